@@ -1,0 +1,66 @@
+"""Attention backend contract: paged KV cache layout, per-step metadata, and the backend interface.
+
+KV cache layout (one tensor per attention layer):
+    kv_cache: (2, num_blocks, block_size, num_kv_heads, head_dim)   [0] = K, [1] = V
+Token t of a request lives in block `block_table[t // block_size]` at offset `t % block_size`;
+its flat slot is `block * block_size + offset` (slot_mapping). A slot of -1 means "do not write"
+(padding rows of a CUDA-graph batch).
+
+One step's batch is a flat list of tokens: request i owns rows query_start_loc[i]:query_start_loc[i+1]
+and, after this step, has seq_lens[i] tokens of context in its blocks (the new ones included). Its
+query rows are the last (query_len) positions of that context, causally masked.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1], device
+    seq_lens: torch.Tensor  # int32 [num_seqs], device
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], device
+    slot_mapping: torch.Tensor  # int64 [num_tokens], device
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer over the paged cache. Stateless across layers."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: Optional[torch.Tensor] = None,
+        v_scale: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v of this step at meta.slot_mapping, then attend q over each request's context."""
+
+
+def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)]

@@ -1,0 +1,242 @@
+"""Typed configuration: EngineArgs (flat, vLLM flag names) -> frozen EngineConfig (validated).
+
+No behaviour is switched by environment variables; every knob is a field here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration the engine cannot run; the message says which flag and why."""
+
+
+_DTYPES = {
+    "half": torch.float16, "float16": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
+}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # path of an HF directory or a .gguf file
+    tokenizer: str
+    served_model_name: str
+    dtype: torch.dtype
+    max_model_len: int
+    hf_config: Any  # transformers.PretrainedConfig
+    trust_remote_code: bool = False
+    seed: int = 0
+    generation_config: str = "auto"
+    chat_template: Optional[str] = None
+    language_model_only: bool = False
+
+    @property
+    def architecture(self) -> str:
+        return getattr(self.hf_config, "model_type", "unknown")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: Optional[int] = None
+    cpu_kv_cache_bytes: int = 2 << 30
+    mamba_block_size: Optional[int] = None
+    mamba_cache_mode: str = "align"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    async_scheduling: bool = True
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device
+    compat: str = "none"  # none | sm70 | sm75 : the route for GPUs without native bf16/fp8
+    enforce_eager: bool = False
+    attention_backend: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: Optional[dict] = None
+    quantization: Optional[str] = None
+
+
+@dataclass
+class EngineArgs:
+    """Flat arguments, one per CLI flag (vLLM names with '-' for '_')."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    trust_remote_code: bool = False
+    kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    attention_backend: Optional[str] = None
+    tensor_parallel_size: int = 1
+    quantization: Optional[str] = None
+    speculative_config: Optional[Any] = None
+    generation_config: str = "auto"
+    chat_template: Optional[str] = None
+    device: str = "auto"
+    compat: str = "auto"
+    num_gpu_blocks_override: Optional[int] = None
+    mamba_block_size: Optional[int] = None
+    mamba_cache_mode: str = "align"
+    language_model_only: bool = False
+    async_scheduling: bool = True
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        from voltllm.model.loader import load_hf_config, resolve_model
+
+        source = resolve_model(self.model)
+        hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
+        device = _resolve_device(self.device)
+        compat = _resolve_compat(self.compat, device)
+        dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
+
+        derived_max = _max_positions(hf_config)
+        max_model_len = self.max_model_len or derived_max
+        if max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}")
+        if max_model_len > derived_max:
+            raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
+                              f"({derived_max} positions in its config)")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ConfigError("--kv-cache-dtype fp8 is not built yet (see the SM70/FP8 issue); use auto")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not built yet; use 1")
+        if self.quantization not in (None, "gguf"):
+            raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet")
+        spec = _parse_json_arg("--speculative-config", self.speculative_config)
+        if spec:
+            raise ConfigError("--speculative-config: speculative decoding is not built yet")
+        batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        if batched < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
+
+        model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
+        model = ModelConfig(
+            model=source.path, tokenizer=self.tokenizer or source.tokenizer_path, served_model_name=model_name,
+            dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
+            trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
+            chat_template=self.chat_template, language_model_only=self.language_model_only)
+        cache = CacheConfig(
+            block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=self.kv_cache_dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
+            mamba_cache_mode=self.mamba_cache_mode)
+        sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
+                                max_model_len=max_model_len, async_scheduling=self.async_scheduling)
+        dev = DeviceConfig(device=device, compat=compat, enforce_eager=self.enforce_eager,
+                           attention_backend=self.attention_backend)
+        return EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
+                            parallel=ParallelConfig(self.tensor_parallel_size), speculative=spec,
+                            quantization=self.quantization)
+
+
+def _parse_json_arg(flag: str, value: Any) -> Optional[dict]:
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} must be a JSON object: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA GPU is visible")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+    return torch.device(device)
+
+
+def _resolve_compat(compat: str, device: torch.device) -> str:
+    if compat not in ("auto", "none", "sm70", "sm75"):
+        raise ConfigError(f"--compat must be auto, none, sm70 or sm75, got {compat!r}")
+    if compat != "auto":
+        return compat
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return "sm70" if major == 7 and minor < 5 else "sm75"
+    return "none"
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: torch.device, compat: str) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # half types are slow and imprecise on CPUs
+        if compat != "none":
+            return torch.float16
+        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(cfg, str):
+            cfg = _DTYPES.get(cfg)
+        return cfg if cfg in (torch.float16, torch.bfloat16) else torch.float16
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype must be auto, half, float16, bfloat16 or float32, got {dtype!r}")
+    resolved = _DTYPES[dtype]
+    if resolved == torch.bfloat16 and compat != "none":
+        raise ConfigError(f"--dtype bfloat16 is not supported on the {compat} route (no native bf16); use half")
+    return resolved
+
+
+def _max_positions(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    text = getattr(hf_config, "text_config", None)
+    if text is not None:
+        return _max_positions(text)
+    return 4096

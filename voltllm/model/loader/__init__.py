@@ -1,0 +1,78 @@
+"""Model sources: Hugging Face directories (config.json + safetensors + tokenizer) and GGUF files.
+
+Everything downstream sees one shape: a transformers config, a tokenizer, and an iterator of
+(HF parameter name, tensor) pairs, whatever the file format.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+class ModelLoadError(ValueError):
+    """The model path is missing, unreadable or of an unsupported kind."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str  # directory or .gguf file
+    kind: str  # "hf" | "gguf"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.path
+
+
+def resolve_model(model: Optional[str]) -> ModelSource:
+    """Turn a --model value into a source; None means the embedded default model."""
+    if model is None:
+        from voltllm.model.loader.default_model import ensure_default_model
+
+        model = ensure_default_model()
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"model file {model!r} is not a .gguf file")
+        return ModelSource(path=path, kind="gguf")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return ModelSource(path=path, kind="hf")
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path=os.path.join(path, ggufs[0]), kind="gguf")
+        raise ModelLoadError(f"model directory {model!r} has no config.json (nor exactly one .gguf file)")
+    raise ModelLoadError(f"model {model!r} not found: give a local Hugging Face directory or a .gguf file "
+                         "(this engine does not download from a model hub)")
+
+
+def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
+    if source.kind == "gguf":
+        from voltllm.model.loader.gguf_loader import gguf_config
+
+        return gguf_config(source.path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype."""
+    if source.kind == "gguf":
+        from voltllm.model.loader.gguf_loader import gguf_weights
+
+        yield from gguf_weights(source.path, hf_config)
+    else:
+        from voltllm.model.loader.safetensors_loader import safetensors_weights
+
+        yield from safetensors_weights(source.path)

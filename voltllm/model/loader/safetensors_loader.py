@@ -1,0 +1,27 @@
+"""Weights from a Hugging Face directory of .safetensors files (or a legacy pytorch_model.bin)."""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Iterator
+
+import torch
+
+
+def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        bins = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+        if not bins:
+            from voltllm.model.loader import ModelLoadError
+
+            raise ModelLoadError(f"no .safetensors (or pytorch_model.bin) weights in {path}")
+        for b in bins:
+            yield from torch.load(b, map_location="cpu", weights_only=True).items()
+        return
+    for f in files:
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
