@@ -1,0 +1,51 @@
+"""Messages that cross the engine-core boundary (in-process or over ZMQ): plain, serializable records."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from voltllm.sampling.params import SamplingParams
+
+# One position's logprobs: {token_id: logprob}, holding the top-k and the chosen token.
+PositionLogprobs = dict[int, float]
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    cache_salt: Optional[str] = None  # keeps prefix-cache sharing within one tenant
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" (None while running)
+    stop_reason: Union[int, str, None] = None  # the stop token id that ended it, if any
+    new_logprobs: Optional[list[PositionLogprobs]] = None  # one per new token
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None  # sent once, first entry None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # engine-side timestamps (time.monotonic() of the engine process; differences are meaningful)
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    scheduled_time: Optional[float] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
+    num_preemptions: int = 0
+    num_blocks: int = 0
+    step_counter: int = 0
+    extra: dict = field(default_factory=dict)
