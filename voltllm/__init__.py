@@ -1,0 +1,17 @@
+"""voltllm: an OpenAI-compatible LLM inference engine, fast on GPUs without native BF16/FP8 (V100)."""
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
+    if name == "LLM":
+        from voltllm.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from voltllm.sampling.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "__version__"]

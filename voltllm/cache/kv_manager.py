@@ -1,0 +1,94 @@
+"""KV cache manager: which blocks each request holds, prefix-cache lookups, allocation per step."""
+from __future__ import annotations
+
+from typing import Optional
+
+from voltllm.cache.block_pool import Block, BlockPool
+from voltllm.cache.prefix import extend_block_hashes
+from voltllm.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already put in the hash map
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _update_hashes(self, req: Request) -> None:
+        if self.enable_caching:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of the request (at least one token is always left to compute)."""
+        if not self.enable_caching or req.wants_prompt_logprobs:
+            return [], 0
+        self._update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[list[Block]] = None) -> Optional[list[Block]]:
+        """Make room for num_new_tokens more tokens; None (and nothing changed) if blocks run out."""
+        new_computed_blocks = new_computed_blocks or []
+        held = self.req_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        need = -(-total // self.block_size) - len(held) - len(new_computed_blocks)
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(need, 0) + evictable_hits > self.pool.num_free_blocks:
+            return None
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        new = self.pool.get_new_blocks(need) if need > 0 else []
+        blocks.extend(new)
+        self._cache_full_blocks(req, min(total, req.num_tokens))
+        return new
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Register blocks that will be full (with known tokens) after this step."""
+        if not self.enable_caching:
+            return
+        self._update_hashes(req)
+        blocks = self.req_blocks[req.request_id]
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        end = min(num_tokens // self.block_size, len(req.block_hashes))
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        if end > start:
+            self.num_cached_blocks[req.request_id] = end
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.pool.free_blocks(reversed(blocks))  # tail blocks are evicted first
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, [])]
+
+    def check_integrity(self) -> None:
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        self.pool.check_integrity(refs)

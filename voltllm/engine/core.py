@@ -1,0 +1,82 @@
+"""EngineCore: add/abort requests; step() = schedule -> execute -> update. No tokenizer, no text.
+
+It runs in the caller's process (offline LLM, tests) or in its own process behind the API server.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from voltllm.cache.kv_manager import KVCacheManager
+from voltllm.config import EngineConfig
+from voltllm.engine.request import Request
+from voltllm.engine.scheduler import RunnerOutput, Scheduler
+from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from voltllm.worker.runner import ModelRunner
+
+logger = logging.getLogger("voltllm")
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot take (empty, too long, bad token ids); becomes an HTTP 400."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None):
+        self.config = config
+        torch.manual_seed(config.model.seed)
+        self.runner = ModelRunner(config, model)
+        num_blocks = self.runner.initialize_kv_cache()
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.vocab_size = int(config.model.hf_config.vocab_size)
+        self.max_model_len = config.model.max_model_len
+
+    def validate(self, req: EngineCoreRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, at or over the maximum context length ({self.max_model_len}); "
+                "shorten it or raise --max-model-len")
+        sp = req.sampling_params
+        if sp.max_tokens is not None and n + sp.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate)")
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if req.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already running")
+        if sp.logprobs is not None and sp.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({self.vocab_size})")
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.validate(req)
+        r = Request(req, self.max_model_len)
+        if req.sampling_params.seed is not None:
+            r.generator = torch.Generator(device=self.runner.device).manual_seed(req.sampling_params.seed)
+        self.scheduler.add_request(r)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return self.scheduler.update(sched, RunnerOutput())
+        result = self.runner.execute(sched)
+        return self.scheduler.update(sched, result)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+

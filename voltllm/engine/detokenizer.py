@@ -1,0 +1,57 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded over a small sliding window of ids (prefix offset .. end) so each new token costs O(1)
+work and multi-byte characters split across tokens are only emitted once complete (a window that
+decodes to a trailing U+FFFD waits for the next token).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])  # a little context for leading-space handling
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = list(stop)
+        self.include_stop = include_stop_str_in_output
+        self.stop_holdback = max((len(s) for s in self.stop), default=1) - 1
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add(self, token_ids: Sequence[int]) -> Optional[str]:
+        """Append tokens; return the stop string that matched (text then ends there), else None."""
+        for tid in token_ids:
+            self.ids.append(tid)
+            prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+                new = full[len(prefix_text):]
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+                matched = self._append_checking_stop(new)
+                if matched is not None:
+                    return matched
+        return None
+
+    def _append_checking_stop(self, new: str) -> Optional[str]:
+        start = max(len(self.text) - self.stop_holdback, 0)
+        self.text += new
+        hits = [(idx, s) for s in self.stop if (idx := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        idx, s = min(hits)  # the earliest stop string wins
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+        return s
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show now: while running, hold back what could be the start of a stop string."""
+        if finished or not self.stop or self.stop_holdback == 0:
+            return self.text
+        return self.text[: max(len(self.text) - self.stop_holdback, 0)]

@@ -1,0 +1,188 @@
+"""The text side of the engine, in the caller's (API) process: tokenize, fan out n > 1, detokenize,
+stop strings, logprob decoding, and RequestOutput assembly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from voltllm.engine.detokenizer import IncrementalDetokenizer
+from voltllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, PositionLogprobs
+from voltllm.sampling.params import SamplingParams
+
+PromptType = Union[str, Sequence[int], dict]
+
+
+class InvalidPromptError(ValueError):
+    pass
+
+
+def eos_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and, when present, the checkpoint's generation_config.json."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    path = os.path.join(model_path, "generation_config.json") if os.path.isdir(model_path) else None
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return tuple(sorted(ids))
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+@dataclass
+class _Child:
+    index: int
+    detok: Optional[IncrementalDetokenizer]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    children: dict[str, _Child]
+    metrics: RequestMetrics
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class Frontend:
+    """Turns prompts into EngineCoreRequests and EngineCoreOutputs into RequestOutputs."""
+
+    def __init__(self, tokenizer: Any, model_path: str, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(tokenizer, model_path)
+        self.max_model_len = max_model_len
+        self.states: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidPromptError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if any(not isinstance(t, int) for t in ids):
+            raise InvalidPromptError("a token-id prompt must be a list of integers")
+        return None, ids
+
+    def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                      cache_salt: Optional[str] = None) -> list[EngineCoreRequest]:
+        if request_id in self.states:
+            raise InvalidPromptError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidPromptError("the prompt is empty")
+        params = params.clone(_eos_token_ids=self.eos_ids)
+        now = time.monotonic()
+        children: dict[str, _Child] = {}
+        reqs = []
+        for i in range(params.n):
+            cid = child_id(request_id, i, params.n)
+            # each child of a seeded request gets its own stream: seed + index
+            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                               params.include_stop_str_in_output)
+            children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
+                                   cumulative_logprob=0.0 if params.logprobs is not None else None)
+            reqs.append(EngineCoreRequest(cid, ids, child_params, arrival_time=now, cache_salt=cache_salt))
+        self.states[request_id] = _RequestState(request_id, text, ids, params, children, RequestMetrics(now))
+        for cid in children:
+            self.child_to_parent[cid] = request_id
+        return reqs
+
+    def child_ids(self, request_id: str) -> list[str]:
+        st = self.states.get(request_id)
+        return list(st.children) if st else []
+
+    def forget(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        if st:
+            for cid in st.children:
+                self.child_to_parent.pop(cid, None)
+
+    # -- outputs --------------------------------------------------------------------------------
+    def _decode_logprobs(self, lp: PositionLogprobs) -> dict[int, Logprob]:
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])
+        return {tid: Logprob(v, rank=r + 1, decoded_token=self.tokenizer.decode([tid]))
+                for r, (tid, v) in enumerate(ranked)}
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns updated RequestOutputs (one per touched parent) and child ids to abort (stop strings)."""
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            parent = self.child_to_parent.get(out.request_id)
+            if parent is None:
+                continue
+            st = self.states[parent]
+            child = st.children[out.request_id]
+            if child.finish_reason is not None:
+                continue
+            st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = [None if p is None else self._decode_logprobs(p) for p in out.prompt_logprobs]
+            if out.first_token_time is not None and st.metrics.first_token_time is None:
+                st.metrics.first_token_time = time.monotonic()
+            child.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs and child.logprobs is not None:
+                for tid, lp in zip(out.new_token_ids, out.new_logprobs):
+                    child.logprobs.append(self._decode_logprobs(lp))
+                    child.cumulative_logprob += lp[tid]
+            if child.detok is not None and out.new_token_ids:
+                matched = child.detok.add(out.new_token_ids)
+                if matched is not None and out.finish_reason is None:
+                    child.finish_reason, child.stop_reason = "stop", matched
+                    to_abort.append(out.request_id)
+                elif matched is not None:
+                    child.finish_reason, child.stop_reason = "stop", matched
+            if child.finish_reason is None and out.finish_reason is not None:
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            st.metrics.last_token_time = time.monotonic()
+            touched[parent] = st
+        results = []
+        for st in touched.values():
+            results.append(self._build(st))
+            if st.finished:
+                st.metrics.finished_time = time.monotonic()
+                self.forget(st.request_id)
+        return results, to_abort
+
+    def _build(self, st: _RequestState) -> RequestOutput:
+        comps = []
+        for c in sorted(st.children.values(), key=lambda c: c.index):
+            done = c.finish_reason is not None
+            text = c.detok.visible_text(done) if c.detok else ""
+            comps.append(CompletionOutput(index=c.index, text=text, token_ids=list(c.token_ids),
+                                          cumulative_logprob=c.cumulative_logprob,
+                                          logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_ids,
+                             outputs=comps, finished=st.finished, prompt_logprobs=st.prompt_logprobs,
+                             num_cached_tokens=st.num_cached_tokens, metrics=st.metrics)

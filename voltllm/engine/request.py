@@ -1,0 +1,75 @@
+"""Request state inside the engine core."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from voltllm.engine.types import EngineCoreRequest, PositionLogprobs
+from voltllm.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """A request's tokens and how many of them have KV in the cache (num_computed_tokens).
+
+    The scheduler's one rule: each step, computed tokens catch up with all_token_ids.
+    """
+
+    def __init__(self, req: EngineCoreRequest, max_model_len: int):
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.sampling_params: SamplingParams = req.sampling_params
+        self.arrival_time = req.arrival_time or time.monotonic()
+        self.cache_salt = req.cache_salt
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling (-1: not yet)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int] = None
+        self.block_hashes: list[bytes] = []
+        self.spec_token_ids: list[int] = []  # seam for speculative decoding
+        sp = self.sampling_params
+        room = max_model_len - self.num_prompt_tokens
+        self.max_tokens = min(sp.max_tokens, room) if sp.max_tokens is not None else room
+        self.generator: Optional[torch.Generator] = None
+        self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
+        self.new_logprobs: list[PositionLogprobs] = []
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.scheduled_time: Optional[float] = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,215 @@
+"""Token-budget scheduler with one rule: each request's computed tokens catch up with its tokens.
+
+Prefill, chunked prefill, prefix-cache hits and decode are all "compute the next k tokens of this
+request". Running requests go first (oldest first); waiting ones are admitted while the token budget,
+--max-num-seqs and free blocks allow. When blocks run out, the newest running request is preempted:
+its blocks are freed and it is recomputed later from its tokens (prompt + output so far), so its
+output is the same as if it had never been preempted.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from voltllm.cache.kv_manager import KVCacheManager
+from voltllm.config import SchedulerConfig
+from voltllm.engine.request import Request, RequestStatus
+from voltllm.engine.types import EngineCoreOutput, PositionLogprobs, SchedulerStats
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # num_computed_tokens before this step
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the request's known tokens (so a token is sampled)."""
+        return self.start + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner returns for one step, keyed by request id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.step_counter = 0
+        self._aborted_outputs: list[EngineCoreOutput] = []
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._aborted_outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        preempted_now = False
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self.kv.allocate_slots(req, num_new) is not None:
+                    self._add(out, req, num_new)
+                    scheduled_ids.add(req.request_id)
+                    budget -= num_new
+                    i += 1
+                    break
+                victim = self.running[-1]
+                if victim.request_id in scheduled_ids:
+                    raise RuntimeError("KV cache too small to run even one request at --max-model-len; "
+                                       "raise the KV memory or lower --max-model-len")
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted_now:
+            req = self.waiting[0]
+            hit_blocks, num_hit = ([], 0)
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
+                if not self.running:
+                    need = -(-req.num_tokens // self.kv.block_size)
+                    if need > self.kv.num_blocks:
+                        # can never fit: fail it rather than wait forever
+                        self.waiting.popleft()
+                        self._finish(req, RequestStatus.FINISHED_ABORTED)
+                        self._aborted_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort",
+                                                                      stop_reason="kv cache too small"))
+                        continue
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens += num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            self.running.append(req)
+            self._add(out, req, num_new)
+            budget -= num_new
+        self.step_counter += 1
+        return out
+
+    def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, self.kv.block_ids(req)))
+        out.total_tokens += num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- results --------------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        now = time.monotonic()
+        outputs = self._aborted_outputs
+        self._aborted_outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.status.finished or req.request_id not in self.requests:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            plp = result.prompt_logprobs.get(req.request_id)
+            if plp:  # entries for prompt tokens start+1, start+2, ...; keep only ones not seen before
+                req.prompt_logprobs.extend(plp[len(req.prompt_logprobs) - s.start:])
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            lp = result.logprobs.get(req.request_id)
+            status = self._check_stop(req, token)
+            out = EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[token],
+                new_logprobs=[lp] if lp is not None else None,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                first_token_time=req.first_token_time, last_token_time=now, scheduled_time=req.scheduled_time)
+            if req.num_output_tokens == 1 and req.wants_prompt_logprobs:
+                out.prompt_logprobs = [None] + req.prompt_logprobs[: req.num_prompt_tokens - 1]
+            if status is not None:
+                out.finish_reason = status.value
+                out.stop_reason = req.stop_reason
+                self._finish(req, status)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in sp._eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions, num_blocks=self.kv.num_blocks, step_counter=self.step_counter)

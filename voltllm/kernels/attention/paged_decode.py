@@ -1,0 +1,261 @@
+"""Paged decode attention: one query row per sequence, GQA, optional split-KV ("flash-decoding").
+
+Grid: (num_seqs, num_kv_heads, num_splits). One program loads the q heads of one kv-head group
+(GROUP = num_heads // num_kv_heads rows) and streams its slice of the context once, so each KV tile is
+read once per group. Online softmax in fp32 (base-2 exponent). With num_splits > 1 each program covers
+a contiguous, BLOCK_N-aligned slice of its sequence's context (the slice size is computed in the kernel
+from the actual seq_len, so a split count sized for a longer bound only leaves trailing programs empty)
+and writes a normalized partial output + log-sum-exp to fp32 scratch; `_decode_reduce_kernel` combines
+them. Empty partitions write lse = -inf and a zero vector, which the reduction weights by 0.
+
+Two inner products:
+  USE_DOT=True : tl.dot over a [BLOCK_G>=16, D] tile of q heads (tensor cores on sm_80+).
+  USE_DOT=False: broadcast-multiply + sum in fp32 (CUDA-core FMA): for sm_70/sm_75, where tl.dot is
+                 FMA anyway and padding the group to 16 rows would waste 16/GROUP of the work.
+Reference: voltllm.attention.torch_ref (gather_kv + attend_one).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.registry import CompileSpec, register_kernel
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+    stride_bt,
+    num_splits,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + seq)
+    q_start = tl.load(QueryStartLoc + seq)
+    q_end = tl.load(QueryStartLoc + seq + 1)
+    has_row = q_end > q_start
+    q_row = tl.maximum(q_end - 1, 0).to(tl.int64)
+
+    # this program's slice of the context (BLOCK_N aligned; may be empty)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    end = tl.where(has_row, end, 0)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :] & has_row, other=0.0)
+    if not USE_DOT:
+        q = q.to(tl.float32) * qk_scale
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    n = tl.arange(0, BLOCK_N)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    head_off = kvh * stride_c_head
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + n
+        n_mask = pos < end
+        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KV + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * qk_scale
+        else:
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if SPLIT:
+        # scratch: PartO [num_seqs, num_heads, num_splits, HEAD_DIM], PartLse [num_seqs, num_heads, num_splits]
+        num_heads = tl.num_programs(1) * GROUP
+        row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + row, lse, mask=g_mask)
+        tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        tl.store(Out + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :] & has_row)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    Out, PartO, PartLse, QueryStartLoc,
+    stride_ot, stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    q_start = tl.load(QueryStartLoc + seq)
+    q_end = tl.load(QueryStartLoc + seq + 1)
+    has_row = q_end > q_start
+    q_row = tl.maximum(q_end - 1, 0).to(tl.int64)
+
+    base = (seq.to(tl.int64) * num_heads + head) * num_splits
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(PartLse + base + s, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_D], tl.float32)
+    for i in range(0, num_splits):
+        w = tl.exp2(tl.load(PartLse + base + i) - m)
+        o = tl.load(PartO + (base + i) * HEAD_DIM + d, mask=d_mask, other=0.0)
+        acc += w * o
+        den += w
+    out = acc / tl.where(den > 0.0, den, 1.0)  # all-empty (seq_len 0): zeros
+    tl.store(Out + q_row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty),
+             mask=d_mask & has_row)
+
+
+def _specs():
+    decode, reduce = [], []
+    for d in (64, 128, 256):
+        for use_dot in (False, True):
+            sig = {"Q": "*fp16", "KV": "*fp16", "Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32",
+                   "BlockTables": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32", "qk_scale": "fp32",
+                   "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                   "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32",
+                   "stride_c_head": "i32", "stride_bt": "i32", "num_splits": "i32",
+                   "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
+                   "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
+                   "USE_DOT": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr"}
+            block_g = 16 if use_dot else 4
+            decode.append(CompileSpec(signature=sig, constexprs={
+                "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
+                "BLOCK_N": _default_block_n(d, block_g, use_dot), "PAGE": 16,
+                "USE_DOT": use_dot, "SPLIT": True, "IEEE": False}, label=f"fp16 d{d} gqa4 dot={use_dot}"))
+        rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
+                "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
+                "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr"}
+        reduce.append(CompileSpec(signature=rsig, constexprs={"HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 32},
+                                  label=f"fp16 d{d}"))
+    return decode, reduce
+
+
+def _default_block_n(block_d: int, block_g: int, use_dot: bool) -> int:
+    if use_dot:
+        return 64 if block_d <= 128 else 32
+    # keep the [BLOCK_G, BLOCK_N, BLOCK_D] broadcast product near 8K fp32 values per program
+    return max(8, min(64, 8192 // (block_g * block_d)))
+
+
+_decode_specs, _reduce_specs = _specs()
+register_kernel("attention.paged_decode", _paged_decode_kernel, _decode_specs, compat=True)
+register_kernel("attention.paged_decode_reduce", _decode_reduce_kernel, _reduce_specs, compat=True)
+
+
+# --- host side ---------------------------------------------------------------------------------
+
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      waves: int = 2) -> int:
+    """Split count so that num_seqs * num_kv_heads * splits fills ~`waves` programs per SM, while
+    each split keeps at least MIN_TOKENS_PER_SPLIT tokens of the longest context."""
+    base = max(1, num_seqs * num_kv_heads)
+    want = triton.cdiv(waves * num_sms, base)
+    cap = max(1, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
+    return int(max(1, min(want, cap, MAX_SPLITS)))
+
+
+def decode_scratch_numel(num_seqs: int, num_heads: int, num_splits: int, head_dim: int) -> tuple[int, int]:
+    """(fp32 elements of partial outputs, fp32 elements of partial lse) for one split-KV launch."""
+    rows = num_seqs * num_heads * num_splits
+    return rows * head_dim, rows
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int = 1,
+                 part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
+                 use_dot: bool = True, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
+
+    q/out: [T, num_heads, head_dim] (last dim contiguous). Sequences with an empty query range write
+    nothing. With num_splits > 1, part_o / part_lse are fp32 scratch buffers with at least
+    decode_scratch_numel(...) elements.
+    """
+    num_seqs = seq_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    if block_n is None:
+        block_n = _default_block_n(block_d, block_g, use_dot)
+    split = num_splits > 1
+    if split:
+        need_o, need_l = decode_scratch_numel(num_seqs, num_heads, num_splits, head_dim)
+        assert part_o is not None and part_lse is not None
+        assert part_o.numel() >= need_o and part_lse.numel() >= need_l
+        assert part_o.dtype == torch.float32 and part_lse.dtype == torch.float32
+    else:
+        part_o = part_lse = out  # unused
+    ieee = q.dtype == torch.float32
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, kv_cache, out, part_o, part_lse, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        num_splits,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        PAGE=kv_cache.shape[2], USE_DOT=use_dot, SPLIT=split, IEEE=ieee,
+        num_warps=num_warps,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_o, part_lse, query_start_loc,
+            out.stride(0), out.stride(1),
+            num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=1 if block_d <= 64 else 2,
+        )
+    return out

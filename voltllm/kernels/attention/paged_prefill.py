@@ -1,0 +1,188 @@
+"""Varlen causal prefill attention over the paged KV cache (chunked prefill, prefix hits, mixed batches).
+
+Each sequence i owns query rows query_start_loc[i]:query_start_loc[i+1] (length Lq) and has seq_lens[i]
+tokens (L) of context in the cache, this step's rows included (kv_write ran first). Query row j sits at
+position L - Lq + j and attends to cache positions 0..L-Lq+j.
+
+Grid: (query tiles, num_seqs, num_kv_heads). A program's BLOCK_M rows pack ROWS query rows x GROUP q
+heads of one kv-head group (row r = query offset r // GROUP, head r % GROUP), so every K/V tile is read
+once per group and decode rows (Lq = 1) still fill GROUP rows of the tile. Flash-attention style tiles:
+S = Q K^T with tl.dot, online softmax in fp32 (base 2), acc += P V with tl.dot. The KV loop runs in two
+parts: tiles entirely below the tile's first query position (no mask) and the diagonal tiles (causal +
+bounds mask). Reference: voltllm.attention.torch_ref (gather_kv + attend_one).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.registry import CompileSpec, register_kernel
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_tile(q, KV, bt_row, pos, kv_mask_n, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
+               PAGE: tl.constexpr, IEEE: tl.constexpr):
+    blk = tl.load(bt_row + pos // PAGE, mask=kv_mask_n, other=0).to(tl.int64)
+    tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+    m2 = kv_mask_n[:, None] & d_mask[None, :]
+    k = tl.load(KV + tok_off[:, None] + d[None, :], mask=m2, other=0.0)
+    v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=m2, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s, v
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q, KV, Out, BlockTables, SeqLens, QueryStartLoc,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+    stride_bt,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + seq)
+    q_start = tl.load(QueryStartLoc + seq)
+    q_len = tl.load(QueryStartLoc + seq + 1) - q_start
+    prefix = seq_len - q_len
+    tile_q0 = tile * ROWS
+    active = tile_q0 < q_len
+
+    r = tl.arange(0, BLOCK_M)
+    q_off = tile_q0 + r // GROUP
+    heads = kvh * GROUP + r % GROUP
+    row_mask = (r < ROWS * GROUP) & (q_off < q_len)
+    q_pos = prefix + q_off
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + q_off).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # keys [0, lo) are visible to every row of the tile; keys [lo, hi) need the causal mask
+    first_pos = prefix + tile_q0
+    last_pos = tl.minimum(first_pos + ROWS - 1, seq_len - 1)
+    lo = tl.where(active, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
+    hi = tl.where(active, last_pos + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    head_off = kvh * stride_c_head
+
+    for n0 in range(0, lo, BLOCK_N):
+        pos = n0 + n
+        s, v = _attn_tile(q, KV, bt_row, pos, pos < hi, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
+                          head_off, PAGE, IEEE)
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + n
+        n_mask = pos < hi
+        s, v = _attn_tile(q, KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
+                          head_off, PAGE, IEEE)
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row can only be fully masked in a tile after it has seen key 0, so m_new is finite
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_config(head_dim: int, group: int, max_query_len: int, capability: tuple[int, int] | None = None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for one launch. BLOCK_M shrinks for short query tiles
+    (decode-heavy mixed batches) so padded rows do not dominate."""
+    block_d = triton.next_power_of_2(head_dim)
+    small_smem = capability is not None and capability < (8, 0)
+    max_m = 64 if (block_d > 128 or small_smem) else 128
+    block_m = max(16, min(max_m, triton.next_power_of_2(max(1, max_query_len) * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 32 if (block_d > 128 or small_smem) else 64
+    num_warps = 8 if block_m * block_d >= 128 * 128 else 4
+    num_stages = 2 if (block_d > 128 or small_smem) else 3
+    return block_m, block_n, num_warps, num_stages
+
+
+def _specs():
+    specs = []
+    for d in (64, 128, 256):
+        sig = {"Q": "*fp16", "KV": "*fp16", "Out": "*fp16", "BlockTables": "*i32", "SeqLens": "*i32",
+               "QueryStartLoc": "*i32", "qk_scale": "fp32",
+               "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+               "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32", "stride_c_head": "i32",
+               "stride_bt": "i32",
+               "GROUP": "constexpr", "ROWS": "constexpr", "BLOCK_M": "constexpr", "HEAD_DIM": "constexpr",
+               "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr", "IEEE": "constexpr"}
+        block_m, block_n, _, _ = prefill_config(d, 4, 4096, capability=(7, 0))
+        specs.append(CompileSpec(signature=sig, constexprs={
+            "GROUP": 4, "ROWS": block_m // 4, "BLOCK_M": block_m, "HEAD_DIM": d, "BLOCK_D": d,
+            "BLOCK_N": block_n, "PAGE": 16, "IEEE": False}, label=f"fp16 d{d} gqa4"))
+    return specs
+
+
+register_kernel("attention.paged_prefill", _paged_prefill_kernel, _specs(), compat=True)
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, max_query_len: int,
+                  config: tuple[int, int, int, int] | None = None,
+                  capability: tuple[int, int] | None = None) -> torch.Tensor:
+    """Causal attention of every query row of every sequence over its paged context, into `out`.
+
+    q/out: [T, num_heads, head_dim] (last dim contiguous); max_query_len: host int bound on query lengths
+    (sizes the grid; rows past a sequence's own length are masked)."""
+    num_seqs = seq_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1
+    if num_seqs == 0 or max_query_len <= 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, group, max_query_len, capability)
+    assert block_m >= group and block_m >= 16 and block_n >= 16
+    rows = block_m // group
+    grid = (triton.cdiv(max_query_len, rows), num_seqs, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        q, kv_cache, out, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        GROUP=group, ROWS=rows, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=block_n, PAGE=kv_cache.shape[2], IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

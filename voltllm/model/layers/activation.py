@@ -1,0 +1,8 @@
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]

@@ -1,0 +1,65 @@
+"""Linear layers with a pluggable weight format (the seam for NVFP4 / AWQ / FP8 / GGUF blocks).
+
+A LinearMethod owns how weights are stored and multiplied; layers only know their shapes. Merged
+layers (qkv, gate_up) hold several logical shards in one weight so one GEMM serves them all.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod:
+    """Contract: create the layer's parameters, load a shard into them, and compute y = x W^T + b."""
+
+    def create_weights(self, layer: "Linear", in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def load_shard(self, layer: "Linear", tensor: torch.Tensor, offset: int, size: int) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def create_weights(self, layer, in_features, out_features, dtype):
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def load_shard(self, layer, tensor, offset, size):
+        if tensor.shape != (size, layer.in_features):
+            raise ValueError(f"weight shard of shape {tuple(tensor.shape)}, expected {(size, layer.in_features)}")
+        layer.weight.data[offset:offset + size].copy_(tensor)
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W is the concatenation of `shard_sizes` along the output dim."""
+
+    def __init__(self, in_features: int, shard_sizes: Sequence[int] | int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, method: Optional[LinearMethod] = None):
+        super().__init__()
+        self.shard_sizes = [shard_sizes] if isinstance(shard_sizes, int) else list(shard_sizes)
+        self.in_features = in_features
+        self.out_features = sum(self.shard_sizes)
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, in_features, self.out_features, dtype)
+        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def shard_offset(self, shard: int) -> int:
+        return sum(self.shard_sizes[:shard])
+
+    def load_weight(self, tensor: torch.Tensor, shard: int = 0) -> None:
+        self.method.load_shard(self, tensor, self.shard_offset(shard), self.shard_sizes[shard])
+
+    def load_bias(self, tensor: torch.Tensor, shard: int = 0) -> None:
+        off, size = self.shard_offset(shard), self.shard_sizes[shard]
+        self.bias.data[off:off + size].copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)

@@ -1,0 +1,26 @@
+"""RMSNorm, with the residual add fused in (the residual stream is kept in the norm's input dtype)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in fp32. `offset=1.0` gives the (1 + weight) variant (Qwen3-Next)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size) if offset == 0.0 else torch.zeros(hidden_size))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (xf * (self.weight.float() + self.offset)).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,54 @@
+"""Rotary position embedding (rotate-half layout), any rope type transformers knows, partial rotary."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def inv_freq_for(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope type {params['rope_type']!r} is not supported")
+    return ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: Any, head_dim: int, max_positions: int, rotary_dim: int | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, scale = inv_freq_for(config, self.rotary_dim)
+        t = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq.float())
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [max_pos, rotary_dim / 2]
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (first rotary_dim channels), same dtype."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        xr = x[..., :rd].float()
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if rd == x.shape[-1]:
+            return rotated
+        return torch.cat((rotated, x[..., rd:]), dim=-1)

@@ -1,0 +1,159 @@
+"""GGUF files (llama.cpp's format) as a transformers config plus HF-named float32 tensors.
+
+Supported architectures: llama, qwen2, qwen3 (dense). Every tensor is dequantized with the `gguf`
+package's numpy code (the same code transformers uses), so the weights equal what
+`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the
+compute dtype. Nothing stays quantized.
+
+Two things differ from a Hugging Face checkpoint:
+- ggml lists dims innermost first: a GGUF tensor of shape [in, out] is the torch (out, in) weight.
+- llama.cpp's converter permutes llama-arch q/k projection rows so that RoPE rotates adjacent pairs
+  (x0, x1), (x2, x3), ... instead of HF's halves (x_i, x_{i+d/2}). We undo that here. qwen2/qwen3
+  files use the half-rotation already and are not permuted.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+# GGUF tensor name -> HF parameter name (both without the .weight/.bias suffix).
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _reader(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _arch(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    return arch
+
+
+def _f32(value: float) -> float:
+    # GGUF stores floats as float32: 1e-5 comes back as 9.999999747e-06. Keep the shortest decimal
+    # that rounds to the same float32 (1e-05, what the original config.json said); same value in f32.
+    return float(str(np.float32(value)))
+
+
+def gguf_config(path: str) -> Any:
+    """The transformers config (LlamaConfig / Qwen2Config / Qwen3Config) described by a GGUF file's metadata."""
+    reader = _reader(path)
+    arch = _arch(reader)
+    from gguf import GGUFValueType
+
+    meta = {k: f.contents() for k, f in reader.fields.items() if f.types and f.types[0] != GGUFValueType.ARRAY}
+    tensors = {t.name: t for t in reader.tensors}
+
+    def key(name: str, default: Any = KeyError) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is KeyError:
+            raise ValueError(f"GGUF file {path!r} lacks metadata key {arch}.{name}")
+        return value
+
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"GGUF file {path!r} uses per-dimension RoPE frequency factors (rope_freqs, "
+                         "Llama-3.1-style scaling), which this loader does not support")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", None)
+    if head_dim is None:
+        head_dim = key("rope.dimension_count", None) if arch == "llama" else None
+    rope = {"rope_type": "default", "rope_theta": _f32(key("rope.freq_base", 10000.0))}
+    scaling = key("rope.scaling.type", "none")
+    if scaling in ("linear", "yarn"):
+        rope.update(rope_type=scaling, factor=_f32(key("rope.scaling.factor")))
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+    elif scaling != "none":
+        raise ValueError(f"GGUF file {path!r}: RoPE scaling type {scaling!r} is not supported")
+
+    kwargs = dict(
+        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        # the embedding matrix is [hidden, vocab] in ggml order
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=key("attention.head_count_kv", heads),
+        head_dim=head_dim or hidden // heads,
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
+        rope_parameters=rope,
+        max_position_embeddings=key("context_length"),
+        # llama.cpp writes output.weight only when the LM head is not the embedding matrix
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**kwargs)
+
+
+def _hf_name(gguf_name: str) -> Optional[str]:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, rows (0, d/2, 1, d/2+1, ...) back to (0..d-1).
+
+    llama.cpp's converter viewed each head's rows as (2, d/2) and transposed to (d/2, 2); transposing back
+    restores HF's layout. Works for weights (out, in) and biases (out,).
+    """
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def gguf_weights(path: str, hf_config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, float32 CPU tensor) for every tensor in the file, in file order."""
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    arch = _arch(reader)
+    if hf_config is None:
+        hf_config = gguf_config(path)
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            raise ValueError(f"GGUF tensor {t.name!r} in {path!r} has no place in a {arch} model")
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
+            array = array.copy()
+        tensor = torch.from_numpy(array).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute_rope(tensor, hf_config.num_attention_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute_rope(tensor, hf_config.num_key_value_heads)
+        yield name, tensor

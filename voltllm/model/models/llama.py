@@ -1,0 +1,146 @@
+"""Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm) over the paged KV cache."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from voltllm.model.forward_context import ForwardContext
+from voltllm.model.layers.activation import silu_and_mul
+from voltllm.model.layers.linear import Linear
+from voltllm.model.layers.norm import RMSNorm
+from voltllm.model.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding):
+        super().__init__()
+        self.kv_index = kv_index
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False)), dtype=dtype)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
+        self.down_proj = Linear(inter, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, idx: int, dtype: torch.dtype, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, idx, dtype, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, positions, x, residual, ctx):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+# HF name fragment -> (our module attribute, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.rotary = rotary
+
+    # -- what the runner needs to size and lay out the KV cache ---------------------------------
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_heads_and_dim(self) -> tuple[int, int]:
+        a = self.layers[0].self_attn
+        return a.num_kv_heads, a.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.tie else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.tie:
+                continue
+            target, shard = name, 0
+            for frag, (ours, idx) in _STACKED.items():
+                if f".{frag}." in name:
+                    target, shard = name.replace(frag, ours), idx
+                    break
+            module_name, _, kind = target.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, Linear):
+                (module.load_weight if kind == "weight" else module.load_bias)(tensor, shard)
+            elif target in params:
+                if params[target].shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}")
+                params[target].data.copy_(tensor)
+            else:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            loaded.add(f"{target}#{shard}")
+        expected = {f"{n}.weight#{i}" for n, m in self.named_modules() if isinstance(m, Linear)
+                    for i in range(len(m.shard_sizes))}
+        missing = sorted(e for e in expected if e not in loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")

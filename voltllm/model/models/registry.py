@@ -1,0 +1,21 @@
+"""model_type -> model class. A new architecture is a new file plus one line here."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from voltllm.model.models.llama import LlamaForCausalLM
+
+_MODELS = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int) -> torch.nn.Module:
+    arch = getattr(hf_config, "model_type", None)
+    if arch not in _MODELS:
+        raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
+    return _MODELS[arch](hf_config, dtype, max_positions)

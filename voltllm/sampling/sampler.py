@@ -1,0 +1,139 @@
+"""Batched sampler: penalties, min_tokens, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+Order (as vLLM): logprobs of the raw distribution are taken first; then min_tokens masking, penalties,
+greedy argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
+(argmax of p / q with q ~ Exp(1)), so a seeded request draws its q from its own generator and gets the
+same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from voltllm.engine.types import PositionLogprobs
+from voltllm.sampling.params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request for one step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: Optional[torch.Generator]
+
+
+def _pad(lists: list[Sequence[int]], device: torch.device, fill: int) -> torch.Tensor:
+    width = max((len(x) for x in lists), default=0)
+    out = torch.full((len(lists), max(width, 1)), fill, dtype=torch.long)
+    for i, x in enumerate(lists):
+        if x:
+            out[i, : len(x)] = torch.as_tensor(x, dtype=torch.long)
+    return out.to(device, non_blocking=True)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    dev = logits.device
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev, dtype=logits.dtype)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev, dtype=logits.dtype)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev, dtype=logits.dtype)
+    out_ids = _pad([r.output_token_ids for r in rows], dev, vocab)
+    counts = torch.zeros(len(rows), vocab + 1, device=dev, dtype=logits.dtype)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        prompt_ids = _pad([r.prompt_token_ids for r in rows], dev, vocab)
+        seen = torch.zeros(len(rows), vocab + 1, device=dev, dtype=torch.bool)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        penalty = torch.where(seen, rep[:, None], torch.ones_like(logits))
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside top-k, outside the top-p nucleus and below min_p * max prob (to -inf)."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    cum_before = probs.cumsum(dim=-1) - probs
+    remove |= cum_before >= top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
+    remove |= probs < (min_p[:, None] * probs[:, :1])
+    remove[:, 0] = False  # the most likely token always survives
+    masked = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, masked)
+
+
+def compute_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num: list[Optional[int]]
+                     ) -> list[Optional[PositionLogprobs]]:
+    """Top-`num[i]` logprobs plus the sampled token's, per row (None where not asked)."""
+    out: list[Optional[PositionLogprobs]] = [None] * len(num)
+    want = [i for i, n in enumerate(num) if n is not None]
+    if not want:
+        return out
+    k = max(num[i] for i in want)
+    top_vals, top_ids = (raw_logprobs[want].topk(k, dim=-1) if k > 0 else (None, None))
+    chosen = raw_logprobs[want].gather(1, sampled[want, None]).squeeze(1).tolist()
+    tv = top_vals.tolist() if top_vals is not None else None
+    ti = top_ids.tolist() if top_ids is not None else None
+    sampled_list = sampled.tolist()
+    for j, i in enumerate(want):
+        d: PositionLogprobs = {}
+        d[sampled_list[i]] = chosen[j]
+        for t in range(num[i]):
+            d.setdefault(ti[j][t], tv[j][t])
+        out[i] = d
+    return out
+
+
+class Sampler:
+    def __init__(self, default_generator: Optional[torch.Generator] = None):
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
+                 ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
+        logits = logits.float()
+        dev = logits.device
+        num_lp = [r.params.logprobs for r in rows]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
+
+        for i, r in enumerate(rows):  # min_tokens: no stop tokens before the minimum
+            sp = r.params
+            if len(r.output_token_ids) < sp.min_tokens:
+                banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+        if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+               for r in rows):
+            logits = apply_penalties(logits, rows)
+
+        greedy_mask = [r.params.greedy for r in rows]
+        sampled = logits.argmax(dim=-1)
+        if not all(greedy_mask):
+            temp = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
+            scaled = logits / temp[:, None]
+            if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
+                top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+                top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+                min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+                scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+            probs = scaled.softmax(dim=-1)
+            q = torch.empty_like(probs).exponential_(generator=self.default_generator)
+            for i, r in enumerate(rows):  # seeded rows draw from their own generator
+                if r.generator is not None and not greedy_mask[i]:
+                    q[i].exponential_(generator=r.generator)
+            random_tokens = (probs / q).argmax(dim=-1)
+            is_greedy = torch.tensor(greedy_mask, device=dev)
+            sampled = torch.where(is_greedy, sampled, random_tokens)
+
+        logprobs = compute_logprobs(raw_logprobs, sampled, num_lp) if raw_logprobs is not None else [None] * len(rows)
+        return sampled.tolist(), logprobs

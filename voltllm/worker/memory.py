@@ -1,0 +1,55 @@
+"""GPU memory sizing: profile one forward at the configured token budget, give the rest to the KV cache."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+from voltllm.model.forward_context import ForwardContext
+
+logger = logging.getLogger("voltllm")
+
+
+@torch.inference_mode()
+def profile_activation_bytes(runner) -> int:
+    """Peak memory of one forward over --max-num-batched-tokens tokens (one sequence) beyond the weights."""
+    dev = runner.device
+    sc = runner.config.scheduler
+    n = min(sc.max_num_batched_tokens, sc.max_model_len)
+    bs = runner.block_size
+    nblocks = -(-n // bs)
+    heads, dim = runner.model.kv_heads_and_dim
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    caches = make_kv_cache(runner.model.num_attention_layers, nblocks, bs, heads, dim, runner.kv_dtype, dev)
+    cache_bytes = torch.cuda.memory_allocated(dev) - base
+    meta = AttentionMetadata(
+        num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        block_tables=torch.arange(nblocks, dtype=torch.int32, device=dev)[None],
+        slot_mapping=torch.arange(n, dtype=torch.long, device=dev), max_query_len=n, max_seq_len=n,
+        query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+    ids = torch.zeros(n, dtype=torch.long, device=dev)
+    hidden = runner.model(ids, torch.arange(n, device=dev), ForwardContext(meta, caches, runner.backend))
+    runner.model.compute_logits(hidden[-min(n, sc.max_num_seqs):])
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
+    del caches, hidden
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+def kv_budget_bytes(runner, utilization: float) -> int:
+    dev = runner.device
+    free, total = torch.cuda.mem_get_info(dev)
+    activations = profile_activation_bytes(runner)
+    free, total = torch.cuda.mem_get_info(dev)
+    used_by_others_and_weights = total - free
+    reserve = 256 << 20  # CUDA graphs, sampler temporaries, allocator slack
+    budget = int(total * utilization) - used_by_others_and_weights - activations - reserve
+    logger.info("memory: %.2f GiB total, %.2f GiB in use (weights), %.2f GiB activation peak -> %.2f GiB for KV",
+                total / 2**30, used_by_others_and_weights / 2**30, activations / 2**30, max(budget, 0) / 2**30)
+    return max(budget, 0)
