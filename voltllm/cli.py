@@ -1,0 +1,82 @@
+"""`voltllm serve | generate | bench | check` — thin dispatch; each command lives in its own module."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+from typing import Optional
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from voltllm.cli_args import engine_args_from
+    from voltllm.entrypoints.llm import LLM
+    from voltllm.sampling.params import SamplingParams
+
+    ea = engine_args_from(args)
+    llm = LLM(**{k: v for k, v in vars(ea).items()})
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate(args.prompt, params)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from voltllm import __version__
+    from voltllm.cli_args import add_engine_args
+
+    p = argparse.ArgumentParser(prog="voltllm", description="voltllm inference engine")
+    p.add_argument("--version", action="version", version=f"voltllm {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt (offline)")
+    g.add_argument("prompt")
+    g.add_argument("model", nargs="?", default=None, help="model path (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(g)
+    g.set_defaults(func=_generate)
+
+    for name, module, help_ in (
+        ("serve", "voltllm.entrypoints.openai.cli_serve", "OpenAI-compatible HTTP server"),
+        ("bench", "voltllm.bench.cli", "measure decode / prefill / concurrency against the hardware limit"),
+        ("check", "voltllm.check.cli", "acceleration report; --sm70 compiles the compat kernels for sm_70/75"),
+    ):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # its package is absent
+            found = False
+        if not found:
+            continue  # command not built in this version
+        importlib.import_module(module).add_parser(sub, help_)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from voltllm.config import ConfigError
+    from voltllm.model.loader import ModelLoadError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ModelLoadError, ValueError) as e:
+        print(f"voltllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

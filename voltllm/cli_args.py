@@ -1,0 +1,80 @@
+"""Engine flags shared by `voltllm serve | generate | bench` (vLLM names), mapped onto EngineArgs.
+
+A flag whose capability is not built yet is still accepted here; EngineArgs.create_engine_config()
+then refuses it with a message naming the flag, so nothing is silently ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from voltllm.config import KV_CACHE_DTYPES, EngineArgs
+
+
+def _json_object(flag: str):
+    def parse(value: str) -> dict:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {e}") from None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object")
+        return parsed
+    return parse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None, help="model path (same as the positional MODEL)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--quantization", "-q", default=None)
+    g.add_argument("--speculative-config", type=_json_object("--speculative-config"), default=None)
+    g.add_argument("--generation-config", default="auto")
+    g.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--compat", default="auto", choices=["auto", "none", "sm70", "sm75"],
+                   help="force the route for GPUs without native bf16/fp8")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--mamba-block-size", type=int, default=None)
+    g.add_argument("--mamba-cache-mode", default="align", choices=["align", "none", "all"])
+    g.add_argument("--language-model-only", action="store_true")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    values: dict[str, Any] = {}
+    for name in EngineArgs.field_names():
+        if hasattr(ns, name):
+            values[name] = getattr(ns, name)
+    model = getattr(ns, "model_flag", None) or getattr(ns, "model", None)
+    values["model"] = model
+    if values.get("attention_backend") == "FLASH_ATTN_V100":
+        values["attention_backend"] = "TRITON_ATTN"  # the seed system's name for its V100 kernels
+    if isinstance(values.get("chat_template"), str):
+        values["chat_template"] = load_chat_template(values["chat_template"])
+    return EngineArgs(**values)
+
+
+def load_chat_template(value: str) -> str:
+    import os
+
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
