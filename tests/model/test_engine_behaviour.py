@@ -1,0 +1,122 @@
+"""Offline API behaviour on a tiny model: preemption, sampling features, bad input, outputs' shape."""
+import pytest
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+from voltllm.engine.core import InvalidRequestError
+from voltllm.engine.frontend import InvalidPromptError
+from voltllm.sampling.params import SamplingParamsError
+
+PROMPTS = ["The quick brown fox", "What is the capital of France? The capital of", "Hello world! Voltllm",
+           "0123456789 0123", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny")), "qwen3", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    return LLM(tiny_path, block_size=4, max_num_batched_tokens=32)
+
+
+def test_preemption_gives_identical_outputs(tiny_path, llm):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=40, ignore_eos=True, seed=7)
+    params = [greedy, seeded, greedy, seeded, greedy]
+    free = llm.generate(PROMPTS, params)
+    tight = LLM(tiny_path, block_size=4, max_num_batched_tokens=32, num_gpu_blocks_override=24)
+    constrained = tight.generate(PROMPTS, params)
+    assert tight.engine.stats().num_preemptions > 0
+    for a, b in zip(free, constrained):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    tight.engine.check_integrity()
+    assert tight.engine.kv.usage() == 0.0
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(temperature=1.0, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], p)[0].outputs[0].token_ids
+    batched = llm.generate(PROMPTS, [p] + [SamplingParams(temperature=1.0, max_tokens=25)] * 4)
+    assert batched[0].outputs[0].token_ids == alone
+    other = llm.generate(PROMPTS[0], p.clone(seed=99))[0].outputs[0].token_ids
+    assert other != alone
+
+
+def test_n_logprobs_and_finish_reasons(llm):
+    out = llm.generate(PROMPTS[1], SamplingParams(n=3, temperature=1.0, max_tokens=6, logprobs=3, seed=3))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert c.finish_reason == "length" and len(c.token_ids) == 6
+        assert len(c.logprobs) == 6
+        for tid, pos in zip(c.token_ids, c.logprobs):
+            assert tid in pos and 3 <= len(pos) <= 4
+            assert all(lp.logprob <= 0 for lp in pos.values())
+        assert c.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs)))
+
+
+def test_stop_token_ids_and_strings(llm):
+    base = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    o = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                stop_token_ids=[stop_id]))[0].outputs[0]
+    assert o.token_ids == base.token_ids[: first + 1] and o.finish_reason == "stop" and o.stop_reason == stop_id
+    text = base.text
+    stop = text[5:8]
+    if stop.strip() and "\ufffd" not in stop:
+        o = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))
+        o = o[0].outputs[0]
+        assert o.finish_reason == "stop" and o.stop_reason == stop
+        assert o.text == text[: text.index(stop)]
+    llm.engine.check_integrity()
+
+
+def test_min_tokens_and_eos(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    p = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, stop_token_ids=list(range(0, 400, 2)))
+    o = llm.generate(PROMPTS[0], p)[0].outputs[0]
+    assert len(o.token_ids) == 10 and all(t % 2 == 1 for t in o.token_ids[:-1]) and eos not in o.token_ids[:-1]
+
+
+def test_penalties_change_output(llm):
+    plain = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    rep = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                  repetition_penalty=1.8, frequency_penalty=1.5))[0]
+    assert len(set(rep.outputs[0].token_ids)) >= len(set(plain.outputs[0].token_ids))
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                    dict(n=0), dict(max_tokens=0), dict(min_p=2), dict(logprobs=-1),
+                                    dict(min_tokens=5, max_tokens=2), dict(presence_penalty=3)])
+def test_invalid_sampling_params(kwargs):
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_engine_healthy(llm):
+    with pytest.raises(InvalidPromptError):
+        llm.generate("", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        llm.generate("hello " * 300, SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError):
+        llm.generate("hello", SamplingParams(max_tokens=1000))
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_chat_and_token_prompts(llm):
+    tok = llm.get_tokenizer()
+    out = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=4,
+                                                                         ignore_eos=True))[0]
+    assert out.prompt.startswith("<|im_start|>user\nHello<|im_end|>") and out.prompt.endswith("assistant\n")
+    by_ids = llm.generate({"prompt_token_ids": out.prompt_token_ids},
+                          SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert by_ids.outputs[0].token_ids == out.outputs[0].token_ids
+    assert tok.decode(out.prompt_token_ids) == out.prompt

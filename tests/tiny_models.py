@@ -1,0 +1,57 @@
+"""Tiny random models saved with transformers at test time (no network), with a small BPE tokenizer."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "What is the capital of France? The capital of France is Paris.",
+    "Hello world! Voltllm serves language models on old GPUs, fast. Ünïcödé: héllo wörld, 東京, 🙂",
+    "def add(a, b):\n    return a + b\n",
+    "0123456789 " * 4,
+]
+
+
+def make_tokenizer(path: str, vocab_size: int = 400) -> Any:
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(_CORPUS, vocab_size=vocab_size, min_frequency=1,
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>",
+                                  bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return tok
+
+
+def make_model(path: str, kind: str = "llama", seed: int = 0, std: float = 0.15, **overrides: Any) -> str:
+    """Save a tiny random model of `kind` (llama | qwen2 | qwen3) with a tokenizer under path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
+    tok = make_tokenizer(path)
+    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+              tie_word_embeddings=kind != "qwen3", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+              rms_norm_eps=1e-6)
+    kw.update(overrides)
+    cfg = cls(**kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
