@@ -13,6 +13,8 @@ Two things differ from a Hugging Face checkpoint:
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
 from typing import Any, Iterator, Optional
 
@@ -40,9 +42,17 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def _reader(path: str):
+    # Parsing the header costs seconds (the tokenizer arrays are read element by element), so the usual
+    # gguf_config() then gguf_weights() on one file shares one reader; gguf_weights drops it when done.
+    st = os.stat(path)
+    return _cached_reader(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: str, size: int, mtime_ns: int):
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    return GGUFReader(path, "r")
 
 
 def _arch(reader) -> str:
@@ -157,3 +167,4 @@ def gguf_weights(path: str, hf_config: Any = None) -> Iterator[tuple[str, torch.
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute_rope(tensor, hf_config.num_key_value_heads)
         yield name, tensor
+    _cached_reader.cache_clear()

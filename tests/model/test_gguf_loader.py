@@ -1,0 +1,171 @@
+"""GGUF loading: the real SmolLM2 file against transformers' own GGUF loader, and tiny synthetic
+llama / qwen2 / qwen3 files written here against the HF weights they were made from."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights  # noqa: E402
+
+CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+                 "bos_token_id", "eos_token_id", "model_type")
+
+
+def _assert_config_matches(ours, ref):
+    assert type(ours) is type(ref)
+    for field in CONFIG_FIELDS:
+        default = ref.hidden_size // ref.num_attention_heads if field == "head_dim" else None  # Qwen2Config has none
+        assert getattr(ours, field) == getattr(ref, field, default), field
+    # GGUF keeps floats as float32; compare at that precision
+    assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)
+    assert ours.rope_parameters["rope_theta"] == pytest.approx(ref.rope_parameters["rope_theta"], rel=1e-6)
+    assert ours.rope_parameters["rope_type"] == ref.rope_parameters["rope_type"]
+
+
+def test_smollm2_matches_transformers(smollm2_gguf):
+    pytest.importorskip("accelerate")  # transformers needs it for GGUF loading
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(smollm2_gguf)
+    ref_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    config = gguf_config(smollm2_gguf)
+    _assert_config_matches(config, ref_model.config)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.vocab_size) == ("llama", 30, 576, 9, 3, 64, 49152)
+    assert config.tie_word_embeddings and config.rms_norm_eps == 1e-5
+
+    ref = ref_model.state_dict()
+    ours = dict(gguf_weights(smollm2_gguf, config))
+    assert set(ref) - set(ours) == {"lm_head.weight"}  # tied: transformers' lm_head is the embedding
+    assert set(ours) <= set(ref)
+    for key, tensor in ours.items():
+        assert tensor.dtype == torch.float32, key
+        assert torch.equal(tensor, ref[key]), key
+
+
+# ---- tiny synthetic files -------------------------------------------------------------------------
+
+_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm", "mlp.gate_proj": "ffn_gate",
+                  "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_name(hf_name):
+    module, suffix = hf_name.rsplit(".", 1)
+    if module in _TO_GGUF:
+        return f"{_TO_GGUF[module]}.{suffix}"
+    _, _, layer, rest = module.split(".", 3)
+    return f"blk.{layer}.{_LAYER_TO_GGUF[rest]}.{suffix}"
+
+
+def _interleave_rows(w, n_heads):
+    """What llama.cpp's converter does to llama q/k rows: each head's (first half, second half) rows
+    become (h0[0], h1[0], h0[1], h1[1], ...)."""
+    d = w.shape[0] // n_heads
+    halves = w.reshape(n_heads, 2, d // 2, *w.shape[1:])
+    return np.stack([halves[:, 0], halves[:, 1]], axis=2).reshape(w.shape)
+
+
+def _write_tiny(path, arch, hf_config, state_dict):
+    """Write state_dict as a GGUF the way llama.cpp's converter lays it out; return the expected
+    (HF name -> float32 tensor) after the file's quantization."""
+    c = hf_config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    if arch == "qwen3":  # llama.cpp writes key_length when the config has an explicit head_dim
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim if arch != "qwen2" else c.hidden_size // c.num_attention_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    expected = {}
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy()
+        expected[name] = torch.from_numpy(array.copy())
+        if arch == "llama" and ".q_proj." in name:
+            array = _interleave_rows(array, c.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = _interleave_rows(array, c.num_key_value_heads)
+        if name.endswith("mlp.up_proj.weight"):  # one quantized kind, as in real files
+            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            expected[name] = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy())
+        elif name.endswith("mlp.gate_proj.weight"):
+            w.add_tensor(_gguf_name(name), array.astype(np.float16))
+            expected[name] = torch.from_numpy(array.astype(np.float16).astype(np.float32))
+        else:
+            w.add_tensor(_gguf_name(name), array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def _tiny(arch):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    if arch == "llama":  # untied, GQA
+        config = LlamaConfig(**common, tie_word_embeddings=False)
+    elif arch == "qwen2":  # tied, q/k/v biases
+        config = Qwen2Config(**common, tie_word_embeddings=True)
+    else:  # head_dim != hidden / heads, q/k norms
+        config = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms are ones at init; make them distinguishable
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+    return config, model.state_dict()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_roundtrip(tmp_path, arch):
+    hf_config, state_dict = _tiny(arch)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    expected = _write_tiny(path, arch, hf_config, state_dict)
+
+    config = gguf_config(str(path))
+    _assert_config_matches(config, hf_config)
+    ours = dict(gguf_weights(str(path), config))
+    assert set(ours) == set(expected)
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in ours
+    if arch == "qwen3":
+        assert "model.layers.1.self_attn.k_norm.weight" in ours
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and tensor.shape == state_dict[name].shape, name
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_unsupported_arch(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'gpt2'"):
+        gguf_config(str(path))
+    with pytest.raises(ValueError, match="'gpt2'"):
+        next(gguf_weights(str(path), None))
