@@ -1,0 +1,42 @@
+import pytest
+
+from tiny_models import make_tokenizer
+from voltllm.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.mark.parametrize("text", ["Hello world! 東京 🙂 héllo", "naïve café — ok", "🙂🙂 a"])
+def test_incremental_equals_full_decode(tok, text):
+    prompt = tok.encode("The quick")
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, prompt)
+    seen = []
+    for t in ids:  # one token at a time, as the engine delivers them
+        d.add([t])
+        seen.append(d.text)
+        assert "\ufffd" not in d.text
+    assert d.text == tok.decode(ids)
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+
+
+def test_stop_strings(tok):
+    ids = tok.encode(" capital of France is Paris.")
+    d = IncrementalDetokenizer(tok, [], stop=["France", "is"])
+    matched = None
+    for t in ids:
+        matched = d.add([t])
+        if matched:
+            break
+    assert matched == "France" and d.text == " capital of "
+    d2 = IncrementalDetokenizer(tok, [], stop=["Paris"], include_stop_str_in_output=True)
+    for t in ids:
+        if d2.add([t]):
+            break
+    assert d2.text == " capital of France is Paris"
+    d3 = IncrementalDetokenizer(tok, [], stop=["Paris"])
+    d3.add(ids[:3])
+    assert len(d3.visible_text(False)) == max(len(d3.text) - 4, 0)

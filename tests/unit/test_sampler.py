@@ -1,0 +1,61 @@
+import math
+
+import torch
+
+from voltllm.sampling.params import SamplingParams
+from voltllm.sampling.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p_min_p
+
+
+def _row(**kw):
+    gen = torch.Generator().manual_seed(kw.pop("gen_seed")) if "gen_seed" in kw else None
+    out = kw.pop("out", [])
+    prompt = kw.pop("prompt", [])
+    return SamplingRow(SamplingParams(**kw), prompt, out, gen)
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))
+    keep = lambda **kw: torch.isfinite(apply_top_k_top_p_min_p(  # noqa: E731
+        logits.clone(), torch.tensor([kw.get("k", -1)]), torch.tensor([kw.get("p", 1.0)]),
+        torch.tensor([kw.get("m", 0.0)]))[0]).tolist()
+    assert keep(k=2) == [True, True, False, False]
+    assert keep(p=0.7) == [True, True, False, False]  # 0.5 < 0.7 needs the second token
+    assert keep(p=0.5) == [True, False, False, False]
+    assert keep(m=0.3) == [True, True, True, False]  # 0.10 < 0.3 * 0.5
+    assert keep(p=0.01) == [True, False, False, False]  # the top token always survives
+
+
+def test_penalties_formula():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    row = _row(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, prompt=[0], out=[2, 2])
+    got = apply_penalties(logits.clone(), [row])[0]
+    exp = torch.tensor([2.0 / 2, -1.0, 0.5 / 2 - 0.5 * 2 - 0.25, 1.0])
+    assert torch.allclose(got, exp)
+
+
+def test_seeded_rows_independent_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    s = Sampler()
+    alone, _ = s(logits[:1].clone(), [_row(temperature=1.0, gen_seed=11)])
+    batch, _ = s(logits.clone(), [_row(temperature=1.0, gen_seed=11)] + [_row(temperature=0.7)] * 3)
+    assert batch[0] == alone[0]
+
+
+def test_sampling_follows_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log()[None].repeat(4000, 1)
+    toks, _ = Sampler(torch.Generator().manual_seed(0))(logits, [_row(temperature=1.0)] * 4000)
+    freq = torch.bincount(torch.tensor(toks), minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_greedy_logprobs_and_min_tokens():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    toks, lps = Sampler()(logits.clone(), [_row(temperature=0, logprobs=2)])
+    assert toks == [1]
+    ref = logits.log_softmax(-1)[0]
+    assert set(lps[0]) == {1, 3} and math.isclose(lps[0][1], ref[1].item(), rel_tol=1e-6)
+    row = _row(temperature=0, min_tokens=3, stop_token_ids=[1], out=[5])
+    toks, _ = Sampler()(logits.clone(), [row])
+    assert toks == [3]
