@@ -1,0 +1,169 @@
+"""Gated DeltaNet reference ops (chunked == recurrent, any chunk size / split), conv1d state carry, the varlen
+entry points over a slot pool, the MoE reference, and the StateCache bookkeeping."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from voltllm.kernels import gdn_ref as R
+from voltllm.model.layers.moe import fused_experts_ref, route
+from voltllm.model.state_cache import StateCache
+
+
+def _inputs(L, hk=2, hv=4, dk=16, dv=8, seed=0, decay=0.3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(L, hk, dk, generator=g)
+    k = torch.randn(L, hk, dk, generator=g)
+    v = torch.randn(L, hv, dv, generator=g)
+    gl = -torch.rand(L, hv, generator=g) * decay
+    beta = torch.rand(L, hv, generator=g)
+    s0 = torch.randn(hv, dk, dv, generator=g)
+    return q, k, v, gl, beta, s0
+
+
+@pytest.mark.parametrize("L", [1, 5, 64, 131])
+@pytest.mark.parametrize("chunk", [1, 8, 16, 64])
+def test_chunked_equals_recurrent(L, chunk):
+    q, k, v, g, beta, s0 = _inputs(L, seed=L * 7 + chunk)
+    for init in (None, s0):
+        o_r, s_r = R.recurrent_gated_delta_rule(q, k, v, g, beta, init)
+        o_c, s_c = R.chunk_gated_delta_rule(q, k, v, g, beta, init, chunk_size=chunk)
+        torch.testing.assert_close(o_c, o_r, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(s_c, s_r, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [[0, 1, 2, 100], [0, 37, 38, 100], [0, 64, 100], [0, 3, 70, 99, 100]])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_split_calls_carry_state(splits, chunk):
+    q, k, v, g, beta, s0 = _inputs(100, hk=1, hv=3, seed=len(splits) + chunk)
+    o_full, s_full = R.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    s, outs = s0, []
+    for a, b in zip(splits[:-1], splits[1:]):
+        fn = R.recurrent_gated_delta_rule if b - a == 1 else R.chunk_gated_delta_rule
+        o, s = fn(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs), o_full, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, s_full, atol=2e-5, rtol=1e-4)
+
+
+def test_strong_decay_is_finite_and_matches():
+    q, k, v, g, beta, s0 = _inputs(150, seed=3, decay=60.0)  # exp(sum g) underflows inside a chunk
+    o_r, s_r = R.recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_c, s_c = R.chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=64)
+    assert torch.isfinite(o_c).all() and torch.isfinite(s_c).all()
+    torch.testing.assert_close(o_c, o_r, atol=2e-5, rtol=1e-4)
+
+
+def test_half_inputs_keep_fp32_state():
+    q, k, v, g, beta, s0 = _inputs(40, seed=5)
+    o, s = R.chunk_gated_delta_rule(q.half(), k.half(), v.half(), g, beta, s0, chunk_size=16)
+    assert o.dtype == torch.float16 and s.dtype == torch.float32
+    o_ref, _ = R.recurrent_gated_delta_rule(q.half().float(), k.half().float(), v.half().float(), g, beta, s0)
+    torch.testing.assert_close(o.float(), o_ref, atol=2e-2, rtol=1e-2)
+
+
+def _full_conv(x, w):
+    K = w.shape[1]
+    return F.silu(F.conv1d(x.t()[None], w[:, None], padding=K - 1, groups=x.shape[1])[0, :, :x.shape[0]].t())
+
+
+@pytest.mark.parametrize("splits", [[0, 50], [0, 1, 2, 3, 50], [0, 2, 30, 31, 50], [0, 49, 50]])
+def test_conv1d_state_carry_equals_full_conv(splits):
+    g = torch.Generator().manual_seed(len(splits))
+    x = torch.randn(50, 12, generator=g)
+    w = torch.randn(12, 4, generator=g)
+    ref = _full_conv(x, w)
+    state, outs = None, []
+    for a, b in zip(splits[:-1], splits[1:]):
+        if b - a == 1 and state is not None:
+            o, state = R.causal_conv1d_step(x[a:b], w, None, state[None])
+            state = state[0]
+        else:
+            o, state = R.causal_conv1d(x[a:b], w, None, state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs), ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(state, x[-3:])
+
+
+def test_varlen_entry_points_match_per_request():
+    """Three requests in one flat batch, slots out of order, one without initial state; then a decode batch."""
+    hk, hv, dk, dv, C, K = 2, 4, 8, 8, 10, 4
+    lens = [7, 1, 20]
+    slots = torch.tensor([2, 0, 3])
+    init = torch.tensor([True, False, True])
+    g = torch.Generator().manual_seed(11)
+    conv_pool = torch.randn(4, K - 1, C, generator=g)
+    ssm_pool = torch.randn(4, hv, dk, dv, generator=g)
+    conv0, ssm0 = conv_pool.clone(), ssm_pool.clone()
+    T = sum(lens)
+    x = torch.randn(T + 2, C, generator=g)  # 2 padding rows past the batch
+    w = torch.randn(C, K, generator=g)
+    q, k = torch.randn(T + 2, hk, dk, generator=g), torch.randn(T + 2, hk, dk, generator=g)
+    v = torch.randn(T + 2, hv, dv, generator=g)
+    gl, beta = -torch.rand(T + 2, hv, generator=g), torch.rand(T + 2, hv, generator=g)
+    qsl = [0, 7, 8, 28]
+    y = R.causal_conv1d_varlen(x, w, None, conv_pool, slots, qsl, init)
+    o = R.gated_delta_rule_varlen(q, k, v, gl, beta, ssm_pool, slots, qsl, init, chunk_size=8)
+    assert (y[T:] == 0).all() and (o[T:] == 0).all()
+    for i in range(3):
+        s, e, sl = qsl[i], qsl[i + 1], int(slots[i])
+        yr, cs = R.causal_conv1d(x[s:e], w, None, conv0[sl] if init[i] else None)
+        orr, ss = R.recurrent_gated_delta_rule(q[s:e], k[s:e], v[s:e], gl[s:e], beta[s:e],
+                                               ssm0[sl] if init[i] else None)
+        torch.testing.assert_close(y[s:e], yr)
+        torch.testing.assert_close(conv_pool[sl], cs)
+        torch.testing.assert_close(o[s:e], orr, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(ssm_pool[sl], ss, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(conv_pool[1], conv0[1])  # untouched slot
+    # decode batch through the vectorized path == the general path
+    qsl1, init1 = [0, 1, 2, 3], torch.tensor([True, False, True])
+    pools = [(conv_pool.clone(), ssm_pool.clone()) for _ in range(2)]
+    res = []
+    for (cp, sp), dec in zip(pools, (True, False)):
+        yy = R.causal_conv1d_varlen(x[:3], w, None, cp, slots, qsl1, init1, decode_only=dec)
+        oo = R.gated_delta_rule_varlen(q[:3], k[:3], v[:3], gl[:3], beta[:3], sp, slots, qsl1, init1,
+                                       decode_only=dec)
+        res.append((yy, oo, cp, sp))
+    for a, b in zip(res[0], res[1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_reference_matches_naive_loop():
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, k = 6, 16, 8, 13, 2
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.3
+    w2 = torch.randn(E, H, I, generator=g) * 0.3
+    logits = torch.randn(T, E, generator=g)
+    logits[:, 5] = -1e4  # expert 5 never chosen: skipped
+    for renorm in (True, False):
+        w, ids = route(logits, k, renorm)
+        if renorm:
+            torch.testing.assert_close(w.sum(-1), torch.ones(T))
+        out = fused_experts_ref(x, w13, w2, w, ids)
+        ref = torch.zeros_like(x)
+        for t in range(T):
+            for j in range(k):
+                e = int(ids[t, j])
+                gate, up = (x[t] @ w13[e].t()).chunk(2)
+                ref[t] += w[t, j] * ((F.silu(gate) * up) @ w2[e].t())
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_state_cache_slots():
+    c = StateCache(num_layers=2, num_slots=3, conv_shape=(3, 8), ssm_shape=(2, 4, 4), conv_dtype=torch.float32)
+    a, b = c.allocate("a"), c.allocate("b")
+    assert a != b and c.allocate("a") == a and c.num_free == 1
+    c.allocate("c")
+    with pytest.raises(RuntimeError, match="exhausted"):
+        c.allocate("d")
+    c.check_integrity()
+    c.ssm[1][a].fill_(3.0)
+    c.copy_slot(a, b)
+    assert (c.ssm[1][b] == 3.0).all()
+    c.reset(b)
+    assert (c.ssm[1][b] == 0).all() and (c.ssm[1][a] == 3.0).all()
+    c.free("a")
+    c.free("a")  # no-op
+    assert c.slot_of("a") is None and c.allocate("d") == a
+    c.check_integrity()
+    assert c.ssm[0].dtype == torch.float32 and c.conv[0].shape == (3, 3, 8)

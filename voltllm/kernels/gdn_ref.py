@@ -1,0 +1,204 @@
+"""Plain-PyTorch reference ops of the Gated DeltaNet layer (run anywhere; the CPU path of the engine).
+
+Gated delta rule, per value head h (state S: [Dk, Dv], fp32), for each token t:
+    S   <- exp(g_t) * S                            (gated decay, g_t <= 0)
+    u_t  = beta_t * (v_t - S^T k_t)                (delta: the part of v_t the memory does not predict)
+    S   <- S + k_t u_t^T                           (write)
+    o_t  = S^T q_t                                 (read)
+q and k are L2-normalized and q is scaled by Dk^-0.5 before this (flags below). With Hk key heads and
+Hv = r * Hk value heads, value head h reads key/query head h // r.
+
+Chunked form (prefill): inside a chunk of C tokens starting from state S0, with gamma_t = sum_{s<=t} g_s
+(within the chunk) and D[t, s] = exp(gamma_t - gamma_s) for s <= t, the deltas U solve the unit lower
+triangular system
+    (I + tril_strict(diag(beta) K K^T * D)) U = beta V - (beta exp(gamma) K) S0
+so U = Wv - Wk S0 with Wv, Wk independent of S0 (solved once for all chunks), and
+    O      = (exp(gamma) Q) S0 + ((Q K^T) * D * tril) U
+    S_next = exp(gamma_last) S0 + (K * exp(gamma_last - gamma))^T U
+Only the S0-dependent products run sequentially over chunks. Every exponent is <= 0 (no overflow).
+Any chunk size and any split of a sequence into calls give the same result as the recurrent form.
+
+Causal depthwise conv1d with carried state: out[t, c] = sum_j w[c, j] * xp[t + j, c] where
+xp = concat(state [K-1, C], x [L, C]); the new state is the last K-1 rows of xp.
+
+The *_varlen entry points take the flat token batch of one forward step (request i owns rows
+qsl[i]:qsl[i+1]) and the state pool of one layer indexed by slot; a request without initial state
+(nothing computed before this step) starts from zeros. Triton kernels implement the same entry points.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# ---- causal depthwise conv1d ------------------------------------------------------------------------
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  state: Optional[torch.Tensor], activation: Optional[str] = "silu"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [L, C], weight [C, K], state [K-1, C] or None (zeros) -> (out [L, C], new state [K-1, C])."""
+    L, C = x.shape
+    K = weight.shape[1]
+    if state is None:
+        state = x.new_zeros(K - 1, C)
+    xp = torch.cat([state.to(x.dtype), x], dim=0)  # [K-1+L, C]
+    out = F.conv1d(xp.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=C)[0].t()
+    if activation == "silu":
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    return out.to(x.dtype), xp[L:].clone() if K > 1 else xp[:0].clone()
+
+
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       states: torch.Tensor, activation: Optional[str] = "silu"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B requests: x [B, C], states [B, K-1, C] -> (out [B, C], new states)."""
+    xp = torch.cat([states.to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, K, C]
+    out = (xp.to(weight.dtype) * weight.t().unsqueeze(0)).sum(1)
+    if bias is not None:
+        out = out + bias
+    if activation == "silu":
+        out = F.silu(out)
+    return out.to(x.dtype), xp[:, 1:]
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         conv_states: torch.Tensor, slots: torch.Tensor, qsl: Sequence[int],
+                         has_initial_state: torch.Tensor, activation: Optional[str] = "silu",
+                         decode_only: bool = False) -> torch.Tensor:
+    """Flat batch x [T, C]; conv_states [num_slots, K-1, C] updated in place at `slots` (long [B]).
+    has_initial_state: bool [B]. decode_only: every request has exactly one row (vectorized path)."""
+    out = torch.zeros_like(x)
+    if decode_only:
+        n = len(qsl) - 1
+        st = conv_states.index_select(0, slots)
+        st = torch.where(has_initial_state[:, None, None], st, torch.zeros_like(st))
+        y, new = causal_conv1d_step(x[:n], weight, bias, st, activation)
+        out[:n] = y
+        conv_states.index_copy_(0, slots, new.to(conv_states.dtype))
+        return out
+    init = has_initial_state.tolist()
+    for i in range(len(qsl) - 1):
+        s, e = qsl[i], qsl[i + 1]
+        if e == s:
+            continue
+        slot = int(slots[i])
+        y, new = causal_conv1d(x[s:e], weight, bias, conv_states[slot] if init[i] else None, activation)
+        out[s:e] = y
+        conv_states[slot] = new.to(conv_states.dtype)
+    return out
+
+
+# ---- gated delta rule -------------------------------------------------------------------------------
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
+    """fp32, l2norm + scale, key heads expanded to value heads. Shapes stay token-major [L, H, D]."""
+    hk, hv = k.shape[-2], v.shape[-2]
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=-2)
+        k = k.repeat_interleave(hv // hk, dim=-2)
+    return q, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: Optional[torch.Tensor] = None,
+                               scale: Optional[float] = None, use_qk_l2norm: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token. q, k [L, Hk, Dk]; v [L, Hv, Dv]; g, beta [L, Hv]; state [Hv, Dk, Dv] fp32 or None.
+    Also accepts a leading batch dim on everything (q [B, L, ...], state [B, Hv, Dk, Dv]).
+    Returns (out [.., L, Hv, Dv] in v's dtype, final state fp32)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    L = q.shape[-3]
+    if state is None:
+        state = q.new_zeros(*q.shape[:-3], q.shape[-2], q.shape[-1], v.shape[-1])
+    S = state.float().clone()
+    out = torch.empty_like(v)
+    for t in range(L):
+        qt, kt, vt = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]
+        S = S * g[..., t, :].exp()[..., None, None]
+        pred = (S * kt.unsqueeze(-1)).sum(-2)  # S^T k: [.., H, Dv]
+        u = (vt - pred) * beta[..., t, :].unsqueeze(-1)
+        S = S + kt.unsqueeze(-1) * u.unsqueeze(-2)
+        out[..., t, :, :] = (S * qt.unsqueeze(-1)).sum(-2)
+    return out.to(out_dtype), S
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: Optional[torch.Tensor] = None, chunk_size: int = 64,
+                           scale: Optional[float] = None, use_qk_l2norm: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form for one sequence (any length). Same arguments as the recurrent form, no batch dim."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    L, H, Dk = q.shape
+    Dv = v.shape[-1]
+    C = chunk_size
+    pad = (-L) % C
+    # head-major, padded with zeros: a padded token has g = 0 and beta = 0, so it changes nothing
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (q, k, v))  # [H, L+pad, D]
+    g, beta = (F.pad(t.t(), (0, pad)) for t in (g, beta))  # [H, L+pad]
+    N = (L + pad) // C
+    q, k, v = (t.reshape(H, N, C, -1) for t in (q, k, v))
+    g, beta = g.reshape(H, N, C), beta.reshape(H, N, C)
+
+    gam = g.cumsum(-1)  # [H, N, C]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (gam.unsqueeze(-1) - gam.unsqueeze(-2)).masked_fill(~incl, float("-inf")).exp()  # D[t, s]
+    kb = k * beta.unsqueeze(-1)
+    lower = (kb @ k.transpose(-1, -2)) * decay  # diagonal ignored by the unit-triangular solve
+    egam = gam.exp().unsqueeze(-1)
+    wv = torch.linalg.solve_triangular(lower, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    wk = torch.linalg.solve_triangular(lower, kb * egam, upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay  # inclusive of the diagonal
+    qg = q * egam
+    kd = k * (gam[..., -1:] - gam).exp().unsqueeze(-1)
+    chunk_decay = gam[..., -1].exp()  # [H, N]
+
+    S = q.new_zeros(H, Dk, Dv) if state is None else state.float().clone()
+    out = q.new_empty(H, N, C, Dv)
+    for n in range(N):
+        u = wv[:, n] - wk[:, n] @ S  # [H, C, Dv]
+        out[:, n] = qg[:, n] @ S + attn[:, n] @ u
+        S = S * chunk_decay[:, n, None, None] + kd[:, n].transpose(-1, -2) @ u
+    out = out.reshape(H, N * C, Dv)[:, :L].transpose(0, 1)
+    return out.to(out_dtype), S
+
+
+def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+                            qsl: Sequence[int], has_initial_state: torch.Tensor, decode_only: bool = False,
+                            chunk_size: int = 64, scale: Optional[float] = None,
+                            use_qk_l2norm: bool = True) -> torch.Tensor:
+    """Flat batch: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; ssm_states [num_slots, Hv, Dk, Dv]
+    (fp32) read and written at `slots`. Returns out [T, Hv, Dv] (rows past qsl[-1] are zero)."""
+    out = torch.zeros_like(v)
+    if decode_only:
+        n = len(qsl) - 1
+        st = ssm_states.index_select(0, slots)
+        st = torch.where(has_initial_state[:, None, None, None], st, torch.zeros_like(st))
+        o, new = recurrent_gated_delta_rule(q[:n, None], k[:n, None], v[:n, None], g[:n, None],
+                                            beta[:n, None], st, scale, use_qk_l2norm)
+        out[:n] = o[:, 0]
+        ssm_states.index_copy_(0, slots, new.to(ssm_states.dtype))
+        return out
+    init = has_initial_state.tolist()
+    for i in range(len(qsl) - 1):
+        s, e = qsl[i], qsl[i + 1]
+        if e == s:
+            continue
+        slot = int(slots[i])
+        o, new = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                        ssm_states[slot] if init[i] else None, chunk_size, scale, use_qk_l2norm)
+        out[s:e] = o
+        ssm_states[slot] = new.to(ssm_states.dtype)
+    return out

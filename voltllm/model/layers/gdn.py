@@ -1,0 +1,181 @@
+"""Gated DeltaNet layer (the linear-attention layer of Qwen3-Next / Qwen3.5), over per-request state slots.
+
+    [q k v z b a] = x W_in                     one merged GEMM; q, k: Hk heads of Dk; v, z: Hv heads of Dv
+    q, k, v       = silu(causal_conv1d([q k v]))   depthwise, kernel K, state = the last K-1 inputs
+    beta          = sigmoid(b)
+    g             = -exp(A_log) * softplus(a + dt_bias)        (log decay, <= 0)
+    o             = gated_delta_rule(l2norm(q) / sqrt(Dk), l2norm(k), v, g, beta)   fp32 state [Hv, Dk, Dv]
+    y             = (rmsnorm(o) * w_norm * silu(z)) W_out       (per value head)
+
+Checkpoint layouts: Qwen3.5 stores in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (flat, [q|k|v]);
+Qwen3-Next stores in_proj_qkvz / in_proj_ba grouped by key head ([q_g k_g v_g z_g] for each key head g,
+then [b_g a_g]); both are loaded into the same flat merged weight here.
+
+State: ctx.extra["state_cache"] (voltllm.model.state_cache.StateCache) and ctx.extra["state_slots"]
+(one slot per request, batch order); see HybridBatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voltllm.kernels import gdn_ref
+from voltllm.model.forward_context import ForwardContext
+from voltllm.model.layers.linear import Linear
+
+
+@dataclass
+class HybridBatch:
+    """What every GDN layer needs about the step's batch, built once per forward."""
+    state_cache: Any  # StateCache
+    slots: torch.Tensor  # long [num_seqs], device
+    has_initial_state: torch.Tensor  # bool [num_seqs], device: tokens were computed before this step
+    query_start_loc: list[int]
+    decode_only: bool  # every request has exactly one query row
+
+    @classmethod
+    def from_context(cls, ctx: ForwardContext) -> "HybridBatch":
+        extra = ctx.extra
+        if "state_cache" not in extra or "state_slots" not in extra:
+            raise RuntimeError("hybrid model: ForwardContext.extra needs 'state_cache' (a StateCache) and "
+                               "'state_slots' (one slot per request in batch order)")
+        meta = ctx.meta
+        qsl = list(meta.query_start_loc_cpu)
+        slots = extra["state_slots"]
+        if len(slots) != meta.num_seqs:
+            raise ValueError(f"state_slots has {len(slots)} entries for {meta.num_seqs} requests")
+        cache = extra["state_cache"]
+        device = cache.ssm[0].device if cache.ssm else torch.device("cpu")
+        qlens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
+        init = [meta.seq_lens_cpu[i] - qlens[i] > 0 for i in range(meta.num_seqs)]
+        slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(list(slots), dtype=torch.long)
+        return cls(state_cache=cache, slots=slots_t.to(device=device, dtype=torch.long),
+                   has_initial_state=torch.tensor(init, dtype=torch.bool).to(device),
+                   query_start_loc=qsl, decode_only=all(n == 1 for n in qlens))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split"):
+        super().__init__()
+        if layout not in ("split", "qkvz"):
+            raise ValueError(f"unknown GDN checkpoint layout {layout!r}")
+        self.state_index = state_index
+        self.layout = layout
+        self.nk = cfg.linear_num_key_heads
+        self.nv = cfg.linear_num_value_heads
+        self.dk = cfg.linear_key_head_dim
+        self.dv = cfg.linear_value_head_dim
+        if self.nv % self.nk:
+            raise ValueError(f"linear_num_value_heads {self.nv} must be a multiple of linear_num_key_heads {self.nk}")
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"GDN conv activation {act!r} is not supported")
+        h = cfg.hidden_size
+        self.in_proj = Linear(h, [self.key_dim, self.key_dim, self.value_dim, self.value_dim, self.nv, self.nv],
+                              dtype=dtype)
+        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.kernel, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.nv, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv, dtype=torch.float32), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.ones(self.dv, dtype=torch.float32), requires_grad=False)
+        self.eps = cfg.rms_norm_eps
+        self.out_proj = Linear(self.value_dim, h, dtype=dtype)
+
+    # -- state shapes (for the StateCache) -------------------------------------------------------
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.kernel - 1, self.conv_dim)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.nv, self.dk, self.dv)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch: HybridBatch) -> torch.Tensor:
+        t = x.shape[0]
+        proj = self.in_proj(x)
+        mixed = proj[:, : self.conv_dim]
+        z = proj[:, self.conv_dim: self.conv_dim + self.value_dim]
+        b = proj[:, self.conv_dim + self.value_dim: self.conv_dim + self.value_dim + self.nv]
+        a = proj[:, self.conv_dim + self.value_dim + self.nv:]
+
+        cache = batch.state_cache
+        conv_states = cache.conv[self.state_index]
+        ssm_states = cache.ssm[self.state_index]
+        mixed = gdn_ref.causal_conv1d_varlen(mixed, self.conv_weight, None, conv_states, batch.slots,
+                                             batch.query_start_loc, batch.has_initial_state, "silu",
+                                             batch.decode_only)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.nk, self.dk)
+        k = k.reshape(t, self.nk, self.dk)
+        v = v.reshape(t, self.nv, self.dv)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
+                                            batch.has_initial_state, batch.decode_only)
+        o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
+        return (of * F.silu(z.float())).to(o.dtype)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def expected_weight_keys(self, prefix: str) -> set[str]:
+        keys = {f"{prefix}in_proj#{i}" for i in range(6)}
+        return keys | {f"{prefix}{n}" for n in ("conv_weight", "A_log", "dt_bias", "norm_weight", "out_proj#0")}
+
+    def load_hf_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> list[str]:
+        """`name` is relative to the HF module (e.g. 'in_proj_qkvz.weight'); returns the keys it filled."""
+        kd, vd, nv = self.key_dim, self.value_dim, self.nv
+        if name == "in_proj_qkv.weight":
+            q, k, v = tensor.split([kd, kd, vd], dim=0)
+            for i, part in enumerate((q, k, v)):
+                self.in_proj.load_weight(part, i)
+            return [f"{prefix}in_proj#{i}" for i in range(3)]
+        shard = {"in_proj_z.weight": 3, "in_proj_b.weight": 4, "in_proj_a.weight": 5}.get(name)
+        if shard is not None:
+            self.in_proj.load_weight(tensor, shard)
+            return [f"{prefix}in_proj#{shard}"]
+        if name == "in_proj_qkvz.weight":
+            r = nv // self.nk
+            grouped = tensor.reshape(self.nk, 2 * self.dk + 2 * r * self.dv, -1)
+            q, k, v, z = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
+            for i, part in enumerate((q, k, v, z)):
+                self.in_proj.load_weight(part.reshape(-1, tensor.shape[-1]), i)
+            return [f"{prefix}in_proj#{i}" for i in range(4)]
+        if name == "in_proj_ba.weight":
+            r = nv // self.nk
+            grouped = tensor.reshape(self.nk, 2 * r, -1)
+            b, a = grouped.split([r, r], dim=1)
+            self.in_proj.load_weight(b.reshape(nv, -1), 4)
+            self.in_proj.load_weight(a.reshape(nv, -1), 5)
+            return [f"{prefix}in_proj#4", f"{prefix}in_proj#5"]
+        if name == "conv1d.weight":
+            self._copy(self.conv_weight, tensor.reshape(self.conv_dim, self.kernel), name)
+            return [f"{prefix}conv_weight"]
+        if name == "conv1d.bias":
+            raise ValueError("GDN conv1d with a bias is not supported (Qwen hybrids have none)")
+        if name in ("A_log", "dt_bias"):
+            self._copy(getattr(self, name), tensor, name)
+            return [f"{prefix}{name}"]
+        if name == "norm.weight":
+            self._copy(self.norm_weight, tensor, name)
+            return [f"{prefix}norm_weight"]
+        if name == "out_proj.weight":
+            self.out_proj.load_weight(tensor)
+            return [f"{prefix}out_proj#0"]
+        raise ValueError(f"unexpected GDN weight {name!r}")
+
+    @staticmethod
+    def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)

@@ -1,0 +1,137 @@
+"""Sparse mixture of experts (Qwen3-Next / Qwen3.5-MoE style): softmax top-k router, optional renormalized
+top-k weights, SwiGLU experts, and a shared expert scaled by a sigmoid gate.
+
+    p        = softmax(x W_router)                          fp32
+    ids, w   = topk(p, k);  w /= sum(w) if norm_topk_prob
+    y        = sum_j w_j * expert_{ids_j}(x) + sigmoid(x w_sg) * shared(x)
+    expert_e(x) = (silu(x Wg_e^T) * (x Wu_e^T)) Wd_e^T
+
+Expert weights are stacked: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I], the layout a
+grouped-GEMM kernel wants. The torch reference (`fused_experts_ref`) does NOT loop over every expert per
+token: it sorts the (token, expert) pairs by expert so each expert's tokens are one contiguous block,
+then runs one GEMM pair per expert that received tokens (empty experts are skipped), and scatters the
+weighted results back with index_add. A GPU grouped-GEMM kernel replaces this loop later.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voltllm.model.layers.activation import silu_and_mul
+from voltllm.model.layers.linear import Linear
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weights [T, k] fp32, expert ids [T, k] long)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_* [T, k] -> [T, H]. Sorted by expert, active experts only."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the one host sync
+    xs = x.index_select(0, token_of)
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        seg = xs[start:start + n]
+        ys[start:start + n] = F.linear(silu_and_mul(F.linear(seg, w13[e])), w2[e])
+        start += n
+    ys = ys * topk_weights.reshape(-1)[order].to(ys.dtype).unsqueeze(-1)
+    out = torch.zeros_like(x)
+    out.index_add_(0, token_of, ys)
+    return out
+
+
+class SharedExpertMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
+        self.down_proj = Linear(inter, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, shared_inter: int,
+                 norm_topk_prob: bool, dtype: torch.dtype):
+        super().__init__()
+        self.num_experts, self.top_k, self.inter = num_experts, top_k, moe_inter
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = Linear(hidden, num_experts, dtype=dtype)
+        self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * moe_inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(num_experts, hidden, moe_inter, dtype=dtype), requires_grad=False)
+        self.shared_expert: Optional[SharedExpertMLP] = None
+        self.shared_expert_gate: Optional[Linear] = None
+        if shared_inter:
+            self.shared_expert = SharedExpertMLP(hidden, shared_inter, dtype)
+            self.shared_expert_gate = Linear(hidden, 1, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = fused_experts_ref(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    # -- weights ---------------------------------------------------------------------------------
+    def expected_weight_keys(self, prefix: str) -> set[str]:
+        keys = {f"{prefix}gate#0"}
+        keys |= {f"{prefix}experts.{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up", "down")}
+        if self.shared_expert is not None:
+            keys |= {f"{prefix}shared_expert.gate_up_proj#0", f"{prefix}shared_expert.gate_up_proj#1",
+                     f"{prefix}shared_expert.down_proj#0", f"{prefix}shared_expert_gate#0"}
+        return keys
+
+    def load_hf_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> list[str]:
+        """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...)."""
+        i = self.inter
+        m = _EXPERT.fullmatch(name)
+        if m:
+            e, kind = int(m.group(1)), m.group(2)[:-5]
+            dst = {"gate": self.w13[e, :i], "up": self.w13[e, i:], "down": self.w2[e]}[kind]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            return [f"{prefix}experts.{e}.{kind}"]
+        if name in ("experts.gate_up_proj", "experts.down_proj"):  # stacked layout of transformers' modules
+            dst = self.w13 if name == "experts.gate_up_proj" else self.w2
+            if tuple(tensor.shape) != tuple(dst.shape):
+                if tuple(tensor.transpose(1, 2).shape) == tuple(dst.shape):
+                    tensor = tensor.transpose(1, 2)  # [E, in, out] checkpoints (Qwen3-VL-MoE style)
+                else:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.data.copy_(tensor)
+            kinds = ("gate", "up") if dst is self.w13 else ("down",)
+            return [f"{prefix}experts.{e}.{kd}" for e in range(self.num_experts) for kd in kinds]
+        if name == "gate.weight":
+            self.gate.load_weight(tensor)
+            return [f"{prefix}gate#0"]
+        if self.shared_expert is not None:
+            if name == "shared_expert_gate.weight":
+                self.shared_expert_gate.load_weight(tensor)
+                return [f"{prefix}shared_expert_gate#0"]
+            shard = {"shared_expert.gate_proj.weight": ("gate_up_proj", 0), "shared_expert.up_proj.weight":
+                     ("gate_up_proj", 1), "shared_expert.down_proj.weight": ("down_proj", 0)}.get(name)
+            if shard is not None:
+                getattr(self.shared_expert, shard[0]).load_weight(tensor, shard[1])
+                return [f"{prefix}shared_expert.{shard[0]}#{shard[1]}"]
+        raise ValueError(f"unexpected MoE weight {name!r}")

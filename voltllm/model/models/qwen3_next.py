@@ -1,0 +1,300 @@
+"""Hybrid Qwen decoders: Qwen3-Next (qwen3_next, + MoE), Qwen3.5 (qwen3_5 / qwen3_5_text) and Qwen3.5-MoE
+(qwen3_5_moe / qwen3_5_moe_text). One structure:
+
+  layer i: x += mixer(norm(x)); x += mlp(norm(x))       norms are zero-centred RMSNorm: x/rms * (1 + w)
+  mixer  = GatedDeltaNet (layer_types[i] == "linear_attention", state in a StateCache slot)
+         | gated attention ("full_attention", paged KV): q_proj gives [q | gate] per head, QK-norm (1 + w),
+           partial RoPE on the first rotary_dim channels, out = o_proj(attn * sigmoid(gate))
+  mlp    = SparseMoE (qwen3_5_moe: every layer; qwen3_next: unless in mlp_only_layers or off the
+           decoder_sparse_step) | dense SwiGLU (qwen3_5)
+
+Differences between the variants are only in the checkpoint (GDN projection layout, see layers/gdn.py)
+and which MLP a layer has. A multimodal checkpoint (model_type qwen3_5 / qwen3_5_moe with a text_config)
+runs as its text model: `model.language_model.*` weights are used, `model.visual.*` and `mtp.*` skipped.
+
+Runner contract: ctx.extra["state_cache"] and ctx.extra["state_slots"] (see voltllm/model/state_cache.py);
+`state_spec` gives the per-slot shapes to build the StateCache, `num_attention_layers` and
+`kv_heads_and_dim` the paged KV cache (attention layers only).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from voltllm.model.forward_context import ForwardContext
+from voltllm.model.layers.activation import silu_and_mul
+from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+from voltllm.model.layers.linear import Linear
+from voltllm.model.layers.moe import SparseMoE
+from voltllm.model.layers.norm import RMSNorm
+from voltllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+
+_SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+
+
+def text_config(cfg: Any) -> Any:
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def _rotary_dim(cfg: Any, head_dim: int) -> int:
+    factor = rope_parameters(cfg).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor or 1.0))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding):
+        super().__init__()
+        self.kv_index = kv_index
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        qg, kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [qg, kv, kv], bias=bias, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale)
+        out = out.reshape(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
+        self.down_proj = Linear(inter, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, idx: int, kind: str, mixer_index: int, moe: bool, gdn_layout: str,
+                 norm_topk: bool, dtype: torch.dtype, rotary: RotaryEmbedding):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, gdn_layout)
+        elif kind == "full_attention":
+            self.self_attn = GatedAttention(cfg, mixer_index, dtype, rotary)
+        else:
+            raise ValueError(f"layer {idx}: unknown layer type {kind!r}")
+        if moe:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+                                 norm_topk, dtype)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, positions, x, residual, ctx: ForwardContext, batch: HybridBatch | None):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.kind == "linear_attention":
+            x = self.linear_attn(x, batch)
+        else:
+            x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+_ATTN_STACKED = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_MLP_STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        cfg = text_config(config)
+        self.config = cfg
+        self.dtype = dtype
+        mt = getattr(cfg, "model_type", "") or ""
+        self.variant = ("qwen3_next" if mt.startswith("qwen3_next") else
+                        "qwen3_5_moe" if mt.startswith("qwen3_5_moe") else "qwen3_5")
+        gdn_layout = "qkvz" if self.variant == "qwen3_next" else "split"
+        layer_types = list(getattr(cfg, "layer_types", None) or [
+            "full_attention" if (i + 1) % getattr(cfg, "full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(cfg.num_hidden_layers)])
+        self.layer_types = layer_types
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1), _rotary_dim(cfg, head_dim))
+        norm_topk = True if self.variant == "qwen3_5_moe" else bool(getattr(cfg, "norm_topk_prob", True))
+        layers, n_attn, n_gdn = [], 0, 0
+        for i, kind in enumerate(layer_types):
+            if kind == "linear_attention":
+                mixer_index, n_gdn = n_gdn, n_gdn + 1
+            else:
+                mixer_index, n_attn = n_attn, n_attn + 1
+            layers.append(HybridDecoderLayer(cfg, i, kind, mixer_index, self._is_moe(cfg, i), gdn_layout,
+                                             norm_topk, dtype, rotary))
+        self.layers = nn.ModuleList(layers)
+        self._num_attn, self._num_gdn = n_attn, n_gdn
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        self.tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.rotary = rotary
+
+    def _is_moe(self, cfg: Any, i: int) -> bool:
+        if self.variant == "qwen3_5_moe":
+            return True
+        if self.variant == "qwen3_next":
+            step = getattr(cfg, "decoder_sparse_step", 1) or 1
+            return (i not in (getattr(cfg, "mlp_only_layers", None) or []) and
+                    getattr(cfg, "num_experts", 0) > 0 and (i + 1) % step == 0)
+        return False
+
+    # -- what the runner needs to size and lay out the caches -----------------------------------
+    @property
+    def num_attention_layers(self) -> int:
+        return self._num_attn
+
+    @property
+    def kv_heads_and_dim(self) -> tuple[int, int]:
+        a = next(layer.self_attn for layer in self.layers if layer.kind == "full_attention")
+        return a.num_kv_heads, a.head_dim
+
+    @property
+    def is_hybrid(self) -> bool:
+        return True
+
+    @property
+    def state_spec(self) -> dict:
+        """Per-slot state of every GDN layer: StateCache.for_model(model, num_slots, device) uses it."""
+        g = next(layer.linear_attn for layer in self.layers if layer.kind == "linear_attention")
+        return {"num_layers": self._num_gdn, "conv_shape": g.conv_state_shape, "conv_dtype": self.dtype,
+                "ssm_shape": g.ssm_state_shape, "ssm_dtype": torch.float32}
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        batch = HybridBatch.from_context(ctx) if self._num_gdn else None
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.tie else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+    def _expected_keys(self) -> set[str]:
+        keys = {"embed_tokens.weight", "norm.weight"} | (set() if self.tie else {"lm_head#0"})
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            if layer.kind == "linear_attention":
+                keys |= layer.linear_attn.expected_weight_keys(p + "linear_attn.")
+            else:
+                keys |= {p + f"self_attn.qkv_proj#{s}" for s in range(3)}
+                keys |= {p + "self_attn.o_proj#0", p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+            if isinstance(layer.mlp, SparseMoE):
+                keys |= layer.mlp.expected_weight_keys(p + "mlp.")
+            else:
+                keys |= {p + "mlp.gate_up_proj#0", p + "mlp.gate_up_proj#1", p + "mlp.down_proj#0"}
+        return keys
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        lm_head_seen = False
+        for name, tensor in weights:
+            if name.startswith(_SKIP_PREFIXES) or "rotary_emb" in name:
+                continue
+            if name.startswith("model.language_model."):
+                name = name[len("model.language_model."):]
+            elif name.startswith("language_model."):
+                name = name[len("language_model."):]
+            else:
+                name = name.removeprefix("model.")
+            if name == "lm_head.weight":
+                lm_head_seen = True
+                if not self.tie:
+                    self.lm_head.load_weight(tensor)
+                    loaded.add("lm_head#0")
+                continue
+            if not name.startswith("layers."):
+                self._copy_param(params, name, tensor)
+                loaded.add(name)
+                continue
+            idx_str, rest = name[len("layers."):].split(".", 1)
+            i = int(idx_str)
+            if i >= len(self.layers):
+                raise ValueError(f"unexpected weight {name!r}: the config has {len(self.layers)} layers")
+            layer, p = self.layers[i], f"layers.{i}."
+            if rest.startswith("linear_attn."):
+                if layer.kind != "linear_attention":
+                    raise ValueError(f"{name}: layer {i} is {layer.kind}, not linear attention")
+                loaded.update(layer.linear_attn.load_hf_weight(rest[len("linear_attn."):], tensor,
+                                                               p + "linear_attn."))
+            elif rest.startswith("self_attn."):
+                if layer.kind != "full_attention":
+                    raise ValueError(f"{name}: layer {i} is {layer.kind}, not full attention")
+                sub, _, kind = rest[len("self_attn."):].rpartition(".")
+                attn = layer.self_attn
+                if sub in _ATTN_STACKED:
+                    shard = _ATTN_STACKED[sub]
+                    (attn.qkv_proj.load_weight if kind == "weight" else attn.qkv_proj.load_bias)(tensor, shard)
+                    loaded.add(p + f"self_attn.qkv_proj#{shard}")
+                elif sub == "o_proj":
+                    (attn.o_proj.load_weight if kind == "weight" else attn.o_proj.load_bias)(tensor)
+                    loaded.add(p + "self_attn.o_proj#0")
+                else:
+                    self._copy_param(params, p + rest, tensor)
+                    loaded.add(p + rest)
+            elif rest.startswith("mlp."):
+                sub = rest[len("mlp."):]
+                if isinstance(layer.mlp, SparseMoE):
+                    loaded.update(layer.mlp.load_hf_weight(sub, tensor, p + "mlp."))
+                else:
+                    target = _MLP_STACKED.get(sub.removesuffix(".weight"))
+                    if target is None:
+                        raise ValueError(f"unexpected weight {name!r} for a dense MLP layer")
+                    getattr(layer.mlp, target[0]).load_weight(tensor, target[1])
+                    loaded.add(p + f"mlp.{target[0]}#{target[1]}")
+            else:
+                self._copy_param(params, name, tensor)
+                loaded.add(name)
+        if not self.tie and "lm_head#0" not in loaded and not lm_head_seen:
+            # checkpoint without lm_head: the embedding is tied even if the config does not say so
+            self.lm_head.load_weight(self.embed_tokens.weight.data)
+            loaded.add("lm_head#0")
+        missing = sorted(self._expected_keys() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")
+
+    @staticmethod
+    def _copy_param(params: dict, name: str, tensor: torch.Tensor) -> None:
+        if name not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+        params[name].data.copy_(tensor)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """qwen3_5 / qwen3_5_text: dense MLP, split GDN projections (same structure, see module docstring)."""
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """qwen3_5_moe / qwen3_5_moe_text: MoE in every layer with normalized top-k."""
