@@ -51,7 +51,7 @@ def test_logits_match_transformers(model_pair):
 def test_greedy_32_tokens_batched_chunked_and_cached(model_pair):
     kind, ref, llm = model_pair
     tok = llm.get_tokenizer()
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)  # as min_new_tokens
     expected = [_hf_greedy(ref, tok.encode(p), 32) for p in PROMPTS]
     cold = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in cold] == expected
