@@ -126,7 +126,10 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, capability: tu
     (decode-heavy mixed batches) so padded rows do not dominate."""
     block_d = triton.next_power_of_2(head_dim)
     small_smem = capability is not None and capability < (8, 0)
-    max_m = 64 if (block_d > 128 or small_smem) else 128
+    if small_smem:  # sm_70/75: tl.dot is FMA and shared memory is 64-96 KB
+        max_m = 32 if block_d > 128 else 64
+    else:
+        max_m = 64 if block_d > 128 else 128
     block_m = max(16, min(max_m, triton.next_power_of_2(max(1, max_query_len) * group)))
     block_m = max(block_m, triton.next_power_of_2(group))
     block_n = 32 if (block_d > 128 or small_smem) else 64

@@ -1,0 +1,239 @@
+"""Triton attention kernels and the TRITON_ATTN backend on CUDA at real shapes, against torch_ref.
+
+fp16 and bf16, head dims 64/128/256, GQA and MHA, odd lengths and block boundaries, long contexts
+(32K) with split-KV, chunked prefill over a prefix, mixed prefill/decode batches, CUDA-graph padding
+(seq_len-0 sequences, slot -1 rows), CUDA-graph capture/replay of decode. Fresh random inputs each run
+(the seed is printed); outputs and split-KV scratch are poisoned with NaN before each call; unused cache
+slots hold NaN. Ends with timing prints (not assertions): decode bandwidth vs bytes read, prefill TFLOP/s.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+_spec = importlib.util.spec_from_file_location(
+    "_attention_interp_check", Path(__file__).resolve().parents[1] / "unit" / "_attention_interp_check.py")
+H = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = H  # dataclasses need the module registered
+_spec.loader.exec_module(H)
+
+DEV = "cuda"
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float16, torch.bfloat16]
+DIMS = [64, 128, 256]
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+def _seed(tag: str) -> int:
+    s = random.SystemRandom().randrange(1 << 30)
+    print(f"[{tag}] seed={s}")
+    return s
+
+
+def _backend(**kw):
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+    return TritonAttentionBackend(**kw)
+
+
+def _poison_allocator(case: H.Case) -> None:
+    """Leave a NaN-filled block of the output's size in the caching allocator, so the backend's
+    torch.empty output most likely starts as NaN."""
+    x = torch.full_like(case.q, float("nan"))
+    del x
+
+
+def _poison_scratch(backend) -> None:
+    for o, l in backend._scratch.values():
+        o.fill_(float("nan"))
+        l.fill_(float("nan"))
+
+
+def _check(case, backend, dtype, tag):
+    _poison_allocator(case)
+    _poison_scratch(backend)
+    err, problems = H.run_backend_case(case, backend)
+    print(f"[{tag}] relerr={err:.2e}")
+    assert not problems, f"{tag}: {problems}"
+    assert err < TOL[dtype], f"{tag}: relerr {err:.3e}"
+
+
+def _heads(d):
+    return (16, 4) if d < 256 else (8, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", DIMS)
+def test_decode(dtype, d):
+    hq, hkv = _heads(d)
+    seqs = [(1, 1), (17, 1), (255, 1), (256, 1), (1000, 1), (4097, 1), (12345, 1), (0, 1)]
+    case = H.make_case(seqs, hq, hkv, d, 16, dtype, device=DEV, pad_rows=3, seed=_seed(f"decode {dtype} d{d}"))
+    _check(case, _backend(), dtype, "auto")                            # tensor cores, split-KV by heuristic
+    _check(case, _backend(use_tensor_cores=False), dtype, "fma")      # the sm70 route on this GPU
+    _check(case, _backend(num_sms=1), dtype, "one-split")             # no split
+    for splits, use_dot in ((7, True), (7, False)):
+        err, problems = H.run_kernel_case(case, "decode", num_splits=splits, use_dot=use_dot)
+        assert not problems and err < TOL[dtype], (splits, use_dot, err, problems)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", DIMS)
+def test_prefill_mixed(dtype, d):
+    hq, hkv = _heads(d)
+    # full prompts, a chunk over a prefix, a short chunk over a long prefix, decode rows, block-exact
+    seqs = [(1000, 1000), (777, 300), (4129, 57), (300, 1), (64, 64), (2049, 2049), (33, 1)]
+    case = H.make_case(seqs, hq, hkv, d, 16, dtype, device=DEV, pad_rows=5, seed=_seed(f"prefill {dtype} d{d}"))
+    _check(case, _backend(), dtype, "prefill")
+
+
+def test_prefill_mha_and_small_query_tiles():
+    dtype = torch.float16
+    case = H.make_case([(513, 200), (70, 70), (19, 3)], 8, 8, 128, 16, dtype, device=DEV,
+                       seed=_seed("prefill mha"))
+    _check(case, _backend(), dtype, "mha")
+    case = H.make_case([(600, 3), (91, 2), (1200, 4)], 32, 8, 128, 16, dtype, device=DEV,
+                       seed=_seed("prefill spec-verify"))
+    _check(case, _backend(), dtype, "short-queries")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_long_context(dtype):
+    seqs = [(32768, 1), (32768 - 5, 1), (20001, 1)]
+    case = H.make_case(seqs, 32, 8, 128, 16, dtype, device=DEV, seed=_seed(f"long decode {dtype}"))
+    _check(case, _backend(), dtype, "long decode auto")
+    _check(case, _backend(use_tensor_cores=False), dtype, "long decode fma")
+    _check(case, _backend(num_sms=1), dtype, "long decode one split")
+    case = H.make_case([(32768, 512), (9000, 1)], 32, 8, 128, 16, dtype, device=DEV,
+                       seed=_seed(f"long chunk {dtype}"))
+    _check(case, _backend(), dtype, "chunk over 32K prefix")
+
+
+def test_cuda_graph_decode_matches_eager():
+    dtype = torch.float16
+    case = H.make_case([(100, 1), (3000, 1), (17, 1), (1, 1)], 32, 8, 128, 16, dtype, device=DEV,
+                       seed=_seed("graph"))
+    case.meta.max_seq_len = 32768  # the runner fixes the bound at capture time
+    be = _backend()
+    be.reserve(4, 32, 8, 128, 32768, torch.device(DEV))
+    assert be.num_splits_for(4, 8, 32768, torch.device(DEV)) > 1
+    cache = case.kv_cache.clone()
+    eager = be.forward(case.q, case.k, case.v, cache, case.meta, case.scale).clone()
+    ref, _ = H.reference(case)
+    assert H.rel_err(eager.cpu(), ref) < TOL[dtype]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.forward(case.q, case.k, case.v, cache, case.meta, case.scale)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = be.forward(case.q, case.k, case.v, cache, case.meta, case.scale)
+    static_out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    # new contents in the same static tensors (longer contexts, new q) -> replay still right
+    case.q.copy_(torch.randn_like(case.q))
+    g.replay()
+    ref2, _ = H.reference(case)
+    assert H.rel_err(static_out.cpu(), ref2) < TOL[dtype]
+
+
+# --- timing prints -----------------------------------------------------------------------------
+
+def _graph_time_us(fn, reps: int = 20) -> float:
+    """GPU time of fn() captured `reps` times in one CUDA graph (no host launch overhead), per call."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def _copy_bandwidth() -> float:
+    x = torch.empty(1 << 28, dtype=torch.float32, device=DEV)
+    y = torch.empty_like(x)
+    us = _graph_time_us(lambda: y.copy_(x), reps=5)
+    return 2 * x.numel() * 4 / (us * 1e-6)
+
+
+def test_decode_bandwidth_print():
+    from voltllm.kernels.attention import choose_num_splits, decode_scratch_numel, paged_decode
+    copy_bw = _copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"\nBENCH device={torch.cuda.get_device_name()} sms={sms} copy_bw={copy_bw / 1e12:.2f} TB/s (read+write)")
+    hq, hkv, d, dtype = 32, 8, 128, torch.float16
+    for batch, ctx in ((1, 32768), (64, 1024), (8, 8192)):
+        case = H.make_case([(ctx, 1)] * batch, hq, hkv, d, 16, dtype, device=DEV, extra_blocks=0, seed=1)
+        m = case.meta
+        kv_bytes = sum(m.seq_lens_cpu) * hkv * d * 2 * case.kv_cache.element_size()
+        out = torch.empty_like(case.q)
+        heur = choose_num_splits(batch, hkv, ctx, sms)
+        variants = [(heur, True, None, 4), (heur, False, None, 4), (max(1, heur // 2), True, None, 4),
+                    (heur * 2, True, None, 4), (heur, True, 32, 4), (heur, True, 128, 4), (heur, True, 64, 8)]
+        if heur > 1:
+            variants.append((1, True, None, 4))
+        for splits, use_dot, block_n, warps in variants:
+            no, nl = decode_scratch_numel(batch, hq, splits, d)
+            po = torch.empty(max(no, 1), dtype=torch.float32, device=DEV)
+            pl = torch.empty(max(nl, 1), dtype=torch.float32, device=DEV)
+            fn = lambda: paged_decode(case.q, case.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                                      case.scale, out, num_splits=splits, part_o=po, part_lse=pl,
+                                      use_dot=use_dot, block_n=block_n, num_warps=warps)
+            us = _graph_time_us(fn)
+            bw = kv_bytes / (us * 1e-6)
+            print(f"BENCH decode b={batch} ctx={ctx} hq={hq} hkv={hkv} d={d} fp16 splits={splits}"
+                  f"{'(heur)' if splits == heur else ''} dot={use_dot} block_n={block_n} warps={warps}: "
+                  f"{us:8.1f} us  {kv_bytes / 1e6:7.1f} MB  {bw / 1e12:5.2f} TB/s  "
+                  f"{100 * bw / (copy_bw / 2):5.1f}% of copy read rate")
+
+
+def test_prefill_throughput_print():
+    from voltllm.kernels.attention import paged_prefill, prefill_config
+    hq, hkv, d, dtype, L = 32, 8, 128, torch.float16, 4096
+    case = H.make_case([(L, L)], hq, hkv, d, 16, dtype, device=DEV, extra_blocks=0, seed=2)
+    from voltllm.kernels.attention import kv_write
+    kv_write(case.k, case.v, case.kv_cache, case.meta.slot_mapping)
+    m = case.meta
+    out = torch.empty_like(case.q)
+    flops = 4 * hq * d * L * (L + 1) / 2
+    default = prefill_config(d, hq // hkv, L, torch.cuda.get_device_capability())
+    for cfg in (default, (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)):
+        fn = lambda: paged_prefill(case.q, case.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                                   case.scale, out, max_query_len=L, config=cfg)
+        try:
+            us = _graph_time_us(fn, reps=5)
+        except Exception as e:  # a config that does not fit is a finding, not a failure
+            print(f"BENCH prefill cfg={cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+            continue
+        print(f"BENCH prefill L={L} hq={hq} hkv={hkv} d={d} fp16 causal cfg={cfg}"
+              f"{'(default)' if cfg == default else ''}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s")

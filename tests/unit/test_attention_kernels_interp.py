@@ -1,0 +1,80 @@
+"""Triton attention kernels (kv_write, paged decode with split-KV, paged prefill) and the TRITON_ATTN
+backend under Triton's CPU interpreter, against voltllm.attention.torch_ref.
+
+TRITON_INTERPRET=1 must be set before triton.jit decorates the kernels, so the checks run in a
+subprocess (tests/unit/_attention_interp_check.py), once per session; each check is one test here.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HELPER = Path(__file__).with_name("_attention_interp_check.py")
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = [
+    "prefill_f32_d64_gqa4_mixed",
+    "prefill_f32_d64_gqa4_tile32",
+    "prefill_f16_d128_mha_prefix",
+    "prefill_f32_d64_query_len1",
+    "decode_f32_d64_gqa4_nosplit_dot",
+    "decode_f32_d64_gqa4_split5_fma",
+    "decode_f32_d64_gqa4_split16_dot_empty_parts",
+    "decode_f16_d128_mha_split3_fma",
+    "decode_f16_d128_gqa4_split4_dot",
+    "decode_f32_d80_gqa3_split2_fma",
+    "decode_f32_d64_page32_tile16_split3",
+    "kv_write_strided_inputs",
+    "backend_decode_split_padded",
+    "backend_mixed_prefill_padded",
+]
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, str]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(HELPER)], env=env, capture_output=True, text=True, timeout=300)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CHECK "):
+            _, name, status, *detail = line.split(" ", 3)
+            results[name] = f"{status} {' '.join(detail)}"
+    if not results:
+        pytest.fail(f"helper produced no checks (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_attention_kernel_interp(interp_results, name):
+    assert name in interp_results, f"check {name} did not run"
+    assert interp_results[name].startswith("ok"), interp_results[name]
+
+
+def test_every_check_listed(interp_results):
+    assert sorted(interp_results) == sorted(CHECKS)
+
+
+def test_attention_kernels_registered():
+    from voltllm.kernels.registry import REGISTRY
+    import voltllm.kernels.attention  # noqa: F401  (registers)
+    for name in ("attention.kv_write", "attention.paged_decode", "attention.paged_decode_reduce",
+                 "attention.paged_prefill"):
+        entry = REGISTRY[name]
+        assert entry.compat and entry.specs
+        dims = {spec.constexprs.get("HEAD_DIM") for spec in entry.specs}
+        assert dims == {64, 128, 256}
+        for spec in entry.specs:
+            assert set(spec.signature) == set(entry.fn.arg_names)
+
+
+def test_num_splits_heuristic():
+    from voltllm.kernels.attention import choose_num_splits
+    assert choose_num_splits(1, 8, 32768, 132) > 16      # one long sequence: split to fill 132 SMs
+    assert choose_num_splits(64, 8, 1024, 132) == 1      # 512 programs already fill the GPU
+    assert choose_num_splits(1, 8, 100, 132) == 1        # short context: nothing to split
+    assert choose_num_splits(2, 8, 1 << 20, 132) <= 64   # capped
