@@ -52,6 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-block-size", type=int, default=None)
     g.add_argument("--mamba-cache-mode", default="align", choices=["align", "none", "all"])
     g.add_argument("--language-model-only", action="store_true")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights at the model's shapes (benchmarks)")
+    g.add_argument("--skip-tokenizer-init", action="store_true")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
 
 

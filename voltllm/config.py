@@ -36,6 +36,8 @@ class ModelConfig:
     generation_config: str = "auto"
     chat_template: Optional[str] = None
     language_model_only: bool = False
+    load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
+    skip_tokenizer_init: bool = False
 
     @property
     def architecture(self) -> str:
@@ -117,6 +119,8 @@ class EngineArgs:
     mamba_cache_mode: str = "align"
     language_model_only: bool = False
     async_scheduling: bool = True
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -152,6 +156,8 @@ class EngineArgs:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not built yet; use 1")
         if self.quantization not in (None, "gguf"):
             raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         spec = _parse_json_arg("--speculative-config", self.speculative_config)
         if spec:
             raise ConfigError("--speculative-config: speculative decoding is not built yet")
@@ -164,7 +170,8 @@ class EngineArgs:
             model=source.path, tokenizer=self.tokenizer or source.tokenizer_path, served_model_name=model_name,
             dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
             trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
-            chat_template=self.chat_template, language_model_only=self.language_model_only)
+            chat_template=self.chat_template, language_model_only=self.language_model_only,
+            load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -34,6 +34,17 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
     return TritonAttentionBackend()
 
 
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights in place (speed depends on shapes, not values): N(0, 0.02), norms at 1."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None):
         self.config = config
@@ -55,6 +66,10 @@ class ModelRunner:
         mc = self.config.model
         with torch.device(self.device):
             model = build_model(mc.hf_config, self.dtype, mc.max_model_len)
+        if mc.load_format == "dummy":
+            init_dummy_weights(model, mc.seed)
+            logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
+            return model.eval()
         model.load_weights((n, t.to(self.dtype) if t.is_floating_point() else t)
                            for n, t in iter_weights(resolve_model(mc.model), mc.hf_config))
         model.eval()
