@@ -24,7 +24,7 @@ class InvalidPromptError(ValueError):
 def eos_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
     """EOS ids from the tokenizer and, when present, the checkpoint's generation_config.json."""
     ids = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     path = os.path.join(model_path, "generation_config.json") if os.path.isdir(model_path) else None
     if path and os.path.isfile(path):
@@ -84,6 +84,8 @@ class Frontend:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidPromptError("the prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidPromptError("text prompts need a tokenizer (started with --skip-tokenizer-init)")
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
         if any(not isinstance(t, int) for t in ids):
@@ -106,7 +108,7 @@ class Frontend:
             # each child of a seeded request gets its own stream: seed + index
             child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             detok = None
-            if params.detokenize:
+            if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                                params.include_stop_str_in_output)
             children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
@@ -130,7 +132,8 @@ class Frontend:
     # -- outputs --------------------------------------------------------------------------------
     def _decode_logprobs(self, lp: PositionLogprobs) -> dict[int, Logprob]:
         ranked = sorted(lp.items(), key=lambda kv: -kv[1])
-        return {tid: Logprob(v, rank=r + 1, decoded_token=self.tokenizer.decode([tid]))
+        dec = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
+        return {tid: Logprob(v, rank=r + 1, decoded_token=dec([tid]))
                 for r, (tid, v) in enumerate(ranked)}
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:

@@ -28,7 +28,8 @@ class LLM:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer, self.config.model.trust_remote_code)
+        self.tokenizer = (None if self.config.model.skip_tokenizer_init else
+                          load_tokenizer(self.config.model.tokenizer, self.config.model.trust_remote_code))
         self.engine = EngineCore(self.config)
         self.frontend = Frontend(self.tokenizer, self.config.model.model, self.config.model.max_model_len)
         self._ids = itertools.count()
