@@ -59,6 +59,10 @@ class HybridBatch:
 
 
 class GatedDeltaNet(nn.Module):
+    # Decode batches (one row per request, no padding rows) use the Triton kernels of
+    # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
+    triton_decode: bool | None = None
+
     def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split"):
         super().__init__()
         if layout not in ("split", "qkvz"):
@@ -108,17 +112,28 @@ class GatedDeltaNet(nn.Module):
         cache = batch.state_cache
         conv_states = cache.conv[self.state_index]
         ssm_states = cache.ssm[self.state_index]
-        mixed = gdn_ref.causal_conv1d_varlen(mixed, self.conv_weight, None, conv_states, batch.slots,
-                                             batch.query_start_loc, batch.has_initial_state, "silu",
-                                             batch.decode_only)
+        use_triton = x.is_cuda if self.triton_decode is None else self.triton_decode
+        fast = use_triton and batch.decode_only and t == len(batch.query_start_loc) - 1
+        if fast:  # Triton decode kernels (voltllm/kernels/gdn_decode.py)
+            from voltllm.kernels import gdn_decode
+            mixed = gdn_decode.causal_conv1d_decode(mixed, self.conv_weight, None, conv_states, batch.slots,
+                                                    batch.has_initial_state, "silu")
+        else:
+            mixed = gdn_ref.causal_conv1d_varlen(mixed, self.conv_weight, None, conv_states, batch.slots,
+                                                 batch.query_start_loc, batch.has_initial_state, "silu",
+                                                 batch.decode_only)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.nk, self.dk)
         k = k.reshape(t, self.nk, self.dk)
         v = v.reshape(t, self.nv, self.dv)
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
-                                            batch.has_initial_state, batch.decode_only)
+        if fast:
+            o = gdn_decode.gated_delta_rule_decode(q, k, v, g, beta, ssm_states, batch.slots,
+                                                   batch.has_initial_state)
+        else:
+            o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
+                                                batch.has_initial_state, batch.decode_only)
         o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
         return self.out_proj(o.reshape(t, self.value_dim))
 

@@ -1,0 +1,132 @@
+"""Checks of the Triton GDN decode kernels against voltllm.kernels.gdn_ref (decode_only paths).
+
+Run as a script under TRITON_INTERPRET=1 (set before triton is imported) by
+tests/unit/test_gdn_decode_interp.py, or on a GPU by tests/gpu (device argument); prints one line per check:
+    CHECK <name> <ok|FAIL> <detail>
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from voltllm.kernels import gdn_ref as R
+
+
+def run_delta(device: str, bsz: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int) -> str:
+    from voltllm.kernels.gdn_decode import gated_delta_rule_decode
+
+    g = torch.Generator().manual_seed(seed)
+    num_slots = bsz + 3
+    q = torch.randn(bsz, hk, dk, generator=g).to(device, dtype)
+    k = torch.randn(bsz, hk, dk, generator=g).to(device, dtype)
+    v = torch.randn(bsz, hv, dv, generator=g).to(device, dtype)
+    gl = (-torch.rand(bsz, hv, generator=g) * 2).to(device)
+    beta = torch.rand(bsz, hv, generator=g).to(device)
+    pool = torch.randn(num_slots, hv, dk, dv, generator=g).to(device)
+    slots = torch.randperm(num_slots, generator=g)[:bsz].to(device)
+    init = (torch.arange(bsz) % 3 != 1).to(device)
+    ref_pool = pool.clone()
+    ref = R.gated_delta_rule_varlen(q, k, v, gl, beta, ref_pool, slots, list(range(bsz + 1)), init,
+                                    decode_only=True)
+    out = gated_delta_rule_decode(q, k, v, gl, beta, pool, slots, init)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    err_o = (out.float() - ref.float()).abs().max().item()
+    err_s = (pool - ref_pool).abs().max().item()
+    if err_o > tol * max(1.0, ref.float().abs().max().item()) or err_s > 1e-4 * max(1.0, ref_pool.abs().max().item()):
+        return f"FAIL out err {err_o:.3e} state err {err_s:.3e}"
+    return f"ok out err {err_o:.2e} state err {err_s:.2e}"
+
+
+def run_conv(device: str, bsz: int, c: int, kw: int, dtype: torch.dtype, bias: bool, seed: int) -> str:
+    from voltllm.kernels.gdn_decode import causal_conv1d_decode
+
+    g = torch.Generator().manual_seed(seed)
+    num_slots = bsz + 2
+    x = torch.randn(bsz, c, generator=g).to(device, dtype)
+    w = torch.randn(c, kw, generator=g).to(device, dtype)
+    b = torch.randn(c, generator=g).to(device, dtype) if bias else None
+    pool = torch.randn(num_slots, kw - 1, c, generator=g).to(device, dtype)
+    slots = torch.randperm(num_slots, generator=g)[:bsz].to(device)
+    init = (torch.arange(bsz) % 2 == 0).to(device)
+    ref_pool = pool.clone()
+    ref = R.causal_conv1d_varlen(x, w, b, ref_pool, slots, list(range(bsz + 1)), init, decode_only=True)
+    out = causal_conv1d_decode(x, w, b, pool, slots, init)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    err_o = (out.float() - ref.float()).abs().max().item()
+    err_s = (pool.float() - ref_pool.float()).abs().max().item()
+    if err_o > tol * max(1.0, ref.float().abs().max().item()) or err_s > 0:
+        return f"FAIL out err {err_o:.3e} state err {err_s:.3e}"
+    return f"ok out err {err_o:.2e}"
+
+
+CHECKS = {
+    "delta_f32_dk16_dv16_r2": lambda d: run_delta(d, 5, 2, 4, 16, 16, torch.float32, 0),
+    "delta_f32_dk128_dv128_r3": lambda d: run_delta(d, 3, 1, 3, 128, 128, torch.float32, 1),
+    "delta_f32_dk24_dv40_r1_masked": lambda d: run_delta(d, 4, 2, 2, 24, 40, torch.float32, 2),
+    "delta_f16_dk64_dv64_r2": lambda d: run_delta(d, 6, 2, 4, 64, 64, torch.float16, 3),
+    "conv_f32_c100_k4": lambda d: run_conv(d, 5, 100, 4, torch.float32, False, 4),
+    "conv_f32_c2100_k4_bias": lambda d: run_conv(d, 3, 2100, 4, torch.float32, True, 5),
+    "conv_f16_c64_k3": lambda d: run_conv(d, 4, 64, 3, torch.float16, False, 6),
+}
+
+
+def main(device: str = "cpu") -> int:
+    failed = 0
+    for name, fn in CHECKS.items():
+        try:
+            status = fn(device)
+        except Exception as e:  # report and go on
+            status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-600:]!r}"
+        failed += not status.startswith("ok")
+        print(f"CHECK {name} {status}", flush=True)
+    return 1 if failed else 0
+
+
+def run_layer(device: str) -> str:
+    """A GatedDeltaNet layer's decode steps through the Triton kernels == through the torch reference."""
+    from types import SimpleNamespace
+
+    from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+    from voltllm.model.state_cache import StateCache
+
+    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6,
+                          hidden_act="silu")
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, 0, torch.float32).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    caches = []
+    outs = []
+    for triton_on in (False, True):
+        layer.triton_decode = triton_on
+        cache = StateCache(1, 4, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, device)
+        torch.manual_seed(1)
+        cache.conv[0].copy_(torch.randn_like(cache.conv[0]))
+        cache.ssm[0].copy_(torch.randn_like(cache.ssm[0]))
+        batch = HybridBatch(cache, torch.tensor([3, 0, 2], device=device),
+                            torch.tensor([True, False, True], device=device), [0, 1, 2, 3], True)
+        steps = []
+        for step in range(3):
+            x = torch.randn(3, 32, generator=torch.Generator().manual_seed(10 + step)).to(device)
+            steps.append(layer(x, batch))
+            batch.has_initial_state = torch.ones(3, dtype=torch.bool, device=device)
+        outs.append(torch.stack(steps))
+        caches.append(cache)
+    layer.triton_decode = None
+    err = (outs[0] - outs[1]).abs().max().item()
+    err_s = (caches[0].ssm[0] - caches[1].ssm[0]).abs().max().item()
+    err_c = (caches[0].conv[0] - caches[1].conv[0]).abs().max().item()
+    if max(err, err_s, err_c) > 1e-4:
+        return f"FAIL out err {err:.3e} ssm err {err_s:.3e} conv err {err_c:.3e}"
+    return f"ok out err {err:.2e}"
+
+
+CHECKS["layer_decode_triton_vs_ref"] = run_layer
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))

@@ -1,0 +1,177 @@
+"""Triton kernels for the Gated DeltaNet decode step (one token per request), fp32 state, no tensor cores.
+
+  causal_conv1d_decode     silu(depthwise conv over [state | x]) and the state shift, in place on the pool
+  gated_delta_rule_decode  l2norm(q, k), q * scale, S = exp(g) S; u = beta (v - S^T k); S += k u^T;
+                           o = S^T q — in place on the fp32 state pool
+
+Both read and write the per-request slots of one layer's pool (voltllm.model.state_cache) and start from
+zeros for a request whose has_initial_state is false. Same entry points and semantics as the
+`decode_only` paths of voltllm.kernels.gdn_ref (the reference these are tested against).
+Grid of the delta rule: (request, value head, block of value columns): the columns of S are independent
+given k and q, so each program owns S[:, cols] in registers and does only FMAs and reductions (fine on
+SM70, which has no tensor cores for fp32 anyway).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.registry import CompileSpec, register_kernel
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    Q, K, V, G, Beta, State, Slots, HasInit, Out,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_betab,
+    stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
+    scale,
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // HV_PER_K
+    offk = tl.arange(0, BLOCK_K)
+    offv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = offk < DK
+    mv = offv < DV
+    q = tl.load(Q + b * stride_qb + hk * stride_qh + offk, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offk, mask=mk, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = q * scale
+    v = tl.load(V + b * stride_vb + h * stride_vh + offv, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(G + b * stride_gb + h).to(tl.float32)
+    beta = tl.load(Beta + b * stride_betab + h).to(tl.float32)
+    slot = tl.load(Slots + b).to(tl.int64)
+    init = tl.load(HasInit + b)
+    ptr = State + slot * stride_ss + h * stride_sh + offk[:, None] * stride_sk + offv[None, :]
+    m2 = mk[:, None] & mv[None, :]
+    s = tl.load(ptr, mask=m2 & (init != 0), other=0.0).to(tl.float32)
+    s = s * tl.exp(g)
+    pred = tl.sum(s * k[:, None], axis=0)
+    u = beta * (v - pred)
+    s = s + k[:, None] * u[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(ptr, s.to(State.dtype.element_ty), mask=m2)
+    tl.store(Out + b * stride_ob + h * stride_oh + offv, o.to(Out.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _conv_decode_kernel(
+    X, W, Bias, State, Slots, HasInit, Out,
+    stride_xb, stride_ss, stride_sk, stride_ob, C,
+    KW: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = offc < C
+    slot = tl.load(Slots + b).to(tl.int64)
+    init = tl.load(HasInit + b)
+    x = tl.load(X + b * stride_xb + offc, mask=mc, other=0.0)
+    acc = x.to(tl.float32) * tl.load(W + offc * KW + (KW - 1), mask=mc, other=0.0).to(tl.float32)
+    base = State + slot * stride_ss + offc
+    # state rows: 0 = oldest input, KW-2 = newest; the new state drops row 0 and appends x
+    for j in tl.static_range(KW - 1):
+        sj = tl.load(base + j * stride_sk, mask=mc & (init != 0), other=0.0)
+        acc += sj.to(tl.float32) * tl.load(W + offc * KW + j, mask=mc, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(base + (j - 1) * stride_sk, sj, mask=mc)
+    if KW > 1:
+        tl.store(base + (KW - 2) * stride_sk, x.to(State.dtype.element_ty), mask=mc)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offc, mask=mc, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(Out + b * stride_ob + offc, acc.to(Out.dtype.element_ty), mask=mc)
+
+
+def _gdn_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        for dk, dv, r in ((128, 128, 3), (128, 128, 2), (64, 64, 1)):
+            sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "State": "*fp32",
+                   "Slots": "*i64", "HasInit": "*i32", "Out": f"*{act}",
+                   **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb",
+                                         "stride_vh", "stride_gb", "stride_betab")},
+                   "stride_ss": "i64", "stride_sh": "i32", "stride_sk": "i32", "stride_ob": "i32",
+                   "stride_oh": "i32", "scale": "fp32",
+                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "BLOCK_K", "BLOCK_V", "L2NORM")}}
+            specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": r, "DK": dk, "DV": dv, "BLOCK_K": dk,
+                                                                "BLOCK_V": 32, "L2NORM": True},
+                                     label=f"{act} dk{dk} dv{dv} r{r}"))
+    return specs
+
+
+def _conv_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        sig = {"X": f"*{act}", "W": f"*{act}", "Bias": f"*{act}", "State": f"*{act}", "Slots": "*i64",
+               "HasInit": "*i32", "Out": f"*{act}", "stride_xb": "i32", "stride_ss": "i64", "stride_sk": "i32",
+               "stride_ob": "i32", "C": "i32",
+               "KW": "constexpr", "BLOCK_C": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr"}
+        specs.append(CompileSpec(signature=sig, constexprs={"KW": 4, "BLOCK_C": 256, "HAS_BIAS": False,
+                                                            "SILU": True}, label=f"{act} k4"))
+    return specs
+
+
+register_kernel("gdn.decode_delta_rule", _gdn_decode_kernel, _gdn_specs(), compat=True)
+register_kernel("gdn.decode_conv1d", _conv_decode_kernel, _conv_specs(), compat=True)
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+                            has_initial_state: torch.Tensor, scale: Optional[float] = None,
+                            use_qk_l2norm: bool = True) -> torch.Tensor:
+    """q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv] fp32; ssm_states [num_slots, Hv, Dk, Dv] fp32 (updated
+    at `slots`, long [B]); has_initial_state bool [B] -> out [B, Hv, Dv] in v's dtype."""
+    bsz, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.empty(bsz, hv, dv, dtype=v.dtype, device=v.device)
+    if bsz == 0:
+        return out
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    assert ssm_states.stride(-1) == 1 and ssm_states.dtype == torch.float32
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
+    grid = (bsz, hv, triton.cdiv(dv, block_v))
+    _gdn_decode_kernel[grid](
+        q, k, v, g, beta, ssm_states, slots, has_initial_state.to(torch.int32), out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
+        float(scale if scale is not None else dk ** -0.5),
+        HV_PER_K=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+        num_warps=4,
+    )
+    return out
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         conv_states: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor,
+                         activation: Optional[str] = "silu") -> torch.Tensor:
+    """x [B, C] (last dim contiguous); weight [C, K] contiguous; conv_states [num_slots, K-1, C] (updated at
+    `slots`) -> out [B, C]."""
+    bsz, c = x.shape
+    kw = weight.shape[1]
+    out = torch.empty_like(x)
+    if bsz == 0:
+        return out
+    if activation not in ("silu", None):
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    assert conv_states.stride(-1) == 1 and conv_states.shape[1:] == (kw - 1, c)
+    block_c = min(1024, triton.next_power_of_2(c))
+    grid = (bsz, triton.cdiv(c, block_c))
+    _conv_decode_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_states, slots, has_initial_state.to(torch.int32), out,
+        x.stride(0), conv_states.stride(0), max(conv_states.stride(1), 1), out.stride(0), c,
+        KW=kw, BLOCK_C=block_c, HAS_BIAS=bias is not None, SILU=activation == "silu",
+        num_warps=4,
+    )
+    return out
