@@ -120,3 +120,19 @@ def test_chat_and_token_prompts(llm):
                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert by_ids.outputs[0].token_ids == out.outputs[0].token_ids
     assert tok.decode(out.prompt_token_ids) == out.prompt
+
+
+def test_async_scheduling_equals_sync(tiny_path, llm):
+    """Async mode schedules step N+1 before step N's tokens reach the host; outputs must not change."""
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=15, seed=5, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[7, 8, 9, 10, 11])]
+    sync = LLM(tiny_path, block_size=4, max_num_batched_tokens=32, async_scheduling=False)
+    assert llm.engine.async_scheduling and not sync.engine.async_scheduling
+    a = llm.generate(PROMPTS[:3], params)
+    b = sync.generate(PROMPTS[:3], params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].finish_reason == y.outputs[0].finish_reason
+    llm.engine.check_integrity()
+    assert llm.engine.kv.usage() == 0.0

@@ -64,7 +64,7 @@ def _run(sched, reqs, step_limit=500):
         assert out.total_tokens <= sched.config.max_num_batched_tokens
         res = RunnerOutput()
         for s in out.scheduled:
-            assert s.start == s.request.num_computed_tokens
+            assert s.start + s.num_new_tokens == s.request.num_computed_tokens
             if s.samples:
                 toks = s.request.all_token_ids
                 res.sampled[s.request.request_id] = (sum(toks) * 31 + len(toks)) % 100

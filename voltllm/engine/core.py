@@ -12,9 +12,9 @@ import torch
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import EngineConfig
 from voltllm.engine.request import Request
-from voltllm.engine.scheduler import RunnerOutput, Scheduler
+from voltllm.engine.scheduler import Scheduler, SchedulerOutput
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from voltllm.worker.runner import ModelRunner
+from voltllm.worker.runner import ModelRunner, StepHandle
 
 logger = logging.getLogger("voltllm")
 
@@ -31,8 +31,12 @@ class EngineCore:
         num_blocks = self.runner.initialize_kv_cache()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner.capture_cuda_graphs()
         self.vocab_size = int(config.model.hf_config.vocab_size)
         self.max_model_len = config.model.max_model_len
+        # async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._inflight: Optional[tuple[SchedulerOutput, StepHandle]] = None
 
     def validate(self, req: EngineCoreRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -65,14 +69,33 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def _finish_inflight(self) -> list[EngineCoreOutput]:
+        sched, handle = self._inflight
+        self._inflight = None
+        return self.scheduler.update(sched, self.runner.collect(handle))
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed.
+
+        Synchronous mode returns this step's outputs. Async mode launches step N+1 before waiting
+        for step N (whose tokens the GPU feeds to N+1 directly), so the CPU's scheduling and input
+        preparation overlap the GPU's forward.
+        """
         sched = self.scheduler.schedule()
-        if sched.empty:
-            return self.scheduler.update(sched, RunnerOutput())
-        result = self.runner.execute(sched)
-        return self.scheduler.update(sched, result)
+        outputs: list[EngineCoreOutput] = []
+        if self._inflight is not None and (not sched.empty and self.runner.needs_host_history(sched)):
+            outputs += self._finish_inflight()
+        handle = None if sched.empty else self.runner.execute_async(sched)
+        if self._inflight is not None:
+            outputs += self._finish_inflight()
+        if handle is not None:
+            self._inflight = (sched, handle)
+            if not self.async_scheduling:
+                outputs += self._finish_inflight()
+        outputs += self.scheduler.take_abort_notices()
+        return outputs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -39,6 +39,9 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # tokens being sampled by a step in flight (async scheduling): their KV positions are scheduled
+        # before their ids are known on the host; the runner takes the ids from the device
+        self.num_pending = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling (-1: not yet)
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int] = None
@@ -58,6 +61,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

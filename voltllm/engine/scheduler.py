@@ -25,11 +25,7 @@ class ScheduledRequest:
     num_new_tokens: int
     start: int  # num_computed_tokens before this step
     block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the request's known tokens (so a token is sampled)."""
-        return self.start + self.num_new_tokens >= self.request.num_tokens
+    samples: bool  # this step reaches the end of the request's tokens, so a new token is sampled
 
 
 @dataclass
@@ -97,7 +93,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            if req.num_output_tokens + req.num_pending >= req.max_tokens:
+                i += 1  # its last token is in flight; it finishes when that arrives
+                continue
+            num_new = min(req.num_tokens_with_pending + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -122,7 +121,7 @@ class Scheduler:
             hit_blocks, num_hit = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
                 if not self.running:
                     need = -(-req.num_tokens // self.kv.block_size)
@@ -148,34 +147,42 @@ class Scheduler:
         return out
 
     def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, self.kv.block_ids(req)))
+        start = req.num_computed_tokens
+        samples = start + num_new >= req.num_tokens_with_pending
+        out.scheduled.append(ScheduledRequest(req, num_new, start, self.kv.block_ids(req), samples))
         out.total_tokens += num_new
+        req.num_computed_tokens = start + num_new  # advanced now, so the next step can be scheduled early
+        if samples:
+            req.num_pending += 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = 0  # a token in flight stays pending and is recomputed with the rest
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # -- results --------------------------------------------------------------------------------
+    def take_abort_notices(self) -> list[EngineCoreOutput]:
+        out, self._aborted_outputs = self._aborted_outputs, []
+        return out
+
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         now = time.monotonic()
-        outputs = self._aborted_outputs
-        self._aborted_outputs = []
+        outputs = self.take_abort_notices()
         for s in sched.scheduled:
             req = s.request
             if req.status.finished or req.request_id not in self.requests:
-                continue  # aborted while the step ran
-            req.num_computed_tokens = s.start + s.num_new_tokens
+                continue  # finished or aborted while the step ran
             plp = result.prompt_logprobs.get(req.request_id)
             if plp:  # entries for prompt tokens start+1, start+2, ...; keep only ones not seen before
                 req.prompt_logprobs.extend(plp[len(req.prompt_logprobs) - s.start:])
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue
+            req.num_pending -= 1
             req.append_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now

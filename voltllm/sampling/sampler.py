@@ -32,15 +32,15 @@ def _pad(lists: list[Sequence[int]], device: torch.device, fill: int) -> torch.T
     for i, x in enumerate(lists):
         if x:
             out[i, : len(x)] = torch.as_tensor(x, dtype=torch.long)
-    return out.to(device, non_blocking=True)
+    return out.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else out
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     dev = logits.device
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev, dtype=logits.dtype)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev, dtype=logits.dtype)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev, dtype=logits.dtype)
+    rep = to_device([r.params.repetition_penalty for r in rows], logits.dtype, dev)
+    freq = to_device([r.params.frequency_penalty for r in rows], logits.dtype, dev)
+    pres = to_device([r.params.presence_penalty for r in rows], logits.dtype, dev)
     out_ids = _pad([r.output_token_ids for r in rows], dev, vocab)
     counts = torch.zeros(len(rows), vocab + 1, device=dev, dtype=logits.dtype)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
@@ -73,26 +73,63 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.empty_like(logits).scatter_(1, order, masked)
 
 
-def compute_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num: list[Optional[int]]
-                     ) -> list[Optional[PositionLogprobs]]:
-    """Top-`num[i]` logprobs plus the sampled token's, per row (None where not asked)."""
-    out: list[Optional[PositionLogprobs]] = [None] * len(num)
-    want = [i for i, n in enumerate(num) if n is not None]
+@dataclass
+class SamplerOutput:
+    """Device tensors of one sampling call; to_host() is the only place that waits for the GPU."""
+
+    tokens: torch.Tensor  # [n] int64
+    num_logprobs: list[Optional[int]]
+    lp_rows: Optional[torch.Tensor] = None  # indices of rows that asked for logprobs
+    chosen_lp: Optional[torch.Tensor] = None  # [len(lp_rows)] logprob of the sampled token
+    top_ids: Optional[torch.Tensor] = None  # [len(lp_rows), k]
+    top_vals: Optional[torch.Tensor] = None
+
+    def copy_to_host_async(self) -> None:
+        """Start device->host copies into pinned memory (non-blocking) so to_host() only waits."""
+        if self.tokens.device.type != "cuda":
+            return
+        def pinned(t):
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            return h
+        self.tokens = pinned(self.tokens)
+        if self.chosen_lp is not None:
+            self.chosen_lp = pinned(self.chosen_lp)
+            self.top_ids, self.top_vals = pinned(self.top_ids), pinned(self.top_vals)
+
+    def to_host(self) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
+        tokens = self.tokens.tolist()
+        out: list[Optional[PositionLogprobs]] = [None] * len(tokens)
+        if self.lp_rows is None:
+            return tokens, out
+        chosen = self.chosen_lp.tolist()
+        ti, tv = self.top_ids.tolist(), self.top_vals.tolist()
+        for j, i in enumerate(self.lp_rows.tolist()):
+            d: PositionLogprobs = {tokens[i]: chosen[j]}
+            for t in range(self.num_logprobs[i]):
+                d.setdefault(ti[j][t], tv[j][t])
+            out[i] = d
+        return tokens, out
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor without a stream sync (pinned staging, non-blocking copy)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _logprob_tensors(raw_logprobs: torch.Tensor, sampled: torch.Tensor, out: SamplerOutput) -> None:
+    want = [i for i, n in enumerate(out.num_logprobs) if n is not None]
     if not want:
-        return out
-    k = max(num[i] for i in want)
-    top_vals, top_ids = (raw_logprobs[want].topk(k, dim=-1) if k > 0 else (None, None))
-    chosen = raw_logprobs[want].gather(1, sampled[want, None]).squeeze(1).tolist()
-    tv = top_vals.tolist() if top_vals is not None else None
-    ti = top_ids.tolist() if top_ids is not None else None
-    sampled_list = sampled.tolist()
-    for j, i in enumerate(want):
-        d: PositionLogprobs = {}
-        d[sampled_list[i]] = chosen[j]
-        for t in range(num[i]):
-            d.setdefault(ti[j][t], tv[j][t])
-        out[i] = d
-    return out
+        return
+    k = max(out.num_logprobs[i] for i in want)
+    rows = to_device(want, torch.long, sampled.device)
+    sub = raw_logprobs[rows]
+    out.lp_rows = torch.tensor(want)
+    out.chosen_lp = sub.gather(1, sampled[rows, None]).squeeze(1)
+    out.top_vals, out.top_ids = sub.topk(max(k, 1), dim=-1)
 
 
 class Sampler:
@@ -101,6 +138,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
                  ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
+        return self.sample(logits, rows).to_host()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
         dev = logits.device
         num_lp = [r.params.logprobs for r in rows]
@@ -119,12 +159,12 @@ class Sampler:
         greedy_mask = [r.params.greedy for r in rows]
         sampled = logits.argmax(dim=-1)
         if not all(greedy_mask):
-            temp = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
+            temp = to_device([max(r.params.temperature, 1e-5) for r in rows], torch.float32, dev)
             scaled = logits / temp[:, None]
             if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
-                top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-                top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-                min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+                top_k = to_device([r.params.top_k for r in rows], torch.long, dev)
+                top_p = to_device([r.params.top_p for r in rows], torch.float32, dev)
+                min_p = to_device([r.params.min_p for r in rows], torch.float32, dev)
                 scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
             probs = scaled.softmax(dim=-1)
             q = torch.empty_like(probs).exponential_(generator=self.default_generator)
@@ -132,8 +172,12 @@ class Sampler:
                 if r.generator is not None and not greedy_mask[i]:
                     q[i].exponential_(generator=r.generator)
             random_tokens = (probs / q).argmax(dim=-1)
-            is_greedy = torch.tensor(greedy_mask, device=dev)
-            sampled = torch.where(is_greedy, sampled, random_tokens)
+            if any(greedy_mask):
+                sampled = torch.where(to_device(greedy_mask, torch.bool, dev), sampled, random_tokens)
+            else:
+                sampled = random_tokens
 
-        logprobs = compute_logprobs(raw_logprobs, sampled, num_lp) if raw_logprobs is not None else [None] * len(rows)
-        return sampled.tolist(), logprobs
+        out = SamplerOutput(tokens=sampled, num_logprobs=num_lp)
+        if raw_logprobs is not None:
+            _logprob_tensors(raw_logprobs, sampled, out)
+        return out

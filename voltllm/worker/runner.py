@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -13,7 +14,8 @@ from voltllm.config import EngineConfig
 from voltllm.engine.scheduler import RunnerOutput, SchedulerOutput
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
-from voltllm.sampling.sampler import Sampler, SamplingRow
+from voltllm.sampling.sampler import Sampler, SamplerOutput, SamplingRow, to_device
+from voltllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("voltllm")
 
@@ -45,6 +47,16 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+@dataclass
+class StepHandle:
+    """A launched step: what collect() needs to turn it into host-side results."""
+
+    sampler_out: Optional[SamplerOutput] = None
+    sampled_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: dict = field(default_factory=dict)
+    event: Optional[torch.cuda.Event] = None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None):
         self.config = config
@@ -56,6 +68,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.sampler = Sampler()
+        self.buffers: Optional[InputBuffers] = None
+        self.graphs = None  # DecodeGraphs once captured
+        self._prev_tokens: Optional[torch.Tensor] = None  # device ids sampled by the last launched step
+        self._prev_rows: dict[str, int] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -116,61 +132,144 @@ class ModelRunner:
         return self.num_blocks
 
     # -- one step -------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput):
+    def _ensure_buffers(self) -> InputBuffers:
+        if self.buffers is None:
+            sc = self.config.scheduler
+            max_blocks = -(-self.config.model.max_model_len // self.block_size) + 1
+            self.buffers = InputBuffers(max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
+                                        sc.max_num_seqs, max_blocks, self.device)
+        return self.buffers
+
+    def prepare(self, sched: SchedulerOutput, pad_to: int = 0):
+        """Fill the input buffers for this step; returns (num_tokens, metadata, pending-token rows)."""
+        buf = self._ensure_buffers()
+        h = buf.host_set()
         bs = self.block_size
-        ids, pos, slots = [], [], []
-        qsl = [0]
-        seq_lens = []
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-        table = np.zeros((len(sched.scheduled), max_blocks), dtype=np.int32)
+        n_seqs = len(sched.scheduled)
+        width = max(len(s.block_ids) for s in sched.scheduled)
+        table = h["block_tables"][: max(n_seqs, pad_to) * width].reshape(-1, width)
+        qsl, seq_lens = [0], []
+        pending_dst, pending_src = [], []
+        t = 0
         for i, s in enumerate(sched.scheduled):
-            req = s.request
-            n = s.num_new_tokens
-            ids.extend(req.all_token_ids[s.start:s.start + n])
+            req, n = s.request, s.num_new_tokens
+            known = req.all_token_ids[s.start:s.start + n]
+            h["input_ids"][t:t + len(known)] = known
+            if len(known) < n:  # the last token is still being sampled by the step in flight
+                pending_dst.append(t + n - 1)
+                pending_src.append(self._prev_rows[req.request_id])
             p = np.arange(s.start, s.start + n)
             bids = np.asarray(s.block_ids, dtype=np.int64)
+            h["positions"][t:t + n] = p
+            h["slot_mapping"][t:t + n] = bids[p // bs] * bs + p % bs
             table[i, : len(bids)] = bids
-            pos.append(p)
-            slots.append(bids[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + n)
+            t += n
+            qsl.append(t)
             seq_lens.append(s.start + n)
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
+        num_tokens = t
+        rows = max(n_seqs, pad_to)
+        if pad_to > n_seqs:  # CUDA-graph padding: one dummy token per extra row, writing nowhere
+            extra = pad_to - n_seqs
+            h["input_ids"][t:t + extra] = 0
+            h["positions"][t:t + extra] = 0
+            h["slot_mapping"][t:t + extra] = -1
+            table[n_seqs:pad_to] = 0
+            qsl.extend(range(t + 1, t + extra + 1))
+            seq_lens.extend([1] * extra)
+            t += extra
+        h["query_start_loc"][: rows + 1] = qsl
+        h["seq_lens"][:rows] = seq_lens
+        buf.upload(t, n_seqs, width, rows)
+        if pending_dst:
+            dst = to_device(pending_dst, torch.long, self.device)
+            src = to_device(pending_src, torch.long, self.device)
+            buf.input_ids.index_copy_(0, dst, self._prev_tokens.index_select(0, src))
         meta = AttentionMetadata(
-            num_tokens=len(ids),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))),
-            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        return input_ids, positions, meta
+            num_tokens=num_tokens, query_start_loc=buf.query_start_loc[: rows + 1], seq_lens=buf.seq_lens[:rows],
+            block_tables=buf.block_tables[:rows], slot_mapping=buf.slot_mapping[:t],
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(rows)), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        return t, meta
+
+    def needs_host_history(self, sched: SchedulerOutput) -> bool:
+        """True when sampling this step needs every earlier token on the host (no async overlap)."""
+        for s in sched.scheduled:
+            sp, req = s.request.sampling_params, s.request
+            if (sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
+                    or req.num_output_tokens + req.num_pending < sp.min_tokens or req.wants_prompt_logprobs):
+                return True
+        return False
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, meta = self.prepare(sched)
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-        hidden = self.model(input_ids, positions, ctx)
-        out = RunnerOutput()
-
+    def execute_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Launch the step's forward and sampling; returns before the GPU finishes."""
+        n_seqs = len(sched.scheduled)
+        graph = None
+        if self.graphs is not None and sched.total_tokens == n_seqs:
+            graph = self.graphs.for_batch(n_seqs)
+        t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0)
+        buf = self.buffers
+        if graph is not None:
+            hidden = graph.replay()
+        else:
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
+        handle = StepHandle()
         qsl = meta.query_start_loc_cpu
-        sample_idx = [qsl[i + 1] - 1 for i, s in enumerate(sched.scheduled) if s.samples]
-        sampling = [s for s in sched.scheduled if s.samples]
+        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
         if sampling:
-            logits = self.model.compute_logits(hidden[sample_idx])
+            idx = [qsl[i + 1] - 1 for i, _ in sampling]
+            rows_idx = (slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1))
+                        else to_device(idx, torch.long, self.device))
+            logits = self.model.compute_logits(hidden[rows_idx])
             rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
-                                s.request.output_token_ids, s.request.generator) for s in sampling]
-            tokens, logprobs = self.sampler(logits, rows)
-            for s, tok, lp in zip(sampling, tokens, logprobs):
-                out.sampled[s.request.request_id] = tok
-                if lp is not None:
-                    out.logprobs[s.request.request_id] = lp
+                                s.request.output_token_ids, s.request.generator) for _, s in sampling]
+            out = self.sampler.sample(logits, rows)
+            self._prev_tokens = out.tokens
+            self._prev_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling)}
+            out.copy_to_host_async()
+            handle.sampler_out = out
+            handle.sampled_ids = [s.request.request_id for _, s in sampling]
         for i, s in enumerate(sched.scheduled):
             req = s.request
             if req.wants_prompt_logprobs and s.start < req.num_prompt_tokens - 1:
-                out.prompt_logprobs[req.request_id] = self._prompt_logprobs(hidden[qsl[i]:qsl[i + 1]], s)
+                handle.prompt_logprobs[req.request_id] = self._prompt_logprobs(hidden[qsl[i]:qsl[i + 1]], s)
+        if self.device.type == "cuda":
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step and return its sampled tokens (host side)."""
+        if handle.event is not None:
+            handle.event.synchronize()
+        out = RunnerOutput(prompt_logprobs=handle.prompt_logprobs)
+        if handle.sampler_out is not None:
+            tokens, logprobs = handle.sampler_out.to_host()
+            for rid, tok, lp in zip(handle.sampled_ids, tokens, logprobs):
+                out.sampled[rid] = tok
+                if lp is not None:
+                    out.logprobs[rid] = lp
         return out
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.execute_async(sched))
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    def capture_cuda_graphs(self) -> None:
+        from voltllm.worker.cuda_graphs import DecodeGraphs
+
+        if (self.device.type != "cuda" or self.config.device.enforce_eager
+                or not getattr(self.backend, "supports_cuda_graphs", False)):
+            logger.info("CUDA graphs off (%s)", "--enforce-eager" if self.config.device.enforce_eager
+                        else "not supported by this device/backend")
+            return
+        t0 = time.monotonic()
+        self._ensure_buffers()
+        self.graphs = DecodeGraphs(self)
+        self.graphs.capture()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
+                    self.graphs.sizes, time.monotonic() - t0)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, s) -> list[Optional[PositionLogprobs]]:
         """Logprobs of prompt tokens start+1 .. (end of this chunk, within the prompt)."""
@@ -182,11 +281,14 @@ class ModelRunner:
         chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
         k = req.sampling_params.prompt_logprobs
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
+        top_i = top_i.tolist() if k > 0 else None
+        top_v = top_v.tolist() if k > 0 else None
+        tl = targets.tolist()
         result: list[Optional[PositionLogprobs]] = []
         for j in range(n):
-            d = {int(targets[j]): chosen[j]}
+            d = {tl[j]: chosen[j]}
             if k > 0:
-                for t, v in zip(top_i[j].tolist(), top_v[j].tolist()):
+                for t, v in zip(top_i[j], top_v[j]):
                     d.setdefault(t, v)
             result.append(d)
         return result

@@ -1,0 +1,90 @@
+"""CUDA graphs for decode batches: one graph per bucketed batch size, replayed on padded inputs.
+
+Each graph runs the whole model forward (all layers, attention included) on the runner's persistent
+input buffers and writes the final hidden states to a static output; logits and sampling stay eager
+(they are two kernels, and the logits of big vocabularies would cost a static buffer per bucket).
+The attention metadata is captured with max_seq_len = --max-model-len, so split-KV grids fit any
+context the engine can hold.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from voltllm.attention.backend import AttentionMetadata
+from voltllm.model.forward_context import ForwardContext
+
+
+def graph_batch_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
+    top = min(max_num_seqs, limit)
+    sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+@dataclass
+class CapturedGraph:
+    batch_size: int
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.hidden
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        self.sizes = graph_batch_sizes(runner.config.scheduler.max_num_seqs)
+        self.graphs: dict[int, CapturedGraph] = {}
+        self.pool = None
+        self.replays = 0
+
+    def for_batch(self, n: int) -> Optional[CapturedGraph]:
+        i = bisect.bisect_left(self.sizes, n)
+        if i == len(self.sizes):
+            return None
+        g = self.graphs.get(self.sizes[i])
+        if g is not None:
+            self.replays += 1
+        return g
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        buf = self.runner.buffers
+        return AttentionMetadata(
+            num_tokens=bs, query_start_loc=buf.query_start_loc[: bs + 1], seq_lens=buf.seq_lens[:bs],
+            block_tables=buf.block_tables[:bs], slot_mapping=buf.slot_mapping[:bs], max_query_len=1,
+            max_seq_len=self.runner.config.model.max_model_len,
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        r = self.runner
+        buf = r.buffers
+        # dummy decode inputs: every row attends to one token in block 0 and writes nowhere
+        buf.input_ids.zero_()
+        buf.positions.zero_()
+        buf.slot_mapping.fill_(-1)
+        buf.query_start_loc.copy_(torch.arange(buf.query_start_loc.numel(), dtype=torch.int32))
+        buf.seq_lens.fill_(1)
+        buf.block_tables.zero_()
+        self.pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            ctx = ForwardContext(meta=self._meta(bs), kv_caches=r.kv_caches, backend=r.backend)
+            ids, pos = buf.input_ids[:bs], buf.positions[:bs]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile Triton kernels and settle the allocator outside capture
+                    r.model(ids, pos, ctx)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = r.model(ids, pos, ctx)
+            self.graphs[bs] = CapturedGraph(bs, graph, hidden)
+        torch.cuda.synchronize()
