@@ -73,6 +73,10 @@ class DecodeGraphs:
         buf.query_start_loc.copy_(torch.arange(buf.query_start_loc.numel(), dtype=torch.int32))
         buf.seq_lens.fill_(1)
         buf.block_tables.zero_()
+        heads, dim = r.model.kv_heads_and_dim
+        num_q_heads = r.model.config.num_attention_heads
+        if hasattr(r.backend, "reserve"):  # split-KV scratch must exist before capture
+            r.backend.reserve(self.sizes[-1], num_q_heads, heads, dim, r.config.model.max_model_len, r.device)
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             ctx = ForwardContext(meta=self._meta(bs), kv_caches=r.kv_caches, backend=r.backend)

@@ -26,14 +26,12 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
         from voltllm.attention.torch_ref import TorchReferenceBackend
 
         return TorchReferenceBackend()
-    try:
-        from voltllm.attention.triton_backend import TritonAttentionBackend
-    except ImportError:
-        from voltllm.attention.torch_ref import TorchReferenceBackend
+    if name not in ("", "TRITON_ATTN"):
+        raise ValueError(f"--attention-backend {name}: unknown (choose TRITON_ATTN or TORCH_REF)")
+    from voltllm.attention.triton_backend import TritonAttentionBackend
 
-        logger.warning("Triton attention backend unavailable; using the torch reference backend")
-        return TorchReferenceBackend()
-    return TritonAttentionBackend()
+    # the compat route (sm70/sm75) keeps decode attention off tensor cores (FMA), as those chips need
+    return TritonAttentionBackend(use_tensor_cores=False if config.device.compat != "none" else None)
 
 
 @torch.no_grad()
@@ -260,7 +258,7 @@ class ModelRunner:
         from voltllm.worker.cuda_graphs import DecodeGraphs
 
         if (self.device.type != "cuda" or self.config.device.enforce_eager
-                or not getattr(self.backend, "supports_cuda_graphs", False)):
+                or self.backend.name != "TRITON_ATTN"):
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if self.config.device.enforce_eager
                         else "not supported by this device/backend")
             return
