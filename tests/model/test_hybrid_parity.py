@@ -235,8 +235,9 @@ def test_greedy_tokens_match_generate(checkpoints):
     model = _ours("qwen3_next", path)
     prompt = _prompts(4, [19])[0]
     with torch.no_grad():
-        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                           pad_token_id=0)[0, len(prompt):].tolist()
+        gen = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                           pad_token_id=VOCAB)[0, len(prompt):].tolist()
     h = Harness(model)
     tokens = list(prompt)
     logits = h.step([("g", tokens, 0, 12)])[0]
@@ -266,6 +267,52 @@ def test_multimodal_names_and_tied_head(checkpoints):
     with pytest.raises(ValueError, match="missing"):
         Qwen3_5ForCausalLM(cfg, torch.float32, 64).load_weights(
             (n, t) for n, t in safetensors_weights(path) if "in_proj_a" not in n)
+
+
+def test_resume_without_state_raises(checkpoints):
+    """A request that starts at token 16 (as after a prefix-cache hit) in a fresh slot must not run."""
+    path, _ = checkpoints["qwen3_5"]
+    h = Harness(_ours("qwen3_5", path))
+    seq = _prompts(5, [40])[0]
+    h.step([("a", seq, 0, 16)])
+    with pytest.raises(RuntimeError, match="covers 0 tokens"):
+        h.step([("hit", seq, 16, 4)])
+    with pytest.raises(RuntimeError, match="covers 16 tokens"):
+        h.step([("a", seq, 20, 4)])  # skipping tokens 16..19
+
+
+def test_padding_rows_and_profiling_forward(checkpoints):
+    """Slot -1 rows (CUDA-graph padding) leave real slots alone; a forward without state info (memory
+    profiling) runs when nothing resumes, and raises when something does."""
+    path, ref = checkpoints["qwen3_5"]
+    model = _ours("qwen3_5", path)
+    seq = _prompts(6, [12])[0]
+    r = _ref_logits(ref, seq)
+    h = Harness(model)
+    h.step([("a", seq, 0, 11)])
+    slot = h.states.slot_of("a")
+    meta = AttentionMetadata(num_tokens=1, query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                             seq_lens=torch.tensor([12, 1, 1], dtype=torch.int32),
+                             block_tables=torch.tensor([h.blocks["a"], [0], [0]], dtype=torch.int32),
+                             slot_mapping=torch.tensor([h.blocks["a"][0] * 16 + 11, -1, -1]), max_query_len=1,
+                             max_seq_len=12, query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=[12, 1, 1])
+    ctx = ForwardContext(meta=meta, kv_caches=h.kv, backend=h.backend,
+                         extra={"state_cache": h.states, "state_slots": [slot, -1, -1]})
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.tensor([seq[11], 0, 0]), torch.tensor([11, 0, 0]), ctx))
+    _close(logits[:1], r[11:12])
+    # profiling-style forward: fresh KV, no extra
+    kv = make_kv_cache(1, 4, 16, *model.kv_heads_and_dim, torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata(num_tokens=12, query_start_loc=torch.tensor([0, 12], dtype=torch.int32),
+                             seq_lens=torch.tensor([12], dtype=torch.int32),
+                             block_tables=torch.tensor([[0]], dtype=torch.int32), slot_mapping=torch.arange(12),
+                             max_query_len=12, max_seq_len=12, query_start_loc_cpu=[0, 12], seq_lens_cpu=[12])
+    with torch.no_grad():
+        out = model.compute_logits(model(torch.tensor(seq), torch.arange(12), ForwardContext(meta, kv, h.backend)))
+    _close(out, r)
+    meta.seq_lens_cpu = [13]
+    with pytest.raises(RuntimeError, match="state_cache"):
+        model(torch.tensor(seq), torch.arange(1, 13), ForwardContext(meta, kv, h.backend))
 
 
 def test_state_spec_and_slot_bytes(checkpoints):

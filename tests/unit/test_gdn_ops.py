@@ -166,4 +166,19 @@ def test_state_cache_slots():
     c.free("a")  # no-op
     assert c.slot_of("a") is None and c.allocate("d") == a
     c.check_integrity()
-    assert c.ssm[0].dtype == torch.float32 and c.conv[0].shape == (3, 3, 8)
+    assert c.ssm[0].dtype == torch.float32 and c.conv[0].shape == (4, 3, 8) and c.pad_slot == 3  # + scratch row
+
+
+def test_state_cache_note_step():
+    c = StateCache(num_layers=1, num_slots=2, conv_shape=(3, 8), ssm_shape=(2, 4, 4), conv_dtype=torch.float32)
+    a, b = c.allocate("a"), c.allocate("b")
+    c.note_step([a, b, -1, -1], [0, 0, 0, 0], [5, 3, 1, 1])
+    c.note_step([a, b], [5, 3], [6, 9])
+    assert c.num_tokens[a] == 6 and c.num_tokens[b] == 9
+    with pytest.raises(RuntimeError, match="covers 6 tokens"):
+        c.note_step([a], [7], [8])
+    with pytest.raises(ValueError, match="share"):
+        c.note_step([a, a], [0, 0], [1, 1])
+    c.note_step([b], [0], [4])  # restart from token 0 (preemption) is always allowed
+    c.free("a")
+    assert c.num_tokens[c.allocate("c")] == 0

@@ -18,6 +18,12 @@ API
   free(request_id)                 give the slot back (no-op if the request holds none)
   slot_of(request_id) -> slot | None
   num_free, num_slots, bytes_per_slot (static helper: for the memory budget next to KV blocks)
+  num_tokens[slot]                 how many tokens of its request the slot's state covers
+  note_step(slots, starts, ends)   check that each request resumes where its slot's state ends (or at 0)
+                                   and record the new ends; the model's forward calls it (a CUDA-graph
+                                   replay, which skips the model's Python, must call it itself)
+  pad_slot                         a scratch slot (index num_slots) for padding rows: a state_slots entry
+                                   of -1 (CUDA-graph padding) reads zeros and writes there
   reset(slot)                      zero both states of a slot (all layers)
   copy_slot(src, dst)              copy both states (seam for prefix-cache snapshots later)
 
@@ -29,7 +35,8 @@ A request whose context before this step is empty (seq_len - query_len == 0) sta
 state whatever the slot holds, so a fresh slot needs no zeroing, and a preempted request that is
 recomputed from token 0 resets itself. A request resuming at num_computed > 0 reads its slot: the
 slot must hold exactly the state after those tokens (the runner keeps the slot for the request's
-whole life; prefix-cache hits for hybrid models need a restored snapshot, not built yet).
+whole life; prefix-cache hits for hybrid models need a restored snapshot, not built yet). The forward
+checks this against num_tokens[slot] and raises instead of computing from a wrong state.
 """
 from __future__ import annotations
 
@@ -48,12 +55,14 @@ class StateCache:
         self.num_slots = num_slots
         self.conv_shape = tuple(conv_shape)
         self.ssm_shape = tuple(ssm_shape)
-        self.conv = [torch.zeros(num_slots, *self.conv_shape, dtype=conv_dtype, device=device)
+        # one extra row: the scratch slot of padding rows
+        self.conv = [torch.zeros(num_slots + 1, *self.conv_shape, dtype=conv_dtype, device=device)
                      for _ in range(num_layers)]
-        self.ssm = [torch.zeros(num_slots, *self.ssm_shape, dtype=ssm_dtype, device=device)
+        self.ssm = [torch.zeros(num_slots + 1, *self.ssm_shape, dtype=ssm_dtype, device=device)
                     for _ in range(num_layers)]
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._owner: dict[Hashable, int] = {}
+        self.num_tokens: list[int] = [0] * num_slots
 
     @classmethod
     def for_model(cls, model: Any, num_slots: int, device: torch.device | str = "cpu") -> "StateCache":
@@ -73,6 +82,10 @@ class StateCache:
                                                                          spec.get("ssm_dtype", torch.float32))
         return per_layer * spec["num_layers"]
 
+    @property
+    def pad_slot(self) -> int:
+        return self.num_slots
+
     # -- slots ----------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
@@ -89,12 +102,28 @@ class StateCache:
             raise RuntimeError(f"state cache exhausted: all {self.num_slots} slots are in use")
         slot = self._free.pop()
         self._owner[request_id] = slot
+        self.num_tokens[slot] = 0
         return slot
 
     def free(self, request_id: Hashable) -> None:
         slot = self._owner.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
+
+    def note_step(self, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> None:
+        """Request i computes tokens starts[i]:ends[i] with slot slots[i] (-1: padding row, ignored)."""
+        real = [s for s in slots if s >= 0]
+        if len(set(real)) != len(real):
+            raise ValueError(f"two requests of the batch share a state slot: {list(slots)}")
+        for i, slot in enumerate(slots):
+            if slot >= 0 and starts[i] and self.num_tokens[slot] != starts[i]:
+                raise RuntimeError(
+                    f"request {i} of the batch resumes at token {starts[i]} but its state slot {slot} covers "
+                    f"{self.num_tokens[slot]} tokens (a hybrid model cannot resume from a prefix-cache hit or "
+                    "a freed slot without a state snapshot)")
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                self.num_tokens[slot] = ends[i]
 
     def check_integrity(self) -> None:
         used = set(self._owner.values())
@@ -109,8 +138,10 @@ class StateCache:
         for c, s in zip(self.conv, self.ssm):
             c[slot].zero_()
             s[slot].zero_()
+        self.num_tokens[slot] = 0
 
     def copy_slot(self, src: int, dst: int) -> None:
         for c, s in zip(self.conv, self.ssm):
             c[dst].copy_(c[src])
             s[dst].copy_(s[src])
+        self.num_tokens[dst] = self.num_tokens[src]

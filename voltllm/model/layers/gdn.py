@@ -38,24 +38,40 @@ class HybridBatch:
     decode_only: bool  # every request has exactly one query row
 
     @classmethod
-    def from_context(cls, ctx: ForwardContext) -> "HybridBatch":
-        extra = ctx.extra
-        if "state_cache" not in extra or "state_slots" not in extra:
-            raise RuntimeError("hybrid model: ForwardContext.extra needs 'state_cache' (a StateCache) and "
-                               "'state_slots' (one slot per request in batch order)")
+    def from_context(cls, ctx: ForwardContext, spec: Any = None) -> "HybridBatch":
+        """ctx.extra["state_slots"]: one slot per request of the metadata (-1 = padding row).
+        Without ctx.extra["state_cache"] (memory profiling, warm-up) every request must start at token 0:
+        a throwaway cache is made from `spec` (the model's state_spec)."""
         meta = ctx.meta
         qsl = list(meta.query_start_loc_cpu)
-        slots = extra["state_slots"]
-        if len(slots) != meta.num_seqs:
-            raise ValueError(f"state_slots has {len(slots)} entries for {meta.num_seqs} requests")
-        cache = extra["state_cache"]
+        n = meta.num_seqs
+        ends = list(meta.seq_lens_cpu)
+        starts = [ends[i] - (qsl[i + 1] - qsl[i]) for i in range(n)]
+        cache = ctx.extra.get("state_cache")
+        if cache is None:
+            if any(starts) or spec is None:
+                raise RuntimeError("hybrid model: ForwardContext.extra needs 'state_cache' (a StateCache) and "
+                                   "'state_slots' (one slot per request in batch order)")
+            from voltllm.model.state_cache import StateCache
+
+            device = ctx.kv_caches[0].device if ctx.kv_caches else torch.device("cpu")
+            cache = StateCache(spec["num_layers"], max(n, 1), spec["conv_shape"], spec["ssm_shape"],
+                               spec["conv_dtype"], device, spec.get("ssm_dtype", torch.float32))
+            slots = list(range(n))
+        else:
+            slots = ctx.extra.get("state_slots")
+            if slots is None:
+                raise RuntimeError("hybrid model: ForwardContext.extra['state_slots'] is missing")
+            slots = slots.tolist() if isinstance(slots, torch.Tensor) else [int(x) for x in slots]
+        if len(slots) != n:
+            raise ValueError(f"state_slots has {len(slots)} entries for {n} requests")
+        cache.note_step(slots, starts, ends)
         device = cache.ssm[0].device if cache.ssm else torch.device("cpu")
-        qlens = [qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)]
-        init = [meta.seq_lens_cpu[i] - qlens[i] > 0 for i in range(meta.num_seqs)]
-        slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(list(slots), dtype=torch.long)
-        return cls(state_cache=cache, slots=slots_t.to(device=device, dtype=torch.long),
+        init = [starts[i] > 0 and slots[i] >= 0 for i in range(n)]
+        rows = [x if x >= 0 else cache.pad_slot for x in slots]
+        return cls(state_cache=cache, slots=torch.tensor(rows, dtype=torch.long).to(device),
                    has_initial_state=torch.tensor(init, dtype=torch.bool).to(device),
-                   query_start_loc=qsl, decode_only=all(n == 1 for n in qlens))
+                   query_start_loc=qsl, decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(n)))
 
 
 class GatedDeltaNet(nn.Module):

@@ -185,7 +185,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        batch = HybridBatch.from_context(ctx) if self._num_gdn else None
+        batch = HybridBatch.from_context(ctx, self.state_spec) if self._num_gdn else None
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
