@@ -1,0 +1,222 @@
+"""`voltllm bench`: metric definitions on synthetic timestamps, limits math, named shapes, the streaming
+client's token counting (mock server), and one tiny end-to-end in-process run on the CPU."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from voltllm.bench import limits as L
+from voltllm.bench.inprocess import Plan, make_plans, random_prompts, run_protocol
+from voltllm.bench.metrics import (RequestTiming, RunResult, common_window, concurrent_decode_tok_s, headline,
+                                   output_tok_s, prefill_tok_s, pure_decode_tok_s, speedup, summarize, table_rows)
+
+
+# -- metric definitions ---------------------------------------------------------------------------
+def test_pure_decode_excludes_first_token_and_ttft():
+    # 5 tokens, first at t=1.0 (after a long prefill), last at t=3.0: 4 decode tokens in 2 s
+    assert pure_decode_tok_s(5, 1.0, 3.0) == pytest.approx(2.0)
+    assert pure_decode_tok_s(1, 1.0, 1.0) is None  # no decode phase
+    assert pure_decode_tok_s(3, 2.0, 2.0) is None
+
+
+def test_common_window_uniform_batch_equals_batch_over_step_time():
+    step, n, c = 0.01, 10, 4
+    times = [[1.0 + step * k for k in range(n)] for _ in range(c)]
+    assert concurrent_decode_tok_s(times) == pytest.approx(c / step)
+    # batch 1: the common window is the request's decode phase, so it equals pure decode
+    assert concurrent_decode_tok_s(times[:1]) == pytest.approx(pure_decode_tok_s(n, times[0][0], times[0][-1]))
+
+
+def test_common_window_staggered_requests():
+    a = [1.0, 2.0, 3.0, 4.0, 5.0]
+    b = [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    c = [1.5, 2.5, 3.5, 4.5]
+    assert common_window([a, b, c]) == (2.0, 4.5)  # latest first token, earliest last token
+    # tokens stamped in (2.0, 4.5]: a 3,4; b 3,4; c 2.5,3.5,4.5 -> 7 tokens over 2.5 s
+    assert concurrent_decode_tok_s([a, b, c]) == pytest.approx(7 / 2.5)
+    # no overlap (one request ends before another starts): no common window
+    assert concurrent_decode_tok_s([[1.0, 2.0], [3.0, 4.0]]) is None
+
+
+def test_output_and_prefill_rates():
+    assert output_tok_s(64 * 128, 2.0) == pytest.approx(4096.0)
+    assert output_tok_s(10, 0.0) is None
+    assert prefill_tok_s(8192, 0, 0.5) == pytest.approx(16384.0)
+    assert prefill_tok_s(8192, 8000, 0.5) == pytest.approx(384.0)  # prefix-cache hits are not computed
+
+
+def _run(label: str, decode_s: float, ttft: float = 0.1) -> RunResult:
+    first = 10.0 + ttft
+    times = [first + decode_s * k / 9 for k in range(10)]
+    req = RequestTiming(prompt_tokens=100, output_tokens=10, arrival=10.0, first_token=first, last_token=times[-1],
+                        scheduled=10.0, token_times=times)
+    return RunResult("decode", 1, label, 100, 10, 10.0, times[-1], [req])
+
+
+def test_protocol_summary_reports_warm_median_and_all_values():
+    runs = [_run("cold", 9.0), _run("warm1", 1.0), _run("warm2", 3.0), _run("warm3", 1.5)]
+    s = summarize(runs, "pure_decode_tok_s")
+    assert s["warm"] == pytest.approx([9.0, 3.0, 6.0])
+    assert s["median"] == pytest.approx(6.0)
+    assert s["cold"] == pytest.approx(1.0)
+    rows = table_rows(runs)
+    assert {r["metric"] for r in rows} == {"pure_decode_tok_s", "ttft_ms", "output_tok_s"}
+    hl = headline(rows)
+    assert hl["pure_decode_tok_s"] == pytest.approx(6.0)
+    assert hl["ttft_ms"] == pytest.approx(100.0)
+    assert speedup(200.0, 100.0, "pure_decode_tok_s") == 2.0 and speedup(50.0, 100.0, "ttft_ms") == 2.0
+
+
+def test_plans_and_prompts():
+    plans = make_plans("all", [1, 4])
+    assert plans == [Plan("decode", 1, 512, 256), Plan("concurrency", 1, 128, 128), Plan("concurrency", 4, 128, 128),
+                     Plan("prefill", 1, 8192, 1)]
+    assert make_plans("decode", [8], 32, 4) == [Plan("decode", 1, 32, 4)]
+    p = random_prompts(3, 7, 100, seed=5)
+    assert p == random_prompts(3, 7, 100, seed=5) and len(p) == 3 and all(0 <= t < 100 for r in p for t in r)
+    # every run gets fresh prompts (no prefix-cache hits between warm runs), the same ones for every runner
+    seen = []
+    run_protocol([Plan("decode", 1, 8, 2)], lambda plan, run, prompts: seen.append(prompts) or _run(run, 1.0),
+                 vocab_size=1000, seed=0, num_warm=3)
+    assert len(seen) == 4 and len({tuple(s[0]) for s in seen}) == 4
+
+
+# -- limits ---------------------------------------------------------------------------------------
+def test_decode_and_prefill_limit_math():
+    cost = L.ModelCost(weight_bytes=16_000_000_000, matmul_params=7_000_000_000, logits_params=600_000_000,
+                       kv_bytes_per_token=100_000, state_bytes_per_request=0, attention_layers=36, q_heads=32,
+                       head_dim=128)
+    dev = L.DeviceLimits("cuda", copy_GBps=4000.0, matmul_TFLOPs=800.0, matmul_dtype="float16", copy_bytes=1,
+                         matmul_n=8192)
+    step = (16e9 + 100_000 * 640) / 4000e9
+    assert L.decode_limit_tok_s(cost, dev, 1, 640) == pytest.approx(1 / step)
+    assert L.decode_limit_tok_s(cost, dev, 4, 640) == pytest.approx(4 / ((16e9 + 4 * 100_000 * 640) / 4000e9))
+    flops = 2 * 7e9 * 8192 + 2 * 600e6 + 4 * 36 * 32 * 128 * 8192 ** 2 / 2
+    assert L.prefill_limit_tok_s(cost, dev, 8192) == pytest.approx(8192 / (flops / 800e12))
+    # roofline: a huge batch is capped by FLOPs, not bytes
+    big = L.decode_limit_tok_s(cost, dev, 4096, 640, roofline=True)
+    assert big < L.decode_limit_tok_s(cost, dev, 4096, 640)
+
+
+def test_measure_device_on_cpu():
+    d = L.measure_device(torch.device("cpu"), torch.float32, copy_mib=4, matmul_n=64, iters=3)
+    assert d.copy_GBps > 0 and d.matmul_TFLOPs > 0 and len(d.copy_samples_GBps) == 3
+    assert d.copy_bytes == 4 << 20 and d.matmul_dtype == "float32"
+
+
+def test_named_shapes_have_the_documented_sizes(tmp_path):
+    from voltllm.bench.shapes import make_config, materialize, shape_names
+
+    assert shape_names() == ["qwen3-0.6b-shape", "qwen3-8b-shape", "qwen3.5-27b-shape"]
+    cfg = make_config("qwen3-8b-shape")
+    cost = L.meta_model_cost(cfg, torch.float16)
+    # 8.19 B parameters in fp16 (norm weights may be kept in fp32: a few hundred KB more)
+    assert cost.matmul_params + 2 * cost.logits_params == 8_190_735_360
+    assert 2 * 8_190_735_360 <= cost.weight_bytes < 2 * 8_190_735_360 * 1.0001
+    assert cost.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2
+    # the weight-read floor on a ~4.26 TB/s card: ~3.8 ms per step (GPU.md)
+    dev = L.DeviceLimits("cuda", 4260.0, 780.0, "float16", 1, 8192)
+    assert 250 < L.decode_limit_tok_s(cost, dev, 1, 640) < 265
+    hybrid = make_config("qwen3.5-27b-shape")
+    assert hybrid.layer_types.count("full_attention") == 16 and hybrid.num_hidden_layers == 64
+    path = materialize("qwen3-0.6b-shape", str(tmp_path))
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    assert saved["hidden_size"] == 1024 and saved["tie_word_embeddings"] is True
+    assert materialize(path, str(tmp_path)) == path  # a directory is used as it is
+    with pytest.raises(ValueError):
+        materialize("no-such-shape", str(tmp_path))
+
+
+# -- client against a mock streaming server -------------------------------------------------------
+def _sse(objs: list) -> bytes:
+    return b"".join(b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n\n" for o in objs)
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_client_counts_tokens_per_chunk(continuous):
+    httpx = pytest.importorskip("httpx")
+    from voltllm.bench.client import ClientRunner
+
+    sent = []
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        sent.append(body)
+        n = body["max_tokens"]
+        chunks, made = [], 0
+        for k, step in enumerate([1, 2, n - 3]):  # the second chunk carries two tokens (merged text)
+            made += step
+            c = {"choices": [{"index": 0, "text": "x" * step, "finish_reason": "length" if made == n else None}]}
+            c["usage"] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": made} if continuous else None
+            chunks.append(c)
+        chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
+        chunks.append(b"[DONE]")
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
+    try:
+        r = runner(Plan("concurrency", 2, 5, 6), "warm1", [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    finally:
+        runner.close()
+    assert runner.model == "m" and len(sent) == 2
+    body = sent[0]
+    assert body["prompt"] == [1, 2, 3, 4, 5] and body["ignore_eos"] is True and body["stream"] is True
+    assert body["max_tokens"] == body["min_tokens"] == 6
+    assert all(req.output_tokens == 6 and len(req.token_times) == 6 for req in r.requests)
+    assert r.side == "client" and r.metrics()["output_tok_s"] > 0
+
+
+# -- end to end, in-process, tiny random model on the CPU ------------------------------------------
+def test_bench_end_to_end_tiny_model(tmp_path):
+    from transformers import Qwen3Config
+
+    from voltllm.bench.cli import main
+
+    model_dir = tmp_path / "tiny"
+    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
+    out = tmp_path / "results"
+    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "all", "--concurrency", "1,3",
+            "--input-len", "12", "--output-len", "5", "--num-warm", "3", "--output-dir", str(out), "--name", "tiny",
+            "--limit-copy-mib", "4", "--limit-matmul-n", "64", "--limit-iters", "3", "--baseline", "hf",
+            "--baseline-num-warm", "1", "--baseline-max-concurrency", "1", "--commit", "abc123"]
+    assert main(argv) == 0
+    with open(out / "tiny.json") as f:
+        res = json.load(f)
+    for key in ("name", "gpu", "commit", "command", "metrics", "limit", "env", "baseline"):
+        assert key in res, key
+    assert res["name"] == "tiny" and res["gpu"] == "cpu" and res["commit"] == "abc123"
+    assert res["command"].startswith("voltllm bench --random-weights")
+    m = res["metrics"]
+    assert m["pure_decode_tok_s"] > 0 and m["ttft_ms"] > 0 and m["prefill_tok_s"] > 0
+    assert set(m["concurrent_decode_tok_s"]) == {"1", "3"} and set(m["output_tok_s"]) == {"1", "3"}
+    assert all(v > 0 for v in m["output_tok_s"].values())
+    assert len(m["runs"]) == 4 * 4  # (decode, c=1, c=3, prefill) x (1 cold + 3 warm)
+    for run in m["runs"]:
+        assert all(r["output_tokens"] == 5 for r in run["requests"])
+    row = next(r for r in m["table"] if r["metric"] == "pure_decode_tok_s")
+    assert len(row["warm"]) == 3 and row["cold"] is not None
+    lim = res["limit"]
+    for key in ("copy_GBps", "matmul_TFLOPs", "decode_limit_tok_s", "ratio"):
+        assert lim[key] > 0, key
+    assert lim["model_cost"]["weight_bytes"] == 4 * sum((512 * 64 * 2, 2 * (64 * 4 * 16 * 2 + 64 * 2 * 16 * 2),
+                                                        2 * 3 * 64 * 128, 2 * (2 * 64 + 2 * 16), 64))
+    for key in ("torch", "triton", "transformers"):
+        assert key in res["env"]
+    hf = res["baseline"]["hf"]
+    assert "error" not in hf, hf.get("error")
+    assert hf["metrics"]["pure_decode_tok_s"] > 0 and set(hf["metrics"]["output_tok_s"]) == {"1"}
+    assert hf["ratios_voltllm_over_hf"]["pure_decode_tok_s"] > 0
+
+
+def test_bench_is_a_voltllm_command():
+    from voltllm.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--random-weights", "qwen3-8b-shape", "--dtype", "half"])
+    assert args.func.__module__ == "voltllm.bench.cli" and args.scenario == "decode"

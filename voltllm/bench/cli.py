@@ -1,0 +1,446 @@
+"""`voltllm bench`: the metrics of DESIGN.md ("Benchmark definitions") with the ratio to the hardware limit.
+
+In-process (default): builds the engine from the same engine flags as `voltllm serve` and drives it
+directly. Against a server: `--base-url http://host:port`. `--baseline hf` also runs transformers'
+generate on the same model and prompts in the same call. Writes benchmarks/results/<name>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+from voltllm.bench import limits as L
+from voltllm.bench.inprocess import SCENARIOS, Plan, make_plans, run_protocol
+from voltllm.bench.metrics import find_row, format_table, headline, speedup, table_rows
+
+logger = logging.getLogger("voltllm.bench")
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return out
+
+
+def _str_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("bench")
+    g.add_argument("--random-weights", default=None, metavar="NAME|DIR",
+                   help="random weights at a named shape (qwen3-8b-shape, qwen3-0.6b-shape, qwen3.5-27b-shape) "
+                        "or at the shape of a directory's config.json (implies --load-format dummy)")
+    g.add_argument("--scenario", default="decode", choices=list(SCENARIOS) + ["all"],
+                   help="decode: batch 1, 512 in / 256 out; concurrency: C requests together, 128/128; "
+                        "prefill: one 8192-token prompt; all: the three")
+    g.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: per scenario)")
+    g.add_argument("--output-len", type=int, default=None, help="forced output tokens (default: per scenario)")
+    g.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
+    g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts (and sampling seeds)")
+    g.add_argument("--name", default=None, help="result file name (default: model-dtype-scenario-time)")
+    g.add_argument("--output-dir", default=os.path.join("benchmarks", "results"))
+    g.add_argument("--commit", default=None, help="record this commit when the tree is not a git checkout")
+    g.add_argument("--baseline", type=_str_list, default=[], metavar="hf[,hf-static]",
+                   help="also run transformers generate on the same model and prompts: hf (plain generate) "
+                        "and/or hf-static (static cache + transformers' own compile)")
+    g.add_argument("--baseline-num-warm", type=int, default=None, help="warm runs of the baseline (default --num-warm)")
+    g.add_argument("--baseline-max-concurrency", type=int, default=None,
+                   help="skip baseline configurations above this concurrency")
+    g.add_argument("--base-url", default=None, help="measure a running server (streaming /v1/completions)")
+    g.add_argument("--server-model", default=None, help="model name to send to the server (default: its first)")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--prompt-vocab", type=int, default=None,
+                   help="random prompt ids are drawn from [0, N) (default: the model's vocabulary; 10000 "
+                        "against a server whose config is not given)")
+    g.add_argument("--no-limits", action="store_true", help="do not measure copy bandwidth / matmul rate")
+    g.add_argument("--limit-copy-mib", type=int, default=None, help="copy test buffer (default 1024 GPU, 32 CPU)")
+    g.add_argument("--limit-matmul-n", type=int, default=None, help="matmul test size (default 8192 GPU, 256 CPU)")
+    g.add_argument("--limit-iters", type=int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
+
+
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    from voltllm.cli_args import add_engine_args
+
+    p = subparsers.add_parser("bench", help=help, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None, help="model path (HF directory or .gguf file)")
+    add_bench_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`voltllm bench ARGS` as a function (records argv as the command)."""
+    p = argparse.ArgumentParser(prog="voltllm")
+    add_parser(p.add_subparsers(dest="command", required=True), "bench")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(["bench"] + argv)
+    args.bench_argv = ["voltllm", "bench"] + argv
+    return run_bench(args)
+
+
+# -- record keeping -------------------------------------------------------------------------------
+def _command(args: argparse.Namespace) -> str:
+    argv = getattr(args, "bench_argv", None)
+    if argv is None:
+        prog = os.path.basename(sys.argv[0]) or "voltllm"
+        # `python -m voltllm.cli bench ...` (no console script, e.g. PYTHONPATH=$PWD on the GPU machine)
+        head = ["python", "-m", "voltllm.cli"] if prog in ("cli.py", "__main__.py") else [prog]
+        argv = head + sys.argv[1:]
+    return shlex.join(argv)
+
+
+def _git(*cmd: str) -> Optional[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _commit(args: argparse.Namespace) -> tuple[str, Optional[bool]]:
+    if args.commit:
+        return args.commit, None
+    head = _git("rev-parse", "HEAD")
+    if not head:
+        return "unknown", None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return head, bool(status) if status is not None else None
+
+
+def _env() -> dict:
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "platform": platform.platform()}
+    for mod in ("triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: record that
+            env[mod] = None
+    env["driver"] = None
+    if torch.cuda.is_available():
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+            env["driver"] = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            pass
+        env["gpu_count"] = torch.cuda.device_count()
+    return env
+
+
+def _gpu_name(device: Any) -> str:
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# -- limits -----------------------------------------------------------------------------------------
+def _decode_context(plan: Plan) -> float:
+    """Mean context length over a request's decode steps."""
+    return plan.input_len + plan.output_len / 2
+
+
+def attach_limits(rows: list[dict], plans: list[Plan], cost: Optional[L.ModelCost],
+                  dev: Optional[L.DeviceLimits]) -> dict:
+    """Fill each row's limit and ratio (measured / limit; limit / measured for times) and build `limit`."""
+    out: dict[str, Any] = {"copy_GBps": dev.copy_GBps if dev else None,
+                           "matmul_TFLOPs": dev.matmul_TFLOPs if dev else None,
+                           "decode_limit_tok_s": None, "ratio": None}
+    if dev is None or cost is None:
+        return out
+    decode_plan = next((p for p in plans if p.scenario == "decode"), Plan("decode", 1, 512, 256))
+    ctx = _decode_context(decode_plan)
+    out["decode_limit_tok_s"] = L.decode_limit_tok_s(cost, dev, 1, ctx)
+    out["decode_context_len"] = ctx
+    out["decode_bytes_per_step"] = cost.decode_bytes_per_step(1, ctx)
+    conc_limit, conc_ratio = {}, {}
+    for row in rows:
+        metric, plan = row["metric"], Plan(row["scenario"], row["concurrency"], row["input_len"], row["output_len"])
+        limit = None
+        if metric == "pure_decode_tok_s":
+            limit = L.decode_limit_tok_s(cost, dev, 1, _decode_context(plan))
+        elif metric == "concurrent_decode_tok_s":
+            limit = L.decode_limit_tok_s(cost, dev, plan.concurrency, _decode_context(plan), roofline=True)
+            conc_limit[str(plan.concurrency)] = limit
+        elif metric == "prefill_tok_s":
+            limit = L.prefill_limit_tok_s(cost, dev, plan.input_len)
+            out["prefill_limit_tok_s"] = limit
+        elif metric == "ttft_ms" and plan.scenario == "prefill":
+            limit = cost.prefill_flops(plan.input_len) / (dev.matmul_TFLOPs * 1e12) * 1e3
+        if limit is None:
+            continue
+        row["limit"] = limit
+        row["ratio"] = limit / row["median"] if metric.endswith("_ms") else row["median"] / limit
+        if metric == "pure_decode_tok_s" and plan == decode_plan:
+            out["ratio"] = row["ratio"]
+        elif metric == "prefill_tok_s":
+            out["prefill_ratio"] = row["ratio"]
+        elif metric == "concurrent_decode_tok_s":
+            conc_ratio[str(plan.concurrency)] = row["ratio"]
+    if conc_limit:
+        out["concurrent_decode_limit_tok_s"] = conc_limit
+        out["concurrent_decode_ratio"] = conc_ratio
+    return out
+
+
+def _measure(args: argparse.Namespace, device: Any, dtype: Any) -> Optional[L.DeviceLimits]:
+    import torch
+
+    if args.no_limits:
+        return None
+    dev = torch.device(device)
+    logger.info("measuring copy bandwidth and matmul rate on %s", dev)
+    try:
+        d = L.measure_device(dev, dtype, args.limit_copy_mib, args.limit_matmul_n, args.limit_iters)
+    except torch.cuda.OutOfMemoryError:
+        logger.warning("not enough free memory for the limit measurement (a server on this GPU?); "
+                       "retrying at 256 MiB / 4096")
+        torch.cuda.empty_cache()
+        d = L.measure_device(dev, dtype, 256, 4096, args.limit_iters)
+    logger.info("copy %.0f GB/s (read + write), %s matmul %.1f TFLOP/s", d.copy_GBps, d.matmul_dtype,
+                d.matmul_TFLOPs)
+    return d
+
+
+# -- the command ------------------------------------------------------------------------------------
+def run_bench(args: argparse.Namespace) -> int:
+    from voltllm.bench.shapes import materialize
+
+    command = _command(args)
+    if args.num_warm < 1:
+        raise ValueError("--num-warm must be >= 1")
+    plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len)
+    with tempfile.TemporaryDirectory(prefix="voltllm-bench-") as tmp:
+        shape = None
+        if args.random_weights:
+            path = materialize(args.random_weights, tmp)
+            shape = args.random_weights if path.startswith(tmp) else None
+            args.model_flag, args.model, args.load_format = path, None, "dummy"
+        if args.base_url:
+            if args.baseline:
+                raise ValueError("--baseline runs transformers in this process; use it without --base-url")
+            report = _run_client(args, plans, shape)
+        else:
+            report = _run_inprocess(args, plans, shape)
+    report = {"command": command, **report}
+    commit, dirty = _commit(args)
+    report["commit"], report["commit_dirty"] = commit, dirty
+    report["env"] = _env()
+    name = args.name or _default_name(report, args)
+    report["name"] = name
+    ordered = {k: report[k] for k in ("name", "gpu", "commit", "commit_dirty", "command", "created", "model",
+                                      "metrics", "limit", "baseline", "env", "config") if k in report}
+    os.makedirs(args.output_dir, exist_ok=True)
+    out_path = os.path.join(args.output_dir, f"{name}.json")
+    with open(out_path, "w") as f:
+        json.dump(ordered, f, indent=1)
+        f.write("\n")
+    _print_report(ordered)
+    print(f"\nwrote {out_path}")
+    return 0
+
+
+def _default_name(report: dict, args: argparse.Namespace) -> str:
+    model = report["model"]
+    label = model.get("shape") or os.path.basename(str(model.get("source") or "server").rstrip("/"))
+    label = label.replace(".gguf", "")
+    where = "server-" if args.base_url else ""
+    return f"{where}{label}-{model.get('dtype')}-{args.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[str]) -> dict:
+    from voltllm.bench.inprocess import InProcessRunner, free_device_memory
+    from voltllm.cli_args import engine_args_from
+    from voltllm.engine.core import EngineCore
+
+    ea = engine_args_from(args)
+    ea.skip_tokenizer_init = True  # token-id prompts, no text: the bench never needs the tokenizer
+    config = ea.create_engine_config()
+    device, dtype = config.device.device, config.model.dtype
+    max_c = max(p.concurrency for p in plans)
+    if max_c > config.scheduler.max_num_seqs:
+        logger.warning("concurrency %d > --max-num-seqs %d: requests will queue instead of starting together",
+                       max_c, config.scheduler.max_num_seqs)
+    dev_limits = _measure(args, device, dtype)
+    t0 = time.monotonic()
+    engine = EngineCore(config)
+    start_s = time.monotonic() - t0
+    model = engine.runner.model
+    cost = L.model_cost(model, config.model.hf_config, engine.runner.kv_dtype)
+    hf_config = config.model.hf_config
+    vocab = args.prompt_vocab or int(getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size"))
+    runner = InProcessRunner(engine, args.temperature, args.top_p, args.top_k, args.prompt_seed)
+    results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm)
+    rows = table_rows(results)
+    limit = attach_limits(rows, plans, cost, dev_limits)
+    limit["model_cost"] = cost.to_json()
+    if dev_limits:
+        limit["device"] = dev_limits.to_json()
+    report: dict[str, Any] = {
+        "gpu": _gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": {"source": config.model.model, "shape": shape, "architecture": config.model.architecture,
+                  "dtype": _dtype_name(dtype), "load_format": config.model.load_format,
+                  "params": sum(p.numel() for p in model.parameters()), "weight_bytes": cost.weight_bytes},
+        "config": {"device": str(device), "max_model_len": config.model.max_model_len,
+                   "max_num_seqs": config.scheduler.max_num_seqs,
+                   "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+                   "block_size": config.cache.block_size, "num_kv_blocks": engine.runner.num_blocks,
+                   "kv_cache_dtype": config.cache.kv_cache_dtype, "enforce_eager": config.device.enforce_eager,
+                   "attention_backend": type(engine.runner.backend).__name__, "compat": config.device.compat,
+                   "async_scheduling": config.scheduler.async_scheduling,
+                   "enable_prefix_caching": config.cache.enable_prefix_caching,
+                   "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                   "prompt_seed": args.prompt_seed, "num_warm": args.num_warm, "engine_start_s": start_s},
+        "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
+        "limit": limit,
+    }
+    if args.baseline:
+        model_path = config.model.model
+        load_format = config.model.load_format
+        del engine, runner, model
+        free_device_memory(device)
+        report["baseline"] = {v: _run_baseline(args, v, plans, rows, model_path, hf_config, load_format, dtype,
+                                               device, vocab) for v in args.baseline}
+    return report
+
+
+def _run_baseline(args: argparse.Namespace, variant: str, plans: list[Plan], ours: list[dict], model_path: str,
+                  hf_config: Any, load_format: str, dtype: Any, device: Any, vocab: int) -> dict:
+    import transformers
+
+    from voltllm.bench.hf_baseline import HFRunner, hf_plans, load_hf_model
+    from voltllm.bench.inprocess import free_device_memory
+
+    if variant not in ("hf", "hf-static"):
+        raise ValueError(f"--baseline must be hf or hf-static, got {variant!r}")
+    num_warm = args.baseline_num_warm or args.num_warm
+    selected = hf_plans(plans, args.baseline_max_concurrency)
+    try:
+        model = load_hf_model(model_path, hf_config, load_format, dtype, device)
+        runner = HFRunner(model, device, variant, args.temperature, args.top_p, args.top_k, args.prompt_seed)
+        results = run_protocol(selected, runner, vocab, args.prompt_seed, num_warm, label=variant)
+    except Exception as e:  # noqa: BLE001 - keep voltllm's numbers; record why the baseline has none
+        logger.exception("transformers baseline %s failed", variant)
+        return {"error": f"{type(e).__name__}: {e}", "transformers": transformers.__version__}
+    finally:
+        model = runner = None
+        free_device_memory(device)
+    rows = table_rows(results)
+    for row in rows:
+        mine = find_row(ours, row["metric"], row["scenario"], row["concurrency"])
+        row["ratio"] = speedup(mine["median"] if mine else None, row["median"], row["metric"])
+    theirs, mine_hl = headline(rows), headline(ours)
+    ratios: dict[str, Any] = {}
+    for key in ("pure_decode_tok_s", "ttft_ms", "prefill_tok_s"):
+        ratios[key] = speedup(mine_hl[key], theirs[key], key)
+    for key in ("concurrent_decode_tok_s", "output_tok_s"):
+        ratios[key] = {c: speedup(mine_hl[key].get(c), v, key) for c, v in theirs[key].items()}
+    return {"variant": variant, "transformers": transformers.__version__,
+            "weights": "random init of its own (same config)" if load_format == "dummy" else model_path,
+            "num_warm": num_warm,
+            "metrics": {**theirs, "table": rows, "runs": [r.to_json() for r in results]},
+            "ratios_voltllm_over_hf": ratios}
+
+
+def _server_dtype(flag: str, hf_config: Any) -> Any:
+    """The dtype the server most likely runs (for the limit only): --dtype, else the config's half type."""
+    import torch
+
+    named = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "float": torch.float32, "float32": torch.float32}
+    if flag in named:
+        return named[flag]
+    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    cfg = named.get(cfg, cfg) if isinstance(cfg, str) else cfg
+    return cfg if cfg in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str]) -> dict:
+    import torch
+
+    from voltllm.bench.client import ClientRunner
+
+    model_path = args.model_flag or args.model
+    cost = hf_config = None
+    dtype = None
+    if model_path:
+        from voltllm.model.loader import load_hf_config, resolve_model
+
+        hf_config = load_hf_config(resolve_model(model_path), args.trust_remote_code)
+        dtype = _server_dtype(args.dtype, hf_config)
+        cost = L.meta_model_cost(hf_config, dtype)
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    dev_limits = _measure(args, device, dtype) if cost is not None else None
+    vocab = args.prompt_vocab or (int(getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size"))
+                                  if hf_config is not None else 10000)
+    runner = ClientRunner(args.base_url, args.server_model, args.temperature, args.top_p, args.top_k,
+                          args.prompt_seed, args.api_key)
+    try:
+        results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm, label="server")
+    finally:
+        runner.close()
+    rows = table_rows(results)
+    limit = attach_limits(rows, plans, cost, dev_limits)
+    if cost is not None:
+        limit["model_cost"] = cost.to_json()
+    if dev_limits:
+        limit["device"] = dev_limits.to_json()
+    return {
+        "gpu": _gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": {"source": model_path, "shape": shape, "server": args.base_url, "server_model": runner.model,
+                  "dtype": _dtype_name(dtype) if dtype is not None else None,
+                  "weight_bytes": cost.weight_bytes if cost else None},
+        "config": {"client_side_times": True, "temperature": args.temperature, "top_p": args.top_p,
+                   "top_k": args.top_k, "prompt_seed": args.prompt_seed, "num_warm": args.num_warm},
+        "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
+        "limit": limit,
+    }
+
+
+def _print_report(report: dict) -> None:
+    model = report.get("model", {})
+    lim = report.get("limit") or {}
+    title = (f"voltllm bench: {model.get('shape') or model.get('source')} {model.get('dtype')} on {report.get('gpu')}"
+             f" (commit {str(report.get('commit'))[:12]})")
+    print()
+    print(format_table(report["metrics"]["table"], title))
+    if lim.get("copy_GBps"):
+        print(f"\nlimits: copy {lim['copy_GBps']:.4g} GB/s (read + write), matmul {lim['matmul_TFLOPs']:.4g} TFLOP/s"
+              + (f"; decode limit (batch 1) {lim['decode_limit_tok_s']:.1f} tok/s" if lim.get("decode_limit_tok_s")
+                 else "")
+              + (f", pure decode at {lim['ratio']:.1%} of it" if lim.get("ratio") else ""))
+    for variant, b in (report.get("baseline") or {}).items():
+        if "error" in b:
+            print(f"\nbaseline {variant}: failed: {b['error']}")
+            continue
+        print()
+        print(format_table(b["metrics"]["table"], f"baseline {variant} (transformers {b['transformers']})",
+                           ratio_header="voltllm/hf"))

@@ -1,0 +1,195 @@
+"""Scenarios, the run protocol, and the in-process runner that drives EngineCore directly.
+
+The runner adds token-id prompts (random ids, fixed seed) with forced output lengths (ignore_eos,
+min_tokens = max_tokens) and steps the engine itself, so it sees every token arrive: each output token
+gets a bench-side time.monotonic() stamp when the step that made it returns, beside the engine-side
+first/last token and scheduled times carried by EngineCoreOutput (same clock, same process).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from voltllm.bench.metrics import RequestTiming, RunResult
+
+logger = logging.getLogger("voltllm.bench")
+
+SCENARIOS = ("decode", "concurrency", "prefill")
+# scenario -> (input length, output length) when --input-len / --output-len are not given
+DEFAULT_LENGTHS = {"decode": (512, 256), "concurrency": (128, 128), "prefill": (8192, 1)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration: a scenario at one concurrency, run 1 cold + N warm times."""
+
+    scenario: str
+    concurrency: int
+    input_len: int
+    output_len: int
+
+
+def make_plans(scenario: str, concurrency: list[int], input_len: Optional[int] = None,
+               output_len: Optional[int] = None) -> list[Plan]:
+    names = list(SCENARIOS) if scenario == "all" else [scenario]
+    plans = []
+    for name in names:
+        if name not in SCENARIOS:
+            raise ValueError(f"--scenario must be one of {', '.join(SCENARIOS)} or all, got {name!r}")
+        il, ol = DEFAULT_LENGTHS[name]
+        il, ol = input_len or il, output_len or ol
+        if il < 1 or ol < 1:
+            raise ValueError("--input-len and --output-len must be >= 1")
+        for c in (concurrency if name == "concurrency" else [1]):
+            if c < 1:
+                raise ValueError(f"--concurrency values must be >= 1, got {c}")
+            plans.append(Plan(name, c, il, ol))
+    return plans
+
+
+def prompt_seed(base: int, plan: Plan, run_index: int) -> int:
+    key = f"{plan.scenario}/{plan.concurrency}/{plan.input_len}/{run_index}".encode()
+    return (base * 1_000_003 + zlib.crc32(key)) % (2 ** 63)
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """n prompts of random token ids (fresh per run, so warm runs do not hit the prefix cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
+
+
+RunFn = Callable[[Plan, str, list[list[int]]], RunResult]
+
+
+def run_protocol(plans: list[Plan], run_fn: RunFn, vocab_size: int, seed: int, num_warm: int = 3,
+                 label: str = "voltllm") -> list[RunResult]:
+    """1 cold + num_warm warm runs of every plan; prompts depend on (seed, plan, run index) only, so every
+    runner (voltllm in-process, a server, transformers) gets the same prompts."""
+    results = []
+    for plan in plans:
+        for i in range(1 + num_warm):
+            run = "cold" if i == 0 else f"warm{i}"
+            prompts = random_prompts(plan.concurrency, plan.input_len, vocab_size, prompt_seed(seed, plan, i))
+            r = run_fn(plan, run, prompts)
+            m = r.metrics()
+            logger.info("%s %s c=%d %s: wall %.3f s, output %.1f tok/s, ttft %.1f ms%s", label, plan.scenario,
+                        plan.concurrency, run, r.wall_s, m["output_tok_s"] or 0.0, m["ttft_ms"] or 0.0,
+                        f", pure decode {m['pure_decode_tok_s']:.1f} tok/s" if m.get("pure_decode_tok_s") else "")
+            results.append(r)
+    return results
+
+
+def sampling_params(output_len: int, temperature: float, top_p: float, top_k: int, seed: Optional[int]):
+    from voltllm.sampling.params import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=True,
+                          max_tokens=output_len, min_tokens=output_len, detokenize=False)
+
+
+@dataclass
+class _Track:
+    arrival: float
+    prompt_tokens: int
+    n: int = 0
+    first: Optional[float] = None
+    last: Optional[float] = None
+    scheduled: Optional[float] = None
+    cached: int = 0
+    finish: Optional[str] = None
+    stop_reason: Any = None
+
+    def __post_init__(self) -> None:
+        self.times: list[float] = []
+
+
+class InProcessRunner:
+    """Runs one batch at a time on an EngineCore that nothing else is using."""
+
+    def __init__(self, engine: Any, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
+                 sampling_seed: int = 0):
+        self.engine = engine
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.sampling_seed = sampling_seed
+        self._batch = 0
+
+    def __call__(self, plan: Plan, run: str, prompts: list[list[int]]) -> RunResult:
+        from voltllm.engine.types import EngineCoreRequest
+
+        eng = self.engine
+        for _ in range(8):  # let a step still in flight (async scheduling) land
+            if not eng.has_unfinished_requests():
+                break
+            eng.step()
+        if eng.has_unfinished_requests():
+            raise RuntimeError("the engine still has requests from an earlier run")
+        self._batch += 1
+        preempt0 = eng.stats().num_preemptions
+        t0 = time.monotonic()
+        track: dict[str, _Track] = {}
+        for i, ids in enumerate(prompts):
+            rid = f"bench{self._batch}-{i}"
+            sp = sampling_params(plan.output_len, self.temperature, self.top_p, self.top_k, self.sampling_seed + i)
+            eng.add_request(EngineCoreRequest(rid, list(ids), sp, arrival_time=t0))
+            track[rid] = _Track(arrival=t0, prompt_tokens=len(ids))
+        pending = set(track)
+        end = t0
+        while pending:
+            outs = eng.step()
+            now = time.monotonic()  # the step returned: its tokens exist now (their ids are on the host)
+            for o in outs:
+                t = track.get(o.request_id)
+                if t is None:
+                    continue
+                if o.new_token_ids:
+                    t.times.extend([now] * len(o.new_token_ids))
+                    t.n += len(o.new_token_ids)
+                    end = now
+                if o.first_token_time is not None:
+                    t.first = o.first_token_time if t.first is None else t.first
+                if o.last_token_time is not None:
+                    t.last = o.last_token_time
+                if o.scheduled_time is not None and t.scheduled is None:
+                    t.scheduled = o.scheduled_time
+                t.cached = max(t.cached, o.num_cached_tokens)
+                if o.finished:
+                    t.finish, t.stop_reason = o.finish_reason, o.stop_reason
+                    pending.discard(o.request_id)
+            if pending and not outs and not eng.has_unfinished_requests():
+                raise RuntimeError(f"the engine went idle with {len(pending)} bench requests unfinished")
+        reqs = []
+        for rid, t in track.items():
+            if t.finish == "abort" or t.n != plan.output_len:
+                raise RuntimeError(f"request {rid} ended with {t.n} of {plan.output_len} forced tokens "
+                                   f"(finish {t.finish}, {t.stop_reason}); raise the KV cache or --max-model-len")
+            reqs.append(RequestTiming(
+                prompt_tokens=t.prompt_tokens, output_tokens=t.n, arrival=t.arrival,
+                first_token=t.first if t.first is not None else t.times[0],
+                last_token=t.last if t.last is not None else t.times[-1],
+                scheduled=t.scheduled, cached_tokens=t.cached, token_times=t.times))
+        return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
+                         preemptions=eng.stats().num_preemptions - preempt0, side="server")
+
+
+def build_engine(engine_args: Any) -> Any:
+    """EngineCore from EngineArgs (no tokenizer, no frontend: the bench speaks token ids)."""
+    from voltllm.engine.core import EngineCore
+
+    return EngineCore(engine_args.create_engine_config())
+
+
+def free_device_memory(device: torch.device) -> None:
+    """After the caller dropped its engine: collect it and return its memory to the card, so that another
+    model (the transformers baseline) fits."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        logger.info("after releasing the engine: %.2f GiB still allocated on %s",
+                    torch.cuda.memory_allocated(device) / 2**30, device)

@@ -1,0 +1,58 @@
+"""Named model shapes for speed runs: random weights at real shapes (../shared/MODELS.md, section 3).
+
+`materialize(name_or_dir, dest)` returns a directory holding a config.json that the engine loads with
+--load-format dummy (random weights, no file I/O for weights) and --skip-tokenizer-init.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# name -> (transformers config class name, keyword arguments). Widths are the real checkpoints'.
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-8b-shape": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        max_position_embeddings=40960)),
+    "qwen3-0.6b-shape": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40960)),
+    # hybrid: 3 Gated DeltaNet (linear attention) layers : 1 full-attention layer
+    "qwen3.5-27b-shape": ("Qwen3_5TextConfig", dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        tie_word_embeddings=False, max_position_embeddings=262144)),
+}
+
+
+def shape_names() -> list[str]:
+    return sorted(SHAPES)
+
+
+def make_config(name: str) -> Any:
+    """The transformers config object of a named shape."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}: choose one of {', '.join(shape_names())} "
+                         "or give a directory holding a config.json")
+    import transformers
+
+    cls_name, kwargs = SHAPES[name]
+    cls = getattr(transformers, cls_name)
+    return cls(**kwargs)
+
+
+def materialize(name_or_dir: str, dest: str) -> str:
+    """Directory with the config.json of a named shape (written under dest), or name_or_dir itself
+    when it is already a directory with a config.json."""
+    path = os.path.expanduser(name_or_dir)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--random-weights {name_or_dir}: the directory has no config.json")
+        return path
+    cfg = make_config(name_or_dir)
+    out = os.path.join(dest, name_or_dir)
+    os.makedirs(out, exist_ok=True)
+    cfg.save_pretrained(out)
+    return out
