@@ -33,8 +33,9 @@ def load_hf_model(model_path: str, hf_config: Any, load_format: str, dtype: torc
 
     t0 = time.monotonic()
     if load_format == "dummy":
-        with torch.device(device):
+        with torch.device(device):  # initialise on the device itself (no host-side init of billions of values)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = model.to(device)  # a no-op unless transformers built some of it elsewhere
     elif model_path.endswith(".gguf") and os.path.isfile(model_path):
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path) or ".",
                                                      gguf_file=os.path.basename(model_path), dtype=dtype)
