@@ -81,11 +81,12 @@ def test_decode(dtype, d):
     seqs = [(1, 1), (17, 1), (255, 1), (256, 1), (1000, 1), (4097, 1), (12345, 1), (0, 1)]
     case = H.make_case(seqs, hq, hkv, d, 16, dtype, device=DEV, pad_rows=3, seed=_seed(f"decode {dtype} d{d}"))
     _check(case, _backend(), dtype, "auto")                            # tensor cores, split-KV by heuristic
-    _check(case, _backend(use_tensor_cores=False), dtype, "fma")      # the sm70 route on this GPU
+    _check(case, _backend(use_tensor_cores=False, fma_lanes=True), dtype, "fma-lanes")  # sm70 route
+    _check(case, _backend(use_tensor_cores=False, fma_lanes=False), dtype, "fma-rows")
     _check(case, _backend(num_sms=1), dtype, "one-split")             # no split
-    for splits, use_dot in ((7, True), (7, False)):
-        err, problems = H.run_kernel_case(case, "decode", num_splits=splits, use_dot=use_dot)
-        assert not problems and err < TOL[dtype], (splits, use_dot, err, problems)
+    for splits, use_dot, lanes in ((7, True, False), (7, False, False), (3, False, True)):
+        err, problems = H.run_kernel_case(case, "decode", num_splits=splits, use_dot=use_dot, fma_lanes=lanes)
+        assert not problems and err < TOL[dtype], (splits, use_dot, lanes, err, problems)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
@@ -113,7 +114,8 @@ def test_long_context(dtype):
     seqs = [(32768, 1), (32768 - 5, 1), (20001, 1)]
     case = H.make_case(seqs, 32, 8, 128, 16, dtype, device=DEV, seed=_seed(f"long decode {dtype}"))
     _check(case, _backend(), dtype, "long decode auto")
-    _check(case, _backend(use_tensor_cores=False), dtype, "long decode fma")
+    _check(case, _backend(use_tensor_cores=False, fma_lanes=True), dtype, "long decode fma-lanes")
+    _check(case, _backend(use_tensor_cores=False, fma_lanes=False), dtype, "long decode fma-rows")
     _check(case, _backend(num_sms=1), dtype, "long decode one split")
     case = H.make_case([(32768, 512), (9000, 1)], 32, 8, 128, 16, dtype, device=DEV,
                        seed=_seed(f"long chunk {dtype}"))
@@ -179,18 +181,30 @@ def _graph_time_us(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _copy_bandwidth() -> float:
-    x = torch.empty(1 << 28, dtype=torch.float32, device=DEV)
+def _copy_bandwidth() -> tuple[float, float]:
+    """(device copy rate counting read + write, eager events; read rate of a sum), bytes/s."""
+    x = torch.randn(1 << 28, device=DEV)
     y = torch.empty_like(x)
-    us = _graph_time_us(lambda: y.copy_(x), reps=5)
-    return 2 * x.numel() * 4 / (us * 1e-6)
+    for _ in range(3):
+        y.copy_(x)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        y.copy_(x)
+    b.record()
+    torch.cuda.synchronize()
+    copy = 10 * 2 * x.numel() * 4 / (a.elapsed_time(b) * 1e-3)
+    r = torch.empty((), device=DEV)
+    us = _graph_time_us(lambda: torch.sum(x, dim=0, out=r), reps=5)
+    return copy, x.numel() * 4 / (us * 1e-6)
 
 
 def test_decode_bandwidth_print():
     from voltllm.kernels.attention import choose_num_splits, decode_scratch_numel, paged_decode
-    copy_bw = _copy_bandwidth()
+    copy_bw, read_bw = _copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"\nBENCH device={torch.cuda.get_device_name()} sms={sms} copy_bw={copy_bw / 1e12:.2f} TB/s (read+write)")
+    print(f"\nBENCH device={torch.cuda.get_device_name()} sms={sms} copy={copy_bw / 1e12:.2f} TB/s (read+write) "
+          f"sum-read={read_bw / 1e12:.2f} TB/s; % below = decode KV bytes / time vs the sum-read rate")
     hq, hkv, d, dtype = 32, 8, 128, torch.float16
     for batch, ctx in ((1, 32768), (64, 1024), (8, 8192)):
         case = H.make_case([(ctx, 1)] * batch, hq, hkv, d, 16, dtype, device=DEV, extra_blocks=0, seed=1)
@@ -198,36 +212,41 @@ def test_decode_bandwidth_print():
         kv_bytes = sum(m.seq_lens_cpu) * hkv * d * 2 * case.kv_cache.element_size()
         out = torch.empty_like(case.q)
         heur = choose_num_splits(batch, hkv, ctx, sms)
-        variants = [(heur, True, None, 4), (heur, False, None, 4), (max(1, heur // 2), True, None, 4),
-                    (heur * 2, True, None, 4), (heur, True, 32, 4), (heur, True, 128, 4), (heur, True, 64, 8)]
-        if heur > 1:
-            variants.append((1, True, None, 4))
-        for splits, use_dot, block_n, warps in variants:
+        # (splits, use_dot, fma_lanes, block_n, warps)
+        variants = [(heur, True, False, None, 4), (heur, True, False, 128, 4), (heur * 2, True, False, None, 4),
+                    (heur, False, False, None, 4), (heur, False, False, None, 8), (heur, False, True, None, 4),
+                    (heur, False, True, 8, 4), (heur, False, True, 16, 8), (heur * 2, False, True, None, 4)]
+        for splits, use_dot, lanes, block_n, warps in variants:
             no, nl = decode_scratch_numel(batch, hq, splits, d)
             po = torch.empty(max(no, 1), dtype=torch.float32, device=DEV)
             pl = torch.empty(max(nl, 1), dtype=torch.float32, device=DEV)
             fn = lambda: paged_decode(case.q, case.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
                                       case.scale, out, num_splits=splits, part_o=po, part_lse=pl,
-                                      use_dot=use_dot, block_n=block_n, num_warps=warps)
+                                      use_dot=use_dot, fma_lanes=lanes, block_n=block_n, num_warps=warps)
             us = _graph_time_us(fn)
             bw = kv_bytes / (us * 1e-6)
             print(f"BENCH decode b={batch} ctx={ctx} hq={hq} hkv={hkv} d={d} fp16 splits={splits}"
-                  f"{'(heur)' if splits == heur else ''} dot={use_dot} block_n={block_n} warps={warps}: "
-                  f"{us:8.1f} us  {kv_bytes / 1e6:7.1f} MB  {bw / 1e12:5.2f} TB/s  "
-                  f"{100 * bw / (copy_bw / 2):5.1f}% of copy read rate")
+                  f"{'(heur)' if splits == heur else ''} {'dot' if use_dot else 'fma-lanes' if lanes else 'fma-rows'}"
+                  f" block_n={block_n} warps={warps}: {us:8.1f} us  {kv_bytes / 1e6:7.1f} MB  "
+                  f"{bw / 1e12:5.2f} TB/s  {100 * bw / read_bw:5.1f}%")
 
 
 def test_prefill_throughput_print():
-    from voltllm.kernels.attention import paged_prefill, prefill_config
-    hq, hkv, d, dtype, L = 32, 8, 128, torch.float16, 4096
+    for d, cfgs in ((128, [(128, 64, 8, 3), (128, 128, 8, 2)]), (64, [(128, 128, 8, 3), (128, 64, 8, 3)]),
+                    (256, [(64, 64, 8, 2), (128, 32, 8, 2)])):
+        _prefill_bench(d, cfgs)
+
+
+def _prefill_bench(d, cfgs):
+    from voltllm.kernels.attention import kv_write, paged_prefill, prefill_config
+    hq, hkv, dtype, L = 32, 8, torch.float16, 4096
     case = H.make_case([(L, L)], hq, hkv, d, 16, dtype, device=DEV, extra_blocks=0, seed=2)
-    from voltllm.kernels.attention import kv_write
     kv_write(case.k, case.v, case.kv_cache, case.meta.slot_mapping)
     m = case.meta
     out = torch.empty_like(case.q)
     flops = 4 * hq * d * L * (L + 1) / 2
     default = prefill_config(d, hq // hkv, L, torch.cuda.get_device_capability())
-    for cfg in (default, (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)):
+    for cfg in [default] + [c for c in cfgs if c != default]:
         fn = lambda: paged_prefill(case.q, case.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
                                    case.scale, out, max_query_len=L, config=cfg)
         try:

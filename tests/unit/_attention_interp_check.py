@@ -202,12 +202,21 @@ def _checks():
     yield "decode_f32_d64_page32_tile16_split3", lambda: run_kernel_case(
         make_case([(95, 1), (32, 1), (33, 1)], 4, 1, 64, 32, f32, seed=13), "decode", num_splits=3,
         use_dot=False, block_n=16), f32
+    yield "decode_f32_d64_gqa4_split5_lanes", lambda: run_kernel_case(
+        make_case(decode, 8, 2, 64, 16, f32, seed=15), "decode", num_splits=5, use_dot=False, fma_lanes=True,
+        block_n=8), f32
+    yield "decode_f16_d128_mha_split16_lanes_empty_parts", lambda: run_kernel_case(
+        make_case([(200, 1), (33, 1), (1, 1)], 2, 2, 128, 16, f16, seed=16), "decode", num_splits=16,
+        use_dot=False, fma_lanes=True), f16
     yield "kv_write_strided_inputs", lambda: check_kv_write_strided(seed=14), f32
     # the backend: pure decode with graph padding (a seq_len-0 sequence and rows past num_tokens),
     # split count from the heuristic with a fake large SM count; then a mixed batch through prefill
     yield "backend_decode_split_padded", lambda: run_backend_case(
         make_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=11, pad_rows=2),
-        TritonAttentionBackend(use_tensor_cores=False, num_sms=64)), f32
+        TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=True)), f32
+    yield "backend_decode_fma_rows", lambda: run_backend_case(
+        make_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=17, pad_rows=1),
+        TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=False)), f32
     yield "backend_mixed_prefill_padded", lambda: run_backend_case(
         make_case([(40, 9), (21, 1), (16, 16)], 8, 2, 64, 16, f32, seed=12, pad_rows=3),
         TritonAttentionBackend()), f32

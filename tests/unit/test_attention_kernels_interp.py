@@ -27,8 +27,11 @@ CHECKS = [
     "decode_f16_d128_gqa4_split4_dot",
     "decode_f32_d80_gqa3_split2_fma",
     "decode_f32_d64_page32_tile16_split3",
+    "decode_f32_d64_gqa4_split5_lanes",
+    "decode_f16_d128_mha_split16_lanes_empty_parts",
     "kv_write_strided_inputs",
     "backend_decode_split_padded",
+    "backend_decode_fma_rows",
     "backend_mixed_prefill_padded",
 ]
 

@@ -19,6 +19,7 @@ import torch
 from voltllm.attention.backend import AttentionBackend, AttentionMetadata
 from voltllm.kernels.attention import (choose_num_splits, decode_scratch_numel, kv_write, paged_decode,
                                        paged_prefill)
+from voltllm.kernels.attention.paged_decode import FMA_LANES_DEFAULT
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -27,14 +28,16 @@ class TritonAttentionBackend(AttentionBackend):
     name = "TRITON_ATTN"
 
     def __init__(self, use_tensor_cores: Optional[bool] = None, num_sms: Optional[int] = None,
-                 max_splits: Optional[int] = None) -> None:
+                 max_splits: Optional[int] = None, fma_lanes: Optional[bool] = None) -> None:
         """use_tensor_cores: decode inner products with tl.dot (None: yes on sm_80+, no on sm_70/75 and
         on the CPU interpreter; False forces the FMA route, as `--compat sm70` does on any GPU).
         num_sms: SM count for the split-KV heuristic (None: read from the device).
-        max_splits: cap on split-KV partitions (None: the kernel module's default)."""
+        max_splits: cap on split-KV partitions (None: the kernel module's default).
+        fma_lanes: FMA-route decode variant (None: FMA_LANES_DEFAULT; see paged_decode.py)."""
         self.use_tensor_cores = use_tensor_cores
         self.num_sms = num_sms
         self.max_splits = max_splits
+        self.fma_lanes = FMA_LANES_DEFAULT if fma_lanes is None else fma_lanes
         self._dev_info: dict[str, tuple[Optional[tuple[int, int]], int]] = {}
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -108,8 +111,10 @@ class TritonAttentionBackend(AttentionBackend):
             if splits > 1:
                 need_o, need_l = decode_scratch_numel(num_seqs, q.shape[1], splits, q.shape[2])
                 part_o, part_lse = self._get_scratch(q.device, need_o, need_l)
+            use_dot = self._use_dot(q.device)
             paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
-                         num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=self._use_dot(q.device))
+                         num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
+                         fma_lanes=self.fma_lanes and not use_dot)
         elif num_seqs > 0:
             cap, _ = self._device_info(q.device)
             paged_prefill(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,

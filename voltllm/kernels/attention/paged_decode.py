@@ -26,6 +26,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
+                  PAGE: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] of context positions `pos` (masked rows read as 0)."""
+    blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+    tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(KV + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc,
     qk_scale,  # softmax scale * log2(e)
@@ -34,8 +46,8 @@ def _paged_decode_kernel(
     stride_bt,
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -63,43 +75,64 @@ def _paged_decode_kernel(
     if not USE_DOT:
         q = q.to(tl.float32) * qk_scale
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-
     n = tl.arange(0, BLOCK_N)
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     head_off = kvh * stride_c_head
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + n
-        n_mask = pos < end
-        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KV + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if USE_DOT:
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * qk_scale
-        else:
+    if LANES:
+        # FMA route, one online softmax per (head, lane n): no cross-warp reduction inside the loop;
+        # the BLOCK_N lanes are merged once at the end (like split-KV partitions).
+        NEG: tl.constexpr = -1.0e30
+        m3 = tl.full([BLOCK_G, BLOCK_N], NEG, tl.float32)
+        l3 = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        acc3 = tl.zeros([BLOCK_G, BLOCK_N, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + n
+            n_mask = pos < end
+            k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
+                                 head_off, PAGE)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            s = tl.where(n_mask[None, :], s, NEG)
+            m_new = tl.maximum(m3, s)
+            alpha = tl.exp2(m3 - m_new)
+            p = tl.where(n_mask[None, :], tl.exp2(s - m_new), 0.0)
+            l3 = l3 * alpha + p
+            acc3 = acc3 * alpha[:, :, None] + p[:, :, None] * v.to(tl.float32)[None, :, :]
+            m3 = m_new
+        m_i = tl.max(m3, axis=1)
+        w = tl.where(l3 > 0.0, tl.exp2(m3 - m_i[:, None]), 0.0)
+        l_i = tl.sum(l3 * w, axis=1)
+        acc = tl.sum(acc3 * w[:, :, None], axis=1)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + n
+            n_mask = pos < end
+            k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
+                                 head_off, PAGE)
+            if USE_DOT:
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = s * qk_scale
             else:
-                pv = tl.dot(p.to(v.dtype), v)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid position
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -160,12 +193,14 @@ def _specs():
                    "stride_c_head": "i32", "stride_bt": "i32", "num_splits": "i32",
                    "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
                    "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
-                   "USE_DOT": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr"}
+                   "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr"}
             block_g = 16 if use_dot else 4
-            decode.append(CompileSpec(signature=sig, constexprs={
-                "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
-                "BLOCK_N": _default_block_n(d, block_g, use_dot), "PAGE": 16,
-                "USE_DOT": use_dot, "SPLIT": True, "IEEE": False}, label=f"fp16 d{d} gqa4 dot={use_dot}"))
+            for lanes in ((False,) if use_dot else (False, True)):
+                decode.append(CompileSpec(signature=sig, constexprs={
+                    "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
+                    "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
+                    "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False},
+                    label=f"fp16 d{d} gqa4 {'dot' if use_dot else 'fma-lanes' if lanes else 'fma'}"))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr"}
@@ -174,11 +209,11 @@ def _specs():
     return decode, reduce
 
 
-def _default_block_n(block_d: int, block_g: int, use_dot: bool) -> int:
+def _default_block_n(block_d: int, block_g: int, use_dot: bool, lanes: bool = False) -> int:
     if use_dot:
         return 64 if block_d <= 128 else 32
-    # keep the [BLOCK_G, BLOCK_N, BLOCK_D] broadcast product near 8K fp32 values per program
-    return max(8, min(64, 8192 // (block_g * block_d)))
+    # keep the [BLOCK_G, BLOCK_N, BLOCK_D] fp32 product (FMA-lanes: the accumulator) near 8K values
+    return max(4 if lanes else 8, min(64, 8192 // (block_g * block_d)))
 
 
 _decode_specs, _reduce_specs = _specs()
@@ -188,6 +223,8 @@ register_kernel("attention.paged_decode_reduce", _decode_reduce_kernel, _reduce_
 
 # --- host side ---------------------------------------------------------------------------------
 
+# FMA route (sm_70/75, --compat sm70) variant: per-lane online softmax (True) or per-row (False).
+FMA_LANES_DEFAULT = True
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
@@ -211,13 +248,16 @@ def decode_scratch_numel(num_seqs: int, num_heads: int, num_splits: int, head_di
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int = 1,
                  part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
-                 use_dot: bool = True, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                 use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
+                 num_warps: int = 4) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     q/out: [T, num_heads, head_dim] (last dim contiguous). Sequences with an empty query range write
     nothing. With num_splits > 1, part_o / part_lse are fp32 scratch buffers with at least
-    decode_scratch_numel(...) elements.
+    decode_scratch_numel(...) elements. use_dot: tl.dot inner products (tensor cores); otherwise CUDA-core
+    FMA, with fma_lanes choosing the per-lane online softmax variant.
     """
+    assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -229,7 +269,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     if block_n is None:
-        block_n = _default_block_n(block_d, block_g, use_dot)
+        block_n = _default_block_n(block_d, block_g, use_dot, fma_lanes)
     split = num_splits > 1
     if split:
         need_o, need_l = decode_scratch_numel(num_seqs, num_heads, num_splits, head_dim)
@@ -247,7 +287,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         block_tables.stride(0),
         num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        PAGE=kv_cache.shape[2], USE_DOT=use_dot, SPLIT=split, IEEE=ieee,
+        PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee,
         num_warps=num_warps,
     )
     if split:
