@@ -323,3 +323,26 @@ def test_state_spec_and_slot_bytes(checkpoints):
     per_layer = 3 * 128 * 4 + 4 * 16 * 16 * 4
     assert StateCache.bytes_per_slot(spec) == 3 * per_layer
     assert math.prod(model.kv_heads_and_dim) == 2 * 32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_greedy_with_chunking_preemption_async(checkpoints, kind):
+    """Through the whole engine (scheduler, state slots, async scheduling): 24 greedy tokens per request equal
+    transformers' generate, with tiny chunks and a KV budget small enough to force preemption."""
+    if kind not in checkpoints:
+        pytest.skip(f"{kind} unavailable")
+    from voltllm import LLM, SamplingParams
+
+    path, ref = checkpoints[kind]
+    prompts = _prompts(7, [37, 5, 60, 18])
+    llm = LLM(path, skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=30)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, min_tokens=24))
+    assert llm.engine.stats().num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p])
+        exp = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                           do_sample=False)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == exp
+    llm.engine.check_integrity()
+    assert llm.engine.kv.usage() == 0.0

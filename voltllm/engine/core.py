@@ -29,10 +29,15 @@ class EngineCore:
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, model)
         num_blocks = self.runner.initialize_kv_cache()
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        prefix = config.cache.enable_prefix_caching
+        if prefix and self.runner.is_hybrid:
+            prefix = False
+            logger.warning("prefix caching is off for this hybrid model: recurrent-state snapshots at "
+                           "--mamba-block-size boundaries are not built yet (it applies to attention-only models)")
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner.capture_cuda_graphs()
-        self.vocab_size = int(config.model.hf_config.vocab_size)
+        self.vocab_size = int(config.model.hf_config.get_text_config().vocab_size)
         self.max_model_len = config.model.max_model_len
         # async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host
         self.async_scheduling = config.scheduler.async_scheduling
@@ -87,6 +92,8 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if self._inflight is not None and (not sched.empty and self.runner.needs_host_history(sched)):
             outputs += self._finish_inflight()
+        if sched.empty:
+            self.runner.release(sched.released_ids)
         handle = None if sched.empty else self.runner.execute_async(sched)
         if self._inflight is not None:
             outputs += self._finish_inflight()
@@ -102,4 +109,6 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.runner.state_cache is not None:
+            self.runner.state_cache.check_integrity()
 

@@ -32,6 +32,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_tokens: int = 0
+    # requests that finished, were aborted or preempted since the last step: the runner drops their
+    # per-request state (recurrent-state slots) before this step runs
+    released_ids: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -57,6 +60,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_counter = 0
         self._aborted_outputs: list[EngineCoreOutput] = []
+        self._released: list[str] = []
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -82,11 +86,13 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        self._released.append(req.request_id)
 
     # -- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
+        out.released_ids, self._released = self._released, []
         preempted_now = False
         scheduled_ids: set[str] = set()
 
@@ -160,6 +166,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # a token in flight stays pending and is recomputed with the rest
+        self._released.append(req.request_id)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

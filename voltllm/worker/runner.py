@@ -70,6 +70,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs once captured
         self._prev_tokens: Optional[torch.Tensor] = None  # device ids sampled by the last launched step
         self._prev_rows: dict[str, int] = {}
+        self.state_cache = None  # StateCache for hybrid (Gated DeltaNet) models
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -99,6 +100,17 @@ class ModelRunner:
     def kv_dtype(self) -> torch.dtype:
         return self.dtype
 
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(getattr(self.model, "is_hybrid", False))
+
+    def state_cache_bytes(self) -> int:
+        if not self.is_hybrid:
+            return 0
+        from voltllm.model.state_cache import StateCache
+
+        return StateCache.bytes_per_slot(self.model.state_spec) * (self.config.scheduler.max_num_seqs + 1)
+
     def determine_num_blocks(self) -> int:
         cc = self.config.cache
         if cc.num_gpu_blocks_override:
@@ -107,10 +119,10 @@ class ModelRunner:
         sc = self.config.scheduler
         useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size) + 1
         if self.device.type == "cpu":
-            return max(1, min(useful, cc.cpu_kv_cache_bytes // per_block))
+            return max(1, min(useful, (cc.cpu_kv_cache_bytes - self.state_cache_bytes()) // per_block))
         from voltllm.worker.memory import kv_budget_bytes
 
-        budget = kv_budget_bytes(self, cc.gpu_memory_utilization)
+        budget = kv_budget_bytes(self, cc.gpu_memory_utilization)  # state slots are allocated already
         num = min(useful, budget // per_block)
         if num < -(-sc.max_model_len // self.block_size):
             raise RuntimeError(
@@ -120,6 +132,12 @@ class ModelRunner:
         return int(num)
 
     def initialize_kv_cache(self) -> int:
+        if self.is_hybrid:  # one recurrent-state slot per running request, before KV blocks are sized
+            from voltllm.model.state_cache import StateCache
+
+            self.state_cache = StateCache.for_model(self.model, self.config.scheduler.max_num_seqs, self.device)
+            logger.info("recurrent state: %d slots, %.2f GiB", self.config.scheduler.max_num_seqs,
+                        self.state_cache_bytes() / 2**30)
         self.num_blocks = self.determine_num_blocks()
         heads, dim = self.model.kv_heads_and_dim
         self.kv_caches = make_kv_cache(self.model.num_attention_layers, self.num_blocks, self.block_size,
@@ -189,6 +207,12 @@ class ModelRunner:
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
         return t, meta
 
+    def release(self, request_ids: list[str]) -> None:
+        """Drop per-request runner state (recurrent-state slots) of finished/preempted requests."""
+        if self.state_cache is not None:
+            for rid in request_ids:
+                self.state_cache.free(rid)
+
     def needs_host_history(self, sched: SchedulerOutput) -> bool:
         """True when sampling this step needs every earlier token on the host (no async overlap)."""
         for s in sched.scheduled:
@@ -211,6 +235,10 @@ class ModelRunner:
             hidden = graph.replay()
         else:
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            if self.state_cache is not None:
+                self.release(sched.released_ids)
+                ctx.extra["state_cache"] = self.state_cache
+                ctx.extra["state_slots"] = [self.state_cache.allocate(s.request.request_id) for s in sched.scheduled]
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
@@ -258,8 +286,9 @@ class ModelRunner:
         from voltllm.worker.cuda_graphs import DecodeGraphs
 
         if (self.device.type != "cuda" or self.config.device.enforce_eager
-                or self.backend.name != "TRITON_ATTN"):
+                or self.backend.name != "TRITON_ATTN" or self.is_hybrid):
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if self.config.device.enforce_eager
+                        else "hybrid model: recurrent-state slots are not graph-captured yet" if self.is_hybrid
                         else "not supported by this device/backend")
             return
         t0 = time.monotonic()

@@ -17,6 +17,12 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if x.is_cuda:  # one fused Triton launch instead of ~10 elementwise kernels
+            from voltllm.kernels import fused
+
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps, self.offset)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)  # residual in place
         if residual is not None:
             x = x + residual
             residual = x

@@ -39,10 +39,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D] -> rotated (first rotary_dim channels), same dtype."""
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (first rotary_dim channels), same dtype.
+
+        On CUDA q and k are rotated in place (one fused launch)."""
+        if q.is_cuda:
+            from voltllm.kernels import fused
+
+            return fused.rope_inplace(q, k, positions, self.cos, self.sin, self.rotary_dim)
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def norm_and_rotate(self, positions, q, k, q_norm, k_norm):
+        """Per-head RMSNorm of q and k (Qwen3 QK-norm) then RoPE; fused and in place on CUDA."""
+        if q.is_cuda and q_norm.offset == k_norm.offset:
+            from voltllm.kernels import fused
+
+            return fused.qk_norm_rope_inplace(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions,
+                                              self.cos, self.sin, self.rotary_dim, q_norm.offset)
+        return self.forward(positions, q_norm(q), k_norm(k))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim

@@ -38,8 +38,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary(positions, q, k)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

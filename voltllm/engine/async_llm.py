@@ -1,0 +1,396 @@
+"""AsyncLLM: the API server's handle on an EngineCore that runs in its own process.
+
+The engine process (voltllm.engine.engine_proc) owns the model and the KV cache and steps while it has
+work. This side owns the text: Frontend tokenizes, fans out n > 1, detokenizes and checks stop strings.
+An asyncio task reads engine outputs as they come and hands each parent request its latest cumulative
+RequestOutput (a stream that falls behind skips to the newest one: outputs are cumulative, so nothing is
+lost). Closing or cancelling a stream before it finishes aborts the request in the engine, which frees
+its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from typing import Any, AsyncIterator, Optional, Protocol
+
+from voltllm.config import EngineConfig
+from voltllm.engine.frontend import Frontend, PromptType
+from voltllm.engine.outputs import RequestOutput
+from voltllm.engine.types import EngineCoreRequest, SchedulerStats
+from voltllm.sampling.params import SamplingParams
+
+logger = logging.getLogger("voltllm")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; no request can be served."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start (its message says why)."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (client gone, shutdown) before it finished."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot take (too long for the context, bad token ids); an HTTP 400."""
+
+
+class StatObserver(Protocol):
+    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_tokens(self, inter_token_s: float, count: int) -> None: ...
+    def on_finished(self, out: Optional[RequestOutput], reason: str, e2e_s: float) -> None: ...
+
+
+class RequestStream:
+    """Async iterator of one request's cumulative RequestOutputs; close() aborts it if unfinished."""
+
+    def __init__(self, engine: "AsyncLLM", request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.arrival = time.monotonic()
+        self._latest: Optional[RequestOutput] = None
+        self._error: Optional[BaseException] = None
+        self._event = asyncio.Event()
+        self.finished = False
+        self.closed = False
+        self._num_tokens = 0
+        self._first_token_time: Optional[float] = None
+        self._last_token_time: Optional[float] = None
+        self._last_output: Optional[RequestOutput] = None
+
+    def _put(self, out: RequestOutput) -> None:
+        self._latest = out
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._event.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        try:
+            while self._latest is None and self._error is None:
+                self._event.clear()
+                await self._event.wait()
+        except BaseException:  # cancelled (client gone, shutdown): free the engine's blocks
+            self.close()
+            raise
+        if self._latest is not None:
+            out, self._latest = self._latest, None
+            self._observe(out)
+            if out.finished:
+                self.finished = True
+                self.engine._streams.pop(self.request_id, None)
+            return out
+        err = self._error
+        self.close()
+        raise err  # type: ignore[misc]
+
+    def _observe(self, out: RequestOutput) -> None:
+        self._last_output = out
+        obs = self.engine.observer
+        now = time.monotonic()
+        n = sum(len(c.token_ids) for c in out.outputs)
+        if n > self._num_tokens:
+            if self._first_token_time is None:
+                self._first_token_time = now
+                if obs:
+                    obs.on_first_token(now - self.arrival)
+                if n - self._num_tokens > 1 and obs:
+                    obs.on_tokens(0.0, n - self._num_tokens - 1)
+            elif obs:
+                k = n - self._num_tokens
+                obs.on_tokens((now - (self._last_token_time or now)) / k, k)
+            self._last_token_time = now
+            self._num_tokens = n
+        if out.finished and obs:
+            reasons = [c.finish_reason or "abort" for c in out.outputs]
+            obs.on_finished(out, reasons[0] if len(set(reasons)) == 1 else "mixed", now - self.arrival)
+
+    def close(self) -> None:
+        """Stop listening; abort the request in the engine unless it already finished."""
+        if self.finished or self.closed:
+            return
+        self.closed = True
+        self.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None, observer: Optional[StatObserver] = None,
+                 log_level: int = logging.INFO):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.observer = observer
+        self.log_level = log_level
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = int(config.model.hf_config.vocab_size)
+        self.frontend: Optional[Frontend] = None
+        self.stats = SchedulerStats()
+        self.engine_info: dict = {}
+        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.dead: Optional[str] = None  # why the engine is gone
+        self._streams: dict[str, RequestStream] = {}
+        self._ctx = None
+        self._actx = None
+        self._in = None
+        self._out = None
+        self._ipc_dir: Optional[str] = None
+        self._task: Optional[asyncio.Task] = None
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from voltllm.engine.engine_proc import run_engine_core
+
+        self._ipc_dir = tempfile.mkdtemp(prefix="voltllm-ipc-")  # 0700: only this user can connect
+        in_addr = f"ipc://{self._ipc_dir}/input"
+        out_addr = f"ipc://{self._ipc_dir}/output"
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._in.bind(in_addr)
+        self._actx = zmq.asyncio.Context()
+        self._out = self._actx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        self._out.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(target=run_engine_core, name="voltllm-engine", daemon=True,
+                               args=(self.config, in_addr, out_addr, os.getpid(), self.log_level))
+        self.proc.start()
+        logger.info("engine process started (pid %d); loading weights there", self.proc.pid)
+
+    async def start(self, timeout: Optional[float] = None) -> None:
+        """Spawn the engine process, load the tokenizer meanwhile, and wait until the engine is ready."""
+        self._spawn()
+        tok_task = None
+        if self.tokenizer is None:
+            from voltllm.model.loader import load_tokenizer
+
+            mc = self.config.model
+            tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, mc.tokenizer, mc.trust_remote_code))
+        try:
+            await self._wait_ready(timeout)
+            if tok_task is not None:
+                self.tokenizer = await tok_task
+        except BaseException:
+            if tok_task is not None:
+                tok_task.cancel()
+            self.shutdown()
+            raise
+        self.frontend = Frontend(self.tokenizer, self.config.model.model, self.max_model_len)
+        self._task = asyncio.ensure_future(self._output_loop())
+
+    async def _wait_ready(self, timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if await self._out.poll(500):
+                msg = pickle.loads(await self._out.recv())
+                if msg[0] == "ready":
+                    self.engine_info = msg[1]
+                    return
+                if msg[0] == "startup_error":
+                    raise EngineStartError(f"the engine could not start: {msg[1]}")
+                logger.warning("unexpected engine message before ready: %r", msg[0])
+                continue
+            if not self.proc.is_alive():
+                raise EngineStartError(f"the engine process exited during startup (exit code {self.proc.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineStartError(f"the engine was not ready within {timeout:.0f} s")
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                if not await self._out.poll(1000):
+                    if not self.proc.is_alive():
+                        self._on_dead(f"the engine process exited (exit code {self.proc.exitcode})")
+                        return
+                    continue
+                self._handle(pickle.loads(await self._out.recv()))
+                if self.dead:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
+            logger.exception("engine output loop failed")
+            self._on_dead(f"engine output loop failed: {e}")
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            _, outputs, stats = msg
+            self.stats = stats
+            results, to_abort = self.frontend.process(outputs)
+            if to_abort:
+                self._send(("abort", to_abort))
+            for r in results:
+                st = self._streams.get(r.request_id)
+                if st is not None:
+                    st._put(r)
+        elif kind == "error":
+            _, child_ids, message = msg
+            parents = {self.frontend.child_to_parent.get(c) for c in child_ids} - {None}
+            for pid in parents:
+                others = [c for c in self.frontend.child_ids(pid) if c not in child_ids]
+                if others:
+                    self._send(("abort", others))
+                self.frontend.forget(pid)
+                st = self._streams.pop(pid, None)
+                if st is not None:
+                    st._fail(InvalidRequestError(message))
+        elif kind == "fatal":
+            self._on_dead(f"the engine failed: {msg[1].strip().splitlines()[-1]}")
+        else:
+            logger.warning("unexpected engine message %r", kind)
+
+    def _on_dead(self, why: str) -> None:
+        if self.dead is None:
+            logger.error("%s", why)
+        self.dead = why
+        for rid, st in list(self._streams.items()):
+            st._fail(EngineDeadError(why))
+        self._streams.clear()
+
+    def _send(self, msg: tuple) -> None:
+        import zmq
+
+        if self.dead or self._in is None:
+            return
+        try:
+            self._in.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._on_dead(f"cannot reach the engine process: {e}")
+
+    @property
+    def is_healthy(self) -> bool:
+        return (not self._closed and self.dead is None and self.proc is not None and self.proc.is_alive()
+                and self._task is not None and not self._task.done())
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine process (politely, then by force) and release sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for st in list(self._streams.values()):
+            st._fail(RequestAbortedError("the server is shutting down"))
+        self._streams.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.proc is not None:
+            if self.proc.is_alive():
+                import zmq
+
+                try:
+                    self._in.send(pickle.dumps(("shutdown",)), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                self.proc.join(timeout)
+            if self.proc.is_alive():
+                logger.warning("engine process did not stop; terminating it")
+                self.proc.terminate()
+                self.proc.join(2.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(2.0)
+        for sock in (self._in, self._out):
+            if sock is not None:
+                sock.close(0)
+        for ctx in (self._ctx, self._actx):
+            if ctx is not None:
+                ctx.term()
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # -- requests -------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if self.frontend is None:
+            raise EngineDeadError("the engine is not started")
+
+    def _validate(self, req: EngineCoreRequest) -> None:
+        """The engine core's own admission checks, done here so that a bad request is a 400 at once."""
+        ids = req.prompt_token_ids
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, at or over this model's maximum context length "
+                f"({self.max_model_len} tokens); shorten it")
+        sp = req.sampling_params
+        if sp.max_tokens is not None and n + sp.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate); lower max_tokens "
+                "or shorten the prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if sp.logprobs is not None and sp.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({self.vocab_size})")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    cache_salt: Optional[str] = None) -> RequestStream:
+        """Validate and submit one request; raises ValueError subclasses for bad input (HTTP 400)."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt)
+        try:
+            self._validate(reqs[0])
+        except BaseException:
+            self.frontend.forget(request_id)
+            raise
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._send(("add", reqs))
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a parent request (all its children); a no-op for unknown or finished requests."""
+        st = self._streams.pop(request_id, None)
+        if self.frontend is not None:
+            cids = self.frontend.child_ids(request_id)
+            if cids:
+                self._send(("abort", cids))
+            self.frontend.forget(request_id)
+        if st is not None and not st.finished:
+            st._fail(RequestAbortedError(f"request {request_id} was aborted"))
+            if self.observer:
+                self.observer.on_finished(st._last_output, "abort", time.monotonic() - st.arrival)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)

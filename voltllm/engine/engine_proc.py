@@ -1,0 +1,148 @@
+"""The engine-core process: a busy loop around EngineCore, fed and drained over two ZMQ sockets.
+
+Wire protocol (pickled tuples; both ends are this package on the same host, over ipc:// sockets that
+the API process creates in a private 0700 directory):
+
+  API -> engine (PUSH -> PULL)                 engine -> API (PUSH -> PULL)
+  ("add", [EngineCoreRequest, ...])            ("ready", {"num_blocks": ..., ...})
+  ("abort", [child request id, ...])           ("startup_error", message)
+  ("check",)   run check_integrity()           ("outputs", [EngineCoreOutput, ...], SchedulerStats)
+  ("shutdown",)                                ("error", [child request id, ...], message)
+                                               ("check", message or None)
+                                               ("fatal", message)
+
+The loop blocks on its input socket only while it has nothing to compute; otherwise it drains input
+without waiting and steps. It exits on "shutdown", on SIGTERM, and when its parent (the API process)
+is gone: the kernel's parent-death signal on Linux, and a parent-pid check on every loop as a fallback.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any
+
+logger = logging.getLogger("voltllm")
+
+IDLE_POLL_MS = 200  # how often an idle engine looks at its parent
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent exits (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _dumps(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
+    """Entry point of the engine process (multiprocessing spawn target)."""
+    # Ctrl-C in a terminal reaches the whole process group: the API process coordinates shutdown,
+    # so the engine ignores SIGINT and keeps serving until told to stop. SIGTERM keeps its default
+    # action (exit at once): the engine holds nothing that needs flushing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        return
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+    import zmq
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 1000)
+    out.connect(output_addr)
+    try:
+        try:
+            from voltllm.engine.core import EngineCore
+
+            core = EngineCore(config)
+        except Exception as e:  # noqa: BLE001 - reported to the API process, which prints it
+            logger.debug("engine startup failed", exc_info=True)
+            out.send(_dumps(("startup_error", f"{type(e).__name__}: {e}")))
+            return
+        stats = core.stats()
+        out.send(_dumps(("ready", {"num_blocks": stats.num_blocks, "block_size": config.cache.block_size,
+                                   "pid": os.getpid()})))
+        _loop(core, inp, out, parent_pid)
+    except Exception:  # noqa: BLE001
+        msg = traceback.format_exc()
+        logger.error("engine core failed:\n%s", msg)
+        try:
+            out.send(_dumps(("fatal", msg)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    finally:
+        inp.close(0)
+        out.close(1000)
+        ctx.term()
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown (seconds with torch loaded): nothing here needs it
+
+
+def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
+    import zmq
+
+    from voltllm.engine.core import InvalidRequestError
+
+    while True:
+        busy = core.has_unfinished_requests()
+        flush = False
+        if inp.poll(0 if busy else IDLE_POLL_MS):
+            while True:
+                try:
+                    raw = inp.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = pickle.loads(raw)
+                kind = msg[0]
+                if kind == "add":
+                    reqs = msg[1]
+                    added = []
+                    try:
+                        for req in reqs:
+                            core.add_request(req)
+                            added.append(req.request_id)
+                    except (InvalidRequestError, ValueError) as e:
+                        if added:
+                            core.abort_requests(added)
+                            flush = True
+                        out.send(_dumps(("error", [r.request_id for r in reqs], str(e))))
+                elif kind == "abort":
+                    core.abort_requests(msg[1])
+                    flush = True
+                elif kind == "check":
+                    try:
+                        core.check_integrity()
+                        out.send(_dumps(("check", None)))
+                    except Exception as e:  # noqa: BLE001
+                        out.send(_dumps(("check", f"{type(e).__name__}: {e}")))
+                elif kind == "shutdown":
+                    return
+                else:
+                    logger.warning("engine: unknown message %r", kind)
+        if os.getppid() != parent_pid:
+            logger.warning("engine: the API process is gone; exiting")
+            return
+        if core.has_unfinished_requests() or flush:
+            outputs = core.step()
+            out.send(_dumps(("outputs", outputs, core.stats())))
