@@ -81,3 +81,17 @@ def test_num_splits_heuristic():
     assert choose_num_splits(64, 8, 1024, 132) == 1      # 512 programs already fill the GPU
     assert choose_num_splits(1, 8, 100, 132) == 1        # short context: nothing to split
     assert choose_num_splits(2, 8, 1 << 20, 132) <= 64   # capped
+
+
+def test_prefill_config_valid():
+    from voltllm.kernels.attention import prefill_config
+    for cap in (None, (7, 0), (7, 5), (8, 0), (9, 0)):
+        for d in (64, 80, 128, 256):
+            for group in (1, 2, 4, 8, 16):
+                for mql in (1, 3, 17, 4096):
+                    bm, bn, warps, stages = prefill_config(d, group, mql, cap)
+                    assert bm >= 16 and bm >= group and bm & (bm - 1) == 0, (cap, d, group, mql, bm)
+                    assert bn >= 16 and bn & (bn - 1) == 0 and warps in (4, 8) and stages >= 1
+    assert prefill_config(256, 4, 4096, (9, 0)) == (128, 32, 8, 2)
+    assert prefill_config(128, 4, 4096, (9, 0)) == (128, 128, 8, 3)
+    assert prefill_config(64, 4, 4096, (9, 0)) == (128, 64, 8, 3)

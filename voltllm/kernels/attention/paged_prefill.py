@@ -139,8 +139,17 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, capability: tu
     block_m = max(block_m, triton.next_power_of_2(group))
     if capability is None or capability >= (8, 0):
         num_warps = 8 if block_m * block_d >= 128 * 128 else 4
-    if capability is not None and capability >= (9, 0) and block_d == 128 and block_m == 128:
-        block_n = 128  # H200, 4K causal fp16: 329 vs 290 TFLOP/s with BLOCK_N 64
+    if capability is not None and capability >= (9, 0):
+        # H200 timings, 4K causal fp16, GQA 32/8 (docs/kernels.md, Attention)
+        if block_d > 128:
+            block_m = max(16, min(128, triton.next_power_of_2(max(1, max_query_len) * group)))
+            block_m = max(block_m, triton.next_power_of_2(group))
+            num_warps = 8 if block_m * block_d >= 128 * 128 else 4
+            # d256: (128, 32, 8, 2) 284 TFLOP/s vs (64, 32, 8, 2) 152
+        elif block_d == 128 and block_m == 128:
+            block_n = 128  # d128: (128, 128, 8, 3) 330 TFLOP/s vs (128, 64, 8, 3) 290
+        elif block_m == 128:
+            num_warps = 8  # d64: (128, 64, 8, 3) 281 TFLOP/s vs (128, 64, 4, 3) 260
     return block_m, block_n, num_warps, num_stages
 
 
