@@ -176,6 +176,7 @@ class AsyncLLM:
         self._out.setsockopt(zmq.RCVHWM, 0)
         self._out.bind(out_addr)
         mp = multiprocessing.get_context("spawn")
+        # daemon: multiprocessing terminates it at interpreter exit even if shutdown() was never called
         self.proc = mp.Process(target=run_engine_core, name="voltllm-engine", daemon=True,
                                args=(self.config, in_addr, out_addr, os.getpid(), self.log_level))
         self.proc.start()
@@ -275,7 +276,7 @@ class AsyncLLM:
     def _send(self, msg: tuple) -> None:
         import zmq
 
-        if self.dead or self._in is None:
+        if self.dead or self._in is None or self._closed:
             return
         try:
             self._in.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flags=zmq.NOBLOCK)
@@ -298,6 +299,9 @@ class AsyncLLM:
         if self._task is not None and not self._task.done():
             self._task.cancel()
         if self.proc is not None:
+            if self.proc.is_alive() and not self.engine_info:
+                self.proc.terminate()  # still loading: it would not read a polite message until done
+                self.proc.join(timeout)
             if self.proc.is_alive():
                 import zmq
 
@@ -378,7 +382,7 @@ class AsyncLLM:
         finally:
             stream.close()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: Optional[str] = None) -> None:
         """Abort a parent request (all its children); a no-op for unknown or finished requests."""
         st = self._streams.pop(request_id, None)
         if self.frontend is not None:
@@ -387,9 +391,14 @@ class AsyncLLM:
                 self._send(("abort", cids))
             self.frontend.forget(request_id)
         if st is not None and not st.finished:
-            st._fail(RequestAbortedError(f"request {request_id} was aborted"))
+            st._fail(RequestAbortedError(reason or f"request {request_id} was aborted"))
             if self.observer:
                 self.observer.on_finished(st._last_output, "abort", time.monotonic() - st.arrival)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (server shutdown): their streams end with RequestAbortedError."""
+        for rid in list(self._streams):
+            self.abort(rid, "the server is shutting down")
 
     @property
     def num_active_requests(self) -> int:

@@ -1,0 +1,191 @@
+"""The FastAPI app: routes, API-key check, OpenAI-style error bodies, HTTP counters."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any, Optional, Type, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from voltllm import __version__
+from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, error_response, status_phrase
+from voltllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from voltllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                 TokenizeRequest)
+from voltllm.entrypoints.openai.serving_chat import create_chat_completion
+from voltllm.entrypoints.openai.serving_common import ServerState, normalize_messages, render_chat
+from voltllm.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger("voltllm")
+M = TypeVar("M", bound=BaseModel)
+
+_ROUTES = {"/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/chat/completions",
+           "/v1/completions"}
+
+
+class AuthAndCountMiddleware:
+    """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/*, per-route HTTP counters."""
+
+    def __init__(self, app: Any, api_key: Optional[str], metrics: Optional[ServerMetrics]):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path.startswith("/v1") and scope.get("method") != "OPTIONS":
+                if not self._authorized(scope):
+                    msg = "invalid or missing API key: send it as 'Authorization: Bearer <key>'"
+                    resp = JSONResponse(error_body(msg, 401, code="invalid_api_key"), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                    await resp(scope, receive, send_wrapper)
+                    return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            if self.metrics is not None:
+                label = path if path in _ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                      else "other")
+                self.metrics.on_http(scope.get("method", ""), label, status["code"])
+
+    def _authorized(self, scope: dict) -> bool:
+        token = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                token = value[7:].strip()
+                break
+            if name == b"x-api-key":
+                token = value.strip()
+        return hmac.compare_digest(token, self.api_key)
+
+
+async def parse_body(request: Request, model: Type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json")
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errs = e.errors()
+        first = errs[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        more = f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
+        param = str(first["loc"][0]) if first.get("loc") else None
+        raise bad_request(f"{loc}: {first.get('msg', 'invalid value')}{more}", param)
+
+
+def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None,
+              root_path: str = "") -> Any:
+    app = FastAPI(title="voltllm OpenAI-compatible server", version=__version__, root_path=root_path)
+    app.state.server = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(bad_request(str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
+        if exc.status_code == 404:
+            detail = f"no route {request.method} {request.url.path}"
+        return error_response(OpenAIError(detail, exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.is_healthy:
+            return Response(status_code=200)
+        why = state.engine.dead or "the engine is not running"
+        return error_response(OpenAIError(why, 503))
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        if metrics is None:
+            raise OpenAIError("metrics are disabled", 404)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def _model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "voltllm",
+                "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(n) for n in state.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict:
+        if model not in state.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist", 404, "model", "model_not_found")
+        return _model_card(model)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = await parse_body(request, ChatCompletionRequest)
+        return await create_chat_completion(state, req, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = await parse_body(request, CompletionRequest)
+        return await create_completion(state, req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = await parse_body(request, TokenizeRequest)
+        state.model_name(req.model)
+        tok = state.tokenizer
+        if req.messages is not None:
+            text = render_chat(state, normalize_messages(req.messages), chat_template=req.chat_template,
+                               kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, tools=req.tools)
+            ids = tok.encode(text, add_special_tokens=False)
+        elif req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise bad_request("give either 'prompt' or 'messages'", "prompt")
+        body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = await parse_body(request, DetokenizeRequest)
+        state.model_name(req.model)
+        vocab = state.engine.vocab_size
+        bad = [t for t in req.tokens if t < 0 or t >= vocab]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {vocab}), got {bad[:5]}", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    return AuthAndCountMiddleware(app, api_key, metrics)

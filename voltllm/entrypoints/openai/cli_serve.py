@@ -1,0 +1,278 @@
+"""`voltllm serve [MODEL]`: the OpenAI-compatible server (engine flags from cli_args, server flags here).
+
+Startup: check the server flags -> build the engine config (may fetch the default model; refuses flags
+whose capability is not built, exit 2) -> reserve the port -> start the engine process (weights load
+there while this process loads the tokenizer) -> serve HTTP. SIGINT / SIGTERM stop HTTP, then the
+engine process; the engine also exits by itself if this process dies.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+from voltllm.config import ConfigError
+
+logger = logging.getLogger("voltllm")
+
+
+def _json_object(flag: str):
+    def parse(value: str) -> dict:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {e}") from None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
+        return parsed
+    return parse
+
+
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    from voltllm.cli_args import add_engine_args
+    from voltllm.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    p = subparsers.add_parser(
+        "serve", help=help, description="Serve a model over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /metrics). "
+        "See docs/cli.md for every flag and its status.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model path: a Hugging Face directory or a .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct GGUF, fetched once)")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all IPv4 interfaces)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
+                   help="model name(s) the API answers to (the first one is reported); default: the model path")
+    s.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
+                   default=None, help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'; '
+                   "a request's chat_template_kwargs override it")
+    s.add_argument("--limit-mm-per-prompt", type=_json_object("--limit-mm-per-prompt"), default=None,
+                   help="JSON object of multimodal item limits; only all-zero limits are accepted (text-only server)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls from the output when a request has tools and tool_choice "auto"')
+    s.add_argument("--tool-call-parser", default=None, help=f"one of: {', '.join(TOOL_PARSERS)}")
+    s.add_argument("--reasoning-parser", default=None,
+                   help=f"one of: {', '.join(REASONING_PARSERS)} (splits <think>...</think> into reasoning_content)")
+    s.add_argument("--response-role", default="assistant", help="role of the generated chat message")
+    s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--disable-uvicorn-access-log", action="store_true")
+    s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine-stats log line")
+    s.add_argument("--enable-log-requests", action="store_true", help="log each request's id and sizes")
+    s.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility (default)")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
+    s.add_argument("--enable-force-include-usage", action="store_true",
+                   help="send usage in every stream, as if stream_options.include_usage were set")
+    s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
+    s.add_argument("--engine-ready-timeout", type=float, default=None,
+                   help="seconds to wait for the engine to load before giving up (default: no limit)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """Refuse server flags we cannot honour (ConfigError -> exit 2), before any model is loaded."""
+    from voltllm.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ConfigError(f"--tool-call-parser {args.tool_call_parser!r} is not built; available: "
+                          f"{', '.join(TOOL_PARSERS)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"--reasoning-parser {args.reasoning_parser!r} is not built; available: "
+                          f"{', '.join(REASONING_PARSERS)}")
+    for modality, limit in (args.limit_mm_per_prompt or {}).items():
+        count = limit.get("count", 0) if isinstance(limit, dict) else limit
+        if count != 0:
+            raise ConfigError(f"--limit-mm-per-prompt {modality}={json.dumps(limit)}: multimodal input is not "
+                              "built (text-only models); only zero limits are accepted")
+    if getattr(args, "skip_tokenizer_init", False):
+        raise ConfigError("--skip-tokenizer-init is not supported by `voltllm serve`: the server needs the "
+                          "tokenizer for chat templates, text prompts and streaming text")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_logprobs < 0:
+        raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    if args.api_key is not None and not args.api_key:
+        raise ConfigError("--api-key must not be empty")
+    if args.served_model_names is not None and any(not n for n in args.served_model_names):
+        raise ConfigError("--served-model-name must not be empty")
+
+
+def _say(msg: str) -> None:
+    print(f"voltllm: {msg}", file=sys.stderr, flush=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Reserve the port now, so a busy port fails before the model loads (uvicorn listens on it later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+class _Terminate(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: stop serving, stop the engine, exit 0."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminate()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from voltllm.cli_args import engine_args_from
+    from voltllm.engine.async_llm import EngineStartError
+
+    check_server_flags(args)
+    if args.served_model_names:
+        args.served_model_name = args.served_model_names[0]
+    ea = engine_args_from(args)
+    _say(f"resolving the model ({ea.model or 'embedded default SmolLM2-135M-Instruct'}) ...")
+    t0 = time.monotonic()
+    try:
+        config = ea.create_engine_config()  # ConfigError propagates: printed by voltllm.cli, exit 2
+    except RuntimeError as e:  # the default model could not be fetched
+        _say(f"error: {e}")
+        return 1
+    mc = config.model
+    _say(f"model {mc.model} ({mc.architecture}, {str(mc.dtype).replace('torch.', '')}, max_model_len "
+         f"{mc.max_model_len}) on {config.device.device}; config in {time.monotonic() - t0:.1f} s")
+    names = list(args.served_model_names or [mc.served_model_name])
+    sock = _bind(args.host, args.port)
+    holder: dict[str, Any] = {"rc": 0}
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        asyncio.run(_serve(config, args, names, sock, holder))
+    except KeyboardInterrupt:
+        _say("shutting down")
+    except EngineStartError as e:
+        _say(f"error: {e}")
+        holder["rc"] = 1
+    finally:
+        engine = holder.get("engine")
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+        signal.signal(signal.SIGTERM, previous)
+    _say("stopped")
+    # Everything this process owns is released above; skip the interpreter's module teardown, which
+    # takes seconds with torch and transformers loaded, so that SIGTERM / Ctrl-C exits promptly.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(holder["rc"])
+
+
+async def _watch_engine(engine: Any, server: Any, holder: dict) -> None:
+    """An API server without its engine is useless: when the engine dies, stop serving (exit 1)."""
+    while engine.dead is None and engine.is_healthy:
+        await asyncio.sleep(0.5)
+    if not server.should_exit:
+        why = engine.dead or (f"the engine process exited (exit code {engine.proc.exitcode})"
+                              if engine.proc is not None and not engine.proc.is_alive() else "the engine stopped")
+        _say(f"error: {why}; shutting the server down")
+        holder["rc"] = 1
+        server.should_exit = True
+
+
+async def _log_stats(engine: Any, metrics: Any, every: float = 10.0) -> None:
+    last_gen, last_prompt, last_t = 0, 0, time.monotonic()
+    while True:
+        await asyncio.sleep(every)
+        s = engine.stats
+        now = time.monotonic()
+        gen, prompt = metrics.total_generated, metrics.total_prompt
+        if gen == last_gen and prompt == last_prompt and not (s.num_running or s.num_waiting):
+            continue
+        dt = now - last_t
+        rate = s.prefix_cache_hits / s.prefix_cache_queries * 100 if s.prefix_cache_queries else 0.0
+        logger.info("engine: %d running, %d waiting, KV cache %.1f%% used, prefix-cache hit rate %.1f%%, "
+                    "generation %.1f tok/s, prompt %.1f tok/s (finished prompts)", s.num_running, s.num_waiting,
+                    s.kv_cache_usage * 100, rate, (gen - last_gen) / dt, (prompt - last_prompt) / dt)
+        last_gen, last_prompt, last_t = gen, prompt, now
+
+
+async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: socket.socket,
+                 holder: dict) -> None:
+    import uvicorn
+
+    from voltllm.engine.async_llm import AsyncLLM
+    from voltllm.entrypoints.openai.app import build_app
+    from voltllm.entrypoints.openai.metrics import ServerMetrics
+    from voltllm.entrypoints.openai.serving_common import ServerState
+
+    engine = AsyncLLM(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
+    holder["engine"] = engine
+    metrics = ServerMetrics(names[0], lambda: engine.stats, lambda: engine.is_healthy,
+                            lambda: engine.num_active_requests)
+    engine.observer = metrics
+    _say("starting the engine process and loading the weights there; loading the tokenizer here ...")
+    t0 = time.monotonic()
+    await engine.start(timeout=args.engine_ready_timeout)
+    info = engine.engine_info
+    _say(f"engine ready in {time.monotonic() - t0:.1f} s (pid {info.get('pid')}, {info.get('num_blocks')} KV blocks "
+         f"of {info.get('block_size')} tokens)")
+    state = ServerState(
+        engine=engine, served_model_names=names, max_model_len=config.model.max_model_len,
+        model_path=config.model.model, chat_template=config.model.chat_template,
+        default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
+        response_role=args.response_role, max_logprobs=args.max_logprobs,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests)
+    app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path)
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                               timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",
+                               root_path=args.root_path)
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: Optional[list] = None) -> None:
+            # end in-flight requests first, so that open streams close now instead of at the graceful timeout
+            n = engine.num_active_requests
+            if n:
+                _say(f"aborting {n} request(s) in flight")
+            engine.abort_all()
+            await super().shutdown(sockets)
+
+    server = _Server(uv_config)
+    serve_task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    stats_task: Optional[asyncio.Task] = None
+    watch_task = asyncio.ensure_future(_watch_engine(engine, server, holder))
+    try:
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            host = args.host if ":" not in args.host else f"[{args.host}]"
+            shown = ", ".join(repr(n) for n in names)
+            _say(f"serving {shown} at http://{host}:{args.port} (OpenAI API base URL http://{host}:{args.port}/v1)"
+                 + ("; API key required on /v1" if args.api_key else ""))
+            if not args.disable_log_stats:
+                stats_task = asyncio.ensure_future(_log_stats(engine, metrics))
+        await serve_task
+    finally:
+        watch_task.cancel()
+        if stats_task is not None:
+            stats_task.cancel()
+        if not serve_task.done():
+            server.should_exit = True
+            serve_task.cancel()
+        engine.shutdown()

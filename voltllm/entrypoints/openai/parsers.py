@@ -1,0 +1,158 @@
+"""Reasoning and tool-call parsers for chat output (--reasoning-parser, --tool-call-parser).
+
+Both work on the cumulative generated text (what the engine hands us), so streaming and non-streaming
+share one code path: the streaming side diffs successive results. While a stream runs, text that could
+still become a tag (a trailing "</thi" or "<tool_ca") is held back until the next tokens decide it.
+
+- reasoning `qwen3` (also `deepseek_r1`): "<think>...</think>" -> reasoning_content; the rest is content.
+  A template that opens "<think>" itself (the prompt ends with it) starts the output inside reasoning.
+  Without any "<think>", a streamed answer is all content; a non-streamed one is split at "</think>".
+- tools `hermes`: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of them.
+- tools `qwen3_coder` (also `qwen3_xml`): <tool_call><function=NAME><parameter=P>value</parameter>...
+  </function></tool_call>; values are converted with the request's JSON schema types.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Optional
+
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag (text to hold back)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningParser:
+    def __init__(self, prompt_text: str = ""):
+        self.opened_by_prompt = prompt_text.rstrip().endswith(THINK_START)
+
+    def split(self, text: str, finished: bool, streaming: bool) -> tuple[Optional[str], str]:
+        """(reasoning so far or None, content so far) for the cumulative text."""
+        started = self.opened_by_prompt
+        t = text
+        stripped = t.lstrip()
+        if stripped.startswith(THINK_START):
+            started, t = True, stripped[len(THINK_START):]
+        elif not finished and stripped and THINK_START.startswith(stripped):
+            return None, ""  # could still become "<think>"
+        if not started and streaming:
+            return None, text
+        end = t.find(THINK_END)
+        if end >= 0:
+            return t[:end].lstrip(), t[end + len(THINK_END):].lstrip()
+        if not started:
+            return None, text
+        if finished:
+            return t.lstrip(), ""  # reasoning cut short (max_tokens)
+        return t[: len(t) - _partial_suffix(t, THINK_END)].lstrip(), ""
+
+
+REASONING_PARSERS = {"qwen3": ReasoningParser, "deepseek_r1": ReasoningParser}
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolParser:
+    """Base: finds <tool_call>...</tool_call> blocks; subclasses parse one block's body."""
+
+    def __init__(self, tools: Optional[list[dict]] = None):
+        self.schemas: dict[str, dict] = {}
+        for t in tools or []:
+            fn = t.get("function") if isinstance(t, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                self.schemas[fn["name"]] = fn.get("parameters") or {}
+
+    def parse_block(self, body: str) -> Optional[dict]:
+        raise NotImplementedError
+
+    def extract(self, text: str, finished: bool) -> tuple[str, list[dict], bool]:
+        """(content before the first call, complete calls so far, ok). ok is False when a finished text
+        had a call block that does not parse: the caller then shows the whole text as content."""
+        first = text.find(TOOL_START)
+        if first < 0:
+            hold = 0 if finished else _partial_suffix(text, TOOL_START)
+            return text[: len(text) - hold], [], True
+        calls, pos, ok = [], first, True
+        while True:
+            s = text.find(TOOL_START, pos)
+            if s < 0:
+                break
+            e = text.find(TOOL_END, s)
+            if e < 0:
+                if finished:  # unterminated last block (max_tokens, or the model omitted the end tag)
+                    call = self.parse_block(text[s + len(TOOL_START):])
+                    if call:
+                        calls.append(call)
+                    else:
+                        ok = False
+                break
+            call = self.parse_block(text[s + len(TOOL_START):e])
+            if call is None:
+                ok = False
+            else:
+                calls.append(call)
+            pos = e + len(TOOL_END)
+        return text[:first], calls, ok
+
+
+class HermesToolParser(ToolParser):
+    def parse_block(self, body: str) -> Optional[dict]:
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+
+
+_FUNC = re.compile(r"<function=([^>\s]+)\s*>(.*?)(?:</function>|$)", re.S)
+_PARAM = re.compile(r"<parameter=([^>\s]+)\s*>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+class Qwen3CoderToolParser(ToolParser):
+    def _convert(self, func: str, name: str, raw: str) -> Any:
+        value = raw[1:] if raw.startswith("\n") else raw
+        value = value[:-1] if value.endswith("\n") else value
+        prop = (self.schemas.get(func, {}).get("properties") or {}).get(name) or {}
+        kind = prop.get("type")
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), None)
+        if kind == "string":
+            return value
+        if value.strip().lower() == "null":
+            return None
+        try:
+            if kind == "integer":
+                return int(value.strip())
+            if kind == "number":
+                v = float(value.strip())
+                return int(v) if v.is_integer() and "." not in value else v
+            if kind == "boolean":
+                return value.strip().lower() == "true"
+            return json.loads(value)
+        except (ValueError, json.JSONDecodeError):
+            return value
+
+    def parse_block(self, body: str) -> Optional[dict]:
+        m = _FUNC.search(body)
+        if not m:
+            return None
+        func = m.group(1).strip()
+        args = {p.group(1).strip(): self._convert(func, p.group(1).strip(), p.group(2))
+                for p in _PARAM.finditer(m.group(2))}
+        return {"name": func, "arguments": json.dumps(args, ensure_ascii=False)}
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser}

@@ -1,0 +1,173 @@
+"""Request models (pydantic) for the OpenAI-compatible routes, and their mapping to SamplingParams.
+
+Field names follow the OpenAI API plus vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output, chat_template_kwargs, ...).
+Unknown fields are accepted and ignored, as OpenAI clients send new fields before servers know them.
+Responses are plain dicts built in serving_chat.py / serving_completion.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from voltllm.entrypoints.openai.errors import bad_request
+from voltllm.sampling.params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    max_tokens: Optional[int] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
+    cache_salt: Optional[str] = None
+    request_id: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def _common_checks(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported yet", "logit_bias", "unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request(f"response_format {self.response_format.get('type')!r} is not supported yet "
+                              "(no guided decoding); only 'text'", "response_format", "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", "best_of", "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    reasoning_effort: Optional[str] = None
+
+    def check(self) -> None:
+        self._common_checks()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
+
+    def check(self) -> None:
+        self._common_checks()
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if all(isinstance(x, list) for x in p):
+            for x in p:
+                if not x:
+                    raise bad_request("a token-id prompt must not be empty", "prompt")
+            return [list(x) for x in p]  # type: ignore[arg-type]
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
+                          "token-id lists", "prompt")
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    tokens: list[int] = Field(default_factory=list)

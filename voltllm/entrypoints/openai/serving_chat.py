@@ -1,0 +1,236 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> JSON or SSE chunks."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from voltllm.engine.async_llm import RequestAbortedError
+from voltllm.engine.outputs import CompletionOutput, RequestOutput
+from voltllm.entrypoints.openai.errors import OpenAIError, bad_request
+from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
+                                                new_tool_call_id)
+from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
+from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect,
+                                                       engine_error, make_params, merge_streams, new_id,
+                                                       normalize_messages, render_chat, sse, sse_error, submit,
+                                                       usage)
+
+logger = logging.getLogger("voltllm")
+
+
+@dataclass
+class _ChatPlan:
+    request_id: str
+    model: str
+    created: int
+    prompt_text: str
+    use_tools: bool
+    n: int
+    num_logprobs: Optional[int]
+    echo_prefix: str = ""
+
+
+def _tool_mode(state: ServerState, req: ChatCompletionRequest) -> bool:
+    """Whether to parse tool calls out of the output; refuses what cannot be honoured."""
+    if not req.tools:
+        if req.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return False
+    choice = req.tool_choice or "auto"
+    if choice == "none":
+        return False
+    if choice != "auto":
+        raise bad_request("tool_choice 'required' or a named function needs guided decoding, which is not "
+                          "built yet; use 'auto' or 'none'", "tool_choice", "unsupported_parameter")
+    if not (state.enable_auto_tool_choice and state.tool_call_parser):
+        raise bad_request('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+                          "--tool-call-parser", "tool_choice")
+    return True
+
+
+class _ChoiceView:
+    """Turns one choice's cumulative text into (reasoning, content, tool calls) through the parsers."""
+
+    def __init__(self, state: ServerState, plan: _ChatPlan, tools: Optional[list], streaming: bool):
+        self.streaming = streaming
+        self.reasoning: Optional[ReasoningParser] = (
+            REASONING_PARSERS[state.reasoning_parser](plan.prompt_text) if state.reasoning_parser else None)
+        self.tools: Optional[ToolParser] = (
+            TOOL_PARSERS[state.tool_call_parser](tools) if plan.use_tools else None)
+        self.call_ids: list[str] = []
+
+    def view(self, text: str, finished: bool) -> tuple[Optional[str], str, list[dict]]:
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text, finished, self.streaming)
+        calls: list[dict] = []
+        if self.tools is not None:
+            content, calls, ok = self.tools.extract(text, finished)
+            text = content if ok else text
+            if not ok and not self.streaming:
+                calls = []
+        while len(self.call_ids) < len(calls):
+            self.call_ids.append(new_tool_call_id())
+        return reasoning, text, [
+            {"id": self.call_ids[i], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for i, c in enumerate(calls)]
+
+
+def _finish_reason(c: CompletionOutput, has_calls: bool) -> Optional[str]:
+    if c.finish_reason == "stop" and has_calls:
+        return "tool_calls"
+    return c.finish_reason
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Any):
+    req.check()
+    model = state.model_name(req.model)
+    messages = normalize_messages(req.messages)
+    use_tools = _tool_mode(state, req)
+    state.check_logprobs(req.top_logprobs, "top_logprobs")
+    prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.chat_template_kwargs,
+                              add_generation_prompt=req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message, tools=req.tools)
+    ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs))
+    plan = _ChatPlan(new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, params.n, req.num_logprobs)
+    last = messages[-1]
+    if req.echo and last.get("role") == state.response_role and isinstance(last.get("content"), str):
+        plan.echo_prefix = last["content"]
+    streams = submit(state, [plan.request_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params,
+                     req.cache_salt)
+    if state.log_requests:
+        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", plan.request_id, len(ids),
+                    params.n, max_tokens, req.stream)
+    watcher = DisconnectWatcher(raw_request, state, [plan.request_id])
+    if req.stream:
+        return StreamingResponse(_stream(state, req, plan, streams, watcher), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        (final,) = await collect(streams)
+    except BaseException as e:
+        if isinstance(e, RequestAbortedError) and watcher.disconnected:
+            return JSONResponse({}, status_code=499)  # nobody is listening
+        if isinstance(e, Exception):
+            raise engine_error(e) from e
+        raise
+    finally:
+        watcher.stop()
+    return JSONResponse(_full_response(state, req, plan, final))
+
+
+def _full_response(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, out: RequestOutput) -> dict:
+    choices = []
+    for c in out.outputs:
+        view = _ChoiceView(state, plan, req.tools, streaming=False)
+        reasoning, content, calls = view.view(c.text, True)
+        content = plan.echo_prefix + content
+        message: dict[str, Any] = {"role": state.response_role, "content": content if (content or not calls) else None}
+        if state.reasoning_parser:
+            message["reasoning_content"] = reasoning or None
+        message["tool_calls"] = calls
+        choice = {"index": c.index, "message": message, "logprobs": None,
+                  "finish_reason": _finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+        if plan.num_logprobs is not None and c.logprobs is not None:
+            choice["logprobs"] = {"content": chat_logprobs(c.token_ids, c.logprobs, plan.num_logprobs,
+                                                           state.tokenizer)}
+        choices.append(choice)
+    cached = out.num_cached_tokens if state.enable_prompt_tokens_details else None
+    return {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
+            "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), cached)}
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.reasoning = ""
+        self.content = ""
+        self.calls = 0
+        self.tokens = 0
+        self.done = False
+
+
+def _delta(new: Optional[str], sent: str) -> str:
+    if not new or len(new) <= len(sent):
+        return ""
+    return new[len(sent):]
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, streams: list,
+                  watcher: DisconnectWatcher) -> AsyncIterator[str]:
+    opts = req.stream_options
+    include_usage = state.enable_force_include_usage or bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    base = {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
+    views = [_ChoiceView(state, plan, req.tools, streaming=True) for _ in range(plan.n)]
+    sent = [_Sent() for _ in range(plan.n)]
+    prompt_tokens, completion_tokens = 0, 0
+
+    def chunk(choices: list, usage_now: Optional[dict] = None) -> str:
+        body = {**base, "choices": choices}
+        if include_usage:
+            body["usage"] = usage_now
+        return sse(body)
+
+    try:
+        for i in range(plan.n):
+            first = {"role": state.response_role, "content": plan.echo_prefix}
+            if state.reasoning_parser:
+                first["reasoning_content"] = None
+            yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}],
+                        usage(0, 0) if continuous else None)
+        async for _, out in merge_streams(streams):
+            prompt_tokens = len(out.prompt_token_ids)
+            completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+            for c in out.outputs:
+                s = sent[c.index]
+                if s.done:
+                    continue
+                done = c.finish_reason is not None
+                reasoning, content, calls = views[c.index].view(c.text, done)
+                delta: dict[str, Any] = {}
+                if d := _delta(reasoning, s.reasoning):
+                    delta["reasoning_content"] = d
+                    s.reasoning = reasoning or ""
+                if d := _delta(content, s.content):
+                    delta["content"] = d
+                    s.content = content
+                if len(calls) > s.calls:
+                    delta["tool_calls"] = [{"index": k, **calls[k]} for k in range(s.calls, len(calls))]
+                    s.calls = len(calls)
+                lps = None
+                if plan.num_logprobs is not None and c.logprobs is not None and len(c.token_ids) > s.tokens:
+                    lps = {"content": chat_logprobs(c.token_ids[s.tokens:], c.logprobs[s.tokens:], plan.num_logprobs,
+                                                    state.tokenizer)}
+                s.tokens = len(c.token_ids)
+                if not delta and not done and lps is None:
+                    continue
+                choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+                if done:
+                    s.done = True
+                    choice["finish_reason"] = _finish_reason(c, s.calls > 0)
+                    choice["stop_reason"] = c.stop_reason
+                yield chunk([choice], usage(prompt_tokens, completion_tokens) if continuous else None)
+        if include_usage:
+            yield chunk([], usage(prompt_tokens, completion_tokens))
+        yield sse("[DONE]")
+    except RequestAbortedError as e:
+        if not watcher.disconnected:
+            yield sse_error(engine_error(e))
+            yield sse("[DONE]")
+    except OpenAIError as e:
+        yield sse_error(e)
+        yield sse("[DONE]")
+    except Exception as e:  # noqa: BLE001 - the status line is already sent: report in-band
+        logger.exception("streaming %s failed", plan.request_id)
+        yield sse_error(engine_error(e))
+        yield sse("[DONE]")
+    finally:
+        watcher.stop()
+        for st in streams:
+            st.close()

@@ -1,0 +1,328 @@
+"""What chat and completion serving share: server state, model-name checks, message validation and
+chat templating, submitting requests, merging streams, disconnect watching, logprob and usage shapes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Union
+
+from voltllm.engine.async_llm import (AsyncLLM, EngineDeadError, InvalidRequestError, RequestAbortedError,
+                                      RequestStream)
+from voltllm.engine.frontend import InvalidPromptError
+from voltllm.engine.outputs import Logprob, RequestOutput
+from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from voltllm.sampling.params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger("voltllm")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    max_model_len: int
+    model_path: str
+    chat_template: Optional[str] = None
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    response_role: str = "assistant"
+    max_logprobs: int = 20
+    reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+    enable_auto_tool_choice: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    log_requests: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def model_name(self, requested: Optional[str]) -> str:
+        """The name to answer with; a 400 for a model this server does not serve."""
+        if requested is None or requested == "" or requested in self.served_model_names:
+            return requested or self.served_model_names[0]
+        raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
+                          f"{', '.join(repr(n) for n in self.served_model_names)}", 400, "model", "model_not_found")
+
+    def check_logprobs(self, n: Optional[int], param: str) -> None:
+        if n is not None and (n < 0 or n > self.max_logprobs):
+            raise bad_request(f"{param} must be between 0 and {self.max_logprobs} (--max-logprobs), got {n}", param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- chat messages ------------------------------------------------------------------------------------
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate chat messages; flatten text content parts to strings; refuse multimodal parts."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object with 'role' and 'content'", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", "messages")
+        msg = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or "type" not in part:
+                    raise bad_request(f"{where}.content[{j}] must be an object with a 'type'", "messages")
+                if part["type"] in ("text", "input_text", "output_text"):
+                    if not isinstance(part.get("text"), str):
+                        raise bad_request(f"{where}.content[{j}].text must be a string", "messages")
+                    texts.append(part["text"])
+                elif part["type"] == "refusal":
+                    texts.append(str(part.get("refusal", "")))
+                else:
+                    raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: this server serves a "
+                                      "text-only model (no image, audio or video input)", "messages",
+                                      "unsupported_content")
+            msg["content"] = "\n".join(texts)
+        elif content is None:
+            if role != "assistant":
+                raise bad_request(f"{where}.content is missing", "messages")
+            msg["content"] = ""  # an assistant turn that only called tools
+        elif not isinstance(content, str):
+            raise bad_request(f"{where}.content must be a string or a list of content parts", "messages")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise bad_request(f"{where}.tool_calls must be a list", "messages")
+            fixed = []
+            for c in calls:
+                c = dict(c) if isinstance(c, dict) else c
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise bad_request(f"{where}.tool_calls entries need function.name", "messages")
+                args = fn.get("arguments")
+                if isinstance(args, str):  # templates expect a mapping
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError:
+                        pass
+                c["function"] = {**fn, "arguments": args}
+                fixed.append(c)
+            msg["tool_calls"] = fixed
+        out.append(msg)
+    return out
+
+
+def render_chat(state: ServerState, messages: list[dict], *, chat_template: Optional[str],
+                kwargs: Optional[dict], add_generation_prompt: bool, continue_final_message: bool,
+                tools: Optional[list]) -> str:
+    from jinja2 import TemplateError
+
+    from voltllm.entrypoints.llm import apply_chat_template
+
+    merged = dict(state.default_chat_template_kwargs)
+    merged.update(kwargs or {})
+    for reserved in ("messages", "tools", "chat_template", "tokenize", "add_generation_prompt"):
+        if reserved in merged:
+            raise bad_request(f"chat_template_kwargs must not set {reserved!r}", "chat_template_kwargs")
+    if continue_final_message:
+        if messages[-1].get("role") != "assistant":
+            raise bad_request("continue_final_message needs the last message to be from the assistant",
+                              "continue_final_message")
+        merged["continue_final_message"] = True
+    try:
+        return apply_chat_template(state.tokenizer, messages, chat_template or state.chat_template,
+                                   add_generation_prompt, tools, **merged)
+    except TemplateError as e:
+        raise bad_request(f"the chat template failed on these messages: {e}", "messages", "chat_template_error")
+    except (ValueError, TypeError, KeyError) as e:
+        raise bad_request(f"could not apply the chat template: {e}", "messages", "chat_template_error")
+
+
+# -- submitting ---------------------------------------------------------------------------------------
+def make_params(build) -> SamplingParams:
+    try:
+        return build()
+    except SamplingParamsError as e:
+        name = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), name if name.isidentifier() else None)
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e))
+
+
+def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
+           cache_salt: Optional[str]) -> list[RequestStream]:
+    """Add one engine request per prompt; on any failure abort those already added and raise a 400."""
+    streams: list[RequestStream] = []
+    try:
+        for rid, prompt in zip(request_ids, prompts):
+            streams.append(state.engine.add_request(rid, prompt, params, cache_salt))
+    except BaseException as e:
+        for s in streams:
+            s.close()
+        if isinstance(e, InvalidRequestError):
+            code = "context_length_exceeded" if "context length" in str(e) else None
+            raise bad_request(str(e), "max_tokens" if code and "generate" in str(e) else "prompt", code)
+        if isinstance(e, (InvalidPromptError, SamplingParamsError)):
+            raise bad_request(str(e), "prompt")
+        if isinstance(e, EngineDeadError):
+            raise OpenAIError(f"the engine is not available: {e}", 503)
+        raise
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (stream index, output) from several request streams as outputs arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[Optional[RequestOutput]] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        finals[i] = out
+    if any(f is None for f in finals):
+        raise RequestAbortedError("the request ended without output")
+    return finals  # type: ignore[return-value]
+
+
+def engine_error(e: BaseException) -> OpenAIError:
+    if isinstance(e, InvalidRequestError):
+        return bad_request(str(e))
+    if isinstance(e, RequestAbortedError):
+        return OpenAIError(str(e), 503, code="request_aborted")
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(f"the engine is not available: {e}", 503)
+    return OpenAIError(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+# -- disconnects --------------------------------------------------------------------------------------
+class DisconnectWatcher:
+    """Aborts the given requests as soon as the HTTP client goes away (also while they wait in queue)."""
+
+    def __init__(self, request: Any, state: ServerState, request_ids: list[str]):
+        self.request = request
+        self.state = state
+        self.request_ids = request_ids
+        self.disconnected = False
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        try:
+            while True:
+                message = await self.request.receive()
+                if message.get("type") == "http.disconnect":
+                    break
+        except Exception:  # noqa: BLE001 - receive channel closed: treat as gone
+            pass
+        self.disconnected = True
+        for rid in self.request_ids:
+            self.state.engine.abort(rid)
+        if self.state.log_requests:
+            logger.info("client disconnected; aborted %s", ", ".join(self.request_ids))
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+# -- output shapes ------------------------------------------------------------------------------------
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR) if value == value else LOGPROB_FLOOR
+
+
+def _token_str(lp: Optional[Logprob], tokenizer: Any, tid: int) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([tid])
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int,
+                  tokenizer: Any) -> list[dict]:
+    content = []
+    for tid, pos in zip(token_ids, logprobs):
+        chosen = pos.get(tid)
+        tok = _token_str(chosen, tokenizer, tid)
+        ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+        content.append({
+            "token": tok, "logprob": _lp(chosen.logprob if chosen else float("-inf")),
+            "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": (s := _token_str(l, tokenizer, t)), "logprob": _lp(l.logprob),
+                              "bytes": list(s.encode("utf-8"))} for t, l in ranked],
+        })
+    return content
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], top_n: int,
+                        tokenizer: Any, text_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, logprobs):
+        chosen = pos.get(tid) if pos else None
+        tok = _token_str(chosen, tokenizer, tid)
+        tokens.append(tok)
+        offsets.append(text_offset)
+        text_offset += len(tok)
+        if pos is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_lp(chosen.logprob) if chosen else LOGPROB_FLOOR)
+        ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+        tops.append({_token_str(l, tokenizer, t): _lp(l.logprob) for t, l in ranked} if top_n else {tok: token_lps[-1]})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def sse(obj: Union[dict, str]) -> str:
+    if isinstance(obj, str):
+        return f"data: {obj}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_error(err: OpenAIError) -> str:
+    return sse(error_body(err.message, err.status, err.param, err.code, err.type))

@@ -1,0 +1,160 @@
+"""POST /v1/completions: prompt(s) -> engine -> JSON or SSE chunks (echo, logprobs, n, batches of prompts)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from voltllm.engine.async_llm import RequestAbortedError
+from voltllm.engine.outputs import CompletionOutput, RequestOutput
+from voltllm.entrypoints.openai.errors import OpenAIError
+from voltllm.entrypoints.openai.protocol import CompletionRequest
+from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect, completion_logprobs,
+                                                       engine_error, make_params, merge_streams, new_id, sse,
+                                                       sse_error, submit, usage)
+
+logger = logging.getLogger("voltllm")
+
+
+def _prompt_text(state: ServerState, out: RequestOutput) -> str:
+    return out.prompt if out.prompt is not None else state.tokenizer.decode(out.prompt_token_ids)
+
+
+def _logprobs(state: ServerState, out: RequestOutput, c: CompletionOutput, num: int, echo: bool,
+              start_token: int = 0, text_offset: int = 0) -> dict:
+    ids: list[int] = []
+    lps: list[Optional[dict]] = []
+    if echo and start_token == 0:
+        ids = list(out.prompt_token_ids)
+        lps = list(out.prompt_logprobs) if out.prompt_logprobs is not None else [None] * len(ids)
+        lps = (lps + [None] * len(ids))[: len(ids)]
+    ids += c.token_ids[start_token:]
+    lps += list((c.logprobs or [])[start_token:])
+    return completion_logprobs(ids, lps, num, state.tokenizer, text_offset)
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Any):
+    req.check()
+    model = state.model_name(req.model)
+    prompts = req.prompts()
+    state.check_logprobs(req.logprobs, "logprobs")
+    state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else req.prompt_logprobs
+    params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs))
+    base_id = new_id("cmpl")
+    rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    streams = submit(state, rids, prompts, params, req.cache_salt)
+    if state.log_requests:
+        logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s", base_id, len(prompts), params.n,
+                    max_tokens, req.stream)
+    created = int(time.time())
+    watcher = DisconnectWatcher(raw_request, state, rids)
+    if req.stream:
+        return StreamingResponse(_stream(state, req, base_id, model, created, params.n, streams, watcher),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        finals = await collect(streams)
+    except BaseException as e:
+        if isinstance(e, RequestAbortedError) and watcher.disconnected:
+            return JSONResponse({}, status_code=499)
+        if isinstance(e, Exception):
+            raise engine_error(e) from e
+        raise
+    finally:
+        watcher.stop()
+    choices = []
+    prompt_tokens = completion_tokens = cached = 0
+    for p, out in enumerate(finals):
+        prompt_tokens += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
+        prefix = _prompt_text(state, out) if req.echo else ""
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choice = {"index": p * params.n + c.index, "text": prefix + c.text, "logprobs": None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.logprobs is not None:
+                choice["logprobs"] = _logprobs(state, out, c, req.logprobs, req.echo)
+            choices.append(choice)
+    body = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached if state.enable_prompt_tokens_details else None)}
+    return JSONResponse(body)
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.text = ""  # generated text already sent
+        self.tokens = 0  # generated tokens already sent (with their logprobs)
+        self.done = False
+        self.echoed = False
+        self.offset = 0  # text offset of the next logprob token
+
+
+async def _stream(state: ServerState, req: CompletionRequest, base_id: str, model: str, created: int, n: int,
+                  streams: list, watcher: DisconnectWatcher) -> AsyncIterator[str]:
+    opts = req.stream_options
+    include_usage = state.enable_force_include_usage or bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    base = {"id": base_id, "object": "text_completion", "created": created, "model": model}
+    sent: dict[int, _Sent] = {}
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens: dict[int, int] = {}
+
+    def chunk(choices: list) -> str:
+        body = {**base, "choices": choices}
+        if include_usage:
+            body["usage"] = (usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))
+                             if continuous else None)
+        return sse(body)
+
+    try:
+        async for p, out in merge_streams(streams):
+            prompt_tokens[p] = len(out.prompt_token_ids)
+            completion_tokens[p] = sum(len(c.token_ids) for c in out.outputs)
+            for c in out.outputs:
+                idx = p * n + c.index
+                s = sent.setdefault(idx, _Sent())
+                if s.done:
+                    continue
+                done = c.finish_reason is not None
+                echo_now = req.echo and not s.echoed
+                text = _prompt_text(state, out) if echo_now else ""
+                s.echoed = True
+                text += c.text[len(s.text):] if len(c.text) > len(s.text) else ""
+                lps = None
+                if req.logprobs is not None and (len(c.token_ids) > s.tokens or echo_now):
+                    lps = _logprobs(state, out, c, req.logprobs, echo_now, s.tokens, s.offset)
+                    if lps["tokens"]:
+                        s.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                s.text = c.text
+                s.tokens = len(c.token_ids)
+                if not text and not done and lps is None:
+                    continue
+                choice: dict[str, Any] = {"index": idx, "text": text, "logprobs": lps, "finish_reason": None}
+                if done:
+                    s.done = True
+                    choice["finish_reason"] = c.finish_reason
+                    choice["stop_reason"] = c.stop_reason
+                yield chunk([choice])
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
+                                                               sum(completion_tokens.values()))})
+        yield sse("[DONE]")
+    except RequestAbortedError as e:
+        if not watcher.disconnected:
+            yield sse_error(engine_error(e))
+            yield sse("[DONE]")
+    except OpenAIError as e:
+        yield sse_error(e)
+        yield sse("[DONE]")
+    except Exception as e:  # noqa: BLE001
+        logger.exception("streaming %s failed", base_id)
+        yield sse_error(engine_error(e))
+        yield sse("[DONE]")
+    finally:
+        watcher.stop()
+        for st in streams:
+            st.close()
