@@ -1,0 +1,545 @@
+"""The sm_70 / sm_75 compile gate: every compat-route Triton kernel must build for V100 and T4.
+
+No GPU is needed: Triton cross-compiles for a named target,
+
+    triton.compile(triton.compiler.ASTSource(fn=jit_fn, signature=spec.signature,
+                                             constexprs=spec.constexprs),
+                   target=triton.backends.compiler.GPUTarget("cuda", arch, 32))
+
+which runs the whole pipeline (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas cubin) for `sm_<arch>`.
+The gate then reads the TTIR and the PTX and fails a kernel that uses anything those chips lack:
+bf16/fp8 types in the IR (Triton silently emulates bf16 and fp8e5 on sm_70), and PTX instructions
+or types newer than the target per the PTX ISA target notes (PTX_RULES, `mma.sync` shapes; the
+table is in docs/sm70.md). Anything ptxas itself rejects for the target fails too.
+
+`find_unregistered_kernels()` lists module-level @triton.jit objects of voltllm.kernels that are
+not in REGISTRY, not called (transitively, by name) from a registered kernel, and not named in their
+module's `__triton_helpers__` tuple (declared device helpers).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import os
+import pkgutil
+import re
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from voltllm.kernels.registry import REGISTRY, CompileSpec, KernelEntry
+
+PACKAGE = "voltllm.kernels"
+DEFAULT_ARCHS = (70, 75)
+MAX_LINES_PER_RESULT = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# rules
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    pattern: re.Pattern
+    min_arch: int  # the instruction/type needs sm_<min_arch> or newer
+    why: str
+
+
+def _r(name: str, pattern: str, min_arch: int, why: str) -> Rule:
+    return Rule(name, re.compile(pattern), min_arch, why)
+
+
+# Order matters only for the message: the first matching rule names a line.
+PTX_RULES: tuple[Rule, ...] = (
+    _r("fp8", r"\.(e4m3|e5m2)(x2|x4)?\b", 89, "FP8 (e4m3/e5m2) conversions and types need sm_89+"),
+    _r("fp4/fp6", r"\.(e2m1|e2m3|e3m2|ue8m0)(x2|x4)?\b", 100, "FP4/FP6 types need sm_100+"),
+    _r("bf16", r"\.bf16(x2)?\b", 80, "bf16 instructions/types need sm_80+ (V100 and T4 have no bf16)"),
+    _r("tf32", r"\.tf32\b", 80, "tf32 needs sm_80+"),
+    _r("cvt.f16x2.f32", r"\bcvt\.\S*\.f16x2\.f32\b", 80, "packed cvt f32 -> f16x2 needs sm_80+"),
+    _r("relu", r"\b(cvt|fma)\.\S*\.relu\b", 80, "cvt/fma .relu needs sm_80+"),
+    _r("min/max.NaN", r"\b(min|max)(\.\w+)*\.NaN\b", 80, "min/max .NaN needs sm_80+"),
+    _r("min/max.xorsign", r"\b(min|max)(\.\w+)*\.xorsign\b", 86, "min/max .xorsign needs sm_86+"),
+    _r("min/max.f16", r"\b(min|max)(\.\w+)*\.f16(x2)?\b", 80, "f16 min/max needs sm_80+"),
+    _r("tcgen05", r"\btcgen05\b", 100, "tcgen05 (5th-gen tensor cores) needs sm_100+"),
+    _r("wide ld/st", r"\b(ld|st)\.\S*\.(v8\.[bfus]32|v4\.[bfus]64)\b", 100, "256-bit ld/st needs sm_100+"),
+    _r("wgmma", r"\bwgmma\b", 90, "wgmma needs sm_90+"),
+    _r("cp.async.bulk", r"\bcp(\.reduce)?\.async\.bulk\b", 90, "TMA (cp.async.bulk) needs sm_90+"),
+    _r("stmatrix", r"\bstmatrix\b", 90, "stmatrix needs sm_90+"),
+    _r("setmaxnreg", r"\bsetmaxnreg\b", 90, "setmaxnreg needs sm_90+"),
+    _r("elect.sync", r"\belect\.sync\b", 90, "elect.sync needs sm_90+"),
+    _r("fence.proxy.async", r"\bfence\.proxy\.async\b", 90, "fence.proxy.async needs sm_90+"),
+    _r("griddepcontrol", r"\bgriddepcontrol\b", 90, "griddepcontrol needs sm_90+"),
+    _r("cluster", r"\bbarrier\.cluster\b|::cluster\b|%(n?clusterid|cluster_\w+|is_explicit_cluster)\b", 90,
+       "thread-block clusters need sm_90+"),
+    _r("multimem", r"\bmultimem\b", 90, "multimem needs sm_90+"),
+    _r("mapa", r"\bmapa\b", 90, "mapa needs sm_90+"),
+    _r("vector atomics", r"\b(atom|red)\.\S*\.v(2|4|8)\.", 90, "vector atom/red needs sm_90+"),
+    _r("cp.async", r"\bcp\.async\b", 80, "cp.async needs sm_80+"),
+    _r("mbarrier", r"\bmbarrier\b", 80, "mbarrier needs sm_80+"),
+    _r("redux.sync", r"\bredux\.sync\b", 80, "redux.sync needs sm_80+"),
+    _r("createpolicy", r"\bcreatepolicy\b", 80, "createpolicy needs sm_80+"),
+    _r("L2::cache_hint", r"\.L2::cache_hint\b", 80, ".L2::cache_hint needs sm_80+"),
+    _r("discard", r"\bdiscard\.", 80, "discard needs sm_80+"),
+    _r("applypriority", r"\bapplypriority\b", 80, "applypriority needs sm_80+"),
+    _r("ldmatrix", r"\bldmatrix\b", 75, "ldmatrix needs sm_75+"),
+    _r("movmatrix", r"\bmovmatrix\b", 75, "movmatrix needs sm_75+"),
+    _r("tanh.approx", r"\btanh\.approx\b", 75, "tanh.approx needs sm_75+"),
+    _r("ex2.approx.f16", r"\bex2\.approx(\.\w+)*\.f16(x2)?\b", 75, "f16 ex2.approx needs sm_75+"),
+    _r("L2 prefetch size", r"\.L2::(64|128|256)B\b", 75, ".L2::<size>B prefetch needs sm_75+"),
+    _r("wmma int4/b1", r"\bwmma\.\S*\.(s4|u4|b1)\b", 75, "sub-byte wmma needs sm_75+"),
+    _r("wmma int8", r"\bwmma\.\S*\.(s8|u8)\b", 72, "int8 wmma needs sm_72+"),
+)
+
+_MMA = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)((?:\.\w+)*)")
+# mma.sync shape -> (min arch for f16 operands, min arch otherwise)
+_MMA_SHAPES = {"m8n8k4": (70, 80), "m16n8k8": (75, 80), "m8n8k16": (75, 75), "m8n8k32": (75, 75),
+               "m8n8k128": (75, 75)}
+_ALWAYS = 10**6  # IR rules apply to every compat arch
+IR_RULES: tuple[Rule, ...] = (
+    # a type appears after '<', ' ', '(', ',', ':' or a shape's 'NNx' (tensor<128x64xbf16>), not in %names
+    _r("ir bf16", r"(?:[<\s(,:]|\dx)bf16\b", _ALWAYS,
+       "bf16 type in the kernel: the compat route is fp16 (no bf16 on V100/T4; Triton would emulate it "
+       "with integer code)"),
+    _r("ir fp8/fp6/fp4", r"(?:[<\s(,:]|\dx)f[468]E\d+M\d+\w*", _ALWAYS,
+       "fp8/fp6/fp4 Triton type in the kernel: store uint8 and use the software codec "
+       "(voltllm.kernels.fp8_codec)"),
+)
+
+
+def _mma_min_arch(line: str) -> Optional[tuple[int, str]]:
+    m = _MMA.search(line)
+    if not m:
+        return None
+    shape, quals = m.group(1), m.group(2).split(".")
+    f16_only = all(q in ("", "row", "col", "f16", "f32", "satfinite") for q in quals) and "f16" in quals
+    f16_arch, other_arch = _MMA_SHAPES.get(shape, (80, 80))
+    need = f16_arch if f16_only else other_arch
+    return need, f"mma.sync {shape}{m.group(2)} needs sm_{need}+"
+
+
+def _strip_comment(line: str) -> str:
+    i = line.find("//")
+    return (line if i < 0 else line[:i]).strip()
+
+
+@dataclass
+class Violation:
+    rule: str
+    reason: str
+    line_no: int
+    line: str
+
+
+def check_ptx(ptx: str, arch: int) -> list[Violation]:
+    """The lines of `ptx` that use an instruction or type that sm_<arch> lacks (one per line)."""
+    out = []
+    for no, raw in enumerate(ptx.splitlines(), 1):
+        line = _strip_comment(raw)
+        if not line:
+            continue
+        mma = _mma_min_arch(line)
+        if mma is not None and arch < mma[0]:
+            out.append(Violation("mma shape", mma[1], no, line))
+            continue
+        for rule in PTX_RULES:
+            if arch < rule.min_arch and rule.pattern.search(line):
+                out.append(Violation(rule.name, rule.why, no, line))
+                break
+    return out
+
+
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def check_ir(ttir: str) -> list[Violation]:
+    """bf16 / fp8 types anywhere in the kernel's TTIR (file names in locations are ignored)."""
+    out = []
+    for no, raw in enumerate(ttir.splitlines(), 1):
+        if raw.lstrip().startswith("#loc"):
+            continue
+        line = _QUOTED.sub('""', raw).strip()
+        for rule in IR_RULES:
+            if rule.pattern.search(line):
+                out.append(Violation(rule.name, rule.why, no, raw.strip()))
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# compilation
+# ---------------------------------------------------------------------------------------------
+def _kernel_interface() -> type:
+    from triton.runtime.jit import KernelInterface
+    return KernelInterface
+
+
+def _innermost(obj: Any) -> Any:
+    """The JITFunction under Autotuner/Heuristics wrappers (which keep it in `.fn`)."""
+    ki = _kernel_interface()
+    while isinstance(getattr(obj, "fn", None), ki):
+        obj = obj.fn
+    return obj
+
+
+_COMPILED: dict[tuple, tuple[str, str]] = {}
+
+
+def compile_for(fn: Any, spec: CompileSpec, arch: int) -> tuple[str, str]:
+    """(TTIR, PTX) of one specialization of `fn` for sm_<arch>, cross-compiled without a GPU."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    jit_fn = _innermost(fn)
+    if not isinstance(jit_fn, JITFunction):
+        raise TypeError(f"{fn!r} is not a triton.jit function (is TRITON_INTERPRET set? the gate needs it unset)")
+    key = (jit_fn.cache_key, tuple(sorted(spec.signature.items())), repr(sorted(spec.constexprs.items())), arch)
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        return hit
+    src = triton.compiler.ASTSource(fn=jit_fn, signature=dict(spec.signature), constexprs=dict(spec.constexprs))
+    # keep the PTX even when a later stage (ptxas) fails, so a failure can show the offending lines
+    stash: dict[str, str] = {}
+    previous = knobs.runtime.add_stages_inspection_hook
+
+    def hook(backend: Any, stages: dict, options: Any, language: Any, capability: Any) -> None:
+        if previous is not None:
+            previous(backend, stages, options, language, capability)
+        make_ptx = stages.get("ptx")
+        if make_ptx is not None:
+            def ptx_stage(mod: Any, metadata: dict) -> Any:
+                stash["ptx"] = out = make_ptx(mod, metadata)
+                return out
+            stages["ptx"] = ptx_stage
+
+    knobs.runtime.add_stages_inspection_hook = hook
+    try:
+        # on a ptxas error Triton prints the whole PTX to stdout; the gate reports it its own way
+        with contextlib.redirect_stdout(io.StringIO()):
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    except Exception as e:
+        e.gate_ptx = stash.get("ptx")  # type: ignore[attr-defined]
+        raise
+    finally:
+        knobs.runtime.add_stages_inspection_hook = previous
+    asm = kernel.asm
+    if "ptx" not in asm or "ttir" not in asm:
+        raise RuntimeError("Triton kept no PTX/TTIR (unset TRITON_STORE_BINARY_ONLY)")
+    _COMPILED[key] = (asm["ttir"], asm["ptx"])
+    return _COMPILED[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# module discovery
+# ---------------------------------------------------------------------------------------------
+def import_kernel_modules(modules: Optional[Iterable[Union[str, ModuleType]]] = None
+                          ) -> tuple[list[ModuleType], dict[str, str]]:
+    """Import the given modules, or every module under voltllm.kernels (found with pkgutil).
+
+    Returns (modules, {module name: import error}).
+    """
+    names: list[str] = []
+    found: list[ModuleType] = []
+    errors: dict[str, str] = {}
+    if modules is None:
+        pkg = importlib.import_module(PACKAGE)
+        found.append(pkg)
+
+        def onerror(name: str) -> None:
+            errors[name] = _exc_line(sys.exc_info()[1])
+
+        for info in pkgutil.walk_packages(pkg.__path__, prefix=PACKAGE + ".", onerror=onerror):
+            names.append(info.name)
+    else:
+        for m in modules:
+            if isinstance(m, ModuleType):
+                found.append(m)
+            else:
+                names.append(m)
+    for name in names:
+        try:
+            found.append(importlib.import_module(name))
+        except Exception as e:  # noqa: BLE001 - a broken module is a gate failure, not a crash
+            errors[name] = _exc_line(e)
+    return found, errors
+
+
+def _exc_line(e: Optional[BaseException]) -> str:
+    if e is None:
+        return "unknown error"
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[-1] if msg else ''}"
+
+
+def _module_jit_objects(mod: ModuleType) -> list[tuple[str, Any]]:
+    ki = _kernel_interface()
+    out = []
+    for name, obj in vars(mod).items():
+        if not isinstance(obj, ki):
+            continue
+        inner = _innermost(obj)
+        pyfn = getattr(inner, "fn", None)
+        if getattr(pyfn, "__module__", None) != mod.__name__:
+            continue  # imported from elsewhere; it belongs to its own module
+        out.append((name, obj))
+    return out
+
+
+def _called_jit_functions(jit_fn: Any) -> list[Any]:
+    """@triton.jit functions that `jit_fn` calls by a global name or a module attribute (a.b.f)."""
+    import ast
+    import textwrap
+
+    pyfn = getattr(jit_fn, "fn", None)
+    src = getattr(jit_fn, "_src", None)
+    if pyfn is None or src is None:
+        return []
+    try:
+        tree = ast.parse(textwrap.dedent(src))
+    except SyntaxError:
+        return []
+    ki = _kernel_interface()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        parts: list[str] = []
+        f = node.func
+        while isinstance(f, ast.Attribute):
+            parts.append(f.attr)
+            f = f.value
+        if not isinstance(f, ast.Name):
+            continue
+        obj = pyfn.__globals__.get(f.id)
+        for attr in reversed(parts):
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, ki):
+            found.append(_innermost(obj))
+    return found
+
+
+def _reachable_from_registry() -> set[int]:
+    """ids of the registered kernels and of every @triton.jit helper they call, transitively."""
+    todo = [_innermost(e.fn) for e in REGISTRY.values()]
+    seen: set[int] = set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        todo += _called_jit_functions(fn)
+    return seen
+
+
+def find_unregistered_kernels(modules: Optional[Iterable[Union[str, ModuleType]]] = None) -> list[str]:
+    """'module:name' of module-level @triton.jit objects of the kernel modules that are not
+    registered, not called (transitively) by a registered kernel, and not named in the module's
+    `__triton_helpers__` tuple. Modules that fail to import are listed too."""
+    mods, errors = import_kernel_modules(modules)
+    covered = _reachable_from_registry()
+    out = [f"{name} (import failed: {err})" for name, err in sorted(errors.items())]
+    for mod in mods:
+        helpers = set(getattr(mod, "__triton_helpers__", ()))
+        for name, obj in _module_jit_objects(mod):
+            if id(_innermost(obj)) not in covered and name not in helpers:
+                out.append(f"{mod.__name__}:{name}")
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gate
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class GateResult:
+    kernel: str
+    label: str
+    arch: int
+    status: str  # "ok" | "failed" | "skipped"
+    reasons: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)  # offending PTX/IR lines, "L<no>: <text>"
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "failed"
+
+
+@dataclass
+class GateReport:
+    archs: tuple[int, ...]
+    results: list[GateResult]
+    import_errors: dict[str, str] = field(default_factory=dict)
+    unregistered: list[str] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[GateResult]:
+        return [r for r in self.results if r.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.import_errors and not self.unregistered
+
+    def format_table(self, max_lines: int = MAX_LINES_PER_RESULT) -> str:
+        rows: dict[tuple[str, str], dict[int, str]] = {}
+        for r in self.results:
+            rows.setdefault((r.kernel, r.label), {})[r.arch] = {"ok": "ok", "failed": "FAIL", "skipped": "-"}[r.status]
+        head = ["kernel", "spec"] + [f"sm_{a}" for a in self.archs]
+        body = [[k, lab or "-"] + [cells.get(a, "") for a in self.archs] for (k, lab), cells in rows.items()]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+        fmt = "  ".join("{:<%d}" % w for w in widths)
+        out = [fmt.format(*head), fmt.format(*["-" * w for w in widths])]
+        out += [fmt.format(*row) for row in body]
+        for r in self.failures:
+            out.append("")
+            out.append(f"FAIL {r.kernel} [{r.label or '-'}] sm_{r.arch}:")
+            out += [f"  - {why}" for why in dict.fromkeys(r.reasons)]
+            out += [f"    {ln}" for ln in r.lines[:max_lines]]
+            if len(r.lines) > max_lines:
+                out.append(f"    ... {len(r.lines) - max_lines} more")
+        for name, err in self.import_errors.items():
+            out.append(f"IMPORT FAILED {name}: {err}")
+        for name in self.unregistered:
+            out.append(f"UNREGISTERED {name}: register it (voltllm.kernels.registry.register_kernel) or list it "
+                       f"in its module's __triton_helpers__")
+        n_fail = len(self.failures)
+        out.append("")
+        out.append(f"{len(self.results)} checks, {n_fail} failed, {len(self.import_errors)} import errors, "
+                   f"{len(self.unregistered)} unregistered: {'PASS' if self.ok else 'FAIL'}")
+        return "\n".join(out)
+
+
+Outcome = tuple  # ("ok", ttir, ptx) | ("error", reason, lines)
+
+
+def triton_compilation_errors() -> tuple[type, ...]:
+    from triton.compiler.errors import CompilationError
+    return (CompilationError,)
+
+
+def _compile_outcome(fn: Any, spec: CompileSpec, arch: int) -> Outcome:
+    try:
+        ttir, ptx = compile_for(fn, spec, arch)
+        return ("ok", ttir, ptx)
+    except Exception as e:  # noqa: BLE001 - a compile error (Triton or ptxas) fails the kernel
+        text = [ln for ln in str(e).strip().splitlines() if ln.strip()][:20]
+        ptx = getattr(e, "gate_ptx", None)
+        bad = check_ptx(ptx, arch) if ptx else []
+        reason = f"does not compile for sm_{arch}: {type(e).__name__}"
+        last = [ln.strip() for ln in text if not ln.startswith((" ", "\t"))]
+        if isinstance(e, triton_compilation_errors()) and last:
+            reason += f": {last[-1]}"
+        return ("error", "; ".join(dict.fromkeys([reason] + [v.reason for v in bad])),
+                [f"L{v.line_no}: {v.line}" for v in bad] + text)
+
+
+def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
+                outcomes: Optional[dict[tuple[str, int, int], Outcome]] = None) -> list[GateResult]:
+    """Gate results of one kernel: every spec x arch (`outcomes`: compilations done elsewhere)."""
+    results = []
+    for i, spec in enumerate(entry.specs):
+        label = spec.label or f"spec{i}"
+        for arch in archs:
+            if not entry.compat:
+                results.append(GateResult(entry.name, label, arch, "skipped", ["native route only (compat=False)"]))
+                continue
+            outcome = (outcomes or {}).get((entry.name, i, arch)) or _compile_outcome(entry.fn, spec, arch)
+            if outcome[0] == "error":
+                results.append(GateResult(entry.name, label, arch, "failed", [outcome[1]], list(outcome[2])))
+                continue
+            bad = check_ir(outcome[1]) + check_ptx(outcome[2], arch)
+            if bad:
+                results.append(GateResult(entry.name, label, arch, "failed", [v.reason for v in bad],
+                                          [f"L{v.line_no}: {v.line}" for v in bad]))
+            else:
+                results.append(GateResult(entry.name, label, arch, "ok"))
+    return results
+
+
+# --- parallel compilation: spawned workers import the kernel modules and compile by registry name
+def _worker_init(module_names: Sequence[str]) -> None:
+    for name in module_names:
+        importlib.import_module(name)
+
+
+def _worker_compile(name: str, index: int, arch: int) -> Outcome:
+    entry = REGISTRY[name]
+    return _compile_outcome(entry.fn, entry.specs[index], arch)
+
+
+def _default_jobs() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def _compile_parallel(entries: Sequence[KernelEntry], archs: Sequence[int], jobs: int
+                      ) -> dict[tuple[str, int, int], Outcome]:
+    tasks = [(e.name, i, a) for e in entries if e.compat and REGISTRY.get(e.name) is e
+             for i in range(len(e.specs)) for a in archs]
+    if jobs <= 1 or len(tasks) < 2:
+        return {}
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    modules = sorted({_innermost(REGISTRY[n].fn).fn.__module__ for n, _, _ in tasks})
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=get_context("spawn"),
+                             initializer=_worker_init, initargs=(modules,)) as pool:
+        futures = {t: pool.submit(_worker_compile, *t) for t in tasks}
+        out = {}
+        for t, fut in futures.items():
+            try:
+                out[t] = fut.result()
+            except Exception as e:  # noqa: BLE001 - a dead worker: compile that one in-process instead
+                print(f"sm70 gate: worker failed on {t}: {_exc_line(e)}", file=sys.stderr)
+        return out
+
+
+def run_gate(archs: Sequence[int] = DEFAULT_ARCHS, modules: Optional[Iterable[Union[str, ModuleType]]] = None,
+             entries: Optional[Sequence[KernelEntry]] = None, jobs: Optional[int] = None) -> GateReport:
+    """Cross-compile every compat kernel spec for each arch and check its TTIR and PTX.
+
+    modules=None imports all of voltllm.kernels (and also reports unregistered @triton.jit objects);
+    a list of module names limits the check to kernels defined in those modules. `entries` checks the
+    given KernelEntry objects only (no imports), e.g. a kernel defined in a test. Registered kernels
+    compile in `jobs` spawned processes (default: the usable CPU cores, at most 8; 1 = in-process).
+    """
+    archs = tuple(int(a) for a in archs)
+    import_errors: dict[str, str] = {}
+    unregistered: list[str] = []
+    if entries is None:
+        mods, import_errors = import_kernel_modules(modules)
+        if modules is None:
+            entries = list(REGISTRY.values())
+            unregistered = [u for u in find_unregistered_kernels(mods) if "import failed" not in u]
+        else:
+            names = {m.__name__ for m in mods}
+            entries = [e for e in REGISTRY.values()
+                       if getattr(getattr(_innermost(e.fn), "fn", None), "__module__", None) in names]
+    outcomes = _compile_parallel(entries, archs, _default_jobs() if jobs is None else jobs)
+    results: list[GateResult] = []
+    for entry in entries:
+        results += check_entry(entry, archs, outcomes)
+    return GateReport(archs, results, import_errors, unregistered)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="voltllm check --sm70",
+                                description="Cross-compile the compat-route Triton kernels for sm_70/sm_75 "
+                                            "and reject instructions those GPUs lack.")
+    p.add_argument("--arch", type=int, action="append", help="compute capability (repeatable; default 70 and 75)")
+    p.add_argument("--module", action="append", help="only kernels of this module (repeatable)")
+    p.add_argument("--max-lines", type=int, default=MAX_LINES_PER_RESULT, help="offending lines shown per failure")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="compile processes (default: CPU cores, max 8)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    report = run_gate(tuple(args.arch) if args.arch else DEFAULT_ARCHS, args.module, jobs=args.jobs)
+    print(report.format_table(args.max_lines))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

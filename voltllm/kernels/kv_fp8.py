@@ -1,0 +1,215 @@
+"""FP8 paged KV cache stored as uint8: the write kernel and the fp16 "bridge" kernel.
+
+Cache layout (voltllm.attention.backend): kv_cache is uint8 of shape
+(2, num_blocks, block_size, num_kv_heads, head_dim), contiguous; [0] = K, [1] = V. Each attention
+layer has its own k_scale / v_scale (fp32 tensors of one element, so CUDA graphs can replay with
+new values): stored = encode(x / scale), read = decode(code) * scale. The codec is the software
+one of voltllm.kernels.fp8_codec (integer bit operations), so this runs on sm_70/sm_75.
+
+* `write_kv_fp8`: scatter one step's K/V rows [T, H, D] into their slots (slot -1: skipped).
+* `gather_kv_fp8`: the bridge for compute-bound prefill on SM70: dequantize one request's first
+  ctx_len tokens (through its block table) into contiguous fp16 workspaces [ctx_len, H, D] that
+  torch SDPA (tensor-core kernels on V100) can read.
+
+Each has a plain-torch reference (`*_ref`) built on the reference codec; the Triton kernels match
+them bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.attention.torch_ref import gather_kv
+from voltllm.kernels.fp8_codec import (_scale_value, fp8_format, fp8_to_fp32, fp32_to_fp8, scaled_decode_ref,
+                                       scaled_encode_ref)
+from voltllm.kernels.registry import CompileSpec, register_kernel
+
+Scale = Union[float, torch.Tensor, None]
+
+
+@triton.jit
+def kv_fp8_write_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr,
+):
+    """One program per (token, group of BLOCK_H heads): cache[slot, h, :] = encode(x[tok, h, :] / scale)."""
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    mask = (h[:, None] < num_kv_heads) & (d[None, :] < HEAD_DIM) & (slot >= 0)
+    k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    k_scale = tl.load(k_scale_ptr)
+    v_scale = tl.load(v_scale_ptr)
+    dst = slot * (num_kv_heads * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+    tl.store(k_cache_ptr + dst, fp32_to_fp8(tl.math.div_rn(k.to(tl.float32), k_scale), FMT), mask=mask)
+    tl.store(v_cache_ptr + dst, fp32_to_fp8(tl.math.div_rn(v.to(tl.float32), v_scale), FMT), mask=mask)
+
+
+@triton.jit
+def kv_fp8_gather_kernel(
+    k_cache_ptr, v_cache_ptr, block_table_ptr, k_out_ptr, v_out_ptr, k_scale_ptr, v_scale_ptr,
+    ctx_len, num_kv_heads, stride_ot, stride_oh,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FMT: tl.constexpr,
+):
+    """One program per (BLOCK_T tokens, head): out[t, h, :] = out_dtype(decode(cache[slot(t), h, :]) * scale)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    t_mask = t < ctx_len
+    blk = tl.load(block_table_ptr + t // PAGE, mask=t_mask, other=0).to(tl.int64)
+    slot = blk * PAGE + t % PAGE
+    mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
+    src = slot[:, None] * (num_kv_heads * HEAD_DIM) + h * HEAD_DIM + d[None, :]
+    dst = t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    k_scale = tl.load(k_scale_ptr)
+    v_scale = tl.load(v_scale_ptr)
+    kc = tl.load(k_cache_ptr + src, mask=mask, other=0)
+    vc = tl.load(v_cache_ptr + src, mask=mask, other=0)
+    k = fp8_to_fp32(kc, FMT) * k_scale
+    v = fp8_to_fp32(vc, FMT) * v_scale
+    tl.store(k_out_ptr + dst, k.to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_out_ptr + dst, v.to(v_out_ptr.dtype.element_ty), mask=mask)
+
+
+# the e5m2 variant differs only in the codec helper: one head size represents it
+_SPEC_SHAPES = (("e4m3", 0, 64), ("e4m3", 0, 128), ("e4m3", 0, 256), ("e5m2", 1, 128))
+
+
+def _write_block_h(h: int, block_d: int) -> int:
+    return max(1, min(triton.next_power_of_2(h), 1024 // block_d))
+
+
+def _gather_block_t(block_d: int) -> int:
+    return max(1, 2048 // block_d)
+
+
+def _write_specs() -> list[CompileSpec]:
+    sig = {"k_ptr": "*fp16", "v_ptr": "*fp16", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "slot_ptr": "*i64",
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_kt": "i32", "stride_kh": "i32",
+           "stride_vt": "i32", "stride_vh": "i32", "num_kv_heads": "i32", "HEAD_DIM": "constexpr",
+           "BLOCK_H": "constexpr", "BLOCK_D": "constexpr", "FMT": "constexpr"}
+    return [CompileSpec(signature=sig, label=f"fp16 d{d} h8 {name}",
+                        constexprs={"HEAD_DIM": d, "BLOCK_H": _write_block_h(8, d), "BLOCK_D": d, "FMT": fmt})
+            for name, fmt, d in _SPEC_SHAPES]
+
+
+def _gather_specs() -> list[CompileSpec]:
+    sig = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "block_table_ptr": "*i32", "k_out_ptr": "*fp16",
+           "v_out_ptr": "*fp16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "ctx_len": "i32",
+           "num_kv_heads": "i32", "stride_ot": "i32", "stride_oh": "i32", "PAGE": "constexpr",
+           "HEAD_DIM": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "FMT": "constexpr"}
+    return [CompileSpec(signature=sig, label=f"fp16 d{d} page16 {name}",
+                        constexprs={"PAGE": 16, "HEAD_DIM": d, "BLOCK_T": _gather_block_t(d), "BLOCK_D": d,
+                                    "FMT": fmt})
+            for name, fmt, d in _SPEC_SHAPES]
+
+
+register_kernel("fp8.kv_write", kv_fp8_write_kernel, _write_specs(), compat=True)
+register_kernel("fp8.kv_gather", kv_fp8_gather_kernel, _gather_specs(), compat=True)
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"fp8 KV cache must be uint8 (2, blocks, block_size, heads, dim), got "
+                         f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("fp8 KV cache must be contiguous")
+
+
+# --- references ------------------------------------------------------------------------------
+def write_kv_fp8_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     k_scale: Scale = None, v_scale: Scale = None, fmt: Union[str, int] = "e4m3") -> None:
+    _check_cache(kv_cache)
+    _, num_blocks, block_size, h, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, h, d)
+    t = k.shape[0]
+    slots = slot_mapping[:t].long()
+    valid = slots >= 0
+    flat[0, slots[valid]] = scaled_encode_ref(k[valid], k_scale, fmt)
+    flat[1, slots[valid]] = scaled_encode_ref(v[valid], v_scale, fmt)
+
+
+def gather_kv_fp8_ref(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int, k_scale: Scale = None,
+                      v_scale: Scale = None, fmt: Union[str, int] = "e4m3",
+                      dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_cache(kv_cache)
+    kc, vc = gather_kv(kv_cache, block_table, ctx_len)
+    return scaled_decode_ref(kc, k_scale, fmt, dtype), scaled_decode_ref(vc, v_scale, fmt, dtype)
+
+
+# --- launchers -------------------------------------------------------------------------------
+def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: Scale = None, v_scale: Scale = None, fmt: Union[str, int] = "e4m3",
+                 use_triton: Optional[bool] = None) -> None:
+    """k, v: [T, H, D] fp16/fp32 (last dim contiguous); slot_mapping int64 [>= T], -1 = skip.
+
+    Triton on CUDA tensors (or use_triton=True, e.g. under TRITON_INTERPRET=1); reference otherwise.
+    """
+    f = fp8_format(fmt)
+    use_triton = k.is_cuda if use_triton is None else use_triton
+    if not use_triton:
+        write_kv_fp8_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale, f)
+        return
+    _check_cache(kv_cache)
+    t, h, d = k.shape
+    if t == 0:
+        return
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    assert kv_cache.shape[3] == h and kv_cache.shape[4] == d, "K/V shape does not match the cache"
+    block_d = triton.next_power_of_2(d)
+    block_h = _write_block_h(h, block_d)
+    grid = (t, triton.cdiv(h, block_h))
+    kv_fp8_write_kernel[grid](
+        k, v, kv_cache[0], kv_cache[1], slot_mapping, _scale_value(k_scale, k.device),
+        _scale_value(v_scale, k.device), k.stride(0), k.stride(1), v.stride(0), v.stride(1), h,
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, FMT=f,
+    )
+
+
+def gather_kv_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int, k_scale: Scale = None,
+                  v_scale: Scale = None, fmt: Union[str, int] = "e4m3", dtype: torch.dtype = torch.float16,
+                  out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                  use_triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) of one request's first ctx_len tokens, each [ctx_len, H, D] in dtype.
+
+    `out` may be a pair of preallocated workspaces (views of [>= ctx_len, H, D] with a contiguous last
+    dim); the result is then written into (and returned as) their first ctx_len rows.
+    """
+    f = fp8_format(fmt)
+    use_triton = kv_cache.is_cuda if use_triton is None else use_triton
+    if not use_triton:
+        k, v = gather_kv_fp8_ref(kv_cache, block_table, ctx_len, k_scale, v_scale, f, dtype)
+        if out is None:
+            return k, v
+        out[0][:ctx_len].copy_(k)
+        out[1][:ctx_len].copy_(v)
+        return out[0][:ctx_len], out[1][:ctx_len]
+    _check_cache(kv_cache)
+    _, _, page, h, d = kv_cache.shape
+    if out is None:
+        out = (torch.empty(ctx_len, h, d, dtype=dtype, device=kv_cache.device),
+               torch.empty(ctx_len, h, d, dtype=dtype, device=kv_cache.device))
+    k_out, v_out = out[0][:ctx_len], out[1][:ctx_len]
+    if k_out.stride() != v_out.stride() or k_out.stride(2) != 1:
+        raise ValueError("K and V workspaces must share strides and have a contiguous last dim")
+    if ctx_len == 0:
+        return k_out, v_out
+    block_d = triton.next_power_of_2(d)
+    block_t = _gather_block_t(block_d)
+    grid = (triton.cdiv(ctx_len, block_t), h)
+    kv_fp8_gather_kernel[grid](
+        kv_cache[0], kv_cache[1], block_table, k_out, v_out, _scale_value(k_scale, kv_cache.device),
+        _scale_value(v_scale, kv_cache.device), ctx_len, h, k_out.stride(0), k_out.stride(1),
+        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=f,
+    )
+    return k_out, v_out
