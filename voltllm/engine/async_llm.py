@@ -140,7 +140,9 @@ class AsyncLLM:
         self.observer = observer
         self.log_level = log_level
         self.max_model_len = config.model.max_model_len
-        self.vocab_size = int(config.model.hf_config.vocab_size)
+        hf = config.model.hf_config
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # multimodal configs nest it
+        self.vocab_size = int(text.vocab_size)
         self.frontend: Optional[Frontend] = None
         self.stats = SchedulerStats()
         self.engine_info: dict = {}
