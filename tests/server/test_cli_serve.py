@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO_ROOT, VOLTLLM
+from server_helpers import REPO_ROOT, VOLTLLM
 
 SEED_1 = """serve /models/Qwen3.8-27B-QUASAR-NVFP4 --host 127.0.0.1 --port 8000 --dtype half --tensor-parallel-size 4
 --attention-backend FLASH_ATTN_V100 --kv-cache-dtype fp8_e4m3 --max-model-len 262144 --gpu-memory-utilization 0.8

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, MODEL_NAMES, metrics, wait_idle
+from server_helpers import API_KEY, MODEL_NAMES, metrics, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

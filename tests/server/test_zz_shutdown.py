@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from conftest import ServerProc, descendants_of, free_port, wait_gone
+from server_helpers import ServerProc, descendants_of, free_port, wait_gone
 
 
 def test_sigterm_exits_cleanly_without_orphans(server):
