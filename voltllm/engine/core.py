@@ -36,6 +36,7 @@ class EngineCore:
                            "--mamba-block-size boundaries are not built yet (it applies to attention-only models)")
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner.tune_decode_gemms()
         self.runner.capture_cuda_graphs()
         self.vocab_size = int(config.model.hf_config.get_text_config().vocab_size)
         self.max_model_len = config.model.max_model_len

@@ -71,6 +71,7 @@ class ModelRunner:
         self._prev_tokens: Optional[torch.Tensor] = None  # device ids sampled by the last launched step
         self._prev_rows: dict[str, int] = {}
         self.state_cache = None  # StateCache for hybrid (Gated DeltaNet) models
+        self.skinny_choices: dict = {}
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -282,6 +283,12 @@ class ModelRunner:
         return self.collect(self.execute_async(sched))
 
     # -- CUDA graphs ----------------------------------------------------------------------------
+    def tune_decode_gemms(self) -> None:
+        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+            from voltllm.worker.skinny_tuning import tune_skinny_gemm
+
+            self.skinny_choices = tune_skinny_gemm(self.model)
+
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
 

@@ -25,6 +25,15 @@ class LinearMethod:
         raise NotImplementedError
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, skinny: bool = False):
+    """F.linear, or the skinny Triton GEMM for decode-sized inputs when start-up measured it faster."""
+    if skinny and x.dim() == 2 and x.shape[0] == 1:  # tuned at one row (batch-1 decode)
+        from voltllm.kernels.gemv import gemv
+
+        return gemv(x, w, bias)
+    return F.linear(x, w, bias)
+
+
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer, in_features, out_features, dtype):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
@@ -35,7 +44,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight.data[offset:offset + size].copy_(tensor)
 
     def apply(self, layer, x):
-        return F.linear(x, layer.weight, layer.bias)
+        return linear(x, layer.weight, layer.bias, layer.skinny)
 
 
 class Linear(nn.Module):
@@ -48,6 +57,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
         self.method = method or UnquantizedLinearMethod()
+        self.skinny = False  # set by voltllm.worker.skinny_tuning when measured faster for decode
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 

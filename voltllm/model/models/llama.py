@@ -8,7 +8,7 @@ from torch import nn
 
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.activation import silu_and_mul
-from voltllm.model.layers.linear import Linear
+from voltllm.model.layers.linear import Linear, linear
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.rotary import RotaryEmbedding
 
@@ -111,9 +111,14 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    logits_skinny = False  # set by voltllm.worker.skinny_tuning
+
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.tie else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return linear(hidden, self.logits_weight, skinny=self.logits_skinny).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

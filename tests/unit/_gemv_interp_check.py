@@ -1,0 +1,21 @@
+"""Run under TRITON_INTERPRET=1 (see test_gemv_interp.py): skinny GEMM vs the torch reference."""
+import torch
+
+from interp_util import patch_interpreter_index
+
+patch_interpreter_index()
+from voltllm.kernels.gemv import gemv, gemv_ref
+
+torch.manual_seed(0)
+for m, n, k, bias in ((1, 40, 300, False), (3, 17, 96, True), (4, 64, 1030, True), (2, 9000, 64, False)):
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(m, k, dtype=dtype)
+        w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+        b = torch.randn(n, dtype=dtype) if bias else None
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        gemv(x, w, b, out=out)
+        ref = gemv_ref(x, w, b)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert err < tol, (m, n, k, dtype, err)
+print("ok")
