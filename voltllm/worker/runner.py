@@ -168,21 +168,31 @@ class ModelRunner:
         qsl, seq_lens = [0], []
         pending_dst, pending_src = [], []
         t = 0
+        ids_h, pos_h, slot_h = h["input_ids"], h["positions"], h["slot_mapping"]
         for i, s in enumerate(sched.scheduled):
-            req, n = s.request, s.num_new_tokens
-            known = req.all_token_ids[s.start:s.start + n]
-            h["input_ids"][t:t + len(known)] = known
-            if len(known) < n:  # the last token is still being sampled by the step in flight
-                pending_dst.append(t + n - 1)
-                pending_src.append(self._prev_rows[req.request_id])
-            p = np.arange(s.start, s.start + n)
-            bids = np.asarray(s.block_ids, dtype=np.int64)
-            h["positions"][t:t + n] = p
-            h["slot_mapping"][t:t + n] = bids[p // bs] * bs + p % bs
+            req, n, start = s.request, s.num_new_tokens, s.start
+            bids = s.block_ids
             table[i, : len(bids)] = bids
+            if n == 1:  # decode row: plain ints are cheaper than numpy temporaries
+                if start < len(req.all_token_ids):
+                    ids_h[t] = req.all_token_ids[start]
+                else:  # the token is still being sampled by the step in flight
+                    pending_dst.append(t)
+                    pending_src.append(self._prev_rows[req.request_id])
+                pos_h[t] = start
+                slot_h[t] = bids[start // bs] * bs + start % bs
+            else:
+                known = req.all_token_ids[start:start + n]
+                ids_h[t:t + len(known)] = known
+                if len(known) < n:
+                    pending_dst.append(t + n - 1)
+                    pending_src.append(self._prev_rows[req.request_id])
+                p = np.arange(start, start + n)
+                pos_h[t:t + n] = p
+                slot_h[t:t + n] = np.asarray(bids, dtype=np.int64)[p // bs] * bs + p % bs
             t += n
             qsl.append(t)
-            seq_lens.append(s.start + n)
+            seq_lens.append(start + n)
         num_tokens = t
         rows = max(n_seqs, pad_to)
         if pad_to > n_seqs:  # CUDA-graph padding: one dummy token per extra row, writing nowhere
