@@ -122,6 +122,16 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
 
+    def _refuse_unbuilt(self) -> None:
+        """Flags whose capability is not built yet: refused by name before the model is even read."""
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not "
+                              "built yet; use 1")
+        if self.quantization not in (None, "gguf"):
+            raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet")
+        if _parse_json_arg("--speculative-config", self.speculative_config):
+            raise ConfigError("--speculative-config: speculative decoding is not built yet")
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -129,6 +139,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from voltllm.model.loader import load_hf_config, resolve_model
 
+        self._refuse_unbuilt()
+        spec = _parse_json_arg("--speculative-config", self.speculative_config)
         source = resolve_model(self.model)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
         device = _resolve_device(self.device)
@@ -152,15 +164,8 @@ class EngineArgs:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype.startswith("fp8"):
             raise ConfigError("--kv-cache-dtype fp8 is not built yet (see the SM70/FP8 issue); use auto")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not built yet; use 1")
-        if self.quantization not in (None, "gguf"):
-            raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
-        spec = _parse_json_arg("--speculative-config", self.speculative_config)
-        if spec:
-            raise ConfigError("--speculative-config: speculative decoding is not built yet")
         batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if batched < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
