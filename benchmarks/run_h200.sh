@@ -13,7 +13,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
-bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | tail -22; }
+bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "decode GEMM choice|^voltllm bench|^limits|Error|error" | head -60; }
 case $stage in
   tests)
     timeout 240 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider 2>&1 | tail -5
@@ -31,6 +31,11 @@ case $stage in
       bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --baseline hf \
         --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1
     fi
+    ;;
+  perf)  # quick decode check while tuning (no transformers baseline)
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --name perf-8b-b1
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 --name perf-smollm2-b1
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --name perf-8b-c64
     ;;
   compat)
     bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario decode --input-len 512 --output-len 256 --name qwen3-8b-shape-fp16-compat-sm70-decode-b1

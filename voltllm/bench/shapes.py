@@ -18,6 +18,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
         max_position_embeddings=40960)),
+    # SmolLM2-135M-Instruct (the embedded default model), for speed runs without carrying the GGUF
+    "smollm2-135m-shape": ("LlamaConfig", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+        max_position_embeddings=8192, rope_theta=100000.0)),
     # hybrid: 3 Gated DeltaNet (linear attention) layers : 1 full-attention layer
     "qwen3.5-27b-shape": ("Qwen3_5TextConfig", dict(
         vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
