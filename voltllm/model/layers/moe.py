@@ -10,7 +10,9 @@ Expert weights are stacked: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H
 grouped-GEMM kernel wants. The torch reference (`fused_experts_ref`) does NOT loop over every expert per
 token: it sorts the (token, expert) pairs by expert so each expert's tokens are one contiguous block,
 then runs one GEMM pair per expert that received tokens (empty experts are skipped), and scatters the
-weighted results back with index_add. A GPU grouped-GEMM kernel replaces this loop later.
+weighted results back with index_add. On CUDA tensors `SparseMoE` runs the Triton grouped GEMM instead
+(voltllm/kernels/moe.py: device-side sort/align, one launch for every expert's gate_up + SiLU-mul, one for
+every expert's down projection with the routing weights, a sum over k): no loop over experts, no host sync.
 """
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, use_triton: Optional[bool] = None) -> torch.Tensor:
+    """The Triton grouped GEMM on CUDA tensors (use_triton None), the torch reference otherwise."""
+    if x.is_cuda if use_triton is None else use_triton:
+        from voltllm.kernels.moe import fused_experts as triton_fused_experts
+
+        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -71,6 +83,9 @@ _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class SparseMoE(nn.Module):
+    # None: the Triton grouped GEMM on CUDA tensors only (tests set True to run it interpreted on the CPU)
+    triton_experts: Optional[bool] = None
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, shared_inter: int,
                  norm_topk_prob: bool, dtype: torch.dtype):
         super().__init__()
@@ -87,7 +102,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = fused_experts_ref(x, self.w13, self.w2, weights, ids)
+        out = fused_experts(x, self.w13, self.w2, weights, ids, self.triton_experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -1,0 +1,179 @@
+"""Checks of the Triton MoE grouped GEMM (voltllm.kernels.moe) against the torch reference
+(voltllm.model.layers.moe.fused_experts_ref) on random inputs.
+
+Run as a script under TRITON_INTERPRET=1 (set before triton is imported) by tests/unit/test_moe_kernels.py,
+or on a GPU by tests/gpu/test_hybrid_gpu.py (device argument); prints one line per check:
+    CHECK <name> <ok|FAIL> <detail>
+Outputs and workspaces are poisoned with NaN first, so a row the kernels forget to write shows up.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+
+def _routing(t: int, e: int, k: int, skew: str, gen: torch.Generator, device: str):
+    """Router logits -> (weights fp32 [T, k], ids [T, k]). skew: 'uniform' | 'hot' (a few experts take most
+    tokens, several get none) | 'few' (only experts 1, 2, ... k+1 ever chosen)."""
+    from voltllm.model.layers.moe import route
+
+    logits = torch.randn(t, e, generator=gen)
+    if skew == "hot":
+        logits[:, : e // 2] -= 6.0  # the first half is (almost) never chosen
+        logits[:, e - 1] += 4.0  # one hot expert
+    elif skew == "few":
+        logits[:, :] = -30.0
+        logits[:, 1:k + 2] = torch.randn(t, k + 1, generator=gen)
+    w, ids = route(logits, k, renormalize=True)
+    return w.to(device), ids.to(device)
+
+
+def run_experts(device: str, t: int, e: int, k: int, h: int, inter: int, dtype: torch.dtype, skew: str,
+                seed: int, config: dict | None = None, chunk_pairs: int | None = None) -> str:
+    from voltllm.kernels import moe as M
+    from voltllm.model.layers.moe import fused_experts_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device, dtype)
+    w2 = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    weights, ids = _routing(t, e, k, skew, gen, device)
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=e)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    old = M.MAX_CHUNK_PAIRS
+    if chunk_pairs is not None:
+        M.MAX_CHUNK_PAIRS = chunk_pairs
+    try:
+        pairs = min(t, max(1, M.MAX_CHUNK_PAIRS // k)) * k
+        ws = (torch.full((pairs + 3, inter), float("nan"), dtype=dtype, device=device),
+              torch.full((pairs + 3, h), float("nan"), dtype=dtype, device=device))
+        out = torch.full((t, h), float("nan"), dtype=dtype, device=device)
+        got = M.fused_experts(x, w13, w2, weights, ids, out=out, config=config, _workspaces=ws)
+    finally:
+        M.MAX_CHUNK_PAIRS = old
+    if got.data_ptr() != out.data_ptr():
+        return "FAIL the result is not in `out`"
+    if torch.isnan(got).any():
+        return f"FAIL {int(torch.isnan(got).any(-1).sum())} rows unwritten (NaN)"
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    empty = int((counts == 0).sum())
+    if err > tol * max(scale, 1.0):
+        return f"FAIL max err {err:.3e} (max |ref| {scale:.3e}, empty experts {empty})"
+    return f"ok max err {err:.2e} (empty experts {empty}, max load {int(counts.max())})"
+
+
+def run_align(device: str, t: int, e: int, k: int, bm: int, seed: int) -> str:
+    from voltllm.kernels.moe import moe_align
+
+    gen = torch.Generator().manual_seed(seed)
+    _, ids = _routing(t, e, k, "hot", gen, device)
+    sorted_ids, block_expert, num_padded = moe_align(ids, e, bm)
+    n = t * k
+    flat = ids.reshape(-1).cpu()
+    s = sorted_ids.cpu().tolist()
+    be = block_expert.cpu().tolist()
+    used = int(num_padded.cpu()[0])
+    counts = torch.bincount(flat, minlength=e).tolist()
+    if used != sum(-(-c // bm) * bm for c in counts):
+        return f"FAIL num_padded {used}"
+    if used > len(s):
+        return "FAIL padded length over the bound"
+    real = [p for p in s[:used] if p < n]
+    if sorted(real) != list(range(n)) or any(p != n for p in s[used:]):
+        return "FAIL pairs lost or duplicated"
+    for b in range(used // bm):
+        for p in s[b * bm:(b + 1) * bm]:
+            if p < n and int(flat[p]) != be[b]:
+                return f"FAIL block {b} mixes experts"
+    for b in range(used // bm):  # stable: pairs of one expert in token order
+        rows = [p for p in s[b * bm:(b + 1) * bm] if p < n]
+        if rows != sorted(rows):
+            return f"FAIL block {b} not in pair order"
+    return f"ok {used // bm} blocks"
+
+
+def run_layer(device: str, dtype: torch.dtype = torch.float32) -> str:
+    """SparseMoE with the Triton experts == with the torch reference (shared expert and gate included)."""
+    from voltllm.model.layers.moe import SparseMoE
+
+    gen = torch.Generator().manual_seed(11)
+    moe = SparseMoE(hidden=32, num_experts=6, top_k=2, moe_inter=24, shared_inter=16, norm_topk_prob=False,
+                    dtype=dtype).to(device)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen).to(device, p.dtype) * 0.3)
+    x = torch.randn(9, 32, generator=gen).to(device, dtype)
+    try:
+        moe.triton_experts = False
+        ref = moe(x)
+        moe.triton_experts = True
+        got = moe(x)
+    finally:
+        moe.triton_experts = None
+    err = (got.float() - ref.float()).abs().max().item()
+    if err > 1e-4 * max(1.0, ref.abs().max().item()):
+        return f"FAIL max err {err:.3e}"
+    return f"ok max err {err:.2e}"
+
+
+DECODE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+PREFILL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2)
+
+CHECKS = {
+    "align_e8_k2_bm16": lambda d: run_align(d, 37, 8, 2, 16, 0),
+    "align_e64_k8_bm16_decode": lambda d: run_align(d, 3, 64, 8, 16, 1),
+    "align_e5_k1_bm4": lambda d: run_align(d, 50, 5, 1, 4, 2),
+    "e4_k2_t7_f32": lambda d: run_experts(d, 7, 4, 2, 64, 48, torch.float32, "uniform", 3, DECODE),
+    "e8_k2_t33_hot_f32_empty_experts": lambda d: run_experts(d, 33, 8, 2, 48, 40, torch.float32, "hot", 4, PREFILL),
+    "e64_k8_t5_decode_f32": lambda d: run_experts(d, 5, 64, 8, 64, 32, torch.float32, "uniform", 5, DECODE),
+    "e16_k8_t40_f16": lambda d: run_experts(d, 40, 16, 8, 64, 48, torch.float16, "hot", 6, PREFILL),
+    "e12_k8_t20_few_experts_f32": lambda d: run_experts(d, 20, 12, 8, 40, 24, torch.float32, "few", 7, DECODE),
+    "e6_k1_t17_f32": lambda d: run_experts(d, 17, 6, 1, 32, 32, torch.float32, "hot", 8, DECODE),
+    "e8_k2_t30_chunked_f32": lambda d: run_experts(d, 30, 8, 2, 32, 24, torch.float32, "uniform", 9, PREFILL,
+                                                   chunk_pairs=16),
+    "e8_k2_t1_auto_config_f32": lambda d: run_experts(d, 1, 8, 2, 32, 16, torch.float32, "uniform", 10),
+    "layer_sparse_moe_f32": lambda d: run_layer(d),
+}
+
+
+def patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a tensor used as a loop bound into an int with int(ndarray); numpy >= 2.4
+    rejects that for 1-element arrays. Test-side fix (as in _attention_interp_check.py); no-op on a GPU."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_voltllm_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._voltllm_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+def main(device: str = "cpu") -> int:
+    patch_interpreter_index()
+    failed = 0
+    for name, fn in CHECKS.items():
+        try:
+            status = fn(device)
+        except Exception as e:  # report and go on
+            status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-800:]!r}"
+        failed += not status.startswith("ok")
+        print(f"CHECK {name} {status}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))

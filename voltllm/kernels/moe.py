@@ -1,0 +1,253 @@
+"""Grouped expert GEMMs for sparse MoE layers (Triton): no Python loop over experts, no host sync.
+
+    out[t] = sum_j w[t, j] * ( silu(x[t] Wg_e^T) * (x[t] Wu_e^T) ) Wd_e^T        e = ids[t, j]
+
+Steps (all on the device, CUDA-graph friendly: fixed launch grids, no `.item()`):
+  1. align (`moe_align`, a handful of torch ops): the T*k (token, expert) pairs are sorted by expert
+     (stable) and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M rows of the
+     sorted list belong to one expert. Outputs: `sorted_ids` (pair index t*k + j, or the sentinel T*k on
+     padding rows), `block_expert` (expert of each row block) and `num_padded` (a 1-element tensor: rows in
+     use). The grid is sized by the upper bound cdiv(T*k, BLOCK_M) + min(E, T*k) blocks; blocks past
+     `num_padded` exit at once. Empty experts take no block at all.
+  2. `_moe_gate_up_kernel`: one launch over (row block, column block of I): gathers the x rows of the
+     block's tokens, multiplies by the block's expert's gate and up rows (two fp32 accumulators), and stores
+     silu(gate) * up (fp32 math, rounded once) at the pair's row of `inter` [T*k, I].
+  3. `_moe_down_kernel`: one launch over (row block, column block of H): inter rows x Wd_e^T in fp32,
+     times the pair's routing weight (fp32), stored at the pair's row of `pair_out` [T*k, H].
+  4. combine: out[t] = sum_j pair_out[t*k + j] (a torch sum over k; fp32 accumulation; deterministic,
+     unlike an atomic scatter-add).
+
+Numerics: fp16 / bf16 (native GPUs) or fp32 inputs; every product accumulates in fp32 (`tl.dot` with fp32
+accumulators; input_precision "ieee" so fp32 inputs never drop to tf32). On sm_70 `tl.dot` lowers to FMA
+instructions (no tensor cores): slower than cuBLAS there, but no per-expert launches and it compiles for
+the compat route (registered below, checked by `python -m voltllm.check.sm70_gate`).
+Large batches run in chunks of at most MAX_CHUNK_PAIRS pairs (bounded workspaces; a host loop over
+token chunks, never over experts).
+
+Reference: voltllm.model.layers.moe.fused_experts_ref (sorts pairs by expert too, one GEMM pair per
+active expert). Tests: tests/unit/test_moe_kernels.py (interpreter), tests/gpu/test_hybrid_gpu.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.registry import CompileSpec, register_kernel
+
+MAX_CHUNK_PAIRS = 32768  # (token, expert) pairs per launch pair: inter [P, I] + pair_out [P, H] workspaces
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_gate_up_kernel(
+    X, W13, SortedIds, BlockExpert, NumPadded, Inter,
+    num_pairs, H, I,
+    stride_xt, stride_we, stride_wn, stride_it,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + offs_m)
+    mrow = pair < num_pairs
+    tok = tl.where(mrow, pair // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tok[:, None] * stride_xt + offs_k[None, :]
+    # W13[e] is [2I, H] row-major: tile [BLOCK_K, BLOCK_N] of W^T (K contiguous along dim 0)
+    wg_ptrs = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    wu_ptrs = wg_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mk = (k0 + offs_k) < H
+        x = tl.load(x_ptrs, mask=mrow[:, None] & mk[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        acc_g = tl.dot(x, wg, acc_g, input_precision="ieee")
+        acc_u = tl.dot(x, wu, acc_u, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    dst = Inter + pair[:, None].to(tl.int64) * stride_it + offs_n[None, :]
+    tl.store(dst, h.to(Inter.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    Inter, W2, SortedIds, BlockExpert, NumPadded, TopkW, PairOut,
+    num_pairs, H, I,
+    stride_it, stride_we, stride_wn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    e = tl.load(BlockExpert + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedIds + offs_m)
+    mrow = pair < num_pairs
+    row = tl.where(mrow, pair, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = Inter + row[:, None] * stride_it + offs_k[None, :]
+    w_ptrs = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        mk = (k0 + offs_k) < I
+        a = tl.load(a_ptrs, mask=mrow[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    wt = tl.load(TopkW + row, mask=mrow, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    dst = PairOut + row[:, None] * stride_ot + offs_n[None, :]
+    tl.store(dst, acc.to(PairOut.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
+
+
+def _gate_up_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        for bm, bn, bk, k in ((16, 64, 128, 8), (64, 128, 64, 2)):
+            sig = {"X": f"*{act}", "W13": f"*{act}", "SortedIds": "*i32", "BlockExpert": "*i32",
+                   "NumPadded": "*i32", "Inter": f"*{act}", "num_pairs": "i32", "H": "i32", "I": "i32",
+                   "stride_xt": "i64", "stride_we": "i64", "stride_wn": "i64", "stride_it": "i64",
+                   "TOP_K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+            specs.append(CompileSpec(signature=sig, constexprs={"TOP_K": k, "BLOCK_M": bm, "BLOCK_N": bn,
+                                                                "BLOCK_K": bk},
+                                     label=f"{act} m{bm} n{bn} k{bk} top{k}"))
+    return specs
+
+
+def _down_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        for bm, bn, bk in ((16, 64, 128), (64, 128, 64)):
+            sig = {"Inter": f"*{act}", "W2": f"*{act}", "SortedIds": "*i32", "BlockExpert": "*i32",
+                   "NumPadded": "*i32", "TopkW": "*fp32", "PairOut": f"*{act}", "num_pairs": "i32", "H": "i32",
+                   "I": "i32", "stride_it": "i64", "stride_we": "i64", "stride_wn": "i64", "stride_ot": "i64",
+                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+            specs.append(CompileSpec(signature=sig, constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk},
+                                     label=f"{act} m{bm} n{bn} k{bk}"))
+    return specs
+
+
+register_kernel("moe.gate_up_silu", _moe_gate_up_kernel, _gate_up_specs(), compat=True)
+register_kernel("moe.down_weighted", _moe_down_kernel, _down_specs(), compat=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------------
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, expert) pairs by expert, each expert's run padded to a multiple of block_m.
+
+    topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair index t*k + j, or T*k on padding rows;
+    block_expert int32 [max_blocks]; num_padded int32 [1]: rows in use). Device ops only (no host sync);
+    max_blocks = cdiv(T*k, block_m) + min(E, T*k) bounds the padded length whatever the routing.
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    ends_p = torch.cumsum(padded, 0)
+    starts_p = ends_p - padded
+    starts_c = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    se = flat.index_select(0, order)
+    dest = starts_p.index_select(0, se) + torch.arange(n, device=dev) - starts_c.index_select(0, se)
+    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_ids.index_copy_(0, dest, order.to(torch.int32))
+    starts = torch.arange(max_blocks, device=dev, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(ends_p, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, block_expert, ends_p[-1:].to(torch.int32)
+
+
+def pick_config(num_pairs: int, num_experts: int) -> dict:
+    """Tile sizes. Few pairs per expert (decode): BLOCK_M 16 so an expert with a handful of tokens pays
+    little padding and its weights are read once; many (prefill): 64-row tiles. Not tuned on a GPU yet:
+    tests/gpu/test_hybrid_gpu.py times both against the torch reference."""
+    if num_pairs <= 2 * num_experts or num_pairs <= 256:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+                  _workspaces: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] (any float, used in fp32); topk_ids [T, k]
+    -> out [T, H] in x's dtype. Same function as fused_experts_ref. `_workspaces` (tests): (inter [>=P, I],
+    pair_out [>=P, H]) buffers to use instead of fresh ones."""
+    t, hdim = x.shape
+    e_num, two_i, h_w = w13.shape
+    inter_dim = two_i // 2
+    k = topk_ids.shape[1]
+    if h_w != hdim or tuple(w2.shape) != (e_num, hdim, inter_dim):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty_like(x)
+    if t == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    chunk_t = max(1, MAX_CHUNK_PAIRS // k)
+    pairs_max = min(t, chunk_t) * k
+    if _workspaces is not None:
+        inter_ws, pair_ws = _workspaces
+    else:
+        inter_ws = torch.empty(pairs_max, inter_dim, dtype=x.dtype, device=x.device)
+        pair_ws = torch.empty(pairs_max, hdim, dtype=x.dtype, device=x.device)
+    for s in range(0, t, chunk_t):
+        e = min(t, s + chunk_t)
+        _run_chunk(x[s:e], w13, w2, topk_weights[s:e], topk_ids[s:e], out[s:e], inter_ws, pair_ws, config)
+    return out
+
+
+def _run_chunk(x, w13, w2, topk_weights, topk_ids, out, inter_ws, pair_ws, config) -> None:
+    t, hdim = x.shape
+    e_num, two_i, _ = w13.shape
+    inter_dim = two_i // 2
+    k = topk_ids.shape[1]
+    p = t * k
+    cfg = dict(config or pick_config(p, e_num))
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, e_num, bm)
+    max_blocks = block_expert.numel()
+    inter = inter_ws[:p]
+    pair_out = pair_ws[:p]
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _moe_gate_up_kernel[(max_blocks * triton.cdiv(inter_dim, bn),)](
+        x, w13, sorted_ids, block_expert, num_padded, inter,
+        p, hdim, inter_dim,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+    _moe_down_kernel[(max_blocks * triton.cdiv(hdim, bn),)](
+        inter, w2, sorted_ids, block_expert, num_padded, tw, pair_out,
+        p, hdim, inter_dim,
+        inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **cfg)
+    if k == 1:
+        out.copy_(pair_out)
+    else:
+        torch.sum(pair_out.view(t, k, hdim), dim=1, out=out)
