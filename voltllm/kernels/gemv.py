@@ -53,15 +53,14 @@ def _specs() -> list[CompileSpec]:
 register_kernel("gemv.skinny", _gemv_kernel, _specs())
 
 
-def _config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    block_m = triton.next_power_of_2(m)
-    block_k = 512 if block_m == 1 else 256 // block_m * 2
-    block_n = 8 if n <= 8192 else 16
-    return block_m, block_n, min(block_k, triton.next_power_of_2(k)), 4
+# (BLOCK_N, BLOCK_K, num_warps) candidates; start-up tuning times them per weight shape
+CONFIGS: tuple[tuple[int, int, int], ...] = ((8, 512, 4), (16, 1024, 8), (4, 2048, 8), (32, 512, 8),
+                                             (16, 512, 4), (8, 1024, 4), (2, 2048, 4))
+DEFAULT_CONFIG = CONFIGS[0]
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+         out: Optional[torch.Tensor] = None, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """x [M, K] (M <= 4, last dim contiguous), w [N, K] contiguous -> [M, N] in x's dtype."""
     m, k = x.shape
     n = w.shape[0]
@@ -69,7 +68,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
         raise ValueError(f"gemv: x {tuple(x.shape)} / w {tuple(w.shape)} not supported")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps = _config(m, n, k)
+    block_n, block_k, warps = config or DEFAULT_CONFIG
+    block_m = triton.next_power_of_2(m)
+    block_k = max(16, min(block_k // block_m, triton.next_power_of_2(k)))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=warps)

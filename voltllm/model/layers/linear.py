@@ -25,12 +25,12 @@ class LinearMethod:
         raise NotImplementedError
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, skinny: bool = False):
-    """F.linear, or the skinny Triton GEMM for decode-sized inputs when start-up measured it faster."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, skinny=None):
+    """F.linear, or the skinny Triton GEMM (with the config start-up timing chose) for one-row inputs."""
     if skinny and x.dim() == 2 and x.shape[0] == 1:  # tuned at one row (batch-1 decode)
         from voltllm.kernels.gemv import gemv
 
-        return gemv(x, w, bias)
+        return gemv(x, w, bias, config=skinny)
     return F.linear(x, w, bias)
 
 
@@ -57,7 +57,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
         self.method = method or UnquantizedLinearMethod()
-        self.skinny = False  # set by voltllm.worker.skinny_tuning when measured faster for decode
+        self.skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning when it measured faster
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 

@@ -6,6 +6,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from voltllm.attention.kv_spec import kv_scale_target, load_kv_scale, new_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.activation import silu_and_mul
 from voltllm.model.layers.linear import Linear, linear
@@ -30,6 +31,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
+        self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
+        self.register_buffer("v_scale", new_kv_scale())
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -41,7 +44,8 @@ class Attention(nn.Module):
             q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary(positions, q, k)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -111,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    logits_skinny = False  # set by voltllm.worker.skinny_tuning
+    logits_skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning
 
     @property
     def logits_weight(self) -> torch.Tensor:
@@ -128,6 +132,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie:
+                continue
+            if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
+                for buf in kv_scale[1]:
+                    load_kv_scale(getattr(self.get_submodule(kv_scale[0]), buf), tensor, name)
                 continue
             target, shard = name, 0
             for frag, (ours, idx) in _STACKED.items():
