@@ -34,6 +34,27 @@ def eos_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_path: str, mode: str = "auto") -> dict:
+    """Default sampling values from the checkpoint's generation_config.json (--generation-config auto or
+    a folder holding one); 'vllm' means none (the plain SamplingParams defaults)."""
+    if mode == "vllm":
+        return {}
+    folder = model_path if mode == "auto" else mode
+    path = os.path.join(folder, "generation_config.json") if os.path.isdir(folder) else None
+    if path is None or not os.path.isfile(path):
+        if mode not in ("auto",):
+            raise ValueError(f"--generation-config {mode}: no generation_config.json there")
+        return {}
+    with open(path) as f:
+        cfg = json.load(f)
+    if cfg.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: cfg[k] for k in GENERATION_DEFAULT_KEYS if cfg.get(k) is not None}
+
+
 def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 

@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from voltllm.config import EngineArgs
 from voltllm.engine.core import EngineCore
-from voltllm.engine.frontend import Frontend, PromptType
+from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
 from voltllm.engine.outputs import RequestOutput
 from voltllm.model.loader import load_tokenizer
 from voltllm.sampling.params import SamplingParams
@@ -37,6 +37,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (--generation-config)."""
+        return SamplingParams(**generation_defaults(self.config.model.model, self.config.model.generation_config))
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -45,7 +49,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

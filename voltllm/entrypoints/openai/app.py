@@ -25,7 +25,7 @@ logger = logging.getLogger("voltllm")
 M = TypeVar("M", bound=BaseModel)
 
 _ROUTES = {"/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/chat/completions",
-           "/v1/completions"}
+           "/v1/completions", "/v1/acceleration", "/v1/sm70/acceleration"}
 
 
 class AuthAndCountMiddleware:
@@ -158,6 +158,25 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_k
     async def completions(request: Request) -> Any:
         req = await parse_body(request, CompletionRequest)
         return await create_completion(state, req, request)
+
+    async def _acceleration() -> dict:
+        from voltllm.engine.async_llm import EngineDeadError
+
+        try:
+            report = await state.engine.acceleration_report()
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), 503)
+        if "error" in report and "routes" not in report:
+            raise OpenAIError(f"the engine could not build the acceleration report: {report['error']}", 500)
+        return report
+
+    @app.get("/v1/acceleration")
+    async def acceleration() -> dict:
+        return await _acceleration()
+
+    @app.get("/v1/sm70/acceleration")  # the seed system's path; same body
+    async def acceleration_sm70() -> dict:
+        return await _acceleration()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any, Optional
 
+from voltllm.engine.frontend import generation_defaults
 from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm")
@@ -239,7 +240,8 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests)
+        enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
+        generation_defaults=generation_defaults(config.model.model, config.model.generation_config))
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",

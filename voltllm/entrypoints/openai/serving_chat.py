@@ -97,7 +97,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                               continue_final_message=req.continue_final_message, tools=req.tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs))
+    params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs,
+                                                             defaults=state.generation_defaults))
     plan = _ChatPlan(new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, params.n, req.num_logprobs)
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role and isinstance(last.get("content"), str):

@@ -38,6 +38,7 @@ class ServerState:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     log_requests: bool = False
+    generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

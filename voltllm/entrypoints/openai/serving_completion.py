@@ -43,7 +43,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else req.prompt_logprobs
-    params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs))
+    params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
+                                                             defaults=state.generation_defaults))
     base_id = new_id("cmpl")
     rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     streams = submit(state, rids, prompts, params, req.cache_salt)
