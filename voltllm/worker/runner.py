@@ -25,13 +25,15 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
     if config.device.device.type == "cpu" or name == "TORCH_REF":
         from voltllm.attention.torch_ref import TorchReferenceBackend
 
-        return TorchReferenceBackend()
+        return TorchReferenceBackend(kv_cache_dtype=config.cache.kv_cache_dtype)
     if name not in ("", "TRITON_ATTN"):
         raise ValueError(f"--attention-backend {name}: unknown (choose TRITON_ATTN or TORCH_REF)")
     from voltllm.attention.triton_backend import TritonAttentionBackend
 
-    # the compat route (sm70/sm75) keeps decode attention off tensor cores (FMA), as those chips need
-    return TritonAttentionBackend(use_tensor_cores=False if config.device.compat != "none" else None)
+    # the compat route (sm70/sm75) keeps decode attention off tensor cores (FMA), as those chips need, and
+    # runs prefill through bridge + SDPA with a workspace sized once for --max-model-len
+    return TritonAttentionBackend(use_tensor_cores=False if config.device.compat != "none" else None,
+                                  kv_cache_dtype=config.cache.kv_cache_dtype, max_context=config.model.max_model_len)
 
 
 @torch.no_grad()
@@ -71,6 +73,7 @@ class ModelRunner:
         self._prev_tokens: Optional[torch.Tensor] = None  # device ids sampled by the last launched step
         self._prev_rows: dict[str, int] = {}
         self.state_cache = None  # StateCache for hybrid (Gated DeltaNet) models
+        self.state_snapshots = None  # their prefix-cache state snapshots (voltllm.cache.state_snapshots)
         self.skinny_choices: dict = {}
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -80,8 +83,14 @@ class ModelRunner:
 
         t0 = time.monotonic()
         mc = self.config.model
-        with torch.device(self.device):
-            model = build_model(mc.hf_config, self.dtype, mc.max_model_len)
+        try:
+            with torch.device(self.device):
+                model = build_model(mc.hf_config, self.dtype, mc.max_model_len)
+        except torch.OutOfMemoryError:
+            free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
+            raise RuntimeError(
+                f"the model's weights do not fit on {self.device} ({total / 2**30:.1f} GiB, "
+                f"{free / 2**30:.1f} GiB free) in {self.dtype}: use a smaller or quantized model") from None
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed)
             logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
@@ -99,7 +108,10 @@ class ModelRunner:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return self.dtype
+        """Storage dtype of the KV cache: the model dtype, or uint8 for fp8 (voltllm.attention.kv_spec)."""
+        from voltllm.attention.kv_spec import kv_cache_spec
+
+        return kv_cache_spec(self.config.cache.kv_cache_dtype, self.dtype).storage_dtype
 
     @property
     def is_hybrid(self) -> bool:
@@ -140,12 +152,17 @@ class ModelRunner:
             logger.info("recurrent state: %d slots, %.2f GiB", self.config.scheduler.max_num_seqs,
                         self.state_cache_bytes() / 2**30)
         self.num_blocks = self.determine_num_blocks()
+        if self.is_hybrid:  # prefix-cache snapshots of the recurrent state take the place of some KV blocks
+            from voltllm.cache.state_snapshots import build_state_snapshots
+
+            self.state_snapshots, self.num_blocks = build_state_snapshots(self, self.num_blocks)
         heads, dim = self.model.kv_heads_and_dim
         self.kv_caches = make_kv_cache(self.model.num_attention_layers, self.num_blocks, self.block_size,
                                        heads, dim, self.kv_dtype, self.device)
         gib = self.num_blocks * self.kv_block_bytes() / 2**30
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)", self.num_blocks,
-                    self.block_size, self.num_blocks * self.block_size, gib, self.kv_dtype)
+                    self.block_size, self.num_blocks * self.block_size, gib, self.config.cache.kv_cache_dtype
+                    if self.kv_dtype == torch.uint8 else self.kv_dtype)
         return self.num_blocks
 
     # -- one step -------------------------------------------------------------------------------
@@ -250,7 +267,11 @@ class ModelRunner:
                 self.release(sched.released_ids)
                 ctx.extra["state_cache"] = self.state_cache
                 ctx.extra["state_slots"] = [self.state_cache.allocate(s.request.request_id) for s in sched.scheduled]
+                if self.state_snapshots is not None:  # prefix hits resume from a snapshot
+                    self.state_snapshots.before_forward(sched.scheduled, ctx.extra["state_slots"])
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
+            if self.state_snapshots is not None:  # snapshots at --mamba-block-size boundaries
+                self.state_snapshots.after_forward(sched.scheduled, ctx.extra["state_slots"])
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
