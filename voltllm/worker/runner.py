@@ -211,6 +211,7 @@ class ModelRunner:
             qsl.append(t)
             seq_lens.append(start + n)
         num_tokens = t
+        max_q = 1 if num_tokens == n_seqs else max(s.num_new_tokens for s in sched.scheduled)
         rows = max(n_seqs, pad_to)
         if pad_to > n_seqs:  # CUDA-graph padding: one dummy token per extra row, writing nowhere
             extra = pad_to - n_seqs
@@ -231,7 +232,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             num_tokens=num_tokens, query_start_loc=buf.query_start_loc[: rows + 1], seq_lens=buf.seq_lens[:rows],
             block_tables=buf.block_tables[:rows], slot_mapping=buf.slot_mapping[:t],
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(rows)), max_seq_len=max(seq_lens),
+            max_query_len=max_q, max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
         return t, meta
 
