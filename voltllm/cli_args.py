@@ -39,6 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--require-acceleration", action="store_true",
+                   help="refuse to start when a route this configuration expects is disabled (see voltllm check)")
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--quantization", "-q", default=None)

@@ -70,6 +70,7 @@ class DeviceConfig:
     compat: str = "none"  # none | sm70 | sm75 : the route for GPUs without native bf16/fp8
     enforce_eager: bool = False
     attention_backend: Optional[str] = None
+    require_acceleration: bool = False  # refuse to start when an expected route is disabled (voltllm.acceleration)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class EngineArgs:
     async_scheduling: bool = True
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    require_acceleration: bool = False
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
@@ -185,10 +187,15 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
                                 max_model_len=max_model_len, async_scheduling=self.async_scheduling)
         dev = DeviceConfig(device=device, compat=compat, enforce_eager=self.enforce_eager,
-                           attention_backend=self.attention_backend)
-        return EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
-                            parallel=ParallelConfig(self.tensor_parallel_size), speculative=spec,
-                            quantization=self.quantization)
+                           attention_backend=self.attention_backend, require_acceleration=self.require_acceleration)
+        config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
+                              parallel=ParallelConfig(self.tensor_parallel_size), speculative=spec,
+                              quantization=self.quantization)
+        if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
+            from voltllm.acceleration import require_acceleration
+
+            require_acceleration(config)
+        return config
 
 
 def _parse_json_arg(flag: str, value: Any) -> Optional[dict]:

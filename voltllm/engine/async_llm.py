@@ -156,6 +156,7 @@ class AsyncLLM:
         self._ipc_dir: Optional[str] = None
         self._task: Optional[asyncio.Task] = None
         self._closed = False
+        self._report_waiters: list[asyncio.Future] = []  # acceleration_report() calls, answered in order
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -262,6 +263,11 @@ class AsyncLLM:
                 st = self._streams.pop(pid, None)
                 if st is not None:
                     st._fail(InvalidRequestError(message))
+        elif kind == "report":
+            if self._report_waiters:
+                fut = self._report_waiters.pop(0)
+                if not fut.done():
+                    fut.set_result(msg[1])
         elif kind == "fatal":
             self._on_dead(f"the engine failed: {msg[1].strip().splitlines()[-1]}")
         else:
@@ -271,6 +277,10 @@ class AsyncLLM:
         if self.dead is None:
             logger.error("%s", why)
         self.dead = why
+        for fut in self._report_waiters:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(why))
+        self._report_waiters.clear()
         for rid, st in list(self._streams.items()):
             st._fail(EngineDeadError(why))
         self._streams.clear()
@@ -401,6 +411,17 @@ class AsyncLLM:
         """Abort every request in flight (server shutdown): their streams end with RequestAbortedError."""
         for rid in list(self._streams):
             self.abort(rid, "the server is shutting down")
+
+    async def acceleration_report(self, timeout: float = 30.0) -> dict:
+        """The engine's acceleration report (voltllm.acceleration.build_report on the loaded engine)."""
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._report_waiters.append(fut)
+        self._send(("report",))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"the engine did not answer the report request within {timeout:.0f} s") from None
 
     @property
     def num_active_requests(self) -> int:

@@ -7,8 +7,9 @@ the API process creates in a private 0700 directory):
   ("add", [EngineCoreRequest, ...])            ("ready", {"num_blocks": ..., ...})
   ("abort", [child request id, ...])           ("startup_error", message)
   ("check",)   run check_integrity()           ("outputs", [EngineCoreOutput, ...], SchedulerStats)
-  ("shutdown",)                                ("error", [child request id, ...], message)
-                                               ("check", message or None)
+  ("report",)  acceleration report             ("error", [child request id, ...], message)
+  ("shutdown",)                                ("check", message or None)
+                                               ("report", report dict or {"error": message})
                                                ("fatal", message)
 
 The loop blocks on its input socket only while it has nothing to compute; otherwise it drains input
@@ -72,9 +73,14 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     out.connect(output_addr)
     try:
         try:
+            from voltllm import acceleration
             from voltllm.engine.core import EngineCore
 
+            acceleration.install_global_hooks()  # before the engine: start-up compiles show in the report
             core = EngineCore(config)
+            acceleration.instrument(core.runner)
+            if getattr(config.device, "require_acceleration", False):  # the loaded engine, not the prediction
+                acceleration.require_acceleration(config, core.runner)
         except Exception as e:  # noqa: BLE001 - reported to the API process, which prints it
             logger.debug("engine startup failed", exc_info=True)
             out.send(_dumps(("startup_error", f"{type(e).__name__}: {e}")))
@@ -136,6 +142,13 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
                         out.send(_dumps(("check", None)))
                     except Exception as e:  # noqa: BLE001
                         out.send(_dumps(("check", f"{type(e).__name__}: {e}")))
+                elif kind == "report":
+                    try:
+                        from voltllm.acceleration import build_report
+
+                        out.send(_dumps(("report", build_report(core.config, core.runner))))
+                    except Exception as e:  # noqa: BLE001
+                        out.send(_dumps(("report", {"error": f"{type(e).__name__}: {e}"})))
                 elif kind == "shutdown":
                     return
                 else:

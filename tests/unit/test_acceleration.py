@@ -1,0 +1,211 @@
+"""The acceleration report (voltllm.acceleration), `voltllm check`, and --require-acceleration, on the CPU.
+
+CUDA configurations are exercised by faking the resolved device and the platform: the report and the
+refusal are functions of the configuration, so they need no GPU to be checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import pytest
+import torch
+
+from tiny_models import make_model
+from voltllm import acceleration
+from voltllm.acceleration import ROUTES, build_report, format_report, instrument, require_acceleration
+from voltllm.config import ConfigError, EngineArgs
+from voltllm.platform import platform_for
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return make_model(str(tmp_path_factory.mktemp("accel") / "tiny"), kind="qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    from voltllm import LLM
+
+    return LLM(tiny_dir, device="cpu", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=4)
+
+
+def _fake_cuda(config, compat="sm70", **device_fields):
+    dev = dataclasses.replace(config.device, device=torch.device("cuda", 0), compat=compat, **device_fields)
+    model = dataclasses.replace(config.model, dtype=torch.float16)
+    return dataclasses.replace(config, device=dev, model=model)
+
+
+@pytest.fixture
+def fake_v100(monkeypatch):
+    plat = platform_for((7, 0), compat="sm70", device="cuda:0", name="Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(acceleration, "for_config", lambda config: plat)
+    return plat
+
+
+def test_cpu_report_shape_and_reasons(llm):
+    report = build_report(llm.config, llm.engine.runner)
+    json.dumps(report)  # JSON-ready as it is
+    assert report["object"] == "acceleration_report" and report["source"] == "engine"
+    assert report["platform"]["route"] == "cpu"
+    names = list(report["routes"])
+    assert names == [r for r in ROUTES if r != "gdn_decode"]  # not a hybrid model
+    for name, r in report["routes"].items():
+        assert set(r) >= {"enabled", "expected", "impl", "reason", "calls"}, name
+        assert r["enabled"] is False and r["expected"] is False, name  # the CPU runs the reference routes
+        assert r["reason"], name
+    assert report["routes"]["attention_decode"]["impl"].startswith("TORCH_REF")
+    assert "CPU" in report["routes"]["cuda_graphs"]["reason"]
+    assert report["ok"] and report["disabled_expected"] == []
+    assert report["expected"].startswith("nothing")
+    text = format_report(report)
+    for name in names:
+        assert name in text
+    assert "nothing: on the CPU" in text
+
+
+def test_counters_move_when_the_engine_runs(llm):
+    from voltllm.sampling.params import SamplingParams
+
+    counters = instrument(llm.engine.runner)
+    assert instrument(llm.engine.runner) is counters  # idempotent: no double counting
+    before = counters.calls()
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    after = counters.calls()
+    layers = llm.engine.runner.model.num_attention_layers
+    assert after["attention_prefill"]["eager"] - before["attention_prefill"]["eager"] == layers  # one prefill step
+    assert after["attention_decode"]["eager"] - before["attention_decode"]["eager"] == 5 * layers  # 5 decode steps
+    assert after["sampler"]["eager"] - before["sampler"]["eager"] == 6
+    assert after["linear"]["eager"] - before["linear"]["eager"] == 6 * 4 * layers  # qkv, o, gate_up, down
+    assert after["cuda_graphs"]["eager"] - before["cuda_graphs"]["eager"] == 6  # eager forwards
+    assert after["fused_elementwise"]["total"] == before["fused_elementwise"]["total"]  # not on the CPU
+    assert all(c["graph"] == 0 for c in after.values())
+    report = build_report(llm.config, llm.engine.runner)
+    assert report["counters"]["eager_model_forwards"] >= 6
+    assert report["routes"]["attention_decode"]["calls"]["total"] == after["attention_decode"]["total"]
+
+
+def test_graph_replays_count_the_routes_inside_the_graph(llm):
+    """A replay runs no Python: the report multiplies DecodeGraphs.replays by one forward's calls."""
+    runner = llm.engine.runner
+    counters = instrument(runner)
+    template = counters.template
+    layers = runner.model.num_attention_layers
+    assert template["attention_decode"] == layers and template["attention_prefill"] == 0
+    assert template["linear"] == 4 * layers
+    base = counters.calls()
+    fake = types.SimpleNamespace(replays=counters.replays0 + 7, sizes=[1, 2, 4], graphs={1: None})
+    saved = runner.graphs
+    runner.graphs = fake
+    try:
+        calls = counters.calls()
+        assert calls["cuda_graphs"]["graph"] == 7
+        assert calls["attention_decode"]["graph"] == 7 * layers
+        assert calls["attention_decode"]["total"] == base["attention_decode"]["eager"] + 7 * layers
+        assert calls["linear"]["graph"] == 7 * 4 * layers
+        assert calls["sampler"]["graph"] == 0  # sampling stays eager (counted by its own calls)
+        assert calls["attention_prefill"]["graph"] == 0
+    finally:
+        runner.graphs = saved
+
+
+def test_require_acceleration_on_cpu_expects_nothing(tiny_dir):
+    config = EngineArgs(model=tiny_dir, device="cpu", require_acceleration=True).create_engine_config()
+    assert config.device.require_acceleration
+    assert require_acceleration(config)["ok"]
+
+
+def test_predicted_v100_route(tiny_dir, fake_v100):
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config())
+    report = build_report(config)
+    assert report["source"].startswith("config")
+    r = report["routes"]
+    assert r["attention_decode"]["enabled"] and r["attention_decode"]["expected"]
+    assert r["attention_decode"]["tensor_cores"] is False and "FMA" in r["attention_decode"]["reason"]
+    assert r["cuda_graphs"]["enabled"] and r["cuda_graphs"]["expected"]
+    assert r["fused_elementwise"]["enabled"] and r["sampler"]["enabled"] and r["linear"]["enabled"]
+    assert "float16" in r["linear"]["reason"]
+    assert not r["kv_codec"]["expected"]
+    assert report["platform"]["sm"] == "sm_70"
+    assert "cuda_graphs" in report["expected"]
+
+
+def test_require_acceleration_refuses_each_disabled_route(tiny_dir, fake_v100):
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config(), attention_backend="TORCH_REF")
+    with pytest.raises(ConfigError) as e:
+        require_acceleration(config)
+    msg = str(e.value)
+    assert "--require-acceleration" in msg
+    for route in ("attention_prefill", "attention_decode", "cuda_graphs"):
+        assert route in msg
+    assert "TORCH_REF" in msg
+    # --enforce-eager: graphs are not expected any more, attention still is
+    eager = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config(), attention_backend="TORCH_REF",
+                       enforce_eager=True)
+    with pytest.raises(ConfigError) as e:
+        require_acceleration(eager)
+    assert "cuda_graphs" not in str(e.value) and "attention_decode" in str(e.value)
+
+
+def test_require_acceleration_hybrid_graphs(tiny_dir, fake_v100):
+    from voltllm.bench.shapes import make_config
+
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config())
+    hybrid = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                   hf_config=make_config("qwen3.5-27b-shape")))
+    with pytest.raises(ConfigError) as e:
+        require_acceleration(hybrid)
+    assert "cuda_graphs" in str(e.value) and "hybrid" in str(e.value)
+    report = build_report(hybrid)
+    assert "gdn_decode" in report["routes"] and report["routes"]["gdn_decode"]["enabled"]
+    eager = dataclasses.replace(hybrid, device=dataclasses.replace(hybrid.device, enforce_eager=True))
+    assert require_acceleration(eager)["ok"]
+
+
+def test_cli_check_no_load_json(tiny_dir, capsys):
+    from voltllm.cli import main
+
+    assert main(["check", tiny_dir, "--device", "cpu", "--no-load", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["platform"]["route"] == "cpu" and report["ok"]
+
+
+def test_cli_check_loads_and_counts(tiny_dir, capsys):
+    from voltllm.cli import main
+
+    assert main(["check", tiny_dir, "--device", "cpu", "--max-model-len", "128", "--num-gpu-blocks-override", "32",
+                 "--generate", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "attention_decode" in out and "source: engine" in out
+    assert "eager model forwards 3" in out
+
+
+def test_cli_require_acceleration_exit_2(tiny_dir, fake_v100, monkeypatch, capsys):
+    import voltllm.config as config_mod
+    from voltllm.cli import main
+
+    monkeypatch.setattr(config_mod, "_resolve_device", lambda device: torch.device("cuda", 0))
+    rc = main(["check", tiny_dir, "--no-load", "--compat", "sm70", "--attention-backend", "TORCH_REF",
+               "--require-acceleration"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "attention_decode" in err and "cuda_graphs" in err
+    # the same configuration without the flag prints the report and exits 1 (an expected route is off)
+    assert main(["check", tiny_dir, "--no-load", "--compat", "sm70", "--attention-backend", "TORCH_REF"]) == 1
+
+
+def test_cli_check_sm70_dispatches_to_the_gate(monkeypatch):
+    from voltllm.check import sm70_gate
+    from voltllm.cli import main
+
+    seen = {}
+    monkeypatch.setattr(sm70_gate, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert main(["check", "--sm70", "--arch", "70", "--module", "voltllm.kernels.fused", "-j", "1"]) == 0
+    assert seen["argv"] == ["--arch", "70", "--module", "voltllm.kernels.fused", "--jobs", "1"]
+
+
+def test_compile_cache_status_shape():
+    acceleration.compile_cache.start()
+    s = acceleration.compile_cache.status()
+    assert {"dir", "exists", "writable", "tracking", "kernels_loaded", "compiled", "disk_hits"} <= set(s)

@@ -1,0 +1,85 @@
+"""voltllm.platform: what each device class can do (pure: no GPU needed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from voltllm.platform import auto_compat, capability_route, detect, platform_for
+
+
+@pytest.mark.parametrize("cap,route", [
+    (None, "cpu"), ((6, 1), "unsupported"), ((7, 0), "sm70"), ((7, 2), "sm70"), ((7, 5), "sm75"),
+    ((8, 0), "sm80"), ((8, 6), "sm80"), ((8, 9), "sm80"), ((9, 0), "sm90"), ((10, 0), "sm90"), ((12, 0), "sm90"),
+])
+def test_capability_route(cap, route):
+    assert capability_route(cap) == route
+
+
+def test_auto_compat_matches_config_rule():
+    from voltllm.config import _resolve_compat
+
+    assert auto_compat(None) == "none"
+    for cap, want in (((7, 0), "sm70"), ((7, 5), "sm75"), ((8, 0), "none"), ((9, 0), "none")):
+        assert auto_compat(cap) == want
+    assert _resolve_compat("auto", torch.device("cpu")) == auto_compat(None)
+
+
+def test_cpu():
+    p = platform_for(None, device="cpu")
+    assert p.route == "cpu" and p.capability is None and not p.is_cuda
+    assert p.recommended_dtype == "float32"
+    assert not (p.native_bf16 or p.native_fp8 or p.triton_tensor_cores or p.vendor_tensor_cores)
+    assert detect("cpu").route == "cpu"
+
+
+def test_v100():
+    p = platform_for((7, 0), name="Tesla V100-SXM2-32GB", torch_arch_list=["sm_70", "sm_80", "sm_90"])
+    assert p.route == "sm70" and p.compat == "sm70" and p.is_compat and not p.forced_compat
+    assert not p.native_bf16 and not p.native_fp8 and not p.native_fp4
+    assert not p.triton_tensor_cores and p.vendor_tensor_cores  # tl.dot is FMA; cuBLAS/SDPA have tensor cores
+    assert p.recommended_dtype == "float16" and p.torch_has_arch is True
+    d = p.to_dict()
+    assert d["sm"] == "sm_70" and d["capability"] == [7, 0]
+
+
+def test_v100_torch_build_without_sm70():
+    p = platform_for((7, 0), torch_arch_list=["sm_80", "sm_90", "compute_90"])
+    assert p.torch_has_arch is False
+    assert any("sm_70" in n for n in p.notes)
+    assert platform_for((7, 0), torch_arch_list=["compute_70"]).torch_has_arch is True  # PTX JIT
+
+
+def test_t4():
+    p = platform_for((7, 5))
+    assert p.route == "sm75" and p.compat == "sm75" and p.recommended_dtype == "float16"
+    assert not p.native_bf16 and not p.triton_tensor_cores
+
+
+def test_ampere_and_ada():
+    a100 = platform_for((8, 0))
+    assert a100.route == "sm80" and a100.compat == "none"
+    assert a100.native_bf16 and not a100.native_fp8 and a100.triton_tensor_cores
+    assert a100.recommended_dtype == "bfloat16"
+    ada = platform_for((8, 9))
+    assert ada.route == "sm80" and ada.native_fp8
+
+
+def test_h200_native_and_forced_compat():
+    h = platform_for((9, 0), name="NVIDIA H200")
+    assert h.route == "sm90" and h.native_bf16 and h.native_fp8 and not h.native_fp4
+    forced = platform_for((9, 0), compat="sm70", name="NVIDIA H200")
+    assert forced.route == "sm70" and forced.hardware_route == "sm90" and forced.forced_compat
+    # the compat route creates no bf16/fp8 even where the chip has them
+    assert not forced.native_bf16 and not forced.native_fp8
+    assert forced.recommended_dtype == "float16"
+    assert forced.triton_tensor_cores  # the chip itself: prefill tl.dot still lands on its tensor cores
+    assert any("forced" in n for n in forced.notes)
+
+
+def test_blackwell_has_fp4():
+    assert platform_for((10, 0)).native_fp4
+
+
+def test_bad_compat():
+    with pytest.raises(ValueError):
+        platform_for((9, 0), compat="sm60")

@@ -1,0 +1,537 @@
+"""The acceleration report: for the running configuration, which route each stage takes, and how often.
+
+Routes: attention_prefill, attention_decode, kv_codec, linear, sampler, cuda_graphs, compile_cache,
+fused_elementwise, and gdn_decode for hybrid (Gated DeltaNet) models. Each has `enabled` (the accelerated
+GPU route runs), `expected` (this configuration should have it: `--require-acceleration` refuses to start
+when an expected route is disabled), `impl`, `reason`, and call counters.
+
+Counters. `instrument(runner)` wraps, on that runner's own objects, the attention backend's forward (one
+call per attention layer; prefill vs decode by the step's metadata), every Linear's forward, the sampler
+and the model's forward; and, process-wide, the public launchers of voltllm.kernels.fused and
+voltllm.kernels.gdn_decode. A replayed CUDA graph runs no Python, so for the routes inside the graph the
+report adds DecodeGraphs.replays x the calls one eager forward makes (learned from the eager forwards the
+runner runs: a pure-decode forward when one was seen, else a prefill forward with its attention calls
+counted as decode calls, which is what a graph replay runs). Nothing is counted while a graph is being
+captured (capture records work, it does not run it). Counters are `eager`, `graph` and `total` per route.
+
+Without a runner (before the model loads), `build_report(config)` predicts the routes from the
+configuration alone; `require_acceleration(config)` uses that to refuse at start-up (exit 2).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from voltllm.platform import Platform, for_config
+
+ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "sampler", "cuda_graphs",
+          "compile_cache", "fused_elementwise", "gdn_decode")
+# routes whose calls happen inside the model forward (so inside a decode CUDA graph)
+_FORWARD_ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "fused_elementwise", "gdn_decode")
+_FUSED_FNS = ("rms_norm", "fused_add_rms_norm", "rope_inplace", "qk_norm_rope_inplace", "silu_and_mul")
+_GDN_FNS = ("causal_conv1d_decode", "gated_delta_rule_decode")
+
+_GLOBAL = {"fused_elementwise": 0, "gdn_decode": 0}  # process-wide kernel launcher calls
+_CUDA = torch.cuda.is_available()
+_COUNTERS: "weakref.WeakKeyDictionary[Any, RouteCounters]" = weakref.WeakKeyDictionary()
+
+
+def _capturing() -> bool:
+    return _CUDA and torch.cuda.is_current_stream_capturing()
+
+
+# -- process-wide hooks: fused / GDN launchers, Triton's compile cache --------------------------------
+def _count_global(key: str, fn: Callable) -> Callable:
+    if getattr(fn, "_voltllm_counted", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _capturing():
+            _GLOBAL[key] += 1
+        return fn(*args, **kwargs)
+
+    wrapper._voltllm_counted = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install_global_hooks() -> None:
+    """Count the fused-elementwise and GDN-decode launchers (module attributes the layers call); idempotent."""
+    import importlib
+
+    for mod_name, key, names in (("voltllm.kernels.fused", "fused_elementwise", _FUSED_FNS),
+                                 ("voltllm.kernels.gdn_decode", "gdn_decode", _GDN_FNS)):
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # noqa: BLE001 - Triton missing: those routes never run
+            continue
+        for name in names:
+            fn = getattr(mod, name, None)
+            if fn is not None:
+                setattr(mod, name, _count_global(key, fn))
+    compile_cache.start()
+
+
+class CompileCacheTracker:
+    """Triton's on-disk cache: its directory, entries at start, entries written since, kernels loaded since.
+
+    A kernel specialization that Triton loads (jit_post_compile_hook: after a disk hit or a compile) and that
+    adds no new cache entry was a disk hit; each new entry is a compile that missed (and is now cached)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.dir: Optional[str] = None
+        self.existed = False
+        self.entries0: set[str] = set()
+        self.loaded = 0
+
+    @staticmethod
+    def cache_dir() -> Optional[str]:
+        try:
+            from triton import knobs
+
+            return str(knobs.cache.dir)
+        except Exception:  # noqa: BLE001 - no Triton
+            return None
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        self.dir = self.cache_dir()
+        self.existed = bool(self.dir) and os.path.isdir(self.dir)
+        self.entries0 = self._entries()
+        try:
+            from triton import knobs
+
+            prev = knobs.runtime.jit_post_compile_hook
+
+            def hook(*args: Any, **kwargs: Any) -> Any:
+                self.loaded += 1
+                return prev(*args, **kwargs) if prev is not None else None
+
+            knobs.runtime.jit_post_compile_hook = hook
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _entries(self) -> set[str]:
+        try:
+            return set(os.listdir(self.dir)) if self.dir else set()
+        except OSError:
+            return set()
+
+    def status(self) -> dict:
+        d = self.dir or self.cache_dir()
+        exists = bool(d) and os.path.isdir(d)
+        writable = bool(d) and _writable(d)
+        out = {"dir": d, "exists": exists, "writable": writable, "tracking": self.started}
+        if self.started:
+            now = self._entries()
+            new = len(now - self.entries0)
+            out.update(existed_at_start=self.existed, entries_at_start=len(self.entries0), entries_now=len(now),
+                       kernels_loaded=self.loaded, compiled=min(new, self.loaded) if self.loaded else new,
+                       disk_hits=max(0, self.loaded - new))
+            out["hit"] = (None if self.loaded == 0 else new == 0)
+        return out
+
+
+def _writable(path: str) -> bool:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):  # Triton creates the directory on first use
+        parent = os.path.dirname(p)
+        if parent == p:
+            return False
+        p = parent
+    return os.path.isdir(p) and os.access(p, os.W_OK | os.X_OK)
+
+
+compile_cache = CompileCacheTracker()
+
+
+# -- per-runner counters ----------------------------------------------------------------------------
+class RouteCounters:
+    """Eager call counts of one runner, plus the per-forward template used for CUDA-graph replays."""
+
+    def __init__(self, runner: Any):
+        self.eager = dict.fromkeys(ROUTES, 0)
+        self.forwards = 0
+        self.template: Optional[dict[str, int]] = None
+        self.template_source: Optional[str] = None
+        self.global0 = dict(_GLOBAL)
+        graphs = getattr(runner, "graphs", None)
+        self.replays0 = int(getattr(graphs, "replays", 0) or 0)
+        self.runner_ref = weakref.ref(runner)
+
+    def current(self) -> dict[str, int]:
+        c = dict(self.eager)
+        for k, v in _GLOBAL.items():
+            c[k] += v - self.global0[k]
+        return c
+
+    def on_forward(self, before: dict[str, int], after: dict[str, int]) -> None:
+        self.forwards += 1
+        delta = {k: after[k] - before[k] for k in _FORWARD_ROUTES}
+        if delta["attention_prefill"] == 0 and delta["attention_decode"] > 0:
+            self.template, self.template_source = delta, "eager decode forward"
+        elif self.template_source != "eager decode forward" and delta["attention_prefill"] > 0:
+            t = dict(delta)
+            t["attention_decode"] += t.pop("attention_prefill")
+            t["attention_prefill"] = 0
+            self.template, self.template_source = t, "eager prefill forward (attention calls as decode calls)"
+
+    def replays(self) -> int:
+        runner = self.runner_ref()
+        graphs = getattr(runner, "graphs", None) if runner is not None else None
+        return int(getattr(graphs, "replays", 0) or 0) - self.replays0 if graphs is not None else 0
+
+    def calls(self) -> dict[str, dict[str, Optional[int]]]:
+        cur = self.current()
+        cur["cuda_graphs"] = self.forwards  # eager forwards: steps that ran without a graph
+        replays = self.replays()
+        out: dict[str, dict[str, Optional[int]]] = {}
+        for r in ROUTES:
+            if r == "cuda_graphs":
+                graph: Optional[int] = replays
+            elif r in _FORWARD_ROUTES:
+                graph = replays * self.template.get(r, 0) if self.template else (0 if replays == 0 else None)
+            else:
+                graph = 0
+            out[r] = {"eager": cur[r], "graph": graph, "total": None if graph is None else cur[r] + graph}
+        out["compile_cache"] = {"eager": compile_cache.loaded, "graph": 0, "total": compile_cache.loaded}
+        return out
+
+
+def _wrap_method(obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    fn = getattr(obj, name)
+    if getattr(fn, "_voltllm_counted", False):
+        return
+    wrapped = make(fn)
+    wrapped._voltllm_counted = True  # type: ignore[attr-defined]
+    setattr(obj, name, wrapped)
+
+
+def instrument(runner: Any) -> RouteCounters:
+    """Start counting this runner's routes (idempotent); returns its counters."""
+    existing = _COUNTERS.get(runner)
+    if existing is not None:
+        return existing
+    install_global_hooks()
+    c = RouteCounters(runner)
+    fp8_cache = _kv_is_fp8(runner)
+
+    def attn(fn: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any):
+            if not _capturing():
+                meta = kwargs["meta"] if "meta" in kwargs else args[4]
+                c.eager["attention_decode" if meta.is_pure_decode else "attention_prefill"] += 1
+                if fp8_cache:
+                    c.eager["kv_codec"] += 1
+            return fn(*args, **kwargs)
+        return forward
+
+    def counted(key: str) -> Callable[[Callable], Callable]:
+        def make(fn: Callable) -> Callable:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if not _capturing():
+                    c.eager[key] += 1
+                return fn(*args, **kwargs)
+            return call
+        return make
+
+    def model_forward(fn: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if _capturing():
+                return fn(*args, **kwargs)
+            before = c.current()
+            out = fn(*args, **kwargs)
+            c.on_forward(before, c.current())
+            return out
+        return forward
+
+    _wrap_method(runner.backend, "forward", attn)
+    _wrap_method(runner.sampler, "sample", counted("sampler"))
+    from voltllm.model.layers.linear import Linear
+
+    for mod in runner.model.modules():
+        if isinstance(mod, Linear):
+            _wrap_method(mod, "forward", counted("linear"))
+    _wrap_method(runner.model, "forward", model_forward)
+    _COUNTERS[runner] = c
+    return c
+
+
+def counters_of(runner: Any) -> Optional[RouteCounters]:
+    return _COUNTERS.get(runner)
+
+
+def _kv_is_fp8(runner: Any) -> bool:
+    caches = getattr(runner, "kv_caches", None) or []
+    return bool(caches) and caches[0].dtype in (torch.uint8,) + tuple(
+        getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+# -- the report -------------------------------------------------------------------------------------
+def _backend_routes(runner: Any, device: torch.device) -> Optional[dict]:
+    fn = getattr(getattr(runner, "backend", None), "routes", None) if runner is not None else None
+    if fn is None:
+        return None
+    try:
+        r = fn(device)
+    except Exception:  # noqa: BLE001 - a report must not fail on a backend's description
+        return None
+    return r if isinstance(r, dict) and {"prefill", "decode"} <= set(r) else None
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _is_hybrid_config(hf_config: Any) -> bool:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    types = getattr(text, "layer_types", None) or []
+    return any(t == "linear_attention" for t in types) or getattr(hf_config, "model_type", "") in (
+        "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _route(enabled: bool, expected: bool, impl: str, reason: str, **extra: Any) -> dict:
+    return dict(enabled=bool(enabled), expected=bool(expected), impl=impl, reason=reason, **extra)
+
+
+def build_report(config: Any, runner: Any = None, platform: Optional[Platform] = None) -> dict:
+    """The report dict (JSON-ready). With a runner: its actual routes and counters; without: predicted."""
+    from voltllm import __version__
+
+    plat = platform or for_config(config)
+    dev = config.device
+    cuda = dev.device.type == "cuda"
+    dtype = str(config.model.dtype).replace("torch.", "")
+    hybrid = bool(getattr(runner, "is_hybrid", False)) if runner is not None else _is_hybrid_config(
+        config.model.hf_config)
+    backend_name = (runner.backend.name if runner is not None else
+                    ("TORCH_REF" if not cuda or (dev.attention_backend or "").upper() == "TORCH_REF"
+                     else "TRITON_ATTN"))
+    triton_attn = cuda and backend_name == "TRITON_ATTN"
+    kv_dtype = config.cache.kv_cache_dtype
+    fp8 = _kv_is_fp8(runner) if runner is not None else kv_dtype.startswith("fp8")
+    routes: dict[str, dict] = {}
+    backend_routes = _backend_routes(runner, dev.device) if triton_attn else None
+    cpu_reason = "CPU: the plain-PyTorch reference runs (no accelerator)"
+
+    # attention
+    forced_ref = "--attention-backend TORCH_REF forces the plain-PyTorch reference"
+    if not cuda:
+        routes["attention_prefill"] = _route(False, False, "TORCH_REF: torch SDPA per request, fp32", cpu_reason)
+        routes["attention_decode"] = _route(False, False, "TORCH_REF: torch SDPA per request, fp32", cpu_reason)
+    elif not triton_attn:
+        routes["attention_prefill"] = _route(False, True, "TORCH_REF", forced_ref)
+        routes["attention_decode"] = _route(False, True, "TORCH_REF", forced_ref)
+    else:
+        sdpa = ("SDPA" in backend_routes["prefill"]) if backend_routes else (
+            dev.compat != "none" and _has_module("voltllm.attention.compat_backend"))
+        if sdpa:
+            routes["attention_prefill"] = _route(
+                True, True, backend_routes["prefill"] if backend_routes else
+                "bridge pages to an fp16 workspace + torch SDPA efficient attention",
+                f"the {dev.compat} route sends compute-bound prefill to a vendor kernel (fp16 tensor cores "
+                "on sm_70+), since Triton's tl.dot is FMA on sm_70/75", tensor_cores=plat.vendor_tensor_cores)
+        else:
+            tc = plat.triton_tensor_cores
+            routes["attention_prefill"] = _route(
+                True, True, backend_routes["prefill"] if backend_routes else
+                "Triton paged_prefill (flash-style tiles, online softmax in fp32)",
+                "tl.dot on tensor cores" if tc else
+                "tl.dot lowers to FMA on this chip (no tensor cores for Triton)", tensor_cores=tc)
+        cap = plat.capability
+        use_tc = getattr(runner.backend, "use_tensor_cores", None) if runner is not None else (
+            False if dev.compat != "none" else None)
+        use_dot = use_tc if use_tc is not None else (cap is not None and tuple(cap) >= (8, 0))
+        lanes = bool(getattr(runner.backend, "fma_lanes", False)) if runner is not None else False
+        why = ("tensor cores (tl.dot), split-KV" if use_dot else
+               f"CUDA-core FMA in fp32 ({'per-lane' if lanes else 'per-row'} online softmax), split-KV: "
+               + (f"the {dev.compat} route keeps decode off tensor cores" if dev.compat != "none"
+                  else "no Triton tensor cores on this chip"))
+        routes["attention_decode"] = _route(
+            True, True, backend_routes["decode"] if backend_routes else "Triton paged_decode (GQA group per program)",
+            why, tensor_cores=bool(use_dot))
+
+    # KV codec
+    if fp8:
+        sw = dev.compat != "none" or not plat.native_fp8
+        impl = (backend_routes or {}).get("kv_cache") or (
+            f"{kv_dtype}: " + ("software fp8 codec (integer bit ops, uint8 pages)" if sw else "fp8 KV cache"))
+        routes["kv_codec"] = _route(
+            cuda, cuda, impl,
+            "KV pages are fp8 with per-layer scales" if cuda else cpu_reason)
+    elif kv_dtype.startswith("fp8"):
+        routes["kv_codec"] = _route(False, cuda, kv_dtype, "the fp8 KV cache is not wired into this engine yet")
+    else:
+        routes["kv_codec"] = _route(False, False, f"none (KV cache in {dtype})",
+                                    f"--kv-cache-dtype {kv_dtype}: the KV cache keeps the model dtype; no codec")
+
+    # linear
+    methods = sorted({type(m.method).__name__ for m in runner.model.modules() if hasattr(m, "method")}) \
+        if runner is not None else ["UnquantizedLinearMethod"]
+    quant = config.quantization or ("gguf" if str(config.model.model).endswith(".gguf") else None)
+    impl = ", ".join(methods) + (f" (GGUF tensors dequantized to {dtype} at load)" if quant == "gguf" else "")
+    if cuda:
+        routes["linear"] = _route(True, True, impl, f"torch F.linear -> cuBLAS {dtype} GEMM" + (
+            " (fp16 tensor cores on sm_70+)" if dtype == "float16" else ""))
+    else:
+        routes["linear"] = _route(False, False, impl, "CPU: torch F.linear on the CPU BLAS")
+
+    # sampler
+    routes["sampler"] = _route(cuda, cuda, "voltllm.sampling.Sampler (batched torch ops)",
+                               "on the device, no host syncs: sampled ids copied back asynchronously"
+                               if cuda else cpu_reason)
+
+    # CUDA graphs
+    if not cuda:
+        routes["cuda_graphs"] = _route(False, False, "none", "CPU: no CUDA graphs")
+    else:
+        expected = not dev.enforce_eager
+        if dev.enforce_eager:
+            on, why = False, "--enforce-eager"
+        elif not triton_attn:
+            on, why = False, f"attention backend {backend_name} is not graph-capturable"
+        elif hybrid:
+            on, why = False, ("hybrid model: recurrent-state slots are not graph-captured yet "
+                              "(add --enforce-eager to accept eager decode)")
+        else:
+            on, why = True, "decode steps replay captured graphs (logits and sampling stay eager)"
+        graphs = getattr(runner, "graphs", None) if runner is not None else None
+        sizes = list(getattr(graphs, "sizes", []) or [])
+        if runner is not None:
+            captured = graphs is not None and bool(getattr(graphs, "graphs", None))
+            if on and not captured:
+                on, why = False, "no decode graph was captured"
+            elif captured:
+                why = f"decode batches of {sizes[0]}..{sizes[-1]} rows ({len(sizes)} sizes) replay captured graphs"
+        routes["cuda_graphs"] = _route(on, expected, "torch.cuda.CUDAGraph per decode batch size", why,
+                                       batch_sizes=sizes)
+
+    # compile cache
+    cc = compile_cache.status()
+    if not cuda:
+        routes["compile_cache"] = _route(False, False, "Triton on-disk cache", "CPU: no Triton kernels run", **cc)
+    else:
+        ok = cc["writable"]
+        if not ok:
+            why = f"Triton's cache dir {cc['dir']} is not writable: kernels recompile on every start"
+        elif cc.get("hit") is True:
+            why = f"warm: {cc['kernels_loaded']} kernel specializations loaded from the disk cache"
+        elif cc.get("hit") is False:
+            why = (f"{cc['compiled']} of {cc['kernels_loaded']} kernel specializations compiled this start "
+                   f"(now cached), {cc['disk_hits']} from the disk cache")
+        else:
+            why = "cache dir usable; no Triton kernel loaded since tracking began"
+        routes["compile_cache"] = _route(ok, True, "Triton on-disk cache ($TRITON_CACHE_DIR)", why, **cc)
+
+    # fused elementwise
+    routes["fused_elementwise"] = _route(
+        cuda, cuda, "Triton RMSNorm(+residual), QK-norm+RoPE, RoPE, SiLU-and-mul (voltllm.kernels.fused)"
+        if cuda else "torch elementwise ops (norm, RoPE, SiLU)",
+        "one launch each instead of a chain of torch elementwise kernels" if cuda else cpu_reason)
+
+    if hybrid:
+        routes["gdn_decode"] = _route(
+            cuda, cuda, "Triton conv1d step + gated delta rule step (fp32 state, FMA)",
+            ("decode-only batches; prefill and mixed batches use the torch reference (chunked kernel not built)"
+             if cuda else cpu_reason))
+
+    counters = counters_of(runner) if runner is not None else None
+    calls = counters.calls() if counters is not None else None
+    for name, r in routes.items():
+        r["calls"] = calls.get(name) if calls else None
+    disabled = [{"route": n, "reason": r["reason"]} for n, r in routes.items() if r["expected"] and not r["enabled"]]
+    report = {
+        "object": "acceleration_report",
+        "voltllm_version": __version__,
+        "source": "engine" if runner is not None else "config (predicted; no model loaded)",
+        "platform": plat.to_dict(),
+        "configuration": {
+            "model": str(config.model.model), "architecture": config.model.architecture, "hybrid": hybrid,
+            "device": str(dev.device), "compat": dev.compat, "dtype": dtype, "kv_cache_dtype": kv_dtype,
+            "attention_backend": backend_name, "enforce_eager": dev.enforce_eager,
+            "quantization": quant, "require_acceleration": bool(getattr(dev, "require_acceleration", False)),
+        },
+        "expected": ("nothing: on the CPU every stage runs the plain-PyTorch reference" if not cuda else
+                     ", ".join(n for n, r in routes.items() if r["expected"])),
+        "ok": not disabled,
+        "disabled_expected": disabled,
+        "routes": routes,
+    }
+    if counters is not None:
+        report["counters"] = {"eager_model_forwards": counters.forwards, "graph_replays": counters.replays(),
+                              "per_replay": counters.template, "per_replay_source": counters.template_source}
+    return report
+
+
+def refusal_message(report: dict) -> str:
+    lines = [f"--require-acceleration: {len(report['disabled_expected'])} route(s) this configuration expects "
+             "are disabled:"]
+    lines += [f"  {d['route']}: {d['reason']}" for d in report["disabled_expected"]]
+    return "\n".join(lines)
+
+
+def require_acceleration(config: Any, runner: Any = None) -> dict:
+    """Raise ConfigError naming each expected-but-disabled route; returns the report when all are on."""
+    from voltllm.config import ConfigError
+
+    report = build_report(config, runner)
+    if not report["ok"]:
+        raise ConfigError(refusal_message(report))
+    return report
+
+
+def _calls_text(calls: Optional[dict]) -> str:
+    if not calls:
+        return "-"
+    g = calls["graph"]
+    if g is None:
+        return f"{calls['eager']} + ?"
+    return f"{calls['total']}" if not g else f"{calls['eager']} + {g} = {calls['total']}"
+
+
+def format_report(report: dict) -> str:
+    """A plain-text table of the report (voltllm check)."""
+    p, c = report["platform"], report["configuration"]
+    chip = p["name"] + (f" ({p['sm']}, route {p['route']})" if p["sm"] else "")
+    lines = [f"device {c['device']}: {chip}; compat {c['compat']}; dtype {c['dtype']}; "
+             f"KV {c['kv_cache_dtype']}; attention {c['attention_backend']}",
+             f"model {c['model']} ({c['architecture']}{', hybrid' if c['hybrid'] else ''}); source: {report['source']}",
+             f"native bf16 {_yn(p['native_bf16'])}, fp8 {_yn(p['native_fp8'])}; tensor cores: Triton "
+             f"{_yn(p['triton_tensor_cores'])}, cuBLAS/SDPA {_yn(p['vendor_tensor_cores'])}; "
+             f"recommended dtype {p['recommended_dtype']}"]
+    lines += [f"note: {n}" for n in p["notes"]]
+    rows = [("route", "enabled", "expected", "calls (eager + graph)", "implementation / reason")]
+    for name, r in report["routes"].items():
+        rows.append((name, _yn(r["enabled"]), _yn(r["expected"]), _calls_text(r["calls"]),
+                     f"{r['impl']} — {r['reason']}"))
+    w = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines.append("")
+    for row in rows:
+        lines.append("  ".join(row[i].ljust(w[i]) for i in range(4)) + "  " + row[4])
+    if "counters" in report:
+        k = report["counters"]
+        lines.append(f"\neager model forwards {k['eager_model_forwards']}, CUDA-graph replays {k['graph_replays']}"
+                     + (f"; per replay: {k['per_replay']} ({k['per_replay_source']})" if k["per_replay"] else ""))
+    cc = report["routes"]["compile_cache"]
+    lines.append(f"Triton cache: {cc.get('dir')} ({'exists' if cc.get('exists') else 'absent'})")
+    lines.append(f"expected on this configuration: {report['expected']}")
+    lines.append("ok: no expected route is disabled" if report["ok"] else
+                 "DISABLED but expected: " + "; ".join(f"{d['route']} ({d['reason']})"
+                                                      for d in report["disabled_expected"]))
+    return "\n".join(lines)
+
+
+def _yn(v: Any) -> str:
+    return "yes" if v else "no"
