@@ -17,6 +17,9 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already put in the hash map
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # hybrid models: recurrent-state snapshots (voltllm.cache.state_snapshots.StateSnapshots) limit prefix
+        # hits to snapshot boundaries and cut prefill chunks at them; None for attention-only models
+        self.state_prefix = None
 
     @property
     def num_blocks(self) -> int:
@@ -41,9 +44,17 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        if self.state_prefix is not None:
+            hits = hits[: self.state_prefix.limit_hit(req, len(hits))]
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def cap_new_tokens(self, req: Request, start: int, num_new: int) -> int:
+        """num_new, or fewer so that a hybrid model's chunk ends where a state snapshot is wanted."""
+        if self.state_prefix is None or num_new <= 0:
+            return num_new
+        return self.state_prefix.cap_new_tokens(req, start, num_new)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[Block]] = None) -> Optional[list[Block]]:
@@ -81,6 +92,8 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
+        if self.state_prefix is not None:
+            self.state_prefix.forget(req.request_id)
         self.pool.free_blocks(reversed(blocks))  # tail blocks are evicted first
 
     def block_ids(self, req: Request) -> list[int]:

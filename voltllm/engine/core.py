@@ -30,11 +30,16 @@ class EngineCore:
         self.runner = ModelRunner(config, model)
         num_blocks = self.runner.initialize_kv_cache()
         prefix = config.cache.enable_prefix_caching
-        if prefix and self.runner.is_hybrid:
+        snapshots = self.runner.state_snapshots  # hybrid models, --mamba-cache-mode align
+        if prefix and self.runner.is_hybrid and snapshots is None:
             prefix = False
-            logger.warning("prefix caching is off for this hybrid model: recurrent-state snapshots at "
-                           "--mamba-block-size boundaries are not built yet (it applies to attention-only models)")
+            logger.warning("prefix caching is off for this hybrid model: it resumes from recurrent-state snapshots "
+                           "(--mamba-cache-mode align), and %s; it applies to attention-only models",
+                           "--mamba-cache-mode none keeps none" if config.cache.mamba_cache_mode == "none"
+                           else "there is no memory for them")
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix)
+        if prefix and snapshots is not None:
+            self.kv.state_prefix = snapshots
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner.tune_decode_gemms()
         self.runner.capture_cuda_graphs()
@@ -112,4 +117,6 @@ class EngineCore:
         self.kv.check_integrity()
         if self.runner.state_cache is not None:
             self.runner.state_cache.check_integrity()
+        if self.runner.state_snapshots is not None:
+            self.runner.state_snapshots.check_integrity(set(self.scheduler.requests))
 

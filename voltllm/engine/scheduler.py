@@ -103,6 +103,7 @@ class Scheduler:
                 i += 1  # its last token is in flight; it finishes when that arrives
                 continue
             num_new = min(req.num_tokens_with_pending + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            num_new = self.kv.cap_new_tokens(req, req.num_computed_tokens, num_new)  # hybrid snapshot boundaries
             if num_new <= 0:
                 i += 1
                 continue
@@ -128,6 +129,7 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens_with_pending - req.num_computed_tokens - num_hit, budget)
+            num_new = self.kv.cap_new_tokens(req, req.num_computed_tokens + num_hit, num_new)
             if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
                 if not self.running:
                     need = -(-req.num_tokens // self.kv.block_size)
