@@ -110,7 +110,7 @@ def test_measure_device_on_cpu():
 def test_named_shapes_have_the_documented_sizes(tmp_path):
     from voltllm.bench.shapes import make_config, materialize, shape_names
 
-    assert shape_names() == ["qwen3-0.6b-shape", "qwen3-8b-shape", "qwen3.5-27b-shape"]
+    assert shape_names() == ["qwen3-0.6b-shape", "qwen3-8b-shape", "qwen3.5-27b-shape", "smollm2-135m-shape"]
     cfg = make_config("qwen3-8b-shape")
     cost = L.meta_model_cost(cfg, torch.float16)
     # 8.19 B parameters in fp16 (norm weights may be kept in fp32: a few hundred KB more)

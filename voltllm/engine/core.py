@@ -42,6 +42,9 @@ class EngineCore:
             self.kv.state_prefix = snapshots
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner.tune_decode_gemms()
+        from voltllm.acceleration import instrument
+
+        instrument(self.runner)  # per-route call counters for the acceleration report (graph replays too)
         self.runner.capture_cuda_graphs()
         self.vocab_size = int(config.model.hf_config.get_text_config().vocab_size)
         self.max_model_len = config.model.max_model_len
