@@ -78,6 +78,9 @@ class GatedDeltaNet(nn.Module):
     # Decode batches (one row per request, no padding rows) use the Triton kernels of
     # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
     triton_decode: bool | None = None
+    # Other batches (prefill chunks, mixed prefill + decode) run the delta rule through the chunked Triton
+    # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors only.
+    triton_prefill: bool | None = None
 
     def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split"):
         super().__init__()
@@ -146,6 +149,10 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if fast:
             o = gdn_decode.gated_delta_rule_decode(q, k, v, g, beta, ssm_states, batch.slots,
+                                                   batch.has_initial_state)
+        elif (x.is_cuda if self.triton_prefill is None else self.triton_prefill) and not batch.decode_only:
+            from voltllm.kernels import gdn_chunk
+            o = gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
                                                    batch.has_initial_state)
         else:
             o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,

@@ -1,0 +1,222 @@
+"""Checks of the Triton chunked gated delta rule (voltllm.kernels.gdn_chunk) against voltllm.kernels.gdn_ref
+(gated_delta_rule_varlen, the torch chunked form, itself tested against the recurrent form).
+
+Run as a script under TRITON_INTERPRET=1 (set before triton is imported) by tests/unit/test_gdn_chunk_interp.py,
+or on a GPU by tests/gpu/test_hybrid_gpu.py (device argument); prints one line per check:
+    CHECK <name> <ok|FAIL> <detail>
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from voltllm.kernels import gdn_ref as R
+
+
+def run_varlen(device: str, lens: list[int], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int,
+               init_every: int = 2, decay: float = 1.0, block_v=None, repeat_keys: bool = False) -> str:
+    """A flat batch of requests of the given lengths; some start from a stored state, some from zeros (their
+    slot holds garbage that must not be read). Outputs poisoned with NaN beforehand."""
+    from voltllm.kernels.gdn_chunk import gated_delta_rule_chunked
+
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(t, hk, dk, generator=gen)
+    k = torch.randn(t, hk, dk, generator=gen)
+    if repeat_keys:  # the same key over and over: the worst case for the triangular solve
+        k[:] = k[:1]
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = -torch.rand(t, hv, generator=gen) * decay
+    beta = torch.rand(t, hv, generator=gen)
+    q, k, v = (x.to(device, dtype) for x in (q, k, v))
+    g, beta = g.to(device), beta.to(device)
+    n = len(lens)
+    pool = torch.randn(n + 2, hv, dk, dv, generator=gen).to(device)
+    slots = torch.randperm(n + 2, generator=gen)[:n].to(device)
+    init = torch.tensor([i % init_every == 0 for i in range(n)], device=device)
+    ref_pool = pool.clone()
+    ref = R.gated_delta_rule_varlen(q.float(), k.float(), v.float(), g, beta, ref_pool, slots, qsl, init)
+    out = gated_delta_rule_chunked(q, k, v, g, beta, pool, slots, qsl, init, block_v=block_v)
+    if torch.isnan(out).any():
+        return "FAIL NaN in the output"
+    err_o = (out.float() - ref.float()).abs().max().item()
+    err_s = (pool - ref_pool).abs().max().item()
+    scale_o = max(1.0, ref.float().abs().max().item())
+    scale_s = max(1.0, ref_pool.abs().max().item())
+    tol = 2e-4 if dtype == torch.float32 else 5e-3
+    if err_o > tol * scale_o or err_s > 2e-4 * scale_s:
+        return f"FAIL out err {err_o:.3e} (max {scale_o:.2e}) state err {err_s:.3e} (max {scale_s:.2e})"
+    untouched = [i for i in range(n + 2) if i not in slots.tolist()]
+    if untouched and not torch.equal(pool[untouched], ref_pool[untouched]):
+        return "FAIL a slot outside the batch changed"
+    return f"ok out err {err_o:.2e} state err {err_s:.2e}"
+
+
+def run_layer(device: str) -> str:
+    """GatedDeltaNet prefill chunks through the Triton kernel == through the torch reference."""
+    from types import SimpleNamespace
+
+    from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+    from voltllm.model.state_cache import StateCache
+
+    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6)
+    gen = torch.Generator().manual_seed(5)
+    layer = GatedDeltaNet(cfg, 0, torch.float32).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.3).to(device))
+        layer.A_log.copy_(torch.empty(4).uniform_(0.02, 0.5, generator=gen).log().to(device))
+    outs = {}
+    for flag in (False, True):
+        layer.triton_prefill = flag
+        cache = StateCache(1, 3, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, device)
+        x1 = torch.randn(70 + 5, 32, generator=torch.Generator().manual_seed(6)).to(device)
+        x2 = torch.randn(40 + 1, 32, generator=torch.Generator().manual_seed(7)).to(device)
+        ys = []
+        # step 1: two requests from token 0; step 2: both resume (40 more / 1 more)
+        for x, qsl, starts, init in ((torch.cat([x1[:70], x2[:5]]), [0, 70, 75], [0, 0], [False, False]),
+                                     (torch.cat([x1[70:], x2[5:]]), [0, 5, 41], [70, 5], [True, True])):
+            batch = HybridBatch(state_cache=cache, slots=torch.tensor([2, 0], device=device),
+                                has_initial_state=torch.tensor(init, device=device), query_start_loc=qsl,
+                                decode_only=False)
+            ys.append(layer(x, batch))
+        outs[flag] = (torch.cat(ys), cache.ssm[0].clone(), cache.conv[0].clone())
+    layer.triton_prefill = None
+    errs = [(a - b).abs().max().item() for a, b in zip(outs[False], outs[True])]
+    if max(errs) > 1e-4:
+        return f"FAIL errors {errs}"
+    return f"ok max err {max(errs):.2e}"
+
+
+def run_model(device: str) -> str:
+    """A tiny Qwen3-Next (GDN + gated attention + MoE) over chunked prefill and decode steps: every Triton path
+    of the hybrid model on (chunked delta rule, decode kernels, MoE grouped GEMM) == all torch references."""
+    import transformers
+
+    from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+    from voltllm.attention.torch_ref import TorchReferenceBackend
+    from voltllm.model.forward_context import ForwardContext
+    from voltllm.model.layers.gdn import GatedDeltaNet
+    from voltllm.model.layers.moe import SparseMoE
+    from voltllm.model.models.qwen3_next import Qwen3NextForCausalLM
+    from voltllm.model.state_cache import StateCache
+
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24, max_position_embeddings=512)
+    model = Qwen3NextForCausalLM(cfg, torch.float32, 512).to(device).eval()
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.5, generator=gen).log().to(device))
+            else:
+                p.copy_((torch.randn(p.shape, generator=gen) * (0.3 if p.dim() < 2 else 0.15)).to(device))
+    seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (91, 21, 41)]
+    schedule = [[(0, 70), (1, 5)], [(0, 20), (1, 15), (2, 40)], [(0, 1), (1, 1), (2, 1)]]
+
+    def run(triton: bool) -> torch.Tensor:
+        GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = SparseMoE.triton_experts = triton
+        bs, heads_dim = 16, model.kv_heads_and_dim
+        kv = make_kv_cache(model.num_attention_layers, 24, bs, *heads_dim, torch.float32, torch.device(device))
+        states = StateCache.for_model(model, 3, device)
+        done = [0, 0, 0]
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+        logits = []
+        for step in schedule:
+            ids, pos, smap, qsl, lens = [], [], [], [0], []
+            for i, n in step:
+                ids += seqs[i][done[i]:done[i] + n]
+                for p in range(done[i], done[i] + n):
+                    pos.append(p)
+                    smap.append(tables[i][p // bs] * bs + p % bs)
+                qsl.append(qsl[-1] + n)
+                lens.append(done[i] + n)
+            meta = AttentionMetadata(
+                num_tokens=len(ids), query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                block_tables=torch.tensor([tables[i] for i, _ in step], dtype=torch.int32, device=device),
+                slot_mapping=torch.tensor(smap, device=device), max_query_len=max(n for _, n in step),
+                max_seq_len=max(lens), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+            ctx = ForwardContext(meta=meta, kv_caches=kv, backend=TorchReferenceBackend(),
+                                 extra={"state_cache": states, "state_slots": [i for i, _ in step]})
+            with torch.no_grad():
+                logits.append(model.compute_logits(model(torch.tensor(ids, device=device),
+                                                         torch.tensor(pos, device=device), ctx)))
+            for i, n in step:
+                done[i] += n
+        return torch.cat(logits)
+
+    try:
+        ref = run(False)
+        got = run(True)
+    finally:
+        GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = SparseMoE.triton_experts = None
+    err = (got - ref).abs().max().item()
+    if err > 1e-4 * max(1.0, ref.abs().max().item()) or ref.std() < 1e-3:
+        return f"FAIL max err {err:.3e} (ref std {ref.std():.2e})"
+    return f"ok max err {err:.2e}"
+
+
+CHECKS = {
+    "one_seq_150_f32_d16": lambda d: run_varlen(d, [150], 1, 2, 16, 16, torch.float32, 0),
+    "varlen_f32_d32_r2": lambda d: run_varlen(d, [64, 1, 130, 7, 65], 2, 4, 32, 32, torch.float32, 1),
+    "varlen_f32_dk24_dv40_masked": lambda d: run_varlen(d, [20, 90], 1, 3, 24, 40, torch.float32, 2),
+    "varlen_f32_fast_decay": lambda d: run_varlen(d, [100, 33], 2, 2, 16, 16, torch.float32, 3, decay=8.0),
+    "varlen_f32_block_v16": lambda d: run_varlen(d, [77, 12], 1, 2, 16, 48, torch.float32, 4, block_v=16),
+    "repeated_keys_f32": lambda d: run_varlen(d, [128], 1, 1, 16, 16, torch.float32, 5, decay=0.01,
+                                              repeat_keys=True),
+    "all_initial_state_f16": lambda d: run_varlen(d, [66, 3], 2, 4, 32, 32, torch.float16, 6, init_every=1),
+    "layer_prefill_f32": lambda d: run_layer(d),
+    "model_qwen3_next_all_triton_f32": lambda d: run_model(d),
+}
+
+
+def patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a tensor used as a loop bound into an int with int(ndarray); numpy >= 2.4
+    rejects that for 1-element arrays. Test-side fix (as in _attention_interp_check.py); no-op on a GPU."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_voltllm_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._voltllm_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+def main(device: str = "cpu") -> int:
+    patch_interpreter_index()
+    failed = 0
+    only = set(sys.argv[2:])
+    for name, fn in CHECKS.items():
+        if only and name not in only:
+            continue
+        try:
+            status = fn(device)
+        except Exception as e:  # report and go on
+            status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-800:]!r}"
+        failed += not status.startswith("ok")
+        print(f"CHECK {name} {status}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))

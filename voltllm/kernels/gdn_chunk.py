@@ -1,0 +1,223 @@
+"""Triton kernels for the chunked gated delta rule (Gated DeltaNet prefill), fp32 state, chunks of 64 tokens.
+
+Same math and entry point as voltllm.kernels.gdn_ref.gated_delta_rule_varlen (the non-decode path): per value
+head h, a sequence is cut into chunks of C tokens (each request's chunks start at its own first token); inside
+a chunk with incoming state S0, gamma = cumsum(g), D[t, s] = exp(gamma_t - gamma_s):
+
+    A      = tril_strict((beta K) K^T * D)                    T = (I + A)^-1      (unit lower triangular)
+    U      = T (beta V - (beta e^gamma K) S0)                 the deltas
+    O      = (e^gamma Q) S0 + (tril(Q K^T * D)) U
+    S_next = e^gamma_last S0 + (K e^(gamma_last - gamma))^T U
+
+Two launches per layer:
+  _gdn_chunk_prep_kernel   grid (chunk, value head): A from l2-normalized k, beta, g, then T = (I + A)^-1 by
+                           forward substitution, one row per step (64 steps of [C, C] FMAs in registers;
+                           exact like a triangular solve, no power series), stored to a [chunks, Hv, C, C]
+                           fp32 workspace. Every chunk of every request in parallel.
+  _gdn_chunk_fwd_kernel    grid (request, value head, block of value columns): walks the request's chunks in
+                           order with its S[:, cols] in registers (columns of S are independent given k, q),
+                           reads the slot's state first (zeros for a request without initial state), writes
+                           the outputs, and stores S back into the slot pool in place.
+All products are tl.dot with fp32 operands and fp32 accumulation (input_precision "ieee" by default, so
+tensor cores are not used for them; "tf32" is a switch for timing experiments): the state stays fp32 end to
+end, as the compat route needs (sm_70 has no tf32/bf16 anyway: there tl.dot lowers to FMAs). q/k/v/out
+may be fp16, bf16 (native GPUs) or fp32.
+
+Tests: tests/unit/test_gdn_chunk_interp.py (interpreter, vs gdn_ref), tests/gpu/test_hybrid_gpu.py (CUDA,
+timings against the torch reference).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.registry import CompileSpec, register_kernel
+
+CHUNK = 64
+
+
+@triton.jit
+def _gdn_chunk_prep_kernel(
+    K, G, Beta, ChunkStart, ChunkLen, Tinv,
+    stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th,
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // HV_PER_K
+    t0 = tl.load(ChunkStart + c).to(tl.int64)
+    n = tl.load(ChunkLen + c)
+    rows = tl.arange(0, C)
+    mc = rows < n
+    offk = tl.arange(0, BLOCK_K)
+    mk = offk < DK
+    k = tl.load(K + (t0 + rows)[:, None] * stride_kt + hk * stride_kh + offk[None, :],
+                mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    g = tl.load(G + (t0 + rows) * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
+    beta = tl.load(Beta + (t0 + rows) * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
+    gam = tl.cumsum(g, axis=0)
+    strict = rows[:, None] > rows[None, :]
+    decay = tl.exp(tl.where(strict, gam[:, None] - gam[None, :], float("-inf")))
+    a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * decay  # zero on and above the diagonal
+    # T = (I + A)^-1, row by row: T[i] = e_i - sum_{j<i} A[i, j] T[j]  (rows >= i of T are still zero)
+    t = tl.zeros([C, C], dtype=tl.float32)
+    for i in range(0, C):
+        a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # row i of A, indexed by column j
+        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
+        t = tl.where(rows[:, None] == i, row[None, :], t)
+    tl.store(Tinv + c.to(tl.int64) * stride_tc + h * stride_th + rows[:, None] * C + rows[None, :], t)
+
+
+@triton.jit
+def _gdn_chunk_fwd_kernel(
+    Q, K, V, G, Beta, Tinv, State, Slots, HasInit, Out, SeqStart, SeqChunk,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    stride_tc, stride_th, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+    scale,
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    sq = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // HV_PER_K
+    t_begin = tl.load(SeqStart + sq)
+    t_end = tl.load(SeqStart + sq + 1)
+    c_begin = tl.load(SeqChunk + sq)
+    c_end = tl.load(SeqChunk + sq + 1)
+    rows = tl.arange(0, C)
+    offk = tl.arange(0, BLOCK_K)
+    mk = offk < DK
+    offv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = offv < DV
+    slot = tl.load(Slots + sq).to(tl.int64)
+    init = tl.load(HasInit + sq)
+    s_ptrs = State + slot * stride_ss + h * stride_sh + offk[:, None] * stride_sk + offv[None, :]
+    s_mask = mk[:, None] & mv[None, :]
+    s = tl.load(s_ptrs, mask=s_mask & (init != 0), other=0.0).to(tl.float32)
+    incl = rows[:, None] >= rows[None, :]
+    for c in range(c_begin, c_end):
+        t0 = t_begin + (c - c_begin) * C
+        mc = (t0 + rows) < t_end
+        tok = (t0 + rows).to(tl.int64)
+        m_ck = mc[:, None] & mk[None, :]
+        q = tl.load(Q + tok[:, None] * stride_qt + hk * stride_qh + offk[None, :], mask=m_ck, other=0.0).to(tl.float32)
+        k = tl.load(K + tok[:, None] * stride_kt + hk * stride_kh + offk[None, :], mask=m_ck, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        q = q * scale
+        v = tl.load(V + tok[:, None] * stride_vt + h * stride_vh + offv[None, :], mask=mc[:, None] & mv[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.load(G + tok * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
+        beta = tl.load(Beta + tok * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
+        gam = tl.cumsum(g, axis=0)
+        g_last = tl.sum(g, axis=0)
+        tinv = tl.load(Tinv + c * stride_tc + h * stride_th + rows[:, None] * C + rows[None, :])
+        eg = tl.exp(gam)
+        rhs = v * beta[:, None] - tl.dot(k * (beta * eg)[:, None], s, input_precision=PRECISION)
+        u = tl.dot(tinv, rhs, input_precision=PRECISION)
+        decay = tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
+        attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        o = tl.dot(q * eg[:, None], s, input_precision=PRECISION) + tl.dot(attn, u, input_precision=PRECISION)
+        tl.store(Out + tok[:, None] * stride_ot + h * stride_oh + offv[None, :], o.to(Out.dtype.element_ty),
+                 mask=mc[:, None] & mv[None, :])
+        kd = k * tl.exp(g_last - gam)[:, None]
+        s = s * tl.exp(g_last) + tl.dot(tl.trans(kd), u, input_precision=PRECISION)
+    tl.store(s_ptrs, s.to(State.dtype.element_ty), mask=s_mask)
+
+
+def _prep_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
+               "Tinv": "*fp32", **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
+               "stride_tc": "i64", "stride_th": "i32",
+               **{n: "constexpr" for n in ("HV_PER_K", "DK", "C", "BLOCK_K", "L2NORM", "PRECISION")}}
+        specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": 3, "DK": 128, "C": CHUNK, "BLOCK_K": 128,
+                                                            "L2NORM": True, "PRECISION": "ieee"},
+                                 label=f"{act} dk128 c64"))
+    return specs
+
+
+def _fwd_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "Tinv": "*fp32",
+               "State": "*fp32", "Slots": "*i64", "HasInit": "*i32", "Out": f"*{act}", "SeqStart": "*i32",
+               "SeqChunk": "*i32",
+               **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                                     "stride_gt", "stride_bt")},
+               "stride_tc": "i64", "stride_th": "i32", "stride_ss": "i64", "stride_sh": "i32", "stride_sk": "i32",
+               "stride_ot": "i32", "stride_oh": "i32", "scale": "fp32",
+               **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_V", "L2NORM",
+                                           "PRECISION")}}
+        specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK,
+                                                            "BLOCK_K": 128, "BLOCK_V": 64, "L2NORM": True,
+                                                            "PRECISION": "ieee"},
+                                 label=f"{act} dk128 dv128 bv64 c64"))
+    return specs
+
+
+register_kernel("gdn.chunk_prep", _gdn_chunk_prep_kernel, _prep_specs(), compat=True)
+register_kernel("gdn.chunk_fwd", _gdn_chunk_fwd_kernel, _fwd_specs(), compat=True)
+
+
+def chunk_table(qsl: Sequence[int], chunk: int = CHUNK) -> tuple[list[int], list[int], list[int]]:
+    """-> (chunk start token, chunk length, first chunk of each request + total) for the flat batch `qsl`."""
+    starts, lens, seq_chunk = [], [], [0]
+    for i in range(len(qsl) - 1):
+        for t0 in range(qsl[i], qsl[i + 1], chunk):
+            starts.append(t0)
+            lens.append(min(chunk, qsl[i + 1] - t0))
+        seq_chunk.append(len(starts))
+    return starts, lens, seq_chunk
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+                             qsl: Sequence[int], has_initial_state: torch.Tensor, scale: Optional[float] = None,
+                             use_qk_l2norm: bool = True, block_v: Optional[int] = None,
+                             precision: str = "ieee", num_warps: Optional[int] = None) -> torch.Tensor:
+    """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
+    g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
+    `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
+    are zero), like gdn_ref.gated_delta_rule_varlen."""
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
+    nseq = len(qsl) - 1
+    if nseq == 0 or qsl[-1] == 0:
+        return out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    assert ssm_states.stride(-1) == 1 and ssm_states.dtype == torch.float32
+    starts, lens, seq_chunk = chunk_table(qsl)
+    dev = v.device
+    meta = torch.tensor(starts + lens + seq_chunk + list(qsl), dtype=torch.int32).to(dev, non_blocking=True)
+    nc = len(starts)
+    chunk_start, chunk_len = meta[:nc], meta[nc:2 * nc]
+    seq_chunk_t, seq_start = meta[2 * nc:2 * nc + nseq + 1], meta[2 * nc + nseq + 1:]
+    tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
+    block_k = max(16, triton.next_power_of_2(dk))
+    _gdn_chunk_prep_kernel[(nc, hv)](
+        k, g, beta, chunk_start, chunk_len, tinv,
+        k.stride(0), k.stride(1), g.stride(0), beta.stride(0), tinv.stride(0), tinv.stride(1),
+        HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision,
+        num_warps=num_warps or 4)
+    if block_v is None:
+        block_v = min(max(16, triton.next_power_of_2(dv)), 64)
+    _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, tinv, ssm_states, slots, has_initial_state.to(torch.int32), out, seq_start, seq_chunk_t,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        tinv.stride(0), tinv.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
+        out.stride(0), out.stride(1),
+        float(scale if scale is not None else dk ** -0.5),
+        HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+        PRECISION=precision, num_warps=num_warps or 8)
+    return out
