@@ -28,6 +28,7 @@ timings against the torch reference).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -179,15 +180,36 @@ def chunk_table(qsl: Sequence[int], chunk: int = CHUNK) -> tuple[list[int], list
     return starts, lens, seq_chunk
 
 
+@dataclass
+class ChunkMeta:
+    """The step's chunk table on the device (built once per forward, shared by every GDN layer)."""
+    num_chunks: int
+    chunk_start: torch.Tensor  # int32 [num_chunks]: first token of each chunk
+    chunk_len: torch.Tensor  # int32 [num_chunks]
+    seq_chunk: torch.Tensor  # int32 [B + 1]: first chunk of each request
+    seq_start: torch.Tensor  # int32 [B + 1]: qsl
+    has_init: torch.Tensor  # int32 [B]
+
+
+def chunk_meta(qsl: Sequence[int], has_initial_state: torch.Tensor) -> ChunkMeta:
+    starts, lens, seq_chunk = chunk_table(qsl)
+    nc, nseq = len(starts), len(qsl) - 1
+    flat = torch.tensor(starts + lens + seq_chunk + list(qsl), dtype=torch.int32).to(has_initial_state.device)
+    return ChunkMeta(nc, flat[:nc], flat[nc:2 * nc], flat[2 * nc:2 * nc + nseq + 1], flat[2 * nc + nseq + 1:],
+                     has_initial_state.to(torch.int32))
+
+
 def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
                              qsl: Sequence[int], has_initial_state: torch.Tensor, scale: Optional[float] = None,
                              use_qk_l2norm: bool = True, block_v: Optional[int] = None,
-                             precision: str = "ieee", num_warps: Optional[int] = None) -> torch.Tensor:
+                             precision: str = "ieee", num_warps: Optional[int] = None,
+                             meta: Optional[ChunkMeta] = None) -> torch.Tensor:
     """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
     g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
-    are zero), like gdn_ref.gated_delta_rule_varlen."""
+    are zero), like gdn_ref.gated_delta_rule_varlen. `meta`: chunk_meta(qsl, has_initial_state), if the
+    caller keeps it for several layers (else it is built here: one host-to-device copy)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
@@ -197,23 +219,21 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = g.float().contiguous(), beta.float().contiguous()
     assert ssm_states.stride(-1) == 1 and ssm_states.dtype == torch.float32
-    starts, lens, seq_chunk = chunk_table(qsl)
+    if meta is None:
+        meta = chunk_meta(qsl, has_initial_state)
     dev = v.device
-    meta = torch.tensor(starts + lens + seq_chunk + list(qsl), dtype=torch.int32).to(dev, non_blocking=True)
-    nc = len(starts)
-    chunk_start, chunk_len = meta[:nc], meta[nc:2 * nc]
-    seq_chunk_t, seq_start = meta[2 * nc:2 * nc + nseq + 1], meta[2 * nc + nseq + 1:]
+    nc = meta.num_chunks
     tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
     block_k = max(16, triton.next_power_of_2(dk))
     _gdn_chunk_prep_kernel[(nc, hv)](
-        k, g, beta, chunk_start, chunk_len, tinv,
+        k, g, beta, meta.chunk_start, meta.chunk_len, tinv,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), tinv.stride(0), tinv.stride(1),
         HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision,
         num_warps=num_warps or 4)
     if block_v is None:
         block_v = min(max(16, triton.next_power_of_2(dv)), 64)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, tinv, ssm_states, slots, has_initial_state.to(torch.int32), out, seq_start, seq_chunk_t,
+        q, k, v, g, beta, tinv, ssm_states, slots, meta.has_init, out, meta.seq_start, meta.seq_chunk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         tinv.stride(0), tinv.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
         out.stride(0), out.stride(1),

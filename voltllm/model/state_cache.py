@@ -25,7 +25,8 @@ API
   pad_slot                         a scratch slot (index num_slots) for padding rows: a state_slots entry
                                    of -1 (CUDA-graph padding) reads zeros and writes there
   reset(slot)                      zero both states of a slot (all layers)
-  copy_slot(src, dst)              copy both states (seam for prefix-cache snapshots later)
+  copy_slot(src, dst)              copy both states within the pool (prefix-cache snapshots live in a
+                                   pool of their own: voltllm.cache.state_snapshots)
 
 How the model uses it (one forward step):
   ctx.extra["state_cache"] = the StateCache
@@ -35,7 +36,8 @@ A request whose context before this step is empty (seq_len - query_len == 0) sta
 state whatever the slot holds, so a fresh slot needs no zeroing, and a preempted request that is
 recomputed from token 0 resets itself. A request resuming at num_computed > 0 reads its slot: the
 slot must hold exactly the state after those tokens (the runner keeps the slot for the request's
-whole life; prefix-cache hits for hybrid models need a restored snapshot, not built yet). The forward
+whole life; a prefix-cache hit restores a snapshot into the slot first, see
+voltllm/cache/state_snapshots.py). The forward
 checks this against num_tokens[slot] and raises instead of computing from a wrong state.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ State: ctx.extra["state_cache"] (voltllm.model.state_cache.StateCache) and ctx.e
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ class HybridBatch:
     has_initial_state: torch.Tensor  # bool [num_seqs], device: tokens were computed before this step
     query_start_loc: list[int]
     decode_only: bool  # every request has exactly one query row
+    chunk_meta: Any = field(default=None, repr=False)  # Triton chunked prefill's chunk table, built once a step
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, spec: Any = None) -> "HybridBatch":
@@ -152,8 +153,10 @@ class GatedDeltaNet(nn.Module):
                                                    batch.has_initial_state)
         elif (x.is_cuda if self.triton_prefill is None else self.triton_prefill) and not batch.decode_only:
             from voltllm.kernels import gdn_chunk
+            if batch.chunk_meta is None:
+                batch.chunk_meta = gdn_chunk.chunk_meta(batch.query_start_loc, batch.has_initial_state)
             o = gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
-                                                   batch.has_initial_state)
+                                                   batch.has_initial_state, meta=batch.chunk_meta)
         else:
             o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
                                                 batch.has_initial_state, batch.decode_only)
