@@ -4,7 +4,9 @@
 # Stages (each fits one 10-minute device call):
 #   tests    GPU test suite (pytest -m gpu) and the 8B decode + 8K prefill benchmarks
 #   conc     8B 128/128 at 1/4/16/64 concurrent, SmolLM2 GGUF batch 1 (needs /root/m/part.* and .whl)
-#   compat   --compat sm70 vs native on the 8B shape
+#   perf     quick native decode numbers (8B batch 1 / 64, SmolLM2 shape)
+#   final1   GPU suite + native numbers at the current commit
+#   final2   --compat sm70 vs native, fp8 KV capacity, hybrid qwen3.5-27b-shape
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -37,10 +39,20 @@ case $stage in
     bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 --name perf-smollm2-b1
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --name perf-8b-c64
     ;;
-  compat)
-    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario decode --input-len 512 --output-len 256 --name qwen3-8b-shape-fp16-compat-sm70-decode-b1
-    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario prefill --input-len 8192 --name qwen3-8b-shape-fp16-compat-sm70-prefill-8k
-    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --name qwen3-8b-shape-fp16-compat-sm70-c64
+  final1)  # GPU suite + native-route numbers at the current commit (transformers figures: stages tests/conc)
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 --output-len 128 --name qwen3-8b-shape-fp16-concurrency-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    ;;
+  final2)  # compat route vs native, fp8 KV capacity, hybrid 27B shape
+    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario all --concurrency 64 --name qwen3-8b-shape-fp16-compat-sm70-$sha
+    for kv in auto fp8; do
+      python3 -m voltllm.cli bench --random-weights qwen3-8b-shape --dtype half --kv-cache-dtype $kv --scenario decode --input-len 512 --output-len 64 --num-warm 1 --no-limits --output-dir /tmp/kvcap 2>&1 | grep -E "KV cache:|pure_decode" | head -3
+    done
+    bench --random-weights qwen3.5-27b-shape --dtype half --scenario decode --input-len 512 --output-len 128 --max-model-len 40960 --name qwen3.5-27b-shape-fp16-decode-b1-$sha
+    bench --random-weights qwen3.5-27b-shape --dtype half --scenario prefill --input-len 8192 --num-warm 1 --max-model-len 40960 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha
+    bench --random-weights qwen3.5-27b-shape --dtype half --scenario prefill --input-len 32768 --num-warm 1 --max-model-len 40960 --max-num-batched-tokens 8192 --name qwen3.5-27b-shape-fp16-prefill-32k-$sha
     ;;
 esac
 ls "$out"
