@@ -50,9 +50,11 @@ case $stage in
     for kv in auto fp8; do
       python3 -m voltllm.cli bench --random-weights qwen3-8b-shape --dtype half --kv-cache-dtype $kv --scenario decode --input-len 512 --output-len 64 --num-warm 1 --no-limits --output-dir /tmp/kvcap 2>&1 | grep -E "KV cache:|pure_decode" | head -3
     done
-    bench --random-weights qwen3.5-27b-shape --dtype half --scenario decode --input-len 512 --output-len 128 --max-model-len 40960 --name qwen3.5-27b-shape-fp16-decode-b1-$sha
-    bench --random-weights qwen3.5-27b-shape --dtype half --scenario prefill --input-len 8192 --num-warm 1 --max-model-len 40960 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha
-    bench --random-weights qwen3.5-27b-shape --dtype half --scenario prefill --input-len 32768 --num-warm 1 --max-model-len 40960 --max-num-batched-tokens 8192 --name qwen3.5-27b-shape-fp16-prefill-32k-$sha
+    h27="--random-weights qwen3.5-27b-shape --dtype half --max-num-seqs 4 --max-num-batched-tokens 8192"
+    bench $h27 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --name qwen3.5-27b-shape-fp16-decode-b1-$sha
+    bench $h27 --scenario prefill --input-len 8192 --num-warm 1 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha
+    bench $h27 --scenario prefill --input-len 32768 --num-warm 1 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-32k-$sha
+    bench $h27 --scenario prefill --input-len 131072 --num-warm 0 --max-model-len 131328 --name qwen3.5-27b-shape-fp16-prefill-128k-$sha
     ;;
 esac
 ls "$out"
