@@ -54,7 +54,7 @@ case $stage in
     bench $h27 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --name qwen3.5-27b-shape-fp16-decode-b1-$sha
     bench $h27 --scenario prefill --input-len 8192 --num-warm 1 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha
     bench $h27 --scenario prefill --input-len 32768 --num-warm 1 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-32k-$sha
-    bench $h27 --scenario prefill --input-len 131072 --num-warm 0 --max-model-len 131328 --name qwen3.5-27b-shape-fp16-prefill-128k-$sha
+    bench $h27 --scenario prefill --input-len 131072 --num-warm 1 --max-model-len 131328 --name qwen3.5-27b-shape-fp16-prefill-128k-$sha
     ;;
 esac
 ls "$out"
