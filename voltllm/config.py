@@ -164,8 +164,10 @@ class EngineArgs:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype.startswith("fp8"):
-            raise ConfigError("--kv-cache-dtype fp8 is not built yet (see the SM70/FP8 issue); use auto")
+        from voltllm.attention.kv_spec import kv_cache_dtype_error  # fp8 | fp8_e4m3 | fp8_e5m2: uint8 cache
+
+        if kv_err := kv_cache_dtype_error(self.kv_cache_dtype, dtype):
+            raise ConfigError(kv_err)
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))

@@ -1,4 +1,8 @@
-"""Reference attention backend in plain PyTorch: runs anywhere (CPU tests), one request at a time."""
+"""Reference attention backend in plain PyTorch: runs anywhere (CPU tests), one request at a time.
+
+FP8 caches (uint8, `kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2) go through the software codec's torch
+reference: stored = encode(x / scale), read = decode(code) * scale in fp32, then attention in fp32
+("dequantize, then attend": the reference the Triton kernels are checked against)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -46,14 +50,36 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 class TorchReferenceBackend(AttentionBackend):
     name = "TORCH_REF"
 
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        """kv_cache_dtype: the --kv-cache-dtype value; it names the fp8 format of a uint8 cache."""
+        from voltllm.attention.kv_spec import FP8_KV_DTYPES
+
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_format = FP8_KV_DTYPES.get((kv_cache_dtype or "auto").lower())
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None):
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        fp8 = kv_cache.dtype == torch.uint8
+        if fp8:
+            if self.fp8_format is None:
+                raise ValueError(f"{self.name}: a uint8 (fp8) KV cache needs kv_cache_dtype fp8_e4m3 or fp8_e5m2, "
+                                 f"got {self.kv_cache_dtype!r}")
+            from voltllm.kernels.kv_fp8 import gather_kv_fp8_ref, write_kv_fp8_ref
+
+            n = min(k.shape[0], meta.slot_mapping.shape[0])
+            write_kv_fp8_ref(k[:n], v[:n], kv_cache, meta.slot_mapping, k_scale, v_scale, self.fp8_format)
+        else:
+            write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i, ctx in enumerate(meta.seq_lens_cpu):
             s, e = qsl[i], qsl[i + 1]
             if e == s:
+                continue
+            if fp8:
+                kc, vc = gather_kv_fp8_ref(kv_cache, meta.block_tables[i], ctx, k_scale, v_scale, self.fp8_format,
+                                           dtype=torch.float32)
+                out[s:e] = attend_one(q[s:e], kc, vc, scale)
                 continue
             kc, vc = gather_kv(kv_cache, meta.block_tables[i], ctx)
             out[s:e] = attend_one(q[s:e], kc.to(q.dtype), vc.to(q.dtype), scale)

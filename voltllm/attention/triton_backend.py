@@ -3,6 +3,17 @@
 forward() = kv_write (one launch for K and V) -> paged decode (pure-decode steps, split-KV when the grid
 would not fill the GPU) or paged prefill (everything else: chunked prefill, prefix hits, mixed batches).
 
+KV cache dtypes (voltllm.attention.kv_spec): fp16/bf16/fp32, or fp8 (E4M3/E5M2) stored as uint8 with the
+layer's k_scale/v_scale: the write encodes in software (voltllm.kernels.kv_fp8), decode and prefill kernels
+decode the codes in registers (integer ops, no fp8 types: the same kernels on sm_70 and sm_90).
+
+Two routes:
+  native (tensor cores, sm_80+): decode with tl.dot; prefill with the paged Triton prefill kernel.
+  compat (use_tensor_cores=False: sm_70/75 or `--compat`): decode on CUDA-core FMA; prefill rows of a
+    request with more than one query row through torch SDPA's efficient-attention kernel (SM70 tensor
+    cores) after bridging its pages into a reused fp16 workspace (voltllm.attention.compat_backend);
+    decode rows of mixed batches through the FMA decode kernel.
+
 No host syncs: grids come from host ints (q.shape, len(seq_lens), meta.max_query_len, meta.max_seq_len).
 Decode is CUDA-graph capturable: for a fixed batch size and a fixed meta.max_seq_len bound the grid is
 fixed, and each program sizes its split-KV slice from the actual seq_len on the device, so shorter
@@ -17,27 +28,40 @@ from typing import Optional
 import torch
 
 from voltllm.attention.backend import AttentionBackend, AttentionMetadata
+from voltllm.attention.compat_backend import SDPAPrefill
+from voltllm.attention.kv_spec import FP8_KV_DTYPES, unit_scale
 from voltllm.kernels.attention import (choose_num_splits, decode_scratch_numel, kv_write, paged_decode,
                                        paged_prefill)
 from voltllm.kernels.attention.paged_decode import FMA_LANES_DEFAULT
 
-_SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.uint8)
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "TRITON_ATTN"
 
     def __init__(self, use_tensor_cores: Optional[bool] = None, num_sms: Optional[int] = None,
-                 max_splits: Optional[int] = None, fma_lanes: Optional[bool] = None) -> None:
+                 max_splits: Optional[int] = None, fma_lanes: Optional[bool] = None,
+                 kv_cache_dtype: str = "auto", max_context: Optional[int] = None,
+                 compat_prefill: Optional[bool] = None) -> None:
         """use_tensor_cores: decode inner products with tl.dot (None: yes on sm_80+, no on sm_70/75 and
         on the CPU interpreter; False forces the FMA route, as `--compat sm70` does on any GPU).
         num_sms: SM count for the split-KV heuristic (None: read from the device).
         max_splits: cap on split-KV partitions (None: the kernel module's default).
-        fma_lanes: FMA-route decode variant (None: FMA_LANES_DEFAULT; see paged_decode.py)."""
+        fma_lanes: FMA-route decode variant (None: FMA_LANES_DEFAULT; see paged_decode.py).
+        kv_cache_dtype: the --kv-cache-dtype value; names the fp8 format of a uint8 cache.
+        max_context: longest context (--max-model-len), sizes the compat prefill workspace once.
+        compat_prefill: prefill through bridge + SDPA (None: when use_tensor_cores is False or the GPU is
+        sm_70/75; the CPU interpreter keeps the Triton prefill kernel unless use_tensor_cores=False)."""
         self.use_tensor_cores = use_tensor_cores
         self.num_sms = num_sms
         self.max_splits = max_splits
         self.fma_lanes = FMA_LANES_DEFAULT if fma_lanes is None else fma_lanes
+        self.kv_cache_dtype = kv_cache_dtype
+        fmt = FP8_KV_DTYPES.get((kv_cache_dtype or "auto").lower())
+        self.kv_fmt = -1 if fmt is None else (0 if fmt == "e4m3" else 1)
+        self.compat_prefill = compat_prefill
+        self.sdpa_prefill = SDPAPrefill(max_context)
         self._dev_info: dict[str, tuple[Optional[tuple[int, int]], int]] = {}
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -90,20 +114,54 @@ class TritonAttentionBackend(AttentionBackend):
         cap, _ = self._device_info(device)
         return cap is not None and cap >= (8, 0)
 
+    def _use_sdpa_prefill(self, device: torch.device) -> bool:
+        if self.compat_prefill is not None:
+            return self.compat_prefill
+        if self.use_tensor_cores is not None:
+            return not self.use_tensor_cores
+        cap, _ = self._device_info(device)
+        return cap is not None and cap < (8, 0)  # the CPU interpreter keeps the Triton prefill kernel
+
+    def routes(self, device: torch.device) -> dict[str, str]:
+        """Which kernels this backend runs on `device` (for reports and tests)."""
+        dot = self._use_dot(device)
+        kv = "fp16/bf16/fp32" if self.kv_fmt < 0 else ("fp8_e4m3" if self.kv_fmt == 0 else "fp8_e5m2")
+        return {
+            "kv_cache": kv + (" (software codec, uint8 pages)" if self.kv_fmt >= 0 else ""),
+            "decode": "triton paged decode, " + ("tl.dot (tensor cores)" if dot else "CUDA-core FMA"),
+            "prefill": ("bridge to fp16 workspace + torch SDPA efficient attention"
+                        if self._use_sdpa_prefill(device) else "triton paged prefill (tl.dot)"),
+        }
+
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None):
         if kv_cache.dtype not in _SUPPORTED_CACHE_DTYPES:
-            raise NotImplementedError(f"{self.name}: KV cache dtype {kv_cache.dtype} is not supported "
-                                      f"(quantized caches go through a KV codec backend)")
+            raise NotImplementedError(f"{self.name}: KV cache dtype {kv_cache.dtype} is not supported")
+        fmt = -1
+        if kv_cache.dtype == torch.uint8:
+            if self.kv_fmt < 0:
+                raise ValueError(f"{self.name}: a uint8 (fp8) KV cache needs kv_cache_dtype fp8_e4m3 or "
+                                 f"fp8_e5m2, got {self.kv_cache_dtype!r}")
+            fmt = self.kv_fmt
+            # persistent fp32 scalars (the layer's buffers, or a cached 1.0): graph-capture safe
+            k_scale = unit_scale(q.device) if k_scale is None else k_scale
+            v_scale = unit_scale(q.device) if v_scale is None else v_scale
         t = q.shape[0]
         n_write = min(k.shape[0], meta.slot_mapping.shape[0])
-        kv_write(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping)
+        if fmt >= 0:
+            from voltllm.kernels.kv_fp8 import write_kv_fp8
+
+            write_kv_fp8(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping, k_scale, v_scale, fmt,
+                         use_triton=True)
+        else:
+            kv_write(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping)
 
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = meta.seq_lens.shape[0]
+        use_dot = self._use_dot(q.device)
         if num_seqs > 0 and meta.is_pure_decode:
             num_kv_heads = kv_cache.shape[3]
             splits = self.num_splits_for(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
@@ -111,14 +169,23 @@ class TritonAttentionBackend(AttentionBackend):
             if splits > 1:
                 need_o, need_l = decode_scratch_numel(num_seqs, q.shape[1], splits, q.shape[2])
                 part_o, part_lse = self._get_scratch(q.device, need_o, need_l)
-            use_dot = self._use_dot(q.device)
             paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                          num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
-                         fma_lanes=self.fma_lanes and not use_dot)
+                         fma_lanes=self.fma_lanes and not use_dot, kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale)
+        elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
+            qsl = meta.query_start_loc_cpu
+            if any(qsl[i + 1] - qsl[i] == 1 for i in range(len(meta.seq_lens_cpu))):
+                # decode rows of a mixed batch: the FMA decode kernel writes every sequence's last row;
+                # rows of multi-row sequences are then overwritten by SDPA
+                paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
+                             num_splits=1, use_dot=use_dot, fma_lanes=self.fma_lanes and not use_dot,
+                             kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale)
+            self.sdpa_prefill.forward(q, kv_cache, meta, scale, out, k_scale, v_scale, fmt)
         elif num_seqs > 0:
             cap, _ = self._device_info(q.device)
             paged_prefill(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
-                          max_query_len=meta.max_query_len, capability=cap)
+                          max_query_len=meta.max_query_len, capability=cap, kv_fmt=fmt, k_scale=k_scale,
+                          v_scale=v_scale)
         if meta.num_tokens < t:
             out[meta.num_tokens:].zero_()
         return out

@@ -10,6 +10,8 @@ one of voltllm.kernels.fp8_codec (integer bit operations), so this runs on sm_70
 * `gather_kv_fp8`: the bridge for compute-bound prefill on SM70: dequantize one request's first
   ctx_len tokens (through its block table) into contiguous fp16 workspaces [ctx_len, H, D] that
   torch SDPA (tensor-core kernels on V100) can read.
+* `gather_kv_pages`: the same bridge for any cache (fmt -1: an fp16/bf16/fp32 cache, copied; no scales),
+  used by the compat route's SDPA prefill (voltllm/attention/compat_backend.py).
 
 Each has a plain-torch reference (`*_ref`) built on the reference codec; the Triton kernels match
 them bit for bit.
@@ -58,7 +60,9 @@ def kv_fp8_gather_kernel(
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FMT: tl.constexpr,
 ):
-    """One program per (BLOCK_T tokens, head): out[t, h, :] = out_dtype(decode(cache[slot(t), h, :]) * scale)."""
+    """One program per (BLOCK_T tokens, head): out[t, h, :] = out_dtype(decode(cache[slot(t), h, :]) * scale).
+
+    FMT -1: a float cache, copied (out_dtype(cache[slot(t), h, :]); the scales are not read)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -68,12 +72,14 @@ def kv_fp8_gather_kernel(
     mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
     src = slot[:, None] * (num_kv_heads * HEAD_DIM) + h * HEAD_DIM + d[None, :]
     dst = t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
-    k_scale = tl.load(k_scale_ptr)
-    v_scale = tl.load(v_scale_ptr)
     kc = tl.load(k_cache_ptr + src, mask=mask, other=0)
     vc = tl.load(v_cache_ptr + src, mask=mask, other=0)
-    k = fp8_to_fp32(kc, FMT) * k_scale
-    v = fp8_to_fp32(vc, FMT) * v_scale
+    if FMT >= 0:
+        k = fp8_to_fp32(kc, FMT) * tl.load(k_scale_ptr)
+        v = fp8_to_fp32(vc, FMT) * tl.load(v_scale_ptr)
+    else:
+        k = kc
+        v = vc
     tl.store(k_out_ptr + dst, k.to(k_out_ptr.dtype.element_ty), mask=mask)
     tl.store(v_out_ptr + dst, v.to(v_out_ptr.dtype.element_ty), mask=mask)
 
@@ -101,14 +107,16 @@ def _write_specs() -> list[CompileSpec]:
 
 
 def _gather_specs() -> list[CompileSpec]:
-    sig = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "block_table_ptr": "*i32", "k_out_ptr": "*fp16",
-           "v_out_ptr": "*fp16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "ctx_len": "i32",
-           "num_kv_heads": "i32", "stride_ot": "i32", "stride_oh": "i32", "PAGE": "constexpr",
-           "HEAD_DIM": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "FMT": "constexpr"}
-    return [CompileSpec(signature=sig, label=f"fp16 d{d} page16 {name}",
+    def sig(cache: str) -> dict[str, str]:
+        return {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_table_ptr": "*i32", "k_out_ptr": "*fp16",
+                "v_out_ptr": "*fp16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "ctx_len": "i32",
+                "num_kv_heads": "i32", "stride_ot": "i32", "stride_oh": "i32", "PAGE": "constexpr",
+                "HEAD_DIM": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "FMT": "constexpr"}
+    shapes = list(_SPEC_SHAPES) + [("fp16 cache", -1, 128)]
+    return [CompileSpec(signature=sig("*u8" if fmt >= 0 else "*fp16"), label=f"fp16 d{d} page16 {name}",
                         constexprs={"PAGE": 16, "HEAD_DIM": d, "BLOCK_T": _gather_block_t(d), "BLOCK_D": d,
                                     "FMT": fmt})
-            for name, fmt, d in _SPEC_SHAPES]
+            for name, fmt, d in shapes]
 
 
 register_kernel("fp8.kv_write", kv_fp8_write_kernel, _write_specs(), compat=True)
@@ -211,5 +219,37 @@ def gather_kv_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: in
         kv_cache[0], kv_cache[1], block_table, k_out, v_out, _scale_value(k_scale, kv_cache.device),
         _scale_value(v_scale, kv_cache.device), ctx_len, h, k_out.stride(0), k_out.stride(1),
         PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=f,
+    )
+    return k_out, v_out
+
+
+def gather_kv_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int, out: tuple[torch.Tensor, torch.Tensor],
+                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                    fmt: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bridge of any paged cache into workspaces: out[0][:ctx_len] = K, out[1][:ctx_len] = V, [ctx_len, H, D].
+
+    fmt -1: a float cache (copied, converted to the workspace dtype; scales unused); fmt >= 0: a uint8 fp8
+    cache, decode(code) * scale. k_scale / v_scale: fp32 one-element tensors on the cache's device (None:
+    1.0). One Triton launch; no host sync (ctx_len is a host int). Returns the two [ctx_len, H, D] views.
+    """
+    if fmt >= 0:
+        _check_cache(kv_cache)
+    elif kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(f"KV cache must be contiguous (2, blocks, block_size, heads, dim), got {tuple(kv_cache.shape)}")
+    _, _, page, h, d = kv_cache.shape
+    k_out, v_out = out[0][:ctx_len], out[1][:ctx_len]
+    if k_out.stride() != v_out.stride() or k_out.stride(2) != 1 or k_out.shape[1:] != (h, d):
+        raise ValueError("K and V workspaces must be [>= ctx_len, H, D], share strides, contiguous last dim")
+    if ctx_len == 0:
+        return k_out, v_out
+    dev = kv_cache.device
+    ks = k_scale if k_scale is not None else _scale_value(None, dev)
+    vs = v_scale if v_scale is not None else _scale_value(None, dev)
+    block_d = triton.next_power_of_2(d)
+    block_t = _gather_block_t(block_d)
+    grid = (triton.cdiv(ctx_len, block_t), h)
+    kv_fp8_gather_kernel[grid](
+        kv_cache[0], kv_cache[1], block_table, k_out, v_out, ks, vs, ctx_len, h, k_out.stride(0), k_out.stride(1),
+        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt,
     )
     return k_out, v_out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels.fp8_codec import fp8_to_fp16
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 LOG2E = 1.4426950408889634
@@ -27,19 +28,27 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
-                  PAGE: tl.constexpr):
-    """K and V rows [BLOCK_N, BLOCK_D] of context positions `pos` (masked rows read as 0)."""
+                  PAGE: tl.constexpr, KV_FMT: tl.constexpr, DT: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] of context positions `pos` (masked rows read as 0).
+
+    KV_FMT >= 0: the cache holds uint8 fp8 codes (fp8_codec FP8_E4M3 / FP8_E5M2), decoded in registers
+    with integer ops to fp16 (exact) and then to DT, the query dtype (exact too: fp8 values fit fp16, bf16
+    and fp32). The per-layer scales are applied by the caller (k_scale folded into the softmax scale,
+    v_scale into the output), so the inner products use the exact decoded codes."""
     blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
     tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(KV + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(KV + tok_off[:, None] + d[None, :], mask=kv_mask, other=0)
+    v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0)
+    if KV_FMT >= 0:
+        k = fp8_to_fp16(k, KV_FMT).to(DT)
+        v = fp8_to_fp16(v, KV_FMT).to(DT)
     return k, v
 
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc,
+    Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
@@ -47,11 +56,14 @@ def _paged_decode_kernel(
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    DT: tl.constexpr = Q.dtype.element_ty
+    if KV_FMT >= 0:  # fp8 cache: s = q . (decode(k) * k_scale) = (q . decode(k)) * k_scale
+        qk_scale = qk_scale * tl.load(KScale)
 
     seq_len = tl.load(SeqLens + seq)
     q_start = tl.load(QueryStartLoc + seq)
@@ -89,7 +101,7 @@ def _paged_decode_kernel(
             pos = n0 + n
             n_mask = pos < end
             k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
-                                 head_off, PAGE)
+                                 head_off, PAGE, KV_FMT, DT)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
             s = tl.where(n_mask[None, :], s, NEG)
             m_new = tl.maximum(m3, s)
@@ -110,7 +122,7 @@ def _paged_decode_kernel(
             pos = n0 + n
             n_mask = pos < end
             k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
-                                 head_off, PAGE)
+                                 head_off, PAGE, KV_FMT, DT)
             if USE_DOT:
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -136,6 +148,8 @@ def _paged_decode_kernel(
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if KV_FMT >= 0:  # sum_j p_j (decode(v_j) * v_scale) = v_scale * sum_j p_j decode(v_j)
+        o = o * tl.load(VScale)
     if SPLIT:
         # scratch: PartO [num_seqs, num_heads, num_splits, HEAD_DIM], PartLse [num_seqs, num_heads, num_splits]
         num_heads = tl.num_programs(1) * GROUP
@@ -184,23 +198,32 @@ def _decode_reduce_kernel(
 
 def _specs():
     decode, reduce = [], []
+    # float caches (KV_FMT -1) and fp8 caches (uint8 codes): e4m3 at every head size and route, e5m2 (only
+    # the decode helper differs) at d128
+    kv_kinds = [("fp16", -1, None), ("e4m3", 0, None), ("e5m2", 1, 128)]
     for d in (64, 128, 256):
         for use_dot in (False, True):
-            sig = {"Q": "*fp16", "KV": "*fp16", "Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32",
-                   "BlockTables": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32", "qk_scale": "fp32",
-                   "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
-                   "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32",
-                   "stride_c_head": "i32", "stride_bt": "i32", "num_splits": "i32",
-                   "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
-                   "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
-                   "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr"}
-            block_g = 16 if use_dot else 4
-            for lanes in ((False,) if use_dot else (False, True)):
-                decode.append(CompileSpec(signature=sig, constexprs={
-                    "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
-                    "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
-                    "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False},
-                    label=f"fp16 d{d} gqa4 {'dot' if use_dot else 'fma-lanes' if lanes else 'fma'}"))
+            for kv_name, kv_fmt, only_d in kv_kinds:
+                if only_d is not None and d != only_d:
+                    continue
+                sig = {"Q": "*fp16", "KV": "*u8" if kv_fmt >= 0 else "*fp16", "Out": "*fp16", "PartO": "*fp32",
+                       "PartLse": "*fp32", "BlockTables": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32",
+                       "KScale": "*fp32", "VScale": "*fp32", "qk_scale": "fp32",
+                       "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                       "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32",
+                       "stride_c_head": "i32", "stride_bt": "i32", "num_splits": "i32",
+                       "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
+                       "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
+                       "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
+                       "KV_FMT": "constexpr"}
+                block_g = 16 if use_dot else 4
+                for lanes in ((False,) if use_dot else (False, True)):
+                    route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
+                    decode.append(CompileSpec(signature=sig, constexprs={
+                        "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
+                        "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
+                        "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt},
+                        label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr"}
@@ -240,6 +263,18 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return int(max(1, min(want, cap, MAX_SPLITS)))
 
 
+def _scales(k_scale, v_scale, device):
+    """Scale tensors for a launch (fp32, one element; 1.0 when None). No copy for fp32 device tensors,
+    so this is safe inside CUDA-graph capture."""
+    from voltllm.attention.kv_spec import unit_scale
+
+    def one(s):
+        if s is None:
+            return unit_scale(device)
+        return s if s.dtype == torch.float32 else s.float()
+    return one(k_scale), one(v_scale)
+
+
 def decode_scratch_numel(num_seqs: int, num_heads: int, num_splits: int, head_dim: int) -> tuple[int, int]:
     """(fp32 elements of partial outputs, fp32 elements of partial lse) for one split-KV launch."""
     rows = num_seqs * num_heads * num_splits
@@ -250,8 +285,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int = 1,
                  part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
                  use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
-                 num_warps: int = 4) -> torch.Tensor:
+                 num_warps: int = 4, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
+
+    kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
+    cache, read as decode(code) * k_scale / v_scale (fp32 tensors of one element on q's device; None = 1).
 
     q/out: [T, num_heads, head_dim] (last dim contiguous). Sequences with an empty query range write
     nothing. With num_splits > 1, part_o / part_lse are fp32 scratch buffers with at least
@@ -264,8 +303,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     num_kv_heads = kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0
     assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1
+    assert (kv_fmt >= 0) == (kv_cache.dtype == torch.uint8), "fp8 caches are uint8 and need kv_fmt >= 0"
     if num_seqs == 0:
         return out
+    k_scale, v_scale = _scales(k_scale, v_scale, q.device)
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
@@ -281,14 +322,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         part_o = part_lse = out  # unused
     ieee = q.dtype == torch.float32
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache, out, part_o, part_lse, block_tables, seq_lens, query_start_loc,
+        q, kv_cache, out, part_o, part_lse, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee,
+        PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
         num_warps=num_warps,
     )
     if split:

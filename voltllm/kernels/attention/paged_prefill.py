@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels.attention.paged_decode import _scales
+from voltllm.kernels.fp8_codec import fp8_to_fp16
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 LOG2E = 1.4426950408889634
@@ -24,12 +26,15 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attn_tile(q, KV, bt_row, pos, kv_mask_n, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
-               PAGE: tl.constexpr, IEEE: tl.constexpr):
+               PAGE: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr):
     blk = tl.load(bt_row + pos // PAGE, mask=kv_mask_n, other=0).to(tl.int64)
     tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
     m2 = kv_mask_n[:, None] & d_mask[None, :]
-    k = tl.load(KV + tok_off[:, None] + d[None, :], mask=m2, other=0.0)
-    v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=m2, other=0.0)
+    k = tl.load(KV + tok_off[:, None] + d[None, :], mask=m2, other=0)
+    v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=m2, other=0)
+    if KV_FMT >= 0:  # uint8 fp8 codes -> q's dtype, exact (scales are applied by the caller)
+        k = fp8_to_fp16(k, KV_FMT).to(q.dtype)
+        v = fp8_to_fp16(v, KV_FMT).to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -39,18 +44,20 @@ def _attn_tile(q, KV, bt_row, pos, kv_mask_n, d, d_mask, stride_c_kv, stride_c_b
 
 @triton.jit
 def _paged_prefill_kernel(
-    Q, KV, Out, BlockTables, SeqLens, QueryStartLoc,
+    Q, KV, Out, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     stride_bt,
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, KV_FMT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
+    if KV_FMT >= 0:  # fp8 cache: k_scale folds into the softmax scale, v_scale into the output
+        qk_scale = qk_scale * tl.load(KScale)
 
     seq_len = tl.load(SeqLens + seq)
     q_start = tl.load(QueryStartLoc + seq)
@@ -86,7 +93,7 @@ def _paged_prefill_kernel(
     for n0 in range(0, lo, BLOCK_N):
         pos = n0 + n
         s, v = _attn_tile(q, KV, bt_row, pos, pos < hi, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
-                          head_off, PAGE, IEEE)
+                          head_off, PAGE, IEEE, KV_FMT)
         s = s * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -102,7 +109,7 @@ def _paged_prefill_kernel(
         pos = n0 + n
         n_mask = pos < hi
         s, v = _attn_tile(q, KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
-                          head_off, PAGE, IEEE)
+                          head_off, PAGE, IEEE, KV_FMT)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -117,6 +124,8 @@ def _paged_prefill_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FMT >= 0:
+        o = o * tl.load(VScale)
     tl.store(Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -156,17 +165,23 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, capability: tu
 def _specs():
     specs = []
     for d in (64, 128, 256):
-        sig = {"Q": "*fp16", "KV": "*fp16", "Out": "*fp16", "BlockTables": "*i32", "SeqLens": "*i32",
-               "QueryStartLoc": "*i32", "qk_scale": "fp32",
-               "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
-               "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32", "stride_c_head": "i32",
-               "stride_bt": "i32",
-               "GROUP": "constexpr", "ROWS": "constexpr", "BLOCK_M": "constexpr", "HEAD_DIM": "constexpr",
-               "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr", "IEEE": "constexpr"}
-        block_m, block_n, _, _ = prefill_config(d, 4, 4096, capability=(7, 0))
-        specs.append(CompileSpec(signature=sig, constexprs={
-            "GROUP": 4, "ROWS": block_m // 4, "BLOCK_M": block_m, "HEAD_DIM": d, "BLOCK_D": d,
-            "BLOCK_N": block_n, "PAGE": 16, "IEEE": False}, label=f"fp16 d{d} gqa4"))
+        for kv_name, kv_fmt in (("fp16", -1), ("e4m3", 0), ("e5m2", 1)):
+            if kv_fmt == 1 and d != 128:
+                continue  # e5m2 differs from e4m3 only in the decode helper
+            sig = {"Q": "*fp16", "KV": "*u8" if kv_fmt >= 0 else "*fp16", "Out": "*fp16", "BlockTables": "*i32",
+                   "SeqLens": "*i32", "QueryStartLoc": "*i32", "KScale": "*fp32", "VScale": "*fp32",
+                   "qk_scale": "fp32",
+                   "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                   "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32", "stride_c_head": "i32",
+                   "stride_bt": "i32",
+                   "GROUP": "constexpr", "ROWS": "constexpr", "BLOCK_M": "constexpr", "HEAD_DIM": "constexpr",
+                   "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr", "IEEE": "constexpr",
+                   "KV_FMT": "constexpr"}
+            block_m, block_n, _, _ = prefill_config(d, 4, 4096, capability=(7, 0))
+            specs.append(CompileSpec(signature=sig, constexprs={
+                "GROUP": 4, "ROWS": block_m // 4, "BLOCK_M": block_m, "HEAD_DIM": d, "BLOCK_D": d,
+                "BLOCK_N": block_n, "PAGE": 16, "IEEE": False, "KV_FMT": kv_fmt},
+                label=f"fp16 d{d} gqa4" + ("" if kv_fmt < 0 else f" kv-{kv_name}")))
     return specs
 
 
@@ -176,31 +191,35 @@ register_kernel("attention.paged_prefill", _paged_prefill_kernel, _specs(), comp
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, max_query_len: int,
                   config: tuple[int, int, int, int] | None = None,
-                  capability: tuple[int, int] | None = None) -> torch.Tensor:
+                  capability: tuple[int, int] | None = None, kv_fmt: int = -1,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query row of every sequence over its paged context, into `out`.
 
     q/out: [T, num_heads, head_dim] (last dim contiguous); max_query_len: host int bound on query lengths
-    (sizes the grid; rows past a sequence's own length are masked)."""
+    (sizes the grid; rows past a sequence's own length are masked). kv_fmt / k_scale / v_scale: as in
+    paged_decode (uint8 fp8 cache decoded in registers)."""
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0
     assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1
+    assert (kv_fmt >= 0) == (kv_cache.dtype == torch.uint8), "fp8 caches are uint8 and need kv_fmt >= 0"
     if num_seqs == 0 or max_query_len <= 0:
         return out
+    k_scale, v_scale = _scales(k_scale, v_scale, q.device)
     group = num_heads // num_kv_heads
     block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, group, max_query_len, capability)
     assert block_m >= group and block_m >= 16 and block_n >= 16
     rows = block_m // group
     grid = (triton.cdiv(max_query_len, rows), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
-        q, kv_cache, out, block_tables, seq_lens, query_start_loc,
+        q, kv_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, ROWS=rows, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, PAGE=kv_cache.shape[2], IEEE=q.dtype == torch.float32,
+        BLOCK_N=block_n, PAGE=kv_cache.shape[2], IEEE=q.dtype == torch.float32, KV_FMT=kv_fmt,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

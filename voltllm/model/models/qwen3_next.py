@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from voltllm.attention.kv_spec import kv_scale_target, load_kv_scale, new_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.activation import silu_and_mul
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
@@ -58,6 +59,8 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
+        self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
+        self.register_buffer("v_scale", new_kv_scale())
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -67,7 +70,8 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
         out = out.reshape(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -250,6 +254,10 @@ class Qwen3NextForCausalLM(nn.Module):
             elif rest.startswith("self_attn."):
                 if layer.kind != "full_attention":
                     raise ValueError(f"{name}: layer {i} is {layer.kind}, not full attention")
+                if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
+                    for buf in kv_scale[1]:
+                        load_kv_scale(getattr(layer.self_attn, buf), tensor, name)
+                    continue
                 sub, _, kind = rest[len("self_attn."):].rpartition(".")
                 attn = layer.self_attn
                 if sub in _ATTN_STACKED:

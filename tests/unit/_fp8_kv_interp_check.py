@@ -1,0 +1,285 @@
+"""Checks of the FP8 KV cache paths of the Triton attention kernels and backend against the torch reference
+(dequantize, then attend in fp32), and of the compat route (bridge + SDPA prefill) for fp8 and fp16 caches.
+
+Run as a script under TRITON_INTERPRET=1 by tests/unit/test_fp8_kv_cache.py; prints one line per check:
+    CHECK <name> <ok|FAIL> <detail>
+`make_fp8_case` / `run_fp8_case` / `teacher_forced_logits` are also used by tests/unit/test_fp8_kv_cache.py
+and tests/gpu/test_fp8_kv_gpu.py.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from _attention_interp_check import Case, _patch_interpreter_index, make_case, real_rows, rel_err
+from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+from voltllm.attention.torch_ref import TorchReferenceBackend
+from voltllm.kernels.fp8_codec import scaled_encode_ref
+
+TOL = 2e-3  # relative error ||out - ref|| / ||ref|| (the issue's bound for the fp8 paths)
+
+
+@dataclass
+class Fp8Case:
+    base: Case  # q, k, v, meta, scale; base.kv_cache is the uint8 cache (unused slots hold the NaN code)
+    fmt: str  # "e4m3" | "e5m2"
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def make_fp8_case(seqs, num_heads, num_kv_heads, head_dim, page, dtype, fmt="e4m3", k_scale=0.37, v_scale=1.9,
+                  device="cpu", pad_rows=0, seed=0) -> Fp8Case:
+    """make_case, with the cache encoded to fp8 codes (stored = encode(x / scale)). Unused slots are NaN
+    in the float case, so they become the NaN code (0x7F / 0xFF) here: a kernel that reads outside a
+    context still poisons its output. K/V values are scaled so that x / scale spans the format's range."""
+    c = make_case(seqs, num_heads, num_kv_heads, head_dim, page, torch.float32, device="cpu", pad_rows=pad_rows,
+                  seed=seed)
+    ks = torch.tensor(k_scale, dtype=torch.float32)
+    vs = torch.tensor(v_scale, dtype=torch.float32)
+    k_cache = c.kv_cache[0] * k_scale
+    v_cache = c.kv_cache[1] * v_scale
+    cache = torch.stack([scaled_encode_ref(k_cache, ks, fmt), scaled_encode_ref(v_cache, vs, fmt)])
+    base = Case(q=c.q.to(dtype).to(device), k=(c.k * k_scale).to(dtype).to(device),
+                v=(c.v * v_scale).to(dtype).to(device), kv_cache=cache.to(device), meta=c.meta, scale=c.scale)
+    if device != "cpu":
+        m = c.meta
+        m.query_start_loc, m.seq_lens = m.query_start_loc.to(device), m.seq_lens.to(device)
+        m.block_tables, m.slot_mapping = m.block_tables.to(device), m.slot_mapping.to(device)
+    return Fp8Case(base, fmt, ks.to(device), vs.to(device))
+
+
+def fp8_reference(case: Fp8Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference output rows [num_tokens], cache after the write), fp32, on the CPU."""
+    b = case.base
+    cache = b.kv_cache.clone()
+    ref = TorchReferenceBackend(kv_cache_dtype=f"fp8_{case.fmt}")
+    out = ref.forward(b.q.float(), b.k, b.v, cache, b.meta, b.scale, case.k_scale, case.v_scale)
+    return out[:b.meta.num_tokens].cpu(), cache.cpu()
+
+
+def _compare(case: Fp8Case, out: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[float, str]:
+    ref_out, ref_cache = fp8_reference(case)
+    m = case.base.meta
+    problems = []
+    if cache is not None and not torch.equal(cache.cpu(), ref_cache):
+        problems.append("cache differs from reference write")
+    keep = real_rows(case.base)
+    err = rel_err(out.cpu()[keep], ref_out[keep[:m.num_tokens]])
+    pad = out.cpu()[m.num_tokens:]
+    if pad.numel() and not bool((pad == 0).all()):
+        problems.append("padding rows not zero")
+    return err, "; ".join(problems)
+
+
+def run_fp8_case(case: Fp8Case, backend=None, kind: str = "backend", **kw) -> tuple[float, str]:
+    """kind 'backend': backend.forward (write + attention); 'decode' / 'prefill': the reference write, then
+    the kernel alone on a NaN-filled output (kw: kernel options)."""
+    from voltllm.kernels.attention import decode_scratch_numel, paged_decode, paged_prefill
+    from voltllm.kernels.fp8_codec import fp8_format
+    from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
+
+    b = case.base
+    m = b.meta
+    cache = b.kv_cache.clone()
+    if kind == "backend":
+        out = backend.forward(b.q, b.k, b.v, cache, m, b.scale, k_scale=case.k_scale, v_scale=case.v_scale)
+        return _compare(case, out, cache)
+    cache_cpu = cache.cpu()
+    write_kv_fp8_ref(b.k.cpu(), b.v.cpu(), cache_cpu, m.slot_mapping.cpu(), case.k_scale.cpu(), case.v_scale.cpu(),
+                     case.fmt)
+    cache = cache_cpu.to(b.q.device)
+    out = torch.full_like(b.q, float("nan"))
+    fmt = fp8_format(case.fmt)
+    if kind == "decode":
+        splits = kw.pop("num_splits", 1)
+        no, nl = decode_scratch_numel(m.seq_lens.shape[0], b.q.shape[1], splits, b.q.shape[2])
+        part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=b.q.device)
+        part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=b.q.device)
+        paged_decode(b.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, b.scale, out, num_splits=splits,
+                     part_o=part_o, part_lse=part_l, kv_fmt=fmt, k_scale=case.k_scale, v_scale=case.v_scale, **kw)
+    else:
+        paged_prefill(b.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, b.scale, out,
+                      max_query_len=m.max_query_len, kv_fmt=fmt, k_scale=case.k_scale, v_scale=case.v_scale, **kw)
+    keep = real_rows(b)[:m.num_tokens]
+    ref_out, _ = fp8_reference(case)
+    return rel_err(out.cpu()[:m.num_tokens][keep], ref_out[keep]), ""
+
+
+@torch.inference_mode()
+def teacher_forced_logits(runner, tokens: list[int], prompt_len: int, backend=None) -> torch.Tensor:
+    """Logits predicting tokens[prompt_len:] (and one more) through an engine's model and attention backend:
+    the prompt as one prefill step, then one decode step per token (so decode kernels are exercised), on
+    fresh caches of the runner's KV dtype. Returns [len(tokens) - prompt_len + 1, vocab] fp32.
+    Attention-only models (llama/qwen2/qwen3); eager (no CUDA graphs)."""
+    from voltllm.model.forward_context import ForwardContext
+    model, dev, bs = runner.model, runner.device, runner.block_size
+    backend = backend or runner.backend
+    n = len(tokens)
+    nblocks = -(-n // bs)
+    heads, dim = model.kv_heads_and_dim
+    caches = make_kv_cache(model.num_attention_layers, nblocks, bs, heads, dim, runner.kv_dtype, dev)
+    table = torch.arange(nblocks, dtype=torch.int32, device=dev)[None]
+    ids = torch.tensor(tokens, device=dev)
+
+    def step(s: int, e: int) -> torch.Tensor:
+        q = e - s
+        meta = AttentionMetadata(
+            num_tokens=q, query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([e], dtype=torch.int32, device=dev), block_tables=table,
+            slot_mapping=torch.arange(s, e, device=dev), max_query_len=q, max_seq_len=e,
+            query_start_loc_cpu=[0, q], seq_lens_cpu=[e])
+        hidden = model(ids[s:e], torch.arange(s, e, device=dev), ForwardContext(meta, caches, backend))
+        return model.compute_logits(hidden[-1:])[0].float()
+
+    return torch.stack([step(0, prompt_len)] + [step(t, t + 1) for t in range(prompt_len, n)])
+
+
+def check_write_kernel(fmt: str, dtype: torch.dtype) -> tuple[float, str]:
+    """Triton fp8 write (strided K/V views, slot -1 rows) equals the reference write bit for bit."""
+    from voltllm.kernels.kv_fp8 import write_kv_fp8, write_kv_fp8_ref
+    case = make_fp8_case([(40, 19), (5, 5)], 4, 2, 64, 16, dtype, fmt=fmt, pad_rows=2, seed=21)
+    b = case.base
+    t, h, d = b.k.shape
+    fused = torch.randn(t, 4 + 2 * h, d).to(dtype)
+    fused[:, 4:4 + h] = b.k
+    fused[:, 4 + h:] = b.v
+    got, want = b.kv_cache.clone(), b.kv_cache.clone()
+    write_kv_fp8(fused[:, 4:4 + h], fused[:, 4 + h:], got, b.meta.slot_mapping, case.k_scale, case.v_scale, fmt,
+                 use_triton=True)
+    write_kv_fp8_ref(b.k, b.v, want, b.meta.slot_mapping, case.k_scale, case.v_scale, fmt)
+    return 0.0, "" if torch.equal(got, want) else "cache differs from reference write"
+
+
+def check_bridge(fmt: int, dtype: torch.dtype) -> tuple[float, str]:
+    """gather_kv_pages into a bigger reused workspace equals the reference gather (fp8: decode * scale)."""
+    from voltllm.attention.torch_ref import gather_kv
+    from voltllm.kernels.fp8_codec import scaled_decode_ref
+    from voltllm.kernels.kv_fp8 import gather_kv_pages
+    if fmt >= 0:
+        case = make_fp8_case([(70, 70)], 4, 2, 64, 16, dtype, fmt="e4m3" if fmt == 0 else "e5m2", seed=23)
+        cache, ks, vs = case.base.kv_cache, case.k_scale, case.v_scale
+        bt = case.base.meta.block_tables[0]
+        # the prompt rows are not in the cache yet: write them first
+        from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
+        write_kv_fp8_ref(case.base.k, case.base.v, cache, case.base.meta.slot_mapping, ks, vs, case.fmt)
+        kc, vc = gather_kv(cache, bt, 70)
+        want_k, want_v = scaled_decode_ref(kc, ks, fmt, dtype), scaled_decode_ref(vc, vs, fmt, dtype)
+    else:
+        c = make_case([(70, 30)], 4, 2, 64, 16, dtype, seed=24)
+        cache, ks, vs, bt = c.kv_cache, None, None, c.meta.block_tables[0]
+        from voltllm.attention.torch_ref import write_kv
+        write_kv(c.k, c.v, cache, c.meta.slot_mapping)
+        want_k, want_v = gather_kv(cache, bt, 70)
+    ws = torch.full((2, 200, 2, 64), float("nan"), dtype=dtype)
+    k, v = gather_kv_pages(cache, bt, 70, (ws[0], ws[1]), ks, vs, fmt)
+    same = torch.equal(k, want_k) and torch.equal(v, want_v) and k.data_ptr() == ws[0].data_ptr()
+    untouched = bool(ws[:, 70:].isnan().all())
+    return 0.0, "; ".join(p for p, bad in (("bridge differs", not same), ("wrote past ctx", not untouched)) if bad)
+
+
+def check_compat_workspace_reused() -> tuple[float, str]:
+    """The compat SDPA prefill allocates its workspace once (at max_context) and reuses it."""
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+    be = TritonAttentionBackend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3", max_context=512)
+    ptrs = []
+    for seed, seqs in ((31, [(40, 40), (9, 1)]), (32, [(100, 50), (64, 64)])):
+        case = make_fp8_case(seqs, 8, 2, 64, 16, torch.float32, seed=seed)
+        err, problems = run_fp8_case(case, be)
+        if problems or err > TOL:
+            return err, problems or "error too large"
+        ptrs.append([t.data_ptr() for t in be.sdpa_prefill._ws.values()])
+    nbytes = be.sdpa_prefill.workspace_bytes()
+    ok = ptrs[0] == ptrs[1] and len(ptrs[0]) == 1 and nbytes == 2 * 512 * 2 * 64 * 4 and be.sdpa_prefill.calls == 3
+    return 0.0, "" if ok else f"workspace not reused: {ptrs} {nbytes} bytes, {be.sdpa_prefill.calls} calls"
+
+
+def _checks():
+    from voltllm.attention.triton_backend import TritonAttentionBackend as TB
+    f32, f16 = torch.float32, torch.float16
+    decode = [(1, 1), (15, 1), (16, 1), (17, 1), (100, 1), (257, 1)]
+    mixed = [(37, 37), (16, 16), (70, 23), (33, 1), (1, 1), (48, 17)]
+    # kernels alone (reference write first)
+    yield "decode_e4m3_f32_dot_split5", lambda: run_fp8_case(
+        make_fp8_case(decode, 8, 2, 64, 16, f32, seed=1), kind="decode", num_splits=5, use_dot=True, block_n=16)
+    yield "decode_e4m3_f16_dot_split4_d128", lambda: run_fp8_case(
+        make_fp8_case([(200, 1), (47, 1)], 8, 2, 128, 16, f16, seed=2), kind="decode", num_splits=4,
+        use_dot=True, block_n=32)
+    yield "decode_e4m3_f16_fma_nosplit", lambda: run_fp8_case(
+        make_fp8_case(decode, 8, 2, 64, 16, f16, seed=3), kind="decode", num_splits=1, use_dot=False, block_n=16)
+    yield "decode_e5m2_f32_fma_split3", lambda: run_fp8_case(
+        make_fp8_case([(95, 1), (32, 1), (33, 1)], 4, 1, 64, 32, f32, fmt="e5m2", seed=4), kind="decode",
+        num_splits=3, use_dot=False, block_n=16)
+    yield "decode_e5m2_f16_lanes_split16", lambda: run_fp8_case(
+        make_fp8_case([(200, 1), (33, 1), (1, 1)], 2, 2, 128, 16, f16, fmt="e5m2", seed=5), kind="decode",
+        num_splits=16, use_dot=False, fma_lanes=True)
+    yield "decode_e4m3_f32_d80_gqa3_fma", lambda: run_fp8_case(
+        make_fp8_case([(50, 1), (19, 1)], 6, 2, 80, 8, f32, seed=6), kind="decode", num_splits=2, use_dot=False,
+        block_n=16)
+    yield "prefill_e4m3_f32_mixed", lambda: run_fp8_case(
+        make_fp8_case(mixed, 8, 2, 64, 16, f32, seed=7), kind="prefill", config=(16, 16, 4, 1))
+    yield "prefill_e5m2_f16_mha_prefix", lambda: run_fp8_case(
+        make_fp8_case([(80, 32), (32, 32), (49, 2)], 2, 2, 128, 16, f16, fmt="e5m2", seed=8), kind="prefill",
+        config=(16, 32, 4, 1))
+    # the backend: write (Triton encode) + attention, native route (tl.dot decode, Triton prefill)
+    yield "backend_native_decode_e4m3_padded", lambda: run_fp8_case(
+        make_fp8_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=9, pad_rows=2),
+        TB(use_tensor_cores=True, num_sms=64, kv_cache_dtype="fp8_e4m3"))
+    yield "backend_native_prefill_e4m3_f16", lambda: run_fp8_case(
+        make_fp8_case([(40, 9), (21, 1), (16, 16)], 8, 2, 64, 16, f16, seed=10, pad_rows=3),
+        TB(use_tensor_cores=True, kv_cache_dtype="fp8"))
+    # compat route: FMA decode; prefill = bridge + SDPA (decode rows of mixed batches via the FMA kernel)
+    yield "backend_compat_decode_e5m2_split", lambda: run_fp8_case(
+        make_fp8_case(decode + [(0, 1)], 8, 2, 64, 16, f32, fmt="e5m2", seed=11, pad_rows=1),
+        TB(use_tensor_cores=False, num_sms=64, kv_cache_dtype="fp8_e5m2"))
+    yield "backend_compat_prefill_e4m3_mixed_f16", lambda: run_fp8_case(
+        make_fp8_case(mixed, 8, 2, 64, 16, f16, seed=12, pad_rows=2),
+        TB(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3"))
+    yield "backend_compat_prefill_e5m2_mha_f32", lambda: run_fp8_case(
+        make_fp8_case([(80, 32), (32, 32), (49, 2)], 2, 2, 128, 16, f32, fmt="e5m2", seed=13),
+        TB(use_tensor_cores=False, kv_cache_dtype="fp8_e5m2"))
+    yield "backend_compat_prefill_fp16_cache", lambda: _compat_fp16_cache()
+    yield "write_e4m3_f16_strided", lambda: check_write_kernel("e4m3", f16)
+    yield "write_e5m2_f32_strided", lambda: check_write_kernel("e5m2", f32)
+    yield "bridge_e4m3_f16", lambda: check_bridge(0, f16)
+    yield "bridge_e5m2_f32", lambda: check_bridge(1, f32)
+    yield "bridge_fp16_cache", lambda: check_bridge(-1, f16)
+    yield "compat_workspace_reused", check_compat_workspace_reused
+
+
+def _compat_fp16_cache() -> tuple[float, str]:
+    """The compat route's SDPA prefill on a plain fp16 cache (same path, no codec) vs the reference."""
+    from _attention_interp_check import run_backend_case
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+    case = make_case([(37, 37), (70, 23), (33, 1), (48, 17)], 8, 2, 64, 16, torch.float16, seed=14, pad_rows=2)
+    return run_backend_case(case, TritonAttentionBackend(use_tensor_cores=False))
+
+
+def main() -> int:
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("run with TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    _patch_interpreter_index()
+    torch.set_num_threads(2)
+    only = set(sys.argv[1:])
+    failed = 0
+    for name, fn in _checks():
+        if only and name not in only:
+            continue
+        try:
+            err, problems = fn()
+            ok = err < TOL and not problems
+            detail = f"relerr={err:.3e} tol={TOL:.0e} {problems}".strip()
+        except Exception:
+            ok, detail = False, traceback.format_exc().replace("\n", " | ")
+        failed += not ok
+        print(f"CHECK {name} {'ok' if ok else 'FAIL'} {detail}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Compat-route (SM70/SM75) prefill: bridge each request's KV pages into an fp16 workspace, then torch SDPA.
+
+On V100/T4 Triton's tl.dot is FMA (no tensor cores), so compute-bound prefill attention goes to a
+vendor kernel instead: torch's scaled_dot_product_attention with the memory-efficient (cutlass) kernel,
+which runs on SM70 tensor cores. That kernel needs contiguous K/V, so for every request with more than
+one query row this step:
+
+1. bridge: one Triton launch (voltllm.kernels.kv_fp8.gather_kv_pages) copies the request's first
+   seq_len tokens from its pages into a contiguous workspace [ctx, Hkv, D] in the query dtype; an fp8
+   cache is decoded there in software (decode(code) * scale), a float cache is copied;
+2. SDPA: causal attention of the request's Lq query rows as the *last* Lq positions of the context
+   (bottom-right aligned causal mask: torch.nn.attention.bias.causal_lower_right; plain is_causal when
+   Lq == ctx). GQA without copies: the GROUP query heads of a kv head become the batch dimension,
+   q [Lq, Hkv*G, D] -> view [G, Hkv, Lq, D], and K/V are the workspace viewed [1, Hkv, ctx, D] expanded
+   (stride 0) to batch G.
+
+Decode rows of a mixed batch (Lq == 1) are not worth a bridge: the caller runs the FMA paged-decode
+kernel for them.
+
+The workspace is allocated once at the largest context the engine can hold (max_context; the runner
+passes --max-model-len, so the memory profiler's forward allocates it at full size and the KV budget
+accounts for it) and reused by every layer and step; it only grows if a longer context than announced
+arrives. Requests are processed one at a time (the host knows each one's lengths: no device syncs).
+On CUDA the SDPA calls are pinned to the efficient-attention kernel (the one V100 has), so
+`--compat sm70` on a newer GPU tests the same kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from voltllm.attention.backend import AttentionMetadata
+
+
+def _sdpa_context(device: torch.device):
+    if device.type != "cuda":
+        import contextlib
+
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+
+
+def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [Lq, Hq, D] as the last Lq positions of k/v [L, Hkv, D] (L >= Lq).
+
+    Returns [G, Hkv, Lq, D] (G = Hq // Hkv): head h*G + g of query row j is [g, h, j]."""
+    lq, hq, d = q.shape
+    lk, hkv, _ = k.shape
+    g = hq // hkv
+    qg = q.view(lq, hkv, g, d).permute(2, 1, 0, 3)  # [G, Hkv, Lq, D], no copy
+    kg = k.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, lk, d)  # batch stride 0
+    vg = v.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, lk, d)
+    if lq == lk:
+        return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
+    if lq == 1:  # the last position sees the whole context
+        return F.scaled_dot_product_attention(qg, kg, vg, scale=scale)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=causal_lower_right(lq, lk), scale=scale)
+
+
+class SDPAPrefill:
+    """Prefill attention of the compat route; holds the reusable K/V workspace."""
+
+    def __init__(self, max_context: Optional[int] = None) -> None:
+        self.max_context = max_context
+        self._ws: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.calls = 0  # SDPA launches (for the acceleration report / tests)
+
+    def workspace(self, ctx: int, heads: int, dim: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) workspaces [>= ctx, heads, dim]; allocated once at max(max_context, ctx) tokens."""
+        key = (str(device), dtype)
+        buf = self._ws.get(key)
+        per_tok = heads * dim
+        if buf is None or buf.numel() < 2 * ctx * per_tok:
+            rows = max(ctx, self.max_context or 0)
+            if self.max_context is None:  # no bound given (tests): grow geometrically
+                rows = max(rows, 2 * (buf.numel() // (2 * per_tok)) if buf is not None else 0, 256)
+            buf = torch.empty(2 * rows * per_tok, dtype=dtype, device=device)
+            self._ws[key] = buf
+        rows = buf.numel() // (2 * per_tok)
+        ws = buf[: 2 * rows * per_tok].view(2, rows, heads, dim)
+        return ws[0], ws[1]
+
+    def workspace_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._ws.values())
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                kv_fmt: int) -> None:
+        """Writes out[rows] for every sequence with more than one query row (others are untouched)."""
+        from voltllm.kernels.kv_fp8 import gather_kv_pages
+
+        qsl = meta.query_start_loc_cpu
+        heads, dim = kv_cache.shape[3], kv_cache.shape[4]
+        longest = max((c for i, c in enumerate(meta.seq_lens_cpu) if qsl[i + 1] - qsl[i] > 1), default=0)
+        if longest == 0:
+            return
+        k_ws, v_ws = self.workspace(longest, heads, dim, q.dtype, q.device)
+        g = q.shape[1] // heads
+        with _sdpa_context(q.device):
+            for i, ctx in enumerate(meta.seq_lens_cpu):
+                s, e = qsl[i], qsl[i + 1]
+                if e - s <= 1 or ctx == 0:
+                    continue
+                kc, vc = gather_kv_pages(kv_cache, meta.block_tables[i], ctx, (k_ws, v_ws), k_scale, v_scale,
+                                         kv_fmt)
+                o = sdpa_causal_gqa(q[s:e], kc, vc, scale)  # [G, Hkv, Lq, D]
+                out[s:e].view(e - s, heads, g, dim).permute(2, 1, 0, 3).copy_(o)
+                self.calls += 1

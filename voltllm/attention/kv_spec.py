@@ -1,0 +1,119 @@
+"""KV cache dtype spec: what `--kv-cache-dtype` means for storage, capacity and the attention backends.
+
+| flag value                | stored as                      | bytes/elem | read as                          |
+|---------------------------|--------------------------------|------------|----------------------------------|
+| auto                      | the model dtype                | 2 (fp16)   | as stored                        |
+| float16/bfloat16/float32  | that dtype (= the model dtype) | 2 / 2 / 4  | as stored                        |
+| fp8, fp8_e4m3             | uint8 E4M3FN codes             | 1          | decode(code) * scale (software)  |
+| fp8_e5m2                  | uint8 E5M2 codes               | 1          | decode(code) * scale (software)  |
+
+The cache layout is the same for every dtype: (2, num_blocks, block_size, num_kv_heads, head_dim).
+An fp8 cache is plain uint8 so that the same code runs on GPUs without fp8 types (sm_70/sm_75) and
+on the CPU; the codec is voltllm.kernels.fp8_codec (integer bit operations, RNE, E4M3 saturates).
+
+Scales: every attention layer owns `k_scale` / `v_scale` buffers (fp32 scalar tensors, 1.0 unless
+the checkpoint has them) and passes them to `backend.forward`. stored = encode(x / scale),
+read = decode(code) * scale. They are tensors, not floats, so that CUDA graphs replay with them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FP8_KV_DTYPES = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
+_FLOAT_KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    name: str  # canonical: "auto" | "float16" | "bfloat16" | "float32" | "fp8_e4m3" | "fp8_e5m2"
+    storage_dtype: torch.dtype  # dtype of the cache tensors
+    fp8_format: Optional[str] = None  # "e4m3" | "e5m2" for fp8 caches
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.fp8_format is not None
+
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=self.storage_dtype).element_size()
+
+    @property
+    def fmt(self) -> int:
+        """FMT constexpr of the Triton kernels (fp8_codec.FP8_E4M3 / FP8_E5M2); -1 for float caches."""
+        if self.fp8_format is None:
+            return -1
+        return 0 if self.fp8_format == "e4m3" else 1
+
+
+def kv_cache_dtype_error(kv_cache_dtype: str, model_dtype: torch.dtype) -> Optional[str]:
+    """Why `--kv-cache-dtype kv_cache_dtype` cannot run with a model in model_dtype (None: it can)."""
+    name = (kv_cache_dtype or "auto").lower()
+    if name == "auto" or name in FP8_KV_DTYPES:
+        return None
+    if name in _FLOAT_KV_DTYPES:
+        if _FLOAT_KV_DTYPES[name] != model_dtype:
+            return (f"--kv-cache-dtype {name} differs from the model dtype {str(model_dtype).removeprefix('torch.')}; "
+                    f"a float KV cache uses the model dtype: use auto (or fp8, fp8_e4m3, fp8_e5m2)")
+        return None
+    return (f"--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, float16, bfloat16, float32; "
+            f"got {kv_cache_dtype!r}")
+
+
+def kv_cache_spec(kv_cache_dtype: Optional[str], model_dtype: torch.dtype) -> KVCacheSpec:
+    """The spec of a validated flag value (see kv_cache_dtype_error)."""
+    name = (kv_cache_dtype or "auto").lower()
+    err = kv_cache_dtype_error(name, model_dtype)
+    if err:
+        raise ValueError(err)
+    if name in FP8_KV_DTYPES:
+        fmt = FP8_KV_DTYPES[name]
+        return KVCacheSpec(name=f"fp8_{fmt}", storage_dtype=torch.uint8, fp8_format=fmt)
+    return KVCacheSpec(name=name, storage_dtype=model_dtype)
+
+
+# --- per-layer scales ------------------------------------------------------------------------------
+def new_kv_scale() -> torch.Tensor:
+    """A layer's default k/v scale buffer: fp32 scalar 1.0 (on the current default device)."""
+    return torch.ones((), dtype=torch.float32)
+
+
+_ONES: dict[str, torch.Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A cached fp32 scalar 1.0 on `device`, for callers that pass no scale (kept: graph-capture safe)."""
+    key = str(device)
+    t = _ONES.get(key)
+    if t is None:
+        t = _ONES[key] = torch.ones((), dtype=torch.float32, device=device)
+    return t
+
+
+# checkpoint names of KV-cache scales, as vLLM / compressed-tensors / ModelOpt write them:
+#   layers.N.self_attn.k_scale            layers.N.self_attn.attn.k_scale
+#   layers.N.self_attn.k_proj.k_scale     layers.N.self_attn.kv_scale (both K and V, older checkpoints)
+_SCALE_RE = re.compile(r"^(?P<attn>.*\.self_attn)\.(?:(?:attn|k_proj|v_proj)\.)?(?P<kind>k_scale|v_scale|kv_scale)$")
+
+
+def kv_scale_target(name: str) -> Optional[tuple[str, tuple[str, ...]]]:
+    """(attention module path, buffer names) a checkpoint tensor `name` sets, or None if it is not a
+    KV-cache scale. E.g. 'layers.3.self_attn.k_proj.k_scale' -> ('layers.3.self_attn', ('k_scale',))."""
+    m = _SCALE_RE.match(name)
+    if m is None:
+        return None
+    kind = m.group("kind")
+    return m.group("attn"), (("k_scale", "v_scale") if kind == "kv_scale" else (kind,))
+
+
+def load_kv_scale(buffer: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """Copy a checkpoint scale (shape [] or [1]) into a layer's fp32 scalar buffer."""
+    if tensor.numel() != 1:
+        raise ValueError(f"{name}: a KV-cache scale must have one element, got shape {tuple(tensor.shape)}")
+    value = tensor.reshape(()).to(dtype=torch.float32, device=buffer.device)
+    if not bool(torch.isfinite(value)) or float(value) <= 0.0:
+        raise ValueError(f"{name}: KV-cache scale must be finite and > 0, got {float(value)}")
+    buffer.copy_(value)
