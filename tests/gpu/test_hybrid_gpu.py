@@ -128,8 +128,10 @@ def test_gdn_chunk_real_shape(dtype):
         qsl = [0]
         for n in lens:
             qsl.append(qsl[-1] + n)
-        q = torch.randn(t, hk, d, device="cuda", dtype=dtype, generator=gen)
-        k = torch.randn(t, hk, d, device="cuda", dtype=dtype, generator=gen)
+        # q and k are L2-normalized per head, as the GDN layer does before the delta rule (un-normalized
+        # keys with |k|^2 = d make the recurrence blow up, which no real model feeds it)
+        q = torch.nn.functional.normalize(torch.randn(t, hk, d, device="cuda", generator=gen), dim=-1).to(dtype)
+        k = torch.nn.functional.normalize(torch.randn(t, hk, d, device="cuda", generator=gen), dim=-1).to(dtype)
         v = torch.randn(t, hv, d, device="cuda", dtype=dtype, generator=gen)
         g = -torch.rand(t, hv, device="cuda", generator=gen) * 0.5
         beta = torch.rand(t, hv, device="cuda", generator=gen)
