@@ -17,3 +17,39 @@ def patch_interpreter_index() -> None:
 
     patched._voltllm_patched = True
     interpreter._patch_lang_tensor = patched
+
+
+def check_names(helper) -> list[str]:
+    """The CHECKS list a check script defines (importing it runs no kernel: triton loads lazily there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(helper.stem, helper)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return list(mod.CHECKS)
+
+
+def run_interp_checks(helper, args=(), timeout: int = 600) -> dict[str, str]:
+    """Run a check script under TRITON_INTERPRET=1 (it must be set before triton.jit runs, hence the
+    subprocess); returns {check name: "ok ..." | "FAIL ..."} from its `CHECK name status detail` lines."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    tests_dir = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(helper), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(Path(helper).parent))
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CHECK "):
+            _, name, status, *detail = line.split(" ", 3)
+            results[name] = f"{status} {' '.join(detail)}"
+    if not results:
+        pytest.fail(f"{helper} produced no checks (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return results

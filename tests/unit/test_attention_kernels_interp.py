@@ -6,15 +6,13 @@ subprocess (tests/unit/_attention_interp_check.py), once per session; each check
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from interp_util import run_interp_checks
+
 HELPER = Path(__file__).with_name("_attention_interp_check.py")
-ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
     "prefill_f32_d64_gqa4_mixed",
     "prefill_f32_d64_gqa4_tile32",
@@ -38,18 +36,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, str]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HELPER)], env=env, capture_output=True, text=True, timeout=300)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CHECK "):
-            _, name, status, *detail = line.split(" ", 3)
-            results[name] = f"{status} {' '.join(detail)}"
-    if not results:
-        pytest.fail(f"helper produced no checks (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return results
+    return run_interp_checks(HELPER, (), timeout=300)
 
 
 @pytest.mark.parametrize("name", CHECKS)

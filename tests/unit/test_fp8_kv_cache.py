@@ -6,12 +6,11 @@ The engine end to end (capacity, agreement, checkpoint scales) is in tests/model
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from interp_util import run_interp_checks
 import torch
 
 from tiny_models import make_model
@@ -21,7 +20,6 @@ from voltllm.attention.torch_ref import TorchReferenceBackend
 from voltllm.config import ConfigError, EngineArgs
 
 HELPER = Path(__file__).with_name("_fp8_kv_interp_check.py")
-ROOT = Path(__file__).resolve().parents[2]
 INTERP_CHECKS = [
     "decode_e4m3_f32_dot_split5", "decode_e4m3_f16_dot_split4_d128", "decode_e4m3_f16_fma_nosplit",
     "decode_e5m2_f32_fma_split3", "decode_e5m2_f16_lanes_split16", "decode_e4m3_f32_d80_gqa3_fma",
@@ -37,19 +35,7 @@ INTERP_CHECKS = [
 # --- Triton kernels under the interpreter ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, str]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HELPER)], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=str(HELPER.parent))
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CHECK "):
-            _, name, status, *detail = line.split(" ", 3)
-            results[name] = f"{status} {' '.join(detail)}"
-    if not results:
-        pytest.fail(f"helper produced no checks (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return results
+    return run_interp_checks(HELPER, (), timeout=600)
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)

@@ -3,44 +3,28 @@
 checks run in a subprocess (tests/unit/_moe_interp_check.py), once per module; each check is one test here."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from interp_util import check_names, run_interp_checks
 import torch
 
 HELPER = Path(__file__).with_name("_moe_interp_check.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _helper():
-    spec = importlib.util.spec_from_file_location("_moe_interp_check", HELPER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # defines CHECKS only; triton is imported lazily by the checks
-    return mod
 
 
-CHECKS = list(_helper().CHECKS)
+CHECKS = check_names(HELPER)
 
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, str]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HELPER), "cpu"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CHECK "):
-            _, name, status, *detail = line.split(" ", 3)
-            results[name] = f"{status} {' '.join(detail)}"
-    if not results:
-        pytest.fail(f"helper produced no checks (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return results
+    return run_interp_checks(HELPER, ('cpu',), timeout=600)
 
 
 @pytest.mark.parametrize("name", CHECKS)
