@@ -14,6 +14,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same, as ids, kept in step (read every step)
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already put in the hash map
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -68,11 +69,14 @@ class KVCacheManager:
         if max(need, 0) + evictable_hits > self.pool.num_free_blocks:
             return None
         blocks = self.req_blocks.setdefault(req.request_id, [])
+        ids = self.req_block_ids.setdefault(req.request_id, [])
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
+            ids.extend(b.block_id for b in new_computed_blocks)
         new = self.pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
+        ids.extend(b.block_id for b in new)
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return new
 
@@ -91,16 +95,20 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
+        self.req_block_ids.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
         if self.state_prefix is not None:
             self.state_prefix.forget(req.request_id)
         self.pool.free_blocks(reversed(blocks))  # tail blocks are evicted first
 
     def block_ids(self, req: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, [])]
+        """The request's block ids (the live list: read it before the next allocation)."""
+        return self.req_block_ids.get(req.request_id, [])
 
     def check_integrity(self) -> None:
         refs: dict[int, int] = {}
+        for rid, blocks in self.req_blocks.items():
+            assert self.req_block_ids.get(rid) == [b.block_id for b in blocks], f"block ids of {rid} drifted"
         for blocks in self.req_blocks.values():
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
