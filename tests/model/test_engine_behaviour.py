@@ -136,3 +136,31 @@ def test_async_scheduling_equals_sync(tiny_path, llm):
         assert x.outputs[0].finish_reason == y.outputs[0].finish_reason
     llm.engine.check_integrity()
     assert llm.engine.kv.usage() == 0.0
+
+
+def test_fp16_residual_stream_does_not_overflow(tiny_path):
+    """fp16 models keep the residual stream in fp32: activations past fp16's 65504 stay finite."""
+    import math
+
+    import torch
+
+    llm = LLM(tiny_path, dtype="half", block_size=4, max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    with torch.no_grad():
+        model.embed_tokens.weight[:, 0] = 60000.0  # near fp16's max already
+
+    def add_big(module, inputs, output):  # every MLP adds 2e4 to channel 0, as outlier channels do
+        output = output.clone()
+        output[:, 0] += 20000.0
+        return output
+
+    hooks = [layer.mlp.register_forward_hook(add_big) for layer in model.layers]
+    try:
+        out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, logprobs=1, ignore_eos=True))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert model.embed_tokens.weight.dtype == torch.float16
+    for o in out:
+        for pos in o.outputs[0].logprobs:
+            assert all(math.isfinite(lp.logprob) for lp in pos.values())

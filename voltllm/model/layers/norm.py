@@ -17,16 +17,19 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """The output has x's dtype; the residual keeps its own (fp32 residual streams for fp16 models)."""
         if x.is_cuda:  # one fused Triton launch instead of ~10 elementwise kernels
             from voltllm.kernels import fused
 
             if residual is None:
                 return fused.rms_norm(x, self.weight, self.eps, self.offset)
-            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)  # residual in place
+            # residual updated in place; the normed rows overwrite x (a fresh GEMM output), keeping its dtype
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, out=x)
+        out_dtype = x.dtype
         if residual is not None:
-            x = x + residual
+            x = (x + residual).to(residual.dtype)
             residual = x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (xf * (self.weight.float() + self.offset)).to(x.dtype)
+        out = (xf * (self.weight.float() + self.offset)).to(out_dtype)
         return out if residual is None else (out, residual)

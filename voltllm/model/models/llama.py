@@ -69,7 +69,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, ctx):
         if residual is None:
-            residual = x
+            # fp16 models keep the residual stream in fp32: sums of many layers overflow fp16 (65504)
+            residual = x.float() if x.dtype == torch.float16 else x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
