@@ -12,14 +12,15 @@ from typing import Any
 from voltllm.config import KV_CACHE_DTYPES, EngineArgs
 
 
-def _json_object(flag: str):
+def json_object_arg(flag: str):
+    """argparse type for flags that take a JSON object (vLLM style)."""
     def parse(value: str) -> dict:
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError as e:
             raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {e}") from None
         if not isinstance(parsed, dict):
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object")
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
         return parsed
     return parse
 
@@ -44,7 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--quantization", "-q", default=None)
-    g.add_argument("--speculative-config", type=_json_object("--speculative-config"), default=None)
+    g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
     g.add_argument("--generation-config", default="auto")
     g.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")

@@ -19,21 +19,10 @@ import time
 from typing import Any, Optional
 
 from voltllm.engine.frontend import generation_defaults
+from voltllm.cli_args import json_object_arg
 from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm")
-
-
-def _json_object(flag: str):
-    def parse(value: str) -> dict:
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {e}") from None
-        if not isinstance(parsed, dict):
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
-        return parsed
-    return parse
 
 
 def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
@@ -54,10 +43,10 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
     s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
                    help="model name(s) the API answers to (the first one is reported); default: the model path")
-    s.add_argument("--default-chat-template-kwargs", type=_json_object("--default-chat-template-kwargs"),
+    s.add_argument("--default-chat-template-kwargs", type=json_object_arg("--default-chat-template-kwargs"),
                    default=None, help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'; '
                    "a request's chat_template_kwargs override it")
-    s.add_argument("--limit-mm-per-prompt", type=_json_object("--limit-mm-per-prompt"), default=None,
+    s.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
                    help="JSON object of multimodal item limits; only all-zero limits are accepted (text-only server)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='parse tool calls from the output when a request has tools and tool_choice "auto"')

@@ -25,7 +25,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_kv_scale, new_kv_scale
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.layers.activation import silu_and_mul
+from voltllm.model.models.llama import MLP
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.moe import SparseMoE
@@ -76,16 +76,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
-        self.down_proj = Linear(inter, hidden, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, kind: str, mixer_index: int, moe: bool, gdn_layout: str,
                  norm_topk: bool, dtype: torch.dtype, rotary: RotaryEmbedding):
@@ -104,7 +94,7 @@ class HybridDecoderLayer(nn.Module):
                                  cfg.moe_intermediate_size, getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
                                  norm_topk, dtype)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, positions, x, residual, ctx: ForwardContext, batch: HybridBatch | None):
         if residual is None:
