@@ -59,6 +59,12 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def residual_stream(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream starts as the embeddings; fp16 models keep it in fp32, since sums over many
+    layers overflow fp16 (65504). The fused add+RMSNorm adds in fp32 and writes its output in x's dtype."""
+    return x.float() if x.dtype == torch.float16 else x
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, dtype: torch.dtype, rotary: RotaryEmbedding):
         super().__init__()
@@ -69,8 +75,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, ctx):
         if residual is None:
-            # fp16 models keep the residual stream in fp32: sums of many layers overflow fp16 (65504)
-            residual = x.float() if x.dtype == torch.float16 else x
+            residual = residual_stream(x)
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)

@@ -25,7 +25,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_kv_scale, new_kv_scale
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.models.llama import MLP
+from voltllm.model.models.llama import MLP, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.moe import SparseMoE
@@ -98,7 +98,7 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, ctx: ForwardContext, batch: HybridBatch | None):
         if residual is None:
-            residual = x
+            residual = residual_stream(x)
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
