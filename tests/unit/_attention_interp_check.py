@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+from interp_util import patch_interpreter_index as _patch_interpreter_index  # noqa: F401 (re-exported)
 
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.attention.torch_ref import TorchReferenceBackend
@@ -221,23 +222,6 @@ def _checks():
         make_case([(40, 9), (21, 1), (16, 16)], 8, 2, 64, 16, f32, seed=12, pad_rows=3),
         TritonAttentionBackend()), f32
 
-
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a tensor used as a loop bound into an int with
-    int(ndarray); numpy >= 2.4 rejects that for the 1-element arrays its scalars are. Test-side fix."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_voltllm_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._voltllm_patched = True
-    interpreter._patch_lang_tensor = patched
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ import sys
 import traceback
 
 import torch
+from interp_util import patch_interpreter_index
 
 from voltllm.kernels import gdn_ref as R
 
@@ -179,27 +180,6 @@ CHECKS = {
     "model_qwen3_next_all_triton_f32": lambda d: run_model(d),
 }
 
-
-def patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a tensor used as a loop bound into an int with int(ndarray); numpy >= 2.4
-    rejects that for 1-element arrays. Test-side fix (as in _attention_interp_check.py); no-op on a GPU."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_voltllm_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._voltllm_patched = True
-    interpreter._patch_lang_tensor = patched
 
 
 def main(device: str = "cpu") -> int:
