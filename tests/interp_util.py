@@ -57,3 +57,22 @@ def run_interp_checks(helper, args=(), timeout: int = 600) -> dict[str, str]:
     if not results:
         pytest.fail(f"{helper} produced no checks (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
     return results
+
+
+def registered_kernels(module: str, prefix: str) -> list[str]:
+    """Names in voltllm's kernel registry starting with prefix once `module` is imported (in a subprocess
+    under the interpreter, so no GPU is needed)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    code = (f"import {module}; from voltllm.kernels.registry import REGISTRY; "
+            f"print(sorted(n for n in REGISTRY if n.startswith({prefix!r})))")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return eval(out.stdout.strip().splitlines()[-1])  # a printed list of str
