@@ -7,17 +7,20 @@ patch_interpreter_index()
 from voltllm.kernels.gemv import gemv, gemv_ref
 
 torch.manual_seed(0)
-for m, n, k, bias in ((1, 40, 300, False), (3, 17, 96, True), (4, 64, 1030, True), (2, 300, 64, False)):
+cases = ((1, 40, 300, False), (3, 17, 96, True), (4, 64, 1030, True), (2, 300, 64, False), (1, 16, 512, False))
+for m, n, k, bias in cases:
     for dtype in (torch.float32, torch.float16):
-        x = torch.randn(m, k, dtype=dtype)
-        w = torch.randn(n, k, dtype=dtype) / k ** 0.5
-        b = torch.randn(n, dtype=dtype) if bias else None
-        out = torch.full((m, n), float("nan"), dtype=dtype)
-        for cfg in ((8, 512, 4), (16, 64, 4), (2, 2048, 4)):
-            out.fill_(float("nan"))
-            gemv(x, w, b, out=out, config=cfg)
-            ref = gemv_ref(x, w, b)
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            tol = 1e-5 if dtype == torch.float32 else 2e-3
-            assert err < tol, (m, n, k, dtype, cfg, err)
+        for silu_mul in (False, True):
+            x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype)
+            w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+            b = torch.randn(n, dtype=dtype) if bias else None
+            out = torch.full((m, n), float("nan"), dtype=dtype)
+            # masked tiles, a tile wider than K, and the unmasked (EVEN) path of (1, 16, 512)
+            for cfg in ((8, 512, 4, 1), (16, 64, 4, 1), (2, 2048, 4, 3), (4, 256, 2, 3)):
+                out.fill_(float("nan"))
+                gemv(x, w, b, out=out, config=cfg, silu_mul=silu_mul)
+                ref = gemv_ref(x, w, b, silu_mul=silu_mul)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                tol = 1e-5 if dtype == torch.float32 else 2e-3
+                assert err < tol, (m, n, k, dtype, cfg, silu_mul, err)
 print("ok")

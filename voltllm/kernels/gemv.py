@@ -1,10 +1,18 @@
 """Skinny GEMM (decode: a few rows of activations times a big fp16/bf16 weight), memory-bound.
 
 y[M, N] = x[M, K] @ w[N, K]^T (+ bias), M <= 4. Each program owns BLOCK_N output features and streams
-their weight rows once (contiguous along K), multiplying by all M activation rows held in registers,
-fp32 accumulation. No tensor cores are needed (the work is bandwidth, not FLOPs), so the same kernel
-serves the compat route (sm_70/75). Whether it beats cuBLAS for a given shape is measured at start-up
-(voltllm.model.layers.linear), not assumed.
+their weight rows once (contiguous along K, evict-first: a weight is read once per step), multiplying by
+all M activation rows. The products go into an fp32 accumulator of the tile's full shape and are summed
+over K once at the end: a reduction per K step (shuffles) cost the earlier version half its bandwidth.
+No tensor cores are needed (the work is bandwidth, not FLOPs), so the same kernel serves the compat
+route (sm_70/75).
+
+`silu_mul=True` takes x = [gate | up] (M, 2K) and multiplies by silu(gate) * up, computed on the fly in
+fp32: the MLP's down projection then needs no separate activation kernel at batch-1 decode.
+
+Whether it beats cuBLAS for a given shape, and with which tile, is measured at start-up
+(voltllm.worker.skinny_tuning), not assumed. On the H200 (cold L2) it streams 3.4-4.6 TB/s where cuBLAS
+streams 2.6-4.4 TB/s at one row (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -20,65 +28,97 @@ MAX_ROWS = 4
 
 
 @triton.jit
+def _load_x(X, offs_m, offs_k, stride_xm, K, mask, SILU_MUL: tl.constexpr):
+    """Activation rows [BLOCK_M, BLOCK_K] in fp32; silu(gate) * up when X holds [gate | up]."""
+    ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        up = tl.load(ptr + K, mask=mask, other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * up
+    return x
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 EVEN: tl.constexpr, SILU_MUL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_ptr = W + offs_n[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight stream
+            w = tl.load(w_ptr + offs_k[None, :], eviction_policy="evict_first")
+            x = _load_x(X, offs_m, offs_k, stride_xm, K, mask_m[:, None], SILU_MUL)
+        else:
+            mask_k = offs_k < K
+            w = tl.load(w_ptr + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = _load_x(X, offs_m, offs_k, stride_xm, K, mask_m[:, None] & mask_k[None, :], SILU_MUL)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(Y.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
 def _specs() -> list[CompileSpec]:
     sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr"}
-    return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": b}, f"fp16 m{m} bias={b}")
-            for m, b in ((1, False), (4, True))]
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr", "EVEN": "constexpr",
+           "SILU_MUL": "constexpr"}
+    return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "HAS_BIAS": b, "EVEN": e, "SILU_MUL": s},
+                        f"fp16 m{m} n{n} k{k} bias={b} even={e} silu_mul={s}")
+            for m, n, k, b, e, s in ((1, 4, 1024, False, True, False), (1, 1, 512, False, True, True),
+                                     (4, 2, 512, True, False, False), (2, 8, 256, False, False, True))]
 
 
 register_kernel("gemv.skinny", _gemv_kernel, _specs())
 
 
-# (BLOCK_N, BLOCK_K, num_warps) candidates; start-up tuning times them per weight shape
-CONFIGS: tuple[tuple[int, int, int], ...] = ((8, 512, 4), (16, 1024, 8), (4, 2048, 8), (32, 512, 8),
-                                             (16, 512, 4), (8, 1024, 4), (2, 2048, 4))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates, from a cold-L2 sweep on the H200 at 8B and 135M
+# decode shapes; start-up tuning times them per weight shape
+CONFIGS: tuple[tuple[int, int, int, int], ...] = (
+    (4, 1024, 4, 1), (1, 1024, 2, 1), (4, 512, 2, 3), (8, 256, 4, 1), (2, 512, 2, 1), (1, 512, 4, 1),
+    (2, 512, 2, 3), (4, 256, 2, 3), (1, 1024, 8, 1))
 DEFAULT_CONFIG = CONFIGS[0]
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         out: Optional[torch.Tensor] = None, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
-    """x [M, K] (M <= 4, last dim contiguous), w [N, K] contiguous -> [M, N] in x's dtype."""
-    m, k = x.shape
+         out: Optional[torch.Tensor] = None, config: Optional[tuple[int, ...]] = None,
+         silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= 4, last dim contiguous), w [N, K] contiguous -> [M, N] in x's dtype.
+    With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up."""
+    m, kx = x.shape
+    k = kx // 2 if silu_mul else kx
     n = w.shape[0]
-    if m > MAX_ROWS or w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} / w {tuple(w.shape)} not supported")
+    if m > MAX_ROWS or w.shape[1] != k or kx != (2 * k if silu_mul else k) or w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} / w {tuple(w.shape)} (silu_mul={silu_mul}) not supported")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = config or DEFAULT_CONFIG
+    block_n, block_k, warps, stages = config or DEFAULT_CONFIG
     block_m = triton.next_power_of_2(m)
     block_k = max(16, min(block_k // block_m, triton.next_power_of_2(k)))
+    even = n % block_n == 0 and k % block_k == 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN=even,
+        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages)
     return out
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    y = x.float() @ w.float().t()
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             silu_mul: bool = False) -> torch.Tensor:
+    xf = x.float()
+    if silu_mul:
+        g, u = xf.chunk(2, dim=-1)
+        xf = torch.nn.functional.silu(g) * u
+    y = xf @ w.float().t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

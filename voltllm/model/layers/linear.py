@@ -34,6 +34,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     return F.linear(x, w, bias)
 
 
+def down_proj_silu_mul(layer: "Linear", gate_up: torch.Tensor) -> torch.Tensor:
+    """layer(silu(gate) * up) for gate_up = [gate | up]; at one row with the skinny GEMM chosen, the
+    activation is computed inside the GEMM (one kernel less per MLP in batch-1 decode)."""
+    if layer.skinny and gate_up.dim() == 2 and gate_up.shape[0] == 1:
+        from voltllm.kernels.gemv import gemv
+
+        return gemv(gate_up, layer.weight, layer.bias, config=layer.skinny, silu_mul=True)
+    from voltllm.model.layers.activation import silu_and_mul
+
+    return layer(silu_and_mul(gate_up))
+
+
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer, in_features, out_features, dtype):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)

@@ -8,8 +8,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_kv_scale, new_kv_scale
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.layers.activation import silu_and_mul
-from voltllm.model.layers.linear import Linear, linear
+from voltllm.model.layers.linear import Linear, down_proj_silu_mul, linear
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.rotary import RotaryEmbedding
 
@@ -56,7 +55,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return down_proj_silu_mul(self.down_proj, self.gate_up_proj(x))
 
 
 def residual_stream(x: torch.Tensor) -> torch.Tensor:
