@@ -21,7 +21,7 @@ Who does what (one object, `StateSnapshots`, shared by the KV manager and the ru
                                     at the deepest boundary of that KV hit (the point where another request's
                                     prompt diverged, e.g. the end of a shared system prompt)
     forget(request_id)              (KV free: finish / abort / preemption)
-  runner side, each eager step (after the slots are allocated)
+  runner side, each step, eager or a CUDA-graph replay (after the slots are allocated)
     before_forward(scheduled, slots)   a request starting at B > 0 whose slot does not cover B tokens is a
                                        prefix hit: copy the snapshot into its slot (num_tokens[slot] = B)
     after_forward(scheduled, slots)    a request whose step ended at a boundary whose tokens are all known on

@@ -31,7 +31,9 @@ API
 How the model uses it (one forward step):
   ctx.extra["state_cache"] = the StateCache
   ctx.extra["state_slots"] = list[int], one slot per request, in the batch order of the
-                             AttentionMetadata (request i owns query rows qsl[i]:qsl[i+1])
+                             AttentionMetadata (request i owns query rows qsl[i]:qsl[i+1]);
+                             or, in a CUDA graph, a persistent long device tensor of resolved slots
+                             (padding rows = pad_slot; the runner calls note_step itself)
 A request whose context before this step is empty (seq_len - query_len == 0) starts from a zero
 state whatever the slot holds, so a fresh slot needs no zeroing, and a preempted request that is
 recomputed from token 0 resets itself. A request resuming at num_computed > 0 reads its slot: the

@@ -5,6 +5,11 @@ input buffers and writes the final hidden states to a static output; logits and 
 (they are two kernels, and the logits of big vocabularies would cost a static buffer per bucket).
 The attention metadata is captured with max_seq_len = --max-model-len, so split-KV grids fit any
 context the engine can hold.
+
+Hybrid models (Gated DeltaNet layers) read their recurrent-state slots from buffers.state_slots, a device
+tensor the runner fills before each replay (padding rows: the state cache's scratch slot); whether a row
+resumes a state is derived on the device from seq_lens. The runner does the host-side slot work a replay
+skips: allocation and release, snapshot restores before and saves after, StateCache.note_step.
 """
 from __future__ import annotations
 
@@ -54,13 +59,20 @@ class DecodeGraphs:
             self.replays += 1
         return g
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        buf = self.runner.buffers
-        return AttentionMetadata(
+    def context(self, bs: int) -> ForwardContext:
+        """The forward context a graph of `bs` rows is captured with: every tensor a persistent buffer."""
+        r = self.runner
+        buf = r.buffers
+        meta = AttentionMetadata(
             num_tokens=bs, query_start_loc=buf.query_start_loc[: bs + 1], seq_lens=buf.seq_lens[:bs],
             block_tables=buf.block_tables[:bs], slot_mapping=buf.slot_mapping[:bs], max_query_len=1,
-            max_seq_len=self.runner.config.model.max_model_len,
+            max_seq_len=r.config.model.max_model_len,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs)
+        ctx = ForwardContext(meta=meta, kv_caches=r.kv_caches, backend=r.backend)
+        if r.state_cache is not None:
+            ctx.extra["state_cache"] = r.state_cache
+            ctx.extra["state_slots"] = buf.state_slots[:bs]
+        return ctx
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -73,13 +85,15 @@ class DecodeGraphs:
         buf.query_start_loc.copy_(torch.arange(buf.query_start_loc.numel(), dtype=torch.int32))
         buf.seq_lens.fill_(1)
         buf.block_tables.zero_()
+        if r.state_cache is not None:  # and read / write only the scratch state slot
+            buf.state_slots.fill_(r.state_cache.pad_slot)
         heads, dim = r.model.kv_heads_and_dim
         num_q_heads = r.model.config.num_attention_heads
         if hasattr(r.backend, "reserve"):  # split-KV scratch must exist before capture
             r.backend.reserve(self.sizes[-1], num_q_heads, heads, dim, r.config.model.max_model_len, r.device)
         self.pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            ctx = ForwardContext(meta=self._meta(bs), kv_caches=r.kv_caches, backend=r.backend)
+            ctx = self.context(bs)
             ids, pos = buf.input_ids[:bs], buf.positions[:bs]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

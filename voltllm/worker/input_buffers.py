@@ -26,6 +26,8 @@ class InputBuffers:
         self.query_start_loc = dev(max_seqs + 1, dtype=torch.int32)
         self.seq_lens = dev(max_seqs, dtype=torch.int32)
         self.block_tables = dev(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        # recurrent-state slot of each row (hybrid models' CUDA-graph steps; padding rows: the scratch slot)
+        self.state_slots = dev(max_seqs, dtype=torch.long)
         self._host = []
         for _ in range(2 if pin else 1):
             def host(*shape, dtype):
@@ -34,7 +36,8 @@ class InputBuffers:
                 input_ids=host(max_tokens, dtype=torch.long), positions=host(max_tokens, dtype=torch.long),
                 slot_mapping=host(max_tokens, dtype=torch.long), query_start_loc=host(max_seqs + 1, dtype=torch.int32),
                 seq_lens=host(max_seqs, dtype=torch.int32),
-                block_tables=host(max_seqs * max_blocks_per_seq, dtype=torch.int32)))
+                block_tables=host(max_seqs * max_blocks_per_seq, dtype=torch.int32),
+                state_slots=host(max_seqs, dtype=torch.long)))
         self._turn = 0
 
     def host_set(self) -> dict[str, np.ndarray]:
@@ -42,8 +45,10 @@ class InputBuffers:
         self._turn = (self._turn + 1) % len(self._host)
         return {k: v.numpy() for k, v in self._host[self._turn].items()}
 
-    def upload(self, num_tokens: int, num_seqs: int, table_width: int, num_rows: int | None = None) -> None:
-        """Copy the current staging set's first rows to the device (non-blocking)."""
+    def upload(self, num_tokens: int, num_seqs: int, table_width: int, num_rows: int | None = None,
+               state_slots: bool = False) -> None:
+        """Copy the current staging set's first rows to the device (non-blocking); `state_slots` too when
+        asked (only CUDA-graph steps of hybrid models read them)."""
         h = self._host[self._turn]
         nb = self.device.type == "cuda"
         rows = num_rows or num_seqs
@@ -53,3 +58,5 @@ class InputBuffers:
         self.seq_lens[:rows].copy_(h["seq_lens"][:rows], non_blocking=nb)
         table = h["block_tables"][: rows * table_width].view(rows, table_width)
         self.block_tables[:rows, :table_width].copy_(table, non_blocking=nb)
+        if state_slots:
+            self.state_slots[:rows].copy_(h["state_slots"][:rows], non_blocking=nb)

@@ -174,8 +174,10 @@ class ModelRunner:
                                         sc.max_num_seqs, max_blocks, self.device)
         return self.buffers
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int = 0):
-        """Fill the input buffers for this step; returns (num_tokens, metadata, pending-token rows)."""
+    def prepare(self, sched: SchedulerOutput, pad_to: int = 0, state_slots: Optional[list[int]] = None):
+        """Fill the input buffers for this step; returns (num_tokens, metadata). `state_slots` (a hybrid
+        model's CUDA-graph step): the requests' recurrent-state slots, uploaded to buffers.state_slots
+        with the scratch slot on padding rows."""
         buf = self._ensure_buffers()
         h = buf.host_set()
         bs = self.block_size
@@ -224,7 +226,10 @@ class ModelRunner:
             t += extra
         h["query_start_loc"][: rows + 1] = qsl
         h["seq_lens"][:rows] = seq_lens
-        buf.upload(t, n_seqs, width, rows)
+        if state_slots is not None:
+            h["state_slots"][:n_seqs] = state_slots
+            h["state_slots"][n_seqs:rows] = self.state_cache.pad_slot
+        buf.upload(t, n_seqs, width, rows, state_slots=state_slots is not None)
         if pending_dst:
             dst = to_device(pending_dst, torch.long, self.device)
             src = to_device(pending_src, torch.long, self.device)
@@ -242,6 +247,15 @@ class ModelRunner:
             for rid in request_ids:
                 self.state_cache.free(rid)
 
+    def _state_slots(self, sched: SchedulerOutput) -> list[int]:
+        """Hybrid models: free the slots of gone requests, give each scheduled request its slot (batch
+        order) and restore prefix-cache snapshots into the slots of requests that start at a hit."""
+        self.release(sched.released_ids)
+        slots = [self.state_cache.allocate(s.request.request_id) for s in sched.scheduled]
+        if self.state_snapshots is not None:
+            self.state_snapshots.before_forward(sched.scheduled, slots)
+        return slots
+
     def needs_host_history(self, sched: SchedulerOutput) -> bool:
         """True when sampling this step needs every earlier token on the host (no async overlap)."""
         for s in sched.scheduled:
@@ -258,21 +272,23 @@ class ModelRunner:
         graph = None
         if self.graphs is not None and sched.total_tokens == n_seqs:
             graph = self.graphs.for_batch(n_seqs)
-        t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0)
+        slots = self._state_slots(sched) if self.state_cache is not None else None
+        t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0,
+                               state_slots=slots if graph is not None else None)
         buf = self.buffers
         if graph is not None:
+            if slots is not None:  # the model's own check and bookkeeping do not run in a replay
+                self.state_cache.note_step(slots, [s.start for s in sched.scheduled],
+                                           [s.start + s.num_new_tokens for s in sched.scheduled])
             hidden = graph.replay()
         else:
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-            if self.state_cache is not None:
-                self.release(sched.released_ids)
+            if slots is not None:
                 ctx.extra["state_cache"] = self.state_cache
-                ctx.extra["state_slots"] = [self.state_cache.allocate(s.request.request_id) for s in sched.scheduled]
-                if self.state_snapshots is not None:  # prefix hits resume from a snapshot
-                    self.state_snapshots.before_forward(sched.scheduled, ctx.extra["state_slots"])
+                ctx.extra["state_slots"] = slots
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
-            if self.state_snapshots is not None:  # snapshots at --mamba-block-size boundaries
-                self.state_snapshots.after_forward(sched.scheduled, ctx.extra["state_slots"])
+        if self.state_snapshots is not None:  # snapshots at --mamba-block-size boundaries (decode steps too)
+            self.state_snapshots.after_forward(sched.scheduled, slots)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
@@ -324,10 +340,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
 
-        if (self.device.type != "cuda" or self.config.device.enforce_eager
-                or self.backend.name != "TRITON_ATTN" or self.is_hybrid):
+        if self.device.type != "cuda" or self.config.device.enforce_eager or self.backend.name != "TRITON_ATTN":
             logger.info("CUDA graphs off (%s)", "--enforce-eager" if self.config.device.enforce_eager
-                        else "hybrid model: recurrent-state slots are not graph-captured yet" if self.is_hybrid
                         else "not supported by this device/backend")
             return
         t0 = time.monotonic()

@@ -12,7 +12,7 @@ Qwen3-Next stores in_proj_qkvz / in_proj_ba grouped by key head ([q_g k_g v_g z_
 then [b_g a_g]); both are loaded into the same flat merged weight here.
 
 State: ctx.extra["state_cache"] (voltllm.model.state_cache.StateCache) and ctx.extra["state_slots"]
-(one slot per request, batch order); see HybridBatch.
+(one slot per request, batch order: a host list, or a device tensor for CUDA graphs); see HybridBatch.
 """
 from __future__ import annotations
 
@@ -42,10 +42,16 @@ class HybridBatch:
     def from_context(cls, ctx: ForwardContext, spec: Any = None) -> "HybridBatch":
         """ctx.extra["state_slots"]: one slot per request of the metadata (-1 = padding row).
         Without ctx.extra["state_cache"] (memory profiling, warm-up) every request must start at token 0:
-        a throwaway cache is made from `spec` (the model's state_spec)."""
+        a throwaway cache is made from `spec` (the model's state_spec).
+        A long tensor on the cache's device instead of a list (CUDA graphs) is used as is: its rows are
+        resolved slots (padding rows = cache.pad_slot), and the caller does the host-side checks and
+        bookkeeping (cache.note_step) itself, since a graph replay runs none of this Python."""
         meta = ctx.meta
         qsl = list(meta.query_start_loc_cpu)
         n = meta.num_seqs
+        slots = ctx.extra.get("state_slots")
+        if isinstance(slots, torch.Tensor) and "state_cache" in ctx.extra:
+            return cls._from_device_slots(ctx.extra["state_cache"], slots, meta, qsl)
         ends = list(meta.seq_lens_cpu)
         starts = [ends[i] - (qsl[i + 1] - qsl[i]) for i in range(n)]
         cache = ctx.extra.get("state_cache")
@@ -60,10 +66,9 @@ class HybridBatch:
                                spec["conv_dtype"], device, spec.get("ssm_dtype", torch.float32))
             slots = list(range(n))
         else:
-            slots = ctx.extra.get("state_slots")
             if slots is None:
                 raise RuntimeError("hybrid model: ForwardContext.extra['state_slots'] is missing")
-            slots = slots.tolist() if isinstance(slots, torch.Tensor) else [int(x) for x in slots]
+            slots = [int(x) for x in slots]
         if len(slots) != n:
             raise ValueError(f"state_slots has {len(slots)} entries for {n} requests")
         cache.note_step(slots, starts, ends)
@@ -74,9 +79,21 @@ class HybridBatch:
                    has_initial_state=torch.tensor(init, dtype=torch.bool).to(device),
                    query_start_loc=qsl, decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(n)))
 
+    @classmethod
+    def _from_device_slots(cls, cache: Any, slots: torch.Tensor, meta: Any, qsl: list[int]) -> "HybridBatch":
+        """Device ops only (no host sync, no shape from device data), so a CUDA graph can capture it."""
+        if slots.shape[0] != meta.num_seqs:
+            raise ValueError(f"state_slots has {slots.shape[0]} entries for {meta.num_seqs} requests")
+        # a request has a state to resume iff tokens were computed before this step; padding rows
+        # (seq_len 1, one query row) do not
+        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        init = (meta.seq_lens - q_lens) > 0
+        return cls(state_cache=cache, slots=slots, has_initial_state=init, query_start_loc=qsl,
+                   decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1)))
+
 
 class GatedDeltaNet(nn.Module):
-    # Decode batches (one row per request, no padding rows) use the Triton kernels of
+    # Decode batches (one row per request, CUDA-graph padding rows included) use the Triton kernels of
     # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
     triton_decode: bool | None = None
     # Other batches (prefill chunks, mixed prefill + decode) run the delta rule through the chunked Triton
