@@ -402,9 +402,6 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
             on, why = False, "--enforce-eager"
         elif not triton_attn:
             on, why = False, f"attention backend {backend_name} is not graph-capturable"
-        elif hybrid:
-            on, why = False, ("hybrid model: recurrent-state slots are not graph-captured yet "
-                              "(add --enforce-eager to accept eager decode)")
         else:
             on, why = True, "decode steps replay captured graphs (logits and sampling stay eager)"
         graphs = getattr(runner, "graphs", None) if runner is not None else None
