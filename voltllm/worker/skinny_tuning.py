@@ -2,9 +2,9 @@
 
 Decode at small batch is a weight-streaming problem; which implementation streams faster depends on the
 GPU, the shape and the library version, so the runner measures it once at start (a few ms per shape)
-instead of assuming it. Timings rotate over every layer's weight of that shape: a decode step reads each
-weight once from HBM, and timing one weight again and again would measure the L2 cache instead (a
-4096x4096 fp16 weight is 32 MiB; an H200's L2 holds 50 MiB).
+instead of assuming it. Timings replay a CUDA graph and rotate over every layer's weight of that shape:
+a decode step reads each weight once from HBM, and timing one weight again and again would measure the
+L2 cache instead (a 4096x4096 fp16 weight is 32 MiB; an H200's L2 holds 50 MiB).
 """
 from __future__ import annotations
 
@@ -21,15 +21,23 @@ L2_FLUSH_BYTES = 256 << 20  # stream at least this much between two reads of the
 
 
 def _time_ms(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
+    """Per-call time of fn over the rotation, replayed from a CUDA graph: decode replays graphs too, and
+    timing Python launches would measure the (slow) host instead of the kernel."""
     for w in weights[:3]:
-        fn(w)
+        fn(w)  # compile / pick algorithms outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(weights[i % len(weights)])
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for i in range(reps):
-        fn(weights[i % len(weights)])
+    graph.replay()
+    graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / reps
+    return start.elapsed_time(end) / (2 * reps)
 
 
 def _rotation(weights: list[torch.Tensor]) -> list[torch.Tensor]:
