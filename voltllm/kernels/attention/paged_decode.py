@@ -314,7 +314,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
                  use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
                  num_warps: int = 4, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -364,7 +365,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
-        LAST_REDUCES=last_reduces, num_warps=num_warps,
+        LAST_REDUCES=last_reduces, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split and not last_reduces:
         _decode_reduce_kernel[(num_seqs, num_heads)](
