@@ -4,7 +4,8 @@
 # Stages (each fits one 10-minute device call):
 #   tests    GPU test suite (pytest -m gpu) and the 8B decode + 8K prefill benchmarks
 #   conc     8B 128/128 at 1/4/16/64 concurrent, SmolLM2 GGUF batch 1 (needs /root/m/part.* and .whl)
-#   perf     quick native decode numbers (8B batch 1 / 64, SmolLM2 shape)
+#   perf     quick native decode numbers (8B batch 1 / 64, SmolLM2 shape); 8B batch 1 with a per-kernel profile
+#   kernels  GDN / MoE Triton kernels vs their torch references (qwen3.5-27b-shape, qwen3.5-35b-a3b-shape)
 #   final1   GPU suite + native numbers at the current commit
 #   final2   --compat sm70 vs native, fp8 KV capacity, hybrid qwen3.5-27b-shape
 set -uo pipefail
@@ -15,7 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
-bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "decode GEMM choice|^voltllm bench|^limits|Error|error" | head -60; }
+bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "decode GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90; }
 case $stage in
   tests)
     timeout 240 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider 2>&1 | tail -5
@@ -35,9 +36,13 @@ case $stage in
     fi
     ;;
   perf)  # quick decode check while tuning (no transformers baseline)
-    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --name perf-8b-b1
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --profile --name perf-8b-b1
     bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 --name perf-smollm2-b1
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --name perf-8b-c64
+    ;;
+  kernels)  # kernel timings: Triton vs the torch reference at the models' layer shapes (no engine)
+    bench --scenario kernels --random-weights qwen3.5-27b-shape --dtype half --name qwen3.5-27b-shape-fp16-kernels-$sha
+    bench --scenario kernels --random-weights qwen3.5-35b-a3b-shape --dtype half --name qwen3.5-35b-a3b-shape-fp16-kernels-$sha
     ;;
   final1)  # GPU suite + native-route numbers at the current commit (transformers figures: stages tests/conc)
     timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15

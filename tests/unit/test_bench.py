@@ -110,7 +110,8 @@ def test_measure_device_on_cpu():
 def test_named_shapes_have_the_documented_sizes(tmp_path):
     from voltllm.bench.shapes import make_config, materialize, shape_names
 
-    assert shape_names() == ["qwen3-0.6b-shape", "qwen3-8b-shape", "qwen3.5-27b-shape", "smollm2-135m-shape"]
+    assert shape_names() == ["qwen3-0.6b-shape", "qwen3-8b-shape", "qwen3-next-80b-a3b-shape", "qwen3.5-27b-shape",
+                             "qwen3.5-35b-a3b-shape", "smollm2-135m-shape"]
     cfg = make_config("qwen3-8b-shape")
     cost = L.meta_model_cost(cfg, torch.float16)
     # 8.19 B parameters in fp16 (norm weights may be kept in fp32: a few hundred KB more)
@@ -122,6 +123,13 @@ def test_named_shapes_have_the_documented_sizes(tmp_path):
     assert 250 < L.decode_limit_tok_s(cost, dev, 1, 640) < 265
     hybrid = make_config("qwen3.5-27b-shape")
     assert hybrid.layer_types.count("full_attention") == 16 and hybrid.num_hidden_layers == 64
+    # the MoE hybrids (Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B): parameter counts of the real checkpoints' text models
+    for name, billions, experts, top_k in (("qwen3.5-35b-a3b-shape", 34.66, 256, 8),
+                                           ("qwen3-next-80b-a3b-shape", 79.67, 512, 10)):
+        cfg = make_config(name)
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (experts, top_k, 512)
+        moe_cost = L.meta_model_cost(cfg, torch.bfloat16)
+        assert moe_cost.weight_bytes / 2e9 == pytest.approx(billions, abs=0.01)
     path = materialize("qwen3-0.6b-shape", str(tmp_path))
     with open(os.path.join(path, "config.json")) as f:
         saved = json.load(f)

@@ -7,20 +7,17 @@ generate on the same model and prompts in the same call. Writes benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Optional
 
 from voltllm.bench import limits as L
+from voltllm.bench import record as R
 from voltllm.bench.inprocess import SCENARIOS, Plan, make_plans, run_protocol
-from voltllm.bench.metrics import find_row, format_table, headline, speedup, table_rows
+from voltllm.bench.metrics import find_row, format_report, headline, speedup, table_rows
 
 logger = logging.getLogger("voltllm.bench")
 
@@ -44,9 +41,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-weights", default=None, metavar="NAME|DIR",
                    help="random weights at a named shape (qwen3-8b-shape, qwen3-0.6b-shape, qwen3.5-27b-shape) "
                         "or at the shape of a directory's config.json (implies --load-format dummy)")
-    g.add_argument("--scenario", default="decode", choices=list(SCENARIOS) + ["all"],
+    g.add_argument("--scenario", default="decode", choices=list(SCENARIOS) + ["all", "kernels"],
                    help="decode: batch 1, 512 in / 256 out; concurrency: C requests together, 128/128; "
-                        "prefill: one 8192-token prompt; all: the three")
+                        "prefill: one 8192-token prompt; all: the three; kernels: the GDN / MoE Triton kernels "
+                        "against their torch references at the model's layer shapes (CUDA only, no engine)")
     g.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: per scenario)")
     g.add_argument("--output-len", type=int, default=None, help="forced output tokens (default: per scenario)")
     g.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
@@ -70,6 +68,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-vocab", type=int, default=None,
                    help="random prompt ids are drawn from [0, N) (default: the model's vocabulary; 10000 "
                         "against a server whose config is not given)")
+    g.add_argument("--profile", action="store_true",
+                   help="after the measured runs, profile a few decode steps per decode / concurrency "
+                        "configuration (torch.profiler, CUDA kernels): <output-dir>/<name>.profile.json")
+    g.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled per configuration")
+    g.add_argument("--kernel-iters", type=int, default=20,
+                   help="--scenario kernels: timed calls per kernel (the median is reported)")
+    g.add_argument("--kernel-ref-iters", type=int, default=5, help="--scenario kernels: timed reference calls")
+    g.add_argument("--kernels", type=_str_list, default=None, metavar="NAME[,NAME]",
+                   help="--scenario kernels: only these (gdn_chunk, gdn_decode, conv_decode, moe)")
     g.add_argument("--no-limits", action="store_true", help="do not measure copy bandwidth / matmul rate")
     g.add_argument("--limit-copy-mib", type=int, default=None, help="copy test buffer (default 1024 GPU, 32 CPU)")
     g.add_argument("--limit-matmul-n", type=int, default=None, help="matmul test size (default 8192 GPU, 256 CPU)")
@@ -96,70 +103,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(["bench"] + argv)
     args.bench_argv = ["voltllm", "bench"] + argv
     return run_bench(args)
-
-
-# -- record keeping -------------------------------------------------------------------------------
-def _command(args: argparse.Namespace) -> str:
-    argv = getattr(args, "bench_argv", None)
-    if argv is None:
-        prog = os.path.basename(sys.argv[0]) or "voltllm"
-        # `python -m voltllm.cli bench ...` (no console script, e.g. PYTHONPATH=$PWD on the GPU machine)
-        head = ["python", "-m", "voltllm.cli"] if prog in ("cli.py", "__main__.py") else [prog]
-        argv = head + sys.argv[1:]
-    return shlex.join(argv)
-
-
-def _git(*cmd: str) -> Optional[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        r = subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def _commit(args: argparse.Namespace) -> tuple[str, Optional[bool]]:
-    if args.commit:
-        return args.commit, None
-    head = _git("rev-parse", "HEAD")
-    if not head:
-        return "unknown", None
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return head, bool(status) if status is not None else None
-
-
-def _env() -> dict:
-    import torch
-
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "platform": platform.platform()}
-    for mod in ("triton", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - absent or broken: record that
-            env[mod] = None
-    env["driver"] = None
-    if torch.cuda.is_available():
-        try:
-            r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=20)
-            env["driver"] = r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
-        except (OSError, subprocess.SubprocessError):
-            pass
-        env["gpu_count"] = torch.cuda.device_count()
-    return env
-
-
-def _gpu_name(device: Any) -> str:
-    import torch
-
-    if device is not None and torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(torch.device(device))
-    return "cpu"
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # -- limits -----------------------------------------------------------------------------------------
@@ -234,9 +177,15 @@ def _measure(args: argparse.Namespace, device: Any, dtype: Any) -> Optional[L.De
 def run_bench(args: argparse.Namespace) -> int:
     from voltllm.bench.shapes import materialize
 
-    command = _command(args)
+    if args.scenario == "kernels":
+        from voltllm.bench.kernel_timings import run_kernels_scenario
+
+        return run_kernels_scenario(args)
     if args.num_warm < 1:
         raise ValueError("--num-warm must be >= 1")
+    if args.profile and (args.base_url or args.profile_steps < 1):
+        raise ValueError("--profile runs torch.profiler in this process (not with --base-url) over "
+                         "--profile-steps >= 1 steps")
     plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len)
     with tempfile.TemporaryDirectory(prefix="voltllm-bench-") as tmp:
         shape = None
@@ -250,21 +199,22 @@ def run_bench(args: argparse.Namespace) -> int:
             report = _run_client(args, plans, shape)
         else:
             report = _run_inprocess(args, plans, shape)
-    report = {"command": command, **report}
-    commit, dirty = _commit(args)
-    report["commit"], report["commit_dirty"] = commit, dirty
-    report["env"] = _env()
-    name = args.name or _default_name(report, args)
-    report["name"] = name
-    ordered = {k: report[k] for k in ("name", "gpu", "commit", "commit_dirty", "command", "created", "model",
-                                      "metrics", "limit", "baseline", "env", "config") if k in report}
-    os.makedirs(args.output_dir, exist_ok=True)
-    out_path = os.path.join(args.output_dir, f"{name}.json")
-    with open(out_path, "w") as f:
-        json.dump(ordered, f, indent=1)
-        f.write("\n")
-    _print_report(ordered)
-    print(f"\nwrote {out_path}")
+    profiles = report.pop("profile_data", None)
+    ordered = R.finish(report, args, _default_name(report, args))
+    name = ordered["name"]
+    out_path = R.write_json(ordered, args.output_dir, f"{name}.json")
+    profile_path = None
+    if profiles is not None:
+        from voltllm.bench.profile import profile_file
+
+        profile_path = R.write_json(profile_file(ordered, profiles), args.output_dir, f"{name}.profile.json")
+    print(format_report(ordered))
+    if profiles is not None:
+        from voltllm.bench.profile import format_profiles
+
+        print()
+        print(format_profiles(profiles))
+    print(f"\nwrote {out_path}" + (f" and {profile_path}" if profile_path else ""))
     return 0
 
 
@@ -304,10 +254,16 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     limit["model_cost"] = cost.to_json()
     if dev_limits:
         limit["device"] = dev_limits.to_json()
+    profiles = None
+    if args.profile:  # after every measured run, so that profiling cannot change the metrics above
+        from voltllm.bench.profile import profile_plans
+
+        profiles = profile_plans(engine, plans, vocab, args.prompt_seed, args.profile_steps,
+                                 args.temperature, args.top_p, args.top_k)
     report: dict[str, Any] = {
-        "gpu": _gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "gpu": R.gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"source": config.model.model, "shape": shape, "architecture": config.model.architecture,
-                  "dtype": _dtype_name(dtype), "load_format": config.model.load_format,
+                  "dtype": R.dtype_name(dtype), "load_format": config.model.load_format,
                   "params": sum(p.numel() for p in model.parameters()), "weight_bytes": cost.weight_bytes},
         "config": {"device": str(device), "max_model_len": config.model.max_model_len,
                    "max_num_seqs": config.scheduler.max_num_seqs,
@@ -322,6 +278,11 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
         "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
         "limit": limit,
     }
+    if profiles is not None:
+        from voltllm.bench.profile import profile_summary
+
+        report["profile"] = profile_summary(profiles)
+        report["profile_data"] = profiles
     if args.baseline:
         model_path = config.model.model
         load_format = config.model.load_format
@@ -414,33 +375,12 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
     if dev_limits:
         limit["device"] = dev_limits.to_json()
     return {
-        "gpu": _gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "gpu": R.gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"source": model_path, "shape": shape, "server": args.base_url, "server_model": runner.model,
-                  "dtype": _dtype_name(dtype) if dtype is not None else None,
+                  "dtype": R.dtype_name(dtype) if dtype is not None else None,
                   "weight_bytes": cost.weight_bytes if cost else None},
         "config": {"client_side_times": True, "temperature": args.temperature, "top_p": args.top_p,
                    "top_k": args.top_k, "prompt_seed": args.prompt_seed, "num_warm": args.num_warm},
         "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
         "limit": limit,
     }
-
-
-def _print_report(report: dict) -> None:
-    model = report.get("model", {})
-    lim = report.get("limit") or {}
-    title = (f"voltllm bench: {model.get('shape') or model.get('source')} {model.get('dtype')} on {report.get('gpu')}"
-             f" (commit {str(report.get('commit'))[:12]})")
-    print()
-    print(format_table(report["metrics"]["table"], title))
-    if lim.get("copy_GBps"):
-        print(f"\nlimits: copy {lim['copy_GBps']:.4g} GB/s (read + write), matmul {lim['matmul_TFLOPs']:.4g} TFLOP/s"
-              + (f"; decode limit (batch 1) {lim['decode_limit_tok_s']:.1f} tok/s" if lim.get("decode_limit_tok_s")
-                 else "")
-              + (f", pure decode at {lim['ratio']:.1%} of it" if lim.get("ratio") else ""))
-    for variant, b in (report.get("baseline") or {}).items():
-        if "error" in b:
-            print(f"\nbaseline {variant}: failed: {b['error']}")
-            continue
-        print()
-        print(format_table(b["metrics"]["table"], f"baseline {variant} (transformers {b['transformers']})",
-                           ratio_header="voltllm/hf"))

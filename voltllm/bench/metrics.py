@@ -223,3 +223,24 @@ def format_table(rows: Sequence[dict], title: str = "", ratio_header: str = "rat
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
     return "\n".join(lines)
+
+
+def format_report(report: dict) -> str:
+    """The printed summary of a result file: the table, the limits, the baselines' tables."""
+    model = report.get("model", {})
+    lim = report.get("limit") or {}
+    title = (f"voltllm bench: {model.get('shape') or model.get('source')} {model.get('dtype')} on {report.get('gpu')}"
+             f" (commit {str(report.get('commit'))[:12]})")
+    out = ["", format_table(report["metrics"]["table"], title)]
+    if lim.get("copy_GBps"):
+        out.append(f"\nlimits: copy {lim['copy_GBps']:.4g} GB/s (read + write), matmul {lim['matmul_TFLOPs']:.4g} "
+                   "TFLOP/s" + (f"; decode limit (batch 1) {lim['decode_limit_tok_s']:.1f} tok/s"
+                                if lim.get("decode_limit_tok_s") else "")
+                   + (f", pure decode at {lim['ratio']:.1%} of it" if lim.get("ratio") else ""))
+    for variant, b in (report.get("baseline") or {}).items():
+        if "error" in b:
+            out.append(f"\nbaseline {variant}: failed: {b['error']}")
+            continue
+        out += ["", format_table(b["metrics"]["table"], f"baseline {variant} (transformers {b['transformers']})",
+                                 ratio_header="voltllm/hf")]
+    return "\n".join(out)

@@ -29,6 +29,22 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
         tie_word_embeddings=False, max_position_embeddings=262144)),
+    # hybrid + sparse MoE in every layer: Qwen3.5-35B-A3B (transformers' Qwen3_5MoeTextConfig defaults are
+    # this checkpoint's): 256 experts, 8 routed + 1 shared expert per token, expert width 512
+    "qwen3.5-35b-a3b-shape": ("Qwen3_5MoeTextConfig", dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False,
+        max_position_embeddings=262144)),
+    # Qwen3-Next-80B-A3B: 512 experts, 10 routed + 1 shared per token, expert width 512
+    "qwen3-next-80b-a3b-shape": ("Qwen3NextConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        max_position_embeddings=262144)),
 }
 
 

@@ -1,0 +1,101 @@
+"""`voltllm bench --profile`: the per-kernel summary on synthetic profiler records (names, calls and time per
+step, GPU busy time as the union of intervals), and the profile run end to end on the CPU (a tiny model: no GPU
+kernels there, but the requests, the two timed windows and the files are the GPU path's)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from voltllm.bench.profile import busy_us, format_profiles, gpu_events, launch_counts, shorten, summarize
+
+
+def _ev(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_shorten_kernel_names():
+    assert shorten("_gdn_decode_kernel") == "_gdn_decode_kernel"  # Triton: as it is
+    assert shorten("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+                   "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)") == \
+        "vectorized_elementwise_kernel<4, FillFunctor<float>, array<char*, 1ul> >"
+    assert shorten("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+                   "at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)") == \
+        "cunn_SoftMaxForward<4, float, float, float, SoftMaxForwardEpilogue>"
+    assert shorten("void cutlass::Kernel2<cutlass_80_wmma_tensorop_f16_s161616gemm_f16_32x32_128x1_tn_align8>("
+                   "cutlass_80_wmma_tensorop_f16_s161616gemm_f16_32x32_128x1_tn_align8::Params)") == \
+        "cutlass_80_wmma_tensorop_f16_s161616gemm_f16_32x32_128x1_tn_align8"
+    assert shorten("Memcpy HtoD (Pinned -> Device)") == "Memcpy HtoD (Pinned -> Device)"
+    assert len(shorten("k" * 200)) == 80
+
+
+def test_busy_time_is_the_union_of_intervals():
+    evs = [{"ts": 0.0, "dur": 10.0}, {"ts": 5.0, "dur": 10.0}, {"ts": 30.0, "dur": 5.0}, {"ts": 31.0, "dur": 1.0}]
+    assert busy_us(evs) == 20.0
+    assert busy_us([]) == 0.0
+
+
+def test_trace_parsing_and_per_step_summary():
+    # two steps of 100 us wall: gemv 2x per step (20 us each), norm once (5 us), one memcpy overlapping a gemv
+    trace = {"traceEvents": [
+        _ev("gemv", 0, 20), _ev("gemv", 25, 20), _ev("norm", 50, 5), _ev("Memcpy HtoD", 10, 4, "gpu_memcpy"),
+        _ev("gemv", 100, 20), _ev("gemv", 125, 20), _ev("norm", 150, 5), _ev("Memcpy HtoD", 110, 4, "gpu_memcpy"),
+        _ev("aten::mm", 0, 300, "cpu_op"), {"ph": "i", "cat": "kernel", "name": "instant", "ts": 3},
+        _ev("cudaLaunchKernel", 0, 2, "cuda_runtime"), _ev("cudaLaunchKernel", 3, 2, "cuda_runtime"),
+        _ev("cudaGraphLaunch", 5, 2, "cuda_runtime"), _ev("cudaStreamSynchronize", 9, 50, "cuda_runtime")]}
+    evs = gpu_events(trace)
+    assert len(evs) == 8 and {e["cat"] for e in evs} == {"kernel", "gpu_memcpy"}
+    launches = launch_counts(trace)
+    assert launches == {"cudaLaunchKernel": 2, "cudaGraphLaunch": 1}
+    s = summarize(evs, steps=2, wall_s=200e-6, wall_s_profiled=260e-6, launches=launches)
+    assert s["wall_us_per_step"] == pytest.approx(100.0) and s["wall_us_per_step_profiled"] == pytest.approx(130.0)
+    assert s["gpu_busy_us_per_step"] == pytest.approx(45.0)  # the memcpy hides under a gemv
+    assert s["kernel_sum_us_per_step"] == pytest.approx(49.0)
+    assert s["gpu_busy_frac"] == pytest.approx(0.45) and s["gpu_idle_us_per_step"] == pytest.approx(55.0)
+    assert s["kernels_per_step"] == 4 and s["launches_per_step"] == {"cudaGraphLaunch": 0.5, "cudaLaunchKernel": 1.0}
+    top = s["kernels"][0]
+    assert (top["name"], top["calls_per_step"], top["us_per_step"]) == ("gemv", 2.0, 40.0)
+    assert top["pct"] == pytest.approx(40 / 49)
+    assert [k["name"] for k in s["kernels"]] == ["gemv", "norm", "Memcpy HtoD"]
+    text = format_profiles([{"scenario": "decode", "concurrency": 1, "context_len_at_start": 640, **s}], top=2)
+    assert "GPU busy 45.0 us/step (45% of wall" in text and "gemv" in text and "(1 more)" in text
+
+
+def test_summary_without_gpu_activity():
+    s = summarize([], steps=3, wall_s=3e-3, wall_s_profiled=4e-3)
+    assert s["gpu_busy_us_per_step"] is None and s["gpu_busy_frac"] is None and s["kernels"] == []
+    assert s["wall_us_per_step"] == pytest.approx(1000.0)
+
+
+def test_profile_end_to_end_on_cpu(tmp_path):
+    from transformers import Qwen3Config
+
+    from voltllm.bench.cli import main
+
+    model_dir = tmp_path / "tiny"
+    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
+    out = tmp_path / "results"
+    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "concurrency", "--concurrency",
+            "1,2", "--input-len", "12", "--output-len", "6", "--num-warm", "1", "--no-limits", "--profile",
+            "--profile-steps", "3", "--output-dir", str(out), "--name", "p", "--commit", "abc"]
+    assert main(argv) == 0
+    res = json.loads((out / "p.json").read_text())
+    assert len(res["metrics"]["runs"]) == 2 * 2  # the measured runs only (1 cold + 1 warm per concurrency)
+    assert [p["concurrency"] for p in res["profile"]] == [1, 2]
+    prof = json.loads((out / "p.profile.json").read_text())
+    assert prof["name"] == "p" and prof["commit"] == "abc" and prof["command"] == res["command"]
+    for p in prof["profiles"]:
+        assert p["steps"] == 3 and p["scenario"] == "concurrency" and p["input_len"] == 12
+        assert p["context_len_at_start"] >= 14  # decoding when the windows start
+        assert p["wall_us_per_step"] > 0 and p["wall_us_per_step_profiled"] > 0
+        assert p["kernels"] == [] and p["gpu_busy_us_per_step"] is None  # the CPU has no GPU kernels
+
+
+def test_profile_needs_the_engine_in_process():
+    from voltllm.bench.cli import main
+
+    with pytest.raises(ValueError, match="--profile"):
+        main(["--random-weights", "qwen3-0.6b-shape", "--base-url", "http://127.0.0.1:9", "--profile"])
+    with pytest.raises(ValueError, match="--profile"):
+        main(["--random-weights", "qwen3-0.6b-shape", "--device", "cpu", "--profile", "--profile-steps", "0"])

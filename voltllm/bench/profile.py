@@ -1,0 +1,242 @@
+"""`voltllm bench --profile`: where a decode step's time goes, per GPU kernel.
+
+After the measured runs (so the metrics are those of an unprofiled engine), for each decode / concurrency
+configuration: C fresh requests (the configuration's prompt length and sampling) are started and decoded to
+the middle of their output; then
+  1. `--profile-steps` engine steps run unprofiled: wall time per step (synchronized at both ends);
+  2. as many steps run under torch.profiler (CUDA activity): every kernel / memcpy / memset the GPU ran,
+     and the host's launch calls.
+The requests are then aborted. Per configuration: kernels grouped by name (calls per step, us per step,
+share of the summed kernel time), GPU busy time per step (union of the GPU activity intervals), and the
+wall time per step with and without the profiler. busy / unprofiled wall well below 1 means the GPU waits
+for the host (launch or scheduling gaps), not for memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from voltllm.bench.inprocess import Plan, prompt_seed, random_prompts, sampling_params
+
+logger = logging.getLogger("voltllm.bench")
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
+_NAMESPACES = re.compile(r"\(anonymous namespace\)::|\b(?:at::native::|at::cuda::|std::|c10::|cutlass::|cute::)")
+
+
+def shorten(name: str, width: int = 80) -> str:
+    """A kernel name for a table: no 'void ', no parameter list, common namespaces dropped, cut to width."""
+    n = name.strip()
+    if n.startswith("void ") and n.endswith(")"):  # a demangled C++ kernel: drop "void " and "(parameters)"
+        n = n[5:]
+        depth = 0
+        for i in range(len(n) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(n[i], 0)
+            if depth == 0:
+                n = n[:i] if i > 0 else n
+                break
+    n = _NAMESPACES.sub("", n).strip()
+    wrapped = re.fullmatch(r"(?:Kernel2?|device_kernel)<(.+)>", n)  # cutlass wrappers: the instance says more
+    n = wrapped.group(1).strip() if wrapped else n
+    return n if len(n) <= width else n[:width - 3] + "..."
+
+
+def gpu_events(trace: dict) -> list[dict]:
+    """GPU activity records (name, cat, ts, dur in us) of a chrome trace written by torch.profiler."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") in GPU_CATEGORIES and "dur" in ev:
+            out.append({"name": ev.get("name", "?"), "cat": ev["cat"], "ts": float(ev["ts"]), "dur": float(ev["dur"])})
+    return out
+
+
+def launch_counts(trace: dict) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") in ("cuda_runtime", "cuda_driver") and ev.get("name") in LAUNCH_CALLS:
+            counts[ev["name"]] = counts.get(ev["name"], 0) + 1
+    return counts
+
+
+def busy_us(events: Sequence[dict]) -> float:
+    """Length of the union of the events' [ts, ts + dur] intervals (overlapping streams count once)."""
+    total, end = 0.0, None
+    for ev in sorted(events, key=lambda e: e["ts"]):
+        s, e = ev["ts"], ev["ts"] + ev["dur"]
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def summarize(events: Sequence[dict], steps: int, wall_s: float, wall_s_profiled: float,
+              launches: Optional[dict[str, int]] = None) -> dict:
+    """Per-kernel table and busy / wall time per step from GPU activity records of `steps` steps."""
+    groups: dict[str, list[float]] = {}
+    for ev in events:
+        g = groups.setdefault(ev["name"], [0, 0.0])
+        g[0] += 1
+        g[1] += ev["dur"]
+    kernel_sum = sum(g[1] for g in groups.values())
+    kernels = [{"name": name, "short": shorten(name), "calls_per_step": n / steps, "us_per_step": us / steps,
+                "pct": us / kernel_sum if kernel_sum else None}
+               for name, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
+    wall_us = wall_s * 1e6 / steps
+    busy = busy_us(events) / steps if events else None  # None: no GPU activity at all (a CPU run)
+    return {"steps": steps, "wall_us_per_step": wall_us, "wall_us_per_step_profiled": wall_s_profiled * 1e6 / steps,
+            "gpu_busy_us_per_step": busy, "kernel_sum_us_per_step": kernel_sum / steps,
+            "gpu_busy_frac": busy / wall_us if busy is not None and wall_us > 0 else None,
+            "gpu_idle_us_per_step": wall_us - busy if busy is not None else None,
+            "kernels_per_step": sum(g[0] for g in groups.values()) / steps,
+            "launches_per_step": {k: v / steps for k, v in sorted((launches or {}).items())},
+            "kernels": kernels}
+
+
+# -- driving the engine -----------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _drain(engine: Any, limit: int = 10000) -> None:
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+    raise RuntimeError("the engine did not go idle")
+
+
+def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = -1, sampling_seed: int = 0) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from voltllm.engine.types import EngineCoreRequest
+
+    device = torch.device(engine.runner.device)
+    _drain(engine)
+    pre = max(2, plan.output_len // 2 - steps)  # decode to the middle of the output before measuring
+    max_tokens = max(plan.output_len, pre + 2 * steps + 4)  # nobody finishes inside the two windows
+    counts: dict[str, int] = {}
+    t0 = time.monotonic()
+    for i, ids in enumerate(prompts):
+        rid = f"profile-{plan.scenario}-{plan.concurrency}-{i}"
+        sp = sampling_params(max_tokens, temperature, top_p, top_k, sampling_seed + i)
+        engine.add_request(EngineCoreRequest(rid, list(ids), sp, arrival_time=t0))
+        counts[rid] = 0
+
+    def step() -> None:
+        for o in engine.step():
+            if o.request_id in counts:
+                counts[o.request_id] += len(o.new_token_ids)
+                if o.finished:
+                    raise RuntimeError(f"profile request {o.request_id} finished early ({o.finish_reason})")
+
+    for _ in range(100 * (pre + 8) + 1000):
+        if min(counts.values()) >= pre:
+            break
+        step()
+    else:
+        raise RuntimeError("the profile requests did not reach their decode phase")
+    context = plan.input_len + min(counts.values())
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    wall = time.perf_counter() - t
+    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with tempfile.TemporaryDirectory(prefix="voltllm-profile-") as tmp:
+        with profile(activities=acts) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            _sync(device)
+            wall_prof = time.perf_counter() - t
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    engine.abort_requests(list(counts))
+    _drain(engine)
+    out = {"scenario": plan.scenario, "concurrency": plan.concurrency, "input_len": plan.input_len,
+           "output_len": plan.output_len, "context_len_at_start": context}
+    out.update(summarize(gpu_events(trace), steps, wall, wall_prof, launch_counts(trace)))
+    return out
+
+
+def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, steps: int, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = -1) -> list[dict]:
+    """One profile per decode / concurrency configuration (prefill plans are skipped)."""
+    if steps < 1:
+        raise ValueError("--profile-steps must be >= 1")
+    out = []
+    for plan in plans:
+        if plan.scenario not in ("decode", "concurrency"):
+            continue
+        max_seqs = engine.config.scheduler.max_num_seqs
+        if plan.concurrency > max_seqs:  # some requests would wait for others to finish: not one decode batch
+            logger.warning("not profiling concurrency %d > --max-num-seqs %d", plan.concurrency, max_seqs)
+            continue
+        prompts = random_prompts(plan.concurrency, plan.input_len, vocab, prompt_seed(seed, plan, 10_000))
+        logger.info("profiling %s c=%d (%d steps)", plan.scenario, plan.concurrency, steps)
+        out.append(profile_plan(engine, plan, prompts, steps, temperature, top_p, top_k, seed))
+    return out
+
+
+# -- output -----------------------------------------------------------------------------------------
+def profile_summary(profiles: list[dict], top: int = 5) -> list[dict]:
+    """The result file's `profile` entry: per configuration the per-step figures and the top kernels."""
+    keys = ("scenario", "concurrency", "input_len", "output_len", "context_len_at_start", "steps",
+            "wall_us_per_step", "wall_us_per_step_profiled", "gpu_busy_us_per_step", "gpu_busy_frac",
+            "gpu_idle_us_per_step", "kernel_sum_us_per_step", "kernels_per_step")
+    return [{**{k: p[k] for k in keys},
+             "top_kernels": [{k: r[k] for k in ("short", "us_per_step", "pct")} for r in p["kernels"][:top]]}
+            for p in profiles]
+
+
+def profile_file(report: dict, profiles: list[dict]) -> dict:
+    head = {k: report.get(k) for k in ("name", "gpu", "commit", "command", "created", "model")}
+    return {**head, "profiles": profiles}
+
+
+def _f(v: Optional[float], spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_profiles(profiles: list[dict], top: int = 15) -> str:
+    lines = []
+    for p in profiles:
+        launches = ", ".join(f"{k} {v:.0f}" for k, v in p["launches_per_step"].items())
+        lines.append(f"profile {p['scenario']} C={p['concurrency']} (context {p['context_len_at_start']}, "
+                     f"{p['steps']} steps): wall {_f(p['wall_us_per_step'])} us/step "
+                     f"({_f(p['wall_us_per_step_profiled'])} under the profiler), GPU busy "
+                     f"{_f(p['gpu_busy_us_per_step'])} us/step ({_f(p['gpu_busy_frac'], '.0%')} of wall, idle "
+                     f"{_f(p['gpu_idle_us_per_step'])} us/step), "
+                     f"{_f(p['kernels_per_step'], '.0f')} GPU ops/step" + (f"; launches/step: {launches}"
+                                                                             if launches else ""))
+        if not p["kernels"]:
+            lines.append("  (no GPU activity recorded: a CPU run, or the profiler could not trace the GPU)")
+            continue
+        rows = [(r["short"], _f(r["calls_per_step"], ".1f"), _f(r["us_per_step"]), _f(r["pct"], ".1%"))
+                for r in p["kernels"][:top]]
+        rest = p["kernels"][top:]
+        if rest:
+            rows.append((f"({len(rest)} more)", _f(sum(r["calls_per_step"] for r in rest), ".1f"),
+                         _f(sum(r["us_per_step"] for r in rest)), _f(sum(r["pct"] or 0 for r in rest), ".1%")))
+        head = ("kernel", "calls/step", "us/step", "% GPU")
+        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
