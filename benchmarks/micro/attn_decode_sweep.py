@@ -1,0 +1,60 @@
+"""Decode attention tile sweep (voltllm.kernels.attention.paged_decode) at decode batch shapes (GPU only).
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/attn_decode_sweep.py
+
+qwen3-8b heads (32 q / 8 kv, d128, page 16), random contexts, four caches rotated, CUDA-graph replays;
+prints the default tile and the five fastest (split count, BLOCK_N, warps, stages) per shape.
+"""
+import itertools
+import torch
+from voltllm.kernels.attention.paged_decode import paged_decode, decode_scratch_numel, choose_num_splits
+torch.manual_seed(0)
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+def case(bs, ctx_lo, ctx_hi):
+    lens = torch.randint(ctx_lo, ctx_hi + 1, (bs,))
+    nblk = int(sum((l + PAGE - 1) // PAGE for l in lens.tolist())) + 1
+    caches = [torch.randn(2, nblk, PAGE, HKV, D, dtype=torch.float16, device="cuda") for _ in range(4)]
+    perm = torch.randperm(nblk - 1) + 1
+    width = int(max((l + PAGE - 1) // PAGE for l in lens.tolist()))
+    bt = torch.zeros(bs, width, dtype=torch.int32); i = 0
+    for r, l in enumerate(lens.tolist()):
+        n = (l + PAGE - 1) // PAGE; bt[r, :n] = perm[i:i + n]; i += n
+    q = torch.randn(bs, HQ, D, dtype=torch.float16, device="cuda")
+    return q, caches, bt.cuda(), lens.to(torch.int32).cuda(), torch.arange(bs + 1, dtype=torch.int32, device="cuda"), lens
+def timeit(fn, reps=20):
+    fn(0); torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps): fn(i % 4)
+    g.replay(); torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record(); g.replay(); g.replay(); e.record(); e.synchronize()
+    return s.elapsed_time(e) / (2 * reps) * 1e3
+for bs, lo, hi in ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700), (1, 8000, 8200)):
+    q, caches, bt, sl, qsl, lens = case(bs, lo, hi)
+    kvbytes = int(lens.sum()) * HKV * D * 2 * 2
+    out = torch.empty_like(q)
+    ref = None
+    res = []
+    base_splits = choose_num_splits(bs, HKV, 40960, 132)
+    for splits in sorted({1, 2, 4, base_splits}):
+        no, nl = decode_scratch_numel(bs, HQ, splits, D)
+        po = torch.empty(no, device="cuda"); pl = torch.empty(nl, device="cuda")
+        cnt = torch.zeros(bs * HKV, dtype=torch.int32, device="cuda")
+        for bn, nw, ns in itertools.product((32, 64), (4, 8), (1, 2, 3)):
+            try:
+                f = lambda i: paged_decode(q, caches[i], bt, sl, qsl, 0.088, out, num_splits=splits, part_o=po, part_lse=pl,
+                                           counters=cnt if splits > 1 else None, block_n=bn, num_warps=nw, num_stages=ns)
+                f(0); torch.cuda.synchronize()
+                if ref is None: ref = out.clone()
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                if err > 5e-3: print("bad", bs, splits, bn, nw, ns, err); continue
+                t = timeit(f)
+            except Exception as ex:
+                print("fail", bs, splits, bn, nw, ns, str(ex)[:80]); continue
+            res.append((t, splits, bn, nw, ns))
+    res.sort()
+    default = [r for r in res if r[1] == base_splits and r[2] == 64 and r[3] == 4 and r[4] == 3]
+    print(f"bs={bs} ctx {lo}-{hi} KV {kvbytes/1e6:.1f}MB | default {default[0] if default else None} {kvbytes/default[0][0]/1e3 if default else 0:.2f}TB/s")
+    for r in res[:5]:
+        print(f"   {r[0]:7.1f}us {kvbytes/r[0]/1e3:5.2f}TB/s splits={r[1]} block_n={r[2]} warps={r[3]} stages={r[4]}")
