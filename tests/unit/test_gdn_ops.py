@@ -182,3 +182,16 @@ def test_state_cache_note_step():
     c.note_step([b], [0], [4])  # restart from token 0 (preemption) is always allowed
     c.free("a")
     assert c.num_tokens[c.allocate("c")] == 0
+
+
+def test_triton_prefill_routing():
+    """One long prefill goes to the torch chunked form (the Triton kernel under-fills the GPU there);
+    several sequences, or a short one, keep the Triton kernel."""
+    from types import SimpleNamespace
+
+    from voltllm.model.layers.gdn import LONG_SINGLE_PREFILL, GatedDeltaNet
+
+    fits = GatedDeltaNet._triton_prefill_fits
+    assert not fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL]))
+    assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL - 1]))
+    assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL, LONG_SINGLE_PREFILL + 1]))

@@ -27,6 +27,8 @@ from voltllm.kernels import gdn_ref
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear
 
+LONG_SINGLE_PREFILL = 2048  # tokens: a step that is one prefill this long runs the torch chunked form
+
 
 @dataclass
 class HybridBatch:
@@ -97,7 +99,8 @@ class GatedDeltaNet(nn.Module):
     # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
     triton_decode: bool | None = None
     # Other batches (prefill chunks, mixed prefill + decode) run the delta rule through the chunked Triton
-    # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors only.
+    # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except a step that is a single long
+    # prefill (_triton_prefill_fits); True / False force it.
     triton_prefill: bool | None = None
 
     def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split"):
@@ -168,7 +171,8 @@ class GatedDeltaNet(nn.Module):
         if fast:
             o = gdn_decode.gated_delta_rule_decode(q, k, v, g, beta, ssm_states, batch.slots,
                                                    batch.has_initial_state)
-        elif (x.is_cuda if self.triton_prefill is None else self.triton_prefill) and not batch.decode_only:
+        elif (self._triton_prefill_fits(batch) if self.triton_prefill is None and x.is_cuda
+              else bool(self.triton_prefill)) and not batch.decode_only:
             from voltllm.kernels import gdn_chunk
             if batch.chunk_meta is None:
                 batch.chunk_meta = gdn_chunk.chunk_meta(batch.query_start_loc, batch.has_initial_state)
@@ -179,6 +183,16 @@ class GatedDeltaNet(nn.Module):
                                                 batch.has_initial_state, batch.decode_only)
         o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
         return self.out_proj(o.reshape(t, self.value_dim))
+
+    @staticmethod
+    def _triton_prefill_fits(batch: HybridBatch) -> bool:
+        """The Triton chunk kernel runs one program per (sequence, head, value block) and walks a sequence's
+        chunks in order, so one long sequence under-fills the GPU: at qwen3.5-27b shapes, one 8192-token
+        sequence took 93 ms there against 32 ms in the torch chunked form (batched fp32 matmuls, H200).
+        Batches of several sequences keep the kernel; a step that is one long prefill uses torch."""
+        qsl = batch.query_start_loc
+        lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+        return not (len(lens) == 1 and lens[0] >= LONG_SINGLE_PREFILL)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         of = o.float()
