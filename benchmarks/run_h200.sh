@@ -8,6 +8,9 @@
 #   kernels  GDN / MoE Triton kernels vs their torch references (qwen3.5-27b-shape, qwen3.5-35b-a3b-shape)
 #   final1   GPU suite + native numbers at the current commit
 #   final2   --compat sm70 vs native, fp8 KV capacity, hybrid qwen3.5-27b-shape
+#   native   (session 2) 8B batch 1 with a profile, 8B 1/4/16/64, SmolLM2 shape, --compat sm70 8B, fp8 KV capacity
+#   hybrid   (session 2) hybrid CUDA-graph tests, qwen3.5-27b-shape decode / 8K / 32K prefill, kernel timings,
+#            one 128K prompt
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -60,6 +63,31 @@ case $stage in
     bench $h27 --scenario prefill --input-len 8192 --num-warm 1 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha
     bench $h27 --scenario prefill --input-len 32768 --num-warm 1 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-32k-$sha
     bench $h27 --scenario prefill --input-len 131072 --num-warm 1 --max-model-len 131328 --name qwen3.5-27b-shape-fp16-prefill-128k-$sha
+    ;;
+  native)
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
+      --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-concurrency-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario all --concurrency 64 --num-warm 1 \
+      --name qwen3-8b-shape-fp16-compat-sm70-$sha
+    for kv in auto fp8; do
+      python3 -m voltllm.cli bench --random-weights qwen3-8b-shape --dtype half --kv-cache-dtype $kv --scenario decode \
+        --input-len 512 --output-len 16 --num-warm 1 --no-limits --output-dir /tmp/kvcap 2>&1 | grep -E "KV cache:" | head -2
+    done
+    ;;
+  hybrid)
+    timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py -k cuda_graphs -p no:cacheprovider -rf 2>&1 | tail -4
+    h27="--random-weights qwen3.5-27b-shape --dtype half --max-num-seqs 4 --max-num-batched-tokens 8192 --num-warm 1"
+    bench $h27 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --name qwen3.5-27b-shape-fp16-decode-b1-$sha
+    bench $h27 --scenario prefill --input-len 8192 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha
+    bench $h27 --scenario prefill --input-len 32768 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-32k-$sha
+    for m in qwen3.5-27b-shape qwen3.5-35b-a3b-shape; do
+      bench --scenario kernels --random-weights $m --dtype half --kernel-iters 5 --kernel-ref-iters 2 --name $m-fp16-kernels-$sha
+    done
+    bench $h27 --scenario prefill --input-len 131072 --max-model-len 131328 --name qwen3.5-27b-shape-fp16-prefill-128k-$sha
     ;;
 esac
 ls "$out"
