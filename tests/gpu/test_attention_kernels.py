@@ -56,7 +56,7 @@ def _poison_allocator(case: H.Case) -> None:
 
 
 def _poison_scratch(backend) -> None:
-    for o, l, _ in backend._scratch.values():
+    for o, l in backend._scratch.values():
         o.fill_(float("nan"))
         l.fill_(float("nan"))
 

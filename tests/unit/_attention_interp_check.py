@@ -135,31 +135,17 @@ def run_kernel_case(case: Case, kind: str, **kw) -> tuple[float, str]:
     cache = case.kv_cache.clone()
     kv_write(case.k, case.v, cache, m.slot_mapping)
     out = torch.full_like(case.q, float("nan"))
-    problems = []
     if kind == "decode":
         splits = kw.pop("num_splits", 1)
         no, nl = decode_scratch_numel(m.seq_lens.shape[0], case.q.shape[1], splits, case.q.shape[2])
-        # split-KV: the separate merge kernel, then the in-kernel merge by the last partition (counters)
-        for merge in (("kernel", "last-partition") if splits > 1 else ("none",)):
-            part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=case.q.device)
-            part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=case.q.device)
-            counters = None
-            if merge == "last-partition":
-                counters = torch.zeros(m.seq_lens.shape[0] * cache.shape[3] + 3, dtype=torch.int32,
-                                       device=case.q.device)
-                first = out.clone()
-                out.fill_(float("nan"))
-            paged_decode(case.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale, out,
-                         num_splits=splits, part_o=part_o, part_lse=part_l, counters=counters, **kw)
-            if counters is not None:
-                if counters.any():
-                    problems.append("merge counters not left at zero")
-                rows = real_rows(case)[:m.num_tokens]  # same sums in the same order; FMA contraction may differ
-                if rel_err(out.cpu()[:m.num_tokens][rows], first.cpu()[:m.num_tokens][rows].float()) > 1e-3:
-                    problems.append("in-kernel merge differs from the merge kernel")
+        part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=case.q.device)
+        part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=case.q.device)
+        paged_decode(case.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale, out,
+                     num_splits=splits, part_o=part_o, part_lse=part_l, **kw)
     else:
         paged_prefill(case.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale, out,
                       max_query_len=m.max_query_len, **kw)
+    problems = []
     if not torch.allclose(cache.cpu().float(), ref_cache.float(), equal_nan=True, rtol=0, atol=0):
         problems.append("cache differs from reference write")
     keep = real_rows(case)[:m.num_tokens]
