@@ -259,6 +259,9 @@ def test_engine_compat_vs_native(tiny):
         print(f"\n{kv}: native vs --compat sm70 teacher-forced top-1 agreement over 256 tokens: {agree['compat']:.4f}")
         assert agree["compat"] >= 0.97
         assert be.sdpa_prefill.calls > 0
+        # teacher forcing drives the runner step by step; a real generate must replay the decode graphs
+        from voltllm import SamplingParams
+        compat.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert compat.engine.runner.graphs is not None and compat.engine.runner.graphs.replays > 0
         compat.engine.check_integrity()
         del native, compat
