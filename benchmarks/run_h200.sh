@@ -21,8 +21,11 @@ fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
 bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "decode GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90; }
 case $stage in
-  tests)
-    timeout 240 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider 2>&1 | tail -5
+  tests)  # one file at a time with its own limit, full output under $OUT; then the 8B decode + 8K prefill
+    for f in tests/gpu/test_*.py; do
+      timeout 150 python3 -m pytest -q -m gpu "$f" -p no:cacheprovider -rf > "$out/$(basename "$f" .py).txt" 2>&1
+      echo "$f rc=$? $(tail -1 "$out/$(basename "$f" .py).txt")"
+    done
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
       --baseline hf --baseline-num-warm 1 --name qwen3-8b-shape-fp16-decode-b1
     bench --random-weights qwen3-8b-shape --dtype half --scenario prefill --input-len 8192 --baseline hf \
