@@ -41,8 +41,10 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     qf = q.transpose(0, 1).float()
     kf = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
     vf = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-    q_pos = torch.arange(lk - lq, lk, device=q.device)
-    mask = torch.arange(lk, device=q.device)[None, :] <= q_pos[:, None]
+    mask = None  # one query row (decode) sees every key: no mask. Same result, and torch's masked CPU path
+    if lq > 1:   # is ~1000x slower with several threads (OpenMP sync on tiny work)
+        q_pos = torch.arange(lk - lq, lk, device=q.device)
+        mask = torch.arange(lk, device=q.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).to(q.dtype)
 
