@@ -368,9 +368,12 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
         sw = dev.compat != "none" or not plat.native_fp8
         impl = (backend_routes or {}).get("kv_cache") or (
             f"{kv_dtype}: " + ("software fp8 codec (integer bit ops, uint8 pages)" if sw else "fp8 KV cache"))
+        scales = ("per-layer scales from the first forward's K/V amax (--calculate-kv-scales; checkpoint scales "
+                  "take precedence)" if getattr(config.cache, "calculate_kv_scales", False)
+                  else "per-layer scales from the checkpoint, else 1.0")
         routes["kv_codec"] = _route(
             cuda, cuda, impl,
-            "KV pages are fp8 with per-layer scales" if cuda else cpu_reason)
+            f"KV pages are fp8 with {scales}" if cuda else cpu_reason)
     elif kv_dtype.startswith("fp8"):
         routes["kv_codec"] = _route(False, cuda, kv_dtype, "the fp8 KV cache is not wired into this engine yet")
     else:
@@ -457,6 +460,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
         "configuration": {
             "model": str(config.model.model), "architecture": config.model.architecture, "hybrid": hybrid,
             "device": str(dev.device), "compat": dev.compat, "dtype": dtype, "kv_cache_dtype": kv_dtype,
+            "calculate_kv_scales": bool(getattr(config.cache, "calculate_kv_scales", False)),
             "attention_backend": backend_name, "enforce_eager": dev.enforce_eager,
             "quantization": quant, "require_acceleration": bool(getattr(dev, "require_acceleration", False)),
         },

@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
+                   help="fp8 KV cache: set each layer's k/v scale from the first forward's K/V amax "
+                        "(checkpoint scales take precedence; ignored for a float cache)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--require-acceleration", action="store_true",
                    help="refuse to start when a route this configuration expects is disabled (see voltllm check)")

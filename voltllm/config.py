@@ -5,10 +5,13 @@ No behaviour is switched by environment variables; every knob is a field here.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
+
+logger = logging.getLogger("voltllm")
 
 
 class ConfigError(ValueError):
@@ -49,6 +52,7 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8 caches: k/v scales from the first real forward (attention/kv_spec.py)
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: Optional[int] = None
     cpu_kv_cache_bytes: int = 2 << 30
@@ -106,6 +110,7 @@ class EngineArgs:
     seed: int = 0
     trust_remote_code: bool = False
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enforce_eager: bool = False
     attention_backend: Optional[str] = None
     tensor_parallel_size: int = 1
@@ -164,10 +169,15 @@ class EngineArgs:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        from voltllm.attention.kv_spec import kv_cache_dtype_error  # fp8 | fp8_e4m3 | fp8_e5m2: uint8 cache
+        from voltllm.attention.kv_spec import FP8_KV_DTYPES, kv_cache_dtype_error  # fp8*: uint8 cache
 
         if kv_err := kv_cache_dtype_error(self.kv_cache_dtype, dtype):
             raise ConfigError(kv_err)
+        calculate_kv_scales = self.calculate_kv_scales
+        if calculate_kv_scales and self.kv_cache_dtype not in FP8_KV_DTYPES:
+            logger.warning("--calculate-kv-scales is ignored: --kv-cache-dtype %s is not an fp8 cache (scales apply "
+                           "to fp8_e4m3 / fp8_e5m2 only)", self.kv_cache_dtype)
+            calculate_kv_scales = False
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
@@ -183,7 +193,8 @@ class EngineArgs:
             load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-            kv_cache_dtype=self.kv_cache_dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
             mamba_cache_mode=self.mamba_cache_mode)
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,

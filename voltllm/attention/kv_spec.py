@@ -14,14 +14,20 @@ on the CPU; the codec is voltllm.kernels.fp8_codec (integer bit operations, RNE,
 Scales: every attention layer owns `k_scale` / `v_scale` buffers (fp32 scalar tensors, 1.0 unless
 the checkpoint has them) and passes them to `backend.forward`. stored = encode(x / scale),
 read = decode(code) * scale. They are tensors, not floats, so that CUDA graphs replay with them.
+`--calculate-kv-scales` (vLLM's flag) sets them once, from the K/V of the first real forward, before
+that forward writes the cache: scale = amax|x| / K_SCALE_RANGE (K) or / V_SCALE_RANGE (V), in place.
+Scales the checkpoint gives take precedence and are kept.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+
+logger = logging.getLogger("voltllm")
 
 FP8_KV_DTYPES = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
 _FLOAT_KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -117,3 +123,51 @@ def load_kv_scale(buffer: torch.Tensor, tensor: torch.Tensor, name: str) -> None
     if not bool(torch.isfinite(value)) or float(value) <= 0.0:
         raise ValueError(f"{name}: KV-cache scale must be finite and > 0, got {float(value)}")
     buffer.copy_(value)
+
+
+def load_checkpoint_kv_scale(attn: Any, buf: str, tensor: torch.Tensor, name: str) -> None:
+    """Load a checkpoint scale into attn.<buf> and remember it came from the checkpoint: --calculate-kv-scales
+    keeps it."""
+    load_kv_scale(getattr(attn, buf), tensor, name)
+    attn.checkpoint_kv_scales.add(buf)
+
+
+# --- --calculate-kv-scales ---------------------------------------------------------------------------
+# vLLM's defaults (K_SCALE_CONSTANT / V_SCALE_CONSTANT): the first forward's amax maps to 200 (K) / 100 (V),
+# leaving 2.2x / 4.5x headroom below E4M3's 448 for larger values in later tokens (E4M3 saturates there).
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
+
+
+def kv_scales_to_calculate(model: Any, calculate_kv_scales: bool) -> bool:
+    """Whether the runner must calculate scales on its first real forward: the flag is on (the config turns
+    it off for float caches) and some attention layer has a scale the checkpoint did not give."""
+    if not calculate_kv_scales:
+        return False
+    attns = [m for m in model.modules() if hasattr(m, "checkpoint_kv_scales")]
+    kept = sum(len(m.checkpoint_kv_scales) for m in attns)
+    if kept:
+        logger.warning("--calculate-kv-scales: %d of %d k/v scales come from the checkpoint and take precedence; "
+                       "%s", kept, 2 * len(attns), "nothing is calculated" if kept == 2 * len(attns) else
+                       "the others are calculated on the first forward")
+    return kept < 2 * len(attns)
+
+
+@torch.no_grad()
+def calc_kv_scales(attn: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+    """attn.k_scale = amax|k| / K_SCALE_RANGE, attn.v_scale = amax|v| / V_SCALE_RANGE, written in place (device
+    ops, no host sync: CUDA graphs read these tensors). Checkpoint scales are kept; an all-zero or
+    non-finite amax keeps the current scale (a zero scale would divide by zero)."""
+    for buf, x, rng in (("k_scale", k, K_SCALE_RANGE), ("v_scale", v, V_SCALE_RANGE)):
+        if buf in attn.checkpoint_kv_scales or x.numel() == 0:
+            continue
+        scale = getattr(attn, buf)
+        amax = x.abs().amax().to(torch.float32)
+        scale.copy_(torch.where(torch.isfinite(amax) & (amax > 0), amax / rng, scale))
+
+
+def maybe_calc_kv_scales(attn: Any, k: torch.Tensor, v: torch.Tensor, ctx: Any) -> None:
+    """Called by attention layers just before backend.forward (which writes K/V with the scales)."""
+    if ctx.calc_kv_scales:
+        n = ctx.meta.num_tokens  # rows past it are padding
+        calc_kv_scales(attn, k[:n], v[:n])

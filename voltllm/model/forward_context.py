@@ -15,3 +15,6 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by the layer's kv_index
     backend: AttentionBackend
     extra: dict[str, Any] = field(default_factory=dict)  # seam: recurrent-state slots for hybrid layers
+    # --calculate-kv-scales: attention layers set their k/v scales from this step's K/V (the runner sets it on
+    # its first real forward only; voltllm.attention.kv_spec.calc_kv_scales)
+    calc_kv_scales: bool = False

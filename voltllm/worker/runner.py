@@ -75,6 +75,10 @@ class ModelRunner:
         self.state_cache = None  # StateCache for hybrid (Gated DeltaNet) models
         self.state_snapshots = None  # their prefix-cache state snapshots (voltllm.cache.state_snapshots)
         self.skinny_choices: dict = {}
+        from voltllm.attention.kv_spec import kv_scales_to_calculate
+
+        # --calculate-kv-scales: the first real step runs eagerly and sets the layers' k/v scales
+        self.calc_kv_scales_pending = kv_scales_to_calculate(self.model, config.cache.calculate_kv_scales)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -270,7 +274,7 @@ class ModelRunner:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
         n_seqs = len(sched.scheduled)
         graph = None
-        if self.graphs is not None and sched.total_tokens == n_seqs:
+        if self.graphs is not None and sched.total_tokens == n_seqs and not self.calc_kv_scales_pending:
             graph = self.graphs.for_batch(n_seqs)
         slots = self._state_slots(sched) if self.state_cache is not None else None
         t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0,
@@ -282,7 +286,9 @@ class ModelRunner:
                                            [s.start + s.num_new_tokens for s in sched.scheduled])
             hidden = graph.replay()
         else:
-            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,
+                                 calc_kv_scales=self.calc_kv_scales_pending)
+            self.calc_kv_scales_pending = False
             if slots is not None:
                 ctx.extra["state_cache"] = self.state_cache
                 ctx.extra["state_slots"] = slots

@@ -6,7 +6,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from voltllm.attention.kv_spec import kv_scale_target, load_kv_scale, new_kv_scale
+from voltllm.attention.kv_spec import (kv_scale_target, load_checkpoint_kv_scale, maybe_calc_kv_scales,
+                                       new_kv_scale)
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear, down_proj_silu_mul, linear
 from voltllm.model.layers.norm import RMSNorm
@@ -32,6 +33,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
         self.register_buffer("v_scale", new_kv_scale())
+        self.checkpoint_kv_scales: set[str] = set()  # buffers the checkpoint set (--calculate-kv-scales keeps them)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -43,6 +45,7 @@ class Attention(nn.Module):
             q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary(positions, q, k)
+        maybe_calc_kv_scales(self, k, v, ctx)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale,
                                   k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -140,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
                 for buf in kv_scale[1]:
-                    load_kv_scale(getattr(self.get_submodule(kv_scale[0]), buf), tensor, name)
+                    load_checkpoint_kv_scale(self.get_submodule(kv_scale[0]), buf, tensor, name)
                 continue
             target, shard = name, 0
             for frag, (ours, idx) in _STACKED.items():

@@ -23,7 +23,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from voltllm.attention.kv_spec import kv_scale_target, load_kv_scale, new_kv_scale
+from voltllm.attention.kv_spec import (kv_scale_target, load_checkpoint_kv_scale, maybe_calc_kv_scales,
+                                       new_kv_scale)
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.models.llama import MLP, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
@@ -61,6 +62,7 @@ class GatedAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
         self.register_buffer("v_scale", new_kv_scale())
+        self.checkpoint_kv_scales: set[str] = set()  # buffers the checkpoint set (--calculate-kv-scales keeps them)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -70,6 +72,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
+        maybe_calc_kv_scales(self, k, v, ctx)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale,
                                   k_scale=self.k_scale, v_scale=self.v_scale)
         out = out.reshape(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
@@ -246,7 +249,7 @@ class Qwen3NextForCausalLM(nn.Module):
                     raise ValueError(f"{name}: layer {i} is {layer.kind}, not full attention")
                 if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
                     for buf in kv_scale[1]:
-                        load_kv_scale(getattr(layer.self_attn, buf), tensor, name)
+                        load_checkpoint_kv_scale(layer.self_attn, buf, tensor, name)
                     continue
                 sub, _, kind = rest[len("self_attn."):].rpartition(".")
                 attn = layer.self_attn
