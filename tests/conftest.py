@@ -1,6 +1,16 @@
-"""Fixtures shared by the whole test suite."""
+"""Fixtures shared by the whole test suite, and the `--compat` option.
+
+`pytest --compat {none,sm70,sm75}` builds every engine of the session (voltllm.LLM / EngineArgs, in this
+process) on that route unless a test passes `compat=` itself, so the GPU suite runs on the SM70 route on any
+GPU: `PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -m gpu tests/gpu --compat sm70 -p no:cacheprovider`.
+Under sm70/sm75, engines asked for bf16 (which that route refuses) and tests marked `native_only` skip.
+Engines on `device="cpu"` (the references of GPU tests) keep their own route.
+"""
+import dataclasses
+import functools
 import os
 import sys
+from typing import Callable, Optional
 
 import pytest
 
@@ -8,6 +18,67 @@ import pytest
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
+
+COMPAT_CHOICES = ("none", "sm70", "sm75")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--compat", choices=COMPAT_CHOICES, default=None,
+                     help="build every engine (voltllm.LLM / EngineArgs) on this route unless a test passes compat "
+                          "(default: each engine's own --compat auto)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "native_only(reason): needs the native route; skipped under --compat sm70|sm75")
+
+
+def pytest_collection_modifyitems(config, items):
+    mode = config.getoption("--compat")
+    if mode in (None, "none"):
+        return
+    for item in items:
+        marker = item.get_closest_marker("native_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "needs the native route")
+            item.add_marker(pytest.mark.skip(reason=f"native only under --compat {mode}: {reason}"))
+
+
+def install_compat_default(mode: str) -> Callable[[], None]:
+    """Make EngineArgs default to compat=mode when the caller does not pass compat (nor device="cpu"); an engine
+    asked for bf16 under sm70/sm75 skips the test (that route refuses bf16). Returns the undo function."""
+    from voltllm.config import EngineArgs
+
+    original = EngineArgs.__init__
+    compat_pos = [f.name for f in dataclasses.fields(EngineArgs)].index("compat")
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if "compat" not in kwargs and len(args) <= compat_pos and kwargs.get("device") != "cpu":
+            if mode != "none" and kwargs.get("dtype") in ("bfloat16", "bf16"):
+                pytest.skip(f"native only under --compat {mode}: bf16 engine (the {mode} route refuses bf16)")
+            kwargs["compat"] = mode
+        original(self, *args, **kwargs)
+
+    EngineArgs.__init__ = __init__
+
+    def undo() -> None:
+        EngineArgs.__init__ = original
+
+    return undo
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compat_default(request):
+    """--compat: every engine of the session defaults to that route (see install_compat_default)."""
+    mode: Optional[str] = request.config.getoption("--compat")
+    if mode is None:
+        yield None
+        return
+    undo = install_compat_default(mode)
+    try:
+        yield mode
+    finally:
+        undo()
 
 
 @pytest.fixture(scope="session")

