@@ -51,7 +51,8 @@ def test_graphs_equal_eager_and_async_equals_sync(tiny, dtype):
 
 
 def test_compat_route_matches_native(tiny):
-    native = _greedy(LLM(tiny, device="cuda", dtype="float16", gpu_memory_utilization=0.3))
+    # pinned: under `pytest --compat sm70` an unpinned engine would be compat too
+    native = _greedy(LLM(tiny, device="cuda", dtype="float16", compat="none", gpu_memory_utilization=0.3))
     compat = LLM(tiny, device="cuda", dtype="float16", compat="sm70", gpu_memory_utilization=0.3)
     assert compat.engine.runner.backend.use_tensor_cores is False
     got = _greedy(compat)
