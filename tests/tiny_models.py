@@ -55,3 +55,39 @@ def make_model(path: str, kind: str = "llama", seed: int = 0, std: float = 0.15,
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+# --- tiny hybrid (Gated DeltaNet + attention) checkpoints -----------------------------------------------
+HYBRID_VOCAB = 192
+HYBRID_COMMON = dict(vocab_size=HYBRID_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=96,
+                     max_position_embeddings=4096, initializer_range=0.08, rms_norm_eps=1e-6)
+HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_HYBRID_CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "qwen3_next": "Qwen3NextConfig",
+                   "qwen3_5_moe": "Qwen3_5MoeTextConfig"}
+
+
+def make_tiny_hybrid(path: str, kind: str, seed: int, gen_seed: int, conv_std: float | None = None,
+                     **overrides: Any) -> str | None:
+    """Save a tiny random qwen3_5 / qwen3_next / qwen3_5_moe checkpoint (HYBRID_COMMON + overrides) under path,
+    with slow-ish GDN decays (so the state matters across a whole sequence) and perturbed norms; conv_std
+    rescales the conv1d weights. None when this transformers lacks the architecture."""
+    import transformers
+
+    cls = getattr(transformers, _HYBRID_CONFIGS[kind], None)
+    if cls is None:
+        return None
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**HYBRID_COMMON, **overrides}))
+    gen = torch.Generator().manual_seed(gen_seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
+            elif "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+            elif conv_std is not None and "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * conv_std)
+    model.save_pretrained(path)
+    return str(path)

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_models import HYBRID_MOE, make_tiny_hybrid
+
 pytestmark = pytest.mark.gpu
 
 UNIT = Path(__file__).resolve().parents[1] / "unit"
@@ -121,39 +123,18 @@ def test_gdn_chunk_real_shape(dtype):
 # ---------------------------------------------------------------------------------------------
 # tiny hybrid checkpoints through the engine
 # ---------------------------------------------------------------------------------------------
-COMMON = dict(vocab_size=192, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-              linear_value_head_dim=16, intermediate_size=96, max_position_embeddings=4096,
-              initializer_range=0.08, rms_norm_eps=1e-6)
-MOE_CFG = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+MOE_CFG = dict(HYBRID_MOE, num_experts=8)
 
 
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     out = {}
     for i, kind in enumerate(("qwen3_5", "qwen3_next", "qwen3_5_moe")):
-        if kind == "qwen3_5":
-            cfg = transformers.Qwen3_5TextConfig(**COMMON)
-        elif kind == "qwen3_next":
-            cfg = transformers.Qwen3NextConfig(**COMMON, **MOE_CFG, mlp_only_layers=[1])
-        else:
-            cls = getattr(transformers, "Qwen3_5MoeTextConfig", None)
-            if cls is None:
-                continue
-            cfg = cls(**COMMON, **MOE_CFG)
-        torch.manual_seed(500 + i)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        gen = torch.Generator().manual_seed(600 + i)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("A_log"):
-                    p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
-                elif "norm" in name:
-                    p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-        d = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(d)
-        out[kind] = str(d)
+        extra = {} if kind == "qwen3_5" else dict(MOE_CFG, **({"mlp_only_layers": [1]} if kind == "qwen3_next" else {}))
+        path = make_tiny_hybrid(tmp_path_factory.mktemp(kind), kind, 500 + i, 600 + i, **extra)
+        if path is not None:
+            out[kind] = path
     return out
 
 

@@ -124,12 +124,7 @@ def test_mamba_block_size_rules():
 # ---------------------------------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 192
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-              linear_value_head_dim=16, intermediate_size=96, max_position_embeddings=4096,
-              initializer_range=0.08, rms_norm_eps=1e-6)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+from tiny_models import HYBRID_MOE as MOE, HYBRID_VOCAB as VOCAB, make_tiny_hybrid  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -143,25 +138,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for i, kind in enumerate(("qwen3_5", "qwen3_next")):
-        cfg = (transformers.Qwen3_5TextConfig(**COMMON) if kind == "qwen3_5"
-               else transformers.Qwen3NextConfig(**COMMON, **MOE))
-        torch.manual_seed(300 + i)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        gen = torch.Generator().manual_seed(400 + i)
-        with torch.no_grad():  # slow-ish decays so the state matters across the whole prompt
-            for name, p in model.named_parameters():
-                if name.endswith("A_log"):
-                    p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
-                elif "norm" in name:
-                    p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-                elif "conv1d" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
-        d = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(d)
-        out[kind] = str(d)
-    return out
+    return {kind: make_tiny_hybrid(tmp_path_factory.mktemp(kind), kind, 300 + i, 400 + i, conv_std=0.4,
+                                   **(MOE if kind == "qwen3_next" else {}))
+            for i, kind in enumerate(("qwen3_5", "qwen3_next"))}
 
 
 def _prompts() -> list[list[int]]:
