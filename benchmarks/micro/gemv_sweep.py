@@ -3,32 +3,16 @@
     PYTHONPATH=$PWD python3 benchmarks/micro/gemv_sweep.py
 
 Weights are rotated over copies totalling > 400 MB (past the L2) and the calls are replayed from a CUDA
-graph, as in decode. Prints per shape and row count the cuBLAS time and the best tile config.
+graph, as in decode (the start-up tuner's timing, worker/skinny_tuning.py). Prints per shape and row count
+the cuBLAS time and the best tile config.
 """
 import torch
 
 from voltllm.kernels.gemv import CONFIGS, gemv
+from voltllm.worker.skinny_tuning import graph_replay_ms
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096),  # qwen3-8b
           (960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M
-
-
-def time_us(fn, weights, reps=30):
-    for w in weights[:3]:
-        fn(w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn(weights[i % len(weights)])
-    g.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    g.replay()
-    g.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / (2 * reps) * 1e3
 
 
 def main():
@@ -41,8 +25,9 @@ def main():
         for m in (1, 4):
             x = torch.randn(m, k, dtype=torch.float16, device="cuda")
             out = torch.empty(m, n, dtype=torch.float16, device="cuda")
-            t_lib = time_us(lambda w: torch.matmul(x, w.t(), out=out), weights)
-            best = min((time_us(lambda w: gemv(x, w, out=out, config=c), weights), c) for c in CONFIGS)
+            t_lib = graph_replay_ms(lambda w: torch.matmul(x, w.t(), out=out), weights, reps=30) * 1e3
+            best = min((graph_replay_ms(lambda w: gemv(x, w, out=out, config=c), weights, reps=30) * 1e3, c)
+                       for c in CONFIGS)
             print(f"{n:>6}x{k:<7} {m:>4}  {t_lib:9.1f} {mb / t_lib:5.2f}  {best[0]:9.1f} {mb / best[0]:5.2f}  {best[1]}")
         del weights
         torch.cuda.empty_cache()

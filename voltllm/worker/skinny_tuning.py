@@ -20,7 +20,7 @@ logger = logging.getLogger("voltllm")
 L2_FLUSH_BYTES = 256 << 20  # stream at least this much between two reads of the same weight
 
 
-def _time_ms(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
+def graph_replay_ms(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
     """Per-call time of fn over the rotation, replayed from a CUDA graph: decode replays graphs too, and
     timing Python launches would measure the (slow) host instead of the kernel."""
     for w in weights[:3]:
@@ -68,14 +68,14 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
         w = weights[0]
         x = torch.randn(rows, k, dtype=w.dtype, device=w.device)
-        t_lib = _time_ms(lambda w_: F.linear(x, w_), weights)
+        t_lib = graph_replay_ms(lambda w_: F.linear(x, w_), weights)
         ref = F.linear(x, w).float()
         best, t_tri = None, float("inf")
         for cfg in CONFIGS:
             err = (gemv(x, w, config=cfg).float() - ref).norm() / ref.norm().clamp_min(1e-6)
             if err.item() > 1e-2:
                 continue  # never choose a config that computes something else
-            t = _time_ms(lambda w_: gemv(x, w_, config=cfg), weights)
+            t = graph_replay_ms(lambda w_: gemv(x, w_, config=cfg), weights)
             if t < t_tri:
                 best, t_tri = cfg, t
         del weights
