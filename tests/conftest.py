@@ -87,3 +87,15 @@ def smollm2_gguf() -> str:
     from voltllm.model.loader.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: one intra-op thread is fastest, and immune to a busy machine's oversubscription.
+    Modules ask for it with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

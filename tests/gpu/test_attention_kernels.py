@@ -9,7 +9,6 @@ slots hold NaN. Ends with timing prints (not assertions): decode bandwidth vs by
 from __future__ import annotations
 
 import importlib.util
-import math
 import random
 import sys
 from pathlib import Path
@@ -29,12 +28,6 @@ DEV = "cuda"
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float16, torch.bfloat16]
 DIMS = [64, 128, 256]
-
-
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
 
 
 def _seed(tag: str) -> int:

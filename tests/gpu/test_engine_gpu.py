@@ -3,7 +3,6 @@ scheduling equals sync, fp16/bf16 runs stay finite. Run on the GPU machine: pyte
 import os
 
 import pytest
-import torch
 
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams

@@ -53,12 +53,6 @@ DEV = "cuda"
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-
-
 def _seed(tag: str) -> int:
     s = random.SystemRandom().randrange(1 << 30)
     print(f"[{tag}] seed={s}")

@@ -16,12 +16,6 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(6144, 4096), (4096, 4096), (4096, 12288), (960, 576), (576, 1536), (49152, 576), (1000, 333)]
 
 
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_gemv_real_shapes(n, k, dtype):

@@ -19,13 +19,7 @@ from voltllm.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 from tiny_models import HYBRID_MOE as MOE, HYBRID_VOCAB as VOCAB, make_tiny_hybrid  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and immune to a busy machine's oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

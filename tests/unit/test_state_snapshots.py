@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from voltllm.cache.prefix import extend_block_hashes
 from voltllm.cache.state_snapshots import StateSnapshots, resolve_mamba_block_size
 from voltllm.model.state_cache import StateCache
 
@@ -127,13 +126,7 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import HYBRID_MOE as MOE, HYBRID_VOCAB as VOCAB, make_tiny_hybrid  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and immune to a busy machine's oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
