@@ -11,6 +11,7 @@
 #   native   (session 2) 8B batch 1 with a profile, 8B 1/4/16/64, SmolLM2 shape, --compat sm70 8B, fp8 KV capacity
 #   hybrid   (session 2) hybrid CUDA-graph tests, qwen3.5-27b-shape decode / 8K / 32K prefill, kernel timings,
 #            one 128K prompt
+#   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -91,6 +92,15 @@ case $stage in
       bench --scenario kernels --random-weights $m --dtype half --kernel-iters 5 --kernel-ref-iters 2 --name $m-fp16-kernels-$sha
     done
     bench $h27 --scenario prefill --input-len 131072 --max-model-len 131328 --name qwen3.5-27b-shape-fp16-prefill-128k-$sha
+    ;;
+  check3)
+    timeout 150 python3 benchmarks/micro/attn_decode_sweep.py 2>&1 | tee "$out/attn_sweep.txt" | grep -v -i warn | tail -40
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py -p no:cacheprovider -rf > "$out/hybrid.txt" 2>&1
+    echo "hybrid rc=$? $(tail -1 "$out/hybrid.txt")"; grep -E "^(FAILED|ERROR)" "$out/hybrid.txt" | head
+    for f in test_engine_gpu test_fp8_kv_gpu; do
+      timeout 150 python3 -m pytest -q -m gpu tests/gpu/$f.py --compat sm70 -p no:cacheprovider -rf -s > "$out/$f-sm70.txt" 2>&1
+      echo "$f --compat sm70 rc=$? $(tail -1 "$out/$f-sm70.txt")"; grep -E "^(FAILED|ERROR)|agreement" "$out/$f-sm70.txt" | head
+    done
     ;;
 esac
 ls "$out"
