@@ -11,6 +11,8 @@
 #   native   (session 2) 8B batch 1 with a profile, 8B 1/4/16/64, SmolLM2 shape, --compat sm70 8B, fp8 KV capacity
 #   hybrid   (session 2) hybrid CUDA-graph tests, qwen3.5-27b-shape decode / 8K / 32K prefill, kernel timings,
 #            one 128K prompt
+#   check4   (session 3) hybrid engine half-precision / CUDA-graph / prefix tests, compat-vs-native fp8 test, 8B 64-concurrent
+#            profile
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -101,6 +103,15 @@ case $stage in
       timeout 150 python3 -m pytest -q -m gpu tests/gpu/$f.py --compat sm70 -p no:cacheprovider -rf -s > "$out/$f-sm70.txt" 2>&1
       echo "$f --compat sm70 rc=$? $(tail -1 "$out/$f-sm70.txt")"; grep -E "^(FAILED|ERROR)|agreement" "$out/$f-sm70.txt" | head
     done
+    ;;
+  check4)
+    for k in "half and float16" "cuda_graphs or prefix"; do
+      timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py -k "$k" -p no:cacheprovider -rf -s > "$out/hybrid-${k// /_}.txt" 2>&1
+      echo "hybrid -k '$k' rc=$? $(tail -1 "$out/hybrid-${k// /_}.txt")"; grep -E "^(FAILED|ERROR)|agreement|^E  " "$out/hybrid-${k// /_}.txt" | head -20
+    done
+    timeout 100 python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_gpu.py -k compat_vs_native --compat sm70 -p no:cacheprovider -rf 2>&1 | tail -2
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 \
+      --num-warm 1 --profile --profile-steps 10 --name perf-8b-c64-$sha
     ;;
 esac
 ls "$out"

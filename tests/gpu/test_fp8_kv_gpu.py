@@ -212,7 +212,8 @@ def tiny(tmp_path_factory):
 def _teacher_forced(llm_ref, llms: dict, prompt_ids: list[int], n: int = 256):
     """(reference greedy tokens, reference logits, {name: logits}): the reference engine's greedy continuation
     replayed through every engine, teacher-forced (tests/unit/_fp8_kv_interp_check.teacher_forced_logits). Each
-    engine first runs one real step on the prompt, which is where --calculate-kv-scales sets its scales."""
+    engine first runs a short generation on the prompt (its first step is where --calculate-kv-scales sets the
+    scales; the decode steps after it replay the CUDA graphs, which teacher forcing alone never does)."""
     from voltllm import SamplingParams
     gen = llm_ref.generate({"prompt_token_ids": prompt_ids},
                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
@@ -220,7 +221,7 @@ def _teacher_forced(llm_ref, llms: dict, prompt_ids: list[int], n: int = 256):
     ref = F.teacher_forced_logits(llm_ref.engine.runner, seq, len(prompt_ids))[:n]
     out = {}
     for name, llm in llms.items():
-        llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=1))
+        llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=3))
         out[name] = F.teacher_forced_logits(llm.engine.runner, seq, len(prompt_ids))[:n]
     return gen, ref, out
 
