@@ -158,11 +158,36 @@ def _agree(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def cpu_tokens(hybrids):
-    from voltllm import LLM
+def cpu_runs(hybrids):
+    """fp32 CPU reference per kind: (greedy tokens per prompt, top-1/top-2 logit margin at each of them)."""
+    from voltllm import LLM, SamplingParams
 
-    return {kind: _greedy(LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none"), _prompts())[0]
-            for kind, path in hybrids.items()}
+    runs = {}
+    for kind, path in hybrids.items():
+        llm = LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none")
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
+                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2))
+        tokens = [o.outputs[0].token_ids for o in outs]
+        margins = [[lps[0] - lps[1] for lps in (sorted((lp.logprob for lp in pos.values()), reverse=True)
+                                                for pos in o.outputs[0].logprobs)] for o in outs]
+        runs[kind] = (tokens, margins)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(cpu_runs):
+    return {kind: run[0] for kind, run in cpu_runs.items()}
+
+
+def _first_flips(got, ref_tokens, ref_margins) -> list[tuple[int, int, float]]:
+    """(request, position, reference margin there) of each request's first token that differs from the
+    reference. Only the first flip counts: after it the two runs decode different contexts."""
+    flips = []
+    for r, (g, want, margin) in enumerate(zip(got, ref_tokens, ref_margins)):
+        i = next((i for i, (a, b) in enumerate(zip(g, want)) if a != b), None)
+        if i is not None:
+            flips.append((r, i, margin[i]))
+    return flips
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
@@ -179,9 +204,18 @@ def test_engine_gpu_fp32_matches_cpu(hybrids, cpu_tokens, kind):
     llm.engine.check_integrity()
 
 
+# a half-precision run may leave the fp32 reference only where the reference's top-1/top-2 logit margin is below
+# this. The tiny random models' margins are small (median ~0.15-0.17 logit, 30-36% below 0.1); on the CPU, bf16
+# runs first flip at margins <= 0.072 (measured); fp16 has 3 more mantissa bits.
+HALF_FLIP_MARGIN = {"float16": 0.1, "bfloat16": 0.25}
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype,compat", [("float16", "none"), ("bfloat16", "none"), ("float16", "sm70")])
-def test_engine_gpu_half(hybrids, cpu_tokens, kind, dtype, compat):
+def test_engine_gpu_half(hybrids, cpu_runs, kind, dtype, compat):
+    """Half precision on the GPU vs the fp32 CPU run, greedy: every request follows the reference until a
+    near-tie of the reference (tiny random models have many: a flip there changes the rest of the run, so a bare
+    agreement ratio measures luck, not correctness; a broken kernel flips where the margin is wide)."""
     _need_cuda()
     if kind not in hybrids:
         pytest.skip(f"{kind} not in this transformers")
@@ -190,12 +224,11 @@ def test_engine_gpu_half(hybrids, cpu_tokens, kind, dtype, compat):
     llm = LLM(hybrids[kind], device="cuda", dtype=dtype, compat=compat, skip_tokenizer_init=True,
               gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=8)
     got, _ = _greedy(llm, _prompts())
-    agree = _agree(got, cpu_tokens[kind])
-    print(f"\n{kind} {dtype} compat={compat}: greedy agreement with the fp32 CPU run {agree:.3f}; first tokens "
-          f"{[s[0] for s in got]} vs {[r[0] for r in cpu_tokens[kind]]}")
-    # half precision on random tiny models: near-ties flip now and then, and a flip changes the rest of the run
-    assert agree >= (0.7 if dtype == "bfloat16" else 0.8), agree
-    assert all(s[0] == r[0] for s, r in zip(got, cpu_tokens[kind])), "first tokens differ"
+    ref_tokens, ref_margins = cpu_runs[kind]
+    flips = _first_flips(got, ref_tokens, ref_margins)
+    print(f"\n{kind} {dtype} compat={compat}: greedy agreement with the fp32 CPU run {_agree(got, ref_tokens):.3f}; "
+          f"first flips (request, position, reference margin) {[(r, i, round(m, 4)) for r, i, m in flips]}")
+    assert all(m < HALF_FLIP_MARGIN[dtype] for _, _, m in flips), flips
     llm.engine.check_integrity()
 
 
