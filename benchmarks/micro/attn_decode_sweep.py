@@ -54,6 +54,6 @@ for bs, lo, hi in ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700
             res.append((t, splits, bn, nw, ns))
     res.sort()
     default = [r for r in res if r[1] == base_splits and r[2] == 64 and r[3] == 4 and r[4] == 3]
-    print(f"bs={bs} ctx {lo}-{hi} KV {kvbytes/1e6:.1f}MB | default {default[0] if default else None} {kvbytes/default[0][0]/1e3 if default else 0:.2f}TB/s")
+    print(f"bs={bs} ctx {lo}-{hi} KV {kvbytes/1e6:.1f}MB | default {default[0] if default else None} {kvbytes/default[0][0]/1e6 if default else 0:.2f}TB/s")
     for r in res[:5]:
-        print(f"   {r[0]:7.1f}us {kvbytes/r[0]/1e3:5.2f}TB/s splits={r[1]} block_n={r[2]} warps={r[3]} stages={r[4]}")
+        print(f"   {r[0]:7.1f}us {kvbytes/r[0]/1e6:5.2f}TB/s splits={r[1]} block_n={r[2]} warps={r[3]} stages={r[4]}")
