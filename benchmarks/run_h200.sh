@@ -14,7 +14,7 @@
 #   check4   (session 3) hybrid engine half-precision / CUDA-graph / prefix tests, compat-vs-native fp8 test, 8B 64-concurrent
 #            profile
 #   check5a  (session 3) hybrid half-precision engine tests (native and --compat sm70), SmolLM2-shape batch-1 profile;
-#            stores .carry/p0/part.* (first part of the SmolLM2 GGUF, benchmarks/split-file) in /root/m
+#            stores .carry/p0/part.* (first part of the SmolLM2 GGUF, cut by the tool library's split-file.sh) in /root/m
 #   check5b  (session 3, right after check5a, carrying .carry/p1) SmolLM2 GGUF on the GPU: answers, fp8 KV agreement
 #            (native and compat), batch-1 decode
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
