@@ -96,10 +96,10 @@ class FakeQuantBackend(TorchReferenceBackend):
         super().__init__()
         self.fp8_dtype = fp8_dtype
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=None, v_scale=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=None, v_scale=None, kv_written=False):
         k = k.float().to(self.fp8_dtype).to(k.dtype)
         v = v.float().to(self.fp8_dtype).to(v.dtype)
-        return super().forward(q, k, v, kv_cache, meta, scale)
+        return super().forward(q, k, v, kv_cache, meta, scale, kv_written=kv_written)
 
 
 @pytest.fixture(scope="module")
@@ -232,9 +232,9 @@ class KVRecorder(TorchReferenceBackend):
         super().__init__(kv_cache_dtype)
         self.amax: list[tuple[float, float]] = []
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=None, v_scale=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=None, v_scale=None, kv_written=False):
         self.amax.append((k.abs().amax().item(), v.abs().amax().item()))
-        return super().forward(q, k, v, kv_cache, meta, scale, k_scale, v_scale)
+        return super().forward(q, k, v, kv_cache, meta, scale, k_scale, v_scale, kv_written)
 
 
 def _scales(llm) -> list[tuple[float, float]]:

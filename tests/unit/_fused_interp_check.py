@@ -165,6 +165,48 @@ def run_rope(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torc
     return _verdict(errs, dtype)
 
 
+def run_rope_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torch.dtype, norm: bool,
+                         n_slots: int, seed: int = 0, max_pos: int = 4096, page: int = 4) -> str:
+    """RoPE (+ QK-norm) with the fused KV-cache store vs the reference rotation followed by the reference
+    cache write (voltllm.attention.torch_ref.write_kv). Slots are scattered over the cache's pages; one row
+    has slot -1 and rows at or past n_slots have no slot (CUDA-graph padding): those write nothing. The whole
+    cache (NaN-poisoned elsewhere, so a stray or missing store shows) and the whole qkv buffer are compared."""
+    from voltllm.attention.backend import CacheWrite
+    from voltllm.attention.torch_ref import write_kv
+    from voltllm.kernels import fused as F
+
+    cos, sin = tables(device, max_pos, rd)
+    positions = torch.randint(0, max_pos, (t,), generator=_gen(seed + 7), dtype=torch.int64).to(device)
+    qkv = _qkv(device, t, hq, hk, d, dtype, seed)
+    ref_buf = qkv.clone()
+    q, k = _views(qkv, hq, hk, d)
+    rq, rk = _views(ref_buf, hq, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    blocks = t + 3
+    slots = torch.randperm(blocks * page, generator=_gen(seed + 8))[:n_slots].to(torch.int64)
+    if n_slots > 1:
+        slots[1] = -1
+    slots = slots.to(device)
+    cache = torch.full((2, blocks, page, hk, d), float("nan"), dtype=dtype, device=device)
+    ref_cache = cache.clone()
+    write = CacheWrite(v, cache, slots)
+    if norm:
+        qw = _rand((d,), seed + 1, device, dtype, 0.5) + 1.0
+        kw = _rand((d,), seed + 2, device, dtype, 0.5) + 1.0
+        F.qk_norm_rope_inplace_ref(rq, rk, qw, kw, 1e-6, positions, cos, sin, rd)
+        F.qk_norm_rope_inplace(q, k, qw, kw, 1e-6, positions, cos, sin, rd, cache_write=write)
+    else:
+        F.rope_inplace_ref(rq, rk, positions, cos, sin, rd)
+        F.rope_inplace(q, k, positions, cos, sin, rd, cache_write=write)
+    n = min(t, n_slots)
+    write_kv(rk[:n], v[:n], ref_cache, slots[:n])
+    written = ~torch.isnan(ref_cache)
+    if not torch.equal(written, ~torch.isnan(cache)):
+        return "FAIL the kernel wrote other cache elements than the reference"
+    errs = {"qkv": _err(qkv, ref_buf), "cache": _err(cache[written], ref_cache[written])}
+    return _verdict(errs, dtype)
+
+
 def run_silu(device: str, t: int, i: int, dtype: torch.dtype, seed: int = 0, lead3: bool = False) -> str:
     from voltllm.kernels import fused as F
 
@@ -201,6 +243,12 @@ CHECKS = {
     "qknorm_rope_f16_T1_D128_rot128": lambda d: run_rope(d, 1, 8, 2, 128, 128, f16, True, seed=18),
     "qknorm_rope_f16_T7_D64_rot16_offset1": lambda d: run_rope(d, 7, 4, 2, 64, 16, f16, True, offset=1.0,
                                                                seed=19),
+    "rope_kv_write_f32_T7_D128_rot128": lambda d: run_rope_cache_write(d, 7, 4, 2, 128, 128, f32, False, 7, seed=23),
+    "rope_kv_write_f16_T5_D64_rot16_padded": lambda d: run_rope_cache_write(d, 5, 4, 2, 64, 16, f16, False, 3, seed=24),
+    "qknorm_rope_kv_write_f16_T7_D128_rot32": lambda d: run_rope_cache_write(d, 7, 8, 2, 128, 32, f16, True, 7,
+                                                                              seed=25),
+    "qknorm_rope_kv_write_f32_T1_D80_rot80_gqa1": lambda d: run_rope_cache_write(d, 1, 3, 3, 80, 80, f32, True, 1,
+                                                                                  seed=26),
     "silu_f32_T7_I100": lambda d: run_silu(d, 7, 100, f32, seed=20),
     "silu_f16_T1_I576": lambda d: run_silu(d, 1, 576, f16, seed=21),
     "silu_f16_T7_I1500_3d": lambda d: run_silu(d, 7, 1500, f16, seed=22, lead3=True),

@@ -114,3 +114,60 @@ def test_references_equal_the_model_layers():
             want_q, want_k = rot(pos, q, k)
             got_q, got_k = F.rope_inplace_ref(q.clone(), k.clone(), pos, rot.cos, rot.sin, rd)
             assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_cache_write_argument_checks():
+    pytest.importorskip("triton")
+    from voltllm.attention.backend import CacheWrite
+    from voltllm.kernels import fused as F
+
+    q, k = torch.zeros(2, 4, 64), torch.zeros(2, 2, 64)
+    cos = sin = torch.zeros(16, 32)
+    pos = torch.zeros(2, dtype=torch.long)
+    cache = torch.zeros(2, 3, 4, 2, 64)
+    slots = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="cache_write.v"):
+        F.rope_inplace(q, k, pos, cos, sin, 64, CacheWrite(torch.zeros(2, 1, 64), cache, slots))
+    with pytest.raises(ValueError, match="kv_cache"):
+        F.rope_inplace(q, k, pos, cos, sin, 64, CacheWrite(torch.zeros(2, 2, 64), cache[:, :, :, :1], slots))
+    with pytest.raises(ValueError, match="float cache"):
+        F.rope_inplace(q, k, pos, cos, sin, 64, CacheWrite(torch.zeros(2, 2, 64), cache.to(torch.uint8), slots))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        F.rope_inplace(q, k, pos, cos, sin, 64, CacheWrite(torch.zeros(2, 2, 64), cache, slots.int()))
+
+
+def test_rotary_cache_write_and_backend_contract():
+    """Backends offer the fused K/V store only for float caches on CUDA (never the torch reference, never fp8
+    caches); the rotary layer's torch path honours a CacheWrite with the reference write; forward(kv_written=
+    True) leaves the cache alone."""
+    from types import SimpleNamespace
+
+    from voltllm.attention.backend import AttentionMetadata, CacheWrite
+    from voltllm.attention.torch_ref import TorchReferenceBackend, write_kv
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+    from voltllm.model.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    t, hk, d, page = 3, 2, 16, 4
+    q, k, v = torch.randn(t, 4, d), torch.randn(t, hk, d), torch.randn(t, hk, d)
+    slots = torch.tensor([5, -1, 2])
+    meta = AttentionMetadata(num_tokens=t, query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+                             seq_lens=torch.tensor([t], dtype=torch.int32), block_tables=torch.tensor([[0, 1]]),
+                             slot_mapping=slots, max_query_len=t, max_seq_len=t, query_start_loc_cpu=[0, t],
+                             seq_lens_cpu=[t])
+    cache = torch.zeros(2, 2, page, hk, d)
+    assert TorchReferenceBackend().cache_write_for(v, cache, meta) is None
+    assert TritonAttentionBackend().cache_write_for(v, cache, meta) is None  # a CPU cache
+    assert TritonAttentionBackend(kv_cache_dtype="fp8").cache_write_for(v, cache.to(torch.uint8), meta) is None
+
+    rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), d, 64)
+    pos = torch.tensor([0, 1, 2])
+    want_q, want_k = rot(pos, q.clone(), k.clone())
+    want = torch.zeros_like(cache)
+    write_kv(want_k, v, want, slots)
+    got_q, got_k = rot(pos, q.clone(), k.clone(), cache_write=CacheWrite(v, cache, slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(cache, want)
+
+    before = torch.full_like(cache, 7.0)
+    TorchReferenceBackend().forward(q, k, v, before, meta, d ** -0.5, kv_written=True)
+    assert bool((before == 7.0).all())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -40,10 +40,24 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+class CacheWrite(NamedTuple):
+    """This step's V rows and where K and V go: handed to the model's RoPE launch, which stores the rotated K
+    and V in the cache itself (one kernel less per layer), after which forward() runs with kv_written=True."""
+    v: torch.Tensor  # [T, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # int64, -1 = skip; rows past its end are skipped
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged cache. Stateless across layers."""
 
     name: str = "abstract"
+
+    def cache_write_for(self, v: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata"
+                        ) -> Optional[CacheWrite]:
+        """A CacheWrite when the model may store K/V itself in its RoPE launch (then forward(..., kv_written=
+        True)); None when forward must write them."""
+        return None
 
     @abstractmethod
     def forward(
@@ -56,8 +70,10 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: Optional[torch.Tensor] = None,
         v_scale: Optional[torch.Tensor] = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v of this step at meta.slot_mapping, then attend q over each request's context."""
+        """Write k/v of this step at meta.slot_mapping (unless kv_written: the model stored them through
+        cache_write_for's CacheWrite), then attend q over each request's context."""
 
 
 def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

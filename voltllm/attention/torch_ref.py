@@ -60,18 +60,20 @@ class TorchReferenceBackend(AttentionBackend):
         self.fp8_format = FP8_KV_DTYPES.get((kv_cache_dtype or "auto").lower())
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None):
+                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                kv_written: bool = False):
         fp8 = kv_cache.dtype == torch.uint8
         if fp8:
             if self.fp8_format is None:
                 raise ValueError(f"{self.name}: a uint8 (fp8) KV cache needs kv_cache_dtype fp8_e4m3 or fp8_e5m2, "
                                  f"got {self.kv_cache_dtype!r}")
             from voltllm.kernels.kv_fp8 import gather_kv_fp8_ref, write_kv_fp8_ref
-
-            n = min(k.shape[0], meta.slot_mapping.shape[0])
-            write_kv_fp8_ref(k[:n], v[:n], kv_cache, meta.slot_mapping, k_scale, v_scale, self.fp8_format)
-        else:
-            write_kv(k, v, kv_cache, meta.slot_mapping)
+        if not kv_written:
+            if fp8:
+                n = min(k.shape[0], meta.slot_mapping.shape[0])
+                write_kv_fp8_ref(k[:n], v[:n], kv_cache, meta.slot_mapping, k_scale, v_scale, self.fp8_format)
+            else:
+                write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i, ctx in enumerate(meta.seq_lens_cpu):

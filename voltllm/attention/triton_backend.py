@@ -1,6 +1,8 @@
 """Triton attention backend over the paged KV cache (see voltllm.attention.backend for the contract).
 
-forward() = kv_write (one launch for K and V) -> paged decode (pure-decode steps, split-KV when the grid
+forward() = kv_write (one launch for K and V; skipped with kv_written=True: for float caches on CUDA,
+cache_write_for hands the model a CacheWrite and its RoPE launch stores K and V, one kernel less per
+layer) -> paged decode (pure-decode steps, split-KV when the grid
 would not fill the GPU) or paged prefill (everything else: chunked prefill, prefix hits, mixed batches).
 
 KV cache dtypes (voltllm.attention.kv_spec): fp16/bf16/fp32, or fp8 (E4M3/E5M2) stored as uint8 with the
@@ -27,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from voltllm.attention.backend import AttentionBackend, AttentionMetadata
+from voltllm.attention.backend import AttentionBackend, AttentionMetadata, CacheWrite
 from voltllm.attention.compat_backend import SDPAPrefill
 from voltllm.attention.kv_spec import FP8_KV_DTYPES, unit_scale
 from voltllm.kernels.attention import (choose_num_splits, decode_scratch_numel, kv_write, paged_decode,
@@ -134,8 +136,15 @@ class TritonAttentionBackend(AttentionBackend):
         }
 
     # --- forward ---------------------------------------------------------------------------------
+    def cache_write_for(self, v, kv_cache, meta: AttentionMetadata) -> Optional[CacheWrite]:
+        """Float caches on CUDA: K/V are stored by the RoPE launch (fp8 caches keep the codec's write)."""
+        if kv_cache.is_cuda and kv_cache.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return CacheWrite(v, kv_cache, meta.slot_mapping)
+        return None
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None):
+                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                kv_written: bool = False):
         if kv_cache.dtype not in _SUPPORTED_CACHE_DTYPES:
             raise NotImplementedError(f"{self.name}: KV cache dtype {kv_cache.dtype} is not supported")
         fmt = -1
@@ -149,13 +158,14 @@ class TritonAttentionBackend(AttentionBackend):
             v_scale = unit_scale(q.device) if v_scale is None else v_scale
         t = q.shape[0]
         n_write = min(k.shape[0], meta.slot_mapping.shape[0])
-        if fmt >= 0:
-            from voltllm.kernels.kv_fp8 import write_kv_fp8
+        if not kv_written:  # (else the model's RoPE launch stored them: cache_write_for)
+            if fmt >= 0:
+                from voltllm.kernels.kv_fp8 import write_kv_fp8
 
-            write_kv_fp8(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping, k_scale, v_scale, fmt,
-                         use_triton=True)
-        else:
-            kv_write(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping)
+                write_kv_fp8(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping, k_scale, v_scale, fmt,
+                             use_triton=True)
+            else:
+                kv_write(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping)
 
         if q.stride(-1) != 1:
             q = q.contiguous()

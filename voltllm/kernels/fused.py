@@ -19,9 +19,12 @@ Entry points (each has a `*_ref` torch reference with the same signature, used b
   rms_norm(x, weight, eps, offset=0.0, out=None) -> out
   fused_add_rms_norm(x, residual, weight, eps, offset=0.0, out=None) -> (out, residual)  [residual in place]
   rms_norm_heads(x, weight, eps, offset=0.0, out=None) -> out          x [T, nH, D], strided T/head dims ok
-  rope_inplace(q, k, positions, cos, sin, rotary_dim) -> (q, k)                       [q, k in place]
-  qk_norm_rope_inplace(q, k, q_weight, k_weight, eps, positions, cos, sin, rotary_dim, offset=0.0)
-      -> (q, k)                                                                        [q, k in place]
+  rope_inplace(q, k, positions, cos, sin, rotary_dim, cache_write=None) -> (q, k)    [q, k in place]
+  qk_norm_rope_inplace(q, k, q_weight, k_weight, eps, positions, cos, sin, rotary_dim, offset=0.0,
+                       cache_write=None) -> (q, k)                                     [q, k in place]
+      cache_write (voltllm.attention.backend.CacheWrite): the same launch also stores the rotated K rows and
+      the V rows in a float paged KV cache (what the attention backend's kv_write would do next: one kernel
+      less per layer, which the decode profiles say is worth ~1-2 us per layer per step).
   silu_and_mul(x, out=None) -> out
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ import triton.language as tl
 
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
-__triton_helpers__ = ("_norm_rope_heads",)
+__triton_helpers__ = ("_norm_rope_heads", "_store_kv_rows")
 
 _MAX_SINGLE_TILE = 16384  # rows up to this many elements stay in registers; longer rows loop over tiles
 _LOOP_TILE = 4096
@@ -144,14 +147,35 @@ def _norm_rope_heads(
 
 
 @triton.jit
+def _store_kv_rows(K, V, KV, SlotMapping, t, head0, n_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, n_slots, D,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    """K and V rows of heads [head0, head0 + BLOCK_H) of token t into the paged cache (layout (2, blocks,
+    PAGE, heads, D)) at SlotMapping[t]; slot -1 and tokens t >= n_slots are skipped (CUDA-graph padding)."""
+    slot = tl.load(SlotMapping + t, mask=t < n_slots, other=-1).to(tl.int64)
+    offs_h = head0 + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = (offs_h[:, None] < n_heads) & (offs_d[None, :] < D) & (slot >= 0)
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=m)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
+    dst = KV + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_slot + offs_h[:, None] * stride_c_head
+    dst = dst + offs_d[None, :]
+    tl.store(dst, k.to(KV.dtype.element_ty), mask=m)
+    tl.store(dst + stride_c_kv, v.to(KV.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _qk_rope_kernel(
-    Q, K, Pos, Cos, Sin, QW, KW,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
-    n_qh, n_kh, n_qblocks, half, D, tail, eps, offset,
+    Q, K, Pos, Cos, Sin, QW, KW, V, KV, SlotMapping,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, stride_vt, stride_vh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+    n_qh, n_kh, n_qblocks, half, D, tail, eps, offset, n_slots,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    NORM: tl.constexpr, HAS_TAIL: tl.constexpr,
+    NORM: tl.constexpr, HAS_TAIL: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
-    """Program (t, b): head block b of q (b < n_qblocks) or of k (the rest), token t; in place."""
+    """Program (t, b): head block b of q (b < n_qblocks) or of k (the rest), token t; in place. WRITE_KV:
+    a k program then stores its rotated K rows and the same heads' V rows in the paged cache."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     pos = tl.load(Pos + t).to(tl.int64)
@@ -163,8 +187,14 @@ def _qk_rope_kernel(
         _norm_rope_heads(Q, stride_qt, stride_qh, t, b * BLOCK_H, n_qh, QW, c, s, eps, offset, half, D, tail,
                          BLOCK_H, BLOCK_HALF, BLOCK_TAIL, NORM, HAS_TAIL)
     else:
-        _norm_rope_heads(K, stride_kt, stride_kh, t, (b - n_qblocks) * BLOCK_H, n_kh, KW, c, s, eps, offset,
+        head0 = (b - n_qblocks) * BLOCK_H
+        _norm_rope_heads(K, stride_kt, stride_kh, t, head0, n_kh, KW, c, s, eps, offset,
                          half, D, tail, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, NORM, HAS_TAIL)
+        if WRITE_KV:
+            tl.debug_barrier()  # the rotated rows were stored by other threads of this program
+            _store_kv_rows(K, V, KV, SlotMapping, t, head0, n_kh, stride_kt, stride_kh, stride_vt, stride_vh,
+                           stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, n_slots, D,
+                           BLOCK_H, BLOCK_D, PAGE)
 
 
 @triton.jit
@@ -209,18 +239,26 @@ def _rope_specs() -> list[CompileSpec]:
     specs = []
     for act in _ACTS:
         for norm in (False, True):
-            for bh, bhalf, btail, has_tail, what in ((16, 64, 1, False, "D128 full"),
-                                                     (8, 32, 256, True, "D256 rot64")):
-                sig = {"Q": f"*{act}", "K": f"*{act}", "Pos": "*i64", "Cos": "*fp32", "Sin": "*fp32",
-                       "QW": f"*{act}", "KW": f"*{act}",
-                       **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_cos",
-                                             "stride_sin", "n_qh", "n_kh", "n_qblocks", "half", "D", "tail")},
-                       "eps": "fp32", "offset": "fp32",
-                       "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr", "BLOCK_TAIL": "constexpr",
-                       "NORM": "constexpr", "HAS_TAIL": "constexpr"}
-                specs.append(CompileSpec(sig, {"BLOCK_H": bh, "BLOCK_HALF": bhalf, "BLOCK_TAIL": btail,
-                                               "NORM": norm, "HAS_TAIL": has_tail},
-                                         label=f"{act} {what}{' +qknorm' if norm else ''}"))
+            for bh, bhalf, btail, has_tail, d, what in ((16, 64, 1, False, 128, "D128 full"),
+                                                        (8, 32, 256, True, 256, "D256 rot64")):
+                # the fused KV-cache store: fp16 activations and cache (the compat route's case)
+                for write in ((False, True) if act == "fp16" else (False,)):
+                    sig = {"Q": f"*{act}", "K": f"*{act}", "Pos": "*i64", "Cos": "*fp32", "Sin": "*fp32",
+                           "QW": f"*{act}", "KW": f"*{act}", "V": f"*{act}", "KV": f"*{act}", "SlotMapping": "*i64",
+                           **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_cos",
+                                                 "stride_sin", "stride_vt", "stride_vh")},
+                           "stride_c_kv": "i64",
+                           **{n: "i32" for n in ("stride_c_blk", "stride_c_slot", "stride_c_head", "n_qh", "n_kh",
+                                                 "n_qblocks", "half", "D", "tail")},
+                           "eps": "fp32", "offset": "fp32", "n_slots": "i32",
+                           "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr", "BLOCK_TAIL": "constexpr",
+                           "NORM": "constexpr", "HAS_TAIL": "constexpr", "WRITE_KV": "constexpr",
+                           "BLOCK_D": "constexpr", "PAGE": "constexpr"}
+                    specs.append(CompileSpec(sig, {"BLOCK_H": bh, "BLOCK_HALF": bhalf, "BLOCK_TAIL": btail,
+                                                   "NORM": norm, "HAS_TAIL": has_tail, "WRITE_KV": write,
+                                                   "BLOCK_D": d, "PAGE": 16},
+                                             label=f"{act} {what}{' +qknorm' if norm else ''}"
+                                                   f"{' +kv-write' if write else ''}"))
     return specs
 
 
@@ -320,7 +358,7 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     return rms_norm(x, weight, eps, offset, out)
 
 
-def _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps, offset) -> None:
+def _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps, offset, cache_write=None) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q [T, Hq, D] and k [T, Hk, D] expected, got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
@@ -354,31 +392,53 @@ def _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps,
         if q_weight.numel() != d or k_weight.numel() != d:
             raise ValueError(f"q/k norm weights must have head_dim={d} elements")
         qw, kw = qw.contiguous(), kw.contiguous()
+    if cache_write is None:
+        v, cache, slots, n_slots, page = q, q, positions, 0, 16  # unused pointers when WRITE_KV is off
+        c_strides = (0, 0, 0, 0)
+    else:
+        v, cache, slots = cache_write.v, cache_write.kv_cache, cache_write.slot_mapping
+        _check_cache_write(v, cache, slots, t, hk, d, k.dtype)
+        n_slots, page = min(t, slots.shape[0]), cache.shape[2]
+        c_strides = (cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3))
     _qk_rope_kernel[(t, nqb + nkb)](
-        q, k, positions, cos, sin, qw, kw,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        hq, hk, nqb, half, d, tail, float(eps), float(offset),
+        q, k, positions, cos, sin, qw, kw, v, cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0), v.stride(1),
+        *c_strides,
+        hq, hk, nqb, half, d, tail, float(eps), float(offset), n_slots,
         BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, NORM=norm, HAS_TAIL=has_tail,
+        WRITE_KV=cache_write is not None, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
         num_warps=_warps(block_h * row, hi=8),
     )
 
 
+def _check_cache_write(v, cache, slots, t, hk, d, dtype) -> None:
+    if v.shape != (t, hk, d) or v.stride(-1) != 1:
+        raise ValueError(f"cache_write.v must be [T={t}, {hk}, {d}] with a contiguous last dim, got {tuple(v.shape)}")
+    if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3] != hk or cache.shape[4] != d or cache.stride(4) != 1:
+        raise ValueError(f"cache_write.kv_cache must be (2, blocks, page, {hk}, {d}), got {tuple(cache.shape)}")
+    if not cache.dtype.is_floating_point or v.dtype != dtype:
+        raise ValueError(f"the fused KV store wants a float cache and v in {dtype}, got {cache.dtype} / {v.dtype}")
+    if slots.dim() != 1 or slots.dtype != torch.int64:
+        raise ValueError("cache_write.slot_mapping must be a 1-D int64 tensor")
+
+
 def rope_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 sin: torch.Tensor, rotary_dim: int, cache_write=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE on the first rotary_dim channels of every head, IN PLACE on q [T, Hq, D] and
     k [T, Hk, D] (any token/head strides, last dim contiguous: views into a fused qkv output are fine).
     positions [T] int (int64); cos/sin [max_pos, rotary_dim/2] fp32. Channels >= rotary_dim are not
-    touched. Returns (q, k), the same tensor objects."""
-    _launch_rope(q, k, positions, cos, sin, rotary_dim, None, None, 0.0, 0.0)
+    touched. Returns (q, k), the same tensor objects. cache_write: also store K and V in the paged cache
+    (module docstring)."""
+    _launch_rope(q, k, positions, cos, sin, rotary_dim, None, None, 0.0, 0.0, cache_write)
     return q, k
 
 
 def qk_norm_rope_inplace(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                          eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         rotary_dim: int, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                         rotary_dim: int, offset: float = 0.0, cache_write=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-style per-head RMSNorm of q and k (weights [D], `offset` for the (1 + w) variant) followed by
     rope_inplace, in one launch, IN PLACE on q and k (all D channels are rewritten). Returns (q, k)."""
-    _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps, offset)
+    _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps, offset, cache_write)
     return q, k
 
 

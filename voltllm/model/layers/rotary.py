@@ -38,26 +38,34 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [max_pos, rotary_dim / 2]
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache_write=None):
         """q [T, Hq, D], k [T, Hk, D] -> rotated (first rotary_dim channels), same dtype.
 
-        On CUDA q and k are rotated in place (one fused launch)."""
+        On CUDA q and k are rotated in place (one fused launch). cache_write (an attention backend's
+        CacheWrite): the rotated K and the V rows are also stored in the paged KV cache."""
         if q.is_cuda:
             from voltllm.kernels import fused
 
-            return fused.rope_inplace(q, k, positions, self.cos, self.sin, self.rotary_dim)
+            return fused.rope_inplace(q, k, positions, self.cos, self.sin, self.rotary_dim, cache_write)
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if cache_write is not None:
+            from voltllm.attention.torch_ref import write_kv
 
-    def norm_and_rotate(self, positions, q, k, q_norm, k_norm):
-        """Per-head RMSNorm of q and k (Qwen3 QK-norm) then RoPE; fused and in place on CUDA."""
+            n = min(k.shape[0], cache_write.slot_mapping.shape[0])
+            write_kv(k[:n], cache_write.v[:n], cache_write.kv_cache, cache_write.slot_mapping[:n])
+        return q, k
+
+    def norm_and_rotate(self, positions, q, k, q_norm, k_norm, cache_write=None):
+        """Per-head RMSNorm of q and k (Qwen3 QK-norm) then RoPE (and the cache store, as forward); fused and
+        in place on CUDA."""
         if q.is_cuda and q_norm.offset == k_norm.offset:
             from voltllm.kernels import fused
 
             return fused.qk_norm_rope_inplace(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions,
-                                              self.cos, self.sin, self.rotary_dim, q_norm.offset)
-        return self.forward(positions, q_norm(q), k_norm(k))
+                                              self.cos, self.sin, self.rotary_dim, q_norm.offset, cache_write)
+        return self.forward(positions, q_norm(q), k_norm(k), cache_write)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim

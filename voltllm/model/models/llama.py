@@ -41,13 +41,15 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        cache = ctx.kv_caches[self.kv_index]
+        write = ctx.backend.cache_write_for(v, cache, ctx.meta)  # K/V stored by the RoPE launch when offered
         if self.qk_norm:
-            q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
+            q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm, cache_write=write)
         else:
-            q, k = self.rotary(positions, q, k)
+            q, k = self.rotary(positions, q, k, cache_write=write)
         maybe_calc_kv_scales(self, k, v, ctx)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale,
-                                  k_scale=self.k_scale, v_scale=self.v_scale)
+        out = ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                                  kv_written=write is not None)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -71,10 +71,12 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q.contiguous())
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        cache = ctx.kv_caches[self.kv_index]
+        write = ctx.backend.cache_write_for(v, cache, ctx.meta)  # K/V stored by the RoPE launch when offered
+        q, k = self.rotary(positions, q, k, cache_write=write)
         maybe_calc_kv_scales(self, k, v, ctx)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.kv_index], ctx.meta, self.scale,
-                                  k_scale=self.k_scale, v_scale=self.v_scale)
+        out = ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                                  kv_written=write is not None)
         out = out.reshape(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
