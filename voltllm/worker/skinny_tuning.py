@@ -41,12 +41,15 @@ def graph_replay_ms(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
 
 
 def _rotation(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The shape's weights, plus scratch copies when there are too few of them to leave L2 cold."""
-    per = weights[0].numel() * weights[0].element_size()
+    """The shape's weights, plus scratch copies when there are too few of them to leave L2 cold. The copies
+    are views of one buffer filled by one launch (a small weight needs thousands: 8 KB -> 32768)."""
+    w = weights[0]
+    per = w.numel() * w.element_size()
     need = -(-L2_FLUSH_BYTES // per)
     if len(weights) >= need or per >= L2_FLUSH_BYTES:
         return weights
-    return weights + [torch.empty_like(weights[0]).normal_(0, 0.02) for _ in range(need - len(weights))]
+    pool = torch.empty((need - len(weights), *w.shape), dtype=w.dtype, device=w.device).normal_(0, 0.02)
+    return weights + list(pool.unbind(0))
 
 
 @torch.inference_mode()
