@@ -64,6 +64,20 @@ def _route(enabled: bool, expected: bool, impl: str, reason: str, **extra: Any) 
     return dict(enabled=bool(enabled), expected=bool(expected), impl=impl, reason=reason, **extra)
 
 
+def _triton_gemm_note(runner: Any) -> str:
+    """Where start-up timing (worker/skinny_tuning.py) chose the Triton GEMMs over cuBLAS."""
+    if runner is None:
+        return ""
+    layers = [m for m in runner.model.modules() if hasattr(m, "skinny")]
+    one = sum(1 for m in layers if m.skinny) + (1 if getattr(runner.model, "logits_skinny", None) else 0)
+    rows = sorted({r for m in layers for r in (getattr(m, "batch_gemm", None) or {})})
+    many = sum(1 for m in layers if getattr(m, "batch_gemm", None))
+    if not one and not many:
+        return ""
+    return (f"; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on {one} layers"
+            + (f", decode-batch (rows {rows}) on {many} layers" if many else ""))
+
+
 def build_report(config: Any, runner: Any = None, platform: Optional[Platform] = None) -> dict:
     """The report dict (JSON-ready). With a runner: its actual routes and counters; without: predicted."""
     from voltllm import __version__
@@ -145,7 +159,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     impl = ", ".join(methods) + (f" (GGUF tensors dequantized to {dtype} at load)" if quant == "gguf" else "")
     if cuda:
         routes["linear"] = _route(True, True, impl, f"torch F.linear -> cuBLAS {dtype} GEMM" + (
-            " (fp16 tensor cores on sm_70+)" if dtype == "float16" else ""))
+            " (fp16 tensor cores on sm_70+)" if dtype == "float16" else "") + _triton_gemm_note(runner))
     else:
         routes["linear"] = _route(False, False, impl, "CPU: torch F.linear on the CPU BLAS")
 

@@ -1,4 +1,5 @@
-"""Run under TRITON_INTERPRET=1 (see test_gemv_interp.py): skinny GEMM vs the torch reference."""
+"""Run under TRITON_INTERPRET=1 (see test_gemv_interp.py): skinny GEMM and decode-batch GEMM vs the torch
+references."""
 import torch
 
 from interp_util import patch_interpreter_index
@@ -24,3 +25,27 @@ for m, n, k, bias in cases:
                 tol = 1e-5 if dtype == torch.float32 else 2e-3
                 assert err < tol, (m, n, k, dtype, cfg, silu_mul, err)
 print("ok")
+
+# decode-batch GEMM (tl.dot, 16-64 rows): masked rows (17, 33), an odd N, K not a multiple of BLOCK_K, bias,
+# the silu*mul prologue; outputs poisoned with NaN first
+from voltllm.kernels.batch_gemm import batch_gemm, batch_gemm_ref  # noqa: E402
+
+for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, False), (64, 96, 160, True)):
+    for dtype in (torch.float16,):  # (bf16: GPU only, the interpreter truncates fp32 -> bf16)
+        for silu_mul in (False, True):
+            x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype)
+            w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+            b = torch.randn(n, dtype=dtype) if bias else None
+            out = torch.full((m, n), float("nan"), dtype=dtype)
+            for cfg in ((32, 128, 4, 3), (16, 64, 4, 1), (64, 256, 4, 2)):
+                out.fill_(float("nan"))
+                batch_gemm(x, w, b, config=cfg, silu_mul=silu_mul, out=out)
+                ref = batch_gemm_ref(x, w, b, silu_mul=silu_mul)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                assert err < 2e-3, ("batch_gemm", m, n, k, dtype, cfg, silu_mul, err)
+try:
+    batch_gemm(torch.zeros(16, 8), torch.zeros(4, 8))
+    raise AssertionError("fp32 accepted")
+except ValueError:
+    pass
+print("ok batch_gemm")

@@ -339,9 +339,15 @@ class ModelRunner:
     # -- CUDA graphs ----------------------------------------------------------------------------
     def tune_decode_gemms(self) -> None:
         if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
-            from voltllm.worker.skinny_tuning import tune_skinny_gemm
+            from voltllm.worker.cuda_graphs import graph_batch_sizes
+            from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 
             self.skinny_choices = tune_skinny_gemm(self.model)
+            # decode batches run at the CUDA-graph sizes; the compat route keeps cuBLAS (on sm_70/75 the
+            # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
+            if self.config.device.compat == "none":
+                self.skinny_choices.update(tune_batch_gemm(
+                    self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs)))
 
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs

@@ -1,4 +1,6 @@
-"""Pick, per weight shape, cuBLAS or the skinny Triton GEMM for decode-sized matmuls, by timing both.
+"""Pick, per weight shape and decode row count, cuBLAS or a Triton GEMM for decode-sized matmuls, by timing
+both: the skinny GEMM (kernels/gemv.py) at one row, the decode-batch GEMM (kernels/batch_gemm.py) at the
+CUDA-graph batch sizes from 16 to 64 rows.
 
 Decode at small batch is a weight-streaming problem; which implementation streams faster depends on the
 GPU, the shape and the library version, so the runner measures it once at start (a few ms per shape)
@@ -52,16 +54,44 @@ def _rotation(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return weights + list(pool.unbind(0))
 
 
-@torch.inference_mode()
-def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, int], object]:
-    """Set `skinny` on every unquantized Linear (and the model's logits) where the Triton GEMM wins."""
-    from voltllm.kernels.gemv import CONFIGS, gemv
+def _fastest(weights: list[torch.Tensor], x: torch.Tensor, configs, run) -> tuple[float, object, float]:
+    """(cuBLAS ms, best Triton config or None, its ms) for y = x w^T over the rotation; `run(x, w, cfg)` is the
+    Triton GEMM. A config whose result differs from cuBLAS's is never chosen."""
+    w = weights[0]
+    t_lib = graph_replay_ms(lambda w_: F.linear(x, w_), weights)
+    ref = F.linear(x, w).float()
+    best, t_tri = None, float("inf")
+    for cfg in configs:
+        err = (run(x, w, cfg).float() - ref).norm() / ref.norm().clamp_min(1e-6)
+        if err.item() > 1e-2:
+            continue
+        t = graph_replay_ms(lambda w_: run(x, w_, cfg), weights)
+        if t < t_tri:
+            best, t_tri = cfg, t
+    return t_lib, best, t_tri
 
+
+def _line(n: int, k: int, itemsize: int, t_lib: float, best, t_tri: float, use) -> str:
+    gbps = lambda t: n * k * itemsize / t / 1e6  # noqa: E731
+    return (f"{n}x{k}: cuBLAS {t_lib * 1e3:.1f} us ({gbps(t_lib):.0f} GB/s), best triton {best} "
+            f"{t_tri * 1e3:.1f} us ({gbps(t_tri):.0f} GB/s) -> {'triton' if use else 'cuBLAS'}")
+
+
+def _unquantized_groups(model: torch.nn.Module) -> dict[tuple[int, int], list]:
     groups: dict[tuple[int, int], list] = {}
     for mod in model.modules():
         if isinstance(mod, Linear) and isinstance(mod.method, UnquantizedLinearMethod):
             if mod.weight.dtype in (torch.float16, torch.bfloat16) and mod.weight.is_cuda:
                 groups.setdefault(tuple(mod.weight.shape), []).append(mod)
+    return groups
+
+
+@torch.inference_mode()
+def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, int], object]:
+    """Set `skinny` on every unquantized Linear (and the model's logits) where the Triton GEMM wins."""
+    from voltllm.kernels.gemv import CONFIGS, gemv
+
+    groups = _unquantized_groups(model)
     logits_w = getattr(model, "logits_weight", None)
     if logits_w is not None and logits_w.is_cuda and logits_w.dtype in (torch.float16, torch.bfloat16):
         groups.setdefault(tuple(logits_w.shape), []).append(model)
@@ -69,18 +99,8 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
     lines = []
     for (n, k), mods in groups.items():
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
-        w = weights[0]
-        x = torch.randn(rows, k, dtype=w.dtype, device=w.device)
-        t_lib = graph_replay_ms(lambda w_: F.linear(x, w_), weights)
-        ref = F.linear(x, w).float()
-        best, t_tri = None, float("inf")
-        for cfg in CONFIGS:
-            err = (gemv(x, w, config=cfg).float() - ref).norm() / ref.norm().clamp_min(1e-6)
-            if err.item() > 1e-2:
-                continue  # never choose a config that computes something else
-            t = graph_replay_ms(lambda w_: gemv(x, w_, config=cfg), weights)
-            if t < t_tri:
-                best, t_tri = cfg, t
+        x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+        t_lib, best, t_tri = _fastest(weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg))
         del weights
         use = best if t_tri < 0.97 * t_lib else None
         decisions[(n, k)] = use
@@ -89,9 +109,39 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
                 model.logits_skinny = use
             else:
                 m.skinny = use
-        gbps = lambda t: n * k * w.element_size() / t / 1e6  # noqa: E731
-        lines.append(f"{n}x{k}: cuBLAS {t_lib * 1e3:.1f} us ({gbps(t_lib):.0f} GB/s), best triton {best} "
-                     f"{t_tri * 1e3:.1f} us ({gbps(t_tri):.0f} GB/s) -> {'triton' if use else 'cuBLAS'}")
+        lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use))
     if lines:
         logger.info("decode GEMM choice (M=%d, cold L2):\n  %s", rows, "\n  ".join(lines))
+    return decisions
+
+
+BATCH_MIN_WEIGHT_BYTES = 4 << 20  # smaller weights are launch-bound at any row count: not worth the timing
+
+
+@torch.inference_mode()
+def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple[int, int, int], object]:
+    """Set `batch_gemm[rows]` on every unquantized Linear of at least BATCH_MIN_WEIGHT_BYTES where the
+    decode-batch Triton GEMM beats cuBLAS at that row count (rows in [MIN_ROWS, MAX_ROWS])."""
+    from voltllm.kernels.batch_gemm import CONFIGS, MAX_ROWS, MIN_ROWS, batch_gemm
+
+    rows_list = [r for r in row_counts if MIN_ROWS <= r <= MAX_ROWS]
+    decisions = {}
+    lines = []
+    for (n, k), mods in _unquantized_groups(model).items():
+        if n * k * mods[0].weight.element_size() < BATCH_MIN_WEIGHT_BYTES or not rows_list:
+            continue
+        weights = _rotation([m.weight for m in mods])
+        for rows in rows_list:
+            x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+            t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
+                                          lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg))
+            use = best if t_tri < 0.97 * t_lib else None
+            decisions[(n, k, rows)] = use
+            for m in mods:
+                if use is not None:
+                    m.batch_gemm[rows] = use
+            lines.append(f"M={rows} " + _line(n, k, x.element_size(), t_lib, best, t_tri, use))
+        del weights
+    if lines:
+        logger.info("decode-batch GEMM choice (cold L2):\n  %s", "\n  ".join(lines))
     return decisions

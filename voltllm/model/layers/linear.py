@@ -25,22 +25,38 @@ class LinearMethod:
         raise NotImplementedError
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, skinny=None):
-    """F.linear, or the skinny Triton GEMM (with the config start-up timing chose) for one-row inputs."""
-    if skinny and x.dim() == 2 and x.shape[0] == 1:  # tuned at one row (batch-1 decode)
-        from voltllm.kernels.gemv import gemv
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, skinny=None,
+           batch: Optional[dict] = None):
+    """F.linear, or a Triton GEMM where start-up timing chose one (voltllm.worker.skinny_tuning): the skinny
+    GEMM (config `skinny`) for one-row inputs, the decode-batch GEMM for the row counts in `batch`
+    ({rows: config})."""
+    if x.dim() == 2:
+        rows = x.shape[0]
+        if skinny and rows == 1:  # tuned at one row (batch-1 decode)
+            from voltllm.kernels.gemv import gemv
 
-        return gemv(x, w, bias, config=skinny)
+            return gemv(x, w, bias, config=skinny)
+        if batch and rows in batch:
+            from voltllm.kernels.batch_gemm import batch_gemm
+
+            return batch_gemm(x, w, bias, config=batch[rows])
     return F.linear(x, w, bias)
 
 
 def down_proj_silu_mul(layer: "Linear", gate_up: torch.Tensor) -> torch.Tensor:
-    """layer(silu(gate) * up) for gate_up = [gate | up]; at one row with the skinny GEMM chosen, the
-    activation is computed inside the GEMM (one kernel less per MLP in batch-1 decode)."""
-    if layer.skinny and gate_up.dim() == 2 and gate_up.shape[0] == 1:
-        from voltllm.kernels.gemv import gemv
+    """layer(silu(gate) * up) for gate_up = [gate | up]; where a Triton GEMM was chosen for this row count
+    (one row: skinny GEMM; decode batches: the batch GEMM), the activation is computed inside the GEMM
+    (one kernel less per MLP)."""
+    if gate_up.dim() == 2:
+        rows = gate_up.shape[0]
+        if layer.skinny and rows == 1:
+            from voltllm.kernels.gemv import gemv
 
-        return gemv(gate_up, layer.weight, layer.bias, config=layer.skinny, silu_mul=True)
+            return gemv(gate_up, layer.weight, layer.bias, config=layer.skinny, silu_mul=True)
+        if layer.batch_gemm and rows in layer.batch_gemm:
+            from voltllm.kernels.batch_gemm import batch_gemm
+
+            return batch_gemm(gate_up, layer.weight, layer.bias, config=layer.batch_gemm[rows], silu_mul=True)
     from voltllm.model.layers.activation import silu_and_mul
 
     return layer(silu_and_mul(gate_up))
@@ -56,7 +72,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight.data[offset:offset + size].copy_(tensor)
 
     def apply(self, layer, x):
-        return linear(x, layer.weight, layer.bias, layer.skinny)
+        return linear(x, layer.weight, layer.bias, layer.skinny, layer.batch_gemm)
 
 
 class Linear(nn.Module):
@@ -70,6 +86,7 @@ class Linear(nn.Module):
         self.out_features = sum(self.shard_sizes)
         self.method = method or UnquantizedLinearMethod()
         self.skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning when it measured faster
+        self.batch_gemm: dict[int, tuple] = {}  # decode-batch GEMM configs by row count (same tuner)
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 

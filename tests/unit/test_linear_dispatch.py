@@ -1,0 +1,50 @@
+"""Which GEMM a Linear runs (voltllm.model.layers.linear): cuBLAS unless start-up tuning chose a Triton GEMM
+for that row count (skinny at one row, decode-batch at the tuned batch sizes), the MLP's silu*mul fused
+into whichever Triton GEMM runs. The kernels are replaced by recorders here (their numerics are checked
+under the interpreter and on the GPU)."""
+import torch
+
+from voltllm.model.layers import linear as L
+
+
+def _recorders(monkeypatch):
+    calls = []
+    import voltllm.kernels.batch_gemm as B
+    import voltllm.kernels.gemv as G
+
+    def fake(kind):
+        def run(x, w, bias=None, config=None, silu_mul=False, **_):
+            calls.append((kind, x.shape[0], config, silu_mul))
+            return torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype)
+        return run
+    monkeypatch.setattr(G, "gemv", fake("gemv"))
+    monkeypatch.setattr(B, "batch_gemm", fake("batch"))
+    return calls
+
+
+def test_linear_dispatch_by_row_count(monkeypatch):
+    calls = _recorders(monkeypatch)
+    layer = L.Linear(8, 4, dtype=torch.float32)
+    layer.weight.data.normal_()
+    layer.skinny, layer.batch_gemm = ("s",), {16: ("b16",), 64: ("b64",)}
+    for rows in (1, 2, 16, 17, 64):
+        x = torch.randn(rows, 8)
+        y = layer(x)
+        assert y.shape == (rows, 4)
+        if rows in (2, 17):  # no tuned choice: cuBLAS / torch
+            assert torch.allclose(y, x @ layer.weight.t())
+    assert calls == [("gemv", 1, ("s",), False), ("batch", 16, ("b16",), False), ("batch", 64, ("b64",), False)]
+
+
+def test_down_proj_silu_mul_dispatch(monkeypatch):
+    calls = _recorders(monkeypatch)
+    layer = L.Linear(8, 4, dtype=torch.float32)
+    layer.weight.data.normal_()
+    layer.batch_gemm = {32: ("b32",)}
+    gu = torch.randn(32, 16)
+    L.down_proj_silu_mul(layer, gu)
+    gu3 = torch.randn(3, 16)
+    y = L.down_proj_silu_mul(layer, gu3)  # untuned row count: silu_and_mul, then the layer
+    act = torch.nn.functional.silu(gu3[:, :8]) * gu3[:, 8:]
+    assert torch.allclose(y, act @ layer.weight.t(), atol=1e-6)
+    assert calls == [("batch", 32, ("b32",), True)]
