@@ -16,24 +16,31 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(6144, 4096), (4096, 4096), (4096, 12288), (960, 576), (576, 1536), (49152, 576), (1000, 333)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_gemv_real_shapes(n, k, dtype):
+def _check_every_config(run, ref_fn, configs, rows, n, k, dtype):
+    """run(x, w, bias, cfg, silu_mul, out) at every config, row count, silu_mul and bias, vs ref_fn (fp32),
+    on fresh random inputs (the seed is in the failure message); outputs poisoned with NaN first."""
     seed = random.SystemRandom().randrange(1 << 30)
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(n, k, dtype=dtype, device="cuda", generator=g) / k ** 0.5
     bias = torch.randn(n, dtype=dtype, device="cuda", generator=g)
     tol = 2e-3 if dtype == torch.float16 else 1e-2
-    for m in (1, 2, 3, 4):
+    for m in rows:
         for silu_mul in (False, True):
             x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype, device="cuda", generator=g)
             for b in (None, bias):
-                ref = gemv_ref(x, w, b, silu_mul=silu_mul).float()
-                for cfg in CONFIGS:
+                ref = ref_fn(x, w, b, silu_mul=silu_mul).float()
+                for cfg in configs:
                     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-                    gemv(x, w, b, out=out, config=cfg, silu_mul=silu_mul)
+                    run(x, w, b, cfg, silu_mul, out)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     assert err < tol, (seed, n, k, m, silu_mul, b is not None, cfg, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_real_shapes(n, k, dtype):
+    _check_every_config(lambda x, w, b, cfg, silu_mul, out: gemv(x, w, b, out=out, config=cfg, silu_mul=silu_mul),
+                        gemv_ref, CONFIGS, (1, 2, 3, 4), n, k, dtype)
 
 
 def test_tuned_model_matches_cublas():
@@ -63,21 +70,9 @@ def test_batch_gemm_real_shapes(n, k, dtype):
     rows), with and without silu*mul and bias, vs the fp32 reference; outputs poisoned with NaN first."""
     from voltllm.kernels.batch_gemm import CONFIGS as BATCH_CONFIGS, batch_gemm, batch_gemm_ref
 
-    seed = random.SystemRandom().randrange(1 << 30)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(n, k, dtype=dtype, device="cuda", generator=g) / k ** 0.5
-    bias = torch.randn(n, dtype=dtype, device="cuda", generator=g)
-    tol = 2e-3 if dtype == torch.float16 else 1e-2
-    for m in (16, 17, 48, 64):
-        for silu_mul in (False, True):
-            x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype, device="cuda", generator=g)
-            for b in (None, bias):
-                ref = batch_gemm_ref(x, w, b, silu_mul=silu_mul).float()
-                for cfg in BATCH_CONFIGS:
-                    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-                    batch_gemm(x, w, b, config=cfg, silu_mul=silu_mul, out=out)
-                    err = ((out.float() - ref).norm() / ref.norm()).item()
-                    assert err < tol, (seed, n, k, m, silu_mul, b is not None, cfg, err)
+    _check_every_config(lambda x, w, b, cfg, silu_mul, out: batch_gemm(x, w, b, config=cfg, silu_mul=silu_mul,
+                                                                        out=out),
+                        batch_gemm_ref, BATCH_CONFIGS, (16, 17, 48, 64), n, k, dtype)
 
 
 def test_batch_tuned_model_matches_cublas():

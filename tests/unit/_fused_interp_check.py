@@ -141,14 +141,19 @@ def tables(device: str, max_pos: int, rd: int) -> tuple[torch.Tensor, torch.Tens
     return f.cos().to(device), f.sin().to(device)
 
 
+def _rope_case(device, t, hq, hk, d, rd, dtype, seed, max_pos):
+    """cos/sin tables, random positions, a fused qkv buffer and its reference copy."""
+    cos, sin = tables(device, max_pos, rd)
+    positions = torch.randint(0, max_pos, (t,), generator=_gen(seed + 7), dtype=torch.int64).to(device)
+    qkv = _qkv(device, t, hq, hk, d, dtype, seed)
+    return cos, sin, positions, qkv, qkv.clone()
+
+
 def run_rope(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torch.dtype, norm: bool,
              offset: float = 0.0, seed: int = 0, max_pos: int = 4096) -> str:
     from voltllm.kernels import fused as F
 
-    cos, sin = tables(device, max_pos, rd)
-    positions = torch.randint(0, max_pos, (t,), generator=_gen(seed + 7), dtype=torch.int64).to(device)
-    qkv = _qkv(device, t, hq, hk, d, dtype, seed)
-    ref_buf = qkv.clone()
+    cos, sin, positions, qkv, ref_buf = _rope_case(device, t, hq, hk, d, rd, dtype, seed, max_pos)
     q, k = _views(qkv, hq, hk, d)
     rq, rk = _views(ref_buf, hq, hk, d)
     if norm:
@@ -175,10 +180,7 @@ def run_rope_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int,
     from voltllm.attention.torch_ref import write_kv
     from voltllm.kernels import fused as F
 
-    cos, sin = tables(device, max_pos, rd)
-    positions = torch.randint(0, max_pos, (t,), generator=_gen(seed + 7), dtype=torch.int64).to(device)
-    qkv = _qkv(device, t, hq, hk, d, dtype, seed)
-    ref_buf = qkv.clone()
+    cos, sin, positions, qkv, ref_buf = _rope_case(device, t, hq, hk, d, rd, dtype, seed, max_pos)
     q, k = _views(qkv, hq, hk, d)
     rq, rk = _views(ref_buf, hq, hk, d)
     v = qkv[:, (hq + hk) * d:].view(t, hk, d)
