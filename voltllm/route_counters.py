@@ -139,6 +139,15 @@ compile_cache = CompileCacheTracker()
 
 
 # -- per-runner counters ----------------------------------------------------------------------------
+def _count_gdn_layers(runner: Any) -> int:
+    model = getattr(runner, "model", None)
+    if model is None:
+        return 0
+    from voltllm.model.layers.gdn import GatedDeltaNet
+
+    return sum(isinstance(m, GatedDeltaNet) for m in model.modules())
+
+
 class RouteCounters:
     """Eager call counts of one runner, plus the per-forward template used for CUDA-graph replays."""
 
@@ -151,6 +160,7 @@ class RouteCounters:
         graphs = getattr(runner, "graphs", None)
         self.replays0 = int(getattr(graphs, "replays", 0) or 0)
         self.runner_ref = weakref.ref(runner)
+        self.gdn_layers = _count_gdn_layers(runner)
 
     def current(self) -> dict[str, int]:
         c = dict(self.eager)
@@ -167,6 +177,9 @@ class RouteCounters:
             t = dict(delta)
             t["attention_decode"] += t.pop("attention_prefill")
             t["attention_prefill"] = 0
+            # a prefill runs the GDN layers' chunked / reference path; a replayed decode step calls each
+            # GDN decode launcher once per layer
+            t["gdn_decode"] = len(_GDN_FNS) * self.gdn_layers
             self.template, self.template_source = t, "eager prefill forward (attention calls as decode calls)"
 
     def replays(self) -> int:

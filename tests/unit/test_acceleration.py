@@ -208,3 +208,25 @@ def test_compile_cache_status_shape():
     acceleration.compile_cache.start()
     s = acceleration.compile_cache.status()
     assert {"dir", "exists", "writable", "tracking", "kernels_loaded", "compiled", "disk_hits"} <= set(s)
+
+
+def test_hybrid_prefill_template_counts_gdn_decode_calls(tmp_path):
+    """With decode graphs every decode step replays, so the per-forward template may come from a prefill. A
+    hybrid prefill runs the GDN layers' chunked path, yet a replayed decode step calls both GDN decode
+    launchers (conv1d, delta rule) once per GDN layer: the template says so."""
+    from tiny_models import make_tiny_hybrid
+    from voltllm import LLM
+
+    path = make_tiny_hybrid(str(tmp_path), "qwen3_5", 700, 701)
+    if path is None:
+        pytest.skip("qwen3_5 not in this transformers")
+    runner = LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none").engine.runner
+    counters = instrument(runner)
+    gdn = sum(type(m).__name__ == "GatedDeltaNet" for m in runner.model.modules())
+    assert gdn > 0 and counters.gdn_layers == gdn
+    prefill = dict.fromkeys(counters.current(), 0)
+    after = dict(prefill, attention_prefill=2, linear=9)
+    counters.template = counters.template_source = None
+    counters.on_forward(prefill, after)
+    assert counters.template["attention_decode"] == 2 and counters.template["attention_prefill"] == 0
+    assert counters.template["gdn_decode"] == 2 * gdn
