@@ -139,7 +139,8 @@ case $stage in
       timeout 150 python3 -m pytest -q -m gpu tests/gpu/$f.py -p no:cacheprovider -rf > "$out/$f.txt" 2>&1
       echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
     done
-    timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py -k "half and (moe or sm70) or cuda_graphs_equal_eager" \
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py \
+      -k "half and (bfloat16-none-qwen3_5_moe or sm70) or cuda_graphs_equal_eager and bfloat16" \
       -p no:cacheprovider -rf -s > "$out/hybrid.txt" 2>&1
     echo "hybrid rc=$? $(tail -1 "$out/hybrid.txt")"; grep -E "^(FAILED|ERROR)|first flips" "$out/hybrid.txt" | head -12
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
