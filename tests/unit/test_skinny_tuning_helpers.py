@@ -1,0 +1,42 @@
+"""The start-up GEMM tuner's helpers (voltllm.worker.skinny_tuning): the weight rotation (enough distinct weights
+of the shape to stream L2_FLUSH_BYTES between two reads of the same one, the model's own weights first) and the
+config choice (wrong results and tiles the GPU cannot hold are never chosen)."""
+import torch
+
+from voltllm.worker import skinny_tuning as T
+
+
+def test_rotation_pads_small_weights_to_the_flush_size(monkeypatch):
+    monkeypatch.setattr(T, "L2_FLUSH_BYTES", 1 << 20)
+    own = [torch.zeros(64, 64, dtype=torch.float16) for _ in range(3)]  # 8 KB each
+    rot = T._rotation(own)
+    assert all(a is b for a, b in zip(rot, own)) and len(rot) == (1 << 20) // (64 * 64 * 2)
+    assert all(w.shape == (64, 64) and w.dtype == torch.float16 for w in rot)
+    scratch = torch.stack(rot[3:])
+    assert scratch.abs().sum() > 0 and not torch.equal(scratch[0], scratch[1])  # filled, distinct
+    assert len({w.data_ptr() for w in rot}) == len(rot)
+
+
+def test_rotation_keeps_enough_or_large_weights():
+    big = [torch.zeros(1024, 1024, dtype=torch.float16)] * 2
+    many = big * 200  # 400 x 2 MiB >= 256 MiB
+    assert T._rotation(many) is many
+    huge = torch.zeros(1, dtype=torch.float16).expand(T.L2_FLUSH_BYTES)  # one weight past the flush size
+    one = [huge]
+    assert T._rotation(one) is one
+
+
+def test_fastest_skips_configs_the_gpu_cannot_run(monkeypatch):
+    """A tile that does not fit this GPU (Triton raises OutOfResources before launching) is skipped, not fatal."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(T, "graph_replay_ms", lambda fn, weights: 1.0 if fn(weights[0]) is not None else 9.0)
+    w = torch.randn(8, 16)
+    x = torch.randn(2, 16)
+
+    def run(x_, w_, cfg):
+        if cfg == "big":
+            raise OutOfResources(300000, 232448, "shared memory")
+        return x_ @ w_.t() if cfg == "good" else torch.zeros(2, 8)  # "wrong" computes something else
+    t_lib, best, t_tri = T._fastest([w], x, ["big", "wrong", "good"], run)
+    assert best == "good" and t_tri == 1.0 and t_lib == 1.0
