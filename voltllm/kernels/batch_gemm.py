@@ -7,8 +7,8 @@ with a separate reduce kernel. Here each program owns BLOCK_N output features fo
 BLOCK_M), streams its weight rows once (evict-first, pipelined over K) and multiplies on tensor cores.
 
 `silu_mul=True` takes x = [gate | up] (M, 2K) and multiplies by silu(gate) * up, computed in the prologue in
-fp32 and rounded to x's dtype before the dot (as the unfused silu_and_mul + GEMM round it), so the MLP needs
-no activation kernel.
+fp32 and rounded once to x's dtype for the dot (the unfused silu_and_mul also rounds silu(gate) before the
+multiply: a last-place difference), so the MLP needs no activation kernel.
 
 Whether it beats cuBLAS for a shape and row count, and with which tile, is measured at start-up
 (voltllm.worker.skinny_tuning), not assumed: on sm_70/75 tl.dot runs on CUDA cores and cuBLAS wins.
