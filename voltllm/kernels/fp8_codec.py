@@ -36,7 +36,7 @@ from voltllm.kernels.registry import CompileSpec, register_kernel
 
 __triton_helpers__ = (
     "_fp32_to_fp8_bits", "fp32_to_e4m3", "fp32_to_e5m2", "fp32_to_fp8",
-    "e4m3_to_fp32", "e5m2_to_fp32", "fp8_to_fp32",
+    "_fp8_finite_to_fp32_bits", "e4m3_to_fp32", "e5m2_to_fp32", "fp8_to_fp32",
     "e4m3_to_fp16", "e5m2_to_fp16", "fp8_to_fp16",
 )
 
@@ -229,36 +229,36 @@ def fp32_to_fp8(x, FMT: tl.constexpr):
 
 
 @triton.jit
+def _fp8_finite_to_fp32_bits(ci, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """fp32 bit patterns (sign excluded) of the finite fp8 codes ci (int32, 0..255), exact: normals rebias the
+    exponent; a subnormal m * 2**(1 - BIAS - MBITS) is renormalised at its leading one (bit p of m)."""
+    e = (ci >> MBITS) & ((1 << (7 - MBITS)) - 1)
+    m = ci & ((1 << MBITS) - 1)
+    normal = ((e + (127 - BIAS)) << 23) | (m << (23 - MBITS))
+    p = (m >= 2).to(tl.int32) + (m >= 4).to(tl.int32)
+    sub = ((p + (128 - BIAS - MBITS)) << 23) | ((m << (23 - p)) & 0x7FFFFF)
+    sub = tl.where(m == 0, 0, sub)
+    return tl.where(e == 0, sub, normal)
+
+
+@triton.jit
 def e4m3_to_fp32(c):
     """uint8 E4M3FN codes -> fp32, exact (NaN code -> NaN with the sign kept)."""
     ci = c.to(tl.int32) & 0xFF
-    sign = (ci & 0x80) << 24
-    e = (ci >> 3) & 0xF
-    m = ci & 0x7
-    normal = ((e + 120) << 23) | (m << 20)
-    p = (m >= 2).to(tl.int32) + (m >= 4).to(tl.int32)
-    sub = ((p + 118) << 23) | ((m << (23 - p)) & 0x7FFFFF)
-    sub = tl.where(m == 0, 0, sub)
-    bits = tl.where(e == 0, sub, normal)
+    bits = _fp8_finite_to_fp32_bits(ci, 3, 7)
     bits = tl.where((ci & 0x7F) == 0x7F, 0x7FF00000, bits)
-    return (bits | sign).to(tl.float32, bitcast=True)
+    return (bits | ((ci & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def e5m2_to_fp32(c):
     """uint8 E5M2 codes -> fp32, exact (inf and NaN kept, NaN quieted)."""
     ci = c.to(tl.int32) & 0xFF
-    sign = (ci & 0x80) << 24
-    e = (ci >> 2) & 0x1F
+    bits = _fp8_finite_to_fp32_bits(ci, 2, 15)
     m = ci & 0x3
-    normal = ((e + 112) << 23) | (m << 21)
-    p = (m >= 2).to(tl.int32)
-    sub = ((p + 111) << 23) | ((m << (23 - p)) & 0x7FFFFF)
-    sub = tl.where(m == 0, 0, sub)
-    bits = tl.where(e == 0, sub, normal)
     special = tl.where(m == 0, 0x7F800000, 0x7FC00000 | (m << 21))
-    bits = tl.where(e == 31, special, bits)
-    return (bits | sign).to(tl.float32, bitcast=True)
+    bits = tl.where(((ci >> 2) & 0x1F) == 31, special, bits)
+    return (bits | ((ci & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
