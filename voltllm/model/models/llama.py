@@ -6,21 +6,20 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from voltllm.attention.kv_spec import (kv_scale_target, load_checkpoint_kv_scale, maybe_calc_kv_scales,
-                                       new_kv_scale)
+from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear, down_proj_silu_mul, linear
 from voltllm.model.layers.norm import RMSNorm
+from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
 
 
-class Attention(nn.Module):
+class Attention(PagedAttention):
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding):
-        super().__init__()
-        self.kv_index = kv_index
-        self.num_heads = cfg.num_attention_heads
+        num_heads = cfg.num_attention_heads
+        super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
+        self.num_heads = num_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype)
@@ -29,11 +28,6 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
-        self.scale = self.head_dim ** -0.5
-        self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
-        self.register_buffer("v_scale", new_kv_scale())
-        self.checkpoint_kv_scales: set[str] = set()  # buffers the checkpoint set (--calculate-kv-scales keeps them)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -41,15 +35,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        cache = ctx.kv_caches[self.kv_index]
-        write = ctx.backend.cache_write_for(v, cache, ctx.meta)  # K/V stored by the RoPE launch when offered
-        if self.qk_norm:
-            q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm, cache_write=write)
-        else:
-            q, k = self.rotary(positions, q, k, cache_write=write)
-        maybe_calc_kv_scales(self, k, v, ctx)
-        out = ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                  kv_written=write is not None)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        out = self.rope_and_attend(positions, q, k, v, ctx, *norms)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -23,14 +23,14 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from voltllm.attention.kv_spec import (kv_scale_target, load_checkpoint_kv_scale, maybe_calc_kv_scales,
-                                       new_kv_scale)
+from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.models.llama import MLP, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.moe import SparseMoE
 from voltllm.model.layers.norm import RMSNorm
+from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
@@ -45,24 +45,18 @@ def _rotary_dim(cfg: Any, head_dim: int) -> int:
     return int(head_dim * (factor or 1.0))
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(PagedAttention):
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding):
-        super().__init__()
-        self.kv_index = kv_index
-        self.num_heads = cfg.num_attention_heads
+        num_heads = cfg.num_attention_heads
+        super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
+        self.num_heads = num_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         bias = bool(getattr(cfg, "attention_bias", False))
         qg, kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [qg, kv, kv], bias=bias, dtype=dtype)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
-        self.rotary = rotary
-        self.scale = self.head_dim ** -0.5
-        self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
-        self.register_buffer("v_scale", new_kv_scale())
-        self.checkpoint_kv_scales: set[str] = set()  # buffers the checkpoint set (--calculate-kv-scales keeps them)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -71,12 +65,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q.contiguous())
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        cache = ctx.kv_caches[self.kv_index]
-        write = ctx.backend.cache_write_for(v, cache, ctx.meta)  # K/V stored by the RoPE launch when offered
-        q, k = self.rotary(positions, q, k, cache_write=write)
-        maybe_calc_kv_scales(self, k, v, ctx)
-        out = ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                  kv_written=write is not None)
+        out = self.rope_and_attend(positions, q, k, v, ctx)
         out = out.reshape(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

@@ -1,0 +1,44 @@
+"""What every attention layer over the paged KV cache shares: its cache index, its fp8 KV scales, and the step
+RoPE -> K/V into the cache -> attention, whichever projections and norms surround it.
+
+The K/V store goes into the RoPE launch when the backend offers a CacheWrite (float caches on CUDA), and into
+the backend's own write otherwise (voltllm.attention.backend).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from voltllm.attention.kv_spec import maybe_calc_kv_scales, new_kv_scale
+from voltllm.model.forward_context import ForwardContext
+from voltllm.model.layers.norm import RMSNorm
+from voltllm.model.layers.rotary import RotaryEmbedding
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, kv_index: int, head_dim: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.kv_index = kv_index
+        self.head_dim = head_dim
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+        self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
+        self.register_buffer("v_scale", new_kv_scale())
+        self.checkpoint_kv_scales: set[str] = set()  # buffers the checkpoint set (--calculate-kv-scales keeps them)
+
+    def rope_and_attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        ctx: ForwardContext, q_norm: Optional[RMSNorm] = None,
+                        k_norm: Optional[RMSNorm] = None) -> torch.Tensor:
+        """q [T, Hq, D], k / v [T, Hkv, D] (QK-norm first when q_norm / k_norm are given) -> attention
+        output [T, Hq, D]."""
+        cache = ctx.kv_caches[self.kv_index]
+        write = ctx.backend.cache_write_for(v, cache, ctx.meta)
+        if q_norm is not None:
+            q, k = self.rotary.norm_and_rotate(positions, q, k, q_norm, k_norm, cache_write=write)
+        else:
+            q, k = self.rotary(positions, q, k, cache_write=write)
+        maybe_calc_kv_scales(self, k, v, ctx)
+        return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+                                   kv_written=write is not None)
