@@ -8,16 +8,14 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from voltllm.engine.async_llm import RequestAbortedError
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
-from voltllm.entrypoints.openai.errors import OpenAIError, bad_request
+from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
                                                 new_tool_call_id)
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
-from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect,
-                                                       engine_error, make_params, merge_streams, new_id,
-                                                       normalize_messages, render_chat, sse, sse_error, submit,
-                                                       usage)
+from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs,
+                                                       collect_or_gone, make_params, merge_streams, new_id,
+                                                       normalize_messages, render_chat, sse, sse_body, submit, usage)
 
 logger = logging.getLogger("voltllm")
 
@@ -110,19 +108,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                     params.n, max_tokens, req.stream)
     watcher = DisconnectWatcher(raw_request, state, [plan.request_id])
     if req.stream:
-        return StreamingResponse(_stream(state, req, plan, streams, watcher), media_type="text/event-stream",
+        return StreamingResponse(sse_body(_stream(state, req, plan, streams), streams, watcher, plan.request_id),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        (final,) = await collect(streams)
-    except BaseException as e:
-        if isinstance(e, RequestAbortedError) and watcher.disconnected:
-            return JSONResponse({}, status_code=499)  # nobody is listening
-        if isinstance(e, Exception):
-            raise engine_error(e) from e
-        raise
-    finally:
-        watcher.stop()
-    return JSONResponse(_full_response(state, req, plan, final))
+    finals = await collect_or_gone(streams, watcher)
+    if finals is None:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(_full_response(state, req, plan, finals[0]))
 
 
 def _full_response(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, out: RequestOutput) -> dict:
@@ -162,8 +154,9 @@ def _delta(new: Optional[str], sent: str) -> str:
     return new[len(sent):]
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, streams: list,
-                  watcher: DisconnectWatcher) -> AsyncIterator[str]:
+async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan,
+                  streams: list) -> AsyncIterator[str]:
+    """The chunks of a streamed chat completion (sse_body adds [DONE] and the error handling)."""
     opts = req.stream_options
     include_usage = state.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
@@ -178,60 +171,43 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPla
             body["usage"] = usage_now
         return sse(body)
 
-    try:
-        for i in range(plan.n):
-            first = {"role": state.response_role, "content": plan.echo_prefix}
-            if state.reasoning_parser:
-                first["reasoning_content"] = None
-            yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}],
-                        usage(0, 0) if continuous else None)
-        async for _, out in merge_streams(streams):
-            prompt_tokens = len(out.prompt_token_ids)
-            completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-            for c in out.outputs:
-                s = sent[c.index]
-                if s.done:
-                    continue
-                done = c.finish_reason is not None
-                reasoning, content, calls = views[c.index].view(c.text, done)
-                delta: dict[str, Any] = {}
-                if d := _delta(reasoning, s.reasoning):
-                    delta["reasoning_content"] = d
-                    s.reasoning = reasoning or ""
-                if d := _delta(content, s.content):
-                    delta["content"] = d
-                    s.content = content
-                if len(calls) > s.calls:
-                    delta["tool_calls"] = [{"index": k, **calls[k]} for k in range(s.calls, len(calls))]
-                    s.calls = len(calls)
-                lps = None
-                if plan.num_logprobs is not None and c.logprobs is not None and len(c.token_ids) > s.tokens:
-                    lps = {"content": chat_logprobs(c.token_ids[s.tokens:], c.logprobs[s.tokens:], plan.num_logprobs,
-                                                    state.tokenizer)}
-                s.tokens = len(c.token_ids)
-                if not delta and not done and lps is None:
-                    continue
-                choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None}
-                if done:
-                    s.done = True
-                    choice["finish_reason"] = _finish_reason(c, s.calls > 0)
-                    choice["stop_reason"] = c.stop_reason
-                yield chunk([choice], usage(prompt_tokens, completion_tokens) if continuous else None)
-        if include_usage:
-            yield chunk([], usage(prompt_tokens, completion_tokens))
-        yield sse("[DONE]")
-    except RequestAbortedError as e:
-        if not watcher.disconnected:
-            yield sse_error(engine_error(e))
-            yield sse("[DONE]")
-    except OpenAIError as e:
-        yield sse_error(e)
-        yield sse("[DONE]")
-    except Exception as e:  # noqa: BLE001 - the status line is already sent: report in-band
-        logger.exception("streaming %s failed", plan.request_id)
-        yield sse_error(engine_error(e))
-        yield sse("[DONE]")
-    finally:
-        watcher.stop()
-        for st in streams:
-            st.close()
+    for i in range(plan.n):
+        first = {"role": state.response_role, "content": plan.echo_prefix}
+        if state.reasoning_parser:
+            first["reasoning_content"] = None
+        yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}],
+                    usage(0, 0) if continuous else None)
+    async for _, out in merge_streams(streams):
+        prompt_tokens = len(out.prompt_token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        for c in out.outputs:
+            s = sent[c.index]
+            if s.done:
+                continue
+            done = c.finish_reason is not None
+            reasoning, content, calls = views[c.index].view(c.text, done)
+            delta: dict[str, Any] = {}
+            if d := _delta(reasoning, s.reasoning):
+                delta["reasoning_content"] = d
+                s.reasoning = reasoning or ""
+            if d := _delta(content, s.content):
+                delta["content"] = d
+                s.content = content
+            if len(calls) > s.calls:
+                delta["tool_calls"] = [{"index": k, **calls[k]} for k in range(s.calls, len(calls))]
+                s.calls = len(calls)
+            lps = None
+            if plan.num_logprobs is not None and c.logprobs is not None and len(c.token_ids) > s.tokens:
+                lps = {"content": chat_logprobs(c.token_ids[s.tokens:], c.logprobs[s.tokens:], plan.num_logprobs,
+                                                state.tokenizer)}
+            s.tokens = len(c.token_ids)
+            if not delta and not done and lps is None:
+                continue
+            choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+            if done:
+                s.done = True
+                choice["finish_reason"] = _finish_reason(c, s.calls > 0)
+                choice["stop_reason"] = c.stop_reason
+            yield chunk([choice], usage(prompt_tokens, completion_tokens) if continuous else None)
+    if include_usage:
+        yield chunk([], usage(prompt_tokens, completion_tokens))

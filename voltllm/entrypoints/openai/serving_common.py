@@ -265,6 +265,48 @@ class DisconnectWatcher:
         self._task.cancel()
 
 
+async def collect_or_gone(streams: list[RequestStream], watcher: DisconnectWatcher) -> Optional[list[RequestOutput]]:
+    """The final outputs of non-streamed requests; None when the client went away (answer 499, nobody listens).
+    Engine failures become OpenAIErrors; the watcher stops however it ends."""
+    try:
+        return await collect(streams)
+    except BaseException as e:
+        if isinstance(e, RequestAbortedError) and watcher.disconnected:
+            return None
+        if isinstance(e, Exception):
+            raise engine_error(e) from e
+        raise
+    finally:
+        watcher.stop()
+
+
+async def sse_body(events: AsyncIterator[str], streams: list[RequestStream], watcher: DisconnectWatcher,
+                   label: str) -> AsyncIterator[str]:
+    """A streamed response's body: the events, then [DONE]. The status line is already sent, so a failure is
+    reported in-band as an error event (none once the client is gone); the watcher and the output streams are
+    released however it ends."""
+    try:
+        async for event in events:
+            yield event
+        yield sse("[DONE]")
+    except RequestAbortedError as e:
+        if not watcher.disconnected:
+            yield sse_error(engine_error(e))
+            yield sse("[DONE]")
+    except OpenAIError as e:
+        yield sse_error(e)
+        yield sse("[DONE]")
+    except Exception as e:  # noqa: BLE001 - report in-band
+        logger.exception("streaming %s failed", label)
+        yield sse_error(engine_error(e))
+        yield sse("[DONE]")
+    finally:
+        await events.aclose()
+        watcher.stop()
+        for st in streams:
+            st.close()
+
+
 # -- output shapes ------------------------------------------------------------------------------------
 def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR) if value == value else LOGPROB_FLOOR

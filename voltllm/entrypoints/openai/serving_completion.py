@@ -7,13 +7,11 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from voltllm.engine.async_llm import RequestAbortedError
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
-from voltllm.entrypoints.openai.errors import OpenAIError
 from voltllm.entrypoints.openai.protocol import CompletionRequest
-from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect, completion_logprobs,
-                                                       engine_error, make_params, merge_streams, new_id, sse,
-                                                       sse_error, submit, usage)
+from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
+                                                       completion_logprobs, make_params, merge_streams, new_id, sse,
+                                                       sse_body, submit, usage)
 
 logger = logging.getLogger("voltllm")
 
@@ -54,19 +52,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     created = int(time.time())
     watcher = DisconnectWatcher(raw_request, state, rids)
     if req.stream:
-        return StreamingResponse(_stream(state, req, base_id, model, created, params.n, streams, watcher),
+        return StreamingResponse(sse_body(_stream(state, req, base_id, model, created, params.n, streams), streams,
+                                          watcher, base_id),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        finals = await collect(streams)
-    except BaseException as e:
-        if isinstance(e, RequestAbortedError) and watcher.disconnected:
-            return JSONResponse({}, status_code=499)
-        if isinstance(e, Exception):
-            raise engine_error(e) from e
-        raise
-    finally:
-        watcher.stop()
+    finals = await collect_or_gone(streams, watcher)
+    if finals is None:
+        return JSONResponse({}, status_code=499)
     choices = []
     prompt_tokens = completion_tokens = cached = 0
     for p, out in enumerate(finals):
@@ -95,7 +87,8 @@ class _Sent:
 
 
 async def _stream(state: ServerState, req: CompletionRequest, base_id: str, model: str, created: int, n: int,
-                  streams: list, watcher: DisconnectWatcher) -> AsyncIterator[str]:
+                  streams: list) -> AsyncIterator[str]:
+    """The chunks of a streamed completion (sse_body adds [DONE] and the error handling)."""
     opts = req.stream_options
     include_usage = state.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
@@ -111,51 +104,34 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
                              if continuous else None)
         return sse(body)
 
-    try:
-        async for p, out in merge_streams(streams):
-            prompt_tokens[p] = len(out.prompt_token_ids)
-            completion_tokens[p] = sum(len(c.token_ids) for c in out.outputs)
-            for c in out.outputs:
-                idx = p * n + c.index
-                s = sent.setdefault(idx, _Sent())
-                if s.done:
-                    continue
-                done = c.finish_reason is not None
-                echo_now = req.echo and not s.echoed
-                text = _prompt_text(state, out) if echo_now else ""
-                s.echoed = True
-                text += c.text[len(s.text):] if len(c.text) > len(s.text) else ""
-                lps = None
-                if req.logprobs is not None and (len(c.token_ids) > s.tokens or echo_now):
-                    lps = _logprobs(state, out, c, req.logprobs, echo_now, s.tokens, s.offset)
-                    if lps["tokens"]:
-                        s.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                s.text = c.text
-                s.tokens = len(c.token_ids)
-                if not text and not done and lps is None:
-                    continue
-                choice: dict[str, Any] = {"index": idx, "text": text, "logprobs": lps, "finish_reason": None}
-                if done:
-                    s.done = True
-                    choice["finish_reason"] = c.finish_reason
-                    choice["stop_reason"] = c.stop_reason
-                yield chunk([choice])
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
-                                                               sum(completion_tokens.values()))})
-        yield sse("[DONE]")
-    except RequestAbortedError as e:
-        if not watcher.disconnected:
-            yield sse_error(engine_error(e))
-            yield sse("[DONE]")
-    except OpenAIError as e:
-        yield sse_error(e)
-        yield sse("[DONE]")
-    except Exception as e:  # noqa: BLE001
-        logger.exception("streaming %s failed", base_id)
-        yield sse_error(engine_error(e))
-        yield sse("[DONE]")
-    finally:
-        watcher.stop()
-        for st in streams:
-            st.close()
+    async for p, out in merge_streams(streams):
+        prompt_tokens[p] = len(out.prompt_token_ids)
+        completion_tokens[p] = sum(len(c.token_ids) for c in out.outputs)
+        for c in out.outputs:
+            idx = p * n + c.index
+            s = sent.setdefault(idx, _Sent())
+            if s.done:
+                continue
+            done = c.finish_reason is not None
+            echo_now = req.echo and not s.echoed
+            text = _prompt_text(state, out) if echo_now else ""
+            s.echoed = True
+            text += c.text[len(s.text):] if len(c.text) > len(s.text) else ""
+            lps = None
+            if req.logprobs is not None and (len(c.token_ids) > s.tokens or echo_now):
+                lps = _logprobs(state, out, c, req.logprobs, echo_now, s.tokens, s.offset)
+                if lps["tokens"]:
+                    s.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
+            s.text = c.text
+            s.tokens = len(c.token_ids)
+            if not text and not done and lps is None:
+                continue
+            choice: dict[str, Any] = {"index": idx, "text": text, "logprobs": lps, "finish_reason": None}
+            if done:
+                s.done = True
+                choice["finish_reason"] = c.finish_reason
+                choice["stop_reason"] = c.stop_reason
+            yield chunk([choice])
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
+                                                           sum(completion_tokens.values()))})
