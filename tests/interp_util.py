@@ -76,3 +76,22 @@ def registered_kernels(module: str, prefix: str) -> list[str]:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return eval(out.stdout.strip().splitlines()[-1])  # a printed list of str
+
+
+def run_checks(checks: dict, device: str, only=()) -> int:
+    """Run each check (name -> fn(device) -> "ok ..." | "FAIL ..."; only those named in `only` when given),
+    printing `CHECK name status detail`; a check that raises is reported as FAIL and the rest go on. Returns
+    the script's exit code."""
+    import traceback
+
+    failed = 0
+    for name, fn in checks.items():
+        if only and name not in only:
+            continue
+        try:
+            status = fn(device)
+        except Exception as e:  # report and go on
+            status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-800:]!r}"
+        failed += not status.startswith("ok")
+        print(f"CHECK {name} {status}", flush=True)
+    return 1 if failed else 0

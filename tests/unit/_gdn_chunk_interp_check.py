@@ -8,10 +8,9 @@ or on a GPU by tests/gpu/test_hybrid_gpu.py (device argument); prints one line p
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
-from interp_util import patch_interpreter_index
+from interp_util import patch_interpreter_index, run_checks
 
 from voltllm.kernels import gdn_ref as R
 
@@ -184,18 +183,7 @@ CHECKS = {
 
 def main(device: str = "cpu") -> int:
     patch_interpreter_index()
-    failed = 0
-    only = set(sys.argv[2:])
-    for name, fn in CHECKS.items():
-        if only and name not in only:
-            continue
-        try:
-            status = fn(device)
-        except Exception as e:  # report and go on
-            status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-800:]!r}"
-        failed += not status.startswith("ok")
-        print(f"CHECK {name} {status}", flush=True)
-    return 1 if failed else 0
+    return run_checks(CHECKS, device, set(sys.argv[2:]))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ tests/unit/test_gdn_decode_interp.py, or on a GPU by tests/gpu (device argument)
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
 
@@ -73,15 +72,9 @@ CHECKS = {
 
 
 def main(device: str = "cpu") -> int:
-    failed = 0
-    for name, fn in CHECKS.items():
-        try:
-            status = fn(device)
-        except Exception as e:  # report and go on
-            status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-600:]!r}"
-        failed += not status.startswith("ok")
-        print(f"CHECK {name} {status}", flush=True)
-    return 1 if failed else 0
+    from interp_util import run_checks
+
+    return run_checks(CHECKS, device)
 
 
 def run_layer(device: str) -> str:

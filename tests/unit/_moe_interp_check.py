@@ -9,10 +9,9 @@ Outputs and workspaces are poisoned with NaN first, so a row the kernels forget 
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
-from interp_util import patch_interpreter_index
+from interp_util import patch_interpreter_index, run_checks
 
 
 def _routing(t: int, e: int, k: int, skew: str, gen: torch.Generator, device: str):
@@ -144,15 +143,7 @@ CHECKS = {
 
 def main(device: str = "cpu") -> int:
     patch_interpreter_index()
-    failed = 0
-    for name, fn in CHECKS.items():
-        try:
-            status = fn(device)
-        except Exception as e:  # report and go on
-            status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-800:]!r}"
-        failed += not status.startswith("ok")
-        print(f"CHECK {name} {status}", flush=True)
-    return 1 if failed else 0
+    return run_checks(CHECKS, device)
 
 
 if __name__ == "__main__":
