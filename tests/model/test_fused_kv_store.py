@@ -1,0 +1,52 @@
+"""The attention layers' fused K/V store (voltllm.model.layers.paged_attention): when a backend offers a
+CacheWrite, the RoPE step stores the rotated K and V and the backend must not write them again. On the CPU the
+rotary layer's torch path performs the store (the Triton kernel's own checks are in tests/unit/
+_fused_interp_check.py); here a reference backend that offers the CacheWrite must give exactly the logits and
+tokens of one that writes K/V itself: llama (plain RoPE) and qwen3 (QK-norm + RoPE), batched requests,
+chunked prefill."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+from voltllm.attention.backend import CacheWrite
+from voltllm.attention.torch_ref import TorchReferenceBackend
+
+
+class FusedStoreBackend(TorchReferenceBackend):
+    """The reference backend, offering the model the K/V store (as TRITON_ATTN does for float caches on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.offered = 0
+        self.skipped = 0
+
+    def cache_write_for(self, v, kv_cache, meta):
+        self.offered += 1
+        return CacheWrite(v, kv_cache, meta.slot_mapping)
+
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=None, v_scale=None, kv_written=False):
+        self.skipped += bool(kv_written)
+        return super().forward(q, k, v, kv_cache, meta, scale, k_scale, v_scale, kv_written)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_fused_store_equals_backend_write(tmp_path, kind):
+    path = make_model(str(tmp_path), kind, seed=3)
+    kw = dict(device="cpu", max_model_len=512, max_num_batched_tokens=64, skip_tokenizer_init=True)
+    ref, fused = LLM(path, **kw), LLM(path, **kw)
+    backend = FusedStoreBackend()
+    fused.engine.runner.backend = backend
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=g).tolist()} for n in (90, 7, 33)]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    want = ref.generate(prompts, p)
+    got = fused.generate(prompts, p)
+    assert backend.offered > 0 and backend.skipped == backend.offered
+    for w, o in zip(want, got):
+        assert o.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lo in zip(w.outputs[0].logprobs, o.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in lw.items()} == {t: v.logprob for t, v in lo.items()}
+    fused.engine.check_integrity()
