@@ -2,8 +2,8 @@
 CacheWrite, the RoPE step stores the rotated K and V and the backend must not write them again. On the CPU the
 rotary layer's torch path performs the store (the Triton kernel's own checks are in tests/unit/
 _fused_interp_check.py); here a reference backend that offers the CacheWrite must give exactly the logits and
-tokens of one that writes K/V itself: llama (plain RoPE) and qwen3 (QK-norm + RoPE), batched requests,
-chunked prefill."""
+tokens of one that writes K/V itself: llama (plain RoPE), qwen3 (QK-norm + RoPE) and qwen3_5 (gated attention,
+partial RoPE), batched requests, chunked prefill."""
 from __future__ import annotations
 
 import pytest
@@ -32,10 +32,18 @@ class FusedStoreBackend(TorchReferenceBackend):
         return super().forward(q, k, v, kv_cache, meta, scale, k_scale, v_scale, kv_written)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
 def test_fused_store_equals_backend_write(tmp_path, kind):
-    path = make_model(str(tmp_path), kind, seed=3)
     kw = dict(device="cpu", max_model_len=512, max_num_batched_tokens=64, skip_tokenizer_init=True)
+    if kind == "qwen3_5":  # hybrid: the gated attention layers
+        from tiny_models import make_tiny_hybrid
+
+        path = make_tiny_hybrid(str(tmp_path), kind, 800, 801)
+        if path is None:
+            pytest.skip("qwen3_5 not in this transformers")
+        kw["mamba_cache_mode"] = "none"
+    else:
+        path = make_model(str(tmp_path), kind, seed=3)
     ref, fused = LLM(path, **kw), LLM(path, **kw)
     backend = FusedStoreBackend()
     fused.engine.runner.backend = backend
