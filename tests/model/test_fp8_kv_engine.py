@@ -200,15 +200,19 @@ def test_checkpoint_kv_scales_loaded_and_used(tmp_path):
 
 
 # --- checkpoint scales (qwen3.5: the hybrid models' attention class) ----------------------------------------
+def _tiny_qwen3_5_config(transformers):
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, intermediate_size=96, max_position_embeddings=512)
+
+
 def test_qwen3_5_loads_kv_scales(tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file, save_file
     from voltllm.model.loader.safetensors_loader import safetensors_weights
     from voltllm.model.models.qwen3_next import Qwen3_5ForCausalLM
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, intermediate_size=96, max_position_embeddings=512)
+    cfg = _tiny_qwen3_5_config(transformers)
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(cfg)
     ref.save_pretrained(tmp_path)
@@ -335,10 +339,7 @@ def test_calculate_kv_scales_restores_rescaled_model(tmp_path):
 def test_qwen3_5_calculate_kv_scales(tmp_path):
     """The hybrids' gated attention layers calculate their scales too (the GDN layers have none)."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, intermediate_size=96, max_position_embeddings=512)
+    cfg = _tiny_qwen3_5_config(transformers)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), device="cpu", kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True,
