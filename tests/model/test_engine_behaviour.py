@@ -126,14 +126,26 @@ def test_async_scheduling_equals_sync(tiny_path, llm):
     """Async mode schedules step N+1 before step N's tokens reach the host; outputs must not change."""
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=15, seed=5, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[7, 8, 9, 10, 11])]
+              SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[7, 8, 9, 10, 11]),
+              # min_tokens needs only the count of earlier tokens, so it keeps the overlap
+              SamplingParams(temperature=0, max_tokens=14, min_tokens=6, stop_token_ids=[t for t in range(llm.engine.vocab_size) if not 5 <= t <= 9])]
     sync = LLM(tiny_path, block_size=4, max_num_batched_tokens=32, async_scheduling=False)
     assert llm.engine.async_scheduling and not sync.engine.async_scheduling
-    a = llm.generate(PROMPTS[:3], params)
-    b = sync.generate(PROMPTS[:3], params)
+    runner = llm.engine.runner
+    waits = []
+    needs = runner.needs_host_history
+    runner.needs_host_history = lambda sched: waits.append(needs(sched)) or waits[-1]
+    try:
+        a = llm.generate(PROMPTS[:4], params)
+    finally:
+        del runner.needs_host_history
+    b = sync.generate(PROMPTS[:4], params)
+    assert waits and not any(waits)  # no step waited for the host history
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.outputs[0].finish_reason == y.outputs[0].finish_reason
+    mins = a[3].outputs[0].token_ids  # 6 tokens from the 5 allowed ones, then a stop token at once
+    assert len(mins) == 7 and all(5 <= t <= 9 for t in mins[:6]) and mins[6] not in range(5, 10), mins
     llm.engine.check_integrity()
     assert llm.engine.kv.usage() == 0.0
 

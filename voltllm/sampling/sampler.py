@@ -24,6 +24,13 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: Optional[torch.Generator]
+    # tokens generated before this sample, counting ones still in flight (async scheduling) that are not
+    # in output_token_ids yet; None: len(output_token_ids). min_tokens needs only this count.
+    num_generated: Optional[int] = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.output_token_ids) if self.num_generated is None else self.num_generated
 
 
 def _pad(lists: list[Sequence[int]], device: torch.device, fill: int) -> torch.Tensor:
@@ -148,7 +155,7 @@ class Sampler:
 
         for i, r in enumerate(rows):  # min_tokens: no stop tokens before the minimum
             sp = r.params
-            if len(r.output_token_ids) < sp.min_tokens:
+            if r.generated < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")

@@ -264,8 +264,9 @@ class ModelRunner:
         """True when sampling this step needs every earlier token on the host (no async overlap)."""
         for s in sched.scheduled:
             sp, req = s.request.sampling_params, s.request
+            # penalties count the earlier tokens' ids; min_tokens needs only their number (SamplingRow)
             if (sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
-                    or req.num_output_tokens + req.num_pending < sp.min_tokens or req.wants_prompt_logprobs):
+                    or req.wants_prompt_logprobs):
                 return True
         return False
 
@@ -303,8 +304,10 @@ class ModelRunner:
             rows_idx = (slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1))
                         else to_device(idx, torch.long, self.device))
             logits = self.model.compute_logits(hidden[rows_idx])
-            rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
-                                s.request.output_token_ids, s.request.generator) for _, s in sampling]
+            # num_pending counts this step's sample too: the ones before it are still in flight
+            rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
+                                s.request.generator, s.request.num_output_tokens + s.request.num_pending - 1)
+                    for _, s in sampling]
             out = self.sampler.sample(logits, rows)
             self._prev_tokens = out.tokens
             self._prev_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling)}
