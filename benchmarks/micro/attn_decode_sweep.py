@@ -7,7 +7,7 @@ prints the default tile and the five fastest (split count, BLOCK_N, warps, stage
 """
 import itertools
 import torch
-from voltllm.kernels.attention.paged_decode import paged_decode, new_decode_scratch, choose_num_splits
+from voltllm.kernels.attention.paged_decode import paged_decode, decode_scratch_numel, choose_num_splits
 torch.manual_seed(0)
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 def case(bs, ctx_lo, ctx_hi):
@@ -38,10 +38,11 @@ for bs, lo, hi in ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700
     res = []
     base_splits = choose_num_splits(bs, HKV, 40960, 132)
     for splits in sorted({1, 2, 4, base_splits}):
-        po, pl, counters = new_decode_scratch(bs, HQ, HKV, splits, D, torch.device("cuda"))
+        no, nl = decode_scratch_numel(bs, HQ, splits, D)
+        po = torch.empty(no, device="cuda"); pl = torch.empty(nl, device="cuda")
         for bn, nw, ns in itertools.product((32, 64), (4, 8), (1, 2, 3)):
             try:
-                f = lambda i: paged_decode(q, caches[i], bt, sl, qsl, 0.088, out, num_splits=splits, part_o=po, part_lse=pl, counters=counters,
+                f = lambda i: paged_decode(q, caches[i], bt, sl, qsl, 0.088, out, num_splits=splits, part_o=po, part_lse=pl,
                                            block_n=bn, num_warps=nw, num_stages=ns)
                 f(0); torch.cuda.synchronize()
                 if ref is None: ref = out.clone()

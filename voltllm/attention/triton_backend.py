@@ -65,7 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.compat_prefill = compat_prefill
         self.sdpa_prefill = SDPAPrefill(max_context)
         self._dev_info: dict[str, tuple[Optional[tuple[int, int]], int]] = {}
-        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # --- device facts and scratch -------------------------------------------------------------
     def _device_info(self, device: torch.device) -> tuple[Optional[tuple[int, int]], int]:
@@ -80,17 +80,14 @@ class TritonAttentionBackend(AttentionBackend):
             self._dev_info[key] = info
         return info
 
-    def _get_scratch(self, device: torch.device, numel_o: int, numel_l: int, numel_c: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split-KV scratch shared by all layers (launches are stream-ordered): partial outputs, partial
-        lse, and the per-(sequence, kv head) split counters (zero; every launch leaves them zero)."""
+    def _get_scratch(self, device: torch.device, numel_o: int, numel_l: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = str(device)
         cur = self._scratch.get(key)
-        if cur is None or cur[0].numel() < numel_o or cur[1].numel() < numel_l or cur[2].numel() < numel_c:
-            old = [t.numel() for t in cur] if cur else [0, 0, 0]
-            cur = (torch.empty(max(numel_o, old[0]), dtype=torch.float32, device=device),
-                   torch.empty(max(numel_l, old[1]), dtype=torch.float32, device=device),
-                   torch.zeros(max(numel_c, old[2]), dtype=torch.int32, device=device))
+        if cur is None or cur[0].numel() < numel_o or cur[1].numel() < numel_l:
+            old_o = cur[0].numel() if cur else 0
+            old_l = cur[1].numel() if cur else 0
+            cur = (torch.empty(max(numel_o, old_o), dtype=torch.float32, device=device),
+                   torch.empty(max(numel_l, old_l), dtype=torch.float32, device=device))
             self._scratch[key] = cur
         return cur
 
@@ -111,7 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
                 o, l = decode_scratch_numel(b, num_heads, splits, head_dim)
                 need_o, need_l = max(need_o, o), max(need_l, l)
         if need_o:
-            self._get_scratch(device, need_o, need_l, max_num_seqs * num_kv_heads)
+            self._get_scratch(device, need_o, need_l)
 
     def _use_dot(self, device: torch.device) -> bool:
         if self.use_tensor_cores is not None:
@@ -178,12 +175,12 @@ class TritonAttentionBackend(AttentionBackend):
         if num_seqs > 0 and meta.is_pure_decode:
             num_kv_heads = kv_cache.shape[3]
             splits = self.num_splits_for(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
-            part_o = part_lse = counters = None
+            part_o = part_lse = None
             if splits > 1:
                 need_o, need_l = decode_scratch_numel(num_seqs, q.shape[1], splits, q.shape[2])
-                part_o, part_lse, counters = self._get_scratch(q.device, need_o, need_l, num_seqs * num_kv_heads)
+                part_o, part_lse = self._get_scratch(q.device, need_o, need_l)
             paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
-                         num_splits=splits, part_o=part_o, part_lse=part_lse, counters=counters, use_dot=use_dot,
+                         num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
                          fma_lanes=self.fma_lanes and not use_dot, kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale)
         elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
             qsl = meta.query_start_loc_cpu

@@ -48,7 +48,7 @@ def _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk,
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, KV, Out, PartO, PartLse, Counters, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
+    Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
@@ -56,8 +56,7 @@ def _paged_decode_kernel(
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -158,44 +157,9 @@ def _paged_decode_kernel(
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(PartLse + row, lse, mask=g_mask)
         tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
-        if FUSED_REDUCE:
-            # the last split of this (seq, kv head) to finish combines the partials: no reduce launch.
-            # Barrier: every thread's partial stores precede the release of the ticket.
-            tl.debug_barrier()
-            counter = Counters + seq * tl.num_programs(1) + kvh
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                _combine_splits(Out, PartO, PartLse, q_row, has_row, (seq.to(tl.int64) * num_heads + heads) * num_splits,
-                                heads, g_mask, d, d_mask, stride_ot, stride_oh, num_splits,
-                                HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_S)
     else:
         tl.store(Out + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  o.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :] & has_row)
-
-
-@triton.jit
-def _combine_splits(Out, PartO, PartLse, q_row, has_row, base, heads, g_mask, d, d_mask, stride_ot, stride_oh,
-                    num_splits, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
-    """Out rows of `heads` = the lse-weighted mean of their num_splits partials (rows base + i).
-    Loads bypass L1 (.cg): other programs wrote the partials."""
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(PartLse + base[:, None] + s[None, :], mask=g_mask[:, None] & (s < num_splits)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    den = tl.zeros([BLOCK_G], tl.float32)
-    for i in range(0, num_splits):
-        w = tl.exp2(tl.load(PartLse + base + i, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(PartO + (base + i)[:, None] * HEAD_DIM + d[None, :], mask=g_mask[:, None] & d_mask[None, :],
-                    other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o
-        den += w
-    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]  # all-empty (seq_len 0): zeros
-    tl.store(Out + q_row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-             mask=g_mask[:, None] & d_mask[None, :] & has_row)
 
 
 @triton.jit
@@ -243,7 +207,7 @@ def _specs():
                 if only_d is not None and d != only_d:
                     continue
                 sig = {"Q": "*fp16", "KV": "*u8" if kv_fmt >= 0 else "*fp16", "Out": "*fp16", "PartO": "*fp32",
-                       "PartLse": "*fp32", "Counters": "*i32", "BlockTables": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32",
+                       "PartLse": "*fp32", "BlockTables": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32",
                        "KScale": "*fp32", "VScale": "*fp32", "qk_scale": "fp32",
                        "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
                        "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32",
@@ -251,15 +215,14 @@ def _specs():
                        "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
-                       "KV_FMT": "constexpr", "FUSED_REDUCE": "constexpr", "BLOCK_S": "constexpr"}
+                       "KV_FMT": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
                     decode.append(CompileSpec(signature=sig, constexprs={
                         "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
                         "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
-                        "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt,
-                        "FUSED_REDUCE": True, "BLOCK_S": 64},
+                        "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt},
                         label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
@@ -318,22 +281,12 @@ def decode_scratch_numel(num_seqs: int, num_heads: int, num_splits: int, head_di
     return rows * head_dim, rows
 
 
-def new_decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, num_splits: int, head_dim: int,
-                       device: torch.device, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(part_o, part_lse, counters) for one split-KV launch shape; `fill` the partials (NaN to poison them)."""
-    need_o, need_l = decode_scratch_numel(num_seqs, num_heads, num_splits, head_dim)
-    return (torch.full((need_o,), fill, dtype=torch.float32, device=device),
-            torch.full((need_l,), fill, dtype=torch.float32, device=device),
-            torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device))
-
-
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int = 1,
                  part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
                  use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
                  num_warps: int = 4, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, num_stages: int | None = None,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -341,9 +294,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
     q/out: [T, num_heads, head_dim] (last dim contiguous). Sequences with an empty query range write
     nothing. With num_splits > 1, part_o / part_lse are fp32 scratch buffers with at least
-    decode_scratch_numel(...) elements; `counters` (int32, >= num_seqs * num_kv_heads elements, zero, left
-    zero by every launch) lets the last split of each (sequence, kv head) combine the partials in the same
-    launch; without it a second kernel does. use_dot: tl.dot inner products (tensor cores); otherwise CUDA-core
+    decode_scratch_numel(...) elements. use_dot: tl.dot inner products (tensor cores); otherwise CUDA-core
     FMA, with fma_lanes choosing the per-lane online softmax variant.
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
@@ -369,12 +320,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         assert part_o.dtype == torch.float32 and part_lse.dtype == torch.float32
     else:
         part_o = part_lse = out  # unused
-    fused = split and counters is not None
-    if fused:
-        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
     ieee = q.dtype == torch.float32
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache, out, part_o, part_lse, counters if fused else seq_lens, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
+        q, kv_cache, out, part_o, part_lse, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -382,9 +330,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
-        FUSED_REDUCE=fused, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
-    if split and not fused:
+    if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_o, part_lse, query_start_loc,
             out.stride(0), out.stride(1),
