@@ -22,6 +22,7 @@
 #   s4a/s4b  (session 4, two calls within 30 s; s4a carries .carry/p0, s4b .carry/p1) attention + batch-GEMM GPU
 #            checks, 8B batch 1 (vs transformers) / 1-64 concurrent and SmolLM2-shape with profiles; the real
 #            SmolLM2 GGUF: engine GPU tests, decode vs transformers
+#   pdl      benchmarks/micro/pdl_gemv_chain.py: the 8B batch-1 GEMV chain with and without programmatic dependent launch
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -179,6 +180,9 @@ case $stage in
     timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf 2>&1 | tail -2
     bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --baseline hf --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1-$sha
+    ;;
+  pdl)  # session 5 candidate: does programmatic dependent launch shorten the batch-1 GEMV chain? (~1 min)
+    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -6 | tee "$out/pdl-gemv-chain-$sha.txt"
     ;;
 esac
 ls "$out"
