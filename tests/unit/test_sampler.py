@@ -59,3 +59,22 @@ def test_greedy_logprobs_and_min_tokens():
     row = _row(temperature=0, min_tokens=3, stop_token_ids=[1], out=[5])
     toks, _ = Sampler()(logits.clone(), [row])
     assert toks == [3]
+
+
+def test_half_logits_greedy_and_masked():
+    """fp16 / bf16 logits: a plain greedy batch takes their argmax as they are, a batch with min_tokens bans
+    masks an fp32 copy; both give the fp32 answer and leave the caller's logits untouched."""
+    torch.manual_seed(1)
+    for dtype in (torch.float16, torch.bfloat16):
+        logits = torch.randn(3, 40).to(dtype)
+        logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins in both precisions
+        before = logits.clone()
+        greedy, _ = Sampler()(logits, [_row(temperature=0.0) for _ in range(3)])
+        assert greedy == logits.float().argmax(-1).tolist() and greedy[1] == 7
+        top = int(logits[0].float().argmax())
+        masked, _ = Sampler()(logits, [_row(temperature=0.0, min_tokens=2, stop_token_ids=[top])]
+                                      + [_row(temperature=0.0) for _ in range(2)])
+        want = logits.float()
+        want[0, top] = float("-inf")
+        assert masked == want.argmax(-1).tolist() and masked[0] != top
+        assert torch.equal(logits, before)

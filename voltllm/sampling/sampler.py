@@ -148,22 +148,28 @@ class Sampler:
         return self.sample(logits, rows).to_host()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()
-        dev = logits.device
         num_lp = [r.params.logprobs for r in rows]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
-
-        for i, r in enumerate(rows):  # min_tokens: no stop tokens before the minimum
+        greedy_mask = [r.params.greedy for r in rows]
+        penalties = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty
+                        or r.params.presence_penalty for r in rows)
+        bans = []  # min_tokens: no stop tokens before the minimum
+        for i, r in enumerate(rows):
             sp = r.params
             if r.generated < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
                 if banned:
-                    logits[i, banned] = float("-inf")
-        if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
-               for r in rows):
+                    bans.append((i, banned))
+        # a plain greedy batch takes the argmax of the model's logits as they are (exact either way); anything
+        # else works on an fp32 copy
+        if not (all(greedy_mask) and not penalties and not bans and all(n is None for n in num_lp)):
+            logits = logits.float()
+        dev = logits.device
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
+        for i, banned in bans:
+            logits[i, banned] = float("-inf")
+        if penalties:
             logits = apply_penalties(logits, rows)
 
-        greedy_mask = [r.params.greedy for r in rows]
         sampled = logits.argmax(dim=-1)
         if not all(greedy_mask):
             temp = to_device([max(r.params.temperature, 1e-5) for r in rows], torch.float32, dev)
