@@ -86,6 +86,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition / frequency / presence penalties: sampling needs the ids of the earlier tokens."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
     def clone(self, **changes) -> "SamplingParams":
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data.update(changes)

@@ -150,8 +150,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         num_lp = [r.params.logprobs for r in rows]
         greedy_mask = [r.params.greedy for r in rows]
-        penalties = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty
-                        or r.params.presence_penalty for r in rows)
+        penalties = any(r.params.has_penalties for r in rows)
         bans = []  # min_tokens: no stop tokens before the minimum
         for i, r in enumerate(rows):
             sp = r.params

@@ -265,8 +265,7 @@ class ModelRunner:
         for s in sched.scheduled:
             sp, req = s.request.sampling_params, s.request
             # penalties count the earlier tokens' ids; min_tokens needs only their number (SamplingRow)
-            if (sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
-                    or req.wants_prompt_logprobs):
+            if sp.has_penalties or req.wants_prompt_logprobs:
                 return True
         return False
 
@@ -304,10 +303,12 @@ class ModelRunner:
             rows_idx = (slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1))
                         else to_device(idx, torch.long, self.device))
             logits = self.model.compute_logits(hidden[rows_idx])
-            # num_pending counts this step's sample too: the ones before it are still in flight
-            rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
-                                s.request.generator, s.request.num_output_tokens + s.request.num_pending - 1)
-                    for _, s in sampling]
+            # num_pending counts this step's sample too: the ones before it are still in flight. Only
+            # penalties read the earlier ids (a copy of each request's output per step otherwise).
+            rows = [SamplingRow(r.sampling_params, r.prompt_token_ids,
+                                r.output_token_ids if r.sampling_params.has_penalties else (),
+                                r.generator, r.num_output_tokens + r.num_pending - 1)
+                    for r in (s.request for _, s in sampling)]
             out = self.sampler.sample(logits, rows)
             self._prev_tokens = out.tokens
             self._prev_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling)}
