@@ -62,3 +62,20 @@ def test_greedy_32_tokens_batched_chunked_and_cached(model_pair):
     assert any(o.num_cached_tokens > 0 for o in warm)
     llm.engine.check_integrity()
     assert llm.engine.kv.usage() == 0.0  # everything freed (cached blocks sit in the free queue)
+
+
+def test_repetition_penalty_matches_transformers(model_pair):
+    """Greedy with repetition_penalty 1.8 over prompt and output ids (transformers' rule too), batched with
+    unpenalized requests, async scheduling on: the penalized rows see every earlier output token."""
+    _, ref, llm = model_pair
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPTS[3])
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                       repetition_penalty=1.8)
+    expected = out[0, len(ids):].tolist()
+    plain = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    outs = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1]],
+                        [plain, SamplingParams(temperature=0, max_tokens=24, min_tokens=24, repetition_penalty=1.8),
+                         plain])
+    assert outs[1].outputs[0].token_ids == expected
+    assert outs[1].outputs[0].token_ids != _hf_greedy(ref, ids, 24)  # the penalty changed the output
