@@ -22,6 +22,8 @@
 #   s4a/s4b  (session 4, two calls within 30 s; s4a carries .carry/p0, s4b .carry/p1) attention + batch-GEMM GPU
 #            checks, 8B batch 1 (vs transformers) / 1-64 concurrent and SmolLM2-shape with profiles; the real
 #            SmolLM2 GGUF: engine GPU tests, decode vs transformers
+#   s5       (session 5) engine / fused / attention GPU tests, 8B batch 1 (profile) and 64 concurrent, SmolLM2 shape,
+#            on whatever is checked out (main, or the pdl-decode branch to judge it)
 #   pdl      benchmarks/micro/pdl_gemv_chain.py: the 8B batch-1 GEMV chain with and without programmatic dependent launch
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
@@ -183,6 +185,18 @@ case $stage in
     ;;
   pdl)  # session 5 candidate: does programmatic dependent launch shorten the batch-1 GEMV chain? (~1 min)
     python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -6 | tee "$out/pdl-gemv-chain-$sha.txt"
+    ;;
+  s5)  # session 5, first call, on the checkout to judge (e.g. the pdl-decode branch): GPU checks + decode numbers
+    for f in test_engine_gpu test_fused_kernels_cuda test_attention_kernels; do
+      timeout 120 python3 -m pytest -q -m gpu tests/gpu/$f.py -p no:cacheprovider -rf > "$out/$f.txt" 2>&1
+      echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
+    done
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha
     ;;
 esac
 ls "$out"
