@@ -17,8 +17,6 @@
 #            stores .carry/p0/part.* (first part of the SmolLM2 GGUF, cut by the tool library's split-file.sh) in /root/m
 #   check5b  (session 3, right after check5a, carrying .carry/p1) SmolLM2 GGUF on the GPU: answers, fp8 KV agreement
 #            (native and compat), batch-1 decode
-#   verify4a/b/c (session 4, one call each) GPU checks of session 3's unmeasured code (fused RoPE + KV store, decode-batch GEMM),
-#            the hybrid half-precision cases not reached, then 8B batch 1 / 64 concurrent and SmolLM2-shape decode
 #   s4a/s4b  (session 4, two calls within 30 s; s4a carries .carry/p0, s4b .carry/p1) attention + batch-GEMM GPU
 #            checks, 8B batch 1 (vs transformers) / 1-64 concurrent and SmolLM2-shape with profiles; the real
 #            SmolLM2 GGUF: engine GPU tests, decode vs transformers
@@ -34,13 +32,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+gpu_file() {  # gpu_file NAME TIMEOUT [pytest args]: one GPU test file, full log in $OUT, rc and failures printed
+  local f=$1 t=$2; shift 2
+  timeout "$t" python3 -m pytest -q -m gpu "tests/gpu/$f.py" -p no:cacheprovider -rf "$@" > "$out/$f.txt" 2>&1
+  echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
+}
 bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "decode GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90; }
 case $stage in
   tests)  # one file at a time with its own limit, full output under $OUT; then the 8B decode + 8K prefill
-    for f in tests/gpu/test_*.py; do
-      timeout 150 python3 -m pytest -q -m gpu "$f" -p no:cacheprovider -rf > "$out/$(basename "$f" .py).txt" 2>&1
-      echo "$f rc=$? $(tail -1 "$out/$(basename "$f" .py).txt")"
-    done
+    for f in tests/gpu/test_*.py; do gpu_file "$(basename "$f" .py)" 150; done
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
       --baseline hf --baseline-num-warm 1 --name qwen3-8b-shape-fp16-decode-b1
     bench --random-weights qwen3-8b-shape --dtype half --scenario prefill --input-len 8192 --baseline hf \
@@ -140,35 +140,10 @@ case $stage in
     bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --name smollm2-135m-gguf-fp16-decode-b1-$sha
     ;;
-  verify4a)  # session 4, call 1: kernel checks of the fused store + batch GEMM, batch-1 numbers
-    for f in test_fused_kernels_cuda test_gemv_cuda test_attention_kernels; do
-      timeout 110 python3 -m pytest -q -m gpu tests/gpu/$f.py -p no:cacheprovider -rf > "$out/$f.txt" 2>&1
-      echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
-    done
-    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
-      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
-    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
-      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
-    ;;
-  verify4b)  # call 2: engine GPU tests, 64-concurrent numbers
-    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf > "$out/test_engine_gpu.txt" 2>&1
-    echo "test_engine_gpu rc=$? $(tail -1 "$out/test_engine_gpu.txt")"; grep -E "^(FAILED|ERROR)" "$out/test_engine_gpu.txt" | head -5
-    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
-      --output-len 128 --num-warm 1 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-concurrency-$sha
-    ;;
-  verify4c)  # call 3: the hybrid half-precision cases not reached in session 3, CUDA graphs with the fused store
-    timeout 500 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py \
-      -k "half and (bfloat16-none-qwen3_5_moe or sm70) or cuda_graphs_equal_eager and bfloat16" \
-      -p no:cacheprovider -rf -s > "$out/hybrid.txt" 2>&1
-    echo "hybrid rc=$? $(tail -1 "$out/hybrid.txt")"; grep -E "^(FAILED|ERROR)|first flips" "$out/hybrid.txt" | head -12
-    ;;
   s4a)  # session 4, call 4: fused split-KV reduce + async min_tokens: kernel checks, 8B and SmolLM2-shape numbers
     mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
-    timeout 130 python3 -m pytest -q -m gpu tests/gpu/test_attention_kernels.py -k "decode or fused or graph or long" \
-      -p no:cacheprovider -rf > "$out/test_attention_kernels.txt" 2>&1
-    echo "attention rc=$? $(tail -1 "$out/test_attention_kernels.txt")"; grep -E "^(FAILED|ERROR)" "$out/test_attention_kernels.txt" | head -5
-    timeout 170 python3 -m pytest -q -m gpu tests/gpu/test_gemv_cuda.py -k batch -p no:cacheprovider -rf --durations=5 > "$out/test_gemv_batch.txt" 2>&1
-    echo "gemv batch rc=$? $(tail -1 "$out/test_gemv_batch.txt")"; grep -E "^(FAILED|ERROR)" "$out/test_gemv_batch.txt" | head -5
+    gpu_file test_attention_kernels 130 -k "decode or fused or graph or long"
+    gpu_file test_gemv_cuda 170 -k batch --durations=5
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --profile --baseline hf --baseline-num-warm 1 --name qwen3-8b-shape-fp16-decode-b1-$sha
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
@@ -187,10 +162,7 @@ case $stage in
     python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -6 | tee "$out/pdl-gemv-chain-$sha.txt"
     ;;
   s5)  # session 5, first call, on the checkout to judge (e.g. the pdl-decode branch): GPU checks + decode numbers
-    for f in test_engine_gpu test_fused_kernels_cuda test_attention_kernels; do
-      timeout 120 python3 -m pytest -q -m gpu tests/gpu/$f.py -p no:cacheprovider -rf > "$out/$f.txt" 2>&1
-      echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
-    done
+    for f in test_engine_gpu test_fused_kernels_cuda test_attention_kernels; do gpu_file $f 120; done
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
     bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
