@@ -36,6 +36,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from voltllm.kernels import pdl
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 __triton_helpers__ = ("_norm_rope_heads", "_store_kv_rows")
@@ -53,9 +55,11 @@ def _rms_norm_kernel(
     stride_xt, stride_xh, stride_rt, stride_rh, stride_ot, stride_oh,
     n_h, N, eps, offset,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_TILES: tl.constexpr, HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows of N elements addressed as [t, h] (program (t, head block) owns BLOCK_H rows of token t).
     HAS_RES: s = x + res is rounded to Res's dtype, stored into Res, and normalised instead of x."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = offs_h < n_h
@@ -172,10 +176,11 @@ def _qk_rope_kernel(
     n_qh, n_kh, n_qblocks, half, D, tail, eps, offset, n_slots,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     NORM: tl.constexpr, HAS_TAIL: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
+    PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, b): head block b of q (b < n_qblocks) or of k (the rest), token t; in place. WRITE_KV:
     a k program then stores its rotated K rows and the same heads' V rows in the paged cache."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     pos = tl.load(Pos + t).to(tl.int64)
@@ -198,9 +203,10 @@ def _qk_rope_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_xt, stride_ot, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Out, stride_xt, stride_ot, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Out[t, :] = silu(X[t, :I]) * X[t, I:2I]; silu in fp32, rounded to Out's dtype before the multiply
     (as torch's F.silu(gate) * up does)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -229,8 +235,9 @@ def _norm_specs() -> list[CompileSpec]:
                                              "stride_oh", "n_h", "N")},
                        "eps": "fp32", "offset": "fp32",
                        "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NUM_TILES": "constexpr",
-                       "HAS_RES": "constexpr"}
-                specs.append(CompileSpec(sig, {"BLOCK_H": bh, "BLOCK_N": bn, "NUM_TILES": tiles, "HAS_RES": res},
+                       "HAS_RES": "constexpr", "PDL": "constexpr"}
+                specs.append(CompileSpec(sig, {"BLOCK_H": bh, "BLOCK_N": bn, "NUM_TILES": tiles, "HAS_RES": res,
+                                               "PDL": False},
                                          label=f"{act} {what}{' +res' if res else ''}"))
     return specs
 
@@ -253,10 +260,10 @@ def _rope_specs() -> list[CompileSpec]:
                            "eps": "fp32", "offset": "fp32", "n_slots": "i32",
                            "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr", "BLOCK_TAIL": "constexpr",
                            "NORM": "constexpr", "HAS_TAIL": "constexpr", "WRITE_KV": "constexpr",
-                           "BLOCK_D": "constexpr", "PAGE": "constexpr"}
+                           "BLOCK_D": "constexpr", "PAGE": "constexpr", "PDL": "constexpr"}
                     specs.append(CompileSpec(sig, {"BLOCK_H": bh, "BLOCK_HALF": bhalf, "BLOCK_TAIL": btail,
                                                    "NORM": norm, "HAS_TAIL": has_tail, "WRITE_KV": write,
-                                                   "BLOCK_D": d, "PAGE": 16},
+                                                   "BLOCK_D": d, "PAGE": 16, "PDL": False},
                                              label=f"{act} {what}{' +qknorm' if norm else ''}"
                                                    f"{' +kv-write' if write else ''}"))
     return specs
@@ -264,7 +271,8 @@ def _rope_specs() -> list[CompileSpec]:
 
 def _silu_specs() -> list[CompileSpec]:
     return [CompileSpec({"X": f"*{act}", "Out": f"*{act}", "stride_xt": "i32", "stride_ot": "i32", "I": "i32",
-                         "BLOCK": "constexpr"}, {"BLOCK": 1024}, label=f"{act}") for act in _ACTS]
+                         "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 1024, "PDL": False}, label=f"{act}")
+            for act in _ACTS]
 
 
 register_kernel("fused.rms_norm", _rms_norm_kernel, _norm_specs(), compat=True)
@@ -315,7 +323,7 @@ def _launch_norm(x: torch.Tensor, res: Optional[torch.Tensor], weight: torch.Ten
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
         b, n, float(eps), float(offset),
         BLOCK_H=block_h, BLOCK_N=block_n, NUM_TILES=tiles, HAS_RES=res is not None,
-        num_warps=_warps(block_h * block_n * (2 if res is not None else 1)),
+        num_warps=_warps(block_h * block_n * (2 if res is not None else 1)), **pdl.launch_options(),
     )
 
 
@@ -407,7 +415,7 @@ def _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps,
         hq, hk, nqb, half, d, tail, float(eps), float(offset), n_slots,
         BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, NORM=norm, HAS_TAIL=has_tail,
         WRITE_KV=cache_write is not None, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
-        num_warps=_warps(block_h * row, hi=8),
+        num_warps=_warps(block_h * row, hi=8), **pdl.launch_options(),
     )
 
 
@@ -457,7 +465,7 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
         return out
     block = min(1024, triton.next_power_of_2(i))
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
-        x2, o2, x2.stride(0), o2.stride(0), i, BLOCK=block, num_warps=4)
+        x2, o2, x2.stride(0), o2.stride(0), i, BLOCK=block, num_warps=4, **pdl.launch_options())
     return out
 
 

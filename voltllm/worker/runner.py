@@ -65,6 +65,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = model if model is not None else self._load_model()
         self.backend = select_attention_backend(config)
+        from voltllm.kernels import pdl
+
+        # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py)
+        pdl.configure(self.device.type == "cuda" and config.device.compat == "none"
+                      and torch.cuda.get_device_capability(self.device) >= (9, 0))
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.sampler = Sampler()

@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels import pdl
 from voltllm.kernels.fp8_codec import fp8_to_fp16
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 LOG2E = 1.4426950408889634
@@ -56,8 +58,9 @@ def _paged_decode_kernel(
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,8 +170,9 @@ def _decode_reduce_kernel(
     Out, PartO, PartLse, QueryStartLoc,
     stride_ot, stride_oh,
     num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -215,19 +219,20 @@ def _specs():
                        "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
-                       "KV_FMT": "constexpr"}
+                       "KV_FMT": "constexpr", "PDL": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
                     decode.append(CompileSpec(signature=sig, constexprs={
                         "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
                         "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
-                        "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt},
+                        "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt,
+                        "PDL": False},
                         label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
-                "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr"}
-        reduce.append(CompileSpec(signature=rsig, constexprs={"HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 32},
+                "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
+        reduce.append(CompileSpec(signature=rsig, constexprs={"HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 32, "PDL": False},
                                   label=f"fp16 d{d}"))
     return decode, reduce
 
@@ -330,7 +335,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(),
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -338,6 +343,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
             out.stride(0), out.stride(1),
             num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=1 if block_d <= 64 else 2,
+            num_warps=1 if block_d <= 64 else 2, **pdl.launch_options(),
         )
     return out

@@ -1,0 +1,44 @@
+"""Programmatic dependent launch (voltllm/kernels/pdl.py): the decode kernels compiled for sm_90 with PDL on
+carry griddepcontrol.wait before their first global access and let their successor launch; with PDL off
+(the registry's specs, which the sm_70/75 gate compiles) they carry none; the CPU engine leaves it off."""
+import pytest
+import triton
+
+from voltllm.kernels.registry import REGISTRY
+
+DECODE_KERNELS = ("gemv.skinny", "gemm.decode_batch", "fused.rms_norm", "fused.qk_norm_rope", "fused.silu_and_mul",
+                  "attention.paged_decode", "attention.paged_decode_reduce")
+
+
+def _ptx(fn, spec, pdl_on):
+    from triton.backends.compiler import GPUTarget
+    src = triton.compiler.ASTSource(fn=fn, signature=dict(spec.signature),
+                                    constexprs={**spec.constexprs, "PDL": pdl_on})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"launch_pdl": True} if pdl_on else {}).asm["ptx"]
+
+
+@pytest.mark.parametrize("name", DECODE_KERNELS)
+def test_decode_kernels_wait_then_release(name):
+    import voltllm.kernels.attention  # noqa: F401  (registers)
+    import voltllm.kernels.batch_gemm  # noqa: F401
+    import voltllm.kernels.fused  # noqa: F401
+    import voltllm.kernels.gemv  # noqa: F401
+    entry = REGISTRY[name]
+    spec = entry.specs[0]
+    assert spec.constexprs["PDL"] is False
+    on = _ptx(entry.fn, spec, True)
+    body = on[on.index("griddepcontrol.wait"):]
+    assert "griddepcontrol.launch_dependents" in body
+    first_global = min(i for i in (on.find("ld.global"), on.find("st.global")) if i >= 0)
+    assert on.index("griddepcontrol.wait") < first_global
+    assert "griddepcontrol" not in _ptx(entry.fn, spec, False)
+
+
+def test_cpu_engine_leaves_pdl_off(tmp_path):
+    from tiny_models import make_model
+    from voltllm import LLM
+    from voltllm.kernels import pdl
+
+    LLM(make_model(str(tmp_path), "llama"), device="cpu")
+    assert not pdl.enabled() and pdl.launch_options() == {"PDL": False}
