@@ -22,7 +22,8 @@
 #            SmolLM2 GGUF: engine GPU tests, decode vs transformers
 #   s5       (session 5) engine / fused / attention GPU tests, 8B batch 1 (profile) and 64 concurrent, SmolLM2 shape,
 #            on whatever is checked out (main, or the pdl-decode branch to judge it)
-#   pdl      benchmarks/micro/pdl_gemv_chain.py: the 8B batch-1 GEMV chain with and without programmatic dependent launch
+#   pdl      benchmarks/micro/pdl_gemv_chain.py: the 8B batch-1 decode chain with PDL off / on and L2 weight prefetch
+#            sizes; the PDL + prefetch GPU tests. Then `s5` for the engine numbers
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -158,8 +159,9 @@ case $stage in
     bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --baseline hf --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1-$sha
     ;;
-  pdl)  # session 5 candidate: does programmatic dependent launch shorten the batch-1 GEMV chain? (~1 min)
-    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -6 | tee "$out/pdl-gemv-chain-$sha.txt"
+  pdl)  # the batch-1 decode chain: PDL off / on with L2 weight prefetch sizes; the PDL GPU tests (~3 min)
+    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -9 | tee "$out/pdl-gemv-chain-$sha.txt"
+    gpu_file test_gemv_cuda 150 -k "pdl or tuned"
     ;;
   s5)  # session 5, first call, on the checkout to judge (e.g. the pdl-decode branch): GPU checks + decode numbers
     for f in test_engine_gpu test_fused_kernels_cuda test_attention_kernels; do gpu_file $f 120; done

@@ -109,3 +109,43 @@ def test_batch_tuned_model_matches_cublas():
         act = torch.nn.functional.silu(gu[:, :2048]) * gu[:, 2048:]
         ref = torch.nn.functional.linear(act, model[0].weight).float()
         assert ((down_proj_silu_mul(model[0], gu).float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("prefetch_k", [64, 1024, 4096])
+def test_pdl_prefetch_chain_in_graph(prefetch_k):
+    """With programmatic dependent launch and the L2 weight prefetch before the wait (sm_90+): a chain where
+    each GEMM reads the previous one's output, replayed from a CUDA graph, equals the fp32 reference chain;
+    shapes with masked edges and K shorter than the prefetch (clamped addresses). Outputs poisoned first."""
+    from voltllm.kernels import pdl
+    from voltllm.kernels.batch_gemm import batch_gemm
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90+")
+    g = torch.Generator(device="cuda").manual_seed(random.SystemRandom().randrange(1 << 30))
+    dims = [333, 1000, 4096, 576, 333]
+    ws = [torch.randn(n, k, dtype=torch.float16, device="cuda", generator=g) / k ** 0.5
+          for k, n in zip(dims[:-1], dims[1:])]
+    for rows, gemm in ((1, lambda x, w, out: gemv(x, w, out=out, prefetch_k=prefetch_k)),
+                       (16, lambda x, w, out: batch_gemm(x, w, out=out))):
+        x0 = torch.randn(rows, dims[0], dtype=torch.float16, device="cuda", generator=g)
+        outs = [torch.empty(rows, n, dtype=torch.float16, device="cuda") for n in dims[1:]]
+        pdl_prefetch = pdl.PREFETCH_K
+        try:
+            pdl.configure(True)
+            pdl.PREFETCH_K = prefetch_k
+            run = lambda: [gemm(x, w, o) for x, w, o in zip([x0] + outs[:-1], ws, outs)]  # noqa: E731
+            run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+        finally:
+            pdl.configure(False)
+            pdl.PREFETCH_K = pdl_prefetch
+        ref = x0.float()
+        for w, o in zip(ws, outs):
+            ref = (ref @ w.float().t()).half().float()
+            assert ((o.float() - ref).norm() / ref.norm()).item() < 3e-3, (rows, prefetch_k, tuple(w.shape))

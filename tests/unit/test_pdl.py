@@ -10,10 +10,10 @@ DECODE_KERNELS = ("gemv.skinny", "gemm.decode_batch", "fused.rms_norm", "fused.q
                   "attention.paged_decode", "attention.paged_decode_reduce")
 
 
-def _ptx(fn, spec, pdl_on):
+def _ptx(fn, spec, pdl_on, **constexprs):
     from triton.backends.compiler import GPUTarget
     src = triton.compiler.ASTSource(fn=fn, signature=dict(spec.signature),
-                                    constexprs={**spec.constexprs, "PDL": pdl_on})
+                                    constexprs={**spec.constexprs, "PDL": pdl_on, **constexprs})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"launch_pdl": True} if pdl_on else {}).asm["ptx"]
 
@@ -33,6 +33,33 @@ def test_decode_kernels_wait_then_release(name):
     first_global = min(i for i in (on.find("ld.global"), on.find("st.global")) if i >= 0)
     assert on.index("griddepcontrol.wait") < first_global
     assert "griddepcontrol" not in _ptx(entry.fn, spec, False)
+
+
+@pytest.mark.parametrize("name", ("gemv.skinny", "gemm.decode_batch"))
+def test_gemms_prefetch_weights_before_waiting(name):
+    import voltllm.kernels.batch_gemm  # noqa: F401  (registers)
+    import voltllm.kernels.gemv  # noqa: F401
+    entry = REGISTRY[name]
+    spec = entry.specs[0]
+    assert spec.constexprs["PREFETCH_K"] == 0
+    on = _ptx(entry.fn, spec, True, PREFETCH_K=1024)
+    wait = on.index("griddepcontrol.wait")
+    assert 0 <= on.find("prefetch.global.L2") < wait
+    assert "prefetch" not in on[wait:]
+    assert "prefetch" not in _ptx(entry.fn, spec, False)
+
+
+def test_gemm_launch_options_follow_pdl():
+    from voltllm.kernels import pdl
+    try:
+        pdl.configure(True)
+        assert pdl.gemm_launch_options() == {"PDL": True, "launch_pdl": True, "PREFETCH_K": pdl.PREFETCH_K}
+        assert pdl.gemm_launch_options(256)["PREFETCH_K"] == 256
+        with pytest.raises(ValueError, match="multiple of 64"):
+            pdl.gemm_launch_options(100)
+    finally:
+        pdl.configure(False)
+    assert pdl.gemm_launch_options(1024) == {"PDL": False, "PREFETCH_K": 0}
 
 
 def test_cpu_engine_leaves_pdl_off(tmp_path):

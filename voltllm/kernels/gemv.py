@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels import pdl
-from voltllm.kernels.pdl import pdl_enter
+from voltllm.kernels.pdl import pdl_enter, prefetch_rows_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 MAX_ROWS = 4
@@ -43,10 +43,12 @@ def _load_x(X, offs_m, offs_k, stride_xm, K, mask, SILU_MUL: tl.constexpr):
 @triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EVEN: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                 EVEN: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH_K > 0:  # the weight does not depend on the previous kernel: start it towards L2 before waiting
+        prefetch_rows_l2(W, offs_n, N, stride_wn, K, PREFETCH_K)
+    pdl_enter(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
@@ -74,9 +76,9 @@ def _specs() -> list[CompileSpec]:
     sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr", "EVEN": "constexpr",
-           "SILU_MUL": "constexpr", "PDL": "constexpr"}
+           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "HAS_BIAS": b, "EVEN": e, "SILU_MUL": s,
-                              "PDL": False},
+                              "PDL": False, "PREFETCH_K": 0},
                         f"fp16 m{m} n{n} k{k} bias={b} even={e} silu_mul={s}")
             for m, n, k, b, e, s in ((1, 4, 1024, False, True, False), (1, 1, 512, False, True, True),
                                      (4, 2, 512, True, False, False), (2, 8, 256, False, False, True))]
@@ -95,9 +97,10 @@ DEFAULT_CONFIG = CONFIGS[0]
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, config: Optional[tuple[int, ...]] = None,
-         silu_mul: bool = False) -> torch.Tensor:
+         silu_mul: bool = False, prefetch_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (M <= 4, last dim contiguous), w [N, K] contiguous -> [M, N] in x's dtype.
-    With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up."""
+    With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up. `prefetch_k` overrides
+    pdl.PREFETCH_K (experiments)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0]
@@ -112,7 +115,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN=even,
-        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.launch_options())
+        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.gemm_launch_options(prefetch_k))
     return out
 
 
