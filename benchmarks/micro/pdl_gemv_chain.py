@@ -1,5 +1,6 @@
 """How much do programmatic dependent launch (PDL) and the L2 weight prefetch before its wait shorten a
-batch-1 decode chain? (GPU only, sm_90+; experiment that sets pdl.PREFETCH_K.)
+batch-1 decode chain? (GPU only, sm_90+; the
+experiment behind pdl.PREFETCH_MAX_BYTES.)
 
     PYTHONPATH=$PWD python3 benchmarks/micro/pdl_gemv_chain.py
 

@@ -129,10 +129,8 @@ def test_pdl_prefetch_chain_in_graph(prefetch_k):
                        (16, lambda x, w, out: batch_gemm(x, w, out=out))):
         x0 = torch.randn(rows, dims[0], dtype=torch.float16, device="cuda", generator=g)
         outs = [torch.empty(rows, n, dtype=torch.float16, device="cuda") for n in dims[1:]]
-        pdl_prefetch = pdl.PREFETCH_K
         try:
             pdl.configure(True)
-            pdl.PREFETCH_K = prefetch_k
             run = lambda: [gemm(x, w, o) for x, w, o in zip([x0] + outs[:-1], ws, outs)]  # noqa: E731
             run()
             graph = torch.cuda.CUDAGraph()
@@ -144,7 +142,6 @@ def test_pdl_prefetch_chain_in_graph(prefetch_k):
             torch.cuda.synchronize()
         finally:
             pdl.configure(False)
-            pdl.PREFETCH_K = pdl_prefetch
         ref = x0.float()
         for w, o in zip(ws, outs):
             ref = (ref @ w.float().t()).half().float()

@@ -35,10 +35,9 @@ def test_decode_kernels_wait_then_release(name):
     assert "griddepcontrol" not in _ptx(entry.fn, spec, False)
 
 
-@pytest.mark.parametrize("name", ("gemv.skinny", "gemm.decode_batch"))
+@pytest.mark.parametrize("name", ("gemv.skinny",))
 def test_gemms_prefetch_weights_before_waiting(name):
-    import voltllm.kernels.batch_gemm  # noqa: F401  (registers)
-    import voltllm.kernels.gemv  # noqa: F401
+    import voltllm.kernels.gemv  # noqa: F401  (registers)
     entry = REGISTRY[name]
     spec = entry.specs[0]
     assert spec.constexprs["PREFETCH_K"] == 0
@@ -49,16 +48,19 @@ def test_gemms_prefetch_weights_before_waiting(name):
     assert "prefetch" not in _ptx(entry.fn, spec, False)
 
 
-def test_gemm_launch_options_follow_pdl():
+def test_prefetch_only_small_weights_with_pdl():
     from voltllm.kernels import pdl
     try:
         pdl.configure(True)
-        assert pdl.gemm_launch_options() == {"PDL": True, "launch_pdl": True, "PREFETCH_K": pdl.PREFETCH_K}
-        assert pdl.gemm_launch_options(256)["PREFETCH_K"] == 256
-        with pytest.raises(ValueError, match="multiple of 64"):
-            pdl.gemm_launch_options(100)
+        assert pdl.prefetch_elements(3072, 576, 2) == 1024  # SmolLM2 gate_up: whole rows
+        assert pdl.prefetch_elements(16, 40, 2) == 64
+        assert pdl.prefetch_elements(4096, 4096, 2) == 0  # 8B o_proj: bandwidth-bound, none
+        assert pdl.gemm_launch_options(256) == {"PDL": True, "launch_pdl": True, "PREFETCH_K": 256}
+        with pytest.raises(ValueError, match="power of two"):
+            pdl.gemm_launch_options(192)
     finally:
         pdl.configure(False)
+    assert pdl.prefetch_elements(3072, 576, 2) == 0
     assert pdl.gemm_launch_options(1024) == {"PDL": False, "PREFETCH_K": 0}
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels import pdl
-from voltllm.kernels.pdl import pdl_enter, prefetch_rows_l2
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 MIN_ROWS, MAX_ROWS = 16, 64
@@ -32,14 +32,11 @@ MIN_ROWS, MAX_ROWS = 16, 64
 @triton.jit
 def _batch_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                       PREFETCH_K: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH_K > 0:  # the weight does not depend on the previous kernel: start it towards L2 before waiting
-        prefetch_rows_l2(W, offs_n, N, stride_wn, K, PREFETCH_K)
-    pdl_enter(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -73,10 +70,9 @@ def _specs() -> list[CompileSpec]:
     sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
-           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr"}
+           "SILU_MUL": "constexpr", "PDL": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "HAS_BIAS": b, "EVEN_K": e,
-                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0},
-                        f"fp16 m{m} n{n} k{k} bias={b} even={e} silu_mul={s}")
+                              "SILU_MUL": s, "PDL": False}, f"fp16 m{m} n{n} k{k} bias={b} even={e} silu_mul={s}")
             for m, n, k, b, e, s in ((64, 32, 128, False, True, False), (32, 64, 64, True, False, True))]
 
 
@@ -107,8 +103,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     _batch_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, num_warps=warps, num_stages=stages,
-        **pdl.gemm_launch_options())
+        EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.launch_options())
     return out
 
 

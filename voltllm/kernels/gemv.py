@@ -100,7 +100,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
          silu_mul: bool = False, prefetch_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (M <= 4, last dim contiguous), w [N, K] contiguous -> [M, N] in x's dtype.
     With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up. `prefetch_k` overrides
-    pdl.PREFETCH_K (experiments)."""
+    pdl.prefetch_elements (experiments)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0]
@@ -115,7 +115,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN=even,
-        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.gemm_launch_options(prefetch_k))
+        SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.gemm_launch_options(
+            pdl.prefetch_elements(n, k, w.element_size()) if prefetch_k is None else prefetch_k))
     return out
 
 

@@ -23,10 +23,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _enabled = False
-# weight elements per row a GEMM prefetches into L2 before its wait (a multiple of 64; 0: none). Sized so that
-# one wave of GEMV programs asks for roughly what the GPU streams during a small kernel (a few MB), not more
-# than L2 holds (benchmarks/micro/pdl_gemv_chain.py)
-PREFETCH_K = 1024
+# A GEMV whose whole weight is at most this size prefetches it whole before its wait. Measured on the H200
+# (benchmarks/results/pdl-gemv-chain-2d9bf0d.txt and the decode benches at 2d9bf0d): the SmolLM2-shape GEMVs
+# (<= 3.5 MB, latency-bound) gain ~10% of the decode step; on the 8B ones (32-200 MB, bandwidth-bound) every
+# prefetch size tried (512-4096 elements per row) made the chain 2-12% slower.
+PREFETCH_MAX_BYTES = 8 << 20
 
 
 def configure(enabled: bool) -> None:
@@ -43,12 +44,20 @@ def launch_options() -> dict:
     return {"PDL": True, "launch_pdl": True} if _enabled else {"PDL": False}
 
 
-def gemm_launch_options(prefetch_k=None) -> dict:
-    """launch_options() plus the PREFETCH_K constexpr of a GEMM: PREFETCH_K (or `prefetch_k`) with PDL, else 0
-    (without PDL a kernel starts after its predecessor anyway: nothing to overlap)."""
-    k = (PREFETCH_K if prefetch_k is None else prefetch_k) if _enabled else 0
-    if k % 64:
-        raise ValueError(f"prefetch_k must be a multiple of 64, got {k}")
+def prefetch_elements(n: int, k: int, itemsize: int) -> int:
+    """Weight elements per row a GEMV of an [n, k] weight prefetches before its wait: the whole row (rounded up
+    to a power of two >= 64) for weights up to PREFETCH_MAX_BYTES, else none; none without PDL (a kernel then
+    starts after its predecessor anyway: nothing to overlap)."""
+    if not _enabled or n * k * itemsize > PREFETCH_MAX_BYTES:
+        return 0
+    return max(64, triton.next_power_of_2(k))
+
+
+def gemm_launch_options(prefetch_k: int) -> dict:
+    """launch_options() plus a GEMM's PREFETCH_K constexpr (0 without PDL)."""
+    k = prefetch_k if _enabled else 0
+    if k % 64 or (k and k & (k - 1)):
+        raise ValueError(f"prefetch_k must be 0 or a power of two >= 64, got {k}")
     return {**launch_options(), "PREFETCH_K": k}
 
 
