@@ -26,6 +26,37 @@ for m, n, k, bias in cases:
                 assert err < tol, (m, n, k, dtype, cfg, silu_mul, err)
 print("ok")
 
+# the decode layer's fused forms: RMSNorm of an fp32 residual in the prologue (fp32 / fp16 norm weight, Qwen3-Next's
+# +1 offset, bias, masked K), and the residual add in place into fp32 (silu*mul prologue too)
+for m, n, k, bias in ((1, 40, 300, True), (2, 16, 512, False), (1, 24, 96, False)):
+    res = torch.randn(m, k) * 30
+    w = torch.randn(n, k, dtype=torch.float16) / k ** 0.5
+    b = torch.randn(n, dtype=torch.float16) if bias else None
+    for nw, offset in ((torch.rand(k) + 0.5, 0.0), (torch.randn(k).half() * 0.1, 1.0)):
+        for cfg in ((8, 512, 4, 1), (4, 64, 4, 1), (16, 1024, 4, 3)):
+            out = torch.full((m, n), float("nan"), dtype=torch.float16)
+            gemv(res, w, b, out=out, config=cfg, norm=(nw, 1e-6, offset))
+            ref = gemv_ref(res, w, b, norm=(nw, 1e-6, offset))
+            assert gemv(res, w, b, config=cfg, norm=(nw, 1e-6, offset)).dtype == torch.float16
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err < 2e-3, ("norm", m, n, k, cfg, offset, err)
+    for silu_mul in (False, True):
+        x = torch.randn(m, 2 * k if silu_mul else k, dtype=torch.float16)
+        w2 = torch.randn(k, k, dtype=torch.float16) / k ** 0.5
+        for cfg in ((8, 512, 4, 1), (4, 64, 4, 1)):
+            acc = torch.randn(m, k) * 10
+            ref = acc + gemv_ref(x, w2, silu_mul=silu_mul).float()
+            gemv(x, w2, out=acc, config=cfg, silu_mul=silu_mul, accumulate=True)
+            err = ((acc - ref).norm() / ref.norm()).item()
+            assert err < 1e-3, ("accumulate", m, k, cfg, silu_mul, err)
+for bad in (dict(accumulate=True), dict(norm=(torch.ones(8), 1e-6, 0.0), silu_mul=True)):
+    try:
+        gemv(torch.zeros(1, 16), torch.zeros(8, 8), **bad)
+        raise AssertionError(f"accepted {bad}")
+    except ValueError:
+        pass
+print("ok norm / accumulate")
+
 # decode-batch GEMM (tl.dot, 16-64 rows): masked rows (17, 33), an odd N, K not a multiple of BLOCK_K, bias,
 # the silu*mul prologue; outputs poisoned with NaN first
 from voltllm.kernels.batch_gemm import batch_gemm, batch_gemm_ref  # noqa: E402

@@ -62,6 +62,22 @@ def down_proj_silu_mul(layer: "Linear", gate_up: torch.Tensor) -> torch.Tensor:
     return layer(silu_and_mul(gate_up))
 
 
+def norm_linear(layer: "Linear", residual: torch.Tensor, norm) -> torch.Tensor:
+    """layer(norm(residual)) as one skinny GEMM (one row, `layer.skinny` chosen; `norm` an RMSNorm): the norm is
+    folded into the GEMM (fp32, not rounded in between). The result has the layer's dtype."""
+    from voltllm.kernels.gemv import gemv
+
+    return gemv(residual, layer.weight, layer.bias, config=layer.skinny, norm=(norm.weight, norm.eps, norm.offset))
+
+
+def linear_add_(layer: "Linear", x: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False) -> None:
+    """residual += layer(x) (layer(silu(gate) * up) with silu_mul) in place, as one skinny GEMM (one row,
+    `layer.skinny` chosen): the product is added in fp32 before it is rounded to the residual's dtype."""
+    from voltllm.kernels.gemv import gemv
+
+    gemv(x, layer.weight, layer.bias, out=residual, config=layer.skinny, silu_mul=silu_mul, accumulate=True)
+
+
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer, in_features, out_features, dtype):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)

@@ -8,7 +8,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.layers.linear import Linear, down_proj_silu_mul, linear
+from voltllm.model.layers.linear import Linear, down_proj_silu_mul, linear, linear_add_, norm_linear
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
@@ -30,14 +30,17 @@ class Attention(PagedAttention):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), ctx))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The qkv projection's output [T, q + 2 kv] -> attention output [T, Hq * D] (before o_proj)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        out = self.rope_and_attend(positions, q, k, v, ctx, *norms)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.rope_and_attend(positions, q, k, v, ctx, *norms).reshape(t, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -64,7 +67,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, positions, x, residual, ctx):
+    def projections(self) -> tuple[Linear, ...]:
+        return (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+
+    def forward(self, positions, x, residual, ctx, fused: bool = False):
+        """(mlp output, residual); with `fused` (see LlamaForCausalLM.fused_decode) the norms and residual adds
+        run inside the GEMMs and the result is (None, residual): the residual already holds the MLP output."""
+        if fused:
+            return self._forward_fused(positions, x, residual, ctx)
         if residual is None:
             residual = residual_stream(x)
             x = self.input_layernorm(x)
@@ -73,6 +83,18 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_fused(self, positions, x, residual, ctx):
+        # four kernels for the projections, norms and adds (seven unfused): RMSNorm in the qkv / gate_up GEMVs'
+        # prologue, the residual add in the o / down GEMVs' epilogue (in place: each program owns its features)
+        if residual is None:  # first layer: x is the embeddings (a fresh tensor, so it may become the residual)
+            residual = residual_stream(x)
+        attn, mlp = self.self_attn, self.mlp
+        out = attn.attend(positions, norm_linear(attn.qkv_proj, residual, self.input_layernorm), ctx)
+        linear_add_(attn.o_proj, out, residual)
+        gate_up = norm_linear(mlp.gate_up_proj, residual, self.post_attention_layernorm)
+        linear_add_(mlp.down_proj, gate_up, residual, silu_mul=True)
+        return None, residual
 
 
 # HF name fragment -> (our module attribute, shard index)
@@ -104,11 +126,23 @@ class LlamaForCausalLM(nn.Module):
         a = self.layers[0].self_attn
         return a.num_kv_heads, a.head_dim
 
+    def fused_decode(self, input_ids: torch.Tensor) -> bool:
+        """One-token CUDA step with every projection on the skinny Triton GEMM (start-up tuning chose it):
+        the decoder layers then fold their RMSNorms and residual adds into the GEMMs."""
+        return input_ids.is_cuda and input_ids.numel() == 1 and all(
+            p.skinny for layer in self.layers for p in layer.projections())
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
+        fused = self.fused_decode(input_ids)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(positions, x, residual, ctx, fused)
+        if fused:
+            from voltllm.kernels.fused import rms_norm
+
+            n = self.norm
+            return rms_norm(residual, n.weight, n.eps, n.offset, out=torch.empty_like(residual, dtype=self.dtype))
         x, _ = self.norm(x, residual)
         return x
 
