@@ -24,6 +24,8 @@
 #            on whatever is checked out (main, or the pdl-decode branch to judge it)
 #   pdl      benchmarks/micro/pdl_gemv_chain.py: the 8B batch-1 decode chain with PDL off / on and L2 weight prefetch
 #            sizes; the PDL + prefetch GPU tests. Then `s5` for the engine numbers
+#   s6a      (session 5) fused-norm GEMV checks, 8B batch 1 (profile) / 1-64 concurrent, SmolLM2 shape; then s4b
+#            within 30 s (carrying .carry/p1) for the real SmolLM2 GGUF
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -171,6 +173,18 @@ case $stage in
       --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
       --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha
+    ;;
+  s6a)  # session 5: norms and residual adds folded into the batch-1 GEMVs: GPU checks, decode numbers; stores
+        # .carry/p0 (first part of the SmolLM2 GGUF) in /root/m for s6b
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
+    gpu_file test_gemv_cuda 200 -k "norm or fused or pdl or tuned"
+    gpu_file test_engine_gpu 100
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
+      --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-concurrency-$sha
     ;;
 esac
 ls "$out"

@@ -146,3 +146,58 @@ def test_pdl_prefetch_chain_in_graph(prefetch_k):
         for w, o in zip(ws, outs):
             ref = (ref @ w.float().t()).half().float()
             assert ((o.float() - ref).norm() / ref.norm()).item() < 3e-3, (rows, prefetch_k, tuple(w.shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_norm_and_accumulate_real_shapes(dtype):
+    """The decode layer's fused GEMVs at 8B shapes: RMSNorm of an fp32 residual (large values) in the prologue,
+    and the residual add into fp32 in the epilogue (plain and silu*mul), vs the fp32 reference; poisoned."""
+    g = torch.Generator(device="cuda").manual_seed(random.SystemRandom().randrange(1 << 30))
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    res = torch.randn(1, 4096, device="cuda", generator=g) * 40
+    nw = torch.rand(4096, device="cuda", generator=g) + 0.5
+    for n, cfg in ((6144, (4, 1024, 4, 1)), (24576, (4, 512, 2, 3)), (1000, (8, 256, 4, 1))):
+        w = (torch.randn(n, 4096, device="cuda", generator=g) / 64).to(dtype)
+        out = torch.full((1, n), float("nan"), dtype=dtype, device="cuda")
+        gemv(res, w, out=out, config=cfg, norm=(nw, 1e-6, 0.0))
+        ref = gemv_ref(res, w, norm=(nw, 1e-6, 0.0)).float()
+        assert ((out.float() - ref).norm() / ref.norm()).item() < tol, (n, cfg)
+    for k, silu_mul in ((4096, False), (12288, True)):
+        w = (torch.randn(4096, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+        x = torch.randn(1, 2 * k if silu_mul else k, dtype=dtype, device="cuda", generator=g)
+        acc = res.clone()
+        gemv(x, w, out=acc, config=(4, 1024, 4, 1), silu_mul=silu_mul, accumulate=True)
+        ref = res + gemv_ref(x, w, silu_mul=silu_mul).float()
+        assert ((acc - ref).norm() / ref.norm()).item() < 1e-3, (k, silu_mul)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_fused_decode_engine_matches_unfused(tmp_path, kind):
+    """Batch-1 decode with the norms and residual adds folded into the GEMVs (skinny forced on every
+    projection, CUDA graphs captured again): the same greedy tokens as the unfused layers (fp32 model), and
+    the batch-1 graph really holds the fused path."""
+    from tiny_models import make_model
+
+    import voltllm.model.models.llama as llama
+    from voltllm import LLM, SamplingParams
+
+    llm = LLM(make_model(str(tmp_path), kind), device="cuda", dtype="float32")
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["hello world, this is", "a b c d e f"]
+    for layer in model.layers:
+        for p in layer.projections():
+            p.skinny = (4, 1024, 4, 1)
+    calls = []
+    original = llama.norm_linear
+    llama.norm_linear = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        runner.capture_cuda_graphs()
+    finally:
+        llama.norm_linear = original
+    assert runner.graphs is not None and len(calls) >= 2 * len(model.layers)
+    fused = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    model.fused_decode = lambda ids: False
+    runner.capture_cuda_graphs()
+    plain = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    assert fused == plain
