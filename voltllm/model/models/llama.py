@@ -97,6 +97,12 @@ class DecoderLayer(nn.Module):
         return None, residual
 
 
+# The fused one-row decode trades launches for L2 traffic: every GEMV program re-reads the fp32 residual and the
+# norm weight (4x the bytes of the fp16 input it read before). Measured on the H200 (benchmarks/README.md,
+# session 5): SmolLM2-135M shape (weights <= 3.5 MB, latency-bound) 1,542 -> 1,670 tok/s; qwen3-8b shape
+# (32-200 MB, bandwidth-bound) 203.4 -> 192.6 tok/s. So only models whose projections are all small use it.
+FUSED_DECODE_MAX_WEIGHT_BYTES = 16 << 20
+
 # HF name fragment -> (our module attribute, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -127,10 +133,12 @@ class LlamaForCausalLM(nn.Module):
         return a.num_kv_heads, a.head_dim
 
     def fused_decode(self, input_ids: torch.Tensor) -> bool:
-        """One-token CUDA step with every projection on the skinny Triton GEMM (start-up tuning chose it):
-        the decoder layers then fold their RMSNorms and residual adds into the GEMMs."""
+        """One-token CUDA step with every projection on the skinny Triton GEMM (start-up tuning chose it) and
+        no projection weight over FUSED_DECODE_MAX_WEIGHT_BYTES: the decoder layers then fold their RMSNorms and
+        residual adds into the GEMMs."""
         return input_ids.is_cuda and input_ids.numel() == 1 and all(
-            p.skinny for layer in self.layers for p in layer.projections())
+            p.skinny and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
+            for layer in self.layers for p in layer.projections())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
