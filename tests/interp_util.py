@@ -33,9 +33,9 @@ def check_names(helper) -> list[str]:
     return list(mod.CHECKS)
 
 
-def run_interp_checks(helper, args=(), timeout: int = 600) -> dict[str, str]:
-    """Run a check script under TRITON_INTERPRET=1 (it must be set before triton.jit runs, hence the
-    subprocess); returns {check name: "ok ..." | "FAIL ..."} from its `CHECK name status detail` lines."""
+def run_interp_script(helper, args=(), timeout: int = 600):
+    """Run a script under TRITON_INTERPRET=1 (it must be set before triton.jit runs, hence the subprocess),
+    with the project and tests/ importable; returns the CompletedProcess (text stdout / stderr)."""
     import os
     import subprocess
     import sys
@@ -47,8 +47,15 @@ def run_interp_checks(helper, args=(), timeout: int = 600) -> dict[str, str]:
     tests_dir = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(helper), *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(helper), *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=str(Path(helper).parent))
+
+
+def run_interp_checks(helper, args=(), timeout: int = 600) -> dict[str, str]:
+    """run_interp_script, then {check name: "ok ..." | "FAIL ..."} from its `CHECK name status detail` lines."""
+    import pytest
+
+    proc = run_interp_script(helper, args, timeout)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("CHECK "):

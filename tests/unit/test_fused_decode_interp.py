@@ -1,17 +1,8 @@
-import os
-import subprocess
-import sys
+from pathlib import Path
 
-import pytest
-
-pytest.importorskip("triton")
+from interp_util import run_interp_script
 
 
 def test_fused_decode_layers_match_unfused_under_interpreter():
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(here)), os.path.dirname(here),
-                                          os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, os.path.join(here, "_fused_decode_interp_check.py")], env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = run_interp_script(Path(__file__).parent / "_fused_decode_interp_check.py")
     assert r.returncode == 0 and "ok fused decode" in r.stdout, r.stdout + r.stderr[-3000:]
