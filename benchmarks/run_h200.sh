@@ -26,6 +26,7 @@
 #            sizes; the PDL + prefetch GPU tests. Then `s5` for the engine numbers
 #   s6a      (session 5) fused-norm GEMV checks, 8B batch 1 (profile) / 1-64 concurrent, SmolLM2 shape; then s4b
 #            within 30 s (carrying .carry/p1) for the real SmolLM2 GGUF
+#   s6c      (session 5) 16 / 64 concurrent with the PDL-aware tuner rule; GDN, fp8 KV and hybrid GPU files
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -185,6 +186,13 @@ case $stage in
       --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
       --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-concurrency-$sha
+    ;;
+  s6c)  # session 5, last call: 64 concurrent with the PDL-aware tuner rule; the GPU files not yet run with PDL
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c16-c64-$sha
+    gpu_file test_gdn_decode 60
+    gpu_file test_fp8_kv_gpu 130
+    gpu_file test_hybrid_gpu 270 -k "cuda_graphs or prefix or half or engine"
     ;;
 esac
 ls "$out"

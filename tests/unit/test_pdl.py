@@ -71,3 +71,15 @@ def test_cpu_engine_leaves_pdl_off(tmp_path):
 
     LLM(make_model(str(tmp_path), "llama"), device="cpu")
     assert not pdl.enabled() and pdl.launch_options() == {"PDL": False}
+
+
+def test_tuner_rule_credits_triton_with_pdl_overlap():
+    from voltllm.kernels import pdl
+    from voltllm.worker.skinny_tuning import PDL_OVERLAP_MS, _triton_wins
+
+    assert _triton_wins(0.0960, 0.1) and not _triton_wins(0.0980, 0.1)  # no PDL: 3% faster alone
+    try:
+        pdl.configure(True)
+        assert _triton_wins(0.1 + PDL_OVERLAP_MS * 0.9, 0.1) and not _triton_wins(0.1 + PDL_OVERLAP_MS * 1.1, 0.1)
+    finally:
+        pdl.configure(False)
