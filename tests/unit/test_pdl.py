@@ -83,3 +83,8 @@ def test_tuner_rule_credits_triton_with_pdl_overlap():
         assert _triton_wins(0.1 + PDL_OVERLAP_MS * 0.9, 0.1) and not _triton_wins(0.1 + PDL_OVERLAP_MS * 1.1, 0.1)
     finally:
         pdl.configure(False)
+    try:
+        pdl.configure(True)
+        assert not _triton_wins(0.1 + PDL_OVERLAP_MS * 0.9, 0.1, credit_pdl=False)  # decode-batch GEMM
+    finally:
+        pdl.configure(False)
