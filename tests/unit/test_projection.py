@@ -92,3 +92,28 @@ def test_projection_tables():
     assert len(p["verify_27b_tp4"]) == 3
     text = pj.format_projection(p)
     assert "PROJECTION" in text and "229.34" in text
+
+
+def test_calibration_ignores_runs_of_other_commits(tmp_path):
+    """New result files (faster or slower, other commits) do not move the projection: only CALIBRATION_COMMIT's
+    runs calibrate it."""
+    import json
+    import shutil
+
+    for name in os.listdir(RESULTS):
+        if name.endswith(".json"):
+            shutil.copy(os.path.join(RESULTS, name), tmp_path / name)
+    base = pj.calibrate(str(tmp_path))
+    with open(tmp_path / "qwen3-8b-shape-fp16-decode-b1.json") as f:
+        run = json.load(f)
+    run.update(commit="fffffff", name="qwen3-8b-shape-fp16-decode-b1-zzz")
+    run["limit"]["copy_GBps"] *= 0.5
+    run["metrics"]["pure_decode_tok_s"] *= 2
+    for i in range(5):
+        with open(tmp_path / f"zz-{i}.json", "w") as f:
+            json.dump(run, f)
+    again = pj.calibrate(str(tmp_path))
+    assert (again.copy_ratio, again.matmul_ratio, again.decode_eff, again.prefill_eff) == \
+        (base.copy_ratio, base.matmul_ratio, base.decode_eff, base.prefill_eff)
+    with pytest.raises(FileNotFoundError, match="commit"):
+        pj.calibrate(str(tmp_path / "nowhere"))
