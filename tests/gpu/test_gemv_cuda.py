@@ -201,3 +201,25 @@ def test_fused_decode_engine_matches_unfused(tmp_path, kind):
     runner.capture_cuda_graphs()
     plain = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
     assert fused == plain
+
+
+def test_tuners_time_down_projections_with_silu_mul():
+    """A Linear fed [gate | up] (silu_mul_input) is timed as it runs (SiLU*mul kernel + cuBLAS against the
+    GEMM with the activation in its prologue), apart from a plain Linear of the same shape; whatever each
+    chose, down_proj_silu_mul gives cuBLAS's answer."""
+    from voltllm.model.layers.linear import Linear, down_proj_silu_mul
+    from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
+
+    torch.manual_seed(0)
+    plain, down = Linear(2048, 2048, dtype=torch.float16).cuda(), Linear(2048, 2048, dtype=torch.float16).cuda()
+    down.silu_mul_input = True
+    for m in (plain, down):
+        m.weight.data.normal_(0, 0.02)
+    model = torch.nn.Sequential(plain, down)
+    assert set(tune_skinny_gemm(model)) == {(2048, 2048), (2048, 2048, "silu_mul")}
+    assert set(tune_batch_gemm(model, [16])) == {(2048, 2048, 16), (2048, 2048, 16, "silu_mul")}
+    for rows in (1, 16):
+        gu = torch.randn(rows, 4096, dtype=torch.float16, device="cuda")
+        act = torch.nn.functional.silu(gu[:, :2048]) * gu[:, 2048:]
+        ref = torch.nn.functional.linear(act, down.weight).float()
+        assert ((down_proj_silu_mul(down, gu).float() - ref).norm() / ref.norm()).item() < 2e-3

@@ -54,12 +54,18 @@ def _rotation(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return weights + list(pool.unbind(0))
 
 
-def _fastest(weights: list[torch.Tensor], x: torch.Tensor, configs, run) -> tuple[float, object, float]:
+def _fastest(weights: list[torch.Tensor], x: torch.Tensor, configs, run,
+             silu_mul: bool = False) -> tuple[float, object, float]:
     """(cuBLAS ms, best Triton config or None, its ms) for y = x w^T over the rotation; `run(x, w, cfg)` is the
-    Triton GEMM. A config whose result differs from cuBLAS's is never chosen."""
+    Triton GEMM. A config whose result differs from cuBLAS's is never chosen. With silu_mul (a down projection:
+    x = [gate | up]) both sides do what the model runs: the SiLU*mul kernel then cuBLAS, against the Triton GEMM
+    with the activation in its prologue."""
+    from voltllm.model.layers.activation import silu_and_mul
+
     w = weights[0]
-    t_lib = graph_replay_ms(lambda w_: F.linear(x, w_), weights)
-    ref = F.linear(x, w).float()
+    lib = (lambda w_: F.linear(silu_and_mul(x), w_)) if silu_mul else (lambda w_: F.linear(x, w_))
+    t_lib = graph_replay_ms(lib, weights)
+    ref = lib(w).float()
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources, PTXASError
 
@@ -84,13 +90,18 @@ def _line(n: int, k: int, itemsize: int, t_lib: float, best, t_tri: float, use) 
             f"{t_tri * 1e3:.1f} us ({gbps(t_tri):.0f} GB/s) -> {'triton' if use else 'cuBLAS'}")
 
 
-def _unquantized_groups(model: torch.nn.Module) -> dict[tuple[int, int], list]:
-    groups: dict[tuple[int, int], list] = {}
+def _unquantized_groups(model: torch.nn.Module) -> dict[tuple[int, int, bool], list]:
+    """fp16/bf16 CUDA Linears by (N, K, silu_mul_input): down projections run a different kernel variant."""
+    groups: dict[tuple[int, int, bool], list] = {}
     for mod in model.modules():
         if isinstance(mod, Linear) and isinstance(mod.method, UnquantizedLinearMethod):
             if mod.weight.dtype in (torch.float16, torch.bfloat16) and mod.weight.is_cuda:
-                groups.setdefault(tuple(mod.weight.shape), []).append(mod)
+                groups.setdefault((*mod.weight.shape, mod.silu_mul_input), []).append(mod)
     return groups
+
+
+def _key(n: int, k: int, silu_mul: bool, *rest) -> tuple:
+    return (n, k, *rest, "silu_mul") if silu_mul else (n, k, *rest)
 
 
 # Inside a decode step a Triton GEMV with PDL overlaps its launch and ramp with its predecessor; cuBLAS does not.
@@ -115,22 +126,23 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
     groups = _unquantized_groups(model)
     logits_w = getattr(model, "logits_weight", None)
     if logits_w is not None and logits_w.is_cuda and logits_w.dtype in (torch.float16, torch.bfloat16):
-        groups.setdefault(tuple(logits_w.shape), []).append(model)
+        groups.setdefault((*logits_w.shape, False), []).append(model)
     decisions = {}
     lines = []
-    for (n, k), mods in groups.items():
+    for (n, k, silu), mods in groups.items():
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
-        x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
-        t_lib, best, t_tri = _fastest(weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg))
+        x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
+        t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
+                                      lambda x_, w_, cfg: gemv(x_, w_, config=cfg, silu_mul=silu), silu)
         del weights
         use = best if _triton_wins(t_tri, t_lib) else None
-        decisions[(n, k)] = use
+        decisions[_key(n, k, silu)] = use
         for m in mods:
             if m is model:
                 model.logits_skinny = use
             else:
                 m.skinny = use
-        lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use))
+        lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use) + (" (silu*mul)" if silu else ""))
     if lines:
         logger.info("decode GEMM choice (M=%d, cold L2):\n  %s", rows, "\n  ".join(lines))
     return decisions
@@ -148,22 +160,23 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
     rows_list = [r for r in row_counts if MIN_ROWS <= r <= MAX_ROWS]
     decisions = {}
     lines = []
-    for (n, k), mods in _unquantized_groups(model).items():
+    for (n, k, silu), mods in _unquantized_groups(model).items():
         if n * k * mods[0].weight.element_size() < BATCH_MIN_WEIGHT_BYTES or not rows_list:
             continue
         weights = _rotation([m.weight for m in mods])
         for rows in rows_list:
-            x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+            x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
             t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
-                                          lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg))
+                                          lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, silu_mul=silu), silu)
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window)
             use = best if _triton_wins(t_tri, t_lib, credit_pdl=False) else None
-            decisions[(n, k, rows)] = use
+            decisions[_key(n, k, silu, rows)] = use
             for m in mods:
                 if use is not None:
                     m.batch_gemm[rows] = use
-            lines.append(f"M={rows} " + _line(n, k, x.element_size(), t_lib, best, t_tri, use))
+            lines.append(f"M={rows} " + _line(n, k, x.element_size(), t_lib, best, t_tri, use)
+                         + (" (silu*mul)" if silu else ""))
         del weights
     if lines:
         logger.info("decode-batch GEMM choice (cold L2):\n  %s", "\n  ".join(lines))

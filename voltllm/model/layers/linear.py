@@ -103,6 +103,8 @@ class Linear(nn.Module):
         self.method = method or UnquantizedLinearMethod()
         self.skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning when it measured faster
         self.batch_gemm: dict[int, tuple] = {}  # decode-batch GEMM configs by row count (same tuner)
+        # its input is [gate | up] and it multiplies silu(gate) * up (down_proj_silu_mul): the tuner times that
+        self.silu_mul_input = False
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 

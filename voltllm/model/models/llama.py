@@ -48,6 +48,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
         self.down_proj = Linear(inter, hidden, dtype=dtype)
+        self.down_proj.silu_mul_input = True  # it runs through down_proj_silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return down_proj_silu_mul(self.down_proj, self.gate_up_proj(x))
