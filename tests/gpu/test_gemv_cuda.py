@@ -204,9 +204,10 @@ def test_fused_decode_engine_matches_unfused(tmp_path, kind):
 
 
 def test_tuners_time_down_projections_with_silu_mul():
-    """A Linear fed [gate | up] (silu_mul_input) is timed as it runs (SiLU*mul kernel + cuBLAS against the
-    GEMM with the activation in its prologue), apart from a plain Linear of the same shape; whatever each
-    chose, down_proj_silu_mul gives cuBLAS's answer."""
+    """A Linear fed [gate | up] (silu_mul_input) is tuned apart from a plain Linear of the same shape; the
+    decode-batch tuner times it as it runs (SiLU*mul kernel + cuBLAS against the GEMM with the activation in its
+    prologue; one row keeps the plain timing, see skinny_tuning); whatever each chose, down_proj_silu_mul gives
+    cuBLAS's answer."""
     from voltllm.model.layers.linear import Linear, down_proj_silu_mul
     from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 

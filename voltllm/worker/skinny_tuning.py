@@ -131,9 +131,12 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
     lines = []
     for (n, k, silu), mods in groups.items():
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
-        x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
-        t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
-                                      lambda x_, w_, cfg: gemv(x_, w_, config=cfg, silu_mul=silu), silu)
+        # One row: a down projection is timed as a plain GEMV. Timed as it runs, the 8B one is 36.3 us with the
+        # activation in the prologue against 30.6 (SiLU kernel + cuBLAS) alone on the H200 (bbcaa67 log), yet
+        # the step measured 207.2 tok/s with it on Triton (516949f), and the other choice has not been measured
+        # in the step (where the Triton GEMV overlaps its launch under PDL and saves the SiLU launch).
+        x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+        t_lib, best, t_tri = _fastest(weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg))
         del weights
         use = best if _triton_wins(t_tri, t_lib) else None
         decisions[_key(n, k, silu)] = use
@@ -142,7 +145,8 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
                 model.logits_skinny = use
             else:
                 m.skinny = use
-        lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use) + (" (silu*mul)" if silu else ""))
+        lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use)
+                     + (" (down projection, timed plain)" if silu else ""))
     if lines:
         logger.info("decode GEMM choice (M=%d, cold L2):\n  %s", rows, "\n  ".join(lines))
     return decisions
@@ -169,7 +173,9 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
                                           lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, silu_mul=silu), silu)
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
-            # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window)
+            # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
+            # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +
+            # cuBLAS at 16-64 rows (123-238 vs 31-34 us): it had been chosen on the plain variant's timing.
             use = best if _triton_wins(t_tri, t_lib, credit_pdl=False) else None
             decisions[_key(n, k, silu, rows)] = use
             for m in mods:
