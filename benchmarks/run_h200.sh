@@ -27,6 +27,8 @@
 #   s6a      (session 5) fused-norm GEMV checks, 8B batch 1 (profile) / 1-64 concurrent, SmolLM2 shape; then s4b
 #            within 30 s (carrying .carry/p1) for the real SmolLM2 GGUF
 #   s6c      (session 5) 16 / 64 concurrent with the PDL-aware tuner rule; GDN, fp8 KV and hybrid GPU files
+#   s7       (session 6) on the down-silu-split branch: the PDL chain micro (incl. SiLU kernel + plain down), GEMV
+#            tuner / fused tests, engine tests, 8B batch 1 (profile) and SmolLM2 shape
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -163,7 +165,7 @@ case $stage in
       --baseline hf --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1-$sha
     ;;
   pdl)  # the batch-1 decode chain: PDL off / on with L2 weight prefetch sizes; the PDL GPU tests (~3 min)
-    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -9 | tee "$out/pdl-gemv-chain-$sha.txt"
+    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -10 | tee "$out/pdl-gemv-chain-$sha.txt"
     gpu_file test_gemv_cuda 150 -k "pdl or tuned"
     ;;
   s5)  # session 5, first call, on the checkout to judge (e.g. the pdl-decode branch): GPU checks + decode numbers
@@ -193,6 +195,16 @@ case $stage in
     gpu_file test_gdn_decode 60
     gpu_file test_fp8_kv_gpu 130
     gpu_file test_hybrid_gpu 270 -k "cuda_graphs or prefix or half or engine"
+    ;;
+  s7)  # session 6, first call, on the down-silu-split branch: the one-row down projection may run a SiLU kernel +
+       # plain GEMV where start-up timing says so; compare with main (8B b1 207.2, SmolLM2 shape 1,627, c64 8,829)
+    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -10 | tee "$out/pdl-gemv-chain-$sha.txt"
+    gpu_file test_gemv_cuda 150 -k "tuners_time or tuned or norm or fused"
+    gpu_file test_engine_gpu 100
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
     ;;
 esac
 ls "$out"

@@ -9,14 +9,15 @@ per layer add+RMSNorm, qkv GEMV, a small stand-in kernel (RMSNorm of 4096 values
 o GEMV, add+RMSNorm, gate_up GEMV, down GEMV with the SiLU*mul prologue; 36 layers (own weights, 15 GB)
 and the lm_head. Modes: PDL off; PDL on with PREFETCH_K = 0 / 512 / 1024 / 2048 / 4096 weight elements per
 row prefetched into L2 before the wait; and PDL on with cuBLAS for qkv (what the start-up tuner picks when
-cuBLAS is within 3% alone). Prints us per chain, the weight read rate, and checks each mode gives the same
+cuBLAS is within 3% alone); and PDL on with the down projection as a SiLU*mul kernel then the plain GEMV
+(instead of the activation in the GEMV's prologue). Prints us per chain, the weight read rate, and checks each mode gives the same
 logits as PDL off (same kernels, same inputs: the same bits).
 """
 import torch
 import torch.nn.functional as F
 
 from voltllm.kernels import pdl
-from voltllm.kernels.fused import fused_add_rms_norm, rms_norm
+from voltllm.kernels.fused import fused_add_rms_norm, rms_norm, silu_and_mul
 from voltllm.kernels.gemv import gemv
 
 # qwen3-8b shapes with the tiles the start-up tuner chose on the H200 (session 5 logs)
@@ -24,8 +25,10 @@ QKV, O, GATE_UP, DOWN = (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)
 CFG = {QKV: (4, 512, 2, 3), O: (4, 1024, 4, 1), GATE_UP: (4, 1024, 4, 1), DOWN: (4, 1024, 4, 1),
        (151936, 4096): (4, 512, 2, 3)}
 LAYERS = 36
-MODES = [("pdl off", False, 0, False)] + [(f"pdl prefetch {k}", True, k, False) for k in (0, 512, 1024, 2048, 4096)] \
-    + [("pdl prefetch 1024, cuBLAS qkv", True, 1024, True)]
+# (name, PDL, prefetch elements per row, cuBLAS qkv, down as SiLU kernel + plain GEMV)
+MODES = [("pdl off", False, 0, False, False)] \
+    + [(f"pdl prefetch {k}", True, k, False, False) for k in (0, 512, 1024, 2048, 4096)] \
+    + [("pdl prefetch 1024, cuBLAS qkv", True, 1024, True, False), ("pdl, SiLU kernel + plain down", True, 0, False, True)]
 
 
 def main():
@@ -41,9 +44,10 @@ def main():
     qkv = torch.empty(1, 6144, dtype=dt, device=dev)
     o = torch.empty(1, 4096, dtype=dt, device=dev)
     gu = torch.empty(1, 24576, dtype=dt, device=dev)
+    act = torch.empty(1, 12288, dtype=dt, device=dev)
     logits = torch.empty(1, 151936, dtype=dt, device=dev)
 
-    def chain(prefetch, cublas_qkv):
+    def chain(prefetch, cublas_qkv, split_silu):
         for ws in layers:
             fused_add_rms_norm(h, res, norm_w, 1e-6, out=x)
             if cublas_qkv:
@@ -54,7 +58,11 @@ def main():
             gemv(o, ws[O], out=h, config=CFG[O], prefetch_k=prefetch)
             fused_add_rms_norm(h, res, norm_w, 1e-6, out=x)
             gemv(x, ws[GATE_UP], out=gu, config=CFG[GATE_UP], prefetch_k=prefetch)
-            gemv(gu, ws[DOWN], out=h, config=CFG[DOWN], silu_mul=True, prefetch_k=prefetch)
+            if split_silu:
+                silu_and_mul(gu, out=act)
+                gemv(act, ws[DOWN], out=h, config=CFG[DOWN], prefetch_k=prefetch)
+            else:
+                gemv(gu, ws[DOWN], out=h, config=CFG[DOWN], silu_mul=True, prefetch_k=prefetch)
         fused_add_rms_norm(h, res, norm_w, 1e-6, out=x)
         gemv(x, lm_head, out=logits, config=CFG[(151936, 4096)], prefetch_k=prefetch)
 
@@ -63,14 +71,14 @@ def main():
         res.zero_()
 
     results, rows = {}, []
-    for name, on, prefetch, cublas_qkv in MODES:
+    for name, on, prefetch, cublas_qkv, split_silu in MODES:
         pdl.configure(on)
         reset()
-        chain(prefetch, cublas_qkv)  # compile
+        chain(prefetch, cublas_qkv, split_silu)  # compile
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            chain(prefetch, cublas_qkv)
+            chain(prefetch, cublas_qkv, split_silu)
         reset()
         g.replay()
         torch.cuda.synchronize()
@@ -89,7 +97,7 @@ def main():
     base = results["pdl off"]
     print(f"{'mode':<32} {'us/chain':>9} {'TB/s':>6}  same logits as PDL off")
     for name, us, tbs in rows:
-        same = torch.equal(results[name], base) if "cuBLAS" not in name else \
+        same = torch.equal(results[name], base) if "cuBLAS" not in name and "SiLU" not in name else \
             bool(((results[name] - base).norm() / base.norm()).item() < 1e-2)
         print(f"{name:<32} {us:9.1f} {tbs:6.2f}  {same}")
 

@@ -48,3 +48,23 @@ def test_down_proj_silu_mul_dispatch(monkeypatch):
     act = torch.nn.functional.silu(gu3[:, :8]) * gu3[:, 8:]
     assert torch.allclose(y, act @ layer.weight.t(), atol=1e-6)
     assert calls == [("batch", 32, ("b32",), True)]
+
+
+def test_down_proj_one_row_silu_split(monkeypatch):
+    """skinny_silu_fused=False (start-up timing found it faster): the SiLU*mul runs first, then the plain GEMV,
+    in down_proj_silu_mul and in the fused decode layer's residual-add GEMV alike."""
+    calls = _recorders(monkeypatch)
+    layer = L.Linear(8, 4, dtype=torch.float32)
+    layer.weight.data.normal_()
+    layer.skinny = ("s",)
+    gu = torch.randn(1, 16)
+    L.down_proj_silu_mul(layer, gu)
+    layer.skinny_silu_fused = False
+    L.down_proj_silu_mul(layer, gu)
+    assert calls == [("gemv", 1, ("s",), True), ("gemv", 1, ("s",), False)]
+    seen = []
+    import voltllm.kernels.gemv as G
+    monkeypatch.setattr(G, "gemv", lambda x, w, bias=None, out=None, config=None, silu_mul=False, accumulate=False:
+                        seen.append((tuple(x.shape), silu_mul, accumulate)))
+    L.linear_add_(layer, gu, torch.zeros(1, 4), silu_mul=True)
+    assert seen == [((1, 8), False, True)]

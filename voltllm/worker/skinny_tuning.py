@@ -131,12 +131,18 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
     lines = []
     for (n, k, silu), mods in groups.items():
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
-        # One row: a down projection is timed as a plain GEMV. Timed as it runs, the 8B one is 36.3 us with the
-        # activation in the prologue against 30.6 (SiLU kernel + cuBLAS) alone on the H200 (bbcaa67 log), yet
-        # the step measured 207.2 tok/s with it on Triton (516949f), and the other choice has not been measured
-        # in the step (where the Triton GEMV overlaps its launch under PDL and saves the SiLU launch).
-        x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
-        t_lib, best, t_tri = _fastest(weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg))
+        x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
+        t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
+                                      lambda x_, w_, cfg: gemv(x_, w_, config=cfg, silu_mul=silu), silu)
+        fused, note = True, ""
+        if silu:  # a down projection: also the SiLU kernel then the plain GEMV (the prologue costs every program)
+            from voltllm.model.layers.activation import silu_and_mul
+
+            _, best_split, t_split = _fastest(
+                weights, x, CONFIGS, lambda x_, w_, cfg: gemv(silu_and_mul(x_), w_, config=cfg), silu)
+            note = f" (silu*mul in the prologue {t_tri * 1e3:.1f} us, SiLU kernel + GEMV {t_split * 1e3:.1f} us)"
+            if t_split < t_tri:
+                fused, best, t_tri = False, best_split, t_split
         del weights
         use = best if _triton_wins(t_tri, t_lib) else None
         decisions[_key(n, k, silu)] = use
@@ -144,9 +150,8 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
             if m is model:
                 model.logits_skinny = use
             else:
-                m.skinny = use
-        lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use)
-                     + (" (down projection, timed plain)" if silu else ""))
+                m.skinny, m.skinny_silu_fused = use, fused
+        lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use) + note)
     if lines:
         logger.info("decode GEMM choice (M=%d, cold L2):\n  %s", rows, "\n  ".join(lines))
     return decisions

@@ -52,6 +52,10 @@ def down_proj_silu_mul(layer: "Linear", gate_up: torch.Tensor) -> torch.Tensor:
         if layer.skinny and rows == 1:
             from voltllm.kernels.gemv import gemv
 
+            if not layer.skinny_silu_fused:  # start-up timing found the SiLU kernel + plain GEMV faster
+                from voltllm.model.layers.activation import silu_and_mul
+
+                return gemv(silu_and_mul(gate_up), layer.weight, layer.bias, config=layer.skinny)
             return gemv(gate_up, layer.weight, layer.bias, config=layer.skinny, silu_mul=True)
         if layer.batch_gemm and rows in layer.batch_gemm:
             from voltllm.kernels.batch_gemm import batch_gemm
@@ -75,6 +79,10 @@ def linear_add_(layer: "Linear", x: torch.Tensor, residual: torch.Tensor, silu_m
     `layer.skinny` chosen): the product is added in fp32 before it is rounded to the residual's dtype."""
     from voltllm.kernels.gemv import gemv
 
+    if silu_mul and not layer.skinny_silu_fused:
+        from voltllm.model.layers.activation import silu_and_mul
+
+        x, silu_mul = silu_and_mul(x), False
     gemv(x, layer.weight, layer.bias, out=residual, config=layer.skinny, silu_mul=silu_mul, accumulate=True)
 
 
@@ -105,6 +113,8 @@ class Linear(nn.Module):
         self.batch_gemm: dict[int, tuple] = {}  # decode-batch GEMM configs by row count (same tuner)
         # its input is [gate | up] and it multiplies silu(gate) * up (down_proj_silu_mul): the tuner times that
         self.silu_mul_input = False
+        # with `skinny` and silu_mul_input: the activation in the GEMV's prologue (else a SiLU kernel first)
+        self.skinny_silu_fused = True
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 
