@@ -68,7 +68,6 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-
 @triton.jit
 def prefetch_l2(ptrs):
     """Hint to bring the 128-byte lines holding `ptrs` into L2 (every pointer must be in bounds)."""
