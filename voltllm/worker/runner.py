@@ -275,12 +275,12 @@ class ModelRunner:
                 return True
         return False
 
-    @torch.inference_mode()
     def _apply_pdl(self) -> None:
         from voltllm.kernels import pdl
 
         pdl.configure(self.use_pdl)
 
+    @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
         self._apply_pdl()
