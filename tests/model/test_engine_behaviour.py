@@ -176,3 +176,16 @@ def test_fp16_residual_stream_does_not_overflow(tiny_path):
     for o in out:
         for pos in o.outputs[0].logprobs:
             assert all(math.isfinite(lp.logprob) for lp in pos.values())
+
+
+def test_steps_run_in_inference_mode(llm, monkeypatch):
+    """The model's forward runs under torch.inference_mode (no autograd state on the per-step hot path)."""
+    import torch
+
+    model = llm.engine.runner.model
+    seen = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: seen.append(torch.is_inference_mode_enabled())
+                        or forward(*a, **k))
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))
+    assert seen and all(seen)

@@ -80,7 +80,6 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         self.state_cache = None  # StateCache for hybrid (Gated DeltaNet) models
         self.state_snapshots = None  # their prefix-cache state snapshots (voltllm.cache.state_snapshots)
-        self.skinny_choices: dict = {}
         from voltllm.attention.kv_spec import kv_scales_to_calculate
 
         # --calculate-kv-scales: the first real step runs eagerly and sets the layers' k/v scales
@@ -275,12 +274,12 @@ class ModelRunner:
                 return True
         return False
 
-    @torch.inference_mode()
     def _apply_pdl(self) -> None:
         from voltllm.kernels import pdl
 
         pdl.configure(self.use_pdl)
 
+    @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
         self._apply_pdl()
@@ -359,12 +358,11 @@ class ModelRunner:
             from voltllm.worker.cuda_graphs import graph_batch_sizes
             from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 
-            self.skinny_choices = tune_skinny_gemm(self.model)
+            tune_skinny_gemm(self.model)  # sets each Linear's choice
             # decode batches run at the CUDA-graph sizes; the compat route keeps cuBLAS (on sm_70/75 the
             # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
             if self.config.device.compat == "none":
-                self.skinny_choices.update(tune_batch_gemm(
-                    self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs)))
+                tune_batch_gemm(self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
 
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
