@@ -29,6 +29,7 @@
 #   s6c      (session 5) 16 / 64 concurrent with the PDL-aware tuner rule; GDN, fp8 KV and hybrid GPU files
 #   s7       (session 6) on the down-silu-split branch: the PDL chain micro (incl. SiLU kernel + plain down), GEMV
 #            tuner / fused tests, engine tests, 8B batch 1 (profile) and SmolLM2 shape
+#   s7/s8    (session 6) one-row down projection as SiLU + plain GEMV; split-K decode-batch GEMM, 16 / 64 concurrent
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
@@ -206,6 +207,12 @@ case $stage in
       --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
     bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
       --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    ;;
+  s8)  # session 6: split-K decode-batch GEMM (one kernel, last slice reduces) and SiLU kernel + plain batch GEMM for
+       # down projections; compare 16 / 64 concurrent with bbcaa67 / 516949f (window 3,111 / 11,198, c64 output 8,829)
+    gpu_file test_gemv_cuda 250 -k "split_k or batch_tuned or tuners_time or (batch_gemm_real_shapes and fp16)"
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
+      --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
     ;;
   gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 right after, on the same checkout)
     gpu_file test_gemv_cuda 300

@@ -58,7 +58,7 @@ for bad in (dict(accumulate=True), dict(norm=(torch.ones(8), 1e-6, 0.0), silu_mu
 print("ok norm / accumulate")
 
 # decode-batch GEMM (tl.dot, 16-64 rows): masked rows (17, 33), an odd N, K not a multiple of BLOCK_K, bias,
-# the silu*mul prologue; outputs poisoned with NaN first
+# the silu*mul prologue, split-K; outputs poisoned with NaN first
 from voltllm.kernels.batch_gemm import batch_gemm, batch_gemm_ref  # noqa: E402
 
 for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, False), (64, 96, 160, True)):
@@ -68,12 +68,17 @@ for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, F
             w = torch.randn(n, k, dtype=dtype) / k ** 0.5
             b = torch.randn(n, dtype=dtype) if bias else None
             out = torch.full((m, n), float("nan"), dtype=dtype)
-            for cfg in ((32, 128, 4, 3), (16, 64, 4, 1), (64, 256, 4, 2)):
+            # split-K: 2 and 3 slices (uneven, the last one short of BLOCK_K at k=300), 4 asked on fewer K tiles
+            for cfg in ((32, 128, 4, 3, 1), (16, 64, 4, 1, 1), (64, 256, 4, 2, 1), (32, 64, 4, 1, 3),
+                        (16, 128, 4, 1, 2), (64, 128, 4, 1, 4)):
                 out.fill_(float("nan"))
                 batch_gemm(x, w, b, config=cfg, silu_mul=silu_mul, out=out)
                 ref = batch_gemm_ref(x, w, b, silu_mul=silu_mul)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 assert err < 2e-3, ("batch_gemm", m, n, k, dtype, cfg, silu_mul, err)
+                if cfg[4] > 1:  # the split-K tile counters are back at zero for the next call
+                    from voltllm.kernels.batch_gemm import _counters
+                    assert not _counters[x.device].any(), cfg
 try:
     batch_gemm(torch.zeros(16, 8), torch.zeros(4, 8))
     raise AssertionError("fp32 accepted")

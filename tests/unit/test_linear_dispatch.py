@@ -68,3 +68,14 @@ def test_down_proj_one_row_silu_split(monkeypatch):
                         seen.append((tuple(x.shape), silu_mul, accumulate)))
     L.linear_add_(layer, gu, torch.zeros(1, 4), silu_mul=True)
     assert seen == [((1, 8), False, True)]
+
+
+def test_down_proj_batch_silu_split(monkeypatch):
+    """batch_silu_fused[rows]=False: at that row count the SiLU*mul kernel runs first and the decode-batch GEMM gets
+    the [rows, I] activation; other row counts keep the prologue."""
+    calls = _recorders(monkeypatch)
+    layer = L.Linear(8, 4, dtype=torch.float32)
+    layer.batch_gemm, layer.batch_silu_fused = {16: ("b16",), 32: ("b32",)}, {32: False}
+    for rows in (16, 32):
+        L.down_proj_silu_mul(layer, torch.randn(rows, 16))
+    assert calls == [("batch", 16, ("b16",), True), ("batch", 32, ("b32",), False)]

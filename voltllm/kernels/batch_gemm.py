@@ -10,6 +10,12 @@ BLOCK_M), streams its weight rows once (evict-first, pipelined over K) and multi
 fp32 and rounded once to x's dtype for the dot (the unfused silu_and_mul also rounds silu(gate) before the
 multiply: a last-place difference), so the MLP needs no activation kernel.
 
+Split-K (SPLIT_K > 1): 64 rows against N = 4096 give only N / BLOCK_N programs, too few to keep 132 SMs
+streaming, and a small BLOCK_N makes every program re-read all of x. So the K range is cut into SPLIT_K slices:
+each program writes its fp32 partial to a workspace and bumps a per-tile counter; the program that arrives last
+sums the SPLIT_K partials in slice order (the result does not depend on which program finishes last), writes y
+and resets the counter to 0 for the next call. One kernel, no separate reduce launch (cuBLAS's split-K has one).
+
 Whether it beats cuBLAS for a shape and row count, and with which tile, is measured at start-up
 (voltllm.worker.skinny_tuning), not assumed: on sm_70/75 tl.dot runs on CUDA cores and cuBLAS wins.
 Reference: batch_gemm_ref (fp32 math).
@@ -30,20 +36,22 @@ MIN_ROWS, MAX_ROWS = 16, 64
 
 
 @triton.jit
-def _batch_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     pid = tl.program_id(0)
+    k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
+    k_end = tl.minimum(k_start + k_per_split, K)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptr = W + offs_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptr = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptr = W + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # K % BLOCK_K == 0: only the row / feature masks
             mx = mask_m[:, None]
             mw = mask_n[:, None]
@@ -60,31 +68,66 @@ def _batch_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
+    else:
+        ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]  # slice s at WS + s * BLOCK_M * N
+        tl.store(ws_tile + tl.program_id(1) * BLOCK_M * N, acc, mask=mask_y)
+        tl.debug_barrier()  # every thread's partial is written before the counter is released
+        arrived = tl.atomic_add(COUNTERS + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last slice of this tile to finish: reduce in slice order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws_tile + s * BLOCK_M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mask_y)
+            tl.atomic_xchg(COUNTERS + pid, 0)
 
 
 def _specs() -> list[CompileSpec]:
-    sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "M": "i32", "N": "i32", "K": "i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
-           "SILU_MUL": "constexpr", "PDL": "constexpr"}
-    return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "HAS_BIAS": b, "EVEN_K": e,
-                              "SILU_MUL": s, "PDL": False}, f"fp16 m{m} n{n} k{k} bias={b} even={e} silu_mul={s}")
-            for m, n, k, b, e, s in ((64, 32, 128, False, True, False), (32, 64, 64, True, False, True))]
+    sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32",
+           "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
+           "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "SILU_MUL": "constexpr", "PDL": "constexpr"}
+    return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "HAS_BIAS": b, "EVEN_K": e,
+                              "SILU_MUL": s, "PDL": False},
+                        f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s}")
+            for m, n, k, sk, b, e, s in ((64, 32, 128, 1, False, True, False), (32, 64, 64, 1, True, False, True),
+                                         (64, 64, 128, 4, True, False, False))]
 
 
 register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)  # native route only (runner)
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; start-up tuning times them per shape and row count
-CONFIGS: tuple[tuple[int, int, int, int], ...] = (
-    (32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5), (16, 256, 4, 4), (128, 64, 8, 4))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) candidates; start-up tuning times them per shape and row count
+CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 64, 4, 5, 1), (16, 256, 4, 4, 1),
+    (128, 64, 8, 4, 1), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (128, 128, 8, 3, 2), (128, 128, 8, 3, 4),
+    (32, 256, 4, 3, 2))
+
+MAX_COUNTERS = 1 << 16  # output tiles a split-K call may have (N / BLOCK_N)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K tile counters: zeroed once, and every split-K call leaves them at zero again (its
+    last program per tile resets its own), so CUDA-graph replays and eager calls share them. Kernels of one
+    stream run one after the other (PDL waits for the predecessor too), so calls never overlap."""
+    c = _counters.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("batch_gemm: split-K counters must exist before CUDA-graph capture "
+                               "(call batch_gemm once eagerly first)")
+        c = _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return c
 
 
 def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               config: tuple[int, int, int, int] = CONFIGS[0], silu_mul: bool = False,
+               config: tuple[int, int, int, int, int] = CONFIGS[0], silu_mul: bool = False,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up."""
@@ -96,14 +139,27 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
             or x.dtype not in (torch.float16, torch.bfloat16)):  # fp32 tl.dot would round through tf32
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          f"(silu_mul={silu_mul}) not supported")
+    block_n, block_k, warps, stages, split = config
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    block_m = max(16, triton.next_power_of_2(m))
+    k_tiles = triton.cdiv(k, block_k)
+    tiles_per_split = triton.cdiv(k_tiles, min(split, k_tiles))
+    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty slices
+    n_tiles = triton.cdiv(n, block_n)
+    if split > 1 and n_tiles > MAX_COUNTERS:
+        raise ValueError(f"batch_gemm: {n_tiles} output tiles exceed the {MAX_COUNTERS} split-K counters")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    _batch_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.launch_options())
+    if split > 1:  # fp32 partials, one [BLOCK_M, N] slice per split; the caching allocator serves graphs too
+        ws = torch.empty(split * block_m * n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    else:
+        ws = counters = out
+    _batch_gemm_kernel[(n_tiles, split)](
+        x, w, bias if bias is not None else w, out, ws, counters, m, n, k, tiles_per_split * block_k,
+        x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
+        num_warps=warps, num_stages=stages, **pdl.launch_options())
     return out
 
 

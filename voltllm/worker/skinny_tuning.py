@@ -177,6 +177,15 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
             t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
                                           lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, silu_mul=silu), silu)
+            fused, note = True, ""
+            if silu:  # a down projection: also the SiLU kernel then the plain GEMM (see tune_skinny_gemm)
+                from voltllm.model.layers.activation import silu_and_mul
+
+                _, best_split, t_split = _fastest(
+                    weights, x, CONFIGS, lambda x_, w_, cfg: batch_gemm(silu_and_mul(x_), w_, config=cfg), silu)
+                note = f" (silu*mul in the prologue {t_tri * 1e3:.1f} us, SiLU kernel + GEMM {t_split * 1e3:.1f} us)"
+                if t_split < t_tri:
+                    fused, best, t_tri = False, best_split, t_split
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
             # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +
@@ -186,8 +195,8 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             for m in mods:
                 if use is not None:
                     m.batch_gemm[rows] = use
-            lines.append(f"M={rows} " + _line(n, k, x.element_size(), t_lib, best, t_tri, use)
-                         + (" (silu*mul)" if silu else ""))
+                    m.batch_silu_fused[rows] = fused
+            lines.append(f"M={rows} " + _line(n, k, x.element_size(), t_lib, best, t_tri, use) + note)
         del weights
     if lines:
         logger.info("decode-batch GEMM choice (cold L2):\n  %s", "\n  ".join(lines))

@@ -60,6 +60,10 @@ def down_proj_silu_mul(layer: "Linear", gate_up: torch.Tensor) -> torch.Tensor:
         if layer.batch_gemm and rows in layer.batch_gemm:
             from voltllm.kernels.batch_gemm import batch_gemm
 
+            if not layer.batch_silu_fused.get(rows, True):  # timed faster as SiLU kernel + plain GEMM
+                from voltllm.model.layers.activation import silu_and_mul
+
+                return batch_gemm(silu_and_mul(gate_up), layer.weight, layer.bias, config=layer.batch_gemm[rows])
             return batch_gemm(gate_up, layer.weight, layer.bias, config=layer.batch_gemm[rows], silu_mul=True)
     from voltllm.model.layers.activation import silu_and_mul
 
@@ -115,6 +119,7 @@ class Linear(nn.Module):
         self.silu_mul_input = False
         # with `skinny` and silu_mul_input: the activation in the GEMV's prologue (else a SiLU kernel first)
         self.skinny_silu_fused = True
+        self.batch_silu_fused: dict[int, bool] = {}  # the same choice for `batch_gemm`, by row count
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 
