@@ -46,6 +46,12 @@ gpu_file() {  # gpu_file NAME TIMEOUT [pytest args]: one GPU test file, full log
   echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
 }
 bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "decode GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90; }
+decode_b1_pair() {  # 8B batch 1 with a per-kernel profile, then SmolLM2's shape at batch 1
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+}
 case $stage in
   tests)  # one file at a time with its own limit, full output under $OUT; then the 8B decode + 8K prefill
     for f in tests/gpu/test_*.py; do gpu_file "$(basename "$f" .py)" 150; done
@@ -172,10 +178,7 @@ case $stage in
     ;;
   s5)  # session 5, first call, on the checkout to judge (e.g. the pdl-decode branch): GPU checks + decode numbers
     for f in test_engine_gpu test_fused_kernels_cuda test_attention_kernels; do gpu_file $f 120; done
-    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
-      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
-    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
-      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    decode_b1_pair
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
       --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha
     ;;
@@ -184,10 +187,7 @@ case $stage in
     mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
     gpu_file test_gemv_cuda 200 -k "norm or fused or pdl or tuned"
     gpu_file test_engine_gpu 100
-    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
-      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
-    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
-      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    decode_b1_pair
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
       --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-concurrency-$sha
     ;;
@@ -203,10 +203,7 @@ case $stage in
     python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -10 | tee "$out/pdl-gemv-chain-$sha.txt"
     gpu_file test_gemv_cuda 150 -k "tuners_time or tuned or norm or fused"
     gpu_file test_engine_gpu 100
-    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
-      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
-    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
-      --num-warm 2 --name smollm2-135m-shape-fp16-decode-b1-$sha
+    decode_b1_pair
     ;;
   s8)  # session 6: split-K decode-batch GEMM (one kernel, last slice reduces) and SiLU kernel + plain batch GEMM for
        # down projections; compare 16 / 64 concurrent with bbcaa67 / 516949f (window 3,111 / 11,198, c64 output 8,829)
