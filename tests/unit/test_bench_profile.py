@@ -56,9 +56,28 @@ def test_trace_parsing_and_per_step_summary():
     top = s["kernels"][0]
     assert (top["name"], top["calls_per_step"], top["us_per_step"]) == ("gemv", 2.0, 40.0)
     assert top["pct"] == pytest.approx(40 / 49)
+    assert top["excl_us_per_step"] == pytest.approx(40.0) and top["excl_pct"] == pytest.approx(40 / 45)
     assert [k["name"] for k in s["kernels"]] == ["gemv", "norm", "Memcpy HtoD"]
+    assert s["kernels"][2]["excl_us_per_step"] == 0.0  # hidden under a gemv
     text = format_profiles([{"scenario": "decode", "concurrency": 1, "context_len_at_start": 640, **s}], top=2)
     assert "GPU busy 45.0 us/step (45% of wall" in text and "gemv" in text and "(1 more)" in text
+
+
+def test_exclusive_time_charges_a_pdl_wait_to_the_predecessor():
+    """A kernel launched early with PDL (norm starts at 5 and waits until the GEMM ends at 30) records 27 us, but
+    only its 2 us after the GEMM are its own; exclusive times sum to the busy time and order the table."""
+    from voltllm.bench.profile import exclusive_us
+
+    evs = [{"name": "gemm", "ts": 0.0, "dur": 30.0}, {"name": "norm", "ts": 5.0, "dur": 27.0},
+           {"name": "attn", "ts": 40.0, "dur": 10.0}, {"name": "tiny", "ts": 40.0, "dur": 1.0}]
+    assert exclusive_us(evs) == [30.0, 2.0, 10.0, 0.0]
+    assert sum(exclusive_us(evs)) == busy_us(evs)
+    s = summarize(evs, steps=1, wall_s=60e-6, wall_s_profiled=60e-6)
+    assert [k["name"] for k in s["kernels"]] == ["gemm", "attn", "norm", "tiny"]
+    norm = s["kernels"][2]
+    assert norm["us_per_step"] == 27.0 and norm["excl_us_per_step"] == 2.0
+    text = format_profiles([{"scenario": "decode", "concurrency": 64, "context_len_at_start": 182, **s}])
+    assert "exclusive us/step" in text
 
 
 def test_summary_without_gpu_activity():

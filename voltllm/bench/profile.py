@@ -8,7 +8,10 @@ the middle of their output; then
      and the host's launch calls.
 The requests are then aborted. Per configuration: kernels grouped by name (calls per step, us per step,
 share of the summed kernel time), GPU busy time per step (union of the GPU activity intervals), and the
-wall time per step with and without the profiler. busy / unprofiled wall well below 1 means the GPU waits
+wall time per step with and without the profiler. With programmatic dependent launch a kernel starts while its
+predecessor runs and waits for it (kernels/pdl.py), so its recorded duration includes that wait; each kernel's
+exclusive time (the part of its interval no earlier-started activity covers; the exclusive times sum to the busy
+time) says where the step's time goes, and the table is ordered by it. busy / unprofiled wall well below 1 means the GPU waits
 for the host (launch or scheduling gaps), not for memory.
 """
 from __future__ import annotations
@@ -81,18 +84,35 @@ def busy_us(events: Sequence[dict]) -> float:
     return total
 
 
+def exclusive_us(events: Sequence[dict]) -> list[float]:
+    """Per event (in the given order): the part of [ts, ts + dur] not covered by events that started earlier
+    (ties: the longer one first). A PDL kernel's wait for its predecessor is covered by the predecessor, so it
+    counts there; the values sum to busy_us(events)."""
+    order = sorted(range(len(events)), key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+    out = [0.0] * len(events)
+    covered = None
+    for i in order:
+        s, e = events[i]["ts"], events[i]["ts"] + events[i]["dur"]
+        out[i] = max(0.0, e - (s if covered is None else max(s, covered)))
+        covered = e if covered is None else max(covered, e)
+    return out
+
+
 def summarize(events: Sequence[dict], steps: int, wall_s: float, wall_s_profiled: float,
               launches: Optional[dict[str, int]] = None) -> dict:
     """Per-kernel table and busy / wall time per step from GPU activity records of `steps` steps."""
     groups: dict[str, list[float]] = {}
-    for ev in events:
-        g = groups.setdefault(ev["name"], [0, 0.0])
+    for ev, excl in zip(events, exclusive_us(events)):
+        g = groups.setdefault(ev["name"], [0, 0.0, 0.0])
         g[0] += 1
         g[1] += ev["dur"]
+        g[2] += excl
     kernel_sum = sum(g[1] for g in groups.values())
+    busy_total = sum(g[2] for g in groups.values())
     kernels = [{"name": name, "short": shorten(name), "calls_per_step": n / steps, "us_per_step": us / steps,
-                "pct": us / kernel_sum if kernel_sum else None}
-               for name, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
+                "pct": us / kernel_sum if kernel_sum else None, "excl_us_per_step": ex / steps,
+                "excl_pct": ex / busy_total if busy_total else None}
+               for name, (n, us, ex) in sorted(groups.items(), key=lambda kv: (-kv[1][2], -kv[1][1]))]
     wall_us = wall_s * 1e6 / steps
     busy = busy_us(events) / steps if events else None  # None: no GPU activity at all (a CPU run)
     return {"steps": steps, "wall_us_per_step": wall_us, "wall_us_per_step_profiled": wall_s_profiled * 1e6 / steps,
@@ -202,7 +222,8 @@ def profile_summary(profiles: list[dict], top: int = 5) -> list[dict]:
             "wall_us_per_step", "wall_us_per_step_profiled", "gpu_busy_us_per_step", "gpu_busy_frac",
             "gpu_idle_us_per_step", "kernel_sum_us_per_step", "kernels_per_step")
     return [{**{k: p[k] for k in keys},
-             "top_kernels": [{k: r[k] for k in ("short", "us_per_step", "pct")} for r in p["kernels"][:top]]}
+             "top_kernels": [{k: r[k] for k in ("short", "excl_us_per_step", "excl_pct", "us_per_step")}
+                             for r in p["kernels"][:top]]}
             for p in profiles]
 
 
@@ -229,13 +250,14 @@ def format_profiles(profiles: list[dict], top: int = 15) -> str:
         if not p["kernels"]:
             lines.append("  (no GPU activity recorded: a CPU run, or the profiler could not trace the GPU)")
             continue
-        rows = [(r["short"], _f(r["calls_per_step"], ".1f"), _f(r["us_per_step"]), _f(r["pct"], ".1%"))
-                for r in p["kernels"][:top]]
+        rows = [(r["short"], _f(r["calls_per_step"], ".1f"), _f(r["excl_us_per_step"]), _f(r["excl_pct"], ".1%"),
+                 _f(r["us_per_step"])) for r in p["kernels"][:top]]
         rest = p["kernels"][top:]
         if rest:
             rows.append((f"({len(rest)} more)", _f(sum(r["calls_per_step"] for r in rest), ".1f"),
-                         _f(sum(r["us_per_step"] for r in rest)), _f(sum(r["pct"] or 0 for r in rest), ".1%")))
-        head = ("kernel", "calls/step", "us/step", "% GPU")
+                         _f(sum(r["excl_us_per_step"] for r in rest)),
+                         _f(sum(r["excl_pct"] or 0 for r in rest), ".1%"), _f(sum(r["us_per_step"] for r in rest))))
+        head = ("kernel", "calls/step", "exclusive us/step", "% busy", "as recorded us/step")
         widths = [max(len(x) for x in col) for col in zip(head, *rows)]
         lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
