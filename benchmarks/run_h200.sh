@@ -30,6 +30,7 @@
 #   s7       (session 6) on the down-silu-split branch: the PDL chain micro (incl. SiLU kernel + plain down), GEMV
 #            tuner / fused tests, engine tests, 8B batch 1 (profile) and SmolLM2 shape
 #   s7/s8    (session 6) one-row down projection as SiLU + plain GEMV; split-K decode-batch GEMM, 16 / 64 concurrent
+#   s9       (next session) branch gate-up-silu-epilogue: gated gate_up GEMV at one row, micro + tests + batch-1 benches
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
@@ -210,6 +211,13 @@ case $stage in
     gpu_file test_gemv_cuda 250 -k "split_k or batch_tuned or tuners_time or (batch_gemm_real_shapes and fp16)"
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
+    ;;
+  s9)  # session 7, on the gate-up-silu-epilogue branch: gate_up's one-row GEMV may write silu(gate) * up itself
+       # (down plain); compare with main at 2cb215a (8B b1 224.1-226.1, SmolLM2 shape 1,679; chain 3,993 us)
+    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -11 | tee "$out/pdl-gemv-chain-$sha.txt"
+    gpu_file test_gemv_cuda 200 -k "gated or tuned or tuners_time or fused"
+    gpu_file test_engine_gpu 90
+    decode_b1_pair
     ;;
   gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 within 30 s, on the same checkout); carry .carry/p0
     mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
