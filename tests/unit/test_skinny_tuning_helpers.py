@@ -77,3 +77,21 @@ def test_gated_mlp_choice_follows_the_summed_timings():
     setup(False)
     down.skinny = None  # the down projection on cuBLAS: no gated form (it would need the plain GEMV)
     assert T._choose_gated_mlps([(gu, down)], timings) == [] and not gu.skinny_gated
+
+
+def test_prologue_or_silu_kernel_keeps_the_faster(monkeypatch):
+    """A down projection keeps the activation in the GEMM's prologue unless SiLU kernel + plain GEMM times lower;
+    the plain GEMM is timed on the activation (run_plain gets silu(gate) * up) against SiLU + cuBLAS."""
+    seen = {}
+
+    def fake_fastest(weights, x, configs, run, silu_mul=False):
+        seen["silu_mul"] = silu_mul
+        seen["run_input"] = run(x, "w", "cfg").shape
+        return 5.0, "split-cfg", seen["t"]
+    monkeypatch.setattr(T, "_fastest", fake_fastest)
+    x = torch.randn(1, 8)
+    for t_split, expect in ((0.030, (False, "split-cfg", 0.030)), (0.040, (True, "pro-cfg", 0.036))):
+        seen["t"] = t_split
+        got = T._prologue_or_silu_kernel([], x, (), lambda x_, w_, cfg: x_, "pro-cfg", 0.036, "GEMV")
+        assert got[:3] == expect and "SiLU kernel + GEMV" in got[3]
+    assert seen["silu_mul"] is True and seen["run_input"] == (1, 4)

@@ -90,6 +90,21 @@ def _fastest(weights: list[torch.Tensor], x: torch.Tensor, configs, run,
     return t_lib, best, t_tri
 
 
+def _prologue_or_silu_kernel(weights: list[torch.Tensor], x: torch.Tensor, configs, run_plain, best, t_tri: float,
+                             kind: str) -> tuple[bool, object, float, str, object, float]:
+    """A down projection (x = [gate | up]) whose Triton GEMM with the activation in its prologue timed `t_tri`
+    (config `best`): also time the SiLU*mul kernel followed by the plain Triton GEMM (`run_plain(x, w, cfg)`); the
+    prologue recomputes the activation in every program. Returns (prologue kept, config, ms, log note) and the
+    SiLU kernel + plain GEMM's own best config and ms (the MLP-level gated choice uses them)."""
+    from voltllm.model.layers.activation import silu_and_mul
+
+    _, best_split, t_split = _fastest(weights, x, configs, lambda x_, w_, cfg: run_plain(silu_and_mul(x_), w_, cfg),
+                                      silu_mul=True)
+    note = f" (silu*mul in the prologue {t_tri * 1e3:.1f} us, SiLU kernel + {kind} {t_split * 1e3:.1f} us)"
+    choice = (False, best_split, t_split) if t_split < t_tri else (True, best, t_tri)
+    return (*choice, note, best_split, t_split)
+
+
 def _line(n: int, k: int, itemsize: int, t_lib: float, best, t_tri: float, use) -> str:
     gbps = lambda t: n * k * itemsize / t / 1e6  # noqa: E731
     return (f"{n}x{k}: cuBLAS {t_lib * 1e3:.1f} us ({gbps(t_lib):.0f} GB/s), best triton {best} "
@@ -154,15 +169,10 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
         t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
                                       lambda x_, w_, cfg: gemv(x_, w_, config=cfg, silu_mul=silu), silu)
         fused, note, rec = True, "", {"best": best, "t_tri": t_tri}
-        if silu:  # a down projection: also the SiLU kernel then the plain GEMV (the prologue costs every program)
-            from voltllm.model.layers.activation import silu_and_mul
-
-            _, best_split, t_split = _fastest(
-                weights, x, CONFIGS, lambda x_, w_, cfg: gemv(silu_and_mul(x_), w_, config=cfg), silu)
-            note = f" (silu*mul in the prologue {t_tri * 1e3:.1f} us, SiLU kernel + GEMV {t_split * 1e3:.1f} us)"
+        if silu:
+            fused, best, t_tri, note, best_split, t_split = _prologue_or_silu_kernel(
+                weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg), best, t_tri, "GEMV")
             rec.update(best_split=best_split, t_split=t_split)
-            if t_split < t_tri:
-                fused, best, t_tri = False, best_split, t_split
         elif (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also with the SiLU*mul in its epilogue
             t_lib_silu, best_gated, t_gated = _fastest(
                 weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg, gated=True), gated=True)
@@ -231,14 +241,9 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
                                           lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, silu_mul=silu), silu)
             fused, note = True, ""
-            if silu:  # a down projection: also the SiLU kernel then the plain GEMM (see tune_skinny_gemm)
-                from voltllm.model.layers.activation import silu_and_mul
-
-                _, best_split, t_split = _fastest(
-                    weights, x, CONFIGS, lambda x_, w_, cfg: batch_gemm(silu_and_mul(x_), w_, config=cfg), silu)
-                note = f" (silu*mul in the prologue {t_tri * 1e3:.1f} us, SiLU kernel + GEMM {t_split * 1e3:.1f} us)"
-                if t_split < t_tri:
-                    fused, best, t_tri = False, best_split, t_split
+            if silu:
+                fused, best, t_tri, note, _, _ = _prologue_or_silu_kernel(
+                    weights, x, CONFIGS, lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg), best, t_tri, "GEMM")
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
             # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +
