@@ -105,6 +105,22 @@ def _prologue_or_silu_kernel(weights: list[torch.Tensor], x: torch.Tensor, confi
     return (*choice, note, best_split, t_split)
 
 
+def _time_group(weights: list[torch.Tensor], k: int, silu: bool, rows: int, configs, gemm,
+                kind: str) -> tuple[torch.Tensor, float, object, float, bool, str, dict]:
+    """Time one weight shape at `rows` rows as the model runs it: cuBLAS against the Triton GEMM `gemm(x, w,
+    config=, silu_mul=)`, and for a down projection (silu) both forms of its activation. Returns (x, cuBLAS ms,
+    best config, its ms, activation in the prologue, log note, the timings the MLP-level choice needs)."""
+    x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
+    t_lib, best, t_tri = _fastest(weights, x, configs, lambda x_, w_, cfg: gemm(x_, w_, config=cfg, silu_mul=silu),
+                                  silu)
+    fused, note, rec = True, "", {"best": best, "t_tri": t_tri}
+    if silu:
+        fused, best, t_tri, note, best_split, t_split = _prologue_or_silu_kernel(
+            weights, x, configs, lambda x_, w_, cfg: gemm(x_, w_, config=cfg), best, t_tri, kind)
+        rec.update(best_split=best_split, t_split=t_split)
+    return x, t_lib, best, t_tri, fused, note, rec
+
+
 def _line(n: int, k: int, itemsize: int, t_lib: float, best, t_tri: float, use) -> str:
     gbps = lambda t: n * k * itemsize / t / 1e6  # noqa: E731
     return (f"{n}x{k}: cuBLAS {t_lib * 1e3:.1f} us ({gbps(t_lib):.0f} GB/s), best triton {best} "
@@ -165,15 +181,8 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
     lines = []
     for (n, k, silu), mods in groups.items():
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
-        x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
-        t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
-                                      lambda x_, w_, cfg: gemv(x_, w_, config=cfg, silu_mul=silu), silu)
-        fused, note, rec = True, "", {"best": best, "t_tri": t_tri}
-        if silu:
-            fused, best, t_tri, note, best_split, t_split = _prologue_or_silu_kernel(
-                weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg), best, t_tri, "GEMV")
-            rec.update(best_split=best_split, t_split=t_split)
-        elif (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also with the SiLU*mul in its epilogue
+        x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, CONFIGS, gemv, "GEMV")
+        if not silu and (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also the gated form
             t_lib_silu, best_gated, t_gated = _fastest(
                 weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg, gated=True), gated=True)
             rec.update(best_gated=best_gated, t_gated=t_gated, t_silu=max(t_lib_silu - t_lib, 0.0))
@@ -237,13 +246,7 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             continue
         weights = _rotation([m.weight for m in mods])
         for rows in rows_list:
-            x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
-            t_lib, best, t_tri = _fastest(weights, x, CONFIGS,
-                                          lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, silu_mul=silu), silu)
-            fused, note = True, ""
-            if silu:
-                fused, best, t_tri, note, _, _ = _prologue_or_silu_kernel(
-                    weights, x, CONFIGS, lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg), best, t_tri, "GEMM")
+            x, t_lib, best, t_tri, fused, note, _ = _time_group(weights, k, silu, rows, CONFIGS, batch_gemm, "GEMM")
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
             # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +
