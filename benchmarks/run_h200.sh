@@ -30,6 +30,7 @@
 #   s7       (session 6) on the down-silu-split branch: the PDL chain micro (incl. SiLU kernel + plain down), GEMV
 #            tuner / fused tests, engine tests, 8B batch 1 (profile) and SmolLM2 shape
 #   s7/s8    (session 6) one-row down projection as SiLU + plain GEMV; split-K decode-batch GEMM, 16 / 64 concurrent
+#   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
@@ -210,6 +211,12 @@ case $stage in
     gpu_file test_gemv_cuda 250 -k "split_k or batch_tuned or tuners_time or (batch_gemm_real_shapes and fp16)"
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
+    ;;
+  gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
+           # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
+           # together only if they fit the call's 64 MiB (they do not: the SmolLM2 tests then skip)
+    timeout 580 python3 -m pytest -q -m gpu tests/gpu -n 2 -p no:cacheprovider -rfs > "$out/gpu-suite.txt" 2>&1
+    echo "gpu suite rc=$? $(tail -1 "$out/gpu-suite.txt")"; grep -E "^(FAILED|ERROR)" "$out/gpu-suite.txt" | head
     ;;
   gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 within 30 s, on the same checkout); carry .carry/p0
     mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
