@@ -172,6 +172,12 @@ case $stage in
     timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf 2>&1 | tail -2
     bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --baseline hf --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1-$sha
+    # the real GGUF decoded at 1,331 tok/s where its random-weight shape did 1,670 (d785238, same engine settings):
+    # a per-kernel profile of each says where the 155 us per step go
+    bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 1 \
+      --profile --name smollm2-135m-gguf-fp16-decode-b1-profile-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 1 --profile --name smollm2-135m-shape-fp16-decode-b1-profile-$sha
     ;;
   pdl)  # the batch-1 decode chain: PDL off / on with L2 weight prefetch sizes; the PDL GPU tests (~3 min)
     python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -10 | tee "$out/pdl-gemv-chain-$sha.txt"
