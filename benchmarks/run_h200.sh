@@ -31,6 +31,7 @@
 #            tuner / fused tests, engine tests, 8B batch 1 (profile) and SmolLM2 shape
 #   s7/s8    (session 6) one-row down projection as SiLU + plain GEMV; split-K decode-batch GEMM, 16 / 64 concurrent
 #   s9       (next session) branch gate-up-silu-epilogue: gated gate_up GEMV at one row, micro + tests + batch-1 benches
+#   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
 set -uo pipefail
@@ -172,6 +173,12 @@ case $stage in
     timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -rf 2>&1 | tail -2
     bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --baseline hf --baseline-num-warm 1 --name smollm2-135m-gguf-fp16-decode-b1-$sha
+    # the real GGUF decoded at 1,331 tok/s where its random-weight shape did 1,670 (d785238, same engine settings):
+    # a per-kernel profile of each says where the 155 us per step go
+    bench /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 1 \
+      --profile --name smollm2-135m-gguf-fp16-decode-b1-profile-$sha
+    bench --random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 1 --profile --name smollm2-135m-shape-fp16-decode-b1-profile-$sha
     ;;
   pdl)  # the batch-1 decode chain: PDL off / on with L2 weight prefetch sizes; the PDL GPU tests (~3 min)
     python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -10 | tee "$out/pdl-gemv-chain-$sha.txt"
@@ -218,6 +225,12 @@ case $stage in
     gpu_file test_gemv_cuda 200 -k "gated or tuned or tuners_time or fused"
     gpu_file test_engine_gpu 90
     decode_b1_pair
+    ;;
+  gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
+           # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
+           # together only if they fit the call's 64 MiB (they do not: the SmolLM2 tests then skip)
+    timeout 580 python3 -m pytest -q -m gpu tests/gpu -n 2 -p no:cacheprovider -rfs > "$out/gpu-suite.txt" 2>&1
+    echo "gpu suite rc=$? $(tail -1 "$out/gpu-suite.txt")"; grep -E "^(FAILED|ERROR)" "$out/gpu-suite.txt" | head
     ;;
   gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 within 30 s, on the same checkout); carry .carry/p0
     mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null

@@ -5,6 +5,8 @@ process) on that route unless a test passes `compat=` itself, so the GPU suite r
 GPU: `PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -m gpu tests/gpu --compat sm70 -p no:cacheprovider`.
 Under sm70/sm75, engines asked for bf16 (which that route refuses) and tests marked `native_only` skip.
 Engines on `device="cpu"` (the references of GPU tests) keep their own route.
+
+On a machine with several GPUs, `pytest -m gpu tests/gpu -n <GPUs>` (pytest-xdist) gives each worker one card.
 """
 import dataclasses
 import functools
@@ -20,6 +22,11 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 COMPAT_CHOICES = ("none", "sm70", "sm75")
+
+
+from gpu_workers import one_gpu_per_xdist_worker  # noqa: E402
+
+one_gpu_per_xdist_worker()  # at import: before anything in this worker initialises CUDA
 
 
 def pytest_addoption(parser):
