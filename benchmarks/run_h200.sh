@@ -235,7 +235,7 @@ case $stage in
   gpu1)  # the GPU suite at one commit, part 1 of 2 (run gpu2 within 30 s, on the same checkout); carry .carry/p0
     mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
     gpu_file test_gemv_cuda 330
-    for f in test_attention_kernels test_fused_kernels_cuda test_gdn_decode; do gpu_file $f 100; done
+    for f in test_attention_kernels test_fused_kernels_cuda test_gdn_decode test_sampler_cuda; do gpu_file $f 100; done
     ;;
   gpu2)  # part 2, carrying .carry/p1: with the SmolLM2 GGUF reassembled, its engine and fp8 KV tests run too
     if cp .carry/p1/part.* /root/m/ 2>/dev/null && cat /root/m/part.* > /root/m/smollm2.gguf; then

@@ -78,3 +78,15 @@ def test_half_logits_greedy_and_masked():
         want[0, top] = float("-inf")
         assert masked == want.argmax(-1).tolist() and masked[0] != top
         assert torch.equal(logits, before)
+
+
+def test_min_tokens_bans_several_ids_in_several_rows():
+    """Rows under their min_tokens ban their stop ids and EOS (unless ignore_eos), each row only its own; a row past
+    its minimum bans nothing."""
+    logits = torch.zeros(3, 6)
+    logits[:, 0], logits[:, 1], logits[:, 2] = 5.0, 4.0, 3.0  # preference 0 > 1 > 2 > the rest
+    r0 = _row(temperature=0, min_tokens=4, stop_token_ids=[0, 1], out=[5])  # bans 0 and 1 -> 2
+    r1 = _row(temperature=0, min_tokens=1, stop_token_ids=[0], out=[5, 5])  # past its minimum -> 0
+    r2 = _row(temperature=0, min_tokens=9, stop_token_ids=[0])  # bans 0 -> 1
+    toks, _ = Sampler()(logits.clone(), [r0, r1, r2])
+    assert toks == [2, 0, 1]

@@ -164,8 +164,11 @@ class Sampler:
             logits = logits.float()
         dev = logits.device
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
-        for i, banned in bans:
-            logits[i, banned] = float("-inf")
+        if bans:  # device index tensors: a Python list index would be copied from pageable memory and sync the
+            # stream, so each step under min_tokens would wait for the GPU (no async scheduling)
+            ban_rows = to_device([i for i, banned in bans for _ in banned], torch.long, dev)
+            ban_cols = to_device([t for _, banned in bans for t in banned], torch.long, dev)
+            logits.index_put_((ban_rows, ban_cols), logits.new_full((), float("-inf")))  # a fill, not a copy
         if penalties:
             logits = apply_penalties(logits, rows)
 

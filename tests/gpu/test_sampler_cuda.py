@@ -1,0 +1,36 @@
+"""The sampler on CUDA logits never synchronises the stream (async scheduling depends on it): min_tokens bans,
+penalties-free greedy and seeded random rows, top-k / top-p, logprobs, all under torch's sync debug mode."""
+import pytest
+import torch
+
+from voltllm.sampling.params import SamplingParams
+from voltllm.sampling.sampler import Sampler, SamplingRow
+
+pytestmark = pytest.mark.gpu
+
+
+def _row(out=(), gen=None, **kw):
+    return SamplingRow(SamplingParams(**kw), [], list(out), gen)
+
+
+def test_sample_does_not_sync_the_stream():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000, device="cuda", dtype=torch.float16)
+    top = logits.float().argmax(-1).tolist()
+    rows = [_row(temperature=0, min_tokens=3, stop_token_ids=[top[0], 5]),  # bans its argmax
+            _row(temperature=0),
+            _row(temperature=0.8, top_p=0.9, top_k=50, gen=torch.Generator(device="cuda").manual_seed(1)),
+            _row(temperature=0, min_tokens=2, stop_token_ids=[top[3]], logprobs=2)]
+    sampler = Sampler()
+    sampler.sample(logits, rows)  # warm-up (first-call allocations, pinned pool)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler.sample(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    toks = out.tokens.tolist()
+    assert toks[0] != top[0] and toks[1] == top[1] and toks[3] != top[3]
+    masked = logits.float()
+    masked[0, [top[0], 5]] = float("-inf")
+    assert toks[0] == int(masked[0].argmax())
