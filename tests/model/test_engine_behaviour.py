@@ -105,6 +105,8 @@ def test_bad_prompts_leave_engine_healthy(llm):
         llm.generate("hello", SamplingParams(max_tokens=1000))
     with pytest.raises(InvalidRequestError):
         llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):  # masked in the logits under min_tokens
+        llm.generate("hello", SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=[10**6]))
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=3))

@@ -33,6 +33,8 @@ CASES = [
     ("max_tokens beyond context", CHAT, {"messages": MSG, "max_tokens": 5000}, 400, "max_tokens"),
     ("prompt beyond context", CMPL, {"prompt": [1] * 2100, "max_tokens": 1}, 400, "prompt"),
     ("token id out of range", CMPL, {"prompt": [10 ** 7], "max_tokens": 1}, 400, "prompt"),
+    ("stop token id out of range", CMPL, {"prompt": "x", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [10 ** 7]},
+     400, "stop_token_ids"),
     ("empty prompt", CMPL, {"prompt": "", "max_tokens": 1}, 400, "prompt"),
     ("prompt wrong type", CMPL, {"prompt": {"a": 1}}, 400, "prompt"),
     ("too many logprobs", CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),

@@ -23,6 +23,7 @@ from voltllm.config import EngineConfig
 from voltllm.engine.frontend import Frontend, PromptType
 from voltllm.engine.outputs import RequestOutput
 from voltllm.engine.types import EngineCoreRequest, SchedulerStats
+from voltllm.engine.vocab_check import vocab_problem
 from voltllm.sampling.params import SamplingParams
 
 logger = logging.getLogger("voltllm")
@@ -41,7 +42,12 @@ class RequestAbortedError(RuntimeError):
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine cannot take (too long for the context, bad token ids); an HTTP 400."""
+    """A request the engine cannot take (too long for the context, bad token ids); an HTTP 400. `param`: the
+    request field at fault, when known."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 class StatObserver(Protocol):
@@ -363,10 +369,9 @@ class AsyncLLM:
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate); lower max_tokens "
                 "or shorten the prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if sp.logprobs is not None and sp.logprobs > self.vocab_size:
-            raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({self.vocab_size})")
+        problem = vocab_problem(ids, sp, self.vocab_size)
+        if problem:
+            raise InvalidRequestError(*problem)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     cache_salt: Optional[str] = None) -> RequestStream:

@@ -14,13 +14,19 @@ from voltllm.config import EngineConfig
 from voltllm.engine.request import Request
 from voltllm.engine.scheduler import Scheduler, SchedulerOutput
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from voltllm.engine.vocab_check import vocab_problem
 from voltllm.worker.runner import ModelRunner, StepHandle
 
 logger = logging.getLogger("voltllm")
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine cannot take (empty, too long, bad token ids); becomes an HTTP 400."""
+    """A request the engine cannot take (empty, too long, bad token ids); becomes an HTTP 400. `param`: the
+    request field at fault, when known."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineCore:
@@ -65,12 +71,11 @@ class EngineCore:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate)")
-        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        problem = vocab_problem(req.prompt_token_ids, sp, self.vocab_size)
+        if problem:
+            raise InvalidRequestError(*problem)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")
-        if sp.logprobs is not None and sp.logprobs > self.vocab_size:
-            raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({self.vocab_size})")
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)

@@ -173,7 +173,7 @@ def submit(state: ServerState, request_ids: list[str], prompts: list[Any], param
             s.close()
         if isinstance(e, InvalidRequestError):
             code = "context_length_exceeded" if "context length" in str(e) else None
-            raise bad_request(str(e), "max_tokens" if code and "generate" in str(e) else "prompt", code)
+            raise bad_request(str(e), e.param or ("max_tokens" if code and "generate" in str(e) else "prompt"), code)
         if isinstance(e, (InvalidPromptError, SamplingParamsError)):
             raise bad_request(str(e), "prompt")
         if isinstance(e, EngineDeadError):
