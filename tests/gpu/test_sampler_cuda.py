@@ -1,5 +1,5 @@
 """The sampler on CUDA logits never synchronises the stream (async scheduling depends on it): min_tokens bans,
-penalties-free greedy and seeded random rows, top-k / top-p, logprobs, all under torch's sync debug mode."""
+greedy and seeded random rows, top-k / top-p, logprobs, penalties, all under torch's sync debug mode."""
 import pytest
 import torch
 
@@ -15,12 +15,13 @@ def _row(out=(), gen=None, **kw):
 
 def test_sample_does_not_sync_the_stream():
     torch.manual_seed(0)
-    logits = torch.randn(4, 1000, device="cuda", dtype=torch.float16)
+    logits = torch.randn(5, 1000, device="cuda", dtype=torch.float16)
     top = logits.float().argmax(-1).tolist()
     rows = [_row(temperature=0, min_tokens=3, stop_token_ids=[top[0], 5]),  # bans its argmax
             _row(temperature=0),
             _row(temperature=0.8, top_p=0.9, top_k=50, gen=torch.Generator(device="cuda").manual_seed(1)),
-            _row(temperature=0, min_tokens=2, stop_token_ids=[top[3]], logprobs=2)]
+            _row(temperature=0, min_tokens=2, stop_token_ids=[top[3]], logprobs=2),
+            _row(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, out=[1, 2, 2])]
     sampler = Sampler()
     sampler.sample(logits, rows)  # warm-up (first-call allocations, pinned pool)
     torch.cuda.synchronize()
