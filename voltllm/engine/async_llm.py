@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator, Optional, Protocol
 from voltllm.config import EngineConfig
 from voltllm.engine.frontend import Frontend, PromptType
 from voltllm.engine.outputs import RequestOutput
+from voltllm.engine.request_checks import InvalidRequestError, check_vocab
 from voltllm.engine.types import EngineCoreRequest, SchedulerStats
-from voltllm.engine.vocab_check import vocab_problem
 from voltllm.sampling.params import SamplingParams
 
 logger = logging.getLogger("voltllm")
@@ -39,15 +39,6 @@ class EngineStartError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted (client gone, shutdown) before it finished."""
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot take (too long for the context, bad token ids); an HTTP 400. `param`: the
-    request field at fault, when known."""
-
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
 
 
 class StatObserver(Protocol):
@@ -369,9 +360,7 @@ class AsyncLLM:
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate); lower max_tokens "
                 "or shorten the prompt")
-        problem = vocab_problem(ids, sp, self.vocab_size)
-        if problem:
-            raise InvalidRequestError(*problem)
+        check_vocab(ids, sp, self.vocab_size)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     cache_salt: Optional[str] = None) -> RequestStream:

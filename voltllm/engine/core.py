@@ -12,21 +12,12 @@ import torch
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import EngineConfig
 from voltllm.engine.request import Request
+from voltllm.engine.request_checks import InvalidRequestError, check_vocab
 from voltllm.engine.scheduler import Scheduler, SchedulerOutput
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from voltllm.engine.vocab_check import vocab_problem
 from voltllm.worker.runner import ModelRunner, StepHandle
 
 logger = logging.getLogger("voltllm")
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot take (empty, too long, bad token ids); becomes an HTTP 400. `param`: the
-    request field at fault, when known."""
-
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
 
 
 class EngineCore:
@@ -71,9 +62,7 @@ class EngineCore:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate)")
-        problem = vocab_problem(req.prompt_token_ids, sp, self.vocab_size)
-        if problem:
-            raise InvalidRequestError(*problem)
+        check_vocab(req.prompt_token_ids, sp, self.vocab_size)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")
 

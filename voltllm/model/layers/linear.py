@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voltllm.model.layers.activation import silu_and_mul
+
 
 class LinearMethod:
     """Contract: create the layer's parameters, load a shard into them, and compute y = x W^T + b."""
@@ -53,20 +55,14 @@ def down_proj_silu_mul(layer: "Linear", gate_up: torch.Tensor) -> torch.Tensor:
             from voltllm.kernels.gemv import gemv
 
             if not layer.skinny_silu_fused:  # start-up timing found the SiLU kernel + plain GEMV faster
-                from voltllm.model.layers.activation import silu_and_mul
-
                 return gemv(silu_and_mul(gate_up), layer.weight, layer.bias, config=layer.skinny)
             return gemv(gate_up, layer.weight, layer.bias, config=layer.skinny, silu_mul=True)
         if layer.batch_gemm and rows in layer.batch_gemm:
             from voltllm.kernels.batch_gemm import batch_gemm
 
             if not layer.batch_silu_fused.get(rows, True):  # timed faster as SiLU kernel + plain GEMM
-                from voltllm.model.layers.activation import silu_and_mul
-
                 return batch_gemm(silu_and_mul(gate_up), layer.weight, layer.bias, config=layer.batch_gemm[rows])
             return batch_gemm(gate_up, layer.weight, layer.bias, config=layer.batch_gemm[rows], silu_mul=True)
-    from voltllm.model.layers.activation import silu_and_mul
-
     return layer(silu_and_mul(gate_up))
 
 
@@ -101,8 +97,6 @@ def linear_add_(layer: "Linear", x: torch.Tensor, residual: torch.Tensor, silu_m
     from voltllm.kernels.gemv import gemv
 
     if silu_mul and not layer.skinny_silu_fused:
-        from voltllm.model.layers.activation import silu_and_mul
-
         x, silu_mul = silu_and_mul(x), False
     gemv(x, layer.weight, layer.bias, out=residual, config=layer.skinny, silu_mul=silu_mul, accumulate=True)
 

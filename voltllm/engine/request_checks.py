@@ -1,0 +1,28 @@
+"""What a request must satisfy before it is queued, shared by the engine core (in-process LLM, engine process) and
+the API process (AsyncLLM): one error type, an HTTP 400, and the checks against the model's vocabulary."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from voltllm.sampling.params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot take (empty, too long for the context, bad token ids); an HTTP 400. `param`:
+    the request field at fault, when known."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+def check_vocab(prompt_ids: Sequence[int], sp: SamplingParams, vocab_size: int) -> None:
+    """Raise InvalidRequestError when the request's token ids do not fit a vocabulary of `vocab_size`. Stop token
+    ids are checked too: under min_tokens the sampler masks them in the logits, where an id past the vocabulary
+    would be an out-of-bounds index on the device."""
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if sp.logprobs is not None and sp.logprobs > vocab_size:
+        raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({vocab_size})", "logprobs")
