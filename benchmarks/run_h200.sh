@@ -220,7 +220,9 @@ case $stage in
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
     ;;
   s9)  # session 7, on the gate-up-silu-epilogue branch: gate_up's one-row GEMV may write silu(gate) * up itself
-       # (down plain); compare with main at 2cb215a (8B b1 224.1-226.1, SmolLM2 shape 1,679; chain 3,993 us)
+       # (down plain); compare with main at 2cb215a (8B b1 224.1-226.1, SmolLM2 shape 1,679; chain 3,993 us).
+       # Stores .carry/p0 in /root/m so that s4b can follow within 30 s
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
     python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -11 | tee "$out/pdl-gemv-chain-$sha.txt"
     gpu_file test_gemv_cuda 200 -k "gated or tuned or tuners_time or fused"
     gpu_file test_engine_gpu 90
