@@ -30,6 +30,8 @@
 #   s7       (session 6) on the down-silu-split branch: the PDL chain micro (incl. SiLU kernel + plain down), GEMV
 #            tuner / fused tests, engine tests, 8B batch 1 (profile) and SmolLM2 shape
 #   s7/s8    (session 6) one-row down projection as SiLU + plain GEMV; split-K decode-batch GEMM, 16 / 64 concurrent
+#   s9       (next session) branch gate-up-silu-epilogue: gated gate_up GEMV at one row, micro + tests + batch-1 benches
+#   s10      (session 7) the branch's gated-GEMV tests; 1-64 concurrent beside transformers, with profiles
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -217,6 +219,22 @@ case $stage in
     gpu_file test_gemv_cuda 250 -k "split_k or batch_tuned or tuners_time or (batch_gemm_real_shapes and fp16)"
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
+    ;;
+  s9)  # session 7, on the gate-up-silu-epilogue branch: gate_up's one-row GEMV may write silu(gate) * up itself
+       # (down plain); compare with main at 2cb215a (8B b1 224.1-226.1, SmolLM2 shape 1,679; chain 3,993 us).
+       # Stores .carry/p0 in /root/m so that s4b can follow within 30 s
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
+    python3 benchmarks/micro/pdl_gemv_chain.py 2>&1 | tail -11 | tee "$out/pdl-gemv-chain-$sha.txt"
+    gpu_file test_gemv_cuda 200 -k "gated or tuned or tuners_time or fused"
+    gpu_file test_engine_gpu 90
+    decode_b1_pair
+    ;;
+  s10)  # session 7, on the gate-up-silu-epilogue branch: its GPU tests one by one (s9's 200 s ran out), then 1-64
+        # concurrent with transformers in the same call and a per-kernel (exclusive time) profile of each
+    gpu_file test_gemv_cuda 240 -k "gated" -v --durations=8
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
+      --output-len 128 --num-warm 2 --profile --profile-steps 10 --baseline hf --baseline-num-warm 1 \
+      --name qwen3-8b-shape-fp16-concurrency-$sha
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -10,7 +10,8 @@ o GEMV, add+RMSNorm, gate_up GEMV, down GEMV with the SiLU*mul prologue; 36 laye
 and the lm_head. Modes: PDL off; PDL on with PREFETCH_K = 0 / 512 / 1024 / 2048 / 4096 weight elements per
 row prefetched into L2 before the wait; and PDL on with cuBLAS for qkv (what the start-up tuner picks when
 cuBLAS is within 3% alone); and PDL on with the down projection as a SiLU*mul kernel then the plain GEMV
-(instead of the activation in the GEMV's prologue). Prints us per chain, the weight read rate, and checks each mode gives the same
+(instead of the activation in the GEMV's prologue), or with gate_up computing the SiLU*mul in its epilogue
+(gemv gated=True) and the down projection plain. Prints us per chain, the weight read rate, and checks each mode gives the same
 logits as PDL off (same kernels, same inputs: the same bits).
 """
 import torch
@@ -25,10 +26,13 @@ QKV, O, GATE_UP, DOWN = (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)
 CFG = {QKV: (4, 512, 2, 3), O: (4, 1024, 4, 1), GATE_UP: (4, 1024, 4, 1), DOWN: (4, 1024, 4, 1),
        (151936, 4096): (4, 512, 2, 3)}
 LAYERS = 36
-# (name, PDL, prefetch elements per row, cuBLAS qkv, down as SiLU kernel + plain GEMV)
-MODES = [("pdl off", False, 0, False, False)] \
-    + [(f"pdl prefetch {k}", True, k, False, False) for k in (0, 512, 1024, 2048, 4096)] \
-    + [("pdl prefetch 1024, cuBLAS qkv", True, 1024, True, False), ("pdl, SiLU kernel + plain down", True, 0, False, True)]
+# (name, PDL, prefetch elements per row, cuBLAS qkv, where the SiLU*mul runs: down's prologue, its own kernel, or
+# gate_up's epilogue)
+MODES = [("pdl off", False, 0, False, "prologue")] \
+    + [(f"pdl prefetch {k}", True, k, False, "prologue") for k in (0, 512, 1024, 2048, 4096)] \
+    + [("pdl prefetch 1024, cuBLAS qkv", True, 1024, True, "prologue"),
+       ("pdl, SiLU kernel + plain down", True, 0, False, "kernel"),
+       ("pdl, gated gate_up + plain down", True, 0, False, "gated")]
 
 
 def main():
@@ -47,7 +51,7 @@ def main():
     act = torch.empty(1, 12288, dtype=dt, device=dev)
     logits = torch.empty(1, 151936, dtype=dt, device=dev)
 
-    def chain(prefetch, cublas_qkv, split_silu):
+    def chain(prefetch, cublas_qkv, silu):
         for ws in layers:
             fused_add_rms_norm(h, res, norm_w, 1e-6, out=x)
             if cublas_qkv:
@@ -57,8 +61,12 @@ def main():
             rms_norm(qkv[:, :4096], norm_w, 1e-6, out=o)  # stand-in for RoPE + attention
             gemv(o, ws[O], out=h, config=CFG[O], prefetch_k=prefetch)
             fused_add_rms_norm(h, res, norm_w, 1e-6, out=x)
+            if silu == "gated":
+                gemv(x, ws[GATE_UP], out=act, config=CFG[GATE_UP], prefetch_k=prefetch, gated=True)
+                gemv(act, ws[DOWN], out=h, config=CFG[DOWN], prefetch_k=prefetch)
+                continue
             gemv(x, ws[GATE_UP], out=gu, config=CFG[GATE_UP], prefetch_k=prefetch)
-            if split_silu:
+            if silu == "kernel":
                 silu_and_mul(gu, out=act)
                 gemv(act, ws[DOWN], out=h, config=CFG[DOWN], prefetch_k=prefetch)
             else:
@@ -71,14 +79,14 @@ def main():
         res.zero_()
 
     results, rows = {}, []
-    for name, on, prefetch, cublas_qkv, split_silu in MODES:
+    for name, on, prefetch, cublas_qkv, silu in MODES:
         pdl.configure(on)
         reset()
-        chain(prefetch, cublas_qkv, split_silu)  # compile
+        chain(prefetch, cublas_qkv, silu)  # compile
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            chain(prefetch, cublas_qkv, split_silu)
+            chain(prefetch, cublas_qkv, silu)
         reset()
         g.replay()
         torch.cuda.synchronize()
@@ -97,7 +105,7 @@ def main():
     base = results["pdl off"]
     print(f"{'mode':<32} {'us/chain':>9} {'TB/s':>6}  same logits as PDL off")
     for name, us, tbs in rows:
-        same = torch.equal(results[name], base) if "cuBLAS" not in name and "SiLU" not in name else \
+        same = torch.equal(results[name], base) if "cuBLAS" not in name and "plain down" not in name else \
             bool(((results[name] - base).norm() / base.norm()).item() < 1e-2)
         print(f"{name:<32} {us:9.1f} {tbs:6.2f}  {same}")
 

@@ -259,3 +259,60 @@ def test_tuners_time_down_projections_with_silu_mul():
         act = torch.nn.functional.silu(gu[:, :2048]) * gu[:, 2048:]
         ref = torch.nn.functional.linear(act, down.weight).float()
         assert ((down_proj_silu_mul(down, gu).float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n,k", [(12288, 4096), (1536, 576), (500, 333)])
+def test_gated_gemv_real_shapes(n, k, dtype):
+    """gemv(gated=True), w = [gate; up] (2n x k): silu(x gate^T) * (x up^T) at every config and 1-4 rows, plain
+    and with the RMSNorm prologue (fp32 residual), with bias, vs the fp32 reference; outputs poisoned first."""
+    seed = random.SystemRandom().randrange(1 << 30)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(2 * n, k, dtype=dtype, device="cuda", generator=g) / k ** 0.5
+    b = torch.randn(2 * n, dtype=dtype, device="cuda", generator=g)
+    nw = torch.rand(k, device="cuda", generator=g) + 0.5
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    for m in (1, 2, 4):
+        x = torch.randn(m, k, dtype=dtype, device="cuda", generator=g)
+        res = torch.randn(m, k, device="cuda", generator=g) * 30
+        for inp, norm, bias in ((x, None, None), (x, None, b), (res, (nw, 1e-6, 0.0), None)):
+            ref = gemv_ref(inp, w, bias, norm=norm, gated=True).float()
+            for cfg in CONFIGS:
+                out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                gemv(inp, w, bias, out=out, config=cfg, norm=norm, gated=True)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert err < tol, (seed, n, k, m, norm is not None, bias is not None, cfg, err)
+
+
+def test_tuned_mlp_matches_cublas_whatever_it_chose():
+    """One-row tuning of a llama MLP (gate_up [2I, H], down [H, I]) may pick the gated gate_up GEMV + plain down, the
+    silu*mul prologue or SiLU kernel + GEMV: the MLP gives cuBLAS's answer at one row either way (also in the fused
+    decode layer's form: norm GEMV + residual-add GEMV), and the choice is logged per MLP."""
+    from voltllm.model.layers.linear import linear_add_, norm_linear, one_row_gated
+    from voltllm.model.layers.norm import RMSNorm
+    from voltllm.model.models.llama import MLP
+    from voltllm.worker.skinny_tuning import tune_skinny_gemm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[MLP(2048, 5632, torch.float16) for _ in range(4)]).cuda()
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    tune_skinny_gemm(model)
+    x = torch.randn(1, 2048, dtype=torch.float16, device="cuda")
+    norm = RMSNorm(2048, 1e-6).cuda()
+    for mlp in model:
+        gu = torch.nn.functional.linear(x, mlp.gate_up_proj.weight).float()
+        act = (torch.nn.functional.silu(gu[:, :5632]) * gu[:, 5632:]).half()
+        ref = torch.nn.functional.linear(act, mlp.down_proj.weight).float()
+        assert ((mlp(x).float() - ref).norm() / ref.norm()).item() < 3e-3
+        if mlp.gate_up_proj.skinny and mlp.down_proj.skinny:  # the fused decode layer's MLP half
+            res = x.float() * 3
+            nref = (res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()).half()
+            gu2 = torch.nn.functional.linear(nref, mlp.gate_up_proj.weight).float()
+            act2 = (torch.nn.functional.silu(gu2[:, :5632]) * gu2[:, 5632:]).half()
+            ref2 = res + torch.nn.functional.linear(act2, mlp.down_proj.weight).float()
+            gated = one_row_gated(mlp.gate_up_proj, res)
+            a = norm_linear(mlp.gate_up_proj, res, norm, gated=gated)
+            out = res.clone()
+            linear_add_(mlp.down_proj, a, out, silu_mul=not gated)
+            assert ((out - ref2).norm() / ref2.norm()).item() < 3e-3

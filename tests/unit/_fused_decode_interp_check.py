@@ -1,7 +1,8 @@
 """Run under TRITON_INTERPRET=1 (see test_fused_decode_interp.py): the one-row decode path that folds the
 RMSNorms and residual adds into the skinny GEMMs (LlamaForCausalLM.fused_decode) generates the same greedy
 tokens as the unfused path, on tiny qwen2 (qkv bias, tied embeddings) and qwen3 (QK-norm) models in fp32 on the
-CPU, with the skinny GEMM forced on every projection; and it really ran."""
+CPU, with the skinny GEMM forced on every projection, and again with gate_up's SiLU*mul in its epilogue (fused and
+unfused layers); and it really ran."""
 import sys
 import tempfile
 
@@ -23,6 +24,18 @@ def counting_norm_linear(*args, **kwargs):
 
 
 llama.norm_linear = counting_norm_linear
+import voltllm.kernels.gemv as gemv_mod  # noqa: E402
+
+calls["gated"] = 0
+_gemv = gemv_mod.gemv
+
+
+def counting_gemv(*args, **kwargs):
+    calls["gated"] += bool(kwargs.get("gated"))
+    return _gemv(*args, **kwargs)
+
+
+gemv_mod.gemv = counting_gemv
 params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 for kind in ("qwen2", "qwen3"):
     with tempfile.TemporaryDirectory() as d:
@@ -41,5 +54,16 @@ for kind in ("qwen2", "qwen3"):
         if plain != fused or ran < 2 * layers * 5 * len(prompts):
             print(f"FAIL {kind}: plain {plain} fused {fused} fused norm_linear calls {ran}")
             sys.exit(1)
-        print(f"ok {kind} ({ran} fused norm GEMVs)")
+        # gate_up with the SiLU*mul in its epilogue (skinny_gated), in the fused layer and in the unfused MLP
+        calls["gated"] = 0
+        for layer in model.layers:
+            layer.mlp.gate_up_proj.skinny_gated = True
+        gated_fused = [o.outputs[0].token_ids for o in (llm.generate(p, params)[0] for p in prompts)]
+        model.fused_decode = lambda ids: False
+        gated_plain = [o.outputs[0].token_ids for o in (llm.generate(p, params)[0] for p in prompts)]
+        if gated_fused != plain or gated_plain != plain or calls["gated"] < 2 * layers * 5 * len(prompts):
+            print(f"FAIL {kind} gated: plain {plain} gated fused {gated_fused} gated unfused {gated_plain} "
+                  f"gated GEMVs {calls['gated']}")
+            sys.exit(1)
+        print(f"ok {kind} ({ran} fused norm GEMVs; {calls['gated']} gated gate_up GEMVs)")
 print("ok fused decode")

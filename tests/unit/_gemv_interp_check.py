@@ -57,6 +57,29 @@ for bad in (dict(accumulate=True), dict(norm=(torch.ones(8), 1e-6, 0.0), silu_mu
         pass
 print("ok norm / accumulate")
 
+# gated (silu(gate) * up in the epilogue, w = [gate; up]): plain and with the RMSNorm prologue, bias on both
+# halves, masked and EVEN tiles; the result equals the unfused GEMV followed by the SiLU*mul
+for m, n, k, bias in ((1, 40, 300, True), (2, 16, 512, False), (3, 24, 96, True)):
+    w = torch.randn(2 * n, k, dtype=torch.float16) / k ** 0.5
+    b = torch.randn(2 * n, dtype=torch.float16) if bias else None
+    x = torch.randn(m, k, dtype=torch.float16)
+    res = torch.randn(m, k) * 30
+    nw = torch.rand(k) + 0.5
+    for cfg in ((8, 512, 4, 1), (4, 64, 4, 1), (16, 1024, 4, 3)):
+        for inp, norm in ((x, None), (res, (nw, 1e-6, 0.0))):
+            out = torch.full((m, n), float("nan"), dtype=torch.float16)
+            gemv(inp, w, b, out=out, config=cfg, norm=norm, gated=True)
+            ref = gemv_ref(inp, w, b, norm=norm, gated=True).float()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < 2e-3, ("gated", m, n, k, cfg, norm is not None, err)
+for bad in (dict(silu_mul=True), dict(accumulate=True, out=torch.zeros(1, 4))):
+    try:
+        gemv(torch.zeros(1, 16 if bad.get("silu_mul") else 8), torch.zeros(8, 8), gated=True, **bad)
+        raise AssertionError(f"accepted gated {bad}")
+    except ValueError:
+        pass
+print("ok gated")
+
 # decode-batch GEMM (tl.dot, 16-64 rows): masked rows (17, 33), an odd N, K not a multiple of BLOCK_K, bias,
 # the silu*mul prologue, split-K; outputs poisoned with NaN first
 from voltllm.kernels.batch_gemm import batch_gemm, batch_gemm_ref  # noqa: E402

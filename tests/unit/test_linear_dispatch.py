@@ -79,3 +79,33 @@ def test_down_proj_batch_silu_split(monkeypatch):
     for rows in (16, 32):
         L.down_proj_silu_mul(layer, torch.randn(rows, 16))
     assert calls == [("batch", 16, ("b16",), True), ("batch", 32, ("b32",), False)]
+
+
+def test_gated_mlp_one_row(monkeypatch):
+    """skinny_gated on gate_up: at one row the gate_up GEMV writes silu(gate) * up (gated=True) and the down
+    projection runs the plain GEMV on it; at other row counts, or without the flag, down_proj_silu_mul as before.
+    The fused decode layer passes the same choice to the norm GEMV and the residual-add GEMV."""
+    seen = []
+    import voltllm.kernels.gemv as G
+
+    def fake(x, w, bias=None, out=None, config=None, silu_mul=False, accumulate=False, norm=None, gated=False):
+        seen.append((config, tuple(x.shape), silu_mul, gated, norm is not None, accumulate))
+        return torch.zeros(x.shape[0], w.shape[0] // 2 if gated else w.shape[0], dtype=torch.float32)
+    monkeypatch.setattr(G, "gemv", fake)
+    gu, down = L.Linear(4, [8, 8], dtype=torch.float32), L.Linear(8, 4, dtype=torch.float32)
+    gu.skinny, down.skinny = ("g",), ("d",)
+    x = torch.randn(1, 4)
+    L.gated_mlp(gu, down, x)
+    # not gated: the plain gate_up GEMV, then the down projection with the activation in its prologue
+    assert seen == [(("g",), (1, 4), False, False, False, False), (("d",), (1, 16), True, False, False, False)]
+    seen.clear()
+    gu.skinny_gated = True
+    L.gated_mlp(gu, down, x)
+    assert seen == [(("g",), (1, 4), False, True, False, False), (("d",), (1, 8), False, False, False, False)]
+    seen.clear()
+    y = L.gated_mlp(gu, down, torch.randn(3, 4))  # three rows: torch, with the SiLU*mul kernel between
+    assert seen == [] and y.shape == (3, 4)
+    assert L.one_row_gated(gu, x) and not L.one_row_gated(gu, torch.randn(2, 4))
+    L.norm_linear(gu, torch.randn(1, 4), type("N", (), {"weight": torch.ones(4), "eps": 1e-6, "offset": 0.0}),
+                  gated=True)
+    assert seen[-1] == (("g",), (1, 4), False, True, True, False)

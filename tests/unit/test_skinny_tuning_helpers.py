@@ -42,6 +42,43 @@ def test_fastest_skips_configs_the_gpu_cannot_run(monkeypatch):
     assert best == "good" and t_tri == 1.0 and t_lib == 1.0
 
 
+def _mlp_pair(n_inter=8, hidden=4):
+    from voltllm.model.models.llama import MLP
+
+    mlp = MLP(hidden, n_inter, torch.float16)
+    return mlp, mlp.gate_up_proj, mlp.down_proj
+
+
+def test_gated_mlp_choice_follows_the_summed_timings():
+    """The MLP-level choice: gate_up with the SiLU*mul in its epilogue + plain down replaces the separate choices
+    only when its summed time is lower; it needs both projections on the Triton GEMV, and it takes each side's
+    best config for that form."""
+    mlp, gu, down = _mlp_pair()
+    assert T._gated_pairs(torch.nn.Sequential(mlp)) == [(gu, down)]
+    g = {"best": "gu-plain", "t_tri": 48.0, "best_gated": "gu-gated", "t_gated": 49.0, "t_silu": 3.0}
+    d = {"best": "d-pro", "t_tri": 36.0, "best_split": "d-plain", "t_split": 29.0}
+    timings = {(16, 4, False): g, (4, 8, True): d}
+
+    def setup(down_fused):
+        gu.skinny, gu.skinny_gated = "gu-plain", False
+        down.skinny, down.skinny_silu_fused = ("d-pro" if down_fused else "d-plain"), down_fused
+
+    setup(False)  # as chosen: 48 + 29 (SiLU kernel included); gated: 49 + (29 - 3) = 75 < 77
+    lines = T._choose_gated_mlps([(gu, down)], timings)
+    assert (gu.skinny, gu.skinny_gated, down.skinny, down.skinny_silu_fused) == ("gu-gated", True, "d-plain", False)
+    assert "-> gated" in lines[0]
+    setup(False)
+    g["t_gated"] = 52.0  # 52 + 26 = 78 > 77: keep the separate choices
+    assert "-> as chosen" in T._choose_gated_mlps([(gu, down)], timings)[0]
+    assert (gu.skinny, gu.skinny_gated, down.skinny) == ("gu-plain", False, "d-plain")
+    setup(True)  # down with the prologue: as chosen 48 + 36 = 84; gated 52 + 26 = 78
+    T._choose_gated_mlps([(gu, down)], timings)
+    assert gu.skinny_gated and down.skinny == "d-plain" and not down.skinny_silu_fused
+    setup(False)
+    down.skinny = None  # the down projection on cuBLAS: no gated form (it would need the plain GEMV)
+    assert T._choose_gated_mlps([(gu, down)], timings) == [] and not gu.skinny_gated
+
+
 def test_prologue_or_silu_kernel_keeps_the_faster(monkeypatch):
     """A down projection keeps the activation in the GEMM's prologue unless SiLU kernel + plain GEMM times lower;
     the plain GEMM is timed on the activation (run_plain gets silu(gate) * up) against SiLU + cuBLAS."""

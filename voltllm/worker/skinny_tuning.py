@@ -55,15 +55,21 @@ def _rotation(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _fastest(weights: list[torch.Tensor], x: torch.Tensor, configs, run,
-             silu_mul: bool = False) -> tuple[float, object, float]:
+             silu_mul: bool = False, gated: bool = False) -> tuple[float, object, float]:
     """(cuBLAS ms, best Triton config or None, its ms) for y = x w^T over the rotation; `run(x, w, cfg)` is the
     Triton GEMM. A config whose result differs from cuBLAS's is never chosen. With silu_mul (a down projection:
     x = [gate | up]) both sides do what the model runs: the SiLU*mul kernel then cuBLAS, against the Triton GEMM
-    with the activation in its prologue."""
+    with the activation in its prologue. With gated (a gate_up projection whose output feeds the SiLU*mul) the
+    library side is cuBLAS then the SiLU*mul kernel, and `run` must return the activation."""
     from voltllm.model.layers.activation import silu_and_mul
 
     w = weights[0]
-    lib = (lambda w_: F.linear(silu_and_mul(x), w_)) if silu_mul else (lambda w_: F.linear(x, w_))
+    if silu_mul:
+        lib = lambda w_: F.linear(silu_and_mul(x), w_)  # noqa: E731
+    elif gated:
+        lib = lambda w_: silu_and_mul(F.linear(x, w_))  # noqa: E731
+    else:
+        lib = lambda w_: F.linear(x, w_)  # noqa: E731
     t_lib = graph_replay_ms(lib, weights)
     ref = lib(w).float()
     from triton.compiler.errors import CompilationError
@@ -85,31 +91,34 @@ def _fastest(weights: list[torch.Tensor], x: torch.Tensor, configs, run,
 
 
 def _prologue_or_silu_kernel(weights: list[torch.Tensor], x: torch.Tensor, configs, run_plain, best, t_tri: float,
-                             kind: str) -> tuple[bool, object, float, str]:
+                             kind: str) -> tuple[bool, object, float, str, object, float]:
     """A down projection (x = [gate | up]) whose Triton GEMM with the activation in its prologue timed `t_tri`
     (config `best`): also time the SiLU*mul kernel followed by the plain Triton GEMM (`run_plain(x, w, cfg)`); the
-    prologue recomputes the activation in every program. Returns (prologue kept, config, ms, log note)."""
+    prologue recomputes the activation in every program. Returns (prologue kept, config, ms, log note) and the
+    SiLU kernel + plain GEMM's own best config and ms (the MLP-level gated choice uses them)."""
     from voltllm.model.layers.activation import silu_and_mul
 
     _, best_split, t_split = _fastest(weights, x, configs, lambda x_, w_, cfg: run_plain(silu_and_mul(x_), w_, cfg),
                                       silu_mul=True)
     note = f" (silu*mul in the prologue {t_tri * 1e3:.1f} us, SiLU kernel + {kind} {t_split * 1e3:.1f} us)"
-    return (False, best_split, t_split, note) if t_split < t_tri else (True, best, t_tri, note)
+    choice = (False, best_split, t_split) if t_split < t_tri else (True, best, t_tri)
+    return (*choice, note, best_split, t_split)
 
 
 def _time_group(weights: list[torch.Tensor], k: int, silu: bool, rows: int, configs, gemm,
-                kind: str) -> tuple[torch.Tensor, float, object, float, bool, str]:
+                kind: str) -> tuple[torch.Tensor, float, object, float, bool, str, dict]:
     """Time one weight shape at `rows` rows as the model runs it: cuBLAS against the Triton GEMM `gemm(x, w,
     config=, silu_mul=)`, and for a down projection (silu) both forms of its activation. Returns (x, cuBLAS ms,
-    best config, its ms, activation in the prologue, log note)."""
+    best config, its ms, activation in the prologue, log note, the timings the MLP-level choice needs)."""
     x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
     t_lib, best, t_tri = _fastest(weights, x, configs, lambda x_, w_, cfg: gemm(x_, w_, config=cfg, silu_mul=silu),
                                   silu)
-    fused, note = True, ""
+    fused, note, rec = True, "", {"best": best, "t_tri": t_tri}
     if silu:
-        fused, best, t_tri, note = _prologue_or_silu_kernel(
+        fused, best, t_tri, note, best_split, t_split = _prologue_or_silu_kernel(
             weights, x, configs, lambda x_, w_, cfg: gemm(x_, w_, config=cfg), best, t_tri, kind)
-    return x, t_lib, best, t_tri, fused, note
+        rec.update(best_split=best_split, t_split=t_split)
+    return x, t_lib, best, t_tri, fused, note, rec
 
 
 def _line(n: int, k: int, itemsize: int, t_lib: float, best, t_tri: float, use) -> str:
@@ -126,6 +135,16 @@ def _unquantized_groups(model: torch.nn.Module) -> dict[tuple[int, int, bool], l
             if mod.weight.dtype in (torch.float16, torch.bfloat16) and mod.weight.is_cuda:
                 groups.setdefault((*mod.weight.shape, mod.silu_mul_input), []).append(mod)
     return groups
+
+
+def _gated_pairs(model: torch.nn.Module) -> list[tuple[Linear, Linear]]:
+    """(gate_up, down) of each MLP whose gate_up output feeds silu(gate) * up into its down projection."""
+    pairs = []
+    for mod in model.modules():
+        gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if isinstance(gu, Linear) and isinstance(down, Linear) and gu.silu_mul_output and down.silu_mul_input:
+            pairs.append((gu, down))
+    return pairs
 
 
 def _key(n: int, k: int, silu_mul: bool, *rest) -> tuple:
@@ -155,23 +174,59 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
     logits_w = getattr(model, "logits_weight", None)
     if logits_w is not None and logits_w.is_cuda and logits_w.dtype in (torch.float16, torch.bfloat16):
         groups.setdefault((*logits_w.shape, False), []).append(model)
+    pairs = _gated_pairs(model) if rows == 1 else []
+    gated_shapes = {tuple(gu.weight.shape) for gu, _ in pairs}
     decisions = {}
+    timings: dict[tuple, dict] = {}  # per group, for the MLP-level choice below
     lines = []
     for (n, k, silu), mods in groups.items():
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
-        x, t_lib, best, t_tri, fused, note = _time_group(weights, k, silu, rows, CONFIGS, gemv, "GEMV")
+        x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, CONFIGS, gemv, "GEMV")
+        if not silu and (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also the gated form
+            t_lib_silu, best_gated, t_gated = _fastest(
+                weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg, gated=True), gated=True)
+            rec.update(best_gated=best_gated, t_gated=t_gated, t_silu=max(t_lib_silu - t_lib, 0.0))
+            note = f" (with the SiLU*mul in the epilogue {t_gated * 1e3:.1f} us)"
         del weights
         use = best if _triton_wins(t_tri, t_lib) else None
         decisions[_key(n, k, silu)] = use
+        timings[(n, k, silu)] = rec
         for m in mods:
             if m is model:
                 model.logits_skinny = use
             else:
-                m.skinny, m.skinny_silu_fused = use, fused
+                m.skinny, m.skinny_silu_fused, m.skinny_gated = use, fused, False
         lines.append(_line(n, k, x.element_size(), t_lib, best, t_tri, use) + note)
+    lines += _choose_gated_mlps(pairs, timings)
     if lines:
         logger.info("decode GEMM choice (M=%d, cold L2):\n  %s", rows, "\n  ".join(lines))
     return decisions
+
+
+def _choose_gated_mlps(pairs: list[tuple[Linear, Linear]], timings: dict[tuple, dict]) -> list[str]:
+    """Per MLP whose gate_up and down both chose the one-row Triton GEMV: run gate_up with the SiLU*mul in its
+    epilogue and down plain, when that times faster than the choice each made alone (gate_up plain, then the
+    down projection with the activation in its prologue or as SiLU kernel + GEMV). Returns log lines."""
+    lines, seen = [], set()
+    for gu, down in pairs:
+        if not (gu.skinny and down.skinny):
+            continue
+        g = timings.get((*gu.weight.shape, False), {})
+        d = timings.get((*down.weight.shape, True), {})
+        if g.get("best_gated") is None or d.get("best_split") is None:
+            continue
+        current = g["t_tri"] + (d["t_split"] if not down.skinny_silu_fused else d["t_tri"])
+        gated = g["t_gated"] + max(d["t_split"] - g["t_silu"], 0.0)  # the down projection then runs plain
+        if gated < current:
+            gu.skinny, gu.skinny_gated = g["best_gated"], True
+            down.skinny, down.skinny_silu_fused = d["best_split"], False
+        key = (tuple(gu.weight.shape), tuple(down.weight.shape))
+        if key not in seen:
+            seen.add(key)
+            lines.append(f"MLP {key[0][0]}x{key[0][1]} -> {key[1][0]}x{key[1][1]}: as chosen {current * 1e3:.1f} us, "
+                         f"gated gate_up + plain down {gated * 1e3:.1f} us -> "
+                         f"{'gated' if gu.skinny_gated else 'as chosen'}")
+    return lines
 
 
 BATCH_MIN_WEIGHT_BYTES = 4 << 20  # smaller weights are launch-bound at any row count: not worth the timing
@@ -191,7 +246,7 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             continue
         weights = _rotation([m.weight for m in mods])
         for rows in rows_list:
-            x, t_lib, best, t_tri, fused, note = _time_group(weights, k, silu, rows, CONFIGS, batch_gemm, "GEMM")
+            x, t_lib, best, t_tri, fused, note, _ = _time_group(weights, k, silu, rows, CONFIGS, batch_gemm, "GEMM")
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
             # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +

@@ -66,12 +66,29 @@ def down_proj_silu_mul(layer: "Linear", gate_up: torch.Tensor) -> torch.Tensor:
     return layer(silu_and_mul(gate_up))
 
 
-def norm_linear(layer: "Linear", residual: torch.Tensor, norm) -> torch.Tensor:
+def one_row_gated(gate_up: "Linear", x: torch.Tensor) -> bool:
+    """Whether gate_up's one-row GEMM computes silu(gate) * up in its epilogue (start-up timing chose it)."""
+    return bool(gate_up.skinny and gate_up.skinny_gated and x.dim() == 2 and x.shape[0] == 1)
+
+
+def gated_mlp(gate_up: "Linear", down: "Linear", x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) for the merged projection gate_up = [gate; up]: at one row with `skinny_gated` the
+    gate_up GEMV writes the activation itself and the down projection runs plain; otherwise down_proj_silu_mul."""
+    if one_row_gated(gate_up, x):
+        from voltllm.kernels.gemv import gemv
+
+        return down(gemv(x, gate_up.weight, gate_up.bias, config=gate_up.skinny, gated=True))
+    return down_proj_silu_mul(down, gate_up(x))
+
+
+def norm_linear(layer: "Linear", residual: torch.Tensor, norm, gated: bool = False) -> torch.Tensor:
     """layer(norm(residual)) as one skinny GEMM (one row, `layer.skinny` chosen; `norm` an RMSNorm): the norm is
-    folded into the GEMM (fp32, not rounded in between). The result has the layer's dtype."""
+    folded into the GEMM (fp32, not rounded in between). The result has the layer's dtype. With gated (a
+    [gate; up] weight) the result is silu(gate) * up."""
     from voltllm.kernels.gemv import gemv
 
-    return gemv(residual, layer.weight, layer.bias, config=layer.skinny, norm=(norm.weight, norm.eps, norm.offset))
+    return gemv(residual, layer.weight, layer.bias, config=layer.skinny, norm=(norm.weight, norm.eps, norm.offset),
+                gated=gated)
 
 
 def linear_add_(layer: "Linear", x: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False) -> None:
@@ -114,6 +131,10 @@ class Linear(nn.Module):
         # with `skinny` and silu_mul_input: the activation in the GEMV's prologue (else a SiLU kernel first)
         self.skinny_silu_fused = True
         self.batch_silu_fused: dict[int, bool] = {}  # the same choice for `batch_gemm`, by row count
+        # its output [gate | up] feeds silu(gate) * up (gated_mlp): the tuner also times the gated GEMV, and with
+        # `skinny_gated` the one-row GEMV writes the activation itself
+        self.silu_mul_output = False
+        self.skinny_gated = False
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 

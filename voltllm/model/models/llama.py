@@ -8,7 +8,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.layers.linear import Linear, down_proj_silu_mul, linear, linear_add_, norm_linear
+from voltllm.model.layers.linear import Linear, gated_mlp, linear, linear_add_, norm_linear, one_row_gated
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
@@ -48,10 +48,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
         self.down_proj = Linear(inter, hidden, dtype=dtype)
-        self.down_proj.silu_mul_input = True  # it runs through down_proj_silu_mul
+        self.gate_up_proj.silu_mul_output = True  # they run through gated_mlp
+        self.down_proj.silu_mul_input = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return down_proj_silu_mul(self.down_proj, self.gate_up_proj(x))
+        return gated_mlp(self.gate_up_proj, self.down_proj, x)
 
 
 def residual_stream(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +94,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         out = attn.attend(positions, norm_linear(attn.qkv_proj, residual, self.input_layernorm), ctx)
         linear_add_(attn.o_proj, out, residual)
-        gate_up = norm_linear(mlp.gate_up_proj, residual, self.post_attention_layernorm)
-        linear_add_(mlp.down_proj, gate_up, residual, silu_mul=True)
+        gated = one_row_gated(mlp.gate_up_proj, residual)
+        gate_up = norm_linear(mlp.gate_up_proj, residual, self.post_attention_layernorm, gated=gated)
+        linear_add_(mlp.down_proj, gate_up, residual, silu_mul=not gated)
         return None, residual
 
 
