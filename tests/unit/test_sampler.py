@@ -80,6 +80,28 @@ def test_half_logits_greedy_and_masked():
         assert torch.equal(logits, before)
 
 
+def test_owned_logits_take_the_bans_in_place():
+    """The runner hands its fresh lm_head output over (logits_owned): a greedy batch under min_tokens then bans
+    in that tensor's own dtype, no fp32 copy (the banned entries are -inf in it afterwards), with the fp32
+    answer. Not owned, fp32 logits are left untouched too (float() of an fp32 tensor is no copy)."""
+    torch.manual_seed(2)
+    for dtype in (torch.float16, torch.float32):
+        logits = torch.randn(4, 50).to(dtype)
+        top = int(logits[2].float().argmax())
+        rows = [_row(temperature=0.0) for _ in range(4)]
+        rows[2] = _row(temperature=0.0, min_tokens=3, stop_token_ids=[top])
+        want = logits.float()
+        want[2, top] = float("-inf")
+        before = logits.clone()
+        assert Sampler()(logits, rows)[0] == want.argmax(-1).tolist()
+        assert torch.equal(logits, before)
+        out = Sampler().sample(logits, rows, logits_owned=True)
+        assert out.tokens.tolist() == want.argmax(-1).tolist() and out.tokens[2] != top
+        assert logits.dtype == dtype and logits[2, top] == float("-inf")
+        before[2, top] = float("-inf")
+        assert torch.equal(logits, before)  # nothing else written
+
+
 def test_min_tokens_bans_several_ids_in_several_rows():
     """Rows under their min_tokens ban their stop ids and EOS (unless ignore_eos), each row only its own; a row past
     its minimum bans nothing."""

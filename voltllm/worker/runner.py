@@ -320,7 +320,7 @@ class ModelRunner:
                                 r.output_token_ids if r.sampling_params.has_penalties else (),
                                 r.generator, r.num_output_tokens + r.num_pending - 1)
                     for r in (s.request for _, s in sampling)]
-            out = self.sampler.sample(logits, rows)
+            out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
             self._prev_tokens = out.tokens
             self._prev_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling)}
             out.copy_to_host_async()
