@@ -32,6 +32,7 @@
 #   s7/s8    (session 6) one-row down projection as SiLU + plain GEMV; split-K decode-batch GEMM, 16 / 64 concurrent
 #   s9       (next session) branch gate-up-silu-epilogue: gated gate_up GEMV at one row, micro + tests + batch-1 benches
 #   s10      (session 7) the branch's gated-GEMV tests; 1-64 concurrent beside transformers, with profiles
+#   s11      (session 7) the sampler GPU test and 64 concurrent at the session's last commit
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -235,6 +236,12 @@ case $stage in
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,4,16,64 --input-len 128 \
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --baseline hf --baseline-num-warm 1 \
       --name qwen3-8b-shape-fp16-concurrency-$sha
+    ;;
+  s11)  # session 7, last call: the sampler's fp16 min_tokens bans (no fp32 copy of the logits) on the GPU, and
+        # 64 concurrent (9,231 output tok/s at 5849530)
+    gpu_file test_sampler_cuda 60
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
