@@ -264,8 +264,10 @@ def test_tuners_time_down_projections_with_silu_mul():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k", [(12288, 4096), (1536, 576), (500, 333)])
 def test_gated_gemv_real_shapes(n, k, dtype):
-    """gemv(gated=True), w = [gate; up] (2n x k): silu(x gate^T) * (x up^T) at every config and 1-4 rows, plain
-    and with the RMSNorm prologue (fp32 residual), with bias, vs the fp32 reference; outputs poisoned first."""
+    """gemv(gated=True), w = [gate; up] (2n x k): silu(x gate^T) * (x up^T) at every config (bf16: the first two;
+    the tile logic is the same and each config compiles per variant: 20-25 s per case at 5849530) and 1-4 rows,
+    plain and with the RMSNorm prologue (fp32 residual), with bias, vs the fp32 reference; outputs poisoned
+    first."""
     seed = random.SystemRandom().randrange(1 << 30)
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(2 * n, k, dtype=dtype, device="cuda", generator=g) / k ** 0.5
@@ -277,7 +279,7 @@ def test_gated_gemv_real_shapes(n, k, dtype):
         res = torch.randn(m, k, device="cuda", generator=g) * 30
         for inp, norm, bias in ((x, None, None), (x, None, b), (res, (nw, 1e-6, 0.0), None)):
             ref = gemv_ref(inp, w, bias, norm=norm, gated=True).float()
-            for cfg in CONFIGS:
+            for cfg in CONFIGS if dtype == torch.float16 else CONFIGS[:2]:
                 out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
                 gemv(inp, w, bias, out=out, config=cfg, norm=norm, gated=True)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
