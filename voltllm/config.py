@@ -155,7 +155,7 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
 
         derived_max = _max_positions(hf_config)
-        max_model_len = self.max_model_len or derived_max
+        max_model_len = derived_max if self.max_model_len is None else self.max_model_len  # 0 is an error
         if max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}")
         if max_model_len > derived_max:
@@ -180,7 +180,8 @@ class EngineArgs:
             calculate_kv_scales = False
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
-        batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        batched = (max(2048, min(max_model_len, 8192)) if self.max_num_batched_tokens is None
+                   else self.max_num_batched_tokens)
         if batched < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
 
