@@ -130,6 +130,24 @@ def test_ignore_eos_and_penalties(client):
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
 
 
+def test_logit_bias(client, server):
+    """OpenAI's logit_bias (string token ids): +100 forces a token at every step in greedy and sampled requests
+    alike, -100 bans the greedy choice (the answer changes), and an unbiased request after them is untouched."""
+    def post(path, body):
+        return httpx.post(server.base + path, json=body, headers=AUTH, timeout=30).json()
+
+    kw = dict(model="smol", prompt="The capital of France is", max_tokens=3, extra_body={"ignore_eos": True})
+    plain = client.completions.create(temperature=0, **kw).choices[0].text
+    forced = post("/tokenize", {"prompt": " blue", "add_special_tokens": False})["tokens"][-1]
+    piece = post("/detokenize", {"tokens": [forced]})["prompt"]
+    for temperature in (0, 1.0):
+        r = client.completions.create(temperature=temperature, logit_bias={str(forced): 100}, **kw)
+        assert r.choices[0].text == piece * 3, (temperature, r.choices[0].text, piece)
+    first = post("/tokenize", {"prompt": plain, "add_special_tokens": False})["tokens"][0]
+    assert client.completions.create(temperature=0, logit_bias={str(first): -100}, **kw).choices[0].text != plain
+    assert client.completions.create(temperature=0, **kw).choices[0].text == plain
+
+
 def test_sixteen_concurrent_streams(client, aclient):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(16)]
     ref = client.completions.create(model="smol", prompt=prompts, max_tokens=8, temperature=0)

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from voltllm.sampling.params import SamplingParams
@@ -112,3 +113,33 @@ def test_min_tokens_bans_several_ids_in_several_rows():
     r2 = _row(temperature=0, min_tokens=9, stop_token_ids=[0])  # bans 0 -> 1
     toks, _ = Sampler()(logits.clone(), [r0, r1, r2])
     assert toks == [2, 0, 1]
+
+
+def test_logit_bias_rows():
+    """logit_bias adds to the fp32 logits of its own row only (greedy and sampled alike; +100 decides the token,
+    -100 bans the favourite), after the min_tokens bans; half logits give the fp32 answer; the caller's logits
+    are left as they were."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 30).to(torch.float16)
+    before = logits.clone()
+    fav = int(logits[1].float().argmax())
+    rows = [_row(temperature=0.0, logit_bias={7: 100.0}), _row(temperature=0.0, logit_bias={fav: -100.0}),
+            _row(temperature=0.0), _row(temperature=1.0, logit_bias={"11": 100})]
+    toks, _ = Sampler()(logits, rows)
+    want1 = logits[1].float().clone()
+    want1[fav] -= 100.0
+    assert toks == [7, int(want1.argmax()), int(logits[2].float().argmax()), 11]
+    assert torch.equal(logits, before)
+    # a bias can lift a token under min_tokens' ban only as far as -inf + bias = -inf
+    banned, _ = Sampler()(logits, [_row(temperature=0.0, min_tokens=2, stop_token_ids=[5], logit_bias={5: 100.0})])
+    assert banned[0] != 5
+
+
+def test_logit_bias_params():
+    from voltllm.sampling.params import SamplingParams, SamplingParamsError
+
+    assert SamplingParams(logit_bias={"3": 150, 4: -2.5}).logit_bias == {3: 100.0, 4: -2.5}  # clamped to +-100
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, {1: float("nan")}, {1: "big"}, {1: True}, [1, 2]):
+        with pytest.raises(SamplingParamsError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

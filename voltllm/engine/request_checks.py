@@ -18,11 +18,13 @@ class InvalidRequestError(ValueError):
 
 def check_vocab(prompt_ids: Sequence[int], sp: SamplingParams, vocab_size: int) -> None:
     """Raise InvalidRequestError when the request's token ids do not fit a vocabulary of `vocab_size`. Stop token
-    ids are checked too: under min_tokens the sampler masks them in the logits, where an id past the vocabulary
-    would be an out-of-bounds index on the device."""
+    ids and logit_bias keys are checked too: the sampler indexes the logits with them on the device (min_tokens
+    bans, biases), where an id past the vocabulary would be an out-of-bounds index."""
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if sp.logit_bias and max(sp.logit_bias) >= vocab_size:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     if sp.logprobs is not None and sp.logprobs > vocab_size:
         raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({vocab_size})", "logprobs")

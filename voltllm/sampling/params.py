@@ -1,8 +1,12 @@
 """SamplingParams: what a request asks of the sampler, validated up front (vLLM field names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+# OpenAI's logit_bias range; larger magnitudes are clamped to it (as vLLM does): +-100 already decides the token
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -31,6 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # token id -> value added to its logit before sampling (OpenAI keys are strings of ids: both are accepted)
+    logit_bias: Optional[dict[int, float]] = None
     # Filled by the engine: token ids that end generation (EOS + generation_config's eos ids).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -41,6 +47,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -95,3 +102,23 @@ class SamplingParams:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data.update(changes)
         return SamplingParams(**data)
+
+
+def _normalise_logit_bias(bias: Optional[dict]) -> Optional[dict[int, float]]:
+    """{token id: bias} with int keys and values clamped to +-LOGIT_BIAS_LIMIT; None when empty."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise SamplingParamsError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            tok = -1
+        if tok < 0 or (isinstance(key, float) and key != tok) or (isinstance(key, str) and not key.strip().isdigit()):
+            raise SamplingParamsError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise SamplingParamsError(f"logit_bias values must be finite numbers, got {value!r} for token {tok}")
+        out[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
+    return out

@@ -1,6 +1,6 @@
 """Batched sampler: penalties, min_tokens, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
 
-Order (as vLLM): logprobs of the raw distribution are taken first; then min_tokens masking, penalties,
+Order (as vLLM): logprobs of the raw distribution are taken first; then min_tokens masking, penalties, logit_bias,
 greedy argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
 (argmax of p / q with q ~ Exp(1)), so a seeded request draws its q from its own generator and gets the
 same tokens whatever else is in the batch.
@@ -153,6 +153,7 @@ class Sampler:
         num_lp = [r.params.logprobs for r in rows]
         greedy_mask = [r.params.greedy for r in rows]
         penalties = any(r.params.has_penalties for r in rows)
+        biased = any(r.params.logit_bias for r in rows)
         bans = []  # min_tokens: no stop tokens before the minimum
         for i, r in enumerate(rows):
             sp = r.params
@@ -163,7 +164,7 @@ class Sampler:
         # a greedy batch takes the argmax of the model's logits as they are (exact either way: fp16 / bf16 widen
         # to fp32 exactly), with its bans written as -inf in that dtype; anything else works on an fp32 copy.
         # (At 64 rows x 152K vocabulary the fp32 copy and its argmax cost ~50 us per decode step.)
-        if not (all(greedy_mask) and not penalties and all(n is None for n in num_lp)):
+        if not (all(greedy_mask) and not penalties and not biased and all(n is None for n in num_lp)):
             logits = logits.float() if logits.dtype != torch.float32 or logits_owned else logits.clone()
         elif bans and not logits_owned:
             logits = logits.clone()
@@ -176,6 +177,11 @@ class Sampler:
             logits.index_put_((ban_rows, ban_cols), logits.new_full((), float("-inf")))  # a fill, not a copy
         if penalties:
             logits = apply_penalties(logits, rows)
+        if biased:  # added to the fp32 copy (device index tensors, as the bans)
+            items = [(i, tok, b) for i, r in enumerate(rows) for tok, b in (r.params.logit_bias or {}).items()]
+            logits.index_put_((to_device([i for i, _, _ in items], torch.long, dev),
+                               to_device([t for _, t, _ in items], torch.long, dev)),
+                              to_device([b for _, _, b in items], torch.float32, dev), accumulate=True)
 
         sampled = logits.argmax(dim=-1)
         if not all(greedy_mask):

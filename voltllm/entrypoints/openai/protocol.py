@@ -45,15 +45,13 @@ class _SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, Any]] = None  # checked by SamplingParams (ids, finite values)
     response_format: Optional[dict[str, Any]] = None
     cache_salt: Optional[str] = None
     request_id: Optional[str] = None
     best_of: Optional[int] = None
 
     def _common_checks(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported yet", "logit_bias", "unsupported_parameter")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request(f"response_format {self.response_format.get('type')!r} is not supported yet "
                               "(no guided decoding); only 'text'", "response_format", "unsupported_parameter")
@@ -93,6 +91,7 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=self.logit_bias,
         )
 
 
