@@ -228,3 +228,43 @@ def test_bench_is_a_voltllm_command():
 
     args = build_parser().parse_args(["bench", "--random-weights", "qwen3-8b-shape", "--dtype", "half"])
     assert args.func.__module__ == "voltllm.bench.cli" and args.scenario == "decode"
+
+
+def test_report_title_names_the_server_model():
+    """Against a server the title names the served model and its URL (there is no local path, shape or dtype);
+    in-process it names the shape or path and the dtype."""
+    from voltllm.bench.metrics import format_report
+
+    table = {"table": []}
+    server = {"model": {"source": None, "shape": None, "server": "http://h:8000", "server_model": "smol",
+                        "dtype": None}, "gpu": "cpu", "commit": "abc", "metrics": table}
+    assert "voltllm bench: smol at http://h:8000 on cpu (commit abc)" in format_report(server)
+    local = {"model": {"source": "/m/x.gguf", "shape": None, "dtype": "float16"}, "gpu": "H200", "commit": "abc",
+             "metrics": table}
+    assert "voltllm bench: /m/x.gguf float16 on H200" in format_report(local)
+
+
+def test_client_reads_the_server_platform():
+    """A voltllm server's acceleration report names its GPU and dtype for the result file; a server without one
+    (another engine: 404) leaves both to the local machine."""
+    httpx = pytest.importorskip("httpx")
+    from voltllm.bench.client import ClientRunner
+
+    def voltllm_server(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        assert request.url.path == "/v1/acceleration"
+        return httpx.Response(200, json={"platform": {"name": "Tesla V100-SXM2-32GB"},
+                                         "configuration": {"dtype": "float16"}})
+
+    def other_server(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    for handler, want in ((voltllm_server, {"gpu": "Tesla V100-SXM2-32GB", "dtype": "float16"}), (other_server, {})):
+        runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
+        try:
+            assert runner.server_platform() == want
+        finally:
+            runner.close()

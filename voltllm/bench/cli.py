@@ -365,6 +365,7 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
     runner = ClientRunner(args.base_url, args.server_model, args.temperature, args.top_p, args.top_k,
                           args.prompt_seed, args.api_key)
     try:
+        server = runner.server_platform()
         results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm, label="server")
     finally:
         runner.close()
@@ -375,9 +376,9 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
     if dev_limits:
         limit["device"] = dev_limits.to_json()
     return {
-        "gpu": R.gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "gpu": server.get("gpu") or R.gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"source": model_path, "shape": shape, "server": args.base_url, "server_model": runner.model,
-                  "dtype": R.dtype_name(dtype) if dtype is not None else None,
+                  "dtype": server.get("dtype") or (R.dtype_name(dtype) if dtype is not None else None),
                   "weight_bytes": cost.weight_bytes if cost else None},
         "config": {"client_side_times": True, "temperature": args.temperature, "top_p": args.top_p,
                    "top_k": args.top_k, "prompt_seed": args.prompt_seed, "num_warm": args.num_warm},

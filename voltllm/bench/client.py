@@ -46,6 +46,19 @@ class ClientRunner:
             raise RuntimeError(f"{self.base_url}/v1/models lists no model")
         return data[0]["id"]
 
+    def server_platform(self) -> dict:
+        """{"gpu", "dtype"} of a voltllm server, from its acceleration report (GET /v1/acceleration); {} when the
+        server has none (another engine) or refuses it."""
+        async def get() -> dict:
+            r = await self.client.get("/v1/acceleration")
+            r.raise_for_status()
+            d = r.json()
+            return {"gpu": d["platform"]["name"], "dtype": d["configuration"]["dtype"]}
+        try:
+            return self.loop.run_until_complete(get())
+        except Exception:  # any failure only leaves the fields to the local machine
+            return {}
+
     def close(self) -> None:
         self.loop.run_until_complete(self.client.aclose())
         self.loop.close()

@@ -229,8 +229,11 @@ def format_report(report: dict) -> str:
     """The printed summary of a result file: the table, the limits, the baselines' tables."""
     model = report.get("model", {})
     lim = report.get("limit") or {}
-    title = (f"voltllm bench: {model.get('shape') or model.get('source')} {model.get('dtype')} on {report.get('gpu')}"
-             f" (commit {str(report.get('commit'))[:12]})")
+    name = model.get("shape") or model.get("source")
+    if name is None and model.get("server"):  # against a server: its model, at its URL (dtype: the server's)
+        name = f"{model.get('server_model')} at {model['server']}"
+    dtype = f" {model['dtype']}" if model.get("dtype") else ""
+    title = f"voltllm bench: {name}{dtype} on {report.get('gpu')} (commit {str(report.get('commit'))[:12]})"
     out = ["", format_table(report["metrics"]["table"], title)]
     if lim.get("copy_GBps"):
         out.append(f"\nlimits: copy {lim['copy_GBps']:.4g} GB/s (read + write), matmul {lim['matmul_TFLOPs']:.4g} "
