@@ -140,6 +140,7 @@ def test_logit_bias_params():
 
     assert SamplingParams(logit_bias={"3": 150, 4: -2.5}).logit_bias == {3: 100.0, 4: -2.5}  # clamped to +-100
     assert SamplingParams(logit_bias={}).logit_bias is None
-    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, {1: float("nan")}, {1: "big"}, {1: True}, [1, 2]):
+    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, {-2: 1}, {1.0: 1}, {True: 1}, {1: float("nan")}, {1: "big"},
+                {1: True}, [1, 2]):
         with pytest.raises(SamplingParamsError, match="logit_bias"):
             SamplingParams(logit_bias=bad)

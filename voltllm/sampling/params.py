@@ -112,12 +112,11 @@ def _normalise_logit_bias(bias: Optional[dict]) -> Optional[dict[int, float]]:
         raise SamplingParamsError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r}")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            tok = int(key)
-        except (TypeError, ValueError):
-            tok = -1
-        if tok < 0 or (isinstance(key, float) and key != tok) or (isinstance(key, str) and not key.strip().isdigit()):
+        is_id = (isinstance(key, int) and not isinstance(key, bool) and key >= 0) or (
+            isinstance(key, str) and key.strip().isdigit())
+        if not is_id:
             raise SamplingParamsError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        tok = int(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise SamplingParamsError(f"logit_bias values must be finite numbers, got {value!r} for token {tok}")
         out[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
