@@ -47,6 +47,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="refuse to start when a route this configuration expects is disabled (see voltllm check)")
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill is always chunked to --max-num-batched-tokens per step (vLLM V1's behaviour)")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="accepted for vLLM compatibility: preempted requests are recomputed, never swapped")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="accepted for vLLM compatibility: one GPU, no all-reduce")
     g.add_argument("--quantization", "-q", default=None)
     g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
     g.add_argument("--generation-config", default="auto")

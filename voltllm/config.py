@@ -114,6 +114,10 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: Optional[str] = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_chunked_prefill: Optional[bool] = None  # None / True: chunked (the only mode); False is refused
+    swap_space: Optional[float] = None  # accepted (no-op): preemption recomputes
+    disable_custom_all_reduce: bool = False  # accepted (no-op): one GPU
     quantization: Optional[str] = None
     speculative_config: Optional[Any] = None
     generation_config: str = "auto"
@@ -134,6 +138,13 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not "
                               "built yet; use 1")
+        if self.pipeline_parallel_size != 1:
+            raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not "
+                              "built yet; use 1")
+        if self.enable_chunked_prefill is False:
+            raise ConfigError("--no-enable-chunked-prefill: prefill is always chunked here (each step computes at most "
+                              "--max-num-batched-tokens tokens, as vLLM V1 does); scheduling whole prompts only is "
+                              "not built")
         if self.quantization not in (None, "gguf"):
             raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet")
         if _parse_json_arg("--speculative-config", self.speculative_config):
