@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility: one GPU, no all-reduce")
     g.add_argument("--quantization", "-q", default=None)
     g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
+    g.add_argument("--hf-overrides", type=json_object_arg("--hf-overrides"), default=None,
+                   help="JSON object of HF config fields to change, e.g. RoPE scaling for long context")
     g.add_argument("--generation-config", default="auto")
     g.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")

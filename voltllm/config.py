@@ -120,6 +120,7 @@ class EngineArgs:
     disable_custom_all_reduce: bool = False  # accepted (no-op): one GPU
     quantization: Optional[str] = None
     speculative_config: Optional[Any] = None
+    hf_overrides: Optional[Any] = None  # JSON object (or dict): fields of the HF config to change (RoPE scaling, ...)
     generation_config: str = "auto"
     chat_template: Optional[str] = None
     device: str = "auto"
@@ -161,6 +162,14 @@ class EngineArgs:
         spec = _parse_json_arg("--speculative-config", self.speculative_config)
         source = resolve_model(self.model)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
+        overrides = _parse_json_arg("--hf-overrides", self.hf_overrides)
+        if overrides:
+            from voltllm.model.loader.hf_overrides import HFOverrideError, apply_hf_overrides
+
+            try:
+                apply_hf_overrides(hf_config, overrides)
+            except HFOverrideError as e:
+                raise ConfigError(str(e)) from None
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
@@ -276,11 +285,27 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: torch.device, compat: str
 
 
 def _max_positions(hf_config: Any) -> int:
+    """The context the config allows: its max positions, stretched by RoPE scaling as vLLM derives it (yarn:
+    original_max_position_embeddings x factor; linear / dynamic: max positions x factor)."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
-            return value
+            return _rope_scaled(hf_config, value)
     text = getattr(hf_config, "text_config", None)
     if text is not None:
         return _max_positions(text)
     return 4096
+
+
+def _rope_scaled(hf_config: Any, max_positions: int) -> int:
+    from voltllm.model.layers.rotary import rope_parameters
+
+    params = rope_parameters(hf_config)
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 1.0:
+        return max_positions
+    if params.get("rope_type") == "yarn":
+        return int(int(params.get("original_max_position_embeddings") or max_positions) * factor)
+    if params.get("rope_type") in ("linear", "dynamic"):
+        return int(max_positions * factor)
+    return max_positions
