@@ -59,6 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-overrides", type=json_object_arg("--hf-overrides"), default=None,
                    help="JSON object of HF config fields to change, e.g. RoPE scaling for long context")
     g.add_argument("--generation-config", default="auto")
+    g.add_argument("--override-generation-config", type=json_object_arg("--override-generation-config"),
+                   default=None, help='sampling defaults over the generation config, e.g. \'{"temperature": 0.6}\'')
     g.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--compat", default="auto", choices=["auto", "none", "sm70", "sm75"],

@@ -37,6 +37,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     seed: int = 0
     generation_config: str = "auto"
+    override_generation_config: Optional[dict] = None  # sampling defaults merged over generation_config's
     chat_template: Optional[str] = None
     language_model_only: bool = False
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
@@ -122,6 +123,7 @@ class EngineArgs:
     speculative_config: Optional[Any] = None
     hf_overrides: Optional[Any] = None  # JSON object (or dict): fields of the HF config to change (RoPE scaling, ...)
     generation_config: str = "auto"
+    override_generation_config: Optional[Any] = None  # JSON object: sampling defaults over generation_config's
     chat_template: Optional[str] = None
     device: str = "auto"
     compat: str = "auto"
@@ -205,11 +207,13 @@ class EngineArgs:
         if batched < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
 
+        gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
         model = ModelConfig(
             model=source.path, tokenizer=self.tokenizer or source.tokenizer_path, served_model_name=model_name,
             dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
             trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
+            override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only,
             load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init)
         cache = CacheConfig(
@@ -309,3 +313,22 @@ def _rope_scaled(hf_config: Any, max_positions: int) -> int:
     if params.get("rope_type") in ("linear", "dynamic"):
         return int(max_positions * factor)
     return max_positions
+
+
+def _generation_override(value: Any) -> Optional[dict]:
+    """--override-generation-config: a JSON object of sampling defaults, each checked like a request's field."""
+    from voltllm.engine.frontend import GENERATION_DEFAULT_KEYS
+    from voltllm.sampling.params import SamplingParams, SamplingParamsError
+
+    override = _parse_json_arg("--override-generation-config", value)
+    if not override:
+        return None
+    unknown = sorted(set(override) - set(GENERATION_DEFAULT_KEYS))
+    if unknown:
+        raise ConfigError(f"--override-generation-config: {', '.join(unknown)} not supported (the keys are "
+                          f"{', '.join(GENERATION_DEFAULT_KEYS)})")
+    try:
+        SamplingParams(**override)
+    except (SamplingParamsError, TypeError) as e:
+        raise ConfigError(f"--override-generation-config: {e}") from None
+    return dict(override)

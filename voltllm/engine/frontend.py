@@ -37,9 +37,14 @@ def eos_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(model_path: str, mode: str = "auto") -> dict:
+def generation_defaults(model_path: str, mode: str = "auto", override: Optional[dict] = None) -> dict:
     """Default sampling values from the checkpoint's generation_config.json (--generation-config auto or
-    a folder holding one); 'vllm' means none (the plain SamplingParams defaults)."""
+    a folder holding one); 'vllm' means none (the plain SamplingParams defaults). `override`
+    (--override-generation-config) is merged on top, key by key, whatever the mode."""
+    return {**_file_defaults(model_path, mode), **(override or {})}
+
+
+def _file_defaults(model_path: str, mode: str) -> dict:
     if mode == "vllm":
         return {}
     folder = model_path if mode == "auto" else mode

@@ -39,7 +39,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (--generation-config)."""
-        return SamplingParams(**generation_defaults(self.config.model.model, self.config.model.generation_config))
+        m = self.config.model
+        return SamplingParams(**generation_defaults(m.model, m.generation_config, m.override_generation_config))
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

@@ -230,7 +230,8 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
-        generation_defaults=generation_defaults(config.model.model, config.model.generation_config))
+        generation_defaults=generation_defaults(config.model.model, config.model.generation_config,
+                                                config.model.override_generation_config))
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",
