@@ -289,8 +289,8 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: torch.device, compat: str
 
 
 def _max_positions(hf_config: Any) -> int:
-    """The context the config allows: its max positions, stretched by RoPE scaling as vLLM derives it (yarn:
-    original_max_position_embeddings x factor; linear / dynamic: max positions x factor)."""
+    """The context the config allows: its max positions, stretched by static RoPE scaling as vLLM derives it
+    (yarn: original_max_position_embeddings x factor; linear: max positions x factor)."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
@@ -310,8 +310,8 @@ def _rope_scaled(hf_config: Any, max_positions: int) -> int:
         return max_positions
     if params.get("rope_type") == "yarn":
         return int(int(params.get("original_max_position_embeddings") or max_positions) * factor)
-    if params.get("rope_type") in ("linear", "dynamic"):
-        return int(max_positions * factor)
+    if params.get("rope_type") == "linear":  # (not "dynamic": its frequencies change with the length at run time,
+        return int(max_positions * factor)      # which one precomputed table cannot follow past max positions)
     return max_positions
 
 

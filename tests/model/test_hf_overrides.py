@@ -69,3 +69,11 @@ def test_bad_overrides_are_config_errors(tiny):
         EngineArgs(model=tiny, device="cpu", hf_overrides="[1]").create_engine_config()
     cfg = EngineArgs(model=tiny, device="cpu", hf_overrides='{"rope_theta": 5000.0}').create_engine_config()
     assert cfg.model.hf_config.rope_parameters["rope_theta"] == 5000.0
+
+
+@pytest.mark.parametrize("rope,want", [({"rope_type": "linear", "factor": 2.0}, 256),
+                                       ({"rope_type": "dynamic", "factor": 2.0}, 128),  # no stretch: run-time frequencies
+                                       ({"rope_type": "yarn", "factor": 3.0}, 384)])  # original: max positions
+def test_derived_context_per_rope_type(tiny, rope, want):
+    cfg = EngineArgs(model=tiny, device="cpu", hf_overrides={"rope_parameters": rope}).create_engine_config()
+    assert cfg.model.max_model_len == want
