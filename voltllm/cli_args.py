@@ -25,6 +25,19 @@ def json_object_arg(flag: str):
     return parse
 
 
+def json_string_list(flag: str):
+    """argparse type for flags that take a JSON list of strings (vLLM's CORS flags)."""
+    def parse(value: str) -> list[str]:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON list of strings: {e}") from None
+        if not isinstance(parsed, list) or not all(isinstance(x, str) for x in parsed):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON list of strings, got {value}")
+        return parsed
+    return parse
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", dest="model_flag", default=None, help="model path (same as the positional MODEL)")

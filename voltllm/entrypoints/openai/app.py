@@ -1,9 +1,10 @@
-"""The FastAPI app: routes, API-key check, OpenAI-style error bodies, HTTP counters."""
+"""The FastAPI app: routes, API-key check, CORS, OpenAI-style error bodies, HTTP counters."""
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional, Type, TypeVar
 
 from fastapi import FastAPI, Request
@@ -11,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from voltllm import __version__
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, error_response, status_phrase
@@ -93,8 +95,18 @@ async def parse_body(request: Request, model: Type[M]) -> M:
         raise bad_request(f"{loc}: {first.get('msg', 'invalid value')}{more}", param)
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+    """Cross-origin access for browser clients (vLLM's --allowed-origins / --allow-credentials /
+    --allowed-methods / --allowed-headers, same defaults: any origin, method and header, no credentials)."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None,
-              root_path: str = "") -> Any:
+              root_path: str = "", cors: CorsSettings = CorsSettings()) -> Any:
     app = FastAPI(title="voltllm OpenAI-compatible server", version=__version__, root_path=root_path)
     app.state.server = state
 
@@ -207,4 +219,7 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_k
             raise bad_request(f"token ids must be in [0, {vocab}), got {bad[:5]}", "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    return AuthAndCountMiddleware(app, api_key, metrics)
+    # CORS outermost: a browser's preflight (OPTIONS) is answered before the API-key check, as in vLLM
+    return CORSMiddleware(AuthAndCountMiddleware(app, api_key, metrics), allow_origins=list(cors.allowed_origins),
+                          allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
+                          allow_headers=list(cors.allowed_headers))

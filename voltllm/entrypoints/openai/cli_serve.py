@@ -19,7 +19,7 @@ import time
 from typing import Any, Optional
 
 from voltllm.engine.frontend import generation_defaults
-from voltllm.cli_args import json_object_arg
+from voltllm.cli_args import json_object_arg, json_string_list
 from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm")
@@ -66,6 +66,13 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--enable-force-include-usage", action="store_true",
                    help="send usage in every stream, as if stream_options.include_usage were set")
     s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
+    s.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
+                   help='CORS: origins browsers may call from, a JSON list (default ["*"])')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--allowed-methods", type=json_string_list("--allowed-methods"), default=["*"],
+                   help='CORS: a JSON list of methods (default ["*"])')
+    s.add_argument("--allowed-headers", type=json_string_list("--allowed-headers"), default=["*"],
+                   help='CORS: a JSON list of headers (default ["*"])')
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load before giving up (default: no limit)")
     p.set_defaults(func=run_serve)
@@ -206,7 +213,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     import uvicorn
 
     from voltllm.engine.async_llm import AsyncLLM
-    from voltllm.entrypoints.openai.app import build_app
+    from voltllm.entrypoints.openai.app import CorsSettings, build_app
     from voltllm.entrypoints.openai.metrics import ServerMetrics
     from voltllm.entrypoints.openai.serving_common import ServerState
 
@@ -232,7 +239,9 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
         generation_defaults=generation_defaults(config.model.model, config.model.generation_config,
                                                 config.model.override_generation_config))
-    app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path)
+    cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
+                        tuple(args.allowed_headers))
+    app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",
                                root_path=args.root_path)
