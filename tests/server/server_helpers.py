@@ -73,9 +73,10 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 class ServerProc:
     """A `voltllm serve` subprocess in its own process group, with its log in a temp file."""
 
-    def __init__(self, args: list[str], port: int):
+    def __init__(self, args: list[str], port: int, https: bool = False):
         self.port = port
-        self.base = f"http://127.0.0.1:{port}"
+        self.base = f"{'https' if https else 'http'}://127.0.0.1:{port}"
+        self.verify = not https  # the HTTPS tests use a self-signed certificate
         self.log = tempfile.NamedTemporaryFile(prefix="voltllm-serve-", suffix=".log", delete=False)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -94,7 +95,7 @@ class ServerProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"voltllm serve exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + "/health", timeout=2, verify=self.verify).status_code == 200:
                     self.descendants = descendants_of(self.proc.pid)
                     return
             except httpx.HTTPError:

@@ -66,6 +66,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--enable-force-include-usage", action="store_true",
                    help="send usage in every stream, as if stream_options.include_usage were set")
     s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
+    s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM)")
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
     s.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
                    help='CORS: origins browsers may call from, a JSON list (default ["*"])')
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
@@ -107,6 +109,11 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--api-key must not be empty")
     if args.served_model_names is not None and any(not n for n in args.served_model_names):
         raise ConfigError("--served-model-name must not be empty")
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise ConfigError("--ssl-keyfile needs --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path}: no such file")
 
 
 def _say(msg: str) -> None:
@@ -244,7 +251,8 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",
-                               root_path=args.root_path)
+                               root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                               ssl_certfile=args.ssl_certfile)
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: Optional[list] = None) -> None:
             # end in-flight requests first, so that open streams close now instead of at the graceful timeout
@@ -264,7 +272,9 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         if server.started:
             host = args.host if ":" not in args.host else f"[{args.host}]"
             shown = ", ".join(repr(n) for n in names)
-            _say(f"serving {shown} at http://{host}:{args.port} (OpenAI API base URL http://{host}:{args.port}/v1)"
+            scheme = "https" if args.ssl_certfile else "http"
+            _say(f"serving {shown} at {scheme}://{host}:{args.port} (OpenAI API base URL "
+                 f"{scheme}://{host}:{args.port}/v1)"
                  + ("; API key required on /v1" if args.api_key else ""))
             if not args.disable_log_stats:
                 stats_task = asyncio.ensure_future(_log_stats(engine, metrics))

@@ -1,0 +1,53 @@
+"""`voltllm serve --ssl-certfile/--ssl-keyfile` serves HTTPS (a self-signed certificate made with openssl); missing
+files and a key without a certificate are refused before any model is loaded."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import httpx
+import pytest
+
+from server_helpers import ServerProc, free_port, wait_gone
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    d = tmp_path_factory.mktemp("tls")
+    key, crt = d / "key.pem", d / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(crt),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    return str(key), str(crt)
+
+
+def test_serves_https(model_path, cert):
+    key, crt = cert
+    srv = ServerProc([model_path, "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
+                      "--disable-log-stats", "--ssl-keyfile", key, "--ssl-certfile", crt], free_port(), https=True)
+    try:
+        srv.wait_healthy(300)
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, verify=False, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets no answer
+            httpx.get(srv.base.replace("https://", "http://") + "/health", timeout=5)
+        assert "serving" in srv.log_text() and f"https://127.0.0.1:{srv.port}" in srv.log_text()
+    finally:
+        srv.kill_group()
+        assert not wait_gone(srv.descendants, 5)
+
+
+@pytest.mark.parametrize("extra,match", [(["--ssl-certfile", "/nonexistent/cert.pem"], "--ssl-certfile"),
+                                         (["--ssl-keyfile", "/etc/hostname"], "--ssl-keyfile needs --ssl-certfile")])
+def test_bad_tls_flags_are_refused(extra, match):
+    import argparse
+
+    from voltllm.config import ConfigError
+    from voltllm.entrypoints.openai.cli_serve import add_parser, check_server_flags
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"), help="serve")
+    args = parser.parse_args(["serve", *extra])
+    with pytest.raises(ConfigError, match=match):
+        check_server_flags(args)
