@@ -12,30 +12,28 @@ from typing import Any
 from voltllm.config import KV_CACHE_DTYPES, EngineArgs
 
 
-def json_object_arg(flag: str):
-    """argparse type for flags that take a JSON object (vLLM style)."""
-    def parse(value: str) -> dict:
+def _json_arg(flag: str, what: str, ok):
+    """argparse type: a JSON value that `ok` accepts, else a message naming the flag and `what` it takes."""
+    def parse(value: str):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {e}") from None
-        if not isinstance(parsed, dict):
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}: {e}") from None
+        if not ok(parsed):
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {value}")
         return parsed
     return parse
+
+
+def json_object_arg(flag: str):
+    """argparse type for flags that take a JSON object (vLLM style)."""
+    return _json_arg(flag, "a JSON object", lambda v: isinstance(v, dict))
 
 
 def json_string_list(flag: str):
     """argparse type for flags that take a JSON list of strings (vLLM's CORS flags)."""
-    def parse(value: str) -> list[str]:
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON list of strings: {e}") from None
-        if not isinstance(parsed, list) or not all(isinstance(x, str) for x in parsed):
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON list of strings, got {value}")
-        return parsed
-    return parse
+    return _json_arg(flag, "a JSON list of strings",
+                     lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -127,6 +127,12 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _cells(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs -> device index tensors for index_put_. Not a Python-list index: that would be copied
+    from pageable memory and sync the stream, so every step would wait for the GPU (no async scheduling)."""
+    return (to_device([r for r, _ in pairs], torch.long, device), to_device([t for _, t in pairs], torch.long, device))
+
+
 def _logprob_tensors(raw_logprobs: torch.Tensor, sampled: torch.Tensor, out: SamplerOutput) -> None:
     want = [i for i, n in enumerate(out.num_logprobs) if n is not None]
     if not want:
@@ -170,17 +176,14 @@ class Sampler:
             logits = logits.clone()
         dev = logits.device
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
-        if bans:  # device index tensors: a Python list index would be copied from pageable memory and sync the
-            # stream, so each step under min_tokens would wait for the GPU (no async scheduling)
-            ban_rows = to_device([i for i, banned in bans for _ in banned], torch.long, dev)
-            ban_cols = to_device([t for _, banned in bans for t in banned], torch.long, dev)
-            logits.index_put_((ban_rows, ban_cols), logits.new_full((), float("-inf")))  # a fill, not a copy
+        if bans:
+            cells = _cells([(i, t) for i, banned in bans for t in banned], dev)
+            logits.index_put_(cells, logits.new_full((), float("-inf")))  # a fill, not a copy
         if penalties:
             logits = apply_penalties(logits, rows)
-        if biased:  # added to the fp32 copy (device index tensors, as the bans)
+        if biased:  # added to the fp32 copy
             items = [(i, tok, b) for i, r in enumerate(rows) for tok, b in (r.params.logit_bias or {}).items()]
-            logits.index_put_((to_device([i for i, _, _ in items], torch.long, dev),
-                               to_device([t for _, t, _ in items], torch.long, dev)),
+            logits.index_put_(_cells([(i, t) for i, t, _ in items], dev),
                               to_device([b for _, _, b in items], torch.float32, dev), accumulate=True)
 
         sampled = logits.argmax(dim=-1)
