@@ -33,6 +33,8 @@
 #   s9       (next session) branch gate-up-silu-epilogue: gated gate_up GEMV at one row, micro + tests + batch-1 benches
 #   s10      (session 7) the branch's gated-GEMV tests; 1-64 concurrent beside transformers, with profiles
 #   s11      (session 7) the sampler GPU test and 64 concurrent at the session's last commit
+#   s12      (session 8) the stream-K branch: its GEMM tests, 16 / 64 concurrent with profiles
+#   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -49,7 +51,7 @@ gpu_file() {  # gpu_file NAME TIMEOUT [pytest args]: one GPU test file, full log
   timeout "$t" python3 -m pytest -q -m gpu "tests/gpu/$f.py" -p no:cacheprovider -rf "$@" > "$out/$f.txt" 2>&1
   echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
 }
-bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "decode GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90; }
+bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90; }
 decode_b1_pair() {  # 8B batch 1 with a per-kernel profile, then SmolLM2's shape at batch 1
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
@@ -242,6 +244,12 @@ case $stage in
     gpu_file test_sampler_cuda 60
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
       --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha
+    ;;
+  s13)  # (session 8) TMA decode-batch GEMM tiles: their GPU tests, the sweep at 64 rows, 16 / 64 concurrent with profiles
+    gpu_file test_gemv_cuda 300 -k "(batch and not 1000) or pdl_prefetch" --durations=5
+    timeout 120 python3 benchmarks/micro/batch_gemm_sweep.py 64 > "$out/batch-gemm-sweep.txt" 2>&1; tail -5 "$out/batch-gemm-sweep.txt"
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
+      --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -82,11 +82,17 @@ def test_batch_gemm_real_shapes(n, k, dtype):
     split-K tiles: the tile logic is the same, and compiling all of them twice makes the GPU suite outrun one
     device call) at 16-64 rows (17 and 48: masked rows), with and without silu*mul and bias, vs the fp32
     reference; outputs poisoned with NaN first."""
-    from voltllm.kernels.batch_gemm import CONFIGS as BATCH_CONFIGS, batch_gemm, batch_gemm_ref
+    from voltllm.kernels.batch_gemm import CONFIGS as BATCH_CONFIGS, TMA_CONFIGS, batch_gemm, batch_gemm_ref
+    from voltllm.kernels.batch_gemm import tma_supported
 
     configs = BATCH_CONFIGS if dtype == torch.float16 else (
         BATCH_CONFIGS[0], *[c for c in BATCH_CONFIGS if c[4] == 2][:1], *[c for c in BATCH_CONFIGS if c[4] == 4][:1])
     assert dtype == torch.float16 or [c[4] for c in configs] == [1, 2, 4]
+    # TMA tiles (sm_90+) where K keeps rows 16-byte aligned; an unaligned K would run their pointer fallback, which
+    # the CPU interpreter test covers (compiling it here too would cost minutes)
+    if tma_supported(torch.device("cuda")) and k % 8 == 0:
+        configs = (*configs, *(TMA_CONFIGS if dtype == torch.float16 else
+                               (TMA_CONFIGS[0], *[c for c in TMA_CONFIGS if c[4] > 1][:1])))
     _check_every_config(lambda x, w, b, cfg, silu_mul, out: batch_gemm(x, w, b, config=cfg, silu_mul=silu_mul,
                                                                         out=out),
                         batch_gemm_ref, configs, (16, 17, 48, 64), n, k, dtype, _variants(n, k))
@@ -100,7 +106,7 @@ def test_batch_gemm_split_k_in_graph_is_deterministic():
 
     g = torch.Generator(device="cuda").manual_seed(random.SystemRandom().randrange(1 << 30))
     for n, k, cfg in ((6144, 4096, (64, 128, 4, 4, 4)), (4096, 12288, (128, 128, 8, 3, 2)),
-                      (1000, 333, (32, 128, 4, 4, 2))):
+                      (1000, 333, (32, 128, 4, 4, 2)), (4096, 12288, (64, 128, 4, 6, 2, True))):
         w = torch.randn(n, k, dtype=torch.float16, device="cuda", generator=g) / k ** 0.5
         b = torch.randn(n, dtype=torch.float16, device="cuda", generator=g)
         x = torch.randn(64, k, dtype=torch.float16, device="cuda", generator=g)
@@ -150,9 +156,10 @@ def test_batch_tuned_model_matches_cublas():
 def test_pdl_prefetch_chain_in_graph(prefetch_k):
     """With programmatic dependent launch and the L2 weight prefetch before the wait (sm_90+): a chain where
     each GEMM reads the previous one's output, replayed from a CUDA graph, equals the fp32 reference chain;
-    shapes with masked edges and K shorter than the prefetch (clamped addresses). Outputs poisoned first."""
+    shapes with masked edges and K shorter than the prefetch (clamped addresses); the decode-batch GEMM with
+    pointer and with TMA loads. Outputs poisoned first."""
     from voltllm.kernels import pdl
-    from voltllm.kernels.batch_gemm import batch_gemm
+    from voltllm.kernels.batch_gemm import TMA_CONFIGS, batch_gemm
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90+")
@@ -161,7 +168,8 @@ def test_pdl_prefetch_chain_in_graph(prefetch_k):
     ws = [torch.randn(n, k, dtype=torch.float16, device="cuda", generator=g) / k ** 0.5
           for k, n in zip(dims[:-1], dims[1:])]
     for rows, gemm in ((1, lambda x, w, out: gemv(x, w, out=out, prefetch_k=prefetch_k)),
-                       (16, lambda x, w, out: batch_gemm(x, w, out=out))):
+                       (16, lambda x, w, out: batch_gemm(x, w, out=out)),
+                       (64, lambda x, w, out: batch_gemm(x, w, out=out, config=TMA_CONFIGS[-1]))):  # TMA, split-K
         x0 = torch.randn(rows, dims[0], dtype=torch.float16, device="cuda", generator=g)
         outs = [torch.empty(rows, n, dtype=torch.float16, device="cuda") for n in dims[1:]]
         try:

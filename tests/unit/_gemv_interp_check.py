@@ -81,8 +81,11 @@ for bad in (dict(silu_mul=True), dict(accumulate=True, out=torch.zeros(1, 4))):
 print("ok gated")
 
 # decode-batch GEMM (tl.dot, 16-64 rows): masked rows (17, 33), an odd N, K not a multiple of BLOCK_K, bias,
-# the silu*mul prologue, split-K; outputs poisoned with NaN first
-from voltllm.kernels.batch_gemm import batch_gemm, batch_gemm_ref  # noqa: E402
+# the silu*mul prologue, split-K; outputs poisoned with NaN first. TMA configs (sixth field True) run the tensor-
+# descriptor kernel where K keeps rows 16-byte aligned (K = 256 / 128 / 160) and the pointer kernel at K = 300.
+from voltllm.kernels.batch_gemm import _tma_aligned, batch_gemm, batch_gemm_ref  # noqa: E402
+
+tma_runs = 0
 
 for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, False), (64, 96, 160, True)):
     for dtype in (torch.float16,):  # (bf16: GPU only, the interpreter truncates fp32 -> bf16)
@@ -93,7 +96,8 @@ for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, F
             out = torch.full((m, n), float("nan"), dtype=dtype)
             # split-K: 2 and 3 slices (uneven, the last one short of BLOCK_K at k=300), 4 asked on fewer K tiles
             for cfg in ((32, 128, 4, 3, 1), (16, 64, 4, 1, 1), (64, 256, 4, 2, 1), (32, 64, 4, 1, 3),
-                        (16, 128, 4, 1, 2), (64, 128, 4, 1, 4)):
+                        (16, 128, 4, 1, 2), (64, 128, 4, 1, 4), (32, 128, 4, 2, 1, True), (64, 64, 4, 2, 3, True)):
+                tma_runs += len(cfg) == 6 and _tma_aligned(x, w, k)
                 out.fill_(float("nan"))
                 batch_gemm(x, w, b, config=cfg, silu_mul=silu_mul, out=out)
                 ref = batch_gemm_ref(x, w, b, silu_mul=silu_mul)
@@ -107,4 +111,5 @@ try:
     raise AssertionError("fp32 accepted")
 except ValueError:
     pass
+assert tma_runs == 12, tma_runs  # 3 aligned shapes x 2 variants x 2 TMA configs
 print("ok batch_gemm")

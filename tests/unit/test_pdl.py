@@ -6,8 +6,8 @@ import triton
 
 from voltllm.kernels.registry import REGISTRY
 
-DECODE_KERNELS = ("gemv.skinny", "gemm.decode_batch", "fused.rms_norm", "fused.qk_norm_rope", "fused.silu_and_mul",
-                  "attention.paged_decode", "attention.paged_decode_reduce")
+DECODE_KERNELS = ("gemv.skinny", "gemm.decode_batch", "gemm.decode_batch_tma", "fused.rms_norm",
+                  "fused.qk_norm_rope", "fused.silu_and_mul", "attention.paged_decode", "attention.paged_decode_reduce")
 
 
 def _ptx(fn, spec, pdl_on, **constexprs):
@@ -30,7 +30,7 @@ def test_decode_kernels_wait_then_release(name):
     on = _ptx(entry.fn, spec, True)
     body = on[on.index("griddepcontrol.wait"):]
     assert "griddepcontrol.launch_dependents" in body
-    first_global = min(i for i in (on.find("ld.global"), on.find("st.global")) if i >= 0)
+    first_global = min(i for i in (on.find("ld.global"), on.find("st.global"), on.find("cp.async.bulk")) if i >= 0)
     assert on.index("griddepcontrol.wait") < first_global
     assert "griddepcontrol" not in _ptx(entry.fn, spec, False)
 

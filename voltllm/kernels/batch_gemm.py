@@ -16,12 +16,17 @@ each program writes its fp32 partial to a workspace and bumps a per-tile counter
 sums the SPLIT_K partials in slice order (the result does not depend on which program finishes last), writes y
 and resets the counter to 0 for the next call. One kernel, no separate reduce launch (cuBLAS's split-K has one).
 
+TMA configs (a sixth config field, sm_90+ only): the same product with x and weight tiles moved by the copy engine
+through tensor descriptors (`_batch_gemm_tma_kernel`), which streams the 8B shapes' weights faster than pointer
+loads do; operands TMA cannot address (unaligned strides) run the pointer kernel with the same tile.
+
 Whether it beats cuBLAS for a shape and row count, and with which tile, is measured at start-up
 (voltllm.worker.skinny_tuning), not assumed: on sm_70/75 tl.dot runs on CUDA cores and cuBLAS wins.
 Reference: batch_gemm_ref (fp32 math).
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 import torch
@@ -68,6 +73,15 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
+    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M, BLOCK_N,
+                 SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias); with split-K, write it as this slice's partial
+    and let the last slice of the tile to arrive sum all partials in slice order and store that."""
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask_y = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -89,6 +103,30 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
             tl.atomic_xchg(COUNTERS + pid, 0)
 
 
+@triton.jit
+def _batch_gemm_tma_kernel(XD, UD, WD, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_ym,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
+    fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
+    as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        x = XD.load([0, k0])
+        if SILU_MUL:
+            g = x.to(tl.float32)
+            x = (g / (1.0 + tl.exp(-g)) * UD.load([0, k0]).to(tl.float32)).to(x.dtype)
+        w = WD.load([pid * BLOCK_N, k0])
+        acc = tl.dot(x, w.T, acc)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
+                 BLOCK_N, SPLIT_K, HAS_BIAS)
+
 def _specs() -> list[CompileSpec]:
     sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32",
            "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
@@ -103,12 +141,45 @@ def _specs() -> list[CompileSpec]:
 
 register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)  # native route only (runner)
 
+
+def _tma_specs() -> list[CompileSpec]:
+    sig = {"XD": "tensordesc<fp16[64, 128]>", "UD": "tensordesc<fp16[64, 128]>", "WD": "tensordesc<fp16[64, 128]>",
+           "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "k_per_split": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr",
+           "PDL": "constexpr"}
+    return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
+                              "SILU_MUL": s, "PDL": False}, f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} tma")
+            for sk, b, s in ((1, False, False), (2, True, True))]
+
+
+register_kernel("gemm.decode_batch_tma", _batch_gemm_tma_kernel, _tma_specs(), compat=False)  # sm_90+ only
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) candidates; start-up tuning times them per shape and row count.
 # 128x128-wide split tiles (8 warps) were tried at 0b86bb5 and never came closest to cuBLAS on the 8B shapes;
 # they are left out because each candidate costs start-up compile time (the batch tuner took 38 s there).
-CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+CONFIGS: tuple[tuple, ...] = (
     (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 64, 4, 5, 1), (16, 256, 4, 4, 1),
     (128, 64, 8, 4, 1), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 4, 3, 2))
+# TMA candidates (a sixth field, True), sm_90+: the best of a 70-tile sweep at 64 rows on the H200 (cold L2,
+# graph replays; benchmarks/results/tma-batch-gemm-sweep.txt): 4096x12288 28.7 us (pointer tiles 30.1, cuBLAS
+# 31.5), 4096x4096 11.4 (12.9 / 11.7), 6144x4096 15.8 (16.2 / 15.9), 24576x4096 51.3 (51.5 / 50.3).
+TMA_CONFIGS: tuple[tuple, ...] = (
+    (64, 128, 4, 6, 1, True), (32, 256, 4, 4, 1, True), (32, 128, 4, 6, 1, True), (64, 64, 4, 4, 1, True),
+    (64, 128, 4, 6, 2, True))
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether `device` has TMA (sm_90+) and this Triton has host tensor descriptors."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+
+
+def configs_for(device: torch.device) -> tuple[tuple, ...]:
+    """The candidates the start-up tuner times on `device`."""
+    return CONFIGS + (TMA_CONFIGS if tma_supported(device) else ())
+
 
 MAX_COUNTERS = 1 << 16  # output tiles a split-K call may have (N / BLOCK_N)
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -128,7 +199,7 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 
 def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               config: tuple[int, int, int, int, int] = CONFIGS[0], silu_mul: bool = False,
+               config: tuple = CONFIGS[0], silu_mul: bool = False,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up."""
@@ -140,7 +211,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
             or x.dtype not in (torch.float16, torch.bfloat16)):  # fp32 tl.dot would round through tf32
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          f"(silu_mul={silu_mul}) not supported")
-    block_n, block_k, warps, stages, split = config
+    block_n, block_k, warps, stages, split, *tma = config
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     block_m = max(16, triton.next_power_of_2(m))
     k_tiles = triton.cdiv(k, block_k)
@@ -156,12 +227,29 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         counters = _split_counters(x.device)
     else:
         ws = counters = out
-    _batch_gemm_kernel[(n_tiles, split)](
-        x, w, bias if bias is not None else w, out, ws, counters, m, n, k, tiles_per_split * block_k,
-        x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
-        num_warps=warps, num_stages=stages, **pdl.launch_options())
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
+                SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.launch_options())
+    b = bias if bias is not None else w
+    if tma and tma[0] and _tma_aligned(x, w, k):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor.from_tensor(x[:, :k], [block_m, block_k])
+        ud = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if silu_mul else xd
+        wd = TensorDescriptor.from_tensor(w, [block_n, block_k])
+        _batch_gemm_tma_kernel[(n_tiles, split)](xd, ud, wd, b, out, ws, counters, m, n, k, tiles_per_split * block_k,
+                                                 out.stride(0), **meta)
+    else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
+        _batch_gemm_kernel[(n_tiles, split)](
+            x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
+            EVEN_K=k % block_k == 0, **meta)
     return out
+
+
+def _tma_aligned(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """TMA needs 16-byte aligned bases and row strides; with silu_mul the up half of x starts K elements in."""
+    es = x.element_size()
+    return (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0
+            and (w.stride(0) * es) % 16 == 0 and (k * es) % 16 == 0)
 
 
 def batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -236,7 +236,7 @@ BATCH_MIN_WEIGHT_BYTES = 4 << 20  # smaller weights are launch-bound at any row 
 def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple[int, int, int], object]:
     """Set `batch_gemm[rows]` on every unquantized Linear of at least BATCH_MIN_WEIGHT_BYTES where the
     decode-batch Triton GEMM beats cuBLAS at that row count (rows in [MIN_ROWS, MAX_ROWS])."""
-    from voltllm.kernels.batch_gemm import CONFIGS, MAX_ROWS, MIN_ROWS, batch_gemm
+    from voltllm.kernels.batch_gemm import MAX_ROWS, MIN_ROWS, batch_gemm, configs_for
 
     rows_list = [r for r in row_counts if MIN_ROWS <= r <= MAX_ROWS]
     decisions = {}
@@ -245,8 +245,9 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
         if n * k * mods[0].weight.element_size() < BATCH_MIN_WEIGHT_BYTES or not rows_list:
             continue
         weights = _rotation([m.weight for m in mods])
+        configs = configs_for(weights[0].device)
         for rows in rows_list:
-            x, t_lib, best, t_tri, fused, note, _ = _time_group(weights, k, silu, rows, CONFIGS, batch_gemm, "GEMM")
+            x, t_lib, best, t_tri, fused, note, _ = _time_group(weights, k, silu, rows, configs, batch_gemm, "GEMM")
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
             # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +
