@@ -251,6 +251,16 @@ case $stage in
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
       --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
     ;;
+  s14)  # (session 8) TMA tiles' stage clamp tests; 64 concurrent as tuned, then with the PDL credit in the batch
+        # tuner (.scratch/bench_credit.py, carried: an experiment, not a project file)
+    gpu_file test_gemv_cuda 200 -k "batch_gemm_real_shapes and (4096-12288 or 4096-4096)" --durations=3
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha
+    python3 .scratch/bench_credit.py bench --commit "$sha" --output-dir "$out" --random-weights qwen3-8b-shape \
+      --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --profile \
+      --profile-steps 10 --name qwen3-8b-shape-fp16-c64-pdlcredit-$sha 2>&1 | grep -v -i warn \
+      | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90
+    ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
            # together only if they fit the call's 64 MiB (they do not: the SmolLM2 tests then skip)

@@ -227,6 +227,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         counters = _split_counters(x.device)
     else:
         ws = counters = out
+    stages = _fitting_stages(x.device, stages, block_m, block_n, block_k, x.element_size(), silu_mul)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
                 SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.launch_options())
     b = bias if bias is not None else w
@@ -243,6 +244,28 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
             x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
             EVEN_K=k % block_k == 0, **meta)
     return out
+
+
+def _fitting_stages(device: torch.device, stages: int, block_m: int, block_n: int, block_k: int, itemsize: int,
+                    silu_mul: bool) -> int:
+    """`stages`, lowered until the pipeline's buffers fit the device's shared memory: Triton keeps stages - 1 tiles
+    of x (and of up, with silu_mul) and of the weight, plus the fp32 output tile for the epilogue. The silu*mul
+    variant of a deep tile would otherwise not launch (the start-up tuner would drop the config)."""
+    if device.type != "cuda":
+        return stages
+    limit = _smem_limit(device)
+    per_stage = (block_m * block_k * (2 if silu_mul else 1) + block_n * block_k) * itemsize
+    fit = 1 + (limit - block_m * block_n * 4) // per_stage
+    return max(1, min(stages, fit))
+
+
+_smem: dict[torch.device, int] = {}
+
+
+def _smem_limit(device: torch.device) -> int:
+    if device not in _smem:
+        _smem[device] = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return _smem[device]
 
 
 def _tma_aligned(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
