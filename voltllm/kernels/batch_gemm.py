@@ -162,7 +162,7 @@ CONFIGS: tuple[tuple, ...] = (
     (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 64, 4, 5, 1), (16, 256, 4, 4, 1),
     (128, 64, 8, 4, 1), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 4, 3, 2))
 # TMA candidates (a sixth field, True), sm_90+: the best of a 70-tile sweep at 64 rows on the H200 (cold L2,
-# graph replays; benchmarks/results/tma-batch-gemm-sweep.txt): 4096x12288 28.7 us (pointer tiles 30.1, cuBLAS
+# graph replays; benchmarks/results/batch-gemm-sweep-217862e.txt): 4096x12288 28.7 us (pointer tiles 30.1, cuBLAS
 # 31.5), 4096x4096 11.4 (12.9 / 11.7), 6144x4096 15.8 (16.2 / 15.9), 24576x4096 51.3 (51.5 / 50.3).
 TMA_CONFIGS: tuple[tuple, ...] = (
     (64, 128, 4, 6, 1, True), (32, 256, 4, 4, 1, True), (32, 128, 4, 6, 1, True), (64, 64, 4, 4, 1, True),
