@@ -127,6 +127,7 @@ def _batch_gemm_tma_kernel(XD, UD, WD, B, Y, WS, COUNTERS, M, N, K, k_per_split,
     _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
                  BLOCK_N, SPLIT_K, HAS_BIAS)
 
+
 def _specs() -> list[CompileSpec]:
     sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32",
            "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
@@ -161,9 +162,10 @@ register_kernel("gemm.decode_batch_tma", _batch_gemm_tma_kernel, _tma_specs(), c
 CONFIGS: tuple[tuple, ...] = (
     (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (32, 256, 4, 3, 1), (64, 64, 4, 5, 1), (16, 256, 4, 4, 1),
     (128, 64, 8, 4, 1), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 4, 3, 2))
-# TMA candidates (a sixth field, True), sm_90+: the best of a 70-tile sweep at 64 rows on the H200 (cold L2,
-# graph replays; benchmarks/results/batch-gemm-sweep-217862e.txt): 4096x12288 28.7 us (pointer tiles 30.1, cuBLAS
-# 31.5), 4096x4096 11.4 (12.9 / 11.7), 6144x4096 15.8 (16.2 / 15.9), 24576x4096 51.3 (51.5 / 50.3).
+# TMA candidates (a sixth field, True), sm_90+: the fastest of a tile sweep at 64 rows on the H200 (cold L2, graph
+# replays; benchmarks/micro/batch_gemm_sweep.py, results/batch-gemm-sweep-217862e.txt), best TMA / pointer tile /
+# cuBLAS: 4096x12288 28.4 / 30.3 / 31.4 us, 4096x4096 11.2 / 12.7 / 11.5, 6144x4096 15.8 / 16.2 / 15.9,
+# 24576x4096 51.0 / 51.1 / 50.2.
 TMA_CONFIGS: tuple[tuple, ...] = (
     (64, 128, 4, 6, 1, True), (32, 256, 4, 4, 1, True), (32, 128, 4, 6, 1, True), (64, 64, 4, 4, 1, True),
     (64, 128, 4, 6, 2, True))
