@@ -51,7 +51,12 @@ gpu_file() {  # gpu_file NAME TIMEOUT [pytest args]: one GPU test file, full log
   timeout "$t" python3 -m pytest -q -m gpu "tests/gpu/$f.py" -p no:cacheprovider -rf "$@" > "$out/$f.txt" 2>&1
   echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
 }
-bench() { python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90; }
+bench_via() {  # bench_via ENTRY [bench args]: `ENTRY bench ...` (ENTRY word-split), the table and tuner lines kept
+  local entry=$1; shift
+  $entry bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn \
+    | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90
+}
+bench() { bench_via "python3 -m voltllm.cli" "$@"; }
 decode_b1_pair() {  # 8B batch 1 with a per-kernel profile, then SmolLM2's shape at batch 1
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
@@ -256,10 +261,9 @@ case $stage in
     gpu_file test_gemv_cuda 200 -k "batch_gemm_real_shapes and (4096-12288 or 4096-4096)" --durations=3
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
       --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha
-    python3 .scratch/bench_credit.py bench --commit "$sha" --output-dir "$out" --random-weights qwen3-8b-shape \
-      --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --profile \
-      --profile-steps 10 --name qwen3-8b-shape-fp16-c64-pdlcredit-$sha 2>&1 | grep -v -i warn \
-      | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90
+    bench_via "python3 .scratch/bench_credit.py" --random-weights qwen3-8b-shape --dtype half --scenario concurrency \
+      --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --profile --profile-steps 10 \
+      --name qwen3-8b-shape-fp16-c64-pdlcredit-$sha
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
