@@ -109,6 +109,8 @@ def test_profile_end_to_end_on_cpu(tmp_path):
         assert p["context_len_at_start"] >= 14  # decoding when the windows start
         assert p["wall_us_per_step"] > 0 and p["wall_us_per_step_profiled"] > 0
         assert p["kernels"] == [] and p["gpu_busy_us_per_step"] is None  # the CPU has no GPU kernels
+        pp = p["prompt_phase"]  # profiled on its own: every step until each request had its first token
+        assert pp["steps"] == 1 and 1 <= pp["engine_steps"] <= 3 and pp["wall_us_per_step"] > 0
 
 
 def test_profile_needs_the_engine_in_process():

@@ -163,6 +163,20 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
                 if o.finished:
                     raise RuntimeError(f"profile request {o.request_id} finished early ({o.finish_reason})")
 
+    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with tempfile.TemporaryDirectory(prefix="voltllm-profile-") as tmp:
+        # the prompt phase: every step until each request has its first token
+        with profile(activities=acts) as prof:
+            t = time.perf_counter()
+            prompt_steps = 0
+            while min(counts.values()) < 1:
+                if prompt_steps >= 1000:
+                    raise RuntimeError("the profile requests produced no first token")
+                step()
+                prompt_steps += 1
+            _sync(device)
+            wall_prompt = time.perf_counter() - t
+        prompt_trace = _trace(prof, tmp)
     for _ in range(100 * (pre + 8) + 1000):
         if min(counts.values()) >= pre:
             break
@@ -176,7 +190,6 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
         step()
     _sync(device)
     wall = time.perf_counter() - t
-    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with tempfile.TemporaryDirectory(prefix="voltllm-profile-") as tmp:
         with profile(activities=acts) as prof:
             t = time.perf_counter()
@@ -184,16 +197,24 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
                 step()
             _sync(device)
             wall_prof = time.perf_counter() - t
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
+        trace = _trace(prof, tmp)
     engine.abort_requests(list(counts))
     _drain(engine)
     out = {"scenario": plan.scenario, "concurrency": plan.concurrency, "input_len": plan.input_len,
            "output_len": plan.output_len, "context_len_at_start": context}
     out.update(summarize(gpu_events(trace), steps, wall, wall_prof, launch_counts(trace)))
+    # the prompt phase as one unit (its figures are per phase, not per engine step); profiled wall time only
+    out["prompt_phase"] = {"engine_steps": prompt_steps,
+                           **summarize(gpu_events(prompt_trace), 1, wall_prompt, wall_prompt,
+                                       launch_counts(prompt_trace))}
     return out
+
+
+def _trace(prof: Any, tmp: str) -> dict:
+    path = os.path.join(tmp, f"trace-{time.monotonic_ns()}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return json.load(f)
 
 
 def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, steps: int, temperature: float = 0.0,
@@ -236,6 +257,22 @@ def _f(v: Optional[float], spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _kernel_table(kernels: list[dict], top: int, unit: str) -> list[str]:
+    if not kernels:
+        return ["  (no GPU activity recorded: a CPU run, or the profiler could not trace the GPU)"]
+    rows = [(r["short"], _f(r["calls_per_step"], ".1f"), _f(r["excl_us_per_step"]), _f(r["excl_pct"], ".1%"),
+             _f(r["us_per_step"])) for r in kernels[:top]]
+    rest = kernels[top:]
+    if rest:
+        rows.append((f"({len(rest)} more)", _f(sum(r["calls_per_step"] for r in rest), ".1f"),
+                     _f(sum(r["excl_us_per_step"] for r in rest)),
+                     _f(sum(r["excl_pct"] or 0 for r in rest), ".1%"), _f(sum(r["us_per_step"] for r in rest))))
+    head = ("kernel", f"calls/{unit}", f"exclusive us/{unit}", "% busy", f"as recorded us/{unit}")
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return (["  " + "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+            + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows])
+
+
 def format_profiles(profiles: list[dict], top: int = 15) -> str:
     lines = []
     for p in profiles:
@@ -247,18 +284,12 @@ def format_profiles(profiles: list[dict], top: int = 15) -> str:
                      f"{_f(p['gpu_idle_us_per_step'])} us/step), "
                      f"{_f(p['kernels_per_step'], '.0f')} GPU ops/step" + (f"; launches/step: {launches}"
                                                                              if launches else ""))
-        if not p["kernels"]:
-            lines.append("  (no GPU activity recorded: a CPU run, or the profiler could not trace the GPU)")
-            continue
-        rows = [(r["short"], _f(r["calls_per_step"], ".1f"), _f(r["excl_us_per_step"]), _f(r["excl_pct"], ".1%"),
-                 _f(r["us_per_step"])) for r in p["kernels"][:top]]
-        rest = p["kernels"][top:]
-        if rest:
-            rows.append((f"({len(rest)} more)", _f(sum(r["calls_per_step"] for r in rest), ".1f"),
-                         _f(sum(r["excl_us_per_step"] for r in rest)),
-                         _f(sum(r["excl_pct"] or 0 for r in rest), ".1%"), _f(sum(r["us_per_step"] for r in rest))))
-        head = ("kernel", "calls/step", "exclusive us/step", "% busy", "as recorded us/step")
-        widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines += _kernel_table(p["kernels"], top, "step")
+        pp = p.get("prompt_phase")
+        if pp:
+            lines.append(f"  prompt phase ({p['concurrency']} x {p['input_len']} tokens, {pp['engine_steps']} engine "
+                         f"steps, under the profiler): wall {_f(pp['wall_us_per_step'] / 1e3, '.2f')} ms, GPU busy "
+                         f"{_f(pp['gpu_busy_us_per_step'] / 1e3 if pp['gpu_busy_us_per_step'] is not None else None, '.2f')}"
+                         f" ms, {_f(pp['kernels_per_step'], '.0f')} GPU ops")
+            lines += _kernel_table(pp["kernels"], top, "phase")
     return "\n".join(lines)
