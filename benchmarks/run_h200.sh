@@ -35,6 +35,7 @@
 #   s11      (session 7) the sampler GPU test and 64 concurrent at the session's last commit
 #   s12      (session 8) the stream-K branch: its GEMM tests, 16 / 64 concurrent with profiles
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
+#   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -264,6 +265,21 @@ case $stage in
     bench_via "python3 .scratch/bench_credit.py" --random-weights qwen3-8b-shape --dtype half --scenario concurrency \
       --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --profile --profile-steps 10 \
       --name qwen3-8b-shape-fp16-c64-pdlcredit-$sha
+    ;;
+  s15)  # (session 9) KV prefetch before the PDL wait in paged decode: its GPU tests, the chain micro, 64 concurrent
+        # with profiles (prompt phase too) as committed, then without the KV prefetch and with a batch-GEMM weight
+        # prefetch (.scratch/bench_set.py, carried: sets module constants before the engine starts)
+    gpu_file test_attention_kernels 150 -k "pdl_kv_prefetch or graph_decode or test_decode"
+    gpu_file test_gemv_cuda 120 -k "pdl_prefetch"
+    timeout 100 python3 benchmarks/micro/attn_prefetch_chain.py > "$out/attn-prefetch-chain.txt" 2>&1
+    cat "$out/attn-prefetch-chain.txt" | tail -25
+    c64="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128
+      --output-len 128 --num-warm 2"
+    bench $c64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha
+    bench_via "python3 .scratch/bench_set.py voltllm.kernels.attention.paged_decode:KV_PREFETCH_TOKENS=0 --" $c64 \
+      --name qwen3-8b-shape-fp16-c64-nokvprefetch-$sha
+    bench_via "python3 .scratch/bench_set.py voltllm.kernels.batch_gemm:BATCH_PREFETCH_K=512 --" $c64 \
+      --name qwen3-8b-shape-fp16-c64-gemmprefetch512-$sha
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -146,6 +146,69 @@ def test_cuda_graph_decode_matches_eager():
     assert H.rel_err(static_out.cpu(), ref2) < TOL[dtype]
 
 
+@pytest.mark.parametrize("prefetch", [64, 256])
+def test_pdl_kv_prefetch_after_rope_in_graph(prefetch):
+    """Paged decode with PDL and the KV prefetch before its wait (sm_90+), right after the RoPE launch that writes
+    q and the newest K/V into the cache, replayed from a CUDA graph: equal, bit for bit, to the same chain with
+    PDL off (launched eagerly), which matches the torch reference. Contexts shorter and longer than the prefetch,
+    page boundaries, split-KV; output poisoned before each run."""
+    from voltllm.attention.backend import CacheWrite
+    from voltllm.kernels import pdl
+    from voltllm.kernels.attention.paged_decode import decode_scratch_numel, paged_decode
+    from voltllm.kernels.fused import rope_inplace
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90+")
+    hq, hkv, d = 32, 8, 128
+    case = H.make_case([(1, 1), (16, 1), (17, 1), (190, 1), (257, 1), (1500, 1)], hq, hkv, d, 16, torch.float16,
+                       device=DEV, seed=_seed(f"pdl prefetch {prefetch}"))
+    m = case.meta
+    n = m.num_tokens
+    pos = (m.seq_lens.long() - 1)[:n]
+    ang = torch.arange(4096, device=DEV)[:, None] * (1e-4 ** (torch.arange(d // 2, device=DEV) / (d // 2)))[None]
+    cos, sin = ang.cos(), ang.sin()
+    cache0 = case.kv_cache.clone()
+    q, k, cache = case.q.clone(), case.k.clone(), case.kv_cache.clone()
+    out = torch.empty_like(q)
+    splits = 3
+    no, nl = decode_scratch_numel(n, hq, splits, d)
+    po, pl = torch.empty(no, device=DEV), torch.empty(nl, device=DEV)
+
+    def step(pf):
+        q.copy_(case.q)
+        k.copy_(case.k)
+        cache.copy_(cache0)
+        rope_inplace(q[:n], k[:n], pos, cos, sin, d, cache_write=CacheWrite(case.v[:n], cache, m.slot_mapping))
+        for sp, o in ((1, out[:, :hq // 2]), (splits, out[:, hq // 2:])):  # no split, and split-KV
+            paged_decode(q[:, :hq // 2] if sp == 1 else q[:, hq // 2:], cache if sp == 1 else cache[..., hkv // 2:, :],
+                         m.block_tables, m.seq_lens, m.query_start_loc, case.scale, o, num_splits=sp,
+                         part_o=po, part_lse=pl, prefetch_tokens=pf)
+
+    out.fill_(float("nan"))
+    step(0)  # PDL off: plain launches
+    plain = out.clone()
+    qr, kr = case.q.clone(), case.k.clone()
+    from voltllm.kernels.fused import rope_inplace_ref
+    rope_inplace_ref(qr[:n], kr[:n], pos, cos, sin, d)
+    ref_case = H.Case(qr, kr, case.v, cache0.clone(), m, case.scale)
+    ref, _ = H.reference(ref_case)
+    assert H.rel_err(plain[:n].cpu(), ref) < TOL[torch.float16]
+    try:
+        pdl.configure(True)
+        step(prefetch)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step(prefetch)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain)
+    finally:
+        pdl.configure(False)
+
+
 # --- timing prints -----------------------------------------------------------------------------
 
 def _graph_time_us(fn, reps: int = 20) -> float:

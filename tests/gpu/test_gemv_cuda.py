@@ -168,8 +168,9 @@ def test_pdl_prefetch_chain_in_graph(prefetch_k):
     ws = [torch.randn(n, k, dtype=torch.float16, device="cuda", generator=g) / k ** 0.5
           for k, n in zip(dims[:-1], dims[1:])]
     for rows, gemm in ((1, lambda x, w, out: gemv(x, w, out=out, prefetch_k=prefetch_k)),
-                       (16, lambda x, w, out: batch_gemm(x, w, out=out)),
-                       (64, lambda x, w, out: batch_gemm(x, w, out=out, config=TMA_CONFIGS[-1]))):  # TMA, split-K
+                       (16, lambda x, w, out: batch_gemm(x, w, out=out, prefetch_k=prefetch_k)),
+                       (64, lambda x, w, out: batch_gemm(x, w, out=out, config=TMA_CONFIGS[-1],  # TMA, split-K
+                                                         prefetch_k=prefetch_k))):
         x0 = torch.randn(rows, dims[0], dtype=torch.float16, device="cuda", generator=g)
         outs = [torch.empty(rows, n, dtype=torch.float16, device="cuda") for n in dims[1:]]
         try:

@@ -1,6 +1,7 @@
 """Programmatic dependent launch (voltllm/kernels/pdl.py): the decode kernels compiled for sm_90 with PDL on
-carry griddepcontrol.wait before their first global access and let their successor launch; with PDL off
-(the registry's specs, which the sm_70/75 gate compiles) they carry none; the CPU engine leaves it off."""
+carry griddepcontrol.wait before their first global access and let their successor launch (paged decode
+attention reads the step's inputs, sequence lengths and block tables, before it: no kernel writes them); with PDL
+off (the registry's specs, which the sm_70/75 gate compiles) they carry none; the CPU engine leaves it off."""
 import pytest
 import triton
 
@@ -8,6 +9,8 @@ from voltllm.kernels.registry import REGISTRY
 
 DECODE_KERNELS = ("gemv.skinny", "gemm.decode_batch", "gemm.decode_batch_tma", "fused.rms_norm",
                   "fused.qk_norm_rope", "fused.silu_and_mul", "attention.paged_decode", "attention.paged_decode_reduce")
+
+READ_INPUTS_BEFORE_WAIT = ("attention.paged_decode",)
 
 
 def _ptx(fn, spec, pdl_on, **constexprs):
@@ -30,14 +33,28 @@ def test_decode_kernels_wait_then_release(name):
     on = _ptx(entry.fn, spec, True)
     body = on[on.index("griddepcontrol.wait"):]
     assert "griddepcontrol.launch_dependents" in body
-    first_global = min(i for i in (on.find("ld.global"), on.find("st.global"), on.find("cp.async.bulk")) if i >= 0)
+    loads = ("st.global", "cp.async.bulk") if name in READ_INPUTS_BEFORE_WAIT else ("ld.global", "st.global",
+                                                                                    "cp.async.bulk")
+    first_global = min(i for i in (on.find(op) for op in loads) if i >= 0)
     assert on.index("griddepcontrol.wait") < first_global
     assert "griddepcontrol" not in _ptx(entry.fn, spec, False)
 
 
-@pytest.mark.parametrize("name", ("gemv.skinny",))
+def test_decode_attention_prefetches_kv_before_waiting():
+    import voltllm.kernels.attention  # noqa: F401  (registers)
+    entry = REGISTRY["attention.paged_decode"]
+    for spec in entry.specs[:2]:  # the FMA and the tl.dot route
+        assert spec.constexprs["PREFETCH_N"] == 0
+        on = _ptx(entry.fn, spec, True, PREFETCH_N=128)
+        wait = on.index("griddepcontrol.wait")
+        assert 0 <= on.find("prefetch.global.L2") < wait and "prefetch" not in on[wait:]
+        assert "prefetch" not in _ptx(entry.fn, spec, True)  # PREFETCH_N 0
+
+
+@pytest.mark.parametrize("name", ("gemv.skinny", "gemm.decode_batch", "gemm.decode_batch_tma"))
 def test_gemms_prefetch_weights_before_waiting(name):
-    import voltllm.kernels.gemv  # noqa: F401  (registers)
+    import voltllm.kernels.batch_gemm  # noqa: F401  (registers)
+    import voltllm.kernels.gemv  # noqa: F401
     entry = REGISTRY[name]
     spec = entry.specs[0]
     assert spec.constexprs["PREFETCH_K"] == 0

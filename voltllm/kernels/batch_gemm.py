@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels import pdl
-from voltllm.kernels.pdl import pdl_enter
+from voltllm.kernels.pdl import pdl_enter, prefetch_rows_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 MIN_ROWS, MAX_ROWS = 16, 64
@@ -43,13 +43,16 @@ MIN_ROWS, MAX_ROWS = 16, 64
 @triton.jit
 def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+                       PREFETCH_K: tl.constexpr):
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH_K > 0:  # PDL: the weight does not depend on the predecessor; its first lines may come early
+        prefetch_rows_l2(W + k_start, offs_n, N, stride_wn, K - k_start, PREFETCH_K)
+    pdl_enter(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -104,16 +107,20 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N
 
 
 @triton.jit
-def _batch_gemm_tma_kernel(XD, UD, WD, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_ym,
+def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_wn, stride_ym,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+                           PREFETCH_K: tl.constexpr):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
-    as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's."""
-    pdl_enter(PDL)
+    as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
+    weight as a pointer, for the L2 prefetch before the PDL wait)."""
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH_K > 0:
+        prefetch_rows_l2(W + k_start, pid * BLOCK_N + tl.arange(0, BLOCK_N), N, stride_wn, K - k_start, PREFETCH_K)
+    pdl_enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         x = XD.load([0, k0])
@@ -132,9 +139,10 @@ def _specs() -> list[CompileSpec]:
     sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32",
            "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
-           "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "SILU_MUL": "constexpr", "PDL": "constexpr"}
+           "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "SILU_MUL": "constexpr", "PDL": "constexpr",
+           "PREFETCH_K": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "HAS_BIAS": b, "EVEN_K": e,
-                              "SILU_MUL": s, "PDL": False},
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0},
                         f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s}")
             for m, n, k, sk, b, e, s in ((64, 32, 128, 1, False, True, False), (32, 64, 64, 1, True, False, True),
                                          (64, 64, 128, 4, True, False, False))]
@@ -145,12 +153,13 @@ register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)
 
 def _tma_specs() -> list[CompileSpec]:
     sig = {"XD": "tensordesc<fp16[64, 128]>", "UD": "tensordesc<fp16[64, 128]>", "WD": "tensordesc<fp16[64, 128]>",
-           "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32", "N": "i32", "K": "i32",
-           "k_per_split": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr",
-           "PDL": "constexpr"}
+           "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "k_per_split": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
+           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
-                              "SILU_MUL": s, "PDL": False}, f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} tma")
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0},
+                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} tma")
             for sk, b, s in ((1, False, False), (2, True, True))]
 
 
@@ -200,11 +209,17 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return c
 
 
+# With PDL, the weight elements per row each program prefetches into L2 before it waits for its predecessor
+# (a power of two >= 64, or 0 for none).
+BATCH_PREFETCH_K = 0
+
+
 def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                config: tuple = CONFIGS[0], silu_mul: bool = False,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
-    [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up."""
+    [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
+    prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0]
@@ -231,7 +246,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         ws = counters = out
     stages = _fitting_stages(x.device, stages, block_m, block_n, block_k, x.element_size(), silu_mul)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
-                SILU_MUL=silu_mul, num_warps=warps, num_stages=stages, **pdl.launch_options())
+                SILU_MUL=silu_mul, num_warps=warps, num_stages=stages,
+                **pdl.gemm_launch_options(BATCH_PREFETCH_K if prefetch_k is None else prefetch_k))
     b = bias if bias is not None else w
     if tma and tma[0] and _tma_aligned(x, w, k):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -239,8 +255,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         xd = TensorDescriptor.from_tensor(x[:, :k], [block_m, block_k])
         ud = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if silu_mul else xd
         wd = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        _batch_gemm_tma_kernel[(n_tiles, split)](xd, ud, wd, b, out, ws, counters, m, n, k, tiles_per_split * block_k,
-                                                 out.stride(0), **meta)
+        _batch_gemm_tma_kernel[(n_tiles, split)](xd, ud, wd, w, b, out, ws, counters, m, n, k,
+                                                 tiles_per_split * block_k, w.stride(0), out.stride(0), **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](
             x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),

@@ -34,7 +34,7 @@ def profile_activation_bytes(runner) -> int:
         query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
     ids = torch.zeros(n, dtype=torch.long, device=dev)
     hidden = runner.model(ids, torch.arange(n, device=dev), ForwardContext(meta, caches, runner.backend))
-    runner.model.compute_logits(hidden[-min(n, sc.max_num_seqs):])
+    runner.model.compute_logits(hidden[-min(n, sc.max_num_seqs):]).float()  # + the sampler's fp32 copy
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
     del caches, hidden

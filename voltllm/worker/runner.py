@@ -384,7 +384,7 @@ class ModelRunner:
         req = s.request
         last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)  # rows predicting prompt tokens
         n = last - s.start
-        lp = self.model.compute_logits(hidden[:n]).log_softmax(dim=-1)
+        lp = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
         targets = torch.tensor(req.prompt_token_ids[s.start + 1:last + 1], device=lp.device)
         chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
         k = req.sampling_params.prompt_logprobs

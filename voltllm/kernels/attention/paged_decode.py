@@ -22,7 +22,7 @@ import triton.language as tl
 
 from voltllm.kernels import pdl
 from voltllm.kernels.fp8_codec import fp8_to_fp16
-from voltllm.kernels.pdl import pdl_enter
+from voltllm.kernels.pdl import pdl_enter, prefetch_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 LOG2E = 1.4426950408889634
@@ -49,6 +49,25 @@ def _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk,
 
 
 @triton.jit
+def _prefetch_kv_l2(KV, bt_row, start, end, n, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """L2 prefetch hints for the K and V rows of context positions [start, end) of one kv head: every 128-byte
+    line of each row. A hint only (no registers, no ordering), and L2 is the point of coherence, so a line the
+    predecessor is still writing (the newest token) is never read stale afterwards."""
+    LINE: tl.constexpr = 1024 // KV.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+    cols = tl.minimum(tl.arange(0, triton.next_power_of_2(LINES)) * LINE, HEAD_DIM - 1)
+    BLOCK: tl.constexpr = n.shape[0]
+    for n0 in range(start, end, BLOCK):
+        pos = n0 + n
+        blk = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)  # masked rows: block 0's lines
+        rows = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+        ptrs = KV + rows[:, None] + cols[None, :]
+        prefetch_l2(ptrs)
+        prefetch_l2(ptrs + stride_c_kv)
+
+
+@triton.jit
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     qk_scale,  # softmax scale * log2(e)
@@ -59,15 +78,17 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_N: tl.constexpr,
 ):
-    pdl_enter(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     DT: tl.constexpr = Q.dtype.element_ty
-    if KV_FMT >= 0:  # fp8 cache: s = q . (decode(k) * k_scale) = (q . decode(k)) * k_scale
-        qk_scale = qk_scale * tl.load(KScale)
-
+    n = tl.arange(0, BLOCK_N)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    head_off = kvh * stride_c_head
+    # seq_lens, query_start_loc and the block tables are the step's inputs (uploaded before its first kernel), so
+    # they may be read before the PDL wait; q and the newest K/V come from the predecessor, so only after it
     seq_len = tl.load(SeqLens + seq)
     q_start = tl.load(QueryStartLoc + seq)
     q_end = tl.load(QueryStartLoc + seq + 1)
@@ -79,6 +100,12 @@ def _paged_decode_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     end = tl.where(has_row, end, 0)
+    if PREFETCH_N > 0:  # PDL: pull the slice's first KV lines into L2 while the predecessor (RoPE) finishes
+        _prefetch_kv_l2(KV, bt_row, start, tl.minimum(end, start + PREFETCH_N), n, stride_c_kv, stride_c_blk,
+                        stride_c_slot, head_off, HEAD_DIM, PAGE)
+    pdl_enter(PDL)
+    if KV_FMT >= 0:  # fp8 cache: s = q . (decode(k) * k_scale) = (q . decode(k)) * k_scale
+        qk_scale = qk_scale * tl.load(KScale)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -89,10 +116,6 @@ def _paged_decode_kernel(
                 mask=g_mask[:, None] & d_mask[None, :] & has_row, other=0.0)
     if not USE_DOT:
         q = q.to(tl.float32) * qk_scale
-
-    n = tl.arange(0, BLOCK_N)
-    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
-    head_off = kvh * stride_c_head
     if LANES:
         # FMA route, one online softmax per (head, lane n): no cross-warp reduction inside the loop;
         # the BLOCK_N lanes are merged once at the end (like split-KV partitions).
@@ -219,7 +242,7 @@ def _specs():
                        "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
-                       "KV_FMT": "constexpr", "PDL": "constexpr"}
+                       "KV_FMT": "constexpr", "PDL": "constexpr", "PREFETCH_N": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
@@ -227,7 +250,7 @@ def _specs():
                         "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
                         "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
                         "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt,
-                        "PDL": False},
+                        "PDL": False, "PREFETCH_N": 0},
                         label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
@@ -255,6 +278,10 @@ register_kernel("attention.paged_decode_reduce", _decode_reduce_kernel, _reduce_
 # On the H200 both read 0.4-0.66 TB/s (docs/kernels.md); per-row is as fast and simpler.
 FMA_LANES_DEFAULT = False
 MIN_TOKENS_PER_SPLIT = 256
+# With PDL, each program prefetches the K/V lines of its first this-many positions into L2 before waiting for RoPE
+# (which writes q and the newest K/V): at 64 sequences x ~200 tokens that is the whole context (~51 MB per layer at
+# 8 kv heads x 128) while the predecessor leaves HBM idle.
+KV_PREFETCH_TOKENS = 256
 MAX_SPLITS = 64
 
 
@@ -291,7 +318,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
                  use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
                  num_warps: int = 4, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, num_stages: int | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, num_stages: int | None = None,
+                 prefetch_tokens: int | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -300,7 +328,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     q/out: [T, num_heads, head_dim] (last dim contiguous). Sequences with an empty query range write
     nothing. With num_splits > 1, part_o / part_lse are fp32 scratch buffers with at least
     decode_scratch_numel(...) elements. use_dot: tl.dot inner products (tensor cores); otherwise CUDA-core
-    FMA, with fma_lanes choosing the per-lane online softmax variant.
+    FMA, with fma_lanes choosing the per-lane online softmax variant. prefetch_tokens: with PDL on, each program
+    asks for the K/V lines of this many of its first context positions before it waits for its predecessor
+    (None: KV_PREFETCH_TOKENS; 0: none; without PDL never, as there is nothing to overlap).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     num_seqs = seq_lens.shape[0]
@@ -326,6 +356,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     else:
         part_o = part_lse = out  # unused
     ieee = q.dtype == torch.float32
+    launch = pdl.launch_options()
+    prefetch = (KV_PREFETCH_TOKENS if prefetch_tokens is None else prefetch_tokens) if launch["PDL"] else 0
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache, out, part_o, part_lse, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
         scale * LOG2E,
@@ -335,7 +367,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(),
+        PREFETCH_N=triton.cdiv(prefetch, block_n) * block_n,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -164,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.tie else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.logits_weight, skinny=self.logits_skinny).float()
+        """Logits in the model's dtype: a greedy batch takes their argmax as they are; the sampler widens them to
+        fp32 where it computes on them (an fp32 copy of 64 x 152K logits costs ~15 us per decode step)."""
+        return linear(hidden, self.logits_weight, skinny=self.logits_skinny)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

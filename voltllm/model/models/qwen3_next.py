@@ -183,7 +183,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.tie else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return torch.nn.functional.linear(hidden, w)  # the model's dtype, as LlamaForCausalLM.compute_logits
 
     # -- weights ---------------------------------------------------------------------------------
     def _expected_keys(self) -> set[str]:
