@@ -278,10 +278,13 @@ register_kernel("attention.paged_decode_reduce", _decode_reduce_kernel, _reduce_
 # On the H200 both read 0.4-0.66 TB/s (docs/kernels.md); per-row is as fast and simpler.
 FMA_LANES_DEFAULT = False
 MIN_TOKENS_PER_SPLIT = 256
-# With PDL, each program prefetches the K/V lines of its first this-many positions into L2 before waiting for RoPE
-# (which writes q and the newest K/V): at 64 sequences x ~200 tokens that is the whole context (~51 MB per layer at
-# 8 kv heads x 128) while the predecessor leaves HBM idle.
-KV_PREFETCH_TOKENS = 256
+# With PDL, each program may prefetch the K/V lines of its first this-many positions into L2 before waiting for
+# RoPE (which writes q and the newest K/V). Off: measured on the H200 (benchmarks/results/attn-prefetch-chain-90fd74c.txt,
+# 36 RMSNorm -> decode pairs in a graph), 64 sequences at 128-256 tokens take 19.0 us per layer without, 19.1 / 19.9 /
+# 21.6 with 64 / 128 / 256 tokens; 16 sequences gain 0.5 us with 64-128; and 64 concurrent end to end fell from
+# 9,109 to 8,892 output tok/s with 256 (same call). Most programs start after the predecessor anyway (512 programs,
+# one resident wave), so their prefetch only duplicates their own loads.
+KV_PREFETCH_TOKENS = 0
 MAX_SPLITS = 64
 
 
