@@ -179,10 +179,10 @@ def test_pdl_kv_prefetch_after_rope_in_graph(prefetch):
         k.copy_(case.k)
         cache.copy_(cache0)
         rope_inplace(q[:n], k[:n], pos, cos, sin, d, cache_write=CacheWrite(case.v[:n], cache, m.slot_mapping))
-        for sp, o in ((1, out[:, :hq // 2]), (splits, out[:, hq // 2:])):  # no split, and split-KV
-            paged_decode(q[:, :hq // 2] if sp == 1 else q[:, hq // 2:], cache if sp == 1 else cache[..., hkv // 2:, :],
-                         m.block_tables, m.seq_lens, m.query_start_loc, case.scale, o, num_splits=sp,
-                         part_o=po, part_lse=pl, prefetch_tokens=pf)
+        for sp, heads, kv_heads in ((1, slice(0, hq // 2), slice(0, hkv // 2)),  # no split: kv heads 0-3
+                                    (splits, slice(hq // 2, hq), slice(hkv // 2, hkv))):  # split-KV: 4-7
+            paged_decode(q[:, heads], cache[..., kv_heads, :], m.block_tables, m.seq_lens, m.query_start_loc,
+                         case.scale, out[:, heads], num_splits=sp, part_o=po, part_lse=pl, prefetch_tokens=pf)
 
     out.fill_(float("nan"))
     step(0)  # PDL off: plain launches
