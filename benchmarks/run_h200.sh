@@ -36,6 +36,7 @@
 #   s12      (session 8) the stream-K branch: its GEMM tests, 16 / 64 concurrent with profiles
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
+#   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -280,6 +281,18 @@ case $stage in
       --name qwen3-8b-shape-fp16-c64-nokvprefetch-$sha
     bench_via "python3 .scratch/bench_set.py voltllm.kernels.batch_gemm:BATCH_PREFETCH_K=512 --" $c64 \
       --name qwen3-8b-shape-fp16-c64-gemmprefetch512-$sha
+    ;;
+  s16)  # (session 9) gated decode-batch GEMM (SiLU*mul in gate_up's epilogue): its GPU tests, the tuner's MLP choice,
+        # 16 / 64 concurrent with profiles as committed and without the gated form (.scratch/bench_set.py, carried);
+        # the prefill attention tile sweep for short prompts
+    gpu_file test_gemv_cuda 200 -k "gated_batch or batch_tuned"
+    timeout 150 python3 benchmarks/micro/attn_prefill_sweep.py > "$out/attn-prefill-sweep.txt" 2>&1
+    grep -v "^fail" "$out/attn-prefill-sweep.txt" | tail -24
+    conc="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
+      --num-warm 2"
+    bench $conc --concurrency 16,64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
+    bench_via "python3 .scratch/bench_set.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
+      --concurrency 16,64 --name qwen3-8b-shape-fp16-c16-c64-nogated-$sha
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -327,3 +327,51 @@ def test_tuned_mlp_matches_cublas_whatever_it_chose():
             out = res.clone()
             linear_add_(mlp.down_proj, a, out, silu_mul=not gated)
             assert ((out - ref2).norm() / ref2.norm()).item() < 3e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n,k", [(12288, 4096), (500, 333)])
+def test_gated_batch_gemm_real_shapes(n, k, dtype):
+    """batch_gemm(gated=True), w = [gate; up] (2n x k): silu(x gate^T) * (x up^T) at every split-free tile (pointer
+    and, where K keeps rows aligned, TMA; bf16: one of each), 16-64 rows (17 and 48: masked rows), with and without
+    bias, vs the fp32 reference; outputs poisoned first. 500 x 333: masked features and K tail."""
+    from voltllm.kernels.batch_gemm import CONFIGS as BATCH_CONFIGS, batch_gemm, batch_gemm_ref, configs_for
+
+    seed = random.SystemRandom().randrange(1 << 30)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(2 * n, k, dtype=dtype, device="cuda", generator=g) / k ** 0.5
+    b = torch.randn(2 * n, dtype=dtype, device="cuda", generator=g)
+    configs = [c for c in configs_for(torch.device("cuda")) if c[4] == 1 and (len(c) == 5 or k % 8 == 0)]
+    if dtype == torch.bfloat16:
+        configs = [BATCH_CONFIGS[0]] + [c for c in configs if len(c) == 6][:1]
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    for m in (16, 17, 48, 64):
+        x = torch.randn(m, k, dtype=dtype, device="cuda", generator=g)
+        for bias in (None, b):
+            ref = batch_gemm_ref(x, w, bias, gated=True).float()
+            for cfg in configs:
+                out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                batch_gemm(x, w, bias, config=cfg, out=out, gated=True)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert err < tol, (seed, n, k, m, bias is not None, cfg, err)
+
+
+def test_batch_tuned_mlp_matches_cublas_whatever_it_chose():
+    """Decode-batch tuning of a llama MLP at 16 / 64 rows may pick the gated gate_up GEMM + plain down, or gate_up,
+    SiLU kernel (or prologue) and down as chosen alone: the MLP gives cuBLAS's answer at every row count either
+    way (an untuned one too)."""
+    from voltllm.model.models.llama import MLP
+    from voltllm.worker.skinny_tuning import tune_batch_gemm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[MLP(2048, 5632, torch.float16) for _ in range(4)]).cuda()
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    tune_batch_gemm(model, [16, 64])
+    for rows in (16, 64, 33):
+        x = torch.randn(rows, 2048, dtype=torch.float16, device="cuda")
+        for mlp in model:
+            gu = torch.nn.functional.linear(x, mlp.gate_up_proj.weight).float()
+            act = (torch.nn.functional.silu(gu[:, :5632]) * gu[:, 5632:]).half()
+            ref = torch.nn.functional.linear(act, mlp.down_proj.weight).float()
+            assert ((mlp(x).float() - ref).norm() / ref.norm()).item() < 3e-3, (rows, mlp.gate_up_proj.batch_gated)

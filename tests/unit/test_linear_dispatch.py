@@ -109,3 +109,23 @@ def test_gated_mlp_one_row(monkeypatch):
     L.norm_linear(gu, torch.randn(1, 4), type("N", (), {"weight": torch.ones(4), "eps": 1e-6, "offset": 0.0}),
                   gated=True)
     assert seen[-1] == (("g",), (1, 4), False, True, True, False)
+
+
+def test_gated_mlp_decode_batch(monkeypatch):
+    """batch_gated[rows] on gate_up: at that row count the decode-batch GEMM writes silu(gate) * up (gated=True)
+    and the down projection runs plain (its own tuned GEMM or cuBLAS); other row counts keep gate_up plain and the
+    activation for the down projection."""
+    seen = []
+    import voltllm.kernels.batch_gemm as B
+
+    def fake(x, w, bias=None, config=None, silu_mul=False, gated=False, **_):
+        seen.append((config, tuple(x.shape), silu_mul, gated))
+        return torch.zeros(x.shape[0], w.shape[0] // 2 if gated else w.shape[0], dtype=torch.float32)
+    monkeypatch.setattr(B, "batch_gemm", fake)
+    gu, down = L.Linear(4, [8, 8], dtype=torch.float32), L.Linear(8, 4, dtype=torch.float32)
+    gu.batch_gemm, gu.batch_gated = {16: ("g16",), 32: ("g32",)}, {32: True}
+    down.batch_gemm = {32: ("d32",)}
+    for rows in (16, 32):
+        assert L.gated_mlp(gu, down, torch.randn(rows, 4)).shape == (rows, 4)
+    assert seen == [(("g16",), (16, 4), False, False),  # 16 rows: plain gate_up; down (cuBLAS) after the SiLU kernel
+                    (("g32",), (32, 4), False, True), (("d32",), (32, 8), False, False)]

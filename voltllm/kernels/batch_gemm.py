@@ -44,7 +44,7 @@ MIN_ROWS, MAX_ROWS = 16, 64
 def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                       PREFETCH_K: tl.constexpr):
+                       PREFETCH_K: tl.constexpr, GATED: tl.constexpr):
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -59,6 +59,7 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
     x_ptr = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptr = W + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # K % BLOCK_K == 0: only the row / feature masks
             mx = mask_m[:, None]
@@ -74,10 +75,24 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
             g = x.to(tl.float32)
             x = (g / (1.0 + tl.exp(-g)) * up).to(W.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:  # the up rows of the same features, N rows below the gate rows
+            wu = tl.load(w_ptr + N * stride_wn, mask=mw, other=0.0, eviction_policy="evict_first")
+            acc_u = tl.dot(x, tl.trans(wu), acc_u)
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
+    if GATED:
+        acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
     _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M, BLOCK_N,
-                 SPLIT_K, HAS_BIAS)
+                 SPLIT_K, HAS_BIAS and not GATED)
+
+
+@triton.jit
+def _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS: tl.constexpr):
+    """silu(gate) * up of a gated tile, in fp32 (not rounded in between; bias: [gate bias | up bias])."""
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(B + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return acc / (1.0 + tl.exp(-acc)) * acc_u
 
 
 @triton.jit
@@ -110,7 +125,7 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N
 def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_wn, stride_ym,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                           PREFETCH_K: tl.constexpr):
+                           PREFETCH_K: tl.constexpr, GATED: tl.constexpr):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
     as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
@@ -122,6 +137,7 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_spl
         prefetch_rows_l2(W + k_start, pid * BLOCK_N + tl.arange(0, BLOCK_N), N, stride_wn, K - k_start, PREFETCH_K)
     pdl_enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         x = XD.load([0, k0])
         if SILU_MUL:
@@ -129,10 +145,14 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_spl
             x = (g / (1.0 + tl.exp(-g)) * UD.load([0, k0]).to(tl.float32)).to(x.dtype)
         w = WD.load([pid * BLOCK_N, k0])
         acc = tl.dot(x, w.T, acc)
+        if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
+            acc_u = tl.dot(x, WD.load([N + pid * BLOCK_N, k0]).T, acc_u)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
     _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
-                 BLOCK_N, SPLIT_K, HAS_BIAS)
+                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED)
 
 
 def _specs() -> list[CompileSpec]:
@@ -140,12 +160,14 @@ def _specs() -> list[CompileSpec]:
            "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
            "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "SILU_MUL": "constexpr", "PDL": "constexpr",
-           "PREFETCH_K": "constexpr"}
+           "PREFETCH_K": "constexpr", "GATED": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "HAS_BIAS": b, "EVEN_K": e,
-                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0},
-                        f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s}")
-            for m, n, k, sk, b, e, s in ((64, 32, 128, 1, False, True, False), (32, 64, 64, 1, True, False, True),
-                                         (64, 64, 128, 4, True, False, False))]
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt},
+                        f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s} gated={gt}")
+            for m, n, k, sk, b, e, s, gt in ((64, 32, 128, 1, False, True, False, False),
+                                             (32, 64, 64, 1, True, False, True, False),
+                                             (64, 64, 128, 4, True, False, False, False),
+                                             (64, 64, 128, 1, True, True, False, True))]
 
 
 register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)  # native route only (runner)
@@ -156,11 +178,11 @@ def _tma_specs() -> list[CompileSpec]:
            "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32", "N": "i32",
            "K": "i32", "k_per_split": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
-           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr"}
+           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
-                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0},
-                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} tma")
-            for sk, b, s in ((1, False, False), (2, True, True))]
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt},
+                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} tma")
+            for sk, b, s, gt in ((1, False, False, False), (2, True, True, False), (1, True, False, True))]
 
 
 register_kernel("gemm.decode_batch_tma", _batch_gemm_tma_kernel, _tma_specs(), compat=False)  # sm_90+ only
@@ -216,18 +238,22 @@ BATCH_PREFETCH_K = 0
 
 def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                config: tuple = CONFIGS[0], silu_mul: bool = False,
-               out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None,
+               gated: bool = False) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
+    With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
+    silu(x gate^T) * (x up^T), computed in the epilogue in fp32 (bias: [2N]); gated tiles run without split-K.
     prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
-    n = w.shape[0]
+    n = w.shape[0] // 2 if gated else w.shape[0]
     if (not MIN_ROWS <= m <= MAX_ROWS or w.shape[1] != k or kx != (2 * k if silu_mul else k)
             or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype != w.dtype
-            or x.dtype not in (torch.float16, torch.bfloat16)):  # fp32 tl.dot would round through tf32
+            or x.dtype not in (torch.float16, torch.bfloat16)  # fp32 tl.dot would round through tf32
+            or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1))):
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
-                         f"(silu_mul={silu_mul}) not supported")
+                         f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     block_m = max(16, triton.next_power_of_2(m))
@@ -244,9 +270,10 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         counters = _split_counters(x.device)
     else:
         ws = counters = out
-    stages = _fitting_stages(x.device, stages, block_m, block_n, block_k, x.element_size(), silu_mul)
+    stages = _fitting_stages(x.device, stages, block_m, block_n * (2 if gated else 1), block_k, x.element_size(),
+                             silu_mul)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
-                SILU_MUL=silu_mul, num_warps=warps, num_stages=stages,
+                SILU_MUL=silu_mul, GATED=gated, num_warps=warps, num_stages=stages,
                 **pdl.gemm_launch_options(BATCH_PREFETCH_K if prefetch_k is None else prefetch_k))
     b = bias if bias is not None else w
     if tma and tma[0] and _tma_aligned(x, w, k):
@@ -294,7 +321,7 @@ def _tma_aligned(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
 
 
 def batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                   silu_mul: bool = False) -> torch.Tensor:
+                   silu_mul: bool = False, gated: bool = False) -> torch.Tensor:
     xf = x.float()
     if silu_mul:
         g, u = xf.chunk(2, dim=-1)
@@ -302,4 +329,7 @@ def batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
     y = xf @ w.float().t()
     if bias is not None:
         y = y + bias.float()
+    if gated:
+        g, u = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(g) * u
     return y.to(x.dtype)

@@ -241,25 +241,68 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
     rows_list = [r for r in row_counts if MIN_ROWS <= r <= MAX_ROWS]
     decisions = {}
     lines = []
+    pairs = _gated_pairs(model) if BATCH_GATED else []
+    gated_shapes = {tuple(gu.weight.shape) for gu, _ in pairs}
+    timings: dict[tuple, dict] = {}  # per (N, K, silu_mul, rows), for the MLP-level choice below
     for (n, k, silu), mods in _unquantized_groups(model).items():
         if n * k * mods[0].weight.element_size() < BATCH_MIN_WEIGHT_BYTES or not rows_list:
             continue
         weights = _rotation([m.weight for m in mods])
         configs = configs_for(weights[0].device)
         for rows in rows_list:
-            x, t_lib, best, t_tri, fused, note, _ = _time_group(weights, k, silu, rows, configs, batch_gemm, "GEMM")
+            x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, configs, batch_gemm,
+                                                                  "GEMM")
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
             # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +
             # cuBLAS at 16-64 rows (123-238 vs 31-34 us): it had been chosen on the plain variant's timing.
             use = best if _triton_wins(t_tri, t_lib, credit_pdl=False) else None
+            if not silu and (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also the gated form
+                t_lib_silu, best_gated, t_gated = _fastest(
+                    weights, x, [c for c in configs if c[4] == 1],
+                    lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, gated=True), gated=True)
+                rec.update(best_gated=best_gated, t_gated=t_gated, t_silu=max(t_lib_silu - t_lib, 0.0))
+                note = f" (with the SiLU*mul in the epilogue {t_gated * 1e3:.1f} us)"
+            rec["t_chosen"] = t_tri if use is not None else t_lib
+            timings[(n, k, silu, rows)] = rec
             decisions[_key(n, k, silu, rows)] = use
             for m in mods:
                 if use is not None:
                     m.batch_gemm[rows] = use
                     m.batch_silu_fused[rows] = fused
+                m.batch_gated.pop(rows, None)
             lines.append(f"M={rows} " + _line(n, k, x.element_size(), t_lib, best, t_tri, use) + note)
         del weights
+    lines += _choose_gated_batch_mlps(pairs, timings, rows_list)
     if lines:
         logger.info("decode-batch GEMM choice (cold L2):\n  %s", "\n  ".join(lines))
     return decisions
+
+
+# Whether the decode-batch tuner also times gate_up with the SiLU*mul in its epilogue (`batch_gemm(gated=True)`).
+BATCH_GATED = True
+
+
+def _choose_gated_batch_mlps(pairs: list[tuple[Linear, Linear]], timings: dict[tuple, dict],
+                             rows_list: list[int]) -> list[str]:
+    """Per MLP and decode-batch row count: run gate_up as the gated Triton GEMM (it writes silu(gate) * up) and the
+    down projection plain, when that times faster than the choice each made alone (gate_up, then the SiLU kernel
+    and the down projection, or the down projection with the activation in its prologue). Returns log lines."""
+    lines, seen = [], set()
+    for gu, down in pairs:
+        for rows in rows_list:
+            g = timings.get((*gu.weight.shape, False, rows), {})
+            d = timings.get((*down.weight.shape, True, rows), {})
+            if g.get("best_gated") is None or "t_chosen" not in d:
+                continue
+            current = g["t_chosen"] + d["t_chosen"]  # the down side includes its activation
+            gated = g["t_gated"] + max(d["t_chosen"] - g["t_silu"], 0.0)  # the down projection then runs plain
+            if gated < current:  # (the down projection then runs through linear(): its plain tuned GEMM or cuBLAS)
+                gu.batch_gemm[rows], gu.batch_gated[rows] = g["best_gated"], True
+            key = (tuple(gu.weight.shape), tuple(down.weight.shape), rows)
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"M={rows} MLP {key[0][0]}x{key[0][1]} -> {key[1][0]}x{key[1][1]}: as chosen "
+                             f"{current * 1e3:.1f} us, gated gate_up + plain down {gated * 1e3:.1f} us -> "
+                             f"{'gated' if gated < current else 'as chosen'}")
+    return lines

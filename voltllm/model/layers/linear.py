@@ -72,12 +72,17 @@ def one_row_gated(gate_up: "Linear", x: torch.Tensor) -> bool:
 
 
 def gated_mlp(gate_up: "Linear", down: "Linear", x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate) * up) for the merged projection gate_up = [gate; up]: at one row with `skinny_gated` the
-    gate_up GEMV writes the activation itself and the down projection runs plain; otherwise down_proj_silu_mul."""
+    """down(silu(gate) * up) for the merged projection gate_up = [gate; up]: at one row with `skinny_gated`, and at
+    a decode-batch row count with `batch_gated`, the gate_up GEMM writes the activation itself and the down
+    projection runs plain; otherwise down_proj_silu_mul."""
     if one_row_gated(gate_up, x):
         from voltllm.kernels.gemv import gemv
 
         return down(gemv(x, gate_up.weight, gate_up.bias, config=gate_up.skinny, gated=True))
+    if x.dim() == 2 and gate_up.batch_gated.get(x.shape[0]):
+        from voltllm.kernels.batch_gemm import batch_gemm
+
+        return down(batch_gemm(x, gate_up.weight, gate_up.bias, config=gate_up.batch_gemm[x.shape[0]], gated=True))
     return down_proj_silu_mul(down, gate_up(x))
 
 
@@ -135,6 +140,7 @@ class Linear(nn.Module):
         # `skinny_gated` the one-row GEMV writes the activation itself
         self.silu_mul_output = False
         self.skinny_gated = False
+        self.batch_gated: dict[int, bool] = {}  # the same for `batch_gemm`, by row count
         self.method.create_weights(self, in_features, self.out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 
