@@ -285,8 +285,8 @@ case $stage in
   s16)  # (session 9) gated decode-batch GEMM (SiLU*mul in gate_up's epilogue): its GPU tests, the tuner's MLP choice,
         # 16 / 64 concurrent with profiles as committed and without the gated form (.scratch/bench_set.py, carried);
         # the prefill attention tile sweep for short prompts
-    gpu_file test_gemv_cuda 200 -k "gated_batch or batch_tuned"
-    timeout 150 python3 benchmarks/micro/attn_prefill_sweep.py > "$out/attn-prefill-sweep.txt" 2>&1
+    gpu_file test_gemv_cuda 150 -k "gated_batch or batch_tuned"
+    timeout 100 python3 benchmarks/micro/attn_prefill_sweep.py > "$out/attn-prefill-sweep.txt" 2>&1
     grep -v "^fail" "$out/attn-prefill-sweep.txt" | tail -24
     conc="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
       --num-warm 2"

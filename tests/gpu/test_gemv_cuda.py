@@ -333,8 +333,8 @@ def test_tuned_mlp_matches_cublas_whatever_it_chose():
 @pytest.mark.parametrize("n,k", [(12288, 4096), (500, 333)])
 def test_gated_batch_gemm_real_shapes(n, k, dtype):
     """batch_gemm(gated=True), w = [gate; up] (2n x k): silu(x gate^T) * (x up^T) at every split-free tile (pointer
-    and, where K keeps rows aligned, TMA; bf16: one of each), 16-64 rows (17 and 48: masked rows), with and without
-    bias, vs the fp32 reference; outputs poisoned first. 500 x 333: masked features and K tail."""
+    and, where K keeps rows aligned, TMA; bf16: one of each), 17 (masked) and 64 rows, vs the fp32 reference;
+    outputs poisoned first. 500 x 333: masked features, K tail, and bias (each variant compiles every tile again)."""
     from voltllm.kernels.batch_gemm import CONFIGS as BATCH_CONFIGS, batch_gemm, batch_gemm_ref, configs_for
 
     seed = random.SystemRandom().randrange(1 << 30)
@@ -345,9 +345,9 @@ def test_gated_batch_gemm_real_shapes(n, k, dtype):
     if dtype == torch.bfloat16:
         configs = [BATCH_CONFIGS[0]] + [c for c in configs if len(c) == 6][:1]
     tol = 2e-3 if dtype == torch.float16 else 1e-2
-    for m in (16, 17, 48, 64):
+    for m in (17, 64):
         x = torch.randn(m, k, dtype=dtype, device="cuda", generator=g)
-        for bias in (None, b):
+        for bias in (None, b) if n == 500 else (None,):
             ref = batch_gemm_ref(x, w, bias, gated=True).float()
             for cfg in configs:
                 out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
