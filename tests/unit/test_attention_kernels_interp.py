@@ -81,4 +81,6 @@ def test_prefill_config_valid():
                     assert bn >= 16 and bn & (bn - 1) == 0 and warps in (4, 8) and stages >= 1
     assert prefill_config(256, 4, 4096, (9, 0)) == (128, 32, 8, 2)
     assert prefill_config(128, 4, 4096, (9, 0)) == (128, 128, 8, 3)
+    assert prefill_config(128, 4, 128, (9, 0)) == (64, 32, 4, 2)  # short prompts: the small tile
+    assert prefill_config(128, 4, 128, (8, 0)) == (128, 64, 8, 3)
     assert prefill_config(64, 4, 4096, (9, 0)) == (128, 64, 8, 3)

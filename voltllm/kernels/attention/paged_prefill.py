@@ -130,6 +130,9 @@ def _paged_prefill_kernel(
              o.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
+SHORT_PROMPT = 512  # query rows up to which sm_90+ d128 prefill takes the small tile
+
+
 def prefill_config(head_dim: int, group: int, max_query_len: int, capability: tuple[int, int] | None = None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for one launch. BLOCK_M shrinks for short query tiles
     (decode-heavy mixed batches) so padded rows do not dominate."""
@@ -155,8 +158,12 @@ def prefill_config(head_dim: int, group: int, max_query_len: int, capability: tu
             block_m = max(block_m, triton.next_power_of_2(group))
             num_warps = 8 if block_m * block_d >= 128 * 128 else 4
             # d256: (128, 32, 8, 2) 284 TFLOP/s vs (64, 32, 8, 2) 152
+        elif block_d == 128 and max_query_len <= SHORT_PROMPT and block_m >= 64 and group <= 16:
+            # short prompts (benchmarks/results/attn-prefill-sweep-0971a87.txt, GQA 32/8): 64 x 128 tokens 80.5 us
+            # with (64, 32, 4, 2) vs 145.0 with (128, 128, 8, 3); 8 x 512 89.7 vs 106.9
+            block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
         elif block_d == 128 and block_m == 128:
-            block_n = 128  # d128: (128, 128, 8, 3) 330 TFLOP/s vs (128, 64, 8, 3) 290
+            block_n = 128  # d128: (128, 128, 8, 3) 330 TFLOP/s vs (128, 64, 8, 3) 290 (4K), 390 vs 381 (8K)
         elif block_m == 128:
             num_warps = 8  # d64: (128, 64, 8, 3) 281 TFLOP/s vs (128, 64, 4, 3) 260
     return block_m, block_n, num_warps, num_stages
