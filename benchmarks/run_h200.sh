@@ -37,6 +37,7 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -293,6 +294,17 @@ case $stage in
     bench $conc --concurrency 16,64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
     bench_via "python3 .scratch/bench_set.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
       --concurrency 16,64 --name qwen3-8b-shape-fp16-c16-c64-nogated-$sha
+    ;;
+  s17)  # (session 9) after the gated TMA tile's stage fit: the gated GPU tests, the norm warps micro, 16 / 64
+        # concurrent with profiles as committed and without the gated form
+    gpu_file test_gemv_cuda 150 -k "gated_batch or batch_tuned"
+    timeout 60 python3 benchmarks/micro/norm_warps_sweep.py 2>&1 | tee "$out/norm-warps-sweep.txt" | tail -5
+    conc="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
+      --num-warm 2"
+    bench $conc --concurrency 16,64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha \
+      | grep -v "^  [0-9]*x[0-9]*:"
+    bench_via "python3 .scratch/bench_set.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
+      --concurrency 16,64 --name qwen3-8b-shape-fp16-c16-c64-nogated-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -1,0 +1,51 @@
+"""Fused add + RMSNorm (voltllm.kernels.fused) at decode-batch shapes: warps per row (GPU only).
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/norm_warps_sweep.py
+
+The decode step runs 73 of these per token batch (qwen3-8b: rows of 4096, fp16 input, fp32 residual); at 1-64 rows
+they are latency-bound. Replays 36 back-to-back launches from a CUDA graph, PDL on (as in the step), and prints us per
+launch for each warp count (the launcher picks elems // 512, capped at 16).
+"""
+import torch
+
+from voltllm.kernels import fused, pdl
+
+
+def main():
+    w = torch.rand(4096, device="cuda") + 0.5
+    orig = fused._warps
+    pdl.configure(True)
+    try:
+        for rows in (1, 16, 64, 256):
+            x = torch.randn(rows, 4096, dtype=torch.float16, device="cuda")
+            res = torch.randn(rows, 4096, device="cuda")
+            out = torch.empty_like(x)
+            line = []
+            ref = None
+            for warps in (1, 2, 4, 8, 16):
+                fused._warps = lambda elems, lo=1, hi=16, n=warps: n  # noqa: E731
+                r = res.clone()
+                fused.fused_add_rms_norm(x, r, w, 1e-6, out=out)
+                ref = out.clone() if ref is None else ref
+                assert torch.equal(out, ref), warps
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(36):
+                        fused.fused_add_rms_norm(x, res, w, 1e-6, out=out)
+                g.replay()
+                s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+                s.record()
+                for _ in range(5):
+                    g.replay()
+                e.record()
+                e.synchronize()
+                line.append(f"{warps:2d} warps {s.elapsed_time(e) / 5 / 36 * 1e3:5.2f} us")
+                res.normal_()  # keep the residual finite
+            print(f"rows {rows:3d} (default {orig(2 * 4096)} warps): " + " | ".join(line))
+    finally:
+        fused._warps = orig
+        pdl.configure(False)
+
+
+if __name__ == "__main__":
+    main()
