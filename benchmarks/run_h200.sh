@@ -38,6 +38,7 @@
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
+#   s18      (session 9) RMSNorm warps micro; decode attention short-context tile sweep
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -305,6 +306,11 @@ case $stage in
       | grep -v "^  [0-9]*x[0-9]*:"
     bench_via "python3 .scratch/bench_set.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
       --concurrency 16,64 --name qwen3-8b-shape-fp16-c16-c64-nogated-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    ;;
+  s18)  # (session 9) micro only: RMSNorm warps per row; decode attention with page-sized tiles and deeper pipelines
+    timeout 60 python3 benchmarks/micro/norm_warps_sweep.py 2>&1 | tee "$out/norm-warps-sweep.txt" | tail -5
+    timeout 240 python3 benchmarks/micro/attn_decode_sweep.py short > "$out/attn-decode-sweep-short.txt" 2>&1
+    grep -v "^fail" "$out/attn-decode-sweep-short.txt" | tail -20
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -1,11 +1,13 @@
 """Decode attention tile sweep (voltllm.kernels.attention.paged_decode) at decode batch shapes (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/attn_decode_sweep.py
+    PYTHONPATH=$PWD python3 benchmarks/micro/attn_decode_sweep.py [short]
 
 qwen3-8b heads (32 q / 8 kv, d128, page 16), random contexts, four caches rotated, CUDA-graph replays;
 prints the default tile and the five fastest (split count, BLOCK_N, warps, stages) per shape.
 """
 import itertools
+import sys
+
 import torch
 from voltllm.kernels.attention.paged_decode import paged_decode, decode_scratch_numel, choose_num_splits
 torch.manual_seed(0)
@@ -30,7 +32,13 @@ def timeit(fn, reps=20):
     s, e = torch.cuda.Event(True), torch.cuda.Event(True)
     s.record(); g.replay(); g.replay(); e.record(); e.synchronize()
     return s.elapsed_time(e) / (2 * reps) * 1e3
-for bs, lo, hi in ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700), (1, 8000, 8200)):
+# (BLOCK_N, warps, stages); `short` (argument): page-sized and deeper pipelines at the short-context shapes
+TILES = list(itertools.product((32, 64), (4, 8), (1, 2, 3)))
+CASES = ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700), (1, 8000, 8200))
+if sys.argv[1:] == ["short"]:
+    TILES = list(itertools.product((16, 32, 64), (2, 4), (2, 3, 4, 6)))
+    CASES = ((64, 128, 256), (16, 128, 256), (64, 900, 1100))
+for bs, lo, hi in CASES:
     q, caches, bt, sl, qsl, lens = case(bs, lo, hi)
     kvbytes = int(lens.sum()) * HKV * D * 2 * 2
     out = torch.empty_like(q)
@@ -40,7 +48,7 @@ for bs, lo, hi in ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700
     for splits in sorted({1, 2, 4, base_splits}):
         no, nl = decode_scratch_numel(bs, HQ, splits, D)
         po = torch.empty(no, device="cuda"); pl = torch.empty(nl, device="cuda")
-        for bn, nw, ns in itertools.product((32, 64), (4, 8), (1, 2, 3)):
+        for bn, nw, ns in TILES:
             try:
                 f = lambda i: paged_decode(q, caches[i], bt, sl, qsl, 0.088, out, num_splits=splits, part_o=po, part_lse=pl,
                                            block_n=bn, num_warps=nw, num_stages=ns)

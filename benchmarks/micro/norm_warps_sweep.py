@@ -26,8 +26,8 @@ def main():
                 fused._warps = lambda elems, lo=1, hi=16, n=warps: n  # noqa: E731
                 r = res.clone()
                 fused.fused_add_rms_norm(x, r, w, 1e-6, out=out)
-                ref = out.clone() if ref is None else ref
-                assert torch.equal(out, ref), warps
+                ref = out.clone() if ref is None else ref  # (the sum of squares is reduced in another order)
+                assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-3, warps
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     for _ in range(36):
