@@ -39,6 +39,7 @@
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
 #   s18      (session 9) RMSNorm warps micro; decode attention short-context tile sweep
+#   s19      (session 9) s18's norm micro again; decode attention long-context sweep with 2-8 warps
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -311,6 +312,11 @@ case $stage in
     timeout 60 python3 benchmarks/micro/norm_warps_sweep.py 2>&1 | tee "$out/norm-warps-sweep.txt" | tail -5
     timeout 240 python3 benchmarks/micro/attn_decode_sweep.py short > "$out/attn-decode-sweep-short.txt" 2>&1
     grep -v "^fail" "$out/attn-decode-sweep-short.txt" | tail -20
+    ;;
+  s19)  # (session 9) s18's norm micro (fixed), and the decode attention sweep at long contexts with 2-8 warps
+    timeout 60 python3 benchmarks/micro/norm_warps_sweep.py 2>&1 | tee "$out/norm-warps-sweep.txt" | tail -5
+    timeout 200 python3 benchmarks/micro/attn_decode_sweep.py long > "$out/attn-decode-sweep-long.txt" 2>&1
+    grep -v "^fail" "$out/attn-decode-sweep-long.txt" | tail -20
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -1,6 +1,6 @@
 """Decode attention tile sweep (voltllm.kernels.attention.paged_decode) at decode batch shapes (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/attn_decode_sweep.py [short]
+    PYTHONPATH=$PWD python3 benchmarks/micro/attn_decode_sweep.py [short | long]
 
 qwen3-8b heads (32 q / 8 kv, d128, page 16), random contexts, four caches rotated, CUDA-graph replays;
 prints the default tile and the five fastest (split count, BLOCK_N, warps, stages) per shape.
@@ -38,6 +38,9 @@ CASES = ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700), (1, 800
 if sys.argv[1:] == ["short"]:
     TILES = list(itertools.product((16, 32, 64), (2, 4), (2, 3, 4, 6)))
     CASES = ((64, 128, 256), (16, 128, 256), (64, 900, 1100))
+if sys.argv[1:] == ["long"]:  # fewer, longer contexts (split-KV)
+    TILES = list(itertools.product((32, 64), (2, 4, 8), (2, 3, 4)))
+    CASES = ((1, 500, 700), (1, 8000, 8200), (4, 2000, 4000))
 for bs, lo, hi in CASES:
     q, caches, bt, sl, qsl, lens = case(bs, lo, hi)
     kvbytes = int(lens.sum()) * HKV * D * 2 * 2
