@@ -278,6 +278,11 @@ register_kernel("attention.paged_decode_reduce", _decode_reduce_kernel, _reduce_
 # On the H200 both read 0.4-0.66 TB/s (docs/kernels.md); per-row is as fast and simpler.
 FMA_LANES_DEFAULT = False
 MIN_TOKENS_PER_SPLIT = 256
+# tl.dot route: 2 warps per program once the sequences x kv heads alone give this many programs. H200, 32 q / 8 kv
+# heads, d128 (benchmarks/results/attn-decode-sweep-short-5e51f13.txt, -long-d67425b.txt): 64 x 128-256 tokens
+# 18.3-18.4 us with 2 warps vs 19.1 with 4; 16 x 128-256 (3-4 splits) 9.3-9.4 vs 10.5; 64 x ~1K 67.5 vs 68.1; but
+# 4 x 2-4K (9 splits) 27.0 vs 24.7 and 1 x 8K 18.9 with 4 or 8.
+TWO_WARP_PROGRAMS = 128
 # With PDL, each program may prefetch the K/V lines of its first this-many positions into L2 before waiting for
 # RoPE (which writes q and the newest K/V). Off: measured on the H200 (benchmarks/results/attn-prefetch-chain-90fd74c.txt,
 # 36 RMSNorm -> decode pairs in a graph), 64 sequences at 128-256 tokens take 19.0 us per layer without, 19.1 / 19.9 /
@@ -320,7 +325,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int = 1,
                  part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
                  use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
-                 num_warps: int = 4, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
+                 num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
                  prefetch_tokens: int | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
@@ -350,6 +355,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     if block_n is None:
         block_n = _default_block_n(block_d, block_g, use_dot, fma_lanes)
+    if num_warps is None:
+        num_warps = 2 if use_dot and num_seqs * num_kv_heads >= TWO_WARP_PROGRAMS else 4
     split = num_splits > 1
     if split:
         need_o, need_l = decode_scratch_numel(num_seqs, num_heads, num_splits, head_dim)
