@@ -40,6 +40,7 @@
 #   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
 #   s18      (session 9) RMSNorm warps micro; decode attention short-context tile sweep
 #   s19      (session 9) s18's norm micro again; decode attention long-context sweep with 2-8 warps
+#   s20      (session 9) the GPU files the session touched (one H200), then 16 / 64 concurrent with profiles
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -317,6 +318,23 @@ case $stage in
     timeout 60 python3 benchmarks/micro/norm_warps_sweep.py 2>&1 | tee "$out/norm-warps-sweep.txt" | tail -5
     timeout 200 python3 benchmarks/micro/attn_decode_sweep.py long > "$out/attn-decode-sweep-long.txt" 2>&1
     grep -v "^fail" "$out/attn-decode-sweep-long.txt" | tail -20
+    ;;
+  s20)  # (session 9, one H200: the two-GPU kind was not lent) the GPU files this session's changes touch, with
+        # per-file limits; then 16 / 64 concurrent with profiles if time is left
+    t0=$SECONDS
+    gpu_file test_attention_kernels 110
+    gpu_file test_fused_kernels_cuda 50
+    gpu_file test_sampler_cuda 40
+    gpu_file test_engine_gpu 80
+    gpu_file test_gemv_cuda 130 -k "(batch_gemm_real_shapes and (24576 or 12288)) or gated_batch or batch_tuned or split_k or pdl_prefetch"
+    gpu_file test_fp8_kv_gpu 70
+    gpu_file test_hybrid_gpu 60 -k "fp32_matches_cpu"
+    echo "tests took $((SECONDS - t0)) s"
+    if (( SECONDS - t0 < 470 )); then
+      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
+        --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha \
+        | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    fi
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
