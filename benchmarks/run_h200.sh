@@ -41,6 +41,7 @@
 #   s18      (session 9) RMSNorm warps micro; decode attention short-context tile sweep
 #   s19      (session 9) s18's norm micro again; decode attention long-context sweep with 2-8 warps
 #   s20      (session 9) the GPU files the session touched (one H200), then 16 / 64 concurrent with profiles
+#   s21      (session 9) the sampler and fp8 KV GPU files s20 left
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -335,6 +336,10 @@ case $stage in
         --output-len 128 --num-warm 2 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha \
         | grep -v "^  [0-9]*x[0-9]*:\|^  M="
     fi
+    ;;
+  s21)  # (session 9) what s20 left: the sampler file (its log did not come back) and the fp8 KV file (it ran past 70 s)
+    gpu_file test_sampler_cuda 60
+    gpu_file test_fp8_kv_gpu 200
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
