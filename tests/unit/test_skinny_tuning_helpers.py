@@ -79,6 +79,24 @@ def test_gated_mlp_choice_follows_the_summed_timings():
     assert T._choose_gated_mlps([(gu, down)], timings) == [] and not gu.skinny_gated
 
 
+def test_gated_batch_mlp_choice_per_row_count():
+    """The decode-batch form of the MLP-level choice, per row count: gate_up gated (its best split-free tile) +
+    plain down where the sum is lower than gate_up and the down side (SiLU included) as chosen alone, whichever
+    library each side chose; other row counts keep their choices. One log line per shape and row count."""
+    mlp, gu, down = _mlp_pair()
+    gu.batch_gemm, down.batch_gemm = {16: "gu16"}, {}
+    timings = {(16, 4, False, 16): {"t_chosen": 40.0, "best_gated": "g16", "t_gated": 41.0, "t_silu": 2.0},
+               (4, 8, True, 16): {"t_chosen": 30.0},  # cuBLAS + SiLU kernel
+               (16, 4, False, 64): {"t_chosen": 50.0, "best_gated": "g64", "t_gated": 53.0, "t_silu": 2.0},
+               (4, 8, True, 64): {"t_chosen": 31.0},
+               (16, 4, False, 32): {"t_chosen": 45.0, "best_gated": None}}  # no gated tile compiled
+    lines = T._choose_gated_batch_mlps([(gu, down), (gu, down)], timings, [16, 32, 64])
+    # 16 rows: 41 + (30 - 2) = 69 < 70 -> gated; 64 rows: 53 + 29 = 82 > 81 -> as chosen; 32: not timed
+    assert gu.batch_gemm == {16: "g16"} and gu.batch_gated == {16: True} and down.batch_gemm == {}
+    assert len(lines) == 2 and lines[0].startswith("M=16 MLP 16x4 -> 4x8") and lines[0].endswith("-> gated")
+    assert lines[1].startswith("M=64 ") and lines[1].endswith("-> as chosen")
+
+
 def test_prologue_or_silu_kernel_keeps_the_faster(monkeypatch):
     """A down projection keeps the activation in the GEMM's prologue unless SiLU kernel + plain GEMM times lower;
     the plain GEMM is timed on the activation (run_plain gets silu(gate) * up) against SiLU + cuBLAS."""

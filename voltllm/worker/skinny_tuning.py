@@ -183,10 +183,8 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
         weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
         x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, CONFIGS, gemv, "GEMV")
         if not silu and (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also the gated form
-            t_lib_silu, best_gated, t_gated = _fastest(
-                weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg, gated=True), gated=True)
-            rec.update(best_gated=best_gated, t_gated=t_gated, t_silu=max(t_lib_silu - t_lib, 0.0))
-            note = f" (with the SiLU*mul in the epilogue {t_gated * 1e3:.1f} us)"
+            note = _time_gated(weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg, gated=True), t_lib,
+                               rec)
         del weights
         use = best if _triton_wins(t_tri, t_lib) else None
         decisions[_key(n, k, silu)] = use
@@ -220,13 +218,27 @@ def _choose_gated_mlps(pairs: list[tuple[Linear, Linear]], timings: dict[tuple, 
         if gated < current:
             gu.skinny, gu.skinny_gated = g["best_gated"], True
             down.skinny, down.skinny_silu_fused = d["best_split"], False
-        key = (tuple(gu.weight.shape), tuple(down.weight.shape))
-        if key not in seen:
-            seen.add(key)
-            lines.append(f"MLP {key[0][0]}x{key[0][1]} -> {key[1][0]}x{key[1][1]}: as chosen {current * 1e3:.1f} us, "
-                         f"gated gate_up + plain down {gated * 1e3:.1f} us -> "
-                         f"{'gated' if gu.skinny_gated else 'as chosen'}")
+        _log_mlp(lines, seen, "", gu, down, current, gated)
     return lines
+
+
+def _log_mlp(lines: list[str], seen: set, prefix: str, gu: Linear, down: Linear, current: float,
+             gated: float) -> None:
+    """One log line per MLP shape (and row count, in `prefix`): both timings and the choice."""
+    key = (prefix, tuple(gu.weight.shape), tuple(down.weight.shape))
+    if key not in seen:
+        seen.add(key)
+        (n1, k1), (n2, k2) = key[1], key[2]
+        lines.append(f"{prefix}MLP {n1}x{k1} -> {n2}x{k2}: as chosen {current * 1e3:.1f} us, gated gate_up + plain "
+                     f"down {gated * 1e3:.1f} us -> {'gated' if gated < current else 'as chosen'}")
+
+
+def _time_gated(weights: list[torch.Tensor], x: torch.Tensor, configs, run_gated, t_lib: float, rec: dict) -> str:
+    """Also time a gate_up projection's gated form (`run_gated(x, w, cfg)` writes silu(gate) * up) against cuBLAS +
+    the SiLU kernel: records best_gated, t_gated and t_silu (the SiLU kernel's share) in rec; returns a log note."""
+    t_lib_silu, best_gated, t_gated = _fastest(weights, x, configs, run_gated, gated=True)
+    rec.update(best_gated=best_gated, t_gated=t_gated, t_silu=max(t_lib_silu - t_lib, 0.0))
+    return f" (with the SiLU*mul in the epilogue {t_gated * 1e3:.1f} us)"
 
 
 BATCH_MIN_WEIGHT_BYTES = 4 << 20  # smaller weights are launch-bound at any row count: not worth the timing
@@ -258,11 +270,8 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             # cuBLAS at 16-64 rows (123-238 vs 31-34 us): it had been chosen on the plain variant's timing.
             use = best if _triton_wins(t_tri, t_lib, credit_pdl=False) else None
             if not silu and (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also the gated form
-                t_lib_silu, best_gated, t_gated = _fastest(
-                    weights, x, [c for c in configs if c[4] == 1],
-                    lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, gated=True), gated=True)
-                rec.update(best_gated=best_gated, t_gated=t_gated, t_silu=max(t_lib_silu - t_lib, 0.0))
-                note = f" (with the SiLU*mul in the epilogue {t_gated * 1e3:.1f} us)"
+                note = _time_gated(weights, x, [c for c in configs if c[4] == 1],  # (gated tiles have no split-K)
+                                   lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, gated=True), t_lib, rec)
             rec["t_chosen"] = t_tri if use is not None else t_lib
             timings[(n, k, silu, rows)] = rec
             decisions[_key(n, k, silu, rows)] = use
@@ -299,10 +308,5 @@ def _choose_gated_batch_mlps(pairs: list[tuple[Linear, Linear]], timings: dict[t
             gated = g["t_gated"] + max(d["t_chosen"] - g["t_silu"], 0.0)  # the down projection then runs plain
             if gated < current:  # (the down projection then runs through linear(): its plain tuned GEMM or cuBLAS)
                 gu.batch_gemm[rows], gu.batch_gated[rows] = g["best_gated"], True
-            key = (tuple(gu.weight.shape), tuple(down.weight.shape), rows)
-            if key not in seen:
-                seen.add(key)
-                lines.append(f"M={rows} MLP {key[0][0]}x{key[0][1]} -> {key[1][0]}x{key[1][1]}: as chosen "
-                             f"{current * 1e3:.1f} us, gated gate_up + plain down {gated * 1e3:.1f} us -> "
-                             f"{'gated' if gated < current else 'as chosen'}")
+            _log_mlp(lines, seen, f"M={rows} ", gu, down, current, gated)
     return lines
