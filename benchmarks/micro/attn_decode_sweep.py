@@ -9,6 +9,7 @@ import itertools
 import sys
 
 import torch
+from graph_timing import graph_us
 from voltllm.kernels.attention.paged_decode import paged_decode, decode_scratch_numel, choose_num_splits
 torch.manual_seed(0)
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -23,15 +24,6 @@ def case(bs, ctx_lo, ctx_hi):
         n = (l + PAGE - 1) // PAGE; bt[r, :n] = perm[i:i + n]; i += n
     q = torch.randn(bs, HQ, D, dtype=torch.float16, device="cuda")
     return q, caches, bt.cuda(), lens.to(torch.int32).cuda(), torch.arange(bs + 1, dtype=torch.int32, device="cuda"), lens
-def timeit(fn, reps=20):
-    fn(0); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps): fn(i % 4)
-    g.replay(); torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record(); g.replay(); g.replay(); e.record(); e.synchronize()
-    return s.elapsed_time(e) / (2 * reps) * 1e3
 # (BLOCK_N, warps, stages); `short` (argument): page-sized and deeper pipelines at the short-context shapes
 TILES = list(itertools.product((32, 64), (4, 8), (1, 2, 3)))
 CASES = ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700), (1, 8000, 8200))
@@ -59,7 +51,7 @@ for bs, lo, hi in CASES:
                 if ref is None: ref = out.clone()
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 if err > 5e-3: print("bad", bs, splits, bn, nw, ns, err); continue
-                t = timeit(f)
+                t = graph_us(lambda i: f(i % 4), reps=20, replays=2)
             except Exception as ex:
                 print("fail", bs, splits, bn, nw, ns, str(ex)[:80]); continue
             res.append((t, splits, bn, nw, ns))

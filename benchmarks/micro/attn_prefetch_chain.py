@@ -10,6 +10,7 @@ prefetch (bit-equal: the hint changes no arithmetic).
 """
 import torch
 
+from graph_timing import graph_us
 from voltllm.kernels import pdl
 from voltllm.kernels.attention.paged_decode import choose_num_splits, decode_scratch_numel, paged_decode
 from voltllm.kernels.fused import rms_norm
@@ -54,27 +55,12 @@ def run_case(bs, lo, hi, prefetches):
                 paged_decode(q, cache, bt, sl, qsl, 0.088, out, num_splits=splits, part_o=po, part_lse=pl,
                              prefetch_tokens=prefetch)
 
-    def timed(fn):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        for _ in range(5):
-            graph.replay()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) / 5 / LAYERS * 1e3
-
     pdl.configure(True)
     try:
-        t_pred = timed(lambda: chain(0, attn=False))
+        t_pred = graph_us(lambda i: chain(0, attn=False)) / LAYERS
         rows, ref = [], None
         for p in prefetches:
-            t = timed(lambda: chain(p))
+            t = graph_us(lambda i: chain(p)) / LAYERS
             got = torch.stack(outs).clone()
             if ref is None:
                 ref = got

@@ -12,6 +12,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from graph_timing import graph_us
 from voltllm.kernels.attention.paged_prefill import paged_prefill, prefill_config
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -27,23 +28,6 @@ def case(n, length):
     return q, cache, bt, sl, qsl
 
 
-def timeit(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    g.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / reps * 1e3
-
-
 def main():
     for n, length in ((64, 128), (16, 128), (8, 512), (1, 8192)):
         q, cache, bt, sl, qsl = case(n, length)
@@ -52,16 +36,16 @@ def main():
         res, ref = [], None
         for cfg in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
             try:
-                f = lambda: paged_prefill(q, cache, bt, sl, qsl, 0.088, out, max_query_len=length,  # noqa: E731
-                                          config=cfg, capability=(9, 0))
-                f()
+                f = lambda i: paged_prefill(q, cache, bt, sl, qsl, 0.088, out, max_query_len=length,  # noqa: E731
+                                            config=cfg, capability=(9, 0))
+                f(0)
                 torch.cuda.synchronize()
                 if ref is None:
                     ref = out.clone()
                 if ((out.float() - ref.float()).norm() / ref.float().norm()).item() > 5e-3:
                     print("bad", cfg)
                     continue
-                res.append((timeit(f), cfg))
+                res.append((graph_us(f, reps=10, replays=1), cfg))
             except Exception as ex:  # a tile this GPU cannot hold
                 print("fail", cfg, str(ex)[:60])
         res.sort()
@@ -71,7 +55,7 @@ def main():
         qd = torch.randn(n, HQ, length, D, dtype=torch.float16, device="cuda")
         kd = torch.randn(n, HQ, length, D, dtype=torch.float16, device="cuda")
         vd = torch.randn_like(kd)
-        t_sdpa = timeit(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True))
+        t_sdpa = graph_us(lambda i: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True), reps=10, replays=1)
         print(f"{n} x {length}: default {default} {t_def:.1f} us ({flop / t_def / 1e6:.0f} TFLOP/s); "
               f"SDPA {t_sdpa:.1f} us ({flop / t_sdpa / 1e6:.0f} TFLOP/s)")
         for t, c in res[:5]:

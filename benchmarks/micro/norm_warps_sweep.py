@@ -8,6 +8,7 @@ launch for each warp count (the launcher picks elems // 512, capped at 16).
 """
 import torch
 
+from graph_timing import graph_us
 from voltllm.kernels import fused, pdl
 
 
@@ -28,18 +29,8 @@ def main():
                 fused.fused_add_rms_norm(x, res0.clone(), w, 1e-6, out=out)  # the same inputs for every count
                 ref = out.clone() if ref is None else ref  # (the sum of squares is reduced in another order)
                 assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-3, warps
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(36):
-                        fused.fused_add_rms_norm(x, res, w, 1e-6, out=out)
-                g.replay()
-                s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-                s.record()
-                for _ in range(5):
-                    g.replay()
-                e.record()
-                e.synchronize()
-                line.append(f"{warps:2d} warps {s.elapsed_time(e) / 5 / 36 * 1e3:5.2f} us")
+                us = graph_us(lambda i: fused.fused_add_rms_norm(x, res, w, 1e-6, out=out), reps=36)
+                line.append(f"{warps:2d} warps {us:5.2f} us")
             print(f"rows {rows:3d} (default {orig(2 * 4096)} warps): " + " | ".join(line))
     finally:
         fused._warps = orig

@@ -15,7 +15,6 @@ cuBLAS is within 3% alone); and PDL on with the down projection as a SiLU*mul ke
 logits as PDL off (same kernels, same inputs: the same bits).
 """
 import torch
-import torch.nn.functional as F
 
 from voltllm.kernels import pdl
 from voltllm.kernels.fused import fused_add_rms_norm, rms_norm, silu_and_mul
