@@ -4,7 +4,7 @@
 
 The decode step runs 73 of these per token batch (qwen3-8b: rows of 4096, fp16 input, fp32 residual); at 1-64 rows
 they are latency-bound. Replays 36 back-to-back launches from a CUDA graph, PDL on (as in the step), and prints us per
-launch for each warp count (the launcher picks elems // 512, capped at 16).
+launch for each warp count (the launcher picks elems // 512, capped at 8 since session 9; it was 16).
 """
 import torch
 
@@ -31,7 +31,7 @@ def main():
                 assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-3, warps
                 us = graph_us(lambda i: fused.fused_add_rms_norm(x, res, w, 1e-6, out=out), reps=36)
                 line.append(f"{warps:2d} warps {us:5.2f} us")
-            print(f"rows {rows:3d} (default {orig(2 * 4096)} warps): " + " | ".join(line))
+            print(f"rows {rows:3d} (the launcher picks {orig(2 * 4096, hi=8)}): " + " | ".join(line))
     finally:
         fused._warps = orig
         pdl.configure(False)
