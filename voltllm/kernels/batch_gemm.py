@@ -8,7 +8,10 @@ BLOCK_M), streams its weight rows once (evict-first, pipelined over K) and multi
 
 `silu_mul=True` takes x = [gate | up] (M, 2K) and multiplies by silu(gate) * up, computed in the prologue in
 fp32 and rounded once to x's dtype for the dot (the unfused silu_and_mul also rounds silu(gate) before the
-multiply: a last-place difference), so the MLP needs no activation kernel.
+multiply: a last-place difference), so the MLP needs no activation kernel. `gated=True` is the other side of the
+same seam: w = [gate; up] and each program computes the same features of both halves, writing silu(gate) * up
+(fp32, not rounded in between) from its epilogue, so the down projection runs plain; the start-up tuner picks
+whichever form the MLP times faster.
 
 Split-K (SPLIT_K > 1): 64 rows against N = 4096 give only N / BLOCK_N programs, too few to keep 132 SMs
 streaming, and a small BLOCK_N makes every program re-read all of x. So the K range is cut into SPLIT_K slices:
