@@ -274,7 +274,7 @@ case $stage in
     ;;
   s15)  # (session 9) KV prefetch before the PDL wait in paged decode: its GPU tests, the chain micro, 64 concurrent
         # with profiles (prompt phase too) as committed, then without the KV prefetch and with a batch-GEMM weight
-        # prefetch (.scratch/bench_set.py, carried: sets module constants before the engine starts)
+        # prefetch (benchmarks/set_and_run.py sets module constants before the engine starts)
     gpu_file test_attention_kernels 150 -k "pdl_kv_prefetch or graph_decode or test_decode"
     gpu_file test_gemv_cuda 120 -k "pdl_prefetch"
     timeout 100 python3 benchmarks/micro/attn_prefetch_chain.py > "$out/attn-prefetch-chain.txt" 2>&1
@@ -282,13 +282,13 @@ case $stage in
     c64="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128
       --output-len 128 --num-warm 2"
     bench $c64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha
-    bench_via "python3 .scratch/bench_set.py voltllm.kernels.attention.paged_decode:KV_PREFETCH_TOKENS=0 --" $c64 \
+    bench_via "python3 benchmarks/set_and_run.py voltllm.kernels.attention.paged_decode:KV_PREFETCH_TOKENS=0 --" $c64 \
       --name qwen3-8b-shape-fp16-c64-nokvprefetch-$sha
-    bench_via "python3 .scratch/bench_set.py voltllm.kernels.batch_gemm:BATCH_PREFETCH_K=512 --" $c64 \
+    bench_via "python3 benchmarks/set_and_run.py voltllm.kernels.batch_gemm:BATCH_PREFETCH_K=512 --" $c64 \
       --name qwen3-8b-shape-fp16-c64-gemmprefetch512-$sha
     ;;
   s16)  # (session 9) gated decode-batch GEMM (SiLU*mul in gate_up's epilogue): its GPU tests, the tuner's MLP choice,
-        # 16 / 64 concurrent with profiles as committed and without the gated form (.scratch/bench_set.py, carried);
+        # 16 / 64 concurrent with profiles as committed and without the gated form (benchmarks/set_and_run.py);
         # the prefill attention tile sweep for short prompts
     gpu_file test_gemv_cuda 150 -k "gated_batch or batch_tuned"
     timeout 100 python3 benchmarks/micro/attn_prefill_sweep.py > "$out/attn-prefill-sweep.txt" 2>&1
@@ -296,7 +296,7 @@ case $stage in
     conc="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
       --num-warm 2"
     bench $conc --concurrency 16,64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha
-    bench_via "python3 .scratch/bench_set.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
+    bench_via "python3 benchmarks/set_and_run.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
       --concurrency 16,64 --name qwen3-8b-shape-fp16-c16-c64-nogated-$sha
     ;;
   s17)  # (session 9) after the gated TMA tile's stage fit: the gated GPU tests, the norm warps micro, 16 / 64
@@ -307,7 +307,7 @@ case $stage in
       --num-warm 2"
     bench $conc --concurrency 16,64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c16-c64-$sha \
       | grep -v "^  [0-9]*x[0-9]*:"
-    bench_via "python3 .scratch/bench_set.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
+    bench_via "python3 benchmarks/set_and_run.py voltllm.worker.skinny_tuning:BATCH_GATED=0 --" $conc \
       --concurrency 16,64 --name qwen3-8b-shape-fp16-c16-c64-nogated-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
     ;;
   s18)  # (session 9) micro only: RMSNorm warps per row; decode attention with page-sized tiles and deeper pipelines
