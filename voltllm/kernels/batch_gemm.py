@@ -74,9 +74,8 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
         w = tl.load(w_ptr, mask=mw, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr, mask=mx, other=0.0)
         if SILU_MUL:
-            up = tl.load(x_ptr + K, mask=mx, other=0.0).to(tl.float32)
-            g = x.to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * up).to(W.dtype.element_ty)
+            up = tl.load(x_ptr + K, mask=mx, other=0.0)
+            x = _silu_times(x.to(tl.float32), up.to(tl.float32)).to(W.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:  # the up rows of the same features, N rows below the gate rows
             wu = tl.load(w_ptr + N * stride_wn, mask=mw, other=0.0, eviction_policy="evict_first")
@@ -95,7 +94,13 @@ def _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(B + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    return acc / (1.0 + tl.exp(-acc)) * acc_u
+    return _silu_times(acc, acc_u)
+
+
+@triton.jit
+def _silu_times(g, u):
+    """silu(g) * u in fp32: the silu*mul prologue and the gated epilogue alike."""
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
@@ -144,8 +149,7 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_spl
     for k0 in range(k_start, k_end, BLOCK_K):
         x = XD.load([0, k0])
         if SILU_MUL:
-            g = x.to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * UD.load([0, k0]).to(tl.float32)).to(x.dtype)
+            x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
         w = WD.load([pid * BLOCK_N, k0])
         acc = tl.dot(x, w.T, acc)
         if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
