@@ -42,6 +42,9 @@
 #   s19      (session 9) s18's norm micro again; decode attention long-context sweep with 2-8 warps
 #   s20      (session 9) the GPU files the session touched (one H200), then 16 / 64 concurrent with profiles
 #   s21      (session 9) the sampler and fp8 KV GPU files s20 left
+#   s22      (session 10) decode kernel with QK-norm + RoPE + KV store fused: its GPU tests, engine files, 64 concurrent
+#            with a profile
+#   s23      (session 10) the fused decode RoPE on / off (FUSED_DECODE_ROPE) at 16 / 64 concurrent and batch 1
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -340,6 +343,25 @@ case $stage in
   s21)  # (session 9) what s20 left: the sampler file (its log did not come back) and the fp8 KV file (it ran past 70 s)
     gpu_file test_sampler_cuda 60
     gpu_file test_fp8_kv_gpu 200
+    ;;
+  s22)  # (session 10) the fused decode RoPE: attention / fp8 KV GPU tests for it, the engine files, 64 concurrent
+    gpu_file test_attention_kernels 150 -k "fused_rope or graph or pdl or test_decode"
+    gpu_file test_fp8_kv_gpu 200 -k "fused_rope or engine or graph or decode_both"
+    gpu_file test_engine_gpu 80
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
+      --num-warm 2 --concurrency 64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha \
+      | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    ;;
+  s23)  # (session 10) A / B in one call: the fused decode RoPE on (as committed) and off, 16 / 64 concurrent; batch 1
+    conc="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
+      --num-warm 2 --concurrency 16,64"
+    off="python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_DECODE_ROPE=0 --"
+    bench $conc --name qwen3-8b-shape-fp16-c16-c64-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    bench_via "$off" $conc --name qwen3-8b-shape-fp16-c16-c64-noropefuse-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --name qwen3-8b-shape-fp16-decode-b1-$sha
+    bench_via "$off" --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name qwen3-8b-shape-fp16-decode-b1-noropefuse-$sha
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -83,6 +83,21 @@ def test_decode(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_fused_rope(dtype, d):
+    """QK-norm + RoPE + KV store inside the decode kernel (unrotated q / k in) against the unfused reference, on
+    every decode route and split count, with graph padding (a seq_len-0 sequence)."""
+    hq, hkv = (32, 8) if d == 128 else (9, 3)
+    seqs = [(1, 1), (17, 1), (190, 1), (256, 1), (4097, 1), (0, 1)] + [(128 + i, 1) for i in range(58)]
+    case = H.make_case(seqs, hq, hkv, d, 16, dtype, device=DEV, seed=_seed(f"rope decode {dtype} d{d}"))
+    for norm in (False, True):
+        for splits, use_dot, lanes in ((1, True, False), (6, True, False), (1, False, False), (3, False, True)):
+            err, problems = H.run_rope_decode_case(case, norm, 7, num_splits=splits, use_dot=use_dot,
+                                                   fma_lanes=lanes)
+            assert not problems and err < TOL[dtype], (norm, splits, use_dot, lanes, err, problems)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", DIMS)
 def test_prefill_mixed(dtype, d):
     hq, hkv = _heads(d)

@@ -95,6 +95,17 @@ def test_fp8_decode_both_routes(fmt, d):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_decode_fused_rope(fmt):
+    """QK-norm + RoPE + the fp8 KV store inside the decode kernel, on both routes, against the reference codec's
+    write of the rotated rows (fp32 rows: the codes must match exactly)."""
+    seqs = [(1, 1), (17, 1), (190, 1), (4097, 1), (0, 1)] + [(128 + i, 1) for i in range(59)]
+    case = F.make_fp8_case(seqs, 32, 8, 128, 16, torch.float32, fmt=fmt, device=DEV, seed=_seed(f"rope {fmt}"))
+    for splits, use_dot in ((1, True), (5, True), (1, False), (3, False)):
+        err, problems = F.run_fp8_rope_decode(case, True, 3, num_splits=splits, use_dot=use_dot)
+        assert not problems and err < 2e-3, (splits, use_dot, err, problems)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_prefill_both_routes(fmt, d):
     hq, hkv = _heads(d)

@@ -153,6 +153,57 @@ def run_kernel_case(case: Case, kind: str, **kw) -> tuple[float, str]:
     return err, "; ".join(problems)
 
 
+def rope_inputs(case: Case, norm: bool, seed: int):
+    """For a decode case: (DecodeRope over the case's k / v as unrotated rows, q rotated, k rotated) where the
+    rotated rows are what the unfused QK-norm + RoPE path writes (kernels.fused references). Positions are
+    seq_len - 1 per sequence (0 for padding); the norm weights are random around 1."""
+    from voltllm.attention.backend import DecodeRope
+    from voltllm.kernels.fused import qk_norm_rope_inplace_ref, rope_inplace_ref
+    g = torch.Generator().manual_seed(seed)
+    m, dev = case.meta, case.q.device
+    t, _, d = case.q.shape
+    pos = torch.zeros(t, dtype=torch.int64)
+    for i, ctx in enumerate(m.seq_lens_cpu):
+        pos[m.query_start_loc_cpu[i]:m.query_start_loc_cpu[i + 1]] = max(ctx - 1, 0)
+    freqs = torch.outer(torch.arange(max(m.seq_lens_cpu) + 8).float(),
+                        1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    cos, sin = freqs.cos(), freqs.sin()
+    qw = kw = None
+    q_rot, k_rot = case.q.cpu().clone(), case.k.cpu().clone()
+    if norm:
+        qw = (1 + 0.2 * torch.randn(d, generator=g)).to(case.q.dtype)
+        kw = (1 + 0.2 * torch.randn(d, generator=g)).to(case.q.dtype)
+        qk_norm_rope_inplace_ref(q_rot, k_rot, qw, kw, 1e-6, pos, cos, sin, d)
+        qw, kw = qw.to(dev), kw.to(dev)
+    else:
+        rope_inplace_ref(q_rot, k_rot, pos, cos, sin, d)
+    rope = DecodeRope(case.k, case.v, pos.to(dev), cos.to(dev), sin.to(dev), qw, kw, 1e-6)
+    return rope, q_rot.to(dev), k_rot.to(dev)
+
+
+def run_rope_decode_case(case: Case, norm: bool, seed: int, **kw) -> tuple[float, str]:
+    """paged_decode with the fused QK-norm + RoPE + KV store (unrotated q / k in) against the reference write
+    and attention of the rotated rows; the cache must match the reference write to rounding."""
+    from voltllm.kernels.attention import decode_scratch_numel, paged_decode
+    rope, q_rot, k_rot = rope_inputs(case, norm, seed)
+    m = case.meta
+    ref_out, ref_cache = reference(Case(q_rot, k_rot, case.v, case.kv_cache, m, case.scale))
+    cache = case.kv_cache.clone()
+    out = torch.full_like(case.q, float("nan"))
+    splits = kw.pop("num_splits", 1)
+    no, nl = decode_scratch_numel(m.seq_lens.shape[0], case.q.shape[1], splits, case.q.shape[2])
+    part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=case.q.device)
+    part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=case.q.device)
+    paged_decode(case.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale, out, num_splits=splits,
+                 part_o=part_o, part_lse=part_l, rope=rope, slot_mapping=m.slot_mapping, **kw)
+    problems = []
+    rtol = 1e-5 if case.q.dtype == torch.float32 else 1e-2  # (the norm's sum of squares may round differently)
+    if not torch.allclose(cache.cpu().float(), ref_cache.float(), equal_nan=True, rtol=rtol, atol=rtol):
+        problems.append("cache differs from reference write")
+    keep = real_rows(case)[:m.num_tokens]
+    return rel_err(out.cpu()[:m.num_tokens][keep], ref_out[keep]), "; ".join(problems)
+
+
 def check_kv_write_strided(seed: int) -> tuple[float, str]:
     """kv_write from K/V views of a fused qkv buffer (row stride != H*D), with -1 slots."""
     from voltllm.kernels.attention import kv_write
@@ -209,6 +260,16 @@ def _checks():
     yield "decode_f16_d128_mha_split16_lanes_empty_parts", lambda: run_kernel_case(
         make_case([(200, 1), (33, 1), (1, 1)], 2, 2, 128, 16, f16, seed=16), "decode", num_splits=16,
         use_dot=False, fma_lanes=True), f16
+    # QK-norm + RoPE + KV store inside the decode kernel (graph padding: a seq_len-0 sequence, slot -1)
+    yield "decode_rope_norm_f32_d64_gqa4_split5_dot", lambda: run_rope_decode_case(
+        make_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=18), True, 18, num_splits=5, use_dot=True,
+        block_n=16), f32
+    yield "decode_rope_f16_d128_gqa4_nosplit_fma", lambda: run_rope_decode_case(
+        make_case([(200, 1), (47, 1), (1, 1)], 8, 2, 128, 16, f16, seed=19), False, 19, num_splits=1,
+        use_dot=False, block_n=32), f16
+    yield "decode_rope_norm_f16_d128_split3_lanes", lambda: run_rope_decode_case(
+        make_case([(95, 1), (32, 1), (0, 1)], 4, 2, 128, 16, f16, seed=20), True, 20, num_splits=3,
+        use_dot=False, fma_lanes=True, block_n=16), f16
     yield "kv_write_strided_inputs", lambda: check_kv_write_strided(seed=14), f32
     # the backend: pure decode with graph padding (a seq_len-0 sequence and rows past num_tokens),
     # split count from the heuristic with a fake large SM count; then a mixed batch through prefill

@@ -109,6 +109,29 @@ def run_fp8_case(case: Fp8Case, backend=None, kind: str = "backend", **kw) -> tu
     return rel_err(out.cpu()[:m.num_tokens][keep], ref_out[keep]), ""
 
 
+def run_fp8_rope_decode(case: Fp8Case, norm: bool, seed: int, **kw) -> tuple[float, str]:
+    """paged_decode with the fused QK-norm + RoPE + fp8 KV store against the reference: the rotated rows
+    (kernels.fused references) written by the reference codec, then attended. Codes must match exactly."""
+    from _attention_interp_check import rope_inputs
+    from voltllm.kernels.attention import decode_scratch_numel, paged_decode
+    from voltllm.kernels.fp8_codec import fp8_format
+
+    b = case.base
+    m = b.meta
+    rope, q_rot, k_rot = rope_inputs(b, norm, seed)
+    rotated = Fp8Case(Case(q_rot, k_rot, b.v, b.kv_cache, m, b.scale), case.fmt, case.k_scale, case.v_scale)
+    cache = b.kv_cache.clone()
+    out = torch.full_like(b.q, float("nan"))
+    splits = kw.pop("num_splits", 1)
+    no, nl = decode_scratch_numel(m.seq_lens.shape[0], b.q.shape[1], splits, b.q.shape[2])
+    part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=b.q.device)
+    part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=b.q.device)
+    paged_decode(b.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, b.scale, out, num_splits=splits,
+                 part_o=part_o, part_lse=part_l, kv_fmt=fp8_format(case.fmt), k_scale=case.k_scale,
+                 v_scale=case.v_scale, rope=rope, slot_mapping=m.slot_mapping, **kw)
+    return _compare(rotated, out[:m.num_tokens], cache)
+
+
 @torch.inference_mode()
 def teacher_forced_logits(runner, tokens: list[int], prompt_len: int, backend=None) -> torch.Tensor:
     """Logits predicting tokens[prompt_len:] (and one more) through an engine's model and attention backend:
@@ -219,6 +242,13 @@ def _checks():
     yield "decode_e4m3_f32_d80_gqa3_fma", lambda: run_fp8_case(
         make_fp8_case([(50, 1), (19, 1)], 6, 2, 80, 8, f32, seed=6), kind="decode", num_splits=2, use_dot=False,
         block_n=16)
+    # QK-norm + RoPE + the fp8 KV store inside the decode kernel
+    yield "decode_rope_norm_e4m3_f32_dot_split3", lambda: run_fp8_rope_decode(
+        make_fp8_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=15), True, 15, num_splits=3, use_dot=True,
+        block_n=16)
+    yield "decode_rope_e5m2_f32_d128_fma", lambda: run_fp8_rope_decode(
+        make_fp8_case([(200, 1), (47, 1)], 8, 2, 128, 16, f32, fmt="e5m2", seed=16), False, 16, num_splits=1,
+        use_dot=False, block_n=32)
     yield "prefill_e4m3_f32_mixed", lambda: run_fp8_case(
         make_fp8_case(mixed, 8, 2, 64, 16, f32, seed=7), kind="prefill", config=(16, 16, 4, 1))
     yield "prefill_e5m2_f16_mha_prefix", lambda: run_fp8_case(

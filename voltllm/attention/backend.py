@@ -48,6 +48,21 @@ class CacheWrite(NamedTuple):
     slot_mapping: torch.Tensor  # int64, -1 = skip; rows past its end are skipped
 
 
+class DecodeRope(NamedTuple):
+    """A pure-decode step's K / V rows before QK-norm and RoPE, and what rotates them: handed to a backend whose
+    decode kernel applies the norm and RoPE to q and k itself and stores K and V in the cache (one launch for
+    RoPE + KV store + attention; `fuses_decode_rope`). q passed to forward() is then unrotated too."""
+    k: torch.Tensor  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor  # [T, num_kv_heads, head_dim]
+    positions: torch.Tensor  # int64 [T]
+    cos: torch.Tensor  # fp32 [max_pos, head_dim / 2] (rotary over the whole head)
+    sin: torch.Tensor
+    q_norm: Optional[torch.Tensor]  # per-head RMSNorm weights [head_dim] (Qwen3 QK-norm), or None
+    k_norm: Optional[torch.Tensor]
+    eps: float = 1e-6
+    norm_offset: float = 0.0  # the (1 + w) norm variant
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged cache. Stateless across layers."""
 
@@ -58,6 +73,12 @@ class AttentionBackend(ABC):
         """A CacheWrite when the model may store K/V itself in its RoPE launch (then forward(..., kv_written=
         True)); None when forward must write them."""
         return None
+
+    def fuses_decode_rope(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata",
+                          rotary_dim: int) -> bool:
+        """Whether forward(..., rope=DecodeRope(...)) may be used for this step (then the model skips its RoPE
+        launch and hands unrotated q / k)."""
+        return False
 
     @abstractmethod
     def forward(
@@ -71,9 +92,11 @@ class AttentionBackend(ABC):
         k_scale: Optional[torch.Tensor] = None,
         v_scale: Optional[torch.Tensor] = None,
         kv_written: bool = False,
+        rope: Optional[DecodeRope] = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write k/v of this step at meta.slot_mapping (unless kv_written: the model stored them through
-        cache_write_for's CacheWrite), then attend q over each request's context."""
+        cache_write_for's CacheWrite), then attend q over each request's context. rope (only where
+        fuses_decode_rope said so): q and rope.k are unrotated; the decode kernel rotates them and stores K / V."""
 
 
 def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

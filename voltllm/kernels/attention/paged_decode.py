@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels import pdl
-from voltllm.kernels.fp8_codec import fp8_to_fp16
+from voltllm.kernels.fp8_codec import fp8_to_fp16, fp32_to_fp8
 from voltllm.kernels.pdl import pdl_enter, prefetch_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
@@ -68,17 +68,42 @@ def _prefetch_kv_l2(KV, bt_row, start, end, n, stride_c_kv, stride_c_blk, stride
 
 
 @triton.jit
+def _norm_rope_rows(rows, row_mask, d, W, c, sn, eps, offset,
+                    HEAD_DIM: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
+    """[R, HEAD_DIM] rows at pointers rows[:, None] + d: optional per-head RMSNorm (weight W, `offset` for the
+    (1 + w) variant), then rotate-half RoPE over all HEAD_DIM channels (c / sn: cos / sin of the token's position,
+    indexed by d mod HEAD_DIM/2). The same arithmetic as kernels.fused's QK-norm + RoPE launch, rounding to DT
+    between the norm and the rotation, so the fused decode sees the q and k that launch would have written."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    m = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    x = tl.load(rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(rows[:, None] + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(W + d).to(tl.float32) + offset
+        wp = tl.load(W + partner).to(tl.float32) + offset
+        x = (x * rstd * w[None, :]).to(DT).to(tl.float32)
+        xp = (xp * rstd * wp[None, :]).to(DT).to(tl.float32)
+    rot = tl.where(first[None, :], x * c[None, :] - xp * sn[None, :], x * c[None, :] + xp * sn[None, :])
+    return rot.to(DT)
+
+
+@triton.jit
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
+    KNew, VNew, SlotMapping, Pos, Cos, Sin, QW, KW,  # ROPE only: the step's raw K / V rows and what rotates them
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     stride_bt,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, eps, norm_offset,
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_N: tl.constexpr,
+    PREFETCH_N: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -112,8 +137,34 @@ def _paged_decode_kernel(
     heads = kvh * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :] & has_row, other=0.0)
+    if ROPE:
+        # Q / KNew / VNew hold this step's projections before QK-norm and RoPE: rotate q here, and let the
+        # program whose slice ends at the newest position also rotate that position's K and store K and V in
+        # the cache (fp8: encoded with the layer's scales), before it reads its slice back. One launch instead
+        # of RoPE + KV store + decode; its other programs never read that position.
+        pos_t = tl.load(Pos + q_row).to(tl.int64)
+        dh = d % (HEAD_DIM // 2)
+        c = tl.load(Cos + pos_t * stride_cos + dh).to(tl.float32)
+        sn = tl.load(Sin + pos_t * stride_cos + dh).to(tl.float32)
+        q = _norm_rope_rows(Q + q_row * stride_qt + heads * stride_qh, g_mask & has_row, d, QW, c, sn, eps,
+                            norm_offset, HEAD_DIM, NORM, DT)
+        slot = tl.load(SlotMapping + q_row, mask=has_row, other=-1).to(tl.int64)
+        if has_row & (slot >= 0) & (start < end) & (end == seq_len):
+            one = tl.zeros([1], tl.int64)
+            k_new = _norm_rope_rows(KNew + q_row * stride_kt + kvh * stride_kh + one, one == 0, d, KW, c, sn, eps,
+                                    norm_offset, HEAD_DIM, NORM, DT)
+            v_new = tl.load(VNew + q_row * stride_vt + kvh * stride_vh + one[:, None] + d[None, :])
+            dst = KV + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_slot + head_off + one[:, None] + d[None, :]
+            if KV_FMT >= 0:
+                tl.store(dst, fp32_to_fp8(tl.math.div_rn(k_new.to(tl.float32), tl.load(KScale)), KV_FMT))
+                tl.store(dst + stride_c_kv, fp32_to_fp8(tl.math.div_rn(v_new.to(tl.float32), tl.load(VScale)), KV_FMT))
+            else:
+                tl.store(dst, k_new.to(KV.dtype.element_ty))
+                tl.store(dst + stride_c_kv, v_new.to(KV.dtype.element_ty))
+        tl.debug_barrier()  # the newest K / V rows were stored by other threads of this program
+    else:
+        q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :] & has_row, other=0.0)
     if not USE_DOT:
         q = q.to(tl.float32) * qk_scale
     if LANES:
@@ -235,23 +286,32 @@ def _specs():
                     continue
                 sig = {"Q": "*fp16", "KV": "*u8" if kv_fmt >= 0 else "*fp16", "Out": "*fp16", "PartO": "*fp32",
                        "PartLse": "*fp32", "BlockTables": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32",
-                       "KScale": "*fp32", "VScale": "*fp32", "qk_scale": "fp32",
+                       "KScale": "*fp32", "VScale": "*fp32", "KNew": "*fp16", "VNew": "*fp16",
+                       "SlotMapping": "*i64", "Pos": "*i64", "Cos": "*fp32", "Sin": "*fp32", "QW": "*fp16",
+                       "KW": "*fp16", "qk_scale": "fp32",
                        "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
                        "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32",
-                       "stride_c_head": "i32", "stride_bt": "i32", "num_splits": "i32",
+                       "stride_c_head": "i32", "stride_bt": "i32", "stride_kt": "i32", "stride_kh": "i32",
+                       "stride_vt": "i32", "stride_vh": "i32", "stride_cos": "i32", "eps": "fp32",
+                       "norm_offset": "fp32", "num_splits": "i32",
                        "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
-                       "KV_FMT": "constexpr", "PDL": "constexpr", "PREFETCH_N": "constexpr"}
+                       "KV_FMT": "constexpr", "PDL": "constexpr", "PREFETCH_N": "constexpr",
+                       "ROPE": "constexpr", "NORM": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
-                    decode.append(CompileSpec(signature=sig, constexprs={
-                        "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
-                        "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
-                        "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt,
-                        "PDL": False, "PREFETCH_N": 0},
-                        label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")))
+                    # the fused QK-norm + RoPE + KV-store prologue at d128 (without the norm at d64), per-row routes
+                    fused = ((True, d == 128),) if d in (64, 128) and not lanes else ()
+                    for rope, norm in ((False, False),) + fused:
+                        decode.append(CompileSpec(signature=sig, constexprs={
+                            "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
+                            "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
+                            "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt,
+                            "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm},
+                            label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
+                            + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
@@ -321,13 +381,42 @@ def decode_scratch_numel(num_seqs: int, num_heads: int, num_splits: int, head_di
     return rows * head_dim, rows
 
 
+def _rope_launch_args(rope, slot_mapping, q: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[list, list]:
+    """The kernel's ROPE pointer and scalar arguments (placeholders without rope), after checking them."""
+    if rope is None:
+        return [q] * 8, [0, 0, 0, 0, 0, 0.0, 0.0]
+    t = q.shape[0]
+    if head_dim & (head_dim - 1) or rope.cos.shape[-1] * 2 != head_dim or rope.sin.shape != rope.cos.shape:
+        raise ValueError(f"fused decode RoPE needs a power-of-two head_dim rotated whole; got head_dim {head_dim}, "
+                         f"cos {tuple(rope.cos.shape)}")
+    for name, x in (("k", rope.k), ("v", rope.v)):
+        if x.shape != (t, num_kv_heads, head_dim) or x.stride(-1) != 1 or x.dtype != q.dtype:
+            raise ValueError(f"rope.{name} must be [{t}, {num_kv_heads}, {head_dim}] {q.dtype} with a contiguous "
+                             f"last dim, got {tuple(x.shape)} {x.dtype}")
+    if slot_mapping is None or slot_mapping.dtype != torch.int64:
+        raise ValueError("fused decode RoPE needs the int64 slot_mapping (read at each sequence's query row)")
+    if rope.positions.dtype != torch.int64 or rope.positions.shape[0] < t or rope.positions.stride(0) != 1:
+        raise ValueError("rope.positions must be a contiguous int64 tensor with a position per row")
+    if rope.cos.stride(-1) != 1 or rope.sin.stride(0) != rope.cos.stride(0):
+        raise ValueError("rope.cos / rope.sin must share a row stride with a contiguous last dim")
+    norm = rope.q_norm is not None
+    if norm and (rope.k_norm is None or rope.q_norm.numel() != head_dim or rope.k_norm.numel() != head_dim):
+        raise ValueError(f"q / k norm weights must both be given with head_dim={head_dim} elements")
+    qw, kw = (rope.q_norm.contiguous(), rope.k_norm.contiguous()) if norm else (rope.cos, rope.cos)
+    args = [rope.k, rope.v, slot_mapping, rope.positions, rope.cos, rope.sin, qw, kw]
+    strides = [rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1), rope.cos.stride(0),
+               float(rope.eps), float(rope.norm_offset)]
+    return args, strides
+
+
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int = 1,
                  part_o: torch.Tensor | None = None, part_lse: torch.Tensor | None = None,
                  use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
                  num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
-                 prefetch_tokens: int | None = None) -> torch.Tensor:
+                 prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -339,6 +428,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     FMA, with fma_lanes choosing the per-lane online softmax variant. prefetch_tokens: with PDL on, each program
     asks for the K/V lines of this many of its first context positions before it waits for its predecessor
     (None: KV_PREFETCH_TOKENS; 0: none; without PDL never, as there is nothing to overlap).
+    rope (voltllm.attention.backend.DecodeRope) with slot_mapping: q and rope.k are this step's rows before
+    QK-norm and RoPE; the kernel rotates them and stores the newest K / V at slot_mapping (-1: not stored), so no
+    RoPE or KV-write launch precedes it. Rotary over the whole head (head_dim a power of two).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     num_seqs = seq_lens.shape[0]
@@ -366,18 +458,22 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     else:
         part_o = part_lse = out  # unused
     ieee = q.dtype == torch.float32
+    rope_args, rope_strides = _rope_launch_args(rope, slot_mapping, q, num_kv_heads, head_dim)
     launch = pdl.launch_options()
     prefetch = (KV_PREFETCH_TOKENS if prefetch_tokens is None else prefetch_tokens) if launch["PDL"] else 0
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache, out, part_o, part_lse, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
+        *rope_args,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
+        *rope_strides,
         num_splits,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
-        PREFETCH_N=triton.cdiv(prefetch, block_n) * block_n,
+        PREFETCH_N=triton.cdiv(prefetch, block_n) * block_n, ROPE=rope is not None,
+        NORM=rope is not None and rope.q_norm is not None,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch,
     )
     if split:

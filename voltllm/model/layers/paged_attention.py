@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from voltllm.attention.backend import DecodeRope
 from voltllm.attention.kv_spec import maybe_calc_kv_scales, new_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.norm import RMSNorm
@@ -34,6 +35,10 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k / v [T, Hkv, D] (QK-norm first when q_norm / k_norm are given) -> attention
         output [T, Hq, D]."""
         cache = ctx.kv_caches[self.kv_index]
+        rope = self._decode_rope(positions, q, k, v, cache, ctx, q_norm, k_norm)
+        if rope is not None:  # the decode kernel applies QK-norm + RoPE and stores K / V itself
+            return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale,
+                                       v_scale=self.v_scale, rope=rope)
         write = ctx.backend.cache_write_for(v, cache, ctx.meta)
         if q_norm is not None:
             q, k = self.rotary.norm_and_rotate(positions, q, k, q_norm, k_norm, cache_write=write)
@@ -42,3 +47,15 @@ class PagedAttention(nn.Module):
         maybe_calc_kv_scales(self, k, v, ctx)
         return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
                                    kv_written=write is not None)
+
+    def _decode_rope(self, positions, q, k, v, cache, ctx: ForwardContext, q_norm: Optional[RMSNorm],
+                     k_norm: Optional[RMSNorm]) -> Optional[DecodeRope]:
+        """A DecodeRope when the backend fuses this step's norm, RoPE and KV store into its decode kernel
+        (not while --calculate-kv-scales still needs the rotated K of a first forward)."""
+        if ctx.calc_kv_scales or not ctx.backend.fuses_decode_rope(q, cache, ctx.meta, self.rotary.rotary_dim):
+            return None
+        if q_norm is not None and (k_norm is None or q_norm.offset != k_norm.offset or q_norm.eps != k_norm.eps):
+            return None
+        return DecodeRope(k, v, positions, self.rotary.cos, self.rotary.sin,
+                          None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                          q_norm.eps if q_norm is not None else 1e-6, q_norm.offset if q_norm is not None else 0.0)
