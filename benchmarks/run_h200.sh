@@ -45,6 +45,8 @@
 #   s22      (session 10) decode kernel with QK-norm + RoPE + KV store fused: its GPU tests, engine files, 64 concurrent
 #            with a profile
 #   s23      (session 10) the fused decode RoPE on / off (FUSED_DECODE_ROPE) at 16 / 64 concurrent and batch 1
+#   s24      (session 10) the fused decode kernel's second form (newest position from registers, first tile peeled):
+#            its GPU tests and the engine files, then 64 concurrent with it on / off
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -351,6 +353,16 @@ case $stage in
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
       --num-warm 2 --concurrency 64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha \
       | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    ;;
+  s24)  # (session 10) the fused decode RoPE, second form: tests, then 64 concurrent on / off in the same call
+    gpu_file test_attention_kernels 100 -k "fused_rope or graph or pdl"
+    gpu_file test_fp8_kv_gpu 120 -k "fused_rope or compat_vs_native or tiny_qwen3 or graph"
+    gpu_file test_engine_gpu 60
+    conc="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
+      --num-warm 2 --concurrency 64"
+    bench $conc --name qwen3-8b-shape-fp16-c64-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_DECODE_ROPE=0 --" $conc \
+      --name qwen3-8b-shape-fp16-c64-noropefuse-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
     ;;
   s23)  # (session 10) A / B in one call: the fused decode RoPE on (as committed) and off, 16 / 64 concurrent; batch 1
     conc="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128

@@ -91,6 +91,33 @@ def _norm_rope_rows(rows, row_mask, d, W, c, sn, eps, offset,
 
 
 @triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+    """One KV tile into the online softmax state (m_i, l_i, acc) of the group's q rows; the tile has at least one
+    valid position. USE_DOT: q is in the model dtype and unscaled; else fp32 and pre-scaled by qk_scale."""
+    if USE_DOT:
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+    else:
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile has a valid position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     KNew, VNew, SlotMapping, Pos, Cos, Sin, QW, KW,  # ROPE only: the step's raw K / V rows and what rotates them
@@ -125,6 +152,25 @@ def _paged_decode_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     end = tl.where(has_row, end, 0)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    read_end = end
+    if ROPE:
+        # Q / KNew / VNew hold this step's projections before QK-norm and RoPE. Every program rotates its q; the
+        # program whose slice ends at the newest position also rotates that position's K, stores K and V in the
+        # cache (fp8: encoded with the layer's scales) and attends to them from registers (merged after its
+        # loop), so nothing reads that cache row in this launch. Positions, slots, cos / sin and the norm weights
+        # are step inputs or constants: read before the PDL wait.
+        newest = has_row & (start < end) & (end == seq_len)
+        read_end = tl.where(newest, end - 1, end)
+        pos_t = tl.load(Pos + q_row).to(tl.int64)
+        slot = tl.load(SlotMapping + q_row, mask=has_row, other=-1).to(tl.int64)
+        dh = d % (HEAD_DIM // 2)
+        c = tl.load(Cos + pos_t * stride_cos + dh).to(tl.float32)
+        sn = tl.load(Sin + pos_t * stride_cos + dh).to(tl.float32)
     if PREFETCH_N > 0:  # PDL: pull the slice's first KV lines into L2 while the predecessor (RoPE) finishes
         _prefetch_kv_l2(KV, bt_row, start, tl.minimum(end, start + PREFETCH_N), n, stride_c_kv, stride_c_blk,
                         stride_c_slot, head_off, HEAD_DIM, PAGE)
@@ -132,41 +178,47 @@ def _paged_decode_kernel(
     if KV_FMT >= 0:  # fp8 cache: s = q . (decode(k) * k_scale) = (q . decode(k)) * k_scale
         qk_scale = qk_scale * tl.load(KScale)
 
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + g
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    loop_start = start
     if ROPE:
-        # Q / KNew / VNew hold this step's projections before QK-norm and RoPE: rotate q here, and let the
-        # program whose slice ends at the newest position also rotate that position's K and store K and V in
-        # the cache (fp8: encoded with the layer's scales), before it reads its slice back. One launch instead
-        # of RoPE + KV store + decode; its other programs never read that position.
-        pos_t = tl.load(Pos + q_row).to(tl.int64)
-        dh = d % (HEAD_DIM // 2)
-        c = tl.load(Cos + pos_t * stride_cos + dh).to(tl.float32)
-        sn = tl.load(Sin + pos_t * stride_cos + dh).to(tl.float32)
+        if not LANES:  # the first tile's loads go out before q's rotation waits for q (the loop pipelines the rest)
+            pos0 = start + n
+            k0, v0 = _load_kv_tile(KV, bt_row, pos0, pos0 < read_end, d, d_mask, stride_c_kv, stride_c_blk,
+                                   stride_c_slot, head_off, PAGE, KV_FMT, DT)
         q = _norm_rope_rows(Q + q_row * stride_qt + heads * stride_qh, g_mask & has_row, d, QW, c, sn, eps,
                             norm_offset, HEAD_DIM, NORM, DT)
-        slot = tl.load(SlotMapping + q_row, mask=has_row, other=-1).to(tl.int64)
-        if has_row & (slot >= 0) & (start < end) & (end == seq_len):
-            one = tl.zeros([1], tl.int64)
-            k_new = _norm_rope_rows(KNew + q_row * stride_kt + kvh * stride_kh + one, one == 0, d, KW, c, sn, eps,
-                                    norm_offset, HEAD_DIM, NORM, DT)
-            v_new = tl.load(VNew + q_row * stride_vt + kvh * stride_vh + one[:, None] + d[None, :])
-            dst = KV + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_slot + head_off + one[:, None] + d[None, :]
-            if KV_FMT >= 0:
-                tl.store(dst, fp32_to_fp8(tl.math.div_rn(k_new.to(tl.float32), tl.load(KScale)), KV_FMT))
-                tl.store(dst + stride_c_kv, fp32_to_fp8(tl.math.div_rn(v_new.to(tl.float32), tl.load(VScale)), KV_FMT))
-            else:
-                tl.store(dst, k_new.to(KV.dtype.element_ty))
-                tl.store(dst + stride_c_kv, v_new.to(KV.dtype.element_ty))
-        tl.debug_barrier()  # the newest K / V rows were stored by other threads of this program
+        one = tl.zeros([1], tl.int64)
+        k_new = _norm_rope_rows(KNew + q_row * stride_kt + kvh * stride_kh + one, newest & (one == 0), d, KW, c, sn,
+                                eps, norm_offset, HEAD_DIM, NORM, DT)
+        v_new = tl.load(VNew + q_row * stride_vt + kvh * stride_vh + one[:, None] + d[None, :],
+                        mask=newest & (one[:, None] == 0), other=0.0)
+        dst = KV + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_slot + head_off + one[:, None] + d[None, :]
+        store = newest & (slot >= 0)
+        if KV_FMT >= 0:  # attend to the decoded codes, as a later step reading the cache will
+            k_code = fp32_to_fp8(tl.math.div_rn(k_new.to(tl.float32), tl.load(KScale)), KV_FMT)
+            v_code = fp32_to_fp8(tl.math.div_rn(v_new.to(tl.float32), tl.load(VScale)), KV_FMT)
+            tl.store(dst, k_code, mask=store)
+            tl.store(dst + stride_c_kv, v_code, mask=store)
+            k_new = fp8_to_fp16(k_code, KV_FMT).to(tl.float32)
+            v_new = fp8_to_fp16(v_code, KV_FMT).to(tl.float32)
+        else:
+            tl.store(dst, k_new.to(KV.dtype.element_ty), mask=store)
+            tl.store(dst + stride_c_kv, v_new.to(KV.dtype.element_ty), mask=store)
+            k_new = k_new.to(KV.dtype.element_ty).to(tl.float32)
+            v_new = v_new.to(KV.dtype.element_ty).to(tl.float32)
+        if not USE_DOT:
+            q = q.to(tl.float32) * qk_scale
+        if not LANES:
+            if start < read_end:
+                m_i, l_i, acc = _attend_tile(q, k0, v0, pos0 < read_end, m_i, l_i, acc, qk_scale, USE_DOT, IEEE)
+            loop_start = start + BLOCK_N
     else:
         q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :] & has_row, other=0.0)
-    if not USE_DOT:
-        q = q.to(tl.float32) * qk_scale
+        if not USE_DOT:
+            q = q.to(tl.float32) * qk_scale
     if LANES:
         # FMA route, one online softmax per (head, lane n): no cross-warp reduction inside the loop;
         # the BLOCK_N lanes are merged once at the end (like split-KV partitions).
@@ -174,9 +226,9 @@ def _paged_decode_kernel(
         m3 = tl.full([BLOCK_G, BLOCK_N], NEG, tl.float32)
         l3 = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
         acc3 = tl.zeros([BLOCK_G, BLOCK_N, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(start, read_end, BLOCK_N):
             pos = n0 + n
-            n_mask = pos < end
+            n_mask = pos < read_end
             k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
                                  head_off, PAGE, KV_FMT, DT)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
@@ -191,37 +243,26 @@ def _paged_decode_kernel(
         w = tl.where(l3 > 0.0, tl.exp2(m3 - m_i[:, None]), 0.0)
         l_i = tl.sum(l3 * w, axis=1)
         acc = tl.sum(acc3 * w[:, :, None], axis=1)
+        m_i = tl.where(l_i > 0.0, m_i, float("-inf"))  # (an empty slice: no state, as on the per-row route)
     else:
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(loop_start, read_end, BLOCK_N):
             pos = n0 + n
-            n_mask = pos < end
+            n_mask = pos < read_end
             k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
                                  head_off, PAGE, KV_FMT, DT)
-            if USE_DOT:
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = s * qk_scale
-            else:
-                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid position
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if USE_DOT:
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-            else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, IEEE)
+    if ROPE:  # the newest position, from registers (q is pre-scaled on the FMA route)
+        s_new = tl.sum(q.to(tl.float32) * k_new, axis=1)
+        if USE_DOT:
+            s_new = s_new * qk_scale
+        s_new = tl.where(newest, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_new = tl.exp2(s_new - m_safe)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new
+        m_i = m_new
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
