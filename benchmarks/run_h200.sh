@@ -45,6 +45,8 @@
 #   s22      (session 10) decode kernel with QK-norm + RoPE + KV store fused: its GPU tests, engine files, 64 concurrent
 #            with a profile
 #   s23      (session 10) the fused decode RoPE on / off (FUSED_DECODE_ROPE) at 16 / 64 concurrent and batch 1
+#   s25      (session 10) fused decode RoPE (now only below 128 sequences x kv heads) on / off at batch 1: 8B and the
+#            SmolLM2 shape; its fp8 GPU tests
 #   s24      (session 10) the fused decode kernel's second form (newest position from registers, first tile peeled):
 #            its GPU tests and the engine files, then 64 concurrent with it on / off
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
@@ -353,6 +355,16 @@ case $stage in
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
       --num-warm 2 --concurrency 64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha \
       | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    ;;
+  s25)  # (session 10) the fused decode RoPE at batch 1 on / off in the same call; its fp8 GPU tests
+    off="python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_DECODE_ROPE=0 --"
+    b1="--random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2"
+    sm="--random-weights smollm2-135m-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2"
+    bench $b1 --name qwen3-8b-shape-fp16-decode-b1-$sha | grep -v "^  M=\|^  MLP"
+    bench_via "$off" $b1 --name qwen3-8b-shape-fp16-decode-b1-noropefuse-$sha | grep -v "^  M=\|^  MLP"
+    bench $sm --name smollm2-135m-shape-fp16-decode-b1-$sha | grep -v "^  M=\|^  MLP"
+    bench_via "$off" $sm --name smollm2-135m-shape-fp16-decode-b1-noropefuse-$sha | grep -v "^  M=\|^  MLP"
+    gpu_file test_fp8_kv_gpu 150 -k fused_rope
     ;;
   s24)  # (session 10) the fused decode RoPE, second form: tests, then 64 concurrent on / off in the same call
     gpu_file test_attention_kernels 100 -k "fused_rope or graph or pdl"

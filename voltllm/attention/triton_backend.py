@@ -38,8 +38,12 @@ from voltllm.kernels.attention.paged_decode import FMA_LANES_DEFAULT
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.uint8)
 # Pure-decode steps on CUDA run QK-norm + RoPE + the KV store inside the decode kernel (DecodeRope) instead of a
-# RoPE launch before it: one kernel less per layer.
+# RoPE launch before it: one kernel less per layer, where the step is latency-bound (fewer than
+# FUSED_DECODE_ROPE_MAX_PROGRAMS sequences x kv heads). With many programs the fused prologue costs more than the
+# launch it saves: 64 sequences x 8 kv heads at 128 / 128 measured 9,443 output tok/s fused against 9,528 with the
+# separate RoPE launch, in the same call (benchmarks/results/qwen3-8b-shape-fp16-c64-*277ea2b.json).
 FUSED_DECODE_ROPE = True
+FUSED_DECODE_ROPE_MAX_PROGRAMS = 128
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -148,6 +152,7 @@ class TritonAttentionBackend(AttentionBackend):
     def fuses_decode_rope(self, q, kv_cache, meta: AttentionMetadata, rotary_dim: int) -> bool:
         d = q.shape[-1]
         return (FUSED_DECODE_ROPE and q.is_cuda and meta.is_pure_decode and rotary_dim == d and d & (d - 1) == 0
+                and meta.seq_lens.shape[0] * kv_cache.shape[3] < FUSED_DECODE_ROPE_MAX_PROGRAMS
                 and q.dtype in (torch.float16, torch.bfloat16) and kv_cache.dtype in (q.dtype, torch.uint8))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
