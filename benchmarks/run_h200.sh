@@ -45,7 +45,7 @@
 #   s22      (session 10) decode kernel with QK-norm + RoPE + KV store fused: its GPU tests, engine files, 64 concurrent
 #            with a profile
 #   s23      (session 10) the fused decode RoPE on / off (FUSED_DECODE_ROPE) at 16 / 64 concurrent and batch 1
-#   s25      (session 10) fused decode RoPE (now only below 128 sequences x kv heads) on / off at batch 1: 8B and the
+#   s25      (session 10) fused decode RoPE (only below 128 sequences x kv heads) on / off at batch 1: 8B and the
 #            SmolLM2 shape; its fp8 GPU tests
 #   s24      (session 10) the fused decode kernel's second form (newest position from registers, first tile peeled):
 #            its GPU tests and the engine files, then 64 concurrent with it on / off

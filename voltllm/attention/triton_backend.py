@@ -37,12 +37,13 @@ from voltllm.kernels.attention import (choose_num_splits, decode_scratch_numel, 
 from voltllm.kernels.attention.paged_decode import FMA_LANES_DEFAULT
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.uint8)
-# Pure-decode steps on CUDA run QK-norm + RoPE + the KV store inside the decode kernel (DecodeRope) instead of a
-# RoPE launch before it: one kernel less per layer, where the step is latency-bound (fewer than
-# FUSED_DECODE_ROPE_MAX_PROGRAMS sequences x kv heads). With many programs the fused prologue costs more than the
-# launch it saves: 64 sequences x 8 kv heads at 128 / 128 measured 9,443 output tok/s fused against 9,528 with the
-# separate RoPE launch, in the same call (benchmarks/results/qwen3-8b-shape-fp16-c64-*277ea2b.json).
-FUSED_DECODE_ROPE = True
+# Pure-decode steps on CUDA may run QK-norm + RoPE + the KV store inside the decode kernel (DecodeRope) instead of a
+# RoPE launch before it: one kernel less per layer. Off: on the H200 it was slower everywhere it was measured, in the
+# same call as the separate launch (benchmarks/results/*-277ea2b.json, *-a23fe44.json): 64 concurrent x 128 / 128
+# 9,443 vs 9,528 output tok/s, 8B batch 1 228.8 vs 230.2 tok/s, SmolLM2's shape at batch 1 1,317 vs 1,708. The
+# decode kernel then waits for q and the new K before its first tile's dot, where the RoPE launch overlaps its
+# predecessor's tail under PDL. When on, only below FUSED_DECODE_ROPE_MAX_PROGRAMS sequences x kv heads.
+FUSED_DECODE_ROPE = False
 FUSED_DECODE_ROPE_MAX_PROGRAMS = 128
 
 
