@@ -47,6 +47,8 @@
 #   s23      (session 10) the fused decode RoPE on / off (FUSED_DECODE_ROPE) at 16 / 64 concurrent and batch 1
 #   s25      (session 10) fused decode RoPE (only below 128 sequences x kv heads) on / off at batch 1: 8B and the
 #            SmolLM2 shape; its fp8 GPU tests
+#   s26      (session 10) the GPU files the session touched at its end: attention, fp8 KV (key offsets), engine,
+#            hybrid
 #   s24      (session 10) the fused decode kernel's second form (newest position from registers, first tile peeled):
 #            its GPU tests and the engine files, then 64 concurrent with it on / off
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
@@ -355,6 +357,12 @@ case $stage in
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
       --num-warm 2 --concurrency 64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha \
       | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    ;;
+  s26)  # (session 10) the GPU files the session's code touches
+    gpu_file test_attention_kernels 120
+    gpu_file test_fp8_kv_gpu 240
+    gpu_file test_engine_gpu 60
+    gpu_file test_hybrid_gpu 100 -k "fp32_matches_cpu or graph"
     ;;
   s25)  # (session 10) the fused decode RoPE at batch 1 on / off in the same call; its fp8 GPU tests
     off="python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_DECODE_ROPE=0 --"

@@ -143,6 +143,8 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
         scales = ("per-layer scales from the first forward's K/V amax (--calculate-kv-scales; checkpoint scales "
                   "take precedence)" if getattr(config.cache, "calculate_kv_scales", False)
                   else "per-layer scales from the checkpoint, else 1.0")
+        if getattr(config.cache, "calculate_key_offsets", False):
+            scales += "; keys stored centered on the first forward's per-channel mean (--calculate-key-offsets)"
         routes["kv_codec"] = _route(
             cuda, cuda, impl,
             f"KV pages are fp8 with {scales}" if cuda else cpu_reason)
@@ -233,6 +235,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
             "model": str(config.model.model), "architecture": config.model.architecture, "hybrid": hybrid,
             "device": str(dev.device), "compat": dev.compat, "dtype": dtype, "kv_cache_dtype": kv_dtype,
             "calculate_kv_scales": bool(getattr(config.cache, "calculate_kv_scales", False)),
+            "calculate_key_offsets": bool(getattr(config.cache, "calculate_key_offsets", False)),
             "attention_backend": backend_name, "enforce_eager": dev.enforce_eager,
             "quantization": quant, "require_acceleration": bool(getattr(dev, "require_acceleration", False)),
         },

@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: set each layer's k/v scale from the first forward's K/V amax "
                         "(checkpoint scales take precedence; ignored for a float cache)")
+    g.add_argument("--calculate-key-offsets", action=argparse.BooleanOptionalAction, default=False,
+                   help="fp8 KV cache: store keys minus each layer's per-channel key mean from the first forward "
+                        "(attention is unchanged; less fp8 error for keys with a large mean, e.g. a QKV bias)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--require-acceleration", action="store_true",
                    help="refuse to start when a route this configuration expects is disabled (see voltllm check)")

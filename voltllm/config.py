@@ -54,6 +54,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False  # fp8 caches: k/v scales from the first real forward (attention/kv_spec.py)
+    calculate_key_offsets: bool = False  # fp8 caches: keys stored centered on the first forward's mean (kv_spec.py)
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: Optional[int] = None
     cpu_kv_cache_bytes: int = 2 << 30
@@ -112,6 +113,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    calculate_key_offsets: bool = False
     enforce_eager: bool = False
     attention_backend: Optional[str] = None
     tensor_parallel_size: int = 1
@@ -200,6 +202,11 @@ class EngineArgs:
             logger.warning("--calculate-kv-scales is ignored: --kv-cache-dtype %s is not an fp8 cache (scales apply "
                            "to fp8_e4m3 / fp8_e5m2 only)", self.kv_cache_dtype)
             calculate_kv_scales = False
+        calculate_key_offsets = self.calculate_key_offsets
+        if calculate_key_offsets and self.kv_cache_dtype not in FP8_KV_DTYPES:
+            logger.warning("--calculate-key-offsets is ignored: --kv-cache-dtype %s is not an fp8 cache",
+                           self.kv_cache_dtype)
+            calculate_key_offsets = False
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         batched = (max(2048, min(max_model_len, 8192)) if self.max_num_batched_tokens is None
@@ -219,6 +226,7 @@ class EngineArgs:
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+            calculate_key_offsets=calculate_key_offsets,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
             mamba_cache_mode=self.mamba_cache_mode)

@@ -334,6 +334,30 @@ def test_calculate_kv_scales_with_cuda_graphs(tiny):
     llm.engine.check_integrity()
 
 
+def test_calculate_key_offsets_with_cuda_graphs(tiny):
+    """--calculate-key-offsets on CUDA: the first step runs eagerly and fills the offsets in place; the decode
+    graphs captured at start replay with them and equal eager decode with the same offsets."""
+    from voltllm import LLM, SamplingParams
+    kw = dict(device="cuda", dtype="float16", kv_cache_dtype="fp8_e4m3", gpu_memory_utilization=0.3,
+              calculate_key_offsets=True)
+    llm = LLM(tiny, **kw)
+    r = llm.engine.runner
+    assert r.graphs is not None and r.calc_key_offsets_pending
+    attn = [layer.self_attn for layer in r.model.layers]
+    ptrs = [a.k_offset.data_ptr() for a in attn]
+    p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = list(range(5, 40))
+    got = llm.generate({"prompt_token_ids": prompt}, p)[0].outputs[0].token_ids
+    assert not r.calc_key_offsets_pending and r.graphs.replays > 0
+    assert all(float(a.k_offset.abs().max()) > 0 for a in attn) and [a.k_offset.data_ptr() for a in attn] == ptrs
+    eager = LLM(tiny, enforce_eager=True, **kw)
+    eager.engine.runner.calc_key_offsets_pending = False
+    for a, b in zip(attn, (layer.self_attn for layer in eager.engine.runner.model.layers)):
+        b.k_offset.copy_(a.k_offset)
+    assert eager.generate({"prompt_token_ids": prompt}, p)[0].outputs[0].token_ids == got
+    llm.engine.check_integrity()
+
+
 def test_engine_fp8_doubles_kv_capacity(tmp_path):
     """Same --gpu-memory-utilization: the fp8 cache holds ~2x the blocks (weights and activations equal)."""
     from tiny_models import make_model

@@ -230,14 +230,17 @@ def test_qwen3_5_loads_kv_scales(tmp_path):
 
 # --- --calculate-kv-scales ------------------------------------------------------------------------------
 class KVRecorder(TorchReferenceBackend):
-    """The reference backend, recording amax|k| and amax|v| of each call (call i = layer i of a forward)."""
+    """The reference backend, recording amax|k| and amax|v| and the keys' channel means of each call (call i =
+    layer i of a forward)."""
 
     def __init__(self, kv_cache_dtype: str):
         super().__init__(kv_cache_dtype)
         self.amax: list[tuple[float, float]] = []
+        self.key_means: list[float] = []  # largest |mean over tokens| of a key channel, per call
 
     def forward(self, q, k, v, kv_cache, meta, scale, k_scale=None, v_scale=None, kv_written=False):
         self.amax.append((k.abs().amax().item(), v.abs().amax().item()))
+        self.key_means.append(k[:meta.num_tokens].float().mean(0).abs().max().item())
         return super().forward(q, k, v, kv_cache, meta, scale, k_scale, v_scale, kv_written)
 
 
@@ -350,6 +353,73 @@ def test_qwen3_5_calculate_kv_scales(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 8
     assert all(float(a.k_scale) not in (0.0, 1.0) and float(a.v_scale) not in (0.0, 1.0) for a in attn)
     llm.engine.check_integrity()
+
+
+# --- --calculate-key-offsets ----------------------------------------------------------------------------
+def test_calculate_key_offsets_on_first_forward_and_ignored_for_float_cache(tiny, caplog):
+    llm = LLM(tiny, device="cpu", kv_cache_dtype="fp8_e4m3", calculate_key_offsets=True, max_model_len=512)
+    runner = llm.engine.runner
+    attn = [layer.self_attn for layer in runner.model.layers]
+    assert runner.calc_key_offsets_pending and all(float(a.k_offset.abs().max()) == 0.0 for a in attn)
+    prompt = llm.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8))
+    assert not runner.calc_key_offsets_pending
+    got = [a.k_offset.clone() for a in attn]
+    # the prompt's prefill set them: each layer's offset is the mean over the prompt of its rotated keys, which
+    # the same forward again (eager, offsets now in place) hands the backend centered (mean 0)
+    rec = KVRecorder("fp8_e4m3")
+    teacher_forced_logits(runner, prompt + [0], len(prompt), backend=rec)
+    assert all(float(o.abs().max()) > 0 for o in got)
+    assert max(abs(m) for m in rec.key_means[:3]) < 1e-5
+    llm.generate("Another prompt, with other values", SamplingParams(temperature=0, max_tokens=8))
+    assert all(torch.equal(a.k_offset, o) for a, o in zip(attn, got))  # once only
+    llm.engine.check_integrity()
+    with caplog.at_level("WARNING", logger="voltllm"):
+        cfg = EngineArgs(model=tiny, device="cpu", calculate_key_offsets=True).create_engine_config()
+    assert cfg.cache.calculate_key_offsets is False and "--calculate-key-offsets is ignored" in caplog.text
+
+
+def test_attention_ignores_a_key_offset():
+    """Why the offsets are allowed: every score of a query shifts by the same q . offset, which softmax removes."""
+    _load("_attention_interp_check")
+    H = sys.modules["_attention_interp_check"]
+    case = H.make_case([(40, 9), (21, 1), (16, 16), (70, 1)], 8, 2, 64, 16, torch.float32, seed=3)
+    offset = 5.0 * torch.randn(2, 64)
+    out, _ = H.reference(case)
+    shifted = H.Case(case.q, case.k - offset, case.v, case.kv_cache.clone(), case.meta, case.scale)
+    # the cached prefix was written before the offset existed: shift it as the engine would have stored it
+    shifted.kv_cache[0] -= offset
+    got, _ = H.reference(shifted)
+    torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
+
+
+def test_calculate_key_offsets_rescue_keys_with_a_large_bias(tmp_path):
+    """What the flag is for. A tiny qwen2 whose k_proj bias puts +40 on each kv head's lowest-frequency RoPE pair
+    (which barely rotates over 96 positions): E4M3 stores 40 +- x with steps of 4, so the variation x is lost and
+    the scores err; stored centered, x keeps its precision. Teacher-forced logits against fp32 KV."""
+    from safetensors.torch import load_file, save_file
+    path = make_model(str(tmp_path / "biased"), "qwen2", max_position_embeddings=512)
+    f = os.path.join(path, "model.safetensors")
+    w = load_file(f)
+    for i in range(3):
+        b = w[f"model.layers.{i}.self_attn.k_proj.bias"]
+        b[7::8] += 40.0  # channels 7 and 15 of each 16-wide head: the slowest rotating pair
+    save_file(w, f, metadata={"format": "pt"})
+    ref = LLM(path, device="cpu", max_model_len=512)
+    prompt = ref.tokenizer("The quick brown fox jumps over the lazy dog. What is")["input_ids"]
+    gen = ref.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0].outputs[0].token_ids
+    seq = list(prompt) + list(gen)
+    want = teacher_forced_logits(ref.engine.runner, seq, len(prompt))[:64]
+    err = {}
+    for offsets in (False, True):
+        llm = LLM(path, device="cpu", kv_cache_dtype="fp8_e4m3", calculate_key_offsets=offsets, max_model_len=512)
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))  # the first step
+        got = teacher_forced_logits(llm.engine.runner, seq, len(prompt))[:64]
+        err[offsets] = ((got - want).norm() / want.norm()).item()
+    print(f"\nbiased tiny qwen2, fp8_e4m3 vs fp32 KV, relative logit error: without offsets {err[False]:.4f}, "
+          f"with {err[True]:.4f}")
+    assert err[True] < 0.5 * err[False]
 
 
 # --- SmolLM2 (real weights) ------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ read = decode(code) * scale. They are tensors, not floats, so that CUDA graphs r
 `--calculate-kv-scales` (vLLM's flag) sets them once, from the K/V of the first real forward, before
 that forward writes the cache: scale = amax|x| / K_SCALE_RANGE (K) or / V_SCALE_RANGE (V), in place.
 Scales the checkpoint gives take precedence and are kept.
+
+Key offsets (`--calculate-key-offsets`, fp8 caches): the first real forward also sets each attention layer's
+`k_offset` [kv_heads, head_dim] to the mean of its rotated keys, and from then on every key is stored as
+k - k_offset. Attention does not change: a query's scores all shift by the same q . k_offset, which softmax
+removes. What changes is the fp8 error: keys with a large per-channel mean (a QKV bias, as in Qwen2) lose
+precision to it, and centered keys keep the 3-bit mantissa for what varies between tokens. Scales
+calculated in the same forward see the centered keys.
 """
 from __future__ import annotations
 
@@ -171,3 +178,35 @@ def maybe_calc_kv_scales(attn: Any, k: torch.Tensor, v: torch.Tensor, ctx: Any) 
     if ctx.calc_kv_scales:
         n = ctx.meta.num_tokens  # rows past it are padding
         calc_kv_scales(attn, k[:n], v[:n])
+
+
+# --- --calculate-key-offsets ----------------------------------------------------------------------------
+def enable_key_offsets(model: Any) -> int:
+    """Give every attention layer a zero `k_offset` [kv_heads, head_dim] buffer in the model dtype (before CUDA
+    graphs are captured: they read it); the first real forward fills it. Returns the number of layers."""
+    heads, dim = model.kv_heads_and_dim
+    attns = [m for m in model.modules() if hasattr(m, "checkpoint_kv_scales")]
+    for m in attns:
+        like = m.k_scale
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float16)
+        m.k_offset = torch.zeros(heads, dim, dtype=dtype, device=like.device)
+    return len(attns)
+
+
+@torch.no_grad()
+def calc_key_offsets(attn: Any, k: torch.Tensor) -> None:
+    """attn.k_offset = the mean over tokens of k [T, kv_heads, head_dim] (in place, no host sync); non-finite
+    means keep the current offset."""
+    if k.shape[0] == 0:
+        return
+    mean = k.float().mean(0)
+    attn.k_offset.copy_(torch.where(torch.isfinite(mean), mean, attn.k_offset.float()))
+
+
+def center_keys(attn: Any, k: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """k - attn.k_offset for layers with key offsets (calculated first on the calibrating forward); else k."""
+    if getattr(attn, "k_offset", None) is None:
+        return k
+    if ctx.calc_key_offsets:
+        calc_key_offsets(attn, k[:ctx.meta.num_tokens])  # rows past num_tokens are padding
+    return k - attn.k_offset

@@ -18,3 +18,5 @@ class ForwardContext:
     # --calculate-kv-scales: attention layers set their k/v scales from this step's K/V (the runner sets it on
     # its first real forward only; voltllm.attention.kv_spec.calc_kv_scales)
     calc_kv_scales: bool = False
+    # --calculate-key-offsets: attention layers set their key offsets from this step's keys (same forward)
+    calc_key_offsets: bool = False

@@ -84,6 +84,13 @@ class ModelRunner:
 
         # --calculate-kv-scales: the first real step runs eagerly and sets the layers' k/v scales
         self.calc_kv_scales_pending = kv_scales_to_calculate(self.model, config.cache.calculate_kv_scales)
+        # --calculate-key-offsets: the same first real step sets the layers' key offsets (buffers made here, before
+        # any CUDA graph capture reads them)
+        self.calc_key_offsets_pending = bool(getattr(config.cache, "calculate_key_offsets", False))
+        if self.calc_key_offsets_pending:
+            from voltllm.attention.kv_spec import enable_key_offsets
+
+            enable_key_offsets(self.model)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -285,7 +292,8 @@ class ModelRunner:
         self._apply_pdl()
         n_seqs = len(sched.scheduled)
         graph = None
-        if self.graphs is not None and sched.total_tokens == n_seqs and not self.calc_kv_scales_pending:
+        calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
+        if self.graphs is not None and sched.total_tokens == n_seqs and not calibrating:
             graph = self.graphs.for_batch(n_seqs)
         slots = self._state_slots(sched) if self.state_cache is not None else None
         t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0,
@@ -298,8 +306,9 @@ class ModelRunner:
             hidden = graph.replay()
         else:
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,
-                                 calc_kv_scales=self.calc_kv_scales_pending)
-            self.calc_kv_scales_pending = False
+                                 calc_kv_scales=self.calc_kv_scales_pending,
+                                 calc_key_offsets=self.calc_key_offsets_pending)
+            self.calc_kv_scales_pending = self.calc_key_offsets_pending = False
             if slots is not None:
                 ctx.extra["state_cache"] = self.state_cache
                 ctx.extra["state_slots"] = slots

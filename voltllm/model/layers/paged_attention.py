@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from voltllm.attention.backend import DecodeRope
-from voltllm.attention.kv_spec import maybe_calc_kv_scales, new_kv_scale
+from voltllm.attention.kv_spec import center_keys, maybe_calc_kv_scales, new_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.rotary import RotaryEmbedding
@@ -28,6 +28,7 @@ class PagedAttention(nn.Module):
         self.register_buffer("k_scale", new_kv_scale())  # fp8 KV cache scales (voltllm/attention/kv_spec.py)
         self.register_buffer("v_scale", new_kv_scale())
         self.checkpoint_kv_scales: set[str] = set()  # buffers the checkpoint set (--calculate-kv-scales keeps them)
+        self.register_buffer("k_offset", None, persistent=False)  # --calculate-key-offsets (kv_spec.py)
 
     def rope_and_attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         ctx: ForwardContext, q_norm: Optional[RMSNorm] = None,
@@ -44,6 +45,7 @@ class PagedAttention(nn.Module):
             q, k = self.rotary.norm_and_rotate(positions, q, k, q_norm, k_norm, cache_write=write)
         else:
             q, k = self.rotary(positions, q, k, cache_write=write)
+        k = center_keys(self, k, ctx)
         maybe_calc_kv_scales(self, k, v, ctx)
         return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
                                    kv_written=write is not None)
@@ -51,8 +53,9 @@ class PagedAttention(nn.Module):
     def _decode_rope(self, positions, q, k, v, cache, ctx: ForwardContext, q_norm: Optional[RMSNorm],
                      k_norm: Optional[RMSNorm]) -> Optional[DecodeRope]:
         """A DecodeRope when the backend fuses this step's norm, RoPE and KV store into its decode kernel
-        (not while --calculate-kv-scales still needs the rotated K of a first forward)."""
-        if ctx.calc_kv_scales or not ctx.backend.fuses_decode_rope(q, cache, ctx.meta, self.rotary.rotary_dim):
+        (not while --calculate-kv-scales still needs the rotated K of a first forward, nor with key offsets)."""
+        if (ctx.calc_kv_scales or self.k_offset is not None
+                or not ctx.backend.fuses_decode_rope(q, cache, ctx.meta, self.rotary.rotary_dim)):
             return None
         if q_norm is not None and (k_norm is None or q_norm.offset != k_norm.offset or q_norm.eps != k_norm.eps):
             return None
