@@ -181,21 +181,28 @@ def rope_inputs(case: Case, norm: bool, seed: int):
     return rope, q_rot.to(dev), k_rot.to(dev)
 
 
+def decode_poisoned(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    **kw) -> torch.Tensor:
+    """paged_decode into a NaN-filled output with NaN-filled split-KV scratch (kw: its options, num_splits too)."""
+    from voltllm.kernels.attention import decode_scratch_numel, paged_decode
+    out = torch.full_like(q, float("nan"))
+    splits = kw.pop("num_splits", 1)
+    no, nl = decode_scratch_numel(meta.seq_lens.shape[0], q.shape[1], splits, q.shape[2])
+    part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=q.device)
+    part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=q.device)
+    paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out, num_splits=splits,
+                 part_o=part_o, part_lse=part_l, **kw)
+    return out
+
+
 def run_rope_decode_case(case: Case, norm: bool, seed: int, **kw) -> tuple[float, str]:
     """paged_decode with the fused QK-norm + RoPE + KV store (unrotated q / k in) against the reference write
     and attention of the rotated rows; the cache must match the reference write to rounding."""
-    from voltllm.kernels.attention import decode_scratch_numel, paged_decode
     rope, q_rot, k_rot = rope_inputs(case, norm, seed)
     m = case.meta
     ref_out, ref_cache = reference(Case(q_rot, k_rot, case.v, case.kv_cache, m, case.scale))
     cache = case.kv_cache.clone()
-    out = torch.full_like(case.q, float("nan"))
-    splits = kw.pop("num_splits", 1)
-    no, nl = decode_scratch_numel(m.seq_lens.shape[0], case.q.shape[1], splits, case.q.shape[2])
-    part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=case.q.device)
-    part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=case.q.device)
-    paged_decode(case.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale, out, num_splits=splits,
-                 part_o=part_o, part_lse=part_l, rope=rope, slot_mapping=m.slot_mapping, **kw)
+    out = decode_poisoned(case.q, cache, m, case.scale, rope=rope, slot_mapping=m.slot_mapping, **kw)
     problems = []
     rtol = 1e-5 if case.q.dtype == torch.float32 else 1e-2  # (the norm's sum of squares may round differently)
     if not torch.allclose(cache.cpu().float(), ref_cache.float(), equal_nan=True, rtol=rtol, atol=rtol):

@@ -112,8 +112,7 @@ def run_fp8_case(case: Fp8Case, backend=None, kind: str = "backend", **kw) -> tu
 def run_fp8_rope_decode(case: Fp8Case, norm: bool, seed: int, **kw) -> tuple[float, str]:
     """paged_decode with the fused QK-norm + RoPE + fp8 KV store against the reference: the rotated rows
     (kernels.fused references) written by the reference codec, then attended. Codes must match exactly."""
-    from _attention_interp_check import rope_inputs
-    from voltllm.kernels.attention import decode_scratch_numel, paged_decode
+    from _attention_interp_check import decode_poisoned, rope_inputs
     from voltllm.kernels.fp8_codec import fp8_format
 
     b = case.base
@@ -121,14 +120,8 @@ def run_fp8_rope_decode(case: Fp8Case, norm: bool, seed: int, **kw) -> tuple[flo
     rope, q_rot, k_rot = rope_inputs(b, norm, seed)
     rotated = Fp8Case(Case(q_rot, k_rot, b.v, b.kv_cache, m, b.scale), case.fmt, case.k_scale, case.v_scale)
     cache = b.kv_cache.clone()
-    out = torch.full_like(b.q, float("nan"))
-    splits = kw.pop("num_splits", 1)
-    no, nl = decode_scratch_numel(m.seq_lens.shape[0], b.q.shape[1], splits, b.q.shape[2])
-    part_o = torch.full((no,), float("nan"), dtype=torch.float32, device=b.q.device)
-    part_l = torch.full((nl,), float("nan"), dtype=torch.float32, device=b.q.device)
-    paged_decode(b.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, b.scale, out, num_splits=splits,
-                 part_o=part_o, part_lse=part_l, kv_fmt=fp8_format(case.fmt), k_scale=case.k_scale,
-                 v_scale=case.v_scale, rope=rope, slot_mapping=m.slot_mapping, **kw)
+    out = decode_poisoned(b.q, cache, m, b.scale, kv_fmt=fp8_format(case.fmt), k_scale=case.k_scale,
+                          v_scale=case.v_scale, rope=rope, slot_mapping=m.slot_mapping, **kw)
     return _compare(rotated, out[:m.num_tokens], cache)
 
 
