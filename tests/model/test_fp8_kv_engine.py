@@ -339,19 +339,21 @@ def test_calculate_kv_scales_restores_rescaled_model(tmp_path):
     assert agree["scaled 1.0"] < agree["scaled calc"] - 0.2
 
 
-def test_qwen3_5_calculate_kv_scales(tmp_path):
-    """The hybrids' gated attention layers calculate their scales too (the GDN layers have none)."""
+def test_qwen3_5_calculate_kv_scales_and_key_offsets(tmp_path):
+    """The hybrids' gated attention layers calculate their scales and key offsets too (the GDN layers have none)."""
     transformers = pytest.importorskip("transformers")
     cfg = _tiny_qwen3_5_config(transformers)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), device="cpu", kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True,
-              skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=32)
+              calculate_key_offsets=True, skip_tokenizer_init=True, max_model_len=256, num_gpu_blocks_override=32)
     attn = [layer.self_attn for layer in llm.engine.runner.model.layers if hasattr(layer, "self_attn")]
     assert attn and all((float(a.k_scale), float(a.v_scale)) == (1.0, 1.0) for a in attn)
+    assert all(float(a.k_offset.abs().max()) == 0.0 for a in attn)
     out = llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=8))
     assert len(out[0].outputs[0].token_ids) == 8
     assert all(float(a.k_scale) not in (0.0, 1.0) and float(a.v_scale) not in (0.0, 1.0) for a in attn)
+    assert all(float(a.k_offset.abs().max()) > 0.0 for a in attn)
     llm.engine.check_integrity()
 
 
