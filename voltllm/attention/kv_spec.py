@@ -185,11 +185,10 @@ def enable_key_offsets(model: Any) -> int:
     """Give every attention layer a zero `k_offset` [kv_heads, head_dim] buffer in the model dtype (before CUDA
     graphs are captured: they read it); the first real forward fills it. Returns the number of layers."""
     heads, dim = model.kv_heads_and_dim
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float16)
     attns = [m for m in model.modules() if hasattr(m, "checkpoint_kv_scales")]
     for m in attns:
-        like = m.k_scale
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float16)
-        m.k_offset = torch.zeros(heads, dim, dtype=dtype, device=like.device)
+        m.k_offset = torch.zeros(heads, dim, dtype=dtype, device=m.k_scale.device)
     return len(attns)
 
 
