@@ -40,7 +40,8 @@ class PagedAttention(nn.Module):
         if rope is not None:  # the decode kernel applies QK-norm + RoPE and stores K / V itself
             return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale,
                                        v_scale=self.v_scale, rope=rope)
-        write = ctx.backend.cache_write_for(v, cache, ctx.meta)
+        # centered keys must reach the cache, so with key offsets the backend writes them (after center_keys)
+        write = None if self.k_offset is not None else ctx.backend.cache_write_for(v, cache, ctx.meta)
         if q_norm is not None:
             q, k = self.rotary.norm_and_rotate(positions, q, k, q_norm, k_norm, cache_write=write)
         else:
@@ -57,8 +58,9 @@ class PagedAttention(nn.Module):
         if (ctx.calc_kv_scales or self.k_offset is not None
                 or not ctx.backend.fuses_decode_rope(q, cache, ctx.meta, self.rotary.rotary_dim)):
             return None
-        if q_norm is not None and (k_norm is None or q_norm.offset != k_norm.offset or q_norm.eps != k_norm.eps):
+        if q_norm is None:
+            return DecodeRope(k, v, positions, self.rotary.cos, self.rotary.sin, None, None)
+        if k_norm is None or q_norm.offset != k_norm.offset or q_norm.eps != k_norm.eps:
             return None
-        return DecodeRope(k, v, positions, self.rotary.cos, self.rotary.sin,
-                          None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                          q_norm.eps if q_norm is not None else 1e-6, q_norm.offset if q_norm is not None else 0.0)
+        return DecodeRope(k, v, positions, self.rotary.cos, self.rotary.sin, q_norm.weight, k_norm.weight,
+                          q_norm.eps, q_norm.offset)
