@@ -51,6 +51,8 @@
 #            hybrid
 #   s24      (session 10) the fused decode kernel's second form (newest position from registers, first tile peeled):
 #            its GPU tests and the engine files, then 64 concurrent with it on / off
+#   s27      (session 11) FMA-route decode attention with the per-lane route computing in its loads' layout:
+#            benchmarks/micro/attn_decode_fma.py, its GPU tests, --compat sm70 64 concurrent with per-row / per-lane
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -357,6 +359,16 @@ case $stage in
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
       --num-warm 2 --concurrency 64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha \
       | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    ;;
+  s27)  # (session 11) the FMA decode route (sm_70 / sm_75 / --compat): micro, GPU tests, compat 64 concurrent A / B
+    python3 benchmarks/micro/attn_decode_fma.py > "$out/attn-decode-fma-$sha.txt" 2>&1; tail -45 "$out/attn-decode-fma-$sha.txt"
+    gpu_file test_attention_kernels 120 -k "test_decode or long_context"
+    conc="--random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario concurrency --input-len 128
+      --output-len 128 --num-warm 1 --concurrency 64"
+    bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FMA_LANES_DEFAULT=0 --" $conc \
+      --name qwen3-8b-shape-fp16-compat-c64-rows-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FMA_LANES_DEFAULT=1 --" $conc \
+      --name qwen3-8b-shape-fp16-compat-c64-lanes-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
     ;;
   s26)  # (session 10) the GPU files the session's code touches
     gpu_file test_attention_kernels 120

@@ -49,6 +49,24 @@ def _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk,
 
 
 @triton.jit
+def _load_kv_tile3(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
+                   PAGE: tl.constexpr, KV_FMT: tl.constexpr, DT: tl.constexpr):
+    """_load_kv_tile as [1, BLOCK_N, BLOCK_D] tensors: the FMA-lanes route computes on [GROUP, BLOCK_N, BLOCK_D]
+    in the layout of these loads (rows over warps, 16-byte vectors of a row over lanes), so the tile never
+    goes through shared memory and the dot products over D reduce within a warp."""
+    blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+    tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+    kv_mask = n_mask[None, :, None] & d_mask[None, None, :]
+    offs = tok_off[None, :, None] + d[None, None, :]
+    k = tl.load(KV + offs, mask=kv_mask, other=0)
+    v = tl.load(KV + stride_c_kv + offs, mask=kv_mask, other=0)
+    if KV_FMT >= 0:
+        k = fp8_to_fp16(k, KV_FMT).to(DT)
+        v = fp8_to_fp16(v, KV_FMT).to(DT)
+    return k, v
+
+
+@triton.jit
 def _prefetch_kv_l2(KV, bt_row, start, end, n, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
     """L2 prefetch hints for the K and V rows of context positions [start, end) of one kv head: every 128-byte
@@ -226,18 +244,19 @@ def _paged_decode_kernel(
         m3 = tl.full([BLOCK_G, BLOCK_N], NEG, tl.float32)
         l3 = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
         acc3 = tl.zeros([BLOCK_G, BLOCK_N, BLOCK_D], tl.float32)
+        q3 = q[:, None, :]
         for n0 in range(start, read_end, BLOCK_N):
             pos = n0 + n
             n_mask = pos < read_end
-            k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
-                                 head_off, PAGE, KV_FMT, DT)
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            k, v = _load_kv_tile3(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
+                                  head_off, PAGE, KV_FMT, DT)
+            s = tl.sum(q3 * k.to(tl.float32), axis=2)
             s = tl.where(n_mask[None, :], s, NEG)
             m_new = tl.maximum(m3, s)
             alpha = tl.exp2(m3 - m_new)
             p = tl.where(n_mask[None, :], tl.exp2(s - m_new), 0.0)
             l3 = l3 * alpha + p
-            acc3 = acc3 * alpha[:, :, None] + p[:, :, None] * v.to(tl.float32)[None, :, :]
+            acc3 = acc3 * alpha[:, :, None] + p[:, :, None] * v.to(tl.float32)
             m3 = m_new
         m_i = tl.max(m3, axis=1)
         w = tl.where(l3 > 0.0, tl.exp2(m3 - m_i[:, None]), 0.0)

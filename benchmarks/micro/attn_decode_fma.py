@@ -1,0 +1,73 @@
+"""FMA-route decode attention (the sm_70 / sm_75 / --compat route: no tensor cores) against the tl.dot route (GPU only).
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/attn_decode_fma.py
+
+For three head layouts (qwen3-8b: 32 q / 8 kv heads, d128; SmolLM2: 9 / 3, d64; Qwen2.5-0.5B: 14 / 2, d64) and a few
+decode batches, times paged_decode from CUDA-graph replays over four rotated caches: the tl.dot route, the FMA per-row
+route and the FMA per-lane route at several (BLOCK_N, warps). Prints microseconds, the KV read rate and the relative
+error against the tl.dot route's output (fp32 accumulation on both).
+"""
+import torch
+from graph_timing import graph_us
+from voltllm.kernels.attention.paged_decode import choose_num_splits, decode_scratch_numel, paged_decode
+
+torch.manual_seed(0)
+PAGE = 16
+SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}
+CASES = {"8b": ((64, 128, 256), (64, 900, 1100), (8, 8000, 8200), (1, 32000, 32100)),
+         "smollm2": ((1, 500, 700), (64, 128, 256), (8, 4000, 4100)),
+         "qwen2.5-0.5b": ((1, 8000, 8100), (64, 900, 1100))}
+LANE_TILES = ((8, 4), (16, 2), (16, 4), (32, 4), (32, 8))
+
+
+def case(bs, lo, hi, hq, hkv, d):
+    lens = torch.randint(lo, hi + 1, (bs,))
+    nblk = int(sum((n + PAGE - 1) // PAGE for n in lens.tolist())) + 1
+    caches = [torch.randn(2, nblk, PAGE, hkv, d, dtype=torch.float16, device="cuda") for _ in range(4)]
+    perm = torch.randperm(nblk - 1) + 1
+    width = int(max((n + PAGE - 1) // PAGE for n in lens.tolist()))
+    bt = torch.zeros(bs, width, dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(lens.tolist()):
+        k = (n + PAGE - 1) // PAGE
+        bt[r, :k] = perm[i:i + k]
+        i += k
+    q = torch.randn(bs, hq, d, dtype=torch.float16, device="cuda")
+    qsl = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
+    return q, caches, bt.cuda(), lens.to(torch.int32).cuda(), qsl, lens
+
+
+rows = []
+for shape, (hq, hkv, d) in SHAPES.items():
+    for bs, lo, hi in CASES[shape]:
+        q, caches, bt, sl, qsl, lens = case(bs, lo, hi, hq, hkv, d)
+        kv_bytes = int(lens.sum()) * hkv * d * 2 * 2
+        splits = choose_num_splits(bs, hkv, hi, 132)
+        no, nl = decode_scratch_numel(bs, hq, splits, d)
+        po, pl = torch.empty(no, device="cuda"), torch.empty(nl, device="cuda")
+        out = torch.empty_like(q)
+        variants = [("dot", dict(use_dot=True)), ("fma rows", dict(use_dot=False))]
+        variants += [(f"fma lanes n{bn} w{w}", dict(use_dot=False, fma_lanes=True, block_n=bn, num_warps=w))
+                     for bn, w in LANE_TILES]
+        ref = None
+        for name, kw in variants:
+            def run(i, kw=kw):
+                paged_decode(q, caches[i], bt, sl, qsl, d ** -0.5, out, num_splits=splits, part_o=po, part_lse=pl,
+                             **kw)
+            try:
+                run(0)
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = out.float().clone()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                us = graph_us(lambda i: run(i % 4), reps=8, replays=3)
+            except Exception as ex:  # a tile that does not compile for this shape
+                print("fail", shape, bs, name, str(ex)[:100])
+                continue
+            rows.append((shape, f"{bs} x {lo}-{hi}", splits, name, us, kv_bytes / us / 1e6, err))
+            print(f"{shape:13s} {bs:3d} x {lo}-{hi:<6d} splits {splits:2d} {name:18s} {us:8.1f} us "
+                  f"{kv_bytes / us / 1e6:6.2f} TB/s err {err:.1e}", flush=True)
+
+print("\nshape | batch x context | splits | route | us | TB/s | rel err vs dot")
+for r in rows:
+    print(f"{r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]:.2f} | {r[6]:.1e}")
