@@ -283,6 +283,10 @@ def _checks():
     yield "backend_decode_split_padded", lambda: run_backend_case(
         make_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=11, pad_rows=2),
         TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=True)), f32
+    # one SM: 4 sequences x 2 kv heads count as many programs, so the per-lane route takes its half tile (BLOCK_N 8)
+    yield "backend_decode_lanes_half_tile", lambda: run_backend_case(
+        make_case([(95, 1), (33, 1), (16, 1), (0, 1)], 8, 2, 128, 16, f16, seed=21, pad_rows=1),
+        TritonAttentionBackend(use_tensor_cores=False, num_sms=1, fma_lanes=True)), f16
     yield "backend_decode_fma_rows", lambda: run_backend_case(
         make_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=17, pad_rows=1),
         TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=False)), f32

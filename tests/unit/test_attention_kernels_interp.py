@@ -32,6 +32,7 @@ CHECKS = [
     "decode_rope_norm_f16_d128_split3_lanes",
     "kv_write_strided_inputs",
     "backend_decode_split_padded",
+    "backend_decode_lanes_half_tile",
     "backend_decode_fma_rows",
     "backend_mixed_prefill_padded",
 ]

@@ -188,6 +188,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = meta.seq_lens.shape[0]
         use_dot = self._use_dot(q.device)
+        num_sms = self.num_sms or self._device_info(q.device)[1]
         if num_seqs > 0 and meta.is_pure_decode:
             num_kv_heads = kv_cache.shape[3]
             splits = self.num_splits_for(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
@@ -198,7 +199,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                          num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
                          fma_lanes=self.fma_lanes and not use_dot, kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale,
-                         rope=rope, slot_mapping=meta.slot_mapping)
+                         rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms)
         elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
             qsl = meta.query_start_loc_cpu
             if any(qsl[i + 1] - qsl[i] == 1 for i in range(len(meta.seq_lens_cpu))):
@@ -206,7 +207,7 @@ class TritonAttentionBackend(AttentionBackend):
                 # rows of multi-row sequences are then overwritten by SDPA
                 paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                              num_splits=1, use_dot=use_dot, fma_lanes=self.fma_lanes and not use_dot,
-                             kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale)
+                             kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale, num_sms=num_sms)
             self.sdpa_prefill.forward(q, kv_cache, meta, scale, out, k_scale, v_scale, fmt)
         elif num_seqs > 0:
             cap, _ = self._device_info(q.device)

@@ -362,16 +362,19 @@ def _specs():
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
-                    # the fused QK-norm + RoPE + KV-store prologue at d128 (without the norm at d64), per-row routes
-                    fused = ((True, d == 128),) if d in (64, 128) and not lanes else ()
-                    for rope, norm in ((False, False),) + fused:
+                    # the fused QK-norm + RoPE + KV-store prologue at d128 (without the norm at d64); the per-lane
+                    # route's smaller tile for many programs (LANES_HALF_TILE_PER_SM) at d128
+                    fused = ((True, d == 128, False),) if d in (64, 128) else ()
+                    small = ((False, False, True),) if lanes and d == 128 else ()
+                    for rope, norm, half in ((False, False, False),) + fused + small:
+                        block_n = _default_block_n(d, block_g, use_dot, lanes, many=half)
                         decode.append(CompileSpec(signature=sig, constexprs={
-                            "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d,
-                            "BLOCK_N": _default_block_n(d, block_g, use_dot, lanes), "PAGE": 16,
-                            "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False, "KV_FMT": kv_fmt,
-                            "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm},
+                            "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_N": block_n,
+                            "PAGE": 16, "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False,
+                            "KV_FMT": kv_fmt, "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm},
                             label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
-                            + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")))
+                            + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")
+                            + (f" block_n {block_n}" if half else "")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
@@ -380,11 +383,15 @@ def _specs():
     return decode, reduce
 
 
-def _default_block_n(block_d: int, block_g: int, use_dot: bool, lanes: bool = False) -> int:
+def _default_block_n(block_d: int, block_g: int, use_dot: bool, lanes: bool = False, many: bool = False) -> int:
+    """many: the launch has enough programs to fill the SMs several times over (LANES_HALF_TILE_PER_SM)."""
     if use_dot:
         return 64 if block_d <= 128 else 32
     # keep the [BLOCK_G, BLOCK_N, BLOCK_D] fp32 product (FMA-lanes: the accumulator) near 8K values
-    return max(4 if lanes else 8, min(64, 8192 // (block_g * block_d)))
+    block_n = max(4 if lanes else 8, min(64, 8192 // (block_g * block_d)))
+    if lanes and many:
+        block_n = max(4, block_n // 2)  # a smaller accumulator, so more programs are resident per SM
+    return block_n
 
 
 _decode_specs, _reduce_specs = _specs()
@@ -394,9 +401,17 @@ register_kernel("attention.paged_decode_reduce", _decode_reduce_kernel, _reduce_
 
 # --- host side ---------------------------------------------------------------------------------
 
-# FMA route (sm_70/75, --compat sm70) variant: per-lane online softmax (True) or per-row (False).
-# On the H200 both read 0.4-0.66 TB/s (docs/kernels.md); per-row is as fast and simpler.
-FMA_LANES_DEFAULT = False
+# FMA route (sm_70/75, --compat sm70) variant: per-lane online softmax (True) or per-row (False). The per-lane route
+# computes in its loads' layout, so its dot products reduce within a warp and nothing crosses warps in the loop; the
+# per-row route needs cross-warp reductions every tile. H200, --compat-style launches (benchmarks/results/
+# attn-decode-fma-ef2875c.txt): per-lane 1.2-2.2 TB/s where per-row reads 0.4-0.6 (3-7x), and 8B 64 concurrent under
+# --compat sm70 7,880 vs 6,232 output tok/s.
+FMA_LANES_DEFAULT = True
+# Per-lane route: half the default BLOCK_N once sequences x kv heads x splits reach this many programs per SM. Same
+# file: 8B heads, 64 x 128-256 tokens (512 programs) 36.3 us with BLOCK_N 8 vs 43.1 with 16, 64 x ~1K 121.5 vs 154.2,
+# Qwen2.5-0.5B 64 x ~1K (384) 42.9 vs 48.4; but 8 x 8K (320 programs, 5 splits) 162.3 vs 130.2 and 1 x 32K (264)
+# 96.4 vs 75.7.
+LANES_HALF_TILE_PER_SM = 2.75
 MIN_TOKENS_PER_SPLIT = 256
 # tl.dot route: 2 warps per program once the sequences x kv heads alone give this many programs. H200, 32 q / 8 kv
 # heads, d128 (benchmarks/results/attn-decode-sweep-short-5e51f13.txt, -long-d67425b.txt): 64 x 128-256 tokens
@@ -475,8 +490,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  use_dot: bool = True, fma_lanes: bool = False, block_n: int | None = None,
                  num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
-                 prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None,
+                 num_sms: int = 0) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -491,6 +506,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     rope (voltllm.attention.backend.DecodeRope) with slot_mapping: q and rope.k are this step's rows before
     QK-norm and RoPE; the kernel rotates them and stores the newest K / V at slot_mapping (-1: not stored), so no
     RoPE or KV-write launch precedes it. Rotary over the whole head (head_dim a power of two).
+    num_sms: the device's SM count, for the FMA per-lane route's default tile (0: the tile for few programs).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     num_seqs = seq_lens.shape[0]
@@ -506,7 +522,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     if block_n is None:
-        block_n = _default_block_n(block_d, block_g, use_dot, fma_lanes)
+        many = num_sms > 0 and num_seqs * num_kv_heads * num_splits >= LANES_HALF_TILE_PER_SM * num_sms
+        block_n = _default_block_n(block_d, block_g, use_dot, fma_lanes, many)
     if num_warps is None:
         num_warps = 2 if use_dot and num_seqs * num_kv_heads >= TWO_WARP_PROGRAMS else 4
     split = num_splits > 1
