@@ -53,6 +53,8 @@
 #            its GPU tests and the engine files, then 64 concurrent with it on / off
 #   s27      (session 11) FMA-route decode attention with the per-lane route computing in its loads' layout:
 #            benchmarks/micro/attn_decode_fma.py, its GPU tests, --compat sm70 64 concurrent with per-row / per-lane
+#   s28      (session 11) the per-lane FMA decode as the compat default: the fp8 micro, compat GPU tests, --compat sm70
+#            8B batch 1 / 64 concurrent / 8K prefill
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -369,6 +371,15 @@ case $stage in
       --name qwen3-8b-shape-fp16-compat-c64-rows-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
     bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FMA_LANES_DEFAULT=1 --" $conc \
       --name qwen3-8b-shape-fp16-compat-c64-lanes-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M="
+    ;;
+  s28)  # (session 11) the per-lane FMA decode as the compat route's default
+    python3 benchmarks/micro/attn_decode_fma.py fp8 > "$out/attn-decode-fma-fp8-$sha.txt" 2>&1
+    grep -v "^fail" "$out/attn-decode-fma-fp8-$sha.txt" | tail -26
+    gpu_file test_fp8_kv_gpu 150 -k compat
+    gpu_file test_engine_gpu 60 -k compat
+    gpu_file test_hybrid_gpu 150 -k sm70
+    bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario all --concurrency 64 \
+      --name qwen3-8b-shape-fp16-compat-sm70-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M=\|^  MLP"
     ;;
   s26)  # (session 10) the GPU files the session's code touches
     gpu_file test_attention_kernels 120
