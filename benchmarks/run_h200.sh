@@ -55,6 +55,8 @@
 #            benchmarks/micro/attn_decode_fma.py, its GPU tests, --compat sm70 64 concurrent with per-row / per-lane
 #   s28      (session 11) the per-lane FMA decode as the compat default: the fp8 micro, compat GPU tests, --compat sm70
 #            8B batch 1 / 64 concurrent / 8K prefill
+#   s29      (session 11) fp8 E4M3 KV read through the GPU's conversion on the native route (sm_89+): the fp8 micro,
+#            the fp8 KV GPU file, 8B 64 concurrent with fp16 and fp8_e4m3 KV
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -380,6 +382,16 @@ case $stage in
     gpu_file test_hybrid_gpu 150 -k sm70
     bench --random-weights qwen3-8b-shape --dtype half --compat sm70 --scenario all --concurrency 64 \
       --name qwen3-8b-shape-fp16-compat-sm70-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M=\|^  MLP"
+    ;;
+  s29)  # (session 11) hardware E4M3 decode on the native route
+    python3 benchmarks/micro/attn_decode_fma.py fp8 > "$out/attn-decode-fma-fp8-$sha.txt" 2>&1
+    grep -v "^fail" "$out/attn-decode-fma-fp8-$sha.txt" | grep "dot\|default" | tail -12
+    gpu_file test_fp8_kv_gpu 240
+    for kv in auto fp8_e4m3; do
+      bench --random-weights qwen3-8b-shape --dtype half --kv-cache-dtype $kv --scenario concurrency --input-len 128 \
+        --output-len 128 --num-warm 2 --concurrency 64 --name qwen3-8b-shape-fp16-c64-kv-$kv-$sha \
+        | grep -v "^  [0-9]*x[0-9]*:\|^  M=\|^  MLP"
+    done
     ;;
   s26)  # (session 10) the GPU files the session's code touches
     gpu_file test_attention_kernels 120

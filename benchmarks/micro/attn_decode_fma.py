@@ -57,7 +57,8 @@ for shape, kv in RUNS:
         no, nl = decode_scratch_numel(bs, hq, splits, d)
         po, pl = torch.empty(no, device="cuda"), torch.empty(nl, device="cuda")
         out = torch.empty_like(q)
-        variants = [("dot", dict(use_dot=True)), ("fma rows", dict(use_dot=False)),
+        variants = [("dot", dict(use_dot=True))] + ([("dot hw-e4m3", dict(use_dot=True, kv_fmt=2))] if fmt else [])
+        variants += [("fma rows", dict(use_dot=False)),
                     ("fma lanes default", dict(use_dot=False, fma_lanes=True))]
         variants += [(f"fma lanes n{bn} w{w}", dict(use_dot=False, fma_lanes=True, block_n=bn, num_warps=w))
                      for bn, w in LANE_TILES]
@@ -65,7 +66,7 @@ for shape, kv in RUNS:
         for name, kw in variants:
             def run(i, kw=kw):
                 paged_decode(q, caches[i], bt, sl, qsl, d ** -0.5, out, num_splits=splits, part_o=po, part_lse=pl,
-                             num_sms=132, **fmt, **kw)
+                             num_sms=132, **{**fmt, **kw})
             try:
                 run(0)
                 torch.cuda.synchronize()

@@ -94,6 +94,52 @@ def test_fp8_decode_both_routes(fmt, d):
         _check(case, _backend(num_sms=1, kv_cache_dtype=kv), dtype, "native one split")
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="the hardware E4M3 conversion needs sm_89+")
+def test_hardware_e4m3_decode_equals_software():
+    """FP8_E4M3_HW (the native route's read format on sm_89+): the GPU's conversion gives the software decode's
+    values on all 256 codes (NaN codes: NaN), so decode and prefill over the same fp8 pages are bit-identical."""
+    import triton
+
+    from voltllm.kernels.fp8_codec import FP8_E4M3, FP8_E4M3_HW, fp8_decode_kernel
+    from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    one = torch.ones(1, dtype=torch.float32, device=DEV)
+    outs = {}
+    for fmt in (FP8_E4M3, FP8_E4M3_HW):
+        outs[fmt] = torch.full((256,), 7.0, dtype=torch.float16, device=DEV)
+        fp8_decode_kernel[(1,)](codes, outs[fmt], one, 256, FMT=fmt, BLOCK=triton.next_power_of_2(256))
+    sw, hw = outs[FP8_E4M3].cpu(), outs[FP8_E4M3_HW].cpu()
+    assert torch.equal(sw.isnan(), hw.isnan()) and sw.isnan().sum() == 2
+    assert torch.equal(sw[~sw.isnan()].view(torch.int16), hw[~hw.isnan()].view(torch.int16))  # signed zeros too
+
+    from voltllm.kernels.attention import decode_scratch_numel, paged_decode, paged_prefill
+    for kind, seqs in (("decode", [(1, 1), (300, 1), (4097, 1), (0, 1)]), ("prefill", [(777, 300), (64, 64), (33, 1)])):
+        case = F.make_fp8_case(seqs, 32, 8, 128, 16, torch.float16, fmt="e4m3", device=DEV, seed=_seed(kind))
+        b, m = case.base, case.base.meta
+        cache = b.kv_cache.cpu()
+        write_kv_fp8_ref(b.k.cpu(), b.v.cpu(), cache, m.slot_mapping.cpu(), case.k_scale.cpu(), case.v_scale.cpu(),
+                         "e4m3")
+        cache = cache.to(DEV)
+        got = {}
+        for fmt in (FP8_E4M3, FP8_E4M3_HW):
+            out = torch.full_like(b.q, float("nan"))
+            if kind == "decode":
+                no, nl = decode_scratch_numel(m.seq_lens.shape[0], b.q.shape[1], 5, b.q.shape[2])
+                po, pl = torch.empty(no, device=DEV), torch.empty(nl, device=DEV)
+                paged_decode(b.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, b.scale, out, num_splits=5,
+                             part_o=po, part_lse=pl, kv_fmt=fmt, k_scale=case.k_scale, v_scale=case.v_scale)
+            else:
+                paged_prefill(b.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, b.scale, out,
+                              max_query_len=m.max_query_len, kv_fmt=fmt, k_scale=case.k_scale, v_scale=case.v_scale)
+            got[fmt] = out[:m.num_tokens]
+        assert torch.equal(got[FP8_E4M3].isnan(), got[FP8_E4M3_HW].isnan()), kind
+        assert torch.equal(got[FP8_E4M3].nan_to_num(), got[FP8_E4M3_HW].nan_to_num()), kind
+    assert "hardware decode" in _backend(kv_cache_dtype="fp8_e4m3").routes(torch.device(DEV))["kv_cache"]
+    assert "software decode" in _backend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3").routes(
+        torch.device(DEV))["kv_cache"]
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_decode_fused_rope(fmt):
     """QK-norm + RoPE + the fp8 KV store inside the decode kernel, on both routes, against the reference codec's

@@ -35,6 +35,7 @@ from voltllm.attention.kv_spec import FP8_KV_DTYPES, unit_scale
 from voltllm.kernels.attention import (choose_num_splits, decode_scratch_numel, kv_write, paged_decode,
                                        paged_prefill)
 from voltllm.kernels.attention.paged_decode import FMA_LANES_DEFAULT
+from voltllm.kernels.fp8_codec import FP8_E4M3, FP8_E4M3_HW
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.uint8)
 # Pure-decode steps on CUDA may run QK-norm + RoPE + the KV store inside the decode kernel (DecodeRope) instead of a
@@ -124,6 +125,15 @@ class TritonAttentionBackend(AttentionBackend):
         cap, _ = self._device_info(device)
         return cap is not None and cap >= (8, 0)
 
+    def _attend_fmt(self, fmt: int, device: torch.device) -> int:
+        """The KV_FMT the attention kernels read an fp8 cache with: E4M3 through the GPU's own conversion where the
+        native route runs on sm_89+ (the software decode's integer ops cost more than the bytes fp8 saves there:
+        benchmarks/results/attn-decode-fma-fp8-6bd4389.txt), else the software codec."""
+        if fmt != FP8_E4M3 or not self._use_dot(device):  # (the compat route asks no device facts)
+            return fmt
+        cap, _ = self._device_info(device)
+        return FP8_E4M3_HW if cap is not None and cap >= (8, 9) else fmt
+
     def _use_sdpa_prefill(self, device: torch.device) -> bool:
         if self.compat_prefill is not None:
             return self.compat_prefill
@@ -136,8 +146,11 @@ class TritonAttentionBackend(AttentionBackend):
         """Which kernels this backend runs on `device` (for reports and tests)."""
         dot = self._use_dot(device)
         kv = "fp16/bf16/fp32" if self.kv_fmt < 0 else ("fp8_e4m3" if self.kv_fmt == 0 else "fp8_e5m2")
+        if self.kv_fmt >= 0:
+            hw = self._attend_fmt(self.kv_fmt, device) == FP8_E4M3_HW
+            kv += " (uint8 pages; software encode, " + ("hardware" if hw else "software") + " decode)"
         return {
-            "kv_cache": kv + (" (software codec, uint8 pages)" if self.kv_fmt >= 0 else ""),
+            "kv_cache": kv,
             "decode": "triton paged decode, " + ("tl.dot (tensor cores)" if dot else "CUDA-core FMA"),
             "prefill": ("bridge to fp16 workspace + torch SDPA efficient attention"
                         if self._use_sdpa_prefill(device) else "triton paged prefill (tl.dot)"),
@@ -189,6 +202,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_seqs = meta.seq_lens.shape[0]
         use_dot = self._use_dot(q.device)
         num_sms = self.num_sms or self._device_info(q.device)[1]
+        read_fmt = self._attend_fmt(fmt, q.device)
         if num_seqs > 0 and meta.is_pure_decode:
             num_kv_heads = kv_cache.shape[3]
             splits = self.num_splits_for(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
@@ -198,7 +212,7 @@ class TritonAttentionBackend(AttentionBackend):
                 part_o, part_lse = self._get_scratch(q.device, need_o, need_l)
             paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                          num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
-                         fma_lanes=self.fma_lanes and not use_dot, kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale,
+                         fma_lanes=self.fma_lanes and not use_dot, kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale,
                          rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms)
         elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
             qsl = meta.query_start_loc_cpu
@@ -207,12 +221,12 @@ class TritonAttentionBackend(AttentionBackend):
                 # rows of multi-row sequences are then overwritten by SDPA
                 paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                              num_splits=1, use_dot=use_dot, fma_lanes=self.fma_lanes and not use_dot,
-                             kv_fmt=fmt, k_scale=k_scale, v_scale=v_scale, num_sms=num_sms)
+                             kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale, num_sms=num_sms)
             self.sdpa_prefill.forward(q, kv_cache, meta, scale, out, k_scale, v_scale, fmt)
         elif num_seqs > 0:
             cap, _ = self._device_info(q.device)
             paged_prefill(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
-                          max_query_len=meta.max_query_len, capability=cap, kv_fmt=fmt, k_scale=k_scale,
+                          max_query_len=meta.max_query_len, capability=cap, kv_fmt=read_fmt, k_scale=k_scale,
                           v_scale=v_scale)
         if meta.num_tokens < t:
             out[meta.num_tokens:].zero_()

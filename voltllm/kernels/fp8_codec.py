@@ -43,6 +43,10 @@ __triton_helpers__ = (
 # FMT constexpr values of the kernels
 FP8_E4M3 = 0
 FP8_E5M2 = 1
+# E4M3 codes decoded by the GPU's own conversion (cvt e4m3x2 -> f16x2, sm_89+): the attention kernels' KV_FMT on the
+# native route of such GPUs. The values equal the software decode's (both exact; NaN codes give some NaN); encoders
+# and the fp32 decode treat it as FP8_E4M3. Never used on the compat route (the sm_70 / sm_75 gate rejects the cvt).
+FP8_E4M3_HW = 2
 _FORMATS = {"e4m3": FP8_E4M3, "e4m3fn": FP8_E4M3, "fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3,
             "e5m2": FP8_E5M2, "fp8_e5m2": FP8_E5M2}
 FP8_MAX = {FP8_E4M3: 448.0, FP8_E5M2: 57344.0}
@@ -221,10 +225,10 @@ def fp32_to_e5m2(x):
 
 @triton.jit
 def fp32_to_fp8(x, FMT: tl.constexpr):
-    if FMT == 0:
-        out = fp32_to_e4m3(x)
-    else:
+    if FMT == 1:
         out = fp32_to_e5m2(x)
+    else:  # FP8_E4M3, FP8_E4M3_HW
+        out = fp32_to_e4m3(x)
     return out
 
 
@@ -263,7 +267,7 @@ def e5m2_to_fp32(c):
 
 @triton.jit
 def fp8_to_fp32(c, FMT: tl.constexpr):
-    if FMT == 0:
+    if FMT != 1:  # FP8_E4M3, FP8_E4M3_HW
         out = e4m3_to_fp32(c)
     else:
         out = e5m2_to_fp32(c)
@@ -294,7 +298,9 @@ def e5m2_to_fp16(c):
 
 @triton.jit
 def fp8_to_fp16(c, FMT: tl.constexpr):
-    if FMT == 0:
+    if FMT == 2:  # FP8_E4M3_HW: the hardware conversion (sm_89+)
+        out = c.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif FMT == 0:
         out = e4m3_to_fp16(c)
     else:
         out = e5m2_to_fp16(c)

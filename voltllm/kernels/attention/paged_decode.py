@@ -495,7 +495,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
-    cache, read as decode(code) * k_scale / v_scale (fp32 tensors of one element on q's device; None = 1).
+    cache decoded in software, FP8_E4M3_HW for E4M3 through the GPU's conversion (sm_89+), read as
+    decode(code) * k_scale / v_scale (fp32 tensors of one element on q's device; None = 1).
 
     q/out: [T, num_heads, head_dim] (last dim contiguous). Sequences with an empty query range write
     nothing. With num_splits > 1, part_o / part_lse are fp32 scratch buffers with at least
