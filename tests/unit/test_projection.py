@@ -1,6 +1,7 @@
 """The V100 roofline projection (voltllm.bench.projection): counted shapes, kernel arithmetic, calibration."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -48,23 +49,48 @@ def test_decode_step_by_hand():
 
 
 def test_fma_kernel_arithmetic():
-    # qwen3-8b: group 4 -> BLOCK_G 4; d128 -> BLOCK_N from the kernel's own rule
+    # the per-lane route (the default): qwen3-8b group 4 -> BLOCK_G 4; d128 -> BLOCK_N from the kernel's own rule
     from voltllm.kernels.attention.paged_decode import _default_block_n
 
     t = pj.fma_attention_time(1e9, 4, 128, "fp16", pj.V100, 796e9)
-    bn = _default_block_n(128, 4, False, False)
+    bn = _default_block_n(128, 4, False, True)
     assert t["block_g"] == 4 and t["block_n"] == bn
-    assert t["fma_per_elem"] == pytest.approx(4 + 4 / (2 * bn))
+    # 16-byte vectors of 8 fp16 along D -> 16 threads per row -> 4 shuffle + add rounds per (head, position)
+    vec = min(16 // 2, bn * 128 // (32 * 4))
+    lanes = 128 // vec
+    assert (t["vector"], t["row_lanes"]) == (vec, lanes) == (8, 16)
+    red = lanes * math.log2(lanes) / 128  # shuffles (and as many adds) per K element and head
+    rep = lanes / 128  # lanes computing each (head, position) softmax value, per K element
+    per_head = 1 + 0.5 + red / 2 + pj.LANES_SOFTMAX_OPS * rep / 2  # FMA, V rescale, reduction adds, softmax
+    assert t["fma_per_elem"] == pytest.approx(4 * per_head + 1)  # + the fp16->fp32 conversion
+    assert t["shfl_per_elem"] == pytest.approx(4 * red / 2)
+    assert t["mufu_per_elem"] == pytest.approx(4 * pj.LANES_SOFTMAX_EXP2 * rep / 2)
+    # the loop of the kernel cross-compiled for sm_70, per thread per tile of 32 elements: 304 FMA-pipe
+    # instructions (FFMA 128, FMUL 72, FADD 48, FSEL 16, FMNMX 8, HADD2.F32 32), 32 SHFL.BFLY, 16 MUFU.EX2
+    assert (t["fma_per_elem"], t["shfl_per_elem"], t["mufu_per_elem"]) == pytest.approx((304 / 32, 1.0, 0.5))
     assert t["bound"] == "memory"
-    # 27B: group 6 pads to 8; fp8 e4m3 adds integer decode work and is no longer memory bound
+    # 27B: group 6 pads to 8, d256 with BLOCK_N 4: fp8 e4m3 codes in 8-byte vectors (the tile has 8 per thread),
+    # 32 threads per row; the decode adds integer work and the padded group's arithmetic outweighs the byte
     t8 = pj.fma_attention_time(1e9, 6, 256, "fp8_e4m3", pj.V100, 796e9)
-    assert t8["block_g"] == 8 and t8["bound"] != "memory"
+    bn8 = _default_block_n(256, 8, False, True)
+    assert t8["block_g"] == 8 and t8["block_n"] == bn8 == 4
+    assert (t8["vector"], t8["row_lanes"]) == (8, 32)
+    red8, rep8 = 32 * 5 / 256, 32 / 256
+    per_head8 = 1 + 0.5 + red8 / 2 + pj.LANES_SOFTMAX_OPS * rep8 / 2
+    assert t8["fma_per_elem"] == pytest.approx(8 * per_head8 + 1 + 0.5)  # + conversion + half an HMUL2 (rebias)
+    assert t8["fma_per_elem"] == pytest.approx(304 / 16)  # sm_70 SASS: 280 fp32 + 16 HADD2.F32 + 8 HMUL2 / 16
+    assert t8["bound"] == "fma"
     assert t8["pipes_s"]["int"] == pytest.approx(1e9 * 10 / pj.V100.rate(64))
-    # 8 query rows (speculative verify) multiply the FMAs
+    assert t8["issue_per_elem"] == pytest.approx(t8["fma_per_elem"] + 10 + 8 * red8 / 2
+                                                 + 8 * pj.LANES_SOFTMAX_EXP2 * rep8 / 2 + pj.LANES_LOOP_OPS)
+    # 8 query rows (speculative verify) multiply the per-head work, not the conversion or the decode
     t8r = pj.fma_attention_time(1e9, 6, 256, "fp8_e4m3", pj.V100, 796e9, rows=8)
-    bn = t8["block_n"]
-    assert t8r["fma_per_elem"] == pytest.approx(8 * (8 + 8 / (2 * bn)) + 2)  # + scale multiply + 2^8 rebias
+    assert t8r["fma_per_elem"] == pytest.approx(8 * 8 * per_head8 + 1.5)
     assert t8r["pipes_s"]["fma"] > 6 * t8["pipes_s"]["fma"]
+    # the per-row route keeps its count: BLOCK_G FMAs + the rescale every BLOCK_N positions
+    r = pj.fma_attention_time(1e9, 4, 128, "fp16", pj.V100, 796e9, lanes=False)
+    bnr = _default_block_n(128, 4, False, False)
+    assert r["block_n"] == bnr and r["fma_per_elem"] == pytest.approx(4 + 4 / (2 * bnr) + 1)
 
 
 def test_calibration_from_h200_results():
@@ -73,6 +99,28 @@ def test_calibration_from_h200_results():
     assert 0.7 < cal.matmul_ratio < 0.85  # ~765 of 989.4 TFLOP/s
     assert 0.5 < cal.decode_eff < 0.8 and 0.6 < cal.prefill_eff < 0.85
     assert cal.sources["decode"]["measured_tok_s"] == pytest.approx(176.34, abs=0.01)
+    # the per-lane route at batch 1 x 32K (fp16: also the lowest of the three shapes)
+    assert cal.fma_decode_TBps_h200 == pj.H200_FMA_DECODE_TBps[0] == min(pj.H200_FMA_DECODE_TBps) == 1.73
+    assert cal.fma_decode_fp8_TBps_h200 == pj.H200_FMA_DECODE_FP8_TBps[0] == 0.68
+
+
+def test_current_kernels_fma_rate():
+    """"current kernels": the FMA decode kernel at its H200 element rate scaled by SMs x clock, never above its
+    roofline; fp8 KV at its own measured rate."""
+    cal = pj.calibrate(RESULTS)
+    s = pj.count_shape("qwen3-8b-shape")
+    scale = (80 * 1.53) / (132 * 1.98)  # V100 / H200 SMs x clock
+    rate = cal.fma_decode_TBps_h200 * 1e12 / 2 * scale  # K/V elements per second (fp16: 2 bytes each)
+    assert rate * 2 / 1e12 == pytest.approx(0.81, abs=0.005)  # TB/s of fp16 KV on the V100
+    fp16 = pj.decode_step(s, 32768, kv="fp16", cal=cal)
+    assert fp16["attention_bound"] == "memory"
+    assert fp16["current_attention_s"] == pytest.approx(fp16["attention_s"])  # 0.81 TB/s > the 796 GB/s read
+    fp8 = pj.decode_step(s, 32768, kv="fp8_e4m3", cal=cal)
+    kv_elems = 32768 * 36 * 8 * 128 * 2
+    rate8 = cal.fma_decode_fp8_TBps_h200 * 1e12 * scale  # one byte per element
+    assert fp8["current_attention_s"] > fp8["attention_s"]
+    assert fp8["current_attention_s"] == pytest.approx(kv_elems / rate8, rel=0.01)  # (+ the split partials)
+    assert fp8["current_tok_s"] < fp16["current_tok_s"]  # the software decode: slower than fp16 on the H200 too
 
 
 def test_projection_tables():

@@ -10,17 +10,27 @@ Counted (from voltllm's own model built on the meta device, and from our kernels
 - KV bytes per token: 2 (K, V) x attention layers x kv heads x head_dim x element size (2 fp16, 1 fp8);
 - recurrent state per request (hybrid GDN layers): fp32 SSM state + conv state, read AND written by the
   decode kernels (voltllm.kernels.gdn_decode updates them in place);
-- the FMA decode-attention kernel (compat route, voltllm.kernels.attention.paged_decode, USE_DOT=False):
-  per KV element it does BLOCK_G fp32 FMAs (BLOCK_G = next_pow2(q heads per kv head): the padded group),
-  one fp16->fp32 conversion, and for fp8 KV the software decode (e4m3: 10 integer ops + 1 fp16 multiply,
-  voltllm.kernels.fp8_codec.e4m3_to_fp16; e5m2: 2) plus the scale multiply; split-KV partials from the
-  kernel's own split heuristic (choose_num_splits);
+- the FMA decode-attention kernel (compat route, voltllm.kernels.attention.paged_decode, USE_DOT=False) as it runs
+  by default (per-lane, FMA_LANES_DEFAULT), per K/V element and per query head of the padded group (BLOCK_G =
+  next_pow2(q heads per kv head)): K: one fp32 FMA of the dot product plus its cross-lane reduction (the D axis
+  of a row lies over `lanes` threads in 16-byte vectors, so each (head, position) dot product ends with
+  log2(lanes) shuffle + add rounds); V: one FMA into the [BLOCK_G, BLOCK_N, D] accumulator and its rescale
+  multiply; per (head, position), on each lane holding it, the online softmax (6 fp32 ops, 2 exp2). Per element:
+  one fp16->fp32 conversion (HADD2.F32 in the sm_70 SASS: FMA pipe), ~2 address / load / loop instructions, and
+  for fp8 KV the software decode (e4m3: 10 integer ops + a packed fp16 multiply, half an HMUL2 per code,
+  voltllm.kernels.fp8_codec.e4m3_to_fp16; e5m2: 2; the scales are folded outside the loop). These counts equal
+  the loop of the kernel cross-compiled for sm_70 (8B d128 / 27B d256 tiles, fp16 and e4m3). The per-row
+  variant (lanes=False) keeps the earlier count, BLOCK_G FMAs + the rescale BLOCK_G / (2 BLOCK_N): a lower
+  bound, without its cross-warp reductions (its sm_70 loop issues ~48 instructions per fp16 element at d128,
+  the per-lane loop 13). BLOCK_N: the kernel's default tile for few programs (batch 1). Split-KV partials from
+  the kernel's own split heuristic (choose_num_splits);
 - prefill FLOPs: 2 x matmul params x L + causal attention 4 x layers x q heads x head_dim x L^2 / 2
   (the bench's definition, voltllm.bench.limits).
 
 Hardware (V100-SXM2, nominal): 900 GB/s HBM2, 125 TFLOP/s fp16 tensor cores, 15.7 TFLOP/s fp32 FMA,
-80 SMs at 1.53 GHz; per SM and clock 64 fp32 FMA, 64 int32 ops, 16 conversions, 128 issued thread
-instructions (4 schedulers) — CUDA C++ Programming Guide, arithmetic throughput table, cc 7.0.
+80 SMs at 1.53 GHz; per SM and clock 64 fp32 FMA, 64 int32 ops, 32 warp-shuffle results, 16 exp2 (MUFU),
+128 issued thread instructions (4 schedulers) — CUDA C++ Programming Guide, arithmetic throughput table, cc 7.x
+(the shuffle row: 32 in every column of the copies we could check, the cc 7.x one assumed the same).
 
 Calibrated from our H200 results of one commit (CALIBRATION_COMMIT, benchmarks/results/*.json, `limit`), so that
 later result files do not move the projection: achievable bandwidth = V100
@@ -28,9 +38,14 @@ nominal x (H200 measured copy / H200 nominal 4.8 TB/s); achievable tensor-core r
 (H200 measured fp16 matmul / H200 dense nominal 989.4 TFLOP/s). The FMA rate is used at nominal (no
 calibration source). Engine efficiency = our measured H200 tok/s / this model's H200 roofline at the same
 shape, context and batch (decode and prefill separately), applied to the V100 roofline for the
-"projected engine" figures. The current FMA decode kernel is latency/register bound on the H200
-(docs/kernels.md: ~0.58 TB/s of KV, 13% of the read rate); "current kernels" scales that measured rate
-by SMs x clock to the V100 (same 64K registers per SM), for fp16 and (at the same element rate) fp8 KV.
+"projected engine" figures. "Current kernels" divides the GEMV and state part by the decode efficiency and
+runs the FMA decode kernel at its H200-measured rate, scaled by SMs x clock (same 64K registers per SM, so the
+same resident programs), never above its roofline: the per-lane kernel reads 1.73-2.15 TB/s of KV on the H200
+(benchmarks/results/attn-decode-fma-ef2875c.txt, 8B heads: d128, group 4), 40-50% of the read rate, where
+this model puts its H200 arithmetic and issue limits above the bandwidth, so it is latency bound there; the
+batch-1 figure (the lowest) scales to 0.81 TB/s of fp16 KV on the V100. fp8 e4m3 KV (software decode) at its
+own measured rate: 0.68 TB/s of codes at batch 1 (attn-decode-fma-fp8-6bd4389.txt), 0.32 TB/s on the V100 (e5m2
+assumed the same). The 27B's d256 group-8 tile is unmeasured: the 8B's rate, or its roofline where that is slower.
 
 Not modelled: tensor-parallel all-reduces (2 per layer; each 10 us adds 10 us x 2 x layers per step),
 activations (a few MB per step), the host side, speculative decoding (not built), NVFP4 (not built:
@@ -44,8 +59,8 @@ import glob
 import json
 import os
 import statistics
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 # -- hardware ---------------------------------------------------------------------------------------
 
@@ -58,9 +73,10 @@ class GPU:
     fp32_TFLOPs: float  # nominal fp32 FMA rate (2 FLOPs per FMA)
     sms: int
     clock_GHz: float
-    fma_per_clk: int = 64  # per SM: fp32 FMA
+    fma_per_clk: int = 64  # per SM: fp32 FMA / add / multiply (and fp16 instructions, counted here)
     int_per_clk: int = 64  # int32 add / logic / shift / compare
-    cvt_per_clk: int = 16  # fp16 <-> fp32 conversions
+    shfl_per_clk: int = 32  # warp shuffle results
+    mufu_per_clk: int = 16  # exp2 and the other special functions
     issue_per_clk: int = 128  # thread instructions issued (4 schedulers x 32 lanes)
 
     def rate(self, per_clk: int) -> float:
@@ -71,8 +87,13 @@ V100 = GPU("V100-SXM2-32GB", hbm_GBps=900.0, fp16_tc_TFLOPs=125.0, fp32_TFLOPs=1
 H200 = GPU("H200-SXM-141GB", hbm_GBps=4800.0, fp16_tc_TFLOPs=989.4, fp32_TFLOPs=66.9, sms=132, clock_GHz=1.98,
            fma_per_clk=128)
 
-# docs/kernels.md, H200 measurement of the FMA decode route (per-row), batch 1 x 32K / 64 x 1K / 8 x 8K
-H200_FMA_DECODE_TBps = (0.58, 0.55, 0.53)
+# H200 measurement of the FMA decode route as it runs by default (per-lane, the default tile): 8B heads (32 q / 8 kv,
+# d128), batch 1 x 32K (33 splits, BLOCK_N 16) 75.7 us / 64 x ~1K (BLOCK_N 8) 121.5 us / 8 x 8K (5 splits, BLOCK_N
+# 16) 130.2 us; benchmarks/results/attn-decode-fma-ef2875c.txt (the per-row route: 0.59 / 0.49 / 0.52 there)
+H200_FMA_DECODE_TBps = (1.73, 2.15, 2.05)
+# the same shapes and route with an fp8 e4m3 cache (uint8 codes, the software decode), TB/s of codes: 97.0 / 183.6 /
+# 259.7 us; benchmarks/results/attn-decode-fma-fp8-6bd4389.txt (per-row: 0.25 / 0.23 / 0.23)
+H200_FMA_DECODE_FP8_TBps = (0.68, 0.71, 0.51)
 
 # the seed system (BENCHMARKS.md): 4x V100-SXM2-32GB, TP4, 27B NVFP4 + DFlash2 drafter, E4M3 KV
 SEED = {"decode_tok_s": {4096: 229.34, 32768: 201.18, 131072: 171.43},
@@ -138,7 +159,9 @@ class Calibration:
     matmul_ratio: float  # H200 measured fp16 matmul / nominal
     decode_eff: float = 1.0  # measured decode tok/s / modelled H200 roofline
     prefill_eff: float = 1.0
-    fma_decode_TBps_h200: float = statistics.median(H200_FMA_DECODE_TBps)
+    # the batch-1 shape's rates (fp16 KV: also the lowest): the projected rows are batch 1
+    fma_decode_TBps_h200: float = H200_FMA_DECODE_TBps[0]
+    fma_decode_fp8_TBps_h200: float = H200_FMA_DECODE_FP8_TBps[0]
     sources: dict = field(default_factory=dict)
 
 
@@ -199,33 +222,70 @@ def _pow2(n: int) -> int:
 
 
 FP8_DECODE_INT_OPS = {"e4m3": 10, "e5m2": 2}  # integer ops per code (fp8_codec.e4m3_to_fp16 / e5m2_to_fp16)
+FP8_DECODE_FP16_MULS = {"e4m3": 0.5, "e5m2": 0.0}  # e4m3's rebias multiply by 2**8: an HMUL2 per two codes
+VECTOR_BYTES = 16  # the K / V loads: 16-byte vectors along D
+FMA_NUM_WARPS = 4  # paged_decode's warps on the FMA route
+LANES_SOFTMAX_OPS = 6  # per (head, position) and lane holding it: 2 selects, max, 2 subtracts, the l3 FMA
+LANES_SOFTMAX_EXP2 = 2  # alpha and p
+LANES_LOOP_OPS = 2.0  # per element: addresses, loads, moves, loop (sm_70 SASS: 2.25 at d128; 1.6-2.4 at d256)
+
+
+def lanes_layout(block_d: int, block_n: int, elem_bytes: int) -> tuple[int, int]:
+    """(elements per vector, threads per row) of the per-lane route's [1, BLOCK_N, D] K / V loads: Triton's
+    coalesced layout takes 16-byte vectors (fewer elements when the tile has fewer per thread) and spreads a row's
+    vectors over up to 32 lanes."""
+    vec = max(1, min(VECTOR_BYTES // elem_bytes, block_n * block_d // (32 * FMA_NUM_WARPS)))
+    return vec, max(1, min(32, block_d // vec))
 
 
 def fma_attention_time(kv_elems: float, group: int, head_dim: int, kv: str, gpu: GPU, bw: float,
-                       rows: int = 1) -> dict:
+                       rows: int = 1, lanes: bool = True) -> dict:
     """Roofline of the FMA decode kernel over kv_elems K/V elements (each read once per kv-head group).
 
-    Per element: BLOCK_G fp32 FMAs per query row (QK for K, PV for V), the online-softmax rescale of the
-    accumulator (BLOCK_G x D every BLOCK_N positions: BLOCK_G / (2 BLOCK_N) per element), one fp16->fp32
-    conversion; fp8 adds the software decode and the scale multiply. rows > 1: a speculative-verify step
-    whose query rows each need the FMAs (the kernel would stream the KV once for all rows)."""
+    lanes (the default route, FMA_LANES_DEFAULT): per element and per query head of BLOCK_G, averaged over K and
+    V: 1 FMA (QK for K, PV for V) + 1/2 rescale multiply (V) + red/2 shuffles and as many adds (K: the
+    cross-lane reduction of the dot product, red = lanes x log2(lanes) / D per K element) + the online softmax of
+    each (head, position) on each of its `lanes` threads (LANES_SOFTMAX_OPS fp32 ops and LANES_SOFTMAX_EXP2 exp2
+    per D K elements). lanes=False: the per-row route's count, BLOCK_G FMAs + the rescale BLOCK_G / (2 BLOCK_N).
+    Both: one fp16->fp32 conversion per element (FMA pipe), fp8 adds the software decode. rows > 1: a
+    speculative-verify step whose query rows each need the per-head work (the kernel would stream the KV once
+    for all rows); BLOCK_N stays the one-row tile. BLOCK_N is the kernel's default for few programs."""
+    import math
+
     from voltllm.kernels.attention.paged_decode import _default_block_n
 
     block_g = _pow2(group)
-    block_n = _default_block_n(_pow2(head_dim), block_g, False, False)
+    block_d = _pow2(head_dim)
+    block_n = _default_block_n(block_d, block_g, False, lanes)
     fp8 = kv.startswith("fp8")
+    fmt = kv.replace("fp8_", "")
     elem_bytes = 1 if fp8 else 2
-    fma = rows * (block_g + block_g / (2 * block_n)) + (1 if fp8 else 0) + (1 if kv == "fp8_e4m3" else 0)
-    ints = FP8_DECODE_INT_OPS.get(kv.replace("fp8_", ""), 0) if fp8 else 0
-    cvt = 1
+    ints = FP8_DECODE_INT_OPS.get(fmt, 0) if fp8 else 0
+    per_elem = 1 + (FP8_DECODE_FP16_MULS.get(fmt, 0.0) if fp8 else 0.0)  # conversion (+ the fp8 rebias)
+    out = {"block_g": block_g, "block_n": block_n}
+    if lanes:
+        vec, row_lanes = lanes_layout(block_d, block_n, elem_bytes)
+        red = row_lanes * math.log2(row_lanes) / block_d
+        rep = row_lanes / block_d
+        per_head = 1 + 0.5 + red / 2 + LANES_SOFTMAX_OPS * rep / 2
+        fma = rows * block_g * per_head + per_elem
+        shfl = rows * block_g * red / 2
+        mufu = rows * block_g * LANES_SOFTMAX_EXP2 * rep / 2
+        other = LANES_LOOP_OPS
+        out.update(vector=vec, row_lanes=row_lanes)
+    else:
+        fma = rows * (block_g + block_g / (2 * block_n)) + per_elem
+        shfl = mufu = other = 0.0
     pipes = {"memory": kv_elems * elem_bytes / bw,
              "fma": kv_elems * fma / gpu.rate(gpu.fma_per_clk),
              "int": kv_elems * ints / gpu.rate(gpu.int_per_clk),
-             "cvt": kv_elems * cvt / gpu.rate(gpu.cvt_per_clk),
-             "issue": kv_elems * (fma + ints + cvt) / gpu.rate(gpu.issue_per_clk)}
+             "shfl": kv_elems * shfl / gpu.rate(gpu.shfl_per_clk),
+             "mufu": kv_elems * mufu / gpu.rate(gpu.mufu_per_clk),
+             "issue": kv_elems * (fma + ints + shfl + mufu + other) / gpu.rate(gpu.issue_per_clk)}
     bound = max(pipes, key=pipes.get)
-    return {"time_s": pipes[bound], "bound": bound, "pipes_s": pipes, "block_g": block_g, "block_n": block_n,
-            "fma_per_elem": fma}
+    out.update(time_s=pipes[bound], bound=bound, pipes_s=pipes, fma_per_elem=fma, shfl_per_elem=shfl,
+               mufu_per_elem=mufu, issue_per_elem=fma + ints + shfl + mufu + other)
+    return out
 
 
 def decode_step(shape: ModelShape, context: float, gpu: GPU = V100, bw: Optional[float] = None,
@@ -268,9 +328,10 @@ def decode_step(shape: ModelShape, context: float, gpu: GPU = V100, bw: Optional
            "gdn_state_s": gdn, "weight_bytes": w_bytes, "kv_bytes": kv_bytes,
            "state_bytes": state_bytes, "splits": splits, "roofline_tok_s": batch / roofline}
     if cal is not None and route == "compat":
-        # current kernels: H200-measured engine efficiency on the GEMV/state part; the FMA decode kernel at its
-        # H200-measured element rate scaled by SMs x clock (it is latency bound), never faster than its roofline
-        elem_rate = cal.fma_decode_TBps_h200 * 1e12 / 2 * (gpu.sms * gpu.clock_GHz) / (H200.sms * H200.clock_GHz)
+        # current kernels: H200-measured engine efficiency on the GEMV/state part; the FMA decode kernel (per-lane) at
+        # its H200-measured element rate scaled by SMs x clock (latency bound there), never faster than its roofline
+        h200_rate = cal.fma_decode_fp8_TBps_h200 * 1e12 if kv.startswith("fp8") else cal.fma_decode_TBps_h200 * 1e12 / 2
+        elem_rate = h200_rate * (gpu.sms * gpu.clock_GHz) / (H200.sms * H200.clock_GHz)
         att_now = max(att_time, rows * kv_elems / elem_rate + partial_bytes / bw)
         if att["bound"] == "bridge+SDPA":
             att_now = att_time / cal.decode_eff
