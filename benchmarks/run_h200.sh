@@ -57,6 +57,8 @@
 #            8B batch 1 / 64 concurrent / 8K prefill
 #   s29      (session 11) fp8 E4M3 KV read through the GPU's conversion on the native route (sm_89+): the fp8 micro,
 #            the fp8 KV GPU file, 8B 64 concurrent with fp16 and fp8_e4m3 KV
+#   s30      (session 11) fp8 K / V encoded in the RoPE launch (CacheWrite.fmt): fused and fp8 KV GPU files, 8B 64
+#            concurrent with fp16 and fp8_e4m3 KV
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -391,6 +393,15 @@ case $stage in
       bench --random-weights qwen3-8b-shape --dtype half --kv-cache-dtype $kv --scenario concurrency --input-len 128 \
         --output-len 128 --num-warm 2 --concurrency 64 --name qwen3-8b-shape-fp16-c64-kv-$kv-$sha \
         | grep -v "^  [0-9]*x[0-9]*:\|^  M=\|^  MLP"
+    done
+    ;;
+  s30)  # (session 11) the fp8 store in the RoPE launch
+    gpu_file test_fused_kernels_cuda 120 -k "not timing"
+    gpu_file test_fp8_kv_gpu 200 -k "engine or graph or offsets or tiny_qwen3 or hardware"
+    for kv in fp8_e4m3 auto; do
+      bench --random-weights qwen3-8b-shape --dtype half --kv-cache-dtype $kv --scenario concurrency --input-len 128 \
+        --output-len 128 --num-warm 2 --concurrency 64 --profile --profile-steps 10 \
+        --name qwen3-8b-shape-fp16-c64-kv-$kv-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M=\|^  MLP"
     done
     ;;
   s26)  # (session 10) the GPU files the session's code touches

@@ -208,6 +208,49 @@ def run_rope_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int,
     return _verdict(errs, dtype)
 
 
+def run_rope_fp8_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torch.dtype, norm: bool,
+                             n_slots: int, fmt: str, seed: int = 0, page: int = 4) -> str:
+    """RoPE (+ QK-norm) with the fused store into a uint8 fp8 cache: the codes must equal the reference codec's
+    write (kv_fp8.write_kv_fp8_ref, x / scale, RNE, saturation) of the rows the launch rotated, bit for bit; the
+    rotation itself against the reference. The cache is filled with 0xFF first (a NaN code no finite value
+    encodes to), so stray or missing stores show; slot -1 and rows past n_slots write nothing."""
+    from voltllm.attention.backend import CacheWrite
+    from voltllm.kernels import fused as F
+    from voltllm.kernels.fp8_codec import fp8_format
+    from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
+
+    cos, sin, positions, qkv, ref_buf = _rope_case(device, t, hq, hk, d, rd, dtype, seed, 4096)
+    q, k = _views(qkv, hq, hk, d)
+    rq, rk = _views(ref_buf, hq, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    blocks = t + 3
+    slots = torch.randperm(blocks * page, generator=_gen(seed + 8))[:n_slots].to(torch.int64)
+    if n_slots > 1:
+        slots[1] = -1
+    slots = slots.to(device)
+    cache = torch.full((2, blocks, page, hk, d), 0xFF, dtype=torch.uint8, device=device)
+    ref_cache = cache.clone().cpu()
+    k_scale = torch.tensor([0.37], dtype=torch.float32, device=device)
+    v_scale = torch.tensor([1.9], dtype=torch.float32, device=device)
+    write = CacheWrite(v, cache, slots, fp8_format(fmt), k_scale, v_scale)
+    if norm:
+        qw = _rand((d,), seed + 1, device, dtype, 0.5) + 1.0
+        kw = _rand((d,), seed + 2, device, dtype, 0.5) + 1.0
+        F.qk_norm_rope_inplace_ref(rq, rk, qw, kw, 1e-6, positions, cos, sin, rd)
+        F.qk_norm_rope_inplace(q, k, qw, kw, 1e-6, positions, cos, sin, rd, cache_write=write)
+    else:
+        F.rope_inplace_ref(rq, rk, positions, cos, sin, rd)
+        F.rope_inplace(q, k, positions, cos, sin, rd, cache_write=write)
+    n = min(t, n_slots)
+    write_kv_fp8_ref(k[:n].cpu(), v[:n].cpu(), ref_cache, slots[:n].cpu(), k_scale.cpu(), v_scale.cpu(), fmt)
+    if not torch.equal(cache.cpu(), ref_cache):
+        bad = int((cache.cpu() != ref_cache).sum())
+        return f"FAIL {bad} cache codes differ from the reference codec's write of the rotated rows"
+    if int((ref_cache != 0xFF).sum()) == 0:
+        return "FAIL nothing was written"
+    return _verdict({"qkv": _err(qkv, ref_buf)}, dtype)
+
+
 def run_silu(device: str, t: int, i: int, dtype: torch.dtype, seed: int = 0, lead3: bool = False) -> str:
     from voltllm.kernels import fused as F
 
@@ -248,6 +291,10 @@ CHECKS = {
     "rope_kv_write_f16_T5_D64_rot16_padded": lambda d: run_rope_cache_write(d, 5, 4, 2, 64, 16, f16, False, 3, seed=24),
     "qknorm_rope_kv_write_f16_T7_D128_rot32": lambda d: run_rope_cache_write(d, 7, 8, 2, 128, 32, f16, True, 7,
                                                                               seed=25),
+    "rope_fp8_e4m3_write_f16_T7_D128_rot128": lambda d: run_rope_fp8_cache_write(d, 7, 4, 2, 128, 128, f16, False, 6,
+                                                                                 "e4m3", seed=31),
+    "qknorm_rope_fp8_e5m2_write_f32_T5_D64_rot32": lambda d: run_rope_fp8_cache_write(d, 5, 4, 2, 64, 32, f32, True, 5,
+                                                                                      "e5m2", seed=32),
     "qknorm_rope_kv_write_f32_T1_D80_rot80_gqa1": lambda d: run_rope_cache_write(d, 1, 3, 3, 80, 80, f32, True, 1,
                                                                                   seed=26),
     "silu_f32_T7_I100": lambda d: run_silu(d, 7, 100, f32, seed=20),

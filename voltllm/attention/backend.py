@@ -46,6 +46,9 @@ class CacheWrite(NamedTuple):
     v: torch.Tensor  # [T, num_kv_heads, head_dim]
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor  # int64, -1 = skip; rows past its end are skipped
+    fmt: int = -1  # a uint8 fp8 cache: fp8_codec.FP8_E4M3 / FP8_E5M2, codes of x / scale (the software encoder)
+    k_scale: Optional[torch.Tensor] = None  # fp8: the layer's fp32 scales (one element each)
+    v_scale: Optional[torch.Tensor] = None
 
 
 class DecodeRope(NamedTuple):
@@ -68,10 +71,11 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
-    def cache_write_for(self, v: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata"
+    def cache_write_for(self, v: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata",
+                        k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None
                         ) -> Optional[CacheWrite]:
         """A CacheWrite when the model may store K/V itself in its RoPE launch (then forward(..., kv_written=
-        True)); None when forward must write them."""
+        True)); None when forward must write them. k_scale / v_scale: the layer's fp8 scales (fp8 caches)."""
         return None
 
     def fuses_decode_rope(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: "AttentionMetadata",

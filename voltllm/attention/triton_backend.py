@@ -157,10 +157,18 @@ class TritonAttentionBackend(AttentionBackend):
         }
 
     # --- forward ---------------------------------------------------------------------------------
-    def cache_write_for(self, v, kv_cache, meta: AttentionMetadata) -> Optional[CacheWrite]:
-        """Float caches on CUDA: K/V are stored by the RoPE launch (fp8 caches keep the codec's write)."""
-        if kv_cache.is_cuda and kv_cache.dtype in (torch.float16, torch.bfloat16, torch.float32):
+    def cache_write_for(self, v, kv_cache, meta: AttentionMetadata, k_scale: Optional[torch.Tensor] = None,
+                        v_scale: Optional[torch.Tensor] = None) -> Optional[CacheWrite]:
+        """Caches on CUDA: K/V are stored by the RoPE launch (fp8: encoded there with the layer's scales, as the
+        codec's write kernel would)."""
+        if not kv_cache.is_cuda:
+            return None
+        if kv_cache.dtype in (torch.float16, torch.bfloat16, torch.float32):
             return CacheWrite(v, kv_cache, meta.slot_mapping)
+        if kv_cache.dtype == torch.uint8 and self.kv_fmt >= 0:
+            one = unit_scale(kv_cache.device)
+            return CacheWrite(v, kv_cache, meta.slot_mapping, self.kv_fmt,
+                              one if k_scale is None else k_scale, one if v_scale is None else v_scale)
         return None
 
     def fuses_decode_rope(self, q, kv_cache, meta: AttentionMetadata, rotary_dim: int) -> bool:

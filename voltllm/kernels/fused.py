@@ -23,7 +23,8 @@ Entry points (each has a `*_ref` torch reference with the same signature, used b
   qk_norm_rope_inplace(q, k, q_weight, k_weight, eps, positions, cos, sin, rotary_dim, offset=0.0,
                        cache_write=None) -> (q, k)                                     [q, k in place]
       cache_write (voltllm.attention.backend.CacheWrite): the same launch also stores the rotated K rows and
-      the V rows in a float paged KV cache (what the attention backend's kv_write would do next: one kernel
+      the V rows in the paged KV cache (float, or fp8 codes of x / scale with CacheWrite.fmt >= 0: what the
+      attention backend's kv_write / write_kv_fp8 would do next: one kernel
       less per layer, which the decode profiles say is worth ~1-2 us per layer per step).
   silu_and_mul(x, out=None) -> out
 """
@@ -37,6 +38,7 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels import pdl
+from voltllm.kernels.fp8_codec import fp32_to_fp8
 from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
@@ -151,11 +153,12 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def _store_kv_rows(K, V, KV, SlotMapping, t, head0, n_heads, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, n_slots, D,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+def _store_kv_rows(K, V, KV, SlotMapping, KScale, VScale, t, head0, n_heads, stride_kt, stride_kh, stride_vt,
+                   stride_vh, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, n_slots, D,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr):
     """K and V rows of heads [head0, head0 + BLOCK_H) of token t into the paged cache (layout (2, blocks,
-    PAGE, heads, D)) at SlotMapping[t]; slot -1 and tokens t >= n_slots are skipped (CUDA-graph padding)."""
+    PAGE, heads, D)) at SlotMapping[t]; slot -1 and tokens t >= n_slots are skipped (CUDA-graph padding).
+    FMT >= 0: a uint8 fp8 cache, codes of x / scale by the software encoder (what kv_fp8's write kernel stores)."""
     slot = tl.load(SlotMapping + t, mask=t < n_slots, other=-1).to(tl.int64)
     offs_h = head0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -164,22 +167,26 @@ def _store_kv_rows(K, V, KV, SlotMapping, t, head0, n_heads, stride_kt, stride_k
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=m)
     dst = KV + (slot // PAGE) * stride_c_blk + (slot % PAGE) * stride_c_slot + offs_h[:, None] * stride_c_head
     dst = dst + offs_d[None, :]
+    if FMT >= 0:
+        k = fp32_to_fp8(tl.math.div_rn(k.to(tl.float32), tl.load(KScale)), FMT)
+        v = fp32_to_fp8(tl.math.div_rn(v.to(tl.float32), tl.load(VScale)), FMT)
     tl.store(dst, k.to(KV.dtype.element_ty), mask=m)
     tl.store(dst + stride_c_kv, v.to(KV.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _qk_rope_kernel(
-    Q, K, Pos, Cos, Sin, QW, KW, V, KV, SlotMapping,
+    Q, K, Pos, Cos, Sin, QW, KW, V, KV, SlotMapping, KScale, VScale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, stride_vt, stride_vh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     n_qh, n_kh, n_qblocks, half, D, tail, eps, offset, n_slots,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     NORM: tl.constexpr, HAS_TAIL: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, PDL: tl.constexpr,
+    PAGE: tl.constexpr, PDL: tl.constexpr, FMT: tl.constexpr,
 ):
     """Program (t, b): head block b of q (b < n_qblocks) or of k (the rest), token t; in place. WRITE_KV:
-    a k program then stores its rotated K rows and the same heads' V rows in the paged cache."""
+    a k program then stores its rotated K rows and the same heads' V rows in the paged cache (FMT >= 0: fp8
+    codes with the scales KScale / VScale)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
@@ -197,9 +204,9 @@ def _qk_rope_kernel(
                          half, D, tail, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, NORM, HAS_TAIL)
         if WRITE_KV:
             tl.debug_barrier()  # the rotated rows were stored by other threads of this program
-            _store_kv_rows(K, V, KV, SlotMapping, t, head0, n_kh, stride_kt, stride_kh, stride_vt, stride_vh,
-                           stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, n_slots, D,
-                           BLOCK_H, BLOCK_D, PAGE)
+            _store_kv_rows(K, V, KV, SlotMapping, KScale, VScale, t, head0, n_kh, stride_kt, stride_kh, stride_vt,
+                           stride_vh, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, n_slots, D,
+                           BLOCK_H, BLOCK_D, PAGE, FMT)
 
 
 @triton.jit
@@ -248,10 +255,15 @@ def _rope_specs() -> list[CompileSpec]:
         for norm in (False, True):
             for bh, bhalf, btail, has_tail, d, what in ((16, 64, 1, False, 128, "D128 full"),
                                                         (8, 32, 256, True, 256, "D256 rot64")):
-                # the fused KV-cache store: fp16 activations and cache (the compat route's case)
-                for write in ((False, True) if act == "fp16" else (False,)):
+                # the fused KV-cache store: fp16 activations with an fp16 cache or e4m3 / e5m2 codes (the compat
+                # route's cases)
+                for write, fmt in (((False, -1), (True, -1), (True, 0), (True, 1)) if act == "fp16"
+                                   else ((False, -1),)):
+                    if fmt == 1 and (norm or d != 128):
+                        continue  # e5m2 differs from e4m3 only in the encoder: one spec
                     sig = {"Q": f"*{act}", "K": f"*{act}", "Pos": "*i64", "Cos": "*fp32", "Sin": "*fp32",
-                           "QW": f"*{act}", "KW": f"*{act}", "V": f"*{act}", "KV": f"*{act}", "SlotMapping": "*i64",
+                           "QW": f"*{act}", "KW": f"*{act}", "V": f"*{act}", "KV": "*u8" if fmt >= 0 else f"*{act}",
+                           "SlotMapping": "*i64", "KScale": "*fp32", "VScale": "*fp32",
                            **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_cos",
                                                  "stride_sin", "stride_vt", "stride_vh")},
                            "stride_c_kv": "i64",
@@ -260,12 +272,13 @@ def _rope_specs() -> list[CompileSpec]:
                            "eps": "fp32", "offset": "fp32", "n_slots": "i32",
                            "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr", "BLOCK_TAIL": "constexpr",
                            "NORM": "constexpr", "HAS_TAIL": "constexpr", "WRITE_KV": "constexpr",
-                           "BLOCK_D": "constexpr", "PAGE": "constexpr", "PDL": "constexpr"}
+                           "BLOCK_D": "constexpr", "PAGE": "constexpr", "PDL": "constexpr", "FMT": "constexpr"}
                     specs.append(CompileSpec(sig, {"BLOCK_H": bh, "BLOCK_HALF": bhalf, "BLOCK_TAIL": btail,
                                                    "NORM": norm, "HAS_TAIL": has_tail, "WRITE_KV": write,
-                                                   "BLOCK_D": d, "PAGE": 16, "PDL": False},
+                                                   "BLOCK_D": d, "PAGE": 16, "PDL": False, "FMT": fmt},
                                              label=f"{act} {what}{' +qknorm' if norm else ''}"
-                                                   f"{' +kv-write' if write else ''}"))
+                                                   f"{' +kv-write' if write else ''}"
+                                                   f"{['', ' e4m3', ' e5m2'][fmt + 1] if write else ''}"))
     return specs
 
 
@@ -402,32 +415,43 @@ def _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps,
         if q_weight.numel() != d or k_weight.numel() != d:
             raise ValueError(f"q/k norm weights must have head_dim={d} elements")
         qw, kw = qw.contiguous(), kw.contiguous()
+    fmt = -1
     if cache_write is None:
         v, cache, slots, n_slots, page = q, q, positions, 0, 16  # unused pointers when WRITE_KV is off
-        c_strides = (0, 0, 0, 0)
+        c_strides, scales = (0, 0, 0, 0), (cos, cos)
     else:
         v, cache, slots = cache_write.v, cache_write.kv_cache, cache_write.slot_mapping
-        _check_cache_write(v, cache, slots, t, hk, d, k.dtype)
+        fmt = cache_write.fmt
+        _check_cache_write(v, cache, slots, t, hk, d, k.dtype, fmt, cache_write.k_scale, cache_write.v_scale)
         n_slots, page = min(t, slots.shape[0]), cache.shape[2]
         c_strides = (cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3))
+        scales = (cache_write.k_scale, cache_write.v_scale) if fmt >= 0 else (cos, cos)
     _qk_rope_kernel[(t, nqb + nkb)](
-        q, k, positions, cos, sin, qw, kw, v, cache, slots,
+        q, k, positions, cos, sin, qw, kw, v, cache, slots, *scales,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0), v.stride(1),
         *c_strides,
         hq, hk, nqb, half, d, tail, float(eps), float(offset), n_slots,
         BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, NORM=norm, HAS_TAIL=has_tail,
-        WRITE_KV=cache_write is not None, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
+        WRITE_KV=cache_write is not None, BLOCK_D=triton.next_power_of_2(d), PAGE=page, FMT=fmt,
         num_warps=_warps(block_h * row, hi=8), **pdl.launch_options(),
     )
 
 
-def _check_cache_write(v, cache, slots, t, hk, d, dtype) -> None:
+def _check_cache_write(v, cache, slots, t, hk, d, dtype, fmt=-1, k_scale=None, v_scale=None) -> None:
     if v.shape != (t, hk, d) or v.stride(-1) != 1:
         raise ValueError(f"cache_write.v must be [T={t}, {hk}, {d}] with a contiguous last dim, got {tuple(v.shape)}")
     if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3] != hk or cache.shape[4] != d or cache.stride(4) != 1:
         raise ValueError(f"cache_write.kv_cache must be (2, blocks, page, {hk}, {d}), got {tuple(cache.shape)}")
-    if not cache.dtype.is_floating_point or v.dtype != dtype:
-        raise ValueError(f"the fused KV store wants a float cache and v in {dtype}, got {cache.dtype} / {v.dtype}")
+    if v.dtype != dtype:
+        raise ValueError(f"the fused KV store wants v in {dtype}, got {v.dtype}")
+    if fmt >= 0:
+        if cache.dtype != torch.uint8:
+            raise ValueError(f"an fp8 store (fmt {fmt}) wants a uint8 cache, got {cache.dtype}")
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None or s.dtype != torch.float32 or s.numel() != 1 or s.device != cache.device:
+                raise ValueError(f"an fp8 store wants cache_write.{name} as one fp32 element on the cache's device")
+    elif not cache.dtype.is_floating_point:
+        raise ValueError(f"the fused KV store wants a float cache (or fmt >= 0 with uint8 codes), got {cache.dtype}")
     if slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError("cache_write.slot_mapping must be a 1-D int64 tensor")
 

@@ -1,8 +1,8 @@
 """What every attention layer over the paged KV cache shares: its cache index, its fp8 KV scales, and the step
 RoPE -> K/V into the cache -> attention, whichever projections and norms surround it.
 
-The K/V store goes into the RoPE launch when the backend offers a CacheWrite (float caches on CUDA), and into
-the backend's own write otherwise (voltllm.attention.backend).
+The K/V store goes into the RoPE launch when the backend offers a CacheWrite (caches on CUDA; fp8 pages encoded
+there), and into the backend's own write otherwise (voltllm.attention.backend).
 """
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ class PagedAttention(nn.Module):
         if rope is not None:  # the decode kernel applies QK-norm + RoPE and stores K / V itself
             return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale,
                                        v_scale=self.v_scale, rope=rope)
-        # centered keys must reach the cache, so with key offsets the backend writes them (after center_keys)
-        write = None if self.k_offset is not None else ctx.backend.cache_write_for(v, cache, ctx.meta)
+        # centered keys must reach the cache, so with key offsets the backend writes them (after center_keys); an
+        # fp8 scale still to be calculated from this forward's K / V must exist before anything is encoded
+        write = None if self.k_offset is not None or ctx.calc_kv_scales else ctx.backend.cache_write_for(
+            v, cache, ctx.meta, self.k_scale, self.v_scale)
         if q_norm is not None:
             q, k = self.rotary.norm_and_rotate(positions, q, k, q_norm, k_norm, cache_write=write)
         else:

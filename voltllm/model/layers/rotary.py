@@ -51,10 +51,16 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions][:, None, :]
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         if cache_write is not None:
-            from voltllm.attention.torch_ref import write_kv
-
             n = min(k.shape[0], cache_write.slot_mapping.shape[0])
-            write_kv(k[:n], cache_write.v[:n], cache_write.kv_cache, cache_write.slot_mapping[:n])
+            if cache_write.fmt >= 0:  # fp8 codes of x / scale (the codec's reference write)
+                from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
+
+                write_kv_fp8_ref(k[:n], cache_write.v[:n], cache_write.kv_cache, cache_write.slot_mapping[:n],
+                                 cache_write.k_scale, cache_write.v_scale, cache_write.fmt)
+            else:
+                from voltllm.attention.torch_ref import write_kv
+
+                write_kv(k[:n], cache_write.v[:n], cache_write.kv_cache, cache_write.slot_mapping[:n])
         return q, k
 
     def norm_and_rotate(self, positions, q, k, q_norm, k_norm, cache_write=None):
