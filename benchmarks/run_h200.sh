@@ -59,6 +59,8 @@
 #            the fp8 KV GPU file, 8B 64 concurrent with fp16 and fp8_e4m3 KV
 #   s30      (session 11) fp8 K / V encoded in the RoPE launch (CacheWrite.fmt): fused and fp8 KV GPU files, 8B 64
 #            concurrent with fp16 and fp8_e4m3 KV
+#   s31      (session 11) hardware E4M3 encode in the RoPE launch's store: its GPU test, 8B 64 concurrent fp8_e4m3 KV
+#            with the fused fp8 store on / off (FUSED_FP8_STORE) in one call, with profiles
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -402,6 +404,15 @@ case $stage in
       bench --random-weights qwen3-8b-shape --dtype half --kv-cache-dtype $kv --scenario concurrency --input-len 128 \
         --output-len 128 --num-warm 2 --concurrency 64 --profile --profile-steps 10 \
         --name qwen3-8b-shape-fp16-c64-kv-$kv-$sha | grep -v "^  [0-9]*x[0-9]*:\|^  M=\|^  MLP"
+    done
+    ;;
+  s31)  # (session 11) fused fp8 store A / B
+    gpu_file test_fp8_kv_gpu 150 -k "hardware or graph or fused_rope"
+    c64="--random-weights qwen3-8b-shape --dtype half --kv-cache-dtype fp8_e4m3 --scenario concurrency --input-len 128
+      --output-len 128 --num-warm 2 --concurrency 64 --profile --profile-steps 10"
+    for on in 1 0; do
+      bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_FP8_STORE=$on --" $c64 \
+        --name qwen3-8b-shape-fp16-c64-kv-fp8_e4m3-store$on-$sha | grep -E "^(output|concurrent|ttft)|_qk_rope|_paged_decode|kv_fp8|write"
     done
     ;;
   s26)  # (session 10) the GPU files the session's code touches

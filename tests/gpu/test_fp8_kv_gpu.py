@@ -96,12 +96,27 @@ def test_fp8_decode_both_routes(fmt, d):
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="the hardware E4M3 conversion needs sm_89+")
-def test_hardware_e4m3_decode_equals_software():
-    """FP8_E4M3_HW (the native route's read format on sm_89+): the GPU's conversion gives the software decode's
+def test_hardware_e4m3_codec_equals_software():
+    """FP8_E4M3_HW (the native route's format on sm_89+): the GPU's conversions give the software codec's codes on
+    every fp16 value and on random fp32 values of every magnitude (with saturation; NaN inputs: a NaN code) and its
     values on all 256 codes (NaN codes: NaN), so decode and prefill over the same fp8 pages are bit-identical."""
     import triton
 
-    from voltllm.kernels.fp8_codec import FP8_E4M3, FP8_E4M3_HW, fp8_decode_kernel
+    from voltllm.kernels.fp8_codec import FP8_E4M3, FP8_E4M3_HW, decode_e4m3, fp8_decode_kernel, fp8_encode_kernel
+    g = torch.Generator().manual_seed(_seed("hw encode"))
+    every_fp16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    rand = torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-30, 30, (1 << 20,), generator=g).float())
+    x = torch.cat([every_fp16, rand, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 448.0, 464.0, 480.0])])
+    x = x.to(DEV)
+    scale = torch.tensor([0.37], dtype=torch.float32, device=DEV)
+    codes = {}
+    for fmt in (FP8_E4M3, FP8_E4M3_HW):
+        codes[fmt] = torch.full(x.shape, 0x55, dtype=torch.uint8, device=DEV)
+        fp8_encode_kernel[(triton.cdiv(x.numel(), 1024),)](x, codes[fmt], scale, x.numel(), FMT=fmt, BLOCK=1024)
+    sw, hw = codes[FP8_E4M3].cpu(), codes[FP8_E4M3_HW].cpu()
+    nan_in = x.isnan().cpu()
+    assert torch.equal(sw[~nan_in], hw[~nan_in]), f"{int((sw != hw)[~nan_in].sum())} codes differ"
+    assert decode_e4m3(hw[nan_in]).isnan().all()
     from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
     codes = torch.arange(256, dtype=torch.uint8, device=DEV)
     one = torch.ones(1, dtype=torch.float32, device=DEV)
@@ -135,8 +150,8 @@ def test_hardware_e4m3_decode_equals_software():
             got[fmt] = out[:m.num_tokens]
         assert torch.equal(got[FP8_E4M3].isnan(), got[FP8_E4M3_HW].isnan()), kind
         assert torch.equal(got[FP8_E4M3].nan_to_num(), got[FP8_E4M3_HW].nan_to_num()), kind
-    assert "hardware decode" in _backend(kv_cache_dtype="fp8_e4m3").routes(torch.device(DEV))["kv_cache"]
-    assert "software decode" in _backend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3").routes(
+    assert "hardware codec" in _backend(kv_cache_dtype="fp8_e4m3").routes(torch.device(DEV))["kv_cache"]
+    assert "software codec" in _backend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3").routes(
         torch.device(DEV))["kv_cache"]
 
 

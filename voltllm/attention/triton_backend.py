@@ -46,6 +46,9 @@ _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.u
 # predecessor's tail under PDL. When on, only below FUSED_DECODE_ROPE_MAX_PROGRAMS sequences x kv heads.
 FUSED_DECODE_ROPE = False
 FUSED_DECODE_ROPE_MAX_PROGRAMS = 128
+# fp8 caches on CUDA: the RoPE launch encodes K / V into the cache (CacheWrite.fmt) instead of a separate write launch
+# (voltllm.kernels.kv_fp8.write_kv_fp8). Measured: docs/kernels.md, "Session 11".
+FUSED_FP8_STORE = True
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -125,10 +128,11 @@ class TritonAttentionBackend(AttentionBackend):
         cap, _ = self._device_info(device)
         return cap is not None and cap >= (8, 0)
 
-    def _attend_fmt(self, fmt: int, device: torch.device) -> int:
-        """The KV_FMT the attention kernels read an fp8 cache with: E4M3 through the GPU's own conversion where the
-        native route runs on sm_89+ (the software decode's integer ops cost more than the bytes fp8 saves there:
-        benchmarks/results/attn-decode-fma-fp8-6bd4389.txt), else the software codec."""
+    def _kernel_fmt(self, fmt: int, device: torch.device) -> int:
+        """The format the attention kernels read an fp8 cache with and the RoPE launch's store encodes it with: E4M3
+        through the GPU's own conversions where the native route runs on sm_89+ (the software decode's integer ops
+        cost more than the bytes fp8 saves there: benchmarks/results/attn-decode-fma-fp8-6bd4389.txt), else the
+        software codec. The same codes and values either way."""
         if fmt != FP8_E4M3 or not self._use_dot(device):  # (the compat route asks no device facts)
             return fmt
         cap, _ = self._device_info(device)
@@ -147,8 +151,8 @@ class TritonAttentionBackend(AttentionBackend):
         dot = self._use_dot(device)
         kv = "fp16/bf16/fp32" if self.kv_fmt < 0 else ("fp8_e4m3" if self.kv_fmt == 0 else "fp8_e5m2")
         if self.kv_fmt >= 0:
-            hw = self._attend_fmt(self.kv_fmt, device) == FP8_E4M3_HW
-            kv += " (uint8 pages; software encode, " + ("hardware" if hw else "software") + " decode)"
+            hw = self._kernel_fmt(self.kv_fmt, device) == FP8_E4M3_HW
+            kv += " (uint8 pages; " + ("hardware" if hw else "software") + " codec)"
         return {
             "kv_cache": kv,
             "decode": "triton paged decode, " + ("tl.dot (tensor cores)" if dot else "CUDA-core FMA"),
@@ -165,9 +169,9 @@ class TritonAttentionBackend(AttentionBackend):
             return None
         if kv_cache.dtype in (torch.float16, torch.bfloat16, torch.float32):
             return CacheWrite(v, kv_cache, meta.slot_mapping)
-        if kv_cache.dtype == torch.uint8 and self.kv_fmt >= 0:
+        if kv_cache.dtype == torch.uint8 and self.kv_fmt >= 0 and FUSED_FP8_STORE:
             one = unit_scale(kv_cache.device)
-            return CacheWrite(v, kv_cache, meta.slot_mapping, self.kv_fmt,
+            return CacheWrite(v, kv_cache, meta.slot_mapping, self._kernel_fmt(self.kv_fmt, kv_cache.device),
                               one if k_scale is None else k_scale, one if v_scale is None else v_scale)
         return None
 
@@ -210,7 +214,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_seqs = meta.seq_lens.shape[0]
         use_dot = self._use_dot(q.device)
         num_sms = self.num_sms or self._device_info(q.device)[1]
-        read_fmt = self._attend_fmt(fmt, q.device)
+        read_fmt = self._kernel_fmt(fmt, q.device)
         if num_seqs > 0 and meta.is_pure_decode:
             num_kv_heads = kv_cache.shape[3]
             splits = self.num_splits_for(num_seqs, num_kv_heads, meta.max_seq_len, q.device)

@@ -43,9 +43,11 @@ __triton_helpers__ = (
 # FMT constexpr values of the kernels
 FP8_E4M3 = 0
 FP8_E5M2 = 1
-# E4M3 codes decoded by the GPU's own conversion (cvt e4m3x2 -> f16x2, sm_89+): the attention kernels' KV_FMT on the
-# native route of such GPUs. The values equal the software decode's (both exact; NaN codes give some NaN); encoders
-# and the fp32 decode treat it as FP8_E4M3. Never used on the compat route (the sm_70 / sm_75 gate rejects the cvt).
+# E4M3 through the GPU's own conversions (sm_89+): decode cvt e4m3x2 -> f16x2, encode cvt.rn.satfinite (RNE, overflow
+# and inf to +-448, as the software encoder): the attention kernels' and the RoPE launch's KV_FMT / FMT on the native
+# route of such GPUs. Codes and values equal the software codec's (GPU test test_hardware_e4m3_codec_equals_software;
+# NaN: some NaN); the fp32 decode treats it as FP8_E4M3. Never on the compat route (the sm_70 / sm_75 gate rejects
+# the cvt).
 FP8_E4M3_HW = 2
 _FORMATS = {"e4m3": FP8_E4M3, "e4m3fn": FP8_E4M3, "fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3,
             "e5m2": FP8_E5M2, "fp8_e5m2": FP8_E5M2}
@@ -225,9 +227,11 @@ def fp32_to_e5m2(x):
 
 @triton.jit
 def fp32_to_fp8(x, FMT: tl.constexpr):
-    if FMT == 1:
+    if FMT == 2:  # FP8_E4M3_HW: the hardware conversion (cvt.rn.satfinite, sm_89+): the software encoder's codes
+        out = x.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    elif FMT == 1:
         out = fp32_to_e5m2(x)
-    else:  # FP8_E4M3, FP8_E4M3_HW
+    else:
         out = fp32_to_e4m3(x)
     return out
 
