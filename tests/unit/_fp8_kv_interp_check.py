@@ -61,11 +61,24 @@ def fp8_reference(case: Fp8Case) -> tuple[torch.Tensor, torch.Tensor]:
     return out[:b.meta.num_tokens].cpu(), cache.cpu()
 
 
-def _compare(case: Fp8Case, out: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[float, str]:
+def _codes_off_by_one(got: torch.Tensor, want: torch.Tensor, max_frac: float) -> bool:
+    """Only a few codes differ, each from the reference by one step of the same sign (a value at a rounding
+    midpoint of the fp8 grid, whose fp32 input differs from the reference's by an ulp)."""
+    diff = got != want
+    steps = (got[diff].to(torch.int16) - want[diff].to(torch.int16)).abs()
+    same_sign = (got[diff] & 0x80) == (want[diff] & 0x80)
+    return bool((steps == 1).all() and same_sign.all()) and int(diff.sum()) <= max_frac * got.numel()
+
+
+def _compare(case: Fp8Case, out: torch.Tensor, cache: Optional[torch.Tensor],
+             code_slack: float = 0.0) -> tuple[float, str]:
+    """code_slack > 0: the kernel encodes rows it computed itself (fused RoPE), which may differ from the
+    reference rows by an fp32 ulp; up to that fraction of codes may then be one step off (_codes_off_by_one)."""
     ref_out, ref_cache = fp8_reference(case)
     m = case.base.meta
     problems = []
-    if cache is not None and not torch.equal(cache.cpu(), ref_cache):
+    if cache is not None and not torch.equal(cache.cpu(), ref_cache) and not (
+            code_slack > 0 and _codes_off_by_one(cache.cpu(), ref_cache, code_slack)):
         problems.append("cache differs from reference write")
     keep = real_rows(case.base)
     err = rel_err(out.cpu()[keep], ref_out[keep[:m.num_tokens]])
@@ -122,7 +135,7 @@ def run_fp8_rope_decode(case: Fp8Case, norm: bool, seed: int, **kw) -> tuple[flo
     cache = b.kv_cache.clone()
     out = decode_poisoned(b.q, cache, m, b.scale, kv_fmt=fp8_format(case.fmt), k_scale=case.k_scale,
                           v_scale=case.v_scale, rope=rope, slot_mapping=m.slot_mapping, **kw)
-    return _compare(rotated, out[:m.num_tokens], cache)
+    return _compare(rotated, out[:m.num_tokens], cache, code_slack=1e-4)
 
 
 @torch.inference_mode()

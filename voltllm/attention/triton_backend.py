@@ -46,9 +46,11 @@ _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.u
 # predecessor's tail under PDL. When on, only below FUSED_DECODE_ROPE_MAX_PROGRAMS sequences x kv heads.
 FUSED_DECODE_ROPE = False
 FUSED_DECODE_ROPE_MAX_PROGRAMS = 128
-# fp8 caches on CUDA: the RoPE launch encodes K / V into the cache (CacheWrite.fmt) instead of a separate write launch
-# (voltllm.kernels.kv_fp8.write_kv_fp8). Measured: docs/kernels.md, "Session 11".
-FUSED_FP8_STORE = True
+# fp8 caches on CUDA: the RoPE launch may encode K / V into the cache (CacheWrite.fmt) instead of a separate write
+# launch (voltllm.kernels.kv_fp8.write_kv_fp8). Off: slower on the H200 in the same call (8B, 64 x 128 / 128,
+# fp8_e4m3 KV, benchmarks/results/*-kv-fp8_e4m3-store{1,0}-b51912c.json): 9,013 vs 9,137 output tok/s; the RoPE
+# launch took 277 us per step with the encode against 100 + 93 for RoPE + the write kernel. docs/kernels.md, "Session 11".
+FUSED_FP8_STORE = False
 
 
 class TritonAttentionBackend(AttentionBackend):
