@@ -61,6 +61,7 @@
 #            concurrent with fp16 and fp8_e4m3 KV
 #   s31      (session 11) hardware E4M3 encode in the RoPE launch's store: its GPU test, 8B 64 concurrent fp8_e4m3 KV
 #            with the fused fp8 store on / off (FUSED_FP8_STORE) in one call, with profiles
+#   s32      (session 11) the GPU files this session's code touches, at its end (one H200)
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -414,6 +415,11 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_FP8_STORE=$on --" $c64 \
         --name qwen3-8b-shape-fp16-c64-kv-fp8_e4m3-store$on-$sha | grep -E "^(output|concurrent|ttft)|_qk_rope|_paged_decode|kv_fp8|write"
     done
+    ;;
+  s32)  # (session 11) the GPU files the session's code touches
+    gpu_file test_fp8_kv_gpu 100 -k "fused_rope or hardware or compat or both_routes"
+    gpu_file test_attention_kernels 110 -k "not print"
+    gpu_file test_engine_gpu 50
     ;;
   s26)  # (session 10) the GPU files the session's code touches
     gpu_file test_attention_kernels 120
