@@ -35,6 +35,16 @@ class FusedStoreBackend(TorchReferenceBackend):
         return super().forward(q, k, v, kv_cache, meta, scale, k_scale, v_scale, kv_written)
 
 
+def _assert_same(want, got, backend, fused):
+    """The fused engine used the store on every offered step and gave the reference's tokens and logprobs."""
+    assert backend.offered > 0 and backend.skipped == backend.offered
+    for w, o in zip(want, got):
+        assert o.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lo in zip(w.outputs[0].logprobs, o.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in lw.items()} == {t: v.logprob for t, v in lo.items()}
+    fused.engine.check_integrity()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
 def test_fused_store_equals_backend_write(tmp_path, kind):
     kw = dict(device="cpu", max_model_len=512, max_num_batched_tokens=64, skip_tokenizer_init=True)
@@ -55,12 +65,7 @@ def test_fused_store_equals_backend_write(tmp_path, kind):
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     want = ref.generate(prompts, p)
     got = fused.generate(prompts, p)
-    assert backend.offered > 0 and backend.skipped == backend.offered
-    for w, o in zip(want, got):
-        assert o.outputs[0].token_ids == w.outputs[0].token_ids
-        for lw, lo in zip(w.outputs[0].logprobs, o.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in lw.items()} == {t: v.logprob for t, v in lo.items()}
-    fused.engine.check_integrity()
+    _assert_same(want, got, backend, fused)
 
 
 @pytest.mark.parametrize("kind,calc", [("llama", False), ("qwen3", True)])
@@ -79,9 +84,4 @@ def test_fused_fp8_store_equals_backend_write(tmp_path, kind, calc):
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     want = ref.generate(prompts, p)
     got = fused.generate(prompts, p)
-    assert backend.offered > 0 and backend.skipped == backend.offered
-    for w, o in zip(want, got):
-        assert o.outputs[0].token_ids == w.outputs[0].token_ids
-        for lw, lo in zip(w.outputs[0].logprobs, o.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in lw.items()} == {t: v.logprob for t, v in lo.items()}
-    fused.engine.check_integrity()
+    _assert_same(want, got, backend, fused)

@@ -169,14 +169,13 @@ def run_rope(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torc
     return _verdict(errs, dtype)
 
 
-def run_rope_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torch.dtype, norm: bool,
-                         n_slots: int, seed: int = 0, max_pos: int = 4096, page: int = 4) -> str:
-    """RoPE (+ QK-norm) with the fused KV-cache store vs the reference rotation followed by the reference
-    cache write (voltllm.attention.torch_ref.write_kv). Slots are scattered over the cache's pages; one row
-    has slot -1 and rows at or past n_slots have no slot (CUDA-graph padding): those write nothing. The whole
-    cache (NaN-poisoned elsewhere, so a stray or missing store shows) and the whole qkv buffer are compared."""
+def _rope_with_store(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torch.dtype, norm: bool,
+                     n_slots: int, seed: int, max_pos: int, page: int, fill, cache_dtype: torch.dtype, fmt: int = -1,
+                     k_scale=None, v_scale=None):
+    """One RoPE (+ QK-norm) launch with the fused KV store into a cache filled with `fill`, and the reference
+    rotation of the same rows. Slots are scattered over the cache's pages; one row has slot -1 and rows at or past
+    n_slots have no slot (CUDA-graph padding). Returns (qkv, ref_buf, k, rk, v, slots, cache, n)."""
     from voltllm.attention.backend import CacheWrite
-    from voltllm.attention.torch_ref import write_kv
     from voltllm.kernels import fused as F
 
     cos, sin, positions, qkv, ref_buf = _rope_case(device, t, hq, hk, d, rd, dtype, seed, max_pos)
@@ -188,9 +187,8 @@ def run_rope_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int,
     if n_slots > 1:
         slots[1] = -1
     slots = slots.to(device)
-    cache = torch.full((2, blocks, page, hk, d), float("nan"), dtype=dtype, device=device)
-    ref_cache = cache.clone()
-    write = CacheWrite(v, cache, slots)
+    cache = torch.full((2, blocks, page, hk, d), fill, dtype=cache_dtype, device=device)
+    write = CacheWrite(v, cache, slots, fmt, k_scale, v_scale)
     if norm:
         qw = _rand((d,), seed + 1, device, dtype, 0.5) + 1.0
         kw = _rand((d,), seed + 2, device, dtype, 0.5) + 1.0
@@ -199,7 +197,19 @@ def run_rope_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int,
     else:
         F.rope_inplace_ref(rq, rk, positions, cos, sin, rd)
         F.rope_inplace(q, k, positions, cos, sin, rd, cache_write=write)
-    n = min(t, n_slots)
+    return qkv, ref_buf, k, rk, v, slots, cache, min(t, n_slots)
+
+
+def run_rope_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: int, dtype: torch.dtype, norm: bool,
+                         n_slots: int, seed: int = 0, max_pos: int = 4096, page: int = 4) -> str:
+    """RoPE (+ QK-norm) with the fused KV-cache store vs the reference rotation followed by the reference
+    cache write (voltllm.attention.torch_ref.write_kv); slot -1 and padding rows write nothing. The whole
+    cache (NaN-poisoned elsewhere, so a stray or missing store shows) and the whole qkv buffer are compared."""
+    from voltllm.attention.torch_ref import write_kv
+
+    qkv, ref_buf, _, rk, v, slots, cache, n = _rope_with_store(device, t, hq, hk, d, rd, dtype, norm, n_slots, seed,
+                                                               max_pos, page, float("nan"), dtype)
+    ref_cache = torch.full_like(cache, float("nan"))
     write_kv(rk[:n], v[:n], ref_cache, slots[:n])
     written = ~torch.isnan(ref_cache)
     if not torch.equal(written, ~torch.isnan(cache)):
@@ -214,34 +224,15 @@ def run_rope_fp8_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: 
     write (kv_fp8.write_kv_fp8_ref, x / scale, RNE, saturation) of the rows the launch rotated, bit for bit; the
     rotation itself against the reference. The cache is filled with 0xFF first (a NaN code no finite value
     encodes to), so stray or missing stores show; slot -1 and rows past n_slots write nothing."""
-    from voltllm.attention.backend import CacheWrite
-    from voltllm.kernels import fused as F
     from voltllm.kernels.fp8_codec import fp8_format
     from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
 
-    cos, sin, positions, qkv, ref_buf = _rope_case(device, t, hq, hk, d, rd, dtype, seed, 4096)
-    q, k = _views(qkv, hq, hk, d)
-    rq, rk = _views(ref_buf, hq, hk, d)
-    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
-    blocks = t + 3
-    slots = torch.randperm(blocks * page, generator=_gen(seed + 8))[:n_slots].to(torch.int64)
-    if n_slots > 1:
-        slots[1] = -1
-    slots = slots.to(device)
-    cache = torch.full((2, blocks, page, hk, d), 0xFF, dtype=torch.uint8, device=device)
-    ref_cache = cache.clone().cpu()
     k_scale = torch.tensor([0.37], dtype=torch.float32, device=device)
     v_scale = torch.tensor([1.9], dtype=torch.float32, device=device)
-    write = CacheWrite(v, cache, slots, fp8_format(fmt), k_scale, v_scale)
-    if norm:
-        qw = _rand((d,), seed + 1, device, dtype, 0.5) + 1.0
-        kw = _rand((d,), seed + 2, device, dtype, 0.5) + 1.0
-        F.qk_norm_rope_inplace_ref(rq, rk, qw, kw, 1e-6, positions, cos, sin, rd)
-        F.qk_norm_rope_inplace(q, k, qw, kw, 1e-6, positions, cos, sin, rd, cache_write=write)
-    else:
-        F.rope_inplace_ref(rq, rk, positions, cos, sin, rd)
-        F.rope_inplace(q, k, positions, cos, sin, rd, cache_write=write)
-    n = min(t, n_slots)
+    qkv, ref_buf, k, _, v, slots, cache, n = _rope_with_store(device, t, hq, hk, d, rd, dtype, norm, n_slots, seed,
+                                                              4096, page, 0xFF, torch.uint8, fp8_format(fmt),
+                                                              k_scale, v_scale)
+    ref_cache = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
     write_kv_fp8_ref(k[:n].cpu(), v[:n].cpu(), ref_cache, slots[:n].cpu(), k_scale.cpu(), v_scale.cpu(), fmt)
     if not torch.equal(cache.cpu(), ref_cache):
         bad = int((cache.cpu() != ref_cache).sum())
