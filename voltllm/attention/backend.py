@@ -46,7 +46,7 @@ class CacheWrite(NamedTuple):
     v: torch.Tensor  # [T, num_kv_heads, head_dim]
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor  # int64, -1 = skip; rows past its end are skipped
-    fmt: int = -1  # a uint8 fp8 cache: fp8_codec.FP8_E4M3 / FP8_E5M2, codes of x / scale (the software encoder)
+    fmt: int = -1  # a uint8 fp8 cache: fp8_codec.FP8_E4M3 / FP8_E5M2 / FP8_E4M3_HW, codes of x / scale
     k_scale: Optional[torch.Tensor] = None  # fp8: the layer's fp32 scales (one element each)
     v_scale: Optional[torch.Tensor] = None
 

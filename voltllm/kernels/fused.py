@@ -158,7 +158,8 @@ def _store_kv_rows(K, V, KV, SlotMapping, KScale, VScale, t, head0, n_heads, str
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr):
     """K and V rows of heads [head0, head0 + BLOCK_H) of token t into the paged cache (layout (2, blocks,
     PAGE, heads, D)) at SlotMapping[t]; slot -1 and tokens t >= n_slots are skipped (CUDA-graph padding).
-    FMT >= 0: a uint8 fp8 cache, codes of x / scale by the software encoder (what kv_fp8's write kernel stores)."""
+    FMT >= 0: a uint8 fp8 cache, codes of x / scale by fp8_codec.fp32_to_fp8 (what kv_fp8's write kernel stores;
+    FP8_E4M3_HW: the GPU's conversion, the same codes)."""
     slot = tl.load(SlotMapping + t, mask=t < n_slots, other=-1).to(tl.int64)
     offs_h = head0 + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
