@@ -29,23 +29,35 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
-                  PAGE: tl.constexpr, KV_FMT: tl.constexpr, DT: tl.constexpr):
-    """K and V rows [BLOCK_N, BLOCK_D] of context positions `pos` (masked rows read as 0).
-
-    KV_FMT >= 0: the cache holds uint8 fp8 codes (fp8_codec FP8_E4M3 / FP8_E5M2), decoded in registers
-    with integer ops to fp16 (exact) and then to DT, the query dtype (exact too: fp8 values fit fp16, bf16
-    and fp32). The per-layer scales are applied by the caller (k_scale folded into the softmax scale,
-    v_scale into the output), so the inner products use the exact decoded codes."""
+def _kv_token_offsets(bt_row, pos, n_mask, stride_c_blk, stride_c_slot, head_off, PAGE: tl.constexpr):
+    """Element offsets of the K rows of context positions `pos` of one kv head (V: + stride_c_kv)."""
     blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-    tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(KV + tok_off[:, None] + d[None, :], mask=kv_mask, other=0)
-    v = tl.load(KV + stride_c_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0)
+    return blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+
+
+@triton.jit
+def _load_kv_decoded(KV, offs, kv_mask, stride_c_kv, KV_FMT: tl.constexpr, DT: tl.constexpr):
+    """K and V at offsets `offs` (masked elements read as 0), fp8 codes decoded to DT.
+
+    KV_FMT >= 0: the cache holds uint8 fp8 codes (fp8_codec FP8_E4M3 / FP8_E5M2: integer ops; FP8_E4M3_HW: the GPU's
+    conversion), decoded in registers to fp16 (exact) and then to DT, the query dtype (exact too: fp8 values fit
+    fp16, bf16 and fp32). The per-layer scales are applied by the caller (k_scale folded into the softmax scale,
+    v_scale into the output), so the inner products use the exact decoded codes."""
+    k = tl.load(KV + offs, mask=kv_mask, other=0)
+    v = tl.load(KV + stride_c_kv + offs, mask=kv_mask, other=0)
     if KV_FMT >= 0:
         k = fp8_to_fp16(k, KV_FMT).to(DT)
         v = fp8_to_fp16(v, KV_FMT).to(DT)
     return k, v
+
+
+@triton.jit
+def _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot, head_off,
+                  PAGE: tl.constexpr, KV_FMT: tl.constexpr, DT: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] of context positions `pos` (masked rows read as 0; _load_kv_decoded)."""
+    tok_off = _kv_token_offsets(bt_row, pos, n_mask, stride_c_blk, stride_c_slot, head_off, PAGE)
+    return _load_kv_decoded(KV, tok_off[:, None] + d[None, :], n_mask[:, None] & d_mask[None, :], stride_c_kv,
+                            KV_FMT, DT)
 
 
 @triton.jit
@@ -54,16 +66,9 @@ def _load_kv_tile3(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk
     """_load_kv_tile as [1, BLOCK_N, BLOCK_D] tensors: the FMA-lanes route computes on [GROUP, BLOCK_N, BLOCK_D]
     in the layout of these loads (rows over warps, 16-byte vectors of a row over lanes), so the tile never
     goes through shared memory and the dot products over D reduce within a warp."""
-    blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-    tok_off = blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+    tok_off = _kv_token_offsets(bt_row, pos, n_mask, stride_c_blk, stride_c_slot, head_off, PAGE)
     kv_mask = n_mask[None, :, None] & d_mask[None, None, :]
-    offs = tok_off[None, :, None] + d[None, None, :]
-    k = tl.load(KV + offs, mask=kv_mask, other=0)
-    v = tl.load(KV + stride_c_kv + offs, mask=kv_mask, other=0)
-    if KV_FMT >= 0:
-        k = fp8_to_fp16(k, KV_FMT).to(DT)
-        v = fp8_to_fp16(v, KV_FMT).to(DT)
-    return k, v
+    return _load_kv_decoded(KV, tok_off[None, :, None] + d[None, None, :], kv_mask, stride_c_kv, KV_FMT, DT)
 
 
 @triton.jit
