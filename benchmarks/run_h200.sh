@@ -62,6 +62,8 @@
 #   s31      (session 11) hardware E4M3 encode in the RoPE launch's store: its GPU test, 8B 64 concurrent fp8_e4m3 KV
 #            with the fused fp8 store on / off (FUSED_FP8_STORE) in one call, with profiles
 #   s32      (session 11) the GPU files this session's code touches, at its end (one H200)
+#   s33      (session 12) the decode kernel prefetching o_proj's weight into L2 (DECODE_NEXT_WEIGHT_MB): its GPU
+#            test, then 8B 64 concurrent with 32 MiB before the PDL wait / none / 32 MiB after the KV loop, with profiles
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -414,6 +416,17 @@ case $stage in
     for on in 1 0; do
       bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_FP8_STORE=$on --" $c64 \
         --name qwen3-8b-shape-fp16-c64-kv-fp8_e4m3-store$on-$sha | grep -E "^(output|concurrent|ttft)|_qk_rope|_paged_decode|kv_fp8|write"
+    done
+    ;;
+  s33)  # (session 12) o_proj L2 prefetch from the decode kernel, A / B / C in one call
+    gpu_file test_attention_kernels 100 -k "next_weight or test_decode"
+    c64="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
+      --num-warm 2 --concurrency 64 --profile --profile-steps 10"
+    tb=voltllm.attention.triton_backend:DECODE_NEXT_WEIGHT_MB pd=voltllm.kernels.attention.paged_decode:NEXT_PREFETCH_AT_END
+    for v in "32 0 wait" "0 0 none" "32 1 end"; do
+      set -- $v
+      bench_via "python3 benchmarks/set_and_run.py $tb=$1 $pd=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-next-$3-$sha \
+        > "$out/next-$3.log"; grep -E "output_tok_s|concurrent_decode|_paged_decode|_batch_gemm" "$out/next-$3.log" | head -8
     done
     ;;
   s32)  # (session 11) the GPU files the session's code touches
