@@ -62,7 +62,7 @@
 #   s31      (session 11) hardware E4M3 encode in the RoPE launch's store: its GPU test, 8B 64 concurrent fp8_e4m3 KV
 #            with the fused fp8 store on / off (FUSED_FP8_STORE) in one call, with profiles
 #   s32      (session 11) the GPU files this session's code touches, at its end (one H200)
-#   s33      (session 12) the decode kernel prefetching o_proj's weight into L2 (DECODE_NEXT_WEIGHT_MB): its GPU
+#   s33      (session 12; run at 2048f8f, reverted after) the decode kernel prefetching o_proj's weight into L2 (DECODE_NEXT_WEIGHT_MB): its GPU
 #            test, then 8B 64 concurrent with 32 MiB before the PDL wait / none / 32 MiB after the KV loop, with profiles
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)

@@ -97,33 +97,6 @@ def test_decode_fused_rope(dtype, d):
             assert not problems and err < TOL[dtype], (norm, splits, use_dot, lanes, err, problems)
 
 
-@pytest.mark.parametrize("at_end", [False, True], ids=["before-wait", "after-loop"])
-def test_decode_next_weight_prefetch_changes_nothing(at_end, monkeypatch):
-    """The o_proj L2 prefetch from the decode kernel is a hint: the output equals the plain launch bit for bit, with
-    more prefetch lines than programs can share (clamped to the weight), split-KV, and a 2-byte weight only."""
-    import importlib
-
-    from voltllm.kernels.attention import kv_write
-    pd = importlib.import_module("voltllm.kernels.attention.paged_decode")  # the module (the package exports the function)
-    monkeypatch.setattr(pd, "NEXT_PREFETCH_AT_END", at_end)
-    seqs = [(1, 1), (190, 1), (4097, 1), (0, 1)] + [(128 + i, 1) for i in range(20)]
-    case = H.make_case(seqs, 32, 8, 128, 16, torch.float16, device=DEV, seed=_seed("next-weight prefetch"))
-    m = case.meta
-    cache = case.kv_cache.clone()
-    kv_write(case.k, case.v, cache, m.slot_mapping)
-    w = torch.randn(4096, 4096, dtype=torch.float16, device=DEV)
-    assert pd._next_prefetch_lines(w, 64 << 20, 24) == (4096 * 4096 * 2 // 128, 4096)
-    assert pd._next_prefetch_lines(w.float(), 1 << 20, 24) == (0, 0)
-    assert pd._next_prefetch_lines(w.t(), 1 << 20, 24) == (0, 0)
-    for splits in (1, 5):
-        plain = H.decode_poisoned(case.q, cache, m, case.scale, num_splits=splits)
-        for nbytes in (1 << 20, 64 << 20):
-            hinted = H.decode_poisoned(case.q, cache, m, case.scale, num_splits=splits, next_weight=w,
-                                       next_bytes=nbytes)
-            keep = H.real_rows(case)[:m.num_tokens]
-            assert torch.equal(plain[:m.num_tokens][keep], hinted[:m.num_tokens][keep]), (splits, nbytes)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", DIMS)
 def test_prefill_mixed(dtype, d):

@@ -84,11 +84,6 @@ class AttentionBackend(ABC):
         launch and hands unrotated q / k)."""
         return False
 
-    def prefetches_next_weight(self, q: torch.Tensor, meta: "AttentionMetadata") -> bool:
-        """Whether forward(..., next_weight=W) may be used for this step: the decode kernel then pulls the start of
-        W (the weight of the GEMM that reads its output) into L2 while it runs."""
-        return False
-
     @abstractmethod
     def forward(
         self,
@@ -102,12 +97,10 @@ class AttentionBackend(ABC):
         v_scale: Optional[torch.Tensor] = None,
         kv_written: bool = False,
         rope: Optional[DecodeRope] = None,
-        next_weight: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write k/v of this step at meta.slot_mapping (unless kv_written: the model stored them through
         cache_write_for's CacheWrite), then attend q over each request's context. rope (only where
-        fuses_decode_rope said so): q and rope.k are unrotated; the decode kernel rotates them and stores K / V.
-        next_weight (only where prefetches_next_weight said so): an L2 prefetch hint, no effect on the result."""
+        fuses_decode_rope said so): q and rope.k are unrotated; the decode kernel rotates them and stores K / V."""
 
 
 def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

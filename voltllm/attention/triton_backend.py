@@ -51,10 +51,6 @@ FUSED_DECODE_ROPE_MAX_PROGRAMS = 128
 # fp8_e4m3 KV, benchmarks/results/*-kv-fp8_e4m3-store{1,0}-b51912c.json): 9,013 vs 9,137 output tok/s; the RoPE
 # launch took 277 us per step with the encode against 100 + 93 for RoPE + the write kernel. docs/kernels.md, "Session 11".
 FUSED_FP8_STORE = False
-# Pure-decode steps on the tensor-core route: the decode kernel's programs prefetch the first this-many MiB of the
-# o_proj weight into L2 (paged_decode(next_weight=)). At short contexts the attention is latency-bound and leaves
-# HBM bandwidth unused, which the prefetch fills; o_proj then reads from L2.
-DECODE_NEXT_WEIGHT_MB = 0
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -187,15 +183,9 @@ class TritonAttentionBackend(AttentionBackend):
                 and meta.seq_lens.shape[0] * kv_cache.shape[3] < FUSED_DECODE_ROPE_MAX_PROGRAMS
                 and q.dtype in (torch.float16, torch.bfloat16) and kv_cache.dtype in (q.dtype, torch.uint8))
 
-    def prefetches_next_weight(self, q, meta: AttentionMetadata) -> bool:
-        return DECODE_NEXT_WEIGHT_MB > 0 and q.is_cuda and meta.is_pure_decode and self._use_dot(q.device)
-
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                kv_written: bool = False, rope: Optional[DecodeRope] = None,
-                next_weight: Optional[torch.Tensor] = None):
-        """next_weight: the weight of the GEMM that consumes this output (o_proj); a pure-decode step on the
-        tensor-core route prefetches its first DECODE_NEXT_WEIGHT_MB into L2 from the decode kernel."""
+                kv_written: bool = False, rope: Optional[DecodeRope] = None):
         if kv_cache.dtype not in _SUPPORTED_CACHE_DTYPES:
             raise NotImplementedError(f"{self.name}: KV cache dtype {kv_cache.dtype} is not supported")
         fmt = -1
@@ -237,8 +227,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                          num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
                          fma_lanes=self.fma_lanes and not use_dot, kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale,
-                         rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms,
-                         next_weight=next_weight, next_bytes=DECODE_NEXT_WEIGHT_MB << 20)
+                         rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms)
         elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
             qsl = meta.query_start_loc_cpu
             if any(qsl[i + 1] - qsl[i] == 1 for i in range(len(meta.seq_lens_cpu))):

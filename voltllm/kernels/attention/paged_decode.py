@@ -91,15 +91,6 @@ def _prefetch_kv_l2(KV, bt_row, start, end, n, stride_c_kv, stride_c_blk, stride
 
 
 @triton.jit
-def _prefetch_next_weight(NextW, next_lines, LINES: tl.constexpr):
-    """This program's share of the next GEMM's weight into L2: lines [p * LINES, (p + 1) * LINES) of its first
-    next_lines 128-byte lines (2-byte elements), p the program's index in the grid."""
-    p = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    line = tl.minimum(p.to(tl.int64) * LINES + tl.arange(0, LINES), next_lines - 1)
-    prefetch_l2(NextW + line * 64)
-
-
-@triton.jit
 def _norm_rope_rows(rows, row_mask, d, W, c, sn, eps, offset,
                     HEAD_DIM: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
     """[R, HEAD_DIM] rows at pointers rows[:, None] + d: optional per-head RMSNorm (weight W, `offset` for the
@@ -153,7 +144,6 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     KNew, VNew, SlotMapping, Pos, Cos, Sin, QW, KW,  # ROPE only: the step's raw K / V rows and what rotates them
-    NextW, next_lines,  # NEXT_LINES only: the next GEMM's weight, and how many 128-byte lines of it to prefetch
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
@@ -163,8 +153,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_N: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, NEXT_LINES: tl.constexpr,
-    NEXT_AT_END: tl.constexpr,
+    PREFETCH_N: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -208,8 +197,6 @@ def _paged_decode_kernel(
     if PREFETCH_N > 0:  # PDL: pull the slice's first KV lines into L2 while the predecessor (RoPE) finishes
         _prefetch_kv_l2(KV, bt_row, start, tl.minimum(end, start + PREFETCH_N), n, stride_c_kv, stride_c_blk,
                         stride_c_slot, head_off, HEAD_DIM, PAGE)
-    if NEXT_LINES > 0 and not NEXT_AT_END:
-        _prefetch_next_weight(NextW, next_lines, NEXT_LINES)
     pdl_enter(PDL)
     if KV_FMT >= 0:  # fp8 cache: s = q . (decode(k) * k_scale) = (q . decode(k)) * k_scale
         qk_scale = qk_scale * tl.load(KScale)
@@ -301,8 +288,6 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + p_new[:, None] * v_new
         m_i = m_new
 
-    if NEXT_LINES > 0 and NEXT_AT_END:
-        _prefetch_next_weight(NextW, next_lines, NEXT_LINES)
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if KV_FMT >= 0:  # sum_j p_j (decode(v_j) * v_scale) = v_scale * sum_j p_j decode(v_j)
@@ -368,7 +353,7 @@ def _specs():
                        "PartLse": "*fp32", "BlockTables": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32",
                        "KScale": "*fp32", "VScale": "*fp32", "KNew": "*fp16", "VNew": "*fp16",
                        "SlotMapping": "*i64", "Pos": "*i64", "Cos": "*fp32", "Sin": "*fp32", "QW": "*fp16",
-                       "KW": "*fp16", "NextW": "*fp16", "next_lines": "i32", "qk_scale": "fp32",
+                       "KW": "*fp16", "qk_scale": "fp32",
                        "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
                        "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32",
                        "stride_c_head": "i32", "stride_bt": "i32", "stride_kt": "i32", "stride_kh": "i32",
@@ -378,8 +363,7 @@ def _specs():
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
                        "KV_FMT": "constexpr", "PDL": "constexpr", "PREFETCH_N": "constexpr",
-                       "ROPE": "constexpr", "NORM": "constexpr", "NEXT_LINES": "constexpr",
-                       "NEXT_AT_END": "constexpr"}
+                       "ROPE": "constexpr", "NORM": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
@@ -392,8 +376,7 @@ def _specs():
                         decode.append(CompileSpec(signature=sig, constexprs={
                             "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_N": block_n,
                             "PAGE": 16, "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False,
-                            "KV_FMT": kv_fmt, "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm,
-                            "NEXT_LINES": 0, "NEXT_AT_END": False},
+                            "KV_FMT": kv_fmt, "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm},
                             label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
                             + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")
                             + (f" block_n {block_n}" if half else "")))
@@ -448,19 +431,6 @@ TWO_WARP_PROGRAMS = 128
 # one resident wave), so their prefetch only duplicates their own loads.
 KV_PREFETCH_TOKENS = 0
 MAX_SPLITS = 64
-# next_weight prefetch: issued after the KV loop (True) or before the PDL wait (False)
-NEXT_PREFETCH_AT_END = False
-MAX_NEXT_LINES_PER_PROGRAM = 4096
-
-
-def _next_prefetch_lines(w: torch.Tensor | None, nbytes: int, programs: int) -> tuple[int, int]:
-    """(128-byte lines of w to prefetch, lines per program: a power of two) for a next_weight prefetch; none for
-    a weight that is not a contiguous 2-byte tensor (the kernel counts 64 elements per line)."""
-    if w is None or nbytes <= 0 or not w.is_contiguous() or w.element_size() != 2:
-        return 0, 0
-    lines = min(w.numel() * 2, nbytes) // 128
-    per = min(MAX_NEXT_LINES_PER_PROGRAM, triton.next_power_of_2(triton.cdiv(lines, programs))) if lines else 0
-    return (lines, per) if per else (0, 0)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
@@ -526,7 +496,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
                  prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None,
-                 num_sms: int = 0, next_weight: torch.Tensor | None = None, next_bytes: int = 0) -> torch.Tensor:
+                 num_sms: int = 0) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -543,9 +513,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     QK-norm and RoPE; the kernel rotates them and stores the newest K / V at slot_mapping (-1: not stored), so no
     RoPE or KV-write launch precedes it. Rotary over the whole head (head_dim a power of two).
     num_sms: the device's SM count, for the FMA per-lane route's default tile (0: the tile for few programs).
-    next_weight / next_bytes: the programs share out prefetching the first next_bytes of next_weight (the GEMM that
-    follows, o_proj; only a contiguous fp16 / bf16 one) into L2, so that GEMM finds it there; the attention leaves
-    HBM bandwidth unused at short contexts (NEXT_PREFETCH_AT_END: after the loop rather than before the wait).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     num_seqs = seq_lens.shape[0]
@@ -575,13 +542,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         part_o = part_lse = out  # unused
     ieee = q.dtype == torch.float32
     rope_args, rope_strides = _rope_launch_args(rope, slot_mapping, q, num_kv_heads, head_dim)
-    next_lines, lines_per_program = _next_prefetch_lines(next_weight, next_bytes,
-                                                          num_seqs * num_kv_heads * num_splits)
     launch = pdl.launch_options()
     prefetch = (KV_PREFETCH_TOKENS if prefetch_tokens is None else prefetch_tokens) if launch["PDL"] else 0
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache, out, part_o, part_lse, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
-        *rope_args, next_weight if next_lines else q, next_lines,
+        *rope_args,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -591,8 +556,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
         PREFETCH_N=triton.cdiv(prefetch, block_n) * block_n, ROPE=rope is not None,
-        NORM=rope is not None and rope.q_norm is not None, NEXT_LINES=lines_per_program,
-        NEXT_AT_END=NEXT_PREFETCH_AT_END,
+        NORM=rope is not None and rope.q_norm is not None,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch,
     )
     if split:

@@ -32,16 +32,14 @@ class PagedAttention(nn.Module):
 
     def rope_and_attend(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         ctx: ForwardContext, q_norm: Optional[RMSNorm] = None,
-                        k_norm: Optional[RMSNorm] = None, next_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        k_norm: Optional[RMSNorm] = None) -> torch.Tensor:
         """q [T, Hq, D], k / v [T, Hkv, D] (QK-norm first when q_norm / k_norm are given) -> attention
-        output [T, Hq, D]. next_weight: the weight of the projection that reads the output (a prefetch hint)."""
+        output [T, Hq, D]."""
         cache = ctx.kv_caches[self.kv_index]
-        hint = {"next_weight": next_weight} if (
-            next_weight is not None and ctx.backend.prefetches_next_weight(q, ctx.meta)) else {}
         rope = self._decode_rope(positions, q, k, v, cache, ctx, q_norm, k_norm)
         if rope is not None:  # the decode kernel applies QK-norm + RoPE and stores K / V itself
             return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale,
-                                       v_scale=self.v_scale, rope=rope, **hint)
+                                       v_scale=self.v_scale, rope=rope)
         # centered keys must reach the cache, so with key offsets the backend writes them (after center_keys); an
         # fp8 scale still to be calculated from this forward's K / V must exist before anything is encoded
         write = None if self.k_offset is not None or ctx.calc_kv_scales else ctx.backend.cache_write_for(
@@ -53,7 +51,7 @@ class PagedAttention(nn.Module):
         k = center_keys(self, k, ctx)
         maybe_calc_kv_scales(self, k, v, ctx)
         return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                   kv_written=write is not None, **hint)
+                                   kv_written=write is not None)
 
     def _decode_rope(self, positions, q, k, v, cache, ctx: ForwardContext, q_norm: Optional[RMSNorm],
                      k_norm: Optional[RMSNorm]) -> Optional[DecodeRope]:

@@ -40,8 +40,7 @@ class Attention(PagedAttention):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        out = self.rope_and_attend(positions, q, k, v, ctx, *norms, next_weight=getattr(self.o_proj, "weight", None))
-        return out.reshape(t, self.num_heads * self.head_dim)
+        return self.rope_and_attend(positions, q, k, v, ctx, *norms).reshape(t, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
