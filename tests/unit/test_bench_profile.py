@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from voltllm.bench.profile import busy_us, format_profiles, gpu_events, launch_counts, shorten, summarize
+from voltllm.bench.profile import (blocking_calls, busy_us, format_profiles, gpu_events, launch_counts, shorten,
+                                   summarize)
 
 
 def _ev(name, ts, dur, cat="kernel"):
@@ -59,8 +60,16 @@ def test_trace_parsing_and_per_step_summary():
     assert top["excl_us_per_step"] == pytest.approx(40.0) and top["excl_pct"] == pytest.approx(40 / 45)
     assert [k["name"] for k in s["kernels"]] == ["gemv", "norm", "Memcpy HtoD"]
     assert s["kernels"][2]["excl_us_per_step"] == 0.0  # hidden under a gemv
-    text = format_profiles([{"scenario": "decode", "concurrency": 1, "context_len_at_start": 640, **s}], top=2)
+    # idle time between kernels (5 + 5 + 45 + 5 + 5 us over two steps), the longest gap named; the rest is outside
+    assert s["gpu_gaps_us_per_step"] == pytest.approx(32.5)
+    assert s["largest_gaps"][0] == {"us": 45.0, "after": "norm", "before": "gemv"} and len(s["largest_gaps"]) == 5
+    waits = blocking_calls(trace)
+    assert waits == {"cudaStreamSynchronize": {"calls": 1, "us": 50.0}}
+    text = format_profiles([{"scenario": "decode", "concurrency": 1, "context_len_at_start": 640, **s,
+                             "blocking_calls": waits}], top=2)
     assert "GPU busy 45.0 us/step (45% of wall" in text and "gemv" in text and "(1 more)" in text
+    assert "32 us between kernels, 22 us before the first / after the last" in text
+    assert "45 us after norm before gemv" in text and "cudaStreamSynchronize 1x 0.05 ms" in text
 
 
 def test_exclusive_time_charges_a_pdl_wait_to_the_predecessor():

@@ -84,6 +84,35 @@ def busy_us(events: Sequence[dict]) -> float:
     return total
 
 
+def idle_gaps(events: Sequence[dict], top: int = 5) -> tuple[float, list[dict]]:
+    """(total us of idle time between the first and last GPU activity, the `top` longest such gaps): each gap with
+    the activity that ended last before it and the one that starts it. Idle time outside that span (host work
+    before the first launch, after the last) is wall - busy - this total."""
+    total, gaps, end, last = 0.0, [], None, None
+    for ev in sorted(events, key=lambda e: e["ts"]):
+        e = ev["ts"] + ev["dur"]
+        if end is not None and ev["ts"] > end:
+            total += ev["ts"] - end
+            gaps.append({"us": ev["ts"] - end, "after": shorten(last["name"], 48), "before": shorten(ev["name"], 48)})
+        if end is None or e > end:
+            end, last = e, ev
+    return total, sorted(gaps, key=lambda g: -g["us"])[:top]
+
+
+def blocking_calls(trace: dict) -> dict[str, dict]:
+    """Host calls that wait for the GPU (synchronize, blocking copies): name -> {calls, us}. A forward that
+    waits mid-way shows here as time the GPU may idle while the host launches what follows."""
+    out: dict[str, dict] = {}
+    for ev in trace.get("traceEvents", []):
+        name = ev.get("name", "")
+        if (ev.get("ph") == "X" and ev.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in ev
+                and ("Synchronize" in name or name in ("cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"))):
+            r = out.setdefault(name, {"calls": 0, "us": 0.0})
+            r["calls"] += 1
+            r["us"] += float(ev["dur"])
+    return out
+
+
 def exclusive_us(events: Sequence[dict]) -> list[float]:
     """Per event (in the given order): the part of [ts, ts + dur] not covered by events that started earlier
     (ties: the longer one first). A PDL kernel's wait for its predecessor is covered by the predecessor, so it
@@ -115,10 +144,12 @@ def summarize(events: Sequence[dict], steps: int, wall_s: float, wall_s_profiled
                for name, (n, us, ex) in sorted(groups.items(), key=lambda kv: (-kv[1][2], -kv[1][1]))]
     wall_us = wall_s * 1e6 / steps
     busy = busy_us(events) / steps if events else None  # None: no GPU activity at all (a CPU run)
+    gaps_total, gaps = idle_gaps(events)
     return {"steps": steps, "wall_us_per_step": wall_us, "wall_us_per_step_profiled": wall_s_profiled * 1e6 / steps,
             "gpu_busy_us_per_step": busy, "kernel_sum_us_per_step": kernel_sum / steps,
             "gpu_busy_frac": busy / wall_us if busy is not None and wall_us > 0 else None,
             "gpu_idle_us_per_step": wall_us - busy if busy is not None else None,
+            "gpu_gaps_us_per_step": gaps_total / steps if events else None, "largest_gaps": gaps,
             "kernels_per_step": sum(g[0] for g in groups.values()) / steps,
             "launches_per_step": {k: v / steps for k, v in sorted((launches or {}).items())},
             "kernels": kernels}
@@ -202,11 +233,13 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
     _drain(engine)
     out = {"scenario": plan.scenario, "concurrency": plan.concurrency, "input_len": plan.input_len,
            "output_len": plan.output_len, "context_len_at_start": context}
-    out.update(summarize(gpu_events(trace), steps, wall, wall_prof, launch_counts(trace)))
+    out.update(summarize(gpu_events(trace), steps, wall, wall_prof, launch_counts(trace)),
+               blocking_calls=blocking_calls(trace))
     # the prompt phase as one unit (its figures are per phase, not per engine step); profiled wall time only
     out["prompt_phase"] = {"engine_steps": prompt_steps,
                            **summarize(gpu_events(prompt_trace), 1, wall_prompt, wall_prompt,
-                                       launch_counts(prompt_trace))}
+                                       launch_counts(prompt_trace)),
+                           "blocking_calls": blocking_calls(prompt_trace)}
     return out
 
 
@@ -285,6 +318,7 @@ def format_profiles(profiles: list[dict], top: int = 15) -> str:
                      f"{_f(p['kernels_per_step'], '.0f')} GPU ops/step" + (f"; launches/step: {launches}"
                                                                              if launches else ""))
         lines += _kernel_table(p["kernels"], top, "step")
+        lines += _idle_lines(p, "step")
         pp = p.get("prompt_phase")
         if pp:
             lines.append(f"  prompt phase ({p['concurrency']} x {p['input_len']} tokens, {pp['engine_steps']} engine "
@@ -292,4 +326,18 @@ def format_profiles(profiles: list[dict], top: int = 15) -> str:
                          f"{_f(pp['gpu_busy_us_per_step'] / 1e3 if pp['gpu_busy_us_per_step'] is not None else None, '.2f')}"
                          f" ms, {_f(pp['kernels_per_step'], '.0f')} GPU ops")
             lines += _kernel_table(pp["kernels"], top, "phase")
+            lines += _idle_lines(pp, "phase")
     return "\n".join(lines)
+
+
+def _idle_lines(p: dict, unit: str) -> list[str]:
+    """Where the GPU's idle time is: between its kernels (the longest gaps named) or outside them, and the host's
+    waits for the GPU."""
+    if p.get("gpu_gaps_us_per_step") is None:
+        return []
+    outside = p["gpu_idle_us_per_step"] - p["gpu_gaps_us_per_step"]
+    gaps = "; ".join(f"{g['us']:.0f} us after {g['after']} before {g['before']}" for g in p.get("largest_gaps", [])[:3])
+    waits = ", ".join(f"{k} {v['calls']}x {v['us'] / 1e3:.2f} ms" for k, v in (p.get("blocking_calls") or {}).items())
+    return [f"  GPU idle per {unit}: {p['gpu_gaps_us_per_step']:.0f} us between kernels, {outside:.0f} us before the "
+            f"first / after the last" + (f"; longest gaps: {gaps}" if gaps else ""),
+            f"  host waits for the GPU (whole window): {waits or 'none'}"]
