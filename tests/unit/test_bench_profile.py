@@ -3,6 +3,7 @@ step, GPU busy time as the union of intervals), and the profile run end to end o
 kernels there, but the requests, the two timed windows and the files are the GPU path's)."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -106,8 +107,11 @@ def test_profile_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "results"
     argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "concurrency", "--concurrency",
             "1,2", "--input-len", "12", "--output-len", "6", "--num-warm", "1", "--no-limits", "--profile",
-            "--profile-steps", "3", "--output-dir", str(out), "--name", "p", "--commit", "abc"]
+            "--profile-steps", "3", "--profile-trace", "--output-dir", str(out), "--name", "p", "--commit", "abc"]
     assert main(argv) == 0
+    for c in (1, 2):  # the profiled decode steps' traces (CPU activity on a CPU run)
+        with gzip.open(out / f"p-concurrency-c{c}.trace.json.gz", "rt") as f:
+            assert json.load(f)["traceEvents"]
     res = json.loads((out / "p.json").read_text())
     assert len(res["metrics"]["runs"]) == 2 * 2  # the measured runs only (1 cold + 1 warm per concurrency)
     assert [p["concurrency"] for p in res["profile"]] == [1, 2]
@@ -127,5 +131,7 @@ def test_profile_needs_the_engine_in_process():
 
     with pytest.raises(ValueError, match="--profile"):
         main(["--random-weights", "qwen3-0.6b-shape", "--base-url", "http://127.0.0.1:9", "--profile"])
+    with pytest.raises(ValueError, match="add --profile"):
+        main(["--random-weights", "qwen3-0.6b-shape", "--profile-trace"])
     with pytest.raises(ValueError, match="--profile"):
         main(["--random-weights", "qwen3-0.6b-shape", "--device", "cpu", "--profile", "--profile-steps", "0"])

@@ -72,6 +72,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="after the measured runs, profile a few decode steps per decode / concurrency "
                         "configuration (torch.profiler, CUDA kernels): <output-dir>/<name>.profile.json")
     g.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled per configuration")
+    g.add_argument("--profile-trace", action="store_true",
+                   help="with --profile, also keep each configuration's profiled decode steps as a chrome trace "
+                        "(<output-dir>/<--name or profile>-<scenario>-c<C>.trace.json.gz; chrome://tracing, ui.perfetto.dev)")
     g.add_argument("--kernel-iters", type=int, default=20,
                    help="--scenario kernels: timed calls per kernel (the median is reported)")
     g.add_argument("--kernel-ref-iters", type=int, default=5, help="--scenario kernels: timed reference calls")
@@ -183,6 +186,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_kernels_scenario(args)
     if args.num_warm < 1:
         raise ValueError("--num-warm must be >= 1")
+    if args.profile_trace and not args.profile:
+        raise ValueError("--profile-trace keeps the traces of --profile: add --profile")
     if args.profile and (args.base_url or args.profile_steps < 1):
         raise ValueError("--profile runs torch.profiler in this process (not with --base-url) over "
                          "--profile-steps >= 1 steps")
@@ -258,8 +263,9 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     if args.profile:  # after every measured run, so that profiling cannot change the metrics above
         from voltllm.bench.profile import profile_plans
 
+        trace_prefix = os.path.join(args.output_dir, args.name or "profile") if args.profile_trace else None
         profiles = profile_plans(engine, plans, vocab, args.prompt_seed, args.profile_steps,
-                                 args.temperature, args.top_p, args.top_k)
+                                 args.temperature, args.top_p, args.top_k, trace_prefix)
     report: dict[str, Any] = {
         "gpu": R.gpu_name(device), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"source": config.model.model, "shape": shape, "architecture": config.model.architecture,

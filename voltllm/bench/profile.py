@@ -16,6 +16,7 @@ for the host (launch or scheduling gaps), not for memory.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -170,7 +171,9 @@ def _drain(engine: Any, limit: int = 10000) -> None:
 
 
 def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = -1, sampling_seed: int = 0) -> dict:
+                 top_p: float = 1.0, top_k: int = -1, sampling_seed: int = 0,
+                 trace_path: Optional[str] = None) -> dict:
+    """trace_path: also keep the profiled decode steps' chrome trace there (gzip; chrome://tracing or Perfetto)."""
     from torch.profiler import ProfilerActivity, profile
 
     from voltllm.engine.types import EngineCoreRequest
@@ -229,6 +232,10 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
             _sync(device)
             wall_prof = time.perf_counter() - t
         trace = _trace(prof, tmp)
+    if trace_path:
+        os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
+        with gzip.open(trace_path, "wt") as f:
+            json.dump(trace, f)
     engine.abort_requests(list(counts))
     _drain(engine)
     out = {"scenario": plan.scenario, "concurrency": plan.concurrency, "input_len": plan.input_len,
@@ -251,8 +258,9 @@ def _trace(prof: Any, tmp: str) -> dict:
 
 
 def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, steps: int, temperature: float = 0.0,
-                  top_p: float = 1.0, top_k: int = -1) -> list[dict]:
-    """One profile per decode / concurrency configuration (prefill plans are skipped)."""
+                  top_p: float = 1.0, top_k: int = -1, trace_prefix: Optional[str] = None) -> list[dict]:
+    """One profile per decode / concurrency configuration (prefill plans are skipped). trace_prefix: keep each
+    configuration's decode-step trace as <trace_prefix>-<scenario>-c<concurrency>.trace.json.gz."""
     if steps < 1:
         raise ValueError("--profile-steps must be >= 1")
     out = []
@@ -265,7 +273,8 @@ def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, ste
             continue
         prompts = random_prompts(plan.concurrency, plan.input_len, vocab, prompt_seed(seed, plan, 10_000))
         logger.info("profiling %s c=%d (%d steps)", plan.scenario, plan.concurrency, steps)
-        out.append(profile_plan(engine, plan, prompts, steps, temperature, top_p, top_k, seed))
+        trace = f"{trace_prefix}-{plan.scenario}-c{plan.concurrency}.trace.json.gz" if trace_prefix else None
+        out.append(profile_plan(engine, plan, prompts, steps, temperature, top_p, top_k, seed, trace))
     return out
 
 
