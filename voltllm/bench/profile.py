@@ -344,7 +344,9 @@ def _idle_lines(p: dict, unit: str) -> list[str]:
     waits for the GPU."""
     if p.get("gpu_gaps_us_per_step") is None:
         return []
-    outside = p["gpu_idle_us_per_step"] - p["gpu_gaps_us_per_step"]
+    # the events are the profiled steps', so the time outside them comes from the profiled wall; the window
+    # starts on a drained GPU (synchronized first), so its first step's launch gaps count as between kernels
+    outside = p["wall_us_per_step_profiled"] - p["gpu_busy_us_per_step"] - p["gpu_gaps_us_per_step"]
     gaps = "; ".join(f"{g['us']:.0f} us after {g['after']} before {g['before']}" for g in p.get("largest_gaps", [])[:3])
     waits = ", ".join(f"{k} {v['calls']}x {v['us'] / 1e3:.2f} ms" for k, v in (p.get("blocking_calls") or {}).items())
     return [f"  GPU idle per {unit}: {p['gpu_gaps_us_per_step']:.0f} us between kernels, {outside:.0f} us before the "
