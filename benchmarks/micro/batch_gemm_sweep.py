@@ -1,13 +1,11 @@
 """Cold-L2 sweep of the decode-batch GEMM (voltllm.kernels.batch_gemm) against cuBLAS at 8B decode shapes (GPU).
 
     PYTHONPATH=$PWD python3 benchmarks/micro/batch_gemm_sweep.py [ROWS ...]
-    PYTHONPATH=$PWD python3 benchmarks/micro/batch_gemm_sweep.py --gated [ROWS ...]
 
 Times every pointer-load config (CONFIGS) and, on sm_90+, a grid of TMA tiles (BLOCK_N x BLOCK_K x stages x
 split-K, 4 warps) per shape and row count, with the weights rotated past the L2 and the calls replayed from a CUDA
 graph (the start-up tuner's timing). Every candidate's output is checked against cuBLAS first. Prints the
-five fastest TMA tiles and one summary line per shape. --gated: only the gate_up shape with silu(gate) * up in the
-epilogue (batch_gemm(gated=True)) over GATED_GRID, against cuBLAS + the SiLU kernel.
+five fastest TMA tiles and one summary line per shape.
 """
 import sys
 
@@ -19,11 +17,6 @@ from voltllm.worker.skinny_tuning import graph_replay_ms
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # qwen3-8b qkv, o, gate_up, down
 TMA_GRID = [(bn, bk, 4, st, sp, True) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for st in (3, 4, 6, 8)
             for sp in (1, 2, 3) if (bn + 64) * bk * st * 2 <= 220 * 1024]
-
-
-# gated tiles: two weight tiles per stage, so fewer stages fit; split-K balances 12288 / BLOCK_N tiles over the SMs
-GATED_GRID = [(bn, bk, 4, st, sp, True) for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 4, 6)
-              for sp in (1, 2, 3)]
 
 
 def _time(fn, weights):
@@ -63,38 +56,5 @@ def main(rows_list):
     print("\n".join(summary))
 
 
-def main_gated(rows_list):
-    from voltllm.kernels.fused import silu_and_mul
-
-    torch.manual_seed(0)
-    n, k = SHAPES[2]
-    weights = [torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02
-               for _ in range(max(2, int(400e6 // (n * k * 2)) + 1))]
-    mb = n * k * 2 / 1e6
-    for m in rows_list:
-        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
-        out = torch.empty(m, n // 2, dtype=torch.float16, device="cuda")
-        mid = torch.empty(m, n, dtype=torch.float16, device="cuda")
-        full = torch.matmul(x, weights[0].t()).float()
-        ref = torch.nn.functional.silu(full[:, :n // 2]) * full[:, n // 2:]
-        t_lib = _time(lambda w: silu_and_mul(torch.matmul(x, w.t(), out=mid)), weights)
-        timed = {}
-        for cfg in (*[c for c in CONFIGS], *(GATED_GRID if tma_supported(torch.device("cuda")) else [])):
-            got = batch_gemm(x, weights[0], config=cfg, gated=True).float()
-            err = ((got - ref).norm() / ref.norm()).item()
-            if err > 2e-3:
-                raise AssertionError(f"gated {n}x{k} m{m} {cfg}: relative error {err:.2e}")
-            timed[cfg] = _time(lambda w: batch_gemm(x, w, config=cfg, out=out, gated=True), weights)
-        best = sorted((t, c) for c, t in timed.items())
-        print(f"gated {n}x{k} m{m}: cuBLAS + SiLU {t_lib:6.1f} us | fastest:",
-              [(round(t, 1), round(mb / t, 2), c) for t, c in best[:8]], flush=True)
-        for sp in (1, 2, 3):
-            t, c = min((t, c) for t, c in best if c[4] == sp)
-            print(f"  best with split {sp}: {t:6.1f} us {mb / t:4.2f} TB/s {c}", flush=True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--gated"]:
-        main_gated([int(a) for a in sys.argv[2:]] or [64])
-    else:
-        main([int(a) for a in sys.argv[1:]] or [64])
+    main([int(a) for a in sys.argv[1:]] or [64])

@@ -82,8 +82,10 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
             acc_u = tl.dot(x, tl.trans(wu), acc_u)
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
-    _finish_tile(acc, acc_u, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M,
-                 BLOCK_N, SPLIT_K, HAS_BIAS, GATED)
+    if GATED:
+        acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
+    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M, BLOCK_N,
+                 SPLIT_K, HAS_BIAS and not GATED)
 
 
 @triton.jit
@@ -102,41 +104,26 @@ def _silu_times(g, u):
 
 
 @triton.jit
-def _finish_tile(acc, acc_u, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr):
-    """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias; gated: silu(gate) * up of acc and acc_u); with
-    split-K, write it as this slice's partial (gated: both halves) and let the last slice of the tile to arrive
-    sum all partials in slice order and store that."""
+def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias); with split-K, write it as this slice's partial
+    and let the last slice of the tile to arrive sum all partials in slice order and store that."""
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask_y = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
-        if GATED:
-            acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
-        elif HAS_BIAS:
+        if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
     else:
-        # slice s at WS + s * BLOCK_M * N (gated: gate partial there, up partial BLOCK_M * N further)
-        half = BLOCK_M * N
-        slice_stride = 2 * half if GATED else half
-        ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_tile + tl.program_id(1) * slice_stride, acc, mask=mask_y)
-        if GATED:
-            tl.store(ws_tile + tl.program_id(1) * slice_stride + half, acc_u, mask=mask_y)
+        ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]  # slice s at WS + s * BLOCK_M * N
+        tl.store(ws_tile + tl.program_id(1) * BLOCK_M * N, acc, mask=mask_y)
         tl.debug_barrier()  # every thread's partial is written before the counter is released
         arrived = tl.atomic_add(COUNTERS + pid, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:  # the last slice of this tile to finish: reduce in slice order
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            total_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                total += tl.load(ws_tile + s * slice_stride, mask=mask_y, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    total_u += tl.load(ws_tile + s * slice_stride + half, mask=mask_y, other=0.0,
-                                       cache_modifier=".cg")
-            if GATED:
-                total = _gate(total, total_u, B, offs_n, mask_n, N, HAS_BIAS)
-            elif HAS_BIAS:
+                total += tl.load(ws_tile + s * BLOCK_M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
                 total += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mask_y)
             tl.atomic_xchg(COUNTERS + pid, 0)
@@ -169,8 +156,10 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_spl
             acc_u = tl.dot(x, WD.load([N + pid * BLOCK_N, k0]).T, acc_u)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    _finish_tile(acc, acc_u, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym,
-                 BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS, GATED)
+    if GATED:
+        acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
+    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
+                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED)
 
 
 def _specs() -> list[CompileSpec]:
@@ -261,7 +250,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
     With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
-    silu(x gate^T) * (x up^T), computed in the epilogue in fp32 (bias: [2N]; with split-K by the tile's last slice).
+    silu(x gate^T) * (x up^T), computed in the epilogue in fp32 (bias: [2N]); gated tiles run without split-K.
     prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
@@ -269,7 +258,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     if (not MIN_ROWS <= m <= MAX_ROWS or w.shape[1] != k or kx != (2 * k if silu_mul else k)
             or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype != w.dtype
             or x.dtype not in (torch.float16, torch.bfloat16)  # fp32 tl.dot would round through tf32
-            or (gated and (w.shape[0] % 2 or silu_mul))):
+            or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1))):
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
@@ -283,8 +272,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         raise ValueError(f"batch_gemm: {n_tiles} output tiles exceed the {MAX_COUNTERS} split-K counters")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if split > 1:  # fp32 partials, one [BLOCK_M, N] slice per split (gated: two); the caching allocator serves graphs
-        ws = torch.empty(split * block_m * n * (2 if gated else 1), dtype=torch.float32, device=x.device)
+    if split > 1:  # fp32 partials, one [BLOCK_M, N] slice per split; the caching allocator serves graphs too
+        ws = torch.empty(split * block_m * n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     else:
         ws = counters = out

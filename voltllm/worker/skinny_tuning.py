@@ -270,8 +270,7 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             # cuBLAS at 16-64 rows (123-238 vs 31-34 us): it had been chosen on the plain variant's timing.
             use = best if _triton_wins(t_tri, t_lib, credit_pdl=False) else None
             if not silu and (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also the gated form
-                gated_configs = [c for c in configs if BATCH_GATED_SPLIT_K or c[4] == 1]
-                note = _time_gated(weights, x, gated_configs,
+                note = _time_gated(weights, x, [c for c in configs if c[4] == 1],  # (gated tiles have no split-K)
                                    lambda x_, w_, cfg: batch_gemm(x_, w_, config=cfg, gated=True), t_lib, rec)
             rec["t_chosen"] = t_tri if use is not None else t_lib
             timings[(n, k, silu, rows)] = rec
@@ -289,8 +288,6 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
     return decisions
 
 
-# Whether the gated gate_up candidates include the split-K tiles (an experiment knob for A / B runs).
-BATCH_GATED_SPLIT_K = 1
 # Whether the decode-batch tuner also times gate_up with the SiLU*mul in its epilogue (`batch_gemm(gated=True)`).
 BATCH_GATED = True
 
