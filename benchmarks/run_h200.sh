@@ -68,6 +68,10 @@
 #            workers on the card (needs pytest-xdist in .whl: gpu-wheels.sh pytest-xdist); carry .whl and .carry/p0
 #   suite2   part 2 within 30 s, carrying .whl and .carry/p1: the engine files one at a time (each engine sizes its KV
 #            cache from the card's memory, so they cannot share it), then 8B 64 concurrent with a profile
+#   s34      (session 13; run at b7e4c0b, reverted) split-K for the gated gate_up GEMM: its GPU test, the gated tile sweep, 64 concurrent with
+#            the split tiles off / on (and on with a 512-element weight prefetch) in one call
+#   s35      (session 13; run at 61cf9a7, reverted) the gated tile sweep over five gate_up shapes at 16 / 64 rows; qwen3-0.6b-shape 64 concurrent
+#            with the gated split-K tiles off / on
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -442,6 +446,30 @@ case $stage in
         --num-warm 2 --concurrency 64 --profile --profile-steps 10 --name qwen3-8b-shape-fp16-c64-$sha \
         | grep -E "output_tok_s|concurrent_decode|GPU idle|host waits|prompt phase"
     fi
+    ;;
+  s34)  # (session 13) split-K gated gate_up: test, sweep, 64 concurrent A / B / C
+    gpu_file test_gemv_cuda 150 -k "gated_batch"
+    timeout 100 python3 benchmarks/micro/batch_gemm_sweep.py --gated 64 > "$out/gated-sweep.txt" 2>&1
+    echo "sweep rc=$?"; grep -E "cuBLAS|best with" "$out/gated-sweep.txt"
+    c64="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --input-len 128 --output-len 128
+      --num-warm 2 --concurrency 64 --profile --profile-steps 10"
+    st=voltllm.worker.skinny_tuning:BATCH_GATED_SPLIT_K pf=voltllm.kernels.batch_gemm:BATCH_PREFETCH_K
+    for v in "0 0 nosplit" "1 0 split" "1 512 split-pf512"; do
+      set -- $v
+      bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
+        > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s35)  # (session 13) gated sweep over model shapes; a small model's 64 concurrent A / B
+    timeout 300 python3 benchmarks/micro/batch_gemm_sweep.py --gated 16 64 > "$out/gated-sweep-shapes.txt" 2>&1
+    echo "sweep rc=$?"; grep -E "cuBLAS|best with" "$out/gated-sweep-shapes.txt"
+    st=voltllm.worker.skinny_tuning:BATCH_GATED_SPLIT_K
+    for v in 0 1; do
+      bench_via "python3 benchmarks/set_and_run.py $st=$v --" --random-weights qwen3-0.6b-shape --dtype half \
+        --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 --concurrency 64 --profile \
+        --profile-steps 10 --name qwen3-0.6b-shape-fp16-c64-split$v-$sha > "$out/c64-06b-split$v.log"
+      grep -E "output_tok_s|concurrent_decode|MLP 6144|_batch_gemm|^profile" "$out/c64-06b-split$v.log" | head -8
+    done
     ;;
   s33)  # (session 12) o_proj L2 prefetch from the decode kernel, A / B / C in one call
     gpu_file test_attention_kernels 100 -k "next_weight or test_decode"
