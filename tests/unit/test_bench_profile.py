@@ -122,8 +122,42 @@ def test_profile_end_to_end_on_cpu(tmp_path):
         assert p["context_len_at_start"] >= 14  # decoding when the windows start
         assert p["wall_us_per_step"] > 0 and p["wall_us_per_step_profiled"] > 0
         assert p["kernels"] == [] and p["gpu_busy_us_per_step"] is None  # the CPU has no GPU kernels
+        host = p["host_us_per_step"]  # the host's phases of the unprofiled window add up to its wall time
+        assert set(host) == {"schedule", "prepare", "launch", "wait", "collect", "update", "other"}
+        assert all(host[k] > 0 for k in ("schedule", "prepare", "launch", "update"))
+        assert sum(host.values()) == pytest.approx(p["wall_us_per_step"])
         pp = p["prompt_phase"]  # profiled on its own: every step until each request had its first token
         assert pp["steps"] == 1 and 1 <= pp["engine_steps"] <= 3 and pp["wall_us_per_step"] > 0
+
+
+def test_host_phase_timer_restores_the_engine():
+    from voltllm.bench.profile import HostPhaseTimer
+
+    class Part:
+        def __init__(self):
+            self.calls = []
+
+        def schedule(self):
+            self.calls.append("schedule")
+
+        update = prepare = execute_async = schedule
+
+        def collect(self, handle):
+            self.calls.append("collect")
+            return handle
+
+    class Engine:
+        runner, scheduler = Part(), Part()
+
+    eng = Engine()
+    with HostPhaseTimer(eng) as t:
+        eng.scheduler.schedule()
+        assert eng.runner.collect("h") == "h"
+        assert "collect" in vars(eng.runner)  # wrapped on the instance
+    assert set(vars(eng.runner)) == set(vars(eng.scheduler)) == {"calls"}  # the class's methods again
+    assert eng.runner.calls == ["collect"] and eng.scheduler.calls == ["schedule"]
+    per = t.per_step(1.0, 2)
+    assert per["other"] > 0 and per["schedule"] >= 0 and per["wait"] >= 0
 
 
 def test_profile_needs_the_engine_in_process():

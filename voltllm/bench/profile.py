@@ -3,7 +3,9 @@
 After the measured runs (so the metrics are those of an unprofiled engine), for each decode / concurrency
 configuration: C fresh requests (the configuration's prompt length and sampling) are started and decoded to
 the middle of their output; then
-  1. `--profile-steps` engine steps run unprofiled: wall time per step (synchronized at both ends);
+  1. `--profile-steps` engine steps run unprofiled: wall time per step (synchronized at both ends), and where the
+     host's share of it goes (HostPhaseTimer: scheduling, input preparation, launching, waiting for the GPU,
+     reading the results back, updating the requests);
   2. as many steps run under torch.profiler (CUDA activity): every kernel / memcpy / memset the GPU ran,
      and the host's launch calls.
 The requests are then aborted. Per configuration: kernels grouped by name (calls per step, us per step,
@@ -156,6 +158,69 @@ def summarize(events: Sequence[dict], steps: int, wall_s: float, wall_s_profiled
             "kernels": kernels}
 
 
+# -- the host's side of a step -----------------------------------------------------------------------
+HOST_PHASES = ("schedule", "prepare", "launch", "wait", "collect", "update", "other")
+
+
+class HostPhaseTimer:
+    """Times the host's phases of engine steps by wrapping the engine's own methods on the instances (restored
+    on exit): scheduler.schedule, runner.prepare (inside execute_async), the rest of runner.execute_async
+    ("launch": graph replay or eager forward, logits, sampler launches), runner.collect split into the wait for
+    the step's GPU event ("wait") and the copy back ("collect"), scheduler.update; "other" is the rest of the
+    wall time (the engine's step loop, output objects). Per-step microseconds via `per_step`."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.totals = dict.fromkeys(HOST_PHASES, 0.0)
+        self._patched: list[tuple[Any, str]] = []
+
+    def _wrap(self, obj: Any, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+        totals = self.totals
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[phase] += time.perf_counter() - t
+        setattr(obj, name, timed)
+        self._patched.append((obj, name))
+
+    def __enter__(self) -> "HostPhaseTimer":
+        runner, scheduler, totals = self.engine.runner, self.engine.scheduler, self.totals
+        self._wrap(scheduler, "schedule", "schedule")
+        self._wrap(scheduler, "update", "update")
+        self._wrap(runner, "prepare", "prepare")
+        self._wrap(runner, "execute_async", "launch")  # prepare's share is taken out in per_step
+        collect = runner.collect
+
+        def timed_collect(handle: Any) -> Any:
+            t = time.perf_counter()
+            if getattr(handle, "event", None) is not None:
+                handle.event.synchronize()
+            t1 = time.perf_counter()
+            try:
+                return collect(handle)
+            finally:
+                totals["wait"] += t1 - t
+                totals["collect"] += time.perf_counter() - t1
+        runner.collect = timed_collect
+        self._patched.append((runner, "collect"))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for obj, name in reversed(self._patched):
+            delattr(obj, name)  # the class's method shows through again
+        self._patched.clear()
+
+    def per_step(self, wall_s: float, steps: int) -> dict[str, float]:
+        t = dict(self.totals)
+        t["launch"] -= t["prepare"]
+        t["other"] = wall_s - sum(v for k, v in t.items() if k != "other")
+        return {k: t[k] / steps * 1e6 for k in HOST_PHASES}
+
+
 # -- driving the engine -----------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -219,11 +284,12 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
         raise RuntimeError("the profile requests did not reach their decode phase")
     context = plan.input_len + min(counts.values())
     _sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    wall = time.perf_counter() - t
+    with HostPhaseTimer(engine) as host:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        wall = time.perf_counter() - t
     with tempfile.TemporaryDirectory(prefix="voltllm-profile-") as tmp:
         with profile(activities=acts) as prof:
             t = time.perf_counter()
@@ -241,7 +307,7 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
     out = {"scenario": plan.scenario, "concurrency": plan.concurrency, "input_len": plan.input_len,
            "output_len": plan.output_len, "context_len_at_start": context}
     out.update(summarize(gpu_events(trace), steps, wall, wall_prof, launch_counts(trace)),
-               blocking_calls=blocking_calls(trace))
+               blocking_calls=blocking_calls(trace), host_us_per_step=host.per_step(wall, steps))
     # the prompt phase as one unit (its figures are per phase, not per engine step); profiled wall time only
     out["prompt_phase"] = {"engine_steps": prompt_steps,
                            **summarize(gpu_events(prompt_trace), 1, wall_prompt, wall_prompt,
@@ -283,8 +349,8 @@ def profile_summary(profiles: list[dict], top: int = 5) -> list[dict]:
     """The result file's `profile` entry: per configuration the per-step figures and the top kernels."""
     keys = ("scenario", "concurrency", "input_len", "output_len", "context_len_at_start", "steps",
             "wall_us_per_step", "wall_us_per_step_profiled", "gpu_busy_us_per_step", "gpu_busy_frac",
-            "gpu_idle_us_per_step", "kernel_sum_us_per_step", "kernels_per_step")
-    return [{**{k: p[k] for k in keys},
+            "gpu_idle_us_per_step", "kernel_sum_us_per_step", "kernels_per_step", "host_us_per_step")
+    return [{**{k: p.get(k) for k in keys},
              "top_kernels": [{k: r[k] for k in ("short", "excl_us_per_step", "excl_pct", "us_per_step")}
                              for r in p["kernels"][:top]]}
             for p in profiles]
@@ -328,6 +394,10 @@ def format_profiles(profiles: list[dict], top: int = 15) -> str:
                                                                              if launches else ""))
         lines += _kernel_table(p["kernels"], top, "step")
         lines += _idle_lines(p, "step")
+        if p.get("host_us_per_step"):
+            h = p["host_us_per_step"]
+            lines.append("  host per step (unprofiled): " + ", ".join(f"{k} {h[k]:.0f}" for k in HOST_PHASES if k != "wait")
+                         + f" us; waiting for the GPU {h['wait']:.0f} us")
         pp = p.get("prompt_phase")
         if pp:
             lines.append(f"  prompt phase ({p['concurrency']} x {p['input_len']} tokens, {pp['engine_steps']} engine "
