@@ -60,6 +60,13 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[Block]] = None) -> Optional[list[Block]]:
         """Make room for num_new_tokens more tokens; None (and nothing changed) if blocks run out."""
+        if not new_computed_blocks:  # the common decode case first: the held blocks have room (no allocation)
+            held = self.req_blocks.get(req.request_id)
+            if held is not None:
+                total = req.num_computed_tokens + num_new_tokens
+                if total <= len(held) * self.block_size:
+                    self._cache_full_blocks(req, min(total, req.num_tokens))
+                    return []
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -84,9 +91,11 @@ class KVCacheManager:
         """Register blocks that will be full (with known tokens) after this step."""
         if not self.enable_caching:
             return
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_tokens // self.block_size <= start:  # no block fills this step (hashes catch up when one does)
+            return
         self._update_hashes(req)
         blocks = self.req_blocks[req.request_id]
-        start = self.num_cached_blocks.get(req.request_id, 0)
         end = min(num_tokens // self.block_size, len(req.block_hashes))
         for i in range(start, end):
             self.pool.cache_block(blocks[i], req.block_hashes[i])

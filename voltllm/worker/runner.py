@@ -247,15 +247,26 @@ class ModelRunner:
             h["state_slots"][n_seqs:rows] = self.state_cache.pad_slot
         buf.upload(t, n_seqs, width, rows, state_slots=state_slots is not None)
         if pending_dst:
-            dst = to_device(pending_dst, torch.long, self.device)
-            src = to_device(pending_src, torch.long, self.device)
-            buf.input_ids.index_copy_(0, dst, self._prev_tokens.index_select(0, src))
+            self._fill_pending(buf, pending_dst, pending_src)
         meta = AttentionMetadata(
             num_tokens=num_tokens, query_start_loc=buf.query_start_loc[: rows + 1], seq_lens=buf.seq_lens[:rows],
             block_tables=buf.block_tables[:rows], slot_mapping=buf.slot_mapping[:t],
             max_query_len=max_q, max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
         return t, meta
+
+    def _fill_pending(self, buf: InputBuffers, dst: list[int], src: list[int]) -> None:
+        """Input ids still being sampled by the step in flight: token rows `dst` take that step's sampled rows
+        `src`, on the device. In steady decoding both are one run (0..k-1 in the same request order): one slice
+        copy, no host -> device upload of the indices."""
+        k = len(dst)
+        d0, s0 = dst[0], src[0]
+        if dst[-1] - d0 == k - 1 and src[-1] - s0 == k - 1 and dst == list(range(d0, d0 + k)) \
+                and src == list(range(s0, s0 + k)):
+            buf.input_ids[d0:d0 + k].copy_(self._prev_tokens[s0:s0 + k])
+            return
+        idx = to_device(dst + src, torch.long, self.device)
+        buf.input_ids.index_copy_(0, idx[:k], self._prev_tokens.index_select(0, idx[k:]))
 
     def release(self, request_ids: list[str]) -> None:
         """Drop per-request runner state (recurrent-state slots) of finished/preempted requests."""
