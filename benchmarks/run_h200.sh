@@ -72,6 +72,8 @@
 #            the split tiles off / on (and on with a 512-element weight prefetch) in one call
 #   s35      (session 13; run at 61cf9a7, reverted) the gated tile sweep over five gate_up shapes at 16 / 64 rows; qwen3-0.6b-shape 64 concurrent
 #            with the gated split-K tiles off / on
+#   s36      (session 13) host work per decode step: host op costs micro, SmolLM2 / qwen3-0.6b shapes and 8B at 64
+#            concurrent with the host breakdown, the engine GPU file
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -459,6 +461,15 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s36)  # (session 13) host work per decode step
+    python3 benchmarks/micro/host_op_costs.py 2>&1 | tee "$out/host-op-costs.txt"
+    for m in smollm2-135m-shape qwen3-0.6b-shape qwen3-8b-shape; do
+      bench --random-weights $m --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
+        --concurrency 64 --profile --profile-steps 20 --name $m-fp16-c64-$sha > "$out/c64-$m.log"
+      grep -E "^(concurrent|output_tok)|^profile |host per step" "$out/c64-$m.log"
+    done
+    gpu_file test_engine_gpu 120
     ;;
   s35)  # (session 13) gated sweep over model shapes; a small model's 64 concurrent A / B
     timeout 300 python3 benchmarks/micro/batch_gemm_sweep.py --gated 16 64 > "$out/gated-sweep-shapes.txt" 2>&1
