@@ -144,3 +144,26 @@ def test_logit_bias_params():
                 {1: True}, [1, 2]):
         with pytest.raises(SamplingParamsError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+@pytest.mark.parametrize("kw,expect", [
+    (dict(temperature=0), True),
+    (dict(temperature=0, min_tokens=5, ignore_eos=True), True),  # nothing to ban
+    (dict(temperature=0, min_tokens=5, _eos_token_ids=(2,)), False),  # EOS banned until 5 tokens
+    (dict(temperature=0, min_tokens=5, stop_token_ids=[7], ignore_eos=True), False),
+    (dict(temperature=0, stop_token_ids=[7], _eos_token_ids=(2,)), True),  # no min_tokens: no bans
+    (dict(temperature=0, logprobs=0), False), (dict(temperature=0, logit_bias={3: 1.0}), False),
+    (dict(temperature=0, repetition_penalty=1.1), False), (dict(temperature=0, presence_penalty=0.5), False),
+    (dict(temperature=0.7), False),
+])
+def test_argmax_only_params_give_the_same_tokens(kw, expect):
+    sp = SamplingParams(**kw)
+    assert sp.argmax_only is expect
+    if not expect:
+        return
+    logits = torch.randn(5, 40).half()
+    rows = [SamplingRow(sp, [1, 2], [], None, 0) for _ in range(5)]
+    s = Sampler()
+    full, fast = s.sample(logits.clone(), rows), s.sample_argmax(logits.clone())
+    assert torch.equal(full.tokens, fast.tokens) and full.num_logprobs == fast.num_logprobs
+    assert full.to_host() == fast.to_host()

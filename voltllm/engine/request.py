@@ -50,6 +50,7 @@ class Request:
         sp = self.sampling_params
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = min(sp.max_tokens, room) if sp.max_tokens is not None else room
+        self.argmax_only = sp.argmax_only  # (the params are final here) the sampler's fast path, per step
         self.generator: Optional[torch.Generator] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
         self.new_logprobs: list[PositionLogprobs] = []

@@ -94,6 +94,14 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing else to apply: no penalties, bias or logprobs, and no stop token that min_tokens
+        would have to ban. The sampler's answer is then the argmax of the logits as they are."""
+        bans = self.min_tokens > 0 and bool(self.stop_token_ids or (not self.ignore_eos and self._eos_token_ids))
+        return (self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
+                and not bans)
+
+    @property
     def has_penalties(self) -> bool:
         """Repetition / frequency / presence penalties: sampling needs the ids of the earlier tokens."""
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)

@@ -153,6 +153,11 @@ class Sampler:
                  ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         return self.sample(logits, rows).to_host()
 
+    def sample_argmax(self, logits: torch.Tensor) -> SamplerOutput:
+        """`sample` for rows whose params are all `argmax_only`: the same tokens, without building their rows
+        (at 64 rows on a slow host CPU the per-row work costs more than the GPU's argmax)."""
+        return SamplerOutput(tokens=logits.argmax(dim=-1), num_logprobs=[None] * logits.shape[0])
+
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], logits_owned: bool = False) -> SamplerOutput:
         """logits_owned: the caller hands `logits` over (the runner's fresh lm_head output), so min_tokens bans
         may be written into it; otherwise the caller's tensor is left as it was."""

@@ -334,13 +334,16 @@ class ModelRunner:
             rows_idx = (slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1))
                         else to_device(idx, torch.long, self.device))
             logits = self.model.compute_logits(hidden[rows_idx])
-            # num_pending counts this step's sample too: the ones before it are still in flight. Only
-            # penalties read the earlier ids (a copy of each request's output per step otherwise).
-            rows = [SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                r.output_token_ids if r.sampling_params.has_penalties else (),
-                                r.generator, r.num_output_tokens + r.num_pending - 1)
-                    for r in (s.request for _, s in sampling)]
-            out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
+            reqs = [s.request for _, s in sampling]
+            if all(r.argmax_only for r in reqs):
+                out = self.sampler.sample_argmax(logits)
+            else:
+                # num_pending counts this step's sample too: the ones before it are still in flight. Only
+                # penalties read the earlier ids (a copy of each request's output per step otherwise).
+                rows = [SamplingRow(r.sampling_params, r.prompt_token_ids,
+                                    r.output_token_ids if r.sampling_params.has_penalties else (),
+                                    r.generator, r.num_output_tokens + r.num_pending - 1) for r in reqs]
+                out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
             self._prev_tokens = out.tokens
             self._prev_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling)}
             out.copy_to_host_async()
