@@ -65,6 +65,7 @@ def _run(sched, reqs, step_limit=500):
         res = RunnerOutput()
         for s in out.scheduled:
             assert s.start + s.num_new_tokens == s.request.num_computed_tokens
+            assert s.block_array.dtype.name == "int32" and s.block_array.tolist() == s.block_ids
             if s.samples:
                 toks = s.request.all_token_ids
                 res.sampled[s.request.request_id] = (sum(toks) * 31 + len(toks)) % 100
@@ -87,6 +88,24 @@ def test_scheduler_no_leaks_and_same_outputs_under_pressure(blocks):
     assert all(len(v) == 12 for v in tight.values())
     if blocks == 14:
         assert sched.num_preemptions > 0
+
+
+def test_block_array_mirrors_the_ids_through_growth_and_free():
+    kv = KVCacheManager(400, 4)
+    r = _req("a", 3)
+    views = []
+    for step in range(60):  # 1 + 59 x 5 tokens: the int32 mirror outgrows its capacity several times
+        n = 3 if step == 0 else 5
+        assert kv.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+        views.append((kv.block_array(r), list(kv.block_ids(r))))
+        kv.check_integrity()
+    assert len(kv.block_ids(r)) == -(-r.num_computed_tokens // 4) == 75
+    for arr, ids in views:  # every earlier snapshot still holds the ids it was taken with
+        assert arr.tolist() == ids
+    kv.free(r)
+    kv.check_integrity()
+    assert kv.block_array(r).size == 0 and kv.pool.num_free_blocks == 400
 
 
 def test_prefix_hits_are_counted_and_reused():

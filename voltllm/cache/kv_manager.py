@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 from voltllm.cache.block_pool import Block, BlockPool
 from voltllm.cache.prefix import extend_block_hashes
 from voltllm.engine.request import Request
@@ -15,6 +17,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the same, as ids, kept in step (read every step)
+        # and as an int32 array (capacity doubling): the runner copies a row of its block table from it at memcpy
+        # speed, where converting the list costs ~11 ns per block every step (~22 us per 32K-token request)
+        self._block_arrays: dict[str, np.ndarray] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already put in the hash map
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -76,16 +81,27 @@ class KVCacheManager:
         if max(need, 0) + evictable_hits > self.pool.num_free_blocks:
             return None
         blocks = self.req_blocks.setdefault(req.request_id, [])
-        ids = self.req_block_ids.setdefault(req.request_id, [])
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-            ids.extend(b.block_id for b in new_computed_blocks)
+            self._append_ids(req.request_id, [b.block_id for b in new_computed_blocks])
         new = self.pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
-        ids.extend(b.block_id for b in new)
+        self._append_ids(req.request_id, [b.block_id for b in new])
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return new
+
+    def _append_ids(self, request_id: str, new_ids: list[int]) -> None:
+        ids = self.req_block_ids.setdefault(request_id, [])
+        start = len(ids)
+        ids.extend(new_ids)
+        arr = self._block_arrays.get(request_id)
+        if arr is None or len(arr) < len(ids):
+            grown = np.empty(max(16, 2 * len(ids)), dtype=np.int32)
+            if arr is not None:
+                grown[:start] = arr[:start]
+            arr = self._block_arrays[request_id] = grown
+        arr[start:len(ids)] = new_ids
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Register blocks that will be full (with known tokens) after this step."""
@@ -105,6 +121,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.req_block_ids.pop(req.request_id, None)
+        self._block_arrays.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
         if self.state_prefix is not None:
             self.state_prefix.forget(req.request_id)
@@ -114,10 +131,19 @@ class KVCacheManager:
         """The request's block ids (the live list: read it before the next allocation)."""
         return self.req_block_ids.get(req.request_id, [])
 
+    def block_array(self, req: Request) -> np.ndarray:
+        """The request's block ids as an int32 array view (a snapshot of the current ones: later allocations do
+        not change it)."""
+        n = len(self.req_block_ids.get(req.request_id, ()))
+        return self._block_arrays[req.request_id][:n] if n else np.empty(0, dtype=np.int32)
+
     def check_integrity(self) -> None:
         refs: dict[int, int] = {}
         for rid, blocks in self.req_blocks.items():
             assert self.req_block_ids.get(rid) == [b.block_id for b in blocks], f"block ids of {rid} drifted"
+            arr, ids = self._block_arrays.get(rid), self.req_block_ids[rid]
+            assert (arr[:len(ids)].tolist() if arr is not None else []) == ids, f"block array of {rid} drifted"
+        assert set(self._block_arrays) <= set(self.req_blocks), "block arrays of freed requests kept"
         for blocks in self.req_blocks.values():
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1

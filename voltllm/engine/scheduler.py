@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+import numpy as np
+
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import SchedulerConfig
 from voltllm.engine.request import Request, RequestStatus
@@ -26,6 +28,7 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step
     block_ids: list[int]
     samples: bool  # this step reaches the end of the request's tokens, so a new token is sampled
+    block_array: Optional[np.ndarray] = None  # block_ids as int32 (the runner's block-table row is copied from it)
 
 
 @dataclass
@@ -157,7 +160,8 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
         samples = start + num_new >= req.num_tokens_with_pending
-        out.scheduled.append(ScheduledRequest(req, num_new, start, self.kv.block_ids(req), samples))
+        out.scheduled.append(ScheduledRequest(req, num_new, start, self.kv.block_ids(req), samples,
+                                              self.kv.block_array(req)))
         out.total_tokens += num_new
         req.num_computed_tokens = start + num_new  # advanced now, so the next step can be scheduled early
         if samples:
