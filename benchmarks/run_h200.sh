@@ -74,6 +74,8 @@
 #            with the gated split-K tiles off / on
 #   s36      (session 13) host work per decode step: host op costs micro, SmolLM2 / qwen3-0.6b shapes and 8B at 64
 #            concurrent with the host breakdown, the engine GPU file
+#   s37      (session 13) the GPU files the host-work changes touch (engine, sampler, hybrid engine / graphs), then
+#            SmolLM2's shape and 8B at 64 concurrent with the host breakdown
 #   gpuall   the whole GPU suite in one pytest run over two GPUs (kind nvidia-h200-x2)
 #   gpu1/2   the whole GPU suite at one commit in two calls (file by file, full logs in $OUT)
 #   check3   (session 3) decode-attention tile sweep, the full hybrid GPU file, engine + fp8 files under --compat sm70
@@ -460,6 +462,18 @@ case $stage in
       set -- $v
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s37)  # (session 13) GPU files for the host-work changes, then 64 concurrent
+    t0=$SECONDS
+    gpu_file test_engine_gpu 110
+    gpu_file test_sampler_cuda 60
+    gpu_file test_hybrid_gpu 150 -k "engine or graph"
+    for m in smollm2-135m-shape qwen3-8b-shape; do
+      (( SECONDS - t0 > 420 )) && break
+      bench --random-weights $m --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
+        --concurrency 64 --profile --profile-steps 20 --name $m-fp16-c64-$sha > "$out/c64-$m.log"
+      grep -E "^(concurrent|output_tok)|^profile |host per step" "$out/c64-$m.log"
     done
     ;;
   s36)  # (session 13) host work per decode step
