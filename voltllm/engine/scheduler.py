@@ -28,7 +28,7 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step
     block_ids: list[int]
     samples: bool  # this step reaches the end of the request's tokens, so a new token is sampled
-    block_array: Optional[np.ndarray] = None  # block_ids as int32 (the runner's block-table row is copied from it)
+    block_array: np.ndarray  # block_ids as int32 (the runner copies its block-table row from it)
 
 
 @dataclass

@@ -207,7 +207,7 @@ class ModelRunner:
         for i, s in enumerate(sched.scheduled):
             req, n, start = s.request, s.num_new_tokens, s.start
             bids = s.block_ids
-            table[i, : len(bids)] = bids if s.block_array is None else s.block_array
+            table[i, : len(bids)] = s.block_array
             if n == 1:  # decode row: plain ints are cheaper than numpy temporaries
                 if start < len(req.all_token_ids):
                     ids_h[t] = req.all_token_ids[start]
