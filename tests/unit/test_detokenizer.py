@@ -40,3 +40,29 @@ def test_stop_strings(tok):
     d3 = IncrementalDetokenizer(tok, [], stop=["Paris"])
     d3.add(ids[:3])
     assert len(d3.visible_text(False)) == max(len(d3.text) - 4, 0)
+
+
+def test_backend_decode_only_without_clean_up(tok):
+    """A fast tokenizer without clean-up is decoded by its tokenizers backend (the same text, special tokens
+    skipped or kept as asked); with clean-up on, transformers' decode (which applies it) is used."""
+    ids = tok.encode("<|im_start|>Hello world! 東京 🙂<|im_end|>")
+    for skip in (True, False):
+        fast = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+        assert fast._backend is tok.backend_tokenizer
+        for t in ids:
+            fast.add([t])
+        assert fast.text == tok.decode(ids, skip_special_tokens=skip)
+    calls = []
+
+    class CleaningTokenizer:  # what a tokenizer that cleans up spaces looks like to the detokenizer
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = tok.backend_tokenizer
+
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    slow = IncrementalDetokenizer(CleaningTokenizer(), [])
+    assert slow._backend is None
+    slow.add(ids[:3])
+    assert calls and slow.text == tok.decode(ids[:3], skip_special_tokens=True)
