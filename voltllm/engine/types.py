@@ -37,6 +37,13 @@ class EngineCoreOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __reduce__(self) -> tuple:
+        # pickled per engine step for every running request (engine -> API process): a positional tuple
+        # dumps in ~0.4 us and loads in ~0.3 us, against ~0.65 / ~0.8 us through the default dict state
+        return (EngineCoreOutput, (self.request_id, self.new_token_ids, self.finish_reason, self.stop_reason,
+                                   self.new_logprobs, self.prompt_logprobs, self.num_cached_tokens,
+                                   self.first_token_time, self.last_token_time, self.scheduled_time))
+
 
 @dataclass
 class SchedulerStats:
