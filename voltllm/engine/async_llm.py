@@ -10,6 +10,7 @@ its blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
@@ -17,7 +18,7 @@ import pickle
 import shutil
 import tempfile
 import time
-from typing import Any, AsyncIterator, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
 from voltllm.config import EngineConfig
 from voltllm.engine.frontend import Frontend, PromptType
@@ -54,7 +55,7 @@ class RequestStream:
         self.engine = engine
         self.request_id = request_id
         self.arrival = time.monotonic()
-        self._latest: Optional[RequestOutput] = None
+        self._latest: Optional[Callable[[], RequestOutput]] = None  # builds the newest output
         self._error: Optional[BaseException] = None
         self._event = asyncio.Event()
         self.finished = False
@@ -64,8 +65,10 @@ class RequestStream:
         self._last_token_time: Optional[float] = None
         self._last_output: Optional[RequestOutput] = None
 
-    def _put(self, out: RequestOutput) -> None:
-        self._latest = out
+    def _put(self, build: Callable[[], RequestOutput]) -> None:
+        """The request has news: `build()` makes its cumulative output, called only when the consumer reads
+        (a consumer that lags behind the engine skips the outputs in between without their being built)."""
+        self._latest = build
         self._event.set()
 
     def _fail(self, exc: BaseException) -> None:
@@ -87,7 +90,8 @@ class RequestStream:
             self.close()
             raise
         if self._latest is not None:
-            out, self._latest = self._latest, None
+            build, self._latest = self._latest, None
+            out = build()
             self._observe(out)
             if out.finished:
                 self.finished = True
@@ -242,13 +246,13 @@ class AsyncLLM:
         if kind == "outputs":
             _, outputs, stats = msg
             self.stats = stats
-            results, to_abort = self.frontend.process(outputs)
+            touched, to_abort = self.frontend.update(outputs)
             if to_abort:
                 self._send(("abort", to_abort))
-            for r in results:
-                st = self._streams.get(r.request_id)
+            for state in touched:
+                st = self._streams.get(state.request_id)
                 if st is not None:
-                    st._put(r)
+                    st._put(functools.partial(self.frontend.build, state))
         elif kind == "error":
             _, child_ids, message = msg
             parents = {self.frontend.child_to_parent.get(c) for c in child_ids} - {None}

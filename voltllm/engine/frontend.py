@@ -164,6 +164,14 @@ class Frontend:
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns updated RequestOutputs (one per touched parent) and child ids to abort (stop strings)."""
+        touched, to_abort = self.update(outputs)
+        return [self.build(st) for st in touched], to_abort
+
+    def update(self, outputs: list[EngineCoreOutput]) -> tuple[list[_RequestState], list[str]]:
+        """Apply engine outputs. Returns the touched parents' states and child ids to abort (stop strings);
+        `build(state)` makes a state's cumulative RequestOutput when someone reads it (each build copies the
+        token ids and logprobs so far, so building every request every step would cost O(length) per token);
+        a finished state is already forgotten here."""
         touched: dict[str, _RequestState] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -195,15 +203,13 @@ class Frontend:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             st.metrics.last_token_time = time.monotonic()
             touched[parent] = st
-        results = []
         for st in touched.values():
-            results.append(self._build(st))
             if st.finished:
                 st.metrics.finished_time = time.monotonic()
                 self.forget(st.request_id)
-        return results, to_abort
+        return list(touched.values()), to_abort
 
-    def _build(self, st: _RequestState) -> RequestOutput:
+    def build(self, st: _RequestState) -> RequestOutput:
         comps = []
         for c in sorted(st.children.values(), key=lambda c: c.index):
             done = c.finish_reason is not None

@@ -79,12 +79,12 @@ class LLM:
             while len(final) < len(order):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
-                results, to_abort = self.frontend.process(self.engine.step())
+                touched, to_abort = self.frontend.update(self.engine.step())
                 if to_abort:
                     self.engine.abort_requests(to_abort)
-                for r in results:
-                    if r.finished:
-                        final[r.request_id] = r
+                for st in touched:  # only the finished requests' outputs are returned: only they are built
+                    if st.finished:
+                        final[st.request_id] = self.frontend.build(st)
         except BaseException:
             self._abort([rid for rid in order if rid not in final])
             raise
