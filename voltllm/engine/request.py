@@ -51,6 +51,9 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = min(sp.max_tokens, room) if sp.max_tokens is not None else room
         self.argmax_only = sp.argmax_only  # (the params are final here) the sampler's fast path, per step
+        # penalties count the earlier tokens' ids, prompt logprobs need the prompt pass's rows: such a step waits
+        # for the one in flight (min_tokens needs only their number: SamplingRow)
+        self.needs_host_history = sp.has_penalties or sp.prompt_logprobs is not None
         self.generator: Optional[torch.Generator] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
         self.new_logprobs: list[PositionLogprobs] = []

@@ -285,12 +285,7 @@ class ModelRunner:
 
     def needs_host_history(self, sched: SchedulerOutput) -> bool:
         """True when sampling this step needs every earlier token on the host (no async overlap)."""
-        for s in sched.scheduled:
-            sp, req = s.request.sampling_params, s.request
-            # penalties count the earlier tokens' ids; min_tokens needs only their number (SamplingRow)
-            if sp.has_penalties or req.wants_prompt_logprobs:
-                return True
-        return False
+        return any(s.request.needs_host_history for s in sched.scheduled)
 
     def _apply_pdl(self) -> None:
         from voltllm.kernels import pdl
