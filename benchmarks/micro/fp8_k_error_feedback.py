@@ -10,22 +10,17 @@ ignores it. S comes from a calibration text (the fp16-KV model's queries), not f
 keys are exactly representable, so the engine's own fp8 write stores them unchanged (scale 1.0). Prints the raw
 q . k mean squared error on held-out text and the teacher-forced greedy top-1 agreement with fp16 KV over TOKENS
 tokens of four chat prompts (the protocol of fp8_kv_agreement.py). CPU; minutes per variant."""
-import importlib.util
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "unit")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_kv_agreement import MESSAGES, _load  # noqa: E402  (the same prompts and test-helper loader)
 from voltllm import LLM, SamplingParams  # noqa: E402
 from voltllm.kernels.fp8_codec import decode_e4m3, encode_e4m3  # noqa: E402
 
-MESSAGES = ("What is the capital of France? Explain its history in detail.",
-            "Write a Python function that checks whether a string is a palindrome, and explain it.",
-            "Tell me a short story about a robot learning to paint.",
-            "Explain how a hash table works.")
 CALIB = ("The history of science is the study of the development of science and scientific knowledge, including both "
          "the natural and social sciences. def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
          "Once upon a time, in a small village by the sea, there lived an old fisherman who told stories every night.")
@@ -37,14 +32,6 @@ CALIB_LONG = (
     "A recipe for pancakes: mix two cups of flour, two eggs, one and a half cups of milk and a pinch of salt. "
     "Quantum mechanics describes nature at the smallest scales. Q: What is 17 times 23? A: 17 times 23 is 391. "
     "The weather today is sunny with a light breeze from the west, and temperatures will reach 24 degrees. ")
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "unit" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
