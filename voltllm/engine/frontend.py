@@ -162,11 +162,6 @@ class Frontend:
         return {tid: Logprob(v, rank=r + 1, decoded_token=dec([tid]))
                 for r, (tid, v) in enumerate(ranked)}
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns updated RequestOutputs (one per touched parent) and child ids to abort (stop strings)."""
-        touched, to_abort = self.update(outputs)
-        return [self.build(st) for st in touched], to_abort
-
     def update(self, outputs: list[EngineCoreOutput]) -> tuple[list[_RequestState], list[str]]:
         """Apply engine outputs. Returns the touched parents' states and child ids to abort (stop strings);
         `build(state)` makes a state's cumulative RequestOutput when someone reads it (each build copies the
