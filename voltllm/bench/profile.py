@@ -350,7 +350,7 @@ def profile_summary(profiles: list[dict], top: int = 5) -> list[dict]:
     keys = ("scenario", "concurrency", "input_len", "output_len", "context_len_at_start", "steps",
             "wall_us_per_step", "wall_us_per_step_profiled", "gpu_busy_us_per_step", "gpu_busy_frac",
             "gpu_idle_us_per_step", "kernel_sum_us_per_step", "kernels_per_step", "host_us_per_step")
-    return [{**{k: p.get(k) for k in keys},
+    return [{**{k: p[k] for k in keys},
              "top_kernels": [{k: r[k] for k in ("short", "excl_us_per_step", "excl_pct", "us_per_step")}
                              for r in p["kernels"][:top]]}
             for p in profiles]
