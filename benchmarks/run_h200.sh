@@ -37,6 +37,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s38      (session 14) GPU files for session 13's host changes, cProfile of SmolLM2-shape 64-concurrent decode
+#            steps (benchmarks/micro/host_step_profile.py), 64 concurrent SmolLM2 shape / 8B at HEAD
 #   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
 #   s18      (session 9) RMSNorm warps micro; decode attention short-context tile sweep
 #   s19      (session 9) s18's norm micro again; decode attention long-context sweep with 2-8 warps
@@ -462,6 +464,21 @@ case $stage in
       set -- $v
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s38)  # (session 14) GPU files for session 13's host changes, the host profile of a small model's 64-concurrent
+    # decode (cProfile), then 64 concurrent at HEAD for SmolLM2's shape and the 8B shape
+    t0=$SECONDS
+    gpu_file test_engine_gpu 110
+    gpu_file test_sampler_cuda 60
+    timeout 120 python3 benchmarks/micro/host_step_profile.py --shape smollm2-135m-shape --concurrency 64 \
+      > "$out/host-step-profile-smollm2-c64.txt" 2>&1; echo "host profile rc=$?"
+    head -1 "$out/host-step-profile-smollm2-c64.txt"
+    for m in smollm2-135m-shape qwen3-8b-shape; do
+      (( SECONDS - t0 > 420 )) && break
+      bench --random-weights $m --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
+        --concurrency 64 --profile --profile-steps 20 --name $m-fp16-c64-$sha > "$out/c64-$m.log"
+      grep -E "^(concurrent|output_tok)|^profile |host per step" "$out/c64-$m.log"
     done
     ;;
   s37)  # (session 13) GPU files for the host-work changes, then 64 concurrent
