@@ -56,6 +56,21 @@ def main() -> None:
         profiled = run(args.steps)
         prof.disable()
         print(f"{args.shape} x {args.concurrency}: {plain:.0f} us per step, {profiled:.0f} us under cProfile")
+        graphs = getattr(eng.runner, "graphs", None)
+        g = graphs.graphs.get(max(graphs.graphs)) if graphs is not None and graphs.graphs else None
+        if g is not None:  # the host cost of one cudaGraphLaunch of the largest decode graph, on an idle GPU
+            import torch
+
+            times = []
+            for _ in range(30):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                g.graph.replay()
+                times.append((time.perf_counter() - t) * 1e6)
+            torch.cuda.synchronize()
+            times.sort()
+            print(f"graph of {g.batch_size} rows: replay() returns after {times[len(times) // 2]:.0f} us on the host "
+                  f"(median of 30; min {times[0]:.0f})")
         for key in ("tottime", "cumulative"):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)

@@ -130,6 +130,24 @@ def test_profile_end_to_end_on_cpu(tmp_path):
         assert pp["steps"] == 1 and 1 <= pp["engine_steps"] <= 3 and pp["wall_us_per_step"] > 0
 
 
+def test_host_timings_of_every_plan_run_before_the_first_profiler(monkeypatch):
+    """A torch.profiler session makes later CUDA calls cost the host more, so profile_plans times every plan's
+    host phases before it profiles any plan, and hands each timing to that plan's profile."""
+    from voltllm.bench import profile as P
+    from voltllm.bench.inprocess import Plan
+
+    calls = []
+    monkeypatch.setattr(P, "time_host_phases", lambda eng, plan, *a, **k: calls.append(("host", plan.concurrency))
+                        or {"tag": plan.concurrency})
+    monkeypatch.setattr(P, "profile_plan", lambda eng, plan, prompts, steps, t, tp, tk, seed, trace, host:
+                        calls.append(("trace", plan.concurrency, host["tag"])) or {"concurrency": plan.concurrency})
+    engine = type("E", (), {"config": type("C", (), {"scheduler": type("S", (), {"max_num_seqs": 8})()})()})()
+    plans = [Plan("concurrency", c, 4, 2) for c in (1, 2, 16)] + [Plan("prefill", 1, 8, 1)]
+    out = P.profile_plans(engine, plans, vocab=50, seed=0, steps=2)
+    assert calls == [("host", 1), ("host", 2), ("trace", 1, 1), ("trace", 2, 2)]  # 16 > max_num_seqs: skipped
+    assert [p["concurrency"] for p in out] == [1, 2]
+
+
 def test_host_phase_timer_restores_the_engine():
     from voltllm.bench.profile import HostPhaseTimer
 

@@ -1,13 +1,15 @@
 """`voltllm bench --profile`: where a decode step's time goes, per GPU kernel.
 
 After the measured runs (so the metrics are those of an unprofiled engine), for each decode / concurrency
-configuration: C fresh requests (the configuration's prompt length and sampling) are started and decoded to
-the middle of their output; then
-  1. `--profile-steps` engine steps run unprofiled: wall time per step (synchronized at both ends), and where the
-     host's share of it goes (HostPhaseTimer: scheduling, input preparation, launching, waiting for the GPU,
-     reading the results back, updating the requests);
-  2. as many steps run under torch.profiler (CUDA activity): every kernel / memcpy / memset the GPU ran,
-     and the host's launch calls.
+configuration C fresh requests (the configuration's prompt length and sampling) are started and decoded to the
+middle of their output, twice:
+  1. for every configuration first, before any profiler has run in the process: `--profile-steps` engine steps
+     unprofiled, wall time per step (synchronized at both ends) and where the host's share of it goes
+     (HostPhaseTimer: scheduling, input preparation, launching, waiting for the GPU, reading the results back,
+     updating the requests). Once a torch.profiler session has run, every later CUDA call costs the host more, so
+     these figures are taken before the first one;
+  2. then per configuration, the prompt phase and as many decode steps under torch.profiler (CUDA activity): every
+     kernel / memcpy / memset the GPU ran, and the host's launch calls.
 The requests are then aborted. Per configuration: kernels grouped by name (calls per step, us per step,
 share of the summed kernel time), GPU busy time per step (union of the GPU activity intervals), and the
 wall time per step with and without the profiler. With programmatic dependent launch a kernel starts while its
@@ -235,66 +237,103 @@ def _drain(engine: Any, limit: int = 10000) -> None:
     raise RuntimeError("the engine did not go idle")
 
 
-def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = -1, sampling_seed: int = 0,
-                 trace_path: Optional[str] = None) -> dict:
-    """trace_path: also keep the profiled decode steps' chrome trace there (gzip; chrome://tracing or Perfetto)."""
-    from torch.profiler import ProfilerActivity, profile
+class _PlanRequests:
+    """C fresh requests of a plan on an idle engine, long enough that none finishes inside the measured windows;
+    `step` counts each one's new tokens and fails on an early finish."""
 
-    from voltllm.engine.types import EngineCoreRequest
+    def __init__(self, engine: Any, plan: Plan, prompts: list[list[int]], steps: int, temperature: float,
+                 top_p: float, top_k: int, sampling_seed: int, tag: str):
+        from voltllm.engine.types import EngineCoreRequest
 
-    device = torch.device(engine.runner.device)
-    _drain(engine)
-    pre = max(2, plan.output_len // 2 - steps)  # decode to the middle of the output before measuring
-    max_tokens = max(plan.output_len, pre + 2 * steps + 4)  # nobody finishes inside the two windows
-    counts: dict[str, int] = {}
-    t0 = time.monotonic()
-    for i, ids in enumerate(prompts):
-        rid = f"profile-{plan.scenario}-{plan.concurrency}-{i}"
-        sp = sampling_params(max_tokens, temperature, top_p, top_k, sampling_seed + i)
-        engine.add_request(EngineCoreRequest(rid, list(ids), sp, arrival_time=t0))
-        counts[rid] = 0
+        self.engine = engine
+        _drain(engine)
+        self.pre = max(2, plan.output_len // 2 - steps)  # decode to the middle of the output before measuring
+        max_tokens = max(plan.output_len, self.pre + 2 * steps + 4)
+        self.counts: dict[str, int] = {}
+        t0 = time.monotonic()
+        for i, ids in enumerate(prompts):
+            rid = f"profile-{tag}-{plan.scenario}-{plan.concurrency}-{i}"
+            sp = sampling_params(max_tokens, temperature, top_p, top_k, sampling_seed + i)
+            engine.add_request(EngineCoreRequest(rid, list(ids), sp, arrival_time=t0))
+            self.counts[rid] = 0
 
-    def step() -> None:
-        for o in engine.step():
-            if o.request_id in counts:
-                counts[o.request_id] += len(o.new_token_ids)
+    def step(self) -> None:
+        for o in self.engine.step():
+            if o.request_id in self.counts:
+                self.counts[o.request_id] += len(o.new_token_ids)
                 if o.finished:
                     raise RuntimeError(f"profile request {o.request_id} finished early ({o.finish_reason})")
 
+    def prompt_phase(self) -> int:
+        """Every step until each request has its first token; returns the engine steps it took."""
+        n = 0
+        while min(self.counts.values()) < 1:
+            if n >= 1000:
+                raise RuntimeError("the profile requests produced no first token")
+            self.step()
+            n += 1
+        return n
+
+    def decode_to_middle(self) -> None:
+        for _ in range(100 * (self.pre + 8) + 1000):
+            if min(self.counts.values()) >= self.pre:
+                return
+            self.step()
+        raise RuntimeError("the profile requests did not reach their decode phase")
+
+    def end(self) -> None:
+        self.engine.abort_requests(list(self.counts))
+        _drain(self.engine)
+
+
+def time_host_phases(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = -1, sampling_seed: int = 0) -> dict:
+    """Wall time per decode step and the host's phases of it (HostPhaseTimer), with no profiler attached. Call it
+    before any torch.profiler session in the process: once one has run, the CUDA calls of every later step cost
+    the host more (H200 machine, SmolLM2's shape at 64 concurrent: 1,167-1,255 us per step before one, 1,545-1,553
+    after), which would misstate a host-bound step."""
+    device = torch.device(engine.runner.device)
+    reqs = _PlanRequests(engine, plan, prompts, steps, temperature, top_p, top_k, sampling_seed, "host")
+    reqs.prompt_phase()
+    reqs.decode_to_middle()
+    context = plan.input_len + min(reqs.counts.values())
+    _sync(device)
+    with HostPhaseTimer(engine) as host:
+        t = time.perf_counter()
+        for _ in range(steps):
+            reqs.step()
+        _sync(device)
+        wall = time.perf_counter() - t
+    reqs.end()
+    return {"context_len_at_start": context, "wall_s": wall, "host_us_per_step": host.per_step(wall, steps)}
+
+
+def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = -1, sampling_seed: int = 0,
+                 trace_path: Optional[str] = None, host: Optional[dict] = None) -> dict:
+    """The plan's prompt phase and `steps` decode steps under torch.profiler. host: `time_host_phases`'s result for
+    the same plan, taken before any profiler ran (measured here, after this profile, when not given).
+    trace_path: also keep the profiled decode steps' chrome trace there (gzip; chrome://tracing or Perfetto)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(engine.runner.device)
+    reqs = _PlanRequests(engine, plan, prompts, steps, temperature, top_p, top_k, sampling_seed, "trace")
     acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with tempfile.TemporaryDirectory(prefix="voltllm-profile-") as tmp:
         # the prompt phase: every step until each request has its first token
         with profile(activities=acts) as prof:
             t = time.perf_counter()
-            prompt_steps = 0
-            while min(counts.values()) < 1:
-                if prompt_steps >= 1000:
-                    raise RuntimeError("the profile requests produced no first token")
-                step()
-                prompt_steps += 1
+            prompt_steps = reqs.prompt_phase()
             _sync(device)
             wall_prompt = time.perf_counter() - t
         prompt_trace = _trace(prof, tmp)
-    for _ in range(100 * (pre + 8) + 1000):
-        if min(counts.values()) >= pre:
-            break
-        step()
-    else:
-        raise RuntimeError("the profile requests did not reach their decode phase")
-    context = plan.input_len + min(counts.values())
+    reqs.decode_to_middle()
     _sync(device)
-    with HostPhaseTimer(engine) as host:
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        wall = time.perf_counter() - t
     with tempfile.TemporaryDirectory(prefix="voltllm-profile-") as tmp:
         with profile(activities=acts) as prof:
             t = time.perf_counter()
             for _ in range(steps):
-                step()
+                reqs.step()
             _sync(device)
             wall_prof = time.perf_counter() - t
         trace = _trace(prof, tmp)
@@ -302,12 +341,13 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
         os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
         with gzip.open(trace_path, "wt") as f:
             json.dump(trace, f)
-    engine.abort_requests(list(counts))
-    _drain(engine)
+    reqs.end()
+    if host is None:
+        host = time_host_phases(engine, plan, prompts, steps, temperature, top_p, top_k, sampling_seed)
     out = {"scenario": plan.scenario, "concurrency": plan.concurrency, "input_len": plan.input_len,
-           "output_len": plan.output_len, "context_len_at_start": context}
-    out.update(summarize(gpu_events(trace), steps, wall, wall_prof, launch_counts(trace)),
-               blocking_calls=blocking_calls(trace), host_us_per_step=host.per_step(wall, steps))
+           "output_len": plan.output_len, "context_len_at_start": host["context_len_at_start"]}
+    out.update(summarize(gpu_events(trace), steps, host["wall_s"], wall_prof, launch_counts(trace)),
+               blocking_calls=blocking_calls(trace), host_us_per_step=host["host_us_per_step"])
     # the prompt phase as one unit (its figures are per phase, not per engine step); profiled wall time only
     out["prompt_phase"] = {"engine_steps": prompt_steps,
                            **summarize(gpu_events(prompt_trace), 1, wall_prompt, wall_prompt,
@@ -325,11 +365,12 @@ def _trace(prof: Any, tmp: str) -> dict:
 
 def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, steps: int, temperature: float = 0.0,
                   top_p: float = 1.0, top_k: int = -1, trace_prefix: Optional[str] = None) -> list[dict]:
-    """One profile per decode / concurrency configuration (prefill plans are skipped). trace_prefix: keep each
+    """One profile per decode / concurrency configuration (prefill plans are skipped). Every configuration's host
+    timing runs first, before the first torch.profiler session (time_host_phases says why). trace_prefix: keep each
     configuration's decode-step trace as <trace_prefix>-<scenario>-c<concurrency>.trace.json.gz."""
     if steps < 1:
         raise ValueError("--profile-steps must be >= 1")
-    out = []
+    chosen = []
     for plan in plans:
         if plan.scenario not in ("decode", "concurrency"):
             continue
@@ -337,10 +378,16 @@ def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, ste
         if plan.concurrency > max_seqs:  # some requests would wait for others to finish: not one decode batch
             logger.warning("not profiling concurrency %d > --max-num-seqs %d", plan.concurrency, max_seqs)
             continue
-        prompts = random_prompts(plan.concurrency, plan.input_len, vocab, prompt_seed(seed, plan, 10_000))
+        chosen.append((plan, random_prompts(plan.concurrency, plan.input_len, vocab, prompt_seed(seed, plan, 10_000))))
+    hosts = []
+    for plan, prompts in chosen:
+        logger.info("timing the host's phases: %s c=%d (%d steps)", plan.scenario, plan.concurrency, steps)
+        hosts.append(time_host_phases(engine, plan, prompts, steps, temperature, top_p, top_k, seed))
+    out = []
+    for (plan, prompts), host in zip(chosen, hosts):
         logger.info("profiling %s c=%d (%d steps)", plan.scenario, plan.concurrency, steps)
         trace = f"{trace_prefix}-{plan.scenario}-c{plan.concurrency}.trace.json.gz" if trace_prefix else None
-        out.append(profile_plan(engine, plan, prompts, steps, temperature, top_p, top_k, seed, trace))
+        out.append(profile_plan(engine, plan, prompts, steps, temperature, top_p, top_k, seed, trace, host))
     return out
 
 
