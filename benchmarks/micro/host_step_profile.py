@@ -51,6 +51,26 @@ def main() -> None:
             return (time.perf_counter() - t) / n * 1e6
 
         plain = run(args.steps // 2)
+        graphs = getattr(eng.runner, "graphs", None)
+        if graphs is not None and graphs.graphs:  # the host time of the steady state's graph replays
+            from voltllm.worker.cuda_graphs import CapturedGraph
+
+            spent = []
+            real = CapturedGraph.replay
+
+            def timed(self):
+                t = time.perf_counter()
+                try:
+                    return real(self)
+                finally:
+                    spent.append(time.perf_counter() - t)
+            CapturedGraph.replay = timed
+            try:
+                run(args.steps // 2)
+            finally:
+                CapturedGraph.replay = real
+            if spent:
+                print(f"graph replay in steady decoding: {sum(spent) / len(spent) * 1e6:.0f} us on the host per call")
         prof = cProfile.Profile()
         prof.enable()
         profiled = run(args.steps)
