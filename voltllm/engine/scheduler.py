@@ -35,6 +35,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_tokens: int = 0
+    num_sampled: int = 0  # scheduled rows that sample a token this step
     # requests that finished, were aborted or preempted since the last step: the runner drops their
     # per-request state (recurrent-state slots) before this step runs
     released_ids: list[str] = field(default_factory=list)
@@ -166,6 +167,7 @@ class Scheduler:
         req.num_computed_tokens = start + num_new  # advanced now, so the next step can be scheduled early
         if samples:
             req.num_pending += 1
+            out.num_sampled += 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

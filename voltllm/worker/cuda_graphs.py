@@ -63,6 +63,7 @@ class DecodeGraphs:
         """The forward context a graph of `bs` rows is captured with: every tensor a persistent buffer."""
         r = self.runner
         buf = r.buffers
+        buf.select_compact()
         meta = AttentionMetadata(
             num_tokens=bs, query_start_loc=buf.query_start_loc[: bs + 1], seq_lens=buf.seq_lens[:bs],
             block_tables=buf.block_tables[:bs], slot_mapping=buf.slot_mapping[:bs], max_query_len=1,
@@ -78,6 +79,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         r = self.runner
         buf = r.buffers
+        buf.select_compact()  # graphs read the compact layout (decode batches fit it)
         # dummy decode inputs: every row attends to one token in block 0 and writes nowhere
         buf.input_ids.zero_()
         buf.positions.zero_()

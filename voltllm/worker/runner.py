@@ -195,39 +195,42 @@ class ModelRunner:
         model's CUDA-graph step): the requests' recurrent-state slots, uploaded to buffers.state_slots
         with the scratch slot on padding rows."""
         buf = self._ensure_buffers()
-        h = buf.host_set()
         bs = self.block_size
         n_seqs = len(sched.scheduled)
+        h = buf.host_set(sched.total_tokens + max(0, pad_to - n_seqs), max(n_seqs, pad_to))
         width = max(len(s.block_ids) for s in sched.scheduled)
         table = h["block_tables"][: max(n_seqs, pad_to) * width].reshape(-1, width)
         qsl, seq_lens = [0], []
         pending_dst, pending_src = [], []
         t = 0
         ids_h, pos_h, slot_h = h["input_ids"], h["positions"], h["slot_mapping"]
-        for i, s in enumerate(sched.scheduled):
-            req, n, start = s.request, s.num_new_tokens, s.start
-            bids = s.block_ids
-            table[i, : len(bids)] = s.block_array
-            if n == 1:  # decode row: plain ints are cheaper than numpy temporaries
-                if start < len(req.all_token_ids):
-                    ids_h[t] = req.all_token_ids[start]
-                else:  # the token is still being sampled by the step in flight
-                    pending_dst.append(t)
-                    pending_src.append(self._prev_rows[req.request_id])
-                pos_h[t] = start
-                slot_h[t] = bids[start // bs] * bs + start % bs
-            else:
-                known = req.all_token_ids[start:start + n]
-                ids_h[t:t + len(known)] = known
-                if len(known) < n:
-                    pending_dst.append(t + n - 1)
-                    pending_src.append(self._prev_rows[req.request_id])
-                p = np.arange(start, start + n)
-                pos_h[t:t + n] = p
-                slot_h[t:t + n] = np.asarray(bids, dtype=np.int64)[p // bs] * bs + p % bs
-            t += n
-            qsl.append(t)
-            seq_lens.append(start + n)
+        if sched.total_tokens == n_seqs:  # decode: one token per row, written as three bulk stores
+            t, qsl, seq_lens = self._prepare_decode_rows(sched.scheduled, table, h, pending_dst, pending_src)
+        else:
+            for i, s in enumerate(sched.scheduled):
+                req, n, start = s.request, s.num_new_tokens, s.start
+                bids = s.block_ids
+                table[i, : len(bids)] = s.block_array
+                if n == 1:  # decode row: plain ints are cheaper than numpy temporaries
+                    if start < len(req.all_token_ids):
+                        ids_h[t] = req.all_token_ids[start]
+                    else:  # the token is still being sampled by the step in flight
+                        pending_dst.append(t)
+                        pending_src.append(self._prev_rows[req.request_id])
+                    pos_h[t] = start
+                    slot_h[t] = bids[start // bs] * bs + start % bs
+                else:
+                    known = req.all_token_ids[start:start + n]
+                    ids_h[t:t + len(known)] = known
+                    if len(known) < n:
+                        pending_dst.append(t + n - 1)
+                        pending_src.append(self._prev_rows[req.request_id])
+                    p = np.arange(start, start + n)
+                    pos_h[t:t + n] = p
+                    slot_h[t:t + n] = np.asarray(bids, dtype=np.int64)[p // bs] * bs + p % bs
+                t += n
+                qsl.append(t)
+                seq_lens.append(start + n)
         num_tokens = t
         max_q = 1 if num_tokens == n_seqs else max(s.num_new_tokens for s in sched.scheduled)
         rows = max(n_seqs, pad_to)
@@ -254,6 +257,31 @@ class ModelRunner:
             max_query_len=max_q, max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
         return t, meta
+
+    def _prepare_decode_rows(self, scheduled: list, table: np.ndarray, h: dict, pending_dst: list[int],
+                             pending_src: list[int]) -> tuple[int, list[int], list[int]]:
+        """prepare's loop for a step of one-token rows: per row only list appends and the block-table row, then one
+        store per input array (numpy scalar stores cost ~0.2 us each on a slow host CPU, three per row)."""
+        bs = self.block_size
+        prev_rows = self._prev_rows
+        ids, pos, slots = [], [], []
+        for i, s in enumerate(scheduled):
+            req, start, bids = s.request, s.start, s.block_ids
+            table[i, : len(bids)] = s.block_array
+            known = req.all_token_ids
+            if start < len(known):
+                ids.append(known[start])
+            else:  # the token is still being sampled by the step in flight
+                ids.append(0)
+                pending_dst.append(i)
+                pending_src.append(prev_rows[req.request_id])
+            pos.append(start)
+            slots.append(bids[start // bs] * bs + start % bs)
+        n = len(ids)
+        h["input_ids"][:n] = ids
+        h["positions"][:n] = pos
+        h["slot_mapping"][:n] = slots
+        return n, list(range(n + 1)), [p + 1 for p in pos]
 
     def _fill_pending(self, buf: InputBuffers, dst: list[int], src: list[int]) -> None:
         """Input ids still being sampled by the step in flight: token rows `dst` take that step's sampled rows
@@ -323,13 +351,21 @@ class ModelRunner:
             self.state_snapshots.after_forward(sched.scheduled, slots)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
-        sampling = [(i, s) for i, s in enumerate(sched.scheduled) if s.samples]
-        if sampling:
+        scheduled = sched.scheduled
+        # one token per row and every row samples (decode): the rows are the hidden states in order, and no row
+        # is short of its prompt's last token, so none has prompt logprobs to compute
+        decode = sched.num_sampled == n_seqs == sched.total_tokens
+        if decode:
+            rows_idx = slice(0, n_seqs)
+            reqs = [s.request for s in scheduled]
+        else:
+            sampling = [(i, s) for i, s in enumerate(scheduled) if s.samples]
             idx = [qsl[i + 1] - 1 for i, _ in sampling]
-            rows_idx = (slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1))
+            rows_idx = (slice(idx[0], idx[-1] + 1) if idx and idx == list(range(idx[0], idx[-1] + 1))
                         else to_device(idx, torch.long, self.device))
-            logits = self.model.compute_logits(hidden[rows_idx])
             reqs = [s.request for _, s in sampling]
+        if reqs:
+            logits = self.model.compute_logits(hidden[rows_idx])
             if all(r.argmax_only for r in reqs):
                 out = self.sampler.sample_argmax(logits)
             else:
@@ -339,12 +375,13 @@ class ModelRunner:
                                     r.output_token_ids if r.sampling_params.has_penalties else (),
                                     r.generator, r.num_output_tokens + r.num_pending - 1) for r in reqs]
                 out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
+            ids = [r.request_id for r in reqs]
             self._prev_tokens = out.tokens
-            self._prev_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling)}
+            self._prev_rows = dict(zip(ids, range(len(ids))))
             out.copy_to_host_async()
             handle.sampler_out = out
-            handle.sampled_ids = [s.request.request_id for _, s in sampling]
-        for i, s in enumerate(sched.scheduled):
+            handle.sampled_ids = ids
+        for i, s in enumerate(() if decode else scheduled):
             req = s.request
             if req.wants_prompt_logprobs and s.start < req.num_prompt_tokens - 1:
                 handle.prompt_logprobs[req.request_id] = self._prompt_logprobs(hidden[qsl[i]:qsl[i + 1]], s)
