@@ -55,22 +55,41 @@ def main() -> None:
         if graphs is not None and graphs.graphs:  # the host time of the steady state's graph replays
             from voltllm.worker.cuda_graphs import CapturedGraph
 
-            spent = []
-            real = CapturedGraph.replay
+            import torch
+
+            spent, starts, ends = [], [], []
+            real, real_exec = CapturedGraph.replay, eng.runner.execute_async
 
             def timed(self):
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                starts.append(ev)
                 t = time.perf_counter()
                 try:
                     return real(self)
                 finally:
                     spent.append(time.perf_counter() - t)
+
+            def exec_timed(sched):
+                h = real_exec(sched)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()  # after the step's logits, sampling and copy back
+                ends.append(ev)
+                return h
             CapturedGraph.replay = timed
+            eng.runner.execute_async = exec_timed
             try:
                 run(args.steps // 2)
             finally:
                 CapturedGraph.replay = real
-            if spent:
-                print(f"graph replay in steady decoding: {sum(spent) / len(spent) * 1e6:.0f} us on the host per call")
+                del eng.runner.execute_async
+            torch.cuda.synchronize()
+            print(f"graph replay in steady decoding: {sum(spent) / len(spent) * 1e6:.0f} us on the host per call")
+            if len(starts) == len(ends) > 2:  # every step replayed a graph: the GPU's side, no profiler attached
+                work = sorted(a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends))
+                period = sorted(a.elapsed_time(b) * 1e3 for a, b in zip(starts, starts[1:]))
+                print(f"GPU per step: graph launch -> step end median {work[len(work) // 2]:.0f} us; "
+                      f"launch -> next launch median {period[len(period) // 2]:.0f} us")
         prof = cProfile.Profile()
         prof.enable()
         profiled = run(args.steps)
