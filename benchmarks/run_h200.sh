@@ -100,6 +100,15 @@ bench_via() {  # bench_via ENTRY [bench args]: `ENTRY bench ...` (ENTRY word-spl
     | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90
 }
 bench() { bench_via "python3 -m voltllm.cli" "$@"; }
+c64_profiles() {  # c64_profiles T0 SHAPE...: 64 x 128/128 with a profile per shape, while under 420 s since T0
+    local t0=$1 m; shift
+    for m in "$@"; do
+      (( SECONDS - t0 > 420 )) && break
+      bench --random-weights $m --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
+        --concurrency 64 --profile --profile-steps 20 --name $m-fp16-c64-$sha > "$out/c64-$m.log"
+      grep -E "^(concurrent|output_tok)|^profile |host per step" "$out/c64-$m.log"
+    done
+}
 decode_b1_pair() {  # 8B batch 1 with a per-kernel profile, then SmolLM2's shape at batch 1
     bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
       --profile --name qwen3-8b-shape-fp16-decode-b1-$sha
@@ -474,24 +483,14 @@ case $stage in
     timeout 120 python3 benchmarks/micro/host_step_profile.py --shape smollm2-135m-shape --concurrency 64 \
       > "$out/host-step-profile-smollm2-c64.txt" 2>&1; echo "host profile rc=$?"
     head -1 "$out/host-step-profile-smollm2-c64.txt"
-    for m in smollm2-135m-shape qwen3-8b-shape; do
-      (( SECONDS - t0 > 420 )) && break
-      bench --random-weights $m --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
-        --concurrency 64 --profile --profile-steps 20 --name $m-fp16-c64-$sha > "$out/c64-$m.log"
-      grep -E "^(concurrent|output_tok)|^profile |host per step" "$out/c64-$m.log"
-    done
+    c64_profiles "$t0" smollm2-135m-shape qwen3-8b-shape
     ;;
   s37)  # (session 13) GPU files for the host-work changes, then 64 concurrent
     t0=$SECONDS
     gpu_file test_engine_gpu 110
     gpu_file test_sampler_cuda 60
     gpu_file test_hybrid_gpu 150 -k "engine or graph"
-    for m in smollm2-135m-shape qwen3-8b-shape; do
-      (( SECONDS - t0 > 420 )) && break
-      bench --random-weights $m --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
-        --concurrency 64 --profile --profile-steps 20 --name $m-fp16-c64-$sha > "$out/c64-$m.log"
-      grep -E "^(concurrent|output_tok)|^profile |host per step" "$out/c64-$m.log"
-    done
+    c64_profiles "$t0" smollm2-135m-shape qwen3-8b-shape
     ;;
   s36)  # (session 13) host work per decode step
     python3 benchmarks/micro/host_op_costs.py 2>&1 | tee "$out/host-op-costs.txt"

@@ -11,7 +11,6 @@ caches at scale 1 give exactly these logits). Prints agreement per prompt and fo
 median top-1 / top-2 logit margin: where bf16 itself flips more than 1% of the tokens, no 8-bit format reaches
 99%."""
 import argparse
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "unit")]
 from voltllm import LLM, SamplingParams  # noqa: E402
 from voltllm.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from fp8_kv_agreement import _load  # noqa: E402  (the test-helper loader)
 
 FORMATS = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 PROMPTS = ("The quick brown fox jumps over the lazy dog. What is", "Once upon a time", "def main():", "1 2 3 4 5")
@@ -38,14 +38,6 @@ class RoundedKV(TorchReferenceBackend):
         k = k.float().to(self.fmt).to(k.dtype)
         v = v.float().to(self.fmt).to(v.dtype)
         return super().forward(q, k, v, kv_cache, meta, scale, kv_written=kv_written)
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "unit" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
