@@ -72,7 +72,8 @@ def test_tuned_model_matches_cublas():
         assert ((m(x).float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
-BATCH_SHAPES = [(4096, 4096), (1000, 333), (6144, 4096), (4096, 12288), (24576, 4096)]
+# (960, 576): SmolLM2's qkv, a K tail under the TMA tiles (576 is not a multiple of BLOCK_K)
+BATCH_SHAPES = [(4096, 4096), (1000, 333), (6144, 4096), (4096, 12288), (24576, 4096), (960, 576)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -330,11 +331,12 @@ def test_tuned_mlp_matches_cublas_whatever_it_chose():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("n,k", [(12288, 4096), (500, 333)])
+@pytest.mark.parametrize("n,k", [(12288, 4096), (500, 333), (1536, 576)])
 def test_gated_batch_gemm_real_shapes(n, k, dtype):
     """batch_gemm(gated=True), w = [gate; up] (2n x k): silu(x gate^T) * (x up^T) at every split-free tile (pointer
     and, where K keeps rows aligned, TMA; bf16: one of each), 17 (masked) and 64 rows, vs the fp32 reference;
-    outputs poisoned first. 500 x 333: masked features, K tail, and bias (each variant compiles every tile again)."""
+    outputs poisoned first. 500 x 333: masked features, K tail, and bias (each variant compiles every tile again);
+    1536 x 576 (SmolLM2's MLP): a K tail under the TMA tiles."""
     from voltllm.kernels.batch_gemm import CONFIGS as BATCH_CONFIGS, batch_gemm, batch_gemm_ref, configs_for
 
     seed = random.SystemRandom().randrange(1 << 30)

@@ -241,7 +241,12 @@ def _time_gated(weights: list[torch.Tensor], x: torch.Tensor, configs, run_gated
     return f" (with the SiLU*mul in the epilogue {t_gated * 1e3:.1f} us)"
 
 
-BATCH_MIN_WEIGHT_BYTES = 4 << 20  # smaller weights are launch-bound at any row count: not worth the timing
+# Weights below this stay on cuBLAS at every decode-batch row count (not timed). Session 14 measured 0 on the H200
+# (benchmarks/results/batch-gemm-small-weights/): at SmolLM2's shapes and 64 rows the Triton tiles win alone too
+# (2.7-5.0 vs 3.0-6.1 us, and the MLP takes the gated form), and 64 concurrent ran at 68,440 vs 56,659 tok/s
+# (window; output 59,039 vs 50,609) in one call. Left at 4 MiB until the GPU tests cover TMA tiles with a K tail
+# (tests/gpu/test_gemv_cuda.py now has SmolLM2's shapes) and the start-up cost of tuning the small shapes is known.
+BATCH_MIN_WEIGHT_BYTES = 4 << 20
 
 
 @torch.inference_mode()
