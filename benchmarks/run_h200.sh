@@ -37,6 +37,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s39      (next session) decode-batch GEMM for weights under 4 MiB: GPU tests with SmolLM2's shapes, start-up
+#            cost on a cold Triton cache, SmolLM2-shape 16 / 64 concurrent A / B
 #   s38      (session 14) GPU files for session 13's host changes, cProfile of SmolLM2-shape 64-concurrent decode
 #            steps (benchmarks/micro/host_step_profile.py), 64 concurrent SmolLM2 shape / 8B at HEAD
 #   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
@@ -473,6 +475,24 @@ case $stage in
       set -- $v
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s39)  # (next session) decode-batch GEMM for weights under 4 MiB: the GPU tests with SmolLM2's shapes (TMA K tails),
+    # the start-up cost of tuning them on a cold Triton cache, then 64 concurrent A / B with a warm cache
+    gpu_file test_gemv_cuda 300 -k "batch"
+    st=voltllm.worker.skinny_tuning:BATCH_MIN_WEIGHT_BYTES
+    for v in 4194304 0; do  # each on a cold compile cache: engine_start_s differs by the small shapes' tuning
+      rm -rf ~/.triton/cache
+      bench_via "python3 benchmarks/set_and_run.py $st=$v --" --random-weights smollm2-135m-shape --dtype half \
+        --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 --concurrency 64 \
+        --name smollm2-135m-shape-fp16-c64-minw$v-cold-$sha > "$out/c64-minw$v-cold.log"
+      python3 -c "import json,sys; print('$v', json.load(open(sys.argv[1]))['config']['engine_start_s'])" \
+        "$out/smollm2-135m-shape-fp16-c64-minw$v-cold-$sha.json"
+    done
+    for v in 0 4194304; do
+      bench_via "python3 benchmarks/set_and_run.py $st=$v --" --random-weights smollm2-135m-shape --dtype half \
+        --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 --concurrency 16,64 \
+        --name smollm2-135m-shape-fp16-c16-c64-minw$v-$sha > "$out/c64-minw$v.log"; grep -E "^(concurrent|output_tok)" "$out/c64-minw$v.log"
     done
     ;;
   s38)  # (session 14) GPU files for session 13's host changes, the host profile of a small model's 64-concurrent
