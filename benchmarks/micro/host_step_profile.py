@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from voltllm.bench.inprocess import build_engine, sampling_params
+from voltllm.bench.profile import GpuStepTimer
 from voltllm.bench.shapes import materialize
 from voltllm.config import EngineArgs
 from voltllm.engine.types import EngineCoreRequest
@@ -57,39 +58,26 @@ def main() -> None:
 
             import torch
 
-            spent, starts, ends = [], [], []
-            real, real_exec = CapturedGraph.replay, eng.runner.execute_async
+            spent = []
+            real = CapturedGraph.replay
 
             def timed(self):
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                starts.append(ev)
                 t = time.perf_counter()
                 try:
                     return real(self)
                 finally:
                     spent.append(time.perf_counter() - t)
-
-            def exec_timed(sched):
-                h = real_exec(sched)
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()  # after the step's logits, sampling and copy back
-                ends.append(ev)
-                return h
             CapturedGraph.replay = timed
-            eng.runner.execute_async = exec_timed
             try:
-                run(args.steps // 2)
+                with GpuStepTimer(eng) as gpu:
+                    run(args.steps // 2)
+                torch.cuda.synchronize()
             finally:
                 CapturedGraph.replay = real
-                del eng.runner.execute_async
-            torch.cuda.synchronize()
             print(f"graph replay in steady decoding: {sum(spent) / len(spent) * 1e6:.0f} us on the host per call")
-            if len(starts) == len(ends) > 2:  # every step replayed a graph: the GPU's side, no profiler attached
-                work = sorted(a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends))
-                period = sorted(a.elapsed_time(b) * 1e3 for a, b in zip(starts, starts[1:]))
-                print(f"GPU per step: graph launch -> step end median {work[len(work) // 2]:.0f} us; "
-                      f"launch -> next launch median {period[len(period) // 2]:.0f} us")
+            per = gpu.per_step()  # the GPU's side, no profiler attached
+            print(f"GPU per step: launch -> step end median {per['gpu_us_per_step']:.0f} us; "
+                  f"launch -> next launch median {per['gpu_period_us']:.0f} us")
         prof = cProfile.Profile()
         prof.enable()
         profiled = run(args.steps)

@@ -178,6 +178,65 @@ def test_host_phase_timer_restores_the_engine():
     assert per["other"] > 0 and per["schedule"] >= 0 and per["wait"] >= 0
 
 
+def test_gpu_step_timer_medians_and_nesting(monkeypatch):
+    """GpuStepTimer brackets each launch with timing events: median launch -> step end and launch -> next launch;
+    inside HostPhaseTimer it restores that timer's wrapper on exit, and both leave the class's method."""
+    import torch
+
+    from voltllm.bench.profile import GpuStepTimer, HostPhaseTimer
+
+    clock = [0.0]
+
+    class Event:  # a GPU clock that the fake steps advance
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, other):
+            return other.t - self.t  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    steps = iter([0.9, 1.1, 1.0])  # GPU ms of each step
+
+    class Runner:
+        device = "cuda"
+
+        def execute_async(self, sched):
+            clock[0] += next(steps)
+            return ("handle", sched)
+
+        def prepare(self):
+            pass
+
+        def collect(self, handle):
+            return handle
+
+    class Scheduler:
+        def schedule(self):
+            pass
+
+        update = schedule
+
+    class Engine:
+        runner, scheduler = Runner(), Scheduler()
+
+    eng = Engine()
+    with HostPhaseTimer(eng), GpuStepTimer(eng) as gpu:
+        for i, gap in enumerate((0.3, 0.4, 0.2)):
+            assert eng.runner.execute_async(i) == ("handle", i)
+            clock[0] += gap  # the host's time before the next launch (the GPU idles)
+    assert "execute_async" not in vars(eng.runner)
+    per = gpu.per_step()
+    assert per["gpu_us_per_step"] == pytest.approx(1000.0)  # median of 900, 1,100, 1,000 us
+    assert per["gpu_period_us"] == pytest.approx(1350.0)  # median of 900 + 300 and 1,100 + 400 us
+    cpu = type("E", (), {"runner": type("R", (), {"device": "cpu"})()})()
+    with GpuStepTimer(cpu) as off:
+        pass
+    assert off.per_step() == {"gpu_us_per_step": None, "gpu_period_us": None}
+
+
 def test_profile_needs_the_engine_in_process():
     from voltllm.bench.cli import main
 

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import tempfile
 import time
 from typing import Any, Optional, Sequence
@@ -223,6 +224,50 @@ class HostPhaseTimer:
         return {k: t[k] / steps * 1e6 for k in HOST_PHASES}
 
 
+class GpuStepTimer:
+    """The GPU's own time per engine step, from CUDA timing events (no profiler attached): an event recorded just
+    before each step's launch (the GPU reaches it when the work queued before is done) and one after it (behind the
+    step's logits, sampling and copy back). `per_step()` gives the medians of launch -> step end (`gpu_us_per_step`:
+    the step's GPU time, inter-kernel gaps included, which the profiler's busy union leaves out) and launch -> next
+    launch (`gpu_period_us`). A step is host-bound when the period clearly exceeds the GPU time. None on a CPU."""
+
+    def __init__(self, engine: Any):
+        self.runner = engine.runner
+        self.on = torch.device(self.runner.device).type == "cuda"
+        self.marks: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> "GpuStepTimer":
+        if self.on:
+            self._own = self.runner.__dict__.get("execute_async")  # another timer's wrapper, restored on exit
+            launch, marks = self.runner.execute_async, self.marks
+
+            def timed(sched: Any) -> Any:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                handle = launch(sched)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                marks.append((start, end))
+                return handle
+            self.runner.execute_async = timed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.on:
+            if self._own is None:
+                del self.runner.execute_async  # the class's method shows through again
+            else:
+                self.runner.execute_async = self._own
+
+    def per_step(self) -> dict[str, Optional[float]]:
+        """Call after a synchronize."""
+        if len(self.marks) < 2:
+            return {"gpu_us_per_step": None, "gpu_period_us": None}
+        work = [a.elapsed_time(b) * 1e3 for a, b in self.marks]
+        period = [a.elapsed_time(b) * 1e3 for (a, _), (b, _) in zip(self.marks, self.marks[1:])]
+        return {"gpu_us_per_step": statistics.median(work), "gpu_period_us": statistics.median(period)}
+
+
 # -- driving the engine -----------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -298,14 +343,15 @@ def time_host_phases(engine: Any, plan: Plan, prompts: list[list[int]], steps: i
     reqs.decode_to_middle()
     context = plan.input_len + min(reqs.counts.values())
     _sync(device)
-    with HostPhaseTimer(engine) as host:
+    with HostPhaseTimer(engine) as host, GpuStepTimer(engine) as gpu:
         t = time.perf_counter()
         for _ in range(steps):
             reqs.step()
         _sync(device)
         wall = time.perf_counter() - t
     reqs.end()
-    return {"context_len_at_start": context, "wall_s": wall, "host_us_per_step": host.per_step(wall, steps)}
+    return {"context_len_at_start": context, "wall_s": wall, "host_us_per_step": host.per_step(wall, steps),
+            **gpu.per_step()}
 
 
 def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, temperature: float = 0.0,
@@ -347,7 +393,8 @@ def profile_plan(engine: Any, plan: Plan, prompts: list[list[int]], steps: int, 
     out = {"scenario": plan.scenario, "concurrency": plan.concurrency, "input_len": plan.input_len,
            "output_len": plan.output_len, "context_len_at_start": host["context_len_at_start"]}
     out.update(summarize(gpu_events(trace), steps, host["wall_s"], wall_prof, launch_counts(trace)),
-               blocking_calls=blocking_calls(trace), host_us_per_step=host["host_us_per_step"])
+               blocking_calls=blocking_calls(trace), host_us_per_step=host["host_us_per_step"],
+               gpu_us_per_step=host.get("gpu_us_per_step"), gpu_period_us=host.get("gpu_period_us"))
     # the prompt phase as one unit (its figures are per phase, not per engine step); profiled wall time only
     out["prompt_phase"] = {"engine_steps": prompt_steps,
                            **summarize(gpu_events(prompt_trace), 1, wall_prompt, wall_prompt,
@@ -396,7 +443,8 @@ def profile_summary(profiles: list[dict], top: int = 5) -> list[dict]:
     """The result file's `profile` entry: per configuration the per-step figures and the top kernels."""
     keys = ("scenario", "concurrency", "input_len", "output_len", "context_len_at_start", "steps",
             "wall_us_per_step", "wall_us_per_step_profiled", "gpu_busy_us_per_step", "gpu_busy_frac",
-            "gpu_idle_us_per_step", "kernel_sum_us_per_step", "kernels_per_step", "host_us_per_step")
+            "gpu_idle_us_per_step", "kernel_sum_us_per_step", "kernels_per_step", "host_us_per_step",
+            "gpu_us_per_step", "gpu_period_us")
     return [{**{k: p[k] for k in keys},
              "top_kernels": [{k: r[k] for k in ("short", "excl_us_per_step", "excl_pct", "us_per_step")}
                              for r in p["kernels"][:top]]}
@@ -445,6 +493,9 @@ def format_profiles(profiles: list[dict], top: int = 15) -> str:
             h = p["host_us_per_step"]
             lines.append("  host per step (unprofiled): " + ", ".join(f"{k} {h[k]:.0f}" for k in HOST_PHASES if k != "wait")
                          + f" us; waiting for the GPU {h['wait']:.0f} us")
+        if p.get("gpu_us_per_step") is not None:
+            lines.append(f"  GPU per step (timing events, unprofiled): launch -> step end {p['gpu_us_per_step']:.0f} us, "
+                         f"launch -> next launch {p['gpu_period_us']:.0f} us")
         pp = p.get("prompt_phase")
         if pp:
             lines.append(f"  prompt phase ({p['concurrency']} x {p['input_len']} tokens, {pp['engine_steps']} engine "
