@@ -63,13 +63,12 @@ class InputBuffers:
         self._compact = {name: self._raw[o:o + n * dt.itemsize].view(dt) for name, (o, n, dt) in offsets.items()}
         self._compact_host = [{name: raw[o:o + n * dt.itemsize].view(dt) for name, (o, n, dt) in offsets.items()}
                               for raw in self._raw_host]
-        # numpy views of every staging set (writes go straight to pinned memory), made once
-        self._np = [({k: v.numpy() for k, v in self._compact_host[i].items()},
-                     {k: v.numpy() for k, v in self._wide_host[i].items()}) for i in range(self._sets)]
         self._tables_host = [host(max_seqs * max_blocks_per_seq, dtype=torch.int32) for _ in range(self._sets)]
-        self._tables_np = [t.numpy() for t in self._tables_host]
+        # per staging set and layout (wide, compact): numpy views, made once (writes go straight to pinned memory)
+        self._views = [tuple({**{k: v.numpy() for k, v in arrays[i].items()},
+                              "block_tables": self._tables_host[i].numpy()}
+                             for arrays in (self._wide_host, self._compact_host)) for i in range(self._sets)]
         self._turn = 0
-        self._compact_now = True
         self.select_compact()
 
     def select_compact(self) -> None:
@@ -90,9 +89,7 @@ class InputBuffers:
         self._turn = (self._turn + 1) % self._sets
         compact = self.fits_compact(num_tokens, rows)
         self._select(compact)
-        views = dict(self._np[self._turn][0 if compact else 1])
-        views["block_tables"] = self._tables_np[self._turn]
-        return views
+        return self._views[self._turn][compact]
 
     def upload(self, num_tokens: int, num_seqs: int, table_width: int, num_rows: int | None = None,
                state_slots: bool = False) -> None:
