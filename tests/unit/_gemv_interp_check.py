@@ -107,8 +107,8 @@ for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, F
                     from voltllm.kernels.batch_gemm import _counters
                     assert not _counters[x.device].any(), cfg
 # gated: w = [gate; up] (2N rows), silu(gate) * up in the epilogue; pointer and TMA tiles, odd N (the last TMA gate
-# tile reads into the up rows), bias of 2N
-for m, n, k, bias in ((16, 24, 256, True), (17, 20, 300, False), (64, 48, 128, True)):
+# tile reads into the up rows), bias of 2N, a K tail under the TMA tile (K = 160: BLOCK_K 128 + 32 read as zero)
+for m, n, k, bias in ((16, 24, 256, True), (17, 20, 300, False), (64, 48, 128, True), (32, 16, 160, False)):
     x = torch.randn(m, k, dtype=torch.float16)
     w = torch.randn(2 * n, k, dtype=torch.float16) / k ** 0.5
     b = torch.randn(2 * n, dtype=torch.float16) if bias else None
@@ -131,5 +131,5 @@ try:
     raise AssertionError("fp32 accepted")
 except ValueError:
     pass
-assert tma_runs == 14, tma_runs  # 3 aligned shapes x 2 variants x 2 TMA configs, 2 aligned gated shapes
+assert tma_runs == 15, tma_runs  # 3 aligned shapes x 2 variants x 2 TMA configs, 3 aligned gated shapes
 print("ok batch_gemm")
