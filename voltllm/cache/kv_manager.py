@@ -66,11 +66,15 @@ class KVCacheManager:
                        new_computed_blocks: Optional[list[Block]] = None) -> Optional[list[Block]]:
         """Make room for num_new_tokens more tokens; None (and nothing changed) if blocks run out."""
         if not new_computed_blocks:  # the common decode case first: the held blocks have room (no allocation)
-            held = self.req_blocks.get(req.request_id)
+            rid = req.request_id
+            held = self.req_blocks.get(rid)
             if held is not None:
                 total = req.num_computed_tokens + num_new_tokens
-                if total <= len(held) * self.block_size:
-                    self._cache_full_blocks(req, min(total, req.num_tokens))
+                bs = self.block_size
+                if total <= len(held) * bs:
+                    filled = min(total, len(req.all_token_ids))
+                    if self.enable_caching and filled // bs > self.num_cached_blocks.get(rid, 0):
+                        self._cache_full_blocks(req, filled)  # a block fills this step: register its hash
                     return []
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])

@@ -82,5 +82,3 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
 
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)

@@ -101,19 +101,22 @@ class Scheduler:
         scheduled_ids: set[str] = set()
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_output_tokens + req.num_pending >= req.max_tokens:
+        kv, running = self.kv, self.running  # (the loop runs once per running request and step)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            with_pending = len(req.all_token_ids) + req.num_pending
+            if with_pending - req.num_prompt_tokens >= req.max_tokens:
                 i += 1  # its last token is in flight; it finishes when that arrives
                 continue
-            num_new = min(req.num_tokens_with_pending + len(req.spec_token_ids) - req.num_computed_tokens, budget)
-            num_new = self.kv.cap_new_tokens(req, req.num_computed_tokens, num_new)  # hybrid snapshot boundaries
+            computed = req.num_computed_tokens
+            num_new = min(with_pending + len(req.spec_token_ids) - computed, budget)
+            num_new = kv.cap_new_tokens(req, computed, num_new)  # hybrid snapshot boundaries
             if num_new <= 0:
                 i += 1
                 continue
             while True:
-                if self.kv.allocate_slots(req, num_new) is not None:
-                    self._add(out, req, num_new)
+                if kv.allocate_slots(req, num_new) is not None:
+                    self._add(out, req, num_new, with_pending)
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
                     i += 1
@@ -158,9 +161,10 @@ class Scheduler:
         self.step_counter += 1
         return out
 
-    def _add(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+    def _add(self, out: SchedulerOutput, req: Request, num_new: int, with_pending: Optional[int] = None) -> None:
+        """with_pending: req.num_tokens_with_pending, when the caller has it."""
         start = req.num_computed_tokens
-        samples = start + num_new >= req.num_tokens_with_pending
+        samples = start + num_new >= (req.num_tokens_with_pending if with_pending is None else with_pending)
         out.scheduled.append(ScheduledRequest(req, num_new, start, self.kv.block_ids(req), samples,
                                               self.kv.block_array(req)))
         out.total_tokens += num_new
@@ -185,31 +189,35 @@ class Scheduler:
         return out
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        # once per step for every running request: locals and positional constructors keep it ~1 us a request
         now = time.monotonic()
         outputs = self.take_abort_notices()
+        requests, sampled = self.requests, result.sampled
+        logprobs, prompt_lps = result.logprobs, result.prompt_logprobs
+        max_len = self.config.max_model_len
         for s in sched.scheduled:
             req = s.request
-            if req.status.finished or req.request_id not in self.requests:
-                continue  # finished or aborted while the step ran
-            plp = result.prompt_logprobs.get(req.request_id)
+            rid = req.request_id
+            if requests.get(rid) is not req:
+                continue  # finished or aborted while the step ran (its id may even be running again, anew)
+            plp = prompt_lps.get(rid) if prompt_lps else None
             if plp:  # entries for prompt tokens start+1, start+2, ...; keep only ones not seen before
                 req.prompt_logprobs.extend(plp[len(req.prompt_logprobs) - s.start:])
-            token = result.sampled.get(req.request_id)
+            token = sampled.get(rid)
             if token is None:
                 continue
             req.num_pending -= 1
-            req.append_token(token)
+            tokens = req.all_token_ids
+            tokens.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            lp = result.logprobs.get(req.request_id)
-            status = self._check_stop(req, token)
-            out = EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[token],
-                new_logprobs=[lp] if lp is not None else None,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                first_token_time=req.first_token_time, last_token_time=now, scheduled_time=req.scheduled_time)
-            if req.num_output_tokens == 1 and req.wants_prompt_logprobs:
+            lp = logprobs.get(rid) if logprobs else None
+            num_out = len(tokens) - req.num_prompt_tokens
+            status = self._check_stop(req, token, num_out, len(tokens) >= max_len)
+            out = EngineCoreOutput(rid, [token], None, None, [lp] if lp is not None else None, None,
+                                   max(req.num_cached_tokens, 0), req.first_token_time, now, req.scheduled_time)
+            if num_out == 1 and req.wants_prompt_logprobs:
                 out.prompt_logprobs = [None] + req.prompt_logprobs[: req.num_prompt_tokens - 1]
             if status is not None:
                 out.finish_reason = status.value
@@ -218,15 +226,16 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+    @staticmethod
+    def _check_stop(req: Request, token: int, num_out: int, at_max_len: bool) -> Optional[RequestStatus]:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        if num_out >= sp.min_tokens:
             if not sp.ignore_eos and token in sp._eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_out >= req.max_tokens or at_max_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
