@@ -38,7 +38,7 @@
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s39      (next session) decode-batch GEMM for weights under 4 MiB: GPU tests with SmolLM2's shapes, start-up
-#            cost on a cold Triton cache, SmolLM2-shape 16 / 64 concurrent A / B
+#            cost on a cold Triton cache, SmolLM2-shape 16 / 64 concurrent A / B; one split-KV partition A / B
 #   s38      (session 14) GPU files for session 13's host changes, cProfile of SmolLM2-shape 64-concurrent decode
 #            steps (benchmarks/micro/host_step_profile.py), 64 concurrent SmolLM2 shape / 8B at HEAD
 #   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
@@ -494,6 +494,12 @@ case $stage in
         --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 --concurrency 16,64 \
         --name smollm2-135m-shape-fp16-c16-c64-minw$v-$sha > "$out/c64-minw$v.log"; grep -E "^(concurrent|output_tok)" "$out/c64-minw$v.log"
     done
+    # and one split-KV partition (no reduce launch): graphs size their split count for --max-model-len, so SmolLM2's
+    # 64 x 3 kv heads decode in 2 partitions + a reduce at 128-256 tokens (MAX_SPLITS=1: at most one, for this A / B)
+    bench_via "python3 benchmarks/set_and_run.py voltllm.kernels.attention.paged_decode:MAX_SPLITS=1 --" \
+      --random-weights smollm2-135m-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
+      --num-warm 2 --concurrency 16,64 --name smollm2-135m-shape-fp16-c16-c64-nosplit-$sha > "$out/c64-nosplit.log"
+    grep -E "^(concurrent|output_tok)" "$out/c64-nosplit.log"
     ;;
   s38)  # (session 14) GPU files for session 13's host changes, the host profile of a small model's 64-concurrent
     # decode (cProfile), then 64 concurrent at HEAD for SmolLM2's shape and the 8B shape
