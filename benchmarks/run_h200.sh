@@ -38,7 +38,7 @@
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s39      (next session) decode-batch GEMM for weights under 4 MiB: GPU tests with SmolLM2's shapes, start-up
-#            cost on a cold Triton cache, SmolLM2-shape 16 / 64 concurrent A / B; one split-KV partition A / B
+#            cost on a cold Triton cache; s39b: SmolLM2-shape 16 / 64 concurrent A / B, and one split-KV partition
 #   s38      (session 14) GPU files for session 13's host changes, cProfile of SmolLM2-shape 64-concurrent decode
 #            steps (benchmarks/micro/host_step_profile.py), 64 concurrent SmolLM2 shape / 8B at HEAD
 #   s17      (session 9) s16 again after the gated TMA fit, and the norm warps micro
@@ -478,7 +478,7 @@ case $stage in
     done
     ;;
   s39)  # (next session) decode-batch GEMM for weights under 4 MiB: the GPU tests with SmolLM2's shapes (TMA K tails),
-    # the start-up cost of tuning them on a cold Triton cache, then 64 concurrent A / B with a warm cache
+    # and the start-up cost of tuning them on a cold Triton cache (s39b: the A / B with a warm cache)
     gpu_file test_gemv_cuda 300 -k "batch"
     st=voltllm.worker.skinny_tuning:BATCH_MIN_WEIGHT_BYTES
     for v in 4194304 0; do  # each on a cold compile cache: engine_start_s differs by the small shapes' tuning
@@ -489,6 +489,9 @@ case $stage in
       python3 -c "import json,sys; print('$v', json.load(open(sys.argv[1]))['config']['engine_start_s'])" \
         "$out/smollm2-135m-shape-fp16-c64-minw$v-cold-$sha.json"
     done
+    ;;
+  s39b)  # (next session, right after s39) warm-cache A / B: small-weight tuning on / off, one split-KV partition
+    st=voltllm.worker.skinny_tuning:BATCH_MIN_WEIGHT_BYTES
     for v in 0 4194304; do
       bench_via "python3 benchmarks/set_and_run.py $st=$v --" --random-weights smollm2-135m-shape --dtype half \
         --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 --concurrency 16,64 \
