@@ -203,10 +203,10 @@ class ModelRunner:
         qsl, seq_lens = [0], []
         pending_dst, pending_src = [], []
         t = 0
-        ids_h, pos_h, slot_h = h["input_ids"], h["positions"], h["slot_mapping"]
         if sched.total_tokens == n_seqs:  # decode: one token per row, written as three bulk stores
             t, qsl, seq_lens = self._prepare_decode_rows(sched.scheduled, table, h, pending_dst, pending_src)
         else:
+            ids_h, pos_h, slot_h = h["input_ids"], h["positions"], h["slot_mapping"]
             for i, s in enumerate(sched.scheduled):
                 req, n, start = s.request, s.num_new_tokens, s.start
                 bids = s.block_ids
