@@ -37,6 +37,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s40      (session 15) where the time to first token goes at 64 x 128 tokens (micro/prompt_phase_timeline.py), 8B
+#            and SmolLM2's shape
 #   s39      (next session) decode-batch GEMM for weights under 4 MiB: GPU tests with SmolLM2's shapes, start-up
 #            cost on a cold Triton cache; s39b: SmolLM2-shape 16 / 64 concurrent A / B, and one split-KV partition
 #   s38      (session 14) GPU files for session 13's host changes, cProfile of SmolLM2-shape 64-concurrent decode
@@ -475,6 +477,12 @@ case $stage in
       set -- $v
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s40)  # (session 15) the prompt step's host and GPU timeline when 64 requests arrive together
+    for m in qwen3-8b-shape smollm2-135m-shape; do
+      timeout 240 python3 benchmarks/micro/prompt_phase_timeline.py --shape $m --concurrency 64 > "$out/timeline-$m.txt" 2>&1
+      echo "$m rc=$?"; grep -v -i warn "$out/timeline-$m.txt" | tail -5
     done
     ;;
   s39)  # (next session) decode-batch GEMM for weights under 4 MiB: the GPU tests with SmolLM2's shapes (TMA K tails),
