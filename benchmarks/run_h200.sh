@@ -37,6 +37,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s41      (session 15) small weights tuned on their short candidate list: start-up on a cold Triton cache and
+#            SmolLM2-shape 16 / 64 concurrent, the tuned-model GPU test; the 8B prompt-step timeline
 #   s40      (session 15) where the time to first token goes at 64 x 128 tokens (micro/prompt_phase_timeline.py), 8B
 #            and SmolLM2's shape
 #   s39      (next session) decode-batch GEMM for weights under 4 MiB: GPU tests with SmolLM2's shapes, start-up
@@ -478,6 +480,17 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s41)  # (session 15) decode-batch GEMM for every weight, small ones on a short candidate list
+    rm -rf ~/.triton/cache
+    bench --random-weights smollm2-135m-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
+      --num-warm 2 --concurrency 16,64 --name smollm2-135m-shape-fp16-c16-c64-cold-$sha > "$out/c64-small-cold.log"
+    grep -E "^(concurrent|output_tok)" "$out/c64-small-cold.log"
+    python3 -c "import json,sys; print('engine_start_s', json.load(open(sys.argv[1]))['config']['engine_start_s'])" \
+      "$out/smollm2-135m-shape-fp16-c16-c64-cold-$sha.json"
+    gpu_file test_gemv_cuda 200 -k "tuned_model"
+    timeout 200 python3 benchmarks/micro/prompt_phase_timeline.py --shape qwen3-8b-shape --concurrency 64 --runs 4 \
+      > "$out/timeline-8b.txt" 2>&1; echo "timeline rc=$?"; grep -v -i warn "$out/timeline-8b.txt" | tail -6
     ;;
   s40)  # (session 15) the prompt step's host and GPU timeline when 64 requests arrive together
     for m in qwen3-8b-shape smollm2-135m-shape; do

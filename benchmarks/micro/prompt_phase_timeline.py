@@ -69,13 +69,14 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="8192: the bench's default")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     _ON_CUDA = args.device == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         path = materialize(args.shape, tmp)
         ea = EngineArgs(model=path, load_format="dummy", dtype="float16", device=args.device, max_model_len=2048,
-                        max_num_seqs=max(args.concurrency, 16))
+                        max_num_seqs=max(args.concurrency, 16), max_num_batched_tokens=args.max_num_batched_tokens)
         ea.skip_tokenizer_init = True
         eng = build_engine(ea)
         vocab = eng.config.model.hf_config.vocab_size

@@ -129,22 +129,31 @@ def test_batch_gemm_split_k_in_graph_is_deterministic():
             assert not _counters[x.device].any()
 
 
-def test_batch_tuned_model_matches_cublas():
+def test_batch_tuned_model_matches_cublas(monkeypatch):
     """Decode-batch tuning on 8 MiB weights at 16 / 64 rows: the layers give cuBLAS's answer at every row
-    count, whichever GEMM they chose, and weights under BATCH_MIN_WEIGHT_BYTES are not timed."""
+    count, whichever GEMM they chose, and weights under BATCH_MIN_WEIGHT_BYTES are not timed; with the default
+    threshold (0) a small weight is timed on the short candidate list and gives cuBLAS's answer too."""
+    from voltllm.kernels.batch_gemm import SMALL_WEIGHT_CONFIGS
     from voltllm.model.layers.linear import Linear, down_proj_silu_mul
+    from voltllm.worker import skinny_tuning
     from voltllm.worker.skinny_tuning import tune_batch_gemm
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[Linear(2048, 2048, dtype=torch.float16) for _ in range(4)],
-                                Linear(64, 64, dtype=torch.float16)).cuda()
+                                Linear(576, 960, dtype=torch.float16)).cuda()
     for m in model:
         m.weight.data.normal_(0, 0.02)
+    monkeypatch.setattr(skinny_tuning, "BATCH_MIN_WEIGHT_BYTES", 4 << 20)
     decisions = tune_batch_gemm(model, [1, 8, 16, 64, 128])
     assert set(decisions) == {(2048, 2048, 16), (2048, 2048, 64)}
+    assert not model[4].batch_gemm
+    monkeypatch.setattr(skinny_tuning, "BATCH_MIN_WEIGHT_BYTES", 0)
+    small = tune_batch_gemm(model[4:], [16, 64])
+    assert set(small) == {(960, 576, 16), (960, 576, 64)}
+    assert all(c is None or c in SMALL_WEIGHT_CONFIGS for c in small.values())
     for rows in (16, 64, 33):
-        x = torch.randn(rows, 2048, dtype=torch.float16, device="cuda")
-        for m in list(model)[:4]:
+        for m, k in [(m, 2048) for m in list(model)[:4]] + [(model[4], 576)]:
+            x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
             ref = torch.nn.functional.linear(x, m.weight).float()
             assert ((m(x).float() - ref).norm() / ref.norm()).item() < 2e-3
         gu = torch.randn(rows, 4096, dtype=torch.float16, device="cuda")

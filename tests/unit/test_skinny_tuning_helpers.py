@@ -113,3 +113,15 @@ def test_prologue_or_silu_kernel_keeps_the_faster(monkeypatch):
         got = T._prologue_or_silu_kernel([], x, (), lambda x_, w_, cfg: x_, "pro-cfg", 0.036, "GEMV")
         assert got[:3] == expect and "SiLU kernel + GEMV" in got[3]
     assert seen["silu_mul"] is True and seen["run_input"] == (1, 4)
+
+
+def test_small_weights_time_the_short_candidate_list():
+    """Weights under SMALL_WEIGHT_BYTES are timed on SMALL_WEIGHT_CONFIGS (start-up compile time); TMA tiles only
+    where the device has TMA; larger weights (or no size) get every candidate."""
+    from voltllm.kernels import batch_gemm as B
+
+    cpu = torch.device("cpu")  # no TMA
+    small = B.configs_for(cpu, B.SMALL_WEIGHT_BYTES - 1)
+    assert small and set(small) <= set(B.SMALL_WEIGHT_CONFIGS) and all(len(c) == 5 for c in small)
+    assert B.configs_for(cpu, B.SMALL_WEIGHT_BYTES) == B.CONFIGS == B.configs_for(cpu)
+    assert all(c in B.CONFIGS + B.TMA_CONFIGS for c in B.SMALL_WEIGHT_CONFIGS)

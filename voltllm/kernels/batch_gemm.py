@@ -216,9 +216,19 @@ def tma_supported(device: torch.device) -> bool:
     return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
 
 
-def configs_for(device: torch.device) -> tuple[tuple, ...]:
-    """The candidates the start-up tuner times on `device`."""
-    return CONFIGS + (TMA_CONFIGS if tma_supported(device) else ())
+# The candidates for weights under SMALL_WEIGHT_BYTES: every config costs start-up compile time per row count and K,
+# and timing all of them on SmolLM2's four shapes took 57 s on a cold Triton cache (H200, session 15). These three
+# were the fastest there at 16-64 rows for every shape (results/batch-gemm-small-weights/).
+SMALL_WEIGHT_BYTES = 4 << 20
+SMALL_WEIGHT_CONFIGS: tuple[tuple, ...] = ((32, 128, 4, 4, 1), (16, 256, 4, 4, 1), (32, 256, 4, 4, 1, True))
+
+
+def configs_for(device: torch.device, weight_bytes: Optional[int] = None) -> tuple[tuple, ...]:
+    """The candidates the start-up tuner times on `device` (for a weight of `weight_bytes`, when given)."""
+    tma = tma_supported(device)
+    if weight_bytes is not None and weight_bytes < SMALL_WEIGHT_BYTES:
+        return tuple(c for c in SMALL_WEIGHT_CONFIGS if tma or len(c) < 6)
+    return CONFIGS + (TMA_CONFIGS if tma else ())
 
 
 MAX_COUNTERS = 1 << 16  # output tiles a split-K call may have (N / BLOCK_N)

@@ -241,12 +241,12 @@ def _time_gated(weights: list[torch.Tensor], x: torch.Tensor, configs, run_gated
     return f" (with the SiLU*mul in the epilogue {t_gated * 1e3:.1f} us)"
 
 
-# Weights below this stay on cuBLAS at every decode-batch row count (not timed). Session 14 measured 0 on the H200
-# (benchmarks/results/batch-gemm-small-weights/): at SmolLM2's shapes and 64 rows the Triton tiles win alone too
-# (2.7-5.0 vs 3.0-6.1 us, and the MLP takes the gated form), and 64 concurrent ran at 68,440 vs 56,659 tok/s
-# (window; output 59,039 vs 50,609) in one call. Left at 4 MiB until the GPU tests cover TMA tiles with a K tail
-# (tests/gpu/test_gemv_cuda.py now has SmolLM2's shapes) and the start-up cost of tuning the small shapes is known.
-BATCH_MIN_WEIGHT_BYTES = 4 << 20
+# Weights below this stay on cuBLAS at every decode-batch row count (not timed). 0: every weight is timed. Measured
+# on the H200 (benchmarks/results/batch-gemm-small-weights/): at SmolLM2's shapes and 16-64 rows the Triton tiles
+# win alone (2.5-5.0 vs 2.9-6.0 us, and the MLP takes the gated form); 64 concurrent 71,776 vs 56,604 tok/s (window;
+# output 61,127 vs 50,040), 16 concurrent 20,784 vs 16,046 (session 15, one call). Weights under
+# batch_gemm.SMALL_WEIGHT_BYTES time a short candidate list (start-up compile time).
+BATCH_MIN_WEIGHT_BYTES = 0
 
 
 @torch.inference_mode()
@@ -265,7 +265,7 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
         if n * k * mods[0].weight.element_size() < BATCH_MIN_WEIGHT_BYTES or not rows_list:
             continue
         weights = _rotation([m.weight for m in mods])
-        configs = configs_for(weights[0].device)
+        configs = configs_for(weights[0].device, n * k * mods[0].weight.element_size())
         for rows in rows_list:
             x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, configs, batch_gemm,
                                                                   "GEMM")
