@@ -37,7 +37,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
-#   s42a/b   (session 15, two calls within 30 s; s42a carries .carry/p0, s42b .carry/p1) GPU files that small-weight
+#   s42a/b   (session 15, calls within 30 s: s42a carries .whl, then `mkdir -p /root/m; cp .carry/p0/part.* /root/m`
+#            carrying .carry/p0, then s42b carrying .carry/p1: the tree, .whl and one part exceed 64 MiB) GPU files that small-weight
 #            decode-batch GEMMs reach (engine, hybrid, fp8 KV), the real SmolLM2 GGUF's answers and 64 concurrent
 #   s41      (session 15) small weights tuned on their short candidate list: start-up on a cold Triton cache and
 #            SmolLM2-shape 16 / 64 concurrent, the tuned-model GPU test; the 8B prompt-step timeline
@@ -484,7 +485,6 @@ case $stage in
     done
     ;;
   s42a)  # (session 15) GPU files the small-weight decode-batch GEMM reaches (tiny models have only small weights)
-    mkdir -p /root/m && cp .carry/p0/part.* /root/m/
     gpu_file test_engine_gpu 200
     gpu_file test_hybrid_gpu 300
     ;;
