@@ -37,6 +37,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s43      (session 15; after a call carrying .whl, then one carrying .carry/p0 that copies it to /root/m, this one
+#            carries .carry/p1) prompt-step timelines of the real SmolLM2 GGUF and its random-weight shape, 16 / 64
 #   s42a/b   (session 15, calls within 30 s: s42a carries .whl, then `mkdir -p /root/m; cp .carry/p0/part.* /root/m`
 #            carrying .carry/p0, then s42b carrying .carry/p1: the tree, .whl and one part exceed 64 MiB) GPU files that small-weight
 #            decode-batch GEMMs reach (engine, hybrid, fp8 KV), the real SmolLM2 GGUF's answers and 64 concurrent
@@ -482,6 +484,15 @@ case $stage in
       set -- $v
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s43)  # (session 15) why the real SmolLM2 GGUF's TTFT is twice its shape's (33 vs 17 ms at 16 concurrent)
+    cp .carry/p1/part.* /root/m/ && cat /root/m/part.* > /root/m/smollm2.gguf
+    for c in 16 64; do
+      for m in "--model /root/m/smollm2.gguf" "--shape smollm2-135m-shape"; do
+        timeout 100 python3 benchmarks/micro/prompt_phase_timeline.py $m --concurrency $c --runs 3 2>&1 | grep -v -i warn \
+          | tail -4 | tee -a "$out/timeline-smollm2-gguf-vs-shape.txt"
+      done
     done
     ;;
   s42a)  # (session 15) GPU files the small-weight decode-batch GEMM reaches (tiny models have only small weights)

@@ -1,8 +1,9 @@
 """Where the time to first token goes when C requests arrive together: host phases and GPU times of the prompt step.
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/prompt_phase_timeline.py [--shape qwen3-8b-shape] [--concurrency 64]
+    PYTHONPATH=$PWD python3 benchmarks/micro/prompt_phase_timeline.py [--shape qwen3-8b-shape | --model PATH]
+        [--concurrency 64]
 
-Random weights of a named shape (as `voltllm bench --random-weights`), C requests of `--input-len` random prompt
+Random weights of a named shape (as `voltllm bench --random-weights`) or a model path, C requests of `--input-len` random prompt
 tokens, greedy, forced lengths, on an idle GPU (as a bench run starts). One untimed run first (compiles, cuBLAS
 heuristics), then `--runs` timed runs. For each: milliseconds from the requests' arrival (t0) to the first
 scheduling's end, the prompt step's host launch (prepare + enqueue) end, the GPU's start of the prompt step (a
@@ -65,6 +66,7 @@ def main() -> None:
     global _ON_CUDA
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-8b-shape")
+    ap.add_argument("--model", default=None, help="a model path (GGUF file or HF folder) instead of --shape")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=4)
@@ -74,8 +76,8 @@ def main() -> None:
     args = ap.parse_args()
     _ON_CUDA = args.device == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
-        path = materialize(args.shape, tmp)
-        ea = EngineArgs(model=path, load_format="dummy", dtype="float16", device=args.device, max_model_len=2048,
+        path = args.model or materialize(args.shape, tmp)
+        ea = EngineArgs(model=path, load_format="auto" if args.model else "dummy", dtype="float16", device=args.device, max_model_len=2048,
                         max_num_seqs=max(args.concurrency, 16), max_num_batched_tokens=args.max_num_batched_tokens)
         ea.skip_tokenizer_init = True
         eng = build_engine(ea)
@@ -150,7 +152,7 @@ def main() -> None:
                        after_layers=marks.layers[-1][1].elapsed_time(g["gpu_end"]))
             if run:
                 rows.append(row)
-        print(f"{args.shape}, {args.concurrency} x {args.input_len} tokens, ms from arrival (t0):")
+        print(f"{args.model or args.shape}, {args.concurrency} x {args.input_len} tokens, ms from arrival (t0):")
         keys = list(rows[0])
         print(" ".join(f"{k:>16}" for k in keys))
         for r in rows:
