@@ -262,10 +262,11 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
     gated_shapes = {tuple(gu.weight.shape) for gu, _ in pairs}
     timings: dict[tuple, dict] = {}  # per (N, K, silu_mul, rows), for the MLP-level choice below
     for (n, k, silu), mods in _unquantized_groups(model).items():
-        if n * k * mods[0].weight.element_size() < BATCH_MIN_WEIGHT_BYTES or not rows_list:
+        nbytes = n * k * mods[0].weight.element_size()
+        if nbytes < BATCH_MIN_WEIGHT_BYTES or not rows_list:
             continue
         weights = _rotation([m.weight for m in mods])
-        configs = configs_for(weights[0].device, n * k * mods[0].weight.element_size())
+        configs = configs_for(weights[0].device, nbytes)
         for rows in rows_list:
             x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, configs, batch_gemm,
                                                                   "GEMM")
