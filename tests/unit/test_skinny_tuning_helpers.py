@@ -125,3 +125,22 @@ def test_small_weights_time_the_short_candidate_list():
     assert small and set(small) <= set(B.SMALL_WEIGHT_CONFIGS) and all(len(c) == 5 for c in small)
     assert B.configs_for(cpu, B.SMALL_WEIGHT_BYTES) == B.CONFIGS == B.configs_for(cpu)
     assert all(c in B.CONFIGS + B.TMA_CONFIGS for c in B.SMALL_WEIGHT_CONFIGS)
+
+
+def test_time_group_without_the_prologue_times_only_silu_kernel_plus_gemm(monkeypatch):
+    """prologue=False (the decode-batch tuner's default): a down projection is timed once, as SiLU kernel + plain
+    GEMM (the GEMM gets silu(gate) * up, never silu_mul=True) against SiLU + cuBLAS; its result is the split form's
+    (activation not in the prologue), recorded as the split choice too for the MLP-level gated choice."""
+    calls = []
+
+    def fake_fastest(weights, x, configs, run, silu_mul=False):
+        calls.append((silu_mul, run(x, "w", "cfg")))
+        return 7.0, "split-cfg", 0.005
+    monkeypatch.setattr(T, "_fastest", fake_fastest)
+    gemm = lambda x_, w_, config, silu_mul=False: (x_.shape, silu_mul)  # noqa: E731
+    x, t_lib, best, t_tri, fused, note, rec = T._time_group([torch.zeros(4, 8)], 8, True, 16, ("cfg",), gemm, "GEMM",
+                                                            prologue=False)
+    assert calls == [(True, ((16, 8), False))] and x.shape == (16, 16)
+    assert (t_lib, best, t_tri, fused) == (7.0, "split-cfg", 0.005, False) and "SiLU kernel + GEMM" in note
+    assert rec["best_split"] == rec["best"] == "split-cfg" and rec["t_split"] == rec["t_tri"] == 0.005
+    assert T.BATCH_SILU_PROLOGUE is False

@@ -106,11 +106,19 @@ def _prologue_or_silu_kernel(weights: list[torch.Tensor], x: torch.Tensor, confi
 
 
 def _time_group(weights: list[torch.Tensor], k: int, silu: bool, rows: int, configs, gemm,
-                kind: str) -> tuple[torch.Tensor, float, object, float, bool, str, dict]:
+                kind: str, prologue: bool = True) -> tuple[torch.Tensor, float, object, float, bool, str, dict]:
     """Time one weight shape at `rows` rows as the model runs it: cuBLAS against the Triton GEMM `gemm(x, w,
-    config=, silu_mul=)`, and for a down projection (silu) both forms of its activation. Returns (x, cuBLAS ms,
-    best config, its ms, activation in the prologue, log note, the timings the MLP-level choice needs)."""
+    config=, silu_mul=)`, and for a down projection (silu) both forms of its activation (only the SiLU kernel +
+    plain GEMM without `prologue`). Returns (x, cuBLAS ms, best config, its ms, activation in the prologue, log
+    note, the timings the MLP-level choice needs)."""
+    from voltllm.model.layers.activation import silu_and_mul
+
     x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
+    if silu and not prologue:
+        t_lib, best, t_tri = _fastest(weights, x, configs,
+                                      lambda x_, w_, cfg: gemm(silu_and_mul(x_), w_, config=cfg), silu_mul=True)
+        rec = {"best": best, "t_tri": t_tri, "best_split": best, "t_split": t_tri}
+        return x, t_lib, best, t_tri, False, f" (SiLU kernel + {kind})", rec
     t_lib, best, t_tri = _fastest(weights, x, configs, lambda x_, w_, cfg: gemm(x_, w_, config=cfg, silu_mul=silu),
                                   silu)
     fused, note, rec = True, "", {"best": best, "t_tri": t_tri}
@@ -269,7 +277,7 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
         configs = configs_for(weights[0].device, nbytes)
         for rows in rows_list:
             x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, configs, batch_gemm,
-                                                                  "GEMM")
+                                                                  "GEMM", prologue=BATCH_SILU_PROLOGUE)
             # no PDL credit here: with it (2604e73) qkv / o / down moved to Triton at 16-64 rows and the H200
             # measured 16 concurrent at 1,346 vs 3,161 tok/s and 64 concurrent 10,970 vs 11,198 (window). The
             # down projection's silu*mul variant, timed as it runs since bbcaa67, is 4-7x slower than SiLU +
@@ -293,6 +301,12 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
         logger.info("decode-batch GEMM choice (cold L2):\n  %s", "\n  ".join(lines))
     return decisions
 
+
+# Whether the decode-batch tuner also times the down projection with the SiLU*mul in its prologue. Off: at 16-64 rows
+# every program recomputes the activation of all rows over the whole K, and on the H200 it lost to the SiLU kernel +
+# plain GEMM at every shape and row count timed (8B 123-238 vs 31-34 us, session 5; SmolLM2's 576x1536 10.0-21.4 vs
+# 4.8-5.3 us, session 15), while its variants cost start-up compile time (one per tile and row block).
+BATCH_SILU_PROLOGUE = False
 
 # Whether the decode-batch tuner also times gate_up with the SiLU*mul in its epilogue (`batch_gemm(gated=True)`).
 BATCH_GATED = True
