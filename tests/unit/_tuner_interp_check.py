@@ -1,0 +1,74 @@
+"""Run under TRITON_INTERPRET=1 (see test_tuner_interp.py): the decode-batch tuner end to end on a tiny MLP with real
+Triton kernels (interpreted) and faked timings. The tuner normally runs only on CUDA weights and times CUDA-graph
+replays; here `_unquantized_groups` takes CPU weights and `graph_replay_ms` runs the call once and returns 0.5 ms
+when it launched the decode-batch GEMM, 1.0 ms when it did not (cuBLAS side), so Triton always wins and the first
+working candidate is chosen. Prints "ok tuner" when every check holds."""
+import torch
+
+from interp_util import patch_interpreter_index
+
+patch_interpreter_index()
+from voltllm.kernels import batch_gemm as B  # noqa: E402
+from voltllm.model.layers.linear import Linear, down_proj_silu_mul, gated_mlp  # noqa: E402
+from voltllm.worker import skinny_tuning as T  # noqa: E402
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=torch.float16)
+        self.down_proj = Linear(inter, hidden, dtype=torch.float16)
+        self.gate_up_proj.silu_mul_output = True
+        self.down_proj.silu_mul_input = True
+
+
+def _groups(model):
+    groups = {}
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            groups.setdefault((*mod.weight.shape, mod.silu_mul_input), []).append(mod)
+    return groups
+
+
+launches, tried = [], set()
+real_gemm = B.batch_gemm
+
+
+def counted_gemm(*args, **kwargs):
+    launches.append(kwargs.get("silu_mul", False))
+    tried.add(kwargs.get("config"))
+    return real_gemm(*args, **kwargs)
+
+
+def fake_replay_ms(fn, weights):
+    before = len(launches)
+    fn(weights[0])
+    return 0.5 if len(launches) > before else 1.0
+
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(_MLP(64, 96))
+for p in model.parameters():
+    p.data.normal_(0, 0.05)
+T._unquantized_groups, T.graph_replay_ms, T._rotation = _groups, fake_replay_ms, lambda ws: ws
+B.batch_gemm = counted_gemm
+rows = [16, 64]
+decisions = T.tune_batch_gemm(model, [1, 8] + rows)
+mlp = model[0]
+gu, down = mlp.gate_up_proj, mlp.down_proj
+small = {c for c in B.SMALL_WEIGHT_CONFIGS if len(c) == 5}  # the CPU has no TMA
+assert set(decisions) == {(192, 64, r) for r in rows} | {(64, 96, r, "silu_mul") for r in rows}, decisions
+assert tried == small and all(decisions[k] in small for k in decisions), (tried, decisions)  # the short list only
+assert launches and not any(launches), "the down projection's prologue form was timed"
+assert down.batch_silu_fused == {r: False for r in rows} and set(down.batch_gemm) == set(rows)
+assert set(gu.batch_gemm) == set(rows)
+for r in rows + [33]:  # 33: no tuned config, cuBLAS path
+    x = torch.randn(r, 64, dtype=torch.float16)
+    act = torch.nn.functional.silu(x.float() @ gu.weight[:96].float().t()) * (x.float() @ gu.weight[96:].float().t())
+    ref = act @ down.weight.float().t()
+    got = gated_mlp(gu, down, x).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2, r
+    g = torch.randn(r, 192, dtype=torch.float16)
+    ref = (torch.nn.functional.silu(g[:, :96].float()) * g[:, 96:].float()) @ down.weight.float().t()
+    assert ((down_proj_silu_mul(down, g).float() - ref).norm() / ref.norm()).item() < 1e-2, r
+print("ok tuner")
