@@ -90,16 +90,21 @@ def _fastest(weights: list[torch.Tensor], x: torch.Tensor, configs, run,
     return t_lib, best, t_tri
 
 
+def _silu_kernel_then(weights: list[torch.Tensor], x: torch.Tensor, configs, run_plain) -> tuple[float, object, float]:
+    """A down projection (x = [gate | up]) as the SiLU*mul kernel followed by the plain Triton GEMM (`run_plain(x, w,
+    cfg)` gets the activation), against the SiLU*mul kernel + cuBLAS: (cuBLAS ms, best config, its ms)."""
+    from voltllm.model.layers.activation import silu_and_mul
+
+    return _fastest(weights, x, configs, lambda x_, w_, cfg: run_plain(silu_and_mul(x_), w_, cfg), silu_mul=True)
+
+
 def _prologue_or_silu_kernel(weights: list[torch.Tensor], x: torch.Tensor, configs, run_plain, best, t_tri: float,
                              kind: str) -> tuple[bool, object, float, str, object, float]:
     """A down projection (x = [gate | up]) whose Triton GEMM with the activation in its prologue timed `t_tri`
     (config `best`): also time the SiLU*mul kernel followed by the plain Triton GEMM (`run_plain(x, w, cfg)`); the
     prologue recomputes the activation in every program. Returns (prologue kept, config, ms, log note) and the
     SiLU kernel + plain GEMM's own best config and ms (the MLP-level gated choice uses them)."""
-    from voltllm.model.layers.activation import silu_and_mul
-
-    _, best_split, t_split = _fastest(weights, x, configs, lambda x_, w_, cfg: run_plain(silu_and_mul(x_), w_, cfg),
-                                      silu_mul=True)
+    _, best_split, t_split = _silu_kernel_then(weights, x, configs, run_plain)
     note = f" (silu*mul in the prologue {t_tri * 1e3:.1f} us, SiLU kernel + {kind} {t_split * 1e3:.1f} us)"
     choice = (False, best_split, t_split) if t_split < t_tri else (True, best, t_tri)
     return (*choice, note, best_split, t_split)
@@ -111,12 +116,9 @@ def _time_group(weights: list[torch.Tensor], k: int, silu: bool, rows: int, conf
     config=, silu_mul=)`, and for a down projection (silu) both forms of its activation (only the SiLU kernel +
     plain GEMM without `prologue`). Returns (x, cuBLAS ms, best config, its ms, activation in the prologue, log
     note, the timings the MLP-level choice needs)."""
-    from voltllm.model.layers.activation import silu_and_mul
-
     x = torch.randn(rows, 2 * k if silu else k, dtype=weights[0].dtype, device=weights[0].device)
     if silu and not prologue:
-        t_lib, best, t_tri = _fastest(weights, x, configs,
-                                      lambda x_, w_, cfg: gemm(silu_and_mul(x_), w_, config=cfg), silu_mul=True)
+        t_lib, best, t_tri = _silu_kernel_then(weights, x, configs, lambda x_, w_, cfg: gemm(x_, w_, config=cfg))
         rec = {"best": best, "t_tri": t_tri, "best_split": best, "t_split": t_tri}
         return x, t_lib, best, t_tri, False, f" (SiLU kernel + {kind})", rec
     t_lib, best, t_tri = _fastest(weights, x, configs, lambda x_, w_, cfg: gemm(x_, w_, config=cfg, silu_mul=silu),
