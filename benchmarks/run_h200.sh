@@ -37,6 +37,9 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s44      (next session) GPU check of session 15's last tuner change (the batch tuner no longer times the down
+#            projection's prologue form): engine / hybrid GPU files, cold-cache start-up and 16 / 64 concurrent for
+#            SmolLM2's shape, then the 8B shape's start-up and 64 concurrent
 #   s43      (session 15; after a call carrying .whl, then one carrying .carry/p0 that copies it to /root/m, this one
 #            carries .carry/p1) prompt-step timelines of the real SmolLM2 GGUF and its random-weight shape, 16 / 64
 #   s42a/b   (session 15, calls within 30 s: s42a carries .whl, then `mkdir -p /root/m; cp .carry/p0/part.* /root/m`
@@ -484,6 +487,19 @@ case $stage in
       set -- $v
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s44)  # (next session) the batch tuner without the prologue form: tests, cold start-ups, throughput
+    gpu_file test_engine_gpu 200
+    gpu_file test_hybrid_gpu 250 -k "engine or graph"
+    rm -rf ~/.triton/cache
+    for m in smollm2-135m-shape qwen3-8b-shape; do
+      c=64; [ $m = smollm2-135m-shape ] && c=16,64
+      bench --random-weights $m --dtype half --scenario concurrency --input-len 128 --output-len 128 --num-warm 2 \
+        --concurrency $c --name $m-fp16-c64-cold-$sha > "$out/c64-cold-$m.log"
+      grep -E "^(concurrent|output_tok)" "$out/c64-cold-$m.log"
+      python3 -c "import json,sys; print('engine_start_s', json.load(open(sys.argv[1]))['config']['engine_start_s'])" \
+        "$out/$m-fp16-c64-cold-$sha.json"
     done
     ;;
   s43)  # (session 15) why the real SmolLM2 GGUF's TTFT is twice its shape's (33 vs 17 ms at 16 concurrent)
