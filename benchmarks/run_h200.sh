@@ -37,9 +37,9 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
-#   s44      (next session) GPU check of session 15's last tuner change (the batch tuner no longer times the down
-#            projection's prologue form): engine / hybrid GPU files, cold-cache start-up and 16 / 64 concurrent for
-#            SmolLM2's shape, then the 8B shape's start-up and 64 concurrent
+#   s44a/b   (session 16) GPU check of session 15's last tuner change (the batch tuner no longer times the down
+#            projection's prologue form): s44a the engine / hybrid / fp8 KV GPU files; s44b cold-cache start-up and
+#            16 / 64 concurrent for SmolLM2's shape, then the 8B shape's start-up and 64 concurrent
 #   s43      (session 15; after a call carrying .whl, then one carrying .carry/p0 that copies it to /root/m, this one
 #            carries .carry/p1) prompt-step timelines of the real SmolLM2 GGUF and its random-weight shape, 16 / 64
 #   s42a/b   (session 15, calls within 30 s: s42a carries .whl, then `mkdir -p /root/m; cp .carry/p0/part.* /root/m`
@@ -489,9 +489,12 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
-  s44)  # (next session) the batch tuner without the prologue form: tests, cold start-ups, throughput
+  s44a)  # (session 16) the batch tuner without the prologue form: the GPU files its tiny models reach
     gpu_file test_engine_gpu 200
-    gpu_file test_hybrid_gpu 250 -k "engine or graph"
+    gpu_file test_hybrid_gpu 220 -k "engine or graph"
+    gpu_file test_fp8_kv_gpu 170
+    ;;
+  s44b)  # (session 16) the same change: cold-cache start-ups and throughput
     rm -rf ~/.triton/cache
     for m in smollm2-135m-shape qwen3-8b-shape; do
       c=64; [ $m = smollm2-135m-shape ] && c=16,64
