@@ -189,8 +189,14 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
                 on, why = False, "no decode graph was captured"
             elif captured:
                 why = f"decode batches of {sizes[0]}..{sizes[-1]} rows ({len(sizes)} sizes) replay captured graphs"
-        routes["cuda_graphs"] = _route(on, expected, "torch.cuda.CUDAGraph per decode batch size", why,
-                                       batch_sizes=sizes)
+        prompt = getattr(runner, "prompt_graphs", None) if runner is not None else None
+        prompt_sizes = list(getattr(prompt, "sizes", []) or [])
+        if prompt_sizes and on:
+            why += (f"; prompt steps of up to {prompt_sizes[-1]} tokens replay piecewise graphs (attention eager "
+                    "between them)")
+        routes["cuda_graphs"] = _route(on, expected, "torch.cuda.CUDAGraph per decode batch size (+ piecewise "
+                                       "prompt graphs per token bucket)", why, batch_sizes=sizes,
+                                       prompt_token_sizes=prompt_sizes)
 
     # compile cache
     cc = compile_cache.status()
@@ -247,6 +253,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     }
     if counters is not None:
         report["counters"] = {"eager_model_forwards": counters.forwards, "graph_replays": counters.replays(),
+                              "prompt_graph_replays": counters.prompt_replays(),
                               "per_replay": counters.template, "per_replay_source": counters.template_source}
     return report
 
@@ -298,7 +305,8 @@ def format_report(report: dict) -> str:
         lines.append("  ".join(row[i].ljust(w[i]) for i in range(4)) + "  " + row[4])
     if "counters" in report:
         k = report["counters"]
-        lines.append(f"\neager model forwards {k['eager_model_forwards']}, CUDA-graph replays {k['graph_replays']}"
+        lines.append(f"\neager model forwards {k['eager_model_forwards']}, CUDA-graph replays {k['graph_replays']}, "
+                     f"prompt-graph replays {k.get('prompt_graph_replays', 0)}"
                      + (f"; per replay: {k['per_replay']} ({k['per_replay_source']})" if k["per_replay"] else ""))
     cc = report["routes"]["compile_cache"]
     lines.append(f"Triton cache: {cc.get('dir')} ({'exists' if cc.get('exists') else 'absent'})")

@@ -77,6 +77,9 @@ class DeviceConfig:
     enforce_eager: bool = False
     attention_backend: Optional[str] = None
     require_acceleration: bool = False  # refuse to start when an expected route is disabled (voltllm.acceleration)
+    # prompt steps (prefill chunks, mixed batches) of up to this many tokens replay piecewise CUDA graphs
+    # (voltllm.worker.prompt_graphs); 0 turns them off, as --enforce-eager does
+    prompt_graph_max_tokens: int = 512
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Route call counters behind the acceleration report (voltllm.acceleration): process-wide hooks on the
 fused / GDN kernel launchers and Triton's compile cache, and per-runner counters that `instrument(runner)`
 installs on the runner's own objects. A replayed CUDA graph runs no Python, so for the routes inside the
-graph the counters add DecodeGraphs.replays x the calls one eager forward makes (see voltllm.acceleration's
-docstring for the rules); nothing is counted while a graph is being captured.
+graph the counters add DecodeGraphs.replays x the calls one eager forward makes, and PromptGraphs.replays x the
+non-attention calls of one eager prompt forward (their attention runs eagerly between the pieces, so it is counted
+as it runs; see voltllm.acceleration's docstring for the rules); nothing is counted while a graph is being captured.
 """
 from __future__ import annotations
 
@@ -156,9 +157,11 @@ class RouteCounters:
         self.forwards = 0
         self.template: Optional[dict[str, int]] = None
         self.template_source: Optional[str] = None
+        self.prefill_template: Optional[dict[str, int]] = None  # one eager prompt forward's calls
         self.global0 = dict(_GLOBAL)
         graphs = getattr(runner, "graphs", None)
         self.replays0 = int(getattr(graphs, "replays", 0) or 0)
+        self.prompt_replays0 = int(getattr(getattr(runner, "prompt_graphs", None), "replays", 0) or 0)
         self.runner_ref = weakref.ref(runner)
         self.gdn_layers = _count_gdn_layers(runner)
 
@@ -171,6 +174,8 @@ class RouteCounters:
     def on_forward(self, before: dict[str, int], after: dict[str, int]) -> None:
         self.forwards += 1
         delta = {k: after[k] - before[k] for k in _FORWARD_ROUTES}
+        if delta["attention_prefill"] > 0:
+            self.prefill_template = delta
         if delta["attention_prefill"] == 0 and delta["attention_decode"] > 0:
             self.template, self.template_source = delta, "eager decode forward"
         elif self.template_source != "eager decode forward" and delta["attention_prefill"] > 0:
@@ -187,16 +192,25 @@ class RouteCounters:
         graphs = getattr(runner, "graphs", None) if runner is not None else None
         return int(getattr(graphs, "replays", 0) or 0) - self.replays0 if graphs is not None else 0
 
+    def prompt_replays(self) -> int:
+        """Prompt steps replayed from piecewise graphs (their attention calls are eager, so counted as such)."""
+        runner = self.runner_ref()
+        graphs = getattr(runner, "prompt_graphs", None) if runner is not None else None
+        return int(getattr(graphs, "replays", 0) or 0) - self.prompt_replays0 if graphs is not None else 0
+
     def calls(self) -> dict[str, dict[str, Optional[int]]]:
         cur = self.current()
         cur["cuda_graphs"] = self.forwards  # eager forwards: steps that ran without a graph
         replays = self.replays()
+        prompt = self.prompt_replays()
         out: dict[str, dict[str, Optional[int]]] = {}
         for r in ROUTES:
             if r == "cuda_graphs":
-                graph: Optional[int] = replays
+                graph: Optional[int] = replays + prompt
             elif r in _FORWARD_ROUTES:
                 graph = replays * self.template.get(r, 0) if self.template else (0 if replays == 0 else None)
+                if graph is not None and prompt and r not in ("attention_prefill", "attention_decode", "kv_codec"):
+                    graph = prompt * self.prefill_template[r] + graph if self.prefill_template else None
             else:
                 graph = 0
             out[r] = {"eager": cur[r], "graph": graph, "total": None if graph is None else cur[r] + graph}

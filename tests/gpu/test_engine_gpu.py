@@ -89,3 +89,52 @@ def test_small_weight_decode_batch_gemm_matches_cublas(tiny, config):
     agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
     assert agree >= 0.97, agree
     llm.engine.check_integrity()
+
+
+def _prompt_step_results(llm, prompts, sp):
+    """Token ids and every prompt logprob of: each prompt alone (one prompt step each), all of them in one step, and
+    a prompt that starts with a cached one (the step attends over prefix-cache blocks)."""
+    outs = [llm.generate([p], sp)[0] for p in prompts]
+    outs += llm.generate(prompts, sp)
+    outs += llm.generate([prompts[3] + " and once more"], sp)
+    ids = [o.outputs[0].token_ids for o in outs]
+    plp = [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs]
+    return ids, plp
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("float16", "auto"), ("float16", "fp8_e4m3")])
+def test_prompt_graphs_equal_eager_prompt_steps(tiny, dtype, kv):
+    """Prompt steps replayed from piecewise CUDA graphs (voltllm.worker.prompt_graphs: graphs between eager
+    attention calls, tokens padded to 16-512) give the tokens and prompt logprobs of eager prompt steps: prompts
+    of 1 to ~280 tokens alone and together in one step, and a prefix-cache hit. fp8 KV: K / V are stored by the
+    backend's write inside each piece instead of the RoPE launch."""
+    import torch
+
+    prompts = ["Hi", "0123456789 " * 3, "x " * 15, "The quick brown fox " * 14, "abc " * 70]
+    sp = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, prompt_logprobs=1)
+    kw = dict(device="cuda", dtype=dtype, kv_cache_dtype=kv, gpu_memory_utilization=0.3)
+    eager = LLM(tiny, **kw)
+    eager.engine.runner.prompt_graphs = None  # decode graphs stay: only the prompt steps differ
+    ref_ids, ref_lp = _prompt_step_results(eager, prompts, sp)
+    del eager
+    torch.cuda.empty_cache()
+    llm = LLM(tiny, **kw)
+    graphs = llm.engine.runner.prompt_graphs
+    assert graphs is not None and graphs.sizes == [16, 32, 64, 128, 256, 512]
+    assert len(graphs.graphs[16].pieces) == len(llm.engine.runner.model.layers) + 1
+    ids, lp = _prompt_step_results(llm, prompts, sp)
+    assert graphs.replays >= len(prompts) + 2  # every prompt step above fits a bucket
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for a, b in zip(lp, ref_lp):
+        assert len(a) == len(b) and max((abs(x - y) for x, y in zip(a, b)), default=0.0) < tol
+    if dtype == "float32":
+        assert ids == ref_ids
+    else:
+        agree = sum(a == b for x, y in zip(ref_ids, ids) for a, b in zip(x, y)) / sum(len(x) for x in ref_ids)
+        assert agree >= 0.97, agree
+    from voltllm.acceleration import build_report
+
+    report = build_report(llm.engine.config, llm.engine.runner)
+    assert report["counters"]["prompt_graph_replays"] >= len(prompts) + 2
+    assert report["routes"]["cuda_graphs"]["prompt_token_sizes"] == graphs.sizes
+    llm.engine.check_integrity()

@@ -183,36 +183,50 @@ class TritonAttentionBackend(AttentionBackend):
                 and meta.seq_lens.shape[0] * kv_cache.shape[3] < FUSED_DECODE_ROPE_MAX_PROGRAMS
                 and q.dtype in (torch.float16, torch.bfloat16) and kv_cache.dtype in (q.dtype, torch.uint8))
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                kv_written: bool = False, rope: Optional[DecodeRope] = None):
+    def _cache_format(self, kv_cache, k_scale, v_scale, device):
+        """(fp8 format or -1, k_scale, v_scale): fp8 caches get persistent fp32 scalars (the layer's buffers, or a
+        cached 1.0), so launches stay graph-capture safe."""
         if kv_cache.dtype not in _SUPPORTED_CACHE_DTYPES:
             raise NotImplementedError(f"{self.name}: KV cache dtype {kv_cache.dtype} is not supported")
-        fmt = -1
-        if kv_cache.dtype == torch.uint8:
-            if self.kv_fmt < 0:
-                raise ValueError(f"{self.name}: a uint8 (fp8) KV cache needs kv_cache_dtype fp8_e4m3 or "
-                                 f"fp8_e5m2, got {self.kv_cache_dtype!r}")
-            fmt = self.kv_fmt
-            # persistent fp32 scalars (the layer's buffers, or a cached 1.0): graph-capture safe
-            k_scale = unit_scale(q.device) if k_scale is None else k_scale
-            v_scale = unit_scale(q.device) if v_scale is None else v_scale
+        if kv_cache.dtype != torch.uint8:
+            return -1, k_scale, v_scale
+        if self.kv_fmt < 0:
+            raise ValueError(f"{self.name}: a uint8 (fp8) KV cache needs kv_cache_dtype fp8_e4m3 or "
+                             f"fp8_e5m2, got {self.kv_cache_dtype!r}")
+        return (self.kv_fmt, unit_scale(device) if k_scale is None else k_scale,
+                unit_scale(device) if v_scale is None else v_scale)
+
+    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata, k_scale: Optional[torch.Tensor] = None,
+                 v_scale: Optional[torch.Tensor] = None) -> None:
+        """Store this step's K / V rows at meta.slot_mapping (fp8 caches: encoded with the layer's scales)."""
+        fmt, k_scale, v_scale = self._cache_format(kv_cache, k_scale, v_scale, k.device)
+        n = min(k.shape[0], meta.slot_mapping.shape[0])
+        if fmt >= 0:
+            from voltllm.kernels.kv_fp8 import write_kv_fp8
+
+            write_kv_fp8(k[:n], v[:n], kv_cache, meta.slot_mapping, k_scale, v_scale, fmt, use_triton=True)
+        else:
+            kv_write(k[:n], v[:n], kv_cache, meta.slot_mapping)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                kv_written: bool = False, rope: Optional[DecodeRope] = None, out: Optional[torch.Tensor] = None):
+        """The contract's forward; `out` (q's shape and dtype, contiguous): write the result there (prompt graphs'
+        static buffer) instead of a new tensor."""
+        fmt, k_scale, v_scale = self._cache_format(kv_cache, k_scale, v_scale, q.device)
         t = q.shape[0]
-        n_write = min(k.shape[0], meta.slot_mapping.shape[0])
         if rope is not None and not meta.is_pure_decode:
             raise ValueError(f"{self.name}: a DecodeRope is for pure-decode steps only")
         if not kv_written and rope is None:  # (else the model's RoPE launch or the decode kernel stores them)
-            if fmt >= 0:
-                from voltllm.kernels.kv_fp8 import write_kv_fp8
-
-                write_kv_fp8(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping, k_scale, v_scale, fmt,
-                             use_triton=True)
-            else:
-                kv_write(k[:n_write], v[:n_write], kv_cache, meta.slot_mapping)
+            self.write_kv(k, v, kv_cache, meta, k_scale, v_scale)
 
         if q.stride(-1) != 1:
             q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(f"{self.name}: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor, got "
+                             f"{tuple(out.shape)} {out.dtype}")
         num_seqs = meta.seq_lens.shape[0]
         use_dot = self._use_dot(q.device)
         num_sms = self.num_sms or self._device_info(q.device)[1]

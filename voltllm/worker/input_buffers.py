@@ -80,6 +80,10 @@ class InputBuffers:
         for name, t in (self._compact if compact else self._wide).items():
             setattr(self, name, t)
 
+    def select_for(self, num_tokens: int, rows: int) -> None:
+        """Point the attributes at the layout host_set(num_tokens, rows) picks (prompt-graph capture)."""
+        self._select(self.fits_compact(num_tokens, rows))
+
     def fits_compact(self, num_tokens: int, rows: int) -> bool:
         return num_tokens <= self.max_seqs and rows <= self.max_seqs
 

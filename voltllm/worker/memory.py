@@ -42,14 +42,31 @@ def profile_activation_bytes(runner) -> int:
     return int(peak)
 
 
+def prompt_graph_bytes(runner, activations: int) -> int:
+    """Memory the piecewise prompt graphs keep (voltllm.worker.prompt_graphs): the activation peak scaled to their
+    largest token count (activations grow with tokens), plus their static q / output buffers."""
+    if runner.config.device.enforce_eager:
+        return 0
+    top = runner.prompt_graph_max_tokens()
+    if top < 16:
+        return 0
+    sc = runner.config.scheduler
+    n = min(sc.max_num_batched_tokens, sc.max_model_len)
+    attn = runner.model.layers[0].self_attn
+    itemsize = torch.tensor([], dtype=runner.dtype).element_size()
+    return int(activations * min(1.0, top / max(n, 1))) + 2 * top * attn.num_heads * attn.head_dim * itemsize
+
+
 def kv_budget_bytes(runner, utilization: float) -> int:
     dev = runner.device
     free, total = torch.cuda.mem_get_info(dev)
     activations = profile_activation_bytes(runner)
     free, total = torch.cuda.mem_get_info(dev)
     used_by_others_and_weights = total - free
-    reserve = 256 << 20  # CUDA graphs, sampler temporaries, allocator slack
-    budget = int(total * utilization) - used_by_others_and_weights - activations - reserve
-    logger.info("memory: %.2f GiB total, %.2f GiB in use (weights), %.2f GiB activation peak -> %.2f GiB for KV",
-                total / 2**30, used_by_others_and_weights / 2**30, activations / 2**30, max(budget, 0) / 2**30)
+    reserve = 256 << 20  # decode CUDA graphs, sampler temporaries, allocator slack
+    prompt_graphs = prompt_graph_bytes(runner, activations)
+    budget = int(total * utilization) - used_by_others_and_weights - activations - reserve - prompt_graphs
+    logger.info("memory: %.2f GiB total, %.2f GiB in use (weights), %.2f GiB activation peak, %.2f GiB prompt graphs "
+                "-> %.2f GiB for KV", total / 2**30, used_by_others_and_weights / 2**30, activations / 2**30,
+                prompt_graphs / 2**30, max(budget, 0) / 2**30)
     return max(budget, 0)

@@ -76,6 +76,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.buffers: Optional[InputBuffers] = None
         self.graphs = None  # DecodeGraphs once captured
+        self.prompt_graphs = None  # PromptGraphs once captured (attention-only models)
         self._prev_tokens: Optional[torch.Tensor] = None  # device ids sampled by the last launched step
         self._prev_rows: dict[str, int] = {}
         self.state_cache = None  # StateCache for hybrid (Gated DeltaNet) models
@@ -190,14 +191,17 @@ class ModelRunner:
                                         sc.max_num_seqs, max_blocks, self.device)
         return self.buffers
 
-    def prepare(self, sched: SchedulerOutput, pad_to: int = 0, state_slots: Optional[list[int]] = None):
-        """Fill the input buffers for this step; returns (num_tokens, metadata). `state_slots` (a hybrid
-        model's CUDA-graph step): the requests' recurrent-state slots, uploaded to buffers.state_slots
-        with the scratch slot on padding rows."""
+    def prepare(self, sched: SchedulerOutput, pad_to: int = 0, state_slots: Optional[list[int]] = None,
+                pad_tokens_to: int = 0):
+        """Fill the input buffers for this step; returns (num_tokens, metadata). `pad_to`: a decode graph's rows
+        (one dummy token per extra row); `pad_tokens_to`: a prompt graph's tokens (extra tokens in no sequence,
+        writing nowhere; meta.slot_mapping covers them). `state_slots` (a hybrid model's CUDA-graph step): the
+        requests' recurrent-state slots, uploaded to buffers.state_slots with the scratch slot on padding rows."""
         buf = self._ensure_buffers()
         bs = self.block_size
         n_seqs = len(sched.scheduled)
-        h = buf.host_set(sched.total_tokens + max(0, pad_to - n_seqs), max(n_seqs, pad_to))
+        assert not (pad_to and pad_tokens_to), "a step pads rows (decode graph) or tokens (prompt graph)"
+        h = buf.host_set(max(sched.total_tokens + max(0, pad_to - n_seqs), pad_tokens_to), max(n_seqs, pad_to))
         width = max(len(s.block_ids) for s in sched.scheduled)
         table = h["block_tables"][: max(n_seqs, pad_to) * width].reshape(-1, width)
         qsl, seq_lens = [0], []
@@ -243,6 +247,11 @@ class ModelRunner:
             qsl.extend(range(t + 1, t + extra + 1))
             seq_lens.extend([1] * extra)
             t += extra
+        if pad_tokens_to > t:  # prompt-graph padding: tokens in no sequence, stored nowhere
+            h["input_ids"][t:pad_tokens_to] = 0
+            h["positions"][t:pad_tokens_to] = 0
+            h["slot_mapping"][t:pad_tokens_to] = -1
+            t = pad_tokens_to
         h["query_start_loc"][: rows + 1] = qsl
         h["seq_lens"][:rows] = seq_lens
         if state_slots is not None:
@@ -325,19 +334,24 @@ class ModelRunner:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
         self._apply_pdl()
         n_seqs = len(sched.scheduled)
-        graph = None
+        graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
         if self.graphs is not None and sched.total_tokens == n_seqs and not calibrating:
             graph = self.graphs.for_batch(n_seqs)
+        elif self.prompt_graphs is not None and sched.total_tokens > n_seqs and not calibrating:
+            prompt_graph = self.prompt_graphs.for_tokens(sched.total_tokens)
         slots = self._state_slots(sched) if self.state_cache is not None else None
         t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0,
-                               state_slots=slots if graph is not None else None)
+                               state_slots=slots if graph is not None else None,
+                               pad_tokens_to=prompt_graph.num_tokens if prompt_graph else 0)
         buf = self.buffers
         if graph is not None:
             if slots is not None:  # the model's own check and bookkeeping do not run in a replay
                 self.state_cache.note_step(slots, [s.start for s in sched.scheduled],
                                            [s.start + s.num_new_tokens for s in sched.scheduled])
             hidden = graph.replay()
+        elif prompt_graph is not None:
+            hidden = prompt_graph.replay(self.backend, meta)
         else:
             ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,
                                  calc_kv_scales=self.calc_kv_scales_pending,
@@ -433,6 +447,26 @@ class ModelRunner:
         self.graphs.capture()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                     self.graphs.sizes, time.monotonic() - t0)
+        self._capture_prompt_graphs()
+
+    def prompt_graph_max_tokens(self) -> int:
+        """Largest prompt step replayed from piecewise graphs (0: none): attention-only models only."""
+        if self.is_hybrid or not getattr(self.model, "supports_prompt_graphs", False):
+            return 0
+        return min(self.config.device.prompt_graph_max_tokens, self.config.scheduler.max_num_batched_tokens)
+
+    def _capture_prompt_graphs(self) -> None:
+        from voltllm.worker.prompt_graphs import PromptGraphs
+
+        top = self.prompt_graph_max_tokens()
+        graphs = PromptGraphs(self, top)
+        if not graphs.sizes:
+            return
+        t0 = time.monotonic()
+        graphs.capture(self.graphs.pool)
+        self.prompt_graphs = graphs
+        logger.info("captured piecewise prompt CUDA graphs (%s tokens, %d pieces each) in %.1f s", graphs.sizes,
+                    len(graphs.graphs[graphs.sizes[-1]].pieces), time.monotonic() - t0)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, s) -> list[Optional[PositionLogprobs]]:
         """Logprobs of prompt tokens start+1 .. (end of this chunk, within the prompt)."""

@@ -112,6 +112,8 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
+
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.config = cfg

@@ -1,0 +1,78 @@
+"""Time to first token with prompt steps replayed from piecewise CUDA graphs against eager prompt steps, one engine.
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/prompt_graph_ttft.py [--shape smollm2-135m-shape | --model PATH]
+        [--input-lens 16,128,500] [--concurrency 1] [--runs 10]
+
+Random weights of a named shape (as `voltllm bench --random-weights`) or a model path; prefix caching off; for each
+input length, C requests of fresh random prompt tokens arrive together and each generates one token (the prompt step
+and its sampling). Alternating runs with the engine's prompt graphs on and off (runner.prompt_graphs set aside), so
+both see the same host and GPU state; prints the median and min milliseconds from arrival to the last request's
+first token, and the ratio. `--device cpu` runs the script's logic only (no graphs there)."""
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+from voltllm.bench.inprocess import build_engine, sampling_params
+from voltllm.bench.shapes import materialize
+from voltllm.config import EngineArgs
+from voltllm.engine.types import EngineCoreRequest
+
+
+def _first_tokens(eng, vocab: int, n: int, c: int, tag: str) -> float:
+    """Milliseconds until C fresh requests of n random tokens all have their first token."""
+    sp = sampling_params(1, temperature=0.0, top_p=1.0, top_k=0, seed=None)
+    reqs = [EngineCoreRequest(f"{tag}-{i}", [random.randrange(vocab) for _ in range(n)], sp) for i in range(c)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        eng.add_request(r)
+    done = 0
+    while done < c:
+        done += sum(1 for o in eng.step() if o.new_token_ids)
+    ms = (time.perf_counter() - t0) * 1e3
+    while eng.has_unfinished_requests():
+        eng.step()
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="smollm2-135m-shape")
+    ap.add_argument("--model", default=None, help="a model path (GGUF file or HF folder) instead of --shape")
+    ap.add_argument("--input-lens", default="16,128,500")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or materialize(args.shape, tmp)
+        ea = EngineArgs(model=path, load_format="auto" if args.model else "dummy", dtype="float16",
+                        device=args.device, max_model_len=2048, max_num_seqs=max(args.concurrency, 16),
+                        enable_prefix_caching=False)
+        ea.skip_tokenizer_init = True
+        eng = build_engine(ea)
+        vocab = eng.config.model.hf_config.vocab_size
+        runner = eng.runner
+        graphs = runner.prompt_graphs
+        print(f"{args.model or args.shape} on {args.device}: prompt graphs {graphs.sizes if graphs else 'none'}, "
+              f"{args.concurrency} request(s) per run")
+        rows = []
+        for n in (int(x) for x in args.input_lens.split(",")):
+            times = {"graphs": [], "eager": []}
+            for run in range(args.runs + 1):  # the first pair warms up (compiles eager kernels at this length)
+                for mode in ("graphs", "eager"):
+                    runner.prompt_graphs = graphs if mode == "graphs" else None
+                    ms = _first_tokens(eng, vocab, n, args.concurrency, f"{mode}{n}-{run}")
+                    if run:
+                        times[mode].append(ms)
+            runner.prompt_graphs = graphs
+            g, e = (statistics.median(times[m]) for m in ("graphs", "eager"))
+            rows.append((n, g, min(times["graphs"]), e, min(times["eager"]), e / g))
+        print(f"{'input':>6} {'graphs ms (median / min)':>25} {'eager ms (median / min)':>24} {'eager / graphs':>15}")
+        for n, g, gmin, e, emin, ratio in rows:
+            print(f"{n:>6} {g:>15.2f} / {gmin:<7.2f} {e:>14.2f} / {emin:<7.2f} {ratio:>15.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Prompt-step CUDA graphs (voltllm.worker.prompt_graphs), the parts the CPU can check: the token buckets, and the
+padding a replayed step uploads (ModelRunner.prepare(pad_tokens_to=...)): padding tokens belong to no sequence,
+store nothing, and leave the real rows' hidden states as an unpadded step computes them. The replay itself is
+checked against eager steps on the GPU (tests/gpu/test_engine_gpu.py)."""
+import pytest
+import torch
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+from voltllm.engine.types import EngineCoreRequest
+from voltllm.model.forward_context import ForwardContext
+from voltllm.worker.prompt_graphs import prompt_graph_sizes
+
+
+def test_buckets_are_powers_of_two_from_16():
+    assert prompt_graph_sizes(0) == [] and prompt_graph_sizes(15) == []
+    assert prompt_graph_sizes(16) == [16]
+    assert prompt_graph_sizes(100) == [16, 32, 64]
+    assert prompt_graph_sizes(512) == [16, 32, 64, 128, 256, 512]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = make_model(str(tmp_path_factory.mktemp("tiny")), "qwen3", max_position_embeddings=512)
+    return LLM(path, device="cpu", dtype="float32").engine
+
+
+def _hidden(runner, sched, pad):
+    t, meta = runner.prepare(sched, pad_tokens_to=pad)
+    buf = runner.buffers
+    ids, pos, slots = buf.input_ids[:t].clone(), buf.positions[:t].clone(), meta.slot_mapping.clone()
+    caches = [torch.zeros_like(c) for c in runner.kv_caches]
+    ctx = ForwardContext(meta=meta, kv_caches=caches, backend=runner.backend)
+    with torch.inference_mode():
+        hidden = runner.model(buf.input_ids[:t], buf.positions[:t], ctx)
+    return t, meta, ids, pos, slots, hidden, caches
+
+
+def test_padded_prompt_step_matches_unpadded(engine):
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    for i, n in enumerate((5, 7)):
+        engine.add_request(EngineCoreRequest(f"r{i}", list(range(3 + i, 3 + i + n)), sp))
+    sched = engine.scheduler.schedule()
+    assert sched.total_tokens == 12 and len(sched.scheduled) == 2
+    runner = engine.runner
+    t0, meta0, ids0, pos0, slots0, h0, caches0 = _hidden(runner, sched, 0)
+    t1, meta1, ids1, pos1, slots1, h1, caches1 = _hidden(runner, sched, 16)
+    assert (t0, t1) == (12, 16)
+    assert meta1.num_tokens == 12 and meta1.query_start_loc_cpu == [0, 5, 12] and meta1.seq_lens_cpu == [5, 7]
+    assert meta1.slot_mapping.shape[0] == 16 and meta0.slot_mapping.shape[0] == 12
+    assert torch.equal(ids1[:12], ids0) and torch.equal(pos1[:12], pos0) and torch.equal(slots1[:12], slots0)
+    assert torch.all(ids1[12:] == 0) and torch.all(pos1[12:] == 0) and torch.all(slots1[12:] == -1)
+    assert h1.shape[0] == 16
+    torch.testing.assert_close(h1[:12], h0, rtol=1e-5, atol=1e-5)
+    for c0, c1 in zip(caches0, caches1):  # padding stored nothing: the caches hold the same rows
+        assert torch.equal(c0, c1)
+    engine.abort_requests(["r0", "r1"])
+    engine.scheduler.schedule()  # (drops the aborted requests' blocks)
+    engine.check_integrity()
+
+
+def test_rows_and_tokens_are_not_padded_together(engine):
+    from voltllm.engine.scheduler import SchedulerOutput
+
+    with pytest.raises(AssertionError):
+        engine.runner.prepare(SchedulerOutput(), pad_to=4, pad_tokens_to=16)

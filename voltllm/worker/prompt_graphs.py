@@ -1,0 +1,194 @@
+"""Piecewise CUDA graphs for prompt steps (prefill chunks and mixed batches) of up to `max_tokens` tokens.
+
+Why: an eager prompt step costs the host ~10 kernel launches per decoder layer (~0.46 ms per layer on the H200
+machine's CPU for SmolLM2), so short prompts wait on Python, not on the GPU (docs/kernels.md, "Session 15").
+
+What: one graph sequence per bucketed token count T (powers of two from 16). Attention is the one part whose
+kernels depend on the step's sequences (their count, lengths and query spans set the grid), so it stays eager and
+cuts the forward into pieces: piece 0 runs the embedding and the first layer up to its attention call (norm,
+qkv projection, RoPE with the K/V store); piece i runs layer i-1's o_proj, MLP and layer i up to its attention;
+the last piece ends with the final norm. A step replays piece 0, runs layer 0's attention with the step's own
+metadata, replays piece 1, and so on: L + 1 graph launches and L attention launches instead of ~10 L launches.
+
+How the pieces meet: each piece ends by copying its q into a static buffer (so later pieces may reuse q's graph
+memory), the eager attention reads it and writes a static output buffer, and the next piece starts from that
+output. K and V reach the cache inside the piece (the RoPE launch's store, or the backend's write), so the eager
+call only attends. Padding tokens (T - num_tokens) have input id 0, position 0 and slot -1: they write no cache
+row, belong to no sequence, and their attention rows are zeroed by the backend.
+
+The graphs share the decode graphs' memory pool (steps never overlap). Only attention-only models over the Triton
+backend use them (hybrid models' Gated DeltaNet layers need per-step host metadata in every layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from voltllm.attention.backend import AttentionMetadata
+from voltllm.model.forward_context import ForwardContext
+
+SMALLEST_BUCKET = 16
+
+
+def prompt_graph_sizes(max_tokens: int) -> list[int]:
+    """Token buckets: 16, 32, ... up to the largest power of two <= max_tokens (none below 16)."""
+    sizes, t = [], SMALLEST_BUCKET
+    while t <= max_tokens:
+        sizes.append(t)
+        t *= 2
+    return sizes
+
+
+@dataclass
+class AttentionSplice:
+    """One eager attention call between two graph pieces: its static input / output buffers and the layer's
+    cache and scales (all persistent tensors)."""
+
+    q: torch.Tensor  # [T, Hq, D] view of the static q buffer
+    out: torch.Tensor  # [T, Hq, D] view of the static output buffer
+    kv_cache: torch.Tensor
+    scale: float
+    k_scale: Optional[torch.Tensor]
+    v_scale: Optional[torch.Tensor]
+
+
+class _PieceRecorder:
+    """Captures consecutive graph pieces into one memory pool, cutting at each attention call."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.splices: list[AttentionSplice] = []
+        self._current: Optional[torch.cuda.CUDAGraph] = None
+
+    def begin(self) -> None:
+        self._current = torch.cuda.CUDAGraph()
+        self._current.capture_begin(pool=self.pool)
+
+    def cut(self, splice: AttentionSplice) -> None:
+        self.end()
+        self.splices.append(splice)
+        self.begin()
+
+    def end(self) -> None:
+        self._current.capture_end()
+        self.pieces.append(self._current)
+        self._current = None
+
+
+class _SplicingBackend:
+    """Stands in for the attention backend while a prompt graph is captured: at each attention call the piece
+    being captured stores K / V (unless the RoPE launch did) and copies q to the static buffer, then ends; the call
+    is recorded and the next piece begins, starting from the static output buffer."""
+
+    def __init__(self, real, recorder: _PieceRecorder, q_buf: torch.Tensor, out_buf: torch.Tensor):
+        self.real = real
+        self.name = real.name
+        self.recorder = recorder
+        self.q_buf = q_buf
+        self.out_buf = out_buf
+
+    def cache_write_for(self, v, kv_cache, meta, k_scale=None, v_scale=None):
+        return self.real.cache_write_for(v, kv_cache, meta, k_scale, v_scale)
+
+    def fuses_decode_rope(self, q, kv_cache, meta, rotary_dim) -> bool:
+        return False  # prompt steps are never pure decode
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
+                kv_written: bool = False, rope=None):
+        if rope is not None:
+            raise ValueError("prompt graphs do not take a DecodeRope (pure-decode steps only)")
+        t = q.shape[0]
+        if not kv_written:
+            self.real.write_kv(k, v, kv_cache, meta, k_scale, v_scale)
+        q_static = self.q_buf[:t]
+        q_static.copy_(q)
+        out = self.out_buf[:t]
+        self.recorder.cut(AttentionSplice(q_static, out, kv_cache, scale, k_scale, v_scale))
+        return out
+
+
+@dataclass
+class PromptGraph:
+    num_tokens: int
+    pieces: list[torch.cuda.CUDAGraph]
+    splices: list[AttentionSplice]
+    hidden: torch.Tensor  # [num_tokens, hidden] final-norm output, static
+
+    def replay(self, backend, meta: AttentionMetadata) -> torch.Tensor:
+        """Run the step: each piece, then its attention with the step's metadata (`backend.forward`, looked up by
+        the caller so that instrumentation wrappers count the calls)."""
+        for i, piece in enumerate(self.pieces):
+            piece.replay()
+            if i < len(self.splices):
+                s = self.splices[i]
+                backend.forward(s.q, None, None, s.kv_cache, meta, s.scale, k_scale=s.k_scale, v_scale=s.v_scale,
+                                kv_written=True, out=s.out)
+        return self.hidden
+
+
+class PromptGraphs:
+    def __init__(self, runner, max_tokens: int):
+        self.runner = runner
+        self.sizes = prompt_graph_sizes(max_tokens)
+        self.graphs: dict[int, PromptGraph] = {}
+        self.replays = 0
+
+    def for_tokens(self, n: int) -> Optional[PromptGraph]:
+        for t in self.sizes:
+            if t >= n:
+                g = self.graphs.get(t)
+                if g is not None:
+                    self.replays += 1
+                return g
+        return None
+
+    def _capture_meta(self, t: int) -> AttentionMetadata:
+        """One sequence of t tokens on the persistent buffers (warm-up runs attend with it; nothing is stored)."""
+        buf = self.runner.buffers
+        return AttentionMetadata(
+            num_tokens=t, query_start_loc=buf.query_start_loc[:2], seq_lens=buf.seq_lens[:1],
+            block_tables=buf.block_tables[:1], slot_mapping=buf.slot_mapping[:t], max_query_len=t, max_seq_len=t,
+            query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
+
+    @torch.inference_mode()
+    def capture(self, pool) -> None:
+        r = self.runner
+        buf = r.buffers
+        attn = r.model.layers[0].self_attn
+        heads, dim = attn.num_heads, attn.head_dim
+        top = self.sizes[-1]
+        q_buf = torch.zeros(top, heads, dim, dtype=r.dtype, device=r.device)
+        out_buf = torch.zeros_like(q_buf)
+        for t in reversed(self.sizes):  # largest first, so smaller ones reuse its pool memory
+            buf.select_for(t, 1)  # the layout a step of t (padded) tokens uploads into
+            # dummy inputs: token 0 at position 0, stored nowhere; one sequence reading block 0 (warm-ups only)
+            buf.input_ids[:t].zero_()
+            buf.positions[:t].zero_()
+            buf.slot_mapping[:t].fill_(-1)
+            buf.query_start_loc[:2].copy_(torch.tensor([0, t], dtype=torch.int32))
+            buf.seq_lens[:1].fill_(t)
+            buf.block_tables[:1].zero_()
+            meta = self._capture_meta(t)
+            ids, pos = buf.input_ids[:t], buf.positions[:t]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile the kernels of this token count and settle the allocator
+                    r.model(ids, pos, ForwardContext(meta=meta, kv_caches=r.kv_caches, backend=r.backend))
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            recorder = _PieceRecorder(pool)
+            ctx = ForwardContext(meta=meta, kv_caches=r.kv_caches,
+                                 backend=_SplicingBackend(r.backend, recorder, q_buf, out_buf))
+            with torch.cuda.stream(stream):
+                recorder.begin()
+                try:
+                    hidden = r.model(ids, pos, ctx)
+                finally:
+                    recorder.end()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graphs[t] = PromptGraph(t, recorder.pieces, recorder.splices, hidden)
+        torch.cuda.synchronize()
