@@ -37,6 +37,9 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s45      (session 16) piecewise prompt-step CUDA graphs: their GPU tests (replay vs eager, fp32 vs CPU), time to
+#            first token with them on / off (micro/prompt_graph_ttft.py, SmolLM2's shape and 8B), SmolLM2-shape
+#            16 / 64 concurrent and 8B 64 concurrent
 #   s44a/b   (session 16) GPU check of session 15's last tuner change (the batch tuner no longer times the down
 #            projection's prologue form): s44a the engine / hybrid / fp8 KV GPU files; s44b cold-cache start-up and
 #            16 / 64 concurrent for SmolLM2's shape, then the 8B shape's start-up and 64 concurrent
@@ -488,6 +491,18 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s45)  # (session 16) piecewise prompt graphs: tests, TTFT on / off, throughput
+    gpu_file test_engine_gpu 260 -k "prompt_graphs or fp32_matches_cpu or graphs_equal_eager"
+    for m in smollm2-135m-shape qwen3-8b-shape; do
+      for c in 1 16; do
+        timeout 150 python3 benchmarks/micro/prompt_graph_ttft.py --shape $m --concurrency $c --input-lens 16,128,500 \
+          --runs 8 2>&1 | grep -v -i warn | tail -5 | tee -a "$out/prompt-graph-ttft.txt"
+      done
+    done
+    bench --random-weights smollm2-135m-shape --dtype half --scenario concurrency --input-len 128 --output-len 128 \
+      --num-warm 2 --concurrency 16,64 --name smollm2-135m-shape-fp16-c16-c64-$sha > "$out/c64-smollm2.log"
+    grep -E "^(concurrent|output_tok|ttft)" "$out/c64-smollm2.log"
     ;;
   s44a)  # (session 16) the batch tuner without the prologue form: the GPU files its tiny models reach
     gpu_file test_engine_gpu 200
