@@ -39,6 +39,9 @@ def test_graphs_equal_eager_and_async_equals_sync(tiny, dtype):
     ref = _greedy(eager)
     del eager
     fast = LLM(tiny, device="cuda", dtype=dtype, gpu_memory_utilization=0.3)
+    # decode graphs run the eager decode's kernels; prompt graphs pad the step's tokens (other GEMM shapes, so other
+    # half-precision rounding that a random tiny model's near-ties amplify): test_prompt_graphs_equal_eager_prompt_steps
+    fast.engine.runner.prompt_graphs = None
     got = _greedy(fast)
     agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
     assert agree >= 0.97, agree  # half precision: graphs/eager order kernels identically, allow rare ties
@@ -102,12 +105,16 @@ def _prompt_step_results(llm, prompts, sp):
     return ids, plp
 
 
-@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("float16", "auto"), ("float16", "fp8_e4m3")])
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("float16", "auto"), ("bfloat16", "auto"),
+                                      ("float16", "fp8_e4m3")])
 def test_prompt_graphs_equal_eager_prompt_steps(tiny, dtype, kv):
     """Prompt steps replayed from piecewise CUDA graphs (voltllm.worker.prompt_graphs: graphs between eager
     attention calls, tokens padded to 16-512) give the tokens and prompt logprobs of eager prompt steps: prompts
     of 1 to ~280 tokens alone and together in one step, and a prefix-cache hit. fp8 KV: K / V are stored by the
-    backend's write inside each piece instead of the RoPE launch."""
+    backend's write inside each piece instead of the RoPE launch. Padding changes the GEMMs' row counts (so their
+    rounding): fp32 must give the same tokens, half precision close prompt logprobs (bf16 keeps 8 bits) and, for
+    fp16, nearly the same tokens (bf16's rare rounding flips on this random model's near-ties change whole
+    continuations, so its tokens are not compared)."""
     import torch
 
     prompts = ["Hi", "0123456789 " * 3, "x " * 15, "The quick brown fox " * 14, "abc " * 70]
@@ -124,12 +131,12 @@ def test_prompt_graphs_equal_eager_prompt_steps(tiny, dtype, kv):
     assert len(graphs.graphs[16].pieces) == len(llm.engine.runner.model.layers) + 1
     ids, lp = _prompt_step_results(llm, prompts, sp)
     assert graphs.replays >= len(prompts) + 2  # every prompt step above fits a bucket
-    tol = 1e-4 if dtype == "float32" else 3e-2
+    tol = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 0.25}[dtype]
     for a, b in zip(lp, ref_lp):
         assert len(a) == len(b) and max((abs(x - y) for x, y in zip(a, b)), default=0.0) < tol
     if dtype == "float32":
         assert ids == ref_ids
-    else:
+    elif dtype == "float16":
         agree = sum(a == b for x, y in zip(ref_ids, ids) for a, b in zip(x, y)) / sum(len(x) for x in ref_ids)
         assert agree >= 0.97, agree
     from voltllm.acceleration import build_report
