@@ -102,7 +102,9 @@ class Timer:
                 fn()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            from voltllm.worker.cuda_graphs import gc_paused
+
+            with gc_paused(), torch.cuda.graph(graph):
                 fn()
             try:
                 return self.samples_ms(graph.replay, iters, warmup=1)

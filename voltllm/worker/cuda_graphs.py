@@ -14,6 +14,9 @@ skips: allocation and release, snapshot restores before and saves after, StateCa
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +24,20 @@ import torch
 
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.model.forward_context import ForwardContext
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off while CUDA graphs are captured. A collection in the middle of a capture
+    may destroy a dead engine's graphs (engines hold reference cycles), and destroying a graph invalidates the capture
+    in progress; torch.cuda.graph no longer collects before it captures. Callers collect at a safe point instead."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graph_batch_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
@@ -44,7 +61,7 @@ class CapturedGraph:
 
 class DecodeGraphs:
     def __init__(self, runner):
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # (no cycle: a dropped engine frees its graphs at once)
         self.sizes = graph_batch_sizes(runner.config.scheduler.max_num_seqs)
         self.graphs: dict[int, CapturedGraph] = {}
         self.pool = None
@@ -94,6 +111,13 @@ class DecodeGraphs:
         if hasattr(r.backend, "reserve"):  # split-KV scratch must exist before capture
             r.backend.reserve(self.sizes[-1], num_q_heads, heads, dim, r.config.model.max_model_len, r.device)
         self.pool = torch.cuda.graph_pool_handle()
+        with gc_paused():
+            self._capture_all()
+        torch.cuda.synchronize()
+
+    def _capture_all(self) -> None:
+        r = self.runner
+        buf = r.buffers
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             ctx = self.context(bs)
             ids, pos = buf.input_ids[:bs], buf.positions[:bs]
@@ -107,4 +131,3 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = r.model(ids, pos, ctx)
             self.graphs[bs] = CapturedGraph(bs, graph, hidden)
-        torch.cuda.synchronize()

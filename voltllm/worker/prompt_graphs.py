@@ -21,6 +21,7 @@ backend use them (hybrid models' Gated DeltaNet layers need per-step host metada
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +29,7 @@ import torch
 
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.model.forward_context import ForwardContext
+from voltllm.worker.cuda_graphs import gc_paused
 
 SMALLEST_BUCKET = 16
 
@@ -131,7 +133,7 @@ class PromptGraph:
 
 class PromptGraphs:
     def __init__(self, runner, max_tokens: int):
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # (no cycle: a dropped engine frees its graphs at once)
         self.sizes = prompt_graph_sizes(max_tokens)
         self.graphs: dict[int, PromptGraph] = {}
         self.replays = 0
@@ -155,6 +157,11 @@ class PromptGraphs:
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
+        with gc_paused():
+            self._capture_all(pool)
+        torch.cuda.synchronize()
+
+    def _capture_all(self, pool) -> None:
         r = self.runner
         buf = r.buffers
         attn = r.model.layers[0].self_attn
@@ -191,4 +198,3 @@ class PromptGraphs:
                     recorder.end()
             torch.cuda.current_stream().wait_stream(stream)
             self.graphs[t] = PromptGraph(t, recorder.pieces, recorder.splices, hidden)
-        torch.cuda.synchronize()

@@ -423,6 +423,10 @@ class ModelRunner:
     # -- CUDA graphs ----------------------------------------------------------------------------
     def tune_decode_gemms(self) -> None:
         self._apply_pdl()
+        if self.device.type == "cuda":  # collect dead engines (and their graphs) now, not during a capture
+            import gc
+
+            gc.collect()
         if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
             from voltllm.worker.cuda_graphs import graph_batch_sizes
             from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm

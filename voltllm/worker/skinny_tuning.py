@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from voltllm.model.layers.linear import Linear, UnquantizedLinearMethod
+from voltllm.worker.cuda_graphs import gc_paused
 
 logger = logging.getLogger("voltllm")
 
@@ -29,7 +30,7 @@ def graph_replay_ms(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
         fn(w)  # compile / pick algorithms outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         for i in range(reps):
             fn(weights[i % len(weights)])
     graph.replay()
