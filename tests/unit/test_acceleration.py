@@ -110,6 +110,31 @@ def test_graph_replays_count_the_routes_inside_the_graph(llm):
         runner.graphs = saved
 
 
+def test_prompt_graph_replays_count_the_routes_around_attention(llm):
+    """A prompt-graph replay runs its attention calls eagerly (counted as they run); the report adds
+    PromptGraphs.replays x one eager prompt forward's other calls, and the replays to the cuda_graphs route."""
+    from voltllm import SamplingParams
+
+    runner = llm.engine.runner
+    counters = instrument(runner)
+    llm.generate(["a prompt of a few tokens"], SamplingParams(temperature=0, max_tokens=2))  # an eager prefill
+    layers = runner.model.num_attention_layers
+    assert counters.prefill_template["attention_prefill"] == layers
+    assert counters.prefill_template["linear"] == 4 * layers
+    base = counters.calls()
+    assert runner.prompt_graphs is None  # (the CPU captures none)
+    runner.prompt_graphs = types.SimpleNamespace(replays=counters.prompt_replays0 + 3, sizes=[16, 32])
+    try:
+        calls = counters.calls()
+        assert calls["cuda_graphs"]["graph"] == base["cuda_graphs"]["graph"] + 3
+        assert calls["linear"]["graph"] == base["linear"]["graph"] + 3 * 4 * layers
+        assert calls["attention_prefill"]["graph"] == base["attention_prefill"]["graph"]  # eager, counted
+        assert calls["sampler"]["graph"] == 0
+        assert build_report(llm.engine.config, runner)["counters"]["prompt_graph_replays"] == 3
+    finally:
+        runner.prompt_graphs = None
+
+
 def test_require_acceleration_on_cpu_expects_nothing(tiny_dir):
     config = EngineArgs(model=tiny_dir, device="cpu", require_acceleration=True).create_engine_config()
     assert config.device.require_acceleration
