@@ -127,8 +127,8 @@ def test_slot_buffer_rows_and_padding(checkpoints):
     seen = []
     original = runner.prepare
 
-    def prepare(sched, pad_to=0, state_slots=None):
-        out = original(sched, pad_to, state_slots)
+    def prepare(sched, pad_to=0, state_slots=None, **kw):
+        out = original(sched, pad_to, state_slots, **kw)
         if pad_to:
             seen.append(([runner.state_cache.slot_of(s.request.request_id) for s in sched.scheduled], pad_to))
         return out
