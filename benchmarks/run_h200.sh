@@ -37,6 +37,9 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s46      (next session) prompt graphs: the GPU test with --compat sm70 added, then whether a larger largest bucket
+#            pays (micro/prompt_graph_ttft.py --max-graph-tokens): SmolLM2's shape 16 / 64 x 128 tokens with buckets
+#            up to 8192, the 8B 1 x 1000 / 2000 tokens with buckets up to 2048
 #   s45      (session 16) piecewise prompt-step CUDA graphs: their GPU tests (replay vs eager, fp32 vs CPU), time to
 #            first token with them on / off (micro/prompt_graph_ttft.py, SmolLM2's shape and 8B), SmolLM2-shape
 #            16 / 64 concurrent and 8B 64 concurrent
@@ -491,6 +494,15 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s46)  # (next session) prompt graphs under --compat sm70; larger buckets
+    gpu_file test_engine_gpu 300 -k "prompt_graphs"
+    timeout 200 python3 benchmarks/micro/prompt_graph_ttft.py --shape smollm2-135m-shape --concurrency 16 \
+      --input-lens 16,128,512 --runs 6 --max-graph-tokens 8192 2>&1 | grep -v -i warn | tail -5 | tee -a "$out/ttft-caps.txt"
+    timeout 120 python3 benchmarks/micro/prompt_graph_ttft.py --shape smollm2-135m-shape --concurrency 64 \
+      --input-lens 128 --runs 6 --max-graph-tokens 8192 2>&1 | grep -v -i warn | tail -3 | tee -a "$out/ttft-caps.txt"
+    timeout 200 python3 benchmarks/micro/prompt_graph_ttft.py --shape qwen3-8b-shape --concurrency 1 \
+      --input-lens 1000,2000 --runs 6 --max-graph-tokens 2048 2>&1 | grep -v -i warn | tail -4 | tee -a "$out/ttft-caps.txt"
     ;;
   s45)  # (session 16) piecewise prompt graphs: tests, TTFT on / off, throughput
     gpu_file test_engine_gpu 260 -k "prompt_graphs or fp32_matches_cpu or graphs_equal_eager"

@@ -1,20 +1,22 @@
 """Time to first token with prompt steps replayed from piecewise CUDA graphs against eager prompt steps, one engine.
 
     PYTHONPATH=$PWD python3 benchmarks/micro/prompt_graph_ttft.py [--shape smollm2-135m-shape | --model PATH]
-        [--input-lens 16,128,500] [--concurrency 1] [--runs 10]
+        [--input-lens 16,128,500] [--concurrency 1] [--runs 10] [--max-graph-tokens 512]
 
 Random weights of a named shape (as `voltllm bench --random-weights`) or a model path; prefix caching off; for each
 input length, C requests of fresh random prompt tokens arrive together and each generates one token (the prompt step
 and its sampling). Alternating runs with the engine's prompt graphs on and off (runner.prompt_graphs set aside), so
 both see the same host and GPU state; prints the median and min milliseconds from arrival to the last request's
-first token, and the ratio. `--device cpu` runs the script's logic only (no graphs there)."""
+first token, and the ratio. `--max-graph-tokens` sets DeviceConfig.prompt_graph_max_tokens (the largest bucket) for
+this engine. `--device cpu` runs the script's logic only (no graphs there)."""
 import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
 import time
 
-from voltllm.bench.inprocess import build_engine, sampling_params
+from voltllm.bench.inprocess import sampling_params
 from voltllm.bench.shapes import materialize
 from voltllm.config import EngineArgs
 from voltllm.engine.types import EngineCoreRequest
@@ -43,6 +45,8 @@ def main() -> None:
     ap.add_argument("--input-lens", default="16,128,500")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--max-graph-tokens", type=int, default=None, help="the largest prompt-graph bucket (default: "
+                    "DeviceConfig's)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +55,13 @@ def main() -> None:
                         device=args.device, max_model_len=2048, max_num_seqs=max(args.concurrency, 16),
                         enable_prefix_caching=False)
         ea.skip_tokenizer_init = True
-        eng = build_engine(ea)
+        config = ea.create_engine_config()
+        if args.max_graph_tokens is not None:
+            config = dataclasses.replace(config, device=dataclasses.replace(
+                config.device, prompt_graph_max_tokens=args.max_graph_tokens))
+        from voltllm.engine.core import EngineCore
+
+        eng = EngineCore(config)
         vocab = eng.config.model.hf_config.vocab_size
         runner = eng.runner
         graphs = runner.prompt_graphs
