@@ -64,3 +64,37 @@ def test_rows_and_tokens_are_not_padded_together(engine):
 
     with pytest.raises(AssertionError):
         engine.runner.prepare(SchedulerOutput(), pad_to=4, pad_tokens_to=16)
+
+
+class _Runner:
+    """What ModelRunner._capture_prompt_graphs reads of a runner."""
+
+    def __init__(self, top):
+        self.top = top
+        self.graphs = type("DecodeGraphs", (), {"pool": None})()
+        self.prompt_graphs = None
+        self.device = torch.device("cpu")
+
+    def prompt_graph_max_tokens(self):
+        return self.top
+
+
+def test_prompt_graphs_out_of_memory_leaves_prompt_steps_eager(monkeypatch, caplog):
+    """Capturing them is the last thing a start does, after the KV cache took its (estimated) share: running out of
+    memory there keeps the engine up with eager prompt steps and says so."""
+    from voltllm.worker import prompt_graphs
+    from voltllm.worker.runner import ModelRunner
+
+    def no_memory(self, pool):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(prompt_graphs.PromptGraphs, "capture", no_memory)
+    runner = _Runner(512)
+    with caplog.at_level("WARNING", logger="voltllm"):
+        ModelRunner._capture_prompt_graphs(runner)
+    assert runner.prompt_graphs is None
+    assert "prompt steps run eagerly" in caplog.text
+    captured = []
+    monkeypatch.setattr(prompt_graphs.PromptGraphs, "capture", lambda self, pool: captured.append(self.sizes))
+    ModelRunner._capture_prompt_graphs(_Runner(8))  # under the smallest bucket: nothing to capture
+    assert captured == []

@@ -467,7 +467,16 @@ class ModelRunner:
         if not graphs.sizes:
             return
         t0 = time.monotonic()
-        graphs.capture(self.graphs.pool)
+        try:
+            graphs.capture(self.graphs.pool)
+        except torch.OutOfMemoryError:  # the KV cache was sized with an estimate of their memory: keep serving
+            del graphs
+            if torch.cuda.is_available():
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            logger.warning("prompt steps run eagerly: capturing their CUDA graphs ran out of GPU memory (a lower "
+                           "--gpu-memory-utilization leaves room for them)")
+            return
         self.prompt_graphs = graphs
         logger.info("captured piecewise prompt CUDA graphs (%s tokens, %d pieces each) in %.1f s", graphs.sizes,
                     len(graphs.graphs[graphs.sizes[-1]].pieces), time.monotonic() - t0)
