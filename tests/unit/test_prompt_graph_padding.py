@@ -19,6 +19,16 @@ def test_buckets_are_powers_of_two_from_16():
     assert prompt_graph_sizes(512) == [16, 32, 64, 128, 256, 512]
 
 
+def test_a_step_takes_the_smallest_bucket_that_holds_it():
+    from voltllm.worker.prompt_graphs import PromptGraphs
+
+    graphs = PromptGraphs(_Runner(64), 64)
+    assert graphs.sizes == [16, 32, 64]
+    graphs.graphs = {16: "g16", 64: "g64"}  # (32 not captured)
+    assert [graphs.for_tokens(n) for n in (2, 16, 17, 33, 64, 65)] == ["g16", "g16", None, "g64", "g64", None]
+    assert graphs.replays == 4  # only steps that found a graph
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("tiny")), "qwen3", max_position_embeddings=512)

@@ -11,12 +11,18 @@ from voltllm.model.forward_context import ForwardContext
 logger = logging.getLogger("voltllm")
 
 
+def profiled_tokens(runner) -> int:
+    """The token count of the profiled forward: --max-num-batched-tokens, at most --max-model-len."""
+    sc = runner.config.scheduler
+    return min(sc.max_num_batched_tokens, sc.max_model_len)
+
+
 @torch.inference_mode()
 def profile_activation_bytes(runner) -> int:
     """Peak memory of one forward over --max-num-batched-tokens tokens (one sequence) beyond the weights."""
     dev = runner.device
     sc = runner.config.scheduler
-    n = min(sc.max_num_batched_tokens, sc.max_model_len)
+    n = profiled_tokens(runner)
     bs = runner.block_size
     nblocks = -(-n // bs)
     heads, dim = runner.model.kv_heads_and_dim
@@ -50,8 +56,7 @@ def prompt_graph_bytes(runner, activations: int) -> int:
     top = runner.prompt_graph_max_tokens()
     if top < 16:
         return 0
-    sc = runner.config.scheduler
-    n = min(sc.max_num_batched_tokens, sc.max_model_len)
+    n = profiled_tokens(runner)
     attn = runner.model.layers[0].self_attn
     itemsize = torch.tensor([], dtype=runner.dtype).element_size()
     return int(activations * min(1.0, top / max(n, 1))) + 2 * top * attn.num_heads * attn.head_dim * itemsize

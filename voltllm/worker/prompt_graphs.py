@@ -21,6 +21,7 @@ backend use them (hybrid models' Gated DeltaNet layers need per-step host metada
 """
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -139,13 +140,12 @@ class PromptGraphs:
         self.replays = 0
 
     def for_tokens(self, n: int) -> Optional[PromptGraph]:
-        for t in self.sizes:
-            if t >= n:
-                g = self.graphs.get(t)
-                if g is not None:
-                    self.replays += 1
-                return g
-        return None
+        """The graph of the smallest bucket holding n tokens (None over the largest); counted as a replay."""
+        i = bisect.bisect_left(self.sizes, n)
+        g = self.graphs.get(self.sizes[i]) if i < len(self.sizes) else None
+        if g is not None:
+            self.replays += 1
+        return g
 
     def _capture_meta(self, t: int) -> AttentionMetadata:
         """One sequence of t tokens on the persistent buffers (warm-up runs attend with it; nothing is stored)."""
