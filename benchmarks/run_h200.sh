@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Benchmarks and GPU tests on the H200 machine (see docs/benchmarks.md). Usage, from the project root there:
 #   bash benchmarks/run_h200.sh STAGE COMMIT
+# Give COMMIT as a literal taken here (`git rev-parse --short HEAD` before the call): the GPU machine's copy of the
+# project may keep an older git HEAD than the tree it was sent (session 16's s45 results say ec39fe7 for 6399afa).
 # Stages (each fits one 10-minute device call):
 #   tests    GPU test suite (pytest -m gpu) and the 8B decode + 8K prefill benchmarks
 #   conc     8B 128/128 at 1/4/16/64 concurrent, SmolLM2 GGUF batch 1 (needs /root/m/part.* and .whl)
