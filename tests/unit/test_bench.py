@@ -217,6 +217,7 @@ def test_bench_end_to_end_tiny_model(tmp_path):
                                                         2 * 3 * 64 * 128, 2 * (2 * 64 + 2 * 16), 64))
     for key in ("torch", "triton", "transformers"):
         assert key in res["env"]
+    assert res["config"]["prompt_graph_tokens"] == [] and res["config"]["enforce_eager"] is False  # (CPU: no graphs)
     hf = res["baseline"]["hf"]
     assert "error" not in hf, hf.get("error")
     assert hf["metrics"]["pure_decode_tok_s"] > 0 and set(hf["metrics"]["output_tok_s"]) == {"1"}

@@ -276,6 +276,7 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
                    "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
                    "block_size": config.cache.block_size, "num_kv_blocks": engine.runner.num_blocks,
                    "kv_cache_dtype": config.cache.kv_cache_dtype, "enforce_eager": config.device.enforce_eager,
+                   "prompt_graph_tokens": list(getattr(engine.runner.prompt_graphs, "sizes", []) or []),
                    "attention_backend": type(engine.runner.backend).__name__, "compat": config.device.compat,
                    "async_scheduling": config.scheduler.async_scheduling,
                    "enable_prefix_caching": config.cache.enable_prefix_caching,
