@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--input-lens", default="16,128,500")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="8192: the bench's default")
     ap.add_argument("--max-graph-tokens", type=int, default=None, help="the largest prompt-graph bucket (default: "
                     "DeviceConfig's)")
     ap.add_argument("--device", default="cuda")
@@ -53,7 +54,7 @@ def main() -> None:
         path = args.model or materialize(args.shape, tmp)
         ea = EngineArgs(model=path, load_format="auto" if args.model else "dummy", dtype="float16",
                         device=args.device, max_model_len=2048, max_num_seqs=max(args.concurrency, 16),
-                        enable_prefix_caching=False)
+                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
         ea.skip_tokenizer_init = True
         config = ea.create_engine_config()
         if args.max_graph_tokens is not None:
