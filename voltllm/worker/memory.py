@@ -53,9 +53,12 @@ def prompt_graph_bytes(runner, activations: int) -> int:
     largest token count (activations grow with tokens), plus their static q / output buffers."""
     if runner.config.device.enforce_eager:
         return 0
-    top = runner.prompt_graph_max_tokens()
-    if top < 16:
+    from voltllm.worker.prompt_graphs import prompt_graph_sizes
+
+    sizes = prompt_graph_sizes(runner.prompt_graph_max_tokens())
+    if not sizes:
         return 0
+    top = sizes[-1]  # the largest bucket (a power of two)
     n = profiled_tokens(runner)
     attn = runner.model.layers[0].self_attn
     itemsize = torch.tensor([], dtype=runner.dtype).element_size()
