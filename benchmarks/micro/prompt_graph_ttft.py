@@ -1,7 +1,7 @@
 """Time to first token with prompt steps replayed from piecewise CUDA graphs against eager prompt steps, one engine.
 
     PYTHONPATH=$PWD python3 benchmarks/micro/prompt_graph_ttft.py [--shape smollm2-135m-shape | --model PATH]
-        [--input-lens 16,128,500] [--concurrency 1] [--runs 10] [--max-graph-tokens 512]
+        [--input-lens 16,128,500] [--concurrency 1] [--runs 10] [--max-graph-tokens N]
 
 Random weights of a named shape (as `voltllm bench --random-weights`) or a model path; prefix caching off; for each
 input length, C requests of fresh random prompt tokens arrive together and each generates one token (the prompt step
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="8192: the bench's default")
     ap.add_argument("--max-graph-tokens", type=int, default=None, help="the largest prompt-graph bucket (default: "
-                    "DeviceConfig's)")
+                    "by the model's size, as the engine picks it)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

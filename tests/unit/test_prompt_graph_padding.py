@@ -108,3 +108,43 @@ def test_prompt_graphs_out_of_memory_leaves_prompt_steps_eager(monkeypatch, capl
     monkeypatch.setattr(prompt_graphs.PromptGraphs, "capture", lambda self, pool: captured.append(self.sizes))
     ModelRunner._capture_prompt_graphs(_Runner(8))  # under the smallest bucket: nothing to capture
     assert captured == []
+
+
+@pytest.mark.parametrize("shape,expected", [("smollm2-135m-shape", 8192), ("qwen3-0.6b-shape", 8192),
+                                            ("qwen3-8b-shape", 512)])
+def test_the_largest_bucket_follows_the_model_size(shape, expected):
+    """Unset, the largest prompt-graph bucket shrinks as a step's GPU time grows (tokens x projection parameters):
+    small models replay steps up to 8,192 tokens, the 8B up to 512; an explicit value and the scheduler's token
+    budget still cap it."""
+    import dataclasses
+    import types
+
+    import transformers
+
+    from voltllm.bench.shapes import SHAPES
+    from voltllm.config import DeviceConfig
+    from voltllm.model.models.llama import LlamaForCausalLM
+    from voltllm.worker.runner import ModelRunner
+
+    cls, kwargs = SHAPES[shape]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(getattr(transformers, cls)(**kwargs), torch.float16, 64)
+    device = DeviceConfig(torch.device("cpu"))
+    runner = types.SimpleNamespace(is_hybrid=False, model=model, config=types.SimpleNamespace(
+        device=device, scheduler=types.SimpleNamespace(max_num_batched_tokens=16384)))
+    assert ModelRunner.prompt_graph_max_tokens(runner) == expected
+    runner.config.scheduler.max_num_batched_tokens = 2048
+    assert ModelRunner.prompt_graph_max_tokens(runner) == min(expected, 2048)
+    runner.config.device = dataclasses.replace(device, prompt_graph_max_tokens=256)
+    assert ModelRunner.prompt_graph_max_tokens(runner) == 256
+    runner.is_hybrid = True
+    assert ModelRunner.prompt_graph_max_tokens(runner) == 0
+
+
+def test_auto_bucket_rule_edges():
+    from voltllm.worker.prompt_graphs import AUTO_MAX_TOKENS, AUTO_TOKEN_PARAMS, auto_max_tokens
+
+    assert auto_max_tokens(1) == AUTO_MAX_TOKENS
+    assert auto_max_tokens(AUTO_TOKEN_PARAMS // 1024) == 1024
+    assert auto_max_tokens(AUTO_TOKEN_PARAMS // 1024 + 1) == 512
+    assert auto_max_tokens(AUTO_TOKEN_PARAMS // 15) == 0  # a model too large for even a 16-token bucket

@@ -34,6 +34,24 @@ from voltllm.worker.cuda_graphs import gc_paused
 
 SMALLEST_BUCKET = 16
 
+# The largest bucket when DeviceConfig.prompt_graph_max_tokens is None: replay pays while the eager step waits on
+# the host, and a step padded up to its bucket (up to 2x its tokens) must still finish before the eager step
+# would. A step's GPU time grows with tokens x projection parameters, so buckets stop where that product passes
+# AUTO_TOKEN_PARAMS. Measured on the H200 (docs/kernels.md, "Session 17"): SmolLM2's shape (1.1e8 parameters in
+# its projections) gains 2.4-4.7x on 2,048-8,192-token steps; the 8B shape (7.0e9) 1.35x at 500 tokens, 1.46x
+# at 1,000 and nothing at 2,000, and eager 500 tokens (18 ms) beats a 1,000-token replay padded from 520 (24 ms).
+AUTO_TOKEN_PARAMS = 4 * 10**12
+AUTO_MAX_TOKENS = 8192
+
+
+def auto_max_tokens(projection_params: int) -> int:
+    """The largest prompt-graph token count for a model with `projection_params` parameters in its decoder
+    layers' projections: the largest power of two with tokens x parameters <= AUTO_TOKEN_PARAMS, at most
+    AUTO_MAX_TOKENS (0: none)."""
+    limit = min(AUTO_MAX_TOKENS, AUTO_TOKEN_PARAMS // max(projection_params, 1))
+    sizes = prompt_graph_sizes(limit)
+    return sizes[-1] if sizes else 0
+
 
 def prompt_graph_sizes(max_tokens: int) -> list[int]:
     """Token buckets: 16, 32, ... up to the largest power of two <= max_tokens (none below 16)."""

@@ -457,7 +457,13 @@ class ModelRunner:
         """Largest prompt step replayed from piecewise graphs (0: none): attention-only models only."""
         if self.is_hybrid or not getattr(self.model, "supports_prompt_graphs", False):
             return 0
-        return min(self.config.device.prompt_graph_max_tokens, self.config.scheduler.max_num_batched_tokens)
+        top = self.config.device.prompt_graph_max_tokens
+        if top is None:
+            from voltllm.worker.prompt_graphs import auto_max_tokens
+
+            top = auto_max_tokens(sum(p.in_features * p.out_features for layer in self.model.layers
+                                      for p in layer.projections()))
+        return min(top, self.config.scheduler.max_num_batched_tokens)
 
     def _capture_prompt_graphs(self) -> None:
         from voltllm.worker.prompt_graphs import PromptGraphs
