@@ -386,3 +386,56 @@ def test_batch_tuned_mlp_matches_cublas_whatever_it_chose():
             act = (torch.nn.functional.silu(gu[:, :5632]) * gu[:, 5632:]).half()
             ref = torch.nn.functional.linear(act, mlp.down_proj.weight).float()
             assert ((mlp(x).float() - ref).norm() / ref.norm()).item() < 3e-3, (rows, mlp.gate_up_proj.batch_gated)
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen3", "float16"), ("qwen2", "float16"), ("qwen3", "bfloat16")])
+def test_fused_batch_engine_matches_separate_norms(tmp_path, kind, dtype):
+    """Decode batches of 16 with the RMSNorms and residual adds folded into the batch GEMMs (norm prologue, residual
+    add + row sums of squares in the epilogue; LlamaForCausalLM.fused_batch), replayed from the captured CUDA
+    graphs, against the same GEMMs with separate norm launches: the first decode step's logprobs agree to
+    half-precision rounding (same inputs: the prompt step is not a 16-row step), most tokens agree after it, and
+    the graphs really hold the folded path. Then the start-up timing (tune_norm_fusion) makes a choice and leaves
+    the layers' attention as it was."""
+    from tiny_models import make_model
+
+    import voltllm.model.models.llama as llama
+    from voltllm import LLM, SamplingParams
+    from voltllm.worker.norm_fusion_tuning import tune_norm_fusion
+
+    llm = LLM(make_model(str(tmp_path), kind, hidden_size=256, intermediate_size=512, head_dim=64),
+              device="cuda", dtype=dtype, max_num_seqs=16)
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    for layer in model.layers:
+        for p in layer.projections():
+            p.batch_gemm[16] = (32, 128, 4, 4, 1)
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(5 + i)] for i in range(16)]
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
+
+    def run(folded: bool):
+        model.batch_norm_fused = {16: folded}
+        calls = []
+        original = llama.norm_linear
+        llama.norm_linear = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            runner.capture_cuda_graphs()
+        finally:
+            llama.norm_linear = original
+        assert (len(calls) >= 2 * len(model.layers) - 1) == folded, len(calls)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        return [o.outputs[0] for o in outs]
+
+    folded, separate = run(True), run(False)
+    tol = 3e-2 if dtype == "float16" else 0.25
+    for f, s in zip(folded, separate):
+        assert f.token_ids[0] == s.token_ids[0]
+        t = f.token_ids[1] if f.token_ids[1] == s.token_ids[1] else None
+        if t is not None:
+            assert abs(f.logprobs[1][t].logprob - s.logprobs[1][t].logprob) < tol
+    agree = sum(a == b for f, s in zip(folded, separate) for a, b in zip(f.token_ids, s.token_ids))
+    assert agree >= 0.8 * 16 * 12, agree
+    choice = tune_norm_fusion(model, [1, 16])
+    assert set(choice) == {16} and model.batch_norm_fused[16] == choice[16]
+    assert all("attend" not in vars(layer.self_attn) for layer in model.layers)
+    runner.capture_cuda_graphs()
+    again = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert again == [o.token_ids for o in (folded if choice[16] else separate)]
