@@ -10,7 +10,6 @@ all run the batch GEMM). Each switch captures the CUDA graphs again; each round 
 fresh random prompts, forced output length). Prints per mode the median output tok/s and common-window decode tok/s
 (the bench's definitions)."""
 import argparse
-import logging
 import statistics
 import tempfile
 
@@ -27,7 +26,6 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the start-up tuners' timings
     with tempfile.TemporaryDirectory() as tmp:
         ea = EngineArgs(model=materialize(args.shape, tmp), load_format="dummy", dtype="float16",
                         max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.concurrency,

@@ -5,9 +5,8 @@ into the residual stream in place and write its rows' partial sums of squares; q
 residual tiles they read (kernels/batch_gemm.py). That removes two add + RMSNorm launches per layer, but every
 consumer program then reads the residual (fp32 for fp16 models: twice the bytes of the fp16 input it read before)
 and each producer reads and writes it. Which side wins depends on the shapes and the GPU, so the runner times the
-model's own layers both ways at every row count where the batch GEMM could run all four projections (each with its
-tuned tile, or the fastest Triton tile where cuBLAS won alone), as a CUDA graph replay of the whole stack
-(embedding, layers with the attention replaced by a slice of q, final norm).
+model's own layers both ways at every row count whose four projections all run the decode-batch GEMM, as a CUDA
+graph replay of the whole stack (embedding, layers with the attention replaced by a slice of q, final norm).
 """
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def tune_norm_fusion(model: torch.nn.Module, row_counts: list[int]) -> dict[int,
         layer.self_attn.attend = types.MethodType(_attention_stand_in, layer.self_attn)
     try:
         for rows in row_counts:
-            if not all(rows in p.batch_gemm_triton or rows in p.batch_gemm for p in projections):
+            if not all(rows in p.batch_gemm for p in projections):
                 continue
             ids = torch.zeros(rows, dtype=torch.long, device=dev)
             t_plain = _stack_ms(model, ids, False)

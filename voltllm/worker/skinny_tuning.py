@@ -293,8 +293,6 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             timings[(n, k, silu, rows)] = rec
             decisions[_key(n, k, silu, rows)] = use
             for m in mods:
-                if best is not None:
-                    m.batch_gemm_triton[rows] = best
                 if use is not None:
                     m.batch_gemm[rows] = use
                     m.batch_silu_fused[rows] = fused

@@ -86,12 +86,6 @@ def gated_mlp(gate_up: "Linear", down: "Linear", x: torch.Tensor) -> torch.Tenso
     return down_proj_silu_mul(down, gate_up(x))
 
 
-def folded_config(layer: "Linear", rows: int) -> tuple:
-    """The batch-GEMM tile a folded layer runs `layer` with at `rows` rows: the tuned choice, else (cuBLAS won
-    alone) the fastest Triton tile timed."""
-    return layer.batch_gemm.get(rows) or layer.batch_gemm_triton[rows]
-
-
 def norm_linear(layer: "Linear", residual: torch.Tensor, norm, gated: bool = False,
                 row_sq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """layer(norm(residual)) as one GEMM (`norm` an RMSNorm): at one row the skinny GEMM (`layer.skinny` chosen)
@@ -103,7 +97,7 @@ def norm_linear(layer: "Linear", residual: torch.Tensor, norm, gated: bool = Fal
     if rows > 1:
         from voltllm.kernels.batch_gemm import batch_gemm
 
-        return batch_gemm(residual, layer.weight, layer.bias, config=folded_config(layer, rows), gated=gated,
+        return batch_gemm(residual, layer.weight, layer.bias, config=layer.batch_gemm[rows], gated=gated,
                           norm=(norm.weight, norm.eps, norm.offset), row_sq=row_sq)
     from voltllm.kernels.gemv import gemv
 
@@ -121,9 +115,9 @@ def linear_add_(layer: "Linear", x: torch.Tensor, residual: torch.Tensor, silu_m
     if rows > 1:
         from voltllm.kernels.batch_gemm import batch_gemm, row_sq_partials
 
-        if silu_mul and not layer.batch_silu_fused.get(rows, False):
+        if silu_mul and not layer.batch_silu_fused.get(rows, True):
             x, silu_mul = silu_and_mul(x), False
-        cfg = folded_config(layer, rows)
+        cfg = layer.batch_gemm[rows]
         sq = row_sq_partials(layer.out_features, cfg, x.device) if row_sq else None
         batch_gemm(x, layer.weight, layer.bias, config=cfg, silu_mul=silu_mul, out=residual, accumulate=True,
                    row_sq_out=sq)
@@ -161,9 +155,6 @@ class Linear(nn.Module):
         self.method = method or UnquantizedLinearMethod()
         self.skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning when it measured faster
         self.batch_gemm: dict[int, tuple] = {}  # decode-batch GEMM configs by row count (same tuner)
-        # the fastest decode-batch tile by row count even where cuBLAS won: the folded layer (fused_batch) runs
-        # every projection on the batch GEMM
-        self.batch_gemm_triton: dict[int, tuple] = {}
         # its input is [gate | up] and it multiplies silu(gate) * up (down_proj_silu_mul): the tuner times that
         self.silu_mul_input = False
         # with `skinny` and silu_mul_input: the activation in the GEMV's prologue (else a SiLU kernel first)
