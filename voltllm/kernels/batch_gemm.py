@@ -19,14 +19,6 @@ each program writes its fp32 partial to a workspace and bumps a per-tile counter
 sums the SPLIT_K partials in slice order (the result does not depend on which program finishes last), writes y
 and resets the counter to 0 for the next call. One kernel, no separate reduce launch (cuBLAS's split-K has one).
 
-The decoder layer's norms and residual adds (`norm=`, `accumulate=`): a producer (o_proj, down) adds its product
-into the residual stream in place (`accumulate`: each program owns its features) and writes, per output tile, each
-row's sum of squares of the new residual (`row_sq_out`, [tiles, MAX_ROWS] fp32, no atomics: deterministic); the
-consumer (qkv, gate_up) reads the residual itself, sums those partials in tile order into 1 / rms per row and
-multiplies each x tile by it and the norm weight before the dot (`norm=(weight, eps, offset)`, `row_sq`), so the
-add + RMSNorm launch between them disappears. The normalised values are rounded once to the weight's dtype for
-the dot, as the separate norm kernel rounds its output.
-
 TMA configs (a sixth config field, sm_90+ only): the same product with x and weight tiles moved by the copy engine
 through tensor descriptors (`_batch_gemm_tma_kernel`), which streams the 8B shapes' weights faster than pointer
 loads do; operands TMA cannot address (unaligned strides) run the pointer kernel with the same tile.
@@ -49,16 +41,13 @@ from voltllm.kernels.pdl import pdl_enter, prefetch_rows_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 MIN_ROWS, MAX_ROWS = 16, 64
-SQ_STRIDE = tl.constexpr(MAX_ROWS)  # row_sq partials: one row of MAX_ROWS fp32 per output tile
 
 
 @triton.jit
-def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, NW, SQ_IN, SQ_OUT, n_sq, eps, norm_offset, M, N, K, k_per_split,
-                       stride_xm, stride_wn, stride_ym,
+def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                       PREFETCH_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr = False,
-                       ACCUMULATE: tl.constexpr = False, WRITE_SQ: tl.constexpr = False):
+                       PREFETCH_K: tl.constexpr, GATED: tl.constexpr):
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -74,7 +63,6 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, NW, SQ_IN, SQ_OUT, n_sq, eps, n
     w_ptr = W + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
-    rstd = _row_rstd(SQ_IN, n_sq, K, eps, BLOCK_M, NORM)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # K % BLOCK_K == 0: only the row / feature masks
             mx = mask_m[:, None]
@@ -88,8 +76,6 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, NW, SQ_IN, SQ_OUT, n_sq, eps, n
         if SILU_MUL:
             up = tl.load(x_ptr + K, mask=mx, other=0.0)
             x = _silu_times(x.to(tl.float32), up.to(tl.float32)).to(W.dtype.element_ty)
-        if NORM:
-            x = _normed(x, rstd, NW, k0 + offs_k, K, norm_offset, W.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:  # the up rows of the same features, N rows below the gate rows
             wu = tl.load(w_ptr + N * stride_wn, mask=mw, other=0.0, eviction_policy="evict_first")
@@ -98,30 +84,8 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, NW, SQ_IN, SQ_OUT, n_sq, eps, n
         w_ptr += BLOCK_K
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, SQ_OUT, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M,
-                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, ACCUMULATE, WRITE_SQ)
-
-
-@triton.jit
-def _row_rstd(SQ_IN, n_sq, K, eps, BLOCK_M: tl.constexpr, NORM: tl.constexpr):
-    """1 / rms of each row: the producer's per-tile partial sums of squares ([n_sq, SQ_STRIDE] fp32) summed in
-    tile order (every program gets the same bits)."""
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_p = tl.arange(0, 16)
-        for p0 in range(0, n_sq, 16):
-            p = p0 + offs_p
-            ss += tl.sum(tl.load(SQ_IN + p[:, None] * SQ_STRIDE + offs_m[None, :], mask=(p < n_sq)[:, None],
-                                 other=0.0), axis=0)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _normed(x, rstd, NW, offs_k, K, norm_offset, dtype: tl.constexpr):
-    """RMSNorm of a residual tile: x / rms * (weight + offset) in fp32, rounded once to the dot's dtype."""
-    nw = tl.load(NW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32) + norm_offset
-    return (x.to(tl.float32) * rstd[:, None] * nw[None, :]).to(dtype)
+    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M, BLOCK_N,
+                 SPLIT_K, HAS_BIAS and not GATED)
 
 
 @triton.jit
@@ -140,22 +104,8 @@ def _silu_times(g, u):
 
 
 @triton.jit
-def _store_tile(acc, Y, SQ_OUT, pid, y_ptr, offs_m, mask_y, ACCUMULATE: tl.constexpr, WRITE_SQ: tl.constexpr):
-    """Store a finished fp32 tile; with ACCUMULATE add it to what Y holds (the residual add, in place: each program
-    owns its features); with WRITE_SQ also store each row's sum of squares of the values as stored."""
-    if ACCUMULATE:
-        acc += tl.load(y_ptr, mask=mask_y, other=0.0).to(tl.float32)
-    y = acc.to(Y.dtype.element_ty)
-    tl.store(y_ptr, y, mask=mask_y)
-    if WRITE_SQ:
-        yf = tl.where(mask_y, y.to(tl.float32), 0.0)
-        tl.store(SQ_OUT + pid * SQ_STRIDE + offs_m, tl.sum(yf * yf, axis=1))
-
-
-@triton.jit
-def _finish_tile(acc, B, Y, WS, COUNTERS, SQ_OUT, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACCUMULATE: tl.constexpr, WRITE_SQ: tl.constexpr):
+def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias); with split-K, write it as this slice's partial
     and let the last slice of the tile to arrive sum all partials in slice order and store that."""
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -163,7 +113,7 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, SQ_OUT, pid, offs_m, offs_n, mask_m, m
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        _store_tile(acc, Y, SQ_OUT, pid, y_ptr, offs_m, mask_y, ACCUMULATE, WRITE_SQ)
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
     else:
         ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]  # slice s at WS + s * BLOCK_M * N
         tl.store(ws_tile + tl.program_id(1) * BLOCK_M * N, acc, mask=mask_y)
@@ -175,17 +125,15 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, SQ_OUT, pid, offs_m, offs_n, mask_m, m
                 total += tl.load(ws_tile + s * BLOCK_M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            _store_tile(total, Y, SQ_OUT, pid, y_ptr, offs_m, mask_y, ACCUMULATE, WRITE_SQ)
+            tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mask_y)
             tl.atomic_xchg(COUNTERS + pid, 0)
 
 
 @triton.jit
-def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, NW, SQ_IN, SQ_OUT, n_sq, eps, norm_offset, M, N, K,
-                           k_per_split, stride_wn, stride_ym,
+def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_wn, stride_ym,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                           PREFETCH_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr = False,
-                           ACCUMULATE: tl.constexpr = False, WRITE_SQ: tl.constexpr = False):
+                           PREFETCH_K: tl.constexpr, GATED: tl.constexpr):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
     as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
@@ -198,14 +146,11 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, NW, SQ_IN, SQ_OUT,
     pdl_enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
-    rstd = _row_rstd(SQ_IN, n_sq, K, eps, BLOCK_M, NORM)
     for k0 in range(k_start, k_end, BLOCK_K):
         x = XD.load([0, k0])
         if SILU_MUL:
             x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
         w = WD.load([pid * BLOCK_N, k0])
-        if NORM:  # x is the residual stream (fp32 for fp16 models)
-            x = _normed(x, rstd, NW, k0 + tl.arange(0, BLOCK_K), K, norm_offset, w.dtype)
         acc = tl.dot(x, w.T, acc)
         if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
             acc_u = tl.dot(x, WD.load([N + pid * BLOCK_N, k0]).T, acc_u)
@@ -213,61 +158,38 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, NW, SQ_IN, SQ_OUT,
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, SQ_OUT, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym,
-                 BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, ACCUMULATE, WRITE_SQ)
-
-
-_NORM_ARGS = {"NW": "*fp32", "SQ_IN": "*fp32", "SQ_OUT": "*fp32", "n_sq": "i32", "eps": "fp32",
-              "norm_offset": "fp32"}
-_LAYER_FLAGS = {"NORM": "constexpr", "ACCUMULATE": "constexpr", "WRITE_SQ": "constexpr"}
+    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
+                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED)
 
 
 def _specs() -> list[CompileSpec]:
-    def sig(x, y):
-        return {"X": x, "W": "*fp16", "B": "*fp16", "Y": y, "WS": "*fp32", "COUNTERS": "*i32", **_NORM_ARGS,
-                "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32",
-                "stride_ym": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "SILU_MUL": "constexpr",
-                "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr", **_LAYER_FLAGS}
-
-    # plain, silu*mul prologue, split-K and gated tiles; the decoder layer's forms: RMSNorm of the fp32 residual in
-    # the prologue (plain and gated), the residual add into fp32 with the rows' sums of squares (plain, split-K)
-    return [CompileSpec(sig("*fp32" if nm else "*fp16", "*fp32" if acc else "*fp16"),
-                        {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "HAS_BIAS": b, "EVEN_K": e,
-                         "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "NORM": nm, "ACCUMULATE": acc,
-                         "WRITE_SQ": acc},
-                        f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s} gated={gt} norm={nm} "
-                        f"accumulate={acc}")
-            for m, n, k, sk, b, e, s, gt, nm, acc in ((64, 32, 128, 1, False, True, False, False, False, False),
-                                                      (32, 64, 64, 1, True, False, True, False, False, False),
-                                                      (64, 64, 128, 4, True, False, False, False, False, False),
-                                                      (64, 64, 128, 1, True, True, False, True, False, False),
-                                                      (64, 64, 128, 1, False, True, False, False, True, False),
-                                                      (64, 64, 128, 1, False, True, False, True, True, False),
-                                                      (64, 32, 128, 1, False, True, False, False, False, True),
-                                                      (64, 64, 128, 4, False, False, False, False, False, True))]
+    sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32",
+           "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
+           "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "SILU_MUL": "constexpr", "PDL": "constexpr",
+           "PREFETCH_K": "constexpr", "GATED": "constexpr"}
+    return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "HAS_BIAS": b, "EVEN_K": e,
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt},
+                        f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s} gated={gt}")
+            for m, n, k, sk, b, e, s, gt in ((64, 32, 128, 1, False, True, False, False),
+                                             (32, 64, 64, 1, True, False, True, False),
+                                             (64, 64, 128, 4, True, False, False, False),
+                                             (64, 64, 128, 1, True, True, False, True))]
 
 
 register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)  # native route only (runner)
 
 
 def _tma_specs() -> list[CompileSpec]:
-    def sig(x, y):
-        return {"XD": f"tensordesc<{x}[64, 128]>", "UD": f"tensordesc<{x}[64, 128]>",
-                "WD": "tensordesc<fp16[64, 128]>", "W": "*fp16", "B": "*fp16", "Y": y, "WS": "*fp32",
-                "COUNTERS": "*i32", **_NORM_ARGS, "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
-                "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr",
-                "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr", **_LAYER_FLAGS}
-
-    return [CompileSpec(sig("fp32" if nm else "fp16", "*fp32" if acc else "*fp16"),
-                        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
-                         "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "NORM": nm, "ACCUMULATE": acc,
-                         "WRITE_SQ": acc},
-                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} norm={nm} accumulate={acc} tma")
-            for sk, b, s, gt, nm, acc in ((1, False, False, False, False, False), (2, True, True, False, False, False),
-                                          (1, True, False, True, False, False), (1, False, False, True, True, False),
-                                          (1, False, False, False, False, True))]
+    sig = {"XD": "tensordesc<fp16[64, 128]>", "UD": "tensordesc<fp16[64, 128]>", "WD": "tensordesc<fp16[64, 128]>",
+           "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "k_per_split": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
+           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr"}
+    return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt},
+                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} tma")
+            for sk, b, s, gt in ((1, False, False, False), (2, True, True, False), (1, True, False, True))]
 
 
 register_kernel("gemm.decode_batch_tma", _batch_gemm_tma_kernel, _tma_specs(), compat=False)  # sm_90+ only
@@ -331,46 +253,24 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 BATCH_PREFETCH_K = 0
 
 
-def row_sq_partials(n: int, config: tuple, device: torch.device) -> torch.Tensor:
-    """Scratch for `row_sq_out` of an [M, n] product with `config`: one row of MAX_ROWS fp32 per output tile."""
-    return torch.empty(triton.cdiv(n, config[0]), MAX_ROWS, dtype=torch.float32, device=device)
-
-
 def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                config: tuple = CONFIGS[0], silu_mul: bool = False,
                out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None,
-               gated: bool = False, norm: Optional[tuple[torch.Tensor, float, float]] = None,
-               row_sq: Optional[torch.Tensor] = None, accumulate: bool = False,
-               row_sq_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               gated: bool = False) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
     With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
     silu(x gate^T) * (x up^T), computed in the epilogue in fp32 (bias: [2N]); gated tiles run without split-K.
-    prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K).
-    The decoder layer's forms (module docstring): norm = (weight, eps, offset) multiplies RMSNorm(x) instead of x,
-    x being the residual stream (fp32, or w's dtype) and `row_sq` its rows' partial sums of squares as a producer
-    wrote them; the result then has w's dtype. accumulate adds the product into `out` (required: the residual,
-    fp32 or w's dtype) in place, and `row_sq_out` (row_sq_partials) receives the new rows' partial sums of squares."""
+    prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0] // 2 if gated else w.shape[0]
-    x_types = (w.dtype, torch.float32) if norm is not None else (w.dtype,)
     if (not MIN_ROWS <= m <= MAX_ROWS or w.shape[1] != k or kx != (2 * k if silu_mul else k)
-            or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype not in x_types
-            or w.dtype not in (torch.float16, torch.bfloat16)  # fp32 tl.dot would round through tf32
-            or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1 or accumulate))
-            or (norm is not None and (silu_mul or row_sq is None or norm[0].numel() != k
-                                      or norm[0].stride(-1) != 1 or row_sq.shape[1:] != (MAX_ROWS,)
-                                      or not row_sq.is_contiguous() or row_sq.dtype != torch.float32))
-            or (accumulate and (out is None or tuple(out.shape) != (m, n) or out.stride(1) != 1
-                                or out.dtype not in (w.dtype, torch.float32)))
-            or (row_sq_out is not None and (not accumulate or row_sq_out.shape[1:] != (MAX_ROWS,)
-                                            or row_sq_out.shape[0] < triton.cdiv(n, config[0])
-                                            or not row_sq_out.is_contiguous()
-                                            or row_sq_out.dtype != torch.float32))):
+            or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype != w.dtype
+            or x.dtype not in (torch.float16, torch.bfloat16)  # fp32 tl.dot would round through tf32
+            or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1))):
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
-                         f"(silu_mul={silu_mul}, gated={gated}, norm={norm is not None}, accumulate={accumulate}, "
-                         f"config {config}) not supported")
+                         f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     block_m = max(16, triton.next_power_of_2(m))
@@ -381,39 +281,35 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     if split > 1 and n_tiles > MAX_COUNTERS:
         raise ValueError(f"batch_gemm: {n_tiles} output tiles exceed the {MAX_COUNTERS} split-K counters")
     if out is None:
-        out = torch.empty(m, n, dtype=w.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if split > 1:  # fp32 partials, one [BLOCK_M, N] slice per split; the caching allocator serves graphs too
         ws = torch.empty(split * block_m * n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     else:
         ws = counters = out
-    stages = _fitting_stages(x.device, stages, block_m, block_n * (2 if gated else 1), block_k, w.element_size(),
-                             silu_mul, all_stages=gated and bool(tma and tma[0]), x_itemsize=x.element_size())
+    stages = _fitting_stages(x.device, stages, block_m, block_n * (2 if gated else 1), block_k, x.element_size(),
+                             silu_mul, all_stages=gated and bool(tma and tma[0]))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
-                SILU_MUL=silu_mul, GATED=gated, NORM=norm is not None, ACCUMULATE=accumulate,
-                WRITE_SQ=row_sq_out is not None, num_warps=warps, num_stages=stages,
+                SILU_MUL=silu_mul, GATED=gated, num_warps=warps, num_stages=stages,
                 **pdl.gemm_launch_options(BATCH_PREFETCH_K if prefetch_k is None else prefetch_k))
     b = bias if bias is not None else w
-    layer_args = (norm[0] if norm is not None else ws, row_sq if row_sq is not None else ws,
-                  row_sq_out if row_sq_out is not None else ws, row_sq.shape[0] if row_sq is not None else 0,
-                  float(norm[1]) if norm is not None else 1.0, float(norm[2]) if norm is not None else 0.0)
     if tma and tma[0] and _tma_aligned(x, w, k):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         xd = TensorDescriptor.from_tensor(x[:, :k], [block_m, block_k])
         ud = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if silu_mul else xd
         wd = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        _batch_gemm_tma_kernel[(n_tiles, split)](xd, ud, wd, w, b, out, ws, counters, *layer_args, m, n, k,
+        _batch_gemm_tma_kernel[(n_tiles, split)](xd, ud, wd, w, b, out, ws, counters, m, n, k,
                                                  tiles_per_split * block_k, w.stride(0), out.stride(0), **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](
-            x, w, b, out, ws, counters, *layer_args, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0),
-            out.stride(0), EVEN_K=k % block_k == 0, **meta)
+            x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
+            EVEN_K=k % block_k == 0, **meta)
     return out
 
 
 def _fitting_stages(device: torch.device, stages: int, block_m: int, block_n: int, block_k: int, itemsize: int,
-                    silu_mul: bool, all_stages: bool = False, x_itemsize: Optional[int] = None) -> int:
+                    silu_mul: bool, all_stages: bool = False) -> int:
     """`stages`, lowered until the pipeline's buffers fit the device's shared memory: Triton keeps stages - 1 tiles
     of x (and of up, with silu_mul) and of the weight, plus the fp32 output tile for the epilogue. The silu*mul
     variant of a deep tile would otherwise not launch (the start-up tuner would drop the config). all_stages: the
@@ -422,7 +318,7 @@ def _fitting_stages(device: torch.device, stages: int, block_m: int, block_n: in
     if device.type != "cuda":
         return stages
     limit = _smem_limit(device)
-    per_stage = (block_m * block_k * (2 if silu_mul else 1) * (x_itemsize or itemsize) + block_n * block_k * itemsize)
+    per_stage = (block_m * block_k * (2 if silu_mul else 1) + block_n * block_k) * itemsize
     fit = (0 if all_stages else 1) + (limit - block_m * block_n * 4) // per_stage
     return max(1, min(stages, fit))
 
@@ -440,18 +336,12 @@ def _tma_aligned(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
     """TMA needs 16-byte aligned bases and row strides; with silu_mul the up half of x starts K elements in."""
     es = x.element_size()
     return (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0
-            and (w.stride(0) * w.element_size()) % 16 == 0 and (k * es) % 16 == 0)
+            and (w.stride(0) * es) % 16 == 0 and (k * es) % 16 == 0)
 
 
 def batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                   silu_mul: bool = False, gated: bool = False,
-                   norm: Optional[tuple[torch.Tensor, float, float]] = None) -> torch.Tensor:
-    """fp32 reference (in w's dtype); with norm, x is normalised in fp32 and rounded to w's dtype, as the kernel
-    does (accumulate: add the result to the residual yourself)."""
+                   silu_mul: bool = False, gated: bool = False) -> torch.Tensor:
     xf = x.float()
-    if norm is not None:
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm[1]) * (norm[0].float() + norm[2])
-        xf = xf.to(w.dtype).float()
     if silu_mul:
         g, u = xf.chunk(2, dim=-1)
         xf = (torch.nn.functional.silu(g) * u).to(x.dtype).float()
@@ -461,4 +351,4 @@ def batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
     if gated:
         g, u = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(g) * u
-    return y.to(w.dtype)
+    return y.to(x.dtype)

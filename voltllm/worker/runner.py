@@ -435,11 +435,7 @@ class ModelRunner:
             # decode batches run at the CUDA-graph sizes; the compat route keeps cuBLAS (on sm_70/75 the
             # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
             if self.config.device.compat == "none":
-                from voltllm.worker.norm_fusion_tuning import tune_norm_fusion
-
-                sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
-                tune_batch_gemm(self.model, sizes)
-                tune_norm_fusion(self.model, sizes)
+                tune_batch_gemm(self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
 
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs

@@ -86,48 +86,24 @@ def gated_mlp(gate_up: "Linear", down: "Linear", x: torch.Tensor) -> torch.Tenso
     return down_proj_silu_mul(down, gate_up(x))
 
 
-def norm_linear(layer: "Linear", residual: torch.Tensor, norm, gated: bool = False,
-                row_sq: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """layer(norm(residual)) as one GEMM (`norm` an RMSNorm): at one row the skinny GEMM (`layer.skinny` chosen)
-    with the norm folded in (fp32, not rounded in between); at a decode-batch row count the batch GEMM
-    (`layer.batch_gemm[rows]` chosen) normalising each x tile with the rows' partial sums of squares `row_sq`
-    that the producer of the residual wrote (linear_add_). The result has the layer's dtype. With gated (a
+def norm_linear(layer: "Linear", residual: torch.Tensor, norm, gated: bool = False) -> torch.Tensor:
+    """layer(norm(residual)) as one skinny GEMM (one row, `layer.skinny` chosen; `norm` an RMSNorm): the norm is
+    folded into the GEMM (fp32, not rounded in between). The result has the layer's dtype. With gated (a
     [gate; up] weight) the result is silu(gate) * up."""
-    rows = residual.shape[0]
-    if rows > 1:
-        from voltllm.kernels.batch_gemm import batch_gemm
-
-        return batch_gemm(residual, layer.weight, layer.bias, config=layer.batch_gemm[rows], gated=gated,
-                          norm=(norm.weight, norm.eps, norm.offset), row_sq=row_sq)
     from voltllm.kernels.gemv import gemv
 
     return gemv(residual, layer.weight, layer.bias, config=layer.skinny, norm=(norm.weight, norm.eps, norm.offset),
                 gated=gated)
 
 
-def linear_add_(layer: "Linear", x: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False,
-                row_sq: bool = False) -> Optional[torch.Tensor]:
-    """residual += layer(x) (layer(silu(gate) * up) with silu_mul) in place, as one GEMM: the product is added in
-    fp32 before it is rounded to the residual's dtype. One row: the skinny GEMM (`layer.skinny` chosen). A
-    decode-batch row count: the batch GEMM (`layer.batch_gemm[rows]` chosen), which with `row_sq` also returns the
-    new residual rows' partial sums of squares for the next norm_linear."""
-    rows = x.shape[0]
-    if rows > 1:
-        from voltllm.kernels.batch_gemm import batch_gemm, row_sq_partials
-
-        if silu_mul and not layer.batch_silu_fused.get(rows, True):
-            x, silu_mul = silu_and_mul(x), False
-        cfg = layer.batch_gemm[rows]
-        sq = row_sq_partials(layer.out_features, cfg, x.device) if row_sq else None
-        batch_gemm(x, layer.weight, layer.bias, config=cfg, silu_mul=silu_mul, out=residual, accumulate=True,
-                   row_sq_out=sq)
-        return sq
+def linear_add_(layer: "Linear", x: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False) -> None:
+    """residual += layer(x) (layer(silu(gate) * up) with silu_mul) in place, as one skinny GEMM (one row,
+    `layer.skinny` chosen): the product is added in fp32 before it is rounded to the residual's dtype."""
     from voltllm.kernels.gemv import gemv
 
     if silu_mul and not layer.skinny_silu_fused:
         x, silu_mul = silu_and_mul(x), False
     gemv(x, layer.weight, layer.bias, out=residual, config=layer.skinny, silu_mul=silu_mul, accumulate=True)
-    return None
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -73,10 +73,8 @@ class DecoderLayer(nn.Module):
         return (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
 
     def forward(self, positions, x, residual, ctx, fused: bool = False):
-        """(mlp output, residual); with `fused` (LlamaForCausalLM.fused_decode / fused_batch) the norms and residual
-        adds run inside the GEMMs and the result is (row_sq, residual): the residual already holds the MLP output,
-        and at a decode-batch row count row_sq holds its rows' partial sums of squares, which the next fused layer
-        takes as its `x` (None at one row)."""
+        """(mlp output, residual); with `fused` (see LlamaForCausalLM.fused_decode) the norms and residual adds
+        run inside the GEMMs and the result is (None, residual): the residual already holds the MLP output."""
         if fused:
             return self._forward_fused(positions, x, residual, ctx)
         if residual is None:
@@ -89,24 +87,17 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def _forward_fused(self, positions, x, residual, ctx):
-        # four kernels for the projections, norms and adds (seven unfused): RMSNorm in the qkv / gate_up GEMMs'
-        # prologue, the residual add in the o / down GEMMs' epilogue (in place: each program owns its features)
-        attn, mlp = self.self_attn, self.mlp
-        first = residual is None
-        if first:  # x is the embeddings (a fresh tensor, so it may become the residual)
+        # four kernels for the projections, norms and adds (seven unfused): RMSNorm in the qkv / gate_up GEMVs'
+        # prologue, the residual add in the o / down GEMVs' epilogue (in place: each program owns its features)
+        if residual is None:  # first layer: x is the embeddings (a fresh tensor, so it may become the residual)
             residual = residual_stream(x)
-        rows = residual.shape[0]
-        if rows == 1:
-            qkv = norm_linear(attn.qkv_proj, residual, self.input_layernorm)
-        elif first:  # no producer wrote the rows' sums of squares: one norm launch
-            qkv = attn.qkv_proj(self.input_layernorm(x))
-        else:  # x: the previous layer's row_sq
-            qkv = norm_linear(attn.qkv_proj, residual, self.input_layernorm, row_sq=x)
-        out = attn.attend(positions, qkv, ctx)
-        row_sq = linear_add_(attn.o_proj, out, residual, row_sq=rows > 1)
-        gated = one_row_gated(mlp.gate_up_proj, residual) if rows == 1 else mlp.gate_up_proj.batch_gated.get(rows, False)
-        gate_up = norm_linear(mlp.gate_up_proj, residual, self.post_attention_layernorm, gated=gated, row_sq=row_sq)
-        return linear_add_(mlp.down_proj, gate_up, residual, silu_mul=not gated, row_sq=rows > 1), residual
+        attn, mlp = self.self_attn, self.mlp
+        out = attn.attend(positions, norm_linear(attn.qkv_proj, residual, self.input_layernorm), ctx)
+        linear_add_(attn.o_proj, out, residual)
+        gated = one_row_gated(mlp.gate_up_proj, residual)
+        gate_up = norm_linear(mlp.gate_up_proj, residual, self.post_attention_layernorm, gated=gated)
+        linear_add_(mlp.down_proj, gate_up, residual, silu_mul=not gated)
+        return None, residual
 
 
 # The fused one-row decode trades launches for L2 traffic: every GEMV program re-reads the fp32 residual and the
@@ -135,7 +126,6 @@ class LlamaForCausalLM(nn.Module):
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.rotary = rotary
-        self.batch_norm_fused: dict[int, bool] = {}  # by row count: fused_batch
 
     # -- what the runner needs to size and lay out the KV cache ---------------------------------
     @property
@@ -146,11 +136,6 @@ class LlamaForCausalLM(nn.Module):
     def kv_heads_and_dim(self) -> tuple[int, int]:
         a = self.layers[0].self_attn
         return a.num_kv_heads, a.head_dim
-
-    def fused_batch(self, input_ids: torch.Tensor) -> bool:
-        """A CUDA step of a row count where start-up timing chose the decode-batch GEMMs with the norms and residual
-        adds folded in (voltllm.worker.norm_fusion_tuning sets `batch_norm_fused`)."""
-        return input_ids.is_cuda and self.batch_norm_fused.get(input_ids.numel(), False)
 
     def fused_decode(self, input_ids: torch.Tensor) -> bool:
         """One-token CUDA step with every projection on the skinny Triton GEMM (start-up tuning chose it) and
@@ -163,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        fused = self.fused_decode(input_ids) or self.fused_batch(input_ids)
+        fused = self.fused_decode(input_ids)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx, fused)
         if fused:
