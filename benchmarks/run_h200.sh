@@ -39,7 +39,10 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
-#   s46      (next session) prompt graphs: the GPU test with --compat sm70 added, then whether a larger largest bucket
+#   s47a     (session 17, at 63a67d0, reverted since) the decode-batch GEMMs with the layer's RMSNorms and residual adds
+#            folded in: `gpu_file test_gemv_cuda 200 -k fused_batch`, then benchmarks/micro/norm_fusion_ab.py (in that
+#            tree) for SmolLM2's shape and the 8B at 64 concurrent (results/norm-fusion-63a67d0/)
+#   s46      (session 17) prompt graphs: the GPU test with --compat sm70 added, then whether a larger largest bucket
 #            pays (micro/prompt_graph_ttft.py --max-graph-tokens): SmolLM2's shape 16 / 64 x 128 tokens with buckets
 #            up to 8192, the 8B 1 x 1000 / 2000 tokens with buckets up to 2048
 #   s45      (session 16) piecewise prompt-step CUDA graphs: their GPU tests (replay vs eager, fp32 vs CPU), time to
@@ -497,7 +500,7 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
-  s46)  # (next session) prompt graphs under --compat sm70; larger buckets
+  s46)  # (session 17) prompt graphs under --compat sm70; larger buckets
     gpu_file test_engine_gpu 300 -k "prompt_graphs"
     timeout 200 python3 benchmarks/micro/prompt_graph_ttft.py --shape smollm2-135m-shape --concurrency 16 \
       --input-lens 16,128,512 --runs 6 --max-graph-tokens 8192 2>&1 | grep -v -i warn | tail -5 | tee -a "$out/ttft-caps.txt"
