@@ -110,12 +110,12 @@ def test_prompt_graphs_out_of_memory_leaves_prompt_steps_eager(monkeypatch, capl
     assert captured == []
 
 
-@pytest.mark.parametrize("shape,expected", [("smollm2-135m-shape", 8192), ("qwen3-0.6b-shape", 8192),
+@pytest.mark.parametrize("shape,expected", [("smollm2-135m-shape", 8192), ("qwen3-0.6b-shape", 4096),
                                             ("qwen3-8b-shape", 512)])
 def test_the_largest_bucket_follows_the_model_size(shape, expected):
-    """Unset, the largest prompt-graph bucket shrinks as a step's GPU time grows (tokens x projection parameters):
-    small models replay steps up to 8,192 tokens, the 8B up to 512; an explicit value and the scheduler's token
-    budget still cap it."""
+    """Unset, the largest prompt-graph bucket shrinks as a layer's GPU time grows (tokens x the layer's projection
+    parameters), as measured on the H200: SmolLM2 replays steps up to 8,192 tokens, Qwen3-0.6B up to 4,096, the 8B up
+    to 512; the scheduler's token budget and an explicit value still cap it, and hybrids take none."""
     import dataclasses
     import types
 
@@ -130,7 +130,7 @@ def test_the_largest_bucket_follows_the_model_size(shape, expected):
     with torch.device("meta"):
         model = LlamaForCausalLM(getattr(transformers, cls)(**kwargs), torch.float16, 64)
     device = DeviceConfig(torch.device("cpu"))
-    runner = types.SimpleNamespace(is_hybrid=False, model=model, config=types.SimpleNamespace(
+    runner = types.SimpleNamespace(is_hybrid=False, model=model, device=torch.device("cpu"), config=types.SimpleNamespace(
         device=device, scheduler=types.SimpleNamespace(max_num_batched_tokens=16384)))
     assert ModelRunner.prompt_graph_max_tokens(runner) == expected
     runner.config.scheduler.max_num_batched_tokens = 2048
@@ -141,10 +141,23 @@ def test_the_largest_bucket_follows_the_model_size(shape, expected):
     assert ModelRunner.prompt_graph_max_tokens(runner) == 0
 
 
-def test_auto_bucket_rule_edges():
-    from voltllm.worker.prompt_graphs import AUTO_MAX_TOKENS, AUTO_TOKEN_PARAMS, auto_max_tokens
+def test_auto_bucket_rule_edges_and_gpu_speed(monkeypatch):
+    """The constant's edges, and slower GPUs get smaller buckets: a V100 (80 SMs of 1,024 FLOPs per clock, 0.15 of
+    the H200) caps SmolLM2's layers (3.5e6 parameters) at 4,096 and the 8B's (1.9e8) at 64."""
+    import types
 
-    assert auto_max_tokens(1) == AUTO_MAX_TOKENS
-    assert auto_max_tokens(AUTO_TOKEN_PARAMS // 1024) == 1024
-    assert auto_max_tokens(AUTO_TOKEN_PARAMS // 1024 + 1) == 512
-    assert auto_max_tokens(AUTO_TOKEN_PARAMS // 15) == 0  # a model too large for even a 16-token bucket
+    from voltllm.worker import prompt_graphs as pg
+
+    c = pg.AUTO_TOKEN_LAYER_PARAMS
+    assert pg.auto_max_tokens(1) == pg.AUTO_MAX_TOKENS
+    assert pg.auto_max_tokens(c / 1024) == 1024 and pg.auto_max_tokens(c / 1024 + 1) == 512
+    assert pg.auto_max_tokens(c / 15) == 0  # too wide for even a 16-token bucket
+    assert pg.device_speed(torch.device("cpu")) == 1.0
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(major=7, minor=0, multi_processor_count=80))
+    v100 = pg.device_speed(torch.device("cuda", 0))
+    assert abs(v100 - 80 * 1024 / (132 * 4096)) < 1e-9
+    assert pg.auto_max_tokens(3.54e6, v100) == 4096 and pg.auto_max_tokens(1.93e8, v100) == 64
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(major=9, minor=0, multi_processor_count=132))
+    assert pg.device_speed(torch.device("cuda", 0)) == 1.0

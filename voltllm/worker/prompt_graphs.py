@@ -34,21 +34,40 @@ from voltllm.worker.cuda_graphs import gc_paused
 
 SMALLEST_BUCKET = 16
 
-# The largest bucket when DeviceConfig.prompt_graph_max_tokens is None: replay pays while the eager step waits on
-# the host, and a step padded up to its bucket (up to 2x its tokens) must still finish before the eager step
-# would. A step's GPU time grows with tokens x projection parameters, so buckets stop where that product passes
-# AUTO_TOKEN_PARAMS. Measured on the H200 (docs/kernels.md, "Session 17"): SmolLM2's shape (1.1e8 parameters in
-# its projections) gains 2.4-4.7x on 2,048-8,192-token steps; the 8B shape (7.0e9) 1.35x at 500 tokens, 1.46x
-# at 1,000 and nothing at 2,000, and eager 500 tokens (18 ms) beats a 1,000-token replay padded from 520 (24 ms).
-AUTO_TOKEN_PARAMS = 4 * 10**12
+# The largest bucket when DeviceConfig.prompt_graph_max_tokens is None. Replay pays while the eager step waits on
+# the host, whose cost is about the same per decoder layer whatever its width, and a step padded up to its bucket
+# (up to 2x its tokens) must still finish before the eager one would. A layer's GPU time grows with tokens x the
+# layer's projection parameters, so buckets stop where that product passes AUTO_TOKEN_LAYER_PARAMS, scaled by the
+# GPU's matmul speed against the H200 it was measured on (docs/kernels.md, "Session 17"): SmolLM2's shape (3.5e6
+# parameters per layer) gains 2.4-4.7x on 2,048-8,192-token steps; Qwen3-0.6B's (1.6e7) 1.4x at 4,096 tokens and
+# loses 5% at 8,192; the 8B shape's (1.9e8) 1.35x at 500 tokens, but a 520-token step replayed as 1,024 (24 ms)
+# would lose to eager (~18-20 ms). Those bound the constant to [9.9e10, 1.29e11).
+AUTO_TOKEN_LAYER_PARAMS = 11 * 10**10
 AUTO_MAX_TOKENS = 8192
 
+# Dense fp16 tensor-core FLOPs per SM and clock (fp32 accumulation) by compute capability, for device_speed: V100 /
+# T4 1,024, A100 2,048, GeForce Ampere / Ada / Blackwell 512, H100 / H200 4,096, B200 8,192. Clock rates (1.4-2.5
+# GHz) are left out.
+_FLOPS_PER_SM_CLOCK = {(7, 0): 1024, (7, 2): 1024, (7, 5): 1024, (8, 0): 2048, (8, 6): 512, (8, 7): 512,
+                       (8, 9): 512, (9, 0): 4096, (10, 0): 8192, (12, 0): 512}
+_REFERENCE_SPEED = 132 * 4096  # the H200 the constant was measured on
 
-def auto_max_tokens(projection_params: int) -> int:
-    """The largest prompt-graph token count for a model with `projection_params` parameters in its decoder
-    layers' projections: the largest power of two with tokens x parameters <= AUTO_TOKEN_PARAMS, at most
-    AUTO_MAX_TOKENS (0: none)."""
-    limit = min(AUTO_MAX_TOKENS, AUTO_TOKEN_PARAMS // max(projection_params, 1))
+
+def device_speed(device: torch.device) -> float:
+    """The GPU's matmul speed relative to the H200 (SMs x tensor-core FLOPs per SM and clock); 1.0 off CUDA and for
+    capabilities not in the table."""
+    if device.type != "cuda":
+        return 1.0
+    props = torch.cuda.get_device_properties(device)
+    per_sm = _FLOPS_PER_SM_CLOCK.get((props.major, props.minor))
+    return 1.0 if per_sm is None else props.multi_processor_count * per_sm / _REFERENCE_SPEED
+
+
+def auto_max_tokens(layer_params: float, speed: float = 1.0) -> int:
+    """The largest prompt-graph token count for decoder layers of `layer_params` projection parameters each on a
+    GPU of relative matmul speed `speed` (device_speed): the largest power of two with tokens x layer_params <=
+    AUTO_TOKEN_LAYER_PARAMS x speed, at most AUTO_MAX_TOKENS (0: none)."""
+    limit = min(AUTO_MAX_TOKENS, int(AUTO_TOKEN_LAYER_PARAMS * speed / max(layer_params, 1.0)))
     sizes = prompt_graph_sizes(limit)
     return sizes[-1] if sizes else 0
 

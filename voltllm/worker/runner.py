@@ -459,10 +459,11 @@ class ModelRunner:
             return 0
         top = self.config.device.prompt_graph_max_tokens
         if top is None:
-            from voltllm.worker.prompt_graphs import auto_max_tokens
+            from voltllm.worker.prompt_graphs import auto_max_tokens, device_speed
 
-            top = auto_max_tokens(sum(p.in_features * p.out_features for layer in self.model.layers
-                                      for p in layer.projections()))
+            layers = self.model.layers
+            top = auto_max_tokens(sum(p.in_features * p.out_features for layer in layers
+                                      for p in layer.projections()) / max(len(layers), 1), device_speed(self.device))
         return min(top, self.config.scheduler.max_num_batched_tokens)
 
     def _capture_prompt_graphs(self) -> None:
