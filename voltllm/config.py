@@ -78,8 +78,8 @@ class DeviceConfig:
     attention_backend: Optional[str] = None
     require_acceleration: bool = False  # refuse to start when an expected route is disabled (voltllm.acceleration)
     # prompt steps (prefill chunks, mixed batches) of up to this many tokens replay piecewise CUDA graphs
-    # (voltllm.worker.prompt_graphs); None: by the model's size (prompt_graphs.auto_max_tokens); 0 turns them
-    # off, as --enforce-eager does
+    # (voltllm.worker.prompt_graphs); None: by the layers' width and the GPU's speed (prompt_graphs.auto_max_tokens);
+    # 0 turns them off, as --enforce-eager does
     prompt_graph_max_tokens: Optional[int] = None
 
 
