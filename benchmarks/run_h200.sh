@@ -39,6 +39,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s48      (session 18) eager prompt steps at aligned / unaligned token counts (micro/prompt_eager_alignment.py,
+#            the 8B shape): first-token time, bare cuBLAS projections, per-kernel times at 1000 vs 1024 tokens
 #   s47a     (session 17, at 63a67d0, reverted since) the decode-batch GEMMs with the layer's RMSNorms and residual adds
 #            folded in: `gpu_file test_gemv_cuda 200 -k fused_batch`, then benchmarks/micro/norm_fusion_ab.py (in that
 #            tree) for SmolLM2's shape and the 8B at 64 concurrent (results/norm-fusion-63a67d0/)
@@ -499,6 +501,10 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s48)  # (session 18) eager prompt-step alignment
+    timeout 420 python3 benchmarks/micro/prompt_eager_alignment.py --shape qwen3-8b-shape --runs 5 2>&1 \
+      | grep -v -i warn | tail -45 | tee "$out/eager-alignment.txt"
     ;;
   s46)  # (session 17) prompt graphs under --compat sm70; larger buckets
     gpu_file test_engine_gpu 300 -k "prompt_graphs"
