@@ -39,6 +39,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s49      (session 18) GDN chunked prefill: torch chunked form vs the Triton chunk kernels' variants
+#            (micro/gdn_chunk_sweep.py, qwen3.5-27b-shape heads, 1 x 8192 and 4 x 2048 tokens)
 #   s48      (session 18) eager prompt steps at aligned / unaligned token counts (micro/prompt_eager_alignment.py,
 #            the 8B shape): first-token time, bare cuBLAS projections, per-kernel times at 1000 vs 1024 tokens
 #   s47a     (session 17, at 63a67d0, reverted since) the decode-batch GEMMs with the layer's RMSNorms and residual adds
@@ -501,6 +503,9 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s49)  # (session 18) GDN chunked prefill sweep
+    timeout 500 python3 benchmarks/micro/gdn_chunk_sweep.py 2>&1 | grep -v -i warn | tee "$out/gdn-chunk-sweep.txt"
     ;;
   s48)  # (session 18) eager prompt-step alignment
     timeout 420 python3 benchmarks/micro/prompt_eager_alignment.py --shape qwen3-8b-shape --runs 5 2>&1 \
