@@ -1,14 +1,14 @@
 """The acceleration report: for the running configuration, which route each stage takes, and how often.
 
 Routes: attention_prefill, attention_decode, kv_codec, linear, sampler, cuda_graphs, compile_cache,
-fused_elementwise, and gdn_decode for hybrid (Gated DeltaNet) models. Each has `enabled` (the accelerated
+fused_elementwise, and gdn_decode / gdn_prefill for hybrid (Gated DeltaNet) models. Each has `enabled` (the accelerated
 GPU route runs), `expected` (this configuration should have it: `--require-acceleration` refuses to start
 when an expected route is disabled), `impl`, `reason`, and call counters.
 
 Counters (voltllm/route_counters.py, re-exported here). `instrument(runner)` wraps, on that runner's own objects, the attention backend's forward (one
 call per attention layer; prefill vs decode by the step's metadata), every Linear's forward, the sampler
-and the model's forward; and, process-wide, the public launchers of voltllm.kernels.fused and
-voltllm.kernels.gdn_decode. A replayed CUDA graph runs no Python, so for the routes inside the graph the
+and the model's forward; and, process-wide, the public launchers of voltllm.kernels.fused,
+voltllm.kernels.gdn_decode and voltllm.kernels.gdn_chunk. A replayed CUDA graph runs no Python, so for the routes inside the graph the
 report adds DecodeGraphs.replays x the calls one eager forward makes (learned from the eager forwards the
 runner runs: a pure-decode forward when one was seen, else a prefill forward with its attention calls
 counted as decode calls, which is what a graph replay runs). Nothing is counted while a graph is being
@@ -76,6 +76,22 @@ def _triton_gemm_note(runner: Any) -> str:
         return ""
     return (f"; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on {one} layers"
             + (f", decode-batch (rows {rows}) on {many} layers" if many else ""))
+
+
+def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str) -> tuple[str, str]:
+    """(impl, reason) of the chunked gated delta rule: its dot precision is the runner's (or predicted)."""
+    if plat.capability is None:
+        return "torch chunked form (gdn_ref)", cpu_reason
+    from voltllm.kernels.gdn_chunk import precision_for
+
+    layers = [m for m in runner.model.modules() if type(m).__name__ == "GatedDeltaNet"] if runner is not None else []
+    precision = (layers[0].chunk_precision if layers
+                 else precision_for(config.model.dtype, plat.capability, config.device.compat != "none"))
+    impl = f"Triton chunked gated delta rule ({'tf32 tensor-core' if precision == 'tf32' else 'exact fp32'} products)"
+    why = ("prefill and mixed batches, every size" if precision == "tf32" else
+           "prefill and mixed batches; a step that is one prompt of >= 2048 tokens runs the torch chunked form "
+           "(faster than the FMA products there)")
+    return impl, why
 
 
 def build_report(config: Any, runner: Any = None, platform: Optional[Platform] = None) -> dict:
@@ -224,8 +240,8 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     if hybrid:
         routes["gdn_decode"] = _route(
             cuda, cuda, "Triton conv1d step + gated delta rule step (fp32 state, FMA)",
-            ("decode-only batches; prefill and mixed batches use the torch reference (chunked kernel not built)"
-             if cuda else cpu_reason))
+            "decode-only batches (prefill and mixed batches: gdn_prefill)" if cuda else cpu_reason)
+        routes["gdn_prefill"] = _route(cuda, cuda, *_gdn_prefill_route(runner, config, plat, cpu_reason))
 
     counters = counters_of(runner) if runner is not None else None
     calls = counters.calls() if counters is not None else None

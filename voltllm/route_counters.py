@@ -16,13 +16,15 @@ import torch
 
 
 ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "sampler", "cuda_graphs",
-          "compile_cache", "fused_elementwise", "gdn_decode")
+          "compile_cache", "fused_elementwise", "gdn_decode", "gdn_prefill")
 # routes whose calls happen inside the model forward (so inside a decode CUDA graph)
-_FORWARD_ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "fused_elementwise", "gdn_decode")
+_FORWARD_ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "fused_elementwise", "gdn_decode",
+                   "gdn_prefill")
 _FUSED_FNS = ("rms_norm", "fused_add_rms_norm", "rope_inplace", "qk_norm_rope_inplace", "silu_and_mul")
 _GDN_FNS = ("causal_conv1d_decode", "gated_delta_rule_decode")
+_GDN_PREFILL_FNS = ("gated_delta_rule_chunked",)
 
-_GLOBAL = {"fused_elementwise": 0, "gdn_decode": 0}  # process-wide kernel launcher calls
+_GLOBAL = {"fused_elementwise": 0, "gdn_decode": 0, "gdn_prefill": 0}  # process-wide kernel launcher calls
 _CUDA = torch.cuda.is_available()
 _COUNTERS: "weakref.WeakKeyDictionary[Any, RouteCounters]" = weakref.WeakKeyDictionary()
 
@@ -47,11 +49,13 @@ def _count_global(key: str, fn: Callable) -> Callable:
 
 
 def install_global_hooks() -> None:
-    """Count the fused-elementwise and GDN-decode launchers (module attributes the layers call); idempotent."""
+    """Count the fused-elementwise and GDN decode / chunked-prefill launchers (module attributes the layers call);
+    idempotent."""
     import importlib
 
     for mod_name, key, names in (("voltllm.kernels.fused", "fused_elementwise", _FUSED_FNS),
-                                 ("voltllm.kernels.gdn_decode", "gdn_decode", _GDN_FNS)):
+                                 ("voltllm.kernels.gdn_decode", "gdn_decode", _GDN_FNS),
+                                 ("voltllm.kernels.gdn_chunk", "gdn_prefill", _GDN_PREFILL_FNS)):
         try:
             mod = importlib.import_module(mod_name)
         except Exception:  # noqa: BLE001 - Triton missing: those routes never run
@@ -185,6 +189,7 @@ class RouteCounters:
             # a prefill runs the GDN layers' chunked / reference path; a replayed decode step calls each
             # GDN decode launcher once per layer
             t["gdn_decode"] = len(_GDN_FNS) * self.gdn_layers
+            t["gdn_prefill"] = 0
             self.template, self.template_source = t, "eager prefill forward (attention calls as decode calls)"
 
     def replays(self) -> int:

@@ -50,7 +50,7 @@ def test_cpu_report_shape_and_reasons(llm):
     assert report["object"] == "acceleration_report" and report["source"] == "engine"
     assert report["platform"]["route"] == "cpu"
     names = list(report["routes"])
-    assert names == [r for r in ROUTES if r != "gdn_decode"]  # not a hybrid model
+    assert names == [r for r in ROUTES if not r.startswith("gdn_")]  # not a hybrid model
     for name, r in report["routes"].items():
         assert set(r) >= {"enabled", "expected", "impl", "reason", "calls"}, name
         assert r["enabled"] is False and r["expected"] is False, name  # the CPU runs the reference routes
@@ -183,6 +183,8 @@ def test_require_acceleration_hybrid_graphs(tiny_dir, fake_v100):
     report = build_report(hybrid)
     assert report["routes"]["cuda_graphs"]["enabled"]
     assert "gdn_decode" in report["routes"] and report["routes"]["gdn_decode"]["enabled"]
+    prefill = report["routes"]["gdn_prefill"]  # a V100 has no tf32: the chunk kernels keep exact fp32 products
+    assert prefill["enabled"] and "exact fp32" in prefill["impl"] and "2048" in prefill["reason"]
     eager = dataclasses.replace(hybrid, device=dataclasses.replace(hybrid.device, enforce_eager=True))
     assert require_acceleration(eager)["ok"]
 
@@ -255,3 +257,4 @@ def test_hybrid_prefill_template_counts_gdn_decode_calls(tmp_path):
     counters.on_forward(prefill, after)
     assert counters.template["attention_decode"] == 2 and counters.template["attention_prefill"] == 0
     assert counters.template["gdn_decode"] == 2 * gdn
+    assert counters.template["gdn_prefill"] == 0  # a replayed decode step runs no chunked prefill

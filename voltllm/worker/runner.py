@@ -64,6 +64,7 @@ class ModelRunner:
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.model = model if model is not None else self._load_model()
+        self._set_gdn_precision()
         self.backend = select_attention_backend(config)
         # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).
         # The switch is process-wide, so each runner sets it again before it launches (two engines in one
@@ -117,6 +118,18 @@ class ModelRunner:
         model.eval()
         logger.info("loaded %s (%s) in %.1f s", mc.model, mc.architecture, time.monotonic() - t0)
         return model
+
+    def _set_gdn_precision(self) -> None:
+        """Gated DeltaNet prefill: tf32 tensor-core products on the native route of sm_80+ for half-precision
+        models, exact fp32 ones otherwise (the compat route included; voltllm.kernels.gdn_chunk)."""
+        if not self.is_hybrid:
+            return
+        from voltllm.kernels.gdn_chunk import auto_precision
+        from voltllm.model.layers.gdn import set_chunk_precision
+
+        precision = auto_precision(self.dtype, self.device, compat=self.config.device.compat != "none")
+        if set_chunk_precision(self.model, precision):
+            logger.info("Gated DeltaNet prefill: %s products in the chunk kernels", precision)
 
     def kv_block_bytes(self) -> int:
         heads, dim = self.model.kv_heads_and_dim

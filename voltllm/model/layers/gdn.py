@@ -94,14 +94,25 @@ class HybridBatch:
                    decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1)))
 
 
+def set_chunk_precision(model: nn.Module, precision: str) -> int:
+    """Set every GDN layer's chunk-kernel dot precision; returns how many layers there are."""
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    for m in layers:
+        m.chunk_precision = precision
+    return len(layers)
+
+
 class GatedDeltaNet(nn.Module):
     # Decode batches (one row per request, CUDA-graph padding rows included) use the Triton kernels of
     # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
     triton_decode: bool | None = None
     # Other batches (prefill chunks, mixed prefill + decode) run the delta rule through the chunked Triton
-    # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except a step that is a single long
-    # prefill (_triton_prefill_fits); True / False force it.
+    # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except, with "ieee" products, a step that
+    # is a single long prefill (_triton_prefill_fits); True / False force it.
     triton_prefill: bool | None = None
+    # The chunk kernels' dot precision ("ieee" or "tf32", gdn_chunk.auto_precision): the runner sets it per
+    # layer for its route (set_chunk_precision); "ieee", exact fp32 products, unless told otherwise.
+    chunk_precision: str = "ieee"
 
     def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split"):
         super().__init__()
@@ -171,13 +182,14 @@ class GatedDeltaNet(nn.Module):
         if fast:
             o = gdn_decode.gated_delta_rule_decode(q, k, v, g, beta, ssm_states, batch.slots,
                                                    batch.has_initial_state)
-        elif (self._triton_prefill_fits(batch) if self.triton_prefill is None and x.is_cuda
+        elif (self._triton_prefill_fits(batch, self.chunk_precision) if self.triton_prefill is None and x.is_cuda
               else bool(self.triton_prefill)) and not batch.decode_only:
             from voltllm.kernels import gdn_chunk
             if batch.chunk_meta is None:
                 batch.chunk_meta = gdn_chunk.chunk_meta(batch.query_start_loc, batch.has_initial_state)
             o = gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
-                                                   batch.has_initial_state, meta=batch.chunk_meta)
+                                                   batch.has_initial_state, meta=batch.chunk_meta,
+                                                   precision=self.chunk_precision)
         else:
             o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
                                                 batch.has_initial_state, batch.decode_only)
@@ -185,11 +197,15 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(t, self.value_dim))
 
     @staticmethod
-    def _triton_prefill_fits(batch: HybridBatch) -> bool:
-        """The Triton chunk kernel runs one program per (sequence, head, value block) and walks a sequence's
-        chunks in order, so one long sequence under-fills the GPU: at qwen3.5-27b shapes, one 8192-token
-        sequence took 93 ms there against 32 ms in the torch chunked form (batched fp32 matmuls, H200).
-        Batches of several sequences keep the kernel; a step that is one long prefill uses torch."""
+    def _triton_prefill_fits(batch: HybridBatch, precision: str = "ieee") -> bool:
+        """With tf32 products the Triton chunk kernels win every batch timed (H200, qwen3.5-27b-shape heads:
+        1 x 8192 tokens 5.5 vs 27 ms in the torch chunked form, 4 x 2048 5.5 vs 50, 16 x 512 5.7 vs 77).
+        With exact fp32 ("ieee") products they walk a sequence's chunks on FMAs, and one long sequence
+        under-fills the GPU (1 x 8192: 93 ms); a step that is one long prefill then uses torch, batches of
+        several sequences keep the kernel (4 x 2048 80 vs 50 ms on the H200, where the torch form's fp32
+        matmuls use tensor cores; a V100's do not, and it was not timed there)."""
+        if precision == "tf32":
+            return True
         qsl = batch.query_start_loc
         lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
         return not (len(lens) == 1 and lens[0] >= LONG_SINGLE_PREFILL)

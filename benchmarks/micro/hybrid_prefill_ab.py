@@ -1,0 +1,74 @@
+"""Hybrid (Gated DeltaNet) prefill with tf32 chunk-kernel products against the exact-fp32 route, one engine.
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/hybrid_prefill_ab.py [--shape qwen3.5-27b-shape]
+        [--input-lens 8192,32768] [--runs 2]
+
+Random weights of a named hybrid shape, fp16, prefix caching off, prompts in 8192-token chunks (the bench's
+defaults). For each input length, one request of fresh random tokens generates one token; runs alternate between
+the GDN layers' chunk precision "tf32" (the native route's choice on sm_80+: Triton chunk kernels on tensor cores
+for every prefill) and "ieee" (exact fp32 products, with the torch chunked form for a step that is one prompt of
+>= 2048 tokens: what every route ran before session 18), so both see the same engine and GPU state. Prints the
+median / min time to first token and the prefill rate."""
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+from voltllm.bench.inprocess import sampling_params
+from voltllm.bench.shapes import materialize
+from voltllm.config import EngineArgs
+from voltllm.engine.types import EngineCoreRequest
+from voltllm.model.layers.gdn import set_chunk_precision
+
+
+def _ttft_ms(eng, vocab: int, n: int, tag: str) -> float:
+    sp = sampling_params(1, temperature=0.0, top_p=1.0, top_k=0, seed=None)
+    eng.add_request(EngineCoreRequest(tag, [random.randrange(vocab) for _ in range(n)], sp))
+    t0 = time.perf_counter()
+    while not any(o.new_token_ids for o in eng.step()):
+        pass
+    ms = (time.perf_counter() - t0) * 1e3
+    while eng.has_unfinished_requests():
+        eng.step()
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3.5-27b-shape")
+    ap.add_argument("--input-lens", default="8192,32768")
+    ap.add_argument("--runs", type=int, default=2)
+    args = ap.parse_args()
+    lens = [int(x) for x in args.input_lens.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = materialize(args.shape, tmp)
+        ea = EngineArgs(model=path, load_format="dummy", dtype="float16", device="cuda",
+                        max_model_len=max(lens) + 256, max_num_seqs=4, max_num_batched_tokens=8192,
+                        enable_prefix_caching=False, gpu_memory_utilization=0.8)
+        ea.skip_tokenizer_init = True
+        from voltllm.engine.core import EngineCore
+
+        eng = EngineCore(ea.create_engine_config())
+        model = eng.runner.model
+        vocab = eng.config.model.hf_config.vocab_size
+        chosen = next(m.chunk_precision for m in model.modules() if hasattr(m, "chunk_precision"))
+        print(f"{args.shape} fp16: the runner chose {chosen!r} products; one request per run")
+        print(f"{'tokens':>7} {'tf32 ms (median / min)':>24} {'ieee ms (median / min)':>24} {'tf32 tok/s':>11} "
+              f"{'ieee tok/s':>11} {'speed-up':>9}")
+        for n in lens:
+            times = {"tf32": [], "ieee": []}
+            for run in range(args.runs + 1):  # the first pair warms up
+                for mode in ("tf32", "ieee"):
+                    set_chunk_precision(model, mode)
+                    ms = _ttft_ms(eng, vocab, n, f"{mode}{n}-{run}")
+                    if run:
+                        times[mode].append(ms)
+            set_chunk_precision(model, chosen)
+            t, e = (statistics.median(times[m]) for m in ("tf32", "ieee"))
+            print(f"{n:>7} {t:>14.1f} / {min(times['tf32']):<8.1f} {e:>14.1f} / {min(times['ieee']):<8.1f} "
+                  f"{n / t * 1e3:>11.0f} {n / e * 1e3:>11.0f} {e / t:>9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
