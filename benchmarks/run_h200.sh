@@ -39,6 +39,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s51      (session 18) the same with 3xTF32 products (the default chosen after s50's engine test): GDN GPU checks and
+#            half-precision engine tests, the sweep, 27B 8K / 32K prefill tf32x3 vs ieee
 #   s50      (session 18) GDN chunk kernels with tf32 products: their GPU checks (-k gdn_chunk), the sweep with the
 #            new tiles, then qwen3.5-27b-shape 8K / 32K prefill tf32 vs ieee in one engine (micro/hybrid_prefill_ab.py)
 #   s49      (session 18) GDN chunked prefill: torch chunked form vs the Triton chunk kernels' variants
@@ -505,6 +507,14 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s51)  # (session 18) 3xTF32 GDN chunk kernels
+    gpu_file test_hybrid_gpu 330 -k "gdn_chunk or (half and none)" -s
+    grep -E "err|agreement" "$out/test_hybrid_gpu.txt" | head -24
+    timeout 100 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants tf32x3:32:4,tf32:16:4 \
+      2>&1 | grep -v -i warn | tee "$out/gdn-chunk-sweep-tf32x3.txt"
+    timeout 240 python3 benchmarks/micro/hybrid_prefill_ab.py --input-lens 8192,32768 --runs 2 2>&1 | grep -v -i warn \
+      | tail -5 | tee "$out/hybrid-prefill-ab-tf32x3.txt"
     ;;
   s50)  # (session 18) tf32 GDN chunk kernels: tests, sweep, 27B prefill A/B
     gpu_file test_hybrid_gpu 200 -k "gdn_chunk" -s

@@ -87,8 +87,9 @@ def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str
     layers = [m for m in runner.model.modules() if type(m).__name__ == "GatedDeltaNet"] if runner is not None else []
     precision = (layers[0].chunk_precision if layers
                  else precision_for(config.model.dtype, plat.capability, config.device.compat != "none"))
-    impl = f"Triton chunked gated delta rule ({'tf32 tensor-core' if precision == 'tf32' else 'exact fp32'} products)"
-    why = ("prefill and mixed batches, every size" if precision == "tf32" else
+    kind = {"tf32x3": "3xTF32 tensor-core (fp32-level)", "tf32": "tf32 tensor-core"}.get(precision, "exact fp32 FMA")
+    impl = f"Triton chunked gated delta rule ({kind} products)"
+    why = ("prefill and mixed batches, every size" if precision != "ieee" else
            "prefill and mixed batches; a step that is one prompt of >= 2048 tokens runs the torch chunked form "
            "(faster than the FMA products there)")
     return impl, why

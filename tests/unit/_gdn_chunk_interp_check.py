@@ -56,6 +56,7 @@ def run_varlen(device: str, lens: list[int], hk: int, hv: int, dk: int, dv: int,
     tol_s = 2e-4
     if precision == "tf32" and torch.device(device).type == "cuda":  # operands rounded to 10 mantissa bits
         tol, tol_s = 1e-2, 5e-3
+    # (tf32x3 keeps the fp32 tolerances: three tf32 products per fp32 one)
     if err_o > tol * scale_o or err_s > tol_s * scale_s:
         return f"FAIL out err {err_o:.3e} (max {scale_o:.2e}) state err {err_s:.3e} (max {scale_s:.2e})"
     untouched = [i for i in range(n + 2) if i not in slots.tolist()]
@@ -182,10 +183,13 @@ CHECKS = {
     "repeated_keys_f32": lambda d: run_varlen(d, [128], 1, 1, 16, 16, torch.float32, 5, decay=0.01,
                                               repeat_keys=True),
     "all_initial_state_f16": lambda d: run_varlen(d, [66, 3], 2, 4, 32, 32, torch.float16, 6, init_every=1),
-    # the tf32 tile (16 value columns, fwd 4 warps, prep 2): on a GPU with tensor cores, tf32 products
+    # the tensor-core tiles (gdn_chunk.TILES); on a GPU with tensor cores, tf32 / 3xTF32 products
     "tf32_tile_f16": lambda d: run_varlen(d, [150, 9, 64, 1], 2, 4, 32, 64, torch.float16, 7, precision="tf32"),
     "tf32_tile_bf16_dk128": lambda d: run_varlen(d, [130, 70], 1, 3, 128, 128, torch.bfloat16, 8,
                                                  precision="tf32"),
+    "tf32x3_tile_f16": lambda d: run_varlen(d, [150, 9, 64, 1], 2, 4, 32, 64, torch.float16, 9, precision="tf32x3"),
+    "tf32x3_tile_f16_dk128": lambda d: run_varlen(d, [200, 33, 1], 1, 3, 128, 128, torch.float16, 10,
+                                                  precision="tf32x3"),
     "layer_prefill_f32": lambda d: run_layer(d),
     "model_qwen3_next_all_triton_f32": lambda d: run_model(d),
 }

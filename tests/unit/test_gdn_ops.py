@@ -195,17 +195,18 @@ def test_triton_prefill_routing():
     assert not fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL]))
     assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL - 1]))
     assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL, LONG_SINGLE_PREFILL + 1]))
-    # tf32 products: the kernels win every batch timed, the single long prefill too
-    assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL]), "tf32")
+    # tensor-core products: the kernels win every batch timed, the single long prefill too
+    assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL]), "tf32x3")
     assert GatedDeltaNet.chunk_precision == "ieee"  # exact products unless the runner says otherwise
 
 
 def test_gdn_chunk_precision_choice():
-    """tf32 products only for half-precision activations on sm_80+ off the compat route."""
-    from voltllm.kernels.gdn_chunk import precision_for
+    """Tensor-core (3xTF32) products only for half-precision activations on sm_80+ off the compat route."""
+    from voltllm.kernels.gdn_chunk import TILES, precision_for
 
-    assert precision_for(torch.float16, (9, 0)) == "tf32"
-    assert precision_for(torch.bfloat16, (8, 0)) == "tf32"
+    assert precision_for(torch.float16, (9, 0)) == "tf32x3"
+    assert precision_for(torch.bfloat16, (8, 0)) == "tf32x3"
+    assert set(TILES) == {"ieee", "tf32", "tf32x3"}
     assert precision_for(torch.float16, (9, 0), compat=True) == "ieee"  # --compat sm70 on an H200
     assert precision_for(torch.float16, (7, 0)) == "ieee"  # V100: no tf32
     assert precision_for(torch.float16, (7, 5)) == "ieee"
@@ -225,5 +226,5 @@ def test_runner_sets_gdn_precision_on_cpu(tmp_path):
     model = LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none").engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     assert layers and all(m.chunk_precision == "ieee" for m in layers)
-    assert set_chunk_precision(model, "tf32") == len(layers)
-    assert all(m.chunk_precision == "tf32" for m in layers)
+    assert set_chunk_precision(model, "tf32x3") == len(layers)
+    assert all(m.chunk_precision == "tf32x3" for m in layers)

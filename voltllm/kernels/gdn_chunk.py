@@ -19,16 +19,20 @@ Two launches per layer:
                            reads the slot's state first (zeros for a request without initial state), writes
                            the outputs, and stores S back into the slot pool in place.
 All products are tl.dot with fp32 operands and fp32 accumulation; the state stays fp32 end to end. Their
-input precision is the caller's choice (`auto_precision`):
-  "tf32"  tensor cores (sm_80+), for half-precision activations on the native route: operands rounded to tf32
-          (10 mantissa bits, as many as fp16 has). H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/
-          gdn_chunk_sweep.py, session 18): one 8192-token prompt 5.5 ms against 27.2 in the torch chunked form
-          and 93 with "ieee"; 4 x 2048 5.5 vs 50; 16 x 512 5.7 vs 77. Output error vs the fp32 reference
-          1.8e-3 relative. Its tile (TF32_TILE: 16 value columns per program, fwd 4 warps, prep 2) is the
-          fastest that fits: wider value blocks exceed the shared memory, and 8 warps gave wrong outputs
-          (relative error 0.16, Triton 3.6), so the tile is fixed, not tuned.
-  "ieee"  exact fp32 FMA products: fp32 models (the CPU-parity tests), and the compat route (sm_70/75 have no
-          tf32: tl.dot lowers to FMAs there anyway; a forced --compat on a newer GPU must not use tensor cores).
+input precision is the caller's choice (`precision_for` picks it per dtype and route):
+  "tf32x3"  tensor cores (sm_80+), three tf32 products per fp32 one (Triton's split of each operand into a
+            tf32 high and low part): fp32-level results, for half-precision models on the native route.
+            H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/gdn_chunk_sweep.py, session 18): one
+            8192-token prompt 11.9 ms against 30.6 in the torch chunked form and 93-100 with "ieee"; 4 x 2048
+            11.2 vs 44; output error vs the fp32 reference 1.9e-5 relative ("ieee": 1.4e-5).
+  "tf32"    one tf32 product (10 mantissa bits): 4.7 ms there, but 1.8e-3 relative error, enough to move a
+            greedy token of a tiny fp16 MoE hybrid where the reference's top-2 margin was 0.29 logit (the
+            GPU engine test, session 18). Not chosen by default; kept for timing.
+  "ieee"    exact fp32 FMA products: fp32 models (the CPU-parity tests), and the compat route (sm_70/75 have no
+            tf32: tl.dot lowers to FMAs there anyway; a forced --compat on a newer GPU must not use tensor cores).
+Each precision has its tile (TILES: value columns per program, fwd / prep warps, pipeline stages): the fastest
+that fits the shared memory at dk = dv = 128 in that sweep (tf32x3 fits only unpipelined; tf32 with 8 warps
+gave wrong outputs, relative error 0.16, Triton 3.6), fixed, not tuned.
 q/k/v/out may be fp16, bf16 (native GPUs) or fp32.
 
 Tests: tests/unit/test_gdn_chunk_interp.py (interpreter, vs gdn_ref), tests/gpu/test_hybrid_gpu.py (CUDA,
@@ -46,9 +50,8 @@ import triton.language as tl
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 CHUNK = 64
-# (block_v, fwd warps, prep warps) per dot precision: see the module docstring
-TF32_TILE = (16, 4, 2)
-IEEE_TILE = (64, 8, 4)
+# per dot precision: (block_v, fwd warps, prep warps, num_stages or None for Triton's default); module docstring
+TILES = {"tf32x3": (32, 4, 2, 1), "tf32": (16, 4, 2, None), "ieee": (64, 8, 4, None)}
 
 
 @triton.jit
@@ -211,11 +214,11 @@ def chunk_meta(qsl: Sequence[int], has_initial_state: torch.Tensor) -> ChunkMeta
 
 
 def precision_for(dtype: torch.dtype, capability: Optional[tuple[int, int]], compat: bool = False) -> str:
-    """The chunk kernels' dot precision: "tf32" for half-precision activations on a GPU with Triton tensor cores
+    """The chunk kernels' dot precision: "tf32x3" for half-precision activations on a GPU with Triton tensor cores
     (capability >= 8.0) off the compat route, else "ieee" (see the module docstring). capability None: CPU."""
     fast = (capability is not None and tuple(capability) >= (8, 0) and not compat
             and dtype in (torch.float16, torch.bfloat16))
-    return "tf32" if fast else "ieee"
+    return "tf32x3" if fast else "ieee"
 
 
 def auto_precision(dtype: torch.dtype, device: torch.device, compat: bool = False) -> str:
@@ -229,14 +232,14 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              qsl: Sequence[int], has_initial_state: torch.Tensor, scale: Optional[float] = None,
                              use_qk_l2norm: bool = True, block_v: Optional[int] = None,
                              precision: Optional[str] = None, num_warps: Optional[int] = None,
-                             meta: Optional[ChunkMeta] = None) -> torch.Tensor:
+                             meta: Optional[ChunkMeta] = None, num_stages: Optional[int] = None) -> torch.Tensor:
     """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
     g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
     are zero), like gdn_ref.gated_delta_rule_varlen. `meta`: chunk_meta(qsl, has_initial_state), if the
-    caller keeps it for several layers (else it is built here: one host-to-device copy). `precision`: "ieee" or
-    "tf32" (None: auto_precision for v's dtype and device); block_v / num_warps (the fwd kernel's) override the
-    precision's tile (TF32_TILE / IEEE_TILE)."""
+    caller keeps it for several layers (else it is built here: one host-to-device copy). `precision`: "ieee",
+    "tf32x3" or "tf32" (None: auto_precision for v's dtype and device); block_v, num_warps (the fwd kernel's) and
+    num_stages override the precision's tile (TILES)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
@@ -251,9 +254,11 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dev = v.device
     if precision is None:
         precision = auto_precision(v.dtype, dev)
-    if precision not in ("ieee", "tf32"):
-        raise ValueError(f"gated_delta_rule_chunked: precision must be 'ieee' or 'tf32', got {precision!r}")
-    tile_v, fwd_warps, prep_warps = TF32_TILE if precision == "tf32" else IEEE_TILE
+    if precision not in TILES:
+        raise ValueError(f"gated_delta_rule_chunked: precision must be one of {sorted(TILES)}, got {precision!r}")
+    tile_v, fwd_warps, prep_warps, stages = TILES[precision]
+    stages = num_stages or stages
+    launch = {"num_stages": stages} if stages else {}
     nc = meta.num_chunks
     tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
     block_k = max(16, triton.next_power_of_2(dk))
@@ -261,7 +266,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         k, g, beta, meta.chunk_start, meta.chunk_len, tinv,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), tinv.stride(0), tinv.stride(1),
         HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision,
-        num_warps=prep_warps)
+        num_warps=prep_warps, **launch)
     if block_v is None:
         block_v = min(max(16, triton.next_power_of_2(dv)), tile_v)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
@@ -271,5 +276,5 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out.stride(0), out.stride(1),
         float(scale if scale is not None else dk ** -0.5),
         HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        PRECISION=precision, num_warps=num_warps or fwd_warps)
+        PRECISION=precision, num_warps=num_warps or fwd_warps, **launch)
     return out

@@ -110,8 +110,8 @@ class GatedDeltaNet(nn.Module):
     # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except, with "ieee" products, a step that
     # is a single long prefill (_triton_prefill_fits); True / False force it.
     triton_prefill: bool | None = None
-    # The chunk kernels' dot precision ("ieee" or "tf32", gdn_chunk.auto_precision): the runner sets it per
-    # layer for its route (set_chunk_precision); "ieee", exact fp32 products, unless told otherwise.
+    # The chunk kernels' dot precision ("ieee", "tf32x3" or "tf32", gdn_chunk.precision_for): the runner sets it
+    # per layer for its route (set_chunk_precision); "ieee", exact fp32 FMA products, unless told otherwise.
     chunk_precision: str = "ieee"
 
     def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split"):
@@ -198,13 +198,13 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def _triton_prefill_fits(batch: HybridBatch, precision: str = "ieee") -> bool:
-        """With tf32 products the Triton chunk kernels win every batch timed (H200, qwen3.5-27b-shape heads:
-        1 x 8192 tokens 5.5 vs 27 ms in the torch chunked form, 4 x 2048 5.5 vs 50, 16 x 512 5.7 vs 77).
-        With exact fp32 ("ieee") products they walk a sequence's chunks on FMAs, and one long sequence
-        under-fills the GPU (1 x 8192: 93 ms); a step that is one long prefill then uses torch, batches of
-        several sequences keep the kernel (4 x 2048 80 vs 50 ms on the H200, where the torch form's fp32
-        matmuls use tensor cores; a V100's do not, and it was not timed there)."""
-        if precision == "tf32":
+        """With tensor-core products ("tf32x3", "tf32") the Triton chunk kernels win every batch timed (H200,
+        qwen3.5-27b-shape heads, tf32x3: 1 x 8192 tokens 11.9 vs 30.6 ms in the torch chunked form, 4 x 2048
+        11.2 vs 44). With exact fp32 FMA products ("ieee") they walk a sequence's chunks slowly, and one long
+        sequence under-fills the GPU (1 x 8192: 93-100 ms); a step that is one long prefill then uses torch,
+        batches of several sequences keep the kernel (4 x 2048: 80-86 vs 44-50 ms on the H200, where the torch
+        form's fp32 matmuls use tensor cores; a V100's do not, and it was not timed there)."""
+        if precision != "ieee":
             return True
         qsl = batch.query_start_loc
         lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
