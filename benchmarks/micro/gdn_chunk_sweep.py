@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--lens", nargs="*", default=["8192", "2048x4"])
     ap.add_argument("--variants", default="ieee:64:8,tf32:64:8,tf32:32:4,tf32:32:8,tf32:16:4",
-                    help="precision:block_v:num_warps[:num_stages], comma separated")
+                    help="precision:block_v:num_warps[:num_stages[:prep_warps[:prep_stages]]], comma separated")
     args = ap.parse_args()
     for spec in args.lens:
         n, _, c = spec.partition("x")
@@ -88,12 +88,13 @@ def main() -> None:
         want = ref().float()
         print(f"{spec}: torch chunked form {_ms(ref):.2f} ms", flush=True)
         for var in args.variants.split(","):
-            prec, bv, warps, *stages = var.split(":")
+            prec, bv, warps, *rest = var.split(":")
+            stages, pw, ps = (int(x) if x else None for x in (rest + [""] * 3)[:3])
 
-            def tri(prec=prec, bv=int(bv), warps=int(warps), stages=int(stages[0]) if stages else None):
+            def tri(prec=prec, bv=int(bv), warps=int(warps), stages=stages, pw=pw, ps=ps):
                 return gdn_chunk.gated_delta_rule_chunked(q, k, v, gate, beta, states, slots, qsl, init,
                                                           block_v=bv, precision=prec, num_warps=warps,
-                                                          num_stages=stages)
+                                                          num_stages=stages, prep_warps=pw, prep_stages=ps)
             try:
                 got = tri().float()
                 err = ((got - want).norm() / want.norm()).item()

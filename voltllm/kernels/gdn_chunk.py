@@ -50,8 +50,9 @@ import triton.language as tl
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 CHUNK = 64
-# per dot precision: (block_v, fwd warps, prep warps, num_stages or None for Triton's default); module docstring
-TILES = {"tf32x3": (32, 4, 2, 1), "tf32": (16, 4, 2, None), "ieee": (64, 8, 4, None)}
+# per dot precision: (block_v, fwd warps, prep warps, num_stages of both kernels or None for Triton's default);
+# module docstring
+TILES = {"tf32x3": (64, 4, 8, 1), "tf32": (16, 4, 2, None), "ieee": (64, 8, 4, None)}
 
 
 @triton.jit
@@ -232,7 +233,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              qsl: Sequence[int], has_initial_state: torch.Tensor, scale: Optional[float] = None,
                              use_qk_l2norm: bool = True, block_v: Optional[int] = None,
                              precision: Optional[str] = None, num_warps: Optional[int] = None,
-                             meta: Optional[ChunkMeta] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+                             meta: Optional[ChunkMeta] = None, num_stages: Optional[int] = None,
+                             prep_warps: Optional[int] = None, prep_stages: Optional[int] = None) -> torch.Tensor:
     """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
     g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
@@ -256,9 +258,10 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         precision = auto_precision(v.dtype, dev)
     if precision not in TILES:
         raise ValueError(f"gated_delta_rule_chunked: precision must be one of {sorted(TILES)}, got {precision!r}")
-    tile_v, fwd_warps, prep_warps, stages = TILES[precision]
+    tile_v, fwd_warps, tile_prep_warps, stages = TILES[precision]
     stages = num_stages or stages
     launch = {"num_stages": stages} if stages else {}
+    prep_launch = {"num_stages": prep_stages} if prep_stages else launch
     nc = meta.num_chunks
     tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
     block_k = max(16, triton.next_power_of_2(dk))
@@ -266,7 +269,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         k, g, beta, meta.chunk_start, meta.chunk_len, tinv,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), tinv.stride(0), tinv.stride(1),
         HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision,
-        num_warps=prep_warps, **launch)
+        num_warps=prep_warps or tile_prep_warps, **prep_launch)
     if block_v is None:
         block_v = min(max(16, triton.next_power_of_2(dv)), tile_v)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
