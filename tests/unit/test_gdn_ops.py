@@ -84,6 +84,56 @@ def test_conv1d_state_carry_equals_full_conv(splits):
     torch.testing.assert_close(state, x[-3:])
 
 
+@pytest.mark.parametrize("kernel", [4, 2, 1])
+def test_conv_varlen_one_conv_equals_per_request(kernel):
+    """The one-conv varlen form == causal_conv1d per request: lengths shorter than K-1, a request without
+    tokens (its slot untouched, even without initial state), slots out of order, padding rows past the batch."""
+    g = torch.Generator().manual_seed(20 + kernel)
+    lens = [5, 0, 1, 2, 33, 3, 0]
+    n, C = len(lens), 6
+    qsl = [0]
+    for length in lens:
+        qsl.append(qsl[-1] + length)
+    T = qsl[-1]
+    x = torch.randn(T + 3, C, generator=g)
+    w = torch.randn(C, kernel, generator=g)
+    bias = torch.randn(C, generator=g)
+    pool = torch.randn(n + 2, kernel - 1, C, generator=g)
+    slots = torch.randperm(n + 2, generator=g)[:n]
+    init = torch.tensor([i % 3 != 0 for i in range(n)])
+    before = pool.clone()
+    plan = R.conv_plan(qsl, kernel, x.device)
+    y = R.causal_conv1d_varlen(x, w, bias, pool, slots, qsl, init, plan=plan)
+    assert (y[T:] == 0).all()
+    for i in range(n):
+        s, e, sl = qsl[i], qsl[i + 1], int(slots[i])
+        if e == s:
+            assert torch.equal(pool[sl], before[sl])
+            continue
+        yr, st = R.causal_conv1d(x[s:e], w, bias, before[sl] if init[i] else None)
+        torch.testing.assert_close(y[s:e], yr, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(pool[sl], st)
+    others = [j for j in range(n + 2) if j not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+    # without a plan the call builds the same one; a batch of empty requests changes nothing
+    pool2 = before.clone()
+    torch.testing.assert_close(R.causal_conv1d_varlen(x, w, bias, pool2, slots, qsl, init), y)
+    torch.testing.assert_close(pool2, pool)
+    assert R.conv_plan([0, 0, 0], kernel, x.device) is None
+    # one live request (after an empty one): no gathers, the same result as the general form
+    one = R.conv_plan([0, 0, 7], kernel, x.device)
+    assert one.single and one.tokens == 7 and not plan.single
+    pool4, pool5 = before.clone(), before.clone()
+    y4 = R.causal_conv1d_varlen(x, w, bias, pool4, slots[:2], [0, 0, 7], init[1:3], plan=one)
+    y5, st5 = R.causal_conv1d(x[:7], w, bias, before[int(slots[1])] if init[2] else None)
+    torch.testing.assert_close(y4[:7], y5, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(pool4[int(slots[1])], st5)
+    assert torch.equal(pool4[int(slots[0])], pool5[int(slots[0])])
+    pool3 = before.clone()
+    assert (R.causal_conv1d_varlen(x, w, bias, pool3, slots[:2], [0, 0, 0], init[:2]) == 0).all()
+    assert torch.equal(pool3, before)
+
+
 def test_varlen_entry_points_match_per_request():
     """Three requests in one flat batch, slots out of order, one without initial state; then a decode batch."""
     hk, hv, dk, dv, C, K = 2, 4, 8, 8, 10, 4

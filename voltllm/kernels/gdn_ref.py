@@ -27,8 +27,10 @@ qsl[i]:qsl[i+1]) and the state pool of one layer indexed by slot; a request with
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -68,12 +70,52 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     return out.to(x.dtype), xp[:, 1:]
 
 
+@dataclass
+class ConvPlan:
+    """Where a flat batch's rows go in the one-sequence form of causal_conv1d_varlen (index tensors on the
+    device; built once per step from the host's qsl, shared by every GDN layer: conv_plan)."""
+    live: torch.Tensor  # long [B']: the requests with tokens this step
+    gather: torch.Tensor  # long [T + B' (K-1)]: row of [states of the live requests | x] for each row of xp
+    rows: torch.Tensor  # long [T]: the conv output row of each token
+    state_rows: torch.Tensor  # long [B' (K-1)]: the rows of xp that become the live requests' new states
+    tokens: int  # T = qsl[-1]
+    single: bool  # one live request: xp is [state | x] as it is and the conv rows are the tokens (no gathers)
+
+
+def conv_plan(qsl: Sequence[int], kernel: int, device: torch.device) -> Optional[ConvPlan]:
+    """ConvPlan of a flat batch (request i owns rows qsl[i]:qsl[i+1]); None when no request has tokens.
+    xp stacks, per live request, its K-1 state rows and then its tokens, so one depthwise conv over xp gives every
+    token's output at row (request's block start + token index) and the new state is each block's last K-1 rows."""
+    bounds = np.asarray(qsl, dtype=np.int64)
+    lens = bounds[1:] - bounds[:-1]
+    live = np.nonzero(lens > 0)[0]
+    if live.size == 0:
+        return None
+    k1 = kernel - 1
+    n, lens, starts = live.size, lens[live], bounds[:-1][live]
+    blocks = lens + k1
+    offs = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+    req = np.repeat(np.arange(n), blocks)  # the live request of each row of xp
+    r = np.arange(int(blocks.sum())) - offs[req]  # row within its block
+    gather = np.where(r < k1, req * k1 + r, n * k1 + starts[req] + r - k1)
+    tok_req = np.repeat(np.arange(n), lens)
+    tokens = int(bounds[-1])
+    rows = offs[tok_req] + np.arange(tokens) - starts[tok_req]
+    state_rows = (offs + lens)[:, None] + np.arange(k1)[None, :]
+    flat = torch.from_numpy(np.concatenate([live, gather, rows, state_rows.reshape(-1)])).to(device)
+    a, b, c = n, n + gather.size, n + gather.size + tokens
+    return ConvPlan(flat[:a], flat[a:b], flat[b:c], flat[c:], tokens, n == 1)
+
+
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          conv_states: torch.Tensor, slots: torch.Tensor, qsl: Sequence[int],
                          has_initial_state: torch.Tensor, activation: Optional[str] = "silu",
-                         decode_only: bool = False) -> torch.Tensor:
+                         decode_only: bool = False, plan: Optional[ConvPlan] = None) -> torch.Tensor:
     """Flat batch x [T, C]; conv_states [num_slots, K-1, C] updated in place at `slots` (long [B]).
-    has_initial_state: bool [B]. decode_only: every request has exactly one row (vectorized path)."""
+    has_initial_state: bool [B]. decode_only: every request has exactly one row (vectorized path). Otherwise
+    one depthwise conv over all requests' [state | tokens] blocks (`plan`: conv_plan(qsl, K, x.device), if the
+    caller keeps it for several layers): a fixed number of launches and no host sync, whatever the batch.
+    A request without tokens keeps its slot as it is."""
     out = torch.zeros_like(x)
     if decode_only:
         n = len(qsl) - 1
@@ -83,15 +125,28 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         out[:n] = y
         conv_states.index_copy_(0, slots, new.to(conv_states.dtype))
         return out
-    init = has_initial_state.tolist()
-    for i in range(len(qsl) - 1):
-        s, e = qsl[i], qsl[i + 1]
-        if e == s:
-            continue
-        slot = int(slots[i])
-        y, new = causal_conv1d(x[s:e], weight, bias, conv_states[slot] if init[i] else None, activation)
-        out[s:e] = y
-        conv_states[slot] = new.to(conv_states.dtype)
+    if activation not in ("silu", None):
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    c, k = x.shape[1], weight.shape[1]
+    if plan is None:
+        plan = conv_plan(qsl, k, x.device)
+    if plan is None:
+        return out
+    slots_live = slots.index_select(0, plan.live)
+    st = conv_states.index_select(0, slots_live)
+    st = torch.where(has_initial_state.index_select(0, plan.live)[:, None, None], st, torch.zeros_like(st))
+    xp = torch.cat([st.reshape(-1, c).to(x.dtype), x[:plan.tokens]])
+    if not plan.single:
+        xp = xp.index_select(0, plan.gather)
+    y = F.conv1d(xp.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=c)[0].t()
+    if not plan.single:
+        y = y.index_select(0, plan.rows)
+    if activation == "silu":
+        y = F.silu(y)
+    out[:plan.tokens] = y.to(x.dtype)
+    if k > 1:
+        new = xp.index_select(0, plan.state_rows).reshape(-1, k - 1, c)
+        conv_states.index_copy_(0, slots_live, new.to(conv_states.dtype))
     return out
 
 

@@ -39,6 +39,7 @@ class HybridBatch:
     query_start_loc: list[int]
     decode_only: bool  # every request has exactly one query row
     chunk_meta: Any = field(default=None, repr=False)  # Triton chunked prefill's chunk table, built once a step
+    conv_plan: Any = field(default=None, repr=False)  # gdn_ref.ConvPlan of a non-decode step, built once a step
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, spec: Any = None) -> "HybridBatch":
@@ -170,9 +171,11 @@ class GatedDeltaNet(nn.Module):
             mixed = gdn_decode.causal_conv1d_decode(mixed, self.conv_weight, None, conv_states, batch.slots,
                                                     batch.has_initial_state, "silu")
         else:
+            if batch.conv_plan is None and not batch.decode_only:
+                batch.conv_plan = gdn_ref.conv_plan(batch.query_start_loc, self.kernel, mixed.device)
             mixed = gdn_ref.causal_conv1d_varlen(mixed, self.conv_weight, None, conv_states, batch.slots,
                                                  batch.query_start_loc, batch.has_initial_state, "silu",
-                                                 batch.decode_only)
+                                                 batch.decode_only, plan=batch.conv_plan)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.nk, self.dk)
         k = k.reshape(t, self.nk, self.dk)
