@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.host_to_device import to_device
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 CHUNK = 64
@@ -209,7 +210,7 @@ class ChunkMeta:
 def chunk_meta(qsl: Sequence[int], has_initial_state: torch.Tensor) -> ChunkMeta:
     starts, lens, seq_chunk = chunk_table(qsl)
     nc, nseq = len(starts), len(qsl) - 1
-    flat = torch.tensor(starts + lens + seq_chunk + list(qsl), dtype=torch.int32).to(has_initial_state.device)
+    flat = to_device(starts + lens + seq_chunk + list(qsl), torch.int32, has_initial_state.device)
     return ChunkMeta(nc, flat[:nc], flat[nc:2 * nc], flat[2 * nc:2 * nc + nseq + 1], flat[2 * nc + nseq + 1:],
                      has_initial_state.to(torch.int32))
 

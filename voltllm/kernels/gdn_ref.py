@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from voltllm.host_to_device import upload
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -102,7 +104,7 @@ def conv_plan(qsl: Sequence[int], kernel: int, device: torch.device) -> Optional
     tokens = int(bounds[-1])
     rows = offs[tok_req] + np.arange(tokens) - starts[tok_req]
     state_rows = (offs + lens)[:, None] + np.arange(k1)[None, :]
-    flat = torch.from_numpy(np.concatenate([live, gather, rows, state_rows.reshape(-1)])).to(device)
+    flat = upload(torch.from_numpy(np.concatenate([live, gather, rows, state_rows.reshape(-1)])), device)
     a, b, c = n, n + gather.size, n + gather.size + tokens
     return ConvPlan(flat[:a], flat[a:b], flat[b:c], flat[c:], tokens, n == 1)
 
@@ -246,12 +248,12 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         out[:n] = o[:, 0]
         ssm_states.index_copy_(0, slots, new.to(ssm_states.dtype))
         return out
-    init = has_initial_state.tolist()
+    init, slot_ids = has_initial_state.tolist(), slots.tolist()  # (host values: one sync each, not one per request)
     for i in range(len(qsl) - 1):
         s, e = qsl[i], qsl[i + 1]
         if e == s:
             continue
-        slot = int(slots[i])
+        slot = slot_ids[i]
         o, new = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
                                         ssm_states[slot] if init[i] else None, chunk_size, scale, use_qk_l2norm)
         out[s:e] = o

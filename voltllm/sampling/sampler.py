@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from voltllm.engine.types import PositionLogprobs
+from voltllm.host_to_device import to_device
 from voltllm.sampling.params import SamplingParams
 
 
@@ -117,14 +118,6 @@ class SamplerOutput:
                 d.setdefault(ti[j][t], tv[j][t])
             out[i] = d
         return tokens, out
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor without a stream sync (pinned staging, non-blocking copy)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _cells(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

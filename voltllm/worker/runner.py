@@ -14,7 +14,8 @@ from voltllm.config import EngineConfig
 from voltllm.engine.scheduler import RunnerOutput, SchedulerOutput
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
-from voltllm.sampling.sampler import Sampler, SamplerOutput, SamplingRow, to_device
+from voltllm.host_to_device import to_device
+from voltllm.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 from voltllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("voltllm")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voltllm.host_to_device import to_device
 from voltllm.kernels import gdn_ref
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear
@@ -78,8 +79,8 @@ class HybridBatch:
         device = cache.ssm[0].device if cache.ssm else torch.device("cpu")
         init = [starts[i] > 0 and slots[i] >= 0 for i in range(n)]
         rows = [x if x >= 0 else cache.pad_slot for x in slots]
-        return cls(state_cache=cache, slots=torch.tensor(rows, dtype=torch.long).to(device),
-                   has_initial_state=torch.tensor(init, dtype=torch.bool).to(device),
+        return cls(state_cache=cache, slots=to_device(rows, torch.long, device),
+                   has_initial_state=to_device(init, torch.bool, device),
                    query_start_loc=qsl, decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(n)))
 
     @classmethod
