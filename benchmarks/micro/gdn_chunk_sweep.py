@@ -8,15 +8,12 @@ qwen3.5-27b-shape GDN heads by default, fp16 q/k/v, fp32 state. For each batch (
 against the torch output first (relative error printed) and timed with CUDA events (median of 5 after a warm-up);
 one profiled call per variant splits the time between the kernels."""
 import argparse
-import json
-import os
 import statistics
-import tempfile
-from collections import defaultdict
 
 import torch
 
-from voltllm.bench.profile import gpu_events, shorten
+from _micro_timing import kernel_times_us
+
 from voltllm.kernels import gdn_chunk, gdn_ref
 
 
@@ -46,23 +43,6 @@ def _ms(fn, reps=5):
         b.synchronize()
         out.append(a.elapsed_time(b))
     return statistics.median(out)
-
-
-def _kernels(fn) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "t.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    out: dict[str, float] = defaultdict(float)
-    for e in gpu_events(trace):
-        out[shorten(e["name"], 40)] += e["dur"] / 1e3
-    return dict(out)
 
 
 def main() -> None:
@@ -99,7 +79,7 @@ def main() -> None:
                 got = tri().float()
                 err = ((got - want).norm() / want.norm()).item()
                 ms = _ms(tri)
-                ks = _kernels(tri)
+                ks = {k: t / 1e3 for k, t in kernel_times_us(tri, 40).items()}
                 parts = ", ".join(f"{name} {t:.2f}" for name, t in sorted(ks.items(), key=lambda x: -x[1])[:3])
                 print(f"  triton {var:<12} {ms:8.2f} ms  rel err {err:.1e}  [{parts}]", flush=True)
             except Exception as e:  # a variant that does not compile or fit is reported, not fatal

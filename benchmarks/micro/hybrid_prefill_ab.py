@@ -10,28 +10,14 @@ on tensor cores for every prefill; "--fast tf32" times single-tf32 products inst
 >= 2048 tokens: what every route ran before session 18), so both see the same engine and GPU state. Prints the
 median / min time to first token and the prefill rate."""
 import argparse
-import random
 import statistics
 import tempfile
-import time
 
-from voltllm.bench.inprocess import sampling_params
+from _micro_timing import first_tokens_ms
+
 from voltllm.bench.shapes import materialize
 from voltllm.config import EngineArgs
-from voltllm.engine.types import EngineCoreRequest
 from voltllm.model.layers.gdn import set_chunk_precision
-
-
-def _ttft_ms(eng, vocab: int, n: int, tag: str) -> float:
-    sp = sampling_params(1, temperature=0.0, top_p=1.0, top_k=0, seed=None)
-    eng.add_request(EngineCoreRequest(tag, [random.randrange(vocab) for _ in range(n)], sp))
-    t0 = time.perf_counter()
-    while not any(o.new_token_ids for o in eng.step()):
-        pass
-    ms = (time.perf_counter() - t0) * 1e3
-    while eng.has_unfinished_requests():
-        eng.step()
-    return ms
 
 
 def main() -> None:
@@ -63,7 +49,7 @@ def main() -> None:
             for run in range(args.runs + 1):  # the first pair warms up
                 for mode in ("tf32", "ieee"):  # "tf32": the tensor-core precision (--fast, or the runner's)
                     set_chunk_precision(model, (args.fast or chosen) if mode == "tf32" else mode)
-                    ms = _ttft_ms(eng, vocab, n, f"{mode}{n}-{run}")
+                    ms = first_tokens_ms(eng, vocab, n, 1, f"{mode}{n}-{run}")
                     if run:
                         times[mode].append(ms)
             set_chunk_precision(model, chosen)

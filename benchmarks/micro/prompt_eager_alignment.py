@@ -10,53 +10,15 @@ min of the runs after a warm-up). Then, for each of --profile-lens, one step und
 total time by name, so a kernel whose time jumps at an unaligned count shows which library or kernel pays for it.
 Also the bare cuBLAS GEMMs of the shape's projections at each length (CUDA events, 20 calls)."""
 import argparse
-import random
 import statistics
 import tempfile
-import time
-from collections import defaultdict
 
 import torch
 
-from voltllm.bench.inprocess import sampling_params
+from _micro_timing import first_tokens_ms, kernel_times_us
+
 from voltllm.bench.shapes import materialize
 from voltllm.config import EngineArgs
-from voltllm.engine.types import EngineCoreRequest
-
-
-def _first_token_ms(eng, vocab: int, n: int, tag: str) -> float:
-    sp = sampling_params(1, temperature=0.0, top_p=1.0, top_k=0, seed=None)
-    eng.add_request(EngineCoreRequest(tag, [random.randrange(vocab) for _ in range(n)], sp))
-    t0 = time.perf_counter()
-    while not any(o.new_token_ids for o in eng.step()):
-        pass
-    ms = (time.perf_counter() - t0) * 1e3
-    while eng.has_unfinished_requests():
-        eng.step()
-    return ms
-
-
-def _kernel_times(eng, vocab: int, n: int, tag: str) -> dict[str, float]:
-    """CUDA kernel time (us) by kernel name over one eager prompt step of n tokens (from the profiler's trace)."""
-    import json
-    import os
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from voltllm.bench.profile import gpu_events, shorten
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _first_token_ms(eng, vocab, n, tag)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "t.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    out: dict[str, float] = defaultdict(float)
-    for e in gpu_events(trace):
-        out[shorten(e["name"], 70)] += e["dur"]
-    return dict(out)
 
 
 def _gemm_us(m: int, n: int, k: int, dtype=torch.float16) -> float:
@@ -95,7 +57,7 @@ def main() -> None:
         print(f"{args.shape}: eager prompt steps, one request per run")
         print(f"{'tokens':>7} {'first token ms (median / min)':>30}")
         for n in lens:
-            times = [_first_token_ms(eng, vocab, n, f"a{n}-{r}") for r in range(args.runs + 1)][1:]
+            times = [first_tokens_ms(eng, vocab, n, 1, f"a{n}-{r}") for r in range(args.runs + 1)][1:]
             print(f"{n:>7} {statistics.median(times):>20.2f} / {min(times):<7.2f}")
         h, i = hf.hidden_size, hf.intermediate_size
         qkv = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * getattr(hf, "head_dim", h // hf.num_attention_heads)
@@ -106,7 +68,7 @@ def main() -> None:
             print(f"{n:>7} " + " ".join(f"{_gemm_us(n, nn, kk):>12.1f}" for nn, kk in shapes.values()))
         plens = [int(x) for x in args.profile_lens.split(",") if x]
         if plens:
-            prof = {n: _kernel_times(eng, vocab, n, f"p{n}") for n in plens}
+            prof = {n: kernel_times_us(lambda n=n: first_tokens_ms(eng, vocab, n, 1, f"p{n}")) for n in plens}
             names = sorted(set().union(*prof.values()), key=lambda k: -max(p.get(k, 0) for p in prof.values()))
             print(f"{'kernel (self CUDA us per step)':<70} " + " ".join(f"{n:>9}" for n in plens))
             for k in names[:25]:

@@ -11,31 +11,13 @@ first token, and the ratio. `--max-graph-tokens` sets DeviceConfig.prompt_graph_
 this engine. `--device cpu` runs the script's logic only (no graphs there)."""
 import argparse
 import dataclasses
-import random
 import statistics
 import tempfile
-import time
 
-from voltllm.bench.inprocess import sampling_params
+from _micro_timing import first_tokens_ms
+
 from voltllm.bench.shapes import materialize
 from voltllm.config import EngineArgs
-from voltllm.engine.types import EngineCoreRequest
-
-
-def _first_tokens(eng, vocab: int, n: int, c: int, tag: str) -> float:
-    """Milliseconds until C fresh requests of n random tokens all have their first token."""
-    sp = sampling_params(1, temperature=0.0, top_p=1.0, top_k=0, seed=None)
-    reqs = [EngineCoreRequest(f"{tag}-{i}", [random.randrange(vocab) for _ in range(n)], sp) for i in range(c)]
-    t0 = time.perf_counter()
-    for r in reqs:
-        eng.add_request(r)
-    done = 0
-    while done < c:
-        done += sum(1 for o in eng.step() if o.new_token_ids)
-    ms = (time.perf_counter() - t0) * 1e3
-    while eng.has_unfinished_requests():
-        eng.step()
-    return ms
 
 
 def main() -> None:
@@ -74,7 +56,7 @@ def main() -> None:
             for run in range(args.runs + 1):  # the first pair warms up (compiles eager kernels at this length)
                 for mode in ("graphs", "eager"):
                     runner.prompt_graphs = graphs if mode == "graphs" else None
-                    ms = _first_tokens(eng, vocab, n, args.concurrency, f"{mode}{n}-{run}")
+                    ms = first_tokens_ms(eng, vocab, n, args.concurrency, f"{mode}{n}-{run}")
                     if run:
                         times[mode].append(ms)
             runner.prompt_graphs = graphs
