@@ -65,6 +65,57 @@ def run_varlen(device: str, lens: list[int], hk: int, hv: int, dk: int, dv: int,
     return f"ok out err {err_o:.2e} state err {err_s:.2e}"
 
 
+def run_smem_fallback(device: str) -> str:
+    """A GPU with less shared memory than the first tiles need: the call falls back through the precision's tiles,
+    then to the "ieee" ones, remembers what ran, and fails with a clear error when nothing fits. Simulated: the
+    launch of a tile raises Triton's OutOfResources as its compile would."""
+    from triton.runtime.errors import OutOfResources
+
+    from voltllm.kernels import gdn_chunk as GC
+
+    real, tried = GC._launch, []
+
+    def small_gpu(fits):
+        def launch(precision, tile, *args):
+            tried.append((precision, tile.block_v))
+            if not fits(precision, tile):
+                raise OutOfResources(300_000, 101_376, "shared memory")
+            return real(precision, tile, *args)
+        return launch
+
+    try:
+        GC._chosen.clear()
+        GC._launch = small_gpu(lambda p, t: t.block_v <= 16)
+        status = run_varlen(device, [70, 5], 1, 2, 16, 32, torch.float16, 11, precision="tf32x3")
+        want = [("tf32x3", 64), ("tf32x3", 32), ("tf32x3", 16)]
+        if not status.startswith("ok") or tried != want:
+            return f"FAIL smaller tile: {status}, tried {tried}"
+        (key, chosen), = GC._chosen.items()
+        tried.clear()
+        run_varlen(device, [9], 1, 2, 16, 32, torch.float16, 12, precision="tf32x3")  # remembered: one launch
+        if chosen != ("tf32x3", GC.TILES["tf32x3"][2]) or tried != [("tf32x3", 16)]:
+            return f"FAIL remembered tile: {chosen}, then tried {tried}"
+        GC._chosen.clear()
+        tried.clear()
+        GC._launch = small_gpu(lambda p, t: p == "ieee")
+        status = run_varlen(device, [40], 1, 2, 16, 32, torch.float16, 13, precision="tf32x3")
+        if not status.startswith("ok") or tried[-1] != ("ieee", 64) or len(tried) != 4:
+            return f"FAIL ieee fallback: {status}, tried {tried}"
+        GC._chosen.clear()
+        GC._launch = small_gpu(lambda p, t: False)
+        try:
+            run_varlen(device, [40], 1, 2, 16, 32, torch.float16, 14, precision="tf32x3")
+        except RuntimeError as e:
+            if "no tile fits" not in str(e):
+                return f"FAIL error message: {e}"
+        else:
+            return "FAIL no error when nothing fits"
+    finally:
+        GC._launch = real
+        GC._chosen.clear()
+    return "ok falls back through the tiles, then to ieee, and says so when nothing fits"
+
+
 def run_layer(device: str) -> str:
     """GatedDeltaNet prefill chunks through the Triton kernel == through the torch reference."""
     from types import SimpleNamespace
@@ -190,6 +241,7 @@ CHECKS = {
     "tf32x3_tile_f16": lambda d: run_varlen(d, [150, 9, 64, 1], 2, 4, 32, 64, torch.float16, 9, precision="tf32x3"),
     "tf32x3_tile_f16_dk128": lambda d: run_varlen(d, [200, 33, 1], 1, 3, 128, 128, torch.float16, 10,
                                                   precision="tf32x3"),
+    "smem_fallback": lambda d: run_smem_fallback(d),
     "layer_prefill_f32": lambda d: run_layer(d),
     "model_qwen3_next_all_triton_f32": lambda d: run_model(d),
 }

@@ -30,9 +30,10 @@ input precision is the caller's choice (`precision_for` picks it per dtype and r
             GPU engine test, session 18). Not chosen by default; kept for timing.
   "ieee"    exact fp32 FMA products: fp32 models (the CPU-parity tests), and the compat route (sm_70/75 have no
             tf32: tl.dot lowers to FMAs there anyway; a forced --compat on a newer GPU must not use tensor cores).
-Each precision has its tile (TILES: value columns per program, fwd / prep warps, pipeline stages): the fastest
-that fits the shared memory at dk = dv = 128 in that sweep (tf32x3 fits only unpipelined; tf32 with 8 warps
-gave wrong outputs, relative error 0.16, Triton 3.6), fixed, not tuned.
+Each precision has its tiles (TILES: value columns per program, fwd / prep warps, pipeline stages), fixed, not
+tuned: first the fastest that fit the H200's shared memory at dk = dv = 128 in that sweep (tf32x3 fits only
+unpipelined; tf32 with 8 warps gave wrong outputs, relative error 0.16, Triton 3.6), then smaller ones for GPUs
+with less shared memory, tried in order when a launch runs out of it.
 q/k/v/out may be fp16, bf16 (native GPUs) or fp32.
 
 Tests: tests/unit/test_gdn_chunk_interp.py (interpreter, vs gdn_ref), tests/gpu/test_hybrid_gpu.py (CUDA,
@@ -40,20 +41,39 @@ timings against the torch reference).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from voltllm.host_to_device import to_device
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 CHUNK = 64
-# per dot precision: (block_v, fwd warps, prep warps, num_stages of both kernels or None for Triton's default);
-# module docstring
-TILES = {"tf32x3": (64, 4, 8, 1), "tf32": (16, 4, 2, None), "ieee": (64, 8, 4, None)}
+logger = logging.getLogger("voltllm")
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_v: int  # value columns per fwd program
+    warps: int  # fwd kernel
+    prep_warps: int
+    stages: Optional[int]  # num_stages of both kernels (None: Triton's default)
+
+
+# Per dot precision, fastest first: the first is the H200 sweep's best (module docstring); the later ones need less
+# shared memory (an A100 allows 163 KB per block, sm_86 / sm_89 cards 99 KB, the H200 227 KB) and are tried when a
+# launch runs out of it, then the "ieee" tiles; what ran is remembered per device and shape (_chosen).
+TILES: dict[str, tuple[Tile, ...]] = {
+    "tf32x3": (Tile(64, 4, 8, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
+    "tf32": (Tile(16, 4, 2, None), Tile(16, 4, 2, 1)),
+    "ieee": (Tile(64, 8, 4, None), Tile(32, 4, 4, 1), Tile(16, 4, 2, 1)),
+}
+_chosen: dict[tuple, tuple[str, Tile]] = {}
 
 
 @triton.jit
@@ -241,8 +261,9 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
     are zero), like gdn_ref.gated_delta_rule_varlen. `meta`: chunk_meta(qsl, has_initial_state), if the
     caller keeps it for several layers (else it is built here: one host-to-device copy). `precision`: "ieee",
-    "tf32x3" or "tf32" (None: auto_precision for v's dtype and device); block_v, num_warps (the fwd kernel's) and
-    num_stages override the precision's tile (TILES)."""
+    "tf32x3" or "tf32" (None: auto_precision for v's dtype and device); its tiles are tried in order until one
+    fits the device's shared memory (then the "ieee" ones). block_v, num_warps (the fwd kernel's), num_stages,
+    prep_warps and prep_stages run one explicit tile instead (no fallback: the sweeps)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
@@ -259,20 +280,55 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         precision = auto_precision(v.dtype, dev)
     if precision not in TILES:
         raise ValueError(f"gated_delta_rule_chunked: precision must be one of {sorted(TILES)}, got {precision!r}")
-    tile_v, fwd_warps, tile_prep_warps, stages = TILES[precision]
-    stages = num_stages or stages
-    launch = {"num_stages": stages} if stages else {}
+
+    def run(prec: str, tile: Tile, p_stages: Optional[int] = None) -> None:
+        _launch(prec, tile, p_stages, q, k, v, g, beta, ssm_states, slots, meta, out, scale, use_qk_l2norm, nseq)
+
+    if any(x is not None for x in (block_v, num_warps, num_stages, prep_warps, prep_stages)):  # an explicit tile
+        first = TILES[precision][0]
+        run(precision, Tile(block_v or first.block_v, num_warps or first.warps, prep_warps or first.prep_warps,
+                            num_stages or first.stages), prep_stages)
+        return out
+    key = (dev, precision, k.shape[1], k.shape[2], v.shape[1], v.shape[2], v.dtype, use_qk_l2norm)
+    if key in _chosen:
+        run(*_chosen[key])
+        return out
+    candidates = [(precision, tile) for tile in TILES[precision]]
+    if precision != "ieee":
+        candidates += [("ieee", tile) for tile in TILES["ieee"]]
+    last = None
+    for prec, tile in candidates:
+        try:
+            run(prec, tile)  # a tile that does not fit fails compiling, before anything runs
+        except OutOfResources as e:
+            last = e
+            continue
+        if (prec, tile) != candidates[0]:
+            logger.warning("Gated DeltaNet chunk kernels: %s products with %s (the faster tiles need more shared "
+                           "memory than %s has: %s)", prec, tile, dev, last)
+        _chosen[key] = (prec, tile)
+        return out
+    raise RuntimeError(f"Gated DeltaNet chunk kernels: no tile fits the shared memory of {dev} "
+                       f"(dk {k.shape[2]}, dv {v.shape[2]})") from last
+
+
+def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, meta, out, scale, use_qk_l2norm,
+            nseq) -> None:
+    """The two launches of one call (prep fills the T workspace; fwd walks the chunks, writes out and the state
+    pool) with a given precision and tile."""
+    hk, dk = k.shape[1], k.shape[2]
+    hv, dv = v.shape[1], v.shape[2]
+    launch = {"num_stages": tile.stages} if tile.stages else {}
     prep_launch = {"num_stages": prep_stages} if prep_stages else launch
     nc = meta.num_chunks
-    tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
+    tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=v.device)
     block_k = max(16, triton.next_power_of_2(dk))
     _gdn_chunk_prep_kernel[(nc, hv)](
         k, g, beta, meta.chunk_start, meta.chunk_len, tinv,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), tinv.stride(0), tinv.stride(1),
         HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision,
-        num_warps=prep_warps or tile_prep_warps, **prep_launch)
-    if block_v is None:
-        block_v = min(max(16, triton.next_power_of_2(dv)), tile_v)
+        num_warps=tile.prep_warps, **prep_launch)
+    block_v = min(max(16, triton.next_power_of_2(dv)), tile.block_v)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, tinv, ssm_states, slots, meta.has_init, out, meta.seq_start, meta.seq_chunk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
@@ -280,5 +336,4 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out.stride(0), out.stride(1),
         float(scale if scale is not None else dk ** -0.5),
         HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        PRECISION=precision, num_warps=num_warps or fwd_warps, **launch)
-    return out
+        PRECISION=precision, num_warps=tile.warps, **launch)
