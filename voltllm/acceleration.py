@@ -90,7 +90,7 @@ def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str
     kind = {"tf32x3": "3xTF32 tensor-core (fp32-level)", "tf32": "tf32 tensor-core"}.get(precision, "exact fp32 FMA")
     impl = f"Triton chunked gated delta rule ({kind} products)"
     why = ("prefill and mixed batches, every size" if precision != "ieee" else
-           "prefill and mixed batches; a step that is one prompt of >= 2048 tokens runs the torch chunked form "
+           "prefill and mixed batches; a step whose every request computes >= 256 tokens runs the torch chunked form "
            "(faster than the FMA products there)")
     return impl, why
 

@@ -184,7 +184,7 @@ def test_require_acceleration_hybrid_graphs(tiny_dir, fake_v100):
     assert report["routes"]["cuda_graphs"]["enabled"]
     assert "gdn_decode" in report["routes"] and report["routes"]["gdn_decode"]["enabled"]
     prefill = report["routes"]["gdn_prefill"]  # a V100 has no tf32: the chunk kernels keep exact fp32 products
-    assert prefill["enabled"] and "exact fp32" in prefill["impl"] and "2048" in prefill["reason"]
+    assert prefill["enabled"] and "exact fp32" in prefill["impl"] and "256 tokens" in prefill["reason"]
     eager = dataclasses.replace(hybrid, device=dataclasses.replace(hybrid.device, enforce_eager=True))
     assert require_acceleration(eager)["ok"]
 

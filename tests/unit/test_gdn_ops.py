@@ -235,18 +235,23 @@ def test_state_cache_note_step():
 
 
 def test_triton_prefill_routing():
-    """One long prefill goes to the torch chunked form (the Triton kernel under-fills the GPU there);
-    several sequences, or a short one, keep the Triton kernel."""
+    """Exact products: a step of long prompts only goes to the torch chunked form; a short request (a decode row, a
+    short prompt) keeps the Triton kernels. Tensor-core products: the kernels always."""
     from types import SimpleNamespace
 
-    from voltllm.model.layers.gdn import LONG_SINGLE_PREFILL, GatedDeltaNet
+    from voltllm.model.layers.gdn import LONG_PREFILL_TOKENS as N, GatedDeltaNet
 
-    fits = GatedDeltaNet._triton_prefill_fits
-    assert not fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL]))
-    assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL - 1]))
-    assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL, LONG_SINGLE_PREFILL + 1]))
+    def fits(qsl, precision="ieee"):
+        return GatedDeltaNet._triton_prefill_fits(SimpleNamespace(query_start_loc=qsl), precision)
+
+    assert not fits([0, N])
+    assert not fits([0, 8192])
+    assert not fits([0, N, 2 * N, 4 * N + 5])  # several long prompts
+    assert fits([0, N - 1])
+    assert fits([0, N, N + 1])  # a decode row beside a long prompt
+    assert fits([128 * i for i in range(65)])  # 64 x 128
     # tensor-core products: the kernels win every batch timed, the single long prefill too
-    assert fits(SimpleNamespace(query_start_loc=[0, LONG_SINGLE_PREFILL]), "tf32x3")
+    assert fits([0, 8192], "tf32x3")
     assert GatedDeltaNet.chunk_precision == "ieee"  # exact products unless the runner says otherwise
 
 

@@ -28,7 +28,9 @@ from voltllm.kernels import gdn_ref
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear
 
-LONG_SINGLE_PREFILL = 2048  # tokens: a step that is one prefill this long runs the torch chunked form
+# tokens: with exact fp32 ("ieee") products, a step whose every request computes at least this many runs the
+# torch chunked form (GatedDeltaNet._triton_prefill_fits)
+LONG_PREFILL_TOKENS = 256
 
 
 @dataclass
@@ -109,8 +111,8 @@ class GatedDeltaNet(nn.Module):
     # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
     triton_decode: bool | None = None
     # Other batches (prefill chunks, mixed prefill + decode) run the delta rule through the chunked Triton
-    # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except, with "ieee" products, a step that
-    # is a single long prefill (_triton_prefill_fits); True / False force it.
+    # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except, with "ieee" products, a step of
+    # long prompts only (_triton_prefill_fits); True / False force it.
     triton_prefill: bool | None = None
     # The chunk kernels' dot precision ("ieee", "tf32x3" or "tf32", gdn_chunk.precision_for): the runner sets it
     # per layer for its route (set_chunk_precision); "ieee", exact fp32 FMA products, unless told otherwise.
@@ -203,16 +205,18 @@ class GatedDeltaNet(nn.Module):
     @staticmethod
     def _triton_prefill_fits(batch: HybridBatch, precision: str = "ieee") -> bool:
         """With tensor-core products ("tf32x3", "tf32") the Triton chunk kernels win every batch timed (H200,
-        qwen3.5-27b-shape heads, tf32x3: 1 x 8192 tokens 11.9 vs 30.6 ms in the torch chunked form, 4 x 2048
-        11.2 vs 44). With exact fp32 FMA products ("ieee") they walk a sequence's chunks slowly, and one long
-        sequence under-fills the GPU (1 x 8192: 93-100 ms); a step that is one long prefill then uses torch,
-        batches of several sequences keep the kernel (4 x 2048: 80-86 vs 44-50 ms on the H200, where the torch
-        form's fp32 matmuls use tensor cores; a V100's do not, and it was not timed there)."""
+        qwen3.5-27b-shape heads, tf32x3: 1 x 8192 tokens 7.3 vs 28 ms in the torch chunked form, 4 x 2048 6.6 vs
+        38, 16 x 512 6.7 vs 56). With exact fp32 FMA products ("ieee": the compat route, fp32 models) they cost
+        about the same per token however the tokens are split (1 x 8192 93-100 ms, 4 x 2048 80-86, 16 x 512 86 on
+        the H200), while the torch form, fp32 matmuls per request, costs ~27 ms per 8K tokens of long prompts plus
+        a few ms per request (1 x 8192 18-38, 4 x 2048 25-50, 16 x 512 37-77): torch for a step whose every
+        request computes >= LONG_PREFILL_TOKENS, the kernels when some request is short (decode rows, short
+        prompts: 64 x 128 would pay the torch form's per-request cost 64 times). H200 FMAs for both; a V100 (no
+        tensor cores for either path in fp32) was not timed."""
         if precision != "ieee":
             return True
         qsl = batch.query_start_loc
-        lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
-        return not (len(lens) == 1 and lens[0] >= LONG_SINGLE_PREFILL)
+        return not all(qsl[i + 1] - qsl[i] >= LONG_PREFILL_TOKENS for i in range(len(qsl) - 1))
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         of = o.float()
