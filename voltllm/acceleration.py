@@ -1,18 +1,19 @@
 """The acceleration report: for the running configuration, which route each stage takes, and how often.
 
 Routes: attention_prefill, attention_decode, kv_codec, linear, sampler, cuda_graphs, compile_cache,
-fused_elementwise, and gdn_decode / gdn_prefill for hybrid (Gated DeltaNet) models. Each has `enabled` (the accelerated
-GPU route runs), `expected` (this configuration should have it: `--require-acceleration` refuses to start
-when an expected route is disabled), `impl`, `reason`, and call counters.
+fused_elementwise, and gdn_decode / gdn_prefill for hybrid (Gated DeltaNet) models. Each has `enabled` (the
+accelerated GPU route runs), `expected` (this configuration should have it: `--require-acceleration` refuses to
+start when an expected route is disabled), `impl`, `reason`, and call counters.
 
-Counters (voltllm/route_counters.py, re-exported here). `instrument(runner)` wraps, on that runner's own objects, the attention backend's forward (one
-call per attention layer; prefill vs decode by the step's metadata), every Linear's forward, the sampler
-and the model's forward; and, process-wide, the public launchers of voltllm.kernels.fused,
-voltllm.kernels.gdn_decode and voltllm.kernels.gdn_chunk. A replayed CUDA graph runs no Python, so for the routes inside the graph the
-report adds DecodeGraphs.replays x the calls one eager forward makes (learned from the eager forwards the
-runner runs: a pure-decode forward when one was seen, else a prefill forward with its attention calls
-counted as decode calls, which is what a graph replay runs). Nothing is counted while a graph is being
-captured (capture records work, it does not run it). Counters are `eager`, `graph` and `total` per route.
+Counters (voltllm/route_counters.py, re-exported here). `instrument(runner)` wraps, on that runner's own objects,
+the attention backend's forward (one call per attention layer; prefill vs decode by the step's metadata), every
+Linear's forward, the sampler and the model's forward; and, process-wide, the public launchers of
+voltllm.kernels.fused, voltllm.kernels.gdn_decode and voltllm.kernels.gdn_chunk. A replayed CUDA graph runs no
+Python, so for the routes inside the graph the report adds DecodeGraphs.replays x the calls one eager forward makes
+(learned from the eager forwards the runner runs: a pure-decode forward when one was seen, else a prefill forward
+with its attention calls counted as decode calls, which is what a graph replay runs). Nothing is counted while a
+graph is being captured (capture records work, it does not run it). Counters are `eager`, `graph` and `total` per
+route.
 
 Without a runner (before the model loads), `build_report(config)` predicts the routes from the
 configuration alone; `require_acceleration(config)` uses that to refuse at start-up (exit 2).

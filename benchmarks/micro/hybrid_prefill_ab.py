@@ -5,10 +5,10 @@
 
 Random weights of a named hybrid shape, fp16, prefix caching off, prompts in 8192-token chunks (the bench's
 defaults). For each input length, one request of fresh random tokens generates one token; runs alternate between
-the GDN layers' chunk precision as the runner chose it ("tf32x3" on the native route of sm_80+: Triton chunk kernels
-on tensor cores for every prefill; "--fast tf32" times single-tf32 products instead) and "ieee" (exact fp32 products, with the torch chunked form for a step that is one prompt of
->= 2048 tokens: what every route ran before session 18), so both see the same engine and GPU state. Prints the
-median / min time to first token and the prefill rate."""
+the GDN layers' chunk precision as the runner chose it ("tf32x3" on the native route of sm_80+: Triton chunk
+kernels on tensor cores for every prefill; "--fast tf32" times single-tf32 products instead) and "ieee" (exact
+fp32 products, with the torch chunked form for a long single prompt: what every route ran before session 18), so
+both see the same engine and GPU state. Prints the median / min time to first token and the prefill rate."""
 import argparse
 import statistics
 import tempfile

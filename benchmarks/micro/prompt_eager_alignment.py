@@ -60,9 +60,9 @@ def main() -> None:
             times = [first_tokens_ms(eng, vocab, n, 1, f"a{n}-{r}") for r in range(args.runs + 1)][1:]
             print(f"{n:>7} {statistics.median(times):>20.2f} / {min(times):<7.2f}")
         h, i = hf.hidden_size, hf.intermediate_size
-        qkv = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * getattr(hf, "head_dim", h // hf.num_attention_heads)
-        shapes = {"qkv": (qkv, h), "o": (h, hf.num_attention_heads * getattr(hf, "head_dim", h // hf.num_attention_heads)),
-                  "gate_up": (2 * i, h), "down": (h, i)}
+        hd = getattr(hf, "head_dim", h // hf.num_attention_heads)
+        qkv = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hd
+        shapes = {"qkv": (qkv, h), "o": (h, hf.num_attention_heads * hd), "gate_up": (2 * i, h), "down": (h, i)}
         print(f"{'tokens':>7} " + " ".join(f"{k + ' us':>12}" for k in shapes))
         for n in lens:
             print(f"{n:>7} " + " ".join(f"{_gemm_us(n, nn, kk):>12.1f}" for nn, kk in shapes.values()))
