@@ -39,7 +39,7 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
-#   s52      (for session 19) what session 18 changed after its device time was spent: the whole hybrid GPU file (the
+#   s52a/b   (for session 19) what session 18 changed after its device time was spent: the whole hybrid GPU file (the
 #            one-conv prefill conv1d, pinned uploads, tile fallback, the exact route's >= 256-token routing), the
 #            27B prefill A/B with the final 3xTF32 tile, and the conv micro on the GPU at the 27B conv width
 #   s51      (session 18) the same with 3xTF32 products (the default chosen after s50's engine test): GDN GPU checks and
@@ -511,12 +511,14 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
-  s52)  # (for session 19) verify session 18's CPU-only changes on a GPU
-    gpu_file test_hybrid_gpu 420 -s
+  s52a)  # (for session 19) verify session 18's CPU-only changes on a GPU: the hybrid GPU file
+    gpu_file test_hybrid_gpu 540 -s
     grep -E "agreement|tf32x3|FAIL" "$out/test_hybrid_gpu.txt" | head -20
+    ;;
+  s52b)  # (for session 19) the conv micro and the 27B prefill A/B with the final tile
     timeout 60 python3 benchmarks/micro/conv_varlen_ops.py --device cuda --requests 64 --tokens 128 --channels 10240 \
       2>&1 | grep -v -i warn | tee "$out/conv-varlen-cuda.txt"
-    timeout 100 python3 benchmarks/micro/hybrid_prefill_ab.py --input-lens 8192,32768 --runs 2 2>&1 | grep -v -i warn \
+    timeout 400 python3 benchmarks/micro/hybrid_prefill_ab.py --input-lens 8192,32768 --runs 2 2>&1 | grep -v -i warn \
       | tail -5 | tee "$out/hybrid-prefill-ab-final.txt"
     ;;
   s51)  # (session 18) 3xTF32 GDN chunk kernels
