@@ -136,6 +136,15 @@ bench_via() {  # bench_via ENTRY [bench args]: `ENTRY bench ...` (ENTRY word-spl
     | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90
 }
 bench() { bench_via "python3 -m voltllm.cli" "$@"; }
+gdn_ab() {  # gdn_ab SUFFIX [SWEEP_VARIANTS]: the GDN chunk-kernel sweep (when variants are given), then the 27B
+  # 8K / 32K prefill A/B (tensor-core route vs the exact route) in one engine; files named with SUFFIX
+  if [ -n "${2:-}" ]; then
+    timeout 120 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants "$2" 2>&1 \
+      | grep -v -i warn | tee "$out/gdn-chunk-sweep-$1.txt"
+  fi
+  timeout 400 python3 benchmarks/micro/hybrid_prefill_ab.py --input-lens 8192,32768 --runs 2 2>&1 | grep -v -i warn \
+    | tail -5 | tee "$out/hybrid-prefill-ab-$1.txt"
+}
 c64_profiles() {  # c64_profiles T0 SHAPE...: 64 x 128/128 with a profile per shape, while under 420 s since T0
     local t0=$1 m; shift
     for m in "$@"; do
@@ -518,24 +527,17 @@ case $stage in
   s52b)  # (for session 19) the conv micro and the 27B prefill A/B with the final tile
     timeout 60 python3 benchmarks/micro/conv_varlen_ops.py --device cuda --requests 64 --tokens 128 --channels 10240 \
       2>&1 | grep -v -i warn | tee "$out/conv-varlen-cuda.txt"
-    timeout 400 python3 benchmarks/micro/hybrid_prefill_ab.py --input-lens 8192,32768 --runs 2 2>&1 | grep -v -i warn \
-      | tail -5 | tee "$out/hybrid-prefill-ab-final.txt"
+    gdn_ab final
     ;;
   s51)  # (session 18) 3xTF32 GDN chunk kernels
     gpu_file test_hybrid_gpu 330 -k "gdn_chunk or (half and none)" -s
     grep -E "err|agreement" "$out/test_hybrid_gpu.txt" | head -24
-    timeout 100 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants tf32x3:32:4,tf32:16:4 \
-      2>&1 | grep -v -i warn | tee "$out/gdn-chunk-sweep-tf32x3.txt"
-    timeout 240 python3 benchmarks/micro/hybrid_prefill_ab.py --input-lens 8192,32768 --runs 2 2>&1 | grep -v -i warn \
-      | tail -5 | tee "$out/hybrid-prefill-ab-tf32x3.txt"
+    gdn_ab tf32x3 tf32x3:32:4,tf32:16:4
     ;;
   s50)  # (session 18) tf32 GDN chunk kernels: tests, sweep, 27B prefill A/B
     gpu_file test_hybrid_gpu 200 -k "gdn_chunk" -s
     grep -E "err" "$out/test_hybrid_gpu.txt" | head -12
-    timeout 120 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants tf32:16:4,ieee:64:8 \
-      2>&1 | grep -v -i warn | tee "$out/gdn-chunk-sweep-tf32.txt"
-    timeout 300 python3 benchmarks/micro/hybrid_prefill_ab.py --input-lens 8192,32768 --runs 2 2>&1 | grep -v -i warn \
-      | tail -5 | tee "$out/hybrid-prefill-ab.txt"
+    gdn_ab tf32 tf32:16:4,ieee:64:8
     ;;
   s49)  # (session 18) GDN chunked prefill sweep
     timeout 500 python3 benchmarks/micro/gdn_chunk_sweep.py 2>&1 | grep -v -i warn | tee "$out/gdn-chunk-sweep.txt"
