@@ -8,12 +8,12 @@ start when an expected route is disabled), `impl`, `reason`, and call counters.
 Counters (voltllm/route_counters.py, re-exported here). `instrument(runner)` wraps, on that runner's own objects,
 the attention backend's forward (one call per attention layer; prefill vs decode by the step's metadata), every
 Linear's forward, the sampler and the model's forward; and, process-wide, the public launchers of
-voltllm.kernels.fused, voltllm.kernels.gdn_decode and voltllm.kernels.gdn_chunk. A replayed CUDA graph runs no
-Python, so for the routes inside the graph the report adds DecodeGraphs.replays x the calls one eager forward makes
-(learned from the eager forwards the runner runs: a pure-decode forward when one was seen, else a prefill forward
-with its attention calls counted as decode calls, which is what a graph replay runs). Nothing is counted while a
-graph is being captured (capture records work, it does not run it). Counters are `eager`, `graph` and `total` per
-route.
+voltllm.kernels.fused, voltllm.kernels.gdn_decode, voltllm.kernels.gdn_conv and voltllm.kernels.gdn_chunk. A
+replayed CUDA graph runs no Python, so for the routes inside the graph the report adds DecodeGraphs.replays x the
+calls one eager forward makes (learned from the eager forwards the runner runs: a pure-decode forward when one was
+seen, else a prefill forward with its attention calls counted as decode calls, which is what a graph replay runs).
+Nothing is counted while a graph is being captured (capture records work, it does not run it). Counters are
+`eager`, `graph` and `total` per route.
 
 Without a runner (before the model loads), `build_report(config)` predicts the routes from the
 configuration alone; `require_acceleration(config)` uses that to refuse at start-up (exit 2).
@@ -89,10 +89,10 @@ def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str
     precision = (layers[0].chunk_precision if layers
                  else precision_for(config.model.dtype, plat.capability, config.device.compat != "none"))
     kind = {"tf32x3": "3xTF32 tensor-core (fp32-level)", "tf32": "tf32 tensor-core"}.get(precision, "exact fp32 FMA")
-    impl = f"Triton chunked gated delta rule ({kind} products)"
+    impl = f"Triton causal conv1d + chunked gated delta rule ({kind} products)"
     why = ("prefill and mixed batches, every size" if precision != "ieee" else
-           "prefill and mixed batches; a step whose every request computes >= 256 tokens runs the torch chunked form "
-           "(faster than the FMA products there)")
+           "prefill and mixed batches; a step whose every request computes >= 256 tokens runs the delta rule in the "
+           "torch chunked form (faster than the FMA products there)")
     return impl, why
 
 

@@ -23,6 +23,7 @@ _FORWARD_ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear"
 _FUSED_FNS = ("rms_norm", "fused_add_rms_norm", "rope_inplace", "qk_norm_rope_inplace", "silu_and_mul")
 _GDN_FNS = ("causal_conv1d_decode", "gated_delta_rule_decode")
 _GDN_PREFILL_FNS = ("gated_delta_rule_chunked",)
+_GDN_CONV_FNS = ("causal_conv1d_prefill",)
 
 _GLOBAL = {"fused_elementwise": 0, "gdn_decode": 0, "gdn_prefill": 0}  # process-wide kernel launcher calls
 _CUDA = torch.cuda.is_available()
@@ -49,13 +50,14 @@ def _count_global(key: str, fn: Callable) -> Callable:
 
 
 def install_global_hooks() -> None:
-    """Count the fused-elementwise and GDN decode / chunked-prefill launchers (module attributes the layers call);
+    """Count the fused-elementwise and GDN decode / prefill (conv1d, chunked delta rule) launchers (module attributes the layers call);
     idempotent."""
     import importlib
 
     for mod_name, key, names in (("voltllm.kernels.fused", "fused_elementwise", _FUSED_FNS),
                                  ("voltllm.kernels.gdn_decode", "gdn_decode", _GDN_FNS),
-                                 ("voltllm.kernels.gdn_chunk", "gdn_prefill", _GDN_PREFILL_FNS)):
+                                 ("voltllm.kernels.gdn_chunk", "gdn_prefill", _GDN_PREFILL_FNS),
+                                 ("voltllm.kernels.gdn_conv", "gdn_prefill", _GDN_CONV_FNS)):
         try:
             mod = importlib.import_module(mod_name)
         except Exception:  # noqa: BLE001 - Triton missing: those routes never run

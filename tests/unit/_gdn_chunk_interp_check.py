@@ -183,7 +183,8 @@ def run_model(device: str) -> str:
     schedule = [[(0, 70), (1, 5)], [(0, 20), (1, 15), (2, 40)], [(0, 1), (1, 1), (2, 1)]]
 
     def run(triton: bool) -> torch.Tensor:
-        GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = SparseMoE.triton_experts = triton
+        GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = GatedDeltaNet.triton_conv = triton
+        SparseMoE.triton_experts = triton
         bs, heads_dim = 16, model.kv_heads_and_dim
         kv = make_kv_cache(model.num_attention_layers, 24, bs, *heads_dim, torch.float32, torch.device(device))
         states = StateCache.for_model(model, 3, device)
@@ -218,7 +219,8 @@ def run_model(device: str) -> str:
         ref = run(False)
         got = run(True)
     finally:
-        GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = SparseMoE.triton_experts = None
+        GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = GatedDeltaNet.triton_conv = None
+        SparseMoE.triton_experts = None
     err = (got - ref).abs().max().item()
     if err > 1e-4 * max(1.0, ref.abs().max().item()) or ref.std() < 1e-3:
         return f"FAIL max err {err:.3e} (ref std {ref.std():.2e})"

@@ -43,6 +43,7 @@ class HybridBatch:
     decode_only: bool  # every request has exactly one query row
     chunk_meta: Any = field(default=None, repr=False)  # Triton chunked prefill's chunk table, built once a step
     conv_plan: Any = field(default=None, repr=False)  # gdn_ref.ConvPlan of a non-decode step, built once a step
+    conv_tiles: Any = field(default=None, repr=False)  # gdn_conv.ConvTiles (Triton prefill conv), built once a step
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, spec: Any = None) -> "HybridBatch":
@@ -110,6 +111,8 @@ class GatedDeltaNet(nn.Module):
     # Decode batches (one row per request, CUDA-graph padding rows included) use the Triton kernels of
     # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
     triton_decode: bool | None = None
+    # Other batches' causal conv1d through voltllm/kernels/gdn_conv.py: None = on CUDA tensors; True / False force it.
+    triton_conv: bool | None = None
     # Other batches (prefill chunks, mixed prefill + decode) run the delta rule through the chunked Triton
     # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except, with "ieee" products, a step of
     # long prompts only (_triton_prefill_fits); True / False force it.
@@ -173,6 +176,13 @@ class GatedDeltaNet(nn.Module):
             from voltllm.kernels import gdn_decode
             mixed = gdn_decode.causal_conv1d_decode(mixed, self.conv_weight, None, conv_states, batch.slots,
                                                     batch.has_initial_state, "silu")
+        elif not batch.decode_only and (x.is_cuda if self.triton_conv is None else self.triton_conv):
+            from voltllm.kernels import gdn_conv
+            if batch.conv_tiles is None:
+                batch.conv_tiles = gdn_conv.conv_tiles(batch.query_start_loc, mixed.device)
+            mixed = gdn_conv.causal_conv1d_prefill(mixed, self.conv_weight, None, conv_states, batch.slots,
+                                                   batch.query_start_loc, batch.has_initial_state, "silu",
+                                                   tiles=batch.conv_tiles)
         else:
             if batch.conv_plan is None and not batch.decode_only:
                 batch.conv_plan = gdn_ref.conv_plan(batch.query_start_loc, self.kernel, mixed.device)
