@@ -39,6 +39,8 @@
 #   s13      (session 8) TMA decode-batch GEMM tiles: GPU tests, batch_gemm_sweep.py, 16 / 64 concurrent with profiles
 #   s15      (session 9) paged-decode KV prefetch before the PDL wait: tests, chain micro, 64 concurrent A/B
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
+#   s53      (session 19) Triton prefill conv1d for GDN layers: GPU tests + timings, 27B TTFT with it on / off at 1 x 8K
+#            and 64 x 128 tokens, then a per-kernel profile of one 27B 8K prompt (micro/hybrid_prefill_profile.py)
 #   s52a/b   (for session 19) what session 18 changed after its device time was spent: the whole hybrid GPU file (the
 #            one-conv prefill conv1d, pinned uploads, tile fallback, the exact route's >= 256-token routing), the
 #            27B prefill A/B with the final 3xTF32 tile, and the conv micro on the GPU at the 27B conv width
@@ -519,6 +521,13 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s53)  # (session 19) Triton prefill conv1d: its GPU tests (timed at the 27B conv width), then the 27B prefill A/B
+        # with it on / off and a per-kernel profile of one 8K prompt
+    gpu_file test_gdn_conv 200 -s
+    grep -E "^conv1d|passed|failed" "$out/test_gdn_conv.txt" | head -12
+    timeout 380 python3 benchmarks/micro/hybrid_prefill_profile.py --cases 8192x1,128x64 --runs 2 2>&1 \
+      | grep -v -i warn | tail -30 | tee "$out/hybrid-prefill-profile.txt"
     ;;
   s52a)  # (for session 19) verify session 18's CPU-only changes on a GPU: the hybrid GPU file
     gpu_file test_hybrid_gpu 540 -s
