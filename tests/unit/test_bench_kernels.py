@@ -40,7 +40,8 @@ def test_harness_on_cpu_with_the_reference_on_both_sides():
     cases, _ = build_cases(TINY, torch.float32, CPU, TINY_SIZES, use_triton=False)
     assert [(c.kernel, c.label) for c in cases] == [
         ("gdn_chunk", "1x70"), ("gdn_chunk", "20+9"), ("gdn_decode", "b1"), ("gdn_decode", "b3"),
-        ("conv_decode", "b1"), ("conv_decode", "b3"), ("moe", "t1"), ("moe", "t5")]
+        ("conv_decode", "b1"), ("conv_decode", "b3"), ("conv_prefill", "1x70"), ("conv_prefill", "20+9"),
+        ("moe", "t1"), ("moe", "t5")]
     dev = L.DeviceLimits("cpu", 10.0, 1.0, "float32", 1, 1)
     rows = run_cases(cases, CPU, torch.float32, iters=2, ref_iters=1, warmup=1, dev=dev)
     for r in rows:
@@ -54,6 +55,7 @@ def test_harness_on_cpu_with_the_reference_on_both_sides():
     assert set(dec["relerr_parts"]) == {"out", "state"}
     conv = by["conv_decode", "b1"]  # conv channels 2*2*16 + 4*16 = 128, kernel 4
     assert conv["bytes"] == 128 * 4 * 4 + 128 * 4 * (2 + 2 * 3)
+    assert by["conv_prefill", "20+9"]["bytes"] == 128 * 4 * 4 + 2 * 29 * 128 * 4 + 2 * 2 * 3 * 128 * 4
     assert by["gdn_chunk", "1x70"]["flops"] == 70 * 4 * (6 * 16 * 16 + 4 * 64 * 16 + 4 * 64 * 16)
     moe = by["moe", "t5"]
     assert moe["flops"] == 2 * 5 * 2 * 3 * 32 * 64 and moe["matmul_ratio"] is None  # fp32: no tensor cores

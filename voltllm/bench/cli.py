@@ -79,7 +79,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="--scenario kernels: timed calls per kernel (the median is reported)")
     g.add_argument("--kernel-ref-iters", type=int, default=5, help="--scenario kernels: timed reference calls")
     g.add_argument("--kernels", type=_str_list, default=None, metavar="NAME[,NAME]",
-                   help="--scenario kernels: only these (gdn_chunk, gdn_decode, conv_decode, moe)")
+                   help="--scenario kernels: only these (gdn_chunk, gdn_decode, conv_decode, conv_prefill, moe)")
     g.add_argument("--no-limits", action="store_true", help="do not measure copy bandwidth / matmul rate")
     g.add_argument("--limit-copy-mib", type=int, default=None, help="copy test buffer (default 1024 GPU, 32 CPU)")
     g.add_argument("--limit-matmul-n", type=int, default=None, help="matmul test size (default 8192 GPU, 256 CPU)")

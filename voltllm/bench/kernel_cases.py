@@ -5,6 +5,8 @@ layers beside its plain-PyTorch reference, on one set of random inputs at a mode
                (prefill: 1 x 8192 tokens, 4 x 2048; odd requests start from a state, as a later chunk does)
   gdn_decode   voltllm.kernels.gdn_decode.gated_delta_rule_decode   vs gdn_ref.gated_delta_rule_varlen(decode_only)
   conv_decode  voltllm.kernels.gdn_decode.causal_conv1d_decode      vs gdn_ref.causal_conv1d_varlen(decode_only)
+  conv_prefill voltllm.kernels.gdn_conv.causal_conv1d_prefill       vs gdn_ref.causal_conv1d_varlen
+               (the prefill sizes of gdn_chunk)
   moe          voltllm.kernels.moe.fused_experts (grouped GEMM)     vs voltllm.model.layers.moe.fused_experts_ref
 
 An input set is a dict; the calls take it and return named outputs. Inputs the call updates in place (state
@@ -20,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 CHUNK = 64  # voltllm.kernels.gdn_chunk.CHUNK (not imported here: that module needs triton)
-KERNELS = ("gdn_chunk", "gdn_decode", "conv_decode", "moe")
+KERNELS = ("gdn_chunk", "gdn_decode", "conv_decode", "conv_prefill", "moe")
 
 Inputs = dict[str, Any]
 
@@ -194,6 +196,52 @@ def conv_decode_case(shapes: LayerShapes, batch: int, dtype: torch.dtype, device
                       mutable=("pool",), bytes_moved=moved, memory_bound=True)
 
 
+def conv_prefill_case(shapes: LayerShapes, lens: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      use_triton: bool = True) -> KernelCase:
+    hk, hv, dk, dv, kw = shapes.gdn
+    c = 2 * hk * dk + hv * dv
+    qsl = _qsl(lens)
+    n = len(lens)
+    esize = torch.empty((), dtype=dtype).element_size()
+
+    def make(gen):
+        d = dict(x=torch.randn(qsl[-1], c, generator=gen, device=device, dtype=dtype),
+                 w=torch.randn(c, kw, generator=gen, device=device, dtype=dtype) * 0.5,
+                 pool=torch.randn(n, kw - 1, c, generator=gen, device=device, dtype=dtype),
+                 slots=torch.arange(n, device=device),
+                 init=torch.tensor([i % 2 == 1 for i in range(n)], device=device))
+        if use_triton:  # the step's tile table, built once per forward for every GDN layer (as the model does)
+            from voltllm.kernels.gdn_conv import conv_tiles
+
+            d["tiles"] = conv_tiles(qsl, device)
+        else:
+            from voltllm.kernels import gdn_ref
+
+            d["plan"] = gdn_ref.conv_plan(qsl, kw, device)
+        return d
+
+    def triton_call(d):
+        from voltllm.kernels.gdn_conv import causal_conv1d_prefill
+
+        out = causal_conv1d_prefill(d["x"], d["w"], None, d["pool"], d["slots"], qsl, d["init"], "silu",
+                                    tiles=d["tiles"])
+        return {"out": out, "state": d["pool"]}
+
+    def ref_call(d):
+        from voltllm.kernels import gdn_ref
+
+        out = gdn_ref.causal_conv1d_varlen(d["x"], d["w"], None, d["pool"], d["slots"], qsl, d["init"], "silu",
+                                           plan=d.get("plan"))
+        return {"out": out, "state": d["pool"]}
+
+    def moved(d):  # weights once; x in, out; per request the K-1 state rows read and written
+        return c * kw * esize + 2 * qsl[-1] * c * esize + n * 2 * (kw - 1) * c * esize
+
+    label = f"{n}x{lens[0]}" if len(set(lens)) == 1 else "+".join(str(v) for v in lens)
+    return KernelCase("conv_prefill", label, make, triton_call if use_triton else ref_call, ref_call,
+                      mutable=("pool",), bytes_moved=moved, memory_bound=True)
+
+
 # -- MoE ----------------------------------------------------------------------------------------------
 class ExpertWeights:
     """One MoE layer's stacked expert weights, made once and shared by every MoE case (they are large)."""
@@ -268,6 +316,8 @@ def build_cases(shapes: LayerShapes, dtype: torch.dtype, device: torch.device, s
             cases += [gdn_decode_case(shapes, b, dtype, device, use_triton) for b in sizes.decode]
         if "conv_decode" in want:
             cases += [conv_decode_case(shapes, b, dtype, device, use_triton) for b in sizes.decode]
+        if "conv_prefill" in want:
+            cases += [conv_prefill_case(shapes, lens, dtype, device, use_triton) for lens in sizes.prefill]
     if shapes.moe and "moe" in want:
         weights = ExpertWeights(shapes, dtype, device)
         shared.append(weights)
