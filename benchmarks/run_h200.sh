@@ -41,6 +41,8 @@
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s53      (session 19) Triton prefill conv1d for GDN layers: GPU tests + timings, 27B TTFT with it on / off at 1 x 8K
 #            and 64 x 128 tokens, then a per-kernel profile of one 27B 8K prompt (micro/hybrid_prefill_profile.py)
+#   s54      (session 19) the GDN prep kernel's blocked T inverse: GDN GPU checks and native half engine tests, the chunk
+#            sweep, 27B 8K TTFT + profile
 #   s52a/b   (for session 19) what session 18 changed after its device time was spent: the whole hybrid GPU file (the
 #            one-conv prefill conv1d, pinned uploads, tile fallback, the exact route's >= 256-token routing), the
 #            27B prefill A/B with the final 3xTF32 tile, and the conv micro on the GPU at the 27B conv width
@@ -521,6 +523,15 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s54)  # (session 19) blocked T inverse in the GDN prep kernel: GDN checks + native half engine tests, the chunk
+        # sweep (prep / fwd split), the 27B TTFT with a per-kernel profile
+    gpu_file test_hybrid_gpu 300 -k "gdn_chunk or (half and float16 and none)" -s
+    grep -E "err|agreement" "$out/test_hybrid_gpu.txt" | head -16
+    timeout 120 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 \
+      --variants tf32x3:64:4:1:8:1,tf32x3:64:4:1:4:1,ieee:64:8 2>&1 | grep -v -i warn | tee "$out/gdn-chunk-sweep-blocked.txt"
+    timeout 200 python3 benchmarks/micro/hybrid_prefill_profile.py --cases 8192x1 --runs 2 --top 8 2>&1 \
+      | grep -v -i warn | tail -14 | tee "$out/hybrid-prefill-profile-blocked.txt"
     ;;
   s53)  # (session 19) Triton prefill conv1d: its GPU tests (timed at the 27B conv width), then the 27B prefill A/B
         # with it on / off and a per-kernel profile of one 8K prompt

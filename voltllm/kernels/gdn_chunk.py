@@ -11,9 +11,12 @@ a chunk with incoming state S0, gamma = cumsum(g), D[t, s] = exp(gamma_t - gamma
 
 Two launches per layer:
   _gdn_chunk_prep_kernel   grid (chunk, value head): A from l2-normalized k, beta, g, then T = (I + A)^-1 by
-                           forward substitution, one row per step (64 steps of [C, C] FMAs in registers;
-                           exact like a triangular solve, no power series), stored to a [chunks, Hv, C, C]
-                           fp32 workspace. Every chunk of every request in parallel.
+                           blocks: forward substitution inside the four 16-row diagonal blocks at once (16
+                           steps; was 64 row steps over [C, C] until session 19), then two pairwise merges of
+                           two products each (L^-1 = Tb - Tb L_offdiag Tb; exact like a triangular solve, no
+                           power series), stored to a [chunks, Hv, C, C] fp32 workspace (which also carries
+                           the diagonal blocks between the program's threads). Every chunk of every request in
+                           parallel.
   _gdn_chunk_fwd_kernel    grid (request, value head, block of value columns): walks the request's chunks in
                            order with its S[:, cols] in registers (columns of S are independent given k, q),
                            reads the slot's state first (zeros for a request without initial state), writes
@@ -54,6 +57,7 @@ from voltllm.host_to_device import to_device
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 CHUNK = 64
+SUB = 16  # rows of the diagonal blocks the prep kernel inverts by substitution before merging them
 logger = logging.getLogger("voltllm")
 
 
@@ -81,7 +85,7 @@ def _gdn_chunk_prep_kernel(
     K, G, Beta, ChunkStart, ChunkLen, Tinv,
     stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th,
     HV_PER_K: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -102,13 +106,35 @@ def _gdn_chunk_prep_kernel(
     strict = rows[:, None] > rows[None, :]
     decay = tl.exp(tl.where(strict, gam[:, None] - gam[None, :], float("-inf")))
     a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * decay  # zero on and above the diagonal
-    # T = (I + A)^-1, row by row: T[i] = e_i - sum_{j<i} A[i, j] T[j]  (rows >= i of T are still zero)
-    t = tl.zeros([C, C], dtype=tl.float32)
-    for i in range(0, C):
-        a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # row i of A, indexed by column j
-        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
-        t = tl.where(rows[:, None] == i, row[None, :], t)
-    tl.store(Tinv + c.to(tl.int64) * stride_tc + h * stride_th + rows[:, None] * C + rows[None, :], t)
+    # T = (I + A)^-1 by blocks of SUB rows: forward substitution inside the C / SUB diagonal blocks at once
+    # (SUB steps), then merged pairwise: for L = [[L11, 0], [L21, L22]], L^-1 = Tb - Tb [[0, 0], [L21, 0]] Tb
+    # with Tb = blockdiag(L11^-1, L22^-1), as full [C, C] products masked to the off-diagonal block. Exact like
+    # row-by-row substitution (no power series). The diagonal blocks go through this program's T workspace.
+    w_ptrs = Tinv + c.to(tl.int64) * stride_tc + h * stride_th
+    full = rows[:, None] * C + rows[None, :]
+    tl.store(w_ptrs + full, a)
+    tl.debug_barrier()
+    blk = tl.arange(0, C // SUB)[:, None, None] * SUB
+    r = tl.arange(0, SUB)
+    diag = (blk + r[None, :, None]) * C + blk + r[None, None, :]  # [C/SUB, SUB, SUB]: the diagonal blocks
+    ab = tl.load(w_ptrs + diag)
+    tb = tl.zeros([C // SUB, SUB, SUB], dtype=tl.float32)
+    for i in range(0, SUB):  # row i of every block: T[i] = e_i - sum_{j<i} A[i, j] T[j] (rows >= i still zero)
+        a_i = tl.sum(tl.where(r[None, :, None] == i, ab, 0.0), axis=1)  # [C/SUB, SUB]: row i, by column j
+        row = tl.where(r[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * tb, axis=1)
+        tb = tl.where(r[None, :, None] == i, row[:, None, :], tb)
+    tl.debug_barrier()  # every diagonal block has been read before the workspace takes the inverses
+    rb = rows // SUB
+    tl.store(w_ptrs + full, tl.zeros([C, C], dtype=tl.float32), mask=rb[:, None] != rb[None, :])
+    tl.store(w_ptrs + diag, tb)
+    tl.debug_barrier()
+    t = tl.load(w_ptrs + full)  # blockdiag of the SUB-row inverses
+    for lvl in tl.static_range(MERGES):  # merge pairs of (SUB << lvl)-row blocks: each pair's lower-left block
+        half = rows // (SUB << lvl)
+        off = ((half % 2 == 1)[:, None] & (half % 2 == 0)[None, :]) & ((half // 2)[:, None] == (half // 2)[None, :])
+        t = t - tl.dot(tl.dot(t, tl.where(off, a, 0.0), input_precision=PRECISION), t, input_precision=PRECISION)
+    tl.debug_barrier()
+    tl.store(w_ptrs + full, t)
 
 
 @triton.jit
@@ -175,9 +201,11 @@ def _prep_specs() -> list[CompileSpec]:
         sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
                "Tinv": "*fp32", **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
                "stride_tc": "i64", "stride_th": "i32",
-               **{n: "constexpr" for n in ("HV_PER_K", "DK", "C", "BLOCK_K", "L2NORM", "PRECISION")}}
+               **{n: "constexpr" for n in ("HV_PER_K", "DK", "C", "BLOCK_K", "L2NORM", "PRECISION", "SUB",
+                                           "MERGES")}}
         specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": 3, "DK": 128, "C": CHUNK, "BLOCK_K": 128,
-                                                            "L2NORM": True, "PRECISION": "ieee"},
+                                                            "L2NORM": True, "PRECISION": "ieee", "SUB": SUB,
+                                                            "MERGES": 2},
                                  label=f"{act} dk128 c64"))
     return specs
 
@@ -326,7 +354,8 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
     _gdn_chunk_prep_kernel[(nc, hv)](
         k, g, beta, meta.chunk_start, meta.chunk_len, tinv,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), tinv.stride(0), tinv.stride(1),
-        HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision,
+        HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB,
+        MERGES=(CHUNK // SUB).bit_length() - 1,
         num_warps=tile.prep_warps, **prep_launch)
     block_v = min(max(16, triton.next_power_of_2(dv)), tile.block_v)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
