@@ -41,6 +41,7 @@
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s53      (session 19) Triton prefill conv1d for GDN layers: GPU tests + timings, 27B TTFT with it on / off at 1 x 8K
 #            and 64 x 128 tokens, then a per-kernel profile of one 27B 8K prompt (micro/hybrid_prefill_profile.py)
+#   s55      (session 19) fp16 qwen3_next engine test: prep blocks of 16 / 64 rows x Triton / torch conv1d
 #   s54      (session 19) the GDN prep kernel's blocked T inverse: GDN GPU checks and native half engine tests, the chunk
 #            sweep, 27B 8K TTFT + profile
 #   s52a/b   (for session 19) what session 18 changed after its device time was spent: the whole hybrid GPU file (the
@@ -522,6 +523,18 @@ case $stage in
       set -- $v
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
+    done
+    ;;
+  s55)  # (session 19) which change moved fp16 qwen3_next's greedy run (s54: a flip at margin 0.1117): the engine
+        # test with the prep kernel's blocks of 16 / 64 rows (64 = plain substitution) x the Triton / torch conv1d
+    for v in "16 None" "64 None" "16 False" "64 False"; do
+      set -- $v
+      timeout 110 python3 -c "import sys, pytest, voltllm.kernels.gdn_chunk as g
+from voltllm.model.layers.gdn import GatedDeltaNet
+g.SUB = $1; GatedDeltaNet.triton_conv = $2
+sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', 'no:cacheprovider', '-s',
+                      '-k', 'half and float16 and none and qwen3_next']))" > "$out/half-next-sub$1-conv$2.txt" 2>&1
+      echo "SUB=$1 triton_conv=$2 rc=$?: $(grep -E 'greedy agreement' "$out/half-next-sub$1-conv$2.txt")"
     done
     ;;
   s54)  # (session 19) blocked T inverse in the GDN prep kernel: GDN checks + native half engine tests, the chunk
