@@ -41,6 +41,7 @@
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s53      (session 19) Triton prefill conv1d for GDN layers: GPU tests + timings, 27B TTFT with it on / off at 1 x 8K
 #            and 64 x 128 tokens, then a per-kernel profile of one 27B 8K prompt (micro/hybrid_prefill_profile.py)
+#   s56      (session 19) final check: GDN real-shape checks, native fp16 engine tests, 27B 8K TTFT + profile
 #   s55      (session 19) fp16 qwen3_next engine test: prep blocks of 16 / 64 rows x Triton / torch conv1d
 #   s54      (session 19) the GDN prep kernel's blocked T inverse: GDN GPU checks and native half engine tests, the chunk
 #            sweep, 27B 8K TTFT + profile
@@ -524,6 +525,12 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s56)  # (session 19) final: GDN checks + native fp16 engine tests with the prep kernel on 4 warps, 27B 8K TTFT
+    gpu_file test_hybrid_gpu 200 -k "gdn_chunk_real or (half and float16 and none)" -s
+    grep -E "err|agreement" "$out/test_hybrid_gpu.txt" | head -10
+    timeout 150 python3 benchmarks/micro/hybrid_prefill_profile.py --cases 8192x1 --runs 1 --top 5 2>&1 \
+      | grep -v -i warn | tail -10 | tee "$out/hybrid-prefill-profile-final.txt"
     ;;
   s55)  # (session 19) which change moved fp16 qwen3_next's greedy run (s54: a flip at margin 0.1117): the engine
         # test with the prep kernel's blocks of 16 / 64 rows (64 = plain substitution) x the Triton / torch conv1d
