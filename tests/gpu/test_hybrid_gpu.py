@@ -210,11 +210,14 @@ def test_engine_gpu_fp32_matches_cpu(hybrids, cpu_tokens, kind):
 
 # a half-precision run may leave the fp32 reference only where the reference's top-1/top-2 logit margin is below
 # this. The tiny random models' margins are small (median ~0.15-0.17 logit, 30-36% below 0.1); on the CPU, bf16
-# runs first flip at margins <= 0.072 (measured); fp16 has 3 more mantissa bits. fp16 was 0.1 until session 19:
-# with the Triton prefill conv1d (fp32 accumulation, one rounding where the torch form rounds twice; the fp32
-# engine runs stay token-identical to the CPU) fp16 qwen3_next first flips at 0.1117 (request 1, token 25; 0.0025
-# with the torch conv, benchmarks/results/gdn-prefill-conv/). Single-tf32 chunk products flipped at 0.29.
-HALF_FLIP_MARGIN = {"float16": 0.15, "bfloat16": 0.25}
+# runs first flip at margins <= 0.072 (measured); fp16 has 3 more mantissa bits. Until session 19: fp16 0.1, bf16
+# 0.25. With the Triton prefill conv1d (fp32 accumulation and one rounding, as Dao's causal-conv1d kernel does,
+# where the torch form rounds twice; the fp32 engine runs stay token-identical to the CPU) fp16 qwen3_next first
+# flips at 0.1117 (request 1, token 25) and bf16 qwen3_5_moe at 0.2829 (request 0, token 22: with the torch conv
+# that request left the reference at token 0, margin 0.02); benchmarks/results/gdn-prefill-conv/. A request that
+# follows the reference longer meets wider margins: the criterion has luck in it (a teacher-forced logit
+# comparison would not; not built). Single-tf32 chunk products flipped fp16 at 0.29.
+HALF_FLIP_MARGIN = {"float16": 0.15, "bfloat16": 0.3}
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
