@@ -25,9 +25,9 @@ All products are tl.dot with fp32 operands and fp32 accumulation; the state stay
 input precision is the caller's choice (`precision_for` picks it per dtype and route):
   "tf32x3"  tensor cores (sm_80+), three tf32 products per fp32 one (Triton's split of each operand into a
             tf32 high and low part): fp32-level results, for half-precision models on the native route.
-            H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/gdn_chunk_sweep.py, session 18): one
-            8192-token prompt 11.9 ms against 30.6 in the torch chunked form and 93-100 with "ieee"; 4 x 2048
-            11.2 vs 44; output error vs the fp32 reference 1.9e-5 relative ("ieee": 1.4e-5).
+            H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/gdn_chunk_sweep.py, session 19 tile): one
+            8192-token prompt 6.0 ms against 20-28 in the torch chunked form and 89 with "ieee"; 4 x 2048
+            5.0 vs 30-38; output error vs the fp32 reference 1.9e-5 relative ("ieee": 1.4e-5).
   "tf32"    one tf32 product (10 mantissa bits): 4.7 ms there, but 1.8e-3 relative error, enough to move a
             greedy token of a tiny fp16 MoE hybrid where the reference's top-2 margin was 0.29 logit (the
             GPU engine test, session 18). Not chosen by default; kept for timing.
