@@ -91,3 +91,21 @@ def make_tiny_hybrid(path: str, kind: str, seed: int, gen_seed: int, conv_std: f
                 p.copy_(torch.randn(p.shape, generator=gen) * conv_std)
     model.save_pretrained(path)
     return str(path)
+
+
+def tiny_gdn_layer(device: str) -> Any:
+    """One GatedDeltaNet layer (2 key / 4 value heads of 16, conv kernel 4, hidden 32), fp32, seeded random
+    weights (std 0.3): the layer-level kernel checks run it with their Triton path on and off."""
+    from types import SimpleNamespace
+
+    from voltllm.model.layers.gdn import GatedDeltaNet
+
+    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6,
+                          hidden_act="silu")
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, 0, torch.float32).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return layer

@@ -79,19 +79,11 @@ def main(device: str = "cpu") -> int:
 
 def run_layer(device: str) -> str:
     """A GatedDeltaNet layer's decode steps through the Triton kernels == through the torch reference."""
-    from types import SimpleNamespace
-
-    from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+    from tiny_models import tiny_gdn_layer
+    from voltllm.model.layers.gdn import HybridBatch
     from voltllm.model.state_cache import StateCache
 
-    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                          linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6,
-                          hidden_act="silu")
-    torch.manual_seed(0)
-    layer = GatedDeltaNet(cfg, 0, torch.float32).to(device)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+    layer = tiny_gdn_layer(device)
     caches = []
     outs = []
     for triton_on in (False, True):
