@@ -38,8 +38,15 @@ def json_string_list(flag: str):
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None, help="model path (same as the positional MODEL)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    g.add_argument("--model", dest="model_flag", default=None,
+                   help="model path or Hugging Face Hub repo id (same as the positional MODEL)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path or Hub repo id (default: the model's)")
+    g.add_argument("--revision", default=None, help="Hub model: branch, tag or commit (default: main)")
+    g.add_argument("--tokenizer-revision", default=None,
+                   help="Hub tokenizer (--tokenizer, else the model's repo): branch, tag or commit")
+    g.add_argument("--download-dir", default=None, help="where Hub models are cached (default: Hugging Face's cache)")
+    g.add_argument("--hf-token", nargs="?", const=True, default=None,
+                   help="token for gated / private Hub repos; without a value: the one `hf auth login` stored")
     g.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -105,6 +105,10 @@ class EngineArgs:
 
     model: Optional[str] = None
     tokenizer: Optional[str] = None
+    revision: Optional[str] = None  # Hub repo ids only (loader/hub.py)
+    tokenizer_revision: Optional[str] = None
+    download_dir: Optional[str] = None
+    hf_token: Any = None  # str, or True: the stored login
     served_model_name: Optional[str] = None
     dtype: str = "auto"
     max_model_len: Optional[int] = None
@@ -159,6 +163,21 @@ class EngineArgs:
         if _parse_json_arg("--speculative-config", self.speculative_config):
             raise ConfigError("--speculative-config: speculative decoding is not built yet")
 
+    def _resolve_tokenizer(self, source: Any) -> str:
+        """--tokenizer (a path or a Hub repo id), else the model's own; --tokenizer-revision fetches the tokenizer
+        files of that revision from the Hub (of --tokenizer, or of the model's repo)."""
+        from voltllm.model.loader import hub
+
+        name = self.tokenizer or (self.model if self.tokenizer_revision else None)
+        if name is None:
+            return source.tokenizer_path
+        if hub.looks_like_repo_id(name):
+            return hub.fetch_repo(name, self.tokenizer_revision, self.download_dir, self.hf_token,
+                                  self.trust_remote_code, tokenizer_only=True)
+        if self.tokenizer_revision:
+            raise ConfigError(f"--tokenizer-revision applies to Hugging Face Hub tokenizers; {name!r} is a local path")
+        return name
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -168,7 +187,8 @@ class EngineArgs:
 
         self._refuse_unbuilt()
         spec = _parse_json_arg("--speculative-config", self.speculative_config)
-        source = resolve_model(self.model)
+        source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
+        tokenizer = self._resolve_tokenizer(source)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
         overrides = _parse_json_arg("--hf-overrides", self.hf_overrides)
         if overrides:
@@ -221,7 +241,7 @@ class EngineArgs:
         gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
         model = ModelConfig(
-            model=source.path, tokenizer=self.tokenizer or source.tokenizer_path, served_model_name=model_name,
+            model=source.path, tokenizer=tokenizer, served_model_name=model_name,
             dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
             trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
             override_generation_config=gen_override,

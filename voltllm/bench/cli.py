@@ -360,9 +360,9 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
     cost = hf_config = None
     dtype = None
     if model_path:
-        from voltllm.model.loader import load_hf_config, resolve_model
+        from voltllm.model.loader import load_hf_config, resolve_model_for
 
-        hf_config = load_hf_config(resolve_model(model_path), args.trust_remote_code)
+        hf_config = load_hf_config(resolve_model_for(model_path, args), args.trust_remote_code)
         dtype = _server_dtype(args.dtype, hf_config)
         cost = L.meta_model_cost(hf_config, dtype)
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"

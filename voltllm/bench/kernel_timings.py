@@ -220,7 +220,7 @@ def _device(flag: str) -> torch.device:
 
 def run_kernels_scenario(args: argparse.Namespace) -> int:
     from voltllm.bench.shapes import materialize
-    from voltllm.model.loader import load_hf_config, resolve_model
+    from voltllm.model.loader import load_hf_config, resolve_model_for
 
     device = _device(args.device)
     if args.kernel_iters < 1 or args.kernel_ref_iters < 1:
@@ -233,7 +233,7 @@ def run_kernels_scenario(args: argparse.Namespace) -> int:
             shape = args.random_weights if source.startswith(tmp) else None
         if not source:
             raise ValueError("--scenario kernels needs the model's shape: --random-weights NAME|DIR or a model path")
-        hf_config = load_hf_config(resolve_model(source), args.trust_remote_code)
+        hf_config = load_hf_config(resolve_model_for(source, args), args.trust_remote_code)
     shapes = LayerShapes.from_config(hf_config)
     if shapes.gdn is None and shapes.moe is None:
         raise ValueError("--scenario kernels: this model has no Gated DeltaNet or MoE layer (try "

@@ -26,12 +26,20 @@ class ModelSource:
         return self.path
 
 
-def resolve_model(model: Optional[str]) -> ModelSource:
-    """Turn a --model value into a source; None means the embedded default model."""
+def resolve_model(model: Optional[str], revision: Optional[str] = None, download_dir: Optional[str] = None,
+                  token: Any = None, trust_remote_code: bool = False) -> ModelSource:
+    """Turn a --model value into a source; None means the embedded default model. A name that is no local path
+    but a Hugging Face Hub repo id is fetched (or found in the cache) first: loader/hub.py."""
     if model is None:
         from voltllm.model.loader.default_model import ensure_default_model
 
         model = ensure_default_model()
+    from voltllm.model.loader import hub
+
+    if hub.looks_like_repo_id(model):
+        path = hub.fetch_repo(model, revision, download_dir, token, trust_remote_code)
+        hub.require_weights(path, model)
+        return ModelSource(path=path, kind="hf")
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -44,8 +52,15 @@ def resolve_model(model: Optional[str]) -> ModelSource:
         if len(ggufs) == 1:
             return ModelSource(path=os.path.join(path, ggufs[0]), kind="gguf")
         raise ModelLoadError(f"model directory {model!r} has no config.json (nor exactly one .gguf file)")
-    raise ModelLoadError(f"model {model!r} not found: give a local Hugging Face directory or a .gguf file "
-                         "(this engine does not download from a model hub)")
+    raise ModelLoadError(f"model {model!r} not found: give a local Hugging Face directory, a .gguf file or a "
+                         "Hugging Face Hub repo id (owner/name)")
+
+
+def resolve_model_for(model: Optional[str], args: Any) -> ModelSource:
+    """resolve_model with the Hub flags of a parsed command line (--revision, --download-dir, --hf-token,
+    --trust-remote-code), for the tools that read a model's config outside the engine (voltllm bench)."""
+    return resolve_model(model, getattr(args, "revision", None), getattr(args, "download_dir", None),
+                         getattr(args, "hf_token", None), bool(getattr(args, "trust_remote_code", False)))
 
 
 def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:

@@ -1,0 +1,147 @@
+"""Models named by a Hugging Face Hub repo id (voltllm/model/loader/hub.py). No network here: huggingface_hub's
+snapshot_download is replaced by a fake "hub" that serves tiny local repos and records what it was asked."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from voltllm.config import ConfigError, EngineArgs
+from voltllm.model.loader import ModelLoadError, hub, resolve_model
+
+
+class FakeHub:
+    """snapshot_download over {repo_id: local model dir}: "downloads" copy the allowed files into a cache, cached
+    snapshots are served with local_files_only=True; every call is recorded."""
+
+    def __init__(self, cache, repos, error=None):
+        self.cache, self.repos, self.error, self.calls = cache, repos, error, []
+
+    def __call__(self, repo_id, *, revision=None, cache_dir=None, token=None, allow_patterns=None,
+                 local_files_only=False):
+        import fnmatch
+
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        self.calls.append(dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, token=token,
+                               allow_patterns=list(allow_patterns), local_files_only=local_files_only))
+        snap = os.path.join(cache_dir or self.cache, repo_id.replace("/", "--"), revision or "main")
+        if local_files_only:
+            if os.path.isdir(snap):
+                return snap
+            raise LocalEntryNotFoundError("not in the cache")
+        if self.error is not None:
+            raise self.error
+        os.makedirs(snap)
+        src = self.repos[repo_id]
+        for f in os.listdir(src):
+            if any(fnmatch.fnmatch(f, p) for p in allow_patterns):
+                shutil.copy(os.path.join(src, f), snap)
+        return snap
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from tiny_models import make_model
+
+    return make_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def fake_hub(tmp_path, tiny_model, monkeypatch):
+    import huggingface_hub
+
+    gguf_repo = tmp_path / "gguf-repo"
+    gguf_repo.mkdir()
+    (gguf_repo / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    (gguf_repo / "README.md").write_text("quantizations")
+    fake = FakeHub(str(tmp_path / "hf-cache"), {"acme/tiny": tiny_model, "acme/tiny-GGUF": str(gguf_repo)})
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    return fake
+
+
+def test_repo_ids_are_told_from_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert hub.looks_like_repo_id("Qwen/Qwen3-8B") and hub.looks_like_repo_id("gpt2")
+    for local in ("./Qwen/Qwen3-8B", "/models/qwen", "~/models/qwen", "a/b/c", "model.gguf", "Qwen/Qwen3-8B.gguf",
+                  "bad name/x", ""):
+        assert not hub.looks_like_repo_id(local), local
+    (tmp_path / "acme").mkdir()
+    (tmp_path / "acme" / "tiny").mkdir()
+    assert not hub.looks_like_repo_id("acme/tiny")  # an existing directory wins over the Hub
+
+
+def test_a_repo_id_is_fetched_once_then_used_offline(fake_hub, tiny_model):
+    src = resolve_model("acme/tiny", revision="v1", token="hf_x")
+    assert src.kind == "hf" and os.path.isfile(os.path.join(src.path, "config.json"))
+    first, second = fake_hub.calls
+    assert first["local_files_only"] and not second["local_files_only"]  # cache first, then the download
+    assert second["revision"] == "v1" and second["token"] == "hf_x" and "*.safetensors" in second["allow_patterns"]
+    assert "*.py" not in second["allow_patterns"]  # no remote code unless trusted
+    assert sorted(os.listdir(src.path)) == sorted(f for f in os.listdir(tiny_model) if not f.endswith(".py"))
+    fake_hub.calls.clear()
+    assert resolve_model("acme/tiny", revision="v1").path == src.path
+    assert [c["local_files_only"] for c in fake_hub.calls] == [True]  # cached: no network
+    resolve_model("acme/tiny", revision="v1", trust_remote_code=True)
+    assert "*.py" in fake_hub.calls[-1]["allow_patterns"]
+
+
+def test_engine_serves_a_repo_id_under_that_name(fake_hub, tmp_path):
+    cfg = EngineArgs(model="acme/tiny", device="cpu", download_dir=str(tmp_path / "dl")).create_engine_config()
+    assert cfg.model.served_model_name == "acme/tiny"
+    assert cfg.model.model.startswith(str(tmp_path / "dl")) and cfg.model.tokenizer == cfg.model.model
+    assert all(c["cache_dir"] == str(tmp_path / "dl") for c in fake_hub.calls)
+
+
+def test_tokenizer_from_the_hub_and_its_revision(fake_hub, tiny_model):
+    cfg = EngineArgs(model=tiny_model, tokenizer="acme/tiny", tokenizer_revision="t2",
+                     device="cpu").create_engine_config()
+    call = fake_hub.calls[-1]
+    assert call["repo_id"] == "acme/tiny" and call["revision"] == "t2"
+    assert "*.safetensors" not in call["allow_patterns"]  # tokenizer files only
+    assert cfg.model.tokenizer.endswith("t2") and cfg.model.model == tiny_model
+    with pytest.raises(ConfigError, match="--tokenizer-revision"):
+        EngineArgs(model=tiny_model, tokenizer_revision="t2", device="cpu").create_engine_config()
+
+
+def _hub_error(cls):
+    """One of huggingface_hub's HTTP errors without an HTTP response (their constructors want one, whose class
+    differs between huggingface_hub versions); the loader only looks at the type."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, "boom")
+    return err
+
+
+@pytest.mark.parametrize("error,match", [
+    ("RepositoryNotFoundError", "neither a local path nor a repository"),
+    ("GatedRepoError", "gated"),
+    ("RevisionNotFoundError", "revision 'v9' not found"),
+    (ConnectionError("no route to host"), "fetching it from the Hugging Face Hub failed: ConnectionError"),
+])
+def test_hub_failures_are_clear_errors(fake_hub, error, match):
+    import huggingface_hub.errors as E
+
+    fake_hub.error = _hub_error(getattr(E, error)) if isinstance(error, str) else error
+    with pytest.raises(ModelLoadError, match=match):
+        resolve_model("acme/absent", revision="v9")
+
+
+def test_a_gguf_repo_asks_for_one_file(fake_hub):
+    with pytest.raises(ModelLoadError, match="download the .gguf you want"):
+        resolve_model("acme/tiny-GGUF")
+
+
+def test_hub_flags_parse():
+    import argparse
+
+    from voltllm.cli_args import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    p.add_argument("model", nargs="?")
+    add_engine_args(p)
+    ea = engine_args_from(p.parse_args(["Qwen/Qwen3-8B", "--revision", "abc", "--tokenizer-revision", "t",
+                                        "--download-dir", "/d", "--hf-token"]))
+    assert (ea.model, ea.revision, ea.tokenizer_revision, ea.download_dir, ea.hf_token) == (
+        "Qwen/Qwen3-8B", "abc", "t", "/d", True)
+    assert engine_args_from(p.parse_args(["m", "--hf-token", "hf_abc"])).hf_token == "hf_abc"

@@ -1,0 +1,82 @@
+"""Models named by a Hugging Face Hub repo id (`voltllm serve Qwen/Qwen3-8B`), as vLLM takes them.
+
+huggingface_hub (transformers' own dependency) fetches the files the engine reads, config, safetensors weights,
+tokenizer files and chat templates (and the repo's Python files with --trust-remote-code), into its cache
+(~/.cache/huggingface/hub, or --download-dir), resumable, with its progress bars. A repo already in the cache at
+the asked revision is used without the network, so a server restarts offline. Authentication: --hf-token, else
+what huggingface_hub finds itself (a `hf auth login` token, or HF_TOKEN: its behaviour, not ours).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Union
+
+from voltllm.model.loader import ModelLoadError
+
+# what the engine reads from a Hugging Face model repo (no *.bin / *.pt / *.gguf: weights load from safetensors)
+MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+TOKENIZER_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+
+Token = Union[bool, str, None]
+
+
+def looks_like_repo_id(name: str) -> bool:
+    """A model argument that names a Hub repo ("owner/name", or a legacy bare "name") and no local path."""
+    if not name or os.path.exists(os.path.expanduser(name)) or name.startswith((".", "/", "~")):
+        return False
+    if name.endswith(".gguf") or name.count("/") > 1 or "\\" in name:
+        return False
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def fetch_repo(repo_id: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
+               token: Token = None, trust_remote_code: bool = False, tokenizer_only: bool = False) -> str:
+    """The local snapshot directory of `repo_id` at `revision`: from the cache when it is there (no network),
+    else downloaded. Raises ModelLoadError with what went wrong and what to do."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    patterns = list(TOKENIZER_PATTERNS if tokenizer_only else MODEL_PATTERNS)
+    if trust_remote_code:
+        patterns.append("*.py")
+    kw = dict(revision=revision, cache_dir=download_dir, token=token, allow_patterns=patterns)
+    at = f"{repo_id}" + (f" (revision {revision})" if revision else "")
+    try:
+        return snapshot_download(repo_id, local_files_only=True, **kw)
+    except LocalEntryNotFoundError:
+        pass  # not cached yet
+    where = download_dir or "the Hugging Face cache"
+    print(f"voltllm: fetching {at} from the Hugging Face Hub into {where}", file=sys.stderr, flush=True)
+    try:
+        return snapshot_download(repo_id, **kw)
+    except GatedRepoError:
+        raise ModelLoadError(f"model {at} is gated on the Hugging Face Hub: accept its terms on the model page, "
+                             "then pass --hf-token (or log in with `hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"model {at} is neither a local path nor a repository on the Hugging Face Hub "
+                             "(a private repository needs --hf-token)") from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"model {repo_id}: revision {revision!r} not found on the Hugging Face Hub") from None
+    except OSError as e:  # network, disk, and huggingface_hub's HTTP errors (all OSErrors)
+        raise ModelLoadError(f"model {at} is not a local path, and fetching it from the Hugging Face Hub failed: "
+                             f"{type(e).__name__}: {e}. Give a local model directory or .gguf file, or check the "
+                             "network / --download-dir") from None
+
+
+def require_weights(path: str, repo_id: str) -> None:
+    """A fetched model repo must hold a config and safetensors weights (GGUF repos hold many quantizations: the
+    user picks one file)."""
+    files = os.listdir(path)
+    if "config.json" in files and any(f.endswith(".safetensors") for f in files):
+        return
+    raise ModelLoadError(f"Hugging Face repo {repo_id} has no config.json with safetensors weights (voltllm reads "
+                         "safetensors, or one .gguf file: download the .gguf you want and pass its path)")
