@@ -41,6 +41,7 @@
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s53      (session 19) Triton prefill conv1d for GDN layers: GPU tests + timings, 27B TTFT with it on / off at 1 x 8K
 #            and 64 x 128 tokens, then a per-kernel profile of one 27B 8K prompt (micro/hybrid_prefill_profile.py)
+#   s57      (for session 20) the teacher-forced half-precision hybrid engine test, first run
 #   s56      (session 19) final check: GDN real-shape checks, native fp16 engine tests, 27B 8K TTFT + profile
 #   s55      (session 19) fp16 qwen3_next engine test: prep blocks of 16 / 64 rows x Triton / torch conv1d
 #   s54      (session 19) the GDN prep kernel's blocked T inverse: GDN GPU checks and native half engine tests, the chunk
@@ -525,6 +526,11 @@ case $stage in
       bench_via "python3 benchmarks/set_and_run.py $st=$1 $pf=$2 --" $c64 --name qwen3-8b-shape-fp16-c64-$3-$sha \
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
+    ;;
+  s57)  # (for session 20) the teacher-forced half-precision hybrid engine test (written in session 19, never run
+        # on a GPU yet): mean |logprob delta| vs the fp32 CPU run per sequence, fp16 / bf16 / --compat sm70
+    gpu_file test_hybrid_gpu 400 -k teacher -s
+    grep -E "mean" "$out/test_hybrid_gpu.txt" | head -9
     ;;
   s56)  # (session 19) final: GDN checks + native fp16 engine tests with the prep kernel on 4 warps, 27B 8K TTFT
     gpu_file test_hybrid_gpu 200 -k "gdn_chunk_real or (half and float16 and none)" -s

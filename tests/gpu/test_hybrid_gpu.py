@@ -215,8 +215,8 @@ def test_engine_gpu_fp32_matches_cpu(hybrids, cpu_tokens, kind):
 # where the torch form rounds twice; the fp32 engine runs stay token-identical to the CPU) fp16 qwen3_next first
 # flips at 0.1117 (request 1, token 25) and bf16 qwen3_5_moe at 0.2829 (request 0, token 22: with the torch conv
 # that request left the reference at token 0, margin 0.02); benchmarks/results/gdn-prefill-conv/. A request that
-# follows the reference longer meets wider margins: the criterion has luck in it (a teacher-forced logit
-# comparison would not; not built). Single-tf32 chunk products flipped fp16 at 0.29.
+# follows the reference longer meets wider margins: the criterion has luck in it (the teacher-forced test below
+# has none). Single-tf32 chunk products flipped fp16 at 0.29.
 HALF_FLIP_MARGIN = {"float16": 0.15, "bfloat16": 0.3}
 
 
@@ -239,6 +239,52 @@ def test_engine_gpu_half(hybrids, cpu_runs, kind, dtype, compat):
     print(f"\n{kind} {dtype} compat={compat}: greedy agreement with the fp32 CPU run {_agree(got, ref_tokens):.3f}; "
           f"first flips (request, position, reference margin) {[(r, i, round(m, 4)) for r, i, m in flips]}")
     assert all(m < HALF_FLIP_MARGIN[dtype] for _, _, m in flips), flips
+    llm.engine.check_integrity()
+
+
+def _teacher_forced_logprobs(llm, seqs: list[list[int]]) -> list[list[float]]:
+    """log p(token t | tokens < t) at every position t >= 1 of each sequence, each from one prompt pass
+    (prompt_logprobs=0: the prompt token's own logprob)."""
+    from voltllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    return [[pos[t].logprob for pos, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
+
+
+# mean |logprob - fp32 CPU logprob| per sequence over the reference's own tokens. Measured on the CPU's torch path
+# (session 19, these models and sequences): fp16 means 0.0016-0.0127, bf16 0.017-0.071, while the largest single
+# deviations reach 0.43 / 1.25 (an MoE routing choice or a near-tie moving in half precision), so the mean is the
+# criterion; a wrong kernel moves every position.
+TEACHER_FORCED_MEAN = {"float16": 0.03, "bfloat16": 0.15}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("dtype,compat", [("float16", "none"), ("bfloat16", "none"), ("float16", "sm70")])
+def test_engine_gpu_half_teacher_forced(hybrids, kind, dtype, compat):
+    """Half precision on the GPU vs the fp32 CPU run on the same token sequences (the CPU run's prompts and greedy
+    continuations, fed as prompts in chunks of 256: the prefill kernels over every position, with the state
+    carried between chunks). Unlike the greedy test above, nothing depends on where a run first leaves the
+    reference."""
+    _need_cuda()
+    if kind not in hybrids:
+        pytest.skip(f"{kind} not in this transformers")
+    from voltllm import LLM, SamplingParams
+
+    ref_llm = LLM(hybrids[kind], device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none")
+    outs = ref_llm.generate([{"prompt_token_ids": p} for p in _prompts()],
+                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(_prompts(), outs)]
+    ref = _teacher_forced_logprobs(ref_llm, seqs)
+    del ref_llm
+    llm = LLM(hybrids[kind], device="cuda", dtype=dtype, compat=compat, skip_tokenizer_init=True,
+              gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=8, mamba_cache_mode="none")
+    got = _teacher_forced_logprobs(llm, seqs)
+    means = [sum(abs(a - b) for a, b in zip(x, y)) / len(x) for x, y in zip(got, ref)]
+    worst = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(got, ref)]
+    print(f"\n{kind} {dtype} compat={compat}: mean |logprob delta| per sequence {[round(m, 4) for m in means]}, "
+          f"largest {[round(w, 3) for w in worst]}")
+    assert max(means) < TEACHER_FORCED_MEAN[dtype], means
     llm.engine.check_integrity()
 
 
