@@ -48,7 +48,7 @@ def test_gdn_conv_real_shape(dtype, lens):
     pool = torch.randn(n, 3, c, device="cuda", dtype=dtype)
     slots = torch.arange(n, device="cuda")
     init = torch.ones(n, dtype=torch.bool, device="cuda")
-    plan, tiles = R.conv_plan(qsl, 4, x.device), conv_tiles(qsl, x.device)
+    plan, tiles = R.conv_plan(qsl, 4, x.device), conv_tiles(qsl, init)
     t_ref = triton.testing.do_bench(lambda: R.causal_conv1d_varlen(x, w, None, pool, slots, qsl, init, plan=plan))
     t_tri = triton.testing.do_bench(lambda: causal_conv1d_prefill(x, w, None, pool, slots, qsl, init, tiles=tiles))
     gbps = 2 * x.numel() * x.element_size() / (t_tri * 1e-3) / 1e9

@@ -33,7 +33,7 @@ def run_conv(device: str, qsl: list[int], c: int, kw: int, dtype: torch.dtype, b
     # the reference in fp32 on the same values: the kernel accumulates in fp32 and rounds its output once
     ref_pool = pool.to(torch.float32, copy=True)
     ref = R.causal_conv1d_varlen(x.float(), w.float(), None if b is None else b.float(), ref_pool, slots, qsl, init)
-    out = causal_conv1d_prefill(x, w, b, pool, slots, qsl, init, tiles=conv_tiles(qsl, x.device, block_t))
+    out = causal_conv1d_prefill(x, w, b, pool, slots, qsl, init, tiles=conv_tiles(qsl, init, block_t))
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     err_o = (out.float() - ref.float()).abs().max().item()
     err_s = (pool.float() - ref_pool.float()).abs().max().item()

@@ -32,12 +32,13 @@ def test_conv_tiles_never_cross_a_request():
     from voltllm.kernels.gdn_conv import conv_tiles
 
     qsl = [0, 0, 1, 3, 9, 139, 140]
-    t = conv_tiles(qsl, torch.device("cpu"), block_t=64)
+    t = conv_tiles(qsl, torch.tensor([True, False, True, True, False, True]), block_t=64)
     assert t.num_tiles == 1 + 1 + 1 + 3 + 1
     assert t.req.tolist() == [1, 2, 3, 4, 4, 4, 5]  # request 0 has no tokens: no tile
     assert t.start.tolist() == [0, 1, 3, 9, 73, 137, 139]
     assert t.qsl.tolist() == qsl and t.req.dtype == torch.int32
-    assert conv_tiles([0, 0, 0], torch.device("cpu")) is None
+    assert t.has_init.tolist() == [1, 0, 1, 1, 0, 1] and t.has_init.dtype == torch.int32
+    assert conv_tiles([0, 0, 0], torch.zeros(2, dtype=torch.bool)) is None
 
 
 def test_kernel_registered_for_compat_gate():

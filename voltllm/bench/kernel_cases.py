@@ -213,7 +213,7 @@ def conv_prefill_case(shapes: LayerShapes, lens: tuple[int, ...], dtype: torch.d
         if use_triton:  # the step's tile table, built once per forward for every GDN layer (as the model does)
             from voltllm.kernels.gdn_conv import conv_tiles
 
-            d["tiles"] = conv_tiles(qsl, device)
+            d["tiles"] = conv_tiles(qsl, d["init"])
         else:
             from voltllm.kernels import gdn_ref
 

@@ -37,13 +37,15 @@ class ConvTiles:
     req: torch.Tensor  # [num_tiles]: the request of each tile
     start: torch.Tensor  # [num_tiles]: its first token (a row of the flat batch)
     qsl: torch.Tensor  # [num_seqs + 1]: the step's query_start_loc
+    has_init: torch.Tensor  # [num_seqs]: the step's has_initial_state as int32 (the kernel's type)
     num_tiles: int
     block_t: int
 
 
-def conv_tiles(qsl: Sequence[int], device: torch.device, block_t: int = BLOCK_T) -> Optional[ConvTiles]:
-    """Tiles of up to block_t tokens, none crossing a request (request i owns rows qsl[i]:qsl[i+1]); None when no
-    request has tokens. A request without tokens gets no tile, so its slot is left as it is."""
+def conv_tiles(qsl: Sequence[int], has_initial_state: torch.Tensor, block_t: int = BLOCK_T) -> Optional[ConvTiles]:
+    """Tiles of up to block_t tokens, none crossing a request (request i owns rows qsl[i]:qsl[i+1]), on
+    has_initial_state's device; None when no request has tokens. A request without tokens gets no tile, so its
+    slot is left as it is."""
     bounds = np.asarray(qsl, dtype=np.int64)
     lens = bounds[1:] - bounds[:-1]
     counts = (lens + block_t - 1) // block_t
@@ -53,8 +55,8 @@ def conv_tiles(qsl: Sequence[int], device: torch.device, block_t: int = BLOCK_T)
     req = np.repeat(np.arange(lens.size), counts)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])
     start = bounds[:-1][req] + (np.arange(n) - first[req]) * block_t
-    flat = upload(torch.from_numpy(np.concatenate([req, start, bounds]).astype(np.int32)), device)
-    return ConvTiles(flat[:n], flat[n:2 * n], flat[2 * n:], n, block_t)
+    flat = upload(torch.from_numpy(np.concatenate([req, start, bounds]).astype(np.int32)), has_initial_state.device)
+    return ConvTiles(flat[:n], flat[n:2 * n], flat[2 * n:], has_initial_state.to(torch.int32), n, block_t)
 
 
 @triton.jit
@@ -129,7 +131,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                           tiles: Optional[ConvTiles] = None) -> torch.Tensor:
     """Flat batch x [T, C] (rows may be strided, e.g. a slice of the in-projection's output); weight [C, K];
     conv_states [num_slots, K-1, C] updated in place at `slots` (long [B]); has_initial_state bool [B];
-    `tiles`: conv_tiles(qsl, x.device), if the caller keeps it for several layers -> out [T, C] in x's dtype.
+    `tiles`: conv_tiles(qsl, has_initial_state), if the caller keeps it for several layers -> out [T, C] in x's
+    dtype.
     Rows past qsl[-1] (padding) come out as zeros, like the reference's."""
     if activation not in ("silu", None):
         raise ValueError(f"unsupported conv activation {activation!r}")
@@ -137,7 +140,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     kw = weight.shape[1]
     assert conv_states.stride(-1) == 1 and tuple(conv_states.shape[1:]) == (kw - 1, c)
     if tiles is None:
-        tiles = conv_tiles(qsl, x.device)
+        tiles = conv_tiles(qsl, has_initial_state)
     out = (torch.zeros if t > qsl[-1] else torch.empty)(t, c, dtype=x.dtype, device=x.device)
     if tiles is None:
         return out
@@ -145,7 +148,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     weight = weight.contiguous()
     grid = (tiles.num_tiles, triton.cdiv(c, BLOCK_C))
     _conv_prefill_kernel[grid](
-        x, weight, bias if bias is not None else weight, conv_states, slots, has_initial_state.to(torch.int32),
+        x, weight, bias if bias is not None else weight, conv_states, slots, tiles.has_init,
         tiles.req, tiles.start, tiles.qsl, out,
         x.stride(0), conv_states.stride(0), max(conv_states.stride(1), 1), out.stride(0), c,
         KW=kw, BLOCK_T=tiles.block_t, BLOCK_C=BLOCK_C, BLOCK_S=max(triton.next_power_of_2(max(kw - 1, 1)), 2),

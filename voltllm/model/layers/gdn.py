@@ -179,7 +179,7 @@ class GatedDeltaNet(nn.Module):
         elif not batch.decode_only and (x.is_cuda if self.triton_conv is None else self.triton_conv):
             from voltllm.kernels import gdn_conv
             if batch.conv_tiles is None:
-                batch.conv_tiles = gdn_conv.conv_tiles(batch.query_start_loc, mixed.device)
+                batch.conv_tiles = gdn_conv.conv_tiles(batch.query_start_loc, batch.has_initial_state)
             mixed = gdn_conv.causal_conv1d_prefill(mixed, self.conv_weight, None, conv_states, batch.slots,
                                                    batch.query_start_loc, batch.has_initial_state, "silu",
                                                    tiles=batch.conv_tiles)
