@@ -68,8 +68,8 @@ def fetch_repo(repo_id: str, revision: Optional[str] = None, download_dir: Optio
         raise ModelLoadError(f"model {repo_id}: revision {revision!r} not found on the Hugging Face Hub") from None
     except OSError as e:  # network, disk, and huggingface_hub's HTTP errors (all OSErrors)
         raise ModelLoadError(f"model {at} is not a local path, and fetching it from the Hugging Face Hub failed: "
-                             f"{type(e).__name__}: {e}. Give a local model directory or .gguf file, or check the "
-                             "network / --download-dir") from None
+                             f"{type(e).__name__}: {str(e).rstrip('. ')}. Give a local model directory or .gguf file, "
+                             "or check the network / --download-dir") from None
 
 
 def require_weights(path: str, repo_id: str) -> None:
