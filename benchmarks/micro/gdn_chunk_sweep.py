@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--lens", nargs="*", default=["8192", "2048x4"])
     ap.add_argument("--variants", default="ieee:64:8,tf32:64:8,tf32:32:4,tf32:32:8,tf32:16:4",
-                    help="precision:block_v:num_warps[:num_stages[:prep_warps[:prep_stages]]], comma separated")
+                    help="precision:block_v:num_warps[:num_stages[:prep_warps[:prep_stages]]], a trailing :h for the "
+                         "HOIST form; comma separated")
     args = ap.parse_args()
     for spec in args.lens:
         n, _, c = spec.partition("x")
@@ -69,21 +70,24 @@ def main() -> None:
         print(f"{spec}: torch chunked form {_ms(ref):.2f} ms", flush=True)
         for var in args.variants.split(","):
             prec, bv, warps, *rest = var.split(":")
+            hoist = bool(rest) and rest[-1] == "h"
+            rest = rest[:-1] if hoist else rest
             stages, pw, ps = (int(x) if x else None for x in (rest + [""] * 3)[:3])
 
-            def tri(prec=prec, bv=int(bv), warps=int(warps), stages=stages, pw=pw, ps=ps):
+            def tri(prec=prec, bv=int(bv), warps=int(warps), stages=stages, pw=pw, ps=ps, hoist=hoist):
                 return gdn_chunk.gated_delta_rule_chunked(q, k, v, gate, beta, states, slots, qsl, init,
                                                           block_v=bv, precision=prec, num_warps=warps,
-                                                          num_stages=stages, prep_warps=pw, prep_stages=ps)
+                                                          num_stages=stages, prep_warps=pw, prep_stages=ps,
+                                                          hoist=hoist)
             try:
                 got = tri().float()
                 err = ((got - want).norm() / want.norm()).item()
                 ms = _ms(tri)
                 ks = {k: t / 1e3 for k, t in kernel_times_us(tri, 40).items()}
                 parts = ", ".join(f"{name} {t:.2f}" for name, t in sorted(ks.items(), key=lambda x: -x[1])[:3])
-                print(f"  triton {var:<12} {ms:8.2f} ms  rel err {err:.1e}  [{parts}]", flush=True)
+                print(f"  triton {var:<20} {ms:8.2f} ms  rel err {err:.1e}  [{parts}]", flush=True)
             except Exception as e:  # a variant that does not compile or fit is reported, not fatal
-                print(f"  triton {var:<12} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                print(f"  triton {var:<20} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
 if __name__ == "__main__":

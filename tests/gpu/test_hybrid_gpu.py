@@ -85,11 +85,13 @@ def test_moe_real_shape(shape, dtype):
         assert err <= 2e-2 * scale, f"T={t}: max err {err:.3e} vs max |ref| {scale:.3e}"
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32"])
+@pytest.mark.parametrize("precision,hoist", [("ieee", None), ("tf32x3", None), ("tf32", None), ("ieee", True),
+                                             ("tf32x3", True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gdn_chunk_real_shape(dtype, precision):
+def test_gdn_chunk_real_shape(dtype, precision, hoist):
     """qwen3.5-27b-shape GDN layer (16 key heads, 48 value heads, dims 128): one 8K prefill, and a mixed batch,
-    with exact fp32 FMA products, 3xTF32 (the native route's) and tf32 ones, each precision with its own tile."""
+    with exact fp32 FMA products, 3xTF32 (the native route's) and tf32 ones, each precision with its own tile
+    (and that tile's HOIST form)."""
     _need_cuda()
     from voltllm.kernels import gdn_ref as R
     from voltllm.kernels.gdn_chunk import gated_delta_rule_chunked
@@ -115,13 +117,13 @@ def test_gdn_chunk_real_shape(dtype, precision):
         ref_pool = pool.clone()
         ref = R.gated_delta_rule_varlen(q, k, v, g, beta, ref_pool, slots, qsl, init)
         got_pool = pool.clone()
-        got = gated_delta_rule_chunked(q, k, v, g, beta, got_pool, slots, qsl, init, precision=precision)
+        got = gated_delta_rule_chunked(q, k, v, g, beta, got_pool, slots, qsl, init, precision=precision, hoist=hoist)
         err = (got.float() - ref.float()).abs().max().item()
         err_s = (got_pool - ref_pool).abs().max().item()
         tol_s = 5e-3 if precision == "tf32" else 1e-3
         assert err <= 1e-2 * max(1.0, ref.float().abs().max().item()), f"{lens}: out err {err:.3e}"
         assert err_s <= tol_s * max(1.0, ref_pool.abs().max().item()), f"{lens}: state err {err_s:.3e}"
-        print(f"{dtype} {precision} {lens}: out err {err:.2e}, state err {err_s:.2e}")
+        print(f"{dtype} {precision}{' hoist' if hoist else ''} {lens}: out err {err:.2e}, state err {err_s:.2e}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ from voltllm.kernels import gdn_ref as R
 
 def run_varlen(device: str, lens: list[int], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int,
                init_every: int = 2, decay: float = 1.0, block_v=None, repeat_keys: bool = False,
-               precision=None) -> str:
+               precision=None, hoist=None) -> str:
     """A flat batch of requests of the given lengths; some start from a stored state, some from zeros (their
     slot holds garbage that must not be read). Outputs poisoned with NaN beforehand. precision None: the
-    kernels' own choice for the dtype and device (tf32 products for half inputs on sm_80+)."""
+    kernels' own choice for the dtype and device (tf32 products for half inputs on sm_80+). hoist: the tile's
+    HOIST form (None: the default tile's)."""
     from voltllm.kernels.gdn_chunk import auto_precision, gated_delta_rule_chunked
 
     gen = torch.Generator().manual_seed(seed)
@@ -45,7 +46,8 @@ def run_varlen(device: str, lens: list[int], hk: int, hv: int, dk: int, dv: int,
     ref = R.gated_delta_rule_varlen(q.float(), k.float(), v.float(), g, beta, ref_pool, slots, qsl, init)
     if precision is None:
         precision = auto_precision(dtype, torch.device(device))
-    out = gated_delta_rule_chunked(q, k, v, g, beta, pool, slots, qsl, init, block_v=block_v, precision=precision)
+    out = gated_delta_rule_chunked(q, k, v, g, beta, pool, slots, qsl, init, block_v=block_v, precision=precision,
+                                   hoist=hoist)
     if torch.isnan(out).any():
         return "FAIL NaN in the output"
     err_o = (out.float() - ref.float()).abs().max().item()
@@ -243,6 +245,14 @@ CHECKS = {
     "tf32x3_tile_f16": lambda d: run_varlen(d, [150, 9, 64, 1], 2, 4, 32, 64, torch.float16, 9, precision="tf32x3"),
     "tf32x3_tile_f16_dk128": lambda d: run_varlen(d, [200, 33, 1], 1, 3, 128, 128, torch.float16, 10,
                                                   precision="tf32x3"),
+    # the HOIST form (U's S-independent parts and Q K^T from the prep kernel)
+    "hoist_varlen_f32_d32_r2": lambda d: run_varlen(d, [64, 1, 130, 7, 65], 2, 4, 32, 32, torch.float32, 1,
+                                                    hoist=True),
+    "hoist_f32_dk24_dv40_masked": lambda d: run_varlen(d, [20, 90], 1, 3, 24, 40, torch.float32, 2, hoist=True),
+    "hoist_repeated_keys_f32": lambda d: run_varlen(d, [128], 1, 1, 16, 16, torch.float32, 5, decay=0.01,
+                                                    repeat_keys=True, hoist=True),
+    "hoist_tf32x3_f16_dk128": lambda d: run_varlen(d, [200, 33, 1], 1, 3, 128, 128, torch.float16, 10,
+                                                   precision="tf32x3", hoist=True),
     "smem_fallback": lambda d: run_smem_fallback(d),
     "layer_prefill_f32": lambda d: run_layer(d),
     "model_qwen3_next_all_triton_f32": lambda d: run_model(d),

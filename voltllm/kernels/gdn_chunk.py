@@ -21,6 +21,11 @@ Two launches per layer:
                            order with its S[:, cols] in registers (columns of S are independent given k, q),
                            reads the slot's state first (zeros for a request without initial state), writes
                            the outputs, and stores S back into the slot pool in place.
+HOIST form (a Tile field; not the default: session 19 wrote it, no GPU has timed it yet, `run_h200.sh s58`): the
+prep kernel also computes the S-independent products, Wk = T (beta e^gamma K), Wv = T (beta V) and the decayed
+Q K^T (in place of T in its workspace), so the fwd kernel's serial walk does four products per chunk instead of
+six (U = Wv - Wk S; two of them on the chain from S to the next S instead of three), at the price of two more
+[chunks, Hv, C, d] fp32 workspaces.
 All products are tl.dot with fp32 operands and fp32 accumulation; the state stays fp32 end to end. Their
 input precision is the caller's choice (`precision_for` picks it per dtype and route):
   "tf32x3"  tensor cores (sm_80+), three tf32 products per fp32 one (Triton's split of each operand into a
@@ -67,6 +72,7 @@ class Tile:
     warps: int  # fwd kernel
     prep_warps: int
     stages: Optional[int]  # num_stages of both kernels (None: Triton's default)
+    hoist: bool = False  # the prep kernel computes U's S-independent parts and Q K^T (HOIST, module docstring)
 
 
 # Per dot precision, fastest first: the first is the H200 sweep's best (module docstring); the later ones need less
@@ -82,10 +88,13 @@ _chosen: dict[tuple, tuple[str, Tile]] = {}
 
 @triton.jit
 def _gdn_chunk_prep_kernel(
-    K, G, Beta, ChunkStart, ChunkLen, Tinv,
-    stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th,
-    HV_PER_K: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-    L2NORM: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr,
+    K, G, Beta, ChunkStart, ChunkLen, Tinv, Q, V, Wk, Wv,
+    stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th, stride_qt, stride_qh, stride_vt, stride_vh,
+    stride_wkc, stride_wkh, stride_wvc, stride_wvh,
+    scale,
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr,
+    MERGES: tl.constexpr, HOIST: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -133,18 +142,41 @@ def _gdn_chunk_prep_kernel(
         half = rows // (SUB << lvl)
         off = ((half % 2 == 1)[:, None] & (half % 2 == 0)[None, :]) & ((half // 2)[:, None] == (half // 2)[None, :])
         t = t - tl.dot(tl.dot(t, tl.where(off, a, 0.0), input_precision=PRECISION), t, input_precision=PRECISION)
-    tl.debug_barrier()
-    tl.store(w_ptrs + full, t)
+    if HOIST:  # the S-independent products of the fwd kernel, here for every chunk in parallel (module docstring)
+        eg = tl.exp(gam)
+        wk = tl.dot(t, k * (beta * eg)[:, None], input_precision=PRECISION)
+        wk_ptrs = c.to(tl.int64) * stride_wkc + h * stride_wkh + rows[:, None] * DK + offk[None, :]
+        tl.store(Wk + wk_ptrs, wk, mask=mk[None, :])
+        offv = tl.arange(0, BLOCK_DV)
+        mv = offv < DV
+        v = tl.load(V + (t0 + rows)[:, None] * stride_vt + h * stride_vh + offv[None, :],
+                    mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        wv = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
+        tl.store(Wv + c.to(tl.int64) * stride_wvc + h * stride_wvh + rows[:, None] * DV + offv[None, :], wv,
+                 mask=mv[None, :])
+        q = tl.load(Q + (t0 + rows)[:, None] * stride_qt + hk * stride_qh + offk[None, :],
+                    mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+        incl = rows[:, None] >= rows[None, :]
+        attn = tl.dot(q * scale, tl.trans(k), input_precision=PRECISION) * \
+            tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
+        tl.debug_barrier()  # the merges' reads of the workspace are done: it takes the decayed Q K^T instead of T
+        tl.store(w_ptrs + full, attn)
+    else:
+        tl.debug_barrier()
+        tl.store(w_ptrs + full, t)
 
 
 @triton.jit
 def _gdn_chunk_fwd_kernel(
-    Q, K, V, G, Beta, Tinv, State, Slots, HasInit, Out, SeqStart, SeqChunk,
+    Q, K, V, G, Beta, Mat, State, Slots, HasInit, Out, SeqStart, SeqChunk, Wk, Wv,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     stride_tc, stride_th, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+    stride_wkc, stride_wkh, stride_wvc, stride_wvh,
     scale,
     HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr, HOIST: tl.constexpr,
 ):
     sq = tl.program_id(0)
     h = tl.program_id(1)
@@ -175,18 +207,26 @@ def _gdn_chunk_fwd_kernel(
             q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
             k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
         q = q * scale
-        v = tl.load(V + tok[:, None] * stride_vt + h * stride_vh + offv[None, :], mask=mc[:, None] & mv[None, :],
-                    other=0.0).to(tl.float32)
         g = tl.load(G + tok * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
-        beta = tl.load(Beta + tok * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
         gam = tl.cumsum(g, axis=0)
         g_last = tl.sum(g, axis=0)
-        tinv = tl.load(Tinv + c * stride_tc + h * stride_th + rows[:, None] * C + rows[None, :])
         eg = tl.exp(gam)
-        rhs = v * beta[:, None] - tl.dot(k * (beta * eg)[:, None], s, input_precision=PRECISION)
-        u = tl.dot(tinv, rhs, input_precision=PRECISION)
-        decay = tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
-        attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        if HOIST:  # U = T beta V - T (beta e^gamma K) S and the masked Q K^T, from the prep kernel
+            wk = tl.load(Wk + c * stride_wkc + h * stride_wkh + rows[:, None] * DK + offk[None, :],
+                         mask=mk[None, :], other=0.0)
+            wv = tl.load(Wv + c * stride_wvc + h * stride_wvh + rows[:, None] * DV + offv[None, :],
+                         mask=mv[None, :], other=0.0)
+            u = wv - tl.dot(wk, s, input_precision=PRECISION)
+            attn = tl.load(Mat + c * stride_tc + h * stride_th + rows[:, None] * C + rows[None, :])
+        else:
+            v = tl.load(V + tok[:, None] * stride_vt + h * stride_vh + offv[None, :],
+                        mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)
+            beta = tl.load(Beta + tok * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
+            tinv = tl.load(Mat + c * stride_tc + h * stride_th + rows[:, None] * C + rows[None, :])
+            rhs = v * beta[:, None] - tl.dot(k * (beta * eg)[:, None], s, input_precision=PRECISION)
+            u = tl.dot(tinv, rhs, input_precision=PRECISION)
+            decay = tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
+            attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
         o = tl.dot(q * eg[:, None], s, input_precision=PRECISION) + tl.dot(attn, u, input_precision=PRECISION)
         tl.store(Out + tok[:, None] * stride_ot + h * stride_oh + offv[None, :], o.to(Out.dtype.element_ty),
                  mask=mc[:, None] & mv[None, :])
@@ -198,34 +238,42 @@ def _gdn_chunk_fwd_kernel(
 def _prep_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
-               "Tinv": "*fp32", **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
-               "stride_tc": "i64", "stride_th": "i32",
-               **{n: "constexpr" for n in ("HV_PER_K", "DK", "C", "BLOCK_K", "L2NORM", "PRECISION", "SUB",
-                                           "MERGES")}}
-        specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": 3, "DK": 128, "C": CHUNK, "BLOCK_K": 128,
-                                                            "L2NORM": True, "PRECISION": "ieee", "SUB": SUB,
-                                                            "MERGES": 2},
-                                 label=f"{act} dk128 c64"))
+        for hoist in (False, True):
+            sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
+                   "Tinv": "*fp32", "Q": f"*{act}", "V": f"*{act}", "Wk": "*fp32", "Wv": "*fp32",
+                   **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
+                   "stride_tc": "i64", "stride_th": "i32",
+                   **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_vt", "stride_vh")},
+                   "stride_wkc": "i64", "stride_wkh": "i32", "stride_wvc": "i64", "stride_wvh": "i32",
+                   "scale": "fp32",
+                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_DV", "L2NORM",
+                                               "PRECISION", "SUB", "MERGES", "HOIST")}}
+            specs.append(CompileSpec(signature=sig, constexprs={
+                "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_DV": 128, "L2NORM": True,
+                "PRECISION": "ieee", "SUB": SUB, "MERGES": 2, "HOIST": hoist},
+                label=f"{act} dk128 c64" + (" hoist" if hoist else "")))
     return specs
 
 
 def _fwd_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "Tinv": "*fp32",
-               "State": "*fp32", "Slots": "*i64", "HasInit": "*i32", "Out": f"*{act}", "SeqStart": "*i32",
-               "SeqChunk": "*i32",
-               **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
-                                     "stride_gt", "stride_bt")},
-               "stride_tc": "i64", "stride_th": "i32", "stride_ss": "i64", "stride_sh": "i32", "stride_sk": "i32",
-               "stride_ot": "i32", "stride_oh": "i32", "scale": "fp32",
-               **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_V", "L2NORM",
-                                           "PRECISION")}}
-        specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK,
-                                                            "BLOCK_K": 128, "BLOCK_V": 64, "L2NORM": True,
-                                                            "PRECISION": "ieee"},
-                                 label=f"{act} dk128 dv128 bv64 c64"))
+        for hoist in (False, True):
+            sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "Mat": "*fp32",
+                   "State": "*fp32", "Slots": "*i64", "HasInit": "*i32", "Out": f"*{act}", "SeqStart": "*i32",
+                   "SeqChunk": "*i32", "Wk": "*fp32", "Wv": "*fp32",
+                   **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                                         "stride_vh", "stride_gt", "stride_bt")},
+                   "stride_tc": "i64", "stride_th": "i32", "stride_ss": "i64", "stride_sh": "i32",
+                   "stride_sk": "i32", "stride_ot": "i32", "stride_oh": "i32",
+                   "stride_wkc": "i64", "stride_wkh": "i32", "stride_wvc": "i64", "stride_wvh": "i32",
+                   "scale": "fp32",
+                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_V", "L2NORM",
+                                               "PRECISION", "HOIST")}}
+            specs.append(CompileSpec(signature=sig, constexprs={
+                "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_V": 64, "L2NORM": True,
+                "PRECISION": "ieee", "HOIST": hoist},
+                label=f"{act} dk128 dv128 bv64 c64" + (" hoist" if hoist else "")))
     return specs
 
 
@@ -283,7 +331,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              use_qk_l2norm: bool = True, block_v: Optional[int] = None,
                              precision: Optional[str] = None, num_warps: Optional[int] = None,
                              meta: Optional[ChunkMeta] = None, num_stages: Optional[int] = None,
-                             prep_warps: Optional[int] = None, prep_stages: Optional[int] = None) -> torch.Tensor:
+                             prep_warps: Optional[int] = None, prep_stages: Optional[int] = None,
+                             hoist: Optional[bool] = None) -> torch.Tensor:
     """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
     g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
@@ -291,7 +340,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     caller keeps it for several layers (else it is built here: one host-to-device copy). `precision`: "ieee",
     "tf32x3" or "tf32" (None: auto_precision for v's dtype and device); its tiles are tried in order until one
     fits the device's shared memory (then the "ieee" ones). block_v, num_warps (the fwd kernel's), num_stages,
-    prep_warps and prep_stages run one explicit tile instead (no fallback: the sweeps)."""
+    prep_warps, prep_stages and hoist run one explicit tile instead (no fallback: the sweeps)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
@@ -312,10 +361,10 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     def run(prec: str, tile: Tile, p_stages: Optional[int] = None) -> None:
         _launch(prec, tile, p_stages, q, k, v, g, beta, ssm_states, slots, meta, out, scale, use_qk_l2norm, nseq)
 
-    if any(x is not None for x in (block_v, num_warps, num_stages, prep_warps, prep_stages)):  # an explicit tile
+    if any(x is not None for x in (block_v, num_warps, num_stages, prep_warps, prep_stages, hoist)):  # explicit
         first = TILES[precision][0]
         run(precision, Tile(block_v or first.block_v, num_warps or first.warps, prep_warps or first.prep_warps,
-                            num_stages or first.stages), prep_stages)
+                            num_stages or first.stages, first.hoist if hoist is None else hoist), prep_stages)
         return out
     key = (dev, precision, k.shape[1], k.shape[2], v.shape[1], v.shape[2], v.dtype, use_qk_l2norm)
     if key in _chosen:
@@ -342,27 +391,35 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, meta, out, scale, use_qk_l2norm,
             nseq) -> None:
-    """The two launches of one call (prep fills the T workspace; fwd walks the chunks, writes out and the state
+    """The two launches of one call (prep fills the workspaces; fwd walks the chunks, writes out and the state
     pool) with a given precision and tile."""
     hk, dk = k.shape[1], k.shape[2]
     hv, dv = v.shape[1], v.shape[2]
     launch = {"num_stages": tile.stages} if tile.stages else {}
     prep_launch = {"num_stages": prep_stages} if prep_stages else launch
     nc = meta.num_chunks
-    tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=v.device)
+    mat = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=v.device)  # T, or the decayed Q K^T
+    if tile.hoist:
+        wk = torch.empty(nc, hv, CHUNK, dk, dtype=torch.float32, device=v.device)
+        wv = torch.empty(nc, hv, CHUNK, dv, dtype=torch.float32, device=v.device)
+    else:
+        wk = wv = mat  # not read
     block_k = max(16, triton.next_power_of_2(dk))
+    scale = float(scale if scale is not None else dk ** -0.5)
     _gdn_chunk_prep_kernel[(nc, hv)](
-        k, g, beta, meta.chunk_start, meta.chunk_len, tinv,
-        k.stride(0), k.stride(1), g.stride(0), beta.stride(0), tinv.stride(0), tinv.stride(1),
-        HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB,
-        MERGES=(CHUNK // SUB).bit_length() - 1,
+        k, g, beta, meta.chunk_start, meta.chunk_len, mat, q, v, wk, wv,
+        k.stride(0), k.stride(1), g.stride(0), beta.stride(0), mat.stride(0), mat.stride(1),
+        q.stride(0), q.stride(1), v.stride(0), v.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
+        scale,
+        HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB, MERGES=(CHUNK // SUB).bit_length() - 1, HOIST=tile.hoist,
         num_warps=tile.prep_warps, **prep_launch)
     block_v = min(max(16, triton.next_power_of_2(dv)), tile.block_v)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, tinv, ssm_states, slots, meta.has_init, out, meta.seq_start, meta.seq_chunk,
+        q, k, v, g, beta, mat, ssm_states, slots, meta.has_init, out, meta.seq_start, meta.seq_chunk, wk, wv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        tinv.stride(0), tinv.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
-        out.stride(0), out.stride(1),
-        float(scale if scale is not None else dk ** -0.5),
+        mat.stride(0), mat.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
+        out.stride(0), out.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
+        scale,
         HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        PRECISION=precision, num_warps=tile.warps, **launch)
+        PRECISION=precision, HOIST=tile.hoist, num_warps=tile.warps, **launch)
