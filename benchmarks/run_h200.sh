@@ -41,7 +41,8 @@
 #   s16      (session 9) gated decode-batch GEMM: tests, 16 / 64 concurrent A/B; prefill attention tile sweep
 #   s53      (session 19) Triton prefill conv1d for GDN layers: GPU tests + timings, 27B TTFT with it on / off at 1 x 8K
 #            and 64 x 128 tokens, then a per-kernel profile of one 27B 8K prompt (micro/hybrid_prefill_profile.py)
-#   s58      (for session 20) the chunk kernels' HOIST form: GDN GPU checks, sweep plain vs hoisted
+#   s58      (for session 20) the chunk kernels' HOIST form and the fused GDN gated norm: GPU checks, sweep
+#            plain vs hoisted (then s56 / s57 for the engine tests and the 27B TTFT)
 #   s57      (for session 20) the teacher-forced half-precision hybrid engine test, first run
 #   s56      (session 19) final check: GDN real-shape checks, native fp16 engine tests, 27B 8K TTFT + profile
 #   s55      (session 19) fp16 qwen3_next engine test: prep blocks of 16 / 64 rows x Triton / torch conv1d
@@ -528,8 +529,9 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
-  s58)  # (for session 20) the chunk kernels' HOIST form (session 19, interpreter-tested only): GDN checks and real
-        # shapes with it, then the sweep plain vs hoisted for tf32x3 (prep 4 / 8 warps) and ieee
+  s58)  # (for session 20) the chunk kernels' HOIST form and the fused GDN gated norm (session 19, interpreter-tested
+        # only): fused + GDN GPU checks with them, then the sweep plain vs hoisted for tf32x3 (prep 4 / 8 warps) and ieee
+    gpu_file test_fused_kernels_cuda 120 -k gated
     gpu_file test_hybrid_gpu 300 -k "gdn_chunk" -s
     grep -E "err|hoist" "$out/test_hybrid_gpu.txt" | head -24
     timeout 200 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants \

@@ -235,7 +235,8 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
 
     # fused elementwise
     routes["fused_elementwise"] = _route(
-        cuda, cuda, "Triton RMSNorm(+residual), QK-norm+RoPE, RoPE, SiLU-and-mul (voltllm.kernels.fused)"
+        cuda, cuda,
+        "Triton RMSNorm(+residual), QK-norm+RoPE, RoPE, SiLU-and-mul, GDN gated norm (voltllm.kernels.fused)"
         if cuda else "torch elementwise ops (norm, RoPE, SiLU)",
         "one launch each instead of a chain of torch elementwise kernels" if cuda else cpu_reason)
 

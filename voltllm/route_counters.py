@@ -20,7 +20,8 @@ ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "sample
 # routes whose calls happen inside the model forward (so inside a decode CUDA graph)
 _FORWARD_ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "fused_elementwise", "gdn_decode",
                    "gdn_prefill")
-_FUSED_FNS = ("rms_norm", "fused_add_rms_norm", "rope_inplace", "qk_norm_rope_inplace", "silu_and_mul")
+_FUSED_FNS = ("rms_norm", "fused_add_rms_norm", "rope_inplace", "qk_norm_rope_inplace", "silu_and_mul",
+              "gated_rms_norm_heads")
 _GDN_FNS = ("causal_conv1d_decode", "gated_delta_rule_decode")
 _GDN_PREFILL_FNS = ("gated_delta_rule_chunked",)
 _GDN_CONV_FNS = ("causal_conv1d_prefill",)

@@ -242,6 +242,23 @@ def run_rope_fp8_cache_write(device: str, t: int, hq: int, hk: int, d: int, rd: 
     return _verdict({"qkv": _err(qkv, ref_buf)}, dtype)
 
 
+def run_gated_heads(device: str, t: int, h: int, d: int, dtype: torch.dtype, seed: int = 0) -> str:
+    """The Gated DeltaNet output norm: x [T, H, D] contiguous, the gate a strided view of a wider projection,
+    an fp32 weight (as the layer holds it)."""
+    from voltllm.kernels import fused as F
+
+    x = _rand((t, h, d), seed, device, dtype, 3.0)
+    proj = _rand((t, h * d + 5), seed + 1, device, dtype, 2.0)
+    gate = proj[:, 5:].view(t, h, d)
+    w = _rand((d,), seed + 2, device, torch.float32, 0.5) + 1.0
+    ref = F.gated_rms_norm_heads_ref(x, gate, w, 1e-6)
+    out = torch.full_like(x, float("nan"))
+    got = F.gated_rms_norm_heads(x, gate, w, 1e-6, out=out)
+    if got is not out:
+        return "FAIL returned tensor is not `out`"
+    return _verdict({"out": _err(out, ref), "alloc": _err(F.gated_rms_norm_heads(x, gate, w, 1e-6), ref)}, dtype)
+
+
 def run_silu(device: str, t: int, i: int, dtype: torch.dtype, seed: int = 0, lead3: bool = False) -> str:
     from voltllm.kernels import fused as F
 
@@ -288,6 +305,8 @@ CHECKS = {
                                                                                       "e5m2", seed=32),
     "qknorm_rope_kv_write_f32_T1_D80_rot80_gqa1": lambda d: run_rope_cache_write(d, 1, 3, 3, 80, 80, f32, True, 1,
                                                                                   seed=26),
+    "gated_heads_f32_T7_H3_D128": lambda d: run_gated_heads(d, 7, 3, 128, f32, seed=27),
+    "gated_heads_f16_T5_H4_D100": lambda d: run_gated_heads(d, 5, 4, 100, f16, seed=28),
     "silu_f32_T7_I100": lambda d: run_silu(d, 7, 100, f32, seed=20),
     "silu_f16_T1_I576": lambda d: run_silu(d, 1, 576, f16, seed=21),
     "silu_f16_T7_I1500_3d": lambda d: run_silu(d, 7, 1500, f16, seed=22, lead3=True),

@@ -186,6 +186,7 @@ def run_model(device: str) -> str:
 
     def run(triton: bool) -> torch.Tensor:
         GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = GatedDeltaNet.triton_conv = triton
+        GatedDeltaNet.triton_norm = triton
         SparseMoE.triton_experts = triton
         bs, heads_dim = 16, model.kv_heads_and_dim
         kv = make_kv_cache(model.num_attention_layers, 24, bs, *heads_dim, torch.float32, torch.device(device))
@@ -222,6 +223,7 @@ def run_model(device: str) -> str:
         got = run(True)
     finally:
         GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = GatedDeltaNet.triton_conv = None
+        GatedDeltaNet.triton_norm = None
         SparseMoE.triton_experts = None
     err = (got - ref).abs().max().item()
     if err > 1e-4 * max(1.0, ref.abs().max().item()) or ref.std() < 1e-3:

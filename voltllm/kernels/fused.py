@@ -19,6 +19,7 @@ Entry points (each has a `*_ref` torch reference with the same signature, used b
   rms_norm(x, weight, eps, offset=0.0, out=None) -> out
   fused_add_rms_norm(x, residual, weight, eps, offset=0.0, out=None) -> (out, residual)  [residual in place]
   rms_norm_heads(x, weight, eps, offset=0.0, out=None) -> out          x [T, nH, D], strided T/head dims ok
+  gated_rms_norm_heads(x, gate, weight, eps, out=None) -> out          rms_norm_heads(x) * silu(gate), fp32
   rope_inplace(q, k, positions, cos, sin, rotary_dim, cache_write=None) -> (q, k)    [q, k in place]
   qk_norm_rope_inplace(q, k, q_weight, k_weight, eps, positions, cos, sin, rotary_dim, offset=0.0,
                        cache_write=None) -> (q, k)                                     [q, k in place]
@@ -53,14 +54,15 @@ _LOOP_TILE = 4096
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(
-    X, Res, W, Out,
-    stride_xt, stride_xh, stride_rt, stride_rh, stride_ot, stride_oh,
+    X, Res, W, Out, Gate,
+    stride_xt, stride_xh, stride_rt, stride_rh, stride_ot, stride_oh, stride_gt, stride_gh,
     n_h, N, eps, offset,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_TILES: tl.constexpr, HAS_RES: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows of N elements addressed as [t, h] (program (t, head block) owns BLOCK_H rows of token t).
-    HAS_RES: s = x + res is rounded to Res's dtype, stored into Res, and normalised instead of x."""
+    HAS_RES: s = x + res is rounded to Res's dtype, stored into Res, and normalised instead of x.
+    HAS_GATE: the normalised row is multiplied by silu(gate row) in fp32 (the Gated DeltaNet output norm)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -68,6 +70,7 @@ def _rms_norm_kernel(
     x_rows = X + t * stride_xt + offs_h[:, None] * stride_xh
     r_rows = Res + t * stride_rt + offs_h[:, None] * stride_rh
     o_rows = Out + t * stride_ot + offs_h[:, None] * stride_oh
+    g_rows = Gate + t * stride_gt + offs_h[:, None] * stride_gh
     offs_n = tl.arange(0, BLOCK_N)
     if NUM_TILES == 1:
         mn = offs_n < N
@@ -81,6 +84,9 @@ def _rms_norm_kernel(
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
         w = tl.load(W + offs_n, mask=mn, other=0.0).to(tl.float32) + offset
         y = xf * rstd[:, None] * w[None, :]
+        if HAS_GATE:
+            gz = tl.load(g_rows + offs_n[None, :], mask=m, other=0.0).to(tl.float32)
+            y = y * (gz / (1.0 + tl.exp(-gz)))
         tl.store(o_rows + offs_n[None, :], y.to(Out.dtype.element_ty), mask=m)
     else:
         # pass 1: (residual add and store) + sum of squares; pass 2: re-read (L2-hot) and normalise
@@ -107,6 +113,9 @@ def _rms_norm_kernel(
                 xf = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
             w = tl.load(W + cols, mask=mn, other=0.0).to(tl.float32) + offset
             y = xf * rstd[:, None] * w[None, :]
+            if HAS_GATE:
+                gz = tl.load(g_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                y = y * (gz / (1.0 + tl.exp(-gz)))
             tl.store(o_rows + cols[None, :], y.to(Out.dtype.element_ty), mask=m)
 
 
@@ -234,19 +243,21 @@ def _norm_specs() -> list[CompileSpec]:
     specs = []
     for act in _ACTS:
         for res in (False, True):
-            for bh, bn, tiles, what in ((1, 4096, 1, "H4096"), (1, 1024, 1, "H576"), (16, 128, 1, "heads D128"),
-                                        (1, _LOOP_TILE, 8, "H32768 looped")):
-                if res and bh > 1:
+            for bh, bn, tiles, what, gate in ((1, 4096, 1, "H4096", False), (1, 1024, 1, "H576", False),
+                                              (16, 128, 1, "heads D128", False), (16, 128, 1, "heads D128", True),
+                                              (1, _LOOP_TILE, 8, "H32768 looped", False)):
+                if res and (bh > 1 or gate):
                     continue
-                sig = {"X": f"*{act}", "Res": f"*{act}", "W": f"*{act}", "Out": f"*{act}",
+                sig = {"X": f"*{act}", "Res": f"*{act}", "W": "*fp32" if gate else f"*{act}", "Out": f"*{act}",
+                       "Gate": f"*{act}",
                        **{n: "i32" for n in ("stride_xt", "stride_xh", "stride_rt", "stride_rh", "stride_ot",
-                                             "stride_oh", "n_h", "N")},
+                                             "stride_oh", "stride_gt", "stride_gh", "n_h", "N")},
                        "eps": "fp32", "offset": "fp32",
                        "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NUM_TILES": "constexpr",
-                       "HAS_RES": "constexpr", "PDL": "constexpr"}
+                       "HAS_RES": "constexpr", "HAS_GATE": "constexpr", "PDL": "constexpr"}
                 specs.append(CompileSpec(sig, {"BLOCK_H": bh, "BLOCK_N": bn, "NUM_TILES": tiles, "HAS_RES": res,
-                                               "PDL": False},
-                                         label=f"{act} {what}{' +res' if res else ''}"))
+                                               "HAS_GATE": gate, "PDL": False},
+                                         label=f"{act} {what}{' +res' if res else ''}{' +gate' if gate else ''}"))
     return specs
 
 
@@ -315,9 +326,12 @@ def _rows3(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _launch_norm(x: torch.Tensor, res: Optional[torch.Tensor], weight: torch.Tensor, out: torch.Tensor,
-                 eps: float, offset: float) -> None:
+                 eps: float, offset: float, gate: Optional[torch.Tensor] = None) -> None:
     x3, o3 = _rows3(x, "x"), _rows3(out, "out")
     r3 = _rows3(res, "residual") if res is not None else x3
+    g3 = _rows3(gate, "gate") if gate is not None else x3
+    if gate is not None and g3.shape != x3.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
     a, b, n = x3.shape
     if x3.numel() == 0:
         return
@@ -333,10 +347,10 @@ def _launch_norm(x: torch.Tensor, res: Optional[torch.Tensor], weight: torch.Ten
         block_h = 1  # one row per program keeps the residual rows' stores simple to reason about
     grid = (a, triton.cdiv(b, block_h))
     _rms_norm_kernel[grid](
-        x3, r3, weight, o3,
-        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1),
+        x3, r3, weight, o3, g3,
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1), g3.stride(0), g3.stride(1),
         b, n, float(eps), float(offset),
-        BLOCK_H=block_h, BLOCK_N=block_n, NUM_TILES=tiles, HAS_RES=res is not None,
+        BLOCK_H=block_h, BLOCK_N=block_n, NUM_TILES=tiles, HAS_RES=res is not None, HAS_GATE=gate is not None,
         # at most 8 warps per row: 8 vs 16 at 1 / 16 / 64 rows of 4096 with the residual, 1.76 / 1.86 / 1.98 us vs
         # 1.86 / 1.94 / 2.03 (benchmarks/results/norm-warps-sweep-d67425b.txt)
         num_warps=_warps(block_h * block_n * (2 if res is not None else 1), hi=8), **pdl.launch_options(),
@@ -380,6 +394,19 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     if x.dim() != 3:
         raise ValueError(f"rms_norm_heads wants x [T, nH, D], got {tuple(x.shape)}")
     return rms_norm(x, weight, eps, offset, out)
+
+
+def gated_rms_norm_heads(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-head RMSNorm times silu(gate), fp32 math (the Gated DeltaNet output norm): x, gate [T, nH, D] with any
+    token / head strides (last dim contiguous), weight [D] (fp32 in the GDN layer). Mutates only `out` (new
+    contiguous tensor in x's dtype when None)."""
+    if x.dim() != 3:
+        raise ValueError(f"gated_rms_norm_heads wants x [T, nH, D], got {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x, None, weight, out, eps, 0.0, gate)
+    return out
 
 
 def _launch_rope(q, k, positions, cos, sin, rotary_dim, q_weight, k_weight, eps, offset, cache_write=None) -> None:
@@ -504,6 +531,16 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)).to(x.dtype)
     return y if out is None else out.copy_(y)
+
+
+def gated_rms_norm_heads_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float() * F.silu(gate.float())
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y)
+    return out
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -113,6 +113,8 @@ class GatedDeltaNet(nn.Module):
     triton_decode: bool | None = None
     # Other batches' causal conv1d through voltllm/kernels/gdn_conv.py: None = on CUDA tensors; True / False force it.
     triton_conv: bool | None = None
+    # The gated output norm through voltllm.kernels.fused.gated_rms_norm_heads: None = on CUDA tensors.
+    triton_norm: bool | None = None
     # Other batches (prefill chunks, mixed prefill + decode) run the delta rule through the chunked Triton
     # kernels of voltllm/kernels/gdn_chunk.py: None = on CUDA tensors, except, with "ieee" products, a step of
     # long prompts only (_triton_prefill_fits); True / False force it.
@@ -229,6 +231,10 @@ class GatedDeltaNet(nn.Module):
         return not all(qsl[i + 1] - qsl[i] >= LONG_PREFILL_TOKENS for i in range(len(qsl) - 1))
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if o.is_cuda if self.triton_norm is None else self.triton_norm:  # one launch instead of ~10, same fp32 math
+            from voltllm.kernels import fused
+
+            return fused.gated_rms_norm_heads(o, z, self.norm_weight, self.eps)
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
         return (of * F.silu(z.float())).to(o.dtype)
