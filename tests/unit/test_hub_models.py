@@ -145,3 +145,41 @@ def test_hub_flags_parse():
     assert (ea.model, ea.revision, ea.tokenizer_revision, ea.download_dir, ea.hf_token) == (
         "Qwen/Qwen3-8B", "abc", "t", "/d", True)
     assert engine_args_from(p.parse_args(["m", "--hf-token", "hf_abc"])).hf_token == "hf_abc"
+
+
+def _hub_cache_with(cache, repo_id: str, src: str, revision: str = "main") -> str:
+    """huggingface_hub's own cache layout (models--owner--name/{refs,snapshots}) holding a copy of src, as a
+    finished download leaves it; returns the snapshot directory."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    snap = os.path.join(repo, "snapshots", commit)
+    shutil.copytree(src, snap, ignore=shutil.ignore_patterns("*.py"))
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", revision), "w") as f:
+        f.write(commit)
+    return snap
+
+
+def test_the_real_hub_cache_is_used_offline(tmp_path, tiny_model):
+    """No fake: huggingface_hub resolves a repo id from its cache layout without the network."""
+    snap = _hub_cache_with(str(tmp_path / "cache"), "acme/tiny", tiny_model)
+    src = resolve_model("acme/tiny", download_dir=str(tmp_path / "cache"))
+    assert os.path.realpath(src.path) == os.path.realpath(snap) and src.kind == "hf"
+
+
+def test_generate_cli_runs_a_cached_repo_id(tmp_path, tiny_model):
+    """`voltllm generate PROMPT owner/name --download-dir D` end to end in a subprocess, offline (the repo is in the
+    cache; HF_HUB_OFFLINE makes any network attempt an error)."""
+    import subprocess
+    import sys
+
+    _hub_cache_with(str(tmp_path / "cache"), "acme/tiny", tiny_model)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "voltllm.cli", "generate", "hello", "acme/tiny", "--max-tokens", "4",
+                        "--device", "cpu", "--download-dir", str(tmp_path / "cache")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "voltllm.cli", "generate", "hello", "acme/absent", "--device", "cpu",
+                        "--download-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode != 0 and "acme/absent" in r.stderr and "Traceback" not in r.stderr
