@@ -14,9 +14,10 @@ from typing import Optional, Union
 
 from voltllm.model.loader import ModelLoadError
 
-# what the engine reads from a Hugging Face model repo (no *.bin / *.pt / *.gguf: weights load from safetensors)
-MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+# what the engine reads from a Hugging Face model repo: config, tokenizer files and chat templates, and the weights
+# as safetensors (no *.bin / *.pt / *.gguf)
 TOKENIZER_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+MODEL_PATTERNS = TOKENIZER_PATTERNS + ("*.safetensors",)
 
 Token = Union[bool, str, None]
 
