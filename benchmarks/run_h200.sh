@@ -529,6 +529,15 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
+  s59)  # (session 20) the teacher-forced half-precision test (s57), then the hoisted chunk kernels by value-column
+        # block (s58: HOIST with 32 columns was the fastest: 5.12 / 4.80 / 4.80 ms against the default's 6.19 / 5.01 /
+        # 5.24) beside the plain form at the same blocks
+    gpu_file test_hybrid_gpu 380 -k teacher -s
+    grep -E "mean" "$out/test_hybrid_gpu.txt" | head -9
+    timeout 180 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants \
+      tf32x3:64:4:1:4:1,tf32x3:32:4:1:4:1,tf32x3:32:4:1:4:1:h,tf32x3:16:4:1:4:1:h,tf32x3:32:2:1:4:1:h,tf32x3:32:8:1:4:1:h,tf32x3:32:4:1:2:1:h 2>&1 \
+      | grep -v -i warn | tee "$out/gdn-chunk-sweep-hoist-bv.txt"
+    ;;
   s58)  # (for session 20) the chunk kernels' HOIST form and the fused GDN gated norm (session 19, interpreter-tested
         # only): fused + GDN GPU checks with them, then the sweep plain vs hoisted for tf32x3 (prep 4 / 8 warps) and ieee
     gpu_file test_fused_kernels_cuda 120 -k gated
