@@ -529,6 +529,16 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
+  s60)  # (session 20) HOIST "split" (a third kernel, one product per program) vs "prep" (the new default: 32 value
+        # columns) vs plain; then s56's checks and 27B 8K profile with the new default
+    timeout 150 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants \
+      tf32x3:64:4:1:4:1,tf32x3:32:4:1:4:1:h,tf32x3:32:4:1:4:1:hs,tf32x3:64:4:1:4:1:hs,tf32x3:32:4:1:8:1:hs,tf32x3:32:4:1:4:2:hs 2>&1 \
+      | grep -v -i warn | tee "$out/gdn-chunk-sweep-split.txt"
+    gpu_file test_hybrid_gpu 220 -k "gdn_chunk_real or (half and float16 and none and not teacher)" -s
+    grep -E "err|agreement" "$out/test_hybrid_gpu.txt" | head -20
+    timeout 150 python3 benchmarks/micro/hybrid_prefill_profile.py --cases 8192x1 --runs 1 --top 6 2>&1 \
+      | grep -v -i warn | tail -10 | tee "$out/hybrid-prefill-profile-hoist.txt"
+    ;;
   s59)  # (session 20) the teacher-forced half-precision test (s57), then the hoisted chunk kernels by value-column
         # block (s58: HOIST with 32 columns was the fastest: 5.12 / 4.80 / 4.80 ms against the default's 6.19 / 5.01 /
         # 5.24) beside the plain form at the same blocks

@@ -86,12 +86,12 @@ def test_moe_real_shape(shape, dtype):
 
 
 @pytest.mark.parametrize("precision,hoist", [("ieee", None), ("tf32x3", None), ("tf32", None),
-                                             ("tf32x3", True)])
+                                             ("tf32x3", "prep"), ("tf32x3", "split")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gdn_chunk_real_shape(dtype, precision, hoist):
     """qwen3.5-27b-shape GDN layer (16 key heads, 48 value heads, dims 128): one 8K prefill, and a mixed batch,
     with exact fp32 FMA products, 3xTF32 (the native route's) and tf32 ones, each precision with its own tile
-    (and tf32x3's with the HOIST form; "ieee" HOIST with 8 warps needs 246 KB of shared memory, more
+    (and tf32x3's with both HOIST forms; "ieee" HOIST with 8 warps needs 246 KB of shared memory, more
     than an H200 has, so the compat route's tiles stay plain)."""
     _need_cuda()
     from voltllm.kernels import gdn_ref as R

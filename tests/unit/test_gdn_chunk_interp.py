@@ -27,7 +27,7 @@ def test_gdn_chunk_kernel_interp(interp_results, name):
 
 
 def test_kernels_registered_for_compat_gate():
-    assert str(registered_kernels("voltllm.kernels.gdn_chunk", "gdn.chunk")) == "['gdn.chunk_fwd', 'gdn.chunk_prep']"
+    assert str(registered_kernels("voltllm.kernels.gdn_chunk", "gdn.chunk")) == "['gdn.chunk_fwd', 'gdn.chunk_hoist', 'gdn.chunk_prep']"
 
 
 def test_chunk_table():

@@ -72,14 +72,16 @@ class Tile:
     warps: int  # fwd kernel
     prep_warps: int
     stages: Optional[int]  # num_stages of both kernels (None: Triton's default)
-    hoist: bool = False  # the prep kernel computes U's S-independent parts and Q K^T (HOIST, module docstring)
+    # HOIST (module docstring): "" off; "prep": the prep kernel computes U's S-independent parts and Q K^T;
+    # "split": a third kernel does, one product per program
+    hoist: str = ""
 
 
 # Per dot precision, fastest first: the first is the H200 sweep's best (module docstring); the later ones need less
 # shared memory (an A100 allows 163 KB per block, sm_86 / sm_89 cards 99 KB, the H200 227 KB) and are tried when a
 # launch runs out of it, then the "ieee" tiles; what ran is remembered per device and shape (_chosen).
 TILES: dict[str, tuple[Tile, ...]] = {
-    "tf32x3": (Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
+    "tf32x3": (Tile(32, 4, 4, 1, "prep"), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
     "tf32": (Tile(16, 4, 2, None), Tile(16, 4, 2, 1)),
     "ieee": (Tile(64, 8, 4, None), Tile(32, 4, 4, 1), Tile(16, 4, 2, 1)),
 }
@@ -166,6 +168,62 @@ def _gdn_chunk_prep_kernel(
     else:
         tl.debug_barrier()
         tl.store(w_ptrs + full, t)
+
+
+@triton.jit
+def _gdn_chunk_hoist_kernel(
+    Q, K, V, G, Beta, ChunkStart, ChunkLen, Tinv, Attn, Wk, Wv,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_tc, stride_th,
+    stride_wkc, stride_wkh, stride_wvc, stride_wvh,
+    scale,
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """HOIST "split": grid (chunk, value head, 3); product 0 is Wk = T (beta e^gamma K), 1 is Wv = T (beta V),
+    2 the decayed Q K^T, each in its own program (the "prep" form does all three after the inverse, in one)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    which = tl.program_id(2)
+    hk = h // HV_PER_K
+    t0 = tl.load(ChunkStart + c).to(tl.int64)
+    n = tl.load(ChunkLen + c)
+    rows = tl.arange(0, C)
+    mc = rows < n
+    offk = tl.arange(0, BLOCK_K)
+    mk = offk < DK
+    c64 = c.to(tl.int64)
+    g = tl.load(G + (t0 + rows) * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
+    gam = tl.cumsum(g, axis=0)
+    full = rows[:, None] * C + rows[None, :]
+    if which == 1:
+        offv = tl.arange(0, BLOCK_DV)
+        mv = offv < DV
+        beta = tl.load(Beta + (t0 + rows) * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
+        v = tl.load(V + (t0 + rows)[:, None] * stride_vt + h * stride_vh + offv[None, :],
+                    mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        t = tl.load(Tinv + c64 * stride_tc + h * stride_th + full)
+        wv = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
+        tl.store(Wv + c64 * stride_wvc + h * stride_wvh + rows[:, None] * DV + offv[None, :], wv, mask=mv[None, :])
+    else:
+        k = tl.load(K + (t0 + rows)[:, None] * stride_kt + hk * stride_kh + offk[None, :],
+                    mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        if L2NORM:
+            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        if which == 0:
+            beta = tl.load(Beta + (t0 + rows) * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
+            t = tl.load(Tinv + c64 * stride_tc + h * stride_th + full)
+            wk = tl.dot(t, k * (beta * tl.exp(gam))[:, None], input_precision=PRECISION)
+            tl.store(Wk + c64 * stride_wkc + h * stride_wkh + rows[:, None] * DK + offk[None, :], wk,
+                     mask=mk[None, :])
+        else:
+            q = tl.load(Q + (t0 + rows)[:, None] * stride_qt + hk * stride_qh + offk[None, :],
+                        mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            if L2NORM:
+                q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+            incl = rows[:, None] >= rows[None, :]
+            attn = tl.dot(q * scale, tl.trans(k), input_precision=PRECISION) * \
+                tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
+            tl.store(Attn + c64 * stride_tc + h * stride_th + full, attn)
 
 
 @triton.jit
@@ -277,7 +335,26 @@ def _fwd_specs() -> list[CompileSpec]:
     return specs
 
 
+def _hoist_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32",
+               "ChunkLen": "*i32", "Tinv": "*fp32", "Attn": "*fp32", "Wk": "*fp32", "Wv": "*fp32",
+               **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
+                                     "stride_gt", "stride_bt")},
+               "stride_tc": "i64", "stride_th": "i32",
+               "stride_wkc": "i64", "stride_wkh": "i32", "stride_wvc": "i64", "stride_wvh": "i32",
+               "scale": "fp32",
+               **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_DV", "L2NORM",
+                                           "PRECISION")}}
+        specs.append(CompileSpec(signature=sig, constexprs={
+            "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_DV": 128, "L2NORM": True,
+            "PRECISION": "ieee"}, label=f"{act} dk128 dv128 c64"))
+    return specs
+
+
 register_kernel("gdn.chunk_prep", _gdn_chunk_prep_kernel, _prep_specs(), compat=True)
+register_kernel("gdn.chunk_hoist", _gdn_chunk_hoist_kernel, _hoist_specs(), compat=True)
 register_kernel("gdn.chunk_fwd", _gdn_chunk_fwd_kernel, _fwd_specs(), compat=True)
 
 
@@ -332,7 +409,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              precision: Optional[str] = None, num_warps: Optional[int] = None,
                              meta: Optional[ChunkMeta] = None, num_stages: Optional[int] = None,
                              prep_warps: Optional[int] = None, prep_stages: Optional[int] = None,
-                             hoist: Optional[bool] = None) -> torch.Tensor:
+                             hoist: Optional[str] = None) -> torch.Tensor:
     """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
     g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
@@ -398,6 +475,8 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
     launch = {"num_stages": tile.stages} if tile.stages else {}
     prep_launch = {"num_stages": prep_stages} if prep_stages else launch
     nc = meta.num_chunks
+    if tile.hoist not in ("", "prep", "split"):
+        raise ValueError(f"gated_delta_rule_chunked: hoist must be '', 'prep' or 'split', got {tile.hoist!r}")
     mat = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=v.device)  # T, or the decayed Q K^T
     if tile.hoist:
         wk = torch.empty(nc, hv, CHUNK, dk, dtype=torch.float32, device=v.device)
@@ -405,15 +484,26 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
     else:
         wk = wv = mat  # not read
     block_k = max(16, triton.next_power_of_2(dk))
+    block_dv = max(16, triton.next_power_of_2(dv))
     scale = float(scale if scale is not None else dk ** -0.5)
     _gdn_chunk_prep_kernel[(nc, hv)](
         k, g, beta, meta.chunk_start, meta.chunk_len, mat, q, v, wk, wv,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), mat.stride(0), mat.stride(1),
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
         scale,
-        HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB, MERGES=(CHUNK // SUB).bit_length() - 1, HOIST=tile.hoist,
-        num_warps=tile.prep_warps, **prep_launch)
+        HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv,
+        L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB, MERGES=(CHUNK // SUB).bit_length() - 1,
+        HOIST=tile.hoist == "prep", num_warps=tile.prep_warps, **prep_launch)
+    if tile.hoist == "split":  # T stays in `mat`; the decayed Q K^T the fwd kernel reads goes to its own workspace
+        attn = torch.empty_like(mat)
+        _gdn_chunk_hoist_kernel[(nc, hv, 3)](
+            q, k, v, g, beta, meta.chunk_start, meta.chunk_len, mat, attn, wk, wv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            beta.stride(0), mat.stride(0), mat.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
+            scale,
+            HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv, L2NORM=use_qk_l2norm,
+            PRECISION=precision, num_warps=tile.prep_warps, **prep_launch)
+        mat = attn
     block_v = min(max(16, triton.next_power_of_2(dv)), tile.block_v)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, mat, ssm_states, slots, meta.has_init, out, meta.seq_start, meta.seq_chunk, wk, wv,
@@ -422,4 +512,4 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
         out.stride(0), out.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
         scale,
         HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        PRECISION=precision, HOIST=tile.hoist, num_warps=tile.warps, **launch)
+        PRECISION=precision, HOIST=bool(tile.hoist), num_warps=tile.warps, **launch)
