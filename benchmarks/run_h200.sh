@@ -529,6 +529,13 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
+  s61)  # (session 20) HOIST "split" with 32 value columns as tf32x3's default: native half engine tests (greedy and
+        # teacher-forced), the 27B 8K prompt's profile
+    gpu_file test_hybrid_gpu 300 -k "half and none" -s
+    grep -E "mean|agreement" "$out/test_hybrid_gpu.txt" | head -20
+    timeout 150 python3 benchmarks/micro/hybrid_prefill_profile.py --cases 8192x1 --runs 2 --top 8 2>&1 \
+      | grep -v -i warn | tail -12 | tee "$out/hybrid-prefill-profile-split.txt"
+    ;;
   s60)  # (session 20) HOIST "split" (a third kernel, one product per program) vs "prep" (the new default: 32 value
         # columns) vs plain; then s56's checks and 27B 8K profile with the new default
     timeout 150 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 512x16 --variants \

@@ -81,7 +81,7 @@ class Tile:
 # shared memory (an A100 allows 163 KB per block, sm_86 / sm_89 cards 99 KB, the H200 227 KB) and are tried when a
 # launch runs out of it, then the "ieee" tiles; what ran is remembered per device and shape (_chosen).
 TILES: dict[str, tuple[Tile, ...]] = {
-    "tf32x3": (Tile(32, 4, 4, 1, "prep"), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
+    "tf32x3": (Tile(32, 4, 4, 1, "split"), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
     "tf32": (Tile(16, 4, 2, None), Tile(16, 4, 2, 1)),
     "ieee": (Tile(64, 8, 4, None), Tile(32, 4, 4, 1), Tile(16, 4, 2, 1)),
 }
