@@ -529,6 +529,13 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
+  s62)  # (session 20) qwen3.5-27b-shape 8K / 32K prefill through `voltllm bench` (JSON with the matmul limit) and
+        # the kernels scenario (GDN chunk, conv_prefill, MoE) at the session's default tiles
+    h27="--random-weights qwen3.5-27b-shape --dtype half --max-num-seqs 4 --max-num-batched-tokens 8192"
+    bench $h27 --scenario prefill --input-len 8192 --num-warm 2 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha
+    bench $h27 --scenario prefill --input-len 32768 --num-warm 1 --max-model-len 33024 --name qwen3.5-27b-shape-fp16-prefill-32k-$sha
+    bench --scenario kernels --random-weights qwen3.5-27b-shape --dtype half --kernel-iters 5 --kernel-ref-iters 2 --name qwen3.5-27b-shape-fp16-kernels-$sha
+    ;;
   s61)  # (session 20) HOIST "split" with 32 value columns as tf32x3's default: native half engine tests (greedy and
         # teacher-forced), the 27B 8K prompt's profile
     gpu_file test_hybrid_gpu 300 -k "half and none" -s
