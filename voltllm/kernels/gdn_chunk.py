@@ -9,7 +9,7 @@ a chunk with incoming state S0, gamma = cumsum(g), D[t, s] = exp(gamma_t - gamma
     O      = (e^gamma Q) S0 + (tril(Q K^T * D)) U
     S_next = e^gamma_last S0 + (K e^(gamma_last - gamma))^T U
 
-Two launches per layer:
+Two launches per layer (three with HOIST "split", below):
   _gdn_chunk_prep_kernel   grid (chunk, value head): A from l2-normalized k, beta, g, then T = (I + A)^-1 by
                            blocks: forward substitution inside the four 16-row diagonal blocks at once (16
                            steps; was 64 row steps over [C, C] until session 19), then two pairwise merges of
@@ -21,18 +21,22 @@ Two launches per layer:
                            order with its S[:, cols] in registers (columns of S are independent given k, q),
                            reads the slot's state first (zeros for a request without initial state), writes
                            the outputs, and stores S back into the slot pool in place.
-HOIST form (a Tile field; not the default: session 19 wrote it, no GPU has timed it yet, `run_h200.sh s58`): the
-prep kernel also computes the S-independent products, Wk = T (beta e^gamma K), Wv = T (beta V) and the decayed
-Q K^T (in place of T in its workspace), so the fwd kernel's serial walk does four products per chunk instead of
-six (U = Wv - Wk S; two of them on the chain from S to the next S instead of three), at the price of two more
-[chunks, Hv, C, d] fp32 workspaces.
+HOIST forms (Tile.hoist; session 20): the S-independent products, Wk = T (beta e^gamma K), Wv = T (beta V) and
+the decayed Q K^T, are computed for every chunk in parallel before the walk, so the fwd kernel does four products
+per chunk instead of six (U = Wv - Wk S; two on the chain from S to the next S instead of three), at the price of
+two more [chunks, Hv, C, d] fp32 workspaces. "split": a third launch, _gdn_chunk_hoist_kernel, grid (chunk, value
+head, 3), one product per program (T read back from the prep workspace, Q K^T into a workspace of its own);
+"prep": the prep kernel computes them after the inverse (Q K^T in place of T). H200, 27B heads (session 20 sweep):
+prep 0.99 + products 1.14 ms split against 2.6 ms in the prep kernel; with 32 value columns per fwd program the
+whole rule takes 4.71 / 4.51 / 4.58 ms at 1 x 8192 / 4 x 2048 / 16 x 512 against 6.02 / 5.60 / 5.39 plain (64
+columns; plain 32 is slower: 8.4 ms), so "split" is tf32x3's first tile.
 All products are tl.dot with fp32 operands and fp32 accumulation; the state stays fp32 end to end. Their
 input precision is the caller's choice (`precision_for` picks it per dtype and route):
   "tf32x3"  tensor cores (sm_80+), three tf32 products per fp32 one (Triton's split of each operand into a
             tf32 high and low part): fp32-level results, for half-precision models on the native route.
-            H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/gdn_chunk_sweep.py, session 19 tile): one
-            8192-token prompt 6.0 ms against 20-28 in the torch chunked form and 89 with "ieee"; 4 x 2048
-            5.0 vs 30-38; output error vs the fp32 reference 1.9e-5 relative ("ieee": 1.4e-5).
+            H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/gdn_chunk_sweep.py, session 20 tile): one
+            8192-token prompt 4.7 ms against 18-36 in the torch chunked form and 88 with "ieee"; 4 x 2048
+            4.5 vs 35-50; output error vs the fp32 reference 1.9e-5 relative ("ieee": 1.4e-5).
   "tf32"    one tf32 product (10 mantissa bits): 4.7 ms there, but 1.8e-3 relative error, enough to move a
             greedy token of a tiny fp16 MoE hybrid where the reference's top-2 margin was 0.29 logit (the
             GPU engine test, session 18). Not chosen by default; kept for timing.
