@@ -101,6 +101,41 @@ def test_decode_and_prefill_limit_math():
     assert big < L.decode_limit_tok_s(cost, dev, 4096, 640)
 
 
+def test_moe_limit_math():
+    """Routed experts: a token multiplies by top_k / E of them; a decode step of B rows reads 1 - (1 - top_k / E)^B
+    of their bytes (uniform routing), the dense weights always."""
+    cost = L.ModelCost(weight_bytes=70_000, matmul_params=30_000, logits_params=1_000, kv_bytes_per_token=0,
+                       state_bytes_per_request=0, attention_layers=0, q_heads=1, head_dim=1,
+                       expert_bytes=60_000, expert_params=25_000, expert_fraction=0.25)
+    assert cost.active_matmul_params() == pytest.approx(5_000 + 25_000 * 0.25)
+    assert cost.decode_bytes_per_step(1, 0) == pytest.approx(10_000 + 60_000 * 0.25)
+    assert cost.decode_bytes_per_step(2, 0) == pytest.approx(10_000 + 60_000 * (1 - 0.75 ** 2))
+    assert cost.prefill_flops(10) == pytest.approx(2 * (5_000 + 6_250) * 10 + 2 * 1_000)
+    assert cost.decode_flops_per_step(4, 0) == pytest.approx(4 * 2 * (5_000 + 6_250 + 1_000))
+    dense = L.ModelCost(weight_bytes=70_000, matmul_params=30_000, logits_params=1_000, kv_bytes_per_token=0,
+                        state_bytes_per_request=0, attention_layers=0, q_heads=1, head_dim=1)
+    assert dense.decode_bytes_per_step(8, 0) == 70_000 and dense.active_matmul_params() == 30_000
+
+
+def test_moe_cost_of_a_transformers_model():
+    """The baseline's transformers MoE model: its routed experts found by name (not the shared expert), the same
+    split as voltllm's model of the config."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import HYBRID_COMMON, HYBRID_MOE
+
+    cls = getattr(transformers, "Qwen3_5MoeTextConfig", None)
+    if cls is None:
+        pytest.skip("no Qwen3.5 MoE in this transformers")
+    cfg = cls(**dict(HYBRID_COMMON, **HYBRID_MOE))
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16)
+    ours = L.meta_model_cost(cfg, torch.float16)
+    theirs = L.model_cost(hf, cfg, torch.float16)
+    per_layer = HYBRID_MOE["num_experts"] * 3 * HYBRID_MOE["moe_intermediate_size"] * cfg.hidden_size
+    assert ours.expert_params == theirs.expert_params == cfg.num_hidden_layers * per_layer
+    assert ours.expert_fraction == theirs.expert_fraction == 0.5
+
+
 def test_measure_device_on_cpu():
     d = L.measure_device(torch.device("cpu"), torch.float32, copy_mib=4, matmul_n=64, iters=3)
     assert d.copy_GBps > 0 and d.matmul_TFLOPs > 0 and len(d.copy_samples_GBps) == 3
@@ -130,6 +165,17 @@ def test_named_shapes_have_the_documented_sizes(tmp_path):
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (experts, top_k, 512)
         moe_cost = L.meta_model_cost(cfg, torch.bfloat16)
         assert moe_cost.weight_bytes / 2e9 == pytest.approx(billions, abs=0.01)
+        # routed experts: every layer's E x (gate, up, down) of 512 x 2048; a token uses top_k of them ("A3B":
+        # about 3 B active parameters with the embedding and lm_head)
+        assert moe_cost.expert_params == cfg.num_hidden_layers * experts * 3 * 512 * 2048
+        assert moe_cost.expert_bytes == 2 * moe_cost.expert_params and moe_cost.expert_fraction == top_k / experts
+        assert 2.5e9 < moe_cost.active_matmul_params() + 2 * moe_cost.logits_params < 4e9
+        # batch 1 reads the dense weights and top_k experts per layer, 64 rows most of them
+        one = moe_cost.decode_bytes_per_step(1, 0)
+        assert one == pytest.approx(moe_cost.weight_bytes - moe_cost.expert_bytes * (1 - top_k / experts)
+                                    + moe_cost.state_bytes_per_request)
+        weights_64 = moe_cost.decode_bytes_per_step(64, 0) - 64 * moe_cost.state_bytes_per_request
+        assert one - moe_cost.state_bytes_per_request < weights_64 < moe_cost.weight_bytes
     path = materialize("qwen3-0.6b-shape", str(tmp_path))
     with open(os.path.join(path, "config.json")) as f:
         saved = json.load(f)

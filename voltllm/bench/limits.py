@@ -119,20 +119,52 @@ class ModelCost:
     attention_layers: int
     q_heads: int
     head_dim: int
+    # sparse MoE: the routed experts' share of the above (included in weight_bytes and matmul_params) and the
+    # fraction of them one token uses (top_k / num_experts); 0 for dense models
+    expert_bytes: int = 0
+    expert_params: int = 0
+    expert_fraction: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
 
+    def experts_touched(self, tokens: float) -> float:
+        """Expected fraction of the routed experts a step of `tokens` rows reads, routing uniform and independent
+        per token: 1 - (1 - top_k / E)^tokens (a lower bound on the bytes: skewed routing touches fewer)."""
+        return 1.0 - (1.0 - self.expert_fraction) ** tokens if self.expert_params else 0.0
+
+    def active_matmul_params(self) -> float:
+        """Matmul weights one token multiplies by: every dense one, top_k / E of the routed experts."""
+        return self.matmul_params - self.expert_params * (1.0 - self.expert_fraction)
+
     def decode_bytes_per_step(self, batch: int, context_len: float) -> float:
-        return self.weight_bytes + batch * (self.kv_bytes_per_token * context_len + self.state_bytes_per_request)
+        weights = self.weight_bytes - self.expert_bytes * (1.0 - self.experts_touched(batch))
+        return weights + batch * (self.kv_bytes_per_token * context_len + self.state_bytes_per_request)
 
     def decode_flops_per_step(self, batch: int, context_len: float) -> float:
         attn = 4 * self.attention_layers * self.q_heads * self.head_dim * context_len
-        return batch * (2 * (self.matmul_params + self.logits_params) + attn)
+        return batch * (2 * (self.active_matmul_params() + self.logits_params) + attn)
 
     def prefill_flops(self, prompt_len: int) -> float:
         attn = 4 * self.attention_layers * self.q_heads * self.head_dim * prompt_len ** 2 / 2
-        return 2 * self.matmul_params * prompt_len + 2 * self.logits_params + attn
+        return 2 * self.active_matmul_params() * prompt_len + 2 * self.logits_params + attn
+
+
+def _routed_experts(model: torch.nn.Module, text: Any) -> tuple[list[torch.Tensor], float]:
+    """The routed-expert weight tensors of a sparse MoE model and top_k / num_experts ([] and 0 for a dense one).
+    voltllm's SparseMoE keeps them as w13 / w2 ([E, ...]); transformers' MoE blocks under `experts.` (the shared
+    expert is `shared_expert.`, dense)."""
+    found: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        if hasattr(mod, "num_experts") and hasattr(mod, "w13") and hasattr(mod, "w2"):
+            found.update({id(p): p for p in (mod.w13, mod.w2)})
+    if not found:
+        found = {id(p): p for name, p in model.named_parameters() if ".experts." in f".{name}"}
+    num = int(getattr(text, "num_experts", 0) or 0)
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    if not found or not num or not top_k:
+        return [], 0.0
+    return list(found.values()), top_k / num
 
 
 def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.dtype] = None) -> ModelCost:
@@ -168,9 +200,12 @@ def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.
         from voltllm.model.state_cache import StateCache
 
         state = StateCache.bytes_per_slot(spec)
+    experts, fraction = _routed_experts(model, text)
     return ModelCost(weight_bytes=weight_bytes, matmul_params=total - embed_n - head_n, logits_params=logits_params,
                      kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem, state_bytes_per_request=state,
-                     attention_layers=layers, q_heads=int(text.num_attention_heads), head_dim=head_dim)
+                     attention_layers=layers, q_heads=int(text.num_attention_heads), head_dim=head_dim,
+                     expert_bytes=sum(p.numel() * p.element_size() for p in experts),
+                     expert_params=sum(p.numel() for p in experts), expert_fraction=fraction)
 
 
 def meta_model_cost(hf_config: Any, dtype: torch.dtype) -> ModelCost:
