@@ -529,6 +529,17 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
+  s63)  # (session 20) first end-to-end numbers of the MoE hybrid qwen3.5-35b-a3b-shape (limits counting the routed
+        # experts used): decode batch 1, 16 / 64 concurrent 128 / 128, one 8K prompt
+    m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
+    b35() { bench_via "timeout 125 python3 -m voltllm.cli" $m35 "$@"; }
+    b35 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 4 \
+      --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha
+    b35 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 --max-model-len 4096 \
+      --max-num-seqs 64 --name qwen3.5-35b-a3b-shape-fp16-c16-c64-$sha
+    b35 --scenario prefill --input-len 8192 --max-model-len 16384 --max-num-seqs 4 \
+      --name qwen3.5-35b-a3b-shape-fp16-prefill-8k-$sha
+    ;;
   s62)  # (session 20) qwen3.5-27b-shape 8K / 32K prefill through `voltllm bench` (JSON with the matmul limit) and
         # the kernels scenario (GDN chunk, conv_prefill, MoE) at the session's default tiles
     h27="--random-weights qwen3.5-27b-shape --dtype half --max-num-seqs 4 --max-num-batched-tokens 8192"
