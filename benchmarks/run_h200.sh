@@ -529,6 +529,14 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
+  s64)  # (session 20) the decode-sized MoE path (one-launch router, unsorted expert GEMVs): its CUDA checks and
+        # real-shape timings, the tiny MoE hybrid's fp32 engine parity, then qwen3.5-35b-a3b-shape decode batch 1
+    gpu_file test_hybrid_gpu 100 -k "moe_checks or moe_decode_path or (fp32_matches_cpu and qwen3_5_moe)" -s
+    grep -E "decode path|passed|failed" "$out/test_hybrid_gpu.txt" | head -12
+    bench_via "timeout 110 python3 -m voltllm.cli" --random-weights qwen3.5-35b-a3b-shape --dtype half \
+      --max-num-batched-tokens 8192 --num-warm 1 --scenario decode --input-len 512 --output-len 128 \
+      --max-model-len 4096 --max-num-seqs 4 --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha | tail -8
+    ;;
   s63)  # (session 20) first end-to-end numbers of the MoE hybrid qwen3.5-35b-a3b-shape (limits counting the routed
         # experts used): decode batch 1, 16 / 64 concurrent 128 / 128, one 8K prompt
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"

@@ -96,8 +96,54 @@ def run_align(device: str, t: int, e: int, k: int, bm: int, seed: int) -> str:
     return f"ok {used // bm} blocks"
 
 
-def run_layer(device: str, dtype: torch.dtype = torch.float32) -> str:
-    """SparseMoE with the Triton experts == with the torch reference (shared expert and gate included)."""
+def run_route(device: str, t: int, e: int, k: int, renorm: bool, dtype: torch.dtype, seed: int) -> str:
+    """moe_decode.moe_route (one launch) == route (softmax, topk, renormalize) on the same logits."""
+    from voltllm.kernels.moe_decode import moe_route
+    from voltllm.model.layers.moe import route
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(t, e, generator=gen) * 2).to(device, dtype)
+    want_w, want_ids = route(logits, k, renorm)
+    got_w, got_ids = moe_route(logits, k, renorm)
+    if got_ids.dtype != torch.int32 or tuple(got_ids.shape) != (t, k) or got_w.dtype != torch.float32:
+        return f"FAIL outputs {got_ids.dtype} {tuple(got_ids.shape)} {got_w.dtype}"
+    if not torch.equal(got_ids.long().cpu(), want_ids.cpu()):
+        return f"FAIL ids {got_ids[:2].tolist()} vs {want_ids[:2].tolist()}"
+    err = (got_w - want_w).abs().max().item()
+    if err > 1e-6:
+        return f"FAIL weights max err {err:.3e}"
+    return f"ok weights max err {err:.1e}"
+
+
+def run_small_experts(device: str, t: int, e: int, k: int, h: int, inter: int, dtype: torch.dtype, skew: str,
+                      seed: int) -> str:
+    """moe_decode.fused_experts_small (unsorted, one pair per program) == fused_experts_ref, `out` poisoned."""
+    from voltllm.kernels.moe_decode import fused_experts_small
+    from voltllm.model.layers.moe import fused_experts_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device, dtype)
+    w2 = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    weights, ids = _routing(t, e, k, skew, gen, device)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    out = torch.full((t, h), float("nan"), dtype=dtype, device=device)
+    got = fused_experts_small(x, w13, w2, weights, ids.to(torch.int32), out=out)
+    if got.data_ptr() != out.data_ptr():
+        return "FAIL the result is not in `out`"
+    if torch.isnan(got).any():
+        return f"FAIL {int(torch.isnan(got).any(-1).sum())} rows unwritten (NaN)"
+    err = (got.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    if err > tol * max(scale, 1.0):
+        return f"FAIL max err {err:.3e} (max |ref| {scale:.3e})"
+    return f"ok max err {err:.2e}"
+
+
+def run_layer(device: str, dtype: torch.dtype = torch.float32, tokens: int = 9) -> str:
+    """SparseMoE with the Triton experts == with the torch reference (shared expert and gate included); 9
+    tokens x top-2 take the unsorted decode path, 40 the grouped GEMM."""
     from voltllm.model.layers.moe import SparseMoE
 
     gen = torch.Generator().manual_seed(11)
@@ -106,7 +152,7 @@ def run_layer(device: str, dtype: torch.dtype = torch.float32) -> str:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=gen).to(device, p.dtype) * 0.3)
-    x = torch.randn(9, 32, generator=gen).to(device, dtype)
+    x = torch.randn(tokens, 32, generator=gen).to(device, dtype)
     try:
         moe.triton_experts = False
         ref = moe(x)
@@ -137,6 +183,16 @@ CHECKS = {
                                                    chunk_pairs=16),
     "e8_k2_t1_auto_config_f32": lambda d: run_experts(d, 1, 8, 2, 32, 16, torch.float32, "uniform", 10),
     "layer_sparse_moe_f32": lambda d: run_layer(d),
+    "layer_sparse_moe_grouped_f32": lambda d: run_layer(d, tokens=40),
+    # decode-sized batches (voltllm.kernels.moe_decode)
+    "route_e256_k8_renorm_f16": lambda d: run_route(d, 3, 256, 8, True, torch.float16, 20),
+    "route_e10_k3_f32": lambda d: run_route(d, 5, 10, 3, False, torch.float32, 21),
+    "route_e512_k10_renorm_f32": lambda d: run_route(d, 2, 512, 10, True, torch.float32, 22),
+    "route_e6_k6_all_f32": lambda d: run_route(d, 1, 6, 6, True, torch.float32, 23),
+    "small_e64_k8_t1_f32": lambda d: run_small_experts(d, 1, 64, 8, 64, 32, torch.float32, "uniform", 24),
+    "small_e4_k2_t5_shared_experts_f32": lambda d: run_small_experts(d, 5, 4, 2, 40, 24, torch.float32, "hot", 25),
+    "small_e16_k8_t3_f16": lambda d: run_small_experts(d, 3, 16, 8, 300, 48, torch.float16, "few", 26),
+    "small_e8_k1_t2_f32": lambda d: run_small_experts(d, 2, 8, 1, 32, 520, torch.float32, "uniform", 27),
 }
 
 

@@ -10,9 +10,11 @@ Expert weights are stacked: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H
 grouped-GEMM kernel wants. The torch reference (`fused_experts_ref`) does NOT loop over every expert per
 token: it sorts the (token, expert) pairs by expert so each expert's tokens are one contiguous block,
 then runs one GEMM pair per expert that received tokens (empty experts are skipped), and scatters the
-weighted results back with index_add. On CUDA tensors `SparseMoE` runs the Triton grouped GEMM instead
-(voltllm/kernels/moe.py: device-side sort/align, one launch for every expert's gate_up + SiLU-mul, one for
-every expert's down projection with the routing weights, a sum over k): no loop over experts, no host sync.
+weighted results back with index_add. On CUDA tensors `SparseMoE` runs Triton instead: the router in one
+launch (voltllm/kernels/moe_decode.py), then for batches of up to SMALL_MAX_PAIRS (token, expert) pairs two
+unsorted GEMV launches (same file), for larger ones the grouped GEMM (voltllm/kernels/moe.py: device-side
+sort/align, one launch for every expert's gate_up + SiLU-mul, one for every expert's down projection with the
+routing weights, a sum over k): no loop over experts, no host sync.
 """
 from __future__ import annotations
 
@@ -101,8 +103,18 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = fused_experts(x, self.w13, self.w2, weights, ids, self.triton_experts)
+        if x.is_cuda if self.triton_experts is None else self.triton_experts:
+            from voltllm.kernels import moe_decode
+
+            # the router in one launch; decode-sized batches skip the grouped GEMM's sort (moe_decode docstring)
+            weights, ids = moe_decode.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
+            if x.shape[0] * self.top_k <= moe_decode.SMALL_MAX_PAIRS:
+                out = moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids)
+            else:
+                out = fused_experts(x, self.w13, self.w2, weights, ids, True)
+        else:
+            weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+            out = fused_experts_ref(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
