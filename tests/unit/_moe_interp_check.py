@@ -141,6 +141,49 @@ def run_small_experts(device: str, t: int, e: int, k: int, h: int, inter: int, d
     return f"ok max err {err:.2e}"
 
 
+def run_small_shared(device: str, t: int, e: int, k: int, h: int, inter: int, shared_inter: int,
+                     dtype: torch.dtype, seed: int) -> str:
+    """moe_route(shared_gate=...) + fused_experts_small(shared=...) == the routed experts' reference plus
+    sigmoid(x w_gate) * shared MLP(x), `out` poisoned."""
+    import torch.nn.functional as F
+
+    from voltllm.kernels.moe_decode import fused_experts_small, moe_route
+    from voltllm.model.layers.moe import fused_experts_ref, route
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device, dtype)
+    w2 = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    ws13 = (torch.randn(2 * shared_inter, h, generator=gen) * h ** -0.5).to(device, dtype)
+    ws2 = (torch.randn(h, shared_inter, generator=gen) * shared_inter ** -0.5).to(device, dtype)
+    wsg = (torch.randn(1, h, generator=gen) * h ** -0.5).to(device, dtype)
+    logits = torch.randn(t, e, generator=gen).to(device, dtype)
+    w_ref, ids_ref = route(logits, k, True)
+    xf = x.float()
+    gu = xf @ ws13.float().t()
+    shared_ref = torch.sigmoid(xf @ wsg.float().t()) * ((F.silu(gu[:, :shared_inter]) * gu[:, shared_inter:])
+                                                         @ ws2.float().t())
+    ref = fused_experts_ref(xf, w13.float(), w2.float(), w_ref, ids_ref) + shared_ref
+    w, ids = moe_route(logits, k, True, shared_gate=(x, wsg))
+    if tuple(ids.shape) != (t, k + 1) or not bool((ids[:, k] == e).all()):
+        return f"FAIL shared entries: ids {ids.tolist()}"
+    if not torch.equal(ids[:, :k].long().cpu(), ids_ref.cpu()):
+        return "FAIL routed ids"
+    gate_err = (w[:, k] - torch.sigmoid(xf @ wsg.float().t())[:, 0]).abs().max().item()
+    if gate_err > 1e-5:
+        return f"FAIL shared gate weight err {gate_err:.3e}"
+    out = torch.full((t, h), float("nan"), dtype=dtype, device=device)
+    got = fused_experts_small(x, w13, w2, w, ids, out=out, shared=(ws13, ws2))
+    if torch.isnan(got).any():
+        return f"FAIL {int(torch.isnan(got).any(-1).sum())} rows unwritten (NaN)"
+    err = (got.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    if err > tol * max(scale, 1.0):
+        return f"FAIL max err {err:.3e} (max |ref| {scale:.3e})"
+    return f"ok max err {err:.2e}, shared gate err {gate_err:.1e}"
+
+
 def run_layer(device: str, dtype: torch.dtype = torch.float32, tokens: int = 9) -> str:
     """SparseMoE with the Triton experts == with the torch reference (shared expert and gate included); 9
     tokens x top-2 take the unsorted decode path, 40 the grouped GEMM."""
@@ -193,6 +236,9 @@ CHECKS = {
     "small_e4_k2_t5_shared_experts_f32": lambda d: run_small_experts(d, 5, 4, 2, 40, 24, torch.float32, "hot", 25),
     "small_e16_k8_t3_f16": lambda d: run_small_experts(d, 3, 16, 8, 300, 48, torch.float16, "few", 26),
     "small_e8_k1_t2_f32": lambda d: run_small_experts(d, 2, 8, 1, 32, 520, torch.float32, "uniform", 27),
+    "small_shared_e8_k2_t3_wider_shared_f32": lambda d: run_small_shared(d, 3, 8, 2, 48, 24, 40, torch.float32, 28),
+    "small_shared_e64_k8_t1_narrower_shared_f16": lambda d: run_small_shared(d, 1, 64, 8, 300, 32, 16,
+                                                                             torch.float16, 29),
 }
 
 

@@ -56,3 +56,16 @@ def test_cpu_layer_uses_reference():
     x = torch.randn(5, 16)
     w, ids = moe.route(m.gate(x), 2, True)
     torch.testing.assert_close(m(x), moe.fused_experts_ref(x, m.w13, m.w2, w, ids))
+
+
+def test_fused_shared_expert_only_for_plain_weights():
+    """The decode path reads the shared expert's weights itself: only plain unquantized ones without bias."""
+    from voltllm.model.layers import moe
+    from voltllm.model.layers.linear import Linear
+
+    m = moe.SparseMoE(16, 4, 2, 8, 12, True, torch.float32)
+    gate, gate_up, down = m._plain_shared_weights()
+    assert gate.shape == (1, 16) and gate_up.shape == (24, 16) and down.shape == (16, 12)
+    m.shared_expert_gate = Linear(16, 1, bias=True)
+    assert m._plain_shared_weights() is None
+    assert moe.SparseMoE(16, 4, 2, 8, 0, True, torch.float32)._plain_shared_weights() is None

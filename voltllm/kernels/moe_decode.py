@@ -25,6 +25,8 @@ Reference: voltllm.model.layers.moe.route / fused_experts_ref. Tests: tests/unit
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -35,9 +37,11 @@ SMALL_MAX_PAIRS = 64  # (token, expert) pairs up to which SparseMoE takes the un
 
 
 @triton.jit
-def _moe_route_kernel(Logits, W, Ids, stride_l, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_TOPK: tl.constexpr, RENORM: tl.constexpr):
+def _moe_route_kernel(Logits, W, Ids, X, Wsg, stride_l, stride_xt, E, H, TOP_K: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, RENORM: tl.constexpr,
+                      HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    k_out = TOP_K + HAS_SHARED  # entries per token: the routed experts, then the shared one
     offs = tl.arange(0, BLOCK_E)
     me = offs < E
     logit = tl.load(Logits + t * stride_l + offs, mask=me, other=float("-inf")).to(tl.float32)
@@ -57,20 +61,38 @@ def _moe_route_kernel(Logits, W, Ids, stride_l, E, TOP_K: tl.constexpr, BLOCK_E:
     if RENORM:
         w = w / tl.sum(w, axis=0)
     mk = slot < TOP_K
-    tl.store(W + t * TOP_K + slot, w, mask=mk)
-    tl.store(Ids + t * TOP_K + slot, ids, mask=mk)
+    tl.store(W + t * k_out + slot, w, mask=mk)
+    tl.store(Ids + t * k_out + slot, ids, mask=mk)
+    if HAS_SHARED:  # the shared expert's weight sigmoid(x . w_gate), with id E
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mh = offs_h < H
+            acc += tl.load(X + t * stride_xt + offs_h, mask=mh, other=0.0).to(tl.float32) * \
+                tl.load(Wsg + offs_h, mask=mh, other=0.0).to(tl.float32)
+        tl.store(W + t * k_out + TOP_K, 1.0 / (1.0 + tl.exp(-tl.sum(acc, axis=0))))
+        tl.store(Ids + t * k_out + TOP_K, E)
 
 
 @triton.jit
-def _moe_small_gate_up_kernel(X, W13, Ids, Inter, H, I, stride_xt, stride_we, stride_wn, stride_it,
-                              TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_small_gate_up_kernel(X, W13, WS13, Ids, Inter, E, H, I, IS, stride_xt, stride_we, stride_wn, stride_sn,
+                              stride_it, K_OUT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)
-    t = pair // TOP_K
-    e = tl.load(Ids + pair).to(tl.int64)
+    t = pair // K_OUT
+    e = tl.load(Ids + pair)
+    base = W13 + e.to(tl.int64) * stride_we
+    stride_n = stride_wn
+    n_lim = I
+    if HAS_SHARED:
+        if e == E:  # the shared expert: its own [2 IS, H] weight
+            base = WS13
+            stride_n = stride_sn
+            n_lim = IS
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < I
-    wg_rows = W13 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-    wu_rows = wg_rows + I * stride_wn
+    mn = offs_n < n_lim
+    wg_rows = base + offs_n[:, None].to(tl.int64) * stride_n
+    wu_rows = wg_rows + n_lim * stride_n
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -87,20 +109,29 @@ def _moe_small_gate_up_kernel(X, W13, Ids, Inter, H, I, stride_xt, stride_we, st
 
 
 @triton.jit
-def _moe_small_down_kernel(Inter, W2, Ids, TopkW, Out, H, I, stride_it, stride_we, stride_wn, stride_ot,
-                           TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_small_down_kernel(Inter, W2, WS2, Ids, TopkW, Out, E, H, I, IS, stride_it, stride_we, stride_wn,
+                           stride_sn, stride_ot, K_OUT: tl.constexpr, HAS_SHARED: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < H
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = t * TOP_K + j
-        e = tl.load(Ids + pair).to(tl.int64)
-        w_rows = W2 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    for j in range(K_OUT):
+        pair = t * K_OUT + j
+        e = tl.load(Ids + pair)
+        base = W2 + e.to(tl.int64) * stride_we
+        stride_n = stride_wn
+        k_lim = I
+        if HAS_SHARED:
+            if e == E:  # the shared expert's [H, IS] down weight
+                base = WS2
+                stride_n = stride_sn
+                k_lim = IS
+        w_rows = base + offs_n[:, None].to(tl.int64) * stride_n
         part = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in range(0, k_lim, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < I
+            mk = offs_k < k_lim
             a = tl.load(Inter + pair * stride_it + offs_k, mask=mk, other=0.0).to(tl.float32)
             wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
             part += tl.sum(wt * a[None, :], axis=1)
@@ -109,75 +140,96 @@ def _moe_small_down_kernel(Inter, W2, Ids, TopkW, Out, H, I, stride_it, stride_w
 
 
 def _route_specs() -> list[CompileSpec]:
-    return [CompileSpec(signature={"Logits": f"*{act}", "W": "*fp32", "Ids": "*i32", "stride_l": "i32", "E": "i32",
-                                   **{n: "constexpr" for n in ("TOP_K", "BLOCK_E", "BLOCK_TOPK", "RENORM")}},
-                        constexprs={"TOP_K": 8, "BLOCK_E": 256, "BLOCK_TOPK": 8, "RENORM": True},
-                        label=f"{act} E256 k8") for act in ("fp16", "fp32")]
-
-
-def _gate_up_specs() -> list[CompileSpec]:
     return [CompileSpec(signature={
-        "X": f"*{act}", "W13": f"*{act}", "Ids": "*i32", "Inter": f"*{act}", "H": "i32", "I": "i32",
-        "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_it": "i32",
-        "TOP_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-        constexprs={"TOP_K": 8, "BLOCK_N": 16, "BLOCK_K": 256}, label=f"{act} n16 k256 top8")
-        for act in ("fp16", "fp32")]
+        "Logits": f"*{act}", "W": "*fp32", "Ids": "*i32", "X": f"*{act}", "Wsg": f"*{act}", "stride_l": "i32",
+        "stride_xt": "i32", "E": "i32", "H": "i32",
+        **{n: "constexpr" for n in ("TOP_K", "BLOCK_E", "BLOCK_TOPK", "RENORM", "HAS_SHARED", "BLOCK_H")}},
+        constexprs={"TOP_K": 8, "BLOCK_E": 256, "BLOCK_TOPK": 8, "RENORM": True, "HAS_SHARED": shared,
+                    "BLOCK_H": 1024},
+        label=f"{act} E256 k8" + (" shared" if shared else "")) for act in ("fp16", "fp32") for shared in (0, 1)]
 
 
-def _down_specs() -> list[CompileSpec]:
-    return [CompileSpec(signature={
-        "Inter": f"*{act}", "W2": f"*{act}", "Ids": "*i32", "TopkW": "*fp32", "Out": f"*{act}", "H": "i32",
-        "I": "i32", "stride_it": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_ot": "i32",
-        "TOP_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-        constexprs={"TOP_K": 8, "BLOCK_N": 16, "BLOCK_K": 256}, label=f"{act} n16 k256 top8")
-        for act in ("fp16", "fp32")]
+def _expert_specs(pointers: tuple[str, ...], strides: tuple[str, ...]) -> list[CompileSpec]:
+    def sig(act: str) -> dict:
+        return {**{n: ("*i32" if n == "Ids" else "*fp32" if n == "TopkW" else f"*{act}") for n in pointers},
+                **{n: "i32" for n in ("E", "H", "I", "IS") + strides},
+                **{n: "constexpr" for n in ("K_OUT", "HAS_SHARED", "BLOCK_N", "BLOCK_K")}}
+    return [CompileSpec(signature=sig(act), constexprs={"K_OUT": 8 + shared, "HAS_SHARED": shared, "BLOCK_N": 16,
+                                                        "BLOCK_K": 256},
+                        label=f"{act} n16 k256 top8" + (" shared" if shared else ""))
+            for act in ("fp16", "fp32") for shared in (0, 1)]
 
 
 register_kernel("moe.route_topk", _moe_route_kernel, _route_specs(), compat=True)
-register_kernel("moe.small_gate_up", _moe_small_gate_up_kernel, _gate_up_specs(), compat=True)
-register_kernel("moe.small_down", _moe_small_down_kernel, _down_specs(), compat=True)
+register_kernel("moe.small_gate_up", _moe_small_gate_up_kernel, _expert_specs(
+    ("X", "W13", "WS13", "Ids", "Inter"), ("stride_xt", "stride_we", "stride_wn", "stride_sn", "stride_it")),
+    compat=True)
+register_kernel("moe.small_down", _moe_small_down_kernel, _expert_specs(
+    ("Inter", "W2", "WS2", "Ids", "TopkW", "Out"), ("stride_it", "stride_we", "stride_wn", "stride_sn", "stride_ot")),
+    compat=True)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """route() in one launch: router_logits [T, E] (any float) -> (weights fp32 [T, k], ids int32 [T, k])."""
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              shared_gate: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() in one launch: router_logits [T, E] (any float) -> (weights fp32 [T, k], ids int32 [T, k]).
+    shared_gate (x [T, H], the shared expert's gate weight [H]): one more entry per token, weight
+    sigmoid(x . w) in fp32 and id E, which fused_experts_small(shared=...) reads as the shared expert."""
     t, e = router_logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"moe_route: top_k {top_k} must be in 1..{e}")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    k_out = top_k + (shared_gate is not None)
+    w = torch.empty(t, k_out, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k_out, dtype=torch.int32, device=logits.device)
+    x, wsg = shared_gate if shared_gate is not None else (logits, logits)  # (not read without a shared gate)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    hdim = x.shape[1]
+    if shared_gate is not None and wsg.numel() != hdim:
+        raise ValueError(f"moe_route: shared gate weight of {wsg.numel()} elements for hidden size {hdim}")
     if t:
-        _moe_route_kernel[(t,)](logits, w, ids, logits.stride(0), e, TOP_K=top_k,
-                                BLOCK_E=triton.next_power_of_2(e), BLOCK_TOPK=triton.next_power_of_2(top_k),
-                                RENORM=renormalize, num_warps=4 if e > 256 else 2)
+        _moe_route_kernel[(t,)](logits, w, ids, x, wsg.reshape(-1), logits.stride(0), x.stride(0), e, hdim,
+                                TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+                                BLOCK_TOPK=triton.next_power_of_2(top_k), RENORM=renormalize,
+                                HAS_SHARED=int(shared_gate is not None),
+                                BLOCK_H=min(1024, triton.next_power_of_2(hdim)), num_warps=4 if e > 256 else 2)
     return w, ids
 
 
 def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                        topk_ids: torch.Tensor, out: Optional[torch.Tensor] = None,
+                        shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """voltllm.kernels.moe.fused_experts for a few tokens (T * k up to about SMALL_MAX_PAIRS; any T works):
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k]; topk_ids [T, k] -> out [T, H] in x's dtype."""
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k]; topk_ids [T, k] -> out [T, H] in x's dtype.
+    shared (the shared expert's gate_up [2 IS, H] and down [H, IS] weights): entries with id E are that
+    expert (moe_route(shared_gate=...) appends one per token), so out also holds its gated output."""
     t, hdim = x.shape
     e_num, two_i, h_w = w13.shape
     inter_dim = two_i // 2
-    k = topk_ids.shape[1]
+    k_out = topk_ids.shape[1]
     if h_w != hdim or tuple(w2.shape) != (e_num, hdim, inter_dim):
         raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    ws13, ws2 = shared if shared is not None else (w13, w2)  # (not read without a shared expert)
+    shared_dim = ws13.shape[0] // 2 if shared is not None else inter_dim
+    if shared is not None and (tuple(ws13.shape) != (2 * shared_dim, hdim) or tuple(ws2.shape) != (hdim, shared_dim)):
+        raise ValueError(f"shared expert weights {tuple(ws13.shape)} / {tuple(ws2.shape)} do not fit x "
+                         f"{tuple(x.shape)}")
     if out is None:
         out = torch.empty_like(x)
     if t == 0:
         return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    x, w13, w2, ws13, ws2 = (a if a.stride(-1) == 1 else a.contiguous() for a in (x, w13, w2, ws13, ws2))
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    inter = torch.empty(t * k, inter_dim, dtype=x.dtype, device=x.device)
+    width = max(inter_dim, shared_dim)
+    inter = torch.empty(t * k_out, width, dtype=x.dtype, device=x.device)
+    has_shared = int(shared is not None)
     bn = 16
-    _moe_small_gate_up_kernel[(t * k, triton.cdiv(inter_dim, bn))](
-        x, w13, ids, inter, hdim, inter_dim, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=k, BLOCK_N=bn, BLOCK_K=min(256, triton.next_power_of_2(hdim)), num_warps=4)
+    _moe_small_gate_up_kernel[(t * k_out, triton.cdiv(width, bn))](
+        x, w13, ws13, ids, inter, e_num, hdim, inter_dim, shared_dim, x.stride(0), w13.stride(0), w13.stride(1),
+        ws13.stride(0), inter.stride(0),
+        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn, BLOCK_K=min(256, triton.next_power_of_2(hdim)), num_warps=4)
     _moe_small_down_kernel[(t, triton.cdiv(hdim, bn))](
-        inter, w2, ids, tw, out, hdim, inter_dim, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=k, BLOCK_N=bn, BLOCK_K=min(256, triton.next_power_of_2(inter_dim)), num_warps=4)
+        inter, w2, ws2, ids, tw, out, e_num, hdim, inter_dim, shared_dim, inter.stride(0), w2.stride(0),
+        w2.stride(1), ws2.stride(0), out.stride(0),
+        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn, BLOCK_K=min(256, triton.next_power_of_2(width)), num_warps=4)
     return out

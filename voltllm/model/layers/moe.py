@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voltllm.model.layers.activation import silu_and_mul
-from voltllm.model.layers.linear import Linear
+from voltllm.model.layers.linear import Linear, UnquantizedLinearMethod
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +106,18 @@ class SparseMoE(nn.Module):
         if x.is_cuda if self.triton_experts is None else self.triton_experts:
             from voltllm.kernels import moe_decode
 
-            # the router in one launch; decode-sized batches skip the grouped GEMM's sort (moe_decode docstring)
-            weights, ids = moe_decode.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
+            # the router in one launch; decode-sized batches skip the grouped GEMM's sort and take the shared
+            # expert as one more entry per token (moe_decode docstring)
             if x.shape[0] * self.top_k <= moe_decode.SMALL_MAX_PAIRS:
-                out = moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids)
+                shared = self._plain_shared_weights()
+                weights, ids = moe_decode.moe_route(self.gate(x), self.top_k, self.norm_topk_prob,
+                                                    shared_gate=(x, shared[0]) if shared else None)
+                out = moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids,
+                                                     shared=shared[1:] if shared else None)
+                if shared:
+                    return out
             else:
+                weights, ids = moe_decode.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
                 out = fused_experts(x, self.w13, self.w2, weights, ids, True)
         else:
             weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
@@ -118,6 +125,16 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def _plain_shared_weights(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(gate [1, H], gate_up [2 IS, H], down [H, IS]) of the shared expert when all three are plain
+        unquantized weights without bias (what the fused decode path reads); else None."""
+        if self.shared_expert is None:
+            return None
+        lins = (self.shared_expert_gate, self.shared_expert.gate_up_proj, self.shared_expert.down_proj)
+        if any(not isinstance(lin.method, UnquantizedLinearMethod) or lin.bias is not None for lin in lins):
+            return None
+        return tuple(lin.weight for lin in lins)
 
     # -- weights ---------------------------------------------------------------------------------
     def expected_weight_keys(self, prefix: str) -> set[str]:
