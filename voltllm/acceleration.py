@@ -1,14 +1,16 @@
 """The acceleration report: for the running configuration, which route each stage takes, and how often.
 
 Routes: attention_prefill, attention_decode, kv_codec, linear, sampler, cuda_graphs, compile_cache,
-fused_elementwise, and gdn_decode / gdn_prefill for hybrid (Gated DeltaNet) models. Each has `enabled` (the
+fused_elementwise, gdn_decode / gdn_prefill for hybrid (Gated DeltaNet) models, and moe for sparse-MoE
+models. Each has `enabled` (the
 accelerated GPU route runs), `expected` (this configuration should have it: `--require-acceleration` refuses to
 start when an expected route is disabled), `impl`, `reason`, and call counters.
 
 Counters (voltllm/route_counters.py, re-exported here). `instrument(runner)` wraps, on that runner's own objects,
 the attention backend's forward (one call per attention layer; prefill vs decode by the step's metadata), every
 Linear's forward, the sampler and the model's forward; and, process-wide, the public launchers of
-voltllm.kernels.fused, voltllm.kernels.gdn_decode, voltllm.kernels.gdn_conv and voltllm.kernels.gdn_chunk. A
+voltllm.kernels.fused, voltllm.kernels.gdn_decode, voltllm.kernels.gdn_conv, voltllm.kernels.gdn_chunk and
+voltllm.kernels.moe_decode's router (one call per MoE layer forward). A
 replayed CUDA graph runs no Python, so for the routes inside the graph the report adds DecodeGraphs.replays x the
 calls one eager forward makes (learned from the eager forwards the runner runs: a pure-decode forward when one was
 seen, else a prefill forward with its attention calls counted as decode calls, which is what a graph replay runs).
@@ -59,6 +61,18 @@ def _is_hybrid_config(hf_config: Any) -> bool:
     types = getattr(text, "layer_types", None) or []
     return any(t == "linear_attention" for t in types) or getattr(hf_config, "model_type", "") in (
         "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _is_moe_config(hf_config: Any) -> bool:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return int(getattr(text, "num_experts", 0) or 0) > 0
+
+
+def _has_moe_layers(runner: Any) -> bool:
+    from voltllm.model.layers.moe import SparseMoE
+
+    model = getattr(runner, "model", None)
+    return model is not None and any(isinstance(m, SparseMoE) for m in model.modules())
 
 
 def _route(enabled: bool, expected: bool, impl: str, reason: str, **extra: Any) -> dict:
@@ -245,6 +259,16 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
             cuda, cuda, "Triton conv1d step + gated delta rule step (fp32 state, FMA)",
             "decode-only batches (prefill and mixed batches: gdn_prefill)" if cuda else cpu_reason)
         routes["gdn_prefill"] = _route(cuda, cuda, *_gdn_prefill_route(runner, config, plat, cpu_reason))
+
+    if _has_moe_layers(runner) if runner is not None else _is_moe_config(config.model.hf_config):
+        from voltllm.kernels.moe_decode import SMALL_MAX_PAIRS
+
+        routes["moe"] = _route(
+            cuda, cuda,
+            f"Triton router (one launch); up to {SMALL_MAX_PAIRS} (token, expert) pairs: two unsorted expert GEMV "
+            "launches with the shared expert, else the grouped GEMM (sort, gate_up + SiLU, down)" if cuda else
+            "torch router + reference experts (one GEMM pair per expert with tokens)",
+            "no loop over experts, no host sync, CUDA-graph safe" if cuda else cpu_reason)
 
     counters = counters_of(runner) if runner is not None else None
     calls = counters.calls() if counters is not None else None

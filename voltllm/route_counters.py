@@ -16,17 +16,18 @@ import torch
 
 
 ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "sampler", "cuda_graphs",
-          "compile_cache", "fused_elementwise", "gdn_decode", "gdn_prefill")
+          "compile_cache", "fused_elementwise", "gdn_decode", "gdn_prefill", "moe")
 # routes whose calls happen inside the model forward (so inside a decode CUDA graph)
 _FORWARD_ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "fused_elementwise", "gdn_decode",
-                   "gdn_prefill")
+                   "gdn_prefill", "moe")
 _FUSED_FNS = ("rms_norm", "fused_add_rms_norm", "rope_inplace", "qk_norm_rope_inplace", "silu_and_mul",
               "gated_rms_norm_heads")
 _GDN_FNS = ("causal_conv1d_decode", "gated_delta_rule_decode")
 _GDN_PREFILL_FNS = ("gated_delta_rule_chunked",)
 _GDN_CONV_FNS = ("causal_conv1d_prefill",)
+_MOE_FNS = ("moe_route",)  # one Triton router launch per sparse-MoE layer forward, whichever expert kernels follow
 
-_GLOBAL = {"fused_elementwise": 0, "gdn_decode": 0, "gdn_prefill": 0}  # process-wide kernel launcher calls
+_GLOBAL = {"fused_elementwise": 0, "gdn_decode": 0, "gdn_prefill": 0, "moe": 0}  # process-wide kernel launcher calls
 _CUDA = torch.cuda.is_available()
 _COUNTERS: "weakref.WeakKeyDictionary[Any, RouteCounters]" = weakref.WeakKeyDictionary()
 
@@ -51,14 +52,15 @@ def _count_global(key: str, fn: Callable) -> Callable:
 
 
 def install_global_hooks() -> None:
-    """Count the fused-elementwise and GDN decode / prefill (conv1d, chunked delta rule) launchers (module attributes the layers call);
-    idempotent."""
+    """Count the fused-elementwise, GDN decode / prefill (conv1d, chunked delta rule) and MoE router launchers (module
+    attributes the layers call); idempotent."""
     import importlib
 
     for mod_name, key, names in (("voltllm.kernels.fused", "fused_elementwise", _FUSED_FNS),
                                  ("voltllm.kernels.gdn_decode", "gdn_decode", _GDN_FNS),
                                  ("voltllm.kernels.gdn_chunk", "gdn_prefill", _GDN_PREFILL_FNS),
-                                 ("voltllm.kernels.gdn_conv", "gdn_prefill", _GDN_CONV_FNS)):
+                                 ("voltllm.kernels.gdn_conv", "gdn_prefill", _GDN_CONV_FNS),
+                                 ("voltllm.kernels.moe_decode", "moe", _MOE_FNS)):
         try:
             mod = importlib.import_module(mod_name)
         except Exception:  # noqa: BLE001 - Triton missing: those routes never run

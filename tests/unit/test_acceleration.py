@@ -50,7 +50,7 @@ def test_cpu_report_shape_and_reasons(llm):
     assert report["object"] == "acceleration_report" and report["source"] == "engine"
     assert report["platform"]["route"] == "cpu"
     names = list(report["routes"])
-    assert names == [r for r in ROUTES if not r.startswith("gdn_")]  # not a hybrid model
+    assert names == [r for r in ROUTES if not r.startswith("gdn_") and r != "moe"]  # a dense model
     for name, r in report["routes"].items():
         assert set(r) >= {"enabled", "expected", "impl", "reason", "calls"}, name
         assert r["enabled"] is False and r["expected"] is False, name  # the CPU runs the reference routes
@@ -258,3 +258,28 @@ def test_hybrid_prefill_template_counts_gdn_decode_calls(tmp_path):
     assert counters.template["attention_decode"] == 2 and counters.template["attention_prefill"] == 0
     assert counters.template["gdn_decode"] == 2 * gdn
     assert counters.template["gdn_prefill"] == 0  # a replayed decode step runs no chunked prefill
+
+
+def test_moe_route_predicted_and_counted(tiny_dir, fake_v100, tmp_path):
+    """Sparse-MoE models get a `moe` route (expected on a GPU, the Triton router + expert kernels); dense ones
+    none. Its counter is the router launcher, hooked process-wide like the GDN launchers."""
+    from tiny_models import make_tiny_hybrid
+    from voltllm import LLM
+    from voltllm.bench.shapes import make_config
+    from voltllm.kernels import moe_decode
+
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config())
+    assert "moe" not in build_report(config)["routes"]
+    moe_cfg = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, hf_config=make_config("qwen3.5-35b-a3b-shape")))
+    route = build_report(moe_cfg)["routes"]["moe"]
+    assert route["enabled"] and route["expected"] and "router" in route["impl"]
+    assert require_acceleration(moe_cfg)["ok"]
+    acceleration.install_global_hooks()
+    assert getattr(moe_decode.moe_route, "_voltllm_counted", False)
+    path = make_tiny_hybrid(str(tmp_path), "qwen3_5_moe", 702, 703)
+    if path is None:
+        pytest.skip("qwen3_5_moe not in this transformers")
+    runner = LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none").engine.runner
+    cpu = build_report(runner.config, runner)["routes"]["moe"]
+    assert not cpu["enabled"] and not cpu["expected"] and "reference" in cpu["impl"]
