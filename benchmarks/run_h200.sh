@@ -534,6 +534,7 @@ case $stage in
         # parity, half greedy and teacher-forced), then qwen3.5-35b-a3b-shape decode batch 1 and 16 / 64 concurrent
     gpu_file test_hybrid_gpu 200 -k "moe_checks or moe_decode_path or qwen3_5_moe or qwen3_next" -s
     grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -24
+    timeout 90 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
     bench_via "timeout 110 python3 -m voltllm.cli" $m35 --scenario decode --input-len 512 --output-len 128 \
       --max-model-len 4096 --max-num-seqs 4 --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha | tail -8

@@ -197,11 +197,14 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, out: Optional[torch.Tensor] = None,
-                        shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                        shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                        tiles: tuple[int, int, int] = (16, 16, 4)) -> torch.Tensor:
     """voltllm.kernels.moe.fused_experts for a few tokens (T * k up to about SMALL_MAX_PAIRS; any T works):
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k]; topk_ids [T, k] -> out [T, H] in x's dtype.
     shared (the shared expert's gate_up [2 IS, H] and down [H, IS] weights): entries with id E are that
-    expert (moe_route(shared_gate=...) appends one per token), so out also holds its gated output."""
+    expert (moe_route(shared_gate=...) appends one per token), so out also holds its gated output.
+    tiles: (gate_up columns per program, down columns per program, warps); the default is untuned (the sweep:
+    benchmarks/micro/moe_decode_sweep.py)."""
     t, hdim = x.shape
     e_num, two_i, h_w = w13.shape
     inter_dim = two_i // 2
@@ -223,13 +226,15 @@ def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     width = max(inter_dim, shared_dim)
     inter = torch.empty(t * k_out, width, dtype=x.dtype, device=x.device)
     has_shared = int(shared is not None)
-    bn = 16
-    _moe_small_gate_up_kernel[(t * k_out, triton.cdiv(width, bn))](
+    bn_up, bn_down, warps = tiles
+    _moe_small_gate_up_kernel[(t * k_out, triton.cdiv(width, bn_up))](
         x, w13, ws13, ids, inter, e_num, hdim, inter_dim, shared_dim, x.stride(0), w13.stride(0), w13.stride(1),
         ws13.stride(0), inter.stride(0),
-        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn, BLOCK_K=min(256, triton.next_power_of_2(hdim)), num_warps=4)
-    _moe_small_down_kernel[(t, triton.cdiv(hdim, bn))](
+        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_up, BLOCK_K=min(256, triton.next_power_of_2(hdim)),
+        num_warps=warps)
+    _moe_small_down_kernel[(t, triton.cdiv(hdim, bn_down))](
         inter, w2, ws2, ids, tw, out, e_num, hdim, inter_dim, shared_dim, inter.stride(0), w2.stride(0),
         w2.stride(1), ws2.stride(0), out.stride(0),
-        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn, BLOCK_K=min(256, triton.next_power_of_2(width)), num_warps=4)
+        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_down, BLOCK_K=min(256, triton.next_power_of_2(width)),
+        num_warps=warps)
     return out
