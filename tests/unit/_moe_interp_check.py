@@ -141,6 +141,19 @@ def run_small_experts(device: str, t: int, e: int, k: int, h: int, inter: int, d
     return f"ok max err {err:.2e}"
 
 
+def run_route_nan(device: str) -> str:
+    """A row of NaN / inf logits (a padded CUDA-graph row, an fp16 overflow) still yields expert ids in range."""
+    from voltllm.kernels.moe_decode import moe_route
+
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(30)).to(device)
+    logits[1] = float("nan")
+    logits[2, 3] = float("inf")
+    _, ids = moe_route(logits, 4, True)
+    if not bool(((ids >= 0) & (ids < 16)).all()):
+        return f"FAIL ids out of range: {ids.tolist()}"
+    return f"ok ids {ids[1].tolist()} for the NaN row"
+
+
 def run_small_shared(device: str, t: int, e: int, k: int, h: int, inter: int, shared_inter: int,
                      dtype: torch.dtype, seed: int) -> str:
     """moe_route(shared_gate=...) + fused_experts_small(shared=...) == the routed experts' reference plus
@@ -232,6 +245,7 @@ CHECKS = {
     "route_e10_k3_f32": lambda d: run_route(d, 5, 10, 3, False, torch.float32, 21),
     "route_e512_k10_renorm_f32": lambda d: run_route(d, 2, 512, 10, True, torch.float32, 22),
     "route_e6_k6_all_f32": lambda d: run_route(d, 1, 6, 6, True, torch.float32, 23),
+    "route_nan_rows_in_range": lambda d: run_route_nan(d),
     "small_e64_k8_t1_f32": lambda d: run_small_experts(d, 1, 64, 8, 64, 32, torch.float32, "uniform", 24),
     "small_e4_k2_t5_shared_experts_f32": lambda d: run_small_experts(d, 5, 4, 2, 40, 24, torch.float32, "hot", 25),
     "small_e16_k8_t3_f16": lambda d: run_small_experts(d, 3, 16, 8, 300, 48, torch.float16, "few", 26),

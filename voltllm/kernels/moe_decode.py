@@ -54,7 +54,9 @@ def _moe_route_kernel(Logits, W, Ids, X, Wsg, stride_l, stride_xt, E, H, TOP_K: 
     ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=0)
-        idx = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)
+        # (clamped: a row of NaN logits, as a padded or overflowed row can hold, matches nothing; it must still
+        # name a real expert, or the expert kernels would read past the weights)
+        idx = tl.minimum(tl.min(tl.where(left == best, offs, BLOCK_E), axis=0), E - 1)
         w = tl.where(slot == j, best, w)
         ids = tl.where(slot == j, idx, ids)
         left = tl.where(offs == idx, -1.0, left)
