@@ -529,17 +529,25 @@ case $stage in
         > "$out/c64-$3.log"; grep -E "output_tok_s|concurrent_decode|_batch_gemm|MLP 24576" "$out/c64-$3.log" | head -8
     done
     ;;
-  s65)  # (for session 21) the shared expert fused into the decode-sized MoE path (written in session 20 after the
-        # device time was spent): MoE CUDA checks + real-shape timings, the tiny MoE hybrids' engine tests (fp32
-        # parity, half greedy and teacher-forced), then qwen3.5-35b-a3b-shape decode batch 1 and 16 / 64 concurrent
-    gpu_file test_hybrid_gpu 200 -k "moe_checks or moe_decode_path or qwen3_5_moe or qwen3_next" -s
-    grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -24
+  s65)  # (for session 21) session 20's last CPU-only changes on the GPU: the shared expert fused into the decode-sized
+        # MoE path, the GDN decode step computing its gates from the raw projections. MoE CUDA checks + real-shape
+        # timings, GDN decode checks, the tiny hybrids' engine tests (fp32 parity, half greedy and teacher-forced,
+        # CUDA graphs), the MoE GEMV tile sweep. Then s66 for the model numbers
+    gpu_file test_gdn_decode 60
+    gpu_file test_hybrid_gpu 300 -k "moe_checks or moe_decode_path or engine or graph" -s
+    grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -30
     timeout 90 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
+    ;;
+  s66)  # (for session 21) decode numbers after s65: qwen3.5-35b-a3b-shape batch 1 and 16 / 64 concurrent,
+        # qwen3.5-27b-shape batch 1 (last measured in session 2: 61.8 tok/s)
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
     bench_via "timeout 110 python3 -m voltllm.cli" $m35 --scenario decode --input-len 512 --output-len 128 \
       --max-model-len 4096 --max-num-seqs 4 --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha | tail -8
     bench_via "timeout 150 python3 -m voltllm.cli" $m35 --scenario concurrency --concurrency 16,64 --input-len 128 \
       --output-len 128 --max-model-len 4096 --max-num-seqs 64 --name qwen3.5-35b-a3b-shape-fp16-c16-c64-$sha | tail -10
+    h27="--random-weights qwen3.5-27b-shape --dtype half --max-num-seqs 4 --max-num-batched-tokens 8192 --num-warm 1"
+    bench_via "timeout 120 python3 -m voltllm.cli" $h27 --scenario decode --input-len 512 --output-len 128 \
+      --max-model-len 4096 --name qwen3.5-27b-shape-fp16-decode-b1-$sha | tail -8
     ;;
   s64)  # (session 20) the decode-sized MoE path (one-launch router, unsorted expert GEMVs): its CUDA checks and
         # real-shape timings, the tiny MoE hybrid's fp32 engine parity, then qwen3.5-35b-a3b-shape decode batch 1

@@ -38,6 +38,39 @@ def run_delta(device: str, bsz: int, hk: int, hv: int, dk: int, dv: int, dtype: 
     return f"ok out err {err_o:.2e} state err {err_s:.2e}"
 
 
+def run_delta_raw_gates(device: str, bsz: int, hk: int, hv: int, d: int, dtype: torch.dtype, seed: int) -> str:
+    """gate_params: the kernel takes the raw projections a, b (strided columns of one projection output, as the
+    layer passes them) and computes g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) itself."""
+    import torch.nn.functional as F
+
+    from voltllm.kernels.gdn_decode import gated_delta_rule_decode
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(bsz, hk, d, generator=g).to(device, dtype)
+    k = torch.randn(bsz, hk, d, generator=g).to(device, dtype)
+    v = torch.randn(bsz, hv, d, generator=g).to(device, dtype)
+    proj = (torch.randn(bsz, 3 * hv + 5, generator=g) * 4).to(device, dtype)  # large |a|: both softplus branches
+    proj[0, 2 * hv + 1] = 30.0  # past softplus' threshold
+    b, a = proj[:, 5:5 + hv], proj[:, 2 * hv:3 * hv]
+    a_log = torch.randn(hv, generator=g).to(device)
+    dt_bias = torch.randn(hv, generator=g).to(device)
+    beta = torch.sigmoid(b.float())
+    gl = -a_log.exp() * F.softplus(a.float() + dt_bias)
+    pool = torch.randn(bsz + 1, hv, d, d, generator=g).to(device)
+    slots = torch.arange(bsz, device=device)
+    init = (torch.arange(bsz) % 2 == 0).to(device)
+    ref_pool = pool.clone()
+    ref = R.gated_delta_rule_varlen(q, k, v, gl, beta, ref_pool, slots, list(range(bsz + 1)), init,
+                                    decode_only=True)
+    out = gated_delta_rule_decode(q, k, v, a, b, pool, slots, init, gate_params=(a_log, dt_bias))
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    err_o = (out.float() - ref.float()).abs().max().item()
+    err_s = (pool - ref_pool).abs().max().item()
+    if err_o > tol * max(1.0, ref.float().abs().max().item()) or err_s > 1e-4 * max(1.0, ref_pool.abs().max().item()):
+        return f"FAIL out err {err_o:.3e} state err {err_s:.3e}"
+    return f"ok out err {err_o:.2e} state err {err_s:.2e}"
+
+
 def run_conv(device: str, bsz: int, c: int, kw: int, dtype: torch.dtype, bias: bool, seed: int) -> str:
     from voltllm.kernels.gdn_decode import causal_conv1d_decode
 
@@ -65,6 +98,8 @@ CHECKS = {
     "delta_f32_dk128_dv128_r3": lambda d: run_delta(d, 3, 1, 3, 128, 128, torch.float32, 1),
     "delta_f32_dk24_dv40_r1_masked": lambda d: run_delta(d, 4, 2, 2, 24, 40, torch.float32, 2),
     "delta_f16_dk64_dv64_r2": lambda d: run_delta(d, 6, 2, 4, 64, 64, torch.float16, 3),
+    "delta_raw_gates_f32_r2": lambda d: run_delta_raw_gates(d, 3, 2, 4, 32, torch.float32, 7),
+    "delta_raw_gates_f16_r3": lambda d: run_delta_raw_gates(d, 2, 1, 3, 64, torch.float16, 8),
     "conv_f32_c100_k4": lambda d: run_conv(d, 5, 100, 4, torch.float32, False, 4),
     "conv_f32_c2100_k4_bias": lambda d: run_conv(d, 3, 2100, 4, torch.float32, True, 5),
     "conv_f16_c64_k3": lambda d: run_conv(d, 4, 64, 3, torch.float16, False, 6),

@@ -24,12 +24,12 @@ from voltllm.kernels.registry import CompileSpec, register_kernel
 
 @triton.jit
 def _gdn_decode_kernel(
-    Q, K, V, G, Beta, State, Slots, HasInit, Out,
+    Q, K, V, G, Beta, ALog, DtBias, State, Slots, HasInit, Out,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_betab,
     stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
     scale,
     HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -47,6 +47,11 @@ def _gdn_decode_kernel(
     v = tl.load(V + b * stride_vb + h * stride_vh + offv, mask=mv, other=0.0).to(tl.float32)
     g = tl.load(G + b * stride_gb + h).to(tl.float32)
     beta = tl.load(Beta + b * stride_betab + h).to(tl.float32)
+    if RAW_GATES:  # G, Beta hold the projections a, b: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+        x = g + tl.load(DtBias + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
+        g = -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-beta))
     slot = tl.load(Slots + b).to(tl.int64)
     init = tl.load(HasInit + b)
     ptr = State + slot * stride_ss + h * stride_sh + offk[:, None] * stride_sk + offv[None, :]
@@ -93,17 +98,20 @@ def _conv_decode_kernel(
 def _gdn_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        for dk, dv, r in ((128, 128, 3), (128, 128, 2), (64, 64, 1)):
-            sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "State": "*fp32",
-                   "Slots": "*i64", "HasInit": "*i32", "Out": f"*{act}",
+        for dk, dv, r, raw in ((128, 128, 3, True), (128, 128, 2, True), (64, 64, 1, True), (128, 128, 3, False)):
+            gate = f"*{act}" if raw else "*fp32"  # raw: the layer's projections a, b; else g, beta in fp32
+            sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": gate, "Beta": gate,
+                   "ALog": "*fp32", "DtBias": "*fp32", "State": "*fp32", "Slots": "*i64", "HasInit": "*u8",
+                   "Out": f"*{act}",
                    **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb",
                                          "stride_vh", "stride_gb", "stride_betab")},
                    "stride_ss": "i64", "stride_sh": "i32", "stride_sk": "i32", "stride_ob": "i32",
                    "stride_oh": "i32", "scale": "fp32",
-                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "BLOCK_K", "BLOCK_V", "L2NORM")}}
+                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "BLOCK_K", "BLOCK_V", "L2NORM",
+                                               "RAW_GATES")}}
             specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": r, "DK": dk, "DV": dv, "BLOCK_K": dk,
-                                                                "BLOCK_V": 32, "L2NORM": True},
-                                     label=f"{act} dk{dk} dv{dv} r{r}"))
+                                                                "BLOCK_V": 32, "L2NORM": True, "RAW_GATES": raw},
+                                     label=f"{act} dk{dk} dv{dv} r{r}" + (" raw gates" if raw else "")))
     return specs
 
 
@@ -111,7 +119,7 @@ def _conv_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
         sig = {"X": f"*{act}", "W": f"*{act}", "Bias": f"*{act}", "State": f"*{act}", "Slots": "*i64",
-               "HasInit": "*i32", "Out": f"*{act}", "stride_xb": "i32", "stride_ss": "i64", "stride_sk": "i32",
+               "HasInit": "*u8", "Out": f"*{act}", "stride_xb": "i32", "stride_ss": "i64", "stride_sk": "i32",
                "stride_ob": "i32", "C": "i32",
                "KW": "constexpr", "BLOCK_C": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr"}
         specs.append(CompileSpec(signature=sig, constexprs={"KW": 4, "BLOCK_C": 256, "HAS_BIAS": False,
@@ -123,30 +131,47 @@ register_kernel("gdn.decode_delta_rule", _gdn_decode_kernel, _gdn_specs(), compa
 register_kernel("gdn.decode_conv1d", _conv_decode_kernel, _conv_specs(), compat=True)
 
 
+def _flags(has_initial_state: torch.Tensor) -> torch.Tensor:
+    """The kernels read has_initial_state as bytes: a bool tensor is viewed as uint8 (no conversion launch per
+    layer and step), anything else converted."""
+    if has_initial_state.dtype == torch.bool:
+        return has_initial_state.view(torch.uint8)
+    return has_initial_state.to(torch.uint8)
+
+
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
                             has_initial_state: torch.Tensor, scale: Optional[float] = None,
-                            use_qk_l2norm: bool = True) -> torch.Tensor:
+                            use_qk_l2norm: bool = True,
+                            gate_params: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv] fp32; ssm_states [num_slots, Hv, Dk, Dv] fp32 (updated
-    at `slots`, long [B]); has_initial_state bool [B] -> out [B, Hv, Dv] in v's dtype."""
+    at `slots`, long [B]); has_initial_state bool [B] -> out [B, Hv, Dv] in v's dtype.
+    gate_params (A_log [Hv], dt_bias [Hv]): g and beta are then the layer's raw projections a and b (any float
+    dtype, rows may be strided), and the kernel computes g = -exp(A_log) softplus(a + dt_bias) and
+    beta = sigmoid(b) itself (the layer's ~8 elementwise launches per step)."""
     bsz, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty(bsz, hv, dv, dtype=v.dtype, device=v.device)
     if bsz == 0:
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    g, beta = g.float().contiguous(), beta.float().contiguous()
+    if gate_params is None:
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        a_log = dt_bias = g  # (not read)
+    else:
+        g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, beta))
+        a_log, dt_bias = (t.float().contiguous() for t in gate_params)
     assert ssm_states.stride(-1) == 1 and ssm_states.dtype == torch.float32
     block_k = triton.next_power_of_2(dk)
     block_v = min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
     grid = (bsz, hv, triton.cdiv(dv, block_v))
     _gdn_decode_kernel[grid](
-        q, k, v, g, beta, ssm_states, slots, has_initial_state.to(torch.int32), out,
+        q, k, v, g, beta, a_log, dt_bias, ssm_states, slots, _flags(has_initial_state), out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
         float(scale if scale is not None else dk ** -0.5),
         HV_PER_K=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        num_warps=4,
+        RAW_GATES=gate_params is not None, num_warps=4,
     )
     return out
 
@@ -169,7 +194,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     block_c = min(1024, triton.next_power_of_2(c))
     grid = (bsz, triton.cdiv(c, block_c))
     _conv_decode_kernel[grid](
-        x, weight, bias if bias is not None else weight, conv_states, slots, has_initial_state.to(torch.int32), out,
+        x, weight, bias if bias is not None else weight, conv_states, slots, _flags(has_initial_state), out,
         x.stride(0), conv_states.stride(0), max(conv_states.stride(1), 1), out.stride(0), c,
         KW=kw, BLOCK_C=block_c, HAS_BIAS=bias is not None, SILU=activation == "silu",
         num_warps=4,

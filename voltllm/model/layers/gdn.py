@@ -195,12 +195,13 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.nk, self.dk)
         k = k.reshape(t, self.nk, self.dk)
         v = v.reshape(t, self.nv, self.dv)
+        if fast:  # the kernel computes g and beta from a and b itself (no elementwise launches per step)
+            o = gdn_decode.gated_delta_rule_decode(q, k, v, a, b, ssm_states, batch.slots, batch.has_initial_state,
+                                                   gate_params=(self.A_log, self.dt_bias))
+            return self.out_proj(self._gated_norm(o, z.reshape(t, self.nv, self.dv)).reshape(t, self.value_dim))
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if fast:
-            o = gdn_decode.gated_delta_rule_decode(q, k, v, g, beta, ssm_states, batch.slots,
-                                                   batch.has_initial_state)
-        elif (self._triton_prefill_fits(batch, self.chunk_precision) if self.triton_prefill is None and x.is_cuda
+        if (self._triton_prefill_fits(batch, self.chunk_precision) if self.triton_prefill is None and x.is_cuda
               else bool(self.triton_prefill)) and not batch.decode_only:
             from voltllm.kernels import gdn_chunk
             if batch.chunk_meta is None:
