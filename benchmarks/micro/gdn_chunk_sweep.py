@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--lens", nargs="*", default=["8192", "2048x4"])
     ap.add_argument("--variants", default="ieee:64:8,tf32:64:8,tf32:32:4,tf32:32:8,tf32:16:4",
                     help="precision:block_v:num_warps[:num_stages[:prep_warps[:prep_stages]]], a trailing :h for the "
-                         "HOIST \"prep\" form, :hs for \"split\"; comma separated")
+                         "HOIST form; comma separated")
     args = ap.parse_args()
     for spec in args.lens:
         n, _, c = spec.partition("x")
@@ -70,7 +70,7 @@ def main() -> None:
         print(f"{spec}: torch chunked form {_ms(ref):.2f} ms", flush=True)
         for var in args.variants.split(","):
             prec, bv, warps, *rest = var.split(":")
-            hoist = {"h": "prep", "hs": "split"}.get(rest[-1], "") if rest else ""
+            hoist = bool(rest) and rest[-1] == "h"
             rest = rest[:-1] if hoist else rest
             stages, pw, ps = (int(x) if x else None for x in (rest + [""] * 3)[:3])
 

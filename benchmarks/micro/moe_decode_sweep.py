@@ -11,30 +11,11 @@ import argparse
 
 import torch
 
+from graph_timing import graph_us
 from voltllm.kernels.moe_decode import fused_experts_small, moe_route
 from voltllm.model.layers.moe import fused_experts_ref
 
 SHAPES = {"35b": (2048, 256, 8, 512, 512), "80b": (2048, 512, 10, 512, 512)}  # H, E, k, I, shared I
-
-
-def _graph_us(fn, reps: int = 50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def main() -> None:
@@ -67,8 +48,8 @@ def main() -> None:
                 want = ref + torch.sigmoid(x.float() @ wsg.float().t()) * (
                     (torch.nn.functional.silu(gu[:, :sinter]) * gu[:, sinter:]) @ ws2.float().t())
                 err = ((got - want).abs().max() / want.abs().max()).item()
-                us = _graph_us(lambda i: fused_experts_small(x, w13, w2, *routes[i], shared=(ws13, ws2),
-                                                             tiles=tiles))
+                us = graph_us(lambda i: fused_experts_small(x, w13, w2, *routes[i], shared=(ws13, ws2),
+                                                            tiles=tiles), reps=50)
                 print(f"  tiles {spec:<10} {us:7.1f} us  {nbytes / us / 1e3:6.0f} GB/s  rel err {err:.1e}", flush=True)
             except Exception as ex:  # a tile that does not compile is reported, not fatal
                 print(f"  tiles {spec:<10} failed: {type(ex).__name__}: {str(ex)[:100]}", flush=True)

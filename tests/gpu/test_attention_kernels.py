@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_timing import graph_time_us
+
 pytestmark = pytest.mark.gpu
 
 _spec = importlib.util.spec_from_file_location(
@@ -226,32 +228,6 @@ def test_pdl_kv_prefetch_after_rope_in_graph(prefetch):
 
 # --- timing prints -----------------------------------------------------------------------------
 
-def _graph_time_us(fn, reps: int = 20) -> float:
-    """GPU time of fn() captured `reps` times in one CUDA graph (no host launch overhead), per call."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def _copy_bandwidth() -> tuple[float, float]:
     """(device copy rate counting read + write, eager events; read rate of a sum), bytes/s."""
     x = torch.randn(1 << 28, device=DEV)
@@ -266,7 +242,7 @@ def _copy_bandwidth() -> tuple[float, float]:
     torch.cuda.synchronize()
     copy = 10 * 2 * x.numel() * 4 / (a.elapsed_time(b) * 1e-3)
     r = torch.empty((), device=DEV)
-    us = _graph_time_us(lambda: torch.sum(x, dim=0, out=r), reps=5)
+    us = graph_time_us(lambda: torch.sum(x, dim=0, out=r), reps=5)
     return copy, x.numel() * 4 / (us * 1e-6)
 
 
@@ -294,7 +270,7 @@ def test_decode_bandwidth_print():
             fn = lambda: paged_decode(case.q, case.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
                                       case.scale, out, num_splits=splits, part_o=po, part_lse=pl,
                                       use_dot=use_dot, fma_lanes=lanes, block_n=block_n, num_warps=warps)
-            us = _graph_time_us(fn)
+            us = graph_time_us(fn)
             bw = kv_bytes / (us * 1e-6)
             print(f"BENCH decode b={batch} ctx={ctx} hq={hq} hkv={hkv} d={d} fp16 splits={splits}"
                   f"{'(heur)' if splits == heur else ''} {'dot' if use_dot else 'fma-lanes' if lanes else 'fma-rows'}"
@@ -321,7 +297,7 @@ def _prefill_bench(d, cfgs):
         fn = lambda: paged_prefill(case.q, case.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
                                    case.scale, out, max_query_len=L, config=cfg)
         try:
-            us = _graph_time_us(fn, reps=5)
+            us = graph_time_us(fn, reps=5)
         except Exception as e:  # a config that does not fit is a finding, not a failure
             print(f"BENCH prefill cfg={cfg}: failed {type(e).__name__}: {str(e)[:120]}")
             continue

@@ -30,15 +30,35 @@ def _routing(t: int, e: int, k: int, skew: str, gen: torch.Generator, device: st
     return w.to(device), ids.to(device)
 
 
+def _inputs(gen: torch.Generator, t: int, e: int, h: int, inter: int, device: str, dtype: torch.dtype):
+    """x [T, H] and expert weights w13 [E, 2I, H], w2 [E, H, I], scaled to keep the outputs O(1)."""
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device, dtype)
+    w2 = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    return x, w13, w2
+
+
+def _verdict(got: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str:
+    """The result is in the (NaN-poisoned) `out`, every row written, within the dtype's tolerance of ref."""
+    if got.data_ptr() != out.data_ptr():
+        return "FAIL the result is not in `out`"
+    if torch.isnan(got).any():
+        return f"FAIL {int(torch.isnan(got).any(-1).sum())} rows unwritten (NaN)"
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    if err > tol * max(scale, 1.0):
+        return f"FAIL max err {err:.3e} (max |ref| {scale:.3e})"
+    return f"ok max err {err:.2e}"
+
+
 def run_experts(device: str, t: int, e: int, k: int, h: int, inter: int, dtype: torch.dtype, skew: str,
                 seed: int, config: dict | None = None, chunk_pairs: int | None = None) -> str:
     from voltllm.kernels import moe as M
     from voltllm.model.layers.moe import fused_experts_ref
 
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device, dtype)
-    w2 = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    x, w13, w2 = _inputs(gen, t, e, h, inter, device, dtype)
     weights, ids = _routing(t, e, k, skew, gen, device)
     counts = torch.bincount(ids.reshape(-1).cpu(), minlength=e)
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
@@ -53,17 +73,8 @@ def run_experts(device: str, t: int, e: int, k: int, h: int, inter: int, dtype: 
         got = M.fused_experts(x, w13, w2, weights, ids, out=out, config=config, _workspaces=ws)
     finally:
         M.MAX_CHUNK_PAIRS = old
-    if got.data_ptr() != out.data_ptr():
-        return "FAIL the result is not in `out`"
-    if torch.isnan(got).any():
-        return f"FAIL {int(torch.isnan(got).any(-1).sum())} rows unwritten (NaN)"
-    err = (got.float() - ref.float()).abs().max().item()
-    scale = ref.abs().max().item()
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
     empty = int((counts == 0).sum())
-    if err > tol * max(scale, 1.0):
-        return f"FAIL max err {err:.3e} (max |ref| {scale:.3e}, empty experts {empty})"
-    return f"ok max err {err:.2e} (empty experts {empty}, max load {int(counts.max())})"
+    return f"{_verdict(got, out, ref, dtype)} (empty experts {empty}, max load {int(counts.max())})"
 
 
 def run_align(device: str, t: int, e: int, k: int, bm: int, seed: int) -> str:
@@ -122,23 +133,12 @@ def run_small_experts(device: str, t: int, e: int, k: int, h: int, inter: int, d
     from voltllm.model.layers.moe import fused_experts_ref
 
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device, dtype)
-    w2 = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    x, w13, w2 = _inputs(gen, t, e, h, inter, device, dtype)
     weights, ids = _routing(t, e, k, skew, gen, device)
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
     out = torch.full((t, h), float("nan"), dtype=dtype, device=device)
     got = fused_experts_small(x, w13, w2, weights, ids.to(torch.int32), out=out)
-    if got.data_ptr() != out.data_ptr():
-        return "FAIL the result is not in `out`"
-    if torch.isnan(got).any():
-        return f"FAIL {int(torch.isnan(got).any(-1).sum())} rows unwritten (NaN)"
-    err = (got.float() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    if err > tol * max(scale, 1.0):
-        return f"FAIL max err {err:.3e} (max |ref| {scale:.3e})"
-    return f"ok max err {err:.2e}"
+    return _verdict(got, out, ref, dtype)
 
 
 def run_route_nan(device: str) -> str:
@@ -164,9 +164,7 @@ def run_small_shared(device: str, t: int, e: int, k: int, h: int, inter: int, sh
     from voltllm.model.layers.moe import fused_experts_ref, route
 
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device, dtype)
-    w2 = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    x, w13, w2 = _inputs(gen, t, e, h, inter, device, dtype)
     ws13 = (torch.randn(2 * shared_inter, h, generator=gen) * h ** -0.5).to(device, dtype)
     ws2 = (torch.randn(h, shared_inter, generator=gen) * shared_inter ** -0.5).to(device, dtype)
     wsg = (torch.randn(1, h, generator=gen) * h ** -0.5).to(device, dtype)
@@ -187,14 +185,8 @@ def run_small_shared(device: str, t: int, e: int, k: int, h: int, inter: int, sh
         return f"FAIL shared gate weight err {gate_err:.3e}"
     out = torch.full((t, h), float("nan"), dtype=dtype, device=device)
     got = fused_experts_small(x, w13, w2, w, ids, out=out, shared=(ws13, ws2))
-    if torch.isnan(got).any():
-        return f"FAIL {int(torch.isnan(got).any(-1).sum())} rows unwritten (NaN)"
-    err = (got.float() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    if err > tol * max(scale, 1.0):
-        return f"FAIL max err {err:.3e} (max |ref| {scale:.3e})"
-    return f"ok max err {err:.2e}, shared gate err {gate_err:.1e}"
+    status = _verdict(got, out, ref, dtype)
+    return status if status.startswith("FAIL") else f"{status}, shared gate err {gate_err:.1e}"
 
 
 def run_layer(device: str, dtype: torch.dtype = torch.float32, tokens: int = 9) -> str:

@@ -9,7 +9,7 @@ a chunk with incoming state S0, gamma = cumsum(g), D[t, s] = exp(gamma_t - gamma
     O      = (e^gamma Q) S0 + (tril(Q K^T * D)) U
     S_next = e^gamma_last S0 + (K e^(gamma_last - gamma))^T U
 
-Two launches per layer (three with HOIST "split", below):
+Two launches per layer (three with HOIST, below):
   _gdn_chunk_prep_kernel   grid (chunk, value head): A from l2-normalized k, beta, g, then T = (I + A)^-1 by
                            blocks: forward substitution inside the four 16-row diagonal blocks at once (16
                            steps; was 64 row steps over [C, C] until session 19), then two pairwise merges of
@@ -21,15 +21,14 @@ Two launches per layer (three with HOIST "split", below):
                            order with its S[:, cols] in registers (columns of S are independent given k, q),
                            reads the slot's state first (zeros for a request without initial state), writes
                            the outputs, and stores S back into the slot pool in place.
-HOIST forms (Tile.hoist; session 20): the S-independent products, Wk = T (beta e^gamma K), Wv = T (beta V) and
-the decayed Q K^T, are computed for every chunk in parallel before the walk, so the fwd kernel does four products
-per chunk instead of six (U = Wv - Wk S; two on the chain from S to the next S instead of three), at the price of
-two more [chunks, Hv, C, d] fp32 workspaces. "split": a third launch, _gdn_chunk_hoist_kernel, grid (chunk, value
-head, 3), one product per program (T read back from the prep workspace, Q K^T into a workspace of its own);
-"prep": the prep kernel computes them after the inverse (Q K^T in place of T). H200, 27B heads (session 20 sweep):
-prep 0.99 + products 1.14 ms split against 2.6 ms in the prep kernel; with 32 value columns per fwd program the
-whole rule takes 4.71 / 4.51 / 4.58 ms at 1 x 8192 / 4 x 2048 / 16 x 512 against 6.02 / 5.60 / 5.39 plain (64
-columns; plain 32 is slower: 8.4 ms), so "split" is tf32x3's first tile.
+HOIST (Tile.hoist; session 20): the S-independent products, Wk = T (beta e^gamma K), Wv = T (beta V) and the
+decayed Q K^T, are computed for every chunk in parallel before the walk by a third launch, _gdn_chunk_hoist_kernel
+(grid chunk x value head x 3, one product per program, T read back from the prep workspace), so the fwd kernel
+does four products per chunk instead of six (U = Wv - Wk S; two on the chain from S to the next S instead of
+three), at the price of two more [chunks, Hv, C, d] fp32 workspaces. H200, 27B heads (session 20 sweep): the
+rule takes 4.71 / 4.51 / 4.58 ms at 1 x 8192 / 4 x 2048 / 16 x 512 with 32 value columns per fwd program,
+against 6.02 / 5.60 / 5.39 plain (64 columns; plain 32 is slower: 8.4 ms); the same products done by the prep
+kernel after its inverse cost 2.6 ms there against 0.99 + 1.14 in two kernels (that form was removed).
 All products are tl.dot with fp32 operands and fp32 accumulation; the state stays fp32 end to end. Their
 input precision is the caller's choice (`precision_for` picks it per dtype and route):
   "tf32x3"  tensor cores (sm_80+), three tf32 products per fp32 one (Triton's split of each operand into a
@@ -76,16 +75,14 @@ class Tile:
     warps: int  # fwd kernel
     prep_warps: int
     stages: Optional[int]  # num_stages of both kernels (None: Triton's default)
-    # HOIST (module docstring): "" off; "prep": the prep kernel computes U's S-independent parts and Q K^T;
-    # "split": a third kernel does, one product per program
-    hoist: str = ""
+    hoist: bool = False  # a third kernel computes U's S-independent parts and Q K^T first (HOIST, module docstring)
 
 
 # Per dot precision, fastest first: the first is the H200 sweep's best (module docstring); the later ones need less
 # shared memory (an A100 allows 163 KB per block, sm_86 / sm_89 cards 99 KB, the H200 227 KB) and are tried when a
 # launch runs out of it, then the "ieee" tiles; what ran is remembered per device and shape (_chosen).
 TILES: dict[str, tuple[Tile, ...]] = {
-    "tf32x3": (Tile(32, 4, 4, 1, "split"), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
+    "tf32x3": (Tile(32, 4, 4, 1, True), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
     "tf32": (Tile(16, 4, 2, None), Tile(16, 4, 2, 1)),
     "ieee": (Tile(64, 8, 4, None), Tile(32, 4, 4, 1), Tile(16, 4, 2, 1)),
 }
@@ -94,13 +91,10 @@ _chosen: dict[tuple, tuple[str, Tile]] = {}
 
 @triton.jit
 def _gdn_chunk_prep_kernel(
-    K, G, Beta, ChunkStart, ChunkLen, Tinv, Q, V, Wk, Wv,
-    stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th, stride_qt, stride_qh, stride_vt, stride_vh,
-    stride_wkc, stride_wkh, stride_wvc, stride_wvh,
-    scale,
-    HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr,
-    MERGES: tl.constexpr, HOIST: tl.constexpr,
+    K, G, Beta, ChunkStart, ChunkLen, Tinv,
+    stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th,
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, L2NORM: tl.constexpr,
+    PRECISION: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -148,30 +142,8 @@ def _gdn_chunk_prep_kernel(
         half = rows // (SUB << lvl)
         off = ((half % 2 == 1)[:, None] & (half % 2 == 0)[None, :]) & ((half // 2)[:, None] == (half // 2)[None, :])
         t = t - tl.dot(tl.dot(t, tl.where(off, a, 0.0), input_precision=PRECISION), t, input_precision=PRECISION)
-    if HOIST:  # the S-independent products of the fwd kernel, here for every chunk in parallel (module docstring)
-        eg = tl.exp(gam)
-        wk = tl.dot(t, k * (beta * eg)[:, None], input_precision=PRECISION)
-        wk_ptrs = c.to(tl.int64) * stride_wkc + h * stride_wkh + rows[:, None] * DK + offk[None, :]
-        tl.store(Wk + wk_ptrs, wk, mask=mk[None, :])
-        offv = tl.arange(0, BLOCK_DV)
-        mv = offv < DV
-        v = tl.load(V + (t0 + rows)[:, None] * stride_vt + h * stride_vh + offv[None, :],
-                    mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        wv = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
-        tl.store(Wv + c.to(tl.int64) * stride_wvc + h * stride_wvh + rows[:, None] * DV + offv[None, :], wv,
-                 mask=mv[None, :])
-        q = tl.load(Q + (t0 + rows)[:, None] * stride_qt + hk * stride_qh + offk[None, :],
-                    mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-        incl = rows[:, None] >= rows[None, :]
-        attn = tl.dot(q * scale, tl.trans(k), input_precision=PRECISION) * \
-            tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
-        tl.debug_barrier()  # the merges' reads of the workspace are done: it takes the decayed Q K^T instead of T
-        tl.store(w_ptrs + full, attn)
-    else:
-        tl.debug_barrier()
-        tl.store(w_ptrs + full, t)
+    tl.debug_barrier()
+    tl.store(w_ptrs + full, t)
 
 
 @triton.jit
@@ -183,8 +155,8 @@ def _gdn_chunk_hoist_kernel(
     HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """HOIST "split": grid (chunk, value head, 3); product 0 is Wk = T (beta e^gamma K), 1 is Wv = T (beta V),
-    2 the decayed Q K^T, each in its own program (the "prep" form does all three after the inverse, in one)."""
+    """HOIST: grid (chunk, value head, 3); product 0 is Wk = T (beta e^gamma K), 1 is Wv = T (beta V), 2 the
+    decayed Q K^T, each in its own program."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     which = tl.program_id(2)
@@ -273,7 +245,7 @@ def _gdn_chunk_fwd_kernel(
         gam = tl.cumsum(g, axis=0)
         g_last = tl.sum(g, axis=0)
         eg = tl.exp(gam)
-        if HOIST:  # U = T beta V - T (beta e^gamma K) S and the masked Q K^T, from the prep kernel
+        if HOIST:  # U = T beta V - T (beta e^gamma K) S and the masked Q K^T, from the hoist kernel
             wk = tl.load(Wk + c * stride_wkc + h * stride_wkh + rows[:, None] * DK + offk[None, :],
                          mask=mk[None, :], other=0.0)
             wv = tl.load(Wv + c * stride_wvc + h * stride_wvh + rows[:, None] * DV + offv[None, :],
@@ -300,20 +272,13 @@ def _gdn_chunk_fwd_kernel(
 def _prep_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        for hoist in (False, True):
-            sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
-                   "Tinv": "*fp32", "Q": f"*{act}", "V": f"*{act}", "Wk": "*fp32", "Wv": "*fp32",
-                   **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
-                   "stride_tc": "i64", "stride_th": "i32",
-                   **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_vt", "stride_vh")},
-                   "stride_wkc": "i64", "stride_wkh": "i32", "stride_wvc": "i64", "stride_wvh": "i32",
-                   "scale": "fp32",
-                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_DV", "L2NORM",
-                                               "PRECISION", "SUB", "MERGES", "HOIST")}}
-            specs.append(CompileSpec(signature=sig, constexprs={
-                "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_DV": 128, "L2NORM": True,
-                "PRECISION": "ieee", "SUB": SUB, "MERGES": 2, "HOIST": hoist},
-                label=f"{act} dk128 c64" + (" hoist" if hoist else "")))
+        sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
+               "Tinv": "*fp32", **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
+               "stride_tc": "i64", "stride_th": "i32",
+               **{n: "constexpr" for n in ("HV_PER_K", "DK", "C", "BLOCK_K", "L2NORM", "PRECISION", "SUB", "MERGES")}}
+        specs.append(CompileSpec(signature=sig, constexprs={
+            "HV_PER_K": 3, "DK": 128, "C": CHUNK, "BLOCK_K": 128, "L2NORM": True, "PRECISION": "ieee", "SUB": SUB,
+            "MERGES": 2}, label=f"{act} dk128 c64"))
     return specs
 
 
@@ -413,7 +378,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              precision: Optional[str] = None, num_warps: Optional[int] = None,
                              meta: Optional[ChunkMeta] = None, num_stages: Optional[int] = None,
                              prep_warps: Optional[int] = None, prep_stages: Optional[int] = None,
-                             hoist: Optional[str] = None) -> torch.Tensor:
+                             hoist: Optional[bool] = None) -> torch.Tensor:
     """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
     g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
@@ -479,35 +444,28 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
     launch = {"num_stages": tile.stages} if tile.stages else {}
     prep_launch = {"num_stages": prep_stages} if prep_stages else launch
     nc = meta.num_chunks
-    if tile.hoist not in ("", "prep", "split"):
-        raise ValueError(f"gated_delta_rule_chunked: hoist must be '', 'prep' or 'split', got {tile.hoist!r}")
-    mat = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=v.device)  # T, or the decayed Q K^T
-    if tile.hoist:
-        wk = torch.empty(nc, hv, CHUNK, dk, dtype=torch.float32, device=v.device)
-        wv = torch.empty(nc, hv, CHUNK, dv, dtype=torch.float32, device=v.device)
-    else:
-        wk = wv = mat  # not read
+    mat = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=v.device)  # T
     block_k = max(16, triton.next_power_of_2(dk))
-    block_dv = max(16, triton.next_power_of_2(dv))
     scale = float(scale if scale is not None else dk ** -0.5)
     _gdn_chunk_prep_kernel[(nc, hv)](
-        k, g, beta, meta.chunk_start, meta.chunk_len, mat, q, v, wk, wv,
+        k, g, beta, meta.chunk_start, meta.chunk_len, mat,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), mat.stride(0), mat.stride(1),
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
-        scale,
-        HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv,
-        L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB, MERGES=(CHUNK // SUB).bit_length() - 1,
-        HOIST=tile.hoist == "prep", num_warps=tile.prep_warps, **prep_launch)
-    if tile.hoist == "split":  # T stays in `mat`; the decayed Q K^T the fwd kernel reads goes to its own workspace
+        HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB,
+        MERGES=(CHUNK // SUB).bit_length() - 1, num_warps=tile.prep_warps, **prep_launch)
+    if tile.hoist:  # T stays in `mat`; the fwd kernel reads Wk, Wv and the decayed Q K^T instead
+        wk = torch.empty(nc, hv, CHUNK, dk, dtype=torch.float32, device=v.device)
+        wv = torch.empty(nc, hv, CHUNK, dv, dtype=torch.float32, device=v.device)
         attn = torch.empty_like(mat)
         _gdn_chunk_hoist_kernel[(nc, hv, 3)](
             q, k, v, g, beta, meta.chunk_start, meta.chunk_len, mat, attn, wk, wv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
             beta.stride(0), mat.stride(0), mat.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
             scale,
-            HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv, L2NORM=use_qk_l2norm,
-            PRECISION=precision, num_warps=tile.prep_warps, **prep_launch)
+            HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+            L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=tile.prep_warps, **prep_launch)
         mat = attn
+    else:
+        wk = wv = mat  # not read
     block_v = min(max(16, triton.next_power_of_2(dv)), tile.block_v)
     _gdn_chunk_fwd_kernel[(nseq, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, mat, ssm_states, slots, meta.has_init, out, meta.seq_start, meta.seq_chunk, wk, wv,
@@ -516,4 +474,4 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
         out.stride(0), out.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
         scale,
         HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        PRECISION=precision, HOIST=bool(tile.hoist), num_warps=tile.warps, **launch)
+        PRECISION=precision, HOIST=tile.hoist, num_warps=tile.warps, **launch)
