@@ -13,6 +13,17 @@ import torch
 from voltllm.kernels import gdn_ref as R
 
 
+def _compare(out: torch.Tensor, ref: torch.Tensor, pool: torch.Tensor, ref_pool: torch.Tensor,
+             dtype: torch.dtype) -> str:
+    """Outputs within the dtype's tolerance of the reference's, the fp32 state pools within 1e-4 (relative)."""
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    err_o = (out.float() - ref.float()).abs().max().item()
+    err_s = (pool - ref_pool).abs().max().item()
+    if err_o > tol * max(1.0, ref.float().abs().max().item()) or err_s > 1e-4 * max(1.0, ref_pool.abs().max().item()):
+        return f"FAIL out err {err_o:.3e} state err {err_s:.3e}"
+    return f"ok out err {err_o:.2e} state err {err_s:.2e}"
+
+
 def run_delta(device: str, bsz: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int) -> str:
     from voltllm.kernels.gdn_decode import gated_delta_rule_decode
 
@@ -30,12 +41,7 @@ def run_delta(device: str, bsz: int, hk: int, hv: int, dk: int, dv: int, dtype: 
     ref = R.gated_delta_rule_varlen(q, k, v, gl, beta, ref_pool, slots, list(range(bsz + 1)), init,
                                     decode_only=True)
     out = gated_delta_rule_decode(q, k, v, gl, beta, pool, slots, init)
-    tol = 1e-4 if dtype == torch.float32 else 2e-3
-    err_o = (out.float() - ref.float()).abs().max().item()
-    err_s = (pool - ref_pool).abs().max().item()
-    if err_o > tol * max(1.0, ref.float().abs().max().item()) or err_s > 1e-4 * max(1.0, ref_pool.abs().max().item()):
-        return f"FAIL out err {err_o:.3e} state err {err_s:.3e}"
-    return f"ok out err {err_o:.2e} state err {err_s:.2e}"
+    return _compare(out, ref, pool, ref_pool, dtype)
 
 
 def run_delta_raw_gates(device: str, bsz: int, hk: int, hv: int, d: int, dtype: torch.dtype, seed: int) -> str:
@@ -63,12 +69,7 @@ def run_delta_raw_gates(device: str, bsz: int, hk: int, hv: int, d: int, dtype: 
     ref = R.gated_delta_rule_varlen(q, k, v, gl, beta, ref_pool, slots, list(range(bsz + 1)), init,
                                     decode_only=True)
     out = gated_delta_rule_decode(q, k, v, a, b, pool, slots, init, gate_params=(a_log, dt_bias))
-    tol = 1e-4 if dtype == torch.float32 else 2e-3
-    err_o = (out.float() - ref.float()).abs().max().item()
-    err_s = (pool - ref_pool).abs().max().item()
-    if err_o > tol * max(1.0, ref.float().abs().max().item()) or err_s > 1e-4 * max(1.0, ref_pool.abs().max().item()):
-        return f"FAIL out err {err_o:.3e} state err {err_s:.3e}"
-    return f"ok out err {err_o:.2e} state err {err_s:.2e}"
+    return _compare(out, ref, pool, ref_pool, dtype)
 
 
 def run_conv(device: str, bsz: int, c: int, kw: int, dtype: torch.dtype, bias: bool, seed: int) -> str:

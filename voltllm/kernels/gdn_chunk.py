@@ -90,6 +90,15 @@ _chosen: dict[tuple, tuple[str, Tile]] = {}
 
 
 @triton.jit
+def _chunk_rows(ChunkStart, ChunkLen, c, C: tl.constexpr, BLOCK_K: tl.constexpr, DK: tl.constexpr):
+    """Chunk c's first token (int64), its row offsets and row mask, the key-dim offsets and mask."""
+    t0 = tl.load(ChunkStart + c).to(tl.int64)
+    rows = tl.arange(0, C)
+    offk = tl.arange(0, BLOCK_K)
+    return t0, rows, rows < tl.load(ChunkLen + c), offk, offk < DK
+
+
+@triton.jit
 def _gdn_chunk_prep_kernel(
     K, G, Beta, ChunkStart, ChunkLen, Tinv,
     stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th,
@@ -99,12 +108,7 @@ def _gdn_chunk_prep_kernel(
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // HV_PER_K
-    t0 = tl.load(ChunkStart + c).to(tl.int64)
-    n = tl.load(ChunkLen + c)
-    rows = tl.arange(0, C)
-    mc = rows < n
-    offk = tl.arange(0, BLOCK_K)
-    mk = offk < DK
+    t0, rows, mc, offk, mk = _chunk_rows(ChunkStart, ChunkLen, c, C, BLOCK_K, DK)
     k = tl.load(K + (t0 + rows)[:, None] * stride_kt + hk * stride_kh + offk[None, :],
                 mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
     if L2NORM:
@@ -161,12 +165,7 @@ def _gdn_chunk_hoist_kernel(
     h = tl.program_id(1)
     which = tl.program_id(2)
     hk = h // HV_PER_K
-    t0 = tl.load(ChunkStart + c).to(tl.int64)
-    n = tl.load(ChunkLen + c)
-    rows = tl.arange(0, C)
-    mc = rows < n
-    offk = tl.arange(0, BLOCK_K)
-    mk = offk < DK
+    t0, rows, mc, offk, mk = _chunk_rows(ChunkStart, ChunkLen, c, C, BLOCK_K, DK)
     c64 = c.to(tl.int64)
     g = tl.load(G + (t0 + rows) * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
     gam = tl.cumsum(g, axis=0)

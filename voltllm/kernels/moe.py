@@ -192,18 +192,26 @@ def pick_config(num_pairs: int, num_experts: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
+def expert_dims(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+    """(experts E, expert width I, hidden H) of stacked expert weights w13 [E, 2I, H], w2 [E, H, I] for x [T, H];
+    a clear error when they do not fit together."""
+    hdim = x.shape[1]
+    e_num, two_i, h_w = w13.shape
+    inter_dim = two_i // 2
+    if h_w != hdim or tuple(w2.shape) != (e_num, hdim, inter_dim):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    return e_num, inter_dim, hdim
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
                   _workspaces: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] (any float, used in fp32); topk_ids [T, k]
     -> out [T, H] in x's dtype. Same function as fused_experts_ref. `_workspaces` (tests): (inter [>=P, I],
     pair_out [>=P, H]) buffers to use instead of fresh ones."""
-    t, hdim = x.shape
-    e_num, two_i, h_w = w13.shape
-    inter_dim = two_i // 2
+    t = x.shape[0]
+    _, inter_dim, hdim = expert_dims(x, w13, w2)
     k = topk_ids.shape[1]
-    if h_w != hdim or tuple(w2.shape) != (e_num, hdim, inter_dim):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
     if out is None:
         out = torch.empty_like(x)
     if t == 0:

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels.moe import expert_dims
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 SMALL_MAX_PAIRS = 64  # (token, expert) pairs up to which SparseMoE takes the unsorted path on CUDA
@@ -207,12 +208,9 @@ def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     expert (moe_route(shared_gate=...) appends one per token), so out also holds its gated output.
     tiles: (gate_up columns per program, down columns per program, warps); the default is untuned (the sweep:
     benchmarks/micro/moe_decode_sweep.py)."""
-    t, hdim = x.shape
-    e_num, two_i, h_w = w13.shape
-    inter_dim = two_i // 2
+    t = x.shape[0]
+    e_num, inter_dim, hdim = expert_dims(x, w13, w2)
     k_out = topk_ids.shape[1]
-    if h_w != hdim or tuple(w2.shape) != (e_num, hdim, inter_dim):
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
     ws13, ws2 = shared if shared is not None else (w13, w2)  # (not read without a shared expert)
     shared_dim = ws13.shape[0] // 2 if shared is not None else inter_dim
     if shared is not None and (tuple(ws13.shape) != (2 * shared_dim, hdim) or tuple(ws2.shape) != (hdim, shared_dim)):
