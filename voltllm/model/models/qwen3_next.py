@@ -62,10 +62,10 @@ class GatedAttention(PagedAttention):
         t = x.shape[0]
         qg, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q.contiguous())
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.rope_and_attend(positions, q, k, v, ctx)
+        # QK-norm with RoPE (and the K/V store): one launch on CUDA (fused.qk_norm_rope_inplace), as for qwen3
+        out = self.rope_and_attend(positions, q.contiguous(), k, v, ctx, self.q_norm, self.k_norm)
         out = out.reshape(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
