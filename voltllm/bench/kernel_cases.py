@@ -7,7 +7,9 @@ layers beside its plain-PyTorch reference, on one set of random inputs at a mode
   conv_decode  voltllm.kernels.gdn_decode.causal_conv1d_decode      vs gdn_ref.causal_conv1d_varlen(decode_only)
   conv_prefill voltllm.kernels.gdn_conv.causal_conv1d_prefill       vs gdn_ref.causal_conv1d_varlen
                (the prefill sizes of gdn_chunk)
-  moe          voltllm.kernels.moe.fused_experts (grouped GEMM)     vs voltllm.model.layers.moe.fused_experts_ref
+  moe          the expert kernels SparseMoE runs for the batch:        vs voltllm.model.layers.moe.fused_experts_ref
+               voltllm.kernels.moe_decode.fused_experts_small (unsorted GEMVs) up to 64 (token, expert) pairs,
+               voltllm.kernels.moe.fused_experts (grouped GEMM) above
 
 An input set is a dict; the calls take it and return named outputs. Inputs the call updates in place (state
 pools) are listed in `mutable`: the kernel and the reference each get their own copy of the same values.
@@ -277,10 +279,12 @@ def moe_case(shapes: LayerShapes, tokens: int, dtype: torch.dtype, device: torch
         tw, ids = route(torch.randn(tokens, e, generator=gen, device=device), top_k, renorm)
         return dict(x=x, w13=w13, w2=w2, tw=tw, ids=ids)
 
-    def triton_call(d):
+    def triton_call(d):  # what SparseMoE runs for this batch (the routed experts; no shared expert here)
         from voltllm.kernels.moe import fused_experts
+        from voltllm.kernels.moe_decode import SMALL_MAX_PAIRS, fused_experts_small
 
-        return {"out": fused_experts(d["x"], d["w13"], d["w2"], d["tw"], d["ids"])}
+        run = fused_experts_small if tokens * top_k <= SMALL_MAX_PAIRS else fused_experts
+        return {"out": run(d["x"], d["w13"], d["w2"], d["tw"], d["ids"])}
 
     def ref_call(d):
         from voltllm.model.layers.moe import fused_experts_ref
