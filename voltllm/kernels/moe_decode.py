@@ -2,18 +2,21 @@
 
 At one to a few tokens an MoE layer's time is launches, not bytes: the grouped GEMM of voltllm.kernels.moe
 needs its (token, expert) pairs sorted by expert first (`moe_align`, ~20 small torch ops) plus the softmax /
-top-k / renormalize router (~5) and a sum over k, about 27 launches per layer before any weight is read; the
-H200 profile of qwen3.5-35b-a3b-shape at batch 1 (session 20: 138.7 tok/s, 23% of the read limit) is made of
-them. Here:
+top-k / renormalize router (~5) and a sum over k, about 27 launches per layer before any weight is read, and
+the shared expert 7 more. qwen3.5-35b-a3b-shape ran at 138.7 tok/s at batch 1 on the H200 (23% of its read
+limit); the router and the unsorted experts below took it to 175.0 (session 20). Here:
   `_moe_route_kernel`      grid (token): softmax over the E router logits in fp32, top-k by k rounds of
                            max + lowest index of the max (torch.topk's order for distinct values), optional
-                           renormalization; writes weights fp32 [T, k] and ids int32 [T, k].
+                           renormalization; writes weights fp32 [T, k] and ids int32 [T, k]; optionally one
+                           more entry per token for the shared expert: sigmoid(x . w_gate), id E.
   `_moe_small_gate_up_kernel`  grid (pair, block of I): one (token, expert) pair per program, no sort: the
                            token's x row times its expert's gate and up rows (fp32 FMAs, a GEMV: M = 1 is
                            below tl.dot's 16), silu(gate) * up stored at the pair's row of `inter` [T*k, I].
   `_moe_small_down_kernel` grid (token, block of H): the token's k expert rows of `inter` times their
                            experts' down rows, weighted by the routing weights and summed in fp32, written
                            straight to out[t] (no per-pair output, no sum launch).
+  Entries with id E read the shared expert's own weights in both kernels, so one layer's experts, routed and
+  shared, are these two launches.
 Without the sort, two pairs of one expert read its weights twice: `SMALL_MAX_PAIRS` keeps this path to
 batches where that is rare (at 8 routed of 256 experts, 64 pairs hit ~57 distinct experts).
 Numerics: fp32 accumulation throughout, `inter` rounded once to the activation dtype (as the grouped GEMM
