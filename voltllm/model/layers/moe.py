@@ -38,16 +38,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, use_triton: Optional[bool] = None) -> torch.Tensor:
-    """The Triton grouped GEMM on CUDA tensors (use_triton None), the torch reference otherwise."""
-    if x.is_cuda if use_triton is None else use_triton:
-        from voltllm.kernels.moe import fused_experts as triton_fused_experts
-
-        return triton_fused_experts(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
-
-
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_* [T, k] -> [T, H]. Sorted by expert, active experts only."""
@@ -103,28 +93,28 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda if self.triton_experts is None else self.triton_experts:
-            from voltllm.kernels import moe_decode
+        logits = self.gate(x)
+        if not (x.is_cuda if self.triton_experts is None else self.triton_experts):
+            weights, ids = route(logits, self.top_k, self.norm_topk_prob)
+            return self._add_shared(x, fused_experts_ref(x, self.w13, self.w2, weights, ids))
+        from voltllm.kernels import moe_decode
+        from voltllm.kernels.moe import fused_experts
 
-            # the router in one launch; decode-sized batches skip the grouped GEMM's sort and take the shared
-            # expert as one more entry per token (moe_decode docstring)
-            if x.shape[0] * self.top_k <= moe_decode.SMALL_MAX_PAIRS:
-                shared = self._plain_shared_weights()
-                weights, ids = moe_decode.moe_route(self.gate(x), self.top_k, self.norm_topk_prob,
-                                                    shared_gate=(x, shared[0]) if shared else None)
-                out = moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids,
-                                                     shared=shared[1:] if shared else None)
-                if shared:
-                    return out
-            else:
-                weights, ids = moe_decode.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
-                out = fused_experts(x, self.w13, self.w2, weights, ids, True)
-        else:
-            weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-            out = fused_experts_ref(x, self.w13, self.w2, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        # the router in one launch (moe_decode docstring); decode-sized batches skip the grouped GEMM's sort
+        if x.shape[0] * self.top_k > moe_decode.SMALL_MAX_PAIRS:
+            weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob)
+            return self._add_shared(x, fused_experts(x, self.w13, self.w2, weights, ids))
+        shared = self._plain_shared_weights()
+        if shared is not None:  # the shared expert as one more entry per token, inside the two expert launches
+            weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob, shared_gate=(x, shared[0]))
+            return moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids, shared=shared[1:])
+        weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob)
+        return self._add_shared(x, moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids))
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _plain_shared_weights(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(gate [1, H], gate_up [2 IS, H], down [H, IS]) of the shared expert when all three are plain
