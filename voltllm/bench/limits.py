@@ -130,7 +130,8 @@ class ModelCost:
 
     def experts_touched(self, tokens: float) -> float:
         """Expected fraction of the routed experts a step of `tokens` rows reads, routing uniform and independent
-        per token: 1 - (1 - top_k / E)^tokens (a lower bound on the bytes: skewed routing touches fewer)."""
+        per token: 1 - (1 - top_k / E)^tokens (random-weight models route about so; a trained model's skewed
+        routing touches fewer experts, so for it this overstates the bytes)."""
         return 1.0 - (1.0 - self.expert_fraction) ** tokens if self.expert_params else 0.0
 
     def active_matmul_params(self) -> float:
