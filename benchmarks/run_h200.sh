@@ -536,7 +536,7 @@ case $stage in
     gpu_file test_gdn_decode 60
     gpu_file test_hybrid_gpu 300 -k "moe_checks or moe_decode_path or engine or graph" -s
     grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -30
-    timeout 90 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
+    timeout 120 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
     ;;
   s66)  # (for session 21) decode numbers after s65: qwen3.5-35b-a3b-shape batch 1 and 16 / 64 concurrent,
         # qwen3.5-27b-shape batch 1 (last measured in session 2: 61.8 tok/s)
