@@ -3,7 +3,8 @@
     out[t] = sum_j w[t, j] * ( silu(x[t] Wg_e^T) * (x[t] Wu_e^T) ) Wd_e^T        e = ids[t, j]
 
 Steps (all on the device, CUDA-graph friendly: fixed launch grids, no `.item()`):
-  1. align (`moe_align`, a handful of torch ops): the T*k (token, expert) pairs are sorted by expert
+  1. align (`moe_align`: on CUDA up to TRITON_ALIGN_MAX_PAIRS pairs one launch, `_moe_align_kernel`, else
+     ~28 small torch ops): the T*k (token, expert) pairs are sorted by expert
      (stable) and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M rows of the
      sorted list belong to one expert. Outputs: `sorted_ids` (pair index t*k + j, or the sentinel T*k on
      padding rows), `block_expert` (expert of each row block) and `num_padded` (a 1-element tensor: rows in
@@ -38,6 +39,7 @@ import triton.language as tl
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 MAX_CHUNK_PAIRS = 32768  # (token, expert) pairs per launch pair: inter [P, I] + pair_out [P, H] workspaces
+TRITON_ALIGN_MAX_PAIRS = 4096  # up to here moe_align is one Triton launch (one program sorts the pairs); above, torch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -122,6 +124,40 @@ def _moe_down_kernel(
     tl.store(dst, acc.to(PairOut.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
 
 
+@triton.jit
+def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num_slots, num_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
+    """moe_align in one program (pairs n <= BLOCK_P): per-expert counts by a histogram, padded starts by a scan,
+    each pair's rank inside its expert from one sort of the keys expert * n + pair (so pairs keep token order,
+    as the torch version's stable argsort), then the scatter. Scratch (int32 [2 * BINS]) carries the per-expert
+    starts from the scan to the per-pair gathers."""
+    offs = tl.arange(0, BLOCK_P)
+    mp = offs < n
+    e = tl.load(Ids + offs, mask=mp, other=E).to(tl.int32)  # padding lanes count in bin E, never read
+    counts = tl.histogram(e, BINS)
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_start = tl.cumsum(padded, axis=0) - padded
+    count_start = tl.cumsum(counts, axis=0) - counts
+    tl.store(Scratch + bins, padded_start)
+    tl.store(Scratch + BINS + bins, count_start)
+    tl.store(NumPadded, tl.sum(padded, axis=0))
+    for s0 in range(0, num_slots, FILL):  # every row a sentinel, every block expert 0, before the scatter
+        so = s0 + tl.arange(0, FILL)
+        tl.store(SortedIds + so, n, mask=so < num_slots)
+        tl.store(BlockExpert + so, 0, mask=so < num_blocks)
+    tl.debug_barrier()
+    key = tl.sort(tl.where(mp, e * n + offs, E * n + offs))  # padding lanes sort last
+    se = key // n
+    pair = key % n
+    ms = offs < n  # sorted position i holds a real pair iff i < n
+    rank = offs - tl.load(Scratch + BINS + se, mask=ms, other=0)
+    dest = tl.load(Scratch + se, mask=ms, other=0) + rank
+    tl.store(SortedIds + dest, pair, mask=ms)
+    tl.store(BlockExpert + dest // BLOCK_M, se, mask=ms & (rank % BLOCK_M == 0))
+
+
 def _gate_up_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
@@ -149,6 +185,15 @@ def _down_specs() -> list[CompileSpec]:
     return specs
 
 
+def _align_specs() -> list[CompileSpec]:
+    sig = {"Ids": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", "NumPadded": "*i32", "Scratch": "*i32",
+           "n": "i32", "E": "i32", "num_slots": "i32", "num_blocks": "i32",
+           **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_P", "BINS", "FILL")}}
+    return [CompileSpec(signature=sig, constexprs={"BLOCK_M": bm, "BLOCK_P": bp, "BINS": 512, "FILL": 1024},
+                        label=f"m{bm} pairs{bp} E<512") for bm, bp in ((16, 512), (64, 4096))]
+
+
+register_kernel("moe.align", _moe_align_kernel, _align_specs(), compat=True)
 register_kernel("moe.gate_up_silu", _moe_gate_up_kernel, _gate_up_specs(), compat=True)
 register_kernel("moe.down_weighted", _moe_down_kernel, _down_specs(), compat=True)
 
@@ -156,17 +201,21 @@ register_kernel("moe.down_weighted", _moe_down_kernel, _down_specs(), compat=Tru
 # ------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: Optional[bool] = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, expert) pairs by expert, each expert's run padded to a multiple of block_m.
 
     topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair index t*k + j, or T*k on padding rows;
     block_expert int32 [max_blocks]; num_padded int32 [1]: rows in use). Device ops only (no host sync);
-    max_blocks = cdiv(T*k, block_m) + min(E, T*k) bounds the padded length whatever the routing.
+    max_blocks = cdiv(T*k, block_m) + min(E, T*k) bounds the padded length whatever the routing. On CUDA, up
+    to TRITON_ALIGN_MAX_PAIRS pairs, one Triton launch computes the same outputs (use_triton: force either way;
+    block_expert past the rows in use is 0 there, E - 1 here: no kernel reads it).
     """
     dev = topk_ids.device
+    n = topk_ids.numel()
+    if (topk_ids.is_cuda and n <= TRITON_ALIGN_MAX_PAIRS if use_triton is None else use_triton) and n > 0:
+        return _moe_align_triton(topk_ids, num_experts, block_m)
     flat = topk_ids.reshape(-1).to(torch.int64)
-    n = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + (block_m - 1)) // block_m * block_m
     ends_p = torch.cumsum(padded, 0)
@@ -181,6 +230,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     starts = torch.arange(max_blocks, device=dev, dtype=torch.int64) * block_m
     block_expert = torch.searchsorted(ends_p, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_ids, block_expert, ends_p[-1:].to(torch.int32)
+
+
+def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align's outputs from one launch (_moe_align_kernel) instead of ~28 small torch ops."""
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    n = ids.numel()
+    max_blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    bins = triton.next_power_of_2(num_experts + 1)  # + the bin of the padding lanes
+    scratch = torch.empty(2 * bins, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, scratch, n, num_experts,
+                            max_blocks * block_m, max_blocks, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n),
+                            BINS=bins, FILL=1024, num_warps=4)
+    return sorted_ids, block_expert, num_padded
 
 
 def pick_config(num_pairs: int, num_experts: int) -> dict:
