@@ -538,6 +538,12 @@ case $stage in
     grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -30
     timeout 120 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
     ;;
+  s67)  # (session 21) the decode-sized MoE GEMVs unrolled (every K block's loads in flight): tile sweep, MoE CUDA
+        # checks with the decode path vs the grouped GEMM, then (falling through) s66's model numbers
+    timeout 150 python3 benchmarks/micro/moe_decode_sweep.py --tokens 1 2 4 8 16 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
+    gpu_file test_hybrid_gpu 100 -k "moe_checks or moe_decode_path" -s
+    grep -E "decode path|passed|failed" "$out/test_hybrid_gpu.txt" | head -12
+    ;&  # (falls through to s66)
   s66)  # (for session 21) decode numbers after s65: qwen3.5-35b-a3b-shape batch 1 and 16 / 64 concurrent,
         # qwen3.5-27b-shape batch 1 (last measured in session 2: 61.8 tok/s)
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"

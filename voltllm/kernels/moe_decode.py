@@ -83,7 +83,7 @@ def _moe_route_kernel(Logits, W, Ids, X, Wsg, stride_l, stride_xt, E, H, TOP_K: 
 @triton.jit
 def _moe_small_gate_up_kernel(X, W13, WS13, Ids, Inter, E, H, I, IS, stride_xt, stride_we, stride_wn, stride_sn,
                               stride_it, K_OUT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, NUM_K: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)
     t = pair // K_OUT
     e = tl.load(Ids + pair)
@@ -101,8 +101,10 @@ def _moe_small_gate_up_kernel(X, W13, WS13, Ids, Inter, E, H, I, IS, stride_xt, 
     wu_rows = wg_rows + n_lim * stride_n
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    # unrolled (NUM_K * BLOCK_K covers H): one basic block, so every block's weight loads can be in flight at
+    # once; a runtime loop waited for each block's loads before issuing the next (~1.3 TB/s at one token)
+    for kb in tl.static_range(NUM_K):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         mk = offs_k < H
         x = tl.load(X + t * stride_xt + offs_k, mask=mk, other=0.0).to(tl.float32)
         m2 = mn[:, None] & mk[None, :]
@@ -117,12 +119,14 @@ def _moe_small_gate_up_kernel(X, W13, WS13, Ids, Inter, E, H, I, IS, stride_xt, 
 @triton.jit
 def _moe_small_down_kernel(Inter, W2, WS2, Ids, TopkW, Out, E, H, I, IS, stride_it, stride_we, stride_wn,
                            stride_sn, stride_ot, K_OUT: tl.constexpr, HAS_SHARED: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < H
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(K_OUT):
+    # unrolled over the token's experts and the blocks of I (as in the gate_up kernel): all k experts' down rows
+    # are loaded before the first sum needs them
+    for j in tl.static_range(K_OUT):
         pair = t * K_OUT + j
         e = tl.load(Ids + pair)
         base = W2 + e.to(tl.int64) * stride_we
@@ -135,8 +139,8 @@ def _moe_small_down_kernel(Inter, W2, WS2, Ids, TopkW, Out, E, H, I, IS, stride_
                 k_lim = IS
         w_rows = base + offs_n[:, None].to(tl.int64) * stride_n
         part = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, k_lim, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for kb in tl.static_range(NUM_K):
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             mk = offs_k < k_lim
             a = tl.load(Inter + pair * stride_it + offs_k, mask=mk, other=0.0).to(tl.float32)
             wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
@@ -159,10 +163,10 @@ def _expert_specs(pointers: tuple[str, ...], strides: tuple[str, ...]) -> list[C
     def sig(act: str) -> dict:
         return {**{n: ("*i32" if n == "Ids" else "*fp32" if n == "TopkW" else f"*{act}") for n in pointers},
                 **{n: "i32" for n in ("E", "H", "I", "IS") + strides},
-                **{n: "constexpr" for n in ("K_OUT", "HAS_SHARED", "BLOCK_N", "BLOCK_K")}}
-    return [CompileSpec(signature=sig(act), constexprs={"K_OUT": 8 + shared, "HAS_SHARED": shared, "BLOCK_N": 16,
-                                                        "BLOCK_K": 256},
-                        label=f"{act} n16 k256 top8" + (" shared" if shared else ""))
+                **{n: "constexpr" for n in ("K_OUT", "HAS_SHARED", "BLOCK_N", "BLOCK_K", "NUM_K")}}
+    return [CompileSpec(signature=sig(act), constexprs={"K_OUT": 8 + shared, "HAS_SHARED": shared, "BLOCK_N": 4,
+                                                        "BLOCK_K": 512, "NUM_K": 4},
+                        label=f"{act} n4 k512x4 top8" + (" shared" if shared else ""))
             for act in ("fp16", "fp32") for shared in (0, 1)]
 
 
@@ -204,13 +208,13 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, out: Optional[torch.Tensor] = None,
                         shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                        tiles: tuple[int, int, int] = (16, 16, 4)) -> torch.Tensor:
+                        tiles: tuple[int, int, int, int] = (4, 4, 2, 512)) -> torch.Tensor:
     """voltllm.kernels.moe.fused_experts for a few tokens (T * k up to about SMALL_MAX_PAIRS; any T works):
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k]; topk_ids [T, k] -> out [T, H] in x's dtype.
     shared (the shared expert's gate_up [2 IS, H] and down [H, IS] weights): entries with id E are that
     expert (moe_route(shared_gate=...) appends one per token), so out also holds its gated output.
-    tiles: (gate_up columns per program, down columns per program, warps); the default is untuned (the sweep:
-    benchmarks/micro/moe_decode_sweep.py)."""
+    tiles: (gate_up columns per program, down columns per program, warps, gate_up K block); the sweep:
+    benchmarks/micro/moe_decode_sweep.py."""
     t = x.shape[0]
     e_num, inter_dim, hdim = expert_dims(x, w13, w2)
     k_out = topk_ids.shape[1]
@@ -229,15 +233,17 @@ def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     width = max(inter_dim, shared_dim)
     inter = torch.empty(t * k_out, width, dtype=x.dtype, device=x.device)
     has_shared = int(shared is not None)
-    bn_up, bn_down, warps = tiles
+    bn_up, bn_down, warps, bk_up = tiles
+    bk_up = min(bk_up, triton.next_power_of_2(hdim))
+    bk_down = min(1024, triton.next_power_of_2(width))
     _moe_small_gate_up_kernel[(t * k_out, triton.cdiv(width, bn_up))](
         x, w13, ws13, ids, inter, e_num, hdim, inter_dim, shared_dim, x.stride(0), w13.stride(0), w13.stride(1),
         ws13.stride(0), inter.stride(0),
-        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_up, BLOCK_K=min(256, triton.next_power_of_2(hdim)),
+        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_up, BLOCK_K=bk_up, NUM_K=triton.cdiv(hdim, bk_up),
         num_warps=warps)
     _moe_small_down_kernel[(t, triton.cdiv(hdim, bn_down))](
         inter, w2, ws2, ids, tw, out, e_num, hdim, inter_dim, shared_dim, inter.stride(0), w2.stride(0),
         w2.stride(1), ws2.stride(0), out.stride(0),
-        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_down, BLOCK_K=min(256, triton.next_power_of_2(width)),
+        K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_down, BLOCK_K=bk_down, NUM_K=triton.cdiv(width, bk_down),
         num_warps=warps)
     return out
