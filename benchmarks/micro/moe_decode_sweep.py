@@ -24,7 +24,7 @@ SHAPES = {"35b": (2048, 256, 8, 512, 512), "80b": (2048, 512, 10, 512, 512)}  # 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="35b", choices=sorted(SHAPES))
-    ap.add_argument("--tokens", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--tokens", nargs="*", type=int, default=[1, 2, 4, 8, 16, 24, 32])
     ap.add_argument("--tiles", default="4:4:2:512,4:4:2:256,4:4:2:2048,4:4:4:2048,8:8:4:512,8:8:4:1024,2:4:2:1024,4:8:2:512,16:16:4:256")
     args = ap.parse_args()
     h, e, k, inter, sinter = SHAPES[args.shape]

@@ -4,7 +4,8 @@ At one to a few tokens an MoE layer's time is launches, not bytes: the grouped G
 needs its (token, expert) pairs sorted by expert first (`moe_align`, ~20 small torch ops) plus the softmax /
 top-k / renormalize router (~5) and a sum over k, about 27 launches per layer before any weight is read, and
 the shared expert 7 more. qwen3.5-35b-a3b-shape ran at 138.7 tok/s at batch 1 on the H200 (23% of its read
-limit); the router and the unsorted experts below took it to 175.0 (session 20). Here:
+limit); the router and the unsorted experts below took it to 175.0 (session 20), and to 337.1 (56%) once their
+loops were unrolled so that a program's weight loads are all in flight together (session 21). Here:
   `_moe_route_kernel`      grid (token): softmax over the E router logits in fp32, top-k by k rounds of
                            max + lowest index of the max (torch.topk's order for distinct values), optional
                            renormalization; writes weights fp32 [T, k] and ids int32 [T, k]; optionally one
@@ -17,8 +18,9 @@ limit); the router and the unsorted experts below took it to 175.0 (session 20).
                            straight to out[t] (no per-pair output, no sum launch).
   Entries with id E read the shared expert's own weights in both kernels, so one layer's experts, routed and
   shared, are these two launches.
-Without the sort, two pairs of one expert read its weights twice: `SMALL_MAX_PAIRS` keeps this path to
-batches where that is rare (at 8 routed of 256 experts, 64 pairs hit ~57 distinct experts).
+Without the sort, two pairs of one expert read its weights twice (the second read mostly from L2):
+`SMALL_MAX_PAIRS` keeps this path to batches where it still beats the grouped GEMM (35B shape, session 21: 21 vs 34
+us at 8 pairs, 89 vs 99 at 64, 158 vs 162 at 128; benchmarks/micro/moe_decode_sweep.py).
 Numerics: fp32 accumulation throughout, `inter` rounded once to the activation dtype (as the grouped GEMM
 does), the k-sum rounded once (the grouped GEMM rounds each pair's output first). FMAs only: registered
 for the sm_70 / sm_75 compile gate.
@@ -37,7 +39,7 @@ import triton.language as tl
 from voltllm.kernels.moe import expert_dims
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
-SMALL_MAX_PAIRS = 64  # (token, expert) pairs up to which SparseMoE takes the unsorted path on CUDA
+SMALL_MAX_PAIRS = 128  # (token, expert) pairs up to which SparseMoE takes the unsorted path on CUDA
 
 
 @triton.jit
@@ -208,13 +210,13 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, out: Optional[torch.Tensor] = None,
                         shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                        tiles: tuple[int, int, int, int] = (4, 4, 2, 512)) -> torch.Tensor:
+                        tiles: tuple[int, int, int, int] = (2, 4, 2, 1024)) -> torch.Tensor:
     """voltllm.kernels.moe.fused_experts for a few tokens (T * k up to about SMALL_MAX_PAIRS; any T works):
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k]; topk_ids [T, k] -> out [T, H] in x's dtype.
     shared (the shared expert's gate_up [2 IS, H] and down [H, IS] weights): entries with id E are that
     expert (moe_route(shared_gate=...) appends one per token), so out also holds its gated output.
-    tiles: (gate_up columns per program, down columns per program, warps, gate_up K block); the sweep:
-    benchmarks/micro/moe_decode_sweep.py."""
+    tiles: (gate_up columns per program, down columns per program, warps, gate_up K block); the default was the
+    fastest or within 1% of it at 1-16 tokens in benchmarks/micro/moe_decode_sweep.py (35B shape, H200)."""
     t = x.shape[0]
     e_num, inter_dim, hdim = expert_dims(x, w13, w2)
     k_out = topk_ids.shape[1]
