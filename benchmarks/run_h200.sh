@@ -538,6 +538,20 @@ case $stage in
     grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -30
     timeout 120 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
     ;;
+  s68)  # (session 21) after s67: the unsorted / grouped switch at 16-32 tokens, per-kernel profiles of
+        # qwen3.5-35b-a3b-shape decode at batch 1 and 64 concurrent, and of its 8K prompt
+    timeout 100 python3 benchmarks/micro/moe_decode_sweep.py --tokens 1 16 24 32 --tiles 2:4:2:1024,4:4:2:512 2>&1 \
+      | grep -v -i warn | tee "$out/moe-decode-sweep-16-32.txt"
+    m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1 --max-model-len 4096"
+    bench $m35 --scenario decode --input-len 512 --output-len 128 --max-num-seqs 4 --profile --profile-steps 10 \
+      --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha > "$out/35b-b1-profile.log"
+    grep -v -i warn "$out/35b-b1-profile.log" | tail -32
+    bench $m35 --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --max-num-seqs 64 --profile \
+      --profile-steps 10 --name qwen3.5-35b-a3b-shape-fp16-c64-$sha > "$out/35b-c64-profile.log"
+    grep -v -i warn "$out/35b-c64-profile.log" | tail -32
+    timeout 200 python3 benchmarks/micro/hybrid_prefill_profile.py --shape qwen3.5-35b-a3b-shape --cases 8192x1 --runs 1 \
+      --top 14 2>&1 | grep -v -i warn | tail -22 | tee "$out/35b-prefill-profile.txt"
+    ;;
   s67)  # (session 21) the decode-sized MoE GEMVs unrolled (every K block's loads in flight): tile sweep, MoE CUDA
         # checks with the decode path vs the grouped GEMM, then (falling through) s66's model numbers
     timeout 150 python3 benchmarks/micro/moe_decode_sweep.py --tokens 1 2 4 8 16 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
