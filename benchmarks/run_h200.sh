@@ -538,6 +538,10 @@ case $stage in
     grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -30
     timeout 120 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
     ;;
+  s69)  # (session 21) grouped-GEMM tiles at prompt sizes, the one-launch moe_align vs torch per pair count, the
+        # router's warps (benchmarks/micro/moe_grouped_sweep.py)
+    timeout 300 python3 benchmarks/micro/moe_grouped_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-grouped-sweep.txt"
+    ;;
   s68)  # (session 21) after s67: the unsorted / grouped switch at 16-32 tokens, per-kernel profiles of
         # qwen3.5-35b-a3b-shape decode at batch 1 and 64 concurrent, and of its 8K prompt
     timeout 100 python3 benchmarks/micro/moe_decode_sweep.py --tokens 1 16 24 32 --tiles 2:4:2:1024,4:4:2:512 2>&1 \

@@ -182,10 +182,12 @@ register_kernel("moe.small_down", _moe_small_down_kernel, _expert_specs(
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-              shared_gate: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              shared_gate: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              num_warps: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """route() in one launch: router_logits [T, E] (any float) -> (weights fp32 [T, k], ids int32 [T, k]).
     shared_gate (x [T, H], the shared expert's gate weight [H]): one more entry per token, weight
-    sigmoid(x . w) in fp32 and id E, which fused_experts_small(shared=...) reads as the shared expert."""
+    sigmoid(x . w) in fp32 and id E, which fused_experts_small(shared=...) reads as the shared expert.
+    num_warps: per token (benchmarks/micro/moe_grouped_sweep.py times the choices)."""
     t, e = router_logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"moe_route: top_k {top_k} must be in 1..{e}")
@@ -203,7 +205,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                                 TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
                                 BLOCK_TOPK=triton.next_power_of_2(top_k), RENORM=renormalize,
                                 HAS_SHARED=int(shared_gate is not None),
-                                BLOCK_H=min(1024, triton.next_power_of_2(hdim)), num_warps=4 if e > 256 else 2)
+                                BLOCK_H=min(1024, triton.next_power_of_2(hdim)),
+                                num_warps=num_warps or (4 if e > 256 else 2))
     return w, ids
 
 
