@@ -161,7 +161,7 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num
 def _gate_up_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        for bm, bn, bk, k in ((16, 64, 128, 8), (64, 128, 64, 2)):
+        for bm, bn, bk, k in ((16, 64, 128, 8), (64, 128, 64, 2), (128, 128, 64, 8)):
             sig = {"X": f"*{act}", "W13": f"*{act}", "SortedIds": "*i32", "BlockExpert": "*i32",
                    "NumPadded": "*i32", "Inter": f"*{act}", "num_pairs": "i32", "H": "i32", "I": "i32",
                    "stride_xt": "i64", "stride_we": "i64", "stride_wn": "i64", "stride_it": "i64",
@@ -175,7 +175,7 @@ def _gate_up_specs() -> list[CompileSpec]:
 def _down_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        for bm, bn, bk in ((16, 64, 128), (64, 128, 64)):
+        for bm, bn, bk in ((16, 64, 128), (64, 128, 64), (128, 128, 64)):
             sig = {"Inter": f"*{act}", "W2": f"*{act}", "SortedIds": "*i32", "BlockExpert": "*i32",
                    "NumPadded": "*i32", "TopkW": "*fp32", "PairOut": f"*{act}", "num_pairs": "i32", "H": "i32",
                    "I": "i32", "stride_it": "i64", "stride_we": "i64", "stride_wn": "i64", "stride_ot": "i64",
@@ -252,11 +252,14 @@ def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def pick_config(num_pairs: int, num_experts: int) -> dict:
     """Tile sizes. Few pairs per expert (decode): BLOCK_M 16 so an expert with a handful of tokens pays
-    little padding and its weights are read once; many (prefill): 64-row tiles. Not tuned on a GPU yet:
-    tests/gpu/test_hybrid_gpu.py times both against the torch reference."""
+    little padding and its weights are read once; more: 64-row tiles, 128-row ones from ~64 pairs per expert.
+    From benchmarks/micro/moe_grouped_sweep.py (35B shape, H200, session 21): 4096 pairs 528 us (4 warps, 4
+    stages) vs 543 (the former 8 warps, 3 stages); 65536 pairs 1,701 us (128 rows) vs 1,878."""
     if num_pairs <= 2 * num_experts or num_pairs <= 256:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if num_pairs >= 64 * num_experts:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 
 
 def expert_dims(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
