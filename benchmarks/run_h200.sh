@@ -538,6 +538,22 @@ case $stage in
     grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -30
     timeout 120 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
     ;;
+  s70)  # (session 21) PDL in the hybrid decode kernels (MoE router / expert GEMVs, GDN conv / delta rule), the
+        # sweep's grouped-GEMM tiles and one-warp router: GDN decode + hybrid engine GPU tests (graphs: PDL on),
+        # 35B batch 1 / 16 / 64 concurrent / 8K prompt, 27B batch 1
+    gpu_file test_gdn_decode 60
+    gpu_file test_hybrid_gpu 240 -k "moe_checks or moe_decode_path or engine or graph"
+    m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
+    bench $m35 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 4 \
+      --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha | tail -6
+    bench $m35 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 --max-model-len 4096 \
+      --max-num-seqs 64 --name qwen3.5-35b-a3b-shape-fp16-c16-c64-$sha | tail -9
+    bench $m35 --scenario prefill --input-len 8192 --max-model-len 16384 --max-num-seqs 4 \
+      --name qwen3.5-35b-a3b-shape-fp16-prefill-8k-$sha | tail -6
+    bench --random-weights qwen3.5-27b-shape --dtype half --max-num-seqs 4 --max-num-batched-tokens 8192 --num-warm 1 \
+      --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 \
+      --name qwen3.5-27b-shape-fp16-decode-b1-$sha | tail -6
+    ;;
   s69)  # (session 21) grouped-GEMM tiles at prompt sizes, the one-launch moe_align vs torch per pair count, the
         # router's warps (benchmarks/micro/moe_grouped_sweep.py)
     timeout 300 python3 benchmarks/micro/moe_grouped_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-grouped-sweep.txt"

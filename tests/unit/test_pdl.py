@@ -1,6 +1,7 @@
 """Programmatic dependent launch (voltllm/kernels/pdl.py): the decode kernels compiled for sm_90 with PDL on
 carry griddepcontrol.wait before their first global access and let their successor launch (paged decode
-attention reads the step's inputs, sequence lengths and block tables, before it: no kernel writes them); with PDL
+attention reads the step's inputs, sequence lengths and block tables, before it: no kernel writes them; the GDN
+decode kernels their slots, flags and recurrent state, but store nothing before it); with PDL
 off (the registry's specs, which the sm_70/75 gate compiles) they carry none; the CPU engine leaves it off."""
 import pytest
 import triton
@@ -8,9 +9,13 @@ import triton
 from voltllm.kernels.registry import REGISTRY
 
 DECODE_KERNELS = ("gemv.skinny", "gemm.decode_batch", "gemm.decode_batch_tma", "fused.rms_norm",
-                  "fused.qk_norm_rope", "fused.silu_and_mul", "attention.paged_decode", "attention.paged_decode_reduce")
+                  "fused.qk_norm_rope", "fused.silu_and_mul", "attention.paged_decode", "attention.paged_decode_reduce",
+                  "moe.route_topk", "moe.small_gate_up", "moe.small_down", "gdn.decode_delta_rule",
+                  "gdn.decode_conv1d")
 
-READ_INPUTS_BEFORE_WAIT = ("attention.paged_decode",)
+# (these read what no kernel of the step writes before their wait: the step's inputs; the GDN decode also its
+# recurrent state, which only it writes, a step earlier)
+READ_INPUTS_BEFORE_WAIT = ("attention.paged_decode", "gdn.decode_delta_rule", "gdn.decode_conv1d")
 
 
 def _ptx(fn, spec, pdl_on, **constexprs):
@@ -26,7 +31,9 @@ def test_decode_kernels_wait_then_release(name):
     import voltllm.kernels.attention  # noqa: F401  (registers)
     import voltllm.kernels.batch_gemm  # noqa: F401
     import voltllm.kernels.fused  # noqa: F401
+    import voltllm.kernels.gdn_decode  # noqa: F401
     import voltllm.kernels.gemv  # noqa: F401
+    import voltllm.kernels.moe_decode  # noqa: F401
     entry = REGISTRY[name]
     spec = entry.specs[0]
     assert spec.constexprs["PDL"] is False

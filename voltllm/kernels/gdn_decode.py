@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels import pdl
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 
@@ -29,7 +31,7 @@ def _gdn_decode_kernel(
     stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
     scale,
     HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
+    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -38,6 +40,15 @@ def _gdn_decode_kernel(
     offv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     mk = offk < DK
     mv = offv < DV
+    # The state, slots and flags are not written by the kernels just before this one (only by this kernel a
+    # step earlier, the prefill kernels and the host's input copies, all complete once the predecessor has
+    # passed its own wait), so under PDL they load while the predecessor (the conv step) still runs.
+    slot = tl.load(Slots + b).to(tl.int64)
+    init = tl.load(HasInit + b)
+    ptr = State + slot * stride_ss + h * stride_sh + offk[:, None] * stride_sk + offv[None, :]
+    m2 = mk[:, None] & mv[None, :]
+    s = tl.load(ptr, mask=m2 & (init != 0), other=0.0).to(tl.float32)
+    pdl_enter(PDL)
     q = tl.load(Q + b * stride_qb + hk * stride_qh + offk, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(K + b * stride_kb + hk * stride_kh + offk, mask=mk, other=0.0).to(tl.float32)
     if L2NORM:
@@ -52,11 +63,6 @@ def _gdn_decode_kernel(
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
         g = -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
         beta = 1.0 / (1.0 + tl.exp(-beta))
-    slot = tl.load(Slots + b).to(tl.int64)
-    init = tl.load(HasInit + b)
-    ptr = State + slot * stride_ss + h * stride_sh + offk[:, None] * stride_sk + offv[None, :]
-    m2 = mk[:, None] & mv[None, :]
-    s = tl.load(ptr, mask=m2 & (init != 0), other=0.0).to(tl.float32)
     s = s * tl.exp(g)
     pred = tl.sum(s * k[:, None], axis=0)
     u = beta * (v - pred)
@@ -70,13 +76,14 @@ def _gdn_decode_kernel(
 def _conv_decode_kernel(
     X, W, Bias, State, Slots, HasInit, Out,
     stride_xb, stride_ss, stride_sk, stride_ob, C,
-    KW: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    KW: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     offc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = offc < C
-    slot = tl.load(Slots + b).to(tl.int64)
+    slot = tl.load(Slots + b).to(tl.int64)  # (inputs of the host's copies: readable before the PDL wait)
     init = tl.load(HasInit + b)
+    pdl_enter(PDL)
     x = tl.load(X + b * stride_xb + offc, mask=mc, other=0.0)
     acc = x.to(tl.float32) * tl.load(W + offc * KW + (KW - 1), mask=mc, other=0.0).to(tl.float32)
     base = State + slot * stride_ss + offc
@@ -108,9 +115,10 @@ def _gdn_specs() -> list[CompileSpec]:
                    "stride_ss": "i64", "stride_sh": "i32", "stride_sk": "i32", "stride_ob": "i32",
                    "stride_oh": "i32", "scale": "fp32",
                    **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "BLOCK_K", "BLOCK_V", "L2NORM",
-                                               "RAW_GATES")}}
+                                               "RAW_GATES", "PDL")}}
             specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": r, "DK": dk, "DV": dv, "BLOCK_K": dk,
-                                                                "BLOCK_V": 32, "L2NORM": True, "RAW_GATES": raw},
+                                                                "BLOCK_V": 32, "L2NORM": True, "RAW_GATES": raw,
+                                                                "PDL": False},
                                      label=f"{act} dk{dk} dv{dv} r{r}" + (" raw gates" if raw else "")))
     return specs
 
@@ -121,9 +129,10 @@ def _conv_specs() -> list[CompileSpec]:
         sig = {"X": f"*{act}", "W": f"*{act}", "Bias": f"*{act}", "State": f"*{act}", "Slots": "*i64",
                "HasInit": "*u8", "Out": f"*{act}", "stride_xb": "i32", "stride_ss": "i64", "stride_sk": "i32",
                "stride_ob": "i32", "C": "i32",
-               "KW": "constexpr", "BLOCK_C": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr"}
+               "KW": "constexpr", "BLOCK_C": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
+               "PDL": "constexpr"}
         specs.append(CompileSpec(signature=sig, constexprs={"KW": 4, "BLOCK_C": 256, "HAS_BIAS": False,
-                                                            "SILU": True}, label=f"{act} k4"))
+                                                            "SILU": True, "PDL": False}, label=f"{act} k4"))
     return specs
 
 
@@ -171,7 +180,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
         float(scale if scale is not None else dk ** -0.5),
         HV_PER_K=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        RAW_GATES=gate_params is not None, num_warps=4,
+        RAW_GATES=gate_params is not None, num_warps=4, **pdl.launch_options(),
     )
     return out
 
@@ -197,6 +206,6 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         x, weight, bias if bias is not None else weight, conv_states, slots, _flags(has_initial_state), out,
         x.stride(0), conv_states.stride(0), max(conv_states.stride(1), 1), out.stride(0), c,
         KW=kw, BLOCK_C=block_c, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=4,
+        num_warps=4, **pdl.launch_options(),
     )
     return out

@@ -21,6 +21,8 @@ loops were unrolled so that a program's weight loads are all in flight together 
 Without the sort, two pairs of one expert read its weights twice (the second read mostly from L2):
 `SMALL_MAX_PAIRS` keeps this path to batches where it still beats the grouped GEMM (35B shape, session 21: 21 vs 34
 us at 8 pairs, 89 vs 99 at 64, 158 vs 162 at 128; benchmarks/micro/moe_decode_sweep.py).
+All three wait for their predecessor under programmatic dependent launch (voltllm/kernels/pdl.py, sm_90+
+native route), so their launch and ramp-up overlap the previous kernel's tail.
 Numerics: fp32 accumulation throughout, `inter` rounded once to the activation dtype (as the grouped GEMM
 does), the k-sum rounded once (the grouped GEMM rounds each pair's output first). FMAs only: registered
 for the sm_70 / sm_75 compile gate.
@@ -36,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels import pdl
 from voltllm.kernels.moe import expert_dims
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 SMALL_MAX_PAIRS = 128  # (token, expert) pairs up to which SparseMoE takes the unsorted path on CUDA
@@ -45,7 +49,8 @@ SMALL_MAX_PAIRS = 128  # (token, expert) pairs up to which SparseMoE takes the u
 @triton.jit
 def _moe_route_kernel(Logits, W, Ids, X, Wsg, stride_l, stride_xt, E, H, TOP_K: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, RENORM: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)  # (every input comes from the previous kernels)
     t = tl.program_id(0).to(tl.int64)
     k_out = TOP_K + HAS_SHARED  # entries per token: the routed experts, then the shared one
     offs = tl.arange(0, BLOCK_E)
@@ -85,7 +90,8 @@ def _moe_route_kernel(Logits, W, Ids, X, Wsg, stride_l, stride_xt, E, H, TOP_K: 
 @triton.jit
 def _moe_small_gate_up_kernel(X, W13, WS13, Ids, Inter, E, H, I, IS, stride_xt, stride_we, stride_wn, stride_sn,
                               stride_it, K_OUT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, NUM_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)  # (which weights to read is the router's output)
     pair = tl.program_id(0).to(tl.int64)
     t = pair // K_OUT
     e = tl.load(Ids + pair)
@@ -121,7 +127,9 @@ def _moe_small_gate_up_kernel(X, W13, WS13, Ids, Inter, E, H, I, IS, stride_xt, 
 @triton.jit
 def _moe_small_down_kernel(Inter, W2, WS2, Ids, TopkW, Out, E, H, I, IS, stride_it, stride_we, stride_wn,
                            stride_sn, stride_ot, K_OUT: tl.constexpr, HAS_SHARED: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < H
@@ -155,9 +163,9 @@ def _route_specs() -> list[CompileSpec]:
     return [CompileSpec(signature={
         "Logits": f"*{act}", "W": "*fp32", "Ids": "*i32", "X": f"*{act}", "Wsg": f"*{act}", "stride_l": "i32",
         "stride_xt": "i32", "E": "i32", "H": "i32",
-        **{n: "constexpr" for n in ("TOP_K", "BLOCK_E", "BLOCK_TOPK", "RENORM", "HAS_SHARED", "BLOCK_H")}},
+        **{n: "constexpr" for n in ("TOP_K", "BLOCK_E", "BLOCK_TOPK", "RENORM", "HAS_SHARED", "BLOCK_H", "PDL")}},
         constexprs={"TOP_K": 8, "BLOCK_E": 256, "BLOCK_TOPK": 8, "RENORM": True, "HAS_SHARED": shared,
-                    "BLOCK_H": 1024},
+                    "BLOCK_H": 1024, "PDL": False},
         label=f"{act} E256 k8" + (" shared" if shared else "")) for act in ("fp16", "fp32") for shared in (0, 1)]
 
 
@@ -165,9 +173,9 @@ def _expert_specs(pointers: tuple[str, ...], strides: tuple[str, ...]) -> list[C
     def sig(act: str) -> dict:
         return {**{n: ("*i32" if n == "Ids" else "*fp32" if n == "TopkW" else f"*{act}") for n in pointers},
                 **{n: "i32" for n in ("E", "H", "I", "IS") + strides},
-                **{n: "constexpr" for n in ("K_OUT", "HAS_SHARED", "BLOCK_N", "BLOCK_K", "NUM_K")}}
+                **{n: "constexpr" for n in ("K_OUT", "HAS_SHARED", "BLOCK_N", "BLOCK_K", "NUM_K", "PDL")}}
     return [CompileSpec(signature=sig(act), constexprs={"K_OUT": 8 + shared, "HAS_SHARED": shared, "BLOCK_N": 4,
-                                                        "BLOCK_K": 512, "NUM_K": 4},
+                                                        "BLOCK_K": 512, "NUM_K": 4, "PDL": False},
                         label=f"{act} n4 k512x4 top8" + (" shared" if shared else ""))
             for act in ("fp16", "fp32") for shared in (0, 1)]
 
@@ -207,7 +215,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                                 BLOCK_TOPK=triton.next_power_of_2(top_k), RENORM=renormalize,
                                 HAS_SHARED=int(shared_gate is not None),
                                 BLOCK_H=min(1024, triton.next_power_of_2(hdim)),
-                                num_warps=num_warps or (4 if e > 256 else 1))
+                                num_warps=num_warps or (4 if e > 256 else 1), **pdl.launch_options())
     return w, ids
 
 
@@ -246,10 +254,10 @@ def fused_experts_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         x, w13, ws13, ids, inter, e_num, hdim, inter_dim, shared_dim, x.stride(0), w13.stride(0), w13.stride(1),
         ws13.stride(0), inter.stride(0),
         K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_up, BLOCK_K=bk_up, NUM_K=triton.cdiv(hdim, bk_up),
-        num_warps=warps)
+        num_warps=warps, **pdl.launch_options())
     _moe_small_down_kernel[(t, triton.cdiv(hdim, bn_down))](
         inter, w2, ws2, ids, tw, out, e_num, hdim, inter_dim, shared_dim, inter.stride(0), w2.stride(0),
         w2.stride(1), ws2.stride(0), out.stride(0),
         K_OUT=k_out, HAS_SHARED=has_shared, BLOCK_N=bn_down, BLOCK_K=bk_down, NUM_K=triton.cdiv(width, bk_down),
-        num_warps=warps)
+        num_warps=warps, **pdl.launch_options())
     return out
