@@ -4,8 +4,9 @@ At one to a few tokens an MoE layer's time is launches, not bytes: the grouped G
 needs its (token, expert) pairs sorted by expert first (`moe_align`, ~20 small torch ops) plus the softmax /
 top-k / renormalize router (~5) and a sum over k, about 27 launches per layer before any weight is read, and
 the shared expert 7 more. qwen3.5-35b-a3b-shape ran at 138.7 tok/s at batch 1 on the H200 (23% of its read
-limit); the router and the unsorted experts below took it to 175.0 (session 20), and to 337.1 (56%) once their
-loops were unrolled so that a program's weight loads are all in flight together (session 21). Here:
+limit); the router and the unsorted experts below took it to 175.0 (session 20), to 337.1 once their loops
+were unrolled so that a program's weight loads are all in flight together, and to 361.3 (59.5%) with PDL
+(session 21). Here:
   `_moe_route_kernel`      grid (token): softmax over the E router logits in fp32, top-k by k rounds of
                            max + lowest index of the max (torch.topk's order for distinct values), optional
                            renormalization; writes weights fp32 [T, k] and ids int32 [T, k]; optionally one
