@@ -35,6 +35,23 @@ def test_kernels_registered_for_compat_gate():
         "'moe.small_gate_up']")
 
 
+def test_picked_tiles_are_the_gated_ones():
+    """Every tile pick_config returns, per activation width, is one the sm_70 / sm_75 compile gate compiles (its
+    registered specs), and fp32 runs keep their K blocks within FP32_MAX_BLOCK_K (shared memory on sm_75)."""
+    from voltllm.kernels.moe import FP32_MAX_BLOCK_K, pick_config
+    from voltllm.kernels.registry import REGISTRY
+
+    for kernel in ("moe.gate_up_silu", "moe.down_weighted"):
+        gated = {(s.label.split()[0], s.constexprs["BLOCK_M"], s.constexprs["BLOCK_N"], s.constexprs["BLOCK_K"])
+                 for s in REGISTRY[kernel].specs}
+        for itemsize, act in ((2, "fp16"), (4, "fp32")):
+            for pairs, experts in ((8, 256), (512, 256), (4096, 256), (65536, 256), (300, 8), (40000, 512)):
+                cfg = pick_config(pairs, experts, itemsize)
+                assert (act, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) in gated, (kernel, act, pairs, cfg)
+                if itemsize == 4:
+                    assert cfg["BLOCK_K"] <= FP32_MAX_BLOCK_K
+
+
 def test_align_bounds_without_interpreter():
     """moe_align is plain torch: the padded length never exceeds its static bound, for any routing."""
     from voltllm.kernels.moe import moe_align

@@ -40,6 +40,10 @@ from voltllm.kernels.registry import CompileSpec, register_kernel
 
 MAX_CHUNK_PAIRS = 32768  # (token, expert) pairs per launch pair: inter [P, I] + pair_out [P, H] workspaces
 TRITON_ALIGN_MAX_PAIRS = 4096  # up to here moe_align is one Triton launch (one program sorts the pairs); above, torch
+# Shared memory per block on the compat targets is 96 KB (sm_70) and 64 KB (sm_75). With fp32 activations the
+# tiles below need up to 96 KB at BLOCK_K 64 (72-96 KB for gate_up: its x tile and two weight tiles), so fp32 runs
+# take K blocks of 32 (<= 48 KB); fp16 / bf16 need 32 KB at every tile (compiled for sm_70 / sm_75, session 21).
+FP32_MAX_BLOCK_K = 32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,6 +166,7 @@ def _gate_up_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
         for bm, bn, bk, k in ((16, 64, 128, 8), (64, 128, 64, 2), (128, 128, 64, 8)):
+            bk = bk if act == "fp16" else min(bk, FP32_MAX_BLOCK_K)  # (pick_config's cap)
             sig = {"X": f"*{act}", "W13": f"*{act}", "SortedIds": "*i32", "BlockExpert": "*i32",
                    "NumPadded": "*i32", "Inter": f"*{act}", "num_pairs": "i32", "H": "i32", "I": "i32",
                    "stride_xt": "i64", "stride_we": "i64", "stride_wn": "i64", "stride_it": "i64",
@@ -176,6 +181,7 @@ def _down_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
         for bm, bn, bk in ((16, 64, 128), (64, 128, 64), (128, 128, 64)):
+            bk = bk if act == "fp16" else min(bk, FP32_MAX_BLOCK_K)
             sig = {"Inter": f"*{act}", "W2": f"*{act}", "SortedIds": "*i32", "BlockExpert": "*i32",
                    "NumPadded": "*i32", "TopkW": "*fp32", "PairOut": f"*{act}", "num_pairs": "i32", "H": "i32",
                    "I": "i32", "stride_it": "i64", "stride_we": "i64", "stride_wn": "i64", "stride_ot": "i64",
@@ -250,16 +256,21 @@ def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, num_padded
 
 
-def pick_config(num_pairs: int, num_experts: int) -> dict:
+def pick_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     """Tile sizes. Few pairs per expert (decode): BLOCK_M 16 so an expert with a handful of tokens pays
     little padding and its weights are read once; more: 64-row tiles, 128-row ones from ~64 pairs per expert.
     From benchmarks/micro/moe_grouped_sweep.py (35B shape, H200, session 21): 4096 pairs 528 us (4 warps, 4
-    stages) vs 543 (the former 8 warps, 3 stages); 65536 pairs 1,701 us (128 rows) vs 1,878."""
+    stages) vs 543 (the former 8 warps, 3 stages); 65536 pairs 1,701 us (128 rows) vs 1,878. itemsize: of the
+    activations and weights (4: fp32, whose K blocks are capped at FP32_MAX_BLOCK_K)."""
     if num_pairs <= 2 * num_experts or num_pairs <= 256:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2)
-    if num_pairs >= 64 * num_experts:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2)
+    elif num_pairs >= 64 * num_experts:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    if itemsize >= 4:
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], FP32_MAX_BLOCK_K)
+    return cfg
 
 
 def expert_dims(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
@@ -308,7 +319,7 @@ def _run_chunk(x, w13, w2, topk_weights, topk_ids, out, inter_ws, pair_ws, confi
     inter_dim = two_i // 2
     k = topk_ids.shape[1]
     p = t * k
-    cfg = dict(config or pick_config(p, e_num))
+    cfg = dict(config or pick_config(p, e_num, x.element_size()))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, e_num, bm)
     max_blocks = block_expert.numel()
