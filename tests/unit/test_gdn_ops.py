@@ -283,3 +283,75 @@ def test_runner_sets_gdn_precision_on_cpu(tmp_path):
     assert layers and all(m.chunk_precision == "ieee" for m in layers)
     assert set_chunk_precision(model, "tf32x3") == len(layers)
     assert all(m.chunk_precision == "tf32x3" for m in layers)
+
+
+def _tiny_gdn_layer():
+    from types import SimpleNamespace
+
+    from voltllm.model.layers.gdn import GatedDeltaNet
+
+    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6)
+    gen = torch.Generator().manual_seed(5)
+    layer = GatedDeltaNet(cfg, 0, torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        layer.A_log.copy_(torch.empty(4).uniform_(0.02, 0.5, generator=gen).log())
+    return layer
+
+
+def test_chunk_kernels_that_do_not_fit_raise_their_own_error(monkeypatch):
+    """Every tile out of shared memory (a V100, T4 or 99-KB consumer card) -> ChunkKernelsDoNotFit, after trying
+    each tile of the precision and then the "ieee" ones."""
+    from triton.runtime.errors import OutOfResources
+
+    from voltllm.kernels import gdn_chunk
+
+    tried = []
+
+    def no_room(precision, tile, *args):
+        tried.append((precision, tile))
+        raise OutOfResources(114688, 98304, "shared memory")
+
+    monkeypatch.setattr(gdn_chunk, "_launch", no_room)
+    q, k, v, g, beta, _ = _inputs(70, hk=2, hv=4, dk=16, dv=16)
+    states = torch.zeros(2, 4, 16, 16)
+    with pytest.raises(gdn_chunk.ChunkKernelsDoNotFit, match="no tile fits"):
+        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, states, torch.tensor([1]), [0, 70],
+                                           torch.tensor([False]), precision="tf32x3")
+    assert tried == [("tf32x3", t) for t in gdn_chunk.TILES["tf32x3"]] + [("ieee", t) for t in gdn_chunk.TILES["ieee"]]
+    assert states.abs().sum() == 0
+
+
+def test_layer_runs_the_torch_form_where_the_chunk_kernels_do_not_fit(monkeypatch):
+    """GatedDeltaNet: when the chunk kernels report ChunkKernelsDoNotFit, the step runs the torch chunked form
+    (same outputs and states as a layer set to it) and later steps on that device do not try the kernels again."""
+    from voltllm.kernels import gdn_chunk
+    from voltllm.model.layers import gdn as gdn_layer
+    from voltllm.model.layers.gdn import HybridBatch
+
+    calls = []
+
+    def do_not_fit(*args, **kwargs):
+        calls.append(1)
+        raise gdn_chunk.ChunkKernelsDoNotFit("Gated DeltaNet chunk kernels: no tile fits the shared memory of cpu")
+
+    monkeypatch.setattr(gdn_chunk, "gated_delta_rule_chunked", do_not_fit)
+    monkeypatch.setattr(gdn_layer, "_CHUNK_UNFIT_DEVICES", set())
+    layer = _tiny_gdn_layer()
+    outs = {}
+    for flag in (False, True):
+        layer.triton_prefill = flag
+        cache = StateCache(1, 3, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, "cpu")
+        x = torch.randn(70, 32, generator=torch.Generator().manual_seed(6))
+        ys = []
+        for rows, qsl, init in ((x[:50], [0, 30, 50], [False, False]), (x[50:], [0, 12, 20], [True, True])):
+            batch = HybridBatch(state_cache=cache, slots=torch.tensor([2, 0]), has_initial_state=torch.tensor(init),
+                                query_start_loc=qsl, decode_only=False)
+            ys.append(layer(rows, batch))
+        outs[flag] = (torch.cat(ys), cache.ssm[0].clone(), cache.conv[0].clone())
+    assert len(calls) == 1  # the second step went straight to the torch form
+    assert gdn_layer._CHUNK_UNFIT_DEVICES == {torch.device("cpu")}
+    for a, b in zip(outs[False], outs[True]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -59,6 +59,14 @@ def _tanh_asm_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, y, mask=offs < n)
 
 
+@triton.jit
+def _square_dot_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    tile = r[:, None] * BLOCK + r[None, :]
+    a = tl.load(x_ptr + tile)
+    tl.store(y_ptr + tile, tl.dot(a, tl.load(y_ptr + tile), input_precision="ieee"))
+
+
 def _sig(y: str, **extra: str) -> dict:
     return {"x_ptr": "*fp32", "y_ptr": y, "n": "i32", "BLOCK": "constexpr", **extra}
 
@@ -178,3 +186,20 @@ def test_main_table(capsys):
     assert sm70_gate.main(["--module", "voltllm.kernels.fp8_codec", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "sm_70" in out and "sm_75" in out and "fp8.encode" in out and "PASS" in out
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_shared_memory_over_the_target(fallback):
+    """A [128 x 128] fp32 dot needs more shared memory per block than sm_75's 64 KB (and sm_70's 96 KB): the gate
+    fails it, unless the kernel's caller copes (shared_fallback), where it passes with the size noted."""
+    spec = CompileSpec(_sig("*fp32"), {"BLOCK": 128}, label="b128")
+    small = CompileSpec(_sig("*fp32"), {"BLOCK": 32}, label="b32")
+    entry = KernelEntry("test.square_dot", _square_dot_kernel, [spec, small], shared_fallback=fallback)
+    report = run_gate((70, 75), entries=[entry])
+    by = {(r.label, r.arch): r for r in report.results}
+    assert by[("b32", 75)].status == "ok" and not by[("b32", 75)].reasons
+    big = by[("b128", 75)]
+    assert any("KB of shared memory per block; sm_75 has 64 KB" in why for why in big.reasons), big
+    assert big.status == ("ok" if fallback else "failed")
+    assert report.ok == fallback
+    assert ("ok*" in report.format_table()) == fallback

@@ -10,7 +10,10 @@ which runs the whole pipeline (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas cubin) f
 The gate then reads the TTIR and the PTX and fails a kernel that uses anything those chips lack:
 bf16/fp8 types in the IR (Triton silently emulates bf16 and fp8e5 on sm_70), and PTX instructions
 or types newer than the target per the PTX ISA target notes (voltllm/check/ptx_rules.py; the table is
-in docs/sm70.md). Anything ptxas itself rejects for the target fails too.
+in docs/sm70.md). Anything ptxas itself rejects for the target fails too, and so does a spec whose block needs
+more shared memory than the target has (SHARED_MEMORY_LIMIT: a launch there would fail with "out of resource"),
+unless its caller copes with that (`shared_fallback`: smaller tiles, then a torch form), where the size is only
+reported (marked `ok*` in the table, with a note).
 
 `find_unregistered_kernels()` lists module-level @triton.jit objects of voltllm.kernels that are
 not in REGISTRY, not called (transitively, by name) from a registered kernel, and not named in their
@@ -35,6 +38,9 @@ from voltllm.kernels.registry import REGISTRY, CompileSpec, KernelEntry
 PACKAGE = "voltllm.kernels"
 DEFAULT_ARCHS = (70, 75)
 MAX_LINES_PER_RESULT = 8
+# Shared memory one block may use (opt-in maximum, bytes): V100 96 KB, T4 / RTX 20xx 64 KB. The spec's size is
+# Triton's own figure for the compiled kernel (its launcher checks the same one against the device).
+SHARED_MEMORY_LIMIT = {70: 96 * 1024, 75: 64 * 1024}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,11 +59,12 @@ def _innermost(obj: Any) -> Any:
     return obj
 
 
-_COMPILED: dict[tuple, tuple[str, str]] = {}
+_COMPILED: dict[tuple, tuple[str, str, int]] = {}
 
 
-def compile_for(fn: Any, spec: CompileSpec, arch: int) -> tuple[str, str]:
-    """(TTIR, PTX) of one specialization of `fn` for sm_<arch>, cross-compiled without a GPU."""
+def compile_for(fn: Any, spec: CompileSpec, arch: int) -> tuple[str, str, int]:
+    """(TTIR, PTX, shared memory bytes per block) of one specialization of `fn` for sm_<arch>, cross-compiled
+    without a GPU."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -98,7 +105,7 @@ def compile_for(fn: Any, spec: CompileSpec, arch: int) -> tuple[str, str]:
     asm = kernel.asm
     if "ptx" not in asm or "ttir" not in asm:
         raise RuntimeError("Triton kept no PTX/TTIR (unset TRITON_STORE_BINARY_ONLY)")
-    _COMPILED[key] = (asm["ttir"], asm["ptx"])
+    _COMPILED[key] = (asm["ttir"], asm["ptx"], int(kernel.metadata.shared))
     return _COMPILED[key]
 
 
@@ -254,7 +261,8 @@ class GateReport:
     def format_table(self, max_lines: int = MAX_LINES_PER_RESULT) -> str:
         rows: dict[tuple[str, str], dict[int, str]] = {}
         for r in self.results:
-            rows.setdefault((r.kernel, r.label), {})[r.arch] = {"ok": "ok", "failed": "FAIL", "skipped": "-"}[r.status]
+            cell = {"ok": "ok", "failed": "FAIL", "skipped": "-"}[r.status]
+            rows.setdefault((r.kernel, r.label), {})[r.arch] = cell + ("*" if r.status == "ok" and r.reasons else "")
         head = ["kernel", "spec"] + [f"sm_{a}" for a in self.archs]
         body = [[k, lab or "-"] + [cells.get(a, "") for a in self.archs] for (k, lab), cells in rows.items()]
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
@@ -268,6 +276,9 @@ class GateReport:
             out += [f"    {ln}" for ln in r.lines[:max_lines]]
             if len(r.lines) > max_lines:
                 out.append(f"    ... {len(r.lines) - max_lines} more")
+        for r in self.results:
+            if r.status == "ok" and r.reasons:
+                out.append(f"* {r.kernel} [{r.label or '-'}] sm_{r.arch}: {'; '.join(r.reasons)}")
         for name, err in self.import_errors.items():
             out.append(f"IMPORT FAILED {name}: {err}")
         for name in self.unregistered:
@@ -280,7 +291,7 @@ class GateReport:
         return "\n".join(out)
 
 
-Outcome = tuple  # ("ok", ttir, ptx) | ("error", reason, lines)
+Outcome = tuple  # ("ok", ttir, ptx, shared bytes) | ("error", reason, lines)
 
 
 def triton_compilation_errors() -> tuple[type, ...]:
@@ -290,8 +301,7 @@ def triton_compilation_errors() -> tuple[type, ...]:
 
 def _compile_outcome(fn: Any, spec: CompileSpec, arch: int) -> Outcome:
     try:
-        ttir, ptx = compile_for(fn, spec, arch)
-        return ("ok", ttir, ptx)
+        return ("ok", *compile_for(fn, spec, arch))
     except Exception as e:  # noqa: BLE001 - a compile error (Triton or ptxas) fails the kernel
         text = [ln for ln in str(e).strip().splitlines() if ln.strip()][:20]
         ptx = getattr(e, "gate_ptx", None)
@@ -319,11 +329,24 @@ def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
                 results.append(GateResult(entry.name, label, arch, "failed", [outcome[1]], list(outcome[2])))
                 continue
             bad = check_ir(outcome[1]) + check_ptx(outcome[2], arch)
-            if bad:
-                results.append(GateResult(entry.name, label, arch, "failed", [v.reason for v in bad],
-                                          [f"L{v.line_no}: {v.line}" for v in bad]))
+            reasons, lines = [v.reason for v in bad], [f"L{v.line_no}: {v.line}" for v in bad]
+            shared, limit = outcome[3], SHARED_MEMORY_LIMIT.get(arch)
+            note = []
+            if limit is not None and shared > limit:
+                why = f"needs {shared // 1024} KB of shared memory per block; sm_{arch} has {limit // 1024} KB"
+                if entry.shared_fallback:
+                    note = [why + " (its caller falls back)"]
+                else:
+                    reasons.append(why)
+            if reasons:
+                results.append(GateResult(entry.name, label, arch, "failed", reasons, lines))
             else:
-                results.append(GateResult(entry.name, label, arch, "ok"))
+                results.append(GateResult(entry.name, label, arch, "ok", note))
+    for arch in archs:  # say so when no spec fits at all: the caller's last resort (a torch form) runs there
+        mine = [r for r in results if r.arch == arch and r.status == "ok" and r.kernel == entry.name]
+        if mine and all(r.reasons for r in mine):
+            for r in mine:
+                r.reasons.append(f"no spec of {entry.name} fits sm_{arch}: its caller's torch form runs there")
     return results
 
 

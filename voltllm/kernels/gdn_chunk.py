@@ -89,6 +89,14 @@ TILES: dict[str, tuple[Tile, ...]] = {
 _chosen: dict[tuple, tuple[str, Tile]] = {}
 
 
+class ChunkKernelsDoNotFit(RuntimeError):
+    """No tile of the chunk kernels fits the device's shared memory per block. Compiled for sm_70 / sm_75 /
+    sm_86 / sm_89 (session 21) the forward kernel needs 112-128 KB at every tile and the tf32x3 prep kernel
+    128 KB, more than a V100 (96 KB), a T4 (64 KB) or a consumer Ampere / Ada card (99 KB) has; they fit an
+    A100 (163 KB) and the Hopper parts (227 KB). Raised before anything is written: the caller runs the torch
+    form instead (GatedDeltaNet does)."""
+
+
 @triton.jit
 def _chunk_rows(ChunkStart, ChunkLen, c, C: tl.constexpr, BLOCK_K: tl.constexpr, DK: tl.constexpr):
     """Chunk c's first token (int64), its row offsets and row mask, the key-dim offsets and mask."""
@@ -284,7 +292,7 @@ def _prep_specs() -> list[CompileSpec]:
 def _fwd_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        for hoist in (False, True):
+        for hoist, block_v in ((False, 64), (True, 64), (False, 16)):  # (16: the last tile tried, TILES["ieee"])
             sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "Mat": "*fp32",
                    "State": "*fp32", "Slots": "*i64", "HasInit": "*i32", "Out": f"*{act}", "SeqStart": "*i32",
                    "SeqChunk": "*i32", "Wk": "*fp32", "Wv": "*fp32",
@@ -297,9 +305,9 @@ def _fwd_specs() -> list[CompileSpec]:
                    **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_V", "L2NORM",
                                                "PRECISION", "HOIST")}}
             specs.append(CompileSpec(signature=sig, constexprs={
-                "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_V": 64, "L2NORM": True,
+                "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_V": block_v, "L2NORM": True,
                 "PRECISION": "ieee", "HOIST": hoist},
-                label=f"{act} dk128 dv128 bv64 c64" + (" hoist" if hoist else "")))
+                label=f"{act} dk128 dv128 bv{block_v} c64" + (" hoist" if hoist else "")))
     return specs
 
 
@@ -321,9 +329,11 @@ def _hoist_specs() -> list[CompileSpec]:
     return specs
 
 
-register_kernel("gdn.chunk_prep", _gdn_chunk_prep_kernel, _prep_specs(), compat=True)
-register_kernel("gdn.chunk_hoist", _gdn_chunk_hoist_kernel, _hoist_specs(), compat=True)
-register_kernel("gdn.chunk_fwd", _gdn_chunk_fwd_kernel, _fwd_specs(), compat=True)
+# (gated_delta_rule_chunked retries smaller tiles when a launch runs out of shared memory, TILES, and GatedDeltaNet
+# runs the torch form when none fits: ChunkKernelsDoNotFit)
+register_kernel("gdn.chunk_prep", _gdn_chunk_prep_kernel, _prep_specs(), compat=True, shared_fallback=True)
+register_kernel("gdn.chunk_hoist", _gdn_chunk_hoist_kernel, _hoist_specs(), compat=True, shared_fallback=True)
+register_kernel("gdn.chunk_fwd", _gdn_chunk_fwd_kernel, _fwd_specs(), compat=True, shared_fallback=True)
 
 
 def chunk_table(qsl: Sequence[int], chunk: int = CHUNK) -> tuple[list[int], list[int], list[int]]:
@@ -384,7 +394,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     are zero), like gdn_ref.gated_delta_rule_varlen. `meta`: chunk_meta(qsl, has_initial_state), if the
     caller keeps it for several layers (else it is built here: one host-to-device copy). `precision`: "ieee",
     "tf32x3" or "tf32" (None: auto_precision for v's dtype and device); its tiles are tried in order until one
-    fits the device's shared memory (then the "ieee" ones). block_v, num_warps (the fwd kernel's), num_stages,
+    fits the device's shared memory (then the "ieee" ones; ChunkKernelsDoNotFit when none does). block_v, num_warps (the fwd kernel's), num_stages,
     prep_warps, prep_stages and hoist run one explicit tile instead (no fallback: the sweeps)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -430,8 +440,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                            "memory than %s has: %s)", prec, tile, dev, last)
         _chosen[key] = (prec, tile)
         return out
-    raise RuntimeError(f"Gated DeltaNet chunk kernels: no tile fits the shared memory of {dev} "
-                       f"(dk {k.shape[2]}, dv {v.shape[2]})") from last
+    raise ChunkKernelsDoNotFit(f"Gated DeltaNet chunk kernels: no tile fits the shared memory of {dev} "
+                               f"(dk {k.shape[2]}, dv {v.shape[2]})") from last
 
 
 def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, meta, out, scale, use_qk_l2norm,

@@ -24,13 +24,17 @@ class KernelEntry:
     fn: Any  # triton.runtime.JITFunction
     specs: list[CompileSpec]
     compat: bool = True  # launched on the compat (SM70/SM75) route
+    # its caller copes with "out of shared memory" (smaller tiles, then a torch form), so a spec may need more
+    # than a V100 / T4 block has: the sm70 gate reports the size instead of failing it
+    shared_fallback: bool = False
 
 
 REGISTRY: dict[str, KernelEntry] = {}
 
 
-def register_kernel(name: str, fn: Any, specs: list[CompileSpec], compat: bool = True) -> Any:
+def register_kernel(name: str, fn: Any, specs: list[CompileSpec], compat: bool = True,
+                    shared_fallback: bool = False) -> Any:
     if name in REGISTRY and REGISTRY[name].fn is not fn:
         raise ValueError(f"kernel {name!r} registered twice")
-    REGISTRY[name] = KernelEntry(name=name, fn=fn, specs=list(specs), compat=compat)
+    REGISTRY[name] = KernelEntry(name=name, fn=fn, specs=list(specs), compat=compat, shared_fallback=shared_fallback)
     return fn

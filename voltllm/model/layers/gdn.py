@@ -16,8 +16,9 @@ State: ctx.extra["state_cache"] (voltllm.model.state_cache.StateCache) and ctx.e
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ from voltllm.model.layers.linear import Linear
 # tokens: with exact fp32 ("ieee") products, a step whose every request computes at least this many runs the
 # torch chunked form (GatedDeltaNet._triton_prefill_fits)
 LONG_PREFILL_TOKENS = 256
+# devices where the Triton chunk kernels found no tile that fits their shared memory (GatedDeltaNet._chunk_kernels)
+_CHUNK_UNFIT_DEVICES: set = set()
+logger = logging.getLogger("voltllm")
 
 
 @dataclass
@@ -201,19 +205,31 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(self._gated_norm(o, z.reshape(t, self.nv, self.dv)).reshape(t, self.value_dim))
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = None
         if (self._triton_prefill_fits(batch, self.chunk_precision) if self.triton_prefill is None and x.is_cuda
-              else bool(self.triton_prefill)) and not batch.decode_only:
-            from voltllm.kernels import gdn_chunk
-            if batch.chunk_meta is None:
-                batch.chunk_meta = gdn_chunk.chunk_meta(batch.query_start_loc, batch.has_initial_state)
-            o = gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
-                                                   batch.has_initial_state, meta=batch.chunk_meta,
-                                                   precision=self.chunk_precision)
-        else:
+              else bool(self.triton_prefill)) and not batch.decode_only and x.device not in _CHUNK_UNFIT_DEVICES:
+            o = self._chunk_kernels(q, k, v, g, beta, ssm_states, batch)
+        if o is None:
             o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
                                                 batch.has_initial_state, batch.decode_only)
         o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
         return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _chunk_kernels(self, q, k, v, g, beta, ssm_states, batch: HybridBatch) -> Optional[torch.Tensor]:
+        """The chunked delta rule on the Triton kernels; None (and the torch form from then on, for this device)
+        when they do not fit its shared memory (V100, T4, consumer Ampere / Ada: gdn_chunk.ChunkKernelsDoNotFit,
+        raised before anything is written)."""
+        from voltllm.kernels import gdn_chunk
+        if batch.chunk_meta is None:
+            batch.chunk_meta = gdn_chunk.chunk_meta(batch.query_start_loc, batch.has_initial_state)
+        try:
+            return gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, ssm_states, batch.slots,
+                                                      batch.query_start_loc, batch.has_initial_state,
+                                                      meta=batch.chunk_meta, precision=self.chunk_precision)
+        except gdn_chunk.ChunkKernelsDoNotFit as e:
+            _CHUNK_UNFIT_DEVICES.add(q.device)
+            logger.warning("%s; Gated DeltaNet prompts run the torch chunked form on this device", e)
+            return None
 
     @staticmethod
     def _triton_prefill_fits(batch: HybridBatch, precision: str = "ieee") -> bool:
