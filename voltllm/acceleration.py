@@ -102,6 +102,10 @@ def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str
     layers = [m for m in runner.model.modules() if type(m).__name__ == "GatedDeltaNet"] if runner is not None else []
     precision = (layers[0].chunk_precision if layers
                  else precision_for(config.model.dtype, plat.capability, config.device.compat != "none"))
+    from voltllm.model.layers.gdn import _CHUNK_UNFIT_DEVICES
+    if runner is not None and getattr(runner, "device", None) in _CHUNK_UNFIT_DEVICES:
+        return ("Triton causal conv1d + torch chunked gated delta rule (gdn_ref)",
+                "the Triton chunk kernels need more shared memory per block than this GPU has (docs/sm70.md)")
     kind = {"tf32x3": "3xTF32 tensor-core (fp32-level)", "tf32": "tf32 tensor-core"}.get(precision, "exact fp32 FMA")
     impl = f"Triton causal conv1d + chunked gated delta rule ({kind} products)"
     why = ("prefill and mixed batches, every size" if precision != "ieee" else

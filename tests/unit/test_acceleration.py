@@ -283,3 +283,24 @@ def test_moe_route_predicted_and_counted(tiny_dir, fake_v100, tmp_path):
     runner = LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none").engine.runner
     cpu = build_report(runner.config, runner)["routes"]["moe"]
     assert not cpu["enabled"] and not cpu["expected"] and "reference" in cpu["impl"]
+
+
+def test_gdn_prefill_route_names_the_torch_form_where_the_chunk_kernels_do_not_fit(monkeypatch):
+    """After GatedDeltaNet found no chunk-kernel tile that fits the GPU (gdn._CHUNK_UNFIT_DEVICES), the report
+    names the torch chunked form for that runner's device, and the Triton kernels elsewhere."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from voltllm import acceleration
+    from voltllm.model.layers import gdn as gdn_layer
+
+    runner = SimpleNamespace(device=torch.device("cuda", 0), model=torch.nn.Module())
+    plat = SimpleNamespace(capability=(7, 0))
+    config = SimpleNamespace(model=SimpleNamespace(dtype=torch.float16), device=SimpleNamespace(compat="sm70"))
+    monkeypatch.setattr(gdn_layer, "_CHUNK_UNFIT_DEVICES", set())
+    impl, _ = acceleration._gdn_prefill_route(runner, config, plat, "cpu")
+    assert impl.startswith("Triton causal conv1d + chunked gated delta rule (exact fp32 FMA")
+    gdn_layer._CHUNK_UNFIT_DEVICES.add(torch.device("cuda", 0))
+    impl, why = acceleration._gdn_prefill_route(runner, config, plat, "cpu")
+    assert "torch chunked" in impl and "shared memory" in why
