@@ -538,6 +538,12 @@ case $stage in
     grep -E "decode path|mean|agreement|passed|failed" "$out/test_hybrid_gpu.txt" | head -30
     timeout 120 python3 benchmarks/micro/moe_decode_sweep.py 2>&1 | grep -v -i warn | tee "$out/moe-decode-sweep.txt"
     ;;
+  s71)  # (for session 22) what session 21 could not rerun on the GPU after PDL went into the hybrid decode kernels and
+        # fp32 MoE runs took 32-wide K blocks: the bf16 / --compat sm70 teacher-forced engine tests, the prefix-cache
+        # snapshot tests (eager and graphs), the fp32 engine parity (MoE grouped GEMM in fp32), the MoE CUDA checks
+    gpu_file test_hybrid_gpu 420 -k "(teacher_forced and (bfloat16 or sm70)) or snapshots or fp32_matches_cpu or moe_checks" -s
+    grep -E "mean|passed|failed" "$out/test_hybrid_gpu.txt" | head -20
+    ;;
   s70)  # (session 21) PDL in the hybrid decode kernels (MoE router / expert GEMVs, GDN conv / delta rule), the
         # sweep's grouped-GEMM tiles and one-warp router: GDN decode + hybrid engine GPU tests (graphs: PDL on),
         # 35B batch 1 / 16 / 64 concurrent / 8K prompt, 27B batch 1
