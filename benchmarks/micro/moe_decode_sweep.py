@@ -4,8 +4,8 @@
         [--tiles 4:4:2:512,8:8:4:1024,...]
 
 One MoE layer's routed experts plus the shared expert (fp16), per token count: every tile (gate_up columns per
-program : down columns per program : warps : gate_up K block) checked against the torch reference, then timed as CUDA-graph
-replays of 50 calls with a cold L2 (each call reads other experts: the routing is re-drawn per call), beside the
+program : down columns per program : warps : gate_up K block) checked against the torch reference, then timed as
+CUDA-graph replays of 50 calls with a cold L2 (each call reads other experts: the routing is re-drawn per call), beside the
 bytes it must read (k + 1 experts' gate, up and down rows) as GB/s. Then, for the routed experts alone, the
 unsorted GEMVs (default tiles) beside the grouped GEMM (voltllm.kernels.moe.fused_experts), the data for
 moe_decode.SMALL_MAX_PAIRS (the batch size where SparseMoE switches from one to the other)."""
@@ -25,7 +25,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="35b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", nargs="*", type=int, default=[1, 2, 4, 8, 16, 24, 32])
-    ap.add_argument("--tiles", default="4:4:2:512,4:4:2:256,4:4:2:2048,4:4:4:2048,8:8:4:512,8:8:4:1024,2:4:2:1024,4:8:2:512,16:16:4:256")
+    ap.add_argument("--tiles", default="4:4:2:512,4:4:2:256,4:4:2:2048,4:4:4:2048,8:8:4:512,8:8:4:1024,"
+                                       "2:4:2:1024,4:8:2:512,16:16:4:256")
     args = ap.parse_args()
     h, e, k, inter, sinter = SHAPES[args.shape]
     dt = torch.float16

@@ -394,8 +394,9 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     are zero), like gdn_ref.gated_delta_rule_varlen. `meta`: chunk_meta(qsl, has_initial_state), if the
     caller keeps it for several layers (else it is built here: one host-to-device copy). `precision`: "ieee",
     "tf32x3" or "tf32" (None: auto_precision for v's dtype and device); its tiles are tried in order until one
-    fits the device's shared memory (then the "ieee" ones; ChunkKernelsDoNotFit when none does). block_v, num_warps (the fwd kernel's), num_stages,
-    prep_warps, prep_stages and hoist run one explicit tile instead (no fallback: the sweeps)."""
+    fits the device's shared memory (then the "ieee" ones; ChunkKernelsDoNotFit when none does). block_v,
+    num_warps (the fwd kernel's), num_stages, prep_warps, prep_stages and hoist run one explicit tile instead (no
+    fallback: the sweeps)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
