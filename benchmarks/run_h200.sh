@@ -544,6 +544,12 @@ case $stage in
     gpu_file test_hybrid_gpu 420 -k "(teacher_forced and (bfloat16 or sm70)) or snapshots or fp32_matches_cpu or moe_checks" -s
     grep -E "mean|passed|failed" "$out/test_hybrid_gpu.txt" | head -20
     ;;
+  s72)  # (for session 22) the GDN decode step's tiles (block_v : warps) at batch 1 / 16 / 64 for the 35B and 27B heads
+        # (benchmarks/micro/gdn_decode_sweep.py; the 35B 64-concurrent step spends 2.35 of 19.4 ms there at ~3.4 TB/s)
+    for sh in 35b 27b; do
+      timeout 120 python3 benchmarks/micro/gdn_decode_sweep.py --shape $sh 2>&1 | grep -v -i warn | tee "$out/gdn-decode-sweep-$sh.txt"
+    done
+    ;;
   s70)  # (session 21) PDL in the hybrid decode kernels (MoE router / expert GEMVs, GDN conv / delta rule), the
         # sweep's grouped-GEMM tiles and one-warp router: GDN decode + hybrid engine GPU tests (graphs: PDL on),
         # 35B batch 1 / 16 / 64 concurrent / 8K prompt, 27B batch 1

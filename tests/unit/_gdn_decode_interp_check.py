@@ -24,7 +24,8 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, pool: torch.Tensor, ref_pool:
     return f"ok out err {err_o:.2e} state err {err_s:.2e}"
 
 
-def run_delta(device: str, bsz: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int) -> str:
+def run_delta(device: str, bsz: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int,
+              **tile) -> str:
     from voltllm.kernels.gdn_decode import gated_delta_rule_decode
 
     g = torch.Generator().manual_seed(seed)
@@ -40,7 +41,7 @@ def run_delta(device: str, bsz: int, hk: int, hv: int, dk: int, dv: int, dtype: 
     ref_pool = pool.clone()
     ref = R.gated_delta_rule_varlen(q, k, v, gl, beta, ref_pool, slots, list(range(bsz + 1)), init,
                                     decode_only=True)
-    out = gated_delta_rule_decode(q, k, v, gl, beta, pool, slots, init)
+    out = gated_delta_rule_decode(q, k, v, gl, beta, pool, slots, init, **tile)
     return _compare(out, ref, pool, ref_pool, dtype)
 
 
@@ -99,6 +100,10 @@ CHECKS = {
     "delta_f32_dk128_dv128_r3": lambda d: run_delta(d, 3, 1, 3, 128, 128, torch.float32, 1),
     "delta_f32_dk24_dv40_r1_masked": lambda d: run_delta(d, 4, 2, 2, 24, 40, torch.float32, 2),
     "delta_f16_dk64_dv64_r2": lambda d: run_delta(d, 6, 2, 4, 64, 64, torch.float16, 3),
+    "delta_f32_dk128_dv128_bv16_w2": lambda d: run_delta(d, 3, 1, 2, 128, 128, torch.float32, 9, block_v=16,
+                                                         num_warps=2),
+    "delta_f32_dk32_dv40_bv64_w8_masked": lambda d: run_delta(d, 2, 1, 2, 32, 40, torch.float32, 10, block_v=64,
+                                                              num_warps=8),
     "delta_raw_gates_f32_r2": lambda d: run_delta_raw_gates(d, 3, 2, 4, 32, torch.float32, 7),
     "delta_raw_gates_f16_r3": lambda d: run_delta_raw_gates(d, 2, 1, 3, 64, torch.float16, 8),
     "conv_f32_c100_k4": lambda d: run_conv(d, 5, 100, 4, torch.float32, False, 4),

@@ -152,12 +152,15 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             beta: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
                             has_initial_state: torch.Tensor, scale: Optional[float] = None,
                             use_qk_l2norm: bool = True,
-                            gate_params: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                            gate_params: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                            block_v: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
     """q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv] fp32; ssm_states [num_slots, Hv, Dk, Dv] fp32 (updated
     at `slots`, long [B]); has_initial_state bool [B] -> out [B, Hv, Dv] in v's dtype.
     gate_params (A_log [Hv], dt_bias [Hv]): g and beta are then the layer's raw projections a and b (any float
     dtype, rows may be strided), and the kernel computes g = -exp(A_log) softplus(a + dt_bias) and
-    beta = sigmoid(b) itself (the layer's ~8 elementwise launches per step)."""
+    beta = sigmoid(b) itself (the layer's ~8 elementwise launches per step). block_v (value columns per program,
+    a power of two; default: 4096 / the key block, at least 16) and num_warps: the tile
+    (benchmarks/micro/gdn_decode_sweep.py)."""
     bsz, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty(bsz, hv, dv, dtype=v.dtype, device=v.device)
@@ -172,7 +175,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         a_log, dt_bias = (t.float().contiguous() for t in gate_params)
     assert ssm_states.stride(-1) == 1 and ssm_states.dtype == torch.float32
     block_k = triton.next_power_of_2(dk)
-    block_v = min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
+    block_v = min(triton.next_power_of_2(dv), block_v or max(16, 4096 // block_k))
     grid = (bsz, hv, triton.cdiv(dv, block_v))
     _gdn_decode_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, ssm_states, slots, _flags(has_initial_state), out,
@@ -180,7 +183,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), out.stride(0), out.stride(1),
         float(scale if scale is not None else dk ** -0.5),
         HV_PER_K=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        RAW_GATES=gate_params is not None, num_warps=4, **pdl.launch_options(),
+        RAW_GATES=gate_params is not None, num_warps=num_warps, **pdl.launch_options(),
     )
     return out
 
