@@ -544,6 +544,21 @@ case $stage in
     gpu_file test_hybrid_gpu 420 -k "(teacher_forced and (bfloat16 or sm70)) or snapshots or fp32_matches_cpu or moe_checks" -s
     grep -E "mean|passed|failed" "$out/test_hybrid_gpu.txt" | head -20
     ;;
+  s73)  # (session 22) the GDN decode step's tile by batch (decode_tile); the chunk kernels' small-shared-memory tiles
+        # (prep / hoist dots in pieces of the key dimension: SMALL_SHARED_TILES) on the GPU against the torch form
+        # and the H200's own tiles; 35B batch 1 / 16 / 64 concurrent after the decode tile change
+    gpu_file test_gdn_decode 60
+    gpu_file test_hybrid_gpu 240 -k "gdn_chunk" -s
+    grep -E "small|hoist=None" "$out/test_hybrid_gpu.txt" | head -12
+    timeout 200 python3 benchmarks/micro/gdn_chunk_sweep.py --lens 8192 2048x4 128x64 \
+      --variants ieee:64:8,ieee:64:4:1:4::h,ieee:64:4:1:4::h2,tf32x3:32:4:1:4::h,tf32x3:32:4:1:4::h2,tf32x3:16:4:1:4::h2 \
+      2>&1 | grep -v -i warn | tee "$out/gdn-chunk-small-tiles.txt"
+    m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
+    bench $m35 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 4 \
+      --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha | tail -6
+    bench $m35 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 --max-model-len 4096 \
+      --max-num-seqs 64 --name qwen3.5-35b-a3b-shape-fp16-c16-c64-$sha | tail -9
+    ;;
   s72)  # (for session 22) the GDN decode step's tiles (block_v : warps) at batch 1 / 16 / 64 for the 35B and 27B heads
         # (benchmarks/micro/gdn_decode_sweep.py; the 35B 64-concurrent step spends 2.35 of 19.4 ms there at ~3.4 TB/s)
     for sh in 35b 27b; do

@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--lens", nargs="*", default=["8192", "2048x4"])
     ap.add_argument("--variants", default="ieee:64:8,tf32:64:8,tf32:32:4,tf32:32:8,tf32:16:4",
                     help="precision:block_v:num_warps[:num_stages[:prep_warps[:prep_stages]]], a trailing :h for the "
-                         "HOIST form; comma separated")
+                         "HOIST form (:h2, :h4: with the prep / hoist dots in 2 / 4 pieces of the key dimension); comma "
+                         "separated")
     args = ap.parse_args()
     for spec in args.lens:
         n, _, c = spec.partition("x")
@@ -70,15 +71,16 @@ def main() -> None:
         print(f"{spec}: torch chunked form {_ms(ref):.2f} ms", flush=True)
         for var in args.variants.split(","):
             prec, bv, warps, *rest = var.split(":")
-            hoist = bool(rest) and rest[-1] == "h"
+            hoist = bool(rest) and rest[-1].startswith("h")
+            split = int(rest[-1][1:] or 1) if hoist else None
             rest = rest[:-1] if hoist else rest
             stages, pw, ps = (int(x) if x else None for x in (rest + [""] * 3)[:3])
 
-            def tri(prec=prec, bv=int(bv), warps=int(warps), stages=stages, pw=pw, ps=ps, hoist=hoist):
+            def tri(prec=prec, bv=int(bv), warps=int(warps), stages=stages, pw=pw, ps=ps, hoist=hoist, split=split):
                 return gdn_chunk.gated_delta_rule_chunked(q, k, v, gate, beta, states, slots, qsl, init,
                                                           block_v=bv, precision=prec, num_warps=warps,
                                                           num_stages=stages, prep_warps=pw, prep_stages=ps,
-                                                          hoist=hoist)
+                                                          hoist=hoist, split=split)
             try:
                 got = tri().float()
                 err = ((got - want).norm() / want.norm()).item()

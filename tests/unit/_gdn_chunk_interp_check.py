@@ -17,11 +17,12 @@ from voltllm.kernels import gdn_ref as R
 
 def run_varlen(device: str, lens: list[int], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int,
                init_every: int = 2, decay: float = 1.0, block_v=None, repeat_keys: bool = False,
-               precision=None, hoist=None) -> str:
+               precision=None, hoist=None, split=None) -> str:
     """A flat batch of requests of the given lengths; some start from a stored state, some from zeros (their
     slot holds garbage that must not be read). Outputs poisoned with NaN beforehand. precision None: the
     kernels' own choice for the dtype and device (tf32 products for half inputs on sm_80+). hoist: the tile's
-    HOIST form (None: the default tile's)."""
+    HOIST form (None: the default tile's); split: pieces of the key / value dimension in the prep and hoist
+    kernels (None: the default tile's)."""
     from voltllm.kernels.gdn_chunk import auto_precision, gated_delta_rule_chunked
 
     gen = torch.Generator().manual_seed(seed)
@@ -47,7 +48,7 @@ def run_varlen(device: str, lens: list[int], hk: int, hv: int, dk: int, dv: int,
     if precision is None:
         precision = auto_precision(dtype, torch.device(device))
     out = gated_delta_rule_chunked(q, k, v, g, beta, pool, slots, qsl, init, block_v=block_v, precision=precision,
-                                   hoist=hoist)
+                                   hoist=hoist, split=split)
     if torch.isnan(out).any():
         return "FAIL NaN in the output"
     err_o = (out.float() - ref.float()).abs().max().item()
@@ -79,29 +80,30 @@ def run_smem_fallback(device: str) -> str:
 
     def small_gpu(fits):
         def launch(precision, tile, *args):
-            tried.append((precision, tile.block_v))
+            tried.append((precision, tile))
             if not fits(precision, tile):
                 raise OutOfResources(300_000, 101_376, "shared memory")
             return real(precision, tile, *args)
         return launch
 
     try:
-        GC._chosen.clear()
-        GC._launch = small_gpu(lambda p, t: t.block_v <= 16)
+        GC._chosen.clear()  # a 99-KB card: only the tile with the prep / hoist dots in pieces fits
+        GC._launch = small_gpu(lambda p, t: t.split > 1)
         status = run_varlen(device, [70, 5], 1, 2, 16, 32, torch.float16, 11, precision="tf32x3")
-        want = [("tf32x3", t.block_v) for t in GC.TILES["tf32x3"]]  # the last one has 16 columns
-        if not status.startswith("ok") or tried != want or want[-1] != ("tf32x3", 16):
+        want = [("tf32x3", t) for t in GC.TILES["tf32x3"]]
+        if not status.startswith("ok") or tried != want or want[-1] != ("tf32x3", GC.SMALL_SHARED_TILES["tf32x3"]):
             return f"FAIL smaller tile: {status}, tried {tried}"
         (key, chosen), = GC._chosen.items()
         tried.clear()
         run_varlen(device, [9], 1, 2, 16, 32, torch.float16, 12, precision="tf32x3")  # remembered: one launch
-        if chosen != ("tf32x3", GC.TILES["tf32x3"][-1]) or tried != [("tf32x3", 16)]:
+        if chosen != want[-1] or tried != [want[-1]]:
             return f"FAIL remembered tile: {chosen}, then tried {tried}"
         GC._chosen.clear()
         tried.clear()
         GC._launch = small_gpu(lambda p, t: p == "ieee")
         status = run_varlen(device, [40], 1, 2, 16, 32, torch.float16, 13, precision="tf32x3")
-        if not status.startswith("ok") or tried[-1] != ("ieee", 64) or len(tried) != len(GC.TILES["tf32x3"]) + 1:
+        if not status.startswith("ok") or tried[-1] != ("ieee", GC.TILES["ieee"][0]) or \
+                len(tried) != len(GC.TILES["tf32x3"]) + 1:
             return f"FAIL ieee fallback: {status}, tried {tried}"
         GC._chosen.clear()
         GC._launch = small_gpu(lambda p, t: False)
@@ -255,6 +257,13 @@ CHECKS = {
                                                     repeat_keys=True, hoist=True),
     "hoist_tf32x3_f16_dk128": lambda d: run_varlen(d, [200, 33, 1], 1, 3, 128, 128, torch.float16, 10,
                                                    precision="tf32x3", hoist=True),
+    # the prep / hoist kernels' dots by pieces of the key / value dimension (the tiles for 64-99 KB of shared memory)
+    "hoist_split2_f32_dk24_dv40_masked": lambda d: run_varlen(d, [20, 90], 1, 3, 24, 40, torch.float32, 2,
+                                                              hoist=True, split=2),
+    "hoist_split4_f16_d64_r2": lambda d: run_varlen(d, [64, 1, 130, 7], 2, 4, 64, 64, torch.float16, 15, hoist=True,
+                                                    split=4),
+    "split2_no_hoist_f32_d32": lambda d: run_varlen(d, [100, 33], 2, 2, 32, 32, torch.float32, 16, hoist=False,
+                                                    split=2),
     "smem_fallback": lambda d: run_smem_fallback(d),
     "layer_prefill_f32": lambda d: run_layer(d),
     "model_qwen3_next_all_triton_f32": lambda d: run_model(d),

@@ -203,3 +203,43 @@ def test_shared_memory_over_the_target(fallback):
     assert big.status == ("ok" if fallback else "failed")
     assert report.ok == fallback
     assert ("ok*" in report.format_table()) == fallback
+
+
+def _chunk_small_tile_specs(precision: str):
+    """(kernel name, spec) of the three Gated DeltaNet chunk kernels at gdn_chunk.SMALL_SHARED_TILES[precision]."""
+    from voltllm.kernels import gdn_chunk
+
+    tile = gdn_chunk.SMALL_SHARED_TILES[precision]
+    labels = {"gdn.chunk_prep": f"fp16 dk128 c64 ks{tile.split}",
+              "gdn.chunk_hoist": f"fp16 dk128 dv128 c64 ks{tile.split}",
+              "gdn.chunk_fwd": "fp16 dk128 dv128 bv64 c64 hoist"}
+    out = []
+    for name, label in labels.items():
+        spec, = [s for s in REGISTRY[name].specs if s.label == label]
+        cx = {**spec.constexprs, "PRECISION": precision}
+        if name == "gdn.chunk_fwd":
+            cx["BLOCK_V"] = tile.block_v
+        out.append((name, CompileSpec(spec.signature, cx, label.replace("bv64", f"bv{tile.block_v}"))))
+    return tile, out
+
+
+def test_gdn_chunk_small_tile_fits_v100_and_t4(full_report):
+    """The chunk kernels' last "ieee" tile (HOIST, prep / hoist dots in pieces) fits a V100's 96 KB and a T4's 64 KB
+    per block, so hybrid prompts there run the kernels, not the torch form (the gate compiled its specs)."""
+    _, specs = _chunk_small_tile_specs("ieee")
+    wanted = {(name, spec.label) for name, spec in specs}
+    got = [r for r in full_report.results if (r.kernel, r.label) in wanted]
+    assert {(r.kernel, r.label, r.arch) for r in got} == {(n, lab, a) for n, lab in wanted for a in (70, 75)}
+    for r in got:
+        assert r.status == "ok" and not r.reasons, r
+
+
+def test_gdn_chunk_small_tile_fits_consumer_ampere_ada():
+    """The last "tf32x3" tile's kernels, compiled for sm_86 at the tile's warps and stages, fit the 99 KB per block
+    of an RTX 30xx / 40xx card (the unsplit tiles need 128 KB there)."""
+    tile, specs = _chunk_small_tile_specs("tf32x3")
+    for name, spec in specs:
+        warps = tile.warps if name == "gdn.chunk_fwd" else tile.prep_warps
+        _, _, shared = sm70_gate.compile_for(REGISTRY[name].fn, spec, 86, {"num_warps": warps,
+                                                                           "num_stages": tile.stages})
+        assert shared <= 99 * 1024, (name, shared)

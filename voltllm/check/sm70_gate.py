@@ -62,9 +62,9 @@ def _innermost(obj: Any) -> Any:
 _COMPILED: dict[tuple, tuple[str, str, int]] = {}
 
 
-def compile_for(fn: Any, spec: CompileSpec, arch: int) -> tuple[str, str, int]:
+def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] = None) -> tuple[str, str, int]:
     """(TTIR, PTX, shared memory bytes per block) of one specialization of `fn` for sm_<arch>, cross-compiled
-    without a GPU."""
+    without a GPU. options: Triton's compile options (num_warps, num_stages; its defaults when None)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -73,7 +73,8 @@ def compile_for(fn: Any, spec: CompileSpec, arch: int) -> tuple[str, str, int]:
     jit_fn = _innermost(fn)
     if not isinstance(jit_fn, JITFunction):
         raise TypeError(f"{fn!r} is not a triton.jit function (is TRITON_INTERPRET set? the gate needs it unset)")
-    key = (jit_fn.cache_key, tuple(sorted(spec.signature.items())), repr(sorted(spec.constexprs.items())), arch)
+    key = (jit_fn.cache_key, tuple(sorted(spec.signature.items())), repr(sorted(spec.constexprs.items())), arch,
+           repr(sorted((options or {}).items())))
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
@@ -96,7 +97,7 @@ def compile_for(fn: Any, spec: CompileSpec, arch: int) -> tuple[str, str, int]:
     try:
         # on a ptxas error Triton prints the whole PTX to stdout; the gate reports it its own way
         with contextlib.redirect_stdout(io.StringIO()):
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:
         e.gate_ptx = stash.get("ptx")  # type: ignore[attr-defined]
         raise

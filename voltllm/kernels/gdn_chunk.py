@@ -41,10 +41,14 @@ input precision is the caller's choice (`precision_for` picks it per dtype and r
             GPU engine test, session 18). Not chosen by default; kept for timing.
   "ieee"    exact fp32 FMA products: fp32 models (the CPU-parity tests), and the compat route (sm_70/75 have no
             tf32: tl.dot lowers to FMAs there anyway; a forced --compat on a newer GPU must not use tensor cores).
-Each precision has its tiles (TILES: value columns per program, fwd / prep warps, pipeline stages), fixed, not
-tuned: first the fastest that fit the H200's shared memory at dk = dv = 128 in that sweep (tf32x3 fits only
-unpipelined; tf32 with 8 warps gave wrong outputs, relative error 0.16, Triton 3.6), then smaller ones for GPUs
-with less shared memory, tried in order when a launch runs out of it.
+Each precision has its tiles (TILES: value columns per program, fwd / prep warps, pipeline stages, HOIST, split),
+fixed, not tuned: first the fastest that fit the H200's shared memory at dk = dv = 128 in that sweep (tf32x3 fits
+only unpipelined; tf32 with 8 warps gave wrong outputs, relative error 0.16, Triton 3.6), then smaller ones for
+GPUs with less shared memory, tried in order when a launch runs out of it. The last (SMALL_SHARED_TILES, session
+22) split the prep and hoist kernels' dots into pieces of the key / value dimension (KS: (beta K) K^T and Q K^T as
+sums over pieces, T (beta e^gamma K) and T (beta V) by column pieces; the row norms of the l2-normalised q / k
+first, from one pass over the pieces), which halves their dot operands in shared memory: with HOIST they fit a
+V100, a T4 and the 99 KB of an RTX 30xx / 40xx card.
 q/k/v/out may be fp16, bf16 (native GPUs) or fp32.
 
 Tests: tests/unit/test_gdn_chunk_interp.py (interpreter, vs gdn_ref), tests/gpu/test_hybrid_gpu.py (CUDA,
@@ -76,25 +80,32 @@ class Tile:
     prep_warps: int
     stages: Optional[int]  # num_stages of both kernels (None: Triton's default)
     hoist: bool = False  # a third kernel computes U's S-independent parts and Q K^T first (HOIST, module docstring)
+    split: int = 1  # pieces of the key / value dimension per dot in the prep and hoist kernels (less shared memory)
 
 
 # Per dot precision, fastest first: the first is the H200 sweep's best (module docstring); the later ones need less
-# shared memory (an A100 allows 163 KB per block, sm_86 / sm_89 cards 99 KB, the H200 227 KB) and are tried when a
-# launch runs out of it, then the "ieee" tiles; what ran is remembered per device and shape (_chosen).
+# shared memory (an A100 allows 163 KB per block, sm_86 / sm_89 cards 99 KB, a V100 96 KB, a T4 64 KB, the H200
+# 227 KB) and are tried when a launch runs out of it, then the "ieee" tiles; what ran is remembered per device and
+# shape (_chosen). Per block at dk = dv = 128 (Triton's figure, compiled for the target): the unsplit kernels 112-128
+# KB; the last tiles, HOIST with the prep / hoist dots in two pieces of the key dimension: "tf32x3" on sm_86 64 /
+# 64 / 96 KB (prep / hoist / fwd at 32 value columns), "ieee" on sm_70 and sm_75 32 / 32 / 64 KB
+# (tests/unit/test_sm70_gate.py checks both).
+SMALL_SHARED_TILES = {"tf32x3": Tile(32, 4, 4, 1, True, 2), "ieee": Tile(64, 4, 4, 1, True, 2)}
 TILES: dict[str, tuple[Tile, ...]] = {
-    "tf32x3": (Tile(32, 4, 4, 1, True), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1)),
+    "tf32x3": (Tile(32, 4, 4, 1, True), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1),
+               SMALL_SHARED_TILES["tf32x3"]),
     "tf32": (Tile(16, 4, 2, None), Tile(16, 4, 2, 1)),
-    "ieee": (Tile(64, 8, 4, None), Tile(32, 4, 4, 1), Tile(16, 4, 2, 1)),
+    "ieee": (Tile(64, 8, 4, None), Tile(32, 4, 4, 1), Tile(16, 4, 2, 1), SMALL_SHARED_TILES["ieee"]),
 }
 _chosen: dict[tuple, tuple[str, Tile]] = {}
 
 
 class ChunkKernelsDoNotFit(RuntimeError):
     """No tile of the chunk kernels fits the device's shared memory per block. Compiled for sm_70 / sm_75 /
-    sm_86 / sm_89 (session 21) the forward kernel needs 112-128 KB at every tile and the tf32x3 prep kernel
-    128 KB, more than a V100 (96 KB), a T4 (64 KB) or a consumer Ampere / Ada card (99 KB) has; they fit an
-    A100 (163 KB) and the Hopper parts (227 KB). Raised before anything is written: the caller runs the torch
-    form instead (GatedDeltaNet does)."""
+    sm_86 / sm_89 (session 21) the unsplit tiles need 112-128 KB, more than a V100 (96 KB), a T4 (64 KB) or a
+    consumer Ampere / Ada card (99 KB) has; since session 22 the last tiles (SMALL_SHARED_TILES) fit all three,
+    so this is left for a GPU with less than 64 KB per block. Raised before anything is written: the caller runs
+    the torch form instead (GatedDeltaNet does)."""
 
 
 @triton.jit
@@ -107,26 +118,52 @@ def _chunk_rows(ChunkStart, ChunkLen, c, C: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
+def _key_piece(X, tok, mc, stride_t, head_off, p, PW: tl.constexpr, DK: tl.constexpr):
+    """Columns [p * PW, (p + 1) * PW) of the chunk's rows of X (keys / queries / values), fp32."""
+    offp = p * PW + tl.arange(0, PW)
+    return tl.load(X + tok[:, None] * stride_t + head_off + offp[None, :], mask=mc[:, None] & (offp < DK)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_scale(X, tok, mc, stride_t, head_off, C: tl.constexpr, PW: tl.constexpr, KS: tl.constexpr,
+               DK: tl.constexpr, L2NORM: tl.constexpr):
+    """1 / ||row|| of the chunk's rows of X over all KS pieces (ones without L2NORM)."""
+    ss = tl.zeros([C], dtype=tl.float32)
+    if L2NORM:
+        for p in tl.static_range(KS):
+            x = _key_piece(X, tok, mc, stride_t, head_off, p, PW, DK)
+            ss += tl.sum(x * x, axis=1)
+        return tl.rsqrt(ss + 1e-6)
+    else:
+        return ss + 1.0
+
+
+@triton.jit
 def _gdn_chunk_prep_kernel(
     K, G, Beta, ChunkStart, ChunkLen, Tinv,
     stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th,
     HV_PER_K: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, L2NORM: tl.constexpr,
-    PRECISION: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr,
+    PRECISION: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr, KS: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // HV_PER_K
     t0, rows, mc, offk, mk = _chunk_rows(ChunkStart, ChunkLen, c, C, BLOCK_K, DK)
-    k = tl.load(K + (t0 + rows)[:, None] * stride_kt + hk * stride_kh + offk[None, :],
-                mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    if L2NORM:
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    g = tl.load(G + (t0 + rows) * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
-    beta = tl.load(Beta + (t0 + rows) * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
+    tok = t0 + rows
+    PK: tl.constexpr = BLOCK_K // KS
+    g = tl.load(G + tok * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
+    beta = tl.load(Beta + tok * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
     gam = tl.cumsum(g, axis=0)
     strict = rows[:, None] > rows[None, :]
     decay = tl.exp(tl.where(strict, gam[:, None] - gam[None, :], float("-inf")))
-    a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * decay  # zero on and above the diagonal
+    # (beta K) K^T summed over KS pieces of the key dimension (smaller dot operands: less shared memory)
+    rk = _row_scale(K, tok, mc, stride_kt, hk * stride_kh, C, PK, KS, DK, L2NORM)
+    a = tl.zeros([C, C], dtype=tl.float32)
+    for p in tl.static_range(KS):
+        k = _key_piece(K, tok, mc, stride_kt, hk * stride_kh, p, PK, DK) * rk[:, None]
+        a += tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)
+    a = a * decay  # zero on and above the diagonal
     # T = (I + A)^-1 by blocks of SUB rows: forward substitution inside the C / SUB diagonal blocks at once
     # (SUB steps), then merged pairwise: for L = [[L11, 0], [L21, L22]], L^-1 = Tb - Tb [[0, 0], [L21, 0]] Tb
     # with Tb = blockdiag(L11^-1, L22^-1), as full [C, C] products masked to the off-diagonal block. Exact like
@@ -165,47 +202,52 @@ def _gdn_chunk_hoist_kernel(
     stride_wkc, stride_wkh, stride_wvc, stride_wvh,
     scale,
     HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr, KS: tl.constexpr,
 ):
     """HOIST: grid (chunk, value head, 3); product 0 is Wk = T (beta e^gamma K), 1 is Wv = T (beta V), 2 the
-    decayed Q K^T, each in its own program."""
+    decayed Q K^T, each in its own program, by KS pieces of the key / value dimension (Wk, Wv: column pieces;
+    Q K^T: a sum over pieces)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     which = tl.program_id(2)
     hk = h // HV_PER_K
     t0, rows, mc, offk, mk = _chunk_rows(ChunkStart, ChunkLen, c, C, BLOCK_K, DK)
+    tok = t0 + rows
+    PK: tl.constexpr = BLOCK_K // KS
+    PV: tl.constexpr = BLOCK_DV // KS
     c64 = c.to(tl.int64)
-    g = tl.load(G + (t0 + rows) * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
+    g = tl.load(G + tok * stride_gt + h, mask=mc, other=0.0).to(tl.float32)
     gam = tl.cumsum(g, axis=0)
     full = rows[:, None] * C + rows[None, :]
     if which == 1:
-        offv = tl.arange(0, BLOCK_DV)
-        mv = offv < DV
-        beta = tl.load(Beta + (t0 + rows) * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
-        v = tl.load(V + (t0 + rows)[:, None] * stride_vt + h * stride_vh + offv[None, :],
-                    mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        beta = tl.load(Beta + tok * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
         t = tl.load(Tinv + c64 * stride_tc + h * stride_th + full)
-        wv = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
-        tl.store(Wv + c64 * stride_wvc + h * stride_wvh + rows[:, None] * DV + offv[None, :], wv, mask=mv[None, :])
+        for p in tl.static_range(KS):
+            offv = p * PV + tl.arange(0, PV)
+            v = _key_piece(V, tok, mc, stride_vt, h * stride_vh, p, PV, DV)
+            wv = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
+            tl.store(Wv + c64 * stride_wvc + h * stride_wvh + rows[:, None] * DV + offv[None, :], wv,
+                     mask=(offv < DV)[None, :])
     else:
-        k = tl.load(K + (t0 + rows)[:, None] * stride_kt + hk * stride_kh + offk[None, :],
-                    mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        if L2NORM:
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        rk = _row_scale(K, tok, mc, stride_kt, hk * stride_kh, C, PK, KS, DK, L2NORM)
         if which == 0:
-            beta = tl.load(Beta + (t0 + rows) * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
+            beta = tl.load(Beta + tok * stride_bt + h, mask=mc, other=0.0).to(tl.float32)
             t = tl.load(Tinv + c64 * stride_tc + h * stride_th + full)
-            wk = tl.dot(t, k * (beta * tl.exp(gam))[:, None], input_precision=PRECISION)
-            tl.store(Wk + c64 * stride_wkc + h * stride_wkh + rows[:, None] * DK + offk[None, :], wk,
-                     mask=mk[None, :])
+            for p in tl.static_range(KS):
+                offp = p * PK + tl.arange(0, PK)
+                k = _key_piece(K, tok, mc, stride_kt, hk * stride_kh, p, PK, DK) * rk[:, None]
+                wk = tl.dot(t, k * (beta * tl.exp(gam))[:, None], input_precision=PRECISION)
+                tl.store(Wk + c64 * stride_wkc + h * stride_wkh + rows[:, None] * DK + offp[None, :], wk,
+                         mask=(offp < DK)[None, :])
         else:
-            q = tl.load(Q + (t0 + rows)[:, None] * stride_qt + hk * stride_qh + offk[None, :],
-                        mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            if L2NORM:
-                q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+            rq = _row_scale(Q, tok, mc, stride_qt, hk * stride_qh, C, PK, KS, DK, L2NORM)
+            qk = tl.zeros([C, C], dtype=tl.float32)
+            for p in tl.static_range(KS):
+                q = _key_piece(Q, tok, mc, stride_qt, hk * stride_qh, p, PK, DK) * rq[:, None]
+                k = _key_piece(K, tok, mc, stride_kt, hk * stride_kh, p, PK, DK) * rk[:, None]
+                qk += tl.dot(q * scale, tl.trans(k), input_precision=PRECISION)
             incl = rows[:, None] >= rows[None, :]
-            attn = tl.dot(q * scale, tl.trans(k), input_precision=PRECISION) * \
-                tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
+            attn = qk * tl.exp(tl.where(incl, gam[:, None] - gam[None, :], float("-inf")))
             tl.store(Attn + c64 * stride_tc + h * stride_th + full, attn)
 
 
@@ -279,13 +321,15 @@ def _gdn_chunk_fwd_kernel(
 def _prep_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
-               "Tinv": "*fp32", **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
-               "stride_tc": "i64", "stride_th": "i32",
-               **{n: "constexpr" for n in ("HV_PER_K", "DK", "C", "BLOCK_K", "L2NORM", "PRECISION", "SUB", "MERGES")}}
-        specs.append(CompileSpec(signature=sig, constexprs={
-            "HV_PER_K": 3, "DK": 128, "C": CHUNK, "BLOCK_K": 128, "L2NORM": True, "PRECISION": "ieee", "SUB": SUB,
-            "MERGES": 2}, label=f"{act} dk128 c64"))
+        for split in (1, 2):
+            sig = {"K": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32", "ChunkLen": "*i32",
+                   "Tinv": "*fp32", **{n: "i32" for n in ("stride_kt", "stride_kh", "stride_gt", "stride_bt")},
+                   "stride_tc": "i64", "stride_th": "i32",
+                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "C", "BLOCK_K", "L2NORM", "PRECISION", "SUB",
+                                               "MERGES", "KS")}}
+            specs.append(CompileSpec(signature=sig, constexprs={
+                "HV_PER_K": 3, "DK": 128, "C": CHUNK, "BLOCK_K": 128, "L2NORM": True, "PRECISION": "ieee",
+                "SUB": SUB, "MERGES": 2, "KS": split}, label=f"{act} dk128 c64 ks{split}"))
     return specs
 
 
@@ -314,18 +358,20 @@ def _fwd_specs() -> list[CompileSpec]:
 def _hoist_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "ChunkStart": "*i32",
-               "ChunkLen": "*i32", "Tinv": "*fp32", "Attn": "*fp32", "Wk": "*fp32", "Wv": "*fp32",
-               **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
-                                     "stride_gt", "stride_bt")},
-               "stride_tc": "i64", "stride_th": "i32",
-               "stride_wkc": "i64", "stride_wkh": "i32", "stride_wvc": "i64", "stride_wvh": "i32",
-               "scale": "fp32",
-               **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_DV", "L2NORM",
-                                           "PRECISION")}}
-        specs.append(CompileSpec(signature=sig, constexprs={
-            "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_DV": 128, "L2NORM": True,
-            "PRECISION": "ieee"}, label=f"{act} dk128 dv128 c64"))
+        for split in (1, 2):
+            sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32",
+                   "ChunkStart": "*i32", "ChunkLen": "*i32", "Tinv": "*fp32", "Attn": "*fp32", "Wk": "*fp32",
+                   "Wv": "*fp32",
+                   **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                                         "stride_vh", "stride_gt", "stride_bt")},
+                   "stride_tc": "i64", "stride_th": "i32",
+                   "stride_wkc": "i64", "stride_wkh": "i32", "stride_wvc": "i64", "stride_wvh": "i32",
+                   "scale": "fp32",
+                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "C", "BLOCK_K", "BLOCK_DV", "L2NORM",
+                                               "PRECISION", "KS")}}
+            specs.append(CompileSpec(signature=sig, constexprs={
+                "HV_PER_K": 3, "DK": 128, "DV": 128, "C": CHUNK, "BLOCK_K": 128, "BLOCK_DV": 128, "L2NORM": True,
+                "PRECISION": "ieee", "KS": split}, label=f"{act} dk128 dv128 c64 ks{split}"))
     return specs
 
 
@@ -387,7 +433,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              precision: Optional[str] = None, num_warps: Optional[int] = None,
                              meta: Optional[ChunkMeta] = None, num_stages: Optional[int] = None,
                              prep_warps: Optional[int] = None, prep_stages: Optional[int] = None,
-                             hoist: Optional[bool] = None) -> torch.Tensor:
+                             hoist: Optional[bool] = None, split: Optional[int] = None) -> torch.Tensor:
     """Flat batch (request i owns rows qsl[i]:qsl[i+1], any lengths): q, k [T, Hk, Dk]; v [T, Hv, Dv];
     g, beta [T, Hv] (used in fp32); ssm_states [num_slots, Hv, Dk, Dv] fp32, read and written in place at
     `slots` (long [B]); has_initial_state bool [B]. Returns out [T, Hv, Dv] in v's dtype (rows past qsl[-1]
@@ -395,8 +441,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     caller keeps it for several layers (else it is built here: one host-to-device copy). `precision`: "ieee",
     "tf32x3" or "tf32" (None: auto_precision for v's dtype and device); its tiles are tried in order until one
     fits the device's shared memory (then the "ieee" ones; ChunkKernelsDoNotFit when none does). block_v,
-    num_warps (the fwd kernel's), num_stages, prep_warps, prep_stages and hoist run one explicit tile instead (no
-    fallback: the sweeps)."""
+    num_warps (the fwd kernel's), num_stages, prep_warps, prep_stages, hoist and split run one explicit tile
+    instead (no fallback: the sweeps)."""
     t, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
@@ -417,10 +463,11 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     def run(prec: str, tile: Tile, p_stages: Optional[int] = None) -> None:
         _launch(prec, tile, p_stages, q, k, v, g, beta, ssm_states, slots, meta, out, scale, use_qk_l2norm, nseq)
 
-    if any(x is not None for x in (block_v, num_warps, num_stages, prep_warps, prep_stages, hoist)):  # explicit
-        first = TILES[precision][0]
+    if any(x is not None for x in (block_v, num_warps, num_stages, prep_warps, prep_stages, hoist, split)):
+        first = TILES[precision][0]  # an explicit tile: the first one's fields where not given
         run(precision, Tile(block_v or first.block_v, num_warps or first.warps, prep_warps or first.prep_warps,
-                            num_stages or first.stages, first.hoist if hoist is None else hoist), prep_stages)
+                            num_stages or first.stages, first.hoist if hoist is None else hoist,
+                            split or first.split), prep_stages)
         return out
     key = (dev, precision, k.shape[1], k.shape[2], v.shape[1], v.shape[2], v.dtype, use_qk_l2norm)
     if key in _chosen:
@@ -456,12 +503,14 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
     nc = meta.num_chunks
     mat = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=v.device)  # T
     block_k = max(16, triton.next_power_of_2(dk))
+    block_dv = max(16, triton.next_power_of_2(dv))
+    split = min(tile.split, block_k // 16, block_dv // 16)  # pieces of at least 16 columns (tl.dot's minimum)
     scale = float(scale if scale is not None else dk ** -0.5)
     _gdn_chunk_prep_kernel[(nc, hv)](
         k, g, beta, meta.chunk_start, meta.chunk_len, mat,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), mat.stride(0), mat.stride(1),
         HV_PER_K=hv // hk, DK=dk, C=CHUNK, BLOCK_K=block_k, L2NORM=use_qk_l2norm, PRECISION=precision, SUB=SUB,
-        MERGES=(CHUNK // SUB).bit_length() - 1, num_warps=tile.prep_warps, **prep_launch)
+        MERGES=(CHUNK // SUB).bit_length() - 1, KS=split, num_warps=tile.prep_warps, **prep_launch)
     if tile.hoist:  # T stays in `mat`; the fwd kernel reads Wk, Wv and the decayed Q K^T instead
         wk = torch.empty(nc, hv, CHUNK, dk, dtype=torch.float32, device=v.device)
         wv = torch.empty(nc, hv, CHUNK, dv, dtype=torch.float32, device=v.device)
@@ -471,8 +520,8 @@ def _launch(precision, tile, prep_stages, q, k, v, g, beta, ssm_states, slots, m
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
             beta.stride(0), mat.stride(0), mat.stride(1), wk.stride(0), wk.stride(1), wv.stride(0), wv.stride(1),
             scale,
-            HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=tile.prep_warps, **prep_launch)
+            HV_PER_K=hv // hk, DK=dk, DV=dv, C=CHUNK, BLOCK_K=block_k, BLOCK_DV=block_dv,
+            L2NORM=use_qk_l2norm, PRECISION=precision, KS=split, num_warps=tile.prep_warps, **prep_launch)
         mat = attn
     else:
         wk = wv = mat  # not read

@@ -148,19 +148,31 @@ def _flags(has_initial_state: torch.Tensor) -> torch.Tensor:
     return has_initial_state.to(torch.uint8)
 
 
+# The delta-rule decode step's tile by batch (benchmarks/micro/gdn_decode_sweep.py, H200, session 22, 35B / 27B
+# heads, results/gdn-decode-sweep-77c8fce/): at 1 row 16 value columns on 2 warps (3.4 / 4.3 us; 32 on 4, the old
+# default: 3.8 / 4.9), from 16 rows 64 on 4 (64 rows: 79.5 / 118.7 us = 3.4 TB/s, against 90.0 / 135.4).
+SMALL_DECODE_BATCH = 8
+
+
+def decode_tile(bsz: int, block_k: int) -> tuple[int, int]:
+    """(value columns per program, warps) of the decode step for `bsz` rows and a key block of block_k."""
+    if bsz < SMALL_DECODE_BATCH:
+        return max(16, 2048 // block_k), 2
+    return max(16, 8192 // block_k), 4
+
+
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
                             has_initial_state: torch.Tensor, scale: Optional[float] = None,
                             use_qk_l2norm: bool = True,
                             gate_params: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                            block_v: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
+                            block_v: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
     """q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv] fp32; ssm_states [num_slots, Hv, Dk, Dv] fp32 (updated
     at `slots`, long [B]); has_initial_state bool [B] -> out [B, Hv, Dv] in v's dtype.
     gate_params (A_log [Hv], dt_bias [Hv]): g and beta are then the layer's raw projections a and b (any float
     dtype, rows may be strided), and the kernel computes g = -exp(A_log) softplus(a + dt_bias) and
     beta = sigmoid(b) itself (the layer's ~8 elementwise launches per step). block_v (value columns per program,
-    a power of two; default: 4096 / the key block, at least 16) and num_warps: the tile
-    (benchmarks/micro/gdn_decode_sweep.py)."""
+    a power of two) and num_warps: the tile (default: decode_tile)."""
     bsz, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty(bsz, hv, dv, dtype=v.dtype, device=v.device)
@@ -175,7 +187,9 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         a_log, dt_bias = (t.float().contiguous() for t in gate_params)
     assert ssm_states.stride(-1) == 1 and ssm_states.dtype == torch.float32
     block_k = triton.next_power_of_2(dk)
-    block_v = min(triton.next_power_of_2(dv), block_v or max(16, 4096 // block_k))
+    tile_v, tile_warps = decode_tile(bsz, block_k)
+    block_v = min(triton.next_power_of_2(dv), block_v or tile_v)
+    num_warps = num_warps or tile_warps
     grid = (bsz, hv, triton.cdiv(dv, block_v))
     _gdn_decode_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, ssm_states, slots, _flags(has_initial_state), out,

@@ -217,7 +217,7 @@ class GatedDeltaNet(nn.Module):
 
     def _chunk_kernels(self, q, k, v, g, beta, ssm_states, batch: HybridBatch) -> Optional[torch.Tensor]:
         """The chunked delta rule on the Triton kernels; None (and the torch form from then on, for this device)
-        when they do not fit its shared memory (V100, T4, consumer Ampere / Ada: gdn_chunk.ChunkKernelsDoNotFit,
+        when no tile fits its shared memory (less than a T4's 64 KB per block: gdn_chunk.ChunkKernelsDoNotFit,
         raised before anything is written)."""
         from voltllm.kernels import gdn_chunk
         if batch.chunk_meta is None:
