@@ -544,6 +544,17 @@ case $stage in
     gpu_file test_hybrid_gpu 420 -k "(teacher_forced and (bfloat16 or sm70)) or snapshots or fp32_matches_cpu or moe_checks" -s
     grep -E "mean|passed|failed" "$out/test_hybrid_gpu.txt" | head -20
     ;;
+  s74)  # (session 22) the chunk kernels' new first tiles (HOIST, prep / hoist dots in 2 pieces) for "tf32x3" and
+        # "ieee": the CUDA checks and real-shape tests, the hybrids' teacher-forced engine tests (native and
+        # --compat sm70), 35B and 27B 8K prompts
+    gpu_file test_hybrid_gpu 300 -k "gdn_chunk or teacher_forced" -s
+    grep -E "hoist=|mean" "$out/test_hybrid_gpu.txt" | head -30
+    m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
+    bench $m35 --scenario prefill --input-len 8192 --max-model-len 16384 --max-num-seqs 4 \
+      --name qwen3.5-35b-a3b-shape-fp16-prefill-8k-$sha | tail -6
+    bench --random-weights qwen3.5-27b-shape --dtype half --max-num-seqs 4 --max-num-batched-tokens 8192 --num-warm 1 \
+      --scenario prefill --input-len 8192 --max-model-len 16384 --name qwen3.5-27b-shape-fp16-prefill-8k-$sha | tail -6
+    ;;
   s73)  # (session 22) the GDN decode step's tile by batch (decode_tile); the chunk kernels' small-shared-memory tiles
         # (prep / hoist dots in pieces of the key dimension: SMALL_SHARED_TILES) on the GPU against the torch form
         # and the H200's own tiles; 35B batch 1 / 16 / 64 concurrent after the decode tile change

@@ -126,16 +126,15 @@ def test_moe_decode_path_real_shape(shape):
 
 
 @pytest.mark.parametrize("precision,hoist", [("ieee", None), ("tf32x3", None), ("tf32", None),
-                                             ("tf32x3", False), ("ieee", "small"), ("tf32x3", "small")])
+                                             ("tf32x3", False), ("ieee", False)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gdn_chunk_real_shape(dtype, precision, hoist):
     """qwen3.5-27b-shape GDN layer (16 key heads, 48 value heads, dims 128): one 8K prefill, and a mixed batch,
     with exact fp32 FMA products, 3xTF32 (the native route's) and tf32 ones, each precision with its own tile
-    (tf32x3's first tile has HOIST, False runs it without; the compat route's "ieee" tiles stay plain; "small":
-    gdn_chunk.SMALL_SHARED_TILES, the tiles that fit a V100 / T4 / RTX 30xx-40xx)."""
+    (the tf32x3 / ieee first tiles have HOIST and dots in pieces, False runs them without HOIST)."""
     _need_cuda()
     from voltllm.kernels import gdn_ref as R
-    from voltllm.kernels.gdn_chunk import SMALL_SHARED_TILES, gated_delta_rule_chunked
+    from voltllm.kernels.gdn_chunk import gated_delta_rule_chunked
 
     hk, hv, d = 16, 48, 128
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -158,13 +157,7 @@ def test_gdn_chunk_real_shape(dtype, precision, hoist):
         ref_pool = pool.clone()
         ref = R.gated_delta_rule_varlen(q, k, v, g, beta, ref_pool, slots, qsl, init)
         got_pool = pool.clone()
-        if hoist == "small":
-            tile = SMALL_SHARED_TILES[precision]
-            knobs = dict(block_v=tile.block_v, num_warps=tile.warps, num_stages=tile.stages,
-                         prep_warps=tile.prep_warps, hoist=tile.hoist, split=tile.split)
-        else:
-            knobs = dict(hoist=hoist)
-        got = gated_delta_rule_chunked(q, k, v, g, beta, got_pool, slots, qsl, init, precision=precision, **knobs)
+        got = gated_delta_rule_chunked(q, k, v, g, beta, got_pool, slots, qsl, init, precision=precision, hoist=hoist)
         err = (got.float() - ref.float()).abs().max().item()
         err_s = (got_pool - ref_pool).abs().max().item()
         tol_s = 5e-3 if precision == "tf32" else 1e-3

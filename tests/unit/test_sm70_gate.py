@@ -206,10 +206,10 @@ def test_shared_memory_over_the_target(fallback):
 
 
 def _chunk_small_tile_specs(precision: str):
-    """(kernel name, spec) of the three Gated DeltaNet chunk kernels at gdn_chunk.SMALL_SHARED_TILES[precision]."""
+    """(kernel name, spec) of the three Gated DeltaNet chunk kernels at the first tile of `precision`."""
     from voltllm.kernels import gdn_chunk
 
-    tile = gdn_chunk.SMALL_SHARED_TILES[precision]
+    tile = gdn_chunk.TILES[precision][0]
     labels = {"gdn.chunk_prep": f"fp16 dk128 c64 ks{tile.split}",
               "gdn.chunk_hoist": f"fp16 dk128 dv128 c64 ks{tile.split}",
               "gdn.chunk_fwd": "fp16 dk128 dv128 bv64 c64 hoist"}
@@ -224,7 +224,7 @@ def _chunk_small_tile_specs(precision: str):
 
 
 def test_gdn_chunk_small_tile_fits_v100_and_t4(full_report):
-    """The chunk kernels' last "ieee" tile (HOIST, prep / hoist dots in pieces) fits a V100's 96 KB and a T4's 64 KB
+    """The chunk kernels' first "ieee" tile (HOIST, prep / hoist dots in pieces) fits a V100's 96 KB and a T4's 64 KB
     per block, so hybrid prompts there run the kernels, not the torch form (the gate compiled its specs)."""
     _, specs = _chunk_small_tile_specs("ieee")
     wanted = {(name, spec.label) for name, spec in specs}
@@ -235,8 +235,8 @@ def test_gdn_chunk_small_tile_fits_v100_and_t4(full_report):
 
 
 def test_gdn_chunk_small_tile_fits_consumer_ampere_ada():
-    """The last "tf32x3" tile's kernels, compiled for sm_86 at the tile's warps and stages, fit the 99 KB per block
-    of an RTX 30xx / 40xx card (the unsplit tiles need 128 KB there)."""
+    """The first "tf32x3" tile's kernels, compiled for sm_86 at the tile's warps and stages, fit the 99 KB per block
+    of an RTX 30xx / 40xx card (the unsplit ones need 128 KB there)."""
     tile, specs = _chunk_small_tile_specs("tf32x3")
     for name, spec in specs:
         warps = tile.warps if name == "gdn.chunk_fwd" else tile.prep_warps

@@ -33,9 +33,9 @@ All products are tl.dot with fp32 operands and fp32 accumulation; the state stay
 input precision is the caller's choice (`precision_for` picks it per dtype and route):
   "tf32x3"  tensor cores (sm_80+), three tf32 products per fp32 one (Triton's split of each operand into a
             tf32 high and low part): fp32-level results, for half-precision models on the native route.
-            H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/gdn_chunk_sweep.py, session 20 tile): one
-            8192-token prompt 4.7 ms against 18-36 in the torch chunked form and 88 with "ieee"; 4 x 2048
-            4.5 vs 35-50; output error vs the fp32 reference 1.9e-5 relative ("ieee": 1.4e-5).
+            H200, qwen3.5-27b-shape GDN heads (benchmarks/micro/gdn_chunk_sweep.py, session 22 tile): one
+            8192-token prompt 4.15 ms against 18-36 in the torch chunked form and 88-103 with "ieee"; 4 x 2048
+            3.8 vs 35-51; output error vs the fp32 reference 1.7e-5 relative ("ieee": 1.4e-5).
   "tf32"    one tf32 product (10 mantissa bits): 4.7 ms there, but 1.8e-3 relative error, enough to move a
             greedy token of a tiny fp16 MoE hybrid where the reference's top-2 margin was 0.29 logit (the
             GPU engine test, session 18). Not chosen by default; kept for timing.
@@ -44,8 +44,8 @@ input precision is the caller's choice (`precision_for` picks it per dtype and r
 Each precision has its tiles (TILES: value columns per program, fwd / prep warps, pipeline stages, HOIST, split),
 fixed, not tuned: first the fastest that fit the H200's shared memory at dk = dv = 128 in that sweep (tf32x3 fits
 only unpipelined; tf32 with 8 warps gave wrong outputs, relative error 0.16, Triton 3.6), then smaller ones for
-GPUs with less shared memory, tried in order when a launch runs out of it. The last (SMALL_SHARED_TILES, session
-22) split the prep and hoist kernels' dots into pieces of the key / value dimension (KS: (beta K) K^T and Q K^T as
+GPUs with less shared memory, tried in order when a launch runs out of it. Since session 22 all but "tf32"'s
+split the prep and hoist kernels' dots into pieces of the key / value dimension (KS: (beta K) K^T and Q K^T as
 sums over pieces, T (beta e^gamma K) and T (beta V) by column pieces; the row norms of the l2-normalised q / k
 first, from one pass over the pieces), which halves their dot operands in shared memory: with HOIST they fit a
 V100, a T4 and the 99 KB of an RTX 30xx / 40xx card.
@@ -83,28 +83,28 @@ class Tile:
     split: int = 1  # pieces of the key / value dimension per dot in the prep and hoist kernels (less shared memory)
 
 
-# Per dot precision, fastest first: the first is the H200 sweep's best (module docstring); the later ones need less
-# shared memory (an A100 allows 163 KB per block, sm_86 / sm_89 cards 99 KB, a V100 96 KB, a T4 64 KB, the H200
-# 227 KB) and are tried when a launch runs out of it, then the "ieee" tiles; what ran is remembered per device and
-# shape (_chosen). Per block at dk = dv = 128 (Triton's figure, compiled for the target): the unsplit kernels 112-128
-# KB; the last tiles, HOIST with the prep / hoist dots in two pieces of the key dimension: "tf32x3" on sm_86 64 /
-# 64 / 96 KB (prep / hoist / fwd at 32 value columns), "ieee" on sm_70 and sm_75 32 / 32 / 64 KB
-# (tests/unit/test_sm70_gate.py checks both).
-SMALL_SHARED_TILES = {"tf32x3": Tile(32, 4, 4, 1, True, 2), "ieee": Tile(64, 4, 4, 1, True, 2)}
+# Per dot precision, fastest first, then tiles that need less shared memory, tried when a launch runs out of it
+# (then the "ieee" tiles); what ran is remembered per device and shape (_chosen). Per block, Triton's figure compiled
+# for the target (an A100 allows 163 KB, sm_86 / sm_89 cards 99 KB, a V100 96 KB, a T4 64 KB, the H200 227 KB):
+# the first "tf32x3" tile 64 / 64 / 96 KB (prep / hoist / fwd) on sm_86, the first "ieee" one 32 / 32 / 64 KB on
+# sm_70 and sm_75 (tests/unit/test_sm70_gate.py checks both); the unsplit tiles needed 112-128 KB there. H200,
+# qwen3.5-27b-shape heads (session 22, results/gdn-chunk-small-tiles-6c58690/): tf32x3 with split 2 4.15 / 3.79 /
+# 4.10 ms at 1 x 8192 / 4 x 2048 / 64 x 128 tokens against 5.19 / 4.74 / 4.63 unsplit (the prep and hoist kernels
+# 2.2 -> 1.3 ms); ieee with HOIST and split 2 103 / 61 / 61 ms against 88 / 74 / 74 for the plain 64:8 tile, whose
+# single long prompts run the torch form anyway (GatedDeltaNet._triton_prefill_fits).
 TILES: dict[str, tuple[Tile, ...]] = {
-    "tf32x3": (Tile(32, 4, 4, 1, True), Tile(64, 4, 4, 1), Tile(32, 4, 2, 1), Tile(16, 4, 2, 1),
-               SMALL_SHARED_TILES["tf32x3"]),
+    "tf32x3": (Tile(32, 4, 4, 1, True, 2), Tile(16, 4, 4, 1, True, 2)),
     "tf32": (Tile(16, 4, 2, None), Tile(16, 4, 2, 1)),
-    "ieee": (Tile(64, 8, 4, None), Tile(32, 4, 4, 1), Tile(16, 4, 2, 1), SMALL_SHARED_TILES["ieee"]),
+    "ieee": (Tile(64, 4, 4, 1, True, 2), Tile(16, 4, 4, 1, True, 2)),
 }
 _chosen: dict[tuple, tuple[str, Tile]] = {}
 
 
 class ChunkKernelsDoNotFit(RuntimeError):
     """No tile of the chunk kernels fits the device's shared memory per block. Compiled for sm_70 / sm_75 /
-    sm_86 / sm_89 (session 21) the unsplit tiles need 112-128 KB, more than a V100 (96 KB), a T4 (64 KB) or a
-    consumer Ampere / Ada card (99 KB) has; since session 22 the last tiles (SMALL_SHARED_TILES) fit all three,
-    so this is left for a GPU with less than 64 KB per block. Raised before anything is written: the caller runs
+    sm_86 / sm_89 (session 21) the unsplit tiles needed 112-128 KB, more than a V100 (96 KB), a T4 (64 KB) or a
+    consumer Ampere / Ada card (99 KB) has; since session 22 the tiles (TILES: HOIST, dots in pieces) fit all
+    three, so this is left for a GPU with less shared memory per block. Raised before anything is written: the caller runs
     the torch form instead (GatedDeltaNet does)."""
 
 
@@ -336,7 +336,7 @@ def _prep_specs() -> list[CompileSpec]:
 def _fwd_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
-        for hoist, block_v in ((False, 64), (True, 64), (False, 16)):  # (16: the last tile tried, TILES["ieee"])
+        for hoist, block_v in ((False, 64), (True, 64), (True, 16)):  # (TILES["ieee"]; False: explicit hoist=False)
             sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "Mat": "*fp32",
                    "State": "*fp32", "Slots": "*i64", "HasInit": "*i32", "Out": f"*{act}", "SeqStart": "*i32",
                    "SeqChunk": "*i32", "Wk": "*fp32", "Wv": "*fp32",
