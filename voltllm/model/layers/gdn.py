@@ -236,12 +236,12 @@ class GatedDeltaNet(nn.Module):
         """With tensor-core products ("tf32x3", "tf32") the Triton chunk kernels win every batch timed (H200,
         qwen3.5-27b-shape heads, tf32x3: 1 x 8192 tokens 7.3 vs 28 ms in the torch chunked form, 4 x 2048 6.6 vs
         38, 16 x 512 6.7 vs 56). With exact fp32 FMA products ("ieee": the compat route, fp32 models) they cost
-        about the same per token however the tokens are split (1 x 8192 93-100 ms, 4 x 2048 80-86, 16 x 512 86 on
-        the H200), while the torch form, fp32 matmuls per request, costs ~27 ms per 8K tokens of long prompts plus
-        a few ms per request (1 x 8192 18-38, 4 x 2048 25-50, 16 x 512 37-77): torch for a step whose every
-        request computes >= LONG_PREFILL_TOKENS, the kernels when some request is short (decode rows, short
-        prompts: 64 x 128 would pay the torch form's per-request cost 64 times). H200 FMAs for both; a V100 (no
-        tensor cores for either path in fp32) was not timed."""
+        60-100 ms per 8K tokens however the tokens are split (session 22 tile: 1 x 8192 103 ms, 4 x 2048 61, 64 x
+        128 61 on the H200), while the torch form, fp32 matmuls per request, costs ~27 ms per 8K tokens of long
+        prompts plus a few ms per request (1 x 8192 18-38, 4 x 2048 25-51, 16 x 512 37-77, 64 x 128 161): torch
+        for a step whose every request computes >= LONG_PREFILL_TOKENS, the kernels when some request is short
+        (decode rows, short prompts: 64 x 128 would pay the torch form's per-request cost 64 times). H200 FMAs for
+        both; a V100 (no tensor cores for either path in fp32) was not timed."""
         if precision != "ieee":
             return True
         qsl = batch.query_start_loc
