@@ -544,6 +544,16 @@ case $stage in
     gpu_file test_hybrid_gpu 420 -k "(teacher_forced and (bfloat16 or sm70)) or snapshots or fp32_matches_cpu or moe_checks" -s
     grep -E "mean|passed|failed" "$out/test_hybrid_gpu.txt" | head -20
     ;;
+  s75)  # (for session 23) the gated attention's output gate as one launch (fused.sigmoid_gate_mul, CPU-checked only):
+        # the fused kernels' CUDA checks, the hybrid engine / graph tests, 35B batch 1 / 16 / 64 concurrent
+    gpu_file test_fused_kernels_cuda 120
+    gpu_file test_hybrid_gpu 300 -k "engine or graph"
+    m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
+    bench $m35 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 4 \
+      --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha | tail -6
+    bench $m35 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 --max-model-len 4096 \
+      --max-num-seqs 64 --name qwen3.5-35b-a3b-shape-fp16-c16-c64-$sha | tail -9
+    ;;
   s74)  # (session 22) the chunk kernels' new first tiles (HOIST, prep / hoist dots in 2 pieces) for "tf32x3" and
         # "ieee": the CUDA checks and real-shape tests, the hybrids' teacher-forced engine tests (native and
         # --compat sm70), 35B and 27B 8K prompts

@@ -272,6 +272,26 @@ def run_silu(device: str, t: int, i: int, dtype: torch.dtype, seed: int = 0, lea
     return _verdict({"out": _err(out, ref), "alloc": _err(F.silu_and_mul(x), ref)}, dtype)
 
 
+def run_sigmoid_gate(device: str, t: int, h: int, d: int, dtype: torch.dtype, seed: int = 0,
+                     in_place: bool = False) -> str:
+    """Gated attention's output gate: x [T, H, D] the attention output, the gate the second half of each head's
+    [q | gate] columns of the qkv projection (strided tokens and heads)."""
+    from voltllm.kernels import fused as F
+
+    x = _rand((t, h, d), seed, device, dtype, 3.0)
+    qg = _rand((t, h, 2 * d), seed + 1, device, dtype, 4.0)
+    gate = qg.chunk(2, dim=-1)[1]
+    ref = F.sigmoid_gate_mul_ref(x, gate)
+    out = x if in_place else torch.full_like(x, float("nan"))
+    got = F.sigmoid_gate_mul(x, gate, out=out)
+    if got is not out:
+        return "FAIL returned tensor is not `out`"
+    errs = {"out": _err(out, ref)}
+    if not in_place:
+        errs["alloc"] = _err(F.sigmoid_gate_mul(x, gate), ref)
+    return _verdict(errs, dtype)
+
+
 f32, f16 = torch.float32, torch.float16
 CHECKS = {
     "rms_f32_T7_H576": lambda d: run_rms(d, 7, 576, f32),
@@ -310,6 +330,9 @@ CHECKS = {
     "silu_f32_T7_I100": lambda d: run_silu(d, 7, 100, f32, seed=20),
     "silu_f16_T1_I576": lambda d: run_silu(d, 1, 576, f16, seed=21),
     "silu_f16_T7_I1500_3d": lambda d: run_silu(d, 7, 1500, f16, seed=22, lead3=True),
+    "sigmoid_gate_f32_T7_H3_D100": lambda d: run_sigmoid_gate(d, 7, 3, 100, f32, seed=33),
+    "sigmoid_gate_f16_T5_H4_D256_in_place": lambda d: run_sigmoid_gate(d, 5, 4, 256, f16, seed=34, in_place=True),
+    "sigmoid_gate_f16_T1_H16_D256": lambda d: run_sigmoid_gate(d, 1, 16, 256, f16, seed=35),
 }
 
 

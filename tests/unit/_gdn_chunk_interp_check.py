@@ -159,7 +159,8 @@ def run_layer(device: str) -> str:
 
 def run_model(device: str) -> str:
     """A tiny Qwen3-Next (GDN + gated attention + MoE) over chunked prefill and decode steps: every Triton path
-    of the hybrid model on (chunked delta rule, decode kernels, MoE grouped GEMM) == all torch references."""
+    of the hybrid model on (chunked delta rule, decode kernels, MoE grouped GEMM, the attention output gate) == all
+    torch references."""
     import transformers
 
     from voltllm.attention.backend import AttentionMetadata, make_kv_cache
@@ -167,7 +168,7 @@ def run_model(device: str) -> str:
     from voltllm.model.forward_context import ForwardContext
     from voltllm.model.layers.gdn import GatedDeltaNet
     from voltllm.model.layers.moe import SparseMoE
-    from voltllm.model.models.qwen3_next import Qwen3NextForCausalLM
+    from voltllm.model.models.qwen3_next import GatedAttention, Qwen3NextForCausalLM
     from voltllm.model.state_cache import StateCache
 
     cfg = transformers.Qwen3NextConfig(
@@ -190,6 +191,7 @@ def run_model(device: str) -> str:
         GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = GatedDeltaNet.triton_conv = triton
         GatedDeltaNet.triton_norm = triton
         SparseMoE.triton_experts = triton
+        GatedAttention.triton_gate = triton
         bs, heads_dim = 16, model.kv_heads_and_dim
         kv = make_kv_cache(model.num_attention_layers, 24, bs, *heads_dim, torch.float32, torch.device(device))
         states = StateCache.for_model(model, 3, device)
@@ -227,6 +229,7 @@ def run_model(device: str) -> str:
         GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = GatedDeltaNet.triton_conv = None
         GatedDeltaNet.triton_norm = None
         SparseMoE.triton_experts = None
+        GatedAttention.triton_gate = None
     err = (got - ref).abs().max().item()
     if err > 1e-4 * max(1.0, ref.abs().max().item()) or ref.std() < 1e-3:
         return f"FAIL max err {err:.3e} (ref std {ref.std():.2e})"

@@ -12,7 +12,7 @@ from interp_util import check_names, run_interp_checks
 import torch
 
 HELPER = Path(__file__).with_name("_fused_interp_check.py")
-KERNELS = ("fused.qk_norm_rope", "fused.rms_norm", "fused.silu_and_mul")
+KERNELS = ("fused.qk_norm_rope", "fused.rms_norm", "fused.sigmoid_gate_mul", "fused.silu_and_mul")
 
 
 
@@ -72,6 +72,10 @@ def test_wrappers_reject_bad_arguments():
         F.rope_inplace(q.transpose(1, 2).contiguous().transpose(1, 2), k, pos, cos, sin, 64)
     with pytest.raises(ValueError, match="head_dim"):
         F.qk_norm_rope_inplace(q, k, torch.ones(32), torch.ones(64), 1e-6, pos, cos, sin, 64)
+    with pytest.raises(ValueError, match="sigmoid_gate_mul"):
+        F.sigmoid_gate_mul(q, q.half())
+    with pytest.raises(ValueError, match="sigmoid_gate_mul"):
+        F.sigmoid_gate_mul(q, k)
     x = torch.zeros(3, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="in place"):
         F.fused_add_rms_norm(x, torch.zeros(3, 8, dtype=torch.float16), torch.ones(8), 1e-6)

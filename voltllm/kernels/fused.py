@@ -28,6 +28,8 @@ Entry points (each has a `*_ref` torch reference with the same signature, used b
       attention backend's kv_write / write_kv_fp8 would do next: one kernel
       less per layer, which the decode profiles say is worth ~1-2 us per layer per step).
   silu_and_mul(x, out=None) -> out
+  sigmoid_gate_mul(x, gate, out=None) -> out                           x * sigmoid(gate), x / gate [T, nH, D],
+                                                                       strided T/head dims ok (gated attention)
 """
 from __future__ import annotations
 
@@ -233,6 +235,23 @@ def _silu_mul_kernel(X, Out, stride_xt, stride_ot, I, BLOCK: tl.constexpr, PDL: 
     tl.store(Out + t * stride_ot + offs, (a * u).to(Out.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _sigmoid_gate_mul_kernel(X, Gate, Out, stride_xt, stride_xh, stride_gt, stride_gh, stride_ot, stride_oh,
+                             N, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Out[t, h, :] = X[t, h, :] * sigmoid(Gate[t, h, :]) over the N = heads * D elements of token t; sigmoid in
+    fp32, rounded to Out's dtype before the multiply (as torch's x * torch.sigmoid(gate) does)."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    h = offs // D
+    d = offs % D
+    x = tl.load(X + t * stride_xt + h * stride_xh + d, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(Gate + t * stride_gt + h * stride_gh + d, mask=m, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, (x * s).to(Out.dtype.element_ty), mask=m)
+
+
 # ------------------------------------------------------------------------------------------------
 # registry: representative fp16 / fp32 specializations for the sm_70 / sm_75 gate (no bf16 there)
 # ------------------------------------------------------------------------------------------------
@@ -303,6 +322,12 @@ def _silu_specs() -> list[CompileSpec]:
 register_kernel("fused.rms_norm", _rms_norm_kernel, _norm_specs(), compat=True)
 register_kernel("fused.qk_norm_rope", _qk_rope_kernel, _rope_specs(), compat=True)
 register_kernel("fused.silu_and_mul", _silu_mul_kernel, _silu_specs(), compat=True)
+register_kernel("fused.sigmoid_gate_mul", _sigmoid_gate_mul_kernel, [
+    CompileSpec({"X": f"*{act}", "Gate": f"*{act}", "Out": f"*{act}",
+                 **{n: "i32" for n in ("stride_xt", "stride_xh", "stride_gt", "stride_gh", "stride_ot", "stride_oh",
+                                       "N")},
+                 "D": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"}, {"D": 256, "BLOCK": 1024, "PDL": False},
+                label=f"{act} d256") for act in _ACTS], compat=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -523,6 +548,25 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     return out
 
 
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x, gate [T, nH, D] (any token / head strides, last dim contiguous) -> x * sigmoid(gate) in x's dtype, one
+    launch (torch: sigmoid, then the multiply). Mutates only `out` (new when None; `out=x` allowed)."""
+    if gate.shape != x.shape or gate.dtype != x.dtype or x.dim() != 3:
+        raise ValueError(f"sigmoid_gate_mul: x and gate must be [T, nH, D] of one dtype, got {tuple(x.shape)} "
+                         f"{x.dtype} and {tuple(gate.shape)} {gate.dtype}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x3, g3, o3 = _rows3(x, "x"), _rows3(gate, "gate"), _rows3(out, "out")
+    t, h, d = x.shape
+    if t == 0 or h * d == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(h * d))
+    _sigmoid_gate_mul_kernel[(t, triton.cdiv(h * d, block))](
+        x3, g3, o3, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), o3.stride(0), o3.stride(1), h * d,
+        D=d, BLOCK=block, num_warps=4, **pdl.launch_options())
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # torch references (the same semantics as voltllm.model.layers.{norm, rotary, activation})
 # ------------------------------------------------------------------------------------------------
@@ -584,4 +628,9 @@ def qk_norm_rope_inplace_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.T
 def silu_and_mul_ref(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     i = x.shape[-1] // 2
     y = F.silu(x[..., :i]) * x[..., i:]
+    return y if out is None else out.copy_(y)
+
+
+def sigmoid_gate_mul_ref(x: torch.Tensor, gate: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    y = x * torch.sigmoid(gate)
     return y if out is None else out.copy_(y)

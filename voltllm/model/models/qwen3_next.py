@@ -18,7 +18,7 @@ Runner contract: ctx.extra["state_cache"] and ctx.extra["state_slots"] (see volt
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -46,6 +46,10 @@ def _rotary_dim(cfg: Any, head_dim: int) -> int:
 
 
 class GatedAttention(PagedAttention):
+    # the output gate x * sigmoid(gate) as one Triton launch (fused.sigmoid_gate_mul): None = on CUDA tensors;
+    # True / False force it (the CPU interpreter tests)
+    triton_gate: Optional[bool] = None
+
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding):
         num_heads = cfg.num_attention_heads
         super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
@@ -66,7 +70,13 @@ class GatedAttention(PagedAttention):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # QK-norm with RoPE (and the K/V store): one launch on CUDA (fused.qk_norm_rope_inplace), as for qwen3
         out = self.rope_and_attend(positions, q.contiguous(), k, v, ctx, self.q_norm, self.k_norm)
-        out = out.reshape(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
+        out = out.reshape(t, self.num_heads, self.head_dim)
+        if out.is_cuda if self.triton_gate is None else self.triton_gate:  # one launch instead of two
+            from voltllm.kernels import fused
+
+            out = fused.sigmoid_gate_mul(out, gate, out=out)
+        else:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
