@@ -355,3 +355,43 @@ def test_layer_runs_the_torch_form_where_the_chunk_kernels_do_not_fit(monkeypatc
     assert gdn_layer._CHUNK_UNFIT_DEVICES == {torch.device("cpu")}
     for a, b in zip(outs[False], outs[True]):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_memory_sizing_counts_the_chunk_workspaces_a_step_can_add():
+    """A step of max_num_seqs requests has up to that many chunks more than the profiled single-sequence forward:
+    the KV budget sets aside their workspaces (T, the decayed Q K^T, Wk, Wv: fp32), for the widest GDN layer; a
+    model without GDN layers sets aside nothing. Checked against a real call's allocations."""
+    from torch import nn
+
+    from voltllm.kernels import gdn_chunk
+    from voltllm.worker.memory import chunk_workspace_slack_bytes
+
+    model = nn.ModuleList([_tiny_gdn_layer(), nn.Linear(4, 4)])  # 4 value heads, dims 16
+    want = 64 * 4 * 64 * (64 + 64 + 16 + 16) * 4  # 64 chunks x 4 heads x (T + Q K^T + Wk + Wv) rows x fp32
+    assert chunk_workspace_slack_bytes(model, 64) == want
+    assert chunk_workspace_slack_bytes(nn.Sequential(nn.Linear(4, 4)), 64) == 0
+    # the bound is what _launch allocates (kernels replaced by no-ops, the fp32 workspaces counted)
+    made = []
+    real_empty = torch.empty
+
+    def counting_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        made.append(t.numel() * t.element_size())
+        return t
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    q, k, v, g, beta, _ = _inputs(3 * 64, hk=2, hv=4, dk=16, dv=16)
+    meta = gdn_chunk.chunk_meta([0, 3 * 64], torch.tensor([False]))
+    tile = gdn_chunk.TILES["ieee"][0]
+    assert tile.hoist
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("_gdn_chunk_prep_kernel", "_gdn_chunk_hoist_kernel", "_gdn_chunk_fwd_kernel"):
+            mp.setattr(gdn_chunk, name, NoLaunch())
+        mp.setattr(torch, "empty", counting_empty)
+        mp.setattr(torch, "empty_like", lambda t: counting_empty(*t.shape, dtype=t.dtype))
+        gdn_chunk._launch("ieee", tile, None, q, k, v, g, beta, torch.zeros(1, 4, 16, 16), torch.tensor([0]),
+                          meta, torch.zeros_like(v), None, True, 1)
+    assert sum(made) == gdn_chunk.workspace_bytes(3, 4, 16, 16)

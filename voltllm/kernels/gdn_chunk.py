@@ -412,6 +412,15 @@ def chunk_meta(qsl: Sequence[int], has_initial_state: torch.Tensor) -> ChunkMeta
                      has_initial_state.to(torch.int32))
 
 
+def workspace_bytes(num_chunks: int, hv: int, dk: int, dv: int) -> int:
+    """The most fp32 workspace one call with `num_chunks` chunks allocates, over every tile (T, and with HOIST the
+    decayed Q K^T, Wk and Wv); freed when the call returns. The runner's memory sizing counts the chunks a step
+    can have beyond its profiled forward (voltllm.worker.memory.chunk_workspace_slack_bytes)."""
+    hoist = any(t.hoist for tiles in TILES.values() for t in tiles)
+    per_chunk = CHUNK * CHUNK + (CHUNK * CHUNK + CHUNK * dk + CHUNK * dv if hoist else 0)
+    return num_chunks * hv * per_chunk * 4
+
+
 def precision_for(dtype: torch.dtype, capability: Optional[tuple[int, int]], compat: bool = False) -> str:
     """The chunk kernels' dot precision: "tf32x3" for half-precision activations on a GPU with Triton tensor cores
     (capability >= 8.0) off the compat route, else "ieee" (see the module docstring). capability None: CPU."""

@@ -65,6 +65,18 @@ def prompt_graph_bytes(runner, activations: int) -> int:
     return int(activations * min(1.0, top / max(n, 1))) + 2 * top * attn.num_heads * attn.head_dim * itemsize
 
 
+def chunk_workspace_slack_bytes(model: torch.nn.Module, max_num_seqs: int) -> int:
+    """Hybrid models: the Gated DeltaNet chunk kernels' workspaces grow with a step's chunk count (each request's
+    tokens are cut into chunks of 64 of its own), which the profiled forward, one sequence, keeps at its least. A
+    step of up to max_num_seqs requests has at most that many chunks more (one partial chunk each); one layer's
+    workspaces live at a time. 0 for models without GDN layers."""
+    from voltllm.kernels.gdn_chunk import workspace_bytes
+    from voltllm.model.layers.gdn import GatedDeltaNet
+
+    return max((workspace_bytes(max_num_seqs, m.nv, m.dk, m.dv) for m in model.modules()
+                if isinstance(m, GatedDeltaNet)), default=0)
+
+
 def kv_budget_bytes(runner, utilization: float) -> int:
     dev = runner.device
     free, total = torch.cuda.mem_get_info(dev)
@@ -73,6 +85,7 @@ def kv_budget_bytes(runner, utilization: float) -> int:
     used_by_others_and_weights = total - free
     reserve = 256 << 20  # decode CUDA graphs, sampler temporaries, allocator slack
     prompt_graphs = prompt_graph_bytes(runner, activations)
+    activations += chunk_workspace_slack_bytes(runner.model, runner.config.scheduler.max_num_seqs)
     budget = int(total * utilization) - used_by_others_and_weights - activations - reserve - prompt_graphs
     logger.info("memory: %.2f GiB total, %.2f GiB in use (weights), %.2f GiB activation peak, %.2f GiB prompt graphs "
                 "-> %.2f GiB for KV", total / 2**30, used_by_others_and_weights / 2**30, activations / 2**30,
