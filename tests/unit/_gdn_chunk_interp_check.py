@@ -157,6 +157,67 @@ def run_layer(device: str) -> str:
     return f"ok max err {max(errs):.2e}"
 
 
+def run_layer_mixed(device: str) -> str:
+    """A mixed step (decode rows, a one-token prompt, a prompt chunk, a padding token) through GatedDeltaNet with
+    the Triton kernels: the one-row requests take the decode kernel (RowSplit), the rest the chunk kernels, and
+    outputs and states equal the torch path's."""
+    from types import SimpleNamespace
+
+    from voltllm.kernels import gdn_chunk, gdn_decode
+    from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+    from voltllm.model.state_cache import StateCache
+
+    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6)
+    gen = torch.Generator().manual_seed(15)
+    layer = GatedDeltaNet(cfg, 0, torch.float32).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) * 0.3).to(device))
+        layer.A_log.copy_(torch.empty(4).uniform_(0.02, 0.5, generator=gen).log().to(device))
+    xs = torch.randn(200, 32, generator=torch.Generator().manual_seed(16)).to(device)
+    # step 1: prompts of 70 / 5 / 3 tokens; step 2: decode row, 36 more, decode row, a new one-token prompt, then
+    # one padding token (past the last request)
+    steps = (([0, 70, 75, 78], [False, False, False], [2, 0, 3]),
+             ([0, 1, 37, 38, 39], [True, True, True, False], [2, 0, 3, 1]))
+    seen = {"decode_rows": 0, "chunk_tokens": 0}
+    real_dec, real_chunk = gdn_decode.gated_delta_rule_decode, gdn_chunk.gated_delta_rule_chunked
+
+    def dec(q, *a, **kw):
+        seen["decode_rows"] += q.shape[0]
+        return real_dec(q, *a, **kw)
+
+    def chunk(q, *a, **kw):
+        seen["chunk_tokens"] += q.shape[0]
+        return real_chunk(q, *a, **kw)
+
+    outs = {}
+    try:
+        gdn_decode.gated_delta_rule_decode, gdn_chunk.gated_delta_rule_chunked = dec, chunk
+        for flag in (False, True):
+            layer.triton_prefill = layer.triton_decode = layer.triton_conv = flag
+            cache = StateCache(1, 5, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, device)
+            ys, used = [], 0
+            for qsl, init, slots in steps:
+                n = qsl[-1] + (1 if len(qsl) == 5 else 0)
+                batch = HybridBatch(state_cache=cache, slots=torch.tensor(slots, device=device),
+                                    has_initial_state=torch.tensor(init, device=device), query_start_loc=qsl,
+                                    decode_only=False)
+                ys.append(layer(xs[used:used + n], batch))
+                used += n
+            outs[flag] = (torch.cat(ys), cache.ssm[0].clone(), cache.conv[0].clone())
+    finally:
+        gdn_decode.gated_delta_rule_decode, gdn_chunk.gated_delta_rule_chunked = real_dec, real_chunk
+        layer.triton_prefill = layer.triton_decode = layer.triton_conv = None
+    # Triton run: step 1 all chunked (78 tokens), step 2 three decode rows and the 36-token chunk
+    if seen != {"decode_rows": 3, "chunk_tokens": 78 + 36}:
+        return f"FAIL the step was not split as expected: {seen}"
+    errs = [(a - b).abs().max().item() for a, b in zip(outs[False], outs[True])]
+    if max(errs) > 1e-4:
+        return f"FAIL errors {errs}"
+    return f"ok max err {max(errs):.2e}"
+
+
 def run_model(device: str) -> str:
     """A tiny Qwen3-Next (GDN + gated attention + MoE) over chunked prefill and decode steps: every Triton path
     of the hybrid model on (chunked delta rule, decode kernels, MoE grouped GEMM, the attention output gate) == all
@@ -184,8 +245,9 @@ def run_model(device: str) -> str:
                 p.copy_(torch.empty(p.shape).uniform_(0.02, 0.5, generator=gen).log().to(device))
             else:
                 p.copy_((torch.randn(p.shape, generator=gen) * (0.3 if p.dim() < 2 else 0.15)).to(device))
-    seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (91, 21, 41)]
-    schedule = [[(0, 70), (1, 5)], [(0, 20), (1, 15), (2, 40)], [(0, 1), (1, 1), (2, 1)]]
+    seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (92, 22, 42)]
+    # (mixed steps with decode rows: RowSplit; then a decode-only step)
+    schedule = [[(0, 70), (1, 5)], [(0, 20), (1, 1), (2, 40)], [(0, 1), (1, 15), (2, 1)], [(0, 1), (1, 1), (2, 1)]]
 
     def run(triton: bool) -> torch.Tensor:
         GatedDeltaNet.triton_prefill = GatedDeltaNet.triton_decode = GatedDeltaNet.triton_conv = triton
@@ -269,6 +331,7 @@ CHECKS = {
                                                     split=2),
     "smem_fallback": lambda d: run_smem_fallback(d),
     "layer_prefill_f32": lambda d: run_layer(d),
+    "layer_mixed_decode_rows_f32": lambda d: run_layer_mixed(d),
     "model_qwen3_next_all_triton_f32": lambda d: run_model(d),
 }
 

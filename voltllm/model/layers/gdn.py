@@ -48,6 +48,15 @@ class HybridBatch:
     chunk_meta: Any = field(default=None, repr=False)  # Triton chunked prefill's chunk table, built once a step
     conv_plan: Any = field(default=None, repr=False)  # gdn_ref.ConvPlan of a non-decode step, built once a step
     conv_tiles: Any = field(default=None, repr=False)  # gdn_conv.ConvTiles (Triton prefill conv), built once a step
+    # a mixed step's one-row requests vs the rest (RowSplit, built once a step; False: nothing to split)
+    row_split: Any = field(default=None, repr=False)
+
+    def split_rows(self) -> Optional["RowSplit"]:
+        """The step's requests of one query row (decode rows, one-token prompt chunks) apart from the others,
+        when it has both; None otherwise."""
+        if self.row_split is None:
+            self.row_split = RowSplit.of(self) or False
+        return self.row_split or None
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, spec: Any = None) -> "HybridBatch":
@@ -101,6 +110,39 @@ class HybridBatch:
         init = (meta.seq_lens - q_lens) > 0
         return cls(state_cache=cache, slots=slots, has_initial_state=init, query_start_loc=qsl,
                    decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1)))
+
+
+@dataclass
+class RowSplit:
+    """A mixed step cut in two for the delta rule: its one-row requests run the decode kernel (one recurrent step
+    each) and the rest the chunked form, instead of one 64-row chunk (workspace, inverse, products) per decode
+    row. Token and request indices on the device, uploaded once; `rest` is the HybridBatch of the other requests
+    (their tokens packed in order), shared by every GDN layer of the step."""
+    one_tokens: torch.Tensor  # long [m]: the one-row requests' tokens
+    one_requests: torch.Tensor  # long [m]: their request indices
+    rest_tokens: torch.Tensor  # long [T']: the other requests' tokens, in order
+    rest: "HybridBatch"
+
+    @classmethod
+    def of(cls, batch: "HybridBatch") -> Optional["RowSplit"]:
+        qsl = batch.query_start_loc
+        n = len(qsl) - 1
+        one = [i for i in range(n) if qsl[i + 1] - qsl[i] == 1]
+        if not one or len(one) == n:
+            return None
+        others = [i for i in range(n) if qsl[i + 1] - qsl[i] != 1]
+        rest_tokens, rest_qsl = [], [0]
+        for i in others:
+            rest_tokens.extend(range(qsl[i], qsl[i + 1]))
+            rest_qsl.append(len(rest_tokens))
+        one_tokens = [qsl[i] for i in one]
+        m, r = len(one), len(rest_tokens)
+        flat = to_device(one_tokens + one + rest_tokens + others, torch.long, batch.slots.device)
+        rest_req = flat[2 * m + r:]
+        rest = HybridBatch(state_cache=batch.state_cache, slots=batch.slots.index_select(0, rest_req),
+                           has_initial_state=batch.has_initial_state.index_select(0, rest_req),
+                           query_start_loc=rest_qsl, decode_only=False)
+        return cls(flat[:m], flat[m:2 * m], flat[2 * m:2 * m + r], rest)
 
 
 def set_chunk_precision(model: nn.Module, precision: str) -> int:
@@ -205,6 +247,25 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(self._gated_norm(o, z.reshape(t, self.nv, self.dv)).reshape(t, self.value_dim))
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        split = batch.split_rows() if use_triton and not batch.decode_only else None
+        if split is not None:  # decode rows through the decode kernel, the other requests through the chunked form
+            from voltllm.kernels import gdn_decode
+            o = torch.zeros(t, self.nv, self.dv, dtype=v.dtype, device=v.device)  # (padding tokens stay zero)
+            ot, orq, rt = split.one_tokens, split.one_requests, split.rest_tokens
+            o.index_copy_(0, ot, gdn_decode.gated_delta_rule_decode(
+                q.index_select(0, ot), k.index_select(0, ot), v.index_select(0, ot), g.index_select(0, ot),
+                beta.index_select(0, ot), ssm_states, batch.slots.index_select(0, orq),
+                batch.has_initial_state.index_select(0, orq)))
+            o.index_copy_(0, rt, self._delta_rule(
+                x, q.index_select(0, rt), k.index_select(0, rt), v.index_select(0, rt), g.index_select(0, rt),
+                beta.index_select(0, rt), ssm_states, split.rest))
+        else:
+            o = self._delta_rule(x, q, k, v, g, beta, ssm_states, batch)
+        o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _delta_rule(self, x, q, k, v, g, beta, ssm_states, batch: HybridBatch) -> torch.Tensor:
+        """A non-fast batch's delta rule: the Triton chunk kernels where they apply, else the torch form."""
         o = None
         if (self._triton_prefill_fits(batch, self.chunk_precision) if self.triton_prefill is None and x.is_cuda
               else bool(self.triton_prefill)) and not batch.decode_only and x.device not in _CHUNK_UNFIT_DEVICES:
@@ -212,8 +273,7 @@ class GatedDeltaNet(nn.Module):
         if o is None:
             o = gdn_ref.gated_delta_rule_varlen(q, k, v, g, beta, ssm_states, batch.slots, batch.query_start_loc,
                                                 batch.has_initial_state, batch.decode_only)
-        o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
-        return self.out_proj(o.reshape(t, self.value_dim))
+        return o
 
     def _chunk_kernels(self, q, k, v, g, beta, ssm_states, batch: HybridBatch) -> Optional[torch.Tensor]:
         """The chunked delta rule on the Triton kernels; None (and the torch form from then on, for this device)
@@ -240,8 +300,9 @@ class GatedDeltaNet(nn.Module):
         128 61 on the H200), while the torch form, fp32 matmuls per request, costs ~27 ms per 8K tokens of long
         prompts plus a few ms per request (1 x 8192 18-38, 4 x 2048 25-51, 16 x 512 37-77, 64 x 128 161): torch
         for a step whose every request computes >= LONG_PREFILL_TOKENS, the kernels when some request is short
-        (decode rows, short prompts: 64 x 128 would pay the torch form's per-request cost 64 times). H200 FMAs for
-        both; a V100 (no tensor cores for either path in fp32) was not timed."""
+        (short prompts: 64 x 128 would pay the torch form's per-request cost 64 times; a mixed step's decode rows
+        run the decode kernel, RowSplit, and are not counted here). H200 FMAs for both; a V100 (no tensor cores for
+        either path in fp32) was not timed."""
         if precision != "ieee":
             return True
         qsl = batch.query_start_loc
