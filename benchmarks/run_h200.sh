@@ -544,10 +544,17 @@ case $stage in
     gpu_file test_hybrid_gpu 420 -k "(teacher_forced and (bfloat16 or sm70)) or snapshots or fp32_matches_cpu or moe_checks" -s
     grep -E "mean|passed|failed" "$out/test_hybrid_gpu.txt" | head -20
     ;;
-  s75)  # (for session 23) the gated attention's output gate as one launch (fused.sigmoid_gate_mul, CPU-checked only):
-        # the fused kernels' CUDA checks, the hybrid engine / graph tests, 35B batch 1 / 16 / 64 concurrent
-    gpu_file test_fused_kernels_cuda 120
-    gpu_file test_hybrid_gpu 300 -k "engine or graph"
+  s75)  # (for session 23) CPU-checked only in session 22: the gated attention's output gate as one launch
+        # (fused.sigmoid_gate_mul) and a mixed step's decode rows through the GDN decode kernel (RowSplit): the fused
+        # kernels' CUDA checks, the GDN chunk CUDA checks, the hybrid engine / graph / teacher-forced tests; the
+        # mixed-step micro (split vs unsplit, 27B / 35B GDN heads)
+    gpu_file test_fused_kernels_cuda 90
+    gpu_file test_hybrid_gpu 330 -k "gdn_chunk_checks or engine or graph"
+    for sh in 27b 35b; do
+      timeout 60 python3 benchmarks/micro/gdn_mixed_step.py --shape $sh 2>&1 | grep -v -i warn | tee -a "$out/gdn-mixed-step.txt"
+    done
+    ;;
+  s76)  # (for session 23, after s75) 35B batch 1 / 16 / 64 concurrent with the output-gate launch
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
     bench $m35 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 4 \
       --name qwen3.5-35b-a3b-shape-fp16-decode-b1-$sha | tail -6
