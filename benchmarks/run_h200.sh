@@ -545,10 +545,12 @@ case $stage in
     grep -E "mean|passed|failed" "$out/test_hybrid_gpu.txt" | head -20
     ;;
   s75)  # (for session 23) CPU-checked only in session 22: the gated attention's output gate as one launch
-        # (fused.sigmoid_gate_mul) and a mixed step's decode rows through the GDN decode kernel (RowSplit): the fused
+        # (fused.sigmoid_gate_mul), a mixed step's decode rows through the GDN decode kernel (RowSplit) and, with
+        # long contexts, through split-KV decode attention (paged_prefill min_query_len): the fused / attention
         # kernels' CUDA checks, the GDN chunk CUDA checks, the hybrid engine / graph / teacher-forced tests; the
         # mixed-step micro (split vs unsplit, 27B / 35B GDN heads)
     gpu_file test_fused_kernels_cuda 90
+    gpu_file test_attention_kernels 120
     gpu_file test_hybrid_gpu 330 -k "gdn_chunk_checks or engine or graph"
     for sh in 27b 35b; do
       timeout 60 python3 benchmarks/micro/gdn_mixed_step.py --shape $sh 2>&1 | grep -v -i warn | tee -a "$out/gdn-mixed-step.txt"

@@ -153,6 +153,29 @@ def run_kernel_case(case: Case, kind: str, **kw) -> tuple[float, str]:
     return err, "; ".join(problems)
 
 
+def run_prefill_skip_case(case: Case, **kw) -> tuple[float, str]:
+    """paged_prefill(min_query_len=2) on a poisoned output: the rows of multi-row sequences match the reference,
+    the one-row sequences' rows are left untouched (still NaN: the decode kernel writes those)."""
+    from voltllm.kernels.attention import kv_write, paged_prefill
+    ref_out, _ = reference(case)
+    m = case.meta
+    cache = case.kv_cache.clone()
+    kv_write(case.k, case.v, cache, m.slot_mapping)
+    out = torch.full_like(case.q, float("nan"))
+    paged_prefill(case.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale, out,
+                  max_query_len=m.max_query_len, min_query_len=2, **kw)
+    qsl = m.query_start_loc_cpu
+    multi = torch.zeros(m.num_tokens, dtype=torch.bool)
+    for i in range(len(m.seq_lens_cpu)):
+        if qsl[i + 1] - qsl[i] > 1:
+            multi[qsl[i]:qsl[i + 1]] = True
+    problems = []
+    if not bool(out.cpu()[:m.num_tokens][~multi].isnan().all()):
+        problems.append("a one-row sequence's row was written")
+    keep = real_rows(case)[:m.num_tokens] & multi
+    return rel_err(out.cpu()[:m.num_tokens][keep], ref_out[keep]), "; ".join(problems)
+
+
 def rope_inputs(case: Case, norm: bool, seed: int):
     """For a decode case: (DecodeRope over the case's k / v as unrotated rows, q rotated, k rotated) where the
     rotated rows are what the unfused QK-norm + RoPE path writes (kernels.fused references). Positions are
@@ -290,6 +313,13 @@ def _checks():
     yield "backend_decode_fma_rows", lambda: run_backend_case(
         make_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=17, pad_rows=1),
         TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=False)), f32
+    yield "prefill_f32_d64_skips_one_row_sequences", lambda: run_prefill_skip_case(
+        make_case([(40, 9), (21, 1), (16, 16), (300, 1)], 8, 2, 64, 16, f32, seed=22), config=(16, 16, 4, 1)), f32
+    # a mixed step whose decode rows have long contexts: those through the decode kernel with split-KV (3 parts at
+    # 600 tokens), the prefill kernel skipping one-row sequences; a short-context decode row too
+    yield "backend_mixed_long_decode_rows_split", lambda: run_backend_case(
+        make_case([(40, 9), (600, 1), (300, 1), (16, 16), (33, 1)], 8, 2, 64, 16, f32, seed=23, pad_rows=2),
+        TritonAttentionBackend(num_sms=64, decode_rows_split_context=256)), f32
     yield "backend_mixed_prefill_padded", lambda: run_backend_case(
         make_case([(40, 9), (21, 1), (16, 16)], 8, 2, 64, 16, f32, seed=12, pad_rows=3),
         TritonAttentionBackend()), f32

@@ -34,6 +34,8 @@ CHECKS = [
     "backend_decode_split_padded",
     "backend_decode_lanes_half_tile",
     "backend_decode_fma_rows",
+    "prefill_f32_d64_skips_one_row_sequences",
+    "backend_mixed_long_decode_rows_split",
     "backend_mixed_prefill_padded",
 ]
 

@@ -3,7 +3,9 @@
 forward() = kv_write (one launch for K and V; skipped with kv_written=True: for float caches on CUDA,
 cache_write_for hands the model a CacheWrite and its RoPE launch stores K and V, one kernel less per
 layer) -> paged decode (pure-decode steps, split-KV when the grid
-would not fill the GPU) or paged prefill (everything else: chunked prefill, prefix hits, mixed batches).
+would not fill the GPU) or paged prefill (everything else: chunked prefill, prefix hits, mixed batches; a mixed
+step's decode rows with DECODE_ROWS_SPLIT_CONTEXT tokens of context or more go through paged decode first, with
+split-KV, and the prefill kernel skips them).
 
 KV cache dtypes (voltllm.attention.kv_spec): fp16/bf16/fp32, or fp8 (E4M3/E5M2) stored as uint8 with the
 layer's k_scale/v_scale: the write encodes in software (voltllm.kernels.kv_fp8), decode and prefill kernels
@@ -51,6 +53,11 @@ FUSED_DECODE_ROPE_MAX_PROGRAMS = 128
 # fp8_e4m3 KV, benchmarks/results/*-kv-fp8_e4m3-store{1,0}-b51912c.json): 9,013 vs 9,137 output tok/s; the RoPE
 # launch took 277 us per step with the encode against 100 + 93 for RoPE + the write kernel. docs/kernels.md, "Session 11".
 FUSED_FP8_STORE = False
+# Mixed steps: decode rows (one query row) with at least this much context are attended by the decode kernel with
+# split-KV, and the prefill kernel leaves them alone; below it the prefill kernel takes them with the rest (one
+# program per sequence and kv head walks the whole context there: a long-context decode row in a step with a prompt
+# chunk would otherwise take one SM through, e.g., 51 MB of a 100K-token context per kv head and layer).
+DECODE_ROWS_SPLIT_CONTEXT = 2048
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -59,7 +66,8 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, use_tensor_cores: Optional[bool] = None, num_sms: Optional[int] = None,
                  max_splits: Optional[int] = None, fma_lanes: Optional[bool] = None,
                  kv_cache_dtype: str = "auto", max_context: Optional[int] = None,
-                 compat_prefill: Optional[bool] = None) -> None:
+                 compat_prefill: Optional[bool] = None,
+                 decode_rows_split_context: int = DECODE_ROWS_SPLIT_CONTEXT) -> None:
         """use_tensor_cores: decode inner products with tl.dot (None: yes on sm_80+, no on sm_70/75 and
         on the CPU interpreter; False forces the FMA route, as `--compat sm70` does on any GPU).
         num_sms: SM count for the split-KV heuristic (None: read from the device).
@@ -68,7 +76,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache_dtype: the --kv-cache-dtype value; names the fp8 format of a uint8 cache.
         max_context: longest context (--max-model-len), sizes the compat prefill workspace once.
         compat_prefill: prefill through bridge + SDPA (None: when use_tensor_cores is False or the GPU is
-        sm_70/75; the CPU interpreter keeps the Triton prefill kernel unless use_tensor_cores=False)."""
+        sm_70/75; the CPU interpreter keeps the Triton prefill kernel unless use_tensor_cores=False).
+        decode_rows_split_context: a mixed step's decode rows with this much context or more go through the
+        decode kernel with split-KV (DECODE_ROWS_SPLIT_CONTEXT)."""
         self.use_tensor_cores = use_tensor_cores
         self.num_sms = num_sms
         self.max_splits = max_splits
@@ -77,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
         fmt = FP8_KV_DTYPES.get((kv_cache_dtype or "auto").lower())
         self.kv_fmt = -1 if fmt is None else (0 if fmt == "e4m3" else 1)
         self.compat_prefill = compat_prefill
+        self.decode_rows_split_context = decode_rows_split_context
         self.sdpa_prefill = SDPAPrefill(max_context)
         self._dev_info: dict[str, tuple[Optional[tuple[int, int]], int]] = {}
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -247,15 +258,36 @@ class TritonAttentionBackend(AttentionBackend):
             if any(qsl[i + 1] - qsl[i] == 1 for i in range(len(meta.seq_lens_cpu))):
                 # decode rows of a mixed batch: the FMA decode kernel writes every sequence's last row;
                 # rows of multi-row sequences are then overwritten by SDPA
-                paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
-                             num_splits=1, use_dot=use_dot, fma_lanes=self.fma_lanes and not use_dot,
-                             kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale, num_sms=num_sms)
+                self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms)
             self.sdpa_prefill.forward(q, kv_cache, meta, scale, out, k_scale, v_scale, fmt)
         elif num_seqs > 0:
             cap, _ = self._device_info(q.device)
+            decode_first = self._long_decode_rows(meta)
+            if decode_first:  # they get split-KV there; the prefill kernel then skips one-row sequences
+                self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms)
             paged_prefill(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                           max_query_len=meta.max_query_len, capability=cap, kv_fmt=read_fmt, k_scale=k_scale,
-                          v_scale=v_scale)
+                          v_scale=v_scale, min_query_len=2 if decode_first else 1)
         if meta.num_tokens < t:
             out[meta.num_tokens:].zero_()
         return out
+
+    def _long_decode_rows(self, meta: AttentionMetadata) -> bool:
+        """A mixed step with a decode row of at least decode_rows_split_context tokens of context (host lists)."""
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        return any(qsl[i + 1] - qsl[i] == 1 and lens[i] >= self.decode_rows_split_context for i in range(len(lens)))
+
+    def _decode_rows(self, q, kv_cache, meta: AttentionMetadata, scale, out, use_dot, read_fmt, k_scale, v_scale,
+                     num_sms) -> None:
+        """Every sequence's last query row through the decode kernel, with split-KV when the grid would not fill the
+        GPU (its rows of multi-row sequences are overwritten by the prefill that follows)."""
+        num_seqs = meta.seq_lens.shape[0]
+        splits = self.num_splits_for(num_seqs, kv_cache.shape[3], meta.max_seq_len, q.device)
+        part_o = part_lse = None
+        if splits > 1:
+            need_o, need_l = decode_scratch_numel(num_seqs, q.shape[1], splits, q.shape[2])
+            part_o, part_lse = self._get_scratch(q.device, need_o, need_l)
+        paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
+                     num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
+                     fma_lanes=self.fma_lanes and not use_dot, kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale,
+                     num_sms=num_sms)

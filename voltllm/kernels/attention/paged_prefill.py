@@ -46,6 +46,7 @@ def _attn_tile(q, KV, bt_row, pos, kv_mask_n, d, d_mask, stride_c_kv, stride_c_b
 def _paged_prefill_kernel(
     Q, KV, Out, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     qk_scale,  # softmax scale * log2(e)
+    min_q_len,  # sequences with fewer query rows are left alone (their rows come from the decode kernel)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     stride_bt,
@@ -64,12 +65,13 @@ def _paged_prefill_kernel(
     q_len = tl.load(QueryStartLoc + seq + 1) - q_start
     prefix = seq_len - q_len
     tile_q0 = tile * ROWS
-    active = tile_q0 < q_len
+    mine = q_len >= min_q_len
+    active = (tile_q0 < q_len) & mine
 
     r = tl.arange(0, BLOCK_M)
     q_off = tile_q0 + r // GROUP
     heads = kvh * GROUP + r % GROUP
-    row_mask = (r < ROWS * GROUP) & (q_off < q_len)
+    row_mask = (r < ROWS * GROUP) & (q_off < q_len) & mine
     q_pos = prefix + q_off
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -177,7 +179,7 @@ def _specs():
                 continue  # e5m2 differs from e4m3 only in the decode helper
             sig = {"Q": "*fp16", "KV": "*u8" if kv_fmt >= 0 else "*fp16", "Out": "*fp16", "BlockTables": "*i32",
                    "SeqLens": "*i32", "QueryStartLoc": "*i32", "KScale": "*fp32", "VScale": "*fp32",
-                   "qk_scale": "fp32",
+                   "qk_scale": "fp32", "min_q_len": "i32",
                    "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
                    "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32", "stride_c_head": "i32",
                    "stride_bt": "i32",
@@ -199,8 +201,11 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor, max_query_len: int,
                   config: tuple[int, int, int, int] | None = None,
                   capability: tuple[int, int] | None = None, kv_fmt: int = -1,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  min_query_len: int = 1) -> torch.Tensor:
     """Causal attention of every query row of every sequence over its paged context, into `out`.
+    min_query_len: sequences with fewer query rows are skipped (their rows of `out` untouched: the backend's
+    decode kernel writes a mixed step's long-context decode rows, with split-KV).
 
     q/out: [T, num_heads, head_dim] (last dim contiguous); max_query_len: host int bound on query lengths
     (sizes the grid; rows past a sequence's own length are masked). kv_fmt / k_scale / v_scale: as in
@@ -221,7 +226,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     grid = (triton.cdiv(max_query_len, rows), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         q, kv_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
-        scale * LOG2E,
+        scale * LOG2E, int(min_query_len),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
