@@ -107,6 +107,9 @@ def test_prefill_mixed(dtype, d):
     seqs = [(1000, 1000), (777, 300), (4129, 57), (300, 1), (64, 64), (2049, 2049), (33, 1)]
     case = H.make_case(seqs, hq, hkv, d, 16, dtype, device=DEV, pad_rows=5, seed=_seed(f"prefill {dtype} d{d}"))
     _check(case, _backend(), dtype, "prefill")
+    # the decode rows through split-KV paged decode, the prefill kernel skipping them (min_query_len)
+    _check(case, _backend(decode_rows_split_context=256), dtype, "prefill + split decode rows")
+    _check(case, _backend(decode_rows_split_context=256, use_tensor_cores=False), dtype, "compat decode rows")
 
 
 def test_prefill_mha_and_small_query_tiles():
