@@ -3,6 +3,7 @@ time to first token through an in-process engine, and GPU kernel time by kernel 
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -49,3 +50,21 @@ def kernel_times_us(fn: Callable[[], object], width: int = 70) -> dict[str, floa
     for e in gpu_events(trace):
         out[shorten(e["name"], width)] += e["dur"]
     return dict(out)
+
+
+def event_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median milliseconds of fn() on the current CUDA stream (CUDA events, one warm-up call first); NaN when CUDA is
+    unavailable (the scripts' CPU logic checks)."""
+    fn()
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)

@@ -8,11 +8,10 @@ qwen3.5-27b-shape GDN heads by default, fp16 q/k/v, fp32 state. For each batch (
 against the torch output first (relative error printed) and timed with CUDA events (median of 5 after a warm-up);
 one profiled call per variant splits the time between the kernels."""
 import argparse
-import statistics
 
 import torch
 
-from _micro_timing import kernel_times_us
+from _micro_timing import event_ms as _ms, kernel_times_us
 
 from voltllm.kernels import gdn_chunk, gdn_ref
 
@@ -29,20 +28,6 @@ def _inputs(lens, hk, hv, d, dtype=torch.float16):
     for n in lens:
         qsl.append(qsl[-1] + n)
     return q, k, v, gate, beta, qsl
-
-
-def _ms(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> None:

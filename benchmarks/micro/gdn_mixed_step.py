@@ -9,31 +9,15 @@ and with the split turned off (every request through the chunk kernels, a 64-row
 session 22). Both outputs are compared (relative error). `--device cpu` with TRITON_INTERPRET=1 and small dims
 checks the script's logic only."""
 import argparse
-import statistics
 from types import SimpleNamespace
 
 import torch
+from _micro_timing import event_ms
 
 from voltllm.model.layers import gdn as G
 from voltllm.model.state_cache import StateCache
 
 SHAPES = {"27b": (16, 48, 128, 5120), "35b": (16, 32, 128, 2048), "tiny": (2, 4, 16, 32)}  # Hk, Hv, D, hidden
-
-
-def _ms(fn, device, reps=10):
-    fn()
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -82,7 +66,7 @@ def main() -> None:
 
         a, b = step(True).float(), step(False).float()
         err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-        on, off = _ms(lambda: step(True), dev), _ms(lambda: step(False), dev)
+        on, off = event_ms(lambda: step(True), 10), event_ms(lambda: step(False), 10)
         print(f"{args.shape}: {rows:4d} decode rows + {args.prompt}-token prompt: split {on:7.3f} ms, "
               f"unsplit {off:7.3f} ms, rel diff {err:.1e}", flush=True)
 

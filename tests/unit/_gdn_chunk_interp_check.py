@@ -120,21 +120,29 @@ def run_smem_fallback(device: str) -> str:
     return "ok falls back through the tiles, then to ieee, and says so when nothing fits"
 
 
-def run_layer(device: str) -> str:
-    """GatedDeltaNet prefill chunks through the Triton kernel == through the torch reference."""
+def _tiny_layer(device: str, seed: int):
+    """A GatedDeltaNet of 2 key / 4 value heads of 16 dims, hidden 32, random fp32 weights."""
     from types import SimpleNamespace
 
-    from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
-    from voltllm.model.state_cache import StateCache
+    from voltllm.model.layers.gdn import GatedDeltaNet
 
     cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                           linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6)
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     layer = GatedDeltaNet(cfg, 0, torch.float32).to(device)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_((torch.randn(p.shape, generator=gen) * 0.3).to(device))
         layer.A_log.copy_(torch.empty(4).uniform_(0.02, 0.5, generator=gen).log().to(device))
+    return layer
+
+
+def run_layer(device: str) -> str:
+    """GatedDeltaNet prefill chunks through the Triton kernel == through the torch reference."""
+    from voltllm.model.layers.gdn import HybridBatch
+    from voltllm.model.state_cache import StateCache
+
+    layer = _tiny_layer(device, 5)
     outs = {}
     for flag in (False, True):
         layer.triton_prefill = flag
@@ -161,20 +169,11 @@ def run_layer_mixed(device: str) -> str:
     """A mixed step (decode rows, a one-token prompt, a prompt chunk, a padding token) through GatedDeltaNet with
     the Triton kernels: the one-row requests take the decode kernel (RowSplit), the rest the chunk kernels, and
     outputs and states equal the torch path's."""
-    from types import SimpleNamespace
-
     from voltllm.kernels import gdn_chunk, gdn_decode
-    from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+    from voltllm.model.layers.gdn import HybridBatch
     from voltllm.model.state_cache import StateCache
 
-    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                          linear_value_head_dim=16, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6)
-    gen = torch.Generator().manual_seed(15)
-    layer = GatedDeltaNet(cfg, 0, torch.float32).to(device)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_((torch.randn(p.shape, generator=gen) * 0.3).to(device))
-        layer.A_log.copy_(torch.empty(4).uniform_(0.02, 0.5, generator=gen).log().to(device))
+    layer = _tiny_layer(device, 15)
     xs = torch.randn(200, 32, generator=torch.Generator().manual_seed(16)).to(device)
     # step 1: prompts of 70 / 5 / 3 tokens; step 2: decode row, 36 more, decode row, a new one-token prompt, then
     # one padding token (past the last request)

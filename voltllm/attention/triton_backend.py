@@ -243,16 +243,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_sms = self.num_sms or self._device_info(q.device)[1]
         read_fmt = self._kernel_fmt(fmt, q.device)
         if num_seqs > 0 and meta.is_pure_decode:
-            num_kv_heads = kv_cache.shape[3]
-            splits = self.num_splits_for(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
-            part_o = part_lse = None
-            if splits > 1:
-                need_o, need_l = decode_scratch_numel(num_seqs, q.shape[1], splits, q.shape[2])
-                part_o, part_lse = self._get_scratch(q.device, need_o, need_l)
-            paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
-                         num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
-                         fma_lanes=self.fma_lanes and not use_dot, kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale,
-                         rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms)
+            self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms, rope)
         elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
             qsl = meta.query_start_loc_cpu
             if any(qsl[i + 1] - qsl[i] == 1 for i in range(len(meta.seq_lens_cpu))):
@@ -278,9 +269,10 @@ class TritonAttentionBackend(AttentionBackend):
         return any(qsl[i + 1] - qsl[i] == 1 and lens[i] >= self.decode_rows_split_context for i in range(len(lens)))
 
     def _decode_rows(self, q, kv_cache, meta: AttentionMetadata, scale, out, use_dot, read_fmt, k_scale, v_scale,
-                     num_sms) -> None:
+                     num_sms, rope: Optional[DecodeRope] = None) -> None:
         """Every sequence's last query row through the decode kernel, with split-KV when the grid would not fill the
-        GPU (its rows of multi-row sequences are overwritten by the prefill that follows)."""
+        GPU: a pure-decode step (with its DecodeRope, if any), or a mixed step's decode rows (its rows of multi-row
+        sequences are overwritten by the prefill that follows)."""
         num_seqs = meta.seq_lens.shape[0]
         splits = self.num_splits_for(num_seqs, kv_cache.shape[3], meta.max_seq_len, q.device)
         part_o = part_lse = None
@@ -290,4 +282,4 @@ class TritonAttentionBackend(AttentionBackend):
         paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                      num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
                      fma_lanes=self.fma_lanes and not use_dot, kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale,
-                     num_sms=num_sms)
+                     rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms)
