@@ -12,6 +12,8 @@ query rows are the last (query_len) positions of that context, causally masked.
 """
 from __future__ import annotations
 
+import functools
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -38,6 +40,13 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def longest_one_row_context(self) -> int:
+        """The longest context of a sequence with one query row this step (a decode row); -1 without any. Computed
+        once per step (every attention layer of a mixed step asks)."""
+        qsl, lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        return max((lens[i] for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1), default=-1)
 
 
 class CacheWrite(NamedTuple):

@@ -245,15 +245,14 @@ class TritonAttentionBackend(AttentionBackend):
         if num_seqs > 0 and meta.is_pure_decode:
             self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms, rope)
         elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
-            qsl = meta.query_start_loc_cpu
-            if any(qsl[i + 1] - qsl[i] == 1 for i in range(len(meta.seq_lens_cpu))):
+            if meta.longest_one_row_context >= 0:
                 # decode rows of a mixed batch: the FMA decode kernel writes every sequence's last row;
                 # rows of multi-row sequences are then overwritten by SDPA
                 self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms)
             self.sdpa_prefill.forward(q, kv_cache, meta, scale, out, k_scale, v_scale, fmt)
         elif num_seqs > 0:
             cap, _ = self._device_info(q.device)
-            decode_first = self._long_decode_rows(meta)
+            decode_first = meta.longest_one_row_context >= self.decode_rows_split_context
             if decode_first:  # they get split-KV there; the prefill kernel then skips one-row sequences
                 self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms)
             paged_prefill(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
@@ -262,11 +261,6 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.num_tokens < t:
             out[meta.num_tokens:].zero_()
         return out
-
-    def _long_decode_rows(self, meta: AttentionMetadata) -> bool:
-        """A mixed step with a decode row of at least decode_rows_split_context tokens of context (host lists)."""
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        return any(qsl[i + 1] - qsl[i] == 1 and lens[i] >= self.decode_rows_split_context for i in range(len(lens)))
 
     def _decode_rows(self, q, kv_cache, meta: AttentionMetadata, scale, out, use_dot, read_fmt, k_scale, v_scale,
                      num_sms, rope: Optional[DecodeRope] = None) -> None:
