@@ -38,8 +38,8 @@ def main() -> None:
     ap.add_argument("--lens", nargs="*", default=["8192", "2048x4"])
     ap.add_argument("--variants", default="ieee:64:8,tf32:64:8,tf32:32:4,tf32:32:8,tf32:16:4",
                     help="precision:block_v:num_warps[:num_stages[:prep_warps[:prep_stages]]], a trailing :h for the "
-                         "HOIST form (:h2, :h4: with the prep / hoist dots in 2 / 4 pieces of the key dimension); comma "
-                         "separated")
+                         "HOIST form (:h2, :h4: with the prep / hoist dots in 2 / 4 pieces of the key dimension); "
+                         "comma separated")
     args = ap.parse_args()
     for spec in args.lens:
         n, _, c = spec.partition("x")

@@ -10,8 +10,8 @@ from voltllm.kernels.registry import REGISTRY
 
 DECODE_KERNELS = ("gemv.skinny", "gemm.decode_batch", "gemm.decode_batch_tma", "fused.rms_norm",
                   "fused.qk_norm_rope", "fused.silu_and_mul", "fused.sigmoid_gate_mul", "attention.paged_decode",
-                  "attention.paged_decode_reduce", "moe.route_topk", "moe.small_gate_up", "moe.small_down", "gdn.decode_delta_rule",
-                  "gdn.decode_conv1d")
+                  "attention.paged_decode_reduce", "moe.route_topk", "moe.small_gate_up", "moe.small_down",
+                  "gdn.decode_delta_rule", "gdn.decode_conv1d")
 
 # (these read what no kernel of the step writes before their wait: the step's inputs; the GDN decode also its
 # recurrent state, which only it writes, a step earlier)

@@ -104,8 +104,8 @@ class ChunkKernelsDoNotFit(RuntimeError):
     """No tile of the chunk kernels fits the device's shared memory per block. Compiled for sm_70 / sm_75 /
     sm_86 / sm_89 (session 21) the unsplit tiles needed 112-128 KB, more than a V100 (96 KB), a T4 (64 KB) or a
     consumer Ampere / Ada card (99 KB) has; since session 22 the tiles (TILES: HOIST, dots in pieces) fit all
-    three, so this is left for a GPU with less shared memory per block. Raised before anything is written: the caller runs
-    the torch form instead (GatedDeltaNet does)."""
+    three, so this is left for a GPU with less shared memory per block. Raised before anything is written: the
+    caller runs the torch form instead (GatedDeltaNet does)."""
 
 
 @triton.jit

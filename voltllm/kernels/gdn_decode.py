@@ -150,7 +150,8 @@ def _flags(has_initial_state: torch.Tensor) -> torch.Tensor:
 
 # The delta-rule decode step's tile by batch (benchmarks/micro/gdn_decode_sweep.py, H200, session 22, 35B / 27B
 # heads, results/gdn-decode-sweep-77c8fce/): at 1 row 16 value columns on 2 warps (3.4 / 4.3 us; 32 on 4, the old
-# default: 3.8 / 4.9), from 16 rows 64 on 4 (64 rows: 79.5 / 118.7 us = 3.4 TB/s, against 90.0 / 135.4).
+# default: 3.8 / 4.9), from 8 rows 64 on 4 (timed at 16 rows: 22.9 vs 23.2 us, 35B; at 64: 79.5 / 118.7 us = 3.4
+# TB/s, against 90.0 / 135.4).
 SMALL_DECODE_BATCH = 8
 
 
