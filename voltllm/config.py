@@ -42,6 +42,9 @@ class ModelConfig:
     language_model_only: bool = False
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
+    # a GGUF file on a GPU: linear weights of the common GGUF types stay quantized there (model/layers/gguf_linear.py);
+    # elsewhere (the CPU) every tensor is dequantized to the compute dtype at load
+    gguf_quantized: bool = False
 
     @property
     def architecture(self) -> str:
@@ -246,7 +249,8 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only,
-            load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init)
+            load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
+            gguf_quantized=source.kind == "gguf" and device.type == "cuda" and self.load_format == "auto")
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,

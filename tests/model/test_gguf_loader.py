@@ -72,9 +72,19 @@ def _interleave_rows(w, n_heads):
     return np.stack([halves[:, 0], halves[:, 1]], axis=2).reshape(w.shape)
 
 
-def _write_tiny(path, arch, hf_config, state_dict):
+_UP_Q8 = {"mlp.up_proj.weight": gguf.GGMLQuantizationType.Q8_0}
+
+
+def _deinterleave_rows(w, n_heads):
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(0, 2, 1, *range(3, w.ndim + 2)).reshape(w.shape)
+
+
+def _write_tiny(path, arch, hf_config, state_dict, quantize=None):
     """Write state_dict as a GGUF the way llama.cpp's converter lays it out; return the expected
-    (HF name -> float32 tensor) after the file's quantization."""
+    (HF name -> float32 tensor) after the file's quantization. quantize: HF name suffix -> GGUF type (default:
+    up_proj Q8_0; gate_proj is stored F16 unless named)."""
+    quantize = _UP_Q8 if quantize is None else quantize
     c = hf_config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -101,10 +111,15 @@ def _write_tiny(path, arch, hf_config, state_dict):
             array = _interleave_rows(array, c.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _interleave_rows(array, c.num_key_value_heads)
-        if name.endswith("mlp.up_proj.weight"):  # one quantized kind, as in real files
-            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            expected[name] = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy())
+        qtype = next((t for suffix, t in quantize.items() if name.endswith(suffix)), None)
+        if qtype is not None:
+            q = gguf.quants.quantize(array, qtype)
+            w.add_tensor(_gguf_name(name), q, raw_dtype=qtype)
+            deq = gguf.quants.dequantize(q, qtype)
+            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # undo the interleave in expected
+                heads = hf_config.num_attention_heads if ".q_proj." in name else hf_config.num_key_value_heads
+                deq = _deinterleave_rows(deq, heads)
+            expected[name] = torch.from_numpy(np.ascontiguousarray(deq))
         elif name.endswith("mlp.gate_proj.weight"):
             w.add_tensor(_gguf_name(name), array.astype(np.float16))
             expected[name] = torch.from_numpy(array.astype(np.float16).astype(np.float32))
@@ -169,3 +184,40 @@ def test_unsupported_arch(tmp_path):
         gguf_config(str(path))
     with pytest.raises(ValueError, match="'gpt2'"):
         next(gguf_weights(str(path), None))
+
+
+# every kind with a device layout that the gguf package can quantize; gate_proj F16 and down_proj (96 input
+# features: no whole 64-element groups) stay dense
+_KEPT = {"q_proj.weight": gguf.GGMLQuantizationType.Q8_0, "k_proj.weight": gguf.GGMLQuantizationType.Q4_0,
+         "v_proj.weight": gguf.GGMLQuantizationType.Q4_1, "o_proj.weight": gguf.GGMLQuantizationType.Q4_1,
+         "up_proj.weight": gguf.GGMLQuantizationType.Q8_0, "lm_head.weight": gguf.GGMLQuantizationType.Q4_0}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_kept_quantized(tmp_path, arch):
+    """keep_quantized: linear weights of kept kinds come as raw blocks (llama q/k rows un-permuted as blocks), the
+    others as float; a model built with GGUFLinearMethod multiplies by exactly the float path's weights."""
+    from voltllm.model.layers.gguf_linear import GGUFBlocks, GGUFLinearMethod
+    from voltllm.model.layers.linear import Linear
+    from voltllm.model.models.registry import build_model
+
+    hf_config, state_dict = _tiny(arch)
+    path = tmp_path / f"tiny-{arch}-q.gguf"
+    expected = _write_tiny(path, arch, hf_config, state_dict, quantize=_KEPT)
+    config = gguf_config(str(path))
+    ours = dict(gguf_weights(str(path), config, keep_quantized=True))
+    blocks = {n for n, t in ours.items() if isinstance(t, GGUFBlocks)}
+    assert "model.layers.0.self_attn.q_proj.weight" in blocks and "model.layers.1.mlp.up_proj.weight" in blocks
+    assert not any(n.endswith(("gate_proj.weight", "down_proj.weight", "norm.weight")) for n in blocks)
+    assert ("lm_head.weight" in blocks) == (arch == "llama")  # qwen2 here ties it to the embeddings
+    model = build_model(config, torch.float32, 64, GGUFLinearMethod())
+    model.load_weights(ours.items())
+    floats = dict(gguf_weights(str(path), config))
+    assert all(torch.equal(floats[n], expected[n]) for n in expected)
+    dense = build_model(config, torch.float32, 64)
+    dense.load_weights(floats.items())
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            ref = dense.get_submodule(name)
+            eye = torch.eye(mod.in_features)
+            assert torch.equal(mod(eye), ref(eye)), name

@@ -102,9 +102,14 @@ class ModelRunner:
 
         t0 = time.monotonic()
         mc = self.config.model
+        linear_method = None
+        if mc.gguf_quantized:
+            from voltllm.model.layers.gguf_linear import GGUFLinearMethod
+
+            linear_method = GGUFLinearMethod(compat=self.config.device.compat != "none")
         try:
             with torch.device(self.device):
-                model = build_model(mc.hf_config, self.dtype, mc.max_model_len)
+                model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method)
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
             raise RuntimeError(
@@ -114,10 +119,14 @@ class ModelRunner:
             init_dummy_weights(model, mc.seed)
             logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
             return model.eval()
-        model.load_weights((n, t.to(self.dtype) if t.is_floating_point() else t)
-                           for n, t in iter_weights(resolve_model(mc.model), mc.hf_config))
+        model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                           for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, mc.gguf_quantized))
         model.eval()
         logger.info("loaded %s (%s) in %.1f s", mc.model, mc.architecture, time.monotonic() - t0)
+        if linear_method is not None:
+            from voltllm.model.layers.gguf_linear import describe_quantized
+
+            logger.info("GGUF weights kept quantized on the GPU: %s", describe_quantized(model))
         return model
 
     def _set_gdn_precision(self) -> None:

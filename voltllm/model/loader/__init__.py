@@ -81,12 +81,13 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype."""
+def iter_weights(source: ModelSource, hf_config: Any, gguf_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype; with `gguf_quantized`, a GGUF
+    file's linear weights of the types kept quantized come as raw blocks (gguf_linear.GGUFBlocks)."""
     if source.kind == "gguf":
         from voltllm.model.loader.gguf_loader import gguf_weights
 
-        yield from gguf_weights(source.path, hf_config)
+        yield from gguf_weights(source.path, hf_config, keep_quantized=gguf_quantized)
     else:
         from voltllm.model.loader.safetensors_loader import safetensors_weights
 

@@ -1,9 +1,10 @@
-"""GGUF files (llama.cpp's format) as a transformers config plus HF-named float32 tensors.
+"""GGUF files (llama.cpp's format) as a transformers config plus HF-named tensors.
 
-Supported architectures: llama, qwen2, qwen3 (dense). Every tensor is dequantized with the `gguf`
-package's numpy code (the same code transformers uses), so the weights equal what
-`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the
-compute dtype. Nothing stays quantized.
+Supported architectures: llama, qwen2, qwen3 (dense). Tensors are dequantized with the `gguf` package's numpy
+code (the same code transformers uses), so the weights equal what
+`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
+dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) instead come as
+raw blocks and stay quantized there (model/layers/gguf_linear.py); their dequantized values are the same.
 
 Two things differ from a Hugging Face checkpoint:
 - ggml lists dims innermost first: a GGUF tensor of shape [in, out] is the torch (out, in) weight.
@@ -136,19 +137,33 @@ def _hf_name(gguf_name: str) -> Optional[str]:
     return None
 
 
-def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _unpermute_rope(w: Any, n_heads: int) -> Any:
     """Undo llama.cpp's q/k row permutation: per head, rows (0, d/2, 1, d/2+1, ...) back to (0..d-1).
 
     llama.cpp's converter viewed each head's rows as (2, d/2) and transposed to (d/2, 2); transposing back
-    restores HF's layout. Works for weights (out, in) and biases (out,).
+    restores HF's layout. Works for weights (out, in), biases (out,) and quantized weights (rows of blocks).
     """
+    from voltllm.model.layers.gguf_linear import GGUFBlocks
+
+    if isinstance(w, GGUFBlocks):
+        order = _unpermute_rope(torch.arange(w.out_features), n_heads)
+        return w.take_rows(order)
     d = w.shape[0] // n_heads
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def gguf_weights(path: str, hf_config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, float32 CPU tensor) for every tensor in the file, in file order."""
+def _is_linear_weight(hf_name: str) -> bool:
+    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+
+
+def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF parameter name, tensor) for every tensor in the file, in file order: float32 CPU tensors, except with
+    `keep_quantized`, where a linear layer's weight of a type with a device layout (model/layers/gguf_planes.py)
+    comes as its raw blocks (GGUFBlocks) for the layer to keep quantized."""
     from gguf.quants import dequantize
+
+    from voltllm.model.layers.gguf_linear import GGUFBlocks
+    from voltllm.model.layers.gguf_planes import supports
 
     reader = _reader(path)
     arch = _arch(reader)
@@ -158,10 +173,14 @@ def gguf_weights(path: str, hf_config: Any = None) -> Iterator[tuple[str, torch.
         name = _hf_name(t.name)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} in {path!r} has no place in a {arch} model")
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
-            array = array.copy()
-        tensor = torch.from_numpy(array).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if keep_quantized and _is_linear_weight(name) and len(shape) == 2 and supports(t.tensor_type.name, shape[1]):
+            tensor = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(t.data, dtype=np.uint8)), *shape)
+        else:
+            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
+                array = array.copy()
+            tensor = torch.from_numpy(array).reshape(shape)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute_rope(tensor, hf_config.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -1,29 +1,32 @@
 """Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm) over the paged KV cache."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.layers.linear import Linear, gated_mlp, linear, linear_add_, norm_linear, one_row_gated
+from voltllm.model.layers.linear import (Linear, LinearMethod, gated_mlp, linear, linear_add_, norm_linear,
+                                         one_row_gated)
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(PagedAttention):
-    def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding):
+    def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
+                 linear_method: Optional[LinearMethod] = None):
         num_heads = cfg.num_attention_heads
         super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
         self.num_heads = num_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype)
-        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False)), dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype, method=linear_method)
+        o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
+        self.o_proj = Linear(q, cfg.hidden_size, bias=o_bias, dtype=dtype, method=linear_method)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -44,10 +47,10 @@ class Attention(PagedAttention):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, linear_method: Optional[LinearMethod] = None):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
-        self.down_proj = Linear(inter, hidden, dtype=dtype)
+        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype, method=linear_method)
+        self.down_proj = Linear(inter, hidden, dtype=dtype, method=linear_method)
         self.gate_up_proj.silu_mul_output = True  # they run through gated_mlp
         self.down_proj.silu_mul_input = True
 
@@ -62,12 +65,13 @@ def residual_stream(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, idx: int, dtype: torch.dtype, rotary: RotaryEmbedding):
+    def __init__(self, cfg: Any, idx: int, dtype: torch.dtype, rotary: RotaryEmbedding,
+                 linear_method: Optional[LinearMethod] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, idx, dtype, rotary)
+        self.self_attn = Attention(cfg, idx, dtype, rotary, linear_method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method)
 
     def projections(self) -> tuple[Linear, ...]:
         return (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
@@ -114,17 +118,20 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 class LlamaForCausalLM(nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int,
+                 linear_method: Optional[LinearMethod] = None):
+        """linear_method: how the projections (and an untied LM head) hold their weights; None: dense."""
         super().__init__()
         self.config = cfg
         self.dtype = dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary, linear_method)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, method=linear_method)
         self.rotary = rotary
 
     # -- what the runner needs to size and lay out the KV cache ---------------------------------
@@ -162,12 +169,15 @@ class LlamaForCausalLM(nn.Module):
     logits_skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning
 
     @property
-    def logits_weight(self) -> torch.Tensor:
+    def logits_weight(self) -> Optional[torch.Tensor]:
+        """The dense LM-head weight (None when the head is quantized)."""
         return self.embed_tokens.weight if self.tie else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: a greedy batch takes their argmax as they are; the sampler widens them to
         fp32 where it computes on them (an fp32 copy of 64 x 152K logits costs ~15 us per decode step)."""
+        if self.logits_weight is None:  # a quantized head
+            return self.lm_head(hidden)
         return linear(hidden, self.logits_weight, skinny=self.logits_skinny)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

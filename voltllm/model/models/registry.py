@@ -19,8 +19,14 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int) -> torch.nn.Module:
+def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None) -> torch.nn.Module:
+    """linear_method: a LinearMethod for the projections (GGUF weights kept quantized: llama-family models only,
+    the architectures GGUF files are read for); None: dense weights."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
+    if linear_method is not None:
+        if _MODELS[arch] is not LlamaForCausalLM:
+            raise ValueError(f"quantized linear layers are not built for model type {arch!r}")
+        return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method)
     return _MODELS[arch](hf_config, dtype, max_positions)

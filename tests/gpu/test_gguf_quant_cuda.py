@@ -1,0 +1,72 @@
+"""GGUF weights kept quantized on the GPU (voltllm.kernels.quant_gemv): the FMA and tensor-core dequant-GEMMs and the
+dequant kernel against the torch reference (gguf_planes.dequantize_planes) at real decode / prompt shapes, every
+kept kind, fp16 and bf16 activations, fresh random blocks and inputs, outputs poisoned first; and a GGUFLinearMethod
+layer with mixed-kind shards through each row-count route."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from voltllm.kernels.quant_gemv import dequantize, quant_matmul
+from voltllm.model.layers.gguf_linear import GGUFBlocks, GGUFLinearMethod
+from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_from_blocks, random_blocks
+from voltllm.model.layers.linear import Linear
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 576), (6144, 4096)])
+def test_kernels_match_reference(name, n, k):
+    if k % KINDS[name].block:
+        k = 1024  # K-quants need whole 256-element blocks
+    seed = random.SystemRandom().randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    p = planes_from_blocks(random_blocks(name, n, k, g), name, k, torch.device("cuda"))
+    ref_w = dequantize_planes(p)
+    got = dequantize(p, torch.float32, out=torch.full((n, k), float("nan"), device="cuda"))
+    assert torch.equal(got, ref_w), f"seed {seed}"
+    for dtype in (torch.float16, torch.bfloat16):
+        tol = 2e-3 if dtype == torch.float16 else 1e-2
+        for m, dot in ((1, False), (3, False), (4, False), (2, True), (16, True), (64, True)):
+            x = torch.randn(m, k, dtype=dtype, device="cuda")
+            bias = torch.randn(n, dtype=dtype, device="cuda")
+            out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+            quant_matmul(x, p, bias, out=out, use_dot=dot)
+            ref = x.float() @ ref_w.to(dtype).float().T + bias.float()
+            err = _rel(out, ref)
+            assert err < tol and not out.isnan().any(), f"{name} {n}x{k} m={m} dot={dot} {dtype}: {err:.2e} seed {seed}"
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_mixed_kind_layer_every_route(compat):
+    """q: Q4_K, k: Q6_K, v: dense (a type without a plane layout) -> three segments; 1 / 3 / 16 / 200 rows."""
+    seed = random.SystemRandom().randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    k, sizes = 1024, [512, 256, 256]
+    with torch.device("cuda"):
+        layer = Linear(k, sizes, bias=True, dtype=torch.float16, method=GGUFLinearMethod(compat=compat))
+    dense_parts = []
+    for i, (name, size) in enumerate(zip(["Q4_K", "Q6_K", None], sizes)):
+        if name is None:
+            w = torch.randn(size, k, generator=g) * 0.02
+            layer.load_weight(w.half(), i)
+            dense_parts.append(w.half().float())
+        else:
+            raw = random_blocks(name, size, k, g)
+            layer.load_weight(GGUFBlocks(name, raw, size, k), i)
+            dense_parts.append(dequantize_planes(planes_from_blocks(raw, name, k)).half().float())
+    layer.bias.data.normal_()
+    assert len(layer.gguf_segments) == 3
+    w = torch.cat(dense_parts).cuda()
+    for m in (1, 3, 16, 200):
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        ref = x.float() @ w.T + layer.bias.float()
+        err = _rel(layer(x), ref)
+        assert err < 2e-3, f"m={m} compat={compat}: {err:.2e} seed {seed}"

@@ -1,0 +1,116 @@
+"""GGUF weights kept quantized (model/layers/gguf_planes.py, gguf_linear.py, kernels/quant_gemv.py) on the CPU:
+the device layout dequantizes bit for bit to the `gguf` package's values for every kept kind (random blocks,
+quantized data, the real SmolLM2 file); the Triton kernels equal the torch reference under the interpreter;
+a layer with shards of mixed kinds multiplies like its dense weight."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from interp_util import run_interp_checks
+
+from voltllm.model.layers.gguf_linear import GGUFBlocks, GGUFLinearMethod
+from voltllm.model.layers.gguf_planes import (KINDS, dequantize_planes, from_planes, planes_from_blocks,
+                                              random_blocks, supports)
+from voltllm.model.layers.linear import Linear
+
+gguf = pytest.importorskip("gguf")
+
+
+def _gguf_dequant(raw: torch.Tensor, name: str, k: int) -> np.ndarray:
+    return gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[name]).reshape(raw.shape[0], k)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_random_blocks_dequantize_like_gguf(name):
+    g = torch.Generator().manual_seed(3)
+    n, k = 7, 1024
+    raw = random_blocks(name, n, k, g)
+    p = planes_from_blocks(raw, name, k)
+    ours = dequantize_planes(p).numpy()
+    assert ours.view(np.uint32).tolist() == _gguf_dequant(raw, name, k).astype(np.float32).view(np.uint32).tolist()
+    assert p.nbytes * 8 / (n * k) <= KINDS[name].block_bytes * 8 / KINDS[name].block + 0.13  # Q4_K: int8 sub-scales
+    assert torch.equal(from_planes(p).codes, from_planes(planes_from_blocks(raw, name, k)).codes)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_data_dequantizes_like_gguf(name):
+    x = np.random.default_rng(0).standard_normal((5, 576)).astype(np.float32)
+    q = gguf.quants.quantize(x, gguf.GGMLQuantizationType[name])
+    raw = torch.from_numpy(np.ascontiguousarray(q))
+    assert np.array_equal(dequantize_planes(planes_from_blocks(raw, name, 576)).numpy(), _gguf_dequant(raw, name, 576))
+
+
+def test_real_smollm2_tensors(smollm2_gguf):
+    reader = gguf.GGUFReader(smollm2_gguf)
+    seen = set()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind in KINDS and kind not in seen and t.data.shape[0] <= 4096:
+            seen.add(kind)
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            k = int(t.shape[0])
+            assert np.array_equal(dequantize_planes(planes_from_blocks(raw, kind, k)).numpy(),
+                                  _gguf_dequant(raw, kind, k)), t.name
+    assert seen == {"Q4_1"}  # (its Q8_0 tensor is the 49152-row embedding, checked by the random blocks above)
+
+
+def test_supports():
+    assert supports("Q4_K", 4096) and supports("Q4_0", 576)
+    assert not supports("Q4_K", 576)  # 256-element blocks
+    assert not supports("Q4_0", 96)  # no whole 64-element groups
+    assert not supports("Q5_K", 4096) and not supports("F16", 4096)
+
+
+def _mixed_layer(bias: bool):
+    """A qkv-like layer: Q4_K, Q4_K (merged into one segment), Q6_K, dense; and its dense fp32 weight."""
+    g = torch.Generator().manual_seed(5)
+    k, sizes = 512, [64, 32, 32, 48]
+    layer = Linear(k, sizes, bias=bias, dtype=torch.float32, method=GGUFLinearMethod())
+    parts = []
+    for i, (name, size) in enumerate(zip(["Q4_K", "Q4_K", "Q6_K", None], sizes)):
+        if name is None:
+            w = torch.randn(size, k, generator=g) * 0.02
+            layer.load_weight(w, i)
+        else:
+            raw = random_blocks(name, size, k, g)
+            layer.load_weight(GGUFBlocks(name, raw, size, k), i)
+            w = dequantize_planes(planes_from_blocks(raw, name, k))
+        parts.append(w)
+    if bias:
+        layer.bias.data.normal_(generator=g)
+    return layer, torch.cat(parts)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mixed_kind_layer(bias):
+    layer, w = _mixed_layer(bias)
+    assert [s.size for s in layer.gguf_segments] == [96, 32, 48]
+    x = torch.randn(3, 2, 512)
+    ref = x @ w.T + (layer.bias if bias else 0)
+    assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_errors():
+    layer = Linear(512, [64, 64], method=GGUFLinearMethod())
+    with pytest.raises(RuntimeError, match="before all its shards"):
+        layer(torch.randn(1, 512))
+    with pytest.raises(ValueError, match="expected"):
+        layer.load_weight(GGUFBlocks("Q4_K", random_blocks("Q4_K", 32, 512), 32, 512), 0)
+    layer.load_weight(GGUFBlocks("Q4_K", random_blocks("Q4_K", 64, 512), 64, 512), 0)
+    with pytest.raises(RuntimeError, match="before all its shards"):
+        layer(torch.randn(1, 512))
+
+
+CHECK_SCRIPT = Path(__file__).parent / "_quant_gemv_interp_check.py"
+
+
+def test_kernels_under_interpreter():
+    results = run_interp_checks(CHECK_SCRIPT, timeout=300)
+    from interp_util import check_names
+
+    assert set(results) == set(check_names(CHECK_SCRIPT))
+    bad = {k: v for k, v in results.items() if not v.startswith("ok")}
+    assert not bad, bad

@@ -1,0 +1,210 @@
+"""GGUF-quantized weights on the device: dequant-GEMM for decode rows, dequant-to-fp16 for prompts.
+
+The weights are voltllm.model.layers.gguf_planes.Planes (codes and scales in separate aligned arrays). A tile is
+[BLOCK_N rows, G64 groups of 64 elements]; each group's 32 bytes of `lo` hold its first 32 elements in the low
+nibbles and its last 32 in the high ones, so a tile dequantizes as two halves ("lo" elements 64 g + j, "hi"
+elements 64 g + 32 + j) and the activations are read in the same two halves.
+
+- `quant_matmul`: y = x W^T (+ b) for a few rows. FMA form (fp32 products summed at the end, no tensor cores:
+  decode on every route, SM70 included) or, with `use_dot`, the tile goes to the tensor cores as fp16 / bf16
+  (decode batches on sm_80+). The weight is read once per step at its quantized size: the point of keeping it
+  quantized (4.5-bit weights: ~3.5x fewer bytes than fp16).
+- `dequantize`: the whole weight to fp16 / bf16 in a workspace, for prompt steps, whose GEMM is compute-bound and
+  goes to cuBLAS (the SM70 discipline: tensor-core work through the vendor library, DESIGN.md).
+
+Dequantized values equal the `gguf` package's (fp32, same operation order); kernels.md has the measured speeds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.registry import CompileSpec, register_kernel
+from voltllm.model.layers.gguf_planes import KINDS
+
+__triton_helpers__ = ("_dequant_tile", "_apply_scales")
+
+
+@triton.jit
+def _apply_scales(q, e, n2, mask, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                  SUB: tl.constexpr, SUPER: tl.constexpr):
+    """fp32 weights of codes q at element indices e (rows n2): (d * sc) * (q - ZERO) [+ m | - m * mn]."""
+    d = tl.load(D + n2 * stride_d + e // SUPER, mask=mask, other=0.0).to(tl.float32)
+    if SUB > 0:
+        d = d * tl.load(SC + n2 * stride_s + e // SUB, mask=mask, other=0).to(tl.float32)
+    w = d * (q - ZERO).to(tl.float32)
+    if HAS_MIN:
+        m = tl.load(Mp + n2 * stride_d + e // SUPER, mask=mask, other=0.0).to(tl.float32)
+        if SUB > 0:
+            w = w - m * tl.load(MN + n2 * stride_s + e // SUB, mask=mask, other=0).to(tl.float32)
+        else:
+            w = w + m
+    return w
+
+
+@triton.jit
+def _dequant_tile(LO, HI, D, Mp, SC, MN, offs_n, mask_n, g0, NG, stride_lo, stride_hi, stride_d, stride_s,
+                  G64: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                  SUB: tl.constexpr, SUPER: tl.constexpr):
+    """fp32 weights of rows offs_n, groups g0 .. g0 + G64: (lo half, hi half), each [BLOCK_N, G64 * 32]."""
+    t = tl.arange(0, G64 * 32)
+    g = g0 + t // 32
+    j = t % 32
+    n2 = offs_n[:, None]
+    mask = mask_n[:, None] & (g < NG)[None, :]
+    byte = tl.load(LO + n2 * stride_lo + (g * 32 + j)[None, :], mask=mask, other=0).to(tl.int32)
+    q_lo = byte & 15
+    q_hi = byte >> 4
+    if HI_BITS == 4:
+        hb = tl.load(HI + n2 * stride_hi + (g * 32 + j)[None, :], mask=mask, other=0).to(tl.int32)
+        q_lo = q_lo | ((hb & 15) << 4)
+        q_hi = q_hi | ((hb >> 4) << 4)
+    elif HI_BITS == 2:
+        hb = tl.load(HI + n2 * stride_hi + (g * 16 + j % 16)[None, :], mask=mask, other=0).to(tl.int32)
+        shift = ((j // 16) * 2)[None, :]
+        q_lo = q_lo | (((hb >> shift) & 3) << 4)
+        q_hi = q_hi | (((hb >> (shift + 4)) & 3) << 4)
+    e_lo = (g * 64 + j)[None, :]
+    w_lo = _apply_scales(q_lo, e_lo, n2, mask, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
+    w_hi = _apply_scales(q_hi, e_lo + 32, n2, mask, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
+    return w_lo, w_hi
+
+
+@triton.jit
+def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NG, stride_xm, stride_ym, stride_lo, stride_hi,
+                         stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G64: tl.constexpr,
+                         HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr, SUB: tl.constexpr,
+                         SUPER: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    t = tl.arange(0, G64 * 32)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, G64 * 32), dtype=tl.float32)
+    for g0 in range(0, NG, G64):
+        w_lo, w_hi = _dequant_tile(LO, HI, D, Mp, SC, MN, offs_n, mask_n, g0, NG, stride_lo, stride_hi, stride_d,
+                                   stride_s, G64, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
+        g = g0 + t // 32
+        xmask = mask_m[:, None] & (g < NG)[None, :]
+        xp = X + offs_m[:, None] * stride_xm + (g * 64 + t % 32)[None, :]
+        x_lo = tl.load(xp, mask=xmask, other=0.0)
+        x_hi = tl.load(xp + 32, mask=xmask, other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
+            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+        else:
+            acc3 += x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :]
+            acc3 += x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, 2)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    ymask = mask_m[:, None] & mask_n[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def _dequant_kernel(OUT, LO, HI, D, Mp, SC, MN, N, NG, stride_out, stride_lo, stride_hi, stride_d, stride_s,
+                    BLOCK_N: tl.constexpr, G64: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
+                    HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g0 = tl.program_id(1) * G64
+    mask_n = offs_n < N
+    w_lo, w_hi = _dequant_tile(LO, HI, D, Mp, SC, MN, offs_n, mask_n, g0, NG, stride_lo, stride_hi, stride_d,
+                               stride_s, G64, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
+    t = tl.arange(0, G64 * 32)
+    g = g0 + t // 32
+    mask = mask_n[:, None] & (g < NG)[None, :]
+    ptr = OUT + offs_n[:, None] * stride_out + (g * 64 + t % 32)[None, :]
+    tl.store(ptr, w_lo.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(ptr + 32, w_hi.to(OUT.dtype.element_ty), mask=mask)
+
+
+_PLANE_ARGS = {"LO": "*u8", "HI": "*u8", "D": "*fp16", "Mp": "*fp16", "SC": "*i8", "MN": "*i8"}
+
+
+def _constexprs(kind) -> dict:
+    """A gguf_planes.PlaneKind as the kernels' constexprs."""
+    return {"HI_BITS": kind.hi_bits, "ZERO": kind.zero, "HAS_MIN": kind.has_min, "SUB": kind.sub, "SUPER": kind.super}
+
+
+def _matmul_specs() -> list[CompileSpec]:
+    sig = {"X": "*fp16", "Y": "*fp16", "B": "*fp16", **_PLANE_ARGS, "M": "i32", "N": "i32", "NG": "i32",
+           "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32",
+           "stride_s": "i32"}
+    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "G64", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
+                                          "HAS_BIAS", "USE_DOT")})
+    # the compat route runs the FMA form only (tl.dot is FMA there too, and its 16-row minimum wastes it)
+    return [CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 16, "G64": 4, **_constexprs(KINDS[name]), "HAS_BIAS": name == "Q8_0",
+                              "USE_DOT": False}, f"{name} fma m1")
+            for name in KINDS] + [
+        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "G64": 2, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False,
+                          "USE_DOT": False}, "Q4_K fma m4")]
+
+
+def _dequant_specs() -> list[CompileSpec]:
+    sig = {"OUT": "*fp16", **_PLANE_ARGS, "N": "i32", "NG": "i32", "stride_out": "i32", "stride_lo": "i32",
+           "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
+    sig.update({k: "constexpr" for k in ("BLOCK_N", "G64", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER")})
+    return [CompileSpec(sig, {"BLOCK_N": 16, "G64": 4, **_constexprs(KINDS[name])}, name) for name in KINDS]
+
+
+register_kernel("quant.matmul", _quant_matmul_kernel, _matmul_specs())
+register_kernel("quant.dequantize", _dequant_kernel, _dequant_specs())
+
+FMA_MAX_ROWS = 4  # rows per program of the FMA form (its accumulator holds rows x BLOCK_N x G64 * 32 fp32)
+
+
+def _plane_args(p) -> list:
+    dummy = p.d
+    return [p.lo, p.hi if p.hi is not None else dummy, p.d, p.m if p.m is not None else dummy,
+            p.sc if p.sc is not None else p.lo, p.mn if p.mn is not None else p.lo]
+
+
+def _plane_strides(p) -> list[int]:
+    return [p.lo.stride(0), p.hi.stride(0) if p.hi is not None else 0, p.d.stride(0),
+            p.sc.stride(0) if p.sc is not None else 0]
+
+
+def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                 use_dot: bool = False, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
+    which may be a column slice of a wider output). config: (BLOCK_N, G64, num_warps)."""
+    m, k = x.shape
+    if k != planes.k:
+        raise ValueError(f"input of {k} features for a weight of {planes.k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
+    if use_dot:
+        block_m = max(16, triton.next_power_of_2(m))
+        block_n, g64, warps = config or (64, 2, 4)
+    else:
+        block_m = min(FMA_MAX_ROWS, triton.next_power_of_2(m))
+        block_n, g64, warps = config or ((16, 4, 4) if block_m == 1 else (8, 2, 4))
+    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
+    _quant_matmul_kernel[grid](
+        x, out, bias if bias is not None else out, *_plane_args(planes), m, planes.n, planes.k // 64,
+        x.stride(0), out.stride(0), *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, G64=g64,
+        **_constexprs(planes.kind), HAS_BIAS=bias is not None, USE_DOT=use_dot, num_warps=warps)
+    return out
+
+
+def dequantize(planes, dtype: torch.dtype = torch.float16, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (into `out`, e.g. a reused workspace)."""
+    if out is None:
+        out = torch.empty(planes.n, planes.k, dtype=dtype, device=planes.device)
+    block_n, g64 = 16, 4
+    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(planes.k // 64, g64))
+    _dequant_kernel[grid](out, *_plane_args(planes), planes.n, planes.k // 64, out.stride(0),
+                          *_plane_strides(planes), BLOCK_N=block_n, G64=g64, **_constexprs(planes.kind), num_warps=4)
+    return out

@@ -1,0 +1,151 @@
+"""Linear layers whose GGUF weights stay quantized on the device (LinearMethod for voltllm.model.layers.linear).
+
+Each logical shard (q, k, v; gate, up; ...) arrives as GGUF blocks of its own type (a Q4_K_M file mixes Q4_K and
+Q6_K, even inside one merged qkv projection). Shards of a type with a plane layout (gguf_planes.KINDS) become
+Planes; consecutive shards of one kind are merged so a uniform merged projection is one kernel launch. Other
+types arrive already dequantized (the loader did it) and stay dense in the compute dtype.
+
+The product, by row count (M):
+- FMA dequant-GEMM (kernels.quant_gemv, no tensor cores) for M <= `fma_max_rows`: 1 on the native route, 4 on
+  the compat route (SM70 / SM75), where Triton's tl.dot is FMA too;
+- on the native route, the same kernel with tensor-core tiles for M <= DOT_MAX_ROWS;
+- beyond that (prompt steps), the weight is dequantized into a workspace and cuBLAS multiplies (fp16 tensor cores
+  on every route; the workspace is one weight at a time, reused through the caching allocator).
+The CPU (tests) dequantizes with the torch reference and multiplies with F.linear.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from voltllm.model.layers.gguf_planes import Planes, concat_rows, dequantize_planes, planes_from_blocks
+from voltllm.model.layers.linear import LinearMethod
+
+# tensor-core dequant-GEMM up to this many rows on the native route, else dequantize + cuBLAS
+DOT_MAX_ROWS = 64
+
+
+@dataclass
+class GGUFBlocks:
+    """A weight as the GGUF file stores it: blocks of `type_name`, uint8 [out_features, row bytes] (any device)."""
+    type_name: str
+    raw: torch.Tensor
+    out_features: int
+    in_features: int
+
+    def take_rows(self, index: torch.Tensor) -> "GGUFBlocks":
+        return GGUFBlocks(self.type_name, self.raw[index], self.out_features, self.in_features)
+
+
+@dataclass
+class Segment:
+    """Output columns [offset, offset + size) of a layer: quantized planes or a dense weight."""
+    offset: int
+    size: int
+    weight: Union[Planes, torch.Tensor]
+
+
+class GGUFLinearMethod(LinearMethod):
+    def __init__(self, compat: bool = False):
+        self.compat = compat
+        self.fma_max_rows = 4 if compat else 1
+
+    def create_weights(self, layer, in_features, out_features, dtype):
+        layer.weight = None  # no dense weight: the start-up GEMM tuner and fused decode paths skip this layer
+        layer.gguf_dtype = dtype
+        layer.gguf_device = torch.empty(0).device  # the model is built under `with torch.device(...)`
+        layer.gguf_shards = [None] * len(layer.shard_sizes)
+        layer.gguf_segments = []
+
+    def load_shard(self, layer, tensor, offset, size):
+        shard = [layer.shard_offset(i) for i in range(len(layer.shard_sizes))].index(offset)
+        if isinstance(tensor, GGUFBlocks):
+            if (tensor.out_features, tensor.in_features) != (size, layer.in_features):
+                raise ValueError(f"GGUF weight of shape {(tensor.out_features, tensor.in_features)}, expected "
+                                 f"{(size, layer.in_features)}")
+            weight = planes_from_blocks(tensor.raw, tensor.type_name, tensor.in_features, layer.gguf_device)
+        else:
+            if tensor.shape != (size, layer.in_features):
+                raise ValueError(f"weight shard of shape {tuple(tensor.shape)}, expected {(size, layer.in_features)}")
+            weight = tensor.to(dtype=layer.gguf_dtype, device=layer.gguf_device)
+        layer.gguf_shards[shard] = weight
+        if all(s is not None for s in layer.gguf_shards):
+            layer.gguf_segments = _merge(layer.gguf_shards, layer.shard_sizes)
+            layer.gguf_shards = [None] * len(layer.shard_sizes)
+
+    def apply(self, layer, x):
+        if not layer.gguf_segments:
+            raise RuntimeError("GGUF linear layer used before all its shards were loaded")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        segs = layer.gguf_segments
+        if len(segs) == 1:
+            y = self._segment(x2, segs[0], layer.bias, None)
+        else:
+            y = torch.empty(x2.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
+            for s in segs:
+                bias = None if layer.bias is None else layer.bias[s.offset:s.offset + s.size]
+                self._segment(x2, s, bias, y[:, s.offset:s.offset + s.size])
+        return y.reshape(*lead, layer.out_features)
+
+    def _segment(self, x: torch.Tensor, seg: Segment, bias: Optional[torch.Tensor], out: Optional[torch.Tensor]):
+        w = seg.weight
+        if isinstance(w, Planes):
+            rows = x.shape[0]
+            if x.is_cuda and rows <= self.fma_max_rows:
+                from voltllm.kernels.quant_gemv import quant_matmul
+
+                return quant_matmul(x, w, bias, out=out)
+            if x.is_cuda and not self.compat and rows <= DOT_MAX_ROWS:
+                from voltllm.kernels.quant_gemv import quant_matmul
+
+                return quant_matmul(x, w, bias, out=out, use_dot=True)
+            w = dequantized(w, x.dtype)
+        y = F.linear(x, w, bias)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+
+def dequantized(p: Planes, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype`: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if p.device.type == "cuda":
+        from voltllm.kernels.quant_gemv import dequantize
+
+        return dequantize(p, dtype)
+    return dequantize_planes(p).to(dtype)
+
+
+def _merge(shards: list, sizes: list[int]) -> list[Segment]:
+    """Consecutive shards of one plane kind (or all dense) become one segment."""
+    segments: list[Segment] = []
+    offset = 0
+    for w, size in zip(shards, sizes):
+        prev = segments[-1] if segments else None
+        if prev is not None and isinstance(w, Planes) and isinstance(prev.weight, Planes) and \
+                prev.weight.kind == w.kind:
+            prev.weight = concat_rows([prev.weight, w])
+            prev.size += size
+        elif prev is not None and isinstance(w, torch.Tensor) and isinstance(prev.weight, torch.Tensor):
+            prev.weight = torch.cat([prev.weight, w])
+            prev.size += size
+        else:
+            segments.append(Segment(offset, size, w))
+        offset += size
+    return segments
+
+
+def describe_quantized(model: torch.nn.Module) -> str:
+    """What the linear layers hold, for the start-up log: bytes per plane kind and of dense (dequantized) weights."""
+    by_kind: dict[str, int] = {}
+    for mod in model.modules():
+        for s in getattr(mod, "gguf_segments", None) or ():
+            w = s.weight
+            key, size = (w.kind.name, w.nbytes) if isinstance(w, Planes) else (f"dense {w.dtype}", w.numel() *
+                                                                                  w.element_size())
+            by_kind[key] = by_kind.get(key, 0) + size
+    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_kind.items())) or "no linear weights"

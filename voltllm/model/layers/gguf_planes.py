@@ -1,0 +1,251 @@
+"""GGUF-quantized weights kept quantized on the device, as "planes" the Triton kernels read with aligned loads.
+
+llama.cpp's blocks interleave a block's scales with its codes (18-, 20-, 34-, 144- or 210-byte records), which
+a GPU can only read byte by byte. At load time each weight is re-laid (torch ops, on the target device) into
+separate arrays of the same information:
+
+- `lo`  uint8 [N, K/2]: the low 4 bits of every code. Per 64-element group of a row, byte j holds element j in
+  its low nibble and element 32 + j in its high nibble (Q4_K's own order).
+- `hi`  the code bits above 4, or None: 4 bits (Q8_0) in `lo`'s layout [N, K/2]; 2 bits (Q6_K) [N, K/4], where
+  byte j (< 16) of a 64-group holds elements j, 16 + j, 32 + j, 48 + j at bits 0, 2, 4, 6.
+- `d`   fp16 [N, K/SUPER]: the block scale (SUPER = 32 for Q4_0 / Q4_1 / Q8_0, 256 for the K-quants).
+- `m`   fp16 [N, K/SUPER] or None: Q4_1's offset, Q4_K's dmin.
+- `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' sub-block scale (and Q4_K's sub-block min), SUB = 32
+  (Q4_K) or 16 (Q6_K).
+
+An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
+- (dmin * mn) (Q4_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
+the ones the fp16 load path used (tests check this bit for bit). Bytes per weight stay the format's own: Q4_0
+4.5 bits, Q4_1 5, Q8_0 8.5, Q4_K 4.625 (its 6-bit sub-scales widened to int8), Q6_K 6.56.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+GROUP = 64  # elements per `lo` group (32 bytes of nibbles)
+
+
+@dataclass(frozen=True)
+class PlaneKind:
+    """How one GGUF type's codes and scales combine (the Triton kernels' constexprs)."""
+    name: str
+    block: int  # elements per GGUF block
+    block_bytes: int
+    hi_bits: int  # 0, 2 or 4 code bits above the low nibble
+    zero: int  # code offset
+    has_min: bool
+    sub: int  # elements per sub-block scale, 0 when the type has none
+    super: int  # elements per `d` (and `m`)
+
+
+KINDS = {k.name: k for k in (
+    PlaneKind("Q4_0", 32, 18, hi_bits=0, zero=8, has_min=False, sub=0, super=32),
+    PlaneKind("Q4_1", 32, 20, hi_bits=0, zero=0, has_min=True, sub=0, super=32),
+    PlaneKind("Q8_0", 32, 34, hi_bits=4, zero=128, has_min=False, sub=0, super=32),
+    PlaneKind("Q4_K", 256, 144, hi_bits=0, zero=0, has_min=True, sub=32, super=256),
+    PlaneKind("Q6_K", 256, 210, hi_bits=2, zero=32, has_min=False, sub=16, super=256),
+)}
+
+
+def supports(type_name: str, in_features: int) -> bool:
+    """Whether a GGUF type is kept quantized for a weight with this many input features (the planes need whole
+    64-element groups; other types and shapes are dequantized to the compute dtype at load)."""
+    kind = KINDS.get(type_name)
+    return kind is not None and in_features % max(GROUP, kind.block) == 0
+
+
+@dataclass
+class Planes:
+    """One quantized weight [N, K] (or a row range of several with the same kind), see the module docstring."""
+    kind: PlaneKind
+    n: int
+    k: int
+    lo: torch.Tensor
+    hi: Optional[torch.Tensor]
+    d: torch.Tensor
+    m: Optional[torch.Tensor]
+    sc: Optional[torch.Tensor]
+    mn: Optional[torch.Tensor]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.lo, self.hi, self.d, self.m, self.sc, self.mn) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def device(self) -> torch.device:
+        return self.lo.device
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF blocks -> codes in element order + scales
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Unpacked:
+    codes: torch.Tensor  # uint8 [N, K], element order
+    d: torch.Tensor  # fp16 [N, K/super]
+    m: Optional[torch.Tensor]
+    sc: Optional[torch.Tensor]  # int8 [N, K/sub]
+    mn: Optional[torch.Tensor]
+
+
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian fp16 at `offset` of each block [N, nb, bytes] -> [N, nb]."""
+    return blocks[..., offset:offset + 2].contiguous().view(torch.float16)[..., 0]
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 16] of a 32-block (low nibble: element j, high: 16 + j) -> codes [..., 32]."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes of 6-bit scales and mins (8 sub-blocks) -> (sc, mn) [..., 8]."""
+    lo4, hi4 = s[..., 0:4], s[..., 4:8]
+    last = s[..., 8:12]
+    sc = torch.cat([lo4 & 63, (last & 15) | ((lo4 >> 6) << 4)], dim=-1)
+    mn = torch.cat([hi4 & 63, (last >> 4) | ((hi4 >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
+    """GGUF blocks, uint8 [N, K / block * block_bytes] -> codes in element order and the scales."""
+    n = raw.shape[0]
+    nb = k // kind.block
+    b = raw.reshape(n, nb, kind.block_bytes)
+    m = sc = mn = None
+    if kind.name == "Q4_0":
+        d, codes = _f16(b, 0), _nibbles(b[..., 2:18])
+    elif kind.name == "Q4_1":
+        d, m, codes = _f16(b, 0), _f16(b, 2), _nibbles(b[..., 4:20])
+    elif kind.name == "Q8_0":
+        d = _f16(b, 0)
+        codes = (b[..., 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    elif kind.name == "Q4_K":
+        d, m = _f16(b, 0), _f16(b, 2)
+        sc, mn = _q4k_scales(b[..., 4:16])
+        qs = b[..., 16:144].reshape(n, nb, 4, 1, 32)
+        codes = torch.cat([qs & 15, qs >> 4], dim=3)  # chunk c: elements 64c + l (low), 64c + 32 + l (high)
+    elif kind.name == "Q6_K":
+        ql = b[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, first / second 32 bytes, l)
+        qh = b[..., 128:192].reshape(n, nb, 2, 32)
+        sc, d = b[..., 192:208].view(torch.int8), _f16(b, 208)
+        low = torch.stack([ql[:, :, :, 0] & 15, ql[:, :, :, 1] & 15, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], dim=3)
+        high = torch.stack([(qh >> (2 * t)) & 3 for t in range(4)], dim=3)
+        codes = low | (high << 4)  # [n, nb, half, section, 32]: element 128 * half + 32 * section + l
+    else:
+        raise ValueError(f"GGUF type {kind.name} has no plane layout")
+    codes = codes.reshape(n, k)
+    sub_per_row = None if not kind.sub else k // kind.sub
+    return Unpacked(codes=codes, d=d.reshape(n, -1), m=None if m is None else m.reshape(n, -1),
+                    sc=None if sc is None else sc.reshape(n, sub_per_row).to(torch.int8),
+                    mn=None if mn is None else mn.reshape(n, sub_per_row).to(torch.int8))
+
+
+def dequantize_unpacked(u: Unpacked, kind: PlaneKind) -> torch.Tensor:
+    """fp32 [N, K], in the same operation order as the `gguf` package's numpy code (so the same values)."""
+    n, k = u.codes.shape
+    q = u.codes.to(torch.float32) - kind.zero if kind.zero else u.codes.to(torch.float32)
+    d = u.d.to(torch.float32).repeat_interleave(kind.super, dim=1)
+    if kind.sub:
+        d = d * u.sc.to(torch.float32).repeat_interleave(kind.sub, dim=1)
+    w = d * q
+    if kind.has_min:
+        m = u.m.to(torch.float32).repeat_interleave(kind.super, dim=1)
+        w = w - m * u.mn.to(torch.float32).repeat_interleave(kind.sub, dim=1) if kind.sub else w + m
+    return w
+
+
+# --------------------------------------------------------------------------------------------------
+# codes <-> planes
+# --------------------------------------------------------------------------------------------------
+def _pair_nibbles(c: torch.Tensor) -> torch.Tensor:
+    """uint8 4-bit values [N, K] -> [N, K/2]: per 64-group, byte j = element j | element 32 + j << 4."""
+    n, k = c.shape
+    g = c.reshape(n, k // GROUP, 2, 32)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def _split_nibbles(b: torch.Tensor) -> torch.Tensor:
+    n, half = b.shape
+    g = b.reshape(n, half // 32, 1, 32)
+    return torch.cat([g & 15, g >> 4], dim=2).reshape(n, half * 2)
+
+
+def _pack_2bit(c: torch.Tensor) -> torch.Tensor:
+    """2-bit values [N, K] -> [N, K/4]: per 64-group, byte j (< 16) = elements j + 16 s at bits 2 s."""
+    n, k = c.shape
+    g = c.reshape(n, k // GROUP, 4, 16)
+    return (g[:, :, 0] | (g[:, :, 1] << 2) | (g[:, :, 2] << 4) | (g[:, :, 3] << 6)).reshape(n, k // 4)
+
+
+def _unpack_2bit(b: torch.Tensor) -> torch.Tensor:
+    n, quarter = b.shape
+    g = b.reshape(n, quarter // 16, 1, 16)
+    return torch.cat([(g >> (2 * s)) & 3 for s in range(4)], dim=2).reshape(n, quarter * 4)
+
+
+def to_planes(u: Unpacked, kind: PlaneKind) -> Planes:
+    n, k = u.codes.shape
+    lo = _pair_nibbles(u.codes & 15)
+    hi = None
+    if kind.hi_bits == 4:
+        hi = _pair_nibbles(u.codes >> 4)
+    elif kind.hi_bits == 2:
+        hi = _pack_2bit(u.codes >> 4)
+    return Planes(kind=kind, n=n, k=k, lo=lo.contiguous(), hi=None if hi is None else hi.contiguous(),
+                  d=u.d.contiguous(), m=None if u.m is None else u.m.contiguous(),
+                  sc=None if u.sc is None else u.sc.contiguous(), mn=None if u.mn is None else u.mn.contiguous())
+
+
+def from_planes(p: Planes) -> Unpacked:
+    codes = _split_nibbles(p.lo)
+    if p.kind.hi_bits == 4:
+        codes = codes | (_split_nibbles(p.hi) << 4)
+    elif p.kind.hi_bits == 2:
+        codes = codes | (_unpack_2bit(p.hi) << 4)
+    return Unpacked(codes=codes, d=p.d, m=p.m, sc=p.sc, mn=p.mn)
+
+
+def dequantize_planes(p: Planes) -> torch.Tensor:
+    """The torch reference: fp32 [N, K] (what the Triton kernels must reproduce)."""
+    return dequantize_unpacked(from_planes(p), p.kind)
+
+
+def planes_from_blocks(raw: torch.Tensor, type_name: str, k: int, device: Optional[torch.device] = None) -> Planes:
+    """GGUF blocks [N, row bytes] (uint8, any device) -> Planes on `device` (the re-layout runs there)."""
+    kind = KINDS[type_name]
+    if device is not None:
+        raw = raw.to(device)
+    return to_planes(unpack_blocks(raw, kind, k), kind)
+
+
+def concat_rows(parts: list[Planes]) -> Planes:
+    """Planes of one kind stacked along N (a merged qkv / gate_up projection)."""
+    kind, k = parts[0].kind, parts[0].k
+
+    def cat(name: str) -> Optional[torch.Tensor]:
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts, dim=0)
+
+    return Planes(kind=kind, n=sum(p.n for p in parts), k=k, lo=cat("lo"), hi=cat("hi"), d=cat("d"), m=cat("m"),
+                  sc=cat("sc"), mn=cat("mn"))
+
+
+def random_blocks(type_name: str, n: int, k: int, generator: Optional[torch.Generator] = None,
+                  scale: float = 0.02) -> torch.Tensor:
+    """Random GGUF blocks [N, row bytes] (CPU uint8) for tests and benchmarks: every code and sub-scale bit
+    pattern, finite fp16 block scales (and mins) of about `scale` (the `gguf` package cannot quantize K-quants)."""
+    kind = KINDS[type_name]
+    nb = k // kind.block
+    raw = torch.randint(0, 256, (n, nb, kind.block_bytes), dtype=torch.uint8, generator=generator)
+    offsets = [208] if kind.name == "Q6_K" else [0, 2] if kind.has_min else [0]
+    for off in offsets:
+        v = (torch.randn(n, nb, generator=generator) * scale).to(torch.float16)
+        raw[..., off:off + 2] = v.view(torch.uint8).reshape(n, nb, 2)
+    return raw.reshape(n, nb * kind.block_bytes)
