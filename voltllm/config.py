@@ -23,6 +23,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
 }
+# Experiment knob (benchmarks/set_and_run.py A/B runs, tests): 0 dequantizes a GGUF file's weights at load on the GPU too
+GGUF_KEEP_QUANTIZED = 1
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32")
 
 
@@ -250,7 +252,8 @@ class EngineArgs:
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only,
             load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-            gguf_quantized=source.kind == "gguf" and device.type == "cuda" and self.load_format == "auto")
+            gguf_quantized=bool(GGUF_KEEP_QUANTIZED) and source.kind == "gguf" and device.type == "cuda"
+            and self.load_format == "auto")
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,

