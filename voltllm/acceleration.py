@@ -194,8 +194,19 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     methods = sorted({type(m.method).__name__ for m in runner.model.modules() if hasattr(m, "method")}) \
         if runner is not None else ["UnquantizedLinearMethod"]
     quant = config.quantization or ("gguf" if str(config.model.model).endswith(".gguf") else None)
-    impl = ", ".join(methods) + (f" (GGUF tensors dequantized to {dtype} at load)" if quant == "gguf" else "")
-    if cuda:
+    kept = bool(getattr(config.model, "gguf_quantized", False))
+    impl = ", ".join(methods) + (f" (GGUF tensors dequantized to {dtype} at load)" if quant == "gguf" and not kept
+                                 else "")
+    if cuda and kept:
+        from voltllm.model.layers.gguf_linear import DOT_MAX_ROWS, describe_quantized
+
+        held = f"; holds {describe_quantized(runner.model)}" if runner is not None else ""
+        decode = ("FMA dequant-GEMM (Triton) up to 4 rows" if dev.compat != "none" else
+                  f"FMA dequant-GEMM (Triton) at 1 row, tensor-core dequant-GEMM up to {DOT_MAX_ROWS} rows")
+        routes["linear"] = _route(True, True, impl + " (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K kept quantized)",
+                                  f"{decode}; larger steps dequantize one weight at a time to {dtype} for cuBLAS; "
+                                  f"other GGUF types dequantized at load{held}")
+    elif cuda:
         routes["linear"] = _route(True, True, impl, f"torch F.linear -> cuBLAS {dtype} GEMM" + (
             " (fp16 tensor cores on sm_70+)" if dtype == "float16" else "") + _triton_gemm_note(runner))
     else:
