@@ -190,13 +190,15 @@ def test_unsupported_arch(tmp_path):
 # features: no whole 64-element groups) stay dense
 _KEPT = {"q_proj.weight": gguf.GGMLQuantizationType.Q8_0, "k_proj.weight": gguf.GGMLQuantizationType.Q4_0,
          "v_proj.weight": gguf.GGMLQuantizationType.Q4_1, "o_proj.weight": gguf.GGMLQuantizationType.Q4_1,
-         "up_proj.weight": gguf.GGMLQuantizationType.Q8_0, "lm_head.weight": gguf.GGMLQuantizationType.Q4_0}
+         "up_proj.weight": gguf.GGMLQuantizationType.Q8_0, "lm_head.weight": gguf.GGMLQuantizationType.Q4_0,
+         "embed_tokens.weight": gguf.GGMLQuantizationType.Q8_0}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_kept_quantized(tmp_path, arch):
-    """keep_quantized: linear weights of kept kinds come as raw blocks (llama q/k rows un-permuted as blocks), the
-    others as float; a model built with GGUFLinearMethod multiplies by exactly the float path's weights."""
+    """keep_quantized: linear weights and embeddings of kept kinds come as raw blocks (llama q/k rows un-permuted as
+    blocks), the others as float; a model built with GGUFLinearMethod multiplies by exactly the float path's
+    weights, looks up the same embeddings and computes the same logits (qwen2: through the tied, quantized table)."""
     from voltllm.model.layers.gguf_linear import GGUFBlocks, GGUFLinearMethod
     from voltllm.model.layers.linear import Linear
     from voltllm.model.models.registry import build_model
@@ -210,6 +212,7 @@ def test_tiny_kept_quantized(tmp_path, arch):
     assert "model.layers.0.self_attn.q_proj.weight" in blocks and "model.layers.1.mlp.up_proj.weight" in blocks
     assert not any(n.endswith(("gate_proj.weight", "down_proj.weight", "norm.weight")) for n in blocks)
     assert ("lm_head.weight" in blocks) == (arch == "llama")  # qwen2 here ties it to the embeddings
+    assert "model.embed_tokens.weight" in blocks
     model = build_model(config, torch.float32, 64, GGUFLinearMethod())
     model.load_weights(ours.items())
     floats = dict(gguf_weights(str(path), config))
@@ -221,3 +224,7 @@ def test_tiny_kept_quantized(tmp_path, arch):
             ref = dense.get_submodule(name)
             eye = torch.eye(mod.in_features)
             assert torch.equal(mod(eye), ref(eye)), name
+    ids = torch.tensor([[0, 5, 95, 17]])
+    assert model.embed_tokens.weight is None and torch.equal(model.embed_tokens(ids), dense.embed_tokens(ids))
+    hidden = torch.randn(3, 64)
+    assert torch.allclose(model.compute_logits(hidden), dense.compute_logits(hidden), rtol=1e-5, atol=1e-5)

@@ -179,6 +179,17 @@ def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.
     total = sum(p.numel() for p in params)
     embed_n = sum(p.numel() for p in params if id(p) in embed_ids)
     head_n = sum(p.numel() for p in params if id(p) in head_ids and id(p) not in embed_ids)
+    from voltllm.model.layers.gguf_linear import QuantEmbedding, held_matrix
+
+    for mod in model.modules():  # GGUF matrices kept quantized live outside the parameters
+        held = held_matrix(mod)
+        if held is not None:
+            weight_bytes += held[0]
+            total += held[1]
+            if isinstance(mod, QuantEmbedding):
+                embed_n += held[1]
+            elif mod is head:
+                head_n += held[1]
     text = getattr(hf_config, "text_config", None) or hf_config
     vocab = int(getattr(text, "vocab_size"))
     hidden = int(getattr(text, "hidden_size"))
@@ -192,8 +203,8 @@ def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.
                   else int(text.num_hidden_layers))
         kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or hidden // text.num_attention_heads)
-    if kv_dtype is None:
-        kv_dtype = params[0].dtype if params else torch.float16
+    if kv_dtype is None:  # the model's compute dtype (a GGUF model kept quantized has only norms as parameters)
+        kv_dtype = getattr(model, "dtype", None) or (params[0].dtype if params else torch.float16)
     elem = torch.tensor([], dtype=kv_dtype).element_size()
     state = 0
     spec = getattr(model, "state_spec", None) if getattr(model, "is_hybrid", False) else None

@@ -21,7 +21,9 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from voltllm.model.layers.gguf_planes import Planes, concat_rows, dequantize_planes, planes_from_blocks
+from torch import nn
+
+from voltllm.model.layers.gguf_planes import Planes, concat_rows, dequantize_planes, planes_from_blocks, take_rows
 from voltllm.model.layers.linear import LinearMethod
 
 # tensor-core dequant-GEMM up to this many rows on the native route, else dequantize + cuBLAS
@@ -83,15 +85,15 @@ class GGUFLinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         segs = layer.gguf_segments
         if len(segs) == 1:
-            y = self._segment(x2, segs[0], layer.bias, None)
+            y = self.segment_product(x2, segs[0], layer.bias, None)
         else:
             y = torch.empty(x2.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
             for s in segs:
                 bias = None if layer.bias is None else layer.bias[s.offset:s.offset + s.size]
-                self._segment(x2, s, bias, y[:, s.offset:s.offset + s.size])
+                self.segment_product(x2, s, bias, y[:, s.offset:s.offset + s.size])
         return y.reshape(*lead, layer.out_features)
 
-    def _segment(self, x: torch.Tensor, seg: Segment, bias: Optional[torch.Tensor], out: Optional[torch.Tensor]):
+    def segment_product(self, x: torch.Tensor, seg: Segment, bias: Optional[torch.Tensor], out: Optional[torch.Tensor]):
         w = seg.weight
         if isinstance(w, Planes):
             rows = x.shape[0]
@@ -109,6 +111,42 @@ class GGUFLinearMethod(LinearMethod):
             return y
         out.copy_(y)
         return out
+
+
+class QuantEmbedding(nn.Module):
+    """A GGUF token-embedding matrix kept quantized (or dense, for types without a plane layout): a lookup
+    dequantizes only the rows it gathers; a tied LM head multiplies by the same planes (GGUFLinearMethod's routes),
+    so the vocabulary matrix is held once, at its quantized size, and read at that size per decode step."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, method: GGUFLinearMethod):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype, self.method = num_embeddings, embedding_dim, dtype, method
+        self.device = torch.empty(0).device  # the model is built under `with torch.device(...)`
+        self.table: Optional[Segment] = None
+
+    @property
+    def weight(self) -> Optional[torch.Tensor]:
+        """The dense matrix when the file's type has no plane layout, else None (quantized)."""
+        return self.table.weight if self.table is not None and isinstance(self.table.weight, torch.Tensor) else None
+
+    def load(self, tensor: Union[GGUFBlocks, torch.Tensor]) -> None:
+        shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, GGUFBlocks) else tuple(tensor.shape)
+        if shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"embedding of shape {shape}, expected {(self.num_embeddings, self.embedding_dim)}")
+        w = (planes_from_blocks(tensor.raw, tensor.type_name, tensor.in_features, self.device)
+             if isinstance(tensor, GGUFBlocks) else tensor.to(dtype=self.dtype, device=self.device))
+        self.table = Segment(0, self.num_embeddings, w)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.table.weight
+        if isinstance(w, torch.Tensor):
+            return F.embedding(ids, w)
+        rows = dequantized(take_rows(w, ids.reshape(-1)), self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, dim] times the table^T: the tied LM head."""
+        return self.method.segment_product(hidden, self.table, None, None)
 
 
 def dequantized(p: Planes, dtype: torch.dtype) -> torch.Tensor:
@@ -139,13 +177,28 @@ def _merge(shards: list, sizes: list[int]) -> list[Segment]:
     return segments
 
 
+def _segment_bytes(seg: Segment) -> int:
+    w = seg.weight
+    return w.nbytes if isinstance(w, Planes) else w.numel() * w.element_size()
+
+
+def held_matrix(mod: nn.Module) -> Optional[tuple[int, int]]:
+    """(bytes, elements) of the GGUF matrix a layer or embedding holds outside its parameters; None for others."""
+    segs = getattr(mod, "gguf_segments", None) or ([mod.table] if isinstance(mod, QuantEmbedding) and mod.table
+                                                   else [])
+    if not segs:
+        return None
+    cols = mod.embedding_dim if isinstance(mod, QuantEmbedding) else mod.in_features
+    return sum(_segment_bytes(s) for s in segs), sum(s.size for s in segs) * cols
+
+
 def describe_quantized(model: torch.nn.Module) -> str:
-    """What the linear layers hold, for the start-up log: bytes per plane kind and of dense (dequantized) weights."""
+    """What the linear layers and embeddings hold, for the start-up log: bytes per plane kind and of dense weights."""
     by_kind: dict[str, int] = {}
     for mod in model.modules():
-        for s in getattr(mod, "gguf_segments", None) or ():
-            w = s.weight
-            key, size = (w.kind.name, w.nbytes) if isinstance(w, Planes) else (f"dense {w.dtype}", w.numel() *
-                                                                                  w.element_size())
-            by_kind[key] = by_kind.get(key, 0) + size
-    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_kind.items())) or "no linear weights"
+        segs = getattr(mod, "gguf_segments", None) or ([mod.table] if isinstance(mod, QuantEmbedding) and mod.table
+                                                       else [])
+        for s in segs:
+            key = s.weight.kind.name if isinstance(s.weight, Planes) else f"dense {s.weight.dtype}"
+            by_kind[key] = by_kind.get(key, 0) + _segment_bytes(s)
+    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_kind.items())) or "no GGUF matrices"

@@ -237,6 +237,15 @@ def concat_rows(parts: list[Planes]) -> Planes:
                   sc=cat("sc"), mn=cat("mn"))
 
 
+def take_rows(p: Planes, index: torch.Tensor) -> Planes:
+    """The planes of rows `index` (an embedding lookup's rows), in that order."""
+    def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.index_select(0, index)
+
+    return Planes(kind=p.kind, n=index.numel(), k=p.k, lo=rows(p.lo), hi=rows(p.hi), d=rows(p.d), m=rows(p.m),
+                  sc=rows(p.sc), mn=rows(p.mn))
+
+
 def random_blocks(type_name: str, n: int, k: int, generator: Optional[torch.Generator] = None,
                   scale: float = 0.02) -> torch.Tensor:
     """Random GGUF blocks [N, row bytes] (CPU uint8) for tests and benchmarks: every code and sub-scale bit

@@ -152,13 +152,14 @@ def _unpermute_rope(w: Any, n_heads: int) -> Any:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def _is_linear_weight(hf_name: str) -> bool:
-    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+def _is_matrix_kept(hf_name: str) -> bool:
+    """Linear weights and the token embeddings (gguf_linear.QuantEmbedding) may stay quantized."""
+    return hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
 def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) for every tensor in the file, in file order: float32 CPU tensors, except with
-    `keep_quantized`, where a linear layer's weight of a type with a device layout (model/layers/gguf_planes.py)
+    `keep_quantized`, where a linear layer's weight (or the embeddings) of a type with a device layout (model/layers/gguf_planes.py)
     comes as its raw blocks (GGUFBlocks) for the layer to keep quantized."""
     from gguf.quants import dequantize
 
@@ -174,7 +175,7 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} in {path!r} has no place in a {arch} model")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if keep_quantized and _is_linear_weight(name) and len(shape) == 2 and supports(t.tensor_type.name, shape[1]):
+        if keep_quantized and _is_matrix_kept(name) and len(shape) == 2 and supports(t.tensor_type.name, shape[1]):
             tensor = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(t.data, dtype=np.uint8)), *shape)
         else:
             array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -126,7 +126,11 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        from voltllm.model.layers.gguf_linear import GGUFLinearMethod, QuantEmbedding
+
+        self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method)
+                             if isinstance(linear_method, GGUFLinearMethod)
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary, linear_method)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -176,8 +180,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: a greedy batch takes their argmax as they are; the sampler widens them to
         fp32 where it computes on them (an fp32 copy of 64 x 152K logits costs ~15 us per decode step)."""
-        if self.logits_weight is None:  # a quantized head
-            return self.lm_head(hidden)
+        if self.logits_weight is None:  # a quantized head (its own, or the embeddings' planes)
+            return self.embed_tokens.logits(hidden) if self.tie else self.lm_head(hidden)
         return linear(hidden, self.logits_weight, skinny=self.logits_skinny)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -202,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(module_name)
             if isinstance(module, Linear):
                 (module.load_weight if kind == "weight" else module.load_bias)(tensor, shard)
+            elif hasattr(module, "table"):  # a GGUF embedding kept quantized (gguf_linear.QuantEmbedding)
+                module.load(tensor)
             elif target in params:
                 if params[target].shape != tensor.shape:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}")
@@ -211,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{target}#{shard}")
         expected = {f"{n}.weight#{i}" for n, m in self.named_modules() if isinstance(m, Linear)
                     for i in range(len(m.shard_sizes))}
+        if hasattr(self.embed_tokens, "table"):
+            expected.add("embed_tokens.weight#0")
         missing = sorted(e for e in expected if e not in loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")
