@@ -33,7 +33,7 @@ def test_kernels_match_reference(name, n, k):
     ref_w = dequantize_planes(p)
     got = dequantize(p, torch.float32, out=torch.full((n, k), float("nan"), device="cuda"))
     assert torch.equal(got, ref_w), f"seed {seed}"
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (torch.float16, torch.bfloat16) if (n, k) == (4096, 4096) else (torch.float16,):
         tol = 2e-3 if dtype == torch.float16 else 1e-2
         for m, dot in ((1, False), (3, False), (4, False), (2, True), (16, True), (64, True)):
             x = torch.randn(m, k, dtype=dtype, device="cuda")
