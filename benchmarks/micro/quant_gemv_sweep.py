@@ -17,7 +17,11 @@ from voltllm.worker.skinny_tuning import graph_replay_ms
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (960, 576), (3072, 576)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
-FMA_CONFIGS = [(16, 4, 4), (8, 4, 4), (32, 4, 4), (16, 2, 4), (16, 8, 4), (32, 2, 4), (8, 8, 4), (16, 4, 8), (64, 2, 4)]
+# (BLOCK_N, U, num_warps)
+FMA_CONFIGS = [(8, 16, 4), (4, 16, 4), (16, 16, 4), (8, 8, 4), (8, 32, 4), (16, 8, 4), (4, 32, 2), (8, 16, 8),
+               (32, 8, 4), (2, 32, 2)]
+ROWS_CONFIGS = [(8, 8, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4), (4, 8, 2)]
+DOT_CONFIGS = [(32, 4, 4), (64, 4, 4), (16, 8, 4), (32, 8, 4), (64, 2, 4), (128, 4, 8), (64, 8, 4)]
 
 
 def rotation(name, n, k, total=400e6):
@@ -31,7 +35,7 @@ def rotation(name, n, k, total=400e6):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="8B shapes, Q4_K and Q8_0 only")
-    ap.add_argument("--configs", action="store_true", help="also sweep the FMA tiles at one row")
+    ap.add_argument("--configs", action="store_true", help="also sweep the tiles (FMA at 1 / 4 rows, dot at 16 / 64)")
     args = ap.parse_args()
     kinds = ["Q4_K", "Q8_0"] if args.quick else list(KINDS)
     shapes = SHAPES[:4] if args.quick else SHAPES
@@ -44,10 +48,12 @@ def main():
             planes = rotation(name, n, k)
             qbytes = planes[0].nbytes
             if args.configs:
-                x = torch.randn(1, k, dtype=torch.float16, device="cuda")
-                times = sorted((graph_replay_ms(lambda p: quant_matmul(x, p, config=c), planes, reps=30) * 1e3, c)
-                               for c in FMA_CONFIGS)
-                print(f"   configs {n}x{k} {name}: " + ", ".join(f"{c}:{t:.1f}" for t, c in times[:4]))
+                for m, dot, configs in ((1, False, FMA_CONFIGS), (4, False, ROWS_CONFIGS), (16, True, DOT_CONFIGS),
+                                        (64, True, DOT_CONFIGS)):
+                    x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+                    times = sorted((graph_replay_ms(lambda p: quant_matmul(x, p, use_dot=dot, config=c), planes,
+                                                    reps=30) * 1e3, c) for c in configs)
+                    print(f"   configs {n}x{k} {name} rows {m}: " + ", ".join(f"{c}:{t:.1f}" for t, c in times[:4]))
             for m in ROWS:
                 x = torch.randn(m, k, dtype=torch.float16, device="cuda")
                 fma = graph_replay_ms(lambda p: quant_matmul(x, p), planes, reps=30) * 1e3 if m <= 4 else float("nan")

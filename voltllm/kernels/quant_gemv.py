@@ -25,57 +25,58 @@ import triton.language as tl
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import KINDS
 
-__triton_helpers__ = ("_dequant_tile", "_apply_scales")
+__triton_helpers__ = ("_dequant_units", "_unit_scales")
 
 
 @triton.jit
-def _apply_scales(q, e, n2, mask, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                  SUB: tl.constexpr, SUPER: tl.constexpr):
-    """fp32 weights of codes q at element indices e (rows n2): (d * sc) * (q - ZERO) [+ m | - m * mn]."""
-    d = tl.load(D + n2 * stride_d + e // SUPER, mask=mask, other=0.0).to(tl.float32)
+def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                 SUB: tl.constexpr, SUPER: tl.constexpr):
+    """(s, b) [BLOCK_N, U, 1] for the 16 elements from index e0 [1, U, 1] on: the weight is s * q + b, i.e.
+    s = d * sc and b = (m or -(dmin * mn)) - s * ZERO. One load per scale per 16 elements, not per element."""
+    s = tl.load(D + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
     if SUB > 0:
-        d = d * tl.load(SC + n2 * stride_s + e // SUB, mask=mask, other=0).to(tl.float32)
-    w = d * (q - ZERO).to(tl.float32)
+        s = s * tl.load(SC + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
+    b = s * (-ZERO)  # exact: ZERO is 0, 8, 32 or 128
     if HAS_MIN:
-        m = tl.load(Mp + n2 * stride_d + e // SUPER, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(Mp + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
         if SUB > 0:
-            w = w - m * tl.load(MN + n2 * stride_s + e // SUB, mask=mask, other=0).to(tl.float32)
+            b = b - m * tl.load(MN + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
         else:
-            w = w + m
-    return w
+            b = b + m
+    return s, b
 
 
 @triton.jit
-def _dequant_tile(LO, HI, D, Mp, SC, MN, offs_n, mask_n, g0, NG, stride_lo, stride_hi, stride_d, stride_s,
-                  G64: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                  SUB: tl.constexpr, SUPER: tl.constexpr):
-    """fp32 weights of rows offs_n, groups g0 .. g0 + G64: (lo half, hi half), each [BLOCK_N, G64 * 32]."""
-    t = tl.arange(0, G64 * 32)
-    g = g0 + t // 32
-    j = t % 32
-    n2 = offs_n[:, None]
-    mask = mask_n[:, None] & (g < NG)[None, :]
-    byte = tl.load(LO + n2 * stride_lo + (g * 32 + j)[None, :], mask=mask, other=0).to(tl.int32)
-    q_lo = byte & 15
-    q_hi = byte >> 4
+def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d, stride_s,
+                   U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                   SUB: tl.constexpr, SUPER: tl.constexpr):
+    """fp32 weights of rows offs_n for `lo` units u0 .. u0 + U (16 bytes each): (lo, hi, e0), the weights [BLOCK_N,
+    U, 16] of elements e0 + j and e0 + 32 + j, with e0 [1, U, 1] = 64 (u // 2) + 16 (u % 2)."""
+    u = u0 + tl.arange(0, U)
+    j = tl.arange(0, 16)
+    n3 = offs_n[:, None, None]
+    mask3 = mask_n[:, None, None] & (u < NU)[None, :, None]
+    byte = tl.load(LO + n3 * stride_lo + (u * 16)[None, :, None] + j[None, None, :], mask=mask3, other=0)
+    q_lo = (byte & 15).to(tl.float32)
+    q_hi = (byte >> 4).to(tl.float32)
     if HI_BITS == 4:
-        hb = tl.load(HI + n2 * stride_hi + (g * 32 + j)[None, :], mask=mask, other=0).to(tl.int32)
-        q_lo = q_lo | ((hb & 15) << 4)
-        q_hi = q_hi | ((hb >> 4) << 4)
+        hb = tl.load(HI + n3 * stride_hi + (u * 16)[None, :, None] + j[None, None, :], mask=mask3, other=0)
+        q_lo += ((hb & 15) * 16).to(tl.float32)
+        q_hi += ((hb >> 4) * 16).to(tl.float32)
     elif HI_BITS == 2:
-        hb = tl.load(HI + n2 * stride_hi + (g * 16 + j % 16)[None, :], mask=mask, other=0).to(tl.int32)
-        shift = ((j // 16) * 2)[None, :]
-        q_lo = q_lo | (((hb >> shift) & 3) << 4)
-        q_hi = q_hi | (((hb >> (shift + 4)) & 3) << 4)
-    e_lo = (g * 64 + j)[None, :]
-    w_lo = _apply_scales(q_lo, e_lo, n2, mask, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
-    w_hi = _apply_scales(q_hi, e_lo + 32, n2, mask, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
-    return w_lo, w_hi
+        hb = tl.load(HI + n3 * stride_hi + ((u // 2) * 16)[None, :, None] + j[None, None, :], mask=mask3, other=0)
+        shift = ((u % 2) * 2).to(tl.uint8)[None, :, None]
+        q_lo += (((hb >> shift) & 3) * 16).to(tl.float32)
+        q_hi += (((hb >> (shift + 4)) & 3) * 16).to(tl.float32)
+    e0 = ((u // 2) * 64 + (u % 2) * 16)[None, :, None]
+    s_lo, b_lo = _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
+    s_hi, b_hi = _unit_scales(e0 + 32, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
+    return tl.fma(s_lo, q_lo, b_lo), tl.fma(s_hi, q_hi, b_hi), e0
 
 
 @triton.jit
-def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NG, stride_xm, stride_ym, stride_lo, stride_hi,
-                         stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G64: tl.constexpr,
+def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_hi,
+                         stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
                          HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr, SUB: tl.constexpr,
                          SUPER: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -84,27 +85,41 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NG, stride_xm, st
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    t = tl.arange(0, G64 * 32)
+    j = tl.arange(0, 16)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc3 = tl.zeros((BLOCK_N, U, 16), dtype=tl.float32)
     else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, G64 * 32), dtype=tl.float32)
-    for g0 in range(0, NG, G64):
-        w_lo, w_hi = _dequant_tile(LO, HI, D, Mp, SC, MN, offs_n, mask_n, g0, NG, stride_lo, stride_hi, stride_d,
-                                   stride_s, G64, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
-        g = g0 + t // 32
-        xmask = mask_m[:, None] & (g < NG)[None, :]
-        xp = X + offs_m[:, None] * stride_xm + (g * 64 + t % 32)[None, :]
-        x_lo = tl.load(xp, mask=xmask, other=0.0)
-        x_hi = tl.load(xp + 32, mask=xmask, other=0.0)
-        if USE_DOT:
-            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
-            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, U * 16), dtype=tl.float32)
+    for u0 in range(0, NU, U):
+        w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi,
+                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
+        umask = (u0 + tl.arange(0, U)) < NU
+        if BLOCK_M == 1 and not USE_DOT:  # one row: stay in the tile's own [BLOCK_N, U, 16] layout
+            xp = X + pid_m * stride_xm + e0 + j[None, None, :]
+            xm = (umask & (pid_m < M))[None, :, None]
+            acc3 += w_lo * tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+            acc3 += w_hi * tl.load(xp + 32, mask=xm, other=0.0).to(tl.float32)
         else:
-            acc3 += x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :]
-            acc3 += x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
+            e = tl.reshape(e0 + j[None, None, :], (U * 16,))
+            xm = mask_m[:, None] & tl.reshape(umask[:, None] & (j < 16)[None, :], (U * 16,))[None, :]
+            xp = X + offs_m[:, None] * stride_xm + e[None, :]
+            x_lo = tl.load(xp, mask=xm, other=0.0)
+            x_hi = tl.load(xp + 32, mask=xm, other=0.0)
+            w_lo = tl.reshape(w_lo, (BLOCK_N, U * 16))
+            w_hi = tl.reshape(w_hi, (BLOCK_N, U * 16))
+            if USE_DOT:
+                acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
+                acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+            else:
+                acc3 += x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :]
+                acc3 += x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
     if not USE_DOT:
-        acc = tl.sum(acc3, 2)
+        if BLOCK_M == 1:
+            acc = tl.reshape(tl.sum(tl.sum(acc3, 2), 1), (1, BLOCK_N))
+        else:
+            acc = tl.sum(acc3, 2)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     ymask = mask_m[:, None] & mask_n[None, :]
@@ -112,18 +127,17 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NG, stride_xm, st
 
 
 @triton.jit
-def _dequant_kernel(OUT, LO, HI, D, Mp, SC, MN, N, NG, stride_out, stride_lo, stride_hi, stride_d, stride_s,
-                    BLOCK_N: tl.constexpr, G64: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
+def _dequant_kernel(OUT, LO, HI, D, Mp, SC, MN, N, NU, stride_out, stride_lo, stride_hi, stride_d, stride_s,
+                    BLOCK_N: tl.constexpr, U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
                     HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g0 = tl.program_id(1) * G64
+    u0 = tl.program_id(1) * U
     mask_n = offs_n < N
-    w_lo, w_hi = _dequant_tile(LO, HI, D, Mp, SC, MN, offs_n, mask_n, g0, NG, stride_lo, stride_hi, stride_d,
-                               stride_s, G64, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
-    t = tl.arange(0, G64 * 32)
-    g = g0 + t // 32
-    mask = mask_n[:, None] & (g < NG)[None, :]
-    ptr = OUT + offs_n[:, None] * stride_out + (g * 64 + t % 32)[None, :]
+    w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d,
+                                    stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
+    j = tl.arange(0, 16)
+    mask = mask_n[:, None, None] & ((u0 + tl.arange(0, U)) < NU)[None, :, None]
+    ptr = OUT + offs_n[:, None, None] * stride_out + e0 + j[None, None, :]
     tl.store(ptr, w_lo.to(OUT.dtype.element_ty), mask=mask)
     tl.store(ptr + 32, w_hi.to(OUT.dtype.element_ty), mask=mask)
 
@@ -137,30 +151,35 @@ def _constexprs(kind) -> dict:
 
 
 def _matmul_specs() -> list[CompileSpec]:
-    sig = {"X": "*fp16", "Y": "*fp16", "B": "*fp16", **_PLANE_ARGS, "M": "i32", "N": "i32", "NG": "i32",
+    sig = {"X": "*fp16", "Y": "*fp16", "B": "*fp16", **_PLANE_ARGS, "M": "i32", "N": "i32", "NU": "i32",
            "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32",
            "stride_s": "i32"}
-    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "G64", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
+    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
                                           "HAS_BIAS", "USE_DOT")})
     # the compat route runs the FMA form only (tl.dot is FMA there too, and its 16-row minimum wastes it)
-    return [CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 16, "G64": 4, **_constexprs(KINDS[name]), "HAS_BIAS": name == "Q8_0",
+    return [CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(KINDS[name]), "HAS_BIAS": name == "Q8_0",
                               "USE_DOT": False}, f"{name} fma m1")
             for name in KINDS] + [
-        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "G64": 2, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False,
+        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False,
                           "USE_DOT": False}, "Q4_K fma m4")]
 
 
 def _dequant_specs() -> list[CompileSpec]:
-    sig = {"OUT": "*fp16", **_PLANE_ARGS, "N": "i32", "NG": "i32", "stride_out": "i32", "stride_lo": "i32",
+    sig = {"OUT": "*fp16", **_PLANE_ARGS, "N": "i32", "NU": "i32", "stride_out": "i32", "stride_lo": "i32",
            "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
-    sig.update({k: "constexpr" for k in ("BLOCK_N", "G64", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER")})
-    return [CompileSpec(sig, {"BLOCK_N": 16, "G64": 4, **_constexprs(KINDS[name])}, name) for name in KINDS]
+    sig.update({k: "constexpr" for k in ("BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER")})
+    return [CompileSpec(sig, {"BLOCK_N": 16, "U": 16, **_constexprs(KINDS[name])}, name) for name in KINDS]
 
 
 register_kernel("quant.matmul", _quant_matmul_kernel, _matmul_specs())
 register_kernel("quant.dequantize", _dequant_kernel, _dequant_specs())
 
-FMA_MAX_ROWS = 4  # rows per program of the FMA form (its accumulator holds rows x BLOCK_N x G64 * 32 fp32)
+FMA_MAX_ROWS = 4  # rows per program of the FMA form (its accumulator holds rows x BLOCK_N x U * 16 fp32)
+# (BLOCK_N, U, num_warps): U units of 16 bytes of `lo` (512 elements at U = 16) per K step
+FMA_CONFIG = (8, 16, 4)
+FMA_ROWS_CONFIG = (8, 8, 4)
+DOT_CONFIG = (32, 4, 4)
+DEQUANT_CONFIG = (16, 16, 4)
 
 
 def _plane_args(p) -> list:
@@ -177,7 +196,7 @@ def _plane_strides(p) -> list[int]:
 def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                  use_dot: bool = False, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
-    which may be a column slice of a wider output). config: (BLOCK_N, G64, num_warps)."""
+    which may be a column slice of a wider output). config: (BLOCK_N, U, num_warps)."""
     m, k = x.shape
     if k != planes.k:
         raise ValueError(f"input of {k} features for a weight of {planes.k}")
@@ -187,14 +206,14 @@ def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, o
         out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
     if use_dot:
         block_m = max(16, triton.next_power_of_2(m))
-        block_n, g64, warps = config or (64, 2, 4)
+        block_n, units, warps = config or DOT_CONFIG
     else:
         block_m = min(FMA_MAX_ROWS, triton.next_power_of_2(m))
-        block_n, g64, warps = config or ((16, 4, 4) if block_m == 1 else (8, 2, 4))
+        block_n, units, warps = config or (FMA_CONFIG if block_m == 1 else FMA_ROWS_CONFIG)
     grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
     _quant_matmul_kernel[grid](
-        x, out, bias if bias is not None else out, *_plane_args(planes), m, planes.n, planes.k // 64,
-        x.stride(0), out.stride(0), *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, G64=g64,
+        x, out, bias if bias is not None else out, *_plane_args(planes), m, planes.n, planes.k // 32,
+        x.stride(0), out.stride(0), *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, U=units,
         **_constexprs(planes.kind), HAS_BIAS=bias is not None, USE_DOT=use_dot, num_warps=warps)
     return out
 
@@ -203,8 +222,9 @@ def dequantize(planes, dtype: torch.dtype = torch.float16, out: Optional[torch.T
     """The weight [N, K] in `dtype` (into `out`, e.g. a reused workspace)."""
     if out is None:
         out = torch.empty(planes.n, planes.k, dtype=dtype, device=planes.device)
-    block_n, g64 = 16, 4
-    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(planes.k // 64, g64))
-    _dequant_kernel[grid](out, *_plane_args(planes), planes.n, planes.k // 64, out.stride(0),
-                          *_plane_strides(planes), BLOCK_N=block_n, G64=g64, **_constexprs(planes.kind), num_warps=4)
+    block_n, units, warps = DEQUANT_CONFIG
+    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(planes.k // 32, units))
+    _dequant_kernel[grid](out, *_plane_args(planes), planes.n, planes.k // 32, out.stride(0),
+                          *_plane_strides(planes), BLOCK_N=block_n, U=units, **_constexprs(planes.kind),
+                          num_warps=warps)
     return out
