@@ -198,11 +198,10 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     impl = ", ".join(methods) + (f" (GGUF tensors dequantized to {dtype} at load)" if quant == "gguf" and not kept
                                  else "")
     if cuda and kept:
-        from voltllm.model.layers.gguf_linear import DOT_MAX_ROWS, describe_quantized
+        from voltllm.model.layers.gguf_linear import FMA_MAX_ROWS, describe_quantized
 
         held = f"; holds {describe_quantized(runner.model)}" if runner is not None else ""
-        decode = ("FMA dequant-GEMM (Triton) up to 4 rows" if dev.compat != "none" else
-                  f"FMA dequant-GEMM (Triton) at 1 row, tensor-core dequant-GEMM up to {DOT_MAX_ROWS} rows")
+        decode = f"dequant-GEMM (Triton, FMA) up to {FMA_MAX_ROWS} rows"
         routes["linear"] = _route(True, True, impl + " (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K kept quantized)",
                                   f"{decode}; larger steps dequantize one weight at a time to {dtype} for cuBLAS; "
                                   f"other GGUF types dequantized at load{held}")

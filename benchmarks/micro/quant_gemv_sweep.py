@@ -2,10 +2,10 @@
 
     PYTHONPATH=$PWD python3 benchmarks/micro/quant_gemv_sweep.py [--quick]
 
-Per weight shape (qwen3-8b and SmolLM2-135M projections), GGUF kind and row count: the FMA dequant-GEMM (rows <= 4),
-the tensor-core form (rows <= 128), dequantize + cuBLAS, and fp16 cuBLAS on a dense weight of the same shape; times
+Per weight shape (qwen3-8b and SmolLM2-135M projections), GGUF kind and row count: the dequant-GEMM (rows <= 16),
+dequantize + cuBLAS, and fp16 cuBLAS on a dense weight of the same shape; times
 in us from CUDA-graph replays over rotated copies (past the L2, as in decode), and the quantized bytes streamed per
-second. With --configs, the FMA form's tiles at one row. The last lines are a table: best form per row count.
+second. With --configs, the dequant-GEMM's tiles at 1 and 4 rows. The last lines are a table: best form per row count.
 """
 import argparse
 
@@ -18,10 +18,10 @@ from voltllm.worker.skinny_tuning import graph_replay_ms
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (960, 576), (3072, 576)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 # (BLOCK_N, U, num_warps)
-FMA_CONFIGS = [(8, 16, 4), (4, 16, 4), (16, 16, 4), (8, 8, 4), (8, 32, 4), (16, 8, 4), (4, 32, 2), (8, 16, 8),
-               (32, 8, 4), (2, 32, 2)]
-ROWS_CONFIGS = [(8, 8, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4), (4, 8, 2)]
-DOT_CONFIGS = [(32, 4, 4), (64, 4, 4), (16, 8, 4), (32, 8, 4), (64, 2, 4), (128, 4, 8), (64, 8, 4)]
+FMA_CONFIGS = [(2, 32, 2), (2, 16, 2), (4, 32, 2), (2, 64, 2), (1, 32, 1), (2, 32, 4), (4, 16, 2), (8, 16, 4),
+               (1, 64, 2), (4, 32, 4)]
+ROWS_CONFIGS = [(16, 8, 4), (8, 16, 4), (8, 8, 4), (4, 16, 4), (4, 8, 2), (16, 4, 4), (32, 4, 4)]
+
 
 
 def rotation(name, n, k, total=400e6):
@@ -35,11 +35,11 @@ def rotation(name, n, k, total=400e6):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="8B shapes, Q4_K and Q8_0 only")
-    ap.add_argument("--configs", action="store_true", help="also sweep the tiles (FMA at 1 / 4 rows, dot at 16 / 64)")
+    ap.add_argument("--configs", action="store_true", help="also sweep the dequant-GEMM tiles at 1 / 4 rows")
     args = ap.parse_args()
     kinds = ["Q4_K", "Q8_0"] if args.quick else list(KINDS)
     shapes = SHAPES[:4] if args.quick else SHAPES
-    print(f"{'shape':>12} {'kind':>5} rows  {'fma us':>7} {'dot us':>7} {'deq+mm':>7} {'fp16 us':>7}  best GB/s")
+    print(f"{'shape':>12} {'kind':>5} rows  {'gemm us':>7} {'deq+mm':>7} {'fp16 us':>7}  best GB/s")
     summary = []
     for n, k in shapes:
         dense = [torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02
@@ -48,22 +48,19 @@ def main():
             planes = rotation(name, n, k)
             qbytes = planes[0].nbytes
             if args.configs:
-                for m, dot, configs in ((1, False, FMA_CONFIGS), (4, False, ROWS_CONFIGS), (16, True, DOT_CONFIGS),
-                                        (64, True, DOT_CONFIGS)):
+                for m, configs in ((1, FMA_CONFIGS), (4, ROWS_CONFIGS)):
                     x = torch.randn(m, k, dtype=torch.float16, device="cuda")
-                    times = sorted((graph_replay_ms(lambda p: quant_matmul(x, p, use_dot=dot, config=c), planes,
+                    times = sorted((graph_replay_ms(lambda p: quant_matmul(x, p, config=c), planes,
                                                     reps=30) * 1e3, c) for c in configs)
                     print(f"   configs {n}x{k} {name} rows {m}: " + ", ".join(f"{c}:{t:.1f}" for t, c in times[:4]))
             for m in ROWS:
                 x = torch.randn(m, k, dtype=torch.float16, device="cuda")
-                fma = graph_replay_ms(lambda p: quant_matmul(x, p), planes, reps=30) * 1e3 if m <= 4 else float("nan")
-                dot = graph_replay_ms(lambda p: quant_matmul(x, p, use_dot=True), planes, reps=30) * 1e3 \
-                    if m >= 2 else float("nan")
+                fma = graph_replay_ms(lambda p: quant_matmul(x, p), planes, reps=30) * 1e3 if m <= 16 else float("nan")
                 deq = graph_replay_ms(lambda p: x @ dequantize(p).t(), planes, reps=10) * 1e3
                 ref = graph_replay_ms(lambda w: x @ w.t(), dense, reps=30) * 1e3
-                best = min(t for t in (fma, dot, deq) if t == t)
-                form = {fma: "fma", dot: "dot", deq: "deq+mm"}[best]
-                print(f"{n:>6}x{k:<5} {name:>5} {m:>4}  {fma:7.1f} {dot:7.1f} {deq:7.1f} {ref:7.1f}  "
+                best = min(t for t in (fma, deq) if t == t)
+                form = {fma: "gemm", deq: "deq+mm"}[best]
+                print(f"{n:>6}x{k:<5} {name:>5} {m:>4}  {fma:7.1f} {deq:7.1f} {ref:7.1f}  "
                       f"{form} {qbytes / best / 1e3:.0f}")
                 summary.append((n, k, name, m, form, best, ref))
             del planes

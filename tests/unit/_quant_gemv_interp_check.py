@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the GGUF dequant-GEMM (FMA and tensor-core forms) and the
+"""Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the GGUF dequant-GEMM (one row; several, over two programs along the rows) and the
 dequant-to-fp16 kernel against the torch reference (gguf_planes.dequantize_planes), for every kept GGUF kind, on
 random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
 `CHECK name ok|FAIL detail` lines."""
@@ -11,7 +11,7 @@ patch_interpreter_index()
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul  # noqa: E402
 from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_from_blocks, random_blocks  # noqa: E402
 
-CHECKS = [f"{name}-{form}" for name in KINDS for form in ("dequant", "fma1", "fma3", "dot5")]
+CHECKS = [f"{name}-{form}" for name in KINDS for form in ("dequant", "rows1", "rows3", "rows6")]
 
 
 def rel(a, b):
@@ -31,12 +31,12 @@ def main() -> int:
         ok = torch.equal(got, ref_w)
         failed += not ok
         print(f"CHECK {name}-dequant {'ok' if ok else 'FAIL'} max {float((got - ref_w).abs().max()):.3g}")
-        for form, m, dot in (("fma1", 1, False), ("fma3", 3, False), ("dot5", 5, True)):
+        for form, m in (("rows1", 1), ("rows3", 3), ("rows6", 6)):  # 6: two programs along the rows
             x = torch.randn(m, k, dtype=torch.float16)
             bias = torch.randn(n, dtype=torch.float16) if m == 3 else None
             wide = torch.full((m, n + 8), float("nan"), dtype=torch.float16)
-            out = quant_matmul(x, p, bias, out=wide[:, 4:4 + n], use_dot=dot)
-            ref = x.float() @ (ref_w.half().float() if dot else ref_w).T + (0 if bias is None else bias.float())
+            out = quant_matmul(x, p, bias, out=wide[:, 4:4 + n])
+            ref = x.float() @ ref_w.T + (0 if bias is None else bias.float())
             err = rel(out, ref)
             ok = err < 2e-3 and not torch.isnan(out).any() and torch.isnan(wide[:, :4]).all()
             failed += not ok

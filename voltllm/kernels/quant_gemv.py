@@ -5,10 +5,11 @@ The weights are voltllm.model.layers.gguf_planes.Planes (codes and scales in sep
 nibbles and its last 32 in the high ones, so a tile dequantizes as two halves ("lo" elements 64 g + j, "hi"
 elements 64 g + 32 + j) and the activations are read in the same two halves.
 
-- `quant_matmul`: y = x W^T (+ b) for a few rows. FMA form (fp32 products summed at the end, no tensor cores:
-  decode on every route, SM70 included) or, with `use_dot`, the tile goes to the tensor cores as fp16 / bf16
-  (decode batches on sm_80+). The weight is read once per step at its quantized size: the point of keeping it
-  quantized (4.5-bit weights: ~3.5x fewer bytes than fp16).
+- `quant_matmul`: y = x W^T (+ b) for a few rows: each program dequantizes its tile in registers (fp32, no tensor
+  cores: the same kernel on every route, SM70 included) and multiplies it by up to FMA_MAX_ROWS activation rows.
+  The weight is read at its quantized size (4.5-bit weights: ~3.5x fewer bytes than fp16). The codes become floats
+  through their bits (2^23 + q, minus 2^23): the integer conversion instruction runs at a quarter of the FMA rate
+  and bounded the first version.
 - `dequantize`: the whole weight to fp16 / bf16 in a workspace, for prompt steps, whose GEMM is compute-bound and
   goes to cuBLAS (the SM70 discipline: tensor-core work through the vendor library, DESIGN.md).
 
@@ -57,17 +58,23 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
     n3 = offs_n[:, None, None]
     mask3 = mask_n[:, None, None] & (u < NU)[None, :, None]
     byte = tl.load(LO + n3 * stride_lo + (u * 16)[None, :, None] + j[None, None, :], mask=mask3, other=0)
-    q_lo = (byte & 15).to(tl.float32)
-    q_hi = (byte >> 4).to(tl.float32)
+    byte = byte.to(tl.int32)
+    q_lo = byte & 15
+    q_hi = byte >> 4
     if HI_BITS == 4:
         hb = tl.load(HI + n3 * stride_hi + (u * 16)[None, :, None] + j[None, None, :], mask=mask3, other=0)
-        q_lo += ((hb & 15) * 16).to(tl.float32)
-        q_hi += ((hb >> 4) * 16).to(tl.float32)
+        hb = hb.to(tl.int32)
+        q_lo |= (hb & 15) << 4
+        q_hi |= (hb >> 4) << 4
     elif HI_BITS == 2:
         hb = tl.load(HI + n3 * stride_hi + ((u // 2) * 16)[None, :, None] + j[None, None, :], mask=mask3, other=0)
-        shift = ((u % 2) * 2).to(tl.uint8)[None, :, None]
-        q_lo += (((hb >> shift) & 3) * 16).to(tl.float32)
-        q_hi += (((hb >> (shift + 4)) & 3) * 16).to(tl.float32)
+        hb = hb.to(tl.int32)
+        shift = ((u % 2) * 2)[None, :, None]
+        q_lo |= ((hb >> shift) & 3) << 4
+        q_hi |= ((hb >> (shift + 4)) & 3) << 4
+    # codes to fp32 without the (quarter-rate) integer conversion: the bits of 2^23 + q, minus 2^23 (exact)
+    q_lo = (q_lo | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q_hi = (q_hi | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     e0 = ((u // 2) * 64 + (u % 2) * 16)[None, :, None]
     s_lo, b_lo = _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
     s_hi, b_hi = _unit_scales(e0 + 32, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
@@ -78,7 +85,7 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
 def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_hi,
                          stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
                          HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr, SUB: tl.constexpr,
-                         SUPER: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr):
+                         SUPER: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,9 +93,7 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, st
     mask_n = offs_n < N
     mask_m = offs_m < M
     j = tl.arange(0, 16)
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    elif BLOCK_M == 1:
+    if BLOCK_M == 1:
         acc3 = tl.zeros((BLOCK_N, U, 16), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, U * 16), dtype=tl.float32)
@@ -96,7 +101,7 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, st
         w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi,
                                         stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
         umask = (u0 + tl.arange(0, U)) < NU
-        if BLOCK_M == 1 and not USE_DOT:  # one row: stay in the tile's own [BLOCK_N, U, 16] layout
+        if BLOCK_M == 1:  # one row: stay in the tile's own [BLOCK_N, U, 16] layout
             xp = X + pid_m * stride_xm + e0 + j[None, None, :]
             xm = (umask & (pid_m < M))[None, :, None]
             acc3 += w_lo * tl.load(xp, mask=xm, other=0.0).to(tl.float32)
@@ -105,21 +110,14 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, st
             e = tl.reshape(e0 + j[None, None, :], (U * 16,))
             xm = mask_m[:, None] & tl.reshape(umask[:, None] & (j < 16)[None, :], (U * 16,))[None, :]
             xp = X + offs_m[:, None] * stride_xm + e[None, :]
-            x_lo = tl.load(xp, mask=xm, other=0.0)
-            x_hi = tl.load(xp + 32, mask=xm, other=0.0)
             w_lo = tl.reshape(w_lo, (BLOCK_N, U * 16))
             w_hi = tl.reshape(w_hi, (BLOCK_N, U * 16))
-            if USE_DOT:
-                acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
-                acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
-            else:
-                acc3 += x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :]
-                acc3 += x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
-    if not USE_DOT:
-        if BLOCK_M == 1:
-            acc = tl.reshape(tl.sum(tl.sum(acc3, 2), 1), (1, BLOCK_N))
-        else:
-            acc = tl.sum(acc3, 2)
+            acc3 += tl.load(xp, mask=xm, other=0.0).to(tl.float32)[:, None, :] * w_lo[None, :, :]
+            acc3 += tl.load(xp + 32, mask=xm, other=0.0).to(tl.float32)[:, None, :] * w_hi[None, :, :]
+    if BLOCK_M == 1:
+        acc = tl.reshape(tl.sum(tl.sum(acc3, 2), 1), (1, BLOCK_N))
+    else:
+        acc = tl.sum(acc3, 2)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     ymask = mask_m[:, None] & mask_n[None, :]
@@ -155,13 +153,11 @@ def _matmul_specs() -> list[CompileSpec]:
            "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32",
            "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
-                                          "HAS_BIAS", "USE_DOT")})
-    # the compat route runs the FMA form only (tl.dot is FMA there too, and its 16-row minimum wastes it)
-    return [CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(KINDS[name]), "HAS_BIAS": name == "Q8_0",
-                              "USE_DOT": False}, f"{name} fma m1")
+                                          "HAS_BIAS")})
+    return [CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(KINDS[name]), "HAS_BIAS": name == "Q8_0"},
+                        f"{name} m1")
             for name in KINDS] + [
-        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False,
-                          "USE_DOT": False}, "Q4_K fma m4")]
+        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False}, "Q4_K m4")]
 
 
 def _dequant_specs() -> list[CompileSpec]:
@@ -176,9 +172,8 @@ register_kernel("quant.dequantize", _dequant_kernel, _dequant_specs())
 
 FMA_MAX_ROWS = 4  # rows per program of the FMA form (its accumulator holds rows x BLOCK_N x U * 16 fp32)
 # (BLOCK_N, U, num_warps): U units of 16 bytes of `lo` (512 elements at U = 16) per K step
-FMA_CONFIG = (8, 16, 4)
-FMA_ROWS_CONFIG = (8, 8, 4)
-DOT_CONFIG = (32, 4, 4)
+FMA_CONFIG = (2, 32, 2)  # the fastest at one row of the first H200 sweep (results/gguf-quant/)
+FMA_ROWS_CONFIG = (16, 8, 4)
 DEQUANT_CONFIG = (16, 16, 4)
 
 
@@ -194,9 +189,10 @@ def _plane_strides(p) -> list[int]:
 
 
 def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                 use_dot: bool = False, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+                 config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
-    which may be a column slice of a wider output). config: (BLOCK_N, U, num_warps)."""
+    which may be a column slice of a wider output). config: (BLOCK_N, U, num_warps). Rows beyond FMA_MAX_ROWS run
+    in further programs, each reading the weight again (meant for a few rows)."""
     m, k = x.shape
     if k != planes.k:
         raise ValueError(f"input of {k} features for a weight of {planes.k}")
@@ -204,17 +200,13 @@ def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, o
         x = x.contiguous()
     if out is None:
         out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
-    if use_dot:
-        block_m = max(16, triton.next_power_of_2(m))
-        block_n, units, warps = config or DOT_CONFIG
-    else:
-        block_m = min(FMA_MAX_ROWS, triton.next_power_of_2(m))
-        block_n, units, warps = config or (FMA_CONFIG if block_m == 1 else FMA_ROWS_CONFIG)
+    block_m = min(FMA_MAX_ROWS, triton.next_power_of_2(m))
+    block_n, units, warps = config or (FMA_CONFIG if block_m == 1 else FMA_ROWS_CONFIG)
     grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
     _quant_matmul_kernel[grid](
         x, out, bias if bias is not None else out, *_plane_args(planes), m, planes.n, planes.k // 32,
         x.stride(0), out.stride(0), *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, U=units,
-        **_constexprs(planes.kind), HAS_BIAS=bias is not None, USE_DOT=use_dot, num_warps=warps)
+        **_constexprs(planes.kind), HAS_BIAS=bias is not None, num_warps=warps)
     return out
 
 

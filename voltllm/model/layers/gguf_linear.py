@@ -6,11 +6,10 @@ Planes; consecutive shards of one kind are merged so a uniform merged projection
 types arrive already dequantized (the loader did it) and stay dense in the compute dtype.
 
 The product, by row count (M):
-- FMA dequant-GEMM (kernels.quant_gemv, no tensor cores) for M <= `fma_max_rows`: 1 on the native route, 4 on
-  the compat route (SM70 / SM75), where Triton's tl.dot is FMA too;
-- on the native route, the same kernel with tensor-core tiles for M <= DOT_MAX_ROWS;
-- beyond that (prompt steps), the weight is dequantized into a workspace and cuBLAS multiplies (fp16 tensor cores
-  on every route; the workspace is one weight at a time, reused through the caching allocator).
+- up to `fma_max_rows` rows (decode): the dequant-GEMM (kernels.quant_gemv), which reads the weight once at its
+  quantized size and needs no tensor cores (the same on every route);
+- more rows (prompt steps, large decode batches): the weight is dequantized into a workspace and cuBLAS multiplies
+  (fp16 tensor cores on every route; one weight at a time, reused through the caching allocator).
 The CPU (tests) dequantizes with the torch reference and multiplies with F.linear.
 """
 from __future__ import annotations
@@ -26,8 +25,8 @@ from torch import nn
 from voltllm.model.layers.gguf_planes import Planes, concat_rows, dequantize_planes, planes_from_blocks, take_rows
 from voltllm.model.layers.linear import LinearMethod
 
-# tensor-core dequant-GEMM up to this many rows on the native route, else dequantize + cuBLAS
-DOT_MAX_ROWS = 64
+# rows up to which the dequant-GEMM beats dequantize + cuBLAS (H200 sweep: benchmarks/results/gguf-quant/)
+FMA_MAX_ROWS = 4
 
 
 @dataclass
@@ -52,8 +51,8 @@ class Segment:
 
 class GGUFLinearMethod(LinearMethod):
     def __init__(self, compat: bool = False):
-        self.compat = compat
-        self.fma_max_rows = 4 if compat else 1
+        self.compat = compat  # the same forms on both routes; kept for the acceleration report
+        self.fma_max_rows = FMA_MAX_ROWS
 
     def create_weights(self, layer, in_features, out_features, dtype):
         layer.weight = None  # no dense weight: the start-up GEMM tuner and fused decode paths skip this layer
@@ -101,10 +100,6 @@ class GGUFLinearMethod(LinearMethod):
                 from voltllm.kernels.quant_gemv import quant_matmul
 
                 return quant_matmul(x, w, bias, out=out)
-            if x.is_cuda and not self.compat and rows <= DOT_MAX_ROWS:
-                from voltllm.kernels.quant_gemv import quant_matmul
-
-                return quant_matmul(x, w, bias, out=out, use_dot=True)
             w = dequantized(w, x.dtype)
         y = F.linear(x, w, bias)
         if out is None:
