@@ -114,3 +114,18 @@ def test_kernels_under_interpreter():
     assert set(results) == set(check_names(CHECK_SCRIPT))
     bad = {k: v for k, v in results.items() if not v.startswith("ok")}
     assert not bad, bad
+
+
+def test_start_up_tuners_skip_quantized_layers(smollm2_gguf):
+    """The decode GEMM tuners (CUDA only) pick their candidates from dense fp16 / bf16 layers: a GGUF model kept
+    quantized offers none (its layers have no dense weight), where the tuner used to read `weight.shape`."""
+    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+    from voltllm.model.models.registry import build_model
+    from voltllm.worker.skinny_tuning import _gated_pairs, _unquantized_groups
+
+    src = resolve_model(smollm2_gguf)
+    cfg = load_hf_config(src)
+    model = build_model(cfg, torch.float32, 64, GGUFLinearMethod())
+    model.load_weights((n, t.float() if isinstance(t, torch.Tensor) else t) for n, t in iter_weights(src, cfg, True))
+    assert _gated_pairs(model) == [] and _unquantized_groups(model) == {}
+    assert model.logits_weight is None and not model.fused_decode(torch.zeros(1, dtype=torch.long))

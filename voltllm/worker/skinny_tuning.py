@@ -149,11 +149,12 @@ def _unquantized_groups(model: torch.nn.Module) -> dict[tuple[int, int, bool], l
 
 
 def _gated_pairs(model: torch.nn.Module) -> list[tuple[Linear, Linear]]:
-    """(gate_up, down) of each MLP whose gate_up output feeds silu(gate) * up into its down projection."""
+    """(gate_up, down) of each unquantized MLP whose gate_up output feeds silu(gate) * up into its down projection."""
     pairs = []
     for mod in model.modules():
         gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
-        if isinstance(gu, Linear) and isinstance(down, Linear) and gu.silu_mul_output and down.silu_mul_input:
+        if isinstance(gu, Linear) and isinstance(down, Linear) and gu.silu_mul_output and down.silu_mul_input \
+                and all(isinstance(m.method, UnquantizedLinearMethod) for m in (gu, down)):
             pairs.append((gu, down))
     return pairs
 
