@@ -194,7 +194,8 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     methods = sorted({type(m.method).__name__ for m in runner.model.modules() if hasattr(m, "method")}) \
         if runner is not None else ["UnquantizedLinearMethod"]
     quant = config.quantization or ("gguf" if str(config.model.model).endswith(".gguf") else None)
-    kept = bool(getattr(config.model, "gguf_quantized", False))
+    kept = bool(getattr(runner, "gguf_quantized", False)) if runner is not None else \
+        getattr(config.model, "gguf_weights", "") == "quantized"
     impl = ", ".join(methods) + (f" (GGUF tensors dequantized to {dtype} at load)" if quant == "gguf" and not kept
                                  else "")
     if cuda and kept:

@@ -23,8 +23,9 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
 }
-# Experiment knob (benchmarks/set_and_run.py A/B runs, tests): 0 dequantizes a GGUF file's weights at load on the GPU too
-GGUF_KEEP_QUANTIZED = 1
+# Experiment knob (benchmarks/set_and_run.py A/B runs, tests): a GGUF file's weights on the GPU are kept quantized
+# (1), dequantized at load (0), or chosen by size (-1, the default: ModelConfig.gguf_weights "auto")
+GGUF_KEEP_QUANTIZED = -1
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32")
 
 
@@ -44,9 +45,10 @@ class ModelConfig:
     language_model_only: bool = False
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
-    # a GGUF file on a GPU: linear weights of the common GGUF types stay quantized there (model/layers/gguf_linear.py);
-    # elsewhere (the CPU) every tensor is dequantized to the compute dtype at load
-    gguf_quantized: bool = False
+    # a GGUF file's weights: "quantized" (the common GGUF types stay quantized on the GPU, model/layers/gguf_linear.py;
+    # --quantization gguf), "dequantized" (to the compute dtype at load: the CPU, other files), or "auto" (a GPU
+    # without the flag: quantized when the dequantized weights would crowd the card, worker/runner.py)
+    gguf_weights: str = "dequantized"
 
     @property
     def architecture(self) -> str:
@@ -252,8 +254,7 @@ class EngineArgs:
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only,
             load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-            gguf_quantized=bool(GGUF_KEEP_QUANTIZED) and source.kind == "gguf" and device.type == "cuda"
-            and self.load_format == "auto")
+            gguf_weights=_gguf_weights(self.quantization, source.kind, device, self.load_format))
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
@@ -295,6 +296,15 @@ def _resolve_device(device: str) -> torch.device:
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
     return torch.device(device)
+
+
+def _gguf_weights(quantization: Optional[str], kind: str, device: torch.device, load_format: str) -> str:
+    """ModelConfig.gguf_weights: kept quantized only on a GPU, always with --quantization gguf, else by size."""
+    if quantization == "gguf" and kind != "gguf":
+        raise ConfigError("--quantization gguf needs a .gguf model file")
+    if kind != "gguf" or device.type != "cuda" or load_format != "auto" or GGUF_KEEP_QUANTIZED == 0:
+        return "dequantized"
+    return "quantized" if quantization == "gguf" or GGUF_KEEP_QUANTIZED == 1 else "auto"
 
 
 def _resolve_compat(compat: str, device: torch.device) -> str:

@@ -129,3 +129,26 @@ def test_start_up_tuners_skip_quantized_layers(smollm2_gguf):
     model.load_weights((n, t.float() if isinstance(t, torch.Tensor) else t) for n, t in iter_weights(src, cfg, True))
     assert _gated_pairs(model) == [] and _unquantized_groups(model) == {}
     assert model.logits_weight is None and not model.fused_decode(torch.zeros(1, dtype=torch.long))
+
+
+def test_gguf_weights_policy(monkeypatch, smollm2_gguf):
+    """Kept quantized only on a GPU: always with --quantization gguf, else "auto" (by size, in the runner); the CPU,
+    HF checkpoints and random weights dequantize; --quantization gguf on a non-GGUF model is refused."""
+    import voltllm.config as config
+    from voltllm.config import ConfigError, _gguf_weights
+    from voltllm.model.loader.gguf_loader import dense_bytes
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _gguf_weights(None, "gguf", cuda, "auto") == "auto"
+    assert _gguf_weights("gguf", "gguf", cuda, "auto") == "quantized"
+    assert _gguf_weights("gguf", "gguf", cpu, "auto") == "dequantized"
+    assert _gguf_weights(None, "gguf", cuda, "dummy") == "dequantized"
+    assert _gguf_weights(None, "hf", cuda, "auto") == "dequantized"
+    with pytest.raises(ConfigError, match="needs a .gguf"):
+        _gguf_weights("gguf", "hf", cuda, "auto")
+    monkeypatch.setattr(config, "GGUF_KEEP_QUANTIZED", 0)
+    assert _gguf_weights("gguf", "gguf", cuda, "auto") == "dequantized"
+    monkeypatch.setattr(config, "GGUF_KEEP_QUANTIZED", 1)
+    assert _gguf_weights(None, "gguf", cuda, "auto") == "quantized"
+    # SmolLM2-135M: 134.5M parameters (tied embeddings stored once) -> 269 MB in fp16
+    assert dense_bytes(smollm2_gguf, 2) == 2 * 134_515_008

@@ -38,6 +38,10 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
 
 
 @torch.no_grad()
+# "auto" GGUF weights stay quantized when their dequantized size exceeds this share of the usable GPU memory
+GGUF_AUTO_DENSE_FRACTION = 0.5
+
+
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights in place (speed depends on shapes, not values): N(0, 0.02), norms at 1."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -103,7 +107,8 @@ class ModelRunner:
         t0 = time.monotonic()
         mc = self.config.model
         linear_method = None
-        if mc.gguf_quantized:
+        self.gguf_quantized = self._keep_gguf_quantized()
+        if self.gguf_quantized:
             from voltllm.model.layers.gguf_linear import GGUFLinearMethod
 
             linear_method = GGUFLinearMethod(compat=self.config.device.compat != "none")
@@ -120,7 +125,7 @@ class ModelRunner:
             logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
             return model.eval()
         model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                           for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, mc.gguf_quantized))
+                           for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.gguf_quantized))
         model.eval()
         logger.info("loaded %s (%s) in %.1f s", mc.model, mc.architecture, time.monotonic() - t0)
         if linear_method is not None:
@@ -128,6 +133,23 @@ class ModelRunner:
 
             logger.info("GGUF weights kept quantized on the GPU: %s", describe_quantized(model))
         return model
+
+    def _keep_gguf_quantized(self) -> bool:
+        """Resolve ModelConfig.gguf_weights. "auto" keeps the weights quantized when, dequantized, they would take
+        more than GGUF_AUTO_DENSE_FRACTION of the memory --gpu-memory-utilization gives: a model that fits runs the
+        tuned dense kernels (faster on the H200: docs/models.md), one that would not (or would leave little KV cache)
+        still runs."""
+        mc = self.config.model
+        if mc.gguf_weights != "auto":
+            return mc.gguf_weights == "quantized"
+        from voltllm.model.loader.gguf_loader import dense_bytes
+
+        dense = dense_bytes(mc.model, torch.tensor([], dtype=self.dtype).element_size())
+        room = torch.cuda.get_device_properties(self.device).total_memory * self.config.cache.gpu_memory_utilization
+        keep = dense > GGUF_AUTO_DENSE_FRACTION * room
+        logger.info("GGUF weights: %.2f GiB dequantized, %.2f GiB usable on the GPU -> %s (--quantization gguf keeps "
+                    "them quantized)", dense / 2**30, room / 2**30, "kept quantized" if keep else "dequantized at load")
+        return keep
 
     def _set_gdn_precision(self) -> None:
         """Gated DeltaNet prefill: tf32 tensor-core products on the native route of sm_80+ for half-precision

@@ -127,6 +127,11 @@ def gguf_config(path: str) -> Any:
     return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**kwargs)
 
 
+def dense_bytes(path: str, itemsize: int) -> int:
+    """Bytes of every tensor in the file once dequantized to elements of `itemsize` bytes."""
+    return sum(int(np.prod(t.shape)) for t in _reader(path).tensors) * itemsize
+
+
 def _hf_name(gguf_name: str) -> Optional[str]:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
