@@ -37,11 +37,11 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
                                   kv_cache_dtype=config.cache.kv_cache_dtype, max_context=config.model.max_model_len)
 
 
-@torch.no_grad()
 # "auto" GGUF weights stay quantized when their dequantized size exceeds this share of the usable GPU memory
 GGUF_AUTO_DENSE_FRACTION = 0.5
 
 
+@torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights in place (speed depends on shapes, not values): N(0, 0.02), norms at 1."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
