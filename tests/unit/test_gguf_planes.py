@@ -93,6 +93,17 @@ def test_mixed_kind_layer(bias):
     assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_large_matrix_dequantized_in_bands():
+    """A matrix whose dequantized copy exceeds the workspace bound is multiplied band by band (same result)."""
+    layer, w = _mixed_layer(True)
+    x = torch.randn(9, 512)
+    whole = layer(x)
+    layer.method = GGUFLinearMethod()
+    layer.method.workspace_max_bytes = 7 * 512 * 4  # 7 rows of fp32: bands of 7 over the 96-row Q4_K segment
+    assert torch.allclose(layer(x), whole, rtol=1e-5, atol=1e-6 * float(whole.abs().max()))
+    assert torch.allclose(whole, x @ w.T + layer.bias, rtol=1e-5, atol=1e-6 * float(whole.abs().max()))
+
+
 def test_layer_errors():
     layer = Linear(512, [64, 64], method=GGUFLinearMethod())
     with pytest.raises(RuntimeError, match="before all its shards"):

@@ -22,11 +22,16 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from voltllm.model.layers.gguf_planes import Planes, concat_rows, dequantize_planes, planes_from_blocks, take_rows
+from voltllm.model.layers.gguf_planes import (Planes, concat_rows, dequantize_planes, planes_from_blocks, row_band,
+                                              take_rows)
 from voltllm.model.layers.linear import LinearMethod
 
 # rows up to which the dequant-GEMM beats dequantize + cuBLAS (H200 sweep: benchmarks/results/gguf-quant/)
 FMA_MAX_ROWS = 4
+# the largest dequantized workspace: bigger matrices (a 152K-token vocabulary: 1.2-1.5 GB in fp16, which prompt
+# logprobs multiply by every prompt row) are dequantized in bands of rows, so no step needs more than this beyond
+# what the start-up memory profile saw
+WORKSPACE_MAX_BYTES = 256 << 20
 
 
 @dataclass
@@ -53,6 +58,7 @@ class GGUFLinearMethod(LinearMethod):
     def __init__(self, compat: bool = False):
         self.compat = compat  # the same forms on both routes; kept for the acceleration report
         self.fma_max_rows = FMA_MAX_ROWS
+        self.workspace_max_bytes = WORKSPACE_MAX_BYTES
 
     def create_weights(self, layer, in_features, out_features, dtype):
         layer.weight = None  # no dense weight: the start-up GEMM tuner and fused decode paths skip this layer
@@ -100,6 +106,15 @@ class GGUFLinearMethod(LinearMethod):
                 from voltllm.kernels.quant_gemv import quant_matmul
 
                 return quant_matmul(x, w, bias, out=out)
+            step = max(1, self.workspace_max_bytes // (w.k * x.element_size()))
+            if w.n > step:  # a vocabulary-sized matrix: dequantize a band of rows at a time
+                if out is None:
+                    out = torch.empty(rows, w.n, dtype=x.dtype, device=x.device)
+                for a in range(0, w.n, step):
+                    b = min(w.n, a + step)
+                    out[:, a:b] = F.linear(x, dequantized(row_band(w, a, b), x.dtype),
+                                           None if bias is None else bias[a:b])
+                return out
             w = dequantized(w, x.dtype)
         y = F.linear(x, w, bias)
         if out is None:

@@ -237,6 +237,15 @@ def concat_rows(parts: list[Planes]) -> Planes:
                   sc=cat("sc"), mn=cat("mn"))
 
 
+def row_band(p: Planes, start: int, end: int) -> Planes:
+    """Rows [start, end) as views (no copy)."""
+    def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t[start:end]
+
+    return Planes(kind=p.kind, n=end - start, k=p.k, lo=rows(p.lo), hi=rows(p.hi), d=rows(p.d), m=rows(p.m),
+                  sc=rows(p.sc), mn=rows(p.mn))
+
+
 def take_rows(p: Planes, index: torch.Tensor) -> Planes:
     """The planes of rows `index` (an embedding lookup's rows), in that order."""
     def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
