@@ -18,9 +18,12 @@ from voltllm.worker.skinny_tuning import graph_replay_ms
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (960, 576), (3072, 576)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 # (BLOCK_N, U, num_warps)
-FMA_CONFIGS = [(2, 32, 2), (2, 16, 2), (4, 32, 2), (2, 64, 2), (1, 32, 1), (2, 32, 4), (4, 16, 2), (8, 16, 4),
-               (1, 64, 2), (4, 32, 4)]
-ROWS_CONFIGS = [(16, 8, 4), (8, 16, 4), (8, 8, 4), (4, 16, 4), (4, 8, 2), (16, 4, 4), (32, 4, 4)]
+# one warp with several rows keeps the rows in each thread's registers, so each activation element is loaded and
+# converted once per thread for all of them (with rows across warps, every warp converts its own copy): the
+# (R, 32, 1) / (R, 16, 1) entries test that (session 23 left them unmeasured)
+FMA_CONFIGS = [(1, 64, 2), (1, 32, 1), (2, 32, 2), (2, 64, 2), (4, 32, 1), (8, 32, 1), (4, 16, 1), (8, 16, 1),
+               (4, 64, 2), (16, 16, 1)]
+ROWS_CONFIGS = [(16, 8, 4), (8, 16, 4), (4, 32, 1), (8, 16, 1), (8, 32, 1), (16, 8, 1), (32, 4, 4)]
 
 
 
