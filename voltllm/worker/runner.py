@@ -111,7 +111,7 @@ class ModelRunner:
         if self.gguf_quantized:
             from voltllm.model.layers.gguf_linear import GGUFLinearMethod
 
-            linear_method = GGUFLinearMethod(compat=self.config.device.compat != "none")
+            linear_method = GGUFLinearMethod()
         try:
             with torch.device(self.device):
                 model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method)

@@ -19,7 +19,6 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
 from voltllm.model.layers.gguf_planes import (Planes, concat_rows, dequantize_planes, planes_from_blocks, row_band,
@@ -55,8 +54,9 @@ class Segment:
 
 
 class GGUFLinearMethod(LinearMethod):
-    def __init__(self, compat: bool = False):
-        self.compat = compat  # the same forms on both routes; kept for the acceleration report
+    """The same forms on both routes: the dequant-GEMM needs no tensor cores, cuBLAS uses SM70's."""
+
+    def __init__(self):
         self.fma_max_rows = FMA_MAX_ROWS
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
 
