@@ -203,7 +203,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
 
         held = f"; holds {describe_quantized(runner.model)}" if runner is not None else ""
         decode = f"dequant-GEMM (Triton, FMA) up to {FMA_MAX_ROWS} rows"
-        routes["linear"] = _route(True, True, impl + " (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K kept quantized)",
+        routes["linear"] = _route(True, True, impl + " (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K kept quantized)",
                                   f"{decode}; larger steps dequantize one weight at a time to {dtype} for cuBLAS; "
                                   f"other GGUF types dequantized at load{held}")
     elif cuda:

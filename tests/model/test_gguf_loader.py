@@ -186,12 +186,12 @@ def test_unsupported_arch(tmp_path):
         next(gguf_weights(str(path), None))
 
 
-# every kind with a device layout that the gguf package can quantize; gate_proj F16 and down_proj (96 input
-# features: no whole 64-element groups) stay dense
+# every kind with a device layout that the gguf package can quantize (merged qkv and gate_up of mixed kinds);
+# down_proj (96 input features: no whole 64-element groups) stays dense
 _KEPT = {"q_proj.weight": gguf.GGMLQuantizationType.Q8_0, "k_proj.weight": gguf.GGMLQuantizationType.Q4_0,
-         "v_proj.weight": gguf.GGMLQuantizationType.Q4_1, "o_proj.weight": gguf.GGMLQuantizationType.Q4_1,
-         "up_proj.weight": gguf.GGMLQuantizationType.Q8_0, "lm_head.weight": gguf.GGMLQuantizationType.Q4_0,
-         "embed_tokens.weight": gguf.GGMLQuantizationType.Q8_0}
+         "v_proj.weight": gguf.GGMLQuantizationType.Q5_0, "o_proj.weight": gguf.GGMLQuantizationType.Q4_1,
+         "gate_proj.weight": gguf.GGMLQuantizationType.Q5_1, "up_proj.weight": gguf.GGMLQuantizationType.Q8_0,
+         "lm_head.weight": gguf.GGMLQuantizationType.Q4_0, "embed_tokens.weight": gguf.GGMLQuantizationType.Q8_0}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -210,11 +210,14 @@ def test_tiny_kept_quantized(tmp_path, arch):
     ours = dict(gguf_weights(str(path), config, keep_quantized=True))
     blocks = {n for n, t in ours.items() if isinstance(t, GGUFBlocks)}
     assert "model.layers.0.self_attn.q_proj.weight" in blocks and "model.layers.1.mlp.up_proj.weight" in blocks
-    assert not any(n.endswith(("gate_proj.weight", "down_proj.weight", "norm.weight")) for n in blocks)
+    assert not any(n.endswith(("down_proj.weight", "norm.weight")) for n in blocks)
     assert ("lm_head.weight" in blocks) == (arch == "llama")  # qwen2 here ties it to the embeddings
     assert "model.embed_tokens.weight" in blocks
     model = build_model(config, torch.float32, 64, GGUFLinearMethod())
     model.load_weights(ours.items())
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert [type(s.weight).__name__ for s in qkv.gguf_segments] == ["Planes"] * 3  # Q8_0 | Q4_0 | Q5_0
+    assert len(model.layers[0].mlp.gate_up_proj.gguf_segments) == 2  # Q5_1 | Q8_0
     floats = dict(gguf_weights(str(path), config))
     assert all(torch.equal(floats[n], expected[n]) for n in expected)
     dense = build_model(config, torch.float32, 64)

@@ -31,11 +31,12 @@ def test_random_blocks_dequantize_like_gguf(name):
     p = planes_from_blocks(raw, name, k)
     ours = dequantize_planes(p).numpy()
     assert ours.view(np.uint32).tolist() == _gguf_dequant(raw, name, k).astype(np.float32).view(np.uint32).tolist()
-    assert p.nbytes * 8 / (n * k) <= KINDS[name].block_bytes * 8 / KINDS[name].block + 0.13  # Q4_K: int8 sub-scales
+    # the format's own bits per weight, plus 0.125 for the int8 sub-scales of Q4_K / Q5_K
+    assert p.nbytes * 8 / (n * k) <= KINDS[name].block_bytes * 8 / KINDS[name].block + 0.13
     assert torch.equal(from_planes(p).codes, from_planes(planes_from_blocks(raw, name, k)).codes)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_quantized_data_dequantizes_like_gguf(name):
     x = np.random.default_rng(0).standard_normal((5, 576)).astype(np.float32)
     q = gguf.quants.quantize(x, gguf.GGMLQuantizationType[name])
@@ -61,7 +62,7 @@ def test_supports():
     assert supports("Q4_K", 4096) and supports("Q4_0", 576)
     assert not supports("Q4_K", 576)  # 256-element blocks
     assert not supports("Q4_0", 96)  # no whole 64-element groups
-    assert not supports("Q5_K", 4096) and not supports("F16", 4096)
+    assert supports("Q5_K", 4096) and not supports("Q3_K", 4096) and not supports("F16", 4096)
 
 
 def _mixed_layer(bias: bool):

@@ -66,6 +66,13 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
         hb = hb.to(tl.int32)
         q_lo |= (hb & 15) << 4
         q_hi |= (hb >> 4) << 4
+    elif HI_BITS == 1:
+        hb = tl.load(HI + n3 * stride_hi + ((u // 2) * 8)[None, :, None] + (j % 8)[None, None, :], mask=mask3,
+                     other=0)
+        hb = hb.to(tl.int32)
+        bit = ((u % 2) * 2)[None, :, None] + (j // 8)[None, None, :]
+        q_lo |= ((hb >> bit) & 1) << 4
+        q_hi |= ((hb >> (bit + 4)) & 1) << 4
     elif HI_BITS == 2:
         hb = tl.load(HI + n3 * stride_hi + ((u // 2) * 16)[None, :, None] + j[None, None, :], mask=mask3, other=0)
         hb = hb.to(tl.int32)

@@ -7,16 +7,19 @@ separate arrays of the same information:
 - `lo`  uint8 [N, K/2]: the low 4 bits of every code. Per 64-element group of a row, byte j holds element j in
   its low nibble and element 32 + j in its high nibble (Q4_K's own order).
 - `hi`  the code bits above 4, or None: 4 bits (Q8_0) in `lo`'s layout [N, K/2]; 2 bits (Q6_K) [N, K/4], where
-  byte j (< 16) of a 64-group holds elements j, 16 + j, 32 + j, 48 + j at bits 0, 2, 4, 6.
-- `d`   fp16 [N, K/SUPER]: the block scale (SUPER = 32 for Q4_0 / Q4_1 / Q8_0, 256 for the K-quants).
-- `m`   fp16 [N, K/SUPER] or None: Q4_1's offset, Q4_K's dmin.
-- `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' sub-block scale (and Q4_K's sub-block min), SUB = 32
-  (Q4_K) or 16 (Q6_K).
+  byte j (< 16) of a 64-group holds elements j, 16 + j, 32 + j, 48 + j at bits 0, 2, 4, 6; 1 bit (Q5_0, Q5_1,
+  Q5_K) [N, K/8], where byte j (< 8) of a 64-group holds elements j + 8 s at bit s.
+- `d`   fp16 [N, K/SUPER]: the block scale (SUPER = 32 for the legacy types Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0,
+  256 for the K-quants).
+- `m`   fp16 [N, K/SUPER] or None: Q4_1's / Q5_1's offset, Q4_K's / Q5_K's dmin.
+- `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' sub-block scale (and Q4_K's / Q5_K's sub-block min), SUB = 32
+  (Q4_K, Q5_K) or 16 (Q6_K).
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
-- (dmin * mn) (Q4_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
+- (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
 the ones the fp16 load path used (tests check this bit for bit). Bytes per weight stay the format's own: Q4_0
-4.5 bits, Q4_1 5, Q8_0 8.5, Q4_K 4.625 (its 6-bit sub-scales widened to int8), Q6_K 6.56.
+4.5 bits, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625 and Q5_K 5.625 (their 6-bit sub-scales widened to int8),
+Q6_K 6.56.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ KINDS = {k.name: k for k in (
     PlaneKind("Q4_0", 32, 18, hi_bits=0, zero=8, has_min=False, sub=0, super=32),
     PlaneKind("Q4_1", 32, 20, hi_bits=0, zero=0, has_min=True, sub=0, super=32),
     PlaneKind("Q8_0", 32, 34, hi_bits=4, zero=128, has_min=False, sub=0, super=32),
+    PlaneKind("Q5_0", 32, 22, hi_bits=1, zero=16, has_min=False, sub=0, super=32),
+    PlaneKind("Q5_1", 32, 24, hi_bits=1, zero=0, has_min=True, sub=0, super=32),
+    PlaneKind("Q5_K", 256, 176, hi_bits=1, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q4_K", 256, 144, hi_bits=0, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q6_K", 256, 210, hi_bits=2, zero=32, has_min=False, sub=16, super=256),
 )}
@@ -126,11 +132,23 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
     elif kind.name == "Q8_0":
         d = _f16(b, 0)
         codes = (b[..., 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    elif kind.name == "Q4_K":
+    elif kind.name in ("Q5_0", "Q5_1"):
+        d = _f16(b, 0)
+        m = _f16(b, 2) if kind.name == "Q5_1" else None
+        at = 4 if kind.name == "Q5_1" else 2
+        qh = b[..., at:at + 4].contiguous().view(torch.int32)  # element i's fifth bit is bit i (little-endian)
+        bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+        codes = _nibbles(b[..., at + 4:at + 20]) | (bits.to(torch.uint8) << 4)
+    elif kind.name in ("Q4_K", "Q5_K"):
         d, m = _f16(b, 0), _f16(b, 2)
         sc, mn = _q4k_scales(b[..., 4:16])
-        qs = b[..., 16:144].reshape(n, nb, 4, 1, 32)
+        at = 48 if kind.name == "Q5_K" else 16
+        qs = b[..., at:at + 128].reshape(n, nb, 4, 1, 32)
         codes = torch.cat([qs & 15, qs >> 4], dim=3)  # chunk c: elements 64c + l (low), 64c + 32 + l (high)
+        if kind.name == "Q5_K":  # bit i of qh[l] is the fifth bit of sub-block i's element l
+            qh = b[..., 16:48].reshape(n, nb, 1, 32)
+            bits = (qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1
+            codes = codes.reshape(n, nb, 8, 32) | (bits << 4)
     elif kind.name == "Q6_K":
         ql = b[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, first / second 32 bytes, l)
         qh = b[..., 128:192].reshape(n, nb, 2, 32)
@@ -177,6 +195,22 @@ def _split_nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([g & 15, g >> 4], dim=2).reshape(n, half * 2)
 
 
+def _pack_1bit(c: torch.Tensor) -> torch.Tensor:
+    """1-bit values [N, K] -> [N, K/8]: per 64-group, byte j (< 8) = elements j + 8 s at bit s."""
+    n, k = c.shape
+    g = c.reshape(n, k // GROUP, 8, 8)
+    out = torch.zeros(n, k // GROUP, 8, dtype=torch.uint8, device=c.device)
+    for s in range(8):
+        out |= g[:, :, s] << s
+    return out.reshape(n, k // 8)
+
+
+def _unpack_1bit(b: torch.Tensor) -> torch.Tensor:
+    n, eighth = b.shape
+    g = b.reshape(n, eighth // 8, 1, 8)
+    return torch.cat([(g >> s) & 1 for s in range(8)], dim=2).reshape(n, eighth * 8)
+
+
 def _pack_2bit(c: torch.Tensor) -> torch.Tensor:
     """2-bit values [N, K] -> [N, K/4]: per 64-group, byte j (< 16) = elements j + 16 s at bits 2 s."""
     n, k = c.shape
@@ -198,6 +232,8 @@ def to_planes(u: Unpacked, kind: PlaneKind) -> Planes:
         hi = _pair_nibbles(u.codes >> 4)
     elif kind.hi_bits == 2:
         hi = _pack_2bit(u.codes >> 4)
+    elif kind.hi_bits == 1:
+        hi = _pack_1bit(u.codes >> 4)
     return Planes(kind=kind, n=n, k=k, lo=lo.contiguous(), hi=None if hi is None else hi.contiguous(),
                   d=u.d.contiguous(), m=None if u.m is None else u.m.contiguous(),
                   sc=None if u.sc is None else u.sc.contiguous(), mn=None if u.mn is None else u.mn.contiguous())
@@ -209,6 +245,8 @@ def from_planes(p: Planes) -> Unpacked:
         codes = codes | (_split_nibbles(p.hi) << 4)
     elif p.kind.hi_bits == 2:
         codes = codes | (_unpack_2bit(p.hi) << 4)
+    elif p.kind.hi_bits == 1:
+        codes = codes | (_unpack_1bit(p.hi) << 4)
     return Unpacked(codes=codes, d=p.d, m=p.m, sc=p.sc, mn=p.mn)
 
 

@@ -3,7 +3,7 @@
 Supported architectures: llama, qwen2, qwen3 (dense). Tensors are dequantized with the `gguf` package's numpy
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
-dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) instead come as
+dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) instead come as
 raw blocks and stay quantized there (model/layers/gguf_linear.py); their dequantized values are the same.
 
 Two things differ from a Hugging Face checkpoint:
