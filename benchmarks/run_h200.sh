@@ -131,6 +131,7 @@
 #   s77a     (session 23) GGUF kept quantized: the kernels' GPU tests and benchmarks/micro/quant_gemv_sweep.py (carry .whl)
 #   s77b     (session 23) the real SmolLM2 GGUF kept quantized vs dequantized: tests, decode b1 and 16 / 64 concurrent;
 #            needs /root/m/part.00 (a call carrying .carry/p0 first), the wheels in /tmp/site, and carries .carry/p1
+#   s78/s78b (session 23, queued) an 8B-shape Q4_K_M GGUF of random blocks: kept quantized / dequantized at load
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -556,6 +557,22 @@ case $stage in
     ;;
   s75b)  # the hybrid engine / graph tests (RowSplit in mixed steps) with room
     gpu_file test_hybrid_gpu 560 -k "gdn_chunk_checks or engine or graph"
+    ;;
+  s78)  # (session 23, queued; after s77b, which leaves /root/m/smollm2.gguf) an 8B-shape Q4_K_M GGUF of random blocks
+         # (benchmarks/make_random_gguf.py, SmolLM2's tokenizer: vocabulary 49,152), kept quantized: decode b1, 16 / 64
+    timeout 240 python3 benchmarks/make_random_gguf.py --shape qwen3-8b-shape --mix Q4_K_M \
+      --tokenizer-from /root/m/smollm2.gguf /root/m/q8b.gguf
+    q8b="/root/m/q8b.gguf --dtype half --quantization gguf --num-warm 1"
+    bench $q8b --scenario decode --input-len 512 --output-len 256 --name qwen3-8b-shape-q4_k_m-gguf-decode-b1-$sha | tail -8
+    bench $q8b --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
+      --name qwen3-8b-shape-q4_k_m-gguf-c16-c64-$sha | tail -10
+    ;;
+  s78b)  # (after s78) the same file dequantized at load (fp16, the tuned dense kernels), same benchmarks
+    ab="python3 benchmarks/set_and_run.py voltllm.config:GGUF_KEEP_QUANTIZED=0 --"
+    bench_via "$ab" /root/m/q8b.gguf --dtype half --num-warm 1 --scenario decode --input-len 512 --output-len 256 \
+      --name qwen3-8b-shape-q4_k_m-gguf-dequantized-decode-b1-$sha | tail -8
+    bench_via "$ab" /root/m/q8b.gguf --dtype half --num-warm 1 --scenario concurrency --concurrency 16,64 \
+      --input-len 128 --output-len 128 --name qwen3-8b-shape-q4_k_m-gguf-dequantized-c16-c64-$sha | tail -10
     ;;
   s76)  # (for session 23, after s75) 35B batch 1 / 16 / 64 concurrent with the output-gate launch
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"

@@ -1,0 +1,122 @@
+"""A GGUF file of random quantized weights at a named dense shape, for end-to-end runs of GGUF weights kept quantized
+on the GPU machine (the real Qwen GGUFs are too large to carry there: ../shared/MODELS.md).
+
+    PYTHONPATH=$PWD python3 benchmarks/make_random_gguf.py --shape qwen3-8b-shape --mix Q4_K_M \\
+        --tokenizer-from /root/m/smollm2.gguf /root/m/qwen3-8b-q4_k_m.gguf
+
+The tokenizer (and so the vocabulary: the LM head and embeddings get its size, not the shape's) is copied from
+--tokenizer-from. --mix is one GGUF type for every matrix (Q4_0, Q8_0, Q4_K, Q6_K, ...), or Q4_K_M: Q4_K, with
+attn_v and ffn_down Q6_K in every other layer and the LM head Q6_K (roughly llama.cpp's rule). Block scales are
+random around 0.02 (voltllm.model.layers.gguf_planes.random_blocks): the values mean nothing, the bytes and kinds are
+a real file's.
+"""
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+from voltllm.bench.shapes import SHAPES, make_config
+from voltllm.model.layers.gguf_planes import KINDS, random_blocks
+
+ARCH = {"Qwen3Config": "qwen3", "LlamaConfig": "llama"}
+
+
+def kind_of(name: str, layer: int, mix: str) -> str:
+    """The GGUF type of one matrix under the mix."""
+    if mix != "Q4_K_M":
+        return mix
+    if name == "output" or (name in ("attn_v", "ffn_down") and layer % 2 == 0):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def copy_tokenizer(writer, path: str) -> int:
+    """Copy every tokenizer.* field of another GGUF file; returns its vocabulary size."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(path)
+    vocab = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if field.types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, field.types[0])
+        if key == "tokenizer.ggml.tokens":
+            vocab = len(value)
+    return vocab
+
+
+def write(shape: str, mix: str, tokenizer_from: str, out: str, seed: int = 0) -> dict:
+    """Write the file; returns {GGUF type: bytes} of its matrices."""
+    import gguf
+
+    cls, _ = SHAPES[shape]
+    if cls not in ARCH:
+        raise SystemExit(f"{shape}: only dense llama / qwen3 shapes (GGUF architectures voltllm reads)")
+    arch, c = ARCH[cls], make_config(shape)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(out, arch)
+    vocab = copy_tokenizer(w, tokenizer_from)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 1_000_000.0)))
+    w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    gen = torch.Generator().manual_seed(seed)
+    sizes: dict[str, int] = {}
+
+    def matrix(name: str, rows: int, cols: int, kind: str) -> None:
+        raw = random_blocks(kind, rows, cols, gen).numpy()
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+        sizes[kind] = sizes.get(kind, 0) + raw.nbytes
+
+    def ones(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    h, inter = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    matrix("token_embd.weight", vocab, h, kind_of("token_embd", 0, mix))
+    for i in range(c.num_hidden_layers):
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q),
+                                 ("ffn_gate", inter, h), ("ffn_up", inter, h), ("ffn_down", h, inter)):
+            matrix(f"blk.{i}.{name}.weight", rows, cols, kind_of(name, i, mix))
+        ones(f"blk.{i}.attn_norm.weight", h)
+        ones(f"blk.{i}.ffn_norm.weight", h)
+        if arch == "qwen3":
+            ones(f"blk.{i}.attn_q_norm.weight", head_dim)
+            ones(f"blk.{i}.attn_k_norm.weight", head_dim)
+    ones("output_norm.weight", h)
+    if not getattr(c, "tie_word_embeddings", False):
+        matrix("output.weight", vocab, h, kind_of("output", 0, mix))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sizes
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="qwen3-8b-shape", choices=[s for s, (cls, _) in SHAPES.items() if cls in ARCH])
+    ap.add_argument("--mix", default="Q4_K_M", choices=["Q4_K_M", *KINDS])
+    ap.add_argument("--tokenizer-from", required=True, help="a GGUF file whose tokenizer to copy")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    sizes = write(args.shape, args.mix, args.tokenizer_from, args.out, args.seed)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(sizes.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
