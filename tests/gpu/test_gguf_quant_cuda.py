@@ -72,6 +72,32 @@ def test_mixed_kind_layer_every_route():
         assert err < 2e-3, f"m={m}: {err:.2e} seed {seed}"
 
 
+def test_start_up_tile_timing():
+    """worker/quant_tuning.py on a Q4_K + Q6_K layer: a tile per kind, shape and row class from the candidates, and
+    the layer then still computes its reference product."""
+    from voltllm.worker.quant_tuning import CANDIDATES, tune_quant_tiles
+
+    seed = random.SystemRandom().randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    k, sizes = 4096, [1024, 512]
+    method = GGUFLinearMethod()
+    with torch.device("cuda"):
+        layer = Linear(k, sizes, dtype=torch.float16, method=method)
+    parts = []
+    for i, (name, size) in enumerate(zip(["Q4_K", "Q6_K"], sizes)):
+        raw = random_blocks(name, size, k, g)
+        layer.load_weight(GGUFBlocks(name, raw, size, k), i)
+        parts.append(dequantize_planes(planes_from_blocks(raw, name, k)))
+    lines = tune_quant_tiles(torch.nn.ModuleList([layer]), method, torch.float16)
+    assert len(lines) == 4 and set(method.tiles) == {(n, s, k, r) for n, s in (("Q4_K", 1024), ("Q6_K", 512))
+                                                     for r in (1, 4)}
+    assert all(cfg in CANDIDATES[key[3]] for key, cfg in method.tiles.items())
+    w = torch.cat(parts).cuda()
+    for m in (1, 3):
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        assert _rel(layer(x), x.float() @ w.T) < 2e-3, f"m={m} tiles {method.tiles} seed {seed}"
+
+
 def _first_divergences(got, ref):
     """(sequence index, position) of each sequence's first token that differs from the reference."""
     out = []

@@ -164,3 +164,35 @@ def test_gguf_weights_policy(monkeypatch, smollm2_gguf):
     assert _gguf_weights(None, "gguf", cuda, "auto") == "quantized"
     # SmolLM2-135M: 134.5M parameters (tied embeddings stored once) -> 269 MB in fp16
     assert dense_bytes(smollm2_gguf, 2) == 2 * 134_515_008
+
+
+def test_quant_tile_choice():
+    """The start-up tile timing (worker/quant_tuning.py): the fastest candidate that agrees with the default; one that
+    disagrees or fails is never chosen; the default when nothing beats it."""
+    from voltllm.worker.quant_tuning import choose, copies_needed
+
+    times = {"a": 5.0, "b": 3.0, "c": 1.0, "d": 2.0}
+    assert choose(["a", "b", "c", "d"], times.__getitem__, lambda c: c != "c") == ("d", 2.0, 5.0)
+
+    def fails(cfg):
+        if cfg == "d":
+            raise RuntimeError("out of resources")
+        return times[cfg]
+
+    assert choose(["a", "b", "d"], fails, lambda c: True) == ("b", 3.0, 5.0)
+    assert choose(["c", "a"], times.__getitem__, lambda c: True) == ("c", 1.0, 1.0)
+    assert copies_needed(14 << 20) == 19 and copies_needed(1 << 30) == 1 and copies_needed(4096) == 32
+
+
+def test_quant_tile_groups(smollm2_gguf):
+    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+    from voltllm.model.models.registry import build_model
+    from voltllm.worker.quant_tuning import planes_groups
+
+    src = resolve_model(smollm2_gguf)
+    cfg = load_hf_config(src)
+    model = build_model(cfg, torch.float32, 64, GGUFLinearMethod())
+    model.load_weights((n, t.float() if isinstance(t, torch.Tensor) else t) for n, t in iter_weights(src, cfg, True))
+    # qkv, o, gate_up, down (Q4_1) and the tied LM head (the Q8_0 embeddings)
+    assert set(planes_groups(model)) == {("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576),
+                                         ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)}

@@ -477,10 +477,30 @@ class ModelRunner:
             from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 
             tune_skinny_gemm(self.model)  # sets each Linear's choice
+            self._tune_quant_tiles()
             # decode batches run at the CUDA-graph sizes; the compat route keeps cuBLAS (on sm_70/75 the
             # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
             if self.config.device.compat == "none":
                 tune_batch_gemm(self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
+
+    def _tune_quant_tiles(self) -> None:
+        """GGUF weights kept quantized: the dequant-GEMM's tile per kind, shape and row class, timed on this GPU."""
+        from voltllm.model.layers.gguf_linear import GGUFLinearMethod
+
+        method = next((m.method for m in self.model.modules() if isinstance(getattr(m, "method", None),
+                                                                            GGUFLinearMethod)), None)
+        if method is None:
+            return
+        from voltllm.worker.quant_tuning import tune_quant_tiles
+
+        t0 = time.monotonic()
+        try:
+            lines = tune_quant_tiles(self.model, method, self.dtype)
+        except Exception as e:  # noqa: BLE001 - timing is an optimisation: keep the default tiles
+            logger.warning("GGUF dequant-GEMM tile timing failed (%s); default tiles", e)
+            method.tiles.clear()
+            return
+        logger.info("GGUF dequant-GEMM tiles chosen in %.1f s:\n  %s", time.monotonic() - t0, "\n  ".join(lines))
 
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs

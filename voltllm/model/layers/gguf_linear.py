@@ -59,6 +59,8 @@ class GGUFLinearMethod(LinearMethod):
     def __init__(self):
         self.fma_max_rows = FMA_MAX_ROWS
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
+        # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, 1 | FMA_MAX_ROWS) -> config
+        self.tiles: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
 
     def create_weights(self, layer, in_features, out_features, dtype):
         layer.weight = None  # no dense weight: the start-up GEMM tuner and fused decode paths skip this layer
@@ -105,7 +107,8 @@ class GGUFLinearMethod(LinearMethod):
             if x.is_cuda and rows <= self.fma_max_rows:
                 from voltllm.kernels.quant_gemv import quant_matmul
 
-                return quant_matmul(x, w, bias, out=out)
+                tile = self.tiles.get((w.kind.name, w.n, w.k, 1 if rows == 1 else FMA_MAX_ROWS))
+                return quant_matmul(x, w, bias, out=out, config=tile)
             step = max(1, self.workspace_max_bytes // (w.k * x.element_size()))
             if w.n > step:  # a vocabulary-sized matrix: dequantize a band of rows at a time
                 if out is None:

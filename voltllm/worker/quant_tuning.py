@@ -1,0 +1,100 @@
+"""Start-up choice of the GGUF dequant-GEMM's tile (kernels/quant_gemv.py), per plane kind, weight shape and row
+class (one row; two to four), by timing where the model runs.
+
+The fastest tile differs by GPU and shape (the H200 sweep, benchmarks/results/gguf-quant/, and no V100 or T4 here), so
+as for the dense GEMMs (skinny_tuning.py) the candidates are timed on the card itself, from CUDA-graph replays over
+copies that leave the L2 cold. A candidate whose product differs from the default tile's is never chosen; one that
+fails to compile or launch is skipped; if the timing itself fails, the defaults stay.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+
+from voltllm.model.layers.gguf_linear import FMA_MAX_ROWS, GGUFLinearMethod, QuantEmbedding
+from voltllm.model.layers.gguf_planes import Planes
+
+logger = logging.getLogger(__name__)
+
+TUNE_ROWS = (1, FMA_MAX_ROWS)
+# (BLOCK_N, U, num_warps) per row class, the default first. The one-warp tiles keep several rows in each thread's
+# registers, so each activation element is converted once for all of them (unmeasured in session 23).
+CANDIDATES = {1: [(1, 64, 2), (2, 32, 2), (1, 32, 1), (4, 32, 1), (8, 32, 1), (4, 16, 1)],
+              FMA_MAX_ROWS: [(16, 8, 4), (8, 16, 4), (4, 32, 1), (8, 16, 1)]}
+L2_FLUSH_BYTES = 256 << 20
+MAX_COPIES = 32
+
+
+def planes_groups(model: torch.nn.Module) -> dict[tuple[str, int, int], Planes]:
+    """One Planes per (kind, N, K) that the model's GGUF layers (and a quantized tied LM head) multiply by."""
+    groups: dict[tuple[str, int, int], Planes] = {}
+    for mod in model.modules():
+        segs = getattr(mod, "gguf_segments", None) or ([mod.table] if isinstance(mod, QuantEmbedding) and mod.table
+                                                       else [])
+        for s in segs:
+            if isinstance(s.weight, Planes):
+                groups.setdefault((s.weight.kind.name, s.weight.n, s.weight.k), s.weight)
+    return groups
+
+
+def copies_needed(nbytes: int) -> int:
+    """Planes to rotate over so that L2_FLUSH_BYTES stream between two reads of the same one."""
+    return max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / max(nbytes, 1))))
+
+
+def _copy(p: Planes) -> Planes:
+    def c(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.clone()
+
+    return Planes(kind=p.kind, n=p.n, k=p.k, lo=c(p.lo), hi=c(p.hi), d=c(p.d), m=c(p.m), sc=c(p.sc), mn=c(p.mn))
+
+
+def choose(candidates: list, time_ms: Callable[[object], float], agrees: Callable[[object], bool]) -> tuple:
+    """(best config, its ms, the default's ms): the fastest candidate that runs and agrees with the default (the
+    first candidate), which is the fallback."""
+    default = candidates[0]
+    best, best_ms = default, time_ms(default)
+    default_ms = best_ms
+    for cfg in candidates[1:]:
+        try:
+            if not agrees(cfg):
+                continue
+            ms = time_ms(cfg)
+        except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run (resources, compile): skip it
+            logger.debug("quant tile %s skipped: %s", cfg, e)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, best_ms, default_ms
+
+
+@torch.inference_mode()
+def tune_quant_tiles(model: torch.nn.Module, method: GGUFLinearMethod, dtype: torch.dtype) -> list[str]:
+    """Time the candidates per (kind, N, K) and row class with activations of `dtype`; the choices go into
+    method.tiles. Returns log lines."""
+    from voltllm.kernels.quant_gemv import quant_matmul
+    from voltllm.worker.skinny_tuning import graph_replay_ms
+
+    lines = []
+    for (kind, n, k), planes in planes_groups(model).items():
+        rotation = [planes] + [_copy(planes) for _ in range(copies_needed(planes.nbytes) - 1)]
+        for rows in TUNE_ROWS:
+            x = torch.randn(rows, k, dtype=dtype, device=planes.device)
+            ref = quant_matmul(x, planes, config=CANDIDATES[rows][0]).float()
+
+            def agrees(cfg, x=x, ref=ref) -> bool:
+                got = quant_matmul(x, planes, config=cfg).float()
+                return bool(torch.allclose(got, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max())))
+
+            def time_ms(cfg, x=x) -> float:
+                return graph_replay_ms(lambda p: quant_matmul(x, p, config=cfg), rotation, reps=20)
+
+            best, best_ms, default_ms = choose(CANDIDATES[rows], time_ms, agrees)
+            method.tiles[(kind, n, k, rows)] = best
+            lines.append(f"{kind} {n}x{k} rows {rows}: {best} {best_ms * 1e3:.1f} us (default "
+                         f"{default_ms * 1e3:.1f} us)")
+        del rotation
+    return lines
