@@ -1,17 +1,18 @@
 """GGUF-quantized weights on the device: dequant-GEMM for decode rows, dequant-to-fp16 for prompts.
 
 The weights are voltllm.model.layers.gguf_planes.Planes (codes and scales in separate aligned arrays). A tile is
-[BLOCK_N rows, G64 groups of 64 elements]; each group's 32 bytes of `lo` hold its first 32 elements in the low
-nibbles and its last 32 in the high ones, so a tile dequantizes as two halves ("lo" elements 64 g + j, "hi"
-elements 64 g + 32 + j) and the activations are read in the same two halves.
+[BLOCK_N rows, U units of 16 bytes of `lo`]; a 64-element group's 32 bytes of `lo` hold its first 32 elements in the
+low nibbles and its last 32 in the high ones, so a unit dequantizes as two halves of 16 weights each (elements
+e0 + j and e0 + 32 + j) sharing their scales, and the activations are read in the same two halves.
 
 - `quant_matmul`: y = x W^T (+ b) for a few rows: each program dequantizes its tile in registers (fp32, no tensor
   cores: the same kernel on every route, SM70 included) and multiplies it by up to FMA_MAX_ROWS activation rows.
   The weight is read at its quantized size (4.5-bit weights: ~3.5x fewer bytes than fp16). The codes become floats
   through their bits (2^23 + q, minus 2^23): the integer conversion instruction runs at a quarter of the FMA rate
   and bounded the first version.
-- `dequantize`: the whole weight to fp16 / bf16 in a workspace, for prompt steps, whose GEMM is compute-bound and
-  goes to cuBLAS (the SM70 discipline: tensor-core work through the vendor library, DESIGN.md).
+- `dequantize`: the whole weight (or a band of its rows) to fp16 / bf16 in a workspace, for prompt steps and larger
+  decode batches, whose GEMM goes to cuBLAS (the SM70 discipline: tensor-core work through the vendor library,
+  DESIGN.md).
 
 Dequantized values equal the `gguf` package's (fp32, same operation order); kernels.md has the measured speeds.
 """
@@ -37,7 +38,7 @@ def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.cons
     s = tl.load(D + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
     if SUB > 0:
         s = s * tl.load(SC + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
-    b = s * (-ZERO)  # exact: ZERO is 0, 8, 32 or 128
+    b = s * (-ZERO)  # exact: ZERO is 0, 8, 16, 32 or 128
     if HAS_MIN:
         m = tl.load(Mp + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
         if SUB > 0:
