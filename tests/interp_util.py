@@ -23,14 +23,21 @@ def patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def check_names(helper) -> list[str]:
-    """The CHECKS list a check script defines (importing it runs no kernel: triton loads lazily there)."""
+def load_script(path):
+    """A Python file that is no package module (a check script, a benchmarks/ tool) imported as a module."""
     import importlib.util
+    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(helper.stem, helper)
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return list(mod.CHECKS)
+    return mod
+
+
+def check_names(helper) -> list[str]:
+    """The CHECKS list a check script defines (importing it runs no kernel: triton loads lazily there)."""
+    return list(load_script(helper).CHECKS)
 
 
 def run_interp_script(helper, args=(), timeout: int = 600):

@@ -1,17 +1,13 @@
 """benchmarks/make_random_gguf.py: a GGUF file of random quantized weights at a named shape, with a copied
 tokenizer, that voltllm loads (dequantized on the CPU, as raw blocks of the chosen kinds when kept quantized)."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+from interp_util import load_script
 
 
 def _script():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_gguf.py"
-    spec = importlib.util.spec_from_file_location("make_random_gguf", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_gguf.py")
 
 
 def test_q4_k_m_mix():

@@ -1,17 +1,13 @@
 """benchmarks/set_and_run.py (A / B runs): it sets existing module constants before handing the rest to the CLI,
 and refuses names that do not exist (a typo would otherwise measure the plain run twice)."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+from interp_util import load_script
 
 
 def _tool():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "set_and_run.py"
-    spec = importlib.util.spec_from_file_location("set_and_run", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "set_and_run.py")
 
 
 def test_sets_the_constant_then_runs_the_cli(capsys):
