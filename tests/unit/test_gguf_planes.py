@@ -196,3 +196,17 @@ def test_quant_tile_groups(smollm2_gguf):
     # qkv, o, gate_up, down (Q4_1) and the tied LM head (the Q8_0 embeddings)
     assert set(planes_groups(model)) == {("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576),
                                          ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)}
+
+
+def test_out_of_memory_while_loading_is_a_clear_error(monkeypatch, smollm2_gguf):
+    """Kept-quantized weights are allocated while they load, after the model is built: running out of memory there
+    is the same one-line error as at build time, not an allocator trace."""
+    from voltllm import LLM
+    from voltllm.model.models.llama import LlamaForCausalLM
+
+    def no_memory(self, weights):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", no_memory)
+    with pytest.raises(RuntimeError, match="weights do not fit on cpu"):
+        LLM(smollm2_gguf, device="cpu", max_model_len=256)

@@ -115,17 +115,19 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method)
+            if mc.load_format == "dummy":
+                init_dummy_weights(model, mc.seed)
+                logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
+                return model.eval()
+            # quantized weights are allocated while they load, not when the model is built
+            model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                               for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.gguf_quantized))
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
             raise RuntimeError(
                 f"the model's weights do not fit on {self.device} ({total / 2**30:.1f} GiB, "
-                f"{free / 2**30:.1f} GiB free) in {self.dtype}: use a smaller or quantized model") from None
-        if mc.load_format == "dummy":
-            init_dummy_weights(model, mc.seed)
-            logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
-            return model.eval()
-        model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                           for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.gguf_quantized))
+                f"{free / 2**30:.1f} GiB free) in {self.dtype}" + (" kept quantized" if self.gguf_quantized else "")
+                + ": use a smaller or quantized model") from None
         model.eval()
         logger.info("loaded %s (%s) in %.1f s", mc.model, mc.architecture, time.monotonic() - t0)
         if linear_method is not None:
