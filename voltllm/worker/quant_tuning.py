@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
-from voltllm.model.layers.gguf_linear import FMA_MAX_ROWS, GGUFLinearMethod, QuantEmbedding
-from voltllm.model.layers.gguf_planes import Planes
+from voltllm.model.layers.gguf_linear import FMA_MAX_ROWS, GGUFLinearMethod, held_segments
+from voltllm.model.layers.gguf_planes import Planes, map_planes
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +32,7 @@ def planes_groups(model: torch.nn.Module) -> dict[tuple[str, int, int], Planes]:
     """One Planes per (kind, N, K) that the model's GGUF layers (and a quantized tied LM head) multiply by."""
     groups: dict[tuple[str, int, int], Planes] = {}
     for mod in model.modules():
-        segs = getattr(mod, "gguf_segments", None) or ([mod.table] if isinstance(mod, QuantEmbedding) and mod.table
-                                                       else [])
-        for s in segs:
+        for s in held_segments(mod):
             if isinstance(s.weight, Planes):
                 groups.setdefault((s.weight.kind.name, s.weight.n, s.weight.k), s.weight)
     return groups
@@ -43,13 +41,6 @@ def planes_groups(model: torch.nn.Module) -> dict[tuple[str, int, int], Planes]:
 def copies_needed(nbytes: int) -> int:
     """Planes to rotate over so that L2_FLUSH_BYTES stream between two reads of the same one."""
     return max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / max(nbytes, 1))))
-
-
-def _copy(p: Planes) -> Planes:
-    def c(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if t is None else t.clone()
-
-    return Planes(kind=p.kind, n=p.n, k=p.k, lo=c(p.lo), hi=c(p.hi), d=c(p.d), m=c(p.m), sc=c(p.sc), mn=c(p.mn))
 
 
 def choose(candidates: list, time_ms: Callable[[object], float], agrees: Callable[[object], bool]) -> tuple:
@@ -80,7 +71,8 @@ def tune_quant_tiles(model: torch.nn.Module, method: GGUFLinearMethod, dtype: to
 
     lines = []
     for (kind, n, k), planes in planes_groups(model).items():
-        rotation = [planes] + [_copy(planes) for _ in range(copies_needed(planes.nbytes) - 1)]
+        copies = copies_needed(planes.nbytes) - 1
+        rotation = [planes] + [map_planes(planes, torch.clone, planes.n) for _ in range(copies)]
         for rows in TUNE_ROWS:
             x = torch.randn(rows, k, dtype=dtype, device=planes.device)
             ref = quant_matmul(x, planes, config=CANDIDATES[rows][0]).float()
@@ -89,12 +81,11 @@ def tune_quant_tiles(model: torch.nn.Module, method: GGUFLinearMethod, dtype: to
                 got = quant_matmul(x, planes, config=cfg).float()
                 return bool(torch.allclose(got, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max())))
 
-            def time_ms(cfg, x=x) -> float:
+            def time_ms(cfg, x=x, rotation=rotation) -> float:
                 return graph_replay_ms(lambda p: quant_matmul(x, p, config=cfg), rotation, reps=20)
 
             best, best_ms, default_ms = choose(CANDIDATES[rows], time_ms, agrees)
             method.tiles[(kind, n, k, rows)] = best
             lines.append(f"{kind} {n}x{k} rows {rows}: {best} {best_ms * 1e3:.1f} us (default "
                          f"{default_ms * 1e3:.1f} us)")
-        del rotation
     return lines

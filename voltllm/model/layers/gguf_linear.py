@@ -195,10 +195,16 @@ def _segment_bytes(seg: Segment) -> int:
     return w.nbytes if isinstance(w, Planes) else w.numel() * w.element_size()
 
 
+def held_segments(mod: nn.Module) -> list[Segment]:
+    """The GGUF segments a layer (or a quantized embedding table) holds outside its parameters."""
+    if isinstance(mod, QuantEmbedding):
+        return [mod.table] if mod.table is not None else []
+    return getattr(mod, "gguf_segments", None) or []
+
+
 def held_matrix(mod: nn.Module) -> Optional[tuple[int, int]]:
     """(bytes, elements) of the GGUF matrix a layer or embedding holds outside its parameters; None for others."""
-    segs = getattr(mod, "gguf_segments", None) or ([mod.table] if isinstance(mod, QuantEmbedding) and mod.table
-                                                   else [])
+    segs = held_segments(mod)
     if not segs:
         return None
     cols = mod.embedding_dim if isinstance(mod, QuantEmbedding) else mod.in_features
@@ -209,9 +215,7 @@ def describe_quantized(model: torch.nn.Module) -> str:
     """What the linear layers and embeddings hold, for the start-up log: bytes per plane kind and of dense weights."""
     by_kind: dict[str, int] = {}
     for mod in model.modules():
-        segs = getattr(mod, "gguf_segments", None) or ([mod.table] if isinstance(mod, QuantEmbedding) and mod.table
-                                                       else [])
-        for s in segs:
+        for s in held_segments(mod):
             key = s.weight.kind.name if isinstance(s.weight, Planes) else f"dense {s.weight.dtype}"
             by_kind[key] = by_kind.get(key, 0) + _segment_bytes(s)
     return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_kind.items())) or "no GGUF matrices"

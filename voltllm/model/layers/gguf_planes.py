@@ -275,22 +275,22 @@ def concat_rows(parts: list[Planes]) -> Planes:
                   sc=cat("sc"), mn=cat("mn"))
 
 
+def map_planes(p: Planes, fn, n: int) -> Planes:
+    """Planes of `n` rows made by applying fn to each plane tensor (row slices, gathers, copies)."""
+    def f(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else fn(t)
+
+    return Planes(kind=p.kind, n=n, k=p.k, lo=f(p.lo), hi=f(p.hi), d=f(p.d), m=f(p.m), sc=f(p.sc), mn=f(p.mn))
+
+
 def row_band(p: Planes, start: int, end: int) -> Planes:
     """Rows [start, end) as views (no copy)."""
-    def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if t is None else t[start:end]
-
-    return Planes(kind=p.kind, n=end - start, k=p.k, lo=rows(p.lo), hi=rows(p.hi), d=rows(p.d), m=rows(p.m),
-                  sc=rows(p.sc), mn=rows(p.mn))
+    return map_planes(p, lambda t: t[start:end], end - start)
 
 
 def take_rows(p: Planes, index: torch.Tensor) -> Planes:
     """The planes of rows `index` (an embedding lookup's rows), in that order."""
-    def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if t is None else t.index_select(0, index)
-
-    return Planes(kind=p.kind, n=index.numel(), k=p.k, lo=rows(p.lo), hi=rows(p.hi), d=rows(p.d), m=rows(p.m),
-                  sc=rows(p.sc), mn=rows(p.mn))
+    return map_planes(p, lambda t: t.index_select(0, index), index.numel())
 
 
 def random_blocks(type_name: str, n: int, k: int, generator: Optional[torch.Generator] = None,
