@@ -573,7 +573,7 @@ case $stage in
     gpu_file test_gguf_quant_cuda 240 -k smollm2
     gpu_file test_engine_gpu 90 -k smollm2
     for keep in 1 0; do
-      ab="python3 benchmarks/set_and_run.py voltllm.config:GGUF_KEEP_QUANTIZED=$keep --"
+      ab="python3 benchmarks/set_and_run.py voltllm.config:KEEP_QUANTIZED=$keep --"
       bench_via "$ab" /root/m/smollm2.gguf --dtype half --scenario decode --input-len 512 --output-len 256 \
         --num-warm 2 --name smollm2-135m-gguf-fp16-decode-b1-keep$keep-$sha | tail -8
       bench_via "$ab" /root/m/smollm2.gguf --dtype half --scenario concurrency --concurrency 16,64 --input-len 128 \
@@ -590,7 +590,7 @@ case $stage in
       --name qwen3-8b-shape-q4_k_m-gguf-c16-c64-$sha | tail -10
     ;;
   s78b)  # (after s78) the same file dequantized at load (fp16, the tuned dense kernels), same benchmarks
-    ab="python3 benchmarks/set_and_run.py voltllm.config:GGUF_KEEP_QUANTIZED=0 --"
+    ab="python3 benchmarks/set_and_run.py voltllm.config:KEEP_QUANTIZED=0 --"
     bench_via "$ab" /root/m/q8b.gguf --dtype half --num-warm 1 --scenario decode --input-len 512 --output-len 256 \
       --name qwen3-8b-shape-q4_k_m-gguf-dequantized-decode-b1-$sha | tail -8
     bench_via "$ab" /root/m/q8b.gguf --dtype half --num-warm 1 --scenario concurrency --concurrency 16,64 \

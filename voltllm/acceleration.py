@@ -193,19 +193,20 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     # linear
     methods = sorted({type(m.method).__name__ for m in runner.model.modules() if hasattr(m, "method")}) \
         if runner is not None else ["UnquantizedLinearMethod"]
-    quant = config.quantization or ("gguf" if str(config.model.model).endswith(".gguf") else None)
-    kept = bool(getattr(runner, "gguf_quantized", False)) if runner is not None else \
-        getattr(config.model, "gguf_weights", "") == "quantized"
-    impl = ", ".join(methods) + (f" (GGUF tensors dequantized to {dtype} at load)" if quant == "gguf" and not kept
-                                 else "")
+    quant = config.quantization or getattr(config.model, "quantization", None)
+    kept = bool(getattr(runner, "keep_quantized", False)) if runner is not None else \
+        getattr(config.model, "quantized_weights", "") == "quantized"
+    impl = ", ".join(methods) + (f" ({quant} weights dequantized to {dtype} at load)" if quant and not kept else "")
     if cuda and kept:
-        from voltllm.model.layers.gguf_linear import FMA_MAX_ROWS, describe_quantized
+        from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, describe_quantized
 
         held = f"; holds {describe_quantized(runner.model)}" if runner is not None else ""
         decode = f"dequant-GEMM (Triton, FMA) up to {FMA_MAX_ROWS} rows"
-        routes["linear"] = _route(True, True, impl + " (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K kept quantized)",
+        kinds = ("GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K" if quant == "gguf"
+                 else f"{quant} 4-bit groups")
+        routes["linear"] = _route(True, True, impl + f" ({kinds} kept quantized)",
                                   f"{decode}; larger steps dequantize one weight at a time to {dtype} for cuBLAS; "
-                                  f"other GGUF types dequantized at load{held}")
+                                  f"other layouts dequantized at load{held}")
     elif cuda:
         routes["linear"] = _route(True, True, impl, f"torch F.linear -> cuBLAS {dtype} GEMM" + (
             " (fp16 tensor cores on sm_70+)" if dtype == "float16" else "") + _triton_gemm_note(runner))

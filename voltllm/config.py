@@ -23,9 +23,12 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
 }
-# Experiment knob (benchmarks/set_and_run.py A/B runs, tests): a GGUF file's weights on the GPU are kept quantized
-# (1), dequantized at load (0), or chosen by size (-1, the default: ModelConfig.gguf_weights "auto")
-GGUF_KEEP_QUANTIZED = -1
+# Experiment knob (benchmarks/set_and_run.py A/B runs, tests): a quantized checkpoint's weights (GGUF, AWQ, GPTQ) on
+# the GPU are kept quantized (1), dequantized at load (0), or chosen by size (-1, the default: "auto")
+KEEP_QUANTIZED = -1
+# --quantization values: the checkpoint's own method, under vLLM's names (the *_marlin names pick vLLM's kernels
+# for the same checkpoints; here they mean the same as awq / gptq)
+QUANTIZATION_ALIASES = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32")
 
 
@@ -45,10 +48,13 @@ class ModelConfig:
     language_model_only: bool = False
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
-    # a GGUF file's weights: "quantized" (the common GGUF types stay quantized on the GPU, model/layers/gguf_linear.py;
-    # --quantization gguf), "dequantized" (to the compute dtype at load: the CPU, other files), or "auto" (a GPU
-    # without the flag: quantized when the dequantized weights would crowd the card, worker/runner.py)
-    gguf_weights: str = "dequantized"
+    # the checkpoint's quantization method ("gguf", "awq", "gptq"; None: unquantized), from the file itself
+    quantization: Optional[str] = None
+    # a quantized checkpoint's weights: "quantized" (they stay quantized on the GPU, model/layers/quantized_linear.py;
+    # --quantization METHOD), "dequantized" (to the compute dtype at load: the CPU, unquantized checkpoints,
+    # architectures without quantized layers), or "auto" (a GPU without the flag: quantized when the dequantized
+    # weights would crowd the card, worker/runner.py)
+    quantized_weights: str = "dequantized"
 
     @property
     def architecture(self) -> str:
@@ -165,8 +171,9 @@ class EngineArgs:
             raise ConfigError("--no-enable-chunked-prefill: prefill is always chunked here (each step computes at most "
                               "--max-num-batched-tokens tokens, as vLLM V1 does); scheduling whole prompts only is "
                               "not built")
-        if self.quantization not in (None, "gguf"):
-            raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_ALIASES:
+            raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet (built: "
+                              f"{', '.join(QUANTIZATION_ALIASES)})")
         if _parse_json_arg("--speculative-config", self.speculative_config):
             raise ConfigError("--speculative-config: speculative decoding is not built yet")
 
@@ -205,6 +212,7 @@ class EngineArgs:
                 apply_hf_overrides(hf_config, overrides)
             except HFOverrideError as e:
                 raise ConfigError(str(e)) from None
+        method = _resolve_quantization(self.quantization, source.kind, hf_config)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
@@ -254,7 +262,8 @@ class EngineArgs:
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only,
             load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-            gguf_weights=_gguf_weights(self.quantization, source.kind, device, self.load_format))
+            quantization=method,
+            quantized_weights=_quantized_weights(method, self.quantization, hf_config, device, self.load_format))
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
@@ -268,7 +277,7 @@ class EngineArgs:
                            attention_backend=self.attention_backend, require_acceleration=self.require_acceleration)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size), speculative=spec,
-                              quantization=self.quantization)
+                              quantization=method)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration
 
@@ -298,13 +307,41 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _gguf_weights(quantization: Optional[str], kind: str, device: torch.device, load_format: str) -> str:
-    """ModelConfig.gguf_weights: kept quantized only on a GPU, always with --quantization gguf, else by size."""
-    if quantization == "gguf" and kind != "gguf":
-        raise ConfigError("--quantization gguf needs a .gguf model file")
-    if kind != "gguf" or device.type != "cuda" or load_format != "auto" or GGUF_KEEP_QUANTIZED == 0:
+def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Optional[str]:
+    """The checkpoint's quantization method (what it is, not what the flag says); --quantization must agree."""
+    from voltllm.model.loader.int4_checkpoint import Int4CheckpointError, int4_scheme, quantization_method
+
+    method = "gguf" if kind == "gguf" else quantization_method(hf_config)
+    if method is not None and method not in ("gguf", "awq", "gptq"):
+        raise ConfigError(f"the checkpoint is quantized with {method!r}: reading it is not built yet (built: GGUF "
+                          "files, 4-bit AWQ and GPTQ checkpoints)")
+    if method in ("awq", "gptq"):
+        try:
+            int4_scheme(hf_config)
+        except Int4CheckpointError as e:
+            raise ConfigError(str(e)) from None
+    wanted = QUANTIZATION_ALIASES.get(flag) if flag is not None else None
+    if wanted is not None and wanted != method:
+        what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "gguf": "a GGUF file"}.get(
+            method, "not a quantized checkpoint")
+        raise ConfigError(f"--quantization {flag}: the model is {what}"
+                          + (" (--quantization gguf needs a .gguf model file)" if wanted == "gguf" else ""))
+    return method
+
+
+def _quantized_weights(method: Optional[str], flag: Optional[str], hf_config: Any, device: torch.device,
+                       load_format: str) -> str:
+    """ModelConfig.quantized_weights: kept quantized only on a GPU, for architectures with quantized layers
+    (models/registry.py), always with --quantization, else by size (worker/runner.py)."""
+    from voltllm.model.models.registry import supports_quantized_layers
+
+    if method is None or device.type != "cuda" or load_format != "auto" or KEEP_QUANTIZED == 0:
         return "dequantized"
-    return "quantized" if quantization == "gguf" or GGUF_KEEP_QUANTIZED == 1 else "auto"
+    if not supports_quantized_layers(hf_config):
+        logger.warning("%s weights are dequantized at load: quantized layers are not built for model type %r",
+                       method, getattr(hf_config, "model_type", None))
+        return "dequantized"
+    return "quantized" if flag is not None or KEEP_QUANTIZED == 1 else "auto"
 
 
 def _resolve_compat(compat: str, device: torch.device) -> str:

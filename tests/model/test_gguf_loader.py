@@ -197,9 +197,9 @@ _KEPT = {"q_proj.weight": gguf.GGMLQuantizationType.Q8_0, "k_proj.weight": gguf.
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_kept_quantized(tmp_path, arch):
     """keep_quantized: linear weights and embeddings of kept kinds come as raw blocks (llama q/k rows un-permuted as
-    blocks), the others as float; a model built with GGUFLinearMethod multiplies by exactly the float path's
+    blocks), the others as float; a model built with QuantizedLinearMethod multiplies by exactly the float path's
     weights, looks up the same embeddings and computes the same logits (qwen2: through the tied, quantized table)."""
-    from voltllm.model.layers.gguf_linear import GGUFBlocks, GGUFLinearMethod
+    from voltllm.model.layers.quantized_linear import GGUFBlocks, QuantizedLinearMethod
     from voltllm.model.layers.linear import Linear
     from voltllm.model.models.registry import build_model
 
@@ -213,7 +213,7 @@ def test_tiny_kept_quantized(tmp_path, arch):
     assert not any(n.endswith(("down_proj.weight", "norm.weight")) for n in blocks)
     assert ("lm_head.weight" in blocks) == (arch == "llama")  # qwen2 here ties it to the embeddings
     assert "model.embed_tokens.weight" in blocks
-    model = build_model(config, torch.float32, 64, GGUFLinearMethod())
+    model = build_model(config, torch.float32, 64, QuantizedLinearMethod())
     model.load_weights(ours.items())
     qkv = model.layers[0].self_attn.qkv_proj
     assert [type(s.weight).__name__ for s in qkv.gguf_segments] == ["Planes"] * 3  # Q8_0 | Q4_0 | Q5_0

@@ -1,6 +1,6 @@
-"""Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the GGUF dequant-GEMM (one row; several, over two programs along the rows) and the
-dequant-to-fp16 kernel against the torch reference (gguf_planes.dequantize_planes), for every kept GGUF kind, on
-random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
+"""Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the dequant-GEMM (one row; several, over two programs along the rows) and the
+dequant-to-fp16 kernel against the torch reference (gguf_planes.dequantize_planes), for every kept GGUF kind and
+the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
 `CHECK name ok|FAIL detail` lines."""
 import sys
 
@@ -9,9 +9,21 @@ from interp_util import patch_interpreter_index
 
 patch_interpreter_index()
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul  # noqa: E402
-from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_from_blocks, random_blocks  # noqa: E402
+from voltllm.model.layers.gguf_planes import (KINDS, Unpacked, dequantize_planes, int4_kind,  # noqa: E402
+                                              planes_from_blocks, random_blocks, to_planes)
 
-CHECKS = [f"{name}-{form}" for name in KINDS for form in ("dequant", "rows1", "rows3", "rows6")]
+INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False)]  # AWQ / GPTQ checkpoints
+CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
+          for form in ("dequant", "rows1", "rows3", "rows6")]
+
+
+def _int4_planes(kind, n, k, gen):
+    """Random codes, fp16 group scales and (for zero-point kinds) zero points 0..15 in an int4 kind's planes."""
+    groups = k // kind.super
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    d = (torch.randn(n, groups, generator=gen) * 0.02).half()
+    zeros = torch.randint(0, 16, (n, groups), dtype=torch.int8, generator=gen) if kind.zero_points else None
+    return to_planes(Unpacked(codes=codes, d=d, m=None, sc=None, mn=zeros), kind)
 
 
 def rel(a, b):
@@ -22,10 +34,12 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
     failed = 0
-    for name, kind in KINDS.items():
-        k = 768 if kind.block == 256 else 576  # 576: 9 groups of 64, a tail for G64 = 2 and 4
+    for kind in list(KINDS.values()) + INT4_KINDS:
+        name = kind.name
+        k = 768 if kind.block in (256, 128) else 576  # 576: 9 groups of 64, a tail for G64 = 2 and 4
         n = 37  # a row tail for every BLOCK_N
-        p = planes_from_blocks(random_blocks(name, n, k, gen), name, k)
+        p = (planes_from_blocks(random_blocks(name, n, k, gen), name, k) if name in KINDS
+             else _int4_planes(kind, n, k, gen))
         ref_w = dequantize_planes(p)
         got = dequantize(p, torch.float32, out=torch.full((n, k), float("nan")))
         ok = torch.equal(got, ref_w)

@@ -1,17 +1,18 @@
-"""GGUF weights kept quantized (model/layers/gguf_planes.py, gguf_linear.py, kernels/quant_gemv.py) on the CPU:
+"""GGUF weights kept quantized (model/layers/gguf_planes.py, quantized_linear.py, kernels/quant_gemv.py) on the CPU:
 the device layout dequantizes bit for bit to the `gguf` package's values for every kept kind (random blocks,
 quantized data, the real SmolLM2 file); the Triton kernels equal the torch reference under the interpreter;
 a layer with shards of mixed kinds multiplies like its dense weight."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from interp_util import run_interp_checks
 
-from voltllm.model.layers.gguf_linear import GGUFBlocks, GGUFLinearMethod
+from voltllm.model.layers.quantized_linear import GGUFBlocks, QuantizedLinearMethod
 from voltllm.model.layers.gguf_planes import (KINDS, dequantize_planes, from_planes, planes_from_blocks,
                                               random_blocks, supports)
 from voltllm.model.layers.linear import Linear
@@ -69,7 +70,7 @@ def _mixed_layer(bias: bool):
     """A qkv-like layer: Q4_K, Q4_K (merged into one segment), Q6_K, dense; and its dense fp32 weight."""
     g = torch.Generator().manual_seed(5)
     k, sizes = 512, [64, 32, 32, 48]
-    layer = Linear(k, sizes, bias=bias, dtype=torch.float32, method=GGUFLinearMethod())
+    layer = Linear(k, sizes, bias=bias, dtype=torch.float32, method=QuantizedLinearMethod())
     parts = []
     for i, (name, size) in enumerate(zip(["Q4_K", "Q4_K", "Q6_K", None], sizes)):
         if name is None:
@@ -99,14 +100,14 @@ def test_large_matrix_dequantized_in_bands():
     layer, w = _mixed_layer(True)
     x = torch.randn(9, 512)
     whole = layer(x)
-    layer.method = GGUFLinearMethod()
+    layer.method = QuantizedLinearMethod()
     layer.method.workspace_max_bytes = 7 * 512 * 4  # 7 rows of fp32: bands of 7 over the 96-row Q4_K segment
     assert torch.allclose(layer(x), whole, rtol=1e-5, atol=1e-6 * float(whole.abs().max()))
     assert torch.allclose(whole, x @ w.T + layer.bias, rtol=1e-5, atol=1e-6 * float(whole.abs().max()))
 
 
 def test_layer_errors():
-    layer = Linear(512, [64, 64], method=GGUFLinearMethod())
+    layer = Linear(512, [64, 64], method=QuantizedLinearMethod())
     with pytest.raises(RuntimeError, match="before all its shards"):
         layer(torch.randn(1, 512))
     with pytest.raises(ValueError, match="expected"):
@@ -137,31 +138,47 @@ def test_start_up_tuners_skip_quantized_layers(smollm2_gguf):
 
     src = resolve_model(smollm2_gguf)
     cfg = load_hf_config(src)
-    model = build_model(cfg, torch.float32, 64, GGUFLinearMethod())
+    model = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
     model.load_weights((n, t.float() if isinstance(t, torch.Tensor) else t) for n, t in iter_weights(src, cfg, True))
     assert _gated_pairs(model) == [] and _unquantized_groups(model) == {}
     assert model.logits_weight is None and not model.fused_decode(torch.zeros(1, dtype=torch.long))
 
 
-def test_gguf_weights_policy(monkeypatch, smollm2_gguf):
-    """Kept quantized only on a GPU: always with --quantization gguf, else "auto" (by size, in the runner); the CPU,
-    HF checkpoints and random weights dequantize; --quantization gguf on a non-GGUF model is refused."""
+def test_quantized_weights_policy(monkeypatch, smollm2_gguf):
+    """Kept quantized only on a GPU: always with --quantization, else "auto" (by size, in the runner); the CPU,
+    unquantized checkpoints, random weights and architectures without quantized layers dequantize; a
+    --quantization that is not the checkpoint's own method is refused."""
     import voltllm.config as config
-    from voltllm.config import ConfigError, _gguf_weights
+    from voltllm.config import ConfigError, _quantized_weights, _resolve_quantization
     from voltllm.model.loader.gguf_loader import dense_bytes
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert _gguf_weights(None, "gguf", cuda, "auto") == "auto"
-    assert _gguf_weights("gguf", "gguf", cuda, "auto") == "quantized"
-    assert _gguf_weights("gguf", "gguf", cpu, "auto") == "dequantized"
-    assert _gguf_weights(None, "gguf", cuda, "dummy") == "dequantized"
-    assert _gguf_weights(None, "hf", cuda, "auto") == "dequantized"
+    llama, hybrid = SimpleNamespace(model_type="qwen3"), SimpleNamespace(model_type="qwen3_next")
+    assert _quantized_weights("gguf", None, llama, cuda, "auto") == "auto"
+    assert _quantized_weights("gguf", "gguf", llama, cuda, "auto") == "quantized"
+    assert _quantized_weights("awq", "awq_marlin", llama, cuda, "auto") == "quantized"
+    assert _quantized_weights("gguf", "gguf", llama, cpu, "auto") == "dequantized"
+    assert _quantized_weights("gguf", None, llama, cuda, "dummy") == "dequantized"
+    assert _quantized_weights(None, None, llama, cuda, "auto") == "dequantized"
+    assert _quantized_weights("gptq", "gptq", hybrid, cuda, "auto") == "dequantized"
+    assert _resolve_quantization(None, "gguf", None) == "gguf"
+    assert _resolve_quantization(None, "hf", llama) is None
     with pytest.raises(ConfigError, match="needs a .gguf"):
-        _gguf_weights("gguf", "hf", cuda, "auto")
-    monkeypatch.setattr(config, "GGUF_KEEP_QUANTIZED", 0)
-    assert _gguf_weights("gguf", "gguf", cuda, "auto") == "dequantized"
-    monkeypatch.setattr(config, "GGUF_KEEP_QUANTIZED", 1)
-    assert _gguf_weights(None, "gguf", cuda, "auto") == "quantized"
+        _resolve_quantization("gguf", "hf", llama)
+    with pytest.raises(ConfigError, match="not a quantized checkpoint"):
+        _resolve_quantization("awq", "hf", llama)
+    awq = SimpleNamespace(model_type="qwen3", quantization_config={"quant_method": "awq", "bits": 4})
+    assert _resolve_quantization("awq_marlin", "hf", awq) == "awq"
+    with pytest.raises(ConfigError, match="the model is an AWQ checkpoint"):
+        _resolve_quantization("gptq", "hf", awq)
+    with pytest.raises(ConfigError, match="'fp8': reading it is not built yet"):
+        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(ConfigError, match="8-bit"):
+        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 8}))
+    monkeypatch.setattr(config, "KEEP_QUANTIZED", 0)
+    assert _quantized_weights("gguf", "gguf", llama, cuda, "auto") == "dequantized"
+    monkeypatch.setattr(config, "KEEP_QUANTIZED", 1)
+    assert _quantized_weights("gguf", None, llama, cuda, "auto") == "quantized"
     # SmolLM2-135M: 134.5M parameters (tied embeddings stored once) -> 269 MB in fp16
     assert dense_bytes(smollm2_gguf, 2) == 2 * 134_515_008
 
@@ -191,7 +208,7 @@ def test_quant_tile_groups(smollm2_gguf):
 
     src = resolve_model(smollm2_gguf)
     cfg = load_hf_config(src)
-    model = build_model(cfg, torch.float32, 64, GGUFLinearMethod())
+    model = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
     model.load_weights((n, t.float() if isinstance(t, torch.Tensor) else t) for n, t in iter_weights(src, cfg, True))
     # qkv, o, gate_up, down (Q4_1) and the tied LM head (the Q8_0 embeddings)
     assert set(planes_groups(model)) == {("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576),

@@ -20,7 +20,7 @@ def test_q4_k_m_mix():
 def test_written_file_loads_and_generates(tmp_path, smollm2_gguf):
     pytest.importorskip("gguf")
     from voltllm import LLM, SamplingParams
-    from voltllm.model.layers.gguf_linear import GGUFBlocks
+    from voltllm.model.layers.quantized_linear import GGUFBlocks
     from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights
 
     out = str(tmp_path / "random-smollm2-q8.gguf")

@@ -179,7 +179,7 @@ def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.
     total = sum(p.numel() for p in params)
     embed_n = sum(p.numel() for p in params if id(p) in embed_ids)
     head_n = sum(p.numel() for p in params if id(p) in head_ids and id(p) not in embed_ids)
-    from voltllm.model.layers.gguf_linear import QuantEmbedding, held_matrix
+    from voltllm.model.layers.quantized_linear import QuantEmbedding, held_matrix
 
     for mod in model.modules():  # GGUF matrices kept quantized live outside the parameters
         held = held_matrix(mod)

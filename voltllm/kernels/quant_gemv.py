@@ -25,21 +25,24 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels.registry import CompileSpec, register_kernel
-from voltllm.model.layers.gguf_planes import KINDS
+from voltllm.model.layers.gguf_planes import KINDS, int4_kind
 
 __triton_helpers__ = ("_dequant_units", "_unit_scales")
 
 
 @triton.jit
 def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                 SUB: tl.constexpr, SUPER: tl.constexpr):
+                 SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr):
     """(s, b) [BLOCK_N, U, 1] for the 16 elements from index e0 [1, U, 1] on: the weight is s * q + b, i.e.
-    s = d * sc and b = (m or -(dmin * mn)) - s * ZERO. One load per scale per 16 elements, not per element."""
+    s = d * sc and b = (m or -(dmin * mn) or -(d * zero point)) - s * ZERO. One load per scale per 16 elements, not
+    per element."""
     s = tl.load(D + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
     if SUB > 0:
         s = s * tl.load(SC + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
     b = s * (-ZERO)  # exact: ZERO is 0, 8, 16, 32 or 128
-    if HAS_MIN:
+    if ZP:  # an int4 checkpoint's zero point: s * q - s * zero is exact in fp32 (fp16 scale, 4-bit integers)
+        b = b - s * tl.load(MN + n3 * stride_s + e0 // SUPER, mask=mask3, other=0).to(tl.float32)
+    elif HAS_MIN:
         m = tl.load(Mp + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
         if SUB > 0:
             b = b - m * tl.load(MN + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
@@ -51,7 +54,7 @@ def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.cons
 @triton.jit
 def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d, stride_s,
                    U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                   SUB: tl.constexpr, SUPER: tl.constexpr):
+                   SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr):
     """fp32 weights of rows offs_n for `lo` units u0 .. u0 + U (16 bytes each): (lo, hi, e0), the weights [BLOCK_N,
     U, 16] of elements e0 + j and e0 + 32 + j, with e0 [1, U, 1] = 64 (u // 2) + 16 (u % 2)."""
     u = u0 + tl.arange(0, U)
@@ -84,8 +87,9 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
     q_lo = (q_lo | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     q_hi = (q_hi | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     e0 = ((u // 2) * 64 + (u % 2) * 16)[None, :, None]
-    s_lo, b_lo = _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
-    s_hi, b_hi = _unit_scales(e0 + 32, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER)
+    s_lo, b_lo = _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP)
+    s_hi, b_hi = _unit_scales(e0 + 32, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB,
+                               SUPER, ZP)
     return tl.fma(s_lo, q_lo, b_lo), tl.fma(s_hi, q_hi, b_hi), e0
 
 
@@ -93,7 +97,7 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
 def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_hi,
                          stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
                          HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr, SUB: tl.constexpr,
-                         SUPER: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         SUPER: tl.constexpr, ZP: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,7 +111,7 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, st
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, U * 16), dtype=tl.float32)
     for u0 in range(0, NU, U):
         w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi,
-                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
+                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP)
         umask = (u0 + tl.arange(0, U)) < NU
         if BLOCK_M == 1:  # one row: stay in the tile's own [BLOCK_N, U, 16] layout
             xp = X + pid_m * stride_xm + e0 + j[None, None, :]
@@ -135,12 +139,12 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, st
 @triton.jit
 def _dequant_kernel(OUT, LO, HI, D, Mp, SC, MN, N, NU, stride_out, stride_lo, stride_hi, stride_d, stride_s,
                     BLOCK_N: tl.constexpr, U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
-                    HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr):
+                    HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     u0 = tl.program_id(1) * U
     mask_n = offs_n < N
     w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d,
-                                    stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER)
+                                    stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP)
     j = tl.arange(0, 16)
     mask = mask_n[:, None, None] & ((u0 + tl.arange(0, U)) < NU)[None, :, None]
     ptr = OUT + offs_n[:, None, None] * stride_out + e0 + j[None, None, :]
@@ -153,7 +157,12 @@ _PLANE_ARGS = {"LO": "*u8", "HI": "*u8", "D": "*fp16", "Mp": "*fp16", "SC": "*i8
 
 def _constexprs(kind) -> dict:
     """A gguf_planes.PlaneKind as the kernels' constexprs."""
-    return {"HI_BITS": kind.hi_bits, "ZERO": kind.zero, "HAS_MIN": kind.has_min, "SUB": kind.sub, "SUPER": kind.super}
+    return {"HI_BITS": kind.hi_bits, "ZERO": kind.zero, "HAS_MIN": kind.has_min, "SUB": kind.sub, "SUPER": kind.super,
+            "ZP": kind.zero_points}
+
+
+# every GGUF kind and the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), for the sm70 gate
+_GATED_KINDS = list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False), int4_kind(32, True)]
 
 
 def _matmul_specs() -> list[CompileSpec]:
@@ -161,18 +170,20 @@ def _matmul_specs() -> list[CompileSpec]:
            "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32",
            "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
-                                          "HAS_BIAS")})
-    return [CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(KINDS[name]), "HAS_BIAS": name == "Q8_0"},
-                        f"{name} m1")
-            for name in KINDS] + [
+                                          "ZP", "HAS_BIAS")})
+    return [CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(kind), "HAS_BIAS": kind.name == "Q8_0"},
+                        f"{kind.name} m1")
+            for kind in _GATED_KINDS] + [
+        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(int4_kind(128, True)), "HAS_BIAS": True},
+                    "INT4_G128_ZP m4"),
         CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False}, "Q4_K m4")]
 
 
 def _dequant_specs() -> list[CompileSpec]:
     sig = {"OUT": "*fp16", **_PLANE_ARGS, "N": "i32", "NU": "i32", "stride_out": "i32", "stride_lo": "i32",
            "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
-    sig.update({k: "constexpr" for k in ("BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER")})
-    return [CompileSpec(sig, {"BLOCK_N": 16, "U": 16, **_constexprs(KINDS[name])}, name) for name in KINDS]
+    sig.update({k: "constexpr" for k in ("BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER", "ZP")})
+    return [CompileSpec(sig, {"BLOCK_N": 16, "U": 16, **_constexprs(kind)}, kind.name) for kind in _GATED_KINDS]
 
 
 register_kernel("quant.matmul", _quant_matmul_kernel, _matmul_specs())
@@ -194,7 +205,7 @@ def _plane_args(p) -> list:
 
 def _plane_strides(p) -> list[int]:
     return [p.lo.stride(0), p.hi.stride(0) if p.hi is not None else 0, p.d.stride(0),
-            p.sc.stride(0) if p.sc is not None else 0]
+            (p.sc if p.sc is not None else p.mn).stride(0) if p.sc is not None or p.mn is not None else 0]
 
 
 def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from voltllm.model.layers.gguf_linear import FMA_MAX_ROWS, GGUFLinearMethod, held_segments
+from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, QuantizedLinearMethod, held_segments
 from voltllm.model.layers.gguf_planes import Planes, map_planes
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def choose(candidates: list, time_ms: Callable[[object], float], agrees: Callabl
 
 
 @torch.inference_mode()
-def tune_quant_tiles(model: torch.nn.Module, method: GGUFLinearMethod, dtype: torch.dtype) -> list[str]:
+def tune_quant_tiles(model: torch.nn.Module, method: QuantizedLinearMethod, dtype: torch.dtype) -> list[str]:
     """Time the candidates per (kind, N, K) and row class with activations of `dtype`; the choices go into
     method.tiles. Returns log lines."""
     from voltllm.kernels.quant_gemv import quant_matmul

@@ -37,8 +37,8 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
                                   kv_cache_dtype=config.cache.kv_cache_dtype, max_context=config.model.max_model_len)
 
 
-# "auto" GGUF weights stay quantized when their dequantized size exceeds this share of the usable GPU memory
-GGUF_AUTO_DENSE_FRACTION = 0.5
+# "auto" quantized weights stay quantized when their dequantized size exceeds this share of the usable GPU memory
+AUTO_DENSE_FRACTION = 0.5
 
 
 @torch.no_grad()
@@ -107,11 +107,11 @@ class ModelRunner:
         t0 = time.monotonic()
         mc = self.config.model
         linear_method = None
-        self.gguf_quantized = self._keep_gguf_quantized()
-        if self.gguf_quantized:
-            from voltllm.model.layers.gguf_linear import GGUFLinearMethod
+        self.keep_quantized = self._keep_quantized()
+        if self.keep_quantized:
+            from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
 
-            linear_method = GGUFLinearMethod()
+            linear_method = QuantizedLinearMethod()
         try:
             with torch.device(self.device):
                 model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method)
@@ -121,36 +121,40 @@ class ModelRunner:
                 return model.eval()
             # quantized weights are allocated while they load, not when the model is built
             model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                               for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.gguf_quantized))
+                               for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized))
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
             raise RuntimeError(
                 f"the model's weights do not fit on {self.device} ({total / 2**30:.1f} GiB, "
-                f"{free / 2**30:.1f} GiB free) in {self.dtype}" + (" kept quantized" if self.gguf_quantized else "")
+                f"{free / 2**30:.1f} GiB free) in {self.dtype}" + (" kept quantized" if self.keep_quantized else "")
                 + ": use a smaller or quantized model") from None
         model.eval()
         logger.info("loaded %s (%s) in %.1f s", mc.model, mc.architecture, time.monotonic() - t0)
         if linear_method is not None:
-            from voltllm.model.layers.gguf_linear import describe_quantized
+            from voltllm.model.layers.quantized_linear import describe_quantized
 
-            logger.info("GGUF weights kept quantized on the GPU: %s", describe_quantized(model))
+            logger.info("%s weights kept quantized on the GPU: %s", mc.quantization, describe_quantized(model))
         return model
 
-    def _keep_gguf_quantized(self) -> bool:
-        """Resolve ModelConfig.gguf_weights. "auto" keeps the weights quantized when, dequantized, they would take
-        more than GGUF_AUTO_DENSE_FRACTION of the memory --gpu-memory-utilization gives: a model that fits runs the
+    def _keep_quantized(self) -> bool:
+        """Resolve ModelConfig.quantized_weights. "auto" keeps the weights quantized when, dequantized, they would
+        take more than AUTO_DENSE_FRACTION of the memory --gpu-memory-utilization gives: a model that fits runs the
         tuned dense kernels (faster on the H200: docs/models.md), one that would not (or would leave little KV cache)
         still runs."""
         mc = self.config.model
-        if mc.gguf_weights != "auto":
-            return mc.gguf_weights == "quantized"
-        from voltllm.model.loader.gguf_loader import dense_bytes
-
-        dense = dense_bytes(mc.model, torch.tensor([], dtype=self.dtype).element_size())
+        if mc.quantized_weights != "auto":
+            return mc.quantized_weights == "quantized"
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        if mc.quantization == "gguf":
+            from voltllm.model.loader.gguf_loader import dense_bytes
+        else:
+            from voltllm.model.loader.int4_checkpoint import dense_bytes
+        dense = dense_bytes(mc.model, itemsize)
         room = torch.cuda.get_device_properties(self.device).total_memory * self.config.cache.gpu_memory_utilization
-        keep = dense > GGUF_AUTO_DENSE_FRACTION * room
-        logger.info("GGUF weights: %.2f GiB dequantized, %.2f GiB usable on the GPU -> %s (--quantization gguf keeps "
-                    "them quantized)", dense / 2**30, room / 2**30, "kept quantized" if keep else "dequantized at load")
+        keep = dense > AUTO_DENSE_FRACTION * room
+        logger.info("%s weights: %.2f GiB dequantized, %.2f GiB usable on the GPU -> %s (--quantization %s keeps "
+                    "them quantized)", mc.quantization, dense / 2**30, room / 2**30,
+                    "kept quantized" if keep else "dequantized at load", mc.quantization)
         return keep
 
     def _set_gdn_precision(self) -> None:
@@ -486,11 +490,11 @@ class ModelRunner:
                 tune_batch_gemm(self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
 
     def _tune_quant_tiles(self) -> None:
-        """GGUF weights kept quantized: the dequant-GEMM's tile per kind, shape and row class, timed on this GPU."""
-        from voltllm.model.layers.gguf_linear import GGUFLinearMethod
+        """Weights kept quantized: the dequant-GEMM's tile per kind, shape and row class, timed on this GPU."""
+        from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
 
         method = next((m.method for m in self.model.modules() if isinstance(getattr(m, "method", None),
-                                                                            GGUFLinearMethod)), None)
+                                                                            QuantizedLinearMethod)), None)
         if method is None:
             return
         from voltllm.worker.quant_tuning import tune_quant_tiles
@@ -499,10 +503,10 @@ class ModelRunner:
         try:
             lines = tune_quant_tiles(self.model, method, self.dtype)
         except Exception as e:  # noqa: BLE001 - timing is an optimisation: keep the default tiles
-            logger.warning("GGUF dequant-GEMM tile timing failed (%s); default tiles", e)
+            logger.warning("dequant-GEMM tile timing failed (%s); default tiles", e)
             method.tiles.clear()
             return
-        logger.info("GGUF dequant-GEMM tiles chosen in %.1f s:\n  %s", time.monotonic() - t0, "\n  ".join(lines))
+        logger.info("dequant-GEMM tiles chosen in %.1f s:\n  %s", time.monotonic() - t0, "\n  ".join(lines))
 
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs

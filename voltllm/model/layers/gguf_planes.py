@@ -13,7 +13,11 @@ separate arrays of the same information:
   256 for the K-quants).
 - `m`   fp16 [N, K/SUPER] or None: Q4_1's / Q5_1's offset, Q4_K's / Q5_K's dmin.
 - `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' sub-block scale (and Q4_K's / Q5_K's sub-block min), SUB = 32
-  (Q4_K, Q5_K) or 16 (Q6_K).
+  (Q4_K, Q5_K) or 16 (Q6_K); for the int4 kinds with zero points, `mn` holds the group's zero point [N, K/SUPER].
+
+The 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py) use the same planes: `int4_kind(group)` is a
+kind whose `d` is the group's scale and, with zero points (AWQ, asymmetric GPTQ), `mn` its integer zero, so an
+element dequantizes to d * (q - zero) exactly (fp16 scale times a 5-bit integer: exact in fp32).
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
@@ -42,6 +46,7 @@ class PlaneKind:
     has_min: bool
     sub: int  # elements per sub-block scale, 0 when the type has none
     super: int  # elements per `d` (and `m`)
+    zero_points: bool = False  # `mn` holds a per-`super` integer zero point (AWQ / GPTQ int4): w = d * (q - zero)
 
 
 KINDS = {k.name: k for k in (
@@ -54,6 +59,16 @@ KINDS = {k.name: k for k in (
     PlaneKind("Q4_K", 256, 144, hi_bits=0, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q6_K", 256, 210, hi_bits=2, zero=32, has_min=False, sub=16, super=256),
 )}
+
+
+def int4_kind(group: int, zero_points: bool) -> PlaneKind:
+    """The kind of a 4-bit checkpoint quantized in groups of `group` input features (a multiple of 16), with integer
+    zero points per group (AWQ, asymmetric GPTQ) or the fixed zero 8 (symmetric GPTQ)."""
+    if group % 16:
+        raise ValueError(f"int4 group size {group} is not a multiple of 16")
+    name = f"INT4_G{group}" + ("_ZP" if zero_points else "")
+    return PlaneKind(name, group, 0, hi_bits=0, zero=0 if zero_points else 8, has_min=False, sub=0, super=group,
+                     zero_points=zero_points)
 
 
 def supports(type_name: str, in_features: int) -> bool:
@@ -170,6 +185,8 @@ def dequantize_unpacked(u: Unpacked, kind: PlaneKind) -> torch.Tensor:
     n, k = u.codes.shape
     q = u.codes.to(torch.float32) - kind.zero if kind.zero else u.codes.to(torch.float32)
     d = u.d.to(torch.float32).repeat_interleave(kind.super, dim=1)
+    if kind.zero_points:
+        return d * (q - u.mn.to(torch.float32).repeat_interleave(kind.super, dim=1))
     if kind.sub:
         d = d * u.sc.to(torch.float32).repeat_interleave(kind.sub, dim=1)
     w = d * q

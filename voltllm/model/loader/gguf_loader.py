@@ -4,7 +4,7 @@ Supported architectures: llama, qwen2, qwen3 (dense). Tensors are dequantized wi
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
 dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) instead come as
-raw blocks and stay quantized there (model/layers/gguf_linear.py); their dequantized values are the same.
+raw blocks and stay quantized there (model/layers/quantized_linear.py); their dequantized values are the same.
 
 Two things differ from a Hugging Face checkpoint:
 - ggml lists dims innermost first: a GGUF tensor of shape [in, out] is the torch (out, in) weight.
@@ -148,7 +148,7 @@ def _unpermute_rope(w: Any, n_heads: int) -> Any:
     llama.cpp's converter viewed each head's rows as (2, d/2) and transposed to (d/2, 2); transposing back
     restores HF's layout. Works for weights (out, in), biases (out,) and quantized weights (rows of blocks).
     """
-    from voltllm.model.layers.gguf_linear import GGUFBlocks
+    from voltllm.model.layers.quantized_linear import GGUFBlocks
 
     if isinstance(w, GGUFBlocks):
         order = _unpermute_rope(torch.arange(w.out_features), n_heads)
@@ -158,7 +158,7 @@ def _unpermute_rope(w: Any, n_heads: int) -> Any:
 
 
 def _is_matrix_kept(hf_name: str) -> bool:
-    """Linear weights and the token embeddings (gguf_linear.QuantEmbedding) may stay quantized."""
+    """Linear weights and the token embeddings (quantized_linear.QuantEmbedding) may stay quantized."""
     return hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
@@ -168,7 +168,7 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False)
     comes as its raw blocks (GGUFBlocks) for the layer to keep quantized."""
     from gguf.quants import dequantize
 
-    from voltllm.model.layers.gguf_linear import GGUFBlocks
+    from voltllm.model.layers.quantized_linear import GGUFBlocks
     from voltllm.model.layers.gguf_planes import supports
 
     reader = _reader(path)

@@ -126,10 +126,10 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
-        from voltllm.model.layers.gguf_linear import GGUFLinearMethod, QuantEmbedding
+        from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, QuantEmbedding
 
         self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method)
-                             if isinstance(linear_method, GGUFLinearMethod)
+                             if isinstance(linear_method, QuantizedLinearMethod)
                              else nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary, linear_method)
                                     for i in range(cfg.num_hidden_layers))
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(module_name)
             if isinstance(module, Linear):
                 (module.load_weight if kind == "weight" else module.load_bias)(tensor, shard)
-            elif hasattr(module, "table"):  # a GGUF embedding kept quantized (gguf_linear.QuantEmbedding)
+            elif hasattr(module, "table"):  # a GGUF embedding kept quantized (quantized_linear.QuantEmbedding)
                 module.load(tensor)
             elif target in params:
                 if params[target].shape != tensor.shape:

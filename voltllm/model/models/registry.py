@@ -19,9 +19,14 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
+def supports_quantized_layers(hf_config: Any) -> bool:
+    """Whether the architecture takes a quantized LinearMethod (else quantized checkpoints are dequantized at load)."""
+    return _MODELS.get(getattr(hf_config, "model_type", None)) is LlamaForCausalLM
+
+
 def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None) -> torch.nn.Module:
-    """linear_method: a LinearMethod for the projections (GGUF weights kept quantized: llama-family models only,
-    the architectures GGUF files are read for); None: dense weights."""
+    """linear_method: a LinearMethod for the projections (quantized weights kept quantized: llama-family models
+    only, supports_quantized_layers); None: dense weights."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")

@@ -1,6 +1,7 @@
-"""Linear layers whose GGUF weights stay quantized on the device (LinearMethod for voltllm.model.layers.linear).
+"""Linear layers whose quantized weights stay quantized on the device (LinearMethod for voltllm.model.layers.linear):
+GGUF files, and 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py), both re-laid as gguf_planes.Planes.
 
-Each logical shard (q, k, v; gate, up; ...) arrives as GGUF blocks of its own type (a Q4_K_M file mixes Q4_K and
+Each logical shard (q, k, v; gate, up; ...) arrives as a PackedWeight of its own type (a Q4_K_M file mixes Q4_K and
 Q6_K, even inside one merged qkv projection). Shards of a type with a plane layout (gguf_planes.KINDS) become
 Planes; consecutive shards of one kind are merged so a uniform merged projection is one kernel launch. Other
 types arrive already dequantized (the loader did it) and stay dense in the compute dtype.
@@ -33,8 +34,18 @@ FMA_MAX_ROWS = 4
 WORKSPACE_MAX_BYTES = 256 << 20
 
 
+class PackedWeight:
+    """A weight [out_features, in_features] as a quantized file stores it; `to_weight` re-lays it on the device."""
+    out_features: int
+    in_features: int
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
+        """Planes on `device`, or the dense matrix in `dtype` where the planes cannot hold this weight."""
+        raise NotImplementedError
+
+
 @dataclass
-class GGUFBlocks:
+class GGUFBlocks(PackedWeight):
     """A weight as the GGUF file stores it: blocks of `type_name`, uint8 [out_features, row bytes] (any device)."""
     type_name: str
     raw: torch.Tensor
@@ -43,6 +54,9 @@ class GGUFBlocks:
 
     def take_rows(self, index: torch.Tensor) -> "GGUFBlocks":
         return GGUFBlocks(self.type_name, self.raw[index], self.out_features, self.in_features)
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Planes:
+        return planes_from_blocks(self.raw, self.type_name, self.in_features, device)
 
 
 @dataclass
@@ -53,7 +67,7 @@ class Segment:
     weight: Union[Planes, torch.Tensor]
 
 
-class GGUFLinearMethod(LinearMethod):
+class QuantizedLinearMethod(LinearMethod):
     """The same forms on both routes: the dequant-GEMM needs no tensor cores, cuBLAS uses SM70's."""
 
     def __init__(self):
@@ -71,11 +85,11 @@ class GGUFLinearMethod(LinearMethod):
 
     def load_shard(self, layer, tensor, offset, size):
         shard = [layer.shard_offset(i) for i in range(len(layer.shard_sizes))].index(offset)
-        if isinstance(tensor, GGUFBlocks):
+        if isinstance(tensor, PackedWeight):
             if (tensor.out_features, tensor.in_features) != (size, layer.in_features):
-                raise ValueError(f"GGUF weight of shape {(tensor.out_features, tensor.in_features)}, expected "
+                raise ValueError(f"quantized weight of shape {(tensor.out_features, tensor.in_features)}, expected "
                                  f"{(size, layer.in_features)}")
-            weight = planes_from_blocks(tensor.raw, tensor.type_name, tensor.in_features, layer.gguf_device)
+            weight = tensor.to_weight(layer.gguf_device, layer.gguf_dtype)
         else:
             if tensor.shape != (size, layer.in_features):
                 raise ValueError(f"weight shard of shape {tuple(tensor.shape)}, expected {(size, layer.in_features)}")
@@ -128,10 +142,10 @@ class GGUFLinearMethod(LinearMethod):
 
 class QuantEmbedding(nn.Module):
     """A GGUF token-embedding matrix kept quantized (or dense, for types without a plane layout): a lookup
-    dequantizes only the rows it gathers; a tied LM head multiplies by the same planes (GGUFLinearMethod's routes),
+    dequantizes only the rows it gathers; a tied LM head multiplies by the same planes (QuantizedLinearMethod's routes),
     so the vocabulary matrix is held once, at its quantized size, and read at that size per decode step."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, method: GGUFLinearMethod):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, method: QuantizedLinearMethod):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype, self.method = num_embeddings, embedding_dim, dtype, method
         self.device = torch.empty(0).device  # the model is built under `with torch.device(...)`
@@ -142,12 +156,12 @@ class QuantEmbedding(nn.Module):
         """The dense matrix when the file's type has no plane layout, else None (quantized)."""
         return self.table.weight if self.table is not None and isinstance(self.table.weight, torch.Tensor) else None
 
-    def load(self, tensor: Union[GGUFBlocks, torch.Tensor]) -> None:
-        shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, GGUFBlocks) else tuple(tensor.shape)
+    def load(self, tensor: Union[PackedWeight, torch.Tensor]) -> None:
+        shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, PackedWeight) else tuple(tensor.shape)
         if shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"embedding of shape {shape}, expected {(self.num_embeddings, self.embedding_dim)}")
-        w = (planes_from_blocks(tensor.raw, tensor.type_name, tensor.in_features, self.device)
-             if isinstance(tensor, GGUFBlocks) else tensor.to(dtype=self.dtype, device=self.device))
+        w = (tensor.to_weight(self.device, self.dtype) if isinstance(tensor, PackedWeight)
+             else tensor.to(dtype=self.dtype, device=self.device))
         self.table = Segment(0, self.num_embeddings, w)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

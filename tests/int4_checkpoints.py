@@ -1,0 +1,111 @@
+"""Tiny 4-bit AWQ / GPTQ checkpoints written at test time: a tiny random model's linear weights quantized
+round-to-nearest per group and packed the way AutoAWQ (GEMM) and GPTQ write them (the loops below follow the
+formats' definitions, independently of voltllm's vectorized unpacking)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8j + AWQ_PACK_ORDER[i]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool, g_idx: Optional[torch.Tensor] = None):
+    """w [N, K] fp32 -> (codes uint8 [N, K], scales fp16 [N, G], zeros int [N, G], dequantized fp32 [N, K]).
+    g_idx [K]: each input's group (act order); default k // group."""
+    n, k = w.shape
+    g_idx = torch.arange(k) // group if g_idx is None else g_idx
+    groups = int(g_idx.max()) + 1
+    scales = torch.empty(n, groups, dtype=torch.float16)
+    zeros = torch.empty(n, groups, dtype=torch.int64)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        if symmetric:
+            s = (cols.abs().amax(1) / 7.5).clamp_min(1e-6)
+            z = torch.full((n,), 8, dtype=torch.int64)
+        else:
+            lo, hi = cols.amin(1).clamp_max(0), cols.amax(1).clamp_min(0)
+            s = ((hi - lo) / 15).clamp_min(1e-6)
+            # zero points 1..15: GPTQ's original format stores zero - 1 in 4 bits, so it cannot hold 0
+            z = torch.round(-lo / s.half().float()).clamp(1, 15).to(torch.int64)
+        scales[:, g], zeros[:, g] = s.half(), z
+    s_full, z_full = scales.float()[:, g_idx], zeros[:, g_idx]
+    codes = torch.round(w / s_full + z_full).clamp(0, 15).to(torch.int64)
+    deq = (codes - z_full).float() * s_full
+    return codes.to(torch.uint8), scales, zeros, deq
+
+
+def _words(values: np.ndarray) -> torch.Tensor:
+    """uint64 words (< 2**32) -> int32, the bits kept (as the checkpoints store them)."""
+    return torch.from_numpy(values.astype(np.uint32).view(np.int32).copy())
+
+
+def pack_awq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AutoAWQ GEMM layout from codes [N, K], zeros / scales [N, G]."""
+    def pack_cols(m: np.ndarray) -> np.ndarray:  # [R, C] -> [R, C / 8]
+        out = np.zeros((m.shape[0], m.shape[1] // 8), dtype=np.uint64)
+        for col in range(m.shape[1] // 8):
+            for i in range(8):
+                out[:, col] |= m[:, col * 8 + AWQ_PACK_ORDER[i]].astype(np.uint64) << np.uint64(4 * i)
+        return out
+
+    return {"qweight": _words(pack_cols(codes.t().numpy())), "qzeros": _words(pack_cols(zeros.t().numpy())),
+            "scales": scales.t().contiguous()}
+
+
+def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+              v2: bool = False) -> dict[str, torch.Tensor]:
+    """GPTQ layout (v1 stores zero - 1) from codes [N, K], zeros / scales [N, G]."""
+    intw = codes.t().numpy().astype(np.uint64)  # [K, N]
+    qweight = np.zeros((intw.shape[0] // 8, intw.shape[1]), dtype=np.uint64)
+    for r in range(qweight.shape[0]):
+        for i in range(8):
+            qweight[r] |= intw[8 * r + i] << np.uint64(4 * i)
+    z = zeros.t().numpy().astype(np.int64) - (0 if v2 else 1)  # [G, N]
+    qzeros = np.zeros((z.shape[0], z.shape[1] // 8), dtype=np.uint64)
+    for j in range(qzeros.shape[1]):
+        for i in range(8):
+            qzeros[:, j] |= (z[:, 8 * j + i].astype(np.uint64) & np.uint64(15)) << np.uint64(4 * i)
+    return {"qweight": _words(qweight), "qzeros": _words(qzeros), "scales": scales.t().contiguous(),
+            "g_idx": g_idx.to(torch.int32)}
+
+
+def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool = False, act_order: bool = False,
+                        seed: int = 0) -> dict[str, torch.Tensor]:
+    """Rewrite the HF checkpoint at `path` (a tiny_models.make_model directory) in place as a 4-bit `method`
+    checkpoint; returns the dequantized weights {name: [N, K] fp32} (what a reference model should hold)."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    out, deq = {}, {}
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        prefix, _, part = name.rpartition(".")
+        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+            out[name] = t
+            continue
+        k = t.shape[1]
+        g_idx = torch.arange(k) // group
+        if act_order:
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
+        codes, scales, zeros, w = quantize_rtn(t.float(), group, symmetric, g_idx)
+        packed = pack_awq(codes, zeros, scales) if method == "awq" else pack_gptq(codes, zeros, scales, g_idx)
+        out.update({f"{prefix}.{p}": v for p, v in packed.items()})
+        deq[name] = w
+    save_file(out, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    if method == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": symmetric, "desc_act": act_order,
+              "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = qc
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return deq

@@ -1,0 +1,208 @@
+"""4-bit AWQ and GPTQ checkpoints: Hugging Face directories whose config.json carries a `quantization_config`.
+
+Each quantized linear layer stores `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`) instead of `weight`; the
+element at output n, input k is (q - zero) * scale of its group of `group_size` inputs. The two formats pack the
+4-bit values differently:
+- AWQ (AutoAWQ's GEMM version): qweight int32 [K, N/8], qzeros int32 [K/G, N/8]: word j of a row holds columns
+  8j .. 8j + 7, column 8j + AWQ_ORDER[i] in bits 4i .. 4i + 3; scales [K/G, N].
+- GPTQ: qweight int32 [K/8, N], packed along the inputs (bits 4i of row r: input 8r + i); qzeros int32 [K/G, N/8],
+  packed along the outputs in order; scales [K/G, N]; g_idx [K], each input's group (act-order checkpoints
+  permute it). The original format ("gptq", v1) stores zero - 1; "gptq_v2" stores the zero itself.
+
+`int4_weights` turns the checkpoint's tensor stream into one item per layer: an `Int4Weight` (kept quantized: it
+becomes gguf_planes.Planes of an int4 kind on the device, model/layers/quantized_linear.py) or the dequantized matrix
+(the CPU, small models, architectures without quantized layers).
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import torch
+
+from voltllm.model.layers.quantized_linear import PackedWeight
+from voltllm.model.layers.gguf_planes import GROUP, Planes, int4_kind, to_planes, Unpacked
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing order within a 32-bit word
+_AWQ_UNPACK = tuple(AWQ_ORDER.index(c) for c in range(8))  # the nibble holding column c
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+METHODS = ("awq", "gptq")
+
+
+class Int4CheckpointError(ValueError):
+    """A quantization_config or quantized tensor this loader cannot read."""
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    method: str  # "awq" | "gptq"
+    group_size: int  # inputs per scale; -1: one group per row
+    desc_act: bool  # GPTQ act-order: g_idx permutes the groups
+    zero_offset: int  # added to a stored zero point (GPTQ v1 stores zero - 1)
+
+    def group(self, in_features: int) -> int:
+        return in_features if self.group_size in (-1, 0) else self.group_size
+
+
+def quantization_method(hf_config: Any) -> Optional[str]:
+    """The checkpoint's `quantization_config.quant_method` (lower case), or None for an unquantized one."""
+    qc = _quantization_config(hf_config)
+    if qc is None:
+        return None
+    return str(qc.get("quant_method", "unknown")).lower()
+
+
+def _quantization_config(hf_config: Any) -> Optional[dict]:
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def int4_scheme(hf_config: Any) -> Optional[Int4Scheme]:
+    """The checkpoint's 4-bit scheme; None when it is not AWQ / GPTQ. Variants not read here raise."""
+    qc = _quantization_config(hf_config)
+    method = quantization_method(hf_config)
+    if method not in METHODS:
+        return None
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    if bits != 4:
+        raise Int4CheckpointError(f"{method} checkpoint with {bits}-bit weights: only 4-bit AWQ / GPTQ is read")
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise Int4CheckpointError(f"AWQ checkpoint of version {version!r}: only AutoAWQ's GEMM packing is read")
+        if not qc.get("zero_point", True):
+            raise Int4CheckpointError("AWQ checkpoint without zero points: not read (AutoAWQ writes them by default)")
+        return Int4Scheme("awq", group, desc_act=False, zero_offset=0)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise Int4CheckpointError(f"GPTQ checkpoint format {fmt!r}: only gptq and gptq_v2 are read")
+    return Int4Scheme("gptq", group, desc_act=bool(qc.get("desc_act", False)),
+                      zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word (bits 4i .. 4i + 3)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    return ((words.to(torch.int32)[..., None] >> shifts) & 15).to(torch.uint8)
+
+
+def _columns_packed(words: torch.Tensor, method: str) -> torch.Tensor:
+    """int32 [R, C/8] packed along the columns -> uint8 [R, C] in column order."""
+    nib = _nibbles(words)
+    if method == "awq":
+        nib = nib[..., list(_AWQ_UNPACK)]
+    return nib.reshape(words.shape[0], -1)
+
+
+@dataclass
+class Int4Weight(PackedWeight):
+    """One linear layer's 4-bit weight as the checkpoint stores it (CPU tensors until `to_weight`)."""
+    scheme: Int4Scheme
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: Optional[torch.Tensor]
+    out_features: int = 0
+    in_features: int = 0
+
+    def __post_init__(self):
+        if self.scheme.method == "awq":
+            self.in_features, self.out_features = self.qweight.shape[0], self.qweight.shape[1] * 8
+        else:
+            self.in_features, self.out_features = self.qweight.shape[0] * 8, self.qweight.shape[1]
+        groups = self.in_features // self.scheme.group(self.in_features)
+        if self.scales.shape != (groups, self.out_features) or self.qzeros.shape != (groups, self.out_features // 8):
+            raise Int4CheckpointError(
+                f"{self.scheme.method} tensors disagree: qweight {tuple(self.qweight.shape)}, qzeros "
+                f"{tuple(self.qzeros.shape)}, scales {tuple(self.scales.shape)} (group size {self.scheme.group_size})")
+
+    def unpack(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes uint8 [N, K], scales fp16 [N, K/G], zero points int8 [N, K/G]) on `device`, with the inputs in
+        group order (g_idx is applied by `to_weight`)."""
+        qweight, qzeros = self.qweight.to(device), self.qzeros.to(device)
+        if self.scheme.method == "awq":
+            codes = _columns_packed(qweight, "awq").t()
+        else:
+            codes = _nibbles(qweight.t()).reshape(self.out_features, self.in_features)
+        zeros = _columns_packed(qzeros, self.scheme.method).t().to(torch.int8) + self.scheme.zero_offset
+        return codes.contiguous(), self.scales.to(device=device, dtype=torch.float16).t().contiguous(), \
+            zeros.contiguous()
+
+    def _groups_in_order(self) -> bool:
+        if self.g_idx is None:
+            return True
+        group = self.scheme.group(self.in_features)
+        return torch.equal(self.g_idx.to(torch.int64).cpu(), torch.arange(self.in_features) // group)
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
+        """Planes on `device`; the dequantized matrix in `dtype` where the planes cannot hold the layout (act-order
+        groups, inputs not a multiple of 64, groups not a multiple of 16)."""
+        group = self.scheme.group(self.in_features)
+        if not self._groups_in_order() or self.in_features % GROUP or group % 16:
+            return self.dequantize(torch.float32, device).to(dtype)
+        codes, scales, zeros = self.unpack(device)
+        symmetric = bool((zeros == 8).all())
+        kind = int4_kind(group, zero_points=not symmetric)
+        return to_planes(Unpacked(codes=codes, d=scales, m=None, sc=None, mn=None if symmetric else zeros), kind)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The weight [N, K]: (q - zero) * scale of each input's group, computed in fp32 (exact), cast to dtype."""
+        codes, scales, zeros = self.unpack(device)
+        group = self.scheme.group(self.in_features)
+        if self.g_idx is not None and not self._groups_in_order():
+            idx = self.g_idx.to(device=codes.device, dtype=torch.int64)
+        else:
+            idx = torch.arange(self.in_features, device=codes.device) // group
+        w = (codes.to(torch.float32) - zeros.to(torch.float32)[:, idx]) * scales.to(torch.float32)[:, idx]
+        return w.to(dtype)
+
+
+def int4_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: Int4Scheme,
+                 keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) stream with each quantized layer's parts gathered into one
+    `<layer>.weight`: an Int4Weight (keep_quantized) or its dequantized fp32 matrix. Other tensors pass through."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()
+    needs_g_idx = scheme.method == "gptq" and scheme.desc_act
+    for name, tensor in stream:
+        prefix, _, part = name.rpartition(".")
+        if part not in _PARTS:
+            yield name, tensor
+            continue
+        if prefix in done and part == "g_idx" and not needs_g_idx:
+            continue  # groups in order by the config: a late g_idx adds nothing
+        parts = pending.setdefault(prefix, {})
+        parts[part] = tensor
+        if all(p in parts for p in ("qweight", "qzeros", "scales")) and ("g_idx" in parts or not needs_g_idx):
+            w = Int4Weight(scheme, parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"))
+            del pending[prefix]
+            done.add(prefix)
+            yield f"{prefix}.weight", w if keep_quantized else w.dequantize(torch.float32)
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        raise Int4CheckpointError(f"quantized layer {prefix!r} is incomplete in the checkpoint (has "
+                                  f"{', '.join(sorted(parts))})")
+
+
+def dense_bytes(path: str, itemsize: int) -> int:
+    """Bytes of the checkpoint's weights once dequantized to elements of `itemsize` bytes (from the safetensors
+    headers: a qweight word is 8 weights; zeros, scales and g_idx disappear)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for name in st.keys():
+                part = name.rpartition(".")[2]
+                if part in ("qzeros", "scales", "g_idx"):
+                    continue
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += n * (8 if part == "qweight" else 1) * itemsize
+    return total
