@@ -1,0 +1,126 @@
+"""A Hugging Face checkpoint of random 4-bit AWQ or GPTQ weights at a named dense shape, for end-to-end runs of
+int4 checkpoints on the GPU machine (the real Qwen AWQ / GPTQ repos are too large to carry there).
+
+    PYTHONPATH=$PWD python3 benchmarks/make_random_int4.py --shape qwen3-8b-shape --method awq --group 128 \\
+        --tokenizer-from /root/m/smollm2.gguf /root/m/qwen3-8b-awq
+
+The tokenizer is converted from --tokenizer-from (a GGUF file or a Hugging Face directory), and sets the
+vocabulary size. Every projection gets random packed words (all codes and zero points) and fp16 group scales of
+about `--scale`; embeddings, the LM head and norms are fp16 as AutoAWQ / GPTQ leave them. The values mean nothing;
+the bytes, layouts and quantization_config are a real checkpoint's.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from voltllm.bench.shapes import SHAPES, make_config
+
+DENSE = ("Qwen3Config", "LlamaConfig")
+SHARD_BYTES = 2 << 30
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, gen: torch.Generator) -> dict:
+    """qweight / qzeros / scales (/ g_idx) of one [rows, cols] projection in the method's layout."""
+    def words(*shape):
+        return torch.randint(-2**31, 2**31, shape, dtype=torch.int32, generator=gen)
+
+    groups = cols // group
+    scales = (torch.rand(groups, rows, generator=gen) * scale + scale / 2).half()
+    if method == "awq":
+        return {"qweight": words(cols, rows // 8), "qzeros": words(groups, rows // 8), "scales": scales}
+    return {"qweight": words(cols // 8, rows), "qzeros": words(groups, rows // 8), "scales": scales,
+            "g_idx": (torch.arange(cols) // group).to(torch.int32)}
+
+
+def write(shape: str, method: str, group: int, tokenizer_from: str, out: str, seed: int = 0,
+          scale: float = 0.002) -> int:
+    """Write the checkpoint directory; returns the bytes of its tensors."""
+    from safetensors.torch import save_file
+
+    cls, _ = SHAPES[shape]
+    if cls not in DENSE:
+        raise SystemExit(f"{shape}: only dense llama / qwen3 shapes (the architectures with quantized layers)")
+    c = make_config(shape)
+    tok = load_tokenizer(tokenizer_from)
+    c.vocab_size = len(tok)
+    h, inter = c.hidden_size, c.intermediate_size
+    head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    for k in {h, q, inter}:
+        if k % group:
+            raise SystemExit(f"{shape}: {k} input features are not a multiple of the group size {group}")
+    os.makedirs(out, exist_ok=True)
+    tok.save_pretrained(out)
+    c.save_pretrained(out)
+    qc = {"quant_method": method, "bits": 4, "group_size": group}
+    qc.update({"zero_point": True, "version": "gemm"} if method == "awq"
+              else {"sym": False, "desc_act": False, "checkpoint_format": "gptq"})
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+
+    gen = torch.Generator().manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    written = [0, 0]  # shards, bytes
+
+    def flush() -> None:
+        if shard:
+            save_file(shard, os.path.join(out, f"model-{written[0]:05d}.safetensors"), metadata={"format": "pt"})
+            written[0] += 1
+            shard.clear()
+
+    def add(name: str, t: torch.Tensor) -> None:
+        shard[name] = t
+        written[1] += t.numel() * t.element_size()
+        if sum(v.numel() * v.element_size() for v in shard.values()) > SHARD_BYTES:
+            flush()
+
+    add("model.embed_tokens.weight", (torch.randn(c.vocab_size, h, generator=gen) * 0.02).half())
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        for name, rows, cols in (("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h),
+                                 ("self_attn.v_proj", kv, h), ("self_attn.o_proj", h, q),
+                                 ("mlp.gate_proj", inter, h), ("mlp.up_proj", inter, h), ("mlp.down_proj", h, inter)):
+            for part, t in packed_layer(method, rows, cols, group, scale, gen).items():
+                add(f"{p}.{name}.{part}", t)
+        add(f"{p}.input_layernorm.weight", torch.ones(h, dtype=torch.float16))
+        add(f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=torch.float16))
+        if c.model_type == "qwen3":
+            add(f"{p}.self_attn.q_norm.weight", torch.ones(head_dim, dtype=torch.float16))
+            add(f"{p}.self_attn.k_norm.weight", torch.ones(head_dim, dtype=torch.float16))
+    add("model.norm.weight", torch.ones(h, dtype=torch.float16))
+    if not getattr(c, "tie_word_embeddings", False):
+        add("lm_head.weight", (torch.randn(c.vocab_size, h, generator=gen) * 0.02).half())
+    flush()
+    return written[1]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="qwen3-8b-shape", choices=[s for s, (cls, _) in SHAPES.items() if cls in DENSE])
+    ap.add_argument("--method", default="awq", choices=["awq", "gptq"])
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--tokenizer-from", required=True, help="a GGUF file or Hugging Face directory")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    nbytes = write(args.shape, args.method, args.group, args.tokenizer_from, args.out, args.seed)
+    print(f"wrote {args.out}: {nbytes / 2**30:.2f} GiB of tensors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,90 @@
+"""4-bit AWQ / GPTQ weights kept quantized on the GPU: the dequant-GEMM and the dequant kernel with the int4 kinds
+(zero points; GPTQ's fixed zero 8) against the checkpoint's own dequantization at real shapes, fp16 and bf16,
+outputs poisoned first; and a tiny AWQ / GPTQ model kept quantized against the same checkpoint dequantized at load
+(fp32: the same logits; fp16 under --compat sm70: it runs and keeps its bookkeeping)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from int4_checkpoints import pack_awq, pack_gptq, quantize_checkpoint, quantize_rtn
+from tiny_models import make_model
+
+from voltllm.kernels.quant_gemv import dequantize, quant_matmul
+from voltllm.model.loader.int4_checkpoint import Int4Scheme, Int4Weight
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("method,group,symmetric", [("awq", 128, False), ("gptq", 128, True), ("awq", 32, False)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288)])
+def test_int4_kernels_match_reference(method, group, symmetric, n, k):
+    seed = random.SystemRandom().randrange(1 << 30)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+    codes, scales, zeros, deq = quantize_rtn(w, group, symmetric)
+    if method == "awq":
+        packed = Int4Weight(Int4Scheme("awq", group, False, 0), **pack_awq(codes, zeros, scales), g_idx=None)
+    else:
+        packed = Int4Weight(Int4Scheme("gptq", group, False, 1), **pack_gptq(codes, zeros, scales, torch.arange(k) // group))
+    p = packed.to_weight(torch.device("cuda"), torch.float16)
+    assert p.kind.zero_points == (not symmetric)
+    ref_w = deq.cuda()
+    got = dequantize(p, torch.float32, out=torch.full((n, k), float("nan"), device="cuda"))
+    assert torch.equal(got, ref_w), f"seed {seed}"
+    for dtype in (torch.float16, torch.bfloat16) if (n, k) == (4096, 4096) else (torch.float16,):
+        tol = 2e-3 if dtype == torch.float16 else 1e-2
+        for m in (1, 3, 4, 7, 16):
+            x = torch.randn(m, k, dtype=dtype, device="cuda")
+            out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+            quant_matmul(x, p, out=out)
+            err = _rel(out, x.float() @ ref_w.T)
+            assert err < tol and not out.isnan().any(), f"{method} g{group} {n}x{k} m={m} {dtype}: {err:.2e} seed {seed}"
+
+
+@pytest.fixture(scope="module", params=["awq", "gptq"])
+def tiny_int4(request, tmp_path_factory):
+    path = make_model(str(tmp_path_factory.mktemp(request.param)), "qwen3", hidden_size=128, intermediate_size=256,
+                      head_dim=32, std=0.08)
+    quantize_checkpoint(path, request.param, symmetric=request.param == "gptq")
+    return path
+
+
+def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_int4):
+    """fp32: prompt steps (dequantize + cuBLAS), 1-4-row decode (the dequant-GEMM) and 6-row decode batches, with
+    CUDA graphs, give the logits of the dequantized model."""
+    import voltllm.config
+    from voltllm import LLM, SamplingParams
+
+    prompts = [f"The quick brown fox {i} " * (1 + i) for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
+    kw = dict(device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.2)
+    outs = {}
+    for keep in (1, 0):
+        monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
+        llm = LLM(tiny_int4, **kw)
+        assert llm.engine.runner.keep_quantized == bool(keep)
+        outs[keep] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+        llm.engine.check_integrity()
+        del llm
+    for a, b in zip(outs[1], outs[0]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            tok = next(iter(lb))
+            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
+
+
+def test_tiny_model_compat_route(tiny_int4):
+    from voltllm import LLM, SamplingParams
+
+    method = "awq_marlin" if "awq" in tiny_int4 else "gptq"
+    llm = LLM(tiny_int4, device="cuda", dtype="float16", compat="sm70", quantization=method, max_model_len=512,
+              gpu_memory_utilization=0.2)
+    assert llm.engine.runner.keep_quantized
+    out = llm.generate(["Hello world"] * 3, SamplingParams(temperature=0, max_tokens=8, min_tokens=8))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    llm.engine.check_integrity()

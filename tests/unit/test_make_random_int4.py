@@ -1,0 +1,29 @@
+"""benchmarks/make_random_int4.py: a Hugging Face checkpoint of random 4-bit AWQ / GPTQ weights at a named shape,
+with a tokenizer converted from a GGUF file, that voltllm reads (dequantized on the CPU) and generates from."""
+from pathlib import Path
+
+import pytest
+from interp_util import load_script
+
+
+def _script():
+    return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_int4.py")
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_written_checkpoint_loads_and_generates(tmp_path, smollm2_gguf, method):
+    from voltllm import LLM, SamplingParams
+    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+    from voltllm.model.loader.int4_checkpoint import Int4Weight
+
+    out = str(tmp_path / f"random-smollm2-{method}")
+    _script().write("smollm2-135m-shape", method, 64, smollm2_gguf, out)  # 576 inputs: groups of 64
+    src = resolve_model(out)
+    cfg = load_hf_config(src)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (576, 30, 49152)
+    layers = [t for _, t in iter_weights(src, cfg, keep_quantized=True) if isinstance(t, Int4Weight)]
+    assert len(layers) == 30 * 7 and {w.scheme.method for w in layers} == {method}
+    llm = LLM(out, device="cpu", max_model_len=256, dtype="float32")
+    assert llm.engine.config.model.quantization == method
+    got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert len(got.token_ids) == 4 and all(0 <= t < 49152 for t in got.token_ids)
