@@ -2,17 +2,19 @@
 int4 checkpoints on the GPU machine (the real Qwen AWQ / GPTQ repos are too large to carry there).
 
     PYTHONPATH=$PWD python3 benchmarks/make_random_int4.py --shape qwen3-8b-shape --method awq --group 128 \\
-        --tokenizer-from /root/m/smollm2.gguf /root/m/qwen3-8b-awq
+        /root/m/qwen3-8b-awq
 
-The tokenizer is converted from --tokenizer-from (a GGUF file or a Hugging Face directory), and sets the
-vocabulary size. Every projection gets random packed words (all codes and zero points) and fp16 group scales of
-about `--scale`; embeddings, the LM head and norms are fp16 as AutoAWQ / GPTQ leave them. The values mean nothing;
-the bytes, layouts and quantization_config are a real checkpoint's.
+The tokenizer, if any, is converted from --tokenizer-from (a GGUF file or a Hugging Face directory); the
+vocabulary is the shape's or the tokenizer's, whichever is larger (`voltllm bench` needs no tokenizer: it speaks
+token ids). Every projection gets random packed words (all codes and zero points) and fp16 group scales of about
+`scale`; embeddings, the LM head and norms are fp16 as AutoAWQ / GPTQ leave them. The values mean nothing; the
+bytes, layouts and quantization_config are a real checkpoint's.
 """
 import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -43,7 +45,7 @@ def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, ge
             "g_idx": (torch.arange(cols) // group).to(torch.int32)}
 
 
-def write(shape: str, method: str, group: int, tokenizer_from: str, out: str, seed: int = 0,
+def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], out: str, seed: int = 0,
           scale: float = 0.002) -> int:
     """Write the checkpoint directory; returns the bytes of its tensors."""
     from safetensors.torch import save_file
@@ -52,8 +54,9 @@ def write(shape: str, method: str, group: int, tokenizer_from: str, out: str, se
     if cls not in DENSE:
         raise SystemExit(f"{shape}: only dense llama / qwen3 shapes (the architectures with quantized layers)")
     c = make_config(shape)
-    tok = load_tokenizer(tokenizer_from)
-    c.vocab_size = len(tok)
+    tok = load_tokenizer(tokenizer_from) if tokenizer_from else None
+    if tok is not None:
+        c.vocab_size = max(c.vocab_size, len(tok))
     h, inter = c.hidden_size, c.intermediate_size
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
@@ -61,7 +64,8 @@ def write(shape: str, method: str, group: int, tokenizer_from: str, out: str, se
         if k % group:
             raise SystemExit(f"{shape}: {k} input features are not a multiple of the group size {group}")
     os.makedirs(out, exist_ok=True)
-    tok.save_pretrained(out)
+    if tok is not None:
+        tok.save_pretrained(out)
     c.save_pretrained(out)
     qc = {"quant_method": method, "bits": 4, "group_size": group}
     qc.update({"zero_point": True, "version": "gemm"} if method == "awq"
@@ -114,7 +118,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shape", default="qwen3-8b-shape", choices=[s for s, (cls, _) in SHAPES.items() if cls in DENSE])
     ap.add_argument("--method", default="awq", choices=["awq", "gptq"])
     ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--tokenizer-from", required=True, help="a GGUF file or Hugging Face directory")
+    ap.add_argument("--tokenizer-from", help="a GGUF file or Hugging Face directory (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     nbytes = write(args.shape, args.method, args.group, args.tokenizer_from, args.out, args.seed)

@@ -596,6 +596,20 @@ case $stage in
     bench_via "$ab" /root/m/q8b.gguf --dtype half --num-warm 1 --scenario concurrency --concurrency 16,64 \
       --input-len 128 --output-len 128 --name qwen3-8b-shape-q4_k_m-gguf-dequantized-c16-c64-$sha | tail -10
     ;;
+  s79)  # (session 24, queued; carry .whl) 4-bit AWQ / GPTQ checkpoints: the int4 kinds' GPU tests, then an 8B-shape
+        # AWQ checkpoint of random packed words (make_random_int4.py, group 128, the shape's 151,936 vocabulary) kept
+        # quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64 concurrent
+    gpu_file test_int4_cuda 240
+    timeout 240 python3 benchmarks/make_random_int4.py --shape qwen3-8b-shape --method awq --group 128 /root/m/q8b-awq
+    qa="/root/m/q8b-awq --dtype half --num-warm 1"
+    bench $qa --quantization awq --scenario decode --input-len 512 --output-len 256 \
+      --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -8
+    bench $qa --quantization awq --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
+      --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -10
+    ab="python3 benchmarks/set_and_run.py voltllm.config:KEEP_QUANTIZED=0 --"
+    bench_via "$ab" $qa --scenario decode --input-len 512 --output-len 256 \
+      --name qwen3-8b-shape-awq-g128-dequantized-decode-b1-$sha | tail -8
+    ;;
   s76)  # (for session 23, after s75) 35B batch 1 / 16 / 64 concurrent with the output-gate launch
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"
     bench $m35 --scenario decode --input-len 512 --output-len 128 --max-model-len 4096 --max-num-seqs 4 \
