@@ -28,7 +28,8 @@ _DTYPES = {
 KEEP_QUANTIZED = -1
 # --quantization values: the checkpoint's own method, under vLLM's names (the *_marlin names pick vLLM's kernels
 # for the same checkpoints; here they mean the same as awq / gptq)
-QUANTIZATION_ALIASES = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+QUANTIZATION_ALIASES = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
+                        "fp8": "fp8"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32")
 
 
@@ -308,21 +309,29 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Optional[str]:
-    """The checkpoint's quantization method (what it is, not what the flag says); --quantization must agree."""
+    """The checkpoint's quantization method (what it is, not what the flag says); --quantization must agree, except
+    `fp8` on an unquantized llama-family checkpoint, which quantizes it at load."""
+    from voltllm.model.loader.fp8_checkpoint import FP8CheckpointError, fp8_scheme
     from voltllm.model.loader.int4_checkpoint import Int4CheckpointError, int4_scheme, quantization_method
+    from voltllm.model.models.registry import supports_quantized_layers
 
     method = "gguf" if kind == "gguf" else quantization_method(hf_config)
-    if method is not None and method not in ("gguf", "awq", "gptq"):
+    if method is not None and method not in ("gguf", "awq", "gptq", "fp8"):
         raise ConfigError(f"the checkpoint is quantized with {method!r}: reading it is not built yet (built: GGUF "
-                          "files, 4-bit AWQ and GPTQ checkpoints)")
-    if method in ("awq", "gptq"):
-        try:
-            int4_scheme(hf_config)
-        except Int4CheckpointError as e:
-            raise ConfigError(str(e)) from None
+                          "files, 4-bit AWQ and GPTQ checkpoints, FP8 checkpoints)")
+    try:
+        int4_scheme(hf_config) if method in ("awq", "gptq") else fp8_scheme(hf_config) if method == "fp8" else None
+    except (Int4CheckpointError, FP8CheckpointError) as e:
+        raise ConfigError(str(e)) from None
     wanted = QUANTIZATION_ALIASES.get(flag) if flag is not None else None
+    if wanted == "fp8" and method is None:
+        if not supports_quantized_layers(hf_config):
+            raise ConfigError(f"--quantization fp8 quantizes the projections at load for the llama / qwen2 / qwen3 "
+                              f"architectures only, not {getattr(hf_config, 'model_type', None)!r}")
+        return "fp8"
     if wanted is not None and wanted != method:
-        what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "gguf": "a GGUF file"}.get(
+        what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "gguf": "a GGUF file",
+                "fp8": "an FP8 checkpoint"}.get(
             method, "not a quantized checkpoint")
         raise ConfigError(f"--quantization {flag}: the model is {what}"
                           + (" (--quantization gguf needs a .gguf model file)" if wanted == "gguf" else ""))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from int4_checkpoints import pack_awq, pack_gptq, quantize_checkpoint, quantize_rtn
+from quant_checkpoints import pack_awq, pack_gptq, quantize_checkpoint, quantize_rtn
 from tiny_models import make_model
 
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul

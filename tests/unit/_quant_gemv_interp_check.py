@@ -1,6 +1,6 @@
 """Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the dequant-GEMM (one row; several, over two programs along the rows) and the
 dequant-to-fp16 kernel against the torch reference (gguf_planes.dequantize_planes), for every kept GGUF kind and
-the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
+the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8) and FP8 (E4M3, fp32 scales), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
 `CHECK name ok|FAIL detail` lines."""
 import sys
 
@@ -9,17 +9,24 @@ from interp_util import patch_interpreter_index
 
 patch_interpreter_index()
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul  # noqa: E402
-from voltllm.model.layers.gguf_planes import (KINDS, Unpacked, dequantize_planes, int4_kind,  # noqa: E402
-                                              planes_from_blocks, random_blocks, to_planes)
+from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, Unpacked, dequantize_planes,  # noqa: E402
+                                              int4_kind, planes_from_blocks, random_blocks, to_planes)
 
-INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False)]  # AWQ / GPTQ checkpoints
+# AWQ / GPTQ checkpoints; FP8 checkpoints
+INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), FP8_KIND]
 CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
           for form in ("dequant", "rows1", "rows3", "rows6")]
 
 
 def _int4_planes(kind, n, k, gen):
-    """Random codes, fp16 group scales and (for zero-point kinds) zero points 0..15 in an int4 kind's planes."""
+    """Random codes, fp16 group scales and (for zero-point kinds) zero points 0..15 in an int4 kind's planes; FP8:
+    every E4M3 code but the NaNs (subnormals included) and fp32 scales."""
     groups = k // kind.super
+    if kind.fp8:
+        codes = torch.randint(0, 255, (n, k), dtype=torch.uint8, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] = 0x7E
+        d = torch.rand(n, groups, generator=gen) * 1e-3 + 1e-4
+        return to_planes(Unpacked(codes=codes, d=d, m=None, sc=None, mn=None), kind)
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     d = (torch.randn(n, groups, generator=gen) * 0.02).half()
     zeros = torch.randint(0, 16, (n, groups), dtype=torch.int8, generator=gen) if kind.zero_points else None

@@ -1,5 +1,5 @@
 """4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py): the unpacking against words worked out by hand
-from the formats' definitions and against the tests' own loop packers (tests/int4_checkpoints.py), the planes of
+from the formats' definitions and against the tests' own loop packers (tests/quant_checkpoints.py), the planes of
 the int4 kinds, act-order groups, the tensor stream, and the config errors."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from int4_checkpoints import pack_awq, pack_gptq, quantize_rtn
+from quant_checkpoints import pack_awq, pack_gptq, quantize_rtn
 
 from voltllm.model.layers.gguf_planes import Planes, dequantize_planes
 from voltllm.model.loader.int4_checkpoint import (Int4CheckpointError, Int4Scheme, Int4Weight, int4_scheme,

@@ -121,7 +121,8 @@ class ModelRunner:
                 return model.eval()
             # quantized weights are allocated while they load, not when the model is built
             model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                               for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized))
+                               for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized,
+                                                           mc.quantization))
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
             raise RuntimeError(
@@ -147,6 +148,8 @@ class ModelRunner:
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
         if mc.quantization == "gguf":
             from voltllm.model.loader.gguf_loader import dense_bytes
+        elif mc.quantization == "fp8":
+            from voltllm.model.loader.fp8_checkpoint import dense_bytes
         else:
             from voltllm.model.loader.int4_checkpoint import dense_bytes
         dense = dense_bytes(mc.model, itemsize)

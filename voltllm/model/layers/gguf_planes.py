@@ -17,7 +17,9 @@ separate arrays of the same information:
 
 The 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py) use the same planes: `int4_kind(group)` is a
 kind whose `d` is the group's scale and, with zero points (AWQ, asymmetric GPTQ), `mn` its integer zero, so an
-element dequantizes to d * (q - zero) exactly (fp16 scale times a 5-bit integer: exact in fp32).
+element dequantizes to d * (q - zero) exactly (fp16 scale times a 5-bit integer: exact in fp32). FP8 (E4M3)
+checkpoints (model/loader/fp8_checkpoint.py) keep their 8-bit codes in `lo` / `hi` like Q8_0 and an fp32 `d` per 128
+inputs (FP8_KIND): an element is d * e4m3(q).
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
@@ -47,6 +49,7 @@ class PlaneKind:
     sub: int  # elements per sub-block scale, 0 when the type has none
     super: int  # elements per `d` (and `m`)
     zero_points: bool = False  # `mn` holds a per-`super` integer zero point (AWQ / GPTQ int4): w = d * (q - zero)
+    fp8: bool = False  # the 8-bit codes are E4M3 floats (FP8 checkpoints): w = d * e4m3(q), `d` fp32
 
 
 KINDS = {k.name: k for k in (
@@ -69,6 +72,11 @@ def int4_kind(group: int, zero_points: bool) -> PlaneKind:
     name = f"INT4_G{group}" + ("_ZP" if zero_points else "")
     return PlaneKind(name, group, 0, hi_bits=0, zero=0 if zero_points else 8, has_min=False, sub=0, super=group,
                      zero_points=zero_points)
+
+
+# FP8 (E4M3) weights with an fp32 scale per 128 inputs of a row (block-wise checkpoints repeat their 128 x 128
+# block's scale on each of its rows; per-tensor and per-channel scales are repeated along the row)
+FP8_KIND = PlaneKind("FP8_E4M3", 128, 0, hi_bits=4, zero=0, has_min=False, sub=0, super=128, fp8=True)
 
 
 def supports(type_name: str, in_features: int) -> bool:
@@ -183,8 +191,10 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
 def dequantize_unpacked(u: Unpacked, kind: PlaneKind) -> torch.Tensor:
     """fp32 [N, K], in the same operation order as the `gguf` package's numpy code (so the same values)."""
     n, k = u.codes.shape
-    q = u.codes.to(torch.float32) - kind.zero if kind.zero else u.codes.to(torch.float32)
     d = u.d.to(torch.float32).repeat_interleave(kind.super, dim=1)
+    if kind.fp8:
+        return d * u.codes.view(torch.float8_e4m3fn).to(torch.float32)
+    q = u.codes.to(torch.float32) - kind.zero if kind.zero else u.codes.to(torch.float32)
     if kind.zero_points:
         return d * (q - u.mn.to(torch.float32).repeat_interleave(kind.super, dim=1))
     if kind.sub:

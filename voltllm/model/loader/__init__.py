@@ -81,18 +81,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = False,
+                 quantization: Optional[str] = None) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
-    4-bit AWQ / GPTQ layers), else dequantized; AWQ / GPTQ layers always as `<layer>.weight`."""
+    4-bit AWQ / GPTQ layers, FP8 layers), else dequantized; AWQ / GPTQ / FP8 layers always as `<layer>.weight`.
+    quantization "fp8" on an unquantized checkpoint quantizes its projections as they load."""
     if source.kind == "gguf":
         from voltllm.model.loader.gguf_loader import gguf_weights
 
         yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized)
         return
+    from voltllm.model.loader.fp8_checkpoint import fp8_scheme, fp8_weights
     from voltllm.model.loader.int4_checkpoint import int4_scheme, int4_weights
     from voltllm.model.loader.safetensors_loader import safetensors_weights
 
-    scheme = int4_scheme(hf_config)
     stream = safetensors_weights(source.path)
-    yield from stream if scheme is None else int4_weights(stream, scheme, keep_quantized)
+    if (scheme := int4_scheme(hf_config)) is not None:
+        yield from int4_weights(stream, scheme, keep_quantized)
+    elif (fp8 := fp8_scheme(hf_config, quantization)) is not None:
+        yield from fp8_weights(stream, fp8, keep_quantized)
+    else:
+        yield from stream

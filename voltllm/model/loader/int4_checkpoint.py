@@ -15,8 +15,6 @@ becomes gguf_planes.Planes of an int4 kind on the device, model/layers/quantized
 """
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -192,17 +190,10 @@ def int4_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: Int4Scheme,
 def dense_bytes(path: str, itemsize: int) -> int:
     """Bytes of the checkpoint's weights once dequantized to elements of `itemsize` bytes (from the safetensors
     headers: a qweight word is 8 weights; zeros, scales and g_idx disappear)."""
-    from safetensors import safe_open
+    from voltllm.model.loader.safetensors_loader import stored_elements
 
-    total = 0
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with safe_open(f, framework="pt", device="cpu") as st:
-            for name in st.keys():
-                part = name.rpartition(".")[2]
-                if part in ("qzeros", "scales", "g_idx"):
-                    continue
-                n = 1
-                for d in st.get_slice(name).get_shape():
-                    n *= d
-                total += n * (8 if part == "qweight" else 1) * itemsize
-    return total
+    def dense(name: str, n: int) -> int:
+        part = name.rpartition(".")[2]
+        return 0 if part in ("qzeros", "scales", "g_idx") else 8 * n if part == "qweight" else n
+
+    return itemsize * stored_elements(path, dense)

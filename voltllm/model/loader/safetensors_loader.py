@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,3 +25,19 @@ def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(f, framework="pt", device="cpu") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
+
+
+def stored_elements(path: str, count: Callable[[str, int], int]) -> int:
+    """Sum of count(name, elements) over the tensors of the directory's .safetensors files, read from their
+    headers only (no tensor data)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for name in st.keys():
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += count(name, n)
+    return total

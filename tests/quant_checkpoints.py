@@ -1,6 +1,7 @@
-"""Tiny 4-bit AWQ / GPTQ checkpoints written at test time: a tiny random model's linear weights quantized
+"""Tiny quantized checkpoints written at test time: a tiny random model's linear weights quantized
 round-to-nearest per group and packed the way AutoAWQ (GEMM) and GPTQ write them (the loops below follow the
-formats' definitions, independently of voltllm's vectorized unpacking)."""
+formats' definitions, independently of voltllm's vectorized unpacking), or as FP8 (E4M3) with block-wise
+`weight_scale_inv` (Qwen's FP8 releases) or per-channel `weight_scale` scales."""
 from __future__ import annotations
 
 import json
@@ -74,10 +75,30 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
             "g_idx": g_idx.to(torch.int32)}
 
 
+def quantize_fp8(w: torch.Tensor, block: Optional[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (E4M3 weight, fp32 scales, dequantized fp32): one scale per block x block (`weight_scale_inv`
+    [ceil(N / bn), ceil(K / bk)]), or per row when block is None (`weight_scale` [N, 1]); scale = amax / 448."""
+    n, k = w.shape
+    bn, bk = block if block is not None else (1, k)
+    scales = torch.empty(-(-n // bn), -(-k // bk))
+    deq = torch.empty(n, k)
+    codes = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s = float(tile.abs().max()) / 448.0 or 1.0
+            q = (tile / s).to(torch.float8_e4m3fn)
+            scales[i, j] = s
+            codes[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = q
+            deq[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = q.float() * torch.tensor(s, dtype=torch.float32)
+    return codes, scales, deq
+
+
 def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool = False, act_order: bool = False,
-                        seed: int = 0) -> dict[str, torch.Tensor]:
-    """Rewrite the HF checkpoint at `path` (a tiny_models.make_model directory) in place as a 4-bit `method`
-    checkpoint; returns the dequantized weights {name: [N, K] fp32} (what a reference model should hold)."""
+                        seed: int = 0, block: Optional[tuple[int, int]] = (128, 128)) -> dict[str, torch.Tensor]:
+    """Rewrite the HF checkpoint at `path` (a tiny_models.make_model directory) in place as an `method` (awq, gptq:
+    4-bit in groups of `group`; fp8: E4M3 in blocks, or per channel with block None) checkpoint; returns the
+    dequantized weights {name: [N, K] fp32} (what a reference model should hold)."""
     from safetensors.torch import load_file, save_file
 
     file = os.path.join(path, "model.safetensors")
@@ -88,6 +109,13 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
         prefix, _, part = name.rpartition(".")
         if part != "weight" or prefix.rpartition(".")[2] not in LINEARS:
             out[name] = t
+            continue
+        if method == "fp8":
+            codes, scales, deq[name] = quantize_fp8(t.float(), block)
+            out[name] = codes
+            out[f"{prefix}.weight_scale_inv" if block else f"{prefix}.weight_scale"] = scales
+            if block is None:
+                out[f"{prefix}.input_scale"] = torch.tensor(1.0)  # a static activation scale (ignored)
             continue
         k = t.shape[1]
         g_idx = torch.arange(k) // group
@@ -100,7 +128,11 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
     save_file(out, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    if method == "awq":
+    if method == "fp8":
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic" if block else "static"}
+        if block:
+            qc["weight_block_size"] = list(block)
+    elif method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
         qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": symmetric, "desc_act": act_order,

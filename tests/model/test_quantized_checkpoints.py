@@ -1,16 +1,19 @@
-"""4-bit AWQ / GPTQ checkpoints end to end on the CPU: a tiny qwen3 quantized and packed as AutoAWQ / GPTQ write
-it (tests/int4_checkpoints.py) runs in the engine with the logits of transformers holding the same dequantized
-weights; the kept-quantized layers (int4 planes) multiply like the dequantized ones."""
+"""Quantized checkpoints end to end on the CPU: a tiny qwen3 quantized and packed as AutoAWQ / GPTQ write it, or
+as an FP8 checkpoint (block-wise or per-channel scales; tests/quant_checkpoints.py), runs in the engine with the
+logits of transformers holding the same dequantized weights; the kept-quantized layers (int4 / FP8 planes)
+multiply like the dequantized ones; `--quantization fp8` quantizes an unquantized checkpoint at load."""
 import pytest
 import torch
-from int4_checkpoints import quantize_checkpoint
+from quant_checkpoints import quantize_checkpoint
 from tiny_models import make_model
 
 from voltllm import LLM, SamplingParams
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
 VARIANTS = {"awq": dict(method="awq"), "gptq-sym": dict(method="gptq", symmetric=True),
-            "gptq-act-order": dict(method="gptq", act_order=True)}
+            "gptq-act-order": dict(method="gptq", act_order=True), "fp8-block": dict(method="fp8"),
+            "fp8-channel": dict(method="fp8", block=None)}
+KINDS = {"awq": "INT4_G32_ZP", "gptq-sym": "INT4_G32", "fp8-block": "FP8_E4M3", "fp8-channel": "FP8_E4M3"}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -71,9 +74,35 @@ def test_kept_quantized_layers_multiply_like_dequantized(quantized):
         if variant == "gptq-act-order":
             assert not planes  # act-order groups: dequantized at load
         else:
-            assert len(segs) == 1 and planes and planes[0].kind.name.startswith("INT4_G32")
-            assert planes[0].kind.zero_points == (variant == "awq")
+            assert len(segs) == 1 and planes and planes[0].kind.name == KINDS[variant]
         xi = x[:, :mod.in_features]
         torch.testing.assert_close(mod(xi), dense_linears[name](xi), rtol=1e-5, atol=1e-5)
         checked += 1
     assert checked == 3 * 4  # qkv, o, gate_up, down per layer
+
+
+def test_fp8_quantized_at_load(tmp_path):
+    """--quantization fp8 on an unquantized checkpoint: the projections get E4M3 codes with one scale per row and
+    128 inputs (amax / 448); the engine's logits are those of transformers holding such weights."""
+    from transformers import AutoModelForCausalLM
+
+    from quant_checkpoints import quantize_fp8
+
+    path = make_model(str(tmp_path / "fp8-at-load"), "qwen3", hidden_size=128, intermediate_size=256, head_dim=32,
+                      std=0.08)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.rpartition(".")[0].rpartition(".")[2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"):
+                p.copy_(quantize_fp8(p.float(), (1, 128))[2])
+    llm = LLM(path, quantization="fp8", block_size=4)
+    assert llm.engine.config.model.quantization == "fp8"
+    tok = llm.get_tokenizer()
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=ref.config.vocab_size))
+    ids = tok.encode(PROMPTS[0])
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
+    for pos in range(1, len(ids)):
+        top = int(want[pos - 1].argmax())
+        assert abs(out[0].prompt_logprobs[pos][top].logprob - float(want[pos - 1, top])) < 1e-3
