@@ -596,11 +596,11 @@ case $stage in
     bench_via "$ab" /root/m/q8b.gguf --dtype half --num-warm 1 --scenario concurrency --concurrency 16,64 \
       --input-len 128 --output-len 128 --name qwen3-8b-shape-q4_k_m-gguf-dequantized-c16-c64-$sha | tail -10
     ;;
-  s79)  # (session 24, queued; carry .whl) 4-bit AWQ / GPTQ checkpoints: the int4 kinds' GPU tests, then an 8B-shape
-        # AWQ checkpoint of random packed words (make_random_int4.py, group 128, the shape's 151,936 vocabulary) kept
-        # quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64 concurrent
-    gpu_file test_int4_cuda 240
-    timeout 240 python3 benchmarks/make_random_int4.py --shape qwen3-8b-shape --method awq --group 128 /root/m/q8b-awq
+  s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
+        # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936
+        # vocabulary) kept quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64
+    gpu_file test_quant_checkpoints_cuda 240
+    timeout 240 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq --group 128 /root/m/q8b-awq
     qa="/root/m/q8b-awq --dtype half --num-warm 1"
     bench $qa --quantization awq --scenario decode --input-len 512 --output-len 256 \
       --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -8
@@ -609,6 +609,15 @@ case $stage in
     ab="python3 benchmarks/set_and_run.py voltllm.config:KEEP_QUANTIZED=0 --"
     bench_via "$ab" $qa --scenario decode --input-len 512 --output-len 256 \
       --name qwen3-8b-shape-awq-g128-dequantized-decode-b1-$sha | tail -8
+    ;;
+  s79b)  # (after s79, within 30 s) an 8B-shape FP8 checkpoint (128 x 128 block scales, random E4M3 codes) kept
+         # quantized: decode b1, 16 / 64 concurrent
+    rm -rf /root/m/q8b-awq
+    timeout 240 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method fp8 /root/m/q8b-fp8
+    qf="/root/m/q8b-fp8 --dtype half --num-warm 1 --quantization fp8"
+    bench $qf --scenario decode --input-len 512 --output-len 256 --name qwen3-8b-shape-fp8-decode-b1-$sha | tail -8
+    bench $qf --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
+      --name qwen3-8b-shape-fp8-c16-c64-$sha | tail -10
     ;;
   s76)  # (for session 23, after s75) 35B batch 1 / 16 / 64 concurrent with the output-gate launch
     m35="--random-weights qwen3.5-35b-a3b-shape --dtype half --max-num-batched-tokens 8192 --num-warm 1"

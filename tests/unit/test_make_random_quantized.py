@@ -1,5 +1,5 @@
-"""benchmarks/make_random_int4.py: a Hugging Face checkpoint of random 4-bit AWQ / GPTQ weights at a named shape,
-with a tokenizer converted from a GGUF file, that voltllm reads (dequantized on the CPU) and generates from."""
+"""benchmarks/make_random_quantized.py: a Hugging Face checkpoint of random 4-bit AWQ / GPTQ or FP8 weights at a named
+shape, with a tokenizer converted from a GGUF file, that voltllm reads (dequantized on the CPU) and generates from."""
 from pathlib import Path
 
 import pytest
@@ -7,22 +7,22 @@ from interp_util import load_script
 
 
 def _script():
-    return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_int4.py")
+    return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_quantized.py")
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8"])
 def test_written_checkpoint_loads_and_generates(tmp_path, smollm2_gguf, method):
     from voltllm import LLM, SamplingParams
     from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
-    from voltllm.model.loader.int4_checkpoint import Int4Weight
+    from voltllm.model.layers.quantized_linear import PackedWeight
 
     out = str(tmp_path / f"random-smollm2-{method}")
     _script().write("smollm2-135m-shape", method, 64, smollm2_gguf, out)  # 576 inputs: groups of 64
     src = resolve_model(out)
     cfg = load_hf_config(src)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (576, 30, 49152)
-    layers = [t for _, t in iter_weights(src, cfg, keep_quantized=True) if isinstance(t, Int4Weight)]
-    assert len(layers) == 30 * 7 and {w.scheme.method for w in layers} == {method}
+    layers = [t for _, t in iter_weights(src, cfg, keep_quantized=True) if isinstance(t, PackedWeight)]
+    assert len(layers) == 30 * 7
     llm = LLM(out, device="cpu", max_model_len=256, dtype="float32")
     assert llm.engine.config.model.quantization == method
     got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]

@@ -1,13 +1,15 @@
-"""A Hugging Face checkpoint of random 4-bit AWQ or GPTQ weights at a named dense shape, for end-to-end runs of
-int4 checkpoints on the GPU machine (the real Qwen AWQ / GPTQ repos are too large to carry there).
+"""A Hugging Face checkpoint of random quantized weights (4-bit AWQ or GPTQ, FP8 E4M3 with 128 x 128 block scales,
+or fp16 for `--quantization fp8` at load) at a named dense shape, for end-to-end runs of quantized checkpoints on the
+GPU machine (the real Qwen AWQ / GPTQ / FP8 repos are too large to carry there).
 
-    PYTHONPATH=$PWD python3 benchmarks/make_random_int4.py --shape qwen3-8b-shape --method awq --group 128 \\
+    PYTHONPATH=$PWD python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq --group 128 \\
         /root/m/qwen3-8b-awq
 
 The tokenizer, if any, is converted from --tokenizer-from (a GGUF file or a Hugging Face directory); the
 vocabulary is the shape's or the tokenizer's, whichever is larger (`voltllm bench` needs no tokenizer: it speaks
 token ids). Every projection gets random packed words (all codes and zero points) and fp16 group scales of about
-`scale`; embeddings, the LM head and norms are fp16 as AutoAWQ / GPTQ leave them. The values mean nothing; the
+`scale`, or random E4M3 codes (all but the NaNs) and fp32 block scales; embeddings, the LM head and norms are fp16
+as the quantizers leave them. The values mean nothing; the
 bytes, layouts and quantization_config are a real checkpoint's.
 """
 import argparse
@@ -33,7 +35,16 @@ def load_tokenizer(path: str):
 
 
 def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, gen: torch.Generator) -> dict:
-    """qweight / qzeros / scales (/ g_idx) of one [rows, cols] projection in the method's layout."""
+    """The tensors of one [rows, cols] projection in the method's layout: qweight / qzeros / scales (/ g_idx);
+    FP8: weight and weight_scale_inv; fp16: weight."""
+    if method == "fp16":
+        return {"weight": (torch.randn(rows, cols, generator=gen) * scale * 4).half()}
+    if method == "fp8":
+        codes = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, generator=gen)
+        codes[(codes & 0x7F) == 0x7F] = 0x7E
+        blocks = (-(-rows // 128), -(-cols // 128))
+        return {"weight": codes.view(torch.float8_e4m3fn),
+                "weight_scale_inv": torch.rand(*blocks, generator=gen) * scale / 100 + scale / 200}
     def words(*shape):
         return torch.randint(-2**31, 2**31, shape, dtype=torch.int32, generator=gen)
 
@@ -67,14 +78,18 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
     if tok is not None:
         tok.save_pretrained(out)
     c.save_pretrained(out)
-    qc = {"quant_method": method, "bits": 4, "group_size": group}
-    qc.update({"zero_point": True, "version": "gemm"} if method == "awq"
-              else {"sym": False, "desc_act": False, "checkpoint_format": "gptq"})
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qc
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
+    if method == "fp8":
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    else:
+        qc = {"quant_method": method, "bits": 4, "group_size": group}
+        qc.update({"zero_point": True, "version": "gemm"} if method == "awq"
+                  else {"sym": False, "desc_act": False, "checkpoint_format": "gptq"})
+    if method != "fp16":
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["quantization_config"] = qc
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
 
     gen = torch.Generator().manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
@@ -116,7 +131,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--shape", default="qwen3-8b-shape", choices=[s for s, (cls, _) in SHAPES.items() if cls in DENSE])
-    ap.add_argument("--method", default="awq", choices=["awq", "gptq"])
+    ap.add_argument("--method", default="awq", choices=["awq", "gptq", "fp8", "fp16"])
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--tokenizer-from", help="a GGUF file or Hugging Face directory (default: none)")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,17 +1,19 @@
-"""4-bit AWQ / GPTQ weights kept quantized on the GPU: the dequant-GEMM and the dequant kernel with the int4 kinds
-(zero points; GPTQ's fixed zero 8) against the checkpoint's own dequantization at real shapes, fp16 and bf16,
-outputs poisoned first; and a tiny AWQ / GPTQ model kept quantized against the same checkpoint dequantized at load
-(fp32: the same logits; fp16 under --compat sm70: it runs and keeps its bookkeeping)."""
+"""AWQ / GPTQ (4-bit) and FP8 weights kept quantized on the GPU: the dequant-GEMM and the dequant kernel with the
+int4 kinds (zero points; GPTQ's fixed zero 8) and the FP8 kind (software E4M3 decode) against the checkpoint's own
+dequantization at real shapes, fp16 and bf16, outputs poisoned first; and tiny AWQ / GPTQ / FP8 models kept quantized
+against the same checkpoint dequantized at load (fp32: the same logits; fp16 under --compat sm70: it runs and keeps
+its bookkeeping), and --quantization fp8 at load."""
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-from quant_checkpoints import pack_awq, pack_gptq, quantize_checkpoint, quantize_rtn
+from quant_checkpoints import pack_awq, pack_gptq, quantize_checkpoint, quantize_fp8, quantize_rtn
 from tiny_models import make_model
 
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul
+from voltllm.model.loader.fp8_checkpoint import FP8Weight
 from voltllm.model.loader.int4_checkpoint import Int4Scheme, Int4Weight
 
 pytestmark = pytest.mark.gpu
@@ -21,18 +23,23 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("method,group,symmetric", [("awq", 128, False), ("gptq", 128, True), ("awq", 32, False)])
+@pytest.mark.parametrize("method,group,symmetric", [("awq", 128, False), ("gptq", 128, True), ("awq", 32, False),
+                                                    ("fp8", 128, True)])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288)])
-def test_int4_kernels_match_reference(method, group, symmetric, n, k):
+def test_kernels_match_reference(method, group, symmetric, n, k):
     seed = random.SystemRandom().randrange(1 << 30)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
-    codes, scales, zeros, deq = quantize_rtn(w, group, symmetric)
+    if method == "fp8":
+        codes, scales, deq = quantize_fp8(w, (128, 128))
+        packed = FP8Weight.from_checkpoint(codes, scales, (128, 128))
+    else:
+        codes, scales, zeros, deq = quantize_rtn(w, group, symmetric)
     if method == "awq":
         packed = Int4Weight(Int4Scheme("awq", group, False, 0), **pack_awq(codes, zeros, scales), g_idx=None)
-    else:
+    elif method == "gptq":
         packed = Int4Weight(Int4Scheme("gptq", group, False, 1), **pack_gptq(codes, zeros, scales, torch.arange(k) // group))
     p = packed.to_weight(torch.device("cuda"), torch.float16)
-    assert p.kind.zero_points == (not symmetric)
+    assert p.kind.zero_points == (method != "fp8" and not symmetric) and p.kind.fp8 == (method == "fp8")
     ref_w = deq.cuda()
     got = dequantize(p, torch.float32, out=torch.full((n, k), float("nan"), device="cuda"))
     assert torch.equal(got, ref_w), f"seed {seed}"
@@ -46,15 +53,15 @@ def test_int4_kernels_match_reference(method, group, symmetric, n, k):
             assert err < tol and not out.isnan().any(), f"{method} g{group} {n}x{k} m={m} {dtype}: {err:.2e} seed {seed}"
 
 
-@pytest.fixture(scope="module", params=["awq", "gptq"])
-def tiny_int4(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=["awq", "gptq", "fp8"])
+def tiny_quantized(request, tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp(request.param)), "qwen3", hidden_size=128, intermediate_size=256,
                       head_dim=32, std=0.08)
     quantize_checkpoint(path, request.param, symmetric=request.param == "gptq")
     return path
 
 
-def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_int4):
+def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_quantized):
     """fp32: prompt steps (dequantize + cuBLAS), 1-4-row decode (the dequant-GEMM) and 6-row decode batches, with
     CUDA graphs, give the logits of the dequantized model."""
     import voltllm.config
@@ -66,7 +73,7 @@ def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_int4):
     outs = {}
     for keep in (1, 0):
         monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
-        llm = LLM(tiny_int4, **kw)
+        llm = LLM(tiny_quantized, **kw)
         assert llm.engine.runner.keep_quantized == bool(keep)
         outs[keep] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
         llm.engine.check_integrity()
@@ -78,13 +85,33 @@ def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_int4):
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
 
 
-def test_tiny_model_compat_route(tiny_int4):
+def test_tiny_model_compat_route(tiny_quantized):
     from voltllm import LLM, SamplingParams
 
-    method = "awq_marlin" if "awq" in tiny_int4 else "gptq"
-    llm = LLM(tiny_int4, device="cuda", dtype="float16", compat="sm70", quantization=method, max_model_len=512,
+    method = "awq_marlin" if "awq" in tiny_quantized else "fp8" if "fp8" in tiny_quantized else "gptq"
+    llm = LLM(tiny_quantized, device="cuda", dtype="float16", compat="sm70", quantization=method, max_model_len=512,
               gpu_memory_utilization=0.2)
     assert llm.engine.runner.keep_quantized
     out = llm.generate(["Hello world"] * 3, SamplingParams(temperature=0, max_tokens=8, min_tokens=8))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     llm.engine.check_integrity()
+
+
+def test_fp8_at_load_kept_quantized(tmp_path):
+    """--quantization fp8 on an unquantized fp16 checkpoint: the projections are quantized on the GPU and kept
+    quantized; the greedy continuations follow the fp16 model's (random weights: compared by logprob, not text)."""
+    from voltllm import LLM, SamplingParams
+
+    path = make_model(str(tmp_path / "fp16"), "qwen3", hidden_size=128, intermediate_size=256, head_dim=32, std=0.08)
+    kw = dict(device="cuda", dtype="float16", max_model_len=512, gpu_memory_utilization=0.2)
+    sp = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=5)
+    fp8 = LLM(path, quantization="fp8", **kw)
+    assert fp8.engine.runner.keep_quantized
+    got = fp8.generate(["Hello world"] * 2, sp)
+    fp8.engine.check_integrity()
+    del fp8
+    ref = LLM(path, **kw).generate(["Hello world"] * 2, sp)
+    for a, b in zip(got, ref):
+        tok = b.outputs[0].token_ids[0]
+        assert tok in a.outputs[0].logprobs[0], "the fp16 model's first token is not in the fp8 model's top 5"
+        assert abs(a.outputs[0].logprobs[0][tok].logprob - b.outputs[0].logprobs[0][tok].logprob) < 0.1
