@@ -160,7 +160,7 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
         m = _f16(b, 2) if kind.name == "Q5_1" else None
         at = 4 if kind.name == "Q5_1" else 2
         qh = b[..., at:at + 4].contiguous().view(torch.int32)  # element i's fifth bit is bit i (little-endian)
-        bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+        bits = (qh >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1
         codes = _nibbles(b[..., at + 4:at + 20]) | (bits.to(torch.uint8) << 4)
     elif kind.name in ("Q4_K", "Q5_K"):
         d, m = _f16(b, 0), _f16(b, 2)
@@ -170,7 +170,7 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
         codes = torch.cat([qs & 15, qs >> 4], dim=3)  # chunk c: elements 64c + l (low), 64c + 32 + l (high)
         if kind.name == "Q5_K":  # bit i of qh[l] is the fifth bit of sub-block i's element l
             qh = b[..., 16:48].reshape(n, nb, 1, 32)
-            bits = (qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1
+            bits = (qh >> torch.arange(8, dtype=torch.uint8, device=qh.device).reshape(8, 1)) & 1
             codes = codes.reshape(n, nb, 8, 32) | (bits << 4)
     elif kind.name == "Q6_K":
         ql = b[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, first / second 32 bytes, l)
