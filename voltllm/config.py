@@ -109,7 +109,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    speculative: Optional[dict] = None
+    speculative: Optional[Any] = None  # engine.speculative.SpeculativeConfig (--speculative-config)
     quantization: Optional[str] = None
 
 
@@ -175,8 +175,6 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_ALIASES:
             raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet (built: "
                               f"{', '.join(QUANTIZATION_ALIASES)})")
-        if _parse_json_arg("--speculative-config", self.speculative_config):
-            raise ConfigError("--speculative-config: speculative decoding is not built yet")
 
     def _resolve_tokenizer(self, source: Any) -> str:
         """--tokenizer (a path or a Hub repo id), else the model's own; --tokenizer-revision fetches the tokenizer
@@ -201,7 +199,7 @@ class EngineArgs:
         from voltllm.model.loader import load_hf_config, resolve_model
 
         self._refuse_unbuilt()
-        spec = _parse_json_arg("--speculative-config", self.speculative_config)
+        spec_dict = _parse_json_arg("--speculative-config", self.speculative_config)
         source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
         tokenizer = self._resolve_tokenizer(source)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
@@ -214,6 +212,7 @@ class EngineArgs:
             except HFOverrideError as e:
                 raise ConfigError(str(e)) from None
         method = _resolve_quantization(self.quantization, source.kind, hf_config)
+        spec = _resolve_speculative(spec_dict, hf_config)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
@@ -273,7 +272,9 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
             mamba_cache_mode=self.mamba_cache_mode)
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
-                                max_model_len=max_model_len, async_scheduling=self.async_scheduling)
+                                max_model_len=max_model_len,
+                                # speculation proposes from the host's tokens: a step waits for the one before
+                                async_scheduling=self.async_scheduling and spec is None)
         dev = DeviceConfig(device=device, compat=compat, enforce_eager=self.enforce_eager,
                            attention_backend=self.attention_backend, require_acceleration=self.require_acceleration)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
@@ -306,6 +307,25 @@ def _resolve_device(device: str) -> torch.device:
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
     return torch.device(device)
+
+
+def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:
+    """--speculative-config as a SpeculativeConfig (None when not given); n-gram speculation needs a model whose
+    cache can take back rejected tokens, i.e. attention-only (a recurrent state cannot be rewound)."""
+    if not spec:
+        return None
+    from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+    from voltllm.model.models.registry import attention_only
+
+    try:
+        parsed = SpeculativeConfig.from_dict(spec)
+    except SpeculativeConfigError as e:
+        raise ConfigError(str(e)) from None
+    if not attention_only(hf_config):
+        raise ConfigError(f"--speculative-config: speculative decoding is built for attention-only models (llama / "
+                          f"qwen2 / qwen3), not {getattr(hf_config, 'model_type', None)!r}: a Gated DeltaNet layer's "
+                          "state cannot take back rejected tokens")
+    return parsed
 
 
 def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Optional[str]:

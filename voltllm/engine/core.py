@@ -37,7 +37,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix)
         if prefix and snapshots is not None:
             self.kv.state_prefix = snapshots
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         self.runner.tune_decode_gemms()
         from voltllm.acceleration import instrument
 

@@ -18,6 +18,7 @@ import numpy as np
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import SchedulerConfig
 from voltllm.engine.request import Request, RequestStatus
+from voltllm.engine.speculative import NgramIndex, SpeculativeConfig, spec_allowed
 from voltllm.engine.types import EngineCoreOutput, PositionLogprobs, SchedulerStats
 
 
@@ -29,6 +30,7 @@ class ScheduledRequest:
     block_ids: list[int]
     samples: bool  # this step reaches the end of the request's tokens, so a new token is sampled
     block_array: np.ndarray  # block_ids as int32 (the runner copies its block-table row from it)
+    spec_tokens: list[int] = field(default_factory=list)  # draft tokens after the known ones (speculation)
 
 
 @dataclass
@@ -52,12 +54,17 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = field(default_factory=dict)
+    # speculation: the tokens a verified step emits (accepted drafts, then the model's next token)
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec: Optional[SpeculativeConfig] = None):
         self.config = config
         self.kv = kv
+        self.spec = spec
+        self.num_draft_tokens = 0  # speculation: drafts scored, and accepted
+        self.num_accepted_tokens = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -109,6 +116,8 @@ class Scheduler:
                 i += 1  # its last token is in flight; it finishes when that arrives
                 continue
             computed = req.num_computed_tokens
+            if self.spec is not None and with_pending - computed == 1:  # decoding: guess the next tokens
+                req.spec_token_ids = self._propose(req, budget - 1)
             num_new = min(with_pending + len(req.spec_token_ids) - computed, budget)
             num_new = kv.cap_new_tokens(req, computed, num_new)  # hybrid snapshot boundaries
             if num_new <= 0:
@@ -161,12 +170,25 @@ class Scheduler:
         self.step_counter += 1
         return out
 
+    def _propose(self, req: Request, max_new: int) -> list[int]:
+        """n-gram drafts for a decoding request (none where speculation cannot keep its output exact)."""
+        k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
+        if k <= 0:
+            return []
+        index = req.ngram_index
+        if index is None:
+            index = req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        return index.propose(req.all_token_ids, k)
+
     def _add(self, out: SchedulerOutput, req: Request, num_new: int, with_pending: Optional[int] = None) -> None:
         """with_pending: req.num_tokens_with_pending, when the caller has it."""
         start = req.num_computed_tokens
-        samples = start + num_new >= (req.num_tokens_with_pending if with_pending is None else with_pending)
+        with_pending = req.num_tokens_with_pending if with_pending is None else with_pending
+        samples = start + num_new >= with_pending
+        spec = req.spec_token_ids[: max(0, start + num_new - with_pending)] if req.spec_token_ids else []
+        req.spec_token_ids = []
         out.scheduled.append(ScheduledRequest(req, num_new, start, self.kv.block_ids(req), samples,
-                                              self.kv.block_array(req)))
+                                              self.kv.block_array(req), spec))
         out.total_tokens += num_new
         req.num_computed_tokens = start + num_new  # advanced now, so the next step can be scheduled early
         if samples:
@@ -208,14 +230,19 @@ class Scheduler:
                 continue
             req.num_pending -= 1
             tokens = req.all_token_ids
-            tokens.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            lp = logprobs.get(rid) if logprobs else None
+            if s.spec_tokens:  # a verified speculative step: several tokens, each checked for a stop
+                new, status = self._append_verified(req, s.spec_tokens, result.verified[rid], max_len)
+                lp = None
+            else:
+                tokens.append(token)
+                new = [token]
+                lp = logprobs.get(rid) if logprobs else None
+                status = self._check_stop(req, token, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
             num_out = len(tokens) - req.num_prompt_tokens
-            status = self._check_stop(req, token, num_out, len(tokens) >= max_len)
-            out = EngineCoreOutput(rid, [token], None, None, [lp] if lp is not None else None, None,
+            out = EngineCoreOutput(rid, new, None, None, [lp] if lp is not None else None, None,
                                    max(req.num_cached_tokens, 0), req.first_token_time, now, req.scheduled_time)
             if num_out == 1 and req.wants_prompt_logprobs:
                 out.prompt_logprobs = [None] + req.prompt_logprobs[: req.num_prompt_tokens - 1]
@@ -225,6 +252,23 @@ class Scheduler:
                 self._finish(req, status)
             outputs.append(out)
         return outputs
+
+    def _append_verified(self, req: Request, drafts: list[int], verified: list[int],
+                         max_len: int) -> tuple[list[int], Optional[RequestStatus]]:
+        """Append a speculative step's tokens up to the first stop; the cache keeps the accepted drafts' KV (all
+        tokens but the last are computed), the rejected ones' slots are written again later."""
+        tokens = req.all_token_ids
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(verified) - 1
+        status = None
+        for i, tok in enumerate(verified):
+            tokens.append(tok)
+            status = self._check_stop(req, tok, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
+            if status is not None:
+                verified = verified[: i + 1]
+                break
+        req.num_computed_tokens = len(tokens) - 1
+        return verified, status
 
     @staticmethod
     def _check_stop(req: Request, token: int, num_out: int, at_max_len: bool) -> Optional[RequestStatus]:
@@ -243,4 +287,6 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage(),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
-            num_preemptions=self.num_preemptions, num_blocks=self.kv.num_blocks, step_counter=self.step_counter)
+            num_preemptions=self.num_preemptions, num_blocks=self.kv.num_blocks, step_counter=self.step_counter,
+            extra={"spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens}
+            if self.spec is not None else {})

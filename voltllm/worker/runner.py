@@ -12,6 +12,7 @@ import torch
 from voltllm.attention.backend import AttentionBackend, AttentionMetadata, make_kv_cache
 from voltllm.config import EngineConfig
 from voltllm.engine.scheduler import RunnerOutput, SchedulerOutput
+from voltllm.engine.speculative import accept_drafts
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device
@@ -60,6 +61,9 @@ class StepHandle:
     sampled_ids: list[str] = field(default_factory=list)
     prompt_logprobs: dict = field(default_factory=dict)
     event: Optional[torch.cuda.Event] = None
+    # speculation: the model's argmax after each known token and draft, and (request id, drafts) in row order
+    spec_out: Optional[SamplerOutput] = None
+    spec_drafts: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -280,7 +284,10 @@ class ModelRunner:
                 else:
                     known = req.all_token_ids[start:start + n]
                     ids_h[t:t + len(known)] = known
-                    if len(known) < n:
+                    if s.spec_tokens:  # a speculative step: the known token, then the drafts to verify
+                        assert len(known) + len(s.spec_tokens) == n, "drafts must follow every known token"
+                        ids_h[t + len(known):t + n] = s.spec_tokens
+                    elif len(known) < n:
                         pending_dst.append(t + n - 1)
                         pending_src.append(self._prev_rows[req.request_id])
                     p = np.arange(start, start + n)
@@ -428,6 +435,9 @@ class ModelRunner:
             reqs = [s.request for s in scheduled]
         else:
             sampling = [(i, s) for i, s in enumerate(scheduled) if s.samples]
+            if any(s.spec_tokens for _, s in sampling):
+                self._verify_drafts(hidden, qsl, [(i, s) for i, s in sampling if s.spec_tokens], handle)
+                sampling = [(i, s) for i, s in sampling if not s.spec_tokens]
             idx = [qsl[i + 1] - 1 for i, _ in sampling]
             rows_idx = (slice(idx[0], idx[-1] + 1) if idx and idx == list(range(idx[0], idx[-1] + 1))
                         else to_device(idx, torch.long, self.device))
@@ -458,11 +468,29 @@ class ModelRunner:
             handle.event.record()
         return handle
 
+    def _verify_drafts(self, hidden: torch.Tensor, qsl: list[int], rows: list, handle: StepHandle) -> None:
+        """Speculative rows: the model's greedy choice after the known token and after each draft (the last
+        1 + drafts positions of each request), taken to the host with the step; collect() accepts from them."""
+        idx = [p for i, s in rows for p in range(qsl[i + 1] - 1 - len(s.spec_tokens), qsl[i + 1])]
+        logits = self.model.compute_logits(hidden[to_device(idx, torch.long, self.device)])
+        out = self.sampler.sample_argmax(logits)  # speculation is for argmax-only requests (speculative.py)
+        out.copy_to_host_async()
+        handle.spec_out = out
+        handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
+
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (host side)."""
         if handle.event is not None:
             handle.event.synchronize()
         out = RunnerOutput(prompt_logprobs=handle.prompt_logprobs)
+        if handle.spec_out is not None:
+            targets, _ = handle.spec_out.to_host()
+            at = 0
+            for rid, drafts in handle.spec_drafts:
+                verified = accept_drafts(drafts, targets[at:at + len(drafts) + 1])
+                at += len(drafts) + 1
+                out.verified[rid] = verified
+                out.sampled[rid] = verified[-1]
         if handle.sampler_out is not None:
             tokens, logprobs = handle.sampler_out.to_host()
             for rid, tok, lp in zip(handle.sampled_ids, tokens, logprobs):

@@ -19,6 +19,11 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
+def attention_only(hf_config: Any) -> bool:
+    """Whether every layer's per-request state is the paged KV cache (no recurrent state)."""
+    return _MODELS.get(getattr(hf_config, "model_type", None)) is LlamaForCausalLM
+
+
 def supports_quantized_layers(hf_config: Any) -> bool:
     """Whether the architecture takes a quantized LinearMethod (else quantized checkpoints are dequantized at load)."""
     return _MODELS.get(getattr(hf_config, "model_type", None)) is LlamaForCausalLM

@@ -1,0 +1,72 @@
+"""n-gram speculative decoding in the engine (CPU, tiny random llama / qwen3): greedy outputs are exactly the ones
+without speculation, in fewer steps; drafts are cut by the token budget, max_tokens and stop tokens; sampled
+requests in the same batch decode normally; blocks are not leaked."""
+import pytest
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+           "0123456789 0123456789 0123",
+           "Hi"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def path(request, tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+
+
+def _run(llm, prompts, sps):
+    outs = llm.generate(prompts, sps)
+    llm.engine.check_integrity()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_greedy_outputs_equal_without_speculation(path, budget):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    ref = _run(LLM(path, **kw), PROMPTS, sp)
+    llm = LLM(path, speculative_config=SPEC, **kw)
+    got = _run(llm, PROMPTS, sp)
+    assert got == ref
+    stats = llm.engine.stats()
+    assert stats.extra["spec_accepted_tokens"] > 0
+    assert stats.extra["spec_draft_tokens"] >= stats.extra["spec_accepted_tokens"]
+
+
+def test_each_accepted_draft_saves_a_step(path):
+    """One request, its prompt in one step: 120 tokens take 120 - accepted steps (the model's own next token comes
+    with every verified step), and the accepted tokens are the ones plain decoding gives."""
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    llm = LLM(path, block_size=4, speculative_config=SPEC)
+    steps0 = llm.engine.stats().step_counter
+    got = _run(llm, PROMPTS[2:3], sp)
+    stats = llm.engine.stats()
+    accepted = stats.extra["spec_accepted_tokens"]
+    assert accepted >= 4  # the tiny models fall into loops that the n-grams catch
+    assert stats.step_counter - steps0 == 120 - accepted
+    assert got == _run(LLM(path, block_size=4), PROMPTS[2:3], sp)
+
+
+def test_stops_and_lengths_inside_accepted_drafts(path):
+    ref_llm = LLM(path, block_size=4)
+    free = _run(ref_llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    stop_tok = free[12]
+    llm = LLM(path, block_size=4, speculative_config=SPEC)
+    for sp in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok], ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)):
+        assert _run(llm, PROMPTS[:1], sp) == _run(ref_llm, PROMPTS[:1], sp)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok],
+                                                   ignore_eos=True))[0].outputs[0]
+    assert out.token_ids[-1] == stop_tok and out.finish_reason == "stop"
+
+
+def test_sampled_requests_beside_speculating_ones(path):
+    """Seeded sampled requests do not speculate; their tokens are those of the same run without speculation."""
+    sps = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+           SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)] * 2
+    ref = _run(LLM(path, block_size=4), PROMPTS, sps)
+    assert _run(LLM(path, block_size=4, speculative_config=SPEC), PROMPTS, sps) == ref

@@ -1,0 +1,80 @@
+"""Speculative decoding's pieces (engine/speculative.py): --speculative-config parsing, the n-gram index and its
+proposals, greedy acceptance, and which requests may speculate."""
+from types import SimpleNamespace
+
+import pytest
+
+from voltllm.engine.speculative import (NgramIndex, SpeculativeConfig, SpeculativeConfigError, accept_drafts,
+                                        spec_allowed)
+
+
+def test_config():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 4, 2)
+    assert SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 6}).prompt_lookup_max == 6
+    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "not built yet"),
+                     ({"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 3}, "draft models"),
+                     ({"method": "ngram"}, "num_speculative_tokens"),
+                     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+                       "prompt_lookup_max": 3}, "exceeds"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+                      "unsupported keys")]:
+        with pytest.raises(SpeculativeConfigError, match=msg):
+            SpeculativeConfig.from_dict(bad)
+
+
+def _brute(tokens, lo, hi, k):
+    """The most recent earlier occurrence of the longest suffix of length hi..lo, by scanning."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + k]
+    return []
+
+
+def test_ngram_index_matches_a_scan_as_tokens_grow():
+    import random
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(40)]
+    index = NgramIndex(2, 4)
+    for _ in range(200):
+        assert index.propose(tokens, 3) == _brute(tokens, 2, 4, 3)
+        tokens.append(rng.randrange(6))
+
+
+def test_proposals():
+    index = NgramIndex(1, 3)
+    assert index.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # "1 2" was followed by 3 4 1
+    assert NgramIndex(2, 3).propose([1, 2, 3, 9, 2], 2) == []  # no earlier "9 2", "2" alone is below min
+    assert NgramIndex(1, 3).propose([5], 2) == []
+    assert NgramIndex(1, 2).propose([7, 7, 7], 4) == [7]  # the latest "7 7" ended one before the last
+
+
+def test_accept_drafts():
+    assert accept_drafts([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accept_drafts([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accept_drafts([5], [4, 4]) == [4]
+
+
+def test_spec_allowed():
+    req = SimpleNamespace(argmax_only=True, num_pending=0, needs_host_history=False, max_tokens=10,
+                          num_output_tokens=7)
+    assert spec_allowed(req, 5) == 2  # room for 2 drafts and the model's next token
+    assert spec_allowed(SimpleNamespace(**{**vars(req), "argmax_only": False}), 5) == 0
+    assert spec_allowed(SimpleNamespace(**{**vars(req), "num_pending": 1}), 5) == 0
+
+
+def test_engine_config():
+    from voltllm.config import ConfigError, _resolve_speculative
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    assert _resolve_speculative(None, SimpleNamespace(model_type="qwen3")) is None
+    assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3")).num_speculative_tokens == 3
+    with pytest.raises(ConfigError, match="attention-only"):
+        _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next"))
+    with pytest.raises(ConfigError, match="not built yet"):
+        _resolve_speculative({"method": "eagle3", "num_speculative_tokens": 3}, SimpleNamespace(model_type="qwen3"))

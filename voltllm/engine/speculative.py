@@ -1,0 +1,107 @@
+"""Speculative decoding: `--speculative-config` and the n-gram (prompt lookup) proposer.
+
+The proposer guesses a request's next tokens by finding the most recent earlier occurrence of its last n tokens
+(n from prompt_lookup_max down to prompt_lookup_min) in its own prompt and output, and proposing what followed
+there. The scheduler adds the guesses to the request's next step; the model scores them all in that one step
+(like a prompt chunk), and the longest prefix that the model's own choices agree with is accepted, plus the
+model's next token after it. Greedy requests therefore produce exactly the tokens they would without
+speculation, in fewer steps when the text repeats itself (code edits, quoting, structured output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+METHODS = ("ngram",)
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config this engine cannot apply."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        method = str(d.get("method") or "").lower()
+        if method == "[ngram]":  # vLLM's older spelling
+            method = "ngram"
+        if method not in METHODS:
+            if d.get("model") and not method:
+                raise SpeculativeConfigError("--speculative-config: draft models (and EAGLE / MTP / DFlash) are not "
+                                             "built yet; use {\"method\": \"ngram\", ...}")
+            raise SpeculativeConfigError(f"--speculative-config method {d.get('method')!r} is not built yet "
+                                         f"(built: {', '.join(METHODS)})")
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SpeculativeConfigError(f"--speculative-config: unsupported keys for ngram: {', '.join(unknown)}")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in 1..32")
+        hi = d.get("prompt_lookup_max", cls.prompt_lookup_max if d.get("prompt_lookup_min") is None
+                   else max(cls.prompt_lookup_max, d["prompt_lookup_min"]))
+        lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else 1)
+        for name, v in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SpeculativeConfigError(f"--speculative-config {name} must be a positive integer, got {v!r}")
+        if lo > hi:
+            raise SpeculativeConfigError(f"--speculative-config prompt_lookup_min ({lo}) exceeds prompt_lookup_max "
+                                         f"({hi})")
+        return cls(method, k, hi, lo)
+
+
+class NgramIndex:
+    """Where each n-gram (n in [lo, hi]) of a token sequence last ended with a token after it, kept up to date as
+    tokens are appended (O(hi - lo + 1) dict updates per token, so a step's lookups stay O(1) at any length)."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.seen = 0  # tokens indexed: n-grams ending before seen - 1 are registered
+
+    def update(self, tokens: list[int]) -> None:
+        """Register the n-grams that now have a follower (those ending at seen - 1 .. len(tokens) - 2)."""
+        for end in range(max(self.seen - 1, 0), len(tokens) - 1):
+            for n in range(self.lo, min(self.hi, end + 1) + 1):
+                self.last_end[tuple(tokens[end - n + 1:end + 1])] = end
+        self.seen = len(tokens)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+        if k <= 0:
+            return []
+        self.update(tokens)
+        for n in range(min(self.hi, len(tokens) - 1), self.lo - 1, -1):
+            end = self.last_end.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k]
+        return []
+
+
+def accept_drafts(drafts: list[int], targets: list[int]) -> list[int]:
+    """The tokens a greedy verification emits: the drafts while they equal the model's choice at their position,
+    then the model's choice where the first one differs (or after the last draft). targets[i] is the model's
+    choice after the known tokens and drafts[:i] (len(targets) == len(drafts) + 1)."""
+    out = []
+    for d, t in zip(drafts, targets):
+        if d != t:
+            break
+        out.append(d)
+    out.append(targets[len(out)])
+    return out
+
+
+def spec_allowed(req: Any, max_new: Optional[int] = None) -> int:
+    """How many draft tokens a request may take this step: greedy requests with nothing else to apply (the
+    sampler's argmax path, so acceptance keeps their output exactly), none in flight, room left for the drafts
+    and the model's next token."""
+    if not req.argmax_only or req.num_pending or req.needs_host_history:
+        return 0
+    room = req.max_tokens - req.num_output_tokens - 1
+    return max(0, min(room, max_new if max_new is not None else room))
