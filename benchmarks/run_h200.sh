@@ -596,6 +596,17 @@ case $stage in
     bench_via "$ab" /root/m/q8b.gguf --dtype half --num-warm 1 --scenario concurrency --concurrency 16,64 \
       --input-len 128 --output-len 128 --name qwen3-8b-shape-q4_k_m-gguf-dequantized-c16-c64-$sha | tail -10
     ;;
+  s80)  # (session 24; carry .whl) the Q5 unpacking fix, the AWQ / GPTQ / FP8 and speculative-decoding GPU tests;
+        # then, while under 300 s, an 8B-shape AWQ checkpoint kept quantized: decode b1 (s79 has the full set)
+    gpu_file test_gguf_quant_cuda 120 -k "Q5"
+    gpu_file test_quant_checkpoints_cuda 200
+    gpu_file test_speculative_cuda 120
+    if (( SECONDS < 300 )); then
+      timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq \
+        && bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario decode --input-len 512 \
+          --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -8
+    fi
+    ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936
         # vocabulary) kept quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64
