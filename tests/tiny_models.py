@@ -57,6 +57,27 @@ def make_model(path: str, kind: str = "llama", seed: int = 0, std: float = 0.15,
     return path
 
 
+def assert_prompt_logprobs_match(llm: Any, ref: Any, prompts: list, atol: float = 1e-4) -> None:
+    """The engine's prompt logprobs over the whole vocabulary at every prompt position, batched, against the
+    transformers model `ref`'s log-softmax on the same ids."""
+    from voltllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    vocab = ref.config.vocab_size
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=vocab))
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            ref_lp = ref(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        assert out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(ids)
+        for pos in range(1, len(ids)):
+            ours = torch.full((vocab,), float("nan"))
+            for tid, lp in out.prompt_logprobs[pos].items():
+                ours[tid] = lp.logprob
+            assert torch.allclose(ours, ref_lp[pos - 1], atol=atol, rtol=atol), f"{prompt!r} position {pos}"
+
+
 # --- tiny hybrid (Gated DeltaNet + attention) checkpoints -----------------------------------------------
 HYBRID_VOCAB = 192
 HYBRID_COMMON = dict(vocab_size=HYBRID_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

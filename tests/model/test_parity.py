@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tiny_models import make_model
+from tiny_models import assert_prompt_logprobs_match, make_model
 from voltllm import LLM, SamplingParams
 
 PROMPTS = [
@@ -32,20 +32,7 @@ def _hf_greedy(ref, ids, n):
 def test_logits_match_transformers(model_pair):
     """Full distributions at every prompt position (prompt logprobs over the whole vocab), batched."""
     _, ref, llm = model_pair
-    tok = llm.get_tokenizer()
-    vocab = ref.config.vocab_size
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=vocab))
-    for prompt, out in zip(PROMPTS, outs):
-        ids = tok.encode(prompt)
-        with torch.no_grad():
-            ref_lp = ref(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-        assert out.prompt_logprobs[0] is None
-        assert len(out.prompt_logprobs) == len(ids)
-        for pos in range(1, len(ids)):
-            ours = torch.full((vocab,), float("nan"))
-            for tid, lp in out.prompt_logprobs[pos].items():
-                ours[tid] = lp.logprob
-            assert torch.allclose(ours, ref_lp[pos - 1], atol=1e-4, rtol=1e-4), f"position {pos}"
+    assert_prompt_logprobs_match(llm, ref, PROMPTS)
 
 
 def test_greedy_32_tokens_batched_chunked_and_cached(model_pair):

@@ -4,10 +4,10 @@ logits of transformers holding the same dequantized weights; the kept-quantized 
 multiply like the dequantized ones; `--quantization fp8` quantizes an unquantized checkpoint at load."""
 import pytest
 import torch
-from quant_checkpoints import quantize_checkpoint
-from tiny_models import make_model
+from quant_checkpoints import LINEARS, quantize_checkpoint, quantize_fp8
+from tiny_models import assert_prompt_logprobs_match, make_model
 
-from voltllm import LLM, SamplingParams
+from voltllm import LLM
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
 VARIANTS = {"awq": dict(method="awq"), "gptq-sym": dict(method="gptq", symmetric=True),
@@ -36,17 +36,7 @@ def test_logits_match_transformers_on_dequantized_weights(quantized):
     variant, path, ref = quantized
     llm = LLM(path, block_size=4, max_num_seqs=4)
     assert llm.engine.config.model.quantization == VARIANTS[variant]["method"]
-    tok = llm.get_tokenizer()
-    vocab = ref.config.vocab_size
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=vocab))
-    for prompt, out in zip(PROMPTS, outs):
-        ids = tok.encode(prompt)
-        with torch.no_grad():
-            want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
-        for pos in range(1, len(ids)):
-            got = out.prompt_logprobs[pos]
-            top = int(want[pos - 1].argmax())
-            assert abs(got[top].logprob - float(want[pos - 1, top])) < 1e-3, (variant, prompt, pos)
+    assert_prompt_logprobs_match(llm, ref, PROMPTS)
 
 
 def test_kept_quantized_layers_multiply_like_dequantized(quantized):
@@ -86,23 +76,13 @@ def test_fp8_quantized_at_load(tmp_path):
     128 inputs (amax / 448); the engine's logits are those of transformers holding such weights."""
     from transformers import AutoModelForCausalLM
 
-    from quant_checkpoints import quantize_fp8
-
     path = make_model(str(tmp_path / "fp8-at-load"), "qwen3", hidden_size=128, intermediate_size=256, head_dim=32,
                       std=0.08)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if name.rpartition(".")[0].rpartition(".")[2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                              "up_proj", "down_proj"):
+            if name.rpartition(".")[0].rpartition(".")[2] in LINEARS:
                 p.copy_(quantize_fp8(p.float(), (1, 128))[2])
     llm = LLM(path, quantization="fp8", block_size=4)
     assert llm.engine.config.model.quantization == "fp8"
-    tok = llm.get_tokenizer()
-    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=ref.config.vocab_size))
-    ids = tok.encode(PROMPTS[0])
-    with torch.no_grad():
-        want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
-    for pos in range(1, len(ids)):
-        top = int(want[pos - 1].argmax())
-        assert abs(out[0].prompt_logprobs[pos][top].logprob - float(want[pos - 1, top])) < 1e-3
+    assert_prompt_logprobs_match(llm, ref, PROMPTS)
