@@ -78,3 +78,17 @@ def test_engine_config():
         _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next"))
     with pytest.raises(ConfigError, match="not built yet"):
         _resolve_speculative({"method": "eagle3", "num_speculative_tokens": 3}, SimpleNamespace(model_type="qwen3"))
+
+
+def test_metrics_export_the_counters():
+    from prometheus_client import generate_latest
+
+    from voltllm.engine.types import SchedulerStats
+    from voltllm.entrypoints.openai.metrics import ServerMetrics
+
+    stats = SchedulerStats(extra={"spec_draft_tokens": 40, "spec_accepted_tokens": 9})
+    text = generate_latest(ServerMetrics("m", lambda: stats, lambda: True, lambda: 0).registry).decode()
+    assert 'voltllm:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text
+    assert 'voltllm:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    plain = generate_latest(ServerMetrics("m", SchedulerStats, lambda: True, lambda: 0).registry).decode()
+    assert "spec_decode" not in plain

@@ -2,7 +2,8 @@
 
 Per-request timings (TTFT, inter-token latency, end-to-end) are measured in the API process as outputs
 arrive, which is what a client sees. Engine state (running / waiting requests, KV usage, prefix-cache
-hits, preemptions) is the engine's latest SchedulerStats, sent with every step's outputs.
+hits, preemptions, speculative drafts scored / accepted) is the engine's latest SchedulerStats, sent with every
+step's outputs.
 """
 from __future__ import annotations
 
@@ -59,6 +60,11 @@ class _EngineCollector(Collector):
         yield gauge("voltllm:prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).", rate)
         yield counter("voltllm:num_preemptions", "Requests preempted (blocks freed, recomputed later).",
                       s.num_preemptions)
+        if "spec_draft_tokens" in s.extra:  # --speculative-config
+            yield counter("voltllm:spec_decode_num_draft_tokens", "Draft tokens scored by speculative steps.",
+                          s.extra["spec_draft_tokens"])
+            yield counter("voltllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (each one a decode "
+                          "step saved).", s.extra["spec_accepted_tokens"])
         yield gauge("voltllm:engine_alive", "1 while the engine process is up.", 1.0 if self.alive() else 0.0)
 
 
