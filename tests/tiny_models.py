@@ -33,15 +33,19 @@ def make_tokenizer(path: str, vocab_size: int = 400) -> Any:
 
 
 def make_model(path: str, kind: str = "llama", seed: int = 0, std: float = 0.15, **overrides: Any) -> str:
-    """Save a tiny random model of `kind` (llama | qwen2 | qwen3) with a tokenizer under path."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    """Save a tiny random model of `kind` (llama | qwen2 | qwen3 | qwen3_moe: 8 experts, top 2, layer 1 dense) with
+    a tokenizer under path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[kind]
     tok = make_tokenizer(path)
     kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-              tie_word_embeddings=kind != "qwen3", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-              rms_norm_eps=1e-6)
+              tie_word_embeddings=kind not in ("qwen3", "qwen3_moe"), bos_token_id=tok.bos_token_id,
+              eos_token_id=tok.eos_token_id, rms_norm_eps=1e-6)
+    if kind == "qwen3_moe":
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                  decoder_sparse_step=1, mlp_only_layers=[1])
     kw.update(overrides)
     cfg = cls(**kw)
     torch.manual_seed(seed)

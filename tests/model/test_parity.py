@@ -1,4 +1,4 @@
-"""Tiny random llama / qwen2 / qwen3 models: voltllm vs transformers on the same weights (fp32, CPU)."""
+"""Tiny random llama / qwen2 / qwen3 / qwen3_moe models: voltllm vs transformers on the same weights (fp32, CPU)."""
 import pytest
 import torch
 
@@ -13,7 +13,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
 def model_pair(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 

@@ -86,3 +86,39 @@ def test_fp8_quantized_at_load(tmp_path):
     llm = LLM(path, quantization="fp8", block_size=4)
     assert llm.engine.config.model.quantization == "fp8"
     assert_prompt_logprobs_match(llm, ref, PROMPTS)
+
+
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_moe_checkpoint_experts_dequantized(tmp_path, method):
+    """qwen3_moe with quantized attention and expert projections: attention kept as the method's layers, the
+    experts dequantized at load (SparseMoE keeps them dense); logits equal transformers holding the dequantized
+    weights (loaded from a copy of the checkpoint with those weights, so its stacked experts are built by
+    transformers itself)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path = make_model(str(tmp_path / "moe"), "qwen3_moe", hidden_size=128, intermediate_size=256, head_dim=32,
+                      moe_intermediate_size=64, std=0.08)
+    ref_path = str(tmp_path / "ref")
+    shutil.copytree(path, ref_path)
+    deq = quantize_checkpoint(path, method)
+    assert any(".experts." in name for name in deq)
+    tensors = load_file(f"{ref_path}/model.safetensors")
+    tensors.update(deq)
+    save_file(tensors, f"{ref_path}/model.safetensors", metadata={"format": "pt"})
+    ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
+    assert_prompt_logprobs_match(LLM(path, block_size=4), ref, PROMPTS)
+    # kept quantized (as on a GPU): the attention projections hold planes, the experts load dense
+    from voltllm.model.layers.gguf_planes import Planes
+    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
+    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+    from voltllm.model.models.registry import build_model
+
+    src = resolve_model(path)
+    cfg = load_hf_config(src)
+    kept = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
+    kept.load_weights(iter_weights(src, cfg, keep_quantized=True))
+    assert isinstance(kept.layers[0].self_attn.qkv_proj.gguf_segments[0].weight, Planes)
+    assert kept.layers[0].mlp.w13.abs().sum() > 0

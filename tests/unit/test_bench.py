@@ -145,8 +145,11 @@ def test_measure_device_on_cpu():
 def test_named_shapes_have_the_documented_sizes(tmp_path):
     from voltllm.bench.shapes import make_config, materialize, shape_names
 
-    assert shape_names() == ["qwen3-0.6b-shape", "qwen3-8b-shape", "qwen3-next-80b-a3b-shape", "qwen3.5-27b-shape",
-                             "qwen3.5-35b-a3b-shape", "smollm2-135m-shape"]
+    assert shape_names() == ["qwen3-0.6b-shape", "qwen3-30b-a3b-shape", "qwen3-8b-shape", "qwen3-next-80b-a3b-shape",
+                             "qwen3.5-27b-shape", "qwen3.5-35b-a3b-shape", "smollm2-135m-shape"]
+    moe = L.meta_model_cost(make_config("qwen3-30b-a3b-shape"), torch.bfloat16)  # Qwen3-30B-A3B: 30.53 B, 3.3 B active
+    assert moe.weight_bytes / 2e9 == pytest.approx(30.53, abs=0.01) and moe.expert_fraction == 8 / 128
+    assert 3.2e9 < moe.active_matmul_params() + 2 * moe.logits_params < 3.5e9
     cfg = make_config("qwen3-8b-shape")
     cost = L.meta_model_cost(cfg, torch.float16)
     # 8.19 B parameters in fp16 (norm weights may be kept in fp32: a few hundred KB more)

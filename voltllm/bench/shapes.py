@@ -18,6 +18,12 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
         max_position_embeddings=40960)),
+    # Qwen3-30B-A3B: attention in every layer, 128 experts, 8 routed per token (no shared expert), expert width 768
+    "qwen3-30b-a3b-shape": ("Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        max_position_embeddings=40960)),
     # SmolLM2-135M-Instruct (the embedded default model), for speed runs without carrying the GGUF
     "smollm2-135m-shape": ("LlamaConfig", dict(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

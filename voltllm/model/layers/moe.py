@@ -136,7 +136,12 @@ class SparseMoE(nn.Module):
         return keys
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> list[str]:
-        """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...)."""
+        """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...). Quantized expert
+        weights (AWQ / GPTQ / FP8 checkpoints) are dequantized here: the experts are kept dense."""
+        from voltllm.model.layers.quantized_linear import PackedWeight
+
+        if isinstance(tensor, PackedWeight):
+            tensor = tensor.dequantize(torch.float32)
         i = self.inter
         m = _EXPERT.fullmatch(name)
         if m:

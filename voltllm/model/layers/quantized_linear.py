@@ -43,6 +43,10 @@ class PackedWeight:
         """Planes on `device`, or the dense matrix in `dtype` where the planes cannot hold this weight."""
         raise NotImplementedError
 
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The dense matrix [out_features, in_features] (layers that keep no quantized form, e.g. MoE experts)."""
+        raise NotImplementedError
+
 
 @dataclass
 class GGUFBlocks(PackedWeight):
@@ -57,6 +61,9 @@ class GGUFBlocks(PackedWeight):
 
     def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Planes:
         return planes_from_blocks(self.raw, self.type_name, self.in_features, device)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        return dequantize_planes(self.to_weight(device, dtype)).to(dtype)
 
 
 @dataclass

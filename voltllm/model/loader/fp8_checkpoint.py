@@ -28,8 +28,9 @@ from voltllm.model.layers.quantized_linear import PackedWeight
 
 FP8_MAX = 448.0
 _SCALE_PARTS = ("weight_scale_inv", "weight_scale")
-# the projections `--quantization fp8` quantizes at load (embeddings, the LM head and norms stay as they are)
-_PROJECTION = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+# the projections `--quantization fp8` quantizes at load (embeddings, the LM head, norms, the router and MoE experts,
+# which are kept dense, stay as they are)
+_PROJECTION = re.compile(r"(?!.*\.experts\.).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 class FP8CheckpointError(ValueError):
@@ -135,6 +136,9 @@ class QuantizeAtLoad(PackedWeight):
 
     def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
         return FP8Weight.quantize(self.weight.to(device)).to_weight(device, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        return FP8Weight.quantize(self.weight.to(device)).dequantize(dtype, device)
 
 
 def fp8_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme,

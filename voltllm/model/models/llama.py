@@ -1,4 +1,5 @@
-"""Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm) over the paged KV cache."""
+"""Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm, qwen3_moe: qwen3 with sparse MoE MLPs)
+over the paged KV cache."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
@@ -10,6 +11,7 @@ from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import (Linear, LinearMethod, gated_mlp, linear, linear_add_, norm_linear,
                                          one_row_gated)
+from voltllm.model.layers.moe import SparseMoE
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
@@ -27,7 +29,7 @@ class Attention(PagedAttention):
         self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype, method=linear_method)
         o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
         self.o_proj = Linear(q, cfg.hidden_size, bias=o_bias, dtype=dtype, method=linear_method)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -71,10 +73,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, idx, dtype, rotary, linear_method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method)
+        if is_moe_layer(cfg, idx):  # qwen3_moe: routed experts without a shared one (experts stay dense)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                 0, bool(getattr(cfg, "norm_topk_prob", True)), dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method)
 
     def projections(self) -> tuple[Linear, ...]:
-        return (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        """The layer's attention and dense-MLP projections (a sparse MoE's experts are not Linears)."""
+        attn = (self.self_attn.qkv_proj, self.self_attn.o_proj)
+        return attn if isinstance(self.mlp, SparseMoE) else attn + (self.mlp.gate_up_proj, self.mlp.down_proj)
 
     def forward(self, positions, x, residual, ctx, fused: bool = False):
         """(mlp output, residual); with `fused` (see LlamaForCausalLM.fused_decode) the norms and residual adds
@@ -110,6 +118,15 @@ class DecoderLayer(nn.Module):
 # (32-200 MB, bandwidth-bound) 203.4 -> 192.6 tok/s. So only models whose projections are all small use it.
 FUSED_DECODE_MAX_WEIGHT_BYTES = 16 << 20
 
+def is_moe_layer(cfg: Any, idx: int) -> bool:
+    """Whether decoder layer idx has a sparse MoE MLP (qwen3_moe: every decoder_sparse_step-th layer that is not in
+    mlp_only_layers); False for dense configs."""
+    if int(getattr(cfg, "num_experts", 0) or 0) <= 0:
+        return False
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return idx not in (getattr(cfg, "mlp_only_layers", None) or []) and (idx + 1) % step == 0
+
+
 # HF name fragment -> (our module attribute, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -137,6 +154,10 @@ class LlamaForCausalLM(nn.Module):
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, method=linear_method)
         self.rotary = rotary
+        self.has_moe = any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
+        # prompt-step CUDA graphs are only validated for dense MLPs (decode graphs cover MoE layers, as in the
+        # hybrid MoE models)
+        self.supports_prompt_graphs = not self.has_moe
 
     # -- what the runner needs to size and lay out the KV cache ---------------------------------
     @property
@@ -152,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         """One-token CUDA step with every projection on the skinny Triton GEMM (start-up tuning chose it) and
         no projection weight over FUSED_DECODE_MAX_WEIGHT_BYTES: the decoder layers then fold their RMSNorms and
         residual adds into the GEMMs."""
-        return input_ids.is_cuda and input_ids.numel() == 1 and all(
+        return input_ids.is_cuda and input_ids.numel() == 1 and not self.has_moe and all(
             p.skinny and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
             for layer in self.layers for p in layer.projections())
 
@@ -184,6 +205,14 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens.logits(hidden) if self.tie else self.lm_head(hidden)
         return linear(hidden, self.logits_weight, skinny=self.logits_skinny)
 
+    def _moe_of(self, name: str) -> Optional[tuple["DecoderLayer", str]]:
+        """(layer, name inside its MLP) for a weight of a sparse MoE layer's MLP, else None."""
+        if not self.has_moe or not name.startswith("layers.") or ".mlp." not in name:
+            return None
+        idx, _, rest = name[len("layers."):].partition(".")
+        layer = self.layers[int(idx)]
+        return (layer, rest[len("mlp."):]) if isinstance(layer.mlp, SparseMoE) and rest.startswith("mlp.") else None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -196,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
             if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
                 for buf in kv_scale[1]:
                     load_checkpoint_kv_scale(self.get_submodule(kv_scale[0]), buf, tensor, name)
+                continue
+            if (moe := self._moe_of(name)) is not None:  # routed experts and the router
+                layer, rest = moe
+                loaded.update(layer.mlp.load_hf_weight(rest, tensor, name[:len(name) - len(rest)]))
                 continue
             target, shard = name, 0
             for frag, (ours, idx) in _STACKED.items():
@@ -215,8 +248,12 @@ class LlamaForCausalLM(nn.Module):
             else:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             loaded.add(f"{target}#{shard}")
-        expected = {f"{n}.weight#{i}" for n, m in self.named_modules() if isinstance(m, Linear)
+        in_moe = {id(m) for layer in self.layers if isinstance(layer.mlp, SparseMoE) for m in layer.mlp.modules()}
+        expected = {f"{n}.weight#{i}" for n, m in self.named_modules() if isinstance(m, Linear) and id(m) not in in_moe
                     for i in range(len(m.shard_sizes))}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                expected |= layer.mlp.expected_weight_keys(f"layers.{i}.mlp.")
         if hasattr(self.embed_tokens, "table"):
             expected.add("embed_tokens.weight#0")
         missing = sorted(e for e in expected if e not in loaded)
