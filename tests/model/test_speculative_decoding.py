@@ -1,6 +1,6 @@
 """n-gram speculative decoding in the engine (CPU, tiny random llama / qwen3): greedy outputs are exactly the ones
-without speculation, in fewer steps; drafts are cut by the token budget, max_tokens and stop tokens; sampled
-requests in the same batch decode normally; blocks are not leaked."""
+without speculation, in fewer steps; drafts are cut by the token budget, max_tokens and stop tokens; seeded sampled
+requests speculate beside greedy ones and repeat from run to run; blocks are not leaked."""
 import pytest
 
 from tiny_models import make_model
@@ -64,9 +64,17 @@ def test_stops_and_lengths_inside_accepted_drafts(path):
     assert out.token_ids[-1] == stop_tok and out.finish_reason == "stop"
 
 
-def test_sampled_requests_beside_speculating_ones(path):
-    """Seeded sampled requests do not speculate; their tokens are those of the same run without speculation."""
-    sps = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-           SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)] * 2
+def test_sampled_requests_speculate_too(path):
+    """Seeded sampled requests speculate as well (verify_drafts: exact in distribution, tests/unit); beside them
+    the greedy requests keep their exact tokens, and a seeded request's tokens repeat from run to run."""
+    sps = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+           SamplingParams(temperature=0.3, seed=7, max_tokens=48, ignore_eos=True)] * 2
     ref = _run(LLM(path, block_size=4), PROMPTS, sps)
-    assert _run(LLM(path, block_size=4, speculative_config=SPEC), PROMPTS, sps) == ref
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, block_size=4, speculative_config=SPEC)
+        runs.append(_run(llm, PROMPTS, sps))
+        assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    assert runs[0] == runs[1]
+    assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
+    assert all(len(t) == 48 for t in runs[0])

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from voltllm.engine.speculative import (NgramIndex, SpeculativeConfig, SpeculativeConfigError, accept_drafts,
-                                        spec_allowed)
+                                        accept_sampled, spec_allowed)
 
 
 def test_config():
@@ -61,11 +61,56 @@ def test_accept_drafts():
 
 
 def test_spec_allowed():
-    req = SimpleNamespace(argmax_only=True, num_pending=0, needs_host_history=False, max_tokens=10,
-                          num_output_tokens=7)
-    assert spec_allowed(req, 5) == 2  # room for 2 drafts and the model's next token
-    assert spec_allowed(SimpleNamespace(**{**vars(req), "argmax_only": False}), 5) == 0
-    assert spec_allowed(SimpleNamespace(**{**vars(req), "num_pending": 1}), 5) == 0
+    from voltllm.sampling.params import SamplingParams
+
+    def req(**kw):
+        base = dict(sampling_params=SamplingParams(temperature=0.7), num_pending=0, needs_host_history=False,
+                    max_tokens=10, num_output_tokens=7)
+        return SimpleNamespace(**{**base, **kw})
+
+    assert spec_allowed(req(), 5) == 2  # room for 2 drafts and the model's next token; sampled requests too
+    assert spec_allowed(req(num_pending=1), 5) == 0
+    assert spec_allowed(req(needs_host_history=True), 5) == 0
+    assert spec_allowed(req(sampling_params=SamplingParams(repetition_penalty=1.2)), 5) == 0
+    assert spec_allowed(req(sampling_params=SamplingParams(logprobs=2)), 5) == 0
+    assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=8)), 5) == 0  # its stop bans still apply
+    assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=7)), 5) == 2
+
+
+def test_accept_sampled():
+    assert accept_sampled([5, 6], [True, True, False], [1, 2, 3]) == [5, 6, 3]
+    assert accept_sampled([5, 6], [True, False, False], [1, 2, 3]) == [5, 2]
+    assert accept_sampled([], [False], [4]) == [4]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                                    dict(temperature=1.3, top_p=0.8, min_p=0.02), dict(temperature=0.0)])
+def test_verified_tokens_keep_the_distribution(params):
+    """One logits row with a draft, verified 40,000 times: the emitted token (the draft when accepted, else the
+    replacement) is distributed as the processed distribution p, whichever draft is proposed (likely or not)."""
+    import torch
+
+    from voltllm.sampling.params import SamplingParams
+    from voltllm.sampling.sampler import Sampler, SamplingRow, _shaped_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 2
+    sp = SamplingParams(**params)
+    row = SamplingRow(sp, [], (), None, 0)
+    want = _shaped_probs(logits, [row])[0] if not sp.greedy else torch.nn.functional.one_hot(logits.argmax(-1), 12)[0].float()
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    n = 40_000
+    for draft in (int(want.argmax()), int(want.argmin())):
+        out = sampler.verify_drafts(logits.expand(n, 12), [row] * n, [draft] * n)
+        tokens, accepted = out.tokens, out.accepted
+        emitted = torch.where(accepted, torch.full_like(tokens, draft), tokens)
+        got = torch.bincount(emitted, minlength=12).float() / n
+        assert float((got - want).abs().sum()) / 2 < 0.015, (draft, got, want)
+        assert abs(float(accepted.float().mean()) - float(want[draft])) < 0.015
+    bonus = sampler.verify_drafts(logits.expand(n, 12), [row] * n, [-1] * n)  # rows after the last draft
+    assert not bonus.accepted.any()
+    got = torch.bincount(bonus.tokens, minlength=12).float() / n
+    assert float((got - want).abs().sum()) / 2 < 0.015
 
 
 def test_engine_config():

@@ -3,9 +3,11 @@
 The proposer guesses a request's next tokens by finding the most recent earlier occurrence of its last n tokens
 (n from prompt_lookup_max down to prompt_lookup_min) in its own prompt and output, and proposing what followed
 there. The scheduler adds the guesses to the request's next step; the model scores them all in that one step
-(like a prompt chunk), and the longest prefix that the model's own choices agree with is accepted, plus the
-model's next token after it. Greedy requests therefore produce exactly the tokens they would without
-speculation, in fewer steps when the text repeats itself (code edits, quoting, structured output).
+(like a prompt chunk). Greedy requests accept the longest prefix that the model's own choices agree with, plus the
+model's next token after it, so they produce exactly the tokens they would without speculation; sampled requests
+accept each draft with the model's probability of it and otherwise sample from the rest of the distribution
+(speculative sampling with a deterministic draft), so their tokens keep the model's distribution. Either way in
+fewer steps when the text repeats itself (code edits, quoting, structured output).
 """
 from __future__ import annotations
 
@@ -97,11 +99,27 @@ def accept_drafts(drafts: list[int], targets: list[int]) -> list[int]:
     return out
 
 
+def accept_sampled(drafts: list[int], accepted: list[bool], tokens: list[int]) -> list[int]:
+    """The tokens a sampled verification (Sampler.verify_drafts) emits: the drafts while accepted, then the
+    replacement token of the first rejected one (or the token of the row after the last draft)."""
+    out = []
+    for d, ok, t in zip(drafts, accepted, tokens):
+        if not ok:
+            out.append(t)
+            return out
+        out.append(d)
+    out.append(tokens[len(drafts)])
+    return out
+
+
 def spec_allowed(req: Any, max_new: Optional[int] = None) -> int:
-    """How many draft tokens a request may take this step: greedy requests with nothing else to apply (the
-    sampler's argmax path, so acceptance keeps their output exactly), none in flight, room left for the drafts
-    and the model's next token."""
-    if not req.argmax_only or req.num_pending or req.needs_host_history:
+    """How many draft tokens a request may take this step: none in flight, no penalties / logprobs / prompt
+    logprobs (they would need the earlier tokens or per-position outputs), min_tokens reached (its stop-token bans
+    are not applied to drafts), room left for the drafts and the model's next token. Greedy and sampled requests
+    alike: verification keeps their output distribution exact (Sampler.verify_drafts)."""
+    sp = req.sampling_params
+    if (req.num_pending or req.needs_host_history or sp.has_penalties or sp.logprobs is not None
+            or req.num_output_tokens < sp.min_tokens):
         return 0
     room = req.max_tokens - req.num_output_tokens - 1
     return max(0, min(room, max_new if max_new is not None else room))

@@ -96,14 +96,10 @@ class SamplerOutput:
         """Start device->host copies into pinned memory (non-blocking) so to_host() only waits."""
         if self.tokens.device.type != "cuda":
             return
-        def pinned(t):
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            return h
-        self.tokens = pinned(self.tokens)
+        self.tokens = _pinned_copy(self.tokens)
         if self.chosen_lp is not None:
-            self.chosen_lp = pinned(self.chosen_lp)
-            self.top_ids, self.top_vals = pinned(self.top_ids), pinned(self.top_vals)
+            self.chosen_lp = _pinned_copy(self.chosen_lp)
+            self.top_ids, self.top_vals = _pinned_copy(self.top_ids), _pinned_copy(self.top_vals)
 
     def to_host(self) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         tokens = self.tokens.tolist()
@@ -118,6 +114,13 @@ class SamplerOutput:
                 d.setdefault(ti[j][t], tv[j][t])
             out[i] = d
         return tokens, out
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A device -> host copy into pinned memory, started without waiting (the step's event covers it)."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
 
 
 def _cells(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,19 +189,8 @@ class Sampler:
 
         sampled = logits.argmax(dim=-1)
         if not all(greedy_mask):
-            temp = to_device([max(r.params.temperature, 1e-5) for r in rows], torch.float32, dev)
-            scaled = logits / temp[:, None]
-            if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
-                top_k = to_device([r.params.top_k for r in rows], torch.long, dev)
-                top_p = to_device([r.params.top_p for r in rows], torch.float32, dev)
-                min_p = to_device([r.params.min_p for r in rows], torch.float32, dev)
-                scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
-            probs = scaled.softmax(dim=-1)
-            q = torch.empty_like(probs).exponential_(generator=self.default_generator)
-            for i, r in enumerate(rows):  # seeded rows draw from their own generator
-                if r.generator is not None and not greedy_mask[i]:
-                    q[i].exponential_(generator=r.generator)
-            random_tokens = (probs / q).argmax(dim=-1)
+            probs = _shaped_probs(logits, rows)
+            random_tokens = (probs / self._race_noise(probs, rows, greedy_mask)).argmax(dim=-1)
             if any(greedy_mask):
                 sampled = torch.where(to_device(greedy_mask, torch.bool, dev), sampled, random_tokens)
             else:
@@ -208,3 +200,73 @@ class Sampler:
         if raw_logprobs is not None:
             _logprob_tensors(raw_logprobs, sampled, out)
         return out
+
+    def _race_noise(self, probs: torch.Tensor, rows: list[SamplingRow], skip: list[bool]) -> torch.Tensor:
+        """q ~ Exp(1) per element for the exponential race (argmax of p / q samples p); seeded rows draw theirs
+        from their own generator (rows marked in `skip` keep the default's: their draw is not used)."""
+        q = torch.empty_like(probs).exponential_(generator=self.default_generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None and not skip[i]:
+                q[i].exponential_(generator=r.generator)
+        return q
+
+    def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> "DraftVerdicts":
+        """Speculative sampling with deterministic (n-gram) drafts, exact for any temperature / top-k / top-p /
+        min-p / logit_bias: row i scores draft drafts[i] (-1: a row after the last draft, sampled as usual). A
+        draft d is accepted with probability p(d); where it is not, the row's token comes from p with d removed
+        (renormalized), so every emitted token is distributed as p. Greedy rows: p is one-hot at the argmax.
+        Penalties, logprobs and min_tokens bans are not applied (speculative.spec_allowed keeps such requests
+        out)."""
+        dev = logits.device
+        logits = logits.float()
+        if any(r.params.logit_bias for r in rows):
+            items = [(i, tok, b) for i, r in enumerate(rows) for tok, b in (r.params.logit_bias or {}).items()]
+            logits = logits.index_put(_cells([(i, t) for i, t, _ in items], dev),
+                                      to_device([b for _, _, b in items], torch.float32, dev), accumulate=True)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            probs = torch.zeros_like(logits)
+        else:
+            probs = _shaped_probs(logits, rows)
+        if any(greedy):
+            g = to_device([i for i, x in enumerate(greedy) if x], torch.long, dev)
+            probs[g] = 0.0
+            probs[g, logits[g].argmax(dim=-1)] = 1.0
+        d = to_device([max(x, 0) for x in drafts], torch.long, dev)
+        has_draft = to_device([x >= 0 for x in drafts], torch.bool, dev)
+        u = torch.empty(len(rows), device=dev).uniform_(generator=self.default_generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None and not greedy[i]:
+                u[i:i + 1].uniform_(generator=r.generator)
+        accepted = has_draft & (u < probs.gather(1, d[:, None])[:, 0])
+        residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, probs.gather(1, d[:, None])[:, 0])[:, None])
+        tokens = (residual / self._race_noise(residual, rows, greedy)).argmax(dim=-1)
+        return DraftVerdicts(tokens=tokens, accepted=accepted)
+
+
+@dataclass
+class DraftVerdicts:
+    """verify_drafts' device results: per row, whether its draft is accepted and the token it emits if not."""
+
+    tokens: torch.Tensor
+    accepted: torch.Tensor
+
+    def copy_to_host_async(self) -> None:
+        if self.tokens.device.type == "cuda":
+            self.tokens, self.accepted = _pinned_copy(self.tokens), _pinned_copy(self.accepted)
+
+    def to_host(self) -> tuple[list[int], list[bool]]:
+        return self.tokens.tolist(), self.accepted.tolist()
+
+
+def _shaped_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row samples from: fp32 logits / temperature, then top-k, top-p and min-p."""
+    dev = logits.device
+    temp = to_device([max(r.params.temperature, 1e-5) for r in rows], torch.float32, dev)
+    scaled = logits / temp[:, None]
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
+        top_k = to_device([r.params.top_k for r in rows], torch.long, dev)
+        top_p = to_device([r.params.top_p for r in rows], torch.float32, dev)
+        min_p = to_device([r.params.min_p for r in rows], torch.float32, dev)
+        scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+    return scaled.softmax(dim=-1)

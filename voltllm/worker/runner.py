@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -12,11 +12,11 @@ import torch
 from voltllm.attention.backend import AttentionBackend, AttentionMetadata, make_kv_cache
 from voltllm.config import EngineConfig
 from voltllm.engine.scheduler import RunnerOutput, SchedulerOutput
-from voltllm.engine.speculative import accept_drafts
+from voltllm.engine.speculative import accept_drafts, accept_sampled
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device
-from voltllm.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow
 from voltllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("voltllm")
@@ -61,8 +61,9 @@ class StepHandle:
     sampled_ids: list[str] = field(default_factory=list)
     prompt_logprobs: dict = field(default_factory=dict)
     event: Optional[torch.cuda.Event] = None
-    # speculation: the model's argmax after each known token and draft, and (request id, drafts) in row order
-    spec_out: Optional[SamplerOutput] = None
+    # speculation, per row after the known token and each draft: the model's argmax (all rows greedy) or the
+    # sampled verdicts; and (request id, drafts) in row order
+    spec_out: Optional[Union[SamplerOutput, DraftVerdicts]] = None
     spec_drafts: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
@@ -473,7 +474,17 @@ class ModelRunner:
         1 + drafts positions of each request), taken to the host with the step; collect() accepts from them."""
         idx = [p for i, s in rows for p in range(qsl[i + 1] - 1 - len(s.spec_tokens), qsl[i + 1])]
         logits = self.model.compute_logits(hidden[to_device(idx, torch.long, self.device)])
-        out = self.sampler.sample_argmax(logits)  # speculation is for argmax-only requests (speculative.py)
+        if all(s.request.argmax_only for _, s in rows):
+            out = self.sampler.sample_argmax(logits)  # the model's choices: collect() compares the drafts
+        else:  # speculative sampling: per row, accept / reject its draft and a replacement token
+            sampling_rows, drafts = [], []
+            for _, s in rows:
+                r = s.request
+                for j in range(len(s.spec_tokens) + 1):
+                    sampling_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, (), r.generator,
+                                                     r.num_output_tokens + j))
+                    drafts.append(s.spec_tokens[j] if j < len(s.spec_tokens) else -1)
+            out = self.sampler.verify_drafts(logits, sampling_rows, drafts)
         out.copy_to_host_async()
         handle.spec_out = out
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
@@ -484,10 +495,13 @@ class ModelRunner:
             handle.event.synchronize()
         out = RunnerOutput(prompt_logprobs=handle.prompt_logprobs)
         if handle.spec_out is not None:
-            targets, _ = handle.spec_out.to_host()
+            tokens, accepted = handle.spec_out.to_host()
+            sampled = isinstance(handle.spec_out, DraftVerdicts)
             at = 0
             for rid, drafts in handle.spec_drafts:
-                verified = accept_drafts(drafts, targets[at:at + len(drafts) + 1])
+                rows = slice(at, at + len(drafts) + 1)
+                verified = (accept_sampled(drafts, accepted[rows], tokens[rows]) if sampled
+                            else accept_drafts(drafts, tokens[rows]))
                 at += len(drafts) + 1
                 out.verified[rid] = verified
                 out.sampled[rid] = verified[-1]
