@@ -607,6 +607,16 @@ case $stage in
           --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -8
     fi
     ;;
+  s81)  # (session 24, queued; carry .whl) speculative sampling and qwen3_moe on the GPU: the speculative GPU tests
+         # (sampled requests now speculate), the fp8-at-load test in its new form, then qwen3-30b-a3b-shape (random
+         # weights) batch 1 and 16 / 64 concurrent
+    gpu_file test_speculative_cuda 150
+    gpu_file test_quant_checkpoints_cuda 200 -k "at_load"
+    m30="--random-weights qwen3-30b-a3b-shape --dtype half --num-warm 1"
+    bench $m30 --scenario decode --input-len 512 --output-len 128 --name qwen3-30b-a3b-shape-fp16-decode-b1-$sha | tail -8
+    bench $m30 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
+      --name qwen3-30b-a3b-shape-fp16-c16-c64-$sha | tail -10
+    ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936
         # vocabulary) kept quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64

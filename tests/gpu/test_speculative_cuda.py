@@ -42,3 +42,15 @@ def test_fp16_agrees_with_plain_decoding(path):
     got = _tokens(LLM(path, speculative_config=SPEC, **kw), sp)
     agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
     assert agree >= 0.9, agree
+
+
+def test_sampled_requests_speculate_and_repeat(path):
+    """Seeded sampled requests speculate (Sampler.verify_drafts on the GPU) and repeat from run to run."""
+    kw = dict(device="cuda", dtype="float16", max_model_len=512, gpu_memory_utilization=0.2)
+    sp = SamplingParams(temperature=0.4, seed=3, max_tokens=64, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, speculative_config=SPEC, **kw)
+        runs.append(_tokens(llm, sp))
+        assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    assert runs[0] == runs[1] and all(len(t) == 64 for t in runs[0])
