@@ -21,8 +21,9 @@ from typing import Optional
 import torch
 
 from voltllm.bench.shapes import SHAPES, make_config
+from voltllm.model.models.llama import is_moe_layer
 
-DENSE = ("Qwen3Config", "LlamaConfig")
+DENSE = ("Qwen3Config", "LlamaConfig", "Qwen3MoeConfig")  # the llama-family model's architectures
 SHARD_BYTES = 2 << 30
 
 
@@ -63,7 +64,7 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
 
     cls, _ = SHAPES[shape]
     if cls not in DENSE:
-        raise SystemExit(f"{shape}: only dense llama / qwen3 shapes (the architectures with quantized layers)")
+        raise SystemExit(f"{shape}: only llama / qwen3 / qwen3_moe shapes (the architectures with quantized layers)")
     c = make_config(shape)
     tok = load_tokenizer(tokenizer_from) if tokenizer_from else None
     if tok is not None:
@@ -71,7 +72,8 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
     h, inter = c.hidden_size, c.intermediate_size
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    for k in {h, q, inter}:
+    moe_inter = int(getattr(c, "moe_intermediate_size", 0) or 0)
+    for k in {h, q, inter} | ({moe_inter} if moe_inter else set()):
         if k % group:
             raise SystemExit(f"{shape}: {k} input features are not a multiple of the group size {group}")
     os.makedirs(out, exist_ok=True)
@@ -110,14 +112,20 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
     add("model.embed_tokens.weight", (torch.randn(c.vocab_size, h, generator=gen) * 0.02).half())
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
-        for name, rows, cols in (("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h),
-                                 ("self_attn.v_proj", kv, h), ("self_attn.o_proj", h, q),
-                                 ("mlp.gate_proj", inter, h), ("mlp.up_proj", inter, h), ("mlp.down_proj", h, inter)):
+        projections = [("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                       ("self_attn.o_proj", h, q)]
+        if is_moe_layer(c, i):  # per-expert projections, as the quantizers write them; the router in fp16
+            add(f"{p}.mlp.gate.weight", (torch.randn(c.num_experts, h, generator=gen) * 0.02).half())
+            projections += [(f"mlp.experts.{e}.{n}", rows, cols) for e in range(c.num_experts) for n, rows, cols in
+                            (("gate_proj", moe_inter, h), ("up_proj", moe_inter, h), ("down_proj", h, moe_inter))]
+        else:
+            projections += [("mlp.gate_proj", inter, h), ("mlp.up_proj", inter, h), ("mlp.down_proj", h, inter)]
+        for name, rows, cols in projections:
             for part, t in packed_layer(method, rows, cols, group, scale, gen).items():
                 add(f"{p}.{name}.{part}", t)
         add(f"{p}.input_layernorm.weight", torch.ones(h, dtype=torch.float16))
         add(f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=torch.float16))
-        if c.model_type == "qwen3":
+        if c.model_type in ("qwen3", "qwen3_moe"):
             add(f"{p}.self_attn.q_norm.weight", torch.ones(head_dim, dtype=torch.float16))
             add(f"{p}.self_attn.k_norm.weight", torch.ones(head_dim, dtype=torch.float16))
     add("model.norm.weight", torch.ones(h, dtype=torch.float16))

@@ -617,6 +617,15 @@ case $stage in
     bench $m30 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
       --name qwen3-30b-a3b-shape-fp16-c16-c64-$sha | tail -10
     ;;
+  s81b)  # (session 24, queued; after s81) qwen3-30b-a3b-shape as an AWQ checkpoint of random words (about 16 GiB),
+         # experts kept quantized (quant_moe.QuantExperts): the GPU tests of the MoE pair kernel, then b1 and 16
+    gpu_file test_quant_checkpoints_cuda 200 -k "moe"
+    timeout 300 python3 benchmarks/make_random_quantized.py --shape qwen3-30b-a3b-shape --method awq /root/m/q30b-awq
+    q30="/root/m/q30b-awq --dtype half --num-warm 1 --quantization awq"
+    bench $q30 --scenario decode --input-len 512 --output-len 128 --name qwen3-30b-a3b-shape-awq-decode-b1-$sha | tail -8
+    bench $q30 --scenario concurrency --concurrency 16 --input-len 128 --output-len 128 \
+      --name qwen3-30b-a3b-shape-awq-c16-$sha | tail -6
+    ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936
         # vocabulary) kept quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64

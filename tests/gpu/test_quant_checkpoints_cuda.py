@@ -125,3 +125,31 @@ def test_fp8_at_load_kept_quantized(monkeypatch, tmp_path):
         tok = c.outputs[0].token_ids[0]
         assert tok in a.outputs[0].logprobs[0]
         assert abs(a.outputs[0].logprobs[0][tok].logprob - c.outputs[0].logprobs[0][tok].logprob) < 0.5
+
+
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_moe_experts_kept_quantized(monkeypatch, tmp_path, method):
+    """qwen3_moe with its experts kept quantized (quant_moe: per-pair dequant-GEMM launches in decode, CUDA graphs
+    included; per-expert dequantize + cuBLAS for prompts) against the same checkpoint dequantized at load, fp32."""
+    import voltllm.config
+    from voltllm import LLM, SamplingParams
+
+    path = make_model(str(tmp_path / "moe"), "qwen3_moe", hidden_size=128, intermediate_size=256, head_dim=32,
+                      moe_intermediate_size=128, std=0.08)
+    quantize_checkpoint(path, method)
+    kw = dict(device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.2)
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
+    prompts = [f"The quick brown fox {i} " * (1 + i) for i in range(6)]
+    outs = {}
+    for keep in (1, 0):
+        monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
+        llm = LLM(path, **kw)
+        assert (llm.engine.runner.model.layers[0].mlp.qexperts is not None) == bool(keep)
+        outs[keep] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+        llm.engine.check_integrity()
+        del llm
+    for a, b in zip(outs[1], outs[0]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            tok = next(iter(lb))
+            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3

@@ -88,19 +88,19 @@ def test_fp8_quantized_at_load(tmp_path):
     assert_prompt_logprobs_match(llm, ref, PROMPTS)
 
 
-@pytest.mark.parametrize("method", ["awq", "fp8"])
-def test_moe_checkpoint_experts_dequantized(tmp_path, method):
-    """qwen3_moe with quantized attention and expert projections: attention kept as the method's layers, the
-    experts dequantized at load (SparseMoE keeps them dense); logits equal transformers holding the dequantized
-    weights (loaded from a copy of the checkpoint with those weights, so its stacked experts are built by
-    transformers itself)."""
+@pytest.mark.parametrize("method,moe_inter", [("awq", 64), ("fp8", 128), ("fp8", 64)])
+def test_moe_checkpoint(tmp_path, method, moe_inter):
+    """qwen3_moe with quantized attention and expert projections. Dequantized at load (the CPU engine): logits
+    equal transformers holding the dequantized weights (loaded from a copy of the checkpoint with those weights, so
+    its stacked experts are built by transformers itself). Kept quantized: the experts as planes, or dense where
+    the planes cannot hold them (FP8 experts of 64 inputs: not whole 128-input scales)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     path = make_model(str(tmp_path / "moe"), "qwen3_moe", hidden_size=128, intermediate_size=256, head_dim=32,
-                      moe_intermediate_size=64, std=0.08)
+                      moe_intermediate_size=moe_inter, std=0.08)
     ref_path = str(tmp_path / "ref")
     shutil.copytree(path, ref_path)
     deq = quantize_checkpoint(path, method)
@@ -110,9 +110,10 @@ def test_moe_checkpoint_experts_dequantized(tmp_path, method):
     save_file(tensors, f"{ref_path}/model.safetensors", metadata={"format": "pt"})
     ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
     assert_prompt_logprobs_match(LLM(path, block_size=4), ref, PROMPTS)
-    # kept quantized (as on a GPU): the attention projections hold planes, the experts load dense
+    # kept quantized (as on a GPU): the attention projections and the experts hold planes (quant_moe.QuantExperts,
+    # no dense expert weights); the MoE blocks give the dequantized model's outputs
     from voltllm.model.layers.gguf_planes import Planes
-    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
+    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, describe_quantized
     from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
     from voltllm.model.models.registry import build_model
 
@@ -120,5 +121,14 @@ def test_moe_checkpoint_experts_dequantized(tmp_path, method):
     cfg = load_hf_config(src)
     kept = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
     kept.load_weights(iter_weights(src, cfg, keep_quantized=True))
+    dense = build_model(cfg, torch.float32, 64)
+    dense.load_weights(iter_weights(src, cfg, keep_quantized=False))
     assert isinstance(kept.layers[0].self_attn.qkv_proj.gguf_segments[0].weight, Planes)
-    assert kept.layers[0].mlp.w13.abs().sum() > 0
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    planes = not (method == "fp8" and moe_inter % 128)
+    for i in (0, 2):  # layer 1 is dense (mlp_only_layers)
+        moe = kept.layers[i].mlp
+        assert (moe.qexperts is not None and moe.qexperts.ready and moe.w13 is None) if planes else \
+            (moe.qexperts is None and moe.w13 is not None)
+        torch.testing.assert_close(moe(x), dense.layers[i].mlp(x), rtol=1e-5, atol=1e-5)
+    assert ("MoE experts" in describe_quantized(kept)) == planes

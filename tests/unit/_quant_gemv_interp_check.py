@@ -8,14 +8,14 @@ import torch
 from interp_util import patch_interpreter_index
 
 patch_interpreter_index()
-from voltllm.kernels.quant_gemv import dequantize, quant_matmul  # noqa: E402
+from voltllm.kernels.quant_gemv import dequantize, quant_matmul, quant_moe_matmul  # noqa: E402
 from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, Unpacked, dequantize_planes,  # noqa: E402
                                               int4_kind, planes_from_blocks, random_blocks, to_planes)
 
 # AWQ / GPTQ checkpoints; FP8 checkpoints
 INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), FP8_KIND]
 CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
-          for form in ("dequant", "rows1", "rows3", "rows6")]
+          for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs"]
 
 
 def _int4_planes(kind, n, k, gen):
@@ -62,7 +62,26 @@ def main() -> int:
             ok = err < 2e-3 and not torch.isnan(out).any() and torch.isnan(wide[:, :4]).all()
             failed += not ok
             print(f"CHECK {name}-{form} {'ok' if ok else 'FAIL'} rel {err:.2e}")
+    failed += not _check_moe_pairs(gen)
     return 1 if failed else 0
+
+
+def _check_moe_pairs(gen) -> bool:
+    """quant_moe_matmul: 5 (token, expert) pairs over 3 experts of 40 rows stacked in one int4 weight, against
+    each pair's row of x times its expert's dequantized block."""
+    kind, e, rows, k = int4_kind(64, True), 3, 40, 256
+    p = _int4_planes(kind, e * rows, k, gen)
+    w = dequantize_planes(p)
+    x = torch.randn(4, k, dtype=torch.float16)
+    x_rows = torch.tensor([0, 0, 3, 1, 2], dtype=torch.int32)
+    experts = torch.tensor([2, 0, 2, 1, 0], dtype=torch.int32)
+    out = quant_moe_matmul(x, p, rows, x_rows, experts, out=torch.full((5, rows), float("nan"), dtype=torch.float16))
+    ref = torch.stack([x[r].float() @ w[ex * rows:(ex + 1) * rows].T for r, ex in zip(x_rows.tolist(),
+                                                                                      experts.tolist())])
+    err = rel(out, ref)
+    ok = err < 2e-3 and not torch.isnan(out).any()
+    print(f"CHECK MOE-pairs {'ok' if ok else 'FAIL'} rel {err:.2e}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -151,21 +151,27 @@ class ModelCost:
         return 2 * self.active_matmul_params() * prompt_len + 2 * self.logits_params + attn
 
 
-def _routed_experts(model: torch.nn.Module, text: Any) -> tuple[list[torch.Tensor], float]:
-    """The routed-expert weight tensors of a sparse MoE model and top_k / num_experts ([] and 0 for a dense one).
-    voltllm's SparseMoE keeps them as w13 / w2 ([E, ...]); transformers' MoE blocks under `experts.` (the shared
-    expert is `shared_expert.`, dense)."""
+def _routed_experts(model: torch.nn.Module, text: Any) -> tuple[int, int, float]:
+    """(bytes, parameters) of a sparse MoE model's routed experts and top_k / num_experts (0, 0, 0 for a dense
+    one). voltllm's SparseMoE keeps them as w13 / w2 ([E, ...]) or quantized (qexperts); transformers' MoE blocks
+    under `experts.` (the shared expert is `shared_expert.`, dense)."""
     found: dict[int, torch.Tensor] = {}
+    held = [0, 0]
     for mod in model.modules():
-        if hasattr(mod, "num_experts") and hasattr(mod, "w13") and hasattr(mod, "w2"):
+        experts = getattr(mod, "qexperts", None)
+        if experts is not None and experts.ready:
+            held[0] += experts.nbytes
+            held[1] += 3 * experts.num_experts * experts.inter * experts.hidden
+        elif hasattr(mod, "num_experts") and isinstance(getattr(mod, "w13", None), torch.Tensor):
             found.update({id(p): p for p in (mod.w13, mod.w2)})
-    if not found:
+    if not found and not held[1]:
         found = {id(p): p for name, p in model.named_parameters() if ".experts." in f".{name}"}
     num = int(getattr(text, "num_experts", 0) or 0)
     top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
-    if not found or not num or not top_k:
-        return [], 0.0
-    return list(found.values()), top_k / num
+    if (not found and not held[1]) or not num or not top_k:
+        return 0, 0, 0.0
+    return (held[0] + sum(p.numel() * p.element_size() for p in found.values()),
+            held[1] + sum(p.numel() for p in found.values()), top_k / num)
 
 
 def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.dtype] = None) -> ModelCost:
@@ -212,12 +218,11 @@ def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.
         from voltllm.model.state_cache import StateCache
 
         state = StateCache.bytes_per_slot(spec)
-    experts, fraction = _routed_experts(model, text)
+    expert_bytes, expert_params, fraction = _routed_experts(model, text)
     return ModelCost(weight_bytes=weight_bytes, matmul_params=total - embed_n - head_n, logits_params=logits_params,
                      kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem, state_bytes_per_request=state,
                      attention_layers=layers, q_heads=int(text.num_attention_heads), head_dim=head_dim,
-                     expert_bytes=sum(p.numel() * p.element_size() for p in experts),
-                     expert_params=sum(p.numel() for p in experts), expert_fraction=fraction)
+                     expert_bytes=expert_bytes, expert_params=expert_params, expert_fraction=fraction)
 
 
 def meta_model_cost(hf_config: Any, dtype: torch.dtype) -> ModelCost:

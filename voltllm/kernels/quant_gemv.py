@@ -101,10 +101,11 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
 
 
 @triton.jit
-def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_hi,
-                         stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
+def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU, stride_xm, stride_ym, stride_lo,
+                         stride_hi, stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
                          HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr, SUB: tl.constexpr,
-                         SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         GATHER: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,16 +113,22 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, M, N, NU, stride_xm, st
     mask_n = offs_n < N
     mask_m = offs_m < M
     j = tl.arange(0, 16)
+    if GATHER:  # MoE pairs (BLOCK_M 1): output row pid_m is x row ROWS[pid_m] times expert EXPERTS[pid_m]'s block
+        x_row = tl.load(ROWS + pid_m)  # of N rows in a weight stacked by expert
+        plane_n = tl.load(EXPERTS + pid_m).to(tl.int64) * N + offs_n
+    else:
+        x_row = pid_m
+        plane_n = offs_n
     if BLOCK_M == 1:
         acc3 = tl.zeros((BLOCK_N, U, 16), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, U * 16), dtype=tl.float32)
     for u0 in range(0, NU, U):
-        w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi,
+        w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, plane_n, mask_n, u0, NU, stride_lo, stride_hi,
                                         stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8)
         umask = (u0 + tl.arange(0, U)) < NU
         if BLOCK_M == 1:  # one row: stay in the tile's own [BLOCK_N, U, 16] layout
-            xp = X + pid_m * stride_xm + e0 + j[None, None, :]
+            xp = X + x_row * stride_xm + e0 + j[None, None, :]
             xm = (umask & (pid_m < M))[None, :, None]
             acc3 += w_lo * tl.load(xp, mask=xm, other=0.0).to(tl.float32)
             acc3 += w_hi * tl.load(xp + 32, mask=xm, other=0.0).to(tl.float32)
@@ -179,17 +186,21 @@ def _with_scale_type(sig: dict, kind) -> dict:
 
 
 def _matmul_specs() -> list[CompileSpec]:
-    sig = {"X": "*fp16", "Y": "*fp16", "B": "*fp16", **_PLANE_ARGS, "M": "i32", "N": "i32", "NU": "i32",
-           "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32",
-           "stride_s": "i32"}
+    sig = {"X": "*fp16", "Y": "*fp16", "B": "*fp16", **_PLANE_ARGS, "ROWS": "*i32", "EXPERTS": "*i32", "M": "i32",
+           "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32",
+           "stride_d": "i32", "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
-                                          "ZP", "FP8", "HAS_BIAS")})
+                                          "ZP", "FP8", "HAS_BIAS", "GATHER")})
     return [CompileSpec(_with_scale_type(sig, kind), {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(kind),
-                                                      "HAS_BIAS": kind.name == "Q8_0"}, f"{kind.name} m1")
+                                                      "HAS_BIAS": kind.name == "Q8_0", "GATHER": False},
+                        f"{kind.name} m1")
             for kind in _GATED_KINDS] + [
-        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(int4_kind(128, True)), "HAS_BIAS": True},
-                    "INT4_G128_ZP m4"),
-        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False}, "Q4_K m4")]
+        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(int4_kind(128, True)), "HAS_BIAS": True,
+                          "GATHER": False}, "INT4_G128_ZP m4"),
+        CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False,
+                          "GATHER": False}, "Q4_K m4"),
+        CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 1, "U": 64, **_constexprs(int4_kind(128, True)), "HAS_BIAS": False,
+                          "GATHER": True}, "INT4_G128_ZP MoE pairs")]
 
 
 def _dequant_specs() -> list[CompileSpec]:
@@ -239,9 +250,32 @@ def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, o
     units = min(units, triton.next_power_of_2(planes.k // 32))  # short rows (SmolLM2: 18 units) mask less
     grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
     _quant_matmul_kernel[grid](
-        x, out, bias if bias is not None else out, *_plane_args(planes), m, planes.n, planes.k // 32,
-        x.stride(0), out.stride(0), *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, U=units,
-        **_constexprs(planes.kind), HAS_BIAS=bias is not None, num_warps=warps)
+        x, out, bias if bias is not None else out, *_plane_args(planes), planes.lo, planes.lo, m, planes.n,
+        planes.k // 32, x.stride(0), out.stride(0), *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n,
+        U=units, **_constexprs(planes.kind), HAS_BIAS=bias is not None, GATHER=False, num_warps=warps)
+    return out
+
+
+def quant_moe_matmul(x: torch.Tensor, planes, rows_per_expert: int, x_rows: torch.Tensor, experts: torch.Tensor,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """MoE (token, expert) pairs over a weight stacked by expert (expert e: rows [e * rows_per_expert, (e + 1) *
+    rows_per_expert) of `planes`): out[p] = x[x_rows[p]] @ W_{experts[p]}^T, [pairs, rows_per_expert] in x's
+    dtype. x_rows / experts: int32 on x's device. One program per pair and output tile, each reading its expert's
+    block at its quantized size (meant for decode-sized batches; no host sync, so CUDA graphs can capture it)."""
+    pairs, k = x_rows.shape[0], x.shape[1]
+    if k != planes.k or planes.n % rows_per_expert:
+        raise ValueError(f"input of {k} features / {planes.n} rows for experts of {rows_per_expert} x {planes.k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
+    block_n, units, warps = FMA_CONFIG
+    units = min(units, triton.next_power_of_2(planes.k // 32))
+    grid = (triton.cdiv(rows_per_expert, block_n), pairs)
+    _quant_matmul_kernel[grid](
+        x, out, out, *_plane_args(planes), x_rows, experts, pairs, rows_per_expert, planes.k // 32, x.stride(0),
+        out.stride(0), *_plane_strides(planes), BLOCK_M=1, BLOCK_N=block_n, U=units, **_constexprs(planes.kind),
+        HAS_BIAS=False, GATHER=True, num_warps=warps)
     return out
 
 

@@ -18,8 +18,9 @@ routing weights, a sum over k): no loop over experts, no host sync.
 """
 from __future__ import annotations
 
+import logging
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +42,26 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_* [T, k] -> [T, H]. Sorted by expert, active experts only."""
+    return sorted_experts(x, topk_weights, topk_ids, w13.shape[0], lambda e: (w13[e], w2[e]))
+
+
+def sorted_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                   blocks: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The experts' sum with the (token, expert) pairs sorted by expert: one GEMM pair per expert that received
+    tokens, with its (gate_up [2I, H], down [H, I]) from `blocks(e)`; one host sync (the per-expert counts)."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // k
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the one host sync
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
     xs = x.index_select(0, token_of)
     ys = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        seg = xs[start:start + n]
-        ys[start:start + n] = F.linear(silu_and_mul(F.linear(seg, w13[e])), w2[e])
+        w13, w2 = blocks(e)
+        ys[start:start + n] = F.linear(silu_and_mul(F.linear(xs[start:start + n], w13)), w2)
         start += n
     ys = ys * topk_weights.reshape(-1)[order].to(ys.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
@@ -71,6 +79,7 @@ class SharedExpertMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+logger = logging.getLogger("voltllm")
 _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
@@ -79,21 +88,43 @@ class SparseMoE(nn.Module):
     triton_experts: Optional[bool] = None
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, shared_inter: int,
-                 norm_topk_prob: bool, dtype: torch.dtype):
+                 norm_topk_prob: bool, dtype: torch.dtype, quantized_experts: bool = False):
+        """quantized_experts: quantized checkpoints' experts stay quantized (quant_moe.QuantExperts) when they
+        can; no dense expert weights are allocated unless some expert cannot."""
         super().__init__()
-        self.num_experts, self.top_k, self.inter = num_experts, top_k, moe_inter
+        self.num_experts, self.top_k, self.inter, self.hidden = num_experts, top_k, moe_inter, hidden
         self.norm_topk_prob = norm_topk_prob
+        self.dtype = dtype
         self.gate = Linear(hidden, num_experts, dtype=dtype)
-        self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * moe_inter, hidden, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.zeros(num_experts, hidden, moe_inter, dtype=dtype), requires_grad=False)
+        self.qexperts = None
+        if quantized_experts:
+            from voltllm.model.layers.quant_moe import QuantExperts
+
+            self.w13 = self.w2 = None
+            self.qexperts = QuantExperts(num_experts, moe_inter, hidden, torch.empty(0).device, dtype)
+        else:
+            self._allocate_dense(torch.empty(0).device)
         self.shared_expert: Optional[SharedExpertMLP] = None
         self.shared_expert_gate: Optional[Linear] = None
         if shared_inter:
             self.shared_expert = SharedExpertMLP(hidden, shared_inter, dtype)
             self.shared_expert_gate = Linear(hidden, 1, dtype=dtype)
 
+    def _allocate_dense(self, device: torch.device) -> None:
+        e, i, h = self.num_experts, self.inter, self.hidden
+        self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=self.dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(e, h, i, dtype=self.dtype, device=device), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
+        if self.qexperts is not None:
+            if x.is_cuda:
+                from voltllm.kernels import moe_decode
+
+                weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob)
+            else:
+                weights, ids = route(logits, self.top_k, self.norm_topk_prob)
+            return self._add_shared(x, self.qexperts.forward(x, weights, ids))
         if not (x.is_cuda if self.triton_experts is None else self.triton_experts):
             weights, ids = route(logits, self.top_k, self.norm_topk_prob)
             return self._add_shared(x, fused_experts_ref(x, self.w13, self.w2, weights, ids))
@@ -140,10 +171,17 @@ class SparseMoE(nn.Module):
         weights (AWQ / GPTQ / FP8 checkpoints) are dequantized here: the experts are kept dense."""
         from voltllm.model.layers.quantized_linear import PackedWeight
 
+        m = _EXPERT.fullmatch(name)
+        if m and self.qexperts is not None:
+            e, kind = int(m.group(1)), m.group(2)[:-5]
+            try:
+                self.qexperts.add(e, kind, tensor)
+            except ValueError as err:
+                self._keep_experts_dense(err)
+            return [f"{prefix}experts.{e}.{kind}"]
         if isinstance(tensor, PackedWeight):
             tensor = tensor.dequantize(torch.float32)
         i = self.inter
-        m = _EXPERT.fullmatch(name)
         if m:
             e, kind = int(m.group(1)), m.group(2)[:-5]
             dst = {"gate": self.w13[e, :i], "up": self.w13[e, i:], "down": self.w2[e]}[kind]
@@ -152,6 +190,8 @@ class SparseMoE(nn.Module):
             dst.copy_(tensor)
             return [f"{prefix}experts.{e}.{kind}"]
         if name in ("experts.gate_up_proj", "experts.down_proj"):  # stacked layout of transformers' modules
+            if self.qexperts is not None:  # quantized experts expected, but a stacked dense tensor came
+                self._keep_experts_dense(ValueError(f"{name} is not per-expert"))
             dst = self.w13 if name == "experts.gate_up_proj" else self.w2
             if tuple(tensor.shape) != tuple(dst.shape):
                 if tuple(tensor.transpose(1, 2).shape) == tuple(dst.shape):
@@ -174,3 +214,13 @@ class SparseMoE(nn.Module):
                 getattr(self.shared_expert, shard[0]).load_weight(tensor, shard[1])
                 return [f"{prefix}shared_expert.{shard[0]}#{shard[1]}"]
         raise ValueError(f"unexpected MoE weight {name!r}")
+
+    def _keep_experts_dense(self, why: Exception) -> None:
+        """A part of the experts cannot stay quantized: allocate the dense expert weights and move what has
+        arrived into them (the rest then loads dense)."""
+        q, self.qexperts = self.qexperts, None
+        logger.warning("MoE experts kept dense (%s)", why)
+        self._allocate_dense(q.device)
+        i = self.inter
+        for (e, kind), w in q.dense_parts().items():
+            {"gate": self.w13[e, :i], "up": self.w13[e, i:], "down": self.w2[e]}[kind].copy_(w)

@@ -224,7 +224,11 @@ def held_segments(mod: nn.Module) -> list[Segment]:
 
 
 def held_matrix(mod: nn.Module) -> Optional[tuple[int, int]]:
-    """(bytes, elements) of the GGUF matrix a layer or embedding holds outside its parameters; None for others."""
+    """(bytes, elements) of the quantized matrices a layer, embedding or MoE block (its experts) holds outside its
+    parameters; None for others."""
+    experts = getattr(mod, "qexperts", None)
+    if experts is not None and experts.ready:
+        return experts.nbytes, 3 * experts.num_experts * experts.inter * experts.hidden
     segs = held_segments(mod)
     if not segs:
         return None
@@ -239,4 +243,8 @@ def describe_quantized(model: torch.nn.Module) -> str:
         for s in held_segments(mod):
             key = s.weight.kind.name if isinstance(s.weight, Planes) else f"dense {s.weight.dtype}"
             by_kind[key] = by_kind.get(key, 0) + _segment_bytes(s)
+        experts = getattr(mod, "qexperts", None)
+        if experts is not None and experts.ready:
+            key = f"MoE experts {experts.w13.kind.name}"
+            by_kind[key] = by_kind.get(key, 0) + experts.nbytes
     return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_kind.items())) or "no GGUF matrices"

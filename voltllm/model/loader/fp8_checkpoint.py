@@ -28,9 +28,9 @@ from voltllm.model.layers.quantized_linear import PackedWeight
 
 FP8_MAX = 448.0
 _SCALE_PARTS = ("weight_scale_inv", "weight_scale")
-# the projections `--quantization fp8` quantizes at load (embeddings, the LM head, norms, the router and MoE experts,
-# which are kept dense, stay as they are)
-_PROJECTION = re.compile(r"(?!.*\.experts\.).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+# the projections `--quantization fp8` quantizes at load, MoE experts included (embeddings, the LM head, norms and
+# the router stay as they are)
+_PROJECTION = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 class FP8CheckpointError(ValueError):

@@ -73,9 +73,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, idx, dtype, rotary, linear_method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if is_moe_layer(cfg, idx):  # qwen3_moe: routed experts without a shared one (experts stay dense)
+        if is_moe_layer(cfg, idx):  # qwen3_moe: routed experts without a shared one (kept quantized with the rest)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                                 0, bool(getattr(cfg, "norm_topk_prob", True)), dtype)
+                                 0, bool(getattr(cfg, "norm_topk_prob", True)), dtype,
+                                 quantized_experts=linear_method is not None)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method)
 

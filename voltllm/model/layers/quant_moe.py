@@ -1,0 +1,100 @@
+"""The routed experts of a sparse MoE layer kept quantized (AWQ / GPTQ / FP8 checkpoints of qwen3_moe models kept
+quantized on the GPU): a Qwen3-30B-A3B holds 29 B of its 30.5 B parameters in experts, 61 GB in fp16 and about
+16 GB at 4 bits, so only this way does it fit one 32 GB V100.
+
+Each expert's gate, up and down projections arrive as quantized_linear.PackedWeight and become planes; once a
+layer has all of them they are stacked by expert into two Planes: w13 [E * 2I, H] (expert e's gate rows then up
+rows) and w2 [E * H, I]. A forward:
+- on CUDA, while a CUDA graph captures or for decode-sized batches: one dequant-GEMM launch per projection over
+  the (token, expert) pairs (kernels/quant_gemv.quant_moe_matmul: each pair's program reads its expert's block),
+  no host sync;
+- otherwise (prompt steps, the CPU): the pairs sorted by expert and, per expert that received tokens, its blocks
+  dequantized (the Triton kernel on CUDA, the torch reference elsewhere) and multiplied by cuBLAS / torch.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from voltllm.model.layers.activation import silu_and_mul
+from voltllm.model.layers.gguf_planes import Planes, concat_rows, row_band
+from voltllm.model.layers.quantized_linear import PackedWeight, dequantized
+
+# (token, expert) pairs up to which a CUDA forward outside graph capture takes the per-pair launches (each pair
+# reads its expert's blocks; beyond this, reading each active expert once and multiplying its tokens wins)
+PAIR_LAUNCH_MAX_PAIRS = 64
+
+
+class QuantExperts:
+    """Quantized routed experts of one SparseMoE layer (see the module docstring)."""
+
+    def __init__(self, num_experts: int, inter: int, hidden: int, device: torch.device, dtype: torch.dtype):
+        self.num_experts, self.inter, self.hidden = num_experts, inter, hidden
+        self.device, self.dtype = device, dtype
+        self.parts: dict[tuple[int, str], Union[Planes, torch.Tensor]] = {}
+        self.w13: Optional[Planes] = None
+        self.w2: Optional[Planes] = None
+
+    @property
+    def ready(self) -> bool:
+        return self.w13 is not None
+
+    def add(self, expert: int, kind: str, weight: Union[PackedWeight, torch.Tensor]) -> bool:
+        """Take one projection ("gate" / "up" / "down"); True once the layer's experts are all stacked as planes,
+        False while parts are missing. Raises ValueError when a part cannot be kept quantized (a dense tensor, a
+        layout the planes do not hold, kinds that differ): the caller then keeps the experts dense."""
+        want = (self.hidden, self.inter) if kind == "down" else (self.inter, self.hidden)
+        shape = ((weight.out_features, weight.in_features) if isinstance(weight, PackedWeight)
+                 else tuple(weight.shape))
+        if shape != want:
+            raise ValueError(f"expert {expert} {kind}_proj of shape {shape}, expected {want}")
+        w = weight.to_weight(self.device, self.dtype) if isinstance(weight, PackedWeight) else weight
+        self.parts[(expert, kind)] = w
+        if not isinstance(w, Planes):
+            raise ValueError(f"expert {expert} {kind}_proj is not held as planes")
+        if len(self.parts) < 3 * self.num_experts:
+            return False
+        kinds = {p.kind for p in self.parts.values()}
+        if len(kinds) != 1:
+            raise ValueError(f"experts of mixed kinds {sorted(k.name for k in kinds)}")
+        e = range(self.num_experts)
+        self.w13 = concat_rows([self.parts[(i, k)] for i in e for k in ("gate", "up")])
+        self.w2 = concat_rows([self.parts[(i, "down")] for i in e])
+        self.parts.clear()
+        return True
+
+    def dense_parts(self) -> dict[tuple[int, str], torch.Tensor]:
+        """The parts received so far as dense fp32 matrices (to keep the experts dense after all)."""
+        from voltllm.model.layers.gguf_planes import dequantize_planes
+
+        return {key: dequantize_planes(w) if isinstance(w, Planes) else w.float() for key, w in self.parts.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return (self.w13.nbytes + self.w2.nbytes) if self.ready else 0
+
+    def expert_blocks(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) dequantized to dtype."""
+        i2, h = 2 * self.inter, self.hidden
+        return dequantized(row_band(self.w13, e * i2, (e + 1) * i2), dtype), \
+            dequantized(row_band(self.w2, e * h, (e + 1) * h), dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights / ids [T, k] (the router's) -> sum_j weights_j * expert_{ids_j}(x), [T, H]."""
+        t, k = ids.shape
+        pairs = t * k
+        if not self.ready:
+            raise RuntimeError("quantized MoE experts used before all of them were loaded")
+        if x.is_cuda and (torch.cuda.is_current_stream_capturing() or pairs <= PAIR_LAUNCH_MAX_PAIRS):
+            from voltllm.kernels.quant_gemv import quant_moe_matmul
+
+            experts = ids.reshape(-1).to(torch.int32)
+            rows = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
+            act = silu_and_mul(quant_moe_matmul(x, self.w13, 2 * self.inter, rows, experts))
+            pair_rows = torch.arange(pairs, device=x.device, dtype=torch.int32)
+            y = quant_moe_matmul(act, self.w2, self.hidden, pair_rows, experts)
+            return (y.view(t, k, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+        from voltllm.model.layers.moe import sorted_experts
+
+        return sorted_experts(x, weights, ids, self.num_experts, lambda e: self.expert_blocks(e, x.dtype))
