@@ -61,9 +61,9 @@ def tiny_quantized(request, tmp_path_factory):
     return path
 
 
-def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_quantized):
-    """fp32: prompt steps (dequantize + cuBLAS), 1-4-row decode (the dequant-GEMM) and 6-row decode batches, with
-    CUDA graphs, give the logits of the dequantized model."""
+def _kept_vs_dequantized(monkeypatch, path: str, kept_check) -> None:
+    """fp32, the checkpoint kept quantized (KEEP_QUANTIZED=1, `kept_check(llm, True)`) and dequantized at load
+    (`kept_check(llm, False)`): 6 prompts then 1, 12 greedy tokens each; the same tokens and logprobs."""
     import voltllm.config
     from voltllm import LLM, SamplingParams
 
@@ -73,8 +73,8 @@ def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_quantiz
     outs = {}
     for keep in (1, 0):
         monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
-        llm = LLM(tiny_quantized, **kw)
-        assert llm.engine.runner.keep_quantized == bool(keep)
+        llm = LLM(path, **kw)
+        kept_check(llm, bool(keep))
         outs[keep] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
         llm.engine.check_integrity()
         del llm
@@ -83,6 +83,15 @@ def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_quantiz
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             tok = next(iter(lb))
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
+
+
+def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_quantized):
+    """Prompt steps (dequantize + cuBLAS), 1-4-row decode (the dequant-GEMM) and 6-row decode batches, with CUDA
+    graphs, give the logits of the dequantized model."""
+    def check(llm, keep):
+        assert llm.engine.runner.keep_quantized == keep
+
+    _kept_vs_dequantized(monkeypatch, tiny_quantized, check)
 
 
 def test_tiny_model_compat_route(tiny_quantized):
@@ -130,26 +139,12 @@ def test_fp8_at_load_kept_quantized(monkeypatch, tmp_path):
 @pytest.mark.parametrize("method", ["awq", "fp8"])
 def test_moe_experts_kept_quantized(monkeypatch, tmp_path, method):
     """qwen3_moe with its experts kept quantized (quant_moe: per-pair dequant-GEMM launches in decode, CUDA graphs
-    included; per-expert dequantize + cuBLAS for prompts) against the same checkpoint dequantized at load, fp32."""
-    import voltllm.config
-    from voltllm import LLM, SamplingParams
-
+    included; per-expert dequantize + cuBLAS for prompts) against the same checkpoint dequantized at load."""
     path = make_model(str(tmp_path / "moe"), "qwen3_moe", hidden_size=128, intermediate_size=256, head_dim=32,
                       moe_intermediate_size=128, std=0.08)
     quantize_checkpoint(path, method)
-    kw = dict(device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.2)
-    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
-    prompts = [f"The quick brown fox {i} " * (1 + i) for i in range(6)]
-    outs = {}
-    for keep in (1, 0):
-        monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
-        llm = LLM(path, **kw)
-        assert (llm.engine.runner.model.layers[0].mlp.qexperts is not None) == bool(keep)
-        outs[keep] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-        llm.engine.check_integrity()
-        del llm
-    for a, b in zip(outs[1], outs[0]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            tok = next(iter(lb))
-            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
+
+    def check(llm, keep):
+        assert (llm.engine.runner.model.layers[0].mlp.qexperts is not None) == keep
+
+    _kept_vs_dequantized(monkeypatch, path, check)
