@@ -1,5 +1,5 @@
-"""The routed experts of a sparse MoE layer kept quantized (AWQ / GPTQ / FP8 checkpoints of qwen3_moe models kept
-quantized on the GPU): a Qwen3-30B-A3B holds 29 B of its 30.5 B parameters in experts, 61 GB in fp16 and about
+"""The routed experts of a sparse MoE layer kept quantized (AWQ / GPTQ / FP8 checkpoints and qwen3moe GGUF files of
+qwen3_moe models kept quantized on the GPU): a Qwen3-30B-A3B holds 29 B of its 30.5 B parameters in experts, 61 GB in fp16 and about
 16 GB at 4 bits, so only this way does it fit one 32 GB V100.
 
 Each expert's gate, up and down projections arrive as quantized_linear.PackedWeight and become planes; once a
@@ -55,9 +55,11 @@ class QuantExperts:
             raise ValueError(f"expert {expert} {kind}_proj is not held as planes")
         if len(self.parts) < 3 * self.num_experts:
             return False
-        kinds = {p.kind for p in self.parts.values()}
-        if len(kinds) != 1:
-            raise ValueError(f"experts of mixed kinds {sorted(k.name for k in kinds)}")
+        for group in (("gate", "up"), ("down",)):  # each stacked weight holds one kind (GGUF: down may differ)
+            kinds = {p.kind for (_, k), p in self.parts.items() if k in group}
+            if len(kinds) != 1:
+                raise ValueError(f"experts' {'/'.join(group)} projections of mixed kinds "
+                                 f"{sorted(k.name for k in kinds)}")
         e = range(self.num_experts)
         self.w13 = concat_rows([self.parts[(i, k)] for i in e for k in ("gate", "up")])
         self.w2 = concat_rows([self.parts[(i, "down")] for i in e])

@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp's format) as a transformers config plus HF-named tensors.
 
-Supported architectures: llama, qwen2, qwen3 (dense). Tensors are dequantized with the `gguf` package's numpy
+Supported architectures: llama, qwen2, qwen3 (dense), qwen3moe (Qwen3-30B-A3B style: llama.cpp stacks each layer's
+experts into one [E, rows, cols] tensor per projection, read back here as HF's per-expert weights). Tensors are dequantized with the `gguf` package's numpy
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
 dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) instead come as
@@ -22,7 +23,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 # GGUF tensor name -> HF parameter name (both without the .weight/.bias suffix).
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -38,7 +39,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
+# llama.cpp's stacked expert tensors [E, rows, cols] -> each expert's HF projection
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -102,7 +106,8 @@ def gguf_config(path: str) -> Any:
         raise ValueError(f"GGUF file {path!r}: RoPE scaling type {scaling!r} is not supported")
 
     kwargs = dict(
-        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                        "qwen3moe": "Qwen3MoeForCausalLM"}[arch]],
         # the embedding matrix is [hidden, vocab] in ggml order
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
@@ -122,9 +127,15 @@ def gguf_config(path: str) -> Any:
     )
     if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    if arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top-k weights for this architecture
+        moe_inter = key("expert_feed_forward_length")
+        kwargs.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                      moe_intermediate_size=moe_inter, intermediate_size=key("feed_forward_length", moe_inter),
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**kwargs)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+            "qwen3moe": Qwen3MoeConfig}[arch](**kwargs)
 
 
 def dense_bytes(path: str, itemsize: int) -> int:
@@ -162,6 +173,26 @@ def _is_matrix_kept(hf_name: str) -> bool:
     return hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
+def _expert_tensors(t: Any, layer: int, proj: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+    """One stacked expert tensor [E, rows, cols] as each expert's HF weight: raw blocks (kept quantized) or
+    float32."""
+    from gguf.quants import dequantize
+
+    from voltllm.model.layers.gguf_planes import supports
+    from voltllm.model.layers.quantized_linear import GGUFBlocks
+
+    experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if keep_quantized and supports(t.tensor_type.name, cols):
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(experts, rows, -1)
+        for e in range(experts):
+            yield f"{prefix}.{e}.{proj}.weight", GGUFBlocks(t.tensor_type.name, raw[e], rows, cols)
+        return
+    array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(experts, rows, cols)
+    for e in range(experts):
+        yield f"{prefix}.{e}.{proj}.weight", torch.from_numpy(array[e].copy())
+
+
 def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) for every tensor in the file, in file order: float32 CPU tensors, except with
     `keep_quantized`, where a linear layer's weight (or the embeddings) of a type with a device layout (model/layers/gguf_planes.py)
@@ -176,6 +207,10 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False)
     if hf_config is None:
         hf_config = gguf_config(path)
     for t in reader.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        if m and m.group(2) in _EXPERT_NAMES:
+            yield from _expert_tensors(t, int(m.group(1)), _EXPERT_NAMES[m.group(2)], keep_quantized)
+            continue
         name = _hf_name(t.name)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} in {path!r} has no place in a {arch} model")
