@@ -304,3 +304,15 @@ def test_gdn_prefill_route_names_the_torch_form_where_the_chunk_kernels_do_not_f
     gdn_layer._CHUNK_UNFIT_DEVICES.add(torch.device("cuda", 0))
     impl, why = acceleration._gdn_prefill_route(runner, config, plat, "cpu")
     assert "torch chunked" in impl and "shared memory" in why
+
+
+def test_linear_route_names_the_kept_quantized_format(tiny_dir, fake_v100):
+    """Predicted for a GPU with quantized weights kept quantized: the route names the format (FP8 is not a 4-bit
+    group format); dequantized at load, it says so."""
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config())
+    for method, words in (("fp8", "FP8 E4M3"), ("awq", "awq 4-bit groups"), ("gguf", "GGUF Q4_0")):
+        kept = dataclasses.replace(config, quantization=method, model=dataclasses.replace(
+            config.model, quantization=method, quantized_weights="quantized"))
+        assert words in build_report(kept)["routes"]["linear"]["impl"], method
+        dense = dataclasses.replace(kept, model=dataclasses.replace(kept.model, quantized_weights="dequantized"))
+        assert f"{method} weights dequantized" in build_report(dense)["routes"]["linear"]["impl"]
