@@ -626,6 +626,15 @@ case $stage in
     bench $q30 --scenario concurrency --concurrency 16 --input-len 128 --output-len 128 \
       --name qwen3-30b-a3b-shape-awq-c16-$sha | tail -6
     ;;
+  s82)  # (session 24, queued; after a call copying .carry/p0 to /root/m, carrying .carry/p1) n-gram speculation on
+         # the real SmolLM2 GGUF: plain vs speculative greedy chat requests (outputs identical), fp16 native and compat
+    if cp .carry/p1/part.* /root/m/ 2>/dev/null && cat /root/m/part.* > /root/m/smollm2.gguf; then
+      for c in none sm70; do
+        timeout 200 python3 benchmarks/micro/spec_decode_ab.py /root/m/smollm2.gguf --device cuda --dtype float16 \
+          --compat $c --commit $sha --out "$out/spec-decode-ab-smollm2-fp16-$c-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -5
+      done
+    fi
+    ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936
         # vocabulary) kept quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64

@@ -2,7 +2,7 @@
 --speculative-config, one request at a time; prints tokens / s, steps and the drafts accepted, checks the outputs are
 identical, and writes a JSON result.
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/spec_decode_ab.py MODEL [--device cpu|cuda] [--dtype ...] \\
+    PYTHONPATH=$PWD python3 benchmarks/micro/spec_decode_ab.py MODEL [--device cpu|cuda] [--dtype ...] [--compat ...] \\
         [--out benchmarks/results/spec-decode-ab.json]
 
 The requests are the kinds where prompt lookup pays (code edited and printed again, a counting list) and one where
@@ -25,8 +25,8 @@ REQUESTS = {
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-def run(model: str, spec, device: str, dtype: str, max_tokens: int) -> dict:
-    llm = LLM(model, device=device, dtype=dtype, max_model_len=2048, speculative_config=spec)
+def run(model: str, spec, device: str, dtype: str, compat: str, max_tokens: int) -> dict:
+    llm = LLM(model, device=device, dtype=dtype, compat=compat, max_model_len=2048, speculative_config=spec)
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     rows = {}
@@ -48,12 +48,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("model")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compat", default="auto")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    plain = run(args.model, None, args.device, args.dtype, args.max_tokens)
-    spec = run(args.model, SPEC, args.device, args.dtype, args.max_tokens)
+    plain = run(args.model, None, args.device, args.dtype, args.compat, args.max_tokens)
+    spec = run(args.model, SPEC, args.device, args.dtype, args.compat, args.max_tokens)
     print(f"{'request':<14} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speed-up':>8} {'steps':>9} "
           f"{'accepted':>12} same")
     same_all = True
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"name": "spec-decode-ab", "commit": args.commit, "model": args.model, "device": args.device,
-                       "dtype": args.dtype, "speculative_config": SPEC,
+                       "dtype": args.dtype, "compat": args.compat, "speculative_config": SPEC,
                        "command": "python3 benchmarks/micro/spec_decode_ab.py " + " ".join(argv),
                        "plain": plain, "spec": spec}, f, indent=1)
     return 0 if same_all else 1
