@@ -8,6 +8,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from gguf_files import writer_with_header  # noqa: E402
+
 from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights  # noqa: E402
 
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -86,21 +88,7 @@ def _write_tiny(path, arch, hf_config, state_dict, quantize=None):
     up_proj Q8_0; gate_proj is stored F16 unless named)."""
     quantize = _UP_Q8 if quantize is None else quantize
     c = hf_config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    if arch == "qwen3":  # llama.cpp writes key_length when the config has an explicit head_dim
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim if arch != "qwen2" else c.hidden_size // c.num_attention_heads)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    w = writer_with_header(path, arch, c)
     expected = {}
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and c.tie_word_embeddings:

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from gguf_files import writer_with_header
 from tiny_models import assert_prompt_logprobs_match, make_model
 
 gguf = pytest.importorskip("gguf")
@@ -22,21 +23,7 @@ _EXPERTS = {"gate_proj": ("ffn_gate_exps", gguf.GGMLQuantizationType.Q8_0),
 
 def _write(path: str, cfg, tensors: dict) -> dict:
     """The GGUF file; returns the HF-named float32 weights it holds (after its quantization)."""
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w = writer_with_header(path, "qwen3moe", cfg)
     expected = {}
     glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}
