@@ -19,14 +19,14 @@ import torch
 from voltllm.bench.shapes import SHAPES, make_config
 from voltllm.model.layers.gguf_planes import KINDS, random_blocks
 
-ARCH = {"Qwen3Config": "qwen3", "LlamaConfig": "llama"}
+ARCH = {"Qwen3Config": "qwen3", "LlamaConfig": "llama", "Qwen3MoeConfig": "qwen3moe"}
 
 
 def kind_of(name: str, layer: int, mix: str) -> str:
     """The GGUF type of one matrix under the mix."""
     if mix != "Q4_K_M":
         return mix
-    if name == "output" or (name in ("attn_v", "ffn_down") and layer % 2 == 0):
+    if name == "output" or (name in ("attn_v", "ffn_down", "ffn_down_exps") and layer % 2 == 0):
         return "Q6_K"
     return "Q4_K"
 
@@ -56,7 +56,7 @@ def write(shape: str, mix: str, tokenizer_from: str, out: str, seed: int = 0) ->
 
     cls, _ = SHAPES[shape]
     if cls not in ARCH:
-        raise SystemExit(f"{shape}: only dense llama / qwen3 shapes (GGUF architectures voltllm reads)")
+        raise SystemExit(f"{shape}: only llama / qwen3 / qwen3moe shapes (GGUF architectures voltllm reads)")
     arch, c = ARCH[cls], make_config(shape)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(out, arch)
@@ -72,11 +72,20 @@ def write(shape: str, mix: str, tokenizer_from: str, out: str, seed: int = 0) ->
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 1_000_000.0)))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    experts = int(getattr(c, "num_experts", 0) or 0)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     gen = torch.Generator().manual_seed(seed)
     sizes: dict[str, int] = {}
 
-    def matrix(name: str, rows: int, cols: int, kind: str) -> None:
-        raw = random_blocks(kind, rows, cols, gen).numpy()
+    def matrix(name: str, rows: int, cols: int, kind: str, stack: int = 0) -> None:
+        """One matrix of random blocks, or `stack` of them as one [stack, rows, cols] tensor (llama.cpp's
+        experts)."""
+        raw = random_blocks(kind, max(stack, 1) * rows, cols, gen).numpy()
+        if stack:
+            raw = raw.reshape(stack, rows, -1)
         w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
         sizes[kind] = sizes.get(kind, 0) + raw.nbytes
 
@@ -87,12 +96,20 @@ def write(shape: str, mix: str, tokenizer_from: str, out: str, seed: int = 0) ->
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     matrix("token_embd.weight", vocab, h, kind_of("token_embd", 0, mix))
     for i in range(c.num_hidden_layers):
-        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q),
-                                 ("ffn_gate", inter, h), ("ffn_up", inter, h), ("ffn_down", h, inter)):
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q)):
             matrix(f"blk.{i}.{name}.weight", rows, cols, kind_of(name, i, mix))
+        if experts:  # every layer sparse (qwen3moe): the router in F32, the experts stacked per projection
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight",
+                         (torch.randn(experts, h, generator=gen) * 0.02).numpy().astype(np.float32))
+            mi = c.moe_intermediate_size
+            for name, rows, cols in (("ffn_gate_exps", mi, h), ("ffn_up_exps", mi, h), ("ffn_down_exps", h, mi)):
+                matrix(f"blk.{i}.{name}.weight", rows, cols, kind_of(name, i, mix), stack=experts)
+        else:
+            for name, rows, cols in (("ffn_gate", inter, h), ("ffn_up", inter, h), ("ffn_down", h, inter)):
+                matrix(f"blk.{i}.{name}.weight", rows, cols, kind_of(name, i, mix))
         ones(f"blk.{i}.attn_norm.weight", h)
         ones(f"blk.{i}.ffn_norm.weight", h)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             ones(f"blk.{i}.attn_q_norm.weight", head_dim)
             ones(f"blk.{i}.attn_k_norm.weight", head_dim)
     ones("output_norm.weight", h)

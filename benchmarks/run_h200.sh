@@ -635,6 +635,17 @@ case $stage in
       done
     fi
     ;;
+  s81c)  # (session 24, queued; after s82, which leaves /root/m/smollm2.gguf) qwen3-30b-a3b-shape as a Q4_K_M GGUF of
+          # random blocks (about 18 GiB, SmolLM2's vocabulary), kept quantized (experts as MoE planes): b1 and 16
+    rm -rf /root/m/q30b-awq
+    timeout 300 python3 benchmarks/make_random_gguf.py --shape qwen3-30b-a3b-shape --mix Q4_K_M \
+      --tokenizer-from /root/m/smollm2.gguf /root/m/q30b.gguf
+    q30g="/root/m/q30b.gguf --dtype half --num-warm 1 --quantization gguf"
+    bench $q30g --scenario decode --input-len 512 --output-len 128 --name qwen3-30b-a3b-shape-q4_k_m-gguf-decode-b1-$sha \
+      | tail -8
+    bench $q30g --scenario concurrency --concurrency 16 --input-len 128 --output-len 128 \
+      --name qwen3-30b-a3b-shape-q4_k_m-gguf-c16-$sha | tail -6
+    ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936
         # vocabulary) kept quantized (--quantization awq) vs dequantized at load (KEEP_QUANTIZED=0): decode b1, 16 / 64

@@ -33,3 +33,31 @@ def test_written_file_loads_and_generates(tmp_path, smollm2_gguf):
     llm = LLM(out, device="cpu", max_model_len=256, dtype="float32")
     got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert len(got.token_ids) == 4 and all(0 <= t < 49152 for t in got.token_ids)
+
+
+def test_qwen3moe_shape(tmp_path, smollm2_gguf, monkeypatch):
+    """A qwen3moe shape: stacked expert tensors of the mix's kinds (Q4_K_M: gate / up Q4_K, down Q6_K in even
+    layers), read back per expert, kept quantized as MoE planes, and generated from on the CPU."""
+    pytest.importorskip("gguf")
+    from voltllm import LLM, SamplingParams
+    from voltllm.bench import shapes
+    from voltllm.model.layers.quantized_linear import GGUFBlocks
+    from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny-moe-shape", ("Qwen3MoeConfig", dict(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+        tie_word_embeddings=False, max_position_embeddings=512)))
+    script = _script()
+    monkeypatch.setattr(script, "SHAPES", shapes.SHAPES)
+    out = str(tmp_path / "tiny-moe.gguf")
+    script.write("tiny-moe-shape", "Q4_K_M", smollm2_gguf, out)
+    config = gguf_config(out)
+    assert config.model_type == "qwen3_moe" and (config.num_experts, config.moe_intermediate_size) == (4, 256)
+    kinds = {n: t.type_name for n, t in gguf_weights(out, config, keep_quantized=True) if isinstance(t, GGUFBlocks)}
+    assert kinds["model.layers.0.mlp.experts.3.down_proj.weight"] == "Q6_K"
+    assert kinds["model.layers.1.mlp.experts.3.down_proj.weight"] == "Q4_K"
+    assert kinds["model.layers.1.mlp.experts.0.gate_proj.weight"] == "Q4_K"
+    llm = LLM(out, device="cpu", max_model_len=128, dtype="float32")
+    got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(got.token_ids) == 3
