@@ -78,3 +78,14 @@ def test_sampled_requests_speculate_too(path):
     assert runs[0] == runs[1]
     assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
     assert all(len(t) == 48 for t in runs[0])
+
+
+def test_preemption_while_speculating(path):
+    """A KV cache too small for every request: speculating requests are preempted (their draft slots freed with
+    the rest) and recomputed, and the greedy outputs stay those of plain decoding with room."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _run(LLM(path, block_size=4), PROMPTS, sp)
+    tight = LLM(path, block_size=4, max_num_batched_tokens=32, num_gpu_blocks_override=24, speculative_config=SPEC)
+    assert _run(tight, PROMPTS, sp) == ref
+    stats = tight.engine.stats()
+    assert stats.num_preemptions > 0 and stats.extra["spec_accepted_tokens"] > 0
