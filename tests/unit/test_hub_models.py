@@ -33,7 +33,7 @@ class FakeHub:
             raise LocalEntryNotFoundError("not in the cache")
         if self.error is not None:
             raise self.error
-        os.makedirs(snap)
+        os.makedirs(snap, exist_ok=True)
         src = self.repos[repo_id]
         for f in os.listdir(src):
             if any(fnmatch.fnmatch(f, p) for p in allow_patterns):
@@ -128,8 +128,23 @@ def test_hub_failures_are_clear_errors(fake_hub, error, match):
 
 
 def test_a_gguf_repo_asks_for_one_file(fake_hub):
-    with pytest.raises(ModelLoadError, match="download the .gguf you want"):
+    with pytest.raises(ModelLoadError, match="acme/tiny-GGUF:Q4_K_M, or download the .gguf you want"):
         resolve_model("acme/tiny-GGUF")
+
+
+def test_one_gguf_file_of_a_repo_by_its_quantization(fake_hub, tmp_path):
+    """owner/name:QUANT (vLLM's form) fetches that one file, whatever the letter case; a cached snapshot without
+    it is completed from the Hub; a quantization the repo lacks is a clear error."""
+    assert hub.gguf_quant_ref("acme/tiny-GGUF:Q4_K_M") == ("acme/tiny-GGUF", "Q4_K_M")
+    for other in ("acme/tiny-GGUF", "acme/tiny:Q4-K", "/models/x.gguf:Q4_K_M", "a/b/c:Q8_0", ":Q8_0"):
+        assert hub.gguf_quant_ref(other) is None, other
+    src = resolve_model("acme/tiny-GGUF:q4_k_m", token="hf_x")
+    assert src.kind == "gguf" and src.path.endswith("model-Q4_K_M.gguf")
+    assert os.listdir(os.path.dirname(src.path)) == ["model-Q4_K_M.gguf"]  # that file only
+    assert "*Q4_K_M.gguf" in fake_hub.calls[-1]["allow_patterns"] and fake_hub.calls[-1]["token"] == "hf_x"
+    with pytest.raises(ModelLoadError, match="has no single-file .gguf named \\*Q8_0.gguf"):
+        resolve_model("acme/tiny-GGUF:Q8_0")  # the cached snapshot lacks it, and so does the repo
+    assert [c["local_files_only"] for c in fake_hub.calls[-2:]] == [True, False]
 
 
 def test_hub_flags_parse():

@@ -36,6 +36,8 @@ def resolve_model(model: Optional[str], revision: Optional[str] = None, download
         model = ensure_default_model()
     from voltllm.model.loader import hub
 
+    if (ref := hub.gguf_quant_ref(model)) is not None:  # owner/name:QUANT: one GGUF file of a repo
+        return ModelSource(path=hub.fetch_gguf(*ref, revision, download_dir, token), kind="gguf")
     if hub.looks_like_repo_id(model):
         path = hub.fetch_repo(model, revision, download_dir, token, trust_remote_code)
         hub.require_weights(path, model)

@@ -9,6 +9,7 @@ what huggingface_hub finds itself (a `hf auth login` token, or HF_TOKEN: its beh
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Optional, Union
 
@@ -39,22 +40,26 @@ def looks_like_repo_id(name: str) -> bool:
 
 
 def fetch_repo(repo_id: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
-               token: Token = None, trust_remote_code: bool = False, tokenizer_only: bool = False) -> str:
+               token: Token = None, trust_remote_code: bool = False, tokenizer_only: bool = False,
+               patterns: Optional[list[str]] = None, offline_first: bool = True) -> str:
     """The local snapshot directory of `repo_id` at `revision`: from the cache when it is there (no network),
-    else downloaded. Raises ModelLoadError with what went wrong and what to do."""
+    else downloaded. `patterns`: the files to fetch instead of a model's (config, tokenizer, safetensors).
+    Raises ModelLoadError with what went wrong and what to do."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
-    patterns = list(TOKENIZER_PATTERNS if tokenizer_only else MODEL_PATTERNS)
-    if trust_remote_code:
-        patterns.append("*.py")
+    if patterns is None:
+        patterns = list(TOKENIZER_PATTERNS if tokenizer_only else MODEL_PATTERNS)
+        if trust_remote_code:
+            patterns.append("*.py")
     kw = dict(revision=revision, cache_dir=download_dir, token=token, allow_patterns=patterns)
     at = f"{repo_id}" + (f" (revision {revision})" if revision else "")
-    try:
-        return snapshot_download(repo_id, local_files_only=True, **kw)
-    except LocalEntryNotFoundError:
-        pass  # not cached yet
+    if offline_first:
+        try:
+            return snapshot_download(repo_id, local_files_only=True, **kw)
+        except LocalEntryNotFoundError:
+            pass  # not cached yet
     where = download_dir or "the Hugging Face cache"
     print(f"voltllm: fetching {at} from the Hugging Face Hub into {where}", file=sys.stderr, flush=True)
     try:
@@ -73,6 +78,38 @@ def fetch_repo(repo_id: str, revision: Optional[str] = None, download_dir: Optio
                              "or check the network / --download-dir") from None
 
 
+_GGUF_QUANT = re.compile(r"(?P<repo>[^:]+):(?P<quant>[A-Za-z0-9_]+)")
+
+
+def gguf_quant_ref(name: str) -> Optional[tuple[str, str]]:
+    """(repo id, quantization) of a `owner/name:QUANT` model argument (vLLM's way to pick one GGUF file of a
+    repo, e.g. unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M); None for anything else."""
+    m = _GGUF_QUANT.fullmatch(name or "")
+    if m is None or not looks_like_repo_id(m.group("repo")):
+        return None
+    return m.group("repo"), m.group("quant")
+
+
+def fetch_gguf(repo_id: str, quant: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
+               token: Token = None) -> str:
+    """The local path of the repo's one `*<quant>.gguf` file (any letter case, as uploaders name them), fetched
+    alone (a GGUF repo holds every quantization). Split files (`-00001-of-000NN.gguf`) are not read."""
+    patterns = sorted({f"*{q}.gguf" for q in (quant, quant.upper(), quant.lower())})
+
+    def matches(path: str) -> list[str]:
+        return sorted(f for f in os.listdir(path) if f.lower().endswith(f"{quant.lower()}.gguf"))
+
+    path = fetch_repo(repo_id, revision, download_dir, token, patterns=patterns)
+    if not matches(path):  # a cached snapshot without this quantization: fetch it
+        path = fetch_repo(repo_id, revision, download_dir, token, patterns=patterns, offline_first=False)
+    found = matches(path)
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({', '.join(found)})"
+        raise ModelLoadError(f"Hugging Face repo {repo_id} has {what} single-file .gguf named *{quant}.gguf; name "
+                             "one quantization the repo holds (e.g. Q4_K_M), or download the file and pass its path")
+    return os.path.join(path, found[0])
+
+
 def require_weights(path: str, repo_id: str) -> None:
     """A fetched model repo must hold a config and safetensors weights (GGUF repos hold many quantizations: the
     user picks one file)."""
@@ -80,4 +117,5 @@ def require_weights(path: str, repo_id: str) -> None:
     if "config.json" in files and any(f.endswith(".safetensors") for f in files):
         return
     raise ModelLoadError(f"Hugging Face repo {repo_id} has no config.json with safetensors weights (voltllm reads "
-                         "safetensors, or one .gguf file: download the .gguf you want and pass its path)")
+                         f"safetensors, or one .gguf file: name its quantization, {repo_id}:Q4_K_M, or download the "
+                         ".gguf you want and pass its path)")
