@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class ScheduledRequest:
     block_ids: list[int]
     samples: bool  # this step reaches the end of the request's tokens, so a new token is sampled
     block_array: np.ndarray  # block_ids as int32 (the runner copies its block-table row from it)
-    spec_tokens: list[int] = field(default_factory=list)  # draft tokens after the known ones (speculation)
+    spec_tokens: Sequence[int] = ()  # draft tokens after the known ones (speculation)
 
 
 @dataclass
@@ -185,8 +185,10 @@ class Scheduler:
         start = req.num_computed_tokens
         with_pending = req.num_tokens_with_pending if with_pending is None else with_pending
         samples = start + num_new >= with_pending
-        spec = req.spec_token_ids[: max(0, start + num_new - with_pending)] if req.spec_token_ids else []
-        req.spec_token_ids = []
+        spec = ()
+        if req.spec_token_ids:  # (most steps have none: no allocation then)
+            spec = req.spec_token_ids[: max(0, start + num_new - with_pending)]
+            req.spec_token_ids = []
         out.scheduled.append(ScheduledRequest(req, num_new, start, self.kv.block_ids(req), samples,
                                               self.kv.block_array(req), spec))
         out.total_tokens += num_new
