@@ -123,6 +123,14 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _add_logit_bias_(logits: torch.Tensor, rows: list["SamplingRow"]) -> torch.Tensor:
+    """Each row's logit_bias added to fp32 `logits` in place; returns them."""
+    items = [(i, tok, b) for i, r in enumerate(rows) for tok, b in (r.params.logit_bias or {}).items()]
+    logits.index_put_(_cells([(i, t) for i, t, _ in items], logits.device),
+                      to_device([b for _, _, b in items], torch.float32, logits.device), accumulate=True)
+    return logits
+
+
 def _cells(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs -> device index tensors for index_put_. Not a Python-list index: that would be copied
     from pageable memory and sync the stream, so every step would wait for the GPU (no async scheduling)."""
@@ -183,9 +191,7 @@ class Sampler:
         if penalties:
             logits = apply_penalties(logits, rows)
         if biased:  # added to the fp32 copy
-            items = [(i, tok, b) for i, r in enumerate(rows) for tok, b in (r.params.logit_bias or {}).items()]
-            logits.index_put_(_cells([(i, t) for i, t, _ in items], dev),
-                              to_device([b for _, _, b in items], torch.float32, dev), accumulate=True)
+            _add_logit_bias_(logits, rows)
 
         sampled = logits.argmax(dim=-1)
         if not all(greedy_mask):
@@ -218,11 +224,10 @@ class Sampler:
         Penalties, logprobs and min_tokens bans are not applied (speculative.spec_allowed keeps such requests
         out)."""
         dev = logits.device
-        logits = logits.float()
-        if any(r.params.logit_bias for r in rows):
-            items = [(i, tok, b) for i, r in enumerate(rows) for tok, b in (r.params.logit_bias or {}).items()]
-            logits = logits.index_put(_cells([(i, t) for i, t, _ in items], dev),
-                                      to_device([b for _, _, b in items], torch.float32, dev), accumulate=True)
+        if any(r.params.logit_bias for r in rows):  # on an fp32 copy: the caller's logits stay as they are
+            logits = _add_logit_bias_(logits.to(torch.float32, copy=True), rows)
+        else:
+            logits = logits.float()
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             probs = torch.zeros_like(logits)
@@ -238,8 +243,9 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None and not greedy[i]:
                 u[i:i + 1].uniform_(generator=r.generator)
-        accepted = has_draft & (u < probs.gather(1, d[:, None])[:, 0])
-        residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, probs.gather(1, d[:, None])[:, 0])[:, None])
+        p_draft = probs.gather(1, d[:, None])[:, 0]
+        accepted = has_draft & (u < p_draft)
+        residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_draft)[:, None])
         tokens = (residual / self._race_noise(residual, rows, greedy)).argmax(dim=-1)
         return DraftVerdicts(tokens=tokens, accepted=accepted)
 
