@@ -119,10 +119,7 @@ class FP8Weight(PackedWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
         """e4m3 * scale [N, K] in fp32 (one rounding), cast to dtype."""
         codes = self.codes.to(device).view(torch.float8_e4m3fn).to(torch.float32)
-        bn, bk = self.block
-        s = self.scale.to(codes.device).repeat_interleave(bn, dim=0)[: self.out_features]
-        s = s.repeat_interleave(bk, dim=1)[:, : self.in_features]
-        return (codes * s).to(dtype)
+        return (codes * self._expanded_scale(self.in_features, 1).to(codes.device)).to(dtype)
 
 
 @dataclass
@@ -150,7 +147,8 @@ def fp8_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme,
     if scheme.at_load:
         for name, t in stream:
             if _PROJECTION.fullmatch(name) and t.dim() == 2 and t.is_floating_point():
-                yield name, QuantizeAtLoad(t) if keep_quantized else FP8Weight.quantize(t).dequantize(torch.float32)
+                w = QuantizeAtLoad(t)
+                yield name, w if keep_quantized else w.dequantize(torch.float32)
             else:
                 yield name, t
         return
