@@ -23,8 +23,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
 }
-# Experiment knob (benchmarks/set_and_run.py A/B runs, tests): a quantized checkpoint's weights (GGUF, AWQ, GPTQ) on
-# the GPU are kept quantized (1), dequantized at load (0), or chosen by size (-1, the default: "auto")
+# Experiment knob (benchmarks/set_and_run.py A/B runs, tests): a quantized checkpoint's weights (GGUF, AWQ, GPTQ,
+# FP8) on the GPU are kept quantized (1), dequantized at load (0), or chosen by size (-1, the default: "auto")
 KEEP_QUANTIZED = -1
 # --quantization values: the checkpoint's own method, under vLLM's names (the *_marlin names pick vLLM's kernels
 # for the same checkpoints; here they mean the same as awq / gptq)
@@ -49,7 +49,7 @@ class ModelConfig:
     language_model_only: bool = False
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
-    # the checkpoint's quantization method ("gguf", "awq", "gptq"; None: unquantized), from the file itself
+    # the quantization method ("gguf", "awq", "gptq", "fp8"; None: unquantized), from the file itself (or fp8 at load)
     quantization: Optional[str] = None
     # a quantized checkpoint's weights: "quantized" (they stay quantized on the GPU, model/layers/quantized_linear.py;
     # --quantization METHOD), "dequantized" (to the compute dtype at load: the CPU, unquantized checkpoints,
@@ -351,8 +351,7 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
         return "fp8"
     if wanted is not None and wanted != method:
         what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "gguf": "a GGUF file",
-                "fp8": "an FP8 checkpoint"}.get(
-            method, "not a quantized checkpoint")
+                "fp8": "an FP8 checkpoint"}.get(method, "not a quantized checkpoint")
         raise ConfigError(f"--quantization {flag}: the model is {what}"
                           + (" (--quantization gguf needs a .gguf model file)" if wanted == "gguf" else ""))
     return method

@@ -25,7 +25,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.models.llama import MLP, residual_stream
+from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.moe import SparseMoE
@@ -155,9 +155,7 @@ class Qwen3NextForCausalLM(nn.Module):
         if self.variant == "qwen3_5_moe":
             return True
         if self.variant == "qwen3_next":
-            step = getattr(cfg, "decoder_sparse_step", 1) or 1
-            return (i not in (getattr(cfg, "mlp_only_layers", None) or []) and
-                    getattr(cfg, "num_experts", 0) > 0 and (i + 1) % step == 0)
+            return is_moe_layer(cfg, i)
         return False
 
     # -- what the runner needs to size and lay out the caches -----------------------------------
