@@ -89,3 +89,29 @@ def test_preemption_while_speculating(path):
     assert _run(tight, PROMPTS, sp) == ref
     stats = tight.engine.stats()
     assert stats.num_preemptions > 0 and stats.extra["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 2])
+def test_decode_steps_with_drafts_run_as_token_rows(path, monkeypatch, max_num_seqs):
+    """A step where every request decodes runs its known tokens and drafts as decode rows (what a decode CUDA graph
+    replays on the GPU), each row attending to its own prefix; steps with more tokens than max_num_seqs rows take
+    the prompt-step form. Either way the greedy tokens are plain decoding's."""
+    from voltllm.worker.runner import ModelRunner
+
+    rows = []
+    orig = ModelRunner._prepare_token_rows
+
+    def counting(self, scheduled, table, h):
+        out = orig(self, scheduled, table, h)
+        rows.append(out[0])
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_prepare_token_rows", counting)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    kw = dict(block_size=4, max_num_seqs=max_num_seqs)
+    llm = LLM(path, speculative_config=SPEC, **kw)
+    got = _run(llm, PROMPTS[1:3], sp)
+    assert all(r <= max_num_seqs for r in rows)
+    if max_num_seqs == 8:
+        assert rows and max(rows) > 2  # drafts of both requests in one step
+    assert got == _run(LLM(path, **kw), PROMPTS[1:3], sp)

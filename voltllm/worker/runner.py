@@ -1,6 +1,7 @@
 """Model runner: loads the model, owns the KV cache, turns a scheduled step into one forward + sampling."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -251,22 +252,26 @@ class ModelRunner:
         return self.buffers
 
     def prepare(self, sched: SchedulerOutput, pad_to: int = 0, state_slots: Optional[list[int]] = None,
-                pad_tokens_to: int = 0):
+                pad_tokens_to: int = 0, token_rows: bool = False):
         """Fill the input buffers for this step; returns (num_tokens, metadata). `pad_to`: a decode graph's rows
         (one dummy token per extra row); `pad_tokens_to`: a prompt graph's tokens (extra tokens in no sequence,
         writing nowhere; meta.slot_mapping covers them). `state_slots` (a hybrid model's CUDA-graph step): the
-        requests' recurrent-state slots, uploaded to buffers.state_slots with the scratch slot on padding rows."""
+        requests' recurrent-state slots, uploaded to buffers.state_slots with the scratch slot on padding rows.
+        `token_rows` (a speculative step, see _token_rows_step): every token its own decode row of its request."""
         buf = self._ensure_buffers()
         bs = self.block_size
         n_seqs = len(sched.scheduled)
+        n_rows = sched.total_tokens if token_rows else n_seqs  # rows of the attention metadata
         assert not (pad_to and pad_tokens_to), "a step pads rows (decode graph) or tokens (prompt graph)"
-        h = buf.host_set(max(sched.total_tokens + max(0, pad_to - n_seqs), pad_tokens_to), max(n_seqs, pad_to))
+        h = buf.host_set(max(sched.total_tokens + max(0, pad_to - n_rows), pad_tokens_to), max(n_rows, pad_to))
         width = max(len(s.block_ids) for s in sched.scheduled)
-        table = h["block_tables"][: max(n_seqs, pad_to) * width].reshape(-1, width)
+        table = h["block_tables"][: max(n_rows, pad_to) * width].reshape(-1, width)
         qsl, seq_lens = [0], []
         pending_dst, pending_src = [], []
         t = 0
-        if sched.total_tokens == n_seqs:  # decode: one token per row, written as three bulk stores
+        if token_rows:
+            t, qsl, seq_lens = self._prepare_token_rows(sched.scheduled, table, h)
+        elif sched.total_tokens == n_seqs:  # decode: one token per row, written as three bulk stores
             t, qsl, seq_lens = self._prepare_decode_rows(sched.scheduled, table, h, pending_dst, pending_src)
         else:
             ids_h, pos_h, slot_h = h["input_ids"], h["positions"], h["slot_mapping"]
@@ -298,14 +303,14 @@ class ModelRunner:
                 qsl.append(t)
                 seq_lens.append(start + n)
         num_tokens = t
-        max_q = 1 if num_tokens == n_seqs else max(s.num_new_tokens for s in sched.scheduled)
-        rows = max(n_seqs, pad_to)
-        if pad_to > n_seqs:  # CUDA-graph padding: one dummy token per extra row, writing nowhere
-            extra = pad_to - n_seqs
+        max_q = 1 if num_tokens == n_rows else max(s.num_new_tokens for s in sched.scheduled)
+        rows = max(n_rows, pad_to)
+        if pad_to > n_rows:  # CUDA-graph padding: one dummy token per extra row, writing nowhere
+            extra = pad_to - n_rows
             h["input_ids"][t:t + extra] = 0
             h["positions"][t:t + extra] = 0
             h["slot_mapping"][t:t + extra] = -1
-            table[n_seqs:pad_to] = 0
+            table[n_rows:pad_to] = 0
             qsl.extend(range(t + 1, t + extra + 1))
             seq_lens.extend([1] * extra)
             t += extra
@@ -319,7 +324,7 @@ class ModelRunner:
         if state_slots is not None:
             h["state_slots"][:n_seqs] = state_slots
             h["state_slots"][n_seqs:rows] = self.state_cache.pad_slot
-        buf.upload(t, n_seqs, width, rows, state_slots=state_slots is not None)
+        buf.upload(t, n_rows, width, rows, state_slots=state_slots is not None)
         if pending_dst:
             self._fill_pending(buf, pending_dst, pending_src)
         meta = AttentionMetadata(
@@ -353,6 +358,38 @@ class ModelRunner:
         h["positions"][:n] = pos
         h["slot_mapping"][:n] = slots
         return n, list(range(n + 1)), [p + 1 for p in pos]
+
+    def _prepare_token_rows(self, scheduled: list, table: np.ndarray, h: dict) -> tuple[int, list[int], list[int]]:
+        """prepare's loop for a speculative step run as decode rows: each request's known token and drafts become
+        consecutive rows with the request's block table, each attending to its own position's prefix (the step's
+        K / V are stored before any attention reads them, so row j sees the drafts before it)."""
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        r = 0
+        for s in scheduled:
+            bids, start = s.block_ids, s.start
+            toks = [s.request.all_token_ids[start], *s.spec_tokens]
+            table[r:r + len(toks), : len(bids)] = s.block_array
+            for j, tok in enumerate(toks):
+                p = start + j
+                ids.append(tok)
+                pos.append(p)
+                slots.append(bids[p // bs] * bs + p % bs)
+            r += len(toks)
+        h["input_ids"][:r] = ids
+        h["positions"][:r] = pos
+        h["slot_mapping"][:r] = slots
+        return r, list(range(r + 1)), [p + 1 for p in pos]
+
+    @staticmethod
+    def _token_rows_step(sched: SchedulerOutput) -> bool:
+        """A speculative step that can run as decode rows: every request decodes (its one known token is the last
+        one on the host) with or without drafts, and some have drafts. Its tokens then become decode rows (the
+        drafts' rows attend like the plain decode steps they stand for) instead of an eager or piecewise prompt
+        step, whose per-layer host work costs more than the drafts save on a small model."""
+        return any(s.spec_tokens for s in sched.scheduled) and all(
+            s.samples and s.num_new_tokens == 1 + len(s.spec_tokens) and s.start == len(s.request.all_token_ids) - 1
+            for s in sched.scheduled)
 
     def _fill_pending(self, buf: InputBuffers, dst: list[int], src: list[int]) -> None:
         """Input ids still being sampled by the step in flight: token rows `dst` take that step's sampled rows
@@ -398,14 +435,17 @@ class ModelRunner:
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
-        if self.graphs is not None and sched.total_tokens == n_seqs and not calibrating:
-            graph = self.graphs.for_batch(n_seqs)
+        # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs)
+        token_rows = (not calibrating and sched.total_tokens <= self.config.scheduler.max_num_seqs
+                      and self._token_rows_step(sched))
+        if self.graphs is not None and (sched.total_tokens == n_seqs or token_rows) and not calibrating:
+            graph = self.graphs.for_batch(sched.total_tokens)
         elif self.prompt_graphs is not None and sched.total_tokens > n_seqs and not calibrating:
             prompt_graph = self.prompt_graphs.for_tokens(sched.total_tokens)
         slots = self._state_slots(sched) if self.state_cache is not None else None
         t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0,
                                state_slots=slots if graph is not None else None,
-                               pad_tokens_to=prompt_graph.num_tokens if prompt_graph else 0)
+                               pad_tokens_to=prompt_graph.num_tokens if prompt_graph else 0, token_rows=token_rows)
         buf = self.buffers
         if graph is not None:
             if slots is not None:  # the model's own check and bookkeeping do not run in a replay
@@ -427,6 +467,8 @@ class ModelRunner:
             self.state_snapshots.after_forward(sched.scheduled, slots)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
+        if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
+            qsl = list(itertools.accumulate((s.num_new_tokens for s in sched.scheduled), initial=0))
         scheduled = sched.scheduled
         # one token per row and every row samples (decode): the rows are the hidden states in order, and no row
         # is short of its prompt's last token, so none has prompt logprobs to compute
