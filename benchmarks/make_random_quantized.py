@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint of random quantized weights (4-bit AWQ or GPTQ, FP8 E4M3 with 128 x 128 block scales,
-NVFP4 as NVIDIA ModelOpt writes it, or fp16 for `--quantization fp8` at load) at a named dense shape, for end-to-end runs of quantized checkpoints on the
-GPU machine (the real Qwen AWQ / GPTQ / FP8 repos are too large to carry there).
+NVFP4 as NVIDIA ModelOpt writes it, or fp16 for `--quantization fp8` at load) at a named dense shape, for end-to-end
+runs of quantized checkpoints on the GPU machine (the real Qwen AWQ / GPTQ / FP8 / NVFP4 repos are too large to carry
+there).
 
     PYTHONPATH=$PWD python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq --group 128 \\
         /root/m/qwen3-8b-awq
@@ -48,7 +49,8 @@ def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, ge
         blocks = (-(-rows // 128), -(-cols // 128))
         return {"weight": codes.view(torch.float8_e4m3fn),
                 "weight_scale_inv": torch.rand(*blocks, generator=gen) * scale / 100 + scale / 200}
-    if method == "nvfp4":  # E4M3 group scales 0.25 .. 448 (codes 0x28 .. 0x7E, no NaN) times scale / 448: |w| <= 6 scale
+    if method == "nvfp4":  # E4M3 group scales 0.25 .. 448 (codes 0x28 .. 0x7E, no NaN) times scale / 448:
+        # |w| <= 6 scale
         codes = torch.randint(0x28, 0x7F, (rows, cols // 16), dtype=torch.uint8, generator=gen)
         return {"weight": torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen),
                 "weight_scale": codes.view(torch.float8_e4m3fn), "weight_scale_2": torch.tensor(scale / 448),
