@@ -154,6 +154,8 @@ def test_tensor_stream(producer):
     assert torch.equal(dense["model.layers.0.self_attn.q_proj.weight"], deq)
     with pytest.raises(NVFP4CheckpointError, match="incomplete"):
         list(nvfp4_weights(iter(stream[:2]), scheme, keep_quantized=True))
+    with pytest.raises(NVFP4CheckpointError, match="pre_quant_scale"):
+        list(nvfp4_weights(iter([("model.layers.0.mlp.down_proj.pre_quant_scale", torch.ones(64))]), scheme, True))
     with pytest.raises(NVFP4CheckpointError, match="expected"):
         NVFP4Weight.from_checkpoint(tensors[scheme.weight_part], tensors["weight_scale"][:, :2],
                                     tensors[scheme.global_part], False)

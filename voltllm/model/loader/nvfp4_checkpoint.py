@@ -176,6 +176,8 @@ def nvfp4_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: NVFP4Schem
         prefix, _, part = name.rpartition(".")
         if part in _ACTIVATION_PARTS:
             continue
+        if part == "pre_quant_scale":  # ModelOpt's AWQ / SmoothQuant input scaling: the activations would need it
+            raise NVFP4CheckpointError(f"NVFP4 layer {prefix!r} has a pre_quant_scale (activation smoothing): not read")
         if ((part == scheme.weight_part and t.dtype == torch.uint8) or part == scheme.global_part
                 or (part == "weight_scale" and t.dtype == torch.float8_e4m3fn)):
             parts = held.setdefault(prefix, {})
