@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint of random quantized weights (4-bit AWQ or GPTQ, FP8 E4M3 with 128 x 128 block scales,
-or fp16 for `--quantization fp8` at load) at a named dense shape, for end-to-end runs of quantized checkpoints on the
-GPU machine (the real Qwen AWQ / GPTQ / FP8 repos are too large to carry there).
+NVFP4 as NVIDIA ModelOpt writes it, or fp16 for `--quantization fp8` at load) at a named dense shape, for end-to-end
+runs of quantized checkpoints on the GPU machine (the real Qwen AWQ / GPTQ / FP8 / NVFP4 repos are too large to carry
+there).
 
     PYTHONPATH=$PWD python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq --group 128 \\
         /root/m/qwen3-8b-awq
@@ -8,7 +9,8 @@ GPU machine (the real Qwen AWQ / GPTQ / FP8 repos are too large to carry there).
 The tokenizer, if any, is converted from --tokenizer-from (a GGUF file or a Hugging Face directory); the
 vocabulary is the shape's or the tokenizer's, whichever is larger (`voltllm bench` needs no tokenizer: it speaks
 token ids). Every projection gets random packed words (all codes and zero points) and fp16 group scales of about
-`scale`, or random E4M3 codes (all but the NaNs) and fp32 block scales; embeddings, the LM head and norms are fp16
+`scale`, or random E4M3 codes (all but the NaNs) and fp32 block scales, or (nvfp4) random E2M1 codes, E4M3 group
+scales and an fp32 global scale per tensor (`--quantization modelopt_fp4`); embeddings, the LM head and norms are fp16
 as the quantizers leave them. The values mean nothing; the
 bytes, layouts and quantization_config are a real checkpoint's.
 """
@@ -37,7 +39,8 @@ def load_tokenizer(path: str):
 
 def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, gen: torch.Generator) -> dict:
     """The tensors of one [rows, cols] projection in the method's layout: qweight / qzeros / scales (/ g_idx);
-    FP8: weight and weight_scale_inv; fp16: weight."""
+    FP8: weight and weight_scale_inv; NVFP4 (ModelOpt's names): weight, weight_scale, weight_scale_2, input_scale;
+    fp16: weight."""
     if method == "fp16":
         return {"weight": (torch.randn(rows, cols, generator=gen) * scale * 4).half()}
     if method == "fp8":
@@ -46,6 +49,12 @@ def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, ge
         blocks = (-(-rows // 128), -(-cols // 128))
         return {"weight": codes.view(torch.float8_e4m3fn),
                 "weight_scale_inv": torch.rand(*blocks, generator=gen) * scale / 100 + scale / 200}
+    if method == "nvfp4":  # E4M3 group scales 0.25 .. 448 (codes 0x28 .. 0x7E, no NaN) times scale / 448:
+        # |w| <= 6 scale
+        codes = torch.randint(0x28, 0x7F, (rows, cols // 16), dtype=torch.uint8, generator=gen)
+        return {"weight": torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen),
+                "weight_scale": codes.view(torch.float8_e4m3fn), "weight_scale_2": torch.tensor(scale / 448),
+                "input_scale": torch.tensor(0.01)}
     def words(*shape):
         return torch.randint(-2**31, 2**31, shape, dtype=torch.int32, generator=gen)
 
@@ -73,6 +82,8 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     moe_inter = int(getattr(c, "moe_intermediate_size", 0) or 0)
+    if method == "nvfp4":
+        group = 16
     for k in {h, q, inter} | ({moe_inter} if moe_inter else set()):
         if k % group:
             raise SystemExit(f"{shape}: {k} input features are not a multiple of the group size {group}")
@@ -82,6 +93,8 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
     c.save_pretrained(out)
     if method == "fp8":
         qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    elif method == "nvfp4":
+        qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
     else:
         qc = {"quant_method": method, "bits": 4, "group_size": group}
         qc.update({"zero_point": True, "version": "gemm"} if method == "awq"
@@ -139,8 +152,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--shape", default="qwen3-8b-shape", choices=[s for s, (cls, _) in SHAPES.items() if cls in DENSE])
-    ap.add_argument("--method", default="awq", choices=["awq", "gptq", "fp8", "fp16"])
-    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--method", default="awq", choices=["awq", "gptq", "fp8", "nvfp4", "fp16"])
+    ap.add_argument("--group", type=int, default=128, help="AWQ / GPTQ group size (NVFP4: always 16)")
     ap.add_argument("--tokenizer-from", help="a GGUF file or Hugging Face directory (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -132,6 +132,8 @@
 #   s77b     (session 23) the real SmolLM2 GGUF kept quantized vs dequantized: tests, decode b1 and 16 / 64 concurrent;
 #            needs /root/m/part.00 (a call carrying .carry/p0 first), the wheels in /tmp/site, and carries .carry/p1
 #   s78/s78b (session 23, queued) an 8B-shape Q4_K_M GGUF of random blocks: kept quantized / dequantized at load
+#   s84      (queued, branch nvfp4) NVFP4 checkpoints: the kernels' and tiny models' GPU tests, an 8B-shape ModelOpt
+#            NVFP4 checkpoint kept quantized: decode b1 (carry .whl)
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -606,6 +608,16 @@ case $stage in
         && bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario decode --input-len 512 \
           --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -8
     fi
+    ;;
+  s84)  # (queued, branch nvfp4; carry .whl) NVFP4 weights kept quantized (E2M1 codes, E4M3 scales per 16, fp32 global
+        # per row): the kernels at 4096-12288 shapes (1-16 rows, fp16 / bf16), the MoE pairs, tiny ModelOpt /
+        # compressed-tensors models kept vs dequantized and under --compat sm70; then an 8B-shape ModelOpt NVFP4
+        # checkpoint of random codes (make_random_quantized.py --method nvfp4) kept quantized: decode b1
+    gpu_file test_nvfp4_cuda 300
+    mkdir -p /root/m
+    timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method nvfp4 /root/m/q8b-nvfp4 \
+      && bench /root/m/q8b-nvfp4 --dtype half --num-warm 1 --quantization modelopt_fp4 --scenario decode \
+        --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
     ;;
   s81)  # (session 24, queued; carry .whl) speculative sampling and qwen3_moe on the GPU: the speculative GPU tests
          # (sampled requests now speculate), the fp8-at-load test in its new form, then qwen3-30b-a3b-shape (random

@@ -1,7 +1,8 @@
 """Tiny quantized checkpoints written at test time: a tiny random model's linear weights quantized
 round-to-nearest per group and packed the way AutoAWQ (GEMM) and GPTQ write them (the loops below follow the
-formats' definitions, independently of voltllm's vectorized unpacking), or as FP8 (E4M3) with block-wise
-`weight_scale_inv` (Qwen's FP8 releases) or per-channel `weight_scale` scales."""
+formats' definitions, independently of voltllm's vectorized unpacking), as FP8 (E4M3) with block-wise
+`weight_scale_inv` (Qwen's FP8 releases) or per-channel `weight_scale` scales, or as NVFP4 (E2M1 codes in groups of 16
+with E4M3 scales and a global scale) the way NVIDIA ModelOpt and compressed-tensors write it."""
 from __future__ import annotations
 
 import json
@@ -94,11 +95,78 @@ def quantize_fp8(w: torch.Tensor, block: Optional[tuple[int, int]]) -> tuple[tor
     return codes, scales, deq
 
 
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # magnitudes of codes 0..7; bit 3 is the sign
+NVFP4_METHODS = ("modelopt_fp4", "compressed-tensors")
+
+
+def quantize_nvfp4(w: torch.Tensor, producer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (4-bit codes uint8 [N, K], E4M3 scales [N, K / 16], the global scale as the checkpoint stores it
+    (fp32 [1]), dequantized fp32 [N, K]), round to nearest. ModelOpt: global g = amax / (6 * 448) multiplies, a
+    group's scale is its amax / 6 / g; compressed-tensors: global G = 6 * 448 / amax divides, a group's scale is its
+    amax / 6 * G. The dequantized value is code * scale * multiplier computed in float64 (exact: at most 30 significant
+    bits) and rounded once to fp32, the multiplier being g, or 1 / G rounded to fp32 (as vLLM and voltllm take it)."""
+    n, k = w.shape
+    amax = float(w.abs().max())
+    stored = torch.tensor([amax / (6 * 448) if producer == "modelopt_fp4" else 6 * 448 / amax], dtype=torch.float32)
+    mult = float(stored) if producer == "modelopt_fp4" else float(1 / stored)
+    blocks = w.double().reshape(n, k // 16, 16)
+    per = blocks.abs().amax(-1) / 6 / mult
+    scales = per.clamp(2 ** -9, 448).to(torch.float8_e4m3fn)
+    step = scales.double() * mult  # each group's scale in float64, exact
+    codes = torch.empty(n, k // 16, 16, dtype=torch.uint8)
+    deq = torch.empty(n, k // 16, 16, dtype=torch.float64)
+    mags = torch.tensor(E2M1, dtype=torch.float64)
+    for i in range(16):
+        x = blocks[..., i] / step
+        c = (x.abs()[..., None] - mags).abs().argmin(-1)  # nearest magnitude
+        neg = (x < 0) & (c > 0)
+        codes[..., i] = (c | (neg.to(torch.int64) << 3)).to(torch.uint8)
+        deq[..., i] = torch.where(neg, -mags[c], mags[c]) * step
+    return codes.reshape(n, k), scales, stored, deq.reshape(n, k).float()
+
+
+def pack_nvfp4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] -> uint8 [N, K / 2]: byte j holds input 2j in its low nibble, 2j + 1 in its high one."""
+    c = codes.numpy()
+    out = np.zeros((c.shape[0], c.shape[1] // 2), dtype=np.uint8)
+    for j in range(out.shape[1]):
+        out[:, j] = c[:, 2 * j] | (c[:, 2 * j + 1] << 4)
+    return torch.from_numpy(out)
+
+
+def nvfp4_layer(w: torch.Tensor, producer: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the layer's tensors under the producer's names, with a static activation scale, dequantized fp32)."""
+    codes, scales, stored, deq = quantize_nvfp4(w, producer)
+    if producer == "modelopt_fp4":
+        tensors = {"weight": pack_nvfp4(codes), "weight_scale": scales, "weight_scale_2": stored.reshape(()),
+                   "input_scale": torch.tensor(0.01)}
+    else:
+        tensors = {"weight_packed": pack_nvfp4(codes), "weight_scale": scales, "weight_global_scale": stored,
+                   "input_global_scale": torch.tensor([100.0])}
+    return tensors, deq
+
+
+def nvfp4_config(producer: str, ignore: list[str]) -> dict:
+    """The quantization_config (config.json) of an NVFP4 checkpoint that leaves the `ignore` layers dense."""
+    if producer == "modelopt_fp4":
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ignore,
+                "producer": {"name": "modelopt", "version": "0.37.0"}}
+    fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+           "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp4, "format": "nvfp4-pack-quantized",
+                                          "input_activations": {**fp4, "dynamic": "local"}}},
+            "ignore": ignore, "sparsity_config": {}, "kv_cache_scheme": None}
+
+
 def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool = False, act_order: bool = False,
-                        seed: int = 0, block: Optional[tuple[int, int]] = (128, 128)) -> dict[str, torch.Tensor]:
+                        seed: int = 0, block: Optional[tuple[int, int]] = (128, 128), dense: tuple[str, ...] = (),
+                        quant_file: bool = False) -> dict[str, torch.Tensor]:
     """Rewrite the HF checkpoint at `path` (a tiny_models.make_model directory) in place as an `method` (awq, gptq:
-    4-bit in groups of `group`; fp8: E4M3 in blocks, or per channel with block None) checkpoint; returns the
-    dequantized weights {name: [N, K] fp32} (what a reference model should hold)."""
+    4-bit in groups of `group`; fp8: E4M3 in blocks, or per channel with block None; modelopt_fp4 /
+    compressed-tensors: NVFP4, leaving the layers named in `dense` unquantized and listed as ignored; ModelOpt's
+    config in hf_quant_config.json with quant_file) checkpoint; returns the dequantized weights {name: [N, K] fp32}
+    (what a reference model should hold)."""
     from safetensors.torch import load_file, save_file
 
     file = os.path.join(path, "model.safetensors")
@@ -109,6 +177,13 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
         prefix, _, part = name.rpartition(".")
         if part != "weight" or prefix.rpartition(".")[2] not in LINEARS:
             out[name] = t
+            continue
+        if prefix.removeprefix("model.") in dense:
+            out[name] = t
+            continue
+        if method in NVFP4_METHODS:
+            tensors, deq[name] = nvfp4_layer(t.float(), method)
+            out.update({f"{prefix}.{p}": v for p, v in tensors.items()})
             continue
         if method == "fp8":
             codes, scales, deq[name] = quantize_fp8(t.float(), block)
@@ -128,7 +203,15 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
     save_file(out, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    if method == "fp8":
+    if method in NVFP4_METHODS:
+        qc = nvfp4_config(method, ["lm_head", *(f"model.{d}" for d in dense)])
+        if quant_file:  # ModelOpt's own file instead of config.json's quantization_config
+            with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+                json.dump({"producer": qc["producer"], "quantization": {
+                    "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                    "exclude_modules": qc["ignore"]}}, f, indent=1)
+            return deq
+    elif method == "fp8":
         qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic" if block else "static"}
         if block:
             qc["weight_block_size"] = list(block)

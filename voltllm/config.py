@@ -24,12 +24,16 @@ _DTYPES = {
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
 }
 # Experiment knob (benchmarks/set_and_run.py A/B runs, tests): a quantized checkpoint's weights (GGUF, AWQ, GPTQ,
-# FP8) on the GPU are kept quantized (1), dequantized at load (0), or chosen by size (-1, the default: "auto")
+# FP8, NVFP4) on the GPU are kept quantized (1), dequantized at load (0), or chosen by size (-1, the default: "auto")
 KEEP_QUANTIZED = -1
 # --quantization values: the checkpoint's own method, under vLLM's names (the *_marlin names pick vLLM's kernels
-# for the same checkpoints; here they mean the same as awq / gptq)
+# for the same checkpoints; here they mean the same as awq / gptq; vLLM turns `modelopt` into `modelopt_fp4` for an
+# NVFP4 checkpoint, and only NVFP4 ones are read here)
 QUANTIZATION_ALIASES = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
-                        "fp8": "fp8"}
+                        "fp8": "fp8", "modelopt": "modelopt_fp4", "modelopt_fp4": "modelopt_fp4",
+                        "compressed-tensors": "compressed-tensors"}
+# the methods read, as ModelConfig.quantization names them
+_READ_METHODS = ("gguf", "awq", "gptq", "fp8", "modelopt_fp4", "compressed-tensors")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32")
 
 
@@ -49,7 +53,8 @@ class ModelConfig:
     language_model_only: bool = False
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
-    # the quantization method ("gguf", "awq", "gptq", "fp8"; None: unquantized), from the file itself (or fp8 at load)
+    # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" / "compressed-tensors" (NVFP4); None:
+    # unquantized), from the file itself (or fp8 at load)
     quantization: Optional[str] = None
     # a quantized checkpoint's weights: "quantized" (they stay quantized on the GPU, model/layers/quantized_linear.py;
     # --quantization METHOD), "dequantized" (to the compute dtype at load: the CPU, unquantized checkpoints,
@@ -333,15 +338,19 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
     `fp8` on an unquantized llama-family checkpoint, which quantizes it at load."""
     from voltllm.model.loader.fp8_checkpoint import FP8CheckpointError, fp8_scheme
     from voltllm.model.loader.int4_checkpoint import Int4CheckpointError, int4_scheme, quantization_method
+    from voltllm.model.loader.nvfp4_checkpoint import NVFP4CheckpointError, nvfp4_scheme
     from voltllm.model.models.registry import supports_quantized_layers
 
     method = "gguf" if kind == "gguf" else quantization_method(hf_config)
-    if method is not None and method not in ("gguf", "awq", "gptq", "fp8"):
-        raise ConfigError(f"the checkpoint is quantized with {method!r}: reading it is not built yet (built: GGUF "
-                          "files, 4-bit AWQ and GPTQ checkpoints, FP8 checkpoints)")
     try:
+        if method in ("modelopt", "compressed-tensors"):  # NVFP4 is the variant read; others raise
+            method = nvfp4_scheme(hf_config).method
+        if method is not None and method not in _READ_METHODS:
+            raise ConfigError(f"the checkpoint is quantized with {method!r}: reading it is not built yet (built: GGUF "
+                              "files, 4-bit AWQ and GPTQ checkpoints, FP8 checkpoints, NVFP4 checkpoints of ModelOpt "
+                              "and compressed-tensors)")
         int4_scheme(hf_config) if method in ("awq", "gptq") else fp8_scheme(hf_config) if method == "fp8" else None
-    except (Int4CheckpointError, FP8CheckpointError) as e:
+    except (Int4CheckpointError, FP8CheckpointError, NVFP4CheckpointError) as e:
         raise ConfigError(str(e)) from None
     wanted = QUANTIZATION_ALIASES.get(flag) if flag is not None else None
     if wanted == "fp8" and method is None:
@@ -351,7 +360,8 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
         return "fp8"
     if wanted is not None and wanted != method:
         what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "gguf": "a GGUF file",
-                "fp8": "an FP8 checkpoint"}.get(method, "not a quantized checkpoint")
+                "fp8": "an FP8 checkpoint", "modelopt_fp4": "a ModelOpt NVFP4 checkpoint",
+                "compressed-tensors": "a compressed-tensors NVFP4 checkpoint"}.get(method, "not a quantized checkpoint")
         raise ConfigError(f"--quantization {flag}: the model is {what}"
                           + (" (--quantization gguf needs a .gguf model file)" if wanted == "gguf" else ""))
     return method

@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the dequant-GEMM (one row; several, over two programs along the rows) and the
 dequant-to-fp16 kernel against the torch reference (gguf_planes.dequantize_planes), for every kept GGUF kind and
-the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8) and FP8 (E4M3, fp32 scales), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
+the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8), FP8 (E4M3, fp32 scales) and NVFP4 (E2M1 codes, E4M3
+scales per 16, fp32 global per row; the dequantized weights bit for bit), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
 `CHECK name ok|FAIL detail` lines."""
 import sys
 
@@ -9,19 +10,28 @@ from interp_util import patch_interpreter_index
 
 patch_interpreter_index()
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul, quant_moe_matmul  # noqa: E402
-from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, Unpacked, dequantize_planes,  # noqa: E402
-                                              int4_kind, planes_from_blocks, random_blocks, to_planes)
+from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, NVFP4_KIND, Unpacked,  # noqa: E402
+                                              dequantize_planes, int4_kind, planes_from_blocks, random_blocks,
+                                              to_planes)
 
-# AWQ / GPTQ checkpoints; FP8 checkpoints
-INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), FP8_KIND]
+# AWQ / GPTQ checkpoints; FP8 and NVFP4 checkpoints
+INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), FP8_KIND, NVFP4_KIND]
 CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
-          for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs"]
+          for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs", "NVFP4-MOE-pairs"]
 
 
 def _int4_planes(kind, n, k, gen):
     """Random codes, fp16 group scales and (for zero-point kinds) zero points 0..15 in an int4 kind's planes; FP8:
-    every E4M3 code but the NaNs (subnormals included) and fp32 scales."""
+    every E4M3 code but the NaNs (subnormals included) and fp32 scales; NVFP4: every E2M1 code, E4M3 scale codes of
+    every exponent and sign (subnormals included, no NaN) and a global scale per row that is not a power of two."""
     groups = k // kind.super
+    if kind.fp4:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        sc = torch.randint(0, 256, (n, k // kind.sub), dtype=torch.uint8, generator=gen)
+        sc[(sc & 0x7F) == 0x7F] = 0x7E
+        g = (torch.rand(n, 1, generator=gen) + 0.5) * 1e-4
+        d = g.expand(n, -(-k // kind.super)).contiguous()
+        return to_planes(Unpacked(codes=codes, d=d, m=None, sc=sc.view(torch.int8), mn=None), kind)
     if kind.fp8:
         codes = torch.randint(0, 255, (n, k), dtype=torch.uint8, generator=gen)
         codes[(codes & 0x7F) == 0x7F] = 0x7E
@@ -43,7 +53,8 @@ def main() -> int:
     failed = 0
     for kind in list(KINDS.values()) + INT4_KINDS:
         name = kind.name
-        k = 768 if kind.block in (256, 128) else 576  # 576: 9 groups of 64, a tail for G64 = 2 and 4
+        # 576: 9 groups of 64, a tail for G64 = 2 and 4 (and a partial last global span of NVFP4's 256)
+        k = 768 if kind.block in (256, 128) else 576
         n = 37  # a row tail for every BLOCK_N
         p = (planes_from_blocks(random_blocks(name, n, k, gen), name, k) if name in KINDS
              else _int4_planes(kind, n, k, gen))
@@ -62,14 +73,15 @@ def main() -> int:
             ok = err < 2e-3 and not torch.isnan(out).any() and torch.isnan(wide[:, :4]).all()
             failed += not ok
             print(f"CHECK {name}-{form} {'ok' if ok else 'FAIL'} rel {err:.2e}")
-    failed += not _check_moe_pairs(gen)
+    failed += not _check_moe_pairs(gen, int4_kind(64, True), "MOE-pairs")
+    failed += not _check_moe_pairs(gen, NVFP4_KIND, "NVFP4-MOE-pairs")
     return 1 if failed else 0
 
 
-def _check_moe_pairs(gen) -> bool:
-    """quant_moe_matmul: 5 (token, expert) pairs over 3 experts of 40 rows stacked in one int4 weight, against
+def _check_moe_pairs(gen, kind, name: str) -> bool:
+    """quant_moe_matmul: 5 (token, expert) pairs over 3 experts of 40 rows stacked in one weight of `kind`, against
     each pair's row of x times its expert's dequantized block."""
-    kind, e, rows, k = int4_kind(64, True), 3, 40, 256
+    e, rows, k = 3, 40, 256
     p = _int4_planes(kind, e * rows, k, gen)
     w = dequantize_planes(p)
     x = torch.randn(4, k, dtype=torch.float16)
@@ -80,7 +92,7 @@ def _check_moe_pairs(gen) -> bool:
                                                                                       experts.tolist())])
     err = rel(out, ref)
     ok = err < 2e-3 and not torch.isnan(out).any()
-    print(f"CHECK MOE-pairs {'ok' if ok else 'FAIL'} rel {err:.2e}")
+    print(f"CHECK {name} {'ok' if ok else 'FAIL'} rel {err:.2e}")
     return ok
 
 

@@ -310,7 +310,8 @@ def test_linear_route_names_the_kept_quantized_format(tiny_dir, fake_v100):
     """Predicted for a GPU with quantized weights kept quantized: the route names the format (FP8 is not a 4-bit
     group format); dequantized at load, it says so."""
     config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config())
-    for method, words in (("fp8", "FP8 E4M3"), ("awq", "awq 4-bit groups"), ("gguf", "GGUF Q4_0")):
+    for method, words in (("fp8", "FP8 E4M3"), ("awq", "awq 4-bit groups"), ("gguf", "GGUF Q4_0"),
+                          ("modelopt_fp4", "NVFP4 E2M1"), ("compressed-tensors", "NVFP4 E2M1")):
         kept = dataclasses.replace(config, quantization=method, model=dataclasses.replace(
             config.model, quantization=method, quantized_weights="quantized"))
         assert words in build_report(kept)["routes"]["linear"]["impl"], method

@@ -171,8 +171,8 @@ def test_quantized_weights_policy(monkeypatch, smollm2_gguf):
     assert _resolve_quantization("awq_marlin", "hf", awq) == "awq"
     with pytest.raises(ConfigError, match="the model is an AWQ checkpoint"):
         _resolve_quantization("gptq", "hf", awq)
-    with pytest.raises(ConfigError, match="'compressed-tensors': reading it is not built yet"):
-        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "compressed-tensors"}))
+    with pytest.raises(ConfigError, match="'bitsandbytes': reading it is not built yet"):
+        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "bitsandbytes"}))
     with pytest.raises(ConfigError, match="8-bit"):
         _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 8}))
     monkeypatch.setattr(config, "KEEP_QUANTIZED", 0)

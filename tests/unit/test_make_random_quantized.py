@@ -1,4 +1,4 @@
-"""benchmarks/make_random_quantized.py: a Hugging Face checkpoint of random 4-bit AWQ / GPTQ or FP8 weights at a named
+"""benchmarks/make_random_quantized.py: a Hugging Face checkpoint of random 4-bit AWQ / GPTQ, FP8 or NVFP4 weights at a named
 shape, with a tokenizer converted from a GGUF file, that voltllm reads (dequantized on the CPU) and generates from."""
 from pathlib import Path
 
@@ -10,7 +10,7 @@ def _script():
     return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_quantized.py")
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "fp8"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "nvfp4"])
 def test_written_checkpoint_loads_and_generates(tmp_path, smollm2_gguf, method):
     from voltllm import LLM, SamplingParams
     from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
@@ -24,7 +24,7 @@ def test_written_checkpoint_loads_and_generates(tmp_path, smollm2_gguf, method):
     layers = [t for _, t in iter_weights(src, cfg, keep_quantized=True) if isinstance(t, PackedWeight)]
     assert len(layers) == 30 * 7
     llm = LLM(out, device="cpu", max_model_len=256, dtype="float32")
-    assert llm.engine.config.model.quantization == method
+    assert llm.engine.config.model.quantization == {"nvfp4": "modelopt_fp4"}.get(method, method)
     got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert len(got.token_ids) == 4 and all(0 <= t < 49152 for t in got.token_ids)
 

@@ -25,38 +25,46 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels.registry import CompileSpec, register_kernel
-from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, int4_kind
+from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind
 
 __triton_helpers__ = ("_dequant_units", "_unit_scales")
 
 
 @triton.jit
 def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                 SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr):
+                 SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr,
+                 FP4: tl.constexpr = False):
     """(s, b) [BLOCK_N, U, 1] for the 16 elements from index e0 [1, U, 1] on: the weight is s * q + b, i.e.
     s = d * sc and b = (m or -(dmin * mn) or -(d * zero point)) - s * ZERO. One load per scale per 16 elements, not
-    per element."""
+    per element. FP4 (NVFP4): s is the E4M3 scale read as fp16 bits (value / 2^8) and b the global scale times
+    2^22 (2^8 for the scale, 2^14 for the E2M1 codes read as fp16 bits): the weight is (s * q) * b."""
     s = tl.load(D + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
     if FP8:  # the codes decode with the exponent bias of fp16 (15), not E4M3's (7): 2^8 rebiases them, exactly
         s = s * 256.0
-    if SUB > 0:
-        s = s * tl.load(SC + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
-    b = s * (-ZERO)  # exact: ZERO is 0, 8, 16, 32 or 128
-    if ZP:  # an int4 checkpoint's zero point: s * q - s * zero is exact in fp32 (fp16 scale, 4-bit integers)
-        b = b - s * tl.load(MN + n3 * stride_s + e0 // SUPER, mask=mask3, other=0).to(tl.float32)
-    elif HAS_MIN:
-        m = tl.load(Mp + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
+    if FP4:
+        c = tl.load(SC + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.int32)
+        b = s * 4194304.0  # exact: a power of two
+        s = (((c & 0x7F) << 7) | ((c & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
         if SUB > 0:
-            b = b - m * tl.load(MN + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
-        else:
-            b = b + m
+            s = s * tl.load(SC + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
+        b = s * (-ZERO)  # exact: ZERO is 0, 8, 16, 32 or 128
+        if ZP:  # an int4 checkpoint's zero point: s * q - s * zero is exact in fp32 (fp16 scale, 4-bit integers)
+            b = b - s * tl.load(MN + n3 * stride_s + e0 // SUPER, mask=mask3, other=0).to(tl.float32)
+        elif HAS_MIN:
+            m = tl.load(Mp + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
+            if SUB > 0:
+                b = b - m * tl.load(MN + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
+            else:
+                b = b + m
     return s, b
 
 
 @triton.jit
 def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d, stride_s,
                    U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                   SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr):
+                   SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr,
+                   FP4: tl.constexpr = False):
     """fp32 weights of rows offs_n for `lo` units u0 .. u0 + U (16 bytes each): (lo, hi, e0), the weights [BLOCK_N,
     U, 16] of elements e0 + j and e0 + 32 + j, with e0 [1, U, 1] = 64 (u // 2) + 16 (u % 2)."""
     u = u0 + tl.arange(0, U)
@@ -89,15 +97,25 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
         # subnormals included; the fp16 -> fp32 conversion is exact (no fp8 instructions: SM70 has none)
         q_lo = (((q_lo & 0x7F) << 7) | ((q_lo & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         q_hi = (((q_hi & 0x7F) << 7) | ((q_hi & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif FP4:  # E2M1 codes read as fp16 bits (exponent and mantissa at fp16's top mantissa bit, sign at bit 15): the
+        # value / 2^14 for every code, the subnormal 0.5 included; exact
+        q_lo = (((q_lo & 7) << 9) | ((q_lo & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        q_hi = (((q_hi & 7) << 9) | ((q_hi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:  # codes to fp32 without the (quarter-rate) integer conversion: the bits of 2^23 + q, minus 2^23 (exact)
         q_lo = (q_lo | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         q_hi = (q_hi | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     e0 = ((u // 2) * 64 + (u % 2) * 16)[None, :, None]
     s_lo, b_lo = _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP,
-                              FP8)
+                              FP8, FP4)
     s_hi, b_hi = _unit_scales(e0 + 32, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB,
-                               SUPER, ZP, FP8)
-    return tl.fma(s_lo, q_lo, b_lo), tl.fma(s_hi, q_hi, b_hi), e0
+                               SUPER, ZP, FP8, FP4)
+    if FP4:  # code times scale is exact (at most 6 significant bits): the global scale rounds once
+        w_lo = (s_lo * q_lo) * b_lo
+        w_hi = (s_hi * q_hi) * b_hi
+    else:
+        w_lo = tl.fma(s_lo, q_lo, b_lo)
+        w_hi = tl.fma(s_hi, q_hi, b_hi)
+    return w_lo, w_hi, e0
 
 
 @triton.jit
@@ -105,7 +123,7 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU
                          stride_hi, stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
                          HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr, SUB: tl.constexpr,
                          SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         GATHER: tl.constexpr):
+                         GATHER: tl.constexpr, FP4: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,7 +143,7 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, U * 16), dtype=tl.float32)
     for u0 in range(0, NU, U):
         w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, plane_n, mask_n, u0, NU, stride_lo, stride_hi,
-                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8)
+                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
         umask = (u0 + tl.arange(0, U)) < NU
         if BLOCK_M == 1:  # one row: stay in the tile's own [BLOCK_N, U, 16] layout
             xp = X + x_row * stride_xm + e0 + j[None, None, :]
@@ -154,12 +172,12 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU
 def _dequant_kernel(OUT, LO, HI, D, Mp, SC, MN, N, NU, stride_out, stride_lo, stride_hi, stride_d, stride_s,
                     BLOCK_N: tl.constexpr, U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
                     HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr,
-                    FP8: tl.constexpr):
+                    FP8: tl.constexpr, FP4: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     u0 = tl.program_id(1) * U
     mask_n = offs_n < N
     w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d,
-                                    stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8)
+                                    stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
     j = tl.arange(0, 16)
     mask = mask_n[:, None, None] & ((u0 + tl.arange(0, U)) < NU)[None, :, None]
     ptr = OUT + offs_n[:, None, None] * stride_out + e0 + j[None, None, :]
@@ -173,16 +191,18 @@ _PLANE_ARGS = {"LO": "*u8", "HI": "*u8", "D": "*fp16", "Mp": "*fp16", "SC": "*i8
 def _constexprs(kind) -> dict:
     """A gguf_planes.PlaneKind as the kernels' constexprs."""
     return {"HI_BITS": kind.hi_bits, "ZERO": kind.zero, "HAS_MIN": kind.has_min, "SUB": kind.sub, "SUPER": kind.super,
-            "ZP": kind.zero_points, "FP8": kind.fp8}
+            "ZP": kind.zero_points, "FP8": kind.fp8, "FP4": kind.fp4}
 
 
-# every GGUF kind and the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), for the sm70 gate
-_GATED_KINDS = list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False), int4_kind(32, True), FP8_KIND]
+# every GGUF kind, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), FP8 and NVFP4, for the
+# sm70 gate
+_GATED_KINDS = list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False), int4_kind(32, True), FP8_KIND,
+                                       NVFP4_KIND]
 
 
 def _with_scale_type(sig: dict, kind) -> dict:
-    """The signature with the `d` plane's element type of the kind (fp32 for FP8 checkpoints' scales)."""
-    return {**sig, "D": "*fp32"} if kind.fp8 else sig
+    """The signature with the `d` plane's element type of the kind (fp32 for FP8 and NVFP4 checkpoints' scales)."""
+    return {**sig, "D": "*fp32"} if kind.fp8 or kind.fp4 else sig
 
 
 def _matmul_specs() -> list[CompileSpec]:
@@ -190,7 +210,7 @@ def _matmul_specs() -> list[CompileSpec]:
            "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32",
            "stride_d": "i32", "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
-                                          "ZP", "FP8", "HAS_BIAS", "GATHER")})
+                                          "ZP", "FP8", "HAS_BIAS", "GATHER", "FP4")})
     return [CompileSpec(_with_scale_type(sig, kind), {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(kind),
                                                       "HAS_BIAS": kind.name == "Q8_0", "GATHER": False},
                         f"{kind.name} m1")
@@ -200,13 +220,18 @@ def _matmul_specs() -> list[CompileSpec]:
         CompileSpec(sig, {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(KINDS["Q4_K"]), "HAS_BIAS": False,
                           "GATHER": False}, "Q4_K m4"),
         CompileSpec(sig, {"BLOCK_M": 1, "BLOCK_N": 1, "U": 64, **_constexprs(int4_kind(128, True)), "HAS_BIAS": False,
-                          "GATHER": True}, "INT4_G128_ZP MoE pairs")]
+                          "GATHER": True}, "INT4_G128_ZP MoE pairs"),
+        CompileSpec(_with_scale_type(sig, NVFP4_KIND), {"BLOCK_M": 4, "BLOCK_N": 8, "U": 8, **_constexprs(NVFP4_KIND),
+                                                        "HAS_BIAS": False, "GATHER": False}, "NVFP4 m4"),
+        CompileSpec(_with_scale_type(sig, NVFP4_KIND), {"BLOCK_M": 1, "BLOCK_N": 1, "U": 64, **_constexprs(NVFP4_KIND),
+                                                        "HAS_BIAS": False, "GATHER": True}, "NVFP4 MoE pairs")]
 
 
 def _dequant_specs() -> list[CompileSpec]:
     sig = {"OUT": "*fp16", **_PLANE_ARGS, "N": "i32", "NU": "i32", "stride_out": "i32", "stride_lo": "i32",
            "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
-    sig.update({k: "constexpr" for k in ("BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER", "ZP", "FP8")})
+    sig.update({k: "constexpr" for k in ("BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER", "ZP", "FP8",
+                                          "FP4")})
     return [CompileSpec(_with_scale_type(sig, kind), {"BLOCK_N": 16, "U": 16, **_constexprs(kind)}, kind.name)
             for kind in _GATED_KINDS]
 

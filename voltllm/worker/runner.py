@@ -156,6 +156,8 @@ class ModelRunner:
             from voltllm.model.loader.gguf_loader import dense_bytes
         elif mc.quantization == "fp8":
             from voltllm.model.loader.fp8_checkpoint import dense_bytes
+        elif mc.quantization in ("modelopt_fp4", "compressed-tensors"):
+            from voltllm.model.loader.nvfp4_checkpoint import dense_bytes
         else:
             from voltllm.model.loader.int4_checkpoint import dense_bytes
         dense = dense_bytes(mc.model, itemsize)

@@ -19,7 +19,10 @@ The 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py) use the same 
 kind whose `d` is the group's scale and, with zero points (AWQ, asymmetric GPTQ), `mn` its integer zero, so an
 element dequantizes to d * (q - zero) exactly (fp16 scale times a 5-bit integer: exact in fp32). FP8 (E4M3)
 checkpoints (model/loader/fp8_checkpoint.py) keep their 8-bit codes in `lo` / `hi` like Q8_0 and an fp32 `d` per 128
-inputs (FP8_KIND): an element is d * e4m3(q).
+inputs (FP8_KIND): an element is d * e4m3(q). NVFP4 checkpoints (model/loader/nvfp4_checkpoint.py) keep their E2M1
+codes in `lo`, their E4M3 per-16 scale codes in `sc` (raw bits, int8 [N, K/16]) and the tensor's fp32 global scale in
+`d`, repeated per row and 256 inputs (NVFP4_KIND: 4 + 0.5 + 0.125 = 4.625 bits per weight): an element is
+e2m1(q) * e4m3(sc) * d, the first product exact in fp32 (at most 6 significant bits), so the value is rounded once.
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
@@ -50,6 +53,7 @@ class PlaneKind:
     super: int  # elements per `d` (and `m`)
     zero_points: bool = False  # `mn` holds a per-`super` integer zero point (AWQ / GPTQ int4): w = d * (q - zero)
     fp8: bool = False  # the 8-bit codes are E4M3 floats (FP8 checkpoints): w = d * e4m3(q), `d` fp32
+    fp4: bool = False  # the 4-bit codes are E2M1 floats, `sc` E4M3 codes per `sub` (NVFP4): w = e2m1(q) * e4m3(sc) * d
 
 
 KINDS = {k.name: k for k in (
@@ -77,6 +81,24 @@ def int4_kind(group: int, zero_points: bool) -> PlaneKind:
 # FP8 (E4M3) weights with an fp32 scale per 128 inputs of a row (block-wise checkpoints repeat their 128 x 128
 # block's scale on each of its rows; per-tensor and per-channel scales are repeated along the row)
 FP8_KIND = PlaneKind("FP8_E4M3", 128, 0, hi_bits=4, zero=0, has_min=False, sub=0, super=128, fp8=True)
+# NVFP4 (E2M1 weights, an E4M3 scale per 16 inputs, an fp32 global scale per row): the global is repeated per 256
+# inputs of a row (the last one covers a partial span when K is not a multiple of 256), so shards with different
+# global scales (q / k / v, gate / up) stack into one merged projection
+NVFP4_KIND = PlaneKind("NVFP4", 16, 0, hi_bits=0, zero=0, has_min=False, sub=16, super=256, fp4=True)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit E2M1 codes (bit 3 sign, bits 2-1 exponent of bias 1, bit 0 mantissa; exponent 0 is
+    the subnormal m * 0.5): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).to(torch.float32)
+    mag = torch.where(e == 0, m * 0.5, torch.ldexp(1 + m * 0.5, e - 1))
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E4M3 (float8_e4m3fn) codes given as uint8 / int8 bits."""
+    return codes.contiguous().view(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 def supports(type_name: str, in_features: int) -> bool:
@@ -191,7 +213,9 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
 def dequantize_unpacked(u: Unpacked, kind: PlaneKind) -> torch.Tensor:
     """fp32 [N, K], in the same operation order as the `gguf` package's numpy code (so the same values)."""
     n, k = u.codes.shape
-    d = u.d.to(torch.float32).repeat_interleave(kind.super, dim=1)
+    d = u.d.to(torch.float32).repeat_interleave(kind.super, dim=1)[:, :k]
+    if kind.fp4:  # the code times its E4M3 scale is exact in fp32; the global scale rounds once
+        return (e2m1_values(u.codes) * e4m3_values(u.sc).repeat_interleave(kind.sub, dim=1)) * d
     if kind.fp8:
         return d * u.codes.view(torch.float8_e4m3fn).to(torch.float32)
     q = u.codes.to(torch.float32) - kind.zero if kind.zero else u.codes.to(torch.float32)

@@ -72,7 +72,21 @@ def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
         return gguf_config(source.path)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    _attach_modelopt_config(config, source.path)
+    return config
+
+
+def _attach_modelopt_config(config: Any, path: str) -> None:
+    """ModelOpt exports may describe their quantization in hf_quant_config.json instead of config.json (vLLM reads
+    it too): it becomes the config's quantization_config, with ModelOpt's method name."""
+    import json
+
+    file = os.path.join(path, "hf_quant_config.json")
+    if getattr(config, "quantization_config", None) is not None or not os.path.isfile(file):
+        return
+    with open(file) as f:
+        config.quantization_config = {"quant_method": "modelopt", **json.load(f)}
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -87,7 +101,8 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
                  quantization: Optional[str] = None) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
-    4-bit AWQ / GPTQ layers, FP8 layers), else dequantized; AWQ / GPTQ / FP8 layers always as `<layer>.weight`.
+    4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers), else dequantized; AWQ / GPTQ / FP8 / NVFP4 layers always as
+    `<layer>.weight`.
     quantization "fp8" on an unquantized checkpoint quantizes its projections as they load."""
     if source.kind == "gguf":
         from voltllm.model.loader.gguf_loader import gguf_weights
@@ -96,6 +111,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
         return
     from voltllm.model.loader.fp8_checkpoint import fp8_scheme, fp8_weights
     from voltllm.model.loader.int4_checkpoint import int4_scheme, int4_weights
+    from voltllm.model.loader.nvfp4_checkpoint import nvfp4_scheme, nvfp4_weights
     from voltllm.model.loader.safetensors_loader import safetensors_weights
 
     stream = safetensors_weights(source.path)
@@ -103,5 +119,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
         yield from int4_weights(stream, scheme, keep_quantized)
     elif (fp8 := fp8_scheme(hf_config, quantization)) is not None:
         yield from fp8_weights(stream, fp8, keep_quantized)
+    elif (nvfp4 := nvfp4_scheme(hf_config)) is not None:
+        yield from nvfp4_weights(stream, nvfp4, keep_quantized)
     else:
         yield from stream
