@@ -132,6 +132,7 @@
 #   s77b     (session 23) the real SmolLM2 GGUF kept quantized vs dequantized: tests, decode b1 and 16 / 64 concurrent;
 #            needs /root/m/part.00 (a call carrying .carry/p0 first), the wheels in /tmp/site, and carries .carry/p1
 #   s78/s78b (session 23, queued) an 8B-shape Q4_K_M GGUF of random blocks: kept quantized / dequantized at load
+#   s85/s86  (session 25) the tiled dequant-GEMM: GPU tests + quant_dot_sweep.py; AWQ 8B 16 / 64 and 30B-A3B b1 / 16 / 64
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -645,6 +646,26 @@ case $stage in
       | tail -8
     bench $q30g --scenario concurrency --concurrency 16 --input-len 128 --output-len 128 \
       --name qwen3-30b-a3b-shape-q4_k_m-gguf-c16-$sha | tail -6
+    ;;
+  s85)  # (session 25; carry .whl) the tiled dequant-GEMM (kernels/quant_dot.py): its GPU tests, the quantized MoE
+         # paths' tests, then benchmarks/micro/quant_dot_sweep.py (tile candidates, dense forms 5-512 rows, MoE forms)
+    gpu_file test_quant_dot_cuda 200
+    timeout 330 python3 benchmarks/micro/quant_dot_sweep.py --configs --out "$out/quant-dot-sweep-$sha.json" 2>&1 \
+      | grep -v -i warn | tee "$out/quant-dot-sweep-$sha.txt" | grep -E "configs|rows|^ +[0-9]+ +[0-9]+ |MoE|Error" \
+      | tail -60
+    ;;
+  s86)  # (session 25, after s85 within 30 s) decode batches kept quantized with the tiled kernel: the 8B-shape AWQ
+         # checkpoint 16 / 64 concurrent (session 24: 0.37x / 0.39x of fp16 with dequantize + cuBLAS), then the
+         # 30B-A3B-shape AWQ checkpoint (experts kept quantized, grouped kernel) b1 and 16 / 64 concurrent
+    timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
+    bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario concurrency --concurrency 16,64 \
+      --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -10
+    rm -rf /root/m/q8b-awq
+    timeout 200 python3 benchmarks/make_random_quantized.py --shape qwen3-30b-a3b-shape --method awq /root/m/q30b-awq
+    q30="/root/m/q30b-awq --dtype half --num-warm 1 --quantization awq"
+    bench $q30 --scenario decode --input-len 512 --output-len 128 --name qwen3-30b-a3b-shape-awq-decode-b1-$sha | tail -8
+    bench $q30 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
+      --name qwen3-30b-a3b-shape-awq-c16-c64-$sha | tail -10
     ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936
