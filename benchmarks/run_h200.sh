@@ -134,6 +134,8 @@
 #   s78/s78b (session 23, queued) an 8B-shape Q4_K_M GGUF of random blocks: kept quantized / dequantized at load
 #   s84      (queued, branch nvfp4) NVFP4 checkpoints: the kernels' and tiny models' GPU tests, an 8B-shape ModelOpt
 #            NVFP4 checkpoint kept quantized: decode b1 (carry .whl)
+#   s85/s86  (session 25) GPU tests (tiled dequant-GEMM, speculative rows, NVFP4); quant_dot_sweep.py + AWQ 8B 16 / 64
+#   s86b     (session 25) the 30B-A3B-shape AWQ checkpoint kept quantized: b1 / 16 / 64
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -657,6 +659,32 @@ case $stage in
       | tail -8
     bench $q30g --scenario concurrency --concurrency 16 --input-len 128 --output-len 128 \
       --name qwen3-30b-a3b-shape-q4_k_m-gguf-c16-$sha | tail -6
+    ;;
+  s85)  # (session 25; carry .whl) this session's GPU tests: the tiled dequant-GEMM (kernels/quant_dot.py) and the
+         # quantized MoE paths; speculative decoding with its decode steps as decode-graph rows; NVFP4 kernels / models
+    gpu_file test_quant_dot_cuda 200
+    gpu_file test_speculative_cuda 120
+    gpu_file test_nvfp4_cuda 240
+    ;;
+  s86)  # (session 25, after s85 within 30 s) benchmarks/micro/quant_dot_sweep.py (tile candidates, dense forms 5-512
+         # rows, MoE forms), then decode batches kept quantized with the tiled kernel: the 8B-shape AWQ checkpoint
+         # 16 / 64 concurrent (session 24: 0.37x / 0.39x of fp16 with dequantize + cuBLAS)
+    timeout 280 python3 benchmarks/micro/quant_dot_sweep.py --configs --out "$out/quant-dot-sweep-$sha.json" 2>&1 \
+      | grep -v -i warn | tee "$out/quant-dot-sweep-$sha.txt" | grep -E "rows|^ +[0-9]+ +[0-9]+ |MoE|Error" \
+      | grep -v configs | tail -45
+    mkdir -p /root/m
+    timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
+    bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario concurrency --concurrency 16,64 \
+      --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -10
+    ;;
+  s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
+          # the grouped tiled kernel above) b1 and 16 / 64 concurrent
+    rm -rf /root/m/q8b-awq
+    timeout 200 python3 benchmarks/make_random_quantized.py --shape qwen3-30b-a3b-shape --method awq /root/m/q30b-awq
+    q30="/root/m/q30b-awq --dtype half --num-warm 1 --quantization awq"
+    bench $q30 --scenario decode --input-len 512 --output-len 128 --name qwen3-30b-a3b-shape-awq-decode-b1-$sha | tail -8
+    bench $q30 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
+      --name qwen3-30b-a3b-shape-awq-c16-c64-$sha | tail -10
     ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936

@@ -5,11 +5,16 @@ qwen3_moe models kept quantized on the GPU): a Qwen3-30B-A3B holds 29 B of its 3
 Each expert's gate, up and down projections arrive as quantized_linear.PackedWeight and become planes; once a
 layer has all of them they are stacked by expert into two Planes: w13 [E * 2I, H] (expert e's gate rows then up
 rows) and w2 [E * H, I]. A forward:
-- on CUDA, while a CUDA graph captures or for decode-sized batches: one dequant-GEMM launch per projection over
-  the (token, expert) pairs (kernels/quant_gemv.quant_moe_matmul: each pair's program reads its expert's block),
-  no host sync;
-- otherwise (prompt steps, the CPU): the pairs sorted by expert and, per expert that received tokens, its blocks
-  dequantized (the Triton kernel on CUDA, the torch reference elsewhere) and multiplied by cuBLAS / torch.
+- on CUDA, up to PAIR_LAUNCH_MAX_TOKENS tokens: one dequant-GEMM launch per projection over the (token, expert)
+  pairs (kernels/quant_gemv.quant_moe_matmul: each pair's program reads its expert's block with FMAs);
+- on CUDA, more tokens (while a CUDA graph captures, or while the experts' average rows stay within the tiled
+  kernel's limit, kernels/quant_dot.dot_max_rows): the pairs sorted by expert on the device (kernels/moe.moe_align)
+  and one grouped tiled dequant-GEMM launch per projection (kernels/quant_dot.quant_moe_dot): each active expert's
+  blocks are read once for all its tokens, at their quantized size;
+- otherwise (long prompts on GPUs whose `tl.dot` has no tensor cores, the CPU): the pairs sorted by expert and, per
+  expert that received tokens, its blocks dequantized (the Triton kernel on CUDA, the torch reference elsewhere)
+  and multiplied by cuBLAS / torch.
+The first two need no host sync, so CUDA graphs capture them.
 """
 from __future__ import annotations
 
@@ -21,9 +26,9 @@ from voltllm.model.layers.activation import silu_and_mul
 from voltllm.model.layers.gguf_planes import Planes, concat_rows, row_band
 from voltllm.model.layers.quantized_linear import PackedWeight, dequantized
 
-# (token, expert) pairs up to which a CUDA forward outside graph capture takes the per-pair launches (each pair
-# reads its expert's blocks; beyond this, reading each active expert once and multiplying its tokens wins)
-PAIR_LAUNCH_MAX_PAIRS = 64
+# tokens up to which a CUDA forward takes the per-pair launches (each pair reads its expert's blocks, one FMA row per
+# weight: with a few tokens the pairs' experts hardly repeat; beyond, the grouped kernel reads each expert once)
+PAIR_LAUNCH_MAX_TOKENS = 4
 
 
 class QuantExperts:
@@ -35,6 +40,12 @@ class QuantExperts:
         self.parts: dict[tuple[int, str], Union[Planes, torch.Tensor]] = {}
         self.w13: Optional[Planes] = None
         self.w2: Optional[Planes] = None
+        # rows per expert up to which the grouped tiled kernel beats dequantize + cuBLAS (0 off the GPU)
+        self.dot_max_rows = 0
+        if device.type == "cuda":
+            from voltllm.kernels.quant_dot import dot_max_rows
+
+            self.dot_max_rows = dot_max_rows(torch.cuda.get_device_capability(device))
 
     @property
     def ready(self) -> bool:
@@ -88,15 +99,34 @@ class QuantExperts:
         pairs = t * k
         if not self.ready:
             raise RuntimeError("quantized MoE experts used before all of them were loaded")
-        if x.is_cuda and (torch.cuda.is_current_stream_capturing() or pairs <= PAIR_LAUNCH_MAX_PAIRS):
-            from voltllm.kernels.quant_gemv import quant_moe_matmul
-
-            experts = ids.reshape(-1).to(torch.int32)
-            rows = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
-            act = silu_and_mul(quant_moe_matmul(x, self.w13, 2 * self.inter, rows, experts))
-            pair_rows = torch.arange(pairs, device=x.device, dtype=torch.int32)
-            y = quant_moe_matmul(act, self.w2, self.hidden, pair_rows, experts)
-            return (y.view(t, k, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+        if x.is_cuda and t <= PAIR_LAUNCH_MAX_TOKENS:
+            return self._pair_launches(x, weights, ids)
+        if x.is_cuda and (torch.cuda.is_current_stream_capturing() or pairs <= self.dot_max_rows * self.num_experts):
+            return self._grouped(x, weights, ids)
         from voltllm.model.layers.moe import sorted_experts
 
         return sorted_experts(x, weights, ids, self.num_experts, lambda e: self.expert_blocks(e, x.dtype))
+
+    def _pair_launches(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from voltllm.kernels.quant_gemv import quant_moe_matmul
+
+        t, k = ids.shape
+        experts = ids.reshape(-1).to(torch.int32)
+        rows = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        act = silu_and_mul(quant_moe_matmul(x, self.w13, 2 * self.inter, rows, experts))
+        pair_rows = torch.arange(t * k, device=x.device, dtype=torch.int32)
+        y = quant_moe_matmul(act, self.w2, self.hidden, pair_rows, experts)
+        return (y.view(t, k, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from voltllm.kernels.moe import moe_align
+        from voltllm.kernels.quant_dot import pick_config, quant_moe_dot
+
+        t, k = ids.shape
+        pairs = t * k
+        block_m = pick_config(-(-pairs // self.num_experts))[0]  # a row block ~ the pairs of an active expert
+        order = moe_align(ids, self.num_experts, block_m)
+        act = silu_and_mul(quant_moe_dot(x, self.w13, 2 * self.inter, *order, pairs, k, block_m))
+        y = quant_moe_dot(act, self.w2, self.hidden, *order, pairs, 1, block_m,
+                          row_weights=weights.reshape(-1).to(torch.float32).contiguous())
+        return y.view(t, k, -1).sum(dim=1)

@@ -1,0 +1,25 @@
+"""The tiled dequant-GEMM (kernels/quant_dot.py) under the Triton interpreter against the torch reference (every
+plane kind, the MoE sorted form), and its row limits by GPU generation."""
+from pathlib import Path
+
+from interp_util import check_names, run_interp_checks
+
+CHECK_SCRIPT = Path(__file__).parent / "_quant_dot_interp_check.py"
+
+
+def test_kernel_under_interpreter():
+    results = run_interp_checks(CHECK_SCRIPT, timeout=300)
+    assert set(results) == set(check_names(CHECK_SCRIPT))
+    failed = {k: v for k, v in results.items() if not v.startswith("ok")}
+    assert not failed, failed
+
+
+def test_row_limits_and_tiles():
+    from voltllm.kernels.quant_dot import DOT_CONFIGS, dot_max_rows, pick_config
+
+    assert dot_max_rows(None) == 0
+    assert dot_max_rows((7, 0)) == dot_max_rows((7, 5)) < dot_max_rows((8, 0)) == dot_max_rows((9, 0))
+    assert pick_config(5)[0] == 16 and pick_config(17)[0] == 32
+    assert pick_config(10_000) == DOT_CONFIGS[max(DOT_CONFIGS)]
+    for rows, (block_m, block_n, units, warps, stages) in DOT_CONFIGS.items():
+        assert block_m >= 16 and block_n >= 16 and units >= 1  # tl.dot's smallest tile

@@ -1,0 +1,168 @@
+"""Quantized weights times decode batches of 5 to a few hundred rows: a tiled dequant-GEMM with `tl.dot`.
+
+Between the few-row dequant-GEMM (quant_gemv.quant_matmul: FMAs per row, so each extra row costs as much as the
+first) and prompt steps (the whole weight dequantized to fp16 for cuBLAS: 2 + 2 bytes written and read per weight,
+4-8x the quantized read), each program here dequantizes one [BLOCK_N, U * 32] tile of the planes in registers
+(quant_gemv._dequant_units: the same exact fp32 values as every other path), rounds it to the activations' dtype
+and multiplies it by BLOCK_M activation rows with `tl.dot` (fp32 accumulators). The weight is read once per
+BLOCK_M rows at its quantized size, so 16 or 64 concurrent requests cost about what one does.
+
+`tl.dot` runs on tensor cores from sm_80 on; below sm_80 Triton lowers it to fp32 FMAs (docs/sm70.md), where the
+tile still beats dequantize + cuBLAS up to a few dozen rows (see `dot_max_rows`).
+
+SORTED mode serves MoE experts stacked by expert in one Planes (layers/quant_moe.py): the (token, expert) pairs
+sorted by expert and padded per expert to BLOCK_M (kernels/moe.moe_align), so each row block belongs to one expert,
+whose weight rows it reads once for all its tokens (no host sync, fixed grid: CUDA-graph capturable). Row `pair` of
+the output is the pair's; its activation row is `pair // TOP_K` (the tokens' hidden states) or `pair` (the pairs'
+own intermediate rows, TOP_K 1), optionally times a per-pair routing weight.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.quant_gemv import (_GATED_KINDS, _PLANE_ARGS, _constexprs, _dequant_units, _plane_args,
+                                        _plane_strides, _with_scale_type)
+from voltllm.kernels.registry import CompileSpec, register_kernel
+from voltllm.model.layers.gguf_planes import KINDS, int4_kind
+
+
+@triton.jit
+def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, NumPadded, RowW, M, N, NU,
+                      stride_xm, stride_ym, stride_lo, stride_hi, stride_d, stride_s, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
+                      HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr,
+                      FP8: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr,
+                      TOP_K: tl.constexpr, WEIGHTED: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SORTED:  # M counts the pairs; rows past them in the sorted list are padding (the sentinel M)
+        if pid_m * BLOCK_M >= tl.load(NumPadded):
+            return
+        pair = tl.load(SortedIds + offs_m)
+        mask_m = pair < M
+        x_row = tl.where(mask_m, pair // TOP_K, 0).to(tl.int64)
+        y_row = tl.where(mask_m, pair, 0).to(tl.int64)
+        plane_n = tl.load(BlockExpert + pid_m).to(tl.int64) * N + offs_n
+    else:
+        mask_m = offs_m < M
+        x_row = offs_m.to(tl.int64)
+        y_row = x_row
+        plane_n = offs_n
+    j = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for u0 in range(0, NU, U):
+        w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, plane_n, mask_n, u0, NU, stride_lo, stride_hi,
+                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
+        # the tile's elements in its own order: (unit, j) -> e0 + j (low nibbles) and e0 + 32 + j (high ones)
+        e = tl.reshape(e0 + j[None, None, :], (U * 16,))
+        umask = (u0 + tl.arange(0, U)) < NU
+        xm = mask_m[:, None] & tl.reshape(umask[:, None] & (j < 16)[None, :], (U * 16,))[None, :]
+        xp = X + x_row[:, None] * stride_xm + e[None, :]
+        x_lo = tl.load(xp, mask=xm, other=0.0)
+        x_hi = tl.load(xp + 32, mask=xm, other=0.0)
+        w_lo = tl.reshape(w_lo, (BLOCK_N, U * 16)).to(X.dtype.element_ty)
+        w_hi = tl.reshape(w_hi, (BLOCK_N, U * 16)).to(X.dtype.element_ty)
+        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
+        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if WEIGHTED:
+        acc = acc * tl.load(RowW + y_row, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    ymask = mask_m[:, None] & mask_n[None, :]
+    tl.store(Y + y_row[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ymask)
+
+
+def _specs() -> list[CompileSpec]:
+    sig = {"X": "*fp16", "Y": "*fp16", "B": "*fp16", **_PLANE_ARGS, "SortedIds": "*i32", "BlockExpert": "*i32",
+           "NumPadded": "*i32", "RowW": "*fp32", "M": "i32", "N": "i32", "NU": "i32", "stride_xm": "i32",
+           "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
+    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
+                                          "ZP", "FP8", "FP4", "HAS_BIAS", "SORTED", "TOP_K", "WEIGHTED")})
+    dense = {"BLOCK_M": 32, "BLOCK_N": 32, "U": 4, "HAS_BIAS": False, "SORTED": False, "TOP_K": 1, "WEIGHTED": False}
+    specs = [CompileSpec(_with_scale_type(sig, kind), {**dense, **_constexprs(kind)}, f"{kind.name} rows")
+             for kind in _GATED_KINDS]
+    awq = _constexprs(int4_kind(128, True))
+    return specs + [
+        CompileSpec(sig, {**dense, **_constexprs(KINDS["Q8_0"]), "HAS_BIAS": True}, "Q8_0 rows + bias"),
+        CompileSpec(sig, {**dense, **awq, "BLOCK_M": 16, "SORTED": True, "TOP_K": 8}, "INT4_G128_ZP MoE gate_up"),
+        CompileSpec(sig, {**dense, **awq, "BLOCK_M": 16, "SORTED": True, "WEIGHTED": True}, "INT4_G128_ZP MoE down")]
+
+
+register_kernel("quant.dot", _quant_dot_kernel, _specs())
+
+# (BLOCK_M, BLOCK_N, U, num_warps, num_stages) by row count: the largest row class at or above the batch's rows
+# (rows past the largest run in further row blocks, each dequantizing the weight again)
+DOT_CONFIGS = {16: (16, 32, 4, 4, 2), 32: (32, 32, 4, 4, 2), 64: (64, 32, 4, 4, 2), 128: (64, 64, 4, 4, 2)}
+# rows up to which the tile beats dequantize + cuBLAS: tensor-core `tl.dot` (sm_80+) measured on the H200
+# (benchmarks/results/session25/); FMA `tl.dot` (sm_70 / sm_75) estimated from the V100's rates: M fp32 FMAs per
+# weight at 15.7 TFLOP/s against ~4 bytes per weight written and read at ~850 GB/s (M < ~34)
+DOT_MAX_ROWS_TENSOR_CORES = 256
+DOT_MAX_ROWS_FMA = 32
+
+
+def dot_max_rows(capability: Optional[tuple[int, int]]) -> int:
+    """Rows up to which QuantizedLinearMethod takes this kernel on a GPU of `capability` (0: never, e.g. the CPU)."""
+    if capability is None:
+        return 0
+    return DOT_MAX_ROWS_TENSOR_CORES if capability >= (8, 0) else DOT_MAX_ROWS_FMA
+
+
+def pick_config(rows: int) -> tuple[int, int, int, int, int]:
+    for limit, cfg in sorted(DOT_CONFIGS.items()):
+        if rows <= limit:
+            return cfg
+    return DOT_CONFIGS[max(DOT_CONFIGS)]
+
+
+def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights, config):
+    block_m, block_n, units, warps, stages = config
+    units = min(units, triton.next_power_of_2(planes.k // 32))
+    sorted_ids, block_expert, num_padded = sorted_args if sorted_args is not None else (out, out, out)
+    _quant_dot_kernel[(triton.cdiv(n, block_n), grid_m)](
+        x, out, bias if bias is not None else out, *_plane_args(planes), sorted_ids, block_expert, num_padded,
+        row_weights if row_weights is not None else out, m, n, planes.k // 32, x.stride(0), out.stride(0),
+        *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, U=units, **_constexprs(planes.kind),
+        HAS_BIAS=bias is not None, SORTED=sorted_args is not None, TOP_K=top_k, WEIGHTED=row_weights is not None,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+              config: Optional[tuple[int, int, int, int, int]] = None) -> torch.Tensor:
+    """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
+    which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages)."""
+    m, k = x.shape
+    if k != planes.k:
+        raise ValueError(f"input of {k} features for a weight of {planes.k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
+    config = config or pick_config(m)
+    return _launch(x, planes, out, bias, m, planes.n, triton.cdiv(m, config[0]), None, 1, None, config)
+
+
+def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: torch.Tensor,
+                  block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, top_k: int, block_m: int,
+                  row_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Grouped MoE product over a weight stacked by expert (expert e: rows [e * rows_per_expert, (e + 1) *
+    rows_per_expert) of `planes`), for pairs sorted by kernels/moe.moe_align(ids, E, block_m): out[p] =
+    x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert]."""
+    k = x.shape[1]
+    if k != planes.k or planes.n % rows_per_expert:
+        raise ValueError(f"input of {k} features / {planes.n} rows for experts of {rows_per_expert} x {planes.k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(num_pairs, rows_per_expert, dtype=x.dtype, device=x.device)
+    _, block_n, units, warps, stages = pick_config(block_m)
+    config = (block_m, block_n, units, warps, stages)
+    return _launch(x, planes, out, None, num_pairs, rows_per_expert, block_expert.numel(),
+                   (sorted_ids, block_expert, num_padded), top_k, row_weights, config)
