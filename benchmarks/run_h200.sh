@@ -136,6 +136,7 @@
 #            NVFP4 checkpoint kept quantized: decode b1 (carry .whl)
 #   s85/s86  (session 25) GPU tests (tiled dequant-GEMM, speculative rows, NVFP4); quant_dot_sweep.py + AWQ 8B 16 / 64
 #   s86b     (session 25) the 30B-A3B-shape AWQ checkpoint kept quantized: b1 / 16 / 64
+#   s87      (session 25) the tiled dequant-GEMM with split K: tests, sweep, AWQ 8B 16 / 64 with / without it
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -676,6 +677,20 @@ case $stage in
     timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
     bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario concurrency --concurrency 16,64 \
       --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -10
+    ;;
+  s87)  # (session 25; carry .whl) the tiled dequant-GEMM with split K (s86: without it, 4-8x slower than dequantize +
+         # cuBLAS): its GPU tests, the sweep with splits, the 8B-shape AWQ checkpoint 16 / 64 concurrent with the tiled
+         # kernel and without it (DOT_MAX_ROWS_TENSOR_CORES=0: dequantize + cuBLAS above 4 rows)
+    gpu_file test_quant_dot_cuda 150
+    timeout 200 python3 benchmarks/micro/quant_dot_sweep.py --configs --out "$out/quant-dot-sweep-$sha.json" 2>&1 \
+      | grep -v -i warn | tee "$out/quant-dot-sweep-$sha.txt" | grep -E "rows|^ +[0-9]+ +[0-9]+ |MoE|Error" \
+      | grep -v "^ .*x.* rows " | tail -40
+    mkdir -p /root/m
+    timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
+    qa="/root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario concurrency --concurrency 16,64"
+    bench $qa --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -7
+    bench_via "python3 benchmarks/set_and_run.py voltllm.kernels.quant_dot:DOT_MAX_ROWS_TENSOR_CORES=0 --" $qa \
+      --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-nodot-c16-c64-$sha | tail -7
     ;;
   s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
           # the grouped tiled kernel above) b1 and 16 / 64 concurrent

@@ -5,9 +5,10 @@ dequant-GEMM (quant_gemv.quant_matmul), dequantize + cuBLAS and fp16 cuBLAS, col
     PYTHONPATH=$PWD python3 benchmarks/micro/quant_dot_sweep.py [--configs] [--moe] [--out FILE.json]
 
 Dense part: qwen3-8b projection shapes, Q4_K / Q8_0 (random GGUF blocks) and AWQ group 128 (random int4 planes with
-zero points), rows 5-512; times in us from CUDA-graph replays over rotated copies (past the L2, as in decode). With
---configs, the tile candidates at 16 / 64 / 256 rows first (Q4_K and AWQ, two shapes). MoE part: qwen3-30b-a3b experts (128 x 768 x 2048, top
-8), AWQ group 128, one layer, 1-512 tokens. The last lines are tables; --out writes every number as JSON.
+zero points), rows 5-512; times in us from CUDA-graph replays over rotated copies (past the L2, as in decode).
+With --configs, the tile candidates and splits of K at 16 / 64 / 256 rows first (Q4_K and AWQ, two shapes). MoE
+part: qwen3-30b-a3b experts (128 x 768 x 2048, top 8), AWQ group 128, one layer, 1-512 tokens. The last lines are
+tables; --out writes every number as JSON.
 """
 import argparse
 import json
@@ -23,13 +24,12 @@ from voltllm.worker.skinny_tuning import graph_replay_ms
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 ROWS = (5, 8, 16, 32, 64, 128, 256, 512)
 KINDS = ("Q4_K", "Q8_0", "AWQ_G128")
-# (BLOCK_M, BLOCK_N, U, num_warps, num_stages) candidates per row class
-CANDIDATES = {16: [(16, 32, 4, 4, 2), (16, 16, 4, 4, 2), (16, 64, 4, 4, 2), (16, 32, 2, 4, 2), (16, 32, 8, 4, 2),
-                   (16, 32, 4, 4, 3), (16, 64, 2, 4, 3), (16, 16, 8, 2, 2)],
-              64: [(64, 32, 4, 4, 2), (64, 64, 4, 4, 2), (64, 32, 2, 4, 3), (64, 64, 2, 8, 3), (32, 64, 4, 4, 2),
-                   (64, 16, 4, 4, 2)],
-              256: [(64, 64, 4, 4, 2), (128, 64, 4, 8, 2), (128, 32, 4, 4, 2), (64, 128, 4, 8, 2),
-                    (128, 128, 2, 8, 3)]}
+# (BLOCK_M, BLOCK_N, U, num_warps, num_stages) candidates per row class, each at several splits of K (None: the
+# default choice, kernels/quant_dot.split_k)
+CANDIDATES = {16: [(16, 32, 4, 4, 2), (16, 32, 4, 4, 3), (16, 64, 2, 4, 3), (16, 16, 8, 2, 2)],
+              64: [(64, 32, 4, 4, 2), (64, 64, 4, 4, 2), (32, 64, 4, 4, 2)],
+              256: [(64, 64, 4, 4, 2), (128, 128, 2, 8, 3)]}
+SPLITS = (None, 1, 4, 8, 16)
 
 
 def random_planes(kind: str, n: int, k: int, g: torch.Generator):
@@ -64,20 +64,21 @@ def dense_part(args, results):
             if args.configs and kind != "Q8_0" and (n, k) in (SHAPES[0], SHAPES[-1]):
                 for m, cands in CANDIDATES.items():
                     x = torch.randn(m, k, dtype=torch.float16, device="cuda")
-                    ref = quant_dot(x, planes[0], config=cands[0]).float()
+                    ref = quant_dot(x, planes[0], config=cands[0], split=1).float()
                     timed = []
                     for c in cands:
-                        try:
-                            got = quant_dot(x, planes[0], config=c).float()
-                            assert torch.allclose(got, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
-                            timed.append((us(lambda p: quant_dot(x, p, config=c), planes), c))
-                        except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is reported
-                            print(f"   config {c} failed: {type(e).__name__}: {str(e)[:80]}")
-                    timed.sort()
-                    print(f"   configs {n}x{k} {kind} rows {m}: " + ", ".join(f"{c}:{t:.1f}" for t, c in timed[:4]),
-                          flush=True)
+                        for sp in SPLITS:
+                            try:
+                                got = quant_dot(x, planes[0], config=c, split=sp).float()
+                                assert torch.allclose(got, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+                                timed.append((us(lambda p: quant_dot(x, p, config=c, split=sp), planes), c, sp))
+                            except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is reported
+                                print(f"   config {c} split {sp} failed: {type(e).__name__}: {str(e)[:80]}")
+                    timed.sort(key=lambda r: r[0])
+                    print(f"   configs {n}x{k} {kind} rows {m}: " + ", ".join(f"{c}/{sp}:{t:.1f}"
+                                                                            for t, c, sp in timed[:5]), flush=True)
                     results["configs"].append({"n": n, "k": k, "kind": kind, "rows": m,
-                                               "us": {str(c): t for t, c in timed}})
+                                               "us": {f"{c}/{sp}": t for t, c, sp in timed}})
             for m in ROWS:
                 x = torch.randn(m, k, dtype=torch.float16, device="cuda")
                 fma = us(lambda p: quant_matmul(x, p), planes) if m <= 16 else float("nan")

@@ -15,7 +15,7 @@ from voltllm.kernels.quant_dot import quant_dot, quant_moe_dot  # noqa: E402
 from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_from_blocks, random_blocks  # noqa: E402
 
 KIND_NAMES = list(KINDS) + [k.name for k in INT4_KINDS]
-CHECKS = [f"{name}-rows20" for name in KIND_NAMES] + ["fp32-rows5", "MOE-sorted"]
+CHECKS = [f"{name}-rows20" for name in KIND_NAMES] + ["fp32-rows5", "split3-Q6_K", "split2-AWQ-bias", "MOE-sorted"]
 
 
 def _planes(name, n, k, gen):
@@ -24,10 +24,10 @@ def _planes(name, n, k, gen):
     return _int4_planes(next(kind for kind in INT4_KINDS if kind.name == name), n, k, gen)
 
 
-def _check(name, label, p, x, bias, config=None) -> bool:
+def _check(name, label, p, x, bias, config=None, split=None) -> bool:
     n = p.n
     wide = torch.full((x.shape[0], n + 8), float("nan"), dtype=x.dtype)
-    out = quant_dot(x, p, bias, out=wide[:, 4:4 + n], config=config)
+    out = quant_dot(x, p, bias, out=wide[:, 4:4 + n], config=config, split=split)
     ref = x.float() @ dequantize_planes(p).T + (0 if bias is None else bias.float())
     err = rel(out, ref)
     ok = err < 2e-3 and not torch.isnan(out).any() and torch.isnan(wide[:, :4]).all() and \
@@ -49,6 +49,13 @@ def main() -> int:
         failed += not _check(name, f"{name}-rows20", p, x, bias, config=(16, 32, 4, 4, 1))
     p = _planes("Q4_K", 24, 512, gen)  # fp32 activations: the tile is not rounded to half precision
     failed += not _check("Q4_K", "fp32-rows5", p, torch.randn(5, 512), None)
+    # split K: partial sums over uneven parts (1,280 inputs = 40 units, 3 parts of 16 / 16 / 8 at U = 4)
+    p = _planes("Q6_K", 37, 1280, gen)
+    failed += not _check("Q6_K", "split3-Q6_K", p, torch.randn(7, 1280, dtype=torch.float16), None,
+                         config=(16, 32, 4, 4, 1), split=3)
+    p = _planes(INT4_KINDS[1].name, 37, 768, gen)
+    failed += not _check("AWQ", "split2-AWQ-bias", p, torch.randn(9, 768, dtype=torch.float16),
+                         torch.randn(37, dtype=torch.float16), config=(16, 32, 2, 4, 1), split=2)
     failed += not _check_moe_sorted(gen)
     return 1 if failed else 0
 
@@ -70,7 +77,8 @@ def _check_moe_sorted(gen) -> bool:
     ref = torch.stack([x[q // top_k].float() @ w[ex * rows:(ex + 1) * rows].T for q, ex in enumerate(flat)])
     err = rel(out, ref)
     xp = torch.randn(pairs, k, dtype=torch.float16)  # the down form: each pair's own row, weighted
-    out2 = quant_moe_dot(xp, p, rows, sorted_ids, block_expert, num_padded, pairs, 1, 16, row_weights=weights)
+    out2 = quant_moe_dot(xp, p, rows, sorted_ids, block_expert, num_padded, pairs, 1, 16, row_weights=weights,
+                         split=2)  # and K in two parts
     ref2 = torch.stack([weights[q] * (xp[q].float() @ w[ex * rows:(ex + 1) * rows].T) for q, ex in enumerate(flat)])
     err2 = rel(out2, ref2)
     ok = err < 2e-3 and err2 < 2e-3 and not torch.isnan(out).any()

@@ -18,6 +18,7 @@ own intermediate rows, TOP_K 1), optionally times a per-pair routing weight.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -31,14 +32,15 @@ from voltllm.model.layers.gguf_planes import KINDS, int4_kind
 
 
 @triton.jit
-def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, NumPadded, RowW, M, N, NU,
+def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, NumPadded, RowW, WS, M, N, NU, UPS,
                       stride_xm, stride_ym, stride_lo, stride_hi, stride_d, stride_s, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
                       HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr,
                       FP8: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr,
-                      TOP_K: tl.constexpr, WEIGHTED: tl.constexpr):
+                      TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)  # split-K: this program's UPS units of K (all of them when not SPLIT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,12 +59,13 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
         plane_n = offs_n
     j = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for u0 in range(0, NU, U):
-        w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, plane_n, mask_n, u0, NU, stride_lo, stride_hi,
+    u_end = tl.minimum(NU, pid_s * UPS + UPS)
+    for u0 in range(pid_s * UPS, u_end, U):
+        w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, plane_n, mask_n, u0, u_end, stride_lo, stride_hi,
                                         stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
         # the tile's elements in its own order: (unit, j) -> e0 + j (low nibbles) and e0 + 32 + j (high ones)
         e = tl.reshape(e0 + j[None, None, :], (U * 16,))
-        umask = (u0 + tl.arange(0, U)) < NU
+        umask = (u0 + tl.arange(0, U)) < u_end
         xm = mask_m[:, None] & tl.reshape(umask[:, None] & (j < 16)[None, :], (U * 16,))[None, :]
         xp = X + x_row[:, None] * stride_xm + e[None, :]
         x_lo = tl.load(xp, mask=xm, other=0.0)
@@ -71,28 +74,37 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
         w_hi = tl.reshape(w_hi, (BLOCK_N, U * 16)).to(X.dtype.element_ty)
         acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
         acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if WEIGHTED:
-        acc = acc * tl.load(RowW + y_row, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     ymask = mask_m[:, None] & mask_n[None, :]
-    tl.store(Y + y_row[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ymask)
+    if SPLIT:  # fp32 partial sums WS[s, row, n]; the host adds them up (a fixed order: deterministic)
+        tl.store(WS + (pid_s * M + y_row[:, None]) * N + offs_n[None, :], acc, mask=ymask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if WEIGHTED:
+            acc = acc * tl.load(RowW + y_row, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        tl.store(Y + y_row[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ymask)
 
 
 def _specs() -> list[CompileSpec]:
     sig = {"X": "*fp16", "Y": "*fp16", "B": "*fp16", **_PLANE_ARGS, "SortedIds": "*i32", "BlockExpert": "*i32",
-           "NumPadded": "*i32", "RowW": "*fp32", "M": "i32", "N": "i32", "NU": "i32", "stride_xm": "i32",
+           "NumPadded": "*i32", "RowW": "*fp32", "WS": "*fp32", "M": "i32", "N": "i32", "NU": "i32", "UPS": "i32",
+           "stride_xm": "i32",
            "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
-                                          "ZP", "FP8", "FP4", "HAS_BIAS", "SORTED", "TOP_K", "WEIGHTED")})
-    dense = {"BLOCK_M": 32, "BLOCK_N": 32, "U": 4, "HAS_BIAS": False, "SORTED": False, "TOP_K": 1, "WEIGHTED": False}
+                                          "ZP", "FP8", "FP4", "HAS_BIAS", "SORTED", "TOP_K", "WEIGHTED",
+                                          "SPLIT")})
+    dense = {"BLOCK_M": 32, "BLOCK_N": 32, "U": 4, "HAS_BIAS": False, "SORTED": False, "TOP_K": 1, "WEIGHTED": False,
+             "SPLIT": True}
     specs = [CompileSpec(_with_scale_type(sig, kind), {**dense, **_constexprs(kind)}, f"{kind.name} rows")
              for kind in _GATED_KINDS]
     awq = _constexprs(int4_kind(128, True))
     return specs + [
-        CompileSpec(sig, {**dense, **_constexprs(KINDS["Q8_0"]), "HAS_BIAS": True}, "Q8_0 rows + bias"),
-        CompileSpec(sig, {**dense, **awq, "BLOCK_M": 16, "SORTED": True, "TOP_K": 8}, "INT4_G128_ZP MoE gate_up"),
-        CompileSpec(sig, {**dense, **awq, "BLOCK_M": 16, "SORTED": True, "WEIGHTED": True}, "INT4_G128_ZP MoE down")]
+        CompileSpec(sig, {**dense, **_constexprs(KINDS["Q8_0"]), "HAS_BIAS": True, "SPLIT": False},
+                    "Q8_0 rows + bias, one split"),
+        CompileSpec(sig, {**dense, **awq, "BLOCK_M": 16, "SORTED": True, "TOP_K": 8, "SPLIT": False},
+                    "INT4_G128_ZP MoE gate_up"),
+        CompileSpec(sig, {**dense, **awq, "BLOCK_M": 16, "SORTED": True, "WEIGHTED": True, "SPLIT": False},
+                    "INT4_G128_ZP MoE down")]
 
 
 register_kernel("quant.dot", _quant_dot_kernel, _specs())
@@ -121,23 +133,57 @@ def pick_config(rows: int) -> tuple[int, int, int, int, int]:
     return DOT_CONFIGS[max(DOT_CONFIGS)]
 
 
-def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights, config):
+PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per multiprocessor
+MAX_SPLIT = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def split_k(programs: int, units: int, step: int, device: torch.device) -> int:
+    """Splits of K for a grid of `programs` tiles: a decode batch's [rows, N] has few tiles of BLOCK_N >= 16 (a
+    4096-wide output: 128 of 32), too few to keep the GPU's memory busy, so each tile's K is cut into parts whose
+    fp32 partial sums are added afterwards. `units` / `step`: K's 16-byte units and those of one loop step."""
+    target = PROGRAMS_PER_SM * _sm_count(device)
+    if programs >= target:
+        return 1
+    return max(1, min(MAX_SPLIT, -(-target // programs), -(-units // step)))
+
+
+def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights, config, split):
     block_m, block_n, units, warps, stages = config
     units = min(units, triton.next_power_of_2(planes.k // 32))
+    nu = planes.k // 32
+    grid_n = triton.cdiv(n, block_n)
+    if split is None:
+        split = split_k(grid_n * grid_m, nu, units, x.device)
+    ups = triton.cdiv(triton.cdiv(nu, split), units) * units  # units per split, whole loop steps
+    split = triton.cdiv(nu, ups)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     sorted_ids, block_expert, num_padded = sorted_args if sorted_args is not None else (out, out, out)
-    _quant_dot_kernel[(triton.cdiv(n, block_n), grid_m)](
+    _quant_dot_kernel[(grid_n, grid_m, split)](
         x, out, bias if bias is not None else out, *_plane_args(planes), sorted_ids, block_expert, num_padded,
-        row_weights if row_weights is not None else out, m, n, planes.k // 32, x.stride(0), out.stride(0),
+        row_weights if row_weights is not None else out, ws, m, n, nu, ups, x.stride(0), out.stride(0),
         *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, U=units, **_constexprs(planes.kind),
         HAS_BIAS=bias is not None, SORTED=sorted_args is not None, TOP_K=top_k, WEIGHTED=row_weights is not None,
-        num_warps=warps, num_stages=stages)
+        SPLIT=split > 1, num_warps=warps, num_stages=stages)
+    if split > 1:
+        y = ws.sum(0)
+        if bias is not None:
+            y += bias.float()
+        if row_weights is not None:
+            y *= row_weights[:, None]
+        out.copy_(y)
     return out
 
 
 def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-              config: Optional[tuple[int, int, int, int, int]] = None) -> torch.Tensor:
+              config: Optional[tuple[int, int, int, int, int]] = None, split: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
-    which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages)."""
+    which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages); split:
+    parts of K (default: split_k's choice for this GPU)."""
     m, k = x.shape
     if k != planes.k:
         raise ValueError(f"input of {k} features for a weight of {planes.k}")
@@ -146,12 +192,13 @@ def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out:
     if out is None:
         out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
     config = config or pick_config(m)
-    return _launch(x, planes, out, bias, m, planes.n, triton.cdiv(m, config[0]), None, 1, None, config)
+    return _launch(x, planes, out, bias, m, planes.n, triton.cdiv(m, config[0]), None, 1, None, config, split)
 
 
 def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: torch.Tensor,
                   block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, top_k: int, block_m: int,
-                  row_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  row_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                  split: Optional[int] = None) -> torch.Tensor:
     """Grouped MoE product over a weight stacked by expert (expert e: rows [e * rows_per_expert, (e + 1) *
     rows_per_expert) of `planes`), for pairs sorted by kernels/moe.moe_align(ids, E, block_m): out[p] =
     x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert]."""
@@ -165,4 +212,4 @@ def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: tor
     _, block_n, units, warps, stages = pick_config(block_m)
     config = (block_m, block_n, units, warps, stages)
     return _launch(x, planes, out, None, num_pairs, rows_per_expert, block_expert.numel(),
-                   (sorted_ids, block_expert, num_padded), top_k, row_weights, config)
+                   (sorted_ids, block_expert, num_padded), top_k, row_weights, config, split)
