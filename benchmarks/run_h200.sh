@@ -678,7 +678,7 @@ case $stage in
     bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario concurrency --concurrency 16,64 \
       --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -10
     ;;
-  s87)  # (session 25; carry .whl) the tiled dequant-GEMM with split K (s86: without it, 4-8x slower than dequantize +
+  s87)  # (session 25, run at ff83d25; carry .whl) the tiled dequant-GEMM with split K (s86: without it, 4-8x slower than dequantize +
          # cuBLAS): its GPU tests, the sweep with splits, the 8B-shape AWQ checkpoint 16 / 64 concurrent with the tiled
          # kernel and without it (DOT_MAX_ROWS_TENSOR_CORES=0: dequantize + cuBLAS above 4 rows)
     gpu_file test_quant_dot_cuda 150

@@ -97,7 +97,8 @@ def dense_part(args, results):
         for m in ROWS:
             rs = [r for r in results["dense"] if r["kind"] == kind and r["rows"] == m]
             dot = sum(r["dot_us"] for r in rs)
-            print(f"{kind:>8} rows {m:>3}: dot {dot:8.1f} us  vs deq+mm {sum(r['dequant_cublas_us'] for r in rs) / dot:5.2f}x"
+            deq = sum(r["dequant_cublas_us"] for r in rs)
+            print(f"{kind:>8} rows {m:>3}: dot {dot:8.1f} us  vs deq+mm {deq / dot:5.2f}x"
                   f"  vs fp16 {sum(r['fp16_cublas_us'] for r in rs) / dot:5.2f}x")
 
 

@@ -1,6 +1,6 @@
 """The tiled dequant-GEMM (kernels/quant_dot.py) on the GPU: GGUF, AWQ and FP8 planes at the qwen3-8b projection
-shapes against the planes' own dequantization (fp16 / bf16, 5-300 rows, outputs poisoned first), the linear layer's
-dispatch by row count, and quantized MoE experts (layers/quant_moe.QuantExperts) on all three paths (per pair,
+shapes against the planes' own dequantization (fp16 / bf16, 5-300 rows, outputs poisoned first, K split or not), and
+quantized MoE experts (layers/quant_moe.QuantExperts) on all three paths (per pair,
 grouped, per expert dequantize + cuBLAS) and inside a CUDA graph against the dense experts."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from voltllm.kernels.quant_dot import dot_max_rows, quant_dot
+from voltllm.kernels.quant_dot import grouped_max_rows, quant_dot
 from voltllm.kernels.quant_gemv import dequantize
 from voltllm.model.layers.gguf_planes import (FP8_KIND, Unpacked, int4_kind, map_planes, planes_from_blocks,
                                               random_blocks, to_planes)
@@ -46,33 +46,11 @@ def test_quant_dot_matches_reference(kind, n, k):
             x = torch.randn(m, k, dtype=dtype, device="cuda")
             bias = torch.randn(n, dtype=dtype, device="cuda") if m == 33 else None
             wide = torch.full((m, n + 16), float("nan"), dtype=dtype, device="cuda")
-            out = quant_dot(x, p, bias, out=wide[:, 8:8 + n])
+            out = quant_dot(x, p, bias, out=wide[:, 8:8 + n], split=1 if m == 16 else None)
             ref = x.float() @ w.T + (0 if bias is None else bias.float())
             err = _rel(out, ref)
             assert err < tol and not out.isnan().any(), f"{kind} {n}x{k} m={m} {dtype}: {err:.2e} seed {seed}"
             assert wide[:, :8].isnan().all() and wide[:, 8 + n:].isnan().all(), "wrote outside its columns"
-
-
-def test_linear_dispatch_by_rows(monkeypatch):
-    """QuantizedLinearMethod: <= 4 rows the FMA dequant-GEMM, then the tiled kernel up to dot_max_rows, then
-    dequantize + cuBLAS; all three give the same product."""
-    import voltllm.kernels.quant_dot as qd
-    import voltllm.kernels.quant_gemv as qg
-    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, Segment
-
-    limit = dot_max_rows(torch.cuda.get_device_capability())
-    method = QuantizedLinearMethod(limit)
-    p = _planes("Q4_K", 512, 1024, torch.Generator().manual_seed(3))
-    w = dequantize(p, torch.float32)
-    used = []
-    monkeypatch.setattr(qg, "quant_matmul", lambda *a, _f=qg.quant_matmul, **kw: used.append("fma") or _f(*a, **kw))
-    monkeypatch.setattr(qd, "quant_dot", lambda *a, _f=qd.quant_dot, **kw: used.append("dot") or _f(*a, **kw))
-    for m, form in ((3, "fma"), (5, "dot"), (limit, "dot"), (limit + 1, None)):
-        used.clear()
-        x = torch.randn(m, 1024, dtype=torch.float16, device="cuda")
-        y = method.segment_product(x, Segment(0, 512, p), None, None)
-        assert used == ([form] if form else []), (m, used)
-        assert _rel(y, x.float() @ w.T) < 2e-3
 
 
 def _experts(g):
@@ -88,27 +66,27 @@ def _experts(g):
 
 
 def test_quant_moe_paths_match_dense():
-    """Per-pair launches (<= 4 tokens), the grouped kernel (more), per-expert dequantize + cuBLAS (past the row
+    """Per-pair launches (<= 16 tokens), the grouped kernel (more), per-expert dequantize + cuBLAS (past the row
     limit): each against the dense experts, with one expert receiving no token."""
     from voltllm.model.layers.moe import fused_experts_ref
 
     qe, w13, w2 = _experts(torch.Generator().manual_seed(4))
     top_k = 4
-    for t, limit in ((1, None), (4, None), (5, None), (37, None), (300, None), (300, 2)):
+    for t, limit in ((1, None), (16, None), (17, None), (37, None), (300, None), (300, 2)):
         x = torch.randn(t, 512, dtype=torch.float16, device="cuda")
         ids = torch.stack([torch.randperm(15, device="cuda")[:top_k] for _ in range(t)]).to(torch.int32)
         wts = torch.softmax(torch.randn(t, top_k, device="cuda"), -1)
-        qe.dot_max_rows = limit if limit is not None else dot_max_rows(torch.cuda.get_device_capability())
+        qe.grouped_max_rows = limit if limit is not None else grouped_max_rows(torch.cuda.get_device_capability())
         got = qe.forward(x, wts, ids)
         ref = fused_experts_ref(x.float(), w13, w2, wts, ids.long())
         assert _rel(got, ref) < 3e-3, (t, limit, _rel(got, ref))
 
 
 def test_quant_moe_grouped_in_cuda_graph():
-    """The grouped path captured in a CUDA graph (8 tokens: past the per-pair limit) replays the eager result for
+    """The grouped path captured in a CUDA graph (24 tokens: past the per-pair limit) replays the eager result for
     new routings."""
     qe, _, _ = _experts(torch.Generator().manual_seed(5))
-    t, top_k = 8, 4
+    t, top_k = 24, 4
     x = torch.randn(t, 512, dtype=torch.float16, device="cuda")
     ids = torch.zeros(t, top_k, dtype=torch.int32, device="cuda")
     wts = torch.zeros(t, top_k, device="cuda")

@@ -1,5 +1,5 @@
 """The tiled dequant-GEMM (kernels/quant_dot.py) under the Triton interpreter against the torch reference (every
-plane kind, the MoE sorted form), and its row limits by GPU generation."""
+plane kind, split K, the MoE sorted form), and its row limits by GPU generation."""
 from pathlib import Path
 
 from interp_util import check_names, run_interp_checks
@@ -15,10 +15,11 @@ def test_kernel_under_interpreter():
 
 
 def test_row_limits_and_tiles():
-    from voltllm.kernels.quant_dot import DOT_CONFIGS, dot_max_rows, pick_config
+    from voltllm.kernels.quant_dot import DOT_CONFIGS, grouped_max_rows, pick_config, split_k
 
-    assert dot_max_rows(None) == 0
-    assert dot_max_rows((7, 0)) == dot_max_rows((7, 5)) < dot_max_rows((8, 0)) == dot_max_rows((9, 0))
+    assert grouped_max_rows(None) == 0
+    assert grouped_max_rows((7, 0)) == grouped_max_rows((7, 5)) < grouped_max_rows((8, 0)) == grouped_max_rows((9, 0))
+    assert split_k(10, 128, 4, __import__("torch").device("cpu")) == 1  # no multiprocessors to fill off the GPU
     assert pick_config(5)[0] == 16 and pick_config(17)[0] == 32
     assert pick_config(10_000) == DOT_CONFIGS[max(DOT_CONFIGS)]
     for rows, (block_m, block_n, units, warps, stages) in DOT_CONFIGS.items():

@@ -1,20 +1,24 @@
-"""Quantized weights times decode batches of 5 to a few hundred rows: a tiled dequant-GEMM with `tl.dot`.
+"""Grouped quantized MoE experts: a tiled dequant-GEMM with `tl.dot` over (token, expert) pairs sorted by expert.
 
-Between the few-row dequant-GEMM (quant_gemv.quant_matmul: FMAs per row, so each extra row costs as much as the
-first) and prompt steps (the whole weight dequantized to fp16 for cuBLAS: 2 + 2 bytes written and read per weight,
-4-8x the quantized read), each program here dequantizes one [BLOCK_N, U * 32] tile of the planes in registers
-(quant_gemv._dequant_units: the same exact fp32 values as every other path), rounds it to the activations' dtype
-and multiplies it by BLOCK_M activation rows with `tl.dot` (fp32 accumulators). The weight is read once per
-BLOCK_M rows at its quantized size, so 16 or 64 concurrent requests cost about what one does.
+Each program dequantizes one [BLOCK_N, U * 32] tile of the planes in registers (quant_gemv._dequant_units: the same
+exact fp32 values as every other path), rounds it to the activations' dtype and multiplies it by BLOCK_M activation
+rows with `tl.dot` (fp32 accumulators). In SORTED mode (layers/quant_moe.py) the planes hold the experts stacked by
+expert and the pairs come sorted by expert and padded per expert to BLOCK_M (kernels/moe.moe_align), so each row
+block belongs to one expert, whose weight rows it reads once for all its tokens (no host sync, fixed grid: CUDA-graph
+capturable). Row `pair` of the output is the pair's; its activation row is `pair // TOP_K` (the tokens' hidden
+states) or `pair` (the pairs' own intermediate rows, TOP_K 1), optionally times a per-pair routing weight. A grid
+with too few tiles for the GPU splits K (fp32 partial sums added on the host side in a fixed order).
 
-`tl.dot` runs on tensor cores from sm_80 on; below sm_80 Triton lowers it to fp32 FMAs (docs/sm70.md), where the
-tile still beats dequantize + cuBLAS up to a few dozen rows (see `dot_max_rows`).
+Measured on the H200 (benchmarks/results/session25/, quant_dot_sweep.py), one qwen3-30b-a3b MoE layer at 4 bits:
+16 tokens 0.42 ms (per-pair FMA launches 0.37, per-expert dequantize + cuBLAS 29), 64 tokens 0.69 ms (1.44 / 45),
+512 tokens 4.0 ms (- / 26). As a plain dense GEMM (SORTED off: `quant_dot`) it loses to dequantize + cuBLAS at every
+row count from 5 to 512 (0.6-0.9x at 5-16 rows, 0.05-0.2x beyond; the 8B AWQ shape at 64 concurrent: 817 vs 5,627
+tok/s), so the linear layers do not use it; `quant_dot` stays for the sweep and the tests. Where the time goes was
+not profiled (a grid of BLOCK_M-proportional cost: x's gathered loads and the tile's layout conversions are the
+suspects).
 
-SORTED mode serves MoE experts stacked by expert in one Planes (layers/quant_moe.py): the (token, expert) pairs
-sorted by expert and padded per expert to BLOCK_M (kernels/moe.moe_align), so each row block belongs to one expert,
-whose weight rows it reads once for all its tokens (no host sync, fixed grid: CUDA-graph capturable). Row `pair` of
-the output is the pair's; its activation row is `pair // TOP_K` (the tokens' hidden states) or `pair` (the pairs'
-own intermediate rows, TOP_K 1), optionally times a per-pair routing weight.
+`tl.dot` runs on tensor cores from sm_80 on; below sm_80 Triton lowers it to fp32 FMAs (docs/sm70.md), so the grouped
+form's row limit is lower there (`grouped_max_rows`).
 """
 from __future__ import annotations
 
@@ -112,18 +116,21 @@ register_kernel("quant.dot", _quant_dot_kernel, _specs())
 # (BLOCK_M, BLOCK_N, U, num_warps, num_stages) by row count: the largest row class at or above the batch's rows
 # (rows past the largest run in further row blocks, each dequantizing the weight again)
 DOT_CONFIGS = {16: (16, 32, 4, 4, 2), 32: (32, 32, 4, 4, 2), 64: (64, 32, 4, 4, 2), 128: (64, 64, 4, 4, 2)}
-# rows up to which the tile beats dequantize + cuBLAS: tensor-core `tl.dot` (sm_80+) measured on the H200
-# (benchmarks/results/session25/); FMA `tl.dot` (sm_70 / sm_75) estimated from the V100's rates: M fp32 FMAs per
-# weight at 15.7 TFLOP/s against ~4 bytes per weight written and read at ~850 GB/s (M < ~34)
-DOT_MAX_ROWS_TENSOR_CORES = 256
-DOT_MAX_ROWS_FMA = 32
+# average rows per expert up to which the grouped kernel beats dequantizing every active expert for cuBLAS: with
+# tensor-core `tl.dot` (sm_80+) the H200 sweep's 30B-A3B layer (grouped ~1 ms per 1,000 pairs against a ~26 ms
+# dequantize + cuBLAS pass) breaks even near 200 rows per expert; with FMA `tl.dot` (sm_70 / sm_75) estimated from
+# the V100's rates: M fp32 FMAs per weight at 15.7 TFLOP/s against ~4 bytes per weight written and read at ~850 GB/s
+# (M < ~34)
+GROUPED_MAX_ROWS_TENSOR_CORES = 256
+GROUPED_MAX_ROWS_FMA = 32
 
 
-def dot_max_rows(capability: Optional[tuple[int, int]]) -> int:
-    """Rows up to which QuantizedLinearMethod takes this kernel on a GPU of `capability` (0: never, e.g. the CPU)."""
+def grouped_max_rows(capability: Optional[tuple[int, int]]) -> int:
+    """Average rows per expert up to which quant_moe.QuantExperts takes the grouped kernel on a GPU of `capability`
+    (0: never, e.g. the CPU)."""
     if capability is None:
         return 0
-    return DOT_MAX_ROWS_TENSOR_CORES if capability >= (8, 0) else DOT_MAX_ROWS_FMA
+    return GROUPED_MAX_ROWS_TENSOR_CORES if capability >= (8, 0) else GROUPED_MAX_ROWS_FMA
 
 
 def pick_config(rows: int) -> tuple[int, int, int, int, int]:

@@ -1,14 +1,14 @@
-"""The routed experts of a sparse MoE layer kept quantized (AWQ / GPTQ / FP8 checkpoints and qwen3moe GGUF files of
-qwen3_moe models kept quantized on the GPU): a Qwen3-30B-A3B holds 29 B of its 30.5 B parameters in experts, 61 GB in fp16 and about
-16 GB at 4 bits, so only this way does it fit one 32 GB V100.
+"""The routed experts of a sparse MoE layer kept quantized (AWQ / GPTQ / FP8 / NVFP4 checkpoints and qwen3moe GGUF
+files of qwen3_moe models kept quantized on the GPU): a Qwen3-30B-A3B holds 29 B of its 30.5 B parameters in experts,
+61 GB in fp16 and about 16 GB at 4 bits, so only this way does it fit one 32 GB V100.
 
 Each expert's gate, up and down projections arrive as quantized_linear.PackedWeight and become planes; once a
 layer has all of them they are stacked by expert into two Planes: w13 [E * 2I, H] (expert e's gate rows then up
 rows) and w2 [E * H, I]. A forward:
 - on CUDA, up to PAIR_LAUNCH_MAX_TOKENS tokens: one dequant-GEMM launch per projection over the (token, expert)
   pairs (kernels/quant_gemv.quant_moe_matmul: each pair's program reads its expert's block with FMAs);
-- on CUDA, more tokens (while a CUDA graph captures, or while the experts' average rows stay within the tiled
-  kernel's limit, kernels/quant_dot.dot_max_rows): the pairs sorted by expert on the device (kernels/moe.moe_align)
+- on CUDA, more tokens (while a CUDA graph captures, or while the experts' average rows stay within the grouped
+  kernel's limit, kernels/quant_dot.grouped_max_rows): the pairs sorted by expert on the device (kernels/moe.moe_align)
   and one grouped tiled dequant-GEMM launch per projection (kernels/quant_dot.quant_moe_dot): each active expert's
   blocks are read once for all its tokens, at their quantized size;
 - otherwise (long prompts on GPUs whose `tl.dot` has no tensor cores, the CPU): the pairs sorted by expert and, per
@@ -27,8 +27,9 @@ from voltllm.model.layers.gguf_planes import Planes, concat_rows, row_band
 from voltllm.model.layers.quantized_linear import PackedWeight, dequantized
 
 # tokens up to which a CUDA forward takes the per-pair launches (each pair reads its expert's blocks, one FMA row per
-# weight: with a few tokens the pairs' experts hardly repeat; beyond, the grouped kernel reads each expert once)
-PAIR_LAUNCH_MAX_TOKENS = 4
+# weight: with a few tokens the pairs' experts hardly repeat; beyond, the grouped kernel reads each expert once). H200,
+# one 30B-A3B layer at 4 bits: 16 tokens 0.37 ms per pair vs 0.42 grouped, 32 tokens 0.73 vs 0.57 (session 25)
+PAIR_LAUNCH_MAX_TOKENS = 16
 
 
 class QuantExperts:
@@ -41,11 +42,11 @@ class QuantExperts:
         self.w13: Optional[Planes] = None
         self.w2: Optional[Planes] = None
         # rows per expert up to which the grouped tiled kernel beats dequantize + cuBLAS (0 off the GPU)
-        self.dot_max_rows = 0
+        self.grouped_max_rows = 0
         if device.type == "cuda":
-            from voltllm.kernels.quant_dot import dot_max_rows
+            from voltllm.kernels.quant_dot import grouped_max_rows
 
-            self.dot_max_rows = dot_max_rows(torch.cuda.get_device_capability(device))
+            self.grouped_max_rows = grouped_max_rows(torch.cuda.get_device_capability(device))
 
     @property
     def ready(self) -> bool:
@@ -101,7 +102,8 @@ class QuantExperts:
             raise RuntimeError("quantized MoE experts used before all of them were loaded")
         if x.is_cuda and t <= PAIR_LAUNCH_MAX_TOKENS:
             return self._pair_launches(x, weights, ids)
-        if x.is_cuda and (torch.cuda.is_current_stream_capturing() or pairs <= self.dot_max_rows * self.num_experts):
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if x.is_cuda and (capturing or pairs <= self.grouped_max_rows * self.num_experts):
             return self._grouped(x, weights, ids)
         from voltllm.model.layers.moe import sorted_experts
 
