@@ -132,6 +132,9 @@
 #   s77b     (session 23) the real SmolLM2 GGUF kept quantized vs dequantized: tests, decode b1 and 16 / 64 concurrent;
 #            needs /root/m/part.00 (a call carrying .carry/p0 first), the wheels in /tmp/site, and carries .carry/p1
 #   s78/s78b (session 23, queued) an 8B-shape Q4_K_M GGUF of random blocks: kept quantized / dequantized at load
+#   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
+#            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
+#            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1077,6 +1080,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --name qwen3-8b-shape-fp16-decode-b1-$sha
     bench_via "$off" --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
       --num-warm 2 --name qwen3-8b-shape-fp16-decode-b1-noropefuse-$sha
+    ;;
+  s83tp)  # (tp branch, queued, not run yet) on the 2-GPU machine (kind nvidia-h200-x2): the TP GPU test, then 8B-shape
+          # decode with -tp 2 (rank 1 on the second GPU). Random weights: speed depends on shapes only
+    t0=$SECONDS
+    gpu_file test_tensor_parallel_gpu 240
+    bench --random-weights qwen3-8b-shape --dtype half -tp 2 --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name qwen3-8b-shape-fp16-tp2-decode-b1-$sha
+    if (( SECONDS - t0 < 420 )); then
+      bench --random-weights qwen3-8b-shape --dtype half -tp 2 --scenario concurrency --concurrency 64 --input-len 128 \
+        --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-tp2-c64-$sha
+    fi
+    if (( SECONDS - t0 < 480 )); then  # the one-GPU reference, same command without -tp
+      bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+        --num-warm 2 --name qwen3-8b-shape-fp16-decode-b1-$sha
+    fi
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -74,16 +74,14 @@ class TPWorkers:
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.1):
                 if not p.is_alive() and not conn.poll(0):
-                    raise self._fail(TPWorkerError(f"tensor-parallel worker {rank} exited during start-up "
-                                                   f"(exit code {p.exitcode})"))
+                    raise self._fail(_exited_at_start(rank, p.exitcode))
                 if deadline is not None and time.monotonic() > deadline:
                     raise self._fail(TPWorkerError(f"tensor-parallel worker {rank} did not start within {timeout:.0f} s"))
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 p.join(1.0)
-                raise self._fail(TPWorkerError(f"tensor-parallel worker {rank} exited during start-up "
-                                               f"(exit code {p.exitcode})")) from None
+                raise self._fail(_exited_at_start(rank, p.exitcode)) from None
             if msg[0] != kind:
                 raise self._fail(self._worker_error(rank, msg))
             out.append(msg[1:])
@@ -149,6 +147,12 @@ class TPWorkers:
     # -- shutdown -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _exited_at_start(rank: int, code: Optional[int]) -> TPWorkerError:
+    return TPWorkerError(f"tensor-parallel worker {rank} exited during start-up (exit code {code}; its output says "
+                         "why; workers are spawned, so a script that builds the engine at import time needs an "
+                         "`if __name__ == '__main__':` guard)")
 
 
 class _children_allowed:

@@ -35,6 +35,7 @@ class TPGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = TIMEOUT
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", store), rank, size, opts)
         else:
             self.dev = self.host

@@ -78,7 +78,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.tp = tp
         self.send_step = send_step
-        self._follower_event: Optional[torch.cuda.Event] = None
+        self._step_inputs: Optional[StepInputs] = None  # rank 0 of a TP group: this step's, for send_step
+        self._follower_event: Optional[torch.cuda.Event] = None  # ranks > 0: the last step's, before reusing staging
         self.model = model if model is not None else self._load_model()
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)

@@ -13,14 +13,17 @@ from torch import nn
 from voltllm.distributed.sharding import take_rows, vocab_rows
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Embedding):
+    """An nn.Embedding of this rank's rows (so what counts embeddings, e.g. bench/limits.py, counts it)."""
+
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, tp):
-        super().__init__()
+        rows = vocab_rows(vocab_size, tp.size)
+        super().__init__(rows, hidden, dtype=dtype)
+        self.weight.requires_grad_(False)
         self.tp = tp
         self.vocab_size = vocab_size
-        self.rows = vocab_rows(vocab_size, tp.size)
-        self.start = tp.rank * self.rows
-        self.weight = nn.Parameter(torch.zeros(self.rows, hidden, dtype=dtype), requires_grad=False)
+        self.rows = rows
+        self.start = tp.rank * rows
 
     def load(self, full: torch.Tensor) -> None:
         """The checkpoint's whole [vocab, hidden] table -> this rank's rows."""
