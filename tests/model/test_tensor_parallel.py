@@ -100,6 +100,22 @@ def test_each_rank_caches_its_kv_heads(engines):
     assert two.engine.runner.model.layers[0].self_attn.num_heads == one.engine.runner.model.layers[0].self_attn.num_heads // 2
 
 
+def test_quantized_checkpoint_dequantized_at_load(tmp_path):
+    """An AWQ checkpoint under TP: dequantized at load (kept-quantized planes are refused), then sharded."""
+    from quant_checkpoints import quantize_checkpoint
+
+    path = make_model(str(tmp_path), "qwen3")
+    quantize_checkpoint(path, "awq")
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(PROMPTS, params)]
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert two.config.model.quantized_weights == "dequantized"
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
+    finally:
+        two.engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("llama-life")), "llama")

@@ -37,6 +37,7 @@ class TPWorkers:
         self.size = config.parallel.tensor_parallel_size
         self.error: Optional[TPWorkerError] = None
         self._stopping = threading.Event()
+        self._broken = threading.Event()  # set by the CUDA watchdog when a worker exited
         store = make_store(0, self.size, 0)
         ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = []
@@ -62,8 +63,8 @@ class TPWorkers:
             self.shutdown()
             raise
         if config.device.device.type == "cuda":
-            threading.Thread(target=_watch, args=(self.procs, self._stopping, self.group), name="voltllm-tp-watchdog",
-                             daemon=True).start()
+            threading.Thread(target=_watch, args=(self.procs, self._stopping, self._broken, self.group),
+                             name="voltllm-tp-watchdog", daemon=True).start()
         logger.info("tensor parallelism: %d ranks (workers: pids %s)", self.size, [p.pid for p in self.procs])
 
     # -- start-up -------------------------------------------------------------------------------
@@ -113,6 +114,12 @@ class TPWorkers:
             raise self.failure() or TPWorkerError(f"a tensor-parallel worker is gone ({e})") from None
 
     # -- failures -------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the failure if the watchdog saw a worker exit: a step that completed after it aborted the group
+        holds the aborted collectives' garbage, whose tokens must not reach a client."""
+        if self._broken.is_set() or self.error is not None:
+            raise self.failure() or TPWorkerError("a tensor-parallel worker exited")
+
     def _worker_error(self, rank: int, msg: tuple) -> TPWorkerError:
         if msg[0] == "error":
             if len(msg) > 2:
@@ -169,13 +176,14 @@ class _children_allowed:
         self.proc._config["daemon"] = self.was
 
 
-def _watch(procs: list, stopping: threading.Event, group: TPGroup) -> None:
+def _watch(procs: list, stopping: threading.Event, broken: threading.Event, group: TPGroup) -> None:
     """CUDA: a worker that exits while the engine runs leaves rank 0's NCCL collectives waiting; abort the group so
     they fail and the engine reports the worker's error. (No reference to the TPWorkers: it must stay collectable.)"""
     sentinels = [p.sentinel for p in procs]
     while not stopping.is_set():
         if multiprocessing.connection.wait(sentinels, timeout=0.5) and not stopping.is_set():
             logger.error("a tensor-parallel worker exited; aborting the group")
+            broken.set()
             group.abort()
             return
 

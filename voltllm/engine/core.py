@@ -130,7 +130,9 @@ class EngineCore:
         if self.tp_workers is None:
             return self._step()
         try:
-            return self._step()
+            outputs = self._step()
+            self.tp_workers.check()  # a worker that died mid-step (CUDA: the group was aborted) fails the step
+            return outputs
         except Exception as e:
             err = self._tp_failure(e)
             if err is not None:
