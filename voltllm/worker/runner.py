@@ -79,7 +79,9 @@ class ModelRunner:
         self.tp = tp
         self.send_step = send_step
         self._step_inputs: Optional[StepInputs] = None  # rank 0 of a TP group: this step's, for send_step
-        self._follower_event: Optional[torch.cuda.Event] = None  # ranks > 0: the last step's, before reusing staging
+        # ranks > 0: the last two steps' events; a step's host staging set is refilled two steps later (double
+        # buffering), once the step that used it has run
+        self._follower_events: list[torch.cuda.Event] = []
         self.model = model if model is not None else self._load_model()
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)
@@ -517,8 +519,8 @@ class ModelRunner:
     def execute_follower(self, step: StepInputs) -> None:
         """A tensor-parallel rank other than 0: the step rank 0 launched, from its StepInputs; the forward and the
         same logits rows (their gathers are collectives), nothing sampled."""
-        if self._follower_event is not None:  # the staging set about to be refilled may still be uploading
-            self._follower_event.synchronize()
+        if len(self._follower_events) == 2:  # the staging set about to be refilled was uploaded two steps ago
+            self._follower_events.pop(0).synchronize()
         buf = self._ensure_buffers()
         t, rows, width = step.padded_tokens, step.rows, step.table_width
         h = buf.host_set(t, rows)
@@ -541,8 +543,8 @@ class ModelRunner:
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
         if self.device.type == "cuda":
-            self._follower_event = torch.cuda.Event()
-            self._follower_event.record()
+            self._follower_events.append(torch.cuda.Event())
+            self._follower_events[-1].record()
 
     def _verify_drafts(self, hidden: torch.Tensor, qsl: list[int], rows: list, handle: StepHandle) -> None:
         """Speculative rows: the model's greedy choice after the known token and after each draft (the last
