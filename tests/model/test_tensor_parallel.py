@@ -100,6 +100,19 @@ def test_each_rank_caches_its_kv_heads(engines):
     assert two.engine.runner.model.layers[0].self_attn.num_heads == one.engine.runner.model.layers[0].self_attn.num_heads // 2
 
 
+def test_four_ranks(tmp_path):
+    """tp=4 over 4 query / 2 KV heads: one query head per rank, each KV head on two ranks; three workers."""
+    path = make_model(str(tmp_path), "llama")
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(PROMPTS, params)]
+    four = LLM(path, tensor_parallel_size=4, **ENGINE)
+    try:
+        assert len(four.engine.tp_workers.procs) == 3
+        assert [o.outputs[0].token_ids for o in four.generate(PROMPTS, params)] == expected
+    finally:
+        four.engine.shutdown()
+
+
 def test_quantized_checkpoint_dequantized_at_load(tmp_path):
     """An AWQ checkpoint under TP: dequantized at load (kept-quantized planes are refused), then sharded."""
     from quant_checkpoints import quantize_checkpoint
