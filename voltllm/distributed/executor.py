@@ -45,6 +45,8 @@ class TPWorkers:
         log_level = logging.getLogger("voltllm").getEffectiveLevel()
         from voltllm.distributed.worker import run_worker
 
+        # registered first: it stops whatever started, should a later start fail (the lists fill in place)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._stopping)
         # daemonic: multiprocessing ends them at interpreter exit even if shutdown() never ran
         with _children_allowed():
             for rank in range(1, self.size):
@@ -55,7 +57,6 @@ class TPWorkers:
                 theirs.close()
                 self.procs.append(p)
                 self.conns.append(ours)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._stopping)
         try:
             self._wait_for("hello", START_TIMEOUT_S)  # before the group: a worker that dies early is not waited on
             self.group = TPGroup(0, self.size, store, rank_device(config.device.device, 0))

@@ -8,8 +8,6 @@ no process-wide state and a second engine in the same process (tests) cannot col
 from __future__ import annotations
 
 import datetime
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -84,6 +82,3 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
         return base
     return torch.device("cuda", (base.index or 0) + rank)
 
-
-def tp_size(tp: Optional[TPGroup]) -> int:
-    return 1 if tp is None else tp.size
