@@ -78,7 +78,8 @@ class TPWorkers:
                 if not p.is_alive() and not conn.poll(0):
                     raise self._fail(_exited_at_start(rank, p.exitcode))
                 if deadline is not None and time.monotonic() > deadline:
-                    raise self._fail(TPWorkerError(f"tensor-parallel worker {rank} did not start within {timeout:.0f} s"))
+                    raise self._fail(TPWorkerError(f"tensor-parallel worker {rank} did not start within "
+                                                   f"{timeout:.0f} s"))
             try:
                 msg = conn.recv()
             except (EOFError, OSError):

@@ -28,7 +28,8 @@ class VocabParallelEmbedding(nn.Embedding):
     def load(self, full: torch.Tensor) -> None:
         """The checkpoint's whole [vocab, hidden] table -> this rank's rows."""
         if full.shape != (self.vocab_size, self.weight.shape[1]):
-            raise ValueError(f"embedding of shape {tuple(full.shape)}, expected {(self.vocab_size, self.weight.shape[1])}")
+            raise ValueError(f"embedding of shape {tuple(full.shape)}, expected "
+                             f"{(self.vocab_size, self.weight.shape[1])}")
         self.weight.data.copy_(take_rows(full, self.start, self.rows))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
