@@ -163,6 +163,23 @@ def test_worker_error_is_raised_in_engine_and_shutdown_stops_workers(llama_path)
     assert _wait_gone(pids)
 
 
+def test_rank0_failure_mid_step_stops_the_group(llama_path):
+    """Rank 0 raising inside a step (here its sampler) leaves the workers possibly inside that step's collectives:
+    the group is stopped and later steps raise, rather than pair collectives of different steps."""
+    llm = LLM(llama_path, tensor_parallel_size=2, **ENGINE)
+    pids = [p.pid for p in llm.engine.tp_workers.procs]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("sampler boom")
+
+    llm.engine.runner.sampler.sample_argmax = boom
+    with pytest.raises(RuntimeError, match="sampler boom"):
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4))
+    assert _wait_gone(pids)
+    with pytest.raises(TPWorkerError, match="rank 0 failed mid-step"):
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))
+
+
 def test_killed_worker_is_reported(llama_path):
     llm = LLM(llama_path, tensor_parallel_size=2, **ENGINE)
     pid = llm.engine.tp_workers.procs[0].pid

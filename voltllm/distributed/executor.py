@@ -134,9 +134,10 @@ class TPWorkers:
             self.error = err
         return self.error
 
-    def failure(self, wait_s: float = 5.0) -> Optional[TPWorkerError]:
+    def failure(self, wait_s: float = 1.0) -> Optional[TPWorkerError]:
         """The first worker's error if one failed (waiting up to wait_s for a failing worker's message or exit: a
-        collective on rank 0 may fail a moment before the worker's report arrives); None while all are well."""
+        worker reports before it exits, and its exit is what fails rank 0's collectives, but a killed one may be
+        reaped a moment later); None while all are well."""
         if self.error is not None:
             return self.error
         deadline = time.monotonic() + wait_s
@@ -152,6 +153,13 @@ class TPWorkers:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
+
+    def abandon(self, e: BaseException) -> None:
+        """Rank 0 failed mid-step while the workers may still wait in that step's collectives: the group is out of
+        step, so it is stopped and every later step raises instead of pairing collectives of different steps."""
+        self._fail(TPWorkerError(f"tensor-parallel rank 0 failed mid-step ({type(e).__name__}: {e}); the workers "
+                                 "were stopped"))
+        self.shutdown()
 
     # -- shutdown -------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -137,6 +137,7 @@ class EngineCore:
             err = self._tp_failure(e)
             if err is not None:
                 raise err from e
+            self.tp_workers.abandon(e)  # rank 0's own error: the workers may be waiting inside the step
             raise
 
     def _step(self) -> list[EngineCoreOutput]:
