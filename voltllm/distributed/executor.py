@@ -164,6 +164,9 @@ class TPWorkers:
     # -- shutdown -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._finalizer()
+        group = getattr(self, "group", None)
+        if group is not None and group.device.type == "cuda":  # release NCCL without waiting on the gone peers
+            group.abort()
 
 
 def _exited_at_start(rank: int, code: Optional[int]) -> TPWorkerError:
