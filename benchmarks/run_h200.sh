@@ -137,6 +137,9 @@
 #   s85/s86  (session 25) GPU tests (tiled dequant-GEMM, speculative rows, NVFP4); quant_dot_sweep.py + AWQ 8B 16 / 64
 #   s86b     (session 25) the 30B-A3B-shape AWQ checkpoint kept quantized: b1 / 16 / 64
 #   s87      (session 25) the tiled dequant-GEMM with split K: tests, sweep, AWQ 8B 16 / 64 with / without it
+#   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
+#            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
+#            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1132,6 +1135,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --name qwen3-8b-shape-fp16-decode-b1-$sha
     bench_via "$off" --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
       --num-warm 2 --name qwen3-8b-shape-fp16-decode-b1-noropefuse-$sha
+    ;;
+  s83tp)  # (tp branch, queued, not run yet) on the 2-GPU machine (kind nvidia-h200-x2): the TP GPU test, then 8B-shape
+          # decode with -tp 2 (rank 1 on the second GPU). Random weights: speed depends on shapes only
+    t0=$SECONDS
+    gpu_file test_tensor_parallel_gpu 240
+    bench --random-weights qwen3-8b-shape --dtype half -tp 2 --scenario decode --input-len 512 --output-len 256 \
+      --num-warm 2 --name qwen3-8b-shape-fp16-tp2-decode-b1-$sha
+    if (( SECONDS - t0 < 420 )); then
+      bench --random-weights qwen3-8b-shape --dtype half -tp 2 --scenario concurrency --concurrency 64 --input-len 128 \
+        --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-tp2-c64-$sha
+    fi
+    if (( SECONDS - t0 < 480 )); then  # the one-GPU reference, same command without -tp
+      bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
+        --num-warm 2 --name qwen3-8b-shape-fp16-decode-b1-$sha
+    fi
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -104,7 +104,7 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks: the engine's runner is rank 0, 1..N-1 are worker processes (distributed/)
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     enable_chunked_prefill: Optional[bool] = None  # None / True: chunked (the only mode); False is refused
     swap_space: Optional[float] = None  # accepted (no-op): preemption recomputes
-    disable_custom_all_reduce: bool = False  # accepted (no-op): one GPU
+    disable_custom_all_reduce: bool = False  # accepted (no-op): all-reduces always go through NCCL / gloo
     quantization: Optional[str] = None
     speculative_config: Optional[Any] = None
     hf_overrides: Optional[Any] = None  # JSON object (or dict): fields of the HF config to change (RoPE scaling, ...)
@@ -167,9 +167,6 @@ class EngineArgs:
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: tensor parallelism is not "
-                              "built yet; use 1")
         if self.pipeline_parallel_size != 1:
             raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not "
                               "built yet; use 1")
@@ -258,6 +255,13 @@ class EngineArgs:
         if batched < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
 
+        quantized_weights = _quantized_weights(method, self.quantization, hf_config, device, self.load_format)
+        if self.tensor_parallel_size > 1 and quantized_weights == "auto":  # TP shards dense weights only
+            quantized_weights = "dequantized"
+        from voltllm.distributed.support import tensor_parallel_error
+
+        if tp_err := tensor_parallel_error(self.tensor_parallel_size, hf_config, device, spec, quantized_weights):
+            raise ConfigError(tp_err)
         gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
         model = ModelConfig(
@@ -268,7 +272,7 @@ class EngineArgs:
             chat_template=self.chat_template, language_model_only=self.language_model_only,
             load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,
-            quantized_weights=_quantized_weights(method, self.quantization, hf_config, device, self.load_format))
+            quantized_weights=quantized_weights)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,

@@ -23,8 +23,34 @@ logger = logging.getLogger("voltllm")
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None):
         self.config = config
+        self.tp_workers = None  # rank 0's handle on the other tensor-parallel ranks (voltllm.distributed)
+        if config.parallel.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("a prebuilt model cannot be sharded for tensor parallelism")
+            from voltllm.distributed.executor import TPWorkers
+
+            self.tp_workers = TPWorkers(config)
+        try:
+            self._start(config, model)
+        except BaseException as e:
+            err = self._tp_failure(e)
+            self.shutdown()
+            if err is not None:
+                raise err from e
+            raise
+
+    def _start(self, config: EngineConfig, model: Optional[torch.nn.Module]) -> None:
+        # the other TP ranks run the same steps that hold collectives, in this order (distributed/worker.py)
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config, model)
+        tp = self.tp_workers
+        if tp is not None:
+            from dataclasses import replace
+
+            from voltllm.distributed.group import rank_device
+
+            config = replace(config, device=replace(config.device, device=rank_device(config.device.device, 0)))
+            self.config = config
+        self.runner = ModelRunner(config, model, tp=tp.group if tp else None, send_step=tp.send_step if tp else None)
         num_blocks = self.runner.initialize_kv_cache()
         prefix = config.cache.enable_prefix_caching
         snapshots = self.runner.state_snapshots  # hybrid models, --mamba-cache-mode align
@@ -43,6 +69,8 @@ class EngineCore:
 
         instrument(self.runner)  # per-route call counters for the acceleration report (graph replays too)
         self.runner.capture_cuda_graphs()
+        if tp is not None:
+            tp.wait_ready(num_blocks)
         self.vocab_size = int(config.model.hf_config.get_text_config().vocab_size)
         self.max_model_len = config.model.max_model_len
         # async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host
@@ -84,7 +112,35 @@ class EngineCore:
         self._inflight = None
         return self.scheduler.update(sched, self.runner.collect(handle))
 
+    def _tp_failure(self, e: BaseException):
+        """Under TP, the worker's own error when a worker's failure caused `e` (a collective whose peer died, a
+        closed pipe); None otherwise."""
+        if self.tp_workers is None or isinstance(e, (InvalidRequestError, KeyboardInterrupt)):
+            return None
+        err = self.tp_workers.failure()
+        return None if err is e else err
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device). The engine cannot step afterwards."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed."""
+        if self.tp_workers is None:
+            return self._step()
+        try:
+            outputs = self._step()
+            self.tp_workers.check()  # a worker that died mid-step (CUDA: the group was aborted) fails the step
+            return outputs
+        except Exception as e:
+            err = self._tp_failure(e)
+            if err is not None:
+                raise err from e
+            self.tp_workers.abandon(e)  # rank 0's own error: the workers may be waiting inside the step
+            raise
+
+    def _step(self) -> list[EngineCoreOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
 
         Synchronous mode returns this step's outputs. Async mode launches step N+1 before waiting

@@ -71,6 +71,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(output_addr)
+    core = None
     try:
         try:
             from voltllm import acceleration
@@ -97,6 +98,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         except zmq.ZMQError:
             pass
     finally:
+        if core is not None:
+            core.shutdown()  # tensor-parallel workers (they would also go with this process: parent-death signal)
         inp.close(0)
         out.close(1000)
         ctx.term()

@@ -12,6 +12,7 @@ import torch
 
 from voltllm.attention.backend import AttentionBackend, AttentionMetadata, make_kv_cache
 from voltllm.config import EngineConfig
+from voltllm.distributed.step import LogitsRows, StepInputs
 from voltllm.engine.scheduler import RunnerOutput, SchedulerOutput
 from voltllm.engine.speculative import accept_drafts, accept_sampled
 from voltllm.engine.types import PositionLogprobs
@@ -69,18 +70,27 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None):
+    def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None, tp=None, send_step=None):
+        """tp: this rank's tensor-parallel group (voltllm.distributed.group.TPGroup; None: one device). send_step
+        (rank 0 of a group): hands each step's StepInputs to the other ranks, which run execute_follower."""
         self.config = config
         self.device = config.device.device
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
+        self.tp = tp
+        self.send_step = send_step
+        self._step_inputs: Optional[StepInputs] = None  # rank 0 of a TP group: this step's, for send_step
+        # ranks > 0: the last two steps' events; a step's host staging set is refilled two steps later (double
+        # buffering), once the step that used it has run
+        self._follower_events: list[torch.cuda.Event] = []
         self.model = model if model is not None else self._load_model()
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)
         # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).
         # The switch is process-wide, so each runner sets it again before it launches (two engines in one
         # process, e.g. native and --compat, must each run as configured)
-        self.use_pdl = (self.device.type == "cuda" and config.device.compat == "none"
+        # Not under TP until it is validated with NCCL kernels between the PDL launches on a multi-GPU machine.
+        self.use_pdl = (self.device.type == "cuda" and config.device.compat == "none" and tp is None
                         and torch.cuda.get_device_capability(self.device) >= (9, 0))
         self._apply_pdl()
         self.kv_caches: list[torch.Tensor] = []
@@ -120,7 +130,7 @@ class ModelRunner:
             linear_method = QuantizedLinearMethod()
         try:
             with torch.device(self.device):
-                model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method)
+                model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp)
             if mc.load_format == "dummy":
                 init_dummy_weights(model, mc.seed)
                 logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
@@ -204,6 +214,12 @@ class ModelRunner:
         return StateCache.bytes_per_slot(self.model.state_spec) * (self.config.scheduler.max_num_seqs + 1)
 
     def determine_num_blocks(self) -> int:
+        """KV blocks for this engine; under TP the fewest any rank can hold (each rank holds its heads' share of
+        every block, so all ranks must agree on the count)."""
+        num = self._local_num_blocks()
+        return num if self.tp is None else self.tp.min_int(num)
+
+    def _local_num_blocks(self) -> int:
         cc = self.config.cache
         if cc.num_gpu_blocks_override:
             return cc.num_gpu_blocks_override
@@ -329,12 +345,22 @@ class ModelRunner:
         buf.upload(t, n_rows, width, rows, state_slots=state_slots is not None)
         if pending_dst:
             self._fill_pending(buf, pending_dst, pending_src)
-        meta = AttentionMetadata(
+        if self.send_step is not None:  # the other TP ranks upload the same host arrays (ids: broadcast later)
+            self._step_inputs = StepInputs(
+                num_tokens=num_tokens, padded_tokens=t, num_seqs=n_rows, rows=rows, table_width=width,
+                positions=h["positions"][:t].copy(), slot_mapping=h["slot_mapping"][:t].copy(),
+                block_tables=h["block_tables"][:rows * width].copy(), query_start_loc=qsl, seq_lens=seq_lens,
+                max_query_len=max_q)
+        return t, self._metadata(buf, num_tokens, t, rows, max_q, qsl, seq_lens)
+
+    @staticmethod
+    def _metadata(buf: InputBuffers, num_tokens: int, t: int, rows: int, max_q: int, qsl: list[int],
+                  seq_lens: list[int]) -> AttentionMetadata:
+        return AttentionMetadata(
             num_tokens=num_tokens, query_start_loc=buf.query_start_loc[: rows + 1], seq_lens=buf.seq_lens[:rows],
             block_tables=buf.block_tables[:rows], slot_mapping=buf.slot_mapping[:t],
             max_query_len=max_q, max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        return t, meta
 
     def _prepare_decode_rows(self, scheduled: list, table: np.ndarray, h: dict, pending_dst: list[int],
                              pending_src: list[int]) -> tuple[int, list[int], list[int]]:
@@ -448,6 +474,70 @@ class ModelRunner:
         t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0,
                                state_slots=slots if graph is not None else None,
                                pad_tokens_to=prompt_graph.num_tokens if prompt_graph else 0, token_rows=token_rows)
+        handle = StepHandle()
+        qsl = meta.query_start_loc_cpu
+        if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
+            qsl = list(itertools.accumulate((s.num_new_tokens for s in sched.scheduled), initial=0))
+        scheduled = sched.scheduled
+        # which hidden rows get logits, decided before the forward: the other TP ranks compute the same ones
+        # one token per row and every row samples (decode): the rows are the hidden states in order, and no row
+        # is short of its prompt's last token, so none has prompt logprobs to compute
+        decode = sched.num_sampled == n_seqs == sched.total_tokens
+        spec_rows: list = []
+        if decode:
+            rows_idx: LogitsRows = (0, n_seqs)
+            reqs = [s.request for s in scheduled]
+        else:
+            sampling = [(i, s) for i, s in enumerate(scheduled) if s.samples]
+            spec_rows = [(i, s) for i, s in sampling if s.spec_tokens]
+            sampling = [(i, s) for i, s in sampling if not s.spec_tokens]
+            idx = [qsl[i + 1] - 1 for i, _ in sampling]
+            rows_idx = (idx[0], idx[-1] + 1) if idx and idx == list(range(idx[0], idx[-1] + 1)) else idx
+            reqs = [s.request for _, s in sampling]
+        plp = [] if decode else [(i, s, _prompt_logprob_rows(s)) for i, s in enumerate(scheduled)
+                                 if s.request.wants_prompt_logprobs and s.start < s.request.num_prompt_tokens - 1]
+        if self.send_step is not None:
+            assert not spec_rows, "speculative decoding is refused under tensor parallelism (distributed.support)"
+            step = self._step_inputs
+            step.graph_rows = graph.batch_size if graph is not None else 0
+            step.prompt_graph_tokens = prompt_graph.num_tokens if prompt_graph is not None else 0
+            step.calc_kv_scales, step.calc_key_offsets = self.calc_kv_scales_pending, self.calc_key_offsets_pending
+            step.logits_rows = ([rows_idx] if reqs else []) + [(qsl[i], qsl[i] + n) for i, _, n in plp]
+            self.send_step(step)
+            self.tp.broadcast_(self.buffers.input_ids[:t])
+        hidden = self._forward(graph, prompt_graph, meta, t, sched, slots)
+        if spec_rows:
+            self._verify_drafts(hidden, qsl, spec_rows, handle)
+        if reqs:
+            rows = (slice(*rows_idx) if isinstance(rows_idx, tuple)
+                    else to_device(rows_idx, torch.long, self.device))
+            logits = self.model.compute_logits(hidden[rows])
+            if all(r.argmax_only for r in reqs):
+                out = self.sampler.sample_argmax(logits)
+            else:
+                # num_pending counts this step's sample too: the ones before it are still in flight. Only
+                # penalties read the earlier ids (a copy of each request's output per step otherwise).
+                rows = [SamplingRow(r.sampling_params, r.prompt_token_ids,
+                                    r.output_token_ids if r.sampling_params.has_penalties else (),
+                                    r.generator, r.num_output_tokens + r.num_pending - 1) for r in reqs]
+                out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
+            ids = [r.request_id for r in reqs]
+            self._prev_tokens = out.tokens
+            self._prev_rows = dict(zip(ids, range(len(ids))))
+            out.copy_to_host_async()
+            handle.sampler_out = out
+            handle.sampled_ids = ids
+        for i, s, n in plp:
+            handle.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(hidden[qsl[i]:qsl[i] + n], s)
+        if self.device.type == "cuda":
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
+
+    def _forward(self, graph, prompt_graph, meta: AttentionMetadata, t: int, sched: Optional[SchedulerOutput] = None,
+                 slots: Optional[list[int]] = None) -> torch.Tensor:
+        """The step's hidden states: a decode graph's replay, a prompt graph's, or the eager forward. `sched` and
+        `slots`: a hybrid model's recurrent-state bookkeeping (rank 0 only: hybrids are refused under TP)."""
         buf = self.buffers
         if graph is not None:
             if slots is not None:  # the model's own check and bookkeeping do not run in a replay
@@ -467,51 +557,38 @@ class ModelRunner:
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
         if self.state_snapshots is not None:  # snapshots at --mamba-block-size boundaries (decode steps too)
             self.state_snapshots.after_forward(sched.scheduled, slots)
-        handle = StepHandle()
-        qsl = meta.query_start_loc_cpu
-        if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
-            qsl = list(itertools.accumulate((s.num_new_tokens for s in sched.scheduled), initial=0))
-        scheduled = sched.scheduled
-        # one token per row and every row samples (decode): the rows are the hidden states in order, and no row
-        # is short of its prompt's last token, so none has prompt logprobs to compute
-        decode = sched.num_sampled == n_seqs == sched.total_tokens
-        if decode:
-            rows_idx = slice(0, n_seqs)
-            reqs = [s.request for s in scheduled]
-        else:
-            sampling = [(i, s) for i, s in enumerate(scheduled) if s.samples]
-            if any(s.spec_tokens for _, s in sampling):
-                self._verify_drafts(hidden, qsl, [(i, s) for i, s in sampling if s.spec_tokens], handle)
-                sampling = [(i, s) for i, s in sampling if not s.spec_tokens]
-            idx = [qsl[i + 1] - 1 for i, _ in sampling]
-            rows_idx = (slice(idx[0], idx[-1] + 1) if idx and idx == list(range(idx[0], idx[-1] + 1))
-                        else to_device(idx, torch.long, self.device))
-            reqs = [s.request for _, s in sampling]
-        if reqs:
-            logits = self.model.compute_logits(hidden[rows_idx])
-            if all(r.argmax_only for r in reqs):
-                out = self.sampler.sample_argmax(logits)
-            else:
-                # num_pending counts this step's sample too: the ones before it are still in flight. Only
-                # penalties read the earlier ids (a copy of each request's output per step otherwise).
-                rows = [SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                    r.output_token_ids if r.sampling_params.has_penalties else (),
-                                    r.generator, r.num_output_tokens + r.num_pending - 1) for r in reqs]
-                out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
-            ids = [r.request_id for r in reqs]
-            self._prev_tokens = out.tokens
-            self._prev_rows = dict(zip(ids, range(len(ids))))
-            out.copy_to_host_async()
-            handle.sampler_out = out
-            handle.sampled_ids = ids
-        for i, s in enumerate(() if decode else scheduled):
-            req = s.request
-            if req.wants_prompt_logprobs and s.start < req.num_prompt_tokens - 1:
-                handle.prompt_logprobs[req.request_id] = self._prompt_logprobs(hidden[qsl[i]:qsl[i + 1]], s)
+        return hidden
+
+    @torch.inference_mode()
+    def execute_follower(self, step: StepInputs) -> None:
+        """A tensor-parallel rank other than 0: the step rank 0 launched, from its StepInputs; the forward and the
+        same logits rows (their gathers are collectives), nothing sampled."""
+        if len(self._follower_events) == 2:  # the staging set about to be refilled was uploaded two steps ago
+            self._follower_events.pop(0).synchronize()
+        buf = self._ensure_buffers()
+        t, rows, width = step.padded_tokens, step.rows, step.table_width
+        h = buf.host_set(t, rows)
+        h["positions"][:t] = step.positions
+        h["slot_mapping"][:t] = step.slot_mapping
+        h["query_start_loc"][: rows + 1] = step.query_start_loc
+        h["seq_lens"][:rows] = step.seq_lens
+        h["block_tables"][: rows * width] = step.block_tables
+        buf.upload(t, step.num_seqs, width, rows)
+        self.tp.broadcast_(buf.input_ids[:t])
+        meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
+        graph = self.graphs.for_batch(step.num_seqs) if step.graph_rows else None
+        prompt_graph = self.prompt_graphs.for_tokens(step.num_tokens) if step.prompt_graph_tokens else None
+        if (graph.batch_size if graph else 0) != step.graph_rows or (
+                prompt_graph.num_tokens if prompt_graph else 0) != step.prompt_graph_tokens:
+            raise RuntimeError("tensor-parallel ranks disagree on the step's CUDA graph")
+        self.calc_kv_scales_pending, self.calc_key_offsets_pending = step.calc_kv_scales, step.calc_key_offsets
+        hidden = self._forward(graph, prompt_graph, meta, t)
+        for sel in step.logits_rows:
+            self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
+                                             else to_device(sel, torch.long, self.device)])
         if self.device.type == "cuda":
-            handle.event = torch.cuda.Event()
-            handle.event.record()
-        return handle
+            self._follower_events.append(torch.cuda.Event())
+            self._follower_events[-1].record()
 
     def _verify_drafts(self, hidden: torch.Tensor, qsl: list[int], rows: list, handle: StepHandle) -> None:
         """Speculative rows: the model's greedy choice after the known token and after each draft (the last
@@ -649,11 +726,12 @@ class ModelRunner:
                     len(graphs.graphs[graphs.sizes[-1]].pieces), time.monotonic() - t0)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, s) -> list[Optional[PositionLogprobs]]:
-        """Logprobs of prompt tokens start+1 .. (end of this chunk, within the prompt)."""
+        """Logprobs of prompt tokens start+1 .. (end of this chunk, within the prompt); hidden: this chunk's rows
+        that predict prompt tokens (_prompt_logprob_rows of them)."""
         req = s.request
-        last = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)  # rows predicting prompt tokens
-        n = last - s.start
-        lp = self.model.compute_logits(hidden[:n]).float().log_softmax(dim=-1)
+        n = hidden.shape[0]
+        last = s.start + n
+        lp = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(req.prompt_token_ids[s.start + 1:last + 1], device=lp.device)
         chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
         k = req.sampling_params.prompt_logprobs
@@ -669,3 +747,9 @@ class ModelRunner:
                     d.setdefault(t, v)
             result.append(d)
         return result
+
+
+def _prompt_logprob_rows(s) -> int:
+    """How many of a scheduled chunk's rows predict prompt tokens (their logprobs are asked for): from its start to
+    the end of the chunk or the prompt's last token, whichever is first."""
+    return min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1) - s.start

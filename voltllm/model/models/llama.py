@@ -1,5 +1,11 @@
 """Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm, qwen3_moe: qwen3 with sparse MoE MLPs)
-over the paged KV cache."""
+over the paged KV cache.
+
+Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup; dense models only): every rank builds the layers at
+its shard's shapes and `load_weights` slices the checkpoint's tensors (voltllm.distributed.sharding): qkv and
+gate_up by output rows (heads / intermediate), o_proj and down_proj by input columns, each followed by an all-reduce;
+the embedding and LM head by vocabulary rows, the logits gathered on every rank.
+"""
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
@@ -8,6 +14,7 @@ import torch
 from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
+from voltllm.distributed.sharding import HeadShard, even_split, take_cols, take_rows, vocab_rows
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import (Linear, LinearMethod, gated_mlp, linear, linear_add_, norm_linear,
                                          one_row_gated)
@@ -15,15 +22,21 @@ from voltllm.model.layers.moe import SparseMoE
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
+from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 
 
 class Attention(PagedAttention):
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         num_heads = cfg.num_attention_heads
         super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
-        self.num_heads = num_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        # this rank's heads (all of them without TP); num_heads / num_kv_heads are the local counts
+        self.heads = HeadShard.of(num_heads, num_kv_heads, tp.rank, tp.size) if tp else HeadShard.of(
+            num_heads, num_kv_heads, 0, 1)
+        self.tp = tp
+        self.num_heads = self.heads.num_heads
+        self.num_kv_heads = self.heads.num_kv_heads
         bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype, method=linear_method)
@@ -35,7 +48,8 @@ class Attention(PagedAttention):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(x), ctx))
+        out = self.o_proj(self.attend(positions, self.qkv_proj(x), ctx))
+        return out if self.tp is None else self.tp.all_reduce_(out)  # sum of the ranks' heads' contributions
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The qkv projection's output [T, q + 2 kv] -> attention output [T, Hq * D] (before o_proj)."""
@@ -49,15 +63,19 @@ class Attention(PagedAttention):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, linear_method: Optional[LinearMethod] = None):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, linear_method: Optional[LinearMethod] = None,
+                 tp=None):
         super().__init__()
+        self.tp = tp
+        inter = inter if tp is None else even_split(inter, tp.rank, tp.size)[1]  # this rank's share
         self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype, method=linear_method)
         self.down_proj = Linear(inter, hidden, dtype=dtype, method=linear_method)
         self.gate_up_proj.silu_mul_output = True  # they run through gated_mlp
         self.down_proj.silu_mul_input = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(self.gate_up_proj, self.down_proj, x)
+        out = gated_mlp(self.gate_up_proj, self.down_proj, x)
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 def residual_stream(x: torch.Tensor) -> torch.Tensor:
@@ -68,17 +86,17 @@ def residual_stream(x: torch.Tensor) -> torch.Tensor:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, idx, dtype, rotary, linear_method)
+        self.self_attn = Attention(cfg, idx, dtype, rotary, linear_method, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if is_moe_layer(cfg, idx):  # qwen3_moe: routed experts without a shared one (kept quantized with the rest)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                                  0, bool(getattr(cfg, "norm_topk_prob", True)), dtype,
                                  quantized_experts=linear_method is not None)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method, tp)
 
     def projections(self) -> tuple[Linear, ...]:
         """The layer's attention and dense-MLP projections (a sparse MoE's experts are not Linears)."""
@@ -137,28 +155,37 @@ class LlamaForCausalLM(nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int,
-                 linear_method: Optional[LinearMethod] = None):
-        """linear_method: how the projections (and an untied LM head) hold their weights; None: dense."""
+                 linear_method: Optional[LinearMethod] = None, tp=None):
+        """linear_method: how the projections (and an untied LM head) hold their weights; None: dense. tp: this
+        rank's tensor-parallel group (None: the whole model on one device)."""
         super().__init__()
         self.config = cfg
         self.dtype = dtype
+        self.tp = tp
+        self.vocab_size = cfg.vocab_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
         from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, QuantEmbedding
 
-        self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method)
-                             if isinstance(linear_method, QuantizedLinearMethod)
-                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary, linear_method)
+        if tp is not None and (linear_method is not None or int(getattr(cfg, "num_experts", 0) or 0) > 0):
+            raise ValueError("tensor parallelism is built for dense llama-family models (no quantized layers, no MoE)")
+        if isinstance(linear_method, QuantizedLinearMethod):
+            self.embed_tokens = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method)
+        elif tp is not None:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary, linear_method, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, method=linear_method)
+        head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
+        self.lm_head = None if self.tie else Linear(cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
         self.rotary = rotary
         self.has_moe = any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
         # prompt-step CUDA graphs are only validated for dense MLPs (decode graphs cover MoE layers, as in the
-        # hybrid MoE models)
-        self.supports_prompt_graphs = not self.has_moe
+        # hybrid MoE models), and not with all-reduces inside their pieces (TP: not run on a multi-GPU machine yet)
+        self.supports_prompt_graphs = not self.has_moe and tp is None
 
     # -- what the runner needs to size and lay out the KV cache ---------------------------------
     @property
@@ -174,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
         """One-token CUDA step with every projection on the skinny Triton GEMM (start-up tuning chose it) and
         no projection weight over FUSED_DECODE_MAX_WEIGHT_BYTES: the decoder layers then fold their RMSNorms and
         residual adds into the GEMMs."""
-        return input_ids.is_cuda and input_ids.numel() == 1 and not self.has_moe and all(
+        # (not under TP: its GEMVs add the o / down products into the residual before any all-reduce could sum them)
+        return input_ids.is_cuda and input_ids.numel() == 1 and not self.has_moe and self.tp is None and all(
             p.skinny and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
             for layer in self.layers for p in layer.projections())
 
@@ -204,7 +232,12 @@ class LlamaForCausalLM(nn.Module):
         fp32 where it computes on them (an fp32 copy of 64 x 152K logits costs ~15 us per decode step)."""
         if self.logits_weight is None:  # a quantized head (its own, or the embeddings' planes)
             return self.embed_tokens.logits(hidden) if self.tie else self.lm_head(hidden)
-        return linear(hidden, self.logits_weight, skinny=self.logits_skinny)
+        logits = linear(hidden, self.logits_weight, skinny=self.logits_skinny)
+        if self.tp is None:
+            return logits
+        # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)
+        logits = self.tp.all_gather_last(logits)
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
 
     def _moe_of(self, name: str) -> Optional[tuple["DecoderLayer", str]]:
         """(layer, name inside its MLP) for a weight of a sparse MoE layer's MLP, else None."""
@@ -213,6 +246,33 @@ class LlamaForCausalLM(nn.Module):
         idx, _, rest = name[len("layers."):].partition(".")
         layer = self.layers[int(idx)]
         return (layer, rest[len("mlp."):]) if isinstance(layer.mlp, SparseMoE) and rest.startswith("mlp.") else None
+
+    def _tp_part(self, module_name: str, kind: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint projection (the whole tensor without TP). Biases follow their rows; a
+        row-parallel projection's bias is added once, by rank 0 (the others keep zeros, the all-reduce sums)."""
+        tp = self.tp
+        if tp is None:
+            return tensor
+        leaf = module_name.rpartition(".")[2]
+        if leaf == "lm_head":
+            rows = vocab_rows(self.vocab_size, tp.size)
+            return take_rows(tensor, tp.rank * rows, rows)
+        if leaf in ("qkv_proj", "o_proj"):
+            attn = self.layers[0].self_attn
+            d, h = attn.head_dim, attn.heads
+            if leaf == "qkv_proj":
+                start, n = (h.q_start, h.num_heads) if shard == 0 else (h.kv_start, h.num_kv_heads)
+                return take_rows(tensor, start * d, n * d)
+            start, n = h.q_start * d, h.num_heads * d
+        elif leaf in ("gate_up_proj", "down_proj"):
+            start, n = even_split(self.config.intermediate_size, tp.rank, tp.size)
+            if leaf == "gate_up_proj":
+                return take_rows(tensor, start, n)
+        else:
+            raise ValueError(f"{module_name}: no tensor-parallel split is defined for it")
+        if kind == "bias":
+            return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+        return take_cols(tensor, start, n)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -238,7 +298,10 @@ class LlamaForCausalLM(nn.Module):
                     break
             module_name, _, kind = target.rpartition(".")
             module = self.get_submodule(module_name)
-            if isinstance(module, Linear):
+            if isinstance(module, VocabParallelEmbedding):
+                module.load(tensor)
+            elif isinstance(module, Linear):
+                tensor = self._tp_part(module_name, kind, shard, tensor)
                 (module.load_weight if kind == "weight" else module.load_bias)(tensor, shard)
             elif hasattr(module, "table"):  # a GGUF embedding kept quantized (quantized_linear.QuantEmbedding)
                 module.load(tensor)

@@ -29,12 +29,18 @@ def supports_quantized_layers(hf_config: Any) -> bool:
     return _MODELS.get(getattr(hf_config, "model_type", None)) is LlamaForCausalLM
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None) -> torch.nn.Module:
+def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
+                tp: Any = None) -> torch.nn.Module:
     """linear_method: a LinearMethod for the projections (quantized weights kept quantized: llama-family models
-    only, supports_quantized_layers); None: dense weights."""
+    only, supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (dense
+    llama-family models only: voltllm.distributed.support)."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
+    if tp is not None:
+        if _MODELS[arch] is not LlamaForCausalLM:
+            raise ValueError(f"tensor parallelism is not built for model type {arch!r}")
+        return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method, tp)
     if linear_method is not None:
         if _MODELS[arch] is not LlamaForCausalLM:
             raise ValueError(f"quantized linear layers are not built for model type {arch!r}")

@@ -1,0 +1,84 @@
+"""The collectives a tensor-parallel model and runner need, over one group of N ranks.
+
+Two process groups share one TCP store: the device group (NCCL on CUDA, one GPU per rank; gloo on the CPU) carries
+the model's all-reduces and gathers and the step's input ids, and a gloo group carries small host values (the KV
+block count). They are ProcessGroup objects of their own, not torch.distributed's default group, so an engine holds
+no process-wide state and a second engine in the same process (tests) cannot collide with the first.
+"""
+from __future__ import annotations
+
+import datetime
+import torch
+import torch.distributed as dist
+
+# how long a rank waits for the others at start-up and in a collective; a dead peer is noticed sooner (gloo: the
+# connection closes; NCCL: the executor's watchdog aborts the group)
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def make_store(rank: int, size: int, port: int) -> dist.TCPStore:
+    """Rank 0 serves the store (port 0: any free one, read back from .port); the others connect to it."""
+    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, wait_for_workers=False, timeout=TIMEOUT)
+
+
+class TPGroup:
+    """This rank's view of the tensor-parallel group."""
+
+    def __init__(self, rank: int, size: int, store: dist.TCPStore, device: torch.device):
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.store = store  # kept alive: rank 0's store serves the others
+        self.host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, TIMEOUT)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = TIMEOUT
+            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", store), rank, size, opts)
+        else:
+            self.dev = self.host
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place (a row-parallel projection's partial products)."""
+        self.dev.allreduce([x]).wait()
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x side by side along the last dimension (vocabulary-parallel logits), on every rank."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.dev.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x from rank src on every rank, in place (contiguous)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.dev.broadcast([x], opts).wait()
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' values (the KV block count every rank can hold)."""
+        t = torch.tensor([value], dtype=torch.long)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.host.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def abort(self) -> None:
+        """Make collectives that wait on a dead peer fail (NCCL would wait out TIMEOUT); best effort."""
+        for pg in {id(self.dev): self.dev, id(self.host): self.host}.values():
+            fn = getattr(pg, "abort", None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - aborting a group that is already broken
+                    pass
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the CPU for every rank on the CPU; on CUDA the base device's index + r (one GPU per rank)."""
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+

@@ -1,0 +1,55 @@
+"""Which slice of each weight a rank holds (Megatron-style 1-D tensor parallelism), as plain arithmetic.
+
+- Attention: query heads split evenly; KV heads split evenly when there are at least as many as ranks, else each
+  rank keeps the one KV head its query heads read (replicated over N / kv_heads ranks).
+- MLP: the intermediate dimension split evenly (gate and up alike).
+- Vocabulary (embedding, LM head): ceil(V / N) rows per rank, the last rank's tail zero-padded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def even_split(total: int, rank: int, size: int) -> tuple[int, int]:
+    """(start, length) of rank's share of `total` items split evenly (total % size == 0, checked by support.py)."""
+    n = total // size
+    return rank * n, n
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """Rank's attention heads: query heads [q_start, q_start + num_heads), KV heads [kv_start, kv_start + num_kv)."""
+
+    num_heads: int
+    q_start: int
+    num_kv_heads: int
+    kv_start: int
+
+    @classmethod
+    def of(cls, num_heads: int, num_kv_heads: int, rank: int, size: int) -> "HeadShard":
+        q_start, q_n = even_split(num_heads, rank, size)
+        if num_kv_heads >= size:
+            kv_start, kv_n = even_split(num_kv_heads, rank, size)
+        else:  # fewer KV heads than ranks: the KV head of this rank's query heads (they share one group)
+            kv_start, kv_n = q_start // (num_heads // num_kv_heads), 1
+        return cls(q_n, q_start, kv_n, kv_start)
+
+
+def vocab_rows(vocab: int, size: int) -> int:
+    """Rows of the embedding / LM head per rank."""
+    return -(-vocab // size)
+
+
+def take_rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Rows [start, start + n) of t (dim 0), zero rows where they pass its end (the vocabulary's padded tail)."""
+    part = t[start:start + n]
+    if part.shape[0] == n:
+        return part
+    return torch.cat([part, part.new_zeros((n - part.shape[0],) + tuple(t.shape[1:]))])
+
+
+def take_cols(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Columns [start, start + n) of a 2-D weight (a row-parallel projection's input features)."""
+    return t[:, start:start + n]

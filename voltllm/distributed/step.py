@@ -1,0 +1,32 @@
+"""What rank 0 sends the other ranks for one step: enough to fill their input buffers, pick the same CUDA graph and
+compute the same logits rows. The input ids go separately, as a device broadcast after rank 0 filled them, since
+some are still being sampled on rank 0's GPU when the step launches (async scheduling)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+import numpy as np
+
+# rows of the step's hidden states whose logits rank 0 computes, in its order: (start, stop) or a list of rows
+LogitsRows = Union[tuple[int, int], list[int]]
+
+
+@dataclass
+class StepInputs:
+    num_tokens: int  # the step's real tokens
+    padded_tokens: int  # tokens uploaded (CUDA-graph padding included)
+    num_seqs: int
+    rows: int  # rows uploaded (CUDA-graph padding included)
+    table_width: int
+    positions: np.ndarray  # [padded_tokens]
+    slot_mapping: np.ndarray  # [padded_tokens]
+    block_tables: np.ndarray  # [rows * table_width]
+    query_start_loc: list[int]  # [rows + 1]
+    seq_lens: list[int]  # [rows]
+    max_query_len: int
+    graph_rows: int = 0  # a decode CUDA graph's batch size (0: none)
+    prompt_graph_tokens: int = 0  # a piecewise prompt graph's token count (0: none)
+    calc_kv_scales: bool = False
+    calc_key_offsets: bool = False
+    logits_rows: list[LogitsRows] = field(default_factory=list)
