@@ -224,3 +224,44 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     return deq
+
+
+def kept_and_dense(path: str):
+    """The checkpoint built on the CPU twice, fp32: with its quantized layers kept quantized (as on a GPU) and
+    dequantized at load."""
+    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
+    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+    from voltllm.model.models.registry import build_model
+
+    src = resolve_model(path)
+    cfg = load_hf_config(src)
+    kept = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
+    kept.load_weights(iter_weights(src, cfg, keep_quantized=True))
+    dense = build_model(cfg, torch.float32, 64)
+    dense.load_weights(iter_weights(src, cfg, keep_quantized=False))
+    return kept, dense
+
+
+def assert_kept_matches_dequantized(monkeypatch, path: str, kept_check) -> None:
+    """On the GPU, fp32: the checkpoint kept quantized (KEEP_QUANTIZED=1, `kept_check(llm, True)`) and dequantized
+    at load (`kept_check(llm, False)`): 6 prompts then 1, 12 greedy tokens each (prompt steps: dequantize + cuBLAS;
+    1-4-row decode: the dequant-GEMM; 6-row batches; CUDA graphs); the same tokens and logprobs."""
+    import voltllm.config
+    from voltllm import LLM, SamplingParams
+
+    prompts = [f"The quick brown fox {i} " * (1 + i) for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
+    kw = dict(device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.2)
+    outs = {}
+    for keep in (1, 0):
+        monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
+        llm = LLM(path, **kw)
+        kept_check(llm, bool(keep))
+        outs[keep] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+        llm.engine.check_integrity()
+        del llm
+    for a, b in zip(outs[1], outs[0]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            tok = next(iter(lb))
+            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3

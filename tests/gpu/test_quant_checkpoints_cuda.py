@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from quant_checkpoints import pack_awq, pack_gptq, quantize_checkpoint, quantize_fp8, quantize_rtn
+from quant_checkpoints import assert_kept_matches_dequantized, pack_awq, pack_gptq, quantize_checkpoint, quantize_fp8, quantize_rtn
 from tiny_models import make_model
 
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul
@@ -61,37 +61,13 @@ def tiny_quantized(request, tmp_path_factory):
     return path
 
 
-def _kept_vs_dequantized(monkeypatch, path: str, kept_check) -> None:
-    """fp32, the checkpoint kept quantized (KEEP_QUANTIZED=1, `kept_check(llm, True)`) and dequantized at load
-    (`kept_check(llm, False)`): 6 prompts then 1, 12 greedy tokens each; the same tokens and logprobs."""
-    import voltllm.config
-    from voltllm import LLM, SamplingParams
-
-    prompts = [f"The quick brown fox {i} " * (1 + i) for i in range(6)]
-    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
-    kw = dict(device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.2)
-    outs = {}
-    for keep in (1, 0):
-        monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
-        llm = LLM(path, **kw)
-        kept_check(llm, bool(keep))
-        outs[keep] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
-        llm.engine.check_integrity()
-        del llm
-    for a, b in zip(outs[1], outs[0]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            tok = next(iter(lb))
-            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
-
-
 def test_tiny_model_kept_quantized_matches_dequantized(monkeypatch, tiny_quantized):
     """Prompt steps (dequantize + cuBLAS), 1-4-row decode (the dequant-GEMM) and 6-row decode batches, with CUDA
     graphs, give the logits of the dequantized model."""
     def check(llm, keep):
         assert llm.engine.runner.keep_quantized == keep
 
-    _kept_vs_dequantized(monkeypatch, tiny_quantized, check)
+    assert_kept_matches_dequantized(monkeypatch, tiny_quantized, check)
 
 
 def test_tiny_model_compat_route(tiny_quantized):
@@ -147,4 +123,4 @@ def test_moe_experts_kept_quantized(monkeypatch, tmp_path, method):
     def check(llm, keep):
         assert (llm.engine.runner.model.layers[0].mlp.qexperts is not None) == keep
 
-    _kept_vs_dequantized(monkeypatch, path, check)
+    assert_kept_matches_dequantized(monkeypatch, path, check)

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from quant_checkpoints import quantize_checkpoint
+from quant_checkpoints import kept_and_dense, quantize_checkpoint
 from tiny_models import assert_prompt_logprobs_match, make_model
 
 from voltllm import LLM
@@ -43,21 +43,6 @@ def quantized(request, tmp_path_factory):
     return method, path, _reference(ref_path, deq)
 
 
-def _kept_and_dense(path: str):
-    """The checkpoint built on the CPU twice, fp32: its NVFP4 layers kept quantized (as on a GPU) and dequantized."""
-    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
-    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
-    from voltllm.model.models.registry import build_model
-
-    src = resolve_model(path)
-    cfg = load_hf_config(src)
-    kept = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
-    kept.load_weights(iter_weights(src, cfg, keep_quantized=True))
-    dense = build_model(cfg, torch.float32, 64)
-    dense.load_weights(iter_weights(src, cfg, keep_quantized=False))
-    return kept, dense
-
-
 def test_prompt_logprobs_match_transformers_on_dequantized_weights(quantized):
     method, path, ref = quantized
     llm = LLM(path, block_size=4, max_num_seqs=4)
@@ -70,7 +55,7 @@ def test_kept_quantized_layers_multiply_like_dequantized(quantized):
     from voltllm.model.layers.linear import Linear
 
     _, path, _ = quantized
-    kept, dense = _kept_and_dense(path)
+    kept, dense = kept_and_dense(path)
     dense_linears = dict(dense.named_modules())
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     checked = 0
@@ -113,7 +98,7 @@ def test_moe_checkpoint(tmp_path, method):
     save_file(tensors, f"{ref_path}/model.safetensors", metadata={"format": "pt"})
     ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
     assert_prompt_logprobs_match(LLM(path, block_size=4), ref, PROMPTS)
-    kept, dense = _kept_and_dense(path)
+    kept, dense = kept_and_dense(path)
     assert isinstance(kept.layers[0].self_attn.qkv_proj.gguf_segments[0].weight, Planes)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
     for i in (0, 2):  # layer 1 is dense (mlp_only_layers)

@@ -4,7 +4,7 @@ logits of transformers holding the same dequantized weights; the kept-quantized 
 multiply like the dequantized ones; `--quantization fp8` quantizes an unquantized checkpoint at load."""
 import pytest
 import torch
-from quant_checkpoints import LINEARS, quantize_checkpoint, quantize_fp8
+from quant_checkpoints import kept_and_dense, LINEARS, quantize_checkpoint, quantize_fp8
 from tiny_models import assert_prompt_logprobs_match, make_model
 
 from voltllm import LLM
@@ -32,22 +32,6 @@ def quantized(request, tmp_path_factory):
     return request.param, path, ref
 
 
-def _kept_and_dense(path: str):
-    """The checkpoint built on the CPU twice, fp32: with its quantized layers kept quantized (as on a GPU) and
-    dequantized at load."""
-    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
-    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
-    from voltllm.model.models.registry import build_model
-
-    src = resolve_model(path)
-    cfg = load_hf_config(src)
-    kept = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
-    kept.load_weights(iter_weights(src, cfg, keep_quantized=True))
-    dense = build_model(cfg, torch.float32, 64)
-    dense.load_weights(iter_weights(src, cfg, keep_quantized=False))
-    return kept, dense
-
-
 def test_logits_match_transformers_on_dequantized_weights(quantized):
     variant, path, ref = quantized
     llm = LLM(path, block_size=4, max_num_seqs=4)
@@ -60,7 +44,7 @@ def test_kept_quantized_layers_multiply_like_dequantized(quantized):
     from voltllm.model.layers.linear import Linear
 
     variant, path, _ = quantized
-    kept, dense = _kept_and_dense(path)
+    kept, dense = kept_and_dense(path)
     dense_linears = dict(dense.named_modules())
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     checked = 0
@@ -123,7 +107,7 @@ def test_moe_checkpoint(tmp_path, method, moe_inter):
     from voltllm.model.layers.gguf_planes import Planes
     from voltllm.model.layers.quantized_linear import describe_quantized
 
-    kept, dense = _kept_and_dense(path)
+    kept, dense = kept_and_dense(path)
     assert isinstance(kept.layers[0].self_attn.qkv_proj.gguf_segments[0].weight, Planes)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
     planes = not (method == "fp8" and moe_inter % 128)

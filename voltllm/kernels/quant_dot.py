@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels.quant_gemv import (_GATED_KINDS, _PLANE_ARGS, _constexprs, _dequant_units, _plane_args,
-                                        _plane_strides, _with_scale_type)
+                                        _plane_strides, _with_scale_type, checked_operands)
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import KINDS, int4_kind
 
@@ -191,13 +191,8 @@ def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
     which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages); split:
     parts of K (default: split_k's choice for this GPU)."""
-    m, k = x.shape
-    if k != planes.k:
-        raise ValueError(f"input of {k} features for a weight of {planes.k}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
+    x, out = checked_operands(x, planes, out)
+    m = x.shape[0]
     config = config or pick_config(m)
     return _launch(x, planes, out, bias, m, planes.n, triton.cdiv(m, config[0]), None, 1, None, config, split)
 

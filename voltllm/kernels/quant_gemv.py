@@ -258,11 +258,9 @@ def _plane_strides(p) -> list[int]:
             (p.sc if p.sc is not None else p.mn).stride(0) if p.sc is not None or p.mn is not None else 0]
 
 
-def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                 config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
-    """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
-    which may be a column slice of a wider output). config: (BLOCK_N, U, num_warps). Rows beyond FMA_MAX_ROWS run
-    in further programs, each reading the weight again (meant for a few rows)."""
+def checked_operands(x: torch.Tensor, planes, out: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] with a contiguous last dim and the output [M, N] (a fresh one when `out` is None) of x W^T; a clear
+    error when x's width is not the weight's."""
     m, k = x.shape
     if k != planes.k:
         raise ValueError(f"input of {k} features for a weight of {planes.k}")
@@ -270,6 +268,16 @@ def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, o
         x = x.contiguous()
     if out is None:
         out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
+    return x, out
+
+
+def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                 config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
+    which may be a column slice of a wider output). config: (BLOCK_N, U, num_warps). Rows beyond FMA_MAX_ROWS run
+    in further programs, each reading the weight again (meant for a few rows)."""
+    x, out = checked_operands(x, planes, out)
+    m = x.shape[0]
     block_m = min(FMA_MAX_ROWS, triton.next_power_of_2(m))
     block_n, units, warps = config or (FMA_CONFIG if block_m == 1 else FMA_ROWS_CONFIG)
     units = min(units, triton.next_power_of_2(planes.k // 32))  # short rows (SmolLM2: 18 units) mask less
