@@ -137,6 +137,7 @@
 #   s85/s86  (session 25) GPU tests (tiled dequant-GEMM, speculative rows, NVFP4); quant_dot_sweep.py + AWQ 8B 16 / 64
 #   s86b     (session 25) the 30B-A3B-shape AWQ checkpoint kept quantized: b1 / 16 / 64
 #   s87      (session 25) the tiled dequant-GEMM with split K: tests, sweep, AWQ 8B 16 / 64 with / without it
+#   s89      (session 25) the tiled dequant-GEMM's second form: a subset of its GPU tests, the quick sweep
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
 #            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
 #            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
@@ -694,6 +695,12 @@ case $stage in
     bench $qa --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -7
     bench_via "python3 benchmarks/set_and_run.py voltllm.kernels.quant_dot:DOT_MAX_ROWS_TENSOR_CORES=0 --" $qa \
       --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-nodot-c16-c64-$sha | tail -7
+    ;;
+  s89)  # (session 25; carry .whl) the tiled dequant-GEMM's second form (one 64-element group per step as two contiguous
+         # halves, no 3-D reshape): a subset of its GPU tests, then the quick sweep (8B shapes, Q4_K / AWQ, 5-256 rows)
+    gpu_file test_quant_dot_cuda 80 -k "AWQ or Q6_K"
+    timeout 90 python3 benchmarks/micro/quant_dot_sweep.py --quick --out "$out/quant-dot-sweep-quick-$sha.json" 2>&1 \
+      | grep -v -i warn | tee "$out/quant-dot-sweep-quick-$sha.txt" | tail -30
     ;;
   s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
           # the grouped tiled kernel above) b1 and 16 / 64 concurrent

@@ -148,13 +148,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", action="store_true", help="time the tile candidates first")
     ap.add_argument("--moe", action="store_true", help="the quantized MoE part only")
+    ap.add_argument("--quick", action="store_true", help="two shapes, Q4_K and AWQ, 5 / 16 / 64 / 256 rows, no MoE")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     results = {"configs": [], "dense": [], "moe": [], "default_configs": {str(k): v for k, v in DOT_CONFIGS.items()},
                "gpu": torch.cuda.get_device_name()}
+    if args.quick:
+        global SHAPES, ROWS, KINDS
+        SHAPES, ROWS, KINDS = [SHAPES[0], SHAPES[-1]], (5, 16, 64, 256), ("Q4_K", "AWQ_G128")
     if not args.moe:
         dense_part(args, results)
-    moe_part(args, results)
+    if not args.quick:
+        moe_part(args, results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -29,10 +29,26 @@ import torch
 import triton
 import triton.language as tl
 
-from voltllm.kernels.quant_gemv import (_GATED_KINDS, _PLANE_ARGS, _constexprs, _dequant_units, _plane_args,
-                                        _plane_strides, _with_scale_type, checked_operands)
+from voltllm.kernels.quant_gemv import (_GATED_KINDS, _PLANE_ARGS, _codes_to_float, _constexprs, _plane_args,
+                                        _plane_strides, _scaled, _unit_scales, _with_scale_type,
+                                        checked_operands)
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import KINDS, int4_kind
+
+
+@triton.jit
+def _half_weights(q, e, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                  SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr):
+    """fp32 weights [BLOCK_N, 32] of elements e .. e + 31 of rows n2 from their integer codes q: one scale load per
+    row for the 32 (two where scales cover 16 elements: Q6_K, NVFP4, int4 groups of 16)."""
+    s, b = _unit_scales(e, n2, mask2, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
+    if SUB == 16 or SUPER == 16:
+        s2, b2 = _unit_scales(e + 16, n2, mask2, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP,
+                              FP8, FP4)
+        first = j < 16
+        s = tl.where(first, s, s2)
+        b = tl.where(first, b, b2)
+    return _scaled(s, _codes_to_float(q, FP8, FP4), b, FP4)
 
 
 @triton.jit
@@ -44,7 +60,7 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)  # split-K: this program's UPS units of K (all of them when not SPLIT)
+    pid_s = tl.program_id(2)  # split-K: this program's UPS units of K (all of them when not SPLIT; UPS even)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -61,23 +77,42 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
         x_row = offs_m.to(tl.int64)
         y_row = x_row
         plane_n = offs_n
-    j = tl.arange(0, 16)
+    # K in 64-element groups: a group's 32 bytes of `lo` carry its elements j (low nibbles) and 32 + j (high ones),
+    # so each group is two contiguous halves of 32, each one `tl.dot` of K 32, with no reshape of the tile
+    j = tl.arange(0, 32)[None, :]
+    n2 = plane_n[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    u_end = tl.minimum(NU, pid_s * UPS + UPS)
-    for u0 in range(pid_s * UPS, u_end, U):
-        w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, plane_n, mask_n, u0, u_end, stride_lo, stride_hi,
-                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
-        # the tile's elements in its own order: (unit, j) -> e0 + j (low nibbles) and e0 + 32 + j (high ones)
-        e = tl.reshape(e0 + j[None, None, :], (U * 16,))
-        umask = (u0 + tl.arange(0, U)) < u_end
-        xm = mask_m[:, None] & tl.reshape(umask[:, None] & (j < 16)[None, :], (U * 16,))[None, :]
-        xp = X + x_row[:, None] * stride_xm + e[None, :]
-        x_lo = tl.load(xp, mask=xm, other=0.0)
-        x_hi = tl.load(xp + 32, mask=xm, other=0.0)
-        w_lo = tl.reshape(w_lo, (BLOCK_N, U * 16)).to(X.dtype.element_ty)
-        w_hi = tl.reshape(w_hi, (BLOCK_N, U * 16)).to(X.dtype.element_ty)
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
+    g_end = tl.minimum(NU, pid_s * UPS + UPS) // 2
+    for g0 in range(pid_s * UPS // 2, g_end, U // 2):
+        for gg in tl.static_range(U // 2):
+            g = g0 + gg
+            mask2 = mask_n[:, None] & (g < g_end)
+            byte = tl.load(LO + n2 * stride_lo + g * 32 + j, mask=mask2, other=0).to(tl.int32)
+            q_a = byte & 15
+            q_b = byte >> 4
+            if HI_BITS == 4:  # Q8_0 / FP8: the high nibbles in `lo`'s layout
+                hb = tl.load(HI + n2 * stride_hi + g * 32 + j, mask=mask2, other=0).to(tl.int32)
+                q_a |= (hb & 15) << 4
+                q_b |= (hb >> 4) << 4
+            elif HI_BITS == 2:  # Q6_K: byte j % 16 of the group's 16 holds elements j, 16 + j, 32 + j, 48 + j
+                hb = tl.load(HI + n2 * stride_hi + g * 16 + j % 16, mask=mask2, other=0).to(tl.int32)
+                shift = (j // 16) * 2
+                q_a |= ((hb >> shift) & 3) << 4
+                q_b |= ((hb >> (shift + 4)) & 3) << 4
+            elif HI_BITS == 1:  # the Q5 kinds: byte j % 8 of the group's 8 holds elements j % 8 + 8 s at bit s
+                hb = tl.load(HI + n2 * stride_hi + g * 8 + j % 8, mask=mask2, other=0).to(tl.int32)
+                q_a |= ((hb >> (j // 8)) & 1) << 4
+                q_b |= ((hb >> (j // 8 + 4)) & 1) << 4
+            w_a = _half_weights(q_a, g * 64, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB,
+                                SUPER, ZP, FP8, FP4)
+            w_b = _half_weights(q_b, g * 64 + 32, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN,
+                                SUB, SUPER, ZP, FP8, FP4)
+            xp = X + x_row[:, None] * stride_xm + g * 64 + j
+            xm = mask_m[:, None] & (g < g_end)
+            x_a = tl.load(xp, mask=xm, other=0.0)
+            x_b = tl.load(xp + 32, mask=xm, other=0.0)
+            acc = tl.dot(x_a, tl.trans(w_a.to(X.dtype.element_ty)), acc, input_precision="ieee")
+            acc = tl.dot(x_b, tl.trans(w_b.to(X.dtype.element_ty)), acc, input_precision="ieee")
     ymask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:  # fp32 partial sums WS[s, row, n]; the host adds them up (a fixed order: deterministic)
         tl.store(WS + (pid_s * M + y_row[:, None]) * N + offs_n[None, :], acc, mask=ymask)

@@ -27,7 +27,7 @@ import triton.language as tl
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind
 
-__triton_helpers__ = ("_dequant_units", "_unit_scales")
+__triton_helpers__ = ("_dequant_units", "_unit_scales", "_codes_to_float", "_scaled")
 
 
 @triton.jit
@@ -58,6 +58,30 @@ def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.cons
             else:
                 b = b + m
     return s, b
+
+
+@triton.jit
+def _codes_to_float(q, FP8: tl.constexpr, FP4: tl.constexpr):
+    """Integer codes (int32) as fp32: plain integers, or E4M3 / E2M1 codes read as fp16 bits (see below)."""
+    if FP8:  # E4M3 codes read as fp16 bits (sign, then exponent and mantissa moved up 7 bits): the value / 2^8,
+        # subnormals included; the fp16 -> fp32 conversion is exact (no fp8 instructions: SM70 has none)
+        f = (((q & 0x7F) << 7) | ((q & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif FP4:  # E2M1 codes read as fp16 bits (exponent and mantissa at fp16's top mantissa bit, sign at bit 15): the
+        # value / 2^14 for every code, the subnormal 0.5 included; exact
+        f = (((q & 7) << 9) | ((q & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:  # codes to fp32 without the (quarter-rate) integer conversion: the bits of 2^23 + q, minus 2^23 (exact)
+        f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return f
+
+
+@triton.jit
+def _scaled(s, q, b, FP4: tl.constexpr):
+    """The weights from float codes q and _unit_scales' (s, b)."""
+    if FP4:  # code times scale is exact (at most 6 significant bits): the global scale rounds once
+        w = (s * q) * b
+    else:
+        w = tl.fma(s, q, b)
+    return w
 
 
 @triton.jit
@@ -93,29 +117,14 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
         shift = ((u % 2) * 2)[None, :, None]
         q_lo |= ((hb >> shift) & 3) << 4
         q_hi |= ((hb >> (shift + 4)) & 3) << 4
-    if FP8:  # E4M3 codes read as fp16 bits (sign, then exponent and mantissa moved up 7 bits): the value / 2^8,
-        # subnormals included; the fp16 -> fp32 conversion is exact (no fp8 instructions: SM70 has none)
-        q_lo = (((q_lo & 0x7F) << 7) | ((q_lo & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        q_hi = (((q_hi & 0x7F) << 7) | ((q_hi & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    elif FP4:  # E2M1 codes read as fp16 bits (exponent and mantissa at fp16's top mantissa bit, sign at bit 15): the
-        # value / 2^14 for every code, the subnormal 0.5 included; exact
-        q_lo = (((q_lo & 7) << 9) | ((q_lo & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        q_hi = (((q_hi & 7) << 9) | ((q_hi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:  # codes to fp32 without the (quarter-rate) integer conversion: the bits of 2^23 + q, minus 2^23 (exact)
-        q_lo = (q_lo | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        q_hi = (q_hi | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q_lo = _codes_to_float(q_lo, FP8, FP4)
+    q_hi = _codes_to_float(q_hi, FP8, FP4)
     e0 = ((u // 2) * 64 + (u % 2) * 16)[None, :, None]
     s_lo, b_lo = _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP,
                               FP8, FP4)
     s_hi, b_hi = _unit_scales(e0 + 32, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB,
                                SUPER, ZP, FP8, FP4)
-    if FP4:  # code times scale is exact (at most 6 significant bits): the global scale rounds once
-        w_lo = (s_lo * q_lo) * b_lo
-        w_hi = (s_hi * q_hi) * b_hi
-    else:
-        w_lo = tl.fma(s_lo, q_lo, b_lo)
-        w_hi = tl.fma(s_hi, q_hi, b_hi)
-    return w_lo, w_hi, e0
+    return _scaled(s_lo, q_lo, b_lo, FP4), _scaled(s_hi, q_hi, b_hi, FP4), e0
 
 
 @triton.jit
