@@ -1,6 +1,6 @@
 """The tiled dequant-GEMM (kernels/quant_dot.py) on the GPU: GGUF, AWQ and FP8 planes at the qwen3-8b projection
-shapes against the planes' own dequantization (fp16 / bf16, 5-300 rows, outputs poisoned first, K split or not), and
-quantized MoE experts (layers/quant_moe.QuantExperts) on all three paths (per pair,
+shapes against the planes' own dequantization (fp16 / bf16, 5-300 rows, outputs poisoned first, K split or not), the
+linear layer's dispatch by row count, and quantized MoE experts (layers/quant_moe.QuantExperts) on all three paths (per pair,
 grouped, per expert dequantize + cuBLAS) and inside a CUDA graph against the dense experts."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from voltllm.kernels.quant_dot import grouped_max_rows, quant_dot
+from voltllm.kernels.quant_dot import dot_max_rows, grouped_max_rows, quant_dot
 from voltllm.kernels.quant_gemv import dequantize
 from voltllm.model.layers.gguf_planes import (FP8_KIND, Unpacked, int4_kind, map_planes, planes_from_blocks,
                                               random_blocks, to_planes)
@@ -51,6 +51,28 @@ def test_quant_dot_matches_reference(kind, n, k):
             err = _rel(out, ref)
             assert err < tol and not out.isnan().any(), f"{kind} {n}x{k} m={m} {dtype}: {err:.2e} seed {seed}"
             assert wide[:, :8].isnan().all() and wide[:, 8 + n:].isnan().all(), "wrote outside its columns"
+
+
+def test_linear_dispatch_by_rows(monkeypatch):
+    """QuantizedLinearMethod: <= 4 rows the FMA dequant-GEMM, then the tiled kernel up to dot_max_rows, then
+    dequantize + cuBLAS; all three give the same product."""
+    import voltllm.kernels.quant_dot as qd
+    import voltllm.kernels.quant_gemv as qg
+    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, Segment
+
+    limit = dot_max_rows(torch.cuda.get_device_capability())
+    method = QuantizedLinearMethod(limit)
+    p = _planes("Q4_K", 512, 1024, torch.Generator().manual_seed(3))
+    w = dequantize(p, torch.float32)
+    used = []
+    monkeypatch.setattr(qg, "quant_matmul", lambda *a, _f=qg.quant_matmul, **kw: used.append("fma") or _f(*a, **kw))
+    monkeypatch.setattr(qd, "quant_dot", lambda *a, _f=qd.quant_dot, **kw: used.append("dot") or _f(*a, **kw))
+    for m, form in ((3, "fma"), (5, "dot"), (limit, "dot"), (limit + 1, None)):
+        used.clear()
+        x = torch.randn(m, 1024, dtype=torch.float16, device="cuda")
+        y = method.segment_product(x, Segment(0, 512, p), None, None)
+        assert used == ([form] if form else []), (m, used)
+        assert _rel(y, x.float() @ w.T) < 2e-3
 
 
 def _experts(g):

@@ -15,7 +15,10 @@ def test_kernel_under_interpreter():
 
 
 def test_row_limits_and_tiles():
-    from voltllm.kernels.quant_dot import DOT_CONFIGS, grouped_max_rows, pick_config, split_k
+    from voltllm.kernels.quant_dot import DOT_CONFIGS, dot_max_rows, grouped_max_rows, pick_config, split_k
+
+    assert dot_max_rows(None) == 0
+    assert 4 < dot_max_rows((7, 0)) == dot_max_rows((7, 5)) < dot_max_rows((8, 0)) == dot_max_rows((9, 0))
 
     assert grouped_max_rows(None) == 0
     assert grouped_max_rows((7, 0)) == grouped_max_rows((7, 5)) < grouped_max_rows((8, 0)) == grouped_max_rows((9, 0))

@@ -1,24 +1,30 @@
-"""Grouped quantized MoE experts: a tiled dequant-GEMM with `tl.dot` over (token, expert) pairs sorted by expert.
+"""Quantized weights times 5-64 activation rows (decode batches) and grouped quantized MoE experts: a tiled
+dequant-GEMM with `tl.dot`.
 
-Each program dequantizes one [BLOCK_N, U * 32] tile of the planes in registers (quant_gemv._dequant_units: the same
-exact fp32 values as every other path), rounds it to the activations' dtype and multiplies it by BLOCK_M activation
-rows with `tl.dot` (fp32 accumulators). In SORTED mode (layers/quant_moe.py) the planes hold the experts stacked by
-expert and the pairs come sorted by expert and padded per expert to BLOCK_M (kernels/moe.moe_align), so each row
-block belongs to one expert, whose weight rows it reads once for all its tokens (no host sync, fixed grid: CUDA-graph
-capturable). Row `pair` of the output is the pair's; its activation row is `pair // TOP_K` (the tokens' hidden
-states) or `pair` (the pairs' own intermediate rows, TOP_K 1), optionally times a per-pair routing weight. A grid
-with too few tiles for the GPU splits K (fp32 partial sums added on the host side in a fixed order).
+Each program takes BLOCK_N weight rows and BLOCK_M activation rows; K runs in 64-element groups, whose 32 bytes of
+`lo` hold elements j (low nibbles) and 32 + j (high nibbles), so a group is two contiguous halves of 32: their codes,
+scales (quant_gemv._unit_scales: one load per row per 32 elements, two where scales cover 16) and activations load
+as plain [*, 32] tiles, dequantize to the same exact fp32 values as every other path, round to the activations'
+dtype and go into two `tl.dot`s of K 32 (fp32 accumulators). The weight is read once per BLOCK_M rows at its
+quantized size. A grid with too few tiles for the GPU splits K (fp32 partial sums added afterwards in a fixed order:
+deterministic).
 
-Measured on the H200 (benchmarks/results/session25/, quant_dot_sweep.py), one qwen3-30b-a3b MoE layer at 4 bits:
-16 tokens 0.42 ms (per-pair FMA launches 0.37, per-expert dequantize + cuBLAS 29), 64 tokens 0.69 ms (1.44 / 45),
-512 tokens 4.0 ms (- / 26). As a plain dense GEMM (SORTED off: `quant_dot`) it loses to dequantize + cuBLAS at every
-row count from 5 to 512 (0.6-0.9x at 5-16 rows, 0.05-0.2x beyond; the 8B AWQ shape at 64 concurrent: 817 vs 5,627
-tok/s), so the linear layers do not use it; `quant_dot` stays for the sweep and the tests. Where the time goes was
-not profiled (a grid of BLOCK_M-proportional cost: x's gathered loads and the tile's layout conversions are the
-suspects).
+SORTED mode serves MoE experts stacked by expert in one Planes (layers/quant_moe.py): the (token, expert) pairs
+sorted by expert and padded per expert to BLOCK_M (kernels/moe.moe_align), so each row block belongs to one expert,
+whose weight rows it reads once for all its tokens (no host sync, fixed grid: CUDA-graph capturable). Row `pair` of
+the output is the pair's; its activation row is `pair // TOP_K` (the tokens' hidden states) or `pair` (the pairs'
+own intermediate rows, TOP_K 1), optionally times a per-pair routing weight.
 
-`tl.dot` runs on tensor cores from sm_80 on; below sm_80 Triton lowers it to fp32 FMAs (docs/sm70.md), so the grouped
-form's row limit is lower there (`grouped_max_rows`).
+Measured on the H200 (benchmarks/results/session25/, quant_dot_sweep.py): this form at qwen3-8b projection shapes
+runs 1.5-1.8x faster than dequantize + cuBLAS at 5-16 rows (AWQ 6144 x 4096 at 16 rows: 24.5 us against 37.8; the
+FMA dequant-GEMM's 4-row programs: 96.7), 1.03-1.18x at 64 and 0.3-0.4x at 256 (s89). A first form that dequantized
+a [BLOCK_N, U, 16] tile and reshaped it (and the activations' indices) for `tl.dot` lost to dequantize + cuBLAS at
+every row count (s86 / s87: the 8B AWQ shape at 64 concurrent 817 output tok/s against 5,627), yet as the grouped MoE
+kernel it already beat the alternatives: one 30B-A3B layer at 64 tokens 0.69 ms against 1.44 per pair and 45
+dequantizing every active expert.
+
+`tl.dot` runs on tensor cores from sm_80 on; below sm_80 Triton lowers it to fp32 FMAs (docs/sm70.md), so the row
+limits are lower there (`dot_max_rows`, `grouped_max_rows`; unmeasured on such a GPU).
 """
 from __future__ import annotations
 
@@ -158,6 +164,21 @@ DOT_CONFIGS = {16: (16, 32, 4, 4, 2), 32: (32, 32, 4, 4, 2), 64: (64, 32, 4, 4, 
 # (M < ~34)
 GROUPED_MAX_ROWS_TENSOR_CORES = 256
 GROUPED_MAX_ROWS_FMA = 32
+
+
+# rows up to which quantized linear layers take the tiled kernel instead of dequantize + cuBLAS (from 5 rows; up to 4,
+# quant_gemv's FMA dequant-GEMM). Tensor-core `tl.dot`: the H200 quick sweep (s89, qwen3-8b shapes, Q4_K and AWQ):
+# 1.5-1.8x dequantize + cuBLAS at 5-16 rows, 1.03-1.18x at 64, 0.3-0.4x at 256. FMA `tl.dot` (sm_70 / sm_75):
+# unmeasured; 16 rows keep a 2x margin on the V100 estimate above (16 FMAs per weight against ~4 bytes moved)
+DOT_MAX_ROWS_TENSOR_CORES = 64
+DOT_MAX_ROWS_FMA = 16
+
+
+def dot_max_rows(capability: Optional[tuple[int, int]]) -> int:
+    """Rows up to which QuantizedLinearMethod takes quant_dot on a GPU of `capability` (0: never, e.g. the CPU)."""
+    if capability is None:
+        return 0
+    return DOT_MAX_ROWS_TENSOR_CORES if capability >= (8, 0) else DOT_MAX_ROWS_FMA
 
 
 def grouped_max_rows(capability: Optional[tuple[int, int]]) -> int:

@@ -125,9 +125,11 @@ class ModelRunner:
         linear_method = None
         self.keep_quantized = self._keep_quantized()
         if self.keep_quantized:
+            from voltllm.kernels.quant_dot import dot_max_rows
             from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
 
-            linear_method = QuantizedLinearMethod()
+            cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+            linear_method = QuantizedLinearMethod(dot_max_rows(cap))
         try:
             with torch.device(self.device):
                 model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp)

@@ -9,6 +9,9 @@ types arrive already dequantized (the loader did it) and stay dense in the compu
 The product, by row count (M):
 - up to `fma_max_rows` rows (decode): the dequant-GEMM (kernels.quant_gemv), which reads the weight once at its
   quantized size and needs no tensor cores (the same on every route);
+- up to `dot_max_rows` rows (decode batches): the tiled dequant-GEMM (kernels.quant_dot), which dequantizes each
+  weight tile in registers once per block of rows and multiplies with `tl.dot` (tensor cores from sm_80 on, FMAs
+  below, hence a lower limit there: kernels.quant_dot.dot_max_rows);
 - more rows (prompt steps, large decode batches): the weight is dequantized into a workspace and cuBLAS multiplies
   (fp16 tensor cores on every route; one weight at a time, reused through the caching allocator).
 The CPU (tests) dequantizes with the torch reference and multiplies with F.linear.
@@ -77,8 +80,9 @@ class Segment:
 class QuantizedLinearMethod(LinearMethod):
     """The same forms on both routes: the dequant-GEMM needs no tensor cores, cuBLAS uses SM70's."""
 
-    def __init__(self):
+    def __init__(self, dot_max_rows: int = 0):
         self.fma_max_rows = FMA_MAX_ROWS
+        self.dot_max_rows = dot_max_rows  # 0: no tiled dequant-GEMM (the CPU)
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
         # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, 1 | FMA_MAX_ROWS) -> config
         self.tiles: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
@@ -130,6 +134,10 @@ class QuantizedLinearMethod(LinearMethod):
 
                 tile = self.tiles.get((w.kind.name, w.n, w.k, 1 if rows == 1 else FMA_MAX_ROWS))
                 return quant_matmul(x, w, bias, out=out, config=tile)
+            if x.is_cuda and rows <= self.dot_max_rows:
+                from voltllm.kernels.quant_dot import quant_dot
+
+                return quant_dot(x, w, bias, out=out)
             step = max(1, self.workspace_max_bytes // (w.k * x.element_size()))
             if w.n > step:  # a vocabulary-sized matrix: dequantize a band of rows at a time
                 if out is None:
