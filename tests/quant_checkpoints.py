@@ -14,6 +14,8 @@ import torch
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8j + AWQ_PACK_ORDER[i]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the hybrids' Gated DeltaNet projections (Qwen3-Next: in_proj_qkvz / in_proj_ba; Qwen3.5: the four split ones)
+GDN_LINEARS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool, g_idx: Optional[torch.Tensor] = None):
@@ -175,7 +177,7 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
     gen = torch.Generator().manual_seed(seed)
     for name, t in tensors.items():
         prefix, _, part = name.rpartition(".")
-        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS + GDN_LINEARS:
             out[name] = t
             continue
         if prefix.removeprefix("model.") in dense:
