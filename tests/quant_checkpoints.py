@@ -267,3 +267,24 @@ def assert_kept_matches_dequantized(monkeypatch, path: str, kept_check) -> None:
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             tok = next(iter(lb))
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
+
+
+# tiny hybrids whose every projection the planes can hold: hidden 128 and value heads of 8 x 16 make every input a
+# multiple of 128 (FP8 planes) and every output a multiple of 8 (AWQ packs 8 outputs per word; in_proj_b / _a: 8 rows)
+HYBRID_QUANT_SHAPE = dict(hidden_size=128, linear_num_value_heads=8, linear_value_head_dim=16, intermediate_size=256)
+HYBRID_QUANT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                        shared_expert_intermediate_size=128)
+
+
+def quantized_hybrid(path: str, kind: str, quant: dict, tokenizer: bool = False, **overrides) -> Optional[str]:
+    """A tiny random qwen3_5 / qwen3_next / qwen3_5_moe checkpoint (tiny_models.make_tiny_hybrid at
+    HYBRID_QUANT_SHAPE + overrides) quantized in place by quantize_checkpoint(**quant); with `tokenizer` a tiny BPE
+    tokenizer beside it (text prompts). None when this transformers lacks the architecture."""
+    from tiny_models import HYBRID_VOCAB, make_tiny_hybrid, make_tokenizer
+
+    if tokenizer:  # (a byte-level BPE has at least 259 tokens: the vocabulary grows to hold them)
+        overrides.setdefault("vocab_size", max(HYBRID_VOCAB, len(make_tokenizer(path, HYBRID_VOCAB))))
+    if make_tiny_hybrid(path, kind, 0, 1, **{**HYBRID_QUANT_SHAPE, **overrides}) is None:
+        return None
+    quantize_checkpoint(path, **quant)
+    return path

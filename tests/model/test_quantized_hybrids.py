@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_checkpoints import kept_and_dense, quantize_checkpoint
-from tiny_models import HYBRID_MOE, make_tiny_hybrid
+from quant_checkpoints import HYBRID_QUANT_MOE as MOE, kept_and_dense, quantized_hybrid
 
 pytest.importorskip("transformers")
 
-# value heads of 8 x 16 and hidden 128: every projection's input is a multiple of 128 (FP8 planes) and every output a
-# multiple of 8 (AWQ packs 8 outputs per word); in_proj_b / in_proj_a have 8 rows
-SHAPE = dict(hidden_size=128, linear_num_value_heads=8, linear_value_head_dim=16, intermediate_size=256)
-MOE = dict(HYBRID_MOE, moe_intermediate_size=128, shared_expert_intermediate_size=128)
 CASES = {
     "qwen3_next-awq": ("qwen3_next", dict(MOE, mlp_only_layers=[1]), dict(method="awq")),
     "qwen3_next-fp8": ("qwen3_next", MOE, dict(method="fp8")),
@@ -36,10 +31,9 @@ KIND = {"awq": "INT4_G32_ZP", "gptq": "INT4_G32", "fp8": "FP8_E4M3", "modelopt_f
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
     kind, extra, quant = CASES[request.param]
-    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(request.param)), kind, 0, 1, **SHAPE, **extra)
+    path = quantized_hybrid(str(tmp_path_factory.mktemp(request.param)), kind, quant, **extra)
     if path is None:
         pytest.skip(f"this transformers has no {kind}")
-    quantize_checkpoint(path, **quant)
     return request.param, path
 
 
