@@ -12,6 +12,9 @@ Differences between the variants are only in the checkpoint (GDN projection layo
 and which MLP a layer has. A multimodal checkpoint (model_type qwen3_5 / qwen3_5_moe with a text_config)
 runs as its text model: `model.language_model.*` weights are used, `model.visual.*` and `mtp.*` skipped.
 
+Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`): the attention, GDN, dense-MLP,
+shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts (docs/hybrid.md).
+
 Runner contract: ctx.extra["state_cache"] and ctx.extra["state_slots"] (see voltllm/model/state_cache.py);
 `state_spec` gives the per-slot shapes to build the StateCache, `num_attention_layers` and
 `kv_heads_and_dim` the paged KV cache (attention layers only).
