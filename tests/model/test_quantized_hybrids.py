@@ -20,6 +20,11 @@ CASES = {
     "qwen3_5-gptq-sym": ("qwen3_5", {}, dict(method="gptq", symmetric=True)),
     "qwen3_5-fp8-channel": ("qwen3_5", {}, dict(method="fp8", block=None)),
     "qwen3_5_moe-nvfp4": ("qwen3_5_moe", MOE, dict(method="compressed-tensors")),
+    # the GDN b / a projections left unquantized (as quantizers commonly do): in_proj holds planes and dense rows
+    "qwen3_5-awq-dense-ba": ("qwen3_5", {}, dict(method="awq", dense=tuple(
+        f"layers.{i}.linear_attn.in_proj_{x}" for i in range(3) for x in "ba"))),
+    "qwen3_next-nvfp4-dense-ba": ("qwen3_next", MOE, dict(method="compressed-tensors", dense=tuple(
+        f"layers.{i}.linear_attn.in_proj_ba" for i in range(3)))),
     # experts and shared expert of 64 inputs: not whole 128-input FP8 scales, so they stay dense
     "qwen3_next-fp8-narrow": ("qwen3_next", dict(MOE, moe_intermediate_size=64, shared_expert_intermediate_size=64),
                               dict(method="fp8")),
@@ -67,6 +72,8 @@ def test_layers_held_as_planes(checkpoint):
         held_dense = narrow and ".shared_expert.down_proj" in n
         if held_dense:
             assert len(segs) == 1 and isinstance(segs[0].weight, torch.Tensor), n
+        elif name.endswith("dense-ba") and n.endswith("in_proj"):  # q k v z as one plane segment, b a dense
+            assert [type(s.weight) for s in segs] == [Planes, torch.Tensor] and segs[1].size == 2 * 8, n
         else:
             assert len(segs) == 1 and isinstance(segs[0].weight, Planes) and segs[0].weight.kind.name == KIND[method], n
         x = torch.randn(3, mod.in_features, generator=gen)
