@@ -126,3 +126,27 @@ def test_engine_kept_matches_dequantized(checkpoint, monkeypatch):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, lp in lb.items():
                 assert abs(la[tok].logprob - lp.logprob) < 1e-4
+
+
+def test_split_rows_relays_once():
+    """split_rows on a packed weight: each part is the dense split's rows (planes and dequantized), and the packed
+    tensor is re-laid once for all parts (Qwen3-Next's in_proj_qkvz gives four)."""
+    from quant_checkpoints import pack_awq, quantize_rtn
+
+    from voltllm.model.layers.gguf_planes import dequantize_planes
+    from voltllm.model.layers.quantized_linear import split_rows
+    from voltllm.model.loader.int4_checkpoint import Int4Scheme, Int4Weight
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    codes, scales, zeros, deq = quantize_rtn(w, 32, False)
+    packed = Int4Weight(Int4Scheme("awq", 32, False, 0), **pack_awq(codes, zeros, scales), g_idx=None)
+    calls = []
+    relay = packed.to_weight
+    packed.to_weight = lambda *a: calls.append(a) or relay(*a)
+    index = [torch.arange(64).reshape(4, 16)[:, :8].reshape(-1), torch.arange(64).reshape(4, 16)[:, 8:].reshape(-1)]
+    parts = split_rows(packed, index)
+    for part, idx, dense in zip(parts, index, split_rows(deq, index)):
+        assert (part.out_features, part.in_features) == (32, 128)
+        assert torch.equal(dequantize_planes(part.to_weight(torch.device("cpu"), torch.float32)), dense)
+        assert torch.equal(part.dequantize(), deq[idx])
+    assert len(calls) == 1

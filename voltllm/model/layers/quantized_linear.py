@@ -86,16 +86,17 @@ class PackedRows(PackedWeight):
 
 
 class _SharedPacked:
-    """One packed weight and its last conversion (planes or dense), for the PackedRows cut from it."""
+    """One packed weight and its conversions (planes or dense, by device and dtype), for the PackedRows cut from it;
+    freed with them."""
 
     def __init__(self, packed: PackedWeight):
         self.packed = packed
-        self.cached: Optional[tuple] = None
+        self.cached: dict[tuple, Union[Planes, torch.Tensor]] = {}
 
     def _get(self, key: tuple, make):
-        if self.cached is None or self.cached[0] != key:
-            self.cached = (key, make())
-        return self.cached[1]
+        if key not in self.cached:
+            self.cached[key] = make()
+        return self.cached[key]
 
     def weight(self, device, dtype):
         return self._get(("weight", device, dtype), lambda: self.packed.to_weight(device, dtype))
