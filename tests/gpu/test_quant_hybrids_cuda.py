@@ -1,9 +1,9 @@
 """Quantized hybrid checkpoints (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE) kept quantized on the GPU: tiny AWQ / FP8 / NVFP4
 checkpoints (tests/quant_checkpoints.quantized_hybrid: attention, Gated DeltaNet, dense-MLP, routed and shared expert
 projections quantized) against the same checkpoint dequantized at load, fp32, through the engine with every hybrid
-Triton path on (GDN decode / chunk / conv kernels, the MoE router launch; the kept layers on the dequant-GEMM up to 4
-rows, dequantize + cuBLAS above; the experts on quant_moe's per-pair / grouped launches) and CUDA graphs: the same
-greedy tokens and logprobs; fp16 under --compat sm70 runs and keeps its bookkeeping."""
+Triton path on (GDN decode / chunk / conv kernels, the MoE router launch; the kept layers on QuantizedLinearMethod's
+routes by row count; the experts on quant_moe's per-pair / grouped launches) and CUDA graphs: the same greedy tokens
+and logprobs; fp16 under --compat sm70 runs and keeps its bookkeeping."""
 from __future__ import annotations
 
 import pytest
