@@ -116,18 +116,20 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
 
     gen = torch.Generator().manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
-    written = [0, 0]  # shards, bytes
+    written = [0, 0, 0]  # shards, bytes, bytes of the open shard (a running count: MoE shapes add ~10^5 tensors)
 
     def flush() -> None:
         if shard:
             save_file(shard, os.path.join(out, f"model-{written[0]:05d}.safetensors"), metadata={"format": "pt"})
             written[0] += 1
+            written[2] = 0
             shard.clear()
 
     def add(name: str, t: torch.Tensor) -> None:
         shard[name] = t
         written[1] += t.numel() * t.element_size()
-        if sum(v.numel() * v.element_size() for v in shard.values()) > SHARD_BYTES:
+        written[2] += t.numel() * t.element_size()
+        if written[2] > SHARD_BYTES:
             flush()
 
     norm = torch.zeros if hybrid else torch.ones  # unit norms (the hybrids' RMSNorms scale by 1 + w)
