@@ -137,8 +137,8 @@
 #   s85/s86  (session 25) GPU tests (tiled dequant-GEMM, speculative rows, NVFP4); quant_dot_sweep.py + AWQ 8B 16 / 64
 #   s86b     (session 25) the 30B-A3B-shape AWQ checkpoint kept quantized: b1 / 16 / 64
 #   s87      (session 25) the tiled dequant-GEMM with split K: tests, sweep, AWQ 8B 16 / 64 with / without it
-#   s88      (qhybrid branch, queued; carry .whl) quantized hybrids kept quantized: tests/gpu/test_quant_hybrids_cuda.py,
-#            then the hybrid GPU file's engine cases (the dense route must be unchanged)
+#   s88      (qhybrid branch, queued; carry .whl) quantized hybrids kept quantized: tests/gpu/test_quant_hybrids_cuda.py
+#   s88c     (qhybrid branch, queued; carry .whl) the hybrid GPU file's fp32 engine cases (dense route unchanged)
 #   s88b     (qhybrid branch, queued) a qwen3.5-35b-a3b-shape AWQ checkpoint of random words (about 19 GB) kept
 #            quantized: decode b1 and 16 concurrent
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
@@ -710,9 +710,11 @@ case $stage in
     ;;
   s88)  # (qhybrid branch, queued; carry .whl) hybrid (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE) AWQ / GPTQ / FP8 / NVFP4
          # checkpoints kept quantized: tiny models kept vs dequantized at load (fp32, CUDA graphs: same tokens and
-         # logprobs) and under --compat sm70; then the dense hybrid engine tests, which the model changes touch too
-    gpu_file test_quant_hybrids_cuda 300
-    gpu_file test_hybrid_gpu 240 -k "engine and not half"
+         # logprobs) and one of them under --compat sm70 (7 engine starts)
+    gpu_file test_quant_hybrids_cuda 540
+    ;;
+  s88c)  # (qhybrid branch, queued; carry .whl) the dense hybrid engine tests, which the model changes touch too
+    gpu_file test_hybrid_gpu 540 -k "engine_gpu_fp32 or prefix_cache"
     ;;
   s88b)  # (qhybrid branch, queued) qwen3.5-35b-a3b-shape as an AWQ checkpoint of random words (group 128; experts as
           # QuantExperts, attention / GDN / shared-expert projections as int4 planes, GDN b / a, routers and shared-expert
