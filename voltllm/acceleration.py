@@ -68,8 +68,11 @@ def _is_moe_config(hf_config: Any) -> bool:
     return int(getattr(text, "num_experts", 0) or 0) > 0
 
 
-def _has_quantized_experts(runner: Any) -> bool:
-    model = getattr(runner, "model", None) if runner is not None else None
+def _has_quantized_experts(runner: Any, config: Any) -> bool:
+    """Whether the MoE layers hold quant_moe.QuantExperts (predicted without a runner: weights kept quantized)."""
+    if runner is None:
+        return getattr(config.model, "quantized_weights", "") == "quantized"
+    model = getattr(runner, "model", None)
     return model is not None and any(getattr(m, "qexperts", None) is not None for m in model.modules())
 
 
@@ -286,7 +289,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     if _has_moe_layers(runner) if runner is not None else _is_moe_config(config.model.hf_config):
         from voltllm.kernels.moe_decode import SMALL_MAX_PAIRS
 
-        if _has_quantized_experts(runner):  # quant_moe.QuantExperts: the dense expert kernels do not run
+        if _has_quantized_experts(runner, config):  # quant_moe.QuantExperts: the dense expert kernels do not run
             from voltllm.model.layers.quant_moe import PAIR_LAUNCH_MAX_TOKENS
 
             impl = (f"Triton router (one launch); quantized experts: up to {PAIR_LAUNCH_MAX_TOKENS} tokens one "
