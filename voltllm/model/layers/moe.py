@@ -169,8 +169,9 @@ class SparseMoE(nn.Module):
         return keys
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> list[str]:
-        """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...). Quantized expert
-        weights (AWQ / GPTQ / FP8 checkpoints) are dequantized here: the experts are kept dense."""
+        """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...). Packed quantized
+        expert weights go to QuantExperts (quantized_experts), else are dequantized here; the shared expert's go to its
+        Linears, whose method decides; the router and the shared expert's gate are always dense."""
         from voltllm.model.layers.quantized_linear import PackedWeight, dense_tensor
 
         m = _EXPERT.fullmatch(name)
