@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint of random quantized weights (4-bit AWQ or GPTQ, FP8 E4M3 with 128 x 128 block scales,
-NVFP4 as NVIDIA ModelOpt writes it, or fp16 for `--quantization fp8` at load) at a named dense shape, for end-to-end
-runs of quantized checkpoints on the GPU machine (the real Qwen AWQ / GPTQ / FP8 / NVFP4 repos are too large to carry
-there).
+NVFP4 as NVIDIA ModelOpt writes it, or fp16 for `--quantization fp8` at load) at a named dense or hybrid shape, for
+end-to-end runs of quantized checkpoints on the GPU machine (the real Qwen AWQ / GPTQ / FP8 / NVFP4 repos are too large
+to carry there).
 
     PYTHONPATH=$PWD python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq --group 128 \\
         /root/m/qwen3-8b-awq
@@ -11,8 +11,10 @@ vocabulary is the shape's or the tokenizer's, whichever is larger (`voltllm benc
 token ids). Every projection gets random packed words (all codes and zero points) and fp16 group scales of about
 `scale`, or random E4M3 codes (all but the NaNs) and fp32 block scales, or (nvfp4) random E2M1 codes, E4M3 group
 scales and an fp32 global scale per tensor (`--quantization modelopt_fp4`); embeddings, the LM head and norms are fp16
-as the quantizers leave them. The values mean nothing; the
-bytes, layouts and quantization_config are a real checkpoint's.
+as the quantizers leave them. Hybrid shapes (qwen3.5-27b-shape, qwen3.5-35b-a3b-shape, qwen3-next-80b-a3b-shape) pack
+the attention, Gated DeltaNet (in_proj_qkvz or in_proj_qkv / in_proj_z, out_proj), dense-MLP, routed and shared
+expert projections; the GDN b / a projections, routers, shared-expert gates, conv1d, decays and norms stay fp16 / fp32.
+The values mean nothing; the bytes, layouts and quantization_config are a real checkpoint's.
 """
 import argparse
 import json
@@ -26,6 +28,7 @@ from voltllm.bench.shapes import SHAPES, make_config
 from voltllm.model.models.llama import is_moe_layer
 
 DENSE = ("Qwen3Config", "LlamaConfig", "Qwen3MoeConfig")  # the llama-family model's architectures
+HYBRID = ("Qwen3_5TextConfig", "Qwen3NextConfig", "Qwen3_5MoeTextConfig")  # Gated DeltaNet + gated attention
 SHARD_BYTES = 2 << 30
 
 
@@ -72,19 +75,24 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
     from safetensors.torch import save_file
 
     cls, _ = SHAPES[shape]
-    if cls not in DENSE:
-        raise SystemExit(f"{shape}: only llama / qwen3 / qwen3_moe shapes (the architectures with quantized layers)")
+    if cls not in DENSE + HYBRID:
+        raise SystemExit(f"{shape}: only llama / qwen3 / qwen3_moe and hybrid (qwen3_5 / qwen3_next / qwen3_5_moe) "
+                         "shapes")
     c = make_config(shape)
     tok = load_tokenizer(tokenizer_from) if tokenizer_from else None
     if tok is not None:
         c.vocab_size = max(c.vocab_size, len(tok))
-    h, inter = c.hidden_size, c.intermediate_size
+    h, inter = c.hidden_size, getattr(c, "intermediate_size", None)  # (None: MoE in every layer)
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     moe_inter = int(getattr(c, "moe_intermediate_size", 0) or 0)
+    hybrid = cls in HYBRID
+    shared_inter = int(getattr(c, "shared_expert_intermediate_size", 0) or 0) if hybrid else 0
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim if hybrid else 0
     if method == "nvfp4":
         group = 16
-    for k in {h, q, inter} | ({moe_inter} if moe_inter else set()):
+    widths = {k for k in (h, q, inter, moe_inter, shared_inter, value_dim) if k}
+    for k in widths:
         if k % group:
             raise SystemExit(f"{shape}: {k} input features are not a multiple of the group size {group}")
     os.makedirs(out, exist_ok=True)
@@ -108,26 +116,39 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
 
     gen = torch.Generator().manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
-    written = [0, 0]  # shards, bytes
+    written = [0, 0, 0]  # shards, bytes, bytes of the open shard (a running count: MoE shapes add ~10^5 tensors)
 
     def flush() -> None:
         if shard:
             save_file(shard, os.path.join(out, f"model-{written[0]:05d}.safetensors"), metadata={"format": "pt"})
             written[0] += 1
+            written[2] = 0
             shard.clear()
 
     def add(name: str, t: torch.Tensor) -> None:
         shard[name] = t
         written[1] += t.numel() * t.element_size()
-        if sum(v.numel() * v.element_size() for v in shard.values()) > SHARD_BYTES:
+        written[2] += t.numel() * t.element_size()
+        if written[2] > SHARD_BYTES:
             flush()
 
+    norm = torch.zeros if hybrid else torch.ones  # unit norms (the hybrids' RMSNorms scale by 1 + w)
     add("model.embed_tokens.weight", (torch.randn(c.vocab_size, h, generator=gen) * 0.02).half())
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
         projections = [("self_attn.q_proj", q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
                        ("self_attn.o_proj", h, q)]
-        if is_moe_layer(c, i):  # per-expert projections, as the quantizers write them; the router in fp16
+        if hybrid:
+            projections = hybrid_layer(c, i, p, add, gen)
+        if hybrid and is_moe_layer(c, i):
+            # routed experts as below, plus the shared expert (packed) and its gate (fp16, as quantizers leave it)
+            add(f"{p}.mlp.gate.weight", (torch.randn(c.num_experts, h, generator=gen) * 0.02).half())
+            add(f"{p}.mlp.shared_expert_gate.weight", (torch.randn(1, h, generator=gen) * 0.02).half())
+            projections += [(f"mlp.experts.{e}.{n}", rows, cols) for e in range(c.num_experts) for n, rows, cols in
+                            (("gate_proj", moe_inter, h), ("up_proj", moe_inter, h), ("down_proj", h, moe_inter))]
+            projections += [("mlp.shared_expert.gate_proj", shared_inter, h), ("mlp.shared_expert.up_proj",
+                             shared_inter, h), ("mlp.shared_expert.down_proj", h, shared_inter)]
+        elif is_moe_layer(c, i):  # per-expert projections, as the quantizers write them; the router in fp16
             add(f"{p}.mlp.gate.weight", (torch.randn(c.num_experts, h, generator=gen) * 0.02).half())
             projections += [(f"mlp.experts.{e}.{n}", rows, cols) for e in range(c.num_experts) for n, rows, cols in
                             (("gate_proj", moe_inter, h), ("up_proj", moe_inter, h), ("down_proj", h, moe_inter))]
@@ -136,22 +157,50 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
         for name, rows, cols in projections:
             for part, t in packed_layer(method, rows, cols, group, scale, gen).items():
                 add(f"{p}.{name}.{part}", t)
-        add(f"{p}.input_layernorm.weight", torch.ones(h, dtype=torch.float16))
-        add(f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=torch.float16))
-        if c.model_type in ("qwen3", "qwen3_moe"):
-            add(f"{p}.self_attn.q_norm.weight", torch.ones(head_dim, dtype=torch.float16))
-            add(f"{p}.self_attn.k_norm.weight", torch.ones(head_dim, dtype=torch.float16))
-    add("model.norm.weight", torch.ones(h, dtype=torch.float16))
+        add(f"{p}.input_layernorm.weight", norm(h, dtype=torch.float16))
+        add(f"{p}.post_attention_layernorm.weight", norm(h, dtype=torch.float16))
+        if c.model_type in ("qwen3", "qwen3_moe") or hybrid and c.layer_types[i] == "full_attention":
+            add(f"{p}.self_attn.q_norm.weight", norm(head_dim, dtype=torch.float16))
+            add(f"{p}.self_attn.k_norm.weight", norm(head_dim, dtype=torch.float16))
+    add("model.norm.weight", norm(h, dtype=torch.float16))
     if not getattr(c, "tie_word_embeddings", False):
         add("lm_head.weight", (torch.randn(c.vocab_size, h, generator=gen) * 0.02).half())
     flush()
     return written[1]
 
 
+def hybrid_layer(c, i: int, p: str, add, gen: torch.Generator) -> list[tuple[str, int, int]]:
+    """A hybrid layer's mixer: gated attention (q_proj gives [q | gate] per head: twice the rows) or Gated DeltaNet
+    (its conv1d, decays and norm in fp16 / fp32 here); returns the projections to pack. The GDN b / a projections
+    stay fp16 (a few dozen rows: the quantizers commonly leave them out), so in_proj mixes planes and a dense part."""
+    h = c.hidden_size
+    if c.layer_types[i] == "full_attention":
+        head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
+        q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        return [("self_attn.q_proj", 2 * q, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                ("self_attn.o_proj", h, q)]
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    key_dim, value_dim = nk * c.linear_key_head_dim, nv * c.linear_value_head_dim
+    g = f"{p}.linear_attn"
+    add(f"{g}.conv1d.weight", (torch.randn(2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim, generator=gen)
+                               * 0.2).half())
+    add(f"{g}.A_log", torch.empty(nv).uniform_(0.02, 0.3, generator=gen).log())
+    add(f"{g}.dt_bias", torch.ones(nv))
+    add(f"{g}.norm.weight", torch.ones(c.linear_value_head_dim))
+    if c.model_type == "qwen3_next":
+        add(f"{g}.in_proj_ba.weight", (torch.randn(2 * nv, h, generator=gen) * 0.02).half())
+        return [("linear_attn.in_proj_qkvz", 2 * key_dim + 2 * value_dim, h), ("linear_attn.out_proj", h, value_dim)]
+    add(f"{g}.in_proj_b.weight", (torch.randn(nv, h, generator=gen) * 0.02).half())
+    add(f"{g}.in_proj_a.weight", (torch.randn(nv, h, generator=gen) * 0.02).half())
+    return [("linear_attn.in_proj_qkv", 2 * key_dim + value_dim, h), ("linear_attn.in_proj_z", value_dim, h),
+            ("linear_attn.out_proj", h, value_dim)]
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--shape", default="qwen3-8b-shape", choices=[s for s, (cls, _) in SHAPES.items() if cls in DENSE])
+    ap.add_argument("--shape", default="qwen3-8b-shape",
+                    choices=[s for s, (cls, _) in SHAPES.items() if cls in DENSE + HYBRID])
     ap.add_argument("--method", default="awq", choices=["awq", "gptq", "fp8", "nvfp4", "fp16"])
     ap.add_argument("--group", type=int, default=128, help="AWQ / GPTQ group size (NVFP4: always 16)")
     ap.add_argument("--tokenizer-from", help="a GGUF file or Hugging Face directory (default: none)")

@@ -138,6 +138,10 @@
 #   s86b     (session 25) the 30B-A3B-shape AWQ checkpoint kept quantized: b1 / 16 / 64
 #   s87      (session 25) the tiled dequant-GEMM with split K: tests, sweep, AWQ 8B 16 / 64 with / without it
 #   s89      (session 25) the tiled dequant-GEMM's second form: a subset of its GPU tests, the quick sweep
+#   s88      (qhybrid branch, queued; carry .whl) quantized hybrids kept quantized: tests/gpu/test_quant_hybrids_cuda.py
+#   s88c     (qhybrid branch, queued; carry .whl) the hybrid GPU file's fp32 engine cases (dense route unchanged)
+#   s88b     (qhybrid branch, queued) a qwen3.5-35b-a3b-shape AWQ checkpoint of random words (about 19 GB) kept
+#            quantized: decode b1 and 16 concurrent
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
 #            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
 #            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
@@ -710,6 +714,26 @@ case $stage in
     bench $q30 --scenario decode --input-len 512 --output-len 128 --name qwen3-30b-a3b-shape-awq-decode-b1-$sha | tail -8
     bench $q30 --scenario concurrency --concurrency 16,64 --input-len 128 --output-len 128 \
       --name qwen3-30b-a3b-shape-awq-c16-c64-$sha | tail -10
+    ;;
+  s88)  # (qhybrid branch, queued; carry .whl) hybrid (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE) AWQ / GPTQ / FP8 / NVFP4
+         # checkpoints kept quantized: tiny models kept vs dequantized at load (fp32, CUDA graphs: same tokens and
+         # logprobs) and one of them under --compat sm70 (7 engine starts)
+    gpu_file test_quant_hybrids_cuda 540
+    ;;
+  s88c)  # (qhybrid branch, queued; carry .whl) the dense hybrid engine tests, which the model changes touch too
+    gpu_file test_hybrid_gpu 540 -k "engine_gpu_fp32 or prefix_cache"
+    ;;
+  s88b)  # (qhybrid branch, queued) qwen3.5-35b-a3b-shape as an AWQ checkpoint of random words (group 128; experts as
+          # QuantExperts, attention / GDN / shared-expert projections as int4 planes, GDN b / a, routers and shared-expert
+          # gates fp16; about 19 GB where fp16 needs 70 GB): decode b1 and 16 concurrent, kept quantized
+    mkdir -p /root/m
+    rm -rf /root/m/q8b-awq /root/m/q30b-awq
+    timeout 280 python3 benchmarks/make_random_quantized.py --shape qwen3.5-35b-a3b-shape --method awq /root/m/q35b-awq
+    q35="/root/m/q35b-awq --dtype half --num-warm 1 --quantization awq"
+    bench $q35 --scenario decode --input-len 512 --output-len 128 --name qwen3.5-35b-a3b-shape-awq-decode-b1-$sha \
+      | tail -8
+    bench $q35 --scenario concurrency --concurrency 16 --input-len 128 --output-len 128 \
+      --name qwen3.5-35b-a3b-shape-awq-c16-$sha | tail -6
     ;;
   s79)  # (session 24, queued; carry .whl) AWQ / GPTQ / FP8 checkpoints: the kernels' and tiny models' GPU tests, then
         # an 8B-shape AWQ checkpoint of random packed words (make_random_quantized.py, group 128, the shape's 151,936

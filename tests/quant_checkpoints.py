@@ -14,6 +14,8 @@ import torch
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8j + AWQ_PACK_ORDER[i]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the hybrids' Gated DeltaNet projections (Qwen3-Next: in_proj_qkvz / in_proj_ba; Qwen3.5: the four split ones)
+GDN_LINEARS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool, g_idx: Optional[torch.Tensor] = None):
@@ -175,7 +177,7 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
     gen = torch.Generator().manual_seed(seed)
     for name, t in tensors.items():
         prefix, _, part = name.rpartition(".")
-        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS:
+        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS + GDN_LINEARS:
             out[name] = t
             continue
         if prefix.removeprefix("model.") in dense:
@@ -265,3 +267,24 @@ def assert_kept_matches_dequantized(monkeypatch, path: str, kept_check) -> None:
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             tok = next(iter(lb))
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
+
+
+# tiny hybrids whose every projection the planes can hold: hidden 128 and value heads of 8 x 16 make every input a
+# multiple of 128 (FP8 planes) and every output a multiple of 8 (AWQ packs 8 outputs per word; in_proj_b / _a: 8 rows)
+HYBRID_QUANT_SHAPE = dict(hidden_size=128, linear_num_value_heads=8, linear_value_head_dim=16, intermediate_size=256)
+HYBRID_QUANT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                        shared_expert_intermediate_size=128)
+
+
+def quantized_hybrid(path: str, kind: str, quant: dict, tokenizer: bool = False, **overrides) -> Optional[str]:
+    """A tiny random qwen3_5 / qwen3_next / qwen3_5_moe checkpoint (tiny_models.make_tiny_hybrid at
+    HYBRID_QUANT_SHAPE + overrides) quantized in place by quantize_checkpoint(**quant); with `tokenizer` a tiny BPE
+    tokenizer beside it (text prompts). None when this transformers lacks the architecture."""
+    from tiny_models import HYBRID_VOCAB, make_tiny_hybrid, make_tokenizer
+
+    if tokenizer:  # (a byte-level BPE has at least 259 tokens: the vocabulary grows to hold them)
+        overrides.setdefault("vocab_size", max(HYBRID_VOCAB, len(make_tokenizer(path, HYBRID_VOCAB))))
+    if make_tiny_hybrid(path, kind, 0, 1, **{**HYBRID_QUANT_SHAPE, **overrides}) is None:
+        return None
+    quantize_checkpoint(path, **quant)
+    return path

@@ -68,6 +68,14 @@ def _is_moe_config(hf_config: Any) -> bool:
     return int(getattr(text, "num_experts", 0) or 0) > 0
 
 
+def _has_quantized_experts(runner: Any, config: Any) -> bool:
+    """Whether the MoE layers hold quant_moe.QuantExperts (predicted without a runner: weights kept quantized)."""
+    if runner is None:
+        return getattr(config.model, "quantized_weights", "") == "quantized"
+    model = getattr(runner, "model", None)
+    return model is not None and any(getattr(m, "qexperts", None) is not None for m in model.modules())
+
+
 def _has_moe_layers(runner: Any) -> bool:
     from voltllm.model.layers.moe import SparseMoE
 
@@ -281,12 +289,19 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     if _has_moe_layers(runner) if runner is not None else _is_moe_config(config.model.hf_config):
         from voltllm.kernels.moe_decode import SMALL_MAX_PAIRS
 
-        routes["moe"] = _route(
-            cuda, cuda,
-            f"Triton router (one launch); up to {SMALL_MAX_PAIRS} (token, expert) pairs: two unsorted expert GEMV "
-            "launches with the shared expert, else the grouped GEMM (sort, gate_up + SiLU, down)" if cuda else
-            "torch router + reference experts (one GEMM pair per expert with tokens)",
-            "no loop over experts, no host sync, CUDA-graph safe" if cuda else cpu_reason)
+        if _has_quantized_experts(runner, config):  # quant_moe.QuantExperts: the dense expert kernels do not run
+            from voltllm.model.layers.quant_moe import PAIR_LAUNCH_MAX_TOKENS
+
+            impl = (f"Triton router (one launch); quantized experts: up to {PAIR_LAUNCH_MAX_TOKENS} tokens one "
+                    "dequant-GEMM launch per projection over the (token, expert) pairs, else the grouped tiled "
+                    "dequant-GEMM (long prompts: per-expert dequantize + cuBLAS); the shared expert runs apart"
+                    if cuda else "torch router + experts dequantized one at a time (torch reference)")
+        else:
+            impl = (f"Triton router (one launch); up to {SMALL_MAX_PAIRS} (token, expert) pairs: two unsorted expert "
+                    "GEMV launches with the shared expert, else the grouped GEMM (sort, gate_up + SiLU, down)" if cuda
+                    else "torch router + reference experts (one GEMM pair per expert with tokens)")
+        routes["moe"] = _route(cuda, cuda, impl,
+                               "no loop over experts, no host sync, CUDA-graph safe" if cuda else cpu_reason)
 
     counters = counters_of(runner) if runner is not None else None
     calls = counters.calls() if counters is not None else None

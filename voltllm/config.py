@@ -343,7 +343,7 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
     from voltllm.model.loader.fp8_checkpoint import FP8CheckpointError, fp8_scheme
     from voltllm.model.loader.int4_checkpoint import Int4CheckpointError, int4_scheme, quantization_method
     from voltllm.model.loader.nvfp4_checkpoint import NVFP4CheckpointError, nvfp4_scheme
-    from voltllm.model.models.registry import supports_quantized_layers
+    from voltllm.model.models.registry import attention_only
 
     method = "gguf" if kind == "gguf" else quantization_method(hf_config)
     try:
@@ -358,7 +358,7 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
         raise ConfigError(str(e)) from None
     wanted = QUANTIZATION_ALIASES.get(flag) if flag is not None else None
     if wanted == "fp8" and method is None:
-        if not supports_quantized_layers(hf_config):
+        if not attention_only(hf_config):  # (the hybrids' GDN projections have no at-load path)
             raise ConfigError(f"--quantization fp8 quantizes the projections at load for the llama / qwen2 / qwen3 "
                               f"architectures only, not {getattr(hf_config, 'model_type', None)!r}")
         return "fp8"

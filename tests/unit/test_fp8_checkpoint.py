@@ -100,7 +100,7 @@ def test_fp8_policy():
     with pytest.raises(ConfigError, match="llama / qwen2 / qwen3"):
         _resolve_quantization("fp8", "hf", hybrid)
     fp8 = SimpleNamespace(model_type="qwen3_next", quantization_config={"quant_method": "fp8"})
-    assert _resolve_quantization(None, "hf", fp8) == "fp8"  # read (dequantized at load for a hybrid)
+    assert _resolve_quantization(None, "hf", fp8) == "fp8"  # read (kept quantized on a GPU for a hybrid too)
     with pytest.raises(ConfigError, match="an FP8 checkpoint"):
         _resolve_quantization("awq", "hf", fp8)
     with pytest.raises(ConfigError, match="a GGUF file"):

@@ -160,7 +160,8 @@ def test_quantized_weights_policy(monkeypatch, smollm2_gguf):
     assert _quantized_weights("gguf", "gguf", llama, cpu, "auto") == "dequantized"
     assert _quantized_weights("gguf", None, llama, cuda, "dummy") == "dequantized"
     assert _quantized_weights(None, None, llama, cuda, "auto") == "dequantized"
-    assert _quantized_weights("gptq", "gptq", hybrid, cuda, "auto") == "dequantized"
+    assert _quantized_weights("gptq", "gptq", hybrid, cuda, "auto") == "quantized"  # hybrids keep them too
+    assert _quantized_weights("gptq", "gptq", SimpleNamespace(model_type="mamba"), cuda, "auto") == "dequantized"
     assert _resolve_quantization(None, "gguf", None) == "gguf"
     assert _resolve_quantization(None, "hf", llama) is None
     with pytest.raises(ConfigError, match="needs a .gguf"):

@@ -46,3 +46,45 @@ def test_moe_shape(tmp_path, smollm2_gguf, monkeypatch):
     assert llm.engine.config.model.quantization == "awq" and llm.engine.runner.model.has_moe
     got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
     assert len(got.token_ids) == 3
+
+
+@pytest.mark.parametrize("cls,extra", [
+    ("Qwen3_5MoeTextConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=64)),
+    ("Qwen3NextConfig", dict(intermediate_size=256, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64, mlp_only_layers=[1], decoder_sparse_step=1)),
+    ("Qwen3_5TextConfig", dict(intermediate_size=256))])
+def test_hybrid_shape(tmp_path, smollm2_gguf, monkeypatch, cls, extra):
+    """Hybrid shapes: packed attention / GDN / MLP / expert projections, fp16 GDN b / a, routers and shared-expert
+    gates; read back kept quantized (the GDN in_proj: planes for q k v z, dense b / a) and generated from."""
+    import torch
+
+    from voltllm import LLM, SamplingParams
+    from voltllm.bench import shapes
+    from voltllm.model.layers.gguf_planes import Planes
+    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
+    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+    from voltllm.model.models.registry import build_model
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny-hybrid-shape", (cls, dict(
+        vocab_size=1000, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=16, tie_word_embeddings=False, max_position_embeddings=512, **extra)))
+    script = _script()
+    monkeypatch.setattr(script, "SHAPES", shapes.SHAPES)
+    out = str(tmp_path / "tiny-hybrid-awq")
+    script.write("tiny-hybrid-shape", "awq", 64, smollm2_gguf, out)
+    src = resolve_model(out)
+    cfg = load_hf_config(src)
+    kept = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
+    kept.load_weights(iter_weights(src, cfg, keep_quantized=True))
+    segs = kept.layers[0].linear_attn.in_proj.gguf_segments
+    assert [type(s.weight) for s in segs] == [Planes, torch.Tensor] and segs[1].size == 16
+    assert isinstance(kept.layers[3].self_attn.o_proj.gguf_segments[0].weight, Planes)
+    if "num_experts" in extra:
+        assert kept.layers[0].mlp.qexperts.ready
+        assert isinstance(kept.layers[0].mlp.shared_expert.down_proj.gguf_segments[0].weight, Planes)
+    llm = LLM(out, device="cpu", max_model_len=128, dtype="float32")
+    assert llm.engine.config.model.quantization == "awq" and llm.engine.runner.is_hybrid
+    got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(got.token_ids) == 3

@@ -27,7 +27,8 @@ from torch import nn
 from voltllm.host_to_device import to_device
 from voltllm.kernels import gdn_ref
 from voltllm.model.forward_context import ForwardContext
-from voltllm.model.layers.linear import Linear
+from voltllm.model.layers.linear import Linear, LinearMethod
+from voltllm.model.layers.quantized_linear import split_rows
 
 # tokens: with exact fp32 ("ieee") products, a step whose every request computes at least this many runs the
 # torch chunked form (GatedDeltaNet._triton_prefill_fits)
@@ -169,7 +170,10 @@ class GatedDeltaNet(nn.Module):
     # per layer for its route (set_chunk_precision); "ieee", exact fp32 FMA products, unless told otherwise.
     chunk_precision: str = "ieee"
 
-    def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split"):
+    def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split",
+                 linear_method: Optional[LinearMethod] = None):
+        """linear_method: how in_proj / out_proj hold their weights (quantized checkpoints kept quantized); None:
+        dense."""
         super().__init__()
         if layout not in ("split", "qkvz"):
             raise ValueError(f"unknown GDN checkpoint layout {layout!r}")
@@ -189,13 +193,13 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"GDN conv activation {act!r} is not supported")
         h = cfg.hidden_size
         self.in_proj = Linear(h, [self.key_dim, self.key_dim, self.value_dim, self.value_dim, self.nv, self.nv],
-                              dtype=dtype)
+                              dtype=dtype, method=linear_method)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.kernel, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.nv, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv, dtype=torch.float32), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.ones(self.dv, dtype=torch.float32), requires_grad=False)
         self.eps = cfg.rms_norm_eps
-        self.out_proj = Linear(self.value_dim, h, dtype=dtype)
+        self.out_proj = Linear(self.value_dim, h, dtype=dtype, method=linear_method)
 
     # -- state shapes (for the StateCache) -------------------------------------------------------
     @property
@@ -322,31 +326,33 @@ class GatedDeltaNet(nn.Module):
         keys = {f"{prefix}in_proj#{i}" for i in range(6)}
         return keys | {f"{prefix}{n}" for n in ("conv_weight", "A_log", "dt_bias", "norm_weight", "out_proj#0")}
 
-    def load_hf_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> list[str]:
-        """`name` is relative to the HF module (e.g. 'in_proj_qkvz.weight'); returns the keys it filled."""
+    def load_hf_weight(self, name: str, tensor: Any, prefix: str = "") -> list[str]:
+        """`name` is relative to the HF module (e.g. 'in_proj_qkvz.weight'); returns the keys it filled. Projection
+        weights may be dense tensors or packed quantized ones (quantized_linear.PackedWeight): both are cut into the
+        merged projection's shards by rows (split_rows)."""
         kd, vd, nv = self.key_dim, self.value_dim, self.nv
         if name == "in_proj_qkv.weight":
-            q, k, v = tensor.split([kd, kd, vd], dim=0)
-            for i, part in enumerate((q, k, v)):
+            rows = torch.arange(2 * kd + vd).split([kd, kd, vd])
+            for i, part in enumerate(split_rows(tensor, list(rows))):
                 self.in_proj.load_weight(part, i)
             return [f"{prefix}in_proj#{i}" for i in range(3)]
         shard = {"in_proj_z.weight": 3, "in_proj_b.weight": 4, "in_proj_a.weight": 5}.get(name)
         if shard is not None:
             self.in_proj.load_weight(tensor, shard)
             return [f"{prefix}in_proj#{shard}"]
-        if name == "in_proj_qkvz.weight":
+        if name == "in_proj_qkvz.weight":  # per key head g: [q_g k_g v_g z_g]
             r = nv // self.nk
-            grouped = tensor.reshape(self.nk, 2 * self.dk + 2 * r * self.dv, -1)
-            q, k, v, z = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
-            for i, part in enumerate((q, k, v, z)):
-                self.in_proj.load_weight(part.reshape(-1, tensor.shape[-1]), i)
+            grouped = torch.arange(self.nk * (2 * self.dk + 2 * r * self.dv)).reshape(self.nk, -1)
+            parts = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
+            for i, part in enumerate(split_rows(tensor, [p.reshape(-1) for p in parts])):
+                self.in_proj.load_weight(part, i)
             return [f"{prefix}in_proj#{i}" for i in range(4)]
-        if name == "in_proj_ba.weight":
+        if name == "in_proj_ba.weight":  # per key head g: [b_g a_g]
             r = nv // self.nk
-            grouped = tensor.reshape(self.nk, 2 * r, -1)
-            b, a = grouped.split([r, r], dim=1)
-            self.in_proj.load_weight(b.reshape(nv, -1), 4)
-            self.in_proj.load_weight(a.reshape(nv, -1), 5)
+            b, a = torch.arange(2 * nv).reshape(self.nk, 2 * r).split([r, r], dim=1)
+            b, a = split_rows(tensor, [b.reshape(-1), a.reshape(-1)])
+            self.in_proj.load_weight(b, 4)
+            self.in_proj.load_weight(a, 5)
             return [f"{prefix}in_proj#4", f"{prefix}in_proj#5"]
         if name == "conv1d.weight":
             self._copy(self.conv_weight, tensor.reshape(self.conv_dim, self.kernel), name)

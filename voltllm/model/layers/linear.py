@@ -111,6 +111,9 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def load_shard(self, layer, tensor, offset, size):
+        from voltllm.model.layers.quantized_linear import dense_tensor
+
+        tensor = dense_tensor(tensor)  # a packed quantized weight for a layer held dense: dequantized here
         if tensor.shape != (size, layer.in_features):
             raise ValueError(f"weight shard of shape {tuple(tensor.shape)}, expected {(size, layer.in_features)}")
         layer.weight.data[offset:offset + size].copy_(tensor)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voltllm.model.layers.activation import silu_and_mul
-from voltllm.model.layers.linear import Linear, UnquantizedLinearMethod
+from voltllm.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,10 +70,10 @@ def sorted_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
 
 
 class SharedExpertMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, linear_method: Optional[LinearMethod] = None):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype)
-        self.down_proj = Linear(inter, hidden, dtype=dtype)
+        self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype, method=linear_method)
+        self.down_proj = Linear(inter, hidden, dtype=dtype, method=linear_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -88,9 +88,11 @@ class SparseMoE(nn.Module):
     triton_experts: Optional[bool] = None
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, shared_inter: int,
-                 norm_topk_prob: bool, dtype: torch.dtype, quantized_experts: bool = False):
+                 norm_topk_prob: bool, dtype: torch.dtype, quantized_experts: bool = False,
+                 linear_method: Optional[LinearMethod] = None):
         """quantized_experts: quantized checkpoints' experts stay quantized (quant_moe.QuantExperts) when they
-        can; no dense expert weights are allocated unless some expert cannot."""
+        can; no dense expert weights are allocated unless some expert cannot. linear_method: how the shared
+        expert's projections hold their weights (None: dense); the router and the shared expert's gate stay dense."""
         super().__init__()
         self.num_experts, self.top_k, self.inter, self.hidden = num_experts, top_k, moe_inter, hidden
         self.norm_topk_prob = norm_topk_prob
@@ -107,7 +109,7 @@ class SparseMoE(nn.Module):
         self.shared_expert: Optional[SharedExpertMLP] = None
         self.shared_expert_gate: Optional[Linear] = None
         if shared_inter:
-            self.shared_expert = SharedExpertMLP(hidden, shared_inter, dtype)
+            self.shared_expert = SharedExpertMLP(hidden, shared_inter, dtype, linear_method)
             self.shared_expert_gate = Linear(hidden, 1, dtype=dtype)
 
     def _allocate_dense(self, device: torch.device) -> None:
@@ -167,9 +169,10 @@ class SparseMoE(nn.Module):
         return keys
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor, prefix: str = "") -> list[str]:
-        """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...). Quantized expert
-        weights (AWQ / GPTQ / FP8 checkpoints) are dequantized here: the experts are kept dense."""
-        from voltllm.model.layers.quantized_linear import PackedWeight
+        """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...). Packed quantized
+        expert weights go to QuantExperts (quantized_experts), else are dequantized here; the shared expert's go to its
+        Linears, whose method decides; the router and the shared expert's gate are always dense."""
+        from voltllm.model.layers.quantized_linear import PackedWeight, dense_tensor
 
         m = _EXPERT.fullmatch(name)
         if m and self.qexperts is not None:
@@ -179,10 +182,10 @@ class SparseMoE(nn.Module):
             except ValueError as err:
                 self._keep_experts_dense(err)
             return [f"{prefix}experts.{e}.{kind}"]
-        if isinstance(tensor, PackedWeight):
-            tensor = tensor.dequantize(torch.float32)
         i = self.inter
-        if m:
+        if m:  # an expert held dense (the shared expert's projections keep their packed form: their Linears decide)
+            if isinstance(tensor, PackedWeight):
+                tensor = tensor.dequantize(torch.float32)
             e, kind = int(m.group(1)), m.group(2)[:-5]
             dst = {"gate": self.w13[e, :i], "up": self.w13[e, i:], "down": self.w2[e]}[kind]
             if tuple(dst.shape) != tuple(tensor.shape):
@@ -202,11 +205,11 @@ class SparseMoE(nn.Module):
             kinds = ("gate", "up") if dst is self.w13 else ("down",)
             return [f"{prefix}experts.{e}.{kd}" for e in range(self.num_experts) for kd in kinds]
         if name == "gate.weight":
-            self.gate.load_weight(tensor)
+            self.gate.load_weight(dense_tensor(tensor))
             return [f"{prefix}gate#0"]
         if self.shared_expert is not None:
             if name == "shared_expert_gate.weight":
-                self.shared_expert_gate.load_weight(tensor)
+                self.shared_expert_gate.load_weight(dense_tensor(tensor))
                 return [f"{prefix}shared_expert_gate#0"]
             shard = {"shared_expert.gate_proj.weight": ("gate_up_proj", 0), "shared_expert.up_proj.weight":
                      ("gate_up_proj", 1), "shared_expert.down_proj.weight": ("down_proj", 0)}.get(name)

@@ -69,6 +69,58 @@ class GGUFBlocks(PackedWeight):
         return dequantize_planes(self.to_weight(device, dtype)).to(dtype)
 
 
+class PackedRows(PackedWeight):
+    """Rows `index` of a packed weight, in that order: a checkpoint tensor that holds several of a layer's shards
+    interleaved (Qwen3-Next's in_proj_qkvz, grouped per key head). The shards cut from one tensor share `source`, so
+    it is re-laid (or dequantized) once, then each shard takes its rows."""
+
+    def __init__(self, source: "_SharedPacked", index: torch.Tensor):
+        self.source, self.index = source, index
+        self.out_features, self.in_features = index.numel(), source.packed.in_features
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
+        w = self.source.weight(device, dtype)
+        idx = self.index.to(w.device)
+        return take_rows(w, idx) if isinstance(w, Planes) else w.index_select(0, idx)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        w = self.source.dense(dtype, device)
+        return w.index_select(0, self.index.to(w.device))
+
+
+class _SharedPacked:
+    """One packed weight and its conversions (planes or dense, by device and dtype), for the PackedRows cut from it;
+    freed with them."""
+
+    def __init__(self, packed: PackedWeight):
+        self.packed = packed
+        self.cached: dict[tuple, Union[Planes, torch.Tensor]] = {}
+
+    def _get(self, key: tuple, make):
+        if key not in self.cached:
+            self.cached[key] = make()
+        return self.cached[key]
+
+    def weight(self, device, dtype):
+        return self._get(("weight", device, dtype), lambda: self.packed.to_weight(device, dtype))
+
+    def dense(self, dtype, device):
+        return self._get(("dense", device, dtype), lambda: self.packed.dequantize(dtype, device))
+
+
+def split_rows(tensor: Union[PackedWeight, torch.Tensor], indices: list[torch.Tensor]) -> list:
+    """The rows `indices[i]` of a dense or packed [N, K] weight, one part per index (packed parts stay packed)."""
+    if isinstance(tensor, PackedWeight):
+        source = _SharedPacked(tensor)
+        return [PackedRows(source, idx) for idx in indices]
+    return [tensor.index_select(0, idx.to(tensor.device)) for idx in indices]
+
+
+def dense_tensor(tensor: Union[PackedWeight, torch.Tensor]) -> torch.Tensor:
+    """A weight for a layer held dense (router, shared-expert gate, norms): a packed one dequantized (fp32)."""
+    return tensor.dequantize(torch.float32) if isinstance(tensor, PackedWeight) else tensor
+
+
 @dataclass
 class Segment:
     """Output columns [offset, offset + size) of a layer: quantized planes or a dense weight."""

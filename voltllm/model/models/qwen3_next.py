@@ -12,6 +12,9 @@ Differences between the variants are only in the checkpoint (GDN projection layo
 and which MLP a layer has. A multimodal checkpoint (model_type qwen3_5 / qwen3_5_moe with a text_config)
 runs as its text model: `model.language_model.*` weights are used, `model.visual.*` and `mtp.*` skipped.
 
+Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`): the attention, GDN, dense-MLP,
+shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts (docs/hybrid.md).
+
 Runner contract: ctx.extra["state_cache"] and ctx.extra["state_slots"] (see voltllm/model/state_cache.py);
 `state_spec` gives the per-slot shapes to build the StateCache, `num_attention_layers` and
 `kv_heads_and_dim` the paged KV cache (attention layers only).
@@ -27,10 +30,11 @@ from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
-from voltllm.model.layers.linear import Linear
+from voltllm.model.layers.linear import Linear, LinearMethod
 from voltllm.model.layers.moe import SparseMoE
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
+from voltllm.model.layers.quantized_linear import dense_tensor
 from voltllm.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
@@ -50,15 +54,17 @@ class GatedAttention(PagedAttention):
     # True / False force it (the CPU interpreter tests)
     triton_gate: Optional[bool] = None
 
-    def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding):
+    def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
+                 linear_method: Optional[LinearMethod] = None):
         num_heads = cfg.num_attention_heads
         super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
         self.num_heads = num_heads
         self.num_kv_heads = cfg.num_key_value_heads
         bias = bool(getattr(cfg, "attention_bias", False))
         qg, kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [qg, kv, kv], bias=bias, dtype=dtype)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, [qg, kv, kv], bias=bias, dtype=dtype, method=linear_method)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias, dtype=dtype,
+                             method=linear_method)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
 
@@ -82,23 +88,25 @@ class GatedAttention(PagedAttention):
 
 class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, kind: str, mixer_index: int, moe: bool, gdn_layout: str,
-                 norm_topk: bool, dtype: torch.dtype, rotary: RotaryEmbedding):
+                 norm_topk: bool, dtype: torch.dtype, rotary: RotaryEmbedding,
+                 linear_method: Optional[LinearMethod] = None):
         super().__init__()
         self.kind = kind
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, gdn_layout)
+            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, gdn_layout, linear_method)
         elif kind == "full_attention":
-            self.self_attn = GatedAttention(cfg, mixer_index, dtype, rotary)
+            self.self_attn = GatedAttention(cfg, mixer_index, dtype, rotary, linear_method)
         else:
             raise ValueError(f"layer {idx}: unknown layer type {kind!r}")
-        if moe:
+        if moe:  # kept quantized: the routed experts as quant_moe.QuantExperts, the shared expert's Linears as planes
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
-                                 norm_topk, dtype)
+                                 norm_topk, dtype, quantized_experts=linear_method is not None,
+                                 linear_method=linear_method)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method)
 
     def forward(self, positions, x, residual, ctx: ForwardContext, batch: HybridBatch | None):
         if residual is None:
@@ -119,7 +127,10 @@ _MLP_STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)
 
 
 class Qwen3NextForCausalLM(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int):
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
+                 linear_method: Optional[LinearMethod] = None):
+        """linear_method: how the projections (attention, GDN, dense MLPs, shared experts, an untied LM head) hold
+        their weights, and with a quantized one the routed experts stay quantized too; None: dense."""
         super().__init__()
         cfg = text_config(config)
         self.config = cfg
@@ -142,13 +153,14 @@ class Qwen3NextForCausalLM(nn.Module):
             else:
                 mixer_index, n_attn = n_attn, n_attn + 1
             layers.append(HybridDecoderLayer(cfg, i, kind, mixer_index, self._is_moe(cfg, i), gdn_layout,
-                                             norm_topk, dtype, rotary))
+                                             norm_topk, dtype, rotary, linear_method))
         self.layers = nn.ModuleList(layers)
         self._num_attn, self._num_gdn = n_attn, n_gdn
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
+                                                    method=linear_method)
         self.rotary = rotary
 
     def _is_moe(self, cfg: Any, i: int) -> bool:
@@ -190,6 +202,8 @@ class Qwen3NextForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.tie and self.lm_head.weight is None:  # a head held by a quantized LinearMethod
+            return self.lm_head(hidden)
         w = self.embed_tokens.weight if self.tie else self.lm_head.weight
         return torch.nn.functional.linear(hidden, w)  # the model's dtype, as LlamaForCausalLM.compute_logits
 
@@ -287,6 +301,7 @@ class Qwen3NextForCausalLM(nn.Module):
     def _copy_param(params: dict, name: str, tensor: torch.Tensor) -> None:
         if name not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        tensor = dense_tensor(tensor)  # (a parameter is always dense)
         if params[name].shape != tensor.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
         params[name].data.copy_(tensor)

@@ -25,15 +25,16 @@ def attention_only(hf_config: Any) -> bool:
 
 
 def supports_quantized_layers(hf_config: Any) -> bool:
-    """Whether the architecture takes a quantized LinearMethod (else quantized checkpoints are dequantized at load)."""
-    return _MODELS.get(getattr(hf_config, "model_type", None)) is LlamaForCausalLM
+    """Whether the architecture takes a quantized LinearMethod (else quantized checkpoints are dequantized at load):
+    every one here (llama family and the hybrids)."""
+    return getattr(hf_config, "model_type", None) in _MODELS
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
                 tp: Any = None) -> torch.nn.Module:
-    """linear_method: a LinearMethod for the projections (quantized weights kept quantized: llama-family models
-    only, supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (dense
-    llama-family models only: voltllm.distributed.support)."""
+    """linear_method: a LinearMethod for the projections (quantized weights kept quantized,
+    supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (dense llama-family models
+    only: voltllm.distributed.support)."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
@@ -42,7 +43,5 @@ def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_m
             raise ValueError(f"tensor parallelism is not built for model type {arch!r}")
         return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method, tp)
     if linear_method is not None:
-        if _MODELS[arch] is not LlamaForCausalLM:
-            raise ValueError(f"quantized linear layers are not built for model type {arch!r}")
-        return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method)
+        return _MODELS[arch](hf_config, dtype, max_positions, linear_method)
     return _MODELS[arch](hf_config, dtype, max_positions)
