@@ -84,6 +84,12 @@ class ModelRunner:
         # buffering), once the step that used it has run
         self._follower_events: list[torch.cuda.Event] = []
         self.model = model if model is not None else self._load_model()
+        self.draft = None  # DraftRunner: draft-model speculation (voltllm.worker.draft_runner)
+        spec = config.speculative
+        if spec is not None and spec.uses_draft_model:
+            from voltllm.worker.draft_runner import DraftRunner
+
+            self.draft = DraftRunner(self, spec)
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)
         # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).
@@ -193,7 +199,9 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         heads, dim = self.model.kv_heads_and_dim
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.block_size * heads * dim * elem * self.model.num_attention_layers
+        target = 2 * self.block_size * heads * dim * elem * self.model.num_attention_layers
+        # a block holds the draft model's KV of its tokens too (the same block ids address both caches)
+        return target + (self.draft.kv_block_bytes(self.block_size, self.kv_dtype) if self.draft is not None else 0)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -254,6 +262,8 @@ class ModelRunner:
         heads, dim = self.model.kv_heads_and_dim
         self.kv_caches = make_kv_cache(self.model.num_attention_layers, self.num_blocks, self.block_size,
                                        heads, dim, self.kv_dtype, self.device)
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
         gib = self.num_blocks * self.kv_block_bytes() / 2**30
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_size, gib, self.config.cache.kv_cache_dtype
@@ -460,6 +470,8 @@ class ModelRunner:
     def execute_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
         self._apply_pdl()
+        if self.draft is not None:  # the draft model's tokens into the draft slots the scheduler reserved
+            self.draft.propose(sched)
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
@@ -506,6 +518,8 @@ class ModelRunner:
             self.send_step(step)
             self.tp.broadcast_(self.buffers.input_ids[:t])
         hidden = self._forward(graph, prompt_graph, meta, t, sched, slots)
+        if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
+            self.draft.run_step(graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
             self._verify_drafts(hidden, qsl, spec_rows, handle)
         if reqs:
@@ -648,12 +662,15 @@ class ModelRunner:
             from voltllm.worker.cuda_graphs import graph_batch_sizes
             from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 
-            tune_skinny_gemm(self.model)  # sets each Linear's choice
+            models = [self.model] + ([self.draft.model] if self.draft is not None else [])
+            for model in models:
+                tune_skinny_gemm(model)  # sets each Linear's choice
             self._tune_quant_tiles()
             # decode batches run at the CUDA-graph sizes; the compat route keeps cuBLAS (on sm_70/75 the
             # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
             if self.config.device.compat == "none":
-                tune_batch_gemm(self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
+                for model in models:
+                    tune_batch_gemm(model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
 
     def _tune_quant_tiles(self) -> None:
         """Weights kept quantized: the dequant-GEMM's tile per kind, shape and row class, timed on this GPU."""
@@ -688,6 +705,10 @@ class ModelRunner:
         self.graphs.capture()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                     self.graphs.sizes, time.monotonic() - t0)
+        if self.draft is not None:  # the draft's one-token steps and its run beside decode / verification steps
+            t0 = time.monotonic()
+            self.draft.capture_graphs()
+            logger.info("captured the draft model's decode CUDA graphs in %.1f s", time.monotonic() - t0)
         self._capture_prompt_graphs()
 
     def prompt_graph_max_tokens(self) -> int:
