@@ -1,0 +1,174 @@
+"""Draft-model speculative decoding in the engine (CPU, tiny random llama / qwen3 targets): greedy outputs are exactly
+plain decoding's whatever the draft (the target itself, a perturbed copy that agrees part of the time, an unrelated
+model that never agrees); the self-draft accepts every draft, also after prefix-cache hits, chunked prefills and
+preemptions (the draft's KV shares the target's blocks: a stale draft KV would lose agreement); seeded sampled
+requests speculate and repeat; requests that may not speculate run beside; no block leaks; bad configs refused."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+           "0123456789 0123456789 0123",
+           "Hi"]
+K = 3
+
+
+def perturbed_copy(src: str, dst: str, noise: float, seed: int = 5) -> str:
+    """The checkpoint at src with N(0, noise) added to every weight (same tokenizer): a draft that agrees with the
+    target often but not always."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    file = os.path.join(dst, "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    weights = {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in load_file(file).items()}
+    save_file(weights, file, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def models(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    target = make_model(str(root / "target"), request.param)
+    return {"self": target, "near": perturbed_copy(target, str(root / "near"), 0.01),
+            "other": make_model(str(root / "other"), request.param, seed=1, num_hidden_layers=1)}
+
+
+def _spec(draft, k=K):
+    return {"model": draft, "num_speculative_tokens": k}
+
+
+def _run(llm, prompts, sps):
+    outs = llm.generate(prompts, sps)
+    llm.engine.check_integrity()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+@pytest.mark.parametrize("draft", ["self", "near", "other"])
+def test_greedy_outputs_equal_plain_decoding(models, draft, budget):
+    """A batch of four, the token budget large or small (prompts in chunks of 5; drafts cut by the budget)."""
+    target = models["self"]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    ref = _run(LLM(target, **kw), PROMPTS, sp)
+    llm = LLM(target, speculative_config=_spec(models[draft]), **kw)
+    assert _run(llm, PROMPTS, sp) == ref
+    extra = llm.engine.stats().extra
+    assert extra["spec_draft_tokens"] > 0
+    if draft == "self":
+        assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"]
+    elif draft == "near":
+        assert 0 < extra["spec_accepted_tokens"] < extra["spec_draft_tokens"]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_self_draft_takes_one_step_per_k_plus_one_tokens(models, k):
+    """The target as its own draft agrees with itself: after the prompt step every step emits K + 1 tokens."""
+    target = models["self"]
+    n = 41
+    llm = LLM(target, block_size=4, speculative_config=_spec(target, k))
+    steps0 = llm.engine.stats().step_counter
+    got = _run(llm, PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    stats = llm.engine.stats()
+    assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"] == n - 1 - (n - 1) // (k + 1)
+    assert stats.step_counter - steps0 == 1 + -(-(n - 1) // (k + 1))
+    assert got == _run(LLM(target, block_size=4), PROMPTS[2:3],
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+
+def test_prefix_cache_hits_carry_the_draft_kv(models):
+    """Prompts sharing long prefixes, run twice: the second run starts from cached blocks that the target and the
+    draft computed in the first; the self-draft still agrees everywhere."""
+    target = models["self"]
+    prompts = [PROMPTS[0] + " and again", PROMPTS[0] + " once more", PROMPTS[1]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _run(LLM(target, block_size=4), prompts, sp)
+    llm = LLM(target, block_size=4, speculative_config=_spec(target))
+    assert _run(llm, prompts, sp) == ref
+    hits = llm.engine.stats().prefix_cache_hits
+    assert _run(llm, prompts, sp) == ref
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > hits
+    assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("draft", ["self", "near"])
+def test_preemption_recomputes_both_caches(models, draft):
+    target = models["self"]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _run(LLM(target, block_size=4), PROMPTS, sp)
+    tight = LLM(target, block_size=4, max_num_batched_tokens=32, num_gpu_blocks_override=24,
+                speculative_config=_spec(models[draft]))
+    assert _run(tight, PROMPTS, sp) == ref
+    stats = tight.engine.stats()
+    assert stats.num_preemptions > 0 and stats.extra["spec_accepted_tokens"] > 0
+    if draft == "self":
+        assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"]
+
+
+def test_requests_that_cannot_speculate_keep_the_draft_current(models):
+    """Logprobs, penalties and min_tokens requests decode plainly beside speculating ones; the draft still runs on
+    their tokens (a self-draft accepts everything once min_tokens is reached)."""
+    target = models["self"]
+    sps = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=12),
+           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    ref = _run(LLM(target, block_size=4), PROMPTS, sps)
+    llm = LLM(target, block_size=4, speculative_config=_spec(target))
+    assert _run(llm, PROMPTS, sps) == ref
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"] > 0
+
+
+def test_sampled_requests_speculate_and_repeat(models):
+    """Seeded sampled requests take the draft's greedy tokens as deterministic drafts (Sampler.verify_drafts keeps
+    the target's distribution: tests/unit/test_speculative.py); they repeat from run to run, and the greedy
+    requests beside them keep plain decoding's tokens."""
+    target = models["self"]
+    sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+           SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)] * 2
+    ref = _run(LLM(target, block_size=4), PROMPTS, sps)
+    runs = []
+    for _ in range(2):
+        llm = LLM(target, block_size=4, speculative_config=_spec(models["near"]))
+        runs.append(_run(llm, PROMPTS, sps))
+        assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
+    assert runs[0] == runs[1]
+    assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
+    assert all(len(t) == 40 for t in runs[0])
+
+
+def test_stops_inside_accepted_drafts(models):
+    target = models["self"]
+    ref_llm = LLM(target, block_size=4)
+    free = _run(ref_llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    llm = LLM(target, block_size=4, speculative_config=_spec(target))
+    for sp in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free[9]], ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)):
+        assert _run(llm, PROMPTS[:1], sp) == _run(ref_llm, PROMPTS[:1], sp)
+
+
+def test_bad_configs_are_refused(models, tmp_path):
+    from voltllm.config import ConfigError
+
+    target = models["self"]
+    wide = make_model(str(tmp_path / "wide"), "llama", vocab_size=512)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(target, speculative_config=_spec(wide))
+    with pytest.raises(ConfigError, match="unsupported keys for draft_model: prompt_lookup_max"):
+        LLM(target, speculative_config={**_spec(target), "prompt_lookup_max": 3})
+    with pytest.raises(ConfigError, match="draft_tensor_parallel_size"):
+        LLM(target, speculative_config={**_spec(target), "draft_tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="cannot load the draft model"):
+        LLM(target, speculative_config=_spec(str(tmp_path / "missing")))
+    short = make_model(str(tmp_path / "short"), "llama", max_position_embeddings=64)
+    with pytest.raises(ConfigError, match="positions"):
+        LLM(target, max_model_len=128, speculative_config=_spec(short))
