@@ -146,6 +146,19 @@ def test_sampled_requests_speculate_and_repeat(models):
     assert all(len(t) == 40 for t in runs[0])
 
 
+def test_sampled_self_draft_accepts_nearly_everything(models):
+    """Drawn from q = p (the target as its own draft), a draft is accepted with probability min(1, p / q) = 1 up to
+    rounding: a verification row paired with another row's q (or pass's) would reject often."""
+    target = models["self"]
+    # (high temperatures: the tiny models' distributions are peaked, where a wrong q would still often accept)
+    sps = [SamplingParams(temperature=t, seed=s, max_tokens=40, ignore_eos=True, top_k=k)
+           for t, s, k in ((2.5, 1, 0), (3.0, 2, 50), (2.0, 3, 0), (0, None, 0))]
+    llm = LLM(target, block_size=4, speculative_config=_spec(target))
+    _run(llm, PROMPTS, sps)
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] >= 0.99 * extra["spec_draft_tokens"] > 0
+
+
 def test_stops_inside_accepted_drafts(models):
     target = models["self"]
     ref_llm = LLM(target, block_size=4)

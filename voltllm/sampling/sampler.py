@@ -216,18 +216,35 @@ class Sampler:
                 q[i].exponential_(generator=r.generator)
         return q
 
-    def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> "DraftVerdicts":
-        """Speculative sampling with deterministic (n-gram) drafts, exact for any temperature / top-k / top-p /
-        min-p / logit_bias: row i scores draft drafts[i] (-1: a row after the last draft, sampled as usual). A
-        draft d is accepted with probability p(d); where it is not, the row's token comes from p with d removed
-        (renormalized), so every emitted token is distributed as p. Greedy rows: p is one-hot at the argmax.
+    def draw_drafts(self, logits: torch.Tensor, rows: list[SamplingRow]
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A draft model's tokens for one proposal step: the argmax for greedy rows (a deterministic draft), a draw
+        from the row's processed distribution q for the others (logit_bias, temperature, top-k / top-p / min-p: as
+        verify_drafts processes the target's, so q is near p). Returns the tokens and q (fp32 [rows, vocab]; greedy
+        rows' q is not a distribution the draft was drawn from), or None for q when every row is greedy."""
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1), None
+        probs = _shaped_probs(_processed_logits(logits, rows), rows)
+        tokens = (probs / self._race_noise(probs, rows, greedy)).argmax(dim=-1)
+        if any(greedy):
+            tokens = torch.where(to_device(greedy, torch.bool, logits.device), logits.argmax(dim=-1), tokens)
+        return tokens, probs
+
+    def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int],
+                      draft_probs: Optional[torch.Tensor] = None,
+                      drawn: Optional[list[bool]] = None) -> "DraftVerdicts":
+        """Speculative sampling, exact for any temperature / top-k / top-p / min-p / logit_bias: row i scores draft
+        drafts[i] (-1: a row after the last draft, sampled as usual) under the model's processed distribution p.
+        A deterministic draft d (n-gram, or a draft model's argmax) is accepted with probability p(d); where it is
+        not, the row's token comes from p with d removed (renormalized). A draft drawn from a draft model's q
+        (drawn[i]; q = draft_probs[i]) is accepted with probability min(1, p(d) / q(d)); where it is not, the token
+        comes from max(0, p - q) (renormalized). Either way every emitted token is distributed as p (a
+        deterministic draft is the case q = one-hot at d). Greedy rows: p is one-hot at the argmax.
         Penalties, logprobs and min_tokens bans are not applied (speculative.spec_allowed keeps such requests
         out)."""
         dev = logits.device
-        if any(r.params.logit_bias for r in rows):  # on an fp32 copy: the caller's logits stay as they are
-            logits = _add_logit_bias_(logits.to(torch.float32, copy=True), rows)
-        else:
-            logits = logits.float()
+        logits = _processed_logits(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             probs = torch.zeros_like(logits)
@@ -244,8 +261,19 @@ class Sampler:
             if r.generator is not None and not greedy[i]:
                 u[i:i + 1].uniform_(generator=r.generator)
         p_draft = probs.gather(1, d[:, None])[:, 0]
-        accepted = has_draft & (u < p_draft)
-        residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_draft)[:, None])
+        if draft_probs is None or not any(drawn or ()):
+            accepted = has_draft & (u < p_draft)
+            residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_draft)[:, None])
+        else:
+            is_drawn = to_device([bool(x) and y >= 0 for x, y in zip(drawn, drafts)], torch.bool, dev)
+            q = torch.where(is_drawn[:, None], draft_probs.float(), 0.0)
+            det = has_draft & ~is_drawn  # deterministic drafts: q one-hot at d
+            q.scatter_add_(1, d[:, None], det.float()[:, None])
+            q_draft = q.gather(1, d[:, None])[:, 0]
+            accepted = has_draft & (u * q_draft < p_draft)
+            residual = torch.where(has_draft[:, None], (probs - q).clamp_min_(0.0), probs)
+            # p == q leaves no residual, and then no rejection either (bar rounding): keep p there
+            residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
         tokens = (residual / self._race_noise(residual, rows, greedy)).argmax(dim=-1)
         return DraftVerdicts(tokens=tokens, accepted=accepted)
 
@@ -263,6 +291,13 @@ class DraftVerdicts:
 
     def to_host(self) -> tuple[list[int], list[bool]]:
         return self.tokens.tolist(), self.accepted.tolist()
+
+
+def _processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """fp32 logits with each row's logit_bias added (on a copy: the caller's logits stay as they are)."""
+    if any(r.params.logit_bias for r in rows):
+        return _add_logit_bias_(logits.to(torch.float32, copy=True), rows)
+    return logits.float()
 
 
 def _shaped_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -7,9 +7,11 @@ step. Each step therefore runs the draft on the target's own step inputs (`run_s
 or the draft's decode graph of the same batch size), and before it, for the requests that speculate, K one-token
 draft steps (`propose`): the request's known token, then each draft so far, each step's argmax the next draft.
 
-The drafts are the draft's greedy choices (a deterministic draft) for greedy and sampled requests alike, so the
-target's verification (greedy comparison, or Sampler.verify_drafts' speculative sampling with a deterministic draft)
-stays exact; sampled drafts would need the draft's probabilities at every draft in the verification.
+Greedy requests take the draft's argmax (a deterministic draft: the target's greedy comparison keeps its tokens).
+Sampled requests draw their drafts from the draft's distribution q, processed with the request's own temperature /
+top-k / top-p / min-p / logit_bias, and the verification (Sampler.verify_drafts) accepts a draft d with probability
+min(1, p(d) / q(d)) and otherwise samples max(0, p - q): the target's distribution p exactly, with more drafts
+accepted than an argmax draft would get (sum of min(p, q) against p(argmax q)).
 """
 from __future__ import annotations
 
@@ -23,10 +25,15 @@ import numpy as np
 import torch
 
 from voltllm.attention.backend import AttentionMetadata, make_kv_cache
-from voltllm.host_to_device import upload
+from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
+from voltllm.sampling.params import SamplingParams
+from voltllm.sampling.sampler import SamplingRow
 
 logger = logging.getLogger("voltllm")
+
+# a request's row in the proposal steps past its own drafts: greedy (no random draw), its token unused
+_PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
 class _GraphView:
@@ -52,6 +59,10 @@ class DraftRunner:
         self.graphs = None  # DecodeGraphs of the draft, on the target's input buffers
         self._graph_view: Optional[_GraphView] = None
         self._arange: Optional[torch.Tensor] = None  # query start locations of one-token rows, on the device
+        # the last proposal's draft distributions [passes, requests, vocab] (sampled requests), and each request's
+        # index in them
+        self._probs: Optional[torch.Tensor] = None
+        self._prob_rows: dict[str, int] = {}
         from voltllm.attention.kv_spec import enable_key_offsets, kv_scales_to_calculate
 
         cache = runner.config.cache
@@ -164,6 +175,9 @@ class DraftRunner:
         buf.query_start_loc[:bs + 1].copy_(self._arange[:bs + 1])
         ids = plan_d[3 * kmax]
         out = torch.empty(kmax, n, dtype=torch.long, device=dev)
+        # sampled requests draw their drafts from the draft's distributions, kept for the verification
+        sampled = not all(s.request.sampling_params.greedy for s in rows)
+        self._probs, self._prob_rows = None, {s.request.request_id: i for i, s in enumerate(rows)}
         for j in range(kmax):
             buf.input_ids[:bs].copy_(ids)
             buf.positions[:bs].copy_(plan_d[j])
@@ -179,7 +193,19 @@ class DraftRunner:
                     seq_lens_cpu=lens[j, :n].tolist())
                 hidden = self.model(buf.input_ids[:n], buf.positions[:n],
                                     ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend))
-            out[j] = self.model.compute_logits(hidden[:n]).argmax(dim=-1)
+            logits = self.model.compute_logits(hidden[:n])
+            if not sampled:
+                out[j] = logits.argmax(dim=-1)
+            else:
+                tokens, probs = r.sampler.draw_drafts(logits, [
+                    SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
+                                s.request.num_output_tokens + j) if j < ks[i] else _PAD_ROW
+                    for i, s in enumerate(rows)])
+                out[j] = tokens
+                if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
+                    if self._probs is None:
+                        self._probs = probs.new_empty(kmax, n, probs.shape[1])
+                    self._probs[j] = probs
             if j + 1 < kmax:
                 ids = torch.zeros(bs, dtype=torch.long, device=dev) if bs > n else out[j]
                 if bs > n:
@@ -187,3 +213,18 @@ class DraftRunner:
         drafts = out.t().tolist()
         for i, s in enumerate(rows):
             s.spec_tokens = drafts[i][:ks[i]]
+
+    def verification_probs(self, rows: list) -> tuple[Optional[torch.Tensor], Optional[list[bool]]]:
+        """For the runner's verification rows of `rows` ((index, ScheduledRequest), each request's drafts then the
+        row after them): the draft distributions the drafts were drawn from and which rows' drafts were drawn
+        (Sampler.verify_drafts' draft_probs / drawn); (None, None) when every draft was a greedy one."""
+        probs, self._probs = self._probs, None
+        if probs is None:
+            return None, None
+        n, vocab = probs.shape[1], probs.shape[2]
+        src, drawn = [], []
+        for _, s in rows:
+            i, k = self._prob_rows[s.request.request_id], len(s.spec_tokens)
+            src += [j * n + i for j in range(k)] + [i]
+            drawn += [not s.request.sampling_params.greedy] * k + [False]
+        return probs.view(-1, vocab)[to_device(src, torch.long, probs.device)], drawn

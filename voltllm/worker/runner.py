@@ -619,7 +619,8 @@ class ModelRunner:
                     sampling_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, (), r.generator,
                                                      r.num_output_tokens + j))
                     drafts.append(s.spec_tokens[j] if j < len(s.spec_tokens) else -1)
-            out = self.sampler.verify_drafts(logits, sampling_rows, drafts)
+            q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
+            out = self.sampler.verify_drafts(logits, sampling_rows, drafts, q, drawn)
         out.copy_to_host_async()
         handle.spec_out = out
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
