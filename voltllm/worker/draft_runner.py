@@ -97,9 +97,13 @@ class DraftRunner:
         return 2 * block_size * heads * dim * elem * self.model.num_attention_layers
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        self.kv_caches = self.profile_caches(num_blocks, block_size, kv_dtype)
+
+    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+        """Cache tensors of the draft's layers for num_blocks blocks (its KV cache; memory profiling's forward)."""
         heads, dim = self.model.kv_heads_and_dim
-        self.kv_caches = make_kv_cache(self.model.num_attention_layers, num_blocks, block_size, heads, dim, kv_dtype,
-                                       self.runner.device)
+        return make_kv_cache(self.model.num_attention_layers, num_blocks, block_size, heads, dim, kv_dtype,
+                             self.runner.device)
 
     def capture_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
