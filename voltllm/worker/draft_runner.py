@@ -63,6 +63,10 @@ class DraftRunner:
         # index in them
         self._probs: Optional[torch.Tensor] = None
         self._prob_rows: dict[str, int] = {}
+        # requests whose last draft of a step without the draft's run beside it has no draft KV yet: request id ->
+        # that position (caught up by the next proposal's first pass if the draft was accepted)
+        self.lag: dict[str, int] = {}
+        self._skip_run = False  # this step's draft run can be left out (propose decides)
         from voltllm.attention.kv_spec import enable_key_offsets, kv_scales_to_calculate
 
         cache = runner.config.cache
@@ -117,9 +121,20 @@ class DraftRunner:
         return self.graphs.graphs.get(batch) if self.graphs is not None and batch else None
 
     # -- per step -------------------------------------------------------------------------------
-    def run_step(self, graph_batch: int, meta: AttentionMetadata) -> None:
+    def forget(self, request_ids: list[str]) -> None:
+        """Finished, aborted or preempted requests: no catch-up owed to them (a preempted one is recomputed whole)."""
+        for rid in request_ids:
+            self.lag.pop(rid, None)
+
+    def run_step(self, sched: Any, graph_batch: int, meta: AttentionMetadata) -> None:
         """The draft on the step the target has just run (its inputs still in the buffers): the draft's KV for every
-        token of the step. graph_batch: the target's decode graph's batch size (0: it ran without one)."""
+        token of the step. graph_batch: the target's decode graph's batch size (0: it ran without one). Left out
+        when every request of the step drafted: the proposal passes wrote all their tokens' draft KV but each one's
+        last draft, which the next step's first pass computes if it was accepted (self.lag)."""
+        if self._skip_run:
+            for s in sched.scheduled:
+                self.lag[s.request.request_id] = s.start + len(s.spec_tokens)
+            return
         graph = self._graph(graph_batch)
         if graph is not None:
             graph.replay()
@@ -137,86 +152,131 @@ class DraftRunner:
     @torch.inference_mode()
     def propose(self, sched: Any) -> None:
         """Fill the draft slots the scheduler reserved (ScheduledRequest.spec_tokens placeholders) with the draft's
-        greedy tokens: pass j feeds each speculating request's token at position start + j (its known token, then
-        the draft of pass j - 1) as one decode row and writes its draft KV there. A request with fewer drafts than
-        the longest is a padding row (writing nowhere) in the passes past its own. One host sync, at the end."""
+        tokens. Pass j feeds each drafting request's token at position start + j (its known token, then the draft of
+        pass j - 1) as one decode row and writes its draft KV there; a request with fewer drafts than the longest is
+        a padding row (writing nowhere) in the passes past its own. Pass 0 also catches up on the draft KV a
+        request still owes (its last draft of a step whose draft run was left out, accepted): one more row of that
+        request, before its known token's. One host sync, at the end."""
+        self._probs, self._skip_run = None, False
+        self.forget(sched.released_ids)
         rows = [s for s in sched.scheduled if s.spec_tokens]
-        if not rows:
-            return
+        catch_up = []
+        for s in sched.scheduled:
+            at = self.lag.pop(s.request.request_id, None)
+            if at is not None and at < s.start:  # (at >= start: the step recomputes it anyway)
+                catch_up.append((s, at))
+        self._skip_run = bool(rows) and len(rows) == len(sched.scheduled)
+        self._prob_rows = {s.request.request_id: i for i, s in enumerate(rows)}
+        buf = self.runner._ensure_buffers()
+        if len(catch_up) + len(rows) > buf.max_seqs:  # pass 0 would outgrow the decode rows: catch up on its own
+            self._passes(catch_up, [])
+            catch_up = []
+        if rows or catch_up:
+            self._passes(catch_up, rows)
+
+    def _passes(self, catch_up: list, rows: list) -> None:
+        """propose's passes: catch_up (scheduled request, position) rows and the drafting requests' `rows`."""
         r = self.runner
-        buf = r._ensure_buffers()
-        blk, dev = r.block_size, r.device
+        buf = r.buffers
+        dev = r.device
         n = len(rows)
         ks = [len(s.spec_tokens) for s in rows]
-        kmax = max(ks)
-        graph = None
-        if self.graphs is not None:
-            graph = self.graphs.for_batch(n)
-        bs = graph.batch_size if graph is not None else n
-        width = max(len(s.block_ids) for s in rows)
-        # the passes' positions, slots and context lengths ([kmax, bs] each; padding rows: position 0, no slot, one
-        # token of context) and the first pass's input ids, uploaded together
-        plan = np.zeros((3 * kmax + 1, bs), dtype=np.int64)
-        pos, slot, lens, ids0 = plan[:kmax], plan[kmax:2 * kmax], plan[2 * kmax:3 * kmax], plan[3 * kmax]
-        slot[:] = -1
-        lens[:] = 1
-        table = np.zeros((bs, width), dtype=np.int32)
-        for i, s in enumerate(rows):
-            tokens = s.request.all_token_ids
-            assert s.start == len(tokens) - 1, "a draft model proposes for decoding requests"
-            ids0[i] = tokens[-1]
-            bids = s.block_ids
-            table[i, :len(bids)] = s.block_array
-            p = np.arange(s.start, s.start + ks[i])
-            pos[:ks[i], i] = p
-            slot[:ks[i], i] = np.asarray(bids, dtype=np.int64)[p // blk] * blk + p % blk
-            lens[:ks[i], i] = p + 1
-        plan_d = upload(torch.from_numpy(plan), dev)
+        kmax = max(ks, default=1)
+        first = catch_up + [(s, s.start) for s in rows]  # pass 0's rows: (scheduled request, position)
+        g0 = self._for_batch(len(first))
+        gn = self._for_batch(n) if kmax > 1 else None
+        bs0 = g0.batch_size if g0 is not None else len(first)
+        bsn = gn.batch_size if gn is not None else n
+        width = max(len(s.block_ids) for s, _ in first)
+        # every pass's positions, slots and context lengths, pass 0's input ids and the rows of its drafting
+        # requests, and the block tables: built on the host, uploaded once (two copies)
+        p0 = self._pass_arrays(first, bs0, width)
+        later = [self._pass_arrays([(s, s.start + j) if j < k else None for s, k in zip(rows, ks)], bsn, width)
+                 for j in range(1, kmax)]
+        ids0 = np.zeros(bs0, dtype=np.int64)
+        ids0[:len(first)] = [s.request.all_token_ids[at] for s, at in first]
+        known = np.arange(len(catch_up), len(first), dtype=np.int64)
+        plan = np.concatenate([p0[0].ravel(), ids0, known] + [a[0].ravel() for a in later])
+        tables = np.concatenate([p0[1].ravel()] + ([later[0][1].ravel()] if later and catch_up else []))
+        plan_d, tables_d = upload(torch.from_numpy(plan), dev), upload(torch.from_numpy(tables), dev)
         buf.select_compact()  # the layout the draft's graphs read
-        buf.block_tables[:bs, :width].copy_(upload(torch.from_numpy(table), dev), non_blocking=True)
-        if self._arange is None or self._arange.device != buf.query_start_loc.device:
+        if self._arange is None:
             self._arange = torch.arange(buf.max_seqs + 1, dtype=torch.int32, device=dev)
-        buf.query_start_loc[:bs + 1].copy_(self._arange[:bs + 1])
-        ids = plan_d[3 * kmax]
+        buf.query_start_loc.copy_(self._arange[:buf.query_start_loc.numel()])
+        buf.block_tables[:bs0, :width].copy_(tables_d[:bs0 * width].view(bs0, width))
+        at = 3 * bs0
+        hidden = self._pass(g0, len(first), bs0, plan_d[:at], plan_d[at:at + bs0], p0[0][2])
+        at += bs0
+        known_d, at = plan_d[at:at + n], at + n
+        if catch_up and later:  # the later passes' rows are the drafting requests alone
+            buf.block_tables[:bsn, :width].copy_(tables_d[bs0 * width:].view(bsn, width))
         out = torch.empty(kmax, n, dtype=torch.long, device=dev)
-        # sampled requests draw their drafts from the draft's distributions, kept for the verification
         sampled = not all(s.request.sampling_params.greedy for s in rows)
-        self._probs, self._prob_rows = None, {s.request.request_id: i for i, s in enumerate(rows)}
         for j in range(kmax):
-            buf.input_ids[:bs].copy_(ids)
-            buf.positions[:bs].copy_(plan_d[j])
-            buf.slot_mapping[:bs].copy_(plan_d[kmax + j])
-            buf.seq_lens[:bs].copy_(plan_d[2 * kmax + j])
-            if graph is not None:
-                hidden = graph.replay()
-            else:
-                meta = AttentionMetadata(
-                    num_tokens=n, query_start_loc=buf.query_start_loc[:n + 1], seq_lens=buf.seq_lens[:n],
-                    block_tables=buf.block_tables[:n], slot_mapping=buf.slot_mapping[:n], max_query_len=1,
-                    max_seq_len=int(lens[j].max()), query_start_loc_cpu=list(range(n + 1)),
-                    seq_lens_cpu=lens[j, :n].tolist())
-                hidden = self.model(buf.input_ids[:n], buf.positions[:n],
-                                    ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend))
-            logits = self.model.compute_logits(hidden[:n])
+            if j > 0:
+                ids = out[j - 1]
+                if bsn > n:
+                    ids = torch.cat([ids, ids.new_zeros(bsn - n)])
+                hidden = self._pass(gn, n, bsn, plan_d[at:at + 3 * bsn], ids, later[j - 1][0][2])
+                at += 3 * bsn
+            if n == 0:
+                return  # catch-up only: nothing drafts this step
+            h = hidden if j > 0 or not catch_up else hidden[known_d]
+            logits = self.model.compute_logits(h)
             if not sampled:
                 out[j] = logits.argmax(dim=-1)
-            else:
-                tokens, probs = r.sampler.draw_drafts(logits, [
-                    SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
-                                s.request.num_output_tokens + j) if j < ks[i] else _PAD_ROW
-                    for i, s in enumerate(rows)])
-                out[j] = tokens
-                if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
-                    if self._probs is None:
-                        self._probs = probs.new_empty(kmax, n, probs.shape[1])
-                    self._probs[j] = probs
-            if j + 1 < kmax:
-                ids = torch.zeros(bs, dtype=torch.long, device=dev) if bs > n else out[j]
-                if bs > n:
-                    ids[:n] = out[j]
+                continue
+            tokens, probs = r.sampler.draw_drafts(logits, [
+                SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
+                            s.request.num_output_tokens + j) if j < k else _PAD_ROW for s, k in zip(rows, ks)])
+            out[j] = tokens
+            if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
+                if self._probs is None:
+                    self._probs = probs.new_empty(kmax, n, probs.shape[1])
+                self._probs[j] = probs
         drafts = out.t().tolist()
         for i, s in enumerate(rows):
             s.spec_tokens = drafts[i][:ks[i]]
+
+    def _for_batch(self, n: int):
+        return self.graphs.for_batch(n) if self.graphs is not None and n else None
+
+    def _pass_arrays(self, entries: list, bs: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """One pass's rows as decode rows, padded to bs: [positions, slots, context lengths] ([3, bs] int64; a None
+        entry and the padding rows: position 0, no slot, one token of context) and the block tables ([bs, width]
+        int32). entries: (scheduled request, position) or None."""
+        blk = self.runner.block_size
+        arr = np.zeros((3, bs), dtype=np.int64)
+        arr[1] = -1
+        arr[2] = 1
+        table = np.zeros((bs, width), dtype=np.int32)
+        for i, e in enumerate(entries):
+            if e is None:
+                continue
+            s, p = e
+            table[i, :len(s.block_ids)] = s.block_array
+            arr[0, i], arr[1, i], arr[2, i] = p, s.block_ids[p // blk] * blk + p % blk, p + 1
+        return arr, table
+
+    def _pass(self, graph, rows: int, bs: int, arrays: torch.Tensor, ids: torch.Tensor,
+              lens: np.ndarray) -> torch.Tensor:
+        """One proposal pass over `rows` decode rows (bs with a graph's padding): arrays = its positions, slots and
+        context lengths ([3 * bs] on the device), ids its input ids; the block tables are in place. Returns the
+        rows' hidden states."""
+        buf = self.runner.buffers
+        buf.input_ids[:bs].copy_(ids)
+        buf.positions[:bs].copy_(arrays[:bs])
+        buf.slot_mapping[:bs].copy_(arrays[bs:2 * bs])
+        buf.seq_lens[:bs].copy_(arrays[2 * bs:])
+        if graph is not None:
+            return graph.replay()[:rows]
+        meta = AttentionMetadata(
+            num_tokens=rows, query_start_loc=buf.query_start_loc[:rows + 1], seq_lens=buf.seq_lens[:rows],
+            block_tables=buf.block_tables[:rows], slot_mapping=buf.slot_mapping[:rows], max_query_len=1,
+            max_seq_len=int(lens[:rows].max()), query_start_loc_cpu=list(range(rows + 1)),
+            seq_lens_cpu=lens[:rows].tolist())
+        return self.model(buf.input_ids[:rows], buf.positions[:rows],
+                          ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend))
 
     def verification_probs(self, rows: list) -> tuple[Optional[torch.Tensor], Optional[list[bool]]]:
         """For the runner's verification rows of `rows` ((index, ScheduledRequest), each request's drafts then the

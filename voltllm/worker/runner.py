@@ -443,7 +443,9 @@ class ModelRunner:
         buf.input_ids.index_copy_(0, idx[:k], self._prev_tokens.index_select(0, idx[k:]))
 
     def release(self, request_ids: list[str]) -> None:
-        """Drop per-request runner state (recurrent-state slots) of finished/preempted requests."""
+        """Drop per-request runner state (recurrent-state slots, draft catch-ups) of finished/preempted requests."""
+        if self.draft is not None:
+            self.draft.forget(request_ids)
         if self.state_cache is not None:
             for rid in request_ids:
                 self.state_cache.free(rid)
@@ -519,7 +521,7 @@ class ModelRunner:
             self.tp.broadcast_(self.buffers.input_ids[:t])
         hidden = self._forward(graph, prompt_graph, meta, t, sched, slots)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
-            self.draft.run_step(graph.batch_size if graph is not None else 0, meta)
+            self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
             self._verify_drafts(hidden, qsl, spec_rows, handle)
         if reqs:
