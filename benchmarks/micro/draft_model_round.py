@@ -71,8 +71,9 @@ def main() -> int:
             print(f"batch {b}: {args.target} plain {plain['step_ms']:.2f} ms/step ({plain['tok_s']:.0f} tok/s); "
                   f"round with {args.draft} K={args.k}: {spec['step_ms']:.2f} ms (acceptance "
                   f"{spec['acceptance']:.2f}); projected tok/s at acceptance {proj}")
-            print(f"  {args.draft} as its own draft: round {own['step_ms']:.2f} ms, acceptance {own['acceptance']:.2f}, "
-                  f"{own['tok_s']:.0f} tok/s vs plain {own_plain['step_ms']:.2f} ms/step, {own_plain['tok_s']:.0f} tok/s")
+            print(f"  {args.draft} as its own draft: round {own['step_ms']:.2f} ms, acceptance "
+                  f"{own['acceptance']:.2f}, {own['tok_s']:.0f} tok/s vs plain {own_plain['step_ms']:.2f} ms/step, "
+                  f"{own_plain['tok_s']:.0f} tok/s")
             result["rows"].append({"plain": plain, "spec": spec, "self_draft": own, "draft_plain": own_plain,
                                    "projected_tok_s": proj})
     if args.out:
