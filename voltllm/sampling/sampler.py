@@ -96,10 +96,10 @@ class SamplerOutput:
         """Start device->host copies into pinned memory (non-blocking) so to_host() only waits."""
         if self.tokens.device.type != "cuda":
             return
-        self.tokens = _pinned_copy(self.tokens)
+        self.tokens = pinned_copy(self.tokens)
         if self.chosen_lp is not None:
-            self.chosen_lp = _pinned_copy(self.chosen_lp)
-            self.top_ids, self.top_vals = _pinned_copy(self.top_ids), _pinned_copy(self.top_vals)
+            self.chosen_lp = pinned_copy(self.chosen_lp)
+            self.top_ids, self.top_vals = pinned_copy(self.top_ids), pinned_copy(self.top_vals)
 
     def to_host(self) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         tokens = self.tokens.tolist()
@@ -116,7 +116,7 @@ class SamplerOutput:
         return tokens, out
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A device -> host copy into pinned memory, started without waiting (the step's event covers it)."""
     h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     h.copy_(t, non_blocking=True)
@@ -231,7 +231,7 @@ class Sampler:
             tokens = torch.where(to_device(greedy, torch.bool, logits.device), logits.argmax(dim=-1), tokens)
         return tokens, probs
 
-    def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int],
+    def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: "list[int] | torch.Tensor",
                       draft_probs: Optional[torch.Tensor] = None,
                       drawn: Optional[list[bool]] = None) -> "DraftVerdicts":
         """Speculative sampling, exact for any temperature / top-k / top-p / min-p / logit_bias: row i scores draft
@@ -240,7 +240,8 @@ class Sampler:
         not, the row's token comes from p with d removed (renormalized). A draft drawn from a draft model's q
         (drawn[i]; q = draft_probs[i]) is accepted with probability min(1, p(d) / q(d)); where it is not, the token
         comes from max(0, p - q) (renormalized). Either way every emitted token is distributed as p (a
-        deterministic draft is the case q = one-hot at d). Greedy rows: p is one-hot at the argmax.
+        deterministic draft is the case q = one-hot at d). Greedy rows: p is one-hot at the argmax. `drafts` may be
+        a device tensor (-1 likewise).
         Penalties, logprobs and min_tokens bans are not applied (speculative.spec_allowed keeps such requests
         out)."""
         dev = logits.device
@@ -254,8 +255,11 @@ class Sampler:
             g = to_device([i for i, x in enumerate(greedy) if x], torch.long, dev)
             probs[g] = 0.0
             probs[g, logits[g].argmax(dim=-1)] = 1.0
-        d = to_device([max(x, 0) for x in drafts], torch.long, dev)
-        has_draft = to_device([x >= 0 for x in drafts], torch.bool, dev)
+        if isinstance(drafts, torch.Tensor):  # (a draft model's, still on the device)
+            d, has_draft = drafts.clamp_min(0), drafts >= 0
+        else:
+            d = to_device([max(x, 0) for x in drafts], torch.long, dev)
+            has_draft = to_device([x >= 0 for x in drafts], torch.bool, dev)
         u = torch.empty(len(rows), device=dev).uniform_(generator=self.default_generator)
         for i, r in enumerate(rows):
             if r.generator is not None and not greedy[i]:
@@ -265,7 +269,7 @@ class Sampler:
             accepted = has_draft & (u < p_draft)
             residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_draft)[:, None])
         else:
-            is_drawn = to_device([bool(x) and y >= 0 for x, y in zip(drawn, drafts)], torch.bool, dev)
+            is_drawn = to_device([bool(x) for x in drawn], torch.bool, dev) & has_draft
             q = torch.where(is_drawn[:, None], draft_probs.float(), 0.0)
             det = has_draft & ~is_drawn  # deterministic drafts: q one-hot at d
             q.scatter_add_(1, d[:, None], det.float()[:, None])
@@ -287,7 +291,7 @@ class DraftVerdicts:
 
     def copy_to_host_async(self) -> None:
         if self.tokens.device.type == "cuda":
-            self.tokens, self.accepted = _pinned_copy(self.tokens), _pinned_copy(self.accepted)
+            self.tokens, self.accepted = pinned_copy(self.tokens), pinned_copy(self.accepted)
 
     def to_host(self) -> tuple[list[int], list[bool]]:
         return self.tokens.tolist(), self.accepted.tolist()

@@ -5,7 +5,10 @@ own (one per draft layer). So the scheduler's block bookkeeping covers both: all
 preemption and freeing need nothing more, provided the draft computes every token the target computes in the same
 step. Each step therefore runs the draft on the target's own step inputs (`run_step`: the same buffers and metadata,
 or the draft's decode graph of the same batch size), and before it, for the requests that speculate, K one-token
-draft steps (`propose`): the request's known token, then each draft so far, each step's argmax the next draft.
+draft steps (`propose`): the request's known token, then each draft so far, each step's choice the next draft. A
+step in which every request drafts leaves `run_step` out; the one token it would add per request (the last draft)
+is caught up by the next step's first proposal pass when it was accepted (`lag`). The drafts stay on the device:
+they are copied into the step's input ids and read by the verification there, and reach the host with its results.
 
 Greedy requests take the draft's argmax (a deterministic draft: the target's greedy comparison keeps its tokens).
 Sampled requests draw their drafts from the draft's distribution q, processed with the request's own temperature /
@@ -67,6 +70,7 @@ class DraftRunner:
         # that position (caught up by the next proposal's first pass if the draft was accepted)
         self.lag: dict[str, int] = {}
         self._skip_run = False  # this step's draft run can be left out (propose decides)
+        self._drafts: Optional[torch.Tensor] = None  # the last proposal's drafts [passes, requests], on the device
         from voltllm.attention.kv_spec import enable_key_offsets, kv_scales_to_calculate
 
         cache = runner.config.cache
@@ -156,8 +160,9 @@ class DraftRunner:
         pass j - 1) as one decode row and writes its draft KV there; a request with fewer drafts than the longest is
         a padding row (writing nowhere) in the passes past its own. Pass 0 also catches up on the draft KV a
         request still owes (its last draft of a step whose draft run was left out, accepted): one more row of that
-        request, before its known token's. One host sync, at the end."""
-        self._probs, self._skip_run = None, False
+        request, before its known token's. Nothing waits for the GPU: the drafts go to the step's input ids and
+        verification on the device (fill_inputs, verification_drafts), to the host with the step's results."""
+        self._probs, self._drafts, self._skip_run = None, None, False
         self.forget(sched.released_ids)
         rows = [s for s in sched.scheduled if s.spec_tokens]
         catch_up = []
@@ -234,9 +239,35 @@ class DraftRunner:
                 if self._probs is None:
                     self._probs = probs.new_empty(kmax, n, probs.shape[1])
                 self._probs[j] = probs
-        drafts = out.t().tolist()
-        for i, s in enumerate(rows):
-            s.spec_tokens = drafts[i][:ks[i]]
+        self._drafts = out
+
+    def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
+        """Copy the proposed drafts into the step's input ids on the device (the step was prepared with the
+        placeholders): spans = (index of its first draft in the step's tokens, ScheduledRequest) per drafting
+        request."""
+        if self._drafts is None or not spans:
+            return
+        n = self._drafts.shape[1]
+        dst, src = [], []
+        for at, s in spans:
+            i = self._prob_rows[s.request.request_id]
+            dst += range(at, at + len(s.spec_tokens))
+            src += [j * n + i for j in range(len(s.spec_tokens))]
+        idx = to_device(dst + src, torch.long, input_ids.device)
+        input_ids.index_copy_(0, idx[:len(dst)], self._drafts.view(-1).index_select(0, idx[len(dst):]))
+
+    def verification_drafts(self, rows: list) -> Optional[torch.Tensor]:
+        """The drafts of the runner's verification rows of `rows` ((index, ScheduledRequest): each request's drafts
+        then -1 for the row after them), on the device (Sampler.verify_drafts' drafts; collect() reads them)."""
+        if self._drafts is None:
+            return None
+        n = self._drafts.shape[1]
+        src = []
+        for _, s in rows:
+            i = self._prob_rows[s.request.request_id]
+            src += [j * n + i for j in range(len(s.spec_tokens))] + [-1]
+        idx = to_device(src, torch.long, self._drafts.device)
+        return torch.where(idx >= 0, self._drafts.view(-1)[idx.clamp_min(0)], -1)
 
     def _for_batch(self, n: int):
         return self.graphs.for_batch(n) if self.graphs is not None and n else None

@@ -18,7 +18,7 @@ from voltllm.engine.speculative import accept_drafts, accept_sampled
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device
-from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow
+from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow, pinned_copy
 from voltllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("voltllm")
@@ -67,6 +67,9 @@ class StepHandle:
     # sampled verdicts; and (request id, drafts) in row order
     spec_out: Optional[Union[SamplerOutput, DraftVerdicts]] = None
     spec_drafts: list[tuple[str, list[int]]] = field(default_factory=list)
+    # a draft model's drafts per verification row (-1 after each request's last), on their way to the host: its
+    # requests' spec_tokens are placeholders (the drafts were made on the device)
+    spec_draft_ids: Optional[torch.Tensor] = None
 
 
 class ModelRunner:
@@ -493,6 +496,9 @@ class ModelRunner:
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
             qsl = list(itertools.accumulate((s.num_new_tokens for s in sched.scheduled), initial=0))
         scheduled = sched.scheduled
+        if self.draft is not None:  # the drafts (last in each drafting request's span) over their placeholders
+            self.draft.fill_inputs(self.buffers.input_ids, [(qsl[i + 1] - len(s.spec_tokens), s)
+                                                            for i, s in enumerate(scheduled) if s.spec_tokens])
         # which hidden rows get logits, decided before the forward: the other TP ranks compute the same ones
         # one token per row and every row samples (decode): the rows are the hidden states in order, and no row
         # is short of its prompt's last token, so none has prompt logprobs to compute
@@ -611,6 +617,7 @@ class ModelRunner:
         1 + drafts positions of each request), taken to the host with the step; collect() accepts from them."""
         idx = [p for i, s in rows for p in range(qsl[i + 1] - 1 - len(s.spec_tokens), qsl[i + 1])]
         logits = self.model.compute_logits(hidden[to_device(idx, torch.long, self.device)])
+        draft_ids = self.draft.verification_drafts(rows) if self.draft is not None else None
         if all(s.request.argmax_only for _, s in rows):
             out = self.sampler.sample_argmax(logits)  # the model's choices: collect() compares the drafts
         else:  # speculative sampling: per row, accept / reject its draft and a replacement token
@@ -622,10 +629,13 @@ class ModelRunner:
                                                      r.num_output_tokens + j))
                     drafts.append(s.spec_tokens[j] if j < len(s.spec_tokens) else -1)
             q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
-            out = self.sampler.verify_drafts(logits, sampling_rows, drafts, q, drawn)
+            out = self.sampler.verify_drafts(logits, sampling_rows, drafts if draft_ids is None else draft_ids, q,
+                                             drawn)
         out.copy_to_host_async()
         handle.spec_out = out
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
+        if draft_ids is not None:
+            handle.spec_draft_ids = draft_ids if draft_ids.device.type != "cuda" else pinned_copy(draft_ids)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (host side)."""
@@ -635,9 +645,12 @@ class ModelRunner:
         if handle.spec_out is not None:
             tokens, accepted = handle.spec_out.to_host()
             sampled = isinstance(handle.spec_out, DraftVerdicts)
+            draft_ids = handle.spec_draft_ids.tolist() if handle.spec_draft_ids is not None else None
             at = 0
             for rid, drafts in handle.spec_drafts:
                 rows = slice(at, at + len(drafts) + 1)
+                if draft_ids is not None:  # a draft model's, made on the device
+                    drafts = draft_ids[at:at + len(drafts)]
                 verified = (accept_sampled(drafts, accepted[rows], tokens[rows]) if sampled
                             else accept_drafts(drafts, tokens[rows]))
                 at += len(drafts) + 1
