@@ -50,6 +50,17 @@ def _run(llm, prompts, sps):
     return [o.outputs[0].token_ids for o in outs]
 
 
+_PLAIN: dict = {}
+
+
+def _plain(target, prompts, sps, **kw):
+    """Plain decoding's outputs (cached: several tests compare with the same ones)."""
+    key = (target, tuple(prompts), repr(sps), tuple(sorted(kw.items())))
+    if key not in _PLAIN:
+        _PLAIN[key] = _run(LLM(target, **kw), prompts, sps)
+    return _PLAIN[key]
+
+
 @pytest.mark.parametrize("budget", [64, 5])
 @pytest.mark.parametrize("draft", ["self", "near", "other"])
 def test_greedy_outputs_equal_plain_decoding(models, draft, budget):
@@ -57,7 +68,7 @@ def test_greedy_outputs_equal_plain_decoding(models, draft, budget):
     target = models["self"]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     kw = dict(block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
-    ref = _run(LLM(target, **kw), PROMPTS, sp)
+    ref = _plain(target, PROMPTS, sp, **kw)
     llm = LLM(target, speculative_config=_spec(models[draft]), **kw)
     assert _run(llm, PROMPTS, sp) == ref
     extra = llm.engine.stats().extra
@@ -79,8 +90,8 @@ def test_self_draft_takes_one_step_per_k_plus_one_tokens(models, k):
     stats = llm.engine.stats()
     assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"] == n - 1 - (n - 1) // (k + 1)
     assert stats.step_counter - steps0 == 1 + -(-(n - 1) // (k + 1))
-    assert got == _run(LLM(target, block_size=4), PROMPTS[2:3],
-                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert got == _plain(target, PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                         block_size=4)
 
 
 def test_prefix_cache_hits_carry_the_draft_kv(models):
@@ -89,7 +100,7 @@ def test_prefix_cache_hits_carry_the_draft_kv(models):
     target = models["self"]
     prompts = [PROMPTS[0] + " and again", PROMPTS[0] + " once more", PROMPTS[1]]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = _run(LLM(target, block_size=4), prompts, sp)
+    ref = _plain(target, prompts, sp, block_size=4)
     llm = LLM(target, block_size=4, speculative_config=_spec(target))
     assert _run(llm, prompts, sp) == ref
     hits = llm.engine.stats().prefix_cache_hits
@@ -103,7 +114,7 @@ def test_prefix_cache_hits_carry_the_draft_kv(models):
 def test_preemption_recomputes_both_caches(models, draft):
     target = models["self"]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = _run(LLM(target, block_size=4), PROMPTS, sp)
+    ref = _plain(target, PROMPTS, sp, block_size=4)
     tight = LLM(target, block_size=4, max_num_batched_tokens=32, num_gpu_blocks_override=24,
                 speculative_config=_spec(models[draft]))
     assert _run(tight, PROMPTS, sp) == ref
@@ -121,7 +132,7 @@ def test_requests_that_cannot_speculate_keep_the_draft_current(models):
            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=12),
            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
-    ref = _run(LLM(target, block_size=4), PROMPTS, sps)
+    ref = _plain(target, PROMPTS, sps, block_size=4)
     llm = LLM(target, block_size=4, speculative_config=_spec(target))
     assert _run(llm, PROMPTS, sps) == ref
     extra = llm.engine.stats().extra
@@ -135,7 +146,7 @@ def test_sampled_requests_speculate_and_repeat(models):
     target = models["self"]
     sps = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
            SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)] * 2
-    ref = _run(LLM(target, block_size=4), PROMPTS, sps)
+    ref = _plain(target, PROMPTS, sps, block_size=4)
     runs = []
     for _ in range(2):
         llm = LLM(target, block_size=4, speculative_config=_spec(models["near"]))
@@ -167,6 +178,18 @@ def test_stops_inside_accepted_drafts(models):
     for sp in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free[9]], ignore_eos=True),
                SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)):
         assert _run(llm, PROMPTS[:1], sp) == _run(ref_llm, PROMPTS[:1], sp)
+
+
+def test_fp8_kv_cache(models):
+    """The draft's cache takes the target's KV dtype (fp8 codes with scales calculated on the first step here)."""
+    target = models["self"]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    llm = LLM(target, speculative_config=_spec(target), **kw)
+    assert llm.engine.runner.draft.kv_caches[0].dtype == torch.uint8
+    assert _run(llm, PROMPTS[:2], sp) == _plain(target, PROMPTS[:2], sp, **kw)
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"] > 0
 
 
 def test_bad_configs_are_refused(models, tmp_path):
