@@ -140,7 +140,7 @@
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
 #            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
 #            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
-#   s88dm    (draft branch, queued) draft-model speculation: tests/gpu/test_draft_model_cuda.py (the draft's decode graphs,
+#   s90dm    (draft branch, queued) draft-model speculation: tests/gpu/test_draft_model_cuda.py (the draft's decode graphs,
 #            fp32 greedy = plain decoding native / compat, graphs = eager, sampled p / q drafts, KV sizing), the n-gram
 #            file beside it (the shared verification), then benchmarks/micro/draft_model_round.py: the 8B shape's plain
 #            step vs its round with a 0.6B-shape draft (K = 4, batch 1 / 16; random weights) and projected tok/s
@@ -1155,7 +1155,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         --num-warm 2 --name qwen3-8b-shape-fp16-decode-b1-$sha
     fi
     ;;
-  s88dm)  # (draft branch, queued) draft-model speculation on the GPU: its tests, the n-gram tests (the verification
+  s90dm)  # (draft branch, queued) draft-model speculation on the GPU: its tests, the n-gram tests (the verification
           # they share), then the round cost of an 8B-shape target with a 0.6B-shape draft (random weights)
     gpu_file test_draft_model_cuda 200
     gpu_file test_speculative_cuda 120
