@@ -180,6 +180,21 @@ def test_stops_inside_accepted_drafts(models):
         assert _run(llm, PROMPTS[:1], sp) == _run(ref_llm, PROMPTS[:1], sp)
 
 
+def test_blocks_hold_both_caches(models):
+    """A KV block's bytes are the target's plus the draft's, so fewer blocks fit the same memory (here the CPU's
+    cache bytes, with --max-num-seqs high enough not to cap the count), and the draft's cache has the target's
+    blocks."""
+    target = models["self"]
+    kw = dict(block_size=4, max_num_seqs=8192)
+    plain = LLM(target, **kw).engine
+    for draft, layers in (("self", 3), ("other", 1)):
+        engine = LLM(target, speculative_config=_spec(models[draft]), **kw).engine
+        assert engine.runner.kv_block_bytes() == plain.runner.kv_block_bytes() * (3 + layers) // 3
+        assert abs(engine.kv.num_blocks - plain.kv.num_blocks * 3 / (3 + layers)) <= 1
+        caches = engine.runner.draft.kv_caches
+        assert len(caches) == layers and caches[0].shape == engine.runner.kv_caches[0].shape
+
+
 def test_fp8_kv_cache(models):
     """The draft's cache takes the target's KV dtype (fp8 codes with scales calculated on the first step here)."""
     target = models["self"]
