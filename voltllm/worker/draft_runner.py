@@ -50,11 +50,13 @@ class _GraphView:
 
 
 class DraftRunner:
+    """The draft model beside a ModelRunner (which owns it and calls propose / fill_inputs / run_step /
+    verification_drafts / verification_probs in each step's execute_async)."""
+
     def __init__(self, runner: Any, spec: Any):
         from voltllm.worker.runner import select_attention_backend
 
         self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
-        self.k = spec.num_speculative_tokens
         self.model = self._load(runner, spec)
         # its own backend: a backend's split-KV scratch may grow for another model's heads, and graphs keep pointers
         self.backend = select_attention_backend(runner.config)
