@@ -195,6 +195,51 @@ def test_blocks_hold_both_caches(models):
         assert len(caches) == layers and caches[0].shape == engine.runner.kv_caches[0].shape
 
 
+class _PaddedPass:
+    """A stand-in for a draft decode graph on the CPU: what a replay computes, over the graph's padded rows read from
+    the input buffers (padding rows: no slot, position 0, one token of context)."""
+
+    def __init__(self, draft, batch_size):
+        self.draft, self.batch_size = draft, batch_size
+
+    def replay(self):
+        from voltllm.attention.backend import AttentionMetadata
+        from voltllm.model.forward_context import ForwardContext
+
+        d, bs = self.draft, self.batch_size
+        buf = d.runner.buffers
+        lens = buf.seq_lens[:bs].tolist()
+        meta = AttentionMetadata(
+            num_tokens=bs, query_start_loc=buf.query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
+            block_tables=buf.block_tables[:bs], slot_mapping=buf.slot_mapping[:bs], max_query_len=1,
+            max_seq_len=max(lens), query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=lens)
+        return d.model(buf.input_ids[:bs], buf.positions[:bs],
+                       ForwardContext(meta=meta, kv_caches=d.kv_caches, backend=d.backend))
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 4])
+def test_proposal_passes_padded_like_graph_replays(models, monkeypatch, max_num_seqs):
+    """The proposal passes' graph form (rows padded to the graph's batch size, the catch-up rows merged into the
+    first pass or, past max_num_seqs rows, a pass of their own), computed eagerly: the self-draft still agrees
+    everywhere, greedy and sampled, and the outputs are plain decoding's."""
+    from voltllm.worker.draft_runner import DraftRunner
+
+    def padded(self, n):
+        return _PaddedPass(self, 1 << (n - 1).bit_length()) if n else None
+
+    monkeypatch.setattr(DraftRunner, "_for_batch", padded)
+    target = models["self"]
+    prompts = PROMPTS + ["x y"]
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 31, 27, 33, 29)]
+    kw = dict(block_size=4, max_num_seqs=max_num_seqs)
+    llm = LLM(target, speculative_config=_spec(target), **kw)
+    assert _run(llm, prompts, sps) == _plain(target, prompts, sps, **kw)
+    sampled = [SamplingParams(temperature=2.5, seed=i, max_tokens=30, ignore_eos=True) for i in range(5)]
+    _run(llm, prompts, sampled)
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] >= 0.99 * extra["spec_draft_tokens"] > 0
+
+
 def test_fp8_kv_cache(models):
     """The draft's cache takes the target's KV dtype (fp8 codes with scales calculated on the first step here)."""
     target = models["self"]
