@@ -145,6 +145,10 @@
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
 #            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
 #            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
+#   s90dm    (draft branch, queued) draft-model speculation: tests/gpu/test_draft_model_cuda.py (the draft's decode graphs,
+#            fp32 greedy = plain decoding native / compat, graphs = eager, sampled p / q drafts, KV sizing), the n-gram
+#            file beside it (the shared verification), then benchmarks/micro/draft_model_round.py: the 8B shape's plain
+#            step vs its round with a 0.6B-shape draft (K = 4, batch 1 / 16; random weights) and projected tok/s
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1181,6 +1185,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 \
         --num-warm 2 --name qwen3-8b-shape-fp16-decode-b1-$sha
     fi
+    ;;
+  s90dm)  # (draft branch, queued) draft-model speculation on the GPU: its tests, the n-gram tests (the verification
+          # they share), then the round cost of an 8B-shape target with a 0.6B-shape draft (random weights)
+    gpu_file test_draft_model_cuda 200
+    gpu_file test_speculative_cuda 120
+    timeout 250 python3 benchmarks/micro/draft_model_round.py --target qwen3-8b-shape --draft qwen3-0.6b-shape -k 4 \
+      --batch 1,16 --out "$out/draft-model-round-8b-0.6b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

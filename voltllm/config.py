@@ -193,6 +193,17 @@ class EngineArgs:
             raise ConfigError(f"--tokenizer-revision applies to Hugging Face Hub tokenizers; {name!r} is a local path")
         return name
 
+    def _resolve_draft(self, spec: Any, hf_config: Any, tokenizer: str) -> Any:
+        """A draft model's local path and config, checked against the target (engine/draft_model.py)."""
+        from voltllm.engine.draft_model import resolve_draft
+        from voltllm.engine.speculative import SpeculativeConfigError
+
+        try:
+            return resolve_draft(spec, hf_config, None if self.skip_tokenizer_init else tokenizer, self.download_dir,
+                                 self.hf_token, self.trust_remote_code)
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -215,6 +226,8 @@ class EngineArgs:
                 raise ConfigError(str(e)) from None
         method = _resolve_quantization(self.quantization, source.kind, hf_config)
         spec = _resolve_speculative(spec_dict, hf_config)
+        if spec is not None and spec.uses_draft_model:
+            spec = self._resolve_draft(spec, hf_config, tokenizer)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
@@ -226,6 +239,9 @@ class EngineArgs:
         if max_model_len > derived_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
                               f"({derived_max} positions in its config)")
+        if spec is not None and spec.uses_draft_model and _max_positions(spec.draft_hf_config) < max_model_len:
+            raise ConfigError(f"--speculative-config: the draft model holds {_max_positions(spec.draft_hf_config)} "
+                              f"positions, fewer than --max-model-len {max_model_len}; lower --max-model-len")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -1,5 +1,6 @@
-"""Speculative decoding's pieces (engine/speculative.py): --speculative-config parsing, the n-gram index and its
-proposals, greedy acceptance, and which requests may speculate."""
+"""Speculative decoding's pieces (engine/speculative.py): --speculative-config parsing (n-gram and draft model), the
+n-gram index and its proposals, greedy acceptance, which requests may speculate, speculative sampling with
+deterministic and drawn drafts, the draft model's vocabulary checks."""
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,6 @@ def test_config():
     assert SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 3,
                                         "prompt_lookup_min": 6}).prompt_lookup_max == 6
     for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "not built yet"),
-                     ({"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 3}, "draft models"),
                      ({"method": "ngram"}, "num_speculative_tokens"),
                      ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
@@ -137,3 +137,66 @@ def test_metrics_export_the_counters():
     assert 'voltllm:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
     plain = generate_latest(ServerMetrics("m", SchedulerStats, lambda: True, lambda: 0).registry).decode()
     assert "spec_decode" not in plain
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                                    dict(temperature=1.3, top_p=0.8, min_p=0.02)])
+def test_drafts_drawn_from_a_draft_model_keep_the_distribution(params):
+    """A draft model's draft d ~ q (Sampler.draw_drafts, the draft's logits processed like the target's), verified
+    against the target's p 40,000 times: the emitted token is distributed as p, and a draft is accepted as often as
+    speculative sampling promises, sum over x of min(p(x), q(x)). Deterministic (n-gram) drafts in the same call
+    keep their own rule."""
+    import torch
+
+    from voltllm.sampling.params import SamplingParams
+    from voltllm.sampling.sampler import Sampler, SamplingRow, _shaped_probs
+
+    torch.manual_seed(0)
+    target, draft = torch.randn(1, 12) * 2, torch.randn(1, 12) * 2
+    sp = SamplingParams(**params)
+    row = SamplingRow(sp, [], (), None, 0)
+    p, q = _shaped_probs(target, [row])[0], _shaped_probs(draft, [row])[0]
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    n = 40_000
+    d, q_rows = sampler.draw_drafts(draft.expand(n, 12), [row] * n)
+    assert torch.allclose(q_rows[0], q)
+    got_q = torch.bincount(d, minlength=12).float() / n
+    assert float((got_q - q).abs().sum()) / 2 < 0.015  # the drafts follow q
+    # half the rows carry drawn drafts, the other half one deterministic draft (the target's least likely token)
+    fixed = int(p.argmin())
+    drafts = [int(x) if i % 2 == 0 else fixed for i, x in enumerate(d.tolist())]
+    drawn = [i % 2 == 0 for i in range(n)]
+    out = sampler.verify_drafts(target.expand(n, 12), [row] * n, drafts, q_rows, drawn)
+    emitted = torch.where(out.accepted, torch.tensor(drafts), out.tokens)
+    for half, accept_rate in ((slice(0, n, 2), float(torch.minimum(p, q).sum())), (slice(1, n, 2), float(p[fixed]))):
+        got = torch.bincount(emitted[half], minlength=12).float() / (n // 2)
+        assert float((got - p).abs().sum()) / 2 < 0.02, (half, got, p)
+        assert abs(float(out.accepted[half].float().mean()) - accept_rate) < 0.015
+
+
+def test_draft_config():
+    c = SpeculativeConfig.from_dict({"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4})
+    assert (c.method, c.model, c.num_speculative_tokens, c.uses_draft_model) == ("draft_model", "Qwen/Qwen3-0.6B", 4,
+                                                                                 True)
+    assert SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+                                        "draft_tensor_parallel_size": 1}).model == "m"
+    assert c.with_draft("/local/m", SimpleNamespace(vocab_size=3)).model == "/local/m"
+    for bad, msg in [({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+                     ({"model": "m"}, "num_speculative_tokens"),
+                     ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "unsupported keys"),
+                     ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "only 1"),
+                     ({"method": "eagle", "model": "m", "num_speculative_tokens": 2}, "not built yet"),
+                     ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "unsupported keys for ngram")]:
+        with pytest.raises(SpeculativeConfigError, match=msg):
+            SpeculativeConfig.from_dict(bad)
+
+
+def test_draft_vocabulary_checks():
+    from voltllm.engine.draft_model import check_vocabularies
+
+    check_vocabularies(5, 5, {"a": 0, "b": 1}, {"a": 0, "b": 1})
+    check_vocabularies(5, 5, None, {"a": 0})  # no tokenizer on one side: the sizes alone
+    with pytest.raises(SpeculativeConfigError, match="vocabulary"):
+        check_vocabularies(5, 6, None, None)
+    with pytest.raises(SpeculativeConfigError, match="tokenizer differs.*first id 1"):
+        check_vocabularies(5, 5, {"a": 0, "b": 1, "c": 2}, {"a": 0, "c": 1, "b": 2})

@@ -48,8 +48,8 @@ own measured rate: 0.68 TB/s of codes at batch 1 (attn-decode-fma-fp8-6bd4389.tx
 assumed the same). The 27B's d256 group-8 tile is unmeasured: the 8B's rate, or its roofline where that is slower.
 
 Not modelled: tensor-parallel all-reduces (2 per layer; each 10 us adds 10 us x 2 x layers per step),
-activations (a few MB per step), the host side, speculative decoding (only n-gram is built), NVFP4 (not built:
-"4-bit" means linear-weight bytes / 4 with the lm_head kept fp16, scales not counted).
+activations (a few MB per step), the host side, speculative decoding (n-gram and draft models are built),
+NVFP4 (not built: "4-bit" means linear-weight bytes / 4 with the lm_head kept fp16, scales not counted).
 """
 from __future__ import annotations
 

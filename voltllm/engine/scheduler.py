@@ -18,7 +18,7 @@ import numpy as np
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import SchedulerConfig
 from voltllm.engine.request import Request, RequestStatus
-from voltllm.engine.speculative import NgramIndex, SpeculativeConfig, spec_allowed
+from voltllm.engine.speculative import DRAFT_PLACEHOLDER, NgramIndex, SpeculativeConfig, spec_allowed
 from voltllm.engine.types import EngineCoreOutput, PositionLogprobs, SchedulerStats
 
 
@@ -171,10 +171,14 @@ class Scheduler:
         return out
 
     def _propose(self, req: Request, max_new: int) -> list[int]:
-        """n-gram drafts for a decoding request (none where speculation cannot keep its output exact)."""
+        """Drafts for a decoding request (none where speculation cannot keep its output exact): n-gram ones, or
+        placeholders for a draft model's, which the runner fills before the step runs (their slots are allocated
+        here, with the step's)."""
         k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
         if k <= 0:
             return []
+        if self.spec.uses_draft_model:
+            return [DRAFT_PLACEHOLDER] * k
         index = req.ngram_index
         if index is None:
             index = req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)

@@ -8,13 +8,24 @@ model's next token after it, so they produce exactly the tokens they would witho
 accept each draft with the model's probability of it and otherwise sample from the rest of the distribution
 (speculative sampling with a deterministic draft), so their tokens keep the model's distribution. Either way in
 fewer steps when the text repeats itself (code edits, quoting, structured output).
+
+A draft model (`"model": ...`, method "draft_model") proposes instead: the scheduler reserves the draft slots and
+the runner's draft model (worker/draft_runner.py) fills them with its greedy choices before the step runs, so the
+same verification applies (engine/draft_model.py checks the draft at configuration time).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+# vLLM's keys, per method; draft_tensor_parallel_size is accepted at 1 (the draft runs beside the target)
+_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+         "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}}
+
+
+# a draft model's draft slot before the runner fills it (ScheduledRequest.spec_tokens)
+DRAFT_PLACEHOLDER = -1
 
 
 class SpeculativeConfigError(ValueError):
@@ -27,25 +38,34 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # draft_model: the draft's path or Hub repo id as given, then (engine/draft_model.resolve_draft) its local path
+    # and its HF config
+    model: Optional[str] = None
+    revision: Optional[str] = None
+    draft_hf_config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         method = str(d.get("method") or "").lower()
         if method == "[ngram]":  # vLLM's older spelling
             method = "ngram"
+        if not method and d.get("model"):  # vLLM: a model without a method is a draft model
+            method = "draft_model"
         if method not in METHODS:
-            if d.get("model") and not method:
-                raise SpeculativeConfigError("--speculative-config: draft models (and EAGLE / MTP / DFlash) are not "
-                                             "built yet; use {\"method\": \"ngram\", ...}")
             raise SpeculativeConfigError(f"--speculative-config method {d.get('method')!r} is not built yet "
                                          f"(built: {', '.join(METHODS)})")
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - _KEYS[method])
         if unknown:
-            raise SpeculativeConfigError(f"--speculative-config: unsupported keys for ngram: {', '.join(unknown)}")
+            raise SpeculativeConfigError(f"--speculative-config: unsupported keys for {method}: {', '.join(unknown)}")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in 1..32")
+        if method == "draft_model":
+            return cls._draft_model(d, k)
         hi = d.get("prompt_lookup_max", cls.prompt_lookup_max if d.get("prompt_lookup_min") is None
                    else max(cls.prompt_lookup_max, d["prompt_lookup_min"]))
         lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else 1)
@@ -56,6 +76,25 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"--speculative-config prompt_lookup_min ({lo}) exceeds prompt_lookup_max "
                                          f"({hi})")
         return cls(method, k, hi, lo)
+
+    @classmethod
+    def _draft_model(cls, d: dict[str, Any], k: int) -> "SpeculativeConfig":
+        model = d.get("model")
+        if not isinstance(model, str) or not model:
+            raise SpeculativeConfigError("--speculative-config method draft_model needs \"model\": the draft "
+                                         "model's path or Hugging Face repo id")
+        tp = d.get("draft_tensor_parallel_size", 1)
+        if tp != 1:
+            raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size {tp!r}: the draft model "
+                                         "runs on one device beside the target (only 1 is built)")
+        revision = d.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise SpeculativeConfigError(f"--speculative-config revision must be a string, got {revision!r}")
+        return cls("draft_model", k, model=model, revision=revision)
+
+    def with_draft(self, path: str, hf_config: Any) -> "SpeculativeConfig":
+        """This config with the draft resolved: its local path and HF config."""
+        return replace(self, model=path, draft_hf_config=hf_config)
 
 
 class NgramIndex:

@@ -96,10 +96,10 @@ class SamplerOutput:
         """Start device->host copies into pinned memory (non-blocking) so to_host() only waits."""
         if self.tokens.device.type != "cuda":
             return
-        self.tokens = _pinned_copy(self.tokens)
+        self.tokens = pinned_copy(self.tokens)
         if self.chosen_lp is not None:
-            self.chosen_lp = _pinned_copy(self.chosen_lp)
-            self.top_ids, self.top_vals = _pinned_copy(self.top_ids), _pinned_copy(self.top_vals)
+            self.chosen_lp = pinned_copy(self.chosen_lp)
+            self.top_ids, self.top_vals = pinned_copy(self.top_ids), pinned_copy(self.top_vals)
 
     def to_host(self) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         tokens = self.tokens.tolist()
@@ -116,7 +116,7 @@ class SamplerOutput:
         return tokens, out
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A device -> host copy into pinned memory, started without waiting (the step's event covers it)."""
     h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     h.copy_(t, non_blocking=True)
@@ -216,18 +216,36 @@ class Sampler:
                 q[i].exponential_(generator=r.generator)
         return q
 
-    def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> "DraftVerdicts":
-        """Speculative sampling with deterministic (n-gram) drafts, exact for any temperature / top-k / top-p /
-        min-p / logit_bias: row i scores draft drafts[i] (-1: a row after the last draft, sampled as usual). A
-        draft d is accepted with probability p(d); where it is not, the row's token comes from p with d removed
-        (renormalized), so every emitted token is distributed as p. Greedy rows: p is one-hot at the argmax.
+    def draw_drafts(self, logits: torch.Tensor, rows: list[SamplingRow]
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A draft model's tokens for one proposal step: the argmax for greedy rows (a deterministic draft), a draw
+        from the row's processed distribution q for the others (logit_bias, temperature, top-k / top-p / min-p: as
+        verify_drafts processes the target's, so q is near p). Returns the tokens and q (fp32 [rows, vocab]; greedy
+        rows' q is not a distribution the draft was drawn from), or None for q when every row is greedy."""
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1), None
+        probs = _shaped_probs(_processed_logits(logits, rows), rows)
+        tokens = (probs / self._race_noise(probs, rows, greedy)).argmax(dim=-1)
+        if any(greedy):
+            tokens = torch.where(to_device(greedy, torch.bool, logits.device), logits.argmax(dim=-1), tokens)
+        return tokens, probs
+
+    def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: "list[int] | torch.Tensor",
+                      draft_probs: Optional[torch.Tensor] = None,
+                      drawn: Optional[list[bool]] = None) -> "DraftVerdicts":
+        """Speculative sampling, exact for any temperature / top-k / top-p / min-p / logit_bias: row i scores draft
+        drafts[i] (-1: a row after the last draft, sampled as usual) under the model's processed distribution p.
+        A deterministic draft d (n-gram, or a draft model's argmax) is accepted with probability p(d); where it is
+        not, the row's token comes from p with d removed (renormalized). A draft drawn from a draft model's q
+        (drawn[i]; q = draft_probs[i]) is accepted with probability min(1, p(d) / q(d)); where it is not, the token
+        comes from max(0, p - q) (renormalized). Either way every emitted token is distributed as p (a
+        deterministic draft is the case q = one-hot at d). Greedy rows: p is one-hot at the argmax. `drafts` may be
+        a device tensor (-1 likewise).
         Penalties, logprobs and min_tokens bans are not applied (speculative.spec_allowed keeps such requests
         out)."""
         dev = logits.device
-        if any(r.params.logit_bias for r in rows):  # on an fp32 copy: the caller's logits stay as they are
-            logits = _add_logit_bias_(logits.to(torch.float32, copy=True), rows)
-        else:
-            logits = logits.float()
+        logits = _processed_logits(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             probs = torch.zeros_like(logits)
@@ -237,15 +255,29 @@ class Sampler:
             g = to_device([i for i, x in enumerate(greedy) if x], torch.long, dev)
             probs[g] = 0.0
             probs[g, logits[g].argmax(dim=-1)] = 1.0
-        d = to_device([max(x, 0) for x in drafts], torch.long, dev)
-        has_draft = to_device([x >= 0 for x in drafts], torch.bool, dev)
+        if isinstance(drafts, torch.Tensor):  # (a draft model's, still on the device)
+            d, has_draft = drafts.clamp_min(0), drafts >= 0
+        else:
+            d = to_device([max(x, 0) for x in drafts], torch.long, dev)
+            has_draft = to_device([x >= 0 for x in drafts], torch.bool, dev)
         u = torch.empty(len(rows), device=dev).uniform_(generator=self.default_generator)
         for i, r in enumerate(rows):
             if r.generator is not None and not greedy[i]:
                 u[i:i + 1].uniform_(generator=r.generator)
         p_draft = probs.gather(1, d[:, None])[:, 0]
-        accepted = has_draft & (u < p_draft)
-        residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_draft)[:, None])
+        if draft_probs is None or not any(drawn or ()):
+            accepted = has_draft & (u < p_draft)
+            residual = probs.scatter(1, d[:, None], torch.where(has_draft, 0.0, p_draft)[:, None])
+        else:
+            is_drawn = to_device([bool(x) for x in drawn], torch.bool, dev) & has_draft
+            q = torch.where(is_drawn[:, None], draft_probs.float(), 0.0)
+            det = has_draft & ~is_drawn  # deterministic drafts: q one-hot at d
+            q.scatter_add_(1, d[:, None], det.float()[:, None])
+            q_draft = q.gather(1, d[:, None])[:, 0]
+            accepted = has_draft & (u * q_draft < p_draft)
+            residual = torch.where(has_draft[:, None], (probs - q).clamp_min_(0.0), probs)
+            # p == q leaves no residual, and then no rejection either (bar rounding): keep p there
+            residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
         tokens = (residual / self._race_noise(residual, rows, greedy)).argmax(dim=-1)
         return DraftVerdicts(tokens=tokens, accepted=accepted)
 
@@ -259,10 +291,17 @@ class DraftVerdicts:
 
     def copy_to_host_async(self) -> None:
         if self.tokens.device.type == "cuda":
-            self.tokens, self.accepted = _pinned_copy(self.tokens), _pinned_copy(self.accepted)
+            self.tokens, self.accepted = pinned_copy(self.tokens), pinned_copy(self.accepted)
 
     def to_host(self) -> tuple[list[int], list[bool]]:
         return self.tokens.tolist(), self.accepted.tolist()
+
+
+def _processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """fp32 logits with each row's logit_bias added (on a copy: the caller's logits stay as they are)."""
+    if any(r.params.logit_bias for r in rows):
+        return _add_logit_bias_(logits.to(torch.float32, copy=True), rows)
+    return logits.float()
 
 
 def _shaped_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

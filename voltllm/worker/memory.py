@@ -31,6 +31,8 @@ def profile_activation_bytes(runner) -> int:
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     caches = make_kv_cache(runner.model.num_attention_layers, nblocks, bs, heads, dim, runner.kv_dtype, dev)
+    draft = getattr(runner, "draft", None)  # draft-model speculation: its forward follows the target's on each step
+    draft_caches = draft.profile_caches(nblocks, bs, runner.kv_dtype) if draft is not None else None
     cache_bytes = torch.cuda.memory_allocated(dev) - base
     meta = AttentionMetadata(
         num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
@@ -40,10 +42,12 @@ def profile_activation_bytes(runner) -> int:
         query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
     ids = torch.zeros(n, dtype=torch.long, device=dev)
     hidden = runner.model(ids, torch.arange(n, device=dev), ForwardContext(meta, caches, runner.backend))
+    if draft_caches is not None:  # (while the target's hidden states wait for their logits)
+        draft.model(ids, torch.arange(n, device=dev), ForwardContext(meta, draft_caches, draft.backend))
     runner.model.compute_logits(hidden[-min(n, sc.max_num_seqs):]).float()  # + the sampler's fp32 copy
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
-    del caches, hidden
+    del caches, draft_caches, hidden
     torch.cuda.empty_cache()
     return int(peak)
 

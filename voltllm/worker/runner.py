@@ -18,7 +18,7 @@ from voltllm.engine.speculative import accept_drafts, accept_sampled
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device
-from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow
+from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow, pinned_copy
 from voltllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("voltllm")
@@ -67,6 +67,9 @@ class StepHandle:
     # sampled verdicts; and (request id, drafts) in row order
     spec_out: Optional[Union[SamplerOutput, DraftVerdicts]] = None
     spec_drafts: list[tuple[str, list[int]]] = field(default_factory=list)
+    # a draft model's drafts per verification row (-1 after each request's last), on their way to the host: its
+    # requests' spec_tokens are placeholders (the drafts were made on the device)
+    spec_draft_ids: Optional[torch.Tensor] = None
 
 
 class ModelRunner:
@@ -84,6 +87,12 @@ class ModelRunner:
         # buffering), once the step that used it has run
         self._follower_events: list[torch.cuda.Event] = []
         self.model = model if model is not None else self._load_model()
+        self.draft = None  # DraftRunner: draft-model speculation (voltllm.worker.draft_runner)
+        spec = config.speculative
+        if spec is not None and spec.uses_draft_model:
+            from voltllm.worker.draft_runner import DraftRunner
+
+            self.draft = DraftRunner(self, spec)
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)
         # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).
@@ -195,7 +204,9 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         heads, dim = self.model.kv_heads_and_dim
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.block_size * heads * dim * elem * self.model.num_attention_layers
+        target = 2 * self.block_size * heads * dim * elem * self.model.num_attention_layers
+        # a block holds the draft model's KV of its tokens too (the same block ids address both caches)
+        return target + (self.draft.kv_block_bytes(self.block_size, self.kv_dtype) if self.draft is not None else 0)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -256,6 +267,8 @@ class ModelRunner:
         heads, dim = self.model.kv_heads_and_dim
         self.kv_caches = make_kv_cache(self.model.num_attention_layers, self.num_blocks, self.block_size,
                                        heads, dim, self.kv_dtype, self.device)
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
         gib = self.num_blocks * self.kv_block_bytes() / 2**30
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_size, gib, self.config.cache.kv_cache_dtype
@@ -435,7 +448,9 @@ class ModelRunner:
         buf.input_ids.index_copy_(0, idx[:k], self._prev_tokens.index_select(0, idx[k:]))
 
     def release(self, request_ids: list[str]) -> None:
-        """Drop per-request runner state (recurrent-state slots) of finished/preempted requests."""
+        """Drop per-request runner state (recurrent-state slots, draft catch-ups) of finished/preempted requests."""
+        if self.draft is not None:
+            self.draft.forget(request_ids)
         if self.state_cache is not None:
             for rid in request_ids:
                 self.state_cache.free(rid)
@@ -462,6 +477,8 @@ class ModelRunner:
     def execute_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
         self._apply_pdl()
+        if self.draft is not None:  # the draft model's tokens into the draft slots the scheduler reserved
+            self.draft.propose(sched)
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
@@ -481,6 +498,9 @@ class ModelRunner:
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
             qsl = list(itertools.accumulate((s.num_new_tokens for s in sched.scheduled), initial=0))
         scheduled = sched.scheduled
+        if self.draft is not None:  # the drafts (last in each drafting request's span) over their placeholders
+            self.draft.fill_inputs(self.buffers.input_ids, [(qsl[i + 1] - len(s.spec_tokens), s)
+                                                            for i, s in enumerate(scheduled) if s.spec_tokens])
         # which hidden rows get logits, decided before the forward: the other TP ranks compute the same ones
         # one token per row and every row samples (decode): the rows are the hidden states in order, and no row
         # is short of its prompt's last token, so none has prompt logprobs to compute
@@ -508,6 +528,8 @@ class ModelRunner:
             self.send_step(step)
             self.tp.broadcast_(self.buffers.input_ids[:t])
         hidden = self._forward(graph, prompt_graph, meta, t, sched, slots)
+        if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
+            self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
             self._verify_drafts(hidden, qsl, spec_rows, handle)
         if reqs:
@@ -597,6 +619,7 @@ class ModelRunner:
         1 + drafts positions of each request), taken to the host with the step; collect() accepts from them."""
         idx = [p for i, s in rows for p in range(qsl[i + 1] - 1 - len(s.spec_tokens), qsl[i + 1])]
         logits = self.model.compute_logits(hidden[to_device(idx, torch.long, self.device)])
+        draft_ids = self.draft.verification_drafts(rows) if self.draft is not None else None
         if all(s.request.argmax_only for _, s in rows):
             out = self.sampler.sample_argmax(logits)  # the model's choices: collect() compares the drafts
         else:  # speculative sampling: per row, accept / reject its draft and a replacement token
@@ -607,10 +630,14 @@ class ModelRunner:
                     sampling_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, (), r.generator,
                                                      r.num_output_tokens + j))
                     drafts.append(s.spec_tokens[j] if j < len(s.spec_tokens) else -1)
-            out = self.sampler.verify_drafts(logits, sampling_rows, drafts)
+            q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
+            out = self.sampler.verify_drafts(logits, sampling_rows, drafts if draft_ids is None else draft_ids, q,
+                                             drawn)
         out.copy_to_host_async()
         handle.spec_out = out
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
+        if draft_ids is not None:
+            handle.spec_draft_ids = draft_ids if draft_ids.device.type != "cuda" else pinned_copy(draft_ids)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (host side)."""
@@ -620,9 +647,12 @@ class ModelRunner:
         if handle.spec_out is not None:
             tokens, accepted = handle.spec_out.to_host()
             sampled = isinstance(handle.spec_out, DraftVerdicts)
+            draft_ids = handle.spec_draft_ids.tolist() if handle.spec_draft_ids is not None else None
             at = 0
             for rid, drafts in handle.spec_drafts:
                 rows = slice(at, at + len(drafts) + 1)
+                if draft_ids is not None:  # a draft model's, made on the device
+                    drafts = draft_ids[at:at + len(drafts)]
                 verified = (accept_sampled(drafts, accepted[rows], tokens[rows]) if sampled
                             else accept_drafts(drafts, tokens[rows]))
                 at += len(drafts) + 1
@@ -650,12 +680,15 @@ class ModelRunner:
             from voltllm.worker.cuda_graphs import graph_batch_sizes
             from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 
-            tune_skinny_gemm(self.model)  # sets each Linear's choice
+            models = [self.model] + ([self.draft.model] if self.draft is not None else [])
+            for model in models:
+                tune_skinny_gemm(model)  # sets each Linear's choice
             self._tune_quant_tiles()
             # decode batches run at the CUDA-graph sizes; the compat route keeps cuBLAS (on sm_70/75 the
             # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
             if self.config.device.compat == "none":
-                tune_batch_gemm(self.model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
+                for model in models:
+                    tune_batch_gemm(model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
 
     def _tune_quant_tiles(self) -> None:
         """Weights kept quantized: the dequant-GEMM's tile per kind, shape and row class, timed on this GPU."""
@@ -690,6 +723,10 @@ class ModelRunner:
         self.graphs.capture()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                     self.graphs.sizes, time.monotonic() - t0)
+        if self.draft is not None:  # the draft's one-token steps and its run beside decode / verification steps
+            t0 = time.monotonic()
+            self.draft.capture_graphs()
+            logger.info("captured the draft model's decode CUDA graphs in %.1f s", time.monotonic() - t0)
         self._capture_prompt_graphs()
 
     def prompt_graph_max_tokens(self) -> int:
