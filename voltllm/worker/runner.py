@@ -483,7 +483,7 @@ class ModelRunner:
         graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
         # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs)
-        token_rows = (not calibrating and sched.total_tokens <= self.config.scheduler.max_num_seqs
+        token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.config.scheduler.max_num_seqs
                       and self._token_rows_step(sched))
         if self.graphs is not None and (sched.total_tokens == n_seqs or token_rows) and not calibrating:
             graph = self.graphs.for_batch(sched.total_tokens)
