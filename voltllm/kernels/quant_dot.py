@@ -37,7 +37,7 @@ import triton.language as tl
 
 from voltllm.kernels.quant_gemv import (_GATED_KINDS, _PLANE_ARGS, _codes_to_float, _constexprs, _plane_args,
                                         _plane_strides, _scaled, _unit_scales, _with_scale_type,
-                                        checked_operands)
+                                        checked_expert_operands, checked_operands)
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import KINDS, int4_kind
 
@@ -260,13 +260,7 @@ def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: tor
     """Grouped MoE product over a weight stacked by expert (expert e: rows [e * rows_per_expert, (e + 1) *
     rows_per_expert) of `planes`), for pairs sorted by kernels/moe.moe_align(ids, E, block_m): out[p] =
     x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert]."""
-    k = x.shape[1]
-    if k != planes.k or planes.n % rows_per_expert:
-        raise ValueError(f"input of {k} features / {planes.n} rows for experts of {rows_per_expert} x {planes.k}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(num_pairs, rows_per_expert, dtype=x.dtype, device=x.device)
+    x, out = checked_expert_operands(x, planes, rows_per_expert, num_pairs, out)
     _, block_n, units, warps, stages = pick_config(block_m)
     config = (block_m, block_n, units, warps, stages)
     return _launch(x, planes, out, None, num_pairs, rows_per_expert, block_expert.numel(),

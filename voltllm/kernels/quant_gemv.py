@@ -280,6 +280,19 @@ def checked_operands(x: torch.Tensor, planes, out: Optional[torch.Tensor]) -> tu
     return x, out
 
 
+def checked_expert_operands(x: torch.Tensor, planes, rows_per_expert: int, pairs: int, out: Optional[torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """checked_operands for MoE pairs over experts stacked by expert: the output is [pairs, rows_per_expert]."""
+    k = x.shape[1]
+    if k != planes.k or planes.n % rows_per_expert:
+        raise ValueError(f"input of {k} features / {planes.n} rows for experts of {rows_per_expert} x {planes.k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
+    return x, out
+
+
 def quant_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                  config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
@@ -304,13 +317,8 @@ def quant_moe_matmul(x: torch.Tensor, planes, rows_per_expert: int, x_rows: torc
     rows_per_expert) of `planes`): out[p] = x[x_rows[p]] @ W_{experts[p]}^T, [pairs, rows_per_expert] in x's
     dtype. x_rows / experts: int32 on x's device. One program per pair and output tile, each reading its expert's
     block at its quantized size (meant for decode-sized batches; no host sync, so CUDA graphs can capture it)."""
-    pairs, k = x_rows.shape[0], x.shape[1]
-    if k != planes.k or planes.n % rows_per_expert:
-        raise ValueError(f"input of {k} features / {planes.n} rows for experts of {rows_per_expert} x {planes.k}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
+    pairs = x_rows.shape[0]
+    x, out = checked_expert_operands(x, planes, rows_per_expert, pairs, out)
     block_n, units, warps = FMA_CONFIG
     units = min(units, triton.next_power_of_2(planes.k // 32))
     grid = (triton.cdiv(rows_per_expert, block_n), pairs)
