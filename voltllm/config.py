@@ -335,22 +335,17 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:
-    """--speculative-config as a SpeculativeConfig (None when not given); n-gram speculation needs a model whose
-    cache can take back rejected tokens, i.e. attention-only (a recurrent state cannot be rewound)."""
+    """--speculative-config as a SpeculativeConfig (None when not given). Attention-only and hybrid (Gated DeltaNet)
+    targets alike: a hybrid keeps its recurrent state after each verified position and keeps the accepted one's
+    (voltllm/worker/hybrid_spec.py)."""
     if not spec:
         return None
     from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
-    from voltllm.model.models.registry import attention_only
 
     try:
-        parsed = SpeculativeConfig.from_dict(spec)
+        return SpeculativeConfig.from_dict(spec)
     except SpeculativeConfigError as e:
         raise ConfigError(str(e)) from None
-    if not attention_only(hf_config):
-        raise ConfigError(f"--speculative-config: speculative decoding is built for attention-only models (llama / "
-                          f"qwen2 / qwen3), not {getattr(hf_config, 'model_type', None)!r}: a Gated DeltaNet layer's "
-                          "state cannot take back rejected tokens")
-    return parsed
 
 
 def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Optional[str]:

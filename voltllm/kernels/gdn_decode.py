@@ -3,6 +3,9 @@
   causal_conv1d_decode     silu(depthwise conv over [state | x]) and the state shift, in place on the pool
   gated_delta_rule_decode  l2norm(q, k), q * scale, S = exp(g) S; u = beta (v - S^T k); S += k u^T;
                            o = S^T q — in place on the fp32 state pool
+  gated_delta_rule_verify  the same step over each request's tokens in order (a speculative verification: the
+                           known token, then the drafts), writing the state after every position but the last to
+                           the request's checkpoint rows (voltllm.model.state_cache) and after the last to its slot
 
 Both read and write the per-request slots of one layer's pool (voltllm.model.state_cache) and start from
 zeros for a request whose has_initial_state is false. Same entry points and semantics as the
@@ -73,6 +76,53 @@ def _gdn_decode_kernel(
 
 
 @triton.jit
+def _gdn_verify_kernel(
+    Q, K, V, G, Beta, State, Slots, HasInit, Qsl, Out,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_betat,
+    stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+    scale, checkpoint_base, num_checkpoints,
+    HV_PER_K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+):
+    # one program per (request, value head, block of value columns), as the decode step; S stays in registers
+    # while the program walks the request's rows, so positions cost one state write each, no re-read
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // HV_PER_K
+    offk = tl.arange(0, BLOCK_K)
+    offv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = offk < DK
+    mv = offv < DV
+    m2 = mk[:, None] & mv[None, :]
+    slot = tl.load(Slots + b).to(tl.int64)
+    init = tl.load(HasInit + b)
+    start = tl.load(Qsl + b)
+    end = tl.load(Qsl + b + 1)
+    tile = h * stride_sh + offk[:, None] * stride_sk + offv[None, :]
+    s = tl.load(State + slot * stride_ss + tile, mask=m2 & (init != 0), other=0.0).to(tl.float32)
+    first_ckpt = checkpoint_base + slot * num_checkpoints
+    for t in range(start, end):
+        q = tl.load(Q + t * stride_qt + hk * stride_qh + offk, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(K + t * stride_kt + hk * stride_kh + offk, mask=mk, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        v = tl.load(V + t * stride_vt + h * stride_vh + offv, mask=mv, other=0.0).to(tl.float32)
+        g = tl.load(G + t * stride_gt + h).to(tl.float32)
+        beta = tl.load(Beta + t * stride_betat + h).to(tl.float32)
+        s = s * tl.exp(g)
+        pred = tl.sum(s * k[:, None], axis=0)
+        u = beta * (v - pred)
+        s = s + k[:, None] * u[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(Out + t * stride_ot + h * stride_oh + offv, o.to(Out.dtype.element_ty), mask=mv)
+        row = first_ckpt + (t - start)
+        tl.store(State + row * stride_ss + tile, s.to(State.dtype.element_ty), mask=m2 & (t < end - 1))
+    tl.store(State + slot * stride_ss + tile, s.to(State.dtype.element_ty), mask=m2 & (end > start))
+
+
+@triton.jit
 def _conv_decode_kernel(
     X, W, Bias, State, Slots, HasInit, Out,
     stride_xb, stride_ss, stride_sk, stride_ob, C,
@@ -123,6 +173,23 @@ def _gdn_specs() -> list[CompileSpec]:
     return specs
 
 
+def _verify_specs() -> list[CompileSpec]:
+    specs = []
+    for act in ("fp16", "fp32"):
+        for dk, dv, r in ((128, 128, 3), (128, 128, 2), (64, 64, 1)):
+            sig = {"Q": f"*{act}", "K": f"*{act}", "V": f"*{act}", "G": "*fp32", "Beta": "*fp32", "State": "*fp32",
+                   "Slots": "*i64", "HasInit": "*u8", "Qsl": "*i32", "Out": f"*{act}",
+                   **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                                         "stride_vh", "stride_gt", "stride_betat")},
+                   "stride_ss": "i64", "stride_sh": "i32", "stride_sk": "i32", "stride_ot": "i32",
+                   "stride_oh": "i32", "scale": "fp32", "checkpoint_base": "i64", "num_checkpoints": "i64",
+                   **{n: "constexpr" for n in ("HV_PER_K", "DK", "DV", "BLOCK_K", "BLOCK_V", "L2NORM")}}
+            specs.append(CompileSpec(signature=sig, constexprs={"HV_PER_K": r, "DK": dk, "DV": dv, "BLOCK_K": dk,
+                                                                "BLOCK_V": 32, "L2NORM": True},
+                                     label=f"{act} dk{dk} dv{dv} r{r}"))
+    return specs
+
+
 def _conv_specs() -> list[CompileSpec]:
     specs = []
     for act in ("fp16", "fp32"):
@@ -138,6 +205,7 @@ def _conv_specs() -> list[CompileSpec]:
 
 register_kernel("gdn.decode_delta_rule", _gdn_decode_kernel, _gdn_specs(), compat=True)
 register_kernel("gdn.decode_conv1d", _conv_decode_kernel, _conv_specs(), compat=True)
+register_kernel("gdn.verify_delta_rule", _gdn_verify_kernel, _verify_specs(), compat=True)
 
 
 def _flags(has_initial_state: torch.Tensor) -> torch.Tensor:
@@ -199,6 +267,38 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         float(scale if scale is not None else dk ** -0.5),
         HV_PER_K=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
         RAW_GATES=gate_params is not None, num_warps=num_warps, **pdl.launch_options(),
+    )
+    return out
+
+
+def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            ssm_rows: torch.Tensor, slots: torch.Tensor, qsl: torch.Tensor,
+                            has_initial_state: torch.Tensor, checkpoint_base: int, num_checkpoints: int,
+                            scale: Optional[float] = None, use_qk_l2norm: bool = True) -> torch.Tensor:
+    """gdn_ref.gated_delta_rule_checkpointed on the GPU: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv] (fp32
+    log decay and beta); ssm_rows [rows, Hv, Dk, Dv] fp32 (a StateCache's ssm_rows[layer]: slots, then checkpoint
+    rows); slots long [m]; qsl int32 [m + 1] on the device (request i owns rows qsl[i]:qsl[i+1], at most
+    num_checkpoints + 1 of them); has_initial_state bool [m] -> out [T, Hv, Dv] in v's dtype."""
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.zeros(t, hv, dv, dtype=v.dtype, device=v.device)
+    m = slots.shape[0]
+    if m == 0 or t == 0:
+        return out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    assert ssm_rows.stride(-1) == 1 and ssm_rows.dtype == torch.float32
+    block_k = triton.next_power_of_2(dk)
+    block_v, num_warps = decode_tile(m, block_k)
+    block_v = min(triton.next_power_of_2(dv), block_v)
+    grid = (m, hv, triton.cdiv(dv, block_v))
+    _gdn_verify_kernel[grid](
+        q, k, v, g, beta, ssm_rows, slots, _flags(has_initial_state), qsl.to(torch.int32), out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        ssm_rows.stride(0), ssm_rows.stride(1), ssm_rows.stride(2), out.stride(0), out.stride(1),
+        float(scale if scale is not None else dk ** -0.5), checkpoint_base, num_checkpoints,
+        HV_PER_K=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+        num_warps=num_warps,
     )
     return out
 

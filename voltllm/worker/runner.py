@@ -70,6 +70,8 @@ class StepHandle:
     # a draft model's drafts per verification row (-1 after each request's last), on their way to the host: its
     # requests' spec_tokens are placeholders (the drafts were made on the device)
     spec_draft_ids: Optional[torch.Tensor] = None
+    # a hybrid target's verifying requests, whose state slots collect() settles (worker/hybrid_spec.py)
+    spec_states: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -224,7 +226,14 @@ class ModelRunner:
             return 0
         from voltllm.model.state_cache import StateCache
 
-        return StateCache.bytes_per_slot(self.model.state_spec) * (self.config.scheduler.max_num_seqs + 1)
+        n = self.config.scheduler.max_num_seqs
+        return StateCache.bytes_per_slot(self.model.state_spec) * (n + 1 + n * self._state_checkpoints)
+
+    @property
+    def _state_checkpoints(self) -> int:
+        """Checkpoint rows per state slot: one per draft a verification may carry (worker/hybrid_spec.py)."""
+        spec = self.config.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
 
     def determine_num_blocks(self) -> int:
         """KV blocks for this engine; under TP the fewest any rank can hold (each rank holds its heads' share of
@@ -256,7 +265,8 @@ class ModelRunner:
         if self.is_hybrid:  # one recurrent-state slot per running request, before KV blocks are sized
             from voltllm.model.state_cache import StateCache
 
-            self.state_cache = StateCache.for_model(self.model, self.config.scheduler.max_num_seqs, self.device)
+            self.state_cache = StateCache.for_model(self.model, self.config.scheduler.max_num_seqs, self.device,
+                                                    self._state_checkpoints)
             logger.info("recurrent state: %d slots, %.2f GiB", self.config.scheduler.max_num_seqs,
                         self.state_cache_bytes() / 2**30)
         self.num_blocks = self.determine_num_blocks()
@@ -482,8 +492,10 @@ class ModelRunner:
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
-        # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs)
-        token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.config.scheduler.max_num_seqs
+        # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs); not for a
+        # hybrid, whose rows of one request are not independent (worker/hybrid_spec.py)
+        token_rows = (not calibrating and not self.is_hybrid
+                      and n_seqs < sched.total_tokens <= self.config.scheduler.max_num_seqs
                       and self._token_rows_step(sched))
         if self.graphs is not None and (sched.total_tokens == n_seqs or token_rows) and not calibrating:
             graph = self.graphs.for_batch(sched.total_tokens)
@@ -578,6 +590,8 @@ class ModelRunner:
             if slots is not None:
                 ctx.extra["state_cache"] = self.state_cache
                 ctx.extra["state_slots"] = slots
+                if any(s.spec_tokens for s in sched.scheduled):  # a verification: per-position states kept
+                    ctx.extra["state_drafts"] = [len(s.spec_tokens) for s in sched.scheduled]
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
         if self.state_snapshots is not None:  # snapshots at --mamba-block-size boundaries (decode steps too)
             self.state_snapshots.after_forward(sched.scheduled, slots)
@@ -633,6 +647,10 @@ class ModelRunner:
             q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
             out = self.sampler.verify_drafts(logits, sampling_rows, drafts if draft_ids is None else draft_ids, q,
                                              drawn)
+        if self.state_cache is not None:  # the recurrent states after each request's last accepted draft
+            from voltllm.worker.hybrid_spec import keep_accepted_states
+
+            handle.spec_states = keep_accepted_states(self.state_cache, rows, out, draft_ids)
         out.copy_to_host_async()
         handle.spec_out = out
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
@@ -658,6 +676,10 @@ class ModelRunner:
                 at += len(drafts) + 1
                 out.verified[rid] = verified
                 out.sampled[rid] = verified[-1]
+            if handle.spec_states:
+                from voltllm.worker.hybrid_spec import settle_states
+
+                settle_states(self.state_cache, handle.spec_states, out.verified)
         if handle.sampler_out is not None:
             tokens, logprobs = handle.sampler_out.to_host()
             for rid, tok, lp in zip(handle.sampled_ids, tokens, logprobs):

@@ -1,0 +1,235 @@
+"""Speculative decoding on hybrid targets (CPU, tiny random qwen3_5 / qwen3_next / qwen3_5_moe): greedy outputs are
+exactly plain decoding's with n-gram drafts and with an attention-only draft model; the recurrent state keeps only
+accepted drafts (StateCache checkpoints, worker/hybrid_spec.py), through chunked prefill, prefix-cache snapshot hits,
+preemption, stops inside accepted drafts and sampled verification; no state slot, snapshot row or block leaks.
+
+The tiny random hybrids hardly ever repeat themselves, so most tests draft with an oracle: the plain run's own next
+tokens, with every position p where p % 5 == 3 replaced by a wrong token. Windows of 4 drafts then see every
+outcome (all accepted, some, none) at every offset, which the rollback of the states must get right."""
+import random
+
+import pytest
+
+from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
+from voltllm import LLM, SamplingParams
+
+KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+_rng = random.Random(0)
+_PAT = [_rng.randrange(HYBRID_VOCAB) for _ in range(7)]
+PROMPTS = [_PAT * 4, [_rng.randrange(HYBRID_VOCAB) for _ in range(23)], (_PAT[:3] + [5]) * 5 + [9], [7, 8]]
+BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def target(request, tmp_path_factory):
+    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(request.param)), request.param, seed=0, gen_seed=1)
+    if path is None:
+        pytest.skip(f"this transformers has no {request.param}")
+    return path
+
+
+def _run(llm, prompts, sps):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.usage() == 0.0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+_PLAIN: dict = {}
+
+
+def _plain(path, prompts, sp, **kw):
+    key = (path, repr(prompts), repr(sp), tuple(sorted(kw.items())))
+    if key not in _PLAIN:
+        _PLAIN[key] = _run(LLM(path, **{**BASE, **kw}), prompts, sp)
+    return _PLAIN[key]
+
+
+def _wrong(tok: int) -> int:
+    return (tok + 1) % HYBRID_VOCAB
+
+
+def _oracle(prompts, outputs):
+    """Each request's true continuation (prompt + plain output), keyed by its prompt."""
+    return {tuple(p): list(p) + list(o) for p, o in zip(prompts, outputs)}
+
+
+def _oracle_drafts(full: list[int], at: int, k: int) -> list[int]:
+    return [_wrong(t) if (at + j) % 5 == 3 else t for j, t in enumerate(full[at:at + k])]
+
+
+@pytest.fixture
+def oracle_ngram(monkeypatch):
+    """Scheduler._propose drafting from the given continuations (as many drafts as the n-gram proposer may take)."""
+    from voltllm.engine.scheduler import Scheduler
+    from voltllm.engine.speculative import spec_allowed
+
+    table: dict = {}
+
+    def propose(self, req, max_new):
+        k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
+        full = table.get(tuple(req.prompt_token_ids))
+        if k <= 0 or full is None:
+            return []
+        return _oracle_drafts(full, len(req.all_token_ids), k)
+
+    monkeypatch.setattr(Scheduler, "_propose", propose)
+    return table
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_ngram_greedy_equals_plain(target, budget):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _plain(target, PROMPTS, sp, max_num_batched_tokens=budget)
+    llm = LLM(target, speculative_config=NGRAM, max_num_batched_tokens=budget, **BASE)
+    assert _run(llm, PROMPTS, sp) == ref
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("budget", [64, 7])
+def test_accepted_and_rejected_drafts_keep_plain_tokens(target, oracle_ngram, budget):
+    """Budget 7: prompt chunks and verifications share steps (the walked rows beside chunked ones)."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _plain(target, PROMPTS, sp, max_num_batched_tokens=budget)
+    oracle_ngram.update(_oracle(PROMPTS, ref))
+    llm = LLM(target, speculative_config=NGRAM, max_num_batched_tokens=budget, **BASE)
+    assert _run(llm, PROMPTS, sp) == ref
+    stats = llm.engine.stats().extra
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
+def test_each_accepted_draft_saves_a_step(target, oracle_ngram):
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ref = _plain(target, PROMPTS[:1], sp)
+    oracle_ngram.update(_oracle(PROMPTS[:1], ref))
+    llm = LLM(target, speculative_config=NGRAM, **BASE)
+    steps0 = llm.engine.stats().step_counter
+    assert _run(llm, PROMPTS[:1], sp) == ref
+    stats = llm.engine.stats()
+    accepted = stats.extra["spec_accepted_tokens"]
+    assert accepted >= 20  # 3 of every 5 positions are right
+    assert stats.step_counter - steps0 == 60 - accepted
+
+
+def test_stops_inside_accepted_drafts(target, oracle_ngram):
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free = _plain(target, PROMPTS[:1], sp)
+    stop_tok = free[0][12]
+    oracle_ngram.update(_oracle(PROMPTS[:1], free))
+    llm = LLM(target, speculative_config=NGRAM, **BASE)
+    for sp2 in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok], ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)):
+        assert _run(llm, PROMPTS[:1], sp2) == _plain(target, PROMPTS[:1], sp2)
+
+
+def test_sampled_verification_keeps_the_states(target, oracle_ngram):
+    """Sampled requests (top_k 1: the model's distribution is one-hot, so their tokens are known) run the sampled
+    verification (Sampler.verify_drafts' verdicts pick the states); seeded sampled requests beside greedy ones
+    repeat from run to run."""
+    one_hot = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _plain(target, PROMPTS, greedy)
+    oracle_ngram.update(_oracle(PROMPTS, ref))
+    llm = LLM(target, speculative_config=NGRAM, **BASE)
+    assert _run(llm, PROMPTS, one_hot) == ref
+    assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
+    sps = [greedy, SamplingParams(temperature=0.7, seed=7, max_tokens=40, ignore_eos=True)] * 2
+    runs = [_run(LLM(target, speculative_config=NGRAM, **BASE), PROMPTS, sps) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
+
+
+def test_preemption_while_speculating(target, oracle_ngram):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _plain(target, PROMPTS, sp)
+    oracle_ngram.update(_oracle(PROMPTS, ref))
+    tight = LLM(target, speculative_config=NGRAM, max_num_batched_tokens=16, num_gpu_blocks_override=24, **BASE)
+    assert _run(tight, PROMPTS, sp) == ref
+    stats = tight.engine.stats()
+    assert stats.num_preemptions > 0 and stats.extra["spec_accepted_tokens"] > 0
+
+
+def test_prefix_cache_snapshot_hits(target, oracle_ngram):
+    """Snapshots every 8 tokens: the second round resumes from snapshots taken in the first (prompt boundaries and
+    decode positions of accepted tokens only), and both rounds give plain decoding's tokens."""
+    shared = PROMPTS[1][:17]
+    prompts = [shared + [3, 4, 5] * 3, shared + [9] * 6, PROMPTS[0]]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = _plain(target, prompts, sp, enable_prefix_caching=False)
+    oracle_ngram.update(_oracle(prompts, ref))
+    llm = LLM(target, speculative_config=NGRAM, mamba_block_size=8, async_scheduling=False, **BASE)
+    for _ in range(2):
+        assert _run(llm, prompts, sp) == ref
+    snaps = llm.engine.runner.state_snapshots.stats()
+    assert snaps["restored"] > 0 and llm.engine.stats().extra["spec_accepted_tokens"] > 0
+
+
+# -- draft model ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """An attention-only llama with the hybrids' vocabulary (its own tokenizer is not read: skip_tokenizer_init)."""
+    return make_model(str(tmp_path_factory.mktemp("draft")), "llama", seed=1, num_hidden_layers=1,
+                      vocab_size=HYBRID_VOCAB, max_position_embeddings=4096)
+
+
+@pytest.fixture
+def oracle_draft_model(monkeypatch):
+    """The draft model's proposal passes run as usual, then their drafts are replaced by the oracle's (greedy
+    requests: the drafts the verification reads and the step's input ids both come from DraftRunner._drafts)."""
+    import torch
+
+    from voltllm.worker.draft_runner import DraftRunner
+
+    table: dict = {}
+    orig = DraftRunner._passes
+
+    def passes(self, catch_up, rows):
+        orig(self, catch_up, rows)
+        if self._drafts is None:
+            return
+        for i, s in enumerate(rows):
+            full = table.get(tuple(s.request.prompt_token_ids))
+            if full is None:
+                continue
+            want = _oracle_drafts(full, s.start + 1, len(s.spec_tokens))
+            self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
+
+    monkeypatch.setattr(DraftRunner, "_passes", passes)
+    return table
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_draft_model_greedy_equals_plain(target, draft, budget):
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = _plain(target, PROMPTS, sp, max_num_batched_tokens=budget)
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 3},
+              max_num_batched_tokens=budget, **BASE)
+    assert _run(llm, PROMPTS, sp) == ref
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+
+
+def test_draft_model_accepted_drafts(target, draft, oracle_draft_model):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _plain(target, PROMPTS, sp)
+    oracle_draft_model.update(_oracle(PROMPTS, ref))
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": K}, **BASE)
+    assert _run(llm, PROMPTS, sp) == ref
+    stats = llm.engine.stats().extra
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
+def test_draft_model_sampled_requests(target, draft):
+    """Drafts drawn from the draft's q and verified with min(1, p/q): seeded runs repeat, greedy ones beside stay
+    exact, and drafts get accepted (both tiny models are near uniform, so p/q is often near 1)."""
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    sps = [greedy, SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)] * 2
+    ref = _plain(target, PROMPTS, greedy)
+    runs = []
+    for _ in range(2):
+        llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 3}, **BASE)
+        runs.append(_run(llm, PROMPTS, sps))
+        assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
+    assert runs[0] == runs[1]
+    assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
