@@ -22,12 +22,22 @@ PROMPTS = [_PAT * 4, [_rng.randrange(HYBRID_VOCAB) for _ in range(23)], (_PAT[:3
 BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True)
 
 
+def _make(tmp_path_factory, kind):
+    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(kind)), kind, seed=0, gen_seed=1)
+    if path is None:
+        pytest.skip(f"this transformers has no {kind}")
+    return path
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def target(request, tmp_path_factory):
-    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(request.param)), request.param, seed=0, gen_seed=1)
-    if path is None:
-        pytest.skip(f"this transformers has no {request.param}")
-    return path
+    """Every hybrid architecture (the core checks); the rest run on qwen3_5 only (the CPU's MoE is slow)."""
+    return _make(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return _make(tmp_path_factory, "qwen3_5")
 
 
 def _run(llm, prompts, sps):
@@ -80,10 +90,10 @@ def oracle_ngram(monkeypatch):
 
 
 @pytest.mark.parametrize("budget", [64, 5])
-def test_ngram_greedy_equals_plain(target, budget):
+def test_ngram_greedy_equals_plain(qwen35, budget):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = _plain(target, PROMPTS, sp, max_num_batched_tokens=budget)
-    llm = LLM(target, speculative_config=NGRAM, max_num_batched_tokens=budget, **BASE)
+    ref = _plain(qwen35, PROMPTS, sp, max_num_batched_tokens=budget)
+    llm = LLM(qwen35, speculative_config=NGRAM, max_num_batched_tokens=budget, **BASE)
     assert _run(llm, PROMPTS, sp) == ref
     assert llm.engine.stats().extra["spec_draft_tokens"] > 0
 
@@ -100,11 +110,11 @@ def test_accepted_and_rejected_drafts_keep_plain_tokens(target, oracle_ngram, bu
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
 
 
-def test_each_accepted_draft_saves_a_step(target, oracle_ngram):
+def test_each_accepted_draft_saves_a_step(qwen35, oracle_ngram):
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    ref = _plain(target, PROMPTS[:1], sp)
+    ref = _plain(qwen35, PROMPTS[:1], sp)
     oracle_ngram.update(_oracle(PROMPTS[:1], ref))
-    llm = LLM(target, speculative_config=NGRAM, **BASE)
+    llm = LLM(qwen35, speculative_config=NGRAM, **BASE)
     steps0 = llm.engine.stats().step_counter
     assert _run(llm, PROMPTS[:1], sp) == ref
     stats = llm.engine.stats()
@@ -113,53 +123,53 @@ def test_each_accepted_draft_saves_a_step(target, oracle_ngram):
     assert stats.step_counter - steps0 == 60 - accepted
 
 
-def test_stops_inside_accepted_drafts(target, oracle_ngram):
+def test_stops_inside_accepted_drafts(qwen35, oracle_ngram):
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    free = _plain(target, PROMPTS[:1], sp)
+    free = _plain(qwen35, PROMPTS[:1], sp)
     stop_tok = free[0][12]
     oracle_ngram.update(_oracle(PROMPTS[:1], free))
-    llm = LLM(target, speculative_config=NGRAM, **BASE)
+    llm = LLM(qwen35, speculative_config=NGRAM, **BASE)
     for sp2 in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok], ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)):
-        assert _run(llm, PROMPTS[:1], sp2) == _plain(target, PROMPTS[:1], sp2)
+        assert _run(llm, PROMPTS[:1], sp2) == _plain(qwen35, PROMPTS[:1], sp2)
 
 
-def test_sampled_verification_keeps_the_states(target, oracle_ngram):
+def test_sampled_verification_keeps_the_states(qwen35, oracle_ngram):
     """Sampled requests (top_k 1: the model's distribution is one-hot, so their tokens are known) run the sampled
     verification (Sampler.verify_drafts' verdicts pick the states); seeded sampled requests beside greedy ones
     repeat from run to run."""
     one_hot = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = _plain(target, PROMPTS, greedy)
+    ref = _plain(qwen35, PROMPTS, greedy)
     oracle_ngram.update(_oracle(PROMPTS, ref))
-    llm = LLM(target, speculative_config=NGRAM, **BASE)
+    llm = LLM(qwen35, speculative_config=NGRAM, **BASE)
     assert _run(llm, PROMPTS, one_hot) == ref
     assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
     sps = [greedy, SamplingParams(temperature=0.7, seed=7, max_tokens=40, ignore_eos=True)] * 2
-    runs = [_run(LLM(target, speculative_config=NGRAM, **BASE), PROMPTS, sps) for _ in range(2)]
+    runs = [_run(LLM(qwen35, speculative_config=NGRAM, **BASE), PROMPTS, sps) for _ in range(2)]
     assert runs[0] == runs[1]
     assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
 
 
-def test_preemption_while_speculating(target, oracle_ngram):
+def test_preemption_while_speculating(qwen35, oracle_ngram):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = _plain(target, PROMPTS, sp)
+    ref = _plain(qwen35, PROMPTS, sp)
     oracle_ngram.update(_oracle(PROMPTS, ref))
-    tight = LLM(target, speculative_config=NGRAM, max_num_batched_tokens=16, num_gpu_blocks_override=24, **BASE)
+    tight = LLM(qwen35, speculative_config=NGRAM, max_num_batched_tokens=16, num_gpu_blocks_override=24, **BASE)
     assert _run(tight, PROMPTS, sp) == ref
     stats = tight.engine.stats()
     assert stats.num_preemptions > 0 and stats.extra["spec_accepted_tokens"] > 0
 
 
-def test_prefix_cache_snapshot_hits(target, oracle_ngram):
+def test_prefix_cache_snapshot_hits(qwen35, oracle_ngram):
     """Snapshots every 8 tokens: the second round resumes from snapshots taken in the first (prompt boundaries and
     decode positions of accepted tokens only), and both rounds give plain decoding's tokens."""
     shared = PROMPTS[1][:17]
     prompts = [shared + [3, 4, 5] * 3, shared + [9] * 6, PROMPTS[0]]
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    ref = _plain(target, prompts, sp, enable_prefix_caching=False)
+    ref = _plain(qwen35, prompts, sp, enable_prefix_caching=False)
     oracle_ngram.update(_oracle(prompts, ref))
-    llm = LLM(target, speculative_config=NGRAM, mamba_block_size=8, async_scheduling=False, **BASE)
+    llm = LLM(qwen35, speculative_config=NGRAM, mamba_block_size=8, async_scheduling=False, **BASE)
     for _ in range(2):
         assert _run(llm, prompts, sp) == ref
     snaps = llm.engine.runner.state_snapshots.stats()
@@ -201,10 +211,10 @@ def oracle_draft_model(monkeypatch):
 
 
 @pytest.mark.parametrize("budget", [64, 5])
-def test_draft_model_greedy_equals_plain(target, draft, budget):
+def test_draft_model_greedy_equals_plain(qwen35, draft, budget):
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    ref = _plain(target, PROMPTS, sp, max_num_batched_tokens=budget)
-    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 3},
+    ref = _plain(qwen35, PROMPTS, sp, max_num_batched_tokens=budget)
+    llm = LLM(qwen35, speculative_config={"model": draft, "num_speculative_tokens": 3},
               max_num_batched_tokens=budget, **BASE)
     assert _run(llm, PROMPTS, sp) == ref
     assert llm.engine.stats().extra["spec_draft_tokens"] > 0
@@ -220,15 +230,15 @@ def test_draft_model_accepted_drafts(target, draft, oracle_draft_model):
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
 
 
-def test_draft_model_sampled_requests(target, draft):
+def test_draft_model_sampled_requests(qwen35, draft):
     """Drafts drawn from the draft's q and verified with min(1, p/q): seeded runs repeat, greedy ones beside stay
     exact, and drafts get accepted (both tiny models are near uniform, so p/q is often near 1)."""
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     sps = [greedy, SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)] * 2
-    ref = _plain(target, PROMPTS, greedy)
+    ref = _plain(qwen35, PROMPTS, greedy)
     runs = []
     for _ in range(2):
-        llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 3}, **BASE)
+        llm = LLM(qwen35, speculative_config={"model": draft, "num_speculative_tokens": 3}, **BASE)
         runs.append(_run(llm, PROMPTS, sps))
         assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
     assert runs[0] == runs[1]

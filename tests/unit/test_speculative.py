@@ -119,8 +119,7 @@ def test_engine_config():
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     assert _resolve_speculative(None, SimpleNamespace(model_type="qwen3")) is None
     assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3")).num_speculative_tokens == 3
-    with pytest.raises(ConfigError, match="attention-only"):
-        _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next"))
+    assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next")).num_speculative_tokens == 3
     with pytest.raises(ConfigError, match="not built yet"):
         _resolve_speculative({"method": "eagle3", "num_speculative_tokens": 3}, SimpleNamespace(model_type="qwen3"))
 
