@@ -3,13 +3,14 @@ exactly plain decoding's with n-gram drafts and with an attention-only draft mod
 accepted drafts (StateCache checkpoints, worker/hybrid_spec.py), through chunked prefill, prefix-cache snapshot hits,
 preemption, stops inside accepted drafts and sampled verification; no state slot, snapshot row or block leaks.
 
-The tiny random hybrids hardly ever repeat themselves, so most tests draft with an oracle: the plain run's own next
-tokens, with every position p where p % 5 == 3 replaced by a wrong token. Windows of 4 drafts then see every
-outcome (all accepted, some, none) at every offset, which the rollback of the states must get right."""
+The tiny random hybrids hardly ever repeat themselves, so most tests draft with an oracle (tests/spec_oracle.py: the
+plain run's own tokens, some replaced by wrong ones), whose windows of drafts see every outcome (all accepted, some,
+none) at every offset, which the rollback of the states must get right."""
 import random
 
 import pytest
 
+from spec_oracle import oracle_table, patch_draft_model, patch_ngram
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 
@@ -57,35 +58,10 @@ def _plain(path, prompts, sp, **kw):
     return _PLAIN[key]
 
 
-def _wrong(tok: int) -> int:
-    return (tok + 1) % HYBRID_VOCAB
-
-
-def _oracle(prompts, outputs):
-    """Each request's true continuation (prompt + plain output), keyed by its prompt."""
-    return {tuple(p): list(p) + list(o) for p, o in zip(prompts, outputs)}
-
-
-def _oracle_drafts(full: list[int], at: int, k: int) -> list[int]:
-    return [_wrong(t) if (at + j) % 5 == 3 else t for j, t in enumerate(full[at:at + k])]
-
-
 @pytest.fixture
 def oracle_ngram(monkeypatch):
-    """Scheduler._propose drafting from the given continuations (as many drafts as the n-gram proposer may take)."""
-    from voltllm.engine.scheduler import Scheduler
-    from voltllm.engine.speculative import spec_allowed
-
     table: dict = {}
-
-    def propose(self, req, max_new):
-        k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
-        full = table.get(tuple(req.prompt_token_ids))
-        if k <= 0 or full is None:
-            return []
-        return _oracle_drafts(full, len(req.all_token_ids), k)
-
-    monkeypatch.setattr(Scheduler, "_propose", propose)
+    patch_ngram(monkeypatch, table, HYBRID_VOCAB)
     return table
 
 
@@ -103,7 +79,7 @@ def test_accepted_and_rejected_drafts_keep_plain_tokens(target, oracle_ngram, bu
     """Budget 7: prompt chunks and verifications share steps (the walked rows beside chunked ones)."""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = _plain(target, PROMPTS, sp, max_num_batched_tokens=budget)
-    oracle_ngram.update(_oracle(PROMPTS, ref))
+    oracle_ngram.update(oracle_table(PROMPTS, ref))
     llm = LLM(target, speculative_config=NGRAM, max_num_batched_tokens=budget, **BASE)
     assert _run(llm, PROMPTS, sp) == ref
     stats = llm.engine.stats().extra
@@ -113,7 +89,7 @@ def test_accepted_and_rejected_drafts_keep_plain_tokens(target, oracle_ngram, bu
 def test_each_accepted_draft_saves_a_step(qwen35, oracle_ngram):
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     ref = _plain(qwen35, PROMPTS[:1], sp)
-    oracle_ngram.update(_oracle(PROMPTS[:1], ref))
+    oracle_ngram.update(oracle_table(PROMPTS[:1], ref))
     llm = LLM(qwen35, speculative_config=NGRAM, **BASE)
     steps0 = llm.engine.stats().step_counter
     assert _run(llm, PROMPTS[:1], sp) == ref
@@ -127,7 +103,7 @@ def test_stops_inside_accepted_drafts(qwen35, oracle_ngram):
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     free = _plain(qwen35, PROMPTS[:1], sp)
     stop_tok = free[0][12]
-    oracle_ngram.update(_oracle(PROMPTS[:1], free))
+    oracle_ngram.update(oracle_table(PROMPTS[:1], free))
     llm = LLM(qwen35, speculative_config=NGRAM, **BASE)
     for sp2 in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok], ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)):
@@ -141,7 +117,7 @@ def test_sampled_verification_keeps_the_states(qwen35, oracle_ngram):
     one_hot = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = _plain(qwen35, PROMPTS, greedy)
-    oracle_ngram.update(_oracle(PROMPTS, ref))
+    oracle_ngram.update(oracle_table(PROMPTS, ref))
     llm = LLM(qwen35, speculative_config=NGRAM, **BASE)
     assert _run(llm, PROMPTS, one_hot) == ref
     assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
@@ -154,7 +130,7 @@ def test_sampled_verification_keeps_the_states(qwen35, oracle_ngram):
 def test_preemption_while_speculating(qwen35, oracle_ngram):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = _plain(qwen35, PROMPTS, sp)
-    oracle_ngram.update(_oracle(PROMPTS, ref))
+    oracle_ngram.update(oracle_table(PROMPTS, ref))
     tight = LLM(qwen35, speculative_config=NGRAM, max_num_batched_tokens=16, num_gpu_blocks_override=24, **BASE)
     assert _run(tight, PROMPTS, sp) == ref
     stats = tight.engine.stats()
@@ -168,7 +144,7 @@ def test_prefix_cache_snapshot_hits(qwen35, oracle_ngram):
     prompts = [shared + [3, 4, 5] * 3, shared + [9] * 6, PROMPTS[0]]
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ref = _plain(qwen35, prompts, sp, enable_prefix_caching=False)
-    oracle_ngram.update(_oracle(prompts, ref))
+    oracle_ngram.update(oracle_table(prompts, ref))
     llm = LLM(qwen35, speculative_config=NGRAM, mamba_block_size=8, async_scheduling=False, **BASE)
     for _ in range(2):
         assert _run(llm, prompts, sp) == ref
@@ -186,27 +162,8 @@ def draft(tmp_path_factory):
 
 @pytest.fixture
 def oracle_draft_model(monkeypatch):
-    """The draft model's proposal passes run as usual, then their drafts are replaced by the oracle's (greedy
-    requests: the drafts the verification reads and the step's input ids both come from DraftRunner._drafts)."""
-    import torch
-
-    from voltllm.worker.draft_runner import DraftRunner
-
     table: dict = {}
-    orig = DraftRunner._passes
-
-    def passes(self, catch_up, rows):
-        orig(self, catch_up, rows)
-        if self._drafts is None:
-            return
-        for i, s in enumerate(rows):
-            full = table.get(tuple(s.request.prompt_token_ids))
-            if full is None:
-                continue
-            want = _oracle_drafts(full, s.start + 1, len(s.spec_tokens))
-            self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
-
-    monkeypatch.setattr(DraftRunner, "_passes", passes)
+    patch_draft_model(monkeypatch, table, HYBRID_VOCAB)
     return table
 
 
@@ -223,7 +180,7 @@ def test_draft_model_greedy_equals_plain(qwen35, draft, budget):
 def test_draft_model_accepted_drafts(target, draft, oracle_draft_model):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = _plain(target, PROMPTS, sp)
-    oracle_draft_model.update(_oracle(PROMPTS, ref))
+    oracle_draft_model.update(oracle_table(PROMPTS, ref))
     llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": K}, **BASE)
     assert _run(llm, PROMPTS, sp) == ref
     stats = llm.engine.stats().extra
