@@ -265,8 +265,14 @@ class ModelRunner:
         if self.is_hybrid:  # one recurrent-state slot per running request, before KV blocks are sized
             from voltllm.model.state_cache import StateCache
 
-            self.state_cache = StateCache.for_model(self.model, self.config.scheduler.max_num_seqs, self.device,
-                                                    self._state_checkpoints)
+            try:
+                self.state_cache = StateCache.for_model(self.model, self.config.scheduler.max_num_seqs, self.device,
+                                                        self._state_checkpoints)
+            except torch.OutOfMemoryError:
+                raise RuntimeError(
+                    f"the recurrent state of --max-num-seqs {self.config.scheduler.max_num_seqs} requests does not fit "
+                    f"({self.state_cache_bytes() / 2**30:.1f} GiB" + (f", with {self._state_checkpoints} speculative "
+                    "checkpoints per request" if self._state_checkpoints else "") + "): lower --max-num-seqs") from None
             logger.info("recurrent state: %d slots, %.2f GiB", self.config.scheduler.max_num_seqs,
                         self.state_cache_bytes() / 2**30)
         self.num_blocks = self.determine_num_blocks()
