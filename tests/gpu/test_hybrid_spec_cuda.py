@@ -76,7 +76,7 @@ def _llm(path, **kw):
     from voltllm import LLM
 
     return LLM(path, device="cuda", skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=8,
-               gpu_memory_utilization=0.2, **kw)
+               max_num_batched_tokens=96, gpu_memory_utilization=0.2, **kw)  # prompt chunks beside verifications
 
 
 def _greedy(n: int = 40):
@@ -85,66 +85,71 @@ def _greedy(n: int = 40):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("compat", ["none", "sm70"])
-@pytest.mark.parametrize("kind", KINDS)
+_PLAIN: dict = {}
+
+
+def _plain(path, **kw):
+    """Plain decoding's greedy tokens of _prompts() (cached: one engine start per configuration)."""
+    key = (path, tuple(sorted(kw.items())))
+    if key not in _PLAIN:
+        _PLAIN[key] = _run(_llm(path, **kw), _prompts(), _greedy())
+    return _PLAIN[key]
+
+
+def _oracle(monkeypatch, ref, draft_model: bool = False) -> None:
+    table = oracle_table(_prompts(), ref)
+    (patch_draft_model if draft_model else patch_ngram)(monkeypatch, table, HYBRID_VOCAB)
+
+
+@pytest.mark.parametrize("kind,compat", [("qwen3_5", "none"), ("qwen3_next", "none"), ("qwen3_5_moe", "none"),
+                                         ("qwen3_5", "sm70")])
 def test_fp32_greedy_equals_plain(hybrids, monkeypatch, kind, compat):
+    """Plus, on qwen3_5 native, top_k 1 sampled requests (the sampled verification) give the greedy tokens."""
     _cuda()
     if kind not in hybrids:
         pytest.skip(f"{kind} unavailable")
-    kw = dict(dtype="float32", compat=compat, max_num_batched_tokens=96)  # prompt chunks beside verifications
-    prompts = _prompts()
-    ref = _run(_llm(hybrids[kind], **kw), prompts, _greedy())
-    table: dict = {}
-    patch_ngram(monkeypatch, table, HYBRID_VOCAB)
-    table.update(oracle_table(prompts, ref))
-    llm = _llm(hybrids[kind], speculative_config=NGRAM, **kw)
-    assert _run(llm, prompts, _greedy()) == ref
+    from voltllm import SamplingParams
+
+    ref = _plain(hybrids[kind], dtype="float32", compat=compat)
+    _oracle(monkeypatch, ref)
+    llm = _llm(hybrids[kind], dtype="float32", compat=compat, speculative_config=NGRAM)
+    assert _run(llm, _prompts(), _greedy()) == ref
     stats = llm.engine.stats().extra
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    if kind == "qwen3_5" and compat == "none":
+        one_hot = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40, ignore_eos=True)
+        assert _run(llm, _prompts(), one_hot) == ref
 
 
 @pytest.mark.parametrize("compat", ["none", "sm70"])
 def test_fp16_agrees_with_plain(hybrids, monkeypatch, compat):
     _cuda()
     path = hybrids["qwen3_5"]
-    prompts = _prompts()
-    ref = _run(_llm(path, dtype="float16", compat=compat), prompts, _greedy())
-    table: dict = {}
-    patch_ngram(monkeypatch, table, HYBRID_VOCAB)
-    table.update(oracle_table(prompts, ref))
-    got = _run(_llm(path, dtype="float16", compat=compat, speculative_config=NGRAM), prompts, _greedy())
+    ref = _plain(path, dtype="float16", compat=compat)
+    _oracle(monkeypatch, ref)
+    got = _run(_llm(path, dtype="float16", compat=compat, speculative_config=NGRAM), _prompts(), _greedy())
     agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
     assert agree >= 0.9, agree
 
 
-def test_graphs_off_and_sampled_verification(hybrids, monkeypatch):
-    """--enforce-eager gives the same tokens as the graph run; top_k 1 sampled requests (the sampled verification)
-    give the greedy tokens."""
+def test_eager_equals_graphs(hybrids, monkeypatch):
+    """--enforce-eager (plain steps without decode graphs too) gives the graph run's tokens."""
     _cuda()
-    from voltllm import SamplingParams
-
     path = hybrids["qwen3_5"]
-    prompts = _prompts()
-    ref = _run(_llm(path, dtype="float32"), prompts, _greedy())
-    table: dict = {}
-    patch_ngram(monkeypatch, table, HYBRID_VOCAB)
-    table.update(oracle_table(prompts, ref))
-    assert _run(_llm(path, dtype="float32", enforce_eager=True, speculative_config=NGRAM), prompts, _greedy()) == ref
-    one_hot = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40, ignore_eos=True)
-    assert _run(_llm(path, dtype="float32", speculative_config=NGRAM), prompts, one_hot) == ref
+    ref = _plain(path, dtype="float32", compat="none")
+    _oracle(monkeypatch, ref)
+    assert _run(_llm(path, dtype="float32", enforce_eager=True, speculative_config=NGRAM), _prompts(),
+                _greedy()) == ref
 
 
 def test_prefix_cache_snapshots(hybrids, monkeypatch):
     _cuda()
-    path = hybrids["qwen3_next"] if "qwen3_next" in hybrids else hybrids["qwen3_5"]
-    prompts = _prompts()
-    ref = _run(_llm(path, dtype="float32", enable_prefix_caching=False), prompts, _greedy())
-    table: dict = {}
-    patch_ngram(monkeypatch, table, HYBRID_VOCAB)
-    table.update(oracle_table(prompts, ref))
-    llm = _llm(path, dtype="float32", speculative_config=NGRAM, mamba_block_size=16)
+    kind = "qwen3_next" if "qwen3_next" in hybrids else "qwen3_5"
+    ref = _plain(hybrids[kind], dtype="float32", compat="none")
+    _oracle(monkeypatch, ref)
+    llm = _llm(hybrids[kind], dtype="float32", speculative_config=NGRAM, mamba_block_size=16)
     for _ in range(2):
-        assert _run(llm, prompts, _greedy()) == ref
+        assert _run(llm, _prompts(), _greedy()) == ref
     assert llm.engine.runner.state_snapshots.stats()["restored"] > 0
 
 
@@ -153,13 +158,8 @@ def test_draft_model_for_a_hybrid_target(hybrids, monkeypatch, tmp_path):
     path = hybrids["qwen3_5"]
     draft = make_model(str(tmp_path / "draft"), "llama", seed=1, num_hidden_layers=1, vocab_size=HYBRID_VOCAB,
                        max_position_embeddings=4096)
-    prompts = _prompts()
-    ref = _run(_llm(path, dtype="float32"), prompts, _greedy())
-    assert _run(_llm(path, dtype="float32", speculative_config={"model": draft, "num_speculative_tokens": 3}),
-                prompts, _greedy()) == ref
-    table: dict = {}
-    patch_draft_model(monkeypatch, table, HYBRID_VOCAB)
-    table.update(oracle_table(prompts, ref))
+    ref = _plain(path, dtype="float32", compat="none")
+    _oracle(monkeypatch, ref, draft_model=True)
     llm = _llm(path, dtype="float32", speculative_config={"model": draft, "num_speculative_tokens": K})
-    assert _run(llm, prompts, _greedy()) == ref
+    assert _run(llm, _prompts(), _greedy()) == ref
     assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
