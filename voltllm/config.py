@@ -228,6 +228,8 @@ class EngineArgs:
         spec = _resolve_speculative(spec_dict, hf_config)
         if spec is not None and spec.uses_draft_model:
             spec = self._resolve_draft(spec, hf_config, tokenizer)
+        elif spec is not None and spec.uses_mtp:
+            _check_mtp(hf_config, source, self.load_format)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
@@ -344,6 +346,18 @@ def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:
 
     try:
         return SpeculativeConfig.from_dict(spec)
+    except SpeculativeConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_mtp(hf_config: Any, source: Any, load_format: str) -> None:
+    """MTP speculation: the target and its checkpoint carry a usable MTP module (engine/mtp.py)."""
+    from voltllm.engine.mtp import check_mtp_checkpoint, check_mtp_target
+    from voltllm.engine.speculative import SpeculativeConfigError
+
+    try:
+        check_mtp_target(hf_config)
+        check_mtp_checkpoint(source, load_format)
     except SpeculativeConfigError as e:
         raise ConfigError(str(e)) from None
 

@@ -12,16 +12,22 @@ fewer steps when the text repeats itself (code edits, quoting, structured output
 A draft model (`"model": ...`, method "draft_model") proposes instead: the scheduler reserves the draft slots and
 the runner's draft model (worker/draft_runner.py) fills them with its greedy choices before the step runs, so the
 same verification applies (engine/draft_model.py checks the draft at configuration time).
+
+MTP (`"method": "mtp"`) drafts with the target's own multi-token-prediction module (Qwen3-Next / Qwen3.5 checkpoints'
+mtp.* weights), chained K times, in the same reserved slots (engine/mtp.py, worker/mtp_runner.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's older method names that mean MTP on the targets built here
+_ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp"}
 # vLLM's keys, per method; draft_tensor_parallel_size is accepted at 1 (the draft runs beside the target)
 _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
-         "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}}
+         "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"},
+         "mtp": {"method", "num_speculative_tokens"}}
 
 
 # a draft model's draft slot before the runner fills it (ScheduledRequest.spec_tokens)
@@ -48,17 +54,28 @@ class SpeculativeConfig:
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
 
+    @property
+    def uses_mtp(self) -> bool:
+        return self.method == "mtp"
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """The scheduler reserves placeholder draft slots that the runner fills (draft model, MTP)."""
+        return self.method in ("draft_model", "mtp")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         method = str(d.get("method") or "").lower()
-        if method == "[ngram]":  # vLLM's older spelling
-            method = "ngram"
+        method = _ALIASES.get(method, method)
         if not method and d.get("model"):  # vLLM: a model without a method is a draft model
             method = "draft_model"
         if method not in METHODS:
             raise SpeculativeConfigError(f"--speculative-config method {d.get('method')!r} is not built yet "
                                          f"(built: {', '.join(METHODS)})")
         unknown = sorted(set(d) - _KEYS[method])
+        if unknown and method == "mtp" and "model" in unknown:
+            raise SpeculativeConfigError("--speculative-config method mtp drafts with the target checkpoint's own "
+                                         "mtp.* weights: leave out \"model\"")
         if unknown:
             raise SpeculativeConfigError(f"--speculative-config: unsupported keys for {method}: {', '.join(unknown)}")
         k = d.get("num_speculative_tokens")
@@ -66,6 +83,8 @@ class SpeculativeConfig:
             raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in 1..32")
         if method == "draft_model":
             return cls._draft_model(d, k)
+        if method == "mtp":  # its weights are the target's: nothing else to read
+            return cls("mtp", k)
         hi = d.get("prompt_lookup_max", cls.prompt_lookup_max if d.get("prompt_lookup_min") is None
                    else max(cls.prompt_lookup_max, d["prompt_lookup_min"]))
         lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else 1)

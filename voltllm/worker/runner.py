@@ -72,6 +72,10 @@ class StepHandle:
     spec_draft_ids: Optional[torch.Tensor] = None
     # a hybrid target's verifying requests, whose state slots collect() settles (worker/hybrid_spec.py)
     spec_states: list = field(default_factory=list)
+    # the device results before their host copies (MTP's after_step reads them): sampled tokens, and the
+    # verification's (tokens, accepted or None for greedy)
+    sampled_device: Optional[torch.Tensor] = None
+    spec_device: Optional[tuple] = None
 
 
 class ModelRunner:
@@ -95,6 +99,10 @@ class ModelRunner:
             from voltllm.worker.draft_runner import DraftRunner
 
             self.draft = DraftRunner(self, spec)
+        elif spec is not None and spec.uses_mtp:  # the target's own MTP module (voltllm.worker.mtp_runner)
+            from voltllm.worker.mtp_runner import MTPRunner
+
+            self.draft = MTPRunner(self, spec)
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)
         # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).
@@ -564,13 +572,15 @@ class ModelRunner:
                                     r.generator, r.num_output_tokens + r.num_pending - 1) for r in reqs]
                 out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
             ids = [r.request_id for r in reqs]
-            self._prev_tokens = out.tokens
+            self._prev_tokens = handle.sampled_device = out.tokens
             self._prev_rows = dict(zip(ids, range(len(ids))))
             out.copy_to_host_async()
             handle.sampler_out = out
             handle.sampled_ids = ids
         for i, s, n in plp:
             handle.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(hidden[qsl[i]:qsl[i] + n], s)
+        if self.draft is not None and hasattr(self.draft, "after_step"):  # MTP: its KV needs the chosen tokens
+            self.draft.after_step(sched, meta, hidden, qsl, handle)
         if self.device.type == "cuda":
             handle.event = torch.cuda.Event()
             handle.event.record()
@@ -657,6 +667,7 @@ class ModelRunner:
             from voltllm.worker.hybrid_spec import keep_accepted_states
 
             handle.spec_states = keep_accepted_states(self.state_cache, rows, out, draft_ids)
+        handle.spec_device = (out.tokens, getattr(out, "accepted", None))
         out.copy_to_host_async()
         handle.spec_out = out
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]

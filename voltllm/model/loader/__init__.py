@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -98,12 +98,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
 
 def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = False,
-                 quantization: Optional[str] = None) -> Iterator[tuple[str, Any]]:
+                 quantization: Optional[str] = None, only: Optional[Callable[[str], bool]] = None
+                 ) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
     4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers), else dequantized; AWQ / GPTQ / FP8 / NVFP4 layers always as
     `<layer>.weight`.
-    quantization "fp8" on an unquantized checkpoint quantizes its projections as they load."""
+    quantization "fp8" on an unquantized checkpoint quantizes its projections as they load.
+    only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone)."""
     if source.kind == "gguf":
         from voltllm.model.loader.gguf_loader import gguf_weights
 
@@ -114,7 +116,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     from voltllm.model.loader.nvfp4_checkpoint import nvfp4_scheme, nvfp4_weights
     from voltllm.model.loader.safetensors_loader import safetensors_weights
 
-    stream = safetensors_weights(source.path)
+    stream = safetensors_weights(source.path, only)
     if (scheme := int4_scheme(hf_config)) is not None:
         yield from int4_weights(stream, scheme, keep_quantized)
     elif (fp8 := fp8_scheme(hf_config, quantization)) is not None:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
 
-def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(path: str, only: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """only: the names to read (the others' data is never touched)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -19,12 +20,14 @@ def safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
             raise ModelLoadError(f"no .safetensors (or pytorch_model.bin) weights in {path}")
         for b in bins:
-            yield from torch.load(b, map_location="cpu", weights_only=True).items()
+            yield from ((n, t) for n, t in torch.load(b, map_location="cpu", weights_only=True).items()
+                        if only is None or only(n))
         return
     for f in files:
         with safe_open(f, framework="pt", device="cpu") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                if only is None or only(name):
+                    yield name, st.get_tensor(name)
 
 
 def stored_elements(path: str, count: Callable[[str, int], int]) -> int:

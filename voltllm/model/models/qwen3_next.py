@@ -126,6 +126,58 @@ _ATTN_STACKED = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _MLP_STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 
 
+def layer_expected_keys(layer: HybridDecoderLayer, p: str) -> set[str]:
+    """The loaded-weight keys (load_layer_weight's) a decoder layer named `p` ("layers.3.") must get."""
+    keys = {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+    if layer.kind == "linear_attention":
+        keys |= layer.linear_attn.expected_weight_keys(p + "linear_attn.")
+    else:
+        keys |= {p + f"self_attn.qkv_proj#{s}" for s in range(3)}
+        keys |= {p + "self_attn.o_proj#0", p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+    if isinstance(layer.mlp, SparseMoE):
+        keys |= layer.mlp.expected_weight_keys(p + "mlp.")
+    else:
+        keys |= {p + "mlp.gate_up_proj#0", p + "mlp.gate_up_proj#1", p + "mlp.down_proj#0"}
+    return keys
+
+
+def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torch.Tensor, params: dict) -> list[str]:
+    """Load checkpoint tensor `rest` (its name inside the layer) into decoder layer `p` ("layers.3."); `params`: the
+    model's named parameters (names starting with p). Returns the keys loaded (layer_expected_keys' names)."""
+    name = p + rest
+    if rest.startswith("linear_attn."):
+        if layer.kind != "linear_attention":
+            raise ValueError(f"{name}: the layer is {layer.kind}, not linear attention")
+        return list(layer.linear_attn.load_hf_weight(rest[len("linear_attn."):], tensor, p + "linear_attn."))
+    if rest.startswith("self_attn."):
+        if layer.kind != "full_attention":
+            raise ValueError(f"{name}: the layer is {layer.kind}, not full attention")
+        if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
+            for buf in kv_scale[1]:
+                load_checkpoint_kv_scale(layer.self_attn, buf, tensor, name)
+            return []
+        sub, _, kind = rest[len("self_attn."):].rpartition(".")
+        attn = layer.self_attn
+        if sub in _ATTN_STACKED:
+            shard = _ATTN_STACKED[sub]
+            (attn.qkv_proj.load_weight if kind == "weight" else attn.qkv_proj.load_bias)(tensor, shard)
+            return [p + f"self_attn.qkv_proj#{shard}"]
+        if sub == "o_proj":
+            (attn.o_proj.load_weight if kind == "weight" else attn.o_proj.load_bias)(tensor)
+            return [p + "self_attn.o_proj#0"]
+    elif rest.startswith("mlp."):
+        sub = rest[len("mlp."):]
+        if isinstance(layer.mlp, SparseMoE):
+            return list(layer.mlp.load_hf_weight(sub, tensor, p + "mlp."))
+        target = _MLP_STACKED.get(sub.removesuffix(".weight"))
+        if target is None:
+            raise ValueError(f"unexpected weight {name!r} for a dense MLP layer")
+        getattr(layer.mlp, target[0]).load_weight(tensor, target[1])
+        return [p + f"mlp.{target[0]}#{target[1]}"]
+    Qwen3NextForCausalLM._copy_param(params, name, tensor)
+    return [name]
+
+
 class Qwen3NextForCausalLM(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
                  linear_method: Optional[LinearMethod] = None):
@@ -211,17 +263,7 @@ class Qwen3NextForCausalLM(nn.Module):
     def _expected_keys(self) -> set[str]:
         keys = {"embed_tokens.weight", "norm.weight"} | (set() if self.tie else {"lm_head#0"})
         for i, layer in enumerate(self.layers):
-            p = f"layers.{i}."
-            keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            if layer.kind == "linear_attention":
-                keys |= layer.linear_attn.expected_weight_keys(p + "linear_attn.")
-            else:
-                keys |= {p + f"self_attn.qkv_proj#{s}" for s in range(3)}
-                keys |= {p + "self_attn.o_proj#0", p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-            if isinstance(layer.mlp, SparseMoE):
-                keys |= layer.mlp.expected_weight_keys(p + "mlp.")
-            else:
-                keys |= {p + "mlp.gate_up_proj#0", p + "mlp.gate_up_proj#1", p + "mlp.down_proj#0"}
+            keys |= layer_expected_keys(layer, f"layers.{i}.")
         return keys
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -251,44 +293,7 @@ class Qwen3NextForCausalLM(nn.Module):
             i = int(idx_str)
             if i >= len(self.layers):
                 raise ValueError(f"unexpected weight {name!r}: the config has {len(self.layers)} layers")
-            layer, p = self.layers[i], f"layers.{i}."
-            if rest.startswith("linear_attn."):
-                if layer.kind != "linear_attention":
-                    raise ValueError(f"{name}: layer {i} is {layer.kind}, not linear attention")
-                loaded.update(layer.linear_attn.load_hf_weight(rest[len("linear_attn."):], tensor,
-                                                               p + "linear_attn."))
-            elif rest.startswith("self_attn."):
-                if layer.kind != "full_attention":
-                    raise ValueError(f"{name}: layer {i} is {layer.kind}, not full attention")
-                if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
-                    for buf in kv_scale[1]:
-                        load_checkpoint_kv_scale(layer.self_attn, buf, tensor, name)
-                    continue
-                sub, _, kind = rest[len("self_attn."):].rpartition(".")
-                attn = layer.self_attn
-                if sub in _ATTN_STACKED:
-                    shard = _ATTN_STACKED[sub]
-                    (attn.qkv_proj.load_weight if kind == "weight" else attn.qkv_proj.load_bias)(tensor, shard)
-                    loaded.add(p + f"self_attn.qkv_proj#{shard}")
-                elif sub == "o_proj":
-                    (attn.o_proj.load_weight if kind == "weight" else attn.o_proj.load_bias)(tensor)
-                    loaded.add(p + "self_attn.o_proj#0")
-                else:
-                    self._copy_param(params, p + rest, tensor)
-                    loaded.add(p + rest)
-            elif rest.startswith("mlp."):
-                sub = rest[len("mlp."):]
-                if isinstance(layer.mlp, SparseMoE):
-                    loaded.update(layer.mlp.load_hf_weight(sub, tensor, p + "mlp."))
-                else:
-                    target = _MLP_STACKED.get(sub.removesuffix(".weight"))
-                    if target is None:
-                        raise ValueError(f"unexpected weight {name!r} for a dense MLP layer")
-                    getattr(layer.mlp, target[0]).load_weight(tensor, target[1])
-                    loaded.add(p + f"mlp.{target[0]}#{target[1]}")
-            else:
-                self._copy_param(params, name, tensor)
-                loaded.add(name)
+            loaded.update(load_layer_weight(self.layers[i], f"layers.{i}.", rest, tensor, params))
         if not self.tie and "lm_head#0" not in loaded and not lm_head_seen:
             # checkpoint without lm_head: the embedding is tied even if the config does not say so
             self.lm_head.load_weight(self.embed_tokens.weight.data)

@@ -1,0 +1,122 @@
+"""MTP test helpers: random mtp.* weights added to a saved tiny hybrid checkpoint (the real names), and an independent
+float64 reference of the MTP math fed by transformers' hidden states of the target.
+
+The structure (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py): for position i, with x_{i+1} the next token and h_i the
+target's last hidden state (after its final norm):
+  out_i = norm(layer(fc([pre_fc_norm_embedding(embed(x_{i+1})) | pre_fc_norm_hidden(h_i)]), position i))
+with zero-centred RMSNorms (1 + w), one full-attention decoder layer of the target's kind, and the target's LM head
+on out_i for x_{i+2}. Chained drafts feed out_i as the hidden state of position i + 1.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+
+
+def _first_attention_layer(cfg: dict) -> int:
+    types = cfg.get("layer_types") or []
+    if types:
+        return types.index("full_attention")
+    return cfg.get("full_attention_interval", 4) - 1
+
+
+def add_mtp_weights(path: str, seed: int = 5, std: float = 0.08, zero_lm_head: bool = False) -> dict:
+    """Add mtp.fc / mtp.pre_fc_norm_* / mtp.norm and mtp.layers.0.* (the names and shapes of the target's first
+    full-attention layer, its MLP or MoE included) to the checkpoint under path; returns the added tensors.
+    zero_lm_head: the target's LM head set to zeros (every argmax is token 0: target and MTP always agree)."""
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    assert len(files) == 1, "tiny checkpoints are one file"
+    sd = load_file(files[0])
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    src = f"model.layers.{_first_attention_layer(cfg)}."
+    gen = torch.Generator().manual_seed(seed)
+    h = cfg["hidden_size"]
+    added = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=gen) * std}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        added[f"mtp.{n}.weight"] = torch.randn(h, generator=gen) * 0.2
+    for name, t in sd.items():
+        if name.startswith(src):
+            scale = 0.2 if "norm" in name else std
+            added["mtp.layers.0." + name[len(src):]] = torch.randn(t.shape, generator=gen) * scale
+    sd.update({k: v.to(next(iter(sd.values())).dtype) for k, v in added.items()})
+    if zero_lm_head:
+        sd["lm_head.weight"] = torch.zeros_like(sd["lm_head.weight"])
+    save_file(sd, files[0], metadata={"format": "pt"})
+    return added
+
+
+class MTPReference:
+    """The MTP module in float64: transformers' target for the hidden states, embedding, rotary table and LM head;
+    a fresh transformers decoder layer of the target's full-attention kind holding mtp.layers.0; the rest here."""
+
+    def __init__(self, path: str, mtp: dict):
+        from transformers import AutoModelForCausalLM
+
+        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+        cfg = self.hf.config
+        self.eps = cfg.rms_norm_eps
+        li = _first_attention_layer(cfg.to_dict())
+        self.layer = type(self.hf.model.layers[li])(cfg, li).double().eval()
+        prefix = "mtp.layers.0."
+        self.layer.load_state_dict({k[len(prefix):]: v.double() for k, v in mtp.items() if k.startswith(prefix)},
+                                   strict=True)
+        self.w = {k: v.double() for k, v in mtp.items() if not k.startswith(prefix)}
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + w)
+
+    @torch.no_grad()
+    def target_hidden(self, ids: list[int]) -> torch.Tensor:
+        """h_i for every position of ids (the output of the target's final norm) [len, hidden]."""
+        return self.hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+
+    @torch.no_grad()
+    def outputs(self, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """out_i for rows at positions 0..len-1 (causal): row i fed next_ids[i] and hidden[i]."""
+        t = len(next_ids)
+        e = self._rms(self.hf.model.embed_tokens(torch.tensor(next_ids)), self.w["mtp.pre_fc_norm_embedding.weight"])
+        g = self._rms(hidden, self.w["mtp.pre_fc_norm_hidden.weight"])
+        u = (torch.cat([e, g], dim=-1) @ self.w["mtp.fc.weight"].T)[None]
+        pos = torch.arange(t)[None]
+        cos_sin = self.hf.model.rotary_emb(u, pos)
+        mask = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        y = self.layer(u, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
+        y = y[0] if isinstance(y, tuple) else y
+        return self._rms(y[0], self.w["mtp.norm.weight"])
+
+    @torch.no_grad()
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head(out)
+
+    def draft_logits(self, full: list[int], start: int, drafts: list[int]) -> list[torch.Tensor]:
+        """The logits of drafts 1..len(drafts)+1 for a request whose known tokens are full[:start + 1] (its next
+        input full[start] at position start): the first from out_{start-1} on the true tokens, each next one from a
+        chained row (draft j, the previous row's out) at the position after."""
+        h = self.target_hidden(full[:start])
+        ids, hid = list(full[1:start + 1]), list(h)
+        out = self.outputs(ids, torch.stack(hid))[-1]
+        result = [self.logits(out)]
+        for d in drafts:
+            ids.append(d)
+            hid.append(out)
+            out = self.outputs(ids, torch.stack(hid))[-1]
+            result.append(self.logits(out))
+        return result
+
+
+def make_mtp_target(tmp_path_factory: Any, kind: str, **kw: Any) -> tuple[str, dict] | None:
+    """A tiny hybrid `kind` with MTP weights: (path, the added tensors), None if transformers lacks the kind."""
+    from tiny_models import make_tiny_hybrid
+
+    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(f"mtp-{kind}")), kind, seed=0, gen_seed=1)
+    if path is None:
+        return None
+    return path, add_mtp_weights(path, **kw)

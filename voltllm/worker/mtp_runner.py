@@ -1,0 +1,323 @@
+"""MTP speculation in the runner: the target's own MTP module (model/models/qwen3_next_mtp.py), its KV cache, its
+drafts.
+
+What the MTP's KV at position i needs: the target's hidden state h_i and the next token x_{i+1}. So it is written
+once x_{i+1} is known, which for a step's tokens is right after that step's sampling and verification, on the device:
+`after_step` (called by the runner after both, in the same stream) runs the module once over every token the step
+computed, in the step's own rows, positions and slots (the attention metadata of the target's forward), each row fed
+the token after it: the next input id within the step; the next prompt token (host) after a chunk that ends inside
+the prompt; the sampled token after a request's last row; and for a verifying request, at each row, the token the
+verification emitted there (its draft while accepted, then the correction / bonus). Rows past a request's last
+accepted position get wrong inputs: their KV is never read before it is rewritten (every read is causal, and the
+request's next step writes its positions from its first one on before reading them). Invariant: after a step, every
+position below a request's computed length holds correct MTP KV, so a full block is correct when the scheduler caches
+it, and prefix-cache hits, preemption and freeing need nothing here (the KV lives in cache tensors of its own addressed
+by the target's block ids, as a draft model's does). No lag, no catch-up.
+
+The same pass leaves, per request that sampled, the module's output at its last accepted position in `outs` (a slot
+per request): the source of its next step's first draft. `propose` (before the next step's forward) then takes the
+LM head of that output as draft 1 and chains K - 1 one-token passes (draft j and the previous output at the position
+after), each pass's logits giving the next draft, as vLLM's MTP proposer chains its single layer. The chained passes
+write KV at positions the next after_step rewrites. Drafts stay on the device (fill_inputs / verification_drafts);
+sampled requests draw them from q (their processed MTP distribution) and are verified with min(1, p/q), like a draft
+model's.
+
+Eager only: no CUDA graphs for the MTP's passes yet (capture_graphs is a no-op).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import replace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+from voltllm.host_to_device import to_device, upload
+from voltllm.model.forward_context import ForwardContext
+from voltllm.sampling.params import SamplingParams
+from voltllm.sampling.sampler import SamplingRow
+
+logger = logging.getLogger("voltllm")
+
+# a request's row in the chained passes past its own drafts: greedy (no random draw), its token unused
+_PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
+
+
+class MTPRunner:
+    """The MTP module beside a ModelRunner, which calls it as it calls a DraftRunner (propose / fill_inputs /
+    run_step / verification_drafts / verification_probs) and, after the step's sampling, after_step."""
+
+    def __init__(self, runner: Any, spec: Any):
+        from voltllm.worker.runner import select_attention_backend
+
+        self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
+        self.model = self._load(runner)
+        self.backend = select_attention_backend(runner.config)
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None
+        n = runner.config.scheduler.max_num_seqs
+        # per request that sampled: the module's output at its last accepted position (its next first draft)
+        self.outs = torch.zeros(n, runner.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
+        self.slots: dict[str, int] = {}
+        self._free = list(range(n - 1, -1, -1))
+        self._drafts: Optional[torch.Tensor] = None  # [K, drafting requests] on the device
+        self._probs: Optional[torch.Tensor] = None  # [K, drafting requests, vocab]: sampled requests' q
+        self._prob_rows: dict[str, int] = {}
+        self._verify_ids: Optional[torch.Tensor] = None  # the drafts of the step's verification rows
+
+    @staticmethod
+    def _load(runner: Any) -> torch.nn.Module:
+        """The MTP module of the target checkpoint, dense, in the target's dtype."""
+        from voltllm.model.loader import iter_weights, resolve_model
+        from voltllm.model.models.qwen3_next_mtp import HybridMTP, mtp_name
+        from voltllm.worker.runner import init_dummy_weights
+
+        t0 = time.monotonic()
+        mc, dtype = runner.config.model, runner.dtype
+        with torch.device(runner.device):
+            model = HybridMTP(runner.model, dtype)
+        if mc.load_format == "dummy":
+            init_dummy_weights(model, mc.seed + 1)
+        else:
+            weights = iter_weights(resolve_model(mc.model), mc.hf_config, only=lambda n: mtp_name(n) is not None)
+            model.load_weights((mtp_name(n), t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                else t) for n, t in weights)
+        logger.info("loaded the MTP module of %s in %.1f s", mc.model, time.monotonic() - t0)
+        return model.eval()
+
+    # -- KV cache -------------------------------------------------------------------------------
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        heads, dim = self.model.kv_heads_and_dim
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        return 2 * block_size * heads * dim * elem * self.model.num_attention_layers
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        self.kv_caches = self.profile_caches(num_blocks, block_size, kv_dtype)
+
+    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+        heads, dim = self.model.kv_heads_and_dim
+        return make_kv_cache(self.model.num_attention_layers, num_blocks, block_size, heads, dim, kv_dtype,
+                             self.runner.device)
+
+    def capture_graphs(self) -> None:
+        """(The MTP's passes run eagerly.)"""
+
+    # -- per request ----------------------------------------------------------------------------
+    def forget(self, request_ids: list[str]) -> None:
+        """Finished, aborted or preempted requests give back their output slot (a preempted one is recomputed and
+        samples again before it drafts)."""
+        for rid in request_ids:
+            slot = self.slots.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def _slot(self, rid: str) -> int:
+        slot = self.slots.get(rid)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError("MTP: more requests sampled than --max-num-seqs output slots")
+            slot = self.slots[rid] = self._free.pop()
+        return slot
+
+    # -- drafts ---------------------------------------------------------------------------------
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The draft logits of MTP outputs (the target's LM head)."""
+        return self.model.compute_logits(out)
+
+    @torch.inference_mode()
+    def propose(self, sched: Any) -> None:
+        """Fill the draft slots the scheduler reserved (ScheduledRequest.spec_tokens placeholders): draft 1 from the
+        output each drafting request's last step left, drafts 2..k from chained one-token passes."""
+        self._drafts = self._probs = self._verify_ids = None
+        self.forget(sched.released_ids)
+        rows = [s for s in sched.scheduled if s.spec_tokens]
+        self._prob_rows = {s.request.request_id: i for i, s in enumerate(rows)}
+        if not rows:
+            return
+        r, dev = self.runner, self.runner.device
+        ks = [len(s.spec_tokens) for s in rows]
+        kmax, n = max(ks), len(rows)
+        # a request drafts right after a step in which it sampled (spec_allowed: nothing pending), which left its out
+        out = self.outs[to_device([self.slots[s.request.request_id] for s in rows], torch.long, dev)]
+        if kmax > 1:
+            longs, ints, lens = self._chain_inputs(rows, ks, kmax)
+            longs_d, ints_d = upload(torch.from_numpy(longs), dev), upload(torch.from_numpy(ints), dev)
+        else:
+            longs_d = ints_d = lens = None
+        drafts = torch.empty(kmax, n, dtype=torch.long, device=dev)
+        sampled = not all(s.request.sampling_params.greedy for s in rows)
+        for j in range(kmax):
+            if j > 0:
+                out = self._pass(drafts[j - 1], out, j, longs_d, ints_d, lens)
+            logits = self._logits(out)
+            if not sampled:
+                drafts[j] = logits.argmax(dim=-1)
+                continue
+            tokens, probs = r.sampler.draw_drafts(logits, [
+                SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
+                            s.request.num_output_tokens + j) if j < k else _PAD_ROW for s, k in zip(rows, ks)])
+            drafts[j] = tokens
+            if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
+                if self._probs is None:
+                    self._probs = probs.new_zeros(kmax, n, probs.shape[1])
+                self._probs[j] = probs
+        self._drafts = drafts
+
+    def _chain_inputs(self, rows: list, ks: list[int], kmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The chained passes' rows (pass j = 1..kmax-1, one per drafting request): positions and slots
+        ([kmax-1, 2, n] int64), then the query start locations, each pass's context lengths and the block tables (one
+        int32 vector), and the context lengths on the host [kmax-1, n]. Request i's row of pass j sits at position
+        start - 1 + j (the module's output at start - 2 + j and draft j); past its own drafts a padding row (position
+        0, no slot, one token of context)."""
+        bs = self.runner.block_size
+        n = len(rows)
+        width = max(len(s.block_ids) for s in rows)
+        longs = np.zeros((kmax - 1, 2, n), dtype=np.int64)
+        longs[:, 1] = -1
+        lens = np.ones((kmax - 1, n), dtype=np.int32)
+        tables = np.zeros((n, width), dtype=np.int32)
+        for i, (s, k) in enumerate(zip(rows, ks)):
+            tables[i, :len(s.block_ids)] = s.block_array
+            for j in range(1, k):
+                p = s.start - 1 + j
+                longs[j - 1, :, i] = p, s.block_ids[p // bs] * bs + p % bs
+                lens[j - 1, i] = p + 1
+        ints = np.concatenate([np.arange(n + 1, dtype=np.int32), lens.ravel(), tables.ravel()])
+        return longs, ints, lens
+
+    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, j: int, longs: torch.Tensor, ints: torch.Tensor,
+              lens: np.ndarray) -> torch.Tensor:
+        """Chained pass j (1..kmax-1) over its one-token rows (_chain_inputs' arrays, on the device: longs, ints;
+        on the host: lens)."""
+        kmax, n = lens.shape[0] + 1, lens.shape[1]
+        at = n + 1 + (j - 1) * n
+        meta = AttentionMetadata(
+            num_tokens=n, query_start_loc=ints[:n + 1], seq_lens=ints[at:at + n],
+            block_tables=ints[n + 1 + (kmax - 1) * n:].view(n, -1), slot_mapping=longs[j - 1, 1], max_query_len=1,
+            max_seq_len=int(lens[j - 1].max()), query_start_loc_cpu=list(range(n + 1)),
+            seq_lens_cpu=lens[j - 1].tolist())
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        return self.model(ids, longs[j - 1, 0], ctx, hidden)
+
+    def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
+        """Copy the drafts into the step's input ids on the device: spans = (index of its first draft in the step's
+        tokens, ScheduledRequest) per drafting request."""
+        if self._drafts is None or not spans:
+            return
+        n = self._drafts.shape[1]
+        dst, src = [], []
+        for at, s in spans:
+            i = self._prob_rows[s.request.request_id]
+            dst += range(at, at + len(s.spec_tokens))
+            src += [j * n + i for j in range(len(s.spec_tokens))]
+        idx = to_device(dst + src, torch.long, input_ids.device)
+        input_ids.index_copy_(0, idx[:len(dst)], self._drafts.reshape(-1).index_select(0, idx[len(dst):]))
+
+    def verification_drafts(self, rows: list) -> Optional[torch.Tensor]:
+        """The drafts of the runner's verification rows `rows` ((index, ScheduledRequest): each request's drafts
+        then -1 for the row after them), on the device; kept for after_step."""
+        if self._drafts is None:
+            return None
+        n = self._drafts.shape[1]
+        src = []
+        for _, s in rows:
+            i = self._prob_rows[s.request.request_id]
+            src += [j * n + i for j in range(len(s.spec_tokens))] + [-1]
+        idx = to_device(src, torch.long, self._drafts.device)
+        self._verify_ids = torch.where(idx >= 0, self._drafts.reshape(-1)[idx.clamp_min(0)], -1)
+        return self._verify_ids
+
+    def verification_probs(self, rows: list) -> tuple[Optional[torch.Tensor], Optional[list[bool]]]:
+        """The q rows the verification rows' drafts were drawn from and which were drawn; (None, None) when every
+        draft was a greedy one."""
+        probs, self._probs = self._probs, None
+        if probs is None:
+            return None, None
+        n, vocab = probs.shape[1], probs.shape[2]
+        src, drawn = [], []
+        for _, s in rows:
+            i, k = self._prob_rows[s.request.request_id], len(s.spec_tokens)
+            src += [j * n + i for j in range(k)] + [i]
+            drawn += [not s.request.sampling_params.greedy] * k + [False]
+        return probs.reshape(-1, vocab)[to_device(src, torch.long, probs.device)], drawn
+
+    def run_step(self, sched: Any, graph_batch: int, meta: AttentionMetadata) -> None:
+        """(Nothing before sampling: the MTP's pass over the step needs the tokens it samples; after_step.)"""
+
+    # -- after the step's sampling --------------------------------------------------------------
+    @torch.inference_mode()
+    def after_step(self, sched: Any, meta: AttentionMetadata, hidden: torch.Tensor, qsl: list[int],
+                   handle: Any) -> None:
+        """The MTP's KV for every token of the step just run (its rows in the target's forward: `meta`, `hidden`,
+        the runner's input buffers; qsl: each request's span), and each sampling request's output at its last
+        accepted position into its slot. handle: the step's StepHandle (its device results: sampled_device,
+        spec_device)."""
+        buf = self.runner.buffers
+        dev = hidden.device
+        n = meta.query_start_loc_cpu[-1]  # tokens in rows (a decode graph's padding rows included, writing nowhere)
+        nxt = torch.zeros(n, dtype=torch.long, device=dev)
+        nxt[:n - 1] = buf.input_ids[1:n]  # within a span, each row's next token is the next input id
+        host_dst, host_val, samp_dst, samp_src, ver_dst = [], [], [], [], []
+        keep_rows, keep_slots = [], []  # (host row, slot) of the sampling requests that did not verify
+        ver = []  # (i, ScheduledRequest) of the verifying requests, in verification-row order
+        sampled_at = {rid: j for j, rid in enumerate(handle.sampled_ids)}
+        for i, s in enumerate(sched.scheduled):
+            last = qsl[i + 1] - 1
+            if s.spec_tokens:
+                ver_dst += range(qsl[i], qsl[i + 1])
+                ver.append((i, s))
+            elif s.samples:
+                samp_dst.append(last)
+                samp_src.append(sampled_at[s.request.request_id])
+                keep_rows.append(last)
+                keep_slots.append(self._slot(s.request.request_id))
+            else:  # a chunk that ends inside the prompt: its next token is the prompt's
+                host_dst.append(last)
+                host_val.append(s.request.all_token_ids[s.start + s.num_new_tokens])
+        a, b = len(host_dst), len(samp_dst)
+        idx = to_device(host_dst + samp_dst + ver_dst + host_val + samp_src + keep_rows + keep_slots, torch.long, dev)
+        vals = [idx[a + b + len(ver_dst):2 * a + b + len(ver_dst)]]
+        if b:
+            vals.append(handle.sampled_device[idx[2 * a + b + len(ver_dst):2 * a + 2 * b + len(ver_dst)]])
+        if ver:
+            vals.append(self._emitted(handle))
+        nxt.index_copy_(0, idx[:a + b + len(ver_dst)], torch.cat(vals))
+        if meta.slot_mapping.shape[0] != n:
+            meta = replace(meta, slot_mapping=meta.slot_mapping[:n])
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        out = self.model(nxt, buf.positions[:n], ctx, hidden[:n])
+        tail = idx[2 * a + 2 * b + len(ver_dst):]
+        if b:
+            self.outs.index_copy_(0, tail[b:], out[tail[:b]])
+        if ver:
+            rows, slots = self._accepted_rows(ver, qsl, handle, dev)
+            self.outs.index_copy_(0, slots, out[rows])
+
+    def _emitted(self, handle: Any) -> torch.Tensor:
+        """Per verification row, the token the verification emitted there (valid up to each request's first
+        rejected row): greedy, the model's choice (equal to the draft while accepted); sampled, the draft where
+        accepted, else the replacement."""
+        tokens, accepted = handle.spec_device
+        return tokens if accepted is None else torch.where(accepted, self._verify_ids, tokens)
+
+    def _accepted_rows(self, ver: list, qsl: list[int], handle: Any, dev: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the verifying requests: the step row of each one's last accepted position (its first row + its
+        accepted drafts, counted on the device) and its output slot."""
+        tokens, accepted = handle.spec_device
+        match = accepted if accepted is not None else tokens == self._verify_ids
+        n_drafts = [len(s.spec_tokens) for _, s in ver]
+        req_of_row = [r for r, k in enumerate(n_drafts) for _ in range(k + 1)]
+        pos = [j for k in n_drafts for j in range(k + 1)]
+        flat = to_device(req_of_row + pos + [qsl[i] for i, _ in ver]
+                         + [self._slot(s.request.request_id) for _, s in ver], torch.long, dev)
+        m, r = len(req_of_row), len(ver)
+        req_d, pos_d, first_d, slots_d = flat[:m], flat[m:2 * m], flat[2 * m:2 * m + r], flat[2 * m + r:]
+        # accepted drafts = the position of the request's first unmatched row (its last row never matches)
+        miss = torch.where(match, torch.full_like(pos_d, m), pos_d)
+        acc = torch.full_like(first_d, m).scatter_reduce_(0, req_d, miss, "amin")
+        return first_d + acc, slots_d
