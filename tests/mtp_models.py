@@ -53,6 +53,19 @@ def add_mtp_weights(path: str, seed: int = 5, std: float = 0.08, zero_lm_head: b
     return added
 
 
+def _fused_experts(sd: dict) -> dict:
+    """Per-expert checkpoint tensors (mlp.experts.<e>.{gate,up,down}_proj.weight) as transformers' fused expert
+    parameters (mlp.experts.gate_up_proj [E, 2I, H]: gate rows first; mlp.experts.down_proj [E, H, I])."""
+    ids = sorted({int(k.split(".")[2]) for k in sd if k.startswith("mlp.experts.") and k.split(".")[2].isdigit()})
+    if not ids:
+        return sd
+    out = {k: v for k, v in sd.items() if not (k.startswith("mlp.experts.") and k.split(".")[2].isdigit())}
+    w = lambda e, n: sd[f"mlp.experts.{e}.{n}_proj.weight"]  # noqa: E731
+    out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w(e, "gate"), w(e, "up")]) for e in ids])
+    out["mlp.experts.down_proj"] = torch.stack([w(e, "down") for e in ids])
+    return out
+
+
 class MTPReference:
     """The MTP module in float64: transformers' target for the hidden states, embedding, rotary table and LM head;
     a fresh transformers decoder layer of the target's full-attention kind holding mtp.layers.0; the rest here."""
@@ -60,14 +73,15 @@ class MTPReference:
     def __init__(self, path: str, mtp: dict):
         from transformers import AutoModelForCausalLM
 
-        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                        experts_implementation="eager").eval()
         cfg = self.hf.config
         self.eps = cfg.rms_norm_eps
         li = _first_attention_layer(cfg.to_dict())
         self.layer = type(self.hf.model.layers[li])(cfg, li).double().eval()
         prefix = "mtp.layers.0."
-        self.layer.load_state_dict({k[len(prefix):]: v.double() for k, v in mtp.items() if k.startswith(prefix)},
-                                   strict=True)
+        self.layer.load_state_dict(_fused_experts({k[len(prefix):]: v.double() for k, v in mtp.items()
+                                                   if k.startswith(prefix)}), strict=True)
         self.w = {k: v.double() for k, v in mtp.items() if not k.startswith(prefix)}
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ position below a request's computed length holds correct MTP KV, so a full block
 it, and prefix-cache hits, preemption and freeing need nothing here (the KV lives in cache tensors of its own addressed
 by the target's block ids, as a draft model's does). No lag, no catch-up.
 
-The same pass leaves, per request that sampled, the module's output at its last accepted position in `outs` (a slot
+The same pass leaves, per request, the module's output at its last accepted position in `outs` (a slot
 per request): the source of its next step's first draft. `propose` (before the next step's forward) then takes the
 LM head of that output as draft 1 and chains K - 1 one-token passes (draft j and the previous output at the position
 after), each pass's logits giving the next draft, as vLLM's MTP proposer chains its single layer. The chained passes
@@ -60,9 +60,12 @@ class MTPRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None
         n = runner.config.scheduler.max_num_seqs
-        # per request that sampled: the module's output at its last accepted position (its next first draft)
-        self.outs = torch.zeros(n, runner.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
+        # per running request: the module's output at its last accepted position (its next first draft), and the
+        # positions (first, last) of the step that left it (the accepted one is among them); row n stays zero
+        self.outs = torch.zeros(n + 1, runner.model.config.hidden_size, dtype=runner.dtype, device=runner.device)
+        self._zero_row = n
         self.slots: dict[str, int] = {}
+        self.saved: dict[str, tuple[int, int]] = {}
         self._free = list(range(n - 1, -1, -1))
         self._drafts: Optional[torch.Tensor] = None  # [K, drafting requests] on the device
         self._probs: Optional[torch.Tensor] = None  # [K, drafting requests, vocab]: sampled requests' q
@@ -111,6 +114,7 @@ class MTPRunner:
         """Finished, aborted or preempted requests give back their output slot (a preempted one is recomputed and
         samples again before it drafts)."""
         for rid in request_ids:
+            self.saved.pop(rid, None)
             slot = self.slots.pop(rid, None)
             if slot is not None:
                 self._free.append(slot)
@@ -124,6 +128,13 @@ class MTPRunner:
         return slot
 
     # -- drafts ---------------------------------------------------------------------------------
+    def _source(self, s: Any) -> int:
+        """The outs row of a drafting request's first draft: its slot when its last step left the output at position
+        start - 1; else the zero row (a request whose first step after a prefix-cache hit drafts: the target never
+        computed the position before, so its drafts are guesses, rejected or not, and nothing else depends on them)."""
+        lo, hi = self.saved.get(s.request.request_id, (1, 0))
+        return self.slots[s.request.request_id] if lo <= s.start - 1 <= hi else self._zero_row
+
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """The draft logits of MTP outputs (the target's LM head)."""
         return self.model.compute_logits(out)
@@ -141,8 +152,7 @@ class MTPRunner:
         r, dev = self.runner, self.runner.device
         ks = [len(s.spec_tokens) for s in rows]
         kmax, n = max(ks), len(rows)
-        # a request drafts right after a step in which it sampled (spec_allowed: nothing pending), which left its out
-        out = self.outs[to_device([self.slots[s.request.request_id] for s in rows], torch.long, dev)]
+        out = self.outs[to_device([self._source(s) for s in rows], torch.long, dev)]
         if kmax > 1:
             longs, ints, lens = self._chain_inputs(rows, ks, kmax)
             longs_d, ints_d = upload(torch.from_numpy(longs), dev), upload(torch.from_numpy(ints), dev)
@@ -253,8 +263,8 @@ class MTPRunner:
     def after_step(self, sched: Any, meta: AttentionMetadata, hidden: torch.Tensor, qsl: list[int],
                    handle: Any) -> None:
         """The MTP's KV for every token of the step just run (its rows in the target's forward: `meta`, `hidden`,
-        the runner's input buffers; qsl: each request's span), and each sampling request's output at its last
-        accepted position into its slot. handle: the step's StepHandle (its device results: sampled_device,
+        the runner's input buffers; qsl: each request's span), and each request's output at its last accepted
+        position into its slot. handle: the step's StepHandle (its device results: sampled_device,
         spec_device)."""
         buf = self.runner.buffers
         dev = hidden.device
@@ -262,7 +272,7 @@ class MTPRunner:
         nxt = torch.zeros(n, dtype=torch.long, device=dev)
         nxt[:n - 1] = buf.input_ids[1:n]  # within a span, each row's next token is the next input id
         host_dst, host_val, samp_dst, samp_src, ver_dst = [], [], [], [], []
-        keep_rows, keep_slots = [], []  # (host row, slot) of the sampling requests that did not verify
+        keep_rows, keep_slots = [], []  # (step row, slot) of each request that did not verify: its last row
         ver = []  # (i, ScheduledRequest) of the verifying requests, in verification-row order
         sampled_at = {rid: j for j, rid in enumerate(handle.sampled_ids)}
         for i, s in enumerate(sched.scheduled):
@@ -270,14 +280,17 @@ class MTPRunner:
             if s.spec_tokens:
                 ver_dst += range(qsl[i], qsl[i + 1])
                 ver.append((i, s))
-            elif s.samples:
+                self.saved[s.request.request_id] = (s.start, last - qsl[i] + s.start)
+                continue
+            if s.samples:
                 samp_dst.append(last)
                 samp_src.append(sampled_at[s.request.request_id])
-                keep_rows.append(last)
-                keep_slots.append(self._slot(s.request.request_id))
             else:  # a chunk that ends inside the prompt: its next token is the prompt's
                 host_dst.append(last)
                 host_val.append(s.request.all_token_ids[s.start + s.num_new_tokens])
+            keep_rows.append(last)  # (after a prompt chunk too: the last prompt token may come with drafts)
+            keep_slots.append(self._slot(s.request.request_id))
+            self.saved[s.request.request_id] = (s.start + s.num_new_tokens - 1,) * 2
         a, b = len(host_dst), len(samp_dst)
         idx = to_device(host_dst + samp_dst + ver_dst + host_val + samp_src + keep_rows + keep_slots, torch.long, dev)
         vals = [idx[a + b + len(ver_dst):2 * a + b + len(ver_dst)]]
@@ -291,8 +304,8 @@ class MTPRunner:
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         out = self.model(nxt, buf.positions[:n], ctx, hidden[:n])
         tail = idx[2 * a + 2 * b + len(ver_dst):]
-        if b:
-            self.outs.index_copy_(0, tail[b:], out[tail[:b]])
+        if keep_rows:
+            self.outs.index_copy_(0, tail[len(keep_rows):], out[tail[:len(keep_rows)]])
         if ver:
             rows, slots = self._accepted_rows(ver, qsl, handle, dev)
             self.outs.index_copy_(0, slots, out[rows])

@@ -1,0 +1,228 @@
+"""MTP speculation (CPU, tiny random qwen3_5 / qwen3_next / qwen3_5_moe with random mtp.* weights in the real names):
+
+- the draft logits inside the engine, at every step and chained pass, equal a float64 reference of the MTP math fed
+  by transformers' hidden states of the target (tests/mtp_models.py), through chunked prefill, rejected drafts
+  (the random module's drafts are mostly wrong), concurrent requests and a prefix-cache hit: the MTP's KV is right
+  wherever it is read;
+- greedy outputs equal plain decoding's (concurrent requests, chunked prefill, prefix-cache hits, preemption), seeded
+  sampled runs repeat;
+- a target whose LM head is zero (every argmax is token 0, so the MTP always agrees): every draft is accepted and
+  each saves a step;
+- configuration errors.
+"""
+import random
+
+import pytest
+import torch
+
+from mtp_models import MTPReference, add_mtp_weights, make_mtp_target
+from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
+from voltllm import LLM, SamplingParams
+from voltllm.config import ConfigError
+
+KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(HYBRID_VOCAB) for _ in range(11)], [_rng.randrange(HYBRID_VOCAB) for _ in range(23)],
+           [7, 8], [_rng.randrange(HYBRID_VOCAB) for _ in range(6)]]
+BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True, dtype="float32")
+
+
+def _mtp(k):
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+def _make(tmp_path_factory, kind, **kw):
+    made = make_mtp_target(tmp_path_factory, kind, **kw)
+    if made is None:
+        pytest.skip(f"this transformers has no {kind}")
+    return made
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def target(request, tmp_path_factory):
+    return _make(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    return _make(tmp_path_factory, "qwen3_5")
+
+
+def _run(llm, prompts, sps):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.usage() == 0.0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+_PLAIN: dict = {}
+
+
+def _plain(path, prompts, sp, **kw):
+    key = (path, repr(prompts), repr(sp), tuple(sorted(kw.items())))
+    if key not in _PLAIN:
+        _PLAIN[key] = _run(LLM(path, **{**BASE, **kw}), prompts, sp)
+    return _PLAIN[key]
+
+
+def _record_draft_logits(monkeypatch):
+    """Every proposal's draft logits, per drafting request: (prompt, start, [logits of pass j])."""
+    from voltllm.worker.mtp_runner import MTPRunner
+
+    seen: list = []
+    orig_propose, orig_logits = MTPRunner.propose, MTPRunner._logits
+
+    def propose(self, sched):
+        self._rec = [(tuple(s.request.prompt_token_ids), s.start, [], len(s.spec_tokens)) for s in sched.scheduled
+                     if s.spec_tokens]
+        seen.extend(self._rec)
+        return orig_propose(self, sched)
+
+    def logits(self, out):
+        lg = orig_logits(self, out)
+        for i, (_, _, got, k) in enumerate(self._rec):
+            if len(got) < k:  # (past its own drafts a request's row is padding)
+                got.append(lg[i].double().clone())
+        return lg
+
+    monkeypatch.setattr(MTPRunner, "propose", propose)
+    monkeypatch.setattr(MTPRunner, "_logits", logits)
+    return seen
+
+
+def _check_against_reference(ref, seen, fulls, k):
+    checked = 0
+    for prompt, start, logits, _ in seen:
+        full = fulls[prompt]
+        drafts = [int(lg.argmax()) for lg in logits[:-1]]
+        want = ref.draft_logits(full, start, drafts)
+        assert len(logits) <= k
+        for j, (got, exp) in enumerate(zip(logits, want)):
+            assert torch.allclose(got, exp, atol=2e-4, rtol=1e-4), (prompt, start, j, (got - exp).abs().max())
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_draft_logits_equal_reference(target, monkeypatch, budget):
+    """Budget 5: prompts in chunks beside verifications."""
+    path, mtp = target
+    k = 3
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    seen = _record_draft_logits(monkeypatch)
+    llm = LLM(path, speculative_config=_mtp(k), max_num_batched_tokens=budget, **BASE)
+    outs = _run(llm, prompts, sp)
+    assert outs == _plain(path, prompts, sp, max_num_batched_tokens=budget)
+    fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
+    ref = MTPReference(path, mtp)
+    assert _check_against_reference(ref, seen, fulls, k) >= 3 * len(prompts)
+    assert any(len(lg) == k for _, _, lg, _ in seen)
+
+
+def test_draft_logits_after_a_prefix_cache_hit(qwen35, monkeypatch):
+    """The second request starts at a cached prefix (snapshots every 8 tokens): the MTP's KV there was written by
+    the first."""
+    path, mtp = qwen35
+    shared = PROMPTS[1][:17]
+    prompts = [shared + [3, 4, 5], shared + [9, 9]]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seen = _record_draft_logits(monkeypatch)
+    llm = LLM(path, speculative_config=_mtp(2), mamba_block_size=8, **BASE)
+    outs = [_run(llm, [p], sp)[0] for p in prompts]
+    assert outs == _plain(path, prompts, sp, enable_prefix_caching=False)
+    assert llm.engine.runner.state_snapshots.stats()["restored"] > 0
+    fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
+    assert _check_against_reference(MTPReference(path, mtp), seen, fulls, 2) > 0
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_greedy_equals_plain(target, budget):
+    path, _ = target
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = LLM(path, speculative_config=_mtp(3), max_num_batched_tokens=budget, **BASE)
+    assert _run(llm, PROMPTS, sp) == _plain(path, PROMPTS, sp, max_num_batched_tokens=budget)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+
+
+def test_preemption_and_prefix_hits(qwen35):
+    path, _ = qwen35
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = _plain(path, PROMPTS, sp)
+    tight = LLM(path, speculative_config=_mtp(3), max_num_batched_tokens=16, num_gpu_blocks_override=24, **BASE)
+    assert _run(tight, PROMPTS, sp) == ref
+    assert tight.engine.stats().num_preemptions > 0
+    cached = LLM(path, speculative_config=_mtp(2), mamba_block_size=8, **BASE)
+    for _ in range(2):
+        assert _run(cached, PROMPTS, sp) == ref
+    assert cached.engine.runner.state_snapshots.stats()["restored"] > 0
+
+
+def test_sampled_requests_repeat_and_greedy_stay_exact(qwen35):
+    path, _ = qwen35
+    greedy = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    sps = [greedy, SamplingParams(temperature=1.0, seed=11, max_tokens=25, ignore_eos=True)] * 2
+    ref = _plain(path, PROMPTS, greedy)
+    runs = [_run(LLM(path, speculative_config=_mtp(3), **BASE), PROMPTS, sps) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
+
+
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
+    return _make(tmp_path_factory, "qwen3_5", zero_lm_head=True)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_agreeing_module_accepts_every_draft(agreeing, k):
+    """Zero LM head: the target's and the MTP's argmax are both token 0, so every draft is accepted; each verification
+    emits k + 1 tokens."""
+    path, _ = agreeing
+    m = 21
+    sp = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+    llm = LLM(path, speculative_config=_mtp(k), **BASE)
+    steps0 = llm.engine.stats().step_counter
+    assert _run(llm, PROMPTS[:1], sp) == [[0] * m]
+    stats = llm.engine.stats()
+    assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"] > 0
+    assert stats.step_counter - steps0 == 1 + -(-(m - 1) // (k + 1))
+
+
+# -- configuration ------------------------------------------------------------------------------------------
+def test_alias_and_keys():
+    from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+
+    assert SpeculativeConfig.from_dict({"method": "qwen3_next_mtp", "num_speculative_tokens": 2}).uses_mtp
+    with pytest.raises(SpeculativeConfigError, match="leave out"):
+        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 2, "model": "x"})
+    with pytest.raises(SpeculativeConfigError, match="not built"):
+        SpeculativeConfig.from_dict({"method": "deepseek_mtp", "num_speculative_tokens": 2})
+
+
+def test_config_errors(tmp_path_factory, qwen35):
+    llama = make_model(str(tmp_path_factory.mktemp("llama")), "llama")
+    with pytest.raises(ConfigError, match="built for qwen3_next"):
+        LLM(llama, speculative_config=_mtp(2), skip_tokenizer_init=True)
+    bare = make_tiny_hybrid(str(tmp_path_factory.mktemp("bare")), "qwen3_5", seed=0, gen_seed=1)
+    with pytest.raises(ConfigError, match="no mtp"):
+        LLM(bare, speculative_config=_mtp(2), **BASE)
+    path, _ = qwen35
+    with pytest.raises(ConfigError, match="only one"):
+        LLM(path, speculative_config=_mtp(2), hf_overrides={"mtp_num_hidden_layers": 2}, **BASE)
+    with pytest.raises(ConfigError, match="no MTP layer"):
+        LLM(path, speculative_config=_mtp(2), hf_overrides={"mtp_num_hidden_layers": 0}, **BASE)
+
+
+def test_incomplete_mtp_weights(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+    import glob
+    import os
+
+    path = make_tiny_hybrid(str(tmp_path_factory.mktemp("partial")), "qwen3_5", seed=0, gen_seed=1)
+    add_mtp_weights(path)
+    f = glob.glob(os.path.join(path, "*.safetensors"))[0]
+    sd = load_file(f)
+    del sd["mtp.fc.weight"]
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="mtp.fc"):
+        LLM(path, speculative_config=_mtp(2), **BASE)
