@@ -240,7 +240,60 @@ def run_layer_verify(device: str, triton_on: bool) -> str:
     return f"ok out err {err:.2e} ssm err {err_s:.2e}"
 
 
+def run_layer_walks(device: str, triton_on: bool) -> str:
+    """A verification as decode rows (a CUDA graph's form: per-row walks, padding rows on the scratch slot) ==
+    the same verification as a prompt-form step (per-request rows, the torch path): outputs, slots and
+    checkpoint rows. triton_on: the walk kernels, else the torch path through HybridBatch.regrouped()."""
+    from tiny_models import tiny_gdn_layer
+    from voltllm.model.layers.gdn import HybridBatch
+    from voltllm.model.state_cache import StateCache
+
+    layer = tiny_gdn_layer(device)
+    nc = 3
+    lens, slot_of = [4, 1, 3], [2, 0, 3]
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(22)).to(device)  # 8 rows + 1 padding row
+    caches = []
+    for _ in range(2):
+        cache = StateCache(1, 4, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, device, checkpoints=nc)
+        torch.manual_seed(3)
+        cache.conv_rows[0].copy_(torch.randn_like(cache.conv_rows[0]))
+        cache.ssm_rows[0].copy_(torch.randn_like(cache.ssm_rows[0]))
+        caches.append(cache)
+    # reference: a prompt-form verification step (torch path)
+    layer.triton_decode = False
+    ref = HybridBatch(caches[0], torch.tensor(slot_of, device=device), torch.ones(3, dtype=torch.bool, device=device),
+                      [0, 4, 5, 8], False, drafts=[3, 0, 2], host_rows=(slot_of, [True] * 3))
+    want = layer(x[:8], ref)
+    # walks: one row per token, the padding row last
+    starts, ends, slots = [], [], []
+    at = 0
+    for n, slot in zip(lens, slot_of):
+        for j in range(n):
+            starts.append(at + j if j else at)
+            ends.append(at + j if j else at + n)
+            slots.append(slot)
+        at += n
+    starts.append(8)
+    ends.append(9)
+    slots.append(caches[1].pad_slot)
+    init = [True] * 8 + [False]
+    dev = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+    batch = HybridBatch(caches[1], dev(slots, torch.long), dev(init, torch.bool), list(range(10)), True,
+                        walks=(dev(starts, torch.int32), dev(ends, torch.int32)))
+    layer.triton_decode = triton_on
+    got = layer(x, batch)
+    layer.triton_decode = None
+    rows = list(range(4)) + list(range(caches[0].checkpoint_base, caches[0].conv_rows[0].shape[0]))
+    err = (got[:8] - want).abs().max().item()
+    err_s = (caches[0].ssm_rows[0][rows] - caches[1].ssm_rows[0][rows]).abs().max().item()
+    err_c = (caches[0].conv_rows[0][rows] - caches[1].conv_rows[0][rows]).abs().max().item()
+    if max(err, err_s, err_c) > 1e-4:
+        return f"FAIL out err {err:.3e} ssm err {err_s:.3e} conv err {err_c:.3e}"
+    return f"ok out err {err:.2e} ssm err {err_s:.2e}"
+
+
 CHECKS = {
+    "layer_walks_triton_vs_prompt_form": lambda d: run_layer_walks(d, True),
     "verify_f32_dk16_dv16_r2": lambda d: run_verify(d, [4, 1, 3, 2], 2, 4, 16, 16, torch.float32, 11),
     "verify_f32_dk24_dv40_r1_masked": lambda d: run_verify(d, [5, 5, 1], 2, 2, 24, 40, torch.float32, 12),
     "verify_f16_dk64_dv64_r2": lambda d: run_verify(d, [3, 1, 4, 4, 2], 2, 4, 64, 64, torch.float16, 13),
