@@ -272,11 +272,11 @@ class GatedDeltaNet(nn.Module):
         conv_states = cache.conv[self.state_index]
         ssm_states = cache.ssm[self.state_index]
         use_triton = x.is_cuda if self.triton_decode is None else self.triton_decode
-        if batch.walks is not None and not use_triton:
-            batch = batch.regrouped()
+        if batch.walks is not None:  # a verification as decode rows (a CUDA graph's form)
+            if use_triton and batch.decode_only and t == len(batch.query_start_loc) - 1:
+                return self._walks(x, mixed, z, a, b, batch)
+            batch = batch.regrouped()  # (the torch path: by request)
         fast = use_triton and batch.decode_only and t == len(batch.query_start_loc) - 1
-        if fast and batch.walks is not None:  # a verification as decode rows (a CUDA graph's form)
-            return self._walks(x, mixed, z, a, b, batch)
         verify = batch.verify_rows(self.kernel)  # a speculative verification step (None: not one)
         if verify is not None:  # the drafting requests' conv states per position, before the conv moves on
             verify.save_conv_checkpoints(mixed, conv_states, cache.conv_rows[self.state_index])
