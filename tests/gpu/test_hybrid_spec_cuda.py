@@ -41,9 +41,20 @@ def test_verify_kernel_real_shape(dtype):
     assert status.startswith("ok"), status
 
 
-def test_layer_verification_cuda():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_verify_conv_real_shape(dtype):
+    """The walks' conv at the qwen3.5-27b shape (10240 channels, kernel 4)."""
     _cuda()
-    status = H.run_layer_verify("cuda", True)
+    status = H.run_conv_verify("cuda", [5, 1, 3, 5], 2 * 16 * 128 + 48 * 128, 4, dtype, 18)
+    assert status.startswith("ok"), status
+
+
+@pytest.mark.parametrize("check", ["run_layer_verify", "run_layer_walks"])
+def test_layer_verification_cuda(check):
+    """A layer's verification (prompt form, and walks as a graph replays them) with the kernels == the torch
+    reference."""
+    _cuda()
+    status = getattr(H, check)("cuda", True)
     assert status.startswith("ok"), status
 
 
