@@ -36,9 +36,10 @@ def _oracle_propose(self, req, max_new):
     return [(t + 1) % _ORACLE["vocab"] if _ORACLE["wrong"] else t for t in full[at:at + k]]
 
 
-def _engine(target: str, spec, dtype: str, batch: int) -> LLM:
+def _engine(target: str, spec, dtype: str, batch: int, k: int) -> LLM:
+    # rows for batch * (K + 1) tokens: a verification replays a walks graph only when its tokens fit --max-num-seqs
     return LLM(target, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=2048,
-               max_num_seqs=max(batch, 4), gpu_memory_utilization=0.85, speculative_config=spec)
+               max_num_seqs=max(batch * (k + 1), 4), gpu_memory_utilization=0.85, speculative_config=spec)
 
 
 def _measure(llm: LLM, prompts: list, output_len: int) -> tuple[dict, list]:
@@ -78,12 +79,12 @@ def main() -> int:
     args = ap.parse_args()
     Scheduler._propose = _oracle_propose
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    result = {"target": args.target, "k": args.k, "dtype": args.dtype, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "rows": []}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"target": args.target, "k": args.k, "dtype": args.dtype, "gpu": gpu, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         target = materialize(args.target, tmp)
         for b in (int(x) for x in args.batch.split(",")):
-            llm = _engine(target, None, args.dtype, b)
+            llm = _engine(target, None, args.dtype, b, args.k)
             _ORACLE["vocab"] = vocab = llm.engine.vocab_size
             prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % min(30000, vocab - 100) + 100 for j in range(128)]}
                        for i in range(b)]
@@ -92,12 +93,15 @@ def main() -> int:
             _free(llm)
             _ORACLE["table"] = {tuple(p["prompt_token_ids"]): list(p["prompt_token_ids"]) + list(t)
                                 for p, t in zip(prompts, tokens)}
-            llm = _engine(target, spec, args.dtype, b)
+            llm = _engine(target, spec, args.dtype, b, args.k)
             _ORACLE["wrong"] = True
             _measure(llm, prompts, args.output_len)  # warm-up (the verification's kernels)
             wrong, _ = _measure(llm, prompts, args.output_len)
             _ORACLE["wrong"] = False
             right, spec_tokens = _measure(llm, prompts, args.output_len)
+            graphs = llm.engine.runner.verify_graphs
+            right["verify_graph_replays"] = graphs.replays if graphs is not None else 0
+            del graphs
             _free(llm)
             same = sum(x == y for s, r in zip(spec_tokens, tokens) for x, y in zip(s, r)) / max(
                 sum(len(s) for s in tokens), 1)
@@ -106,7 +110,8 @@ def main() -> int:
             print(f"batch {b}: {args.target} plain {plain['step_ms']:.2f} ms/step ({plain['tok_s']:.1f} tok/s); "
                   f"round K={args.k} {wrong['step_ms']:.2f} ms (no draft accepted, {wrong['tok_s']:.1f} tok/s); "
                   f"all-correct drafts: acceptance {right['acceptance']:.2f}, {right['tok_s']:.1f} tok/s, "
-                  f"tokens equal to plain {same:.3f}; projected tok/s at acceptance {proj}")
+                  f"tokens equal to plain {same:.3f}, verification graph replays {right['verify_graph_replays']}; "
+                  f"projected tok/s at acceptance {proj}")
             result["rows"].append({"batch": b, "plain": plain, "round_rejected": wrong, "round_accepted": right,
                                    "same_tokens": same, "projected_tok_s": proj})
     if args.out:

@@ -1,7 +1,7 @@
 """Speculative decoding on hybrid targets on the GPU: the verification kernel (gdn_decode.gated_delta_rule_verify) at
 the qwen3.5-27b shape against the torch reference, and tiny qwen3_5 / qwen3_next / qwen3_5_moe targets through the
-engine with oracle drafts (tests/spec_oracle.py: all, some and none accepted). A hybrid's verification runs as an
-eager multi-token step (its rows are not independent decode rows) beside the decode CUDA graphs of plain steps; fp32
+engine with oracle drafts (tests/spec_oracle.py: all, some and none accepted). A hybrid's verification replays a
+walks graph (decode rows whose GDN layers walk each request's rows) or, beside prompt chunks, runs eagerly; fp32
 greedy tokens equal plain decoding's (native and --compat sm70), fp16 agrees except at near-ties (verification runs
 the prefill conv / attention kernels where plain decoding runs the decode ones), sampled verification (top_k 1)
 keeps the states, an attention-only draft model drafts for a hybrid target, and prefix-cache snapshots stay exact."""
@@ -41,9 +41,20 @@ def test_verify_kernel_real_shape(dtype):
     assert status.startswith("ok"), status
 
 
-def test_layer_verification_cuda():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_verify_conv_real_shape(dtype):
+    """The walks' conv at the qwen3.5-27b shape (10240 channels, kernel 4)."""
     _cuda()
-    status = H.run_layer_verify("cuda", True)
+    status = H.run_conv_verify("cuda", [5, 1, 3, 5], 2 * 16 * 128 + 48 * 128, 4, dtype, 18)
+    assert status.startswith("ok"), status
+
+
+@pytest.mark.parametrize("check", ["run_layer_verify", "run_layer_walks"])
+def test_layer_verification_cuda(check):
+    """A layer's verification (prompt form, and walks as a graph replays them) with the kernels == the torch
+    reference."""
+    _cuda()
+    status = getattr(H, check)("cuda", True)
     assert status.startswith("ok"), status
 
 
@@ -75,8 +86,10 @@ def _run(llm, prompts, sp):
 def _llm(path, **kw):
     from voltllm import LLM
 
-    return LLM(path, device="cuda", skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=8,
-               max_num_batched_tokens=96, gpu_memory_utilization=0.2, **kw)  # prompt chunks beside verifications
+    # 32 rows: a verification of all 5 requests (up to 25 tokens) replays a walks graph; budget 96: prompt chunks
+    # beside verifications (eager prompt-form steps)
+    return LLM(path, device="cuda", skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=32,
+               max_num_batched_tokens=96, gpu_memory_utilization=0.2, **kw)
 
 
 def _greedy(n: int = 40):
@@ -116,6 +129,7 @@ def test_fp32_greedy_equals_plain(hybrids, monkeypatch, kind, compat):
     assert _run(llm, _prompts(), _greedy()) == ref
     stats = llm.engine.stats().extra
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert llm.engine.runner.verify_graphs.replays > 0  # verifications replayed walks graphs
     if kind == "qwen3_5" and compat == "none":
         one_hot = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40, ignore_eos=True)
         assert _run(llm, _prompts(), one_hot) == ref
@@ -133,7 +147,8 @@ def test_fp16_agrees_with_plain(hybrids, monkeypatch, compat):
 
 
 def test_eager_equals_graphs(hybrids, monkeypatch):
-    """--enforce-eager (plain steps without decode graphs too) gives the graph run's tokens."""
+    """--enforce-eager (verifications as prompt-form steps, plain steps without decode graphs) gives the graph
+    run's tokens."""
     _cuda()
     path = hybrids["qwen3_5"]
     ref = _plain(path, dtype="float32", compat="none")

@@ -200,3 +200,57 @@ def test_draft_model_sampled_requests(qwen35, draft):
         assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
     assert runs[0] == runs[1]
     assert [runs[0][i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
+
+
+# -- verification as decode rows (the CUDA-graph form), on the CPU -----------------------------------------
+class EagerReplay:
+    """A captured graph's stand-in (as tests/unit/test_hybrid_graph_path.py's): the forward a graph holds, run
+    eagerly on the same persistent buffers and context; the GDN layers' torch path regroups the walks by request."""
+
+    def __init__(self, graphs, batch_size: int, log: list):
+        self.graphs, self.batch_size, self.log = graphs, batch_size, log
+
+    def replay(self):
+        r, bs = self.graphs.runner, self.batch_size
+        ctx = self.graphs.context(bs)
+        ctx.meta.seq_lens_cpu = ctx.meta.seq_lens.tolist()
+        ctx.meta.max_seq_len = max(ctx.meta.seq_lens_cpu)
+        n = r.buffers.max_seqs
+        self.log.append((self.graphs.walks, r.buffers.state_walks[:bs].tolist(),
+                         r.buffers.state_walks[n:n + bs].tolist()))
+        return r.model(r.buffers.input_ids[:bs], r.buffers.positions[:bs], ctx)
+
+
+def _with_stand_in_graphs(llm) -> list:
+    from voltllm.worker.cuda_graphs import DecodeGraphs
+
+    runner = llm.engine.runner
+    runner._ensure_buffers()
+    log: list = []
+    for walks in (False, True):
+        graphs = DecodeGraphs(runner, walks=walks)
+        graphs.graphs = {bs: EagerReplay(graphs, bs, log) for bs in graphs.sizes}
+        setattr(runner, "verify_graphs" if walks else "graphs", graphs)
+    return log
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_verification_graph_form(target, draft, monkeypatch, drafter):
+    """Decode steps replay the decode graphs and verification steps (every request decoding, drafts included, up to
+    --max-num-seqs rows) the walks graphs, padded to the bucket sizes; the tokens are plain decoding's."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=16)
+    ref = _plain(target, PROMPTS, sp, **kw)
+    table = oracle_table(PROMPTS, ref)
+    if drafter == "ngram":
+        patch_ngram(monkeypatch, table, HYBRID_VOCAB)
+        spec = NGRAM
+    else:
+        patch_draft_model(monkeypatch, table, HYBRID_VOCAB)
+        spec = {"model": draft, "num_speculative_tokens": 3}
+    llm = LLM(target, speculative_config=spec, **{**BASE, **kw})
+    log = _with_stand_in_graphs(llm)
+    assert _run(llm, PROMPTS, sp) == ref
+    walks = [(starts, ends) for is_walks, starts, ends in log if is_walks]
+    assert any(e - s > 1 for starts, ends in walks for s, e in zip(starts, ends))  # a request's rows walked
+    assert llm.engine.stats().extra["spec_accepted_tokens"] > 0

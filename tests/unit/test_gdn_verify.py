@@ -76,6 +76,11 @@ def test_layer_verification_step_torch():
     assert CHECK.run_layer_verify("cpu", False).startswith("ok")
 
 
+def test_walks_regrouped_for_the_torch_path():
+    """A verification as decode rows with walks (a graph step's form) on the torch path == the prompt-form step."""
+    assert CHECK.run_layer_walks("cpu", False).startswith("ok")
+
+
 def test_verification_rows_are_checked():
     from tiny_models import tiny_gdn_layer
     from voltllm.model.layers.gdn import HybridBatch

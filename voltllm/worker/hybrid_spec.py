@@ -8,10 +8,13 @@ results and puts the state after the last accepted one into the slot (StateCache
 counts with the tokens (collect): `settle_states` then sets the slots' token counts, which the next step's
 note_step check reads.
 
-Why the verification of a hybrid never runs as decode rows (runner._token_rows_step, replayed by decode CUDA
-graphs): each row there is an independent request, while a request's drafts must go through the recurrent layers one
-after another from its one state. So a hybrid's verification is a prompt-form step (eager: hybrids capture no prompt
-graphs), and plain decode steps keep their graphs.
+A verification step where every request decodes (runner._token_rows_step) runs, for an attention-only model, as
+decode rows replayed by the decode CUDA graphs: every row an independent request. A hybrid's rows of one request must
+instead go through its recurrent state in order, so a hybrid replays a second graph set captured in walks
+(`capture_verify_graphs`: DecodeGraphs(walks=True)), whose GDN layers walk each request's rows from its first row
+(`fill_walks` lays the rows out: slot and walk per row); its attention layers see the same decode rows as before.
+Without those graphs (the CPU, --enforce-eager, a step with more tokens than --max-num-seqs, a mixed step) the
+verification is an eager prompt-form step (hybrids capture no prompt graphs).
 """
 from __future__ import annotations
 
@@ -57,3 +60,43 @@ def settle_states(cache: Any, records: list[SettleRecord], verified: dict[str, l
     for rid, slot, lease, start in records:
         cache.settle(slot, lease, start + len(verified[rid]))
 
+
+def fill_walks(scheduled: list, slots: list[int], h: dict, rows: int, pad_slot: int, max_seqs: int) -> None:
+    """A token-rows step's state rows in the staging set h: each row gets its request's slot; a request's first row
+    walks the request's rows, its other rows walk none; padding rows up to `rows` walk themselves on the scratch
+    slot. state_walks holds the starts, then (from max_seqs on) the ends."""
+    sl, st, en = [], [], []
+    r = 0
+    for s, slot in zip(scheduled, slots):
+        n = s.num_new_tokens
+        sl += [slot] * n
+        st += [r, *range(r + 1, r + n)]
+        en += [r + n, *range(r + 1, r + n)]
+        r += n
+    pad = range(r, rows)
+    h["state_slots"][:rows] = sl + [pad_slot] * len(pad)
+    h["state_walks"][:rows] = st + list(pad)
+    h["state_walks"][max_seqs:max_seqs + rows] = en + [p + 1 for p in pad]
+
+
+def capture_verify_graphs(runner: Any) -> Optional[Any]:
+    """The hybrid's verification graphs (one per decode batch size, sharing the decode graphs' memory pool), or
+    None when capturing them runs out of memory (verifications then run eagerly)."""
+    import logging
+    import time
+
+    from voltllm.worker.cuda_graphs import DecodeGraphs
+
+    logger = logging.getLogger("voltllm")
+    t0 = time.monotonic()
+    graphs = DecodeGraphs(runner, walks=True)
+    try:
+        graphs.capture(runner.graphs.pool)
+    except torch.OutOfMemoryError:
+        del graphs
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.empty_cache()
+        logger.warning("hybrid verification steps run eagerly: capturing their CUDA graphs ran out of GPU memory")
+        return None
+    logger.info("captured %d hybrid verification CUDA graphs in %.1f s", len(graphs.graphs), time.monotonic() - t0)
+    return graphs

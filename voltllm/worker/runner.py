@@ -117,6 +117,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.buffers: Optional[InputBuffers] = None
         self.graphs = None  # DecodeGraphs once captured
+        self.verify_graphs = None  # a hybrid's verification steps as decode rows (worker/hybrid_spec.py)
         self.prompt_graphs = None  # PromptGraphs once captured (attention-only models)
         self._prev_tokens: Optional[torch.Tensor] = None  # device ids sampled by the last launched step
         self._prev_rows: dict[str, int] = {}
@@ -378,7 +379,11 @@ class ModelRunner:
             t = pad_tokens_to
         h["query_start_loc"][: rows + 1] = qsl
         h["seq_lens"][:rows] = seq_lens
-        if state_slots is not None:
+        if state_slots is not None and token_rows:  # a hybrid's verification as decode rows: walks
+            from voltllm.worker.hybrid_spec import fill_walks
+
+            fill_walks(sched.scheduled, state_slots, h, rows, self.state_cache.pad_slot, buf.max_seqs)
+        elif state_slots is not None:
             h["state_slots"][:n_seqs] = state_slots
             h["state_slots"][n_seqs:rows] = self.state_cache.pad_slot
         buf.upload(t, n_rows, width, rows, state_slots=state_slots is not None)
@@ -506,12 +511,13 @@ class ModelRunner:
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
-        # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs); not for a
-        # hybrid, whose rows of one request are not independent (worker/hybrid_spec.py)
-        token_rows = (not calibrating and not self.is_hybrid
-                      and n_seqs < sched.total_tokens <= self.config.scheduler.max_num_seqs
+        # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs)
+        token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.config.scheduler.max_num_seqs
                       and self._token_rows_step(sched))
-        if self.graphs is not None and (sched.total_tokens == n_seqs or token_rows) and not calibrating:
+        if token_rows and self.is_hybrid:  # its rows feed one recurrent state per request: only as a walks graph
+            graph = self.verify_graphs.for_batch(sched.total_tokens) if self.verify_graphs is not None else None
+            token_rows = graph is not None  # (else an eager prompt-form step: hybrids have no prompt graphs)
+        elif self.graphs is not None and (sched.total_tokens == n_seqs or token_rows) and not calibrating:
             graph = self.graphs.for_batch(sched.total_tokens)
         elif self.prompt_graphs is not None and sched.total_tokens > n_seqs and not calibrating:
             prompt_graph = self.prompt_graphs.for_tokens(sched.total_tokens)
@@ -762,6 +768,10 @@ class ModelRunner:
         self.graphs.capture()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                     self.graphs.sizes, time.monotonic() - t0)
+        if self.is_hybrid and self.config.speculative is not None:
+            from voltllm.worker.hybrid_spec import capture_verify_graphs
+
+            self.verify_graphs = capture_verify_graphs(self)
         if self.draft is not None:  # the draft's one-token steps and its run beside decode / verification steps
             t0 = time.monotonic()
             self.draft.capture_graphs()

@@ -56,6 +56,31 @@ class HybridBatch:
     drafts: Optional[list] = field(default=None, repr=False)
     host_rows: Any = field(default=None, repr=False)
     verify: Any = field(default=None, repr=False)
+    # a verification replayed as decode rows (CUDA graphs: ctx.extra["state_walks"]): per row, the start and end
+    # (int32, device) of the rows its walk runs, empty but on each request's first row; and the same step regrouped
+    # by request for the torch path (regrouped(), the CPU's stand-in of such a graph)
+    walks: Any = field(default=None, repr=False)
+    regroup: Any = field(default=None, repr=False)
+
+    def regrouped(self) -> "HybridBatch":
+        """This walks step as an eager verification step: one request per non-empty walk (host reads: not for a
+        graph capture; the Triton path runs the walks as they are)."""
+        if self.regroup is None:
+            starts, ends = (w.tolist() for w in self.walks)
+            firsts = [i for i in range(len(starts)) if ends[i] > starts[i]]
+            qsl = [0]
+            for i in firsts:
+                if starts[i] != qsl[-1]:
+                    raise RuntimeError("the walks of a verification step must cover its rows in order")
+                qsl.append(ends[i])
+            idx = to_device(firsts, torch.long, self.slots.device)
+            slots, init = self.slots.index_select(0, idx), self.has_initial_state.index_select(0, idx)
+            batch = HybridBatch(self.state_cache, slots, init, qsl, decode_only=len(firsts) == qsl[-1])
+            drafts = [ends[i] - starts[i] - 1 for i in firsts]
+            if any(drafts):
+                batch.drafts, batch.host_rows = drafts, (slots.tolist(), init.tolist())
+            self.regroup = batch
+        return self.regroup
 
     def verify_rows(self, kernel: int) -> Any:
         """The step's gdn_verify.VerifyRows (None: not a verification step)."""
@@ -90,8 +115,10 @@ class HybridBatch:
         drafts = ctx.extra.get("state_drafts")
         if isinstance(slots, torch.Tensor) and "state_cache" in ctx.extra:
             if drafts is not None:
-                raise RuntimeError("a verification step of a hybrid model does not run as a CUDA graph")
-            return cls._from_device_slots(ctx.extra["state_cache"], slots, meta, qsl)
+                raise RuntimeError("a hybrid's verification in a CUDA graph comes as walks (state_walks)")
+            batch = cls._from_device_slots(ctx.extra["state_cache"], slots, meta, qsl)
+            batch.walks = ctx.extra.get("state_walks")
+            return batch
         ends = list(meta.seq_lens_cpu)
         starts = [ends[i] - (qsl[i + 1] - qsl[i]) for i in range(n)]
         cache = ctx.extra.get("state_cache")
@@ -245,6 +272,10 @@ class GatedDeltaNet(nn.Module):
         conv_states = cache.conv[self.state_index]
         ssm_states = cache.ssm[self.state_index]
         use_triton = x.is_cuda if self.triton_decode is None else self.triton_decode
+        if batch.walks is not None:  # a verification as decode rows (a CUDA graph's form)
+            if use_triton and batch.decode_only and t == len(batch.query_start_loc) - 1:
+                return self._walks(x, mixed, z, a, b, batch)
+            batch = batch.regrouped()  # (the torch path: by request)
         fast = use_triton and batch.decode_only and t == len(batch.query_start_loc) - 1
         verify = batch.verify_rows(self.kernel)  # a speculative verification step (None: not one)
         if verify is not None:  # the drafting requests' conv states per position, before the conv moves on
@@ -301,6 +332,24 @@ class GatedDeltaNet(nn.Module):
             o = self._delta_rule(x, q, k, v, g, beta, ssm_states, batch)
         o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
         return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _walks(self, x, mixed, z, a, b, batch: HybridBatch) -> torch.Tensor:
+        """The conv and delta rule of a verification step in walks (device data only: CUDA-graph safe): each
+        request's rows in order from its state, the states after each row kept (voltllm.model.layers.gdn_verify)."""
+        from voltllm.kernels import gdn_decode
+        t = x.shape[0]
+        cache, i = batch.state_cache, self.state_index
+        starts, ends = batch.walks
+        ckpt = (cache.checkpoint_base, cache.checkpoints)
+        mixed = gdn_decode.causal_conv1d_verify(mixed, self.conv_weight, cache.conv_rows[i], batch.slots, starts,
+                                                ends, batch.has_initial_state, *ckpt)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = gdn_decode.gated_delta_rule_verify(q.reshape(t, self.nk, self.dk), k.reshape(t, self.nk, self.dk),
+                                               v.reshape(t, self.nv, self.dv), g, beta, cache.ssm_rows[i],
+                                               batch.slots, starts, ends, batch.has_initial_state, *ckpt)
+        return self.out_proj(self._gated_norm(o, z.reshape(t, self.nv, self.dv)).reshape(t, self.value_dim))
 
     def _delta_rule(self, x, q, k, v, g, beta, ssm_states, batch: HybridBatch) -> torch.Tensor:
         """A non-fast batch's delta rule: the Triton chunk kernels where they apply, else the torch form."""

@@ -121,8 +121,8 @@ class VerifyRows:
         if use_triton:
             from voltllm.kernels import gdn_decode
 
-            return gdn_decode.gated_delta_rule_verify(*args, self.walk_qsl_dev, self.walk_init,
-                                                      cache.checkpoint_base, cache.checkpoints)
+            return gdn_decode.gated_delta_rule_verify(*args, self.walk_qsl_dev[:-1], self.walk_qsl_dev[1:],
+                                                      self.walk_init, cache.checkpoint_base, cache.checkpoints)
         from voltllm.kernels import gdn_ref
 
         return gdn_ref.gated_delta_rule_checkpointed(*args, self.walk_qsl, self.walk_init, cache.checkpoint_base,
