@@ -226,3 +226,44 @@ def test_incomplete_mtp_weights(tmp_path_factory):
     save_file(sd, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="mtp.fc"):
         LLM(path, speculative_config=_mtp(2), **BASE)
+
+
+# -- the CUDA-graph forms of decode and verification steps, on the CPU ---------------------------------------
+class _EagerReplay:
+    """A captured graph's stand-in: the forward it holds, run eagerly on the same persistent buffers and context."""
+
+    def __init__(self, graphs, batch_size: int, log: list):
+        self.graphs, self.batch_size, self.log = graphs, batch_size, log
+
+    def replay(self):
+        r, bs = self.graphs.runner, self.batch_size
+        ctx = self.graphs.context(bs)
+        ctx.meta.seq_lens_cpu = ctx.meta.seq_lens.tolist()
+        ctx.meta.max_seq_len = max(ctx.meta.seq_lens_cpu)
+        self.log.append((self.graphs.walks, bs))
+        return r.model(r.buffers.input_ids[:bs], r.buffers.positions[:bs], ctx)
+
+
+def test_graph_form_steps(qwen35, monkeypatch):
+    """Decode steps replay decode graphs and verifications walks graphs (padded decode rows): the MTP's pass after
+    them reads the graphs' rows, and its drafts stay the reference's."""
+    from voltllm.worker.cuda_graphs import DecodeGraphs
+
+    path, mtp = qwen35
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=16)
+    prompts = PROMPTS[:3]
+    seen = _record_draft_logits(monkeypatch)
+    llm = LLM(path, speculative_config=_mtp(3), **{**BASE, **kw})
+    runner = llm.engine.runner
+    runner._ensure_buffers()
+    log: list = []
+    for walks in (False, True):
+        graphs = DecodeGraphs(runner, walks=walks)
+        graphs.graphs = {bs: _EagerReplay(graphs, bs, log) for bs in graphs.sizes}
+        setattr(runner, "verify_graphs" if walks else "graphs", graphs)
+    outs = _run(llm, prompts, sp)
+    assert outs == _plain(path, prompts, sp, **kw)
+    assert any(w for w, _ in log)
+    fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
+    assert _check_against_reference(MTPReference(path, mtp), seen, fulls, 3) > 0
