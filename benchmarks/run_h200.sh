@@ -157,6 +157,10 @@
 #            a llama draft model for a qwen3_5 target
 #   s91hsc   (hybrid-spec branch, queued) benchmarks/micro/hybrid_spec_round.py: the qwen3.5-27b shape's plain decode step
 #            vs its n-gram verification round (K = 4, batch 1 then 4; oracle drafts, random weights) and projected tok/s
+#   s96mtp   (mtp branch, queued) MTP speculation: tests/gpu/test_mtp_cuda.py (fp32 draft logits = the float64 reference
+#            and greedy = plain with decode / walks graphs, 3 kinds native, qwen3_5 --compat sm70 and chunked; fp16 agreeing
+#            module; sampled), then benchmarks/micro/mtp_round.py: the qwen3.5-27b shape's plain step vs its MTP round at
+#            K = 1..3 (batch 1, random weights: drafts rejected; then oracle drafts) and projected tok/s
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1211,6 +1215,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s91hsc)  # (hybrid-spec branch, queued) the 27B shape's verification round vs its plain decode step (random weights)
     timeout 560 python3 benchmarks/micro/hybrid_spec_round.py --target qwen3.5-27b-shape -k 4 --batch 1,4 \
       --out "$out/hybrid-spec-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
+    ;;
+  s96mtp)  # (mtp branch, queued) MTP speculation: GPU tests, then the 27B shape's MTP round at K = 1..3 (random weights)
+    gpu_file test_mtp_cuda 240
+    timeout 330 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
+      --out "$out/mtp-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -126,6 +126,45 @@ class MTPReference:
         return result
 
 
+def record_draft_logits(monkeypatch: Any) -> list:
+    """Every proposal's draft logits, per drafting request: (prompt, start, [logits of pass j])."""
+    from voltllm.worker.mtp_runner import MTPRunner
+
+    seen: list = []
+    orig_propose, orig_logits = MTPRunner.propose, MTPRunner._logits
+
+    def propose(self, sched):
+        self._rec = [(tuple(s.request.prompt_token_ids), s.start, [], len(s.spec_tokens)) for s in sched.scheduled
+                     if s.spec_tokens]
+        seen.extend(self._rec)
+        return orig_propose(self, sched)
+
+    def logits(self, out):
+        lg = orig_logits(self, out)
+        for i, (_, _, got, k) in enumerate(self._rec):
+            if len(got) < k:  # (past its own drafts a request's row is padding)
+                got.append(lg[i].double().cpu().clone())
+        return lg
+
+    monkeypatch.setattr(MTPRunner, "propose", propose)
+    monkeypatch.setattr(MTPRunner, "_logits", logits)
+    return seen
+
+
+def check_against_reference(ref: MTPReference, seen: list, fulls: dict, k: int, atol: float = 2e-4) -> int:
+    """Each recorded proposal's logits against the reference (drafts: the recorded argmaxes); returns how many."""
+    checked = 0
+    for prompt, start, logits, _ in seen:
+        full = fulls[prompt]
+        drafts = [int(lg.argmax()) for lg in logits[:-1]]
+        want = ref.draft_logits(full, start, drafts)
+        assert len(logits) <= k
+        for j, (got, exp) in enumerate(zip(logits, want)):
+            assert torch.allclose(got, exp, atol=atol, rtol=atol / 2), (prompt, start, j, (got - exp).abs().max())
+            checked += 1
+    return checked
+
+
 def make_mtp_target(tmp_path_factory: Any, kind: str, **kw: Any) -> tuple[str, dict] | None:
     """A tiny hybrid `kind` with MTP weights: (path, the added tensors), None if transformers lacks the kind."""
     from tiny_models import make_tiny_hybrid

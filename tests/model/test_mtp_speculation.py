@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from mtp_models import MTPReference, add_mtp_weights, make_mtp_target
+from mtp_models import MTPReference, add_mtp_weights, check_against_reference, make_mtp_target, record_draft_logits
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 from voltllm.config import ConfigError
@@ -65,44 +65,6 @@ def _plain(path, prompts, sp, **kw):
     return _PLAIN[key]
 
 
-def _record_draft_logits(monkeypatch):
-    """Every proposal's draft logits, per drafting request: (prompt, start, [logits of pass j])."""
-    from voltllm.worker.mtp_runner import MTPRunner
-
-    seen: list = []
-    orig_propose, orig_logits = MTPRunner.propose, MTPRunner._logits
-
-    def propose(self, sched):
-        self._rec = [(tuple(s.request.prompt_token_ids), s.start, [], len(s.spec_tokens)) for s in sched.scheduled
-                     if s.spec_tokens]
-        seen.extend(self._rec)
-        return orig_propose(self, sched)
-
-    def logits(self, out):
-        lg = orig_logits(self, out)
-        for i, (_, _, got, k) in enumerate(self._rec):
-            if len(got) < k:  # (past its own drafts a request's row is padding)
-                got.append(lg[i].double().clone())
-        return lg
-
-    monkeypatch.setattr(MTPRunner, "propose", propose)
-    monkeypatch.setattr(MTPRunner, "_logits", logits)
-    return seen
-
-
-def _check_against_reference(ref, seen, fulls, k):
-    checked = 0
-    for prompt, start, logits, _ in seen:
-        full = fulls[prompt]
-        drafts = [int(lg.argmax()) for lg in logits[:-1]]
-        want = ref.draft_logits(full, start, drafts)
-        assert len(logits) <= k
-        for j, (got, exp) in enumerate(zip(logits, want)):
-            assert torch.allclose(got, exp, atol=2e-4, rtol=1e-4), (prompt, start, j, (got - exp).abs().max())
-            checked += 1
-    return checked
-
-
 @pytest.mark.parametrize("budget", [64, 5])
 def test_draft_logits_equal_reference(target, monkeypatch, budget):
     """Budget 5: prompts in chunks beside verifications."""
@@ -110,13 +72,13 @@ def test_draft_logits_equal_reference(target, monkeypatch, budget):
     k = 3
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     prompts = PROMPTS[:3]
-    seen = _record_draft_logits(monkeypatch)
+    seen = record_draft_logits(monkeypatch)
     llm = LLM(path, speculative_config=_mtp(k), max_num_batched_tokens=budget, **BASE)
     outs = _run(llm, prompts, sp)
     assert outs == _plain(path, prompts, sp, max_num_batched_tokens=budget)
     fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
     ref = MTPReference(path, mtp)
-    assert _check_against_reference(ref, seen, fulls, k) >= 3 * len(prompts)
+    assert check_against_reference(ref, seen, fulls, k) >= 3 * len(prompts)
     assert any(len(lg) == k for _, _, lg, _ in seen)
 
 
@@ -127,13 +89,13 @@ def test_draft_logits_after_a_prefix_cache_hit(qwen35, monkeypatch):
     shared = PROMPTS[1][:17]
     prompts = [shared + [3, 4, 5], shared + [9, 9]]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    seen = _record_draft_logits(monkeypatch)
+    seen = record_draft_logits(monkeypatch)
     llm = LLM(path, speculative_config=_mtp(2), mamba_block_size=8, **BASE)
     outs = [_run(llm, [p], sp)[0] for p in prompts]
     assert outs == _plain(path, prompts, sp, enable_prefix_caching=False)
     assert llm.engine.runner.state_snapshots.stats()["restored"] > 0
     fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
-    assert _check_against_reference(MTPReference(path, mtp), seen, fulls, 2) > 0
+    assert check_against_reference(MTPReference(path, mtp), seen, fulls, 2) > 0
 
 
 @pytest.mark.parametrize("budget", [64, 5])
@@ -253,7 +215,7 @@ def test_graph_form_steps(qwen35, monkeypatch):
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     kw = dict(max_num_batched_tokens=64, max_num_seqs=16)
     prompts = PROMPTS[:3]
-    seen = _record_draft_logits(monkeypatch)
+    seen = record_draft_logits(monkeypatch)
     llm = LLM(path, speculative_config=_mtp(3), **{**BASE, **kw})
     runner = llm.engine.runner
     runner._ensure_buffers()
@@ -266,4 +228,4 @@ def test_graph_form_steps(qwen35, monkeypatch):
     assert outs == _plain(path, prompts, sp, **kw)
     assert any(w for w, _ in log)
     fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
-    assert _check_against_reference(MTPReference(path, mtp), seen, fulls, 3) > 0
+    assert check_against_reference(MTPReference(path, mtp), seen, fulls, 3) > 0

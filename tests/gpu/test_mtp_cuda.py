@@ -1,0 +1,90 @@
+"""MTP speculation on the GPU (tiny random qwen3_5 / qwen3_next / qwen3_5_moe targets with random mtp.* weights,
+tests/mtp_models.py): with decode and verification-walks CUDA graphs, fp32 draft logits equal the float64 reference
+of the MTP math and greedy tokens equal plain decoding's (native and --compat sm70, chunked prompts beside
+verifications); fp16 with an agreeing module (zero LM head) accepts every draft; sampled requests repeat by seed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
+from tiny_models import HYBRID_VOCAB
+
+pytestmark = pytest.mark.gpu
+
+KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
+PROMPTS = [[(7 * i + 3) % HYBRID_VOCAB for i in range(13)], [(5 * i + 1) % HYBRID_VOCAB for i in range(29)], [7, 8]]
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
+def _llm(path, **kw):
+    from voltllm import LLM
+
+    return LLM(path, device="cuda", skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=32, block_size=16,
+               gpu_memory_utilization=0.3, **kw)
+
+
+def _run(llm, prompts, sp):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    llm.engine.check_integrity()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _greedy(n=24):
+    from voltllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    made = {k: make_mtp_target(tmp_path_factory, k) for k in KINDS}
+    return {k: v for k, v in made.items() if v is not None}
+
+
+@pytest.mark.parametrize("kind,compat,budget", [("qwen3_5", "none", 512), ("qwen3_next", "none", 512),
+                                                ("qwen3_5_moe", "none", 512), ("qwen3_5", "sm70", 512),
+                                                ("qwen3_5", "none", 20)])
+def test_fp32_reference_and_plain(targets, monkeypatch, kind, compat, budget):
+    _cuda()
+    if kind not in targets:
+        pytest.skip(f"this transformers has no {kind}")
+    path, mtp = targets[kind]
+    kw = dict(dtype="float32", compat=compat, max_num_batched_tokens=budget)
+    ref = _run(_llm(path, **kw), PROMPTS, _greedy())
+    seen = record_draft_logits(monkeypatch)
+    llm = _llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
+    got = _run(llm, PROMPTS, _greedy())
+    assert got == ref
+    fulls = {tuple(p): list(p) + list(o) for p, o in zip(PROMPTS, got)}
+    assert check_against_reference(MTPReference(path, mtp), seen, fulls, 3, atol=2e-3) > 0
+    if budget == 512 and compat == "none":
+        assert llm.engine.runner.verify_graphs is not None and llm.engine.runner.verify_graphs.replays > 0
+
+
+def test_fp16_agreeing_module_accepts_every_draft(tmp_path_factory):
+    """Zero LM head: every argmax is token 0 in fp16 too (no near-ties), so every draft is accepted."""
+    _cuda()
+    path, _ = make_mtp_target(tmp_path_factory, "qwen3_5", zero_lm_head=True)
+    m, k = 25, 3
+    llm = _llm(path, dtype="float16", speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    steps0 = llm.engine.stats().step_counter
+    assert _run(llm, PROMPTS[:1], _greedy(m)) == [[0] * m]
+    stats = llm.engine.stats()
+    assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"] > 0
+    assert stats.step_counter - steps0 == 1 + -(-(m - 1) // (k + 1))
+
+
+def test_sampled_requests_repeat(targets):
+    _cuda()
+    from voltllm import SamplingParams
+
+    path, _ = targets["qwen3_5"]
+    sps = [_greedy(), SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)] * 2
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    runs = [_run(_llm(path, dtype="float32", speculative_config=spec), PROMPTS[:2] * 2, sps) for _ in range(2)]
+    assert runs[0] == runs[1]
