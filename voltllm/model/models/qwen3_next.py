@@ -10,7 +10,8 @@
 
 Differences between the variants are only in the checkpoint (GDN projection layout, see layers/gdn.py)
 and which MLP a layer has. A multimodal checkpoint (model_type qwen3_5 / qwen3_5_moe with a text_config)
-runs as its text model: `model.language_model.*` weights are used, `model.visual.*` and `mtp.*` skipped.
+runs as its text model: `model.language_model.*` weights are used, `model.visual.*` and `mtp.*` skipped (the MTP
+module, qwen3_next_mtp.py, reads those for MTP speculation).
 
 Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`): the attention, GDN, dense-MLP,
 shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts (docs/hybrid.md).
