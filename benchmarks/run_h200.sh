@@ -710,6 +710,22 @@ case $stage in
     timeout 90 python3 benchmarks/micro/quant_dot_sweep.py --quick --out "$out/quant-dot-sweep-quick-$sha.json" 2>&1 \
       | grep -v -i warn | tee "$out/quant-dot-sweep-quick-$sha.txt" | tail -30
     ;;
+  s93)  # (session 26; carry .whl) the engine-level check of the tiled dequant-GEMM's second form: the 8B-shape AWQ
+        # checkpoint 16 / 64 concurrent with it (5-64-row batches) and without it (DOT_MAX_ROWS_TENSOR_CORES=0), then
+        # the 8B-shape NVFP4 checkpoint kept quantized, decode b1 (s84's engine half; its tests passed in s85)
+    mkdir -p /root/m
+    timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
+    qa="/root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario concurrency --concurrency 16,64"
+    bench $qa --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -7
+    bench_via "python3 benchmarks/set_and_run.py voltllm.kernels.quant_dot:DOT_MAX_ROWS_TENSOR_CORES=0 --" $qa \
+      --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-nodot-c16-c64-$sha | tail -7
+    rm -rf /root/m/q8b-awq
+    if (( SECONDS < 420 )); then
+      timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method nvfp4 /root/m/q8b-nvfp4 \
+        && bench /root/m/q8b-nvfp4 --dtype half --num-warm 1 --quantization modelopt_fp4 --scenario decode \
+          --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
+    fi
+    ;;
   s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
           # the grouped tiled kernel above) b1 and 16 / 64 concurrent
     rm -rf /root/m/q8b-awq
