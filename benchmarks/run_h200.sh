@@ -726,6 +726,14 @@ case $stage in
           --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
     fi
     ;;
+  s94)  # (session 26; carry .whl) the draft-model round at batch 1 (s90dm: 19.5 ms against 11.2 at batch 16):
+        # host phases, GPU time per step and the kernels of an 8B-shape target with a 0.6B-shape draft, K = 4, and of
+        # the target's plain steps
+    timeout 280 python3 benchmarks/micro/spec_round_profile.py --batch 1,16 --out "$out/spec-round-profile-$sha.json" \
+      2>&1 | grep -v -i "warn\|INFO" | tail -34
+    timeout 150 python3 benchmarks/micro/spec_round_profile.py --draft none --batch 1 \
+      --out "$out/spec-round-profile-plain-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -16
+    ;;
   s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
           # the grouped tiled kernel above) b1 and 16 / 64 concurrent
     rm -rf /root/m/q8b-awq
