@@ -734,6 +734,14 @@ case $stage in
     timeout 150 python3 benchmarks/micro/spec_round_profile.py --draft none --batch 1 \
       --out "$out/spec-round-profile-plain-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -16
     ;;
+  s95)  # (session 26; carry .whl) one-time costs inside requests after start-up (s82b's and s90dm's timed runs after a
+        # warm-up of the same requests ran ~1 s long): steps over 30 ms and the Triton kernels compiled in them, with a
+        # draft model and without
+    timeout 200 python3 benchmarks/micro/first_use_stalls.py --out "$out/first-use-stalls-spec-$sha.json" 2>&1 \
+      | grep -v -i "warn\|INFO" | tail -30
+    timeout 150 python3 benchmarks/micro/first_use_stalls.py --draft none --out "$out/first-use-stalls-plain-$sha.json" \
+      2>&1 | grep -v -i "warn\|INFO" | tail -30
+    ;;
   s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
           # the grouped tiled kernel above) b1 and 16 / 64 concurrent
     rm -rf /root/m/q8b-awq
