@@ -48,9 +48,6 @@ class DFlashDrafter(nn.Module):
         # the target's embedding replaces it, and a tied head allocates nothing)
         body_cfg.model_type, body_cfg.vocab_size, body_cfg.tie_word_embeddings = "qwen3", 1, True
         self.body = LlamaForCausalLM(body_cfg, dtype, max_positions)
-        embed = target.embed_tokens
-        self.body.embed_tokens = embed if params.input_embedding_scale == 1.0 else _ScaledEmbedding(
-            embed, params.input_embedding_scale)
         self._target = [target]  # (not a submodule: the target's weights are not the drafter's)
         hidden = cfg.hidden_size
         self.fc = nn.Linear(len(params.target_layer_ids) * hidden, hidden, bias=False, dtype=dtype)
@@ -90,7 +87,10 @@ class DFlashDrafter(nn.Module):
         self.finish_loading()
 
     def finish_loading(self) -> None:
-        """Stack every layer's k / v projection rows and k_norm weights (once, after the weights are in place)."""
+        """Once the weights are in place: the target's embedding in, every layer's k / v projection rows and k_norm
+        weights stacked."""
+        embed, scale = self._target[0].embed_tokens, self.params.input_embedding_scale
+        self.body.embed_tokens = embed if scale == 1.0 else _ScaledEmbedding(embed, scale)
         rows, biases, norms = [], [], []
         for layer in self.layers:
             a = layer.self_attn
