@@ -5,7 +5,6 @@ prefix-cache hits, preemption, concurrent requests); a drafter that always agree
 steps; sampled requests run; bad drafters are refused at configuration time."""
 import json
 import os
-import shutil
 
 import pytest
 import torch
