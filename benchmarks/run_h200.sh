@@ -145,6 +145,11 @@
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
 #            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
 #            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
+#   s92df    (dflash branch, queued) DFlash speculation: tests/gpu/test_dflash_cuda.py (fp32 greedy = plain decoding
+#            native / compat, drafter logits = the float64 reference on the GPU, an always-agreeing drafter accepted,
+#            fp16 sampled / greedy), the n-gram file beside it (the shared verification), then
+#            benchmarks/micro/dflash_round.py: the 8B shape's plain step vs its DFlash round (K = 15 and 7, batch 1 / 16;
+#            a random-weight drafter at the public Qwen3-8B drafter's shape) and projected tok/s
 #   s90dm    (draft branch, queued) draft-model speculation: tests/gpu/test_draft_model_cuda.py (the draft's decode graphs,
 #            fp32 greedy = plain decoding native / compat, graphs = eager, sampled p / q drafts, KV sizing), the n-gram
 #            file beside it (the shared verification), then benchmarks/micro/draft_model_round.py: the 8B shape's plain
@@ -1224,6 +1229,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_speculative_cuda 120
     timeout 250 python3 benchmarks/micro/draft_model_round.py --target qwen3-8b-shape --draft qwen3-0.6b-shape -k 4 \
       --batch 1,16 --out "$out/draft-model-round-8b-0.6b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
+    ;;
+  s92df)  # (dflash branch, queued) DFlash speculation on the GPU: its tests, the n-gram tests (the verification
+          # they share), then the round cost of an 8B-shape target with a random-weight DFlash drafter
+    gpu_file test_dflash_cuda 240
+    gpu_file test_speculative_cuda 120
+    timeout 220 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 15,7 --batch 1,16 \
+      --out "$out/dflash-round-8b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

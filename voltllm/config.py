@@ -193,6 +193,16 @@ class EngineArgs:
             raise ConfigError(f"--tokenizer-revision applies to Hugging Face Hub tokenizers; {name!r} is a local path")
         return name
 
+    def _resolve_dflash(self, spec: Any, hf_config: Any) -> Any:
+        """A DFlash drafter's local path and config, checked against the target (engine/dflash.py)."""
+        from voltllm.engine.dflash import resolve_dflash
+        from voltllm.engine.speculative import SpeculativeConfigError
+
+        try:
+            return resolve_dflash(spec, hf_config, self.download_dir, self.hf_token)
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
+
     def _resolve_draft(self, spec: Any, hf_config: Any, tokenizer: str) -> Any:
         """A draft model's local path and config, checked against the target (engine/draft_model.py)."""
         from voltllm.engine.draft_model import resolve_draft
@@ -228,6 +238,8 @@ class EngineArgs:
         spec = _resolve_speculative(spec_dict, hf_config)
         if spec is not None and spec.uses_draft_model:
             spec = self._resolve_draft(spec, hf_config, tokenizer)
+        elif spec is not None and spec.uses_dflash:
+            spec = self._resolve_dflash(spec, hf_config)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)

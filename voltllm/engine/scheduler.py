@@ -177,7 +177,7 @@ class Scheduler:
         k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
         if k <= 0:
             return []
-        if self.spec.uses_draft_model:
+        if self.spec.drafts_on_device:
             return [DRAFT_PLACEHOLDER] * k
         index = req.ngram_index
         if index is None:
