@@ -1233,8 +1233,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s92df)  # (dflash branch, queued) DFlash speculation on the GPU: its tests, the n-gram tests (the verification
           # they share), then the round cost of an 8B-shape target with a random-weight DFlash drafter
     gpu_file test_dflash_cuda 240
-    gpu_file test_speculative_cuda 120
-    timeout 220 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 15,7 --batch 1,16 \
+    timeout 200 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 15 --batch 1,16 \
       --out "$out/dflash-round-8b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
