@@ -55,8 +55,10 @@ def test_fp32_greedy_equals_plain_decoding(models, compat):
     ref = _tokens(LLM(models["target"], **kw), sp)
     llm = LLM(models["target"], speculative_config=_spec(models["drafter"]), **kw)
     assert llm.engine.runner.graphs is not None  # the target's graphs capture the hidden-state writes
+    drafter_graphs = llm.engine.runner.draft.graphs
     assert _tokens(llm, sp) == ref
     assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    assert drafter_graphs.replays > 0  # blocks of up to max_num_seqs rows replay the drafter's graphs
 
 
 def test_fp32_block_logits_equal_the_reference(models):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash_models import load_weights, make_dflash, reference_block_logits
+from graph_stand_ins import PaddedDecodeGraphs
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
 
@@ -60,14 +61,19 @@ def _runner(llm):
     return llm.engine.runner.draft
 
 
-def test_block_logits_equal_the_reference(models):
+@pytest.mark.parametrize("graph_rows", [0, 8])
+def test_block_logits_equal_the_reference(models, graph_rows):
     """Every proposal of a batched greedy run: the drafter's logits for each request's drafts against the float64
-    reference, fed by transformers' hidden states of the target over the request's tokens before its block."""
+    reference, fed by transformers' hidden states of the target over the request's tokens before its block. With
+    graph_rows, the block forward takes its graph form (rows padded to a power of two in the input buffers) up to
+    that many rows, as CUDA graph replays would."""
     from transformers import AutoModelForCausalLM
 
     target, drafter_path = models["target"], models["drafter"]
     llm = LLM(target, block_size=4, max_num_batched_tokens=16, speculative_config=_spec(drafter_path))
     dr = _runner(llm)
+    if graph_rows:
+        dr.graphs = PaddedDecodeGraphs(dr, graph_rows)
     records = []
     orig_logits, orig_propose = dr.drafter.compute_logits, dr.propose
 
@@ -105,6 +111,7 @@ def test_block_logits_equal_the_reference(models):
             assert err < 1e-4, f"request {i}, start {start}: relative error {err:.2e}"
             checked += 1
     assert checked >= 6
+    assert not graph_rows or dr.graphs.replays >= 3
 
 
 @pytest.mark.parametrize("budget", [64, 5])

@@ -22,8 +22,10 @@ draw from the request's processed distribution q for sampled ones (verified with
 drawn independently, so draft j's q does not depend on the drafts before it, and the rule stays exact). Nothing
 waits for the GPU: the drafts go into the step's input ids and verification on the device (DeviceDrafts).
 
-The drafter runs eagerly (no CUDA graphs of its own yet); its caches are in the model's dtype whatever
---kv-cache-dtype (they are a few layers).
+The block's forward replays a CUDA graph of the drafter (DecodeGraphs over the target's input buffers, like a draft
+model's: the block rows are decode rows) when its rows fit the largest graph, else runs eagerly; the context write
+and the LM head stay eager (a few launches). Its caches are in the model's dtype whatever --kv-cache-dtype (they are
+a few layers).
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class DFlashRunner(DeviceDrafts):
         self.features = runner.model.set_aux_hidden(self.params.target_layer_ids,
                                                     max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8)
         self._drafts, self._probs, self._prob_rows = None, None, {}
+        self.graphs = None  # DecodeGraphs of the drafter's block forward, on the target's input buffers
 
     def _load(self, runner: Any, spec: Any):
         from voltllm.model.loader import iter_weights, resolve_model
@@ -101,7 +104,12 @@ class DFlashRunner(DeviceDrafts):
                              self.drafter.head_dim, self.dtype, self.runner.device)
 
     def capture_graphs(self) -> None:
-        logger.info("the DFlash drafter runs eagerly (no CUDA graphs of its own)")
+        from voltllm.worker.cuda_graphs import DecodeGraphs
+        from voltllm.worker.draft_runner import _GraphView
+
+        graphs = DecodeGraphs(_GraphView(self, self.runner))
+        graphs.capture()
+        self.graphs = graphs
 
     def forget(self, request_ids: list[str]) -> None:
         """Nothing per request (the context lives in the target's blocks)."""
@@ -136,9 +144,14 @@ class DFlashRunner(DeviceDrafts):
         r, dev = self.runner, self.runner.device
         ks = [len(s.spec_tokens) for s in rows]
         kmax, n = max(ks), len(rows)
-        ids_d, pos_d, meta, base = self._block_inputs(rows, ks, dev)
-        hidden = self.drafter.block_hidden(ids_d, pos_d, ForwardContext(meta=meta, kv_caches=self.kv_caches,
-                                                                        backend=self.backend))
+        total = sum(ks) + n
+        graph = self.graphs.for_batch(total) if self.graphs is not None else None
+        ids_d, pos_d, meta, base = self._block_inputs(rows, ks, dev, graph.batch_size if graph else 0)
+        if graph is not None:
+            hidden = graph.replay()[:total]
+        else:
+            hidden = self.drafter.block_hidden(ids_d, pos_d, ForwardContext(meta=meta, kv_caches=self.kv_caches,
+                                                                            backend=self.backend))
         # draft j of request i: the block row after its known token's + j ([kmax, n]; past its own k: unused)
         pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(kmax)],
                         dtype=np.int64)
@@ -154,16 +167,19 @@ class DFlashRunner(DeviceDrafts):
         if probs is not None:
             self._probs = probs.view(kmax, n, -1)
 
-    def _block_inputs(self, rows: list, ks: list[int], dev: torch.device):
+    def _block_inputs(self, rows: list, ks: list[int], dev: torch.device, graph_rows: int = 0):
         """The block rows' input ids, positions and attention metadata on the device (one upload of each array),
-        and each request's first row."""
+        and each request's first row. graph_rows: a graph of that many rows replays them, so the rows (padded:
+        token 0 at position 0, no slot, one token of context) go into the runner's input buffers it reads."""
         bs = self.runner.block_size
         mask = self.params.mask_token_id
         total = sum(ks) + len(rows)
         width = max(len(s.block_ids) for s in rows)
-        longs = np.empty((3, total), dtype=np.int64)  # ids, positions, slots
-        lens = np.empty(total, dtype=np.int32)
-        tables = np.zeros((total, width), dtype=np.int32)
+        padded = max(total, graph_rows)
+        longs = np.zeros((3, padded), dtype=np.int64)  # ids, positions, slots
+        longs[2, total:] = -1
+        lens = np.ones(padded, dtype=np.int32)
+        tables = np.zeros((padded, width), dtype=np.int32)
         base, at = [], 0
         for s, k in zip(rows, ks):
             base.append(at)
@@ -176,13 +192,26 @@ class DFlashRunner(DeviceDrafts):
             tables[at:at + k + 1, :len(s.block_ids)] = s.block_array
             at += k + 1
         longs_d = upload(torch.from_numpy(longs), dev)
+        if graph_rows:
+            buf = self.runner._ensure_buffers()
+            buf.select_compact()  # the layout the drafter's graphs read
+            ints_d = upload(torch.from_numpy(np.concatenate([lens, tables.ravel()])), dev)
+            buf.input_ids[:padded].copy_(longs_d[0])
+            buf.positions[:padded].copy_(longs_d[1])
+            buf.slot_mapping[:padded].copy_(longs_d[2])
+            buf.seq_lens[:padded].copy_(ints_d[:padded])
+            buf.block_tables[:padded, :width].copy_(ints_d[padded:].view(padded, width))
+            qsl = buf.query_start_loc
+            qsl.copy_(torch.arange(qsl.numel(), dtype=qsl.dtype, device=dev))
+            return None, None, None, base
+        lens, tables = lens[:total], tables[:total]
         ints_d = upload(torch.from_numpy(np.concatenate([np.arange(total + 1, dtype=np.int32), lens,
                                                          tables.ravel()])), dev)
         meta = AttentionMetadata(
             num_tokens=total, query_start_loc=ints_d[:total + 1], seq_lens=ints_d[total + 1:2 * total + 1],
-            block_tables=ints_d[2 * total + 1:].view(total, width), slot_mapping=longs_d[2], max_query_len=1,
+            block_tables=ints_d[2 * total + 1:].view(total, width), slot_mapping=longs_d[2, :total], max_query_len=1,
             max_seq_len=int(lens.max()), query_start_loc_cpu=list(range(total + 1)), seq_lens_cpu=lens.tolist())
-        return longs_d[0], longs_d[1], meta, base
+        return longs_d[0, :total], longs_d[1, :total], meta, base
 
 
 @torch.no_grad()
