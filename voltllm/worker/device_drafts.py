@@ -1,5 +1,5 @@
 """Drafts made on the device, on their way into a step: the runner's side of a proposer whose drafts never visit the
-host before verification (DFlash; DraftRunner keeps its own copy of the same three methods, to be folded in here).
+host before verification (a draft model's DraftRunner, DFlash's DFlashRunner).
 
 The proposer leaves `_drafts` [K, requests] (request i's draft j at [j, i]; past a request's own drafts: unused),
 `_prob_rows` (request id -> i) and, for sampled requests, `_probs` [K, requests, vocab] (the q each draft was drawn
