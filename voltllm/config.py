@@ -334,18 +334,28 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
+# position and keeps the accepted one's (voltllm/worker/hybrid_spec.py)
+HYBRID_SPEC_METHODS = ("ngram", "draft_model")
+
+
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:
-    """--speculative-config as a SpeculativeConfig (None when not given). Attention-only and hybrid (Gated DeltaNet)
-    targets alike: a hybrid keeps its recurrent state after each verified position and keeps the accepted one's
-    (voltllm/worker/hybrid_spec.py)."""
+    """--speculative-config as a SpeculativeConfig (None when not given), for attention-only targets, and for hybrid
+    ones with the methods of HYBRID_SPEC_METHODS."""
     if not spec:
         return None
     from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+    from voltllm.model.models.registry import attention_only
 
     try:
-        return SpeculativeConfig.from_dict(spec)
+        parsed = SpeculativeConfig.from_dict(spec)
     except SpeculativeConfigError as e:
         raise ConfigError(str(e)) from None
+    if not attention_only(hf_config) and parsed.method not in HYBRID_SPEC_METHODS:
+        raise ConfigError(f"--speculative-config method {parsed.method} is not built for hybrid targets "
+                          f"({getattr(hf_config, 'model_type', None)!r}; built for them: "
+                          f"{', '.join(HYBRID_SPEC_METHODS)})")
+    return parsed
 
 
 def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Optional[str]:
