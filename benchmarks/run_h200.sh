@@ -154,6 +154,14 @@
 #            fp32 greedy = plain decoding native / compat, graphs = eager, sampled p / q drafts, KV sizing), the n-gram
 #            file beside it (the shared verification), then benchmarks/micro/draft_model_round.py: the 8B shape's plain
 #            step vs its round with a 0.6B-shape draft (K = 4, batch 1 / 16; random weights) and projected tok/s
+#   s91hs    (hybrid-spec branch, queued) speculative decoding on hybrid targets, part 1: tests/gpu/test_hybrid_spec_cuda.py's
+#            verification kernel at the 27B shape, the layer check, fp32 greedy = plain decoding (3 kinds native, qwen3_5
+#            --compat sm70, oracle drafts: all / some / none accepted; top_k 1 sampled verification), and the GDN decode
+#            file (its interpreter checks, the verification kernel's among them, on CUDA)
+#   s91hsb   (hybrid-spec branch, queued) part 2: fp16 agreement native / compat, --enforce-eager, prefix-cache snapshots,
+#            a llama draft model for a qwen3_5 target
+#   s91hsc   (hybrid-spec branch, queued) benchmarks/micro/hybrid_spec_round.py: the qwen3.5-27b shape's plain decode step
+#            vs its n-gram verification round (K = 4, batch 1 then 4; oracle drafts, random weights) and projected tok/s
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1235,6 +1243,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dflash_cuda 240
     timeout 200 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 15 --batch 1,16 \
       --out "$out/dflash-round-8b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
+    ;;
+  s91hs)  # (hybrid-spec branch, queued) speculation on hybrid targets, part 1: kernels and fp32 engine cases
+    gpu_file test_hybrid_spec_cuda 430 -k "kernel or layer or fp32"
+    gpu_file test_gdn_decode 120
+    ;;
+  s91hsb)  # (hybrid-spec branch, queued) part 2: fp16, eager, snapshots, draft model
+    gpu_file test_hybrid_spec_cuda 560 -k "not (kernel or layer or fp32)"
+    ;;
+  s91hsc)  # (hybrid-spec branch, queued) the 27B shape's verification round vs its plain decode step (random weights)
+    timeout 560 python3 benchmarks/micro/hybrid_spec_round.py --target qwen3.5-27b-shape -k 4 --batch 1,4 \
+      --out "$out/hybrid-spec-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1

@@ -346,9 +346,14 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
+# position and keeps the accepted one's (voltllm/worker/hybrid_spec.py)
+HYBRID_SPEC_METHODS = ("ngram", "draft_model")
+
+
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:
-    """--speculative-config as a SpeculativeConfig (None when not given); n-gram speculation needs a model whose
-    cache can take back rejected tokens, i.e. attention-only (a recurrent state cannot be rewound)."""
+    """--speculative-config as a SpeculativeConfig (None when not given), for attention-only targets, and for hybrid
+    ones with the methods of HYBRID_SPEC_METHODS."""
     if not spec:
         return None
     from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
@@ -358,10 +363,10 @@ def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:
         parsed = SpeculativeConfig.from_dict(spec)
     except SpeculativeConfigError as e:
         raise ConfigError(str(e)) from None
-    if not attention_only(hf_config):
-        raise ConfigError(f"--speculative-config: speculative decoding is built for attention-only models (llama / "
-                          f"qwen2 / qwen3), not {getattr(hf_config, 'model_type', None)!r}: a Gated DeltaNet layer's "
-                          "state cannot take back rejected tokens")
+    if not attention_only(hf_config) and parsed.method not in HYBRID_SPEC_METHODS:
+        raise ConfigError(f"--speculative-config method {parsed.method} is not built for hybrid targets "
+                          f"({getattr(hf_config, 'model_type', None)!r}; built for them: "
+                          f"{', '.join(HYBRID_SPEC_METHODS)})")
     return parsed
 
 

@@ -10,7 +10,10 @@ import sys
 
 import torch
 
+from interp_util import patch_interpreter_index
 from voltllm.kernels import gdn_ref as R
+
+patch_interpreter_index()  # the verification kernel loops over each request's rows (loaded bounds)
 
 
 def _compare(out: torch.Tensor, ref: torch.Tensor, pool: torch.Tensor, ref_pool: torch.Tensor,
@@ -95,7 +98,210 @@ def run_conv(device: str, bsz: int, c: int, kw: int, dtype: torch.dtype, bias: b
     return f"ok out err {err_o:.2e}"
 
 
+def run_verify(device: str, lens: list, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int) -> str:
+    """The multi-token verification kernel vs gdn_ref.gated_delta_rule_checkpointed: requests of lens[i] rows
+    (one known token + drafts), fresh random inputs, the state pool's slots and checkpoint rows (poisoned with 1e30
+    where nothing may be written: rows of other slots stay as they were, the ones written hold no poison)."""
+    from voltllm.kernels.gdn_decode import gated_delta_rule_verify
+
+    g = torch.Generator().manual_seed(seed)
+    m, nc = len(lens), max(lens) - 1 if max(lens) > 1 else 1
+    num_slots = m + 2
+    base = num_slots + 1
+    t = sum(lens)
+    q = torch.randn(t, hk, dk, generator=g).to(device, dtype)
+    k = torch.randn(t, hk, dk, generator=g).to(device, dtype)
+    v = torch.randn(t, hv, dv, generator=g).to(device, dtype)
+    gl = (-torch.rand(t, hv, generator=g) * 2).to(device)
+    beta = torch.rand(t, hv, generator=g).to(device)
+    pool = torch.randn(base + num_slots * nc, hv, dk, dv, generator=g)
+    pool[base:] = 1e30
+    pool = pool.to(device)
+    slots = torch.randperm(num_slots, generator=g)[:m].to(device)
+    init = (torch.arange(m) % 3 != 1).to(device)
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    ref_pool = pool.clone()
+    ref = R.gated_delta_rule_checkpointed(q, k, v, gl, beta, ref_pool, slots, qsl, init, base, nc)
+    bounds = torch.tensor(qsl, dtype=torch.int32, device=device)
+    out = gated_delta_rule_verify(q, k, v, gl, beta, pool, slots, bounds[:-1], bounds[1:], init, base, nc)
+    written = [base + int(slots[i]) * nc + j for i in range(m) for j in range(lens[i] - 1)]
+    if written and pool[written].abs().max().item() >= 1e29:
+        return "FAIL a checkpoint row was not written"
+    return _compare(out, ref, pool, ref_pool, dtype)
+
+
+def run_conv_verify(device: str, lens: list, c: int, kw: int, dtype: torch.dtype, seed: int) -> str:
+    """The verification conv kernel vs a direct torch form: walk i's rows from its slot's state (zeros when not
+    init), outputs, checkpoint rows and final state; walks given as (start, end) per row of a padded row layout
+    (a graph step: only a request's first row has a non-empty walk)."""
+    import torch.nn.functional as F
+
+    from voltllm.kernels.gdn_decode import causal_conv1d_verify
+
+    g = torch.Generator().manual_seed(seed)
+    m, nc = len(lens), max(max(lens) - 1, 1)
+    num_slots = m + 2
+    base = num_slots + 1
+    t = sum(lens)
+    x = torch.randn(t, c, generator=g).to(device, dtype)
+    w = torch.randn(c, kw, generator=g).to(device, dtype)
+    rows = torch.randn(base + num_slots * nc, kw - 1, c, generator=g)
+    rows[base:] = 1e4
+    rows = rows.to(device, dtype)
+    slot_of = torch.randperm(num_slots, generator=g)[:m].tolist()
+    init_of = [i % 3 != 1 for i in range(m)]
+    # one walk per row: a request's first row walks its rows, the others are empty
+    starts, ends, slots, init, first = [], [], [], [], []
+    at = 0
+    for i, n in enumerate(lens):
+        for j in range(n):
+            starts.append(at + j if j else at)
+            ends.append(at + j if j else at + n)
+            slots.append(slot_of[i])
+            init.append(init_of[i])
+        first.append(at)
+        at += n
+    ref_rows = rows.clone()
+    ref = torch.zeros(t, c, dtype=torch.float32)
+    for i, n in enumerate(lens):
+        s0, slot = first[i], slot_of[i]
+        old = rows[slot].float().cpu() if init_of[i] else torch.zeros(kw - 1, c)
+        xp = torch.cat([old, x[s0:s0 + n].float().cpu()])
+        for p in range(n):
+            ref[s0 + p] = F.silu((xp[p:p + kw].t() * w.float().cpu()).sum(-1))
+            dst = slot if p == n - 1 else base + slot * nc + p
+            ref_rows[dst] = xp[p + 1:p + kw].to(device, dtype)
+    dev = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+    out = causal_conv1d_verify(x, w, rows, dev(slots, torch.long), dev(starts, torch.int32), dev(ends, torch.int32),
+                               dev(init, torch.bool), base, nc)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    err_o = (out.float().cpu() - ref).abs().max().item()
+    err_s = (rows.float() - ref_rows.float()).abs().max().item()
+    if err_o > tol * max(1.0, ref.abs().max().item()) or err_s > 0:
+        return f"FAIL out err {err_o:.3e} state err {err_s:.3e}"
+    return f"ok out err {err_o:.2e}"
+
+
+def run_layer_verify(device: str, triton_on: bool) -> str:
+    """A GatedDeltaNet layer's verification step (drafting requests, a decode row, a prompt chunk) then
+    StateCache.keep_accepted == the same tokens as one-token steps up to each request's last accepted one: the
+    outputs of every row, and the slots' conv and SSM states afterwards."""
+    from tiny_models import tiny_gdn_layer
+    from voltllm.model.layers.gdn import HybridBatch
+    from voltllm.model.state_cache import StateCache
+
+    layer = tiny_gdn_layer(device)
+    layer.triton_decode = triton_on
+    nc = 3
+    lens, drafts, slots, init = [4, 1, 3, 5], [3, 0, 2, 0], [2, 0, 3, 1], [True, True, True, False]
+    accepted = [1, 0, 2, 0]  # request 2 accepts all its drafts, request 0 one of three
+    qsl = [0, 4, 5, 8, 13]
+    x = torch.randn(13, 32, generator=torch.Generator().manual_seed(21)).to(device)
+    cache = StateCache(1, 4, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, device, checkpoints=nc)
+    torch.manual_seed(2)
+    cache.conv[0].copy_(torch.randn_like(cache.conv[0]))
+    cache.ssm[0].copy_(torch.randn_like(cache.ssm[0]))
+    ref_cache = StateCache(1, 4, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, device)
+    ref_cache.conv[0].copy_(cache.conv[0])
+    ref_cache.ssm[0].copy_(cache.ssm[0])
+    batch = HybridBatch(cache, torch.tensor(slots, device=device), torch.tensor(init, device=device), qsl, False,
+                        drafts=drafts, host_rows=(slots, init))
+    out = layer(x, batch)
+    cache.keep_accepted(torch.tensor([slots[0], slots[2]], device=device), torch.tensor([3, 2], device=device),
+                        torch.tensor([accepted[0], accepted[2]], device=device))
+    # reference: each request's rows one token a step (the prompt chunk in one step), states saved at the kept point
+    layer.triton_decode = False
+    ref_out = torch.zeros_like(out)
+    keep_conv, keep_ssm = ref_cache.conv[0].clone(), ref_cache.ssm[0].clone()
+    for i in range(4):
+        if lens[i] > 1 and not drafts[i]:
+            b = HybridBatch(ref_cache, torch.tensor([slots[i]], device=device),
+                            torch.tensor([init[i]], device=device), [0, lens[i]], False)
+            ref_out[qsl[i]:qsl[i + 1]] = layer(x[qsl[i]:qsl[i + 1]], b)
+        else:
+            for j in range(lens[i]):
+                b = HybridBatch(ref_cache, torch.tensor([slots[i]], device=device),
+                                torch.tensor([init[i] or j > 0], device=device), [0, 1], True)
+                ref_out[qsl[i] + j:qsl[i] + j + 1] = layer(x[qsl[i] + j:qsl[i] + j + 1], b)
+                if j == accepted[i]:
+                    keep_conv[slots[i]] = ref_cache.conv[0][slots[i]]
+                    keep_ssm[slots[i]] = ref_cache.ssm[0][slots[i]]
+            continue
+        keep_conv[slots[i]] = ref_cache.conv[0][slots[i]]
+        keep_ssm[slots[i]] = ref_cache.ssm[0][slots[i]]
+    layer.triton_decode = None
+    err = (out - ref_out).abs().max().item()
+    err_s = (cache.ssm[0][:4] - keep_ssm[:4]).abs().max().item()
+    err_c = (cache.conv[0][:4] - keep_conv[:4]).abs().max().item()
+    if max(err, err_s, err_c) > 1e-4:
+        return f"FAIL out err {err:.3e} ssm err {err_s:.3e} conv err {err_c:.3e}"
+    return f"ok out err {err:.2e} ssm err {err_s:.2e}"
+
+
+def run_layer_walks(device: str, triton_on: bool) -> str:
+    """A verification as decode rows (a CUDA graph's form: per-row walks, padding rows on the scratch slot) ==
+    the same verification as a prompt-form step (per-request rows, the torch path): outputs, slots and
+    checkpoint rows. triton_on: the walk kernels, else the torch path through HybridBatch.regrouped()."""
+    from tiny_models import tiny_gdn_layer
+    from voltllm.model.layers.gdn import HybridBatch
+    from voltllm.model.state_cache import StateCache
+
+    layer = tiny_gdn_layer(device)
+    nc = 3
+    lens, slot_of = [4, 1, 3], [2, 0, 3]
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(22)).to(device)  # 8 rows + 1 padding row
+    caches = []
+    for _ in range(2):
+        cache = StateCache(1, 4, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, device, checkpoints=nc)
+        torch.manual_seed(3)
+        cache.conv_rows[0].copy_(torch.randn_like(cache.conv_rows[0]))
+        cache.ssm_rows[0].copy_(torch.randn_like(cache.ssm_rows[0]))
+        caches.append(cache)
+    # reference: a prompt-form verification step (torch path)
+    layer.triton_decode = False
+    ref = HybridBatch(caches[0], torch.tensor(slot_of, device=device), torch.ones(3, dtype=torch.bool, device=device),
+                      [0, 4, 5, 8], False, drafts=[3, 0, 2], host_rows=(slot_of, [True] * 3))
+    want = layer(x[:8], ref)
+    # walks: one row per token, the padding row last
+    starts, ends, slots = [], [], []
+    at = 0
+    for n, slot in zip(lens, slot_of):
+        for j in range(n):
+            starts.append(at + j if j else at)
+            ends.append(at + j if j else at + n)
+            slots.append(slot)
+        at += n
+    starts.append(8)
+    ends.append(9)
+    slots.append(caches[1].pad_slot)
+    init = [True] * 8 + [False]
+    dev = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+    batch = HybridBatch(caches[1], dev(slots, torch.long), dev(init, torch.bool), list(range(10)), True,
+                        walks=(dev(starts, torch.int32), dev(ends, torch.int32)))
+    layer.triton_decode = triton_on
+    got = layer(x, batch)
+    layer.triton_decode = None
+    rows = list(range(4)) + list(range(caches[0].checkpoint_base, caches[0].conv_rows[0].shape[0]))
+    err = (got[:8] - want).abs().max().item()
+    err_s = (caches[0].ssm_rows[0][rows] - caches[1].ssm_rows[0][rows]).abs().max().item()
+    err_c = (caches[0].conv_rows[0][rows] - caches[1].conv_rows[0][rows]).abs().max().item()
+    if max(err, err_s, err_c) > 1e-4:
+        return f"FAIL out err {err:.3e} ssm err {err_s:.3e} conv err {err_c:.3e}"
+    return f"ok out err {err:.2e} ssm err {err_s:.2e}"
+
+
 CHECKS = {
+    "layer_walks_triton_vs_prompt_form": lambda d: run_layer_walks(d, True),
+    "verify_f32_dk16_dv16_r2": lambda d: run_verify(d, [4, 1, 3, 2], 2, 4, 16, 16, torch.float32, 11),
+    "verify_f32_dk24_dv40_r1_masked": lambda d: run_verify(d, [5, 5, 1], 2, 2, 24, 40, torch.float32, 12),
+    "verify_f16_dk64_dv64_r2": lambda d: run_verify(d, [3, 1, 4, 4, 2], 2, 4, 64, 64, torch.float16, 13),
+    "verify_f32_dk128_dv128_r3": lambda d: run_verify(d, [2, 6], 1, 3, 128, 128, torch.float32, 14),
+    "layer_verify_triton_vs_stepwise": lambda d: run_layer_verify(d, True),
+    "conv_verify_f32_k4": lambda d: run_conv_verify(d, [4, 1, 3, 2], 100, 4, torch.float32, 15),
+    "conv_verify_f32_c2100_k4": lambda d: run_conv_verify(d, [5, 2], 2100, 4, torch.float32, 16),
+    "conv_verify_f16_k3": lambda d: run_conv_verify(d, [3, 1, 4], 64, 3, torch.float16, 17),
     "delta_f32_dk16_dv16_r2": lambda d: run_delta(d, 5, 2, 4, 16, 16, torch.float32, 0),
     "delta_f32_dk128_dv128_r3": lambda d: run_delta(d, 3, 1, 3, 128, 128, torch.float32, 1),
     "delta_f32_dk24_dv40_r1_masked": lambda d: run_delta(d, 4, 2, 2, 24, 40, torch.float32, 2),

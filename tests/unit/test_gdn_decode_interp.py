@@ -27,4 +27,4 @@ def test_gdn_decode_kernel_interp(interp_results, name):
 
 
 def test_kernels_registered_for_compat_gate():
-    assert str(registered_kernels("voltllm.kernels.gdn_decode", "gdn.")) == "['gdn.decode_conv1d', 'gdn.decode_delta_rule']"
+    assert str(registered_kernels("voltllm.kernels.gdn_decode", "gdn.")) == "['gdn.decode_conv1d', 'gdn.decode_delta_rule', 'gdn.verify_conv1d', 'gdn.verify_delta_rule']"

@@ -23,7 +23,7 @@ def _req(rid: str, tokens: list[int], salt=None):
 
 
 def _sched(req, start: int, n: int):
-    return SimpleNamespace(request=req, start=start, num_new_tokens=n)
+    return SimpleNamespace(request=req, start=start, num_new_tokens=n, spec_tokens=())
 
 
 def _cache(slots: int = 3) -> StateCache:
@@ -251,3 +251,17 @@ def test_bad_mamba_block_size(checkpoints):
 
     with pytest.raises(ValueError, match="multiple of --block-size"):
         LLM(checkpoints["qwen3_5"], skip_tokenizer_init=True, block_size=4, mamba_block_size=6)
+
+
+def test_verification_steps_save_no_snapshot():
+    """A speculative verification that ends on a boundary holds its drafts' state, accepted or not: no snapshot
+    (the hash would even name the drafts as if they were the prefix, were they on the host)."""
+    cache = _cache()
+    snaps = StateSnapshots(cache, num_snapshots=2, mamba_block_size=8, block_size=4)
+    a = _req("a", range(40))
+    slot = cache.allocate("a")
+    verify = SimpleNamespace(request=a, start=5, num_new_tokens=3, spec_tokens=(6, 7))
+    snaps.after_forward([verify], [slot])
+    assert len(snaps) == 0
+    snaps.after_forward([_sched(a, 5, 3)], [slot])
+    assert len(snaps) == 1

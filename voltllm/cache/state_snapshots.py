@@ -160,7 +160,8 @@ class StateSnapshots:
         """Snapshot the slots of requests whose computed tokens now end at a boundary."""
         for s, slot in zip(scheduled, slots):
             end = s.start + s.num_new_tokens
-            if slot < 0 or end % self.mamba_block_size:
+            # (a verification's end is past its unverified drafts: its state is not the prefix's)
+            if slot < 0 or end % self.mamba_block_size or s.spec_tokens:
                 continue
             h = self._hash_at(s.request, end)
             if h is None:

@@ -259,3 +259,48 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         out[s:e] = o
         ssm_states[slot] = new.to(ssm_states.dtype)
     return out
+
+
+def gated_delta_rule_checkpointed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, ssm_rows: torch.Tensor, slots: torch.Tensor, qsl: Sequence[int],
+                                  has_initial_state: torch.Tensor, checkpoint_base: int, num_checkpoints: int,
+                                  scale: Optional[float] = None, use_qk_l2norm: bool = True) -> torch.Tensor:
+    """A speculative verification's delta rule, token by token: request i owns rows qsl[i]:qsl[i+1] (its known
+    token, then its drafts; n_i - 1 <= num_checkpoints) and its state at ssm_rows[slots[i]]. The state after the
+    request's position j < n_i - 1 goes to row checkpoint_base + slots[i] * num_checkpoints + j, the state after
+    its last position to slots[i] (so a rejected draft's effect can be dropped: StateCache.keep_accepted).
+    Shapes as gated_delta_rule_varlen's; returns out [T, Hv, Dv] (rows past qsl[-1] are zero)."""
+    out = torch.zeros_like(v)
+    lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+    if not lens or max(lens) == 0:
+        return out
+    if max(lens) - 1 > num_checkpoints:
+        raise ValueError(f"a request verifies {max(lens) - 1} drafts, more than the {num_checkpoints} checkpoints")
+    m, width, t = len(lens), max(lens), q.shape[0]
+    dev = q.device
+    # requests padded to the longest: padding rows take g = beta = 0 (index t of a zero row), which keeps S as is
+    pad_idx = [qsl[i] + j if j < lens[i] else t for i in range(m) for j in range(width)]
+    pad = torch.tensor(pad_idx, dtype=torch.long, device=dev)
+
+    def padded(x):
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, pad).reshape(m, width, *x.shape[1:])
+
+    qp, kp, vp, gp, bp = (padded(x) for x in _prepare(q, k, v, g, beta, scale, use_qk_l2norm))
+    S = ssm_rows.index_select(0, slots).float()
+    S = torch.where(has_initial_state[:, None, None, None], S, torch.zeros_like(S))
+    base = checkpoint_base + slots * num_checkpoints
+    op = torch.empty_like(vp)
+    for j in range(width):
+        S = S * gp[:, j].exp()[..., None, None]
+        pred = (S * kp[:, j].unsqueeze(-1)).sum(-2)
+        u = (vp[:, j] - pred) * bp[:, j].unsqueeze(-1)
+        S = S + kp[:, j].unsqueeze(-1) * u.unsqueeze(-2)
+        op[:, j] = (S * qp[:, j].unsqueeze(-1)).sum(-2)
+        keep = [i for i in range(m) if j < lens[i] - 1]
+        if keep:
+            sel = torch.tensor(keep, dtype=torch.long, device=dev)
+            ssm_rows.index_copy_(0, base.index_select(0, sel) + j, S.index_select(0, sel).to(ssm_rows.dtype))
+    ssm_rows.index_copy_(0, slots, S.to(ssm_rows.dtype))
+    real = pad < t
+    out[pad[real]] = op.reshape(m * width, *op.shape[2:])[real].to(out.dtype)
+    return out

@@ -28,6 +28,16 @@ API
   copy_slot(src, dst)              copy both states within the pool (prefix-cache snapshots live in a
                                    pool of their own: voltllm.cache.state_snapshots)
 
+Speculative decoding (`checkpoints` = num_speculative_tokens > 0): a verification step runs a request's known
+token and its k drafts through every GDN layer, but only the drafts the sampler accepts may stay in the state. So
+each slot also owns k checkpoint rows, holding the states after the step's positions 0 .. k-1 (the slot itself
+gets the state after the last position, as in any step); once the sampler has judged the drafts,
+keep_accepted (device ops, no host sync) copies the checkpoint of the last accepted position into the slot, and
+settle (host, when the verdicts arrive) sets num_tokens to match.
+  conv_rows[layer], ssm_rows[layer]  the layer's whole row space: slots 0 .. num_slots (pad slot included), then
+                                     the checkpoint rows; checkpoint_row(slot, j) = num_slots + 1 + slot * k + j
+Every layer's rows live in one tensor per kind, so keep_accepted is a few launches for all layers together.
+
 How the model uses it (one forward step):
   ctx.extra["state_cache"] = the StateCache
   ctx.extra["state_slots"] = list[int], one slot per request, in the batch order of the
@@ -52,27 +62,36 @@ import torch
 class StateCache:
     def __init__(self, num_layers: int, num_slots: int, conv_shape: Sequence[int], ssm_shape: Sequence[int],
                  conv_dtype: torch.dtype, device: torch.device | str = "cpu",
-                 ssm_dtype: torch.dtype = torch.float32):
+                 ssm_dtype: torch.dtype = torch.float32, checkpoints: int = 0):
         if num_slots < 1:
             raise ValueError(f"a state cache needs at least one slot, got {num_slots}")
         self.num_layers = num_layers
         self.num_slots = num_slots
+        self.checkpoints = checkpoints
         self.conv_shape = tuple(conv_shape)
         self.ssm_shape = tuple(ssm_shape)
-        # one extra row: the scratch slot of padding rows
-        self.conv = [torch.zeros(num_slots + 1, *self.conv_shape, dtype=conv_dtype, device=device)
-                     for _ in range(num_layers)]
-        self.ssm = [torch.zeros(num_slots + 1, *self.ssm_shape, dtype=ssm_dtype, device=device)
-                    for _ in range(num_layers)]
+        # one extra row: the scratch slot of padding rows; then the speculative checkpoint rows
+        rows = num_slots + 1 + num_slots * checkpoints
+        self._conv_all = torch.zeros(num_layers, rows, *self.conv_shape, dtype=conv_dtype, device=device)
+        self._ssm_all = torch.zeros(num_layers, rows, *self.ssm_shape, dtype=ssm_dtype, device=device)
+        self.conv_rows = list(self._conv_all.unbind(0))
+        self.ssm_rows = list(self._ssm_all.unbind(0))
+        self.conv = [c[: num_slots + 1] for c in self.conv_rows]
+        self.ssm = [c[: num_slots + 1] for c in self.ssm_rows]
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._owner: dict[Hashable, int] = {}
         self.num_tokens: list[int] = [0] * num_slots
+        # per slot, a number that changes with every allocation: settle() ignores verdicts of a step whose request
+        # let go of the slot in the meantime (preempted or aborted while the step ran)
+        self.lease: list[int] = [0] * num_slots
+        self._leases = 0
 
     @classmethod
-    def for_model(cls, model: Any, num_slots: int, device: torch.device | str = "cpu") -> "StateCache":
+    def for_model(cls, model: Any, num_slots: int, device: torch.device | str = "cpu",
+                  checkpoints: int = 0) -> "StateCache":
         spec = model.state_spec
         return cls(spec["num_layers"], num_slots, spec["conv_shape"], spec["ssm_shape"], spec["conv_dtype"],
-                   device, spec.get("ssm_dtype", torch.float32))
+                   device, spec.get("ssm_dtype", torch.float32), checkpoints)
 
     @staticmethod
     def bytes_per_slot(spec: dict) -> int:
@@ -107,6 +126,8 @@ class StateCache:
         slot = self._free.pop()
         self._owner[request_id] = slot
         self.num_tokens[slot] = 0
+        self._leases += 1
+        self.lease[slot] = self._leases
         return slot
 
     def free(self, request_id: Hashable) -> None:
@@ -128,6 +149,28 @@ class StateCache:
         for i, slot in enumerate(slots):
             if slot >= 0:
                 self.num_tokens[slot] = ends[i]
+
+    # -- speculative checkpoints ------------------------------------------------------------------
+    @property
+    def checkpoint_base(self) -> int:
+        """Row of slot 0's first checkpoint (checkpoint_row(slot, j) = checkpoint_base + slot * checkpoints + j)."""
+        return self.num_slots + 1
+
+    def keep_accepted(self, slots: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verification step (device tensors, one entry per verifying request): the request at slots[i]
+        ran its known token and num_drafts[i] drafts, of which the first accepted[i] were accepted; its slot takes
+        the state after its last accepted position (a checkpoint row, or what it holds when all were accepted)."""
+        if not self.checkpoints:
+            raise RuntimeError("this state cache keeps no speculative checkpoints")
+        src = torch.where(accepted < num_drafts, self.checkpoint_base + slots * self.checkpoints + accepted, slots)
+        for rows in (self._conv_all, self._ssm_all):
+            rows.index_copy_(1, slots, rows.index_select(1, src))
+
+    def settle(self, slot: int, lease: int, num_tokens: int) -> None:
+        """The host side of keep_accepted: the slot covers num_tokens tokens, unless it was allocated again since
+        (a free slot's count is reset when it is next allocated)."""
+        if self.lease[slot] == lease:
+            self.num_tokens[slot] = num_tokens
 
     def check_integrity(self) -> None:
         used = set(self._owner.values())

@@ -10,6 +10,8 @@ Hybrid models (Gated DeltaNet layers) read their recurrent-state slots from buff
 tensor the runner fills before each replay (padding rows: the state cache's scratch slot); whether a row
 resumes a state is derived on the device from seq_lens. The runner does the host-side slot work a replay
 skips: allocation and release, snapshot restores before and saves after, StateCache.note_step.
+A hybrid with speculation also captures a second set, `walks=True`: a verification step as decode rows, whose GDN
+layers walk each request's rows in order from buffers.state_walks (voltllm.model.layers.gdn_verify).
 """
 from __future__ import annotations
 
@@ -60,8 +62,10 @@ class CapturedGraph:
 
 
 class DecodeGraphs:
-    def __init__(self, runner):
+    def __init__(self, runner, walks: bool = False):
+        """walks: the hybrid verification set (the GDN layers read buffers.state_walks)."""
         self.runner = weakref.proxy(runner)  # (no cycle: a dropped engine frees its graphs at once)
+        self.walks = walks
         self.sizes = graph_batch_sizes(runner.config.scheduler.max_num_seqs)
         self.graphs: dict[int, CapturedGraph] = {}
         self.pool = None
@@ -90,10 +94,13 @@ class DecodeGraphs:
         if r.state_cache is not None:
             ctx.extra["state_cache"] = r.state_cache
             ctx.extra["state_slots"] = buf.state_slots[:bs]
+            if self.walks:
+                ctx.extra["state_walks"] = (buf.state_walks[:bs], buf.state_walks[buf.max_seqs:buf.max_seqs + bs])
         return ctx
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None) -> None:
+        """pool: another set's graph memory pool to share (sets never replay at once)."""
         r = self.runner
         buf = r.buffers
         buf.select_compact()  # graphs read the compact layout (decode batches fit it)
@@ -106,11 +113,15 @@ class DecodeGraphs:
         buf.block_tables.zero_()
         if r.state_cache is not None:  # and read / write only the scratch state slot
             buf.state_slots.fill_(r.state_cache.pad_slot)
+            if self.walks:  # one-row walks
+                n = buf.max_seqs
+                buf.state_walks[:n].copy_(torch.arange(n, dtype=torch.int32))
+                buf.state_walks[n:].copy_(torch.arange(1, n + 1, dtype=torch.int32))
         heads, dim = r.model.kv_heads_and_dim
         num_q_heads = r.model.config.num_attention_heads
         if hasattr(r.backend, "reserve"):  # split-KV scratch must exist before capture
             r.backend.reserve(self.sizes[-1], num_q_heads, heads, dim, r.config.model.max_model_len, r.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with gc_paused():
             self._capture_all()
         torch.cuda.synchronize()

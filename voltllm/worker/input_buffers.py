@@ -20,7 +20,11 @@ import torch
 
 # the compact layout, in order: (name, dtype, rows past max_seqs); each field starts 8-byte aligned
 _COMPACT = (("input_ids", torch.long, 0), ("positions", torch.long, 0), ("slot_mapping", torch.long, 0),
-            ("state_slots", torch.long, 0), ("query_start_loc", torch.int32, 1), ("seq_lens", torch.int32, 0))
+            ("state_slots", torch.long, 0), ("query_start_loc", torch.int32, 1), ("seq_lens", torch.int32, 0),
+            ("state_walks", torch.int32, None))
+# state_walks (a hybrid's verification replayed as decode rows): each row's walk start, then (from max_seqs on) its
+# end; rows past max_seqs: None = max_seqs more
+
 _FIELDS = tuple(name for name, _, _ in _COMPACT)
 
 
@@ -28,7 +32,7 @@ def _compact_offsets(max_seqs: int) -> tuple[dict[str, tuple[int, int, torch.dty
     """name -> (byte offset, elements, dtype), and the total bytes."""
     out, off = {}, 0
     for name, dtype, extra in _COMPACT:
-        n = max_seqs + extra
+        n = max_seqs + (max_seqs if extra is None else extra)
         out[name] = (off, n, dtype)
         off += -(-n * dtype.itemsize // 8) * 8
     return out, off
@@ -51,7 +55,8 @@ class InputBuffers:
         self.block_tables = dev(max_seqs, max_blocks_per_seq, dtype=torch.int32)
         # wide layout
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "state_slots": max_seqs, "query_start_loc": max_seqs + 1, "seq_lens": max_seqs}
+                 "state_slots": max_seqs, "query_start_loc": max_seqs + 1, "seq_lens": max_seqs,
+                 "state_walks": 2 * max_seqs}
         dtypes = {name: dtype for name, dtype, _ in _COMPACT}
         self._wide = {name: dev(sizes[name], dtype=dtypes[name]) for name in _FIELDS}
         self._wide_host = [{name: host(sizes[name], dtype=dtypes[name]) for name in _FIELDS}

@@ -70,6 +70,8 @@ class StepHandle:
     # a draft model's drafts per verification row (-1 after each request's last), on their way to the host: its
     # requests' spec_tokens are placeholders (the drafts were made on the device)
     spec_draft_ids: Optional[torch.Tensor] = None
+    # a hybrid target's verifying requests, whose state slots collect() settles (worker/hybrid_spec.py)
+    spec_states: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -112,6 +114,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.buffers: Optional[InputBuffers] = None
         self.graphs = None  # DecodeGraphs once captured
+        self.verify_graphs = None  # a hybrid's verification steps as decode rows (worker/hybrid_spec.py)
         self.prompt_graphs = None  # PromptGraphs once captured (attention-only models)
         self._prev_tokens: Optional[torch.Tensor] = None  # device ids sampled by the last launched step
         self._prev_rows: dict[str, int] = {}
@@ -229,7 +232,14 @@ class ModelRunner:
             return 0
         from voltllm.model.state_cache import StateCache
 
-        return StateCache.bytes_per_slot(self.model.state_spec) * (self.config.scheduler.max_num_seqs + 1)
+        n = self.config.scheduler.max_num_seqs
+        return StateCache.bytes_per_slot(self.model.state_spec) * (n + 1 + n * self._state_checkpoints)
+
+    @property
+    def _state_checkpoints(self) -> int:
+        """Checkpoint rows per state slot: one per draft a verification may carry (worker/hybrid_spec.py)."""
+        spec = self.config.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
 
     def determine_num_blocks(self) -> int:
         """KV blocks for this engine; under TP the fewest any rank can hold (each rank holds its heads' share of
@@ -261,7 +271,14 @@ class ModelRunner:
         if self.is_hybrid:  # one recurrent-state slot per running request, before KV blocks are sized
             from voltllm.model.state_cache import StateCache
 
-            self.state_cache = StateCache.for_model(self.model, self.config.scheduler.max_num_seqs, self.device)
+            try:
+                self.state_cache = StateCache.for_model(self.model, self.config.scheduler.max_num_seqs, self.device,
+                                                        self._state_checkpoints)
+            except torch.OutOfMemoryError:
+                raise RuntimeError(
+                    f"the recurrent state of --max-num-seqs {self.config.scheduler.max_num_seqs} requests does not fit "
+                    f"({self.state_cache_bytes() / 2**30:.1f} GiB" + (f", with {self._state_checkpoints} speculative "
+                    "checkpoints per request" if self._state_checkpoints else "") + "): lower --max-num-seqs") from None
             logger.info("recurrent state: %d slots, %.2f GiB", self.config.scheduler.max_num_seqs,
                         self.state_cache_bytes() / 2**30)
         self.num_blocks = self.determine_num_blocks()
@@ -359,7 +376,11 @@ class ModelRunner:
             t = pad_tokens_to
         h["query_start_loc"][: rows + 1] = qsl
         h["seq_lens"][:rows] = seq_lens
-        if state_slots is not None:
+        if state_slots is not None and token_rows:  # a hybrid's verification as decode rows: walks
+            from voltllm.worker.hybrid_spec import fill_walks
+
+            fill_walks(sched.scheduled, state_slots, h, rows, self.state_cache.pad_slot, buf.max_seqs)
+        elif state_slots is not None:
             h["state_slots"][:n_seqs] = state_slots
             h["state_slots"][n_seqs:rows] = self.state_cache.pad_slot
         buf.upload(t, n_rows, width, rows, state_slots=state_slots is not None)
@@ -490,7 +511,10 @@ class ModelRunner:
         # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.config.scheduler.max_num_seqs
                       and self._token_rows_step(sched))
-        if self.graphs is not None and (sched.total_tokens == n_seqs or token_rows) and not calibrating:
+        if token_rows and self.is_hybrid:  # its rows feed one recurrent state per request: only as a walks graph
+            graph = self.verify_graphs.for_batch(sched.total_tokens) if self.verify_graphs is not None else None
+            token_rows = graph is not None  # (else an eager prompt-form step: hybrids have no prompt graphs)
+        elif self.graphs is not None and (sched.total_tokens == n_seqs or token_rows) and not calibrating:
             graph = self.graphs.for_batch(sched.total_tokens)
         elif self.prompt_graphs is not None and sched.total_tokens > n_seqs and not calibrating:
             prompt_graph = self.prompt_graphs.for_tokens(sched.total_tokens)
@@ -583,6 +607,8 @@ class ModelRunner:
             if slots is not None:
                 ctx.extra["state_cache"] = self.state_cache
                 ctx.extra["state_slots"] = slots
+                if any(s.spec_tokens for s in sched.scheduled):  # a verification: per-position states kept
+                    ctx.extra["state_drafts"] = [len(s.spec_tokens) for s in sched.scheduled]
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
         if self.state_snapshots is not None:  # snapshots at --mamba-block-size boundaries (decode steps too)
             self.state_snapshots.after_forward(sched.scheduled, slots)
@@ -638,6 +664,10 @@ class ModelRunner:
             q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
             out = self.sampler.verify_drafts(logits, sampling_rows, drafts if draft_ids is None else draft_ids, q,
                                              drawn)
+        if self.state_cache is not None:  # the recurrent states after each request's last accepted draft
+            from voltllm.worker.hybrid_spec import keep_accepted_states
+
+            handle.spec_states = keep_accepted_states(self.state_cache, rows, out, draft_ids)
         out.copy_to_host_async()
         handle.spec_out = out
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
@@ -663,6 +693,10 @@ class ModelRunner:
                 at += len(drafts) + 1
                 out.verified[rid] = verified
                 out.sampled[rid] = verified[-1]
+            if handle.spec_states:
+                from voltllm.worker.hybrid_spec import settle_states
+
+                settle_states(self.state_cache, handle.spec_states, out.verified)
         if handle.sampler_out is not None:
             tokens, logprobs = handle.sampler_out.to_host()
             for rid, tok, lp in zip(handle.sampled_ids, tokens, logprobs):
@@ -728,6 +762,10 @@ class ModelRunner:
         self.graphs.capture()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                     self.graphs.sizes, time.monotonic() - t0)
+        if self.is_hybrid and self.config.speculative is not None:
+            from voltllm.worker.hybrid_spec import capture_verify_graphs
+
+            self.verify_graphs = capture_verify_graphs(self)
         if self.draft is not None:  # the draft's one-token steps and its run beside decode / verification steps
             t0 = time.monotonic()
             self.draft.capture_graphs()

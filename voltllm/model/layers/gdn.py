@@ -51,6 +51,46 @@ class HybridBatch:
     conv_tiles: Any = field(default=None, repr=False)  # gdn_conv.ConvTiles (Triton prefill conv), built once a step
     # a mixed step's one-row requests vs the rest (RowSplit, built once a step; False: nothing to split)
     row_split: Any = field(default=None, repr=False)
+    # a speculative verification step (ctx.extra["state_drafts"]): each request's draft count, its slot and
+    # whether it resumes a state (host), and the layers' split of the batch (gdn_verify.VerifyRows, built once)
+    drafts: Optional[list] = field(default=None, repr=False)
+    host_rows: Any = field(default=None, repr=False)
+    verify: Any = field(default=None, repr=False)
+    # a verification replayed as decode rows (CUDA graphs: ctx.extra["state_walks"]): per row, the start and end
+    # (int32, device) of the rows its walk runs, empty but on each request's first row; and the same step regrouped
+    # by request for the torch path (regrouped(), the CPU's stand-in of such a graph)
+    walks: Any = field(default=None, repr=False)
+    regroup: Any = field(default=None, repr=False)
+
+    def regrouped(self) -> "HybridBatch":
+        """This walks step as an eager verification step: one request per non-empty walk (host reads: not for a
+        graph capture; the Triton path runs the walks as they are)."""
+        if self.regroup is None:
+            starts, ends = (w.tolist() for w in self.walks)
+            firsts = [i for i in range(len(starts)) if ends[i] > starts[i]]
+            qsl = [0]
+            for i in firsts:
+                if starts[i] != qsl[-1]:
+                    raise RuntimeError("the walks of a verification step must cover its rows in order")
+                qsl.append(ends[i])
+            idx = to_device(firsts, torch.long, self.slots.device)
+            slots, init = self.slots.index_select(0, idx), self.has_initial_state.index_select(0, idx)
+            batch = HybridBatch(self.state_cache, slots, init, qsl, decode_only=len(firsts) == qsl[-1])
+            drafts = [ends[i] - starts[i] - 1 for i in firsts]
+            if any(drafts):
+                batch.drafts, batch.host_rows = drafts, (slots.tolist(), init.tolist())
+            self.regroup = batch
+        return self.regroup
+
+    def verify_rows(self, kernel: int) -> Any:
+        """The step's gdn_verify.VerifyRows (None: not a verification step)."""
+        if self.drafts is None:
+            return None
+        if self.verify is None:
+            from voltllm.model.layers.gdn_verify import VerifyRows
+
+            self.verify = VerifyRows.build(self, self.drafts, *self.host_rows, kernel)
+        return self.verify
 
     def split_rows(self) -> Optional["RowSplit"]:
         """The step's requests of one query row (decode rows, one-token prompt chunks) apart from the others,
@@ -61,7 +101,8 @@ class HybridBatch:
 
     @classmethod
     def from_context(cls, ctx: ForwardContext, spec: Any = None) -> "HybridBatch":
-        """ctx.extra["state_slots"]: one slot per request of the metadata (-1 = padding row).
+        """ctx.extra["state_slots"]: one slot per request of the metadata (-1 = padding row);
+        ctx.extra["state_drafts"] (a speculative verification step): each request's draft count (its last rows).
         Without ctx.extra["state_cache"] (memory profiling, warm-up) every request must start at token 0:
         a throwaway cache is made from `spec` (the model's state_spec).
         A long tensor on the cache's device instead of a list (CUDA graphs) is used as is: its rows are
@@ -71,8 +112,13 @@ class HybridBatch:
         qsl = list(meta.query_start_loc_cpu)
         n = meta.num_seqs
         slots = ctx.extra.get("state_slots")
+        drafts = ctx.extra.get("state_drafts")
         if isinstance(slots, torch.Tensor) and "state_cache" in ctx.extra:
-            return cls._from_device_slots(ctx.extra["state_cache"], slots, meta, qsl)
+            if drafts is not None:
+                raise RuntimeError("a hybrid's verification in a CUDA graph comes as walks (state_walks)")
+            batch = cls._from_device_slots(ctx.extra["state_cache"], slots, meta, qsl)
+            batch.walks = ctx.extra.get("state_walks")
+            return batch
         ends = list(meta.seq_lens_cpu)
         starts = [ends[i] - (qsl[i + 1] - qsl[i]) for i in range(n)]
         cache = ctx.extra.get("state_cache")
@@ -96,9 +142,12 @@ class HybridBatch:
         device = cache.ssm[0].device if cache.ssm else torch.device("cpu")
         init = [starts[i] > 0 and slots[i] >= 0 for i in range(n)]
         rows = [x if x >= 0 else cache.pad_slot for x in slots]
-        return cls(state_cache=cache, slots=to_device(rows, torch.long, device),
-                   has_initial_state=to_device(init, torch.bool, device),
-                   query_start_loc=qsl, decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(n)))
+        batch = cls(state_cache=cache, slots=to_device(rows, torch.long, device),
+                    has_initial_state=to_device(init, torch.bool, device),
+                    query_start_loc=qsl, decode_only=all(qsl[i + 1] - qsl[i] == 1 for i in range(n)))
+        if drafts is not None and any(drafts):
+            batch.drafts, batch.host_rows = list(drafts), (rows, init)
+        return batch
 
     @classmethod
     def _from_device_slots(cls, cache: Any, slots: torch.Tensor, meta: Any, qsl: list[int]) -> "HybridBatch":
@@ -223,7 +272,14 @@ class GatedDeltaNet(nn.Module):
         conv_states = cache.conv[self.state_index]
         ssm_states = cache.ssm[self.state_index]
         use_triton = x.is_cuda if self.triton_decode is None else self.triton_decode
+        if batch.walks is not None:  # a verification as decode rows (a CUDA graph's form)
+            if use_triton and batch.decode_only and t == len(batch.query_start_loc) - 1:
+                return self._walks(x, mixed, z, a, b, batch)
+            batch = batch.regrouped()  # (the torch path: by request)
         fast = use_triton and batch.decode_only and t == len(batch.query_start_loc) - 1
+        verify = batch.verify_rows(self.kernel)  # a speculative verification step (None: not one)
+        if verify is not None:  # the drafting requests' conv states per position, before the conv moves on
+            verify.save_conv_checkpoints(mixed, conv_states, cache.conv_rows[self.state_index])
         if fast:  # Triton decode kernels (voltllm/kernels/gdn_decode.py)
             from voltllm.kernels import gdn_decode
             mixed = gdn_decode.causal_conv1d_decode(mixed, self.conv_weight, None, conv_states, batch.slots,
@@ -251,8 +307,17 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(self._gated_norm(o, z.reshape(t, self.nv, self.dv)).reshape(t, self.value_dim))
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        split = batch.split_rows() if use_triton and not batch.decode_only else None
-        if split is not None:  # decode rows through the decode kernel, the other requests through the chunked form
+        split = batch.split_rows() if use_triton and not batch.decode_only and verify is None else None
+        if verify is not None:  # decode rows and drafting requests token by token, prompt chunks chunked
+            o = torch.zeros(t, self.nv, self.dv, dtype=v.dtype, device=v.device)
+            o.index_copy_(0, verify.walk_tokens, verify.delta_rule(q, k, v, g, beta, cache, self.state_index,
+                                                                   use_triton))
+            if verify.rest is not None:
+                rt = verify.rest_tokens
+                o.index_copy_(0, rt, self._delta_rule(
+                    x, q.index_select(0, rt), k.index_select(0, rt), v.index_select(0, rt), g.index_select(0, rt),
+                    beta.index_select(0, rt), ssm_states, verify.rest))
+        elif split is not None:  # decode rows through the decode kernel, the other requests through the chunked form
             from voltllm.kernels import gdn_decode
             o = torch.zeros(t, self.nv, self.dv, dtype=v.dtype, device=v.device)  # (padding tokens stay zero)
             ot, orq, rt = split.one_tokens, split.one_requests, split.rest_tokens
@@ -267,6 +332,24 @@ class GatedDeltaNet(nn.Module):
             o = self._delta_rule(x, q, k, v, g, beta, ssm_states, batch)
         o = self._gated_norm(o, z.reshape(t, self.nv, self.dv))
         return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _walks(self, x, mixed, z, a, b, batch: HybridBatch) -> torch.Tensor:
+        """The conv and delta rule of a verification step in walks (device data only: CUDA-graph safe): each
+        request's rows in order from its state, the states after each row kept (voltllm.model.layers.gdn_verify)."""
+        from voltllm.kernels import gdn_decode
+        t = x.shape[0]
+        cache, i = batch.state_cache, self.state_index
+        starts, ends = batch.walks
+        ckpt = (cache.checkpoint_base, cache.checkpoints)
+        mixed = gdn_decode.causal_conv1d_verify(mixed, self.conv_weight, cache.conv_rows[i], batch.slots, starts,
+                                                ends, batch.has_initial_state, *ckpt)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = gdn_decode.gated_delta_rule_verify(q.reshape(t, self.nk, self.dk), k.reshape(t, self.nk, self.dk),
+                                               v.reshape(t, self.nv, self.dv), g, beta, cache.ssm_rows[i],
+                                               batch.slots, starts, ends, batch.has_initial_state, *ckpt)
+        return self.out_proj(self._gated_norm(o, z.reshape(t, self.nv, self.dv)).reshape(t, self.value_dim))
 
     def _delta_rule(self, x, q, k, v, g, beta, ssm_states, batch: HybridBatch) -> torch.Tensor:
         """A non-fast batch's delta rule: the Triton chunk kernels where they apply, else the torch form."""

@@ -1,0 +1,54 @@
+"""Oracle drafts for speculative-decoding tests: tiny random models hardly ever repeat themselves, so n-gram drafts
+are almost never accepted and a draft model almost never agrees. These patches draft from a plain run's own tokens
+instead, with every position p where p % 5 == 3 replaced by a wrong token: windows of 4 drafts then see every
+outcome (all accepted, some, none) at every offset."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def oracle_table(prompts: list, outputs: list) -> dict:
+    """Each request's true continuation (prompt + plain output), keyed by its prompt token ids."""
+    return {tuple(p): list(p) + list(o) for p, o in zip(prompts, outputs)}
+
+
+def oracle_drafts(full: list[int], at: int, k: int, vocab: int) -> list[int]:
+    """k drafts for a request whose next token is full[at]: the true tokens, wrong at positions p % 5 == 3."""
+    return [(t + 1) % vocab if (at + j) % 5 == 3 else t for j, t in enumerate(full[at:at + k])]
+
+
+def patch_ngram(monkeypatch: Any, table: dict, vocab: int) -> None:
+    """Scheduler._propose drafts from `table` (as many drafts as the n-gram proposer may take)."""
+    from voltllm.engine.scheduler import Scheduler
+    from voltllm.engine.speculative import spec_allowed
+
+    def propose(self, req, max_new):
+        k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
+        full = table.get(tuple(req.prompt_token_ids))
+        if k <= 0 or full is None:
+            return []
+        return oracle_drafts(full, len(req.all_token_ids), k, vocab)
+
+    monkeypatch.setattr(Scheduler, "_propose", propose)
+
+
+def patch_draft_model(monkeypatch: Any, table: dict, vocab: int) -> None:
+    """The draft model's proposal passes run as usual, then their drafts are replaced by the oracle's (greedy
+    requests: the drafts the verification reads and the step's input ids both come from DraftRunner._drafts)."""
+    import torch
+
+    from voltllm.worker.draft_runner import DraftRunner
+
+    orig = DraftRunner._passes
+
+    def passes(self, catch_up, rows):
+        orig(self, catch_up, rows)
+        if self._drafts is None:
+            return
+        for i, s in enumerate(rows):
+            full = table.get(tuple(s.request.prompt_token_ids))
+            if full is not None:
+                want = oracle_drafts(full, s.start + 1, len(s.spec_tokens), vocab)
+                self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
+
+    monkeypatch.setattr(DraftRunner, "_passes", passes)
