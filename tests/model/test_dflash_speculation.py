@@ -222,7 +222,7 @@ def test_hybrid_target_is_refused(models, tmp_path):
     hybrid = make_tiny_hybrid(str(tmp_path / "hybrid"), "qwen3_5", 0, 0)
     if hybrid is None:
         pytest.skip("this transformers lacks qwen3_5")
-    assert "attention-only" in _config_error(hybrid, _spec(models["drafter"]))
+    assert "not built for hybrid targets" in _config_error(hybrid, _spec(models["drafter"]))
 
 
 def test_default_layer_ids_and_checkpoint_layouts():
