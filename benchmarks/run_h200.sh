@@ -755,6 +755,11 @@ case $stage in
     timeout 150 python3 benchmarks/micro/first_use_stalls.py --draft none --out "$out/first-use-stalls-plain-$sha.json" \
       2>&1 | grep -v -i "warn\|INFO" | tail -30
     ;;
+  s97)  # (session 26; carry .whl) what fits the session's last device minutes: the hybrid-speculation kernels, layer
+        # checks and fp32 engine cases (s91hs without test_gdn_decode), the DFlash tests with the drafter's graphs
+    gpu_file test_hybrid_spec_cuda 330 -k "kernel or layer or fp32"
+    gpu_file test_dflash_cuda 100
+    ;;
   s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
           # the grouped tiled kernel above) b1 and 16 / 64 concurrent
     rm -rf /root/m/q8b-awq
