@@ -145,6 +145,11 @@
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
 #            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
 #            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
+#   s92df    (dflash branch, queued) DFlash speculation: tests/gpu/test_dflash_cuda.py (fp32 greedy = plain decoding
+#            native / compat, drafter logits = the float64 reference on the GPU, an always-agreeing drafter accepted,
+#            fp16 sampled / greedy), the n-gram file beside it (the shared verification), then
+#            benchmarks/micro/dflash_round.py: the 8B shape's plain step vs its DFlash round (K = 15 and 7, batch 1 / 16;
+#            a random-weight drafter at the public Qwen3-8B drafter's shape) and projected tok/s
 #   s90dm    (draft branch, queued) draft-model speculation: tests/gpu/test_draft_model_cuda.py (the draft's decode graphs,
 #            fp32 greedy = plain decoding native / compat, graphs = eager, sampled p / q drafts, KV sizing), the n-gram
 #            file beside it (the shared verification), then benchmarks/micro/draft_model_round.py: the 8B shape's plain
@@ -722,6 +727,43 @@ case $stage in
     timeout 90 python3 benchmarks/micro/quant_dot_sweep.py --quick --out "$out/quant-dot-sweep-quick-$sha.json" 2>&1 \
       | grep -v -i warn | tee "$out/quant-dot-sweep-quick-$sha.txt" | tail -30
     ;;
+  s93)  # (session 26; carry .whl) the engine-level check of the tiled dequant-GEMM's second form: the 8B-shape AWQ
+        # checkpoint 16 / 64 concurrent with it (5-64-row batches) and without it (DOT_MAX_ROWS_TENSOR_CORES=0), then
+        # the 8B-shape NVFP4 checkpoint kept quantized, decode b1 (s84's engine half; its tests passed in s85)
+    mkdir -p /root/m
+    timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
+    qa="/root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario concurrency --concurrency 16,64"
+    bench $qa --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-c16-c64-$sha | tail -7
+    bench_via "python3 benchmarks/set_and_run.py voltllm.kernels.quant_dot:DOT_MAX_ROWS_TENSOR_CORES=0 --" $qa \
+      --input-len 128 --output-len 128 --name qwen3-8b-shape-awq-g128-nodot-c16-c64-$sha | tail -7
+    rm -rf /root/m/q8b-awq
+    if (( SECONDS < 420 )); then
+      timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method nvfp4 /root/m/q8b-nvfp4 \
+        && bench /root/m/q8b-nvfp4 --dtype half --num-warm 1 --quantization modelopt_fp4 --scenario decode \
+          --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
+    fi
+    ;;
+  s94)  # (session 26; carry .whl) the draft-model round at batch 1 (s90dm: 19.5 ms against 11.2 at batch 16):
+        # host phases, GPU time per step and the kernels of an 8B-shape target with a 0.6B-shape draft, K = 4, and of
+        # the target's plain steps
+    timeout 280 python3 benchmarks/micro/spec_round_profile.py --batch 1,16 --out "$out/spec-round-profile-$sha.json" \
+      2>&1 | grep -v -i "warn\|INFO" | tail -34
+    timeout 150 python3 benchmarks/micro/spec_round_profile.py --draft none --batch 1 \
+      --out "$out/spec-round-profile-plain-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -16
+    ;;
+  s95)  # (session 26; carry .whl) one-time costs inside requests after start-up (s82b's and s90dm's timed runs after a
+        # warm-up of the same requests ran ~1 s long): steps over 30 ms and the Triton kernels compiled in them, with a
+        # draft model and without
+    timeout 200 python3 benchmarks/micro/first_use_stalls.py --out "$out/first-use-stalls-spec-$sha.json" 2>&1 \
+      | grep -v -i "warn\|INFO" | tail -30
+    timeout 150 python3 benchmarks/micro/first_use_stalls.py --draft none --out "$out/first-use-stalls-plain-$sha.json" \
+      2>&1 | grep -v -i "warn\|INFO" | tail -30
+    ;;
+  s97)  # (session 26; carry .whl) what fits the session's last device minutes: the hybrid-speculation kernels, layer
+        # checks and fp32 engine cases (s91hs without test_gdn_decode), the DFlash tests with the drafter's graphs
+    gpu_file test_hybrid_spec_cuda 330 -k "kernel or layer or fp32"
+    gpu_file test_dflash_cuda 100
+    ;;
   s86b)  # (session 25) the 30B-A3B-shape AWQ checkpoint (experts kept quantized: per-pair launches at <= 4 tokens,
           # the grouped tiled kernel above) b1 and 16 / 64 concurrent
     rm -rf /root/m/q8b-awq
@@ -1204,6 +1246,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_speculative_cuda 120
     timeout 250 python3 benchmarks/micro/draft_model_round.py --target qwen3-8b-shape --draft qwen3-0.6b-shape -k 4 \
       --batch 1,16 --out "$out/draft-model-round-8b-0.6b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
+    ;;
+  s92df)  # (dflash branch, queued) DFlash speculation on the GPU: its tests, the n-gram tests (the verification
+          # they share), then the round cost of an 8B-shape target with a random-weight DFlash drafter
+    gpu_file test_dflash_cuda 240
+    timeout 200 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 15 --batch 1,16 \
+      --out "$out/dflash-round-8b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
     ;;
   s91hs)  # (hybrid-spec branch, queued) speculation on hybrid targets, part 1: kernels and fp32 engine cases
     gpu_file test_hybrid_spec_cuda 430 -k "kernel or layer or fp32"

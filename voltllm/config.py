@@ -193,6 +193,16 @@ class EngineArgs:
             raise ConfigError(f"--tokenizer-revision applies to Hugging Face Hub tokenizers; {name!r} is a local path")
         return name
 
+    def _resolve_dflash(self, spec: Any, hf_config: Any) -> Any:
+        """A DFlash drafter's local path and config, checked against the target (engine/dflash.py)."""
+        from voltllm.engine.dflash import resolve_dflash
+        from voltllm.engine.speculative import SpeculativeConfigError
+
+        try:
+            return resolve_dflash(spec, hf_config, self.download_dir, self.hf_token)
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
+
     def _resolve_draft(self, spec: Any, hf_config: Any, tokenizer: str) -> Any:
         """A draft model's local path and config, checked against the target (engine/draft_model.py)."""
         from voltllm.engine.draft_model import resolve_draft
@@ -228,6 +238,8 @@ class EngineArgs:
         spec = _resolve_speculative(spec_dict, hf_config)
         if spec is not None and spec.uses_draft_model:
             spec = self._resolve_draft(spec, hf_config, tokenizer)
+        elif spec is not None and spec.uses_dflash:
+            spec = self._resolve_dflash(spec, hf_config)
         elif spec is not None and spec.uses_mtp:
             _check_mtp(hf_config, source, self.load_format)
         device = _resolve_device(self.device)
@@ -336,18 +348,28 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
+# position and keeps the accepted one's (voltllm/worker/hybrid_spec.py)
+HYBRID_SPEC_METHODS = ("ngram", "draft_model", "mtp")
+
+
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:
-    """--speculative-config as a SpeculativeConfig (None when not given). Attention-only and hybrid (Gated DeltaNet)
-    targets alike: a hybrid keeps its recurrent state after each verified position and keeps the accepted one's
-    (voltllm/worker/hybrid_spec.py)."""
+    """--speculative-config as a SpeculativeConfig (None when not given), for attention-only targets, and for hybrid
+    ones with the methods of HYBRID_SPEC_METHODS."""
     if not spec:
         return None
     from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+    from voltllm.model.models.registry import attention_only
 
     try:
-        return SpeculativeConfig.from_dict(spec)
+        parsed = SpeculativeConfig.from_dict(spec)
     except SpeculativeConfigError as e:
         raise ConfigError(str(e)) from None
+    if not attention_only(hf_config) and parsed.method not in HYBRID_SPEC_METHODS:
+        raise ConfigError(f"--speculative-config method {parsed.method} is not built for hybrid targets "
+                          f"({getattr(hf_config, 'model_type', None)!r}; built for them: "
+                          f"{', '.join(HYBRID_SPEC_METHODS)})")
+    return parsed
 
 
 def _check_mtp(hf_config: Any, source: Any, load_format: str) -> None:

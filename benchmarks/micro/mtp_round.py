@@ -37,7 +37,8 @@ def _oracle_propose(self, sched):
         if s.spec_tokens:
             full = table[tuple(s.request.prompt_token_ids)]
             want = full[s.start + 1:s.start + 1 + len(s.spec_tokens)]
-            self._drafts[:len(want), self._prob_rows[s.request.request_id]] = torch.tensor(want, device=self._drafts.device)
+            col = self._prob_rows[s.request.request_id]
+            self._drafts[:len(want), col] = torch.tensor(want, device=self._drafts.device)
 
 
 def _engine(target: str, spec, dtype: str, batch: int, k: int) -> LLM:

@@ -1,12 +1,13 @@
-"""n-gram speculative decoding A/B on real text: the same greedy chat requests without and with
---speculative-config, one request at a time; prints tokens / s, steps and the drafts accepted, checks the outputs are
-identical, and writes a JSON result. Each request runs once untimed first (compiles and start-up tuning).
+"""Speculative decoding A/B on real text: the same greedy chat requests without and with --speculative-config (n-gram
+drafts, or a draft model with --draft), one request at a time; prints tokens / s, steps and the drafts accepted, checks
+the outputs are identical, and writes a JSON result. Each request runs once untimed first (compiles and start-up
+tuning).
 
     PYTHONPATH=$PWD python3 benchmarks/micro/spec_decode_ab.py MODEL [--device cpu|cuda] [--dtype ...] [--compat ...] \\
-        [--out benchmarks/results/spec-decode-ab.json]
+        [--draft DRAFT_MODEL] [-k 5] [--out benchmarks/results/spec-decode-ab.json]
 
 The requests are the kinds where prompt lookup pays (code edited and printed again, a counting list) and one where
-it cannot (a one-sentence answer).
+it cannot (a one-sentence answer); a draft model that shares the target's training can draft all three.
 """
 import argparse
 import json
@@ -22,7 +23,12 @@ REQUESTS = {
     "counting": "Write the numbers from 1 to 40 separated by commas.",
     "short answer": "What is the capital of France? Answer in one sentence.",
 }
-SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def spec_config(draft: str, k: int) -> dict:
+    if draft:
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
 def run(model: str, spec, device: str, dtype: str, compat: str, max_tokens: int) -> dict:
@@ -51,11 +57,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compat", default="auto")
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--draft", default="", help="a draft model (path or .gguf) instead of n-gram drafts")
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     plain = run(args.model, None, args.device, args.dtype, args.compat, args.max_tokens)
-    spec = run(args.model, SPEC, args.device, args.dtype, args.compat, args.max_tokens)
+    config = spec_config(args.draft, args.num_speculative_tokens)
+    spec = run(args.model, config, args.device, args.dtype, args.compat, args.max_tokens)
     print(f"{'request':<14} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speed-up':>8} {'steps':>9} "
           f"{'accepted':>12} same")
     same_all = True
@@ -68,7 +77,7 @@ def main(argv: list[str]) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"name": "spec-decode-ab", "commit": args.commit, "model": args.model, "device": args.device,
-                       "dtype": args.dtype, "compat": args.compat, "speculative_config": SPEC,
+                       "dtype": args.dtype, "compat": args.compat, "speculative_config": config,
                        "command": "python3 benchmarks/micro/spec_decode_ab.py " + " ".join(argv),
                        "plain": plain, "spec": spec}, f, indent=1)
     return 0 if same_all else 1

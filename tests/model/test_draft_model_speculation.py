@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from graph_stand_ins import PaddedDecodePass
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
 
@@ -195,28 +196,6 @@ def test_blocks_hold_both_caches(models):
         assert len(caches) == layers and caches[0].shape == engine.runner.kv_caches[0].shape
 
 
-class _PaddedPass:
-    """A stand-in for a draft decode graph on the CPU: what a replay computes, over the graph's padded rows read from
-    the input buffers (padding rows: no slot, position 0, one token of context)."""
-
-    def __init__(self, draft, batch_size):
-        self.draft, self.batch_size = draft, batch_size
-
-    def replay(self):
-        from voltllm.attention.backend import AttentionMetadata
-        from voltllm.model.forward_context import ForwardContext
-
-        d, bs = self.draft, self.batch_size
-        buf = d.runner.buffers
-        lens = buf.seq_lens[:bs].tolist()
-        meta = AttentionMetadata(
-            num_tokens=bs, query_start_loc=buf.query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
-            block_tables=buf.block_tables[:bs], slot_mapping=buf.slot_mapping[:bs], max_query_len=1,
-            max_seq_len=max(lens), query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=lens)
-        return d.model(buf.input_ids[:bs], buf.positions[:bs],
-                       ForwardContext(meta=meta, kv_caches=d.kv_caches, backend=d.backend))
-
-
 @pytest.mark.parametrize("max_num_seqs", [8, 4])
 def test_proposal_passes_padded_like_graph_replays(models, monkeypatch, max_num_seqs):
     """The proposal passes' graph form (rows padded to the graph's batch size, the catch-up rows merged into the
@@ -225,7 +204,7 @@ def test_proposal_passes_padded_like_graph_replays(models, monkeypatch, max_num_
     from voltllm.worker.draft_runner import DraftRunner
 
     def padded(self, n):
-        return _PaddedPass(self, 1 << (n - 1).bit_length()) if n else None
+        return PaddedDecodePass(self, 1 << (n - 1).bit_length()) if n else None
 
     monkeypatch.setattr(DraftRunner, "_for_batch", padded)
     target = models["self"]

@@ -13,7 +13,6 @@
 import random
 
 import pytest
-import torch
 
 from mtp_models import MTPReference, add_mtp_weights, check_against_reference, make_mtp_target, record_draft_logits
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid

@@ -113,13 +113,19 @@ def test_verified_tokens_keep_the_distribution(params):
     assert float((got - want).abs().sum()) / 2 < 0.015
 
 
-def test_engine_config():
+def test_engine_config(monkeypatch):
     from voltllm.config import ConfigError, _resolve_speculative
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     assert _resolve_speculative(None, SimpleNamespace(model_type="qwen3")) is None
     assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3")).num_speculative_tokens == 3
     assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next")).num_speculative_tokens == 3
+    draft = _resolve_speculative({"model": "d", "num_speculative_tokens": 2}, SimpleNamespace(model_type="qwen3_5"))
+    assert draft.uses_draft_model
+    monkeypatch.setattr("voltllm.config.HYBRID_SPEC_METHODS", ("draft_model",))  # a method not built for hybrids
+    with pytest.raises(ConfigError, match="not built for hybrid targets"):
+        _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next"))
+    assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3")).method == "ngram"
     with pytest.raises(ConfigError, match="not built yet"):
         _resolve_speculative({"method": "eagle3", "num_speculative_tokens": 3}, SimpleNamespace(model_type="qwen3"))
 

@@ -13,6 +13,9 @@ A draft model (`"model": ...`, method "draft_model") proposes instead: the sched
 the runner's draft model (worker/draft_runner.py) fills them with its greedy choices before the step runs, so the
 same verification applies (engine/draft_model.py checks the draft at configuration time).
 
+A DFlash drafter (`"method": "dflash"`) drafts instead: one forward of a small block-diffusion model conditioned on
+the target's hidden states fills the same reserved slots (engine/dflash.py, worker/dflash_runner.py).
+
 MTP (`"method": "mtp"`) drafts with the target's own multi-token-prediction module (Qwen3-Next / Qwen3.5 checkpoints'
 mtp.* weights), chained K times, in the same reserved slots (engine/mtp.py, worker/mtp_runner.py).
 """
@@ -21,12 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-METHODS = ("ngram", "draft_model", "mtp")
+METHODS = ("ngram", "draft_model", "dflash", "mtp")
 # vLLM's older method names that mean MTP on the targets built here
 _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp"}
 # vLLM's keys, per method; draft_tensor_parallel_size is accepted at 1 (the draft runs beside the target)
 _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
          "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"},
+         "dflash": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"},
          "mtp": {"method", "num_speculative_tokens"}}
 
 
@@ -55,13 +59,17 @@ class SpeculativeConfig:
         return self.method == "draft_model"
 
     @property
+    def uses_dflash(self) -> bool:
+        return self.method == "dflash"
+
+    @property
     def uses_mtp(self) -> bool:
         return self.method == "mtp"
 
     @property
     def drafts_on_device(self) -> bool:
-        """The scheduler reserves placeholder draft slots that the runner fills (draft model, MTP)."""
-        return self.method in ("draft_model", "mtp")
+        """The scheduler reserves placeholder draft slots that the runner fills (draft model, DFlash, MTP)."""
+        return self.method in ("draft_model", "dflash", "mtp")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -81,8 +89,8 @@ class SpeculativeConfig:
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in 1..32")
-        if method == "draft_model":
-            return cls._draft_model(d, k)
+        if method in ("draft_model", "dflash"):
+            return cls._draft_model(d, k, method)
         if method == "mtp":  # its weights are the target's: nothing else to read
             return cls("mtp", k)
         hi = d.get("prompt_lookup_max", cls.prompt_lookup_max if d.get("prompt_lookup_min") is None
@@ -97,10 +105,10 @@ class SpeculativeConfig:
         return cls(method, k, hi, lo)
 
     @classmethod
-    def _draft_model(cls, d: dict[str, Any], k: int) -> "SpeculativeConfig":
+    def _draft_model(cls, d: dict[str, Any], k: int, method: str = "draft_model") -> "SpeculativeConfig":
         model = d.get("model")
         if not isinstance(model, str) or not model:
-            raise SpeculativeConfigError("--speculative-config method draft_model needs \"model\": the draft "
+            raise SpeculativeConfigError(f"--speculative-config method {method} needs \"model\": the draft "
                                          "model's path or Hugging Face repo id")
         tp = d.get("draft_tensor_parallel_size", 1)
         if tp != 1:
@@ -109,7 +117,7 @@ class SpeculativeConfig:
         revision = d.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise SpeculativeConfigError(f"--speculative-config revision must be a string, got {revision!r}")
-        return cls("draft_model", k, model=model, revision=revision)
+        return cls(method, k, model=model, revision=revision)
 
     def with_draft(self, path: str, hf_config: Any) -> "SpeculativeConfig":
         """This config with the draft resolved: its local path and HF config."""

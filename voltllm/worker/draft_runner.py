@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from voltllm.attention.backend import AttentionMetadata, make_kv_cache
-from voltllm.host_to_device import to_device, upload
+from voltllm.host_to_device import upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
 from voltllm.sampling.sampler import SamplingRow
+from voltllm.worker.device_drafts import DeviceDrafts
 
 logger = logging.getLogger("voltllm")
 
@@ -49,9 +50,9 @@ class _GraphView:
         self.state_cache = None
 
 
-class DraftRunner:
+class DraftRunner(DeviceDrafts):
     """The draft model beside a ModelRunner (which owns it and calls propose / fill_inputs / run_step /
-    verification_drafts / verification_probs in each step's execute_async)."""
+    verification_drafts / verification_probs in each step's execute_async; the last three: DeviceDrafts)."""
 
     def __init__(self, runner: Any, spec: Any):
         from voltllm.worker.runner import select_attention_backend
@@ -243,34 +244,6 @@ class DraftRunner:
                 self._probs[j] = probs
         self._drafts = out
 
-    def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
-        """Copy the proposed drafts into the step's input ids on the device (the step was prepared with the
-        placeholders): spans = (index of its first draft in the step's tokens, ScheduledRequest) per drafting
-        request."""
-        if self._drafts is None or not spans:
-            return
-        n = self._drafts.shape[1]
-        dst, src = [], []
-        for at, s in spans:
-            i = self._prob_rows[s.request.request_id]
-            dst += range(at, at + len(s.spec_tokens))
-            src += [j * n + i for j in range(len(s.spec_tokens))]
-        idx = to_device(dst + src, torch.long, input_ids.device)
-        input_ids.index_copy_(0, idx[:len(dst)], self._drafts.view(-1).index_select(0, idx[len(dst):]))
-
-    def verification_drafts(self, rows: list) -> Optional[torch.Tensor]:
-        """The drafts of the runner's verification rows of `rows` ((index, ScheduledRequest): each request's drafts
-        then -1 for the row after them), on the device (Sampler.verify_drafts' drafts; collect() reads them)."""
-        if self._drafts is None:
-            return None
-        n = self._drafts.shape[1]
-        src = []
-        for _, s in rows:
-            i = self._prob_rows[s.request.request_id]
-            src += [j * n + i for j in range(len(s.spec_tokens))] + [-1]
-        idx = to_device(src, torch.long, self._drafts.device)
-        return torch.where(idx >= 0, self._drafts.view(-1)[idx.clamp_min(0)], -1)
-
     def _for_batch(self, n: int):
         return self.graphs.for_batch(n) if self.graphs is not None and n else None
 
@@ -310,18 +283,3 @@ class DraftRunner:
             seq_lens_cpu=lens[:rows].tolist())
         return self.model(buf.input_ids[:rows], buf.positions[:rows],
                           ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend))
-
-    def verification_probs(self, rows: list) -> tuple[Optional[torch.Tensor], Optional[list[bool]]]:
-        """For the runner's verification rows of `rows` ((index, ScheduledRequest), each request's drafts then the
-        row after them): the draft distributions the drafts were drawn from and which rows' drafts were drawn
-        (Sampler.verify_drafts' draft_probs / drawn); (None, None) when every draft was a greedy one."""
-        probs, self._probs = self._probs, None
-        if probs is None:
-            return None, None
-        n, vocab = probs.shape[1], probs.shape[2]
-        src, drawn = [], []
-        for _, s in rows:
-            i, k = self._prob_rows[s.request.request_id], len(s.spec_tokens)
-            src += [j * n + i for j in range(k)] + [i]
-            drawn += [not s.request.sampling_params.greedy] * k + [False]
-        return probs.view(-1, vocab)[to_device(src, torch.long, probs.device)], drawn

@@ -20,7 +20,7 @@ LM head of that output as draft 1 and chains K - 1 one-token passes (draft j and
 after), each pass's logits giving the next draft, as vLLM's MTP proposer chains its single layer. The chained passes
 write KV at positions the next after_step rewrites. Drafts stay on the device (fill_inputs / verification_drafts);
 sampled requests draw them from q (their processed MTP distribution) and are verified with min(1, p/q), like a draft
-model's.
+model's (DeviceDrafts: fill_inputs, verification_drafts / verification_probs).
 
 Eager only: no CUDA graphs for the MTP's passes yet (capture_graphs is a no-op).
 """
@@ -40,6 +40,7 @@ from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
 from voltllm.sampling.sampler import SamplingRow
+from voltllm.worker.device_drafts import DeviceDrafts
 
 logger = logging.getLogger("voltllm")
 
@@ -47,7 +48,7 @@ logger = logging.getLogger("voltllm")
 _PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
-class MTPRunner:
+class MTPRunner(DeviceDrafts):
     """The MTP module beside a ModelRunner, which calls it as it calls a DraftRunner (propose / fill_inputs /
     run_step / verification_drafts / verification_probs) and, after the step's sampling, after_step."""
 
@@ -213,47 +214,10 @@ class MTPRunner:
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         return self.model(ids, longs[j - 1, 0], ctx, hidden)
 
-    def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
-        """Copy the drafts into the step's input ids on the device: spans = (index of its first draft in the step's
-        tokens, ScheduledRequest) per drafting request."""
-        if self._drafts is None or not spans:
-            return
-        n = self._drafts.shape[1]
-        dst, src = [], []
-        for at, s in spans:
-            i = self._prob_rows[s.request.request_id]
-            dst += range(at, at + len(s.spec_tokens))
-            src += [j * n + i for j in range(len(s.spec_tokens))]
-        idx = to_device(dst + src, torch.long, input_ids.device)
-        input_ids.index_copy_(0, idx[:len(dst)], self._drafts.reshape(-1).index_select(0, idx[len(dst):]))
-
     def verification_drafts(self, rows: list) -> Optional[torch.Tensor]:
-        """The drafts of the runner's verification rows `rows` ((index, ScheduledRequest): each request's drafts
-        then -1 for the row after them), on the device; kept for after_step."""
-        if self._drafts is None:
-            return None
-        n = self._drafts.shape[1]
-        src = []
-        for _, s in rows:
-            i = self._prob_rows[s.request.request_id]
-            src += [j * n + i for j in range(len(s.spec_tokens))] + [-1]
-        idx = to_device(src, torch.long, self._drafts.device)
-        self._verify_ids = torch.where(idx >= 0, self._drafts.reshape(-1)[idx.clamp_min(0)], -1)
+        """DeviceDrafts.verification_drafts, kept for after_step (the verification's greedy matches)."""
+        self._verify_ids = super().verification_drafts(rows)
         return self._verify_ids
-
-    def verification_probs(self, rows: list) -> tuple[Optional[torch.Tensor], Optional[list[bool]]]:
-        """The q rows the verification rows' drafts were drawn from and which were drawn; (None, None) when every
-        draft was a greedy one."""
-        probs, self._probs = self._probs, None
-        if probs is None:
-            return None, None
-        n, vocab = probs.shape[1], probs.shape[2]
-        src, drawn = [], []
-        for _, s in rows:
-            i, k = self._prob_rows[s.request.request_id], len(s.spec_tokens)
-            src += [j * n + i for j in range(k)] + [i]
-            drawn += [not s.request.sampling_params.greedy] * k + [False]
-        return probs.reshape(-1, vocab)[to_device(src, torch.long, probs.device)], drawn
 
     def run_step(self, sched: Any, graph_batch: int, meta: AttentionMetadata) -> None:
         """(Nothing before sampling: the MTP's pass over the step needs the tokens it samples; after_step.)"""

@@ -93,12 +93,17 @@ class ModelRunner:
         # buffering), once the step that used it has run
         self._follower_events: list[torch.cuda.Event] = []
         self.model = model if model is not None else self._load_model()
-        self.draft = None  # DraftRunner: draft-model speculation (voltllm.worker.draft_runner)
+        # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
+        self.draft = None
         spec = config.speculative
         if spec is not None and spec.uses_draft_model:
             from voltllm.worker.draft_runner import DraftRunner
 
             self.draft = DraftRunner(self, spec)
+        elif spec is not None and spec.uses_dflash:
+            from voltllm.worker.dflash_runner import DFlashRunner
+
+            self.draft = DFlashRunner(self, spec)
         elif spec is not None and spec.uses_mtp:  # the target's own MTP module (voltllm.worker.mtp_runner)
             from voltllm.worker.mtp_runner import MTPRunner
 

@@ -206,18 +206,41 @@ class LlamaForCausalLM(nn.Module):
             p.skinny and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
             for layer in self.layers for p in layer.projections())
 
+    # DFlash speculation (worker/dflash_runner.py): the outputs of some decoder layers for every token of a forward,
+    # side by side in one fixed buffer (so CUDA graphs capture the writes). None: off, nothing is written
+    aux_hidden: Optional[torch.Tensor] = None
+    _aux_cols: dict = {}  # layer index -> its column block in aux_hidden
+
+    def set_aux_hidden(self, layer_ids: Iterable[int], max_tokens: int) -> torch.Tensor:
+        """Keep the outputs of decoder layers `layer_ids` (Hugging Face's hidden_states[i + 1]: the residual stream
+        after layer i; after the final norm for the last layer) of each forward's first max_tokens tokens, in
+        that order, in the returned buffer [max_tokens, len(layer_ids) * hidden]."""
+        ids = list(layer_ids)
+        hidden = self.config.hidden_size
+        self._aux_cols = {i: slice(j * hidden, (j + 1) * hidden) for j, i in enumerate(ids)}
+        self.aux_hidden = torch.zeros(max_tokens, len(ids) * hidden, dtype=self.dtype,
+                                      device=self.norm.weight.device)
+        return self.aux_hidden
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
         fused = self.fused_decode(input_ids)
-        for layer in self.layers:
+        aux = self.aux_hidden
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, fused)
+            if aux is not None and i in self._aux_cols and i != last:  # before the next layer's in-place add
+                aux[:residual.shape[0], self._aux_cols[i]] = residual if x is None else x + residual
         if fused:
             from voltllm.kernels.fused import rms_norm
 
             n = self.norm
-            return rms_norm(residual, n.weight, n.eps, n.offset, out=torch.empty_like(residual, dtype=self.dtype))
-        x, _ = self.norm(x, residual)
+            x = rms_norm(residual, n.weight, n.eps, n.offset, out=torch.empty_like(residual, dtype=self.dtype))
+        else:
+            x, _ = self.norm(x, residual)
+        if aux is not None and last in self._aux_cols:
+            aux[:x.shape[0], self._aux_cols[last]] = x
         return x
 
     logits_skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning

@@ -1,0 +1,113 @@
+"""Tiny random DFlash drafters in the public checkpoint format (config.json + model.safetensors), made at test time,
+and a plain-PyTorch reference of the drafter's math (written from the format's description, independent of
+voltllm's layers)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER = 2, 4, 2, 16, 96
+THETA = 10000.0
+
+
+def make_dflash(path: str, hidden: int, vocab: int, target_layers: int, layer_ids: Optional[list[int]],
+                block_size: int = 4, mask_token_id: Optional[int] = 3, seed: int = 0, std: float = 0.15,
+                new_style: bool = True, **overrides) -> str:
+    """Save a drafter reading the target's layers `layer_ids` under path. new_style: block_size inside
+    dflash_config (newer checkpoints), else at the top level (older ones)."""
+    dflash = {"target_layer_ids": layer_ids} if layer_ids is not None else {}
+    if mask_token_id is not None:
+        dflash["mask_token_id"] = mask_token_id
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+           "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+           "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": THETA,
+           "max_position_embeddings": 1024, "vocab_size": vocab, "num_target_layers": target_layers,
+           "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "dflash_config": dflash}
+    if new_style:
+        dflash["block_size"] = block_size
+    else:
+        cfg["block_size"] = block_size
+    cfg.update(overrides)
+    n_read = len(layer_ids) if layer_ids is not None else LAYERS
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+    w = {"fc.weight": rnd(hidden, n_read * hidden), "hidden_norm.weight": norm(hidden), "norm.weight": norm(hidden)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        w.update({p + "input_layernorm.weight": norm(hidden), p + "post_attention_layernorm.weight": norm(hidden),
+                  p + "self_attn.q_proj.weight": rnd(HEADS * HEAD_DIM, hidden),
+                  p + "self_attn.k_proj.weight": rnd(KV_HEADS * HEAD_DIM, hidden),
+                  p + "self_attn.v_proj.weight": rnd(KV_HEADS * HEAD_DIM, hidden),
+                  p + "self_attn.o_proj.weight": rnd(hidden, HEADS * HEAD_DIM),
+                  p + "self_attn.q_norm.weight": norm(HEAD_DIM), p + "self_attn.k_norm.weight": norm(HEAD_DIM),
+                  p + "mlp.gate_proj.weight": rnd(INTER, hidden), p + "mlp.up_proj.weight": rnd(INTER, hidden),
+                  p + "mlp.down_proj.weight": rnd(hidden, INTER)})
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.double() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos):
+    """x [L, H, D] rotated at positions pos [L] (rotate-half layout)."""
+    d = x.shape[-1]
+    inv = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = pos.double()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_block_logits(w: dict, features: torch.Tensor, block_ids: list[int], embed: torch.Tensor,
+                           lm_head: torch.Tensor) -> torch.Tensor:
+    """The drafter's logits for the block's rows 1.. (its drafts), in float64: the context is the target features
+    [C, n * hidden] of positions 0..C-1, the block the ids at positions C..C+len-1; every block row attends to the
+    whole context and the whole block (no mask)."""
+    c = features.shape[0]
+    ctx = _rms(features.double() @ w["fc.weight"].T, w["hidden_norm.weight"])
+    h = embed.double()[torch.tensor(block_ids)]
+    nb = h.shape[0]
+    pos_q = torch.arange(c, c + nb)
+    pos_k = torch.arange(c + nb)
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        x = _rms(h, w[p + "input_layernorm.weight"])
+        q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(nb, HEADS, HEAD_DIM), w[p + "self_attn.q_norm.weight"])
+        both = torch.cat([ctx, x])
+        k = _rms((both @ w[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM),
+                 w[p + "self_attn.k_norm.weight"])
+        v = (both @ w[p + "self_attn.v_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM)
+        q, k = _rope(q, pos_q), _rope(k, pos_k)
+        k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        att = torch.einsum("qhd,khd->hqk", q, k) * HEAD_DIM ** -0.5
+        out = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(nb, HEADS * HEAD_DIM)
+        h = h + out @ w[p + "self_attn.o_proj.weight"].T
+        x = _rms(h, w[p + "post_attention_layernorm.weight"])
+        h = h + (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) \
+            @ w[p + "mlp.down_proj.weight"].T
+    return _rms(h, w["norm.weight"])[1:] @ lm_head.double().T

@@ -1,0 +1,232 @@
+"""DFlash speculative decoding in the engine (CPU, tiny random qwen3 / llama targets and tiny random drafters in the
+public checkpoint format): the drafter's block logits inside the engine equal a float64 reference of the drafter's
+math fed by transformers' hidden states of the target; greedy outputs equal plain decoding's (chunked prefill,
+prefix-cache hits, preemption, concurrent requests); a drafter that always agrees is always accepted and saves
+steps; sampled requests run; bad drafters are refused at configuration time."""
+import json
+import os
+
+import pytest
+import torch
+
+from dflash_models import load_weights, make_dflash, reference_block_logits
+from graph_stand_ins import PaddedDecodeGraphs
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+           "0123456789 0123456789 0123",
+           "Hi"]
+K = 3
+
+
+def _spec(path, k=K):
+    return {"method": "dflash", "model": path, "num_speculative_tokens": k}
+
+
+def _target_shape(path):
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    return c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def models(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    target = make_model(str(root / "target"), request.param)
+    hidden, vocab, layers = _target_shape(target)
+    # layers 0 and 2 of 3: a middle layer's residual stream and the last layer's (after the final norm) output
+    return {"target": target, "layers": [0, layers - 1],
+            "drafter": make_dflash(str(root / "dflash"), hidden, vocab, layers, [0, layers - 1], block_size=4)}
+
+
+def _run(llm, prompts, sps):
+    outs = llm.generate(prompts, sps)
+    llm.engine.check_integrity()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+_PLAIN: dict = {}
+
+
+def _plain(target, prompts, sp, **kw):
+    key = (target, tuple(prompts), repr(sp), tuple(sorted(kw.items())))
+    if key not in _PLAIN:
+        _PLAIN[key] = _run(LLM(target, **kw), prompts, sp)
+    return _PLAIN[key]
+
+
+def _runner(llm):
+    return llm.engine.runner.draft
+
+
+@pytest.mark.parametrize("graph_rows", [0, 8])
+def test_block_logits_equal_the_reference(models, graph_rows):
+    """Every proposal of a batched greedy run: the drafter's logits for each request's drafts against the float64
+    reference, fed by transformers' hidden states of the target over the request's tokens before its block. With
+    graph_rows, the block forward takes its graph form (rows padded to a power of two in the input buffers) up to
+    that many rows, as CUDA graph replays would."""
+    from transformers import AutoModelForCausalLM
+
+    target, drafter_path = models["target"], models["drafter"]
+    llm = LLM(target, block_size=4, max_num_batched_tokens=16, speculative_config=_spec(drafter_path))
+    dr = _runner(llm)
+    if graph_rows:
+        dr.graphs = PaddedDecodeGraphs(dr, graph_rows)
+    records = []
+    orig_logits, orig_propose = dr.drafter.compute_logits, dr.propose
+
+    def logits_spy(h):
+        out = orig_logits(h)
+        records[-1]["logits"] = out.detach().clone()
+        return out
+
+    def propose_spy(sched):
+        rows = [(list(s.request.all_token_ids), s.start, len(s.spec_tokens)) for s in sched.scheduled
+                if s.spec_tokens]
+        records.append({"rows": rows})
+        orig_propose(sched)
+
+    dr.drafter.compute_logits, dr.propose = logits_spy, propose_spy
+    _run(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ref_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
+    w = load_weights(drafter_path)
+    embed = ref_model.get_input_embeddings().weight.detach()
+    head = ref_model.get_output_embeddings().weight.detach()
+    mask = 3
+    checked = 0
+    for rec in records:
+        if not rec["rows"]:
+            continue
+        n, kmax = len(rec["rows"]), max(k for _, _, k in rec["rows"])
+        assert rec["logits"].shape[0] == n * kmax
+        for i, (ids, start, k) in enumerate(rec["rows"]):
+            with torch.no_grad():
+                hs = ref_model(torch.tensor([ids[:start]]), output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[layer + 1][0] for layer in models["layers"]], dim=-1)
+            ref = reference_block_logits(w, feats, [ids[start]] + [mask] * k, embed, head)
+            got = rec["logits"][[j * n + i for j in range(k)]].double()
+            err = (got - ref).abs().max() / ref.abs().max()
+            assert err < 1e-4, f"request {i}, start {start}: relative error {err:.2e}"
+            checked += 1
+    assert checked >= 6
+    assert not graph_rows or dr.graphs.replays >= 3
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_greedy_outputs_equal_plain_decoding(models, budget):
+    """Four concurrent requests, the token budget large or small (prompts in chunks of 5; drafts cut by it)."""
+    target = models["target"]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    llm = LLM(target, speculative_config=_spec(models["drafter"]), **kw)
+    assert _run(llm, PROMPTS, sp) == _plain(target, PROMPTS, sp, **kw)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+
+
+def test_prefix_cache_hits_and_preemption_keep_outputs(models):
+    target = models["target"]
+    prompts = [PROMPTS[0] + " and again", PROMPTS[0] + " once more", PROMPTS[1]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(target, block_size=4, speculative_config=_spec(models["drafter"]))
+    ref = _plain(target, prompts, sp, block_size=4)
+    assert _run(llm, prompts, sp) == ref
+    hits = llm.engine.stats().prefix_cache_hits
+    assert _run(llm, prompts, sp) == ref
+    assert llm.engine.stats().prefix_cache_hits > hits
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tight = LLM(target, block_size=4, max_num_batched_tokens=32, num_gpu_blocks_override=24,
+                speculative_config=_spec(models["drafter"]))
+    assert _run(tight, PROMPTS, sp) == _plain(target, PROMPTS, sp, block_size=4)
+    assert tight.engine.stats().num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def agreeing(tmp_path_factory):
+    """A qwen3 target whose LM head is zero (every logit 0: greedy picks id 0, sampling is uniform) and a drafter
+    sharing that head: it always agrees with the target (greedy: the same argmax; sampled: q = p)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("agree")
+    target = make_model(str(root / "target"), "qwen3")
+    file = os.path.join(target, "model.safetensors")
+    w = load_file(file)
+    w["lm_head.weight"] = torch.zeros_like(w["lm_head.weight"])
+    save_file(w, file, metadata={"format": "pt"})
+    hidden, vocab, layers = _target_shape(target)
+    return target, make_dflash(str(root / "dflash"), hidden, vocab, layers, [1], block_size=6, new_style=False)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_agreeing_drafter_is_always_accepted(agreeing, k):
+    target, drafter = agreeing
+    n = 41
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm = LLM(target, block_size=4, speculative_config=_spec(drafter, k))
+    steps0 = llm.engine.stats().step_counter
+    assert _run(llm, PROMPTS[2:3], sp) == _plain(target, PROMPTS[2:3], sp, block_size=4)
+    stats = llm.engine.stats()
+    rounds = -(-(n - 1) // (k + 1))  # each emits its drafts + 1 (the last one's drafts cut by max_tokens)
+    assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"] == n - 1 - rounds
+    assert stats.step_counter - steps0 == 1 + rounds
+
+
+def test_sampled_requests_speculate(agreeing, models):
+    """Seeded sampled requests: q = p for the agreeing drafter (every draft accepted); with the random drafter they
+    run and repeat from run to run."""
+    target, drafter = agreeing
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True, seed=7)
+    llm = LLM(target, block_size=4, speculative_config=_spec(drafter))
+    _run(llm, PROMPTS[:2], sp)
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"] > 0
+    llm = LLM(models["target"], block_size=4, speculative_config=_spec(models["drafter"]))
+    sp = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=3)
+    assert _run(llm, PROMPTS[:2], sp) == _run(llm, PROMPTS[:2], sp)
+
+
+def _config_error(target, spec):
+    from voltllm.config import ConfigError, EngineArgs
+
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(model=target, speculative_config=json.dumps(spec)).create_engine_config()
+    return str(e.value)
+
+
+def test_bad_drafters_are_refused(models, tmp_path):
+    target = models["target"]
+    hidden, vocab, layers = _target_shape(target)
+
+    def drafter(name, **kw):
+        args = dict(hidden=hidden, vocab=vocab, target_layers=layers, layer_ids=[0, 1])
+        args.update(kw)
+        return make_dflash(str(tmp_path / name), **args)
+
+    assert "exceeds block_size - 1" in _config_error(target, _spec(models["drafter"], k=4))
+    assert "mask_token_id" in _config_error(target, _spec(drafter("nomask", mask_token_id=None)))
+    assert "not a token id" in _config_error(target, _spec(drafter("bigmask", mask_token_id=vocab)))
+    assert "target_layer_ids" in _config_error(target, _spec(drafter("ids", layer_ids=[0, layers])))
+    assert "hidden size" in _config_error(target, _spec(drafter("hidden", hidden=hidden * 2)))
+    assert "vocabulary" in _config_error(target, _spec(drafter("vocab", vocab=vocab + 1)))
+    assert "made for a target of" in _config_error(target, _spec(drafter("layers", target_layers=layers + 1)))
+    assert "DFlash2" in _config_error(target, _spec(drafter("v2", architectures=["DFlash2DraftModel"])))
+    assert "sliding-window" in _config_error(target, _spec(drafter(
+        "sliding", layer_types=["sliding_attention", "full_attention"], sliding_window=16, use_sliding_window=True)))
+    assert "cannot load" in _config_error(target, _spec(str(tmp_path / "missing")))
+
+
+def test_hybrid_target_is_refused(models, tmp_path):
+    from tiny_models import make_tiny_hybrid
+
+    hybrid = make_tiny_hybrid(str(tmp_path / "hybrid"), "qwen3_5", 0, 0)
+    if hybrid is None:
+        pytest.skip("this transformers lacks qwen3_5")
+    assert "not built for hybrid targets" in _config_error(hybrid, _spec(models["drafter"]))
+
+
+def test_default_layer_ids_and_checkpoint_layouts():
+    from voltllm.engine.dflash import default_target_layer_ids
+
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B's public drafter reads these
+    assert default_target_layer_ids(36, 1) == [18]

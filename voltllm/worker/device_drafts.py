@@ -1,0 +1,61 @@
+"""Drafts made on the device, on their way into a step: the runner's side of a proposer whose drafts never visit the
+host before verification (a draft model's DraftRunner, DFlash's DFlashRunner).
+
+The proposer leaves `_drafts` [K, requests] (request i's draft j at [j, i]; past a request's own drafts: unused),
+`_prob_rows` (request id -> i) and, for sampled requests, `_probs` [K, requests, vocab] (the q each draft was drawn
+from).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from voltllm.host_to_device import to_device
+
+
+class DeviceDrafts:
+    _drafts: Optional[torch.Tensor] = None
+    _probs: Optional[torch.Tensor] = None
+    _prob_rows: dict = {}
+
+    def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
+        """Copy the drafts into the step's input ids on the device (the step was prepared with placeholders):
+        spans = (index of its first draft in the step's tokens, ScheduledRequest) per drafting request."""
+        if self._drafts is None or not spans:
+            return
+        n = self._drafts.shape[1]
+        dst, src = [], []
+        for at, s in spans:
+            i = self._prob_rows[s.request.request_id]
+            dst += range(at, at + len(s.spec_tokens))
+            src += [j * n + i for j in range(len(s.spec_tokens))]
+        idx = to_device(dst + src, torch.long, input_ids.device)
+        input_ids.index_copy_(0, idx[:len(dst)], self._drafts.reshape(-1).index_select(0, idx[len(dst):]))
+
+    def verification_drafts(self, rows: list) -> Optional[torch.Tensor]:
+        """The drafts of the runner's verification rows of `rows` ((index, ScheduledRequest): each request's drafts
+        then -1 for the row after them), on the device."""
+        if self._drafts is None:
+            return None
+        n = self._drafts.shape[1]
+        src = []
+        for _, s in rows:
+            i = self._prob_rows[s.request.request_id]
+            src += [j * n + i for j in range(len(s.spec_tokens))] + [-1]
+        idx = to_device(src, torch.long, self._drafts.device)
+        return torch.where(idx >= 0, self._drafts.reshape(-1)[idx.clamp_min(0)], -1)
+
+    def verification_probs(self, rows: list) -> tuple[Optional[torch.Tensor], Optional[list[bool]]]:
+        """The q rows the verification rows' drafts were drawn from and which were drawn (Sampler.verify_drafts'
+        draft_probs / drawn); (None, None) when every draft was a greedy one."""
+        probs, self._probs = self._probs, None
+        if probs is None:
+            return None, None
+        n, vocab = probs.shape[1], probs.shape[2]
+        src, drawn = [], []
+        for _, s in rows:
+            i, k = self._prob_rows[s.request.request_id], len(s.spec_tokens)
+            src += [j * n + i for j in range(k)] + [i]
+            drawn += [not s.request.sampling_params.greedy] * k + [False]
+        return probs.reshape(-1, vocab)[to_device(src, torch.long, probs.device)], drawn

@@ -1,0 +1,228 @@
+"""DFlash speculation in the runner: the drafter, its context cache, and its one forward per step.
+
+Context cache in the target's blocks. The drafter's context K / V of a position depend only on the target's hidden
+states there (model/models/dflash.py), so, like a draft model's KV (worker/draft_runner.py), they live in cache
+tensors of their own (one per drafter layer) addressed by the target's block ids and slots. Each step, after the
+target's forward, `run_step` writes the context K / V of every token the target computed, at the slots the target
+wrote (`ModelRunner` keeps the chosen layers' outputs in a fixed buffer: LlamaForCausalLM.set_aux_hidden). So
+the scheduler's books cover the drafter too: a prefix-cache hit carries its context, preemption recomputes it, a
+freed block frees it, and nothing here is per request.
+
+Rejected drafts. A verification step computes the known token and every draft, so their context K / V are written
+too; but the next block starts right after the accepted tokens and its rows overwrite every slot from there on
+before its attention reads, and a drafter forward only reads positions before its block. A rejected token's context
+is thus never read: it is overwritten by the next block, then by the target's next computation of that position.
+
+The block (`propose`, before the step's inputs are prepared). For each request the scheduler gave k draft slots
+(placeholders), k + 1 rows: its known token at `start`, then k mask tokens, at positions start .. start + k (the
+slots the step allocated). Each row is a decode row whose context ends after the block's last position, so every
+row sees the context and the whole block (non-causal); the rows' K / V are written at those slots first (the target
+overwrites them in this step). Row j + 1's logits (the target's LM head) give draft j: argmax for greedy requests, a
+draw from the request's processed distribution q for sampled ones (verified with min(1, p / q): a block's drafts are
+drawn independently, so draft j's q does not depend on the drafts before it, and the rule stays exact). Nothing
+waits for the GPU: the drafts go into the step's input ids and verification on the device (DeviceDrafts).
+
+The block's forward replays a CUDA graph of the drafter (DecodeGraphs over the target's input buffers, like a draft
+model's: the block rows are decode rows) when its rows fit the largest graph, else runs eagerly; the context write
+and the LM head stay eager (a few launches). Its caches are in the model's dtype whatever --kv-cache-dtype (they are
+a few layers).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+from voltllm.host_to_device import upload
+from voltllm.model.forward_context import ForwardContext
+from voltllm.sampling.params import SamplingParams
+from voltllm.sampling.sampler import SamplingRow
+from voltllm.worker.device_drafts import DeviceDrafts
+
+logger = logging.getLogger("voltllm")
+
+# a request's row past its own drafts: greedy (no random draw), its token unused
+_PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
+
+
+class DFlashRunner(DeviceDrafts):
+    """The DFlash drafter beside a ModelRunner, which calls it as it calls a DraftRunner (propose / fill_inputs /
+    run_step / verification_drafts / verification_probs in each step's execute_async)."""
+
+    def __init__(self, runner: Any, spec: Any):
+        import weakref
+
+        from voltllm.engine.dflash import dflash_params
+        from voltllm.worker.runner import select_attention_backend
+
+        self.runner = weakref.proxy(runner)
+        mc = runner.config.model
+        self.params = dflash_params(spec.draft_hf_config, mc.hf_config, spec.num_speculative_tokens)
+        self.drafter = self._load(runner, spec)
+        self.model = self.drafter.body  # what memory profiling and GEMM tuning run
+        self.backend = select_attention_backend(runner.config)
+        self.dtype = runner.dtype
+        self.kv_caches: list[torch.Tensor] = []
+        sc = runner.config.scheduler
+        # the target's chosen layers' outputs for every token of a step (the runner's input buffers' capacity)
+        self.features = runner.model.set_aux_hidden(self.params.target_layer_ids,
+                                                    max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8)
+        self._drafts, self._probs, self._prob_rows = None, None, {}
+        self.graphs = None  # DecodeGraphs of the drafter's block forward, on the target's input buffers
+
+    def _load(self, runner: Any, spec: Any):
+        from voltllm.model.loader import iter_weights, resolve_model
+        from voltllm.model.models.dflash import DFlashDrafter
+
+        t0 = time.monotonic()
+        mc, dtype = runner.config.model, runner.dtype
+        with torch.device(runner.device):
+            drafter = DFlashDrafter(spec.draft_hf_config, self.params, runner.model, dtype,
+                                    mc.max_model_len + self.params.block_size)
+        if mc.load_format == "dummy":
+            _dummy_weights(drafter, mc.seed)
+        else:
+            drafter.load_weights((n, t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                                 for n, t in iter_weights(resolve_model(spec.model), spec.draft_hf_config))
+        logger.info("loaded DFlash drafter %s in %.1f s", spec.model, time.monotonic() - t0)
+        return drafter.eval()
+
+    # -- KV cache (the block's rows and the context) -------------------------------------------
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * block_size * self.drafter.kv_heads * self.drafter.head_dim * elem * len(self.drafter.layers)
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        self.kv_caches = self.profile_caches(num_blocks, block_size, kv_dtype)
+
+    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+        return make_kv_cache(len(self.drafter.layers), num_blocks, block_size, self.drafter.kv_heads,
+                             self.drafter.head_dim, self.dtype, self.runner.device)
+
+    def capture_graphs(self) -> None:
+        from voltllm.worker.cuda_graphs import DecodeGraphs
+        from voltllm.worker.draft_runner import _GraphView
+
+        graphs = DecodeGraphs(_GraphView(self, self.runner))
+        graphs.capture()
+        self.graphs = graphs
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Nothing per request (the context lives in the target's blocks)."""
+
+    # -- per step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_step(self, sched: Any, graph_batch: int, meta: AttentionMetadata) -> None:
+        """The context K / V of every token the target's step just computed, at its slots (padding: slot -1)."""
+        slots = meta.slot_mapping
+        t = slots.shape[0]
+        positions = self.runner.buffers.positions[:t]
+        k, v = self.drafter.context_kv(self.features[:t], positions)
+        for i, cache in enumerate(self.kv_caches):
+            self._store(k[:, i].contiguous(), v[:, i].contiguous(), cache, meta)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        if hasattr(self.backend, "write_kv"):  # the GPU backend's store (no host sync on slot -1)
+            self.backend.write_kv(k, v, cache, meta)
+            return
+        from voltllm.attention.torch_ref import write_kv
+
+        write_kv(k, v, cache, meta.slot_mapping)
+
+    @torch.inference_mode()
+    def propose(self, sched: Any) -> None:
+        """Fill the step's draft slots (ScheduledRequest.spec_tokens placeholders) from one drafter forward."""
+        self._drafts, self._probs = None, None
+        rows = [s for s in sched.scheduled if s.spec_tokens]
+        self._prob_rows = {s.request.request_id: i for i, s in enumerate(rows)}
+        if not rows:
+            return
+        r, dev = self.runner, self.runner.device
+        ks = [len(s.spec_tokens) for s in rows]
+        kmax, n = max(ks), len(rows)
+        total = sum(ks) + n
+        graph = self.graphs.for_batch(total) if self.graphs is not None else None
+        ids_d, pos_d, meta, base = self._block_inputs(rows, ks, dev, graph.batch_size if graph else 0)
+        if graph is not None:
+            hidden = graph.replay()[:total]
+        else:
+            hidden = self.drafter.block_hidden(ids_d, pos_d, ForwardContext(meta=meta, kv_caches=self.kv_caches,
+                                                                            backend=self.backend))
+        # draft j of request i: the block row after its known token's + j ([kmax, n]; past its own k: unused)
+        pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(kmax)],
+                        dtype=np.int64)
+        logits = self.drafter.compute_logits(hidden[upload(torch.from_numpy(pick.ravel()), dev)])
+        if all(s.request.sampling_params.greedy for s in rows):
+            self._drafts = logits.argmax(dim=-1).view(kmax, n)
+            return
+        tokens, probs = r.sampler.draw_drafts(logits, [
+            SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
+                        s.request.num_output_tokens + j) if j < k else _PAD_ROW
+            for j in range(kmax) for s, k in zip(rows, ks)])
+        self._drafts = tokens.view(kmax, n)
+        if probs is not None:
+            self._probs = probs.view(kmax, n, -1)
+
+    def _block_inputs(self, rows: list, ks: list[int], dev: torch.device, graph_rows: int = 0):
+        """The block rows' input ids, positions and attention metadata on the device (one upload of each array),
+        and each request's first row. graph_rows: a graph of that many rows replays them, so the rows (padded:
+        token 0 at position 0, no slot, one token of context) go into the runner's input buffers it reads."""
+        bs = self.runner.block_size
+        mask = self.params.mask_token_id
+        total = sum(ks) + len(rows)
+        width = max(len(s.block_ids) for s in rows)
+        padded = max(total, graph_rows)
+        longs = np.zeros((3, padded), dtype=np.int64)  # ids, positions, slots
+        longs[2, total:] = -1
+        lens = np.ones(padded, dtype=np.int32)
+        tables = np.zeros((padded, width), dtype=np.int32)
+        base, at = [], 0
+        for s, k in zip(rows, ks):
+            base.append(at)
+            p = np.arange(s.start, s.start + k + 1)
+            longs[0, at] = s.request.all_token_ids[s.start]
+            longs[0, at + 1:at + k + 1] = mask
+            longs[1, at:at + k + 1] = p
+            longs[2, at:at + k + 1] = np.asarray(s.block_ids, dtype=np.int64)[p // bs] * bs + p % bs
+            lens[at:at + k + 1] = s.start + k + 1  # every row sees the whole block
+            tables[at:at + k + 1, :len(s.block_ids)] = s.block_array
+            at += k + 1
+        longs_d = upload(torch.from_numpy(longs), dev)
+        if graph_rows:
+            buf = self.runner._ensure_buffers()
+            buf.select_compact()  # the layout the drafter's graphs read
+            ints_d = upload(torch.from_numpy(np.concatenate([lens, tables.ravel()])), dev)
+            buf.input_ids[:padded].copy_(longs_d[0])
+            buf.positions[:padded].copy_(longs_d[1])
+            buf.slot_mapping[:padded].copy_(longs_d[2])
+            buf.seq_lens[:padded].copy_(ints_d[:padded])
+            buf.block_tables[:padded, :width].copy_(ints_d[padded:].view(padded, width))
+            qsl = buf.query_start_loc
+            qsl.copy_(torch.arange(qsl.numel(), dtype=qsl.dtype, device=dev))
+            return None, None, None, base
+        lens, tables = lens[:total], tables[:total]
+        ints_d = upload(torch.from_numpy(np.concatenate([np.arange(total + 1, dtype=np.int32), lens,
+                                                         tables.ravel()])), dev)
+        meta = AttentionMetadata(
+            num_tokens=total, query_start_loc=ints_d[:total + 1], seq_lens=ints_d[total + 1:2 * total + 1],
+            block_tables=ints_d[2 * total + 1:].view(total, width), slot_mapping=longs_d[2, :total], max_query_len=1,
+            max_seq_len=int(lens.max()), query_start_loc_cpu=list(range(total + 1)), seq_lens_cpu=lens.tolist())
+        return longs_d[0, :total], longs_d[1, :total], meta, base
+
+
+@torch.no_grad()
+def _dummy_weights(drafter: torch.nn.Module, seed: int) -> None:
+    """--load-format dummy: random drafter weights (N(0, 0.02), norms at 1), the target's embedding left alone."""
+    gen = torch.Generator(device=drafter.fc.weight.device).manual_seed(seed + 1)
+    for name, p in drafter.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    drafter.finish_loading()
