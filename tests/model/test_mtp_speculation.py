@@ -228,3 +228,38 @@ def test_graph_form_steps(qwen35, monkeypatch):
     assert any(w for w, _ in log)
     fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
     assert check_against_reference(MTPReference(path, mtp), seen, fulls, 3) > 0
+
+
+def test_sampled_verification_keeps_the_kv(qwen35, monkeypatch):
+    """top_k 1 sampled requests (their tokens are the greedy ones) go through the sampled verification
+    (DraftVerdicts: the MTP's next tokens are the drafts where accepted, else the replacements): the drafts stay the
+    reference's."""
+    path, mtp = qwen35
+    one_hot = SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=14, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    seen = record_draft_logits(monkeypatch)
+    outs = _run(LLM(path, speculative_config=_mtp(3), **BASE), prompts, one_hot)
+    assert outs == _plain(path, prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
+    assert check_against_reference(MTPReference(path, mtp), seen, fulls, 3) > 0
+
+
+def test_first_step_after_a_hit_drafts(qwen35, monkeypatch):
+    """A prompt cached but for its last token: its first step (admitted from the waiting queue, so without drafts)
+    computes that token and leaves the MTP output its next step drafts from; no draft comes from the zero row."""
+    from voltllm.worker.mtp_runner import MTPRunner
+
+    zero_rows = []
+    orig = MTPRunner._source
+    monkeypatch.setattr(MTPRunner, "_source", lambda self, s: zero_rows.append(orig(self, s) == self._zero_row)
+                        or orig(self, s))
+    path, _ = qwen35
+    base = PROMPTS[1][:16]
+    prompts = [base + [5], base + [6]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(path, speculative_config=_mtp(3), mamba_block_size=8, **BASE)
+    _run(llm, [base + [1, 2, 3]], sp)  # caches the 16-token prefix
+    drafts0 = llm.engine.stats().extra["spec_draft_tokens"]
+    assert [_run(llm, [p], sp)[0] for p in prompts] == _plain(path, prompts, sp, enable_prefix_caching=False)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > drafts0
+    assert zero_rows and not any(zero_rows)

@@ -131,8 +131,8 @@ class MTPRunner(DeviceDrafts):
     # -- drafts ---------------------------------------------------------------------------------
     def _source(self, s: Any) -> int:
         """The outs row of a drafting request's first draft: its slot when its last step left the output at position
-        start - 1; else the zero row (a request whose first step after a prefix-cache hit drafts: the target never
-        computed the position before, so its drafts are guesses, rejected or not, and nothing else depends on them)."""
+        start - 1. Else the zero row, a guard: the scheduler drafts only for running requests, whose last step left
+        it; were one to draft without, its drafts would be guesses, verified like any, and nothing else reads them."""
         lo, hi = self.saved.get(s.request.request_id, (1, 0))
         return self.slots[s.request.request_id] if lo <= s.start - 1 <= hi else self._zero_row
 
