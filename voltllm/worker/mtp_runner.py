@@ -124,7 +124,7 @@ class MTPRunner(DeviceDrafts):
         slot = self.slots.get(rid)
         if slot is None:
             if not self._free:
-                raise RuntimeError("MTP: more requests sampled than --max-num-seqs output slots")
+                raise RuntimeError("MTP: more running requests than --max-num-seqs output slots")
             slot = self.slots[rid] = self._free.pop()
         return slot
 
