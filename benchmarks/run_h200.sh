@@ -164,7 +164,8 @@
 #            vs its n-gram verification round (K = 4, batch 1 then 4; oracle drafts, random weights) and projected tok/s
 #   s96mtp   (mtp branch, queued) MTP speculation: tests/gpu/test_mtp_cuda.py (fp32 draft logits = the float64 reference
 #            and greedy = plain with decode / walks graphs, 3 kinds native, qwen3_5 --compat sm70 and chunked; fp16 agreeing
-#            module; sampled), then benchmarks/micro/mtp_round.py: the qwen3.5-27b shape's plain step vs its MTP round at
+#            module; sampled)
+#   s96mtpb  (mtp branch, queued) benchmarks/micro/mtp_round.py: the qwen3.5-27b shape's plain step vs its MTP round at
 #            K = 1..3 (batch 1, random weights: drafts rejected; then oracle drafts) and projected tok/s
 set -uo pipefail
 stage=$1; sha=$2
@@ -1264,9 +1265,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 560 python3 benchmarks/micro/hybrid_spec_round.py --target qwen3.5-27b-shape -k 4 --batch 1,4 \
       --out "$out/hybrid-spec-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
-  s96mtp)  # (mtp branch, queued) MTP speculation: GPU tests, then the 27B shape's MTP round at K = 1..3 (random weights)
-    gpu_file test_mtp_cuda 240
-    timeout 330 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
+  s96mtp)  # (mtp branch, queued) MTP speculation: the GPU tests
+    gpu_file test_mtp_cuda 400
+    ;;
+  s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
+    timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
       --out "$out/mtp-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
