@@ -107,7 +107,8 @@ class DFlashRunner(DeviceDrafts):
         from voltllm.worker.cuda_graphs import DecodeGraphs
         from voltllm.worker.draft_runner import _GraphView
 
-        graphs = DecodeGraphs(_GraphView(self, self.runner))
+        self._graph_view = _GraphView(self, self.runner)  # (DecodeGraphs holds it weakly)
+        graphs = DecodeGraphs(self._graph_view)
         graphs.capture()
         self.graphs = graphs
 
