@@ -760,6 +760,9 @@ case $stage in
     timeout 150 python3 benchmarks/micro/first_use_stalls.py --draft none --out "$out/first-use-stalls-plain-$sha.json" \
       2>&1 | grep -v -i "warn\|INFO" | tail -30
     ;;
+  s97b)  # (session 26, after s97) the DFlash tests again (s97: the drafter's graph view was collected)
+    gpu_file test_dflash_cuda 100
+    ;;
   s97)  # (session 26; carry .whl) what fits the session's last device minutes: the hybrid-speculation kernels, layer
         # checks and fp32 engine cases (s91hs without test_gdn_decode), the DFlash tests with the drafter's graphs
     gpu_file test_hybrid_spec_cuda 330 -k "kernel or layer or fp32"

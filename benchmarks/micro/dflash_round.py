@@ -9,16 +9,14 @@ count, 5 here, is an assumption: --layers). Projected tokens / s at the acceptan
     PYTHONPATH=$PWD python3 benchmarks/micro/dflash_round.py [--target qwen3-8b-shape] [-k 15] [--batch 1,16]
 """
 import argparse
-import gc
 import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
-from voltllm import LLM, SamplingParams
+from draft_model_round import measure  # (this folder: the same plain / speculative run measured)
 from voltllm.bench.shapes import materialize
 
 
@@ -42,31 +40,6 @@ def write_drafter(target_dir: str, dest: str, layers: int, block: int) -> str:
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f)
     return out
-
-
-def measure(target: str, spec, batch: int, dtype: str, output_len: int) -> dict:
-    llm = LLM(target, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=2048,
-              gpu_memory_utilization=0.85, speculative_config=spec)
-    prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 30000 + 100 for j in range(128)]} for i in range(batch)]
-    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, sp)  # warm-up: Triton compiles, first-use allocations
-    s0 = llm.engine.stats()
-    t0 = time.perf_counter()
-    llm.generate(prompts, sp)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    s1 = llm.engine.stats()
-    steps = s1.step_counter - s0.step_counter - 1  # less the prompt step
-    row = {"batch": batch, "steps": steps, "wall_s": dt, "step_ms": 1e3 * dt / max(steps + 1, 1),
-           "tok_s": batch * output_len / dt}
-    if spec is not None:
-        d = s1.extra["spec_draft_tokens"] - s0.extra["spec_draft_tokens"]
-        a = s1.extra["spec_accepted_tokens"] - s0.extra["spec_accepted_tokens"]
-        row.update(drafts=d, accepted=a, acceptance=a / max(d, 1))
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return row
 
 
 def main() -> int:

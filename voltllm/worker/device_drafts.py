@@ -59,3 +59,12 @@ class DeviceDrafts:
             src += [j * n + i for j in range(k)] + [i]
             drawn += [not s.request.sampling_params.greedy] * k + [False]
         return probs.reshape(-1, vocab)[to_device(src, torch.long, probs.device)], drawn
+
+
+def draft_weights(spec, dtype: torch.dtype):
+    """The (name, tensor) pairs of a draft checkpoint (spec.model, spec.draft_hf_config), floating-point tensors in
+    the target's dtype."""
+    from voltllm.model.loader import iter_weights, resolve_model
+
+    for name, t in iter_weights(resolve_model(spec.model), spec.draft_hf_config):
+        yield name, t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t

@@ -41,7 +41,7 @@ from voltllm.host_to_device import upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
 from voltllm.sampling.sampler import SamplingRow
-from voltllm.worker.device_drafts import DeviceDrafts
+from voltllm.worker.device_drafts import DeviceDrafts, draft_weights
 
 logger = logging.getLogger("voltllm")
 
@@ -75,7 +75,6 @@ class DFlashRunner(DeviceDrafts):
         self.graphs = None  # DecodeGraphs of the drafter's block forward, on the target's input buffers
 
     def _load(self, runner: Any, spec: Any):
-        from voltllm.model.loader import iter_weights, resolve_model
         from voltllm.model.models.dflash import DFlashDrafter
 
         t0 = time.monotonic()
@@ -86,8 +85,7 @@ class DFlashRunner(DeviceDrafts):
         if mc.load_format == "dummy":
             _dummy_weights(drafter, mc.seed)
         else:
-            drafter.load_weights((n, t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                                 for n, t in iter_weights(resolve_model(spec.model), spec.draft_hf_config))
+            drafter.load_weights(draft_weights(spec, dtype))
         logger.info("loaded DFlash drafter %s in %.1f s", spec.model, time.monotonic() - t0)
         return drafter.eval()
 
@@ -107,7 +105,8 @@ class DFlashRunner(DeviceDrafts):
         from voltllm.worker.cuda_graphs import DecodeGraphs
         from voltllm.worker.draft_runner import _GraphView
 
-        graphs = DecodeGraphs(_GraphView(self, self.runner))
+        self._graph_view = _GraphView(self, self.runner)  # (DecodeGraphs holds it weakly)
+        graphs = DecodeGraphs(self._graph_view)
         graphs.capture()
         self.graphs = graphs
 

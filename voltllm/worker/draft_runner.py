@@ -32,7 +32,7 @@ from voltllm.host_to_device import upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
 from voltllm.sampling.sampler import SamplingRow
-from voltllm.worker.device_drafts import DeviceDrafts
+from voltllm.worker.device_drafts import DeviceDrafts, draft_weights
 
 logger = logging.getLogger("voltllm")
 
@@ -85,7 +85,6 @@ class DraftRunner(DeviceDrafts):
     @staticmethod
     def _load(runner: Any, spec: Any) -> torch.nn.Module:
         """The draft, dense, in the target's dtype (a quantized draft checkpoint is dequantized at load)."""
-        from voltllm.model.loader import iter_weights, resolve_model
         from voltllm.model.models.registry import build_model
         from voltllm.worker.runner import init_dummy_weights
 
@@ -96,8 +95,7 @@ class DraftRunner(DeviceDrafts):
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed)
         else:
-            model.load_weights((n, t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                               for n, t in iter_weights(resolve_model(spec.model), spec.draft_hf_config))
+            model.load_weights(draft_weights(spec, dtype))
         logger.info("loaded draft model %s in %.1f s", spec.model, time.monotonic() - t0)
         return model.eval()
 
