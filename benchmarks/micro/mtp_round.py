@@ -11,15 +11,13 @@ tokens per round = (1 - a^(K+1)) / (1 - a).
         [--dtype float16] [--out result.json]
 """
 import argparse
-import gc
 import json
 import sys
 import tempfile
-import time
 
 import torch
 
-from voltllm import LLM, SamplingParams
+from hybrid_spec_round import _engine, _free, _measure  # (this folder: the same engines and timed runs)
 from voltllm.bench.shapes import materialize
 from voltllm.worker.mtp_runner import MTPRunner
 
@@ -39,37 +37,6 @@ def _oracle_propose(self, sched):
             want = full[s.start + 1:s.start + 1 + len(s.spec_tokens)]
             col = self._prob_rows[s.request.request_id]
             self._drafts[:len(want), col] = torch.tensor(want, device=self._drafts.device)
-
-
-def _engine(target: str, spec, dtype: str, batch: int, k: int) -> LLM:
-    return LLM(target, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=2048,
-               max_num_seqs=max(batch * (k + 1), 4), gpu_memory_utilization=0.85, speculative_config=spec)
-
-
-def _measure(llm: LLM, prompts: list, output_len: int) -> tuple[dict, list]:
-    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    s0 = llm.engine.stats()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    s1 = llm.engine.stats()
-    steps = s1.step_counter - s0.step_counter - 1  # less the prompt step
-    row = {"steps": steps, "wall_s": dt, "step_ms": 1e3 * dt / max(steps + 1, 1),
-           "tok_s": len(prompts) * output_len / dt}
-    if "spec_draft_tokens" in s1.extra:
-        d = s1.extra["spec_draft_tokens"] - s0.extra["spec_draft_tokens"]
-        a = s1.extra["spec_accepted_tokens"] - s0.extra["spec_accepted_tokens"]
-        row.update(drafts=d, accepted=a, acceptance=a / max(d, 1))
-    return row, [o.outputs[0].token_ids for o in outs]
-
-
-def _free(llm: LLM) -> None:
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main() -> int:

@@ -19,6 +19,24 @@ class DeviceDrafts:
     _probs: Optional[torch.Tensor] = None
     _prob_rows: dict = {}
 
+    # -- the proposer's KV cache: its attention layers' tensors, in the target's blocks and KV dtype (a proposer whose
+    # caches differ overrides these); self.model and self.runner are the proposer's
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        heads, dim = self.model.kv_heads_and_dim
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        return 2 * block_size * heads * dim * elem * self.model.num_attention_layers
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        self.kv_caches = self.profile_caches(num_blocks, block_size, kv_dtype)
+
+    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+        """Cache tensors of the proposer's layers for num_blocks blocks (its KV cache; memory profiling's forward)."""
+        from voltllm.attention.backend import make_kv_cache
+
+        heads, dim = self.model.kv_heads_and_dim
+        return make_kv_cache(self.model.num_attention_layers, num_blocks, block_size, heads, dim, kv_dtype,
+                             self.runner.device)
+
     def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
         """Copy the drafts into the step's input ids on the device (the step was prepared with placeholders):
         spans = (index of its first draft in the step's tokens, ScheduledRequest) per drafting request."""

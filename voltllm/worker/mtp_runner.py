@@ -35,7 +35,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+from voltllm.attention.backend import AttentionMetadata
 from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
@@ -93,20 +93,7 @@ class MTPRunner(DeviceDrafts):
         logger.info("loaded the MTP module of %s in %.1f s", mc.model, time.monotonic() - t0)
         return model.eval()
 
-    # -- KV cache -------------------------------------------------------------------------------
-    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        heads, dim = self.model.kv_heads_and_dim
-        elem = torch.tensor([], dtype=kv_dtype).element_size()
-        return 2 * block_size * heads * dim * elem * self.model.num_attention_layers
-
-    def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
-        self.kv_caches = self.profile_caches(num_blocks, block_size, kv_dtype)
-
-    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
-        heads, dim = self.model.kv_heads_and_dim
-        return make_kv_cache(self.model.num_attention_layers, num_blocks, block_size, heads, dim, kv_dtype,
-                             self.runner.device)
-
+    # -- KV cache: DeviceDrafts' (its layers in the target's blocks); graphs -----------------------
     def capture_graphs(self) -> None:
         """(The MTP's passes run eagerly.)"""
 
