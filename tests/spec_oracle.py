@@ -52,3 +52,28 @@ def patch_draft_model(monkeypatch: Any, table: dict, vocab: int) -> None:
                 self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
 
     monkeypatch.setattr(DraftRunner, "_passes", passes)
+
+
+def run_checked(llm: Any, prompts: list, sps: Any) -> list:
+    """Token ids of each request (prompts as token id lists), after the engine's books check out and every KV block
+    is back."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.usage() == 0.0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+class PlainRuns:
+    """Plain decoding's outputs with engine arguments `base` (+ per-call ones), cached: several tests compare
+    with the same ones."""
+
+    def __init__(self, base: dict):
+        self.base, self.cache = base, {}
+
+    def __call__(self, path: str, prompts: list, sp: Any, **kw: Any) -> list:
+        from voltllm import LLM
+
+        key = (path, repr(prompts), repr(sp), tuple(sorted(kw.items())))
+        if key not in self.cache:
+            self.cache[key] = run_checked(LLM(path, **{**self.base, **kw}), prompts, sp)
+        return self.cache[key]

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from spec_oracle import oracle_table, patch_draft_model, patch_ngram
+from spec_oracle import PlainRuns, oracle_table, patch_draft_model, patch_ngram, run_checked
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 
@@ -41,21 +41,8 @@ def qwen35(tmp_path_factory):
     return _make(tmp_path_factory, "qwen3_5")
 
 
-def _run(llm, prompts, sps):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
-    llm.engine.check_integrity()
-    assert llm.engine.kv.usage() == 0.0
-    return [o.outputs[0].token_ids for o in outs]
-
-
-_PLAIN: dict = {}
-
-
-def _plain(path, prompts, sp, **kw):
-    key = (path, repr(prompts), repr(sp), tuple(sorted(kw.items())))
-    if key not in _PLAIN:
-        _PLAIN[key] = _run(LLM(path, **{**BASE, **kw}), prompts, sp)
-    return _PLAIN[key]
+_run = run_checked
+_plain = PlainRuns(BASE)
 
 
 @pytest.fixture
