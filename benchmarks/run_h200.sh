@@ -167,6 +167,9 @@
 #            module; sampled)
 #   s96mtpb  (mtp branch, queued) benchmarks/micro/mtp_round.py: the qwen3.5-27b shape's plain step vs its MTP round at
 #            K = 1..3 (batch 1, random weights: drafts rejected; then oracle drafts) and projected tok/s
+#   s98      (session 27) the packed-fp16 4-bit decode GEMV (kernels/quant_half2.py): benchmarks/micro/quant_half2_sweep.py
+#            (checks against the dequantized weight, then AWQ / NVFP4 at the 8B shapes vs quant_matmul), then the MTP
+#            GPU tests (s96mtp) with the time left
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1270,6 +1273,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     ;;
   s96mtp)  # (mtp branch, queued) MTP speculation: the GPU tests
     gpu_file test_mtp_cuda 400
+    ;;
+  s98)  # (session 27) packed-fp16 4-bit GEMV sweep, then the MTP GPU tests
+    t0=$SECONDS
+    timeout 300 python3 benchmarks/micro/quant_half2_sweep.py --kinds ${3:-AWQ_G128,NVFP4} \
+      --out "$out/quant-half2-sweep-$sha.json" 2>&1 | grep -v -i "warn" | tail -40
+    gpu_file test_mtp_cuda $(( 570 - (SECONDS - t0) ))
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -1,0 +1,115 @@
+"""The packed-fp16 4-bit decode GEMV (voltllm.kernels.quant_half2) against the fp32 dequant-GEMM
+(quant_gemv.quant_matmul) at 1-4 rows: correctness against the dequantized weight, then times over the qwen3-8b
+projection shapes and tile candidates, L2 cold (CUDA-graph replays over rotated copies). GPU only.
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/quant_half2_sweep.py [--kinds AWQ_G128,NVFP4] [--out FILE.json]
+
+Kinds: AWQ_G128 (int4, zero points), GPTQ_G128 (int4, zero 8), Q4_0 (random GGUF blocks), NVFP4 (random E2M1
+codes, E4M3 scales 0.5-4, global 0.002). The last lines are a table: us per call, GB/s of planes read.
+"""
+import argparse
+import json
+
+import torch
+
+from voltllm.kernels.quant_gemv import dequantize, quant_matmul
+from voltllm.kernels.quant_half2 import fits, half2_matmul
+from voltllm.model.layers.gguf_planes import (NVFP4_KIND, Unpacked, int4_kind, map_planes, planes_from_blocks,
+                                              random_blocks, to_planes)
+from voltllm.worker.skinny_tuning import graph_replay_ms
+
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+CONFIGS = [(1, 32, 2), (1, 64, 2), (1, 16, 1), (2, 32, 2), (2, 16, 2), (4, 16, 2), (1, 64, 4), (4, 32, 4),
+           (1, 32, 1), (2, 64, 4)]
+
+
+def random_planes(kind: str, n: int, k: int, g: torch.Generator):
+    if kind == "Q4_0":
+        return planes_from_blocks(random_blocks(kind, n, k, g), kind, k, torch.device("cuda"))
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    if kind == "NVFP4":
+        sc = torch.randint(0x30, 0x49, (n, k // 16), dtype=torch.uint8, generator=g).view(torch.int8)
+        u = Unpacked(codes=codes, d=torch.full((n, -(-k // 256)), 0.002), m=None, sc=sc, mn=None)
+        pk = NVFP4_KIND
+    else:
+        zp = kind == "AWQ_G128"
+        pk = int4_kind(128, zp)
+        u = Unpacked(codes=codes, d=(torch.rand(n, k // 128, generator=g) * 0.01 + 0.001).half(), m=None, sc=None,
+                     mn=torch.randint(0, 16, (n, k // 128), dtype=torch.int8, generator=g) if zp else None)
+    p = to_planes(u, pk)
+    return map_planes(p, lambda t: t.to("cuda"), p.n)
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default="AWQ_G128,NVFP4,GPTQ_G128,Q4_0")
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    g = torch.Generator().manual_seed(0)
+    results = {"check": [], "time": []}
+    # correctness: every row count 1-7, odd N, against the dequantized weight in fp32
+    for kind in kinds:
+        for n, k in ((4096, 4096), (1000, 1536)):
+            p = random_planes(kind, n, k, g)
+            assert fits(p)
+            w = dequantize(p, torch.float32)
+            bias = torch.randn(n, device="cuda", dtype=torch.float16)
+            for m in (1, 2, 3, 4, 5, 7):
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                ref = x.float() @ w.T + bias.float()
+                for cfg in CONFIGS[:4]:
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+                    half2_matmul(x, p, bias, out=out, config=cfg)
+                    old = quant_matmul(x, p, bias)
+                    e_new, e_old = rel(out, ref), rel(old, ref)
+                    ok = e_new < 3e-3 and not out.isnan().any()
+                    results["check"].append({"kind": kind, "n": n, "k": k, "m": m, "config": cfg, "rel_new": e_new,
+                                             "rel_old": e_old, "ok": ok})
+                    if not ok:
+                        print(f"MISMATCH {kind} {n}x{k} m={m} {cfg}: rel {e_new:.2e} (fp32 form {e_old:.2e})")
+    bad = [c for c in results["check"] if not c["ok"]]
+    worst = max(c["rel_new"] for c in results["check"])
+    print(f"checks: {len(results['check'])} done, {len(bad)} bad, worst rel err {worst:.2e} (fp32 form "
+          f"{max(c['rel_old'] for c in results['check']):.2e})", flush=True)
+    table = []
+    for kind in kinds:
+        for n, k in SHAPES:
+            first = random_planes(kind, n, k, g)
+            rot = [first] + [map_planes(first, torch.clone, n) for _ in range(min(11, max(1, int(400e6 // first.nbytes))))]
+            for m in rows_list:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                old_us = graph_replay_ms(lambda p: quant_matmul(x, p), rot, reps=20) * 1e3
+                timed = []
+                for cfg in CONFIGS:
+                    try:
+                        timed.append((graph_replay_ms(lambda p: half2_matmul(x, p, config=cfg), rot, reps=20) * 1e3,
+                                      cfg))
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is reported
+                        print(f"  {cfg} failed: {type(e).__name__}: {str(e)[:100]}")
+                timed.sort()
+                best_us, best = timed[0]
+                gbs = first.nbytes / best_us / 1e3
+                row = {"kind": kind, "n": n, "k": k, "m": m, "old_us": old_us, "new_us": best_us, "best": best,
+                       "new_GBps": gbs, "old_GBps": first.nbytes / old_us / 1e3,
+                       "all": [(t, c) for t, c in timed]}
+                results["time"].append(row)
+                table.append(row)
+                print(f"  {kind} {n}x{k} m{m}: " + ", ".join(f"{c}:{t:.1f}" for t, c in timed[:4]), flush=True)
+    print(f"{'kind':>10} {'shape':>12} m  {'fp32 us':>8} {'half2 us':>8}  speedup  GB/s (fp32 -> half2)  tile")
+    for r in table:
+        print(f"{r['kind']:>10} {r['n']:>5}x{r['k']:<6} {r['m']}  {r['old_us']:8.1f} {r['new_us']:8.1f}  "
+              f"{r['old_us'] / r['new_us']:6.2f}x  {r['old_GBps']:6.0f} -> {r['new_GBps']:6.0f}  {r['best']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""4-bit kept-quantized weights times a few activation rows in packed fp16 (f16x2) arithmetic: the decode GEMV.
+
+quant_gemv.quant_matmul dequantizes each weight in fp32 and multiplies it there: some seven instructions per weight
+(byte extract, code to float, scale, convert the activation, FMA), which at batch 1 holds an H200 to 1.0-1.25 TB/s of
+4-bit codes (~35 % of the read limit). This form works on 32-bit words of `lo` (8 weights each) with the fp16
+"magic number" conversion and f16x2 instructions (sm_53+, so SM70 too; no tensor cores, no fp8 / bf16):
+
+- a word's bytes become halves (prmt), a nibble OR 0x6400 is the fp16 1024 + q (lop3), and a high nibble left in
+  place is 1024 + 16 q; one f16x2 subtract (or FMA by 1/16) gives q - zero exactly, one f16x2 multiply the weight
+  (q - zero) * scale, rounded once to fp16: the value dequantize() writes in fp16.
+- NVFP4 codes become fp16 bits directly ((q & 7) << 9 | sign << 15: the E2M1 value / 2^14), multiplied by the
+  per-16 scale times the global times 2^14 in fp16 (the caller checks that product stays finite: `fits`).
+- each row's products accumulate in f16x2 over one word (4 per lane), then in fp32.
+About 3.5 instructions per weight for int4 (4.5 for NVFP4) instead of ~7. Activations must be fp16 (f16x2 has no
+bf16 form before sm_80). Kinds: the 4-bit planes without high bits and without a separate minimum: int4 (AWQ / GPTQ,
+any group of 16 or more), Q4_0 and NVFP4.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from voltllm.kernels.registry import CompileSpec, register_kernel
+from voltllm.model.layers.gguf_planes import KINDS, NVFP4_KIND, int4_kind
+
+__triton_helpers__ = ("_half2_bits", "_int4_weights", "_fp4_weights", "_row_partial")
+
+FP16_MAX = 65504.0
+MAX_ROWS = 4  # rows per program: each shares the dequantized words
+
+
+@triton.jit
+def _half2_bits(h):
+    """An fp16 tensor as int32 words holding it twice (both f16x2 lanes)."""
+    b = h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _int4_weights(word, s_lo, s_hi, z_lo, z_hi):
+    """The 8 weights of a word of `lo` as four f16x2 words: lo nibbles of bytes (0, 1), (2, 3), then the high ones.
+    s_*: the scale in both lanes; z_lo: fp16 1024 + zero, z_hi: fp16 -(64 + zero), both lanes."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, z, c16;
+        mov.b32 z, 0;
+        mov.b32 c16, 0x2C002C00;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $2, t0, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 $3, t1, 0x00F000F0, 0x64006400, 0xEA;
+        sub.f16x2 $0, $0, $7;
+        sub.f16x2 $1, $1, $7;
+        fma.rn.f16x2 $2, $2, c16, $8;
+        fma.rn.f16x2 $3, $3, c16, $8;
+        mul.rn.f16x2 $0, $0, $5;
+        mul.rn.f16x2 $1, $1, $5;
+        mul.rn.f16x2 $2, $2, $6;
+        mul.rn.f16x2 $3, $3, $6;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[word, s_lo, s_hi, z_lo, z_hi], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp4_weights(word, s_lo, s_hi):
+    """The 8 E2M1 weights of a word as four f16x2 words (same order as _int4_weights); s_*: the scale times 2^14."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, a, b, z;
+        mov.b32 z, 0;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        shl.b32 a, t0, 9;
+        shl.b32 b, t0, 12;
+        and.b32 b, b, 0x80008000;
+        lop3.b32 $0, a, 0x0E000E00, b, 0xEA;
+        shl.b32 a, t1, 9;
+        shl.b32 b, t1, 12;
+        and.b32 b, b, 0x80008000;
+        lop3.b32 $1, a, 0x0E000E00, b, 0xEA;
+        shl.b32 a, t0, 5;
+        shl.b32 b, t0, 8;
+        and.b32 b, b, 0x80008000;
+        lop3.b32 $2, a, 0x0E000E00, b, 0xEA;
+        shl.b32 a, t1, 5;
+        shl.b32 b, t1, 8;
+        and.b32 b, b, 0x80008000;
+        lop3.b32 $3, a, 0x0E000E00, b, 0xEA;
+        mul.rn.f16x2 $0, $0, $5;
+        mul.rn.f16x2 $1, $1, $5;
+        mul.rn.f16x2 $2, $2, $6;
+        mul.rn.f16x2 $3, $3, $6;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[word, s_lo, s_hi], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _row_partial(w0, w1, w2, w3, xa, xb, xc, xd):
+    """fp32 sum of a word's 8 products with its activations (x pairs as int32 words), accumulated in f16x2."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 acc;
+        .reg .b16 lo, hi;
+        .reg .f32 f;
+        mul.rn.f16x2 acc, $1, $5;
+        fma.rn.f16x2 acc, $2, $6, acc;
+        fma.rn.f16x2 acc, $3, $7, acc;
+        fma.rn.f16x2 acc, $4, $8, acc;
+        mov.b32 {lo, hi}, acc;
+        cvt.f32.f16 $0, lo;
+        cvt.f32.f16 f, hi;
+        add.f32 $0, $0, f;
+        }""",
+        constraints="=r,r,r,r,r,r,r,r,r",
+        args=[w0, w1, w2, w3, xa, xb, xc, xd], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half2_matmul_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_d, stride_s,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr, ZERO: tl.constexpr,
+                         SUPER: tl.constexpr, ZP: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Y[M, N] = X[M, K] W^T (+ B). LO: the codes as int32 words [N, K / 8] (a 16-byte unit u covers elements
+    64 (u // 2) + 16 (u % 2) + [0, 16) in its low nibbles and 32 more in its high ones); X: fp16 pairs as int32
+    [M, K / 2]. Strides in elements of those views."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    n3 = offs_n[:, None, None]
+    i4 = tl.arange(0, 4)
+    j8 = tl.arange(0, 8)
+    acc0 = tl.zeros((BLOCK_N, U, 4), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, U, 4), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, U, 4), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, U, 4), dtype=tl.float32)
+    for u0 in range(0, NU, U):
+        u = u0 + tl.arange(0, U)
+        umask = u < NU
+        mask3 = mask_n[:, None, None] & umask[None, :, None]
+        word = tl.load(LO + n3 * stride_lo + (u * 4)[None, :, None] + i4[None, None, :], mask=mask3, other=0)
+        e0 = (u // 2) * 64 + (u % 2) * 16  # the unit's first low-nibble element
+        g_lo = (e0 // SUPER)[None, :, None]
+        g_hi = ((e0 + 32) // SUPER)[None, :, None]
+        if FP4:  # E4M3 scale codes as fp16 bits (value / 2^8) times the row's global scale times 2^22
+            glob = tl.load(D + n3 * stride_d + g_lo, mask=mask3, other=0.0) * 4194304.0
+            c_lo = tl.load(SC + n3 * stride_s + e0[None, :, None] // 16, mask=mask3, other=0).to(tl.int32)
+            c_hi = tl.load(SC + n3 * stride_s + (e0[None, :, None] + 32) // 16, mask=mask3, other=0).to(tl.int32)
+            f_lo = (((c_lo & 0x7F) << 7) | ((c_lo & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            f_hi = (((c_hi & 0x7F) << 7) | ((c_hi & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            s_lo = _half2_bits((f_lo.to(tl.float32) * glob).to(tl.float16))
+            s_hi = _half2_bits((f_hi.to(tl.float32) * glob).to(tl.float16))
+            w0, w1, w2, w3 = _fp4_weights(word, s_lo, s_hi)
+        else:
+            s_lo = _half2_bits(tl.load(D + n3 * stride_d + g_lo, mask=mask3, other=0.0))
+            s_hi = _half2_bits(tl.load(D + n3 * stride_d + g_hi, mask=mask3, other=0.0))
+            if ZP:  # fp16 bits of 1024 + z (ulp 1 there) and -(64 + z) (ulp 1/16)
+                zr_lo = tl.load(MN + n3 * stride_s + g_lo, mask=mask3, other=0).to(tl.int32)
+                zr_hi = tl.load(MN + n3 * stride_s + g_hi, mask=mask3, other=0).to(tl.int32)
+            else:
+                zr_lo = tl.full((1, 1, 1), ZERO, tl.int32)
+                zr_hi = zr_lo
+            z_lo = (0x6400 + zr_lo) | ((0x6400 + zr_lo) << 16)
+            z_hi = (0xD400 + zr_hi * 16) | ((0xD400 + zr_hi * 16) << 16)
+            w0, w1, w2, w3 = _int4_weights(word, s_lo, s_hi, z_lo, z_hi)
+        # activation pairs: low nibbles' elements e0 + 4 i + (0, 1 | 2, 3) -> pair index e0 / 2 + 2 i + (0 | 1)
+        xo = (e0 // 2)[None, :, None] + j8[None, None, :]
+        xmask = umask[None, :, None]
+        for r in tl.static_range(BLOCK_M):
+            row = pid_m * BLOCK_M + r
+            xr = X + row * stride_xm
+            rm = xmask & (row < M)
+            xa, xb = tl.split(tl.reshape(tl.load(xr + xo, mask=rm, other=0), (1, U, 4, 2)))
+            xc, xd = tl.split(tl.reshape(tl.load(xr + xo + 16, mask=rm, other=0), (1, U, 4, 2)))
+            part = _row_partial(w0, w1, w2, w3, xa, xb, xc, xd)
+            if r == 0:
+                acc0 += part
+            elif r == 1:
+                acc1 += part
+            elif r == 2:
+                acc2 += part
+            else:
+                acc3 += part
+    if HAS_BIAS:
+        bias = tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r in tl.static_range(BLOCK_M):
+        row = pid_m * BLOCK_M + r
+        if r == 0:
+            acc = acc0
+        elif r == 1:
+            acc = acc1
+        elif r == 2:
+            acc = acc2
+        else:
+            acc = acc3
+        y = tl.sum(tl.sum(acc, 2), 1) + bias
+        tl.store(Y + row * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=mask_n & (row < M))
+
+
+def supports(kind) -> bool:
+    """Whether a plane kind has this form: 4-bit codes without high bits, a zero point (fixed or per group) or
+    NVFP4's scales, scale groups of 16 elements or more."""
+    if kind.fp4:
+        return kind.sub == 16
+    return (kind.hi_bits == 0 and not kind.has_min and kind.sub == 0 and not kind.fp8 and kind.super % 16 == 0
+            and 0 <= kind.zero < 16)
+
+
+def fits(planes) -> bool:
+    """Whether the planes' scales stay finite in this form's fp16 arithmetic: NVFP4's per-16 scale times the global
+    scale times 2^14 (its codes are read as the E2M1 value / 2^14) must be below fp16's maximum. Reads the scales
+    (a device sync): call it once per weight, at start-up."""
+    if not supports(planes.kind):
+        return False
+    if not planes.kind.fp4:
+        return True
+    top = planes.sc.view(torch.uint8) & 0x7F  # E4M3 magnitude codes order like their values
+    big = int(top.max()) if top.numel() else 0
+    from voltllm.model.layers.gguf_planes import e4m3_values
+
+    sc_max = float(e4m3_values(torch.tensor([big], dtype=torch.uint8)))
+    return sc_max * float(planes.d.float().abs().max()) * 16384.0 < FP16_MAX
+
+
+def operands_ok(x: torch.Tensor, planes, out: Optional[torch.Tensor]) -> bool:
+    """Whether x / the planes / out can be read as this form's int32 views (fp16, even strides, 4-byte aligned)."""
+    return (x.dtype == torch.float16 and x.dim() == 2 and x.stride(1) == 1 and x.stride(0) % 2 == 0
+            and x.data_ptr() % 4 == 0 and planes.lo.stride(1) == 1 and planes.lo.stride(0) % 4 == 0
+            and planes.lo.data_ptr() % 4 == 0 and (out is None or out.stride(1) == 1)
+            and planes.k % 64 == 0 and supports(planes.kind))
+
+
+def half2_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                 config: tuple[int, int, int] = (1, 32, 2)) -> torch.Tensor:
+    """x [M, K] fp16 times the 4-bit W [N, K]^T (+ bias) -> [M, N] fp16 (into `out`, which may be a column slice of a
+    wider output). config: (BLOCK_N, U, num_warps). At most MAX_ROWS rows share one read of a weight tile; more rows
+    read it again per MAX_ROWS. The caller checks `operands_ok` (and `fits` once per weight)."""
+    from voltllm.kernels.quant_gemv import checked_operands
+
+    x, out = checked_operands(x, planes, out)
+    if not operands_ok(x, planes, out):
+        raise ValueError("half2_matmul needs fp16 activations with even strides and 4-bit planes of this form")
+    m = x.shape[0]
+    block_m = min(MAX_ROWS, triton.next_power_of_2(m))
+    block_n, units, warps = config
+    nu = planes.k // 32
+    units = min(units, triton.next_power_of_2(nu))
+    kind = planes.kind
+    lo32 = planes.lo.view(torch.int32)
+    x32 = x.view(torch.int32)
+    sc = planes.sc if planes.sc is not None else planes.lo
+    mn = planes.mn if planes.mn is not None else planes.lo
+    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
+    _half2_matmul_kernel[grid](
+        x32, out, bias if bias is not None else out, lo32, planes.d, sc, mn, m, planes.n, nu, x32.stride(0),
+        out.stride(0), lo32.stride(0), planes.d.stride(0), sc.stride(0) if planes.sc is not None else mn.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, U=units, ZERO=kind.zero, SUPER=kind.super, ZP=kind.zero_points,
+        FP4=kind.fp4, HAS_BIAS=bias is not None, num_warps=warps)
+    return out
+
+
+def _specs() -> list[CompileSpec]:
+    sig = {"X": "*i32", "Y": "*fp16", "B": "*fp16", "LO": "*i32", "D": "*fp16", "SC": "*i8", "MN": "*i8", "M": "i32",
+           "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_d": "i32",
+           "stride_s": "i32"}
+    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "ZERO", "SUPER", "ZP", "FP4", "HAS_BIAS")})
+    specs = []
+    for kind, rows in ((int4_kind(128, True), 1), (int4_kind(128, True), 4), (int4_kind(32, False), 1),
+                       (KINDS["Q4_0"], 1), (NVFP4_KIND, 1), (NVFP4_KIND, 4)):
+        s = {**sig, "D": "*fp32"} if kind.fp4 else sig
+        specs.append(CompileSpec(s, {"BLOCK_M": rows, "BLOCK_N": 1, "U": 32, "ZERO": kind.zero, "SUPER": kind.super,
+                                     "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0"},
+                                 f"{kind.name} m{rows}"))
+    return specs
+
+
+register_kernel("quant.half2_matmul", _half2_matmul_kernel, _specs())
