@@ -100,7 +100,10 @@ class MTPReference:
         g = self._rms(hidden, self.w["mtp.pre_fc_norm_hidden.weight"])
         u = (torch.cat([e, g], dim=-1) @ self.w["mtp.fc.weight"].T)[None]
         pos = torch.arange(t)[None]
-        cos_sin = self.hf.model.rotary_emb(u, pos)
+        # Qwen3.5's rotary table takes mRoPE ids (3, batch, T), as its model's forward passes them (transformers 5.17
+        # refuses 2-D ids there; 5.24 takes both); Qwen3-Next's takes (batch, T)
+        rope_pos = pos[None].expand(3, 1, t) if "qwen3_5" in self.hf.config.model_type else pos
+        cos_sin = self.hf.model.rotary_emb(u, rope_pos)
         mask = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)[None, None]
         y = self.layer(u, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
         y = y[0] if isinstance(y, tuple) else y

@@ -19,8 +19,7 @@ from voltllm.model.layers.gguf_planes import (NVFP4_KIND, Unpacked, int4_kind, m
 from voltllm.worker.skinny_tuning import graph_replay_ms
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
-CONFIGS = [(1, 32, 2), (1, 64, 2), (1, 16, 1), (2, 32, 2), (2, 16, 2), (4, 16, 2), (1, 64, 4), (4, 32, 4),
-           (1, 32, 1), (2, 64, 4)]
+CONFIGS = [(64, 2), (128, 2), (32, 1), (64, 1), (128, 4), (256, 4), (32, 2), (256, 8), (128, 1)]  # (U, num_warps)
 
 
 def random_planes(kind: str, n: int, k: int, g: torch.Generator):
