@@ -19,7 +19,8 @@ from voltllm.model.layers.gguf_planes import (NVFP4_KIND, Unpacked, int4_kind, m
 from voltllm.worker.skinny_tuning import graph_replay_ms
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
-CONFIGS = [(64, 2), (128, 2), (32, 1), (64, 1), (128, 4), (256, 4), (32, 2), (256, 8), (128, 1)]  # (U, num_warps)
+CONFIGS = [(1, 32, 2), (1, 64, 2), (1, 16, 1), (2, 32, 2), (2, 16, 2), (4, 16, 2), (1, 64, 4), (4, 32, 4),
+           (1, 32, 1), (2, 64, 4)]
 
 
 def random_planes(kind: str, n: int, k: int, g: torch.Generator):
@@ -81,7 +82,8 @@ def main():
     for kind in kinds:
         for n, k in SHAPES:
             first = random_planes(kind, n, k, g)
-            rot = [first] + [map_planes(first, torch.clone, n) for _ in range(min(11, max(1, int(400e6 // first.nbytes))))]
+            copies = min(11, max(1, int(400e6 // first.nbytes)))
+            rot = [first] + [map_planes(first, torch.clone, n) for _ in range(copies)]
             for m in rows_list:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 old_us = graph_replay_ms(lambda p: quant_matmul(x, p), rot, reps=20) * 1e3

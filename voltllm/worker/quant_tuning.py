@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, QuantizedLinearMethod, held_segments
+from voltllm.kernels.quant_half2 import HALF2
 from voltllm.model.layers.gguf_planes import Planes, map_planes
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,10 @@ TUNE_ROWS = (1, FMA_MAX_ROWS)
 # registers, so each activation element is converted once for all of them (unmeasured in session 23).
 CANDIDATES = {1: [(1, 64, 2), (2, 32, 2), (1, 32, 1), (4, 32, 1), (8, 32, 1), (4, 16, 1)],
               FMA_MAX_ROWS: [(16, 8, 4), (8, 16, 4), (4, 32, 1), (8, 16, 1)]}
+# the packed-fp16 form's tiles (kernels/quant_half2.py; 4-bit kinds, fp16 activations): the fastest per row class in
+# the H200 sweep at the qwen3-8b shapes (results/session27/s98/), (HALF2, BLOCK_N, U, num_warps)
+HALF2_CANDIDATES = {1: [(HALF2, 2, 64, 4), (HALF2, 2, 32, 2), (HALF2, 1, 32, 1)],
+                    FMA_MAX_ROWS: [(HALF2, 2, 32, 2), (HALF2, 4, 16, 2), (HALF2, 2, 64, 4)]}
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -66,25 +71,27 @@ def choose(candidates: list, time_ms: Callable[[object], float], agrees: Callabl
 def tune_quant_tiles(model: torch.nn.Module, method: QuantizedLinearMethod, dtype: torch.dtype) -> list[str]:
     """Time the candidates per (kind, N, K) and row class with activations of `dtype`; the choices go into
     method.tiles. Returns log lines."""
-    from voltllm.kernels.quant_gemv import quant_matmul
+    from voltllm.kernels.quant_half2 import few_row_matmul, fits, operands_ok
     from voltllm.worker.skinny_tuning import graph_replay_ms
 
     lines = []
     for (kind, n, k), planes in planes_groups(model).items():
         copies = copies_needed(planes.nbytes) - 1
         rotation = [planes] + [map_planes(planes, torch.clone, planes.n) for _ in range(copies)]
+        half2 = dtype == torch.float16 and fits(planes)  # its scales stay finite in fp16 (NVFP4: checked here once)
         for rows in TUNE_ROWS:
             x = torch.randn(rows, k, dtype=dtype, device=planes.device)
-            ref = quant_matmul(x, planes, config=CANDIDATES[rows][0]).float()
+            candidates = CANDIDATES[rows] + (HALF2_CANDIDATES[rows] if half2 and operands_ok(x, planes, None) else [])
+            ref = few_row_matmul(x, planes, config=candidates[0]).float()
 
             def agrees(cfg, x=x, ref=ref) -> bool:
-                got = quant_matmul(x, planes, config=cfg).float()
+                got = few_row_matmul(x, planes, config=cfg).float()
                 return bool(torch.allclose(got, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max())))
 
             def time_ms(cfg, x=x, rotation=rotation) -> float:
-                return graph_replay_ms(lambda p: quant_matmul(x, p, config=cfg), rotation, reps=20)
+                return graph_replay_ms(lambda p: few_row_matmul(x, p, config=cfg), rotation, reps=20)
 
-            best, best_ms, default_ms = choose(CANDIDATES[rows], time_ms, agrees)
+            best, best_ms, default_ms = choose(candidates, time_ms, agrees)
             method.tiles[(kind, n, k, rows)] = best
             lines.append(f"{kind} {n}x{k} rows {rows}: {best} {best_ms * 1e3:.1f} us (default "
                          f"{default_ms * 1e3:.1f} us)")

@@ -136,8 +136,9 @@ class QuantizedLinearMethod(LinearMethod):
         self.fma_max_rows = FMA_MAX_ROWS
         self.dot_max_rows = dot_max_rows  # 0: no tiled dequant-GEMM (the CPU)
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
-        # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, 1 | FMA_MAX_ROWS) -> config
-        self.tiles: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
+        # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, 1 | FMA_MAX_ROWS) -> config,
+        # (BLOCK_N, U, num_warps) of quant_gemv's fp32 form or (HALF2, BLOCK_N, U, num_warps) of quant_half2's
+        self.tiles: dict[tuple[str, int, int, int], tuple] = {}
 
     def create_weights(self, layer, in_features, out_features, dtype):
         layer.weight = None  # no dense weight: the start-up GEMM tuner and fused decode paths skip this layer
@@ -182,10 +183,10 @@ class QuantizedLinearMethod(LinearMethod):
         if isinstance(w, Planes):
             rows = x.shape[0]
             if x.is_cuda and rows <= self.fma_max_rows:
-                from voltllm.kernels.quant_gemv import quant_matmul
+                from voltllm.kernels.quant_half2 import few_row_matmul
 
                 tile = self.tiles.get((w.kind.name, w.n, w.k, 1 if rows == 1 else FMA_MAX_ROWS))
-                return quant_matmul(x, w, bias, out=out, config=tile)
+                return few_row_matmul(x, w, bias, out=out, config=tile)
             if x.is_cuda and rows <= self.dot_max_rows:
                 from voltllm.kernels.quant_dot import quant_dot
 
