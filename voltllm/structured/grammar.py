@@ -17,8 +17,21 @@ from voltllm.sampling.structured import StructuredOutputsError
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
+# xgrammar 0.2.8 writes the characters of a string with minLength / maxLength as this class, which lets control
+# characters (U+0000-U+001F) through unescaped: output a JSON parser refuses. Its other strings exclude them.
+_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
+_STRICT_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+
+
 def _json_grammar(schema_text: str) -> xgr.Grammar:
-    return xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
+    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
+    text = str(grammar)
+    if _LOOSE_STRING_CHARS in text:  # the same grammar with control characters out of those strings
+        try:
+            grammar = xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARS, _STRICT_STRING_CHARS))
+        except RuntimeError:  # (a printed form xgrammar cannot read back, e.g. one with a pattern: keep it)
+            pass
+    return grammar
 
 
 def _choice_grammar(choices_text: str) -> xgr.Grammar:
