@@ -71,6 +71,15 @@ def test_the_mask_changes_what_the_model_says(llm):
     assert llm.generate(PROMPTS[0], _params(structured_outputs={"choice": CHOICES}))[0].outputs[0].text in CHOICES
 
 
+def test_a_finished_grammar_ends_the_request_even_without_eos(llm):
+    # ignore_eos: the matcher ends it on the EOS the finished grammar allows; min_tokens banning that EOS leaves no
+    # allowed token: the request ends (stop) rather than run on outside its grammar
+    for kw in ({"ignore_eos": True}, {"min_tokens": 6}):
+        out = llm.generate(PROMPTS[2], _params(max_tokens=20, structured_outputs={"choice": CHOICES}, **kw))[0]
+        assert out.outputs[0].text in CHOICES and out.outputs[0].finish_reason == "stop", (kw, out.outputs[0])
+    assert len(llm.engine.grammars) == 0
+
+
 def test_n_children_each_follow_their_own_matcher(llm):
     p = _params(temperature=1.0, seed=11, n=4, structured_outputs=StructuredOutputsParams(regex=REGEX))
     texts = [c.text for c in llm.generate(PROMPTS[1], p)[0].outputs]
