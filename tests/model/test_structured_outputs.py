@@ -138,3 +138,28 @@ def test_speculation_skips_constrained_requests(tiny_path):
     check_schema_output(outs[1].outputs[0].text)
     check_regex_output(outs[3].outputs[0].text)
     assert spec.engine.stats().extra["spec_draft_tokens"] > 0  # the plain requests did speculate
+
+
+def test_only_steps_with_a_constrained_request_wait_for_the_step_in_flight(llm):
+    """Async scheduling: a step launched while the previous one is in flight overlaps it. Plain batches keep that;
+    a step with a constrained request first collects the one in flight (its mask needs the previous token)."""
+    if not llm.engine.async_scheduling:
+        pytest.skip("async scheduling only")
+    engine = llm.engine
+    launched = []  # per launch: was a step still in flight?
+    execute = engine.runner.execute_async
+
+    def spy(sched):
+        launched.append(engine._inflight is not None)
+        return execute(sched)
+
+    engine.runner.execute_async = spy
+    try:
+        llm.generate(PROMPTS[:2], _params(max_tokens=12, ignore_eos=True))
+        assert launched[0] is False and all(launched[1:]), launched
+        launched.clear()
+        llm.generate(PROMPTS[:2], [_params(max_tokens=12, ignore_eos=True),
+                                   _params(max_tokens=12, structured_outputs={"regex": LONG_REGEX})])
+        assert not any(launched), launched
+    finally:
+        engine.runner.execute_async = execute

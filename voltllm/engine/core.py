@@ -184,6 +184,8 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        leaked = set(self.grammars.live) - set(self.scheduler.requests)
+        assert not leaked, f"grammar matchers of finished requests: {sorted(leaked)}"
         if self.runner.state_cache is not None:
             self.runner.state_cache.check_integrity()
         if self.runner.state_snapshots is not None:
