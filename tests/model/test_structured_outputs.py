@@ -163,3 +163,13 @@ def test_only_steps_with_a_constrained_request_wait_for_the_step_in_flight(llm):
         assert not any(launched), launched
     finally:
         engine.runner.execute_async = execute
+
+
+def test_refused_without_a_tokenizer_and_the_engine_goes_on(tiny_path):
+    from voltllm.engine.core import InvalidRequestError
+
+    llm = LLM(tiny_path, block_size=4, skip_tokenizer_init=True)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        llm.generate([[5, 6, 7]], _params(structured_outputs={"regex": REGEX}))
+    assert len(llm.generate([[5, 6, 7]], _params(max_tokens=3))[0].outputs[0].token_ids) == 3
+    assert len(llm.engine.grammars) == 0

@@ -66,7 +66,11 @@ class GrammarMatchers:
             if tokenizer is None:
                 raise InvalidRequestError("structured outputs need the model's tokenizer (the engine was started "
                                           "with --skip-tokenizer-init)", "structured_outputs")
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            try:
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            except Exception as e:  # a tokenizer xgrammar cannot read: refuse the request, keep the engine
+                raise InvalidRequestError(f"structured outputs are not available with this tokenizer: {e}",
+                                          "structured_outputs") from None
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here, by key
         return self._compiler
 
@@ -81,7 +85,7 @@ class GrammarMatchers:
         compiler = self._compiler_or_fail()
         try:
             compiled = compiler.compile_grammar(grammar_for(key))
-        except (StructuredOutputsError, RuntimeError) as e:
+        except (StructuredOutputsError, RuntimeError, ValueError) as e:
             raise InvalidRequestError(f"structured outputs: {e}", "structured_outputs") from None
         self._compiled[key] = compiled
         if len(self._compiled) > COMPILED_CACHE_SIZE:
