@@ -8,7 +8,8 @@ from structured_cases import (CHOICES, GRAMMAR, GRAMMAR_RE, REGEX, SCHEMA, check
                               check_schema_output)
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
-from voltllm.host_to_device import upload
+from voltllm.host_to_device import to_device, upload
+from voltllm.sampling.bitmask import TokenBitmask
 from voltllm.sampling.sampler import Sampler, SamplingRow
 
 pytestmark = pytest.mark.gpu
@@ -61,15 +62,21 @@ def test_mask_upload_and_sampling_do_not_sync():
     packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
     rows = [SamplingRow(SamplingParams(temperature=t, logprobs=1), [], [], None) for t in [0.0, 1.0] * 4]
     sampler = Sampler()
-    sampler.sample(logits, rows, token_bitmask=upload(packed, torch.device("cuda")))  # warm-up
-    sampler.sample_argmax(logits, upload(packed, torch.device("cuda")))
+    sampler.sample(logits, rows, token_bitmask=TokenBitmask(upload(packed, torch.device("cuda"))))  # warm-up
+    sampler.sample_argmax(logits, TokenBitmask(upload(packed, torch.device("cuda"))))
+    cuda = torch.device("cuda")
+    some = [5, 1, 6]  # only these rows constrained (mask rows 0, 1, 2)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = sampler.sample(logits, rows, token_bitmask=upload(packed, torch.device("cuda")))
-        greedy = sampler.sample_argmax(logits, upload(packed, torch.device("cuda")))
+        out = sampler.sample(logits, rows, token_bitmask=TokenBitmask(upload(packed, cuda)))
+        greedy = sampler.sample_argmax(logits, TokenBitmask(upload(packed, cuda)))
+        part = sampler.sample_argmax(logits, TokenBitmask(upload(packed[:3], cuda), to_device(some, torch.long, cuda)))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     toks = out.tokens.cpu()
     assert all(allowed[i, t] for i, t in enumerate(toks.tolist()))
     assert all(allowed[i, t] for i, t in enumerate(greedy.tokens.tolist()))
+    part, free = part.tokens.tolist(), logits.float().argmax(-1).tolist()
+    assert all(allowed[j, part[i]] for j, i in enumerate(some))
+    assert [part[i] for i in (0, 2, 3, 4, 7)] == [free[i] for i in (0, 2, 3, 4, 7)]

@@ -11,7 +11,7 @@ import torch
 from structured_cases import CHOICES, REGEX, SCHEMA
 from voltllm.entrypoints.openai.errors import OpenAIError
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from voltllm.sampling.bitmask import apply_token_bitmask_
+from voltllm.sampling.bitmask import TokenBitmask, apply_token_bitmask_
 from voltllm.sampling.params import SamplingParams, SamplingParamsError
 from voltllm.sampling.sampler import Sampler, SamplingRow
 from voltllm.sampling.structured import StructuredOutputsError, StructuredOutputsParams
@@ -81,12 +81,17 @@ def test_bitmask_masks_exactly_the_disallowed_tokens():
     gen = torch.Generator().manual_seed(0)
     for vocab in (32, 100, 417):
         allowed, packed = _random_bitmask(3, vocab, gen)
-        packed[1] = -1  # an unconstrained row
+        packed[1] = -1  # a row that allows everything
         allowed[1] = True
         logits = torch.randn(3, vocab, generator=gen)
-        out = apply_token_bitmask_(logits.clone(), packed)
+        out = apply_token_bitmask_(logits.clone(), TokenBitmask(packed))
         assert torch.equal(out == float("-inf"), ~allowed)
         assert torch.equal(out[allowed], logits[allowed])
+        # only some rows constrained: rows 3 and 0 of a batch of 5 take mask rows 0 and 2
+        batch = torch.randn(5, vocab, generator=gen)
+        out = apply_token_bitmask_(batch.clone(), TokenBitmask(packed[[0, 2]], torch.tensor([3, 0])))
+        assert torch.equal(out[3] == float("-inf"), ~allowed[0]) and torch.equal(out[0] == float("-inf"), ~allowed[2])
+        assert torch.equal(out[[1, 2, 4]], batch[[1, 2, 4]])
 
 
 def test_sampler_applies_the_mask_before_every_path():
@@ -96,13 +101,13 @@ def test_sampler_applies_the_mask_before_every_path():
     logits = torch.randn(4, vocab, generator=gen).to(torch.float16)
     before = logits.clone()
     sampler = Sampler(torch.Generator().manual_seed(2))
-    greedy = sampler.sample_argmax(logits, packed).tokens
+    greedy = sampler.sample_argmax(logits, TokenBitmask(packed)).tokens
     assert torch.equal(logits, before)  # the caller's logits are left as they were
     assert all(allowed[i, t] for i, t in enumerate(greedy.tolist()))
     assert torch.equal(greedy, logits.float().masked_fill(~allowed, float("-inf")).argmax(-1))
     rows = [SamplingRow(SamplingParams(temperature=t, logprobs=3), (), (), None) for t in (0.0, 1.0, 1.5, 1.0)]
     for _ in range(5):
-        out = sampler.sample(logits, rows, token_bitmask=packed)
+        out = sampler.sample(logits, rows, token_bitmask=TokenBitmask(packed))
         tokens, logprobs = out.to_host()
         assert all(allowed[i, t] for i, t in enumerate(tokens))
         for i, lp in enumerate(logprobs):  # logprobs after the mask: the allowed tokens' mass is 1

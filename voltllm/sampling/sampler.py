@@ -15,7 +15,7 @@ import torch
 
 from voltllm.engine.types import PositionLogprobs
 from voltllm.host_to_device import to_device
-from voltllm.sampling.bitmask import apply_token_bitmask_
+from voltllm.sampling.bitmask import TokenBitmask, apply_token_bitmask_
 from voltllm.sampling.params import SamplingParams
 
 
@@ -159,7 +159,7 @@ class Sampler:
                  ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         return self.sample(logits, rows).to_host()
 
-    def sample_argmax(self, logits: torch.Tensor, token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
+    def sample_argmax(self, logits: torch.Tensor, token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         """`sample` for rows whose params are all `argmax_only`: the same tokens, without building their rows
         (at 64 rows on a slow host CPU the per-row work costs more than the GPU's argmax). token_bitmask: as in
         `sample` (applied to a copy)."""
@@ -168,11 +168,11 @@ class Sampler:
         return SamplerOutput(tokens=logits.argmax(dim=-1), num_logprobs=[None] * logits.shape[0])
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], logits_owned: bool = False,
-               token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
+               token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         """logits_owned: the caller hands `logits` over (the runner's fresh lm_head output), so min_tokens bans
         and the grammar mask may be written into it; otherwise the caller's tensor is left as it was.
-        token_bitmask: structured outputs' allowed tokens per row ([rows, words] int32 on the logits' device, -1
-        rows for unconstrained requests), applied before anything else, logprobs included (as vLLM)."""
+        token_bitmask: structured outputs' allowed tokens of the constrained rows (on the logits' device), applied
+        before anything else, logprobs included (as vLLM)."""
         num_lp = [r.params.logprobs for r in rows]
         greedy_mask = [r.params.greedy for r in rows]
         penalties = any(r.params.has_penalties for r in rows)

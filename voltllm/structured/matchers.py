@@ -30,16 +30,15 @@ class GrammarMasks:
     rows: dict[str, int]  # request id -> row of `bitmask`
     bitmask: torch.Tensor  # [len(rows), words]
 
-    def for_requests(self, request_ids: list[str]) -> Optional[torch.Tensor]:
-        """The bitmask for sampling rows in this order (-1, everything allowed, for unconstrained ones); None when
-        none of them is constrained."""
+    def for_requests(self, request_ids: list[str]) -> Optional[tuple[list[int], torch.Tensor]]:
+        """For sampling rows of these requests, in this order: the rows that are constrained and their bitmask rows
+        (host int32 [len(rows), words]); None when none is."""
         picks = [(i, self.rows[rid]) for i, rid in enumerate(request_ids) if rid in self.rows]
         if not picks:
             return None
-        out = torch.full((len(request_ids), self.bitmask.shape[1]), -1, dtype=torch.int32)
         dst, src = zip(*picks)
-        out[list(dst)] = self.bitmask[list(src)]
-        return out
+        words = self.bitmask if list(src) == list(range(len(self.rows))) else self.bitmask[list(src)]
+        return list(dst), words
 
 
 class GrammarMatchers:

@@ -18,6 +18,7 @@ from voltllm.engine.speculative import accept_drafts, accept_sampled
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device, upload
+from voltllm.sampling.bitmask import TokenBitmask
 from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow, pinned_copy
 from voltllm.worker.input_buffers import InputBuffers
 
@@ -574,9 +575,12 @@ class ModelRunner:
                     else to_device(rows_idx, torch.long, self.device))
             logits = self.model.compute_logits(hidden[rows])
             bitmask = None  # structured outputs' allowed tokens (core.py fills sched.grammar_masks)
-            if sched.grammar_masks is not None:
-                bitmask = sched.grammar_masks.for_requests([r.request_id for r in reqs])
-                bitmask = upload(bitmask, self.device) if bitmask is not None else None
+            constrained = (sched.grammar_masks.for_requests([r.request_id for r in reqs])
+                           if sched.grammar_masks is not None else None)
+            if constrained is not None:
+                dst, words = constrained
+                bitmask = TokenBitmask(upload(words, self.device),
+                                       None if len(dst) == len(reqs) else to_device(dst, torch.long, self.device))
             if all(r.argmax_only for r in reqs):
                 out = self.sampler.sample_argmax(logits, bitmask)
             else:
