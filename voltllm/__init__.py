@@ -11,7 +11,11 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
         from voltllm.sampling.params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from voltllm.sampling.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]

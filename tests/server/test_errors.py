@@ -46,8 +46,12 @@ CASES = [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tool_choice"),
     ("required tool choice", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tool_choice"),
-    ("json response format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+    ("unsupported response format", CHAT, {"messages": MSG, "response_format": {"type": "structural_tag"}}, 400,
      "response_format"),
+    ("two structured-output constraints", CMPL, {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
+    ("invalid json schema", CHAT, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400, "response_format"),
     ("logit_bias key not a token id", CHAT, {"messages": MSG, "logit_bias": {"hello": 5}}, 400, "logit_bias"),
     ("logit_bias value not a number", CMPL, {"prompt": "x", "logit_bias": {"1": "lots"}}, 400, "logit_bias"),
     ("logit_bias id out of range", CMPL, {"prompt": "x", "logit_bias": {str(10 ** 7): 1}}, 400, "logit_bias"),

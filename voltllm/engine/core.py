@@ -15,6 +15,7 @@ from voltllm.engine.request import Request
 from voltllm.engine.request_checks import InvalidRequestError, check_vocab
 from voltllm.engine.scheduler import Scheduler, SchedulerOutput
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from voltllm.structured.matchers import GrammarMatchers
 from voltllm.worker.runner import ModelRunner, StepHandle
 
 logger = logging.getLogger("voltllm")
@@ -72,10 +73,21 @@ class EngineCore:
         if tp is not None:
             tp.wait_ready(num_blocks)
         self.vocab_size = int(config.model.hf_config.get_text_config().vocab_size)
+        # structured outputs: matchers over the logits' width (the tokenizer is loaded on the first constrained request)
+        self.grammars = GrammarMatchers(self._engine_tokenizer, self.vocab_size)
+        self.scheduler.grammars = self.grammars
         self.max_model_len = config.model.max_model_len
         # async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host
         self.async_scheduling = config.scheduler.async_scheduling
         self._inflight: Optional[tuple[SchedulerOutput, StepHandle]] = None
+
+    def _engine_tokenizer(self):
+        mc = self.config.model
+        if mc.skip_tokenizer_init:
+            return None
+        from voltllm.model.loader import load_tokenizer
+
+        return load_tokenizer(mc.tokenizer, mc.trust_remote_code)
 
     def validate(self, req: EngineCoreRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -99,6 +111,8 @@ class EngineCore:
         r = Request(req, self.max_model_len)
         if req.sampling_params.seed is not None:
             r.generator = torch.Generator(device=self.runner.device).manual_seed(req.sampling_params.seed)
+        if req.sampling_params.structured_outputs is not None:
+            self.grammars.attach(r)
         self.scheduler.add_request(r)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -153,6 +167,8 @@ class EngineCore:
             outputs += self._finish_inflight()
         if sched.empty:
             self.runner.release(sched.released_ids)
+        elif self.grammars.live:  # (after the wait above: a constrained request's previous token is known)
+            sched.grammar_masks = self.grammars.masks(sched.scheduled)
         handle = None if sched.empty else self.runner.execute_async(sched)
         if self._inflight is not None:
             outputs += self._finish_inflight()
@@ -168,6 +184,8 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        leaked = set(self.grammars.live) - set(self.scheduler.requests)
+        assert not leaked, f"grammar matchers of finished requests: {sorted(leaked)}"
         if self.runner.state_cache is not None:
             self.runner.state_cache.check_integrity()
         if self.runner.state_snapshots is not None:

@@ -41,6 +41,9 @@ class SchedulerOutput:
     # requests that finished, were aborted or preempted since the last step: the runner drops their
     # per-request state (recurrent-state slots) before this step runs
     released_ids: list[str] = field(default_factory=list)
+    # structured outputs: the allowed tokens of this step's constrained sampling requests (structured.GrammarMasks),
+    # set by the engine core once their previous tokens are known
+    grammar_masks: Optional[object] = None
 
     @property
     def empty(self) -> bool:
@@ -72,6 +75,8 @@ class Scheduler:
         self.step_counter = 0
         self._aborted_outputs: list[EngineCoreOutput] = []
         self._released: list[str] = []
+        # structured outputs: the engine core's GrammarMatchers (structured/matchers.py), set when it has one
+        self.grammars = None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -96,6 +101,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        if req.grammar is not None:
+            self.grammars.release(req)
         self.requests.pop(req.request_id, None)
         self._released.append(req.request_id)
 
@@ -247,6 +254,8 @@ class Scheduler:
                 new = [token]
                 lp = logprobs.get(rid) if logprobs else None
                 status = self._check_stop(req, token, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
+                if status is None and req.grammar is not None:
+                    status = self.grammars.accept(req, token)
             num_out = len(tokens) - req.num_prompt_tokens
             out = EngineCoreOutput(rid, new, None, None, [lp] if lp is not None else None, None,
                                    max(req.num_cached_tokens, 0), req.first_token_time, now, req.scheduled_time)
@@ -270,6 +279,8 @@ class Scheduler:
         for i, tok in enumerate(verified):
             tokens.append(tok)
             status = self._check_stop(req, tok, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
+            if status is None and req.grammar is not None:  # (constrained requests get no drafts: spec_allowed)
+                status = self.grammars.accept(req, tok)
             if status is not None:
                 verified = verified[: i + 1]
                 break

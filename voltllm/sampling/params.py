@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    from voltllm.sampling.structured import StructuredOutputsParams
 
 # OpenAI's logit_bias range; larger magnitudes are clamped to it (as vLLM does): +-100 already decides the token
 LOGIT_BIAS_LIMIT = 100.0
@@ -37,6 +40,8 @@ class SamplingParams:
     detokenize: bool = True
     # token id -> value added to its logit before sampling (OpenAI keys are strings of ids: both are accepted)
     logit_bias: Optional[dict[int, float]] = None
+    # one output constraint (JSON schema, regex, choice, grammar, JSON object); a dict is taken as its fields
+    structured_outputs: Optional["StructuredOutputsParams"] = None
     # Filled by the engine: token ids that end generation (EOS + generation_config's eos ids).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -48,6 +53,7 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.structured_outputs = _structured(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -110,6 +116,20 @@ class SamplingParams:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data.update(changes)
         return SamplingParams(**data)
+
+
+def _structured(value) -> Optional["StructuredOutputsParams"]:
+    """A StructuredOutputsParams (checked when it was made), or one made from a dict of its fields."""
+    from voltllm.sampling.structured import StructuredOutputsParams
+
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as e:
+            raise SamplingParamsError(f"structured_outputs has an unknown field: {e}") from None
+    raise SamplingParamsError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {value!r}")
 
 
 def _normalise_logit_bias(bias: Optional[dict]) -> Optional[dict[int, float]]:

@@ -1,7 +1,8 @@
 """Batched sampler: penalties, min_tokens, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
 
-Order (as vLLM): logprobs of the raw distribution are taken first; then min_tokens masking, penalties, logit_bias,
-greedy argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
+Order (as vLLM): a structured-output request's grammar mask (disallowed tokens to -inf) comes first, then logprobs
+of that distribution; then min_tokens masking, penalties, logit_bias, greedy argmax or temperature -> top-k -> top-p
+-> min-p -> sample. Sampling uses the exponential race
 (argmax of p / q with q ~ Exp(1)), so a seeded request draws its q from its own generator and gets the
 same tokens whatever else is in the batch.
 """
@@ -14,6 +15,7 @@ import torch
 
 from voltllm.engine.types import PositionLogprobs
 from voltllm.host_to_device import to_device
+from voltllm.sampling.bitmask import TokenBitmask, apply_token_bitmask_
 from voltllm.sampling.params import SamplingParams
 
 
@@ -157,14 +159,20 @@ class Sampler:
                  ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         return self.sample(logits, rows).to_host()
 
-    def sample_argmax(self, logits: torch.Tensor) -> SamplerOutput:
+    def sample_argmax(self, logits: torch.Tensor, token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         """`sample` for rows whose params are all `argmax_only`: the same tokens, without building their rows
-        (at 64 rows on a slow host CPU the per-row work costs more than the GPU's argmax)."""
+        (at 64 rows on a slow host CPU the per-row work costs more than the GPU's argmax). token_bitmask: as in
+        `sample` (applied to a copy)."""
+        if token_bitmask is not None:
+            logits = apply_token_bitmask_(logits.clone(), token_bitmask)
         return SamplerOutput(tokens=logits.argmax(dim=-1), num_logprobs=[None] * logits.shape[0])
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], logits_owned: bool = False) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], logits_owned: bool = False,
+               token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         """logits_owned: the caller hands `logits` over (the runner's fresh lm_head output), so min_tokens bans
-        may be written into it; otherwise the caller's tensor is left as it was."""
+        and the grammar mask may be written into it; otherwise the caller's tensor is left as it was.
+        token_bitmask: structured outputs' allowed tokens of the constrained rows (on the logits' device), applied
+        before anything else, logprobs included (as vLLM)."""
         num_lp = [r.params.logprobs for r in rows]
         greedy_mask = [r.params.greedy for r in rows]
         penalties = any(r.params.has_penalties for r in rows)
@@ -181,8 +189,10 @@ class Sampler:
         # (At 64 rows x 152K vocabulary the fp32 copy and its argmax cost ~50 us per decode step.)
         if not (all(greedy_mask) and not penalties and not biased and all(n is None for n in num_lp)):
             logits = logits.float() if logits.dtype != torch.float32 or logits_owned else logits.clone()
-        elif bans and not logits_owned:
+        elif (bans or token_bitmask is not None) and not logits_owned:
             logits = logits.clone()
+        if token_bitmask is not None:
+            apply_token_bitmask_(logits, token_bitmask)
         dev = logits.device
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
         if bans:

@@ -17,7 +17,8 @@ from voltllm.engine.scheduler import RunnerOutput, SchedulerOutput
 from voltllm.engine.speculative import accept_drafts, accept_sampled
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
-from voltllm.host_to_device import to_device
+from voltllm.host_to_device import to_device, upload
+from voltllm.sampling.bitmask import TokenBitmask
 from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow, pinned_copy
 from voltllm.worker.input_buffers import InputBuffers
 
@@ -573,15 +574,23 @@ class ModelRunner:
             rows = (slice(*rows_idx) if isinstance(rows_idx, tuple)
                     else to_device(rows_idx, torch.long, self.device))
             logits = self.model.compute_logits(hidden[rows])
+            bitmask = None  # structured outputs' allowed tokens (core.py fills sched.grammar_masks)
+            constrained = (sched.grammar_masks.for_requests([r.request_id for r in reqs])
+                           if sched.grammar_masks is not None else None)
+            if constrained is not None:
+                dst, words = constrained
+                bitmask = TokenBitmask(upload(words, self.device),
+                                       None if len(dst) == len(reqs) else to_device(dst, torch.long, self.device))
             if all(r.argmax_only for r in reqs):
-                out = self.sampler.sample_argmax(logits)
+                out = self.sampler.sample_argmax(logits, bitmask)
             else:
                 # num_pending counts this step's sample too: the ones before it are still in flight. Only
                 # penalties read the earlier ids (a copy of each request's output per step otherwise).
                 rows = [SamplingRow(r.sampling_params, r.prompt_token_ids,
                                     r.output_token_ids if r.sampling_params.has_penalties else (),
                                     r.generator, r.num_output_tokens + r.num_pending - 1) for r in reqs]
-                out = self.sampler.sample(logits, rows, logits_owned=True)  # fresh lm_head output
+                out = self.sampler.sample(logits, rows, logits_owned=True,  # fresh lm_head output
+                                          token_bitmask=bitmask)
             ids = [r.request_id for r in reqs]
             self._prev_tokens = handle.sampled_device = out.tokens
             self._prev_rows = dict(zip(ids, range(len(ids))))

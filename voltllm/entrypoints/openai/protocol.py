@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from voltllm.entrypoints.openai.errors import bad_request
+from voltllm.entrypoints.openai.structured import structured_outputs_of
 from voltllm.sampling.params import SamplingParams
 
 
@@ -50,11 +51,15 @@ class _SamplingFields(BaseModel):
     cache_salt: Optional[str] = None
     request_id: Optional[str] = None
     best_of: Optional[int] = None
+    # structured outputs, vLLM's extra parameters (response_format is OpenAI's): at most one per request
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def _common_checks(self) -> None:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format {self.response_format.get('type')!r} is not supported yet "
-                              "(no guided decoding); only 'text'", "response_format", "unsupported_parameter")
+        structured_outputs_of(self)  # a bad or doubled constraint is a 400 naming its parameter
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
@@ -92,6 +97,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias,
+            structured_outputs=structured_outputs_of(self),  # (checked in check(); grammars are cached)
         )
 
 

@@ -1,0 +1,175 @@
+"""Structured outputs offline on a tiny random model: whatever the weights choose, the output follows the constraint
+(JSON schema, regex, choice, EBNF grammar, JSON object), with async scheduling on and off, beside unconstrained
+requests (whose greedy output is their output alone), with n > 1, preemption, speculation and aborts."""
+import pytest
+
+from structured_cases import (CHOICES, GRAMMAR, GRAMMAR_RE, LONG_REGEX, REGEX, SCHEMA, check_json_object_output,
+                              check_regex_output, check_schema_output)
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams, StructuredOutputsParams
+from voltllm.engine.types import EngineCoreRequest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["The quick brown fox", "What is the capital of France?", "Hello world! Voltllm", "0123456789 0123",
+           "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny")), "qwen3", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def llm(request, tiny_path):
+    return LLM(tiny_path, block_size=4, max_num_batched_tokens=64, async_scheduling=request.param)
+
+
+def _params(**kw):
+    return SamplingParams(**{"temperature": 0, "max_tokens": 80, **kw})
+
+
+def _closing_bias(llm):
+    """A nudge towards '"' and '}': any JSON object is allowed, and a random model left alone may write one key for
+    ever."""
+    tok = llm.get_tokenizer()
+    return {tok.convert_tokens_to_ids('"'): 2.0, tok.convert_tokens_to_ids("}"): 2.0}
+
+
+def test_constrained_and_plain_requests_in_one_batch(llm):
+    plain = _params(max_tokens=24, ignore_eos=True)
+    so = StructuredOutputsParams
+    params = [_params(structured_outputs=so(json=SCHEMA)), plain,
+              _params(temperature=1.0, seed=3, structured_outputs=so(regex=REGEX)),
+              _params(structured_outputs=so(json_object=True), logit_bias=_closing_bias(llm)),
+              _params(temperature=0.8, seed=5, logprobs=2, structured_outputs=so(grammar=GRAMMAR)),
+              _params(structured_outputs=so(choice=CHOICES)), plain]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    check_schema_output(outs[0].text)
+    check_regex_output(outs[2].text)
+    check_json_object_output(outs[3].text)
+    assert outs[3].text != "{}"  # (a key and a value, with this prompt and bias)
+    check_regex_output(outs[4].text, GRAMMAR_RE)
+    assert outs[5].text in CHOICES
+    for o in (outs[0], outs[2], outs[3], outs[4], outs[5]):
+        assert o.finish_reason == "stop", o
+    # logprobs are reported after the mask: the chosen token's is finite, disallowed tokens' are -inf
+    assert all(lp[t].logprob > float("-inf") for lp, t in zip(outs[4].logprobs, outs[4].token_ids))
+    # the unconstrained rows are exactly what they are alone
+    for i in (1, 6):
+        alone = llm.generate(prompts[i], plain)[0].outputs[0]
+        assert outs[i].token_ids == alone.token_ids
+    assert len(llm.engine.grammars) == 0
+    llm.engine.check_integrity()
+
+
+def test_the_mask_changes_what_the_model_says(llm):
+    """The constraint binds: the unconstrained greedy text of the same prompt is not a choice."""
+    free = llm.generate(PROMPTS[0], _params(max_tokens=4))[0].outputs[0].text
+    assert free not in CHOICES
+    assert llm.generate(PROMPTS[0], _params(structured_outputs={"choice": CHOICES}))[0].outputs[0].text in CHOICES
+
+
+def test_a_finished_grammar_ends_the_request_even_without_eos(llm):
+    # ignore_eos: the matcher ends it on the EOS the finished grammar allows; min_tokens banning that EOS leaves no
+    # allowed token: the request ends (stop) rather than run on outside its grammar
+    for kw in ({"ignore_eos": True}, {"min_tokens": 6}):
+        out = llm.generate(PROMPTS[2], _params(max_tokens=20, structured_outputs={"choice": CHOICES}, **kw))[0]
+        assert out.outputs[0].text in CHOICES and out.outputs[0].finish_reason == "stop", (kw, out.outputs[0])
+    assert len(llm.engine.grammars) == 0
+
+
+def test_n_children_each_follow_their_own_matcher(llm):
+    p = _params(temperature=1.0, seed=11, n=4, structured_outputs=StructuredOutputsParams(regex=REGEX))
+    texts = [c.text for c in llm.generate(PROMPTS[1], p)[0].outputs]
+    for t in texts:
+        check_regex_output(t)
+    assert len(set(texts)) > 1  # four different draws, each its own matcher
+    assert len(llm.engine.grammars) == 0
+
+
+def test_max_tokens_cuts_a_constrained_request_with_length(llm):
+    out = llm.generate(PROMPTS[2], _params(max_tokens=3, structured_outputs={"json": SCHEMA}))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert out.text.startswith('{"')
+    assert len(llm.engine.grammars) == 0
+
+
+def test_aborted_constrained_request_frees_its_matcher(llm):
+    engine = llm.engine
+    sp = _params(max_tokens=60, structured_outputs={"regex": LONG_REGEX}).clone(
+        _eos_token_ids=(llm.get_tokenizer().eos_token_id,))
+    for i in range(3):
+        engine.add_request(EngineCoreRequest(f"abort-{i}", llm.get_tokenizer().encode(PROMPTS[i]), sp))
+    assert len(engine.grammars) == 3
+    for _ in range(4):
+        engine.step()
+    engine.abort_requests(["abort-0", "abort-1"])
+    assert len(engine.grammars) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.grammars) == 0
+    engine.check_integrity()
+
+
+def test_preempted_constrained_requests_keep_their_output(tiny_path):
+    params = [_params(temperature=0.9, seed=i, structured_outputs={"regex": LONG_REGEX}) for i in range(5)]
+    free = LLM(tiny_path, block_size=4, max_num_batched_tokens=32).generate(PROMPTS, params)
+    tight = LLM(tiny_path, block_size=4, max_num_batched_tokens=32, num_gpu_blocks_override=24)
+    squeezed = tight.generate(PROMPTS, params)
+    assert tight.engine.stats().num_preemptions > 0
+    for a, b in zip(free, squeezed):
+        check_regex_output(b.outputs[0].text, LONG_REGEX)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert len(tight.engine.grammars) == 0
+    tight.engine.check_integrity()
+
+
+def test_speculation_skips_constrained_requests(tiny_path):
+    plain = _params(max_tokens=30, ignore_eos=True)
+    expected = LLM(tiny_path, block_size=4).generate(PROMPTS[:2], plain)
+    spec = LLM(tiny_path, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_min": 1})
+    params = [plain, _params(structured_outputs={"json": SCHEMA}), plain, _params(structured_outputs={"regex": REGEX})]
+    outs = spec.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]], params)
+    assert outs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids == expected[1].outputs[0].token_ids
+    check_schema_output(outs[1].outputs[0].text)
+    check_regex_output(outs[3].outputs[0].text)
+    assert spec.engine.stats().extra["spec_draft_tokens"] > 0  # the plain requests did speculate
+
+
+def test_only_steps_with_a_constrained_request_wait_for_the_step_in_flight(llm):
+    """Async scheduling: a step launched while the previous one is in flight overlaps it. Plain batches keep that;
+    a step with a constrained request first collects the one in flight (its mask needs the previous token)."""
+    if not llm.engine.async_scheduling:
+        pytest.skip("async scheduling only")
+    engine = llm.engine
+    launched = []  # per launch: was a step still in flight?
+    execute = engine.runner.execute_async
+
+    def spy(sched):
+        launched.append(engine._inflight is not None)
+        return execute(sched)
+
+    engine.runner.execute_async = spy
+    try:
+        llm.generate(PROMPTS[:2], _params(max_tokens=12, ignore_eos=True))
+        assert launched[0] is False and all(launched[1:]), launched
+        launched.clear()
+        llm.generate(PROMPTS[:2], [_params(max_tokens=12, ignore_eos=True),
+                                   _params(max_tokens=12, structured_outputs={"regex": LONG_REGEX})])
+        assert not any(launched), launched
+    finally:
+        engine.runner.execute_async = execute
+
+
+def test_refused_without_a_tokenizer_and_the_engine_goes_on(tiny_path):
+    from voltllm.engine.core import InvalidRequestError
+
+    llm = LLM(tiny_path, block_size=4, skip_tokenizer_init=True)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        llm.generate([[5, 6, 7]], _params(structured_outputs={"regex": REGEX}))
+    assert len(llm.generate([[5, 6, 7]], _params(max_tokens=3))[0].outputs[0].token_ids) == 3
+    assert len(llm.engine.grammars) == 0

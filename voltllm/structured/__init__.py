@@ -1,0 +1,1 @@
+"""Structured outputs (guided decoding) through xgrammar: grammars from constraints, per-request matchers."""

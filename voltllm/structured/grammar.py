@@ -1,0 +1,61 @@
+"""A constraint's key -> xgrammar Grammar (tokenizer-free, so the API process can check a request with it).
+
+JSON is constrained to xgrammar's compact form (no free whitespace between tokens: `{"a": 1, "b": [2]}`): output
+that is still valid JSON, and a model cannot spend its tokens on endless whitespace inside an object.
+"""
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+
+import xgrammar as xgr
+
+from voltllm.sampling.structured import StructuredOutputsError
+
+# xgrammar's errors start with "[time] /path/file.cc:line: "; the rest is the message a user can act on
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+# xgrammar 0.2.8 writes the characters of a string with minLength / maxLength as this class, which lets control
+# characters (U+0000-U+001F) through unescaped: output a JSON parser refuses. Its other strings exclude them.
+_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
+_STRICT_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _json_grammar(schema_text: str) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
+    text = str(grammar)
+    if _LOOSE_STRING_CHARS in text:  # the same grammar with control characters out of those strings
+        try:
+            grammar = xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARS, _STRICT_STRING_CHARS))
+        except RuntimeError:  # (a printed form xgrammar cannot read back, e.g. one with a pattern: keep it)
+            pass
+    return grammar
+
+
+def _choice_grammar(choices_text: str) -> xgr.Grammar:
+    # each choice as an EBNF string literal: xgrammar reads JSON's escapes in them
+    return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(choices_text)))
+
+
+_BUILDERS = {
+    "json": _json_grammar,
+    "json_object": lambda _: _json_grammar('{"type": "object"}'),
+    "regex": xgr.Grammar.from_regex,
+    "choice": _choice_grammar,
+    "grammar": xgr.Grammar.from_ebnf,
+}
+
+
+@lru_cache(maxsize=256)
+def grammar_for(key: tuple[str, str]) -> xgr.Grammar:
+    """The grammar of a StructuredOutputsParams.key; StructuredOutputsError naming the field when it is invalid."""
+    kind, text = key
+    try:
+        return _BUILDERS[kind](text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        message = _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+                "grammar": "grammar"}[kind]
+        raise StructuredOutputsError(kind, f"invalid {what}: {message}") from None
