@@ -170,6 +170,9 @@
 #   s98      (session 27) the packed-fp16 4-bit decode GEMV (kernels/quant_half2.py): benchmarks/micro/quant_half2_sweep.py
 #            (checks against the dequantized weight, then AWQ / NVFP4 at the 8B shapes vs quant_matmul), then the MTP
 #            GPU tests (s96mtp) with the time left
+#   s99      (session 27) the packed-fp16 GEMV's and structured outputs' GPU tests, then the 8B-shape AWQ (and NVFP4 while time
+#            remains) checkpoint kept quantized, decode b1, with the start-up tuner choosing between the two few-row
+#            forms (carry .whl with xgrammar and apache-tvm-ffi added)
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1279,6 +1282,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 300 python3 benchmarks/micro/quant_half2_sweep.py --kinds ${3:-AWQ_G128,NVFP4} \
       --out "$out/quant-half2-sweep-$sha.json" 2>&1 | grep -v -i "warn" | tail -40
     gpu_file test_mtp_cuda $(( 570 - (SECONDS - t0) ))
+    ;;
+  s99)  # (session 27) packed-fp16 GEMV + structured-output GPU tests, 8B-shape AWQ / NVFP4 decode b1
+    t0=$SECONDS
+    gpu_file test_quant_half2_cuda 180
+    gpu_file test_structured_outputs_cuda 150
+    mkdir -p /root/m
+    timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq \
+      && bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario decode --input-len 512 \
+        --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -8
+    rm -rf /root/m/q8b-awq
+    if (( SECONDS - t0 < 400 )); then
+      timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method nvfp4 /root/m/q8b-nvfp4 \
+        && bench /root/m/q8b-nvfp4 --dtype half --num-warm 1 --quantization modelopt_fp4 --scenario decode \
+          --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
+    fi
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
