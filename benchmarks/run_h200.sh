@@ -1289,8 +1289,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_structured_outputs_cuda 150
     mkdir -p /root/m
     timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq \
-      && bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario decode --input-len 512 \
-        --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -8
+      && python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" /root/m/q8b-awq --dtype half --num-warm 1 \
+        --quantization awq --scenario decode --input-len 512 --output-len 128 \
+        --name qwen3-8b-shape-awq-g128-decode-b1-$sha 2>&1 | grep -E -A9 "dequant-GEMM tiles|^voltllm bench" | head -34
     rm -rf /root/m/q8b-awq
     if (( SECONDS - t0 < 400 )); then
       timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method nvfp4 /root/m/q8b-nvfp4 \
