@@ -23,9 +23,10 @@ def tiny(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("tiny")), "qwen3", max_position_embeddings=512)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_constrained_generation_on_cuda(tiny, enforce_eager):
-    llm = LLM(tiny, device="cuda", dtype="float16", enforce_eager=enforce_eager, gpu_memory_utilization=0.3)
+@pytest.mark.parametrize("enforce_eager,dtype", [(False, "float16"), (True, "float16"), (False, "float32")],
+                         ids=["graphs", "eager", "graphs-fp32"])
+def test_constrained_generation_on_cuda(tiny, enforce_eager, dtype):
+    llm = LLM(tiny, device="cuda", dtype=dtype, enforce_eager=enforce_eager, gpu_memory_utilization=0.3)
     assert (llm.engine.runner.graphs is None) == enforce_eager
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     base = {"temperature": 0, "max_tokens": 80}
@@ -40,10 +41,12 @@ def test_constrained_generation_on_cuda(tiny, enforce_eager):
     assert outs[3].text in CHOICES
     check_regex_output(outs[4].text, GRAMMAR_RE)
     assert all(outs[i].finish_reason == "stop" for i in (0, 2, 3, 4))
-    # the unconstrained request in that batch: its greedy tokens are those of the same request alone
-    alone = llm.generate(PROMPTS[1], plain)[0].outputs[0]
-    agree = sum(a == b for a, b in zip(alone.token_ids, outs[1].token_ids)) / len(alone.token_ids)
-    assert agree >= 0.9, agree  # fp16: other batch shapes may round a near-tie differently
+    # the unconstrained request in that batch: its greedy tokens are those of the same request alone. In fp32 only:
+    # in fp16 the random tiny model's near-ties round differently at other batch sizes (other GEMM tiles), and a
+    # greedy run that differs once differs after (s99: 62.5 % of positions with graphs)
+    if dtype == "float32":
+        alone = llm.generate(PROMPTS[1], plain)[0].outputs[0]
+        assert alone.token_ids == outs[1].token_ids
     if not enforce_eager:
         assert llm.engine.runner.graphs.replays > 0
     assert len(llm.engine.grammars) == 0
