@@ -173,6 +173,8 @@
 #   s99      (session 27) the packed-fp16 GEMV's and structured outputs' GPU tests, then the 8B-shape AWQ (and NVFP4 while time
 #            remains) checkpoint kept quantized, decode b1, with the start-up tuner choosing between the two few-row
 #            forms (carry .whl with xgrammar and apache-tvm-ffi added)
+#   s100     (session 27) the structured-output GPU file (its fp32 case), the two packed-fp16 tilings' sweep (AWQ,
+#            NVFP4), then the packed-fp16 GPU tests with the time left
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1298,6 +1300,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         && bench /root/m/q8b-nvfp4 --dtype half --num-warm 1 --quantization modelopt_fp4 --scenario decode \
           --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
     fi
+    ;;
+  s100)  # (session 27) structured outputs' GPU file, the packed-fp16 tilings' sweep and GPU tests
+    t0=$SECONDS
+    gpu_file test_structured_outputs_cuda 120
+    timeout 230 python3 benchmarks/micro/quant_half2_sweep.py --kinds AWQ_G128,NVFP4 \
+      --out "$out/quant-half2-sweep-$sha.json" 2>&1 | grep -v -i "warn" | tail -22
+    gpu_file test_quant_half2_cuda $(( 400 - (SECONDS - t0) ))
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -1,5 +1,6 @@
-"""The packed-fp16 4-bit decode GEMV (voltllm.kernels.quant_half2) against the fp32 dequant-GEMM
-(quant_gemv.quant_matmul) at 1-4 rows: correctness against the dequantized weight, then times over the qwen3-8b
+"""The packed-fp16 4-bit decode GEMV (voltllm.kernels.quant_half2, both tilings: "h2" = half2_matmul, "rows" =
+half2_rows_matmul) against the fp32 dequant-GEMM (quant_gemv.quant_matmul) at 1-4 rows: correctness against the
+dequantized weight, then times over the qwen3-8b
 projection shapes and tile candidates, L2 cold (CUDA-graph replays over rotated copies). GPU only.
 
     PYTHONPATH=$PWD python3 benchmarks/micro/quant_half2_sweep.py [--kinds AWQ_G128,NVFP4] [--out FILE.json]
@@ -13,14 +14,16 @@ import json
 import torch
 
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul
-from voltllm.kernels.quant_half2 import fits, half2_matmul
+from voltllm.kernels.quant_half2 import fits, half2_matmul, half2_rows_matmul
 from voltllm.model.layers.gguf_planes import (NVFP4_KIND, Unpacked, int4_kind, map_planes, planes_from_blocks,
                                               random_blocks, to_planes)
 from voltllm.worker.skinny_tuning import graph_replay_ms
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
-CONFIGS = [(1, 32, 2), (1, 64, 2), (1, 16, 1), (2, 32, 2), (2, 16, 2), (4, 16, 2), (1, 64, 4), (4, 32, 4),
-           (1, 32, 1), (2, 64, 4)]
+# (form, (BLOCK_N, U, num_warps)): the first tiling's best tiles in session 27's s98, the second tiling's candidates
+CONFIGS = [(half2_matmul, (2, 64, 4)), (half2_matmul, (2, 32, 2)), (half2_matmul, (4, 16, 2)),
+           (half2_rows_matmul, (1, 64, 2)), (half2_rows_matmul, (2, 64, 2)), (half2_rows_matmul, (1, 128, 4)),
+           (half2_rows_matmul, (2, 128, 4)), (half2_rows_matmul, (1, 32, 1)), (half2_rows_matmul, (2, 32, 1))]
 
 
 def random_planes(kind: str, n: int, k: int, g: torch.Generator):
@@ -64,16 +67,18 @@ def main():
             for m in (1, 2, 3, 4, 5, 7):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w.T + bias.float()
-                for cfg in CONFIGS[:4]:
+                for form, cfg in CONFIGS[:1] + CONFIGS[3:5]:
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-                    half2_matmul(x, p, bias, out=out, config=cfg)
+                    form(x, p, bias, out=out, config=cfg)
                     old = quant_matmul(x, p, bias)
                     e_new, e_old = rel(out, ref), rel(old, ref)
                     ok = e_new < 3e-3 and not out.isnan().any()
-                    results["check"].append({"kind": kind, "n": n, "k": k, "m": m, "config": cfg, "rel_new": e_new,
+                    results["check"].append({"kind": kind, "n": n, "k": k, "m": m, "form": form.__name__,
+                                             "config": cfg, "rel_new": e_new,
                                              "rel_old": e_old, "ok": ok})
                     if not ok:
-                        print(f"MISMATCH {kind} {n}x{k} m={m} {cfg}: rel {e_new:.2e} (fp32 form {e_old:.2e})")
+                        print(f"MISMATCH {kind} {n}x{k} m={m} {form.__name__} {cfg}: rel {e_new:.2e} (fp32 form "
+                              f"{e_old:.2e})")
     bad = [c for c in results["check"] if not c["ok"]]
     worst = max(c["rel_new"] for c in results["check"])
     print(f"checks: {len(results['check'])} done, {len(bad)} bad, worst rel err {worst:.2e} (fp32 form "
@@ -88,25 +93,30 @@ def main():
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 old_us = graph_replay_ms(lambda p: quant_matmul(x, p), rot, reps=20) * 1e3
                 timed = []
-                for cfg in CONFIGS:
+                for form, cfg in CONFIGS:
+                    tag = ("rows" if form is half2_rows_matmul else "h2", *cfg)
                     try:
-                        timed.append((graph_replay_ms(lambda p: half2_matmul(x, p, config=cfg), rot, reps=20) * 1e3,
-                                      cfg))
+                        timed.append((graph_replay_ms(lambda p: form(x, p, config=cfg), rot, reps=20) * 1e3, tag))
                     except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is reported
-                        print(f"  {cfg} failed: {type(e).__name__}: {str(e)[:100]}")
+                        print(f"  {tag} failed: {type(e).__name__}: {str(e)[:100]}")
                 timed.sort()
                 best_us, best = timed[0]
                 gbs = first.nbytes / best_us / 1e3
+                h2_us = min(t for t, c in timed if c[0] == "h2")
+                rows_us = min(t for t, c in timed if c[0] == "rows")
                 row = {"kind": kind, "n": n, "k": k, "m": m, "old_us": old_us, "new_us": best_us, "best": best,
+                       "h2_us": h2_us, "rows_us": rows_us,
                        "new_GBps": gbs, "old_GBps": first.nbytes / old_us / 1e3,
                        "all": [(t, c) for t, c in timed]}
                 results["time"].append(row)
                 table.append(row)
                 print(f"  {kind} {n}x{k} m{m}: " + ", ".join(f"{c}:{t:.1f}" for t, c in timed[:4]), flush=True)
-    print(f"{'kind':>10} {'shape':>12} m  {'fp32 us':>8} {'half2 us':>8}  speedup  GB/s (fp32 -> half2)  tile")
+    print(f"{'kind':>10} {'shape':>12} m  {'fp32 us':>8} {'h2 us':>7} {'rows us':>7}  speedup  GB/s (fp32 -> best)"
+          "  tile")
     for r in table:
-        print(f"{r['kind']:>10} {r['n']:>5}x{r['k']:<6} {r['m']}  {r['old_us']:8.1f} {r['new_us']:8.1f}  "
-              f"{r['old_us'] / r['new_us']:6.2f}x  {r['old_GBps']:6.0f} -> {r['new_GBps']:6.0f}  {r['best']}")
+        print(f"{r['kind']:>10} {r['n']:>5}x{r['k']:<6} {r['m']}  {r['old_us']:8.1f} {r['h2_us']:7.1f} "
+              f"{r['rows_us']:7.1f}  {r['old_us'] / r['new_us']:6.2f}x  {r['old_GBps']:6.0f} -> {r['new_GBps']:6.0f}"
+              f"  {r['best']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -10,7 +10,8 @@ import torch
 from quant_checkpoints import nvfp4_layer
 
 from voltllm.kernels.quant_gemv import dequantize
-from voltllm.kernels.quant_half2 import HALF2, few_row_matmul, fits, half2_matmul, operands_ok
+from voltllm.kernels.quant_half2 import (HALF2, HALF2_ROWS, few_row_matmul, fits, half2_matmul,
+                                         half2_rows_matmul, operands_ok)
 from voltllm.model.layers.gguf_planes import (Unpacked, int4_kind, map_planes, planes_from_blocks,
                                               random_blocks, to_planes)
 from voltllm.model.loader.nvfp4_checkpoint import NVFP4Scheme, NVFP4Weight
@@ -51,13 +52,16 @@ def test_matches_dequantized(kind, n, k):
     for m in (1, 2, 3, 4, 5, 7):
         x = torch.randn(m, k, dtype=torch.float16, device="cuda")
         assert operands_ok(x, p, None)
-        for config in ((2, 64, 4), (1, 32, 1), (4, 16, 2)):
+        for form, config in ((half2_matmul, (2, 64, 4)), (half2_matmul, (1, 32, 1)), (half2_matmul, (4, 16, 2)),
+                             (half2_rows_matmul, (1, 64, 2)), (half2_rows_matmul, (2, 64, 2)),
+                             (half2_rows_matmul, (2, 128, 4))):
             wide = torch.full((m, n + 40), float("nan"), dtype=torch.float16, device="cuda")
             out = wide[:, 24:24 + n]  # a column slice of a wider output, poisoned
-            half2_matmul(x, p, bias if m % 2 else None, out=out, config=config)
+            form(x, p, bias if m % 2 else None, out=out, config=config)
             ref = x.float() @ w.T + (bias.float() if m % 2 else 0)
             err = _rel(out, ref)
-            assert err < 2e-3 and not out.isnan().any(), f"{kind} {n}x{k} m={m} {config}: {err:.2e} seed {seed}"
+            assert err < 2e-3 and not out.isnan().any(), \
+                f"{kind} {n}x{k} m={m} {form.__name__} {config}: {err:.2e} seed {seed}"
             assert wide[:, :24].isnan().all() and wide[:, 24 + n:].isnan().all()  # nothing written outside
 
 
@@ -69,6 +73,8 @@ def test_dispatch_and_fits():
     assert not operands_ok(x, p, None)
     ref = x.float() @ w.T
     assert _rel(few_row_matmul(x, p, config=(HALF2, 2, 32, 2)), ref) < 2e-3
+    assert _rel(few_row_matmul(x, p, config=(HALF2_ROWS, 2, 64, 2)), ref) < 2e-3
+    assert _rel(few_row_matmul(x.contiguous(), p, config=(HALF2_ROWS, 2, 64, 2)), ref) < 2e-3
     xb = torch.randn(2, 1024, dtype=torch.bfloat16, device="cuda")  # bf16: no f16x2 form
     assert not operands_ok(xb, p, None)
     assert _rel(few_row_matmul(xb, p, config=(HALF2, 2, 32, 2)), xb.float() @ w.T) < 1e-2

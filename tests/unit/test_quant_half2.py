@@ -1,7 +1,7 @@
 """The packed-fp16 4-bit GEMV's host side (kernels/quant_half2.py): which plane kinds it takes, and the start-up
 tuner's candidates for it. The kernel itself runs on the GPU (tests/gpu/test_quant_half2_cuda.py; inline PTX has no
 interpreter form) and passes the sm_70 / sm_75 gate with the other registered kernels."""
-from voltllm.kernels.quant_half2 import HALF2, supports
+from voltllm.kernels.quant_half2 import HALF2, HALF2_ROWS, supports
 from voltllm.kernels.registry import REGISTRY
 from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind
 from voltllm.worker.quant_tuning import HALF2_CANDIDATES, TUNE_ROWS
@@ -17,7 +17,9 @@ def test_kinds():
 
 
 def test_registered_and_tuned():
-    entry = REGISTRY["quant.half2_matmul"]
-    assert entry.compat and {s.constexprs["FP4"] for s in entry.specs} == {True, False}
+    for name in ("quant.half2_matmul", "quant.half2_rows_matmul"):
+        entry = REGISTRY[name]
+        assert entry.compat and {s.constexprs["FP4"] for s in entry.specs} == {True, False}
     for rows in TUNE_ROWS:
-        assert HALF2_CANDIDATES[rows] and all(c[0] == HALF2 and len(c) == 4 for c in HALF2_CANDIDATES[rows])
+        assert {c[0] for c in HALF2_CANDIDATES[rows]} == {HALF2, HALF2_ROWS}
+        assert all(len(c) == 4 for c in HALF2_CANDIDATES[rows])

@@ -29,7 +29,8 @@ from voltllm.kernels.quant_gemv import checked_operands, quant_matmul
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import KINDS, NVFP4_KIND, int4_kind
 
-__triton_helpers__ = ("_half2_bits", "_int4_weights", "_fp4_weights", "_row_partial")
+__triton_helpers__ = ("_half2_bits", "_int4_weights", "_fp4_weights", "_row_partial", "_unit_scale_words",
+                       "_word_pairs", "_words_0213")
 
 FP16_MAX = 65504.0
 MAX_ROWS = 4  # rows per program: each shares the dequantized words
@@ -208,6 +209,143 @@ def _half2_matmul_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym,
         tl.store(Y + row * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=mask_n & (row < M))
 
 
+@triton.jit
+def _unit_scale_words(D, SC, MN, n, u, um, stride_d, stride_s, ZERO: tl.constexpr, SUPER: tl.constexpr,
+                      SHIFT: tl.constexpr, ZP: tl.constexpr, FP4: tl.constexpr):
+    """(s_lo, s_hi, z_lo, z_hi) [1, U, 1] of weight row n's units u (see _int4_weights / _fp4_weights)."""
+    e0 = ((u >> 1) << 6) | ((u & 1) << 4)  # the unit's first low-nibble element (never negative: shifts)
+    if SUPER & (SUPER - 1) == 0:
+        g_lo = e0 >> SHIFT
+        g_hi = (e0 + 32) >> SHIFT
+    else:
+        g_lo = e0 // SUPER
+        g_hi = (e0 + 32) // SUPER
+    if FP4:  # E4M3 scale codes as fp16 bits (value / 2^8) times the row's global scale times 2^22
+        glob = tl.load(D + n * stride_d + g_lo, mask=um, other=0.0) * 4194304.0
+        c_lo = tl.load(SC + n * stride_s + (e0 >> 4), mask=um, other=0).to(tl.int32)
+        c_hi = tl.load(SC + n * stride_s + ((e0 + 32) >> 4), mask=um, other=0).to(tl.int32)
+        f_lo = (((c_lo & 0x7F) << 7) | ((c_lo & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        f_hi = (((c_hi & 0x7F) << 7) | ((c_hi & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        s_lo = _half2_bits((f_lo.to(tl.float32) * glob).to(tl.float16))
+        s_hi = _half2_bits((f_hi.to(tl.float32) * glob).to(tl.float16))
+        z_lo = s_lo
+        z_hi = s_hi
+    else:
+        s_lo = _half2_bits(tl.load(D + n * stride_d + g_lo, mask=um, other=0.0))
+        s_hi = _half2_bits(tl.load(D + n * stride_d + g_hi, mask=um, other=0.0))
+        if ZP:  # fp16 bits of 1024 + z (ulp 1 there) and -(64 + z) (ulp 1/16)
+            zr_lo = tl.load(MN + n * stride_s + g_lo, mask=um, other=0).to(tl.int32)
+            zr_hi = tl.load(MN + n * stride_s + g_hi, mask=um, other=0).to(tl.int32)
+        else:
+            zr_lo = tl.full(u.shape, ZERO, tl.int32)
+            zr_hi = zr_lo
+        z_lo = (0x6400 + zr_lo) | ((0x6400 + zr_lo) << 16)
+        z_hi = (0xD400 + zr_hi * 16) | ((0xD400 + zr_hi * 16) << 16)
+    return s_lo, s_hi, z_lo, z_hi
+
+
+@triton.jit
+def _word_pairs(X32, base, um):
+    """The activation pairs of a unit's four words, [1, U, 4] each in the words' order (0, 2, 1, 3): (low-nibble
+    pair 2i, low 2i + 1, high 2i, high 2i + 1). base [1, U, 1]: the unit's first pair index. Four 16-byte loads per
+    unit, split and joined inside the thread (no exchange between lanes)."""
+    i4 = tl.arange(0, 4)[None, None, :]
+    lo_a = tl.reshape(tl.load(X32 + base + i4, mask=um, other=0), (1, base.shape[1], 2, 2))
+    lo_b = tl.reshape(tl.load(X32 + base + 4 + i4, mask=um, other=0), (1, base.shape[1], 2, 2))
+    hi_a = tl.reshape(tl.load(X32 + base + 16 + i4, mask=um, other=0), (1, base.shape[1], 2, 2))
+    hi_b = tl.reshape(tl.load(X32 + base + 20 + i4, mask=um, other=0), (1, base.shape[1], 2, 2))
+    ea, oa = tl.split(lo_a)
+    eb, ob = tl.split(lo_b)
+    hea, hoa = tl.split(hi_a)
+    heb, hob = tl.split(hi_b)
+    shape: tl.constexpr = (1, base.shape[1], 4)
+    return (tl.reshape(tl.join(ea, eb), shape), tl.reshape(tl.join(oa, ob), shape),
+            tl.reshape(tl.join(hea, heb), shape), tl.reshape(tl.join(hoa, hob), shape))
+
+
+@triton.jit
+def _words_0213(w):
+    """A unit's words [1, U, 4] in the order (0, 2, 1, 3), inside the thread."""
+    return tl.reshape(tl.permute(tl.reshape(w, (1, w.shape[1], 2, 2)), (0, 1, 3, 2)), (1, w.shape[1], 4))
+
+
+@triton.jit
+def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_d, stride_s,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr, ZERO: tl.constexpr,
+                       SUPER: tl.constexpr, SHIFT: tl.constexpr, ZP: tl.constexpr, FP4: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+    """The second tiling: BLOCK_N (1 | 2) weight rows and BLOCK_M (<= 4) activation rows per program; every tile
+    [1, U, 4] (a unit's 4 words in one thread, units across lanes), the activations read in 16-byte vectors and
+    rearranged inside the thread, so no values cross lanes until the final sums. EVEN: no masks."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    n1 = tl.minimum(n0 + 1, N - 1)  # a second row past N repeats the last (its store is masked)
+    acc00 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc01 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc02 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc03 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc10 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc11 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc12 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc13 = tl.zeros((1, U, 4), dtype=tl.float32)
+    i4 = tl.arange(0, 4)[None, None, :]
+    for u0 in range(0, NU, U):
+        u = (u0 + tl.arange(0, U))[None, :, None]
+        um = (u < NU) | EVEN
+        base = (u >> 1) * 32 + (u & 1) * 8  # the unit's first activation pair (products: alignment stays known)
+        wa = _words_0213(tl.load(LO + n0 * stride_lo + u * 4 + i4, mask=um, other=0))
+        s_lo, s_hi, z_lo, z_hi = _unit_scale_words(D, SC, MN, n0, u, um, stride_d, stride_s, ZERO, SUPER, SHIFT,
+                                                   ZP, FP4)
+        if FP4:
+            a0, a1, a2, a3 = _fp4_weights(wa, s_lo, s_hi)
+        else:
+            a0, a1, a2, a3 = _int4_weights(wa, s_lo, s_hi, z_lo, z_hi)
+        if BLOCK_N == 2:
+            wb = _words_0213(tl.load(LO + n1 * stride_lo + u * 4 + i4, mask=um, other=0))
+            t_lo, t_hi, y_lo, y_hi = _unit_scale_words(D, SC, MN, n1, u, um, stride_d, stride_s, ZERO, SUPER,
+                                                       SHIFT, ZP, FP4)
+            if FP4:
+                b0, b1, b2, b3 = _fp4_weights(wb, t_lo, t_hi)
+            else:
+                b0, b1, b2, b3 = _int4_weights(wb, t_lo, t_hi, y_lo, y_hi)
+        for r in tl.static_range(BLOCK_M):
+            row = pid_m * BLOCK_M + r
+            xa, xb, xc, xd = _word_pairs(X + row * stride_xm, base, um & ((row < M) | EVEN))
+            pa = _row_partial(a0, a1, a2, a3, xa, xb, xc, xd)
+            if r == 0:
+                acc00 += pa
+            elif r == 1:
+                acc01 += pa
+            elif r == 2:
+                acc02 += pa
+            else:
+                acc03 += pa
+            if BLOCK_N == 2:
+                pb = _row_partial(b0, b1, b2, b3, xa, xb, xc, xd)
+                if r == 0:
+                    acc10 += pb
+                elif r == 1:
+                    acc11 += pb
+                elif r == 2:
+                    acc12 += pb
+                else:
+                    acc13 += pb
+    for c in tl.static_range(BLOCK_N):
+        n = n0 + c
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(B + n, mask=n < N, other=0.0).to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            row = pid_m * BLOCK_M + r
+            if c == 0:
+                acc = acc00 if r == 0 else acc01 if r == 1 else acc02 if r == 2 else acc03
+            else:
+                acc = acc10 if r == 0 else acc11 if r == 1 else acc12 if r == 2 else acc13
+            y = tl.sum(tl.sum(tl.sum(acc, 2), 1), 0) + bias
+            tl.store(Y + row * stride_ym + n, y.to(Y.dtype.element_ty), mask=(n < N) & (row < M))
+
+
 def supports(kind) -> bool:
     """Whether a plane kind has this form: 4-bit codes without high bits, a zero point (fixed or per group) or
     NVFP4's scales, scale groups of 16 elements or more."""
@@ -283,18 +421,69 @@ def _specs() -> list[CompileSpec]:
     return specs
 
 
-HALF2 = "half2"  # the tag of this form's tiles in the start-up tuner's choices: (HALF2, BLOCK_N, U, num_warps)
+def half2_rows_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None, config: tuple[int, int, int] = (1, 64, 2)) -> torch.Tensor:
+    """half2_matmul by the second tiling (_half2_rows_kernel). config: (BLOCK_N 1 | 2, U, num_warps)."""
+    x, out = checked_operands(x, planes, out)
+    if not operands_ok(x, planes, out):
+        raise ValueError("half2_matmul needs fp16 activations with even strides and 4-bit planes of this form")
+    m = x.shape[0]
+    block_m = min(MAX_ROWS, triton.next_power_of_2(m))
+    block_n, units, warps = config
+    if block_n not in (1, 2):
+        raise ValueError(f"the second tiling takes 1 or 2 weight rows per program, not {block_n}")
+    nu = planes.k // 32
+    units = min(units, triton.next_power_of_2(nu))
+    kind = planes.kind
+    lo32 = planes.lo.view(torch.int32)
+    x32 = x.view(torch.int32)
+    sc = planes.sc if planes.sc is not None else planes.lo
+    mn = planes.mn if planes.mn is not None else planes.lo
+    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
+    _half2_rows_kernel[grid](
+        x32, out, bias if bias is not None else out, lo32, planes.d, sc, mn, m, planes.n, nu, x32.stride(0),
+        out.stride(0), lo32.stride(0), planes.d.stride(0), sc.stride(0) if planes.sc is not None else mn.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, U=units, ZERO=kind.zero, SUPER=kind.super,
+        SHIFT=kind.super.bit_length() - 1, ZP=kind.zero_points, FP4=kind.fp4, HAS_BIAS=bias is not None,
+        EVEN=nu % units == 0 and m % block_m == 0 and planes.n % block_n == 0, num_warps=warps)
+    return out
+
+
+def _rows_specs() -> list[CompileSpec]:
+    sig = {"X": "*i32", "Y": "*fp16", "B": "*fp16", "LO": "*i32", "D": "*fp16", "SC": "*i8", "MN": "*i8", "M": "i32",
+           "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_d": "i32",
+           "stride_s": "i32"}
+    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "ZERO", "SUPER", "SHIFT", "ZP", "FP4", "HAS_BIAS",
+                                          "EVEN")})
+    specs = []
+    for kind, rows, block_n in ((int4_kind(128, True), 1, 1), (int4_kind(128, True), 4, 2),
+                                (int4_kind(32, False), 1, 2), (KINDS["Q4_0"], 1, 1), (NVFP4_KIND, 1, 1),
+                                (NVFP4_KIND, 4, 2)):
+        s = {**sig, "D": "*fp32"} if kind.fp4 else sig
+        specs.append(CompileSpec(s, {"BLOCK_M": rows, "BLOCK_N": block_n, "U": 64, "ZERO": kind.zero,
+                                     "SUPER": kind.super, "SHIFT": kind.super.bit_length() - 1,
+                                     "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0",
+                                     "EVEN": rows == 1}, f"{kind.name} n{block_n} m{rows}"))
+    return specs
+
+
+# the tags of this module's tiles in the start-up tuner's choices: (HALF2, BLOCK_N, U, num_warps) for
+# _half2_matmul_kernel, (HALF2_ROWS, BLOCK_N, U, num_warps) for _half2_rows_kernel
+HALF2 = "half2"
+HALF2_ROWS = "half2-rows"
 
 
 def few_row_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                    config: Optional[tuple] = None) -> torch.Tensor:
     """The few-row product by the tile the tuner chose: this form's for a (HALF2, ...) tile whose operands suit it,
     else quant_gemv.quant_matmul (config None: its default tile)."""
-    if config is not None and config[0] == HALF2:
+    if config is not None and config[0] in (HALF2, HALF2_ROWS):
         if operands_ok(x, planes, out):
-            return half2_matmul(x, planes, bias, out=out, config=tuple(config[1:]))
+            form = half2_matmul if config[0] == HALF2 else half2_rows_matmul
+            return form(x, planes, bias, out=out, config=tuple(config[1:]))
         config = None
     return quant_matmul(x, planes, bias, out=out, config=config)
 
 
 register_kernel("quant.half2_matmul", _half2_matmul_kernel, _specs())
+register_kernel("quant.half2_rows_matmul", _half2_rows_kernel, _rows_specs())
