@@ -21,5 +21,6 @@ def test_registered_and_tuned():
         entry = REGISTRY[name]
         assert entry.compat and {s.constexprs["FP4"] for s in entry.specs} == {True, False}
     for rows in TUNE_ROWS:
-        assert {c[0] for c in HALF2_CANDIDATES[rows]} == {HALF2, HALF2_ROWS}
+        # the second tiling stays out of the tuner until the GPU has checked it (HALF2_ROWS: tests, sweep queued)
+        assert {c[0] for c in HALF2_CANDIDATES[rows]} == {HALF2} != {HALF2_ROWS}
         assert all(len(c) == 4 for c in HALF2_CANDIDATES[rows])

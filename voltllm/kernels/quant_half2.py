@@ -379,91 +379,69 @@ def operands_ok(x: torch.Tensor, planes, out: Optional[torch.Tensor]) -> bool:
             and planes.k % 64 == 0 and supports(planes.kind))
 
 
+def _launch(kernel, x: torch.Tensor, planes, bias: Optional[torch.Tensor], out: Optional[torch.Tensor],
+            block_n: int, units: int, warps: int, **extra) -> torch.Tensor:
+    """The two tilings' common launch: views, tile clamping, grid (weight rows x groups of MAX_ROWS activation rows)."""
+    x, out = checked_operands(x, planes, out)
+    if not operands_ok(x, planes, out):
+        raise ValueError("half2_matmul needs fp16 activations with even strides and 4-bit planes of this form")
+    m = x.shape[0]
+    block_m = min(MAX_ROWS, triton.next_power_of_2(m))
+    nu = planes.k // 32
+    units = min(units, triton.next_power_of_2(nu))
+    kind = planes.kind
+    lo32 = planes.lo.view(torch.int32)
+    x32 = x.view(torch.int32)
+    sc = planes.sc if planes.sc is not None else planes.lo
+    mn = planes.mn if planes.mn is not None else planes.lo
+    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
+    if "EVEN" in extra:
+        extra["EVEN"] = nu % units == 0 and m % block_m == 0 and planes.n % block_n == 0
+    kernel[grid](
+        x32, out, bias if bias is not None else out, lo32, planes.d, sc, mn, m, planes.n, nu, x32.stride(0),
+        out.stride(0), lo32.stride(0), planes.d.stride(0), sc.stride(0) if planes.sc is not None else mn.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, U=units, ZERO=kind.zero, SUPER=kind.super, ZP=kind.zero_points,
+        FP4=kind.fp4, HAS_BIAS=bias is not None, num_warps=warps, **extra)
+    return out
+
+
 def half2_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                  config: tuple[int, int, int] = (1, 32, 2)) -> torch.Tensor:
     """x [M, K] fp16 times the 4-bit W [N, K]^T (+ bias) -> [M, N] fp16 (into `out`, which may be a column slice of a
     wider output). config: (BLOCK_N, U, num_warps). At most MAX_ROWS rows share one read of a weight tile; more rows
     read it again per MAX_ROWS. The caller checks `operands_ok` (and `fits` once per weight)."""
-    x, out = checked_operands(x, planes, out)
-    if not operands_ok(x, planes, out):
-        raise ValueError("half2_matmul needs fp16 activations with even strides and 4-bit planes of this form")
-    m = x.shape[0]
-    block_m = min(MAX_ROWS, triton.next_power_of_2(m))
-    block_n, units, warps = config
-    nu = planes.k // 32
-    units = min(units, triton.next_power_of_2(nu))
-    kind = planes.kind
-    lo32 = planes.lo.view(torch.int32)
-    x32 = x.view(torch.int32)
-    sc = planes.sc if planes.sc is not None else planes.lo
-    mn = planes.mn if planes.mn is not None else planes.lo
-    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
-    _half2_matmul_kernel[grid](
-        x32, out, bias if bias is not None else out, lo32, planes.d, sc, mn, m, planes.n, nu, x32.stride(0),
-        out.stride(0), lo32.stride(0), planes.d.stride(0), sc.stride(0) if planes.sc is not None else mn.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, U=units, ZERO=kind.zero, SUPER=kind.super, ZP=kind.zero_points,
-        FP4=kind.fp4, HAS_BIAS=bias is not None, num_warps=warps)
-    return out
-
-
-def _specs() -> list[CompileSpec]:
-    sig = {"X": "*i32", "Y": "*fp16", "B": "*fp16", "LO": "*i32", "D": "*fp16", "SC": "*i8", "MN": "*i8", "M": "i32",
-           "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_d": "i32",
-           "stride_s": "i32"}
-    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "ZERO", "SUPER", "ZP", "FP4", "HAS_BIAS")})
-    specs = []
-    for kind, rows in ((int4_kind(128, True), 1), (int4_kind(128, True), 4), (int4_kind(32, False), 1),
-                       (KINDS["Q4_0"], 1), (NVFP4_KIND, 1), (NVFP4_KIND, 4)):
-        s = {**sig, "D": "*fp32"} if kind.fp4 else sig
-        specs.append(CompileSpec(s, {"BLOCK_M": rows, "BLOCK_N": 1, "U": 32, "ZERO": kind.zero, "SUPER": kind.super,
-                                     "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0"},
-                                 f"{kind.name} m{rows}"))
-    return specs
+    return _launch(_half2_matmul_kernel, x, planes, bias, out, *config)
 
 
 def half2_rows_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None,
                       out: Optional[torch.Tensor] = None, config: tuple[int, int, int] = (1, 64, 2)) -> torch.Tensor:
     """half2_matmul by the second tiling (_half2_rows_kernel). config: (BLOCK_N 1 | 2, U, num_warps)."""
-    x, out = checked_operands(x, planes, out)
-    if not operands_ok(x, planes, out):
-        raise ValueError("half2_matmul needs fp16 activations with even strides and 4-bit planes of this form")
-    m = x.shape[0]
-    block_m = min(MAX_ROWS, triton.next_power_of_2(m))
-    block_n, units, warps = config
-    if block_n not in (1, 2):
-        raise ValueError(f"the second tiling takes 1 or 2 weight rows per program, not {block_n}")
-    nu = planes.k // 32
-    units = min(units, triton.next_power_of_2(nu))
-    kind = planes.kind
-    lo32 = planes.lo.view(torch.int32)
-    x32 = x.view(torch.int32)
-    sc = planes.sc if planes.sc is not None else planes.lo
-    mn = planes.mn if planes.mn is not None else planes.lo
-    grid = (triton.cdiv(planes.n, block_n), triton.cdiv(m, block_m))
-    _half2_rows_kernel[grid](
-        x32, out, bias if bias is not None else out, lo32, planes.d, sc, mn, m, planes.n, nu, x32.stride(0),
-        out.stride(0), lo32.stride(0), planes.d.stride(0), sc.stride(0) if planes.sc is not None else mn.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, U=units, ZERO=kind.zero, SUPER=kind.super,
-        SHIFT=kind.super.bit_length() - 1, ZP=kind.zero_points, FP4=kind.fp4, HAS_BIAS=bias is not None,
-        EVEN=nu % units == 0 and m % block_m == 0 and planes.n % block_n == 0, num_warps=warps)
-    return out
+    if config[0] not in (1, 2):
+        raise ValueError(f"the second tiling takes 1 or 2 weight rows per program, not {config[0]}")
+    return _launch(_half2_rows_kernel, x, planes, bias, out, *config, SHIFT=planes.kind.super.bit_length() - 1,
+                   EVEN=True)
 
 
-def _rows_specs() -> list[CompileSpec]:
-    sig = {"X": "*i32", "Y": "*fp16", "B": "*fp16", "LO": "*i32", "D": "*fp16", "SC": "*i8", "MN": "*i8", "M": "i32",
-           "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_d": "i32",
-           "stride_s": "i32"}
-    sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "ZERO", "SUPER", "SHIFT", "ZP", "FP4", "HAS_BIAS",
-                                          "EVEN")})
+_SIGNATURE = {"X": "*i32", "Y": "*fp16", "B": "*fp16", "LO": "*i32", "D": "*fp16", "SC": "*i8", "MN": "*i8", "M": "i32",
+              "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_d": "i32",
+              "stride_s": "i32"}
+# (kind, activation rows, weight rows) of the gate's specs
+_SPEC_KINDS = ((int4_kind(128, True), 1, 1), (int4_kind(128, True), 4, 2), (int4_kind(32, False), 1, 2),
+               (KINDS["Q4_0"], 1, 1), (NVFP4_KIND, 1, 1), (NVFP4_KIND, 4, 2))
+
+
+def _specs(rows_tiling: bool) -> list[CompileSpec]:
+    extra = ("SHIFT", "EVEN") if rows_tiling else ()
+    sig = {**_SIGNATURE, **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "ZERO", "SUPER", "ZP", "FP4",
+                                                     "HAS_BIAS") + extra}}
     specs = []
-    for kind, rows, block_n in ((int4_kind(128, True), 1, 1), (int4_kind(128, True), 4, 2),
-                                (int4_kind(32, False), 1, 2), (KINDS["Q4_0"], 1, 1), (NVFP4_KIND, 1, 1),
-                                (NVFP4_KIND, 4, 2)):
-        s = {**sig, "D": "*fp32"} if kind.fp4 else sig
-        specs.append(CompileSpec(s, {"BLOCK_M": rows, "BLOCK_N": block_n, "U": 64, "ZERO": kind.zero,
-                                     "SUPER": kind.super, "SHIFT": kind.super.bit_length() - 1,
-                                     "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0",
-                                     "EVEN": rows == 1}, f"{kind.name} n{block_n} m{rows}"))
+    for kind, rows, block_n in _SPEC_KINDS:
+        consts = {"BLOCK_M": rows, "BLOCK_N": block_n, "U": 64, "ZERO": kind.zero, "SUPER": kind.super,
+                  "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0"}
+        if rows_tiling:
+            consts.update(SHIFT=kind.super.bit_length() - 1, EVEN=rows == 1)
+        specs.append(CompileSpec({**sig, "D": "*fp32"} if kind.fp4 else sig, consts,
+                                 f"{kind.name} n{block_n} m{rows}"))
     return specs
 
 
@@ -485,5 +463,5 @@ def few_row_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None,
     return quant_matmul(x, planes, bias, out=out, config=config)
 
 
-register_kernel("quant.half2_matmul", _half2_matmul_kernel, _specs())
-register_kernel("quant.half2_rows_matmul", _half2_rows_kernel, _rows_specs())
+register_kernel("quant.half2_matmul", _half2_matmul_kernel, _specs(False))
+register_kernel("quant.half2_rows_matmul", _half2_rows_kernel, _specs(True))
