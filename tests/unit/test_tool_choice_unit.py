@@ -113,3 +113,18 @@ def test_named_call_is_the_whole_output():
     assert forced_calls(forced, "", True) == [{"name": "get_weather", "arguments": ""}]
     text = '{"city": "Oslo"}'
     assert _grown(text, lambda t, done: forced_calls(forced, t, done)) == [{"name": "get_weather", "arguments": text}]
+
+
+def test_call_deltas_send_a_call_once_then_its_new_arguments():
+    from voltllm.entrypoints.openai.serving_chat import _call_deltas
+
+    def call(i, args):
+        return {"id": f"call_{i}", "type": "function", "function": {"name": f"f{i}", "arguments": args}}
+
+    sent: list[int] = []
+    assert _call_deltas([], sent) == []
+    assert _call_deltas([call(0, '{"a"')], sent) == [{"index": 0, **call(0, '{"a"')}]
+    assert _call_deltas([call(0, '{"a"')], sent) == []  # nothing new
+    assert _call_deltas([call(0, '{"a": 1}'), call(1, "{}")], sent) == [
+        {"index": 0, "function": {"arguments": ": 1}"}}, {"index": 1, **call(1, "{}")}]
+    assert sent == [8, 2]
