@@ -6,6 +6,7 @@ import os
 import pytest
 
 from server_helpers import API_KEY, MODEL_NAMES, ServerProc, free_port, wait_gone
+from tiny_models import make_model
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +43,19 @@ def aclient(server: ServerProc):
     import openai
 
     return openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """A tiny random llama on the CPU, served as "tiny": quick to start; shared by the structured-output and
+    tool_choice tests. One torch thread (OMP_NUM_THREADS, read by torch in the server's processes), as the
+    `one_torch_thread` fixture does in process: a tiny model's steps on a busy 2-core machine otherwise take 5 to
+    40 times as long, and vary as much."""
+    path = make_model(str(tmp_path_factory.mktemp("tiny")), "llama")
+    srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
+                      "--disable-log-stats", "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(180)
+        yield srv
+    finally:
+        srv.kill_group()

@@ -73,12 +73,12 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 class ServerProc:
     """A `voltllm serve` subprocess in its own process group, with its log in a temp file."""
 
-    def __init__(self, args: list[str], port: int, https: bool = False):
+    def __init__(self, args: list[str], port: int, https: bool = False, env: Optional[dict[str, str]] = None):
         self.port = port
         self.base = f"{'https' if https else 'http'}://127.0.0.1:{port}"
         self.verify = not https  # the HTTPS tests use a self-signed certificate
         self.log = tempfile.NamedTemporaryFile(prefix="voltllm-serve-", suffix=".log", delete=False)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(VOLTLLM + ["serve"] + args + ["--host", "127.0.0.1", "--port", str(port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env,

@@ -44,7 +44,9 @@ CASES = [
     ("stream not a bool", CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream"),
     ("auto tool choice without parser", CHAT, {"messages": MSG, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tool_choice"),
-    ("required tool choice", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
+    ("required tool choice without tools", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    ("tool choice names an unknown function", CHAT, {"messages": MSG, "tool_choice": {
+        "type": "function", "function": {"name": "g"}}, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tool_choice"),
     ("unsupported response format", CHAT, {"messages": MSG, "response_format": {"type": "structural_tag"}}, 400,
      "response_format"),

@@ -8,28 +8,14 @@ import json
 import openai
 import pytest
 
-from server_helpers import ServerProc, free_port
 from structured_cases import (CHOICES, GRAMMAR, GRAMMAR_RE, REGEX, SCHEMA, check_json_object_output,
                               check_regex_output, check_schema_output)
-from tiny_models import make_model
 
 MESSAGES = [{"role": "user", "content": "Give me a record."}]
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
-    path = make_model(str(tmp_path_factory.mktemp("so")), "llama")
-    srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
-                      "--disable-log-stats", "--disable-uvicorn-access-log"], free_port())
-    try:
-        srv.wait_healthy(180)
-        yield srv
-    finally:
-        srv.kill_group()
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
+def client(tiny_server):  # (tiny_server: conftest.py, shared with test_tool_choice_server.py)
     return openai.OpenAI(base_url=tiny_server.base + "/v1", api_key="none", max_retries=0, timeout=60)
 
 

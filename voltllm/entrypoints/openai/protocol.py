@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.entrypoints.openai.structured import structured_outputs_of
+from voltllm.entrypoints.openai.tool_choice import forced_tool_choice
+from voltllm.sampling.structured import StructuredOutputsParams
 from voltllm.sampling.params import SamplingParams
 
 
@@ -58,8 +60,12 @@ class _SamplingFields(BaseModel):
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[dict[str, Any]] = None
 
+    def constraint(self) -> Optional[StructuredOutputsParams]:
+        """The request's one output constraint, or None; a bad or doubled one is a 400 naming its parameter."""
+        return structured_outputs_of(self)
+
     def _common_checks(self) -> None:
-        structured_outputs_of(self)  # a bad or doubled constraint is a 400 naming its parameter
+        self.constraint()
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
@@ -97,7 +103,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias,
-            structured_outputs=structured_outputs_of(self),  # (checked in check(); grammars are cached)
+            structured_outputs=self.constraint(),  # (checked in check(); grammars are cached)
         )
 
 
@@ -115,6 +121,18 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     reasoning_effort: Optional[str] = None
+
+    def constraint(self) -> Optional[StructuredOutputsParams]:
+        # tool_choice "required" / a named function is a constraint too (tool_choice.py): one per request
+        own = structured_outputs_of(self)
+        forced = forced_tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if forced is None:
+            return own
+        if own is not None:
+            raise bad_request("tool_choice 'required' or a named function constrains the output itself, so it "
+                              "cannot be combined with response_format, guided_* or structured_outputs",
+                              "tool_choice")
+        return forced.params()
 
     def check(self) -> None:
         self._common_checks()

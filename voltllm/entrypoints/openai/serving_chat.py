@@ -10,12 +10,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.errors import bad_request
+from voltllm.entrypoints.openai.forced_calls import forced_calls
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
                                                 new_tool_call_id)
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs,
                                                        collect_or_gone, make_params, merge_streams, new_id,
                                                        normalize_messages, render_chat, sse, sse_body, submit, usage)
+from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
 logger = logging.getLogger("voltllm")
 
@@ -26,28 +28,23 @@ class _ChatPlan:
     model: str
     created: int
     prompt_text: str
-    use_tools: bool
+    use_tools: bool  # parse tool calls out of free output (tool_choice "auto")
+    forced: Optional[ForcedToolChoice]  # the output is constrained to tool calls (tool_choice "required" / named)
     n: int
     num_logprobs: Optional[int]
     echo_prefix: str = ""
 
 
-def _tool_mode(state: ServerState, req: ChatCompletionRequest) -> bool:
-    """Whether to parse tool calls out of the output; refuses what cannot be honoured."""
-    if not req.tools:
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice needs tools", "tool_choice")
-        return False
-    choice = req.tool_choice or "auto"
-    if choice == "none":
-        return False
-    if choice != "auto":
-        raise bad_request("tool_choice 'required' or a named function needs guided decoding, which is not "
-                          "built yet; use 'auto' or 'none'", "tool_choice", "unsupported_parameter")
+def _tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Optional[ForcedToolChoice]]:
+    """(parse tool calls out of free output, the forced tool choice); refuses what cannot be honoured. A forced
+    choice needs no parser: its grammar (req.constraint()) fixes the form of the output."""
+    forced = forced_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if forced is not None or not req.tools or req.tool_choice == "none":
+        return False, forced
     if not (state.enable_auto_tool_choice and state.tool_call_parser):
         raise bad_request('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                           "--tool-call-parser", "tool_choice")
-    return True
+    return True, None
 
 
 class _ChoiceView:
@@ -55,8 +52,11 @@ class _ChoiceView:
 
     def __init__(self, state: ServerState, plan: _ChatPlan, tools: Optional[list], streaming: bool):
         self.streaming = streaming
+        self.forced = plan.forced
+        # a forced choice's grammar starts the output with its JSON at once: there is no reasoning to split off
         self.reasoning: Optional[ReasoningParser] = (
-            REASONING_PARSERS[state.reasoning_parser](plan.prompt_text) if state.reasoning_parser else None)
+            REASONING_PARSERS[state.reasoning_parser](plan.prompt_text)
+            if state.reasoning_parser and plan.forced is None else None)
         self.tools: Optional[ToolParser] = (
             TOOL_PARSERS[state.tool_call_parser](tools) if plan.use_tools else None)
         self.call_ids: list[str] = []
@@ -66,7 +66,11 @@ class _ChoiceView:
         if self.reasoning is not None:
             reasoning, text = self.reasoning.split(text, finished, self.streaming)
         calls: list[dict] = []
-        if self.tools is not None:
+        if self.forced is not None:
+            calls = forced_calls(self.forced, text, finished)
+            if calls or not finished:
+                text = ""  # (output with no call in it at all, e.g. cut short at once, stays content)
+        elif self.tools is not None:
             content, calls, ok = self.tools.extract(text, finished)
             text = content if ok else text
             if not ok and not self.streaming:
@@ -88,7 +92,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     req.check()
     model = state.model_name(req.model)
     messages = normalize_messages(req.messages)
-    use_tools = _tool_mode(state, req)
+    use_tools, forced = _tool_mode(state, req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.chat_template_kwargs,
                               add_generation_prompt=req.add_generation_prompt,
@@ -97,7 +101,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs,
                                                              defaults=state.generation_defaults))
-    plan = _ChatPlan(new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, params.n, req.num_logprobs)
+    plan = _ChatPlan(new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced, params.n,
+                     req.num_logprobs)
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role and isinstance(last.get("content"), str):
         plan.echo_prefix = last["content"]
@@ -143,7 +148,7 @@ class _Sent:
     def __init__(self) -> None:
         self.reasoning = ""
         self.content = ""
-        self.calls = 0
+        self.args: list[int] = []  # per tool call sent: how much of its arguments
         self.tokens = 0
         self.done = False
 
@@ -152,6 +157,21 @@ def _delta(new: Optional[str], sent: str) -> str:
     if not new or len(new) <= len(sent):
         return ""
     return new[len(sent):]
+
+
+def _call_deltas(calls: list[dict], sent: list[int]) -> list[dict]:
+    """A new call goes whole (id, name, arguments so far); a call sent before, only its new arguments (a forced
+    choice's arguments grow as they are generated; the "auto" parsers give only complete calls)."""
+    deltas = []
+    for k, call in enumerate(calls):
+        args = call["function"]["arguments"]
+        if k == len(sent):
+            deltas.append({"index": k, **call})
+            sent.append(len(args))
+        elif len(args) > sent[k]:
+            deltas.append({"index": k, "function": {"arguments": args[sent[k]:]}})
+            sent[k] = len(args)
+    return deltas
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan,
@@ -193,9 +213,8 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPla
             if d := _delta(content, s.content):
                 delta["content"] = d
                 s.content = content
-            if len(calls) > s.calls:
-                delta["tool_calls"] = [{"index": k, **calls[k]} for k in range(s.calls, len(calls))]
-                s.calls = len(calls)
+            if tool_deltas := _call_deltas(calls, s.args):
+                delta["tool_calls"] = tool_deltas
             lps = None
             if plan.num_logprobs is not None and c.logprobs is not None and len(c.token_ids) > s.tokens:
                 lps = {"content": chat_logprobs(c.token_ids[s.tokens:], c.logprobs[s.tokens:], plan.num_logprobs,
@@ -206,7 +225,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPla
             choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None}
             if done:
                 s.done = True
-                choice["finish_reason"] = _finish_reason(c, s.calls > 0)
+                choice["finish_reason"] = _finish_reason(c, bool(s.args))
                 choice["stop_reason"] = c.stop_reason
             yield chunk([choice], usage(prompt_tokens, completion_tokens) if continuous else None)
     if include_usage:
