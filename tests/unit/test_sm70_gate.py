@@ -137,6 +137,23 @@ def test_ptx_rules():
         assert bool(check_ptx(line, 75)) == bad75, line
 
 
+def test_ptx_rules_whole_file():
+    """check_ptx on a whole file (it scans the text for candidate lines first) flags the same lines, with the same
+    line numbers, as on each line alone: comments, blank lines and every kind of line end included."""
+    lines = ["cvt.rn.bf16.f32 %rs1, %r2; // bf16", "  mov.u32 %r1, %tid.x;", "", "// tanh.approx.f32 %r1, %r2;",
+             "tanh.approx.f32 %r1, %r2;", "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];  // .bf16",
+             "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%r1}, {%r2}, {%r3}, {%r4};", "xtanh.approx.f32",
+             "max.f16 %rs1, %rs2, %rs3;", "cp.async.cg.shared.global [%r1], [%rd1], 16;", "@%p1 bra $L__BB0_2;"]
+    ends = ["\n", "\r\n", "\r", "\x0b", "\x0c", "\x1c", "\x85", "\u2028"]
+    text = "".join(line + ends[i % len(ends)] for i, line in enumerate(lines * 3))
+    for arch in (70, 75, 80):
+        expected = [(no, v.rule, v.line) for no, line in enumerate(text.splitlines(), 1)
+                    for v in check_ptx(line, arch)]
+        got = [(v.line_no, v.rule, v.line) for v in check_ptx(text, arch)]
+        assert got == expected, arch
+        assert got or arch == 80
+
+
 def test_ir_rules():
     assert check_ir("%y = tt.fp_to_fp %x : tensor<128xf32> -> tensor<128xf8E5M2> loc(#loc3)")
     assert check_ir("%0 = tt.load %p : tensor<64x32x!tt.ptr<bf16>>")
