@@ -60,11 +60,14 @@ def _tanh_asm_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _square_dot_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    r = tl.arange(0, BLOCK)
-    tile = r[:, None] * BLOCK + r[None, :]
-    a = tl.load(x_ptr + tile)
-    tl.store(y_ptr + tile, tl.dot(a, tl.load(y_ptr + tile), input_precision="ieee"))
+def _wide_dot_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    # [16 x BLOCK] @ [BLOCK x 16]: both operands sit in shared memory (BLOCK=1024: 128 KB), while the unrolled
+    # FMA work stays small (a [128 x 128] @ [128 x 128] dot needs the same shared memory and ~10x the compile time)
+    r = tl.arange(0, 16)
+    k = tl.arange(0, BLOCK)
+    a = tl.load(x_ptr + r[:, None] * BLOCK + k[None, :])
+    b = tl.load(y_ptr + k[:, None] * 16 + r[None, :])
+    tl.store(y_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b, input_precision="ieee"))
 
 
 def _sig(y: str, **extra: str) -> dict:
@@ -134,6 +137,23 @@ def test_ptx_rules():
         assert bool(check_ptx(line, 75)) == bad75, line
 
 
+def test_ptx_rules_whole_file():
+    """check_ptx on a whole file (it scans the text for candidate lines first) flags the same lines, with the same
+    line numbers, as on each line alone: comments, blank lines and every kind of line end included."""
+    lines = ["cvt.rn.bf16.f32 %rs1, %r2; // bf16", "  mov.u32 %r1, %tid.x;", "", "// tanh.approx.f32 %r1, %r2;",
+             "tanh.approx.f32 %r1, %r2;", "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];  // .bf16",
+             "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%r1}, {%r2}, {%r3}, {%r4};", "xtanh.approx.f32",
+             "max.f16 %rs1, %rs2, %rs3;", "cp.async.cg.shared.global [%r1], [%rd1], 16;", "@%p1 bra $L__BB0_2;"]
+    ends = ["\n", "\r\n", "\r", "\x0b", "\x0c", "\x1c", "\x85", "\u2028"]
+    text = "".join(line + ends[i % len(ends)] for i, line in enumerate(lines * 3))
+    for arch in (70, 75, 80):
+        expected = [(no, v.rule, v.line) for no, line in enumerate(text.splitlines(), 1)
+                    for v in check_ptx(line, arch)]
+        got = [(v.line_no, v.rule, v.line) for v in check_ptx(text, arch)]
+        assert got == expected, arch
+        assert got or arch == 80
+
+
 def test_ir_rules():
     assert check_ir("%y = tt.fp_to_fp %x : tensor<128xf32> -> tensor<128xf8E5M2> loc(#loc3)")
     assert check_ir("%0 = tt.load %p : tensor<64x32x!tt.ptr<bf16>>")
@@ -190,15 +210,16 @@ def test_main_table(capsys):
 
 @pytest.mark.parametrize("fallback", [False, True])
 def test_shared_memory_over_the_target(fallback):
-    """A [128 x 128] fp32 dot needs more shared memory per block than sm_75's 64 KB (and sm_70's 96 KB): the gate
-    fails it, unless the kernel's caller copes (shared_fallback), where it passes with the size noted."""
-    spec = CompileSpec(_sig("*fp32"), {"BLOCK": 128}, label="b128")
-    small = CompileSpec(_sig("*fp32"), {"BLOCK": 32}, label="b32")
-    entry = KernelEntry("test.square_dot", _square_dot_kernel, [spec, small], shared_fallback=fallback)
+    """A fp32 dot whose operands take 128 KB needs more shared memory per block than sm_75's 64 KB (and sm_70's
+    96 KB): the gate fails it, unless the kernel's caller copes (shared_fallback), where it passes with the size
+    noted."""
+    spec = CompileSpec(_sig("*fp32"), {"BLOCK": 1024}, label="k1024")
+    small = CompileSpec(_sig("*fp32"), {"BLOCK": 32}, label="k32")
+    entry = KernelEntry("test.wide_dot", _wide_dot_kernel, [spec, small], shared_fallback=fallback)
     report = run_gate((70, 75), entries=[entry])
     by = {(r.label, r.arch): r for r in report.results}
-    assert by[("b32", 75)].status == "ok" and not by[("b32", 75)].reasons
-    big = by[("b128", 75)]
+    assert by[("k32", 75)].status == "ok" and not by[("k32", 75)].reasons
+    big = by[("k1024", 75)]
     assert any("KB of shared memory per block; sm_75 has 64 KB" in why for why in big.reasons), big
     assert big.status == ("ok" if fallback else "failed")
     assert report.ok == fallback

@@ -292,7 +292,7 @@ class GateReport:
         return "\n".join(out)
 
 
-Outcome = tuple  # ("ok", ttir, ptx, shared bytes) | ("error", reason, lines)
+Outcome = tuple  # ("ok", IR and PTX rule violations, shared bytes) | ("error", reason, lines)
 
 
 def triton_compilation_errors() -> tuple[type, ...]:
@@ -301,8 +301,10 @@ def triton_compilation_errors() -> tuple[type, ...]:
 
 
 def _compile_outcome(fn: Any, spec: CompileSpec, arch: int) -> Outcome:
+    """Compile one spec for sm_<arch> and check its TTIR and PTX against the rules (in the worker that compiled
+    it: the checks run in parallel, and the PTX, 92 MB for the whole registry, stays there)."""
     try:
-        return ("ok", *compile_for(fn, spec, arch))
+        ttir, ptx, shared = compile_for(fn, spec, arch)
     except Exception as e:  # noqa: BLE001 - a compile error (Triton or ptxas) fails the kernel
         text = [ln for ln in str(e).strip().splitlines() if ln.strip()][:20]
         ptx = getattr(e, "gate_ptx", None)
@@ -313,11 +315,12 @@ def _compile_outcome(fn: Any, spec: CompileSpec, arch: int) -> Outcome:
             reason += f": {last[-1]}"
         return ("error", "; ".join(dict.fromkeys([reason] + [v.reason for v in bad])),
                 [f"L{v.line_no}: {v.line}" for v in bad] + text)
+    return ("ok", check_ir(ttir) + check_ptx(ptx, arch), shared)
 
 
 def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
                 outcomes: Optional[dict[tuple[str, int, int], Outcome]] = None) -> list[GateResult]:
-    """Gate results of one kernel: every spec x arch (`outcomes`: compilations done elsewhere)."""
+    """Gate results of one kernel: every spec x arch (`outcomes`: compiled and checked elsewhere)."""
     results = []
     for i, spec in enumerate(entry.specs):
         label = spec.label or f"spec{i}"
@@ -329,9 +332,9 @@ def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
             if outcome[0] == "error":
                 results.append(GateResult(entry.name, label, arch, "failed", [outcome[1]], list(outcome[2])))
                 continue
-            bad = check_ir(outcome[1]) + check_ptx(outcome[2], arch)
+            bad = outcome[1]
             reasons, lines = [v.reason for v in bad], [f"L{v.line_no}: {v.line}" for v in bad]
-            shared, limit = outcome[3], SHARED_MEMORY_LIMIT.get(arch)
+            shared, limit = outcome[2], SHARED_MEMORY_LIMIT.get(arch)
             note = []
             if limit is not None and shared > limit:
                 why = f"needs {shared // 1024} KB of shared memory per block; sm_{arch} has {limit // 1024} KB"
