@@ -27,7 +27,7 @@ import triton.language as tl
 
 from voltllm.kernels.quant_gemv import checked_operands, quant_matmul
 from voltllm.kernels.registry import CompileSpec, register_kernel
-from voltllm.model.layers.gguf_planes import KINDS, NVFP4_KIND, int4_kind
+from voltllm.model.layers.gguf_planes import KINDS, NVFP4_KIND, e4m3_values, int4_kind
 
 __triton_helpers__ = ("_half2_bits", "_int4_weights", "_fp4_weights", "_row_partial", "_unit_scale_words",
                        "_word_pairs", "_words_0213")
@@ -365,8 +365,6 @@ def fits(planes) -> bool:
         return True
     top = planes.sc.view(torch.uint8) & 0x7F  # E4M3 magnitude codes order like their values
     big = int(top.max()) if top.numel() else 0
-    from voltllm.model.layers.gguf_planes import e4m3_values
-
     sc_max = float(e4m3_values(torch.tensor([big], dtype=torch.uint8)))
     return sc_max * float(planes.d.float().abs().max()) * 16384.0 < FP16_MAX
 
