@@ -175,6 +175,8 @@
 #            forms (carry .whl with xgrammar and apache-tvm-ffi added)
 #   s100     (session 27) the structured-output GPU file (its fp32 case), the two packed-fp16 tilings' sweep (AWQ,
 #            NVFP4), then the packed-fp16 GPU tests with the time left
+#   s101     (session 28) the packed-fp16 GEMVs with PDL and the second tiling in the tuner: their PDL / tuner GPU
+#            tests, then 8B-shape AWQ decode b1 with a per-kernel profile, NVFP4 b1 while time remains
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1307,6 +1309,22 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 230 python3 benchmarks/micro/quant_half2_sweep.py --kinds AWQ_G128,NVFP4 \
       --out "$out/quant-half2-sweep-$sha.json" 2>&1 | grep -v -i "warn" | tail -22
     gpu_file test_quant_half2_cuda $(( 400 - (SECONDS - t0) ))
+    ;;
+  s101)  # (session 28) packed-fp16 GEMVs with PDL, both tilings in the tuner: tests, 8B AWQ (profiled) / NVFP4 b1
+    t0=$SECONDS
+    gpu_file test_quant_half2_cuda 150 -k "pdl or tuner or dispatch"
+    mkdir -p /root/m
+    timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq \
+      && python3 -m voltllm.cli bench --commit "$sha" --output-dir "$out" /root/m/q8b-awq --dtype half --num-warm 1 \
+        --quantization awq --scenario decode --input-len 512 --output-len 128 --profile --profile-steps 10 \
+        --name qwen3-8b-shape-awq-g128-decode-b1-$sha 2>&1 | grep -E -A9 "dequant-GEMM tiles|^voltllm bench|^profile" \
+        | head -60
+    rm -rf /root/m/q8b-awq
+    if (( SECONDS - t0 < 400 )); then
+      timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method nvfp4 /root/m/q8b-nvfp4 \
+        && bench /root/m/q8b-nvfp4 --dtype half --num-warm 1 --quantization modelopt_fp4 --scenario decode \
+          --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
+    fi
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

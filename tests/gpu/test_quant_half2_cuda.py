@@ -109,3 +109,42 @@ def test_tuner_chooses_among_both_forms():
     for m in (1, 4):
         x = torch.randn(m, k, dtype=torch.float16, device="cuda")
         assert _rel(layer(x), x.float() @ w.T) < 2e-3, (m, method.tiles, lines)
+
+
+def test_pdl_chain_in_a_graph():
+    """With PDL on (sm_90+), a chain of both tilings' launches captured in a CUDA graph, each reading the previous
+    one's output, equals the chain run kernel by kernel: every launch waits for its predecessor's writes."""
+    from voltllm.kernels import pdl
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90+")
+    seed = random.SystemRandom().randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    dims = [1024, 4096, 1536, 4096, 1024]
+    chain = [(_planes(kind, n, k, g), form, cfg) for kind, k, n, form, cfg in zip(
+        ("AWQ_G128", "NVFP4", "AWQ_G64", "Q4_0"), dims[:-1], dims[1:],
+        (half2_rows_matmul, half2_matmul, half2_rows_matmul, half2_matmul),
+        ((2, 32, 1), (2, 32, 2), (2, 64, 2), (4, 16, 2)))]
+    for m in (1, 4):
+        x0 = torch.randn(m, dims[0], dtype=torch.float16, device="cuda") * 0.5
+        outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for n in dims[1:]]
+
+        def run():
+            for x, (p, form, cfg), o in zip([x0] + outs[:-1], chain, outs):
+                form(x, p, out=o, config=cfg)
+        run()
+        expected = [o.clone() for o in outs]
+        try:
+            pdl.configure(True)
+            run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+        finally:
+            pdl.configure(False)
+        for i, (o, e) in enumerate(zip(outs, expected)):
+            assert torch.equal(o, e), f"m={m} link {i}: {_rel(o, e):.2e} seed {seed}"

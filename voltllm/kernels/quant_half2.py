@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels import pdl
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.quant_gemv import checked_operands, quant_matmul
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import KINDS, NVFP4_KIND, e4m3_values, int4_kind
@@ -129,10 +131,12 @@ def _row_partial(w0, w1, w2, w3, xa, xb, xc, xd):
 @triton.jit
 def _half2_matmul_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_d, stride_s,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr, ZERO: tl.constexpr,
-                         SUPER: tl.constexpr, ZP: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         SUPER: tl.constexpr, ZP: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PDL: tl.constexpr):
     """Y[M, N] = X[M, K] W^T (+ B). LO: the codes as int32 words [N, K / 8] (a 16-byte unit u covers elements
     64 (u // 2) + 16 (u % 2) + [0, 16) in its low nibbles and 32 more in its high ones); X: fp16 pairs as int32
-    [M, K / 2]. Strides in elements of those views."""
+    [M, K / 2]. Strides in elements of those views. PDL: wait for the step's previous kernel (kernels/pdl.py)."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,10 +277,11 @@ def _words_0213(w):
 def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_d, stride_s,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr, ZERO: tl.constexpr,
                        SUPER: tl.constexpr, SHIFT: tl.constexpr, ZP: tl.constexpr, FP4: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """The second tiling: BLOCK_N (1 | 2) weight rows and BLOCK_M (<= 4) activation rows per program; every tile
     [1, U, 4] (a unit's 4 words in one thread, units across lanes), the activations read in 16-byte vectors and
     rearranged inside the thread, so no values cross lanes until the final sums. EVEN: no masks."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -399,7 +404,7 @@ def _launch(kernel, x: torch.Tensor, planes, bias: Optional[torch.Tensor], out: 
         x32, out, bias if bias is not None else out, lo32, planes.d, sc, mn, m, planes.n, nu, x32.stride(0),
         out.stride(0), lo32.stride(0), planes.d.stride(0), sc.stride(0) if planes.sc is not None else mn.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, U=units, ZERO=kind.zero, SUPER=kind.super, ZP=kind.zero_points,
-        FP4=kind.fp4, HAS_BIAS=bias is not None, num_warps=warps, **extra)
+        FP4=kind.fp4, HAS_BIAS=bias is not None, num_warps=warps, **pdl.launch_options(), **extra)
     return out
 
 
@@ -431,11 +436,11 @@ _SPEC_KINDS = ((int4_kind(128, True), 1, 1), (int4_kind(128, True), 4, 2), (int4
 def _specs(rows_tiling: bool) -> list[CompileSpec]:
     extra = ("SHIFT", "EVEN") if rows_tiling else ()
     sig = {**_SIGNATURE, **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "ZERO", "SUPER", "ZP", "FP4",
-                                                     "HAS_BIAS") + extra}}
+                                                     "HAS_BIAS", "PDL") + extra}}
     specs = []
     for kind, rows, block_n in _SPEC_KINDS:
         consts = {"BLOCK_M": rows, "BLOCK_N": block_n, "U": 64, "ZERO": kind.zero, "SUPER": kind.super,
-                  "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0"}
+                  "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0", "PDL": False}
         if rows_tiling:
             consts.update(SHIFT=kind.super.bit_length() - 1, EVEN=rows == 1)
         specs.append(CompileSpec({**sig, "D": "*fp32"} if kind.fp4 else sig, consts,

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, QuantizedLinearMethod, held_segments
-from voltllm.kernels.quant_half2 import HALF2
+from voltllm.kernels.quant_half2 import HALF2, HALF2_ROWS
 from voltllm.model.layers.gguf_planes import Planes, map_planes
 
 logger = logging.getLogger(__name__)
@@ -25,11 +25,11 @@ TUNE_ROWS = (1, FMA_MAX_ROWS)
 # registers, so each activation element is converted once for all of them (unmeasured in session 23).
 CANDIDATES = {1: [(1, 64, 2), (2, 32, 2), (1, 32, 1), (4, 32, 1), (8, 32, 1), (4, 16, 1)],
               FMA_MAX_ROWS: [(16, 8, 4), (8, 16, 4), (4, 32, 1), (8, 16, 1)]}
-# the packed-fp16 form's tiles (kernels/quant_half2.py; 4-bit kinds, fp16 activations): the fastest per row class in
-# the H200 sweep at the qwen3-8b shapes (results/session27/s98/), (HALF2, BLOCK_N, U, num_warps)
-# (its second tiling, HALF2_ROWS, joins these once the GPU has checked and timed it: not yet, session 27)
-HALF2_CANDIDATES = {1: [(HALF2, 2, 64, 4), (HALF2, 2, 32, 2), (HALF2, 1, 32, 1)],
-                    FMA_MAX_ROWS: [(HALF2, 2, 32, 2), (HALF2, 4, 16, 2), (HALF2, 2, 64, 4)]}
+# the packed-fp16 form's tiles (kernels/quant_half2.py; 4-bit kinds, fp16 activations), (HALF2 | HALF2_ROWS, BLOCK_N,
+# U, num_warps): the fastest per row class in the H200 sweep of both tilings at the qwen3-8b shapes
+# (results/session28/s100/): the second tiling wins every one-row shape (by 10-28 %), the first every four-row one
+HALF2_CANDIDATES = {1: [(HALF2_ROWS, 2, 32, 1), (HALF2_ROWS, 2, 64, 2), (HALF2_ROWS, 2, 128, 4), (HALF2, 2, 64, 4)],
+                    FMA_MAX_ROWS: [(HALF2, 2, 32, 2), (HALF2, 4, 16, 2), (HALF2, 2, 64, 4), (HALF2_ROWS, 2, 32, 1)]}
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 32
 
