@@ -197,9 +197,10 @@ class EngineCore:
         in a loop).
         """
         if self.grammars.compiling:
+            self._admit_compiled()
             if self.grammar_wait_s > 0 and self.waiting_only_for_grammars():
                 self.grammars.wait(self.grammar_wait_s)
-            self._admit_compiled()
+                self._admit_compiled()
         sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
         if self._inflight is not None and (not sched.empty and self.runner.needs_host_history(sched)):
