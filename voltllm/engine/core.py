@@ -140,6 +140,9 @@ class EngineCore:
         errors, self._request_errors = self._request_errors, []
         return errors
 
+    def _samples_constrained(self, sched: SchedulerOutput) -> bool:
+        return any(s.samples and s.request.grammar is not None for s in sched.scheduled)
+
     def _admit_compiled(self) -> None:
         """Requests whose grammar compile ended join the queue, or fail with its error."""
         ready, failed = self.grammars.poll()
@@ -205,11 +208,21 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if self._inflight is not None and (not sched.empty and self.runner.needs_host_history(sched)):
             outputs += self._finish_inflight()
+        handle = None
         if sched.empty:
             self.runner.release(sched.released_ids)
-        elif self.grammars.live:  # (after the wait above: a constrained request's previous token is known)
+        elif self.grammars.live and self._inflight is not None and self._samples_constrained(sched):
+            # structured outputs under async scheduling: the masks need the step in flight's tokens, the forward
+            # does not (its pending input ids are fed on the device). Launch the forward, then wait for the step in
+            # flight, advance the matchers and fill the masks while the device runs it, then launch the sampling.
+            launched = self.runner.launch_forward(sched)
+            outputs += self._finish_inflight()
             sched.grammar_masks = self.grammars.masks(sched.scheduled)
-        handle = None if sched.empty else self.runner.execute_async(sched)
+            handle = self.runner.launch_sampling(launched)
+        elif self.grammars.live:  # (nothing in flight: every constrained request's previous token is known)
+            sched.grammar_masks = self.grammars.masks(sched.scheduled)
+        if handle is None and not sched.empty:
+            handle = self.runner.execute_async(sched)
         if self._inflight is not None:
             outputs += self._finish_inflight()
         if handle is not None:

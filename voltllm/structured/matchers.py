@@ -2,9 +2,10 @@
 
 The engine learns each request's tokens in Scheduler.update, so the matchers live here, in the engine core: a
 request's matcher accepts every token appended to it (the tokens never change, so preemption and recompute keep
-the matcher as it is), and is dropped when the request finishes or is aborted. Before a step runs, each constrained
-request that samples in it gets its row of allowed tokens (`masks`); such steps wait for the step in flight
-(Request.needs_host_history), since the mask depends on the request's previous token.
+the matcher as it is), and is dropped when the request finishes or is aborted. Before a step samples, each
+constrained request that samples in it gets its row of allowed tokens (`masks`): the mask depends on the request's
+previous token, so under async scheduling the engine core launches such a step's forward, then collects the step in
+flight (the matchers accept its tokens), then fills the masks and launches the sampling (EngineCore._step).
 
 Compiling happens off the engine loop: the first constrained request's tokenizer load, xgrammar's TokenizerInfo
 and GrammarCompiler (seconds for a large vocabulary), and every grammar not in the cache, are built by one
