@@ -140,29 +140,101 @@ def test_speculation_skips_constrained_requests(tiny_path):
     assert spec.engine.stats().extra["spec_draft_tokens"] > 0  # the plain requests did speculate
 
 
-def test_only_steps_with_a_constrained_request_wait_for_the_step_in_flight(llm):
-    """Async scheduling: a step launched while the previous one is in flight overlaps it. Plain batches keep that;
-    a step with a constrained request first collects the one in flight (its mask needs the previous token)."""
+def test_constrained_steps_launch_their_forward_before_the_step_in_flight_returns(llm):
+    """Async scheduling: a step launched while the previous one is in flight overlaps it. A step with a constrained
+    request keeps that for its forward: it launches the forward, then collects the step in flight (its tokens
+    advance the matchers), fills the masks and only then launches the sampling. Recorded through the runner's
+    calls, in order."""
     if not llm.engine.async_scheduling:
         pytest.skip("async scheduling only")
     engine = llm.engine
-    launched = []  # per launch: was a step still in flight?
-    execute = engine.runner.execute_async
+    runner = engine.runner
+    events = []
+    names = ("launch_forward", "launch_sampling", "collect")
+    real = {name: getattr(runner, name) for name in names}
+    masks = engine.grammars.masks
+    constrained = _params(max_tokens=12, structured_outputs={"regex": LONG_REGEX})
+    llm.generate(PROMPTS[1], constrained.clone(max_tokens=1))  # (compiled now: no step waits for it below)
 
-    def spy(sched):
-        launched.append(engine._inflight is not None)
-        return execute(sched)
+    def spy(name):
+        def call(*args):
+            events.append((name, None if name == "collect" else engine._inflight is not None))
+            return real[name](*args)
+        return call
 
-    engine.runner.execute_async = spy
+    for name in names:
+        setattr(runner, name, spy(name))
+    engine.grammars.masks = lambda scheduled: events.append(("masks", engine._inflight is not None)) or masks(scheduled)
     try:
         llm.generate(PROMPTS[:2], _params(max_tokens=12, ignore_eos=True))
-        assert launched[0] is False and all(launched[1:]), launched
-        launched.clear()
-        llm.generate(PROMPTS[:2], [_params(max_tokens=12, ignore_eos=True),
-                                   _params(max_tokens=12, structured_outputs={"regex": LONG_REGEX})])
-        assert not any(launched), launched
+        forwards = [inflight for name, inflight in events if name == "launch_forward"]
+        assert forwards[0] is False and all(forwards[1:]), events  # plain steps: as before
+        assert "masks" not in dict(events)
+        events.clear()
+        llm.generate(PROMPTS[:2], [_params(max_tokens=12, ignore_eos=True), constrained])
     finally:
-        engine.runner.execute_async = execute
+        for name in names:
+            delattr(runner, name)
+        engine.grammars.masks = masks
+    # the first step has nothing in flight: its masks come first (the synchronous form)
+    assert events[:3] == [("masks", False), ("launch_forward", False), ("launch_sampling", False)], events
+    steps, step = [], []
+    for e in events[1:]:  # one list of events per launched step, from its forward on
+        if e[0] == "launch_forward" and step:
+            steps.append(step)
+            step = []
+        step.append(e)
+    steps.append(step)
+    assert len(steps) >= 12
+    for step in steps[1:-1]:
+        # the forward with the previous step in flight, then that step's tokens, the masks, the sampling
+        assert step[:4] == [("launch_forward", True), ("collect", None), ("masks", False),
+                            ("launch_sampling", False)], steps
+
+
+def test_async_constrained_steps_equal_sync(tiny_path):
+    """The forward-first form of constrained steps (async scheduling) gives exactly the synchronous outputs: greedy and
+    seeded rows, constrained and not, mixed with penalties (those steps still wait first), grammar ends, max_tokens
+    cuts, and aborts mid-way."""
+    so = StructuredOutputsParams
+    make = {mode: LLM(tiny_path, block_size=4, max_num_batched_tokens=64, async_scheduling=mode == "async")
+            for mode in ("async", "sync")}
+    plain = _params(max_tokens=24, ignore_eos=True)
+    params = [_params(structured_outputs=so(json=SCHEMA)), plain,
+              _params(temperature=1.0, seed=3, structured_outputs=so(regex=REGEX)),
+              _params(structured_outputs=so(json_object=True), logit_bias=_closing_bias(make["sync"])),
+              _params(temperature=0.8, seed=5, logprobs=2, structured_outputs=so(grammar=GRAMMAR)),
+              _params(structured_outputs=so(choice=CHOICES)),
+              _params(max_tokens=20, ignore_eos=True, structured_outputs=so(choice=CHOICES)),
+              _params(max_tokens=3, structured_outputs=so(json=SCHEMA)),
+              _params(max_tokens=30, structured_outputs=so(regex=LONG_REGEX)),
+              plain.clone(repetition_penalty=1.3)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outs = {mode: [o.outputs[0] for o in llm.generate(prompts, params)] for mode, llm in make.items()}
+    for a, b in zip(outs["async"], outs["sync"]):
+        assert (a.token_ids, a.finish_reason, a.logprobs) == (b.token_ids, b.finish_reason, b.logprobs)
+    assert [o.finish_reason for o in outs["sync"]][5:8] == ["stop", "stop", "length"]
+    # aborts: the constrained request aborted mid-way takes nothing from the others
+    tokens = {}
+    for mode, llm in make.items():
+        engine = llm.engine
+        tok = llm.get_tokenizer()
+        got = tokens[mode] = {}
+        for i, j in enumerate([8, 0, 2, 1]):  # (the runs above' prompts and params)
+            sp = params[j].clone(_eos_token_ids=(tok.eos_token_id,))
+            engine.add_request(EngineCoreRequest(f"r{i}", tok.encode(prompts[j]), sp))
+        n = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            n += 1
+            if n == 4:
+                engine.abort_requests(["r0"])
+        assert len(engine.grammars) == 0
+        engine.check_integrity()
+    for rid, expected in (("r1", outs["sync"][0]), ("r2", outs["sync"][2]), ("r3", outs["sync"][1])):
+        assert tokens["async"][rid] == tokens["sync"][rid] == expected.token_ids, rid
+    assert len(tokens["async"]["r0"]) < 30 and len(tokens["sync"]["r0"]) < 30
 
 
 def test_refused_without_a_tokenizer_and_the_engine_goes_on(tiny_path):

@@ -20,6 +20,10 @@ from voltllm.worker.runner import ModelRunner, StepHandle
 
 logger = logging.getLogger("voltllm")
 
+# structured outputs: how long an in-process step() waits for a grammar compile when nothing else can run (the engine
+# process waits on its input socket and the compile's wake fd instead: grammar_wait_s = 0 there)
+GRAMMAR_WAIT_S = 0.05
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None):
@@ -73,9 +77,13 @@ class EngineCore:
         if tp is not None:
             tp.wait_ready(num_blocks)
         self.vocab_size = int(config.model.hf_config.get_text_config().vocab_size)
-        # structured outputs: matchers over the logits' width (the tokenizer is loaded on the first constrained request)
-        self.grammars = GrammarMatchers(self._engine_tokenizer, self.vocab_size)
+        # structured outputs: matchers over the logits' width (the tokenizer is loaded on the first constrained request,
+        # in the grammar compile thread)
+        self.grammars = GrammarMatchers(None if config.model.skip_tokenizer_init else self._engine_tokenizer,
+                                        self.vocab_size)
         self.scheduler.grammars = self.grammars
+        self.grammar_wait_s = GRAMMAR_WAIT_S
+        self._request_errors: list[tuple[str, str]] = []  # (request id, message): requests failed after add_request
         self.max_model_len = config.model.max_model_len
         # async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host
         self.async_scheduling = config.scheduler.async_scheduling
@@ -83,8 +91,6 @@ class EngineCore:
 
     def _engine_tokenizer(self):
         mc = self.config.model
-        if mc.skip_tokenizer_init:
-            return None
         from voltllm.model.loader import load_tokenizer
 
         return load_tokenizer(mc.tokenizer, mc.trust_remote_code)
@@ -111,15 +117,40 @@ class EngineCore:
         r = Request(req, self.max_model_len)
         if req.sampling_params.seed is not None:
             r.generator = torch.Generator(device=self.runner.device).manual_seed(req.sampling_params.seed)
+        ready = True
         if req.sampling_params.structured_outputs is not None:
-            self.grammars.attach(r)
-        self.scheduler.add_request(r)
+            ready = self.grammars.attach(r)  # False: its grammar compiles in the background; it waits meanwhile
+        self.scheduler.add_request(r, ready)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def waiting_only_for_grammars(self) -> bool:
+        """Nothing can run until a grammar compile ends: the only unfinished requests are waiting for theirs."""
+        s = self.scheduler
+        return bool(s.waiting_for_grammar) and not s.waiting and not s.running and self._inflight is None
+
+    def take_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, message) of the requests that failed since the last call, after add_request had taken them
+        (a grammar that did not compile in the background): each is gone from the engine and sent no output; the
+        caller reports the error to its client, as it does for an InvalidRequestError from add_request."""
+        errors, self._request_errors = self._request_errors, []
+        return errors
+
+    def _samples_constrained(self, sched: SchedulerOutput) -> bool:
+        return any(s.samples and s.request.grammar is not None for s in sched.scheduled)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compile ended join the queue, or fail with its error."""
+        ready, failed = self.grammars.poll()
+        for r in ready:
+            self.scheduler.grammar_ready(r)
+        for r, message in failed:
+            self.scheduler.drop(r)
+            self._request_errors.append((r.request_id, message))
 
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         sched, handle = self._inflight
@@ -135,7 +166,10 @@ class EngineCore:
         return None if err is e else err
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device). The engine cannot step afterwards."""
+        """Stop the grammar compile thread and the tensor-parallel workers. The engine cannot step afterwards."""
+        grammars = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.shutdown()
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
 
@@ -160,16 +194,35 @@ class EngineCore:
         Synchronous mode returns this step's outputs. Async mode launches step N+1 before waiting
         for step N (whose tokens the GPU feeds to N+1 directly), so the CPU's scheduling and input
         preparation overlap the GPU's forward.
+
+        Structured outputs: requests whose grammar finished compiling join the queue first; when nothing else can
+        run, the step waits up to grammar_wait_s for a compile (rather than return at once, for a caller that steps
+        in a loop).
         """
+        if self.grammars.compiling:
+            self._admit_compiled()
+            if self.grammar_wait_s > 0 and self.waiting_only_for_grammars():
+                self.grammars.wait(self.grammar_wait_s)
+                self._admit_compiled()
         sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
         if self._inflight is not None and (not sched.empty and self.runner.needs_host_history(sched)):
             outputs += self._finish_inflight()
+        handle = None
         if sched.empty:
             self.runner.release(sched.released_ids)
-        elif self.grammars.live:  # (after the wait above: a constrained request's previous token is known)
+        elif self.grammars.live and self._inflight is not None and self._samples_constrained(sched):
+            # structured outputs under async scheduling: the masks need the step in flight's tokens, the forward
+            # does not (its pending input ids are fed on the device). Launch the forward, then wait for the step in
+            # flight, advance the matchers and fill the masks while the device runs it, then launch the sampling.
+            launched = self.runner.launch_forward(sched)
+            outputs += self._finish_inflight()
             sched.grammar_masks = self.grammars.masks(sched.scheduled)
-        handle = None if sched.empty else self.runner.execute_async(sched)
+            handle = self.runner.launch_sampling(launched)
+        elif self.grammars.live:  # (nothing in flight: every constrained request's previous token is known)
+            sched.grammar_masks = self.grammars.masks(sched.scheduled)
+        if handle is None and not sched.empty:
+            handle = self.runner.execute_async(sched)
         if self._inflight is not None:
             outputs += self._finish_inflight()
         if handle is not None:
@@ -184,8 +237,16 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        leaked = set(self.grammars.live) - set(self.scheduler.requests)
-        assert not leaked, f"grammar matchers of finished requests: {sorted(leaked)}"
+        g, s = self.grammars, self.scheduler
+        leaked = (set(g.live) | set(g.waiting)) - set(s.requests)
+        assert not leaked, f"grammar state of finished requests: {sorted(leaked)}"
+        assert set(g.waiting) == set(s.waiting_for_grammar), \
+            f"requests waiting for a grammar: {sorted(g.waiting)} (matchers) vs {sorted(s.waiting_for_grammar)}"
+        orphans = set(g.compiling) - {key for key, _ in g.waiting.values()}
+        assert not orphans, f"grammar compiles nobody waits for: {sorted(k[0] for k in orphans)}"
+        for rid, r in s.requests.items():
+            if r.sampling_params.structured_outputs is not None and rid not in g.waiting:
+                assert r.grammar is not None and g.live.get(rid) is r.grammar, f"request {rid} has no matcher"
         if self.runner.state_cache is not None:
             self.runner.state_cache.check_integrity()
         if self.runner.state_snapshots is not None:

@@ -12,8 +12,10 @@ the API process creates in a private 0700 directory):
                                                ("report", report dict or {"error": message})
                                                ("fatal", message)
 
-The loop blocks on its input socket only while it has nothing to compute; otherwise it drains input
-without waiting and steps. It exits on "shutdown", on SIGTERM, and when its parent (the API process)
+The loop blocks on its input socket only while it has nothing to compute (or nothing but requests whose grammar is
+compiling in the background: then it also wakes when a compile ends); otherwise it drains input without waiting and
+steps. A request that fails after it was added (its grammar did not compile) is reported with "error", like one
+add_request refused. It exits on "shutdown", on SIGTERM, and when its parent (the API process)
 is gone: the kernel's parent-death signal on Linux, and a parent-pid check on every loop as a fallback.
 """
 from __future__ import annotations
@@ -113,10 +115,24 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
 
     from voltllm.engine.core import InvalidRequestError
 
+    # structured outputs: while only requests waiting for their grammar remain, wait for input or for the compile
+    # thread's wake-up here, not inside step()
+    core.grammar_wait_s = 0
+    idle = zmq.Poller()
+    idle.register(inp, zmq.POLLIN)
+    wake_fd = core.grammars.wake_fd
+    idle.register(wake_fd, zmq.POLLIN)
     while True:
-        busy = core.has_unfinished_requests()
+        busy = core.has_unfinished_requests() and not core.waiting_only_for_grammars()
         flush = False
-        if inp.poll(0 if busy else IDLE_POLL_MS):
+        if busy:
+            has_input = inp.poll(0)
+        else:
+            events = dict(idle.poll(IDLE_POLL_MS))
+            if wake_fd in events:
+                core.grammars.drain_wake()  # (step() takes the compile's result)
+            has_input = inp in events
+        if has_input:
             while True:
                 try:
                     raw = inp.recv(flags=zmq.NOBLOCK)
@@ -161,4 +177,7 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
             return
         if core.has_unfinished_requests() or flush:
             outputs = core.step()
-            out.send(_dumps(("outputs", outputs, core.stats())))
+            for rid, message in core.take_request_errors():
+                out.send(_dumps(("error", [rid], message)))
+            if outputs or flush or not core.waiting_only_for_grammars():
+                out.send(_dumps(("outputs", outputs, core.stats())))

@@ -13,6 +13,7 @@ from voltllm.sampling.params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # structured outputs: its grammar is compiling (not schedulable)
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -53,10 +54,10 @@ class Request:
         self.max_tokens = min(sp.max_tokens, room) if sp.max_tokens is not None else room
         self.argmax_only = sp.argmax_only  # (the params are final here) the sampler's fast path, per step
         # penalties count the earlier tokens' ids, prompt logprobs need the prompt pass's rows: such a step waits
-        # for the one in flight (min_tokens needs only their number: SamplingRow)
-        # (structured outputs: the grammar's mask depends on the previous token)
-        self.needs_host_history = (sp.has_penalties or sp.prompt_logprobs is not None
-                                   or sp.structured_outputs is not None)
+        # for the one in flight (min_tokens needs only their number: SamplingRow). Structured outputs' masks depend
+        # on the previous token too, but only the sampling needs them: such a step launches its forward first, then
+        # waits (EngineCore._step)
+        self.needs_host_history = sp.has_penalties or sp.prompt_logprobs is not None
         self.grammar = None  # structured outputs: its xgrammar matcher (structured/matchers.py), while it runs
         self.generator: Optional[torch.Generator] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []

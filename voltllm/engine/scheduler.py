@@ -69,6 +69,9 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculation: drafts scored, and accepted
         self.num_accepted_tokens = 0
         self.waiting: deque[Request] = deque()
+        # structured outputs: requests whose grammar is compiling (in the background); they join `waiting` when it
+        # is ready (grammar_ready), and are not scheduled before
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -79,9 +82,25 @@ class Scheduler:
         self.grammars = None
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, ready: bool = True) -> None:
+        """ready: False for a constrained request whose grammar is still compiling (it waits for grammar_ready)."""
         self.requests[req.request_id] = req
+        if ready:
+            self.waiting.append(req)
+        else:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[req.request_id] = req
+
+    def grammar_ready(self, req: Request) -> None:
+        """A waiting constrained request has its matcher: it joins the queue (at its end)."""
+        del self.waiting_for_grammar[req.request_id]
+        req.status = RequestStatus.WAITING
         self.waiting.append(req)
+
+    def drop(self, req: Request) -> None:
+        """Finish a request that failed before it ran (its grammar did not compile); the caller reports why, so no
+        abort notice is sent."""
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -92,16 +111,19 @@ class Scheduler:
             self._aborted_outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req in self.running:
+        compiling = req.status is RequestStatus.WAITING_FOR_GRAMMAR
+        if compiling:
+            del self.waiting_for_grammar[req.request_id]
+        elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
-        if req.grammar is not None:
+        if req.grammar is not None or compiling:
             self.grammars.release(req)
         self.requests.pop(req.request_id, None)
         self._released.append(req.request_id)
@@ -302,7 +324,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage(),
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
+            kv_cache_usage=self.kv.usage(),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions, num_blocks=self.kv.num_blocks, step_counter=self.step_counter,
             extra={"spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens}

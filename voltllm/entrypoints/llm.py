@@ -5,7 +5,7 @@ import itertools
 from typing import Any, Optional, Sequence, Union
 
 from voltllm.config import EngineArgs
-from voltllm.engine.core import EngineCore
+from voltllm.engine.core import EngineCore, InvalidRequestError
 from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
 from voltllm.engine.outputs import RequestOutput
 from voltllm.model.loader import load_tokenizer
@@ -80,6 +80,9 @@ class LLM:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
                 touched, to_abort = self.frontend.update(self.engine.step())
+                errors = self.engine.take_request_errors()
+                if errors:  # (a constrained request whose grammar did not compile)
+                    raise InvalidRequestError(errors[0][1], "structured_outputs")
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 for st in touched:  # only the finished requests' outputs are returned: only they are built

@@ -2,16 +2,25 @@
 
 The engine learns each request's tokens in Scheduler.update, so the matchers live here, in the engine core: a
 request's matcher accepts every token appended to it (the tokens never change, so preemption and recompute keep
-the matcher as it is), and is dropped when the request finishes or is aborted. Before a step runs, each constrained
-request that samples in it gets its row of allowed tokens (`masks`); such steps wait for the step in flight
-(Request.needs_host_history), since the mask depends on the request's previous token.
+the matcher as it is), and is dropped when the request finishes or is aborted. Before a step samples, each
+constrained request that samples in it gets its row of allowed tokens (`masks`): the mask depends on the request's
+previous token, so under async scheduling the engine core launches such a step's forward, then collects the step in
+flight (the matchers accept its tokens), then fills the masks and launches the sampling (EngineCore._step).
+
+Compiling happens off the engine loop: the first constrained request's tokenizer load, xgrammar's TokenizerInfo
+and GrammarCompiler (seconds for a large vocabulary), and every grammar not in the cache, are built by one
+background thread (xgrammar's compile releases the GIL). A request whose grammar is compiling waits outside the
+scheduler's queue (Scheduler.waiting_for_grammar) until `poll` hands it its matcher, or its error; a cache hit gets
+its matcher at once, without the thread.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -44,68 +53,179 @@ class GrammarMasks:
 class GrammarMatchers:
     """Compiles constraints (cached by key) against the model's vocabulary and keeps the live matchers.
 
-    tokenizer_loader: returns the HF tokenizer (loaded on the first constrained request; None when the engine has
-    none). vocab_size: the model's logits width, which may exceed the tokenizer's."""
+    tokenizer_loader: returns the HF tokenizer (called once, in the compile thread, on the first constrained request
+    that needs a compile); None when the engine has no tokenizer (--skip-tokenizer-init: constrained requests are
+    refused when they arrive). vocab_size: the model's logits width, which may exceed the tokenizer's."""
 
-    def __init__(self, tokenizer_loader, vocab_size: int):
+    def __init__(self, tokenizer_loader: Optional[Callable[[], Any]], vocab_size: int):
         self._load_tokenizer = tokenizer_loader
         self.vocab_size = vocab_size
-        self._compiler: Any = None
-        self._compiled: OrderedDict = OrderedDict()
+        self._compiler: Any = None  # (built and read in the compile thread only)
+        # why structured outputs cannot work with this tokenizer, once the compile thread has found out: later
+        # requests are refused when they arrive
+        self._compiler_error: Optional[str] = None
+        self._compiled: OrderedDict = OrderedDict()  # (main thread only; the compile thread returns its results)
         self.live: dict[str, Any] = {}  # request id -> xgrammar GrammarMatcher
+        self.waiting: dict[str, tuple[tuple[str, str], Request]] = {}  # request id -> (key, request) compiling
+        self.compiling: dict[tuple[str, str], concurrent.futures.Future] = {}  # key -> its compile, while awaited
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._wake: Optional[tuple[int, int]] = None  # a pipe written when a compile ends (wake_fd)
 
     def __len__(self) -> int:
-        return len(self.live)
+        """Grammar state held for live requests: matchers, and requests waiting for one."""
+        return len(self.live) + len(self.waiting)
 
+    # -- compiling (in the background thread) -----------------------------------------------------
     def _compiler_or_fail(self) -> Any:
+        if self._compiler_error is not None:  # (requests queued behind the compile that found it out)
+            raise InvalidRequestError(self._compiler_error, "structured_outputs")
         if self._compiler is None:
             import xgrammar as xgr
 
             tokenizer = self._load_tokenizer()
             if tokenizer is None:
-                raise InvalidRequestError("structured outputs need the model's tokenizer (the engine was started "
-                                          "with --skip-tokenizer-init)", "structured_outputs")
+                self._compiler_error = "structured outputs need the model's tokenizer"
+                raise InvalidRequestError(self._compiler_error, "structured_outputs")
             try:
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
             except Exception as e:  # a tokenizer xgrammar cannot read: refuse the request, keep the engine
-                raise InvalidRequestError(f"structured outputs are not available with this tokenizer: {e}",
-                                          "structured_outputs") from None
+                self._compiler_error = f"structured outputs are not available with this tokenizer: {e}"
+                raise InvalidRequestError(self._compiler_error, "structured_outputs") from None
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here, by key
         return self._compiler
 
-    def _compile(self, key: tuple[str, str]) -> Any:
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
+    def _build(self, key: tuple[str, str]) -> Any:
+        """The compiled grammar of a key (runs in the compile thread); InvalidRequestError when it cannot be built."""
         from voltllm.sampling.structured import StructuredOutputsError
         from voltllm.structured.grammar import grammar_for
 
         compiler = self._compiler_or_fail()
         try:
-            compiled = compiler.compile_grammar(grammar_for(key))
+            return compiler.compile_grammar(grammar_for(key))
         except (StructuredOutputsError, RuntimeError, ValueError) as e:
             raise InvalidRequestError(f"structured outputs: {e}", "structured_outputs") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > COMPILED_CACHE_SIZE:
-            self._compiled.popitem(last=False)
-        return compiled
 
-    def attach(self, req: Request) -> None:
-        """Give a constrained request its matcher (InvalidRequestError if its constraint does not compile). Its stop
-        tokens are the request's EOS ids when it has them, so a finished grammar ends with a token the engine stops
-        on."""
+    def _submit(self, key: tuple[str, str]) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="voltllm-grammar")
+        fut = self._pool.submit(self._build, key)
+        fut.add_done_callback(self._signal)
+        return fut
+
+    # -- waking the engine loop -------------------------------------------------------------------
+    @property
+    def wake_fd(self) -> int:
+        """A file descriptor that becomes readable when a compile ends (the engine process polls it beside its
+        input socket while it has nothing else to do); `poll` drains it."""
+        if self._wake is None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self._wake = (r, w)
+        return self._wake[0]
+
+    def _signal(self, _fut: concurrent.futures.Future) -> None:
+        if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"\0")
+            except (BlockingIOError, OSError):  # full (the loop is awake anyway) or closed (shutting down)
+                pass
+
+    def drain_wake(self) -> None:
+        if self._wake is not None:
+            try:
+                while os.read(self._wake[0], 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+
+    def wait(self, timeout: float) -> None:
+        """Block until one of the compiles awaited ends, or `timeout` seconds."""
+        if self.compiling:
+            concurrent.futures.wait(list(self.compiling.values()), timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._wake is not None:
+            wake, self._wake = self._wake, None
+            for fd in wake:
+                os.close(fd)
+
+    # -- requests (engine loop) -------------------------------------------------------------------
+    def attach(self, req: Request) -> bool:
+        """Give a constrained request its matcher: True when it has it now (a cached grammar); False when its grammar
+        is compiling (the request waits: `poll` gives it its matcher later). InvalidRequestError when the request
+        cannot be served and that is known now (no tokenizer, or one xgrammar could not read). Its stop tokens are
+        the request's EOS ids when it has them, so a finished grammar ends with a token the engine stops on."""
+        if self._load_tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer (the engine was started with "
+                                      "--skip-tokenizer-init)", "structured_outputs")
+        if self._compiler_error is not None:
+            raise InvalidRequestError(self._compiler_error, "structured_outputs")
+        key = req.sampling_params.structured_outputs.key
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            self._start(req, compiled)
+            return True
+        if key not in self.compiling:
+            self.compiling[key] = self._submit(key)
+        self.waiting[req.request_id] = (key, req)
+        return False
+
+    def _start(self, req: Request, compiled: Any) -> None:
         import xgrammar as xgr
 
-        sp = req.sampling_params
-        compiled = self._compile(sp.structured_outputs.key)
-        stops = list(sp._eos_token_ids) or None
+        stops = list(req.sampling_params._eos_token_ids) or None
         self.live[req.request_id] = req.grammar = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
 
+    def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The waiting requests whose compile has ended: those that now have their matcher, and those whose compile
+        failed, with the error message."""
+        self.drain_wake()
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for key, fut in list(self.compiling.items()):
+            if not fut.done():
+                continue
+            del self.compiling[key]
+            compiled = error = None
+            try:
+                compiled = fut.result()
+            except InvalidRequestError as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - one request's failure, not the engine's
+                logger.exception("structured outputs: compiling %s failed", key[0])
+                error = f"structured outputs: compiling the {key[0]} constraint failed: {type(e).__name__}: {e}"
+            if compiled is not None:
+                self._compiled[key] = compiled
+                if len(self._compiled) > COMPILED_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            for rid, (k, req) in list(self.waiting.items()):
+                if k != key:
+                    continue
+                del self.waiting[rid]
+                if compiled is not None:
+                    self._start(req, compiled)
+                    ready.append(req)
+                else:
+                    failed.append((req, error))
+        return ready, failed
+
     def release(self, req: Request) -> None:
+        """Drop a finished or aborted request's matcher, or its place in a compile's queue (the compile is cancelled
+        when nobody else waits for it; one already running ends in its thread and its result is dropped)."""
         if req.grammar is not None:
             req.grammar = None
             self.live.pop(req.request_id, None)
+        entry = self.waiting.pop(req.request_id, None)
+        if entry is not None:
+            key = entry[0]
+            if not any(k == key for k, _ in self.waiting.values()):
+                self.compiling.pop(key).cancel()
 
     def accept(self, req: Request, token: int) -> Optional[RequestStatus]:
         """Advance the request's matcher by its new token; FINISHED_STOPPED when the grammar has ended (or, which the

@@ -79,6 +79,21 @@ class StepHandle:
     spec_device: Optional[tuple] = None
 
 
+@dataclass
+class LaunchedForward:
+    """A step whose forward is launched and whose sampling is not (ModelRunner.launch_forward): what
+    launch_sampling needs."""
+
+    sched: SchedulerOutput
+    handle: StepHandle
+    hidden: torch.Tensor
+    meta: AttentionMetadata
+    qsl: list[int]
+    reqs: list  # the requests sampled in the step, in row order
+    rows_idx: LogitsRows
+    plp: list  # (row, scheduled request, rows) of the requests with prompt logprobs in the step
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None, tp=None, send_step=None):
         """tp: this rank's tensor-parallel group (voltllm.distributed.group.TPGroup; None: one device). send_step
@@ -511,6 +526,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> StepHandle:
         """Launch the step's forward and sampling; returns before the GPU finishes."""
+        return self.launch_sampling(self.launch_forward(sched))
+
+    @torch.inference_mode()
+    def launch_forward(self, sched: SchedulerOutput) -> LaunchedForward:
+        """Launch the step's forward (and a speculative step's verification), not its sampling: launch_sampling
+        does that, and reads sched.grammar_masks then (structured outputs: the engine core fills them in between,
+        once the step in flight has returned the tokens the masks depend on, while the GPU runs this forward).
+        The two halves run back to back, in this order, before any other step is launched."""
         self._apply_pdl()
         if self.draft is not None:  # the draft model's tokens into the draft slots the scheduler reserved
             self.draft.propose(sched)
@@ -570,6 +593,13 @@ class ModelRunner:
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
             self._verify_drafts(hidden, qsl, spec_rows, handle)
+        return LaunchedForward(sched, handle, hidden, meta, qsl, reqs, rows_idx, plp)
+
+    @torch.inference_mode()
+    def launch_sampling(self, launched: LaunchedForward) -> StepHandle:
+        """Launch the sampling of a step whose forward launch_forward launched; returns before the GPU finishes."""
+        sched, handle, hidden, meta, qsl = launched.sched, launched.handle, launched.hidden, launched.meta, launched.qsl
+        reqs, rows_idx, plp = launched.reqs, launched.rows_idx, launched.plp
         if reqs:
             rows = (slice(*rows_idx) if isinstance(rows_idx, tuple)
                     else to_device(rows_idx, torch.long, self.device))
