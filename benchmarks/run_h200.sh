@@ -177,6 +177,9 @@
 #            NVFP4), then the packed-fp16 GPU tests with the time left
 #   s101     (session 28) the packed-fp16 GEMVs with PDL and the second tiling in the tuner: their PDL / tuner GPU
 #            tests, then 8B-shape AWQ decode b1 with a per-kernel profile, NVFP4 b1 while time remains
+#   s102     (session 28) the second tiling with two-word f16x2 sums and 2-4 units per thread: the sweep, the
+#            packed-fp16 GPU tests, then the runner's split launch (structured outputs' forward-first steps): the
+#            structured-output and engine GPU files
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1325,6 +1328,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         && bench /root/m/q8b-nvfp4 --dtype half --num-warm 1 --quantization modelopt_fp4 --scenario decode \
           --input-len 512 --output-len 128 --name qwen3-8b-shape-nvfp4-decode-b1-$sha | tail -8
     fi
+    ;;
+  s102)  # (session 28) second tiling: two-word sums, more units per thread; split forward / sampling launches
+    t0=$SECONDS
+    timeout 200 python3 benchmarks/micro/quant_half2_sweep.py --kinds AWQ_G128,NVFP4 \
+      --out "$out/quant-half2-sweep-$sha.json" 2>&1 | grep -v -i "warn" | tail -19
+    gpu_file test_quant_half2_cuda 200
+    gpu_file test_structured_outputs_cuda 90
+    gpu_file test_engine_gpu $(( 560 - (SECONDS - t0) ))
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

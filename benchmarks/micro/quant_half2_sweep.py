@@ -21,9 +21,12 @@ from voltllm.worker.skinny_tuning import graph_replay_ms
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 # (form, (BLOCK_N, U, num_warps)): the first tiling's best tiles in session 27's s98, the second tiling's candidates
+# (U / (32 num_warps) units per thread: 1 up to session 28's s100; 2 and 4 since, for more loads in flight per warp)
 CONFIGS = [(half2_matmul, (2, 64, 4)), (half2_matmul, (2, 32, 2)), (half2_matmul, (4, 16, 2)),
            (half2_rows_matmul, (1, 64, 2)), (half2_rows_matmul, (2, 64, 2)), (half2_rows_matmul, (1, 128, 4)),
-           (half2_rows_matmul, (2, 128, 4)), (half2_rows_matmul, (1, 32, 1)), (half2_rows_matmul, (2, 32, 1))]
+           (half2_rows_matmul, (2, 128, 4)), (half2_rows_matmul, (1, 32, 1)), (half2_rows_matmul, (2, 32, 1)),
+           (half2_rows_matmul, (2, 64, 1)), (half2_rows_matmul, (2, 128, 1)), (half2_rows_matmul, (2, 128, 2)),
+           (half2_rows_matmul, (1, 64, 1)), (half2_rows_matmul, (1, 128, 1)), (half2_rows_matmul, (2, 256, 2))]
 
 
 def random_planes(kind: str, n: int, k: int, g: torch.Generator):
@@ -67,7 +70,7 @@ def main():
             for m in (1, 2, 3, 4, 5, 7):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w.T + bias.float()
-                for form, cfg in CONFIGS[:1] + CONFIGS[3:5]:
+                for form, cfg in CONFIGS[:1] + CONFIGS[3:5] + CONFIGS[9:11]:
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                     form(x, p, bias, out=out, config=cfg)
                     old = quant_matmul(x, p, bias)

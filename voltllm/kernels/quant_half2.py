@@ -31,7 +31,8 @@ from voltllm.kernels.quant_gemv import checked_operands, quant_matmul
 from voltllm.kernels.registry import CompileSpec, register_kernel
 from voltllm.model.layers.gguf_planes import KINDS, NVFP4_KIND, e4m3_values, int4_kind
 
-__triton_helpers__ = ("_half2_bits", "_int4_weights", "_fp4_weights", "_row_partial", "_unit_scale_words",
+__triton_helpers__ = ("_half2_bits", "_int4_weights", "_fp4_weights", "_row_partial", "_two_word_partial",
+                       "_word_halves", "_unit_scale_words",
                        "_word_pairs", "_words_0213")
 
 FP16_MAX = 65504.0
@@ -126,6 +127,39 @@ def _row_partial(w0, w1, w2, w3, xa, xb, xc, xd):
         }""",
         constraints="=r,r,r,r,r,r,r,r,r",
         args=[w0, w1, w2, w3, xa, xb, xc, xd], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _two_word_partial(w0, w1, w2, w3, v0, v1, v2, v3, xa, xb, xc, xd, ya, yb, yc, yd):
+    """_row_partial over two words (w*, v*) and their activations (x*, y*): 16 products accumulated in f16x2 (8 per
+    lane) before one conversion to fp32, which saves a third of the accumulation's instructions (session 28)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 acc;
+        .reg .b16 lo, hi;
+        .reg .f32 f;
+        mul.rn.f16x2 acc, $1, $9;
+        fma.rn.f16x2 acc, $2, $10, acc;
+        fma.rn.f16x2 acc, $3, $11, acc;
+        fma.rn.f16x2 acc, $4, $12, acc;
+        fma.rn.f16x2 acc, $5, $13, acc;
+        fma.rn.f16x2 acc, $6, $14, acc;
+        fma.rn.f16x2 acc, $7, $15, acc;
+        fma.rn.f16x2 acc, $8, $16, acc;
+        mov.b32 {lo, hi}, acc;
+        cvt.f32.f16 $0, lo;
+        cvt.f32.f16 f, hi;
+        add.f32 $0, $0, f;
+        }""",
+        constraints="=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[w0, w1, w2, w3, v0, v1, v2, v3, xa, xb, xc, xd, ya, yb, yc, yd], dtype=tl.float32, is_pure=True,
+        pack=1)
+
+
+@triton.jit
+def _word_halves(t):
+    """[1, U, 4] -> its words 0, 2 and 1, 3 as two [1, U, 2] (inside the thread)."""
+    return tl.split(tl.reshape(t, (1, t.shape[1], 2, 2)))
 
 
 @triton.jit
@@ -286,14 +320,14 @@ def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, s
     pid_m = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     n1 = tl.minimum(n0 + 1, N - 1)  # a second row past N repeats the last (its store is masked)
-    acc00 = tl.zeros((1, U, 4), dtype=tl.float32)
-    acc01 = tl.zeros((1, U, 4), dtype=tl.float32)
-    acc02 = tl.zeros((1, U, 4), dtype=tl.float32)
-    acc03 = tl.zeros((1, U, 4), dtype=tl.float32)
-    acc10 = tl.zeros((1, U, 4), dtype=tl.float32)
-    acc11 = tl.zeros((1, U, 4), dtype=tl.float32)
-    acc12 = tl.zeros((1, U, 4), dtype=tl.float32)
-    acc13 = tl.zeros((1, U, 4), dtype=tl.float32)
+    acc00 = tl.zeros((1, U, 2), dtype=tl.float32)
+    acc01 = tl.zeros((1, U, 2), dtype=tl.float32)
+    acc02 = tl.zeros((1, U, 2), dtype=tl.float32)
+    acc03 = tl.zeros((1, U, 2), dtype=tl.float32)
+    acc10 = tl.zeros((1, U, 2), dtype=tl.float32)
+    acc11 = tl.zeros((1, U, 2), dtype=tl.float32)
+    acc12 = tl.zeros((1, U, 2), dtype=tl.float32)
+    acc13 = tl.zeros((1, U, 2), dtype=tl.float32)
     i4 = tl.arange(0, 4)[None, None, :]
     for u0 in range(0, NU, U):
         u = (u0 + tl.arange(0, U))[None, :, None]
@@ -306,6 +340,10 @@ def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, s
             a0, a1, a2, a3 = _fp4_weights(wa, s_lo, s_hi)
         else:
             a0, a1, a2, a3 = _int4_weights(wa, s_lo, s_hi, z_lo, z_hi)
+        a0e, a0o = _word_halves(a0)
+        a1e, a1o = _word_halves(a1)
+        a2e, a2o = _word_halves(a2)
+        a3e, a3o = _word_halves(a3)
         if BLOCK_N == 2:
             wb = _words_0213(tl.load(LO + n1 * stride_lo + u * 4 + i4, mask=um, other=0))
             t_lo, t_hi, y_lo, y_hi = _unit_scale_words(D, SC, MN, n1, u, um, stride_d, stride_s, ZERO, SUPER,
@@ -314,10 +352,18 @@ def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, s
                 b0, b1, b2, b3 = _fp4_weights(wb, t_lo, t_hi)
             else:
                 b0, b1, b2, b3 = _int4_weights(wb, t_lo, t_hi, y_lo, y_hi)
+            b0e, b0o = _word_halves(b0)
+            b1e, b1o = _word_halves(b1)
+            b2e, b2o = _word_halves(b2)
+            b3e, b3o = _word_halves(b3)
         for r in tl.static_range(BLOCK_M):
             row = pid_m * BLOCK_M + r
             xa, xb, xc, xd = _word_pairs(X + row * stride_xm, base, um & ((row < M) | EVEN))
-            pa = _row_partial(a0, a1, a2, a3, xa, xb, xc, xd)
+            xa0, xa1 = _word_halves(xa)
+            xb0, xb1 = _word_halves(xb)
+            xc0, xc1 = _word_halves(xc)
+            xd0, xd1 = _word_halves(xd)
+            pa = _two_word_partial(a0e, a1e, a2e, a3e, a0o, a1o, a2o, a3o, xa0, xb0, xc0, xd0, xa1, xb1, xc1, xd1)
             if r == 0:
                 acc00 += pa
             elif r == 1:
@@ -327,7 +373,8 @@ def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, s
             else:
                 acc03 += pa
             if BLOCK_N == 2:
-                pb = _row_partial(b0, b1, b2, b3, xa, xb, xc, xd)
+                pb = _two_word_partial(b0e, b1e, b2e, b3e, b0o, b1o, b2o, b3o, xa0, xb0, xc0, xd0, xa1, xb1, xc1,
+                                       xd1)
                 if r == 0:
                     acc10 += pb
                 elif r == 1:
