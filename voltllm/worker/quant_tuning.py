@@ -26,10 +26,12 @@ TUNE_ROWS = (1, FMA_MAX_ROWS)
 CANDIDATES = {1: [(1, 64, 2), (2, 32, 2), (1, 32, 1), (4, 32, 1), (8, 32, 1), (4, 16, 1)],
               FMA_MAX_ROWS: [(16, 8, 4), (8, 16, 4), (4, 32, 1), (8, 16, 1)]}
 # the packed-fp16 form's tiles (kernels/quant_half2.py; 4-bit kinds, fp16 activations), (HALF2 | HALF2_ROWS, BLOCK_N,
-# U, num_warps): the fastest per row class in the H200 sweep of both tilings at the qwen3-8b shapes
-# (results/session28/s100/): the second tiling wins every one-row shape (by 10-28 %), the first every four-row one
-HALF2_CANDIDATES = {1: [(HALF2_ROWS, 2, 32, 1), (HALF2_ROWS, 2, 64, 2), (HALF2_ROWS, 2, 128, 4), (HALF2, 2, 64, 4)],
-                    FMA_MAX_ROWS: [(HALF2, 2, 32, 2), (HALF2, 4, 16, 2), (HALF2, 2, 64, 4), (HALF2_ROWS, 2, 32, 1)]}
+# U, num_warps): the fastest per row class in the H200 sweeps of both tilings at the qwen3-8b shapes
+# (results/session28/s100, s102): the second tiling wins every one-row shape (by 10-28 %), the first most four-row ones
+HALF2_CANDIDATES = {1: [(HALF2_ROWS, 2, 32, 1), (HALF2_ROWS, 2, 64, 2), (HALF2_ROWS, 2, 128, 2),
+                        (HALF2_ROWS, 2, 128, 4)],
+                    FMA_MAX_ROWS: [(HALF2, 2, 32, 2), (HALF2, 4, 16, 2), (HALF2, 2, 64, 4), (HALF2_ROWS, 2, 32, 1),
+                                   (HALF2_ROWS, 2, 64, 1)]}
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 32
 
