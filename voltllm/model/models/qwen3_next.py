@@ -29,6 +29,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
+from voltllm.model.models.aux_hidden import AuxHiddenCapture
 from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear, LinearMethod
@@ -179,7 +180,7 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
     return [name]
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
                  linear_method: Optional[LinearMethod] = None):
         """linear_method: how the projections (attention, GDN, dense MLPs, shared experts, an untied LM head) hold
@@ -249,9 +250,14 @@ class Qwen3NextForCausalLM(nn.Module):
         batch = HybridBatch.from_context(ctx, self.state_spec) if self._num_gdn else None
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = self.aux_hidden is not None  # a DFlash drafter's target features (AuxHiddenCapture)
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, batch)
+            if aux:
+                self.keep_layer_output(i, x, residual)
         x, _ = self.norm(x, residual)
+        if aux:
+            self.keep_final_output(x)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
