@@ -7,9 +7,8 @@ import json
 import os
 
 import pytest
-import torch
 
-from dflash_models import load_weights, make_dflash, reference_block_logits
+from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
 from graph_stand_ins import PaddedDecodeGraphs
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
@@ -67,50 +66,14 @@ def test_block_logits_equal_the_reference(models, graph_rows):
     reference, fed by transformers' hidden states of the target over the request's tokens before its block. With
     graph_rows, the block forward takes its graph form (rows padded to a power of two in the input buffers) up to
     that many rows, as CUDA graph replays would."""
-    from transformers import AutoModelForCausalLM
-
     target, drafter_path = models["target"], models["drafter"]
     llm = LLM(target, block_size=4, max_num_batched_tokens=16, speculative_config=_spec(drafter_path))
     dr = _runner(llm)
     if graph_rows:
         dr.graphs = PaddedDecodeGraphs(dr, graph_rows)
-    records = []
-    orig_logits, orig_propose = dr.drafter.compute_logits, dr.propose
-
-    def logits_spy(h):
-        out = orig_logits(h)
-        records[-1]["logits"] = out.detach().clone()
-        return out
-
-    def propose_spy(sched):
-        rows = [(list(s.request.all_token_ids), s.start, len(s.spec_tokens)) for s in sched.scheduled
-                if s.spec_tokens]
-        records.append({"rows": rows})
-        orig_propose(sched)
-
-    dr.drafter.compute_logits, dr.propose = logits_spy, propose_spy
+    records = record_block_logits(dr)
     _run(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    ref_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
-    w = load_weights(drafter_path)
-    embed = ref_model.get_input_embeddings().weight.detach()
-    head = ref_model.get_output_embeddings().weight.detach()
-    mask = 3
-    checked = 0
-    for rec in records:
-        if not rec["rows"]:
-            continue
-        n, kmax = len(rec["rows"]), max(k for _, _, k in rec["rows"])
-        assert rec["logits"].shape[0] == n * kmax
-        for i, (ids, start, k) in enumerate(rec["rows"]):
-            with torch.no_grad():
-                hs = ref_model(torch.tensor([ids[:start]]), output_hidden_states=True).hidden_states
-            feats = torch.cat([hs[layer + 1][0] for layer in models["layers"]], dim=-1)
-            ref = reference_block_logits(w, feats, [ids[start]] + [mask] * k, embed, head)
-            got = rec["logits"][[j * n + i for j in range(k)]].double()
-            err = (got - ref).abs().max() / ref.abs().max()
-            assert err < 1e-4, f"request {i}, start {start}: relative error {err:.2e}"
-            checked += 1
-    assert checked >= 6
+    assert check_block_logits(records, target, drafter_path, models["layers"]) >= 6
     assert not graph_rows or dr.graphs.replays >= 3
 
 
@@ -146,14 +109,9 @@ def test_prefix_cache_hits_and_preemption_keep_outputs(models):
 def agreeing(tmp_path_factory):
     """A qwen3 target whose LM head is zero (every logit 0: greedy picks id 0, sampling is uniform) and a drafter
     sharing that head: it always agrees with the target (greedy: the same argmax; sampled: q = p)."""
-    from safetensors.torch import load_file, save_file
-
     root = tmp_path_factory.mktemp("agree")
     target = make_model(str(root / "target"), "qwen3")
-    file = os.path.join(target, "model.safetensors")
-    w = load_file(file)
-    w["lm_head.weight"] = torch.zeros_like(w["lm_head.weight"])
-    save_file(w, file, metadata={"format": "pt"})
+    zero_lm_head(target)
     hidden, vocab, layers = _target_shape(target)
     return target, make_dflash(str(root / "dflash"), hidden, vocab, layers, [1], block_size=6, new_style=False)
 
