@@ -2,7 +2,8 @@
 public checkpoint format): the drafter's block logits inside the engine equal a float64 reference of the drafter's
 math fed by transformers' hidden states of the target; greedy outputs equal plain decoding's (chunked prefill,
 prefix-cache hits, preemption, concurrent requests); a drafter that always agrees is always accepted and saves
-steps; sampled requests run; bad drafters are refused at configuration time."""
+steps; sampled requests run; bad drafters are refused at configuration time, against attention-only and hybrid
+targets. (DFlash runs on hybrid targets: tests/model/test_hybrid_speculation.py.)"""
 import json
 import os
 
@@ -174,13 +175,39 @@ def test_bad_drafters_are_refused(models, tmp_path):
     assert "cannot load" in _config_error(target, _spec(str(tmp_path / "missing")))
 
 
-def test_hybrid_target_is_refused(models, tmp_path):
-    from tiny_models import make_tiny_hybrid
+def test_hybrid_targets_are_checked(tmp_path):
+    """A hybrid target is taken (its runs: tests/model/test_hybrid_speculation.py); the drafter is checked against
+    its text config: layer ids, hidden size, vocabulary, the layer count it was made for; a multimodal checkpoint's
+    config (text_config inside) is read the same way."""
+    from transformers import AutoConfig, Qwen3_5Config
+
+    from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_tiny_hybrid
+    from voltllm.config import EngineArgs
+    from voltllm.engine.dflash import dflash_params
+    from voltllm.engine.speculative import SpeculativeConfigError
 
     hybrid = make_tiny_hybrid(str(tmp_path / "hybrid"), "qwen3_5", 0, 0)
     if hybrid is None:
         pytest.skip("this transformers lacks qwen3_5")
-    assert "not built for hybrid targets" in _config_error(hybrid, _spec(models["drafter"]))
+    hidden, layers = HYBRID_COMMON["hidden_size"], HYBRID_COMMON["num_hidden_layers"]
+
+    def drafter(name, **kw):
+        args = dict(hidden=hidden, vocab=HYBRID_VOCAB, target_layers=layers, layer_ids=[1, layers - 1])
+        args.update(kw)
+        return make_dflash(str(tmp_path / name), **args)
+
+    ok = drafter("ok")
+    spec = EngineArgs(model=hybrid, skip_tokenizer_init=True,
+                      speculative_config=json.dumps(_spec(ok))).create_engine_config().speculative
+    assert spec.uses_dflash and spec.num_speculative_tokens == K
+    assert "target_layer_ids" in _config_error(hybrid, _spec(drafter("ids", layer_ids=[0, layers])))
+    assert "hidden size" in _config_error(hybrid, _spec(drafter("hidden", hidden=hidden * 2)))
+    assert "vocabulary" in _config_error(hybrid, _spec(drafter("vocab", vocab=HYBRID_VOCAB + 1)))
+    assert "made for a target of" in _config_error(hybrid, _spec(drafter("layers", target_layers=layers + 1)))
+    wrapped = Qwen3_5Config(text_config=dict(HYBRID_COMMON))
+    assert dflash_params(AutoConfig.from_pretrained(ok), wrapped, K).target_layer_ids == (1, layers - 1)
+    with pytest.raises(SpeculativeConfigError, match="made for a target of"):
+        dflash_params(AutoConfig.from_pretrained(tmp_path / "layers"), wrapped, K)
 
 
 def test_default_layer_ids_and_checkpoint_layouts():
