@@ -115,13 +115,13 @@ def reference_block_logits(w: dict, features: torch.Tensor, block_ids: list[int]
 
 def record_block_logits(dr) -> list:
     """Spy on a DFlashRunner: per proposal, each drafting request's (token ids, start, drafts) and the drafter's
-    logits of the proposal ([drafts x requests, vocab], draft-major)."""
+    logits of the proposal ([drafts x requests, vocab], draft-major; float64, on the host)."""
     records: list = []
     orig_logits, orig_propose = dr.drafter.compute_logits, dr.propose
 
     def logits_spy(h):
         out = orig_logits(h)
-        records[-1]["logits"] = out.detach().clone()
+        records[-1]["logits"] = out.detach().double().cpu()
         return out
 
     def propose_spy(sched):
@@ -177,7 +177,7 @@ def check_block_logits(records: list, target_path: str, drafter_path: str, layer
         assert rec["logits"].shape[0] == n * kmax
         for i, (ids, start, k) in enumerate(rec["rows"]):
             ref = reference_block_logits(w, feats(ids, start), [ids[start]] + [mask_token_id] * k, embed, head)
-            got = rec["logits"][[j * n + i for j in range(k)]].double()
+            got = rec["logits"][[j * n + i for j in range(k)]]
             err = (got - ref).abs().max() / ref.abs().max()
             assert err < tol, f"request {i}, start {start}: relative error {err:.2e}"
             checked += 1
