@@ -16,6 +16,9 @@ module, qwen3_next_mtp.py, reads those for MTP speculation).
 Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`): the attention, GDN, dense-MLP,
 shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts (docs/hybrid.md).
 
+DFlash speculation reads the residual stream after chosen layers (`set_aux_hidden`, models/aux_hidden.py, shared with
+the llama family).
+
 Runner contract: ctx.extra["state_cache"] and ctx.extra["state_slots"] (see voltllm/model/state_cache.py);
 `state_spec` gives the per-slot shapes to build the StateCache, `num_attention_layers` and
 `kv_heads_and_dim` the paged KV cache (attention layers only).
