@@ -111,3 +111,85 @@ def reference_block_logits(w: dict, features: torch.Tensor, block_ids: list[int]
         h = h + (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) \
             @ w[p + "mlp.down_proj.weight"].T
     return _rms(h, w["norm.weight"])[1:] @ lm_head.double().T
+
+
+def record_block_logits(dr) -> list:
+    """Spy on a DFlashRunner: per proposal, each drafting request's (token ids, start, drafts) and the drafter's
+    logits of the proposal ([drafts x requests, vocab], draft-major; float64, on the host)."""
+    records: list = []
+    orig_logits, orig_propose = dr.drafter.compute_logits, dr.propose
+
+    def logits_spy(h):
+        out = orig_logits(h)
+        records[-1]["logits"] = out.detach().double().cpu()
+        return out
+
+    def propose_spy(sched):
+        rows = [(list(s.request.all_token_ids), s.start, len(s.spec_tokens)) for s in sched.scheduled
+                if s.spec_tokens]
+        records.append({"rows": rows})
+        orig_propose(sched)
+
+    dr.drafter.compute_logits, dr.propose = logits_spy, propose_spy
+    return records
+
+
+_TARGETS: dict = {}
+
+
+def _float64_target(path: str):
+    """transformers' model of the target in float64, loaded once per path (a tiny MoE takes seconds to load)."""
+    if path not in _TARGETS:
+        from transformers import AutoModelForCausalLM
+
+        # (eager experts: transformers' grouped-GEMM MoE path takes no float64)
+        _TARGETS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                              experts_implementation="eager").eval()
+    return _TARGETS[path]
+
+
+def check_block_logits(records: list, target_path: str, drafter_path: str, layer_ids: list[int],
+                       mask_token_id: int = 3, tol: float = 1e-4) -> int:
+    """Every recorded proposal's logits against reference_block_logits fed by transformers' float64 hidden states
+    of the target over each request's tokens before its block (hidden_states[i + 1] for layer i); returns how many
+    requests' blocks were checked. The target is causal, so one forward over the longest token list a request had
+    gives the hidden states of every shorter prefix of it."""
+    ref_model = _float64_target(target_path)
+    w = load_weights(drafter_path)
+    embed = ref_model.get_input_embeddings().weight.detach()
+    head = ref_model.get_output_embeddings().weight.detach()
+    longest = sorted({tuple(ids) for rec in records for ids, _, _ in rec["rows"]}, key=len, reverse=True)
+    features: dict = {}
+
+    def feats(ids: list[int], start: int) -> torch.Tensor:
+        full = next(f for f in longest if f[:start] == tuple(ids[:start]))
+        if full not in features:
+            with torch.no_grad():
+                hs = ref_model(torch.tensor([full]), output_hidden_states=True).hidden_states
+            features[full] = torch.cat([hs[layer + 1][0] for layer in layer_ids], dim=-1)
+        return features[full][:start]
+
+    checked = 0
+    for rec in records:
+        if not rec["rows"]:
+            continue
+        n, kmax = len(rec["rows"]), max(k for _, _, k in rec["rows"])
+        assert rec["logits"].shape[0] == n * kmax
+        for i, (ids, start, k) in enumerate(rec["rows"]):
+            ref = reference_block_logits(w, feats(ids, start), [ids[start]] + [mask_token_id] * k, embed, head)
+            got = rec["logits"][[j * n + i for j in range(k)]]
+            err = (got - ref).abs().max() / ref.abs().max()
+            assert err < tol, f"request {i}, start {start}: relative error {err:.2e}"
+            checked += 1
+    return checked
+
+
+def zero_lm_head(path: str) -> None:
+    """Set the checkpoint's LM head to zeros (every logit 0: greedy picks id 0, sampling is uniform), so a drafter
+    using that head always agrees with the target."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    w = load_file(file)
+    w["lm_head.weight"] = torch.zeros_like(w["lm_head.weight"])
+    save_file(w, file, metadata={"format": "pt"})

@@ -54,6 +54,28 @@ def patch_draft_model(monkeypatch: Any, table: dict, vocab: int) -> None:
     monkeypatch.setattr(DraftRunner, "_passes", passes)
 
 
+def patch_dflash(monkeypatch: Any, table: dict, vocab: int) -> None:
+    """The DFlash drafter's block forward runs as usual, then its drafts (DFlashRunner._drafts [drafts, requests],
+    read by the step's input ids and the greedy verification) are replaced by the oracle's."""
+    import torch
+
+    from voltllm.worker.dflash_runner import DFlashRunner
+
+    orig = DFlashRunner.propose
+
+    def propose(self, sched):
+        orig(self, sched)
+        if self._drafts is None:
+            return
+        for i, s in enumerate(s for s in sched.scheduled if s.spec_tokens):
+            full = table.get(tuple(s.request.prompt_token_ids))
+            if full is not None:
+                want = oracle_drafts(full, s.start + 1, len(s.spec_tokens), vocab)
+                self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
+
+    monkeypatch.setattr(DFlashRunner, "propose", propose)
+
+
 def run_checked(llm: Any, prompts: list, sps: Any) -> list:
     """Token ids of each request (prompts as token id lists), after the engine's books check out and every KV block
     is back."""

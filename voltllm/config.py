@@ -349,8 +349,9 @@ def _resolve_device(device: str) -> torch.device:
 
 
 # the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
-# position and keeps the accepted one's (voltllm/worker/hybrid_spec.py)
-HYBRID_SPEC_METHODS = ("ngram", "draft_model", "mtp")
+# position and keeps the accepted one's (voltllm/worker/hybrid_spec.py). Today that is every method of
+# engine/speculative.py's METHODS; one added there stays refused for hybrids until it is listed here
+HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp")
 
 
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:

@@ -2,14 +2,13 @@
 whole block), the context K / V written with the backend's store beside decode-graph and prompt-graph steps (the
 target's chosen layers' outputs captured inside its graphs): the drafter's logits equal the float64 reference in
 fp32; greedy outputs equal plain decoding in fp32 (native and --compat sm70); an always-agreeing drafter is always
-accepted; fp16 runs."""
+accepted; fp16 runs. (A hybrid target with DFlash: tests/gpu/test_hybrid_spec_cuda.py.)"""
 import json
 import os
 
 import pytest
-import torch
 
-from dflash_models import load_weights, make_dflash, reference_block_logits
+from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
 
@@ -22,18 +21,13 @@ KW = dict(device="cuda", max_model_len=512, gpu_memory_utilization=0.2)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-
     root = tmp_path_factory.mktemp("dflash")
     target = make_model(str(root / "target"), "qwen3")
     with open(os.path.join(target, "config.json")) as f:
         c = json.load(f)
     hidden, vocab, layers = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     agree = make_model(str(root / "agree"), "qwen3")
-    file = os.path.join(agree, "model.safetensors")
-    w = load_file(file)
-    w["lm_head.weight"] = torch.zeros_like(w["lm_head.weight"])
-    save_file(w, file, metadata={"format": "pt"})
+    zero_lm_head(agree)
     return {"target": target, "agree": agree, "layers": [0, layers - 1],
             "drafter": make_dflash(str(root / "drafter"), hidden, vocab, layers, [0, layers - 1], block_size=8)}
 
@@ -62,43 +56,10 @@ def test_fp32_greedy_equals_plain_decoding(models, compat):
 
 
 def test_fp32_block_logits_equal_the_reference(models):
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(models["target"], speculative_config=_spec(models["drafter"]), dtype="float32", **KW)
-    dr = llm.engine.runner.draft
-    records = []
-    orig_logits, orig_propose = dr.drafter.compute_logits, dr.propose
-
-    def logits_spy(h):
-        out = orig_logits(h)
-        records[-1]["logits"] = out.detach().double().cpu()
-        return out
-
-    def propose_spy(sched):
-        records.append({"rows": [(list(s.request.all_token_ids), s.start, len(s.spec_tokens))
-                                 for s in sched.scheduled if s.spec_tokens]})
-        orig_propose(sched)
-
-    dr.drafter.compute_logits, dr.propose = logits_spy, propose_spy
+    records = record_block_logits(llm.engine.runner.draft)
     _tokens(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), PROMPTS[:4])
-    ref_model = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float64).eval()
-    w = load_weights(models["drafter"])
-    embed = ref_model.get_input_embeddings().weight.detach()
-    head = ref_model.get_output_embeddings().weight.detach()
-    checked = 0
-    for rec in records:
-        if not rec["rows"]:
-            continue
-        n = len(rec["rows"])
-        for i, (ids, start, k) in enumerate(rec["rows"]):
-            with torch.no_grad():
-                hs = ref_model(torch.tensor([ids[:start]]), output_hidden_states=True).hidden_states
-            feats = torch.cat([hs[layer + 1][0] for layer in models["layers"]], dim=-1)
-            ref = reference_block_logits(w, feats, [ids[start]] + [3] * k, embed, head)
-            got = rec["logits"][[j * n + i for j in range(k)]]
-            assert (got - ref).abs().max() / ref.abs().max() < 1e-3
-            checked += 1
-    assert checked >= 8
+    assert check_block_logits(records, models["target"], models["drafter"], models["layers"], tol=1e-3) >= 8
 
 
 def test_agreeing_drafter_is_always_accepted(models):

@@ -4,7 +4,11 @@ engine with oracle drafts (tests/spec_oracle.py: all, some and none accepted). A
 walks graph (decode rows whose GDN layers walk each request's rows) or, beside prompt chunks, runs eagerly; fp32
 greedy tokens equal plain decoding's (native and --compat sm70), fp16 agrees except at near-ties (verification runs
 the prefill conv / attention kernels where plain decoding runs the decode ones), sampled verification (top_k 1)
-keeps the states, an attention-only draft model drafts for a hybrid target, and prefix-cache snapshots stay exact."""
+keeps the states, an attention-only draft model drafts for a hybrid target, and prefix-cache snapshots stay exact.
+DFlash on a hybrid target: the drafter's logits equal the float64 reference fed by transformers' hidden states (fp32,
+the target's hidden states captured inside its decode / walks graphs, the drafter's blocks replaying its own graphs),
+greedy tokens are plain decoding's (fp32, native and --compat sm70), fp16 agrees, an agreeing drafter is always
+accepted."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spec_oracle import oracle_table, patch_draft_model, patch_ngram
-from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
+from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
+from spec_oracle import oracle_table, patch_dflash, patch_draft_model, patch_ngram
+from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid
 
 pytestmark = pytest.mark.gpu
 
@@ -109,9 +114,8 @@ def _plain(path, **kw):
     return _PLAIN[key]
 
 
-def _oracle(monkeypatch, ref, draft_model: bool = False) -> None:
-    table = oracle_table(_prompts(), ref)
-    (patch_draft_model if draft_model else patch_ngram)(monkeypatch, table, HYBRID_VOCAB)
+def _oracle(monkeypatch, ref, patch=patch_ngram) -> None:
+    patch(monkeypatch, oracle_table(_prompts(), ref), HYBRID_VOCAB)
 
 
 @pytest.mark.parametrize("kind,compat", [("qwen3_5", "none"), ("qwen3_next", "none"), ("qwen3_5_moe", "none"),
@@ -174,7 +178,88 @@ def test_draft_model_for_a_hybrid_target(hybrids, monkeypatch, tmp_path):
     draft = make_model(str(tmp_path / "draft"), "llama", seed=1, num_hidden_layers=1, vocab_size=HYBRID_VOCAB,
                        max_position_embeddings=4096)
     ref = _plain(path, dtype="float32", compat="none")
-    _oracle(monkeypatch, ref, draft_model=True)
+    _oracle(monkeypatch, ref, patch_draft_model)
     llm = _llm(path, dtype="float32", speculative_config={"model": draft, "num_speculative_tokens": K})
     assert _run(llm, _prompts(), _greedy()) == ref
     assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
+
+
+# -- DFlash --------------------------------------------------------------------------------------------------
+DFLASH_LAYERS = [1, 3]  # a GDN layer's residual stream, and the last (attention) layer's output after the final norm
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    return make_dflash(str(tmp_path_factory.mktemp("dflash")), HYBRID_COMMON["hidden_size"], HYBRID_VOCAB,
+                       HYBRID_COMMON["num_hidden_layers"], DFLASH_LAYERS, block_size=5)
+
+
+def _dflash(path):
+    return {"method": "dflash", "model": path, "num_speculative_tokens": K}
+
+
+@pytest.mark.parametrize("kind,compat", [("qwen3_5", "none"), ("qwen3_next", "none"), ("qwen3_5_moe", "none"),
+                                         ("qwen3_5", "sm70")])
+def test_dflash_fp32_logits_and_greedy(hybrids, dflash, monkeypatch, kind, compat):
+    """Oracle drafts (partly accepted, so the context also comes from verified positions past a verification's
+    first row): tokens equal plain decoding's, verifications replay walks graphs, blocks the drafter's graphs, and
+    every block's logits equal the reference."""
+    _cuda()
+    if kind not in hybrids:
+        pytest.skip(f"{kind} unavailable")
+    ref = _plain(hybrids[kind], dtype="float32", compat=compat)
+    _oracle(monkeypatch, ref, patch_dflash)
+    llm = _llm(hybrids[kind], dtype="float32", compat=compat, speculative_config=_dflash(dflash))
+    records = record_block_logits(llm.engine.runner.draft)
+    assert _run(llm, _prompts(), _greedy()) == ref
+    stats = llm.engine.stats().extra
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert llm.engine.runner.verify_graphs.replays > 0 and llm.engine.runner.draft.graphs.replays > 0
+    assert check_block_logits(records, hybrids[kind], dflash, DFLASH_LAYERS, tol=1e-3) >= 20
+
+
+def test_dflash_fp16_agrees_and_snapshots(hybrids, dflash, monkeypatch):
+    """fp16 with graphs agrees with plain decoding except at near-ties, also in a second round that resumes from
+    prefix-cache snapshots."""
+    _cuda()
+    path = hybrids["qwen3_5"]
+    ref = _plain(path, dtype="float16", compat="none")
+    _oracle(monkeypatch, ref, patch_dflash)
+    llm = _llm(path, dtype="float16", speculative_config=_dflash(dflash), mamba_block_size=16)
+    for _ in range(2):
+        got = _run(llm, _prompts(), _greedy())
+        agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
+        assert agree >= 0.9, agree
+    assert llm.engine.runner.state_snapshots.stats()["restored"] > 0
+    assert llm.engine.runner.draft.graphs.replays > 0
+
+
+def test_dflash_fp16_sampled_requests_repeat(hybrids, dflash):
+    """Seeded sampled requests (drafts drawn from the drafter's q) beside greedy ones: two engines give the same
+    tokens."""
+    _cuda()
+    from voltllm import SamplingParams
+
+    sps = [_greedy(), SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)] * 2 + [_greedy()]
+    runs = [_run(_llm(hybrids["qwen3_5"], dtype="float16", speculative_config=_dflash(dflash)), _prompts(), sps)
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_dflash_agreeing_drafter_fp16(dflash, tmp_path):
+    """A zero LM head: target and drafter both pick token 0 (greedy) or draw from the same uniform distribution
+    (sampled: q = p), so every draft is accepted (walks graphs keeping the state after the last draft)."""
+    _cuda()
+    from voltllm import SamplingParams
+
+    path = make_tiny_hybrid(str(tmp_path / "agree"), "qwen3_5", seed=0, gen_seed=1)
+    if path is None:
+        pytest.skip("qwen3_5 unavailable")
+    zero_lm_head(path)
+    llm = _llm(path, dtype="float16", speculative_config=_dflash(dflash))
+    n = 41
+    assert _run(llm, _prompts(), _greedy(n)) == [[0] * n] * len(_prompts())
+    _run(llm, _prompts(), SamplingParams(temperature=0.8, seed=2, max_tokens=n, ignore_eos=True))
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"] > 0
+    assert llm.engine.runner.verify_graphs.replays > 0

@@ -2,14 +2,14 @@
 public checkpoint format): the drafter's block logits inside the engine equal a float64 reference of the drafter's
 math fed by transformers' hidden states of the target; greedy outputs equal plain decoding's (chunked prefill,
 prefix-cache hits, preemption, concurrent requests); a drafter that always agrees is always accepted and saves
-steps; sampled requests run; bad drafters are refused at configuration time."""
+steps; sampled requests run; bad drafters are refused at configuration time, against attention-only and hybrid
+targets. (DFlash runs on hybrid targets: tests/model/test_hybrid_speculation.py.)"""
 import json
 import os
 
 import pytest
-import torch
 
-from dflash_models import load_weights, make_dflash, reference_block_logits
+from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
 from graph_stand_ins import PaddedDecodeGraphs
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
@@ -67,50 +67,14 @@ def test_block_logits_equal_the_reference(models, graph_rows):
     reference, fed by transformers' hidden states of the target over the request's tokens before its block. With
     graph_rows, the block forward takes its graph form (rows padded to a power of two in the input buffers) up to
     that many rows, as CUDA graph replays would."""
-    from transformers import AutoModelForCausalLM
-
     target, drafter_path = models["target"], models["drafter"]
     llm = LLM(target, block_size=4, max_num_batched_tokens=16, speculative_config=_spec(drafter_path))
     dr = _runner(llm)
     if graph_rows:
         dr.graphs = PaddedDecodeGraphs(dr, graph_rows)
-    records = []
-    orig_logits, orig_propose = dr.drafter.compute_logits, dr.propose
-
-    def logits_spy(h):
-        out = orig_logits(h)
-        records[-1]["logits"] = out.detach().clone()
-        return out
-
-    def propose_spy(sched):
-        rows = [(list(s.request.all_token_ids), s.start, len(s.spec_tokens)) for s in sched.scheduled
-                if s.spec_tokens]
-        records.append({"rows": rows})
-        orig_propose(sched)
-
-    dr.drafter.compute_logits, dr.propose = logits_spy, propose_spy
+    records = record_block_logits(dr)
     _run(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    ref_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
-    w = load_weights(drafter_path)
-    embed = ref_model.get_input_embeddings().weight.detach()
-    head = ref_model.get_output_embeddings().weight.detach()
-    mask = 3
-    checked = 0
-    for rec in records:
-        if not rec["rows"]:
-            continue
-        n, kmax = len(rec["rows"]), max(k for _, _, k in rec["rows"])
-        assert rec["logits"].shape[0] == n * kmax
-        for i, (ids, start, k) in enumerate(rec["rows"]):
-            with torch.no_grad():
-                hs = ref_model(torch.tensor([ids[:start]]), output_hidden_states=True).hidden_states
-            feats = torch.cat([hs[layer + 1][0] for layer in models["layers"]], dim=-1)
-            ref = reference_block_logits(w, feats, [ids[start]] + [mask] * k, embed, head)
-            got = rec["logits"][[j * n + i for j in range(k)]].double()
-            err = (got - ref).abs().max() / ref.abs().max()
-            assert err < 1e-4, f"request {i}, start {start}: relative error {err:.2e}"
-            checked += 1
-    assert checked >= 6
+    assert check_block_logits(records, target, drafter_path, models["layers"]) >= 6
     assert not graph_rows or dr.graphs.replays >= 3
 
 
@@ -146,14 +110,9 @@ def test_prefix_cache_hits_and_preemption_keep_outputs(models):
 def agreeing(tmp_path_factory):
     """A qwen3 target whose LM head is zero (every logit 0: greedy picks id 0, sampling is uniform) and a drafter
     sharing that head: it always agrees with the target (greedy: the same argmax; sampled: q = p)."""
-    from safetensors.torch import load_file, save_file
-
     root = tmp_path_factory.mktemp("agree")
     target = make_model(str(root / "target"), "qwen3")
-    file = os.path.join(target, "model.safetensors")
-    w = load_file(file)
-    w["lm_head.weight"] = torch.zeros_like(w["lm_head.weight"])
-    save_file(w, file, metadata={"format": "pt"})
+    zero_lm_head(target)
     hidden, vocab, layers = _target_shape(target)
     return target, make_dflash(str(root / "dflash"), hidden, vocab, layers, [1], block_size=6, new_style=False)
 
@@ -216,13 +175,39 @@ def test_bad_drafters_are_refused(models, tmp_path):
     assert "cannot load" in _config_error(target, _spec(str(tmp_path / "missing")))
 
 
-def test_hybrid_target_is_refused(models, tmp_path):
-    from tiny_models import make_tiny_hybrid
+def test_hybrid_targets_are_checked(tmp_path):
+    """A hybrid target is taken (its runs: tests/model/test_hybrid_speculation.py); the drafter is checked against
+    its text config: layer ids, hidden size, vocabulary, the layer count it was made for; a multimodal checkpoint's
+    config (text_config inside) is read the same way."""
+    from transformers import AutoConfig, Qwen3_5Config
+
+    from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_tiny_hybrid
+    from voltllm.config import EngineArgs
+    from voltllm.engine.dflash import dflash_params
+    from voltllm.engine.speculative import SpeculativeConfigError
 
     hybrid = make_tiny_hybrid(str(tmp_path / "hybrid"), "qwen3_5", 0, 0)
     if hybrid is None:
         pytest.skip("this transformers lacks qwen3_5")
-    assert "not built for hybrid targets" in _config_error(hybrid, _spec(models["drafter"]))
+    hidden, layers = HYBRID_COMMON["hidden_size"], HYBRID_COMMON["num_hidden_layers"]
+
+    def drafter(name, **kw):
+        args = dict(hidden=hidden, vocab=HYBRID_VOCAB, target_layers=layers, layer_ids=[1, layers - 1])
+        args.update(kw)
+        return make_dflash(str(tmp_path / name), **args)
+
+    ok = drafter("ok")
+    spec = EngineArgs(model=hybrid, skip_tokenizer_init=True,
+                      speculative_config=json.dumps(_spec(ok))).create_engine_config().speculative
+    assert spec.uses_dflash and spec.num_speculative_tokens == K
+    assert "target_layer_ids" in _config_error(hybrid, _spec(drafter("ids", layer_ids=[0, layers])))
+    assert "hidden size" in _config_error(hybrid, _spec(drafter("hidden", hidden=hidden * 2)))
+    assert "vocabulary" in _config_error(hybrid, _spec(drafter("vocab", vocab=HYBRID_VOCAB + 1)))
+    assert "made for a target of" in _config_error(hybrid, _spec(drafter("layers", target_layers=layers + 1)))
+    wrapped = Qwen3_5Config(text_config=dict(HYBRID_COMMON))
+    assert dflash_params(AutoConfig.from_pretrained(ok), wrapped, K).target_layer_ids == (1, layers - 1)
+    with pytest.raises(SpeculativeConfigError, match="made for a target of"):
+        dflash_params(AutoConfig.from_pretrained(tmp_path / "layers"), wrapped, K)
 
 
 def test_default_layer_ids_and_checkpoint_layouts():

@@ -1,5 +1,6 @@
 """Speculative decoding on hybrid targets (CPU, tiny random qwen3_5 / qwen3_next / qwen3_5_moe): greedy outputs are
-exactly plain decoding's with n-gram drafts and with an attention-only draft model; the recurrent state keeps only
+exactly plain decoding's with n-gram drafts, an attention-only draft model and a DFlash drafter (whose block logits
+also equal a float64 reference fed by transformers' hidden states of the hybrid); the recurrent state keeps only
 accepted drafts (StateCache checkpoints, worker/hybrid_spec.py), through chunked prefill, prefix-cache snapshot hits,
 preemption, stops inside accepted drafts and sampled verification; no state slot, snapshot row or block leaks.
 
@@ -10,8 +11,10 @@ import random
 
 import pytest
 
-from spec_oracle import PlainRuns, oracle_table, patch_draft_model, patch_ngram, run_checked
-from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
+from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
+from graph_stand_ins import PaddedDecodeGraphs
+from spec_oracle import PlainRuns, oracle_table, patch_dflash, patch_draft_model, patch_ngram, run_checked
+from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 
 KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
@@ -221,10 +224,11 @@ def _with_stand_in_graphs(llm) -> list:
     return log
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
-def test_verification_graph_form(target, draft, monkeypatch, drafter):
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model", "dflash"])
+def test_verification_graph_form(target, draft, dflash, monkeypatch, drafter):
     """Decode steps replay the decode graphs and verification steps (every request decoding, drafts included, up to
-    --max-num-seqs rows) the walks graphs, padded to the bucket sizes; the tokens are plain decoding's."""
+    --max-num-seqs rows) the walks graphs, padded to the bucket sizes; the tokens are plain decoding's. (DFlash: its
+    block forwards take their graph form too, and its context is written from the walks rows.)"""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = dict(max_num_batched_tokens=64, max_num_seqs=16)
     ref = _plain(target, PROMPTS, sp, **kw)
@@ -232,12 +236,139 @@ def test_verification_graph_form(target, draft, monkeypatch, drafter):
     if drafter == "ngram":
         patch_ngram(monkeypatch, table, HYBRID_VOCAB)
         spec = NGRAM
-    else:
+    elif drafter == "draft_model":
         patch_draft_model(monkeypatch, table, HYBRID_VOCAB)
         spec = {"model": draft, "num_speculative_tokens": 3}
+    else:
+        patch_dflash(monkeypatch, table, HYBRID_VOCAB)
+        spec = _dflash(dflash)
     llm = LLM(target, speculative_config=spec, **{**BASE, **kw})
     log = _with_stand_in_graphs(llm)
+    if drafter == "dflash":
+        llm.engine.runner.draft.graphs = PaddedDecodeGraphs(llm.engine.runner.draft, kw["max_num_seqs"])
     assert _run(llm, PROMPTS, sp) == ref
     walks = [(starts, ends) for is_walks, starts, ends in log if is_walks]
     assert any(e - s > 1 for starts, ends in walks for s, e in zip(starts, ends))  # a request's rows walked
     assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
+
+
+# -- DFlash: a drafter reading the hybrid's hidden states ----------------------------------------------------
+DFLASH_LAYERS = [1, 3]  # a GDN layer's residual stream, and the last (attention) layer's output after the final norm
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    """A tiny random DFlash drafter for the hybrids' shape (block 5: up to 4 drafts)."""
+    return make_dflash(str(tmp_path_factory.mktemp("dflash")), HYBRID_COMMON["hidden_size"], HYBRID_VOCAB,
+                       HYBRID_COMMON["num_hidden_layers"], DFLASH_LAYERS, block_size=5)
+
+
+def _dflash(path, k=3):
+    return {"method": "dflash", "model": path, "num_speculative_tokens": k}
+
+
+@pytest.fixture
+def oracle_dflash(monkeypatch):
+    table: dict = {}
+    patch_dflash(monkeypatch, table, HYBRID_VOCAB)
+    return table
+
+
+@pytest.mark.parametrize("form", ["eager", "graphs"])
+def test_dflash_block_logits_equal_the_reference(target, dflash, oracle_dflash, form):
+    """Every proposal of a batched greedy run with chunked prefill: the drafter's logits against the float64
+    reference fed by transformers' hidden states of the hybrid. The oracle's drafts are partly accepted, so the
+    context also comes from verified positions past a verification's first row. graphs: decode and verification
+    steps replay the target's decode / walks graphs and the block forwards the drafter's (stand-ins on the CPU), so
+    the context is written from graph rows."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=7) if form == "eager" else dict(max_num_batched_tokens=16, max_num_seqs=16)
+    prompts = PROMPTS[:3]
+    ref = _plain(target, prompts, sp, **kw)
+    oracle_dflash.update(oracle_table(prompts, ref))
+    llm = LLM(target, speculative_config=_dflash(dflash), **{**BASE, **kw})
+    log = _with_stand_in_graphs(llm) if form == "graphs" else []
+    dr = llm.engine.runner.draft
+    if form == "graphs":
+        dr.graphs = PaddedDecodeGraphs(dr, 16)
+    records = record_block_logits(dr)
+    assert _run(llm, prompts, sp) == ref
+    assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
+    assert check_block_logits(records, target, dflash, DFLASH_LAYERS) >= 2 * len(prompts)
+    assert form == "eager" or (dr.graphs.replays > 0 and any(w for w, _, _ in log))
+
+
+def test_dflash_oracle_drafts_keep_plain_tokens(target, dflash, oracle_dflash):
+    """All / some / no drafts accepted at every offset, prompt chunks beside verifications (budget 7)."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _plain(target, PROMPTS, sp, max_num_batched_tokens=7)
+    oracle_dflash.update(oracle_table(PROMPTS, ref))
+    llm = LLM(target, speculative_config=_dflash(dflash, K), max_num_batched_tokens=7, **BASE)
+    assert _run(llm, PROMPTS, sp) == ref
+    stats = llm.engine.stats().extra
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_dflash_greedy_equals_plain(qwen35, dflash, budget):
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = LLM(qwen35, speculative_config=_dflash(dflash), max_num_batched_tokens=budget, **BASE)
+    assert _run(llm, PROMPTS, sp) == _plain(qwen35, PROMPTS, sp, max_num_batched_tokens=budget)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+
+
+def test_dflash_prefix_hits_and_preemption(qwen35, dflash):
+    """Requests resuming from state snapshots (every 8 tokens) read context the first ones wrote, preempted requests
+    rewrite theirs: the drafter's logits stay the reference's and the tokens plain decoding's."""
+    shared = PROMPTS[1][:17]
+    prompts = [shared + [3, 4, 5], shared + [9, 9], PROMPTS[0]]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = _plain(qwen35, prompts, sp, enable_prefix_caching=False)
+    cached = LLM(qwen35, speculative_config=_dflash(dflash), mamba_block_size=8, **BASE)
+    records = record_block_logits(cached.engine.runner.draft)
+    assert [_run(cached, [p], sp)[0] for p in prompts] == ref
+    assert cached.engine.runner.state_snapshots.stats()["restored"] > 0
+    tight = LLM(qwen35, speculative_config=_dflash(dflash), max_num_batched_tokens=16, num_gpu_blocks_override=24,
+                **BASE)
+    records += record_block_logits(tight.engine.runner.draft)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert _run(tight, PROMPTS, sp) == _plain(qwen35, PROMPTS, sp, max_num_batched_tokens=16)
+    assert tight.engine.stats().num_preemptions > 0
+    assert check_block_logits(records, qwen35, dflash, DFLASH_LAYERS) > 0
+
+
+@pytest.fixture(scope="module")
+def agreeing_hybrid(tmp_path_factory):
+    """A qwen3_5 whose LM head is zero (greedy picks id 0, sampling is uniform): a DFlash drafter using that head
+    always agrees with it."""
+    path = _make(tmp_path_factory, "qwen3_5")
+    zero_lm_head(path)
+    return path
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_dflash_agreeing_drafter_accepts_everything(agreeing_hybrid, dflash, k):
+    n = 21
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm = LLM(agreeing_hybrid, speculative_config=_dflash(dflash, k), **BASE)
+    steps0 = llm.engine.stats().step_counter
+    assert _run(llm, PROMPTS[:1], sp) == [[0] * n]
+    stats = llm.engine.stats()
+    rounds = -(-(n - 1) // (k + 1))  # each emits its drafts + 1 (the last one's drafts cut by max_tokens)
+    assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"] == n - 1 - rounds
+    assert stats.step_counter - steps0 == 1 + rounds
+
+
+def test_dflash_sampled_requests(qwen35, agreeing_hybrid, dflash):
+    """Seeded sampled requests: q = p for the agreeing drafter (every draft accepted); with the random drafter they
+    repeat from run to run and greedy requests beside them keep plain decoding's tokens."""
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    llm = LLM(agreeing_hybrid, speculative_config=_dflash(dflash), **BASE)
+    _run(llm, PROMPTS[:2], sp)
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"] > 0
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    sps = [greedy, SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)] * 2
+    runs = [_run(LLM(qwen35, speculative_config=_dflash(dflash), **BASE), PROMPTS, sps) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert [runs[0][i] for i in (0, 2)] == [_plain(qwen35, PROMPTS, greedy)[i] for i in (0, 2)]

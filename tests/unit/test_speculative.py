@@ -122,6 +122,8 @@ def test_engine_config(monkeypatch):
     assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next")).num_speculative_tokens == 3
     draft = _resolve_speculative({"model": "d", "num_speculative_tokens": 2}, SimpleNamespace(model_type="qwen3_5"))
     assert draft.uses_draft_model
+    dflash = {"method": "dflash", "model": "d", "num_speculative_tokens": 2}
+    assert _resolve_speculative(dflash, SimpleNamespace(model_type="qwen3_next")).uses_dflash
     monkeypatch.setattr("voltllm.config.HYBRID_SPEC_METHODS", ("draft_model",))  # a method not built for hybrids
     with pytest.raises(ConfigError, match="not built for hybrid targets"):
         _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next"))

@@ -4,9 +4,14 @@ Context cache in the target's blocks. The drafter's context K / V of a position 
 states there (model/models/dflash.py), so, like a draft model's KV (worker/draft_runner.py), they live in cache
 tensors of their own (one per drafter layer) addressed by the target's block ids and slots. Each step, after the
 target's forward, `run_step` writes the context K / V of every token the target computed, at the slots the target
-wrote (`ModelRunner` keeps the chosen layers' outputs in a fixed buffer: LlamaForCausalLM.set_aux_hidden). So
-the scheduler's books cover the drafter too: a prefix-cache hit carries its context, preemption recomputes it, a
-freed block frees it, and nothing here is per request.
+wrote (the target keeps the chosen layers' outputs in a fixed buffer: models/aux_hidden.py, in the llama-family and
+the hybrid decoders alike). So the scheduler's books cover the drafter too: a prefix-cache hit carries its context,
+preemption recomputes it, a freed block frees it, and nothing here is per request.
+
+Hybrid targets (Gated DeltaNet layers) need nothing more: their verification's hidden states at each position are
+those of the walked recurrent state (worker/hybrid_spec.py), so an accepted draft's context is the one plain decoding
+would give; a prefix-cache hit is cut back to a recurrent-state snapshot boundary, and every position before it lies
+in cached blocks, whose context was written when they were computed.
 
 Rejected drafts. A verification step computes the known token and every draft, so their context K / V are written
 too; but the next block starts right after the accepted tokens and its rows overwrite every slot from there on

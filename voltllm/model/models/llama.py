@@ -23,6 +23,7 @@ from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
 from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
+from voltllm.model.models.aux_hidden import AuxHiddenCapture
 
 
 class Attention(PagedAttention):
@@ -151,7 +152,7 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int,
@@ -206,32 +207,15 @@ class LlamaForCausalLM(nn.Module):
             p.skinny and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
             for layer in self.layers for p in layer.projections())
 
-    # DFlash speculation (worker/dflash_runner.py): the outputs of some decoder layers for every token of a forward,
-    # side by side in one fixed buffer (so CUDA graphs capture the writes). None: off, nothing is written
-    aux_hidden: Optional[torch.Tensor] = None
-    _aux_cols: dict = {}  # layer index -> its column block in aux_hidden
-
-    def set_aux_hidden(self, layer_ids: Iterable[int], max_tokens: int) -> torch.Tensor:
-        """Keep the outputs of decoder layers `layer_ids` (Hugging Face's hidden_states[i + 1]: the residual stream
-        after layer i; after the final norm for the last layer) of each forward's first max_tokens tokens, in
-        that order, in the returned buffer [max_tokens, len(layer_ids) * hidden]."""
-        ids = list(layer_ids)
-        hidden = self.config.hidden_size
-        self._aux_cols = {i: slice(j * hidden, (j + 1) * hidden) for j, i in enumerate(ids)}
-        self.aux_hidden = torch.zeros(max_tokens, len(ids) * hidden, dtype=self.dtype,
-                                      device=self.norm.weight.device)
-        return self.aux_hidden
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
         fused = self.fused_decode(input_ids)
-        aux = self.aux_hidden
-        last = len(self.layers) - 1
+        aux = self.aux_hidden is not None  # DFlash's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, fused)
-            if aux is not None and i in self._aux_cols and i != last:  # before the next layer's in-place add
-                aux[:residual.shape[0], self._aux_cols[i]] = residual if x is None else x + residual
+            if aux:
+                self.keep_layer_output(i, x, residual)
         if fused:
             from voltllm.kernels.fused import rms_norm
 
@@ -239,8 +223,8 @@ class LlamaForCausalLM(nn.Module):
             x = rms_norm(residual, n.weight, n.eps, n.offset, out=torch.empty_like(residual, dtype=self.dtype))
         else:
             x, _ = self.norm(x, residual)
-        if aux is not None and last in self._aux_cols:
-            aux[:x.shape[0], self._aux_cols[last]] = x
+        if aux:
+            self.keep_final_output(x)
         return x
 
     logits_skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning

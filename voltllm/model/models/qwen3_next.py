@@ -16,6 +16,9 @@ module, qwen3_next_mtp.py, reads those for MTP speculation).
 Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`): the attention, GDN, dense-MLP,
 shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts (docs/hybrid.md).
 
+DFlash speculation reads the residual stream after chosen layers (`set_aux_hidden`, models/aux_hidden.py, shared with
+the llama family).
+
 Runner contract: ctx.extra["state_cache"] and ctx.extra["state_slots"] (see voltllm/model/state_cache.py);
 `state_spec` gives the per-slot shapes to build the StateCache, `num_attention_layers` and
 `kv_heads_and_dim` the paged KV cache (attention layers only).
@@ -29,6 +32,7 @@ from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.forward_context import ForwardContext
+from voltllm.model.models.aux_hidden import AuxHiddenCapture
 from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear, LinearMethod
@@ -179,7 +183,7 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
     return [name]
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
                  linear_method: Optional[LinearMethod] = None):
         """linear_method: how the projections (attention, GDN, dense MLPs, shared experts, an untied LM head) hold
@@ -249,9 +253,14 @@ class Qwen3NextForCausalLM(nn.Module):
         batch = HybridBatch.from_context(ctx, self.state_spec) if self._num_gdn else None
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = self.aux_hidden is not None  # a DFlash drafter's target features (AuxHiddenCapture)
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, batch)
+            if aux:
+                self.keep_layer_output(i, x, residual)
         x, _ = self.norm(x, residual)
+        if aux:
+            self.keep_final_output(x)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
