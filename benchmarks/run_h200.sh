@@ -180,6 +180,8 @@
 #   s102     (session 28) the second tiling with two-word f16x2 sums and 2-4 units per thread: the sweep, the
 #            packed-fp16 GPU tests, then the runner's split launch (structured outputs' forward-first steps): the
 #            structured-output and engine GPU files
+#   s103     (session 28) DFlash on hybrid targets (test_hybrid_spec_cuda -k dflash, the shared block-logit check of
+#            test_dflash_cuda), then 8B-shape AWQ decode b1 with the tuner's final candidate lists
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1336,6 +1338,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_quant_half2_cuda 200
     gpu_file test_structured_outputs_cuda 90
     gpu_file test_engine_gpu $(( 560 - (SECONDS - t0) ))
+    ;;
+  s103)  # (session 28) DFlash on hybrid targets' GPU cases, then 8B AWQ b1 with the final tuner lists
+    t0=$SECONDS
+    gpu_file test_hybrid_spec_cuda 240 -k dflash
+    gpu_file test_dflash_cuda 90 -k block_logits
+    if (( SECONDS - t0 < 330 )); then
+      mkdir -p /root/m
+      timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq \
+        && bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario decode --input-len 512 \
+          --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -7
+    fi
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
