@@ -26,7 +26,10 @@ CONFIGS = [(half2_matmul, (2, 64, 4)), (half2_matmul, (2, 32, 2)), (half2_matmul
            (half2_rows_matmul, (1, 64, 2)), (half2_rows_matmul, (2, 64, 2)), (half2_rows_matmul, (1, 128, 4)),
            (half2_rows_matmul, (2, 128, 4)), (half2_rows_matmul, (1, 32, 1)), (half2_rows_matmul, (2, 32, 1)),
            (half2_rows_matmul, (2, 64, 1)), (half2_rows_matmul, (2, 128, 1)), (half2_rows_matmul, (2, 128, 2)),
-           (half2_rows_matmul, (1, 64, 1)), (half2_rows_matmul, (1, 128, 1)), (half2_rows_matmul, (2, 256, 2))]
+           (half2_rows_matmul, (1, 64, 1)), (half2_rows_matmul, (1, 128, 1)), (half2_rows_matmul, (2, 256, 2)),
+           # (BLOCK_N, U, num_warps, stages): the loop's loads pipelined through shared memory (session 28)
+           (half2_rows_matmul, (2, 32, 1, 2)), (half2_rows_matmul, (2, 32, 1, 3)), (half2_rows_matmul, (2, 32, 1, 4)),
+           (half2_rows_matmul, (2, 64, 2, 3)), (half2_rows_matmul, (2, 128, 2, 3)), (half2_rows_matmul, (2, 64, 1, 3))]
 
 
 def random_planes(kind: str, n: int, k: int, g: torch.Generator):
@@ -55,6 +58,7 @@ def main():
     ap.add_argument("--kinds", default="AWQ_G128,NVFP4,GPTQ_G128,Q4_0")
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="time only these CONFIGS indices (comma-separated)")
     args = ap.parse_args()
     kinds = args.kinds.split(",")
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -70,7 +74,7 @@ def main():
             for m in (1, 2, 3, 4, 5, 7):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w.T + bias.float()
-                for form, cfg in CONFIGS[:1] + CONFIGS[3:5] + CONFIGS[9:11]:
+                for form, cfg in CONFIGS[:1] + CONFIGS[3:5] + CONFIGS[9:11] + CONFIGS[16:17]:
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                     form(x, p, bias, out=out, config=cfg)
                     old = quant_matmul(x, p, bias)
@@ -87,6 +91,7 @@ def main():
     print(f"checks: {len(results['check'])} done, {len(bad)} bad, worst rel err {worst:.2e} (fp32 form "
           f"{max(c['rel_old'] for c in results['check']):.2e})", flush=True)
     table = []
+    timed_configs = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS
     for kind in kinds:
         for n, k in SHAPES:
             first = random_planes(kind, n, k, g)
@@ -96,7 +101,7 @@ def main():
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 old_us = graph_replay_ms(lambda p: quant_matmul(x, p), rot, reps=20) * 1e3
                 timed = []
-                for form, cfg in CONFIGS:
+                for form, cfg in timed_configs:
                     tag = ("rows" if form is half2_rows_matmul else "h2", *cfg)
                     try:
                         timed.append((graph_replay_ms(lambda p: form(x, p, config=cfg), rot, reps=20) * 1e3, tag))
@@ -105,8 +110,8 @@ def main():
                 timed.sort()
                 best_us, best = timed[0]
                 gbs = first.nbytes / best_us / 1e3
-                h2_us = min(t for t, c in timed if c[0] == "h2")
-                rows_us = min(t for t, c in timed if c[0] == "rows")
+                h2_us = min((t for t, c in timed if c[0] == "h2"), default=float("nan"))
+                rows_us = min((t for t, c in timed if c[0] == "rows"), default=float("nan"))
                 row = {"kind": kind, "n": n, "k": k, "m": m, "old_us": old_us, "new_us": best_us, "best": best,
                        "h2_us": h2_us, "rows_us": rows_us,
                        "new_GBps": gbs, "old_GBps": first.nbytes / old_us / 1e3,

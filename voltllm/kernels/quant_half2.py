@@ -311,10 +311,12 @@ def _words_0213(w):
 def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_d, stride_s,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr, ZERO: tl.constexpr,
                        SUPER: tl.constexpr, SHIFT: tl.constexpr, ZP: tl.constexpr, FP4: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """The second tiling: BLOCK_N (1 | 2) weight rows and BLOCK_M (<= 4) activation rows per program; every tile
     [1, U, 4] (a unit's 4 words in one thread, units across lanes), the activations read in 16-byte vectors and
-    rearranged inside the thread, so no values cross lanes until the final sums. EVEN: no masks."""
+    rearranged inside the thread, so no values cross lanes until the final sums. EVEN: no masks. STAGES > 1: the
+    loop's loads go through shared memory as asynchronous copies that many iterations ahead (Triton's pipeliner), so
+    the bytes in flight per warp no longer cost registers."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -329,7 +331,7 @@ def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, s
     acc12 = tl.zeros((1, U, 2), dtype=tl.float32)
     acc13 = tl.zeros((1, U, 2), dtype=tl.float32)
     i4 = tl.arange(0, 4)[None, None, :]
-    for u0 in range(0, NU, U):
+    for u0 in tl.range(0, NU, U, num_stages=STAGES):
         u = (u0 + tl.arange(0, U))[None, :, None]
         um = (u < NU) | EVEN
         base = (u >> 1) * 32 + (u & 1) * 8  # the unit's first activation pair (products: alignment stays known)
@@ -464,12 +466,14 @@ def half2_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, o
 
 
 def half2_rows_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None,
-                      out: Optional[torch.Tensor] = None, config: tuple[int, int, int] = (1, 64, 2)) -> torch.Tensor:
-    """half2_matmul by the second tiling (_half2_rows_kernel). config: (BLOCK_N 1 | 2, U, num_warps)."""
+                      out: Optional[torch.Tensor] = None, config: tuple = (1, 64, 2)) -> torch.Tensor:
+    """half2_matmul by the second tiling (_half2_rows_kernel). config: (BLOCK_N 1 | 2, U, num_warps[, stages]):
+    stages > 1 pipelines the loop's loads through shared memory (sm_80+: cp.async)."""
     if config[0] not in (1, 2):
         raise ValueError(f"the second tiling takes 1 or 2 weight rows per program, not {config[0]}")
-    return _launch(_half2_rows_kernel, x, planes, bias, out, *config, SHIFT=planes.kind.super.bit_length() - 1,
-                   EVEN=True)
+    stages = config[3] if len(config) > 3 else 1
+    return _launch(_half2_rows_kernel, x, planes, bias, out, *config[:3], SHIFT=planes.kind.super.bit_length() - 1,
+                   EVEN=True, STAGES=stages)
 
 
 _SIGNATURE = {"X": "*i32", "Y": "*fp16", "B": "*fp16", "LO": "*i32", "D": "*fp16", "SC": "*i8", "MN": "*i8", "M": "i32",
@@ -481,7 +485,7 @@ _SPEC_KINDS = ((int4_kind(128, True), 1, 1), (int4_kind(128, True), 4, 2), (int4
 
 
 def _specs(rows_tiling: bool) -> list[CompileSpec]:
-    extra = ("SHIFT", "EVEN") if rows_tiling else ()
+    extra = ("SHIFT", "EVEN", "STAGES") if rows_tiling else ()
     sig = {**_SIGNATURE, **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "ZERO", "SUPER", "ZP", "FP4",
                                                      "HAS_BIAS", "PDL") + extra}}
     specs = []
@@ -489,7 +493,7 @@ def _specs(rows_tiling: bool) -> list[CompileSpec]:
         consts = {"BLOCK_M": rows, "BLOCK_N": block_n, "U": 64, "ZERO": kind.zero, "SUPER": kind.super,
                   "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": kind.name == "Q4_0", "PDL": False}
         if rows_tiling:
-            consts.update(SHIFT=kind.super.bit_length() - 1, EVEN=rows == 1)
+            consts.update(SHIFT=kind.super.bit_length() - 1, EVEN=rows == 1, STAGES=1)
         specs.append(CompileSpec({**sig, "D": "*fp32"} if kind.fp4 else sig, consts,
                                  f"{kind.name} n{block_n} m{rows}"))
     return specs
