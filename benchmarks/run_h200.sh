@@ -182,6 +182,9 @@
 #            structured-output and engine GPU files
 #   s103     (session 28) DFlash on hybrid targets (test_hybrid_spec_cuda -k dflash, the shared block-logit check of
 #            test_dflash_cuda), then 8B-shape AWQ decode b1 with the tuner's final candidate lists
+#   s104     (next session) the second tiling with its loads pipelined through shared memory (STAGES 2-4) against
+#            the register form at one row (sweep --only), then its GPU tests; if a staged tile wins, add it to
+#            quant_tuning.HALF2_CANDIDATES[1] and measure the 8B AWQ / NVFP4 b1 again (s103's bench lines)
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1349,6 +1352,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         && bench /root/m/q8b-awq --dtype half --num-warm 1 --quantization awq --scenario decode --input-len 512 \
           --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -7
     fi
+    ;;
+  s104)  # (next session) second tiling: loads pipelined through shared memory vs registers, one row
+    t0=$SECONDS
+    timeout 200 python3 benchmarks/micro/quant_half2_sweep.py --kinds AWQ_G128,NVFP4 --rows 1 \
+      --only 8,4,15,16,17,18,19,20 --out "$out/quant-half2-stages-$sha.json" 2>&1 | grep -v -i "warn" | tail -18
+    gpu_file test_quant_half2_cuda $(( 420 - (SECONDS - t0) ))
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -54,7 +54,7 @@ def test_matches_dequantized(kind, n, k):
         assert operands_ok(x, p, None)
         for form, config in ((half2_matmul, (2, 64, 4)), (half2_matmul, (1, 32, 1)), (half2_matmul, (4, 16, 2)),
                              (half2_rows_matmul, (1, 64, 2)), (half2_rows_matmul, (2, 64, 2)),
-                             (half2_rows_matmul, (2, 128, 4))):
+                             (half2_rows_matmul, (2, 128, 4)), (half2_rows_matmul, (2, 32, 1, 3))):
             wide = torch.full((m, n + 40), float("nan"), dtype=torch.float16, device="cuda")
             out = wide[:, 24:24 + n]  # a column slice of a wider output, poisoned
             form(x, p, bias if m % 2 else None, out=out, config=config)
