@@ -226,6 +226,9 @@ def test_metrics(server, client):
     assert m["voltllm:generation_tokens_total"] >= 3
     assert m["voltllm:time_to_first_token_seconds_count"] >= 1
     assert 0 <= m["voltllm:prefix_cache_hit_rate"] <= 1
+    # vLLM's names for the same series (dashboards built for vLLM)
+    assert m["vllm:request_success_total"] == m["voltllm:request_success_total"]
+    assert m["vllm:time_to_first_token_seconds_count"] == m["voltllm:time_to_first_token_seconds_count"]
 
 
 def test_server_still_serves_after_everything(server, client):

@@ -1,5 +1,9 @@
 """Prometheus metrics for GET /metrics (names follow vLLM's, with the `voltllm:` prefix).
 
+Each metric vLLM also exports is written a second time under vLLM's own name (`vllm:` prefix, same labels and
+values; VLLM_NAMES), so dashboards and alerts built for a vLLM server read a voltllm server unchanged. voltllm's own
+additions (active requests, block count, hit rate, engine liveness, HTTP counts) have no vLLM name.
+
 Per-request timings (TTFT, inter-token latency, end-to-end) are measured in the API process as outputs
 arrive, which is what a client sees. Engine state (running / waiting requests, KV usage, prefix-cache
 hits, preemptions, speculative drafts scored / accepted) is the engine's latest SchedulerStats, sent with every
@@ -10,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from voltllm.engine.outputs import RequestOutput
@@ -22,6 +26,30 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0)
+
+
+# voltllm metric families that vLLM exports under the same name with its own prefix (vLLM's v1 engine metrics), and
+# vLLM's older name for the KV usage gauge (its v0 dashboards read vllm:gpu_cache_usage_perc)
+VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
+    "num_requests_running", "num_requests_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens")}
+VLLM_NAMES["voltllm:kv_cache_usage_perc"] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
+
+
+class _VLLMNames(Collector):
+    """The families of `source` that have a vLLM name, again under that name (samples renamed, values shared)."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self) -> Iterable[Any]:
+        for family in self.source.collect():
+            for alias in VLLM_NAMES.get(family.name, ()):
+                copy = Metric(alias, family.documentation, family.type, family.unit)
+                copy.samples = [s._replace(name=alias + s.name[len(family.name):]) for s in family.samples]
+                yield copy
 
 
 class _EngineCollector(Collector):
@@ -90,6 +118,8 @@ class ServerMetrics:
         self.http = Counter("voltllm:http_requests", "HTTP requests by route and status.",
                             ["method", "path", "status"], registry=r)
         r.register(_EngineCollector(model, stats, alive, active))
+        self.vllm_names = CollectorRegistry(auto_describe=True)
+        self.vllm_names.register(_VLLMNames(r))
         # totals for the periodic log line
         self.total_generated = 0
         self.total_prompt = 0
@@ -120,4 +150,4 @@ class ServerMetrics:
         self.http.labels(method, path, str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_names)
