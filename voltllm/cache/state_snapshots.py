@@ -141,8 +141,10 @@ class StateSnapshots:
         self._targets.pop(request_id, None)
 
     # -- runner side -----------------------------------------------------------------------------
-    def before_forward(self, scheduled: Sequence[Any], slots: Sequence[int]) -> None:
-        """Restore snapshots into the slots of requests that start this step at a prefix-cache hit."""
+    def before_forward(self, scheduled: Sequence[Any], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Restore snapshots into the slots of requests that start this step at a prefix-cache hit. Returns the
+        restores as (snapshot row, slot, tokens): tensor parallelism's other ranks replay them (apply_restores)."""
+        done = []
         for s, slot in zip(scheduled, slots):
             start = s.start
             if slot < 0 or start == 0 or self.cache.num_tokens[slot] == start or start % self.mamba_block_size:
@@ -151,13 +153,29 @@ class StateSnapshots:
             row = self._index.get(h) if h is not None else None
             if row is None:
                 continue  # not a hit of ours: the model's note_step check raises
-            self._copy(self.store, row, self.cache, slot)
-            self.cache.num_tokens[slot] = start
             self._index.move_to_end(h)
             self.num_restored += 1
+            done.append((row, slot, start))
+        self.apply_restores(done)
+        return done
+
+    def apply_restores(self, restores: Sequence[tuple[int, int, int]]) -> None:
+        """Copy snapshot rows into state slots: (snapshot row, slot, tokens it covers) each (before_forward's
+        result; a tensor-parallel rank other than 0 gets rank 0's, since only rank 0 schedules and keeps the index:
+        every rank's pool holds its own heads of the same snapshots in the same rows)."""
+        for row, slot, tokens in restores:
+            self._copy(self.store, row, self.cache, slot)
+            self.cache.num_tokens[slot] = tokens
 
     def after_forward(self, scheduled: Sequence[Any], slots: Sequence[int]) -> None:
         """Snapshot the slots of requests whose computed tokens now end at a boundary."""
+        self.apply_saves(self.plan_saves(scheduled, slots))
+
+    def plan_saves(self, scheduled: Sequence[Any], slots: Sequence[int]) -> list[tuple[int, int]]:
+        """after_forward's decisions, (slot, snapshot row) each, with the index updated as if they were done (host
+        data only, so the runner plans before the forward and ships them to the other tensor-parallel ranks);
+        apply_saves copies after the forward."""
+        saves = []
         for s, slot in zip(scheduled, slots):
             end = s.start + s.num_new_tokens
             # (a verification's end is past its unverified drafts: its state is not the prefix's)
@@ -174,9 +192,15 @@ class StateSnapshots:
             else:
                 _, row = self._index.popitem(last=False)
                 self.num_evicted += 1
-            self._copy(self.cache, slot, self.store, row)
             self._index[h] = row
             self.num_saved += 1
+            saves.append((slot, row))
+        return saves
+
+    def apply_saves(self, saves: Sequence[tuple[int, int]]) -> None:
+        """Copy state slots into snapshot rows, (slot, row) each (plan_saves' result), after the step's forward."""
+        for slot, row in saves:
+            self._copy(self.cache, slot, self.store, row)
 
     @staticmethod
     def _copy(src: StateCache, src_row: int, dst: StateCache, dst_row: int) -> None:

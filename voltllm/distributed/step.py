@@ -4,7 +4,7 @@ some are still being sampled on rank 0's GPU when the step launches (async sched
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -30,3 +30,9 @@ class StepInputs:
     calc_kv_scales: bool = False
     calc_key_offsets: bool = False
     logits_rows: list[LogitsRows] = field(default_factory=list)
+    # a hybrid model's recurrent state (rank 0 allocates the slots and keeps the snapshot index; every rank's state
+    # cache and snapshot pool hold their own heads in the same rows): each request's slot, the snapshots restored
+    # into slots before the forward (row, slot, tokens) and the slots saved after it (slot, row)
+    state_slots: Optional[list[int]] = None
+    state_restores: list[tuple[int, int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)

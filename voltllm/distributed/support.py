@@ -7,6 +7,9 @@ import torch
 
 # dense llama-family decoders (models/llama.py without sparse MoE layers)
 TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# dense hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense MLP); a multimodal qwen3_5
+# checkpoint runs as its text model
+TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
 def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, speculative: Any,
@@ -18,11 +21,20 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
     if tp == 1:
         return None
     kind = getattr(hf_config, "model_type", None)
-    if kind not in TP_MODEL_TYPES:
-        what = {"qwen3_moe": "MoE", "qwen3_next": "hybrid + MoE", "qwen3_5": "hybrid", "qwen3_5_text": "hybrid",
-                "qwen3_5_moe": "hybrid + MoE", "qwen3_5_moe_text": "hybrid + MoE"}.get(kind, "this architecture")
-        return (f"{flag}: tensor parallelism is built for dense {' / '.join(TP_MODEL_TYPES)} models, not {kind!r} "
-                f"({what} is not supported under tensor parallelism)")
+    if kind not in TP_MODEL_TYPES + TP_HYBRID_TYPES:
+        what = {"qwen3_moe": "MoE", "qwen3_next": "hybrid + MoE", "qwen3_5_moe": "hybrid + MoE",
+                "qwen3_5_moe_text": "hybrid + MoE"}.get(kind, "this architecture")
+        return (f"{flag}: tensor parallelism is built for dense {' / '.join(TP_MODEL_TYPES + TP_HYBRID_TYPES)} "
+                f"models, not {kind!r} ({what} is not supported under tensor parallelism)")
+    if kind in TP_HYBRID_TYPES:
+        hf_config = getattr(hf_config, "text_config", None) or hf_config
+        if int(getattr(hf_config, "num_experts", 0) or 0) > 0:
+            return f"{flag}: {kind!r} with sparse MoE layers (hybrid + MoE) is not supported under tensor parallelism"
+        nk, nv = int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads)
+        if nk % tp:
+            return f"{flag}: the model's {nk} Gated DeltaNet key heads do not divide by {tp}"
+        if nv % tp:
+            return f"{flag}: the model's {nv} Gated DeltaNet value heads do not divide by {tp}"
     heads = int(hf_config.num_attention_heads)
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     inter = int(hf_config.intermediate_size)

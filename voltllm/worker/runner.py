@@ -510,8 +510,9 @@ class ModelRunner:
         order) and restore prefix-cache snapshots into the slots of requests that start at a hit."""
         self.release(sched.released_ids)
         slots = [self.state_cache.allocate(s.request.request_id) for s in sched.scheduled]
+        self._state_restores = []
         if self.state_snapshots is not None:
-            self.state_snapshots.before_forward(sched.scheduled, slots)
+            self._state_restores = self.state_snapshots.before_forward(sched.scheduled, slots)
         return slots
 
     def needs_host_history(self, sched: SchedulerOutput) -> bool:
@@ -579,16 +580,21 @@ class ModelRunner:
             reqs = [s.request for _, s in sampling]
         plp = [] if decode else [(i, s, _prompt_logprob_rows(s)) for i, s in enumerate(scheduled)
                                  if s.request.wants_prompt_logprobs and s.start < s.request.num_prompt_tokens - 1]
+        # the step's recurrent-state snapshots (hybrids), decided before the forward: the other TP ranks take the same
+        saves = (self.state_snapshots.plan_saves(scheduled, slots) if self.state_snapshots is not None
+                 and slots is not None else None)
         if self.send_step is not None:
             assert not spec_rows, "speculative decoding is refused under tensor parallelism (distributed.support)"
             step = self._step_inputs
+            if slots is not None:
+                step.state_slots, step.state_restores, step.state_saves = slots, self._state_restores, saves or []
             step.graph_rows = graph.batch_size if graph is not None else 0
             step.prompt_graph_tokens = prompt_graph.num_tokens if prompt_graph is not None else 0
             step.calc_kv_scales, step.calc_key_offsets = self.calc_kv_scales_pending, self.calc_key_offsets_pending
             step.logits_rows = ([rows_idx] if reqs else []) + [(qsl[i], qsl[i] + n) for i, _, n in plp]
             self.send_step(step)
             self.tp.broadcast_(self.buffers.input_ids[:t])
-        hidden = self._forward(graph, prompt_graph, meta, t, sched, slots)
+        hidden = self._forward(graph, prompt_graph, meta, t, sched, slots, saves)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
@@ -637,14 +643,21 @@ class ModelRunner:
         return handle
 
     def _forward(self, graph, prompt_graph, meta: AttentionMetadata, t: int, sched: Optional[SchedulerOutput] = None,
-                 slots: Optional[list[int]] = None) -> torch.Tensor:
-        """The step's hidden states: a decode graph's replay, a prompt graph's, or the eager forward. `sched` and
-        `slots`: a hybrid model's recurrent-state bookkeeping (rank 0 only: hybrids are refused under TP)."""
+                 slots: Optional[list[int]] = None, saves: Optional[list[tuple[int, int]]] = None) -> torch.Tensor:
+        """The step's hidden states: a decode graph's replay, a prompt graph's, or the eager forward. `slots` (a
+        hybrid model's recurrent-state slots, one per request) and `saves` (the snapshots to take after the forward,
+        StateSnapshots.plan_saves): its recurrent-state bookkeeping; `sched` is None on the other TP ranks."""
         buf = self.buffers
         if graph is not None:
             if slots is not None:  # the model's own check and bookkeeping do not run in a replay
-                self.state_cache.note_step(slots, [s.start for s in sched.scheduled],
-                                           [s.start + s.num_new_tokens for s in sched.scheduled])
+                if sched is not None:
+                    starts = [s.start for s in sched.scheduled]
+                    ends = [s.start + s.num_new_tokens for s in sched.scheduled]
+                else:  # a TP follower: from the metadata (one row per request: TP runs no verification steps)
+                    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+                    ends = list(lens[:len(slots)])
+                    starts = [ends[i] - (qsl[i + 1] - qsl[i]) for i in range(len(slots))]
+                self.state_cache.note_step(slots, starts, ends)
             hidden = graph.replay()
         elif prompt_graph is not None:
             hidden = prompt_graph.replay(self.backend, meta)
@@ -656,11 +669,11 @@ class ModelRunner:
             if slots is not None:
                 ctx.extra["state_cache"] = self.state_cache
                 ctx.extra["state_slots"] = slots
-                if any(s.spec_tokens for s in sched.scheduled):  # a verification: per-position states kept
+                if sched is not None and any(s.spec_tokens for s in sched.scheduled):  # per-position states kept
                     ctx.extra["state_drafts"] = [len(s.spec_tokens) for s in sched.scheduled]
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
-        if self.state_snapshots is not None:  # snapshots at --mamba-block-size boundaries (decode steps too)
-            self.state_snapshots.after_forward(sched.scheduled, slots)
+        if self.state_snapshots is not None and saves:  # snapshots at --mamba-block-size boundaries (decode too)
+            self.state_snapshots.apply_saves(saves)
         return hidden
 
     @torch.inference_mode()
@@ -677,7 +690,11 @@ class ModelRunner:
         h["query_start_loc"][: rows + 1] = step.query_start_loc
         h["seq_lens"][:rows] = step.seq_lens
         h["block_tables"][: rows * width] = step.block_tables
-        buf.upload(t, step.num_seqs, width, rows)
+        slots = step.state_slots if self.state_cache is not None else None
+        if slots is not None and step.graph_rows:  # a hybrid's decode graph reads the slots from its buffer
+            h["state_slots"][:step.num_seqs] = slots
+            h["state_slots"][step.num_seqs:rows] = self.state_cache.pad_slot
+        buf.upload(t, step.num_seqs, width, rows, state_slots=slots is not None and step.graph_rows > 0)
         self.tp.broadcast_(buf.input_ids[:t])
         meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
         graph = self.graphs.for_batch(step.num_seqs) if step.graph_rows else None
@@ -686,7 +703,9 @@ class ModelRunner:
                 prompt_graph.num_tokens if prompt_graph else 0) != step.prompt_graph_tokens:
             raise RuntimeError("tensor-parallel ranks disagree on the step's CUDA graph")
         self.calc_kv_scales_pending, self.calc_key_offsets_pending = step.calc_kv_scales, step.calc_key_offsets
-        hidden = self._forward(graph, prompt_graph, meta, t)
+        if slots is not None and step.state_restores:  # rank 0's prefix-cache hits, into this rank's heads' state
+            self.state_snapshots.apply_restores(step.state_restores)
+        hidden = self._forward(graph, prompt_graph, meta, t, None, slots, step.state_saves)
         for sel in step.logits_rows:
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voltllm.distributed.sharding import even_split, take_cols, take_rows
 from voltllm.host_to_device import to_device
 from voltllm.kernels import gdn_ref
 from voltllm.model.forward_context import ForwardContext
@@ -220,20 +221,30 @@ class GatedDeltaNet(nn.Module):
     chunk_precision: str = "ieee"
 
     def __init__(self, cfg: Any, state_index: int, dtype: torch.dtype, layout: str = "split",
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         """linear_method: how in_proj / out_proj hold their weights (quantized checkpoints kept quantized); None:
-        dense."""
+        dense. tp (a voltllm.distributed.group.TPGroup): this rank holds key heads [k_start, k_start + nk) and the
+        value heads that read them, [v_start, v_start + nv) (value head h reads key head h // (Hv / Hk), so an even
+        split of both keeps each rank's heads together); nk / nv and every shape below are the local ones, and
+        out_proj's partial product is summed over the ranks by the caller (HybridDecoderLayer)."""
         super().__init__()
         if layout not in ("split", "qkvz"):
             raise ValueError(f"unknown GDN checkpoint layout {layout!r}")
         self.state_index = state_index
         self.layout = layout
-        self.nk = cfg.linear_num_key_heads
-        self.nv = cfg.linear_num_value_heads
+        self.full_nk = cfg.linear_num_key_heads
+        self.full_nv = cfg.linear_num_value_heads
         self.dk = cfg.linear_key_head_dim
         self.dv = cfg.linear_value_head_dim
-        if self.nv % self.nk:
-            raise ValueError(f"linear_num_value_heads {self.nv} must be a multiple of linear_num_key_heads {self.nk}")
+        if self.full_nv % self.full_nk:
+            raise ValueError(f"linear_num_value_heads {self.full_nv} must be a multiple of linear_num_key_heads "
+                             f"{self.full_nk}")
+        self.tp = tp
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        if self.full_nk % size:
+            raise ValueError(f"{self.full_nk} Gated DeltaNet key heads do not divide by {size} tensor-parallel ranks")
+        self.k_start, self.nk = even_split(self.full_nk, rank, size)
+        self.v_start, self.nv = even_split(self.full_nv, rank, size)
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
@@ -412,46 +423,65 @@ class GatedDeltaNet(nn.Module):
     def load_hf_weight(self, name: str, tensor: Any, prefix: str = "") -> list[str]:
         """`name` is relative to the HF module (e.g. 'in_proj_qkvz.weight'); returns the keys it filled. Projection
         weights may be dense tensors or packed quantized ones (quantized_linear.PackedWeight): both are cut into the
-        merged projection's shards by rows (split_rows)."""
-        kd, vd, nv = self.key_dim, self.value_dim, self.nv
+        merged projection's shards by rows (split_rows). Under tensor parallelism (dense weights only) each shard is
+        then cut to this rank's heads (_local)."""
+        nk, nv, dk, dv = self.full_nk, self.full_nv, self.dk, self.dv
+        kd, vd = nk * dk, nv * dv
         if name == "in_proj_qkv.weight":
             rows = torch.arange(2 * kd + vd).split([kd, kd, vd])
             for i, part in enumerate(split_rows(tensor, list(rows))):
-                self.in_proj.load_weight(part, i)
+                self.in_proj.load_weight(self._local(part, i), i)
             return [f"{prefix}in_proj#{i}" for i in range(3)]
         shard = {"in_proj_z.weight": 3, "in_proj_b.weight": 4, "in_proj_a.weight": 5}.get(name)
         if shard is not None:
-            self.in_proj.load_weight(tensor, shard)
+            self.in_proj.load_weight(self._local(tensor, shard), shard)
             return [f"{prefix}in_proj#{shard}"]
         if name == "in_proj_qkvz.weight":  # per key head g: [q_g k_g v_g z_g]
-            r = nv // self.nk
-            grouped = torch.arange(self.nk * (2 * self.dk + 2 * r * self.dv)).reshape(self.nk, -1)
-            parts = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
+            r = nv // nk
+            grouped = torch.arange(nk * (2 * dk + 2 * r * dv)).reshape(nk, -1)
+            parts = grouped.split([dk, dk, r * dv, r * dv], dim=1)
             for i, part in enumerate(split_rows(tensor, [p.reshape(-1) for p in parts])):
-                self.in_proj.load_weight(part, i)
+                self.in_proj.load_weight(self._local(part, i), i)
             return [f"{prefix}in_proj#{i}" for i in range(4)]
         if name == "in_proj_ba.weight":  # per key head g: [b_g a_g]
-            r = nv // self.nk
-            b, a = torch.arange(2 * nv).reshape(self.nk, 2 * r).split([r, r], dim=1)
+            r = nv // nk
+            b, a = torch.arange(2 * nv).reshape(nk, 2 * r).split([r, r], dim=1)
             b, a = split_rows(tensor, [b.reshape(-1), a.reshape(-1)])
-            self.in_proj.load_weight(b, 4)
-            self.in_proj.load_weight(a, 5)
+            self.in_proj.load_weight(self._local(b, 4), 4)
+            self.in_proj.load_weight(self._local(a, 5), 5)
             return [f"{prefix}in_proj#4", f"{prefix}in_proj#5"]
-        if name == "conv1d.weight":
-            self._copy(self.conv_weight, tensor.reshape(self.conv_dim, self.kernel), name)
+        if name == "conv1d.weight":  # channels [q | k | v], each following its heads
+            full = tensor.reshape(2 * kd + vd, self.kernel)
+            if self.tp is not None:
+                q, k, v = full.split([kd, kd, vd])
+                full = torch.cat([self._local(q, 0), self._local(k, 1), self._local(v, 2)])
+            self._copy(self.conv_weight, full, name)
             return [f"{prefix}conv_weight"]
         if name == "conv1d.bias":
             raise ValueError("GDN conv1d with a bias is not supported (Qwen hybrids have none)")
-        if name in ("A_log", "dt_bias"):
-            self._copy(getattr(self, name), tensor, name)
+        if name in ("A_log", "dt_bias"):  # one per value head
+            self._copy(getattr(self, name), self._local(tensor, 4), name)
             return [f"{prefix}{name}"]
-        if name == "norm.weight":
+        if name == "norm.weight":  # one weight of Dv shared by every head: whole on every rank
             self._copy(self.norm_weight, tensor, name)
             return [f"{prefix}norm_weight"]
-        if name == "out_proj.weight":
+        if name == "out_proj.weight":  # row-parallel: this rank's value heads' input columns
+            if self.tp is not None:
+                tensor = take_cols(tensor, self.v_start * dv, self.value_dim)
             self.out_proj.load_weight(tensor)
             return [f"{prefix}out_proj#0"]
         raise ValueError(f"unexpected GDN weight {name!r}")
+
+    def _local(self, part: Any, shard: int) -> Any:
+        """This rank's rows of in_proj shard `shard` (0 q, 1 k: key heads; 2 v, 3 z: value heads; 4 b, 5 a: one row
+        per value head) given the whole model's rows of that shard; the part itself without tensor parallelism."""
+        if self.tp is None:
+            return part
+        if shard < 2:
+            return take_rows(part, self.k_start * self.dk, self.key_dim)
+        if shard < 4:
+            return take_rows(part, self.v_start * self.dv, self.value_dim)
+        return take_rows(part, self.v_start, self.nv)
 
     @staticmethod
     def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
+from voltllm.distributed.sharding import HeadShard, even_split, take_cols, take_rows, vocab_rows
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.models.aux_hidden import AuxHiddenCapture
 from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
@@ -41,6 +42,7 @@ from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.quantized_linear import dense_tensor
 from voltllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 
 _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 
@@ -60,11 +62,15 @@ class GatedAttention(PagedAttention):
     triton_gate: Optional[bool] = None
 
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         num_heads = cfg.num_attention_heads
         super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
-        self.num_heads = num_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # this rank's heads (all of them without TP), as the llama family's attention; num_heads / num_kv_heads are
+        # the local counts. The caller sums o_proj's partial products over the ranks (HybridDecoderLayer).
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.heads = HeadShard.of(num_heads, cfg.num_key_value_heads, rank, size)
+        self.num_heads = self.heads.num_heads
+        self.num_kv_heads = self.heads.num_kv_heads
         bias = bool(getattr(cfg, "attention_bias", False))
         qg, kv = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [qg, kv, kv], bias=bias, dtype=dtype, method=linear_method)
@@ -94,24 +100,27 @@ class GatedAttention(PagedAttention):
 class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, kind: str, mixer_index: int, moe: bool, gdn_layout: str,
                  norm_topk: bool, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         super().__init__()
         self.kind = kind
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, gdn_layout, linear_method)
+            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, gdn_layout, linear_method, tp)
         elif kind == "full_attention":
-            self.self_attn = GatedAttention(cfg, mixer_index, dtype, rotary, linear_method)
+            self.self_attn = GatedAttention(cfg, mixer_index, dtype, rotary, linear_method, tp)
         else:
             raise ValueError(f"layer {idx}: unknown layer type {kind!r}")
+        if moe and tp is not None:
+            raise ValueError("tensor parallelism is built for dense hybrids (no sparse MoE layers)")
         if moe:  # kept quantized: the routed experts as quant_moe.QuantExperts, the shared expert's Linears as planes
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
                                  norm_topk, dtype, quantized_experts=linear_method is not None,
                                  linear_method=linear_method)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method, tp)
 
     def forward(self, positions, x, residual, ctx: ForwardContext, batch: HybridBatch | None):
         if residual is None:
@@ -123,6 +132,8 @@ class HybridDecoderLayer(nn.Module):
             x = self.linear_attn(x, batch)
         else:
             x = self.self_attn(positions, x, ctx)
+        if self.tp is not None:  # the ranks' heads' out_proj / o_proj partial products
+            x = self.tp.all_reduce_(x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -165,9 +176,17 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
         attn = layer.self_attn
         if sub in _ATTN_STACKED:
             shard = _ATTN_STACKED[sub]
+            if layer.tp is not None:  # this rank's heads' rows: q_proj holds [q_h | gate_h] per head (2 D rows)
+                d, h = attn.head_dim, attn.heads
+                tensor = (take_rows(tensor, h.q_start * 2 * d, h.num_heads * 2 * d) if shard == 0 else
+                          take_rows(tensor, h.kv_start * d, h.num_kv_heads * d))
             (attn.qkv_proj.load_weight if kind == "weight" else attn.qkv_proj.load_bias)(tensor, shard)
             return [p + f"self_attn.qkv_proj#{shard}"]
         if sub == "o_proj":
+            if layer.tp is not None:  # row-parallel: this rank's heads' input columns; the bias added by rank 0 only
+                d, h = attn.head_dim, attn.heads
+                tensor = (take_cols(tensor, h.q_start * d, h.num_heads * d) if kind == "weight" else
+                          tensor if layer.tp.rank == 0 else torch.zeros_like(tensor))
             (attn.o_proj.load_weight if kind == "weight" else attn.o_proj.load_bias)(tensor)
             return [p + "self_attn.o_proj#0"]
     elif rest.startswith("mlp."):
@@ -177,6 +196,10 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
         target = _MLP_STACKED.get(sub.removesuffix(".weight"))
         if target is None:
             raise ValueError(f"unexpected weight {name!r} for a dense MLP layer")
+        if layer.tp is not None:  # gate / up by intermediate rows, down by its input columns (as the llama family)
+            start, n = even_split(tensor.shape[1] if target[0] == "down_proj" else tensor.shape[0], layer.tp.rank,
+                                  layer.tp.size)
+            tensor = take_cols(tensor, start, n) if target[0] == "down_proj" else take_rows(tensor, start, n)
         getattr(layer.mlp, target[0]).load_weight(tensor, target[1])
         return [p + f"mlp.{target[0]}#{target[1]}"]
     Qwen3NextForCausalLM._copy_param(params, name, tensor)
@@ -185,16 +208,21 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
 
 class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         """linear_method: how the projections (attention, GDN, dense MLPs, shared experts, an untied LM head) hold
-        their weights, and with a quantized one the routed experts stay quantized too; None: dense."""
+        their weights, and with a quantized one the routed experts stay quantized too; None: dense. tp: this rank's
+        tensor-parallel group (None: the whole model on one device; dense qwen3_5 only, see the module docstring)."""
         super().__init__()
         cfg = text_config(config)
         self.config = cfg
         self.dtype = dtype
+        self.tp = tp
+        self.vocab_size = cfg.vocab_size
         mt = getattr(cfg, "model_type", "") or ""
         self.variant = ("qwen3_next" if mt.startswith("qwen3_next") else
                         "qwen3_5_moe" if mt.startswith("qwen3_5_moe") else "qwen3_5")
+        if tp is not None and (linear_method is not None or self.variant != "qwen3_5"):
+            raise ValueError("tensor parallelism is built for dense qwen3_5 hybrids (no quantized layers, no MoE)")
         gdn_layout = "qkvz" if self.variant == "qwen3_next" else "split"
         layer_types = list(getattr(cfg, "layer_types", None) or [
             "full_attention" if (i + 1) % getattr(cfg, "full_attention_interval", 4) == 0 else "linear_attention"
@@ -210,14 +238,15 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
             else:
                 mixer_index, n_attn = n_attn, n_attn + 1
             layers.append(HybridDecoderLayer(cfg, i, kind, mixer_index, self._is_moe(cfg, i), gdn_layout,
-                                             norm_topk, dtype, rotary, linear_method))
+                                             norm_topk, dtype, rotary, linear_method, tp))
         self.layers = nn.ModuleList(layers)
         self._num_attn, self._num_gdn = n_attn, n_gdn
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if tp is None else
+                             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
-                                                    method=linear_method)
+        head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
+        self.lm_head = None if self.tie else Linear(cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
         self.rotary = rotary
 
     def _is_moe(self, cfg: Any, i: int) -> bool:
@@ -267,7 +296,12 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         if not self.tie and self.lm_head.weight is None:  # a head held by a quantized LinearMethod
             return self.lm_head(hidden)
         w = self.embed_tokens.weight if self.tie else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)  # the model's dtype, as LlamaForCausalLM.compute_logits
+        logits = torch.nn.functional.linear(hidden, w)  # the model's dtype, as LlamaForCausalLM.compute_logits
+        if self.tp is None:
+            return logits
+        # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)
+        logits = self.tp.all_gather_last(logits)
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
 
     # -- weights ---------------------------------------------------------------------------------
     def _expected_keys(self) -> set[str]:
@@ -292,8 +326,15 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
             if name == "lm_head.weight":
                 lm_head_seen = True
                 if not self.tie:
+                    if self.tp is not None:  # this rank's vocabulary rows
+                        rows = vocab_rows(self.vocab_size, self.tp.size)
+                        tensor = take_rows(tensor, self.tp.rank * rows, rows)
                     self.lm_head.load_weight(tensor)
                     loaded.add("lm_head#0")
+                continue
+            if name == "embed_tokens.weight" and isinstance(self.embed_tokens, VocabParallelEmbedding):
+                self.embed_tokens.load(dense_tensor(tensor))
+                loaded.add(name)
                 continue
             if not name.startswith("layers."):
                 self._copy_param(params, name, tensor)

@@ -34,14 +34,14 @@ def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_m
                 tp: Any = None) -> torch.nn.Module:
     """linear_method: a LinearMethod for the projections (quantized weights kept quantized,
     supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (dense llama-family models
-    only: voltllm.distributed.support)."""
+    and dense hybrids only: voltllm.distributed.support)."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
     if tp is not None:
-        if _MODELS[arch] is not LlamaForCausalLM:
+        if _MODELS[arch] not in (LlamaForCausalLM, Qwen3_5ForCausalLM):
             raise ValueError(f"tensor parallelism is not built for model type {arch!r}")
-        return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method, tp)
+        return _MODELS[arch](hf_config, dtype, max_positions, linear_method, tp=tp)
     if linear_method is not None:
         return _MODELS[arch](hf_config, dtype, max_positions, linear_method)
     return _MODELS[arch](hf_config, dtype, max_positions)
