@@ -25,11 +25,19 @@ def _inputs(prompts):
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    # untied head (vocabulary rows split), attention_bias off as in the real checkpoints
-    path = make_tiny_hybrid(str(tmp_path_factory.mktemp("qwen3_5")), "qwen3_5", seed=0, gen_seed=1,
-                            tie_word_embeddings=False)
+CASES = {
+    # untied head (vocabulary rows split evenly), 2 KV heads: one per rank
+    "untied": dict(tie_word_embeddings=False),
+    # tied head over a vocabulary that does not divide by 2 (the last rank's shard zero-padded), one KV head:
+    # replicated on both ranks
+    "tied-kv1": dict(tie_word_embeddings=True, vocab_size=HYBRID_VOCAB + 1, num_key_value_heads=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def engines(request, tmp_path_factory):
+    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(request.param)), "qwen3_5", seed=0, gen_seed=1,
+                            **CASES[request.param])
     if path is None:
         pytest.skip("this transformers has no Qwen3_5TextConfig")
     one = LLM(path, **ENGINE)
@@ -39,11 +47,12 @@ def engines(tmp_path_factory):
 
 
 def _prompt_logprobs(llm):
-    outs = llm.generate(_inputs(PROMPTS), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=HYBRID_VOCAB))
+    vocab = llm.config.model.hf_config.vocab_size
+    outs = llm.generate(_inputs(PROMPTS), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=vocab))
     rows = []
     for out in outs:
         for pos in out.prompt_logprobs[1:]:
-            row = torch.full((HYBRID_VOCAB,), float("nan"), dtype=torch.float64)
+            row = torch.full((vocab,), float("nan"), dtype=torch.float64)
             for tid, lp in pos.items():
                 row[tid] = lp.logprob
             rows.append(row)
@@ -80,7 +89,10 @@ def test_each_rank_holds_half_the_heads(engines):
     r1, r2 = one.engine.runner, two.engine.runner
     assert r2.state_cache.ssm_shape[0] * 2 == r1.state_cache.ssm_shape[0]  # value heads of the recurrent state
     assert r2.state_cache.conv_shape[1] * 2 == r1.state_cache.conv_shape[1]  # conv channels (q, k, v heads)
-    assert r2.kv_caches[0].shape[-2] * 2 == r1.kv_caches[0].shape[-2]  # KV heads of the full-attention layers
+    # KV heads of the full-attention layers: halved, or the one KV head replicated
+    assert r2.kv_caches[0].shape[-2] == max(1, r1.kv_caches[0].shape[-2] // 2)
+    attn = [next(m for m in r.model.modules() if type(m).__name__ == "GatedAttention") for r in (r1, r2)]
+    assert attn[1].num_heads * 2 == attn[0].num_heads
     g1 = next(m for m in r1.model.modules() if type(m).__name__ == "GatedDeltaNet")
     g2 = next(m for m in r2.model.modules() if type(m).__name__ == "GatedDeltaNet")
     assert (g2.nk * 2, g2.nv * 2) == (g1.nk, g1.nv)

@@ -61,8 +61,44 @@ def test_support_rules():
     cpu = torch.device("cpu")
     assert tensor_parallel_error(1, _cfg(model_type="qwen3_next"), cpu, None, "quantized") is None  # tp 1: all
     assert tensor_parallel_error(4, _cfg(), cpu, None, "dequantized") is None  # 2 KV heads replicated twice
-    assert "hybrid" in tensor_parallel_error(2, _cfg(model_type="qwen3_5"), cpu, None, "dequantized")
     assert "kept quantized" in tensor_parallel_error(2, _cfg(), cpu, None, "quantized")
+
+
+# a Qwen3.5-27B-shaped dense hybrid: 24 q / 4 KV heads, GDN 16 key / 48 value heads
+QWEN35 = dict(model_type="qwen3_5_text", num_attention_heads=24, num_key_value_heads=4, intermediate_size=17408,
+              linear_num_key_heads=16, linear_num_value_heads=48)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_dense_hybrid_accepted(tp):
+    assert tensor_parallel_error(tp, _cfg(**QWEN35), torch.device("cpu"), None, "dequantized") is None
+
+
+def test_multimodal_dense_hybrid_reads_its_text_config():
+    outer = SimpleNamespace(model_type="qwen3_5", text_config=_cfg(**QWEN35))
+    assert tensor_parallel_error(4, outer, torch.device("cpu"), None, "dequantized") is None
+    outer = SimpleNamespace(model_type="qwen3_5", text_config=_cfg(**{**QWEN35, "linear_num_key_heads": 6,
+                                                                      "linear_num_value_heads": 18}))
+    assert "6 Gated DeltaNet key heads do not divide by 4" in tensor_parallel_error(
+        4, outer, torch.device("cpu"), None, "dequantized")
+
+
+@pytest.mark.parametrize("tp,overrides,words", [
+    (3, {}, "16 Gated DeltaNet key heads do not divide by 3"),
+    (4, {"linear_num_key_heads": 2, "linear_num_value_heads": 8}, "2 Gated DeltaNet key heads do not divide by 4"),
+    (16, {}, "24 attention heads do not divide by 16"),
+    (2, {"intermediate_size": 17407}, "intermediate size 17407"),
+    (2, {"num_experts": 8}, "hybrid + MoE"),
+])
+def test_dense_hybrid_refusals(tp, overrides, words):
+    err = tensor_parallel_error(tp, _cfg(**{**QWEN35, **overrides}), torch.device("cpu"), None, "dequantized")
+    assert err is not None and words in err and "\n" not in err and err.startswith(f"--tensor-parallel-size {tp}")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
+def test_moe_hybrids_refused(kind):
+    err = tensor_parallel_error(2, _cfg(**{**QWEN35, "model_type": kind}), torch.device("cpu"), None, "dequantized")
+    assert f"not {kind!r} (hybrid + MoE is not supported under tensor parallelism)" in err and "\n" not in err
 
 
 def test_more_ranks_than_gpus_refused(monkeypatch):
