@@ -16,6 +16,12 @@ module, qwen3_next_mtp.py, reads those for MTP speculation).
 Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`): the attention, GDN, dense-MLP,
 shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts (docs/hybrid.md).
 
+Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup; dense qwen3_5 only, voltllm.distributed.support):
+every rank builds its shard's shapes and the loaders slice the checkpoint's tensors: gated attention by heads (q_proj's
+[q | gate] rows per head kept together) and MLP as the llama family, each GDN layer by key / value heads (gdn.py),
+the embedding and LM head by vocabulary rows; the mixer's o_proj / out_proj partial products are summed in
+HybridDecoderLayer, the MLP's in llama.MLP. Each rank's StateCache holds its own heads (state_spec is local).
+
 DFlash speculation reads the residual stream after chosen layers (`set_aux_hidden`, models/aux_hidden.py, shared with
 the llama family).
 
