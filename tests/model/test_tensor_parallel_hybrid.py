@@ -97,3 +97,20 @@ def test_each_rank_holds_half_the_heads(engines):
     g2 = next(m for m in r2.model.modules() if type(m).__name__ == "GatedDeltaNet")
     assert (g2.nk * 2, g2.nv * 2) == (g1.nk, g1.nv)
     assert r2.state_snapshots.store.ssm_shape == r2.state_cache.ssm_shape
+
+
+def test_quantized_checkpoint_dequantized_at_load(tmp_path):
+    """An AWQ qwen3_5 checkpoint under TP: dequantized at load (kept-quantized planes are refused), then sharded."""
+    from quant_checkpoints import quantized_hybrid
+
+    path = quantized_hybrid(str(tmp_path), "qwen3_5", dict(method="awq"))
+    if path is None:
+        pytest.skip("this transformers has no Qwen3_5TextConfig")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(_inputs(PROMPTS), params)]
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert two.config.model.quantized_weights == "dequantized"
+        assert [o.outputs[0].token_ids for o in two.generate(_inputs(PROMPTS), params)] == expected
+    finally:
+        two.engine.shutdown()
