@@ -114,3 +114,27 @@ def test_quantized_checkpoint_dequantized_at_load(tmp_path):
         assert [o.outputs[0].token_ids for o in two.generate(_inputs(PROMPTS), params)] == expected
     finally:
         two.engine.shutdown()
+
+
+def test_decode_graph_path_on_every_rank(engines, monkeypatch, tmp_path):
+    """The decode CUDA-graph path on both ranks (stood in for on the CPU by eager replays on the same buffers,
+    tests/tp_eager_graphs.py): rank 0 uploads its slots for the replay, the worker fills its own slot buffer from the
+    step, and both keep the states and snapshots as the eager engine does."""
+    import sys
+
+    import tp_eager_graphs
+
+    one, _ = engines
+    tp_eager_graphs.worker_env(monkeypatch, tmp_path, sys.path)
+    monkeypatch.setattr("voltllm.worker.runner.ModelRunner.capture_cuda_graphs", tp_eager_graphs._capture)
+    path = one.config.model.model
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in one.generate(_inputs(PROMPTS), params)]
+        for _ in range(2):  # the second round resumes from snapshots
+            assert [o.outputs[0].token_ids for o in two.generate(_inputs(PROMPTS), params)] == expected
+        assert two.engine.runner.graphs.replays > 0 and two.engine.runner.state_snapshots.num_restored > 0
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
