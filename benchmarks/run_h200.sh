@@ -143,7 +143,8 @@
 #   s88b     (qhybrid branch, queued) a qwen3.5-35b-a3b-shape AWQ checkpoint of random words (about 19 GB) kept
 #            quantized: decode b1 and 16 concurrent
 #   s83tp    (tp branch, queued; kind nvidia-h200-x2) tensor parallelism: tests/gpu/test_tensor_parallel_gpu.py (tp=2 vs
-#            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported), then the 8B shape's decode at
+#            tp=1, decode CUDA graphs with NCCL all-reduces, a killed worker reported; a tiny dense qwen3_5 hybrid fp32
+#            with graphs + state snapshots and bf16, tp-hybrid branch), then the 8B shape's decode at
 #            -tp 2: batch 1 and 64 concurrent; batch 1 at -tp 1 beside it while time remains
 #   s92df    (dflash branch, queued) DFlash speculation: tests/gpu/test_dflash_cuda.py (fp32 greedy = plain decoding
 #            native / compat, drafter logits = the float64 reference on the GPU, an always-agreeing drafter accepted,
@@ -1250,7 +1251,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s83tp)  # (tp branch, queued, not run yet) on the 2-GPU machine (kind nvidia-h200-x2): the TP GPU test, then 8B-shape
           # decode with -tp 2 (rank 1 on the second GPU). Random weights: speed depends on shapes only
     t0=$SECONDS
-    gpu_file test_tensor_parallel_gpu 240
+    gpu_file test_tensor_parallel_gpu 480  # (the hybrid cases compile the GDN kernels on both ranks)
     bench --random-weights qwen3-8b-shape --dtype half -tp 2 --scenario decode --input-len 512 --output-len 256 \
       --num-warm 2 --name qwen3-8b-shape-fp16-tp2-decode-b1-$sha
     if (( SECONDS - t0 < 420 )); then
