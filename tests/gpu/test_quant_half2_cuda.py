@@ -114,7 +114,7 @@ def test_tuner_chooses_among_both_forms():
 def test_pdl_chain_in_a_graph():
     """With PDL on (sm_90+), a chain of both tilings' launches captured in a CUDA graph, each reading the previous
     one's output, equals the chain run kernel by kernel: every launch waits for its predecessor's writes."""
-    from voltllm.kernels import pdl
+    from gpu_timing import replay_with_pdl
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90+")
@@ -134,17 +134,6 @@ def test_pdl_chain_in_a_graph():
                 form(x, p, out=o, config=cfg)
         run()
         expected = [o.clone() for o in outs]
-        try:
-            pdl.configure(True)
-            run()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            for o in outs:
-                o.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-        finally:
-            pdl.configure(False)
+        replay_with_pdl(run, outs)
         for i, (o, e) in enumerate(zip(outs, expected)):
             assert torch.equal(o, e), f"m={m} link {i}: {_rel(o, e):.2e} seed {seed}"
