@@ -183,9 +183,16 @@
 #            structured-output and engine GPU files
 #   s103     (session 28) DFlash on hybrid targets (test_hybrid_spec_cuda -k dflash, the shared block-logit check of
 #            test_dflash_cuda), then 8B-shape AWQ decode b1 with the tuner's final candidate lists
-#   s104     (next session) the second tiling with its loads pipelined through shared memory (STAGES 2-4) against
-#            the register form at one row (sweep --only), then its GPU tests; if a staged tile wins, add it to
-#            quant_tuning.HALF2_CANDIDATES[1] and measure the 8B AWQ / NVFP4 b1 again (s103's bench lines)
+#   s104     (next session) the second tiling with its loads pipelined through shared memory (STAGES 2-4) and the
+#            tensor-core form (kernels/quant_mma.py, 1-8 rows per weight read) against the register forms at 1 / 4 / 8
+#            rows (sweep --only), then the GPU tests (both new forms' correctness); a winner goes into
+#            quant_tuning's candidates (the mma form: a new row class up to 8), then the 8B AWQ / NVFP4 b1 (s103's lines)
+#   s105     (next session) benchmarks/micro/dflash_round.py at the headline shape: the qwen3.5-27b shape's plain step
+#            vs its DFlash round (K = 15, batch 1 then 4; a random-weight 5-layer drafter at the public 27B drafter's
+#            layout: 32 q / 8 kv heads of 128, reading target layers 1, 16, 31, 46, 61) and projected tok/s. Batch 1
+#            keeps the verification's walks graph and the drafter's block graph (--max-num-seqs 16, ~37 GiB of
+#            recurrent states); batch 4 is capped at --max-num-seqs 17 by --state-gib 40 (64 rows would need ~147 GiB
+#            of states), so its rounds run eagerly (the row records --max-num-seqs and the graph replays)
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1354,11 +1361,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           --output-len 128 --name qwen3-8b-shape-awq-g128-decode-b1-$sha | tail -7
     fi
     ;;
-  s104)  # (next session) second tiling: loads pipelined through shared memory vs registers, one row
+  s104)  # (next session) second tiling: loads pipelined through shared memory vs registers; the tensor-core form
     t0=$SECONDS
-    timeout 200 python3 benchmarks/micro/quant_half2_sweep.py --kinds AWQ_G128,NVFP4 --rows 1 \
-      --only 8,4,15,16,17,18,19,20 --out "$out/quant-half2-stages-$sha.json" 2>&1 | grep -v -i "warn" | tail -18
-    gpu_file test_quant_half2_cuda $(( 420 - (SECONDS - t0) ))
+    timeout 300 python3 benchmarks/micro/quant_half2_sweep.py --kinds AWQ_G128,NVFP4 --rows 1,4,8 \
+      --only 0,1,8,4,15,16,17,18,21,22,23,24,25,26 --out "$out/quant-half2-stages-mma-$sha.json" 2>&1 \
+      | grep -v -i "warn" | tail -28
+    gpu_file test_quant_half2_cuda $(( 560 - (SECONDS - t0) ))
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -29,3 +29,22 @@ def graph_time_us(fn, reps: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1000 / reps)
     return sorted(times)[len(times) // 2]
+
+
+def replay_with_pdl(run, outs) -> None:
+    """run() (a chain of kernel launches writing `outs`) with PDL on: once eagerly, then captured in a CUDA graph and
+    replayed onto NaN-poisoned `outs`, so each launch must see its predecessor's writes (kernels/pdl.py)."""
+    from voltllm.kernels import pdl
+
+    try:
+        pdl.configure(True)
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        pdl.configure(False)

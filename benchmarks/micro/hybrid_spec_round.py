@@ -61,8 +61,9 @@ def _measure(llm: LLM, prompts: list, output_len: int) -> tuple[dict, list]:
     return row, [o.outputs[0].token_ids for o in outs]
 
 
-def _free(llm: LLM) -> None:
-    del llm
+def _free() -> None:
+    """Give the GPU memory back after the caller's `del llm`: an engine is freed only once no name holds it, and the
+    next engine's weights and KV budget need its memory (a 27B-shape engine fills --gpu-memory-utilization)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -90,7 +91,8 @@ def main() -> int:
                        for i in range(b)]
             _measure(llm, prompts, args.output_len)  # warm-up: Triton compiles, first-use allocations
             plain, tokens = _measure(llm, prompts, args.output_len)
-            _free(llm)
+            del llm
+            _free()
             _ORACLE["table"] = {tuple(p["prompt_token_ids"]): list(p["prompt_token_ids"]) + list(t)
                                 for p, t in zip(prompts, tokens)}
             llm = _engine(target, spec, args.dtype, b, args.k)
@@ -101,8 +103,8 @@ def main() -> int:
             right, spec_tokens = _measure(llm, prompts, args.output_len)
             graphs = llm.engine.runner.verify_graphs
             right["verify_graph_replays"] = graphs.replays if graphs is not None else 0
-            del graphs
-            _free(llm)
+            del graphs, llm
+            _free()
             same = sum(x == y for s, r in zip(spec_tokens, tokens) for x, y in zip(s, r)) / max(
                 sum(len(s) for s in tokens), 1)
             proj = {f"{a:.1f}": round(b * (1 - a ** (args.k + 1)) / (1 - a) / (wrong["step_ms"] / 1e3), 1)

@@ -61,7 +61,8 @@ def main() -> int:
                    for i in range(b)]
         _measure(llm, prompts, args.output_len)  # warm-up
         plain, tokens = _measure(llm, prompts, args.output_len)
-        _free(llm)
+        del llm
+        _free()
         table = {tuple(p["prompt_token_ids"]): list(p["prompt_token_ids"]) + list(t) for p, t in zip(prompts, tokens)}
         print(f"batch {b}: {args.target} plain {plain['step_ms']:.2f} ms/step ({plain['tok_s']:.1f} tok/s)")
         result["plain"] = plain
@@ -72,7 +73,8 @@ def main() -> int:
             own, _ = _measure(llm, prompts, args.output_len)
             _ORACLE["table"] = table
             right, spec_tokens = _measure(llm, prompts, args.output_len)
-            _free(llm)
+            del llm
+            _free()
             same = sum(x == y for s, r in zip(spec_tokens, tokens) for x, y in zip(s, r)) / max(
                 sum(len(s) for s in tokens), 1)
             proj = {f"{a:.2f}": round(b * (1 - a ** (k + 1)) / (1 - a) / (own["step_ms"] / 1e3), 1)

@@ -1,9 +1,10 @@
 """The packed-fp16 4-bit decode GEMV (voltllm.kernels.quant_half2, both tilings: "h2" = half2_matmul, "rows" =
-half2_rows_matmul) against the fp32 dequant-GEMM (quant_gemv.quant_matmul) at 1-4 rows: correctness against the
-dequantized weight, then times over the qwen3-8b
-projection shapes and tile candidates, L2 cold (CUDA-graph replays over rotated copies). GPU only.
+half2_rows_matmul) and the tensor-core form ("mma" = quant_mma.quant_mma_matmul, sm_80+) against the fp32
+dequant-GEMM (quant_gemv.quant_matmul) at 1-8 rows: correctness against the dequantized weight, then times over the
+qwen3-8b projection shapes and tile candidates, L2 cold (CUDA-graph replays over rotated copies). GPU only.
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/quant_half2_sweep.py [--kinds AWQ_G128,NVFP4] [--out FILE.json]
+    PYTHONPATH=$PWD python3 benchmarks/micro/quant_half2_sweep.py [--kinds AWQ_G128,NVFP4] [--rows 1,4,8]
+        [--only I,J,...] [--out FILE.json]
 
 Kinds: AWQ_G128 (int4, zero points), GPTQ_G128 (int4, zero 8), Q4_0 (random GGUF blocks), NVFP4 (random E2M1
 codes, E4M3 scales 0.5-4, global 0.002). The last lines are a table: us per call, GB/s of planes read.
@@ -15,6 +16,7 @@ import torch
 
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul
 from voltllm.kernels.quant_half2 import fits, half2_matmul, half2_rows_matmul
+from voltllm.kernels.quant_mma import quant_mma_matmul
 from voltllm.model.layers.gguf_planes import (NVFP4_KIND, Unpacked, int4_kind, map_planes, planes_from_blocks,
                                               random_blocks, to_planes)
 from voltllm.worker.skinny_tuning import graph_replay_ms
@@ -29,7 +31,10 @@ CONFIGS = [(half2_matmul, (2, 64, 4)), (half2_matmul, (2, 32, 2)), (half2_matmul
            (half2_rows_matmul, (1, 64, 1)), (half2_rows_matmul, (1, 128, 1)), (half2_rows_matmul, (2, 256, 2)),
            # (BLOCK_N, U, num_warps, stages): the loop's loads pipelined through shared memory (session 28)
            (half2_rows_matmul, (2, 32, 1, 2)), (half2_rows_matmul, (2, 32, 1, 3)), (half2_rows_matmul, (2, 32, 1, 4)),
-           (half2_rows_matmul, (2, 64, 2, 3)), (half2_rows_matmul, (2, 128, 2, 3)), (half2_rows_matmul, (2, 64, 1, 3))]
+           (half2_rows_matmul, (2, 64, 2, 3)), (half2_rows_matmul, (2, 128, 2, 3)), (half2_rows_matmul, (2, 64, 1, 3)),
+           # (KU, num_warps[, stages]): the tensor-core form (kernels/quant_mma.py, sm_80+; 1-8 rows per weight read)
+           (quant_mma_matmul, (4, 4)), (quant_mma_matmul, (8, 4)), (quant_mma_matmul, (2, 2)),
+           (quant_mma_matmul, (4, 2)), (quant_mma_matmul, (1, 1)), (quant_mma_matmul, (4, 4, 3))]
 
 
 def random_planes(kind: str, n: int, k: int, g: torch.Generator):
@@ -56,7 +61,7 @@ def rel(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="AWQ_G128,NVFP4,GPTQ_G128,Q4_0")
-    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--rows", default="1,4")  # (the tensor-core form takes up to 8 rows per weight read: try 8 too)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="time only these CONFIGS indices (comma-separated)")
     args = ap.parse_args()
@@ -74,7 +79,7 @@ def main():
             for m in (1, 2, 3, 4, 5, 7):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.float() @ w.T + bias.float()
-                for form, cfg in CONFIGS[:1] + CONFIGS[3:5] + CONFIGS[9:11] + CONFIGS[16:17]:
+                for form, cfg in CONFIGS[:1] + CONFIGS[3:5] + CONFIGS[9:11] + CONFIGS[16:17] + CONFIGS[21:23]:
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                     form(x, p, bias, out=out, config=cfg)
                     old = quant_matmul(x, p, bias)
@@ -102,7 +107,7 @@ def main():
                 old_us = graph_replay_ms(lambda p: quant_matmul(x, p), rot, reps=20) * 1e3
                 timed = []
                 for form, cfg in timed_configs:
-                    tag = ("rows" if form is half2_rows_matmul else "h2", *cfg)
+                    tag = ({half2_rows_matmul: "rows", quant_mma_matmul: "mma"}.get(form, "h2"), *cfg)
                     try:
                         timed.append((graph_replay_ms(lambda p: form(x, p, config=cfg), rot, reps=20) * 1e3, tag))
                     except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is reported
@@ -112,18 +117,20 @@ def main():
                 gbs = first.nbytes / best_us / 1e3
                 h2_us = min((t for t, c in timed if c[0] == "h2"), default=float("nan"))
                 rows_us = min((t for t, c in timed if c[0] == "rows"), default=float("nan"))
+                mma_us = min((t for t, c in timed if c[0] == "mma"), default=float("nan"))
                 row = {"kind": kind, "n": n, "k": k, "m": m, "old_us": old_us, "new_us": best_us, "best": best,
-                       "h2_us": h2_us, "rows_us": rows_us,
+                       "h2_us": h2_us, "rows_us": rows_us, "mma_us": mma_us,
                        "new_GBps": gbs, "old_GBps": first.nbytes / old_us / 1e3,
                        "all": [(t, c) for t, c in timed]}
                 results["time"].append(row)
                 table.append(row)
                 print(f"  {kind} {n}x{k} m{m}: " + ", ".join(f"{c}:{t:.1f}" for t, c in timed[:4]), flush=True)
-    print(f"{'kind':>10} {'shape':>12} m  {'fp32 us':>8} {'h2 us':>7} {'rows us':>7}  speedup  GB/s (fp32 -> best)"
-          "  tile")
+    print(f"{'kind':>10} {'shape':>12} m  {'fp32 us':>8} {'h2 us':>7} {'rows us':>7} {'mma us':>7}  speedup  "
+          "GB/s (fp32 -> best)  tile")
     for r in table:
         print(f"{r['kind']:>10} {r['n']:>5}x{r['k']:<6} {r['m']}  {r['old_us']:8.1f} {r['h2_us']:7.1f} "
-              f"{r['rows_us']:7.1f}  {r['old_us'] / r['new_us']:6.2f}x  {r['old_GBps']:6.0f} -> {r['new_GBps']:6.0f}"
+              f"{r['rows_us']:7.1f} {r['mma_us']:7.1f}  {r['old_us'] / r['new_us']:6.2f}x"
+              f"  {r['old_GBps']:6.0f} -> {r['new_GBps']:6.0f}"
               f"  {r['best']}")
     if args.out:
         with open(args.out, "w") as f:

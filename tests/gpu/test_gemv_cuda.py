@@ -168,7 +168,7 @@ def test_pdl_prefetch_chain_in_graph(prefetch_k):
     each GEMM reads the previous one's output, replayed from a CUDA graph, equals the fp32 reference chain;
     shapes with masked edges and K shorter than the prefetch (clamped addresses); the decode-batch GEMM with
     pointer and with TMA loads. Outputs poisoned first."""
-    from voltllm.kernels import pdl
+    from gpu_timing import replay_with_pdl
     from voltllm.kernels.batch_gemm import TMA_CONFIGS, batch_gemm
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -183,19 +183,7 @@ def test_pdl_prefetch_chain_in_graph(prefetch_k):
                                                          prefetch_k=prefetch_k))):
         x0 = torch.randn(rows, dims[0], dtype=torch.float16, device="cuda", generator=g)
         outs = [torch.empty(rows, n, dtype=torch.float16, device="cuda") for n in dims[1:]]
-        try:
-            pdl.configure(True)
-            run = lambda: [gemm(x, w, o) for x, w, o in zip([x0] + outs[:-1], ws, outs)]  # noqa: E731
-            run()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            for o in outs:
-                o.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-        finally:
-            pdl.configure(False)
+        replay_with_pdl(lambda: [gemm(x, w, o) for x, w, o in zip([x0] + outs[:-1], ws, outs)], outs)
         ref = x0.float()
         for w, o in zip(ws, outs):
             ref = (ref @ w.float().t()).half().float()

@@ -114,7 +114,7 @@ def test_tuner_chooses_among_both_forms():
 def test_pdl_chain_in_a_graph():
     """With PDL on (sm_90+), a chain of both tilings' launches captured in a CUDA graph, each reading the previous
     one's output, equals the chain run kernel by kernel: every launch waits for its predecessor's writes."""
-    from voltllm.kernels import pdl
+    from gpu_timing import replay_with_pdl
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90+")
@@ -134,17 +134,32 @@ def test_pdl_chain_in_a_graph():
                 form(x, p, out=o, config=cfg)
         run()
         expected = [o.clone() for o in outs]
-        try:
-            pdl.configure(True)
-            run()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            for o in outs:
-                o.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-        finally:
-            pdl.configure(False)
+        replay_with_pdl(run, outs)
         for i, (o, e) in enumerate(zip(outs, expected)):
             assert torch.equal(o, e), f"m={m} link {i}: {_rel(o, e):.2e} seed {seed}"
+
+
+@pytest.mark.parametrize("kind", ["AWQ_G128", "GPTQ_G32", "Q4_0", "NVFP4"])
+@pytest.mark.parametrize("n,k", [(1000, 1536), (4096, 4096), (513, 12288)])
+def test_tensor_core_form_matches_dequantized(kind, n, k):
+    """kernels/quant_mma.py (sm_80+): 1-8 activation rows per program as the mma's B columns, more in further
+    programs; odd N (rows past it repeat the last, stores masked), bias, a poisoned column slice of a wider output,
+    each config (KU / warps / pipelined stages)."""
+    from voltllm.kernels.quant_mma import quant_mma_matmul, supported_device
+
+    if not supported_device(torch.device("cuda")):
+        pytest.skip("mma.m16n8k16 needs sm_80+")
+    seed = random.SystemRandom().randrange(1 << 30)
+    p = _planes(kind, n, k, torch.Generator().manual_seed(seed))
+    w = dequantize(p, torch.float32)
+    bias = torch.randn(n, dtype=torch.float16, device="cuda")
+    for m in (1, 2, 3, 5, 8, 9, 13):
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        for config in ((4, 4), (1, 1), (8, 4), (4, 2, 3)):
+            wide = torch.full((m, n + 40), float("nan"), dtype=torch.float16, device="cuda")
+            out = wide[:, 24:24 + n]
+            quant_mma_matmul(x, p, bias if m % 2 else None, out=out, config=config)
+            ref = x.float() @ w.T + (bias.float() if m % 2 else 0)
+            err = _rel(out, ref)
+            assert err < 2e-3 and not out.isnan().any(), f"{kind} {n}x{k} m={m} {config}: {err:.2e} seed {seed}"
+            assert wide[:, :24].isnan().all() and wide[:, 24 + n:].isnan().all()

@@ -48,8 +48,13 @@ own measured rate: 0.68 TB/s of codes at batch 1 (attn-decode-fma-fp8-6bd4389.tx
 assumed the same). The 27B's d256 group-8 tile is unmeasured: the 8B's rate, or its roofline where that is slower.
 
 Not modelled: tensor-parallel all-reduces (2 per layer; each 10 us adds 10 us x 2 x layers per step),
-activations (a few MB per step), the host side, speculative decoding (n-gram and draft models are built),
-NVFP4 (not built: "4-bit" means linear-weight bytes / 4 with the lm_head kept fp16, scales not counted).
+activations (a few MB per step), the host side, the drafting side of speculative decoding (n-gram, draft-model,
+DFlash and MTP speculation are built; only the verify forward is modelled, decode_step's rows > 1).
+4-bit weights (NVFP4, AWQ and GPTQ checkpoints are built and can stay quantized: docs/models.md): the "4-bit" rows
+take the layers' Linear weights at 4 bits each (fp16 bytes / 4), the lm_head and the small parameters at fp16, and
+no scales (voltllm's NVFP4 planes take 4.625 bits per weight, int4 at group 128 4.19); their "current kernels"
+figure divides that GEMV time by the fp16 decode efficiency of the calibration runs, so no measured 4-bit kernel
+rate enters the projection.
 """
 from __future__ import annotations
 
@@ -444,8 +449,8 @@ def format_projection(p: dict) -> str:
         lines.append(f"{r['context']:<7} {r['kv']:<9} {r['roofline_tok_s']:>14.1f}  {r['current_tok_s']:>13.1f}")
     lines += ["", "qwen3-8b-shape fp16, one V100, one 8192-token prompt:"]
     for k, r in p["prefill_8b_8k"].items():
-        lines.append(f"  attention {k:<11} roofline {r['roofline_tok_s']:8.0f} tok/s, projected {r['projected_tok_s']:8.0f}"
-                     f" tok/s (TTFT {r['ttft_s']:.2f} s)")
+        lines.append(f"  attention {k:<11} roofline {r['roofline_tok_s']:8.0f} tok/s, projected "
+                     f"{r['projected_tok_s']:8.0f} tok/s (TTFT {r['ttft_s']:.2f} s)")
     a = p["attention_q8192_kv262144"]
     lines += ["", f"attention Q8192 x KV262144 (27B TP4 layout, one layer, one V100): seed {a['seed_ms']} ms "
               f"({a['seed_TFLOPs']:.0f} TFLOP/s); ours: bridge + SDPA at the calibrated tensor-core rate "
