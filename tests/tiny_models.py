@@ -82,6 +82,23 @@ def assert_prompt_logprobs_match(llm: Any, ref: Any, prompts: list, atol: float 
             assert torch.allclose(ours, ref_lp[pos - 1], atol=atol, rtol=atol), f"{prompt!r} position {pos}"
 
 
+def full_prompt_logprobs(llm: Any, prompts: list) -> torch.Tensor:
+    """The engine's prompt logprobs over the whole vocabulary, one float64 row per prompt position after the first
+    (all prompts, batched), for comparing two engines on the same model."""
+    from voltllm import SamplingParams
+
+    vocab = llm.config.model.hf_config.vocab_size
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=vocab))
+    rows = []
+    for out in outs:
+        for pos in out.prompt_logprobs[1:]:
+            row = torch.full((vocab,), float("nan"), dtype=torch.float64)
+            for tid, lp in pos.items():
+                row[tid] = lp.logprob
+            rows.append(row)
+    return torch.stack(rows)
+
+
 # --- tiny hybrid (Gated DeltaNet + attention) checkpoints -----------------------------------------------
 HYBRID_VOCAB = 192
 HYBRID_COMMON = dict(vocab_size=HYBRID_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tiny_models import make_model
+from tiny_models import full_prompt_logprobs, make_model
 from voltllm import LLM, SamplingParams
 from voltllm.distributed.executor import TPWorkerError
 
@@ -44,23 +44,10 @@ def engines(request, tmp_path_factory):
     two.engine.shutdown()
 
 
-def _prompt_logprobs(llm):
-    vocab = llm.config.model.hf_config.vocab_size
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=vocab))
-    rows = []
-    for out in outs:
-        for pos in out.prompt_logprobs[1:]:
-            row = torch.full((vocab,), float("nan"), dtype=torch.float64)
-            for tid, lp in pos.items():
-                row[tid] = lp.logprob
-            rows.append(row)
-    return torch.stack(rows)
-
-
 def test_logits_match_tp1(engines):
     """Full distributions at every prompt position (prompt logprobs over the whole vocabulary), batched."""
     one, two = engines
-    a, b = _prompt_logprobs(one), _prompt_logprobs(two)
+    a, b = full_prompt_logprobs(one, PROMPTS), full_prompt_logprobs(two, PROMPTS)
     assert not a.isnan().any() and not b.isnan().any()
     assert torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
 

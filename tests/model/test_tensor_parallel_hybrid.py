@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tiny_models import HYBRID_VOCAB, make_tiny_hybrid
+from tiny_models import HYBRID_VOCAB, full_prompt_logprobs, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 
 _rng = random.Random(3)
@@ -46,23 +46,10 @@ def engines(request, tmp_path_factory):
     two.engine.shutdown()
 
 
-def _prompt_logprobs(llm):
-    vocab = llm.config.model.hf_config.vocab_size
-    outs = llm.generate(_inputs(PROMPTS), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=vocab))
-    rows = []
-    for out in outs:
-        for pos in out.prompt_logprobs[1:]:
-            row = torch.full((vocab,), float("nan"), dtype=torch.float64)
-            for tid, lp in pos.items():
-                row[tid] = lp.logprob
-            rows.append(row)
-    return torch.stack(rows)
-
-
 def test_logits_match_tp1(engines):
     """Full distributions at every prompt position, batched, chunked prefill (each chunk resumes the state)."""
     one, two = engines
-    a, b = _prompt_logprobs(one), _prompt_logprobs(two)
+    a, b = full_prompt_logprobs(one, _inputs(PROMPTS)), full_prompt_logprobs(two, _inputs(PROMPTS))
     assert not a.isnan().any() and not b.isnan().any()
     assert torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
 
