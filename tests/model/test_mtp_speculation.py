@@ -14,7 +14,8 @@ import random
 
 import pytest
 
-from mtp_models import MTPReference, add_mtp_weights, check_against_reference, make_mtp_target, record_draft_logits
+from mtp_models import (MTPReference, add_mtp_weights, check_against_reference, make_mtp_target, record_draft_logits,
+                        record_drafts)
 from spec_oracle import PlainRuns, run_checked
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
@@ -259,35 +260,6 @@ def test_first_step_after_a_hit_drafts(qwen35, monkeypatch):
 
 
 # -- the CUDA-graph form of the MTP's own passes, on the CPU ------------------------------------------------
-def _record_drafts(monkeypatch) -> tuple[list, dict]:
-    """Every proposal's drafts [K, drafting requests] (on the host), and how many chained passes and passes over
-    the step took the graph form."""
-    from voltllm.worker.mtp_runner import MTPRunner
-
-    drafts: list = []
-    counts = {"chained": 0, "step": 0}
-    orig_propose, orig_pass, orig_step = MTPRunner.propose, MTPRunner._graph_pass, MTPRunner._step_graph_for
-
-    def propose(self, sched):
-        orig_propose(self, sched)
-        if self._drafts is not None:
-            drafts.append(self._drafts.cpu().tolist())
-
-    def graph_pass(self, *a):
-        counts["chained"] += 1
-        return orig_pass(self, *a)
-
-    def step_graph_for(self, n):
-        g = orig_step(self, n)
-        counts["step"] += g is not None
-        return g
-
-    monkeypatch.setattr(MTPRunner, "propose", propose)
-    monkeypatch.setattr(MTPRunner, "_graph_pass", graph_pass)
-    monkeypatch.setattr(MTPRunner, "_step_graph_for", step_graph_for)
-    return drafts, counts
-
-
 def _mtp_graph_form(llm, max_rows: int) -> None:
     """The target's graphs and the MTP's (stand-ins: padded decode rows up to max_rows, eager past them)."""
     from graph_stand_ins import PaddedDecodeGraphs
@@ -308,7 +280,7 @@ def test_mtp_graph_form_equals_eager(qwen35, monkeypatch, k, max_rows):
     runs = []
     for graphs in (False, True):
         with monkeypatch.context() as mp:
-            drafts, counts = _record_drafts(mp)
+            drafts, counts = record_drafts(mp)
             llm = LLM(path, speculative_config=_mtp(k), **{**BASE, **kw})
             if graphs:
                 _mtp_graph_form(llm, max_rows)
