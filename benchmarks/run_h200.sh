@@ -1288,7 +1288,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --out "$out/hybrid-spec-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
   s96mtp)  # (mtp branch, queued) MTP speculation: the GPU tests
-    gpu_file test_mtp_cuda 400
+    gpu_file test_mtp_cuda 560
     ;;
   s98)  # (session 27) packed-fp16 4-bit GEMV sweep, then the MTP GPU tests
     t0=$SECONDS
