@@ -165,7 +165,8 @@
 #            vs its n-gram verification round (K = 4, batch 1 then 4; oracle drafts, random weights) and projected tok/s
 #   s96mtp   (mtp branch, queued) MTP speculation: tests/gpu/test_mtp_cuda.py (fp32 draft logits = the float64 reference
 #            and greedy = plain with decode / walks graphs, 3 kinds native, qwen3_5 --compat sm70 and chunked; fp16 agreeing
-#            module; sampled)
+#            module; sampled; since the mtp-graphs branch also the MTP's own CUDA graphs == --enforce-eager, fp32 exact /
+#            fp16 agreeing: 6 more cases of two engines each, the 400 s may need raising)
 #   s96mtpb  (mtp branch, queued) benchmarks/micro/mtp_round.py: the qwen3.5-27b shape's plain step vs its MTP round at
 #            K = 1..3 (batch 1, random weights: drafts rejected; then oracle drafts) and projected tok/s
 #   s98      (session 27) the packed-fp16 4-bit decode GEMV (kernels/quant_half2.py): benchmarks/micro/quant_half2_sweep.py
@@ -1295,7 +1296,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --out "$out/hybrid-spec-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
   s96mtp)  # (mtp branch, queued) MTP speculation: the GPU tests
-    gpu_file test_mtp_cuda 400
+    gpu_file test_mtp_cuda 560
     ;;
   s98)  # (session 27) packed-fp16 4-bit GEMV sweep, then the MTP GPU tests
     t0=$SECONDS

@@ -1,6 +1,7 @@
-"""CPU stand-ins for the decode graphs a draft model or DFlash drafter replays on the GPU: what a replay computes,
-over the graph's padded rows read from the runner's input buffers (padding rows: no slot, position 0, one token of
-context), so the host side of the graph form (padding, buffer copies) is checked against the eager form."""
+"""CPU stand-ins for the decode graphs a draft model, DFlash drafter or MTP module (its graph_view) replays on the
+GPU: what a replay computes, over the graph's padded rows read from the runner's input buffers (padding rows: no slot,
+position 0, one token of context), so the host side of the graph form (padding, buffer copies) is checked against the
+eager form."""
 from __future__ import annotations
 
 

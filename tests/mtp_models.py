@@ -154,6 +154,35 @@ def record_draft_logits(monkeypatch: Any) -> list:
     return seen
 
 
+def record_drafts(monkeypatch: Any) -> tuple[list, dict]:
+    """Every proposal's drafts [K, drafting requests] (on the host), and how many chained passes and passes over
+    the step took the graph form."""
+    from voltllm.worker.mtp_runner import MTPRunner
+
+    drafts: list = []
+    counts = {"chained": 0, "step": 0}
+    orig_propose, orig_pass, orig_step = MTPRunner.propose, MTPRunner._graph_pass, MTPRunner._step_graph_for
+
+    def propose(self, sched):
+        orig_propose(self, sched)
+        if self._drafts is not None:
+            drafts.append(self._drafts.cpu().tolist())
+
+    def graph_pass(self, *a):
+        counts["chained"] += 1
+        return orig_pass(self, *a)
+
+    def step_graph_for(self, n):
+        g = orig_step(self, n)
+        counts["step"] += g is not None
+        return g
+
+    monkeypatch.setattr(MTPRunner, "propose", propose)
+    monkeypatch.setattr(MTPRunner, "_graph_pass", graph_pass)
+    monkeypatch.setattr(MTPRunner, "_step_graph_for", step_graph_for)
+    return drafts, counts
+
+
 def check_against_reference(ref: MTPReference, seen: list, fulls: dict, k: int, atol: float = 2e-4) -> int:
     """Each recorded proposal's logits against the reference (drafts: the recorded argmaxes); returns how many."""
     checked = 0

@@ -1,13 +1,15 @@
 """MTP speculation on the GPU (tiny random qwen3_5 / qwen3_next / qwen3_5_moe targets with random mtp.* weights,
 tests/mtp_models.py): with decode and verification-walks CUDA graphs, fp32 draft logits equal the float64 reference
 of the MTP math and greedy tokens equal plain decoding's (native and --compat sm70, chunked prompts beside
-verifications); fp16 with an agreeing module (zero LM head) accepts every draft; sampled requests repeat by seed."""
+verifications); fp16 with an agreeing module (zero LM head) accepts every draft; sampled requests repeat by seed.
+The MTP's own passes replay CUDA graphs (worker/mtp_runner.py): fp32 drafts and tokens equal --enforce-eager's exactly
+(K = 1..3, padded batches, requests joining and finishing mid-run), fp16 ones agree."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
+from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits, record_drafts
 from tiny_models import HYBRID_VOCAB
 
 pytestmark = pytest.mark.gpu
@@ -88,3 +90,51 @@ def test_sampled_requests_repeat(targets):
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     runs = [_run(_llm(path, dtype="float32", speculative_config=spec), PROMPTS[:2] * 2, sps) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+# five requests (batches of 5, 4, ... pad to the graphs' 8 / 4 rows; verification rows to 16 / 32), finishing at
+# different steps; the last two join while the first three decode (a 24-token budget chunks their prompts)
+GRAPH_PROMPTS = PROMPTS + [[(3 * i + 2) % HYBRID_VOCAB for i in range(41)], [(11 * i) % HYBRID_VOCAB for i in range(9)]]
+
+
+def _graph_vs_eager(path, monkeypatch, dtype, k):
+    from voltllm import SamplingParams
+
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 11, 30, 17, 6)]
+    runs = []
+    for eager in (True, False):
+        with monkeypatch.context() as mp:
+            drafts, counts = record_drafts(mp)
+            llm = _llm(path, dtype=dtype, enforce_eager=eager, max_num_batched_tokens=24,
+                       speculative_config={"method": "mtp", "num_speculative_tokens": k})
+            runs.append((_run(llm, GRAPH_PROMPTS, sps), drafts, dict(counts)))
+            mtp_graphs = llm.engine.runner.draft.graphs
+            assert (mtp_graphs is None) == eager
+            del llm
+    (eager_out, eager_drafts, eager_counts), (graph_out, graph_drafts, counts) = runs
+    assert eager_counts == {"chained": 0, "step": 0}
+    assert counts["step"] > 0 and (counts["chained"] > 0) == (k > 1)
+    return eager_out, graph_out, eager_drafts, graph_drafts
+
+
+@pytest.mark.parametrize("kind,k", [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5", 3), ("qwen3_next", 3),
+                                    ("qwen3_5_moe", 3)])
+def test_fp32_graphs_equal_eager(targets, monkeypatch, kind, k):
+    """fp32: the MTP's graph replays give the eager form's drafts and tokens exactly."""
+    _cuda()
+    if kind not in targets:
+        pytest.skip(f"this transformers has no {kind}")
+    eager_out, graph_out, eager_drafts, graph_drafts = _graph_vs_eager(targets[kind][0], monkeypatch, "float32", k)
+    assert graph_out == eager_out
+    assert graph_drafts == eager_drafts and len(graph_drafts) > 5
+
+
+def test_fp16_graphs_agree_with_eager(targets, monkeypatch):
+    """fp16 (rounding may differ with the padded rows' kernels): the first tokens equal, most drafts agree."""
+    _cuda()
+    eager_out, graph_out, eager_drafts, graph_drafts = _graph_vs_eager(targets["qwen3_5"][0], monkeypatch,
+                                                                       "float16", 3)
+    assert all(a[:4] == b[:4] for a, b in zip(eager_out, graph_out))
+    pairs = [(x, y) for a, b in zip(eager_drafts, graph_drafts) if len(a[0]) == len(b[0])
+             for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    assert pairs and sum(x == y for x, y in pairs) >= 0.8 * len(pairs)

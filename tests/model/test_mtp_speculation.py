@@ -14,7 +14,8 @@ import random
 
 import pytest
 
-from mtp_models import MTPReference, add_mtp_weights, check_against_reference, make_mtp_target, record_draft_logits
+from mtp_models import (MTPReference, add_mtp_weights, check_against_reference, make_mtp_target, record_draft_logits,
+                        record_drafts)
 from spec_oracle import PlainRuns, run_checked
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
@@ -193,24 +194,29 @@ class _EagerReplay:
         return r.model(r.buffers.input_ids[:bs], r.buffers.positions[:bs], ctx)
 
 
-def test_graph_form_steps(qwen35, monkeypatch):
-    """Decode steps replay decode graphs and verifications walks graphs (padded decode rows): the MTP's pass after
-    them reads the graphs' rows, and its drafts stay the reference's."""
+def _target_graph_form(runner) -> list:
+    """The target's decode and verification-walks graphs as eager stand-ins; returns their replay log."""
     from voltllm.worker.cuda_graphs import DecodeGraphs
 
-    path, mtp = qwen35
-    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    kw = dict(max_num_batched_tokens=64, max_num_seqs=16)
-    prompts = PROMPTS[:3]
-    seen = record_draft_logits(monkeypatch)
-    llm = LLM(path, speculative_config=_mtp(3), **{**BASE, **kw})
-    runner = llm.engine.runner
     runner._ensure_buffers()
     log: list = []
     for walks in (False, True):
         graphs = DecodeGraphs(runner, walks=walks)
         graphs.graphs = {bs: _EagerReplay(graphs, bs, log) for bs in graphs.sizes}
         setattr(runner, "verify_graphs" if walks else "graphs", graphs)
+    return log
+
+
+def test_graph_form_steps(qwen35, monkeypatch):
+    """Decode steps replay decode graphs and verifications walks graphs (padded decode rows): the MTP's pass after
+    them reads the graphs' rows, and its drafts stay the reference's."""
+    path, mtp = qwen35
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=16)
+    prompts = PROMPTS[:3]
+    seen = record_draft_logits(monkeypatch)
+    llm = LLM(path, speculative_config=_mtp(3), **{**BASE, **kw})
+    log = _target_graph_form(llm.engine.runner)
     outs = _run(llm, prompts, sp)
     assert outs == _plain(path, prompts, sp, **kw)
     assert any(w for w, _ in log)
@@ -251,3 +257,59 @@ def test_first_step_after_a_hit_drafts(qwen35, monkeypatch):
     assert [_run(llm, [p], sp)[0] for p in prompts] == _plain(path, prompts, sp, enable_prefix_caching=False)
     assert llm.engine.stats().extra["spec_draft_tokens"] > drafts0
     assert zero_rows and not any(zero_rows)
+
+
+# -- the CUDA-graph form of the MTP's own passes, on the CPU ------------------------------------------------
+def _mtp_graph_form(llm, max_rows: int) -> None:
+    """The target's graphs and the MTP's (stand-ins: padded decode rows up to max_rows, eager past them)."""
+    from graph_stand_ins import PaddedDecodeGraphs
+
+    runner = llm.engine.runner
+    _target_graph_form(runner)
+    runner.draft.graphs = PaddedDecodeGraphs(runner.draft.graph_view(), max_rows)
+
+
+@pytest.mark.parametrize("k,max_rows,sampled", [(1, 16, False), (2, 2, False), (3, 16, False), (3, 2, False),
+                                                (3, 16, True)])
+def test_mtp_graph_form_equals_eager(qwen35, monkeypatch, k, max_rows, sampled):
+    """Four requests of different lengths joining (prompts in chunks of the 16-token budget) and finishing mid-run:
+    with the MTP's passes in their graph form (rows padded to a power of two; max_rows 2: the wider passes eager)
+    the drafts and tokens equal the eager form's, and (greedy) the tokens plain decoding's. sampled: two of the
+    requests seeded sampled ones (drafts drawn from q, verified with min(1, p / q))."""
+    path, _ = qwen35
+    sps = [SamplingParams(temperature=0.9 if sampled and i % 2 else 0, seed=i, max_tokens=m, ignore_eos=True)
+           for i, m in enumerate((14, 9, 17, 5))]
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=16)
+    runs = []
+    for graphs in (False, True):
+        with monkeypatch.context() as mp:
+            drafts, counts = record_drafts(mp)
+            llm = LLM(path, speculative_config=_mtp(k), **{**BASE, **kw})
+            if graphs:
+                _mtp_graph_form(llm, max_rows)
+            runs.append((_run(llm, PROMPTS, sps), drafts, dict(counts)))
+    (eager, eager_drafts, eager_counts), (graph, graph_drafts, counts) = runs
+    assert graph == eager
+    if not sampled:
+        assert eager == _plain(path, PROMPTS, sps, **kw)
+    assert graph_drafts == eager_drafts and len(graph_drafts) > 3
+    assert eager_counts == {"chained": 0, "step": 0}
+    assert counts["step"] > 0 and (counts["chained"] > 0) == (k > 1)
+
+
+def test_mtp_graph_form_reference_and_prefix_hits(qwen35, monkeypatch):
+    """Graph form, K = 3: every draft logit equals the float64 reference through prefix-cache hits (snapshots every 8
+    tokens; the second and third requests start at the first's cached prefix)."""
+    path, mtp = qwen35
+    shared = PROMPTS[1][:17]
+    prompts = [shared + [3, 4, 5], shared + [9, 9], shared + [1]]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seen = record_draft_logits(monkeypatch)
+    llm = LLM(path, speculative_config=_mtp(3), mamba_block_size=8, **{**BASE, "max_num_seqs": 8})
+    _mtp_graph_form(llm, 8)
+    outs = [_run(llm, [p], sp)[0] for p in prompts[:1]] + _run(llm, prompts[1:], sp)
+    assert outs == _plain(path, prompts, sp, enable_prefix_caching=False)
+    assert llm.engine.runner.state_snapshots.stats()["restored"] > 0
+    assert llm.engine.runner.draft.graphs.replays > 0
+    fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
+    assert check_against_reference(MTPReference(path, mtp), seen, fulls, 3) > 0

@@ -22,7 +22,17 @@ write KV at positions the next after_step rewrites. Drafts stay on the device (f
 sampled requests draw them from q (their processed MTP distribution) and are verified with min(1, p/q), like a draft
 model's (DeviceDrafts: fill_inputs, verification_drafts / verification_probs).
 
-Eager only: no CUDA graphs for the MTP's passes yet (capture_graphs is a no-op).
+CUDA graphs (`capture_graphs`, as DFlash's drafter block and a draft model: DecodeGraphs over the target's input
+buffers, one graph per decode batch size, its own memory pool). The module's forward is captured with its extra
+inputs in fixed buffers of its own: `_ids` (the rows' input ids) and `_hidden` (their hidden inputs); positions,
+slots, context lengths, block tables and query start locations are the target's compact input buffers, as its decode
+graphs read them. A chained pass replays the graph of the smallest batch size that holds its rows: its rows go into
+those buffers (padding rows: token 0 at position 0, slot -1, one token of context: they write nowhere), then the
+outputs' first rows are the pass's. The pass over the step replays the graph of exactly the step's rows when the
+target's step itself replayed a decode or verification-walks graph (its rows are then decode rows, already in the
+buffers, padding rows writing nowhere): only the next tokens and the hidden states are copied in. Otherwise (more
+rows than the largest graph, a prompt-form step, --enforce-eager, the CPU) the passes run eagerly. The LM heads and
+the draws stay eager (a few launches each).
 """
 from __future__ import annotations
 
@@ -72,6 +82,12 @@ class MTPRunner(DeviceDrafts):
         self._probs: Optional[torch.Tensor] = None  # [K, drafting requests, vocab]: sampled requests' q
         self._prob_rows: dict[str, int] = {}
         self._verify_ids: Optional[torch.Tensor] = None  # the drafts of the step's verification rows
+        # graphs: the view DecodeGraphs captures, its fixed input buffers (graph_view), and the decode graph's batch
+        # size of the target's step in flight (run_step; 0: it ran without one)
+        self._graph_view: Optional[_MTPGraphView] = None
+        self._ids: Optional[torch.Tensor] = None
+        self._hidden: Optional[torch.Tensor] = None
+        self._step_graph = 0
 
     @staticmethod
     def _load(runner: Any) -> torch.nn.Module:
@@ -94,8 +110,22 @@ class MTPRunner(DeviceDrafts):
         return model.eval()
 
     # -- KV cache: DeviceDrafts' (its layers in the target's blocks); graphs -----------------------
+    def graph_view(self) -> "_MTPGraphView":
+        """What DecodeGraphs (or a CPU stand-in) captures: the module reading its hidden inputs from `_hidden`, on
+        the target's input buffers with the ids from `_ids` (made here, once)."""
+        if self._graph_view is None:
+            n = self.runner.config.scheduler.max_num_seqs
+            self._ids = torch.zeros(n, dtype=torch.long, device=self.runner.device)
+            self._hidden = torch.zeros(n, self.outs.shape[1], dtype=self.outs.dtype, device=self.runner.device)
+            self._graph_view = _MTPGraphView(self, self.runner)
+        return self._graph_view
+
     def capture_graphs(self) -> None:
-        """(The MTP's passes run eagerly.)"""
+        from voltllm.worker.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.graph_view())  # (it holds the view weakly: self._graph_view keeps it)
+        graphs.capture()
+        self.graphs = graphs
 
     # -- per request ----------------------------------------------------------------------------
     def forget(self, request_ids: list[str]) -> None:
@@ -141,16 +171,20 @@ class MTPRunner(DeviceDrafts):
         ks = [len(s.spec_tokens) for s in rows]
         kmax, n = max(ks), len(rows)
         out = self.outs[to_device([self._source(s) for s in rows], torch.long, dev)]
+        graph = self.graphs.for_batch(n) if self.graphs is not None and kmax > 1 else None
         if kmax > 1:
-            longs, ints, lens = self._chain_inputs(rows, ks, kmax)
+            longs, ints, lens = self._chain_inputs(rows, ks, kmax, graph.batch_size if graph is not None else n)
             longs_d, ints_d = upload(torch.from_numpy(longs), dev), upload(torch.from_numpy(ints), dev)
+            if graph is not None:
+                self._graph_inputs(ints_d, graph.batch_size, lens.shape[0], max(len(s.block_ids) for s in rows))
         else:
             longs_d = ints_d = lens = None
         drafts = torch.empty(kmax, n, dtype=torch.long, device=dev)
         sampled = not all(s.request.sampling_params.greedy for s in rows)
         for j in range(kmax):
             if j > 0:
-                out = self._pass(drafts[j - 1], out, j, longs_d, ints_d, lens)
+                out = (self._graph_pass(graph, drafts[j - 1], out, j, longs_d, ints_d) if graph is not None
+                       else self._pass(drafts[j - 1], out, j, longs_d, ints_d, lens))
             logits = self._logits(out)
             if not sampled:
                 drafts[j] = logits.argmax(dim=-1)
@@ -165,14 +199,13 @@ class MTPRunner(DeviceDrafts):
                 self._probs[j] = probs
         self._drafts = drafts
 
-    def _chain_inputs(self, rows: list, ks: list[int], kmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The chained passes' rows (pass j = 1..kmax-1, one per drafting request): positions and slots
-        ([kmax-1, 2, n] int64), then the query start locations, each pass's context lengths and the block tables (one
-        int32 vector), and the context lengths on the host [kmax-1, n]. Request i's row of pass j sits at position
-        start - 1 + j (the module's output at start - 2 + j and draft j); past its own drafts a padding row (position
-        0, no slot, one token of context)."""
+    def _chain_inputs(self, rows: list, ks: list[int], kmax: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The chained passes' n rows (pass j = 1..kmax-1, one per drafting request, then padding up to a graph's
+        batch size): positions and slots ([kmax-1, 2, n] int64), then the query start locations, each pass's context
+        lengths and the block tables (one int32 vector), and the context lengths on the host [kmax-1, n]. Request i's
+        row of pass j sits at position start - 1 + j (the module's output at start - 2 + j and draft j); past its own
+        drafts, and past the requests, a padding row (position 0, no slot, one token of context)."""
         bs = self.runner.block_size
-        n = len(rows)
         width = max(len(s.block_ids) for s in rows)
         longs = np.zeros((kmax - 1, 2, n), dtype=np.int64)
         longs[:, 1] = -1
@@ -201,13 +234,39 @@ class MTPRunner(DeviceDrafts):
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         return self.model(ids, longs[j - 1, 0], ctx, hidden)
 
+    def _graph_inputs(self, ints: torch.Tensor, bs: int, passes: int, width: int) -> None:
+        """Before a proposal's graph passes (bs rows, requests then padding; _chain_inputs' ints on the device): the
+        rows' query start locations and block tables into the target's input buffers (the compact layout its graphs
+        read), the padding rows' ids zero."""
+        buf = self.runner.buffers
+        buf.select_compact()
+        buf.query_start_loc[:bs + 1].copy_(ints[:bs + 1])
+        at = bs + 1 + passes * bs
+        buf.block_tables[:bs, :width].copy_(ints[at:].view(bs, width))
+        self._ids.zero_()
+
+    def _graph_pass(self, graph: Any, ids: torch.Tensor, hidden: torch.Tensor, j: int, longs: torch.Tensor,
+                    ints: torch.Tensor) -> torch.Tensor:
+        """Chained pass j as a replay of `graph` (its rows' positions, slots and context lengths into the input
+        buffers; the ids and hidden inputs into the module's own), the requests' rows of its output."""
+        buf, bs, n = self.runner.buffers, graph.batch_size, ids.shape[0]
+        buf.positions[:bs].copy_(longs[j - 1, 0])
+        buf.slot_mapping[:bs].copy_(longs[j - 1, 1])
+        at = bs + 1 + (j - 1) * bs
+        buf.seq_lens[:bs].copy_(ints[at:at + bs])
+        self._ids[:n].copy_(ids)
+        self._hidden[:n].copy_(hidden)
+        return graph.replay()[:n]
+
     def verification_drafts(self, rows: list) -> Optional[torch.Tensor]:
         """DeviceDrafts.verification_drafts, kept for after_step (the verification's greedy matches)."""
         self._verify_ids = super().verification_drafts(rows)
         return self._verify_ids
 
     def run_step(self, sched: Any, graph_batch: int, meta: AttentionMetadata) -> None:
-        """(Nothing before sampling: the MTP's pass over the step needs the tokens it samples; after_step.)"""
+        """(Nothing before sampling: the MTP's pass over the step needs the tokens it samples; after_step.) Notes
+        the target's graph batch size (0: none), which after_step's graph form needs."""
+        self._step_graph = graph_batch
 
     # -- after the step's sampling --------------------------------------------------------------
     @torch.inference_mode()
@@ -250,16 +309,30 @@ class MTPRunner(DeviceDrafts):
         if ver:
             vals.append(self._emitted(handle))
         nxt.index_copy_(0, idx[:a + b + len(ver_dst)], torch.cat(vals))
-        if meta.slot_mapping.shape[0] != n:
-            meta = replace(meta, slot_mapping=meta.slot_mapping[:n])
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-        out = self.model(nxt, buf.positions[:n], ctx, hidden[:n])
+        graph = self._step_graph_for(n)
+        self._step_graph = 0
+        if graph is not None:  # the step's rows are in the input buffers (decode rows, padding writing nowhere)
+            self._ids[:n].copy_(nxt)
+            self._hidden[:n].copy_(hidden[:n])
+            out = graph.replay()[:n]
+        else:
+            if meta.slot_mapping.shape[0] != n:
+                meta = replace(meta, slot_mapping=meta.slot_mapping[:n])
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            out = self.model(nxt, buf.positions[:n], ctx, hidden[:n])
         tail = idx[2 * a + 2 * b + len(ver_dst):]
         if keep_rows:
             self.outs.index_copy_(0, tail[len(keep_rows):], out[tail[:len(keep_rows)]])
         if ver:
             rows, slots = self._accepted_rows(ver, qsl, handle, dev)
             self.outs.index_copy_(0, slots, out[rows])
+
+    def _step_graph_for(self, n: int) -> Any:
+        """The graph of exactly the step's n rows when the target's step replayed a graph of n rows, else None."""
+        if self.graphs is None or self._step_graph != n or not n:
+            return None
+        graph = self.graphs.for_batch(n)
+        return graph if graph is not None and graph.batch_size == n else None
 
     def _emitted(self, handle: Any) -> torch.Tensor:
         """Per verification row, the token the verification emitted there (valid up to each request's first
@@ -285,3 +358,41 @@ class MTPRunner(DeviceDrafts):
         miss = torch.where(match, torch.full_like(pos_d, m), pos_d)
         acc = torch.full_like(first_d, m).scatter_reduce_(0, req_d, miss, "amin")
         return first_d + acc, slots_d
+
+
+class _MTPForward(torch.nn.Module):
+    """The module as a decode graph captures it (model(ids, positions, ctx)): its hidden inputs from a fixed buffer."""
+
+    def __init__(self, model: torch.nn.Module, hidden: torch.Tensor):
+        super().__init__()
+        self.mtp, self._hidden_buf = model, [hidden]  # (a list: the buffer is no submodule state)
+        self.config = model.config
+
+    @property
+    def kv_heads_and_dim(self) -> tuple[int, int]:
+        return self.mtp.kv_heads_and_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.mtp(input_ids, positions, ctx, self._hidden_buf[0][:input_ids.shape[0]])
+
+
+class _Buffers:
+    """The target's input buffers, but the ids: the MTP's own (so after_step leaves the step's ids alone)."""
+
+    def __init__(self, buffers: Any, ids: torch.Tensor):
+        self._buffers, self.input_ids = buffers, ids
+
+    def __getattr__(self, name: str) -> Any:  # (the target's attributes follow its layout selection)
+        return getattr(self._buffers, name)
+
+
+class _MTPGraphView:
+    """What DecodeGraphs reads of a runner (and tests/graph_stand_ins.py of a drafter), pointing at the MTP."""
+
+    def __init__(self, mtp: MTPRunner, runner: Any):
+        self.config, self.device = runner.config, runner.device
+        self.buffers = _Buffers(runner.buffers, mtp._ids)
+        self.model = _MTPForward(mtp.model, mtp._hidden)
+        self.kv_caches, self.backend = mtp.kv_caches, mtp.backend
+        self.state_cache = None
+        self.runner = self  # (the stand-ins read draft.runner.buffers)
