@@ -184,10 +184,11 @@
 #            structured-output and engine GPU files
 #   s103     (session 28) DFlash on hybrid targets (test_hybrid_spec_cuda -k dflash, the shared block-logit check of
 #            test_dflash_cuda), then 8B-shape AWQ decode b1 with the tuner's final candidate lists
-#   s104     (next session) the second tiling with its loads pipelined through shared memory (STAGES 2-4) and the
+#   s104     (session 29) the second tiling with its loads pipelined through shared memory (STAGES 2-4) and the
 #            tensor-core form (kernels/quant_mma.py, 1-8 rows per weight read) against the register forms at 1 / 4 / 8
-#            rows (sweep --only), then the GPU tests (both new forms' correctness); a winner goes into
-#            quant_tuning's candidates (the mma form: a new row class up to 8), then the 8B AWQ / NVFP4 b1 (s103's lines)
+#            rows (sweep --only), then the GPU tests (both new forms' correctness)
+#   s106     (session 29) the tensor-core form in the tuner (4-row class, new 5-8-row class): the dispatch / tuner GPU
+#            tests, then 8B-shape AWQ at 1 and 8 concurrent with the tuner's per-class lines
 #   s105     (next session) benchmarks/micro/dflash_round.py at the headline shape: the qwen3.5-27b shape's plain step
 #            vs its DFlash round (K = 15, batch 1 then 4; a random-weight 5-layer drafter at the public 27B drafter's
 #            layout: 32 q / 8 kv heads of 128, reading target layers 1, 16, 31, 46, 61) and projected tok/s. Batch 1
@@ -1368,6 +1369,20 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --only 0,1,8,4,15,16,17,18,21,22,23,24,25,26 --out "$out/quant-half2-stages-mma-$sha.json" 2>&1 \
       | grep -v -i "warn" | tail -28
     gpu_file test_quant_half2_cuda $(( 560 - (SECONDS - t0) ))
+    ;;
+  s106)  # (session 29) the tensor-core GEMV in the tuner (5-8-row class): its dispatch / tuner GPU tests, then 8B AWQ
+         # decode at 1 and 8 concurrent with the tuner's lines (the 8-row class: mma vs quant_dot timed in-engine)
+    t0=$SECONDS
+    gpu_file test_quant_half2_cuda 200 -k "dispatch or tuner"
+    mkdir -p /root/m
+    timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
+    for c in 1 8; do
+      python3 -m voltllm.cli bench /root/m/q8b-awq --commit "$sha" --output-dir "$out" --dtype half --num-warm 1 \
+        --quantization awq --scenario concurrency --concurrency $c --input-len 512 --output-len 128 \
+        --name qwen3-8b-shape-awq-g128-c$c-$sha > "$out/awq-c$c.txt" 2>&1
+      grep -E "rows (1|4|8):" "$out/awq-c$c.txt" | head -8; grep -E -A12 "^voltllm bench" "$out/awq-c$c.txt" | tail -8
+      (( SECONDS - t0 > 420 )) && break
+    done
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -206,10 +206,12 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
         getattr(config.model, "quantized_weights", "") == "quantized"
     impl = ", ".join(methods) + (f" ({quant} weights dequantized to {dtype} at load)" if quant and not kept else "")
     if cuda and kept:
-        from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, describe_quantized
+        from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, MMA_MAX_ROWS, describe_quantized
 
         held = f"; holds {describe_quantized(runner.model)}" if runner is not None else ""
-        decode = f"dequant-GEMM (Triton, FMA) up to {FMA_MAX_ROWS} rows"
+        decode = (f"dequant-GEMV (Triton: fp32 FMA or packed fp16, tile timed at start-up) up to {FMA_MAX_ROWS} "
+                  f"rows, the tensor-core GEMV (sm_80+, not --compat) up to {MMA_MAX_ROWS} where timed faster, "
+                  f"then the tiled dequant-GEMM")
         nvfp4 = "NVFP4 E2M1 with E4M3 group scales (decoded in software)"
         kinds = {"gguf": "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K",
                  "fp8": "FP8 E4M3 (decoded in software)", "modelopt_fp4": nvfp4,

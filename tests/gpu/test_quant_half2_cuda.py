@@ -10,7 +10,7 @@ import torch
 from quant_checkpoints import nvfp4_layer
 
 from voltllm.kernels.quant_gemv import dequantize
-from voltllm.kernels.quant_half2 import (HALF2, HALF2_ROWS, few_row_matmul, fits, half2_matmul,
+from voltllm.kernels.quant_half2 import (DOT, HALF2, HALF2_ROWS, MMA, few_row_matmul, fits, half2_matmul,
                                          half2_rows_matmul, operands_ok)
 from voltllm.model.layers.gguf_planes import (Unpacked, int4_kind, map_planes, planes_from_blocks,
                                               random_blocks, to_planes)
@@ -79,6 +79,10 @@ def test_dispatch_and_fits():
     assert not operands_ok(xb, p, None)
     assert _rel(few_row_matmul(xb, p, config=(HALF2, 2, 32, 2)), xb.float() @ w.T) < 1e-2
     assert _rel(few_row_matmul(x.contiguous(), p, config=None), ref) < 2e-3
+    assert _rel(few_row_matmul(x.contiguous(), p, config=(MMA, 8, 4)), ref) < 2e-3
+    assert _rel(few_row_matmul(x, p, config=(MMA, 8, 4)), ref) < 2e-3  # strided: the fp32 form instead
+    assert _rel(few_row_matmul(xb, p, config=(MMA, 8, 4)), xb.float() @ w.T) < 1e-2
+    assert _rel(few_row_matmul(x.contiguous(), p, config=(DOT,)), ref) < 2e-3
     # NVFP4 whose per-16 scale times global times 2^14 passes fp16's range: not this form
     q = _planes("NVFP4", 64, 256, g)
     assert fits(q)
@@ -89,10 +93,12 @@ def test_dispatch_and_fits():
 
 def test_tuner_chooses_among_both_forms():
     """worker/quant_tuning.py on an AWQ layer with fp16 activations: its choice for each row class is one of the
-    candidates of either form, and the layer then computes its reference product."""
+    candidates of either form, and the layer then computes its reference product; with tensor cores allowed (sm_80+)
+    the tensor-core form joins at 4 and 8 rows and wins the 5-8-row class."""
     from voltllm.model.layers.linear import Linear
     from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, _merge
-    from voltllm.worker.quant_tuning import CANDIDATES, HALF2_CANDIDATES, tune_quant_tiles
+    from voltllm.kernels.quant_mma import supported_device
+    from voltllm.worker.quant_tuning import CANDIDATES, HALF2_CANDIDATES, MMA_CANDIDATES, tune_quant_tiles
 
     g = torch.Generator().manual_seed(1)
     k, n = 4096, 6144
@@ -102,11 +108,23 @@ def test_tuner_chooses_among_both_forms():
     p = _planes("AWQ_G128", n, k, g)
     layer.gguf_segments = _merge([p], [n])  # as load_shard leaves it
     lines = tune_quant_tiles(torch.nn.ModuleList([layer]), method, torch.float16)
-    assert len(lines) == 2, lines
+    assert len(lines) == 2, lines  # no tensor cores: the 5-8-row class stays quant_dot's, untimed
     for key, cfg in method.tiles.items():
         assert cfg in CANDIDATES[key[3]] + HALF2_CANDIDATES[key[3]], (key, cfg)
     w = dequantize(p, torch.float32)
     for m in (1, 4):
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        assert _rel(layer(x), x.float() @ w.T) < 2e-3, (m, method.tiles, lines)
+    if not supported_device(torch.device("cuda")):
+        return
+    method.tiles.clear()
+    lines = tune_quant_tiles(torch.nn.ModuleList([layer]), method, torch.float16, tensor_cores=True)
+    assert len(lines) == 3, lines
+    for key, cfg in method.tiles.items():
+        assert cfg in CANDIDATES[key[3]] + HALF2_CANDIDATES[key[3]] + MMA_CANDIDATES[key[3]], (key, cfg)
+    # the s104 sweep at this shape: the tensor-core form 2-3x faster than either other at 4 and 8 rows
+    assert method.tiles[("AWQ_G128", n, k, 8)][0] == MMA, lines
+    for m in (1, 2, 4, 5, 8, 9):
         x = torch.randn(m, k, dtype=torch.float16, device="cuda")
         assert _rel(layer(x), x.float() @ w.T) < 2e-3, (m, method.tiles, lines)
 

@@ -1,10 +1,11 @@
 """The packed-fp16 4-bit GEMV's host side (kernels/quant_half2.py): which plane kinds it takes, and the start-up
 tuner's candidates for it. The kernel itself runs on the GPU (tests/gpu/test_quant_half2_cuda.py; inline PTX has no
 interpreter form) and passes the sm_70 / sm_75 gate with the other registered kernels."""
-from voltllm.kernels.quant_half2 import HALF2, HALF2_ROWS, supports
+from voltllm.kernels.quant_half2 import DOT, HALF2, HALF2_ROWS, MMA, supports
 from voltllm.kernels.registry import REGISTRY
 from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind
-from voltllm.worker.quant_tuning import HALF2_CANDIDATES, TUNE_ROWS
+from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, MMA_MAX_ROWS, row_class
+from voltllm.worker.quant_tuning import CANDIDATES, HALF2_CANDIDATES, MMA_CANDIDATES, TUNE_ROWS
 
 
 def test_kinds():
@@ -23,6 +24,22 @@ def test_registered_and_tuned():
         assert not any(s.constexprs["PDL"] for s in entry.specs)  # the gate compiles the PDL-free form (sm_70/75)
     # the H200 sweeps' winners: the second tiling at one row, both compete at four
     assert {c[0] for c in HALF2_CANDIDATES[1]} == {HALF2_ROWS}
-    assert {c[0] for c in HALF2_CANDIDATES[TUNE_ROWS[-1]]} == {HALF2, HALF2_ROWS}
+    assert {c[0] for c in HALF2_CANDIDATES[FMA_MAX_ROWS]} == {HALF2, HALF2_ROWS}
     for rows in TUNE_ROWS:
         assert all(len(c) == 4 and (c[0] == HALF2 or c[1] in (1, 2)) for c in HALF2_CANDIDATES[rows])
+
+
+def test_row_classes_and_tensor_core_candidates():
+    """Rows 1 / 2-4 / 5-8 fall in the tuner's three classes; the tensor-core form (s104 sweep: never fastest at one
+    row) competes at four and eight rows only, and the 5-8-row class's default stays quant_dot (the route taken
+    when nothing is timed)."""
+    assert [row_class(r) for r in range(1, MMA_MAX_ROWS + 1)] == [1] + [FMA_MAX_ROWS] * 3 + [MMA_MAX_ROWS] * 4
+    assert TUNE_ROWS == (1, FMA_MAX_ROWS, MMA_MAX_ROWS)
+    assert MMA_CANDIDATES[1] == [] and CANDIDATES[MMA_MAX_ROWS] == [(DOT,)] and HALF2_CANDIDATES[MMA_MAX_ROWS] == []
+    for rows in (FMA_MAX_ROWS, MMA_MAX_ROWS):
+        cands = MMA_CANDIDATES[rows]
+        assert cands and all(c[0] == MMA and len(c) == 3 and c[2] <= c[1] for c in cands)
+    import voltllm.kernels.quant_mma  # noqa: F401 - registers it
+
+    entry = REGISTRY["quant.mma_matmul"]
+    assert not entry.compat  # sm_80+ only: never compiled for, nor launched on, the compat route

@@ -503,14 +503,25 @@ def _specs(rows_tiling: bool) -> list[CompileSpec]:
 # _half2_matmul_kernel, (HALF2_ROWS, BLOCK_N, U, num_warps) for _half2_rows_kernel
 HALF2 = "half2"
 HALF2_ROWS = "half2-rows"
+MMA = "mma"  # kernels/quant_mma.py's tensor-core form (sm_80+, not on the compat route): (MMA, KU, num_warps)
+DOT = "dot"  # the tiled dequant-GEMM (kernels/quant_dot.py): the 5-8-row class's default where MMA competes
 
 
 def few_row_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                    config: Optional[tuple] = None) -> torch.Tensor:
-    """The few-row product by the tile the tuner chose: this form's for a (HALF2, ...) tile whose operands suit it,
-    else quant_gemv.quant_matmul (config None: its default tile)."""
-    if config is not None and config[0] in (HALF2, HALF2_ROWS):
+    """The few-row product by the tile the tuner chose: this form's for a (HALF2 | HALF2_ROWS, ...) tile, the
+    tensor-core form's for an (MMA, ...) one, when the operands suit them; quant_dot for (DOT,); else
+    quant_gemv.quant_matmul (config None: its default tile)."""
+    if config is not None and config[0] == DOT:
+        from voltllm.kernels.quant_dot import quant_dot
+
+        return quant_dot(x, planes, bias, out=out)
+    if config is not None and config[0] in (HALF2, HALF2_ROWS, MMA):
         if operands_ok(x, planes, out):
+            if config[0] == MMA:
+                from voltllm.kernels.quant_mma import quant_mma_matmul  # imports this module
+
+                return quant_mma_matmul(x, planes, bias, out=out, config=tuple(config[1:]))
             form = half2_matmul if config[0] == HALF2 else half2_rows_matmul
             return form(x, planes, bias, out=out, config=tuple(config[1:]))
         config = None

@@ -810,7 +810,8 @@ class ModelRunner:
 
         t0 = time.monotonic()
         try:
-            lines = tune_quant_tiles(self.model, method, self.dtype)
+            # the tensor-core GEMV only off the compat route (there the card stands in for one without them)
+            lines = tune_quant_tiles(self.model, method, self.dtype, tensor_cores=self.config.device.compat == "none")
         except Exception as e:  # noqa: BLE001 - timing is an optimisation: keep the default tiles
             logger.warning("dequant-GEMM tile timing failed (%s); default tiles", e)
             method.tiles.clear()
