@@ -1384,6 +1384,19 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       (( SECONDS - t0 > 420 )) && break
     done
     ;;
+  s106b)  # (session 29) the tuner GPU test again (its key fixed), then 8B NVFP4 at 1 / 8 concurrent, AWQ at 4
+    t0=$SECONDS
+    gpu_file test_quant_half2_cuda 200 -k "tuner"
+    mkdir -p /root/m
+    timeout 150 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method nvfp4 /root/m/q8b-nvfp4
+    for c in 1 8; do
+      python3 -m voltllm.cli bench /root/m/q8b-nvfp4 --commit "$sha" --output-dir "$out" --dtype half --num-warm 1 \
+        --quantization modelopt_fp4 --scenario concurrency --concurrency $c --input-len 512 --output-len 128 \
+        --name qwen3-8b-shape-nvfp4-c$c-$sha > "$out/nvfp4-c$c.txt" 2>&1
+      grep -E "rows (1|4|8):" "$out/nvfp4-c$c.txt" | head -12; grep -E -A12 "^voltllm bench" "$out/nvfp4-c$c.txt" | tail -8
+      (( SECONDS - t0 > 400 )) && break
+    done
+    ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
       --out "$out/mtp-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
