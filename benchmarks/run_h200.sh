@@ -189,6 +189,8 @@
 #            rows (sweep --only), then the GPU tests (both new forms' correctness)
 #   s106     (session 29) the tensor-core form in the tuner (4-row class, new 5-8-row class): the dispatch / tuner GPU
 #            tests, then 8B-shape AWQ at 1 and 8 concurrent with the tuner's per-class lines
+#   s107     (session 29) the tensor-core form's WIDE variant (16 activation rows per weight read, the 9-16-row
+#            class): GPU tests, sweep at 8 / 16 rows against quant_dot, 8B AWQ at 16 concurrent
 #   s105     (next session) benchmarks/micro/dflash_round.py at the headline shape: the qwen3.5-27b shape's plain step
 #            vs its DFlash round (K = 15, batch 1 then 4; a random-weight 5-layer drafter at the public 27B drafter's
 #            layout: 32 q / 8 kv heads of 128, reading target layers 1, 16, 31, 46, 61) and projected tok/s. Batch 1
@@ -1396,6 +1398,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       grep -E "rows (1|4|8):" "$out/nvfp4-c$c.txt" | head -12; grep -E -A12 "^voltllm bench" "$out/nvfp4-c$c.txt" | tail -8
       (( SECONDS - t0 > 400 )) && break
     done
+    ;;
+  s107)  # (session 29) the tensor-core GEMV's WIDE form (9-16 rows per weight read): its GPU tests and the tuner's,
+         # the sweep at 8 / 16 rows against quant_dot, then 8B AWQ at 16 concurrent (the 9-16-row class in-engine)
+    t0=$SECONDS
+    gpu_file test_quant_half2_cuda 220 -k "tensor_core or tuner or dispatch"
+    timeout 150 python3 benchmarks/micro/quant_half2_sweep.py --kinds AWQ_G128,NVFP4 --rows 8,16 --baseline dot \
+      --only 0,8,21,22,23,24 --out "$out/quant-mma-wide-$sha.json" 2>&1 | grep -v -i "warn" | tail -9
+    mkdir -p /root/m
+    if (( SECONDS - t0 < 330 )); then
+      timeout 120 python3 benchmarks/make_random_quantized.py --shape qwen3-8b-shape --method awq /root/m/q8b-awq
+      python3 -m voltllm.cli bench /root/m/q8b-awq --commit "$sha" --output-dir "$out" --dtype half --num-warm 1 \
+        --quantization awq --scenario concurrency --concurrency 16 --input-len 512 --output-len 128 \
+        --name qwen3-8b-shape-awq-g128-c16-$sha > "$out/awq-c16.txt" 2>&1
+      grep -E "rows (8|16):" "$out/awq-c16.txt" | head -8; grep -E -A12 "^voltllm bench" "$out/awq-c16.txt" | tail -8
+    fi
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

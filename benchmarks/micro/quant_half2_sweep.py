@@ -14,6 +14,7 @@ import json
 
 import torch
 
+from voltllm.kernels.quant_dot import quant_dot
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul
 from voltllm.kernels.quant_half2 import fits, half2_matmul, half2_rows_matmul
 from voltllm.kernels.quant_mma import quant_mma_matmul
@@ -61,10 +62,14 @@ def rel(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kinds", default="AWQ_G128,NVFP4,GPTQ_G128,Q4_0")
-    ap.add_argument("--rows", default="1,4")  # (the tensor-core form takes up to 8 rows per weight read: try 8 too)
+    ap.add_argument("--rows", default="1,4")  # (the tensor-core form: up to 16 rows per weight read: try 8, 16 too)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="time only these CONFIGS indices (comma-separated)")
+    ap.add_argument("--baseline", default="fp32", choices=["fp32", "dot"],
+                    help="what the times are compared with: the fp32 dequant-GEMV, or quant_dot (the engine's route "
+                         "for 5-64 rows when the tensor-core form is not chosen)")
     args = ap.parse_args()
+    baseline = quant_matmul if args.baseline == "fp32" else quant_dot
     kinds = args.kinds.split(",")
     rows_list = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
@@ -104,7 +109,7 @@ def main():
             rot = [first] + [map_planes(first, torch.clone, n) for _ in range(copies)]
             for m in rows_list:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                old_us = graph_replay_ms(lambda p: quant_matmul(x, p), rot, reps=20) * 1e3
+                old_us = graph_replay_ms(lambda p: baseline(x, p), rot, reps=20) * 1e3
                 timed = []
                 for form, cfg in timed_configs:
                     tag = ({half2_rows_matmul: "rows", quant_mma_matmul: "mma"}.get(form, "h2"), *cfg)
@@ -125,10 +130,10 @@ def main():
                 results["time"].append(row)
                 table.append(row)
                 print(f"  {kind} {n}x{k} m{m}: " + ", ".join(f"{c}:{t:.1f}" for t, c in timed[:4]), flush=True)
-    print(f"{'kind':>10} {'shape':>12} m  {'fp32 us':>8} {'h2 us':>7} {'rows us':>7} {'mma us':>7}  speedup  "
-          "GB/s (fp32 -> best)  tile")
+    print(f"{'kind':>10} {'shape':>12} m   {args.baseline + ' us':>8} {'h2 us':>7} {'rows us':>7} {'mma us':>7}  "
+          f"speedup  GB/s ({args.baseline} -> best)  tile")
     for r in table:
-        print(f"{r['kind']:>10} {r['n']:>5}x{r['k']:<6} {r['m']}  {r['old_us']:8.1f} {r['h2_us']:7.1f} "
+        print(f"{r['kind']:>10} {r['n']:>5}x{r['k']:<6} {r['m']:<2} {r['old_us']:8.1f} {r['h2_us']:7.1f} "
               f"{r['rows_us']:7.1f} {r['mma_us']:7.1f}  {r['old_us'] / r['new_us']:6.2f}x"
               f"  {r['old_GBps']:6.0f} -> {r['new_GBps']:6.0f}"
               f"  {r['best']}")

@@ -94,7 +94,7 @@ def test_dispatch_and_fits():
 def test_tuner_chooses_among_both_forms():
     """worker/quant_tuning.py on an AWQ layer with fp16 activations: its choice for each row class is one of the
     candidates of either form, and the layer then computes its reference product; with tensor cores allowed (sm_80+)
-    the tensor-core form joins at 4 and 8 rows and wins the 5-8-row class."""
+    the tensor-core form joins from 4 rows on and wins the 5-8 and 9-16-row classes."""
     from voltllm.model.layers.linear import Linear
     from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, _merge
     from voltllm.kernels.quant_mma import supported_device
@@ -108,7 +108,7 @@ def test_tuner_chooses_among_both_forms():
     p = _planes("AWQ_G128", n, k, g)
     layer.gguf_segments = _merge([p], [n])  # as load_shard leaves it
     lines = tune_quant_tiles(torch.nn.ModuleList([layer]), method, torch.float16)
-    assert len(lines) == 2, lines  # no tensor cores: the 5-8-row class stays quant_dot's, untimed
+    assert len(lines) == 2, lines  # no tensor cores: the 5-16-row classes stay quant_dot's, untimed
     for key, cfg in method.tiles.items():
         assert cfg in CANDIDATES[key[3]] + HALF2_CANDIDATES[key[3]], (key, cfg)
     w = dequantize(p, torch.float32)
@@ -119,12 +119,13 @@ def test_tuner_chooses_among_both_forms():
         return
     method.tiles.clear()
     lines = tune_quant_tiles(torch.nn.ModuleList([layer]), method, torch.float16, tensor_cores=True)
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     for key, cfg in method.tiles.items():
         assert cfg in CANDIDATES[key[3]] + HALF2_CANDIDATES[key[3]] + MMA_CANDIDATES[key[3]], (key, cfg)
     # the s104 sweep at this shape: the tensor-core form 2-3x faster than either other at 4 and 8 rows
     assert method.tiles[(p.kind.name, n, k, 8)][0] == MMA, lines
-    for m in (1, 2, 4, 5, 8, 9):
+    assert method.tiles[(p.kind.name, n, k, 16)][0] == MMA, lines  # WIDE at 16 rows: 2x quant_dot expected
+    for m in (1, 2, 4, 5, 8, 9, 16, 17):
         x = torch.randn(m, k, dtype=torch.float16, device="cuda")
         assert _rel(layer(x), x.float() @ w.T) < 2e-3, (m, method.tiles, lines)
 
@@ -171,7 +172,7 @@ def test_tensor_core_form_matches_dequantized(kind, n, k):
     p = _planes(kind, n, k, torch.Generator().manual_seed(seed))
     w = dequantize(p, torch.float32)
     bias = torch.randn(n, dtype=torch.float16, device="cuda")
-    for m in (1, 2, 3, 5, 8, 9, 13):
+    for m in (1, 2, 3, 5, 8, 9, 13, 16, 17, 33):
         x = torch.randn(m, k, dtype=torch.float16, device="cuda")
         for config in ((4, 4), (1, 1), (8, 4), (4, 2, 3)):
             wide = torch.full((m, n + 40), float("nan"), dtype=torch.float16, device="cuda")

@@ -4,7 +4,7 @@ interpreter form) and passes the sm_70 / sm_75 gate with the other registered ke
 from voltllm.kernels.quant_half2 import DOT, HALF2, HALF2_ROWS, MMA, supports
 from voltllm.kernels.registry import REGISTRY
 from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind
-from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, MMA_MAX_ROWS, row_class
+from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, MMA_MAX_ROWS, MMA_ROW_CLASSES, row_class
 from voltllm.worker.quant_tuning import CANDIDATES, HALF2_CANDIDATES, MMA_CANDIDATES, TUNE_ROWS
 
 
@@ -30,13 +30,16 @@ def test_registered_and_tuned():
 
 
 def test_row_classes_and_tensor_core_candidates():
-    """Rows 1 / 2-4 / 5-8 fall in the tuner's three classes; the tensor-core form (s104 sweep: never fastest at one
-    row) competes at four and eight rows only, and the 5-8-row class's default stays quant_dot (the route taken
-    when nothing is timed)."""
-    assert [row_class(r) for r in range(1, MMA_MAX_ROWS + 1)] == [1] + [FMA_MAX_ROWS] * 3 + [MMA_MAX_ROWS] * 4
-    assert TUNE_ROWS == (1, FMA_MAX_ROWS, MMA_MAX_ROWS)
-    assert MMA_CANDIDATES[1] == [] and CANDIDATES[MMA_MAX_ROWS] == [(DOT,)] and HALF2_CANDIDATES[MMA_MAX_ROWS] == []
-    for rows in (FMA_MAX_ROWS, MMA_MAX_ROWS):
+    """Rows 1 / 2-4 / 5-8 / 9-16 fall in the tuner's four classes; the tensor-core form (s104 sweep: never fastest
+    at one row) competes from four rows on, and the 5-16-row classes' default stays quant_dot (the route taken when
+    nothing is timed)."""
+    assert MMA_ROW_CLASSES == (8, 16) and MMA_MAX_ROWS == 16
+    assert [row_class(r) for r in range(1, 17)] == [1] + [FMA_MAX_ROWS] * 3 + [8] * 4 + [16] * 8
+    assert TUNE_ROWS == (1, FMA_MAX_ROWS, 8, 16)
+    assert MMA_CANDIDATES[1] == []
+    for rows in MMA_ROW_CLASSES:
+        assert CANDIDATES[rows] == [(DOT,)] and HALF2_CANDIDATES[rows] == []
+    for rows in (FMA_MAX_ROWS, *MMA_ROW_CLASSES):
         cands = MMA_CANDIDATES[rows]
         assert cands and all(c[0] == MMA and len(c) == 3 and c[2] <= c[1] for c in cands)
     import voltllm.kernels.quant_mma  # noqa: F401 - registers it

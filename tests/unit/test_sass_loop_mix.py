@@ -63,13 +63,15 @@ def test_errors(tool):
         tool.report("quant.half2_rows_matmul", None, {"NOT_A_CONSTEXPR": 1})
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("kind", ["INT4_G128_ZP", "NVFP4"])
-def test_tensor_core_form_keeps_its_lanes(tool, kind):
+def test_tensor_core_form_keeps_its_lanes(tool, kind, wide):
     """kernels/quant_mma.py relies on Triton laying its [t, g, KU, word] tensors out as lane = 4 g + t with the words
-    in the thread: then the K loop is two mmas per word and nothing goes through shared memory (a layout Triton had
-    to convert would show as STS / LDS / BAR in the loop)."""
-    r = tool.report("quant.mma_matmul", kind, {"KU": 4}, warps=4, arch=80,
+    in the thread: then the K loop is two mmas per word (four with WIDE's second activation fragment) and nothing goes
+    through shared memory (a layout Triton had to convert would show as STS / LDS / BAR in the loop)."""
+    r = tool.report("quant.mma_matmul", kind + ("-wide" if wide else ""), {"KU": 4}, warps=4, arch=80,
                     divisible=("stride_lo", "stride_d", "stride_s", "NU", "N", "stride_xm", "stride_ym"))
     body = max(r.loops, key=lambda lp: lp.size)
-    assert body.ops["HMMA"] == 8, body.ops  # one unit of 4 words per thread and iteration (4 warps split KU = 4)
+    # one unit of 4 words per thread and iteration (4 warps split KU = 4)
+    assert body.ops["HMMA"] == (16 if wide else 8), body.ops
     assert not (body.ops["STS"] or body.ops["LDS"] or body.ops["BAR"]), body.ops

@@ -504,7 +504,8 @@ def _specs(rows_tiling: bool) -> list[CompileSpec]:
 HALF2 = "half2"
 HALF2_ROWS = "half2-rows"
 MMA = "mma"  # kernels/quant_mma.py's tensor-core form (sm_80+, not on the compat route): (MMA, KU, num_warps)
-DOT = "dot"  # the tiled dequant-GEMM (kernels/quant_dot.py): the 5-8-row class's default where MMA competes
+DOT = "dot"  # the tiled dequant-GEMM (kernels/quant_dot.py): the 5-8 / 9-16-row classes' default
+# where MMA competes
 
 
 def few_row_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,

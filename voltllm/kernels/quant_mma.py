@@ -1,5 +1,5 @@
-"""4-bit kept-quantized weights times 1-8 activation rows with the dot products on tensor cores (sm_80+): the
-decode GEMV for cards whose bandwidth outruns their issue rate.
+"""4-bit kept-quantized weights times a few (1-16 per weight read) activation rows with the dot products on tensor
+cores (sm_80+): the decode GEMV for cards whose bandwidth outruns their issue rate.
 
 On the H200 the packed-fp16 form (quant_half2.py) issues ~3.4 instructions per weight, about half of them the
 f16x2 products and their conversions to fp32: at 4.8 TB/s of 4-bit codes that is more than the SMs can issue
@@ -13,7 +13,8 @@ Fragment mapping (one warp = 8 groups g x 4 lanes t; lane = 4 g + t, as the mma'
   feed one mma (k slots 2t.. / 2t + 8..), pairs 2 / 3 a second one.
 - lane (g, t) holds B's column g: activation row g's pairs at the same units. So D[i, j] = row R + i times
   activation row j, and lane (g, t) ends with rows R + g, R + g + 8 times activation rows 2t, 2t + 1 (c0 .. c3):
-  up to 8 activation rows share one read of the weights.
+  up to 8 activation rows share one read of the weights; with WIDE (9+ rows) a second B fragment (activation rows
+  8..15) meets the same dequantized A registers in two more mmas per word.
 Each lane's tensors are [4, 8, KU, 4] (t x g x its KU units per iteration x the unit's 4 words: Triton's layout
 follows the loads' contiguity, then the dims in index order, so t and g first give exactly lane = 4 g + t, the
 words stay in the thread, the warps take KU). Accumulators
@@ -79,9 +80,11 @@ def _unit_pairs(X32, base, mask):  # X32: the activation rows' pointers [1, 8, 1
 def _quant_mma_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, stride_lo, stride_d, stride_s,
                       KU: tl.constexpr, ZERO: tl.constexpr, SUPER: tl.constexpr, SHIFT: tl.constexpr,
                       ZP: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-                      STAGES: tl.constexpr):
+                      STAGES: tl.constexpr, WIDE: tl.constexpr):
     """Y[M, N] = X[M, K] W^T (+ B) for 16 weight rows and up to 8 activation rows per program (see the module
-    docstring). LO: int32 words [N, K / 8]; X: fp16 pairs as int32 [M, K / 2]; strides in those views' elements."""
+    docstring); WIDE: up to 16, as two B fragments (columns g and 8 + g) multiplied by the same dequantized weight
+    registers (twice the mmas and activation loads, one weight read). LO: int32 words [N, K / 8]; X: fp16 pairs as
+    int32 [M, K / 2]; strides in those views' elements."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -93,12 +96,18 @@ def _quant_mma_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, st
     w = tl.arange(0, 4)[None, None, None, :]
     row_a = tl.minimum(pid_n * 16 + g, N - 1)  # rows past N repeat the last (their stores are masked)
     row_b = tl.minimum(pid_n * 16 + 8 + g, N - 1)
-    xrow = pid_m * 8 + g  # B's column g
+    MR: tl.constexpr = 16 if WIDE else 8  # activation rows per program
+    xrow = pid_m * MR + g  # B's column g
     xmask_row = xrow < M
+    xmask_wide = xrow + 8 < M  # the second fragment's column g: activation row 8 + g
     acc0 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)
     acc1 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)
     acc2 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)
     acc3 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)
+    acc4 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)  # WIDE only: activation rows 8..15 of the program
+    acc5 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)
+    acc6 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)
+    acc7 = tl.zeros((4, 8, KU, 4), dtype=tl.float32)
     for u0 in tl.range(0, NU, 4 * KU, num_stages=STAGES):
         u = u0 + j * 4 + t  # [4, 1, KU, 1]
         um = u < NU
@@ -117,6 +126,10 @@ def _quant_mma_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, st
         base = (u >> 1) * 32 + (u & 1) * 8  # the unit's first activation pair
         x0, x1, x2, x3 = _unit_pairs(X + xrow * stride_xm, base, um & xmask_row)
         acc0, acc1, acc2, acc3 = _word_mma(a0, a1, a2, a3, b0, b1, b2, b3, x0, x1, x2, x3, acc0, acc1, acc2, acc3)
+        if WIDE:
+            v0, v1, v2, v3 = _unit_pairs(X + (xrow + 8) * stride_xm, base, um & xmask_wide)
+            acc4, acc5, acc6, acc7 = _word_mma(a0, a1, a2, a3, b0, b1, b2, b3, v0, v1, v2, v3, acc4, acc5, acc6,
+                                               acc7)
     # lane (g, t): c0 / c1 = rows R + g times activation rows 2t / 2t + 1, c2 / c3 = rows R + g + 8
     tt = tl.arange(0, 4)[:, None]
     gg = tl.arange(0, 8)[None, :]
@@ -128,8 +141,12 @@ def _quant_mma_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, st
         for odd in tl.static_range(2):
             acc = (acc0 if odd == 0 else acc1) if half == 0 else (acc2 if odd == 0 else acc3)
             y = tl.sum(tl.sum(acc, 3), 2) + bias  # [4, 8]: (lane t, row) -> activation row 2t + odd
-            m = pid_m * 8 + 2 * tt + odd
+            m = pid_m * MR + 2 * tt + odd
             tl.store(Y + m * stride_ym + n, y.to(Y.dtype.element_ty), mask=(n < N) & (m < M))
+            if WIDE:
+                acc = (acc4 if odd == 0 else acc5) if half == 0 else (acc6 if odd == 0 else acc7)
+                y = tl.sum(tl.sum(acc, 3), 2) + bias
+                tl.store(Y + (m + 8) * stride_ym + n, y.to(Y.dtype.element_ty), mask=(n < N) & (m + 8 < M))
 
 
 def quant_mma_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None,
@@ -150,12 +167,13 @@ def quant_mma_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = Non
     x32 = x.view(torch.int32)
     sc = planes.sc if planes.sc is not None else planes.lo
     mn = planes.mn if planes.mn is not None else planes.lo
-    grid = (triton.cdiv(planes.n, 16), triton.cdiv(m, MAX_ROWS))
+    wide = m > MAX_ROWS  # 9+ rows: 16 per program (one weight read for twice the rows)
+    grid = (triton.cdiv(planes.n, 16), triton.cdiv(m, 2 * MAX_ROWS if wide else MAX_ROWS))
     _quant_mma_kernel[grid](
         x32, out, bias if bias is not None else out, lo32, planes.d, sc, mn, m, planes.n, nu, x32.stride(0),
         out.stride(0), lo32.stride(0), planes.d.stride(0), sc.stride(0) if planes.sc is not None else mn.stride(0),
         KU=ku, ZERO=kind.zero, SUPER=kind.super, SHIFT=kind.super.bit_length() - 1, ZP=kind.zero_points,
-        FP4=kind.fp4, HAS_BIAS=bias is not None, STAGES=stages, num_warps=warps, **pdl.launch_options())
+        FP4=kind.fp4, HAS_BIAS=bias is not None, STAGES=stages, WIDE=wide, num_warps=warps, **pdl.launch_options())
     return out
 
 
@@ -167,15 +185,18 @@ def supported_device(device: torch.device) -> bool:
 _SIGNATURE = {"X": "*i32", "Y": "*fp16", "B": "*fp16", "LO": "*i32", "D": "*fp16", "SC": "*i8", "MN": "*i8", "M": "i32",
               "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_d": "i32",
               "stride_s": "i32", **{k: "constexpr" for k in ("KU", "ZERO", "SUPER", "SHIFT", "ZP", "FP4", "HAS_BIAS",
-                                                              "PDL", "STAGES")}}
+                                                              "PDL", "STAGES", "WIDE")}}
 
 
 def _specs() -> list[CompileSpec]:
     specs = []
     for kind in (int4_kind(128, True), NVFP4_KIND):
-        consts = {"KU": 4, "ZERO": kind.zero, "SUPER": kind.super, "SHIFT": kind.super.bit_length() - 1,
-                  "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": False, "PDL": False, "STAGES": 1}
-        specs.append(CompileSpec({**_SIGNATURE, "D": "*fp32"} if kind.fp4 else _SIGNATURE, consts, kind.name))
+        for wide in (False, True):
+            consts = {"KU": 4, "ZERO": kind.zero, "SUPER": kind.super, "SHIFT": kind.super.bit_length() - 1,
+                      "ZP": kind.zero_points, "FP4": kind.fp4, "HAS_BIAS": False, "PDL": False, "STAGES": 1,
+                      "WIDE": wide}
+            specs.append(CompileSpec({**_SIGNATURE, "D": "*fp32"} if kind.fp4 else _SIGNATURE, consts,
+                                     kind.name + ("-wide" if wide else "")))
     return specs
 
 

@@ -15,18 +15,18 @@ from typing import Callable
 
 import torch
 
-from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, MMA_MAX_ROWS, QuantizedLinearMethod, held_segments
+from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, MMA_ROW_CLASSES, QuantizedLinearMethod, held_segments
 from voltllm.kernels.quant_half2 import DOT, HALF2, HALF2_ROWS, MMA
 from voltllm.model.layers.gguf_planes import Planes, map_planes
 
 logger = logging.getLogger(__name__)
 
-TUNE_ROWS = (1, FMA_MAX_ROWS, MMA_MAX_ROWS)
+TUNE_ROWS = (1, FMA_MAX_ROWS, *MMA_ROW_CLASSES)
 # (BLOCK_N, U, num_warps) per row class, the default first. The one-warp tiles keep several rows in each thread's
 # registers, so each activation element is converted once for all of them (unmeasured in session 23).
 CANDIDATES = {1: [(1, 64, 2), (2, 32, 2), (1, 32, 1), (4, 32, 1), (8, 32, 1), (4, 16, 1)],
               FMA_MAX_ROWS: [(16, 8, 4), (8, 16, 4), (4, 32, 1), (8, 16, 1)],
-              MMA_MAX_ROWS: [(DOT,)]}  # 5-8 rows: quant_dot unless the tensor-core form is timed faster
+              **{r: [(DOT,)] for r in MMA_ROW_CLASSES}}  # 5-16 rows: quant_dot unless the tensor-core form wins
 # the packed-fp16 form's tiles (kernels/quant_half2.py; 4-bit kinds, fp16 activations), (HALF2 | HALF2_ROWS, BLOCK_N,
 # U, num_warps): the fastest per row class in the H200 sweeps of both tilings at the qwen3-8b shapes
 # (results/session28/s100, s102): the second tiling wins every one-row shape (by 10-28 %), the first most four-row ones
@@ -34,12 +34,14 @@ HALF2_CANDIDATES = {1: [(HALF2_ROWS, 2, 32, 1), (HALF2_ROWS, 2, 64, 2), (HALF2_R
                         (HALF2_ROWS, 2, 128, 4)],
                     FMA_MAX_ROWS: [(HALF2, 2, 32, 2), (HALF2, 4, 16, 2), (HALF2, 2, 64, 4), (HALF2_ROWS, 2, 32, 1),
                                    (HALF2_ROWS, 2, 64, 1)],
-                    MMA_MAX_ROWS: []}
+                    **{r: [] for r in MMA_ROW_CLASSES}}
 # the tensor-core form's (MMA, KU, num_warps) (kernels/quant_mma.py; sm_80+ and not the compat route): the H200 sweep
 # at the qwen3-8b shapes (results/session29, s104): 2-3x faster than both packed-fp16 tilings at 4 and 8 rows
-# (AWQ 24576x4096, 8 rows: 28.6 vs 98.2 us), never the fastest at one row, so not timed there
+# (AWQ 24576x4096, 8 rows: 28.6 vs 98.2 us), never the fastest at one row, so not timed there; 9-16 rows take its WIDE
+# form (two activation fragments per weight read: 128 registers at KU 4, hence also the smaller tiles)
 MMA_CANDIDATES = {1: [], FMA_MAX_ROWS: [(MMA, 8, 4), (MMA, 4, 4), (MMA, 2, 2)],
-                  MMA_MAX_ROWS: [(MMA, 8, 4), (MMA, 4, 4), (MMA, 2, 2)]}
+                  8: [(MMA, 8, 4), (MMA, 4, 4), (MMA, 2, 2)],
+                  16: [(MMA, 8, 4), (MMA, 4, 4), (MMA, 4, 2), (MMA, 2, 2)]}
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -82,8 +84,8 @@ def choose(candidates: list, time_ms: Callable[[object], float], agrees: Callabl
 def tune_quant_tiles(model: torch.nn.Module, method: QuantizedLinearMethod, dtype: torch.dtype,
                      tensor_cores: bool = False) -> list[str]:
     """Time the candidates per (kind, N, K) and row class with activations of `dtype`; the choices go into
-    method.tiles. `tensor_cores`: the tensor-core form may compete (sm_80+ and not the compat route); the 5-8-row
-    class exists only then. Returns log lines."""
+    method.tiles. `tensor_cores`: the tensor-core form may compete (sm_80+ and not the compat route); the 5-8 and
+    9-16-row classes exist only then. Returns log lines."""
     from voltllm.kernels.quant_half2 import few_row_matmul, fits, operands_ok
     from voltllm.kernels.quant_mma import supported_device
     from voltllm.worker.skinny_tuning import graph_replay_ms
@@ -97,7 +99,7 @@ def tune_quant_tiles(model: torch.nn.Module, method: QuantizedLinearMethod, dtyp
         for rows in TUNE_ROWS:
             x = torch.randn(rows, k, dtype=dtype, device=planes.device)
             packed = half2 and operands_ok(x, planes, None)
-            if rows == MMA_MAX_ROWS and not (packed and mma):
+            if rows in MMA_ROW_CLASSES and not (packed and mma):
                 continue  # quant_dot without timing (segment_product's route when no tile is chosen)
             candidates = (CANDIDATES[rows] + (HALF2_CANDIDATES[rows] if packed else [])
                           + (MMA_CANDIDATES[rows] if packed and mma else []))

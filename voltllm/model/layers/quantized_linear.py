@@ -10,7 +10,8 @@ The product, by row count (M):
 - up to `fma_max_rows` rows (decode): the dequant-GEMM (kernels.quant_gemv), which reads the weight once at its
   quantized size and needs no tensor cores (the same on every route), or its packed-fp16 form (kernels.quant_half2);
 - up to MMA_MAX_ROWS rows, where the start-up tuner timed it faster than quant_dot (sm_80+, not the compat route):
-  the tensor-core GEMV (kernels.quant_mma), one weight read for all the rows;
+  the tensor-core GEMV (kernels.quant_mma), one weight read for up to 16 rows (batched decode, a speculative
+  verification of K + 1 <= 16 rows);
 - up to `dot_max_rows` rows (decode batches): the tiled dequant-GEMM (kernels.quant_dot), which dequantizes each
   weight tile in registers once per block of rows and multiplies with `tl.dot` (tensor cores from sm_80 on, FMAs
   below, hence a lower limit there: kernels.quant_dot.dot_max_rows);
@@ -33,14 +34,18 @@ from voltllm.model.layers.linear import LinearMethod
 
 # rows up to which the dequant-GEMM beats dequantize + cuBLAS (H200 sweep: benchmarks/results/gguf-quant/)
 FMA_MAX_ROWS = 4
-# rows up to which the tensor-core GEMV (kernels/quant_mma.py, sm_80+) may take a product, when the start-up tuner
-# timed it faster than quant_dot at this many rows (one weight read for all of them: batched decode, spec verification)
-MMA_MAX_ROWS = 8
+# the row classes above FMA_MAX_ROWS (5-8, 9-16) where the tensor-core GEMV (kernels/quant_mma.py, sm_80+) may take a
+# product, when the start-up tuner timed it faster than quant_dot at that many rows (one weight read for all of them:
+# batched decode, speculative verification)
+MMA_ROW_CLASSES = (8, 16)
+MMA_MAX_ROWS = MMA_ROW_CLASSES[-1]
 
 
 def row_class(rows: int) -> int:
-    """The tuner's row class of a product of `rows` activation rows: 1, FMA_MAX_ROWS (2-4) or MMA_MAX_ROWS (5-8)."""
-    return 1 if rows == 1 else FMA_MAX_ROWS if rows <= FMA_MAX_ROWS else MMA_MAX_ROWS
+    """The tuner's row class of a product of `rows` activation rows: 1, FMA_MAX_ROWS (2-4), 8 (5-8) or 16 (9-16)."""
+    if rows == 1:
+        return 1
+    return FMA_MAX_ROWS if rows <= FMA_MAX_ROWS else next(c for c in MMA_ROW_CLASSES if rows <= c)
 # the largest dequantized workspace: bigger matrices (a 152K-token vocabulary: 1.2-1.5 GB in fp16, which prompt
 # logprobs multiply by every prompt row) are dequantized in bands of rows, so no step needs more than this beyond
 # what the start-up memory profile saw
@@ -148,7 +153,8 @@ class QuantizedLinearMethod(LinearMethod):
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
         # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, row_class) -> config,
         # (BLOCK_N, U, num_warps) of quant_gemv's fp32 form, (HALF2 | HALF2_ROWS, BLOCK_N, U, num_warps) of
-        # quant_half2's, (MMA, KU, num_warps) of quant_mma's or (DOT,); the 5-8-row class only where MMA was timed
+        # quant_half2's, (MMA, KU, num_warps) of quant_mma's or (DOT,); the 5-8 / 9-16-row classes only where MMA was
+        # timed
         self.tiles: dict[tuple[str, int, int, int], tuple] = {}
 
     def create_weights(self, layer, in_features, out_features, dtype):
