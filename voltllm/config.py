@@ -263,7 +263,8 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         from voltllm.attention.kv_spec import FP8_KV_DTYPES, kv_cache_dtype_error  # fp8*: uint8 cache
 
         if kv_err := kv_cache_dtype_error(self.kv_cache_dtype, dtype):
@@ -286,11 +287,15 @@ class EngineArgs:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
 
         quantized_weights = _quantized_weights(method, self.quantization, hf_config, device, self.load_format)
-        if self.tensor_parallel_size > 1 and quantized_weights == "auto":  # TP shards dense weights only
-            quantized_weights = "dequantized"
-        from voltllm.distributed.support import tensor_parallel_error
+        from voltllm.distributed.support import quantized_split_error, tensor_parallel_error
 
-        if tp_err := tensor_parallel_error(self.tensor_parallel_size, hf_config, device, spec, quantized_weights):
+        if quantized_weights == "auto" and (split_err := quantized_split_error(self.tensor_parallel_size, hf_config,
+                                                                               method)):
+            # TP shards weights kept quantized too, but not across a quantized block: "auto" falls back to dense
+            logger.warning("%s weights are dequantized at load: %s", method, split_err)
+            quantized_weights = "dequantized"
+        if tp_err := tensor_parallel_error(self.tensor_parallel_size, hf_config, device, spec, quantized_weights,
+                                           method):
             raise ConfigError(tp_err)
         gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")

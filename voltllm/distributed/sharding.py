@@ -4,6 +4,10 @@
   rank keeps the one KV head its query heads read (replicated over N / kv_heads ranks).
 - MLP: the intermediate dimension split evenly (gate and up alike).
 - Vocabulary (embedding, LM head): ceil(V / N) rows per rank, the last rank's tail zero-padded.
+
+Weights kept quantized (model.layers.quantized_linear.PackedWeight) are cut the same way, lazily: `PackedWeight.cut`
+records the slice and applies it when the layer re-lays the weight (rows: whole plane rows; input columns: whole
+blocks / groups of the format, else a load error naming the layer, the kind and the multiple).
 """
 from __future__ import annotations
 
@@ -42,14 +46,25 @@ def vocab_rows(vocab: int, size: int) -> int:
     return -(-vocab // size)
 
 
-def take_rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+def _packed(t) -> bool:
+    from voltllm.model.layers.quantized_linear import PackedWeight
+
+    return isinstance(t, PackedWeight)
+
+
+def take_rows(t, start: int, n: int):
     """Rows [start, start + n) of t (dim 0), zero rows where they pass its end (the vocabulary's padded tail)."""
+    if _packed(t):
+        return t.cut(0, start, n)
     part = t[start:start + n]
     if part.shape[0] == n:
         return part
     return torch.cat([part, part.new_zeros((n - part.shape[0],) + tuple(t.shape[1:]))])
 
 
-def take_cols(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    """Columns [start, start + n) of a 2-D weight (a row-parallel projection's input features)."""
+def take_cols(t, start: int, n: int, what: str = ""):
+    """Columns [start, start + n) of a 2-D weight (a row-parallel projection's input features); `what` names the
+    layer in a packed weight's misaligned-cut error."""
+    if _packed(t):
+        return t.cut(1, start, n, what)
     return t[:, start:start + n]

@@ -1,6 +1,7 @@
 """What runs under --tensor-parallel-size N > 1, checked once at configuration time (one-line reasons)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -13,8 +14,9 @@ TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
 def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, speculative: Any,
-                          quantized_weights: str) -> Optional[str]:
-    """Why this configuration cannot run with tensor parallelism `tp` (None: it can)."""
+                          quantized_weights: str, method: Optional[str] = None) -> Optional[str]:
+    """Why this configuration cannot run with tensor parallelism `tp` (None: it can). `quantized_weights` and
+    `method`: ModelConfig's (weights kept quantized are split too, see quantized_split_error)."""
     flag = f"--tensor-parallel-size {tp}"
     if tp < 1:
         return f"--tensor-parallel-size must be >= 1, got {tp}"
@@ -46,9 +48,8 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
         return f"{flag}: the model's intermediate size {inter} does not divide by {tp}"
     if speculative is not None:
         return f"{flag}: speculative decoding (--speculative-config) is not supported under tensor parallelism"
-    if quantized_weights != "dequantized":
-        return (f"{flag}: weights kept quantized are not supported under tensor parallelism; drop --quantization to "
-                "dequantize them at load")
+    if quantized_weights == "quantized" and (err := quantized_split_error(tp, hf_config, method)):
+        return err
     if device.type == "cuda":
         first = device.index or 0
         count = torch.cuda.device_count()
@@ -56,4 +57,61 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
             return f"{flag}: needs {tp} CUDA devices from cuda:{first}, but {count} are visible"
     elif device.type != "cpu":
         return f"{flag}: tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {device.type}"
+    return None
+
+
+def _column_multiple(hf_config: Any, method: Optional[str]) -> Optional[tuple[int, str]]:
+    """(inputs, what) at which the planes of a kept-quantized checkpoint can be cut along the inputs
+    (gguf_planes.column_multiple), as far as the config tells; None where it does not say (act-order GPTQ is
+    dequantized per layer; FP8 quantized at load cuts the unquantized weight)."""
+    from voltllm.model.layers.gguf_planes import FP8_KIND, GROUP, NVFP4_KIND, column_multiple
+    from voltllm.model.loader.int4_checkpoint import int4_scheme, quantization_method
+
+    if method in ("awq", "gptq"):
+        scheme = int4_scheme(hf_config)
+        if scheme is None or scheme.desc_act:
+            return None
+        if scheme.group_size in (-1, 0):
+            return -1, f"{method.upper()} with one scale per row (group_size {scheme.group_size})"
+        return math.lcm(GROUP, scheme.group_size), f"{method.upper()} in groups of {scheme.group_size}"
+    if method == "fp8":
+        return None if quantization_method(hf_config) is None else (column_multiple(FP8_KIND), "FP8 (E4M3)")
+    if method in ("modelopt_fp4", "compressed-tensors"):
+        return column_multiple(NVFP4_KIND), "NVFP4"
+    if method == "gguf":  # per tensor type: 64 at least (K-quants 256, checked at load)
+        return GROUP, "GGUF"
+    return None
+
+
+def quantized_split_error(tp: int, hf_config: Any, method: Optional[str]) -> Optional[str]:
+    """Why the weights kept quantized cannot be split over `tp` ranks (None: they can). A row-parallel projection
+    (o_proj, down_proj, GDN out_proj) gives each rank a band of its inputs, which must be whole blocks / groups of the
+    quantized format wherever the whole weight is kept quantized (its inputs a multiple of them)."""
+    if tp <= 1:
+        return None
+    rule = _column_multiple(hf_config, method)
+    if rule is None:
+        return None
+    mult, what = rule
+    flag = f"--tensor-parallel-size {tp}"
+    if mult < 0:
+        return (f"{flag}: {what}: a row-parallel projection's scales span all its inputs, which cannot be split "
+                "across ranks while kept quantized; drop --quantization to dequantize at load")
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+
+    def get(name: str) -> int:
+        return int(getattr(cfg, name, None) or 0)
+
+    heads = get("num_attention_heads")
+    inputs = {"attention heads x head_dim": heads * (get("head_dim") or get("hidden_size") // max(heads, 1)),
+              "intermediate size": get("intermediate_size"),
+              "Gated DeltaNet value heads x value dim": get("linear_num_value_heads") * get("linear_value_head_dim")}
+    for name, width in inputs.items():
+        if not width or width % mult or width % tp:
+            continue  # not kept quantized whole (dequantized per layer), or not divisible: tensor_parallel_error's
+        if (width // tp) % mult:
+            return (f"{flag}: the model's {name} {width} / {tp} = {width // tp} inputs per rank is not a multiple of "
+                    f"{mult} ({what}: a row-parallel projection's quantized blocks cannot be split); use a tensor-"
+                    f"parallel size that gives each rank a multiple of {mult}, or drop --quantization to dequantize "
+                    "at load")
     return None

@@ -213,7 +213,8 @@ class ModelRunner:
             from voltllm.model.loader.nvfp4_checkpoint import dense_bytes
         else:
             from voltllm.model.loader.int4_checkpoint import dense_bytes
-        dense = dense_bytes(mc.model, itemsize)
+        # (under tensor parallelism each rank holds 1/N of it: the same rule per GPU as without)
+        dense = dense_bytes(mc.model, itemsize) / self.config.parallel.tensor_parallel_size
         room = torch.cuda.get_device_properties(self.device).total_memory * self.config.cache.gpu_memory_utilization
         keep = dense > AUTO_DENSE_FRACTION * room
         logger.info("%s weights: %.2f GiB dequantized, %.2f GiB usable on the GPU -> %s (--quantization %s keeps "

@@ -423,8 +423,8 @@ class GatedDeltaNet(nn.Module):
     def load_hf_weight(self, name: str, tensor: Any, prefix: str = "") -> list[str]:
         """`name` is relative to the HF module (e.g. 'in_proj_qkvz.weight'); returns the keys it filled. Projection
         weights may be dense tensors or packed quantized ones (quantized_linear.PackedWeight): both are cut into the
-        merged projection's shards by rows (split_rows). Under tensor parallelism (dense weights only) each shard is
-        then cut to this rank's heads (_local)."""
+        merged projection's shards by rows (split_rows). Under tensor parallelism each shard is then cut to this
+        rank's heads (_local; packed ones lazily, distributed.sharding)."""
         nk, nv, dk, dv = self.full_nk, self.full_nv, self.dk, self.dv
         kd, vd = nk * dk, nv * dv
         if name == "in_proj_qkv.weight":
@@ -467,7 +467,7 @@ class GatedDeltaNet(nn.Module):
             return [f"{prefix}norm_weight"]
         if name == "out_proj.weight":  # row-parallel: this rank's value heads' input columns
             if self.tp is not None:
-                tensor = take_cols(tensor, self.v_start * dv, self.value_dim)
+                tensor = take_cols(tensor, self.v_start * dv, self.value_dim, prefix + "out_proj")
             self.out_proj.load_weight(tensor)
             return [f"{prefix}out_proj#0"]
         raise ValueError(f"unexpected GDN weight {name!r}")

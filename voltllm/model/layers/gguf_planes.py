@@ -32,6 +32,7 @@ Q6_K 6.56.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -356,3 +357,49 @@ def random_blocks(type_name: str, n: int, k: int, generator: Optional[torch.Gene
         v = (torch.randn(n, nb, generator=generator) * scale).to(torch.float16)
         raw[..., off:off + 2] = v.view(torch.uint8).reshape(n, nb, 2)
     return raw.reshape(n, nb * kind.block_bytes)
+
+
+# --------------------------------------------------------------------------------------------------
+# tensor-parallel shards of planes (voltllm.distributed.sharding)
+# --------------------------------------------------------------------------------------------------
+def column_multiple(kind: PlaneKind) -> int:
+    """The input-column granularity at which planes of `kind` can be cut: whole `lo` groups (64 inputs, also the
+    1- / 2-bit `hi` packing's unit), whole blocks, sub-blocks and `d` spans. NVFP4's `d` is one global scale repeated
+    along the row, so it sets no boundary."""
+    m = math.lcm(GROUP, kind.block, kind.sub or 1)
+    return m if kind.fp4 else math.lcm(m, kind.super)
+
+
+def col_band(p: Planes, start: int, end: int) -> Planes:
+    """Input columns [start, end) as planes of their own (copies, so the whole weight can be freed); start and end
+    must be multiples of column_multiple(p.kind) (checked: the caller names the layer)."""
+    mult = column_multiple(p.kind)
+    if start % mult or end % mult or not 0 <= start < end <= p.k:
+        raise ValueError(f"columns [{start}, {end}) of a {p.kind.name} weight with {p.k} inputs: the cut must fall on "
+                         f"multiples of {mult} inputs")
+
+    def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        if t is p.d and p.kind.fp4:  # one value per row, repeated per 256 inputs (a partial last span)
+            return t[:, :-(-(end - start) // p.kind.super)].contiguous()
+        per = p.k // t.shape[1]  # inputs per column of this plane (p.k // t.shape[1] exactly: aligned kinds)
+        return t[:, start // per:end // per].contiguous()
+
+    return Planes(kind=p.kind, n=p.n, k=end - start, lo=cut(p.lo), hi=cut(p.hi), d=cut(p.d), m=cut(p.m),
+                  sc=cut(p.sc), mn=cut(p.mn))
+
+
+def row_shard(p: Planes, start: int, n: int) -> Planes:
+    """Rows [start, start + n) as copies (so the whole weight can be freed), all-zero planes for rows past the end
+    (the vocabulary's padded tail: d = m = 0 makes every kind's value 0)."""
+    end = min(start + n, p.n)
+
+    def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        part = t[start:end]
+        return torch.cat([part, part.new_zeros((n - part.shape[0],) + tuple(t.shape[1:]))]) if part.shape[0] < n \
+            else part.clone()
+
+    return map_planes(p, cut, n)

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voltllm.model.layers.gguf_planes import (Planes, concat_rows, dequantize_planes, planes_from_blocks, row_band,
-                                              take_rows)
+from voltllm.model.layers.gguf_planes import (Planes, col_band, column_multiple, concat_rows, dequantize_planes,
+                                              planes_from_blocks, row_band, row_shard, take_rows)
 from voltllm.model.layers.linear import LinearMethod
 
 # rows up to which the dequant-GEMM beats dequantize + cuBLAS (H200 sweep: benchmarks/results/gguf-quant/)
@@ -65,6 +65,46 @@ class PackedWeight:
         """The dense matrix [out_features, in_features] (layers that keep no quantized form, e.g. MoE experts)."""
         raise NotImplementedError
 
+    def cut(self, dim: int, start: int, n: int, what: str = "") -> "PackedWeight":
+        """Rows (dim 0) or input columns (dim 1) [start, start + n), rows past the end zeros: a tensor-parallel
+        shard (distributed.sharding). Formats that can cut their stored form cheaply override this."""
+        return PackedSlice(self, dim, start, n, what)
+
+
+class PackedSlice(PackedWeight):
+    """Rows or input columns [start, start + n) of another packed weight, cut right after it is re-laid (so a rank
+    holds the whole weight only while it loads that one layer) or dequantized. Column cuts must fall on the planes'
+    block / group boundaries (gguf_planes.column_multiple): a cut that does not raises, naming the layer, the kind
+    and the multiple, rather than mixing groups."""
+
+    def __init__(self, inner: PackedWeight, dim: int, start: int, n: int, what: str = ""):
+        self.inner, self.dim, self.start, self.n, self.what = inner, dim, start, n, what
+        self.out_features = n if dim == 0 else inner.out_features
+        self.in_features = inner.in_features if dim == 0 else n
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
+        w = self.inner.to_weight(device, dtype)
+        if isinstance(w, torch.Tensor):  # a layout the planes cannot hold: dense, cut as dense
+            return self._cut_dense(w)
+        if self.dim == 0:
+            return row_shard(w, self.start, self.n)
+        mult = column_multiple(w.kind)
+        if self.start % mult or self.n % mult:
+            raise ValueError(f"{self.what or 'a row-parallel projection'}: this rank's input columns [{self.start}, "
+                             f"{self.start + self.n}) of a weight kept quantized as {w.kind.name} must start and end "
+                             f"on multiples of {mult} inputs (its blocks / groups); choose a --tensor-parallel-size "
+                             f"that gives each rank a multiple of {mult} inputs, or drop --quantization to dequantize "
+                             "at load")
+        return col_band(w, self.start, self.start + self.n)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        return self._cut_dense(self.inner.dequantize(dtype, device))
+
+    def _cut_dense(self, w: torch.Tensor) -> torch.Tensor:
+        from voltllm.distributed.sharding import take_cols, take_rows as take_dense_rows
+
+        return (take_dense_rows(w, self.start, self.n) if self.dim == 0 else take_cols(w, self.start, self.n)).clone()
+
 
 @dataclass
 class GGUFBlocks(PackedWeight):
@@ -76,6 +116,14 @@ class GGUFBlocks(PackedWeight):
 
     def take_rows(self, index: torch.Tensor) -> "GGUFBlocks":
         return GGUFBlocks(self.type_name, self.raw[index], self.out_features, self.in_features)
+
+    def cut(self, dim: int, start: int, n: int, what: str = "") -> PackedWeight:
+        if dim == 1:
+            return PackedSlice(self, dim, start, n, what)
+        # rows of whole blocks, all-zero blocks past the end (scale 0: every type's value 0)
+        from voltllm.distributed.sharding import take_rows as take_dense_rows
+
+        return GGUFBlocks(self.type_name, take_dense_rows(self.raw, start, n), n, self.in_features)
 
     def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Planes:
         return planes_from_blocks(self.raw, self.type_name, self.in_features, device)
@@ -101,6 +149,11 @@ class PackedRows(PackedWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
         w = self.source.dense(dtype, device)
         return w.index_select(0, self.index.to(w.device))
+
+    def cut(self, dim: int, start: int, n: int, what: str = "") -> PackedWeight:
+        if dim == 0 and start + n <= self.index.numel():  # fewer rows of the same source
+            return PackedRows(self.source, self.index[start:start + n])
+        return PackedSlice(self, dim, start, n, what)
 
 
 class _SharedPacked:
@@ -228,13 +281,25 @@ class QuantizedLinearMethod(LinearMethod):
 class QuantEmbedding(nn.Module):
     """A GGUF token-embedding matrix kept quantized (or dense, for types without a plane layout): a lookup
     dequantizes only the rows it gathers; a tied LM head multiplies by the same planes (QuantizedLinearMethod's routes),
-    so the vocabulary matrix is held once, at its quantized size, and read at that size per decode step."""
+    so the vocabulary matrix is held once, at its quantized size, and read at that size per decode step.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, method: QuantizedLinearMethod):
+    Under tensor parallelism (`tp`) it is vocabulary-parallel like layers.vocab_parallel.VocabParallelEmbedding: each
+    rank holds its ceil(V / N) rows, still quantized (the padded tail: all-zero planes, whose value is 0); a lookup
+    reads the ids this rank holds and the ranks sum; the tied head's logits are gathered by the model."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, method: QuantizedLinearMethod,
+                 tp=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype, self.method = num_embeddings, embedding_dim, dtype, method
         self.device = torch.empty(0).device  # the model is built under `with torch.device(...)`
         self.table: Optional[Segment] = None
+        self.tp = tp
+        self.rows, self.start = num_embeddings, 0
+        if tp is not None:
+            from voltllm.distributed.sharding import vocab_rows
+
+            self.rows = vocab_rows(num_embeddings, tp.size)
+            self.start = tp.rank * self.rows
 
     @property
     def weight(self) -> Optional[torch.Tensor]:
@@ -245,16 +310,29 @@ class QuantEmbedding(nn.Module):
         shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, PackedWeight) else tuple(tensor.shape)
         if shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"embedding of shape {shape}, expected {(self.num_embeddings, self.embedding_dim)}")
+        if self.tp is not None:
+            from voltllm.distributed.sharding import take_rows as take_shard
+
+            tensor = take_shard(tensor, self.start, self.rows)
         w = (tensor.to_weight(self.device, self.dtype) if isinstance(tensor, PackedWeight)
              else tensor.to(dtype=self.dtype, device=self.device))
-        self.table = Segment(0, self.num_embeddings, w)
+        self.table = Segment(0, self.rows, w)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        held = None
+        if self.tp is not None:  # this rank's rows; the others' ids read row 0, zeroed below
+            local = ids - self.start
+            held = (local >= 0) & (local < self.rows)
+            ids = torch.where(held, local, torch.zeros_like(local))
         w = self.table.weight
         if isinstance(w, torch.Tensor):
-            return F.embedding(ids, w)
-        rows = dequantized(take_rows(w, ids.reshape(-1)), self.dtype)
-        return rows.reshape(*ids.shape, self.embedding_dim)
+            out = F.embedding(ids, w)
+        else:
+            out = dequantized(take_rows(w, ids.reshape(-1)), self.dtype).reshape(*ids.shape, self.embedding_dim)
+        if held is None:
+            return out
+        out.masked_fill_(~held.unsqueeze(-1), 0)
+        return self.tp.all_reduce_(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, dim] times the table^T: the tied LM head."""

@@ -137,6 +137,13 @@ class QuantizeAtLoad(PackedWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
         return FP8Weight.quantize(self.weight.to(device)).dequantize(dtype, device)
 
+    def cut(self, dim: int, start: int, n: int, what: str = "") -> "QuantizeAtLoad":
+        """A tensor-parallel shard: the unquantized rows / columns, quantized when they load (the same scales as the
+        whole weight's where the columns start on a 128-input block)."""
+        from voltllm.distributed.sharding import take_cols, take_rows
+
+        return QuantizeAtLoad(take_rows(self.weight, start, n) if dim == 0 else take_cols(self.weight, start, n))
+
 
 def fp8_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: FP8Scheme,
                 keep_quantized: bool) -> Iterator[tuple[str, Any]]:

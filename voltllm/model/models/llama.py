@@ -168,10 +168,10 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
         from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, QuantEmbedding
 
-        if tp is not None and (linear_method is not None or int(getattr(cfg, "num_experts", 0) or 0) > 0):
-            raise ValueError("tensor parallelism is built for dense llama-family models (no quantized layers, no MoE)")
-        if isinstance(linear_method, QuantizedLinearMethod):
-            self.embed_tokens = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method)
+        if tp is not None and int(getattr(cfg, "num_experts", 0) or 0) > 0:
+            raise ValueError("tensor parallelism is built for dense llama-family models (no MoE)")
+        if isinstance(linear_method, QuantizedLinearMethod):  # (under TP: this rank's vocabulary rows, see its doc)
+            self.embed_tokens = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method, tp)
         elif tp is not None:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         else:
@@ -238,8 +238,9 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         """Logits in the model's dtype: a greedy batch takes their argmax as they are; the sampler widens them to
         fp32 where it computes on them (an fp32 copy of 64 x 152K logits costs ~15 us per decode step)."""
         if self.logits_weight is None:  # a quantized head (its own, or the embeddings' planes)
-            return self.embed_tokens.logits(hidden) if self.tie else self.lm_head(hidden)
-        logits = linear(hidden, self.logits_weight, skinny=self.logits_skinny)
+            logits = self.embed_tokens.logits(hidden) if self.tie else self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.logits_weight, skinny=self.logits_skinny)
         if self.tp is None:
             return logits
         # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)
@@ -279,7 +280,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             raise ValueError(f"{module_name}: no tensor-parallel split is defined for it")
         if kind == "bias":
             return tensor if tp.rank == 0 else torch.zeros_like(tensor)
-        return take_cols(tensor, start, n)
+        return take_cols(tensor, start, n, module_name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

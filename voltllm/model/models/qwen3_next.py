@@ -46,7 +46,7 @@ from voltllm.model.layers.linear import Linear, LinearMethod
 from voltllm.model.layers.moe import SparseMoE
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
-from voltllm.model.layers.quantized_linear import dense_tensor
+from voltllm.model.layers.quantized_linear import PackedWeight, dense_tensor
 from voltllm.model.layers.rotary import RotaryEmbedding, rope_parameters
 from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 
@@ -191,7 +191,7 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
         if sub == "o_proj":
             if layer.tp is not None:  # row-parallel: this rank's heads' input columns; the bias added by rank 0 only
                 d, h = attn.head_dim, attn.heads
-                tensor = (take_cols(tensor, h.q_start * d, h.num_heads * d) if kind == "weight" else
+                tensor = (take_cols(tensor, h.q_start * d, h.num_heads * d, name) if kind == "weight" else
                           tensor if layer.tp.rank == 0 else torch.zeros_like(tensor))
             (attn.o_proj.load_weight if kind == "weight" else attn.o_proj.load_bias)(tensor)
             return [p + "self_attn.o_proj#0"]
@@ -203,9 +203,9 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
         if target is None:
             raise ValueError(f"unexpected weight {name!r} for a dense MLP layer")
         if layer.tp is not None:  # gate / up by intermediate rows, down by its input columns (as the llama family)
-            start, n = even_split(tensor.shape[1] if target[0] == "down_proj" else tensor.shape[0], layer.tp.rank,
-                                  layer.tp.size)
-            tensor = take_cols(tensor, start, n) if target[0] == "down_proj" else take_rows(tensor, start, n)
+            shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, PackedWeight) else tensor.shape
+            start, n = even_split(shape[1] if target[0] == "down_proj" else shape[0], layer.tp.rank, layer.tp.size)
+            tensor = take_cols(tensor, start, n, name) if target[0] == "down_proj" else take_rows(tensor, start, n)
         getattr(layer.mlp, target[0]).load_weight(tensor, target[1])
         return [p + f"mlp.{target[0]}#{target[1]}"]
     Qwen3NextForCausalLM._copy_param(params, name, tensor)
@@ -227,8 +227,8 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         mt = getattr(cfg, "model_type", "") or ""
         self.variant = ("qwen3_next" if mt.startswith("qwen3_next") else
                         "qwen3_5_moe" if mt.startswith("qwen3_5_moe") else "qwen3_5")
-        if tp is not None and (linear_method is not None or self.variant != "qwen3_5"):
-            raise ValueError("tensor parallelism is built for dense qwen3_5 hybrids (no quantized layers, no MoE)")
+        if tp is not None and self.variant != "qwen3_5":
+            raise ValueError("tensor parallelism is built for dense qwen3_5 hybrids (no MoE)")
         gdn_layout = "qkvz" if self.variant == "qwen3_next" else "split"
         layer_types = list(getattr(cfg, "layer_types", None) or [
             "full_attention" if (i + 1) % getattr(cfg, "full_attention_interval", 4) == 0 else "linear_attention"
@@ -300,9 +300,10 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.tie and self.lm_head.weight is None:  # a head held by a quantized LinearMethod
-            return self.lm_head(hidden)
-        w = self.embed_tokens.weight if self.tie else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, w)  # the model's dtype, as LlamaForCausalLM.compute_logits
+            logits = self.lm_head(hidden)
+        else:
+            w = self.embed_tokens.weight if self.tie else self.lm_head.weight
+            logits = torch.nn.functional.linear(hidden, w)  # the model's dtype, as LlamaForCausalLM.compute_logits
         if self.tp is None:
             return logits
         # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)
@@ -339,7 +340,7 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
                     loaded.add("lm_head#0")
                 continue
             if name == "embed_tokens.weight" and isinstance(self.embed_tokens, VocabParallelEmbedding):
-                self.embed_tokens.load(dense_tensor(tensor))
+                self.embed_tokens.load(dense_tensor(tensor))  # (held dense, as without TP)
                 loaded.add(name)
                 continue
             if not name.startswith("layers."):

@@ -1,0 +1,105 @@
+"""Tensor parallelism with weights kept quantized on the CPU (gloo): tiny fp32 quantized checkpoints with -tp 2
+against -tp 1, both kept quantized (as on a GPU: the config says "quantized"; the CPU's QuantizedLinearMethod
+multiplies by the torch reference's dequantized planes, so this checks the sharding of the planes itself: every
+rank's column-parallel rows, row-parallel input columns cut on block / group boundaries, vocabulary rows)."""
+import random
+
+import pytest
+import torch
+
+from quant_checkpoints import quantize_checkpoint, quantized_hybrid
+from tiny_models import HYBRID_VOCAB, full_prompt_logprobs, make_model
+from voltllm import LLM, SamplingParams
+from voltllm.model.layers.gguf_planes import Planes
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France?",
+    "Hi",
+    "def add(a, b):\n    return a + b\n# now the quick brown fox",
+]
+ENGINE = dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=8)
+# every row-parallel input a multiple of 128 per rank at tp 2 (heads x head_dim 128, intermediate 256): whole
+# int4 groups, NVFP4 64-groups and FP8 128-blocks on each rank
+SHAPE = dict(hidden_size=128, head_dim=32, intermediate_size=256)
+
+CASES = {
+    # AWQ int4 (groups of 32, zero points), untied dense head
+    "awq-qwen3": ("qwen3", dict(tie_word_embeddings=False), dict(method="awq")),
+    # NVFP4 (ModelOpt), tied head over a vocabulary that does not divide by 2 (the embedding's padded shard)
+    "nvfp4-llama-tied": ("llama", dict(vocab_size=401), dict(method="modelopt_fp4")),
+}
+
+
+def _kept(monkeypatch):
+    import voltllm.config
+
+    monkeypatch.setattr(voltllm.config, "_quantized_weights", lambda *a, **k: "quantized")
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def engines(request, tmp_path_factory):
+    kind, overrides, quant = CASES[request.param]
+    path = make_model(str(tmp_path_factory.mktemp(request.param)), kind, **SHAPE, **overrides)
+    quantize_checkpoint(path, **quant)
+    with pytest.MonkeyPatch.context() as mp:
+        _kept(mp)
+        one = LLM(path, **ENGINE)
+        two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    yield one, two
+    two.engine.shutdown()
+
+
+def _check_kept(llm, tp: int, cfg) -> None:
+    assert llm.config.model.quantized_weights == "quantized" and llm.engine.runner.keep_quantized
+    layer = llm.engine.runner.model.layers[0]
+    down = layer.mlp.down_proj.gguf_segments
+    o = layer.self_attn.o_proj.gguf_segments
+    assert len(down) == 1 and isinstance(down[0].weight, Planes) and down[0].weight.k == cfg.intermediate_size // tp
+    assert isinstance(o[0].weight, Planes) and o[0].weight.k == cfg.num_attention_heads * cfg.head_dim // tp
+
+
+def test_logits_match_tp1(engines):
+    """Full distributions at every prompt position (prompt logprobs over the whole vocabulary), batched."""
+    one, two = engines
+    cfg = one.config.model.hf_config
+    _check_kept(one, 1, cfg)
+    _check_kept(two, 2, cfg)
+    a, b = full_prompt_logprobs(one, PROMPTS), full_prompt_logprobs(two, PROMPTS)
+    assert not a.isnan().any() and not b.isnan().any()
+    assert torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
+
+
+def test_greedy_matches_tp1(engines):
+    one, two = engines
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
+    two.engine.check_integrity()
+
+
+def test_hybrid_awq_matches_tp1(tmp_path, monkeypatch):
+    """An AWQ qwen3_5 hybrid kept quantized: GDN in_proj shards (interleaved rows) and out_proj's value-head
+    columns, gated attention, MLP; prompt logprobs and greedy tokens of -tp 2 equal -tp 1's."""
+    path = quantized_hybrid(str(tmp_path), "qwen3_5", dict(method="awq"), tie_word_embeddings=False)
+    if path is None:
+        pytest.skip("this transformers has no Qwen3_5TextConfig")
+    _kept(monkeypatch)
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(HYBRID_VOCAB) for _ in range(n)]} for n in (19, 6, 11)]
+    kw = dict(block_size=4, mamba_block_size=8, max_num_batched_tokens=7, max_num_seqs=4, skip_tokenizer_init=True)
+    one = LLM(path, **kw)
+    two = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        gdn = two.engine.runner.model.layers[0].linear_attn
+        out = gdn.out_proj.gguf_segments[0].weight
+        cfg = two.config.model.hf_config
+        cfg = getattr(cfg, "text_config", None) or cfg
+        assert isinstance(out, Planes) and out.k == cfg.linear_num_value_heads * cfg.linear_value_head_dim // 2
+        a, b = full_prompt_logprobs(one, prompts), full_prompt_logprobs(two, prompts)
+        assert not a.isnan().any() and torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
+        params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+    finally:
+        two.engine.shutdown()
