@@ -102,7 +102,7 @@ def test_four_ranks(tmp_path):
 
 
 def test_quantized_checkpoint_dequantized_at_load(tmp_path):
-    """An AWQ checkpoint under TP: dequantized at load (kept-quantized planes are refused), then sharded."""
+    """An AWQ checkpoint under TP: dequantized at load (the CPU's policy; kept quantized: test_tensor_parallel_quantized.py), then sharded."""
     from quant_checkpoints import quantize_checkpoint
 
     path = make_model(str(tmp_path), "qwen3")

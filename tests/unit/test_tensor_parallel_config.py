@@ -61,7 +61,72 @@ def test_support_rules():
     cpu = torch.device("cpu")
     assert tensor_parallel_error(1, _cfg(model_type="qwen3_next"), cpu, None, "quantized") is None  # tp 1: all
     assert tensor_parallel_error(4, _cfg(), cpu, None, "dequantized") is None  # 2 KV heads replicated twice
-    assert "kept quantized" in tensor_parallel_error(2, _cfg(), cpu, None, "quantized")
+    assert tensor_parallel_error(2, _cfg(), cpu, None, "quantized") is None  # kept quantized: split too
+
+
+AWQ128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+@pytest.mark.parametrize("tp,method,overrides,words", [
+    (2, "awq", dict(quantization_config=AWQ128), None),  # 256 / 2 = 128: whole groups
+    (4, "awq", dict(quantization_config=AWQ128), "intermediate size 256 / 4 = 64 inputs per rank is not a multiple "
+                                                 "of 128 (AWQ in groups of 128"),
+    (2, "gptq", dict(quantization_config={**AWQ128, "quant_method": "gptq", "group_size": -1, "desc_act": False}),
+     "GPTQ with one scale per row (group_size -1)"),
+    (2, "modelopt_fp4", dict(intermediate_size=192), "intermediate size 192 / 2 = 96 inputs per rank is not a "
+                                                     "multiple of 64 (NVFP4"),
+    (4, "modelopt_fp4", {}, None),
+    (2, "gguf", dict(num_attention_heads=8, head_dim=16), None),  # 64 inputs per rank: whole 64-groups
+    (4, "gguf", dict(num_attention_heads=8, head_dim=16), "attention heads x head_dim 128 / 4 = 32 inputs per rank "
+                                                          "is not a multiple of 64 (GGUF"),
+    (2, "fp8", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}), None),
+    (4, "fp8", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     "not a multiple of 128 (FP8"),
+    (4, "fp8", {}, None),  # quantized at load: the unquantized weight is cut, then quantized
+    (4, "qwen3_5", dict(model_type="qwen3_5_text", intermediate_size=512, linear_num_key_heads=4,
+                        linear_num_value_heads=4, linear_value_head_dim=64, quantization_config=AWQ128),
+     "Gated DeltaNet value heads x value dim 256 / 4 = 64 inputs per rank is not a multiple of 128"),
+])
+def test_quantized_split_rules(tp, method, overrides, words):
+    """Weights kept quantized: each rank's inputs of a row-parallel projection must be whole blocks / groups."""
+    method = "awq" if method == "qwen3_5" else method
+    err = tensor_parallel_error(tp, _cfg(**overrides), torch.device("cpu"), None, "quantized", method)
+    if words is None:
+        assert err is None, err
+    else:
+        assert err is not None and words in err and "\n" not in err, err
+        assert err.startswith(f"--tensor-parallel-size {tp}: ") and "drop --quantization" in err
+    assert tensor_parallel_error(tp, _cfg(**overrides), torch.device("cpu"), None, "dequantized", method) is None
+
+
+def _awq_dir(tmp_path, group: int) -> str:
+    return _model_dir(tmp_path, intermediate_size=256, quantization_config={**AWQ128, "group_size": group})
+
+
+@pytest.mark.parametrize("setting", ["quantized", "auto"])
+def test_misaligned_group_refused_or_dequantized(tmp_path, monkeypatch, setting):
+    """--quantization awq (kept quantized) with groups that a rank's inputs would split: a one-line ConfigError;
+    "auto" dequantizes at load instead (as a model too small to keep quantized)."""
+    import voltllm.config
+
+    monkeypatch.setattr(voltllm.config, "_quantized_weights", lambda *a, **k: setting)
+    args = EngineArgs(model=_awq_dir(tmp_path, 128), tensor_parallel_size=4, device="cpu")
+    if setting == "auto":
+        assert args.create_engine_config().model.quantized_weights == "dequantized"
+        return
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 4") as e:
+        args.create_engine_config()
+    assert "not a multiple of 128 (AWQ in groups of 128" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_kept_quantized_accepted_when_aligned(tmp_path, monkeypatch):
+    import voltllm.config
+
+    monkeypatch.setattr(voltllm.config, "_quantized_weights", lambda *a, **k: "quantized")
+    path = _model_dir(tmp_path, hidden_size=128, intermediate_size=256,
+                      quantization_config={**AWQ128, "group_size": 32})
+    config = EngineArgs(model=path, tensor_parallel_size=2, device="cpu").create_engine_config()
+    assert config.model.quantized_weights == "quantized" and config.parallel.tensor_parallel_size == 2
 
 
 # a Qwen3.5-27B-shaped dense hybrid: 24 q / 4 KV heads, GDN 16 key / 48 value heads
