@@ -102,7 +102,8 @@ def test_four_ranks(tmp_path):
 
 
 def test_quantized_checkpoint_dequantized_at_load(tmp_path):
-    """An AWQ checkpoint under TP: dequantized at load (the CPU's policy; kept quantized: test_tensor_parallel_quantized.py), then sharded."""
+    """An AWQ checkpoint under TP: dequantized at load (the CPU's policy), then sharded
+    (kept quantized: test_tensor_parallel_quantized.py)."""
     from quant_checkpoints import quantize_checkpoint
 
     path = make_model(str(tmp_path), "qwen3")

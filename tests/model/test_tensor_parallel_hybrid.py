@@ -87,7 +87,8 @@ def test_each_rank_holds_half_the_heads(engines):
 
 
 def test_quantized_checkpoint_dequantized_at_load(tmp_path):
-    """An AWQ qwen3_5 checkpoint under TP: dequantized at load (the CPU's policy; kept quantized: test_tensor_parallel_quantized.py), then sharded."""
+    """An AWQ qwen3_5 checkpoint under TP: dequantized at load (the CPU's policy), then sharded
+    (kept quantized: test_tensor_parallel_quantized.py)."""
     from quant_checkpoints import quantized_hybrid
 
     path = quantized_hybrid(str(tmp_path), "qwen3_5", dict(method="awq"))
