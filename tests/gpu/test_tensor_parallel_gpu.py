@@ -132,3 +132,31 @@ def test_tp2_hybrid_bf16_agrees_with_tp1(tiny_hybrid):
         two.engine.shutdown()
     agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
     assert agree >= 0.9, agree  # bf16: the all-reduce sums partial products in another order
+
+
+@pytest.mark.parametrize("method,compat", [("awq", "none"), ("modelopt_fp4", "none"), ("awq", "sm70")])
+def test_tp2_kept_quantized_matches_tp1_kept_quantized(tmp_path, method, compat):
+    """--quantization METHOD keeps the weights quantized on every rank (the planes cut on group boundaries): fp32,
+    -tp 2 against -tp 1 kept quantized (the dequant-GEMM decode rows, dequantize + cuBLAS prompt steps, decode CUDA
+    graphs); the same greedy tokens and prompt logprobs up to the all-reduce's summation order."""
+    from quant_checkpoints import quantize_checkpoint
+
+    from voltllm.model.layers.gguf_planes import Planes
+
+    path = make_model(str(tmp_path), "qwen3", max_position_embeddings=2048, hidden_size=128, head_dim=32,
+                      intermediate_size=256)
+    quantize_checkpoint(path, method)
+    kw = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, quantization=method, compat=compat)
+    one = LLM(path, **kw)
+    ref, ref_lp = _greedy(one), _prompt_logprobs(one)
+    del one
+    two = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        assert two.config.model.quantized_weights == "quantized"
+        down = two.engine.runner.model.layers[0].mlp.down_proj.gguf_segments[0].weight
+        assert isinstance(down, Planes) and down.k == 128
+        assert _greedy(two) == ref
+        assert torch.allclose(_prompt_logprobs(two), ref_lp, atol=1e-3, rtol=0)
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
