@@ -33,8 +33,8 @@ def supports_quantized_layers(hf_config: Any) -> bool:
 def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
                 tp: Any = None) -> torch.nn.Module:
     """linear_method: a LinearMethod for the projections (quantized weights kept quantized,
-    supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (dense llama-family models
-    and dense hybrids only: voltllm.distributed.support)."""
+    supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (llama-family models
+    without MoE and dense hybrids, weights dense or kept quantized: voltllm.distributed.support)."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
