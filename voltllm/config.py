@@ -289,13 +289,13 @@ class EngineArgs:
         quantized_weights = _quantized_weights(method, self.quantization, hf_config, device, self.load_format)
         from voltllm.distributed.support import quantized_split_error, tensor_parallel_error
 
-        if quantized_weights == "auto" and (split_err := quantized_split_error(self.tensor_parallel_size, hf_config,
-                                                                               method)):
+        tp = self.tensor_parallel_size
+        if quantized_weights == "auto" and tensor_parallel_error(tp, hf_config, device, spec, "dequantized") is None \
+                and (split_err := quantized_split_error(tp, hf_config, method)):
             # TP shards weights kept quantized too, but not across a quantized block: "auto" falls back to dense
             logger.warning("%s weights are dequantized at load: %s", method, split_err)
             quantized_weights = "dequantized"
-        if tp_err := tensor_parallel_error(self.tensor_parallel_size, hf_config, device, spec, quantized_weights,
-                                           method):
+        if tp_err := tensor_parallel_error(tp, hf_config, device, spec, quantized_weights, method):
             raise ConfigError(tp_err)
         gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")

@@ -217,8 +217,8 @@ class ModelRunner:
         dense = dense_bytes(mc.model, itemsize) / self.config.parallel.tensor_parallel_size
         room = torch.cuda.get_device_properties(self.device).total_memory * self.config.cache.gpu_memory_utilization
         keep = dense > AUTO_DENSE_FRACTION * room
-        logger.info("%s weights: %.2f GiB dequantized, %.2f GiB usable on the GPU -> %s (--quantization %s keeps "
-                    "them quantized)", mc.quantization, dense / 2**30, room / 2**30,
+        logger.info("%s weights: %.2f GiB dequantized (per GPU), %.2f GiB usable on the GPU -> %s (--quantization %s "
+                    "keeps them quantized)", mc.quantization, dense / 2**30, room / 2**30,
                     "kept quantized" if keep else "dequantized at load", mc.quantization)
         return keep
 
