@@ -28,6 +28,8 @@ CASES = {
     "awq-qwen3": ("qwen3", dict(tie_word_embeddings=False), dict(method="awq")),
     # NVFP4 (ModelOpt), tied head over a vocabulary that does not divide by 2 (the embedding's padded shard)
     "nvfp4-llama-tied": ("llama", dict(vocab_size=401), dict(method="modelopt_fp4")),
+    # FP8 in 128 x 128 blocks: 4 heads x 64 = 256 attention inputs, 128 per rank (whole 128-input scale blocks)
+    "fp8-qwen3": ("qwen3", dict(head_dim=64), dict(method="fp8")),
 }
 
 
@@ -40,7 +42,7 @@ def _kept(monkeypatch):
 @pytest.fixture(scope="module", params=list(CASES))
 def engines(request, tmp_path_factory):
     kind, overrides, quant = CASES[request.param]
-    path = make_model(str(tmp_path_factory.mktemp(request.param)), kind, **SHAPE, **overrides)
+    path = make_model(str(tmp_path_factory.mktemp(request.param)), kind, **{**SHAPE, **overrides})
     quantize_checkpoint(path, **quant)
     with pytest.MonkeyPatch.context() as mp:
         _kept(mp)
