@@ -16,7 +16,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
            "Hi"]
 # small blocks and a small token budget: chunked prefill, verifications beside prompt chunks, prefix-cache hits
 ENGINE = dict(block_size=4, max_num_batched_tokens=9, max_num_seqs=4)
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
 SAMPLED = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
            SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
            SamplingParams(temperature=0.5, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True),
@@ -47,30 +47,29 @@ def engines(request, tmp_path_factory):
     two.engine.shutdown()
 
 
+def _spec_counts(llm):
+    extra = llm.engine.stats().extra
+    return extra.get("spec_draft_tokens", 0), extra.get("spec_accepted_tokens", 0)
+
+
 def test_greedy_equals_tp1_chunked_and_cached(engines):
+    """Greedy tokens equal plain tp1 decoding; tp2 drafts and accepts exactly what tp1 speculation does (the same
+    drafts judged by the same logits), some drafts accepted."""
     plain, one, two = engines
     expected = _tokens(plain, PROMPTS, GREEDY)
+    a0, b0 = _spec_counts(one), _spec_counts(two)
     assert _tokens(one, PROMPTS, GREEDY) == expected
-    before = two.engine.stats()
     assert _tokens(two, PROMPTS, GREEDY) == expected
-    stats = two.engine.stats()
-    accepted = stats.extra["spec_accepted_tokens"] - before.extra.get("spec_accepted_tokens", 0)
-    drafted = stats.extra["spec_draft_tokens"] - before.extra.get("spec_draft_tokens", 0)
+    a1, b1 = _spec_counts(one), _spec_counts(two)
+    drafted, accepted = b1[0] - b0[0], b1[1] - b0[1]
+    assert (drafted, accepted) == (a1[0] - a0[0], a1[1] - a0[1])
     assert 0 < accepted <= drafted
+    if one.config.speculative.method == "ngram":  # repetitive prompts beside ones whose n-grams miss
+        assert accepted < drafted
     # the same prompts again: prefix-cache hits on every rank's cache, then verification from there
-    hits = stats.prefix_cache_hits
+    hits = two.engine.stats().prefix_cache_hits
     assert _tokens(two, PROMPTS, GREEDY) == expected
     assert two.engine.stats().prefix_cache_hits > hits
-
-
-def test_acceptance_equals_tp1(engines):
-    """The same drafts judged by the same logits: tp2 accepts exactly what tp1 accepts."""
-    _, one, two = engines
-    a0, b0 = one.engine.stats().extra, two.engine.stats().extra
-    assert _tokens(one, PROMPTS[:3], GREEDY) == _tokens(two, PROMPTS[:3], GREEDY)
-    a1, b1 = one.engine.stats().extra, two.engine.stats().extra
-    for key in ("spec_draft_tokens", "spec_accepted_tokens"):
-        assert a1[key] - a0.get(key, 0) == b1[key] - b0.get(key, 0) > 0
 
 
 def test_seeded_sampling_equals_tp1_speculative(engines):
