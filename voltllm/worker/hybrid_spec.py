@@ -15,6 +15,9 @@ instead go through its recurrent state in order, so a hybrid replays a second gr
 (`fill_walks` lays the rows out: slot and walk per row); its attention layers see the same decode rows as before.
 Without those graphs (the CPU, --enforce-eager, a step with more tokens than --max-num-seqs, a mixed step) the
 verification is an eager prompt-form step (hybrids capture no prompt graphs).
+
+Under tensor parallelism every rank holds its heads' states in the same rows; rank 0 broadcasts the accepted counts
+it computed and the other ranks keep the same rows (`follow_accepted_states`).
 """
 from __future__ import annotations
 

@@ -589,7 +589,8 @@ class ModelRunner:
         saves = (self.state_snapshots.plan_saves(scheduled, slots) if self.state_snapshots is not None
                  and slots is not None else None)
         spans = [(s.start, s.start + s.num_new_tokens) for s in scheduled] if slots is not None else None
-        drafts = [len(s.spec_tokens) for s in scheduled] if slots is not None and spec_rows else None
+        drafts = ([len(s.spec_tokens) for s in scheduled] if slots is not None and any(s.spec_tokens for s in scheduled)
+                  else None)
         if self.send_step is not None:
             step = self._step_inputs
             step.spec_logits_rows = _verify_rows(qsl, spec_rows)
