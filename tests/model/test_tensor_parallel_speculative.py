@@ -75,3 +75,33 @@ def test_greedy_equals_tp1_chunked_and_cached(engines):
 def test_seeded_sampling_equals_tp1_speculative(engines):
     _, one, two = engines
     assert _tokens(two, PROMPTS, SAMPLED) == _tokens(one, PROMPTS, SAMPLED)
+
+
+def test_verification_as_decode_graph_rows_on_every_rank(monkeypatch, tmp_path):
+    """Verification steps where every request decodes run as decode rows replayed by the decode graphs on both ranks
+    (stood in for on the CPU by eager replays on the same buffers, tests/tp_eager_graphs.py)."""
+    import sys
+
+    import tp_eager_graphs
+
+    path = make_model(str(tmp_path / "llama"), "llama")
+    engine = {**ENGINE, "max_num_seqs": 16, "max_num_batched_tokens": 64}
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = _tokens(LLM(path, **engine), PROMPTS, greedy)
+    tp_eager_graphs.worker_env(monkeypatch, tmp_path, sys.path)
+    monkeypatch.setattr("voltllm.worker.runner.ModelRunner.capture_cuda_graphs", tp_eager_graphs._capture)
+    two = LLM(path, tensor_parallel_size=2, speculative_config=NGRAM, **engine)
+    try:
+        replays = []
+        orig = two.engine.runner._prepare_token_rows
+
+        def token_rows(*args):
+            replays.append(two.engine.runner.graphs.replays)
+            return orig(*args)
+
+        monkeypatch.setattr(two.engine.runner, "_prepare_token_rows", token_rows)
+        assert _tokens(two, PROMPTS, greedy) == expected
+        assert replays and two.engine.runner.graphs.replays > 0  # verifications as graph rows
+        assert two.engine.stats().extra["spec_accepted_tokens"] > 0
+    finally:
+        two.engine.shutdown()
