@@ -1,7 +1,8 @@
 """Decode-graph stand-ins for every tensor-parallel rank on the CPU: ModelRunner.capture_cuda_graphs installs a
 DecodeGraphs whose graphs run the captured forward eagerly on the same persistent buffers and context (as
 tests/unit/test_hybrid_graph_path.py's EagerReplay), so rank 0's and the workers' replay paths (state-slot buffers,
-note_step, snapshot restores and saves around a replay) run as on the GPU. Rank 0 calls install() itself; spawned
+note_step, snapshot restores and saves around a replay; with speculation, a hybrid's verification walks) run as on
+the GPU. Rank 0 calls install() itself; spawned
 workers import this module through the sitecustomize that `worker_env` writes (VOLTLLM_TEST_EAGER_GRAPHS set)."""
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ def _capture(runner) -> None:
     graphs = DecodeGraphs(runner)
     graphs.graphs = {bs: EagerReplay(graphs, bs) for bs in graphs.sizes}
     runner.graphs = graphs
+    if runner.is_hybrid and runner.config.speculative is not None:  # the verification's walks set too
+        walks = DecodeGraphs(runner, walks=True)
+        walks.graphs = {bs: EagerReplay(walks, bs) for bs in walks.sizes}
+        runner.verify_graphs = walks
 
 
 def install() -> None:

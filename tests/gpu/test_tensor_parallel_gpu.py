@@ -1,7 +1,8 @@
 """Tensor parallelism over two GPUs (NCCL): -tp 2 against -tp 1 on a tiny qwen3 and a tiny dense hybrid (qwen3_5:
 Gated DeltaNet + gated attention) with decode CUDA graphs on (their all-reduces captured), and a killed worker
-reported by the engine instead of a hang. Needs 2 CUDA devices (benchmarks/run_h200.sh s83tp, kind
-nvidia-h200-x2); skipped otherwise."""
+reported by the engine instead of a hang; speculative decoding (n-gram, draft model) on both, its verifications in
+the decode / walks graphs. Needs 2 CUDA devices (benchmarks/run_h200.sh s83tp, kind nvidia-h200-x2); skipped
+otherwise."""
 import os
 import signal
 
@@ -157,6 +158,65 @@ def test_tp2_kept_quantized_matches_tp1_kept_quantized(tmp_path, method, compat)
         assert isinstance(down, Planes) and down.k == 128
         assert _greedy(two) == ref
         assert torch.allclose(_prompt_logprobs(two), ref_lp, atol=1e-3, rtol=0)
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
+
+
+# -- speculative decoding under TP ---------------------------------------------------------------------------------
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_speculation_fp32_matches_tp1_with_cuda_graphs(tiny, method):
+    """Verification steps as decode rows replay the decode graphs on both ranks; a draft model (the target itself:
+    every greedy draft accepted) runs unsharded on rank 0 with its own graphs."""
+    one = LLM(tiny, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    ref = _greedy(one, 48)
+    del one
+    spec = NGRAM if method == "ngram" else {"model": tiny, "num_speculative_tokens": 3}
+    two = LLM(tiny, device="cuda", dtype="float32", gpu_memory_utilization=0.3, tensor_parallel_size=2,
+              speculative_config=spec)
+    try:
+        assert _greedy(two, 48) == ref
+        assert _greedy(two, 48) == ref  # again: prefix-cache hits, then verification from there
+        assert two.engine.runner.graphs.replays > 0
+        assert two.engine.stats().extra["spec_accepted_tokens"] > 0
+        if method == "draft_model":
+            assert two.engine.runner.draft.graphs is not None
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_hybrid_speculation_fp32_matches_tp1_with_verify_graphs(tiny_hybrid, tmp_path, monkeypatch, method):
+    """qwen3_5 under TP: verifications replay the walks graphs on both ranks and every rank keeps the checkpoint rows
+    of rank 0's accepted counts. Oracle drafts (tests/spec_oracle.py): the tiny random hybrid hardly repeats itself."""
+    from spec_oracle import oracle_table, patch_draft_model, patch_ngram
+
+    one = LLM(tiny_hybrid, dtype="float32", **{**HYBRID_ENGINE, "max_num_seqs": 32})
+    ref = _hybrid_greedy(one, 40)
+    del one
+    table = oracle_table([p["prompt_token_ids"] for p in HYBRID_PROMPTS], ref)
+    if method == "ngram":
+        patch_ngram(monkeypatch, table, HYBRID_VOCAB)
+        spec = NGRAM
+    else:
+        draft = make_model(str(tmp_path / "draft"), "llama", seed=1, num_hidden_layers=1, vocab_size=HYBRID_VOCAB,
+                           max_position_embeddings=4096)
+        patch_draft_model(monkeypatch, table, HYBRID_VOCAB)
+        spec = {"model": draft, "num_speculative_tokens": 3}
+    # room for every request's verification rows in one walks graph (4 x 5 rows)
+    two = LLM(tiny_hybrid, dtype="float32", tensor_parallel_size=2, speculative_config=spec,
+              **{**HYBRID_ENGINE, "max_num_seqs": 32})
+    try:
+        assert _hybrid_greedy(two, 40) == ref
+        assert _hybrid_greedy(two, 40) == ref  # again: snapshot restores, then verification from there
+        runner = two.engine.runner
+        assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
+        stats = two.engine.stats().extra
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
         two.engine.check_integrity()
     finally:
         two.engine.shutdown()

@@ -45,11 +45,25 @@ def test_refused_with_one_line(tmp_path, tp, overrides, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_speculative_refused(tmp_path):
-    args = EngineArgs(model=_model_dir(tmp_path), tensor_parallel_size=2, device="cpu",
-                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ConfigError, match="speculative decoding"):
-        args.create_engine_config()
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 2},
+                                  {"model": "SELF", "num_speculative_tokens": 2}])
+def test_ngram_and_draft_model_speculation_accepted(tmp_path, spec):
+    path = _model_dir(tmp_path)
+    spec = {k: path if v == "SELF" else v for k, v in spec.items()}
+    config = EngineArgs(model=path, tensor_parallel_size=2, device="cpu",
+                        speculative_config=spec).create_engine_config()
+    assert config.parallel.tensor_parallel_size == 2 and config.speculative.method in ("ngram", "draft_model")
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_mtp_and_dflash_refused(method):
+    """They draft from the target's own hidden states through its embedding / head, which TP shards."""
+    spec = SimpleNamespace(method=method)
+    err = tensor_parallel_error(2, _cfg(**QWEN35), torch.device("cpu"), spec, "dequantized")
+    assert f"speculative method {method!r} is not supported under tensor parallelism" in err and "\n" not in err
+    assert tensor_parallel_error(2, _cfg(**QWEN35), torch.device("cpu"), SimpleNamespace(method="ngram"),
+                                 "dequantized") is None
+    assert tensor_parallel_error(1, _cfg(**QWEN35), torch.device("cpu"), spec, "dequantized") is None
 
 
 def _cfg(**kw):

@@ -1,6 +1,8 @@
 """What rank 0 sends the other ranks for one step: enough to fill their input buffers, pick the same CUDA graph and
 compute the same logits rows. The input ids go separately, as a device broadcast after rank 0 filled them, since
-some are still being sampled on rank 0's GPU when the step launches (async scheduling)."""
+some are still being sampled on rank 0's GPU when the step launches (async scheduling), and a draft model's drafts
+are made on rank 0's GPU. A speculative step's verification rows are its drafts' positions (spec_logits_rows); on a
+hybrid the accepted-draft counts follow as a second device broadcast (worker/hybrid_spec.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,9 +32,19 @@ class StepInputs:
     calc_kv_scales: bool = False
     calc_key_offsets: bool = False
     logits_rows: list[LogitsRows] = field(default_factory=list)
+    # a speculative step: the verification's rows (their logits come first, before logits_rows)
+    spec_logits_rows: list[int] = field(default_factory=list)
     # a hybrid model's recurrent state (rank 0 allocates the slots and keeps the snapshot index; every rank's state
     # cache and snapshot pool hold their own heads in the same rows): each request's slot, the snapshots restored
     # into slots before the forward (row, slot, tokens) and the slots saved after it (slot, row)
     state_slots: Optional[list[int]] = None
     state_restores: list[tuple[int, int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # each request's (start, end) tokens (the slots' token counts before and after the step, as rank 0 checked them)
+    state_spans: list[tuple[int, int]] = field(default_factory=list)
+    # a speculative step: each request's draft count (an eager verification keeps per-position states), and the
+    # verifying requests' (slot, draft count), whose accepted counts rank 0 broadcasts after its sampler judged them
+    state_drafts: Optional[list[int]] = None
+    state_verify: list[tuple[int, int]] = field(default_factory=list)
+    # a verification replayed as decode rows (the walks graphs): per row its slot, walk start and walk end
+    state_walks: Optional[tuple[list[int], list[int], list[int]]] = None

@@ -11,6 +11,8 @@ TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # dense hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense MLP); a multimodal qwen3_5
 # checkpoint runs as its text model
 TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
+# speculative methods under TP: host n-grams, and a draft model run unsharded beside rank 0's target shard
+TP_SPEC_METHODS = ("ngram", "draft_model")
 
 
 def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, speculative: Any,
@@ -46,8 +48,10 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
         return f"{flag}: the model's {kv} KV heads neither divide by {tp} nor divide it (needed to shard or replicate)"
     if inter % tp:
         return f"{flag}: the model's intermediate size {inter} does not divide by {tp}"
-    if speculative is not None:
-        return f"{flag}: speculative decoding (--speculative-config) is not supported under tensor parallelism"
+    if speculative is not None and speculative.method not in TP_SPEC_METHODS:
+        # MTP and DFlash draft from the target's own hidden states through its (vocabulary-sharded) embedding / head
+        return (f"{flag}: speculative method {speculative.method!r} is not supported under tensor parallelism "
+                f"(use {' or '.join(TP_SPEC_METHODS)})")
     if quantized_weights == "quantized" and (err := quantized_split_error(tp, hf_config, method)):
         return err
     if device.type == "cuda":

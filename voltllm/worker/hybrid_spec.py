@@ -15,6 +15,9 @@ instead go through its recurrent state in order, so a hybrid replays a second gr
 (`fill_walks` lays the rows out: slot and walk per row); its attention layers see the same decode rows as before.
 Without those graphs (the CPU, --enforce-eager, a step with more tokens than --max-num-seqs, a mixed step) the
 verification is an eager prompt-form step (hybrids capture no prompt graphs).
+
+Under tensor parallelism every rank holds its heads' states in the same rows; rank 0 broadcasts the accepted counts
+it computed and the other ranks keep the same rows (`follow_accepted_states`).
 """
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ from voltllm.host_to_device import to_device
 SettleRecord = tuple[str, int, int, int]
 
 
-def keep_accepted_states(cache: Any, rows: list, out: Any, draft_ids: Optional[torch.Tensor]) -> list[SettleRecord]:
+def keep_accepted_states(cache: Any, rows: list, out: Any, draft_ids: Optional[torch.Tensor],
+                         tp: Any = None) -> list[SettleRecord]:
     """rows: the step's verifying (index, ScheduledRequest) pairs in verification-row order (1 + drafts rows each);
     out: the sampler's SamplerOutput (greedy: the model's choices) or DraftVerdicts, before its host copy;
     draft_ids: a draft model's drafts per row on the device (-1 after each request's last), else None (the drafts
-    are the requests' spec_tokens)."""
+    are the requests' spec_tokens); tp: rank 0's tensor-parallel group, whose other ranks take the same counts
+    (follow_accepted_states)."""
     dev = out.tokens.device
     n_drafts = [len(s.spec_tokens) for _, s in rows]
     req_of_row = [i for i, k in enumerate(n_drafts) for _ in range(k + 1)]
@@ -50,8 +55,22 @@ def keep_accepted_states(cache: Any, rows: list, out: Any, draft_ids: Optional[t
     # a request's accepted drafts = the position of its first unmatched row (its last row never matches)
     first_miss = torch.where(match, torch.full_like(pos, r), pos)
     accepted = torch.full_like(k_dev, r).scatter_reduce_(0, req_of_row, first_miss, "amin")
+    if tp is not None:  # the other ranks keep the same rows of their heads' states
+        tp.broadcast_(accepted)
     cache.keep_accepted(slots_dev, k_dev, accepted)
     return [(s.request.request_id, slot, cache.lease[slot], s.start) for (_, s), slot in zip(rows, slots)]
+
+
+def follow_accepted_states(cache: Any, tp: Any, verify: list[tuple[int, int]]) -> None:
+    """A tensor-parallel rank other than 0, after a verification: rank 0's accepted-draft counts (a device broadcast,
+    in stream order: no host sync) pick the same checkpoint rows of this rank's heads' states. verify: the verifying
+    requests' (slot, draft count), in rank 0's row order. Their host-side token counts come with the next step
+    (StepInputs.state_spans)."""
+    n = len(verify)
+    accepted = torch.empty(n, dtype=torch.long, device=tp.device)
+    tp.broadcast_(accepted)
+    flat = to_device([slot for slot, _ in verify] + [k for _, k in verify], torch.long, accepted.device)
+    cache.keep_accepted(flat[:n], flat[n:], accepted)
 
 
 def settle_states(cache: Any, records: list[SettleRecord], verified: dict[str, list[int]]) -> None:

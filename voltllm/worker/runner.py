@@ -112,6 +112,8 @@ class ModelRunner:
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
+        if tp is not None and tp.rank > 0:  # a draft model runs unsharded beside rank 0's shard, on rank 0 only
+            spec = None
         if spec is not None and spec.uses_draft_model:
             from voltllm.worker.draft_runner import DraftRunner
 
@@ -417,6 +419,9 @@ class ModelRunner:
                 positions=h["positions"][:t].copy(), slot_mapping=h["slot_mapping"][:t].copy(),
                 block_tables=h["block_tables"][:rows * width].copy(), query_start_loc=qsl, seq_lens=seq_lens,
                 max_query_len=max_q)
+            if state_slots is not None and token_rows:  # the walks graph's state rows, as fill_walks laid them
+                self._step_inputs.state_walks = (h["state_slots"][:rows].tolist(), h["state_walks"][:rows].tolist(),
+                                                 h["state_walks"][buf.max_seqs:buf.max_seqs + rows].tolist())
         return t, self._metadata(buf, num_tokens, t, rows, max_q, qsl, seq_lens)
 
     @staticmethod
@@ -584,18 +589,23 @@ class ModelRunner:
         # the step's recurrent-state snapshots (hybrids), decided before the forward: the other TP ranks take the same
         saves = (self.state_snapshots.plan_saves(scheduled, slots) if self.state_snapshots is not None
                  and slots is not None else None)
+        spans = [(s.start, s.start + s.num_new_tokens) for s in scheduled] if slots is not None else None
+        drafts = ([len(s.spec_tokens) for s in scheduled] if slots is not None and any(s.spec_tokens for s in scheduled)
+                  else None)
         if self.send_step is not None:
-            assert not spec_rows, "speculative decoding is refused under tensor parallelism (distributed.support)"
             step = self._step_inputs
+            step.spec_logits_rows = _verify_rows(qsl, spec_rows)
             if slots is not None:
                 step.state_slots, step.state_restores, step.state_saves = slots, self._state_restores, saves or []
+                step.state_spans, step.state_drafts = spans, drafts
+                step.state_verify = [(slots[i], len(s.spec_tokens)) for i, s in spec_rows]
             step.graph_rows = graph.batch_size if graph is not None else 0
             step.prompt_graph_tokens = prompt_graph.num_tokens if prompt_graph is not None else 0
             step.calc_kv_scales, step.calc_key_offsets = self.calc_kv_scales_pending, self.calc_key_offsets_pending
             step.logits_rows = ([rows_idx] if reqs else []) + [(qsl[i], qsl[i] + n) for i, _, n in plp]
             self.send_step(step)
             self.tp.broadcast_(self.buffers.input_ids[:t])
-        hidden = self._forward(graph, prompt_graph, meta, t, sched, slots, saves)
+        hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
@@ -643,22 +653,17 @@ class ModelRunner:
             handle.event.record()
         return handle
 
-    def _forward(self, graph, prompt_graph, meta: AttentionMetadata, t: int, sched: Optional[SchedulerOutput] = None,
-                 slots: Optional[list[int]] = None, saves: Optional[list[tuple[int, int]]] = None) -> torch.Tensor:
-        """The step's hidden states: a decode graph's replay, a prompt graph's, or the eager forward. `slots` (a
-        hybrid model's recurrent-state slots, one per request) and `saves` (the snapshots to take after the forward,
-        StateSnapshots.plan_saves): its recurrent-state bookkeeping; `sched` is None on the other TP ranks."""
+    def _forward(self, graph, prompt_graph, meta: AttentionMetadata, t: int,
+                 spans: Optional[list[tuple[int, int]]] = None, slots: Optional[list[int]] = None,
+                 saves: Optional[list[tuple[int, int]]] = None, drafts: Optional[list[int]] = None) -> torch.Tensor:
+        """The step's hidden states: a decode graph's replay, a prompt graph's, or the eager forward. A hybrid
+        model's recurrent-state bookkeeping: `slots` (one per request), `spans` (each request's (start, end)
+        tokens), `saves` (the snapshots to take after the forward, StateSnapshots.plan_saves) and, in a speculative
+        step, `drafts` (each request's draft count: the eager verification keeps per-position states)."""
         buf = self.buffers
         if graph is not None:
             if slots is not None:  # the model's own check and bookkeeping do not run in a replay
-                if sched is not None:
-                    starts = [s.start for s in sched.scheduled]
-                    ends = [s.start + s.num_new_tokens for s in sched.scheduled]
-                else:  # a TP follower: from the metadata (one row per request: TP runs no verification steps)
-                    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-                    ends = list(lens[:len(slots)])
-                    starts = [ends[i] - (qsl[i + 1] - qsl[i]) for i in range(len(slots))]
-                self.state_cache.note_step(slots, starts, ends)
+                self.state_cache.note_step(slots, [a for a, _ in spans], [b for _, b in spans])
             hidden = graph.replay()
         elif prompt_graph is not None:
             hidden = prompt_graph.replay(self.backend, meta)
@@ -670,8 +675,8 @@ class ModelRunner:
             if slots is not None:
                 ctx.extra["state_cache"] = self.state_cache
                 ctx.extra["state_slots"] = slots
-                if sched is not None and any(s.spec_tokens for s in sched.scheduled):  # per-position states kept
-                    ctx.extra["state_drafts"] = [len(s.spec_tokens) for s in sched.scheduled]
+                if drafts is not None:  # per-position states kept
+                    ctx.extra["state_drafts"] = drafts
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
         if self.state_snapshots is not None and saves:  # snapshots at --mamba-block-size boundaries (decode too)
             self.state_snapshots.apply_saves(saves)
@@ -692,13 +697,17 @@ class ModelRunner:
         h["seq_lens"][:rows] = step.seq_lens
         h["block_tables"][: rows * width] = step.block_tables
         slots = step.state_slots if self.state_cache is not None else None
-        if slots is not None and step.graph_rows:  # a hybrid's decode graph reads the slots from its buffer
+        if slots is not None and step.state_walks is not None:  # a verification in walks (rank 0's fill_walks)
+            h["state_slots"][:rows], h["state_walks"][:rows] = step.state_walks[0], step.state_walks[1]
+            h["state_walks"][buf.max_seqs:buf.max_seqs + rows] = step.state_walks[2]
+        elif slots is not None and step.graph_rows:  # a hybrid's decode graph reads the slots from its buffer
             h["state_slots"][:step.num_seqs] = slots
             h["state_slots"][step.num_seqs:rows] = self.state_cache.pad_slot
         buf.upload(t, step.num_seqs, width, rows, state_slots=slots is not None and step.graph_rows > 0)
         self.tp.broadcast_(buf.input_ids[:t])
         meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
-        graph = self.graphs.for_batch(step.num_seqs) if step.graph_rows else None
+        graphs = self.verify_graphs if step.state_walks is not None else self.graphs
+        graph = graphs.for_batch(step.num_seqs) if step.graph_rows and graphs is not None else None
         prompt_graph = self.prompt_graphs.for_tokens(step.num_tokens) if step.prompt_graph_tokens else None
         if (graph.batch_size if graph else 0) != step.graph_rows or (
                 prompt_graph.num_tokens if prompt_graph else 0) != step.prompt_graph_tokens:
@@ -706,7 +715,17 @@ class ModelRunner:
         self.calc_kv_scales_pending, self.calc_key_offsets_pending = step.calc_kv_scales, step.calc_key_offsets
         if slots is not None and step.state_restores:  # rank 0's prefix-cache hits, into this rank's heads' state
             self.state_snapshots.apply_restores(step.state_restores)
-        hidden = self._forward(graph, prompt_graph, meta, t, None, slots, step.state_saves)
+        if slots is not None:  # the slots' token counts as rank 0 checked them (it alone learns accepted drafts)
+            for slot, (start, _) in zip(slots, step.state_spans):
+                self.state_cache.num_tokens[slot] = start
+        hidden = self._forward(graph, prompt_graph, meta, t, step.state_spans, slots, step.state_saves,
+                               step.state_drafts)
+        if step.spec_logits_rows:  # the verification's logits (a gather), then its accepted states (a broadcast)
+            self.model.compute_logits(hidden[to_device(step.spec_logits_rows, torch.long, self.device)])
+            if slots is not None and step.state_verify:
+                from voltllm.worker.hybrid_spec import follow_accepted_states
+
+                follow_accepted_states(self.state_cache, self.tp, step.state_verify)
         for sel in step.logits_rows:
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
@@ -717,8 +736,7 @@ class ModelRunner:
     def _verify_drafts(self, hidden: torch.Tensor, qsl: list[int], rows: list, handle: StepHandle) -> None:
         """Speculative rows: the model's greedy choice after the known token and after each draft (the last
         1 + drafts positions of each request), taken to the host with the step; collect() accepts from them."""
-        idx = [p for i, s in rows for p in range(qsl[i + 1] - 1 - len(s.spec_tokens), qsl[i + 1])]
-        logits = self.model.compute_logits(hidden[to_device(idx, torch.long, self.device)])
+        logits = self.model.compute_logits(hidden[to_device(_verify_rows(qsl, rows), torch.long, self.device)])
         draft_ids = self.draft.verification_drafts(rows) if self.draft is not None else None
         if all(s.request.argmax_only for _, s in rows):
             out = self.sampler.sample_argmax(logits)  # the model's choices: collect() compares the drafts
@@ -736,7 +754,7 @@ class ModelRunner:
         if self.state_cache is not None:  # the recurrent states after each request's last accepted draft
             from voltllm.worker.hybrid_spec import keep_accepted_states
 
-            handle.spec_states = keep_accepted_states(self.state_cache, rows, out, draft_ids)
+            handle.spec_states = keep_accepted_states(self.state_cache, rows, out, draft_ids, self.tp)
         handle.spec_device = (out.tokens, getattr(out, "accepted", None))
         out.copy_to_host_async()
         handle.spec_out = out
@@ -906,3 +924,9 @@ def _prompt_logprob_rows(s) -> int:
     """How many of a scheduled chunk's rows predict prompt tokens (their logprobs are asked for): from its start to
     the end of the chunk or the prompt's last token, whichever is first."""
     return min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1) - s.start
+
+
+def _verify_rows(qsl: list[int], rows: list) -> list[int]:
+    """A speculative step's verification rows: each drafting request's (index, ScheduledRequest) known token and
+    drafts, its last 1 + drafts positions."""
+    return [p for i, s in rows for p in range(qsl[i + 1] - 1 - len(s.spec_tokens), qsl[i + 1])]
