@@ -80,6 +80,15 @@ def test_greedy_matches_tp1(engines):
     two.engine.check_integrity()
 
 
+def _assert_same_outputs(one, two, prompts) -> None:
+    """-tp 2's prompt logprobs and 12 greedy tokens equal -tp 1's."""
+    a, b = full_prompt_logprobs(one, prompts), full_prompt_logprobs(two, prompts)
+    assert not a.isnan().any() and torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+
+
 def test_hybrid_awq_matches_tp1(tmp_path, monkeypatch):
     """An AWQ qwen3_5 hybrid kept quantized: GDN in_proj shards (interleaved rows) and out_proj's value-head
     columns, gated attention, MLP; prompt logprobs and greedy tokens of -tp 2 equal -tp 1's."""
@@ -98,11 +107,7 @@ def test_hybrid_awq_matches_tp1(tmp_path, monkeypatch):
         cfg = two.config.model.hf_config
         cfg = getattr(cfg, "text_config", None) or cfg
         assert isinstance(out, Planes) and out.k == cfg.linear_num_value_heads * cfg.linear_value_head_dim // 2
-        a, b = full_prompt_logprobs(one, prompts), full_prompt_logprobs(two, prompts)
-        assert not a.isnan().any() and torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
-        params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
-        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+        _assert_same_outputs(one, two, prompts)
     finally:
         two.engine.shutdown()
 
@@ -167,10 +172,6 @@ def test_gguf_tied_quantized_embedding_matches_tp1(tmp_path, monkeypatch):
         assert isinstance(one.engine.runner.model.embed_tokens.table.weight, Planes)
         emb = two.engine.runner.model.embed_tokens
         assert emb.weight is None and isinstance(emb.table.weight, Planes) and emb.table.weight.n == 49
-        a, b = full_prompt_logprobs(one, prompts), full_prompt_logprobs(two, prompts)
-        assert not a.isnan().any() and torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
-        params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
-        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+        _assert_same_outputs(one, two, prompts)
     finally:
         two.engine.shutdown()

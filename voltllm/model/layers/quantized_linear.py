@@ -320,10 +320,10 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         held = None
-        if self.tp is not None:  # this rank's rows; the others' ids read row 0, zeroed below
-            local = ids - self.start
-            held = (local >= 0) & (local < self.rows)
-            ids = torch.where(held, local, torch.zeros_like(local))
+        if self.tp is not None:  # this rank's rows, as VocabParallelEmbedding
+            from voltllm.model.layers.vocab_parallel import shard_ids
+
+            ids, held = shard_ids(ids, self.start, self.rows)
         w = self.table.weight
         if isinstance(w, torch.Tensor):
             out = F.embedding(ids, w)
@@ -331,8 +331,9 @@ class QuantEmbedding(nn.Module):
             out = dequantized(take_rows(w, ids.reshape(-1)), self.dtype).reshape(*ids.shape, self.embedding_dim)
         if held is None:
             return out
-        out.masked_fill_(~held.unsqueeze(-1), 0)
-        return self.tp.all_reduce_(out)
+        from voltllm.model.layers.vocab_parallel import sum_over_ranks
+
+        return sum_over_ranks(out, held, self.tp)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, dim] times the table^T: the tied LM head."""

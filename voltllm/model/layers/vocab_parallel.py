@@ -33,8 +33,18 @@ class VocabParallelEmbedding(nn.Embedding):
         self.weight.data.copy_(take_rows(full, self.start, self.rows))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        held = (local >= 0) & (local < self.rows)
-        out = F.embedding(torch.where(held, local, torch.zeros_like(local)), self.weight)
-        out.masked_fill_(~held.unsqueeze(-1), 0)  # ids other ranks hold: their rank adds the row
-        return self.tp.all_reduce_(out)
+        local, held = shard_ids(ids, self.start, self.rows)
+        return sum_over_ranks(F.embedding(local, self.weight), held, self.tp)
+
+
+def shard_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids as rows of this rank's shard [start, start + rows), ids other ranks hold reading row 0; which it holds)."""
+    local = ids - start
+    held = (local >= 0) & (local < rows)
+    return torch.where(held, local, torch.zeros_like(local)), held
+
+
+def sum_over_ranks(out: torch.Tensor, held: torch.Tensor, tp) -> torch.Tensor:
+    """The looked-up rows with those of ids other ranks hold zeroed (their rank adds the row), summed over ranks."""
+    out.masked_fill_(~held.unsqueeze(-1), 0)
+    return tp.all_reduce_(out)
