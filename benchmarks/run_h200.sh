@@ -191,7 +191,7 @@
 #            tests, then 8B-shape AWQ at 1 and 8 concurrent with the tuner's per-class lines
 #   s107     (session 29) the tensor-core form's WIDE variant (16 activation rows per weight read, the 9-16-row
 #            class): GPU tests, sweep at 8 / 16 rows against quant_dot, 8B AWQ at 16 concurrent
-#   s105     (next session) benchmarks/micro/dflash_round.py at the headline shape: the qwen3.5-27b shape's plain step
+#   s105     (session 30) benchmarks/micro/dflash_round.py at the headline shape: the qwen3.5-27b shape's plain step
 #            vs its DFlash round (K = 15, batch 1 then 4; a random-weight 5-layer drafter at the public 27B drafter's
 #            layout: 32 q / 8 kv heads of 128, reading target layers 1, 16, 31, 46, 61) and projected tok/s. Batch 1
 #            keeps the verification's walks graph and the drafter's block graph (--max-num-seqs 16, ~37 GiB of
@@ -1413,6 +1413,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         --name qwen3-8b-shape-awq-g128-c16-$sha > "$out/awq-c16.txt" 2>&1
       grep -E "rows (8|16):" "$out/awq-c16.txt" | head -8; grep -E -A12 "^voltllm bench" "$out/awq-c16.txt" | tail -8
     fi
+    ;;
+  s105)  # (session 30) the 27B shape's plain step vs its DFlash round (K = 15, batch 1 then 4; header comment)
+    timeout 560 python3 benchmarks/micro/dflash_round.py --target qwen3.5-27b-shape -k 15 --batch 1,4 \
+      --out "$out/dflash-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
