@@ -1,15 +1,15 @@
 """Tensor parallelism over two GPUs (NCCL): -tp 2 against -tp 1 on a tiny qwen3 and a tiny dense hybrid (qwen3_5:
 Gated DeltaNet + gated attention) with decode CUDA graphs on (their all-reduces captured), and a killed worker
 reported by the engine instead of a hang; speculative decoding (n-gram, draft model) on both, its verifications in
-the decode / walks graphs. Needs 2 CUDA devices (benchmarks/run_h200.sh s83tp, kind nvidia-h200-x2); skipped
-otherwise."""
+the decode / walks graphs; sparse MoE models (qwen3_moe, qwen3_5_moe). Needs 2 CUDA devices (benchmarks/run_h200.sh
+s83tp, kind nvidia-h200-x2); skipped otherwise."""
 import os
 import signal
 
 import pytest
 import torch
 
-from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
+from tiny_models import HYBRID_MOE, HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 from voltllm.distributed.executor import TPWorkerError
 
@@ -117,6 +117,33 @@ def test_tp2_hybrid_fp32_matches_tp1_with_cuda_graphs_and_snapshots(tiny_hybrid)
         assert _hybrid_greedy(two) == ref  # again: prefix hits restored from every rank's snapshots
         assert two.engine.runner.state_snapshots.num_restored > restored
         assert torch.allclose(_hybrid_prompt_logprobs(two), ref_lp, atol=1e-4, rtol=0)
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
+def test_tp2_moe_fp32_matches_tp1_with_cuda_graphs(tmp_path, kind):
+    """Sparse MoE layers split by every expert's intermediate rows: the Triton router, per-pair / grouped expert
+    kernels and the fused shared-expert decode launch on each rank's narrower experts, the layer's all-reduce
+    captured in the decode graphs."""
+    if kind == "qwen3_moe":
+        path, greedy, lps, engine = (make_model(str(tmp_path), "qwen3_moe", max_position_embeddings=2048), _greedy,
+                                     _prompt_logprobs, dict(device="cuda", gpu_memory_utilization=0.3))
+    else:
+        path, greedy, lps, engine = (make_tiny_hybrid(str(tmp_path), "qwen3_5_moe", 0, 1, **HYBRID_MOE),
+                                     _hybrid_greedy, _hybrid_prompt_logprobs, HYBRID_ENGINE)
+        if path is None:
+            pytest.skip("this transformers has no Qwen3_5MoeTextConfig")
+    one = LLM(path, dtype="float32", **engine)
+    ref, ref_lp = greedy(one), lps(one)
+    del one
+    two = LLM(path, dtype="float32", tensor_parallel_size=2, **engine)
+    try:
+        assert two.engine.runner.graphs is not None
+        assert greedy(two) == ref
+        assert two.engine.runner.graphs.replays > 0
+        assert torch.allclose(lps(two), ref_lp, atol=1e-4, rtol=0)
         two.engine.check_integrity()
     finally:
         two.engine.shutdown()

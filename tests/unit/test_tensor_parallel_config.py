@@ -31,13 +31,20 @@ def test_tp2_accepted_for_a_dense_llama(tmp_path):
     assert _config(tmp_path, 2).parallel.tensor_parallel_size == 2
 
 
+def test_tp2_accepted_for_qwen3_moe(tmp_path):
+    moe = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    assert _config(tmp_path, 2, **moe).parallel.tensor_parallel_size == 2
+
+
 @pytest.mark.parametrize("tp,overrides,words", [
     (3, {}, "4 attention heads do not divide by 3"),
     (2, {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}, "3 KV heads"),
     (2, {"intermediate_size": 129}, "intermediate size 129"),
     (0, {}, "must be >= 1"),
     (2, {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
-         "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "MoE is not supported"),
+         "num_experts_per_tok": 2, "moe_intermediate_size": 33}, "MoE intermediate size 33 does not divide by 2"),
+    (2, {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "not 'mixtral'"),
 ])
 def test_refused_with_one_line(tmp_path, tp, overrides, words):
     with pytest.raises(ConfigError, match="--tensor-parallel-size") as e:
@@ -97,6 +104,10 @@ AWQ128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": Tru
     (4, "fp8", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
      "not a multiple of 128 (FP8"),
     (4, "fp8", {}, None),  # quantized at load: the unquantized weight is cut, then quantized
+    (2, "awq", dict(model_type="qwen3_moe", num_experts=128, moe_intermediate_size=768, intermediate_size=6144,
+                    quantization_config=AWQ128), None),  # Qwen3-30B-A3B: 384 inputs of each expert's down per rank
+    (4, "awq", dict(model_type="qwen3_moe", num_experts=128, moe_intermediate_size=768, intermediate_size=6144,
+                    quantization_config=AWQ128), "MoE intermediate size 768 / 4 = 192 inputs per rank"),
     (4, "qwen3_5", dict(model_type="qwen3_5_text", intermediate_size=512, linear_num_key_heads=4,
                         linear_num_value_heads=4, linear_value_head_dim=64, quantization_config=AWQ128),
      "Gated DeltaNet value heads x value dim 256 / 4 = 64 inputs per rank is not a multiple of 128"),
@@ -167,7 +178,9 @@ def test_multimodal_dense_hybrid_reads_its_text_config():
     (4, {"linear_num_key_heads": 2, "linear_num_value_heads": 8}, "2 Gated DeltaNet key heads do not divide by 4"),
     (16, {}, "24 attention heads do not divide by 16"),
     (2, {"intermediate_size": 17407}, "intermediate size 17407"),
-    (2, {"num_experts": 8}, "hybrid + MoE"),
+    (2, {"num_experts": 8, "moe_intermediate_size": 96, "shared_expert_intermediate_size": 17},
+     "shared-expert intermediate size 17 does not divide by 2"),
+    (4, {"num_experts": 8, "moe_intermediate_size": 98}, "MoE intermediate size 98 does not divide by 4"),
 ])
 def test_dense_hybrid_refusals(tp, overrides, words):
     err = tensor_parallel_error(tp, _cfg(**{**QWEN35, **overrides}), torch.device("cpu"), None, "dequantized")
@@ -175,9 +188,9 @@ def test_dense_hybrid_refusals(tp, overrides, words):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
-def test_moe_hybrids_refused(kind):
-    err = tensor_parallel_error(2, _cfg(**{**QWEN35, "model_type": kind}), torch.device("cpu"), None, "dequantized")
-    assert f"not {kind!r} (hybrid + MoE is not supported under tensor parallelism)" in err and "\n" not in err
+def test_moe_hybrids_accepted(kind):
+    moe = {"model_type": kind, "num_experts": 8, "moe_intermediate_size": 96, "shared_expert_intermediate_size": 64}
+    assert tensor_parallel_error(2, _cfg(**{**QWEN35, **moe}), torch.device("cpu"), None, "dequantized") is None
 
 
 def test_more_ranks_than_gpus_refused(monkeypatch):

@@ -6,11 +6,11 @@ from typing import Any, Optional
 
 import torch
 
-# dense llama-family decoders (models/llama.py without sparse MoE layers)
-TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-# dense hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense MLP); a multimodal qwen3_5
-# checkpoint runs as its text model
-TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
+# llama-family decoders (models/llama.py; qwen3_moe's sparse layers split by every expert's intermediate rows)
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs); a multimodal
+# qwen3_5 / qwen3_5_moe checkpoint runs as its text model
+TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 # speculative methods under TP: host n-grams, and a draft model run unsharded beside rank 0's target shard
 TP_SPEC_METHODS = ("ngram", "draft_model")
 
@@ -26,14 +26,10 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
         return None
     kind = getattr(hf_config, "model_type", None)
     if kind not in TP_MODEL_TYPES + TP_HYBRID_TYPES:
-        what = {"qwen3_moe": "MoE", "qwen3_next": "hybrid + MoE", "qwen3_5_moe": "hybrid + MoE",
-                "qwen3_5_moe_text": "hybrid + MoE"}.get(kind, "this architecture")
-        return (f"{flag}: tensor parallelism is built for dense {' / '.join(TP_MODEL_TYPES + TP_HYBRID_TYPES)} "
-                f"models, not {kind!r} ({what} is not supported under tensor parallelism)")
+        return (f"{flag}: tensor parallelism is built for {' / '.join(TP_MODEL_TYPES + TP_HYBRID_TYPES)} models, "
+                f"not {kind!r}")
     if kind in TP_HYBRID_TYPES:
         hf_config = getattr(hf_config, "text_config", None) or hf_config
-        if int(getattr(hf_config, "num_experts", 0) or 0) > 0:
-            return f"{flag}: {kind!r} with sparse MoE layers (hybrid + MoE) is not supported under tensor parallelism"
         nk, nv = int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads)
         if nk % tp:
             return f"{flag}: the model's {nk} Gated DeltaNet key heads do not divide by {tp}"
@@ -41,13 +37,13 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
             return f"{flag}: the model's {nv} Gated DeltaNet value heads do not divide by {tp}"
     heads = int(hf_config.num_attention_heads)
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    inter = int(hf_config.intermediate_size)
     if heads % tp:
         return f"{flag}: the model's {heads} attention heads do not divide by {tp}"
     if kv % tp and tp % kv:
         return f"{flag}: the model's {kv} KV heads neither divide by {tp} nor divide it (needed to shard or replicate)"
-    if inter % tp:
-        return f"{flag}: the model's intermediate size {inter} does not divide by {tp}"
+    for name, width in _split_widths(hf_config).items():
+        if width % tp:
+            return f"{flag}: the model's {name} {width} does not divide by {tp}"
     if speculative is not None and speculative.method not in TP_SPEC_METHODS:
         # MTP and DFlash draft from the target's own hidden states through its (vocabulary-sharded) embedding / head
         return (f"{flag}: speculative method {speculative.method!r} is not supported under tensor parallelism "
@@ -62,6 +58,16 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
     elif device.type != "cpu":
         return f"{flag}: tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {device.type}"
     return None
+
+
+def _split_widths(cfg: Any) -> dict[str, int]:
+    """The MLP widths split evenly over the ranks (each rank a 1/N share of the intermediate rows): the dense MLP's,
+    and with sparse MoE layers every routed expert's and the shared expert's; those the config has (non-zero)."""
+    widths = {"intermediate size": getattr(cfg, "intermediate_size", 0)}
+    if int(getattr(cfg, "num_experts", 0) or 0) > 0:
+        widths["MoE intermediate size"] = getattr(cfg, "moe_intermediate_size", 0)
+        widths["shared-expert intermediate size"] = getattr(cfg, "shared_expert_intermediate_size", 0)
+    return {name: int(w) for name, w in widths.items() if w}
 
 
 def _column_multiple(hf_config: Any, method: Optional[str]) -> Optional[tuple[int, str]]:
@@ -108,8 +114,8 @@ def quantized_split_error(tp: int, hf_config: Any, method: Optional[str]) -> Opt
 
     heads = get("num_attention_heads")
     inputs = {"attention heads x head_dim": heads * (get("head_dim") or get("hidden_size") // max(heads, 1)),
-              "intermediate size": get("intermediate_size"),
-              "Gated DeltaNet value heads x value dim": get("linear_num_value_heads") * get("linear_value_head_dim")}
+              "Gated DeltaNet value heads x value dim": get("linear_num_value_heads") * get("linear_value_head_dim"),
+              **_split_widths(cfg)}
     for name, width in inputs.items():
         if not width or width % mult or width % tp:
             continue  # not kept quantized whole (dequantized per layer), or not divisible: tensor_parallel_error's

@@ -15,6 +15,12 @@ launch (voltllm/kernels/moe_decode.py), then for batches of up to SMALL_MAX_PAIR
 unsorted GEMV launches (same file), for larger ones the grouped GEMM (voltllm/kernels/moe.py: device-side
 sort/align, one launch for every expert's gate_up + SiLU-mul, one for every expert's down projection with the
 routing weights, a sum over k): no loop over experts, no host sync.
+
+Tensor parallelism (`tp`): every rank holds every expert (and the shared expert) with its 1/N share of their
+intermediate rows, as the dense MLP is split: gate / up by rows, down by input columns; the router and the shared
+expert's gate are replicated. Each rank's sum is then a partial product of the whole layer's (the routing weights and
+the shared gate's sigmoid scale whole expert outputs, so they scale the partials alike), and one all-reduce adds them:
+no expert placement, no token exchange, the same kernels on smaller experts.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voltllm.distributed.sharding import even_split, take_cols, take_rows
 from voltllm.model.layers.activation import silu_and_mul
 from voltllm.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 
@@ -89,11 +96,17 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, shared_inter: int,
                  norm_topk_prob: bool, dtype: torch.dtype, quantized_experts: bool = False,
-                 linear_method: Optional[LinearMethod] = None):
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         """quantized_experts: quantized checkpoints' experts stay quantized (quant_moe.QuantExperts) when they
         can; no dense expert weights are allocated unless some expert cannot. linear_method: how the shared
-        expert's projections hold their weights (None: dense); the router and the shared expert's gate stay dense."""
+        expert's projections hold their weights (None: dense); the router and the shared expert's gate stay dense.
+        tp: this rank's tensor-parallel group (module docstring); moe_inter / shared_inter are the whole model's."""
         super().__init__()
+        self.tp = tp
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        # this rank's intermediate rows [start, start + n) of every routed expert and of the shared expert
+        self.inter_start, moe_inter = even_split(moe_inter, rank, size)
+        self.shared_start, shared_inter = even_split(shared_inter, rank, size)
         self.num_experts, self.top_k, self.inter, self.hidden = num_experts, top_k, moe_inter, hidden
         self.norm_topk_prob = norm_topk_prob
         self.dtype = dtype
@@ -118,6 +131,10 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(e, h, i, dtype=self.dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._local_forward(x)
+        return out if self.tp is None else self.tp.all_reduce_(out)  # the ranks' intermediate rows' partials
+
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         if self.qexperts is not None:
             if x.is_cuda:
@@ -172,13 +189,17 @@ class SparseMoE(nn.Module):
         """`name` relative to the HF MoE block ('experts.3.up_proj.weight', 'gate.weight', ...). Packed quantized
         expert weights go to QuantExperts (quantized_experts), else are dequantized here; the shared expert's go to its
         Linears, whose method decides; the router and the shared expert's gate are always dense."""
-        from voltllm.model.layers.quantized_linear import PackedWeight, dense_tensor
+        from voltllm.model.layers.quantized_linear import MisalignedCut, PackedWeight, dense_tensor
 
         m = _EXPERT.fullmatch(name)
+        if m:  # this rank's intermediate rows of the expert (all of them without TP)
+            tensor = self._expert_part(m.group(2)[:-5], tensor, prefix + name)
         if m and self.qexperts is not None:
             e, kind = int(m.group(1)), m.group(2)[:-5]
             try:
                 self.qexperts.add(e, kind, tensor)
+            except MisalignedCut:  # a rank's share of a group: refused like a dense layer's (no dense fallback)
+                raise
             except ValueError as err:
                 self._keep_experts_dense(err)
             return [f"{prefix}experts.{e}.{kind}"]
@@ -196,11 +217,7 @@ class SparseMoE(nn.Module):
             if self.qexperts is not None:  # quantized experts expected, but a stacked dense tensor came
                 self._keep_experts_dense(ValueError(f"{name} is not per-expert"))
             dst = self.w13 if name == "experts.gate_up_proj" else self.w2
-            if tuple(tensor.shape) != tuple(dst.shape):
-                if tuple(tensor.transpose(1, 2).shape) == tuple(dst.shape):
-                    tensor = tensor.transpose(1, 2)  # [E, in, out] checkpoints (Qwen3-VL-MoE style)
-                else:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            tensor = self._stacked_part(name, dense_tensor(tensor))
             dst.data.copy_(tensor)
             kinds = ("gate", "up") if dst is self.w13 else ("down",)
             return [f"{prefix}experts.{e}.{kd}" for e in range(self.num_experts) for kd in kinds]
@@ -214,9 +231,38 @@ class SparseMoE(nn.Module):
             shard = {"shared_expert.gate_proj.weight": ("gate_up_proj", 0), "shared_expert.up_proj.weight":
                      ("gate_up_proj", 1), "shared_expert.down_proj.weight": ("down_proj", 0)}.get(name)
             if shard is not None:
+                if self.tp is not None:  # this rank's intermediate rows: gate / up rows, down input columns
+                    start, n = self.shared_start, self.shared_expert.down_proj.in_features
+                    tensor = (take_cols(tensor, start, n, prefix + name) if shard[0] == "down_proj"
+                              else take_rows(tensor, start, n))
                 getattr(self.shared_expert, shard[0]).load_weight(tensor, shard[1])
                 return [f"{prefix}shared_expert.{shard[0]}#{shard[1]}"]
         raise ValueError(f"unexpected MoE weight {name!r}")
+
+    def _expert_part(self, kind: str, tensor, what: str):
+        """This rank's part of one expert's gate / up ([I, H]: rows) or down ([H, I]: input columns) projection."""
+        if self.tp is None:
+            return tensor
+        if kind == "down":
+            return take_cols(tensor, self.inter_start, self.inter, what)
+        return take_rows(tensor, self.inter_start, self.inter)
+
+    def _stacked_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of transformers' stacked experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) or
+        experts.down_proj [E, H, I], in either orientation ([E, in, out] checkpoints: Qwen3-VL-MoE style)."""
+        e, h, i, s = self.num_experts, self.hidden, self.inter, self.inter_start
+        full = i * (self.tp.size if self.tp is not None else 1)
+        gate_up = name == "experts.gate_up_proj"
+        want = (e, 2 * full, h) if gate_up else (e, h, full)
+        if tuple(tensor.shape) != want:
+            if tuple(tensor.transpose(1, 2).shape) != want:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {want}")
+            tensor = tensor.transpose(1, 2)
+        if self.tp is None:
+            return tensor
+        if gate_up:
+            return torch.cat([tensor[:, s:s + i], tensor[:, full + s:full + s + i]], dim=1)
+        return tensor[:, :, s:s + i]
 
     def _keep_experts_dense(self, why: Exception) -> None:
         """A part of the experts cannot stay quantized: allocate the dense expert weights and move what has

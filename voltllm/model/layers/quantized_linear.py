@@ -71,6 +71,10 @@ class PackedWeight:
         return PackedSlice(self, dim, start, n, what)
 
 
+class MisalignedCut(ValueError):
+    """A tensor-parallel column cut that would split a quantized block / group (PackedSlice)."""
+
+
 class PackedSlice(PackedWeight):
     """Rows or input columns [start, start + n) of another packed weight, cut right after it is re-laid (so a rank
     holds the whole weight only while it loads that one layer) or dequantized. Column cuts must fall on the planes'
@@ -90,7 +94,7 @@ class PackedSlice(PackedWeight):
             return row_shard(w, self.start, self.n)
         mult = column_multiple(w.kind)
         if self.start % mult or self.n % mult:
-            raise ValueError(f"{self.what or 'a row-parallel projection'}: this rank's input columns [{self.start}, "
+            raise MisalignedCut(f"{self.what or 'a row-parallel projection'}: this rank's input columns [{self.start}, "
                              f"{self.start + self.n}) of a weight kept quantized as {w.kind.name} must start and end "
                              f"on multiples of {mult} inputs (its blocks / groups); choose a --tensor-parallel-size "
                              f"that gives each rank a multiple of {mult} inputs, or drop --quantization to dequantize "

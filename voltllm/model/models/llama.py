@@ -1,10 +1,11 @@
 """Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm, qwen3_moe: qwen3 with sparse MoE MLPs)
 over the paged KV cache.
 
-Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup; dense models only): every rank builds the layers at
-its shard's shapes and `load_weights` slices the checkpoint's tensors (voltllm.distributed.sharding): qkv and
-gate_up by output rows (heads / intermediate), o_proj and down_proj by input columns, each followed by an all-reduce;
-the embedding and LM head by vocabulary rows, the logits gathered on every rank.
+Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup): every rank builds the layers at its shard's shapes
+and `load_weights` slices the checkpoint's tensors (voltllm.distributed.sharding): qkv and gate_up by output rows
+(heads / intermediate), o_proj and down_proj by input columns, each followed by an all-reduce; qwen3_moe's sparse
+layers by every expert's intermediate rows (layers/moe.py); the embedding and LM head by vocabulary rows, the logits
+gathered on every rank.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ class DecoderLayer(nn.Module):
         if is_moe_layer(cfg, idx):  # qwen3_moe: routed experts without a shared one (kept quantized with the rest)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                                  0, bool(getattr(cfg, "norm_topk_prob", True)), dtype,
-                                 quantized_experts=linear_method is not None)
+                                 quantized_experts=linear_method is not None, tp=tp)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method, tp)
 
@@ -168,8 +169,6 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
         from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, QuantEmbedding
 
-        if tp is not None and int(getattr(cfg, "num_experts", 0) or 0) > 0:
-            raise ValueError("tensor parallelism is built for dense llama-family models (no MoE)")
         if isinstance(linear_method, QuantizedLinearMethod):  # (under TP: this rank's vocabulary rows, see its doc)
             self.embed_tokens = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method, tp)
         elif tp is not None:

@@ -16,11 +16,12 @@ module, qwen3_next_mtp.py, reads those for MTP speculation).
 Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`): the attention, GDN, dense-MLP,
 shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts (docs/hybrid.md).
 
-Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup; dense qwen3_5 only, voltllm.distributed.support):
-every rank builds its shard's shapes and the loaders slice the checkpoint's tensors: gated attention by heads (q_proj's
+Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup; voltllm.distributed.support says what runs): every
+rank builds its shard's shapes and the loaders slice the checkpoint's tensors: gated attention by heads (q_proj's
 [q | gate] rows per head kept together) and MLP as the llama family, each GDN layer by key / value heads (gdn.py),
-the embedding and LM head by vocabulary rows; the mixer's o_proj / out_proj partial products are summed in
-HybridDecoderLayer, the MLP's in llama.MLP. Each rank's StateCache holds its own heads (state_spec is local).
+sparse MoE layers by every expert's intermediate rows (moe.py), the embedding and LM head by vocabulary rows; the
+mixer's o_proj / out_proj partial products are summed in HybridDecoderLayer, the MLP's in llama.MLP / SparseMoE.
+Each rank's StateCache holds its own heads (state_spec is local).
 
 DFlash speculation reads the residual stream after chosen layers (`set_aux_hidden`, models/aux_hidden.py, shared with
 the llama family).
@@ -118,13 +119,11 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, mixer_index, dtype, rotary, linear_method, tp)
         else:
             raise ValueError(f"layer {idx}: unknown layer type {kind!r}")
-        if moe and tp is not None:
-            raise ValueError("tensor parallelism is built for dense hybrids (no sparse MoE layers)")
         if moe:  # kept quantized: the routed experts as quant_moe.QuantExperts, the shared expert's Linears as planes
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
                                  norm_topk, dtype, quantized_experts=linear_method is not None,
-                                 linear_method=linear_method)
+                                 linear_method=linear_method, tp=tp)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, linear_method, tp)
 
@@ -227,8 +226,6 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         mt = getattr(cfg, "model_type", "") or ""
         self.variant = ("qwen3_next" if mt.startswith("qwen3_next") else
                         "qwen3_5_moe" if mt.startswith("qwen3_5_moe") else "qwen3_5")
-        if tp is not None and self.variant != "qwen3_5":
-            raise ValueError("tensor parallelism is built for dense qwen3_5 hybrids (no MoE)")
         gdn_layout = "qkvz" if self.variant == "qwen3_next" else "split"
         layer_types = list(getattr(cfg, "layer_types", None) or [
             "full_attention" if (i + 1) % getattr(cfg, "full_attention_interval", 4) == 0 else "linear_attention"

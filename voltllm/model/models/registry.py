@@ -33,14 +33,12 @@ def supports_quantized_layers(hf_config: Any) -> bool:
 def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
                 tp: Any = None) -> torch.nn.Module:
     """linear_method: a LinearMethod for the projections (quantized weights kept quantized,
-    supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (llama-family models
-    without MoE and dense hybrids, weights dense or kept quantized: voltllm.distributed.support)."""
+    supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (every architecture here,
+    weights dense or kept quantized; what a configuration may split: voltllm.distributed.support)."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
     if tp is not None:
-        if _MODELS[arch] not in (LlamaForCausalLM, Qwen3_5ForCausalLM):
-            raise ValueError(f"tensor parallelism is not built for model type {arch!r}")
         return _MODELS[arch](hf_config, dtype, max_positions, linear_method, tp=tp)
     if linear_method is not None:
         return _MODELS[arch](hf_config, dtype, max_positions, linear_method)

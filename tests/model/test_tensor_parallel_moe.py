@@ -1,0 +1,77 @@
+"""Tensor parallelism for sparse MoE models on the CPU (gloo): qwen3_moe (dense fp32 and AWQ kept quantized) and the
+hybrid + MoE families (qwen3_5_moe, qwen3_next: routed experts, a gated shared expert) with -tp 2 against -tp 1
+through the offline LLM API (rank 0 in this process, rank 1 a spawned worker). Every rank holds each expert's half of
+the intermediate rows (layers/moe.py), so the prompt logprobs over the whole vocabulary and the greedy tokens must
+equal -tp 1's."""
+import random
+
+import pytest
+import torch
+
+from quant_checkpoints import quantize_checkpoint
+from tiny_models import HYBRID_MOE, HYBRID_VOCAB, full_prompt_logprobs, make_model, make_tiny_hybrid
+from voltllm import LLM, SamplingParams
+from voltllm.model.layers.gguf_planes import Planes
+from voltllm.model.layers.moe import SparseMoE
+
+TEXT = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?", "Hi",
+        "def add(a, b):\n    return a + b\n# now the quick brown fox"]
+_rng = random.Random(7)
+IDS = [{"prompt_token_ids": [_rng.randrange(HYBRID_VOCAB) for _ in range(n)]} for n in (21, 6, 13)]
+# chunked prefill, mixed prefill + decode steps, several requests per step
+LLAMA_ENGINE = dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=8)
+HYBRID_ENGINE = dict(block_size=4, mamba_block_size=8, max_num_batched_tokens=7, max_num_seqs=4,
+                     skip_tokenizer_init=True)
+
+
+def _qwen3_moe(path, quant=None):
+    """8 experts of 128 intermediate rows (64 per rank: whole 64-input plane groups), top 2, layer 1 dense."""
+    make_model(path, "qwen3_moe", hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=128)
+    if quant:
+        quantize_checkpoint(path, **quant)
+    return path
+
+
+CASES = {
+    "qwen3_moe": (lambda p: _qwen3_moe(p), TEXT, LLAMA_ENGINE),
+    "qwen3_moe-awq-kept": (lambda p: _qwen3_moe(p, dict(method="awq")), TEXT, LLAMA_ENGINE),
+    # routed experts + sigmoid-gated shared expert; qwen3_next also stores GDN in_proj_qkvz grouped by key head
+    "qwen3_5_moe": (lambda p: make_tiny_hybrid(p, "qwen3_5_moe", 0, 1, **HYBRID_MOE), IDS, HYBRID_ENGINE),
+    "qwen3_next": (lambda p: make_tiny_hybrid(p, "qwen3_next", 0, 1, **HYBRID_MOE), IDS, HYBRID_ENGINE),
+}
+
+
+def _moe_layers(llm) -> list[SparseMoE]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_matches_tp1(case, tmp_path, monkeypatch):
+    build, prompts, engine = CASES[case]
+    path = build(str(tmp_path))
+    if path is None:
+        pytest.skip(f"this transformers has no {case} config")
+    kept = case.endswith("-kept")
+    if kept:  # as on a GPU: the routed experts stay quantized (quant_moe.QuantExperts), each rank cutting its rows
+        import voltllm.config
+
+        monkeypatch.setattr(voltllm.config, "_quantized_weights", lambda *a, **k: "quantized")
+    one = LLM(path, **engine)
+    two = LLM(path, tensor_parallel_size=2, **engine)
+    try:
+        whole, half = _moe_layers(one), _moe_layers(two)
+        assert whole and len(whole) == len(half)
+        for a, b in zip(whole, half):  # each rank: half of every expert's and the shared expert's rows
+            assert b.inter * 2 == a.inter and b.inter_start == 0
+            if a.shared_expert is not None:
+                assert b.shared_expert.down_proj.in_features * 2 == a.shared_expert.down_proj.in_features
+            if kept:
+                assert isinstance(b.qexperts.w2, Planes) and b.qexperts.w2.k == a.qexperts.w2.k // 2
+        x, y = full_prompt_logprobs(one, prompts), full_prompt_logprobs(two, prompts)
+        assert not x.isnan().any() and torch.allclose(x, y, atol=2e-5, rtol=0), (x - y).abs().max()
+        params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
