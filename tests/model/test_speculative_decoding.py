@@ -94,8 +94,9 @@ def test_preemption_while_speculating(path):
 @pytest.mark.parametrize("max_num_seqs", [8, 2])
 def test_decode_steps_with_drafts_run_as_token_rows(path, monkeypatch, max_num_seqs):
     """A step where every request decodes runs its known tokens and drafts as decode rows (what a decode CUDA graph
-    replays on the GPU), each row attending to its own prefix; steps with more tokens than max_num_seqs rows take
-    the prompt-step form. Either way the greedy tokens are plain decoding's."""
+    replays on the GPU), each row attending to its own prefix, up to max_num_seqs x (K + 1) rows
+    (cuda_graphs.decode_graph_rows: more rows than requests); steps with more take the prompt-step form. Either way
+    the greedy tokens are plain decoding's."""
     from voltllm.worker.runner import ModelRunner
 
     rows = []
@@ -111,7 +112,7 @@ def test_decode_steps_with_drafts_run_as_token_rows(path, monkeypatch, max_num_s
     kw = dict(block_size=4, max_num_seqs=max_num_seqs)
     llm = LLM(path, speculative_config=SPEC, **kw)
     got = _run(llm, PROMPTS[1:3], sp)
-    assert all(r <= max_num_seqs for r in rows)
-    if max_num_seqs == 8:
-        assert rows and max(rows) > 2  # drafts of both requests in one step
+    cap = llm.engine.runner.max_decode_rows
+    assert cap == min(max_num_seqs * (1 + SPEC["num_speculative_tokens"]), llm.config.scheduler.max_num_batched_tokens)
+    assert rows and all(r <= cap for r in rows) and max(rows) > 2  # both requests draft (2: past max_num_seqs)
     assert got == _run(LLM(path, **kw), PROMPTS[1:3], sp)

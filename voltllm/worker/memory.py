@@ -21,7 +21,6 @@ def profiled_tokens(runner) -> int:
 def profile_activation_bytes(runner) -> int:
     """Peak memory of one forward over --max-num-batched-tokens tokens (one sequence) beyond the weights."""
     dev = runner.device
-    sc = runner.config.scheduler
     n = profiled_tokens(runner)
     bs = runner.block_size
     nblocks = -(-n // bs)
@@ -44,7 +43,8 @@ def profile_activation_bytes(runner) -> int:
     hidden = runner.model(ids, torch.arange(n, device=dev), ForwardContext(meta, caches, runner.backend))
     if draft_caches is not None:  # (while the target's hidden states wait for their logits)
         draft.model(ids, torch.arange(n, device=dev), ForwardContext(meta, draft_caches, draft.backend))
-    runner.model.compute_logits(hidden[-min(n, sc.max_num_seqs):]).float()  # + the sampler's fp32 copy
+    # (a verification's logits: a row per token, up to max_decode_rows) + the sampler's fp32 copy
+    runner.model.compute_logits(hidden[-min(n, runner.max_decode_rows):]).float()
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
     del caches, draft_caches, hidden

@@ -113,8 +113,8 @@ class MTPRunner(DeviceDrafts):
     def graph_view(self) -> "_MTPGraphView":
         """What DecodeGraphs (or a CPU stand-in) captures: the module reading its hidden inputs from `_hidden`, on
         the target's input buffers with the ids from `_ids` (made here, once)."""
-        if self._graph_view is None:
-            n = self.runner.config.scheduler.max_num_seqs
+        if self._graph_view is None:  # (rows: a step's, as decode rows: up to the runner's max_decode_rows)
+            n = self.runner.max_decode_rows
             self._ids = torch.zeros(n, dtype=torch.long, device=self.runner.device)
             self._hidden = torch.zeros(n, self.outs.shape[1], dtype=self.outs.dtype, device=self.runner.device)
             self._graph_view = _MTPGraphView(self, self.runner)

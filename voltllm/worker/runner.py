@@ -251,6 +251,13 @@ class ModelRunner:
         return kv_cache_spec(self.config.cache.kv_cache_dtype, self.dtype).storage_dtype
 
     @property
+    def max_decode_rows(self) -> int:
+        """Rows a decode-form step (and its CUDA graph) may have (cuda_graphs.decode_graph_rows)."""
+        from voltllm.worker.cuda_graphs import decode_graph_rows
+
+        return decode_graph_rows(self.config)
+
+    @property
     def is_hybrid(self) -> bool:
         return bool(getattr(self.model, "is_hybrid", False))
 
@@ -330,7 +337,7 @@ class ModelRunner:
             sc = self.config.scheduler
             max_blocks = -(-self.config.model.max_model_len // self.block_size) + 1
             self.buffers = InputBuffers(max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
-                                        sc.max_num_seqs, max_blocks, self.device)
+                                        self.max_decode_rows, max_blocks, self.device)
         return self.buffers
 
     def prepare(self, sched: SchedulerOutput, pad_to: int = 0, state_slots: Optional[list[int]] = None,
@@ -547,8 +554,8 @@ class ModelRunner:
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
-        # a speculative decode step as decode rows (one per token; the row buffers hold max_num_seqs)
-        token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.config.scheduler.max_num_seqs
+        # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
+        token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows
                       and self._token_rows_step(sched))
         if token_rows and self.is_hybrid:  # its rows feed one recurrent state per request: only as a walks graph
             graph = self.verify_graphs.for_batch(sched.total_tokens) if self.verify_graphs is not None else None
@@ -847,7 +854,8 @@ class ModelRunner:
         t0 = time.monotonic()
         self._apply_pdl()
         self._ensure_buffers()
-        self.graphs = DecodeGraphs(self)
+        # a hybrid's plain decode steps have a row per request (its verifications replay the walks set, below)
+        self.graphs = DecodeGraphs(self, rows=self.config.scheduler.max_num_seqs if self.is_hybrid else None)
         self.graphs.capture()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                     self.graphs.sizes, time.monotonic() - t0)
