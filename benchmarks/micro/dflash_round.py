@@ -15,12 +15,12 @@ target shape (DRAFTER_LAYOUTS), else the target's own attention layout and width
   depends on them.
 --heads / --kv-heads / --head-dim / --intermediate / --layer-ids override the layout.
 
-Engines are sized as benchmarks/micro/hybrid_spec_round.py sizes them: --max-num-seqs = batch x (K + 1), so a hybrid
-target's verification (its walks graph) and the drafter's block (its graph) replay CUDA graphs. A hybrid's state
-cache holds n + 1 + n x K request states for --max-num-seqs n (K checkpoint rows per slot), so at K = 15 n is capped
-where those states would pass --state-gib (then the steps larger than n run eagerly; the row records n and the
-graph replays): the qwen3.5-27b shape's state is ~154 MB per request, so batch 1 (n = 16, 257 states, ~37 GiB) keeps
-its graphs under the default 40 GiB, batch 4 (n = 64 would take ~1025 states, ~147 GiB) runs with n = 17, eagerly.
+Engines are sized as benchmarks/micro/hybrid_spec_round.py sizes them: --max-num-seqs = batch x (K + 1). A hybrid's
+state cache holds n + 1 + n x K request states for --max-num-seqs n (K checkpoint rows per slot), so at K = 15 n is
+capped where those states would pass --state-gib (never below the batch; the row records n and the graph replays).
+Verification graphs cover n x (K + 1) rows (cuda_graphs.decode_graph_rows), so any n >= batch keeps the target's
+verification and the drafter's block on CUDA graphs: the qwen3.5-27b shape's state is ~154 MB per request, so batch 1
+gets n = 16 (257 states, ~37 GiB) and batch 4 n = 17 under the default 40 GiB.
 
     PYTHONPATH=$PWD python3 benchmarks/micro/dflash_round.py [--target qwen3-8b-shape] [-k 15] [--batch 1,16] \\
         [--state-gib 40] [--out result.json]
@@ -150,9 +150,8 @@ def measure_rounds(target: str, drafter: str, batches: list[int], ks: list[int],
             _free()
             spec.update(batch=b, max_num_seqs=rows, graph_replays=replays)
             proj = {f"{tau}": round(b * tau / (spec["step_ms"] / 1e3), 1) for tau in TAUS}
-            eager = ""  # (verification graphs cover max_num_seqs x (K + 1) rows: cuda_graphs.decode_graph_rows)
             print(f"  DFlash K={k}: round {spec['step_ms']:.2f} ms ({spec['step_ms'] / plain['step_ms']:.2f}x the "
-                  f"plain step; acceptance {spec['acceptance']:.2f}; --max-num-seqs {rows}{eager}, graph replays "
+                  f"plain step; acceptance {spec['acceptance']:.2f}; --max-num-seqs {rows}, graph replays "
                   f"{replays}); projected tok/s at tau {proj}")
             result["rows"].append({"batch": b, "k": k, "plain": plain, "spec": spec, "projected_tok_s": proj})
         if out:

@@ -79,7 +79,7 @@ def test_measures_plain_and_dflash_rounds_on_a_hybrid(micro, hybrid, tmp_path, c
     per = micro.state_bytes_per_request(hybrid, "float32")
     built = _track_engines(monkeypatch, micro)
     out = tmp_path / "round.json"
-    # room for 1 + 5 x (K + 1) states: batch 1 gets its 4 rows, batch 2 five of its 8 (its verification runs eagerly)
+    # room for 1 + 5 x (K + 1) states: batch 1 gets its 4 rows, batch 2 five of its 8
     gib = (1 + 5 * 4) * per / 2**30
     assert micro.main(["--target", hybrid, "-k", "3", "--batch", "1,2", "--layers", "2", "--heads", "2",
                        "--kv-heads", "1", "--head-dim", "16", "--intermediate", "48", "--layer-ids", "1,3",
@@ -94,7 +94,7 @@ def test_measures_plain_and_dflash_rounds_on_a_hybrid(micro, hybrid, tmp_path, c
         assert r["spec"]["drafts"] > 0 and 0 <= r["spec"]["acceptance"] <= 1
         assert r["spec"]["graph_replays"] == {"verify": None, "block": None}  # the CPU captures no graphs
         assert set(r["projected_tok_s"]) == {"2.0", "3.7", "5.0", "6.5"}
-    assert "steps over --max-num-seqs run eagerly" in capsys.readouterr().out
+    assert "--max-num-seqs 5, graph replays" in capsys.readouterr().out
     assert len(built) == 4 and all(ref() is None for ref in built)
 
 
