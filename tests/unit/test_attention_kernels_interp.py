@@ -68,6 +68,25 @@ def test_attention_kernels_registered():
             assert set(spec.signature) == set(entry.fn.arg_names)
 
 
+def test_grown_split_scratch_stays_alive_for_earlier_graphs():
+    """A larger reservation (a hybrid's verification graphs after its decode graphs) replaces the split-KV scratch;
+    the old one stays referenced, since graphs captured on it still use it on replay (freed, the H200 hit an
+    illegal address there: tests/gpu/test_hybrid_spec_cuda.py::test_prefix_cache_snapshots)."""
+    import torch
+
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+
+    backend, cpu = TritonAttentionBackend(num_sms=132), torch.device("cpu")
+    backend.reserve(4, 32, 8, 128, 4096, cpu)
+    first = backend._get_scratch(cpu, 1, 1)
+    backend.reserve(96, 32, 8, 128, 4096, cpu)
+    grown = backend._get_scratch(cpu, 1, 1)
+    assert grown[0].numel() > first[0].numel()
+    assert any(o is first[0] and lse is first[1] for o, lse in backend._retired_scratch)
+    backend.reserve(8, 32, 8, 128, 4096, cpu)  # smaller: the grown scratch serves it
+    assert backend._get_scratch(cpu, 1, 1)[0] is grown[0]
+
+
 def test_num_splits_heuristic():
     from voltllm.kernels.attention import choose_num_splits
     assert choose_num_splits(1, 8, 32768, 132) > 16      # one long sequence: split to fill 132 SMs

@@ -91,6 +91,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.sdpa_prefill = SDPAPrefill(max_context)
         self._dev_info: dict[str, tuple[Optional[tuple[int, int]], int]] = {}
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # scratch outgrown by a larger reservation: a CUDA graph captured before still reads and writes it on replay
+        # (freed, its memory could go to anything, or back to the driver: an illegal address)
+        self._retired_scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # --- device facts and scratch -------------------------------------------------------------
     def _device_info(self, device: torch.device) -> tuple[Optional[tuple[int, int]], int]:
@@ -111,6 +114,8 @@ class TritonAttentionBackend(AttentionBackend):
         if cur is None or cur[0].numel() < numel_o or cur[1].numel() < numel_l:
             old_o = cur[0].numel() if cur else 0
             old_l = cur[1].numel() if cur else 0
+            if cur is not None:
+                self._retired_scratch.append(cur)
             cur = (torch.empty(max(numel_o, old_o), dtype=torch.float32, device=device),
                    torch.empty(max(numel_l, old_l), dtype=torch.float32, device=device))
             self._scratch[key] = cur

@@ -139,7 +139,11 @@ class DecodeGraphs:
         heads, dim = r.model.kv_heads_and_dim
         num_q_heads = r.model.config.num_attention_heads
         if hasattr(r.backend, "reserve"):  # split-KV scratch must exist before capture
-            r.backend.reserve(self.sizes[-1], num_q_heads, heads, dim, r.config.model.max_model_len, r.device)
+            # for the buffers' whole row capacity, not just this set's largest batch: a hybrid's decode graphs (up to
+            # --max-num-seqs rows) come before its verification graphs (up to max_num_seqs x (K + 1)), and scratch
+            # grown by a later set would leave the earlier graphs on the old one (TritonBackend keeps it alive)
+            rows = max(self.sizes[-1], buf.max_seqs)
+            r.backend.reserve(rows, num_q_heads, heads, dim, r.config.model.max_model_len, r.device)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with gc_paused():
             self._capture_all()
