@@ -98,14 +98,17 @@ def run_checks(checks: dict, device: str, only=()) -> int:
     the script's exit code."""
     import traceback
 
+    import time
+
     failed = 0
     for name, fn in checks.items():
         if only and name not in only:
             continue
+        start = time.perf_counter()
         try:
             status = fn(device)
         except Exception as e:  # report and go on
             status = f"FAIL {type(e).__name__}: {e} {traceback.format_exc()[-800:]!r}"
         failed += not status.startswith("ok")
-        print(f"CHECK {name} {status}", flush=True)
+        print(f"CHECK {name} {status} ({time.perf_counter() - start:.1f} s)", flush=True)
     return 1 if failed else 0

@@ -43,7 +43,7 @@ for kind in ("qwen2", "qwen3"):
         model = llm.engine.runner.model
         for layer in model.layers:
             for p in layer.projections():
-                p.skinny = (4, 64, 4, 1)
+                p.skinny = (16, 64, 4, 1)
         prompts = ["hello world, this is", "a b c"]
         plain = [o.outputs[0].token_ids for o in (llm.generate(p, params)[0] for p in prompts)]
         before = calls["norm_linear"]
