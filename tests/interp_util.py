@@ -96,9 +96,8 @@ def run_checks(checks: dict, device: str, only=()) -> int:
     """Run each check (name -> fn(device) -> "ok ..." | "FAIL ..."; only those named in `only` when given),
     printing `CHECK name status detail`; a check that raises is reported as FAIL and the rest go on. Returns
     the script's exit code."""
-    import traceback
-
     import time
+    import traceback
 
     failed = 0
     for name, fn in checks.items():
