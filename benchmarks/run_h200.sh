@@ -197,8 +197,8 @@
 #            keeps the verification's walks graph and the drafter's block graph (--max-num-seqs 16, ~37 GiB of
 #            recurrent states); batch 4 is capped at --max-num-seqs 17 by --state-gib 40 (64 rows would need ~147 GiB
 #            of states), so its rounds run eagerly (the row records --max-num-seqs and the graph replays)
-#   s110     (session 32) issue #4: paged-decode K / V loads evict_first vs no hint, 8B 64 x 128/128 A B A B, after
-#            benchmarks/micro/l2_side_prefetch.py (carry .whl)
+#   s110     (session 32) issue #4: benchmarks/micro/l2_side_prefetch.py (at 8f46141 also 8B 64 x 128/128 with the
+#            paged-decode K / V loads evict_first vs no hint, A B A B; carry .whl)
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1420,15 +1420,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 560 python3 benchmarks/micro/dflash_round.py --target qwen3.5-27b-shape -k 15 --batch 1,4 \
       --out "$out/dflash-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -8
     ;;
-  s110)  # (session 32) issue #4: the paged-decode K / V loads evict_first vs no hint (micro/l2_side_prefetch.py
-         # found a 5% shorter 64-row step with a streaming attention stand-in): 8B 64 x 128/128, A B A B
+  s110)  # (session 32) issue #4: micro/l2_side_prefetch.py; at 8f46141 this stage also ran 8B 64 x 128/128 with the
+         # paged-decode K / V loads evict_first vs no hint, A B A B (no difference; the policy was reverted after)
     python3 benchmarks/micro/l2_side_prefetch.py 2>&1 | tail -6 | tee "$out/l2-side-prefetch-$sha.txt"
-    for pol in evict_first normal evict_first normal; do
-      echo "== K / V loads: $pol"
-      bench_via "python3 benchmarks/micro/kv_eviction_entry.py $pol" --random-weights qwen3-8b-shape --dtype half \
-        --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 \
-        --name qwen3-8b-shape-fp16-c64-kv-$pol-$sha | grep -E "output_tok|concurrent|limits"
-    done
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -26,10 +26,6 @@ from voltllm.kernels.pdl import pdl_enter, prefetch_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 LOG2E = 1.4426950408889634
-# L2 policy of the K / V loads: each cache line is read once per step, so it should not push out what other
-# kernels reuse (issue #4 measurements in docs/kernels.md). A module constant (not an argument) so that a
-# benchmark can compare policies in a fresh process before the first compile.
-KV_EVICTION: tl.constexpr = tl.constexpr("evict_first")
 
 
 @triton.jit
@@ -47,8 +43,8 @@ def _load_kv_decoded(KV, offs, kv_mask, stride_c_kv, KV_FMT: tl.constexpr, DT: t
     conversion), decoded in registers to fp16 (exact) and then to DT, the query dtype (exact too: fp8 values fit
     fp16, bf16 and fp32). The per-layer scales are applied by the caller (k_scale folded into the softmax scale,
     v_scale into the output), so the inner products use the exact decoded codes."""
-    k = tl.load(KV + offs, mask=kv_mask, other=0, eviction_policy=KV_EVICTION)
-    v = tl.load(KV + stride_c_kv + offs, mask=kv_mask, other=0, eviction_policy=KV_EVICTION)
+    k = tl.load(KV + offs, mask=kv_mask, other=0)
+    v = tl.load(KV + stride_c_kv + offs, mask=kv_mask, other=0)
     if KV_FMT >= 0:
         k = fp8_to_fp16(k, KV_FMT).to(DT)
         v = fp8_to_fp16(v, KV_FMT).to(DT)
