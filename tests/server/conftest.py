@@ -1,7 +1,6 @@
 """Fixtures for the server tests: a real `voltllm serve` subprocess on 127.0.0.1, talked to over HTTP."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -25,10 +24,9 @@ def server(model_path: str):
         srv.wait_healthy(300)
         yield srv
     finally:
-        srv.kill_group()
+        srv.stop()
         leftover = wait_gone(srv.descendants, 5)
         assert not leftover, f"orphan processes left by voltllm serve: {leftover}"
-        os.unlink(srv.log.name)
 
 
 @pytest.fixture(scope="session")
@@ -58,4 +56,4 @@ def tiny_server(tmp_path_factory):
         srv.wait_healthy(180)
         yield srv
     finally:
-        srv.kill_group()
+        srv.stop()

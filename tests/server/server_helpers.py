@@ -103,6 +103,15 @@ class ServerProc:
             time.sleep(0.5)
         raise RuntimeError(f"voltllm serve not healthy after {timeout:.0f} s:\n{self.log_text()[-4000:]}")
 
+    def stop(self) -> None:
+        """kill_group, then remove the log file (tests read it before they stop the server)."""
+        self.kill_group()
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except FileNotFoundError:
+            pass
+
     def kill_group(self) -> None:
         if self.proc.poll() is None:
             try:

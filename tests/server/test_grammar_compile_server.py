@@ -5,7 +5,6 @@ the engine only (the API process's tokenizer-free check passes it). Other reques
 a failed compile is a 400 (streamed: an error event) for that request only."""
 from __future__ import annotations
 
-import os
 import textwrap
 
 import openai
@@ -54,8 +53,7 @@ def client(tmp_path_factory, gate):
         srv.wait_healthy(180)
         yield openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=60)
     finally:
-        srv.kill_group()
-        os.unlink(srv.log.name)
+        srv.stop()
 
 
 def _complete(client, **kw):

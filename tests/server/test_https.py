@@ -34,7 +34,7 @@ def test_serves_https(model_path, cert):
             httpx.get(srv.base.replace("https://", "http://") + "/health", timeout=5)
         assert "serving" in srv.log_text() and f"https://127.0.0.1:{srv.port}" in srv.log_text()
     finally:
-        srv.kill_group()
+        srv.stop()
         assert not wait_gone(srv.descendants, 5)
 
 

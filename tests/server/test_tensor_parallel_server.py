@@ -29,4 +29,4 @@ def test_serve_tp2_answers_and_stops_without_orphans(tmp_path):
         assert srv.proc.wait(30) == 0, srv.log_text()[-3000:]
         assert not wait_gone(pids, 10), "orphan processes after SIGTERM"
     finally:
-        srv.kill_group()
+        srv.stop()

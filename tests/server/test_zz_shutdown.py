@@ -36,8 +36,7 @@ def test_engine_exits_when_api_process_is_killed(model_path):
         srv.proc.wait(10)
         assert not wait_gone(srv.descendants, 10), "the engine outlived a killed API process"
     finally:
-        srv.kill_group()
-        os.unlink(srv.log.name)
+        srv.stop()
 
 
 def _cmdline(pid: int) -> str:
