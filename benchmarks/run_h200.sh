@@ -197,6 +197,8 @@
 #            keeps the verification's walks graph and the drafter's block graph (--max-num-seqs 16, ~37 GiB of
 #            recurrent states); batch 4 is capped at --max-num-seqs 17 by --state-gib 40 (64 rows would need ~147 GiB
 #            of states), so its rounds run eagerly (the row records --max-num-seqs and the graph replays)
+#   gpuA/B/C (session 32) the whole GPU suite on one H200 in three calls: kernel / engine-level / hybrid + spec
+#            files, 3 xdist workers each (carry .whl with pytest-xdist: gpu-wheels.sh pytest-xdist)
 #   s110     (session 32) issue #4: benchmarks/micro/l2_side_prefetch.py (at 8f46141 also 8B 64 x 128/128 with the
 #            paged-decode K / V loads evict_first vs no hint, A B A B; carry .whl)
 set -uo pipefail
@@ -1427,6 +1429,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
       --out "$out/mtp-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
+    ;;
+  gpuA|gpuB|gpuC)  # (session 32) the whole GPU suite on ONE H200 in three calls (carry .whl with pytest-xdist;
+                   # .carry/p0 + p1 for the SmolLM2 cases, else they skip): A kernel files, B engine-level files,
+                   # C hybrid / speculative files; 3 xdist workers per call (every engine takes <= 0.3 of the card)
+    case $stage in
+      gpuA) set -- attention_kernels fused_kernels_cuda gdn_conv gdn_decode gemv_cuda quant_dot_cuda quant_half2_cuda \
+              sampler_cuda gguf_quant_cuda nvfp4_cuda ;;
+      gpuB) set -- engine_gpu fp8_kv_gpu structured_outputs_cuda speculative_cuda quant_checkpoints_cuda ;;
+      gpuC) set -- hybrid_gpu hybrid_spec_cuda dflash_cuda draft_model_cuda mtp_cuda quant_hybrids_cuda \
+              tensor_parallel_gpu ;;
+    esac
+    files=(); for f in "$@"; do files+=("tests/gpu/test_$f.py"); done
+    timeout 560 python3 -m pytest -v -m gpu "${files[@]}" -n 3 --dist loadfile -p no:cacheprovider -rfs \
+      -o addopts="" > "$out/$stage-$sha.txt" 2>&1
+    echo "$stage rc=$? $(tail -1 "$out/$stage-$sha.txt")"
+    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/$stage-$sha.txt" | sort | uniq -c
+    grep -E "^(FAILED|ERROR)" "$out/$stage-$sha.txt" | head
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
