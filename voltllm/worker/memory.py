@@ -81,17 +81,34 @@ def chunk_workspace_slack_bytes(model: torch.nn.Module, max_num_seqs: int) -> in
                 if isinstance(m, GatedDeltaNet)), default=0)
 
 
+def free_bytes_at_start(device: torch.device) -> int:
+    """Free memory on `device` before an engine allocates anything (ModelRunner records it first thing)."""
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def kv_budget_bytes(runner, utilization: float) -> int:
+    """Bytes for the KV cache. --gpu-memory-utilization is this engine's share of the card, as in vLLM: what other
+    processes hold is not charged to it (two engines at 0.45 can share one GPU), but the budget never exceeds what is
+    free now. The engine's own use is what the card lost since the runner started (weights, CUDA workspaces) or, if
+    larger, what this process's torch allocator holds (a model built before the runner)."""
     dev = runner.device
-    free, total = torch.cuda.mem_get_info(dev)
     activations = profile_activation_bytes(runner)
     free, total = torch.cuda.mem_get_info(dev)
-    used_by_others_and_weights = total - free
+    at_start = getattr(runner, "free_at_start", None)
+    ours = torch.cuda.memory_reserved(dev)
+    if at_start is not None:
+        ours = max(ours, at_start - free)
+    else:  # (a runner built without the snapshot: charge everything in use, as a lone engine would)
+        ours = max(ours, total - free)
+    others = max(total - free - ours, 0)
     reserve = 256 << 20  # decode CUDA graphs, sampler temporaries, allocator slack
     prompt_graphs = prompt_graph_bytes(runner, activations)
     activations += chunk_workspace_slack_bytes(runner.model, runner.config.scheduler.max_num_seqs)
-    budget = int(total * utilization) - used_by_others_and_weights - activations - reserve - prompt_graphs
-    logger.info("memory: %.2f GiB total, %.2f GiB in use (weights), %.2f GiB activation peak, %.2f GiB prompt graphs "
-                "-> %.2f GiB for KV", total / 2**30, used_by_others_and_weights / 2**30, activations / 2**30,
-                prompt_graphs / 2**30, max(budget, 0) / 2**30)
+    extra = activations + reserve + prompt_graphs
+    share = int(total * utilization) - ours - extra
+    budget = min(share, free - extra)
+    logger.info("memory: %.2f GiB total, %.2f GiB in use by this engine (weights), %.2f GiB by others, %.2f GiB "
+                "activation peak, %.2f GiB prompt graphs -> %.2f GiB for KV%s", total / 2**30, ours / 2**30,
+                others / 2**30, activations / 2**30, prompt_graphs / 2**30, max(budget, 0) / 2**30,
+                " (capped by the free memory: others hold part of this engine's share)" if budget < share else "")
     return max(budget, 0)

@@ -104,6 +104,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.tp = tp
         self.send_step = send_step
+        if self.device.type == "cuda":  # before any allocation: the KV budget charges this engine what it took since
+            from voltllm.worker.memory import free_bytes_at_start
+
+            self.free_at_start = free_bytes_at_start(self.device)
         self._step_inputs: Optional[StepInputs] = None  # rank 0 of a TP group: this step's, for send_step
         # ranks > 0: the last two steps' events; a step's host staging set is refilled two steps later (double
         # buffering), once the step that used it has run
