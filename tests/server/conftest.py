@@ -1,7 +1,6 @@
 """Fixtures for the server tests: a real `voltllm serve` subprocess on 127.0.0.1, talked to over HTTP."""
 from __future__ import annotations
 
-
 import pytest
 
 from server_helpers import API_KEY, MODEL_NAMES, ServerProc, free_port, wait_gone

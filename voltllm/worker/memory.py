@@ -94,12 +94,8 @@ def kv_budget_bytes(runner, utilization: float) -> int:
     dev = runner.device
     activations = profile_activation_bytes(runner)
     free, total = torch.cuda.mem_get_info(dev)
-    at_start = getattr(runner, "free_at_start", None)
-    ours = torch.cuda.memory_reserved(dev)
-    if at_start is not None:
-        ours = max(ours, at_start - free)
-    else:  # (a runner built without the snapshot: charge everything in use, as a lone engine would)
-        ours = max(ours, total - free)
+    # (a runner built without the snapshot is charged everything in use, as a lone engine would be)
+    ours = max(torch.cuda.memory_reserved(dev), getattr(runner, "free_at_start", total) - free)
     others = max(total - free - ours, 0)
     reserve = 256 << 20  # decode CUDA graphs, sampler temporaries, allocator slack
     prompt_graphs = prompt_graph_bytes(runner, activations)
