@@ -54,10 +54,10 @@ def test_quant_dot_matches_reference(kind, n, k):
 
 
 def test_linear_dispatch_by_rows(monkeypatch):
-    """QuantizedLinearMethod: <= 4 rows the FMA dequant-GEMM, then the tiled kernel up to dot_max_rows, then
-    dequantize + cuBLAS; all three give the same product."""
+    """QuantizedLinearMethod: <= 4 rows the few-row kernel (quant_half2.few_row_matmul; no start-up tile here),
+    then the tiled kernel up to dot_max_rows, then dequantize + cuBLAS; all three give the same product."""
     import voltllm.kernels.quant_dot as qd
-    import voltllm.kernels.quant_gemv as qg
+    import voltllm.kernels.quant_half2 as qh
     from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, Segment
 
     limit = dot_max_rows(torch.cuda.get_device_capability())
@@ -65,7 +65,7 @@ def test_linear_dispatch_by_rows(monkeypatch):
     p = _planes("Q4_K", 512, 1024, torch.Generator().manual_seed(3))
     w = dequantize(p, torch.float32)
     used = []
-    monkeypatch.setattr(qg, "quant_matmul", lambda *a, _f=qg.quant_matmul, **kw: used.append("fma") or _f(*a, **kw))
+    monkeypatch.setattr(qh, "few_row_matmul", lambda *a, _f=qh.few_row_matmul, **kw: used.append("fma") or _f(*a, **kw))
     monkeypatch.setattr(qd, "quant_dot", lambda *a, _f=qd.quant_dot, **kw: used.append("dot") or _f(*a, **kw))
     for m, form in ((3, "fma"), (5, "dot"), (limit, "dot"), (limit + 1, None)):
         used.clear()
