@@ -1,5 +1,6 @@
 """Shutdown: SIGTERM stops `voltllm serve` promptly with no orphan process; if the API process is killed
-outright, its engine process exits by itself. Runs last (file name): it stops the shared server."""
+outright, its engine process exits by itself. Each test starts its own server (a tiny random llama: quick to
+start), so the file may run on any pytest-xdist worker, in any order."""
 from __future__ import annotations
 
 import os
@@ -7,26 +8,39 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from server_helpers import ServerProc, descendants_of, free_port, wait_gone
+from tiny_models import make_model
 
 
-def test_sigterm_exits_cleanly_without_orphans(server):
-    pids = descendants_of(server.proc.pid)
-    assert pids, "the engine process should be a child of the API process"
-    t = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    rc = server.proc.wait(30)
-    took = time.monotonic() - t
-    assert rc == 0, server.log_text()[-3000:]
-    assert took < 10, f"SIGTERM took {took:.1f} s"
-    assert not wait_gone(pids, 5), "orphan processes after SIGTERM"
-    assert "stopped" in server.log_text()
+@pytest.fixture(scope="module")
+def tiny_model_path(tmp_path_factory) -> str:
+    return make_model(str(tmp_path_factory.mktemp("tiny")), "llama")
 
 
-def test_engine_exits_when_api_process_is_killed(model_path):
-    srv = ServerProc([model_path, "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
-                      "--disable-log-stats"], free_port())
+def test_sigterm_exits_cleanly_without_orphans(tiny_model_path):
+    srv = ServerProc([tiny_model_path, "--device", "cpu", "--disable-log-stats"], free_port(),
+                     env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(180)
+        pids = descendants_of(srv.proc.pid)
+        assert pids, "the engine process should be a child of the API process"
+        t = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.proc.wait(30)
+        took = time.monotonic() - t
+        assert rc == 0, srv.log_text()[-3000:]
+        assert took < 10, f"SIGTERM took {took:.1f} s"
+        assert not wait_gone(pids, 5), "orphan processes after SIGTERM"
+        assert "stopped" in srv.log_text()
+    finally:
+        srv.stop()
+
+
+def test_engine_exits_when_api_process_is_killed(tiny_model_path):
+    srv = ServerProc([tiny_model_path, "--device", "cpu", "--disable-log-stats"], free_port(),
+                     env={"OMP_NUM_THREADS": "1"})
     try:
         srv.wait_healthy(300)
         assert httpx.get(srv.base + "/v1/models", timeout=10).status_code == 200  # no --api-key here
