@@ -40,36 +40,116 @@ def check_names(helper) -> list[str]:
     return list(load_script(helper).CHECKS)
 
 
-def run_interp_script(helper, args=(), timeout: int = 600):
-    """Run a script under TRITON_INTERPRET=1 (it must be set before triton.jit runs, hence the subprocess),
-    with the project and tests/ importable; returns the CompletedProcess (text stdout / stderr)."""
+def run_interp_scripts(runs, timeout: int = 600, env=None) -> list:
+    """Run scripts under TRITON_INTERPRET=1 (it must be set before triton.jit runs, hence subprocesses), all at
+    once, with the project and tests/ importable. runs: (script, args) pairs; env: one dict of extra variables per
+    run, or None. Returns a CompletedProcess (text stdout / stderr) per run; every process is gone on return.
+    The interpreter runs on one core, so independent scripts side by side take about the time of the longest."""
     import os
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     import pytest
 
     pytest.importorskip("triton")
     tests_dir = Path(__file__).resolve().parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(helper), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=str(Path(helper).parent))
+    base = {**os.environ, "TRITON_INTERPRET": "1",
+            "PYTHONPATH": os.pathsep.join([str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(script), *args], env={**base, **(env[i] if env else {})},
+                              cwd=str(Path(script).parent), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, (script, args) in enumerate(runs)]
+    deadline = time.monotonic() + timeout
+    try:
+        done = []
+        for (script, args), p in zip(runs, procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{script} {' '.join(args)}: still running after {timeout} s")
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
-def run_interp_checks(helper, args=(), timeout: int = 600) -> dict[str, str]:
-    """run_interp_script, then {check name: "ok ..." | "FAIL ..."} from its `CHECK name status detail` lines."""
+def run_interp_script(helper, args=(), timeout: int = 600):
+    """One script under TRITON_INTERPRET=1 (run_interp_scripts); its CompletedProcess."""
+    return run_interp_scripts([(helper, tuple(args))], timeout)[0]
+
+
+# Sharing one script's checks between processes: each process of run_interp_checks(shared=True) gets the claim
+# folder and its direction through these variables (test harness only) and runs the checks it claims first.
+CLAIM_DIR_VAR = "VOLTLLM_TEST_INTERP_CLAIM_DIR"
+CLAIM_FROM_END_VAR = "VOLTLLM_TEST_INTERP_CLAIM_FROM_END"
+
+
+def claimed(items, name_of=lambda item: item):
+    """The items this process runs, in its order. Outside run_interp_checks(shared=True): all of them, in order.
+    Inside: the process walks the list from its end (the second process) or from its start (the others) and keeps
+    each item whose claim file it creates first, so the processes split the checks as they go, and a long check
+    at either end of the list meets a process that has just started. torch's global generator is seeded from
+    each check's name before it runs, so a check that draws from it gets the same inputs whichever process runs it,
+    after whichever others."""
+    import os
+    import zlib
+
+    import torch
+
+    folder = os.environ.get(CLAIM_DIR_VAR)
+    items = list(items)
+    if folder and os.environ.get(CLAIM_FROM_END_VAR) == "1":
+        items.reverse()
+    for item in items:
+        if folder:
+            try:
+                os.close(os.open(os.path.join(folder, name_of(item)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+        torch.manual_seed(zlib.crc32(name_of(item).encode()))
+        yield item
+
+
+def usable_cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def run_interp_checks(helper, args=(), timeout: int = 600, shared: bool = False) -> dict[str, str]:
+    """run_interp_script, then {check name: "ok ..." | "FAIL ..."} from its `CHECK name status detail` lines.
+
+    shared=True (the script picks its checks through `claimed`): one process per usable core, at most 4, share
+    the checks. The interpreter runs on one core, and CI has two: the checks of the slowest scripts then take
+    about half as long."""
+    import tempfile
+
     import pytest
 
-    proc = run_interp_script(helper, args, timeout)
+    jobs = min(usable_cores(), 4) if shared else 1
+    with tempfile.TemporaryDirectory(prefix="interp-claims-") as folder:
+        env = [{CLAIM_DIR_VAR: folder, CLAIM_FROM_END_VAR: str(int(i == 1))} for i in range(jobs)] if jobs > 1 else None
+        procs = run_interp_scripts([(helper, tuple(args))] * jobs, timeout, env)
+    crashed = [p.returncode for p in procs if p.returncode not in (0, 1)]
+    if jobs > 1 and crashed:  # 1: a check failed (its line says which); anything else lost the checks it held
+        pytest.fail(f"{helper}: a process died (rc={crashed}):\n{''.join(p.stderr for p in procs)[-4000:]}")
     results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CHECK "):
-            _, name, status, *detail = line.split(" ", 3)
-            results[name] = f"{status} {' '.join(detail)}"
+    for p in procs:
+        for line in p.stdout.splitlines():
+            if line.startswith("CHECK "):
+                _, name, status, *detail = line.split(" ", 3)
+                results[name] = f"{status} {' '.join(detail)}"
     if not results:
-        pytest.fail(f"{helper} produced no checks (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        codes = [p.returncode for p in procs]
+        pytest.fail(f"{helper} produced no checks (rc={codes}):\n{''.join(p.stdout for p in procs)}\n"
+                    f"{''.join(p.stderr for p in procs)[-4000:]}")
     return results
 
 
@@ -100,9 +180,7 @@ def run_checks(checks: dict, device: str, only=()) -> int:
     import traceback
 
     failed = 0
-    for name, fn in checks.items():
-        if only and name not in only:
-            continue
+    for name, fn in claimed([(n, f) for n, f in checks.items() if not only or n in only], lambda item: item[0]):
         start = time.perf_counter()
         try:
             status = fn(device)

@@ -24,12 +24,12 @@ CHECKS = {f"{c.kernel}_{c.label}": i for i, c in enumerate(_cases("cpu"))}
 
 
 def main(device: str = "cpu") -> int:
-    from interp_util import patch_interpreter_index
+    from interp_util import claimed, patch_interpreter_index
     from voltllm.bench.kernel_timings import run_cases
 
     patch_interpreter_index()
     failed = 0
-    for case in _cases(device):
+    for case in claimed(_cases(device), lambda c: f"{c.kernel}_{c.label}"):
         name = f"{case.kernel}_{case.label}"
         try:
             row = run_cases([case], torch.device(device), torch.float32, iters=1, ref_iters=1, warmup=0)[0]

@@ -303,9 +303,9 @@ def main() -> int:
     torch.set_num_threads(2)
     only = set(sys.argv[1:])
     failed = 0
-    for name, fn in _checks():
-        if only and name not in only:
-            continue
+    from interp_util import claimed
+
+    for name, fn in claimed([c for c in _checks() if not only or c[0] in only], lambda c: c[0]):
         try:
             err, problems = fn()
             ok = err < TOL and not problems

@@ -2,7 +2,7 @@
 RMSNorms and residual adds into the skinny GEMMs (LlamaForCausalLM.fused_decode) generates the same greedy
 tokens as the unfused path, on tiny qwen2 (qkv bias, tied embeddings) and qwen3 (QK-norm) models in fp32 on the
 CPU, with the skinny GEMM forced on every projection, and again with gate_up's SiLU*mul in its epilogue (fused and
-unfused layers); and it really ran."""
+unfused layers); and it really ran. Arguments: the model kinds to check (default both)."""
 import sys
 import tempfile
 
@@ -37,7 +37,7 @@ def counting_gemv(*args, **kwargs):
 
 gemv_mod.gemv = counting_gemv
 params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-for kind in ("qwen2", "qwen3"):
+for kind in sys.argv[1:] or ("qwen2", "qwen3"):
     with tempfile.TemporaryDirectory() as d:
         llm = LLM(make_model(d, kind, num_hidden_layers=2, tie_word_embeddings=kind == "qwen2"), device="cpu", dtype="float32", enforce_eager=True)
         model = llm.engine.runner.model

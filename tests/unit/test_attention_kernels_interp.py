@@ -42,7 +42,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, str]:
-    return run_interp_checks(HELPER, (), timeout=300)
+    return run_interp_checks(HELPER, (), timeout=300, shared=True)
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -36,7 +36,7 @@ INTERP_CHECKS = [
 # --- Triton kernels under the interpreter ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, str]:
-    return run_interp_checks(HELPER, (), timeout=600)
+    return run_interp_checks(HELPER, (), timeout=600, shared=True)
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)

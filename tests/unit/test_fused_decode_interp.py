@@ -1,8 +1,21 @@
 from pathlib import Path
 
-from interp_util import run_interp_script
+import pytest
+
+from interp_util import run_interp_scripts
+
+KINDS = ("qwen2", "qwen3")
 
 
-def test_fused_decode_layers_match_unfused_under_interpreter():
-    r = run_interp_script(Path(__file__).parent / "_fused_decode_interp_check.py")
-    assert r.returncode == 0 and "ok fused decode" in r.stdout, r.stdout + r.stderr[-3000:]
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """One interpreter process per model kind, side by side."""
+    script = Path(__file__).parent / "_fused_decode_interp_check.py"
+    return dict(zip(KINDS, run_interp_scripts([(script, (kind,)) for kind in KINDS])))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_decode_layers_match_unfused_under_interpreter(runs, kind):
+    r = runs[kind]
+    ok = r.returncode == 0 and f"ok {kind} (" in r.stdout and "ok fused decode" in r.stdout
+    assert ok, r.stdout + r.stderr[-3000:]

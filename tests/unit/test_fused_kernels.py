@@ -22,7 +22,7 @@ CHECKS = check_names(HELPER)
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, str]:
-    return run_interp_checks(HELPER, ('cpu',), timeout=600)
+    return run_interp_checks(HELPER, ('cpu',), timeout=600, shared=True)
 
 
 @pytest.mark.parametrize("name", CHECKS)
