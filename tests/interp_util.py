@@ -88,8 +88,9 @@ CLAIM_DIR_VAR = "VOLTLLM_TEST_INTERP_CLAIM_DIR"
 CLAIM_FROM_END_VAR = "VOLTLLM_TEST_INTERP_CLAIM_FROM_END"
 
 
-def claimed(items, name_of=lambda item: item):
-    """The items this process runs, in its order. Outside run_interp_checks(shared=True): all of them, in order.
+def claimed(items, name_of=lambda item: item, only=()):
+    """The items this process runs, in its order (only those named in `only` when given). Outside
+    run_interp_checks(shared=True): all of them, in order.
     Inside: the process walks the list from its end (the second process) or from its start (the others) and keeps
     each item whose claim file it creates first, so the processes split the checks as they go, and a long check
     at either end of the list meets a process that has just started. torch's global generator is seeded from
@@ -101,7 +102,7 @@ def claimed(items, name_of=lambda item: item):
     import torch
 
     folder = os.environ.get(CLAIM_DIR_VAR)
-    items = list(items)
+    items = [item for item in items if not only or name_of(item) in only]
     if folder and os.environ.get(CLAIM_FROM_END_VAR) == "1":
         items.reverse()
     for item in items:
@@ -180,7 +181,7 @@ def run_checks(checks: dict, device: str, only=()) -> int:
     import traceback
 
     failed = 0
-    for name, fn in claimed([(n, f) for n, f in checks.items() if not only or n in only], lambda item: item[0]):
+    for name, fn in claimed(checks.items(), lambda item: item[0], only):
         start = time.perf_counter()
         try:
             status = fn(device)

@@ -1,6 +1,6 @@
 """Shutdown: SIGTERM stops `voltllm serve` promptly with no orphan process; if the API process is killed
 outright, its engine process exits by itself. Each test starts its own server (a tiny random llama: quick to
-start), so the file may run on any pytest-xdist worker, in any order."""
+start), so the file needs no place in the run order and leaves the shared server alone."""
 from __future__ import annotations
 
 import os
