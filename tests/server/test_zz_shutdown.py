@@ -1,6 +1,7 @@
 """Shutdown: SIGTERM stops `voltllm serve` promptly with no orphan process; if the API process is killed
-outright, its engine process exits by itself. Each test starts its own server (a tiny random llama: quick to
-start), so the file needs no place in the run order and leaves the shared server alone."""
+outright, its engine process exits by itself, and the sockets' directory is gone (removed once connected).
+Each test starts its own server (a tiny random llama: quick to start), so the file needs no place in the run
+order and leaves the shared server alone."""
 from __future__ import annotations
 
 import os
@@ -38,11 +39,13 @@ def test_sigterm_exits_cleanly_without_orphans(tiny_model_path):
         srv.stop()
 
 
-def test_engine_exits_when_api_process_is_killed(tiny_model_path):
+def test_engine_exits_when_api_process_is_killed(tiny_model_path, tmp_path):
     srv = ServerProc([tiny_model_path, "--device", "cpu", "--disable-log-stats"], free_port(),
-                     env={"OMP_NUM_THREADS": "1"})
+                     env={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
     try:
         srv.wait_healthy(300)
+        # the engine's sockets are connected: their directory is gone already, so a kill leaves nothing in /tmp
+        assert not list(tmp_path.glob("voltllm-ipc-*")), sorted(p.name for p in tmp_path.iterdir())
         assert httpx.get(srv.base + "/v1/models", timeout=10).status_code == 200  # no --api-key here
         engine = [p for p in srv.descendants if "resource_tracker" not in _cmdline(p)]
         assert engine

@@ -212,6 +212,9 @@ class AsyncLLM:
         while True:
             if await self._out.poll(500):
                 msg = pickle.loads(await self._out.recv())
+                if msg[0] == "connected":  # both sockets are connected: their files are no longer needed
+                    self._remove_ipc_dir()
+                    continue
                 if msg[0] == "ready":
                     self.engine_info = msg[1]
                     return
@@ -336,8 +339,12 @@ class AsyncLLM:
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
                 ctx.term()
+        self._remove_ipc_dir()  # (if the engine never connected)
+
+    def _remove_ipc_dir(self) -> None:
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     # -- requests -------------------------------------------------------------------------------
     def _check_alive(self) -> None:

@@ -1,10 +1,12 @@
 """The engine-core process: a busy loop around EngineCore, fed and drained over two ZMQ sockets.
 
 Wire protocol (pickled tuples; both ends are this package on the same host, over ipc:// sockets that
-the API process creates in a private 0700 directory):
+the API process creates in a private 0700 directory, and removes as soon as the engine says both are connected:
+a connected ipc socket no longer needs its file, and a killed API process then leaves nothing behind in /tmp):
 
   API -> engine (PUSH -> PULL)                 engine -> API (PUSH -> PULL)
-  ("add", [EngineCoreRequest, ...])            ("ready", {"num_blocks": ..., ...})
+  ("add", [EngineCoreRequest, ...])            ("connected",)  both sockets connected: the directory may go
+                                               ("ready", {"num_blocks": ..., ...})
   ("abort", [child request id, ...])           ("startup_error", message)
   ("check",)   run check_integrity()           ("outputs", [EngineCoreOutput, ...], SchedulerStats)
   ("report",)  acceleration report             ("error", [child request id, ...], message)
@@ -31,6 +33,7 @@ from typing import Any
 logger = logging.getLogger("voltllm")
 
 IDLE_POLL_MS = 200  # how often an idle engine looks at its parent
+CONNECT_TIMEOUT_MS = 60_000  # the API process bound both sockets before it spawned us: this is only a safety net
 
 
 def _die_with_parent() -> None:
@@ -69,12 +72,16 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.LINGER, 0)
-    inp.connect(input_addr)
+    connected = _connect_confirmed(inp, input_addr)
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(output_addr)
     core = None
     try:
+        if not connected:
+            out.send(_dumps(("startup_error", f"could not connect to the API process's input socket {input_addr}")))
+            return
+        out.send(_dumps(("connected",)))  # (this message itself proves the output socket's connection)
         try:
             from voltllm import acceleration
             from voltllm.engine.core import EngineCore
@@ -108,6 +115,22 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         logging.shutdown()
         sys.stderr.flush()
         os._exit(0)  # skip interpreter teardown (seconds with torch loaded): nothing here needs it
+
+
+def _connect_confirmed(sock: Any, addr: str) -> bool:
+    """Connect `sock` to `addr` and wait until the ZMTP handshake with the bound peer succeeded (zmq connects in the
+    background), so that the API process may remove the socket's file afterwards."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before connect: the event cannot be missed
+    try:
+        sock.connect(addr)
+        return bool(monitor.poll(CONNECT_TIMEOUT_MS)) and bool(
+            recv_monitor_message(monitor)["event"] & zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
 
 
 def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
