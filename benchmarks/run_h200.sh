@@ -197,10 +197,13 @@
 #            keeps the verification's walks graph and the drafter's block graph (--max-num-seqs 16, ~37 GiB of
 #            recurrent states); batch 4 is capped at --max-num-seqs 17 by --state-gib 40 (64 rows would need ~147 GiB
 #            of states), so its rounds run eagerly (the row records --max-num-seqs and the graph replays)
-#   gpuA/B/C/D (sessions 32-33) the whole GPU suite on one H200 in four calls: kernel files (8 xdist workers: they
-#            compile on the host's 16 cores and hold little GPU memory) / engine-level / hybrid / speculative files
-#            (3 workers each; carry .whl with pytest-xdist: gpu-wheels.sh pytest-xdist). Session 33 at aba52d8:
-#            gpuA with 3 workers was cut at 245 of 246 tests, gpuC (then hybrid + speculative) at 94 of 162
+#   gpuA-E   (sessions 32-34) the whole GPU suite on one H200 in five calls: kernel files (8 xdist workers: they
+#            compile on the host's 16 cores and hold little GPU memory) / engine-level / hybrid / speculative / MTP
+#            files (3 workers each; carry .whl with pytest-xdist: gpu-wheels.sh pytest-xdist). Session 33 at aba52d8:
+#            gpuA with 3 workers was cut at 245 of 246 tests, gpuC (then hybrid + speculative) at 94 of 162. Session
+#            34 at d702214: gpuC 98 passed, 16 skipped in 538 s; gpuD (then with mtp_cuda, files kept whole on a
+#            worker) cut at 30 of 48, all passed: mtp_cuda's 13 tests and hybrid_spec_cuda's 22 each outlast the
+#            limit on one worker, so gpuD / gpuE hand out single tests (--dist load)
 #   s110     (session 32) issue #4: benchmarks/micro/l2_side_prefetch.py (at 8f46141 also 8B 64 x 128/128 with the
 #            paged-decode K / V loads evict_first vs no hint, A B A B; carry .whl)
 set -uo pipefail
@@ -1432,19 +1435,22 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
       --out "$out/mtp-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
-  gpuA|gpuB|gpuC|gpuD)  # (sessions 32-33) the whole GPU suite on ONE H200 in four calls (carry .whl with
+  gpuA|gpuB|gpuC|gpuD|gpuE)  # (sessions 32-34) the whole GPU suite on ONE H200 in five calls (carry .whl with
                    # pytest-xdist; .carry/p0 + p1 for the SmolLM2 cases, else they skip): A kernel files (8 workers),
-                   # B engine-level, C hybrid, D speculative files (3 workers: every engine takes <= 0.3 of the card)
+                   # B engine-level, C hybrid, D speculative, E MTP files (3 workers: every engine takes <= 0.3 of the
+                   # card); D and E spread single tests over the workers (a file of theirs outlasts 560 s on one)
     workers=3; [ "$stage" = gpuA ] && workers=8
+    dist=loadfile; case $stage in gpuD|gpuE) dist=load ;; esac
     case $stage in
       gpuA) set -- attention_kernels fused_kernels_cuda gdn_conv gdn_decode gemv_cuda quant_dot_cuda quant_half2_cuda \
               sampler_cuda gguf_quant_cuda nvfp4_cuda ;;
       gpuB) set -- engine_gpu fp8_kv_gpu structured_outputs_cuda speculative_cuda quant_checkpoints_cuda ;;
       gpuC) set -- hybrid_gpu quant_hybrids_cuda tensor_parallel_gpu ;;
-      gpuD) set -- hybrid_spec_cuda dflash_cuda draft_model_cuda mtp_cuda ;;
+      gpuD) set -- hybrid_spec_cuda dflash_cuda draft_model_cuda ;;
+      gpuE) set -- mtp_cuda ;;
     esac
     files=(); for f in "$@"; do files+=("tests/gpu/test_$f.py"); done
-    timeout 560 python3 -m pytest -v -m gpu "${files[@]}" -n $workers --dist loadfile -p no:cacheprovider -rfs \
+    timeout 560 python3 -m pytest -v -m gpu "${files[@]}" -n $workers --dist $dist -p no:cacheprovider -rfs \
       -o addopts="" > "$out/$stage-$sha.txt" 2>&1
     echo "$stage rc=$? $(tail -1 "$out/$stage-$sha.txt")"
     grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/$stage-$sha.txt" | sort | uniq -c
