@@ -203,7 +203,9 @@
 #            gpuA with 3 workers was cut at 245 of 246 tests, gpuC (then hybrid + speculative) at 94 of 162. Session
 #            34 at d702214: gpuC 98 passed, 16 skipped in 538 s; gpuD (then with mtp_cuda, files kept whole on a
 #            worker) cut at 30 of 48, all passed: mtp_cuda's 13 tests and hybrid_spec_cuda's 22 each outlast the
-#            limit on one worker, so gpuD / gpuE hand out single tests (--dist load)
+#            limit on one worker, so gpuD / gpuE hand out single tests (--dist load). Session 35 at cde7925: gpuD
+#            35 passed in 191 s; gpuE with 3 workers cut at 4 of 13 (two fp32 reference cases still running after
+#            560 s, which take 104 / 58 s alone): gpuE now runs in one process (13 passed in 253 s in session 29)
 #   s110     (session 32) issue #4: benchmarks/micro/l2_side_prefetch.py (at 8f46141 also 8B 64 x 128/128 with the
 #            paged-decode K / V loads evict_first vs no hint, A B A B; carry .whl)
 set -uo pipefail
@@ -1438,9 +1440,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   gpuA|gpuB|gpuC|gpuD|gpuE)  # (sessions 32-34) the whole GPU suite on ONE H200 in five calls (carry .whl with
                    # pytest-xdist; .carry/p0 + p1 for the SmolLM2 cases, else they skip): A kernel files (8 workers),
                    # B engine-level, C hybrid, D speculative, E MTP files (3 workers: every engine takes <= 0.3 of the
-                   # card); D and E spread single tests over the workers (a file of theirs outlasts 560 s on one)
+                   # card); D spreads single tests over the workers (a file of its outlasts 560 s on one); E runs in
+                   # one process: under 3 workers (session 35) its fp32 MTP cases ran > 5x slower than alone
     workers=3; [ "$stage" = gpuA ] && workers=8
-    dist=loadfile; case $stage in gpuD|gpuE) dist=load ;; esac
+    dist=loadfile; case $stage in gpuD) dist=load ;; gpuE) workers=0; dist=no ;; esac
     case $stage in
       gpuA) set -- attention_kernels fused_kernels_cuda gdn_conv gdn_decode gemv_cuda quant_dot_cuda quant_half2_cuda \
               sampler_cuda gguf_quant_cuda nvfp4_cuda ;;
