@@ -138,3 +138,15 @@ def test_fp16_graphs_agree_with_eager(targets, monkeypatch):
     pairs = [(x, y) for a, b in zip(eager_drafts, graph_drafts) if len(a[0]) == len(b[0])
              for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
     assert pairs and sum(x == y for x, y in pairs) >= 0.8 * len(pairs)
+
+
+def test_drafter_enforce_eager_keeps_the_target_graphs(targets):
+    """vLLM's speculative-config enforce_eager: the MTP runs without its graphs, the target keeps its decode graphs;
+    fp32 tokens equal those of the MTP with graphs."""
+    _cuda()
+    path, _ = targets["qwen3_5"]
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    ref = _run(_llm(path, dtype="float32", speculative_config=spec), PROMPTS, _greedy())
+    llm = _llm(path, dtype="float32", speculative_config={**spec, "enforce_eager": True})
+    assert llm.engine.runner.draft.graphs is None and llm.engine.runner.graphs is not None
+    assert _run(llm, PROMPTS, _greedy()) == ref

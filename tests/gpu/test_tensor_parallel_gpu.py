@@ -247,3 +247,31 @@ def test_tp2_hybrid_speculation_fp32_matches_tp1_with_verify_graphs(tiny_hybrid,
         two.engine.check_integrity()
     finally:
         two.engine.shutdown()
+
+
+def test_tp2_mtp_fp32_drafts_equal_reference_with_graphs(tmp_path_factory, monkeypatch):
+    """MTP under TP (NCCL): the module runs on rank 0 with the vocabulary tables gathered from both ranks (NCCL
+    gather) and its own CUDA graphs; its fp32 draft logits equal the float64 reference and greedy tokens plain
+    decoding's on one GPU."""
+    from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
+
+    made = make_mtp_target(tmp_path_factory, "qwen3_5")
+    if made is None:
+        pytest.skip("this transformers has no Qwen3_5TextConfig")
+    path, mtp = made
+    one = LLM(path, dtype="float32", **HYBRID_ENGINE)
+    ref = _hybrid_greedy(one, 24)
+    del one
+    seen = record_draft_logits(monkeypatch)
+    two = LLM(path, dtype="float32", tensor_parallel_size=2, speculative_config={"method": "mtp",
+                                                                               "num_speculative_tokens": 3},
+              **HYBRID_ENGINE)
+    try:
+        got = _hybrid_greedy(two, 24)
+        assert got == ref
+        assert two.engine.runner.draft.graphs is not None
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
+    fulls = {tuple(p["prompt_token_ids"]): list(p["prompt_token_ids"]) + list(o) for p, o in zip(HYBRID_PROMPTS, got)}
+    assert check_against_reference(MTPReference(path, mtp), seen, fulls, 3, atol=2e-3) > 0

@@ -313,3 +313,27 @@ def test_mtp_graph_form_reference_and_prefix_hits(qwen35, monkeypatch):
     assert llm.engine.runner.draft.graphs.replays > 0
     fulls = {tuple(p): list(p) + list(o) for p, o in zip(prompts, outs)}
     assert check_against_reference(MTPReference(path, mtp), seen, fulls, 3) > 0
+
+
+def test_greedy_draft_sampling_draws_nothing(qwen35, monkeypatch):
+    """draft_sample_method greedy (vLLM's key): sampled requests take the MTP's argmax drafts, verified as one-hot
+    proposals (no q drawn), and seeded runs repeat; probabilistic (the default) draws them from q."""
+    from voltllm.sampling.sampler import Sampler
+
+    path, _ = qwen35
+    calls = []
+    orig = Sampler.draw_drafts
+
+    def draw(self, *a, **kw):
+        calls.append(1)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(Sampler, "draw_drafts", draw)
+    sps = [SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=0.8, seed=9, max_tokens=16, ignore_eos=True)]
+    llm = LLM(path, speculative_config={**_mtp(3), "draft_sample_method": "greedy"}, **BASE)
+    first = _run(llm, PROMPTS[:2], sps)
+    assert calls == [] and llm.engine.stats().extra["spec_draft_tokens"] > 0
+    assert _run(llm, PROMPTS[:2], sps) == first
+    _run(LLM(path, speculative_config=_mtp(3), **BASE), PROMPTS[:2], sps)
+    assert calls

@@ -198,6 +198,32 @@ def test_draft_config():
             SpeculativeConfig.from_dict(bad)
 
 
+def test_drafter_keys():
+    """vLLM's drafter keys: how drafts are drawn, eager drafter, and KV dtype / attention backend where they name
+    what the drafter here does (the seed system's DFlash config parses)."""
+    seed = {"method": "dflash", "model": "m", "num_speculative_tokens": 7, "kv_cache_dtype": "auto",
+            "attention_backend": "FLASH_ATTN_V100", "draft_sample_method": "probabilistic", "enforce_eager": False}
+    c = SpeculativeConfig.from_dict(seed)
+    assert (c.method, c.draft_sample_method, c.draft_enforce_eager) == ("dflash", "probabilistic", False)
+    c = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "greedy",
+                                     "enforce_eager": True, "draft_kv_cache_dtype": "auto"})
+    assert (c.method, c.draft_sample_method, c.draft_enforce_eager) == ("mtp", "greedy", True)
+    assert SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2}).draft_sample_method == \
+        "probabilistic"
+    assert not SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2,
+                                            "enforce_eager": None}).draft_enforce_eager
+    base = {"method": "mtp", "num_speculative_tokens": 2}
+    for extra, msg in [({"draft_sample_method": "topk"}, "draft_sample_method 'topk'"),
+                       ({"enforce_eager": "yes"}, "enforce_eager must be true or false"),
+                       ({"kv_cache_dtype": "fp8"}, "only \"auto\" is built"),
+                       ({"draft_kv_cache_dtype": "fp8_e4m3"}, "draft_kv_cache_dtype"),
+                       ({"attention_backend": "FLASHINFER"}, "attention_backend 'FLASHINFER'")]:
+        with pytest.raises(SpeculativeConfigError, match=msg):
+            SpeculativeConfig.from_dict({**base, **extra})
+    with pytest.raises(SpeculativeConfigError, match="unsupported keys for ngram"):  # n-grams have no drafter
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "greedy"})
+
+
 def test_draft_vocabulary_checks():
     from voltllm.engine.draft_model import check_vocabularies
 

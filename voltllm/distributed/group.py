@@ -50,6 +50,17 @@ class TPGroup:
         self.dev.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
+    def gather_rows(self, x: torch.Tensor, dst: int = 0) -> "torch.Tensor | None":
+        """The ranks' x stacked along the first dimension, rank order, on rank dst (None elsewhere): gathered into one
+        tensor's row blocks, so the whole is never held twice (a drafter's copy of the vocabulary tables)."""
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device) \
+            if self.rank == dst else None
+        self.dev.gather([list(out.chunk(self.size))] if out is not None else [], [x], opts).wait()
+        return out
+
     def broadcast_(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """x from rank src on every rank, in place (contiguous)."""
         opts = dist.BroadcastOptions()

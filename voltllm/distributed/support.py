@@ -11,8 +11,10 @@ TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs); a multimodal
 # qwen3_5 / qwen3_5_moe checkpoint runs as its text model
 TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
-# speculative methods under TP: host n-grams, and a draft model run unsharded beside rank 0's target shard
-TP_SPEC_METHODS = ("ngram", "draft_model")
+# speculative methods under TP: host n-grams; a draft model, the target's MTP module and a DFlash drafter run unsharded
+# beside rank 0's target shard (MTP and DFlash with rank 0's whole copies of the target's embedding and LM head,
+# model/layers/full_vocab.py)
+TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash")
 
 
 def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, speculative: Any,
@@ -45,7 +47,6 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
         if width % tp:
             return f"{flag}: the model's {name} {width} does not divide by {tp}"
     if speculative is not None and speculative.method not in TP_SPEC_METHODS:
-        # MTP and DFlash draft from the target's own hidden states through its (vocabulary-sharded) embedding / head
         return (f"{flag}: speculative method {speculative.method!r} is not supported under tensor parallelism "
                 f"(use {' or '.join(TP_SPEC_METHODS)})")
     if quantized_weights == "quantized" and (err := quantized_split_error(tp, hf_config, method)):

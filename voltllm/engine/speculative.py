@@ -27,11 +27,25 @@ from typing import Any, Optional
 METHODS = ("ngram", "draft_model", "dflash", "mtp")
 # vLLM's older method names that mean MTP on the targets built here
 _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp"}
+# vLLM's keys for a drafter (draft model, DFlash, MTP): how it draws its drafts, whether it runs without CUDA graphs,
+# and its KV cache dtype / attention backend (each also under its draft_ name), where only what the drafter here does
+# is accepted (_drafter_options)
+_DRAFTER_KEYS = {"draft_sample_method", "enforce_eager", "kv_cache_dtype", "draft_kv_cache_dtype", "attention_backend",
+                 "draft_attention_backend"}
 # vLLM's keys, per method; draft_tensor_parallel_size is accepted at 1 (the draft runs beside the target)
 _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
-         "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"},
-         "dflash": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"},
-         "mtp": {"method", "num_speculative_tokens"}}
+         "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
+         | _DRAFTER_KEYS,
+         "dflash": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
+         | _DRAFTER_KEYS,
+         "mtp": {"method", "num_speculative_tokens"} | _DRAFTER_KEYS}
+# draft_sample_method: "probabilistic" draws a sampled request's drafts from the drafter's own distribution q and
+# verifies them with min(1, p / q); "greedy" takes the drafter's argmax for every request (verified as one-hot q, so
+# sampled outputs keep the target's distribution either way). vLLM's default is greedy; this engine's is
+# probabilistic, which it had before the key existed
+DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
+# the attention backends a drafter may name: the one it shares with the target (--attention-backend's names)
+_DRAFT_ATTENTION_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN_V100", "TORCH_REF")
 
 
 # a draft model's draft slot before the runner fills it (ScheduledRequest.spec_tokens)
@@ -53,6 +67,10 @@ class SpeculativeConfig:
     model: Optional[str] = None
     revision: Optional[str] = None
     draft_hf_config: Any = field(default=None, compare=False, repr=False)
+    # a drafter's (draft model, DFlash, MTP): how it draws drafts for sampled requests (DRAFT_SAMPLE_METHODS), and
+    # whether it runs without its CUDA graphs (the target keeps its own unless --enforce-eager)
+    draft_sample_method: str = "probabilistic"
+    draft_enforce_eager: bool = False
 
     @property
     def uses_draft_model(self) -> bool:
@@ -90,9 +108,9 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in 1..32")
         if method in ("draft_model", "dflash"):
-            return cls._draft_model(d, k, method)
+            return replace(cls._draft_model(d, k, method), **_drafter_options(d))
         if method == "mtp":  # its weights are the target's: nothing else to read
-            return cls("mtp", k)
+            return cls("mtp", k, **_drafter_options(d))
         hi = d.get("prompt_lookup_max", cls.prompt_lookup_max if d.get("prompt_lookup_min") is None
                    else max(cls.prompt_lookup_max, d["prompt_lookup_min"]))
         lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else 1)
@@ -122,6 +140,30 @@ class SpeculativeConfig:
     def with_draft(self, path: str, hf_config: Any) -> "SpeculativeConfig":
         """This config with the draft resolved: its local path and HF config."""
         return replace(self, model=path, draft_hf_config=hf_config)
+
+
+def _drafter_options(d: dict[str, Any]) -> dict[str, Any]:
+    """The SpeculativeConfig fields of a drafter's vLLM keys; what the drafter here cannot do is refused by name."""
+    method = d.get("draft_sample_method", "probabilistic")
+    if method not in DRAFT_SAMPLE_METHODS:
+        raise SpeculativeConfigError(f"--speculative-config draft_sample_method {method!r}: expected one of "
+                                     f"{', '.join(DRAFT_SAMPLE_METHODS)}")
+    eager = d.get("enforce_eager", False)
+    if eager is None:  # vLLM: None follows the target's setting
+        eager = False
+    if not isinstance(eager, bool):
+        raise SpeculativeConfigError(f"--speculative-config enforce_eager must be true or false, got {eager!r}")
+    for key in ("kv_cache_dtype", "draft_kv_cache_dtype"):
+        v = d.get(key)
+        if v is not None and v != "auto":
+            raise SpeculativeConfigError(f"--speculative-config {key} {v!r}: the drafter's KV cache is kept in the "
+                                         "model's dtype here; only \"auto\" is built")
+    for key in ("attention_backend", "draft_attention_backend"):
+        v = d.get(key)
+        if v is not None and v not in _DRAFT_ATTENTION_BACKENDS:
+            raise SpeculativeConfigError(f"--speculative-config {key} {v!r}: the drafter runs on the target's "
+                                         f"attention backend (names accepted: {', '.join(_DRAFT_ATTENTION_BACKENDS)})")
+    return {"draft_sample_method": method, "draft_enforce_eager": eager}
 
 
 class NgramIndex:

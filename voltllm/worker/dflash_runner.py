@@ -64,6 +64,7 @@ class DFlashRunner(DeviceDrafts):
         from voltllm.engine.dflash import dflash_params
         from voltllm.worker.runner import select_attention_backend
 
+        self.spec = spec
         self.runner = weakref.proxy(runner)
         mc = runner.config.model
         self.params = dflash_params(spec.draft_hf_config, mc.hf_config, spec.num_speculative_tokens)
@@ -86,7 +87,7 @@ class DFlashRunner(DeviceDrafts):
         mc, dtype = runner.config.model, runner.dtype
         with torch.device(runner.device):
             drafter = DFlashDrafter(spec.draft_hf_config, self.params, runner.model, dtype,
-                                    mc.max_model_len + self.params.block_size)
+                                    mc.max_model_len + self.params.block_size, runner.full_vocab)
         if mc.load_format == "dummy":
             _dummy_weights(drafter, mc.seed)
         else:
@@ -160,7 +161,7 @@ class DFlashRunner(DeviceDrafts):
         pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(kmax)],
                         dtype=np.int64)
         logits = self.drafter.compute_logits(hidden[upload(torch.from_numpy(pick.ravel()), dev)])
-        if all(s.request.sampling_params.greedy for s in rows):
+        if self.spec.draft_sample_method == "greedy" or all(s.request.sampling_params.greedy for s in rows):
             self._drafts = logits.argmax(dim=-1).view(kmax, n)
             return
         tokens, probs = r.sampler.draw_drafts(logits, [

@@ -58,6 +58,7 @@ class DraftRunner(DeviceDrafts):
         from voltllm.worker.runner import select_attention_backend
 
         self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
+        self.spec = spec
         self.model = self._load(runner, spec)
         # its own backend: a backend's split-KV scratch may grow for another model's heads, and graphs keep pointers
         self.backend = select_attention_backend(runner.config)
@@ -203,7 +204,8 @@ class DraftRunner(DeviceDrafts):
         if catch_up and later:  # the later passes' rows are the drafting requests alone
             buf.block_tables[:bsn, :width].copy_(tables_d[bs0 * width:].view(bsn, width))
         out = torch.empty(kmax, n, dtype=torch.long, device=dev)
-        sampled = not all(s.request.sampling_params.greedy for s in rows)
+        sampled = self.spec.draft_sample_method == "probabilistic" and not all(
+            s.request.sampling_params.greedy for s in rows)
         for j in range(kmax):
             if j > 0:
                 ids = out[j - 1]

@@ -66,6 +66,7 @@ class MTPRunner(DeviceDrafts):
         from voltllm.worker.runner import select_attention_backend
 
         self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
+        self.spec = spec
         self.model = self._load(runner)
         self.backend = select_attention_backend(runner.config)
         self.kv_caches: list[torch.Tensor] = []
@@ -99,7 +100,7 @@ class MTPRunner(DeviceDrafts):
         t0 = time.monotonic()
         mc, dtype = runner.config.model, runner.dtype
         with torch.device(runner.device):
-            model = HybridMTP(runner.model, dtype)
+            model = HybridMTP(runner.model, dtype, runner.full_vocab)
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed + 1)
         else:
@@ -180,7 +181,8 @@ class MTPRunner(DeviceDrafts):
         else:
             longs_d = ints_d = lens = None
         drafts = torch.empty(kmax, n, dtype=torch.long, device=dev)
-        sampled = not all(s.request.sampling_params.greedy for s in rows)
+        sampled = self.spec.draft_sample_method == "probabilistic" and not all(
+            s.request.sampling_params.greedy for s in rows)
         for j in range(kmax):
             if j > 0:
                 out = (self._graph_pass(graph, drafts[j - 1], out, j, longs_d, ints_d) if graph is not None

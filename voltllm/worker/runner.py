@@ -116,7 +116,14 @@ class ModelRunner:
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
-        if tp is not None and tp.rank > 0:  # a draft model runs unsharded beside rank 0's shard, on rank 0 only
+        # MTP / DFlash borrow the target's embedding and LM head: under TP, rank 0 keeps whole copies for them
+        # (every rank joins the gathers, here at the same point of every rank's start-up)
+        self.full_vocab = None
+        if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash):
+            from voltllm.model.layers.full_vocab import gather_full_vocab
+
+            self.full_vocab = gather_full_vocab(self.model, tp)
+        if tp is not None and tp.rank > 0:  # drafters run unsharded beside rank 0's shard, on rank 0 only
             spec = None
         if spec is not None and spec.uses_draft_model:
             from voltllm.worker.draft_runner import DraftRunner
@@ -867,7 +874,8 @@ class ModelRunner:
             from voltllm.worker.hybrid_spec import capture_verify_graphs
 
             self.verify_graphs = capture_verify_graphs(self)
-        if self.draft is not None:  # the draft's one-token steps and its run beside decode / verification steps
+        if self.draft is not None and not self.config.speculative.draft_enforce_eager:
+            # the draft's one-token steps and its run beside decode / verification steps
             t0 = time.monotonic()
             self.draft.capture_graphs()
             logger.info("captured the draft model's decode CUDA graphs in %.1f s", time.monotonic() - t0)

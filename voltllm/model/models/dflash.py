@@ -5,7 +5,8 @@ decode rows of their request that all see the whole block (each row's context en
 position, and every row's K / V is stored before attention reads), which is the drafter's non-causal block
 attention over context + block, on the same paged attention kernels as any decode step. What differs:
 - the block's input embeddings are the target's (`embed_tokens` is the target's module, scaled if the checkpoint
-  says so), its logits the target's LM head's (`compute_logits` takes the target);
+  says so), its logits the target's LM head's (`compute_logits` takes the target); under tensor parallelism rank 0's
+  whole copies of both (model/layers/full_vocab.py);
 - its context: the K / V at a position the target has computed come from the target's hidden states there,
   `hidden_norm(fc(concat of the chosen layers' outputs))`, through each layer's k / v projections (+ k_norm,
   RoPE) without running the layers (`context_kv`). All layers' k / v weights are stacked once at load, so the
@@ -40,7 +41,10 @@ class _ScaledEmbedding(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: Any, params: DFlashParams, target: nn.Module, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: Any, params: DFlashParams, target: nn.Module, dtype: torch.dtype, max_positions: int,
+                 vocab: Optional[Any] = None):
+        """vocab: under tensor parallelism, rank 0's whole copies of the target's embedding and LM head
+        (model/layers/full_vocab.py; the target's own are collectives), else None (the target's)."""
         super().__init__()
         self.params = params
         body_cfg = copy.deepcopy(cfg)
@@ -49,6 +53,7 @@ class DFlashDrafter(nn.Module):
         body_cfg.model_type, body_cfg.vocab_size, body_cfg.tie_word_embeddings = "qwen3", 1, True
         self.body = LlamaForCausalLM(body_cfg, dtype, max_positions)
         self._target = [target]  # (not a submodule: the target's weights are not the drafter's)
+        self._vocab = [vocab]
         hidden = cfg.hidden_size
         self.fc = nn.Linear(len(params.target_layer_ids) * hidden, hidden, bias=False, dtype=dtype)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -89,7 +94,10 @@ class DFlashDrafter(nn.Module):
     def finish_loading(self) -> None:
         """Once the weights are in place: the target's embedding in, every layer's k / v projection rows and k_norm
         weights stacked."""
-        embed, scale = self._target[0].embed_tokens, self.params.input_embedding_scale
+        from voltllm.model.layers.full_vocab import embedding_module
+
+        vocab, scale = self._vocab[0], self.params.input_embedding_scale
+        embed = self._target[0].embed_tokens if vocab is None else embedding_module(vocab)
         self.body.embed_tokens = embed if scale == 1.0 else _ScaledEmbedding(embed, scale)
         rows, biases, norms = [], [], []
         for layer in self.layers:
@@ -125,7 +133,7 @@ class DFlashDrafter(nn.Module):
         return self.body(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._target[0].compute_logits(hidden)
+        logits = (self._vocab[0] or self._target[0]).compute_logits(hidden)
         p = self.params
         if p.output_multiplier != 1.0:
             logits = logits * p.output_multiplier

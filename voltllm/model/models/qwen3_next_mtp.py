@@ -9,9 +9,10 @@ its final norm, what its LM head reads):
   out_i = norm(u)                          -> the target's LM head gives the guess for x_{i+2}
 
 Every norm is the zero-centred RMSNorm (x / rms * (1 + w)). The embedding and LM head are the target's (not
-copied). For more than one draft the module chains itself: out_i stands in for h_{i+1} beside the draft for x_{i+2}
-at position i + 1 (worker/mtp_runner.py). Weight names: mtp.fc.weight, mtp.pre_fc_norm_embedding.weight,
-mtp.pre_fc_norm_hidden.weight, mtp.norm.weight, mtp.layers.0.<the names of a target decoder layer>.
+copied; under tensor parallelism rank 0's whole copies of them, model/layers/full_vocab.py). For more than one draft
+the module chains itself: out_i stands in for h_{i+1} beside the draft for x_{i+2} at position i + 1
+(worker/mtp_runner.py). Weight names: mtp.fc.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight,
+mtp.norm.weight, mtp.layers.0.<the names of a target decoder layer>.
 """
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ class HybridMTP(nn.Module):
     """The MTP module beside its target (a Qwen3NextForCausalLM): its own fc, norms and decoder layer; the target's
     embedding, rotary table and LM head."""
 
-    def __init__(self, target: Qwen3NextForCausalLM, dtype: torch.dtype):
+    def __init__(self, target: Qwen3NextForCausalLM, dtype: torch.dtype, vocab: Optional[Any] = None):
+        """vocab: under tensor parallelism, rank 0's whole copies of the target's embedding and LM head
+        (model/layers/full_vocab.py; the target's own are collectives), else None (the target's)."""
         super().__init__()
         cfg = target.config
         h = cfg.hidden_size
@@ -66,6 +69,7 @@ class HybridMTP(nn.Module):
                                                         norm_topk, dtype, target.rotary)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, offset=1.0)
         self._target = [target]  # (a list: not a submodule, its weights are not this module's)
+        self._vocab = [vocab if vocab is not None else target]  # what embeds the tokens and gives the logits
 
     @property
     def target(self) -> Qwen3NextForCausalLM:
@@ -84,7 +88,7 @@ class HybridMTP(nn.Module):
                 hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
         """out for each row: input_ids = the next tokens x_{i+1}, hidden = the target's h_i (or the module's own out
         of the position before, when chaining), positions = i. hidden None (memory profiling): zeros."""
-        e = self.pre_fc_norm_embedding(self.target.embed_tokens(input_ids))
+        e = self.pre_fc_norm_embedding(self._vocab[0].embed_tokens(input_ids))
         if hidden is None:
             hidden = torch.zeros_like(e)
         g = self.pre_fc_norm_hidden(hidden.to(e.dtype))
@@ -94,7 +98,7 @@ class HybridMTP(nn.Module):
         return x
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(out)
+        return self._vocab[0].compute_logits(out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """(name, tensor) pairs of the MTP module (names without the mtp. prefix)."""

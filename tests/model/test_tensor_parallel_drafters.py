@@ -1,0 +1,72 @@
+"""MTP and DFlash speculation under tensor parallelism (CPU, gloo, -tp 2): the drafter runs unsharded on rank 0, beside
+its target shard, with whole copies of the target's embedding and LM head that every rank's vocabulary rows were
+gathered into at start-up (model/layers/full_vocab.py; untied heads and, with the llama target, a tied one). The
+draft logits equal the float64 references of the drafters' math fed by transformers' hidden states of the target
+(tests/mtp_models.py, tests/dflash_models.py), through chunked prompts beside verifications; greedy outputs equal
+plain decoding's on one device."""
+import json
+import random
+
+import pytest
+
+from dflash_models import check_block_logits, make_dflash, record_block_logits
+from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
+from spec_oracle import PlainRuns, run_checked
+from tiny_models import HYBRID_VOCAB, make_model
+from voltllm import LLM, SamplingParams
+
+_rng = random.Random(3)
+PROMPTS = [[_rng.randrange(HYBRID_VOCAB) for _ in range(11)], [_rng.randrange(HYBRID_VOCAB) for _ in range(23)],
+           [7, 8]]
+BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True, dtype="float32")
+K = 3
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])  # dense MLP; sparse MoE (with a shared expert)
+def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind):
+    made = make_mtp_target(tmp_path_factory, kind)
+    if made is None:
+        pytest.skip(f"this transformers has no {kind}")
+    path, mtp = made
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seen = record_draft_logits(monkeypatch)  # (rank 0 runs in this process: the MTP is there)
+    llm = LLM(path, tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+              max_num_batched_tokens=6, **BASE)
+    try:
+        assert llm.engine.runner.full_vocab is not None
+        outs = run_checked(llm, PROMPTS, sp)
+        stats = llm.engine.stats().extra
+    finally:
+        llm.engine.shutdown()
+    assert outs == PlainRuns(BASE)(path, PROMPTS, sp)
+    assert stats["spec_draft_tokens"] > 0
+    fulls = {tuple(p): list(p) + list(o) for p, o in zip(PROMPTS, outs)}
+    assert check_against_reference(MTPReference(path, mtp), seen, fulls, K) >= 3 * len(PROMPTS)
+    assert any(len(lg) == K for _, _, lg, _ in seen)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])  # untied LM head; tied
+def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind):
+    root = tmp_path_factory.mktemp(f"dflash-tp-{kind}")
+    target = make_model(str(root / "target"), kind)
+    with open(f"{target}/config.json") as f:
+        cfg = json.load(f)
+    layers = [0, cfg["num_hidden_layers"] - 1]
+    drafter = make_dflash(str(root / "dflash"), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"],
+                          layers, block_size=4)
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "0123456789 0123456789 0123"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(block_size=4, max_num_batched_tokens=16)
+    llm = LLM(target, tensor_parallel_size=2, speculative_config={"method": "dflash", "model": drafter,
+                                                                  "num_speculative_tokens": 3}, **kw)
+    try:
+        assert llm.engine.runner.full_vocab is not None
+        records = record_block_logits(llm.engine.runner.draft)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.check_integrity()
+        stats = llm.engine.stats().extra
+    finally:
+        llm.engine.shutdown()
+    assert outs == [o.outputs[0].token_ids for o in LLM(target, **kw).generate(prompts, sp)]
+    assert stats["spec_draft_tokens"] > 0
+    assert check_block_logits(records, target, drafter, layers) >= 4
