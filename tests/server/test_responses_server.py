@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import wait_idle
+from server_helpers import ServerProc, free_port, wait_idle
 from structured_cases import SCHEMA, check_schema_output
+from tiny_models import make_model
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages
 from voltllm.entrypoints.openai.responses_store import ResponseStore
@@ -238,6 +239,38 @@ def test_disconnect_mid_stream_aborts(tiny_server):
                     break  # leaving the block closes the connection mid-stream
     wait_idle(tiny_server, 30)
     assert _aborted(tiny_server) == before + 1
+
+
+@pytest.fixture(scope="module")
+def parser_server(tmp_path_factory):
+    """The tiny model again, with --enable-auto-tool-choice, the hermes tool parser and the qwen3 reasoning parser
+    (the one extra server of this file): "auto" and the parsers' plumbing end to end. The random model writes no
+    tags, so the answers are plain messages, the same as chat's."""
+    path = make_model(str(tmp_path_factory.mktemp("tiny_parsers")), "llama")
+    srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                      "--disable-log-stats", "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_auto_tools_and_reasoning_parser_served(parser_server):
+    c = openai.OpenAI(base_url=parser_server.base + "/v1", api_key="none", max_retries=0, timeout=60)
+    kw = dict(model="tiny", max_output_tokens=12, temperature=0, tools=[WEATHER], extra_body=NO_EOS)
+    r = c.responses.create(input="Weather?", **kw)
+    assert r.tool_choice == "auto" and [i.type for i in r.output] == ["message"], r.output
+    events = list(c.responses.create(input="Weather?", stream=True, **kw))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=12,
+                                     temperature=0, tools=[{"type": "function", "function": {
+                                         k: v for k, v in WEATHER.items() if k != "type"}}], extra_body=NO_EOS)
+    msg = chat.choices[0].message
+    assert msg.reasoning_content is None and not msg.tool_calls  # (the random model writes no tags)
+    assert r.output_text == streamed == msg.content and r.usage.output_tokens_details.reasoning_tokens == 0
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == streamed
 
 
 # -- unit: output shaping with the parsers, input translation, the store --------------------------------------------
