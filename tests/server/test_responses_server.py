@@ -386,6 +386,12 @@ def test_input_translation():
     assert req.chat_tools() == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
                                                                   "strict": True}}]
     assert req.chat_tool_choice() == {"type": "function", "function": {"name": "f"}}
+    fmt = {"type": "json_schema", "name": "s", "schema": SCHEMA, "strict": True}
+    assert ResponsesRequest(input="x", text={"format": fmt}).response_format() == {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}
+    assert ResponsesRequest(input="x", text={"format": {"type": "json_object"}}).response_format() == {
+        "type": "json_object"}
+    assert ResponsesRequest(input="x", text={"format": {"type": "text"}}).response_format() is None
 
 
 def test_store_is_bounded():
