@@ -19,15 +19,19 @@ from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_bo
 from voltllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from voltllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest)
+from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import create_chat_completion
 from voltllm.entrypoints.openai.serving_common import ServerState, normalize_messages, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
+from voltllm.entrypoints.openai.serving_responses import create_response, get_response
 
 logger = logging.getLogger("voltllm")
 M = TypeVar("M", bound=BaseModel)
 
 _ROUTES = {"/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/chat/completions",
-           "/v1/completions", "/v1/acceleration", "/v1/sm70/acceleration"}
+           "/v1/completions", "/v1/responses", "/v1/acceleration", "/v1/sm70/acceleration"}
+_PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 
 
 class AuthAndCountMiddleware:
@@ -61,8 +65,8 @@ class AuthAndCountMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             if self.metrics is not None:
-                label = path if path in _ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                      else "other")
+                label = path if path in _ROUTES else next(
+                    (name for prefix, name in _PREFIXES if path.startswith(prefix)), "other")
                 self.metrics.on_http(scope.get("method", ""), label, status["code"])
 
     def _authorized(self, scope: dict) -> bool:
@@ -170,6 +174,16 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_k
     async def completions(request: Request) -> Any:
         req = await parse_body(request, CompletionRequest)
         return await create_completion(state, req, request)
+
+    responses = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_responses(request: Request) -> Any:
+        return await create_response(state, responses, await parse_body(request, ResponsesRequest), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        return get_response(responses, response_id)
 
     async def _acceleration() -> dict:
         from voltllm.engine.async_llm import EngineDeadError

@@ -23,7 +23,7 @@ logger = logging.getLogger("voltllm")
 
 
 @dataclass
-class _ChatPlan:
+class ChatPlan:
     request_id: str
     model: str
     created: int
@@ -35,7 +35,7 @@ class _ChatPlan:
     echo_prefix: str = ""
 
 
-def _tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Optional[ForcedToolChoice]]:
+def tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Optional[ForcedToolChoice]]:
     """(parse tool calls out of free output, the forced tool choice); refuses what cannot be honoured. A forced
     choice needs no parser: its grammar (req.constraint()) fixes the form of the output."""
     forced = forced_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -47,10 +47,10 @@ def _tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Op
     return True, None
 
 
-class _ChoiceView:
+class ChoiceView:
     """Turns one choice's cumulative text into (reasoning, content, tool calls) through the parsers."""
 
-    def __init__(self, state: ServerState, plan: _ChatPlan, tools: Optional[list], streaming: bool):
+    def __init__(self, state: ServerState, plan: ChatPlan, tools: Optional[list], streaming: bool):
         self.streaming = streaming
         self.forced = plan.forced
         # a forced choice's grammar starts the output with its JSON at once: there is no reasoning to split off
@@ -88,11 +88,14 @@ def _finish_reason(c: CompletionOutput, has_calls: bool) -> Optional[str]:
     return c.finish_reason
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Any):
+def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
+               request_id: Optional[str] = None) -> tuple[ChatPlan, list, DisconnectWatcher]:
+    """Check, template and submit a chat request (shared with /v1/responses): its plan, output streams and
+    disconnect watcher (which the caller stops, through collect_or_gone or sse_body)."""
     req.check()
     model = state.model_name(req.model)
     messages = normalize_messages(req.messages)
-    use_tools, forced = _tool_mode(state, req)
+    use_tools, forced = tool_mode(state, req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.chat_template_kwargs,
                               add_generation_prompt=req.add_generation_prompt,
@@ -101,8 +104,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs,
                                                              defaults=state.generation_defaults))
-    plan = _ChatPlan(new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced, params.n,
-                     req.num_logprobs)
+    plan = ChatPlan(request_id or new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced,
+                    params.n, req.num_logprobs)
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role and isinstance(last.get("content"), str):
         plan.echo_prefix = last["content"]
@@ -111,7 +114,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", plan.request_id, len(ids),
                     params.n, max_tokens, req.stream)
-    watcher = DisconnectWatcher(raw_request, state, [plan.request_id])
+    return plan, streams, DisconnectWatcher(raw_request, state, [plan.request_id])
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Any):
+    plan, streams, watcher = start_chat(state, req, raw_request)
     if req.stream:
         return StreamingResponse(sse_body(_stream(state, req, plan, streams), streams, watcher, plan.request_id),
                                  media_type="text/event-stream",
@@ -122,10 +129,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     return JSONResponse(_full_response(state, req, plan, finals[0]))
 
 
-def _full_response(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, out: RequestOutput) -> dict:
+def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan, out: RequestOutput) -> dict:
     choices = []
     for c in out.outputs:
-        view = _ChoiceView(state, plan, req.tools, streaming=False)
+        view = ChoiceView(state, plan, req.tools, streaming=False)
         reasoning, content, calls = view.view(c.text, True)
         content = plan.echo_prefix + content
         message: dict[str, Any] = {"role": state.response_role, "content": content if (content or not calls) else None}
@@ -174,14 +181,14 @@ def _call_deltas(calls: list[dict], sent: list[int]) -> list[dict]:
     return deltas
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, plan: _ChatPlan,
+async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan,
                   streams: list) -> AsyncIterator[str]:
     """The chunks of a streamed chat completion (sse_body adds [DONE] and the error handling)."""
     opts = req.stream_options
     include_usage = state.enable_force_include_usage or bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     base = {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
-    views = [_ChoiceView(state, plan, req.tools, streaming=True) for _ in range(plan.n)]
+    views = [ChoiceView(state, plan, req.tools, streaming=True) for _ in range(plan.n)]
     sent = [_Sent() for _ in range(plan.n)]
     prompt_tokens, completion_tokens = 0, 0
 

@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from voltllm.engine.async_llm import (AsyncLLM, EngineDeadError, InvalidRequestError, RequestAbortedError,
                                       RequestStream)
@@ -281,25 +281,31 @@ async def collect_or_gone(streams: list[RequestStream], watcher: DisconnectWatch
 
 
 async def sse_body(events: AsyncIterator[str], streams: list[RequestStream], watcher: DisconnectWatcher,
-                   label: str) -> AsyncIterator[str]:
-    """A streamed response's body: the events, then [DONE]. The status line is already sent, so a failure is
-    reported in-band as an error event (none once the client is gone); the watcher and the output streams are
-    released however it ends."""
+                   label: str, done: Optional[str] = "[DONE]",
+                   error_event: Callable[[OpenAIError], str] = lambda e: sse_error(e)) -> AsyncIterator[str]:
+    """A streamed response's body: the events, then [DONE] (`done`; None for none, as in the Responses API). The
+    status line is already sent, so a failure is reported in-band as an error event (`error_event`; none once the
+    client is gone); the watcher and the output streams are released however it ends."""
+    tail = [sse(done)] if done is not None else []
     try:
         async for event in events:
             yield event
-        yield sse("[DONE]")
+        for t in tail:
+            yield t
     except RequestAbortedError as e:
         if not watcher.disconnected:
-            yield sse_error(engine_error(e))
-            yield sse("[DONE]")
+            yield error_event(engine_error(e))
+            for t in tail:
+                yield t
     except OpenAIError as e:
-        yield sse_error(e)
-        yield sse("[DONE]")
+        yield error_event(e)
+        for t in tail:
+            yield t
     except Exception as e:  # noqa: BLE001 - report in-band
         logger.exception("streaming %s failed", label)
-        yield sse_error(engine_error(e))
-        yield sse("[DONE]")
+        yield error_event(engine_error(e))
+        for t in tail:
+            yield t
     finally:
         await events.aclose()
         watcher.stop()
