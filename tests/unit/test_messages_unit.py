@@ -103,6 +103,7 @@ def test_tool_choice_and_thinking_mapping():
     ({"tools": [{"name": "f"}]}, "tools", "input_schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "sometimes"}}, "tool_choice", "tool_choice"),
     ({"thinking": {"type": "maybe"}}, "thinking", "thinking"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages", "no content"),
 ])
 def test_refusals_in_translation(kw, param, words):
     with pytest.raises(OpenAIError) as e:

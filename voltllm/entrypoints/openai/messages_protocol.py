@@ -184,6 +184,8 @@ class CountTokensRequest(BaseModel):
     def chat_request(self) -> ChatCompletionRequest:
         """The chat-completions request this one is served as."""
         messages = self.chat_messages()
+        if not any(m["role"] != "system" for m in messages):
+            raise bad_request("messages has no content to answer", "messages")
         prefill = messages[-1]["role"] == "assistant"
         tool_choice, parallel = self.chat_tool_choice()
         fields: dict[str, Any] = dict(
