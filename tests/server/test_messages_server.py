@@ -2,8 +2,10 @@
 Anthropic clients send, against the tiny random model conftest.py serves (`tiny_server`, shared): its output is
 gibberish, so these check shapes, event order, stop reasons, equality with the chat route under greedy sampling,
 forced tool calls, the round trip of tool_use / tool_result, token counts, errors in Anthropic's shape, metrics
-and abort on disconnect. The output shaping with reasoning and "auto" tool parsers is in
-tests/unit/test_messages_unit.py."""
+and abort on disconnect. A second tiny server (module-scoped) runs with --api-key, --reasoning-parser qwen3,
+--enable-auto-tool-choice --tool-call-parser hermes and a Qwen3-style template that opens "<think>" unless
+enable_thinking is false: the key headers, "auto" accepted, `thinking` reaching the template, thinking blocks and
+thinking_delta events. The output shaping with text that holds tags is in tests/unit/test_messages_unit.py."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from server_helpers import metrics
+from server_helpers import API_KEY, ServerProc, free_port, metrics
+from tiny_models import make_model
 
 HEADERS = {"x-api-key": "unused", "anthropic-version": "2023-06-01"}
 SYSTEM = "You are terse."
@@ -254,3 +257,74 @@ def test_disconnect_aborts(http, tiny_server):
     assert aborted() == before + 1
     m = metrics(tiny_server)
     assert m["voltllm:num_requests_running"] == 0
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_thinking")
+    path = make_model(str(d), "llama")
+    template = d / "template.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
+                      "--chat-template", str(template), "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes", "--api-key", API_KEY, "--disable-log-stats",
+                      "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(thinking_server):
+    with httpx.Client(base_url=thinking_server.base, headers={"x-api-key": API_KEY,
+                                                              "anthropic-version": "2023-06-01"}, timeout=120) as c:
+        yield c
+
+
+def test_api_key_headers(thinking_server):
+    url = thinking_server.base + "/v1/messages"
+    body = _body(max_tokens=1)
+    assert httpx.post(url, json=body, headers={"x-api-key": API_KEY}).status_code == 200
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+        _check_error(httpx.post(url, json=body, headers=headers), 401, "authentication_error", "x-api-key")
+        _check_error(httpx.post(url + "/count_tokens", json=body, headers=headers), 401, "authentication_error")
+    r = httpx.post(thinking_server.base + "/v1/chat/completions", json={"messages": MESSAGES})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"  # OpenAI's body, as before
+
+
+def test_thinking_blocks_and_template_kwarg(keyed):
+    on = {"type": "enabled", "budget_tokens": 1024}
+    off = {"type": "disabled"}
+    count = {k: keyed.post("/v1/messages/count_tokens", json=_body(thinking=t)).json()["input_tokens"]
+             for k, t in (("on", on), ("off", off), ("unset", None))}
+    assert count["off"] > count["on"] == count["unset"]  # "<think>\n\n</think>\n\n" against "<think>\n"
+    # the prompt opens <think>: the (random) output is all reasoning, cut by max_tokens
+    msg = _post(keyed, thinking=on, max_tokens=8)
+    assert [b["type"] for b in msg["content"]] == ["thinking"] and msg["stop_reason"] == "max_tokens"
+    block = msg["content"][0]
+    assert set(block) == {"type", "thinking", "signature"} and block["thinking"] and block["signature"] == ""
+    events = _events(keyed, thinking=on, max_tokens=8)
+    start = next(d for n, d in events if n == "content_block_start")
+    assert start["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    deltas = [d["delta"] for n, d in events if n == "content_block_delta"]
+    assert deltas and all(d["type"] == "thinking_delta" for d in deltas)
+    assert "".join(d["thinking"] for d in deltas) == block["thinking"]
+    # thinking disabled: the template closes the think block, the output is text
+    msg = _post(keyed, thinking=off, max_tokens=8)
+    assert [b["type"] for b in msg["content"]] == ["text"] and msg["usage"]["input_tokens"] == count["off"]
+
+
+def test_auto_tool_choice_with_parser(keyed):
+    msg = _post(keyed, tools=[WEATHER], tool_choice={"type": "auto"}, thinking={"type": "disabled"}, max_tokens=6)
+    assert msg["stop_reason"] == "max_tokens" and [b["type"] for b in msg["content"]] == ["text"]
+    msg = _post(keyed, tools=[WEATHER], messages=TOOL_ROUND, max_tokens=3)  # tool_choice unset: auto
+    assert msg["usage"]["output_tokens"] == 3
