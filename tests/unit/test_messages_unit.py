@@ -310,3 +310,43 @@ def test_api_key_middleware_on_messages_routes():
     status, body = _call(mw, "/v1/chat/completions", [])
     assert status == 401 and body["error"]["code"] == "invalid_api_key" and "type" in body["error"]
     assert _call(AuthAndCountMiddleware(ok_app, None, None), "/v1/messages", [])[0] == 200  # no key: open
+
+
+def test_error_after_the_stream_started_is_an_error_event():
+    from voltllm.engine.async_llm import EngineDeadError, RequestAbortedError
+    from voltllm.entrypoints.openai.serving_messages import _sse_body, event
+
+    class Watcher:
+        def __init__(self, gone=False):
+            self.disconnected, self.stopped = gone, False
+
+        def stop(self):
+            self.stopped = True
+
+    class Stream:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    async def run(exc, gone=False):
+        async def events():
+            yield event("message_start", {"type": "message_start"})
+            raise exc
+
+        w, s = Watcher(gone), Stream()
+        out = [e async for e in _sse_body(events(), [s], w, "msg_x")]
+        assert w.stopped and s.closed
+        return out
+
+    out = asyncio.run(run(EngineDeadError("boom")))
+    assert len(out) == 2 and out[0].startswith("event: message_start\n")
+    name, data = out[1].split("\n")[:2]
+    assert name == "event: error" and json.loads(data[6:]) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "the engine is not available: boom"}}
+    out = asyncio.run(run(OpenAIError("bad grammar", 400)))
+    assert json.loads(out[1].split("\n")[1][6:])["error"] == {"type": "invalid_request_error",
+                                                              "message": "bad grammar"}
+    assert len(asyncio.run(run(RequestAbortedError("gone"), gone=True))) == 1  # nobody listens: no error event
+    out = asyncio.run(run(RuntimeError("bug")))
+    assert json.loads(out[1].split("\n")[1][6:])["error"]["type"] == "api_error"
