@@ -16,6 +16,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from voltllm import __version__
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, error_response, status_phrase
+from voltllm.entrypoints.openai.messages_errors import (MESSAGES_ROUTES, anthropic_error_body,
+                                                        anthropic_error_response, is_messages_path)
+from voltllm.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest
 from voltllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from voltllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest)
@@ -24,6 +27,7 @@ from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import create_chat_completion
 from voltllm.entrypoints.openai.serving_common import ServerState, normalize_messages, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
+from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
 from voltllm.entrypoints.openai.serving_responses import create_response, get_response
 
 logger = logging.getLogger("voltllm")
@@ -57,15 +61,19 @@ class AuthAndCountMiddleware:
         try:
             if self.api_key and path.startswith("/v1") and scope.get("method") != "OPTIONS":
                 if not self._authorized(scope):
-                    msg = "invalid or missing API key: send it as 'Authorization: Bearer <key>'"
-                    resp = JSONResponse(error_body(msg, 401, code="invalid_api_key"), status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
+                    if is_messages_path(path):  # Anthropic clients send 'x-api-key', and want their error shape
+                        body = anthropic_error_body("invalid or missing API key: send it as 'x-api-key: <key>' or "
+                                                    "'Authorization: Bearer <key>'", 401)
+                    else:
+                        msg = "invalid or missing API key: send it as 'Authorization: Bearer <key>'"
+                        body = error_body(msg, 401, code="invalid_api_key")
+                    resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                     await resp(scope, receive, send_wrapper)
                     return
             await self.app(scope, receive, send_wrapper)
         finally:
             if self.metrics is not None:
-                label = path if path in _ROUTES else next(
+                label = path if path in _ROUTES or path in MESSAGES_ROUTES else next(
                     (name for prefix, name in _PREFIXES if path.startswith(prefix)), "other")
                 self.metrics.on_http(scope.get("method", ""), label, status["code"])
 
@@ -114,25 +122,29 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_k
     app = FastAPI(title="voltllm OpenAI-compatible server", version=__version__, root_path=root_path)
     app.state.server = state
 
+    def _shaped(request: Request, exc: OpenAIError) -> JSONResponse:
+        # /v1/messages* answer in Anthropic's error shape, every other route in OpenAI's
+        return anthropic_error_response(exc) if is_messages_path(request.url.path) else error_response(exc)
+
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc)
+        return _shaped(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(bad_request(str(exc)))
+        return _shaped(request, bad_request(str(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
         if exc.status_code == 404:
             detail = f"no route {request.method} {request.url.path}"
-        return error_response(OpenAIError(detail, exc.status_code))
+        return _shaped(request, OpenAIError(detail, exc.status_code))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500))
+        return _shaped(request, OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500))
 
     @app.get("/health")
     async def health() -> Response:
@@ -164,6 +176,14 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_k
         if model not in state.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist", 404, "model", "model_not_found")
         return _model_card(model)
+
+    @app.post("/v1/messages")  # the Anthropic Messages API (serving_messages.py)
+    async def messages(request: Request) -> Any:
+        return await create_message(state, await parse_body(request, MessagesRequest), request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> dict:
+        return await count_message_tokens(state, await parse_body(request, CountTokensRequest))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
