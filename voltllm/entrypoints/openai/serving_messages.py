@@ -1,16 +1,14 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API served through the chat path.
 
-messages_protocol.py turns the request into a ChatCompletionRequest; from there it is templated, submitted and
-parsed as a chat completion with n=1 (serving_chat's tool mode and ChoiceView: reasoning parser, "auto" tool
-parser, forced tool choice). The output is shaped the Anthropic way: content blocks (thinking, text, tool_use),
+messages_protocol.py turns the request into a ChatCompletionRequest; from there it is templated and submitted as
+a chat completion with n=1 (serving_chat.start_chat) and parsed by serving_chat's ChoiceView (reasoning parser,
+"auto" tool parser, forced tool choice). The output is shaped the Anthropic way: content blocks (thinking, text, tool_use),
 stop_reason end_turn / max_tokens / stop_sequence / tool_use, and, streamed, named SSE events (message_start,
 content_block_start / _delta / _stop, message_delta, message_stop; an error after the start as `event: error`).
 """
 from __future__ import annotations
 
 import json
-import logging
-import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
@@ -22,12 +20,9 @@ from voltllm.entrypoints.openai.errors import OpenAIError
 from voltllm.entrypoints.openai.messages_errors import anthropic_sse_error
 from voltllm.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
-from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, tool_mode
-from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
-                                                       make_params, merge_streams, normalize_messages, render_chat,
-                                                       sse_body, submit)
-
-logger = logging.getLogger("voltllm")
+from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
+from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, merge_streams,
+                                                       normalize_messages, render_chat, sse_body)
 
 
 def served_model(state: ServerState, requested: str) -> str:
@@ -38,22 +33,21 @@ def served_model(state: ServerState, requested: str) -> str:
                       f"{', '.join(repr(n) for n in state.served_model_names)}", 404, "model", "model_not_found")
 
 
-def _prepare(state: ServerState, req: CountTokensRequest) -> tuple[ChatCompletionRequest, str, list[int]]:
-    """(the chat request, its prompt text, its token ids), with the request's refusals checked first."""
+def _chat(state: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat-completions request this one is served as, with the request's refusals checked first."""
     req.check()
     served_model(state, req.model)
     chat = req.chat_request()
     chat.check()
-    messages = normalize_messages(chat.messages)
-    prompt_text = render_chat(state, messages, chat_template=None, kwargs=chat.chat_template_kwargs,
-                              add_generation_prompt=chat.add_generation_prompt,
-                              continue_final_message=chat.continue_final_message, tools=chat.tools)
-    return chat, prompt_text, state.tokenizer.encode(prompt_text, add_special_tokens=False)
+    return chat
 
 
 async def count_message_tokens(state: ServerState, req: CountTokensRequest) -> dict:
-    _, _, ids = _prepare(state, req)
-    return {"input_tokens": len(ids)}
+    chat = _chat(state, req)
+    prompt_text = render_chat(state, normalize_messages(chat.messages), chat_template=None,
+                              kwargs=chat.chat_template_kwargs, add_generation_prompt=chat.add_generation_prompt,
+                              continue_final_message=chat.continue_final_message, tools=chat.tools)
+    return {"input_tokens": len(state.tokenizer.encode(prompt_text, add_special_tokens=False))}
 
 
 # -- output shapes ------------------------------------------------------------------------------------
@@ -177,16 +171,9 @@ class BlockStreamer:
 
 # -- serving ------------------------------------------------------------------------------------------
 async def create_message(state: ServerState, req: MessagesRequest, raw_request: Any):
-    chat, prompt_text, ids = _prepare(state, req)
-    use_tools, forced = tool_mode(state, chat)
-    params = make_params(lambda: chat.sampling_params(req.max_tokens, None, defaults=state.generation_defaults))
-    plan = ChatPlan(f"msg_{uuid.uuid4().hex}", req.model, int(time.time()), prompt_text, use_tools, forced, 1,
-                     None)
-    streams = submit(state, [plan.request_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params, None)
-    if state.log_requests:
-        logger.info("request %s (messages): %d prompt tokens, max_tokens=%d, stream=%s", plan.request_id, len(ids),
-                    req.max_tokens, req.stream)
-    watcher = DisconnectWatcher(raw_request, state, [plan.request_id])
+    chat = _chat(state, req)
+    chat.max_tokens, chat.stream = req.max_tokens, req.stream
+    plan, streams, watcher = start_chat(state, chat, raw_request, request_id=f"msg_{uuid.uuid4().hex}")
     if req.stream:
         return StreamingResponse(sse_body(_events(state, chat, plan, streams), streams, watcher, plan.request_id,
                                           done=None, error_event=anthropic_sse_error),
