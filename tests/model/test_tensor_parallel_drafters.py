@@ -1,6 +1,7 @@
 """MTP and DFlash speculation under tensor parallelism (CPU, gloo, -tp 2): the drafter runs unsharded on rank 0, beside
 its target shard, with whole copies of the target's embedding and LM head that every rank's vocabulary rows were
-gathered into at start-up (model/layers/full_vocab.py; untied heads and, with the llama target, a tied one). The
+gathered into at start-up (model/layers/full_vocab.py; untied heads and, with the llama target, a tied one; DFlash
+also beside a qwen3_5 hybrid target, reading a Gated DeltaNet layer's output). The
 draft logits equal the float64 references of the drafters' math fed by transformers' hidden states of the target
 (tests/mtp_models.py, tests/dflash_models.py), through chunked prompts beside verifications; greedy outputs equal
 plain decoding's on one device."""
@@ -11,8 +12,8 @@ import pytest
 
 from dflash_models import check_block_logits, make_dflash, record_block_logits
 from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
-from spec_oracle import PlainRuns, run_checked
-from tiny_models import HYBRID_VOCAB, make_model
+from spec_oracle import PlainRuns, oracle_table, patch_dflash, run_checked
+from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 
 _rng = random.Random(3)
@@ -70,3 +71,32 @@ def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind):
     assert outs == [o.outputs[0].token_ids for o in LLM(target, **kw).generate(prompts, sp)]
     assert stats["spec_draft_tokens"] > 0
     assert check_block_logits(records, target, drafter, layers) >= 4
+
+
+def test_dflash_under_tp_on_a_hybrid(tmp_path_factory, monkeypatch):
+    """A DFlash drafter reading a GDN layer's and the last layer's outputs of a qwen3_5 target split over two ranks
+    (whole on rank 0 after each layer's all-reduce); oracle drafts (tests/spec_oracle.py), partly accepted, so the
+    drafter's context also comes from verified positions; chunked prompts beside verifications."""
+    target = make_tiny_hybrid(str(tmp_path_factory.mktemp("tp-hybrid")), "qwen3_5", seed=0, gen_seed=1)
+    if target is None:
+        pytest.skip("this transformers has no Qwen3_5TextConfig")
+    layers = [1, 3]
+    drafter = make_dflash(str(tmp_path_factory.mktemp("tp-hybrid-dflash")), HYBRID_COMMON["hidden_size"],
+                          HYBRID_VOCAB, HYBRID_COMMON["num_hidden_layers"], layers, block_size=5)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True, max_num_batched_tokens=7)
+    ref = PlainRuns(kw)(target, PROMPTS, sp)
+    table: dict = {}
+    patch_dflash(monkeypatch, table, HYBRID_VOCAB)
+    table.update(oracle_table(PROMPTS, ref))
+    llm = LLM(target, tensor_parallel_size=2, speculative_config={"method": "dflash", "model": drafter,
+                                                                  "num_speculative_tokens": 3}, **kw)
+    try:
+        records = record_block_logits(llm.engine.runner.draft)
+        outs = run_checked(llm, PROMPTS, sp)
+        stats = llm.engine.stats().extra
+    finally:
+        llm.engine.shutdown()
+    assert outs == ref
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert check_block_logits(records, target, drafter, layers) >= 2 * len(PROMPTS)
