@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.errors import bad_request
@@ -14,8 +14,8 @@ from voltllm.entrypoints.openai.forced_calls import forced_calls
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
                                                 new_tool_call_id)
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
-from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs,
-                                                       collect_or_gone, make_params, merge_streams, new_id,
+from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect_or_gone,
+                                                       event_stream, make_params, merge_streams, new_id,
                                                        normalize_messages, render_chat, sse, sse_body, submit, usage)
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
@@ -120,9 +120,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Any):
     plan, streams, watcher = start_chat(state, req, raw_request)
     if req.stream:
-        return StreamingResponse(sse_body(_stream(state, req, plan, streams), streams, watcher, plan.request_id),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(sse_body(_stream(state, req, plan, streams), streams, watcher, plan.request_id))
     finals = await collect_or_gone(streams, watcher)
     if finals is None:
         return JSONResponse({}, status_code=499)

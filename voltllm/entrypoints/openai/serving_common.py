@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
+from fastapi.responses import StreamingResponse
+
 from voltllm.engine.async_llm import (AsyncLLM, EngineDeadError, InvalidRequestError, RequestAbortedError,
                                       RequestStream)
 from voltllm.engine.frontend import InvalidPromptError
@@ -278,6 +280,12 @@ async def collect_or_gone(streams: list[RequestStream], watcher: DisconnectWatch
         raise
     finally:
         watcher.stop()
+
+
+def event_stream(body: AsyncIterator[str]) -> StreamingResponse:
+    """The HTTP response of a streamed answer: server-sent events, not cached or buffered by proxies."""
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def sse_body(events: AsyncIterator[str], streams: list[RequestStream], watcher: DisconnectWatcher,

@@ -5,13 +5,13 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.protocol import CompletionRequest
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
-                                                       completion_logprobs, make_params, merge_streams, new_id, sse,
-                                                       sse_body, submit, usage)
+                                                       completion_logprobs, event_stream, make_params, merge_streams,
+                                                       new_id, sse, sse_body, submit, usage)
 
 logger = logging.getLogger("voltllm")
 
@@ -52,10 +52,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     created = int(time.time())
     watcher = DisconnectWatcher(raw_request, state, rids)
     if req.stream:
-        return StreamingResponse(sse_body(_stream(state, req, base_id, model, created, params.n, streams), streams,
-                                          watcher, base_id),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(sse_body(_stream(state, req, base_id, model, created, params.n, streams), streams,
+                                          watcher, base_id))
     finals = await collect_or_gone(streams, watcher)
     if finals is None:
         return JSONResponse({}, status_code=499)

@@ -2,8 +2,8 @@
 
 messages_protocol.py turns the request into a ChatCompletionRequest; from there it is templated and submitted as
 a chat completion with n=1 (serving_chat.start_chat) and parsed by serving_chat's ChoiceView (reasoning parser,
-"auto" tool parser, forced tool choice). The output is shaped the Anthropic way: content blocks (thinking, text, tool_use),
-stop_reason end_turn / max_tokens / stop_sequence / tool_use, and, streamed, named SSE events (message_start,
+"auto" tool parser, forced tool choice). The output is shaped the Anthropic way: content blocks (thinking, text,
+tool_use), stop_reason end_turn / max_tokens / stop_sequence / tool_use, and, streamed, named SSE events (message_start,
 content_block_start / _delta / _stop, message_delta, message_stop; an error after the start as `event: error`).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from voltllm.engine.async_llm import RequestAbortedError
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
@@ -21,7 +21,7 @@ from voltllm.entrypoints.openai.messages_errors import anthropic_sse_error
 from voltllm.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
 from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
-from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, merge_streams,
+from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, event_stream, merge_streams,
                                                        normalize_messages, render_chat, sse_body)
 
 
@@ -175,10 +175,8 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
     chat.max_tokens, chat.stream = req.max_tokens, req.stream
     plan, streams, watcher = start_chat(state, chat, raw_request, request_id=f"msg_{uuid.uuid4().hex}")
     if req.stream:
-        return StreamingResponse(sse_body(_events(state, chat, plan, streams), streams, watcher, plan.request_id,
-                                          done=None, error_event=anthropic_sse_error),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(sse_body(_events(state, chat, plan, streams), streams, watcher, plan.request_id,
+                                          done=None, error_event=anthropic_sse_error))
     finals = await collect_or_gone(streams, watcher)
     if finals is None:
         return JSONResponse({}, status_code=499)

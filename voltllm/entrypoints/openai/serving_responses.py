@@ -14,14 +14,15 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import RequestOutput
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
-from voltllm.entrypoints.openai.serving_common import ServerState, collect_or_gone, merge_streams, sse_body
+from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, event_stream, merge_streams,
+                                                       sse_body)
 
 # chat-request parameters named as the Responses API names them, for the 400s start_chat raises
 _PARAMS = {"response_format": "text", "max_tokens": "max_output_tokens", "messages": "input"}
@@ -147,10 +148,8 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     view = ChoiceView(state, plan, chat.tools, streaming=req.stream)
     if req.stream:
         events = _Events()
-        return StreamingResponse(sse_body(_stream(run, view, streams, events), streams, watcher, plan.request_id,
-                                          done=None, error_event=events.error),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(sse_body(_stream(run, view, streams, events), streams, watcher, plan.request_id,
+                                          done=None, error_event=events.error))
     finals = await collect_or_gone(streams, watcher)
     if finals is None:
         return JSONResponse({}, status_code=499)
