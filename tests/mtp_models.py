@@ -83,6 +83,7 @@ class MTPReference:
         self.layer.load_state_dict(_fused_experts({k[len(prefix):]: v.double() for k, v in mtp.items()
                                                    if k.startswith(prefix)}), strict=True)
         self.w = {k: v.double() for k, v in mtp.items() if not k.startswith(prefix)}
+        self._hidden: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + w)
@@ -117,7 +118,12 @@ class MTPReference:
         """The logits of drafts 1..len(drafts)+1 for a request whose known tokens are full[:start + 1] (its next
         input full[start] at position start): the first from out_{start-1} on the true tokens, each next one from a
         chained row (draft j, the previous row's out) at the position after."""
-        h = self.target_hidden(full[:start])
+        # the target is causal: a prefix's hidden states are the first rows of the whole sequence's (float64: equal
+        # to ~1e-15), so one target forward per request serves all of its proposals
+        key = tuple(full)
+        if key not in self._hidden:
+            self._hidden[key] = self.target_hidden(list(full))
+        h = self._hidden[key][:start]
         ids, hid = list(full[1:start + 1]), list(h)
         out = self.outputs(ids, torch.stack(hid))[-1]
         result = [self.logits(out)]

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Any, Optional
 
 ARCHS = (70, 75)
@@ -63,7 +65,21 @@ def stop() -> None:
         _child.wait()
 
 
+def _end_with_parent() -> None:
+    """A test run killed outright (no session finish) must not leave the gate compiling: when this child's parent
+    is gone, end its process group (this child and its compile workers)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _main(path: str) -> int:
+    _end_with_parent()
     os.nice(NICE)
     from voltllm.check.sm70_gate import run_gate
 
