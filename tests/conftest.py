@@ -39,9 +39,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "native_only(reason): needs the native route; skipped under --compat sm70|sm75")
 
 
-@pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
-    _gate_in_background(config, items)
     mode = config.getoption("--compat")
     if mode in (None, "none"):
         return
@@ -50,23 +48,6 @@ def pytest_collection_modifyitems(config, items):
         if marker is not None:
             reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "needs the native route")
             item.add_marker(pytest.mark.skip(reason=f"native only under --compat {mode}: {reason}"))
-
-
-def _gate_in_background(config, items) -> None:
-    """Tests that read the sm_70 gate's report (fixture `full_report`) run last, and the gate compiles in the
-    background from now on (sm70_gate_background.py says why)."""
-    readers = [item for item in items if "full_report" in getattr(item, "fixturenames", ())]
-    if not readers or config.option.collectonly:
-        return
-    items[:] = [item for item in items if item not in readers] + readers
-    import sm70_gate_background
-
-    sm70_gate_background.start()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if "sm70_gate_background" in sys.modules:
-        sys.modules["sm70_gate_background"].stop()
 
 
 def install_compat_default(mode: str) -> Callable[[], None]:
