@@ -266,6 +266,76 @@ def test_gdn_chunk_small_tile_fits_consumer_ampere_ada():
     tile, specs = _chunk_small_tile_specs("tf32x3")
     for name, spec in specs:
         warps = tile.warps if name == "gdn.chunk_fwd" else tile.prep_warps
+        # the shared memory size is known before ptxas, which this check does not need
         _, _, shared = sm70_gate.compile_for(REGISTRY[name].fn, spec, 86, {"num_warps": warps,
-                                                                           "num_stages": tile.stages})
+                                                                           "num_stages": tile.stages}, assemble=False)
         assert shared <= 99 * 1024, (name, shared)
+
+
+# --- which specs ptxas assembles (voltllm.check.ptxas_cover) -------------------------------------
+@triton.jit
+def _pack_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    if PACK:  # cvt.pack needs sm_72: no PTX rule knows it, only ptxas refuses it for sm_70
+        x = tl.inline_asm_elementwise("cvt.pack.sat.s8.s32.b32 $0, $1, $1, 0;", "=r,r", [x], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    tl.store(y_ptr + offs, x, mask=offs < n)
+
+
+@pytest.mark.parametrize("ptxas", ["cover", "all"])
+def test_ptxas_reaches_a_form_only_a_larger_spec_uses(ptxas):
+    sig = {"x_ptr": "*i32", "y_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "PACK": "constexpr"}
+    entry = KernelEntry("test.pack", _pack_kernel, [CompileSpec(sig, {"BLOCK": 128, "PACK": False}, label="small"),
+                                                    CompileSpec(sig, {"BLOCK": 1024, "PACK": True}, label="pack"),
+                                                    CompileSpec(sig, {"BLOCK": 128, "PACK": False}, label="again")])
+    report = run_gate((70, 75), entries=[entry], jobs=1, ptxas=ptxas)
+    by = {(r.label, r.arch): r for r in report.results}
+    assert [k for k, r in by.items() if r.status != "ok"] == [("pack", 70)]
+    assert any("cvt.pack" in ln and "sm_72" in ln for ln in by[("pack", 70)].lines), by[("pack", 70)]
+    # "again" compiles to the same PTX as "small": cover mode leaves it to the PTX rules
+    assert report.assembled == ({70: (2, 3), 75: (2, 3)} if ptxas == "cover" else {70: (3, 3), 75: (3, 3)})
+    assert "ptxas sm_70: assembled" in report.format_table()
+
+
+def test_instruction_forms():
+    from voltllm.check.ptxas_cover import instruction_forms
+
+    ptx = "\n".join([".version 8.7", ".target sm_70", ".reg .b32 %r<12>;", ".extern .shared .align 16 .b8 smem[];",
+                     "$L__BB0_1:", "\tmov.u32 %r1, %tid.x;", "\t@%p1 ld.global.nc.v4.b32 { %r2, %r3, %r4, %r5 },",
+                     "\t\t[ %rd1 + 0 ];", "\t@!%p2 bra $L__BB0_1;", "\tmma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32",
+                     "\t\t{%f1}, {%r6}, {%r7}, {%f2};  // tanh.approx.f32 in a comment", "}", "\tret;"])
+    assert instruction_forms(ptx) == {".version", ".target", ".reg .b32", ".extern .shared", "mov.u32", "%tid.x",
+                                      "ld.global.nc.v4.b32", "bra", "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32",
+                                      "ret", "%r"}
+
+
+def test_choose_for_ptxas():
+    from voltllm.check.ptxas_cover import choose_for_ptxas
+
+    f = frozenset
+    cands = {"a1": ("a", 10, f({"x", "y"})), "a2": ("a", 30, f({"x"})), "a3": ("a", 20, f({"x", "z"})),
+             "b1": ("b", 50, f({"x"})), "b2": ("b", 40, f({"y"}))}
+    # smallest first: a1 (kernel a), a3 (new z), b2 (kernel b); a2 and b1 add nothing
+    assert choose_for_ptxas(cands) == {"a1", "a3", "b2"}
+    assert choose_for_ptxas({}) == set()
+
+
+def test_ptx_only_compiles_are_kept_on_disk(tmp_path, monkeypatch):
+    """Triton caches a kernel only after ptxas, so the gate keeps the PTX of the specs it does not assemble itself:
+    a second run reads it back, and a damaged file is compiled again."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sm70_gate, "_COMPILED", {})
+    spec = CompileSpec({"x_ptr": "*i32", "y_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "PACK": "constexpr"},
+                       {"BLOCK": 64, "PACK": False})
+    first = sm70_gate.compile_for(_pack_kernel, spec, 70, assemble=False)
+    files = list(tmp_path.glob("voltllm-gate-ptx/*/*.json.gz"))
+    assert len(files) == 1 and ".target sm_70" in first[1] and first[2] >= 0
+    sm70_gate._COMPILED.clear()
+    monkeypatch.setattr(sm70_gate, "_StopBeforePtxas", None)  # any compile would now fail
+    assert sm70_gate.compile_for(_pack_kernel, spec, 70, assemble=False) == first
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sm70_gate, "_COMPILED", {})
+    files[0].write_bytes(b"not gzip")
+    assert sm70_gate.compile_for(_pack_kernel, spec, 70, assemble=False) == first

@@ -7,7 +7,7 @@ is enabled, 1 when one is disabled (with --require-acceleration the configuratio
 --no-load prints the report predicted from the configuration alone (no weights are read).
 
 With --sm70: the sm_70/sm_75 compile gate (voltllm.check.sm70_gate), which needs no GPU and no model; the
-gate's own flags follow (--arch, --module, --jobs, --max-lines).
+gate's own flags follow (--arch, --module, --jobs, --max-lines, --ptxas).
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     g.add_argument("--module", action="append", help="only kernels of this module (repeatable)")
     g.add_argument("--jobs", "-j", type=int, default=None, help="compile processes")
     g.add_argument("--max-lines", type=int, default=None, help="offending lines shown per failure")
+    g.add_argument("--ptxas", choices=("cover", "all"), default=None,
+                   help="which specs ptxas assembles (default cover: every kernel and instruction form once per arch)")
     add_engine_args(p)
     p.set_defaults(func=run_check)
     return p
@@ -52,6 +54,8 @@ def gate_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--jobs", str(args.jobs)]
     if args.max_lines is not None:
         argv += ["--max-lines", str(args.max_lines)]
+    if args.ptxas is not None:
+        argv += ["--ptxas", args.ptxas]
     return argv
 
 

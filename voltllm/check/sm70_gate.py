@@ -28,11 +28,13 @@ import io
 import os
 import pkgutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from voltllm.check.ptx_rules import check_ir, check_ptx
+from voltllm.check.ptxas_cover import assemble, choose_for_ptxas, instruction_forms
 from voltllm.kernels.registry import REGISTRY, CompileSpec, KernelEntry
 
 PACKAGE = "voltllm.kernels"
@@ -62,9 +64,56 @@ def _innermost(obj: Any) -> Any:
 _COMPILED: dict[tuple, tuple[str, str, int]] = {}
 
 
-def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] = None) -> tuple[str, str, int]:
+def _unassembled_path(key: tuple) -> str:
+    """Where a compile that stopped before ptxas keeps (TTIR, PTX, shared bytes): Triton caches a kernel only after
+    its last stage, so without this a second gate run would compile those specs again. In Triton's cache directory,
+    keyed like compile_for's memo plus the Triton version (which fixes its LLVM)."""
+    import hashlib
+
+    import triton
+    from triton import knobs
+
+    digest = hashlib.sha256(repr((triton.__version__, key)).encode()).hexdigest()
+    return os.path.join(knobs.cache.dir, "voltllm-gate-ptx", digest[:2], digest + ".json.gz")
+
+
+def _load_unassembled(key: tuple) -> Optional[tuple[str, str, int]]:
+    import gzip
+    import json
+
+    try:
+        with gzip.open(_unassembled_path(key), "rt") as f:
+            d = json.load(f)
+        return d["ttir"], d["ptx"], int(d["shared"])
+    except (OSError, ValueError, KeyError, TypeError, EOFError):  # absent or damaged: compile again
+        return None
+
+
+def _store_unassembled(key: tuple, value: tuple[str, str, int]) -> None:
+    import gzip
+    import json
+
+    path = _unassembled_path(key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with gzip.open(tmp, "wt") as f:
+            json.dump({"ttir": value[0], "ptx": value[1], "shared": value[2]}, f)
+        os.replace(tmp, path)  # atomic: parallel workers never read half a file
+    except OSError:  # a read-only cache only costs the next run its compile time
+        pass
+
+
+class _StopBeforePtxas(Exception):
+    """Raised in place of Triton's cubin stage when the caller wants the PTX only (nothing reaches Triton's cache:
+    it stores a kernel only after its last stage)."""
+
+
+def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] = None,
+                assemble: bool = True) -> tuple[str, str, int]:
     """(TTIR, PTX, shared memory bytes per block) of one specialization of `fn` for sm_<arch>, cross-compiled
-    without a GPU. options: Triton's compile options (num_warps, num_stages; its defaults when None)."""
+    without a GPU. options: Triton's compile options (num_warps, num_stages; its defaults when None).
+    assemble=False stops before ptxas (the shared memory size is known from the LLVM IR stage on)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -75,39 +124,54 @@ def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] =
         raise TypeError(f"{fn!r} is not a triton.jit function (is TRITON_INTERPRET set? the gate needs it unset)")
     key = (jit_fn.cache_key, tuple(sorted(spec.signature.items())), repr(sorted(spec.constexprs.items())), arch,
            repr(sorted((options or {}).items())))
-    hit = _COMPILED.get(key)
+    hit = _COMPILED.get((key, True)) or (None if assemble else _COMPILED.get((key, False)))
+    if hit is None and not assemble:
+        hit = _COMPILED[(key, False)] = _load_unassembled(key)
     if hit is not None:
         return hit
     src = triton.compiler.ASTSource(fn=jit_fn, signature=dict(spec.signature), constexprs=dict(spec.constexprs))
     # keep the PTX even when a later stage (ptxas) fails, so a failure can show the offending lines
-    stash: dict[str, str] = {}
+    stash: dict[str, Any] = {}
     previous = knobs.runtime.add_stages_inspection_hook
 
     def hook(backend: Any, stages: dict, options: Any, language: Any, capability: Any) -> None:
         if previous is not None:
             previous(backend, stages, options, language, capability)
-        make_ptx = stages.get("ptx")
-        if make_ptx is not None:
-            def ptx_stage(mod: Any, metadata: dict) -> Any:
-                stash["ptx"] = out = make_ptx(mod, metadata)
-                return out
-            stages["ptx"] = ptx_stage
+        for name in ("ttir", "ptx"):
+            make = stages.get(name)
+            if make is not None:
+                def stage(mod: Any, metadata: dict, make: Any = make, name: str = name) -> Any:
+                    out = make(mod, metadata)
+                    stash[name] = str(out)
+                    return out
+                stages[name] = stage
+        if not assemble and "cubin" in stages:
+            def stop(mod: Any, metadata: dict) -> Any:
+                stash["shared"] = int(metadata["shared"])
+                raise _StopBeforePtxas()
+            stages["cubin"] = stop
 
     knobs.runtime.add_stages_inspection_hook = hook
     try:
         # on a ptxas error Triton prints the whole PTX to stdout; the gate reports it its own way
         with contextlib.redirect_stdout(io.StringIO()):
             kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    except _StopBeforePtxas:
+        kernel = None
     except Exception as e:
         e.gate_ptx = stash.get("ptx")  # type: ignore[attr-defined]
         raise
     finally:
         knobs.runtime.add_stages_inspection_hook = previous
+    if kernel is None:
+        _COMPILED[(key, False)] = (stash["ttir"], stash["ptx"], stash["shared"])
+        _store_unassembled(key, _COMPILED[(key, False)])
+        return _COMPILED[(key, False)]
     asm = kernel.asm
     if "ptx" not in asm or "ttir" not in asm:
         raise RuntimeError("Triton kept no PTX/TTIR (unset TRITON_STORE_BINARY_ONLY)")
-    _COMPILED[key] = (asm["ttir"], asm["ptx"], int(kernel.metadata.shared))
-    return _COMPILED[key]
+    _COMPILED[(key, True)] = (asm["ttir"], asm["ptx"], int(kernel.metadata.shared))
+    return _COMPILED[(key, True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +314,7 @@ class GateReport:
     results: list[GateResult]
     import_errors: dict[str, str] = field(default_factory=dict)
     unregistered: list[str] = field(default_factory=list)
+    assembled: dict[int, tuple[int, int]] = field(default_factory=dict)  # arch -> (specs ptxas ran on, compiled)
 
     @property
     def failures(self) -> list[GateResult]:
@@ -286,6 +351,9 @@ class GateReport:
             out.append(f"UNREGISTERED {name}: register it (voltllm.kernels.registry.register_kernel) or list it "
                        f"in its module's __triton_helpers__")
         n_fail = len(self.failures)
+        for arch, (done, compiled) in self.assembled.items():
+            out.append(f"ptxas sm_{arch}: assembled {done} of {compiled} compiled specs"
+                       + (" (every kernel and instruction form)" if done < compiled else ""))
         out.append("")
         out.append(f"{len(self.results)} checks, {n_fail} failed, {len(self.import_errors)} import errors, "
                    f"{len(self.unregistered)} unregistered: {'PASS' if self.ok else 'FAIL'}")
@@ -300,22 +368,42 @@ def triton_compilation_errors() -> tuple[type, ...]:
     return (CompilationError,)
 
 
+def _error_outcome(e: BaseException, arch: int, ptx: Optional[str]) -> Outcome:
+    """A compile error (Triton or ptxas) as a failed outcome: the first message lines and any rule-breaking PTX."""
+    text = [ln for ln in str(e).strip().splitlines() if ln.strip()][:20]
+    bad = check_ptx(ptx, arch) if ptx else []
+    reason = f"does not compile for sm_{arch}: {type(e).__name__}"
+    last = [ln.strip() for ln in text if not ln.startswith((" ", "\t"))]
+    if isinstance(e, triton_compilation_errors()) and last:
+        reason += f": {last[-1]}"
+    return ("error", "; ".join(dict.fromkeys([reason] + [v.reason for v in bad])),
+            [f"L{v.line_no}: {v.line}" for v in bad] + text)
+
+
 def _compile_outcome(fn: Any, spec: CompileSpec, arch: int) -> Outcome:
-    """Compile one spec for sm_<arch> and check its TTIR and PTX against the rules (in the worker that compiled
-    it: the checks run in parallel, and the PTX, 92 MB for the whole registry, stays there)."""
+    """Compile one spec for sm_<arch> (ptxas included) and check its TTIR and PTX against the rules."""
     try:
         ttir, ptx, shared = compile_for(fn, spec, arch)
     except Exception as e:  # noqa: BLE001 - a compile error (Triton or ptxas) fails the kernel
-        text = [ln for ln in str(e).strip().splitlines() if ln.strip()][:20]
-        ptx = getattr(e, "gate_ptx", None)
-        bad = check_ptx(ptx, arch) if ptx else []
-        reason = f"does not compile for sm_{arch}: {type(e).__name__}"
-        last = [ln.strip() for ln in text if not ln.startswith((" ", "\t"))]
-        if isinstance(e, triton_compilation_errors()) and last:
-            reason += f": {last[-1]}"
-        return ("error", "; ".join(dict.fromkeys([reason] + [v.reason for v in bad])),
-                [f"L{v.line_no}: {v.line}" for v in bad] + text)
+        return _error_outcome(e, arch, getattr(e, "gate_ptx", None))
     return ("ok", check_ir(ttir) + check_ptx(ptx, arch), shared)
+
+
+class PtxasError(RuntimeError):
+    """ptxas refused a spec's PTX for the target."""
+
+
+def _compile_to_ptx(fn: Any, spec: CompileSpec, arch: int, ptx_path: str) -> tuple[Outcome, int, frozenset[str]]:
+    """(outcome, PTX size, instruction forms) of one spec compiled up to PTX and checked against the rules (in the
+    worker that compiled it: the checks run in parallel, and the PTX, 92 MB for the whole registry, goes to
+    `ptx_path` for ptxas, not back to the parent)."""
+    try:
+        ttir, ptx, shared = compile_for(fn, spec, arch, assemble=False)
+    except Exception as e:  # noqa: BLE001 - a compile error fails the kernel
+        return _error_outcome(e, arch, getattr(e, "gate_ptx", None)), 0, frozenset()
+    with open(ptx_path, "w") as f:
+        f.write(ptx)
+    return ("ok", check_ir(ttir) + check_ptx(ptx, arch), shared), len(ptx), instruction_forms(ptx)
 
 
 def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
@@ -354,15 +442,16 @@ def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
     return results
 
 
-# --- parallel compilation: spawned workers import the kernel modules and compile by registry name
+# --- compilation in two passes: every spec to PTX (in spawned workers that import the kernel modules and compile by
+# registry name), then ptxas on the specs ptxas_cover chooses (or on all of them)
 def _worker_init(module_names: Sequence[str]) -> None:
     for name in module_names:
         importlib.import_module(name)
 
 
-def _worker_compile(name: str, index: int, arch: int) -> Outcome:
+def _worker_compile(name: str, index: int, arch: int, ptx_path: str) -> tuple[Outcome, int, frozenset[str]]:
     entry = REGISTRY[name]
-    return _compile_outcome(entry.fn, entry.specs[index], arch)
+    return _compile_to_ptx(entry.fn, entry.specs[index], arch, ptx_path)
 
 
 def _default_jobs() -> int:
@@ -373,37 +462,75 @@ def _default_jobs() -> int:
     return max(1, min(n, 8))
 
 
-def _compile_parallel(entries: Sequence[KernelEntry], archs: Sequence[int], jobs: int
-                      ) -> dict[tuple[str, int, int], Outcome]:
-    tasks = [(e.name, i, a) for e in entries if e.compat and REGISTRY.get(e.name) is e
-             for i in range(len(e.specs)) for a in archs]
-    if jobs <= 1 or len(tasks) < 2:
-        return {}
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
+Task = tuple  # (kernel name, spec index, arch)
 
-    modules = sorted({_innermost(REGISTRY[n].fn).fn.__module__ for n, _, _ in tasks})
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=get_context("spawn"),
-                             initializer=_worker_init, initargs=(modules,)) as pool:
-        futures = {t: pool.submit(_worker_compile, *t) for t in tasks}
-        out = {}
-        for t, fut in futures.items():
-            try:
-                out[t] = fut.result()
-            except Exception as e:  # noqa: BLE001 - a dead worker: compile that one in-process instead
-                print(f"sm70 gate: worker failed on {t}: {_exc_line(e)}", file=sys.stderr)
-        return out
+
+def _compile_all_to_ptx(entries: Sequence[KernelEntry], archs: Sequence[int], jobs: int, ptx_dir: str
+                        ) -> dict[Task, tuple[Outcome, int, frozenset[str], str]]:
+    """Per task: (outcome, PTX size, instruction forms, PTX file in `ptx_dir`)."""
+    by_name = {e.name: e for e in entries}
+    tasks = [(e.name, i, a) for e in entries if e.compat for i in range(len(e.specs)) for a in archs]
+    path = {t: os.path.join(ptx_dir, f"{n}.ptx") for n, t in enumerate(tasks)}
+    # registered kernels compile in spawned workers by name; others (a kernel defined in a test) in-process
+    remote = [t for t in tasks if REGISTRY.get(t[0]) is by_name[t[0]]] if jobs > 1 and len(tasks) > 1 else []
+    out: dict[Task, tuple[Outcome, int, frozenset[str]]] = {}
+    if remote:
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        modules = sorted({_innermost(REGISTRY[n].fn).fn.__module__ for n, _, _ in remote})
+        with ProcessPoolExecutor(max_workers=min(jobs, len(remote)), mp_context=get_context("spawn"),
+                                 initializer=_worker_init, initargs=(modules,)) as pool:
+            futures = {t: pool.submit(_worker_compile, *t, path[t]) for t in remote}
+            for t, fut in futures.items():
+                try:
+                    out[t] = fut.result()
+                except Exception as e:  # noqa: BLE001 - a dead worker: compile that one in-process instead
+                    print(f"sm70 gate: worker failed on {t}: {_exc_line(e)}", file=sys.stderr)
+    for t in tasks:
+        if t not in out:
+            name, i, arch = t
+            out[t] = _compile_to_ptx(by_name[name].fn, by_name[name].specs[i], arch, path[t])
+    return {t: (*out[t], path[t]) for t in tasks}
+
+
+def _assemble_chosen(compiled: dict[Task, tuple[Outcome, int, frozenset[str], str]], archs: Sequence[int],
+                     ptxas: str, jobs: int) -> tuple[dict[Task, Outcome], dict[int, tuple[int, int]]]:
+    """Outcomes after ptxas ran on the chosen specs (a refused one fails), and per arch (assembled, compiled)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    outcomes = {t: c[0] for t, c in compiled.items()}
+    chosen: list[Task] = []
+    counts: dict[int, tuple[int, int]] = {}
+    for arch in archs:
+        ok = {t: (t[0], size, forms) for t, (o, size, forms, _) in compiled.items() if t[2] == arch and o[0] == "ok"}
+        mine = set(ok) if ptxas == "all" else choose_for_ptxas(ok)
+        chosen += sorted(mine)
+        counts[arch] = (len(mine), len(ok))
+    paths = {t: compiled[t][3] for t in chosen}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        logs = dict(zip(chosen, pool.map(lambda t: assemble(paths[t], t[2]), chosen)))
+    for t, log in logs.items():
+        if log is not None:
+            with open(paths[t]) as f:
+                outcomes[t] = _error_outcome(PtxasError(log), t[2], f.read())
+    return outcomes, counts
 
 
 def run_gate(archs: Sequence[int] = DEFAULT_ARCHS, modules: Optional[Iterable[Union[str, ModuleType]]] = None,
-             entries: Optional[Sequence[KernelEntry]] = None, jobs: Optional[int] = None) -> GateReport:
+             entries: Optional[Sequence[KernelEntry]] = None, jobs: Optional[int] = None,
+             ptxas: str = "cover") -> GateReport:
     """Cross-compile every compat kernel spec for each arch and check its TTIR and PTX.
 
     modules=None imports all of voltllm.kernels (and also reports unregistered @triton.jit objects);
     a list of module names limits the check to kernels defined in those modules. `entries` checks the
     given KernelEntry objects only (no imports), e.g. a kernel defined in a test. Registered kernels
     compile in `jobs` spawned processes (default: the usable CPU cores, at most 8; 1 = in-process).
+    ptxas: "cover" assembles the specs voltllm.check.ptxas_cover chooses (every kernel and every instruction form
+    once per arch), "all" every spec.
     """
+    if ptxas not in ("cover", "all"):
+        raise ValueError(f"ptxas must be 'cover' or 'all', not {ptxas!r}")
     archs = tuple(int(a) for a in archs)
     import_errors: dict[str, str] = {}
     unregistered: list[str] = []
@@ -416,11 +543,14 @@ def run_gate(archs: Sequence[int] = DEFAULT_ARCHS, modules: Optional[Iterable[Un
             names = {m.__name__ for m in mods}
             entries = [e for e in REGISTRY.values()
                        if getattr(getattr(_innermost(e.fn), "fn", None), "__module__", None) in names]
-    outcomes = _compile_parallel(entries, archs, _default_jobs() if jobs is None else jobs)
+    jobs = _default_jobs() if jobs is None else jobs
+    with tempfile.TemporaryDirectory(prefix="voltllm-gate-") as ptx_dir:
+        compiled = _compile_all_to_ptx(entries, archs, jobs, ptx_dir)
+        outcomes, assembled = _assemble_chosen(compiled, archs, ptxas, jobs)
     results: list[GateResult] = []
     for entry in entries:
         results += check_entry(entry, archs, outcomes)
-    return GateReport(archs, results, import_errors, unregistered)
+    return GateReport(archs, results, import_errors, unregistered, assembled)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -431,8 +561,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--module", action="append", help="only kernels of this module (repeatable)")
     p.add_argument("--max-lines", type=int, default=MAX_LINES_PER_RESULT, help="offending lines shown per failure")
     p.add_argument("--jobs", "-j", type=int, default=None, help="compile processes (default: CPU cores, max 8)")
+    p.add_argument("--ptxas", choices=("cover", "all"), default="cover",
+                   help="which specs ptxas assembles: every kernel and instruction form once per arch (cover, the "
+                        "default) or every spec (all)")
     args = p.parse_args(list(argv) if argv is not None else None)
-    report = run_gate(tuple(args.arch) if args.arch else DEFAULT_ARCHS, args.module, jobs=args.jobs)
+    report = run_gate(tuple(args.arch) if args.arch else DEFAULT_ARCHS, args.module, jobs=args.jobs,
+                      ptxas=args.ptxas)
     print(report.format_table(args.max_lines))
     return 0 if report.ok else 1
 
