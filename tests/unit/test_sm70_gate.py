@@ -329,7 +329,7 @@ def test_ptx_only_compiles_are_kept_on_disk(tmp_path, monkeypatch):
     spec = CompileSpec({"x_ptr": "*i32", "y_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "PACK": "constexpr"},
                        {"BLOCK": 64, "PACK": False})
     first = sm70_gate.compile_for(_pack_kernel, spec, 70, assemble=False)
-    files = list(tmp_path.glob("voltllm-gate-ptx/*/*.json.gz"))
+    files = list(tmp_path.glob("voltllm-gate/ptx/*/*.json.gz"))
     assert len(files) == 1 and ".target sm_70" in first[1] and first[2] >= 0
     sm70_gate._COMPILED.clear()
     monkeypatch.setattr(sm70_gate, "_StopBeforePtxas", None)  # any compile would now fail
@@ -339,3 +339,24 @@ def test_ptx_only_compiles_are_kept_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(sm70_gate, "_COMPILED", {})
     files[0].write_bytes(b"not gzip")
     assert sm70_gate.compile_for(_pack_kernel, spec, 70, assemble=False) == first
+
+
+def test_ptxas_successes_are_remembered(tmp_path, monkeypatch):
+    """assemble() remembers PTX ptxas accepted (a second gate run skips ptxas for it); a refusal is asked again."""
+    from voltllm.check import ptxas_cover
+
+    sig = {"x_ptr": "*i32", "y_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "PACK": "constexpr"}
+    cache = str(tmp_path / "accepted")
+    for pack, accepted in ((False, True), (True, False)):
+        ptx = sm70_gate.compile_for(_pack_kernel, CompileSpec(sig, {"BLOCK": 64, "PACK": pack}), 70, assemble=False)[1]
+        path = tmp_path / f"pack{pack}.ptx"
+        path.write_text(ptx)
+        first = ptxas_cover.assemble(str(path), 70, cache)
+        assert (first is None) == accepted and (accepted or "cvt.pack" in first)
+        calls = []
+        real_run = ptxas_cover.subprocess.run
+        monkeypatch.setattr(ptxas_cover.subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+        assert (ptxas_cover.assemble(str(path), 70, cache) is None) == accepted
+        assert len(calls) == (0 if accepted else 1)
+        monkeypatch.undo()
+    assert len(list((tmp_path / "accepted").iterdir())) == 1

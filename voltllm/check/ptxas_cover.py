@@ -10,6 +10,7 @@ spec chosen before it has: then every form any compat kernel uses has been throu
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -51,14 +52,32 @@ def choose_for_ptxas(candidates: Mapping[Hashable, tuple[str, int, frozenset[str
     return chosen
 
 
-def assemble(ptx_path: str, arch: int) -> Optional[str]:
-    """Run Triton's ptxas on a PTX file for sm_<arch> with Triton's flags; None when it assembles, else its log."""
+def assemble(ptx_path: str, arch: int, cache_dir: Optional[str] = None) -> Optional[str]:
+    """Run Triton's ptxas on a PTX file for sm_<arch> with Triton's flags; None when it assembles, else its log.
+
+    cache_dir: where a success is remembered (an empty file named by the hash of the PTX, the target and the ptxas
+    binary), so a second gate run skips ptxas for PTX it has accepted before; refusals are never cached."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
+    ptxas, target = get_ptxas(arch).path, sm_arch_from_capability(arch)
+    marker = None
+    if cache_dir is not None:
+        with open(ptx_path, "rb") as f:
+            digest = hashlib.sha256(f.read())
+        stat = os.stat(ptxas)
+        digest.update(f"\0{target}\0{ptxas}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+        marker = os.path.join(cache_dir, digest.hexdigest())
+        if os.path.exists(marker):
+            return None
     with tempfile.TemporaryDirectory(prefix="voltllm-ptxas-") as d:
-        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", f"--gpu-name={sm_arch_from_capability(arch)}", ptx_path,
-               "-o", os.path.join(d, "kernel.cubin")]
+        cmd = [ptxas, "-lineinfo", "-v", f"--gpu-name={target}", ptx_path, "-o", os.path.join(d, "kernel.cubin")]
         done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode == 0:
-        return None
-    return f"`ptxas` failed with error code {done.returncode}\n{done.stderr}"
+    if done.returncode != 0:
+        return f"`ptxas` failed with error code {done.returncode}\n{done.stderr}"
+    if marker is not None:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            open(marker, "wb").close()
+        except OSError:  # a read-only cache only costs the next run its ptxas time
+            pass
+    return None

@@ -71,10 +71,16 @@ def _unassembled_path(key: tuple) -> str:
     import hashlib
 
     import triton
-    from triton import knobs
 
     digest = hashlib.sha256(repr((triton.__version__, key)).encode()).hexdigest()
-    return os.path.join(knobs.cache.dir, "voltllm-gate-ptx", digest[:2], digest + ".json.gz")
+    return os.path.join(_gate_cache_dir(), "ptx", digest[:2], digest + ".json.gz")
+
+
+def _gate_cache_dir() -> str:
+    """The gate's own cache, inside Triton's cache directory (cleared with it)."""
+    from triton import knobs
+
+    return os.path.join(knobs.cache.dir, "voltllm-gate")
 
 
 def _load_unassembled(key: tuple) -> Optional[tuple[str, str, int]]:
@@ -509,7 +515,8 @@ def _assemble_chosen(compiled: dict[Task, tuple[Outcome, int, frozenset[str], st
         counts[arch] = (len(mine), len(ok))
     paths = {t: compiled[t][3] for t in chosen}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        logs = dict(zip(chosen, pool.map(lambda t: assemble(paths[t], t[2]), chosen)))
+        cache = os.path.join(_gate_cache_dir(), "ptxas-accepted")
+        logs = dict(zip(chosen, pool.map(lambda t: assemble(paths[t], t[2], cache), chosen)))
     for t, log in logs.items():
         if log is not None:
             with open(paths[t]) as f:
