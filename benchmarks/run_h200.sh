@@ -205,7 +205,9 @@
 #            worker) cut at 30 of 48, all passed: mtp_cuda's 13 tests and hybrid_spec_cuda's 22 each outlast the
 #            limit on one worker, so gpuD / gpuE hand out single tests (--dist load). Session 35 at cde7925: gpuD
 #            35 passed in 191 s; gpuE with 3 workers cut at 4 of 13 (two fp32 reference cases still running after
-#            560 s, which take 104 / 58 s alone): gpuE now runs in one process (13 passed in 253 s in session 29)
+#            560 s, which take 104 / 58 s alone): gpuE now runs in one process (13 passed in 253 s in session 29).
+#            Session 37: gpuA hands out single tests too (test_gemv_cuda alone on one worker was its long pole; spread
+#            over 8 workers it takes 107 s)
 #   s110     (session 32) issue #4: benchmarks/micro/l2_side_prefetch.py (at 8f46141 also 8B 64 x 128/128 with the
 #            paged-decode K / V loads evict_first vs no hint, A B A B; carry .whl)
 set -uo pipefail
@@ -1443,7 +1445,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
                    # card); D spreads single tests over the workers (a file of its outlasts 560 s on one); E runs in
                    # one process: under 3 workers (session 35) its fp32 MTP cases ran > 5x slower than alone
     workers=3; [ "$stage" = gpuA ] && workers=8
-    dist=loadfile; case $stage in gpuD) dist=load ;; gpuE) workers=0; dist=no ;; esac
+    dist=loadfile; case $stage in gpuA|gpuD) dist=load ;; gpuE) workers=0; dist=no ;; esac
     case $stage in
       gpuA) set -- attention_kernels fused_kernels_cuda gdn_conv gdn_decode gemv_cuda quant_dot_cuda quant_half2_cuda \
               sampler_cuda gguf_quant_cuda nvfp4_cuda ;;
