@@ -4,7 +4,6 @@ attention reads the step's inputs, sequence lengths and block tables, before it:
 decode kernels their slots, flags and recurrent state, but store nothing before it); with PDL
 off (the registry's specs, which the sm_70/75 gate compiles) they carry none; the CPU engine leaves it off."""
 import pytest
-import triton
 
 from voltllm.kernels.registry import REGISTRY
 
@@ -19,11 +18,12 @@ READ_INPUTS_BEFORE_WAIT = ("attention.paged_decode", "gdn.decode_delta_rule", "g
 
 
 def _ptx(fn, spec, pdl_on, **constexprs):
-    from triton.backends.compiler import GPUTarget
-    src = triton.compiler.ASTSource(fn=fn, signature=dict(spec.signature),
-                                    constexprs={**spec.constexprs, "PDL": pdl_on, **constexprs})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"launch_pdl": True} if pdl_on else {}).asm["ptx"]
+    """The sm_90 PTX (no ptxas run: only the PTX is read)."""
+    from voltllm.check.sm70_gate import compile_for
+    from voltllm.kernels.registry import CompileSpec
+
+    spec = CompileSpec(spec.signature, {**spec.constexprs, "PDL": pdl_on, **constexprs})
+    return compile_for(fn, spec, 90, {"launch_pdl": True} if pdl_on else None, assemble=False)[1]
 
 
 @pytest.mark.parametrize("name", DECODE_KERNELS)
