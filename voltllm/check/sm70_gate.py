@@ -132,7 +132,9 @@ def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] =
            repr(sorted((options or {}).items())))
     hit = _COMPILED.get((key, True)) or (None if assemble else _COMPILED.get((key, False)))
     if hit is None and not assemble:
-        hit = _COMPILED[(key, False)] = _load_unassembled(key)
+        hit = _load_unassembled(key)
+        if hit is not None:
+            _COMPILED[(key, False)] = hit
     if hit is not None:
         return hit
     src = triton.compiler.ASTSource(fn=jit_fn, signature=dict(spec.signature), constexprs=dict(spec.constexprs))
