@@ -388,15 +388,6 @@ def _error_outcome(e: BaseException, arch: int, ptx: Optional[str]) -> Outcome:
             [f"L{v.line_no}: {v.line}" for v in bad] + text)
 
 
-def _compile_outcome(fn: Any, spec: CompileSpec, arch: int) -> Outcome:
-    """Compile one spec for sm_<arch> (ptxas included) and check its TTIR and PTX against the rules."""
-    try:
-        ttir, ptx, shared = compile_for(fn, spec, arch)
-    except Exception as e:  # noqa: BLE001 - a compile error (Triton or ptxas) fails the kernel
-        return _error_outcome(e, arch, getattr(e, "gate_ptx", None))
-    return ("ok", check_ir(ttir) + check_ptx(ptx, arch), shared)
-
-
 class PtxasError(RuntimeError):
     """ptxas refused a spec's PTX for the target."""
 
@@ -414,9 +405,9 @@ def _compile_to_ptx(fn: Any, spec: CompileSpec, arch: int, ptx_path: str) -> tup
     return ("ok", check_ir(ttir) + check_ptx(ptx, arch), shared), len(ptx), instruction_forms(ptx)
 
 
-def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
-                outcomes: Optional[dict[tuple[str, int, int], Outcome]] = None) -> list[GateResult]:
-    """Gate results of one kernel: every spec x arch (`outcomes`: compiled and checked elsewhere)."""
+def check_entry(entry: KernelEntry, archs: Sequence[int], outcomes: dict[tuple[str, int, int], Outcome]
+                ) -> list[GateResult]:
+    """Gate results of one kernel: every spec x arch, from the outcomes run_gate compiled and checked."""
     results = []
     for i, spec in enumerate(entry.specs):
         label = spec.label or f"spec{i}"
@@ -424,7 +415,7 @@ def check_entry(entry: KernelEntry, archs: Sequence[int] = DEFAULT_ARCHS,
             if not entry.compat:
                 results.append(GateResult(entry.name, label, arch, "skipped", ["native route only (compat=False)"]))
                 continue
-            outcome = (outcomes or {}).get((entry.name, i, arch)) or _compile_outcome(entry.fn, spec, arch)
+            outcome = outcomes[(entry.name, i, arch)]
             if outcome[0] == "error":
                 results.append(GateResult(entry.name, label, arch, "failed", [outcome[1]], list(outcome[2])))
                 continue
