@@ -1,0 +1,85 @@
+"""What one decode-batch GEMM launch costs beyond its bytes (GPU, sm_90+): chains of 36 GEMMs of [N, 4096] fp16 weights
+at 64 rows (each its own weight: the L2 stays cold), N from 1024 to 32768, replayed from a CUDA graph with PDL off
+and on; per N the fastest decode-batch tile (batch_gemm candidates) and cuBLAS.
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_fixed_cost.py [ROWS]
+
+A least-squares line t = a + bytes / b over the N values gives a, the fixed cost of one launch in a chain, and b, the
+rate its bytes stream at. The 8B decode step at 64 rows runs 4 such GEMMs per layer (144 per step): a x 144 is what a
+step could save if its GEMMs streamed as one.
+"""
+import statistics
+import sys
+
+import torch
+
+from voltllm.kernels import pdl
+from voltllm.kernels.batch_gemm import CONFIGS, TMA_CONFIGS, batch_gemm
+from voltllm.worker.cuda_graphs import gc_paused
+
+K, CHAIN = 4096, 36
+NS = (1024, 2048, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
+
+
+def chain_us(step, reps: int = 5) -> float:
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with gc_paused(), torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / CHAIN)
+    return statistics.median(times)
+
+
+def fit(points):
+    """Least squares t = a + bytes / b: (a us, b TB/s)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, 1e-6 / slope
+
+
+def time_shape(x: torch.Tensor, n: int, on: bool) -> tuple:
+    """(us per GEMM, config) of the fastest candidate for a chain of [n, K] weights, PDL on or off."""
+    m = x.shape[0]
+    ws = [torch.randn(n, K, dtype=torch.float16, device=x.device) * 0.02 for _ in range(CHAIN)]
+    ys = [torch.empty(m, n, dtype=torch.float16, device=x.device) for _ in range(CHAIN)]
+    ref = x.float() @ ws[0].float().t()
+    pdl.configure(on)
+    best = (chain_us(lambda: [torch.matmul(x, w.t(), out=y) for w, y in zip(ws, ys)]), "cublas")
+    for cfg in (*CONFIGS, *TMA_CONFIGS):
+        batch_gemm(x, ws[0], config=cfg, out=ys[0])
+        if not ((ys[0].float() - ref).norm() / ref.norm()).item() < 2e-3:
+            raise AssertionError(f"N {n} {cfg}: wrong result")
+        t = chain_us(lambda cfg=cfg: [batch_gemm(x, w, config=cfg, out=y) for w, y in zip(ws, ys)])
+        best = min(best, (t, cfg), key=lambda b: b[0])
+    return best
+
+
+def main(m: int):
+    torch.manual_seed(0)
+    x = torch.randn(m, K, dtype=torch.float16, device="cuda")
+    rows = {}
+    for n in NS:
+        for on in (False, True):
+            rows[(n, on)] = best = time_shape(x, n, on)
+            torch.cuda.empty_cache()
+            mb = n * K * 2 / 1e6
+            print(f"m{m} N {n:>6} PDL {'on ' if on else 'off'}: {best[0]:7.2f} us per GEMM ({mb / best[0]:4.2f} TB/s) "
+                  f"{best[1]}", flush=True)
+    for on in (False, True):
+        a, b = fit([(n * K * 2, rows[(n, on)][0]) for n in NS])
+        print(f"m{m} PDL {'on ' if on else 'off'}: fixed cost per GEMM a = {a:.2f} us, streaming rate b = {b:.2f} "
+              f"TB/s; x 144 GEMMs per 8B step = {a * 144:.0f} us")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if sys.argv[1:] else 64)
