@@ -2,7 +2,7 @@
 at 64 rows (each its own weight: the L2 stays cold), N from 1024 to 32768, replayed from a CUDA graph with PDL off
 and on; per N the fastest decode-batch tile (batch_gemm candidates) and cuBLAS.
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_fixed_cost.py [ROWS]
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_fixed_cost.py [--prefetch] [ROWS]
 
 A least-squares line t = a + bytes / b over the N values gives a, the fixed cost of one launch in a chain, and b, the
 rate its bytes stream at. The 8B decode step at 64 rows runs 4 such GEMMs per layer (144 per step): a x 144 is what a
@@ -47,34 +47,44 @@ def fit(points):
     return my - slope * mx, 1e-6 / slope
 
 
-def time_shape(x: torch.Tensor, n: int, on: bool) -> tuple:
-    """(us per GEMM, config) of the fastest candidate for a chain of [n, K] weights, PDL on or off."""
+def time_shape(x: torch.Tensor, n: int, on: bool, prefetch=(0,)) -> tuple:
+    """(us per GEMM, config) of the fastest candidate for a chain of [n, K] weights, PDL on or off; with prefetch
+    sizes beyond 0 (PDL on), also {size: us} of the fastest Triton tile with that many weight elements per row
+    prefetched into L2 before the PDL wait."""
     m = x.shape[0]
     ws = [torch.randn(n, K, dtype=torch.float16, device=x.device) * 0.02 for _ in range(CHAIN)]
     ys = [torch.empty(m, n, dtype=torch.float16, device=x.device) for _ in range(CHAIN)]
     ref = x.float() @ ws[0].float().t()
     pdl.configure(on)
     best = (chain_us(lambda: [torch.matmul(x, w.t(), out=y) for w, y in zip(ws, ys)]), "cublas")
+    triton_best = (float("inf"), None)
     for cfg in (*CONFIGS, *TMA_CONFIGS):
         batch_gemm(x, ws[0], config=cfg, out=ys[0])
         if not ((ys[0].float() - ref).norm() / ref.norm()).item() < 2e-3:
             raise AssertionError(f"N {n} {cfg}: wrong result")
         t = chain_us(lambda cfg=cfg: [batch_gemm(x, w, config=cfg, out=y) for w, y in zip(ws, ys)])
         best = min(best, (t, cfg), key=lambda b: b[0])
-    return best
+        triton_best = min(triton_best, (t, cfg), key=lambda b: b[0])
+    cfg = triton_best[1]
+    with_prefetch = {p: chain_us(lambda p=p: [batch_gemm(x, w, config=cfg, out=y, prefetch_k=p)
+                                              for w, y in zip(ws, ys)]) for p in prefetch if on}
+    return best, triton_best, with_prefetch
 
 
-def main(m: int):
+def main(m: int, prefetch=(0,)):
     torch.manual_seed(0)
     x = torch.randn(m, K, dtype=torch.float16, device="cuda")
     rows = {}
     for n in NS:
         for on in (False, True):
-            rows[(n, on)] = best = time_shape(x, n, on)
+            best, triton_best, with_prefetch = time_shape(x, n, on, prefetch)
+            rows[(n, on)] = best
             torch.cuda.empty_cache()
             mb = n * K * 2 / 1e6
             print(f"m{m} N {n:>6} PDL {'on ' if on else 'off'}: {best[0]:7.2f} us per GEMM ({mb / best[0]:4.2f} TB/s) "
-                  f"{best[1]}", flush=True)
+                  f"{best[1]}" + (f"; Triton {triton_best[1]} {triton_best[0]:.2f} us, with L2 prefetch of "
+                                  + ", ".join(f"{p}: {t:.2f}" for p, t in with_prefetch.items()) if with_prefetch
+                                  else ""), flush=True)
     for on in (False, True):
         a, b = fit([(n * K * 2, rows[(n, on)][0]) for n in NS])
         print(f"m{m} PDL {'on ' if on else 'off'}: fixed cost per GEMM a = {a:.2f} us, streaming rate b = {b:.2f} "
@@ -82,4 +92,7 @@ def main(m: int):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if sys.argv[1:] else 64)
+    # --prefetch: also the fastest Triton tile with 0 / 512 / 1024 / 4096 weight elements per row prefetched into L2
+    # before the PDL wait
+    args = [a for a in sys.argv[1:] if a != "--prefetch"]
+    main(int(args[0]) if args else 64, (0, 512, 1024, 4096) if "--prefetch" in sys.argv else (0,))
