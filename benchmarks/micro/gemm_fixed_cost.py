@@ -2,7 +2,7 @@
 at 64 rows (each its own weight: the L2 stays cold), N from 1024 to 32768, replayed from a CUDA graph with PDL off
 and on; per N the fastest decode-batch tile (batch_gemm candidates) and cuBLAS.
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_fixed_cost.py [--prefetch] [ROWS]
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_fixed_cost.py [--prefetch | --stream] [ROWS]
 
 A least-squares line t = a + bytes / b over the N values gives a, the fixed cost of one launch in a chain, and b, the
 rate its bytes stream at. The 8B decode step at 64 rows runs 4 such GEMMs per layer (144 per step): a x 144 is what a
@@ -12,9 +12,12 @@ import statistics
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from voltllm.kernels import pdl
 from voltllm.kernels.batch_gemm import CONFIGS, TMA_CONFIGS, batch_gemm
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.worker.cuda_graphs import gc_paused
 
 K, CHAIN = 4096, 36
@@ -37,6 +40,37 @@ def chain_us(step, reps: int = 5) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e3 / CHAIN)
     return statistics.median(times)
+
+
+@triton.jit
+def _stream_kernel(W, Out, n_total, n_per_program, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Reads its program's n_per_program fp16 elements (evict-first, like the GEMMs' weights) and writes their sum:
+    the bytes of a GEMM without its arithmetic."""
+    pdl_enter(PDL)
+    start = tl.program_id(0).to(tl.int64) * n_per_program
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, n_per_program, BLOCK):
+        offs = start + i + tl.arange(0, BLOCK)
+        acc += tl.load(W + offs, mask=offs < n_total, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(Out + tl.program_id(0), tl.sum(acc))
+
+
+def time_stream(n: int, on: bool) -> tuple:
+    """(us per kernel, programs per SM) of the fastest streaming-read chain over [n, K] fp16 buffers."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bufs = [torch.randn(n * K, dtype=torch.float16, device="cuda") for _ in range(CHAIN)]
+    out = torch.empty(sms * 8, dtype=torch.float32, device="cuda")
+    pdl.configure(on)
+    best = (float("inf"), None)
+    for per_sm in (1, 2, 4, 8):
+        programs = sms * per_sm
+        per = -(-n * K // programs)
+        per = -(-per // 4096) * 4096
+        programs = -(-n * K // per)
+        t = chain_us(lambda: [_stream_kernel[(programs,)](b, out, n * K, per, BLOCK=4096, num_warps=8,
+                                                          **pdl.launch_options()) for b in bufs])
+        best = min(best, (t, per_sm), key=lambda b: b[0])
+    return best
 
 
 def fit(points):
@@ -71,6 +105,20 @@ def time_shape(x: torch.Tensor, n: int, on: bool, prefetch=(0,)) -> tuple:
     return best, triton_best, with_prefetch
 
 
+def main_stream():
+    rows = {}
+    for n in NS:
+        for on in (False, True):
+            rows[(n, on)] = t, per_sm = time_stream(n, on)
+            torch.cuda.empty_cache()
+            print(f"stream N {n:>6} PDL {'on ' if on else 'off'}: {t:7.2f} us per kernel "
+                  f"({n * K * 2 / 1e6 / t:4.2f} TB/s) {per_sm} programs per SM", flush=True)
+    for on in (False, True):
+        a, b = fit([(n * K * 2, rows[(n, on)][0]) for n in NS])
+        print(f"stream PDL {'on ' if on else 'off'}: fixed cost per kernel a = {a:.2f} us, "
+              f"streaming rate b = {b:.2f} TB/s")
+
+
 def main(m: int, prefetch=(0,)):
     torch.manual_seed(0)
     x = torch.randn(m, K, dtype=torch.float16, device="cuda")
@@ -94,5 +142,9 @@ def main(m: int, prefetch=(0,)):
 if __name__ == "__main__":
     # --prefetch: also the fastest Triton tile with 0 / 512 / 1024 / 4096 weight elements per row prefetched into L2
     # before the PDL wait
-    args = [a for a in sys.argv[1:] if a != "--prefetch"]
+    # --stream: the same byte sizes read by a plain streaming kernel (no GEMM), for the fixed cost of any launch
+    args = [a for a in sys.argv[1:] if a not in ("--prefetch", "--stream")]
+    if "--stream" in sys.argv:
+        main_stream()
+        sys.exit(0)
     main(int(args[0]) if args else 64, (0, 512, 1024, 4096) if "--prefetch" in sys.argv else (0,))
