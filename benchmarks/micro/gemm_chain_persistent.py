@@ -1,0 +1,214 @@
+"""Can one persistent kernel run a chain of dependent decode GEMMs without paying the launch boundaries? (GPU, sm_90+)
+
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_chain_persistent.py [LAYERS]
+
+gemm_preload.py measured ~3-5 us per 8B-shape GEMM launch in a PDL chain beyond its bytes, all of it the boundary (the
+same GEMMs with no wait between them stream at the copy rate). This Gluon kernel runs x_{l+1} = x_l W_l^T for l < L
+(64 rows, W_l [4096, 4096] fp16, o_proj's shape) in one launch: program c owns output features [c BN, (c+1) BN) of
+every layer and keeps a ring of STAGES weight tiles in shared memory that it refills straight across layer boundaries
+(a weight never depends on the chain), so the weight stream does not stop where a layer ends. The activations go
+through a stacked buffer X [L + 1, 64, K]: a program writes its tile of x_{l+1}, fences, and bumps the ready count of
+the K chunk that tile belongs to (release); a program reads chunk j of x_{l+1} by TMA once that count is complete
+(acquire). Dependencies only point to the previous layer, so there is no cycle; the grid is one program per tile and
+fits on the SMs.
+Timed from a CUDA graph beside the same chain as L separate launches (the fastest production candidate, PDL on).
+"""
+import statistics
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+D = 4096
+ROWS = 64
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    gl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    TILES_PER_CHUNK: gl.constexpr = BK // BN
+    c = gl.program_id(0)
+    n_k = K // BK
+    total = L * n_k
+    w_bytes: gl.constexpr = w_desc.block_type.nbytes
+    x_bytes: gl.constexpr = x_desc.block_type.nbytes
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
+    wbars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    xbars = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(wbars.index(s), count=1)
+    for s in gl.static_range(XSTAGES):
+        mbarrier.init(xbars.index(s), count=1)
+    for s in gl.static_range(STAGES):  # weight tiles 0 .. STAGES-1 of the whole chain
+        mbarrier.expect(wbars.index(s), w_bytes, pred=s < total)
+        tma.async_copy_global_to_shared(w_desc, [(s // n_k) * K + c * BN, (s % n_k) * BK], wbars.index(s),
+                                        w_ring.index(s), pred=s < total)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN, 16])
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_n = c * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+    for layer in range(L):  # step g = layer * n_k + k uses weight slot g % STAGES and x slot g % XSTAGES
+        # the first x tiles of this layer: chunk j of x_layer is ready once the previous layer's tiles in it are
+        for s in gl.static_range(XSTAGES):
+            if layer > 0:
+                ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + s, 0, sem="acquire", scope="gpu")
+                while ready < TILES_PER_CHUNK:
+                    ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + s, 0, sem="acquire", scope="gpu")
+                _fence_proxy_async_global()
+            slot = (layer * n_k + s) % XSTAGES
+            mbarrier.expect(xbars.index(slot), x_bytes, pred=s < n_k)
+            tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, s * BK], xbars.index(slot), x_ring.index(slot),
+                                            pred=s < n_k)
+        for k in range(n_k):
+            g = layer * n_k + k
+            ws = g % STAGES
+            xs = g % XSTAGES
+            mbarrier.wait(wbars.index(ws), (g // STAGES) & 1)
+            mbarrier.wait(xbars.index(xs), (g // XSTAGES) & 1)
+            acc = warpgroup_mma(x_ring.index(xs), w_ring.index(ws).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            gn = g + STAGES
+            if gn < total:  # the weight slot is free: the chain's tile gn, whatever its layer
+                mbarrier.expect(wbars.index(ws), w_bytes)
+                tma.async_copy_global_to_shared(w_desc, [(gn // n_k) * K + c * BN, (gn % n_k) * BK],
+                                                wbars.index(ws), w_ring.index(ws))
+            kn = k + XSTAGES
+            if kn < n_k:  # the x slot is free: chunk kn of this layer's input
+                if layer > 0:
+                    ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
+                    while ready < TILES_PER_CHUNK:
+                        ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
+                    _fence_proxy_async_global()
+                mbarrier.expect(xbars.index(xs), x_bytes)
+                tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, kn * BK], xbars.index(xs),
+                                                x_ring.index(xs))
+        # this program's tile of x_{layer+1}: store, make it visible to the other programs' TMA reads, count it
+        gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
+        _fence_proxy_async_global()
+        gl.thread_barrier()
+        gl.atomic_add(FLAGS + layer * n_k + (c * BN) // BK, 1, sem="release", scope="gpu")
+        acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(wbars.index(s))
+    for s in gl.static_range(XSTAGES):
+        mbarrier.invalidate(xbars.index(s))
+
+
+def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile) -> torch.Tensor:
+    """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
+    [L, K / BK] zeroed here. Returns xs."""
+    bn, bk, stages, xstages = tile
+    layers = xs.shape[0] - 1
+    k = xs.shape[2]
+    # every program must be resident at once (a program waits for tiles of the others): one per SM at most here
+    if k // bn > torch.cuda.get_device_properties(xs.device).multi_processor_count or bk % bn or k // bk < xstages:
+        raise ValueError(f"tile {tile} does not fit the chain's rules")
+    flags.zero_()
+    x2 = xs.view(-1, k)
+    xd = TensorDescriptor.from_tensor(x2, [ROWS, bk], gl.NVMMASharedLayout.get_default_for([ROWS, bk], gl.float16))
+    wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
+    _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4)
+    return xs
+
+
+def graph_us(step, layers: int, reps: int = 5) -> float:
+    from voltllm.worker.cuda_graphs import gc_paused
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with gc_paused(), torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / layers)
+    return statistics.median(times)
+
+
+TILES = ((32, 128, 18, 2), (32, 128, 12, 3), (64, 128, 9, 2), (32, 64, 30, 3))  # (BN, BK, STAGES, XSTAGES)
+
+
+def main(layers: int):
+    from voltllm.kernels import pdl
+    from voltllm.kernels.batch_gemm import CONFIGS, TMA_CONFIGS, batch_gemm
+
+    torch.manual_seed(0)
+    pdl.configure(True)
+    w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
+    ws = w.view(layers, D, D)
+    xs = torch.zeros(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
+    xs[0].normal_()
+    ref = [xs[0].clone()]
+    for layer in range(layers):  # fp32 products, rounded to fp16 per layer, as the kernels do
+        ref.append((ref[-1].float() @ ws[layer].float().t()).half())
+    mb = D * D * 2 / 1e6
+
+    def separate(cfg):
+        def step():
+            for layer in range(layers):
+                if cfg == "cublas":
+                    torch.matmul(xs[layer], ws[layer].t(), out=xs[layer + 1])
+                else:
+                    batch_gemm(xs[layer], ws[layer], config=cfg, out=xs[layer + 1])
+        return step
+
+    def check(what, flags=None, tile=None):
+        err = max(((xs[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item() for i in (1, layers))
+        if not err < 5e-3:
+            raise AssertionError(f"{what}: relative error {err:.2e}")
+        if flags is not None:  # each K chunk's ready count is its number of tiles: one increment per program
+            n_k = D // tile[1]
+            counts = flags.view(-1)[:layers * n_k]
+            if not bool((counts == tile[1] // tile[0]).all()):
+                raise AssertionError(f"{what}: ready counts {counts.unique().tolist()}")
+
+    best = (float("inf"), None)
+    for cfg in ("cublas", *CONFIGS, *TMA_CONFIGS):
+        xs[1:].fill_(float("nan"))
+        separate(cfg)()
+        check(f"separate {cfg}")
+        t = graph_us(separate(cfg), layers)
+        best = min(best, (t, cfg), key=lambda b: b[0])
+    print(f"{layers} layers, 4096x4096, 64 rows: separate launches (PDL) {best[0]:.2f} us per layer "
+          f"({mb / best[0]:.2f} TB/s) {best[1]}", flush=True)
+    flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
+    results = []
+    for tile in TILES:
+        xs[1:].fill_(float("nan"))
+        try:
+            persistent_chain(xs, w, flags, tile)
+            torch.cuda.synchronize()
+        except Exception as e:  # a tile that does not launch (shared memory) is reported and skipped
+            print(f"persistent {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        check(f"persistent {tile}", flags, tile)
+        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile), layers)
+        results.append((t, tile))
+        print(f"persistent {tile} (BN, BK, weight stages, x stages): {t:.2f} us per layer ({mb / t:.2f} TB/s)",
+              flush=True)
+    t, tile = min(results)
+    print(f"summary: {layers} x 4096x4096 at 64 rows: separate {best[0]:.2f} us per layer {best[1]} | persistent "
+          f"{t:.2f} {tile} | {best[0] / t:.3f}x")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if sys.argv[1:] else 36)
