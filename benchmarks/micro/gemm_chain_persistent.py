@@ -33,12 +33,13 @@ def _fence_proxy_async_global():
 
 @gluon.jit
 def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  PER_CHUNK: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     TILES_PER_CHUNK: gl.constexpr = BK // BN
     c = gl.program_id(0)
+    n_programs = gl.num_programs(0)
     n_k = K // BK
     total = L * n_k
     w_bytes: gl.constexpr = w_desc.block_type.nbytes
@@ -61,9 +62,15 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
     offs_n = c * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
     for layer in range(L):  # step g = layer * n_k + k uses weight slot g % STAGES and x slot g % XSTAGES
-        # the first x tiles of this layer: chunk j of x_layer is ready once the previous layer's tiles in it are
+        if PER_CHUNK == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
+            ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
+            while ready < n_programs:
+                ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
+            _fence_proxy_async_global()
+        # the first x tiles of this layer (PER_CHUNK: chunk j of x_layer is ready once the previous layer's tiles in it
+        # are)
         for s in gl.static_range(XSTAGES):
-            if layer > 0:
+            if PER_CHUNK and layer > 0:
                 ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + s, 0, sem="acquire", scope="gpu")
                 while ready < TILES_PER_CHUNK:
                     ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + s, 0, sem="acquire", scope="gpu")
@@ -87,7 +94,7 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
                                                 wbars.index(ws), w_ring.index(ws))
             kn = k + XSTAGES
             if kn < n_k:  # the x slot is free: chunk kn of this layer's input
-                if layer > 0:
+                if PER_CHUNK and layer > 0:
                     ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
                     while ready < TILES_PER_CHUNK:
                         ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
@@ -99,7 +106,10 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
         gl.thread_barrier()
-        gl.atomic_add(FLAGS + layer * n_k + (c * BN) // BK, 1, sem="release", scope="gpu")
+        if PER_CHUNK:
+            gl.atomic_add(FLAGS + layer * n_k + (c * BN) // BK, 1, sem="release", scope="gpu")
+        else:
+            gl.atomic_add(FLAGS + layer, 1, sem="release", scope="gpu")
         acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(wbars.index(s))
@@ -107,7 +117,7 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
         mbarrier.invalidate(xbars.index(s))
 
 
-def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile) -> torch.Tensor:
+def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs."""
     bn, bk, stages, xstages = tile
@@ -120,7 +130,8 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     x2 = xs.view(-1, k)
     xd = TensorDescriptor.from_tensor(x2, [ROWS, bk], gl.NVMMASharedLayout.get_default_for([ROWS, bk], gl.float16))
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
-    _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4)
+    _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
+                                 PER_CHUNK=per_chunk, num_warps=4)
     return xs
 
 
@@ -144,7 +155,7 @@ def graph_us(step, layers: int, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-TILES = ((32, 128, 18, 2), (32, 128, 12, 3), (64, 128, 9, 2), (32, 64, 30, 3))  # (BN, BK, STAGES, XSTAGES)
+TILES = ((32, 128, 18, 2), (32, 128, 12, 3), (32, 128, 18, 4), (64, 128, 9, 2))  # (BN, BK, STAGES, XSTAGES)
 
 
 def main(layers: int):
@@ -175,10 +186,11 @@ def main(layers: int):
         err = max(((xs[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item() for i in (1, layers))
         if not err < 5e-3:
             raise AssertionError(f"{what}: relative error {err:.2e}")
-        if flags is not None:  # each K chunk's ready count is its number of tiles: one increment per program
+        if flags is not None:  # each count has one increment per program that feeds it
+            per_chunk = tile[-1]
             n_k = D // tile[1]
-            counts = flags.view(-1)[:layers * n_k]
-            if not bool((counts == tile[1] // tile[0]).all()):
+            counts = flags.view(-1)[:layers * n_k] if per_chunk else flags.view(-1)[:layers]
+            if not bool((counts == (tile[1] // tile[0] if per_chunk else D // tile[0])).all()):
                 raise AssertionError(f"{what}: ready counts {counts.unique().tolist()}")
 
     best = (float("inf"), None)
@@ -192,18 +204,19 @@ def main(layers: int):
           f"({mb / best[0]:.2f} TB/s) {best[1]}", flush=True)
     flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
     results = []
-    for tile in TILES:
+    for tile in [(*t, per_chunk) for t in TILES for per_chunk in (False, True)]:
         xs[1:].fill_(float("nan"))
         try:
-            persistent_chain(xs, w, flags, tile)
+            persistent_chain(xs, w, flags, tile[:4], tile[4])
             torch.cuda.synchronize()
         except Exception as e:  # a tile that does not launch (shared memory) is reported and skipped
             print(f"persistent {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         check(f"persistent {tile}", flags, tile)
-        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile), layers)
+        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile[:4], tile[4]), layers)
         results.append((t, tile))
-        print(f"persistent {tile} (BN, BK, weight stages, x stages): {t:.2f} us per layer ({mb / t:.2f} TB/s)",
+        print(f"persistent {tile} (BN, BK, weight stages, x stages, per-chunk counts): {t:.2f} us per layer "
+              f"({mb / t:.2f} TB/s)",
               flush=True)
     t, tile = min(results)
     print(f"summary: {layers} x 4096x4096 at 64 rows: separate {best[0]:.2f} us per layer {best[1]} | persistent "
