@@ -32,8 +32,32 @@ def _fence_proxy_async_global():
 
 
 @gluon.jit
+def _refill(w_desc, x_desc, w_ring, x_ring, wbars, xbars, FLAGS, gp, kp, layer, n_k, total, K, n0, BK: gl.constexpr,
+            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, PER_CHUNK: gl.constexpr,
+            TILES_PER_CHUNK: gl.constexpr):
+    """Step gp (chunk kp of this layer) is done: its weight slot takes the chain's tile gp + STAGES, whatever its
+    layer; its x slot takes chunk kp + XSTAGES of this layer's input, if there is one."""
+    gn = gp + STAGES
+    ws = gp % STAGES
+    if gn < total:
+        mbarrier.expect(wbars.index(ws), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [(gn // n_k) * K + n0, (gn % n_k) * BK], wbars.index(ws),
+                                        w_ring.index(ws))
+    kn = kp + XSTAGES
+    if kn < n_k:
+        if PER_CHUNK and layer > 0:
+            ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
+            while ready < TILES_PER_CHUNK:
+                ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
+            _fence_proxy_async_global()
+        xs = gp % XSTAGES
+        mbarrier.expect(xbars.index(xs), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, kn * BK], xbars.index(xs), x_ring.index(xs))
+
+
+@gluon.jit
 def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-                  PER_CHUNK: gl.constexpr, num_warps: gl.constexpr):
+                  PER_CHUNK: gl.constexpr, ASYNC: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -86,22 +110,19 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
             mbarrier.wait(wbars.index(ws), (g // STAGES) & 1)
             mbarrier.wait(xbars.index(xs), (g // XSTAGES) & 1)
             acc = warpgroup_mma(x_ring.index(xs), w_ring.index(ws).permute((1, 0)), acc, is_async=True)
+            if ASYNC:  # keep this step's MMA in flight; the previous step's is done, so its slots are free
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if k > 0:
+                    _refill(w_desc, x_desc, w_ring, x_ring, wbars, xbars, FLAGS, g - 1, k - 1, layer, n_k, total, K,
+                            c * BN, BK, BLOCK_M, STAGES, XSTAGES, PER_CHUNK, TILES_PER_CHUNK)
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                _refill(w_desc, x_desc, w_ring, x_ring, wbars, xbars, FLAGS, g, k, layer, n_k, total, K, c * BN, BK,
+                        BLOCK_M, STAGES, XSTAGES, PER_CHUNK, TILES_PER_CHUNK)
+        if ASYNC:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            gn = g + STAGES
-            if gn < total:  # the weight slot is free: the chain's tile gn, whatever its layer
-                mbarrier.expect(wbars.index(ws), w_bytes)
-                tma.async_copy_global_to_shared(w_desc, [(gn // n_k) * K + c * BN, (gn % n_k) * BK],
-                                                wbars.index(ws), w_ring.index(ws))
-            kn = k + XSTAGES
-            if kn < n_k:  # the x slot is free: chunk kn of this layer's input
-                if PER_CHUNK and layer > 0:
-                    ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
-                    while ready < TILES_PER_CHUNK:
-                        ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
-                    _fence_proxy_async_global()
-                mbarrier.expect(xbars.index(xs), x_bytes)
-                tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, kn * BK], xbars.index(xs),
-                                                x_ring.index(xs))
+            _refill(w_desc, x_desc, w_ring, x_ring, wbars, xbars, FLAGS, layer * n_k + n_k - 1, n_k - 1, layer, n_k,
+                    total, K, c * BN, BK, BLOCK_M, STAGES, XSTAGES, PER_CHUNK, TILES_PER_CHUNK)
         # this program's tile of x_{layer+1}: store, make it visible to the other programs' TMA reads, count it
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
@@ -117,7 +138,8 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
         mbarrier.invalidate(xbars.index(s))
 
 
-def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool) -> torch.Tensor:
+def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
+                     async_mma: bool = True) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs."""
     bn, bk, stages, xstages = tile
@@ -131,7 +153,7 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     xd = TensorDescriptor.from_tensor(x2, [ROWS, bk], gl.NVMMASharedLayout.get_default_for([ROWS, bk], gl.float16))
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
     _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
-                                 PER_CHUNK=per_chunk, num_warps=4)
+                                 PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
     return xs
 
 
@@ -155,7 +177,7 @@ def graph_us(step, layers: int, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-TILES = ((32, 128, 18, 2), (32, 128, 12, 3), (32, 128, 18, 4), (64, 128, 9, 2))  # (BN, BK, STAGES, XSTAGES)
+TILES = ((32, 128, 12, 3), (32, 256, 8, 2), (32, 256, 6, 3), (64, 128, 9, 2))  # (BN, BK, STAGES, XSTAGES)
 
 
 def main(layers: int):
@@ -187,7 +209,7 @@ def main(layers: int):
         if not err < 5e-3:
             raise AssertionError(f"{what}: relative error {err:.2e}")
         if flags is not None:  # each count has one increment per program that feeds it
-            per_chunk = tile[-1]
+            per_chunk = tile[4]
             n_k = D // tile[1]
             counts = flags.view(-1)[:layers * n_k] if per_chunk else flags.view(-1)[:layers]
             if not bool((counts == (tile[1] // tile[0] if per_chunk else D // tile[0])).all()):
@@ -204,18 +226,19 @@ def main(layers: int):
           f"({mb / best[0]:.2f} TB/s) {best[1]}", flush=True)
     flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
     results = []
-    for tile in [(*t, per_chunk) for t in TILES for per_chunk in (False, True)]:
+    # (tile, per-chunk counts, async MMA)
+    for tile in [(*t, False, a) for t in TILES for a in (False, True)] + [(*TILES[0], True, True)]:
         xs[1:].fill_(float("nan"))
         try:
-            persistent_chain(xs, w, flags, tile[:4], tile[4])
+            persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5])
             torch.cuda.synchronize()
         except Exception as e:  # a tile that does not launch (shared memory) is reported and skipped
             print(f"persistent {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         check(f"persistent {tile}", flags, tile)
-        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile[:4], tile[4]), layers)
+        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5]), layers)
         results.append((t, tile))
-        print(f"persistent {tile} (BN, BK, weight stages, x stages, per-chunk counts): {t:.2f} us per layer "
+        print(f"persistent {tile} (BN, BK, weight stages, x stages, per-chunk counts, async MMA): {t:.2f} us per layer "
               f"({mb / t:.2f} TB/s)",
               flush=True)
     t, tile = min(results)
