@@ -96,6 +96,20 @@ def smollm2_gguf() -> str:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf):
+    """transformers' model of the same GGUF (fp32, eval), loaded once: its GGUF dequantization takes ~15 s on the CPU,
+    and two test files compare against it (the loader's weights, greedy tokens). Tests only read it."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("accelerate")  # transformers needs it for GGUF loading
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf),
+                                                dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models: one intra-op thread is fastest, and immune to a busy machine's oversubscription.

@@ -1,6 +1,5 @@
 """GGUF loading: the real SmolLM2 file against transformers' own GGUF loader, and tiny synthetic
 llama / qwen2 / qwen3 files written here against the HF weights they were made from."""
-import os
 
 import numpy as np
 import pytest
@@ -28,12 +27,8 @@ def _assert_config_matches(ours, ref):
     assert ours.rope_parameters["rope_type"] == ref.rope_parameters["rope_type"]
 
 
-def test_smollm2_matches_transformers(smollm2_gguf):
-    pytest.importorskip("accelerate")  # transformers needs it for GGUF loading
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(smollm2_gguf)
-    ref_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+def test_smollm2_matches_transformers(smollm2_gguf, smollm2_transformers):
+    ref_model = smollm2_transformers
     config = gguf_config(smollm2_gguf)
     _assert_config_matches(config, ref_model.config)
     assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,

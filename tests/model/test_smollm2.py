@@ -1,5 +1,4 @@
 """The real SmolLM2-135M-Instruct GGUF: voltllm greedy == transformers greedy on the same file."""
-import os
 
 import pytest
 import torch
@@ -10,13 +9,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
-                                               gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
+def engines(smollm2_gguf, smollm2_transformers):
     llm = LLM(smollm2_gguf, max_model_len=1024, max_num_batched_tokens=64)
-    return ref.eval(), llm
+    return smollm2_transformers, llm
 
 
 def test_greedy_matches_transformers_on_gguf(engines):
