@@ -210,6 +210,10 @@
 #            over 8 workers it takes 107 s)
 #   s110     (session 32) issue #4: benchmarks/micro/l2_side_prefetch.py (at 8f46141 also 8B 64 x 128/128 with the
 #            paged-decode K / V loads evict_first vs no hint, A B A B; carry .whl)
+#   s113     (session 38) issue #4, what a launch boundary costs at 64 rows: micro/gemm_fixed_cost.py (plain, --prefetch,
+#            --stream), micro/gemm_preload.py (Gluon ring: weights before / after the PDL wait, no wait) and
+#            micro/gemm_chain_persistent.py (36 dependent GEMMs in one persistent Gluon kernel; its warp-specialized
+#            variant was only compiled in session 38: this stage is its first run); carry .whl
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1434,6 +1438,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s110)  # (session 32) issue #4: micro/l2_side_prefetch.py; at 8f46141 this stage also ran 8B 64 x 128/128 with the
          # paged-decode K / V loads evict_first vs no hint, A B A B (no difference; the policy was reverted after)
     python3 benchmarks/micro/l2_side_prefetch.py 2>&1 | tail -6 | tee "$out/l2-side-prefetch-$sha.txt"
+    ;;
+  s113)  # (session 38) issue #4: launch boundaries at 64 rows (header comment); the persistent chain first
+    timeout 200 python3 benchmarks/micro/gemm_chain_persistent.py 36 2>&1 | grep -v -i warn \
+      | tee "$out/gemm-chain-persistent-$sha.txt" | tail -12
+    timeout 150 python3 benchmarks/micro/gemm_preload.py 64 2>&1 | grep -v -i warn | tee "$out/gemm-preload-$sha.txt" \
+      | tail -5
+    timeout 100 python3 benchmarks/micro/gemm_fixed_cost.py --stream 2>&1 | grep -v -i warn \
+      | tee "$out/stream-fixed-cost-$sha.txt" | tail -2
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

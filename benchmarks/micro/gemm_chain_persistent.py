@@ -138,8 +138,96 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
         mbarrier.invalidate(xbars.index(s))
 
 
+# ---- the same chain, warp-specialized (session 38: compiled for sm_90 on the CPU, not yet run on a GPU) ------------
+# One warp streams the weight ring (it never waits for activations), one warp fills the x ring (it waits for each
+# layer's ready count), and the four default warps only wait for full slots, multiply and hand slots back: so a layer
+# boundary stops neither the weight stream nor the MMAs of tiles already landed.
+
+
+@gluon.jit
+def _ws_weight_loader(w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK: gl.constexpr, STAGES: gl.constexpr):
+    for g in range(total):
+        s = g % STAGES
+        mbarrier.wait(w_empty.index(s), ((g // STAGES) & 1) ^ 1)  # a fresh barrier counts as released once
+        mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [(g // n_k) * K + n0, (g % n_k) * BK], w_ready.index(s),
+                                        w_ring.index(s))
+
+
+@gluon.jit
+def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M: gl.constexpr,
+                 BK: gl.constexpr, XSTAGES: gl.constexpr):
+    for g in range(total):
+        layer = g // n_k
+        k = g % n_k
+        if k == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
+            ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
+            while ready < n_programs:
+                ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
+            _fence_proxy_async_global()
+        s = g % XSTAGES
+        mbarrier.wait(x_empty.index(s), ((g // XSTAGES) & 1) ^ 1)
+        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, k * BK], x_ready.index(s), x_ring.index(s))
+
+
+@gluon.jit
+def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M: gl.constexpr,
+                BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, num_warps: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN, 16])
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    for layer in range(L):
+        acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+        for k in range(n_k):
+            g = layer * n_k + k
+            ws = g % STAGES
+            xs = g % XSTAGES
+            mbarrier.wait(w_ready.index(ws), (g // STAGES) & 1)
+            mbarrier.wait(x_ready.index(xs), (g // XSTAGES) & 1)
+            acc = warpgroup_mma(x_ring.index(xs), w_ring.index(ws).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(w_empty.index(ws), count=1)
+            mbarrier.arrive(x_empty.index(xs), count=1)
+        gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
+        _fence_proxy_async_global()
+        gl.thread_barrier()
+        gl.atomic_add(FLAGS + layer, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                     num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    n0 = gl.program_id(0) * BN
+    n_programs = gl.num_programs(0)
+    n_k = K // BK
+    total = L * n_k
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=1)
+    for s in gl.static_range(XSTAGES):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(x_empty.index(s), count=1)
+    gl.warp_specialize([
+        (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
+                       XSTAGES, num_warps)),
+        (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES)),
+        (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES)),
+    ], [1, 1], [40, 40])
+
+
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
-                     async_mma: bool = True) -> torch.Tensor:
+                     async_mma: bool = True, warp_specialized: bool = False) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs."""
     bn, bk, stages, xstages = tile
@@ -152,8 +240,11 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     x2 = xs.view(-1, k)
     xd = TensorDescriptor.from_tensor(x2, [ROWS, bk], gl.NVMMASharedLayout.get_default_for([ROWS, bk], gl.float16))
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
-    _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
-                                 PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
+    if warp_specialized:  # one ready count per layer
+        _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4)
+    else:
+        _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
+                                  PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
     return xs
 
 
@@ -227,20 +318,20 @@ def main(layers: int):
     flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
     results = []
     # (tile, per-chunk counts, async MMA)
-    for tile in [(*t, False, False) for t in TILES]:
+    # (tile, per-chunk counts, async MMA, warp-specialized)
+    for tile in [(*t, False, False, ws) for t in TILES for ws in (False, True)]:
         xs[1:].fill_(float("nan"))
         try:
-            persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5])
+            persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5], tile[6])
             torch.cuda.synchronize()
         except Exception as e:  # a tile that does not launch (shared memory) is reported and skipped
             print(f"persistent {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         check(f"persistent {tile}", flags, tile)
-        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5]), layers)
+        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5], tile[6]), layers)
         results.append((t, tile))
-        print(f"persistent {tile} (BN, BK, weight stages, x stages, per-chunk counts, async MMA): {t:.2f} us per layer "
-              f"({mb / t:.2f} TB/s)",
-              flush=True)
+        print(f"persistent {tile} (BN, BK, weight stages, x stages, per-chunk counts, async MMA, warp-specialized): "
+              f"{t:.2f} us per layer ({mb / t:.2f} TB/s)", flush=True)
     t, tile = min(results)
     print(f"summary: {layers} x 4096x4096 at 64 rows: separate {best[0]:.2f} us per layer {best[1]} | persistent "
           f"{t:.2f} {tile} | {best[0] / t:.3f}x")
