@@ -13,7 +13,6 @@ the K chunk that tile belongs to (release); a program reads chunk j of x_{l+1} b
 fits on the SMs.
 Timed from a CUDA graph beside the same chain as L separate launches (the fastest production candidate, PDL on).
 """
-import statistics
 import sys
 
 import torch
@@ -21,6 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from graph_timing import graph_median_us  # (beside this script)
 
 D = 4096
 ROWS = 64
@@ -29,6 +29,26 @@ ROWS = 64
 @gluon.jit
 def _fence_proxy_async_global():
     gl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_count(ptr, need):
+    """Spin until the ready count at ptr reaches need (acquire), then order this program's later TMA reads after the
+    writes it counts (they were plain stores: another proxy)."""
+    ready = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    while ready < need:
+        ready = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    _fence_proxy_async_global()
+
+
+@gluon.jit
+def _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
+    """Step g: wait until its weight and x slots have landed, then start acc += x w^T on them (async)."""
+    ws = g % STAGES
+    xs = g % XSTAGES
+    mbarrier.wait(w_ready.index(ws), (g // STAGES) & 1)
+    mbarrier.wait(x_ready.index(xs), (g // XSTAGES) & 1)
+    return warpgroup_mma(x_ring.index(xs), w_ring.index(ws).permute((1, 0)), acc, is_async=True)
 
 
 @gluon.jit
@@ -46,10 +66,7 @@ def _refill(w_desc, x_desc, w_ring, x_ring, wbars, xbars, FLAGS, gp, kp, layer, 
     kn = kp + XSTAGES
     if kn < n_k:
         if PER_CHUNK and layer > 0:
-            ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
-            while ready < TILES_PER_CHUNK:
-                ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + kn, 0, sem="acquire", scope="gpu")
-            _fence_proxy_async_global()
+            _wait_count(FLAGS + (layer - 1) * n_k + kn, TILES_PER_CHUNK)
         xs = gp % XSTAGES
         mbarrier.expect(xbars.index(xs), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, kn * BK], xbars.index(xs), x_ring.index(xs))
@@ -87,29 +104,19 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
     acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
     for layer in range(L):  # step g = layer * n_k + k uses weight slot g % STAGES and x slot g % XSTAGES
         if PER_CHUNK == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
-            ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
-            while ready < n_programs:
-                ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
-            _fence_proxy_async_global()
+            _wait_count(FLAGS + layer - 1, n_programs)
         # the first x tiles of this layer (PER_CHUNK: chunk j of x_layer is ready once the previous layer's tiles in it
         # are)
         for s in gl.static_range(XSTAGES):
             if PER_CHUNK and layer > 0:
-                ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + s, 0, sem="acquire", scope="gpu")
-                while ready < TILES_PER_CHUNK:
-                    ready = gl.atomic_add(FLAGS + (layer - 1) * n_k + s, 0, sem="acquire", scope="gpu")
-                _fence_proxy_async_global()
+                _wait_count(FLAGS + (layer - 1) * n_k + s, TILES_PER_CHUNK)
             slot = (layer * n_k + s) % XSTAGES
             mbarrier.expect(xbars.index(slot), x_bytes, pred=s < n_k)
             tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, s * BK], xbars.index(slot), x_ring.index(slot),
                                             pred=s < n_k)
         for k in range(n_k):
             g = layer * n_k + k
-            ws = g % STAGES
-            xs = g % XSTAGES
-            mbarrier.wait(wbars.index(ws), (g // STAGES) & 1)
-            mbarrier.wait(xbars.index(xs), (g // XSTAGES) & 1)
-            acc = warpgroup_mma(x_ring.index(xs), w_ring.index(ws).permute((1, 0)), acc, is_async=True)
+            acc = _issue_mma(acc, w_ring, x_ring, wbars, xbars, g, STAGES, XSTAGES)
             if ASYNC:  # keep this step's MMA in flight; the previous step's is done, so its slots are free
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 if k > 0:
@@ -161,10 +168,7 @@ def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs
         layer = g // n_k
         k = g % n_k
         if k == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
-            ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
-            while ready < n_programs:
-                ready = gl.atomic_add(FLAGS + layer - 1, 0, sem="acquire", scope="gpu")
-            _fence_proxy_async_global()
+            _wait_count(FLAGS + layer - 1, n_programs)
         s = g % XSTAGES
         mbarrier.wait(x_empty.index(s), ((g // XSTAGES) & 1) ^ 1)
         mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
@@ -182,14 +186,10 @@ def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L,
         acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
         for k in range(n_k):
             g = layer * n_k + k
-            ws = g % STAGES
-            xs = g % XSTAGES
-            mbarrier.wait(w_ready.index(ws), (g // STAGES) & 1)
-            mbarrier.wait(x_ready.index(xs), (g // XSTAGES) & 1)
-            acc = warpgroup_mma(x_ring.index(xs), w_ring.index(ws).permute((1, 0)), acc, is_async=True)
+            acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(w_empty.index(ws), count=1)
-            mbarrier.arrive(x_empty.index(xs), count=1)
+            mbarrier.arrive(w_empty.index(g % STAGES), count=1)
+            mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
         gl.thread_barrier()
@@ -248,26 +248,6 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     return xs
 
 
-def graph_us(step, layers: int, reps: int = 5) -> float:
-    from voltllm.worker.cuda_graphs import gc_paused
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / layers)
-    return statistics.median(times)
-
-
 TILES = ((32, 256, 6, 3), (32, 256, 4, 4), (32, 256, 5, 4), (32, 128, 8, 6))  # (BN, BK, STAGES, XSTAGES)
 
 
@@ -311,7 +291,7 @@ def main(layers: int):
         xs[1:].fill_(float("nan"))
         separate(cfg)()
         check(f"separate {cfg}")
-        t = graph_us(separate(cfg), layers)
+        t = graph_median_us(separate(cfg), layers)
         best = min(best, (t, cfg), key=lambda b: b[0])
     print(f"{layers} layers, 4096x4096, 64 rows: separate launches (PDL) {best[0]:.2f} us per layer "
           f"({mb / best[0]:.2f} TB/s) {best[1]}", flush=True)
@@ -322,13 +302,13 @@ def main(layers: int):
     for tile in [(*t, False, False, ws) for t in TILES for ws in (False, True)]:
         xs[1:].fill_(float("nan"))
         try:
-            persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5], tile[6])
+            persistent_chain(xs, w, flags, tile[:4], *tile[4:])
             torch.cuda.synchronize()
         except Exception as e:  # a tile that does not launch (shared memory) is reported and skipped
             print(f"persistent {tile}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         check(f"persistent {tile}", flags, tile)
-        t = graph_us(lambda tile=tile: persistent_chain(xs, w, flags, tile[:4], tile[4], tile[5], tile[6]), layers)
+        t = graph_median_us(lambda tile=tile: persistent_chain(xs, w, flags, tile[:4], *tile[4:]), layers)
         results.append((t, tile))
         print(f"persistent {tile} (BN, BK, weight stages, x stages, per-chunk counts, async MMA, warp-specialized): "
               f"{t:.2f} us per layer ({mb / t:.2f} TB/s)", flush=True)

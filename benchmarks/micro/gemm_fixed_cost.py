@@ -18,28 +18,14 @@ import triton.language as tl
 from voltllm.kernels import pdl
 from voltllm.kernels.batch_gemm import CONFIGS, TMA_CONFIGS, batch_gemm
 from voltllm.kernels.pdl import pdl_enter
-from voltllm.worker.cuda_graphs import gc_paused
+from graph_timing import graph_median_us  # (beside this script)
 
 K, CHAIN = 4096, 36
 NS = (1024, 2048, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 
 
-def chain_us(step, reps: int = 5) -> float:
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / CHAIN)
-    return statistics.median(times)
+def chain_us(step) -> float:
+    return graph_median_us(step, CHAIN)
 
 
 @triton.jit

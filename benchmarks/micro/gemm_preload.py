@@ -11,7 +11,6 @@ after the wait, like the Triton kernels. Both are timed in chains of 36 GEMMs wi
 replayed from a CUDA graph with PDL on, beside the fastest production candidate (batch_gemm tiles, cuBLAS); every
 kernel is checked against cuBLAS first.
 """
-import statistics
 import sys
 
 import torch
@@ -20,6 +19,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from graph_timing import graph_median_us  # (beside this script)
 
 CHAIN = 36
 SHAPES = ((4096, 4096), (6144, 4096), (4096, 12288), (12288, 4096), (24576, 4096))  # (N, K): o, qkv, down, -, gate_up
@@ -91,24 +91,8 @@ def preload_gemm(x, w, out, tile, preload: bool, pdl: bool, wait: bool = True):
     return out
 
 
-def chain_us(step, reps: int = 5) -> float:
-    from voltllm.worker.cuda_graphs import gc_paused
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / CHAIN)
-    return statistics.median(times)
+def chain_us(step) -> float:
+    return graph_median_us(step, CHAIN)
 
 
 def time_shape(m: int, n: int, k: int) -> str:
