@@ -133,13 +133,11 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N
 def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_wn, stride_ym,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                           PREFETCH_K: tl.constexpr, GATED: tl.constexpr, ROTATE_K: tl.constexpr = False):
+                           PREFETCH_K: tl.constexpr, GATED: tl.constexpr):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
     as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
-    weight as a pointer, for the L2 prefetch before the PDL wait). ROTATE_K: program p walks its K tiles starting
-    at tile p mod n_k (wrapping), so the programs do not all read the same x tile from the same L2 lines at once
-    (each program's sum order is fixed, so results stay deterministic)."""
+    weight as a pointer, for the L2 prefetch before the PDL wait)."""
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -148,32 +146,20 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_spl
     pdl_enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
-    if ROTATE_K:
-        n_k = tl.cdiv(k_end - k_start, BLOCK_K)
-        for i in range(0, n_k):
-            k0 = k_start + ((i + pid) % n_k) * BLOCK_K
-            acc, acc_u = _tma_k_step(XD, UD, WD, k0, pid * BLOCK_N, N, acc, acc_u, SILU_MUL, GATED)
-    else:
-        for k0 in range(k_start, k_end, BLOCK_K):
-            acc, acc_u = _tma_k_step(XD, UD, WD, k0, pid * BLOCK_N, N, acc, acc_u, SILU_MUL, GATED)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        x = XD.load([0, k0])
+        if SILU_MUL:
+            x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
+        w = WD.load([pid * BLOCK_N, k0])
+        acc = tl.dot(x, w.T, acc)
+        if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
+            acc_u = tl.dot(x, WD.load([N + pid * BLOCK_N, k0]).T, acc_u)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
     _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
                  BLOCK_N, SPLIT_K, HAS_BIAS and not GATED)
-
-
-@triton.jit
-def _tma_k_step(XD, UD, WD, k0, n0, N, acc, acc_u, SILU_MUL: tl.constexpr, GATED: tl.constexpr):
-    """One K tile of the TMA kernel: acc (and the up half's acc_u) += x[:, k0:] w[n0:, k0:]^T."""
-    x = XD.load([0, k0])
-    if SILU_MUL:
-        x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
-    acc = tl.dot(x, WD.load([n0, k0]).T, acc)
-    if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
-        acc_u = tl.dot(x, WD.load([N + n0, k0]).T, acc_u)
-    return acc, acc_u
 
 
 def _specs() -> list[CompileSpec]:
@@ -270,13 +256,12 @@ BATCH_PREFETCH_K = 0
 def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                config: tuple = CONFIGS[0], silu_mul: bool = False,
                out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None,
-               gated: bool = False, rotate_k: bool = False) -> torch.Tensor:
+               gated: bool = False) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
     With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
     silu(x gate^T) * (x up^T), computed in the epilogue in fp32 (bias: [2N]); gated tiles run without split-K.
-    prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K).
-    rotate_k: TMA tiles only, each program starts its K walk at its own tile (see `_batch_gemm_tma_kernel`)."""
+    prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0] // 2 if gated else w.shape[0]
@@ -315,8 +300,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         ud = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if silu_mul else xd
         wd = TensorDescriptor.from_tensor(w, [block_n, block_k])
         _batch_gemm_tma_kernel[(n_tiles, split)](xd, ud, wd, w, b, out, ws, counters, m, n, k,
-                                                 tiles_per_split * block_k, w.stride(0), out.stride(0),
-                                                 ROTATE_K=rotate_k, **meta)
+                                                 tiles_per_split * block_k, w.stride(0), out.stride(0), **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](
             x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
