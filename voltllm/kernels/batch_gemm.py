@@ -21,9 +21,7 @@ and resets the counter to 0 for the next call. One kernel, no separate reduce la
 
 TMA configs (a sixth config field, sm_90+ only): the same product with x and weight tiles moved by the copy engine
 through tensor descriptors (`_batch_gemm_tma_kernel`), which streams the 8B shapes' weights faster than pointer
-loads do; operands TMA cannot address (unaligned strides) run the pointer kernel with the same tile. A seventh
-field > 0 runs the TMA tile on a stream-K grid of that many programs per SM (`batch_gemm_streamk`): whole waves
-whatever the tile count.
+loads do; operands TMA cannot address (unaligned strides) run the pointer kernel with the same tile.
 
 Whether it beats cuBLAS for a shape and row count, and with which tile, is measured at start-up
 (voltllm.worker.skinny_tuning), not assumed: on sm_70/75 tl.dot runs on CUDA cores and cuBLAS wins.
@@ -149,25 +147,19 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_spl
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        acc, acc_u = tma_k_step(XD, UD, WD, k0, pid * BLOCK_N, N, acc, acc_u, SILU_MUL, GATED)
+        x = XD.load([0, k0])
+        if SILU_MUL:
+            x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
+        w = WD.load([pid * BLOCK_N, k0])
+        acc = tl.dot(x, w.T, acc)
+        if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
+            acc_u = tl.dot(x, WD.load([N + pid * BLOCK_N, k0]).T, acc_u)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
     _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
                  BLOCK_N, SPLIT_K, HAS_BIAS and not GATED)
-
-
-@triton.jit
-def tma_k_step(XD, UD, WD, k0, n0, N, acc, acc_u, SILU_MUL: tl.constexpr, GATED: tl.constexpr):
-    """One K tile of a TMA tile: acc (and, gated, the up half's acc_u) += x[:, k0:] w[n0:, k0:]^T."""
-    x = XD.load([0, k0])
-    if SILU_MUL:
-        x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
-    acc = tl.dot(x, WD.load([n0, k0]).T, acc)
-    if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
-        acc_u = tl.dot(x, WD.load([N + n0, k0]).T, acc_u)
-    return acc, acc_u
 
 
 def _specs() -> list[CompileSpec]:
@@ -280,16 +272,13 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
-    streamk = len(tma) > 1 and tma[1]  # programs per SM of a stream-K grid (batch_gemm_streamk), 0: none
-    if streamk and (split != 1 or not tma[0]):
-        raise ValueError(f"batch_gemm: a stream-K config is a TMA tile without split-K, got {config}")
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     block_m = max(16, triton.next_power_of_2(m))
     k_tiles = triton.cdiv(k, block_k)
     tiles_per_split = triton.cdiv(k_tiles, min(split, k_tiles))
     split = triton.cdiv(k_tiles, tiles_per_split)  # no empty slices
     n_tiles = triton.cdiv(n, block_n)
-    if (split > 1 or streamk) and n_tiles > MAX_COUNTERS:
+    if split > 1 and n_tiles > MAX_COUNTERS:
         raise ValueError(f"batch_gemm: {n_tiles} output tiles exceed the {MAX_COUNTERS} split-K counters")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -304,11 +293,6 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
                 SILU_MUL=silu_mul, GATED=gated, num_warps=warps, num_stages=stages,
                 **pdl.gemm_launch_options(BATCH_PREFETCH_K if prefetch_k is None else prefetch_k))
     b = bias if bias is not None else w
-    if streamk and _tma_aligned(x, w, k):
-        from voltllm.kernels.batch_gemm_streamk import streamk_gemm
-
-        return streamk_gemm(x, w, bias, out, _split_counters(x.device), m, n, k, block_m, block_n, block_k, warps,
-                            stages, streamk, silu_mul, gated)
     if tma and tma[0] and _tma_aligned(x, w, k):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
