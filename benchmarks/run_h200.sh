@@ -213,7 +213,7 @@
 #   s113     (session 38) issue #4, what a launch boundary costs at 64 rows: micro/gemm_fixed_cost.py (plain, --prefetch,
 #            --stream), micro/gemm_preload.py (Gluon ring: weights before / after the PDL wait, no wait) and
 #            micro/gemm_chain_persistent.py (36 dependent GEMMs in one persistent Gluon kernel; its warp-specialized
-#            variant was only compiled in session 38: this stage is its first run); carry .whl
+#            variant was only compiled in session 38; session 39 ran it: 1.063x); carry .whl
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
