@@ -1,6 +1,6 @@
 """Can one persistent kernel run a chain of dependent decode GEMMs without paying the launch boundaries? (GPU, sm_90+)
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_chain_persistent.py [LAYERS]
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_chain_persistent.py [--no-wait] [LAYERS]
 
 gemm_preload.py measured ~3-5 us per 8B-shape GEMM launch in a PDL chain beyond its bytes, all of it the boundary (the
 same GEMMs with no wait between them stream at the copy rate). This Gluon kernel runs x_{l+1} = x_l W_l^T for l < L
@@ -12,6 +12,7 @@ the K chunk that tile belongs to (release); a program reads chunk j of x_{l+1} b
 (acquire). Dependencies only point to the previous layer, so there is no cycle; the grid is one program per tile and
 fits on the SMs.
 Timed from a CUDA graph beside the same chain as L separate launches (the fastest production candidate, PDL on).
+With --no-wait: the warp-specialized form with and without its count waits (a bound: layers then read stale x).
 """
 import sys
 
@@ -163,11 +164,11 @@ def _ws_weight_loader(w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK: g
 
 @gluon.jit
 def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M: gl.constexpr,
-                 BK: gl.constexpr, XSTAGES: gl.constexpr):
+                 BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr):
     for g in range(total):
         layer = g // n_k
         k = g % n_k
-        if k == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
+        if WAIT and k == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
             _wait_count(FLAGS + layer - 1, n_programs)
         s = g % XSTAGES
         mbarrier.wait(x_empty.index(s), ((g // XSTAGES) & 1) ^ 1)
@@ -198,7 +199,7 @@ def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L,
 
 @gluon.jit
 def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     num_warps: gl.constexpr, WAIT: gl.constexpr = True):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -222,14 +223,16 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
         (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
                        XSTAGES, num_warps)),
         (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES)),
-        (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES)),
+        (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES,
+                        WAIT)),
     ], [1, 1], [40, 40])
 
 
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
-                     async_mma: bool = True, warp_specialized: bool = False) -> torch.Tensor:
+                     async_mma: bool = True, warp_specialized: bool = False, wait: bool = True) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
-    [L, K / BK] zeroed here. Returns xs."""
+    [L, K / BK] zeroed here. Returns xs. wait=False (warp-specialized only): the x loader does not wait for the
+    layer counts, so layers overlap and read stale x: a bound, not a result."""
     bn, bk, stages, xstages = tile
     layers = xs.shape[0] - 1
     k = xs.shape[2]
@@ -241,7 +244,8 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     xd = TensorDescriptor.from_tensor(x2, [ROWS, bk], gl.NVMMASharedLayout.get_default_for([ROWS, bk], gl.float16))
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
     if warp_specialized:  # one ready count per layer
-        _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4)
+        _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4,
+                                     WAIT=wait)
     else:
         _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
                                   PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
@@ -249,6 +253,19 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
 
 
 TILES = ((32, 256, 6, 3), (32, 256, 4, 4), (32, 256, 5, 4), (32, 128, 8, 6))  # (BN, BK, STAGES, XSTAGES)
+
+
+def main_no_wait(layers: int):
+    """The warp-specialized chain with the count waits left out: what this kernel streams with no dependency."""
+    torch.manual_seed(0)
+    w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
+    xs = torch.randn(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
+    flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
+    for tile in TILES:
+        for wait in (True, False):
+            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, False, True, wait), layers)
+            print(f"persistent WS {tile} waits {'on ' if wait else 'off'}: {t:.2f} us per layer "
+                  f"({D * D * 2 / 1e6 / t:.2f} TB/s)", flush=True)
 
 
 def main(layers: int):
@@ -318,4 +335,6 @@ def main(layers: int):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if sys.argv[1:] else 36)
+    # --no-wait: the warp-specialized chain with and without its count waits (timings only)
+    args = [a for a in sys.argv[1:] if a != "--no-wait"]
+    (main_no_wait if "--no-wait" in sys.argv else main)(int(args[0]) if args else 36)
