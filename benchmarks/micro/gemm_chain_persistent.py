@@ -261,7 +261,7 @@ def main_no_wait(layers: int):
     w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
     xs = torch.randn(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
     flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
-    for tile in TILES:
+    for tile in TILES + ((64, 128, 6, 4), (64, 64, 8, 6)):  # (+ 64-feature programs: half the x reads per weight byte)
         for wait in (True, False):
             t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, False, True, wait), layers)
             print(f"persistent WS {tile} waits {'on ' if wait else 'off'}: {t:.2f} us per layer "
