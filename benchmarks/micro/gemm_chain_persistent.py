@@ -1,6 +1,6 @@
 """Can one persistent kernel run a chain of dependent decode GEMMs without paying the launch boundaries? (GPU, sm_90+)
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_chain_persistent.py [--no-wait] [LAYERS]
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_chain_persistent.py [--no-wait | --pair] [LAYERS]
 
 gemm_preload.py measured ~3-5 us per 8B-shape GEMM launch in a PDL chain beyond its bytes, all of it the boundary (the
 same GEMMs with no wait between them stream at the copy rate). This Gluon kernel runs x_{l+1} = x_l W_l^T for l < L
@@ -13,6 +13,7 @@ the K chunk that tile belongs to (release); a program reads chunk j of x_{l+1} b
 fits on the SMs.
 Timed from a CUDA graph beside the same chain as L separate launches (the fastest production candidate, PDL on).
 With --no-wait: the warp-specialized form with and without its count waits (a bound: layers then read stale x).
+With --pair: two programs per 64-feature tile (one K half each, the partial handed over) against it.
 """
 import sys
 
@@ -153,18 +154,21 @@ def _chain_kernel(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES:
 
 
 @gluon.jit
-def _ws_weight_loader(w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK: gl.constexpr, STAGES: gl.constexpr):
+def _ws_weight_loader(w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK: gl.constexpr, STAGES: gl.constexpr,
+                      k_base):
+    """n_k K tiles per layer from column k_base on (the pair form: one K half)."""
     for g in range(total):
         s = g % STAGES
         mbarrier.wait(w_empty.index(s), ((g // STAGES) & 1) ^ 1)  # a fresh barrier counts as released once
         mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [(g // n_k) * K + n0, (g % n_k) * BK], w_ready.index(s),
+        tma.async_copy_global_to_shared(w_desc, [(g // n_k) * K + n0, k_base + (g % n_k) * BK], w_ready.index(s),
                                         w_ring.index(s))
 
 
 @gluon.jit
 def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M: gl.constexpr,
-                 BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr):
+                 BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr, k_base):
+    """n_programs: the count that completes a layer (the programs that store x tiles)."""
     for g in range(total):
         layer = g // n_k
         k = g % n_k
@@ -173,7 +177,8 @@ def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs
         s = g % XSTAGES
         mbarrier.wait(x_empty.index(s), ((g // XSTAGES) & 1) ^ 1)
         mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, k * BK], x_ready.index(s), x_ring.index(s))
+        tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, k_base + k * BK], x_ready.index(s),
+                                        x_ring.index(s))
 
 
 @gluon.jit
@@ -222,10 +227,124 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
     gl.warp_specialize([
         (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
                        XSTAGES, num_warps)),
-        (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES)),
+        (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, 0)),
         (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES,
-                        WAIT)),
+                        WAIT, 0)),
     ], [1, 1], [40, 40])
+
+
+@gluon.jit
+def _pair_compute(X, FLAGS, PART, PFLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, tile, half,
+                  BLOCK_M: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """One K half of a BN-feature tile per layer: the upper half hands its fp32 partial to the lower half, which adds
+    it (a fixed order), stores the tile of x_{l+1} and counts it. One partial buffer per tile serves every layer:
+    the upper half cannot finish layer l + 1 before x_{l+1} is complete, so its lower half has read layer l's."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN, 16])
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_b = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    part = PART + tile * BLOCK_M * BN + offs_m[:, None] * BN + offs_b[None, :]
+    for layer in range(L):
+        acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+        for k in range(n_k):
+            g = layer * n_k + k
+            acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(w_empty.index(g % STAGES), count=1)
+            mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
+        if half == 1:
+            gl.store(part, acc)
+            gl.thread_barrier()
+            gl.atomic_add(PFLAGS + tile, 1, sem="release", scope="gpu")
+        else:
+            ready = gl.atomic_add(PFLAGS + tile, 0, sem="acquire", scope="gpu")
+            while ready < layer + 1:
+                ready = gl.atomic_add(PFLAGS + tile, 0, sem="acquire", scope="gpu")
+            acc += gl.load(part, cache_modifier=".cg")
+            gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + (n0 + offs_b)[None, :], acc.to(gl.float16))
+            _fence_proxy_async_global()
+            gl.thread_barrier()
+            gl.atomic_add(FLAGS + layer, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _chain_kernel_pair(x_desc, w_desc, X, FLAGS, PART, PFLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """Program p computes K half p % 2 of output tile p // 2: each program reads half of x per layer."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    tile = gl.program_id(0) // 2
+    half = gl.program_id(0) % 2
+    n0 = tile * BN
+    n_k = K // BK // 2
+    k_base = half * (K // 2)
+    total = L * n_k
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=1)
+    for s in gl.static_range(XSTAGES):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(x_empty.index(s), count=1)
+    gl.warp_specialize([
+        (_pair_compute, (X, FLAGS, PART, PFLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0,
+                         tile, half, BLOCK_M, BN, STAGES, XSTAGES, num_warps)),
+        (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, k_base)),
+        (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, K // BN, BLOCK_M, BK, XSTAGES, True,
+                        k_base)),
+    ], [1, 1], [40, 40])
+
+
+def pair_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, part: torch.Tensor, tile) -> torch.Tensor:
+    """The pair form of persistent_chain: 2 K / BN programs; flags int32 [L + K / BN + ...] zeroed here (the first L
+    are the layer counts, the next K / BN the partial counts), part fp32 [K / BN, 64, BN]."""
+    bn, bk, stages, xstages = tile
+    layers, k = xs.shape[0] - 1, xs.shape[2]
+    if 2 * k // bn > torch.cuda.get_device_properties(xs.device).multi_processor_count or (k // 2) % bk:
+        raise ValueError(f"tile {tile} does not fit the pair chain's rules")
+    flags.zero_()
+    fl = flags.view(-1)
+    xd = TensorDescriptor.from_tensor(xs.view(-1, k), [ROWS, bk],
+                                      gl.NVMMASharedLayout.get_default_for([ROWS, bk], gl.float16))
+    wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
+    _chain_kernel_pair[(2 * k // bn,)](xd, wd, xs, fl, part, fl[layers:], layers, k, STAGES=stages, XSTAGES=xstages,
+                                       num_warps=4)
+    return xs
+
+
+def main_pair(layers: int):
+    """The pair form against the warp-specialized form, both checked against the fp32 chain."""
+    torch.manual_seed(0)
+    w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
+    xs = torch.zeros(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
+    xs[0].normal_()
+    ref = [xs[0].clone()]
+    for layer in range(layers):
+        ref.append((ref[-1].float() @ w[layer * D:(layer + 1) * D].float().t()).half())
+    flags = torch.zeros(layers + D, dtype=torch.int32, device="cuda")
+    part = torch.empty(D // 64, ROWS, 64, dtype=torch.float32, device="cuda")
+    for name, tile in [("WS", t) for t in TILES[1:3]] + [("pair", t) for t in
+                                                         ((64, 128, 6, 4), (64, 128, 5, 5), (64, 64, 10, 8))]:
+        run = (lambda tile=tile: pair_chain(xs, w, flags, part, tile)) if name == "pair" else \
+            (lambda tile=tile: persistent_chain(xs, w, flags, tile, False, False, True))
+        xs[1:].fill_(float("nan"))
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"{name} {tile}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        err = max(((xs[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item() for i in (1, layers))
+        t = graph_median_us(run, layers)
+        print(f"{name} {tile}: {t:.2f} us per layer ({D * D * 2 / 1e6 / t:.2f} TB/s), rel. error {err:.1e}"
+              + ("" if err < 5e-3 else " WRONG"), flush=True)
 
 
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
@@ -336,5 +455,7 @@ def main(layers: int):
 
 if __name__ == "__main__":
     # --no-wait: the warp-specialized chain with and without its count waits (timings only)
-    args = [a for a in sys.argv[1:] if a != "--no-wait"]
-    (main_no_wait if "--no-wait" in sys.argv else main)(int(args[0]) if args else 36)
+    # --pair: two programs per 64-feature tile (K halves), against the warp-specialized form
+    args = [a for a in sys.argv[1:] if a not in ("--no-wait", "--pair")]
+    fn = main_no_wait if "--no-wait" in sys.argv else main_pair if "--pair" in sys.argv else main
+    fn(int(args[0]) if args else 36)
