@@ -203,15 +203,11 @@ def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L,
 
 
 @gluon.jit
-def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-                     num_warps: gl.constexpr, WAIT: gl.constexpr = True):
+def _ws_rings(x_desc, w_desc, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
+    """The warp-specialized forms' weight and x rings with their ready / empty barriers (initialised)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    n0 = gl.program_id(0) * BN
-    n_programs = gl.num_programs(0)
-    n_k = K // BK
-    total = L * n_k
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
     w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -224,6 +220,20 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
     for s in gl.static_range(XSTAGES):
         mbarrier.init(x_ready.index(s), count=1)
         mbarrier.init(x_empty.index(s), count=1)
+    return w_ring, x_ring, w_ready, w_empty, x_ready, x_empty
+
+
+@gluon.jit
+def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                     num_warps: gl.constexpr, WAIT: gl.constexpr = True):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    n0 = gl.program_id(0) * BN
+    n_programs = gl.num_programs(0)
+    n_k = K // BK
+    total = L * n_k
+    w_ring, x_ring, w_ready, w_empty, x_ready, x_empty = _ws_rings(x_desc, w_desc, STAGES, XSTAGES)
     gl.warp_specialize([
         (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
                        XSTAGES, num_warps)),
@@ -281,18 +291,7 @@ def _chain_kernel_pair(x_desc, w_desc, X, FLAGS, PART, PFLAGS, L, K, STAGES: gl.
     n_k = K // BK // 2
     k_base = half * (K // 2)
     total = L * n_k
-    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
-    x_ring = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
-    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(w_ready.index(s), count=1)
-        mbarrier.init(w_empty.index(s), count=1)
-    for s in gl.static_range(XSTAGES):
-        mbarrier.init(x_ready.index(s), count=1)
-        mbarrier.init(x_empty.index(s), count=1)
+    w_ring, x_ring, w_ready, w_empty, x_ready, x_empty = _ws_rings(x_desc, w_desc, STAGES, XSTAGES)
     gl.warp_specialize([
         (_pair_compute, (X, FLAGS, PART, PFLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0,
                          tile, half, BLOCK_M, BN, STAGES, XSTAGES, num_warps)),
