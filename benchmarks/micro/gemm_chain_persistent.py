@@ -182,6 +182,20 @@ def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs
 
 
 @gluon.jit
+def _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
+    """A warp-specialized consumer's product for one layer: n_k ring steps, each slot released once multiplied."""
+    acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+    for k in range(n_k):
+        g = layer * n_k + k
+        acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(w_empty.index(g % STAGES), count=1)
+        mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
+    return acc
+
+
+@gluon.jit
 def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M: gl.constexpr,
                 BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, num_warps: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -189,13 +203,8 @@ def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L,
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     for layer in range(L):
-        acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
-        for k in range(n_k):
-            g = layer * n_k + k
-            acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(w_empty.index(g % STAGES), count=1)
-            mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
+        acc = _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M, BN, STAGES,
+                        XSTAGES)
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
         gl.thread_barrier()
@@ -256,13 +265,8 @@ def _pair_compute(X, FLAGS, PART, PFLAGS, w_ring, x_ring, w_ready, w_empty, x_re
     offs_b = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     part = PART + tile * BLOCK_M * BN + offs_m[:, None] * BN + offs_b[None, :]
     for layer in range(L):
-        acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
-        for k in range(n_k):
-            g = layer * n_k + k
-            acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(w_empty.index(g % STAGES), count=1)
-            mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
+        acc = _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M, BN, STAGES,
+                        XSTAGES)
         if half == 1:
             gl.store(part, acc)
             gl.thread_barrier()
