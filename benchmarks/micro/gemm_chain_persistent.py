@@ -183,13 +183,26 @@ def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs
 
 @gluon.jit
 def _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout: gl.constexpr,
-              BLOCK_M: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
-    """A warp-specialized consumer's product for one layer: n_k ring steps, each slot released once multiplied."""
+              BLOCK_M: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+              INFLIGHT: gl.constexpr = False):
+    """A warp-specialized consumer's product for one layer: n_k ring steps, each slot released once multiplied.
+    INFLIGHT: step g's MMA is issued before step g - 1's is waited for (one warpgroup MMA kept in flight)."""
     acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
     for k in range(n_k):
         g = layer * n_k + k
         acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES)
+        if INFLIGHT:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if k > 0:
+                mbarrier.arrive(w_empty.index((g - 1) % STAGES), count=1)
+                mbarrier.arrive(x_empty.index((g - 1) % XSTAGES), count=1)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(w_empty.index(g % STAGES), count=1)
+            mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
+    if INFLIGHT:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        g = layer * n_k + n_k - 1
         mbarrier.arrive(w_empty.index(g % STAGES), count=1)
         mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
     return acc
@@ -197,14 +210,15 @@ def _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, la
 
 @gluon.jit
 def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M: gl.constexpr,
-                BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, num_warps: gl.constexpr):
+                BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, num_warps: gl.constexpr,
+                INFLIGHT: gl.constexpr):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN, 16])
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     for layer in range(L):
         acc = _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M, BN, STAGES,
-                        XSTAGES)
+                        XSTAGES, INFLIGHT)
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
         gl.thread_barrier()
@@ -234,7 +248,7 @@ def _ws_rings(x_desc, w_desc, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
 
 @gluon.jit
 def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-                     num_warps: gl.constexpr, WAIT: gl.constexpr = True):
+                     num_warps: gl.constexpr, WAIT: gl.constexpr = True, INFLIGHT: gl.constexpr = False):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -245,7 +259,7 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
     w_ring, x_ring, w_ready, w_empty, x_ready, x_empty = _ws_rings(x_desc, w_desc, STAGES, XSTAGES)
     gl.warp_specialize([
         (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
-                       XSTAGES, num_warps)),
+                       XSTAGES, num_warps, INFLIGHT)),
         (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, 0)),
         (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES,
                         WAIT, 0)),
@@ -323,7 +337,8 @@ def pair_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, part: tor
 
 
 def main_pair(layers: int):
-    """The pair form against the warp-specialized form, both checked against the fp32 chain."""
+    """The pair form against the warp-specialized form (also with one MMA in flight), all checked against the fp32
+    chain."""
     torch.manual_seed(0)
     w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
     xs = torch.zeros(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
@@ -333,10 +348,10 @@ def main_pair(layers: int):
         ref.append((ref[-1].float() @ w[layer * D:(layer + 1) * D].float().t()).half())
     flags = torch.zeros(layers + D, dtype=torch.int32, device="cuda")
     part = torch.empty(D // 64, ROWS, 64, dtype=torch.float32, device="cuda")
-    for name, tile in [("WS", t) for t in TILES[1:3]] + [("pair", t) for t in
-                                                         ((64, 128, 6, 4), (64, 128, 5, 5), (64, 64, 10, 8))]:
+    for name, tile in ([("WS", t) for t in TILES[1:3]] + [("WS, one MMA in flight", t) for t in TILES]
+                       + [("pair", t) for t in ((64, 128, 6, 4), (64, 128, 5, 5), (64, 64, 10, 8))]):
         run = (lambda tile=tile: pair_chain(xs, w, flags, part, tile)) if name == "pair" else \
-            (lambda tile=tile: persistent_chain(xs, w, flags, tile, False, False, True))
+            (lambda tile=tile, f=name != "WS": persistent_chain(xs, w, flags, tile, False, f, True))
         xs[1:].fill_(float("nan"))
         try:
             run()
@@ -353,7 +368,8 @@ def main_pair(layers: int):
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
                      async_mma: bool = True, warp_specialized: bool = False, wait: bool = True) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
-    [L, K / BK] zeroed here. Returns xs. wait=False (warp-specialized only): the x loader does not wait for the
+    [L, K / BK] zeroed here. Returns xs. async_mma, warp-specialized: one MMA kept in flight. wait=False
+    (warp-specialized only): the x loader does not wait for the
     layer counts, so layers overlap and read stale x: a bound, not a result."""
     bn, bk, stages, xstages = tile
     layers = xs.shape[0] - 1
@@ -367,7 +383,7 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
     if warp_specialized:  # one ready count per layer
         _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4,
-                                     WAIT=wait)
+                                     WAIT=wait, INFLIGHT=async_mma)
     else:
         _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
                                   PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
