@@ -336,9 +336,9 @@ def pair_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, part: tor
     return xs
 
 
-def main_pair(layers: int):
-    """The pair form against the warp-specialized form (also with one MMA in flight), all checked against the fp32
-    chain."""
+def _chain_problem(layers: int):
+    """(w [L * D, D], xs [L + 1, 64, D] with a random input in xs[0], ref): the chain's weights, activations and its
+    fp32 reference (products rounded to fp16 per layer, as the kernels do), seeded."""
     torch.manual_seed(0)
     w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
     xs = torch.zeros(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
@@ -346,6 +346,13 @@ def main_pair(layers: int):
     ref = [xs[0].clone()]
     for layer in range(layers):
         ref.append((ref[-1].float() @ w[layer * D:(layer + 1) * D].float().t()).half())
+    return w, xs, ref
+
+
+def main_pair(layers: int):
+    """The pair form against the warp-specialized form (also with one MMA in flight), all checked against the fp32
+    chain."""
+    w, xs, ref = _chain_problem(layers)
     flags = torch.zeros(layers + D, dtype=torch.int32, device="cuda")
     part = torch.empty(D // 64, ROWS, 64, dtype=torch.float32, device="cuda")
     for name, tile in ([("WS", t) for t in TILES[1:3]] + [("WS, one MMA in flight", t) for t in TILES]
@@ -369,8 +376,8 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
                      async_mma: bool = True, warp_specialized: bool = False, wait: bool = True) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs. async_mma, warp-specialized: one MMA kept in flight. wait=False
-    (warp-specialized only): the x loader does not wait for the
-    layer counts, so layers overlap and read stale x: a bound, not a result."""
+    (warp-specialized only): the x loader does not wait for the layer counts, so layers overlap and read stale x: a
+    bound, not a result."""
     bn, bk, stages, xstages = tile
     layers = xs.shape[0] - 1
     k = xs.shape[2]
@@ -410,15 +417,9 @@ def main(layers: int):
     from voltllm.kernels import pdl
     from voltllm.kernels.batch_gemm import CONFIGS, TMA_CONFIGS, batch_gemm
 
-    torch.manual_seed(0)
     pdl.configure(True)
-    w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
+    w, xs, ref = _chain_problem(layers)
     ws = w.view(layers, D, D)
-    xs = torch.zeros(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
-    xs[0].normal_()
-    ref = [xs[0].clone()]
-    for layer in range(layers):  # fp32 products, rounded to fp16 per layer, as the kernels do
-        ref.append((ref[-1].float() @ ws[layer].float().t()).half())
     mb = D * D * 2 / 1e6
 
     def separate(cfg):
