@@ -214,6 +214,8 @@
 #            --stream), micro/gemm_preload.py (Gluon ring: weights before / after the PDL wait, no wait) and
 #            micro/gemm_chain_persistent.py (36 dependent GEMMs in one persistent Gluon kernel; its warp-specialized
 #            variant was only compiled in session 38; session 39 ran it: 1.063x); carry .whl
+#   s114     (session 40) issue #4: the persistent chain with its x traffic cut after one tile and deeper weight
+#            rings (micro/gemm_chain_persistent.py --x-off), then its main comparison; carry .whl
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1446,6 +1448,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       | tail -5
     timeout 100 python3 benchmarks/micro/gemm_fixed_cost.py --stream 2>&1 | grep -v -i warn \
       | tee "$out/stream-fixed-cost-$sha.txt" | tail -2
+    ;;
+  s114)  # (session 40) issue #4: what limits the persistent chain's streaming: no x traffic, deeper weight rings
+    timeout 200 python3 benchmarks/micro/gemm_chain_persistent.py --x-off 36 2>&1 | grep -v -i warn \
+      | tee "$out/gemm-chain-xoff-$sha.txt" | tail -14
+    timeout 200 python3 benchmarks/micro/gemm_chain_persistent.py 36 2>&1 | grep -v -i warn \
+      | tee "$out/gemm-chain-persistent-$sha.txt" | tail -3
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -1,6 +1,6 @@
 """Can one persistent kernel run a chain of dependent decode GEMMs without paying the launch boundaries? (GPU, sm_90+)
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_chain_persistent.py [--no-wait | --pair] [LAYERS]
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_chain_persistent.py [--no-wait | --pair | --x-off] [LAYERS]
 
 gemm_preload.py measured ~3-5 us per 8B-shape GEMM launch in a PDL chain beyond its bytes, all of it the boundary (the
 same GEMMs with no wait between them stream at the copy rate). This Gluon kernel runs x_{l+1} = x_l W_l^T for l < L
@@ -14,6 +14,7 @@ fits on the SMs.
 Timed from a CUDA graph beside the same chain as L separate launches (the fastest production candidate, PDL on).
 With --no-wait: the warp-specialized form with and without its count waits (a bound: layers then read stale x).
 With --pair: two programs per 64-feature tile (one K half each, the partial handed over) against it.
+With --x-off: the warp-specialized form with no x traffic after one tile, and with deeper weight rings (a bound).
 """
 import sys
 
@@ -44,12 +45,14 @@ def _wait_count(ptr, need):
 
 
 @gluon.jit
-def _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
-    """Step g: wait until its weight and x slots have landed, then start acc += x w^T on them (async)."""
+def _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+               XOFF: gl.constexpr = False):
+    """Step g: wait until its weight and x slots have landed, then start acc += x w^T on them (async).
+    XOFF (a diagnostic): x slot 0 is filled once and multiplied at every step (no x traffic after the first tile)."""
     ws = g % STAGES
-    xs = g % XSTAGES
+    xs = 0 if XOFF else g % XSTAGES
     mbarrier.wait(w_ready.index(ws), (g // STAGES) & 1)
-    mbarrier.wait(x_ready.index(xs), (g // XSTAGES) & 1)
+    mbarrier.wait(x_ready.index(xs), 0 if XOFF else (g // XSTAGES) & 1)
     return warpgroup_mma(x_ring.index(xs), w_ring.index(ws).permute((1, 0)), acc, is_async=True)
 
 
@@ -167,9 +170,9 @@ def _ws_weight_loader(w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK: g
 
 @gluon.jit
 def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M: gl.constexpr,
-                 BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr, k_base):
-    """n_programs: the count that completes a layer (the programs that store x tiles)."""
-    for g in range(total):
+                 BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr, k_base, XOFF: gl.constexpr = False):
+    """n_programs: the count that completes a layer (the programs that store x tiles). XOFF: one tile, then stop."""
+    for g in range(1 if XOFF else total):
         layer = g // n_k
         k = g % n_k
         if WAIT and k == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
@@ -184,13 +187,14 @@ def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs
 @gluon.jit
 def _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout: gl.constexpr,
               BLOCK_M: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-              INFLIGHT: gl.constexpr = False):
+              INFLIGHT: gl.constexpr = False, XOFF: gl.constexpr = False):
     """A warp-specialized consumer's product for one layer: n_k ring steps, each slot released once multiplied.
-    INFLIGHT: step g's MMA is issued before step g - 1's is waited for (one warpgroup MMA kept in flight)."""
+    INFLIGHT: step g's MMA is issued before step g - 1's is waited for (one warpgroup MMA kept in flight).
+    XOFF: see _issue_mma (its x releases then go nowhere: the x loader has stopped)."""
     acc = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
     for k in range(n_k):
         g = layer * n_k + k
-        acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES)
+        acc = _issue_mma(acc, w_ring, x_ring, w_ready, x_ready, g, STAGES, XSTAGES, XOFF)
         if INFLIGHT:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             if k > 0:
@@ -211,14 +215,14 @@ def _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, la
 @gluon.jit
 def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M: gl.constexpr,
                 BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, num_warps: gl.constexpr,
-                INFLIGHT: gl.constexpr):
+                INFLIGHT: gl.constexpr, XOFF: gl.constexpr = False):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN, 16])
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     for layer in range(L):
         acc = _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M, BN, STAGES,
-                        XSTAGES, INFLIGHT)
+                        XSTAGES, INFLIGHT, XOFF)
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
         gl.thread_barrier()
@@ -248,7 +252,8 @@ def _ws_rings(x_desc, w_desc, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
 
 @gluon.jit
 def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-                     num_warps: gl.constexpr, WAIT: gl.constexpr = True, INFLIGHT: gl.constexpr = False):
+                     num_warps: gl.constexpr, WAIT: gl.constexpr = True, INFLIGHT: gl.constexpr = False,
+                     XOFF: gl.constexpr = False):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -259,10 +264,10 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
     w_ring, x_ring, w_ready, w_empty, x_ready, x_empty = _ws_rings(x_desc, w_desc, STAGES, XSTAGES)
     gl.warp_specialize([
         (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
-                       XSTAGES, num_warps, INFLIGHT)),
+                       XSTAGES, num_warps, INFLIGHT, XOFF)),
         (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, 0)),
         (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES,
-                        WAIT, 0)),
+                        WAIT and not XOFF, 0, XOFF)),
     ], [1, 1], [40, 40])
 
 
@@ -373,11 +378,12 @@ def main_pair(layers: int):
 
 
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
-                     async_mma: bool = True, warp_specialized: bool = False, wait: bool = True) -> torch.Tensor:
+                     async_mma: bool = True, warp_specialized: bool = False, wait: bool = True,
+                     x_off: bool = False) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs. async_mma, warp-specialized: one MMA kept in flight. wait=False
     (warp-specialized only): the x loader does not wait for the layer counts, so layers overlap and read stale x: a
-    bound, not a result."""
+    bound, not a result. x_off (warp-specialized only): no x traffic after one tile (see _issue_mma): a bound."""
     bn, bk, stages, xstages = tile
     layers = xs.shape[0] - 1
     k = xs.shape[2]
@@ -390,7 +396,7 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
     if warp_specialized:  # one ready count per layer
         _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4,
-                                     WAIT=wait, INFLIGHT=async_mma)
+                                     WAIT=wait, INFLIGHT=async_mma, XOFF=x_off)
     else:
         _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
                                   PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
@@ -411,6 +417,29 @@ def main_no_wait(layers: int):
             t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, False, True, wait), layers)
             print(f"persistent WS {tile} waits {'on ' if wait else 'off'}: {t:.2f} us per layer "
                   f"({D * D * 2 / 1e6 / t:.2f} TB/s)", flush=True)
+
+
+def main_x_off(layers: int):
+    """What limits the warp-specialized chain's streaming: the same kernel with no x traffic after one tile (the
+    weight ring alone, deeper rings now that the x ring needs one slot) beside it with x (waits off, deeper weight
+    rings with fewer x slots). Timings only (x_off multiplies one x tile throughout)."""
+    torch.manual_seed(0)
+    w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
+    xs = torch.randn(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
+    flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
+    cases = [(t, False) for t in ((32, 256, 6, 3), (32, 256, 8, 2), (32, 128, 12, 4), (32, 128, 16, 2))]
+    cases += [(t, True) for t in ((32, 256, 4, 1), (32, 256, 6, 1), (32, 256, 8, 1), (32, 256, 10, 1),
+                                  (32, 256, 12, 1), (32, 128, 16, 1), (32, 128, 24, 1), (64, 128, 8, 1),
+                                  (64, 128, 12, 1))]
+    for tile, x_off in cases:
+        try:
+            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, False, True, False, x_off),
+                                layers)
+        except Exception as e:  # a ring that does not fit in shared memory
+            print(f"WS {tile} x {'off' if x_off else 'on '}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            continue
+        print(f"WS {tile} (BN, BK, w slots, x slots) waits off, x {'off' if x_off else 'on '}: {t:.2f} us per layer "
+              f"({D * D * 2 / 1e6 / t:.2f} TB/s of weights)", flush=True)
 
 
 def main(layers: int):
@@ -476,6 +505,8 @@ def main(layers: int):
 if __name__ == "__main__":
     # --no-wait: the warp-specialized chain with and without its count waits (timings only)
     # --pair: two programs per 64-feature tile (K halves), against the warp-specialized form
-    args = [a for a in sys.argv[1:] if a not in ("--no-wait", "--pair")]
-    fn = main_no_wait if "--no-wait" in sys.argv else main_pair if "--pair" in sys.argv else main
+    # --x-off: the warp-specialized chain with its x traffic cut after one tile (timings only)
+    modes = {"--no-wait": main_no_wait, "--pair": main_pair, "--x-off": main_x_off}
+    args = [a for a in sys.argv[1:] if a not in modes]
+    fn = next((modes[a] for a in sys.argv[1:] if a in modes), main)
     fn(int(args[0]) if args else 36)
