@@ -303,7 +303,7 @@ def _pair_compute(X, FLAGS, PART, PFLAGS, w_ring, x_ring, w_ready, w_empty, x_re
 
 @gluon.jit
 def _chain_kernel_pair(x_desc, w_desc, X, FLAGS, PART, PFLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       num_warps: gl.constexpr, WAIT: gl.constexpr = True):
     """Program p computes K half p % 2 of output tile p // 2: each program reads half of x per layer."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -319,14 +319,16 @@ def _chain_kernel_pair(x_desc, w_desc, X, FLAGS, PART, PFLAGS, L, K, STAGES: gl.
         (_pair_compute, (X, FLAGS, PART, PFLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0,
                          tile, half, BLOCK_M, BN, STAGES, XSTAGES, num_warps)),
         (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, k_base)),
-        (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, K // BN, BLOCK_M, BK, XSTAGES, True,
+        (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, K // BN, BLOCK_M, BK, XSTAGES, WAIT,
                         k_base)),
     ], [1, 1], [40, 40])
 
 
-def pair_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, part: torch.Tensor, tile) -> torch.Tensor:
+def pair_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, part: torch.Tensor, tile,
+               wait: bool = True) -> torch.Tensor:
     """The pair form of persistent_chain: 2 K / BN programs; flags int32 [L + K / BN + ...] zeroed here (the first L
-    are the layer counts, the next K / BN the partial counts), part fp32 [K / BN, 64, BN]."""
+    are the layer counts, the next K / BN the partial counts), part fp32 [K / BN, 64, BN]. wait=False: the x loader
+    does not wait for the layer counts (a bound, as in persistent_chain; the partial hand-over still waits)."""
     bn, bk, stages, xstages = tile
     layers, k = xs.shape[0] - 1, xs.shape[2]
     if 2 * k // bn > torch.cuda.get_device_properties(xs.device).multi_processor_count or (k // 2) % bk:
@@ -337,7 +339,7 @@ def pair_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, part: tor
                                       gl.NVMMASharedLayout.get_default_for([ROWS, bk], gl.float16))
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
     _chain_kernel_pair[(2 * k // bn,)](xd, wd, xs, fl, part, fl[layers:], layers, k, STAGES=stages, XSTAGES=xstages,
-                                       num_warps=4)
+                                       num_warps=4, WAIT=wait)
     return xs
 
 
@@ -440,6 +442,13 @@ def main_x_off(layers: int):
             continue
         print(f"WS {tile} (BN, BK, w slots, x slots) waits off, x {'off' if x_off else 'on '}: {t:.2f} us per layer "
               f"({D * D * 2 / 1e6 / t:.2f} TB/s of weights)", flush=True)
+    flags = torch.zeros(layers + D, dtype=torch.int32, device="cuda")
+    part = torch.empty(D // 64, ROWS, 64, dtype=torch.float32, device="cuda")
+    for tile in ((64, 128, 6, 4), (64, 128, 8, 2)):  # half of x per program; the hand-over still waits
+        for wait in (True, False):
+            t = graph_median_us(lambda: pair_chain(xs, w, flags, part, tile, wait), layers)
+            print(f"pair {tile} x waits {'on ' if wait else 'off'}: {t:.2f} us per layer "
+                  f"({D * D * 2 / 1e6 / t:.2f} TB/s of weights)", flush=True)
 
 
 def main(layers: int):
