@@ -213,16 +213,67 @@ def _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, la
 
 
 @gluon.jit
+def _release(w_empty, x_empty, g, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
+    mbarrier.arrive(w_empty.index(g % STAGES), count=1)
+    mbarrier.arrive(x_empty.index(g % XSTAGES), count=1)
+
+
+@gluon.jit
+def _ws_layer_two_acc(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                      XOFF: gl.constexpr = False):
+    """_ws_layer with even and odd K steps on two accumulators (n_k even): consecutive warpgroup MMAs do not depend
+    on each other, so one can run while the next is issued; each slot is released once its MMA is done."""
+    acc0 = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+    acc1 = gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+    g0 = layer * n_k
+    acc0 = _issue_mma(acc0, w_ring, x_ring, w_ready, x_ready, g0, STAGES, XSTAGES, XOFF)
+    for k in range(1, n_k - 1, 2):  # acc0 holds step k - 1 in flight as each pair starts
+        acc1 = _issue_mma(acc1, w_ring, x_ring, w_ready, x_ready, g0 + k, STAGES, XSTAGES, XOFF)
+        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))  # step k - 1 is done
+        _release(w_empty, x_empty, g0 + k - 1, STAGES, XSTAGES)
+        acc0 = _issue_mma(acc0, w_ring, x_ring, w_ready, x_ready, g0 + k + 1, STAGES, XSTAGES, XOFF)
+        acc1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc1, ))  # step k is done
+        _release(w_empty, x_empty, g0 + k, STAGES, XSTAGES)
+    acc1 = _issue_mma(acc1, w_ring, x_ring, w_ready, x_ready, g0 + n_k - 1, STAGES, XSTAGES, XOFF)
+    acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+    _release(w_empty, x_empty, g0 + n_k - 2, STAGES, XSTAGES)
+    acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+    _release(w_empty, x_empty, g0 + n_k - 1, STAGES, XSTAGES)
+    return acc0 + acc1
+
+
+@gluon.jit
+def _ws_layer_no_mma(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                     XOFF: gl.constexpr = False):
+    """A diagnostic: the consumer only waits for each step's slots and releases them (no MMA; the result is 0)."""
+    for k in range(n_k):
+        g = layer * n_k + k
+        mbarrier.wait(w_ready.index(g % STAGES), (g // STAGES) & 1)
+        mbarrier.wait(x_ready.index(0 if XOFF else g % XSTAGES), 0 if XOFF else (g // XSTAGES) & 1)
+        _release(w_empty, x_empty, g, STAGES, XSTAGES)
+    return gl.zeros((BLOCK_M, BN), dtype=gl.float32, layout=layout)
+
+
+@gluon.jit
 def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M: gl.constexpr,
                 BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, num_warps: gl.constexpr,
-                INFLIGHT: gl.constexpr, XOFF: gl.constexpr = False):
+                INFLIGHT: gl.constexpr, XOFF: gl.constexpr = False, FORM: gl.constexpr = 0):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN, 16])
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     for layer in range(L):
-        acc = _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M, BN, STAGES,
-                        XSTAGES, INFLIGHT, XOFF)
+        if FORM == 1:
+            acc = _ws_layer_two_acc(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M,
+                                    BN, STAGES, XSTAGES, XOFF)
+        elif FORM == 2:
+            acc = _ws_layer_no_mma(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M,
+                                   BN, STAGES, XSTAGES, XOFF)
+        else:
+            acc = _ws_layer(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, n_k, layout, BLOCK_M, BN,
+                            STAGES, XSTAGES, INFLIGHT, XOFF)
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
         gl.thread_barrier()
@@ -253,7 +304,9 @@ def _ws_rings(x_desc, w_desc, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
 @gluon.jit
 def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
                      num_warps: gl.constexpr, WAIT: gl.constexpr = True, INFLIGHT: gl.constexpr = False,
-                     XOFF: gl.constexpr = False):
+                     XOFF: gl.constexpr = False, FORM: gl.constexpr = 0):
+    """FORM 0: one accumulator (INFLIGHT: one MMA kept in flight), 1: two accumulators (_ws_layer_two_acc), 2: no
+    MMA (_ws_layer_no_mma, a diagnostic)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -264,7 +317,7 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
     w_ring, x_ring, w_ready, w_empty, x_ready, x_empty = _ws_rings(x_desc, w_desc, STAGES, XSTAGES)
     gl.warp_specialize([
         (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
-                       XSTAGES, num_warps, INFLIGHT, XOFF)),
+                       XSTAGES, num_warps, INFLIGHT, XOFF, FORM)),
         (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, 0)),
         (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES,
                         WAIT and not XOFF, 0, XOFF)),
@@ -381,11 +434,12 @@ def main_pair(layers: int):
 
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
                      async_mma: bool = True, warp_specialized: bool = False, wait: bool = True,
-                     x_off: bool = False) -> torch.Tensor:
+                     x_off: bool = False, form: int = 0) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs. async_mma, warp-specialized: one MMA kept in flight. wait=False
     (warp-specialized only): the x loader does not wait for the layer counts, so layers overlap and read stale x: a
-    bound, not a result. x_off (warp-specialized only): no x traffic after one tile (see _issue_mma): a bound."""
+    bound, not a result. x_off (warp-specialized only): no x traffic after one tile (see _issue_mma): a bound.
+    form (warp-specialized only): see _chain_kernel_ws."""
     bn, bk, stages, xstages = tile
     layers = xs.shape[0] - 1
     k = xs.shape[2]
@@ -398,7 +452,7 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
     if warp_specialized:  # one ready count per layer
         _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4,
-                                     WAIT=wait, INFLIGHT=async_mma, XOFF=x_off)
+                                     WAIT=wait, INFLIGHT=async_mma, XOFF=x_off, FORM=form)
     else:
         _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
                                   PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
@@ -422,33 +476,36 @@ def main_no_wait(layers: int):
 
 
 def main_x_off(layers: int):
-    """What limits the warp-specialized chain's streaming: the same kernel with no x traffic after one tile (the
-    weight ring alone, deeper rings now that the x ring needs one slot) beside it with x (waits off, deeper weight
-    rings with fewer x slots). Timings only (x_off multiplies one x tile throughout)."""
-    torch.manual_seed(0)
-    w = torch.randn(layers * D, D, dtype=torch.float16, device="cuda") / D ** 0.5
-    xs = torch.randn(layers + 1, ROWS, D, dtype=torch.float16, device="cuda")
+    """What limits the warp-specialized chain's streaming. x off: no x traffic after one tile (a bound: one x tile is
+    multiplied throughout); consumer forms: one accumulator (MMA waited for at each step, or one kept in flight), two
+    accumulators (even / odd K steps), no MMA (the rings alone). The real chain (x on, waits on) is checked against
+    the fp32 chain in each consumer form."""
+    w, xs, ref = _chain_problem(layers)
     flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
-    cases = [(t, False) for t in ((32, 256, 6, 3), (32, 256, 8, 2), (32, 128, 12, 4), (32, 128, 16, 2))]
-    cases += [(t, True) for t in ((32, 256, 4, 1), (32, 256, 6, 1), (32, 256, 8, 1), (32, 256, 10, 1),
-                                  (32, 256, 12, 1), (32, 128, 16, 1), (32, 128, 24, 1), (64, 128, 8, 1),
-                                  (64, 128, 12, 1))]
-    for tile, x_off in cases:
-        try:
-            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, False, True, False, x_off),
+    forms = {0: "one acc", 1: "two accs", 2: "no MMA"}
+    for tile in ((32, 256, 6, 3), (32, 256, 4, 4)):
+        for form, inflight in ((0, False), (0, True), (1, False)):
+            xs[1:].fill_(float("nan"))
+            persistent_chain(xs, w, flags, tile, False, inflight, True, True, False, form)
+            err = max(((xs[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item() for i in (1, layers))
+            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, inflight, True, True, False, form),
                                 layers)
+            print(f"chain WS {tile} {forms[form]}{', in flight' if inflight else ''}: {t:.2f} us per layer "
+                  f"({D * D * 2 / 1e6 / t:.2f} TB/s), rel. error {err:.1e}" + ("" if err < 5e-3 else " WRONG"),
+                  flush=True)
+    cases = [((32, 256, 6, 3), False, f, i) for f, i in ((0, False), (1, False), (2, False))]
+    cases += [(t, True, f, i) for t in ((32, 256, 6, 1), (32, 256, 10, 1), (64, 128, 8, 1))
+              for f, i in ((0, False), (0, True), (1, False), (2, False))]
+    for tile, x_off, form, inflight in cases:
+        try:
+            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, inflight, True, False, x_off,
+                                                         form), layers)
         except Exception as e:  # a ring that does not fit in shared memory
             print(f"WS {tile} x {'off' if x_off else 'on '}: {type(e).__name__}: {str(e)[:160]}", flush=True)
             continue
-        print(f"WS {tile} (BN, BK, w slots, x slots) waits off, x {'off' if x_off else 'on '}: {t:.2f} us per layer "
-              f"({D * D * 2 / 1e6 / t:.2f} TB/s of weights)", flush=True)
-    flags = torch.zeros(layers + D, dtype=torch.int32, device="cuda")
-    part = torch.empty(D // 64, ROWS, 64, dtype=torch.float32, device="cuda")
-    for tile in ((64, 128, 6, 4), (64, 128, 8, 2)):  # half of x per program; the hand-over still waits
-        for wait in (True, False):
-            t = graph_median_us(lambda: pair_chain(xs, w, flags, part, tile, wait), layers)
-            print(f"pair {tile} x waits {'on ' if wait else 'off'}: {t:.2f} us per layer "
-                  f"({D * D * 2 / 1e6 / t:.2f} TB/s of weights)", flush=True)
+        print(f"WS {tile} (BN, BK, w slots, x slots) waits off, x {'off' if x_off else 'on '}, {forms[form]}"
+              f"{', in flight' if inflight else ''}: {t:.2f} us per layer ({D * D * 2 / 1e6 / t:.2f} TB/s of weights)",
+              flush=True)
 
 
 def main(layers: int):
