@@ -170,8 +170,11 @@ def _ws_weight_loader(w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK: g
 
 @gluon.jit
 def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M: gl.constexpr,
-                 BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr, k_base, XOFF: gl.constexpr = False):
-    """n_programs: the count that completes a layer (the programs that store x tiles). XOFF: one tile, then stop."""
+                 BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr, k_base, XOFF: gl.constexpr = False,
+                 XHOT: gl.constexpr = False):
+    """n_programs: the count that completes a layer (the programs that store x tiles). XOFF: one tile, then stop.
+    XHOT (a diagnostic, with WAIT off): every layer reads x_0, which stays in L2 (x_l written long before would
+    not: the weight stream evicts it, so leaving the waits out alone turns x reads into DRAM reads)."""
     for g in range(1 if XOFF else total):
         layer = g // n_k
         k = g % n_k
@@ -180,7 +183,7 @@ def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs
         s = g % XSTAGES
         mbarrier.wait(x_empty.index(s), ((g // XSTAGES) & 1) ^ 1)
         mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [layer * BLOCK_M, k_base + k * BK], x_ready.index(s),
+        tma.async_copy_global_to_shared(x_desc, [0 if XHOT else layer * BLOCK_M, k_base + k * BK], x_ready.index(s),
                                         x_ring.index(s))
 
 
@@ -304,7 +307,7 @@ def _ws_rings(x_desc, w_desc, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
 @gluon.jit
 def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
                      num_warps: gl.constexpr, WAIT: gl.constexpr = True, INFLIGHT: gl.constexpr = False,
-                     XOFF: gl.constexpr = False, FORM: gl.constexpr = 0):
+                     XOFF: gl.constexpr = False, FORM: gl.constexpr = 0, XHOT: gl.constexpr = False):
     """FORM 0: one accumulator (INFLIGHT: one MMA kept in flight), 1: two accumulators (_ws_layer_two_acc), 2: no
     MMA (_ws_layer_no_mma, a diagnostic)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -320,7 +323,7 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
                        XSTAGES, num_warps, INFLIGHT, XOFF, FORM)),
         (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, 0)),
         (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES,
-                        WAIT and not XOFF, 0, XOFF)),
+                        WAIT and not XOFF and not XHOT, 0, XOFF, XHOT)),
     ], [1, 1], [40, 40])
 
 
@@ -434,12 +437,12 @@ def main_pair(layers: int):
 
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
                      async_mma: bool = True, warp_specialized: bool = False, wait: bool = True,
-                     x_off: bool = False, form: int = 0) -> torch.Tensor:
+                     x_off: bool = False, form: int = 0, x_hot: bool = False) -> torch.Tensor:
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs. async_mma, warp-specialized: one MMA kept in flight. wait=False
     (warp-specialized only): the x loader does not wait for the layer counts, so layers overlap and read stale x: a
     bound, not a result. x_off (warp-specialized only): no x traffic after one tile (see _issue_mma): a bound.
-    form (warp-specialized only): see _chain_kernel_ws."""
+    form (warp-specialized only): see _chain_kernel_ws. x_hot (warp-specialized, no waits): every layer reads x_0."""
     bn, bk, stages, xstages = tile
     layers = xs.shape[0] - 1
     k = xs.shape[2]
@@ -452,7 +455,8 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     wd = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float16))
     if warp_specialized:  # one ready count per layer
         _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4,
-                                     WAIT=wait, INFLIGHT=async_mma, XOFF=x_off, FORM=form)
+                                     WAIT=wait, INFLIGHT=async_mma, XOFF=x_off, FORM=form,
+                                     XHOT=x_hot)
     else:
         _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
                                   PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
@@ -483,27 +487,32 @@ def main_x_off(layers: int):
     w, xs, ref = _chain_problem(layers)
     flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
     forms = {0: "one acc", 1: "two accs", 2: "no MMA"}
-    for tile in ((32, 256, 6, 3), (32, 256, 4, 4)):
-        for form, inflight in ((0, False), (0, True), (1, False)):
+    for tile in ((32, 256, 6, 3), (32, 256, 4, 4), (32, 256, 8, 2), (32, 128, 16, 3), (32, 128, 12, 4)):
+        for form, inflight in ((0, False), (1, False)):
             xs[1:].fill_(float("nan"))
-            persistent_chain(xs, w, flags, tile, False, inflight, True, True, False, form)
+            try:
+                persistent_chain(xs, w, flags, tile, False, inflight, True, True, False, form)
+                torch.cuda.synchronize()
+            except Exception as e:  # a ring that does not fit in shared memory
+                print(f"chain WS {tile}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
             err = max(((xs[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item() for i in (1, layers))
             t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, inflight, True, True, False, form),
                                 layers)
             print(f"chain WS {tile} {forms[form]}{', in flight' if inflight else ''}: {t:.2f} us per layer "
                   f"({D * D * 2 / 1e6 / t:.2f} TB/s), rel. error {err:.1e}" + ("" if err < 5e-3 else " WRONG"),
                   flush=True)
-    cases = [((32, 256, 6, 3), False, f, i) for f, i in ((0, False), (1, False), (2, False))]
-    cases += [(t, True, f, i) for t in ((32, 256, 6, 1), (32, 256, 10, 1), (64, 128, 8, 1))
-              for f, i in ((0, False), (0, True), (1, False), (2, False))]
-    for tile, x_off, form, inflight in cases:
+    # bounds with no dependency: x_0 read at every layer (hot in L2), or no x traffic after one tile
+    cases = [(t, "hot", f, False) for t in ((32, 256, 6, 3), (32, 256, 4, 4), (32, 256, 8, 2)) for f in (0, 1, 2)]
+    cases += [((32, 256, 6, 1), "off", f, i) for f, i in ((0, False), (1, False), (2, False))]
+    for tile, x_mode, form, inflight in cases:
         try:
-            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, inflight, True, False, x_off,
-                                                         form), layers)
+            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, inflight, True, False,
+                                                         x_mode == "off", form, x_mode == "hot"), layers)
         except Exception as e:  # a ring that does not fit in shared memory
-            print(f"WS {tile} x {'off' if x_off else 'on '}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            print(f"WS {tile} x {x_mode}: {type(e).__name__}: {str(e)[:160]}", flush=True)
             continue
-        print(f"WS {tile} (BN, BK, w slots, x slots) waits off, x {'off' if x_off else 'on '}, {forms[form]}"
+        print(f"WS {tile} (BN, BK, w slots, x slots) waits off, x {x_mode}, {forms[form]}"
               f"{', in flight' if inflight else ''}: {t:.2f} us per layer ({D * D * 2 / 1e6 / t:.2f} TB/s of weights)",
               flush=True)
 
