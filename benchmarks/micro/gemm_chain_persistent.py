@@ -171,14 +171,30 @@ def _ws_weight_loader(w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK: g
 @gluon.jit
 def _ws_x_loader(x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M: gl.constexpr,
                  BK: gl.constexpr, XSTAGES: gl.constexpr, WAIT: gl.constexpr, k_base, XOFF: gl.constexpr = False,
-                 XHOT: gl.constexpr = False):
+                 XHOT: gl.constexpr = False, CHUNKED: gl.constexpr = False, BN: gl.constexpr = 32):
     """n_programs: the count that completes a layer (the programs that store x tiles). XOFF: one tile, then stop.
     XHOT (a diagnostic, with WAIT off): every layer reads x_0, which stays in L2 (x_l written long before would
-    not: the weight stream evicts it, so leaving the waits out alone turns x reads into DRAM reads)."""
+    not: the weight stream evicts it, so leaving the waits out alone turns x reads into DRAM reads).
+    CHUNKED: a count per BK-feature chunk of each layer (BK / BN programs store into one); chunk k is read once its
+    count is complete. One poll reads all n_k (<= 32) counts of the layer at once; later chunks found complete in
+    that snapshot need no poll of their own."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    idx = gl.arange(0, 32, layout=lay)
+    snap = gl.zeros([32], gl.int32, lay)
     for g in range(1 if XOFF else total):
         layer = g // n_k
         k = g % n_k
-        if WAIT and k == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
+        if CHUNKED:
+            if WAIT and layer > 0:
+                if k == 0:
+                    snap = gl.zeros([32], gl.int32, lay)
+                have = gl.sum(gl.where(idx == k, snap, 0), axis=0)
+                while have < BK // BN:
+                    snap = gl.atomic_add(FLAGS + (layer - 1) * n_k + idx, gl.zeros([32], gl.int32, lay),
+                                         mask=idx < n_k, sem="acquire", scope="gpu")
+                    _fence_proxy_async_global()
+                    have = gl.sum(gl.where(idx == k, snap, 0), axis=0)
+        elif WAIT and k == 0 and layer > 0:  # x_layer is complete once every program has counted its tile
             _wait_count(FLAGS + layer - 1, n_programs)
         s = g % XSTAGES
         mbarrier.wait(x_empty.index(s), ((g // XSTAGES) & 1) ^ 1)
@@ -262,7 +278,8 @@ def _ws_layer_no_mma(w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, layer, 
 @gluon.jit
 def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M: gl.constexpr,
                 BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, num_warps: gl.constexpr,
-                INFLIGHT: gl.constexpr, XOFF: gl.constexpr = False, FORM: gl.constexpr = 0):
+                INFLIGHT: gl.constexpr, XOFF: gl.constexpr = False, FORM: gl.constexpr = 0,
+                CHUNKED: gl.constexpr = False, BK: gl.constexpr = 256):
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN, 16])
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -280,7 +297,10 @@ def _ws_compute(X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L,
         gl.store(X + (layer + 1) * BLOCK_M * K + offs_m[:, None] * K + offs_n[None, :], acc.to(gl.float16))
         _fence_proxy_async_global()
         gl.thread_barrier()
-        gl.atomic_add(FLAGS + layer, 1, sem="release", scope="gpu")
+        if CHUNKED:
+            gl.atomic_add(FLAGS + layer * n_k + n0 // BK, 1, sem="release", scope="gpu")
+        else:
+            gl.atomic_add(FLAGS + layer, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -307,9 +327,10 @@ def _ws_rings(x_desc, w_desc, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
 @gluon.jit
 def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
                      num_warps: gl.constexpr, WAIT: gl.constexpr = True, INFLIGHT: gl.constexpr = False,
-                     XOFF: gl.constexpr = False, FORM: gl.constexpr = 0, XHOT: gl.constexpr = False):
+                     XOFF: gl.constexpr = False, FORM: gl.constexpr = 0, XHOT: gl.constexpr = False,
+                     CHUNKED: gl.constexpr = False):
     """FORM 0: one accumulator (INFLIGHT: one MMA kept in flight), 1: two accumulators (_ws_layer_two_acc), 2: no
-    MMA (_ws_layer_no_mma, a diagnostic)."""
+    MMA (_ws_layer_no_mma, a diagnostic). CHUNKED: per-chunk ready counts (_ws_x_loader)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -320,10 +341,10 @@ def _chain_kernel_ws(x_desc, w_desc, X, FLAGS, L, K, STAGES: gl.constexpr, XSTAG
     w_ring, x_ring, w_ready, w_empty, x_ready, x_empty = _ws_rings(x_desc, w_desc, STAGES, XSTAGES)
     gl.warp_specialize([
         (_ws_compute, (X, FLAGS, w_ring, x_ring, w_ready, w_empty, x_ready, x_empty, L, n_k, K, n0, BLOCK_M, BN, STAGES,
-                       XSTAGES, num_warps, INFLIGHT, XOFF, FORM)),
+                       XSTAGES, num_warps, INFLIGHT, XOFF, FORM, CHUNKED, BK)),
         (_ws_weight_loader, (w_desc, w_ring, w_ready, w_empty, total, n_k, K, n0, BK, STAGES, 0)),
         (_ws_x_loader, (x_desc, x_ring, x_ready, x_empty, FLAGS, total, n_k, n_programs, BLOCK_M, BK, XSTAGES,
-                        WAIT and not XOFF and not XHOT, 0, XOFF, XHOT)),
+                        WAIT and not XOFF and not XHOT, 0, XOFF, XHOT, CHUNKED, BN)),
     ], [1, 1], [40, 40])
 
 
@@ -438,6 +459,7 @@ def main_pair(layers: int):
 def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, tile, per_chunk: bool,
                      async_mma: bool = True, warp_specialized: bool = False, wait: bool = True,
                      x_off: bool = False, form: int = 0, x_hot: bool = False) -> torch.Tensor:
+    # warp-specialized with per_chunk: one count per BK-feature chunk of each layer (flags [L, K / BK] at least)
     """xs [L + 1, 64, K] (xs[0] the input; the others are written), w [L * N, K] stacked with N == K, flags int32
     [L, K / BK] zeroed here. Returns xs. async_mma, warp-specialized: one MMA kept in flight. wait=False
     (warp-specialized only): the x loader does not wait for the layer counts, so layers overlap and read stale x: a
@@ -447,7 +469,8 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     layers = xs.shape[0] - 1
     k = xs.shape[2]
     # every program must be resident at once (a program waits for tiles of the others): one per SM at most here
-    if k // bn > torch.cuda.get_device_properties(xs.device).multi_processor_count or bk % bn or k // bk < xstages:
+    if (k // bn > torch.cuda.get_device_properties(xs.device).multi_processor_count or bk % bn or k // bk < xstages
+            or (warp_specialized and per_chunk and k // bk > 32)):
         raise ValueError(f"tile {tile} does not fit the chain's rules")
     flags.zero_()
     x2 = xs.view(-1, k)
@@ -456,7 +479,7 @@ def persistent_chain(xs: torch.Tensor, w: torch.Tensor, flags: torch.Tensor, til
     if warp_specialized:  # one ready count per layer
         _chain_kernel_ws[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages, num_warps=4,
                                      WAIT=wait, INFLIGHT=async_mma, XOFF=x_off, FORM=form,
-                                     XHOT=x_hot)
+                                     XHOT=x_hot, CHUNKED=per_chunk)
     else:
         _chain_kernel[(k // bn,)](xd, wd, xs, flags, layers, k, STAGES=stages, XSTAGES=xstages,
                                   PER_CHUNK=per_chunk, ASYNC=async_mma, num_warps=4)
@@ -488,20 +511,24 @@ def main_x_off(layers: int):
     flags = torch.zeros(layers, D // 16, dtype=torch.int32, device="cuda")
     forms = {0: "one acc", 1: "two accs", 2: "no MMA"}
     for tile in ((32, 256, 6, 3), (32, 256, 4, 4), (32, 256, 8, 2), (32, 128, 16, 3), (32, 128, 12, 4)):
-        for form, inflight in ((0, False), (1, False)):
+        for form, chunked in ((0, False), (1, False), (0, True), (1, True)):
+            def run(tile=tile, form=form, chunked=chunked):
+                return persistent_chain(xs, w, flags, tile, chunked, False, True, True, False, form)
             xs[1:].fill_(float("nan"))
             try:
-                persistent_chain(xs, w, flags, tile, False, inflight, True, True, False, form)
+                run()
                 torch.cuda.synchronize()
             except Exception as e:  # a ring that does not fit in shared memory
                 print(f"chain WS {tile}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
             err = max(((xs[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item() for i in (1, layers))
-            t = graph_median_us(lambda: persistent_chain(xs, w, flags, tile, False, inflight, True, True, False, form),
-                                layers)
-            print(f"chain WS {tile} {forms[form]}{', in flight' if inflight else ''}: {t:.2f} us per layer "
-                  f"({D * D * 2 / 1e6 / t:.2f} TB/s), rel. error {err:.1e}" + ("" if err < 5e-3 else " WRONG"),
-                  flush=True)
+            n_k = D // tile[1]
+            counts = flags.view(-1)[:layers * n_k] if chunked else flags.view(-1)[:layers]
+            counts_ok = bool((counts == (tile[1] // tile[0] if chunked else D // tile[0])).all())
+            t = graph_median_us(run, layers)
+            print(f"chain WS {tile} {forms[form]}{', per-chunk counts' if chunked else ''}: {t:.2f} us per layer "
+                  f"({D * D * 2 / 1e6 / t:.2f} TB/s), rel. error {err:.1e}" + ("" if err < 5e-3 else " WRONG")
+                  + ("" if counts_ok else " COUNTS WRONG"), flush=True)
     # bounds with no dependency: x_0 read at every layer (hot in L2), or no x traffic after one tile
     cases = [(t, "hot", f, False) for t in ((32, 256, 6, 3), (32, 256, 4, 4), (32, 256, 8, 2)) for f in (0, 1, 2)]
     cases += [((32, 256, 6, 1), "off", f, i) for f, i in ((0, False), (1, False), (2, False))]
