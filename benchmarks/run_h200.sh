@@ -1450,7 +1450,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       | tee "$out/stream-fixed-cost-$sha.txt" | tail -2
     ;;
   s114)  # (session 40) issue #4: what limits the persistent chain's streaming: no x traffic, deeper weight rings
-    timeout 300 python3 benchmarks/micro/gemm_chain_persistent.py --x-off 36 2>&1 | grep -v -i warn \
+    timeout 420 python3 benchmarks/micro/gemm_chain_persistent.py --x-off 36 2>&1 | grep -v -i warn \
       | tee "$out/gemm-chain-xoff-$sha.txt" | tail -14
     timeout 200 python3 benchmarks/micro/gemm_chain_persistent.py 36 2>&1 | grep -v -i warn \
       | tee "$out/gemm-chain-persistent-$sha.txt" | tail -3
