@@ -6,7 +6,9 @@ GPU: `PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -m gpu tests/gpu --compat 
 Under sm70/sm75, engines asked for bf16 (which that route refuses) and tests marked `native_only` skip.
 Engines on `device="cpu"` (the references of GPU tests) keep their own route.
 
-On a machine with several GPUs, `pytest -m gpu tests/gpu -n <GPUs>` (pytest-xdist) gives each worker one card.
+The CPU suite runs under pytest-xdist (pyproject's addopts: `-n auto --dist loadgroup`; tests/xdist_plan.py: workers,
+threads, which tests share a worker, what starts first). `-n auto` on `pytest -m gpu` gives one worker per GPU where
+there are several, each with its own card (tests/gpu_workers.py), and none on a one-GPU machine (one process).
 """
 import dataclasses
 import functools
@@ -25,8 +27,18 @@ COMPAT_CHOICES = ("none", "sm70", "sm75")
 
 
 from gpu_workers import one_gpu_per_xdist_worker  # noqa: E402
+from xdist_plan import auto_workers, plan, share_cores  # noqa: E402
 
 one_gpu_per_xdist_worker()  # at import: before anything in this worker initialises CUDA
+share_cores()  # at import: before torch is loaded in this worker
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (addopts): see tests/xdist_plan.py. PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return auto_workers(config.getoption("markexpr") or "")
 
 
 def pytest_addoption(parser):
@@ -40,6 +52,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    plan(items, pytest.mark.xdist_group)  # units of work for --dist loadgroup, longest first (tests/xdist_plan.py)
     mode = config.getoption("--compat")
     if mode in (None, "none"):
         return
