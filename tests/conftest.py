@@ -6,7 +6,7 @@ GPU: `PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -m gpu tests/gpu --compat 
 Under sm70/sm75, engines asked for bf16 (which that route refuses) and tests marked `native_only` skip.
 Engines on `device="cpu"` (the references of GPU tests) keep their own route.
 
-The CPU suite runs under pytest-xdist (pyproject's addopts: `-n auto --dist loadgroup`; tests/xdist_plan.py: workers,
+The CPU suite runs under pytest-xdist (pyproject's addopts: `-n auto --dist loadfile`; tests/xdist_plan.py: workers,
 threads, which tests share a worker, what starts first). `-n auto` on `pytest -m gpu` gives one worker per GPU where
 there are several, each with its own card (tests/gpu_workers.py), and none on a one-GPU machine (one process).
 """
@@ -27,7 +27,7 @@ COMPAT_CHOICES = ("none", "sm70", "sm75")
 
 
 from gpu_workers import one_gpu_per_xdist_worker  # noqa: E402
-from xdist_plan import auto_workers, plan, share_cores  # noqa: E402
+from xdist_plan import auto_workers, make_scheduler, plan, share_cores  # noqa: E402
 
 one_gpu_per_xdist_worker()  # at import: before anything in this worker initialises CUDA
 share_cores()  # at import: before torch is loaded in this worker
@@ -41,6 +41,12 @@ def pytest_xdist_auto_num_workers(config):
     return auto_workers(config.getoption("markexpr") or "")
 
 
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Which tests share a worker, in which order (tests/xdist_plan.py)."""
+    return make_scheduler(config, log)
+
+
 def pytest_addoption(parser):
     parser.addoption("--compat", choices=COMPAT_CHOICES, default=None,
                      help="build every engine (voltllm.LLM / EngineArgs) on this route unless a test passes compat "
@@ -52,7 +58,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    plan(items, pytest.mark.xdist_group)  # units of work for --dist loadgroup, longest first (tests/xdist_plan.py)
+    plan(items)  # the CPU tests by unit of work, longest first: the order xdist hands them out in (tests/xdist_plan.py)
     mode = config.getoption("--compat")
     if mode in (None, "none"):
         return

@@ -1,4 +1,4 @@
-"""How the CPU suite runs under pytest-xdist (`-n auto --dist loadgroup`, from pyproject's addopts; tests/conftest.py
+"""How the CPU suite runs under pytest-xdist (`-n auto --dist loadfile`, from pyproject's addopts; tests/conftest.py
 calls these).
 
 - workers: `-n auto` is one worker per usable core, at most MAX_CPU_WORKERS, for the CPU suite. A run that selects
@@ -7,17 +7,28 @@ calls these).
 - threads: the workers split the cores (OMP_NUM_THREADS, set before torch loads, reaches the servers, tensor-parallel
   ranks and interpreter scripts the tests start too): two workers with two torch threads each on two cores spend
   much of their time waiting for each other's threads.
-- scheduling: each test file is one unit of work (its module fixtures are built once), and the files that share an
-  expensive session fixture (a `voltllm serve` of SmolLM2, the tiny server, transformers' SmolLM2) are one unit
-  together. The longest units start first (LONGEST_FIRST), so no worker is left with a long file at the end.
+- scheduling (UnitScheduling): each test file is one unit of work (its module fixtures are built once), and the
+  files that share an expensive session fixture (SHARED_FILES: a `voltllm serve` of SmolLM2, the tiny server,
+  transformers' SmolLM2) are one unit together. The longest units start first (LONGEST_FIRST; plan() orders the
+  collection, which the scheduler keeps), so no worker is left with a long file at the end. A GPU run keeps xdist's
+  per-test `load` unless `--dist` is given on its command line.
+  (xdist's own `loadgroup` does not group under pytest 9.2: it renames item._nodeid, which pytest no longer reads.)
 """
 import os
 from typing import Optional
 
 MAX_CPU_WORKERS = 2  # measured on CI's 2 cores; each worker can hold several GB (the test engines, the gate)
 
-# session fixtures whose users must share a worker (each worker would build its own: a server start, a model load)
-SHARED_SESSION_FIXTURES = ("server", "tiny_server", "smollm2_transformers")
+# the files that use an expensive session fixture, by fixture: one unit each (else every worker that runs one of them
+# builds its own: a server start, a model load). plan() warns about a file that uses one and is not listed.
+SHARED_FILES = {
+    "server": ("tests/server/test_acceleration_endpoint.py", "tests/server/test_cors.py", "tests/server/test_errors.py",
+               "tests/server/test_openai_server.py"),
+    "tiny_server": ("tests/server/test_messages_server.py", "tests/server/test_responses_server.py",
+                    "tests/server/test_structured_outputs_server.py", "tests/server/test_tool_choice_server.py"),
+    "smollm2_transformers": ("tests/model/test_gguf_loader.py", "tests/model/test_smollm2.py"),
+}
+UNIT_OF_FILE = {path: unit for unit, paths in SHARED_FILES.items() for path in paths}
 
 # the slowest units in a 2-worker run (seconds, a fresh clone on CI's 2 cores; rough): started first, longest first
 LONGEST_FIRST = {
@@ -80,28 +91,47 @@ def share_cores(env=os.environ) -> Optional[int]:
     return threads
 
 
-def unit_of(item) -> str:
-    """The unit of work of a test: its file, or the session fixture it shares with other files."""
-    for name in SHARED_SESSION_FIXTURES:
-        if name in item.fixturenames:
-            return name
-    return item.nodeid.split("::", 1)[0]
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test: its file, or the shared fixture its file is listed under (SHARED_FILES)."""
+    path = nodeid.split("::", 1)[0]
+    return UNIT_OF_FILE.get(path, path)
 
 
-def plan(items: list, mark) -> None:
-    """Reorder `items` in place, longest unit first, and mark each test that is not a GPU test with its unit as its
-    xdist_group (`mark(name)` makes the marker). A file some of whose tests use a shared fixture goes whole with
-    that fixture's unit. GPU tests keep their place and their own scheduling."""
-    cpu = [it for it in items if it.get_closest_marker("gpu") is None]
-    unit_of_file: dict[str, str] = {}
-    for it in cpu:
-        path, unit = it.nodeid.split("::", 1)[0], unit_of(it)
-        if unit != path or path not in unit_of_file:
-            unit_of_file[path] = unit
+def plan(items: list) -> None:
+    """Reorder `items` in place: the CPU tests by unit, longest unit first (the others in collection order), then the
+    GPU tests in their order. Warns about a file that uses a SHARED_FILES fixture but is not listed under it."""
+    import warnings
+
     units: dict[str, list] = {}
-    for it in cpu:
-        unit = unit_of_file[it.nodeid.split("::", 1)[0]]
-        units.setdefault(unit, []).append(it)
-        it.add_marker(mark(unit))
-    order = sorted(units, key=lambda u: -LONGEST_FIRST.get(u, 0))  # stable: the others in collection order
+    for it in items:
+        if it.get_closest_marker("gpu") is None:
+            units.setdefault(unit_of(it.nodeid), []).append(it)
+            for name in SHARED_FILES:
+                if name in it.fixturenames and unit_of(it.nodeid) != name:
+                    warnings.warn(f"{it.nodeid} uses the session fixture {name!r}: list its file in "
+                                  f"tests/xdist_plan.py SHARED_FILES, so that it shares that fixture's worker")
+    order = sorted(units, key=lambda u: -LONGEST_FIRST.get(u, 0))  # stable
     items[:] = [it for u in order for it in units[u]] + [it for it in items if it.get_closest_marker("gpu")]
+
+
+def make_scheduler(config, log):
+    """The scheduler of a run under xdist: UnitScheduling for the CPU suite's `loadfile` (addopts); None (xdist's
+    choice) otherwise, but per-test `load` for a GPU run not given `--dist` on its command line."""
+    explicit = any(a == "--dist" or a.startswith("--dist=") for a in config.invocation_params.args)
+    if selects_gpu_tests(config.getoption("markexpr") or ""):
+        if explicit:
+            return None
+        from xdist.scheduler import LoadScheduling
+
+        return LoadScheduling(config, log)
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class UnitScheduling(LoadFileScheduling):
+        """loadfile, with the files of a SHARED_FILES fixture in one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
