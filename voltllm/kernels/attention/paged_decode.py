@@ -269,11 +269,19 @@ def _paged_decode_kernel(
         acc = tl.sum(acc3 * w[:, :, None], axis=1)
         m_i = tl.where(l_i > 0.0, m_i, float("-inf"))  # (an empty slice: no state, as on the per-row route)
     else:
+        # Each tile's block ids are loaded one tile ahead and carried into the next iteration: K / V addresses that
+        # come from a load in the same iteration make Triton's pipeliner keep one K / V buffer whatever num_stages
+        # says (loads then wait for the previous tile's compute); carried ids give it num_stages - 1 buffers.
+        pos = loop_start + n
+        blk_next = tl.load(bt_row + pos // PAGE, mask=pos < read_end, other=0)
         for n0 in range(loop_start, read_end, BLOCK_N):
             pos = n0 + n
             n_mask = pos < read_end
-            k, v = _load_kv_tile(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
-                                 head_off, PAGE, KV_FMT, DT)
+            blk = blk_next
+            blk_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE, mask=pos + BLOCK_N < read_end, other=0)
+            tok_off = blk.to(tl.int64) * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+            k, v = _load_kv_decoded(KV, tok_off[:, None] + d[None, :], n_mask[:, None] & d_mask[None, :],
+                                    stride_c_kv, KV_FMT, DT)
             m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, IEEE)
     if ROPE:  # the newest position, from registers (q is pre-scaled on the FMA route)
         s_new = tl.sum(q.to(tl.float32) * k_new, axis=1)
@@ -389,9 +397,10 @@ def _specs():
 
 
 def _default_block_n(block_d: int, block_g: int, use_dot: bool, lanes: bool = False, many: bool = False) -> int:
-    """many: the launch has enough programs to fill the SMs several times over (LANES_HALF_TILE_PER_SM)."""
+    """many: the launch has enough programs to fill the SMs several times over (LANES_HALF_TILE_PER_SM on the FMA
+    per-lane route, DOT_SMALL_TILE_PER_SM on the tl.dot route)."""
     if use_dot:
-        return 64 if block_d <= 128 else 32
+        return 32 if many or block_d > 128 else 64
     # keep the [BLOCK_G, BLOCK_N, BLOCK_D] fp32 product (FMA-lanes: the accumulator) near 8K values
     block_n = max(4 if lanes else 8, min(64, 8192 // (block_g * block_d)))
     if lanes and many:
@@ -418,11 +427,13 @@ FMA_LANES_DEFAULT = True
 # 96.4 vs 75.7.
 LANES_HALF_TILE_PER_SM = 2.75
 MIN_TOKENS_PER_SPLIT = 256
-# tl.dot route: 2 warps per program once the sequences x kv heads alone give this many programs. H200, 32 q / 8 kv
-# heads, d128 (benchmarks/results/attn-decode-sweep-short-5e51f13.txt, -long-d67425b.txt): 64 x 128-256 tokens
-# 18.3-18.4 us with 2 warps vs 19.1 with 4; 16 x 128-256 (3-4 splits) 9.3-9.4 vs 10.5; 64 x ~1K 67.5 vs 68.1; but
-# 4 x 2-4K (9 splits) 27.0 vs 24.7 and 1 x 8K 18.9 with 4 or 8.
-TWO_WARP_PROGRAMS = 128
+# tl.dot route: once sequences x kv heads x splits give at least this many programs per SM, BLOCK_N 32 and 2 warps
+# (the pipelined K / V buffers of BLOCK_N 64 would leave too few programs resident), else BLOCK_N 64 (32 at d256)
+# and 4 warps. H200, 32 q / 8 kv heads, d128, this kernel against the one before its block ids were carried
+# (benchmarks/results/session40/attn-decode-ab-*.txt): 64 x 128-256 tokens 18.0 us (32, 2 warps) vs 18.2 before;
+# 64 x ~1K 66.5 vs 67.0; 16 x 128-256 8.0 (64, 4 warps) vs 10.1; 4 x 2-4K (9 splits) 20.1 vs 23.0; 1 x 8K (33 splits)
+# 16.5 vs 18.6. BLOCK_N 64 with 2 warps at 64 x 128-256 now takes 23.0 (two waves).
+DOT_SMALL_TILE_PER_SM = 3
 # With PDL, each program may prefetch the K/V lines of its first this-many positions into L2 before waiting for
 # RoPE (which writes q and the newest K/V). Off: measured on the H200 (benchmarks/results/attn-prefetch-chain-90fd74c.txt,
 # 36 RMSNorm -> decode pairs in a graph), 64 sequences at 128-256 tokens take 19.0 us per layer without, 19.1 / 19.9 /
@@ -512,7 +523,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     rope (voltllm.attention.backend.DecodeRope) with slot_mapping: q and rope.k are this step's rows before
     QK-norm and RoPE; the kernel rotates them and stores the newest K / V at slot_mapping (-1: not stored), so no
     RoPE or KV-write launch precedes it. Rotary over the whole head (head_dim a power of two).
-    num_sms: the device's SM count, for the FMA per-lane route's default tile (0: the tile for few programs).
+    num_sms: the device's SM count, for the default tile and warps (0: those for few programs).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     num_seqs = seq_lens.shape[0]
@@ -527,11 +538,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    programs = num_seqs * num_kv_heads * num_splits
+    many = num_sms > 0 and programs >= (DOT_SMALL_TILE_PER_SM if use_dot else LANES_HALF_TILE_PER_SM) * num_sms
     if block_n is None:
-        many = num_sms > 0 and num_seqs * num_kv_heads * num_splits >= LANES_HALF_TILE_PER_SM * num_sms
         block_n = _default_block_n(block_d, block_g, use_dot, fma_lanes, many)
     if num_warps is None:
-        num_warps = 2 if use_dot and num_seqs * num_kv_heads >= TWO_WARP_PROGRAMS else 4
+        num_warps = 2 if use_dot and many else 4
     split = num_splits > 1
     if split:
         need_o, need_l = decode_scratch_numel(num_seqs, num_heads, num_splits, head_dim)
