@@ -4,7 +4,8 @@
 
 For three head layouts (qwen3-8b: 32 q / 8 kv heads, d128; SmolLM2: 9 / 3, d64; Qwen2.5-0.5B: 14 / 2, d64) and a few
 decode batches, times paged_decode from CUDA-graph replays over four rotated caches: the tl.dot route, the FMA per-row
-route and the FMA per-lane route at several (BLOCK_N, warps); then the same for an fp8 e4m3 cache (uint8 codes, the
+route and the FMA per-lane route at several (BLOCK_N, warps), the default tile also with its next-tile register
+prefetch (session 40); then the same for an fp8 e4m3 cache (uint8 codes, the
 software decode) at the 8B heads. Prints microseconds, the KV read rate and the relative error against the tl.dot
 route's output (fp32 accumulation on both).
 """
@@ -59,7 +60,8 @@ for shape, kv in RUNS:
         out = torch.empty_like(q)
         variants = [("dot", dict(use_dot=True))] + ([("dot hw-e4m3", dict(use_dot=True, kv_fmt=2))] if fmt else [])
         variants += [("fma rows", dict(use_dot=False)),
-                    ("fma lanes default", dict(use_dot=False, fma_lanes=True))]
+                    ("fma lanes default", dict(use_dot=False, fma_lanes=True)),
+                    ("fma lanes default, next tile", dict(use_dot=False, fma_lanes=True, next_tile=True))]
         variants += [(f"fma lanes n{bn} w{w}", dict(use_dot=False, fma_lanes=True, block_n=bn, num_warps=w))
                      for bn, w in LANE_TILES]
         ref = None

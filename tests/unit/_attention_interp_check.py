@@ -290,6 +290,13 @@ def _checks():
     yield "decode_f16_d128_mha_split16_lanes_empty_parts", lambda: run_kernel_case(
         make_case([(200, 1), (33, 1), (1, 1)], 2, 2, 128, 16, f16, seed=16), "decode", num_splits=16,
         use_dot=False, fma_lanes=True), f16
+    # the per-lane route's next-tile register prefetch: slices of 0-3 tiles, odd lengths, block boundaries
+    yield "decode_f32_d64_gqa4_split3_lanes_next_tile", lambda: run_kernel_case(
+        make_case([(95, 1), (32, 1), (33, 1), (1, 1), (17, 1)], 8, 2, 64, 16, f32, seed=20), "decode",
+        num_splits=3, use_dot=False, fma_lanes=True, block_n=8, next_tile=True), f32
+    yield "decode_f16_d128_gqa4_nosplit_lanes_next_tile", lambda: run_kernel_case(
+        make_case([(200, 1), (47, 1), (16, 1)], 8, 2, 128, 16, f16, seed=21), "decode", num_splits=1,
+        use_dot=False, fma_lanes=True, next_tile=True), f16
     # QK-norm + RoPE + KV store inside the decode kernel (graph padding: a seq_len-0 sequence, slot -1)
     yield "decode_rope_norm_f32_d64_gqa4_split5_dot", lambda: run_rope_decode_case(
         make_case(decode + [(0, 1)], 8, 2, 64, 16, f32, seed=18), True, 18, num_splits=5, use_dot=True,

@@ -245,6 +245,9 @@ def _checks():
     yield "decode_e5m2_f16_lanes_split16", lambda: run_fp8_case(
         make_fp8_case([(200, 1), (33, 1), (1, 1)], 2, 2, 128, 16, f16, fmt="e5m2", seed=5), kind="decode",
         num_splits=16, use_dot=False, fma_lanes=True)
+    yield "decode_e4m3_f16_lanes_next_tile_split2", lambda: run_fp8_case(
+        make_fp8_case([(200, 1), (33, 1), (1, 1)], 8, 2, 128, 16, f16, seed=7), kind="decode", num_splits=2,
+        use_dot=False, fma_lanes=True, next_tile=True)
     yield "decode_e4m3_f32_d80_gqa3_fma", lambda: run_fp8_case(
         make_fp8_case([(50, 1), (19, 1)], 6, 2, 80, 8, f32, seed=6), kind="decode", num_splits=2, use_dot=False,
         block_n=16)

@@ -22,7 +22,8 @@ from voltllm.config import ConfigError, EngineArgs
 HELPER = Path(__file__).with_name("_fp8_kv_interp_check.py")
 INTERP_CHECKS = [
     "decode_e4m3_f32_dot_split5", "decode_e4m3_f16_dot_split4_d128", "decode_e4m3_f16_fma_nosplit",
-    "decode_e5m2_f32_fma_split3", "decode_e5m2_f16_lanes_split16", "decode_e4m3_f32_d80_gqa3_fma",
+    "decode_e5m2_f32_fma_split3", "decode_e5m2_f16_lanes_split16", "decode_e4m3_f16_lanes_next_tile_split2",
+    "decode_e4m3_f32_d80_gqa3_fma",
     "decode_rope_norm_e4m3_f32_dot_split3", "decode_rope_e5m2_f32_d128_fma",
     "prefill_e4m3_f32_mixed", "prefill_e5m2_f16_mha_prefix",
     "backend_native_decode_e4m3_padded", "backend_native_prefill_e4m3_f16",

@@ -36,6 +36,15 @@ def _kv_token_offsets(bt_row, pos, n_mask, stride_c_blk, stride_c_slot, head_off
 
 
 @triton.jit
+def _decode_codes(k, v, KV_FMT: tl.constexpr, DT: tl.constexpr):
+    """K / V as loaded (fp8 codes when KV_FMT >= 0) in DT (_load_kv_decoded)."""
+    if KV_FMT >= 0:
+        k = fp8_to_fp16(k, KV_FMT).to(DT)
+        v = fp8_to_fp16(v, KV_FMT).to(DT)
+    return k, v
+
+
+@triton.jit
 def _load_kv_decoded(KV, offs, kv_mask, stride_c_kv, KV_FMT: tl.constexpr, DT: tl.constexpr):
     """K and V at offsets `offs` (masked elements read as 0), fp8 codes decoded to DT.
 
@@ -45,10 +54,7 @@ def _load_kv_decoded(KV, offs, kv_mask, stride_c_kv, KV_FMT: tl.constexpr, DT: t
     v_scale into the output), so the inner products use the exact decoded codes."""
     k = tl.load(KV + offs, mask=kv_mask, other=0)
     v = tl.load(KV + stride_c_kv + offs, mask=kv_mask, other=0)
-    if KV_FMT >= 0:
-        k = fp8_to_fp16(k, KV_FMT).to(DT)
-        v = fp8_to_fp16(v, KV_FMT).to(DT)
-    return k, v
+    return _decode_codes(k, v, KV_FMT, DT)
 
 
 @triton.jit
@@ -153,7 +159,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_N: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+    PREFETCH_N: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, NEXT_TILE: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -250,11 +256,31 @@ def _paged_decode_kernel(
         l3 = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
         acc3 = tl.zeros([BLOCK_G, BLOCK_N, BLOCK_D], tl.float32)
         q3 = q[:, None, :]
+        if NEXT_TILE:  # the first tile's codes, the second tile's block ids
+            pos = start + n
+            off3 = _kv_token_offsets(bt_row, pos, pos < read_end, stride_c_blk, stride_c_slot, head_off, PAGE)
+            kv_mask3 = (pos < read_end)[None, :, None] & d_mask[None, None, :]
+            k_raw = tl.load(KV + off3[None, :, None] + d[None, None, :], mask=kv_mask3, other=0)
+            v_raw = tl.load(KV + stride_c_kv + off3[None, :, None] + d[None, None, :], mask=kv_mask3, other=0)
+            blk_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE, mask=pos + BLOCK_N < read_end, other=0)
         for n0 in range(start, read_end, BLOCK_N):
             pos = n0 + n
             n_mask = pos < read_end
-            k, v = _load_kv_tile3(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
-                                  head_off, PAGE, KV_FMT, DT)
+            if NEXT_TILE:
+                # a register prefetch (no cp.async below sm_80, and Triton pipelines no load without a dot): the
+                # next tile's codes are requested before this tile is computed, from block ids loaded an iteration
+                # earlier, and the ids of the tile after it go out with them
+                pos_n = pos + BLOCK_N
+                mask_n3 = (pos_n < read_end)[None, :, None] & d_mask[None, None, :]
+                off_n = (blk_next.to(tl.int64) * stride_c_blk + (pos_n % PAGE) * stride_c_slot + head_off)
+                k_next = tl.load(KV + off_n[None, :, None] + d[None, None, :], mask=mask_n3, other=0)
+                v_next = tl.load(KV + stride_c_kv + off_n[None, :, None] + d[None, None, :], mask=mask_n3, other=0)
+                blk_next = tl.load(bt_row + (pos_n + BLOCK_N) // PAGE, mask=pos_n + BLOCK_N < read_end, other=0)
+                k, v = _decode_codes(k_raw, v_raw, KV_FMT, DT)
+                k_raw, v_raw = k_next, v_next
+            else:
+                k, v = _load_kv_tile3(KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
+                                      head_off, PAGE, KV_FMT, DT)
             s = tl.sum(q3 * k.to(tl.float32), axis=2)
             s = tl.where(n_mask[None, :], s, NEG)
             m_new = tl.maximum(m3, s)
@@ -371,23 +397,26 @@ def _specs():
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
                        "KV_FMT": "constexpr", "PDL": "constexpr", "PREFETCH_N": "constexpr",
-                       "ROPE": "constexpr", "NORM": "constexpr"}
+                       "ROPE": "constexpr", "NORM": "constexpr", "NEXT_TILE": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
                     # the fused QK-norm + RoPE + KV-store prologue at d128 (without the norm at d64); the per-lane
                     # route's smaller tile for many programs (LANES_HALF_TILE_PER_SM) at d128
-                    fused = ((True, d == 128, False),) if d in (64, 128) else ()
-                    small = ((False, False, True),) if lanes and d == 128 else ()
-                    for rope, norm, half in ((False, False, False),) + fused + small:
+                    fused = ((True, d == 128, False, False),) if d in (64, 128) else ()
+                    small = ((False, False, True, False),) if lanes and d == 128 else ()
+                    # the per-lane route's next-tile register prefetch (next_tile=) at d128
+                    ahead = ((False, False, False, True),) if lanes and d == 128 and kv_fmt <= 0 else ()
+                    for rope, norm, half, next_tile in ((False, False, False, False),) + fused + small + ahead:
                         block_n = _default_block_n(d, block_g, use_dot, lanes, many=half)
                         decode.append(CompileSpec(signature=sig, constexprs={
                             "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_N": block_n,
                             "PAGE": 16, "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False,
-                            "KV_FMT": kv_fmt, "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm},
+                            "KV_FMT": kv_fmt, "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm,
+                            "NEXT_TILE": next_tile},
                             label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
                             + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")
-                            + (f" block_n {block_n}" if half else "")))
+                            + (f" block_n {block_n}" if half else "") + (" next-tile" if next_tile else "")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
@@ -507,7 +536,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
                  prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None,
-                 num_sms: int = 0) -> torch.Tensor:
+                 num_sms: int = 0, next_tile: bool = False) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -524,8 +553,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     QK-norm and RoPE; the kernel rotates them and stores the newest K / V at slot_mapping (-1: not stored), so no
     RoPE or KV-write launch precedes it. Rotary over the whole head (head_dim a power of two).
     num_sms: the device's SM count, for the default tile and warps (0: those for few programs).
+    next_tile (FMA per-lane route only; built in session 40, not yet timed, so off): request each tile's K / V before
+    computing the previous one (a register prefetch; the route runs where Triton has no cp.async pipelining).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
+    assert fma_lanes or not next_tile, "next_tile is an option of the FMA per-lane route (fma_lanes=True)"
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -568,7 +600,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
         PREFETCH_N=triton.cdiv(prefetch, block_n) * block_n, ROPE=rope is not None,
-        NORM=rope is not None and rope.q_norm is not None,
+        NORM=rope is not None and rope.q_norm is not None, NEXT_TILE=next_tile,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch,
     )
     if split:
