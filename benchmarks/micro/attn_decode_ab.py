@@ -13,9 +13,10 @@ import sys
 
 import torch
 from graph_timing import graph_us
+from paged_decode_case import PAGE, paged_decode_case
 new_mod = importlib.import_module("voltllm.kernels.attention.paged_decode")  # (the package exports the function)
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
 
 
 def load_old(path):
@@ -30,22 +31,6 @@ def load_old(path):
     finally:
         registry.register_kernel = register
     return mod
-
-
-def case(bs, lo, hi):
-    lens = torch.randint(lo, hi + 1, (bs,))
-    nblk = int(sum((n + PAGE - 1) // PAGE for n in lens.tolist())) + 1
-    caches = [torch.randn(2, nblk, PAGE, HKV, D, dtype=torch.float16, device="cuda") for _ in range(4)]
-    perm = torch.randperm(nblk - 1) + 1
-    width = int(max((n + PAGE - 1) // PAGE for n in lens.tolist()))
-    bt = torch.zeros(bs, width, dtype=torch.int32)
-    i = 0
-    for r, n in enumerate(lens.tolist()):
-        pages = (n + PAGE - 1) // PAGE
-        bt[r, :pages] = perm[i:i + pages]
-        i += pages
-    q = torch.randn(bs, HQ, D, dtype=torch.float16, device="cuda")
-    return q, caches, bt.cuda(), lens.to(torch.int32).cuda(), torch.arange(bs + 1, dtype=torch.int32, device="cuda")
 
 
 def reference(q, cache, bt, lens, scale):
@@ -68,7 +53,7 @@ def main(old_path, defaults_only=False):
                                       (32, 4, 3)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bs, lo, hi in ((64, 128, 256), (16, 128, 256), (64, 900, 1100), (4, 2000, 4000), (1, 8000, 8200)):
-        q, caches, bt, sl, qsl = case(bs, lo, hi)
+        q, caches, bt, sl, qsl, _ = paged_decode_case(bs, lo, hi, HQ, HKV, D)
         kv_bytes = int(sl.sum()) * HKV * D * 2 * 2
         ref = reference(q, caches[0], bt, sl, scale)
         splits = new_mod.choose_num_splits(bs, HKV, hi, sms)

@@ -13,10 +13,10 @@ import sys
 
 import torch
 from graph_timing import graph_us
+from paged_decode_case import paged_decode_case
 from voltllm.kernels.attention.paged_decode import choose_num_splits, decode_scratch_numel, paged_decode
 
 torch.manual_seed(0)
-PAGE = 16
 SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}
 CASES = {"8b": ((64, 128, 256), (64, 900, 1100), (8, 8000, 8200), (1, 32000, 32100)),
          "smollm2": ((1, 500, 700), (64, 128, 256), (8, 4000, 4100)),
@@ -28,31 +28,12 @@ if sys.argv[1:] == ["fp8"]:  # only the fp8 runs
     RUNS = RUNS[-1:]
 
 
-def case(bs, lo, hi, hq, hkv, d, kv):
-    lens = torch.randint(lo, hi + 1, (bs,))
-    nblk = int(sum((n + PAGE - 1) // PAGE for n in lens.tolist())) + 1
-    caches = [torch.randn(2, nblk, PAGE, hkv, d, dtype=torch.float16, device="cuda") for _ in range(4)]
-    if kv == "fp8_e4m3":  # the codes torch's float8 conversion gives (the software codec is bit-exact with it)
-        caches = [c.to(torch.float8_e4m3fn).view(torch.uint8) for c in caches]
-    perm = torch.randperm(nblk - 1) + 1
-    width = int(max((n + PAGE - 1) // PAGE for n in lens.tolist()))
-    bt = torch.zeros(bs, width, dtype=torch.int32)
-    i = 0
-    for r, n in enumerate(lens.tolist()):
-        k = (n + PAGE - 1) // PAGE
-        bt[r, :k] = perm[i:i + k]
-        i += k
-    q = torch.randn(bs, hq, d, dtype=torch.float16, device="cuda")
-    qsl = torch.arange(bs + 1, dtype=torch.int32, device="cuda")
-    return q, caches, bt.cuda(), lens.to(torch.int32).cuda(), qsl, lens
-
-
 rows = []
 for shape, kv in RUNS:
     hq, hkv, d = SHAPES[shape]
     fmt = {"fp16": {}, "fp8_e4m3": {"kv_fmt": 0}}[kv]
     for bs, lo, hi in CASES[shape]:
-        q, caches, bt, sl, qsl, lens = case(bs, lo, hi, hq, hkv, d, kv)
+        q, caches, bt, sl, qsl, lens = paged_decode_case(bs, lo, hi, hq, hkv, d, kv)
         kv_bytes = int(lens.sum()) * hkv * d * 2 * caches[0].element_size()
         splits = choose_num_splits(bs, hkv, hi, 132)
         no, nl = decode_scratch_numel(bs, hq, splits, d)

@@ -10,20 +10,10 @@ import sys
 
 import torch
 from graph_timing import graph_us
+from paged_decode_case import paged_decode_case
 from voltllm.kernels.attention.paged_decode import paged_decode, decode_scratch_numel, choose_num_splits
 torch.manual_seed(0)
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-def case(bs, ctx_lo, ctx_hi):
-    lens = torch.randint(ctx_lo, ctx_hi + 1, (bs,))
-    nblk = int(sum((l + PAGE - 1) // PAGE for l in lens.tolist())) + 1
-    caches = [torch.randn(2, nblk, PAGE, HKV, D, dtype=torch.float16, device="cuda") for _ in range(4)]
-    perm = torch.randperm(nblk - 1) + 1
-    width = int(max((l + PAGE - 1) // PAGE for l in lens.tolist()))
-    bt = torch.zeros(bs, width, dtype=torch.int32); i = 0
-    for r, l in enumerate(lens.tolist()):
-        n = (l + PAGE - 1) // PAGE; bt[r, :n] = perm[i:i + n]; i += n
-    q = torch.randn(bs, HQ, D, dtype=torch.float16, device="cuda")
-    return q, caches, bt.cuda(), lens.to(torch.int32).cuda(), torch.arange(bs + 1, dtype=torch.int32, device="cuda"), lens
+HQ, HKV, D = 32, 8, 128
 # (BLOCK_N, warps, stages); `short` (argument): page-sized and deeper pipelines at the short-context shapes
 TILES = list(itertools.product((32, 64), (4, 8), (1, 2, 3)))
 CASES = ((64, 128, 256), (64, 900, 1100), (16, 128, 256), (1, 500, 700), (1, 8000, 8200))
@@ -34,7 +24,7 @@ if sys.argv[1:] == ["long"]:  # fewer, longer contexts (split-KV)
     TILES = list(itertools.product((32, 64), (2, 4, 8), (2, 3, 4)))
     CASES = ((1, 500, 700), (1, 8000, 8200), (4, 2000, 4000))
 for bs, lo, hi in CASES:
-    q, caches, bt, sl, qsl, lens = case(bs, lo, hi)
+    q, caches, bt, sl, qsl, lens = paged_decode_case(bs, lo, hi, HQ, HKV, D)
     kvbytes = int(lens.sum()) * HKV * D * 2 * 2
     out = torch.empty_like(q)
     ref = None
