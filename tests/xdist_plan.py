@@ -30,7 +30,8 @@ SHARED_FILES = {
 }
 UNIT_OF_FILE = {path: unit for unit, paths in SHARED_FILES.items() for path in paths}
 
-# the slowest units in a 2-worker run (seconds, a fresh clone on CI's 2 cores; rough): started first, longest first
+# the slowest units (seconds in a 2-worker run on a 2-core machine, before the workers split the cores; rough: only
+# their order matters): started first, longest first
 LONGEST_FIRST = {
     "tests/unit/test_sm70_gate.py": 540,  # cross-compiles every registered kernel (in two processes of its own)
     "tests/model/test_hybrid_speculation.py": 380,
