@@ -29,10 +29,17 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _block_offsets(blk, pos, stride_c_blk, stride_c_slot, head_off, PAGE: tl.constexpr):
+    """Element offsets of the K rows of context positions `pos` of one kv head, whose pages are `blk` (V: +
+    stride_c_kv)."""
+    return blk.to(tl.int64) * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+
+
+@triton.jit
 def _kv_token_offsets(bt_row, pos, n_mask, stride_c_blk, stride_c_slot, head_off, PAGE: tl.constexpr):
-    """Element offsets of the K rows of context positions `pos` of one kv head (V: + stride_c_kv)."""
-    blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-    return blk * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+    """_block_offsets with the pages read from the sequence's block-table row."""
+    blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0)
+    return _block_offsets(blk, pos, stride_c_blk, stride_c_slot, head_off, PAGE)
 
 
 @triton.jit
@@ -272,7 +279,7 @@ def _paged_decode_kernel(
                 # earlier, and the ids of the tile after it go out with them
                 pos_n = pos + BLOCK_N
                 mask_n3 = (pos_n < read_end)[None, :, None] & d_mask[None, None, :]
-                off_n = (blk_next.to(tl.int64) * stride_c_blk + (pos_n % PAGE) * stride_c_slot + head_off)
+                off_n = _block_offsets(blk_next, pos_n, stride_c_blk, stride_c_slot, head_off, PAGE)
                 k_next = tl.load(KV + off_n[None, :, None] + d[None, None, :], mask=mask_n3, other=0)
                 v_next = tl.load(KV + stride_c_kv + off_n[None, :, None] + d[None, None, :], mask=mask_n3, other=0)
                 blk_next = tl.load(bt_row + (pos_n + BLOCK_N) // PAGE, mask=pos_n + BLOCK_N < read_end, other=0)
@@ -305,7 +312,7 @@ def _paged_decode_kernel(
             n_mask = pos < read_end
             blk = blk_next
             blk_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE, mask=pos + BLOCK_N < read_end, other=0)
-            tok_off = blk.to(tl.int64) * stride_c_blk + (pos % PAGE) * stride_c_slot + head_off
+            tok_off = _block_offsets(blk, pos, stride_c_blk, stride_c_slot, head_off, PAGE)
             k, v = _load_kv_decoded(KV, tok_off[:, None] + d[None, :], n_mask[:, None] & d_mask[None, :],
                                     stride_c_kv, KV_FMT, DT)
             m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, IEEE)
