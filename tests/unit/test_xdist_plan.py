@@ -2,20 +2,13 @@
 import pytest
 
 import xdist_plan
+from test_gpu_workers import _gpus  # (a fake sysfs GPU list; this directory is on the path)
 from xdist_plan import SHARED_FILES, auto_workers, selects_gpu_tests, share_cores, unit_of
 
 
 def test_gpu_selection():
     assert selects_gpu_tests("gpu") and selects_gpu_tests("gpu and not slow")
     assert not selects_gpu_tests("not gpu") and not selects_gpu_tests("") and not selects_gpu_tests("slow")
-
-
-def _gpus(tmp_path, n):
-    d = tmp_path / "gpus"
-    d.mkdir()
-    for i in range(n):
-        (d / f"0000:0{i}:00.0").mkdir()
-    return str(d)
 
 
 @pytest.mark.parametrize("cores,gpus,cpu_workers,gpu_workers", [(1, 0, 0, 0), (2, 1, 2, 0), (16, 2, 2, 2),
