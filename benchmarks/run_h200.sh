@@ -216,6 +216,8 @@
 #            variant was only compiled in session 38; session 39 ran it: 1.063x); carry .whl
 #   s114     (session 40) issue #4: the persistent chain with its x traffic cut after one tile and deeper weight
 #            rings (micro/gemm_chain_persistent.py --x-off), then its main comparison; carry .whl
+#   s115     (session 41) issue #4: a36ed21's paged decode on the GPU: its GPU files, 8B batch 1 and 64 x 128/128
+#            with profiles, the FMA route's next-tile micro; carry .whl
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1454,6 +1456,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       | tee "$out/gemm-chain-xoff-$sha.txt" | tail -14
     timeout 200 python3 benchmarks/micro/gemm_chain_persistent.py 36 2>&1 | grep -v -i warn \
       | tee "$out/gemm-chain-persistent-$sha.txt" | tail -3
+    ;;
+  s115)  # (session 41) issue #4: a36ed21's paged-decode change on the GPU: attention / fp8 KV GPU files, 8B batch 1
+         # (profiled) and 64 x 128/128 (profiled), then the FMA route's next-tile prefetch micro if time is left
+    t0=$SECONDS
+    gpu_file test_attention_kernels 150
+    gpu_file test_fp8_kv_gpu 150
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 256 --num-warm 2 \
+      --profile --name qwen3-8b-shape-fp16-decode-b1-$sha > "$out/b1-8b.log"
+    grep -E "^(pure_decode|ttft)|^profile " "$out/b1-8b.log"
+    c64_profiles $t0 qwen3-8b-shape
+    (( SECONDS - t0 < 470 )) && timeout $(( 580 - (SECONDS - t0) )) python3 benchmarks/micro/attn_decode_fma.py 2>&1 \
+      | grep -v -i warn > "$out/attn-decode-fma-$sha.txt"; grep -i "8b\|next" "$out/attn-decode-fma-$sha.txt" | head -30
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
