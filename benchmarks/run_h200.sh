@@ -218,6 +218,8 @@
 #            rings (micro/gemm_chain_persistent.py --x-off), then its main comparison; carry .whl
 #   s115     (session 41) issue #4: a36ed21's paged decode on the GPU: its GPU files, 8B batch 1 and 64 x 128/128
 #            with profiles, the FMA route's next-tile micro; carry .whl
+#   s116     (session 41) issue #4: the fused QK-norm + RoPE + KV-store decode kernel vs the RoPE launch, A B C B A
+#            at 64 x 128/128, then batch 1 both ways; carry .whl
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1468,6 +1470,35 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     c64_profiles $t0 qwen3-8b-shape
     (( SECONDS - t0 < 470 )) && timeout $(( 580 - (SECONDS - t0) )) python3 benchmarks/micro/attn_decode_fma.py 2>&1 \
       | grep -v -i warn > "$out/attn-decode-fma-$sha.txt"; grep -i "8b\|next" "$out/attn-decode-fma-$sha.txt" | head -30
+    ;;
+  s116)  # (session 41) issue #4: QK-norm + RoPE + KV store inside the decode kernel (its first tile loaded before
+         # the PDL wait) against the separate RoPE launch, A B C B A at 64 x 128/128 (C: + an L2 prefetch of 256
+         # positions before the wait), then batch 1 (8B, SmolLM2's shape) both ways while time is left
+    t0=$SECONDS
+    gpu_file test_attention_kernels 120 -k "rope or pdl"
+    tb=voltllm.attention.triton_backend
+    fused="$tb:FUSED_DECODE_ROPE=1 $tb:FUSED_DECODE_ROPE_MAX_PROGRAMS=1000000"
+    pre="voltllm.kernels.attention.paged_decode:KV_PREFETCH_TOKENS=256"
+    ab() {  # ab NAME SETTINGS...: one bench through set_and_run.py; its output line(s) printed
+      local name=$1; shift
+      (( SECONDS - t0 > 540 )) && return
+      bench_via "python3 benchmarks/set_and_run.py $* --" --random-weights qwen3-8b-shape --dtype half \
+        --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 \
+        --name qwen3-8b-shape-fp16-c64-$name-$sha > "$out/c64-$name.log"
+      echo "$name $(grep -E "^(concurrent|output_tok|ttft)" "$out/c64-$name.log" | awk '{print $1, $5}' | tr '\n' ' ')"
+    }
+    ab sep1 "$tb:FUSED_DECODE_ROPE=0"; ab fused1 $fused; ab fusedpre1 $fused $pre; ab fused2 $fused
+    ab sep2 "$tb:FUSED_DECODE_ROPE=0"
+    for m in qwen3-8b-shape smollm2-135m-shape; do
+      for v in sep fused; do
+        (( SECONDS - t0 > 520 )) && break
+        set_=("$tb:FUSED_DECODE_ROPE=0"); [ $v = fused ] && set_=($fused)
+        bench_via "python3 benchmarks/set_and_run.py ${set_[*]} --" --random-weights $m --dtype half \
+          --scenario decode --input-len 512 --output-len 256 --num-warm 2 --name $m-fp16-decode-b1-$v-$sha \
+          > "$out/b1-$m-$v.log"
+        echo "$m b1 $v $(grep -E "^pure_decode" "$out/b1-$m-$v.log" | awk '{print $5}')"
+      done
+    done
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

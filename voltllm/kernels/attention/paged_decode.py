@@ -210,6 +210,13 @@ def _paged_decode_kernel(
     if PREFETCH_N > 0:  # PDL: pull the slice's first KV lines into L2 while the predecessor (RoPE) finishes
         _prefetch_kv_l2(KV, bt_row, start, tl.minimum(end, start + PREFETCH_N), n, stride_c_kv, stride_c_blk,
                         stride_c_slot, head_off, HEAD_DIM, PAGE)
+    if ROPE and not LANES:
+        # With the store fused, every cache row this program reads ([start, read_end): the newest is attended from
+        # registers) was written by an earlier step, so the first tile's loads may go out before the PDL wait,
+        # while the predecessor (the qkv projection) still runs; the loop pipelines the rest.
+        pos0 = start + n
+        k0, v0 = _load_kv_tile(KV, bt_row, pos0, pos0 < read_end, d, d_mask, stride_c_kv, stride_c_blk,
+                               stride_c_slot, head_off, PAGE, KV_FMT, DT)
     pdl_enter(PDL)
     if KV_FMT >= 0:  # fp8 cache: s = q . (decode(k) * k_scale) = (q . decode(k)) * k_scale
         qk_scale = qk_scale * tl.load(KScale)
@@ -219,10 +226,6 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     loop_start = start
     if ROPE:
-        if not LANES:  # the first tile's loads go out before q's rotation waits for q (the loop pipelines the rest)
-            pos0 = start + n
-            k0, v0 = _load_kv_tile(KV, bt_row, pos0, pos0 < read_end, d, d_mask, stride_c_kv, stride_c_blk,
-                                   stride_c_slot, head_off, PAGE, KV_FMT, DT)
         q = _norm_rope_rows(Q + q_row * stride_qt + heads * stride_qh, g_mask & has_row, d, QW, c, sn, eps,
                             norm_offset, HEAD_DIM, NORM, DT)
         one = tl.zeros([1], tl.int64)
