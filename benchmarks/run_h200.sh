@@ -220,6 +220,8 @@
 #            with profiles, the FMA route's next-tile micro; carry .whl
 #   s116     (session 41) issue #4: the fused QK-norm + RoPE + KV-store decode kernel vs the RoPE launch, A B C B A
 #            at 64 x 128/128, then batch 1 both ways; carry .whl
+#   s117     (session 41) --compat sm70 64 x 128/128 with the per-lane decode's next-tile prefetch by rule vs never
+#            (fp16 and fp8_e4m3 KV); carry .whl
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1499,6 +1501,22 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         echo "$m b1 $v $(grep -E "^pure_decode" "$out/b1-$m-$v.log" | awk '{print $5}')"
       done
     done
+    ;;
+  s117)  # (session 41) --compat sm70: the per-lane decode's next-tile prefetch by LANES_NEXT_TILE's rule (on) vs never
+         # (off), 8B 64 x 128/128 fp16 KV on off on, then fp8_e4m3 KV on off; attention GPU file first
+    t0=$SECONDS
+    gpu_file test_attention_kernels 150
+    pd=voltllm.kernels.attention.paged_decode
+    cab() {  # cab NAME ON [bench args]: one compat 64-concurrent bench, LANES_NEXT_TILE=ON
+      local name=$1 on=$2; shift 2
+      (( SECONDS - t0 > 500 )) && return
+      bench_via "python3 benchmarks/set_and_run.py $pd:LANES_NEXT_TILE=$on --" --random-weights qwen3-8b-shape \
+        --dtype half --compat sm70 --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 \
+        --num-warm 2 --name qwen3-8b-shape-fp16-compat-c64-$name-$sha "$@" > "$out/c64-$name.log"
+      echo "$name $(grep -E "^(concurrent|output_tok)" "$out/c64-$name.log" | awk '{print $1, $5}' | tr '\n' ' ')"
+    }
+    cab next1 1; cab plain1 0; cab next2 1
+    cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

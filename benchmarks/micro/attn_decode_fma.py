@@ -41,9 +41,10 @@ for shape, kv in RUNS:
         out = torch.empty_like(q)
         variants = [("dot", dict(use_dot=True))] + ([("dot hw-e4m3", dict(use_dot=True, kv_fmt=2))] if fmt else [])
         variants += [("fma rows", dict(use_dot=False)),
-                    ("fma lanes default", dict(use_dot=False, fma_lanes=True)),
+                    ("fma lanes default", dict(use_dot=False, fma_lanes=True, next_tile=False)),
                     ("fma lanes default, next tile", dict(use_dot=False, fma_lanes=True, next_tile=True))]
-        variants += [(f"fma lanes n{bn} w{w}", dict(use_dot=False, fma_lanes=True, block_n=bn, num_warps=w))
+        variants += [(f"fma lanes n{bn} w{w}",
+                      dict(use_dot=False, fma_lanes=True, block_n=bn, num_warps=w, next_tile=False))
                      for bn, w in LANE_TILES]
         ref = None
         for name, kw in variants:

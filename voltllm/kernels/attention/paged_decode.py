@@ -415,8 +415,10 @@ def _specs():
                     # route's smaller tile for many programs (LANES_HALF_TILE_PER_SM) at d128
                     fused = ((True, d == 128, False, False),) if d in (64, 128) else ()
                     small = ((False, False, True, False),) if lanes and d == 128 else ()
-                    # the per-lane route's next-tile register prefetch (next_tile=) at d128
-                    ahead = ((False, False, False, True),) if lanes and d == 128 and kv_fmt <= 0 else ()
+                    # the per-lane route's next-tile register prefetch (LANES_NEXT_TILE) at d128: both tiles (e5m2,
+                    # whose kernel differs only in its decode helper: the full one)
+                    ahead = ((False, False, False, True),) + (((False, False, True, True),) if kv_fmt <= 0 else ())
+                    ahead = ahead if lanes and d == 128 else ()
                     for rope, norm, half, next_tile in ((False, False, False, False),) + fused + small + ahead:
                         block_n = _default_block_n(d, block_g, use_dot, lanes, many=half)
                         decode.append(CompileSpec(signature=sig, constexprs={
@@ -465,6 +467,13 @@ FMA_LANES_DEFAULT = True
 # Qwen2.5-0.5B 64 x ~1K (384) 42.9 vs 48.4; but 8 x 8K (320 programs, 5 splits) 162.3 vs 130.2 and 1 x 32K (264)
 # 96.4 vs 75.7.
 LANES_HALF_TILE_PER_SM = 2.75
+# Per-lane route: the next-tile register prefetch (next_tile=None) with the half tile (the LANES_HALF_TILE_PER_SM
+# rule) and with any fp8 cache; not for a float cache at fewer programs. H200, --compat-style launches
+# (benchmarks/results/session41/attn-decode-fma-7f4c3f6.txt, default tile vs + next tile): 8B heads fp16 64 x
+# 128-256 31.9 vs 36.6 us, 64 x ~1K 100.1 vs 122.5, Qwen2.5-0.5B 64 x ~1K 36.1 vs 43.6 (all half tile), but 8 x 8K
+# 147.0 vs 131.1 and 1 x 32K 86.7 vs 76.9 (full tile); fp8 e4m3 every case faster (47.1 / 174.8 / 187.8 / 79.0 vs
+# 49.4 / 183.0 / 265.0 / 98.5). False: never.
+LANES_NEXT_TILE = True
 MIN_TOKENS_PER_SPLIT = 256
 # tl.dot route: once sequences x kv heads x splits give at least this many programs per SM, BLOCK_N 32 and 2 warps
 # (the pipelined K / V buffers of BLOCK_N 64 would leave too few programs resident), else BLOCK_N 64 (32 at d256)
@@ -546,7 +555,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
                  prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None,
-                 num_sms: int = 0, next_tile: bool = False) -> torch.Tensor:
+                 num_sms: int = 0, next_tile: bool | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -563,8 +572,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     QK-norm and RoPE; the kernel rotates them and stores the newest K / V at slot_mapping (-1: not stored), so no
     RoPE or KV-write launch precedes it. Rotary over the whole head (head_dim a power of two).
     num_sms: the device's SM count, for the default tile and warps (0: those for few programs).
-    next_tile (FMA per-lane route only; built in session 40, not yet timed, so off): request each tile's K / V before
-    computing the previous one (a register prefetch; the route runs where Triton has no cp.async pipelining).
+    next_tile (FMA per-lane route only): request each tile's K / V before computing the previous one (a register
+    prefetch; the route runs where Triton has no cp.async pipelining). None: by LANES_NEXT_TILE's rule.
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     assert fma_lanes or not next_tile, "next_tile is an option of the FMA per-lane route (fma_lanes=True)"
@@ -586,6 +595,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         block_n = _default_block_n(block_d, block_g, use_dot, fma_lanes, many)
     if num_warps is None:
         num_warps = 2 if use_dot and many else 4
+    if next_tile is None:
+        next_tile = LANES_NEXT_TILE and fma_lanes and (many or kv_fmt >= 0)
     split = num_splits > 1
     if split:
         need_o, need_l = decode_scratch_numel(num_seqs, num_heads, num_splits, head_dim)
