@@ -79,9 +79,12 @@ def test_decode(dtype, d):
     _check(case, _backend(use_tensor_cores=False, fma_lanes=True), dtype, "fma-lanes")  # sm70 route
     _check(case, _backend(use_tensor_cores=False, fma_lanes=False), dtype, "fma-rows")
     _check(case, _backend(num_sms=1), dtype, "one-split")             # no split
-    for splits, use_dot, lanes in ((7, True, False), (7, False, False), (3, False, True)):
-        err, problems = H.run_kernel_case(case, "decode", num_splits=splits, use_dot=use_dot, fma_lanes=lanes)
-        assert not problems and err < TOL[dtype], (splits, use_dot, lanes, err, problems)
+    # the per-lane route also with its next-tile prefetch, at the default tile and the half tile the rule pairs it with
+    for splits, use_dot, lanes, kw in ((7, True, False, {}), (7, False, False, {}), (3, False, True, {}),
+                                       (3, False, True, dict(next_tile=True)),
+                                       (1, False, True, dict(next_tile=True, block_n=8))):
+        err, problems = H.run_kernel_case(case, "decode", num_splits=splits, use_dot=use_dot, fma_lanes=lanes, **kw)
+        assert not problems and err < TOL[dtype], (splits, use_dot, lanes, kw, err, problems)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
