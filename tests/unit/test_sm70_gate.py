@@ -75,6 +75,12 @@ def _wide_dot_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b, input_precision="ieee"))
 
 
+@triton.jit
+def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs))
+
+
 def _sig(y: str, **extra: str) -> dict:
     return {"x_ptr": "*fp32", "y_ptr": y, "n": "i32", "BLOCK": "constexpr", **extra}
 
@@ -101,6 +107,18 @@ def test_fp8_kernel_rejected(e5):
         assert all(any("fp8" in why for why in r.reasons) for r in report.results)
     else:
         assert all("does not compile" in r.reasons[0] for r in report.results)
+
+
+def test_aligned_compiles_the_run_time_specialization():
+    # unspecialized pointers give scalar loads; marked 16-byte aligned (as the JIT marks torch tensors) 4-wide ones
+    spec = CompileSpec(_sig("*fp32"), {"BLOCK": 512})
+    _, plain, _ = sm70_gate.compile_for(_copy_kernel, spec, 70, assemble=False)
+    _, aligned, _ = sm70_gate.compile_for(_copy_kernel, spec, 70, assemble=False, aligned=True)
+    assert "ld.global.v4" not in plain and "ld.global.v4" in aligned
+    assert sm70_gate.aligned_attrs({"x_ptr": "*fp32", "n": "i32", "stride_x": "i32", "B": "constexpr"}) == {
+        (0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    entry = KernelEntry("test.copy", _copy_kernel, [spec])
+    assert [r.status for r in run_gate((70, 75), entries=[entry], aligned=True).results] == ["ok", "ok"]
 
 
 def test_arch_specific_instruction():

@@ -7,7 +7,7 @@ is enabled, 1 when one is disabled (with --require-acceleration the configuratio
 --no-load prints the report predicted from the configuration alone (no weights are read).
 
 With --sm70: the sm_70/sm_75 compile gate (voltllm.check.sm70_gate), which needs no GPU and no model; the
-gate's own flags follow (--arch, --module, --jobs, --max-lines, --ptxas).
+gate's own flags follow (--arch, --module, --jobs, --max-lines, --ptxas, --aligned).
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     g.add_argument("--max-lines", type=int, default=None, help="offending lines shown per failure")
     g.add_argument("--ptxas", choices=("cover", "all"), default=None,
                    help="which specs ptxas assembles (default cover: every kernel and instruction form once per arch)")
+    g.add_argument("--aligned", action="store_true",
+                   help="compile as the JIT specializes aligned tensors (pointer / stride arguments divisible by 16)")
     add_engine_args(p)
     p.set_defaults(func=run_check)
     return p
@@ -56,6 +58,8 @@ def gate_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--max-lines", str(args.max_lines)]
     if args.ptxas is not None:
         argv += ["--ptxas", args.ptxas]
+    if args.aligned:
+        argv.append("--aligned")
     return argv
 
 

@@ -115,11 +115,20 @@ class _StopBeforePtxas(Exception):
     it stores a kernel only after its last stage)."""
 
 
+def aligned_attrs(signature: dict) -> dict:
+    """ASTSource attrs marking the pointer arguments and the integer `stride*` arguments of `signature` divisible by
+    16: how Triton's JIT specializes a launch on 16-byte-aligned tensors whose strides are multiples of 16 (the usual
+    case at run time; the spec alone leaves them unspecialized, which changes vectorization and register use)."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
+            if ty.startswith("*") or (name.startswith("stride") and ty in ("i32", "i64"))}
+
+
 def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] = None,
-                assemble: bool = True) -> tuple[str, str, int]:
+                assemble: bool = True, aligned: bool = False) -> tuple[str, str, int]:
     """(TTIR, PTX, shared memory bytes per block) of one specialization of `fn` for sm_<arch>, cross-compiled
     without a GPU. options: Triton's compile options (num_warps, num_stages; its defaults when None).
-    assemble=False stops before ptxas (the shared memory size is known from the LLVM IR stage on)."""
+    assemble=False stops before ptxas (the shared memory size is known from the LLVM IR stage on).
+    aligned: with the divisibility of aligned tensors (aligned_attrs), as most launches run."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -129,7 +138,7 @@ def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] =
     if not isinstance(jit_fn, JITFunction):
         raise TypeError(f"{fn!r} is not a triton.jit function (is TRITON_INTERPRET set? the gate needs it unset)")
     key = (jit_fn.cache_key, tuple(sorted(spec.signature.items())), repr(sorted(spec.constexprs.items())), arch,
-           repr(sorted((options or {}).items())))
+           repr(sorted((options or {}).items())), aligned)
     hit = _COMPILED.get((key, True)) or (None if assemble else _COMPILED.get((key, False)))
     if hit is None and not assemble:
         hit = _load_unassembled(key)
@@ -137,7 +146,8 @@ def compile_for(fn: Any, spec: CompileSpec, arch: int, options: Optional[dict] =
             _COMPILED[(key, False)] = hit
     if hit is not None:
         return hit
-    src = triton.compiler.ASTSource(fn=jit_fn, signature=dict(spec.signature), constexprs=dict(spec.constexprs))
+    src = triton.compiler.ASTSource(fn=jit_fn, signature=dict(spec.signature), constexprs=dict(spec.constexprs),
+                                    attrs=aligned_attrs(spec.signature) if aligned else None)
     # keep the PTX even when a later stage (ptxas) fails, so a failure can show the offending lines
     stash: dict[str, Any] = {}
     previous = knobs.runtime.add_stages_inspection_hook
@@ -392,12 +402,13 @@ class PtxasError(RuntimeError):
     """ptxas refused a spec's PTX for the target."""
 
 
-def _compile_to_ptx(fn: Any, spec: CompileSpec, arch: int, ptx_path: str) -> tuple[Outcome, int, frozenset[str]]:
+def _compile_to_ptx(fn: Any, spec: CompileSpec, arch: int, ptx_path: str, aligned: bool = False
+                    ) -> tuple[Outcome, int, frozenset[str]]:
     """(outcome, PTX size, instruction forms) of one spec compiled up to PTX and checked against the rules (in the
     worker that compiled it: the checks run in parallel, and the PTX, 92 MB for the whole registry, goes to
     `ptx_path` for ptxas, not back to the parent)."""
     try:
-        ttir, ptx, shared = compile_for(fn, spec, arch, assemble=False)
+        ttir, ptx, shared = compile_for(fn, spec, arch, assemble=False, aligned=aligned)
     except Exception as e:  # noqa: BLE001 - a compile error fails the kernel
         return _error_outcome(e, arch, getattr(e, "gate_ptx", None)), 0, frozenset()
     with open(ptx_path, "w") as f:
@@ -448,9 +459,10 @@ def _worker_init(module_names: Sequence[str]) -> None:
         importlib.import_module(name)
 
 
-def _worker_compile(name: str, index: int, arch: int, ptx_path: str) -> tuple[Outcome, int, frozenset[str]]:
+def _worker_compile(name: str, index: int, arch: int, ptx_path: str, aligned: bool
+                    ) -> tuple[Outcome, int, frozenset[str]]:
     entry = REGISTRY[name]
-    return _compile_to_ptx(entry.fn, entry.specs[index], arch, ptx_path)
+    return _compile_to_ptx(entry.fn, entry.specs[index], arch, ptx_path, aligned)
 
 
 def _default_jobs() -> int:
@@ -464,8 +476,8 @@ def _default_jobs() -> int:
 Task = tuple  # (kernel name, spec index, arch)
 
 
-def _compile_all_to_ptx(entries: Sequence[KernelEntry], archs: Sequence[int], jobs: int, ptx_dir: str
-                        ) -> dict[Task, tuple[Outcome, int, frozenset[str], str]]:
+def _compile_all_to_ptx(entries: Sequence[KernelEntry], archs: Sequence[int], jobs: int, ptx_dir: str,
+                        aligned: bool = False) -> dict[Task, tuple[Outcome, int, frozenset[str], str]]:
     """Per task: (outcome, PTX size, instruction forms, PTX file in `ptx_dir`)."""
     by_name = {e.name: e for e in entries}
     tasks = [(e.name, i, a) for e in entries if e.compat for i in range(len(e.specs)) for a in archs]
@@ -480,7 +492,7 @@ def _compile_all_to_ptx(entries: Sequence[KernelEntry], archs: Sequence[int], jo
         modules = sorted({_innermost(REGISTRY[n].fn).fn.__module__ for n, _, _ in remote})
         with ProcessPoolExecutor(max_workers=min(jobs, len(remote)), mp_context=get_context("spawn"),
                                  initializer=_worker_init, initargs=(modules,)) as pool:
-            futures = {t: pool.submit(_worker_compile, *t, path[t]) for t in remote}
+            futures = {t: pool.submit(_worker_compile, *t, path[t], aligned) for t in remote}
             for t, fut in futures.items():
                 try:
                     out[t] = fut.result()
@@ -489,7 +501,7 @@ def _compile_all_to_ptx(entries: Sequence[KernelEntry], archs: Sequence[int], jo
     for t in tasks:
         if t not in out:
             name, i, arch = t
-            out[t] = _compile_to_ptx(by_name[name].fn, by_name[name].specs[i], arch, path[t])
+            out[t] = _compile_to_ptx(by_name[name].fn, by_name[name].specs[i], arch, path[t], aligned)
     return {t: (*out[t], path[t]) for t in tasks}
 
 
@@ -519,7 +531,7 @@ def _assemble_chosen(compiled: dict[Task, tuple[Outcome, int, frozenset[str], st
 
 def run_gate(archs: Sequence[int] = DEFAULT_ARCHS, modules: Optional[Iterable[Union[str, ModuleType]]] = None,
              entries: Optional[Sequence[KernelEntry]] = None, jobs: Optional[int] = None,
-             ptxas: str = "cover") -> GateReport:
+             ptxas: str = "cover", aligned: bool = False) -> GateReport:
     """Cross-compile every compat kernel spec for each arch and check its TTIR and PTX.
 
     modules=None imports all of voltllm.kernels (and also reports unregistered @triton.jit objects);
@@ -527,7 +539,7 @@ def run_gate(archs: Sequence[int] = DEFAULT_ARCHS, modules: Optional[Iterable[Un
     given KernelEntry objects only (no imports), e.g. a kernel defined in a test. Registered kernels
     compile in `jobs` spawned processes (default: the usable CPU cores, at most 8; 1 = in-process).
     ptxas: "cover" assembles the specs voltllm.check.ptxas_cover chooses (every kernel and every instruction form
-    once per arch), "all" every spec.
+    once per arch), "all" every spec. aligned: compile with the divisibility of aligned tensors (aligned_attrs).
     """
     if ptxas not in ("cover", "all"):
         raise ValueError(f"ptxas must be 'cover' or 'all', not {ptxas!r}")
@@ -545,7 +557,7 @@ def run_gate(archs: Sequence[int] = DEFAULT_ARCHS, modules: Optional[Iterable[Un
                        if getattr(getattr(_innermost(e.fn), "fn", None), "__module__", None) in names]
     jobs = _default_jobs() if jobs is None else jobs
     with tempfile.TemporaryDirectory(prefix="voltllm-gate-") as ptx_dir:
-        compiled = _compile_all_to_ptx(entries, archs, jobs, ptx_dir)
+        compiled = _compile_all_to_ptx(entries, archs, jobs, ptx_dir, aligned)
         outcomes, assembled = _assemble_chosen(compiled, archs, ptxas, jobs)
     results: list[GateResult] = []
     for entry in entries:
@@ -564,9 +576,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ptxas", choices=("cover", "all"), default="cover",
                    help="which specs ptxas assembles: every kernel and instruction form once per arch (cover, the "
                         "default) or every spec (all)")
+    p.add_argument("--aligned", action="store_true",
+                   help="compile each spec as the JIT specializes it for 16-byte-aligned tensors whose strides are "
+                        "multiples of 16 (pointer and stride arguments divisible by 16) instead of unspecialized")
     args = p.parse_args(list(argv) if argv is not None else None)
     report = run_gate(tuple(args.arch) if args.arch else DEFAULT_ARCHS, args.module, jobs=args.jobs,
-                      ptxas=args.ptxas)
+                      ptxas=args.ptxas, aligned=args.aligned)
     print(report.format_table(args.max_lines))
     return 0 if report.ok else 1
 
