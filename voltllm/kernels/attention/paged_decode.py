@@ -415,10 +415,11 @@ def _specs():
                     # route's smaller tile for many programs (LANES_HALF_TILE_PER_SM) at d128
                     fused = ((True, d == 128, False, False),) if d in (64, 128) else ()
                     small = ((False, False, True, False),) if lanes and d == 128 else ()
-                    # the per-lane route's next-tile register prefetch (LANES_NEXT_TILE) at d128: both tiles (e5m2,
-                    # whose kernel differs only in its decode helper: the full one)
-                    ahead = ((False, False, False, True),) + (((False, False, True, True),) if kv_fmt <= 0 else ())
-                    ahead = ahead if lanes and d == 128 else ()
+                    # the per-lane route's next-tile register prefetch at d128 where LANES_NEXT_TILE takes it: the
+                    # half tile, and an fp8 cache's full tile (e4m3; e5m2 differs only in the decode helper)
+                    ahead = ()
+                    if lanes and d == 128 and kv_fmt <= 0:
+                        ahead = ((False, False, True, True),) + (((False, False, False, True),) if kv_fmt == 0 else ())
                     for rope, norm, half, next_tile in ((False, False, False, False),) + fused + small + ahead:
                         block_n = _default_block_n(d, block_g, use_dot, lanes, many=half)
                         decode.append(CompileSpec(signature=sig, constexprs={
