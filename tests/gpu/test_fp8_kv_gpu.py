@@ -193,6 +193,31 @@ def test_compat_prefill_fp16_cache(d):
     assert not problems and err < TOL[torch.float16], (err, problems)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_compat_prefill_equal_runs(d):
+    """Consecutive equal requests (64 x 128-token prompts, the concurrent bench's prompt step, then a run of prefix
+    chunks) go through one bridge and GROUP SDPA launches per workspace piece, on the efficient kernel; results
+    match the reference like the per-request path."""
+    from torch.profiler import ProfilerActivity, profile
+    hq, hkv = _heads(d)
+    seqs = [(128, 128)] * 64 + [(300, 1)] + [(700, 200)] * 3
+    case = H.make_case(seqs, hq, hkv, d, 16, torch.float16, device=DEV, pad_rows=2, seed=_seed(f"runs d{d}"))
+    be = _backend(use_tensor_cores=False, max_context=2048)
+    err, problems = H.run_backend_case(case, be)
+    assert not problems and err < TOL[torch.float16], (err, problems)
+    g = hq // hkv
+    # workspace rows 2,048: the 64 prompts in pieces of 16; the chunks over a prefix of 700 two, then one
+    assert be.sdpa_prefill.calls == 67
+    assert be.sdpa_prefill.launches == 4 * g + g + 1, be.sdpa_prefill.launches
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the backend only, not the reference
+        be.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, case.scale)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert any("fmha" in n.lower() or "efficient_attention" in n.lower() for n in names), names
+    assert not any("flash" in n.lower() for n in names), names
+
+
 def test_compat_prefill_runs_efficient_attention_kernel():
     """The compat prefill's SDPA calls land in the memory-efficient (cutlass fmha) kernel -- the one V100
     has -- for both full prompts (is_causal) and chunks over a prefix (bottom-right causal), not math/flash."""

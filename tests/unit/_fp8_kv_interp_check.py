@@ -210,6 +210,55 @@ def check_bridge(fmt: int, dtype: torch.dtype) -> tuple[float, str]:
     return 0.0, "; ".join(p for p, bad in (("bridge differs", not same), ("wrote past ctx", not untouched)) if bad)
 
 
+def check_bridge_batch(fmt: int) -> tuple[float, str]:
+    """gather_kv_pages_batch of three requests' pages in one launch equals the per-request reference gathers,
+    each at rows b * ctx of the workspace, and writes nothing past B * ctx."""
+    from voltllm.attention.torch_ref import gather_kv, write_kv
+    from voltllm.kernels.fp8_codec import scaled_decode_ref
+    from voltllm.kernels.kv_fp8 import gather_kv_pages_batch, write_kv_fp8_ref
+    seqs = [(40, 40), (40, 40), (40, 40)]
+    if fmt >= 0:
+        case = make_fp8_case(seqs, 4, 2, 64, 16, torch.float16, seed=25)
+        c, ks, vs = case.base, case.k_scale, case.v_scale
+        write_kv_fp8_ref(c.k, c.v, c.kv_cache, c.meta.slot_mapping, ks, vs, case.fmt)
+    else:
+        c = make_case(seqs, 4, 2, 64, 16, torch.float16, seed=26)
+        ks = vs = None
+        write_kv(c.k, c.v, c.kv_cache, c.meta.slot_mapping)
+    ws = torch.full((2, 200, 2, 64), float("nan"), dtype=torch.float16)
+    k, v = gather_kv_pages_batch(c.kv_cache, c.meta.block_tables[:3], 40, (ws[0], ws[1]), ks, vs, fmt)
+    problems = []
+    for b in range(3):
+        want_k, want_v = gather_kv(c.kv_cache, c.meta.block_tables[b], 40)
+        if fmt >= 0:
+            want_k, want_v = scaled_decode_ref(want_k, ks, fmt, torch.float16), scaled_decode_ref(want_v, vs, fmt,
+                                                                                                   torch.float16)
+        if not (torch.equal(k[b], want_k) and torch.equal(v[b], want_v)):
+            problems.append(f"request {b} differs")
+    if not torch.equal(k.reshape(120, 2, 64), ws[0, :120]):
+        problems.append("not a view of the workspace rows")
+    if not bool(ws[:, 120:].isnan().all()):
+        problems.append("wrote past B * ctx")
+    return 0.0, "; ".join(problems)
+
+
+def check_compat_equal_runs() -> tuple[float, str]:
+    """Runs of consecutive equal requests share a bridge launch and their SDPA launches (one per query head of a
+    GQA group), split into pieces that fit the workspace; results equal the reference, decode rows between runs
+    and a prefix-chunk run included."""
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+    seqs = [(24, 24)] * 5 + [(9, 1), (50, 20), (50, 20), (24, 24), (33, 33)]
+    be = TritonAttentionBackend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3", max_context=64)
+    err, problems = run_fp8_case(make_fp8_case(seqs, 8, 2, 64, 16, torch.float16, seed=27, pad_rows=2), be)
+    # workspace rows 64: the five 24-token prompts go 2 + 2 + 1, the two prefix chunks of context 50 one by one,
+    # then two single requests; GROUP = 4 launches per multi-request piece, 1 per single request
+    want_launches = 4 + 4 + 1 + 1 + 1 + 1 + 1
+    sp = be.sdpa_prefill
+    if sp.calls != 9 or sp.launches != want_launches:
+        problems = (problems + "; " if problems else "") + f"calls {sp.calls} launches {sp.launches}"
+    return err, problems
+
+
 def check_compat_workspace_reused() -> tuple[float, str]:
     """The compat SDPA prefill allocates its workspace once (at max_context) and reuses it."""
     from voltllm.attention.triton_backend import TritonAttentionBackend
@@ -287,6 +336,9 @@ def _checks():
     yield "bridge_e5m2_f32", lambda: check_bridge(1, f32)
     yield "bridge_fp16_cache", lambda: check_bridge(-1, f16)
     yield "compat_workspace_reused", check_compat_workspace_reused
+    yield "bridge_batch_e4m3", lambda: check_bridge_batch(0)
+    yield "bridge_batch_fp16_cache", lambda: check_bridge_batch(-1)
+    yield "compat_equal_runs_e4m3", check_compat_equal_runs
 
 
 def _compat_fp16_cache() -> tuple[float, str]:

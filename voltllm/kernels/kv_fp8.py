@@ -56,22 +56,24 @@ def kv_fp8_write_kernel(
 @triton.jit
 def kv_fp8_gather_kernel(
     k_cache_ptr, v_cache_ptr, block_table_ptr, k_out_ptr, v_out_ptr, k_scale_ptr, v_scale_ptr,
-    ctx_len, num_kv_heads, stride_ot, stride_oh,
+    ctx_len, num_kv_heads, stride_bt, stride_ob, stride_ot, stride_oh,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FMT: tl.constexpr,
 ):
-    """One program per (BLOCK_T tokens, head): out[t, h, :] = out_dtype(decode(cache[slot(t), h, :]) * scale).
+    """One program per (BLOCK_T tokens, head, request b):
+    out[b, t, h, :] = out_dtype(decode(cache[slot_b(t), h, :]) * scale), slot_b through block table row b.
 
     FMT -1: a float cache, copied (out_dtype(cache[slot(t), h, :]); the scales are not read)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     t_mask = t < ctx_len
-    blk = tl.load(block_table_ptr + t // PAGE, mask=t_mask, other=0).to(tl.int64)
+    blk = tl.load(block_table_ptr + b * stride_bt + t // PAGE, mask=t_mask, other=0).to(tl.int64)
     slot = blk * PAGE + t % PAGE
     mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
     src = slot[:, None] * (num_kv_heads * HEAD_DIM) + h * HEAD_DIM + d[None, :]
-    dst = t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    dst = b * stride_ob + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
     kc = tl.load(k_cache_ptr + src, mask=mask, other=0)
     vc = tl.load(v_cache_ptr + src, mask=mask, other=0)
     if FMT >= 0:
@@ -110,7 +112,8 @@ def _gather_specs() -> list[CompileSpec]:
     def sig(cache: str) -> dict[str, str]:
         return {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_table_ptr": "*i32", "k_out_ptr": "*fp16",
                 "v_out_ptr": "*fp16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "ctx_len": "i32",
-                "num_kv_heads": "i32", "stride_ot": "i32", "stride_oh": "i32", "PAGE": "constexpr",
+                "num_kv_heads": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_ot": "i32",
+                "stride_oh": "i32", "PAGE": "constexpr",
                 "HEAD_DIM": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "FMT": "constexpr"}
     shapes = list(_SPEC_SHAPES) + [("fp16 cache", -1, 128)]
     return [CompileSpec(signature=sig("*u8" if fmt >= 0 else "*fp16"), label=f"fp16 d{d} page16 {name}",
@@ -217,39 +220,58 @@ def gather_kv_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: in
     grid = (triton.cdiv(ctx_len, block_t), h)
     kv_fp8_gather_kernel[grid](
         kv_cache[0], kv_cache[1], block_table, k_out, v_out, _scale_value(k_scale, kv_cache.device),
-        _scale_value(v_scale, kv_cache.device), ctx_len, h, k_out.stride(0), k_out.stride(1),
+        _scale_value(v_scale, kv_cache.device), ctx_len, h, 0, 0, k_out.stride(0), k_out.stride(1),
         PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=f,
     )
     return k_out, v_out
 
 
-def gather_kv_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int, out: tuple[torch.Tensor, torch.Tensor],
-                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                    fmt: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int,
+                    out: tuple[torch.Tensor, torch.Tensor], k_scale: Optional[torch.Tensor] = None,
+                    v_scale: Optional[torch.Tensor] = None, fmt: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Bridge of any paged cache into workspaces: out[0][:ctx_len] = K, out[1][:ctx_len] = V, [ctx_len, H, D].
 
     fmt -1: a float cache (copied, converted to the workspace dtype; scales unused); fmt >= 0: a uint8 fp8
     cache, decode(code) * scale. k_scale / v_scale: fp32 one-element tensors on the cache's device (None:
     1.0). One Triton launch; no host sync (ctx_len is a host int). Returns the two [ctx_len, H, D] views.
     """
+    k, v = gather_kv_pages_batch(kv_cache, block_table.unsqueeze(0), ctx_len, out, k_scale, v_scale, fmt)
+    return k[0], v[0]
+
+
+def gather_kv_pages_batch(kv_cache: torch.Tensor, block_tables: torch.Tensor, ctx_len: int,
+                          out: tuple[torch.Tensor, torch.Tensor], k_scale: Optional[torch.Tensor] = None,
+                          v_scale: Optional[torch.Tensor] = None, fmt: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_kv_pages` for B requests of one context length in one launch: block_tables [B, blocks] (row
+    b: request b's pages; last dim contiguous), out = two workspaces [>= B * ctx_len, H, D] sharing strides.
+    Returns the two [B, ctx_len, H, D] views of their first B * ctx_len rows (request b at rows b * ctx_len..).
+    """
     if fmt >= 0:
         _check_cache(kv_cache)
     elif kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-        raise ValueError(f"KV cache must be contiguous (2, blocks, block_size, heads, dim), got {tuple(kv_cache.shape)}")
+        raise ValueError("KV cache must be contiguous (2, blocks, block_size, heads, dim), got "
+                         f"{tuple(kv_cache.shape)}")
     _, _, page, h, d = kv_cache.shape
-    k_out, v_out = out[0][:ctx_len], out[1][:ctx_len]
-    if k_out.stride() != v_out.stride() or k_out.stride(2) != 1 or k_out.shape[1:] != (h, d):
-        raise ValueError("K and V workspaces must be [>= ctx_len, H, D], share strides, contiguous last dim")
-    if ctx_len == 0:
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B, blocks] with a contiguous last dim, got "
+                         f"{tuple(block_tables.shape)}")
+    b = block_tables.shape[0]
+    k_flat, v_flat = out[0][:b * ctx_len], out[1][:b * ctx_len]
+    if (k_flat.shape[0] < b * ctx_len or k_flat.stride() != v_flat.stride() or k_flat.stride(2) != 1
+            or k_flat.shape[1:] != (h, d)):
+        raise ValueError("K and V workspaces must be [>= B * ctx_len, H, D], share strides, contiguous last dim")
+    k_out, v_out = k_flat.view(b, ctx_len, h, d), v_flat.view(b, ctx_len, h, d)
+    if ctx_len == 0 or b == 0:
         return k_out, v_out
     dev = kv_cache.device
     ks = k_scale if k_scale is not None else _scale_value(None, dev)
     vs = v_scale if v_scale is not None else _scale_value(None, dev)
     block_d = triton.next_power_of_2(d)
     block_t = _gather_block_t(block_d)
-    grid = (triton.cdiv(ctx_len, block_t), h)
+    grid = (triton.cdiv(ctx_len, block_t), h, b)
     kv_fp8_gather_kernel[grid](
-        kv_cache[0], kv_cache[1], block_table, k_out, v_out, ks, vs, ctx_len, h, k_out.stride(0), k_out.stride(1),
+        kv_cache[0], kv_cache[1], block_tables, k_out, v_out, ks, vs, ctx_len, h, block_tables.stride(0),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2),
         PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt,
     )
     return k_out, v_out
