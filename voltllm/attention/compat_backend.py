@@ -71,15 +71,22 @@ def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=causal_lower_right(lq, lk), scale=scale)
 
 
-def equal_runs(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:
+# Experiment knob for A / B runs (benchmarks/set_and_run.py): 0 serves every request on its own, as before
+# session 42.
+JOIN_EQUAL_REQUESTS = True
+
+
+def equal_runs(query_start_loc: list[int], seq_lens: list[int],
+               join: bool = True) -> list[tuple[int, int, int, int]]:
     """Maximal runs of consecutive sequences with more than one query row and equal (query length, context):
-    (first sequence, count, query length, context). Sequences with one query row or no context are skipped."""
+    (first sequence, count, query length, context). Sequences with one query row or no context are skipped;
+    join=False gives every sequence its own run."""
     runs: list[tuple[int, int, int, int]] = []
     for i, ctx in enumerate(seq_lens):
         lq = query_start_loc[i + 1] - query_start_loc[i]
         if lq <= 1 or ctx == 0:
             continue
-        if runs and runs[-1][0] + runs[-1][1] == i and runs[-1][2:] == (lq, ctx):
+        if join and runs and runs[-1][0] + runs[-1][1] == i and runs[-1][2:] == (lq, ctx):
             first, n, _, _ = runs[-1]
             runs[-1] = (first, n + 1, lq, ctx)
         else:
@@ -143,7 +150,7 @@ class SDPAPrefill:
         from voltllm.kernels.kv_fp8 import gather_kv_pages_batch
 
         qsl = meta.query_start_loc_cpu
-        runs = equal_runs(qsl, meta.seq_lens_cpu)
+        runs = equal_runs(qsl, meta.seq_lens_cpu, bool(JOIN_EQUAL_REQUESTS))
         if not runs:
             return
         heads, dim = kv_cache.shape[3], kv_cache.shape[4]
