@@ -1518,21 +1518,32 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
-  s118)  # (session 42) --compat sm70 prompt steps: consecutive equal requests joined (JOIN_EQUAL_REQUESTS=1) vs one
-         # request at a time (0); GPU compat-prefill tests first, then 8B 64 x 128/128 on off on, SmolLM2's shape on off
+  s118|s119)  # (session 42) --compat sm70 prompt steps. s118 (e1aff50, knob then JOIN_EQUAL_REQUESTS): consecutive
+         # equal requests joined vs one request at a time. s119: JOIN_REQUESTS 2 (varlen) vs 1 (equal runs), the join
+         # micro first. Both: GPU compat-prefill tests first, then 8B 64 x 128/128 A B A, SmolLM2's shape A B
     t0=$SECONDS
-    gpu_file test_fp8_kv_gpu 200 -k "compat or equal_runs"
     cb=voltllm.attention.compat_backend
-    jab() {  # jab NAME ON MODEL [bench args]: one compat 64-concurrent bench with JOIN_EQUAL_REQUESTS=ON
+    knob=JOIN_REQUESTS; a=2; b=1
+    if [ "$stage" = s118 ]; then
+      knob=JOIN_EQUAL_REQUESTS; a=1; b=0
+      gpu_file test_fp8_kv_gpu 200 -k "compat or equal_runs"
+    else
+      gpu_file test_fp8_kv_gpu 200 -k "compat or joined or varlen"
+      PYTHONPATH=$PWD:$PWD/tests/unit timeout 150 python3 benchmarks/micro/compat_prefill_join.py 2>&1 \
+        | grep -v -i warn | tee "$out/compat-prefill-join-$sha.txt" | tail -13
+    fi
+    jab() {  # jab NAME ON MODEL [bench args]: one compat 64-concurrent bench with the knob at ON
       local name=$1 on=$2 model=$3; shift 3
       (( SECONDS - t0 > 480 )) && return
-      bench_via "python3 benchmarks/set_and_run.py $cb:JOIN_EQUAL_REQUESTS=$on --" --random-weights $model \
+      bench_via "python3 benchmarks/set_and_run.py $cb:$knob=$on --" --random-weights $model \
         --dtype half --compat sm70 --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 \
         --num-warm 2 --name $model-fp16-compat-c64-$name-$sha "$@" > "$out/c64-$name.log"
       echo "$name $(grep -E "^(concurrent|output_tok|ttft)" "$out/c64-$name.log" | awk '{print $1, $5}' | tr '\n' ' ')"
     }
-    jab join1 1 qwen3-8b-shape; jab single 0 qwen3-8b-shape; jab join2 1 qwen3-8b-shape
-    jab smjoin 1 smollm2-135m-shape; jab smsingle 0 smollm2-135m-shape
+    jab join1 $a qwen3-8b-shape; jab single $b qwen3-8b-shape; jab join2 $a qwen3-8b-shape
+    jab smjoin $a smollm2-135m-shape; jab smsingle $b smollm2-135m-shape
+    # at most 8 files come back: the logs carry the tables; keep the first 8B JSON
+    [ "$stage" = s119 ] && find "$out" -name "*compat-c64-*.json" ! -name "*-join1-*" -delete
     ;;
   s96mtpb)  # (mtp branch, queued) the 27B shape's plain step vs its MTP round at K = 1..3 (random weights; 4 engines)
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \

@@ -193,22 +193,28 @@ def test_compat_prefill_fp16_cache(d):
     assert not problems and err < TOL[torch.float16], (err, problems)
 
 
+@pytest.mark.parametrize("join", [1, 2])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_compat_prefill_equal_runs(d):
-    """Consecutive equal requests (64 x 128-token prompts, the concurrent bench's prompt step, then a run of prefix
-    chunks) go through one bridge and GROUP SDPA launches per workspace piece, on the efficient kernel; results
-    match the reference like the per-request path."""
+def test_compat_prefill_joined_requests(d, join, monkeypatch):
+    """Joined requests on the compat prefill: runs of consecutive equal requests (join 1: one bridge and GROUP SDPA
+    launches per workspace piece) and the varlen form (join 2: one bridge and one attention launch per piece, any
+    lengths), both on the efficient-attention kernel, both matching the reference like the per-request path:
+    64 x 128-token prompts (the concurrent bench's prompt step), a decode row, prefix chunks, mixed lengths."""
     from torch.profiler import ProfilerActivity, profile
+    from voltllm.attention import compat_backend
+    monkeypatch.setattr(compat_backend, "JOIN_REQUESTS", join)
     hq, hkv = _heads(d)
-    seqs = [(128, 128)] * 64 + [(300, 1)] + [(700, 200)] * 3
+    seqs = [(128, 128)] * 64 + [(300, 1)] + [(700, 200)] * 3 + [(1000, 1000), (77, 77), (1500, 33)]
     case = H.make_case(seqs, hq, hkv, d, 16, torch.float16, device=DEV, pad_rows=2, seed=_seed(f"runs d{d}"))
     be = _backend(use_tensor_cores=False, max_context=2048)
     err, problems = H.run_backend_case(case, be)
     assert not problems and err < TOL[torch.float16], (err, problems)
     g = hq // hkv
-    # workspace rows 2,048: the 64 prompts in pieces of 16; the chunks over a prefix of 700 two, then one
-    assert be.sdpa_prefill.calls == 67
-    assert be.sdpa_prefill.launches == 4 * g + g + 1, be.sdpa_prefill.launches
+    assert be.sdpa_prefill.calls == 70
+    if join == 1:  # pieces of 16 prompts; the prefix chunks two, then one; three single requests
+        assert be.sdpa_prefill.launches == 4 * g + g + 1 + 3, be.sdpa_prefill.launches
+    else:  # workspace rows 2,048: 16 prompts | 700 + 700 | 700 + 1000 + 77 | 1500
+        assert be.sdpa_prefill.launches == 4 + 1 + 1 + 1, be.sdpa_prefill.launches
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the backend only, not the reference
         be.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, case.scale)
@@ -216,6 +222,34 @@ def test_compat_prefill_equal_runs(d):
     names = [e.key for e in prof.key_averages()]
     assert any("fmha" in n.lower() or "efficient_attention" in n.lower() for n in names), names
     assert not any("flash" in n.lower() for n in names), names
+
+
+def test_varlen_attention_op_semantics():
+    """What the compat prefill's varlen form assumes of torch's `_efficient_attention_forward`: sequence i is query
+    rows cu_q[i]..cu_q[i+1] against keys k_start[i]..k_start[i] + seqlen_k[i] (ranges may overlap: a GQA group's
+    heads share them), bottom-right causal; checked against the fp32 reference the CPU tests use."""
+    from voltllm.attention.compat_backend import _varlen_op
+    op = _varlen_op()
+    assert op is not None, "this torch lacks the varlen efficient-attention op (the compat prefill falls back)"
+    gen = torch.Generator().manual_seed(_seed("varlen op"))
+    rows, h, d = 600, 4, 128
+    k = torch.randn(1, rows, h, d, generator=gen).half().to(DEV)
+    v = torch.randn(1, rows, h, d, generator=gen).half().to(DEV)
+    # (query rows, key start, key count): equal ranges (one request's G heads), a prefix chunk, one query row
+    seqs = [(50, 0, 50), (50, 0, 50), (20, 100, 300), (1, 100, 300), (77, 450, 150)]
+    cu_q = [0]
+    for n, _, _ in seqs:
+        cu_q.append(cu_q[-1] + n)
+    q = torch.randn(1, cu_q[-1], h, d, generator=gen).half().to(DEV)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    args = (torch.tensor(cu_q, **i32), torch.tensor([s for _, s, _ in seqs] + [rows], **i32),
+            max(n for n, _, _ in seqs), max(c for _, _, c in seqs), 0.0, 2, False)
+    got = op(q, k, v, None, *args, scale=0.09, seqlen_k=torch.tensor([c for _, _, c in seqs], **i32))[0]
+    want = F.reference_varlen_attention(q.cpu(), k.cpu(), v.cpu(), None, *[a.cpu() if torch.is_tensor(a) else a
+                                                                          for a in args], scale=0.09,
+                                        seqlen_k=torch.tensor([c for _, _, c in seqs]))[0]
+    err = ((got.float().cpu() - want.float()).norm() / want.float().norm()).item()
+    assert err < TOL[torch.float16], err
 
 
 def test_compat_prefill_runs_efficient_attention_kernel():

@@ -259,6 +259,75 @@ def check_compat_equal_runs() -> tuple[float, str]:
     return err, problems
 
 
+def check_bridge_varlen(fmt: int) -> tuple[float, str]:
+    """gather_kv_pages_varlen: requests of different lengths, block-table rows out of order, at given workspace
+    rows, in one launch, equal the reference gathers; rows outside the given ranges stay untouched."""
+    from voltllm.attention.torch_ref import gather_kv, write_kv
+    from voltllm.kernels.fp8_codec import scaled_decode_ref
+    from voltllm.kernels.kv_fp8 import gather_kv_pages_varlen, write_kv_fp8_ref
+    seqs = [(40, 40), (9, 9), (70, 70)]
+    if fmt >= 0:
+        case = make_fp8_case(seqs, 4, 2, 64, 16, torch.float16, seed=28)
+        c, ks, vs = case.base, case.k_scale, case.v_scale
+        write_kv_fp8_ref(c.k, c.v, c.kv_cache, c.meta.slot_mapping, ks, vs, case.fmt)
+    else:
+        c = make_case(seqs, 4, 2, 64, 16, torch.float16, seed=29)
+        ks = vs = None
+        write_kv(c.k, c.v, c.kv_cache, c.meta.slot_mapping)
+    plan = torch.tensor([[2, 0, 1], [70, 40, 9], [5, 80, 130]], dtype=torch.int32)  # row, ctx, first row
+    ws = torch.full((2, 200, 2, 64), float("nan"), dtype=torch.float16)
+    gather_kv_pages_varlen(c.kv_cache, c.meta.block_tables, plan, 70, (ws[0], ws[1]), ks, vs, fmt)
+    problems = []
+    for row, ctx, start in plan.t().tolist():
+        want_k, want_v = gather_kv(c.kv_cache, c.meta.block_tables[row], ctx)
+        if fmt >= 0:
+            want_k = scaled_decode_ref(want_k, ks, fmt, torch.float16)
+            want_v = scaled_decode_ref(want_v, vs, fmt, torch.float16)
+        if not (torch.equal(ws[0, start:start + ctx], want_k) and torch.equal(ws[1, start:start + ctx], want_v)):
+            problems.append(f"request {row} differs")
+    untouched = torch.ones(200, dtype=torch.bool)
+    for _, ctx, start in plan.t().tolist():
+        untouched[start:start + ctx] = False
+    if not bool(ws[:, untouched].isnan().all()):
+        problems.append("wrote outside the requests' rows")
+    return 0.0, "; ".join(problems)
+
+
+def reference_varlen_attention(q, k, v, bias, cu_q, k_start, max_q, max_k, dropout_p, mask_type, lse, *, scale,
+                               seqlen_k):
+    """The semantics the compat prefill relies on from torch's `_efficient_attention_forward` with sequence
+    offsets (checked against the real op on the GPU): sequence i is query rows cu_q[i]..cu_q[i+1] against keys
+    k_start[i]..k_start[i] + seqlen_k[i], bottom-right causal (mask_type 2), in fp32 here."""
+    assert bias is None and dropout_p == 0.0 and mask_type == 2 and q.shape[0] == 1
+    out = torch.full_like(q, float("nan"))
+    for i in range(cu_q.numel() - 1):
+        a, b = int(cu_q[i]), int(cu_q[i + 1])
+        s0, n = int(k_start[i]), int(seqlen_k[i])
+        qs, ks_, vs_ = q[0, a:b].float(), k[0, s0:s0 + n].float(), v[0, s0:s0 + n].float()  # [L, H, D]
+        logits = torch.einsum("qhd,khd->hqk", qs, ks_) * scale
+        lq = b - a
+        allowed = torch.arange(n)[None, :] <= torch.arange(lq)[:, None] + (n - lq)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        out[0, a:b] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), vs_).to(q.dtype)
+    return (out,)
+
+
+def check_compat_varlen() -> tuple[float, str]:
+    """The varlen form (one bridge + one attention launch per workspace piece, every multi-row request of the
+    step joined whatever its lengths) with a reference op in place of torch's CUDA kernel: same output as the
+    reference attention; decode rows, prefix chunks, equal runs, one piece split by the workspace."""
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+    seqs = [(24, 24), (24, 24), (9, 1), (50, 20), (31, 31), (60, 2), (17, 17), (5, 1)]
+    be = TritonAttentionBackend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3", max_context=100)
+    be.sdpa_prefill.varlen_op = reference_varlen_attention
+    err, problems = run_fp8_case(make_fp8_case(seqs, 8, 2, 64, 16, torch.float16, seed=30, pad_rows=2), be)
+    # workspace rows 100: 24 + 24 + 50 | 31 + 60 | 17
+    sp = be.sdpa_prefill
+    if sp.calls != 6 or sp.launches != 3:
+        problems = (problems + "; " if problems else "") + f"calls {sp.calls} launches {sp.launches}"
+    return err, problems
+
+
 def check_compat_workspace_reused() -> tuple[float, str]:
     """The compat SDPA prefill allocates its workspace once (at max_context) and reuses it."""
     from voltllm.attention.triton_backend import TritonAttentionBackend
@@ -339,6 +408,9 @@ def _checks():
     yield "bridge_batch_e4m3", lambda: check_bridge_batch(0)
     yield "bridge_batch_fp16_cache", lambda: check_bridge_batch(-1)
     yield "compat_equal_runs_e4m3", check_compat_equal_runs
+    yield "bridge_varlen_e4m3", lambda: check_bridge_varlen(0)
+    yield "bridge_varlen_fp16_cache", lambda: check_bridge_varlen(-1)
+    yield "compat_varlen_e4m3", check_compat_varlen
 
 
 def _compat_fp16_cache() -> tuple[float, str]:

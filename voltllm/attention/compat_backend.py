@@ -5,7 +5,7 @@ vendor kernel instead: torch's scaled_dot_product_attention with the memory-effi
 which runs on SM70 tensor cores. That kernel needs contiguous K/V, so for every request with more than
 one query row this step:
 
-1. bridge: one Triton launch (voltllm.kernels.kv_fp8.gather_kv_pages_batch) copies the request's first
+1. bridge: one Triton launch (voltllm.kernels.kv_fp8.gather_kv_pages_*) copies the request's first
    seq_len tokens from its pages into a contiguous workspace [ctx, Hkv, D] in the query dtype; an fp8
    cache is decoded there in software (decode(code) * scale), a float cache is copied;
 2. SDPA: causal attention of the request's Lq query rows as the *last* Lq positions of the context
@@ -14,12 +14,16 @@ one query row this step:
    q [Lq, Hkv*G, D] -> view [G, Hkv, Lq, D], and K/V are the workspace viewed [1, Hkv, ctx, D] expanded
    (stride 0) to batch G.
 
-Consecutive requests with the same query length and context (a burst of equal prompts, the usual
-concurrent-benchmark shape) go together: one bridge launch fills [B, ctx, Hkv, D] and SDPA runs with the
-B requests as the batch dimension, once per query head of a GQA group (GROUP launches, each on strided
-views: K/V cannot be expanded over both B and GROUP without a copy). Per request, each of the ~4 host
-launches costs tens of microseconds of Python; at 64 prompts x 36 layers that was ~9,000 launches per prompt
-step, which left the compat route's prompt step host-bound.
+Requests are joined, because per request each of its ~3 host launches costs tens of microseconds of Python
+(at 64 prompts x 36 layers ~7,000 launches per prompt step left the compat route's prompt step host-bound):
+- on CUDA, every multi-row request of the step in one launch of the efficient-attention kernel's varlen form
+  (torch's `_efficient_attention_forward` with sequence offsets, the kernel SDPA's efficient backend runs):
+  each (request, query head of its GQA group) is one sequence whose keys are its request's workspace rows
+  (start + length per sequence, so the G heads share them without copies), bottom-right causal; one varlen
+  bridge launch fills the workspace, one gather packs the queries and one scatter unpacks the output;
+- without that op (or on the CPU), runs of consecutive requests with the same query length and context: one
+  bridge launch fills [B, ctx, Hkv, D] and SDPA takes the B requests as its batch, once per query head of a
+  GQA group (K / V cannot be expanded over both B and GROUP without a copy); other requests one by one.
 
 Decode rows of a mixed batch (Lq == 1) are not worth a bridge: the caller runs the FMA paged-decode
 kernel for them.
@@ -27,13 +31,14 @@ kernel for them.
 The workspace is allocated once at the largest context the engine can hold (max_context; the runner
 passes --max-model-len, so the memory profiler's forward allocates it at full size and the KV budget
 accounts for it) and reused by every layer and step; it only grows if a longer context than announced
-arrives; a run of equal requests is split into pieces that fit it. The host knows every length: no device
+arrives; joined requests are split into pieces whose contexts fit it. The host knows every length: no device
 syncs.
 On CUDA the SDPA calls are pinned to the efficient-attention kernel (the one V100 has), so
 `--compat sm70` on a newer GPU tests the same kernel.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -71,9 +76,81 @@ def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=causal_lower_right(lq, lk), scale=scale)
 
 
-# Experiment knob for A / B runs (benchmarks/set_and_run.py): 0 serves every request on its own, as before
-# session 42.
-JOIN_EQUAL_REQUESTS = True
+# Experiment knob for A / B runs (benchmarks/set_and_run.py): how the compat prefill joins requests on CUDA.
+# 0: every request on its own (as before session 42); 1: runs of consecutive equal requests (GROUP SDPA launches
+# per run); 2: every multi-row request of the step in one varlen launch (when torch has the op; else 1).
+JOIN_REQUESTS = 2
+
+
+def _varlen_op():
+    """torch's memory-efficient attention with sequence offsets (the kernel SDPA's efficient backend runs), or
+    None when this torch lacks it. Private ATen op: its schema is checked so a change falls back, not breaks."""
+    op = getattr(torch.ops.aten, "_efficient_attention_forward", None)
+    try:
+        schema = str(op.default._schema) if op is not None else ""
+    except Exception:  # noqa: BLE001 -- any failure to introspect means "not available"
+        return None
+    need = ("cu_seqlens_q", "cu_seqlens_k", "custom_mask_type", "seqlen_k", "scale")
+    return op.default if all(n in schema for n in need) else None
+
+
+_BOTTOM_RIGHT_CAUSAL = 2  # the op's custom_mask_type: query i of a sequence sees keys <= i + (keys - queries)
+
+
+@dataclass
+class VarlenPiece:
+    """One varlen launch: its requests' bridge plan and the packed query layout (all on the device)."""
+    seqs: list[int]  # sequence indices (host)
+    bridge: torch.Tensor  # int32 [3, B]: block-table row, context, first workspace row
+    max_ctx: int
+    rows: torch.Tensor  # int64 [N]: the token row of each packed query row
+    heads: torch.Tensor  # int64 [N]: its query head within the GQA group
+    cu_q: torch.Tensor  # int32 [B * G + 1]: packed query offsets of the (request, group head) sequences
+    k_start: torch.Tensor  # int32 [B * G + 1]: first workspace row of each sequence's keys (shared by its G heads)
+    k_len: torch.Tensor  # int32 [B * G]: its key count
+    max_q: int
+
+
+def varlen_pieces(query_start_loc: list[int], seq_lens: list[int], group: int, ws_rows: int,
+                  device: torch.device) -> list[VarlenPiece]:
+    """The step's multi-row requests packed into launches whose contexts fit a workspace of ws_rows rows. Each
+    (request, query head of its GQA group) is one sequence of the varlen op, so K / V stay per kv head."""
+    pieces, cur, used = [], [], 0
+    for i, ctx in enumerate(seq_lens):
+        if query_start_loc[i + 1] - query_start_loc[i] <= 1 or ctx == 0:
+            continue
+        if cur and used + ctx > ws_rows:
+            pieces.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += ctx
+    if cur:
+        pieces.append(cur)
+    out = []
+    for seqs in pieces:
+        starts, rows, heads, cu_q, k_start, k_len = [], [], [], [0], [], []
+        row0 = 0
+        for i in seqs:
+            s, e, ctx = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
+            starts.append(row0)
+            for g in range(group):
+                rows.extend(range(s, e))
+                heads.extend([g] * (e - s))
+                cu_q.append(cu_q[-1] + e - s)
+                k_start.append(row0)
+                k_len.append(ctx)
+            row0 += ctx
+        k_start.append(row0)
+
+        def dev(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        out.append(VarlenPiece(
+            seqs=seqs, bridge=dev([seqs, [seq_lens[i] for i in seqs], starts]),
+            max_ctx=max(seq_lens[i] for i in seqs), rows=dev(rows, torch.int64), heads=dev(heads, torch.int64),
+            cu_q=dev(cu_q), k_start=dev(k_start), k_len=dev(k_len),
+            max_q=max(query_start_loc[i + 1] - query_start_loc[i] for i in seqs)))
+    return out
 
 
 def equal_runs(query_start_loc: list[int], seq_lens: list[int],
@@ -118,11 +195,16 @@ def sdpa_causal_gqa_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 class SDPAPrefill:
     """Prefill attention of the compat route; holds the reusable K/V workspace."""
 
-    def __init__(self, max_context: Optional[int] = None) -> None:
+    def __init__(self, max_context: Optional[int] = None, varlen_op=None) -> None:
+        """varlen_op: the varlen attention callable, with the signature and semantics of torch's
+        `_efficient_attention_forward` (None: that op, on CUDA, when this torch has it; tests pass a reference)."""
         self.max_context = max_context
+        self.varlen_op = varlen_op
         self._ws: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.calls = 0  # sequences attended (for the acceleration report / tests)
-        self.launches = 0  # SDPA launches (equal consecutive requests share them)
+        self.launches = 0  # attention launches (joined requests share them)
+        self._plan_key: Optional[tuple] = None  # the varlen plan of the current step's lengths
+        self._plan: list[VarlenPiece] = []
 
     def workspace(self, ctx: int, heads: int, dim: int, dtype: torch.dtype,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,12 +232,19 @@ class SDPAPrefill:
         from voltllm.kernels.kv_fp8 import gather_kv_pages_batch
 
         qsl = meta.query_start_loc_cpu
-        runs = equal_runs(qsl, meta.seq_lens_cpu, bool(JOIN_EQUAL_REQUESTS))
+        join = int(JOIN_REQUESTS)
+        runs = equal_runs(qsl, meta.seq_lens_cpu, join >= 1)
         if not runs:
             return
         heads, dim = kv_cache.shape[3], kv_cache.shape[4]
         k_ws, v_ws = self.workspace(max(r[3] for r in runs), heads, dim, q.dtype, q.device)
         g = q.shape[1] // heads
+        op = None
+        if join >= 2 and (len(runs) > 1 or runs[0][1] > 1):
+            op = self.varlen_op if self.varlen_op is not None else (_varlen_op() if q.is_cuda else None)
+        if op is not None:
+            self._varlen(op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g)
+            return
         with _sdpa_context(q.device):
             for first, count, lq, ctx in runs:
                 per_piece = max(1, k_ws.shape[0] // ctx)  # requests whose contexts fit the workspace at once
@@ -172,3 +261,25 @@ class SDPAPrefill:
                         self.launches += sdpa_causal_gqa_batch(q[s:e].view(n, lq, -1, dim), kc, vc, scale,
                                                                out[s:e].view(n, lq, -1, dim))
                     self.calls += n
+
+    def _varlen(self, op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g) -> None:
+        """Every multi-row request in one bridge + one varlen attention launch per workspace piece. The plan is
+        built once per step (the layers share the metadata) and kept until the lengths change."""
+        from voltllm.kernels.kv_fp8 import gather_kv_pages_varlen
+
+        t, heads, dim = q.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+        key = (tuple(meta.query_start_loc_cpu), tuple(meta.seq_lens_cpu), g, k_ws.shape[0], str(q.device))
+        if self._plan_key != key:
+            self._plan = varlen_pieces(meta.query_start_loc_cpu, meta.seq_lens_cpu, g, k_ws.shape[0], q.device)
+            self._plan_key = key
+        q_g = q.view(t, heads, g, dim).transpose(1, 2)  # [T, G, Hkv, D]: a query row per (token, group head)
+        out_g = out.view(t, heads, g, dim).transpose(1, 2)
+        for piece in self._plan:
+            gather_kv_pages_varlen(kv_cache, meta.block_tables, piece.bridge, piece.max_ctx, (k_ws, v_ws),
+                                   k_scale, v_scale, kv_fmt)
+            qp = q_g[piece.rows, piece.heads].unsqueeze(0)  # [1, N, Hkv, D], packed by (request, head, row)
+            o = op(qp, k_ws.unsqueeze(0), v_ws.unsqueeze(0), None, piece.cu_q, piece.k_start, piece.max_q,
+                   piece.max_ctx, 0.0, _BOTTOM_RIGHT_CAUSAL, False, scale=scale, seqlen_k=piece.k_len)[0]
+            out_g[piece.rows, piece.heads] = o[0]
+            self.launches += 1
+            self.calls += len(piece.seqs)

@@ -56,24 +56,35 @@ def kv_fp8_write_kernel(
 @triton.jit
 def kv_fp8_gather_kernel(
     k_cache_ptr, v_cache_ptr, block_table_ptr, k_out_ptr, v_out_ptr, k_scale_ptr, v_scale_ptr,
+    seq_ptr, ctx_ptr, start_ptr,
     ctx_len, num_kv_heads, stride_bt, stride_ob, stride_ot, stride_oh,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FMT: tl.constexpr,
+    FMT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """One program per (BLOCK_T tokens, head, request b):
     out[b, t, h, :] = out_dtype(decode(cache[slot_b(t), h, :]) * scale), slot_b through block table row b.
+    VARLEN: request b is block-table row seq[b] with ctx[b] tokens, written from workspace row start[b]
+    (ctx_len is then the longest, which sizes the grid; stride_ob is unused).
 
     FMT -1: a float cache, copied (out_dtype(cache[slot(t), h, :]); the scales are not read)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    t_mask = t < ctx_len
-    blk = tl.load(block_table_ptr + b * stride_bt + t // PAGE, mask=t_mask, other=0).to(tl.int64)
+    if VARLEN:
+        row = tl.load(seq_ptr + b).to(tl.int64)
+        n = tl.load(ctx_ptr + b)
+        out_row0 = tl.load(start_ptr + b).to(tl.int64) * stride_ot
+    else:
+        row = b
+        n = ctx_len
+        out_row0 = b * stride_ob
+    t_mask = t < n
+    blk = tl.load(block_table_ptr + row * stride_bt + t // PAGE, mask=t_mask, other=0).to(tl.int64)
     slot = blk * PAGE + t % PAGE
     mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
     src = slot[:, None] * (num_kv_heads * HEAD_DIM) + h * HEAD_DIM + d[None, :]
-    dst = b * stride_ob + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    dst = out_row0 + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
     kc = tl.load(k_cache_ptr + src, mask=mask, other=0)
     vc = tl.load(v_cache_ptr + src, mask=mask, other=0)
     if FMT >= 0:
@@ -111,15 +122,21 @@ def _write_specs() -> list[CompileSpec]:
 def _gather_specs() -> list[CompileSpec]:
     def sig(cache: str) -> dict[str, str]:
         return {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_table_ptr": "*i32", "k_out_ptr": "*fp16",
-                "v_out_ptr": "*fp16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "ctx_len": "i32",
+                "v_out_ptr": "*fp16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "seq_ptr": "*i32",
+                "ctx_ptr": "*i32", "start_ptr": "*i32", "ctx_len": "i32",
                 "num_kv_heads": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_ot": "i32",
                 "stride_oh": "i32", "PAGE": "constexpr",
-                "HEAD_DIM": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "FMT": "constexpr"}
-    shapes = list(_SPEC_SHAPES) + [("fp16 cache", -1, 128)]
-    return [CompileSpec(signature=sig("*u8" if fmt >= 0 else "*fp16"), label=f"fp16 d{d} page16 {name}",
+                "HEAD_DIM": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "FMT": "constexpr",
+                "VARLEN": "constexpr"}
+    # the varlen form (the compat prefill's joined requests) for one fp8 format and the float cache
+    shapes = [(name, fmt, d, False) for name, fmt, d in _SPEC_SHAPES] + [("fp16 cache", -1, 128, False),
+                                                                        ("e4m3", 0, 128, True),
+                                                                        ("fp16 cache", -1, 128, True)]
+    return [CompileSpec(signature=sig("*u8" if fmt >= 0 else "*fp16"),
+                        label=f"fp16 d{d} page16 {name}" + (" varlen" if varlen else ""),
                         constexprs={"PAGE": 16, "HEAD_DIM": d, "BLOCK_T": _gather_block_t(d), "BLOCK_D": d,
-                                    "FMT": fmt})
-            for name, fmt, d in shapes]
+                                    "FMT": fmt, "VARLEN": varlen})
+            for name, fmt, d, varlen in shapes]
 
 
 register_kernel("fp8.kv_write", kv_fp8_write_kernel, _write_specs(), compat=True)
@@ -220,8 +237,9 @@ def gather_kv_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: in
     grid = (triton.cdiv(ctx_len, block_t), h)
     kv_fp8_gather_kernel[grid](
         kv_cache[0], kv_cache[1], block_table, k_out, v_out, _scale_value(k_scale, kv_cache.device),
-        _scale_value(v_scale, kv_cache.device), ctx_len, h, 0, 0, k_out.stride(0), k_out.stride(1),
-        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=f,
+        _scale_value(v_scale, kv_cache.device), block_table, block_table, block_table, ctx_len, h, 0, 0,
+        k_out.stride(0), k_out.stride(1), PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=f,
+        VARLEN=False,
     )
     return k_out, v_out
 
@@ -270,8 +288,43 @@ def gather_kv_pages_batch(kv_cache: torch.Tensor, block_tables: torch.Tensor, ct
     block_t = _gather_block_t(block_d)
     grid = (triton.cdiv(ctx_len, block_t), h, b)
     kv_fp8_gather_kernel[grid](
-        kv_cache[0], kv_cache[1], block_tables, k_out, v_out, ks, vs, ctx_len, h, block_tables.stride(0),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt,
+        kv_cache[0], kv_cache[1], block_tables, k_out, v_out, ks, vs, block_tables, block_tables, block_tables,
+        ctx_len, h, block_tables.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt, VARLEN=False,
     )
     return k_out, v_out
+
+
+def gather_kv_pages_varlen(kv_cache: torch.Tensor, block_tables: torch.Tensor, plan: torch.Tensor, max_ctx: int,
+                           out: tuple[torch.Tensor, torch.Tensor], k_scale: Optional[torch.Tensor] = None,
+                           v_scale: Optional[torch.Tensor] = None, fmt: int = -1) -> None:
+    """`gather_kv_pages` for requests of any context lengths in one launch. plan: int32 [3, B] on the cache's
+    device, rows (block-table row, context length, first workspace row) per request; max_ctx: the longest
+    context (a host int, sizes the grid). Request b's K / V land in out[0] / out[1] rows start_b ..
+    start_b + ctx_b - 1 ([>= rows, H, D] workspaces sharing strides); the caller keeps the ranges apart."""
+    if fmt >= 0:
+        _check_cache(kv_cache)
+    elif kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError("KV cache must be contiguous (2, blocks, block_size, heads, dim), got "
+                         f"{tuple(kv_cache.shape)}")
+    _, _, page, h, d = kv_cache.shape
+    k_out, v_out = out
+    if (k_out.stride() != v_out.stride() or k_out.stride(2) != 1 or k_out.shape[1:] != (h, d)
+            or block_tables.stride(1) != 1 or plan.dtype != torch.int32 or plan.dim() != 2 or plan.shape[0] != 3):
+        raise ValueError("gather_kv_pages_varlen: workspaces [rows, H, D] sharing strides, block_tables with a "
+                         "contiguous last dim, plan int32 [3, B]")
+    b = plan.shape[1]
+    if b == 0 or max_ctx == 0:
+        return
+    plan = plan.contiguous()
+    dev = kv_cache.device
+    ks = k_scale if k_scale is not None else _scale_value(None, dev)
+    vs = v_scale if v_scale is not None else _scale_value(None, dev)
+    block_d = triton.next_power_of_2(d)
+    block_t = _gather_block_t(block_d)
+    grid = (triton.cdiv(max_ctx, block_t), h, b)
+    kv_fp8_gather_kernel[grid](
+        kv_cache[0], kv_cache[1], block_tables, k_out, v_out, ks, vs, plan[0], plan[1], plan[2],
+        max_ctx, h, block_tables.stride(0), 0, k_out.stride(0), k_out.stride(1),
+        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt, VARLEN=True,
+    )
