@@ -1529,7 +1529,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       gpu_file test_fp8_kv_gpu 200 -k "compat or equal_runs"
     else
       gpu_file test_fp8_kv_gpu 200 -k "compat or joined or varlen"
-      PYTHONPATH=$PWD:$PWD/tests/unit timeout 150 python3 benchmarks/micro/compat_prefill_join.py 2>&1 \
+      PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/unit timeout 150 python3 benchmarks/micro/compat_prefill_join.py 2>&1 \
         | grep -v -i warn | tee "$out/compat-prefill-join-$sha.txt" | tail -13
     fi
     jab() {  # jab NAME ON MODEL [bench args]: one compat 64-concurrent bench with the knob at ON

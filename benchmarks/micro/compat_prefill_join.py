@@ -1,6 +1,6 @@
 """The compat route's prefill attention (bridge + efficient attention) with requests joined three ways (GPU only).
 
-    PYTHONPATH=$PWD:$PWD/tests/unit python3 benchmarks/micro/compat_prefill_join.py
+    PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/unit python3 benchmarks/micro/compat_prefill_join.py
 
 `compat_backend.JOIN_REQUESTS` 0 (one request at a time), 1 (runs of consecutive equal requests) and 2 (one varlen
 launch per workspace piece), for prompt steps of the 8B's and SmolLM2's heads: 64 equal 128-token prompts and 64

@@ -213,7 +213,7 @@ def test_compat_prefill_joined_requests(d, join, monkeypatch):
     assert be.sdpa_prefill.calls == 70
     if join == 1:  # pieces of 16 prompts; the prefix chunks two, then one; three single requests
         assert be.sdpa_prefill.launches == 4 * g + g + 1 + 3, be.sdpa_prefill.launches
-    else:  # workspace rows 2,048: 16 prompts | 700 + 700 | 700 + 1000 + 77 | 1500
+    else:  # a decode row splits pieces; workspace rows 2,048: 16 prompts x 4 | 700 + 700 | 700 + 1000 + 77 | 1500
         assert be.sdpa_prefill.launches == 4 + 1 + 1 + 1, be.sdpa_prefill.launches
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the backend only, not the reference

@@ -321,7 +321,7 @@ def check_compat_varlen() -> tuple[float, str]:
     be = TritonAttentionBackend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3", max_context=100)
     be.sdpa_prefill.varlen_op = reference_varlen_attention
     err, problems = run_fp8_case(make_fp8_case(seqs, 8, 2, 64, 16, torch.float16, seed=30, pad_rows=2), be)
-    # workspace rows 100: 24 + 24 + 50 | 31 + 60 | 17
+    # workspace rows 100; one-row sequences split pieces: 24 + 24 | 50 + 31 | 60 + 17
     sp = be.sdpa_prefill
     if sp.calls != 6 or sp.launches != 3:
         problems = (problems + "; " if problems else "") + f"calls {sp.calls} launches {sp.launches}"

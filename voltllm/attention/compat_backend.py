@@ -20,7 +20,8 @@ Requests are joined, because per request each of its ~3 host launches costs tens
   (torch's `_efficient_attention_forward` with sequence offsets, the kernel SDPA's efficient backend runs):
   each (request, query head of its GQA group) is one sequence whose keys are its request's workspace rows
   (start + length per sequence, so the G heads share them without copies), bottom-right causal; one varlen
-  bridge launch fills the workspace, one gather packs the queries and one scatter unpacks the output;
+  bridge launch fills the workspace, one strided copy packs the queries group-head major and one unpacks the
+  output (a one-row sequence between requests starts a new launch, so each launch's rows are one range);
 - without that op (or on the CPU), runs of consecutive requests with the same query length and context: one
   bridge launch fills [B, ctx, Hkv, D] and SDPA takes the B requests as its batch, once per query head of a
   GQA group (K / V cannot be expanded over both B and GROUP without a copy); other requests one by one.
@@ -99,25 +100,31 @@ _BOTTOM_RIGHT_CAUSAL = 2  # the op's custom_mask_type: query i of a sequence see
 
 @dataclass
 class VarlenPiece:
-    """One varlen launch: its requests' bridge plan and the packed query layout (all on the device)."""
+    """One varlen launch over the query rows [row0, row1) of consecutive multi-row requests. Packed queries are
+    group-head major: (head g, request i) is sequence g * B + i, its rows at g * (row1 - row0) + (s_i - row0)."""
     seqs: list[int]  # sequence indices (host)
-    bridge: torch.Tensor  # int32 [3, B]: block-table row, context, first workspace row
-    max_ctx: int
-    rows: torch.Tensor  # int64 [N]: the token row of each packed query row
-    heads: torch.Tensor  # int64 [N]: its query head within the GQA group
-    cu_q: torch.Tensor  # int32 [B * G + 1]: packed query offsets of the (request, group head) sequences
-    k_start: torch.Tensor  # int32 [B * G + 1]: first workspace row of each sequence's keys (shared by its G heads)
-    k_len: torch.Tensor  # int32 [B * G]: its key count
+    row0: int
+    row1: int
+    bridge: torch.Tensor  # int32 [3, B] (device): block-table row, context, first workspace row
+    cu_q: torch.Tensor  # int32 [G * B + 1] (device): packed query offsets of the sequences
+    k_start: torch.Tensor  # int32 [G * B + 1] (device): first workspace row of each sequence's keys (its request's)
+    k_len: torch.Tensor  # int32 [G * B] (device): its key count
     max_q: int
+    max_ctx: int
 
 
 def varlen_pieces(query_start_loc: list[int], seq_lens: list[int], group: int, ws_rows: int,
                   device: torch.device) -> list[VarlenPiece]:
-    """The step's multi-row requests packed into launches whose contexts fit a workspace of ws_rows rows. Each
-    (request, query head of its GQA group) is one sequence of the varlen op, so K / V stay per kv head."""
+    """The step's multi-row requests packed into launches: consecutive requests (a one-row or empty sequence
+    between them starts a new piece, so a piece's query rows are one range) whose contexts fit a workspace of
+    ws_rows rows. Each (query head of a GQA group, request) is one sequence of the varlen op, its keys its
+    request's workspace rows, so K / V stay per kv head."""
     pieces, cur, used = [], [], 0
     for i, ctx in enumerate(seq_lens):
         if query_start_loc[i + 1] - query_start_loc[i] <= 1 or ctx == 0:
+            if cur:
+                pieces.append(cur)
+            cur, used = [], 0
             continue
         if cur and used + ctx > ws_rows:
             pieces.append(cur)
@@ -128,28 +135,25 @@ def varlen_pieces(query_start_loc: list[int], seq_lens: list[int], group: int, w
         pieces.append(cur)
     out = []
     for seqs in pieces:
-        starts, rows, heads, cu_q, k_start, k_len = [], [], [], [0], [], []
-        row0 = 0
-        for i in seqs:
-            s, e, ctx = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
-            starts.append(row0)
-            for g in range(group):
-                rows.extend(range(s, e))
-                heads.extend([g] * (e - s))
-                cu_q.append(cu_q[-1] + e - s)
-                k_start.append(row0)
-                k_len.append(ctx)
-            row0 += ctx
-        k_start.append(row0)
-
-        def dev(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
-        out.append(VarlenPiece(
-            seqs=seqs, bridge=dev([seqs, [seq_lens[i] for i in seqs], starts]),
-            max_ctx=max(seq_lens[i] for i in seqs), rows=dev(rows, torch.int64), heads=dev(heads, torch.int64),
-            cu_q=dev(cu_q), k_start=dev(k_start), k_len=dev(k_len),
-            max_q=max(query_start_loc[i + 1] - query_start_loc[i] for i in seqs)))
+        row0, row1 = query_start_loc[seqs[0]], query_start_loc[seqs[-1] + 1]
+        ctxs = [seq_lens[i] for i in seqs]
+        starts = [sum(ctxs[:j]) for j in range(len(seqs))]
+        cu_q, k_start, k_len = [], [], []
+        for g in range(group):
+            for j, i in enumerate(seqs):
+                cu_q.append(g * (row1 - row0) + query_start_loc[i] - row0)
+                k_start.append(starts[j])
+                k_len.append(ctxs[j])
+        cu_q.append(group * (row1 - row0))
+        k_start.append(sum(ctxs))
+        b, n = len(seqs), len(k_len)
+        flat = torch.tensor(seqs + ctxs + starts + cu_q + k_start + k_len, dtype=torch.int32)
+        flat = flat.to(device, non_blocking=True)  # one copy per piece and step; the layers share it
+        out.append(VarlenPiece(seqs=seqs, row0=row0, row1=row1, bridge=flat[:3 * b].view(3, b),
+                               cu_q=flat[3 * b:3 * b + n + 1], k_start=flat[3 * b + n + 1:3 * b + 2 * n + 2],
+                               k_len=flat[3 * b + 2 * n + 2:],
+                               max_q=max(query_start_loc[i + 1] - query_start_loc[i] for i in seqs),
+                               max_ctx=max(ctxs)))
     return out
 
 
@@ -267,19 +271,19 @@ class SDPAPrefill:
         built once per step (the layers share the metadata) and kept until the lengths change."""
         from voltllm.kernels.kv_fp8 import gather_kv_pages_varlen
 
-        t, heads, dim = q.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+        heads, dim = kv_cache.shape[3], kv_cache.shape[4]
         key = (tuple(meta.query_start_loc_cpu), tuple(meta.seq_lens_cpu), g, k_ws.shape[0], str(q.device))
         if self._plan_key != key:
             self._plan = varlen_pieces(meta.query_start_loc_cpu, meta.seq_lens_cpu, g, k_ws.shape[0], q.device)
             self._plan_key = key
-        q_g = q.view(t, heads, g, dim).transpose(1, 2)  # [T, G, Hkv, D]: a query row per (token, group head)
-        out_g = out.view(t, heads, g, dim).transpose(1, 2)
         for piece in self._plan:
             gather_kv_pages_varlen(kv_cache, meta.block_tables, piece.bridge, piece.max_ctx, (k_ws, v_ws),
                                    k_scale, v_scale, kv_fmt)
-            qp = q_g[piece.rows, piece.heads].unsqueeze(0)  # [1, N, Hkv, D], packed by (request, head, row)
+            r0, r1 = piece.row0, piece.row1
+            # [R, Hkv, G, D] -> group-head major [G * R, Hkv, D]: one strided copy
+            qp = q[r0:r1].view(r1 - r0, heads, g, dim).permute(2, 0, 1, 3).reshape(1, g * (r1 - r0), heads, dim)
             o = op(qp, k_ws.unsqueeze(0), v_ws.unsqueeze(0), None, piece.cu_q, piece.k_start, piece.max_q,
                    piece.max_ctx, 0.0, _BOTTOM_RIGHT_CAUSAL, False, scale=scale, seqlen_k=piece.k_len)[0]
-            out_g[piece.rows, piece.heads] = o[0]
+            out[r0:r1].view(r1 - r0, heads, g, dim).copy_(o.view(g, r1 - r0, heads, dim).permute(1, 2, 0, 3))
             self.launches += 1
             self.calls += len(piece.seqs)
