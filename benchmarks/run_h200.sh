@@ -1518,6 +1518,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s119t)  # (session 42) s119's GPU compat-prefill tests and join micro only (the final join rule)
+    gpu_file test_fp8_kv_gpu 200 -k "compat or joined or varlen"
+    PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/unit timeout 150 python3 benchmarks/micro/compat_prefill_join.py 2>&1 \
+      | grep -v -i warn | tee "$out/compat-prefill-join-$sha.txt" | tail -13
+    ;;
   s118|s119)  # (session 42) --compat sm70 prompt steps. s118 (e1aff50, knob then JOIN_EQUAL_REQUESTS): consecutive
          # equal requests joined vs one request at a time. s119: JOIN_REQUESTS 2 (varlen) vs 1 (equal runs), the join
          # micro first. Both: GPU compat-prefill tests first, then 8B 64 x 128/128 A B A, SmolLM2's shape A B

@@ -14,17 +14,20 @@ one query row this step:
    q [Lq, Hkv*G, D] -> view [G, Hkv, Lq, D], and K/V are the workspace viewed [1, Hkv, ctx, D] expanded
    (stride 0) to batch G.
 
-Requests are joined, because per request each of its ~3 host launches costs tens of microseconds of Python
-(at 64 prompts x 36 layers ~7,000 launches per prompt step left the compat route's prompt step host-bound):
-- on CUDA, every multi-row request of the step in one launch of the efficient-attention kernel's varlen form
+Requests are joined, because one at a time each costs ~200 us of host time per layer on the GPU machine
+(a bridge launch, an SDPA call, a copy; 13-17 ms per layer at 64 prompts), which left the compat route's
+prompt step host-bound:
+- on CUDA, unless the step is one run of equal requests (below; fewer bytes moved), every multi-row request
+  of the step in one launch of the efficient-attention kernel's varlen form
   (torch's `_efficient_attention_forward` with sequence offsets, the kernel SDPA's efficient backend runs):
   each (request, query head of its GQA group) is one sequence whose keys are its request's workspace rows
   (start + length per sequence, so the G heads share them without copies), bottom-right causal; one varlen
   bridge launch fills the workspace, one strided copy packs the queries group-head major and one unpacks the
   output (a one-row sequence between requests starts a new launch, so each launch's rows are one range);
-- without that op (or on the CPU), runs of consecutive requests with the same query length and context: one
-  bridge launch fills [B, ctx, Hkv, D] and SDPA takes the B requests as its batch, once per query head of a
-  GQA group (K / V cannot be expanded over both B and GROUP without a copy); other requests one by one.
+- for one such run, or without that op (or on the CPU), runs of consecutive requests with the same query
+  length and context: one bridge launch fills [B, ctx, Hkv, D] and SDPA takes the B requests as its batch,
+  once per query head of a GQA group (K / V cannot be expanded over both B and GROUP without a copy); other
+  requests one by one.
 
 Decode rows of a mixed batch (Lq == 1) are not worth a bridge: the caller runs the FMA paged-decode
 kernel for them.
@@ -79,7 +82,8 @@ def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 # Experiment knob for A / B runs (benchmarks/set_and_run.py): how the compat prefill joins requests on CUDA.
 # 0: every request on its own (as before session 42); 1: runs of consecutive equal requests (GROUP SDPA launches
-# per run); 2: every multi-row request of the step in one varlen launch (when torch has the op; else 1).
+# per run); 2: 1 when the step is one such run, else every multi-row request of the step in one varlen launch
+# per workspace piece (when torch has the op; else 1).
 JOIN_REQUESTS = 2
 
 
@@ -243,8 +247,11 @@ class SDPAPrefill:
         heads, dim = kv_cache.shape[3], kv_cache.shape[4]
         k_ws, v_ws = self.workspace(max(r[3] for r in runs), heads, dim, q.dtype, q.device)
         g = q.shape[1] // heads
+        # one run of equal requests keeps the runs form: at 64 x 128-token prompts it measured 513 against 766 us
+        # of GPU time per layer for the 8B's heads (the varlen form adds the query pack / unpack copies); any
+        # other mix goes varlen (64 mixed prompts: 1.4 ms against 16.8 ms per layer; benchmarks/README.md)
         op = None
-        if join >= 2 and (len(runs) > 1 or runs[0][1] > 1):
+        if join >= 2 and len(runs) > 1:
             op = self.varlen_op if self.varlen_op is not None else (_varlen_op() if q.is_cuda else None)
         if op is not None:
             self._varlen(op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g)
