@@ -1518,6 +1518,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s120)  # (session 42) the GPU files that run the compat prefill: the fp8-KV file whole, the engine file and a hybrid
+         # selection under --compat sm70 (engines with prompts of mixed lengths now go through the varlen form)
+    gpu_file test_fp8_kv_gpu 250
+    for f in test_engine_gpu test_hybrid_gpu; do
+      timeout 150 python3 -m pytest -q -m gpu tests/gpu/$f.py --compat sm70 -p no:cacheprovider -rf > "$out/$f-sm70.txt" 2>&1
+      echo "$f --compat sm70 rc=$? $(tail -1 "$out/$f-sm70.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f-sm70.txt" | head -8
+    done
+    ;;
   s119t)  # (session 42) s119's GPU compat-prefill tests and join micro only (the final join rule)
     gpu_file test_fp8_kv_gpu 200 -k "compat or joined or varlen"
     PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/unit timeout 150 python3 benchmarks/micro/compat_prefill_join.py 2>&1 \
