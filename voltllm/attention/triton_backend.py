@@ -177,7 +177,7 @@ class TritonAttentionBackend(AttentionBackend):
         return {
             "kv_cache": kv,
             "decode": "triton paged decode, " + ("tl.dot (tensor cores)" if dot else "CUDA-core FMA"),
-            "prefill": ("bridge to fp16 workspace + torch SDPA efficient attention"
+            "prefill": ("bridge to fp16 workspace + torch SDPA efficient attention (requests joined, varlen)"
                         if self._use_sdpa_prefill(device) else "triton paged prefill (tl.dot)"),
         }
 
