@@ -42,6 +42,7 @@ On CUDA the SDPA calls are pinned to the efficient-attention kernel (the one V10
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,6 +88,7 @@ def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 JOIN_REQUESTS = 2
 
 
+@functools.lru_cache(maxsize=1)
 def _varlen_op():
     """torch's memory-efficient attention with sequence offsets (the kernel SDPA's efficient backend runs), or
     None when this torch lacks it. Private ATen op: its schema is checked so a change falls back, not breaks."""
