@@ -210,29 +210,40 @@ def check_bridge(fmt: int, dtype: torch.dtype) -> tuple[float, str]:
     return 0.0, "; ".join(p for p, bad in (("bridge differs", not same), ("wrote past ctx", not untouched)) if bad)
 
 
+def _written_cache_case(seqs, fmt: int, seed: int):
+    """(case, k_scale, v_scale) with every prompt row already in the cache (fmt >= 0: fp8 codes, else fp16)."""
+    from voltllm.attention.torch_ref import write_kv
+    from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
+    if fmt >= 0:
+        case = make_fp8_case(seqs, 4, 2, 64, 16, torch.float16, seed=seed)
+        c, ks, vs = case.base, case.k_scale, case.v_scale
+        write_kv_fp8_ref(c.k, c.v, c.kv_cache, c.meta.slot_mapping, ks, vs, case.fmt)
+        return c, ks, vs
+    c = make_case(seqs, 4, 2, 64, 16, torch.float16, seed=seed)
+    write_kv(c.k, c.v, c.kv_cache, c.meta.slot_mapping)
+    return c, None, None
+
+
+def _reference_gather(c, row: int, ctx: int, ks, vs, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request `row`'s first ctx K / V rows as the bridge must write them (fp8: decode * scale, in fp16)."""
+    from voltllm.attention.torch_ref import gather_kv
+    from voltllm.kernels.fp8_codec import scaled_decode_ref
+    k, v = gather_kv(c.kv_cache, c.meta.block_tables[row], ctx)
+    if fmt >= 0:
+        return scaled_decode_ref(k, ks, fmt, torch.float16), scaled_decode_ref(v, vs, fmt, torch.float16)
+    return k, v
+
+
 def check_bridge_batch(fmt: int) -> tuple[float, str]:
     """gather_kv_pages_batch of three requests' pages in one launch equals the per-request reference gathers,
     each at rows b * ctx of the workspace, and writes nothing past B * ctx."""
-    from voltllm.attention.torch_ref import gather_kv, write_kv
-    from voltllm.kernels.fp8_codec import scaled_decode_ref
-    from voltllm.kernels.kv_fp8 import gather_kv_pages_batch, write_kv_fp8_ref
-    seqs = [(40, 40), (40, 40), (40, 40)]
-    if fmt >= 0:
-        case = make_fp8_case(seqs, 4, 2, 64, 16, torch.float16, seed=25)
-        c, ks, vs = case.base, case.k_scale, case.v_scale
-        write_kv_fp8_ref(c.k, c.v, c.kv_cache, c.meta.slot_mapping, ks, vs, case.fmt)
-    else:
-        c = make_case(seqs, 4, 2, 64, 16, torch.float16, seed=26)
-        ks = vs = None
-        write_kv(c.k, c.v, c.kv_cache, c.meta.slot_mapping)
+    from voltllm.kernels.kv_fp8 import gather_kv_pages_batch
+    c, ks, vs = _written_cache_case([(40, 40), (40, 40), (40, 40)], fmt, seed=25 + (fmt < 0))
     ws = torch.full((2, 200, 2, 64), float("nan"), dtype=torch.float16)
     k, v = gather_kv_pages_batch(c.kv_cache, c.meta.block_tables[:3], 40, (ws[0], ws[1]), ks, vs, fmt)
     problems = []
     for b in range(3):
-        want_k, want_v = gather_kv(c.kv_cache, c.meta.block_tables[b], 40)
-        if fmt >= 0:
-            want_k, want_v = scaled_decode_ref(want_k, ks, fmt, torch.float16), scaled_decode_ref(want_v, vs, fmt,
-                                                                                                   torch.float16)
+        want_k, want_v = _reference_gather(c, b, 40, ks, vs, fmt)
         if not (torch.equal(k[b], want_k) and torch.equal(v[b], want_v)):
             problems.append(f"request {b} differs")
     if not torch.equal(k.reshape(120, 2, 64), ws[0, :120]):
@@ -262,27 +273,14 @@ def check_compat_equal_runs() -> tuple[float, str]:
 def check_bridge_varlen(fmt: int) -> tuple[float, str]:
     """gather_kv_pages_varlen: requests of different lengths, block-table rows out of order, at given workspace
     rows, in one launch, equal the reference gathers; rows outside the given ranges stay untouched."""
-    from voltllm.attention.torch_ref import gather_kv, write_kv
-    from voltllm.kernels.fp8_codec import scaled_decode_ref
-    from voltllm.kernels.kv_fp8 import gather_kv_pages_varlen, write_kv_fp8_ref
-    seqs = [(40, 40), (9, 9), (70, 70)]
-    if fmt >= 0:
-        case = make_fp8_case(seqs, 4, 2, 64, 16, torch.float16, seed=28)
-        c, ks, vs = case.base, case.k_scale, case.v_scale
-        write_kv_fp8_ref(c.k, c.v, c.kv_cache, c.meta.slot_mapping, ks, vs, case.fmt)
-    else:
-        c = make_case(seqs, 4, 2, 64, 16, torch.float16, seed=29)
-        ks = vs = None
-        write_kv(c.k, c.v, c.kv_cache, c.meta.slot_mapping)
+    from voltllm.kernels.kv_fp8 import gather_kv_pages_varlen
+    c, ks, vs = _written_cache_case([(40, 40), (9, 9), (70, 70)], fmt, seed=28 + (fmt < 0))
     plan = torch.tensor([[2, 0, 1], [70, 40, 9], [5, 80, 130]], dtype=torch.int32)  # row, ctx, first row
     ws = torch.full((2, 200, 2, 64), float("nan"), dtype=torch.float16)
     gather_kv_pages_varlen(c.kv_cache, c.meta.block_tables, plan, 70, (ws[0], ws[1]), ks, vs, fmt)
     problems = []
     for row, ctx, start in plan.t().tolist():
-        want_k, want_v = gather_kv(c.kv_cache, c.meta.block_tables[row], ctx)
-        if fmt >= 0:
-            want_k = scaled_decode_ref(want_k, ks, fmt, torch.float16)
-            want_v = scaled_decode_ref(want_v, vs, fmt, torch.float16)
+        want_k, want_v = _reference_gather(c, row, ctx, ks, vs, fmt)
         if not (torch.equal(ws[0, start:start + ctx], want_k) and torch.equal(ws[1, start:start + ctx], want_v)):
             problems.append(f"request {row} differs")
     untouched = torch.ones(200, dtype=torch.bool)

@@ -264,12 +264,7 @@ def gather_kv_pages_batch(kv_cache: torch.Tensor, block_tables: torch.Tensor, ct
     b: request b's pages; last dim contiguous), out = two workspaces [>= B * ctx_len, H, D] sharing strides.
     Returns the two [B, ctx_len, H, D] views of their first B * ctx_len rows (request b at rows b * ctx_len..).
     """
-    if fmt >= 0:
-        _check_cache(kv_cache)
-    elif kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-        raise ValueError("KV cache must be contiguous (2, blocks, block_size, heads, dim), got "
-                         f"{tuple(kv_cache.shape)}")
-    _, _, page, h, d = kv_cache.shape
+    h, d = _check_bridge_cache(kv_cache, fmt)
     if block_tables.dim() != 2 or block_tables.stride(1) != 1:
         raise ValueError(f"block_tables must be [B, blocks] with a contiguous last dim, got "
                          f"{tuple(block_tables.shape)}")
@@ -279,19 +274,9 @@ def gather_kv_pages_batch(kv_cache: torch.Tensor, block_tables: torch.Tensor, ct
             or k_flat.shape[1:] != (h, d)):
         raise ValueError("K and V workspaces must be [>= B * ctx_len, H, D], share strides, contiguous last dim")
     k_out, v_out = k_flat.view(b, ctx_len, h, d), v_flat.view(b, ctx_len, h, d)
-    if ctx_len == 0 or b == 0:
-        return k_out, v_out
-    dev = kv_cache.device
-    ks = k_scale if k_scale is not None else _scale_value(None, dev)
-    vs = v_scale if v_scale is not None else _scale_value(None, dev)
-    block_d = triton.next_power_of_2(d)
-    block_t = _gather_block_t(block_d)
-    grid = (triton.cdiv(ctx_len, block_t), h, b)
-    kv_fp8_gather_kernel[grid](
-        kv_cache[0], kv_cache[1], block_tables, k_out, v_out, ks, vs, block_tables, block_tables, block_tables,
-        ctx_len, h, block_tables.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt, VARLEN=False,
-    )
+    if ctx_len > 0 and b > 0:
+        _launch_gather(kv_cache, block_tables, k_out, v_out, k_scale, v_scale, fmt, ctx_len, b, None,
+                       k_out.stride(0), k_out.stride(1), k_out.stride(2))
     return k_out, v_out
 
 
@@ -302,29 +287,39 @@ def gather_kv_pages_varlen(kv_cache: torch.Tensor, block_tables: torch.Tensor, p
     device, rows (block-table row, context length, first workspace row) per request; max_ctx: the longest
     context (a host int, sizes the grid). Request b's K / V land in out[0] / out[1] rows start_b ..
     start_b + ctx_b - 1 ([>= rows, H, D] workspaces sharing strides); the caller keeps the ranges apart."""
-    if fmt >= 0:
-        _check_cache(kv_cache)
-    elif kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-        raise ValueError("KV cache must be contiguous (2, blocks, block_size, heads, dim), got "
-                         f"{tuple(kv_cache.shape)}")
-    _, _, page, h, d = kv_cache.shape
+    h, d = _check_bridge_cache(kv_cache, fmt)
     k_out, v_out = out
     if (k_out.stride() != v_out.stride() or k_out.stride(2) != 1 or k_out.shape[1:] != (h, d)
             or block_tables.stride(1) != 1 or plan.dtype != torch.int32 or plan.dim() != 2 or plan.shape[0] != 3):
         raise ValueError("gather_kv_pages_varlen: workspaces [rows, H, D] sharing strides, block_tables with a "
                          "contiguous last dim, plan int32 [3, B]")
-    b = plan.shape[1]
-    if b == 0 or max_ctx == 0:
-        return
-    plan = plan.contiguous()
+    if plan.shape[1] > 0 and max_ctx > 0:
+        _launch_gather(kv_cache, block_tables, k_out, v_out, k_scale, v_scale, fmt, max_ctx, plan.shape[1],
+                       plan.contiguous(), 0, k_out.stride(0), k_out.stride(1))
+
+
+def _check_bridge_cache(kv_cache: torch.Tensor, fmt: int) -> tuple[int, int]:
+    """(heads, head_dim) of a paged cache the bridge can read (fmt >= 0: uint8 fp8 codes)."""
+    if fmt >= 0:
+        _check_cache(kv_cache)
+    elif kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError("KV cache must be contiguous (2, blocks, block_size, heads, dim), got "
+                         f"{tuple(kv_cache.shape)}")
+    return kv_cache.shape[3], kv_cache.shape[4]
+
+
+def _launch_gather(kv_cache, block_tables, k_out, v_out, k_scale, v_scale, fmt, grid_ctx, b, plan, stride_ob,
+                   stride_ot, stride_oh) -> None:
+    """One kv_fp8_gather_kernel launch over (grid_ctx tokens, heads, b requests); plan None: equal contexts."""
+    _, _, page, h, d = kv_cache.shape
     dev = kv_cache.device
     ks = k_scale if k_scale is not None else _scale_value(None, dev)
     vs = v_scale if v_scale is not None else _scale_value(None, dev)
     block_d = triton.next_power_of_2(d)
     block_t = _gather_block_t(block_d)
-    grid = (triton.cdiv(max_ctx, block_t), h, b)
-    kv_fp8_gather_kernel[grid](
-        kv_cache[0], kv_cache[1], block_tables, k_out, v_out, ks, vs, plan[0], plan[1], plan[2],
-        max_ctx, h, block_tables.stride(0), 0, k_out.stride(0), k_out.stride(1),
-        PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt, VARLEN=True,
+    rows = (block_tables,) * 3 if plan is None else (plan[0], plan[1], plan[2])  # (unused without VARLEN)
+    kv_fp8_gather_kernel[(triton.cdiv(grid_ctx, block_t), h, b)](
+        kv_cache[0], kv_cache[1], block_tables, k_out, v_out, ks, vs, *rows, grid_ctx, h, block_tables.stride(0),
+        stride_ob, stride_ot, stride_oh, PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=fmt,
+        VARLEN=plan is not None,
     )
