@@ -234,6 +234,23 @@ def _reference_gather(c, row: int, ctx: int, ks, vs, fmt: int) -> tuple[torch.Te
     return k, v
 
 
+def check_gather_fp8_launcher() -> tuple[float, str]:
+    """gather_kv_fp8's Triton path (float scales, its own output or a bigger workspace) equals its reference."""
+    from voltllm.kernels.kv_fp8 import gather_kv_fp8
+    c, _, _ = _written_cache_case([(70, 70)], 1, seed=31)
+    bt, problems = c.meta.block_tables[0], []
+    for ctx in (1, 33, 70):
+        want = gather_kv_fp8(c.kv_cache, bt, ctx, 0.37, 1.9, "e5m2", use_triton=False)
+        ws = torch.full((2, 90, 2, 64), float("nan"), dtype=torch.float16)
+        for out in (None, (ws[0], ws[1])):
+            got = gather_kv_fp8(c.kv_cache, bt, ctx, 0.37, 1.9, "e5m2", out=out, use_triton=True)
+            if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                problems.append(f"ctx {ctx} {'workspace' if out else 'own output'} differs")
+        if not bool(ws[:, ctx:].isnan().all()):
+            problems.append(f"ctx {ctx}: wrote past ctx")
+    return 0.0, "; ".join(problems)
+
+
 def check_bridge_batch(fmt: int) -> tuple[float, str]:
     """gather_kv_pages_batch of three requests' pages in one launch equals the per-request reference gathers,
     each at rows b * ctx of the workspace, and writes nothing past B * ctx."""
@@ -407,6 +424,7 @@ def _checks():
     yield "bridge_batch_fp16_cache", lambda: check_bridge_batch(-1)
     yield "compat_equal_runs_e4m3", check_compat_equal_runs
     yield "bridge_varlen_e4m3", lambda: check_bridge_varlen(0)
+    yield "gather_fp8_launcher_e5m2", check_gather_fp8_launcher
     yield "bridge_varlen_fp16_cache", lambda: check_bridge_varlen(-1)
     yield "compat_varlen_e4m3", check_compat_varlen
 

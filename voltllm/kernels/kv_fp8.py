@@ -223,7 +223,7 @@ def gather_kv_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: in
         out[1][:ctx_len].copy_(v)
         return out[0][:ctx_len], out[1][:ctx_len]
     _check_cache(kv_cache)
-    _, _, page, h, d = kv_cache.shape
+    h, d = kv_cache.shape[3], kv_cache.shape[4]
     if out is None:
         out = (torch.empty(ctx_len, h, d, dtype=dtype, device=kv_cache.device),
                torch.empty(ctx_len, h, d, dtype=dtype, device=kv_cache.device))
@@ -232,15 +232,8 @@ def gather_kv_fp8(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: in
         raise ValueError("K and V workspaces must share strides and have a contiguous last dim")
     if ctx_len == 0:
         return k_out, v_out
-    block_d = triton.next_power_of_2(d)
-    block_t = _gather_block_t(block_d)
-    grid = (triton.cdiv(ctx_len, block_t), h)
-    kv_fp8_gather_kernel[grid](
-        kv_cache[0], kv_cache[1], block_table, k_out, v_out, _scale_value(k_scale, kv_cache.device),
-        _scale_value(v_scale, kv_cache.device), block_table, block_table, block_table, ctx_len, h, 0, 0,
-        k_out.stride(0), k_out.stride(1), PAGE=page, HEAD_DIM=d, BLOCK_T=block_t, BLOCK_D=block_d, FMT=f,
-        VARLEN=False,
-    )
+    _launch_gather(kv_cache, block_table.unsqueeze(0), k_out, v_out, _scale_value(k_scale, kv_cache.device),
+                   _scale_value(v_scale, kv_cache.device), f, ctx_len, 1, None, 0, k_out.stride(0), k_out.stride(1))
     return k_out, v_out
 
 
