@@ -213,6 +213,8 @@ class SDPAPrefill:
         self._ws: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.calls = 0  # sequences attended (for the acceleration report / tests)
         self.launches = 0  # attention launches (joined requests share them)
+        self._runs_key: Optional[tuple] = None  # the current step's lengths and its runs of equal requests
+        self._runs: list[tuple[int, int, int, int]] = []
         self._plan_key: Optional[tuple] = None  # the varlen plan of the current step's lengths
         self._plan: list[VarlenPiece] = []
 
@@ -243,7 +245,10 @@ class SDPAPrefill:
 
         qsl = meta.query_start_loc_cpu
         join = int(JOIN_REQUESTS)
-        runs = equal_runs(qsl, meta.seq_lens_cpu, join >= 1)
+        lengths = (tuple(qsl), tuple(meta.seq_lens_cpu), join)  # the step's; every layer calls with the same
+        if self._runs_key != lengths:
+            self._runs, self._runs_key = equal_runs(qsl, meta.seq_lens_cpu, join >= 1), lengths
+        runs = self._runs
         if not runs:
             return
         heads, dim = kv_cache.shape[3], kv_cache.shape[4]
@@ -256,7 +261,7 @@ class SDPAPrefill:
         if join >= 2 and len(runs) > 1:
             op = self.varlen_op if self.varlen_op is not None else (_varlen_op() if q.is_cuda else None)
         if op is not None:
-            self._varlen(op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g)
+            self._varlen(op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g, lengths)
             return
         with _sdpa_context(q.device):
             for first, count, lq, ctx in runs:
@@ -275,13 +280,13 @@ class SDPAPrefill:
                                                                out[s:e].view(n, lq, -1, dim))
                     self.calls += n
 
-    def _varlen(self, op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g) -> None:
+    def _varlen(self, op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g, lengths) -> None:
         """Every multi-row request in one bridge + one varlen attention launch per workspace piece. The plan is
         built once per step (the layers share the metadata) and kept until the lengths change."""
         from voltllm.kernels.kv_fp8 import gather_kv_pages_varlen
 
         heads, dim = kv_cache.shape[3], kv_cache.shape[4]
-        key = (tuple(meta.query_start_loc_cpu), tuple(meta.seq_lens_cpu), g, k_ws.shape[0], str(q.device))
+        key = (lengths, g, k_ws.shape[0], str(q.device))
         if self._plan_key != key:
             self._plan = varlen_pieces(meta.query_start_loc_cpu, meta.seq_lens_cpu, g, k_ws.shape[0], q.device)
             self._plan_key = key
