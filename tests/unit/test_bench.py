@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from voltllm.bench import limits as L
-from voltllm.bench.inprocess import Plan, make_plans, random_prompts, run_protocol
+from voltllm.bench.inprocess import (Plan, Workload, length_range, make_plans, make_workload, random_prompts,
+                                     run_protocol)
 from voltllm.bench.metrics import (RequestTiming, RunResult, common_window, concurrent_decode_tok_s, headline,
                                    output_tok_s, prefill_tok_s, pure_decode_tok_s, speedup, summarize, table_rows)
 
@@ -79,9 +80,32 @@ def test_plans_and_prompts():
     assert p == random_prompts(3, 7, 100, seed=5) and len(p) == 3 and all(0 <= t < 100 for r in p for t in r)
     # every run gets fresh prompts (no prefix-cache hits between warm runs), the same ones for every runner
     seen = []
-    run_protocol([Plan("decode", 1, 8, 2)], lambda plan, run, prompts: seen.append(prompts) or _run(run, 1.0),
+    run_protocol([Plan("decode", 1, 8, 2)], lambda plan, run, work: seen.append(work) or _run(run, 1.0),
                  vocab_size=1000, seed=0, num_warm=3)
-    assert len(seen) == 4 and len({tuple(s[0]) for s in seen}) == 4
+    assert len(seen) == 4 and len({tuple(w.prompts[0]) for w in seen}) == 4
+    assert all(w.output_lens == [2] for w in seen)
+
+
+def test_range_ratio_spreads_lengths_like_vllm():
+    assert make_plans("all", [4], range_ratio=0.5) == [
+        Plan("decode", 1, 512, 256), Plan("concurrency", 4, 128, 128, 0.5), Plan("prefill", 1, 8192, 1)]
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match="range-ratio"):
+            make_plans("concurrency", [4], range_ratio=bad)
+    with pytest.raises(ValueError, match="one request at a time"):
+        make_plans("decode", [1], range_ratio=0.3)
+    assert length_range(128, 0.5) == (64, 192) and length_range(10, 0.25) == (7, 13) and length_range(1, 0.9) == (1, 2)
+    plan = Plan("concurrency", 400, 100, 40, 0.5)
+    w = make_workload(plan, vocab_size=50, seed=3)
+    assert w == make_workload(plan, vocab_size=50, seed=3) and w != make_workload(plan, vocab_size=50, seed=4)
+    in_lens = [len(p) for p in w.prompts]
+    assert len(in_lens) == len(w.output_lens) == 400
+    assert min(in_lens) == 50 and max(in_lens) == 150 and min(w.output_lens) == 20 and max(w.output_lens) == 60
+    assert 90 < sum(in_lens) / 400 < 110 and 36 < sum(w.output_lens) / 400 < 44
+    assert all(0 <= t < 50 for p in w.prompts for t in p)
+    # ratio 0 keeps the equal-length prompts of random_prompts (results stay comparable with earlier ones)
+    flat = make_workload(Plan("concurrency", 3, 7, 2), vocab_size=100, seed=5)
+    assert flat == Workload(random_prompts(3, 7, 100, seed=5), [2, 2, 2])
 
 
 # -- limits ---------------------------------------------------------------------------------------
@@ -218,15 +242,17 @@ def test_client_counts_tokens_per_chunk(continuous):
 
     runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
     try:
-        r = runner(Plan("concurrency", 2, 5, 6), "warm1", [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+        r = runner(Plan("concurrency", 2, 5, 6, 0.5), "warm1", Workload([[1, 2, 3, 4, 5], [6, 7, 8]], [6, 4]))
     finally:
         runner.close()
     assert runner.model == "m" and len(sent) == 2
     body = sent[0]
     assert body["prompt"] == [1, 2, 3, 4, 5] and body["ignore_eos"] is True and body["stream"] is True
     assert body["max_tokens"] == body["min_tokens"] == 6
-    assert all(req.output_tokens == 6 and len(req.token_times) == 6 for req in r.requests)
-    assert r.side == "client" and r.metrics()["output_tok_s"] > 0
+    assert sent[1]["prompt"] == [6, 7, 8] and sent[1]["max_tokens"] == sent[1]["min_tokens"] == 4
+    got = [(req.output_tokens, len(req.token_times), req.prompt_tokens) for req in r.requests]
+    assert got == [(6, 6, 5), (4, 4, 3)]
+    assert r.side == "client" and r.metrics()["output_tok_s"] > 0 and r.range_ratio == 0.5
 
 
 # -- end to end, in-process, tiny random model on the CPU ------------------------------------------
@@ -271,6 +297,42 @@ def test_bench_end_to_end_tiny_model(tmp_path):
     assert "error" not in hf, hf.get("error")
     assert hf["metrics"]["pure_decode_tok_s"] > 0 and set(hf["metrics"]["output_tok_s"]) == {"1"}
     assert hf["ratios_voltllm_over_hf"]["pure_decode_tok_s"] > 0
+
+
+def test_bench_spread_lengths_tiny_model(tmp_path):
+    from transformers import Qwen3Config
+
+    from voltllm.bench.cli import main
+
+    model_dir = tmp_path / "tiny"
+    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
+    out = tmp_path / "results"
+    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "concurrency", "--concurrency", "6",
+            "--input-len", "16", "--output-len", "6", "--random-range-ratio", "0.5", "--num-warm", "1",
+            "--output-dir", str(out), "--name", "spread", "--no-limits", "--commit", "abc123"]
+    with pytest.raises(ValueError, match="equal lengths"):
+        main(argv + ["--baseline", "hf"])
+    assert main(argv) == 0
+    with open(out / "spread.json") as f:
+        res = json.load(f)
+    assert res["config"]["random_range_ratio"] == 0.5
+    runs = res["metrics"]["runs"]
+    assert len(runs) == 2 and all(run["range_ratio"] == 0.5 for run in runs)
+    for run in runs:
+        outs = [r["output_tokens"] for r in run["requests"]]
+        prompts = [r["prompt_tokens"] for r in run["requests"]]
+        assert all(3 <= n <= 9 for n in outs) and all(8 <= n <= 24 for n in prompts)
+        assert len(set(prompts)) > 1
+        assert run["metrics"]["output_tok_s"] > 0
+    # the requests the bench forced are the ones the workload drew
+    from voltllm.bench.inprocess import prompt_seed
+
+    plan = Plan("concurrency", 6, 16, 6, 0.5)
+    want = make_workload(plan, 512, prompt_seed(0, plan, 0))
+    assert [r["output_tokens"] for r in runs[0]["requests"]] == want.output_lens
+    assert [r["prompt_tokens"] for r in runs[0]["requests"]] == [len(p) for p in want.prompts]
+    assert all(row["range_ratio"] == 0.5 for row in res["metrics"]["table"])
 
 
 def test_bench_is_a_voltllm_command():

@@ -47,6 +47,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "against their torch references at the model's layer shapes (CUDA only, no engine)")
     g.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: per scenario)")
     g.add_argument("--output-len", type=int, default=None, help="forced output tokens (default: per scenario)")
+    g.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
+                   help="--scenario concurrency: draw each request's input and output length uniformly from "
+                        "[len * (1 - R), len * (1 + R)] (vLLM's flag; 0 = all equal, R < 1)")
     g.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
     g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -129,7 +132,9 @@ def attach_limits(rows: list[dict], plans: list[Plan], cost: Optional[L.ModelCos
     out["decode_bytes_per_step"] = cost.decode_bytes_per_step(1, ctx)
     conc_limit, conc_ratio = {}, {}
     for row in rows:
-        metric, plan = row["metric"], Plan(row["scenario"], row["concurrency"], row["input_len"], row["output_len"])
+        metric = row["metric"]
+        plan = Plan(row["scenario"], row["concurrency"], row["input_len"], row["output_len"],
+                    row.get("range_ratio", 0.0))
         limit = None
         if metric == "pure_decode_tok_s":
             limit = L.decode_limit_tok_s(cost, dev, 1, _decode_context(plan))
@@ -191,7 +196,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile and (args.base_url or args.profile_steps < 1):
         raise ValueError("--profile runs torch.profiler in this process (not with --base-url) over "
                          "--profile-steps >= 1 steps")
-    plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len)
+    plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len, args.random_range_ratio)
+    if args.baseline and args.random_range_ratio:
+        raise ValueError("--baseline runs transformers generate on one batch of equal lengths: "
+                         "drop --random-range-ratio")
     with tempfile.TemporaryDirectory(prefix="voltllm-bench-") as tmp:
         shape = None
         if args.random_weights:
@@ -282,7 +290,8 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
                    "async_scheduling": config.scheduler.async_scheduling,
                    "enable_prefix_caching": config.cache.enable_prefix_caching,
                    "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                   "prompt_seed": args.prompt_seed, "num_warm": args.num_warm, "engine_start_s": start_s},
+                   "prompt_seed": args.prompt_seed, "random_range_ratio": args.random_range_ratio,
+                   "num_warm": args.num_warm, "engine_start_s": start_s},
         "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
         "limit": limit,
     }
@@ -389,7 +398,8 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
                   "dtype": server.get("dtype") or (R.dtype_name(dtype) if dtype is not None else None),
                   "weight_bytes": cost.weight_bytes if cost else None},
         "config": {"client_side_times": True, "temperature": args.temperature, "top_p": args.top_p,
-                   "top_k": args.top_k, "prompt_seed": args.prompt_seed, "num_warm": args.num_warm},
+                   "top_k": args.top_k, "prompt_seed": args.prompt_seed, "random_range_ratio": args.random_range_ratio,
+                   "num_warm": args.num_warm},
         "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
         "limit": limit,
     }

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Optional
 
-from voltllm.bench.inprocess import Plan
+from voltllm.bench.inprocess import Plan, Workload
 from voltllm.bench.metrics import RequestTiming, RunResult
 
 logger = logging.getLogger("voltllm.bench")
@@ -112,13 +112,14 @@ class ClientRunner:
         reqs = await asyncio.gather(*(self._one(b, t0) for b in bodies))
         return t0, list(reqs), time.monotonic()
 
-    def __call__(self, plan: Plan, run: str, prompts: list[list[int]]) -> RunResult:
-        bodies = [self.payload(p, plan.output_len, self.sampling_seed + i) for i, p in enumerate(prompts)]
+    def __call__(self, plan: Plan, run: str, work: Workload) -> RunResult:
+        bodies = [self.payload(p, n, self.sampling_seed + i)
+                  for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))]
         t0, reqs, _ = self.loop.run_until_complete(self._batch(bodies))
-        for r in reqs:
-            if r.output_tokens != plan.output_len:
-                raise RuntimeError(f"the server made {r.output_tokens} tokens, not the forced {plan.output_len} "
+        for r, n in zip(reqs, work.output_lens):
+            if r.output_tokens != n:
+                raise RuntimeError(f"the server made {r.output_tokens} tokens, not the forced {n} "
                                    "(does it honour ignore_eos and min_tokens?)")
         end = max(r.last_token for r in reqs)
         return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
-                         side="client")
+                         side="client", range_ratio=plan.range_ratio)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from voltllm.bench.inprocess import Plan
+from voltllm.bench.inprocess import Plan, Workload
 from voltllm.bench.metrics import RequestTiming, RunResult
 
 logger = logging.getLogger("voltllm.bench")
@@ -91,8 +91,11 @@ class HFRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def __call__(self, plan: Plan, run: str, prompts: list[list[int]]) -> RunResult:
-        n = plan.output_len
+    def __call__(self, plan: Plan, run: str, work: Workload) -> RunResult:
+        # generate runs the requests as one batch: one prompt length, one forced output length
+        prompts, n = work.prompts, plan.output_len
+        if len({len(p) for p in prompts}) > 1 or any(m != n for m in work.output_lens):
+            raise ValueError("the transformers baseline runs one batch of equal lengths; drop --random-range-ratio")
         ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=self.pad_token_id,
                                       do_sample=self.temperature > 0)

@@ -8,6 +8,7 @@ first/last token and scheduled times carried by EngineCoreOutput (same clock, sa
 from __future__ import annotations
 
 import logging
+import math
 import time
 import zlib
 from dataclasses import dataclass
@@ -32,11 +33,28 @@ class Plan:
     concurrency: int
     input_len: int
     output_len: int
+    # requests' lengths are drawn from [len * (1 - r), len * (1 + r)] (vLLM's --random-range-ratio); 0: all equal
+    range_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One run's requests: token-id prompts and the output length each one is forced to."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
 
 
 def make_plans(scenario: str, concurrency: list[int], input_len: Optional[int] = None,
-               output_len: Optional[int] = None) -> list[Plan]:
+               output_len: Optional[int] = None, range_ratio: float = 0.0) -> list[Plan]:
+    """The configurations to run. range_ratio spreads the lengths of the concurrency scenario's requests (the
+    single-request scenarios measure one request at the given length, so they refuse it)."""
     names = list(SCENARIOS) if scenario == "all" else [scenario]
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    if range_ratio and "concurrency" not in names:
+        raise ValueError("--random-range-ratio spreads the lengths of --scenario concurrency's requests; "
+                         f"--scenario {scenario} runs one request at a time")
     plans = []
     for name in names:
         if name not in SCENARIOS:
@@ -48,7 +66,7 @@ def make_plans(scenario: str, concurrency: list[int], input_len: Optional[int] =
         for c in (concurrency if name == "concurrency" else [1]):
             if c < 1:
                 raise ValueError(f"--concurrency values must be >= 1, got {c}")
-            plans.append(Plan(name, c, il, ol))
+            plans.append(Plan(name, c, il, ol, range_ratio if name == "concurrency" else 0.0))
     return plans
 
 
@@ -63,7 +81,29 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
     return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
 
 
-RunFn = Callable[[Plan, str, list[list[int]]], RunResult]
+def length_range(mean: int, ratio: float) -> tuple[int, int]:
+    """The inclusive range lengths are drawn from: [mean * (1 - ratio), mean * (1 + ratio)], at least 1."""
+    lo = max(1, math.floor(mean * (1.0 - ratio)))
+    return lo, max(lo, math.ceil(mean * (1.0 + ratio)))
+
+
+def make_workload(plan: Plan, vocab_size: int, seed: int) -> Workload:
+    """The run's prompts and forced output lengths. Without a range ratio: plan.concurrency prompts of
+    plan.input_len random ids, each forced to plan.output_len. With one: every request's input and output
+    lengths are drawn uniformly (inclusive) from length_range, then its ids; all from the one seed."""
+    n = plan.concurrency
+    if not plan.range_ratio:
+        return Workload(random_prompts(n, plan.input_len, vocab_size, seed), [plan.output_len] * n)
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = length_range(plan.input_len, plan.range_ratio)
+    input_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    lo, hi = length_range(plan.output_len, plan.range_ratio)
+    output_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    prompts = [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for length in input_lens]
+    return Workload(prompts, output_lens)
+
+
+RunFn = Callable[[Plan, str, Workload], RunResult]
 
 
 def run_protocol(plans: list[Plan], run_fn: RunFn, vocab_size: int, seed: int, num_warm: int = 3,
@@ -74,8 +114,7 @@ def run_protocol(plans: list[Plan], run_fn: RunFn, vocab_size: int, seed: int, n
     for plan in plans:
         for i in range(1 + num_warm):
             run = "cold" if i == 0 else f"warm{i}"
-            prompts = random_prompts(plan.concurrency, plan.input_len, vocab_size, prompt_seed(seed, plan, i))
-            r = run_fn(plan, run, prompts)
+            r = run_fn(plan, run, make_workload(plan, vocab_size, prompt_seed(seed, plan, i)))
             m = r.metrics()
             logger.info("%s %s c=%d %s: wall %.3f s, output %.1f tok/s, ttft %.1f ms%s", label, plan.scenario,
                         plan.concurrency, run, r.wall_s, m["output_tok_s"] or 0.0, m["ttft_ms"] or 0.0,
@@ -117,7 +156,7 @@ class InProcessRunner:
         self.sampling_seed = sampling_seed
         self._batch = 0
 
-    def __call__(self, plan: Plan, run: str, prompts: list[list[int]]) -> RunResult:
+    def __call__(self, plan: Plan, run: str, work: Workload) -> RunResult:
         from voltllm.engine.types import EngineCoreRequest
 
         eng = self.engine
@@ -131,11 +170,12 @@ class InProcessRunner:
         preempt0 = eng.stats().num_preemptions
         t0 = time.monotonic()
         track: dict[str, _Track] = {}
-        for i, ids in enumerate(prompts):
+        forced: dict[str, int] = {}
+        for i, (ids, n) in enumerate(zip(work.prompts, work.output_lens)):
             rid = f"bench{self._batch}-{i}"
-            sp = sampling_params(plan.output_len, self.temperature, self.top_p, self.top_k, self.sampling_seed + i)
+            sp = sampling_params(n, self.temperature, self.top_p, self.top_k, self.sampling_seed + i)
             eng.add_request(EngineCoreRequest(rid, list(ids), sp, arrival_time=t0))
-            track[rid] = _Track(arrival=t0, prompt_tokens=len(ids))
+            track[rid], forced[rid] = _Track(arrival=t0, prompt_tokens=len(ids)), n
         pending = set(track)
         end = t0
         while pending:
@@ -163,8 +203,8 @@ class InProcessRunner:
                 raise RuntimeError(f"the engine went idle with {len(pending)} bench requests unfinished")
         reqs = []
         for rid, t in track.items():
-            if t.finish == "abort" or t.n != plan.output_len:
-                raise RuntimeError(f"request {rid} ended with {t.n} of {plan.output_len} forced tokens "
+            if t.finish == "abort" or t.n != forced[rid]:
+                raise RuntimeError(f"request {rid} ended with {t.n} of {forced[rid]} forced tokens "
                                    f"(finish {t.finish}, {t.stop_reason}); raise the KV cache or --max-model-len")
             reqs.append(RequestTiming(
                 prompt_tokens=t.prompt_tokens, output_tokens=t.n, arrival=t.arrival,
@@ -172,7 +212,8 @@ class InProcessRunner:
                 last_token=t.last if t.last is not None else t.times[-1],
                 scheduled=t.scheduled, cached_tokens=t.cached, token_times=t.times))
         return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
-                         preemptions=eng.stats().num_preemptions - preempt0, side="server")
+                         preemptions=eng.stats().num_preemptions - preempt0, side="server",
+                         range_ratio=plan.range_ratio)
 
 
 def build_engine(engine_args: Any) -> Any:

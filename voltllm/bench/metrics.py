@@ -103,6 +103,7 @@ class RunResult:
     requests: list[RequestTiming]
     preemptions: int = 0
     side: str = "server"  # where first/last token times come from: "server" (engine) or "client"
+    range_ratio: float = 0.0  # requests' lengths spread over [len * (1 - r), len * (1 + r)]; 0: all equal
 
     @property
     def wall_s(self) -> float:
@@ -130,7 +131,8 @@ class RunResult:
 
     def to_json(self) -> dict:
         return {"scenario": self.scenario, "concurrency": self.concurrency, "run": self.run,
-                "input_len": self.input_len, "output_len": self.output_len, "wall_s": self.wall_s,
+                "input_len": self.input_len, "output_len": self.output_len, "range_ratio": self.range_ratio,
+                "wall_s": self.wall_s,
                 "preemptions": self.preemptions, "side": self.side, "metrics": self.metrics(),
                 "requests": [r.summary() for r in self.requests]}
 
@@ -157,15 +159,15 @@ def table_rows(results: Sequence[RunResult]) -> list[dict]:
     """One row per (scenario, concurrency, metric): warm median, warm values, cold value."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in results:
-        groups.setdefault((r.scenario, r.concurrency, r.input_len, r.output_len), []).append(r)
+        groups.setdefault((r.scenario, r.concurrency, r.input_len, r.output_len, r.range_ratio), []).append(r)
     rows = []
-    for (scenario, c, il, ol), runs in groups.items():
+    for (scenario, c, il, ol, rr), runs in groups.items():
         for metric in SCENARIO_METRICS[scenario]:
             s = summarize(runs, metric)
             if s is None:
                 continue
             rows.append({"metric": metric, "scenario": scenario, "concurrency": c, "input_len": il,
-                         "output_len": ol, **s, "limit": None, "ratio": None})
+                         "output_len": ol, "range_ratio": rr, **s, "limit": None, "ratio": None})
     return rows
 
 
@@ -214,7 +216,8 @@ def format_table(rows: Sequence[dict], title: str = "", ratio_header: str = "rat
     head = ["metric", "scenario", "C", "warm median", "warm values", "cold", "limit", ratio_header]
     body = []
     for r in rows:
-        body.append([r["metric"], f"{r['scenario']} {r['input_len']}/{r['output_len']}", str(r["concurrency"]),
+        spread = f" x(1+-{r['range_ratio']:g})" if r.get("range_ratio") else ""
+        body.append([r["metric"], f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}", str(r["concurrency"]),
                      _fmt(r["median"]), " ".join(_fmt(v) for v in r["warm"]), _fmt(r["cold"]), _fmt(r.get("limit")),
                      _fmt(r.get("ratio"))])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]

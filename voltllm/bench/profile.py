@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from voltllm.bench.inprocess import Plan, prompt_seed, random_prompts, sampling_params
+from voltllm.bench.inprocess import Plan, make_workload, prompt_seed, sampling_params
 
 logger = logging.getLogger("voltllm.bench")
 
@@ -425,7 +425,8 @@ def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, ste
         if plan.concurrency > max_seqs:  # some requests would wait for others to finish: not one decode batch
             logger.warning("not profiling concurrency %d > --max-num-seqs %d", plan.concurrency, max_seqs)
             continue
-        chosen.append((plan, random_prompts(plan.concurrency, plan.input_len, vocab, prompt_seed(seed, plan, 10_000))))
+        # the measured runs' prompt lengths (spread by --random-range-ratio); every request decodes the same steps
+        chosen.append((plan, make_workload(plan, vocab, prompt_seed(seed, plan, 10_000)).prompts))
     hosts = []
     for plan, prompts in chosen:
         logger.info("timing the host's phases: %s c=%d (%d steps)", plan.scenario, plan.concurrency, steps)
