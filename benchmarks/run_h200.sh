@@ -1518,6 +1518,34 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s121)  # (session 43) session 42's last commits on the GPU: the fp8-KV file whole, the engine and hybrid files under
+         # --compat sm70, the three at once (each engine takes <= 0.3 of the card)
+    gpu_file test_fp8_kv_gpu 520 & p1=$!
+    for f in test_engine_gpu test_hybrid_gpu; do
+      ( timeout 520 python3 -m pytest -q -m gpu tests/gpu/$f.py --compat sm70 -p no:cacheprovider -rf \
+          > "$out/$f-sm70.txt" 2>&1
+        echo "$f --compat sm70 rc=$? $(tail -1 "$out/$f-sm70.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f-sm70.txt" | head -8 ) &
+    done
+    wait
+    ;;
+  s122)  # (session 43) mixed prompt / output lengths end to end (--random-range-ratio 0.5, 64 x 128/128 on average):
+         # --compat sm70 with the prompt step's varlen join (JOIN_REQUESTS 2) vs one request at a time (0), native for
+         # reference; the 8B shape, then SmolLM2's
+    t0=$SECONDS
+    cb=voltllm.attention.compat_backend
+    mix() {  # mix NAME MODEL JOIN [bench args]
+      local name=$1 model=$2 on=$3; shift 3
+      (( SECONDS - t0 > 470 )) && return
+      bench_via "python3 benchmarks/set_and_run.py $cb:JOIN_REQUESTS=$on --" --random-weights $model --dtype half \
+        --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --random-range-ratio 0.5 \
+        --num-warm 2 --name $model-fp16-mix-c64-$name-$sha "$@" > "$out/mix-$name.log"
+      echo "$name $(grep -E "^(concurrent|output_tok|ttft)" "$out/mix-$name.log" | awk '{print $1, $6}' | tr '\n' ' ')"
+    }
+    mix compat-join qwen3-8b-shape 2 --compat sm70; mix compat-single qwen3-8b-shape 0 --compat sm70
+    mix native qwen3-8b-shape 2
+    mix sm-compat-join smollm2-135m-shape 2 --compat sm70; mix sm-compat-single smollm2-135m-shape 0 --compat sm70
+    find "$out" -name "*-mix-c64-*.json" ! -name "*compat-join-*" -delete  # at most 8 files come back; logs have tables
+    ;;
   s120)  # (session 42) the GPU files that run the compat prefill: the fp8-KV file whole, the engine file and a hybrid
          # selection under --compat sm70 (engines with prompts of mixed lengths now go through the varlen form)
     gpu_file test_fp8_kv_gpu 250
