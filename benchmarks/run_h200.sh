@@ -1518,6 +1518,22 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s123)  # (session 43) s122's compat-join runs again after the bridge stopped specialising on the longest context
+         # (its warm1 prompt step, the first whose longest prompt was not a multiple of 16, took 304 vs 217 ms), then
+         # the hybrid GPU file under --compat sm70 on 3 xdist workers (one process did not finish it in 520 s)
+    t0=$SECONDS
+    cb=voltllm.attention.compat_backend
+    for m in qwen3-8b-shape smollm2-135m-shape; do
+      bench_via "python3 benchmarks/set_and_run.py $cb:JOIN_REQUESTS=2 --" --random-weights $m --dtype half \
+        --compat sm70 --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --random-range-ratio 0.5 \
+        --num-warm 2 --name $m-fp16-mix-c64-compat-join-$sha > "$out/mix-$m.log"
+      echo "$m $(grep -E "^(concurrent|output_tok|ttft)" "$out/mix-$m.log" | awk '{print $1, $6, "(" $7, $8 ", cold", $9 ")"}' | tr '\n' ' ')"
+    done
+    timeout $(( 560 - (SECONDS - t0) )) python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py --compat sm70 -n 3 \
+      -p no:cacheprovider -rf -o addopts="" > "$out/test_hybrid_gpu-sm70.txt" 2>&1
+    echo "test_hybrid_gpu --compat sm70 -n 3 rc=$? $(tail -1 "$out/test_hybrid_gpu-sm70.txt")"
+    grep -E "^(FAILED|ERROR)" "$out/test_hybrid_gpu-sm70.txt" | head -8
+    ;;
   s121)  # (session 43) session 42's last commits on the GPU: the fp8-KV file whole, the engine and hybrid files under
          # --compat sm70, the three at once (each engine takes <= 0.3 of the card)
     gpu_file test_fp8_kv_gpu 520 & p1=$!
