@@ -1518,6 +1518,15 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s124)  # (session 43) which Triton kernels compile inside the mixed-length compat runs (micro/bench_compiles.py):
+         # SmolLM2's shape, then the 8B's, --random-range-ratio 0.5, 64 x 128/128 on average, 3 warm runs
+    for m in smollm2-135m-shape qwen3-8b-shape; do
+      timeout 270 python3 benchmarks/micro/bench_compiles.py --random-weights $m --dtype half --compat sm70 \
+        --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --random-range-ratio 0.5 --num-warm 3 \
+        --no-limits --commit "$sha" 2>&1 | grep -v -i warn > "$out/compiles-$m.txt"
+      echo "== $m"; grep -E "^(ttft|output_tok)" "$out/compiles-$m.txt"; sed -n '/^start-up:/,$p' "$out/compiles-$m.txt" | cut -c1-240
+    done
+    ;;
   s123)  # (session 43) s122's compat-join runs again after the bridge stopped specialising on the longest context
          # (its warm1 prompt step, the first whose longest prompt was not a multiple of 16, took 304 vs 217 ms), then
          # the hybrid GPU file under --compat sm70 on 3 xdist workers (one process did not finish it in 520 s)
