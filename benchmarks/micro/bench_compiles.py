@@ -16,10 +16,16 @@ from voltllm.bench.cli import main as bench_main
 
 
 def main(argv: list) -> int:
-    compiles: list = []  # (time, kernel name, specialization)
+    compiles: list = []  # (time, kernel name, {argument or option: its specialization})
 
     def hook(*, key=None, repr=None, fn=None, compile=None, is_manual_warmup=False, already_compiled=False, **_):
-        compiles.append((time.perf_counter(), getattr(fn, "name", "?"), (repr or "")[:300]))
+        jit = getattr(fn, "jit_function", None)
+        spec = {"options": (repr or "").split("](")[0]}
+        try:  # key[1]: one (type, specialization) per parameter
+            spec.update({p.name: str(ty) for p, ty in zip(jit.params, key[1])})
+        except Exception:  # another Triton's key layout: keep the printed form
+            spec["repr"] = repr or ""
+        compiles.append((time.perf_counter(), getattr(fn, "name", "?"), spec))
         return False
     triton.knobs.runtime.jit_cache_hook = hook
 
@@ -38,12 +44,17 @@ def main(argv: list) -> int:
     first = runs[0][1] if runs else float("inf")
     print(f"\nstart-up: {sum(1 for t, _, _ in compiles if t < first)} compiles before the first run")
     for label, t0, t1 in runs:
-        inside = [(name, spec) for t, name, spec in compiles if t0 <= t <= t1]
+        inside = [(t, name, spec) for t, name, spec in compiles if t0 <= t <= t1]
         print(f"{label}: {len(inside)} compiles")
-        for name, spec in inside:
-            print(f"    {name}: {spec}")
+        for t, name, spec in inside:
+            print(f"    {name}: {_difference(spec, [s for u, n, s in compiles if n == name and u < t])}")
     return rc
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def _difference(spec: dict, earlier: list) -> str:
+    """The arguments / options whose specialization sets this variant apart from the closest earlier one of the
+    same kernel, or the whole of it when it is the kernel's first."""
+    if not earlier:
+        return "first variant: " + ", ".join(f"{k}: {v}" for k, v in spec.items())[:600]
+    closest = min(earlier, key=lambda e: sum(e.get(k) != v for k, v in spec.items()))
+    return "; ".join(f"{k}: {closest.get(k)} -> {v}" for k, v in spec.items() if closest.get(k) != v)
