@@ -58,3 +58,7 @@ def _difference(spec: dict, earlier: list) -> str:
         return "first variant: " + ", ".join(f"{k}: {v}" for k, v in spec.items())[:600]
     closest = min(earlier, key=lambda e: sum(e.get(k) != v for k, v in spec.items()))
     return "; ".join(f"{k}: {closest.get(k)} -> {v}" for k, v in spec.items() if closest.get(k) != v)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
