@@ -18,13 +18,11 @@ from voltllm.bench.cli import main as bench_main
 def main(argv: list) -> int:
     compiles: list = []  # (time, kernel name, {argument or option: its specialization})
 
-    def hook(*, key=None, repr=None, fn=None, compile=None, is_manual_warmup=False, already_compiled=False, **_):
-        jit = getattr(fn, "jit_function", None)
-        spec = {"options": (repr or "").split("](")[0]}
-        try:  # key[1]: one (type, specialization) per parameter
-            spec.update({p.name: str(ty) for p, ty in zip(jit.params, key[1])})
-        except Exception:  # another Triton's key layout: keep the printed form
-            spec["repr"] = repr or ""
+    def hook(*, fn=None, signature=None, constants=None, configs=None, options=None, **_):
+        try:
+            spec = _specialization(getattr(fn, "jit_function", None), signature, constants, configs, options)
+        except Exception as e:  # another Triton's hook arguments: say so rather than stop the bench
+            spec = {"unreadable": repr(e)}
         compiles.append((time.perf_counter(), getattr(fn, "name", "?"), spec))
         return False
     triton.knobs.runtime.jit_cache_hook = hook
@@ -49,6 +47,23 @@ def main(argv: list) -> int:
         for t, name, spec in inside:
             print(f"    {name}: {_difference(spec, [s for u, n, s in compiles if n == name and u < t])}")
     return rc
+
+
+def _specialization(jit, signature, constants, configs, options) -> dict:
+    """{parameter: "type [= constant] [attributes]", "opt.<field>": value} of one compile request."""
+    names = [p.name for p in jit.params] if jit is not None else []
+
+    def name_of(k):
+        i = k[0] if isinstance(k, tuple) and k else k
+        return names[i] if isinstance(i, int) and i < len(names) else str(k)
+    spec = {str(n): str(t) for n, t in (signature or {}).items()}
+    for k, v in (constants or {}).items():
+        spec[name_of(k)] = f"{spec.get(name_of(k), '')} = {v}"
+    for k, v in ((configs or [{}])[0] or {}).items():
+        spec[name_of(k)] = f"{spec.get(name_of(k), '')} {v}"
+    for k, v in (getattr(options, "__dict__", None) or {}).items():
+        spec[f"opt.{k}"] = str(v)
+    return spec
 
 
 def _difference(spec: dict, earlier: list) -> str:
