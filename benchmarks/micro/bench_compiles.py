@@ -18,11 +18,12 @@ from voltllm.bench.cli import main as bench_main
 def main(argv: list) -> int:
     compiles: list = []  # (time, kernel name, {argument or option: its specialization})
 
-    def hook(*, fn=None, signature=None, constants=None, configs=None, options=None, **_):
+    def hook(*, key=None, fn=None, signature=None, constants=None, configs=None, options=None, **_):
         try:
             spec = _specialization(getattr(fn, "jit_function", None), signature, constants, configs, options)
         except Exception as e:  # another Triton's hook arguments: say so rather than stop the bench
             spec = {"unreadable": repr(e)}
+        spec["cache key"] = str(key)  # the in-memory cache's key: what the rest may not show
         compiles.append((time.perf_counter(), getattr(fn, "name", "?"), spec))
         return False
     triton.knobs.runtime.jit_cache_hook = hook
@@ -71,8 +72,14 @@ def _difference(spec: dict, earlier: list) -> str:
     same kernel, or the whole of it when it is the kernel's first."""
     if not earlier:
         return "first variant: " + ", ".join(f"{k}: {v}" for k, v in spec.items())[:600]
-    closest = min(earlier, key=lambda e: sum(e.get(k) != v for k, v in spec.items()))
-    return "; ".join(f"{k}: {closest.get(k)} -> {v}" for k, v in spec.items() if closest.get(k) != v)
+    closest = min(earlier, key=lambda e: sum(e.get(k) != v for k, v in spec.items() if k != "cache key"))
+    out = [f"{k}: {closest.get(k)} -> {v}" for k, v in spec.items() if closest.get(k) != v and k != "cache key"]
+    if not out:  # the same arguments: show where the cache keys differ
+        a, b = closest.get("cache key", ""), spec.get("cache key", "")
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        lo = max(0, i - 80)
+        out = [f"same arguments; cache keys differ at {i}: ...{a[lo:i + 120]} -> ...{b[lo:i + 120]}"]
+    return "; ".join(out)
 
 
 if __name__ == "__main__":
