@@ -67,13 +67,20 @@ def test_fp8_kernel_specs_registered():
     assert -1 in gather and 0 in gather  # the compat bridge for fp16 and fp8 caches
 
 
-def test_bridge_kernel_compiles_once_for_any_longest_context():
-    """The compat prefill's bridge takes the step's longest context as a plain bound; a value specialisation
-    (== 1, % 16) made the first prompt step whose longest prompt changed class compile a new variant inside
-    it (session 43: 8B compat TTFT 304 vs 217 ms on the bench's mixed lengths)."""
+def test_step_varying_arguments_are_not_specialised():
+    """Arguments that change from step to step (the longest context, block-table slices, per-request plan rows)
+    are not specialised on value or alignment: each new class compiled a variant inside the first prompt step
+    that met it (session 43, micro/bench_compiles.py: 8B compat TTFT 304 vs 188 ms on the bench's mixed lengths)."""
     from voltllm.kernels.kv_fp8 import kv_fp8_gather_kernel
 
-    assert [p.name for p in kv_fp8_gather_kernel.params if p.do_not_specialize] == ["ctx_len"]
+    from voltllm.kernels.attention.paged_decode import _paged_decode_kernel
+
+    assert [p.name for p in kv_fp8_gather_kernel.params if p.do_not_specialize] == ["ctx_len", "stride_bt"]
+    assert [p.name for p in kv_fp8_gather_kernel.params if p.do_not_specialize_on_alignment] == [
+        "block_table_ptr", "seq_ptr", "ctx_ptr", "start_ptr"]
+    # the decode kernel's rows of a mixed step (eager): its per-sequence scalars at any offset
+    assert [p.name for p in _paged_decode_kernel.params if p.do_not_specialize_on_alignment] == [
+        "SeqLens", "QueryStartLoc"]
 
 
 # --- spec, config, capacity -----------------------------------------------------------------------------

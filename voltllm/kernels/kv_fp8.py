@@ -53,9 +53,11 @@ def kv_fp8_write_kernel(
     tl.store(v_cache_ptr + dst, fp32_to_fp8(tl.math.div_rn(v.to(tl.float32), v_scale), FMT), mask=mask)
 
 
-# ctx_len (the step's longest context) only bounds the token mask: specialising on its value (== 1, % 16) would
-# compile a new variant the first time a step's longest prompt changes class, ~70-90 ms inside that prompt step
-@triton.jit(do_not_specialize=["ctx_len"])
+# Arguments that change from step to step and gain nothing from Triton's value / alignment specialisation (a bound,
+# per-request scalars, the block table's rows): each new class (== 1, % 16, a 16-byte aligned slice) would compile
+# another variant inside the step that first meets it, ~70-90 ms (micro/bench_compiles.py, session 43)
+@triton.jit(do_not_specialize=["ctx_len", "stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_ptr", "ctx_ptr", "start_ptr"])
 def kv_fp8_gather_kernel(
     k_cache_ptr, v_cache_ptr, block_table_ptr, k_out_ptr, v_out_ptr, k_scale_ptr, v_scale_ptr,
     seq_ptr, ctx_ptr, start_ptr,

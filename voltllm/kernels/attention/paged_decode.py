@@ -153,7 +153,9 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# a mixed step's sequence lengths / query starts may be slices at any offset; they are read one scalar per program,
+# so their alignment class would only compile another variant inside that step (micro/bench_compiles.py)
+@triton.jit(do_not_specialize_on_alignment=["SeqLens", "QueryStartLoc"])
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     KNew, VNew, SlotMapping, Pos, Cos, Sin, QW, KW,  # ROPE only: the step's raw K / V rows and what rotates them
