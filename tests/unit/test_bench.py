@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
 
 from voltllm.bench import limits as L
-from voltllm.bench.inprocess import (Plan, Workload, length_range, make_plans, make_workload, random_prompts,
-                                     run_protocol)
+from voltllm.bench.inprocess import (Plan, Workload, arrival_times, length_range, make_plans, make_workload,
+                                     random_prompts, run_protocol)
 from voltllm.bench.metrics import (RequestTiming, RunResult, common_window, concurrent_decode_tok_s, headline,
                                    output_tok_s, prefill_tok_s, pure_decode_tok_s, speedup, summarize, table_rows)
 
@@ -222,13 +223,14 @@ def test_client_counts_tokens_per_chunk(continuous):
     httpx = pytest.importorskip("httpx")
     from voltllm.bench.client import ClientRunner
 
-    sent = []
+    sent, sent_at = [], []
 
     def handler(request):
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "m"}]})
         body = json.loads(request.content)
         sent.append(body)
+        sent_at.append(time.monotonic())
         n = body["max_tokens"]
         chunks, made = [], 0
         for k, step in enumerate([1, 2, n - 3]):  # the second chunk carries two tokens (merged text)
@@ -242,7 +244,8 @@ def test_client_counts_tokens_per_chunk(continuous):
 
     runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
     try:
-        r = runner(Plan("concurrency", 2, 5, 6, 0.5), "warm1", Workload([[1, 2, 3, 4, 5], [6, 7, 8]], [6, 4]))
+        r = runner(Plan("concurrency", 2, 5, 6, 0.5, 10.0), "warm1",
+                   Workload([[1, 2, 3, 4, 5], [6, 7, 8]], [6, 4], [0.0, 0.05]))
     finally:
         runner.close()
     assert runner.model == "m" and len(sent) == 2
@@ -252,7 +255,8 @@ def test_client_counts_tokens_per_chunk(continuous):
     assert sent[1]["prompt"] == [6, 7, 8] and sent[1]["max_tokens"] == sent[1]["min_tokens"] == 4
     got = [(req.output_tokens, len(req.token_times), req.prompt_tokens) for req in r.requests]
     assert got == [(6, 6, 5), (4, 4, 3)]
-    assert r.side == "client" and r.metrics()["output_tok_s"] > 0 and r.range_ratio == 0.5
+    assert r.side == "client" and r.metrics()["output_tok_s"] > 0 and r.range_ratio == 0.5 and r.request_rate == 10.0
+    assert sent_at[1] - sent_at[0] > 0.04  # the second was sent at its offset, not with the first
 
 
 # -- end to end, in-process, tiny random model on the CPU ------------------------------------------
@@ -297,6 +301,65 @@ def test_bench_end_to_end_tiny_model(tmp_path):
     assert "error" not in hf, hf.get("error")
     assert hf["metrics"]["pure_decode_tok_s"] > 0 and set(hf["metrics"]["output_tok_s"]) == {"1"}
     assert hf["ratios_voltllm_over_hf"]["pure_decode_tok_s"] > 0
+
+
+def test_request_rate_spreads_arrivals_like_vllm():
+    inf = float("inf")
+    plans = make_plans("all", [4], request_rate=2.0, burstiness=0.5)
+    assert plans[1] == Plan("concurrency", 4, 128, 128, 0.0, 2.0, 0.5)
+    assert make_plans("decode", [1])[0].request_rate == inf
+    for rate, burst in ((0.0, 1.0), (-1.0, 1.0), (2.0, 0.0), (2.0, inf)):
+        with pytest.raises(ValueError, match="request-rate"):
+            make_plans("concurrency", [4], request_rate=rate, burstiness=burst)
+    with pytest.raises(ValueError, match="one request at a time"):
+        make_plans("prefill", [1], request_rate=3.0)
+    assert arrival_times(5, inf, 1.0, seed=1) is None
+    t = arrival_times(4000, 8.0, 1.0, seed=1)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert t[0] == 0.0 and all(g >= 0 for g in gaps) and t == arrival_times(4000, 8.0, 1.0, seed=1)
+    mean = sum(gaps) / len(gaps)
+    var = sum((g - mean) ** 2 for g in gaps) / len(gaps)
+    assert abs(mean - 0.125) < 0.01 and abs(var / mean ** 2 - 1.0) < 0.15  # exponential: CV^2 = 1
+    bursty = arrival_times(4000, 8.0, 0.25, seed=1)  # gamma of shape k: CV^2 = 1 / k
+    gaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert abs(mean - 0.125) < 0.015 and 3.0 < sum((g - mean) ** 2 for g in gaps) / len(gaps) / mean ** 2 < 5.0
+    # a rate changes when requests are sent, not what they are
+    plain, rated = make_workload(Plan("concurrency", 6, 10, 3, 0.5), 100, 9), make_workload(
+        Plan("concurrency", 6, 10, 3, 0.5, 4.0), 100, 9)
+    assert plain.prompts == rated.prompts and plain.output_lens == rated.output_lens
+    assert plain.arrivals is None and plain.arrival(3) == 0.0 and len(rated.arrivals) == 6 and rated.arrival(5) > 0
+
+
+def test_bench_request_rate_tiny_model(tmp_path):
+    from transformers import Qwen3Config
+
+    from voltllm.bench.cli import main
+    from voltllm.bench.inprocess import prompt_seed
+
+    model_dir = tmp_path / "tiny"
+    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
+    out = tmp_path / "results"
+    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "concurrency", "--concurrency", "5",
+            "--input-len", "8", "--output-len", "4", "--request-rate", "40", "--num-warm", "1",
+            "--output-dir", str(out), "--name", "rate", "--no-limits", "--commit", "abc123"]
+    with pytest.raises(ValueError, match="request-rate"):
+        main(argv + ["--baseline", "hf"])
+    assert main(argv) == 0
+    with open(out / "rate.json") as f:
+        res = json.load(f)
+    assert res["config"]["request_rate"] == 40.0 and res["config"]["burstiness"] == 1.0
+    plan = Plan("concurrency", 5, 8, 4, 0.0, 40.0)
+    for k, run in enumerate(res["metrics"]["runs"]):
+        assert run["request_rate"] == 40.0
+        reqs = run["requests"]
+        offsets = make_workload(plan, 512, prompt_seed(0, plan, k)).arrivals
+        # each request is stamped at its own send time and answered after it
+        assert [round(r["arrival"] - reqs[0]["arrival"], 9) for r in reqs] == [round(o, 9) for o in offsets]
+        assert all(r["first_token"] > r["arrival"] and r["output_tokens"] == 4 for r in reqs)
+        assert run["wall_s"] >= offsets[-1]
+    assert all(row["request_rate"] == 40.0 for row in res["metrics"]["table"])
 
 
 def test_bench_spread_lengths_tiny_model(tmp_path):

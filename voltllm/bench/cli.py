@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -50,6 +51,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
                    help="--scenario concurrency: draw each request's input and output length uniformly from "
                         "[len * (1 - R), len * (1 + R)] (vLLM's flag; 0 = all equal, R < 1)")
+    g.add_argument("--request-rate", type=float, default=float("inf"), metavar="R",
+                   help="--scenario concurrency: send the C requests at R per second on average instead of all at "
+                        "once (vLLM's flag; gaps drawn from a gamma distribution, see --burstiness; default inf)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="shape of the gamma distribution of --request-rate's gaps: 1 = a Poisson process, below 1 "
+                        "burstier, above 1 more regular (vLLM's flag)")
     g.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
     g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -196,10 +203,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile and (args.base_url or args.profile_steps < 1):
         raise ValueError("--profile runs torch.profiler in this process (not with --base-url) over "
                          "--profile-steps >= 1 steps")
-    plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len, args.random_range_ratio)
-    if args.baseline and args.random_range_ratio:
-        raise ValueError("--baseline runs transformers generate on one batch of equal lengths: "
-                         "drop --random-range-ratio")
+    plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len, args.random_range_ratio,
+                       args.request_rate, args.burstiness)
+    if args.baseline and (args.random_range_ratio or math.isfinite(args.request_rate)):
+        raise ValueError("--baseline runs transformers generate on one batch of equal lengths sent together: "
+                         "drop --random-range-ratio and --request-rate")
     with tempfile.TemporaryDirectory(prefix="voltllm-bench-") as tmp:
         shape = None
         if args.random_weights:
@@ -229,6 +237,13 @@ def run_bench(args: argparse.Namespace) -> int:
         print(format_profiles(profiles))
     print(f"\nwrote {out_path}" + (f" and {profile_path}" if profile_path else ""))
     return 0
+
+
+def _workload_flags(args: argparse.Namespace) -> dict:
+    """How the concurrency scenario's requests were shaped, for the result file (JSON has no infinity)."""
+    rate = args.request_rate
+    return {"random_range_ratio": args.random_range_ratio, "request_rate": rate if math.isfinite(rate) else None,
+            "burstiness": args.burstiness}
 
 
 def _default_name(report: dict, args: argparse.Namespace) -> str:
@@ -290,7 +305,7 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
                    "async_scheduling": config.scheduler.async_scheduling,
                    "enable_prefix_caching": config.cache.enable_prefix_caching,
                    "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                   "prompt_seed": args.prompt_seed, "random_range_ratio": args.random_range_ratio,
+                   "prompt_seed": args.prompt_seed, **_workload_flags(args),
                    "num_warm": args.num_warm, "engine_start_s": start_s},
         "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
         "limit": limit,
@@ -398,7 +413,7 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
                   "dtype": server.get("dtype") or (R.dtype_name(dtype) if dtype is not None else None),
                   "weight_bytes": cost.weight_bytes if cost else None},
         "config": {"client_side_times": True, "temperature": args.temperature, "top_p": args.top_p,
-                   "top_k": args.top_k, "prompt_seed": args.prompt_seed, "random_range_ratio": args.random_range_ratio,
+                   "top_k": args.top_k, "prompt_seed": args.prompt_seed, **_workload_flags(args),
                    "num_warm": args.num_warm},
         "metrics": {**headline(rows), "table": rows, "runs": [r.to_json() for r in results]},
         "limit": limit,

@@ -107,19 +107,24 @@ class ClientRunner:
         return RequestTiming(prompt_tokens=len(body["prompt"]), output_tokens=len(times), arrival=t_send,
                              first_token=times[0], last_token=times[-1], token_times=times)
 
-    async def _batch(self, bodies: list[dict]) -> tuple[float, list[RequestTiming], float]:
+    async def _sent_at(self, body: dict, at: float) -> RequestTiming:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        return await self._one(body, at)
+
+    async def _batch(self, bodies: list[dict], offsets: list[float]) -> tuple[float, list[RequestTiming], float]:
         t0 = time.monotonic()
-        reqs = await asyncio.gather(*(self._one(b, t0) for b in bodies))
+        reqs = await asyncio.gather(*(self._sent_at(b, t0 + dt) for b, dt in zip(bodies, offsets)))
         return t0, list(reqs), time.monotonic()
 
     def __call__(self, plan: Plan, run: str, work: Workload) -> RunResult:
         bodies = [self.payload(p, n, self.sampling_seed + i)
                   for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))]
-        t0, reqs, _ = self.loop.run_until_complete(self._batch(bodies))
+        offsets = [work.arrival(i) for i in range(len(bodies))]
+        t0, reqs, _ = self.loop.run_until_complete(self._batch(bodies, offsets))
         for r, n in zip(reqs, work.output_lens):
             if r.output_tokens != n:
                 raise RuntimeError(f"the server made {r.output_tokens} tokens, not the forced {n} "
                                    "(does it honour ignore_eos and min_tokens?)")
         end = max(r.last_token for r in reqs)
         return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
-                         side="client", range_ratio=plan.range_ratio)
+                         side="client", range_ratio=plan.range_ratio, request_rate=plan.request_rate)

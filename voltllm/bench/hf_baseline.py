@@ -94,8 +94,9 @@ class HFRunner:
     def __call__(self, plan: Plan, run: str, work: Workload) -> RunResult:
         # generate runs the requests as one batch: one prompt length, one forced output length
         prompts, n = work.prompts, plan.output_len
-        if len({len(p) for p in prompts}) > 1 or any(m != n for m in work.output_lens):
-            raise ValueError("the transformers baseline runs one batch of equal lengths; drop --random-range-ratio")
+        if len({len(p) for p in prompts}) > 1 or any(m != n for m in work.output_lens) or work.arrivals:
+            raise ValueError("the transformers baseline runs one batch of equal lengths sent together; drop "
+                             "--random-range-ratio and --request-rate")
         ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=self.pad_token_id,
                                       do_sample=self.temperature > 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 import zlib
 from dataclasses import dataclass
@@ -35,26 +36,40 @@ class Plan:
     output_len: int
     # requests' lengths are drawn from [len * (1 - r), len * (1 + r)] (vLLM's --random-range-ratio); 0: all equal
     range_ratio: float = 0.0
+    # requests arrive at this mean rate (1/s) with gamma-distributed gaps of shape `burstiness` (vLLM's
+    # --request-rate / --burstiness; 1: a Poisson process); inf: all at once
+    request_rate: float = math.inf
+    burstiness: float = 1.0
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One run's requests: token-id prompts and the output length each one is forced to."""
+    """One run's requests: token-id prompts, the output length each one is forced to and when each is sent
+    (seconds after the run starts)."""
 
     prompts: list[list[int]]
     output_lens: list[int]
+    arrivals: Optional[list[float]] = None  # None: all at the start
+
+    def arrival(self, i: int) -> float:
+        return self.arrivals[i] if self.arrivals else 0.0
 
 
 def make_plans(scenario: str, concurrency: list[int], input_len: Optional[int] = None,
-               output_len: Optional[int] = None, range_ratio: float = 0.0) -> list[Plan]:
-    """The configurations to run. range_ratio spreads the lengths of the concurrency scenario's requests (the
-    single-request scenarios measure one request at the given length, so they refuse it)."""
+               output_len: Optional[int] = None, range_ratio: float = 0.0, request_rate: float = math.inf,
+               burstiness: float = 1.0) -> list[Plan]:
+    """The configurations to run. range_ratio spreads the lengths of the concurrency scenario's requests and
+    request_rate their arrival over time (the single-request scenarios measure one request, so they refuse both)."""
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
-    if range_ratio and "concurrency" not in names:
-        raise ValueError("--random-range-ratio spreads the lengths of --scenario concurrency's requests; "
-                         f"--scenario {scenario} runs one request at a time")
+    if not request_rate > 0 or not burstiness > 0 or math.isinf(burstiness):
+        raise ValueError(f"--request-rate and --burstiness must be > 0 (and the burstiness finite), got "
+                         f"{request_rate} and {burstiness}")
+    for flag, used in (("--random-range-ratio", range_ratio != 0.0), ("--request-rate", math.isfinite(request_rate))):
+        if used and "concurrency" not in names:
+            raise ValueError(f"{flag} shapes the requests of --scenario concurrency; --scenario {scenario} runs one "
+                             "request at a time")
     plans = []
     for name in names:
         if name not in SCENARIOS:
@@ -66,7 +81,10 @@ def make_plans(scenario: str, concurrency: list[int], input_len: Optional[int] =
         for c in (concurrency if name == "concurrency" else [1]):
             if c < 1:
                 raise ValueError(f"--concurrency values must be >= 1, got {c}")
-            plans.append(Plan(name, c, il, ol, range_ratio if name == "concurrency" else 0.0))
+            if name == "concurrency":
+                plans.append(Plan(name, c, il, ol, range_ratio, request_rate, burstiness))
+            else:
+                plans.append(Plan(name, c, il, ol))
     return plans
 
 
@@ -87,20 +105,36 @@ def length_range(mean: int, ratio: float) -> tuple[int, int]:
     return lo, max(lo, math.ceil(mean * (1.0 + ratio)))
 
 
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> Optional[list[float]]:
+    """Send times of n requests (seconds from the start): the first at 0, then gaps drawn from a gamma distribution
+    of shape `burstiness` and mean 1 / rate (burstiness 1: exponential gaps, a Poisson process; below 1 burstier).
+    None when the rate is infinite (all at once)."""
+    if math.isinf(rate):
+        return None
+    rng = random.Random(seed)
+    out, t = [0.0], 0.0
+    for _ in range(n - 1):
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        out.append(t)
+    return out
+
+
 def make_workload(plan: Plan, vocab_size: int, seed: int) -> Workload:
-    """The run's prompts and forced output lengths. Without a range ratio: plan.concurrency prompts of
-    plan.input_len random ids, each forced to plan.output_len. With one: every request's input and output
-    lengths are drawn uniformly (inclusive) from length_range, then its ids; all from the one seed."""
+    """The run's prompts, forced output lengths and send times. Without a range ratio: plan.concurrency prompts
+    of plan.input_len random ids, each forced to plan.output_len. With one: every request's input and output
+    lengths are drawn uniformly (inclusive) from length_range, then its ids; all from the one seed. The send times
+    come from their own stream of the seed, so a rate changes when requests arrive, not what they are."""
     n = plan.concurrency
+    arrivals = arrival_times(n, plan.request_rate, plan.burstiness, seed ^ 0x5EED)
     if not plan.range_ratio:
-        return Workload(random_prompts(n, plan.input_len, vocab_size, seed), [plan.output_len] * n)
+        return Workload(random_prompts(n, plan.input_len, vocab_size, seed), [plan.output_len] * n, arrivals)
     gen = torch.Generator().manual_seed(seed)
     lo, hi = length_range(plan.input_len, plan.range_ratio)
     input_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
     lo, hi = length_range(plan.output_len, plan.range_ratio)
     output_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
     prompts = [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for length in input_lens]
-    return Workload(prompts, output_lens)
+    return Workload(prompts, output_lens, arrivals)
 
 
 RunFn = Callable[[Plan, str, Workload], RunResult]
@@ -171,14 +205,30 @@ class InProcessRunner:
         t0 = time.monotonic()
         track: dict[str, _Track] = {}
         forced: dict[str, int] = {}
-        for i, (ids, n) in enumerate(zip(work.prompts, work.output_lens)):
-            rid = f"bench{self._batch}-{i}"
-            sp = sampling_params(n, self.temperature, self.top_p, self.top_k, self.sampling_seed + i)
-            eng.add_request(EngineCoreRequest(rid, list(ids), sp, arrival_time=t0))
-            track[rid], forced[rid] = _Track(arrival=t0, prompt_tokens=len(ids)), n
+        order = sorted(range(len(work.prompts)), key=work.arrival)
+        for i in order:
+            track[f"bench{self._batch}-{i}"] = _Track(t0 + work.arrival(i), len(work.prompts[i]))
+
+        def admit(k: int, now: float) -> int:
+            """Add the requests from order[k] on whose send time has come, stamped with that time (a server would
+            have queued them then); returns how many have been added so far."""
+            while k < len(order) and t0 + work.arrival(order[k]) <= now:
+                i = order[k]
+                rid, n = f"bench{self._batch}-{i}", work.output_lens[i]
+                sp = sampling_params(n, self.temperature, self.top_p, self.top_k, self.sampling_seed + i)
+                eng.add_request(EngineCoreRequest(rid, list(work.prompts[i]), sp, arrival_time=track[rid].arrival))
+                forced[rid] = n
+                k += 1
+            return k
+
         pending = set(track)
         end = t0
+        admitted = 0
         while pending:
+            admitted = admit(admitted, time.monotonic())
+            if admitted < len(order) and not eng.has_unfinished_requests():
+                time.sleep(max(0.0, t0 + work.arrival(order[admitted]) - time.monotonic()))
+                continue
             outs = eng.step()
             now = time.monotonic()  # the step returned: its tokens exist now (their ids are on the host)
             for o in outs:
@@ -199,7 +249,7 @@ class InProcessRunner:
                 if o.finished:
                     t.finish, t.stop_reason = o.finish_reason, o.stop_reason
                     pending.discard(o.request_id)
-            if pending and not outs and not eng.has_unfinished_requests():
+            if pending and not outs and not eng.has_unfinished_requests() and admitted == len(order):
                 raise RuntimeError(f"the engine went idle with {len(pending)} bench requests unfinished")
         reqs = []
         for rid, t in track.items():
@@ -213,7 +263,7 @@ class InProcessRunner:
                 scheduled=t.scheduled, cached_tokens=t.cached, token_times=t.times))
         return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
                          preemptions=eng.stats().num_preemptions - preempt0, side="server",
-                         range_ratio=plan.range_ratio)
+                         range_ratio=plan.range_ratio, request_rate=plan.request_rate)
 
 
 def build_engine(engine_args: Any) -> Any:

@@ -12,6 +12,7 @@ Pure functions over timestamps (seconds, one monotonic clock), so they can be ch
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
@@ -104,6 +105,7 @@ class RunResult:
     preemptions: int = 0
     side: str = "server"  # where first/last token times come from: "server" (engine) or "client"
     range_ratio: float = 0.0  # requests' lengths spread over [len * (1 - r), len * (1 + r)]; 0: all equal
+    request_rate: float = math.inf  # mean arrival rate of the requests (1/s); inf: all sent at the start
 
     @property
     def wall_s(self) -> float:
@@ -132,9 +134,14 @@ class RunResult:
     def to_json(self) -> dict:
         return {"scenario": self.scenario, "concurrency": self.concurrency, "run": self.run,
                 "input_len": self.input_len, "output_len": self.output_len, "range_ratio": self.range_ratio,
-                "wall_s": self.wall_s,
+                "request_rate": _rate_json(self.request_rate), "wall_s": self.wall_s,
                 "preemptions": self.preemptions, "side": self.side, "metrics": self.metrics(),
                 "requests": [r.summary() for r in self.requests]}
+
+
+def _rate_json(rate: float) -> Optional[float]:
+    """A request rate for JSON (which has no infinity): None when all requests were sent at the start."""
+    return None if math.isinf(rate) else rate
 
 
 def summarize(runs: Sequence[RunResult], metric: str) -> Optional[dict]:
@@ -159,15 +166,17 @@ def table_rows(results: Sequence[RunResult]) -> list[dict]:
     """One row per (scenario, concurrency, metric): warm median, warm values, cold value."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in results:
-        groups.setdefault((r.scenario, r.concurrency, r.input_len, r.output_len, r.range_ratio), []).append(r)
+        key = (r.scenario, r.concurrency, r.input_len, r.output_len, r.range_ratio, r.request_rate)
+        groups.setdefault(key, []).append(r)
     rows = []
-    for (scenario, c, il, ol, rr), runs in groups.items():
+    for (scenario, c, il, ol, rr, rate), runs in groups.items():
         for metric in SCENARIO_METRICS[scenario]:
             s = summarize(runs, metric)
             if s is None:
                 continue
             rows.append({"metric": metric, "scenario": scenario, "concurrency": c, "input_len": il,
-                         "output_len": ol, "range_ratio": rr, **s, "limit": None, "ratio": None})
+                         "output_len": ol, "range_ratio": rr, "request_rate": _rate_json(rate), **s, "limit": None,
+                         "ratio": None})
     return rows
 
 
@@ -217,6 +226,7 @@ def format_table(rows: Sequence[dict], title: str = "", ratio_header: str = "rat
     body = []
     for r in rows:
         spread = f" x(1+-{r['range_ratio']:g})" if r.get("range_ratio") else ""
+        spread += f" @{r['request_rate']:g}/s" if r.get("request_rate") is not None else ""
         body.append([r["metric"], f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}", str(r["concurrency"]),
                      _fmt(r["median"]), " ".join(_fmt(v) for v in r["warm"]), _fmt(r["cold"]), _fmt(r.get("limit")),
                      _fmt(r.get("ratio"))])
