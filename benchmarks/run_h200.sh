@@ -1518,6 +1518,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s125)  # (for session 44) compiles inside warm runs beyond the dense compat route: requests arriving over time
+         # (--request-rate, mixed steps of prefill and decode rows) and mixed lengths, native and --compat sm70, on
+         # qwen3-0.6b-shape and the hybrid MoE qwen3.5-35b-a3b-shape (GDN, MoE kernels), 3 warm runs each
+    t0=$SECONDS
+    cmp() {  # cmp NAME MODEL [bench args]
+      local name=$1 model=$2; shift 2
+      (( SECONDS - t0 > 420 )) && { echo "$name: skipped (time)"; return; }
+      timeout 200 python3 benchmarks/micro/bench_compiles.py --random-weights $model --dtype half --scenario concurrency \
+        --concurrency 32 --input-len 256 --output-len 64 --random-range-ratio 0.5 --num-warm 3 --no-limits \
+        --commit "$sha" "$@" 2>&1 | grep -v -i warn > "$out/compiles-$name.txt"
+      echo "== $name"; grep -E "^(ttft|output_tok)" "$out/compiles-$name.txt"; sed -n '/^start-up:/,$p' "$out/compiles-$name.txt" | cut -c1-400
+    }
+    cmp 0.6b-rate qwen3-0.6b-shape --request-rate 200
+    cmp 0.6b-rate-compat qwen3-0.6b-shape --request-rate 200 --compat sm70
+    cmp 35b-a3b qwen3.5-35b-a3b-shape --max-model-len 4096
+    cmp 35b-a3b-compat qwen3.5-35b-a3b-shape --max-model-len 4096 --compat sm70
+    ;;
   s124)  # (session 43) which Triton kernels compile inside the mixed-length compat runs (micro/bench_compiles.py):
          # SmolLM2's shape, then the 8B's, --random-range-ratio 0.5, 64 x 128/128 on average, 3 warm runs
     for m in smollm2-135m-shape qwen3-8b-shape; do
