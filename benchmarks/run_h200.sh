@@ -222,6 +222,10 @@
 #            at 64 x 128/128, then batch 1 both ways; carry .whl
 #   s117     (session 41) --compat sm70 64 x 128/128 with the per-lane decode's next-tile prefetch by rule vs never
 #            (fp16 and fp8_e4m3 KV); carry .whl
+#   s118-s120, s119t (session 42) the compat prefill's joined requests: A/B benches, join micro, GPU files
+#   s121-s124 (session 43) session 42's GPU files (three at once); mixed lengths end to end (compat join vs single,
+#            native); compiles inside warm runs (micro/bench_compiles.py); s125 (queued) the same with arrivals over
+#            time and on the hybrid MoE shape; carry .whl
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
