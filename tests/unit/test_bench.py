@@ -13,7 +13,8 @@ from voltllm.bench import limits as L
 from voltllm.bench.inprocess import (Plan, Workload, arrival_times, length_range, make_plans, make_workload,
                                      random_prompts, run_protocol)
 from voltllm.bench.metrics import (RequestTiming, RunResult, common_window, concurrent_decode_tok_s, headline,
-                                   output_tok_s, prefill_tok_s, pure_decode_tok_s, speedup, summarize, table_rows)
+                                   itl_p99_ms, output_tok_s, prefill_tok_s, pure_decode_tok_s, speedup, summarize,
+                                   table_rows, tpot_ms)
 
 
 # -- metric definitions ---------------------------------------------------------------------------
@@ -48,6 +49,20 @@ def test_output_and_prefill_rates():
     assert output_tok_s(10, 0.0) is None
     assert prefill_tok_s(8192, 0, 0.5) == pytest.approx(16384.0)
     assert prefill_tok_s(8192, 8000, 0.5) == pytest.approx(384.0)  # prefix-cache hits are not computed
+
+
+def test_tpot_and_itl_p99():
+    def req(times):
+        return RequestTiming(prompt_tokens=4, output_tokens=len(times), arrival=0.0, first_token=times[0],
+                             last_token=times[-1], token_times=times)
+    a = req([1.0, 1.1, 1.2, 1.3])  # 100 ms per token
+    b = req([2.0, 2.5])  # 500 ms
+    c = req([3.0])  # no decode
+    assert tpot_ms([a, b, c]) == pytest.approx(300.0) and tpot_ms([c]) is None
+    assert tpot_ms([a, b, req([0.0, 0.2, 0.4])]) == pytest.approx(200.0)
+    gaps = [[k * 0.01 for k in range(101)], [0.0, 1.0]]  # 100 gaps of 10 ms and one of 1 s
+    assert itl_p99_ms(gaps) == pytest.approx(10.0) and itl_p99_ms(gaps + [[0.0, 1.0]]) == pytest.approx(1000.0)
+    assert itl_p99_ms([[1.0]]) is None
 
 
 def _run(label: str, decode_s: float, ttft: float = 0.1) -> RunResult:

@@ -90,6 +90,22 @@ def prefill_tok_s(prompt_tokens: int, cached_tokens: int, prefill_s: float) -> O
     return computed / prefill_s if prefill_s > 0 and computed > 0 else None
 
 
+def tpot_ms(reqs: Sequence[RequestTiming]) -> Optional[float]:
+    """Time per output token after the first (decode time / (tokens - 1)), median over the requests that decoded
+    (vLLM's TPOT, reported as its median)."""
+    per = [r.decode_s / (r.output_tokens - 1) for r in reqs if r.output_tokens > 1]
+    return statistics.median(per) * 1e3 if per else None
+
+
+def itl_p99_ms(token_times: Sequence[Sequence[float]]) -> Optional[float]:
+    """99th percentile of the gaps between consecutive tokens of a request, over all requests (vLLM's P99 ITL;
+    tokens that arrive together count a zero gap)."""
+    gaps = sorted(b - a for ts in token_times for a, b in zip(ts, ts[1:]))
+    if not gaps:
+        return None
+    return gaps[min(len(gaps) - 1, math.ceil(0.99 * len(gaps)) - 1)] * 1e3
+
+
 @dataclass
 class RunResult:
     """One run (cold or warm) of one scenario at one concurrency."""
@@ -123,6 +139,8 @@ class RunResult:
             "output_tok_s": output_tok_s(total_out, self.wall_s),
             "concurrent_decode_tok_s": concurrent_decode_tok_s([r.token_times for r in reqs]),
             "ttft_ms": statistics.median(r.ttft_s for r in reqs) * 1e3,
+            "tpot_ms": tpot_ms(reqs),
+            "itl_p99_ms": itl_p99_ms([r.token_times for r in reqs]),
         }
         if len(reqs) == 1:
             r = reqs[0]
@@ -157,7 +175,7 @@ def summarize(runs: Sequence[RunResult], metric: str) -> Optional[dict]:
 # metrics reported per scenario, in table order
 SCENARIO_METRICS = {
     "decode": ("pure_decode_tok_s", "ttft_ms", "output_tok_s"),
-    "concurrency": ("concurrent_decode_tok_s", "output_tok_s", "ttft_ms"),
+    "concurrency": ("concurrent_decode_tok_s", "output_tok_s", "ttft_ms", "tpot_ms", "itl_p99_ms"),
     "prefill": ("prefill_tok_s", "ttft_ms"),
 }
 
