@@ -275,7 +275,8 @@ def test_client_counts_tokens_per_chunk(continuous):
 
 
 # -- end to end, in-process, tiny random model on the CPU ------------------------------------------
-def test_bench_end_to_end_tiny_model(tmp_path):
+def _tiny_bench(tmp_path, name: str, *flags: str) -> dict:
+    """`voltllm bench` on a 2-layer random qwen3 on the CPU with these flags; returns its result file."""
     from transformers import Qwen3Config
 
     from voltllm.bench.cli import main
@@ -284,13 +285,18 @@ def test_bench_end_to_end_tiny_model(tmp_path):
     Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
     out = tmp_path / "results"
-    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "all", "--concurrency", "1,3",
-            "--input-len", "12", "--output-len", "5", "--num-warm", "3", "--output-dir", str(out), "--name", "tiny",
-            "--limit-copy-mib", "4", "--limit-matmul-n", "64", "--limit-iters", "3", "--baseline", "hf",
-            "--baseline-num-warm", "1", "--baseline-max-concurrency", "1", "--commit", "abc123"]
+    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--output-dir", str(out), "--name", name,
+            "--commit", "abc123", *flags]
     assert main(argv) == 0
-    with open(out / "tiny.json") as f:
-        res = json.load(f)
+    with open(out / f"{name}.json") as f:
+        return json.load(f)
+
+
+def test_bench_end_to_end_tiny_model(tmp_path):
+    res = _tiny_bench(tmp_path, "tiny", "--scenario", "all", "--concurrency", "1,3", "--input-len", "12",
+                      "--output-len", "5", "--num-warm", "3", "--limit-copy-mib", "4", "--limit-matmul-n", "64",
+                      "--limit-iters", "3", "--baseline", "hf", "--baseline-num-warm", "1",
+                      "--baseline-max-concurrency", "1")
     for key in ("name", "gpu", "commit", "command", "metrics", "limit", "env", "baseline"):
         assert key in res, key
     assert res["name"] == "tiny" and res["gpu"] == "cpu" and res["commit"] == "abc123"
@@ -346,24 +352,19 @@ def test_request_rate_spreads_arrivals_like_vllm():
     assert plain.arrivals is None and plain.arrival(3) == 0.0 and len(rated.arrivals) == 6 and rated.arrival(5) > 0
 
 
-def test_bench_request_rate_tiny_model(tmp_path):
-    from transformers import Qwen3Config
+def _tiny_concurrency_bench(tmp_path, name: str, c: int, input_len: int, output_len: int, *workload: str) -> dict:
+    """A concurrency run of the tiny model shaped by workload flags, which the transformers baseline refuses."""
+    flags = ("--scenario", "concurrency", "--concurrency", str(c), "--input-len", str(input_len), "--output-len",
+             str(output_len), *workload, "--num-warm", "1", "--no-limits")
+    with pytest.raises(ValueError, match="equal lengths sent together"):
+        _tiny_bench(tmp_path, name, *flags, "--baseline", "hf")
+    return _tiny_bench(tmp_path, name, *flags)
 
-    from voltllm.bench.cli import main
+
+def test_bench_request_rate_tiny_model(tmp_path):
     from voltllm.bench.inprocess import prompt_seed
 
-    model_dir = tmp_path / "tiny"
-    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
-    out = tmp_path / "results"
-    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "concurrency", "--concurrency", "5",
-            "--input-len", "8", "--output-len", "4", "--request-rate", "40", "--num-warm", "1",
-            "--output-dir", str(out), "--name", "rate", "--no-limits", "--commit", "abc123"]
-    with pytest.raises(ValueError, match="request-rate"):
-        main(argv + ["--baseline", "hf"])
-    assert main(argv) == 0
-    with open(out / "rate.json") as f:
-        res = json.load(f)
+    res = _tiny_concurrency_bench(tmp_path, "rate", 5, 8, 4, "--request-rate", "40")
     assert res["config"]["request_rate"] == 40.0 and res["config"]["burstiness"] == 1.0
     plan = Plan("concurrency", 5, 8, 4, 0.0, 40.0)
     for k, run in enumerate(res["metrics"]["runs"]):
@@ -378,22 +379,7 @@ def test_bench_request_rate_tiny_model(tmp_path):
 
 
 def test_bench_spread_lengths_tiny_model(tmp_path):
-    from transformers import Qwen3Config
-
-    from voltllm.bench.cli import main
-
-    model_dir = tmp_path / "tiny"
-    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
-    out = tmp_path / "results"
-    argv = ["--random-weights", str(model_dir), "--device", "cpu", "--scenario", "concurrency", "--concurrency", "6",
-            "--input-len", "16", "--output-len", "6", "--random-range-ratio", "0.5", "--num-warm", "1",
-            "--output-dir", str(out), "--name", "spread", "--no-limits", "--commit", "abc123"]
-    with pytest.raises(ValueError, match="equal lengths"):
-        main(argv + ["--baseline", "hf"])
-    assert main(argv) == 0
-    with open(out / "spread.json") as f:
-        res = json.load(f)
+    res = _tiny_concurrency_bench(tmp_path, "spread", 6, 16, 6, "--random-range-ratio", "0.5")
     assert res["config"]["random_range_ratio"] == 0.5
     runs = res["metrics"]["runs"]
     assert len(runs) == 2 and all(run["range_ratio"] == 0.5 for run in runs)
