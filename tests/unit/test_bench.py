@@ -51,6 +51,59 @@ def test_output_and_prefill_rates():
     assert prefill_tok_s(8192, 8000, 0.5) == pytest.approx(384.0)  # prefix-cache hits are not computed
 
 
+def test_compile_log_counts_triton_compiles_and_chains():
+    import types
+
+    from triton import knobs
+
+    from voltllm.bench.compiles import CompileLog
+
+    seen = []
+
+    def earlier(**kw):
+        seen.append(kw["fn"].name)
+        return True  # an earlier hook's answer (skip the compile) is kept
+
+    knobs.runtime.jit_cache_hook = earlier
+    try:
+        with CompileLog() as log:
+            mark = log.mark()
+            hook = knobs.runtime.jit_cache_hook
+            assert hook(key="k", repr="r", fn=types.SimpleNamespace(name="kern_a"), compile={},
+                        is_manual_warmup=False, already_compiled=False) is True
+            hook(key="k2", repr="r", fn=types.SimpleNamespace(name="kern_b"), compile={}, is_manual_warmup=False,
+                 already_compiled=False)
+            assert log.since(mark) == ["kern_a", "kern_b"] and log.since(1) == ["kern_b"] and seen == log.names
+        assert knobs.runtime.jit_cache_hook is earlier  # restored on exit
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    with CompileLog() as log:  # no earlier hook: compiles go ahead
+        assert knobs.runtime.jit_cache_hook(fn=types.SimpleNamespace(name="k")) is False
+    assert knobs.runtime.jit_cache_hook is None
+
+
+def test_warm_runs_that_compiled_are_reported(caplog):
+    from voltllm.bench.metrics import format_report
+
+    warm = _run("warm1", 1.0)
+    warm.compiles = ["_paged_decode_kernel", "kv_fp8_gather_kernel"]
+    cold = _run("cold", 1.0)
+    cold.compiles = ["kv_fp8_gather_kernel"]  # the cold run's compiles are expected
+    runs = [cold, warm, _run("warm2", 1.0)]
+    assert [r.to_json()["triton_compiles"] for r in runs] == [["kv_fp8_gather_kernel"], warm.compiles, None]
+    report = {"model": {"shape": "x"}, "metrics": {"table": table_rows(runs), "runs": [r.to_json() for r in runs]}}
+    assert "warm runs that compiled Triton kernels (their numbers include the compiles): decode c=1 warm1: 2" in (
+        format_report(report))
+    clean = {"model": {"shape": "x"}, "metrics": {"table": [], "runs": [cold.to_json()]}}
+    assert "compiled" not in format_report(clean)
+    it = iter(runs)
+    with caplog.at_level("WARNING", logger="voltllm.bench"):
+        run_protocol([Plan("decode", 1, 8, 2)], lambda plan, run, work: next(it), vocab_size=100, seed=0, num_warm=2)
+    assert [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()] == [
+        "voltllm decode c=1 warm1 compiled 2 Triton kernels during the run (_paged_decode_kernel, "
+        "kv_fp8_gather_kernel): its numbers include the compiles"]
+
+
 def test_tpot_and_itl_p99():
     def req(times):
         return RequestTiming(prompt_tokens=4, output_tokens=len(times), arrival=0.0, first_token=times[0],
@@ -381,6 +434,7 @@ def test_bench_request_rate_tiny_model(tmp_path):
 def test_bench_spread_lengths_tiny_model(tmp_path):
     res = _tiny_concurrency_bench(tmp_path, "spread", 6, 16, 6, "--random-range-ratio", "0.5")
     assert res["config"]["random_range_ratio"] == 0.5
+    assert all(run["triton_compiles"] == [] for run in res["metrics"]["runs"])  # observed: none on the CPU
     runs = res["metrics"]["runs"]
     assert len(runs) == 2 and all(run["range_ratio"] == 0.5 for run in runs)
     for run in runs:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from voltllm.bench import limits as L
 from voltllm.bench import record as R
+from voltllm.bench.compiles import CompileLog
 from voltllm.bench.inprocess import SCENARIOS, Plan, make_plans, run_protocol
 from voltllm.bench.metrics import find_row, format_report, headline, speedup, table_rows
 
@@ -275,8 +276,12 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     cost = L.model_cost(model, config.model.hf_config, engine.runner.kv_dtype)
     hf_config = config.model.hf_config
     vocab = args.prompt_vocab or int(getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size"))
-    runner = InProcessRunner(engine, args.temperature, args.top_p, args.top_k, args.prompt_seed)
-    results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm)
+    # compiles are seen in this process only: with -tp N the engine runs in processes of its own
+    observe = config.parallel.tensor_parallel_size == 1
+    with CompileLog() as compiles:
+        runner = InProcessRunner(engine, args.temperature, args.top_p, args.top_k, args.prompt_seed,
+                                 compiles if observe else None)
+        results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm)
     rows = table_rows(results)
     limit = attach_limits(rows, plans, cost, dev_limits)
     limit["model_cost"] = cost.to_json()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from voltllm.bench.compiles import CompileLog
 from voltllm.bench.metrics import RequestTiming, RunResult
 
 logger = logging.getLogger("voltllm.bench")
@@ -149,6 +150,10 @@ def run_protocol(plans: list[Plan], run_fn: RunFn, vocab_size: int, seed: int, n
         for i in range(1 + num_warm):
             run = "cold" if i == 0 else f"warm{i}"
             r = run_fn(plan, run, make_workload(plan, vocab_size, prompt_seed(seed, plan, i)))
+            if r.is_warm and r.compiles:
+                logger.warning("%s %s c=%d %s compiled %d Triton kernels during the run (%s): its numbers include "
+                               "the compiles", label, plan.scenario, plan.concurrency, run, len(r.compiles),
+                               ", ".join(sorted(set(r.compiles))))
             m = r.metrics()
             logger.info("%s %s c=%d %s: wall %.3f s, output %.1f tok/s, ttft %.1f ms%s", label, plan.scenario,
                         plan.concurrency, run, r.wall_s, m["output_tok_s"] or 0.0, m["ttft_ms"] or 0.0,
@@ -184,8 +189,9 @@ class InProcessRunner:
     """Runs one batch at a time on an EngineCore that nothing else is using."""
 
     def __init__(self, engine: Any, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
-                 sampling_seed: int = 0):
+                 sampling_seed: int = 0, compile_log: Optional[CompileLog] = None):
         self.engine = engine
+        self.compile_log = compile_log  # entered by the caller: each run records the kernels compiled in it
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.sampling_seed = sampling_seed
         self._batch = 0
@@ -202,6 +208,7 @@ class InProcessRunner:
             raise RuntimeError("the engine still has requests from an earlier run")
         self._batch += 1
         preempt0 = eng.stats().num_preemptions
+        mark = self.compile_log.mark() if self.compile_log is not None else 0
         t0 = time.monotonic()
         track: dict[str, _Track] = {}
         forced: dict[str, int] = {}
@@ -263,7 +270,8 @@ class InProcessRunner:
                 scheduled=t.scheduled, cached_tokens=t.cached, token_times=t.times))
         return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
                          preemptions=eng.stats().num_preemptions - preempt0, side="server",
-                         range_ratio=plan.range_ratio, request_rate=plan.request_rate)
+                         range_ratio=plan.range_ratio, request_rate=plan.request_rate,
+                         compiles=self.compile_log.since(mark) if self.compile_log is not None else None)
 
 
 def build_engine(engine_args: Any) -> Any:

@@ -122,6 +122,7 @@ class RunResult:
     side: str = "server"  # where first/last token times come from: "server" (engine) or "client"
     range_ratio: float = 0.0  # requests' lengths spread over [len * (1 - r), len * (1 + r)]; 0: all equal
     request_rate: float = math.inf  # mean arrival rate of the requests (1/s); inf: all sent at the start
+    compiles: Optional[list[str]] = None  # Triton kernels compiled during the run (None: not observed here)
 
     @property
     def wall_s(self) -> float:
@@ -152,7 +153,7 @@ class RunResult:
     def to_json(self) -> dict:
         return {"scenario": self.scenario, "concurrency": self.concurrency, "run": self.run,
                 "input_len": self.input_len, "output_len": self.output_len, "range_ratio": self.range_ratio,
-                "request_rate": _rate_json(self.request_rate), "wall_s": self.wall_s,
+                "request_rate": _rate_json(self.request_rate), "triton_compiles": self.compiles, "wall_s": self.wall_s,
                 "preemptions": self.preemptions, "side": self.side, "metrics": self.metrics(),
                 "requests": [r.summary() for r in self.requests]}
 
@@ -266,6 +267,11 @@ def format_report(report: dict) -> str:
     dtype = f" {model['dtype']}" if model.get("dtype") else ""
     title = f"voltllm bench: {name}{dtype} on {report.get('gpu')} (commit {str(report.get('commit'))[:12]})"
     out = ["", format_table(report["metrics"]["table"], title)]
+    compiled = [f"{r['scenario']} c={r['concurrency']} {r['run']}: {len(r['triton_compiles'])}"
+                for r in report["metrics"].get("runs", []) if r.get("triton_compiles") and r["run"] != "cold"]
+    if compiled:
+        out.append("warm runs that compiled Triton kernels (their numbers include the compiles): "
+                   + ", ".join(compiled))
     if lim.get("copy_GBps"):
         out.append(f"\nlimits: copy {lim['copy_GBps']:.4g} GB/s (read + write), matmul {lim['matmul_TFLOPs']:.4g} "
                    "TFLOP/s" + (f"; decode limit (batch 1) {lim['decode_limit_tok_s']:.1f} tok/s"
