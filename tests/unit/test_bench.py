@@ -64,6 +64,7 @@ def test_compile_log_counts_triton_compiles_and_chains():
         seen.append(kw["fn"].name)
         return True  # an earlier hook's answer (skip the compile) is kept
 
+    original = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = earlier
     try:
         with CompileLog() as log:
@@ -75,11 +76,12 @@ def test_compile_log_counts_triton_compiles_and_chains():
                  already_compiled=False)
             assert log.since(mark) == ["kern_a", "kern_b"] and log.since(1) == ["kern_b"] and seen == log.names
         assert knobs.runtime.jit_cache_hook is earlier  # restored on exit
-    finally:
         knobs.runtime.jit_cache_hook = None
-    with CompileLog() as log:  # no earlier hook: compiles go ahead
-        assert knobs.runtime.jit_cache_hook(fn=types.SimpleNamespace(name="k")) is False
-    assert knobs.runtime.jit_cache_hook is None
+        with CompileLog() as log:  # no earlier hook: compiles go ahead
+            assert knobs.runtime.jit_cache_hook(fn=types.SimpleNamespace(name="k")) is False
+        assert knobs.runtime.jit_cache_hook is None
+    finally:
+        knobs.runtime.jit_cache_hook = original
 
 
 def test_warm_runs_that_compiled_are_reported(caplog):
