@@ -67,22 +67,6 @@ def test_fp8_kernel_specs_registered():
     assert -1 in gather and 0 in gather  # the compat bridge for fp16 and fp8 caches
 
 
-def test_step_varying_arguments_are_not_specialised():
-    """Arguments that change from step to step (the longest context, block-table slices, per-request plan rows)
-    are not specialised on value or alignment: each new class compiled a variant inside the first prompt step
-    that met it (session 43, micro/bench_compiles.py: 8B compat TTFT 304 vs 188 ms on the bench's mixed lengths)."""
-    from voltllm.kernels.kv_fp8 import kv_fp8_gather_kernel
-
-    from voltllm.kernels.attention.paged_decode import _paged_decode_kernel
-
-    assert [p.name for p in kv_fp8_gather_kernel.params if p.do_not_specialize] == ["ctx_len", "stride_bt"]
-    assert [p.name for p in kv_fp8_gather_kernel.params if p.do_not_specialize_on_alignment] == [
-        "block_table_ptr", "seq_ptr", "ctx_ptr", "start_ptr"]
-    # the decode kernel's rows of a mixed step (eager): its per-sequence scalars at any offset
-    assert [p.name for p in _paged_decode_kernel.params if p.do_not_specialize_on_alignment] == [
-        "SeqLens", "QueryStartLoc"]
-
-
 # --- spec, config, capacity -----------------------------------------------------------------------------
 def test_kv_spec():
     for name, fmt in (("fp8", "e4m3"), ("fp8_e4m3", "e4m3"), ("fp8_e5m2", "e5m2")):

@@ -139,7 +139,10 @@ def _row_scale(X, tok, mc, stride_t, head_off, C: tl.constexpr, PW: tl.constexpr
         return ss + 1.0
 
 
-@triton.jit
+# The step's chunk table is one upload sliced into rows (chunk_meta), so a row's 16-byte alignment changes with the
+# step's chunk and request counts; the kernels read it one scalar per program, so its alignment class would only
+# compile another variant inside a step (as the compat bridge's plan rows did, session 43)
+@triton.jit(do_not_specialize_on_alignment=["ChunkStart", "ChunkLen"])
 def _gdn_chunk_prep_kernel(
     K, G, Beta, ChunkStart, ChunkLen, Tinv,
     stride_kt, stride_kh, stride_gt, stride_bt, stride_tc, stride_th,
@@ -195,7 +198,7 @@ def _gdn_chunk_prep_kernel(
     tl.store(w_ptrs + full, t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["ChunkStart", "ChunkLen"])
 def _gdn_chunk_hoist_kernel(
     Q, K, V, G, Beta, ChunkStart, ChunkLen, Tinv, Attn, Wk, Wv,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_tc, stride_th,
@@ -251,7 +254,7 @@ def _gdn_chunk_hoist_kernel(
             tl.store(Attn + c64 * stride_tc + h * stride_th + full, attn)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["SeqStart", "SeqChunk", "Slots", "HasInit"])
 def _gdn_chunk_fwd_kernel(
     Q, K, V, G, Beta, Mat, State, Slots, HasInit, Out, SeqStart, SeqChunk, Wk, Wv,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,

@@ -59,7 +59,9 @@ def conv_tiles(qsl: Sequence[int], has_initial_state: torch.Tensor, block_t: int
     return ConvTiles(flat[:n], flat[n:2 * n], flat[2 * n:], has_initial_state.to(torch.int32), n, block_t)
 
 
-@triton.jit
+# the step's tile table is one upload sliced into rows (conv_tiles), so their alignment changes with the tile and
+# request counts; each is read one scalar per program, so an alignment class would only compile another variant
+@triton.jit(do_not_specialize_on_alignment=["Slots", "HasInit", "TileReq", "TileStart", "Qsl"])
 def _conv_prefill_kernel(
     X, W, Bias, State, Slots, HasInit, TileReq, TileStart, Qsl, Out,
     stride_xt, stride_ss, stride_sk, stride_ot, C,
