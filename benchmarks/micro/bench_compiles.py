@@ -1,22 +1,21 @@
 """Which Triton kernels compile inside a bench's measured runs: runs `voltllm bench` with the given arguments and
 lists, per run (cold, warm1, ...), every kernel specialization that was missing from the process's cache
-(triton.knobs.runtime.jit_cache_hook) while the run's requests were in flight. A warm run should list none; one
+(triton.knobs.runtime.jit_cache_hook; the bench records each run's, bench/compiles.py). A warm run should list none; one
 that does pays the compile inside a step (~70-90 ms per kernel on the H200 machine's host).
 
     PYTHONPATH=$PWD python3 benchmarks/micro/bench_compiles.py --random-weights smollm2-135m-shape --compat sm70 \\
         --scenario concurrency --concurrency 64 --random-range-ratio 0.5 --num-warm 2 --no-limits
 """
+import json
 import sys
-import time
 
 import triton
 
-from voltllm.bench import inprocess
 from voltllm.bench.cli import main as bench_main
 
 
 def main(argv: list) -> int:
-    compiles: list = []  # (time, kernel name, {argument or option: its specialization})
+    compiles: list = []  # (kernel name, {argument or option: its specialization}), in compile order
 
     def hook(*, key=None, fn=None, signature=None, constants=None, configs=None, options=None, **_):
         try:
@@ -24,29 +23,25 @@ def main(argv: list) -> int:
         except Exception as e:  # another Triton's hook arguments: say so rather than stop the bench
             spec = {"unreadable": repr(e)}
         spec["cache key"] = str(key)  # the in-memory cache's key: what the rest may not show
-        compiles.append((time.perf_counter(), getattr(fn, "name", "?"), spec))
+        compiles.append((getattr(fn, "name", "?"), spec))
         return False
     triton.knobs.runtime.jit_cache_hook = hook
 
-    runs: list = []  # (label, start, end)
-    inner = inprocess.InProcessRunner.__call__
-
-    def timed(self, plan, run, work):
-        t0 = time.perf_counter()
-        try:
-            return inner(self, plan, run, work)
-        finally:
-            runs.append((f"{plan.scenario} c={plan.concurrency} {run}", t0, time.perf_counter()))
-    inprocess.InProcessRunner.__call__ = timed
-
-    rc = bench_main(argv + ["--output-dir", "/tmp/bench-compiles", "--name", "bench-compiles"])
-    first = runs[0][1] if runs else float("inf")
-    print(f"\nstart-up: {sum(1 for t, _, _ in compiles if t < first)} compiles before the first run")
-    for label, t0, t1 in runs:
-        inside = [(t, name, spec) for t, name, spec in compiles if t0 <= t <= t1]
-        print(f"{label}: {len(inside)} compiles")
-        for t, name, spec in inside:
-            print(f"    {name}: {_difference(spec, [s for u, n, s in compiles if n == name and u < t])}")
+    out_dir, name = "/tmp/bench-compiles", "bench-compiles"
+    rc = bench_main(argv + ["--output-dir", out_dir, "--name", name])
+    with open(f"{out_dir}/{name}.json") as f:
+        runs = json.load(f)["metrics"]["runs"]
+    # the bench's own log (bench/compiles.py) chains this hook, so both see the same compiles in the same order:
+    # start-up's, then each run's (triton_compiles), nothing between runs
+    per_run = [len(r["triton_compiles"] or []) for r in runs]
+    at = len(compiles) - sum(per_run)
+    print(f"\nstart-up: {at} compiles before the first run")
+    for r, n in zip(runs, per_run):
+        print(f"{r['scenario']} c={r['concurrency']} {r['run']}: {n} compiles")
+        for k in range(at, at + n):
+            name_k, spec = compiles[k]
+            print(f"    {name_k}: {_difference(spec, [s for m, s in compiles[:k] if m == name_k])}")
+        at += n
     return rc
 
 

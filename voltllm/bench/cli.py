@@ -19,7 +19,7 @@ from voltllm.bench import limits as L
 from voltllm.bench import record as R
 from voltllm.bench.compiles import CompileLog
 from voltllm.bench.inprocess import SCENARIOS, Plan, make_plans, run_protocol
-from voltllm.bench.metrics import find_row, format_report, headline, speedup, table_rows
+from voltllm.bench.metrics import find_row, format_report, headline, rate_json, speedup, table_rows
 
 logger = logging.getLogger("voltllm.bench")
 
@@ -242,8 +242,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _workload_flags(args: argparse.Namespace) -> dict:
     """How the concurrency scenario's requests were shaped, for the result file (JSON has no infinity)."""
-    rate = args.request_rate
-    return {"random_range_ratio": args.random_range_ratio, "request_rate": rate if math.isfinite(rate) else None,
+    return {"random_range_ratio": args.random_range_ratio, "request_rate": rate_json(args.request_rate),
             "burstiness": args.burstiness}
 
 

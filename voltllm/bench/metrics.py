@@ -153,12 +153,12 @@ class RunResult:
     def to_json(self) -> dict:
         return {"scenario": self.scenario, "concurrency": self.concurrency, "run": self.run,
                 "input_len": self.input_len, "output_len": self.output_len, "range_ratio": self.range_ratio,
-                "request_rate": _rate_json(self.request_rate), "triton_compiles": self.compiles, "wall_s": self.wall_s,
+                "request_rate": rate_json(self.request_rate), "triton_compiles": self.compiles, "wall_s": self.wall_s,
                 "preemptions": self.preemptions, "side": self.side, "metrics": self.metrics(),
                 "requests": [r.summary() for r in self.requests]}
 
 
-def _rate_json(rate: float) -> Optional[float]:
+def rate_json(rate: float) -> Optional[float]:
     """A request rate for JSON (which has no infinity): None when all requests were sent at the start."""
     return None if math.isinf(rate) else rate
 
@@ -194,7 +194,7 @@ def table_rows(results: Sequence[RunResult]) -> list[dict]:
             if s is None:
                 continue
             rows.append({"metric": metric, "scenario": scenario, "concurrency": c, "input_len": il,
-                         "output_len": ol, "range_ratio": rr, "request_rate": _rate_json(rate), **s, "limit": None,
+                         "output_len": ol, "range_ratio": rr, "request_rate": rate_json(rate), **s, "limit": None,
                          "ratio": None})
     return rows
 
