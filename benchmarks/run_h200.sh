@@ -224,8 +224,9 @@
 #            (fp16 and fp8_e4m3 KV); carry .whl
 #   s118-s120, s119t (session 42) the compat prefill's joined requests: A/B benches, join micro, GPU files
 #   s121-s124 (session 43) session 42's GPU files (three at once); mixed lengths end to end (compat join vs single,
-#            native); compiles inside warm runs (micro/bench_compiles.py); s125 (queued) the same with arrivals over
-#            time and on the hybrid MoE shape; carry .whl
+#            native); compiles inside warm runs (micro/bench_compiles.py); s125 (session 44) the same with arrivals
+#            over time and on the hybrid MoE shape; carry .whl
+#   s126     (session 44) 8B 64 x 128/128 native, 3 warm runs; the 8B compat mixed-length compiles
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1521,6 +1522,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     }
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
+    ;;
+  s126)  # (session 44) the 8B at 64 x 128/128 native after the decode kernel's pointer / split-count arguments left
+         # the specialisation (not timed in session 43), 3 warm runs; then the 8B compat mixed-length compiles (s124's
+         # second model, not re-run after 810c58f), whose cold run should no longer compile the varlen bridge
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 3 --name qwen3-8b-shape-fp16-c64-$sha > "$out/c64-8b.log" 2>&1
+    echo "8B c64 $(grep -E "^(concurrent|output_tok|ttft)" "$out/c64-8b.log" | awk '{print $1, $5}' | tr '\n' ' ')"
+    timeout 270 python3 benchmarks/micro/bench_compiles.py --random-weights qwen3-8b-shape --dtype half --compat sm70 \
+      --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --random-range-ratio 0.5 --num-warm 3 \
+      --no-limits --commit "$sha" 2>&1 | grep -v -i warn > "$out/compiles-8b-compat.txt"
+    grep -E "^(ttft|output_tok)" "$out/compiles-8b-compat.txt"; sed -n '/^start-up:/,$p' "$out/compiles-8b-compat.txt" | cut -c1-240
     ;;
   s125)  # (for session 44) compiles inside warm runs beyond the dense compat route: requests arriving over time
          # (--request-rate, mixed steps of prefill and decode rows) and mixed lengths, native and --compat sm70, on

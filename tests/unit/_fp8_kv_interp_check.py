@@ -343,6 +343,33 @@ def check_compat_varlen() -> tuple[float, str]:
     return err, problems
 
 
+def check_compat_warm_up() -> tuple[float, str]:
+    """warm_up_mixed_step (start-up): its two prompts of unequal lengths take the compat route's varlen form (one
+    launch), its decode row the decode kernel, and nothing is stored in the cache."""
+    import voltllm.attention.triton_backend as tb
+
+    be = tb.TritonAttentionBackend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3", max_context=64)
+    be.sdpa_prefill.varlen_op = reference_varlen_attention
+    cache = make_kv_cache(1, 3, 16, 2, 64, torch.uint8, torch.device("cpu"))[0]
+    cache.copy_(torch.randint(0, 0x70, cache.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
+    before = cache.clone()
+    decode_calls = []
+    real = tb.paged_decode
+    tb.paged_decode = lambda *a, **k: decode_calls.append(a[4].tolist()) or real(*a, **k)
+    try:
+        be.warm_up_mixed_step(cache, 8, torch.float16)
+    finally:
+        tb.paged_decode = real
+    sp, problems = be.sdpa_prefill, []
+    if (sp.calls, sp.launches) != (2, 1):
+        problems.append(f"calls {sp.calls} launches {sp.launches}")
+    if decode_calls != [[0, 1, 3, 6]]:
+        problems.append(f"decode kernel calls {decode_calls}")
+    if not torch.equal(cache, before):
+        problems.append("the cache changed")
+    return 0.0, "; ".join(problems)
+
+
 def check_compat_workspace_reused() -> tuple[float, str]:
     """The compat SDPA prefill allocates its workspace once (at max_context) and reuses it."""
     from voltllm.attention.triton_backend import TritonAttentionBackend
@@ -427,6 +454,7 @@ def _checks():
     yield "gather_fp8_launcher_e5m2", check_gather_fp8_launcher
     yield "bridge_varlen_fp16_cache", lambda: check_bridge_varlen(-1)
     yield "compat_varlen_e4m3", check_compat_varlen
+    yield "compat_warm_up_mixed_step", check_compat_warm_up
 
 
 def _compat_fp16_cache() -> tuple[float, str]:

@@ -32,6 +32,7 @@ INTERP_CHECKS = [
     "write_e4m3_f16_strided", "write_e5m2_f32_strided", "bridge_e4m3_f16", "bridge_e5m2_f32", "bridge_fp16_cache",
     "compat_workspace_reused", "bridge_batch_e4m3", "bridge_batch_fp16_cache", "compat_equal_runs_e4m3",
     "bridge_varlen_e4m3", "bridge_varlen_fp16_cache", "compat_varlen_e4m3", "gather_fp8_launcher_e5m2",
+    "compat_warm_up_mixed_step",
 ]
 
 

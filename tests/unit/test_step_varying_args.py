@@ -13,7 +13,8 @@ import pytest
 EXPECTED = {
     ("voltllm.kernels.kv_fp8", "kv_fp8_gather_kernel"): (
         ["ctx_len", "stride_bt"], ["block_table_ptr", "seq_ptr", "ctx_ptr", "start_ptr"]),
-    ("voltllm.kernels.attention.paged_decode", "_paged_decode_kernel"): ([], ["SeqLens", "QueryStartLoc"]),
+    ("voltllm.kernels.attention.paged_decode", "_paged_decode_kernel"): (["num_splits"], ["SeqLens", "QueryStartLoc"]),
+    ("voltllm.kernels.attention.paged_decode", "_decode_reduce_kernel"): (["num_splits"], []),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_prep_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_hoist_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_fwd_kernel"): ([], ["Slots", "HasInit", "SeqStart", "SeqChunk"]),

@@ -154,8 +154,9 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr
 
 
 # a mixed step's sequence lengths / query starts may be slices at any offset; they are read one scalar per program,
-# so their alignment class would only compile another variant inside that step (micro/bench_compiles.py)
-@triton.jit(do_not_specialize_on_alignment=["SeqLens", "QueryStartLoc"])
+# so their alignment class would only compile another variant inside that step (micro/bench_compiles.py). The split
+# count follows the step's longest context in eager steps (the graphs' follows --max-model-len): a divisor only
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["SeqLens", "QueryStartLoc"])
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     KNew, VNew, SlotMapping, Pos, Cos, Sin, QW, KW,  # ROPE only: the step's raw K / V rows and what rotates them
@@ -350,7 +351,7 @@ def _paged_decode_kernel(
                  o.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :] & has_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # (a loop bound; follows the step, as the decode kernel's)
 def _decode_reduce_kernel(
     Out, PartO, PartLse, QueryStartLoc,
     stride_ot, stride_oh,
