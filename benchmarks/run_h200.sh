@@ -227,6 +227,7 @@
 #            native); compiles inside warm runs (micro/bench_compiles.py); s125 (session 44) the same with arrivals
 #            over time and on the hybrid MoE shape; carry .whl
 #   s126     (session 44) 8B 64 x 128/128 native, 3 warm runs; the 8B compat mixed-length compiles
+#   s127     (session 44) s125's hybrid MoE compile check after the MoE / prefill / GDN fixes
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1522,6 +1523,19 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     }
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
+    ;;
+  s127)  # (session 44) s125's hybrid MoE runs again after the MoE / prefill kernels' step-varying arguments left the
+         # specialisation and a mixed step's GDN decode rows took the graphs' kernel variant (s125: 5-9 s TTFT in warm
+         # runs that compiled); then s126 if time is left
+    t0=$SECONDS
+    for v in native compat; do
+      extra=""; [ $v = compat ] && extra="--compat sm70"
+      timeout 200 python3 benchmarks/micro/bench_compiles.py --random-weights qwen3.5-35b-a3b-shape --dtype half \
+        --scenario concurrency --concurrency 32 --input-len 256 --output-len 64 --random-range-ratio 0.5 --num-warm 3 \
+        --no-limits --max-model-len 4096 --commit "$sha" $extra 2>&1 | grep -v -i warn > "$out/compiles-35b-$v.txt"
+      echo "== 35b $v"; grep -E "^(ttft|output_tok)" "$out/compiles-35b-$v.txt"
+      sed -n '/^start-up:/,$p' "$out/compiles-35b-$v.txt" | cut -c1-200
+    done
     ;;
   s126)  # (session 44) the 8B at 64 x 128/128 native after the decode kernel's pointer / split-count arguments left
          # the specialisation (not timed in session 43), 3 warm runs; then the 8B compat mixed-length compiles (s124's

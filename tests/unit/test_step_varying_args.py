@@ -15,6 +15,11 @@ EXPECTED = {
         ["ctx_len", "stride_bt"], ["block_table_ptr", "seq_ptr", "ctx_ptr", "start_ptr"]),
     ("voltllm.kernels.attention.paged_decode", "_paged_decode_kernel"): (["num_splits"], ["SeqLens", "QueryStartLoc"]),
     ("voltllm.kernels.attention.paged_decode", "_decode_reduce_kernel"): (["num_splits"], []),
+    ("voltllm.kernels.attention.paged_prefill", "_paged_prefill_kernel"): (
+        ["min_q_len", "stride_bt"], ["BlockTables", "SeqLens", "QueryStartLoc"]),
+    ("voltllm.kernels.moe", "_moe_gate_up_kernel"): (["num_pairs"], []),
+    ("voltllm.kernels.moe", "_moe_down_kernel"): (["num_pairs"], []),
+    ("voltllm.kernels.moe", "_moe_align_kernel"): (["n", "num_slots", "num_blocks"], []),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_prep_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_hoist_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_fwd_kernel"): ([], ["Slots", "HasInit", "SeqStart", "SeqChunk"]),

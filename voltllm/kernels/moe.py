@@ -49,7 +49,9 @@ FP32_MAX_BLOCK_K = 32
 # ------------------------------------------------------------------------------------------------
 # kernels
 # ------------------------------------------------------------------------------------------------
-@triton.jit
+# The pair count follows the step's token count (a mask bound only): specialised, each new class (== 1, % 16) compiled
+# another variant inside the step that met it (a hybrid MoE's warm bench runs stalled seconds; micro/bench_compiles.py)
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     X, W13, SortedIds, BlockExpert, NumPadded, Inter,
     num_pairs, H, I,
@@ -91,7 +93,7 @@ def _moe_gate_up_kernel(
     tl.store(dst, h.to(Inter.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # (as the gate_up kernel's)
 def _moe_down_kernel(
     Inter, W2, SortedIds, BlockExpert, NumPadded, TopkW, PairOut,
     num_pairs, H, I,
@@ -128,7 +130,7 @@ def _moe_down_kernel(
     tl.store(dst, acc.to(PairOut.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_slots", "num_blocks"])  # (the step's pair counts and bounds)
 def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num_slots, num_blocks,
                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
     """moe_align in one program (pairs n <= BLOCK_P): per-expert counts by a histogram, padded starts by a scan,

@@ -332,10 +332,12 @@ class GatedDeltaNet(nn.Module):
             from voltllm.kernels import gdn_decode
             o = torch.zeros(t, self.nv, self.dv, dtype=v.dtype, device=v.device)  # (padding tokens stay zero)
             ot, orq, rt = split.one_tokens, split.one_requests, split.rest_tokens
+            # raw a / b with the gate parameters, as the decode graphs' steps: the kernel variant they compiled
+            # (fp32 g / beta here compiled another inside the first mixed step), and the same gate arithmetic
             o.index_copy_(0, ot, gdn_decode.gated_delta_rule_decode(
-                q.index_select(0, ot), k.index_select(0, ot), v.index_select(0, ot), g.index_select(0, ot),
-                beta.index_select(0, ot), ssm_states, batch.slots.index_select(0, orq),
-                batch.has_initial_state.index_select(0, orq)))
+                q.index_select(0, ot), k.index_select(0, ot), v.index_select(0, ot), a.index_select(0, ot),
+                b.index_select(0, ot), ssm_states, batch.slots.index_select(0, orq),
+                batch.has_initial_state.index_select(0, orq), gate_params=(self.A_log, self.dt_bias)))
             o.index_copy_(0, rt, self._delta_rule(
                 x, q.index_select(0, rt), k.index_select(0, rt), v.index_select(0, rt), g.index_select(0, rt),
                 beta.index_select(0, rt), ssm_states, split.rest))
