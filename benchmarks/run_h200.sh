@@ -228,6 +228,7 @@
 #            over time and on the hybrid MoE shape; carry .whl
 #   s126     (session 44) 8B 64 x 128/128 native, 3 warm runs; the 8B compat mixed-length compiles
 #   s127     (session 44) s125's hybrid MoE compile check after the MoE / prefill / GDN fixes
+#   s128     (session 44) the chunk-ranking MoE align kernel: micro A/B vs the one-sort kernel, 35B-A3B compiles, s126
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1523,6 +1524,19 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     }
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
+    ;;
+  s128)  # (session 44) the align kernel ranking pairs by chunks (no sort of next_pow2(n) keys: one compile per chunk
+         # class, not per power of two): micro A/B against the one-sort kernel (carry .scratch/moe_old.py, 503202b's
+         # moe.py), the 35B-A3B native compile check again, then s126 while time is left
+    t0=$SECONDS
+    PYTHONPATH=$PWD timeout 120 python3 benchmarks/micro/moe_align_ab.py --other .scratch/moe_old.py 2>&1 \
+      | grep -v -i warn | tee "$out/moe-align-ab-$sha.txt"
+    timeout 200 python3 benchmarks/micro/bench_compiles.py --random-weights qwen3.5-35b-a3b-shape --dtype half \
+      --scenario concurrency --concurrency 32 --input-len 256 --output-len 64 --random-range-ratio 0.5 --num-warm 3 \
+      --no-limits --max-model-len 4096 --commit "$sha" 2>&1 | grep -v -i warn > "$out/compiles-35b-native.txt"
+    echo "== 35b native"; grep -E "^(ttft|output_tok)" "$out/compiles-35b-native.txt"
+    sed -n '/^start-up:/,$p' "$out/compiles-35b-native.txt" | cut -c1-200
+    (( SECONDS - t0 < 330 )) && bash "$0" s126 "$sha"
     ;;
   s127)  # (session 44) s125's hybrid MoE runs again after the MoE / prefill kernels' step-varying arguments left the
          # specialisation and a mixed step's GDN decode rows took the graphs' kernel variant (s125: 5-9 s TTFT in warm

@@ -19,7 +19,7 @@ EXPECTED = {
         ["min_q_len", "stride_bt"], ["BlockTables", "SeqLens", "QueryStartLoc"]),
     ("voltllm.kernels.moe", "_moe_gate_up_kernel"): (["num_pairs"], []),
     ("voltllm.kernels.moe", "_moe_down_kernel"): (["num_pairs"], []),
-    ("voltllm.kernels.moe", "_moe_align_kernel"): (["n", "num_slots", "num_blocks"], []),
+    ("voltllm.kernels.moe", "_moe_align_kernel"): (["n", "num_slots", "num_blocks", "block_m"], []),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_prep_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_hoist_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_fwd_kernel"): ([], ["Slots", "HasInit", "SeqStart", "SeqChunk"]),

@@ -39,7 +39,8 @@ import triton.language as tl
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 MAX_CHUNK_PAIRS = 32768  # (token, expert) pairs per launch pair: inter [P, I] + pair_out [P, H] workspaces
-TRITON_ALIGN_MAX_PAIRS = 4096  # up to here moe_align is one Triton launch (one program sorts the pairs); above, torch
+TRITON_ALIGN_MAX_PAIRS = 4096  # up to here moe_align is one Triton launch (one program ranks the pairs); above, torch
+ALIGN_CHUNK = 128  # pairs the align kernel ranks at a time (a CHUNK x CHUNK comparison); fewer: next power of 2
 # Shared memory per block on the compat targets is 96 KB (sm_70) and 64 KB (sm_75). With fp32 activations the
 # tiles below need up to 96 KB at BLOCK_K 64 (72-96 KB for gate_up: its x tile and two weight tiles), so fp32 runs
 # take K blocks of 32 (<= 48 KB); fp16 / bf16 need 32 KB at every tile (compiled for sm_70 / sm_75, session 21).
@@ -130,38 +131,46 @@ def _moe_down_kernel(
     tl.store(dst, acc.to(PairOut.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
 
 
-@triton.jit(do_not_specialize=["n", "num_slots", "num_blocks"])  # (the step's pair counts and bounds)
-def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num_slots, num_blocks,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
-    """moe_align in one program (pairs n <= BLOCK_P): per-expert counts by a histogram, padded starts by a scan,
-    each pair's rank inside its expert from one sort of the keys expert * n + pair (so pairs keep token order,
-    as the torch version's stable argsort), then the scatter. Scratch (int32 [2 * BINS]) carries the per-expert
-    starts from the scan to the per-pair gathers."""
-    offs = tl.arange(0, BLOCK_P)
-    mp = offs < n
-    e = tl.load(Ids + offs, mask=mp, other=E).to(tl.int32)  # padding lanes count in bin E, never read
-    counts = tl.histogram(e, BINS)
+# Every count is a run-time value (n, the bounds, block_m: the step's pair count and its tile), so the kernel compiles
+# one variant per model (BINS) and CHUNK class (16 / 32 / 64 / 128): a sort of next_pow2(n) keys compiled one variant
+# per power of two, up to ~5 s each, inside the step that first met it (micro/bench_compiles.py, session 44).
+@triton.jit(do_not_specialize=["n", "num_slots", "num_blocks", "block_m"])
+def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num_slots, num_blocks, block_m,
+                      CHUNK: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
+    """moe_align in one program, by chunks of CHUNK pairs: per-expert counts by histograms, padded starts by a scan,
+    then per chunk each pair's rank among the chunk's earlier pairs of its expert (a CHUNK x CHUNK comparison) on
+    top of its expert's running write position, so pairs keep token order (as the torch version's stable argsort).
+    Scratch (int32 [2 * BINS]): the running write positions, then the padded starts."""
     bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        e = tl.load(Ids + c0 + lanes, mask=c0 + lanes < n, other=E).to(tl.int32)  # padding lanes count in bin E
+        counts += tl.histogram(e, BINS)
     counts = tl.where(bins < E, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     padded_start = tl.cumsum(padded, axis=0) - padded
-    count_start = tl.cumsum(counts, axis=0) - counts
     tl.store(Scratch + bins, padded_start)
-    tl.store(Scratch + BINS + bins, count_start)
+    tl.store(Scratch + BINS + bins, padded_start)
     tl.store(NumPadded, tl.sum(padded, axis=0))
     for s0 in range(0, num_slots, FILL):  # every row a sentinel, every block expert 0, before the scatter
         so = s0 + tl.arange(0, FILL)
         tl.store(SortedIds + so, n, mask=so < num_slots)
         tl.store(BlockExpert + so, 0, mask=so < num_blocks)
     tl.debug_barrier()
-    key = tl.sort(tl.where(mp, e * n + offs, E * n + offs))  # padding lanes sort last
-    se = key // n
-    pair = key % n
-    ms = offs < n  # sorted position i holds a real pair iff i < n
-    rank = offs - tl.load(Scratch + BINS + se, mask=ms, other=0)
-    dest = tl.load(Scratch + se, mask=ms, other=0) + rank
-    tl.store(SortedIds + dest, pair, mask=ms)
-    tl.store(BlockExpert + dest // BLOCK_M, se, mask=ms & (rank % BLOCK_M == 0))
+    earlier = lanes[None, :] < lanes[:, None]  # [i, j]: pair j comes before pair i
+    for c0 in range(0, n, CHUNK):
+        pair = c0 + lanes
+        mp = pair < n
+        e = tl.load(Ids + pair, mask=mp, other=E).to(tl.int32)
+        same = (e[:, None] == e[None, :]) & earlier
+        dest = tl.load(Scratch + e, mask=mp, other=0) + tl.sum(same.to(tl.int32), axis=1)
+        rank = dest - tl.load(Scratch + BINS + e, mask=mp, other=0)  # within the expert's whole run
+        tl.store(SortedIds + dest, pair, mask=mp)
+        tl.store(BlockExpert + dest // block_m, e, mask=mp & (rank % block_m == 0))
+        tl.debug_barrier()  # every lane has read the running positions before they move on
+        tl.store(Scratch + bins, tl.load(Scratch + bins) + tl.histogram(e, BINS))
+        tl.debug_barrier()
 
 
 def _gate_up_specs() -> list[CompileSpec]:
@@ -195,10 +204,10 @@ def _down_specs() -> list[CompileSpec]:
 
 def _align_specs() -> list[CompileSpec]:
     sig = {"Ids": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", "NumPadded": "*i32", "Scratch": "*i32",
-           "n": "i32", "E": "i32", "num_slots": "i32", "num_blocks": "i32",
-           **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_P", "BINS", "FILL")}}
-    return [CompileSpec(signature=sig, constexprs={"BLOCK_M": bm, "BLOCK_P": bp, "BINS": 512, "FILL": 1024},
-                        label=f"m{bm} pairs{bp} E<512") for bm, bp in ((16, 512), (64, 4096))]
+           "n": "i32", "E": "i32", "num_slots": "i32", "num_blocks": "i32", "block_m": "i32",
+           **{k: "constexpr" for k in ("CHUNK", "BINS", "FILL")}}
+    return [CompileSpec(signature=sig, constexprs={"CHUNK": c, "BINS": 512, "FILL": 1024}, label=f"chunk{c} E<512")
+            for c in (16, ALIGN_CHUNK)]
 
 
 register_kernel("moe.align", _moe_align_kernel, _align_specs(), compat=True)
@@ -253,8 +262,9 @@ def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     bins = triton.next_power_of_2(num_experts + 1)  # + the bin of the padding lanes
     scratch = torch.empty(2 * bins, dtype=torch.int32, device=dev)
     _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, scratch, n, num_experts,
-                            max_blocks * block_m, max_blocks, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n),
-                            BINS=bins, FILL=1024, num_warps=4)
+                            max_blocks * block_m, max_blocks, block_m,
+                            CHUNK=min(ALIGN_CHUNK, max(16, triton.next_power_of_2(n))), BINS=bins, FILL=1024,
+                            num_warps=4)
     return sorted_ids, block_expert, num_padded
 
 
