@@ -8,7 +8,6 @@ median GPU time per call of each (CUDA events over back-to-back calls) and wheth
 import argparse
 import importlib.util
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -33,18 +32,13 @@ def load(path: str, name: str):
     return mod
 
 
-def gpu_us(fn, reps: int = 200) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+def gpu_us(fn, reps: int = 20) -> float:
+    """GPU time per call (us): the kernels' summed durations from the profiler over `reps` calls (host launch
+    overhead excluded, which CUDA events around one call would include)."""
+    from _micro_timing import kernel_times_us
+
+    fn()
+    return sum(kernel_times_us(lambda: [fn() for _ in range(reps)]).values()) / reps
 
 
 def main() -> None:
@@ -53,13 +47,15 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--pairs", default="8,64,256,512,1024,2048,4096")
+    ap.add_argument("--variants", default="128x4", help="this checkout's kernel as CHUNKxWARPS, comma separated")
     args = ap.parse_args()
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="align-ab-")  # compile times from cold
     import voltllm.kernels.moe as cur
     other = load(args.other, "moe_other")
     e, k = args.experts, args.top_k
-    print(f"{'pairs':>6} {'bm':>3} | {'first cur ms':>12} {'first other ms':>14} | {'cur us':>7} {'other us':>8} "
-          f"{'torch us':>8} | agree")
+    variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
+    print(f"{'pairs':>6} {'bm':>3} | {'first cur ms':>12} {'first other ms':>14} | "
+          + " ".join(f"{f'cur {c}x{w} us':>14}" for c, w in variants) + f" {'other us':>8} {'torch us':>8} | agree")
     for n in (int(x) for x in args.pairs.split(",")):
         t = max(1, n // k)
         ids = torch.randint(0, e, (t, k), device="cuda", dtype=torch.int32)
@@ -72,6 +68,10 @@ def main() -> None:
             torch.cuda.synchronize()
             row[name + "_first"] = (time.perf_counter() - t0) * 1e3
             row[name] = gpu_us(lambda m=mod: m.moe_align(ids, e, bm, use_triton=True))
+        timed = []
+        for c, w in variants:
+            cur.ALIGN_CHUNK, cur.ALIGN_WARPS = c, w
+            timed.append(gpu_us(lambda: cur.moe_align(ids, e, bm, use_triton=True)))
         row["torch"] = gpu_us(lambda: cur.moe_align(ids, e, bm, use_triton=False))
         want = cur.moe_align(ids, e, bm, use_triton=False)
         agree = []
@@ -80,8 +80,10 @@ def main() -> None:
             used = int(want[2][0])
             agree.append(int(got[2][0]) == used and torch.equal(got[0], want[0])
                          and torch.equal(got[1][:used // bm], want[1][:used // bm]))
-        print(f"{t * k:>6} {bm:>3} | {row['cur_first']:>12.1f} {row['other_first']:>14.1f} | {row['cur']:>7.1f} "
-              f"{row['other']:>8.1f} {row['torch']:>8.1f} | {agree}", flush=True)
+        print(f"{t * k:>6} {bm:>3} | {row['cur_first']:>12.1f} {row['other_first']:>14.1f} | "
+              + " ".join(f"{x:>14.1f}" for x in timed) + f" {row['other']:>8.1f} {row['torch']:>8.1f} | {agree}",
+              flush=True)
+        cur.ALIGN_CHUNK, cur.ALIGN_WARPS = variants[0]
 
 
 if __name__ == "__main__":

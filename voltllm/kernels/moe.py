@@ -41,6 +41,7 @@ from voltllm.kernels.registry import CompileSpec, register_kernel
 MAX_CHUNK_PAIRS = 32768  # (token, expert) pairs per launch pair: inter [P, I] + pair_out [P, H] workspaces
 TRITON_ALIGN_MAX_PAIRS = 4096  # up to here moe_align is one Triton launch (one program ranks the pairs); above, torch
 ALIGN_CHUNK = 128  # pairs the align kernel ranks at a time (a CHUNK x CHUNK comparison); fewer: next power of 2
+ALIGN_WARPS = 4
 # Shared memory per block on the compat targets is 96 KB (sm_70) and 64 KB (sm_75). With fp32 activations the
 # tiles below need up to 96 KB at BLOCK_K 64 (72-96 KB for gate_up: its x tile and two weight tiles), so fp32 runs
 # take K blocks of 32 (<= 48 KB); fp16 / bf16 need 32 KB at every tile (compiled for sm_70 / sm_75, session 21).
@@ -264,7 +265,7 @@ def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, scratch, n, num_experts,
                             max_blocks * block_m, max_blocks, block_m,
                             CHUNK=min(ALIGN_CHUNK, max(16, triton.next_power_of_2(n))), BINS=bins, FILL=1024,
-                            num_warps=4)
+                            num_warps=ALIGN_WARPS)
     return sorted_ids, block_expert, num_padded
 
 
