@@ -136,12 +136,12 @@ def _moe_down_kernel(
 # one variant per model (BINS) and CHUNK class (16 / 32 / 64 / 128): a sort of next_pow2(n) keys compiled one variant
 # per power of two, up to ~5 s each, inside the step that first met it (micro/bench_compiles.py, session 44).
 @triton.jit(do_not_specialize=["n", "num_slots", "num_blocks", "block_m"])
-def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num_slots, num_blocks, block_m,
+def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, n, E, num_slots, num_blocks, block_m,
                       CHUNK: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
     """moe_align in one program, by chunks of CHUNK pairs: per-expert counts by histograms, padded starts by a scan,
     then per chunk each pair's rank among the chunk's earlier pairs of its expert (a CHUNK x CHUNK comparison) on
-    top of its expert's running write position, so pairs keep token order (as the torch version's stable argsort).
-    Scratch (int32 [2 * BINS]): the running write positions, then the padded starts."""
+    top of its expert's running write position (held in registers, gathered per pair), so pairs keep token order
+    (as the torch version's stable argsort)."""
     bins = tl.arange(0, BINS)
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([BINS], dtype=tl.int32)
@@ -150,9 +150,7 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num
         counts += tl.histogram(e, BINS)
     counts = tl.where(bins < E, counts, 0)
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_start = tl.cumsum(padded, axis=0) - padded
-    tl.store(Scratch + bins, padded_start)
-    tl.store(Scratch + BINS + bins, padded_start)
+    start = tl.cumsum(padded, axis=0) - padded
     tl.store(NumPadded, tl.sum(padded, axis=0))
     for s0 in range(0, num_slots, FILL):  # every row a sentinel, every block expert 0, before the scatter
         so = s0 + tl.arange(0, FILL)
@@ -160,18 +158,17 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num
         tl.store(BlockExpert + so, 0, mask=so < num_blocks)
     tl.debug_barrier()
     earlier = lanes[None, :] < lanes[:, None]  # [i, j]: pair j comes before pair i
+    run = start  # each expert's next write position
     for c0 in range(0, n, CHUNK):
         pair = c0 + lanes
         mp = pair < n
         e = tl.load(Ids + pair, mask=mp, other=E).to(tl.int32)
         same = (e[:, None] == e[None, :]) & earlier
-        dest = tl.load(Scratch + e, mask=mp, other=0) + tl.sum(same.to(tl.int32), axis=1)
-        rank = dest - tl.load(Scratch + BINS + e, mask=mp, other=0)  # within the expert's whole run
+        dest = tl.gather(run, e, 0) + tl.sum(same.to(tl.int32), axis=1)
+        rank = dest - tl.gather(start, e, 0)  # within the expert's whole run
         tl.store(SortedIds + dest, pair, mask=mp)
         tl.store(BlockExpert + dest // block_m, e, mask=mp & (rank % block_m == 0))
-        tl.debug_barrier()  # every lane has read the running positions before they move on
-        tl.store(Scratch + bins, tl.load(Scratch + bins) + tl.histogram(e, BINS))
-        tl.debug_barrier()
+        run += tl.histogram(e, BINS)
 
 
 def _gate_up_specs() -> list[CompileSpec]:
@@ -204,7 +201,7 @@ def _down_specs() -> list[CompileSpec]:
 
 
 def _align_specs() -> list[CompileSpec]:
-    sig = {"Ids": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", "NumPadded": "*i32", "Scratch": "*i32",
+    sig = {"Ids": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", "NumPadded": "*i32",
            "n": "i32", "E": "i32", "num_slots": "i32", "num_blocks": "i32", "block_m": "i32",
            **{k: "constexpr" for k in ("CHUNK", "BINS", "FILL")}}
     return [CompileSpec(signature=sig, constexprs={"CHUNK": c, "BINS": 512, "FILL": 1024}, label=f"chunk{c} E<512")
@@ -261,8 +258,7 @@ def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     bins = triton.next_power_of_2(num_experts + 1)  # + the bin of the padding lanes
-    scratch = torch.empty(2 * bins, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, scratch, n, num_experts,
+    _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, n, num_experts,
                             max_blocks * block_m, max_blocks, block_m,
                             CHUNK=min(ALIGN_CHUNK, max(16, triton.next_power_of_2(n))), BINS=bins, FILL=1024,
                             num_warps=ALIGN_WARPS)
