@@ -229,6 +229,8 @@
 #   s126     (session 44) 8B 64 x 128/128 native, 3 warm runs; the 8B compat mixed-length compiles
 #   s127     (session 44) s125's hybrid MoE compile check after the MoE / prefill / GDN fixes
 #   s128     (session 44) the chunk-ranking MoE align kernel: micro A/B vs the one-sort kernel, 35B-A3B compiles, s126
+#            (its micro line now times this checkout's two forms)
+#   s129     (session 44) MoE align, sort kernel in graph captures / chunk kernel eager: micro, MoE GPU tests, 35B-A3B
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1525,11 +1527,25 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s129)  # (session 44) MoE align in two forms (sort kernel in CUDA-graph captures, chunk kernel in eager steps): the
+         # micro, the MoE GPU checks (interpreter list on CUDA, graphs), then the 35B-A3B native compile check
+    t0=$SECONDS
+    PYTHONPATH=$PWD:$PWD/benchmarks/micro timeout 120 python3 benchmarks/micro/moe_align_ab.py --variants 128x4,64x4 \
+      2>&1 | grep -v -i warn | tee "$out/moe-align-ab-$sha.txt"
+    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py tests/gpu/test_quant_dot_cuda.py -k moe \
+      -p no:cacheprovider -rf > "$out/moe-gpu-tests.txt" 2>&1
+    echo "moe GPU tests rc=$? $(tail -1 "$out/moe-gpu-tests.txt")"; grep -E "^(FAILED|ERROR)" "$out/moe-gpu-tests.txt" | head
+    timeout 200 python3 benchmarks/micro/bench_compiles.py --random-weights qwen3.5-35b-a3b-shape --dtype half \
+      --scenario concurrency --concurrency 32 --input-len 256 --output-len 64 --random-range-ratio 0.5 --num-warm 3 \
+      --no-limits --max-model-len 4096 --commit "$sha" 2>&1 | grep -v -i warn > "$out/compiles-35b-native.txt"
+    echo "== 35b native"; grep -E "^(ttft|output_tok|tpot)" "$out/compiles-35b-native.txt"
+    sed -n '/^start-up:/,$p' "$out/compiles-35b-native.txt" | cut -c1-200
+    ;;
   s128)  # (session 44) the align kernel ranking pairs by chunks (no sort of next_pow2(n) keys: one compile per chunk
          # class, not per power of two): micro A/B against the one-sort kernel (carry .scratch/moe_old.py, 503202b's
          # moe.py), the 35B-A3B native compile check again, then s126 while time is left
     t0=$SECONDS
-    PYTHONPATH=$PWD timeout 120 python3 benchmarks/micro/moe_align_ab.py --other .scratch/moe_old.py 2>&1 \
+    PYTHONPATH=$PWD:$PWD/benchmarks/micro timeout 120 python3 benchmarks/micro/moe_align_ab.py 2>&1 \
       | grep -v -i warn | tee "$out/moe-align-ab-$sha.txt"
     timeout 200 python3 benchmarks/micro/bench_compiles.py --random-weights qwen3.5-35b-a3b-shape --dtype half \
       --scenario concurrency --concurrency 32 --input-len 256 --output-len 64 --random-range-ratio 0.5 --num-warm 3 \

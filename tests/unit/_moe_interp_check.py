@@ -77,14 +77,15 @@ def run_experts(device: str, t: int, e: int, k: int, h: int, inter: int, dtype: 
     return f"{_verdict(got, out, ref, dtype)} (empty experts {empty}, max load {int(counts.max())})"
 
 
-def run_align(device: str, t: int, e: int, k: int, bm: int, seed: int, use_triton: bool | None = None) -> str:
+def run_align(device: str, t: int, e: int, k: int, bm: int, seed: int, use_triton: bool | None = None,
+              sort: bool | None = None) -> str:
     """moe_align's outputs have its properties; with use_triton, the one-launch kernel's rows in use also equal
     the torch version's exactly."""
     from voltllm.kernels.moe import moe_align
 
     gen = torch.Generator().manual_seed(seed)
     _, ids = _routing(t, e, k, "hot", gen, device)
-    sorted_ids, block_expert, num_padded = moe_align(ids, e, bm, use_triton=use_triton)
+    sorted_ids, block_expert, num_padded = moe_align(ids, e, bm, use_triton=use_triton, sort=sort)
     if use_triton:
         want_ids, want_be, want_np = moe_align(ids, e, bm, use_triton=False)
         used = int(want_np.cpu()[0])
@@ -234,6 +235,10 @@ CHECKS = {
     "align_triton_e5_k1_bm4": lambda d: run_align(d, 50, 5, 1, 4, 2, use_triton=True),
     "align_triton_e256_k8_bm16_t64": lambda d: run_align(d, 64, 256, 8, 16, 31, use_triton=True),
     "align_triton_e16_k8_bm64_t300": lambda d: run_align(d, 300, 16, 8, 64, 32, use_triton=True),
+    # the sort form (CUDA-graph captures)
+    "align_sort_e8_k2_bm16": lambda d: run_align(d, 37, 8, 2, 16, 0, use_triton=True, sort=True),
+    "align_sort_e256_k8_bm16_t64": lambda d: run_align(d, 64, 256, 8, 16, 31, use_triton=True, sort=True),
+    "align_sort_e16_k8_bm64_t300": lambda d: run_align(d, 300, 16, 8, 64, 32, use_triton=True, sort=True),
     "e4_k2_t7_f32": lambda d: run_experts(d, 7, 4, 2, 64, 48, torch.float32, "uniform", 3, DECODE),
     "e8_k2_t33_hot_f32_empty_experts": lambda d: run_experts(d, 33, 8, 2, 48, 40, torch.float32, "hot", 4, PREFILL),
     "e64_k8_t5_decode_f32": lambda d: run_experts(d, 5, 64, 8, 64, 32, torch.float32, "uniform", 5, DECODE),

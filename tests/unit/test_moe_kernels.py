@@ -29,9 +29,9 @@ def test_moe_kernel_interp(interp_results, name):
 
 def test_kernels_registered_for_compat_gate():
     assert str(registered_kernels("voltllm.kernels.moe", "moe.")) == \
-        "['moe.align', 'moe.down_weighted', 'moe.gate_up_silu']"
+        "['moe.align', 'moe.align_sort', 'moe.down_weighted', 'moe.gate_up_silu']"
     assert str(registered_kernels("voltllm.kernels.moe_decode", "moe.")) == (  # (it imports voltllm.kernels.moe)
-        "['moe.align', 'moe.down_weighted', 'moe.gate_up_silu', 'moe.route_topk', 'moe.small_down', "
+        "['moe.align', 'moe.align_sort', 'moe.down_weighted', 'moe.gate_up_silu', 'moe.route_topk', 'moe.small_down', "
         "'moe.small_gate_up']")
 
 

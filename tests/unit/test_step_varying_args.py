@@ -20,6 +20,7 @@ EXPECTED = {
     ("voltllm.kernels.moe", "_moe_gate_up_kernel"): (["num_pairs"], []),
     ("voltllm.kernels.moe", "_moe_down_kernel"): (["num_pairs"], []),
     ("voltllm.kernels.moe", "_moe_align_kernel"): (["n", "num_slots", "num_blocks", "block_m"], []),
+    ("voltllm.kernels.moe", "_moe_align_sort_kernel"): (["n", "num_slots", "num_blocks"], []),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_prep_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_hoist_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_fwd_kernel"): ([], ["Slots", "HasInit", "SeqStart", "SeqChunk"]),

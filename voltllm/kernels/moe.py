@@ -132,9 +132,46 @@ def _moe_down_kernel(
     tl.store(dst, acc.to(PairOut.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
 
 
-# Every count is a run-time value (n, the bounds, block_m: the step's pair count and its tile), so the kernel compiles
-# one variant per model (BINS) and CHUNK class (16 / 32 / 64 / 128): a sort of next_pow2(n) keys compiled one variant
-# per power of two, up to ~5 s each, inside the step that first met it (micro/bench_compiles.py, session 44).
+@triton.jit(do_not_specialize=["n", "num_slots", "num_blocks"])  # (the step's pair counts and bounds)
+def _moe_align_sort_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num_slots, num_blocks,
+                           BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
+    """moe_align in one program, for CUDA-graph captures (pairs n <= BLOCK_P): per-expert counts by a histogram,
+    padded starts by a scan, each pair's rank inside its expert from one sort of the keys expert * n + pair (so
+    pairs keep token order, as the torch version's stable argsort), then the scatter. Scratch (int32 [2 * BINS])
+    carries the per-expert starts from the scan to the per-pair gathers."""
+    offs = tl.arange(0, BLOCK_P)
+    mp = offs < n
+    e = tl.load(Ids + offs, mask=mp, other=E).to(tl.int32)  # padding lanes count in bin E, never read
+    counts = tl.histogram(e, BINS)
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_start = tl.cumsum(padded, axis=0) - padded
+    count_start = tl.cumsum(counts, axis=0) - counts
+    tl.store(Scratch + bins, padded_start)
+    tl.store(Scratch + BINS + bins, count_start)
+    tl.store(NumPadded, tl.sum(padded, axis=0))
+    for s0 in range(0, num_slots, FILL):  # every row a sentinel, every block expert 0, before the scatter
+        so = s0 + tl.arange(0, FILL)
+        tl.store(SortedIds + so, n, mask=so < num_slots)
+        tl.store(BlockExpert + so, 0, mask=so < num_blocks)
+    tl.debug_barrier()
+    key = tl.sort(tl.where(mp, e * n + offs, E * n + offs))  # padding lanes sort last
+    se = key // n
+    pair = key % n
+    ms = offs < n  # sorted position i holds a real pair iff i < n
+    rank = offs - tl.load(Scratch + BINS + se, mask=ms, other=0)
+    dest = tl.load(Scratch + se, mask=ms, other=0) + rank
+    tl.store(SortedIds + dest, pair, mask=ms)
+    tl.store(BlockExpert + dest // BLOCK_M, se, mask=ms & (rank % BLOCK_M == 0))
+
+
+# The eager steps' align. Every count is a run-time value (n, the bounds, block_m: the step's pair count and its
+# tile), so it compiles one variant per model (BINS) and CHUNK class (16 / 32 / 64 / 128, ~0.4 s each), where the
+# sort kernel above compiles one per power of two of n, 0.5-9 s each on the H200 machine, which an eager step paid
+# inside its requests' time to first token (micro/bench_compiles.py, session 44). Ranking by chunks is slower at
+# run time (H200, E = 256: 18 / 36 / 134 us at 512 / 1024 / 4096 pairs against the sort's 5.5 / 15 / 75;
+# benchmarks/results/session44/), so CUDA-graph captures, which compile at start-up, keep the sort.
 @triton.jit(do_not_specialize=["n", "num_slots", "num_blocks", "block_m"])
 def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, n, E, num_slots, num_blocks, block_m,
                       CHUNK: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
@@ -208,7 +245,16 @@ def _align_specs() -> list[CompileSpec]:
             for c in (16, ALIGN_CHUNK)]
 
 
+def _align_sort_specs() -> list[CompileSpec]:
+    sig = {"Ids": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", "NumPadded": "*i32", "Scratch": "*i32",
+           "n": "i32", "E": "i32", "num_slots": "i32", "num_blocks": "i32",
+           **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_P", "BINS", "FILL")}}
+    return [CompileSpec(signature=sig, constexprs={"BLOCK_M": bm, "BLOCK_P": bp, "BINS": 512, "FILL": 1024},
+                        label=f"m{bm} pairs{bp} E<512") for bm, bp in ((16, 512), (64, 4096))]
+
+
 register_kernel("moe.align", _moe_align_kernel, _align_specs(), compat=True)
+register_kernel("moe.align_sort", _moe_align_sort_kernel, _align_sort_specs(), compat=True)
 register_kernel("moe.gate_up_silu", _moe_gate_up_kernel, _gate_up_specs(), compat=True)
 register_kernel("moe.down_weighted", _moe_down_kernel, _down_specs(), compat=True)
 
@@ -216,20 +262,21 @@ register_kernel("moe.down_weighted", _moe_down_kernel, _down_specs(), compat=Tru
 # ------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: Optional[bool] = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: Optional[bool] = None,
+              sort: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, expert) pairs by expert, each expert's run padded to a multiple of block_m.
 
     topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair index t*k + j, or T*k on padding rows;
     block_expert int32 [max_blocks]; num_padded int32 [1]: rows in use). Device ops only (no host sync);
     max_blocks = cdiv(T*k, block_m) + min(E, T*k) bounds the padded length whatever the routing. On CUDA, up
     to TRITON_ALIGN_MAX_PAIRS pairs, one Triton launch computes the same outputs (use_triton: force either way;
-    block_expert past the rows in use is 0 there, E - 1 here: no kernel reads it).
+    block_expert past the rows in use is 0 there, E - 1 here: no kernel reads it): the sort kernel while a CUDA
+    graph is captured, the chunk kernel otherwise (sort: force either).
     """
     dev = topk_ids.device
     n = topk_ids.numel()
     if (topk_ids.is_cuda and n <= TRITON_ALIGN_MAX_PAIRS if use_triton is None else use_triton) and n > 0:
-        return _moe_align_triton(topk_ids, num_experts, block_m)
+        return _moe_align_triton(topk_ids, num_experts, block_m, sort)
     flat = topk_ids.reshape(-1).to(torch.int64)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + (block_m - 1)) // block_m * block_m
@@ -247,9 +294,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton
     return sorted_ids, block_expert, ends_p[-1:].to(torch.int32)
 
 
-def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
+def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, sort: Optional[bool] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_align's outputs from one launch (_moe_align_kernel) instead of ~28 small torch ops."""
+    """moe_align's outputs from one launch instead of ~28 small torch ops: _moe_align_sort_kernel in a CUDA-graph
+    capture (its compile per power of two of the pair count happens there, at start-up; faster replays),
+    _moe_align_kernel in eager steps (one compile for every pair count, which a step would otherwise wait for)."""
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int32)
     n = ids.numel()
@@ -258,6 +307,12 @@ def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     bins = triton.next_power_of_2(num_experts + 1)  # + the bin of the padding lanes
+    if (ids.is_cuda and torch.cuda.is_current_stream_capturing()) if sort is None else sort:
+        scratch = torch.empty(2 * bins, dtype=torch.int32, device=dev)
+        _moe_align_sort_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, scratch, n, num_experts,
+                                     max_blocks * block_m, max_blocks, BLOCK_M=block_m,
+                                     BLOCK_P=triton.next_power_of_2(n), BINS=bins, FILL=1024, num_warps=4)
+        return sorted_ids, block_expert, num_padded
     _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, n, num_experts,
                             max_blocks * block_m, max_blocks, block_m,
                             CHUNK=min(ALIGN_CHUNK, max(16, triton.next_power_of_2(n))), BINS=bins, FILL=1024,
