@@ -344,26 +344,29 @@ def check_compat_varlen() -> tuple[float, str]:
 
 
 def check_compat_warm_up() -> tuple[float, str]:
-    """warm_up_mixed_step (start-up): its two prompts of unequal lengths take the compat route's varlen form (one
-    launch), its decode row the decode kernel, and nothing is stored in the cache."""
+    """The start-up warm-up step (worker/warm_up.py) on the compat backend: its two prompts of unequal lengths take
+    the varlen form (one launch), its decode row the decode kernel, and nothing is stored in the cache."""
     import voltllm.attention.triton_backend as tb
+    from voltllm.worker.warm_up import mixed_step_metadata
 
     be = tb.TritonAttentionBackend(use_tensor_cores=False, kv_cache_dtype="fp8_e4m3", max_context=64)
     be.sdpa_prefill.varlen_op = reference_varlen_attention
     cache = make_kv_cache(1, 3, 16, 2, 64, torch.uint8, torch.device("cpu"))[0]
     cache.copy_(torch.randint(0, 0x70, cache.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
     before = cache.clone()
+    meta = mixed_step_metadata(torch.device("cpu"))
+    q = torch.randn(meta.num_tokens, 8, 64, generator=torch.Generator().manual_seed(6)).half()
     decode_calls = []
     real = tb.paged_decode
     tb.paged_decode = lambda *a, **k: decode_calls.append(a[4].tolist()) or real(*a, **k)
     try:
-        be.warm_up_mixed_step(cache, 8, torch.float16)
+        be.forward(q, q[:, :2], q[:, :2], cache, meta, 0.125, kv_written=True)
     finally:
         tb.paged_decode = real
     sp, problems = be.sdpa_prefill, []
     if (sp.calls, sp.launches) != (2, 1):
         problems.append(f"calls {sp.calls} launches {sp.launches}")
-    if decode_calls != [[0, 1, 3, 6]]:
+    if decode_calls != [meta.query_start_loc_cpu]:
         problems.append(f"decode kernel calls {decode_calls}")
     if not torch.equal(cache, before):
         problems.append("the cache changed")

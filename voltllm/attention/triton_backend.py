@@ -181,25 +181,6 @@ class TritonAttentionBackend(AttentionBackend):
                         if self._use_sdpa_prefill(device) else "triton paged prefill (tl.dot)"),
         }
 
-    def warm_up_mixed_step(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
-        """Run once the kernel forms of a step with prompts of unequal lengths beside a decode row, so they compile
-        at start-up. Start-up's own forwards (the memory profile, the prompt-graph warm-ups) are one sequence each,
-        so otherwise the first such step of a process compiles them inside its requests' time to first token (the
-        compat route's varlen bridge: benchmarks/micro/bench_compiles.py). Reads block 0 of kv_cache (any values);
-        stores nothing."""
-        dev = kv_cache.device
-        q_lens = (1, 2, 3)  # a decode row, then two prompts of different lengths (the compat route's varlen form)
-        qsl = [0, 1, 3, 6]
-        n = qsl[-1]
-        i32 = {"dtype": torch.int32, "device": dev}
-        meta = AttentionMetadata(
-            num_tokens=n, query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(q_lens, **i32),
-            block_tables=torch.zeros(len(q_lens), max(q_lens), **i32),  # every position in block 0, whatever the page
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev), max_query_len=max(q_lens),
-            max_seq_len=max(q_lens), query_start_loc_cpu=qsl, seq_lens_cpu=list(q_lens))
-        q = torch.zeros(n, num_heads, kv_cache.shape[4], dtype=dtype, device=dev)
-        self.forward(q, None, None, kv_cache, meta, 1.0, kv_written=True)
-
     # --- forward ---------------------------------------------------------------------------------
     def cache_write_for(self, v, kv_cache, meta: AttentionMetadata, k_scale: Optional[torch.Tensor] = None,
                         v_scale: Optional[torch.Tensor] = None) -> Optional[CacheWrite]:

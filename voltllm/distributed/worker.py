@@ -74,6 +74,6 @@ def _start(config: Any, rank: int, port: int, conn: Any):
     runner = ModelRunner(config, tp=tp)
     runner.initialize_kv_cache()
     runner.tune_decode_gemms()
-    runner.warm_up_attention()
+    runner.warm_up_mixed_step()
     runner.capture_cuda_graphs()
     return runner

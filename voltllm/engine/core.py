@@ -70,7 +70,7 @@ class EngineCore:
             self.kv.state_prefix = snapshots
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         self.runner.tune_decode_gemms()
-        self.runner.warm_up_attention()  # (before the route counters: it is no request's work)
+        self.runner.warm_up_mixed_step()  # (before the route counters: it is no request's work)
         from voltllm.acceleration import instrument
 
         instrument(self.runner)  # per-route call counters for the acceleration report (graph replays too)

@@ -855,18 +855,17 @@ class ModelRunner:
             return
         logger.info("dequant-GEMM tiles chosen in %.1f s:\n  %s", time.monotonic() - t0, "\n  ".join(lines))
 
-    def warm_up_attention(self) -> None:
-        """CUDA: compile the attention backend's mixed-step kernel forms now, not in the first such step
-        (TritonAttentionBackend.warm_up_mixed_step; a backend without it has nothing to warm)."""
-        warm = getattr(self.backend, "warm_up_mixed_step", None)
-        if self.device.type != "cuda" or warm is None or not self.kv_caches:
+    def warm_up_mixed_step(self) -> None:
+        """CUDA: one eager forward of a small mixed step, so the kernel forms such steps take compile now and not
+        inside the first one (worker/warm_up.py)."""
+        if self.device.type != "cuda" or not self.kv_caches:
             return
-        from voltllm.model.layers.paged_attention import PagedAttention
+        from voltllm.worker.warm_up import mixed_step_forward
 
-        attn = next((m for m in self.model.modules() if isinstance(m, PagedAttention)), None)
-        if attn is not None:
-            warm(self.kv_caches[attn.kv_index], attn.num_heads, self.dtype)
-            torch.cuda.synchronize(self.device)
+        t0 = time.monotonic()
+        mixed_step_forward(self)
+        torch.cuda.synchronize(self.device)
+        logger.info("ran a mixed-step warm-up forward in %.1f s", time.monotonic() - t0)
 
     def capture_cuda_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
