@@ -231,6 +231,7 @@
 #   s128     (session 44) the chunk-ranking MoE align kernel: micro A/B vs the one-sort kernel, 35B-A3B compiles, s126
 #            (its micro line now times this checkout's two forms)
 #   s129     (session 44) MoE align, sort kernel in graph captures / chunk kernel eager: micro, MoE GPU tests, 35B-A3B
+#   s130     (session 44) the start-up mixed-step forward: 35B-A3B --compat sm70 compiles, 1 cold + 1 warm
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1526,6 +1527,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     }
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
+    ;;
+  s130)  # (session 44) the start-up mixed-step forward: the 35B-A3B under --compat sm70, whose cold run compiled the
+         # GDN chunk kernels (s127), 1 cold + 1 warm
+    timeout 170 python3 benchmarks/micro/bench_compiles.py --random-weights qwen3.5-35b-a3b-shape --dtype half \
+      --scenario concurrency --concurrency 32 --input-len 256 --output-len 64 --random-range-ratio 0.5 --num-warm 1 \
+      --no-limits --max-model-len 4096 --compat sm70 --commit "$sha" 2>&1 | grep -v -i warn > "$out/compiles-35b-compat.txt"
+    echo "== 35b compat"; grep -E "^(ttft|output_tok|tpot)|warm-up" "$out/compiles-35b-compat.txt"
+    sed -n '/^start-up:/,$p' "$out/compiles-35b-compat.txt" | cut -c1-200
     ;;
   s129)  # (session 44) MoE align in two forms (sort kernel in CUDA-graph captures, chunk kernel in eager steps): the
          # micro, the MoE GPU checks (interpreter list on CUDA, graphs), then the 35B-A3B native compile check
