@@ -132,6 +132,16 @@ def _moe_down_kernel(
     tl.store(dst, acc.to(PairOut.dtype.element_ty), mask=mrow[:, None] & mn[None, :])
 
 
+@triton.jit
+def _fill_sentinels(SortedIds, BlockExpert, n, num_slots, num_blocks, FILL: tl.constexpr):
+    """Every sorted row the sentinel n and every block expert 0, visible to the program before its scatter."""
+    for s0 in range(0, num_slots, FILL):
+        so = s0 + tl.arange(0, FILL)
+        tl.store(SortedIds + so, n, mask=so < num_slots)
+        tl.store(BlockExpert + so, 0, mask=so < num_blocks)
+    tl.debug_barrier()
+
+
 @triton.jit(do_not_specialize=["n", "num_slots", "num_blocks"])  # (the step's pair counts and bounds)
 def _moe_align_sort_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E, num_slots, num_blocks,
                            BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
@@ -151,11 +161,7 @@ def _moe_align_sort_kernel(Ids, SortedIds, BlockExpert, NumPadded, Scratch, n, E
     tl.store(Scratch + bins, padded_start)
     tl.store(Scratch + BINS + bins, count_start)
     tl.store(NumPadded, tl.sum(padded, axis=0))
-    for s0 in range(0, num_slots, FILL):  # every row a sentinel, every block expert 0, before the scatter
-        so = s0 + tl.arange(0, FILL)
-        tl.store(SortedIds + so, n, mask=so < num_slots)
-        tl.store(BlockExpert + so, 0, mask=so < num_blocks)
-    tl.debug_barrier()
+    _fill_sentinels(SortedIds, BlockExpert, n, num_slots, num_blocks, FILL)
     key = tl.sort(tl.where(mp, e * n + offs, E * n + offs))  # padding lanes sort last
     se = key // n
     pair = key % n
@@ -189,11 +195,7 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, NumPadded, n, E, num_slots, n
     padded = (counts + block_m - 1) // block_m * block_m
     start = tl.cumsum(padded, axis=0) - padded
     tl.store(NumPadded, tl.sum(padded, axis=0))
-    for s0 in range(0, num_slots, FILL):  # every row a sentinel, every block expert 0, before the scatter
-        so = s0 + tl.arange(0, FILL)
-        tl.store(SortedIds + so, n, mask=so < num_slots)
-        tl.store(BlockExpert + so, 0, mask=so < num_blocks)
-    tl.debug_barrier()
+    _fill_sentinels(SortedIds, BlockExpert, n, num_slots, num_blocks, FILL)
     earlier = lanes[None, :] < lanes[:, None]  # [i, j]: pair j comes before pair i
     run = start  # each expert's next write position
     for c0 in range(0, n, CHUNK):
