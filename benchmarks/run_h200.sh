@@ -232,6 +232,8 @@
 #            (its micro line now times this checkout's two forms)
 #   s129     (session 44) MoE align, sort kernel in graph captures / chunk kernel eager: micro, MoE GPU tests, 35B-A3B
 #   s130     (session 44) the start-up mixed-step forward: 35B-A3B --compat sm70 compiles, 1 cold + 1 warm
+#   s131     (queued for session 45) session 44's last changes on the GPU: dense warm-up compiles, MoE / engine / fp8-KV
+#            GPU files
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1527,6 +1529,24 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     }
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
+    ;;
+  s131)  # (for session 45) what session 44 changed after its device time ran out: the start-up mixed-step forward on
+         # dense models (compiles in the cold run of SmolLM2's shape native and compat, mixed lengths), the align kernels'
+         # shared sentinel fill (MoE GPU tests on 3 workers), then the engine and fp8-KV GPU files
+    t0=$SECONDS
+    for v in native compat; do
+      extra=""; [ $v = compat ] && extra="--compat sm70"
+      timeout 150 python3 benchmarks/micro/bench_compiles.py --random-weights smollm2-135m-shape --dtype half \
+        --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --random-range-ratio 0.5 --num-warm 2 \
+        --no-limits --commit "$sha" $extra 2>&1 | grep -v -i warn > "$out/compiles-smollm2-$v.txt"
+      echo "== smollm2 $v"; grep -E "^(ttft|output_tok)|warm-up" "$out/compiles-smollm2-$v.txt"
+      sed -n '/^start-up:/,$p' "$out/compiles-smollm2-$v.txt" | cut -c1-200
+    done
+    timeout 150 python3 -m pytest -q -m gpu -n 3 tests/gpu/test_hybrid_gpu.py tests/gpu/test_quant_dot_cuda.py -k moe \
+      -p no:cacheprovider -rf > "$out/moe-gpu-tests.txt" 2>&1
+    echo "moe GPU tests rc=$? $(tail -1 "$out/moe-gpu-tests.txt")"; grep -E "^(FAILED|ERROR)" "$out/moe-gpu-tests.txt" | head
+    (( SECONDS - t0 < 350 )) && gpu_file test_engine_gpu 120
+    (( SECONDS - t0 < 450 )) && gpu_file test_fp8_kv_gpu 140 -n 3
     ;;
   s130)  # (session 44) the start-up mixed-step forward: the 35B-A3B under --compat sm70, whose cold run compiled the
          # GDN chunk kernels (s127), 1 cold + 1 warm
