@@ -1530,6 +1530,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s132)  # (session 45) compiles inside requests on quantized checkpoints kept quantized (random AWQ g128 / NVFP4 codes
+         # at the 0.6B shape): 64 concurrent, mixed lengths, 1 cold + 2 warm; AWQ native and --compat sm70, NVFP4 native
+    mkdir -p /root/m
+    for m in awq nvfp4; do
+      timeout 60 python3 benchmarks/make_random_quantized.py --shape qwen3-0.6b-shape --method $m /root/m/q06-$m \
+        > /dev/null 2>&1 || echo "make $m failed"
+    done
+    for v in awq-native awq-compat nvfp4-native; do
+      m=${v%%-*}; q=$m; [ $m = nvfp4 ] && q=modelopt_fp4
+      extra=""; [ ${v#*-} = compat ] && extra="--compat sm70"
+      timeout 140 python3 benchmarks/micro/bench_compiles.py /root/m/q06-$m --quantization $q --dtype half \
+        --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --random-range-ratio 0.5 --num-warm 2 \
+        --no-limits --commit "$sha" $extra 2>&1 | grep -v -i warn > "$out/compiles-q06-$v.txt"
+      echo "== $v"; grep -E "^(ttft|output_tok)|Error|error" "$out/compiles-q06-$v.txt" | head -5
+      sed -n '/^start-up:/,$p' "$out/compiles-q06-$v.txt" | cut -c1-240
+    done
+    ;;
   s131)  # (for session 45) what session 44 changed after its device time ran out: the start-up mixed-step forward on
          # dense models (compiles in the cold run of SmolLM2's shape native and compat, mixed lengths), the align kernels'
          # shared sentinel fill (MoE GPU tests on 3 workers), then the engine and fp8-KV GPU files
