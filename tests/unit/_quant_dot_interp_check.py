@@ -56,6 +56,12 @@ def main() -> int:
     p = _planes(INT4_KINDS[1].name, 37, 768, gen)
     failed += not _check("AWQ", "split2-AWQ-bias", p, torch.randn(9, 768, dtype=torch.float16),
                          torch.randn(37, dtype=torch.float16), config=(16, 32, 2, 4, 1), split=2)
+    # the transposed form (W x^T): bias and split K through it, a row tail and a weight-row tail
+    failed += not _check("AWQ", "wfirst-split2-AWQ-bias", p, torch.randn(9, 768, dtype=torch.float16),
+                         torch.randn(37, dtype=torch.float16), config=(16, 32, 2, 4, 1, True), split=2)
+    p = _planes("Q4_K", 37, 768, gen)
+    failed += not _check("Q4_K", "wfirst-rows20", p, torch.randn(20, 768, dtype=torch.float16), None,
+                         config=(16, 32, 4, 4, 1, True))
     failed += not _check_moe_sorted(gen)
     return 1 if failed else 0
 

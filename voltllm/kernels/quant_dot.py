@@ -63,7 +63,8 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
                       BLOCK_N: tl.constexpr, U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
                       HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr,
                       FP8: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr,
-                      TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, SPLIT: tl.constexpr):
+                      TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, SPLIT: tl.constexpr,
+                      W_FIRST: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)  # split-K: this program's UPS units of K (all of them when not SPLIT; UPS even)
@@ -87,7 +88,12 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
     # so each group is two contiguous halves of 32, each one `tl.dot` of K 32, with no reshape of the tile
     j = tl.arange(0, 32)[None, :]
     n2 = plane_n[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # W_FIRST: the product computed transposed (W x^T), so the dequantized weight tile, made in registers, is the
+    # first operand (which the tensor cores may take from registers; the second must come from shared memory)
+    if W_FIRST:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g_end = tl.minimum(NU, pid_s * UPS + UPS) // 2
     for g0 in range(pid_s * UPS // 2, g_end, U // 2):
         for gg in tl.static_range(U // 2):
@@ -117,8 +123,14 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
             xm = mask_m[:, None] & (g < g_end)
             x_a = tl.load(xp, mask=xm, other=0.0)
             x_b = tl.load(xp + 32, mask=xm, other=0.0)
-            acc = tl.dot(x_a, tl.trans(w_a.to(X.dtype.element_ty)), acc, input_precision="ieee")
-            acc = tl.dot(x_b, tl.trans(w_b.to(X.dtype.element_ty)), acc, input_precision="ieee")
+            if W_FIRST:
+                acc = tl.dot(w_a.to(X.dtype.element_ty), tl.trans(x_a), acc, input_precision="ieee")
+                acc = tl.dot(w_b.to(X.dtype.element_ty), tl.trans(x_b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x_a, tl.trans(w_a.to(X.dtype.element_ty)), acc, input_precision="ieee")
+                acc = tl.dot(x_b, tl.trans(w_b.to(X.dtype.element_ty)), acc, input_precision="ieee")
+    if W_FIRST:
+        acc = tl.trans(acc)
     ymask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:  # fp32 partial sums WS[s, row, n]; the host adds them up (a fixed order: deterministic)
         tl.store(WS + (pid_s * M + y_row[:, None]) * N + offs_n[None, :], acc, mask=ymask)
@@ -216,7 +228,8 @@ def split_k(programs: int, units: int, step: int, device: torch.device) -> int:
 
 
 def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights, config, split):
-    block_m, block_n, units, warps, stages = config
+    block_m, block_n, units, warps, stages = config[:5]
+    w_first = len(config) > 5 and bool(config[5])
     units = min(units, triton.next_power_of_2(planes.k // 32))
     nu = planes.k // 32
     grid_n = triton.cdiv(n, block_n)
@@ -231,7 +244,7 @@ def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights,
         row_weights if row_weights is not None else out, ws, m, n, nu, ups, x.stride(0), out.stride(0),
         *_plane_strides(planes), BLOCK_M=block_m, BLOCK_N=block_n, U=units, **_constexprs(planes.kind),
         HAS_BIAS=bias is not None, SORTED=sorted_args is not None, TOP_K=top_k, WEIGHTED=row_weights is not None,
-        SPLIT=split > 1, num_warps=warps, num_stages=stages)
+        SPLIT=split > 1, W_FIRST=w_first, num_warps=warps, num_stages=stages)
     if split > 1:
         y = ws.sum(0)
         if bias is not None:
@@ -245,7 +258,8 @@ def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights,
 def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
               config: Optional[tuple[int, int, int, int, int]] = None, split: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
-    which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages); split:
+    which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages[, W_FIRST:
+    the product computed as (W x^T)^T]); split:
     parts of K (default: split_k's choice for this GPU)."""
     x, out = checked_operands(x, planes, out)
     m = x.shape[0]
