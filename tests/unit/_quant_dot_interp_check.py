@@ -15,7 +15,8 @@ from voltllm.kernels.quant_dot import quant_dot, quant_moe_dot  # noqa: E402
 from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_from_blocks, random_blocks  # noqa: E402
 
 KIND_NAMES = list(KINDS) + [k.name for k in INT4_KINDS]
-CHECKS = [f"{name}-rows20" for name in KIND_NAMES] + ["fp32-rows5", "split3-Q6_K", "split2-AWQ-bias", "MOE-sorted"]
+CHECKS = [f"{name}-rows20" for name in KIND_NAMES] + ["fp32-rows5", "split3-Q6_K", "split2-AWQ-bias",
+                                                     "wfirst-split2-AWQ-bias", "wfirst-rows20", "MOE-sorted"]
 
 
 def _planes(name, n, k, gen):

@@ -169,6 +169,15 @@ register_kernel("quant.dot", _quant_dot_kernel, _specs())
 # (BLOCK_M, BLOCK_N, U, num_warps, num_stages) by row count: the largest row class at or above the batch's rows
 # (rows past the largest run in further row blocks, each dequantizing the weight again)
 DOT_CONFIGS = {16: (16, 32, 4, 4, 2), 32: (32, 32, 4, 4, 2), 64: (64, 32, 4, 4, 2), 128: (64, 64, 4, 4, 2)}
+# sm_90+ dense layers: the transposed form (W_FIRST, a sixth field) with 64-128-wide weight tiles, whose dequantized
+# tile the warpgroup MMA takes from registers. H200, cold L2, split K by split_k, AWQ g128 / Q4_K at the 8B's 6144x4096,
+# 4096x12288, 24576x4096 (benchmarks/micro/quant_dot_wfirst.py, results/session45/quant-dot-wfirst-68ab0f9.txt), us
+# against DOT_CONFIGS' tile: 16 rows AWQ 21.6 / 36.8 / 62.7 vs 23.3 / 39.5 / 64.2; 32 rows AWQ 23.9 / 38.5 / 66.4 vs
+# 60.5 / 100.3 / 186.9 (Q4_K 30.2 / 52.7 / 86.5 vs 72.8 / 124.3 / 240.4); 64 rows AWQ 30.5 / 49.0 / 96.4 vs
+# 36.3 / 61.2 / 104.8 (Q4_K 36.9 / 61.6 / 121.4 vs 44.1 / 78.8 / 129.9). The transposed form with a 32-wide weight tile
+# is slower (64 rows 59.6 vs 36.3). Not measured on sm_80-89 or for the grouped MoE kernel: those keep DOT_CONFIGS.
+DOT_CONFIGS_SM90 = {16: (16, 64, 4, 4, 2, True), 32: (32, 64, 4, 4, 2, True), 64: (64, 128, 4, 8, 2, True),
+                    128: (64, 64, 4, 4, 2)}
 # average rows per expert up to which the grouped kernel beats dequantizing every active expert for cuBLAS: with
 # tensor-core `tl.dot` (sm_80+) the H200 sweep's 30B-A3B layer (grouped ~1 ms per 1,000 pairs against a ~26 ms
 # dequantize + cuBLAS pass) breaks even near 200 rows per expert; with FMA `tl.dot` (sm_70 / sm_75) estimated from
@@ -201,11 +210,14 @@ def grouped_max_rows(capability: Optional[tuple[int, int]]) -> int:
     return GROUPED_MAX_ROWS_TENSOR_CORES if capability >= (8, 0) else GROUPED_MAX_ROWS_FMA
 
 
-def pick_config(rows: int) -> tuple[int, int, int, int, int]:
-    for limit, cfg in sorted(DOT_CONFIGS.items()):
+def pick_config(rows: int, capability: Optional[tuple[int, int]] = None) -> tuple:
+    """The tile for `rows` activation rows: the smallest row class that holds them (DOT_CONFIGS_SM90 on a GPU of
+    `capability` >= (9, 0), else DOT_CONFIGS)."""
+    table = DOT_CONFIGS_SM90 if capability is not None and capability >= (9, 0) else DOT_CONFIGS
+    for limit, cfg in sorted(table.items()):
         if rows <= limit:
             return cfg
-    return DOT_CONFIGS[max(DOT_CONFIGS)]
+    return table[max(table)]
 
 
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per multiprocessor
@@ -215,6 +227,11 @@ MAX_SPLIT = 16
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> Optional[tuple[int, int]]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def split_k(programs: int, units: int, step: int, device: torch.device) -> int:
@@ -263,7 +280,7 @@ def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out:
     parts of K (default: split_k's choice for this GPU)."""
     x, out = checked_operands(x, planes, out)
     m = x.shape[0]
-    config = config or pick_config(m)
+    config = config or pick_config(m, _capability(x.device))
     return _launch(x, planes, out, bias, m, planes.n, triton.cdiv(m, config[0]), None, 1, None, config, split)
 
 
@@ -275,7 +292,7 @@ def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: tor
     rows_per_expert) of `planes`), for pairs sorted by kernels/moe.moe_align(ids, E, block_m): out[p] =
     x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert]."""
     x, out = checked_expert_operands(x, planes, rows_per_expert, num_pairs, out)
-    _, block_n, units, warps, stages = pick_config(block_m)
+    _, block_n, units, warps, stages = pick_config(block_m)  # DOT_CONFIGS: the tiles measured for the grouped form
     config = (block_m, block_n, units, warps, stages)
     return _launch(x, planes, out, None, num_pairs, rows_per_expert, block_expert.numel(),
                    (sorted_ids, block_expert, num_padded), top_k, row_weights, config, split)
