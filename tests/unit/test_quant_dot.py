@@ -15,8 +15,8 @@ def test_kernel_under_interpreter():
 
 
 def test_row_limits_and_tiles():
-    from voltllm.kernels.quant_dot import (DOT_CONFIGS, DOT_CONFIGS_SM90, dot_max_rows, grouped_max_rows, pick_config,
-                                           split_k)
+    from voltllm.kernels.quant_dot import (DOT_CONFIGS, DOT_CONFIGS_SM90, dot_max_rows, dot_table, grouped_max_rows,
+                                           pick_config, split_k)
 
     assert dot_max_rows(None) == 0
     assert 4 < dot_max_rows((7, 0)) == dot_max_rows((7, 5)) < dot_max_rows((8, 0)) == dot_max_rows((9, 0))
@@ -27,9 +27,10 @@ def test_row_limits_and_tiles():
     assert pick_config(5)[0] == 16 and pick_config(17)[0] == 32
     assert pick_config(10_000) == DOT_CONFIGS[max(DOT_CONFIGS)]
     # sm_90+ takes its own table (the transposed form); older GPUs and the CPU the measured default
-    assert pick_config(17, (9, 0)) == DOT_CONFIGS_SM90[32] and pick_config(17, (8, 6)) == DOT_CONFIGS[32]
-    assert pick_config(17) == DOT_CONFIGS[32] and pick_config(64, (7, 0)) == DOT_CONFIGS[64]
-    assert pick_config(10_000, (9, 0)) == DOT_CONFIGS_SM90[max(DOT_CONFIGS_SM90)]
+    assert dot_table((9, 0)) is DOT_CONFIGS_SM90 and dot_table((10, 0)) is DOT_CONFIGS_SM90
+    assert dot_table((8, 6)) is dot_table((7, 0)) is dot_table(None) is DOT_CONFIGS
+    assert pick_config(17, DOT_CONFIGS_SM90) == DOT_CONFIGS_SM90[32] and pick_config(17) == DOT_CONFIGS[32]
+    assert pick_config(10_000, DOT_CONFIGS_SM90) == DOT_CONFIGS_SM90[max(DOT_CONFIGS_SM90)]
     assert sorted(DOT_CONFIGS_SM90) == sorted(DOT_CONFIGS)
     for rows, cfg in DOT_CONFIGS_SM90.items():
         assert cfg[0] <= rows and (len(cfg) == 5 or cfg[1] >= 64)  # W_FIRST with a 32-wide weight tile: slower

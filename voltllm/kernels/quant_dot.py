@@ -175,7 +175,8 @@ DOT_CONFIGS = {16: (16, 32, 4, 4, 2), 32: (32, 32, 4, 4, 2), 64: (64, 32, 4, 4, 
 # against DOT_CONFIGS' tile: 16 rows AWQ 21.6 / 36.8 / 62.7 vs 23.3 / 39.5 / 64.2; 32 rows AWQ 23.9 / 38.5 / 66.4 vs
 # 60.5 / 100.3 / 186.9 (Q4_K 30.2 / 52.7 / 86.5 vs 72.8 / 124.3 / 240.4); 64 rows AWQ 30.5 / 49.0 / 96.4 vs
 # 36.3 / 61.2 / 104.8 (Q4_K 36.9 / 61.6 / 121.4 vs 44.1 / 78.8 / 129.9). The transposed form with a 32-wide weight tile
-# is slower (64 rows 59.6 vs 36.3). Not measured on sm_80-89 or for the grouped MoE kernel: those keep DOT_CONFIGS.
+# is slower (64 rows 59.6 vs 36.3). Not measured on sm_80-89 or for the grouped MoE kernel: those keep DOT_CONFIGS, and
+# so does the compat route (it stands in for GPUs without the warpgroup MMA).
 DOT_CONFIGS_SM90 = {16: (16, 64, 4, 4, 2, True), 32: (32, 64, 4, 4, 2, True), 64: (64, 128, 4, 8, 2, True),
                     128: (64, 64, 4, 4, 2)}
 # average rows per expert up to which the grouped kernel beats dequantizing every active expert for cuBLAS: with
@@ -210,10 +211,20 @@ def grouped_max_rows(capability: Optional[tuple[int, int]]) -> int:
     return GROUPED_MAX_ROWS_TENSOR_CORES if capability >= (8, 0) else GROUPED_MAX_ROWS_FMA
 
 
-def pick_config(rows: int, capability: Optional[tuple[int, int]] = None) -> tuple:
-    """The tile for `rows` activation rows: the smallest row class that holds them (DOT_CONFIGS_SM90 on a GPU of
-    `capability` >= (9, 0), else DOT_CONFIGS)."""
-    table = DOT_CONFIGS_SM90 if capability is not None and capability >= (9, 0) else DOT_CONFIGS
+def dot_table(capability: Optional[tuple[int, int]]) -> dict:
+    """The dense layers' row-class tiles for a GPU of `capability` (None: the CPU, or the compat route standing in for
+    a GPU without the warpgroup MMA)."""
+    return DOT_CONFIGS_SM90 if capability is not None and tuple(capability) >= (9, 0) else DOT_CONFIGS
+
+
+def dot_config(rows: int, table: Optional[dict]) -> Optional[tuple]:
+    """`table`'s tile for `rows` rows, or None (quant_dot's default: the row classes of the activations' GPU)."""
+    return None if table is None else pick_config(rows, table)
+
+
+def pick_config(rows: int, table: Optional[dict] = None) -> tuple:
+    """The tile for `rows` activation rows: the smallest row class of `table` (default DOT_CONFIGS) that holds them."""
+    table = table or DOT_CONFIGS
     for limit, cfg in sorted(table.items()):
         if rows <= limit:
             return cfg
@@ -276,11 +287,11 @@ def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out:
               config: Optional[tuple[int, int, int, int, int]] = None, split: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
     which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages[, W_FIRST:
-    the product computed as (W x^T)^T]); split:
+    the product computed as (W x^T)^T]) (default: the row class of x's GPU, dot_table); split:
     parts of K (default: split_k's choice for this GPU)."""
     x, out = checked_operands(x, planes, out)
     m = x.shape[0]
-    config = config or pick_config(m, _capability(x.device))
+    config = config or pick_config(m, dot_table(_capability(x.device)))
     return _launch(x, planes, out, bias, m, planes.n, triton.cdiv(m, config[0]), None, 1, None, config, split)
 
 

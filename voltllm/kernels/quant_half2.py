@@ -509,14 +509,14 @@ DOT = "dot"  # the tiled dequant-GEMM (kernels/quant_dot.py): the 5-8 / 9-16-row
 
 
 def few_row_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                   config: Optional[tuple] = None) -> torch.Tensor:
+                   config: Optional[tuple] = None, dot_tiles: Optional[dict] = None) -> torch.Tensor:
     """The few-row product by the tile the tuner chose: this form's for a (HALF2 | HALF2_ROWS, ...) tile, the
-    tensor-core form's for an (MMA, ...) one, when the operands suit them; quant_dot for (DOT,); else
-    quant_gemv.quant_matmul (config None: its default tile)."""
+    tensor-core form's for an (MMA, ...) one, when the operands suit them; quant_dot for (DOT,) (its row classes
+    `dot_tiles`, kernels/quant_dot.dot_table); else quant_gemv.quant_matmul (config None: its default tile)."""
     if config is not None and config[0] == DOT:
-        from voltllm.kernels.quant_dot import quant_dot
+        from voltllm.kernels.quant_dot import dot_config, quant_dot
 
-        return quant_dot(x, planes, bias, out=out)
+        return quant_dot(x, planes, bias, out=out, config=dot_config(x.shape[0], dot_tiles))
     if config is not None and config[0] in (HALF2, HALF2_ROWS, MMA):
         if operands_ok(x, planes, out):
             if config[0] == MMA:
