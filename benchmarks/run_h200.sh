@@ -1530,14 +1530,20 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
-  s133)  # (for session 46) quant_dot's sm_90 table (the transposed form, DOT_CONFIGS_SM90): the quantized GPU files,
-         # then s132's engine runs (0.6B-shape AWQ / NVFP4 at 64 concurrent; before, at 8ef347a: AWQ native 18,137
-         # output tok/s, TPOT 2.41 ms); s132 alone if the files leave too little of the call
+  s133)  # (for session 46) quant_dot's sm_90 table (the transposed form, DOT_CONFIGS_SM90): the grouped MoE kernel's
+         # tiles (micro --moe; the engine still takes DOT_CONFIGS' there), the quant_dot GPU file, then s132's engine
+         # runs (0.6B-shape AWQ / NVFP4 at 64 concurrent; before, at 8ef347a: AWQ native 18,137 output tok/s, TPOT
+         # 2.41 ms); s134 the other quantized GPU files
     t0=$SECONDS
+    PYTHONPATH=$PWD:$PWD/benchmarks/micro timeout 100 python3 benchmarks/micro/quant_dot_wfirst.py --moe 2>&1 \
+      | grep -v -i warn | tee "$out/quant-dot-wfirst-moe-$sha.txt"
     gpu_file test_quant_dot_cuda 150 -n 3
-    gpu_file test_quant_half2_cuda 120 -n 3
-    gpu_file test_quant_checkpoints_cuda 150 -n 3
-    (( SECONDS - t0 < 330 )) && bash "$0" s132 "$sha"
+    (( SECONDS - t0 < 300 )) && bash "$0" s132 "$sha"
+    ;;
+  s134)  # (for session 46) the other quantized GPU files after quant_dot's sm_90 table
+    gpu_file test_quant_half2_cuda 200 -n 3
+    gpu_file test_quant_checkpoints_cuda 200 -n 3
+    gpu_file test_gguf_quant_cuda 150 -n 3
     ;;
   s132)  # (session 45) compiles inside requests on quantized checkpoints kept quantized (random AWQ g128 / NVFP4 codes
          # at the 0.6B shape): 64 concurrent, mixed lengths, 1 cold + 2 warm; AWQ native and --compat sm70, NVFP4 native

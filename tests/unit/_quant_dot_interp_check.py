@@ -88,8 +88,13 @@ def _check_moe_sorted(gen) -> bool:
                          split=2)  # and K in two parts
     ref2 = torch.stack([weights[q] * (xp[q].float() @ w[ex * rows:(ex + 1) * rows].T) for q, ex in enumerate(flat)])
     err2 = rel(out2, ref2)
-    ok = err < 2e-3 and err2 < 2e-3 and not torch.isnan(out).any()
-    print(f"CHECK MOE-sorted {'ok' if ok else 'FAIL'} rel {err:.2e} / weighted {err2:.2e}", flush=True)
+    # the transposed form with a tile wider than an expert's 40 rows (the tail masked per expert block)
+    out3 = quant_moe_dot(xp, p, rows, sorted_ids, block_expert, num_padded, pairs, 1, 16, row_weights=weights,
+                         tile=(64, 4, 4, 1, True), out=torch.full((pairs, rows), float("nan"), dtype=torch.float16))
+    err3 = rel(out3, ref2)
+    ok = err < 2e-3 and err2 < 2e-3 and err3 < 2e-3 and not torch.isnan(out).any() and not torch.isnan(out3).any()
+    print(f"CHECK MOE-sorted {'ok' if ok else 'FAIL'} rel {err:.2e} / weighted {err2:.2e} / transposed {err3:.2e}",
+          flush=True)
     return ok
 
 

@@ -298,12 +298,12 @@ def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out:
 def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: torch.Tensor,
                   block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, top_k: int, block_m: int,
                   row_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                  split: Optional[int] = None) -> torch.Tensor:
+                  split: Optional[int] = None, tile: Optional[tuple] = None) -> torch.Tensor:
     """Grouped MoE product over a weight stacked by expert (expert e: rows [e * rows_per_expert, (e + 1) *
     rows_per_expert) of `planes`), for pairs sorted by kernels/moe.moe_align(ids, E, block_m): out[p] =
     x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert]."""
     x, out = checked_expert_operands(x, planes, rows_per_expert, num_pairs, out)
-    _, block_n, units, warps, stages = pick_config(block_m)  # DOT_CONFIGS: the tiles measured for the grouped form
-    config = (block_m, block_n, units, warps, stages)
+    # tile: (BLOCK_N, U, num_warps, num_stages[, W_FIRST]); default DOT_CONFIGS', the tiles measured for this form
+    config = (block_m,) + tuple(tile or pick_config(block_m)[1:])
     return _launch(x, planes, out, None, num_pairs, rows_per_expert, block_expert.numel(),
                    (sorted_ids, block_expert, num_padded), top_k, row_weights, config, split)

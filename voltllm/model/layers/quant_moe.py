@@ -120,7 +120,10 @@ class QuantExperts:
         y = quant_moe_matmul(act, self.w2, self.hidden, pair_rows, experts)
         return (y.view(t, k, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 tile: Optional[tuple] = None) -> torch.Tensor:
+        """tile: quant_moe_dot's (BLOCK_N, U, num_warps, num_stages[, W_FIRST]) for both projections (default: the
+        row class's)."""
         from voltllm.kernels.moe import moe_align
         from voltllm.kernels.quant_dot import pick_config, quant_moe_dot
 
@@ -128,7 +131,7 @@ class QuantExperts:
         pairs = t * k
         block_m = pick_config(-(-pairs // self.num_experts))[0]  # a row block ~ the pairs of an active expert
         order = moe_align(ids, self.num_experts, block_m)
-        act = silu_and_mul(quant_moe_dot(x, self.w13, 2 * self.inter, *order, pairs, k, block_m))
+        act = silu_and_mul(quant_moe_dot(x, self.w13, 2 * self.inter, *order, pairs, k, block_m, tile=tile))
         y = quant_moe_dot(act, self.w2, self.hidden, *order, pairs, 1, block_m,
-                          row_weights=weights.reshape(-1).to(torch.float32).contiguous())
+                          row_weights=weights.reshape(-1).to(torch.float32).contiguous(), tile=tile)
         return y.view(t, k, -1).sum(dim=1)
