@@ -26,9 +26,10 @@ def test_row_limits_and_tiles():
     assert split_k(10, 128, 4, __import__("torch").device("cpu")) == 1  # no multiprocessors to fill off the GPU
     assert pick_config(5)[0] == 16 and pick_config(17)[0] == 32
     assert pick_config(10_000) == DOT_CONFIGS[max(DOT_CONFIGS)]
-    # sm_90+ takes its own table (the transposed form); older GPUs and the CPU the measured default
-    assert dot_table((9, 0)) is DOT_CONFIGS_SM90 and dot_table((10, 0)) is DOT_CONFIGS_SM90
-    assert dot_table((8, 6)) is dot_table((7, 0)) is dot_table(None) is DOT_CONFIGS
+    # sm_90 takes its own table (the transposed form); other GPUs and the CPU the measured default
+    assert dot_table((9, 0)) is DOT_CONFIGS_SM90
+    assert dot_table((8, 6)) is dot_table((7, 0)) is dot_table((10, 0)) is dot_table((12, 0)) is dot_table(None) \
+        is DOT_CONFIGS
     assert pick_config(17, DOT_CONFIGS_SM90) == DOT_CONFIGS_SM90[32] and pick_config(17) == DOT_CONFIGS[32]
     assert pick_config(10_000, DOT_CONFIGS_SM90) == DOT_CONFIGS_SM90[max(DOT_CONFIGS_SM90)]
     assert sorted(DOT_CONFIGS_SM90) == sorted(DOT_CONFIGS)

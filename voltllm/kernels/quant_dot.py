@@ -169,7 +169,7 @@ register_kernel("quant.dot", _quant_dot_kernel, _specs())
 # (BLOCK_M, BLOCK_N, U, num_warps, num_stages) by row count: the largest row class at or above the batch's rows
 # (rows past the largest run in further row blocks, each dequantizing the weight again)
 DOT_CONFIGS = {16: (16, 32, 4, 4, 2), 32: (32, 32, 4, 4, 2), 64: (64, 32, 4, 4, 2), 128: (64, 64, 4, 4, 2)}
-# sm_90+ dense layers: the transposed form (W_FIRST, a sixth field) with 64-128-wide weight tiles, whose dequantized
+# sm_90 dense layers: the transposed form (W_FIRST, a sixth field) with 64-128-wide weight tiles, whose dequantized
 # tile the warpgroup MMA takes from registers. H200, cold L2, split K by split_k, AWQ g128 / Q4_K at the 8B's 6144x4096,
 # 4096x12288, 24576x4096 (benchmarks/micro/quant_dot_wfirst.py, results/session45/quant-dot-wfirst-68ab0f9.txt), us
 # against DOT_CONFIGS' tile: 16 rows AWQ 21.6 / 36.8 / 62.7 vs 23.3 / 39.5 / 64.2; 32 rows AWQ 23.9 / 38.5 / 66.4 vs
@@ -213,8 +213,9 @@ def grouped_max_rows(capability: Optional[tuple[int, int]]) -> int:
 
 def dot_table(capability: Optional[tuple[int, int]]) -> dict:
     """The dense layers' row-class tiles for a GPU of `capability` (None: the CPU, or the compat route standing in for
-    a GPU without the warpgroup MMA)."""
-    return DOT_CONFIGS_SM90 if capability is not None and tuple(capability) >= (9, 0) else DOT_CONFIGS
+    a GPU without the warpgroup MMA). The sm_90 table only on sm_90 (Hopper), where it was measured: sm_100 / sm_120
+    have no warpgroup MMA."""
+    return DOT_CONFIGS_SM90 if capability is not None and tuple(capability)[0] == 9 else DOT_CONFIGS
 
 
 def dot_config(rows: int, table: Optional[dict]) -> Optional[tuple]:

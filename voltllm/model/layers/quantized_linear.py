@@ -14,7 +14,7 @@ The product, by row count (M):
   verification of K + 1 <= 16 rows);
 - up to `dot_max_rows` rows (decode batches): the tiled dequant-GEMM (kernels.quant_dot), which dequantizes each
   weight tile in registers once per block of rows and multiplies with `tl.dot` (tensor cores from sm_80 on, FMAs
-  below, hence a lower limit there: kernels.quant_dot.dot_max_rows; its tiles by row class `dot_tiles`, on sm_90+ off
+  below, hence a lower limit there: kernels.quant_dot.dot_max_rows; its tiles by row class `dot_tiles`, on sm_90 off
   the compat route the transposed form's: kernels.quant_dot.dot_table);
 - more rows (prompt steps, large decode batches): the weight is dequantized into a workspace and cuBLAS multiplies
   (fp16 tensor cores on every route; one weight at a time, reused through the caching allocator).
