@@ -285,7 +285,7 @@ def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights,
 
 
 def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-              config: Optional[tuple[int, int, int, int, int]] = None, split: Optional[int] = None) -> torch.Tensor:
+              config: Optional[tuple] = None, split: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous) times the quantized W [N, K]^T (+ bias) -> [M, N] in x's dtype (into `out`,
     which may be a column slice of a wider output). config: (BLOCK_M, BLOCK_N, U, num_warps, num_stages[, W_FIRST:
     the product computed as (W x^T)^T]) (default: the row class of x's GPU, dot_table); split:
