@@ -203,11 +203,12 @@ def check_against_reference(ref: MTPReference, seen: list, fulls: dict, k: int, 
     return checked
 
 
-def make_mtp_target(tmp_path_factory: Any, kind: str, **kw: Any) -> tuple[str, dict] | None:
-    """A tiny hybrid `kind` with MTP weights: (path, the added tensors), None if transformers lacks the kind."""
+def make_mtp_target(tmp_path_factory: Any, kind: str, model: dict | None = None, **kw: Any) -> tuple[str, dict] | None:
+    """A tiny hybrid `kind` (config overrides `model`) with MTP weights: (path, the added tensors), None if
+    transformers lacks the kind."""
     from tiny_models import make_tiny_hybrid
 
-    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(f"mtp-{kind}")), kind, seed=0, gen_seed=1)
+    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(f"mtp-{kind}")), kind, seed=0, gen_seed=1, **(model or {}))
     if path is None:
         return None
     return path, add_mtp_weights(path, **kw)

@@ -14,7 +14,7 @@ import pytest
 from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
 from graph_stand_ins import PaddedDecodeGraphs
 from spec_oracle import PlainRuns, oracle_table, patch_dflash, patch_draft_model, patch_ngram, run_checked
-from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid
+from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid, small_moe
 from voltllm import LLM, SamplingParams
 
 KINDS = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
@@ -27,7 +27,7 @@ BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True)
 
 
 def _make(tmp_path_factory, kind):
-    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(kind)), kind, seed=0, gen_seed=1)
+    path = make_tiny_hybrid(str(tmp_path_factory.mktemp(kind)), kind, seed=0, gen_seed=1, **small_moe(kind))
     if path is None:
         pytest.skip(f"this transformers has no {kind}")
     return path

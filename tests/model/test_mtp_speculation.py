@@ -17,7 +17,7 @@ import pytest
 from mtp_models import (MTPReference, add_mtp_weights, check_against_reference, make_mtp_target, record_draft_logits,
                         record_drafts)
 from spec_oracle import PlainRuns, run_checked
-from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
+from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid, small_moe
 from voltllm import LLM, SamplingParams
 from voltllm.config import ConfigError
 
@@ -33,7 +33,7 @@ def _mtp(k):
 
 
 def _make(tmp_path_factory, kind, **kw):
-    made = make_mtp_target(tmp_path_factory, kind, **kw)
+    made = make_mtp_target(tmp_path_factory, kind, model=small_moe(kind), **kw)
     if made is None:
         pytest.skip(f"this transformers has no {kind}")
     return made

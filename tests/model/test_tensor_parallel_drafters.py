@@ -13,7 +13,7 @@ import pytest
 from dflash_models import check_block_logits, make_dflash, record_block_logits
 from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
 from spec_oracle import PlainRuns, oracle_table, patch_dflash, run_checked
-from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid
+from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid, small_moe
 from voltllm import LLM, SamplingParams
 
 _rng = random.Random(3)
@@ -25,7 +25,7 @@ K = 3
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])  # dense MLP; sparse MoE (with a shared expert)
 def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind):
-    made = make_mtp_target(tmp_path_factory, kind)
+    made = make_mtp_target(tmp_path_factory, kind, model=small_moe(kind))
     if made is None:
         pytest.skip(f"this transformers has no {kind}")
     path, mtp = made
