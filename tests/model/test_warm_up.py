@@ -5,7 +5,7 @@ tests/unit/_fp8_kv_interp_check.py (compat_warm_up_mixed_step)."""
 import pytest
 import torch
 
-from tiny_models import make_model, make_tiny_hybrid
+from tiny_models import make_model, make_tiny_hybrid, small_moe
 from voltllm.config import EngineArgs
 from voltllm.worker.warm_up import WARM_UP_QUERY_LENS, mixed_step_forward, mixed_step_metadata
 
@@ -31,7 +31,8 @@ def test_metadata_is_a_decode_row_and_two_unequal_prompts_storing_nothing():
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5_moe"])
 def test_warm_up_forward_runs_and_stores_nothing(tmp_path, kind):
-    path = make_model(str(tmp_path), "qwen3") if kind == "qwen3" else make_tiny_hybrid(str(tmp_path), kind, 3, 4)
+    path = (make_model(str(tmp_path), "qwen3") if kind == "qwen3"
+            else make_tiny_hybrid(str(tmp_path), kind, 3, 4, **small_moe(kind)))
     if path is None:
         pytest.skip(f"this transformers has no {kind}")
     runner = _runner(path)

@@ -263,7 +263,7 @@ def test_hybrid_prefill_template_counts_gdn_decode_calls(tmp_path):
 def test_moe_route_predicted_and_counted(tiny_dir, fake_v100, tmp_path):
     """Sparse-MoE models get a `moe` route (expected on a GPU, the Triton router + expert kernels); dense ones
     none. Its counter is the router launcher, hooked process-wide like the GDN launchers."""
-    from tiny_models import make_tiny_hybrid
+    from tiny_models import make_tiny_hybrid, small_moe
     from voltllm import LLM
     from voltllm.bench.shapes import make_config
     from voltllm.kernels import moe_decode
@@ -277,7 +277,7 @@ def test_moe_route_predicted_and_counted(tiny_dir, fake_v100, tmp_path):
     assert require_acceleration(moe_cfg)["ok"]
     acceleration.install_global_hooks()
     assert getattr(moe_decode.moe_route, "_voltllm_counted", False)
-    path = make_tiny_hybrid(str(tmp_path), "qwen3_5_moe", 702, 703)
+    path = make_tiny_hybrid(str(tmp_path), "qwen3_5_moe", 702, 703, **small_moe("qwen3_5_moe"))
     if path is None:
         pytest.skip("qwen3_5_moe not in this transformers")
     runner = LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none").engine.runner
