@@ -185,15 +185,22 @@ def test_blocks_hold_both_caches(models):
     """A KV block's bytes are the target's plus the draft's, so fewer blocks fit the same memory (here the CPU's
     cache bytes, with --max-num-seqs high enough not to cap the count), and the draft's cache has the target's
     blocks."""
+    import gc
+
     target = models["self"]
     kw = dict(block_size=4, max_num_seqs=8192)
     plain = LLM(target, **kw).engine
+    block_bytes, num_blocks = plain.runner.kv_block_bytes(), plain.kv.num_blocks
+    del plain  # each engine's cache fills the CPU budget (2 GiB): one alive at a time
+    gc.collect()
     for draft, layers in (("self", 3), ("other", 1)):
         engine = LLM(target, speculative_config=_spec(models[draft]), **kw).engine
-        assert engine.runner.kv_block_bytes() == plain.runner.kv_block_bytes() * (3 + layers) // 3
-        assert abs(engine.kv.num_blocks - plain.kv.num_blocks * 3 / (3 + layers)) <= 1
+        assert engine.runner.kv_block_bytes() == block_bytes * (3 + layers) // 3
+        assert abs(engine.kv.num_blocks - num_blocks * 3 / (3 + layers)) <= 1
         caches = engine.runner.draft.kv_caches
         assert len(caches) == layers and caches[0].shape == engine.runner.kv_caches[0].shape
+        del engine, caches
+        gc.collect()
 
 
 @pytest.mark.parametrize("max_num_seqs", [8, 4])
