@@ -219,11 +219,6 @@ def dot_table(capability: Optional[tuple[int, int]]) -> dict:
     return DOT_CONFIGS_SM90 if capability is not None and tuple(capability)[0] == 9 else DOT_CONFIGS
 
 
-def dot_config(rows: int, table: Optional[dict]) -> Optional[tuple]:
-    """`table`'s tile for `rows` rows, or None (quant_dot's default: the row classes of the activations' GPU)."""
-    return None if table is None else pick_config(rows, table)
-
-
 def pick_config(rows: int, table: Optional[dict] = None) -> tuple:
     """The tile for `rows` activation rows: the smallest row class of `table` (default DOT_CONFIGS) that holds them."""
     table = table or DOT_CONFIGS

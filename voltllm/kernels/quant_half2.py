@@ -514,9 +514,9 @@ def few_row_matmul(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None,
     tensor-core form's for an (MMA, ...) one, when the operands suit them; quant_dot for (DOT,) (its row classes
     `dot_tiles`, kernels/quant_dot.dot_table); else quant_gemv.quant_matmul (config None: its default tile)."""
     if config is not None and config[0] == DOT:
-        from voltllm.kernels.quant_dot import dot_config, quant_dot
+        from voltllm.kernels.quant_dot import pick_config, quant_dot
 
-        return quant_dot(x, planes, bias, out=out, config=dot_config(x.shape[0], dot_tiles))
+        return quant_dot(x, planes, bias, out=out, config=pick_config(x.shape[0], dot_tiles))
     if config is not None and config[0] in (HALF2, HALF2_ROWS, MMA):
         if operands_ok(x, planes, out):
             if config[0] == MMA:

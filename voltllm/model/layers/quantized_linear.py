@@ -208,8 +208,8 @@ class QuantizedLinearMethod(LinearMethod):
     def __init__(self, dot_max_rows: int = 0, dot_tiles: Optional[dict] = None):
         self.fma_max_rows = FMA_MAX_ROWS
         self.dot_max_rows = dot_max_rows  # 0: no tiled dequant-GEMM (the CPU)
-        self.dot_tiles = dot_tiles  # the tiled dequant-GEMM's row classes (kernels/quant_dot.dot_table; None: those of
-        # the GPU the activations are on)
+        self.dot_tiles = dot_tiles  # the tiled dequant-GEMM's row classes (kernels/quant_dot.dot_table; None:
+        # DOT_CONFIGS)
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
         # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, row_class) -> config,
         # (BLOCK_N, U, num_warps) of quant_gemv's fp32 form, (HALF2 | HALF2_ROWS, BLOCK_N, U, num_warps) of
@@ -265,9 +265,9 @@ class QuantizedLinearMethod(LinearMethod):
 
                 return few_row_matmul(x, w, bias, out=out, config=tile, dot_tiles=self.dot_tiles)
             if x.is_cuda and rows <= self.dot_max_rows:
-                from voltllm.kernels.quant_dot import dot_config, quant_dot
+                from voltllm.kernels.quant_dot import pick_config, quant_dot
 
-                return quant_dot(x, w, bias, out=out, config=dot_config(rows, self.dot_tiles))
+                return quant_dot(x, w, bias, out=out, config=pick_config(rows, self.dot_tiles))
             step = max(1, self.workspace_max_bytes // (w.k * x.element_size()))
             if w.n > step:  # a vocabulary-sized matrix: dequantize a band of rows at a time
                 if out is None:
