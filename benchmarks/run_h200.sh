@@ -1540,6 +1540,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_quant_dot_cuda 150 -n 3
     (( SECONDS - t0 < 300 )) && bash "$0" s132 "$sha"
     ;;
+  s135)  # (session 46) the grouped MoE kernel's sm_90 table (MOE_CONFIGS_SM90): the tiles at 64-2048 tokens, then the
+         # quantized-MoE GPU tests through it
+    PYTHONPATH=$PWD:$PWD/benchmarks/micro timeout 150 python3 benchmarks/micro/quant_dot_wfirst.py --moe 2>&1 \
+      | grep -v -i warn | tee "$out/quant-dot-wfirst-moe-$sha.txt"
+    gpu_file test_quant_dot_cuda 150 -n 3
+    gpu_file test_quant_checkpoints_cuda 150 -n 3 -k moe
+    gpu_file test_nvfp4_cuda 150 -n 3 -k moe
+    ;;
   s134)  # (for session 46) the other quantized GPU files after quant_dot's sm_90 table
     gpu_file test_quant_half2_cuda 200 -n 3
     gpu_file test_quant_checkpoints_cuda 200 -n 3

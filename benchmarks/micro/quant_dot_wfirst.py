@@ -28,7 +28,8 @@ CANDIDATES = {
 
 
 # quant_moe_dot tiles (BLOCK_N, U, num_warps, num_stages[, W_FIRST]); None: the default (DOT_CONFIGS')
-MOE_TILES = [None, (64, 4, 4, 2, True), (128, 4, 8, 2, True), (64, 4, 4, 3, True)]
+MOE_TILES = [None, (64, 4, 4, 2, True), (128, 4, 8, 2, True), (64, 4, 4, 3, True), (128, 4, 8, 3, True),
+             (64, 4, 8, 3, True)]
 
 
 def moe_part():
@@ -42,7 +43,7 @@ def moe_part():
         qe.w13 = random_planes("AWQ_G128", e * 2 * inter, h, g)
         qe.w2 = random_planes("AWQ_G128", e * h, inter, g)
         layers.append(qe)
-    for t in (4, 16, 64, 256, 512):
+    for t in (64, 256, 512, 1024, 2048):  # up to 16 tokens the engine takes per-pair launches instead
         x = torch.randn(t, h, dtype=torch.float16, device="cuda")
         ids = torch.stack([torch.randperm(e, device="cuda")[:top_k] for _ in range(t)]).to(torch.int32)
         wts = torch.softmax(torch.randn(t, top_k, device="cuda"), -1)

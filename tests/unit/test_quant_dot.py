@@ -15,8 +15,8 @@ def test_kernel_under_interpreter():
 
 
 def test_row_limits_and_tiles():
-    from voltllm.kernels.quant_dot import (DOT_CONFIGS, DOT_CONFIGS_SM90, dot_max_rows, dot_table, grouped_max_rows,
-                                           pick_config, split_k)
+    from voltllm.kernels.quant_dot import (DOT_CONFIGS, DOT_CONFIGS_SM90, MOE_CONFIGS_SM90, dot_max_rows, dot_table,
+                                           grouped_max_rows, moe_table, pick_config, split_k)
 
     assert dot_max_rows(None) == 0
     assert 4 < dot_max_rows((7, 0)) == dot_max_rows((7, 5)) < dot_max_rows((8, 0)) == dot_max_rows((9, 0))
@@ -33,6 +33,10 @@ def test_row_limits_and_tiles():
     assert pick_config(17, DOT_CONFIGS_SM90) == DOT_CONFIGS_SM90[32] and pick_config(17) == DOT_CONFIGS[32]
     assert pick_config(10_000, DOT_CONFIGS_SM90) == DOT_CONFIGS_SM90[max(DOT_CONFIGS_SM90)]
     assert sorted(DOT_CONFIGS_SM90) == sorted(DOT_CONFIGS)
+    # the grouped MoE kernel: its own sm_90 table, the same row blocks per class (moe_align sorts by block_m)
+    assert moe_table((9, 0)) is MOE_CONFIGS_SM90
+    assert moe_table((8, 0)) is moe_table((7, 0)) is moe_table((10, 0)) is moe_table(None) is DOT_CONFIGS
+    assert {r: c[0] for r, c in MOE_CONFIGS_SM90.items()} == {r: c[0] for r, c in DOT_CONFIGS.items()}
     for rows, cfg in DOT_CONFIGS_SM90.items():
         assert cfg[0] <= rows and (len(cfg) == 5 or cfg[1] >= 64)  # W_FIRST with a 32-wide weight tile: slower
     for rows, (block_m, block_n, units, warps, stages) in DOT_CONFIGS.items():

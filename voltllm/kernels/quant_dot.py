@@ -176,10 +176,16 @@ DOT_CONFIGS = {16: (16, 32, 4, 4, 2), 32: (32, 32, 4, 4, 2), 64: (64, 32, 4, 4, 
 # against DOT_CONFIGS' tile: 16 rows AWQ 21.6 / 36.8 / 62.7 vs 23.3 / 39.5 / 64.2; 32 rows AWQ 23.9 / 38.5 / 66.4 vs
 # 60.5 / 100.3 / 186.9 (Q4_K 30.2 / 52.7 / 86.5 vs 72.8 / 124.3 / 240.4); 64 rows AWQ 30.5 / 49.0 / 96.4 vs
 # 36.3 / 61.2 / 104.8 (Q4_K 36.9 / 61.6 / 121.4 vs 44.1 / 78.8 / 129.9). The transposed form with a 32-wide weight tile
-# is slower (64 rows 59.6 vs 36.3). Not measured on sm_80-89 or for the grouped MoE kernel: those keep DOT_CONFIGS, and
-# so does the compat route (it stands in for GPUs without the warpgroup MMA).
+# is slower (64 rows 59.6 vs 36.3). Not measured on sm_80-89: those keep DOT_CONFIGS, and so does the compat route (it
+# stands in for GPUs without the warpgroup MMA).
 DOT_CONFIGS_SM90 = {16: (16, 64, 4, 4, 2, True), 32: (32, 64, 4, 4, 2, True), 64: (64, 128, 4, 8, 2, True),
                     128: (64, 64, 4, 4, 2)}
+# sm_90 grouped MoE kernel (quant_moe_dot), by average rows per expert: the transposed form with a 64-wide weight tile.
+# H200, one 30B-A3B layer (E 128, I 768, H 2048, top 8) at AWQ g128, both projections, cold L2
+# (quant_dot_wfirst.py --moe, results/session46/quant-dot-wfirst-moe-f270692.txt), us against DOT_CONFIGS' tile:
+# 64 tokens (4 rows per expert) 293.8 vs 329.0, 256 tokens (16) 438.2 vs 492.7, 512 tokens (32) 559.4 vs 1614.0
+MOE_CONFIGS_SM90 = {16: (16, 64, 4, 4, 3, True), 32: (32, 64, 4, 4, 3, True), 64: (64, 64, 4, 4, 3, True),
+                    128: (64, 64, 4, 4, 3, True)}
 # average rows per expert up to which the grouped kernel beats dequantizing every active expert for cuBLAS: with
 # tensor-core `tl.dot` (sm_80+) the H200 sweep's 30B-A3B layer (grouped ~1 ms per 1,000 pairs against a ~26 ms
 # dequantize + cuBLAS pass) breaks even near 200 rows per expert; with FMA `tl.dot` (sm_70 / sm_75) estimated from
@@ -217,6 +223,11 @@ def dot_table(capability: Optional[tuple[int, int]]) -> dict:
     a GPU without the warpgroup MMA). The sm_90 table only on sm_90 (Hopper), where it was measured: sm_100 / sm_120
     have no warpgroup MMA."""
     return DOT_CONFIGS_SM90 if capability is not None and tuple(capability)[0] == 9 else DOT_CONFIGS
+
+
+def moe_table(capability: Optional[tuple[int, int]]) -> dict:
+    """The grouped MoE kernel's tiles by average rows per expert, as dot_table: sm_90's own table only on sm_90."""
+    return MOE_CONFIGS_SM90 if capability is not None and tuple(capability)[0] == 9 else DOT_CONFIGS
 
 
 def pick_config(rows: int, table: Optional[dict] = None) -> tuple:
@@ -300,7 +311,7 @@ def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: tor
     rows_per_expert) of `planes`), for pairs sorted by kernels/moe.moe_align(ids, E, block_m): out[p] =
     x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert]."""
     x, out = checked_expert_operands(x, planes, rows_per_expert, num_pairs, out)
-    # tile: (BLOCK_N, U, num_warps, num_stages[, W_FIRST]); default DOT_CONFIGS', the tiles measured for this form
+    # tile: (BLOCK_N, U, num_warps, num_stages[, W_FIRST]) (default DOT_CONFIGS' for block_m)
     config = (block_m,) + tuple(tile or pick_config(block_m)[1:])
     return _launch(x, planes, out, None, num_pairs, rows_per_expert, block_expert.numel(),
                    (sorted_ids, block_expert, num_padded), top_k, row_weights, config, split)

@@ -116,7 +116,8 @@ class SparseMoE(nn.Module):
             from voltllm.model.layers.quant_moe import QuantExperts
 
             self.w13 = self.w2 = None
-            self.qexperts = QuantExperts(num_experts, moe_inter, hidden, torch.empty(0).device, dtype)
+            self.qexperts = QuantExperts(num_experts, moe_inter, hidden, torch.empty(0).device, dtype,
+                                         getattr(linear_method, "moe_tiles", None))
         else:
             self._allocate_dense(torch.empty(0).device)
         self.shared_expert: Optional[SharedExpertMLP] = None

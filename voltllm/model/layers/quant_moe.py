@@ -35,8 +35,12 @@ PAIR_LAUNCH_MAX_TOKENS = 16
 class QuantExperts:
     """Quantized routed experts of one SparseMoE layer (see the module docstring)."""
 
-    def __init__(self, num_experts: int, inter: int, hidden: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, num_experts: int, inter: int, hidden: int, device: torch.device, dtype: torch.dtype,
+                 tiles: Optional[dict] = None):
+        """tiles: the grouped kernel's configs by average rows per expert (kernels/quant_dot.moe_table; None:
+        DOT_CONFIGS)."""
         self.num_experts, self.inter, self.hidden = num_experts, inter, hidden
+        self.tiles = tiles
         self.device, self.dtype = device, dtype
         self.parts: dict[tuple[int, str], Union[Planes, torch.Tensor]] = {}
         self.w13: Optional[Planes] = None
@@ -123,13 +127,14 @@ class QuantExperts:
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  tile: Optional[tuple] = None) -> torch.Tensor:
         """tile: quant_moe_dot's (BLOCK_N, U, num_warps, num_stages[, W_FIRST]) for both projections (default: the
-        row class's)."""
+        row class's in self.tiles)."""
         from voltllm.kernels.moe import moe_align
         from voltllm.kernels.quant_dot import pick_config, quant_moe_dot
 
         t, k = ids.shape
         pairs = t * k
-        block_m = pick_config(-(-pairs // self.num_experts))[0]  # a row block ~ the pairs of an active expert
+        config = pick_config(-(-pairs // self.num_experts), self.tiles)  # a row block ~ the pairs of an active expert
+        block_m, tile = config[0], tile or config[1:]
         order = moe_align(ids, self.num_experts, block_m)
         act = silu_and_mul(quant_moe_dot(x, self.w13, 2 * self.inter, *order, pairs, k, block_m, tile=tile))
         y = quant_moe_dot(act, self.w2, self.hidden, *order, pairs, 1, block_m,

@@ -205,11 +205,12 @@ class Segment:
 class QuantizedLinearMethod(LinearMethod):
     """The same forms on both routes: the dequant-GEMM needs no tensor cores, cuBLAS uses SM70's."""
 
-    def __init__(self, dot_max_rows: int = 0, dot_tiles: Optional[dict] = None):
+    def __init__(self, dot_max_rows: int = 0, dot_tiles: Optional[dict] = None, moe_tiles: Optional[dict] = None):
         self.fma_max_rows = FMA_MAX_ROWS
         self.dot_max_rows = dot_max_rows  # 0: no tiled dequant-GEMM (the CPU)
         self.dot_tiles = dot_tiles  # the tiled dequant-GEMM's row classes (kernels/quant_dot.dot_table; None:
         # DOT_CONFIGS)
+        self.moe_tiles = moe_tiles  # the same for the grouped MoE kernel of quantized experts (quant_dot.moe_table)
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
         # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, row_class) -> config,
         # (BLOCK_N, U, num_warps) of quant_gemv's fp32 form, (HALF2 | HALF2_ROWS, BLOCK_N, U, num_warps) of
