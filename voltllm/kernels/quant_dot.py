@@ -182,8 +182,10 @@ DOT_CONFIGS_SM90 = {16: (16, 64, 4, 4, 2, True), 32: (32, 64, 4, 4, 2, True), 64
                     128: (64, 64, 4, 4, 2)}
 # sm_90 grouped MoE kernel (quant_moe_dot), by average rows per expert: the transposed form with a 64-wide weight tile.
 # H200, one 30B-A3B layer (E 128, I 768, H 2048, top 8) at AWQ g128, both projections, cold L2
-# (quant_dot_wfirst.py --moe, results/session46/quant-dot-wfirst-moe-f270692.txt), us against DOT_CONFIGS' tile:
-# 64 tokens (4 rows per expert) 293.8 vs 329.0, 256 tokens (16) 438.2 vs 492.7, 512 tokens (32) 559.4 vs 1614.0
+# (quant_dot_wfirst.py --moe), us against DOT_CONFIGS' tile:
+# 64 tokens (4 rows per expert) 285.4 vs 322.2, 256 (16) 447.5 vs 501.0, 512 (32) 566.0 vs 1604.6, 1024 (64) 769.1 vs
+# 979.2, 2048 (128) 1161.6 vs 1211.5 (results/session46/quant-dot-wfirst-moe-12f81f4.txt; (64, 4, 4, 2) is 1-8% and
+# (128, 4, 8, 2 / 3) 5-20% slower)
 MOE_CONFIGS_SM90 = {16: (16, 64, 4, 4, 3, True), 32: (32, 64, 4, 4, 3, True), 64: (64, 64, 4, 4, 3, True),
                     128: (64, 64, 4, 4, 3, True)}
 # average rows per expert up to which the grouped kernel beats dequantizing every active expert for cuBLAS: with
