@@ -8,7 +8,8 @@ as plain [*, 32] tiles, dequantize to the same exact fp32 values as every other 
 dtype and go into two `tl.dot`s of K 32 (fp32 accumulators). The weight is read once per BLOCK_M rows at its
 quantized size. A grid with too few tiles for the GPU splits K (fp32 partial sums added afterwards in a fixed order:
 deterministic). W_FIRST computes the product transposed, (W x^T)^T, so the dequantized tile is the MMA's first
-operand; with 64-128-wide weight tiles that is sm_90's table (DOT_CONFIGS_SM90, measured session 45).
+operand; with 64-128-wide weight tiles that is sm_90's tables (DOT_CONFIGS_SM90, measured session 45; the grouped
+MoE kernel's MOE_CONFIGS_SM90, session 46).
 
 SORTED mode serves MoE experts stacked by expert in one Planes (layers/quant_moe.py): the (token, expert) pairs
 sorted by expert and padded per expert to BLOCK_M (kernels/moe.moe_align), so each row block belongs to one expert,
