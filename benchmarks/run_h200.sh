@@ -1540,6 +1540,19 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_quant_dot_cuda 150 -n 3
     (( SECONDS - t0 < 300 )) && bash "$0" s132 "$sha"
     ;;
+  s136)  # (session 46) the compat route dispatching with the V100's quantized row limits (platform.route_capability):
+         # the compat quantized GPU tests, then AWQ compat at 64 concurrent (compiles inside runs)
+    gpu_file test_quant_checkpoints_cuda 100 -n 3 -k "compat or moe"
+    gpu_file test_quant_hybrids_cuda 100 -n 3 -k compat
+    mkdir -p /root/m
+    timeout 60 python3 benchmarks/make_random_quantized.py --shape qwen3-0.6b-shape --method awq /root/m/q06-awq \
+      > /dev/null 2>&1 || echo "make awq failed"
+    timeout 120 python3 benchmarks/micro/bench_compiles.py /root/m/q06-awq --quantization awq --dtype half \
+      --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --random-range-ratio 0.5 --num-warm 1 \
+      --no-limits --commit "$sha" --compat sm70 2>&1 | grep -v -i warn > "$out/compiles-q06-awq-compat-v100rows.txt"
+    grep -E "^(ttft|output_tok)|Error|error" "$out/compiles-q06-awq-compat-v100rows.txt" | head -5
+    sed -n '/^start-up:/,$p' "$out/compiles-q06-awq-compat-v100rows.txt" | cut -c1-240
+    ;;
   s135)  # (session 46) the grouped MoE kernel's sm_90 table (MOE_CONFIGS_SM90): the tiles at 64-2048 tokens, then the
          # quantized-MoE GPU tests through it
     PYTHONPATH=$PWD:$PWD/benchmarks/micro timeout 150 python3 benchmarks/micro/quant_dot_wfirst.py --moe 2>&1 \

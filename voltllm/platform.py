@@ -46,6 +46,14 @@ def auto_compat(capability: Optional[tuple[int, int]]) -> str:
     return "sm70" if major == 7 and minor < 5 else "sm75"
 
 
+def route_capability(capability: Optional[tuple[int, int]], compat: str) -> Optional[tuple[int, int]]:
+    """The capability kernel choices by capability (row limits, tile tables) should assume: under a compat route
+    (sm70 / sm75, forced or not) the route's chip, so the H200 runs the V100's / T4's dispatch; else the chip's."""
+    if capability is None:
+        return None
+    return {"sm70": (7, 0), "sm75": (7, 5)}.get(compat, tuple(capability))
+
+
 @dataclass(frozen=True)
 class Platform:
     route: str  # effective kernel route: cpu | sm70 | sm75 | sm80 | sm90 (a forced --compat wins)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voltllm.platform import auto_compat, capability_route, detect, platform_for
+from voltllm.platform import auto_compat, capability_route, detect, platform_for, route_capability
 
 
 @pytest.mark.parametrize("cap,route", [
@@ -22,6 +22,21 @@ def test_auto_compat_matches_config_rule():
     for cap, want in (((7, 0), "sm70"), ((7, 5), "sm75"), ((8, 0), "none"), ((9, 0), "none")):
         assert auto_compat(cap) == want
     assert _resolve_compat("auto", torch.device("cpu")) == auto_compat(None)
+
+
+def test_route_capability_dispatches_as_the_compat_chip():
+    """Kernel limits and tiles chosen by capability follow the route: --compat sm70 on an H200 takes the V100's
+    quantized-GEMM row limits and tiles, so the H200 runs the V100's dispatch."""
+    from voltllm.kernels.quant_dot import DOT_CONFIGS, dot_max_rows, dot_table, grouped_max_rows, moe_table
+
+    assert route_capability(None, "none") is None
+    assert route_capability((9, 0), "none") == (9, 0) and route_capability((8, 6), "none") == (8, 6)
+    assert route_capability((9, 0), "sm70") == (7, 0) and route_capability((9, 0), "sm75") == (7, 5)
+    assert route_capability((7, 0), "sm70") == (7, 0)
+    h200_compat = route_capability((9, 0), "sm70")
+    assert dot_max_rows(h200_compat) == dot_max_rows((7, 0)) < dot_max_rows((9, 0))
+    assert grouped_max_rows(h200_compat) == grouped_max_rows((7, 0)) < grouped_max_rows((9, 0))
+    assert dot_table(h200_compat) is moe_table(h200_compat) is DOT_CONFIGS
 
 
 def test_cpu():

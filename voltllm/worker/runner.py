@@ -179,14 +179,15 @@ class ModelRunner:
         linear_method = None
         self.keep_quantized = self._keep_quantized()
         if self.keep_quantized:
-            from voltllm.kernels.quant_dot import dot_max_rows, dot_table, moe_table
+            from voltllm.kernels.quant_dot import dot_max_rows, dot_table, grouped_max_rows, moe_table
             from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
+            from voltllm.platform import route_capability
 
             cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-            # the compat route keeps the tiles of GPUs without the warpgroup MMA (the sm_90 tables' transposed form
-            # is measured only where that MMA runs it)
-            table_cap = cap if self.config.device.compat == "none" else None
-            linear_method = QuantizedLinearMethod(dot_max_rows(cap), dot_table(table_cap), moe_table(table_cap))
+            # row limits and tiles of the route's chip: the compat route on an H200 dispatches as a V100 / T4 would
+            cap = route_capability(cap, self.config.device.compat)
+            linear_method = QuantizedLinearMethod(dot_max_rows(cap), dot_table(cap), moe_table(cap),
+                                                  grouped_max_rows(cap))
         try:
             with torch.device(self.device):
                 model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp)

@@ -117,7 +117,8 @@ class SparseMoE(nn.Module):
 
             self.w13 = self.w2 = None
             self.qexperts = QuantExperts(num_experts, moe_inter, hidden, torch.empty(0).device, dtype,
-                                         getattr(linear_method, "moe_tiles", None))
+                                         getattr(linear_method, "moe_tiles", None),
+                                         getattr(linear_method, "moe_max_rows", None))
         else:
             self._allocate_dense(torch.empty(0).device)
         self.shared_expert: Optional[SharedExpertMLP] = None

@@ -36,9 +36,9 @@ class QuantExperts:
     """Quantized routed experts of one SparseMoE layer (see the module docstring)."""
 
     def __init__(self, num_experts: int, inter: int, hidden: int, device: torch.device, dtype: torch.dtype,
-                 tiles: Optional[dict] = None):
+                 tiles: Optional[dict] = None, grouped_rows: Optional[int] = None):
         """tiles: the grouped kernel's configs by average rows per expert (kernels/quant_dot.moe_table; None:
-        DOT_CONFIGS)."""
+        DOT_CONFIGS); grouped_rows: its limit (quant_dot.grouped_max_rows; None: the device's own)."""
         self.num_experts, self.inter, self.hidden = num_experts, inter, hidden
         self.tiles = tiles
         self.device, self.dtype = device, dtype
@@ -50,7 +50,8 @@ class QuantExperts:
         if device.type == "cuda":
             from voltllm.kernels.quant_dot import grouped_max_rows
 
-            self.grouped_max_rows = grouped_max_rows(torch.cuda.get_device_capability(device))
+            self.grouped_max_rows = (grouped_rows if grouped_rows is not None
+                                     else grouped_max_rows(torch.cuda.get_device_capability(device)))
 
     @property
     def ready(self) -> bool:

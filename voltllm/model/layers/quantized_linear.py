@@ -15,7 +15,8 @@ The product, by row count (M):
 - up to `dot_max_rows` rows (decode batches): the tiled dequant-GEMM (kernels.quant_dot), which dequantizes each
   weight tile in registers once per block of rows and multiplies with `tl.dot` (tensor cores from sm_80 on, FMAs
   below, hence a lower limit there: kernels.quant_dot.dot_max_rows; its tiles by row class `dot_tiles`, on sm_90 off
-  the compat route the transposed form's: kernels.quant_dot.dot_table);
+  the compat route the transposed form's: kernels.quant_dot.dot_table; the compat route takes its chip's limit and
+  tiles on any GPU, platform.route_capability);
 - more rows (prompt steps, large decode batches): the weight is dequantized into a workspace and cuBLAS multiplies
   (fp16 tensor cores on every route; one weight at a time, reused through the caching allocator).
 The CPU (tests) dequantizes with the torch reference and multiplies with F.linear.
@@ -205,12 +206,14 @@ class Segment:
 class QuantizedLinearMethod(LinearMethod):
     """The same forms on both routes: the dequant-GEMM needs no tensor cores, cuBLAS uses SM70's."""
 
-    def __init__(self, dot_max_rows: int = 0, dot_tiles: Optional[dict] = None, moe_tiles: Optional[dict] = None):
+    def __init__(self, dot_max_rows: int = 0, dot_tiles: Optional[dict] = None, moe_tiles: Optional[dict] = None,
+                 moe_max_rows: Optional[int] = None):
         self.fma_max_rows = FMA_MAX_ROWS
         self.dot_max_rows = dot_max_rows  # 0: no tiled dequant-GEMM (the CPU)
         self.dot_tiles = dot_tiles  # the tiled dequant-GEMM's row classes (kernels/quant_dot.dot_table; None:
         # DOT_CONFIGS)
         self.moe_tiles = moe_tiles  # the same for the grouped MoE kernel of quantized experts (quant_dot.moe_table)
+        self.moe_max_rows = moe_max_rows  # and its row limit (quant_dot.grouped_max_rows; None: the device's)
         self.workspace_max_bytes = WORKSPACE_MAX_BYTES
         # dequant-GEMM tiles chosen at start-up (worker/quant_tuning.py): (kind, N, K, row_class) -> config,
         # (BLOCK_N, U, num_warps) of quant_gemv's fp32 form, (HALF2 | HALF2_ROWS, BLOCK_N, U, num_warps) of
