@@ -61,11 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """--max_model_len -> --max-model-len (vLLM's parser takes both spellings); values are left alone."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed_flags(sys.argv[1:] if argv is None else argv))
     from voltllm.config import ConfigError
     from voltllm.model.loader import ModelLoadError
 

@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from voltllm.config import KV_CACHE_DTYPES, EngineArgs
+from voltllm.config import KV_CACHE_DTYPES, ConfigError, EngineArgs
 
 
 def _json_arg(flag: str, what: str, ok):
@@ -22,6 +22,27 @@ def _json_arg(flag: str, what: str, ok):
         if not ok(parsed):
             raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {value}")
         return parsed
+    return parse
+
+
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def size_arg(flag: str):
+    """argparse type for token counts written as vLLM accepts them: 8192, 32k (32,000), 32K (32,768), 1.5m."""
+    def parse(value: str) -> int:
+        text = value.strip()
+        scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+        number = text[:-1] if scale != 1 else text
+        try:
+            amount = float(number) * scale if scale != 1 else int(number)
+        except ValueError:
+            amount = None
+        if amount is None or amount != int(amount):
+            hint = " (fitting it to memory, vLLM's auto / -1, is not built)" if text in ("auto", "-1") else ""
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number of tokens like 8192, 32k or 32K, "
+                                             f"got {value!r}{hint}")
+        return int(amount)
     return parse
 
 
@@ -48,9 +69,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-token", nargs="?", const=True, default=None,
                    help="token for gated / private Hub repos; without a value: the one `hf auth login` stored")
     g.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=size_arg("--max-model-len"), default=None,
+                   help="context length in tokens (8192, 32k = 32,000, 32K = 32,768; default: the model's)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=size_arg("--max-num-batched-tokens"), default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -92,8 +114,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-block-size", type=int, default=None)
     g.add_argument("--mamba-cache-mode", default="align", choices=["align", "none", "all"])
     g.add_argument("--language-model-only", action="store_true")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights at the model's shapes (benchmarks)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf"],
+                   help="dummy: random weights at the model's shapes (benchmarks); safetensors / pt / gguf: as auto, "
+                        "checked against the model's files")
     g.add_argument("--skip-tokenizer-init", action="store_true")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
 
@@ -103,8 +126,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     for name in EngineArgs.field_names():
         if hasattr(ns, name):
             values[name] = getattr(ns, name)
-    model = getattr(ns, "model_flag", None) or getattr(ns, "model", None)
-    values["model"] = model
+    flag, positional = getattr(ns, "model_flag", None), getattr(ns, "model", None)
+    if flag is not None and positional is not None and flag != positional:
+        raise ConfigError(f"the model is given twice: --model {flag} and MODEL {positional}; give one")
+    values["model"] = flag or positional
     if values.get("attention_backend") == "FLASH_ATTN_V100":
         values["attention_backend"] = "TRITON_ATTN"  # the seed system's name for its V100 kernels
     if isinstance(values.get("chat_template"), str):

@@ -4,8 +4,10 @@ No behaviour is switched by environment variables; every knob is a field here.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -191,6 +193,9 @@ class EngineArgs:
                                   self.trust_remote_code, tokenizer_only=True)
         if self.tokenizer_revision:
             raise ConfigError(f"--tokenizer-revision applies to Hugging Face Hub tokenizers; {name!r} is a local path")
+        if not os.path.exists(name):
+            raise ConfigError(f"--tokenizer {name}: no such file or directory (nor a Hub repo id of the form "
+                              "org/name)")
         return name
 
     def _resolve_dflash(self, spec: Any, hf_config: Any) -> Any:
@@ -224,6 +229,7 @@ class EngineArgs:
         self._refuse_unbuilt()
         spec_dict = _parse_json_arg("--speculative-config", self.speculative_config)
         source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
+        load_format = _resolve_load_format(self.load_format, source)
         tokenizer = self._resolve_tokenizer(source)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
         overrides = _parse_json_arg("--hf-overrides", self.hf_overrides)
@@ -241,7 +247,7 @@ class EngineArgs:
         elif spec is not None and spec.uses_dflash:
             spec = self._resolve_dflash(spec, hf_config)
         elif spec is not None and spec.uses_mtp:
-            _check_mtp(hf_config, source, self.load_format)
+            _check_mtp(hf_config, source, load_format)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
@@ -249,7 +255,8 @@ class EngineArgs:
         derived_max = _max_positions(hf_config)
         max_model_len = derived_max if self.max_model_len is None else self.max_model_len  # 0 is an error
         if max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}")
+            raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}"
+                              + (" (vLLM's -1, fitting it to memory, is not built)" if max_model_len == -1 else ""))
         if max_model_len > derived_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
                               f"({derived_max} positions in its config)")
@@ -279,14 +286,18 @@ class EngineArgs:
             logger.warning("--calculate-key-offsets is ignored: --kv-cache-dtype %s is not an fp8 cache",
                            self.kv_cache_dtype)
             calculate_key_offsets = False
-        if self.load_format not in ("auto", "dummy"):
-            raise ConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError(f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise ConfigError(f"--generation-config {self.generation_config}: no generation_config.json there "
+                              "(auto: the model's; vllm: none)")
         batched = (max(2048, min(max_model_len, 8192)) if self.max_num_batched_tokens is None
                    else self.max_num_batched_tokens)
         if batched < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
 
-        quantized_weights = _quantized_weights(method, self.quantization, hf_config, device, self.load_format)
+        quantized_weights = _quantized_weights(method, self.quantization, hf_config, device, load_format)
         from voltllm.distributed.support import quantized_split_error, tensor_parallel_error
 
         tp = self.tensor_parallel_size
@@ -305,7 +316,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only,
-            load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
+            load_format=load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,
             quantized_weights=quantized_weights)
         cache = CacheConfig(
@@ -422,6 +433,22 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
         raise ConfigError(f"--quantization {flag}: the model is {what}"
                           + (" (--quantization gguf needs a .gguf model file)" if wanted == "gguf" else ""))
     return method
+
+
+# vLLM's --load-format values that name the files a checkpoint already has: the same as auto when they match
+_FILE_FORMATS = {"safetensors": ("hf", "*.safetensors"), "pt": ("hf", "pytorch_model*.bin"), "gguf": ("gguf", None)}
+
+
+def _resolve_load_format(fmt: str, source: Any) -> str:
+    """auto / dummy as given; safetensors / pt / gguf checked against the model's files, then auto."""
+    if fmt in ("auto", "dummy"):
+        return fmt
+    if fmt not in _FILE_FORMATS:
+        raise ConfigError(f"--load-format must be one of auto, dummy, {', '.join(_FILE_FORMATS)}; got {fmt!r}")
+    kind, pattern = _FILE_FORMATS[fmt]
+    if source.kind != kind or (pattern and not glob.glob(os.path.join(source.path, pattern))):
+        raise ConfigError(f"--load-format {fmt}: {source.path} has no such weights (auto picks what it has)")
+    return "auto"
 
 
 def _quantized_weights(method: Optional[str], flag: Optional[str], hf_config: Any, device: torch.device,

@@ -80,3 +80,36 @@ def test_seed_commands_parse_and_refuse_unbuilt_flags(tiny_model):
     assert r_mm.returncode == 2 and "--limit-mm-per-prompt" in r_mm.stderr and "image" in r_mm.stderr
     assert r_auto.returncode == 2 and "--tool-call-parser" in r_auto.stderr
     assert r_json.returncode == 2 and "--default-chat-template-kwargs" in r_json.stderr
+
+
+def _serve_args(argv):
+    import argparse
+
+    from voltllm.cli import dashed_flags
+    from voltllm.entrypoints.openai.cli_serve import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"), help="serve")
+    return parser.parse_args(dashed_flags(["serve", *argv]))
+
+
+@pytest.mark.parametrize("argv", [["--served-model-name", "foo", "/nonexistent/my-model"],
+                                  ["--served-model-name", "foo", "Qwen/Qwen3-8B"],
+                                  ["--served-model-name", "foo", "model.gguf"]])
+def test_model_after_served_model_name_is_refused(argv):
+    """The option takes every word after it: MODEL there would become a second name and the embedded default
+    model would be served under both."""
+    from voltllm.config import ConfigError
+    from voltllm.entrypoints.openai.cli_serve import check_server_flags
+
+    with pytest.raises(ConfigError, match="put MODEL first"):
+        check_server_flags(_serve_args(argv))
+
+
+@pytest.mark.parametrize("argv", [["--served-model-name", "a", "b"], ["m", "--served-model-name", "a", "org/b"],
+                                  ["--served-model-name", "a", "org/b", "--model", "m"],
+                                  ["--served-model-name", "org/a"]])
+def test_served_model_names_that_are_names(argv):
+    from voltllm.entrypoints.openai.cli_serve import check_server_flags
+
+    check_server_flags(_serve_args(argv))

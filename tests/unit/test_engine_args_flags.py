@@ -53,3 +53,58 @@ def test_common_vllm_flags_parse(tiny):
 def test_unbuilt_vllm_modes_are_refused_by_name(tiny, argv, match):
     with pytest.raises(ConfigError, match=match):
         _parse(tiny, "--device", "cpu", *argv).create_engine_config()
+
+
+@pytest.mark.parametrize("text,want", [("8192", 8192), ("32k", 32_000), ("32K", 32_768), ("1.5m", 1_500_000),
+                                       ("2M", 2 * 2**20), ("25.6k", 25_600), ("-1", -1)])
+def test_sizes_take_vllm_suffixes(text, want):
+    from voltllm.cli_args import size_arg
+
+    assert size_arg("--max-model-len")(text) == want
+
+
+@pytest.mark.parametrize("text", ["auto", "1.5", "k", "12x", ""])
+def test_sizes_that_are_not_token_counts(text):
+    import argparse
+
+    from voltllm.cli_args import size_arg
+
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number of tokens"):
+        size_arg("--max-model-len")(text)
+
+
+def test_underscore_flag_names_parse_like_dashes(tiny):
+    from voltllm.cli import dashed_flags
+
+    argv = dashed_flags([tiny, "--device", "cpu", "--max_model_len=512", "--max_num_seqs", "8",
+                         "--chat-template", "{{ my_var }}"])
+    assert argv[3:] == ["--max-model-len=512", "--max-num-seqs", "8", "--chat-template", "{{ my_var }}"]
+    cfg = _parse(*argv).create_engine_config()
+    assert cfg.model.max_model_len == 512 and cfg.scheduler.max_num_seqs == 8
+
+
+def test_model_given_twice_is_refused(tiny, tmp_path):
+    assert _parse(tiny, "--model", tiny, "--device", "cpu").model == tiny  # the same one twice: fine
+    with pytest.raises(ConfigError, match="given twice"):
+        _parse(tiny, "--model", str(tmp_path), "--device", "cpu")
+
+
+def test_load_formats_named_by_files(tiny):
+    cfg = EngineArgs(model=tiny, device="cpu", load_format="safetensors").create_engine_config()
+    assert cfg.model.load_format == "auto"
+    for fmt in ("pt", "gguf"):  # the tiny model is a safetensors directory
+        with pytest.raises(ConfigError, match=f"--load-format {fmt}: .* has no such weights"):
+            EngineArgs(model=tiny, device="cpu", load_format=fmt).create_engine_config()
+    with pytest.raises(ConfigError, match="--load-format must be one of"):
+        EngineArgs(model=tiny, device="cpu", load_format="tensorizer").create_engine_config()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_gpu_blocks_override", 0, "--num-gpu-blocks-override must be >= 1"),
+    ("num_gpu_blocks_override", -5, "--num-gpu-blocks-override must be >= 1"),
+    ("generation_config", "/nonexistent/gen", "--generation-config /nonexistent/gen: no generation_config.json"),
+    ("tokenizer", "/nonexistent/tok", "--tokenizer /nonexistent/tok: no such file"),
+])
+def test_bad_paths_and_counts_are_refused_before_loading(tiny, field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineArgs(model=tiny, device="cpu", **{field: value}).create_engine_config()

@@ -278,7 +278,7 @@ def test_error_shapes():
     assert is_messages_path("/api/v1/messages") and not is_messages_path("/v1/models")
 
 
-def _call(mw, path, headers):
+def _call(mw, path, headers, root_path=""):
     sent = []
 
     async def receive():
@@ -287,7 +287,7 @@ def _call(mw, path, headers):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "root_path": root_path}
     asyncio.run(mw(scope, receive, send))
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(body) if body else None
@@ -310,6 +310,25 @@ def test_api_key_middleware_on_messages_routes():
     status, body = _call(mw, "/v1/chat/completions", [])
     assert status == 401 and body["error"]["code"] == "invalid_api_key" and "type" in body["error"]
     assert _call(AuthAndCountMiddleware(ok_app, None, None), "/v1/messages", [])[0] == 200  # no key: open
+
+
+def test_api_key_checked_behind_a_root_path():
+    """uvicorn's --root-path puts the prefix in front of scope["path"]: the key is still required."""
+    from voltllm.entrypoints.openai.app import route_path
+
+    async def ok_app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    mw = AuthAndCountMiddleware(ok_app, "k1", None)
+    for path in ("/api/v1/chat/completions", "/api/v1/models", "/api/v1/messages"):
+        assert _call(mw, path, [], root_path="/api")[0] == 401, path
+        assert _call(mw, path, [(b"authorization", b"Bearer k1")], root_path="/api")[0] == 200, path
+    assert _call(mw, "/api/health", [], root_path="/api")[0] == 200  # outside /v1: open, as in vLLM
+    assert route_path({"path": "/api/v1/x", "root_path": "/api"}) == "/v1/x"
+    assert route_path({"path": "/apiv1/x", "root_path": "/api"}) == "/apiv1/x"  # not the prefix: unchanged
+    assert route_path({"path": "/api", "root_path": "/api"}) == "/"
+    assert route_path({"path": "/v1/x"}) == "/v1/x"
 
 
 def test_error_after_the_stream_started_is_an_error_event():

@@ -38,6 +38,16 @@ _ROUTES = {"/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/m
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 
 
+def route_path(scope: dict) -> str:
+    """The path the routes see: uvicorn puts --root-path in front of the request's path (scope["path"] is
+    root_path + path), and the router strips it again, so the key check must strip it too (else /api/v1/... passes
+    unchecked)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
+        return path[len(root):] or "/"
+    return path
+
+
 class AuthAndCountMiddleware:
     """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/*, per-route HTTP counters."""
 
@@ -50,7 +60,7 @@ class AuthAndCountMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        path = route_path(scope)
         status = {"code": 500}
 
         async def send_wrapper(message: dict) -> None:

@@ -110,11 +110,23 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--api-key must not be empty")
     if args.served_model_names is not None and any(not n for n in args.served_model_names):
         raise ConfigError("--served-model-name must not be empty")
+    names = args.served_model_names or []
+    if len(names) > 1 and args.model is None and getattr(args, "model_flag", None) is None \
+            and _looks_like_model(names[-1]):
+        # the option takes every word after it, so `--served-model-name NAME MODEL` made MODEL a second name and
+        # would serve the embedded default model (vLLM refuses this order too)
+        raise ConfigError(f"--served-model-name took {names[-1]!r} as a name and no MODEL was given: put MODEL "
+                          "first (`voltllm serve MODEL --served-model-name NAME`) or pass --model")
     if args.ssl_keyfile and not args.ssl_certfile:
         raise ConfigError("--ssl-keyfile needs --ssl-certfile")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: no such file")
+
+
+def _looks_like_model(word: str) -> bool:
+    """A path that exists, a .gguf file or an org/name Hub repo id."""
+    return os.path.exists(word) or word.endswith(".gguf") or "/" in word
 
 
 def _say(msg: str) -> None:
@@ -148,6 +160,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from voltllm.engine.async_llm import EngineStartError
 
     check_server_flags(args)
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):
+        # vLLM reads its key from this variable too; voltllm takes configuration only from flags (DESIGN.md), so
+        # say loudly that this server will not ask for one
+        logger.warning("VLLM_API_KEY is set, but voltllm reads the API key only from --api-key: this server "
+                       "requires no key. Pass --api-key to require one.")
     if args.served_model_names:
         args.served_model_name = args.served_model_names[0]
     ea = engine_args_from(args)
