@@ -14,10 +14,17 @@ def _generate(args: argparse.Namespace) -> int:
     from voltllm.entrypoints.llm import LLM
     from voltllm.sampling.params import SamplingParams
 
+    from voltllm.engine.frontend import generation_defaults
+
     ea = engine_args_from(args)
     llm = LLM(**{k: v for k, v in vars(ea).items()})
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    m = llm.config.model
+    # as the server: the generation config's defaults (and --override-generation-config) under the flags given;
+    # greedy when neither sets a temperature
+    values = {"temperature": 0.0, **generation_defaults(m.model, m.generation_config, m.override_generation_config)}
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    values.update({k: v for k, v in given.items() if v is not None})
+    params = SamplingParams(**values, max_tokens=args.max_tokens, seed=args.sampling_seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
@@ -39,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", nargs="?", default=None, help="model path (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: the generation config's (--generation-config), else 0 (greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="default: the generation config's, else 1")
+    g.add_argument("--top-k", type=int, default=None, help="default: the generation config's, else off")
     g.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(g)
     g.set_defaults(func=_generate)

@@ -47,3 +47,27 @@ def test_override_reaches_the_default_sampling_params(tiny):
 def test_bad_overrides_are_refused_at_start(tiny, value, match):
     with pytest.raises(ConfigError, match=match):
         EngineArgs(model=tiny, device="cpu", override_generation_config=value).create_engine_config()
+
+
+def test_generate_command_takes_the_defaults_under_its_flags(tiny, monkeypatch, capsys):
+    """`voltllm generate`: flags given win, the generation config fills the rest, greedy when nothing sets a
+    temperature."""
+    from types import SimpleNamespace
+
+    from voltllm import cli
+    from voltllm.entrypoints.llm import LLM
+
+    seen = []
+
+    def fake_generate(self, prompt, params):
+        seen.append(params)
+        return [SimpleNamespace(outputs=[SimpleNamespace(text="ok")])]
+
+    monkeypatch.setattr(LLM, "generate", fake_generate)
+    base = ["generate", "hi", tiny, "--device", "cpu", "--num-gpu-blocks-override", "16", "--max-tokens", "3"]
+    assert cli.main(base) == 0
+    assert cli.main(base + ["--override-generation-config", '{"temperature": 0.4, "top_k": 5}', "--top-k", "9"]) == 0
+    assert capsys.readouterr().out.split() == ["ok", "ok"]
+    plain, merged = seen
+    assert plain.temperature == 0.0 and plain.max_tokens == 3
+    assert merged.temperature == 0.4 and merged.top_k == 9
