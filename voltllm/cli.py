@@ -89,6 +89,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     from voltllm.model.loader import ModelLoadError
 
     try:
+        if getattr(args, "config", None):
+            from voltllm.cli_config import merge_config
+
+            args = merge_config(parser, args.command, args)
         return int(args.func(args) or 0)
     except (ConfigError, ModelLoadError, ValueError) as e:
         print(f"voltllm: error: {e}", file=sys.stderr)

@@ -113,3 +113,31 @@ def test_served_model_names_that_are_names(argv):
     from voltllm.entrypoints.openai.cli_serve import check_server_flags
 
     check_server_flags(_serve_args(argv))
+
+
+def test_config_file_flags_under_the_command_line(tmp_path):
+    """`--config FILE.yaml` (vLLM's): keys with dashes or underscores, booleans, lists, mappings; the command line
+    wins; bad files are refused by name."""
+    from voltllm.cli import build_parser
+    from voltllm.cli_config import merge_config
+    from voltllm.config import ConfigError
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("served_model_name: [a, b]\nmodel: /m/dir\nmax-model-len: 4096\nport: 9001\n"
+                   "enable_prefix_caching: false\nenforce_eager: true\ntrust_remote_code: false\n"
+                   "hf_overrides: {rope_theta: 1000}\n")
+    parser = build_parser()
+    args = merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(cfg), "--port", "9002"]))
+    assert args.served_model_names == ["a", "b"] and args.model == "/m/dir" and args.max_model_len == 4096
+    assert args.port == 9002  # the command line's
+    assert args.enable_prefix_caching is False and args.enforce_eager is True and args.trust_remote_code is False
+    assert args.hf_overrides == {"rope_theta": 1000}
+    args = merge_config(parser, "serve", parser.parse_args(["serve", "/cli/model", "--config", str(cfg)]))
+    assert args.model == "/cli/model"
+    for text, match in (("nope_flag: 1\n", "unknown flag 'nope_flag'"), ("- a\n", "expected a mapping"),
+                        ("a: [\n", "not valid YAML")):
+        cfg.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(cfg)]))
+    with pytest.raises(ConfigError, match="no such file"):
+        merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(tmp_path / "absent.yaml")]))

@@ -41,6 +41,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all IPv4 interfaces)")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--config", default=None, help="a YAML file of flags (vLLM's format: `max-model-len: 8192`); the "
+                   "command line wins")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
     s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
                    help="model name(s) the API answers to (the first one is reported); default: the model path")
