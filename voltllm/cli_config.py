@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
 
 from voltllm.config import ConfigError
 
