@@ -77,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: set each layer's k/v scale from the first forward's K/V amax "
@@ -85,8 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-key-offsets", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: store keys minus each layer's per-channel key mean from the first forward "
                         "(attention is unchanged; less fp8 error for keys with a large mean, e.g. a QKV bias)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--require-acceleration", action="store_true",
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False, help="no CUDA graphs")
+    g.add_argument("--require-acceleration", action=argparse.BooleanOptionalAction, default=False,
                    help="refuse to start when a route this configuration expects is disabled (see voltllm check)")
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -113,11 +113,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--mamba-block-size", type=int, default=None)
     g.add_argument("--mamba-cache-mode", default="align", choices=["align", "none", "all"])
-    g.add_argument("--language-model-only", action="store_true")
+    g.add_argument("--language-model-only", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf"],
                    help="dummy: random weights at the model's shapes (benchmarks); safetensors / pt / gguf: as auto, "
                         "checked against the model's files")
-    g.add_argument("--skip-tokenizer-init", action="store_true")
+    g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
 
 

@@ -108,3 +108,9 @@ def test_load_formats_named_by_files(tiny):
 def test_bad_paths_and_counts_are_refused_before_loading(tiny, field, value, match):
     with pytest.raises(ConfigError, match=match):
         EngineArgs(model=tiny, device="cpu", **{field: value}).create_engine_config()
+
+
+def test_on_off_flags_take_their_no_forms(tiny):
+    args = _parse(tiny, "--device", "cpu", "--enforce-eager", "--no-enforce-eager", "--no-trust-remote-code")
+    assert args.enforce_eager is False and args.trust_remote_code is False
+    assert _parse(tiny, "--enforce-eager").enforce_eager is True

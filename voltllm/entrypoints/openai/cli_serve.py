@@ -51,7 +51,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    "a request's chat_template_kwargs override it")
     s.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
                    help="JSON object of multimodal item limits; only all-zero limits are accepted (text-only server)")
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
+    s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help='parse tool calls from the output when a request has tools and tool_choice "auto"')
     s.add_argument("--tool-call-parser", default=None, help=f"one of: {', '.join(TOOL_PARSERS)}")
     s.add_argument("--reasoning-parser", default=None,
@@ -62,18 +62,20 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine-stats log line")
-    s.add_argument("--enable-log-requests", action="store_true", help="log each request's id and sizes")
+    s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request's id and sizes")
     s.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility (default)")
-    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+    s.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                    help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
-    s.add_argument("--enable-force-include-usage", action="store_true",
+    s.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
                    help="send usage in every stream, as if stream_options.include_usage were set")
     s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM)")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
     s.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
                    help='CORS: origins browsers may call from, a JSON list (default ["*"])')
-    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    s.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="CORS: allow credentials")
     s.add_argument("--allowed-methods", type=json_string_list("--allowed-methods"), default=["*"],
                    help='CORS: a JSON list of methods (default ["*"])')
     s.add_argument("--allowed-headers", type=json_string_list("--allowed-headers"), default=["*"],
