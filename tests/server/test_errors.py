@@ -23,9 +23,22 @@ CASES = [
     ("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     ("image part", CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
-    ("unknown model", CHAT, {"model": "gpt-9", "messages": MSG}, 400, "model"),
-    ("unknown model (completions)", CMPL, {"model": "gpt-9", "prompt": "x"}, 400, "model"),
+    ("unknown model", CHAT, {"model": "gpt-9", "messages": MSG}, 404, "model"),
+    ("unknown model (completions)", CMPL, {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("unknown model (tokenize)", "/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
     ("negative temperature", CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature"),
+    ("temperature NaN", CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', 400,
+     "temperature"),
+    ("temperature infinite", CMPL, b'{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("repetition_penalty infinite", CMPL, b'{"prompt": "x", "repetition_penalty": Infinity}', 400,
+     "repetition_penalty"),
+    ("n far too large", CMPL, {"prompt": "x", "max_tokens": 1, "n": 10 ** 23}, 400, "n"),
+    ("seed beyond int64", CMPL, {"prompt": "x", "max_tokens": 1, "seed": 2 ** 64}, 400, "seed"),
+    ("response_format without type", CHAT, {"messages": MSG, "response_format": {}}, 400, "response_format"),
+    ("max_completion_tokens zero", CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("prompt_logprobs with stream", CMPL, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    ("too many prompt_logprobs (chat)", CHAT, {"messages": MSG, "prompt_logprobs": 50}, 400, "prompt_logprobs"),
     ("temperature not a number", CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
     ("top_p zero", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p"),
     ("n zero", CMPL, {"prompt": "x", "n": 0}, 400, "n"),
@@ -92,10 +105,43 @@ def test_streaming_bad_input_is_a_plain_400(server):
     _check_error_body(resp, 400, "max_tokens")
 
 
-def test_openai_client_raises_bad_request(client):
-    with pytest.raises(openai.BadRequestError) as e:
+def test_openai_client_raises_not_found_for_an_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=MSG)
     assert "nope" in str(e.value)
+
+
+def test_values_past_any_limit_are_served(server):
+    """top_k beyond int64 means all tokens (it once killed the engine); top_logprobs 0 without logprobs asks for
+    nothing (vLLM accepts it)."""
+    for body in ({"prompt": "Hi", "max_tokens": 2, "top_k": 2 ** 63, "temperature": 1, "seed": 3},
+                 {"prompt": "Hi", "max_tokens": 2, "top_k": 2 ** 31, "temperature": 0.7}):
+        resp = httpx.post(server.base + CMPL, json=body, headers=AUTH, timeout=60)
+        assert resp.status_code == 200, resp.text
+    resp = httpx.post(server.base + CHAT, json={"messages": MSG, "max_tokens": 2, "logprobs": False,
+                                                "top_logprobs": 0}, headers=AUTH, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+
+
+def test_prompt_logprobs_in_the_response(server):
+    """vLLM's shape: per choice (completions) or at the top (chat), None for the first prompt token, then
+    {token id: {logprob, rank, decoded_token}} holding the top tokens and the prompt's own."""
+    tok = httpx.post(server.base + "/tokenize", json={"prompt": "The capital of France"}, timeout=30).json()
+    resp = httpx.post(server.base + CMPL, json={"prompt": "The capital of France", "max_tokens": 2,
+                                                "temperature": 0, "prompt_logprobs": 2}, headers=AUTH, timeout=60)
+    assert resp.status_code == 200, resp.text
+    plp = resp.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == tok["count"] and plp[0] is None
+    for tid, pos in zip(tok["tokens"][1:], plp[1:]):
+        assert str(tid) in pos and 2 <= len(pos) <= 3
+        ranks = sorted(v["rank"] for v in pos.values() if v["rank"] is not None)
+        assert ranks[:2] == [1, 2] and all(v["logprob"] <= 0 for v in pos.values())
+    chat = httpx.post(server.base + CHAT, json={"messages": MSG, "max_tokens": 2, "prompt_logprobs": 0},
+                      headers=AUTH, timeout=60).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(p) == 1 for p in chat["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in httpx.post(server.base + CMPL, json={"prompt": "x", "max_tokens": 1},
+                                               headers=AUTH, timeout=60).json()["choices"][0]
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}],

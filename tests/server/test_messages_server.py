@@ -217,7 +217,7 @@ def test_errors(http, tiny_server):
     _check_error(http.post("/v1/messages/batches", json={}), 404, "not_found_error")
     # the OpenAI routes keep their own shape
     r = http.post("/v1/chat/completions", json={"model": "claude", "messages": MESSAGES})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_metrics_count_the_routes(http, tiny_server):

@@ -42,6 +42,22 @@ def test_stop_strings(tok):
     assert len(d3.visible_text(False)) == max(len(d3.text) - 4, 0)
 
 
+def test_stop_strings_wait_for_min_tokens(tok):
+    """vLLM's rule: a stop string ending within the first min_tokens tokens does not stop the request; one in
+    later text does."""
+    ids = tok.encode(" apple, apple, apple, pear")
+    first_comma = next(i for i in range(1, len(ids) + 1) if "," in tok.decode(ids[:i]))
+    d = IncrementalDetokenizer(tok, [], stop=[","], min_tokens=first_comma)
+    matched = None
+    for t in ids:
+        matched = d.add([t])
+        if matched:
+            break
+    assert matched == "," and d.text == " apple, apple"
+    plain = IncrementalDetokenizer(tok, [], stop=[","])
+    assert plain.add(ids) == "," and plain.text == " apple"
+
+
 def test_backend_decode_only_without_clean_up(tok):
     """A fast tokenizer without clean-up is decoded by its tokenizers backend (the same text, special tokens
     skipped or kept as asked); with clean-up on, transformers' decode (which applies it) is used."""

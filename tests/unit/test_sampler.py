@@ -146,6 +146,24 @@ def test_logit_bias_params():
             SamplingParams(logit_bias=bad)
 
 
+@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("repetition_penalty", float("inf")), ("n", 0), ("n", 10 ** 23),
+                                         ("seed", 2 ** 63), ("seed", -(2 ** 63) - 1)])
+def test_values_the_device_cannot_take_are_refused(field, value):
+    from voltllm.sampling.params import SamplingParams, SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match=f"^{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_limits_at_their_edges():
+    from voltllm.sampling.params import MAX_N, SamplingParams
+
+    assert SamplingParams(n=MAX_N).n == MAX_N and SamplingParams(seed=-(2 ** 63)).seed == -(2 ** 63)
+    assert SamplingParams(top_k=2 ** 31 - 1).top_k == 2 ** 31 - 1
+    assert SamplingParams(top_k=2 ** 31).top_k == SamplingParams(top_k=2 ** 80).top_k == -1  # all tokens
+
+
 @pytest.mark.parametrize("kw,expect", [
     (dict(temperature=0), True),
     (dict(temperature=0, min_tokens=5, ignore_eos=True), True),  # nothing to ban

@@ -15,8 +15,12 @@ from typing import Any, Optional, Sequence
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0):
+        """min_tokens: stop strings are not looked for until more output tokens than this have come (vLLM's rule:
+        text ending within the first min_tokens tokens never stops the request)."""
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.skip_special = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])  # a little context for leading-space handling
         self.prefix_offset = 0
@@ -39,12 +43,16 @@ class IncrementalDetokenizer:
         """Append tokens; return the stop string that matched (text then ends there), else None."""
         for tid in token_ids:
             self.ids.append(tid)
+            self.num_tokens += 1
             prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
             if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
                 new = full[len(prefix_text):]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
+                if self.num_tokens <= self.min_tokens:
+                    self.text += new
+                    continue
                 matched = self._append_checking_stop(new)
                 if matched is not None:
                     return matched

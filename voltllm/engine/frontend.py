@@ -136,7 +136,7 @@ class Frontend:
             detok = None
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
-                                               params.include_stop_str_in_output)
+                                               params.include_stop_str_in_output, params.min_tokens)
             children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             reqs.append(EngineCoreRequest(cid, ids, child_params, arrival_time=now, cache_salt=cache_salt))

@@ -10,6 +10,10 @@ if TYPE_CHECKING:
 
 # OpenAI's logit_bias range; larger magnitudes are clamped to it (as vLLM does): +-100 already decides the token
 LOGIT_BIAS_LIMIT = 100.0
+# completions per request: each is a sequence the API process tracks (a huge n would exhaust its memory)
+MAX_N = 1024
+# seeds are int64 on the device (vLLM's bounds)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParamsError(ValueError):
@@ -50,8 +54,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == 0:
-            self.top_k = -1
+        if self.top_k == 0 or (isinstance(self.top_k, int) and self.top_k >= 2**31):
+            self.top_k = -1  # 0, or more tokens than any vocabulary has: all of them
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self.structured_outputs = _structured(self.structured_outputs)
         self.validate()
@@ -60,10 +64,10 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise SamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.temperature < 0.0:
-            bad("temperature", "must be >= 0")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            bad("temperature", "must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -74,8 +78,8 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", "must be > 0")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            bad("repetition_penalty", "must be a finite number > 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -88,8 +92,8 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             bad("prompt_logprobs", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", "must be an integer in [-2**63, 2**63 - 1]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -112,6 +112,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' logprobs, in the response's top level
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = True
@@ -136,8 +137,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self._common_checks()
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: accepted alone, as in vLLM
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise bad_request(f"max_completion_tokens must be an integer >= 1, got {self.max_completion_tokens}",
+                              "max_completion_tokens")
+        _check_prompt_logprobs(self)
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                               "continue_final_message")
@@ -147,6 +152,11 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+
+def _check_prompt_logprobs(req: Any) -> None:
+    if req.prompt_logprobs is not None and req.stream:  # they come with the final response only (vLLM's rule)
+        raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -161,6 +171,7 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self._common_checks()
+        _check_prompt_logprobs(self)
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
 

@@ -16,7 +16,8 @@ from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS,
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect_or_gone,
                                                        event_stream, make_params, merge_streams, new_id,
-                                                       normalize_messages, render_chat, sse, sse_body, submit, usage)
+                                                       normalize_messages, prompt_logprobs_json, render_chat, sse,
+                                                       sse_body, submit, usage)
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
 logger = logging.getLogger("voltllm")
@@ -97,12 +98,13 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     messages = normalize_messages(req.messages)
     use_tools, forced = tool_mode(state, req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
+    state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.chat_template_kwargs,
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message, tools=req.tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs,
+    params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
                                                              defaults=state.generation_defaults))
     plan = ChatPlan(request_id or new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced,
                     params.n, req.num_logprobs)
@@ -144,9 +146,13 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
                                                            state.tokenizer)}
         choices.append(choice)
     cached = out.num_cached_tokens if state.enable_prompt_tokens_details else None
-    return {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
+    body = {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
             "choices": choices,
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), cached)}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
+                                                       req.prompt_logprobs, req.prompt_logprobs)
+    return body
 
 
 class _Sent:

@@ -48,11 +48,11 @@ class ServerState:
         return self.engine.tokenizer
 
     def model_name(self, requested: Optional[str]) -> str:
-        """The name to answer with; a 400 for a model this server does not serve."""
+        """The name to answer with; a 404 (OpenAI's and vLLM's status) for a model this server does not serve."""
         if requested is None or requested == "" or requested in self.served_model_names:
             return requested or self.served_model_names[0]
         raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
-                          f"{', '.join(repr(n) for n in self.served_model_names)}", 400, "model", "model_not_found")
+                          f"{', '.join(repr(n) for n in self.served_model_names)}", 404, "model", "model_not_found")
 
     def check_logprobs(self, n: Optional[int], param: str) -> None:
         if n is not None and (n < 0 or n > self.max_logprobs):
@@ -365,6 +365,25 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, 
         ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         tops.append({_token_str(l, tokenizer, t): _lp(l.logprob) for t, l in ranked} if top_n else {tok: token_lps[-1]})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(prompt_ids: list[int], positions: Optional[list[Optional[dict[int, Logprob]]]], top_n: int,
+                         computed: int) -> Optional[list]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
+    with the top_n most likely tokens and the prompt's own. `computed`: how many top tokens the engine ranked (the
+    request may have asked more for echo); the prompt's token outside them has no known rank (null)."""
+    if positions is None:
+        return None
+    out: list[Optional[dict]] = []
+    for tid, pos in zip(prompt_ids, positions):
+        if pos is None:
+            out.append(None)
+            continue
+        ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)
+        out.append({str(t): {"logprob": _lp(lp.logprob), "rank": r + 1 if r < computed else None,
+                             "decoded_token": lp.decoded_token}
+                    for r, (t, lp) in enumerate(ranked) if r < top_n or t == tid})
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict:

@@ -11,7 +11,8 @@ from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.protocol import CompletionRequest
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
                                                        completion_logprobs, event_stream, make_params, merge_streams,
-                                                       new_id, sse, sse_body, submit, usage)
+                                                       new_id, prompt_logprobs_json, sse, sse_body, submit,
+                                                       usage)
 
 logger = logging.getLogger("voltllm")
 
@@ -40,7 +41,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     state.check_logprobs(req.logprobs, "logprobs")
     state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else req.prompt_logprobs
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked) if asked else None  # echo's logprobs and prompt_logprobs share one pass
     params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
                                                              defaults=state.generation_defaults))
     base_id = new_id("cmpl")
@@ -69,6 +71,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.logprobs is not None:
                 choice["logprobs"] = _logprobs(state, out, c, req.logprobs, req.echo)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
+                                                                 req.prompt_logprobs, prompt_logprobs)
             choices.append(choice)
     body = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached if state.enable_prompt_tokens_details else None)}

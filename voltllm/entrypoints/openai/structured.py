@@ -17,7 +17,9 @@ _STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _from_response_format(rf: dict[str, Any]) -> Optional[dict[str, Any]]:
-    kind = rf.get("type", "text")
+    if "type" not in rf:  # required by OpenAI's API (and vLLM's)
+        raise bad_request("response_format needs a type: 'text', 'json_object' or 'json_schema'", "response_format")
+    kind = rf["type"]
     if kind == "text":
         return None
     if kind == "json_object":
@@ -45,7 +47,7 @@ def _from_structured(obj: Any) -> dict[str, Any]:
 def structured_outputs_of(req: Any) -> Optional[StructuredOutputsParams]:
     """The request's constraint (None when it has none); raises a 400 naming the offending parameter."""
     found: list[tuple[str, dict[str, Any]]] = []  # (request parameter, StructuredOutputsParams fields)
-    if req.response_format:
+    if req.response_format is not None:
         fields = _from_response_format(req.response_format)
         if fields:
             found.append(("response_format", fields))
