@@ -286,6 +286,14 @@ class EngineArgs:
             logger.warning("--calculate-key-offsets is ignored: --kv-cache-dtype %s is not an fp8 cache",
                            self.kv_cache_dtype)
             calculate_key_offsets = False
+        if (self.attention_backend or "").upper() not in ("", "TRITON_ATTN", "TORCH_REF"):
+            raise ConfigError(f"--attention-backend {self.attention_backend}: not built here (TRITON_ATTN, TORCH_REF, "
+                              "or FLASH_ATTN_V100 on the command line, an alias of TRITON_ATTN)")
+        from voltllm.model.models.registry import attention_only
+
+        if self.mamba_cache_mode not in ("align", "none") and not attention_only(hf_config):
+            raise ConfigError(f"--mamba-cache-mode {self.mamba_cache_mode}: not built for hybrid models; align (state "
+                              "snapshots at --mamba-block-size boundaries) or none")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError(f"--num-gpu-blocks-override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.generation_config not in ("auto", "vllm") and not os.path.isfile(

@@ -95,8 +95,9 @@ def _serve_args(argv):
 
 @pytest.mark.parametrize("argv", [["--served-model-name", "foo", "/nonexistent/my-model"],
                                   ["--served-model-name", "foo", "Qwen/Qwen3-8B"],
-                                  ["--served-model-name", "foo", "model.gguf"]])
-def test_model_after_served_model_name_is_refused(argv):
+                                  ["--served-model-name", "foo", "model.gguf"],
+                                  ["--api-key", "k1", "Qwen/Qwen3-8B"]])
+def test_model_after_a_many_valued_flag_is_refused(argv):
     """The option takes every word after it: MODEL there would become a second name and the embedded default
     model would be served under both."""
     from voltllm.config import ConfigError
@@ -107,9 +108,10 @@ def test_model_after_served_model_name_is_refused(argv):
 
 
 @pytest.mark.parametrize("argv", [["--served-model-name", "a", "b"], ["m", "--served-model-name", "a", "org/b"],
+                                  ["--api-key", "k1", "k2"], ["m", "--api-key", "k1", "k/2"],
                                   ["--served-model-name", "a", "org/b", "--model", "m"],
                                   ["--served-model-name", "org/a"]])
-def test_served_model_names_that_are_names(argv):
+def test_many_valued_flags_with_their_own_values(argv):
     from voltllm.entrypoints.openai.cli_serve import check_server_flags
 
     check_server_flags(_serve_args(argv))

@@ -114,3 +114,18 @@ def test_on_off_flags_take_their_no_forms(tiny):
     args = _parse(tiny, "--device", "cpu", "--enforce-eager", "--no-enforce-eager", "--no-trust-remote-code")
     assert args.enforce_eager is False and args.trust_remote_code is False
     assert _parse(tiny, "--enforce-eager").enforce_eager is True
+
+
+def test_attention_backend_and_mamba_mode_checked_before_loading(tiny, tmp_path):
+    from tiny_models import make_tiny_hybrid
+
+    with pytest.raises(ConfigError, match="--attention-backend FLASHINFER: not built"):
+        EngineArgs(model=tiny, device="cpu", attention_backend="FLASHINFER").create_engine_config()
+    assert _parse(tiny, "--device", "cpu", "--attention-backend", "FLASH_ATTN_V100").attention_backend == "TRITON_ATTN"
+    # "all" has nothing to do on an attention-only model; a hybrid one has only align / none
+    EngineArgs(model=tiny, device="cpu", mamba_cache_mode="all").create_engine_config()
+    hybrid = make_tiny_hybrid(str(tmp_path / "hybrid"), "qwen3_5", seed=0, gen_seed=0)
+    if hybrid is None:
+        pytest.skip("this transformers has no qwen3_5")
+    with pytest.raises(ConfigError, match="--mamba-cache-mode all: not built for hybrid models"):
+        EngineArgs(model=hybrid, device="cpu", mamba_cache_mode="all").create_engine_config()

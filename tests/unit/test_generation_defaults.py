@@ -41,7 +41,7 @@ def test_override_reaches_the_default_sampling_params(tiny):
     assert (sp.temperature, sp.top_k) == (0.3, 7)
 
 
-@pytest.mark.parametrize("value,match", [('{"temperature": -1}', "temperature must be >= 0"),
+@pytest.mark.parametrize("value,match", [('{"temperature": -1}', "temperature must be a finite number >= 0"),
                                          ('{"max_tokens": 5}', "max_tokens not supported"),
                                          ("[1]", "must be a JSON object")])
 def test_bad_overrides_are_refused_at_start(tiny, value, match):

@@ -310,6 +310,9 @@ def test_api_key_middleware_on_messages_routes():
     status, body = _call(mw, "/v1/chat/completions", [])
     assert status == 401 and body["error"]["code"] == "invalid_api_key" and "type" in body["error"]
     assert _call(AuthAndCountMiddleware(ok_app, None, None), "/v1/messages", [])[0] == 200  # no key: open
+    several = AuthAndCountMiddleware(ok_app, ["k1", "k2"], None)  # --api-key K1 K2: either one
+    for key, status in ((b"k1", 200), (b"k2", 200), (b"k3", 401), (b"", 401)):
+        assert _call(several, "/v1/models", [(b"authorization", b"Bearer " + key)])[0] == status, key
 
 
 def test_api_key_checked_behind_a_root_path():

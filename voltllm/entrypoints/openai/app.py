@@ -5,7 +5,7 @@ import hmac
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Type, TypeVar
+from typing import Any, Optional, Sequence, Type, TypeVar, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,9 +51,11 @@ def route_path(scope: dict) -> str:
 class AuthAndCountMiddleware:
     """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/*, per-route HTTP counters."""
 
-    def __init__(self, app: Any, api_key: Optional[str], metrics: Optional[ServerMetrics]):
+    def __init__(self, app: Any, api_key: Union[None, str, Sequence[str]], metrics: Optional[ServerMetrics]):
+        """api_key: one key or several (any of them is accepted, as vLLM's --api-key K1 K2)."""
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.api_keys = [k.encode() for k in keys if k]
         self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -69,7 +71,7 @@ class AuthAndCountMiddleware:
             await send(message)
 
         try:
-            if self.api_key and path.startswith("/v1") and scope.get("method") != "OPTIONS":
+            if self.api_keys and path.startswith("/v1") and scope.get("method") != "OPTIONS":
                 if not self._authorized(scope):
                     if is_messages_path(path):  # Anthropic clients send 'x-api-key', and want their error shape
                         body = anthropic_error_body("invalid or missing API key: send it as 'x-api-key: <key>' or "
@@ -95,7 +97,8 @@ class AuthAndCountMiddleware:
                 break
             if name == b"x-api-key":
                 token = value.strip()
-        return hmac.compare_digest(token, self.api_key)
+        # every key compared (no early exit), each in constant time
+        return sum(hmac.compare_digest(token, key) for key in self.api_keys) > 0
 
 
 async def parse_body(request: Request, model: Type[M]) -> M:
@@ -127,7 +130,8 @@ class CorsSettings:
     allowed_headers: tuple[str, ...] = ("*",)
 
 
-def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None, api_key: Optional[str] = None,
+def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
+              api_key: Union[None, str, Sequence[str]] = None,
               root_path: str = "", cors: CorsSettings = CorsSettings()) -> Any:
     app = FastAPI(title="voltllm OpenAI-compatible server", version=__version__, root_path=root_path)
     app.state.server = state

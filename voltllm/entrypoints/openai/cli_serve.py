@@ -43,7 +43,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--config", default=None, help="a YAML file of flags (vLLM's format: `max-model-len: 8192`); the "
                    "command line wins")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    s.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* routes (several keys: any of them)")
     s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
                    help="model name(s) the API answers to (the first one is reported); default: the model path")
     s.add_argument("--default-chat-template-kwargs", type=json_object_arg("--default-chat-template-kwargs"),
@@ -110,17 +111,18 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
-    if args.api_key is not None and not args.api_key:
+    if args.api_key is not None and not all(args.api_key):
         raise ConfigError("--api-key must not be empty")
     if args.served_model_names is not None and any(not n for n in args.served_model_names):
         raise ConfigError("--served-model-name must not be empty")
-    names = args.served_model_names or []
-    if len(names) > 1 and args.model is None and getattr(args, "model_flag", None) is None \
-            and _looks_like_model(names[-1]):
-        # the option takes every word after it, so `--served-model-name NAME MODEL` made MODEL a second name and
-        # would serve the embedded default model (vLLM refuses this order too)
-        raise ConfigError(f"--served-model-name took {names[-1]!r} as a name and no MODEL was given: put MODEL "
-                          "first (`voltllm serve MODEL --served-model-name NAME`) or pass --model")
+    for flag, words in (("--served-model-name", args.served_model_names), ("--api-key", args.api_key)):
+        words = words or []
+        if len(words) > 1 and args.model is None and getattr(args, "model_flag", None) is None \
+                and _looks_like_model(words[-1]):
+            # the option takes every word after it, so `--served-model-name NAME MODEL` made MODEL a second name
+            # and would serve the embedded default model (vLLM refuses this order too)
+            raise ConfigError(f"{flag} took {words[-1]!r} as a value and no MODEL was given: put MODEL first "
+                              f"(`voltllm serve MODEL {flag} ...`) or pass --model")
     if args.ssl_keyfile and not args.ssl_certfile:
         raise ConfigError("--ssl-keyfile needs --ssl-certfile")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
