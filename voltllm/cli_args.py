@@ -96,10 +96,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=None,
                    help="accepted for vLLM compatibility: preempted requests are recomputed, never swapped")
     g.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="accepted for vLLM compatibility: one GPU, no all-reduce")
+                   help="accepted for vLLM compatibility: tensor-parallel all-reduces use NCCL (gloo on the CPU)")
     g.add_argument("--quantization", "-q", default=None,
-                   help="gguf: keep a GGUF file's weights quantized on the GPU (without it: only when, dequantized, "
-                        "they would take over half the usable memory); other methods are not built")
+                   help="the model's method (gguf, awq, gptq, fp8, modelopt_fp4, ...; docs/cli.md): keep its "
+                        "weights quantized on the GPU (without it: only when, dequantized, they would take over half "
+                        "the usable memory); fp8 on an fp16 / bf16 model quantizes it at load")
     g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
     g.add_argument("--hf-overrides", type=json_object_arg("--hf-overrides"), default=None,
                    help="JSON object of HF config fields to change, e.g. RoPE scaling for long context")
