@@ -23,20 +23,21 @@ def test_incremental_equals_full_decode(tok, text):
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
 
 
-def test_stop_strings(tok):
-    ids = tok.encode(" capital of France is Paris.")
-    d = IncrementalDetokenizer(tok, [], stop=["France", "is"])
-    matched = None
+def _first_stop(d: IncrementalDetokenizer, ids: list[int]):
+    """Feed one token at a time, as the engine does, until a stop string matches (returned)."""
     for t in ids:
         matched = d.add([t])
         if matched:
-            break
-    assert matched == "France" and d.text == " capital of "
+            return matched
+    return None
+
+
+def test_stop_strings(tok):
+    ids = tok.encode(" capital of France is Paris.")
+    d = IncrementalDetokenizer(tok, [], stop=["France", "is"])
+    assert _first_stop(d, ids) == "France" and d.text == " capital of "
     d2 = IncrementalDetokenizer(tok, [], stop=["Paris"], include_stop_str_in_output=True)
-    for t in ids:
-        if d2.add([t]):
-            break
-    assert d2.text == " capital of France is Paris"
+    assert _first_stop(d2, ids) == "Paris" and d2.text == " capital of France is Paris"
     d3 = IncrementalDetokenizer(tok, [], stop=["Paris"])
     d3.add(ids[:3])
     assert len(d3.visible_text(False)) == max(len(d3.text) - 4, 0)
@@ -48,12 +49,7 @@ def test_stop_strings_wait_for_min_tokens(tok):
     ids = tok.encode(" apple, apple, apple, pear")
     first_comma = next(i for i in range(1, len(ids) + 1) if "," in tok.decode(ids[:i]))
     d = IncrementalDetokenizer(tok, [], stop=[","], min_tokens=first_comma)
-    matched = None
-    for t in ids:
-        matched = d.add([t])
-        if matched:
-            break
-    assert matched == "," and d.text == " apple, apple"
+    assert _first_stop(d, ids) == "," and d.text == " apple, apple"
     plain = IncrementalDetokenizer(tok, [], stop=[","])
     assert plain.add(ids) == "," and plain.text == " apple"
 
