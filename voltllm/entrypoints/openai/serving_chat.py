@@ -151,7 +151,7 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), cached)}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
-                                                       req.prompt_logprobs, req.prompt_logprobs)
+                                                       req.prompt_logprobs)
     return body
 
 

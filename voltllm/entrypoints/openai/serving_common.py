@@ -367,11 +367,11 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def prompt_logprobs_json(prompt_ids: list[int], positions: Optional[list[Optional[dict[int, Logprob]]]], top_n: int,
-                         computed: int) -> Optional[list]:
+def prompt_logprobs_json(prompt_ids: list[int], positions: Optional[list[Optional[dict[int, Logprob]]]],
+                         top_n: int) -> Optional[list]:
     """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
-    with the top_n most likely tokens and the prompt's own. `computed`: how many top tokens the engine ranked (the
-    request may have asked more for echo); the prompt's token outside them has no known rank (null)."""
+    with the top_n most likely tokens and the prompt's own (rank null when it is outside the ranked ones; the engine
+    may have ranked more than top_n, for echo)."""
     if positions is None:
         return None
     out: list[Optional[dict]] = []
@@ -380,8 +380,7 @@ def prompt_logprobs_json(prompt_ids: list[int], positions: Optional[list[Optiona
             out.append(None)
             continue
         ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)
-        out.append({str(t): {"logprob": _lp(lp.logprob), "rank": r + 1 if r < computed else None,
-                             "decoded_token": lp.decoded_token}
+        out.append({str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
                     for r, (t, lp) in enumerate(ranked) if r < top_n or t == tid})
     return out
 

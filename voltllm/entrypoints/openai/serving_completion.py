@@ -73,7 +73,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                 choice["logprobs"] = _logprobs(state, out, c, req.logprobs, req.echo)
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
-                                                                 req.prompt_logprobs, prompt_logprobs)
+                                                                 req.prompt_logprobs)
             choices.append(choice)
     body = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached if state.enable_prompt_tokens_details else None)}
