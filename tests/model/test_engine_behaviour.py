@@ -110,10 +110,49 @@ def test_bad_prompts_leave_engine_healthy(llm):
         llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):  # masked in the logits under min_tokens
         llm.generate("hello", SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=[10**6]))
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs must be <= the vocabulary"):  # (topk's k)
+        llm.generate(["hi", "hello"], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1,
+                                                                                    prompt_logprobs=10**6)])
+    for bad, match in (({"foo": 1}, "needs 'prompt'"), ({"prompt_token_ids": ["a", "b"]}, "list of integers"),
+                       ({"prompt_token_ids": [1.5]}, "list of integers"), ([True, 2], "list of integers")):
+        with pytest.raises(InvalidPromptError, match=match):
+            llm.generate(bad, SamplingParams(max_tokens=1))
+    with pytest.raises(TypeError, match="prompts must be"):
+        llm.generate(123)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+        llm.generate("hi", "x")
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate("hi", SamplingParams(max_tokens=1), lora_request=object())
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_chat_takes_vllm_arguments(llm):
+    """OpenAI content parts are flattened to text (vLLM's "auto" format); continue_final_message continues the
+    assistant's last message; lora_request=None and numpy token ids are accepted."""
+    import numpy as np
+
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], greedy,
+                     lora_request=None)[0]
+    plain = llm.chat([{"role": "user", "content": "Hello"}], greedy)[0]
+    assert parts.prompt == plain.prompt and parts.outputs[0].token_ids == plain.outputs[0].token_ids
+    conv = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "The answer is"}]
+    cont = llm.chat(conv, greedy, continue_final_message=True, add_generation_prompt=False)[0]
+    assert cont.prompt.rstrip().endswith("The answer is")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(conv, greedy, continue_final_message=True)
+    with pytest.raises(ValueError, match="image"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+    ids = np.array(plain.prompt_token_ids, dtype=np.int64)
+    assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_seeds_of_n_children_stay_in_int64(llm):
+    out = llm.generate("hi", SamplingParams(n=2, seed=2 ** 63 - 1, temperature=1.0, max_tokens=2))[0]
+    assert len(out.outputs) == 2
 
 
 def test_chat_and_token_prompts(llm):

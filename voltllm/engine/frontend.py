@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -91,6 +92,17 @@ class _RequestState:
         return all(c.finish_reason is not None for c in self.children.values())
 
 
+def _token_ids(value: Any) -> list[int]:
+    """A token-id prompt as a list of ints (numpy / torch integers accepted), else InvalidPromptError."""
+    try:
+        ids = [None if isinstance(t, bool) else operator.index(t) for t in value]
+    except TypeError:
+        ids = [None]
+    if None in ids:
+        raise InvalidPromptError("a token-id prompt must be a list of integers")
+    return ids
+
+
 class Frontend:
     """Turns prompts into EngineCoreRequests and EngineCoreOutputs into RequestOutputs."""
 
@@ -105,7 +117,9 @@ class Frontend:
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise InvalidPromptError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if not prompt:
@@ -113,10 +127,7 @@ class Frontend:
             if self.tokenizer is None:
                 raise InvalidPromptError("text prompts need a tokenizer (started with --skip-tokenizer-init)")
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if any(not isinstance(t, int) for t in ids):
-            raise InvalidPromptError("a token-id prompt must be a list of integers")
-        return None, ids
+        return None, _token_ids(prompt)
 
     def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       cache_salt: Optional[str] = None) -> list[EngineCoreRequest]:
@@ -132,7 +143,9 @@ class Frontend:
         for i in range(params.n):
             cid = child_id(request_id, i, params.n)
             # each child of a seeded request gets its own stream: seed + index
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            # (wrapped into int64, so the last seeds' children stay valid seeds)
+            child_params = params.clone(n=1, seed=None if params.seed is None
+                                        else (params.seed + i + 2**63) % 2**64 - 2**63)
             detok = None
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,

@@ -28,3 +28,5 @@ def check_vocab(prompt_ids: Sequence[int], sp: SamplingParams, vocab_size: int) 
         raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     if sp.logprobs is not None and sp.logprobs > vocab_size:
         raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({vocab_size})", "logprobs")
+    if sp.prompt_logprobs is not None and sp.prompt_logprobs > vocab_size:
+        raise InvalidRequestError(f"prompt_logprobs must be <= the vocabulary size ({vocab_size})", "prompt_logprobs")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from voltllm.config import EngineArgs
 from voltllm.engine.core import EngineCore, InvalidRequestError
@@ -19,6 +19,13 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Opt
         raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          chat_template=chat_template, tools=tools, **template_kwargs)
+
+
+def _refuse_unbuilt(lora_request: Any, priority: Optional[list[int]]) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not built in voltllm")
+    if priority is not None and any(priority):
+        raise ValueError("priority: requests are served first come, first served (no priority scheduling)")
 
 
 class LLM:
@@ -44,10 +51,16 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: Any = None, priority: Optional[list[int]] = None
+                 ) -> list[RequestOutput]:
+        """vLLM's signature; lora_request must be None (no LoRA here) and priority all 0 (one FCFS queue)."""
+        _refuse_unbuilt(lora_request, priority)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and
                                                  isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', a list of token "
+                            f"ids, or a list of those; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -55,6 +68,10 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got "
+                                f"{type(sp).__name__}")
         order: list[str] = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -95,14 +112,35 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = False, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request: Any = None, chat_template: Optional[str] = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Optional[list] = None,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """vLLM's signature (keyword use). Content given as OpenAI parts is flattened to its text, as the server
+        does ("auto" / "string" formats); continue_final_message continues the last assistant message."""
+        from voltllm.entrypoints.openai.errors import OpenAIError
+        from voltllm.entrypoints.openai.serving_common import normalize_messages
+
+        _refuse_unbuilt(lora_request, None)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: only 'auto' and "
+                             "'string' are built (text-only models)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = chat_template or self.config.model.chat_template
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         prompts = []
         for conv in conversations:
-            text = apply_chat_template(self.tokenizer, conv, template, add_generation_prompt, tools,
-                                       **(chat_template_kwargs or {}))
+            try:
+                conv = normalize_messages(conv)
+            except OpenAIError as e:
+                raise ValueError(e.message) from None
+            if continue_final_message and conv[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message needs the last message to be from the assistant")
+            text = apply_chat_template(self.tokenizer, conv, template, add_generation_prompt, tools, **kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
