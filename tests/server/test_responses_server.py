@@ -191,6 +191,10 @@ def test_text_format_json_schema_and_object(client):
     body = _bad(lambda: _create(client, input="x", text={"format": {"type": "json_schema", "name": "r",
                                                                     "schema": {"type": "nope"}}}))
     assert body["param"] == "text", body
+    body = _bad(lambda: _create(client, input="x", tools=[{"type": "function", "name": "f",
+                                                           "parameters": {"type": "object"}}],
+                                tool_choice="required", text={"format": {"type": "json_object"}}))
+    assert "text.format" in body["message"] and "response_format" not in body["message"], body
 
 
 # -- server: refusals, 404s, counters -----------------------------------------------------------------------------

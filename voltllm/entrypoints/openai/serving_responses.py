@@ -143,6 +143,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         if e.param in _PARAMS:
             e.message = e.message.replace(e.param, _PARAMS[e.param])
             e.param = _PARAMS[e.param]
+        e.message = e.message.replace("response_format", "text.format")  # named in others' messages too
         raise
     run = _Run(state, store, req, plan, conversation)
     view = ChoiceView(state, plan, chat.tools, streaming=req.stream)
