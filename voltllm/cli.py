@@ -11,10 +11,9 @@ from typing import Optional
 
 def _generate(args: argparse.Namespace) -> int:
     from voltllm.cli_args import engine_args_from
+    from voltllm.engine.frontend import generation_defaults
     from voltllm.entrypoints.llm import LLM
     from voltllm.sampling.params import SamplingParams
-
-    from voltllm.engine.frontend import generation_defaults
 
     ea = engine_args_from(args)
     llm = LLM(**{k: v for k, v in vars(ea).items()})

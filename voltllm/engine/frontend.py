@@ -4,8 +4,8 @@ stop strings, logprob decoding, and RequestOutput assembly.
 from __future__ import annotations
 
 import json
-import os
 import operator
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
