@@ -193,10 +193,11 @@ class EngineArgs:
                                   self.trust_remote_code, tokenizer_only=True)
         if self.tokenizer_revision:
             raise ConfigError(f"--tokenizer-revision applies to Hugging Face Hub tokenizers; {name!r} is a local path")
-        if not os.path.exists(name):
+        path = os.path.expanduser(name)
+        if not os.path.exists(path):
             raise ConfigError(f"--tokenizer {name}: no such file or directory (nor a Hub repo id of the form "
                               "org/name)")
-        return name
+        return path
 
     def _resolve_dflash(self, spec: Any, hf_config: Any) -> Any:
         """A DFlash drafter's local path and config, checked against the target (engine/dflash.py)."""
