@@ -28,10 +28,13 @@ def _json_arg(flag: str, what: str, ok):
 _SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
-def size_arg(flag: str):
-    """argparse type for token counts written as vLLM accepts them: 8192, 32k (32,000), 32K (32,768), 1.5m."""
-    def parse(value: str) -> int:
+def size_arg(flag: str, unit: str = "tokens", auto: bool = False):
+    """argparse type for sizes written as vLLM accepts them: 8192, 32k (32,000), 32K (32,768), 1.5m, 4G (bytes).
+    auto: "auto" and -1 are taken too, as "auto" (--max-model-len: fit to the KV cache)."""
+    def parse(value: str):
         text = value.strip()
+        if auto and text in ("auto", "-1"):
+            return "auto"
         scale = _SIZE_SUFFIXES.get(text[-1:], 1)
         number = text[:-1] if scale != 1 else text
         try:
@@ -39,9 +42,9 @@ def size_arg(flag: str):
         except ValueError:
             amount = None
         if amount is None or amount != int(amount):
-            hint = " (fitting it to memory, vLLM's auto / -1, is not built)" if text in ("auto", "-1") else ""
-            raise argparse.ArgumentTypeError(f"{flag} takes a whole number of tokens like 8192, 32k or 32K, "
-                                             f"got {value!r}{hint}")
+            example = "8192, 32k or 32K" if unit == "tokens" else "4294967296, 4G or 4g"
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number of {unit} like {example}"
+                                             + (" or auto" if auto else "") + f", got {value!r}")
         return int(amount)
     return parse
 
@@ -69,9 +72,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-token", nargs="?", const=True, default=None,
                    help="token for gated / private Hub repos; without a value: the one `hf auth login` stored")
     g.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
-    g.add_argument("--max-model-len", type=size_arg("--max-model-len"), default=None,
-                   help="context length in tokens (8192, 32k = 32,000, 32K = 32,768; default: the model's)")
+    g.add_argument("--max-model-len", type=size_arg("--max-model-len", auto=True), default=None,
+                   help="context length in tokens (8192, 32k = 32,000, 32K = 32,768; default: the model's); auto or "
+                        "-1: the longest the KV cache holds after memory sizing, up to the model's")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=size_arg("--kv-cache-memory-bytes", unit="bytes"), default=None,
+                   help="the KV cache's size in bytes (4G = 4 GiB, 4g = 4e9) instead of what "
+                        "--gpu-memory-utilization leaves; on the CPU, the KV cache's size (default 2 GiB)")
     g.add_argument("--max-num-batched-tokens", type=size_arg("--max-num-batched-tokens"), default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--block-size", type=int, default=16)

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -63,6 +63,9 @@ class ModelConfig:
     # architectures without quantized layers), or "auto" (a GPU without the flag: quantized when the dequantized
     # weights would crowd the card, worker/runner.py)
     quantized_weights: str = "dequantized"
+    # --max-model-len auto (or -1): max_model_len is the model's maximum until the KV cache is sized, then lowered
+    # to the tokens the cache holds (worker/runner.py fit_max_model_len)
+    max_model_len_fit: bool = False
 
     @property
     def architecture(self) -> str:
@@ -78,6 +81,9 @@ class CacheConfig:
     calculate_key_offsets: bool = False  # fp8 caches: keys stored centered on the first forward's mean (kv_spec.py)
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: Optional[int] = None
+    # --kv-cache-memory-bytes: the KV cache's size (recurrent-state slots included), instead of the share left by
+    # --gpu-memory-utilization; on the CPU it replaces cpu_kv_cache_bytes
+    kv_cache_memory_bytes: Optional[int] = None
     cpu_kv_cache_bytes: int = 2 << 30
     mamba_block_size: Optional[int] = None
     mamba_cache_mode: str = "align"
@@ -132,8 +138,9 @@ class EngineArgs:
     hf_token: Any = None  # str, or True: the stored login
     served_model_name: Optional[str] = None
     dtype: str = "auto"
-    max_model_len: Optional[int] = None
+    max_model_len: Union[int, str, None] = None  # tokens; "auto" or -1: what the KV cache holds, up to the model's
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: Optional[int] = None  # bytes for the KV cache; replaces --gpu-memory-utilization's share
     max_num_batched_tokens: Optional[int] = None
     max_num_seqs: int = 256
     block_size: int = 16
@@ -254,16 +261,25 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
 
         derived_max = _max_positions(hf_config)
-        max_model_len = derived_max if self.max_model_len is None else self.max_model_len  # 0 is an error
+        fit = self.max_model_len in (-1, "auto")
+        max_model_len = derived_max if self.max_model_len is None or fit else self.max_model_len  # 0 is an error
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool):
+            raise ConfigError(f"--max-model-len takes a number of tokens or auto, got {self.max_model_len!r}")
         if max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}"
-                              + (" (vLLM's -1, fitting it to memory, is not built)" if max_model_len == -1 else ""))
+            raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len} (or auto / -1: what the KV "
+                              "cache holds)")
         if max_model_len > derived_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
                               f"({derived_max} positions in its config)")
         if spec is not None and spec.uses_draft_model and _max_positions(spec.draft_hf_config) < max_model_len:
-            raise ConfigError(f"--speculative-config: the draft model holds {_max_positions(spec.draft_hf_config)} "
-                              f"positions, fewer than --max-model-len {max_model_len}; lower --max-model-len")
+            if fit:  # auto: the draft's positions bound the fitted length too
+                max_model_len = _max_positions(spec.draft_hf_config)
+            else:
+                raise ConfigError(f"--speculative-config: the draft model holds "
+                                  f"{_max_positions(spec.draft_hf_config)} positions, fewer than --max-model-len "
+                                  f"{max_model_len}; lower --max-model-len")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(f"--kv-cache-memory-bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -327,14 +343,14 @@ class EngineArgs:
             chat_template=self.chat_template, language_model_only=self.language_model_only,
             load_format=load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,
-            quantized_weights=quantized_weights)
+            quantized_weights=quantized_weights, max_model_len_fit=fit)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
             calculate_key_offsets=calculate_key_offsets,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
-            mamba_cache_mode=self.mamba_cache_mode)
+            mamba_cache_mode=self.mamba_cache_mode, kv_cache_memory_bytes=self.kv_cache_memory_bytes)
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before

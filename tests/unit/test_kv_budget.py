@@ -60,3 +60,17 @@ def test_without_a_snapshot_everything_in_use_is_charged(card):
     assert memory.kv_budget_bytes(_runner(), 0.9) == 29 * GiB - EXTRA
     card.update(free=5 * GiB)
     assert memory.kv_budget_bytes(_runner(), 0.5) == 0
+
+
+def test_kv_cache_memory_bytes_replaces_the_share(card, caplog):
+    # --kv-cache-memory-bytes 8G: the utilization share (70 GiB here) no longer counts; state slots are inside it
+    card.update(total=100 * GiB, free=79 * GiB, reserved=19 * GiB)
+    with caplog.at_level("INFO", logger="voltllm"):
+        assert memory.kv_budget_bytes(_runner(99 * GiB), 0.9, fixed=8 * GiB, state_bytes=GiB) == 7 * GiB
+    assert "--kv-cache-memory-bytes" in caplog.text
+
+
+def test_kv_cache_memory_bytes_over_the_free_memory_is_an_error(card):
+    card.update(total=100 * GiB, free=9 * GiB, reserved=19 * GiB)
+    with pytest.raises(RuntimeError, match="--kv-cache-memory-bytes 10.00 GiB does not fit"):
+        memory.kv_budget_bytes(_runner(29 * GiB), 0.9, fixed=10 * GiB)

@@ -93,6 +93,10 @@ class AttentionBackend(ABC):
         launch and hands unrotated q / k)."""
         return False
 
+    def limit_context(self, max_context: int) -> None:
+        """The engine's longest context is now max_context (--max-model-len auto, after memory sizing): drop
+        buffers sized for more. Backends without such buffers have nothing to do."""
+
     @abstractmethod
     def forward(
         self,

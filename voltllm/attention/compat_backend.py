@@ -234,6 +234,12 @@ class SDPAPrefill:
         ws = buf[: 2 * rows * per_tok].view(2, rows, heads, dim)
         return ws[0], ws[1]
 
+    def limit_context(self, max_context: int) -> None:
+        """A lower longest context from now on: the workspaces, sized for the old one, are dropped (the next step
+        allocates them at the new size)."""
+        self.max_context = max_context
+        self._ws.clear()
+
     def workspace_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._ws.values())
 

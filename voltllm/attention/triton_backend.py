@@ -98,6 +98,9 @@ class TritonAttentionBackend(AttentionBackend):
         # (freed, its memory could go to anything, or back to the driver: an illegal address)
         self._retired_scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def limit_context(self, max_context: int) -> None:
+        self.sdpa_prefill.limit_context(max_context)
+
     # --- device facts and scratch -------------------------------------------------------------
     def _device_info(self, device: torch.device) -> tuple[Optional[tuple[int, int]], int]:
         key = str(device)

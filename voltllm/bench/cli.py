@@ -299,7 +299,7 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
                   "dtype": R.dtype_name(dtype), "load_format": config.model.load_format,
                   "params": sum(p.numel() for p in model.parameters()), "weight_bytes": cost.weight_bytes},
         "config": {"device": str(device), "tensor_parallel_size": config.parallel.tensor_parallel_size,
-                   "max_model_len": config.model.max_model_len,
+                   "max_model_len": engine.max_model_len,  # (--max-model-len auto: as fitted)
                    "max_num_seqs": config.scheduler.max_num_seqs,
                    "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
                    "block_size": config.cache.block_size, "num_kv_blocks": engine.runner.num_blocks,

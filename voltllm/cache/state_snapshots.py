@@ -251,7 +251,8 @@ def build_state_snapshots(runner: Any, num_blocks: int) -> tuple[Optional[StateS
     n = max(MIN_SNAPSHOTS, int(SNAPSHOT_MEMORY_SHARE * num_blocks * block_bytes) // snap_bytes)
     if not cc.num_gpu_blocks_override:  # the pool takes the place of KV blocks
         sc = runner.config.scheduler
-        min_blocks = -(-sc.max_model_len // cc.block_size)
+        # one request of --max-model-len keeps its blocks; under auto the length is fitted to what is left
+        min_blocks = 1 if runner.config.model.max_model_len_fit else -(-sc.max_model_len // cc.block_size)
         spare = max(0, num_blocks - min_blocks)
         n = min(n, spare * block_bytes // snap_bytes)
         num_blocks -= -(-n * snap_bytes // block_bytes)

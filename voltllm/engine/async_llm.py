@@ -217,6 +217,8 @@ class AsyncLLM:
                     continue
                 if msg[0] == "ready":
                     self.engine_info = msg[1]
+                    # --max-model-len auto: the engine fitted the length to its KV cache
+                    self.max_model_len = int(msg[1].get("max_model_len", self.max_model_len))
                     return
                 if msg[0] == "startup_error":
                     raise EngineStartError(f"the engine could not start: {msg[1]}")

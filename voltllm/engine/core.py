@@ -57,6 +57,7 @@ class EngineCore:
             self.config = config
         self.runner = ModelRunner(config, model, tp=tp.group if tp else None, send_step=tp.send_step if tp else None)
         num_blocks = self.runner.initialize_kv_cache()
+        config = self.config = self.runner.config  # --max-model-len auto: its length is known only now
         prefix = config.cache.enable_prefix_caching
         snapshots = self.runner.state_snapshots  # hybrid models, --mamba-cache-mode align
         if prefix and self.runner.is_hybrid and snapshots is None:

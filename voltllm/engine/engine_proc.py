@@ -97,7 +97,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             return
         stats = core.stats()
         out.send(_dumps(("ready", {"num_blocks": stats.num_blocks, "block_size": config.cache.block_size,
-                                   "pid": os.getpid()})))
+                                   "max_model_len": core.max_model_len, "pid": os.getpid()})))
         _loop(core, inp, out, parent_pid)
     except Exception:  # noqa: BLE001
         msg = traceback.format_exc()

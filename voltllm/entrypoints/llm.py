@@ -38,6 +38,7 @@ class LLM:
         self.tokenizer = (None if self.config.model.skip_tokenizer_init else
                           load_tokenizer(self.config.model.tokenizer, self.config.model.trust_remote_code))
         self.engine = EngineCore(self.config)
+        self.config = self.engine.config  # --max-model-len auto: fitted to the KV cache by now
         self.frontend = Frontend(self.tokenizer, self.config.model.model, self.config.model.max_model_len)
         self._ids = itertools.count()
 

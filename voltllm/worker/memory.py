@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -86,11 +87,13 @@ def free_bytes_at_start(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def kv_budget_bytes(runner, utilization: float) -> int:
-    """Bytes for the KV cache. --gpu-memory-utilization is this engine's share of the card, as in vLLM: what other
+def kv_budget_bytes(runner, utilization: float, fixed: Optional[int] = None, state_bytes: int = 0) -> int:
+    """Bytes for the KV blocks. --gpu-memory-utilization is this engine's share of the card, as in vLLM: what other
     processes hold is not charged to it (two engines at 0.45 can share one GPU), but the budget never exceeds what is
     free now. The engine's own use is what the card lost since the runner started (weights, CUDA workspaces) or, if
-    larger, what this process's torch allocator holds (a model built before the runner)."""
+    larger, what this process's torch allocator holds (a model built before the runner).
+    fixed (--kv-cache-memory-bytes): the cache's size instead of the share; the recurrent-state slots
+    (state_bytes, allocated already) are part of it. More than is free after activations is an error."""
     dev = runner.device
     activations = profile_activation_bytes(runner)
     free, total = torch.cuda.mem_get_info(dev)
@@ -101,10 +104,18 @@ def kv_budget_bytes(runner, utilization: float) -> int:
     prompt_graphs = prompt_graph_bytes(runner, activations)
     activations += chunk_workspace_slack_bytes(runner.model, runner.config.scheduler.max_num_seqs)
     extra = activations + reserve + prompt_graphs
-    share = int(total * utilization) - ours - extra
-    budget = min(share, free - extra)
+    if fixed is not None:
+        budget = share = fixed - state_bytes
+        if budget > free - extra:
+            raise RuntimeError(f"--kv-cache-memory-bytes {fixed / 2**30:.2f} GiB does not fit: "
+                               f"{max(free - extra + state_bytes, 0) / 2**30:.2f} GiB is free after the weights, "
+                               f"activations ({activations / 2**30:.2f} GiB) and CUDA graphs; lower it")
+    else:
+        share = int(total * utilization) - ours - extra
+        budget = min(share, free - extra)
     logger.info("memory: %.2f GiB total, %.2f GiB in use by this engine (weights), %.2f GiB by others, %.2f GiB "
                 "activation peak, %.2f GiB prompt graphs -> %.2f GiB for KV%s", total / 2**30, ours / 2**30,
                 others / 2**30, activations / 2**30, prompt_graphs / 2**30, max(budget, 0) / 2**30,
+                " (--kv-cache-memory-bytes)" if fixed is not None else
                 " (capped by the free memory: others hold part of this engine's share)" if budget < share else "")
     return max(budget, 0)

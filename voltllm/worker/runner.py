@@ -41,6 +41,9 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
                                   kv_cache_dtype=config.cache.kv_cache_dtype, max_context=config.model.max_model_len)
 
 
+_MEMORY_HINT = ("; raise --gpu-memory-utilization or --kv-cache-memory-bytes, or choose --kv-cache-dtype fp8 "
+                "(half the bytes per token)")
+
 # "auto" quantized weights stay quantized when their dequantized size exceeds this share of the usable GPU memory
 AUTO_DENSE_FRACTION = 0.5
 
@@ -302,19 +305,44 @@ class ModelRunner:
             return cc.num_gpu_blocks_override
         per_block = self.kv_block_bytes()
         sc = self.config.scheduler
-        useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size) + 1
+        need = -(-sc.max_model_len // self.block_size)  # one request of --max-model-len
+        useful = sc.max_num_seqs * need + 1
         if self.device.type == "cpu":
-            return max(1, min(useful, (cc.cpu_kv_cache_bytes - self.state_cache_bytes()) // per_block))
-        from voltllm.worker.memory import kv_budget_bytes
+            budget = (cc.kv_cache_memory_bytes or cc.cpu_kv_cache_bytes) - self.state_cache_bytes()
+            num = min(useful, max(budget, 0) // per_block)
+            if cc.kv_cache_memory_bytes is None and not self.config.model.max_model_len_fit:
+                return max(1, num)
+        else:
+            from voltllm.worker.memory import kv_budget_bytes
 
-        budget = kv_budget_bytes(self, cc.gpu_memory_utilization)  # state slots are allocated already
-        num = min(useful, budget // per_block)
-        if num < -(-sc.max_model_len // self.block_size):
+            # (state slots are allocated already: the utilization share has them in use; a fixed size includes them)
+            budget = kv_budget_bytes(self, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes,
+                                     self.state_cache_bytes())
+            num = min(useful, budget // per_block)
+        if self.config.model.max_model_len_fit:
+            if num < 1:
+                raise RuntimeError(f"not enough memory for any KV cache: {budget / 2**30:.2f} GiB left after weights "
+                                   f"and activations, {per_block / 2**20:.2f} MiB per block of {self.block_size} "
+                                   "tokens" + _MEMORY_HINT)
+        elif num < need:
             raise RuntimeError(
-                f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after weights and "
+                f"not enough memory for the KV cache: {budget / 2**30:.2f} GiB left after weights and "
                 f"activations holds {num} blocks, fewer than one request of --max-model-len "
-                f"{sc.max_model_len} needs; lower --max-model-len or raise --gpu-memory-utilization")
+                f"{sc.max_model_len} needs ({need}); lower --max-model-len (or pass auto)" + _MEMORY_HINT)
         return int(num)
+
+    def fit_max_model_len(self) -> None:
+        """--max-model-len auto: the longest context one request can hold in the sized KV cache, up to the model's
+        (vLLM's auto); every rank of a TP group has the same block count, so each comes to the same length."""
+        from dataclasses import replace
+
+        mc = self.config.model
+        fitted = min(mc.max_model_len, self.num_blocks * self.block_size)
+        self.config = replace(self.config, model=replace(mc, max_model_len=fitted),
+                              scheduler=replace(self.config.scheduler, max_model_len=fitted))
+        self.backend.limit_context(fitted)
+        logger.info("--max-model-len auto: %d tokens (the KV cache holds %d; the model's maximum is %d)", fitted,
+                    self.num_blocks * self.block_size, mc.max_model_len)
 
     def initialize_kv_cache(self) -> int:
         if self.is_hybrid:  # one recurrent-state slot per running request, before KV blocks are sized
@@ -335,6 +363,8 @@ class ModelRunner:
             from voltllm.cache.state_snapshots import build_state_snapshots
 
             self.state_snapshots, self.num_blocks = build_state_snapshots(self, self.num_blocks)
+        if self.config.model.max_model_len_fit:
+            self.fit_max_model_len()
         heads, dim = self.model.kv_heads_and_dim
         self.kv_caches = make_kv_cache(self.model.num_attention_layers, self.num_blocks, self.block_size,
                                        heads, dim, self.kv_dtype, self.device)

@@ -182,8 +182,9 @@ def run_serve(args: argparse.Namespace) -> int:
         _say(f"error: {e}")
         return 1
     mc = config.model
-    _say(f"model {mc.model} ({mc.architecture}, {str(mc.dtype).replace('torch.', '')}, max_model_len "
-         f"{mc.max_model_len}) on {config.device.device}; config in {time.monotonic() - t0:.1f} s")
+    length = f"max_model_len {mc.max_model_len}" + (" at most, fitted to the KV cache" if mc.max_model_len_fit else "")
+    _say(f"model {mc.model} ({mc.architecture}, {str(mc.dtype).replace('torch.', '')}, {length}) on "
+         f"{config.device.device}; config in {time.monotonic() - t0:.1f} s")
     names = list(args.served_model_names or [mc.served_model_name])
     sock = _bind(args.host, args.port)
     holder: dict[str, Any] = {"rc": 0}
@@ -260,9 +261,9 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     await engine.start(timeout=args.engine_ready_timeout)
     info = engine.engine_info
     _say(f"engine ready in {time.monotonic() - t0:.1f} s (pid {info.get('pid')}, {info.get('num_blocks')} KV blocks "
-         f"of {info.get('block_size')} tokens)")
+         f"of {info.get('block_size')} tokens, max_model_len {engine.max_model_len})")
     state = ServerState(
-        engine=engine, served_model_names=names, max_model_len=config.model.max_model_len,
+        engine=engine, served_model_names=names, max_model_len=engine.max_model_len,
         model_path=config.model.model, chat_template=config.model.chat_template,
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
         response_role=args.response_role, max_logprobs=args.max_logprobs,
