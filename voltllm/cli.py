@@ -83,15 +83,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     parser = build_parser()
-    args = parser.parse_args(dashed_flags(sys.argv[1:] if argv is None else argv))
+    argv = dashed_flags(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     from voltllm.config import ConfigError
     from voltllm.model.loader import ModelLoadError
 
     try:
-        if getattr(args, "config", None):
+        if getattr(args, "config", None) or getattr(args, "profile", None):
             from voltllm.cli_config import merge_config
 
-            args = merge_config(parser, args.command, args)
+            args = merge_config(parser, args.command, args, argv)
         return int(args.func(args) or 0)
     except (ConfigError, ModelLoadError, ValueError) as e:
         print(f"voltllm: error: {e}", file=sys.stderr)

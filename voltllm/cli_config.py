@@ -1,48 +1,59 @@
 """`voltllm serve --config FILE.yaml`: flags from a YAML mapping, as vLLM's `--config` (keys are flag names with
-dashes or underscores; the command line wins over the file).
+dashes or underscores; the command line wins over the file, the file over `--profile` launch profiles).
 
 A key becomes its flag: `true` -> `--key`, `false` -> `--no-key` where the flag has that form (else left out: off is
 the default), a list -> `--key a b`, a mapping -> `--key '<JSON>'`, anything else -> `--key value`; `model` is the
-MODEL argument. The file's flags are parsed alone, and each value the command line left at its default takes the
-file's.
+MODEL argument. The file's flags are parsed alone, and each flag the command line does not give takes the file's
+value.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+from typing import Optional
 
 from voltllm.config import ConfigError
 
 
 def config_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     """The flags a YAML file stands for (`parser`: the subcommand's, to know which `--no-` forms exist)."""
-    import yaml
-
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
+    return mapping_argv(load_yaml(path, f"--config {path}"), parser, f"--config {path}")
+
+
+def load_yaml(path: str, source: str):
+    import yaml
+
     with open(path) as f:
         try:
-            data = yaml.safe_load(f)
+            return yaml.safe_load(f)
         except yaml.YAMLError as e:
-            raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+
+
+def mapping_argv(data, parser: argparse.ArgumentParser, source: str, allow_model: bool = True) -> list[str]:
+    """The flags a mapping of flag names to values stands for; `source` names it in errors."""
     if data is None:
         return []
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+        raise ConfigError(f"{source}: expected a mapping of flag names to values, got {type(data).__name__}")
     known = {opt for action in parser._actions for opt in action.option_strings}
     argv: list[str] = []
     model: list[str] = []  # first: a list-valued flag before it would take it
     for key, value in data.items():
         name = str(key).replace("_", "-")
         if name == "model":
+            if not allow_model:
+                raise ConfigError(f"{source}: cannot name the model (give MODEL on the command line)")
             model = [str(value)]
             continue
         flag = f"--{name}"
-        if flag == "--config":
-            raise ConfigError(f"--config {path}: a config file cannot name another one")
+        if flag in ("--config", "--profile"):
+            raise ConfigError(f"{source}: cannot name {flag}")
         if flag not in known:
-            raise ConfigError(f"--config {path}: unknown flag {key!r}")
+            raise ConfigError(f"{source}: unknown flag {key!r}")
         if value is True:
             argv.append(flag)
         elif value is False:
@@ -57,15 +68,45 @@ def config_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     return model + argv
 
 
-def merge_config(parser: argparse.ArgumentParser, command: str, args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with each value the command line left at its default taken from `args.config`'s file."""
+def merge_config(parser: argparse.ArgumentParser, command: str, args: argparse.Namespace,
+                 argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """`args` (parsed from `argv`, the command line) with the flags it does not give taken from `args.config`'s
+    file, then from the launch profiles of `--profile` (voltllm.profiles; a later profile over an earlier one).
+    A flag counts as given when it is on the command line, even at its default value (`--kv-cache-dtype auto`
+    over a profile's fp8). Without argv, a flag counts as given when its value differs from the default."""
     sub = _subparser(parser, command)
-    file_args = parser.parse_args([command, *config_argv(args.config, sub)])
-    defaults = parser.parse_args([command])
-    for dest, value in vars(file_args).items():
-        if getattr(args, dest, None) == getattr(defaults, dest, None) and value != getattr(defaults, dest, None):
-            setattr(args, dest, value)
+    sources: list[tuple[str, list[str]]] = []
+    if getattr(args, "config", None):
+        sources.append((f"--config {args.config}", config_argv(args.config, sub)))
+    for name in reversed(getattr(args, "profile", None) or []):
+        from voltllm.profiles import load_profile
+
+        profile = load_profile(name)
+        sources.append((f"--profile {name}", mapping_argv(profile.flags, sub, f"--profile {name}",
+                                                          allow_model=False)))
+    if argv is None:
+        defaults = parser.parse_args([command])
+        given = {d for d, v in vars(args).items() if v != getattr(defaults, d, None)}
+    else:
+        given = _given(parser, sub, argv)
+    for source, source_argv in sources:
+        source_args = parser.parse_args([command, *source_argv])
+        for dest in _given(parser, sub, [command, *source_argv]) - given:
+            setattr(args, dest, getattr(source_args, dest))
+            given.add(dest)
     return args
+
+
+def _given(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations `argv` sets itself (the subcommand's defaults suppressed for one parse)."""
+    saved = [(action, action.default) for action in sub._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv))) - {"command", "func"}
+    finally:
+        for action, default in saved:
+            action.default = default
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
