@@ -44,8 +44,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="a YAML file of flags (vLLM's format: `max-model-len: 8192`); the "
                    "command line wins")
     s.add_argument("--profile", action="append", default=None, metavar="NAME",
-                   help="a launch profile: a named set of flags (long-context, low-memory, qwen3-tools, qwen3.5-tools, "
-                        "code-editing; docs/cli.md) or a YAML file of one; repeatable; the command line and --config win")
+                   help="a launch profile: a named set of flags (long-context, low-memory, qwen3-tools, "
+                        "qwen3.5-tools, code-editing; docs/cli.md) or a YAML file of one; repeatable; the command line "
+                        "and --config win")
     s.add_argument("--api-key", nargs="+", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* routes (several keys: any of them)")
     s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
