@@ -24,10 +24,10 @@ def _generate(args: argparse.Namespace) -> int:
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     values.update({k: v for k, v in given.items() if v is not None})
     params = SamplingParams(**values, max_tokens=args.max_tokens, seed=args.sampling_seed)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    if args.chat:  # (one prompt: no progress bar)
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
-        out = llm.generate(args.prompt, params)
+        out = llm.generate(args.prompt, params, use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
 

@@ -135,8 +135,9 @@ def test_prompt_logprobs_in_the_response(server):
     assert len(plp) == tok["count"] and plp[0] is None
     for tid, pos in zip(tok["tokens"][1:], plp[1:]):
         assert str(tid) in pos and 2 <= len(pos) <= 3
-        ranks = sorted(v["rank"] for v in pos.values() if v["rank"] is not None)
+        ranks = sorted(v["rank"] for v in pos.values())  # the prompt token's too: its rank in the vocabulary
         assert ranks[:2] == [1, 2] and all(v["logprob"] <= 0 for v in pos.values())
+        assert (pos[str(tid)]["rank"] > 2) == (len(pos) == 3)
     chat = httpx.post(server.base + CHAT, json={"messages": MSG, "max_tokens": 2, "prompt_logprobs": 0},
                       headers=AUTH, timeout=60).json()
     assert chat["prompt_logprobs"][0] is None and all(len(p) == 1 for p in chat["prompt_logprobs"][1:])

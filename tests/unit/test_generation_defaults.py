@@ -59,7 +59,8 @@ def test_generate_command_takes_the_defaults_under_its_flags(tiny, monkeypatch, 
 
     seen = []
 
-    def fake_generate(self, prompt, params):
+    def fake_generate(self, prompt, params, use_tqdm=True):
+        assert use_tqdm is False  # one prompt: no progress bar
         seen.append(params)
         return [SimpleNamespace(outputs=[SimpleNamespace(text="ok")])]
 

@@ -56,7 +56,8 @@ def test_greedy_logprobs_and_min_tokens():
     toks, lps = Sampler()(logits.clone(), [_row(temperature=0, logprobs=2)])
     assert toks == [1]
     ref = logits.log_softmax(-1)[0]
-    assert set(lps[0]) == {1, 3} and math.isclose(lps[0][1], ref[1].item(), rel_tol=1e-6)
+    assert set(lps[0]) == {1, 3} and math.isclose(lps[0][1][0], ref[1].item(), rel_tol=1e-6)
+    assert [r for _, r in lps[0].values()] == [1, 2]
     row = _row(temperature=0, min_tokens=3, stop_token_ids=[1], out=[5])
     toks, _ = Sampler()(logits.clone(), [row])
     assert toks == [3]
@@ -185,3 +186,53 @@ def test_argmax_only_params_give_the_same_tokens(kw, expect):
     full, fast = s.sample(logits.clone(), rows), s.sample_argmax(logits.clone())
     assert torch.equal(full.tokens, fast.tokens) and full.num_logprobs == fast.num_logprobs
     assert full.to_host() == fast.to_host()
+
+
+def _reference_position(logits_row: torch.Tensor, token: int, k: int) -> dict:
+    """Plain PyTorch: the sampled token's logprob and vocabulary rank (entries with a logprob >= its own, as vLLM
+    counts), then the top-k ranked 1..k."""
+    lp = logits_row.float().log_softmax(-1)
+    ref = {token: (lp[token].item(), int((lp >= lp[token]).sum()))}
+    vals, ids = lp.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+    for r, (t, v) in enumerate(zip(ids.tolist(), vals.tolist()), 1):
+        ref[t] = (v, r)
+    return ref
+
+
+def test_logprob_ranks_against_full_vocabulary_reference():
+    """Every row that asked for logprobs gets its sampled token's rank in the whole vocabulary, also when the token
+    is outside the top-k (hot temperature, logprobs 0 / 1); rows that did not ask get none; penalties and bias change
+    the sampling, not the logprobs (raw, as vLLM's)."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 300) * 3
+    rows = [_row(temperature=3.0, logprobs=1, gen_seed=1), _row(temperature=3.0, logprobs=0, gen_seed=2),
+            _row(temperature=0.0, logprobs=4), _row(temperature=2.0),
+            _row(temperature=2.5, logprobs=5, frequency_penalty=1.0, out=[1, 2, 2], gen_seed=4),
+            _row(temperature=0.0, logprobs=2, logit_bias={7: 50.0})]
+    outside = 0
+    for _ in range(8):
+        tokens, lps = Sampler(torch.Generator().manual_seed(5))(logits.clone(), rows)
+        assert lps[3] is None
+        for i, (tok, lp) in enumerate(zip(tokens, lps)):
+            if lp is None:
+                continue
+            ref = _reference_position(logits[i], tok, rows[i].params.logprobs)
+            assert list(lp) == list(ref)  # the sampled token first, then the top-k in rank order
+            for t, (v, r) in lp.items():
+                assert r == ref[t][1] and math.isclose(v, ref[t][0], rel_tol=1e-5, abs_tol=1e-6)
+            outside += lp[tok][1] > max(rows[i].params.logprobs, 1)
+        logits = logits.roll(1, dims=1)
+    assert tokens[5] == 7 and lps[5][7][1] > 2  # biased into the sample, ranked by the raw logits
+    assert lps[2][tokens[2]][1] == 1  # greedy: the argmax
+    assert outside >= 4
+
+
+def test_logprob_rank_counts_ties_as_vllm():
+    """Tied logprobs: the sampled token ranks after every token tied with it (vLLM's >= count), so one outside the
+    top-k never shares a rank with them."""
+    logits = torch.tensor([[2.0, 2.0, 2.0, 0.0, 1.0]])
+    _, lps = Sampler()(logits.clone(), [_row(temperature=0, logprobs=0, logit_bias={1: 10.0})])
+    assert lps[0] == {1: (pytest.approx(logits.log_softmax(-1)[0, 1].item()), 3)}
+    _, lps = Sampler()(logits.clone(), [_row(temperature=0, logprobs=1, logit_bias={4: 10.0})])
+    (t, (_, r)), (top, (_, top_r)) = lps[0].items()
+    assert (t, r, top_r) == (4, 4, 1) and top in (0, 1, 2)

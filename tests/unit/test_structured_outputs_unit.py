@@ -111,7 +111,7 @@ def test_sampler_applies_the_mask_before_every_path():
         tokens, logprobs = out.to_host()
         assert all(allowed[i, t] for i, t in enumerate(tokens))
         for i, lp in enumerate(logprobs):  # logprobs after the mask: the allowed tokens' mass is 1
-            top = [t for t, v in lp.items() if v > float("-inf")]
+            top = [t for t, (v, _) in lp.items() if v > float("-inf")]
             assert all(allowed[i, t] for t in top)
     assert torch.equal(logits, before)
 

@@ -169,13 +169,10 @@ class Frontend:
                 self.child_to_parent.pop(cid, None)
 
     # -- outputs --------------------------------------------------------------------------------
-    def _decode_logprobs(self, lp: PositionLogprobs, top: int) -> dict[int, Logprob]:
-        """`lp`: the `top` most likely tokens and the chosen one; the chosen one outside them has no known
-        vocabulary rank (None)."""
-        ranked = sorted(lp.items(), key=lambda kv: -kv[1])
+    def _decode_logprobs(self, lp: PositionLogprobs) -> dict[int, Logprob]:
+        """`lp`: the chosen token and the top-k, each with its vocabulary rank (the engine's order: vLLM's)."""
         dec = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
-        return {tid: Logprob(v, rank=r + 1 if r < top else None, decoded_token=dec([tid]))
-                for r, (tid, v) in enumerate(ranked)}
+        return {tid: Logprob(v, rank=r, decoded_token=dec([tid])) for tid, (v, r) in lp.items()}
 
     def update(self, outputs: list[EngineCoreOutput]) -> tuple[list[_RequestState], list[str]]:
         """Apply engine outputs. Returns the touched parents' states and child ids to abort (stop strings);
@@ -194,15 +191,14 @@ class Frontend:
                 continue
             st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and st.prompt_logprobs is None:
-                top = st.params.prompt_logprobs or 0
-                st.prompt_logprobs = [None if p is None else self._decode_logprobs(p, top) for p in out.prompt_logprobs]
+                st.prompt_logprobs = [None if p is None else self._decode_logprobs(p) for p in out.prompt_logprobs]
             if out.first_token_time is not None and st.metrics.first_token_time is None:
                 st.metrics.first_token_time = time.monotonic()
             child.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and child.logprobs is not None:
                 for tid, lp in zip(out.new_token_ids, out.new_logprobs):
-                    child.logprobs.append(self._decode_logprobs(lp, st.params.logprobs or 0))
-                    child.cumulative_logprob += lp[tid]
+                    child.logprobs.append(self._decode_logprobs(lp))
+                    child.cumulative_logprob += lp[tid][0]
             if child.detok is not None and out.new_token_ids:
                 matched = child.detok.add(out.new_token_ids)
                 if matched is not None and out.finish_reason is None:

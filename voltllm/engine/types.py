@@ -6,8 +6,9 @@ from typing import Optional, Union
 
 from voltllm.sampling.params import SamplingParams
 
-# One position's logprobs: {token_id: logprob}, holding the top-k and the chosen token.
-PositionLogprobs = dict[int, float]
+# One position's logprobs: {token_id: (logprob, vocabulary rank)}, holding the chosen (sampled or prompt) token
+# first, then the top-k ranked 1..k (as vLLM: a chosen token among them keeps its top-k rank).
+PositionLogprobs = dict[int, tuple[float, int]]
 
 
 @dataclass

@@ -8,6 +8,7 @@ from voltllm.config import EngineArgs
 from voltllm.engine.core import EngineCore, InvalidRequestError
 from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
 from voltllm.engine.outputs import RequestOutput
+from voltllm.entrypoints.progress import ProgressBar, UseTqdm
 from voltllm.model.loader import load_tokenizer
 from voltllm.sampling.params import SamplingParams
 
@@ -52,9 +53,11 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, lora_request: Any = None, priority: Optional[list[int]] = None
+                 use_tqdm: UseTqdm = True, lora_request: Any = None, priority: Optional[list[int]] = None
                  ) -> list[RequestOutput]:
-        """vLLM's signature; lora_request must be None (no LoRA here) and priority all 0 (one FCFS queue)."""
+        """vLLM's signature; lora_request must be None (no LoRA here) and priority all 0 (one FCFS queue).
+        use_tqdm: a progress bar on stderr over the sequences completed (True, vLLM's default), none (False), or one
+        made by this tqdm-like factory (called with tqdm's keyword arguments)."""
         _refuse_unbuilt(lora_request, priority)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and
                                                  isinstance(prompts[0], int)):
@@ -83,7 +86,7 @@ class LLM:
         except Exception:
             self._abort(order + [rid])
             raise
-        return self._run(order)
+        return self._run(order, use_tqdm, sum(sp.n for sp in params))
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -91,9 +94,12 @@ class LLM:
             self.frontend.forget(rid)
         self.engine.step()  # flush abort notices
 
-    def _run(self, order: list[str]) -> list[RequestOutput]:
+    def _run(self, order: list[str], use_tqdm: UseTqdm = False, num_sequences: int = 0) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        progress: Optional[ProgressBar] = None
         try:
+            if use_tqdm:  # (a factory that fails aborts the requests, as any error here)
+                progress = ProgressBar(use_tqdm, num_sequences)
             while len(final) < len(order):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
@@ -106,14 +112,19 @@ class LLM:
                 for st in touched:  # only the finished requests' outputs are returned: only they are built
                     if st.finished:
                         final[st.request_id] = self.frontend.build(st)
+                        if progress is not None:
+                            progress.finished(final[st.request_id])
         except BaseException:
             self._abort([rid for rid in order if rid not in final])
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [final[rid] for rid in order]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = False, lora_request: Any = None, chat_template: Optional[str] = None,
+             use_tqdm: UseTqdm = True, lora_request: Any = None, chat_template: Optional[str] = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Optional[list] = None,
              chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:

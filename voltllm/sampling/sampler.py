@@ -91,6 +91,7 @@ class SamplerOutput:
     num_logprobs: list[Optional[int]]
     lp_rows: Optional[torch.Tensor] = None  # indices of rows that asked for logprobs
     chosen_lp: Optional[torch.Tensor] = None  # [len(lp_rows)] logprob of the sampled token
+    chosen_rank: Optional[torch.Tensor] = None  # [len(lp_rows)] its vocabulary rank (token_ranks)
     top_ids: Optional[torch.Tensor] = None  # [len(lp_rows), k]
     top_vals: Optional[torch.Tensor] = None
 
@@ -100,7 +101,7 @@ class SamplerOutput:
             return
         self.tokens = pinned_copy(self.tokens)
         if self.chosen_lp is not None:
-            self.chosen_lp = pinned_copy(self.chosen_lp)
+            self.chosen_lp, self.chosen_rank = pinned_copy(self.chosen_lp), pinned_copy(self.chosen_rank)
             self.top_ids, self.top_vals = pinned_copy(self.top_ids), pinned_copy(self.top_vals)
 
     def to_host(self) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
@@ -108,14 +109,29 @@ class SamplerOutput:
         out: list[Optional[PositionLogprobs]] = [None] * len(tokens)
         if self.lp_rows is None:
             return tokens, out
-        chosen = self.chosen_lp.tolist()
+        chosen, ranks = self.chosen_lp.tolist(), self.chosen_rank.tolist()
         ti, tv = self.top_ids.tolist(), self.top_vals.tolist()
         for j, i in enumerate(self.lp_rows.tolist()):
-            d: PositionLogprobs = {tokens[i]: chosen[j]}
-            for t in range(self.num_logprobs[i]):
-                d.setdefault(ti[j][t], tv[j][t])
-            out[i] = d
+            k = self.num_logprobs[i]
+            out[i] = position_logprobs(tokens[i], chosen[j], ranks[j], ti[j][:k], tv[j][:k])
         return tokens, out
+
+
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's vocabulary rank of the logprob `chosen[row]` (1 = most likely), counted as vLLM counts it: the
+    entries whose logprob is >= it, so tied tokens rank after one another and a token outside the top-k always ranks
+    below all k. One comparison and a sum per row, on the logprobs' device."""
+    return (logprobs >= chosen[:, None]).sum(dim=-1)
+
+
+def position_logprobs(token: int, logprob: float, rank: int, top_ids: Sequence[int],
+                      top_vals: Sequence[float]) -> PositionLogprobs:
+    """One position's {token: (logprob, rank)} in vLLM's order: the chosen token first, then the top-k ranked
+    1..k (a chosen token among them takes its top-k rank, as in vLLM; they differ only between ties)."""
+    d: PositionLogprobs = {token: (logprob, rank)}
+    for r, (t, v) in enumerate(zip(top_ids, top_vals), 1):
+        d[t] = (v, r)
+    return d
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -148,6 +164,7 @@ def _logprob_tensors(raw_logprobs: torch.Tensor, sampled: torch.Tensor, out: Sam
     sub = raw_logprobs[rows]
     out.lp_rows = torch.tensor(want)
     out.chosen_lp = sub.gather(1, sampled[rows, None]).squeeze(1)
+    out.chosen_rank = token_ranks(sub, out.chosen_lp)
     out.top_vals, out.top_ids = sub.topk(max(k, 1), dim=-1)
 
 

@@ -19,7 +19,8 @@ from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device, upload
 from voltllm.sampling.bitmask import TokenBitmask
-from voltllm.sampling.sampler import DraftVerdicts, Sampler, SamplerOutput, SamplingRow, pinned_copy
+from voltllm.sampling.sampler import (DraftVerdicts, Sampler, SamplerOutput, SamplingRow, pinned_copy,
+                                      position_logprobs, token_ranks)
 from voltllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("voltllm")
@@ -962,7 +963,7 @@ class ModelRunner:
         logger.info("captured piecewise prompt CUDA graphs (%s tokens, %d pieces each) in %.1f s", graphs.sizes,
                     len(graphs.graphs[graphs.sizes[-1]].pieces), time.monotonic() - t0)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, s) -> list[Optional[PositionLogprobs]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, s) -> list[PositionLogprobs]:
         """Logprobs of prompt tokens start+1 .. (end of this chunk, within the prompt); hidden: this chunk's rows
         that predict prompt tokens (_prompt_logprob_rows of them)."""
         req = s.request
@@ -970,20 +971,15 @@ class ModelRunner:
         last = s.start + n
         lp = self.model.compute_logits(hidden).float().log_softmax(dim=-1)
         targets = torch.tensor(req.prompt_token_ids[s.start + 1:last + 1], device=lp.device)
-        chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+        chosen = lp.gather(1, targets[:, None]).squeeze(1)
+        ranks = token_ranks(lp, chosen).tolist()
+        chosen = chosen.tolist()
         k = req.sampling_params.prompt_logprobs
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
-        top_i = top_i.tolist() if k > 0 else None
-        top_v = top_v.tolist() if k > 0 else None
+        top_i = top_i.tolist() if k > 0 else [[]] * n
+        top_v = top_v.tolist() if k > 0 else [[]] * n
         tl = targets.tolist()
-        result: list[Optional[PositionLogprobs]] = []
-        for j in range(n):
-            d = {tl[j]: chosen[j]}
-            if k > 0:
-                for t, v in zip(top_i[j], top_v[j]):
-                    d.setdefault(t, v)
-            result.append(d)
-        return result
+        return [position_logprobs(tl[j], chosen[j], ranks[j], top_i[j], top_v[j]) for j in range(n)]
 
 
 def _prompt_logprob_rows(s) -> int:

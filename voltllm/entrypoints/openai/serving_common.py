@@ -370,8 +370,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, 
 def prompt_logprobs_json(prompt_ids: list[int], positions: Optional[list[Optional[dict[int, Logprob]]]],
                          top_n: int) -> Optional[list]:
     """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
-    with the top_n most likely tokens and the prompt's own (rank null when it is outside the ranked ones; the engine
-    may have ranked more than top_n, for echo)."""
+    with the top_n most likely tokens and the prompt's own, each with its vocabulary rank (the engine may have ranked
+    more than top_n, for echo)."""
     if positions is None:
         return None
     out: list[Optional[dict]] = []

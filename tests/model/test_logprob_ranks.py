@@ -1,0 +1,87 @@
+"""The offline API's Logprob.rank on a tiny model: a sampled or prompt token's rank in the whole vocabulary, also
+outside the top-N asked for, against transformers' full logits of the same sequence."""
+import pytest
+import torch
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox", "What is the capital of France? The capital of", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny")), "llama", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):  # 8-token budget: prompts in chunks, decode rows beside them
+    return LLM(tiny_path, block_size=4, max_num_batched_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+
+
+def _full_logprobs(ref, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _rank(row: torch.Tensor, token: int) -> int:
+    return int((row >= row[token]).sum())
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 1])
+def test_sampled_token_ranks_match_full_logits(llm, ref, num_logprobs):
+    params = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, seed=11, logprobs=num_logprobs)
+    outside = 0
+    for out in llm.generate(PROMPTS, params):
+        c, n = out.outputs[0], len(out.prompt_token_ids)
+        full = _full_logprobs(ref, out.prompt_token_ids + c.token_ids)
+        for j, (tid, pos) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = full[n + j - 1]
+            assert list(pos)[0] == tid and len(pos) <= num_logprobs + 1
+            assert pos[tid].rank == _rank(row, tid)
+            assert pos[tid].logprob == pytest.approx(row[tid].item(), abs=1e-4)
+            if num_logprobs:
+                assert pos[int(row.argmax())].rank == 1
+            outside += pos[tid].rank > num_logprobs
+    assert outside >= 5  # the hot temperature samples well outside the top-N
+
+
+def test_prompt_token_ranks_match_full_logits(llm, ref):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    outside = 0
+    for out in outs:
+        ids = out.prompt_token_ids
+        full = _full_logprobs(ref, ids)
+        assert out.prompt_logprobs[0] is None
+        for p in range(1, len(ids)):
+            pos, row = out.prompt_logprobs[p], full[p - 1]
+            assert pos[ids[p]].rank == _rank(row, ids[p])
+            assert pos[int(row.argmax())].rank == 1
+            outside += pos[ids[p]].rank > 1
+        # greedy: the sampled token is the argmax
+        assert out.outputs[0].token_ids[0] == int(_full_logprobs(ref, ids)[-1].argmax())
+    assert outside >= 5
+
+
+def test_ranks_beside_speculating_requests(tiny_path, ref):
+    """Under speculative decoding a request with logprobs takes no drafts (speculative.spec_allowed): it is sampled
+    by the plain sampler in the same steps as the verified rows, and its ranks are the same as without speculation."""
+    spec = LLM(tiny_path, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    prompt = "0123456789 0123456789 0123456789 0123"
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=3, logprobs=1)]
+    outs = spec.generate([prompt, prompt], params)
+    assert spec.engine.stats().extra["spec_draft_tokens"] > 0
+    c, n = outs[1].outputs[0], len(outs[1].prompt_token_ids)
+    full = _full_logprobs(ref, outs[1].prompt_token_ids + c.token_ids)
+    ranks = [pos[tid].rank for tid, pos in zip(c.token_ids, c.logprobs)]
+    assert ranks == [_rank(full[n + j - 1], tid) for j, tid in enumerate(c.token_ids)]
+    assert max(ranks) > 1
