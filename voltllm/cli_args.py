@@ -46,6 +46,14 @@ def size_arg(flag: str):
     return parse
 
 
+def compilation_config_arg(value: str):
+    """argparse type for --compilation-config: a JSON object, or a bare number (vLLM's short form of {"mode": N})."""
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    return json_object_arg("--compilation-config")(value)
+
+
 def json_object_arg(flag: str):
     """argparse type for flags that take a JSON object (vLLM style)."""
     return _json_arg(flag, "a JSON object", lambda v: isinstance(v, dict))
@@ -86,6 +94,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8 KV cache: store keys minus each layer's per-channel key mean from the first forward "
                         "(attention is unchanged; less fp8 error for keys with a large mean, e.g. a QKV bias)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False, help="no CUDA graphs")
+    g.add_argument("--compilation-config", "-cc", type=compilation_config_arg, default=None,
+                   help='CUDA graphs as vLLM configures them, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", '
+                        '"cudagraph_capture_sizes": [1, 2, 4, 8]}\' (no torch.compile here: docs/cli.md)')
+    g.add_argument("--optimization-level", "-O", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="vLLM's -O0..-O3: 0 = no CUDA graphs; 2 and 3 = the default graphs; 1 is refused (docs/cli.md)")
+    g.add_argument("--cudagraph-capture-sizes", "--cuda-graph-sizes", dest="cudagraph_capture_sizes", nargs="+",
+                   type=int, default=None, help="batch sizes the decode CUDA graphs are captured for")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="largest decode CUDA graph batch size (default 512, and at most --max-num-seqs)")
     g.add_argument("--require-acceleration", action=argparse.BooleanOptionalAction, default=False,
                    help="refuse to start when a route this configuration expects is disabled (see voltllm check)")
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")

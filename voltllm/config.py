@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from voltllm.cuda_graph_config import CudaGraphConfig
+
 logger = logging.getLogger("voltllm")
 
 
@@ -102,6 +104,9 @@ class DeviceConfig:
     # (voltllm.worker.prompt_graphs); None: by the layers' width and the GPU's speed (prompt_graphs.auto_max_tokens);
     # 0 turns them off, as --enforce-eager does
     prompt_graph_max_tokens: Optional[int] = None
+    # the CUDA graphs --compilation-config / -O / --cuda-graph-sizes ask for (voltllm.cuda_graph_config); with mode NONE
+    # enforce_eager is set too, and without prompt graphs prompt_graph_max_tokens is 0
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,11 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     calculate_key_offsets: bool = False
     enforce_eager: bool = False
+    compilation_config: Optional[Any] = None  # JSON object, dict or vLLM's bare mode number (voltllm.cuda_graph_config)
+    optimization_level: Optional[int] = None  # -O N (None: vLLM's default, 2)
+    cuda_graph_sizes: Optional[list[int]] = None  # vLLM's older name of cudagraph_capture_sizes
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_cudagraph_capture_size: Optional[int] = None
     attention_backend: Optional[str] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -220,6 +230,17 @@ class EngineArgs:
         except SpeculativeConfigError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_cuda_graphs(self) -> CudaGraphConfig:
+        """--compilation-config / -O / --cuda-graph-sizes / --enforce-eager, checked before the model is read."""
+        from voltllm.cuda_graph_config import CompilationConfigError, resolve_cuda_graphs
+
+        try:
+            return resolve_cuda_graphs(self.compilation_config, self.optimization_level, self.cuda_graph_sizes,
+                                       self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
+                                       self.enforce_eager)
+        except CompilationConfigError as e:
+            raise ConfigError(str(e)) from None
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -228,6 +249,7 @@ class EngineArgs:
         from voltllm.model.loader import load_hf_config, resolve_model
 
         self._refuse_unbuilt()
+        graphs = self._resolve_cuda_graphs()
         spec_dict = _parse_json_arg("--speculative-config", self.speculative_config)
         source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
         load_format = _resolve_load_format(self.load_format, source)
@@ -339,8 +361,15 @@ class EngineArgs:
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before
                                 async_scheduling=self.async_scheduling and spec is None)
-        dev = DeviceConfig(device=device, compat=compat, enforce_eager=self.enforce_eager,
-                           attention_backend=self.attention_backend, require_acceleration=self.require_acceleration)
+        from voltllm.cuda_graph_config import CompilationConfigError, fit_to_batch_budget
+
+        try:
+            graphs = fit_to_batch_budget(graphs, batched)
+        except CompilationConfigError as e:
+            raise ConfigError(str(e)) from None
+        dev = DeviceConfig(device=device, compat=compat, enforce_eager=not graphs.decode_graphs,
+                           attention_backend=self.attention_backend, require_acceleration=self.require_acceleration,
+                           prompt_graph_max_tokens=None if graphs.prompt_graphs else 0, cuda_graphs=graphs)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size), speculative=spec,
                               quantization=method)
