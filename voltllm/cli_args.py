@@ -137,6 +137,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checked against the model's files")
     g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM flags voltllm takes at the value that is its behaviour (voltllm/fixed_flags.py; docs/cli.md)
+    f = p.add_argument_group("vLLM flags taken at voltllm's behaviour (other values refused)")
+    f.add_argument("--distributed-executor-backend", default=None,
+                   help="mp: tensor-parallel ranks are worker processes (uni: one rank)")
+    f.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="1 (no data parallelism)")
+    f.add_argument("--cpu-offload-gb", type=float, default=0, help="0 (no weight offloading)")
+    f.add_argument("--scheduling-policy", default="fcfs", help="fcfs: first come, first served")
+    f.add_argument("--preemption-mode", default=None, help="recompute: preempted requests are prefilled again")
+    f.add_argument("--tokenizer-mode", default="auto", help="auto | hf: the checkpoint's Hugging Face tokenizer")
+    f.add_argument("--structured-outputs-config", type=json_object_arg("--structured-outputs-config"), default=None,
+                   help='\'{"backend": "xgrammar"}\' (auto | xgrammar)')
+    f.add_argument("--guided-decoding-backend", default=None, help="vLLM's older flag: auto | xgrammar")
+    f.add_argument("--model-impl", default="auto", help="auto | vllm: voltllm's own model implementations")
+    f.add_argument("--disable-sliding-window", action=argparse.BooleanOptionalAction, default=False,
+                   help="attention always spans the whole context here; caps --max-model-len at a window the "
+                        "checkpoint turns on")
+    f.add_argument("--long-prefill-token-threshold", type=int, default=0, help="0: no per-prompt chunk cap")
+    f.add_argument("--safetensors-load-strategy", default=None, help="lazy: files are memory-mapped")
+    f.add_argument("--max-parallel-loading-workers", type=int, default=None,
+                   help="at least --tensor-parallel-size: every rank loads its weights at once")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -176,9 +176,28 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     require_acceleration: bool = False
+    # vLLM flags taken at the value that is voltllm's behaviour, refused at others (voltllm/fixed_flags.py)
+    distributed_executor_backend: Optional[str] = None  # mp (uni with one rank)
+    data_parallel_size: int = 1
+    cpu_offload_gb: float = 0
+    scheduling_policy: str = "fcfs"
+    preemption_mode: Optional[str] = None  # recompute
+    tokenizer_mode: str = "auto"  # auto | hf: the checkpoint's Hugging Face (fast) tokenizer
+    structured_outputs_config: Optional[Any] = None  # JSON object: backend auto | xgrammar
+    guided_decoding_backend: Optional[str] = None  # vLLM's older flag: auto | xgrammar
+    model_impl: str = "auto"  # auto | vllm: voltllm's own model implementations
+    long_prefill_token_threshold: int = 0
+    safetensors_load_strategy: Optional[str] = None  # lazy (memory-mapped)
+    max_parallel_loading_workers: Optional[int] = None  # >= tensor_parallel_size: every rank loads at once
+    # full attention over the whole context is always what runs; with a checkpoint whose config turns a sliding window
+    # on, this caps --max-model-len at the window, as vLLM does
+    disable_sliding_window: bool = False
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
+        from voltllm.fixed_flags import check_fixed_flags
+
+        check_fixed_flags(self)
         if self.pipeline_parallel_size != 1:
             raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not "
                               "built yet; use 1")
@@ -276,13 +295,17 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
 
         derived_max = _max_positions(hf_config)
+        window = _sliding_window(hf_config) if self.disable_sliding_window else None
+        if window is not None and window < derived_max:  # (vLLM's --disable-sliding-window: the context ends there)
+            derived_max = window
         max_model_len = derived_max if self.max_model_len is None else self.max_model_len  # 0 is an error
         if max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len}"
                               + (" (vLLM's -1, fitting it to memory, is not built)" if max_model_len == -1 else ""))
         if max_model_len > derived_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
-                              f"({derived_max} positions in its config)")
+                              + (f"(its sliding window, {window} tokens, with --disable-sliding-window)"
+                                 if derived_max == window else f"({derived_max} positions in its config)"))
         if spec is not None and spec.uses_draft_model and _max_positions(spec.draft_hf_config) < max_model_len:
             raise ConfigError(f"--speculative-config: the draft model holds {_max_positions(spec.draft_hf_config)} "
                               f"positions, fewer than --max-model-len {max_model_len}; lower --max-model-len")
@@ -545,6 +568,16 @@ def _max_positions(hf_config: Any) -> int:
     if text is not None:
         return _max_positions(text)
     return 4096
+
+
+def _sliding_window(hf_config: Any) -> Optional[int]:
+    """The attention window a checkpoint's config turns on (transformers sets `sliding_window` only then, e.g. qwen2's
+    use_sliding_window), else None."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False or not isinstance(window, int) or window <= 0:
+        return None
+    return window
 
 
 def _rope_scaled(hf_config: Any, max_positions: int) -> int:
