@@ -123,11 +123,29 @@ def dotted_json_flags(argv: list[str]) -> list[str]:
     return out
 
 
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag the parser and its subcommands define."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= option_strings(sub)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     parser = build_parser()
-    args = parser.parse_args(dotted_json_flags(dashed_flags(sys.argv[1:] if argv is None else argv)))
+    words = dotted_json_flags(dashed_flags(sys.argv[1:] if argv is None else argv))
+    from voltllm.cli_unbuilt import unbuilt_flag_error
+
+    unbuilt = unbuilt_flag_error(words, option_strings(parser))  # a known vLLM flag: why, not "unrecognized"
+    if unbuilt is not None:
+        print(f"voltllm: error: {unbuilt}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(words)
     from voltllm.config import ConfigError
     from voltllm.model.loader import ModelLoadError
 

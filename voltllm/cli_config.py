@@ -42,7 +42,10 @@ def config_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
         if flag == "--config":
             raise ConfigError(f"--config {path}: a config file cannot name another one")
         if flag not in known:
-            raise ConfigError(f"--config {path}: unknown flag {key!r}")
+            from voltllm.cli_unbuilt import unbuilt_setting_error
+
+            why = unbuilt_setting_error(str(key))
+            raise ConfigError(f"--config {path}: {why}" if why else f"--config {path}: unknown flag {key!r}")
         if value is True:
             argv.append(flag)
         elif value is False:
