@@ -236,7 +236,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
     else:
         expected = not dev.enforce_eager
         if dev.enforce_eager:
-            on, why = False, "--enforce-eager"
+            on, why = False, "--enforce-eager (or cudagraph_mode NONE / -O0)"
         elif not triton_attn:
             on, why = False, f"attention backend {backend_name} is not graph-capturable"
         else:

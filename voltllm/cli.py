@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import logging
+import re
 import sys
 from typing import Optional
 
@@ -69,13 +71,66 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dashed_flags(argv: list[str]) -> list[str]:
-    """--max_model_len -> --max-model-len (vLLM's parser takes both spellings); values are left alone."""
+    """--max_model_len -> --max-model-len (vLLM's parser takes both spellings); values, and the JSON keys of a dotted
+    flag (--compilation_config.cudagraph_mode), are left alone."""
     out = []
     for arg in argv:
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
+            flag, dot, keys = name.partition(".")
+            arg = flag.replace("_", "-") + dot + keys + eq + value
         out.append(arg)
+    return out
+
+
+_DOTTED = re.compile(r"(--?[A-Za-z][\w-]*)\.([A-Za-z_][\w.]*)(?:=(.*))?", re.DOTALL)
+_FLAG_ALIASES = {"-cc": "--compilation-config"}
+
+
+def dotted_json_flags(argv: list[str]) -> list[str]:
+    """vLLM's dotted form of JSON flags: `-cc.cudagraph_mode=NONE` or `--compilation-config.cudagraph_mode NONE`
+    (`--speculative-config.method ngram`, ...) set one key of the flag's JSON object (each value read as JSON, else as
+    a string); a flag's dotted keys are merged into one object, given after the other flags."""
+    out: list[str] = []
+    objects: dict[str, dict] = {}
+    i = 0
+    while i < len(argv):
+        match = _DOTTED.fullmatch(argv[i])
+        if match is None:
+            out.append(argv[i])
+            i += 1
+            continue
+        flag, keys, value = match.group(1), match.group(2).split("."), match.group(3)
+        if value is None:
+            if i + 1 >= len(argv):
+                out.append(argv[i])  # (argparse names it as unrecognized)
+                break
+            value, i = argv[i + 1], i + 1
+        i += 1
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        node = objects.setdefault(_FLAG_ALIASES.get(flag, flag), {})
+        for key in keys[:-1]:
+            child = node.get(key)
+            if not isinstance(child, dict):
+                child = node[key] = {}
+            node = child
+        node[keys[-1]] = parsed
+    for flag, obj in objects.items():
+        out += [flag, json.dumps(obj)]
+    return out
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag the parser and its subcommands define."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= option_strings(sub)
     return out
 
 
@@ -83,7 +138,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     parser = build_parser()
-    argv = dashed_flags(sys.argv[1:] if argv is None else argv)
+    argv = dotted_json_flags(dashed_flags(sys.argv[1:] if argv is None else argv))
+    from voltllm.cli_unbuilt import unbuilt_flag_error
+
+    unbuilt = unbuilt_flag_error(argv, option_strings(parser))  # a known vLLM flag: why, not "unrecognized"
+    if unbuilt is not None:
+        print(f"voltllm: error: {unbuilt}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     from voltllm.config import ConfigError
     from voltllm.model.loader import ModelLoadError

@@ -49,6 +49,14 @@ def size_arg(flag: str, unit: str = "tokens", auto: bool = False):
     return parse
 
 
+def compilation_config_arg(value: str):
+    """argparse type for --compilation-config: a JSON object, or a bare number (vLLM's short form of {"mode": N})."""
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    return json_object_arg("--compilation-config")(value)
+
+
 def json_object_arg(flag: str):
     """argparse type for flags that take a JSON object (vLLM style)."""
     return _json_arg(flag, "a JSON object", lambda v: isinstance(v, dict))
@@ -93,6 +101,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8 KV cache: store keys minus each layer's per-channel key mean from the first forward "
                         "(attention is unchanged; less fp8 error for keys with a large mean, e.g. a QKV bias)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False, help="no CUDA graphs")
+    g.add_argument("--compilation-config", "-cc", type=compilation_config_arg, default=None,
+                   help='CUDA graphs as vLLM configures them, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", '
+                        '"cudagraph_capture_sizes": [1, 2, 4, 8]}\' (no torch.compile here: docs/cli.md)')
+    g.add_argument("--optimization-level", "-O", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="vLLM's -O0..-O3: 0 = no CUDA graphs; 2 and 3 = the default graphs; 1 is refused (docs/cli.md)")
+    g.add_argument("--cudagraph-capture-sizes", "--cuda-graph-sizes", dest="cudagraph_capture_sizes", nargs="+",
+                   type=int, default=None, help="batch sizes the decode CUDA graphs are captured for")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="largest decode CUDA graph batch size (default 512, and at most --max-num-seqs)")
     g.add_argument("--require-acceleration", action=argparse.BooleanOptionalAction, default=False,
                    help="refuse to start when a route this configuration expects is disabled (see voltllm check)")
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
@@ -127,6 +144,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checked against the model's files")
     g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM flags voltllm takes at the value that is its behaviour (voltllm/fixed_flags.py; docs/cli.md)
+    f = p.add_argument_group("vLLM flags taken at voltllm's behaviour (other values refused)")
+    f.add_argument("--distributed-executor-backend", default=None,
+                   help="mp: tensor-parallel ranks are worker processes (uni: one rank)")
+    f.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="1 (no data parallelism)")
+    f.add_argument("--cpu-offload-gb", type=float, default=0, help="0 (no weight offloading)")
+    f.add_argument("--scheduling-policy", default="fcfs", help="fcfs: first come, first served")
+    f.add_argument("--preemption-mode", default=None, help="recompute: preempted requests are prefilled again")
+    f.add_argument("--tokenizer-mode", default="auto", help="auto | hf: the checkpoint's Hugging Face tokenizer")
+    f.add_argument("--structured-outputs-config", type=json_object_arg("--structured-outputs-config"), default=None,
+                   help='\'{"backend": "xgrammar"}\' (auto | xgrammar)')
+    f.add_argument("--guided-decoding-backend", default=None, help="vLLM's older flag: auto | xgrammar")
+    f.add_argument("--model-impl", default="auto", help="auto | vllm: voltllm's own model implementations")
+    f.add_argument("--disable-sliding-window", action=argparse.BooleanOptionalAction, default=False,
+                   help="attention always spans the whole context here; caps --max-model-len at a window the "
+                        "checkpoint turns on")
+    f.add_argument("--long-prefill-token-threshold", type=int, default=0, help="0: no per-prompt chunk cap")
+    f.add_argument("--safetensors-load-strategy", default=None, help="lazy: files are memory-mapped")
+    f.add_argument("--max-parallel-loading-workers", type=int, default=None,
+                   help="at least --tensor-parallel-size: every rank loads its weights at once")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -53,7 +53,10 @@ def mapping_argv(data, parser: argparse.ArgumentParser, source: str, allow_model
         if flag in ("--config", "--profile"):
             raise ConfigError(f"{source}: cannot name {flag}")
         if flag not in known:
-            raise ConfigError(f"{source}: unknown flag {key!r}")
+            from voltllm.cli_unbuilt import unbuilt_setting_error
+
+            why = unbuilt_setting_error(str(key))
+            raise ConfigError(f"{source}: {why}" if why else f"{source}: unknown flag {key!r}")
         if value is True:
             argv.append(flag)
         elif value is False:

@@ -13,6 +13,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from voltllm.cuda_graph_config import CudaGraphConfig
+
 logger = logging.getLogger("voltllm")
 
 
@@ -108,6 +110,9 @@ class DeviceConfig:
     # (voltllm.worker.prompt_graphs); None: by the layers' width and the GPU's speed (prompt_graphs.auto_max_tokens);
     # 0 turns them off, as --enforce-eager does
     prompt_graph_max_tokens: Optional[int] = None
+    # the CUDA graphs --compilation-config / -O / --cuda-graph-sizes ask for (voltllm.cuda_graph_config); with mode NONE
+    # enforce_eager is set too, and without prompt graphs prompt_graph_max_tokens is 0
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,11 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     calculate_key_offsets: bool = False
     enforce_eager: bool = False
+    compilation_config: Optional[Any] = None  # JSON object, dict or vLLM's bare mode number (voltllm.cuda_graph_config)
+    optimization_level: Optional[int] = None  # -O N (None: vLLM's default, 2)
+    cuda_graph_sizes: Optional[list[int]] = None  # vLLM's older name of cudagraph_capture_sizes
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_cudagraph_capture_size: Optional[int] = None
     attention_backend: Optional[str] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -173,9 +183,28 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     require_acceleration: bool = False
+    # vLLM flags taken at the value that is voltllm's behaviour, refused at others (voltllm/fixed_flags.py)
+    distributed_executor_backend: Optional[str] = None  # mp (uni with one rank)
+    data_parallel_size: int = 1
+    cpu_offload_gb: float = 0
+    scheduling_policy: str = "fcfs"
+    preemption_mode: Optional[str] = None  # recompute
+    tokenizer_mode: str = "auto"  # auto | hf: the checkpoint's Hugging Face (fast) tokenizer
+    structured_outputs_config: Optional[Any] = None  # JSON object: backend auto | xgrammar
+    guided_decoding_backend: Optional[str] = None  # vLLM's older flag: auto | xgrammar
+    model_impl: str = "auto"  # auto | vllm: voltllm's own model implementations
+    long_prefill_token_threshold: int = 0
+    safetensors_load_strategy: Optional[str] = None  # lazy (memory-mapped)
+    max_parallel_loading_workers: Optional[int] = None  # >= tensor_parallel_size: every rank loads at once
+    # full attention over the whole context is always what runs; with a checkpoint whose config turns a sliding window
+    # on, this caps --max-model-len at the window, as vLLM does
+    disable_sliding_window: bool = False
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
+        from voltllm.fixed_flags import check_fixed_flags
+
+        check_fixed_flags(self)
         if self.pipeline_parallel_size != 1:
             raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not "
                               "built yet; use 1")
@@ -227,6 +256,17 @@ class EngineArgs:
         except SpeculativeConfigError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_cuda_graphs(self) -> CudaGraphConfig:
+        """--compilation-config / -O / --cuda-graph-sizes / --enforce-eager, checked before the model is read."""
+        from voltllm.cuda_graph_config import CompilationConfigError, resolve_cuda_graphs
+
+        try:
+            return resolve_cuda_graphs(self.compilation_config, self.optimization_level, self.cuda_graph_sizes,
+                                       self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
+                                       self.enforce_eager)
+        except CompilationConfigError as e:
+            raise ConfigError(str(e)) from None
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -235,6 +275,7 @@ class EngineArgs:
         from voltllm.model.loader import load_hf_config, resolve_model
 
         self._refuse_unbuilt()
+        graphs = self._resolve_cuda_graphs()
         spec_dict = _parse_json_arg("--speculative-config", self.speculative_config)
         source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
         load_format = _resolve_load_format(self.load_format, source)
@@ -261,6 +302,9 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
 
         derived_max = _max_positions(hf_config)
+        window = _sliding_window(hf_config) if self.disable_sliding_window else None
+        if window is not None and window < derived_max:  # (vLLM's --disable-sliding-window: the context ends there)
+            derived_max = window
         fit = self.max_model_len in (-1, "auto")
         max_model_len = derived_max if self.max_model_len is None or fit else self.max_model_len  # 0 is an error
         if not isinstance(max_model_len, int) or isinstance(max_model_len, bool):
@@ -270,7 +314,8 @@ class EngineArgs:
                               "cache holds)")
         if max_model_len > derived_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
-                              f"({derived_max} positions in its config)")
+                              + (f"(its sliding window, {window} tokens, with --disable-sliding-window)"
+                                 if derived_max == window else f"({derived_max} positions in its config)"))
         if spec is not None and spec.uses_draft_model and _max_positions(spec.draft_hf_config) < max_model_len:
             if fit:  # auto: the draft's positions bound the fitted length too
                 max_model_len = _max_positions(spec.draft_hf_config)
@@ -355,8 +400,15 @@ class EngineArgs:
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before
                                 async_scheduling=self.async_scheduling and spec is None)
-        dev = DeviceConfig(device=device, compat=compat, enforce_eager=self.enforce_eager,
-                           attention_backend=self.attention_backend, require_acceleration=self.require_acceleration)
+        from voltllm.cuda_graph_config import CompilationConfigError, fit_to_batch_budget
+
+        try:
+            graphs = fit_to_batch_budget(graphs, batched)
+        except CompilationConfigError as e:
+            raise ConfigError(str(e)) from None
+        dev = DeviceConfig(device=device, compat=compat, enforce_eager=not graphs.decode_graphs,
+                           attention_backend=self.attention_backend, require_acceleration=self.require_acceleration,
+                           prompt_graph_max_tokens=None if graphs.prompt_graphs else 0, cuda_graphs=graphs)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size), speculative=spec,
                               quantization=method)
@@ -532,6 +584,16 @@ def _max_positions(hf_config: Any) -> int:
     if text is not None:
         return _max_positions(text)
     return 4096
+
+
+def _sliding_window(hf_config: Any) -> Optional[int]:
+    """The attention window a checkpoint's config turns on (transformers sets `sliding_window` only then, e.g. qwen2's
+    use_sliding_window), else None."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False or not isinstance(window, int) or window <= 0:
+        return None
+    return window
 
 
 def _rope_scaled(hf_config: Any, max_positions: int) -> int:

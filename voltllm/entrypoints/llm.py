@@ -33,7 +33,10 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
-            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+            from voltllm.cli_unbuilt import unbuilt_setting_error
+
+            unbuilt = [why for why in map(unbuilt_setting_error, sorted(unknown)) if why]
+            raise TypeError(unbuilt[0] if unbuilt else f"unknown engine arguments: {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
         self.tokenizer = (None if self.config.model.skip_tokenizer_init else

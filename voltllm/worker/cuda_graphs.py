@@ -68,6 +68,15 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = GRAPH_ROWS_LIMIT) -> list[
     return sizes
 
 
+def decode_capture_sizes(rows: int, graphs) -> list[int]:
+    """The batch sizes a decode-graph set of up to `rows` rows captures, as DeviceConfig.cuda_graphs asks
+    (voltllm.cuda_graph_config): its cudagraph_capture_sizes that fit the rows, else graph_batch_sizes up to its
+    max_cudagraph_capture_size (default GRAPH_ROWS_LIMIT). A batch above the largest runs eagerly."""
+    if graphs.capture_sizes is not None:
+        return [s for s in graphs.capture_sizes if s <= rows]
+    return graph_batch_sizes(rows, graphs.max_capture_size or GRAPH_ROWS_LIMIT)
+
+
 @dataclass
 class CapturedGraph:
     batch_size: int
@@ -85,7 +94,8 @@ class DecodeGraphs:
         (None: the input buffers' row capacity, decode_graph_rows)."""
         self.runner = weakref.proxy(runner)  # (no cycle: a dropped engine frees its graphs at once)
         self.walks = walks
-        self.sizes = graph_batch_sizes(rows if rows is not None else runner.buffers.max_seqs)
+        self.sizes = decode_capture_sizes(rows if rows is not None else runner.buffers.max_seqs,
+                                          runner.config.device.cuda_graphs)
         self.graphs: dict[int, CapturedGraph] = {}
         self.pool = None
         self.replays = 0
@@ -120,6 +130,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """pool: another set's graph memory pool to share (sets never replay at once)."""
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        if not self.sizes:  # every configured size is above this set's rows: its batches run eagerly
+            return
         r = self.runner
         buf = r.buffers
         buf.select_compact()  # graphs read the compact layout (decode batches fit it)
@@ -144,7 +157,6 @@ class DecodeGraphs:
             # grown by a later set would leave the earlier graphs on the old one (TritonBackend keeps it alive)
             rows = max(self.sizes[-1], buf.max_seqs)
             r.backend.reserve(rows, num_q_heads, heads, dim, r.config.model.max_model_len, r.device)
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with gc_paused():
             self._capture_all()
         torch.cuda.synchronize()

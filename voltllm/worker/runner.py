@@ -857,7 +857,7 @@ class ModelRunner:
 
             gc.collect()
         if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
-            from voltllm.worker.cuda_graphs import graph_batch_sizes
+            from voltllm.worker.cuda_graphs import decode_capture_sizes
             from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 
             models = [self.model] + ([self.draft.model] if self.draft is not None else [])
@@ -868,7 +868,8 @@ class ModelRunner:
             # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
             if self.config.device.compat == "none":
                 for model in models:
-                    tune_batch_gemm(model, graph_batch_sizes(self.config.scheduler.max_num_seqs))
+                    tune_batch_gemm(model, decode_capture_sizes(self.config.scheduler.max_num_seqs,
+                                                                self.config.device.cuda_graphs))
 
     def _tune_quant_tiles(self) -> None:
         """Weights kept quantized: the dequant-GEMM's tile per kind, shape and row class, timed on this GPU."""
@@ -906,8 +907,8 @@ class ModelRunner:
         from voltllm.worker.cuda_graphs import DecodeGraphs
 
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.backend.name != "TRITON_ATTN":
-            logger.info("CUDA graphs off (%s)", "--enforce-eager" if self.config.device.enforce_eager
-                        else "not supported by this device/backend")
+            logger.info("CUDA graphs off (%s)", "--enforce-eager or cudagraph_mode NONE / -O0"
+                        if self.config.device.enforce_eager else "not supported by this device/backend")
             return
         t0 = time.monotonic()
         self._apply_pdl()

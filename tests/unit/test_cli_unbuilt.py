@@ -1,0 +1,78 @@
+"""Well-known vLLM flags voltllm does not build are refused with a readable reason and exit 2 (voltllm/cli_unbuilt.py),
+on the command line, in `--config` files and as LLM(...) keywords; flags voltllm does not know at all keep argparse's
+"unrecognized arguments"."""
+from __future__ import annotations
+
+import pytest
+
+from voltllm.cli import build_parser, main, option_strings
+from voltllm.cli_unbuilt import UNBUILT_FLAGS, unbuilt_flag_error
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["serve", "--enable-lora"], "voltllm: error: --enable-lora: LoRA adapters are not built in voltllm"),
+    (["serve", "m", "--max_loras=4"], "voltllm: error: --max-loras: LoRA adapters are not built in voltllm"),
+    (["serve", "m", "--speculative-model", "d", "--num-speculative-tokens", "4"],
+     "voltllm: error: --speculative-model: an older vLLM flag: speculative decoding is configured with "
+     "--speculative-config"),
+    (["serve", "m", "--enable-reasoning", "--reasoning-parser", "qwen3"],
+     "voltllm: error: --enable-reasoning: an older vLLM flag: --reasoning-parser NAME alone"),
+    (["generate", "hi", "m", "--num-scheduler-steps", "8"], "voltllm: error: --num-scheduler-steps: multi-step"),
+    (["serve", "m", "--no-enable-sleep-mode"], "voltllm: error: --no-enable-sleep-mode: sleep mode"),
+])
+def test_unbuilt_vllm_flags_exit_2_with_the_reason(capsys, argv, expected):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().startswith(expected), err
+    assert "usage:" not in err and "unrecognized" not in err
+
+
+def test_every_table_flag_is_refused_and_none_is_defined_by_voltllm():
+    known = option_strings(build_parser())
+    assert not known & set(UNBUILT_FLAGS), "a built flag must leave the table"
+    for flag, why in UNBUILT_FLAGS.items():
+        assert unbuilt_flag_error(["serve", "m", flag, "1"], known) == f"{flag}: {why}"
+
+
+def test_other_engineers_server_flags_are_not_in_the_table():
+    for flag in ("--chat-template-content-format", "--return-tokens-as-token-ids", "--disable-fastapi-docs",
+                 "--enable-request-id-headers", "--max-log-len", "--enable-log-outputs",
+                 "--enable-server-load-tracking", "--kv-cache-memory-bytes", "--max-model-len"):
+        assert flag not in UNBUILT_FLAGS
+
+
+def test_a_flag_voltllm_defines_is_never_refused_from_the_table():
+    assert unbuilt_flag_error(["serve", "--enable-lora"], known={"--enable-lora"}) is None
+    assert unbuilt_flag_error(["serve", "m", "--", "--enable-lora"]) is None  # after --: values
+    assert unbuilt_flag_error(["generate", "--enable-lora is off", "m"]) is None  # a value, not a flag
+
+
+def test_unknown_flags_keep_argparse_message(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "m", "--no-such-flag-anywhere"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --no-such-flag-anywhere" in capsys.readouterr().err
+
+
+def test_config_file_and_offline_llm_name_the_reason(tmp_path):
+    from voltllm.cli_config import merge_config
+    from voltllm.config import ConfigError
+    from voltllm.entrypoints.llm import LLM
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("enable_lora: true\n")
+    parser = build_parser()
+    with pytest.raises(ConfigError, match="serve.yaml: enable_lora: LoRA adapters are not built in voltllm"):
+        merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(cfg)]))
+    with pytest.raises(TypeError, match="enable_sleep_mode: sleep mode .* is not built"):
+        LLM("unused", enable_sleep_mode=True)
+    with pytest.raises(TypeError, match="unknown engine arguments: no_such_argument"):
+        LLM("unused", no_such_argument=1)
+
+
+def test_docs_list_every_unbuilt_flag():
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "cli.md")) as f:
+        docs = f.read()
+    assert [flag for flag in UNBUILT_FLAGS if f"`{flag}`" not in docs] == []

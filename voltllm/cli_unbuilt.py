@@ -1,0 +1,121 @@
+"""Well-known vLLM flags voltllm does not build: each one is refused with why (exit 2) instead of argparse's bare
+"unrecognized arguments". A data table; cli.main consults it before parsing, `--config` files and LLM(...) too.
+
+A flag voltllm's parser defines is never refused from here (its own check applies), so building one later only
+means adding the flag.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+_LORA = "LoRA adapters are not built in voltllm"
+_PROMPT_ADAPTERS = "prompt adapters are not built in voltllm (vLLM removed them too)"
+_SPEC_OLD = ("an older vLLM flag: speculative decoding is configured with --speculative-config, e.g. "
+             "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' or '{\"method\": \"ngram\", ...}' (docs/cli.md)")
+_MULTI_STEP = ("multi-step scheduling (removed in vLLM V1) is not built; async scheduling, on by default, overlaps "
+               "the host's work for the next step with the GPU's current one instead")
+_MULTIMODAL = "multimodal input is not built: voltllm serves the language model alone (text in, text out)"
+_POOLING = "pooling models (embedding, classification, reward) are not built: voltllm runs generative models only"
+_EXPERT_PARALLEL = ("expert parallelism is not built: -tp splits every expert's rows across the ranks (each rank "
+                    "holds all experts)")
+_DATA_PARALLEL = "data parallelism is not built (--data-parallel-size 1 only)"
+_KV_TRANSFER = "disaggregated prefill / KV cache transfer between engines is not built"
+_KV_OFFLOAD = "offloading the KV cache to CPU memory is not built"
+_TRACING = "OpenTelemetry tracing is not built (Prometheus metrics: GET /metrics)"
+_PARTIAL_PREFILLS = ("limiting how many prompts are part-way through their prefill is not built (vLLM has removed "
+                     "this flag): each step's --max-num-batched-tokens budget decides; drop it")
+
+UNBUILT_FLAGS: dict[str, str] = {
+    # LoRA
+    "--enable-lora": _LORA, "--lora-modules": _LORA, "--max-loras": _LORA, "--max-lora-rank": _LORA,
+    "--max-cpu-loras": _LORA, "--lora-extra-vocab-size": _LORA, "--lora-dtype": _LORA, "--fully-sharded-loras": _LORA,
+    "--enable-lora-bias": _LORA, "--long-lora-scaling-factors": _LORA, "--default-mm-loras": _LORA,
+    "--enable-prompt-adapter": _PROMPT_ADAPTERS, "--max-prompt-adapters": _PROMPT_ADAPTERS,
+    "--max-prompt-adapter-token": _PROMPT_ADAPTERS, "--prompt-adapters": _PROMPT_ADAPTERS,
+    # memory
+    "--enable-sleep-mode": "sleep mode (freeing the GPU between uses, /sleep and /wake_up) is not built",
+    "--kv-offloading-size": _KV_OFFLOAD, "--kv-offloading-backend": _KV_OFFLOAD,
+    # parallelism
+    "--enable-expert-parallel": _EXPERT_PARALLEL, "--enable-eplb": _EXPERT_PARALLEL, "--eplb-config": _EXPERT_PARALLEL,
+    "--all2all-backend": _EXPERT_PARALLEL,
+    "--data-parallel-size-local": _DATA_PARALLEL, "--data-parallel-address": _DATA_PARALLEL,
+    "--data-parallel-rpc-port": _DATA_PARALLEL, "--data-parallel-backend": _DATA_PARALLEL,
+    "--data-parallel-start-rank": _DATA_PARALLEL, "--data-parallel-hybrid-lb": _DATA_PARALLEL,
+    "--data-parallel-external-lb": _DATA_PARALLEL,
+    "--decode-context-parallel-size": "decode context parallelism is not built",
+    "--headless": "headless engines (no API server, for multi-node data parallelism) are not built",
+    "--api-server-count": "one API server process serves every request here; several are not built: drop it",
+    "--ray-workers-use-nsight": "Ray is not built: tensor-parallel ranks are multiprocessing worker processes",
+    "--worker-cls": "custom worker classes are not built",
+    "--worker-extension-cls": "custom worker classes are not built",
+    # speculative decoding: vLLM's older flags
+    "--speculative-model": _SPEC_OLD, "--num-speculative-tokens": _SPEC_OLD,
+    "--speculative-draft-tensor-parallel-size": _SPEC_OLD, "--speculative-max-model-len": _SPEC_OLD,
+    "--speculative-disable-by-batch-size": _SPEC_OLD, "--ngram-prompt-lookup-max": _SPEC_OLD,
+    "--ngram-prompt-lookup-min": _SPEC_OLD, "--spec-decoding-acceptance-method": _SPEC_OLD,
+    "--num-lookahead-slots": "an older vLLM flag of speculative decoding: --speculative-config reserves the slots; "
+                             "drop it",
+    # scheduling: vLLM's older or removed flags
+    "--num-scheduler-steps": _MULTI_STEP, "--multi-step-stream-outputs": _MULTI_STEP,
+    "--use-v2-block-manager": "an older vLLM flag (its v2 block manager became the only one): drop it; voltllm's "
+                              "KV cache is paged in blocks as in vLLM V1",
+    "--max-num-partial-prefills": _PARTIAL_PREFILLS, "--max-long-partial-prefills": _PARTIAL_PREFILLS,
+    "--scheduler-delay-factor": "delaying prompts is not built: waiting requests are admitted at the next step",
+    "--scheduler-cls": "custom scheduler classes are not built",
+    "--max-seq-len-to-capture": "an older vLLM flag: voltllm's decode CUDA graphs cover every context up to "
+                                "--max-model-len; drop it (batch sizes: --compilation-config)",
+    # models and loading
+    "--rope-scaling": "an older vLLM flag: give it as --hf-overrides '{\"rope_scaling\": {...}}'",
+    "--rope-theta": "an older vLLM flag: give it as --hf-overrides '{\"rope_theta\": ...}'",
+    "--tokenizer-pool-size": "an older vLLM flag (removed there): drop it",
+    "--tokenizer-pool-type": "an older vLLM flag (removed there): drop it",
+    "--model-loader-extra-config": "model loader plugins are not built",
+    "--quantization-param-path": ("an older vLLM flag: fp8 KV cache scales come from the checkpoint or "
+                                  "--calculate-kv-scales"),
+    "--logits-processors": "custom logits processor classes are not built",
+    "--task": _POOLING + " (the generate task, vLLM's default, is the only one): drop it",
+    "--runner": _POOLING + " (vLLM's --runner generate is the behaviour): drop it",
+    "--convert": _POOLING, "--pooler-config": _POOLING, "--override-pooler-config": _POOLING,
+    # reasoning and tools: vLLM's older flags and plugins
+    "--enable-reasoning": "an older vLLM flag: --reasoning-parser NAME alone turns reasoning parsing on",
+    "--tool-parser-plugin": "tool parser plugins are not built (the built parsers: --tool-call-parser)",
+    "--reasoning-parser-plugin": "reasoning parser plugins are not built (the built parsers: --reasoning-parser)",
+    # multimodal
+    "--mm-processor-kwargs": _MULTIMODAL, "--mm-processor-cache-gb": _MULTIMODAL,
+    "--disable-mm-preprocessor-cache": _MULTIMODAL, "--mm-encoder-tp-mode": _MULTIMODAL,
+    "--media-io-kwargs": _MULTIMODAL, "--allowed-local-media-path": _MULTIMODAL,
+    "--allowed-media-domains": _MULTIMODAL, "--interleave-mm-strings": _MULTIMODAL, "--skip-mm-profiling": _MULTIMODAL,
+    "--enable-prompt-embeds": "prompt embeddings as input are not built (prompts are text or token ids)",
+    # disaggregation, observability
+    "--kv-transfer-config": _KV_TRANSFER, "--kv-events-config": "KV cache events are not built",
+    "--otlp-traces-endpoint": _TRACING, "--collect-detailed-traces": _TRACING,
+}
+
+
+def _flag_of(arg: str) -> Optional[str]:
+    """The flag a command-line word names (`--max-loras=4` -> `--max-loras`), None for a value."""
+    if not arg.startswith("--"):
+        return None
+    return arg.split("=", 1)[0].split(".", 1)[0]
+
+
+def unbuilt_flag_error(argv: Iterable[str], known: Iterable[str] = ()) -> Optional[str]:
+    """`FLAG: why` for the first word of argv (underscores already dashed) that is an unbuilt vLLM flag voltllm's
+    parser does not define (`known`: its option strings), else None. Words after `--` are values."""
+    known = set(known)
+    for arg in argv:
+        if arg == "--":
+            return None
+        flag = _flag_of(arg)
+        if flag is not None and flag not in known:
+            positive = "--" + flag[len("--no-"):] if flag.startswith("--no-") else flag  # (--no-enable-lora)
+            message = UNBUILT_FLAGS.get(flag) or UNBUILT_FLAGS.get(positive)
+            if message is not None:
+                return f"{flag}: {message}"
+    return None
+
+
+def unbuilt_setting_error(name: str) -> Optional[str]:
+    """For a setting named without dashes (a `--config` file key, an LLM(...) keyword): why it is not built."""
+    message = UNBUILT_FLAGS.get("--" + name.replace("_", "-"))
+    return None if message is None else f"{name}: {message}"

@@ -1,0 +1,101 @@
+"""vLLM engine flags that voltllm takes only at the value that is its own behaviour (ConfigError naming the flag and
+what voltllm does otherwise). Each check says why that value is the true one; docs/cli.md has the same words.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from voltllm.config import ConfigError
+
+
+def check_fixed_flags(args: Any) -> None:
+    """Raise ConfigError for the first of these flags `args` (EngineArgs) sets to a value voltllm does not run."""
+    _executor_backend(args.distributed_executor_backend, args.tensor_parallel_size)
+    if args.data_parallel_size != 1:
+        raise ConfigError(f"--data-parallel-size {args.data_parallel_size}: data parallelism is not built (one engine "
+                          "per server; -tp splits one model over GPUs); use 1")
+    if args.cpu_offload_gb != 0:
+        raise ConfigError(f"--cpu-offload-gb {args.cpu_offload_gb}: offloading weights to CPU memory is not built; "
+                          "use 0")
+    _one_of("--scheduling-policy", args.scheduling_policy, ("fcfs",), {
+        "priority": "per-request priorities are not built: requests are served first come, first served"})
+    _one_of("--preemption-mode", args.preemption_mode, (None, "recompute"), {
+        "swap": "swapping a preempted request's KV cache to CPU memory is not built: preempted requests are "
+                "recomputed (their blocks freed, their tokens prefilled again)"})
+    _one_of("--tokenizer-mode", args.tokenizer_mode, ("auto", "hf"), {
+        "slow": "transformers 5, which voltllm uses, always loads the fast tokenizer (it ignores use_fast=False)",
+        "mistral": "mistral_common tokenizers are not built: the checkpoint's Hugging Face tokenizer is used (auto)"})
+    _structured_outputs(args.structured_outputs_config, args.guided_decoding_backend)
+    _one_of("--model-impl", args.model_impl, ("auto", "vllm"), {
+        "transformers": "the Transformers modeling backend is not built: voltllm runs its own implementations of the "
+                        "architectures it supports (docs/models.md)"})
+    if args.long_prefill_token_threshold != 0:
+        raise ConfigError(f"--long-prefill-token-threshold {args.long_prefill_token_threshold}: capping each prompt's "
+                          "chunk per step is not built (a prompt takes what is left of --max-num-batched-tokens); "
+                          "use 0")
+    _one_of("--safetensors-load-strategy", args.safetensors_load_strategy, (None, "lazy"), {
+        "eager": "reading whole files into memory first is not built: safetensors files are memory-mapped (lazy)",
+        "prefetch": "reading files into the page cache first is not built: safetensors files are memory-mapped (lazy)"})
+    workers = args.max_parallel_loading_workers
+    if workers is not None and workers < args.tensor_parallel_size:
+        raise ConfigError(f"--max-parallel-loading-workers {workers}: loading the {args.tensor_parallel_size} "
+                          "tensor-parallel ranks in batches is not built (every rank reads its weights at once); "
+                          "leave it out or give at least --tensor-parallel-size")
+
+
+def _executor_backend(backend: Optional[str], tp: int) -> None:
+    if backend in (None, "mp"):
+        return  # tensor-parallel ranks 1..N-1 are multiprocessing worker processes (voltllm.distributed)
+    if backend == "uni" and tp == 1:
+        return  # one rank: the model runs in the engine process
+    why = {"uni": f"with --tensor-parallel-size {tp} the ranks are worker processes (mp)",
+           "ray": "Ray is not built: tensor-parallel ranks are multiprocessing worker processes (mp)",
+           "external_launcher": "engines started by torchrun are not built: voltllm spawns its tensor-parallel "
+                                "ranks itself (mp)"}.get(backend, "it must be mp (or uni with one rank)")
+    raise ConfigError(f"--distributed-executor-backend {backend}: {why}")
+
+
+def _one_of(flag: str, value: Any, accepted: tuple, refused: dict[str, str]) -> None:
+    if value in accepted:
+        return
+    shown = ", ".join(str(v) for v in accepted if v is not None)
+    why = refused.get(value, f"not built (voltllm takes {shown})")
+    raise ConfigError(f"{flag} {value}: {why}")
+
+
+# --structured-outputs-config keys; structured outputs run through xgrammar (voltllm.structured)
+_STRUCTURED_BACKENDS = ("auto", "xgrammar")
+_XGRAMMAR_ONLY = "structured outputs run through xgrammar only (auto or xgrammar)"
+
+
+def _structured_outputs(config: Any, guided_decoding_backend: Optional[str]) -> None:
+    if guided_decoding_backend is not None and guided_decoding_backend not in _STRUCTURED_BACKENDS:
+        raise ConfigError(f"--guided-decoding-backend {guided_decoding_backend}: {_XGRAMMAR_ONLY}")
+    if config is None:
+        return
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--structured-outputs-config must be a JSON object: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--structured-outputs-config must be a JSON object, got {type(config).__name__}")
+    for key, value in config.items():
+        if key == "backend":
+            if value not in _STRUCTURED_BACKENDS:
+                raise ConfigError(f"--structured-outputs-config backend {value}: {_XGRAMMAR_ONLY}")
+        elif key == "disable_fallback":
+            if not isinstance(value, bool):
+                raise ConfigError(f"--structured-outputs-config disable_fallback must be true or false, got {value!r}")
+            # either way: xgrammar never falls back to another backend here
+        elif key == "disable_any_whitespace":
+            if value is not True:
+                raise ConfigError(f"--structured-outputs-config disable_any_whitespace {json.dumps(value)}: voltllm's "
+                                  "JSON grammars never allow free whitespace between JSON tokens (true is what it "
+                                  "does); flexible whitespace is not built")
+        elif key == "reasoning_parser":
+            raise ConfigError("--structured-outputs-config reasoning_parser: give it as --reasoning-parser")
+        else:
+            raise ConfigError(f"--structured-outputs-config {key}: not built (voltllm reads backend, disable_fallback "
+                              "and disable_any_whitespace)")
