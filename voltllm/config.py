@@ -302,9 +302,15 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
 
         derived_max = _max_positions(hf_config)
-        window = _sliding_window(hf_config) if self.disable_sliding_window else None
-        if window is not None and window < derived_max:  # (vLLM's --disable-sliding-window: the context ends there)
+        # sliding-window attention is not built: a checkpoint that turns it on is served with full attention up to
+        # its window, where the two agree (vLLM's --disable-sliding-window does the same cap)
+        window = _sliding_window(hf_config)
+        if window is not None and window < derived_max:
             derived_max = window
+            if not self.disable_sliding_window:
+                logger.warning("this checkpoint turns on sliding-window attention (%d tokens), which voltllm does not "
+                               "build: the context is capped at the window, where full attention gives the same "
+                               "result (as --disable-sliding-window)", window)
         fit = self.max_model_len in (-1, "auto")
         max_model_len = derived_max if self.max_model_len is None or fit else self.max_model_len  # 0 is an error
         if not isinstance(max_model_len, int) or isinstance(max_model_len, bool):
@@ -314,7 +320,7 @@ class EngineArgs:
                               "cache holds)")
         if max_model_len > derived_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
-                              + (f"(its sliding window, {window} tokens, with --disable-sliding-window)"
+                              + (f"(its sliding window, {window} tokens: voltllm runs full attention up to it)"
                                  if derived_max == window else f"({derived_max} positions in its config)"))
         if spec is not None and spec.uses_draft_model and _max_positions(spec.draft_hf_config) < max_model_len:
             if fit:  # auto: the draft's positions bound the fitted length too

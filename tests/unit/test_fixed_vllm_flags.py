@@ -80,14 +80,22 @@ def test_cli_refusal_exit_code(tiny, capsys):
     assert "voltllm: error: --scheduling-policy priority: per-request priorities" in capsys.readouterr().err
 
 
-def test_disable_sliding_window_caps_the_context_at_a_window_the_checkpoint_turns_on(tmp_path, tiny):
+def test_the_context_is_capped_at_a_window_the_checkpoint_turns_on(tmp_path, tiny, caplog):
+    """Sliding-window attention is not built: up to the window full attention is the same, so the context stops
+    there, with a warning unless --disable-sliding-window asked for it (before, it ran past it silently)."""
     windowed = make_model(str(tmp_path / "windowed"), "qwen2", use_sliding_window=True, sliding_window=256,
                           max_window_layers=0)
-    assert EngineArgs(model=windowed, device="cpu").create_engine_config().model.max_model_len == 1024
-    capped = EngineArgs(model=windowed, device="cpu", disable_sliding_window=True).create_engine_config()
-    assert capped.model.max_model_len == 256
-    with pytest.raises(ConfigError, match=r"--max-model-len 512 exceeds .*\(its sliding window, 256 tokens"):
-        EngineArgs(model=windowed, device="cpu", disable_sliding_window=True, max_model_len=512).create_engine_config()
+    with caplog.at_level("WARNING", logger="voltllm"):
+        assert EngineArgs(model=windowed, device="cpu").create_engine_config().model.max_model_len == 256
+    assert "turns on sliding-window attention (256 tokens)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="voltllm"):
+        capped = EngineArgs(model=windowed, device="cpu", disable_sliding_window=True).create_engine_config()
+    assert capped.model.max_model_len == 256 and "sliding-window" not in caplog.text
+    for flag in (True, False):
+        with pytest.raises(ConfigError, match=r"--max-model-len 512 exceeds .*\(its sliding window, 256 tokens"):
+            EngineArgs(model=windowed, device="cpu", disable_sliding_window=flag,
+                       max_model_len=512).create_engine_config()
     # a checkpoint without a window on: nothing to cap
     assert EngineArgs(model=tiny, device="cpu", disable_sliding_window=True
                       ).create_engine_config().model.max_model_len == 1024
