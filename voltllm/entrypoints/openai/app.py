@@ -25,7 +25,7 @@ from voltllm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import create_chat_completion
-from voltllm.entrypoints.openai.serving_common import ServerState, normalize_messages, render_chat
+from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
 from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
 from voltllm.entrypoints.openai.serving_responses import create_response, get_response
@@ -244,7 +244,8 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         state.model_name(req.model)
         tok = state.tokenizer
         if req.messages is not None:
-            text = render_chat(state, normalize_messages(req.messages), chat_template=req.chat_template,
+            text = render_chat(state, state.template_messages(req.messages, req.chat_template, req.tools),
+                               chat_template=req.chat_template,
                                kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, tools=req.tools)
             ids = tok.encode(text, add_special_tokens=False)

@@ -19,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from voltllm.engine.frontend import generation_defaults
+from voltllm.entrypoints.chat_content_format import CONTENT_FORMATS
 from voltllm.cli_args import json_object_arg, json_string_list
 from voltllm.config import ConfigError
 
@@ -50,6 +51,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--default-chat-template-kwargs", type=json_object_arg("--default-chat-template-kwargs"),
                    default=None, help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'; '
                    "a request's chat_template_kwargs override it")
+    s.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="message content as the chat template gets it: one string, or a list of OpenAI parts "
+                   "(openai); auto: parts when the template loops over a message's content")
     s.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
                    help="JSON object of multimodal item limits; only all-zero limits are accepted (text-only server)")
     s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
@@ -265,6 +269,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         engine=engine, served_model_names=names, max_model_len=config.model.max_model_len,
         model_path=config.model.model, chat_template=config.model.chat_template,
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
+        chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role, max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -15,8 +15,8 @@ from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS,
                                                 new_tool_call_id)
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect_or_gone,
-                                                       event_stream, make_params, merge_streams, new_id,
-                                                       normalize_messages, prompt_logprobs_json, render_chat, sse,
+                                                       event_stream, make_params, merge_streams, message_text,
+                                                       new_id, prompt_logprobs_json, render_chat, sse,
                                                        sse_body, submit, usage)
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
@@ -95,7 +95,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     disconnect watcher (which the caller stops, through collect_or_gone or sse_body)."""
     req.check()
     model = state.model_name(req.model)
-    messages = normalize_messages(req.messages)
+    messages = state.template_messages(req.messages, req.chat_template, req.tools)
     use_tools, forced = tool_mode(state, req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -109,8 +109,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     plan = ChatPlan(request_id or new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced,
                     params.n, req.num_logprobs)
     last = messages[-1]
-    if req.echo and last.get("role") == state.response_role and isinstance(last.get("content"), str):
-        plan.echo_prefix = last["content"]
+    if req.echo and last.get("role") == state.response_role:
+        plan.echo_prefix = message_text(last)
     streams = submit(state, [plan.request_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params,
                      req.cache_salt)
     if state.log_requests:

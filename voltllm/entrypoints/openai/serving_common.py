@@ -16,6 +16,7 @@ from voltllm.engine.async_llm import (AsyncLLM, EngineDeadError, InvalidRequestE
                                       RequestStream)
 from voltllm.engine.frontend import InvalidPromptError
 from voltllm.engine.outputs import Logprob, RequestOutput
+from voltllm.entrypoints.chat_content_format import resolve_content_format
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from voltllm.sampling.params import SamplingParams, SamplingParamsError
 
@@ -40,6 +41,7 @@ class ServerState:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     log_requests: bool = False
+    chat_template_content_format: str = "auto"  # auto | string | openai (chat_content_format.py)
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -54,6 +56,12 @@ class ServerState:
         raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
                           f"{', '.join(repr(n) for n in self.served_model_names)}", 404, "model", "model_not_found")
 
+    def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list]) -> list[dict]:
+        """normalize_messages in the content format the applied template takes (--chat-template-content-format)."""
+        fmt = resolve_content_format(self.chat_template_content_format, self.tokenizer,
+                                     chat_template or self.chat_template, tools)
+        return normalize_messages(messages, fmt)
+
     def check_logprobs(self, n: Optional[int], param: str) -> None:
         if n is not None and (n < 0 or n > self.max_logprobs):
             raise bad_request(f"{param} must be between 0 and {self.max_logprobs} (--max-logprobs), got {n}", param)
@@ -67,8 +75,10 @@ def new_id(prefix: str) -> str:
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-def normalize_messages(messages: Any) -> list[dict]:
-    """Validate chat messages; flatten text content parts to strings; refuse multimodal parts."""
+def normalize_messages(messages: Any, content_format: str = "string") -> list[dict]:
+    """Validate chat messages and refuse multimodal parts. Content for the template (--chat-template-content-format):
+    `string` flattens text parts to one string; `openai` makes every content a list of {"type": "text", "text"}
+    parts (a string content one part, an assistant turn with only tool calls none), as vLLM passes them."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -82,7 +92,7 @@ def normalize_messages(messages: Any) -> list[dict]:
         msg = dict(m)
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
+            texts: list[str] = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or "type" not in part:
                     raise bad_request(f"{where}.content[{j}] must be an object with a 'type'", "messages")
@@ -96,13 +106,18 @@ def normalize_messages(messages: Any) -> list[dict]:
                     raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: this server serves a "
                                       "text-only model (no image, audio or video input)", "messages",
                                       "unsupported_content")
-            msg["content"] = "\n".join(texts)
         elif content is None:
             if role != "assistant":
                 raise bad_request(f"{where}.content is missing", "messages")
-            msg["content"] = ""  # an assistant turn that only called tools
-        elif not isinstance(content, str):
+            texts = []  # an assistant turn that only called tools
+        elif isinstance(content, str):
+            texts = [content]
+        else:
             raise bad_request(f"{where}.content must be a string or a list of content parts", "messages")
+        if content_format == "openai":
+            msg["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            msg["content"] = "\n".join(texts)
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -124,6 +139,14 @@ def normalize_messages(messages: Any) -> list[dict]:
             msg["tool_calls"] = fixed
         out.append(msg)
     return out
+
+
+def message_text(message: dict) -> str:
+    """A normalized message's content as one string, in either content format."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
 
 
 def render_chat(state: ServerState, messages: list[dict], *, chat_template: Optional[str],
