@@ -19,7 +19,7 @@ def flag_server(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("tiny_flags")), "llama")
     srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
                       "--disable-log-stats", "--disable-uvicorn-access-log",
-                      "--chat-template-content-format", "openai"],
+                      "--chat-template-content-format", "openai", "--return-tokens-as-token-ids"],
                      free_port(), env={"OMP_NUM_THREADS": "1"})
     try:
         srv.wait_healthy(180)
@@ -70,3 +70,49 @@ def test_auto_content_format_follows_the_template(tmp_path):
     assert _rendered("", TWO_PARTS, PLAIN, http) == "x\ny|z|"
     fixed = _local_client(tmp_path, chat_template_content_format="string")
     assert _rendered("", TWO_PARTS, LOOPING, fixed) == "<><><><>"  # (a string's characters have no 'text')
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    import json
+
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+def test_return_tokens_as_token_ids(flag_server):
+    """--return-tokens-as-token-ids: every logprob token (chosen, top, echoed prompt) is "token_id:N" with the id
+    that decodes to the token a request with return_tokens_as_token_ids=false reports; streamed the same."""
+    base = flag_server.base
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "echo": True, "ignore_eos": True}
+    got = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    text = httpx.post(base + "/v1/completions", json={**body, "return_tokens_as_token_ids": False},
+                      timeout=60).json()["choices"][0]["logprobs"]
+    ids = _ids(got["tokens"])
+    decoded = [httpx.post(base + "/detokenize", json={"tokens": [t]}, timeout=30).json()["prompt"] for t in ids]
+    assert decoded == text["tokens"] and got["token_logprobs"] == text["token_logprobs"]
+    assert all(_ids(list(top)) for top in got["top_logprobs"][1:])  # (the first prompt token has none)
+    offsets = [0]
+    for tok in got["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(tok))
+    assert got["text_offset"] == offsets  # counted over the strings shown, as vLLM
+    streamed = _sse(httpx.post(base + "/v1/completions", json={**body, "stream": True}, timeout=60))
+    assert [t for c in streamed for t in c["choices"][0]["logprobs"]["tokens"]] == got["tokens"]
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    content = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["logprobs"][
+        "content"]
+    ids = _ids([c["token"] for c in content])
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    assert all(_ids([t["token"] for t in c["top_logprobs"]]) for c in content)
+    plain = httpx.post(base + "/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": False},
+                       timeout=60).json()["choices"][0]["logprobs"]["content"]
+    assert not any(c["token"].startswith("token_id:") for c in plain)
+    streamed = _sse(httpx.post(base + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60))
+    lps = [c for e in streamed for ch in e["choices"] if ch.get("logprobs") for c in ch["logprobs"]["content"]]
+    assert _ids([c["token"] for c in lps]) == ids

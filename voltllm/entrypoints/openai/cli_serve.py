@@ -63,6 +63,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    help=f"one of: {', '.join(REASONING_PARSERS)} (splits <think>...</think> into reasoning_content)")
     s.add_argument("--response-role", default="assistant", help="role of the generated chat message")
     s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    s.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
+                   help='logprob tokens as "token_id:N" (tokens that are not valid UTF-8 on their own stay '
+                   "identifiable); a request's return_tokens_as_token_ids overrides it")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -271,6 +274,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
         chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role, max_logprobs=args.max_logprobs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,

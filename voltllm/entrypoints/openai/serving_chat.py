@@ -34,6 +34,7 @@ class ChatPlan:
     n: int
     num_logprobs: Optional[int]
     echo_prefix: str = ""
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:N" (--return-tokens-as-token-ids)
 
 
 def tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Optional[ForcedToolChoice]]:
@@ -107,7 +108,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
                                                              defaults=state.generation_defaults))
     plan = ChatPlan(request_id or new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced,
-                    params.n, req.num_logprobs)
+                    params.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req))
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role:
         plan.echo_prefix = message_text(last)
@@ -143,7 +144,7 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
                   "finish_reason": _finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
         if plan.num_logprobs is not None and c.logprobs is not None:
             choice["logprobs"] = {"content": chat_logprobs(c.token_ids, c.logprobs, plan.num_logprobs,
-                                                           state.tokenizer)}
+                                                           state.tokenizer, plan.tokens_as_ids)}
         choices.append(choice)
     cached = out.num_cached_tokens if state.enable_prompt_tokens_details else None
     body = {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
@@ -229,7 +230,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
             lps = None
             if plan.num_logprobs is not None and c.logprobs is not None and len(c.token_ids) > s.tokens:
                 lps = {"content": chat_logprobs(c.token_ids[s.tokens:], c.logprobs[s.tokens:], plan.num_logprobs,
-                                                state.tokenizer)}
+                                                state.tokenizer, plan.tokens_as_ids)}
             s.tokens = len(c.token_ids)
             if not delta and not done and lps is None:
                 continue

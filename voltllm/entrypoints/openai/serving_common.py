@@ -42,6 +42,7 @@ class ServerState:
     enable_force_include_usage: bool = False
     log_requests: bool = False
     chat_template_content_format: str = "auto"  # auto | string | openai (chat_content_format.py)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -61,6 +62,12 @@ class ServerState:
         fmt = resolve_content_format(self.chat_template_content_format, self.tokenizer,
                                      chat_template or self.chat_template, tools)
         return normalize_messages(messages, fmt)
+
+    def tokens_as_ids(self, req: Any) -> bool:
+        """Whether logprob tokens are written "token_id:N": the request's return_tokens_as_token_ids, else the
+        server's --return-tokens-as-token-ids."""
+        asked = getattr(req, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if asked is None else bool(asked)
 
     def check_logprobs(self, n: Optional[int], param: str) -> None:
         if n is not None and (n < 0 or n > self.max_logprobs):
@@ -349,34 +356,40 @@ def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR) if value == value else LOGPROB_FLOOR
 
 
-def _token_str(lp: Optional[Logprob], tokenizer: Any, tid: int) -> str:
+def _token_str(lp: Optional[Logprob], tokenizer: Any, tid: int, as_id: bool = False) -> str:
+    if as_id:  # vLLM's --return-tokens-as-token-ids: names tokens whose text is not valid UTF-8 on its own
+        return f"token_id:{tid}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([tid])
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int,
-                  tokenizer: Any) -> list[dict]:
+                  tokenizer: Any, as_ids: bool = False) -> list[dict]:
+    """`logprobs.content` of a chat choice; as_ids: tokens as "token_id:N" (their `bytes` are that string's, as in
+    vLLM)."""
     content = []
     for tid, pos in zip(token_ids, logprobs):
         chosen = pos.get(tid)
-        tok = _token_str(chosen, tokenizer, tid)
+        tok = _token_str(chosen, tokenizer, tid, as_ids)
         ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         content.append({
             "token": tok, "logprob": _lp(chosen.logprob if chosen else float("-inf")),
             "bytes": list(tok.encode("utf-8")),
-            "top_logprobs": [{"token": (s := _token_str(l, tokenizer, t)), "logprob": _lp(l.logprob),
-                              "bytes": list(s.encode("utf-8"))} for t, l in ranked],
+            "top_logprobs": [{"token": (s := _token_str(lp, tokenizer, t, as_ids)), "logprob": _lp(lp.logprob),
+                              "bytes": list(s.encode("utf-8"))} for t, lp in ranked],
         })
     return content
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], top_n: int,
-                        tokenizer: Any, text_offset: int) -> dict:
+                        tokenizer: Any, text_offset: int, as_ids: bool = False) -> dict:
+    """A completion choice's `logprobs`; as_ids: tokens (and the top_logprobs keys) as "token_id:N", text_offset
+    counting those strings, as vLLM's."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, logprobs):
         chosen = pos.get(tid) if pos else None
-        tok = _token_str(chosen, tokenizer, tid)
+        tok = _token_str(chosen, tokenizer, tid, as_ids)
         tokens.append(tok)
         offsets.append(text_offset)
         text_offset += len(tok)
@@ -386,7 +399,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, 
             continue
         token_lps.append(_lp(chosen.logprob) if chosen else LOGPROB_FLOOR)
         ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
-        tops.append({_token_str(l, tokenizer, t): _lp(l.logprob) for t, l in ranked} if top_n else {tok: token_lps[-1]})
+        tops.append({_token_str(lp, tokenizer, t, as_ids): _lp(lp.logprob) for t, lp in ranked} if top_n
+                    else {tok: token_lps[-1]})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -21,7 +21,7 @@ def _prompt_text(state: ServerState, out: RequestOutput) -> str:
     return out.prompt if out.prompt is not None else state.tokenizer.decode(out.prompt_token_ids)
 
 
-def _logprobs(state: ServerState, out: RequestOutput, c: CompletionOutput, num: int, echo: bool,
+def _logprobs(state: ServerState, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, echo: bool,
               start_token: int = 0, text_offset: int = 0) -> dict:
     ids: list[int] = []
     lps: list[Optional[dict]] = []
@@ -31,7 +31,7 @@ def _logprobs(state: ServerState, out: RequestOutput, c: CompletionOutput, num: 
         lps = (lps + [None] * len(ids))[: len(ids)]
     ids += c.token_ids[start_token:]
     lps += list((c.logprobs or [])[start_token:])
-    return completion_logprobs(ids, lps, num, state.tokenizer, text_offset)
+    return completion_logprobs(ids, lps, req.logprobs, state.tokenizer, text_offset, state.tokens_as_ids(req))
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Any):
@@ -70,7 +70,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             choice = {"index": p * params.n + c.index, "text": prefix + c.text, "logprobs": None,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.logprobs is not None:
-                choice["logprobs"] = _logprobs(state, out, c, req.logprobs, req.echo)
+                choice["logprobs"] = _logprobs(state, req, out, c, req.echo)
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
                                                                  req.prompt_logprobs)
@@ -122,7 +122,7 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
             text += c.text[len(s.text):] if len(c.text) > len(s.text) else ""
             lps = None
             if req.logprobs is not None and (len(c.token_ids) > s.tokens or echo_now):
-                lps = _logprobs(state, out, c, req.logprobs, echo_now, s.tokens, s.offset)
+                lps = _logprobs(state, req, out, c, echo_now, s.tokens, s.offset)
                 if lps["tokens"]:
                     s.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
             s.text = c.text
