@@ -14,6 +14,8 @@ from voltllm.entrypoints.openai.forced_calls import forced_calls
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
                                                 new_tool_call_id)
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
+from voltllm.entrypoints.openai.request_log import shown
+from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect_or_gone,
                                                        event_stream, make_params, merge_streams, message_text,
                                                        new_id, prompt_logprobs_json, render_chat, sse,
@@ -107,17 +109,20 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
                                                              defaults=state.generation_defaults))
-    plan = ChatPlan(request_id or new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced,
+    # vLLM's ids: chatcmpl-<X-Request-Id header, else the body's request_id> (Responses / Messages bring theirs)
+    chosen_id = None if request_id is not None else chosen_request_id(raw_request, req.request_id)
+    response_id = request_id or (f"chatcmpl-{chosen_id}" if chosen_id is not None else new_id("chatcmpl"))
+    engine_id = engine_request_id(response_id, chosen_id is not None)
+    plan = ChatPlan(response_id, model, int(time.time()), prompt_text, use_tools, forced,
                     params.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req))
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role:
         plan.echo_prefix = message_text(last)
-    streams = submit(state, [plan.request_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params,
-                     req.cache_salt)
+    streams = submit(state, [engine_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params, req.cache_salt)
     if state.log_requests:
-        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", plan.request_id, len(ids),
-                    params.n, max_tokens, req.stream)
-    return plan, streams, DisconnectWatcher(raw_request, state, [plan.request_id])
+        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, prompt: %s", engine_id, len(ids),
+                    params.n, max_tokens, req.stream, shown(prompt_text, state.max_log_len))
+    return plan, streams, DisconnectWatcher(raw_request, state, [engine_id])
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Any):

@@ -18,6 +18,7 @@ from voltllm.engine.frontend import InvalidPromptError
 from voltllm.engine.outputs import Logprob, RequestOutput
 from voltllm.entrypoints.chat_content_format import resolve_content_format
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from voltllm.entrypoints.openai.request_log import OutputLoggingStream
 from voltllm.sampling.params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("voltllm")
@@ -41,6 +42,8 @@ class ServerState:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     log_requests: bool = False
+    max_log_len: Optional[int] = None  # prompt / output characters (or token ids) in the request log
+    log_outputs: bool = False  # log each finished choice's text (with log_requests)
     chat_template_content_format: str = "auto"  # auto | string | openai (chat_content_format.py)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
@@ -196,10 +199,11 @@ def make_params(build) -> SamplingParams:
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
            cache_salt: Optional[str]) -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added and raise a 400."""
-    streams: list[RequestStream] = []
+    streams: list[Any] = []
     try:
         for rid, prompt in zip(request_ids, prompts):
-            streams.append(state.engine.add_request(rid, prompt, params, cache_salt))
+            stream = state.engine.add_request(rid, prompt, params, cache_salt)
+            streams.append(OutputLoggingStream(stream, state.max_log_len) if state.log_outputs else stream)
     except BaseException as e:
         for s in streams:
             s.close()

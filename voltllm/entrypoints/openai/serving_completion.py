@@ -9,6 +9,8 @@ from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.protocol import CompletionRequest
+from voltllm.entrypoints.openai.request_log import shown
+from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
                                                        completion_logprobs, event_stream, make_params, merge_streams,
                                                        new_id, prompt_logprobs_json, sse, sse_body, submit,
@@ -45,12 +47,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     prompt_logprobs = max(asked) if asked else None  # echo's logprobs and prompt_logprobs share one pass
     params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
                                                              defaults=state.generation_defaults))
-    base_id = new_id("cmpl")
-    rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    chosen_id = chosen_request_id(raw_request, req.request_id)  # vLLM's: cmpl-<X-Request-Id, else request_id>
+    base_id = f"cmpl-{chosen_id}" if chosen_id is not None else new_id("cmpl")
+    engine_base = engine_request_id(base_id, chosen_id is not None)
+    rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
     streams = submit(state, rids, prompts, params, req.cache_salt)
     if state.log_requests:
-        logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s", base_id, len(prompts), params.n,
-                    max_tokens, req.stream)
+        logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, prompt%s: %s", engine_base,
+                    len(prompts), params.n, max_tokens, req.stream, "s" if len(prompts) > 1 else "",
+                    ", ".join(shown(p, state.max_log_len) for p in prompts))
     created = int(time.time())
     watcher = DisconnectWatcher(raw_request, state, rids)
     if req.stream:
