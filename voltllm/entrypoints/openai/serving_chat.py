@@ -75,10 +75,7 @@ class ChoiceView:
             if calls or not finished:
                 text = ""  # (output with no call in it at all, e.g. cut short at once, stays content)
         elif self.tools is not None:
-            content, calls, ok = self.tools.extract(text, finished)
-            text = content if ok else text
-            if not ok and not self.streaming:
-                calls = []
+            text, calls = self.tools.extract(text, finished)
         while len(self.call_ids) < len(calls):
             self.call_ids.append(new_tool_call_id())
         return reasoning, text, [
