@@ -71,7 +71,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine-stats log line")
     s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
-                   help="log each request's id and sizes")
+                   help="log each request's id, sizes and prompt (see --max-log-len)")
     s.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility (default)")
     s.add_argument("--max-log-len", type=int, default=None,
                    help="most prompt / output characters (or token ids) in the request log (default: all)")
