@@ -130,7 +130,8 @@ def test_bad_prompts_leave_engine_healthy(llm):
 
 
 def test_chat_takes_vllm_arguments(llm):
-    """OpenAI content parts are flattened to text (vLLM's "auto" format); continue_final_message continues the
+    """OpenAI content parts are flattened to text for a template that takes strings (vLLM's "auto" format), kept
+    as parts for one that loops over them; continue_final_message continues the
     assistant's last message; lora_request=None and numpy token ids are accepted."""
     import numpy as np
 
@@ -146,6 +147,14 @@ def test_chat_takes_vllm_arguments(llm):
         llm.chat(conv, greedy, continue_final_message=True)
     with pytest.raises(ValueError, match="image"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+    # content formats: a template that loops over the parts gets them ("auto" detects it, "openai" forces it)
+    looping = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
+    two = [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]
+    assert llm.chat(two, greedy, chat_template=looping)[0].prompt == "<Hel><lo>"
+    assert llm.chat(two, greedy, chat_template="{{ messages[0]['content'] }}",
+                    chat_template_content_format="openai")[0].prompt.startswith("[{'type': 'text'")
+    with pytest.raises(ValueError, match="chat_template_content_format 'xml'"):
+        llm.chat(two, greedy, chat_template_content_format="xml")
     ids = np.array(plain.prompt_token_ids, dtype=np.int64)
     assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == plain.outputs[0].token_ids
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import pytest
 
 from voltllm.entrypoints.openai.parsers import HermesToolParser, Qwen3CoderToolParser, ReasoningParser
 
@@ -40,11 +43,11 @@ def test_qwen3_reasoning_opened_by_template_and_absent():
     assert plain.split("<think>still going", True, streaming=False) == ("still going", "")
 
 
-def _streamed_tools(parser, text: str):
+def _streamed_tools(parser, text: str, step: int = 3):
     sent, calls = "", []
-    for cum, done in _stream_pieces(text):
-        content, got, ok = parser.extract(cum, done)
-        assert content.startswith(sent)
+    for cum, done in _stream_pieces(text, step):
+        content, got = parser.extract(cum, done)
+        assert content.startswith(sent)  # never takes back what was sent
         assert got[: len(calls)] == calls
         sent, calls = content, got
     return sent, calls
@@ -54,15 +57,15 @@ def test_hermes_tool_calls():
     text = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     p = HermesToolParser()
-    content, calls, ok = p.extract(text, True)
-    assert ok and content == "I will check.\n"
+    content, calls = p.extract(text, True)
+    assert content == "I will check.\n"
     assert [c["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
     assert _streamed_tools(p, text) == (content, calls)
     # not a tool call: all content
-    assert p.extract("no tools here", True) == ("no tools here", [], True)
-    # a broken block is reported so the caller can show the raw text
-    assert p.extract("<tool_call>{broken</tool_call>", True)[2] is False
+    assert p.extract("no tools here", True) == ("no tools here", [])
+    # a block that does not parse is content, raw
+    assert p.extract("<tool_call>{broken</tool_call>", True) == ("<tool_call>{broken</tool_call>", [])
 
 
 def test_qwen3_coder_tool_calls_with_schema_types():
@@ -73,8 +76,82 @@ def test_qwen3_coder_tool_calls_with_schema_types():
             "</parameter>\n<parameter=budget>\n99.5\n</parameter>\n<parameter=breakfast>\ntrue\n</parameter>\n"
             "<parameter=extras>\n[\"spa\"]\n</parameter>\n</function>\n</tool_call>")
     p = Qwen3CoderToolParser(tools)
-    content, calls, ok = p.extract(text, True)
-    assert ok and content == "" and calls[0]["name"] == "book"
+    content, calls = p.extract(text, True)
+    assert content == "" and calls[0]["name"] == "book"
     assert json.loads(calls[0]["arguments"]) == {"city": "New York", "nights": 3, "budget": 99.5, "breakfast": True,
                                                  "extras": ["spa"]}
     assert _streamed_tools(p, text) == (content, calls)
+
+
+VALID_THEN_BROKEN = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                     '<tool_call>\n{"name": "get_time", "arguments": {oops}\n</tool_call>\n<tool_call>\n'
+                     '{"name": "get_time", "arguments": {}}\n</tool_call>')
+BROKEN_AT = VALID_THEN_BROKEN.index("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {oops}")
+
+
+@pytest.mark.parametrize("text, calls, content", [
+    # a valid call, then a block that does not parse: the call stands, the rest is content (raw, the later valid
+    # block too)
+    (VALID_THEN_BROKEN, ["get_weather"], "Checking." + VALID_THEN_BROKEN[BROKEN_AT:]),
+    # the broken block first: no calls, all content
+    (VALID_THEN_BROKEN[BROKEN_AT:], [], VALID_THEN_BROKEN[BROKEN_AT:]),
+    # a last block cut short (max_tokens) that does not parse
+    (VALID_THEN_BROKEN[:BROKEN_AT] + '<tool_call>\n{"name": "get_ti', ["get_weather"],
+     "Checking." + '<tool_call>\n{"name": "get_ti'),
+])
+def test_hermes_rule_for_blocks_that_do_not_parse(text, calls, content):
+    """Streamed (at several step sizes) and whole, the same calls and content."""
+    p = HermesToolParser()
+    whole = p.extract(text, True)
+    assert [c["name"] for c in whole[1]] == calls and whole[0] == content
+    for step in (1, 4, 11):
+        assert _streamed_tools(p, text, step) == whole
+
+
+def _chat_pieces(text: str, step: int, tools: list):
+    """The SSE chunks and the JSON body serving_chat makes of a model's text (stand-in engine outputs)."""
+    import asyncio
+
+    from voltllm.engine.outputs import CompletionOutput, RequestOutput
+    from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from voltllm.entrypoints.openai.serving_chat import ChatPlan, _full_response, _stream
+    from voltllm.entrypoints.openai.serving_common import ServerState
+
+    outs = []
+    for end in list(range(step, len(text), step)) + [len(text)]:
+        c = CompletionOutput(0, text[:end], list(range(end)), finish_reason="stop" if end == len(text) else None)
+        outs.append(RequestOutput("chatcmpl-1", None, [1, 2], [c], end == len(text)))
+
+    class Stream:
+        async def __aiter__(self):
+            for o in outs:
+                yield o
+
+        def close(self):
+            pass
+
+    state = ServerState(engine=SimpleNamespace(tokenizer=None), served_model_names=["m"], max_model_len=64,
+                        model_path="m", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, stream=True)
+    plan = ChatPlan("chatcmpl-1", "m", 1, "prompt", True, None, 1, None)
+
+    async def go():
+        return [e async for e in _stream(state, req, plan, [Stream()])]
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(go())]
+    return chunks, _full_response(state, req, plan, outs[-1])
+
+
+def test_hermes_rule_through_the_chat_stream():
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("get_weather", "get_time")]
+    for step in (2, 9):
+        chunks, body = _chat_pieces(VALID_THEN_BROKEN, step, tools)
+        deltas = [ch["choices"][0]["delta"] for ch in chunks]
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        message = body["choices"][0]["message"]
+        assert content == message["content"] == "Checking." + VALID_THEN_BROKEN[BROKEN_AT:]
+        assert [c["function"]["name"] for c in calls] == [c["function"]["name"] for c in message["tool_calls"]] \
+            == ["get_weather"]
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"] == "tool_calls"

@@ -210,6 +210,7 @@ def test_text_format_json_schema_and_object(client):
     ({"extra_body": {"n": 2}}, "n"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
     ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_none", "output": "1"}]}, "input"),
 ])
 def test_refused(client, kw, param):
     kw.setdefault("input", "hi")
@@ -396,6 +397,28 @@ def test_input_translation():
     assert ResponsesRequest(input="x", text={"format": {"type": "json_object"}}).response_format() == {
         "type": "json_object"}
     assert ResponsesRequest(input="x", text={"format": {"type": "text"}}).response_format() is None
+
+
+def test_function_call_output_needs_its_call():
+    """OpenAI's 400 for an output whose call_id no earlier function_call (in the input or the previous response's
+    conversation) made."""
+    from voltllm.entrypoints.openai.errors import OpenAIError
+    from voltllm.entrypoints.openai.responses_protocol import call_ids
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "c1", "output": "one"}
+    assert [m["role"] for m in input_messages([call, out])] == ["assistant", "tool"]
+    for items, missing in (([out], "c1"), ([out, call], "c1"), ([call, {**out, "call_id": "c2"}], "c2")):
+        with pytest.raises(OpenAIError) as exc:  # none, one made after it, another call's
+            input_messages(items)
+        e = exc.value
+        assert (e.status, e.param, e.code) == (400, "input", None)
+        assert e.message == f"No tool call found for function call output with call_id {missing}."
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                     "function": {"name": "f", "arguments": "{}"}}]}]
+    assert call_ids(history) == {"c1"}
+    assert input_messages([out], call_ids(history)) == [{"role": "tool", "tool_call_id": "c1", "content": "one"}]
 
 
 def test_store_is_bounded():

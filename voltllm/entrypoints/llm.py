@@ -131,26 +131,30 @@ class LLM:
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Optional[list] = None,
              chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
-        """vLLM's signature (keyword use). Content given as OpenAI parts is flattened to its text, as the server
-        does ("auto" / "string" formats); continue_final_message continues the last assistant message."""
+        """vLLM's signature (keyword use). Content reaches the template as the server's
+        --chat-template-content-format does it (chat_content_format.py): one string ("string"), a list of OpenAI
+        text parts ("openai"), or what the template loops over ("auto"); continue_final_message continues the last
+        assistant message."""
+        from voltllm.entrypoints.chat_content_format import CONTENT_FORMATS, resolve_content_format
         from voltllm.entrypoints.openai.errors import OpenAIError
         from voltllm.entrypoints.openai.serving_common import normalize_messages
 
         _refuse_unbuilt(lora_request, None)
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: only 'auto' and "
-                             "'string' are built (text-only models)")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: expected one of "
+                             f"{', '.join(CONTENT_FORMATS)}")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = chat_template or self.config.model.chat_template
+        content_format = resolve_content_format(chat_template_content_format, self.tokenizer, template, tools)
         kwargs = dict(chat_template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
         prompts = []
         for conv in conversations:
             try:
-                conv = normalize_messages(conv)
+                conv = normalize_messages(conv, content_format)
             except OpenAIError as e:
                 raise ValueError(e.message) from None
             if continue_final_message and conv[-1].get("role") != "assistant":

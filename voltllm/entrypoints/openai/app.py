@@ -25,7 +25,9 @@ from voltllm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import create_chat_completion
-from voltllm.entrypoints.openai.serving_common import ServerState, normalize_messages, render_chat
+from voltllm.entrypoints.openai.server_middleware import (RequestIdHeaderMiddleware, ServerLoad,
+                                                          ServerLoadMiddleware)
+from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
 from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
 from voltllm.entrypoints.openai.serving_responses import create_response, get_response
@@ -33,8 +35,8 @@ from voltllm.entrypoints.openai.serving_responses import create_response, get_re
 logger = logging.getLogger("voltllm")
 M = TypeVar("M", bound=BaseModel)
 
-_ROUTES = {"/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/chat/completions",
-           "/v1/completions", "/v1/responses", "/v1/acceleration", "/v1/sm70/acceleration"}
+_ROUTES = {"/health", "/version", "/load", "/metrics", "/tokenize", "/detokenize", "/v1/models",
+           "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/acceleration", "/v1/sm70/acceleration"}
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 
 
@@ -130,11 +132,24 @@ class CorsSettings:
     allowed_headers: tuple[str, ...] = ("*",)
 
 
+@dataclass(frozen=True)
+class HttpOptions:
+    """vLLM's HTTP-level server flags: --disable-fastapi-docs, --enable-request-id-headers,
+    --enable-server-load-tracking."""
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json
+    request_id_headers: bool = False  # X-Request-Id on every response
+    server_load_tracking: bool = False  # GET /load counts the requests in flight
+
+
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
               api_key: Union[None, str, Sequence[str]] = None,
-              root_path: str = "", cors: CorsSettings = CorsSettings()) -> Any:
-    app = FastAPI(title="voltllm OpenAI-compatible server", version=__version__, root_path=root_path)
+              root_path: str = "", cors: CorsSettings = CorsSettings(), http: HttpOptions = HttpOptions()) -> Any:
+    docs = http.fastapi_docs
+    app = FastAPI(title="voltllm OpenAI-compatible server", version=__version__, root_path=root_path,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.server = state
+    load = ServerLoad()
 
     def _shaped(request: Request, exc: OpenAIError) -> JSONResponse:
         # /v1/messages* answer in Anthropic's error shape, every other route in OpenAI's
@@ -170,6 +185,11 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
+
+    @app.get("/load")
+    async def server_load() -> dict:
+        # vLLM's route: always there; it counts only with --enable-server-load-tracking
+        return {"server_load": load.value}
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -244,7 +264,8 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         state.model_name(req.model)
         tok = state.tokenizer
         if req.messages is not None:
-            text = render_chat(state, normalize_messages(req.messages), chat_template=req.chat_template,
+            text = render_chat(state, state.template_messages(req.messages, req.chat_template, req.tools),
+                               chat_template=req.chat_template,
                                kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, tools=req.tools)
             ids = tok.encode(text, add_special_tokens=False)
@@ -267,7 +288,12 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
             raise bad_request(f"token ids must be in [0, {vocab}), got {bad[:5]}", "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    # CORS outermost: a browser's preflight (OPTIONS) is answered before the API-key check, as in vLLM
-    return CORSMiddleware(AuthAndCountMiddleware(app, api_key, metrics), allow_origins=list(cors.allowed_origins),
+    # CORS outermost: a browser's preflight (OPTIONS) is answered before the API-key check, as in vLLM; request ids
+    # outside the key check (a 401 carries one too); load counted for authorized requests only
+    inner: Any = ServerLoadMiddleware(app, load, route_path) if http.server_load_tracking else app
+    outer: Any = AuthAndCountMiddleware(inner, api_key, metrics)
+    if http.request_id_headers:
+        outer = RequestIdHeaderMiddleware(outer)
+    return CORSMiddleware(outer, allow_origins=list(cors.allowed_origins),
                           allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
                           allow_headers=list(cors.allowed_headers))

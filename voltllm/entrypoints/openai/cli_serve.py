@@ -19,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from voltllm.engine.frontend import generation_defaults
+from voltllm.entrypoints.chat_content_format import CONTENT_FORMATS
 from voltllm.cli_args import json_object_arg, json_string_list
 from voltllm.config import ConfigError
 
@@ -54,6 +55,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--default-chat-template-kwargs", type=json_object_arg("--default-chat-template-kwargs"),
                    default=None, help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'; '
                    "a request's chat_template_kwargs override it")
+    s.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="message content as the chat template gets it: one string, or a list of OpenAI parts "
+                   "(openai); auto: parts when the template loops over a message's content")
     s.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
                    help="JSON object of multimodal item limits; only all-zero limits are accepted (text-only server)")
     s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
@@ -63,13 +67,26 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    help=f"one of: {', '.join(REASONING_PARSERS)} (splits <think>...</think> into reasoning_content)")
     s.add_argument("--response-role", default="assistant", help="role of the generated chat message")
     s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    s.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
+                   help='logprob tokens as "token_id:N" (tokens that are not valid UTF-8 on their own stay '
+                   "identifiable); a request's return_tokens_as_token_ids overrides it")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine-stats log line")
     s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
-                   help="log each request's id and sizes")
+                   help="log each request's id, sizes and prompt (see --max-log-len)")
     s.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility (default)")
+    s.add_argument("--max-log-len", type=int, default=None,
+                   help="most prompt / output characters (or token ids) in the request log (default: all)")
+    s.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --enable-log-requests: also log each finished request's generated text")
+    s.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
+                   help="add X-Request-Id to every response (the request's own, else a new one)")
+    s.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
+                   help="no /docs, /redoc or /openapi.json")
+    s.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                   help="GET /load reports the requests in flight on the model routes (server_load)")
     s.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                    help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
     s.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
@@ -115,6 +132,10 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ConfigError(f"--max-log-len must be >= 0 (characters or token ids), got {args.max_log_len}")
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise ConfigError("--enable-log-outputs logs outputs into the request log: add --enable-log-requests")
     if args.api_key is not None and not all(args.api_key):
         raise ConfigError("--api-key must not be empty")
     if args.served_model_names is not None and any(not n for n in args.served_model_names):
@@ -179,6 +200,9 @@ def run_serve(args: argparse.Namespace) -> int:
         # say loudly that this server will not ask for one
         logger.warning("VLLM_API_KEY is set, but voltllm reads the API key only from --api-key: this server "
                        "requires no key. Pass --api-key to require one.")
+    if args.max_log_len is not None and not args.enable_log_requests:
+        logger.warning("--max-log-len %d has no effect: requests are logged only with --enable-log-requests",
+                       args.max_log_len)
     if args.served_model_names:
         args.served_model_name = args.served_model_names[0]
     ea = engine_args_from(args)
@@ -255,7 +279,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     import uvicorn
 
     from voltllm.engine.async_llm import AsyncLLM
-    from voltllm.entrypoints.openai.app import CorsSettings, build_app
+    from voltllm.entrypoints.openai.app import CorsSettings, HttpOptions, build_app
     from voltllm.entrypoints.openai.metrics import ServerMetrics
     from voltllm.entrypoints.openai.serving_common import ServerState
 
@@ -274,16 +298,21 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         engine=engine, served_model_names=names, max_model_len=engine.max_model_len,
         model_path=config.model.model, chat_template=config.model.chat_template,
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
+        chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role, max_logprobs=args.max_logprobs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs,
         generation_defaults=generation_defaults(config.model.model, config.model.generation_config,
                                                 config.model.override_generation_config))
     cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
                         tuple(args.allowed_headers))
-    app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors)
+    http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,
+                       server_load_tracking=args.enable_server_load_tracking)
+    app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors, http=http)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",
                                root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,

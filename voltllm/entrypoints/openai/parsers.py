@@ -7,7 +7,8 @@ still become a tag (a trailing "</thi" or "<tool_ca") is held back until the nex
 - reasoning `qwen3` (also `deepseek_r1`): "<think>...</think>" -> reasoning_content; the rest is content.
   A template that opens "<think>" itself (the prompt ends with it) starts the output inside reasoning.
   Without any "<think>", a streamed answer is all content; a non-streamed one is split at "</think>".
-- tools `hermes`: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of them.
+- tools `hermes`: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of them. A block that does
+  not parse ends the calls: it and the text after it are content (ToolParser.extract), streamed or not.
 - tools `qwen3_coder` (also `qwen3_xml`): <tool_call><function=NAME><parameter=P>value</parameter>...
   </function></tool_call>; values are converted with the request's JSON schema types.
 """
@@ -75,34 +76,33 @@ class ToolParser:
     def parse_block(self, body: str) -> Optional[dict]:
         raise NotImplementedError
 
-    def extract(self, text: str, finished: bool) -> tuple[str, list[dict], bool]:
-        """(content before the first call, complete calls so far, ok). ok is False when a finished text
-        had a call block that does not parse: the caller then shows the whole text as content."""
+    def extract(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        """(content, complete calls so far) of the cumulative text. The calls are the blocks that parse, up to the
+        first one that does not; the content is the text before the first block, and from a block that does not
+        parse on, the raw text (that block and all after it). So a stream never takes back a call it has sent,
+        nothing the model wrote is lost, and the streamed and the whole text give the same result. (vLLM's hermes
+        parser makes all of such an output content when not streaming, while its stream has sent the calls.) Text
+        between and after parsed blocks is dropped, as vLLM's; a block still open is held back until the text
+        finishes, then parsed as it stands (output cut by max_tokens, or a model that omits the end tag)."""
         first = text.find(TOOL_START)
         if first < 0:
             hold = 0 if finished else _partial_suffix(text, TOOL_START)
-            return text[: len(text) - hold], [], True
-        calls, pos, ok = [], first, True
-        while True:
-            s = text.find(TOOL_START, pos)
-            if s < 0:
-                break
-            e = text.find(TOOL_END, s)
-            if e < 0:
-                if finished:  # unterminated last block (max_tokens, or the model omitted the end tag)
-                    call = self.parse_block(text[s + len(TOOL_START):])
-                    if call:
-                        calls.append(call)
-                    else:
-                        ok = False
-                break
-            call = self.parse_block(text[s + len(TOOL_START):e])
+            return text[: len(text) - hold], []
+        calls: list[dict] = []
+        start = first
+        while start >= 0:
+            end = text.find(TOOL_END, start)
+            if end < 0 and not finished:
+                break  # still being written
+            body = text[start + len(TOOL_START): end if end >= 0 else len(text)]
+            call = self.parse_block(body)
             if call is None:
-                ok = False
-            else:
-                calls.append(call)
-            pos = e + len(TOOL_END)
-        return text[:first], calls, ok
+                return text[:first] + text[start:], calls
+            calls.append(call)
+            if end < 0:
+                break
+            start = text.find(TOOL_START, end + len(TOOL_END))
+        return text[:first], calls
 
 
 class HermesToolParser(ToolParser):
@@ -114,7 +114,8 @@ class HermesToolParser(ToolParser):
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
-        return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+        return {"name": obj["name"],
+                "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
 
 
 _FUNC = re.compile(r"<function=([^>\s]+)\s*>(.*?)(?:</function>|$)", re.S)

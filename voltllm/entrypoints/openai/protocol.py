@@ -52,6 +52,7 @@ class _SamplingFields(BaseModel):
     response_format: Optional[dict[str, Any]] = None
     cache_salt: Optional[str] = None
     request_id: Optional[str] = None
+    return_tokens_as_token_ids: Optional[bool] = None  # vLLM's: logprob tokens as "token_id:N" (None: the server's)
     best_of: Optional[int] = None
     # structured outputs, vLLM's extra parameters (response_format is OpenAI's): at most one per request
     guided_json: Optional[Union[str, dict[str, Any]]] = None

@@ -8,7 +8,7 @@ server does not build is refused with a 400 naming its parameter; unknown fields
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool
 
@@ -165,12 +165,19 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(items: Union[str, list[dict]]) -> list[dict]:
+def call_ids(messages: list[dict]) -> set[str]:
+    """The ids of the tool calls in chat messages (a stored conversation's assistant turns)."""
+    return {c.get("id") for m in messages for c in (m.get("tool_calls") or []) if isinstance(c, dict)}
+
+
+def input_messages(items: Union[str, list[dict]], prior_call_ids: Iterable[str] = ()) -> list[dict]:
     """The Responses API's input (a string, or message / function_call / function_call_output items) as chat
     messages. Consecutive function_call items join one assistant turn; reasoning items are dropped (the chat
-    templates do not take them back)."""
+    templates do not take them back). A function_call_output must answer a function_call made before it, in the
+    input or among prior_call_ids (the previous_response_id conversation's): else a 400, as OpenAI's."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    known = set(prior_call_ids)
     out: list[dict] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -188,6 +195,7 @@ def input_messages(items: Union[str, list[dict]]) -> list[dict]:
             args = item.get("arguments", "{}")
             args = args if isinstance(args, str) else json.dumps(args)
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": args}}
+            known.add(item["call_id"])
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
@@ -198,6 +206,9 @@ def input_messages(items: Union[str, list[dict]]) -> list[dict]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}: a function_call_output item needs call_id", "input")
+            if item["call_id"] not in known:
+                raise bad_request(f"No tool call found for function call output with call_id {item['call_id']}.",
+                                  "input")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text_of(item.get("output", ""), where)})
         elif kind == "reasoning":

@@ -14,9 +14,11 @@ from voltllm.entrypoints.openai.forced_calls import forced_calls
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
                                                 new_tool_call_id)
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
+from voltllm.entrypoints.openai.request_log import shown
+from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect_or_gone,
-                                                       event_stream, make_params, merge_streams, new_id,
-                                                       normalize_messages, prompt_logprobs_json, render_chat, sse,
+                                                       event_stream, make_params, merge_streams, message_text,
+                                                       new_id, prompt_logprobs_json, render_chat, sse,
                                                        sse_body, submit, usage)
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
@@ -34,6 +36,7 @@ class ChatPlan:
     n: int
     num_logprobs: Optional[int]
     echo_prefix: str = ""
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:N" (--return-tokens-as-token-ids)
 
 
 def tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Optional[ForcedToolChoice]]:
@@ -72,10 +75,7 @@ class ChoiceView:
             if calls or not finished:
                 text = ""  # (output with no call in it at all, e.g. cut short at once, stays content)
         elif self.tools is not None:
-            content, calls, ok = self.tools.extract(text, finished)
-            text = content if ok else text
-            if not ok and not self.streaming:
-                calls = []
+            text, calls = self.tools.extract(text, finished)
         while len(self.call_ids) < len(calls):
             self.call_ids.append(new_tool_call_id())
         return reasoning, text, [
@@ -95,7 +95,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     disconnect watcher (which the caller stops, through collect_or_gone or sse_body)."""
     req.check()
     model = state.model_name(req.model)
-    messages = normalize_messages(req.messages)
+    messages = state.template_messages(req.messages, req.chat_template, req.tools)
     use_tools, forced = tool_mode(state, req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -106,17 +106,20 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
                                                              defaults=state.generation_defaults))
-    plan = ChatPlan(request_id or new_id("chatcmpl"), model, int(time.time()), prompt_text, use_tools, forced,
-                    params.n, req.num_logprobs)
+    # vLLM's ids: chatcmpl-<X-Request-Id header, else the body's request_id> (Responses / Messages bring theirs)
+    chosen_id = None if request_id is not None else chosen_request_id(raw_request, req.request_id)
+    response_id = request_id or (f"chatcmpl-{chosen_id}" if chosen_id is not None else new_id("chatcmpl"))
+    engine_id = engine_request_id(response_id, chosen_id is not None)
+    plan = ChatPlan(response_id, model, int(time.time()), prompt_text, use_tools, forced,
+                    params.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req))
     last = messages[-1]
-    if req.echo and last.get("role") == state.response_role and isinstance(last.get("content"), str):
-        plan.echo_prefix = last["content"]
-    streams = submit(state, [plan.request_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params,
-                     req.cache_salt)
+    if req.echo and last.get("role") == state.response_role:
+        plan.echo_prefix = message_text(last)
+    streams = submit(state, [engine_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params, req.cache_salt)
     if state.log_requests:
-        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s", plan.request_id, len(ids),
-                    params.n, max_tokens, req.stream)
-    return plan, streams, DisconnectWatcher(raw_request, state, [plan.request_id])
+        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, prompt: %s", engine_id, len(ids),
+                    params.n, max_tokens, req.stream, shown(prompt_text, state.max_log_len))
+    return plan, streams, DisconnectWatcher(raw_request, state, [engine_id])
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Any):
@@ -143,7 +146,7 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
                   "finish_reason": _finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
         if plan.num_logprobs is not None and c.logprobs is not None:
             choice["logprobs"] = {"content": chat_logprobs(c.token_ids, c.logprobs, plan.num_logprobs,
-                                                           state.tokenizer)}
+                                                           state.tokenizer, plan.tokens_as_ids)}
         choices.append(choice)
     cached = out.num_cached_tokens if state.enable_prompt_tokens_details else None
     body = {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
@@ -229,7 +232,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
             lps = None
             if plan.num_logprobs is not None and c.logprobs is not None and len(c.token_ids) > s.tokens:
                 lps = {"content": chat_logprobs(c.token_ids[s.tokens:], c.logprobs[s.tokens:], plan.num_logprobs,
-                                                state.tokenizer)}
+                                                state.tokenizer, plan.tokens_as_ids)}
             s.tokens = len(c.token_ids)
             if not delta and not done and lps is None:
                 continue

@@ -16,7 +16,9 @@ from voltllm.engine.async_llm import (AsyncLLM, EngineDeadError, InvalidRequestE
                                       RequestStream)
 from voltllm.engine.frontend import InvalidPromptError
 from voltllm.engine.outputs import Logprob, RequestOutput
+from voltllm.entrypoints.chat_content_format import resolve_content_format
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from voltllm.entrypoints.openai.request_log import OutputLoggingStream
 from voltllm.sampling.params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("voltllm")
@@ -40,6 +42,10 @@ class ServerState:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     log_requests: bool = False
+    max_log_len: Optional[int] = None  # prompt / output characters (or token ids) in the request log
+    log_outputs: bool = False  # log each finished choice's text (with log_requests)
+    chat_template_content_format: str = "auto"  # auto | string | openai (chat_content_format.py)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -54,6 +60,18 @@ class ServerState:
         raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
                           f"{', '.join(repr(n) for n in self.served_model_names)}", 404, "model", "model_not_found")
 
+    def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list]) -> list[dict]:
+        """normalize_messages in the content format the applied template takes (--chat-template-content-format)."""
+        fmt = resolve_content_format(self.chat_template_content_format, self.tokenizer,
+                                     chat_template or self.chat_template, tools)
+        return normalize_messages(messages, fmt)
+
+    def tokens_as_ids(self, req: Any) -> bool:
+        """Whether logprob tokens are written "token_id:N": the request's return_tokens_as_token_ids, else the
+        server's --return-tokens-as-token-ids."""
+        asked = getattr(req, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if asked is None else bool(asked)
+
     def check_logprobs(self, n: Optional[int], param: str) -> None:
         if n is not None and (n < 0 or n > self.max_logprobs):
             raise bad_request(f"{param} must be between 0 and {self.max_logprobs} (--max-logprobs), got {n}", param)
@@ -67,8 +85,10 @@ def new_id(prefix: str) -> str:
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-def normalize_messages(messages: Any) -> list[dict]:
-    """Validate chat messages; flatten text content parts to strings; refuse multimodal parts."""
+def normalize_messages(messages: Any, content_format: str = "string") -> list[dict]:
+    """Validate chat messages and refuse multimodal parts. Content for the template (--chat-template-content-format):
+    `string` flattens text parts to one string; `openai` makes every content a list of {"type": "text", "text"}
+    parts (a string content one part, an assistant turn with only tool calls none), as vLLM passes them."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -82,7 +102,7 @@ def normalize_messages(messages: Any) -> list[dict]:
         msg = dict(m)
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
+            texts: list[str] = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or "type" not in part:
                     raise bad_request(f"{where}.content[{j}] must be an object with a 'type'", "messages")
@@ -96,13 +116,18 @@ def normalize_messages(messages: Any) -> list[dict]:
                     raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: this server serves a "
                                       "text-only model (no image, audio or video input)", "messages",
                                       "unsupported_content")
-            msg["content"] = "\n".join(texts)
         elif content is None:
             if role != "assistant":
                 raise bad_request(f"{where}.content is missing", "messages")
-            msg["content"] = ""  # an assistant turn that only called tools
-        elif not isinstance(content, str):
+            texts = []  # an assistant turn that only called tools
+        elif isinstance(content, str):
+            texts = [content]
+        else:
             raise bad_request(f"{where}.content must be a string or a list of content parts", "messages")
+        if content_format == "openai":
+            msg["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            msg["content"] = "\n".join(texts)
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -124,6 +149,14 @@ def normalize_messages(messages: Any) -> list[dict]:
             msg["tool_calls"] = fixed
         out.append(msg)
     return out
+
+
+def message_text(message: dict) -> str:
+    """A normalized message's content as one string, in either content format."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
 
 
 def render_chat(state: ServerState, messages: list[dict], *, chat_template: Optional[str],
@@ -166,10 +199,11 @@ def make_params(build) -> SamplingParams:
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
            cache_salt: Optional[str]) -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added and raise a 400."""
-    streams: list[RequestStream] = []
+    streams: list[Any] = []
     try:
         for rid, prompt in zip(request_ids, prompts):
-            streams.append(state.engine.add_request(rid, prompt, params, cache_salt))
+            stream = state.engine.add_request(rid, prompt, params, cache_salt)
+            streams.append(OutputLoggingStream(stream, state.max_log_len) if state.log_outputs else stream)
     except BaseException as e:
         for s in streams:
             s.close()
@@ -326,34 +360,40 @@ def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR) if value == value else LOGPROB_FLOOR
 
 
-def _token_str(lp: Optional[Logprob], tokenizer: Any, tid: int) -> str:
+def _token_str(lp: Optional[Logprob], tokenizer: Any, tid: int, as_id: bool = False) -> str:
+    if as_id:  # vLLM's --return-tokens-as-token-ids: names tokens whose text is not valid UTF-8 on its own
+        return f"token_id:{tid}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([tid])
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int,
-                  tokenizer: Any) -> list[dict]:
+                  tokenizer: Any, as_ids: bool = False) -> list[dict]:
+    """`logprobs.content` of a chat choice; as_ids: tokens as "token_id:N" (their `bytes` are that string's, as in
+    vLLM)."""
     content = []
     for tid, pos in zip(token_ids, logprobs):
         chosen = pos.get(tid)
-        tok = _token_str(chosen, tokenizer, tid)
+        tok = _token_str(chosen, tokenizer, tid, as_ids)
         ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
         content.append({
             "token": tok, "logprob": _lp(chosen.logprob if chosen else float("-inf")),
             "bytes": list(tok.encode("utf-8")),
-            "top_logprobs": [{"token": (s := _token_str(l, tokenizer, t)), "logprob": _lp(l.logprob),
-                              "bytes": list(s.encode("utf-8"))} for t, l in ranked],
+            "top_logprobs": [{"token": (s := _token_str(lp, tokenizer, t, as_ids)), "logprob": _lp(lp.logprob),
+                              "bytes": list(s.encode("utf-8"))} for t, lp in ranked],
         })
     return content
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, Logprob]]], top_n: int,
-                        tokenizer: Any, text_offset: int) -> dict:
+                        tokenizer: Any, text_offset: int, as_ids: bool = False) -> dict:
+    """A completion choice's `logprobs`; as_ids: tokens (and the top_logprobs keys) as "token_id:N", text_offset
+    counting those strings, as vLLM's."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, logprobs):
         chosen = pos.get(tid) if pos else None
-        tok = _token_str(chosen, tokenizer, tid)
+        tok = _token_str(chosen, tokenizer, tid, as_ids)
         tokens.append(tok)
         offsets.append(text_offset)
         text_offset += len(tok)
@@ -363,7 +403,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, 
             continue
         token_lps.append(_lp(chosen.logprob) if chosen else LOGPROB_FLOOR)
         ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
-        tops.append({_token_str(l, tokenizer, t): _lp(l.logprob) for t, l in ranked} if top_n else {tok: token_lps[-1]})
+        tops.append({_token_str(lp, tokenizer, t, as_ids): _lp(lp.logprob) for t, lp in ranked} if top_n
+                    else {tok: token_lps[-1]})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -9,6 +9,8 @@ from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.protocol import CompletionRequest
+from voltllm.entrypoints.openai.request_log import shown
+from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
                                                        completion_logprobs, event_stream, make_params, merge_streams,
                                                        new_id, prompt_logprobs_json, sse, sse_body, submit,
@@ -21,7 +23,7 @@ def _prompt_text(state: ServerState, out: RequestOutput) -> str:
     return out.prompt if out.prompt is not None else state.tokenizer.decode(out.prompt_token_ids)
 
 
-def _logprobs(state: ServerState, out: RequestOutput, c: CompletionOutput, num: int, echo: bool,
+def _logprobs(state: ServerState, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, echo: bool,
               start_token: int = 0, text_offset: int = 0) -> dict:
     ids: list[int] = []
     lps: list[Optional[dict]] = []
@@ -31,7 +33,7 @@ def _logprobs(state: ServerState, out: RequestOutput, c: CompletionOutput, num: 
         lps = (lps + [None] * len(ids))[: len(ids)]
     ids += c.token_ids[start_token:]
     lps += list((c.logprobs or [])[start_token:])
-    return completion_logprobs(ids, lps, num, state.tokenizer, text_offset)
+    return completion_logprobs(ids, lps, req.logprobs, state.tokenizer, text_offset, state.tokens_as_ids(req))
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Any):
@@ -45,12 +47,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     prompt_logprobs = max(asked) if asked else None  # echo's logprobs and prompt_logprobs share one pass
     params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
                                                              defaults=state.generation_defaults))
-    base_id = new_id("cmpl")
-    rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    chosen_id = chosen_request_id(raw_request, req.request_id)  # vLLM's: cmpl-<X-Request-Id, else request_id>
+    base_id = f"cmpl-{chosen_id}" if chosen_id is not None else new_id("cmpl")
+    engine_base = engine_request_id(base_id, chosen_id is not None)
+    rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
     streams = submit(state, rids, prompts, params, req.cache_salt)
     if state.log_requests:
-        logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s", base_id, len(prompts), params.n,
-                    max_tokens, req.stream)
+        logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, prompt%s: %s", engine_base,
+                    len(prompts), params.n, max_tokens, req.stream, "s" if len(prompts) > 1 else "",
+                    ", ".join(shown(p, state.max_log_len) for p in prompts))
     created = int(time.time())
     watcher = DisconnectWatcher(raw_request, state, rids)
     if req.stream:
@@ -70,7 +75,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             choice = {"index": p * params.n + c.index, "text": prefix + c.text, "logprobs": None,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.logprobs is not None:
-                choice["logprobs"] = _logprobs(state, out, c, req.logprobs, req.echo)
+                choice["logprobs"] = _logprobs(state, req, out, c, req.echo)
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
                                                                  req.prompt_logprobs)
@@ -122,7 +127,7 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
             text += c.text[len(s.text):] if len(c.text) > len(s.text) else ""
             lps = None
             if req.logprobs is not None and (len(c.token_ids) > s.tokens or echo_now):
-                lps = _logprobs(state, out, c, req.logprobs, echo_now, s.tokens, s.offset)
+                lps = _logprobs(state, req, out, c, echo_now, s.tokens, s.offset)
                 if lps["tokens"]:
                     s.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
             s.text = c.text

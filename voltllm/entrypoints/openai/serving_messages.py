@@ -22,7 +22,7 @@ from voltllm.entrypoints.openai.messages_protocol import CountTokensRequest, Mes
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
 from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
 from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, event_stream, merge_streams,
-                                                       normalize_messages, render_chat, sse_body)
+                                                       render_chat, sse_body)
 
 
 def served_model(state: ServerState, requested: str) -> str:
@@ -44,7 +44,7 @@ def _chat(state: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:
 
 async def count_message_tokens(state: ServerState, req: CountTokensRequest) -> dict:
     chat = _chat(state, req)
-    prompt_text = render_chat(state, normalize_messages(chat.messages), chat_template=None,
+    prompt_text = render_chat(state, state.template_messages(chat.messages, None, chat.tools), chat_template=None,
                               kwargs=chat.chat_template_kwargs, add_generation_prompt=chat.add_generation_prompt,
                               continue_final_message=chat.continue_final_message, tools=chat.tools)
     return {"input_tokens": len(state.tokenizer.encode(prompt_text, add_special_tokens=False))}

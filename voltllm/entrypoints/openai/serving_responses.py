@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import RequestOutput
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request
-from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages
+from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest, call_ids, input_messages
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
 from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, event_stream, merge_streams,
@@ -132,7 +132,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
             raise OpenAIError(f"Previous response with id '{req.previous_response_id}' not found.", 400,
                               "previous_response_id", "previous_response_not_found")
         history = found
-    conversation = history + input_messages(req.input)
+    conversation = history + input_messages(req.input, call_ids(history))
     if not conversation:
         raise bad_request("input must not be empty", "input")
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation

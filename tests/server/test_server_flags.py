@@ -1,0 +1,244 @@
+"""vLLM's server flags on one tiny-model server that turns them all on (--chat-template-content-format openai, ...),
+and in-process checks (build_app with a stand-in engine) for the paths that need no model."""
+from __future__ import annotations
+
+import ast
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from server_helpers import ServerProc, free_port
+from tiny_models import make_model, make_tokenizer
+
+LOOPING = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
+PLAIN = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def flag_server(tmp_path_factory):
+    path = make_model(str(tmp_path_factory.mktemp("tiny_flags")), "llama")
+    srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
+                      "--disable-log-stats", "--disable-uvicorn-access-log",
+                      "--chat-template-content-format", "openai", "--return-tokens-as-token-ids",
+                      "--disable-fastapi-docs", "--enable-request-id-headers", "--enable-log-requests",
+                      "--max-log-len", "12", "--enable-log-outputs", "--enable-server-load-tracking"],
+                     free_port(), env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _rendered(base: str, messages: list, template: str, http=httpx) -> str:
+    """The prompt a chat template makes of the messages (/tokenize, then /detokenize)."""
+    kw = {"timeout": 30} if http is httpx else {}  # (a TestClient takes no timeout)
+    r = http.post(base + "/tokenize", json={"messages": messages, "chat_template": template,
+                                            "add_generation_prompt": False}, **kw)
+    assert r.status_code == 200, r.text
+    return http.post(base + "/detokenize", json={"tokens": r.json()["tokens"]}, **kw).json()["prompt"]
+
+
+TWO_PARTS = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+             {"role": "assistant", "content": "z"}]
+
+
+def test_openai_content_format_passes_parts(flag_server):
+    base = flag_server.base
+    assert _rendered(base, TWO_PARTS, LOOPING) == "<x><y><z>"
+    # a template that prints content as it is shows the list of parts
+    assert _rendered(base, [{"role": "user", "content": "hi"}], PLAIN) == "[{'type': 'text', 'text': 'hi'}]|"
+    r = httpx.post(base + "/v1/chat/completions", json={"model": "tiny", "messages": TWO_PARTS, "max_tokens": 2,
+                                                       "chat_template": LOOPING}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 0
+
+
+def _local_client(tmp_path, http_options=None, **state_kw):
+    """build_app over a stand-in engine with a real tokenizer (routes that need no model: /tokenize, ...)."""
+    from starlette.testclient import TestClient
+
+    from voltllm.entrypoints.openai.app import HttpOptions, build_app
+    from voltllm.entrypoints.openai.serving_common import ServerState
+
+    tok = make_tokenizer(str(tmp_path))
+    engine = SimpleNamespace(tokenizer=tok, vocab_size=len(tok), is_healthy=True, dead=None)
+    state = ServerState(engine=engine, served_model_names=["m"], max_model_len=256, model_path="m", **state_kw)
+    return TestClient(build_app(state, http=http_options or HttpOptions()))
+
+
+def test_auto_content_format_follows_the_template(tmp_path):
+    http = _local_client(tmp_path)  # the default: auto
+    assert _rendered("", TWO_PARTS, LOOPING, http) == "<x><y><z>"
+    assert _rendered("", TWO_PARTS, PLAIN, http) == "x\ny|z|"
+    fixed = _local_client(tmp_path, chat_template_content_format="string")
+    assert _rendered("", TWO_PARTS, LOOPING, fixed) == "<><><><>"  # (a string's characters have no 'text')
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    import json
+
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+def test_return_tokens_as_token_ids(flag_server):
+    """--return-tokens-as-token-ids: every logprob token (chosen, top, echoed prompt) is "token_id:N" with the id
+    that decodes to the token a request with return_tokens_as_token_ids=false reports; streamed the same."""
+    base = flag_server.base
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "echo": True, "ignore_eos": True}
+    got = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    text = httpx.post(base + "/v1/completions", json={**body, "return_tokens_as_token_ids": False},
+                      timeout=60).json()["choices"][0]["logprobs"]
+    ids = _ids(got["tokens"])
+    decoded = [httpx.post(base + "/detokenize", json={"tokens": [t]}, timeout=30).json()["prompt"] for t in ids]
+    assert decoded == text["tokens"] and got["token_logprobs"] == text["token_logprobs"]
+    assert all(_ids(list(top)) for top in got["top_logprobs"][1:])  # (the first prompt token has none)
+    offsets = [0]
+    for tok in got["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(tok))
+    assert got["text_offset"] == offsets  # counted over the strings shown, as vLLM
+    streamed = _sse(httpx.post(base + "/v1/completions", json={**body, "stream": True}, timeout=60))
+    assert [t for c in streamed for t in c["choices"][0]["logprobs"]["tokens"]] == got["tokens"]
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    content = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["logprobs"][
+        "content"]
+    ids = _ids([c["token"] for c in content])
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    assert all(_ids([t["token"] for t in c["top_logprobs"]]) for c in content)
+    plain = httpx.post(base + "/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": False},
+                       timeout=60).json()["choices"][0]["logprobs"]["content"]
+    assert not any(c["token"].startswith("token_id:") for c in plain)
+    streamed = _sse(httpx.post(base + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60))
+    lps = [c for e in streamed for ch in e["choices"] if ch.get("logprobs") for c in ch["logprobs"]["content"]]
+    assert _ids([c["token"] for c in lps]) == ids
+
+
+def test_fastapi_docs(flag_server, tmp_path):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(flag_server.base + path, timeout=30).status_code == 404, path
+    default = _local_client(tmp_path)
+    assert default.get("/openapi.json").json()["info"]["title"].startswith("voltllm")
+    assert default.get("/docs").status_code == 200 and default.get("/redoc").status_code == 200
+
+
+def test_request_id_headers(flag_server, tmp_path):
+    base = flag_server.base
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(base + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-7"}, timeout=60)
+    assert r.headers["x-request-id"] == "trace-7" and r.json()["id"] == "chatcmpl-trace-7"
+    r = httpx.post(base + "/v1/chat/completions", json={**chat, "stream": True}, headers={"X-Request-Id": "s-1"},
+                   timeout=60)
+    assert r.headers["x-request-id"] == "s-1" and {e["id"] for e in _sse(r)} == {"chatcmpl-s-1"}
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                   headers={"X-Request-Id": "c-1"}, timeout=60)
+    assert r.headers["x-request-id"] == "c-1" and r.json()["id"] == "cmpl-c-1"
+    # none sent: a new one, which the response's id carries; the body's request_id (vLLM's field) comes before it
+    r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60)
+    made = r.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made) and r.json()["id"] == f"chatcmpl-{made}"
+    r = httpx.post(base + "/v1/chat/completions", json={**chat, "request_id": "body-1"}, timeout=60)
+    assert r.json()["id"] == "chatcmpl-body-1"
+    # every response carries one, errors too; two requests may share an id
+    assert httpx.get(base + "/health", timeout=30).headers["x-request-id"]
+    assert httpx.post(base + "/v1/completions", json={"prompt": 1}, timeout=30).headers["x-request-id"]
+    same = []
+    threads = [threading.Thread(target=lambda: same.append(httpx.post(
+        base + "/v1/chat/completions", json={**chat, "max_tokens": 8, "ignore_eos": True},
+        headers={"X-Request-Id": "dup"}, timeout=60))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [x.status_code for x in same] == [200, 200] and {x.json()["id"] for x in same} == {"chatcmpl-dup"}
+    assert "x-request-id" not in _local_client(tmp_path).get("/version").headers  # off by default
+
+
+def _log_lines(server, pattern: str) -> list[re.Match]:
+    return [m for line in server.log_text().splitlines() if (m := re.search(pattern, line))]
+
+
+def test_request_log_with_prompts_and_outputs(flag_server):
+    """--enable-log-requests with --max-log-len 12 and --enable-log-outputs: the prompt and each choice's text,
+    cut to 12 characters, streamed or not."""
+    base = flag_server.base
+    body = {"model": "tiny", "prompt": "The quick brown fox jumps", "max_tokens": 6, "ignore_eos": True, "n": 2}
+    texts = [c["text"] for c in httpx.post(base + "/v1/completions", json=body, headers={"X-Request-Id": "log-1"},
+                                           timeout=60).json()["choices"]]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True,
+            "stream": True}
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in _sse(httpx.post(
+        base + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "log-2"}, timeout=60)) if e["choices"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(_log_lines(flag_server, r"Generated response chatcmpl-log-2")) < 1:
+        time.sleep(0.1)
+    [req] = _log_lines(flag_server, r"request (cmpl-log-1-\w+): .*prompt: (.*)$")
+    assert ast.literal_eval(req.group(2)) == "The quick br"
+    [chat_req] = _log_lines(flag_server, r"request chatcmpl-log-2-\w+: .*stream=True, prompt: (.*)$")
+    assert ast.literal_eval(chat_req.group(1)) == "<|im_start|>"
+    outs = _log_lines(flag_server, r"Generated response cmpl-log-1-\w+ \(choice (\d)\): output: (.*), 6 tokens, "
+                                   r"finish_reason: length")
+    assert sorted((int(m.group(1)), ast.literal_eval(m.group(2))) for m in outs) == [(i, t[:12])
+                                                                                     for i, t in enumerate(texts)]
+    [out] = _log_lines(flag_server, r"Generated response chatcmpl-log-2-\w+ \(choice 0\): output: (.*), 6 tokens")
+    assert ast.literal_eval(out.group(1)) == streamed[:12]
+
+
+def test_server_load(flag_server, tmp_path):
+    base = flag_server.base
+
+    def load() -> int:
+        return httpx.get(base + "/load", timeout=30).json()["server_load"]
+
+    assert load() == 0
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)  # the stream runs
+        seen = load()
+        for _ in lines:  # (read to the end)
+            pass
+    assert seen == 1 and load() == 0
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
+        next(lines)
+        assert load() == 1
+    deadline = time.monotonic() + 10  # the client left: counted until the server has seen it go
+    while load() != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load() == 0
+    httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert load() == 0
+    assert _local_client(tmp_path).get("/load").json() == {"server_load": 0}  # not tracked: vLLM's 0
+
+
+def _serve_args(argv):
+    import argparse
+
+    from voltllm.cli import dashed_flags
+    from voltllm.entrypoints.openai.cli_serve import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"), help="serve")
+    return parser.parse_args(dashed_flags(["serve", *argv]))
+
+
+@pytest.mark.parametrize("argv, match", [(["--max-log-len", "-1"], "--max-log-len must be >= 0"),
+                                         (["--enable-log-outputs"], "add --enable-log-requests")])
+def test_refused_log_flags(argv, match):
+    from voltllm.config import ConfigError
+    from voltllm.entrypoints.openai.cli_serve import check_server_flags
+
+    with pytest.raises(ConfigError, match=match):
+        check_server_flags(_serve_args(argv))
+    check_server_flags(_serve_args(["--enable-log-requests", "--enable-log-outputs", "--max-log-len", "0"]))
