@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, help_ in (
         ("serve", "voltllm.entrypoints.openai.cli_serve", "OpenAI-compatible HTTP server"),
         ("bench", "voltllm.bench.cli", "measure decode / prefill / concurrency against the hardware limit"),
+        ("run-batch", "voltllm.entrypoints.openai.run_batch", "run an OpenAI batch file (JSONL) offline"),
         ("check", "voltllm.check.cli", "acceleration report; --sm70 compiles the compat kernels for sm_70/75"),
     ):
         try:

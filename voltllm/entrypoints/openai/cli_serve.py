@@ -18,9 +18,8 @@ import sys
 import time
 from typing import Any, Optional
 
-from voltllm.engine.frontend import generation_defaults
-from voltllm.entrypoints.chat_content_format import CONTENT_FORMATS
 from voltllm.cli_args import json_object_arg, json_string_list
+from voltllm.entrypoints.openai.request_flags import add_request_args, check_request_flags, server_state
 from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm")
@@ -28,7 +27,6 @@ logger = logging.getLogger("voltllm")
 
 def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     from voltllm.cli_args import add_engine_args
-    from voltllm.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
 
     p = subparsers.add_parser(
         "serve", help=help, description="Serve a model over an OpenAI-compatible HTTP API "
@@ -50,47 +48,19 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                         "and --config win")
     s.add_argument("--api-key", nargs="+", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* routes (several keys: any of them)")
-    s.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
-                   help="model name(s) the API answers to (the first one is reported); default: the model path")
-    s.add_argument("--default-chat-template-kwargs", type=json_object_arg("--default-chat-template-kwargs"),
-                   default=None, help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'; '
-                   "a request's chat_template_kwargs override it")
-    s.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
-                   help="message content as the chat template gets it: one string, or a list of OpenAI parts "
-                   "(openai); auto: parts when the template loops over a message's content")
+    add_request_args(s)
     s.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
                    help="JSON object of multimodal item limits; only all-zero limits are accepted (text-only server)")
-    s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
-                   help='parse tool calls from the output when a request has tools and tool_choice "auto"')
-    s.add_argument("--tool-call-parser", default=None, help=f"one of: {', '.join(TOOL_PARSERS)}")
-    s.add_argument("--reasoning-parser", default=None,
-                   help=f"one of: {', '.join(REASONING_PARSERS)} (splits <think>...</think> into reasoning_content)")
-    s.add_argument("--response-role", default="assistant", help="role of the generated chat message")
-    s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
-    s.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
-                   help='logprob tokens as "token_id:N" (tokens that are not valid UTF-8 on their own stay '
-                   "identifiable); a request's return_tokens_as_token_ids overrides it")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine-stats log line")
-    s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
-                   help="log each request's id, sizes and prompt (see --max-log-len)")
-    s.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility (default)")
-    s.add_argument("--max-log-len", type=int, default=None,
-                   help="most prompt / output characters (or token ids) in the request log (default: all)")
-    s.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
-                   help="with --enable-log-requests: also log each finished request's generated text")
     s.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                    help="add X-Request-Id to every response (the request's own, else a new one)")
     s.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
                    help="no /docs, /redoc or /openapi.json")
     s.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
                    help="GET /load reports the requests in flight on the model routes (server_load)")
-    s.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
-                   help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
-    s.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
-                   help="send usage in every stream, as if stream_options.include_usage were set")
     s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM)")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
@@ -110,16 +80,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
 
 def check_server_flags(args: argparse.Namespace) -> None:
     """Refuse server flags we cannot honour (ConfigError -> exit 2), before any model is loaded."""
-    from voltllm.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
 
-    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
-        raise ConfigError(f"--tool-call-parser {args.tool_call_parser!r} is not built; available: "
-                          f"{', '.join(TOOL_PARSERS)}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
-    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
-        raise ConfigError(f"--reasoning-parser {args.reasoning_parser!r} is not built; available: "
-                          f"{', '.join(REASONING_PARSERS)}")
+    check_request_flags(args)
     for modality, limit in (args.limit_mm_per_prompt or {}).items():
         count = limit.get("count", 0) if isinstance(limit, dict) else limit
         if count != 0:
@@ -130,16 +92,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
                           "tokenizer for chat templates, text prompts and streaming text")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_logprobs < 0:
-        raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
-    if args.max_log_len is not None and args.max_log_len < 0:
-        raise ConfigError(f"--max-log-len must be >= 0 (characters or token ids), got {args.max_log_len}")
-    if args.enable_log_outputs and not args.enable_log_requests:
-        raise ConfigError("--enable-log-outputs logs outputs into the request log: add --enable-log-requests")
     if args.api_key is not None and not all(args.api_key):
         raise ConfigError("--api-key must not be empty")
-    if args.served_model_names is not None and any(not n for n in args.served_model_names):
-        raise ConfigError("--served-model-name must not be empty")
     for flag, words in (("--served-model-name", args.served_model_names), ("--api-key", args.api_key)):
         words = words or []
         if len(words) > 1 and args.model is None and getattr(args, "model_flag", None) is None \
@@ -281,7 +235,6 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     from voltllm.engine.async_llm import AsyncLLM
     from voltllm.entrypoints.openai.app import CorsSettings, HttpOptions, build_app
     from voltllm.entrypoints.openai.metrics import ServerMetrics
-    from voltllm.entrypoints.openai.serving_common import ServerState
 
     engine = AsyncLLM(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
     holder["engine"] = engine
@@ -294,20 +247,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     info = engine.engine_info
     _say(f"engine ready in {time.monotonic() - t0:.1f} s (pid {info.get('pid')}, {info.get('num_blocks')} KV blocks "
          f"of {info.get('block_size')} tokens, max_model_len {engine.max_model_len})")
-    state = ServerState(
-        engine=engine, served_model_names=names, max_model_len=engine.max_model_len,
-        model_path=config.model.model, chat_template=config.model.chat_template,
-        default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
-        chat_template_content_format=args.chat_template_content_format,
-        response_role=args.response_role, max_logprobs=args.max_logprobs,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs,
-        generation_defaults=generation_defaults(config.model.model, config.model.generation_config,
-                                                config.model.override_generation_config))
+    state = server_state(config, args, names, engine)
     cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
                         tuple(args.allowed_headers))
     http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,

@@ -1,0 +1,80 @@
+"""`voltllm run-batch -i IN.jsonl -o OUT.jsonl MODEL`: OpenAI batch files answered by the server's app in process, in
+the input's order, refusals kept with their status; bad files refused by line before the model loads."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from tiny_models import make_model
+from voltllm.config import ConfigError
+from voltllm.entrypoints.openai.run_batch import read_batch
+
+
+def _line(custom_id, url="/v1/completions", **body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json\n", "line 1: not JSON"),
+    ("[1]\n", "line 1: expected an object"),
+    (_line("a") + "\n" + _line("a") + "\n", "line 2: custom_id 'a' is used twice"),
+    (json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}), "method must be POST"),
+    (_line("a", url="/v1/embeddings"), "url '/v1/embeddings' is not served in a batch"),
+    (_line("a", stream=True), "cannot stream"),
+    (json.dumps({"custom_id": "", "method": "POST", "url": "/v1/completions", "body": {}}), "non-empty string"),
+    (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": "x"}), "body must be"),
+    (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}, "x": 1}), "unknown field"),
+])
+def test_bad_batch_files_are_refused_by_line(text, match):
+    with pytest.raises(ConfigError, match=match):
+        read_batch(io.StringIO(text), "in.jsonl")
+
+
+def test_blank_lines_are_skipped():
+    lines = read_batch(io.StringIO("\n" + _line("a", prompt="x") + "\n\n"), "in.jsonl")
+    assert [(x.custom_id, x.url, x.body) for x in lines] == [("a", "/v1/completions", {"prompt": "x"})]
+
+
+def test_a_bad_file_fails_before_the_model_loads(tmp_path, capsys):
+    from voltllm.cli import main
+
+    bad = tmp_path / "in.jsonl"
+    bad.write_text(_line("a") + "\n" + _line("a") + "\n")
+    # (a model path that does not exist: the file is refused first)
+    assert main(["run-batch", "-i", str(bad), "-o", str(tmp_path / "out.jsonl"), "/nonexistent/model"]) == 2
+    assert "voltllm: error: " in (err := capsys.readouterr().err) and "line 2: custom_id 'a' is used twice" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_run_batch_answers_in_order(tmp_path):
+    from voltllm.cli import main
+
+    model = make_model(str(tmp_path / "tiny"), "llama")
+    lines = [
+        _line("chat", url="/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+              temperature=0),
+        _line("refused", prompt="x", max_tokens=-3),
+        _line("text", model="tiny", prompt="Hello there", max_tokens=3, temperature=0),
+        _line("resp", url="/v1/responses", input="Hi", max_output_tokens=2),
+        _line("unknown-model", model="other", prompt="x", max_tokens=1),
+    ] + [_line(f"n{i}", prompt=f"p{i}", max_tokens=2) for i in range(12)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", str(src), "-o", str(out), model, "--device", "cpu", "--served-model-name", "tiny",
+                 "--max-num-seqs", "2"]) == 0
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [json.loads(x)["custom_id"] for x in lines]
+    by_id = {r["custom_id"]: r for r in results}
+    assert all(r["error"] is None and r["id"].startswith("batch_req_") for r in results)
+    chat = by_id["chat"]["response"]
+    assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
+    assert chat["body"]["usage"]["completion_tokens"] == 4 and chat["body"]["model"] == "tiny"
+    refused = by_id["refused"]["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "max_tokens"
+    assert by_id["text"]["response"]["body"]["object"] == "text_completion"
+    assert by_id["resp"]["response"]["body"]["object"] == "response"
+    assert by_id["unknown-model"]["response"]["status_code"] == 404
+    assert all(by_id[f"n{i}"]["response"]["body"]["usage"]["completion_tokens"] == 2 for i in range(12))

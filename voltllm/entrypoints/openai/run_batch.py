@@ -1,0 +1,185 @@
+"""`voltllm run-batch -i INPUT.jsonl -o OUTPUT.jsonl [MODEL] [flags]`: an OpenAI batch file run offline, as vLLM's
+`run-batch`.
+
+Each input line is `{"custom_id", "method": "POST", "url", "body"}` with url one of BATCH_URLS; the file is checked
+whole before the model loads (unique custom_ids, no streaming), so a bad line costs no start-up. Each output line,
+in the input's order, is `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`, the
+body being what `voltllm serve` would answer, a refusal included (its status code and error body, as OpenAI's batch
+output has them). The requests go through the same app as the server, in this process and without a socket
+(httpx's ASGI transport), up to WINDOW_PER_SEQ x --max-num-seqs at a time, so that the engine batches them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from voltllm.config import ConfigError
+
+logger = logging.getLogger("voltllm")
+
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+WINDOW_PER_SEQ = 4  # requests in flight per --max-num-seqs: enough to keep every engine slot busy
+PROGRESS_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    custom_id: str
+    url: str
+    body: dict
+
+
+def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
+    from voltllm.cli_args import add_engine_args
+    from voltllm.entrypoints.openai.request_flags import add_request_args
+
+    p = subparsers.add_parser(
+        "run-batch", help=help, description="Run an OpenAI batch file (JSONL: custom_id, method, url, body) through "
+        "the model and write one result line per request, in order (vLLM's run-batch). URLs: "
+        + ", ".join(BATCH_URLS) + ".")
+    p.add_argument("model", nargs="?", default=None, help="model path or Hub repo id (default: the embedded "
+                   "SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL); - for stdin")
+    p.add_argument("-o", "--output-file", required=True, help="where the results go (JSONL); - for stdout")
+    add_engine_args(p)
+    add_request_args(p.add_argument_group("requests (as `voltllm serve`)"))
+    p.set_defaults(func=run_batch)
+    return p
+
+
+def read_batch(stream: TextIO, source: str) -> list[BatchLine]:
+    """The batch file's requests, or a ConfigError naming the first bad line."""
+    lines: list[BatchLine] = []
+    seen: set[str] = set()
+    for number, text in enumerate(stream, 1):
+        if not text.strip():
+            continue
+        where = f"{source} line {number}"
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not JSON: {e}") from None
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected an object with custom_id, method, url and body")
+        custom_id, method, url, body = (item.get(k) for k in ("custom_id", "method", "url", "body"))
+        unknown = set(item) - {"custom_id", "method", "url", "body"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise ConfigError(f"{where}: custom_id must be a non-empty string")
+        if custom_id in seen:
+            raise ConfigError(f"{where}: custom_id {custom_id!r} is used twice (each request needs its own)")
+        if method != "POST":
+            raise ConfigError(f"{where}: method must be POST, got {method!r}")
+        if url not in BATCH_URLS:
+            raise ConfigError(f"{where}: url {url!r} is not served in a batch; one of: {', '.join(BATCH_URLS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: body must be a JSON object (the request)")
+        if body.get("stream"):
+            raise ConfigError(f"{where}: a batch request cannot stream (body.stream)")
+        seen.add(custom_id)
+        lines.append(BatchLine(custom_id, url, body))
+    return lines
+
+
+def result_line(line: BatchLine, status: int, body: Any) -> dict:
+    """One output line in the OpenAI batch output format."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": f"vllm-batch-{uuid.uuid4().hex}", "body": body},
+            "error": None}
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    from voltllm.cli_args import engine_args_from
+    from voltllm.entrypoints.openai.request_flags import check_request_flags
+
+    for flag, path in (("--input-file", args.input_file), ("--output-file", args.output_file)):
+        if path.startswith(("http://", "https://")):
+            raise ConfigError(f"{flag} {path}: URLs are not built; give a local path or -")
+    if args.input_file == "-":
+        lines = read_batch(sys.stdin, "stdin")
+    else:
+        try:
+            with open(args.input_file) as f:
+                lines = read_batch(f, args.input_file)
+        except OSError as e:
+            raise ConfigError(f"--input-file {args.input_file}: {e.strerror or e}") from None
+    check_request_flags(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per in-process request otherwise)
+    config = engine_args_from(args).create_engine_config()
+    out = sys.stdout if args.output_file == "-" else _open_output(args.output_file)
+    try:
+        return asyncio.run(_run(config, args, lines, out))
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def _open_output(path: str) -> TextIO:
+    try:
+        return open(path, "w")
+    except OSError as e:
+        raise ConfigError(f"--output-file {path}: {e.strerror or e}") from None
+
+
+async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], out: TextIO) -> int:
+    import httpx
+
+    from voltllm.engine.async_llm import AsyncLLM
+    from voltllm.entrypoints.openai.app import build_app
+    from voltllm.entrypoints.openai.request_flags import server_state
+    from voltllm.entrypoints.openai.metrics import ServerMetrics
+
+    engine = AsyncLLM(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
+    try:
+        await engine.start()
+        names = list(args.served_model_names or [config.model.served_model_name])
+        metrics = ServerMetrics(names[0], lambda: engine.stats, lambda: engine.is_healthy,
+                                lambda: engine.num_active_requests)
+        engine.observer = metrics
+        app = build_app(server_state(config, args, names, engine), metrics)
+        window = asyncio.Semaphore(WINDOW_PER_SEQ * config.scheduler.max_num_seqs)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://run-batch",
+                                     timeout=None) as client:
+            async def one(line: BatchLine) -> dict:
+                async with window:
+                    r = await client.post(line.url, json=line.body)
+                try:
+                    body = r.json()
+                except ValueError:  # (an unexpected non-JSON answer: kept as an error body)
+                    body = {"error": {"message": r.text, "type": "InternalServerError", "code": r.status_code}}
+                return result_line(line, r.status_code, body)
+
+            tasks = [asyncio.ensure_future(one(line)) for line in lines]
+            return await _write_in_order(tasks, out, engine)
+    finally:
+        engine.shutdown()
+
+
+async def _write_in_order(tasks: list[asyncio.Future], out: TextIO, engine: Any) -> int:
+    """Each result as soon as those before it are written; 1 when the engine dies on the way."""
+    last_report, done = time.monotonic(), 0
+    for task in tasks:
+        while not task.done():
+            await asyncio.wait([task], timeout=1.0)
+            if engine.dead is not None:
+                for t in tasks:
+                    t.cancel()
+                logger.error("run-batch: the engine stopped (%s) after %d of %d requests", engine.dead, done,
+                             len(tasks))
+                return 1
+            if time.monotonic() - last_report > PROGRESS_EVERY_S:
+                logger.info("run-batch: %d of %d requests done", sum(t.done() for t in tasks), len(tasks))
+                last_report = time.monotonic()
+        out.write(json.dumps(task.result(), ensure_ascii=False) + "\n")
+        done += 1
+    out.flush()
+    logger.info("run-batch: %d requests done", done)
+    return 0
