@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -201,7 +202,7 @@ def test_text_format_json_schema_and_object(client):
 @pytest.mark.parametrize("kw, param", [
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"extra_body": {"conversation": "conv_1"}}, "conversation"),
@@ -244,6 +245,60 @@ def test_disconnect_mid_stream_aborts(tiny_server):
                     break  # leaving the block closes the connection mid-stream
     wait_idle(tiny_server, 30)
     assert _aborted(tiny_server) == before + 1
+
+
+# -- background responses, cancel, delete -------------------------------------------------------------------------
+def _poll(client, rid, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)
+
+
+def test_background_response_is_polled_to_completion(client):
+    r = _create(client, input="Hello there", background=True, max_output_tokens=6, extra_body=NO_EOS)
+    assert r.background is True and r.status == "queued" and r.output == []
+    done = _poll(client, r.id)
+    assert done.status == "incomplete" and done.background is True and done.usage.output_tokens == 6
+    plain = _create(client, input="Hello there", max_output_tokens=6, extra_body=NO_EOS)
+    assert done.output_text == plain.output_text  # greedy: the same answer as in the foreground
+    follow = _create(client, input="More.", previous_response_id=r.id)  # a completed one can be continued
+    assert follow.status in ("completed", "incomplete")
+    _bad(lambda: client.responses.cancel(plain.id))  # only background responses can be cancelled
+    assert client.responses.cancel(r.id).status == "incomplete"  # finished: unchanged
+
+
+def test_background_cancel_aborts_the_engine_request(client, tiny_server):
+    before = _aborted(tiny_server)
+    r = _create(client, input="Go on.", background=True, max_output_tokens=900, extra_body=NO_EOS)
+    deadline = time.monotonic() + 30
+    while client.responses.retrieve(r.id).status == "queued" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled"
+    wait_idle(tiny_server, 30)
+    assert _aborted(tiny_server) == before + 1  # its KV blocks were freed, not left running
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    assert client.responses.cancel(r.id).status == "cancelled"  # again: unchanged
+    body = _bad(lambda: _create(client, input="x", previous_response_id=r.id))
+    assert body["param"] == "previous_response_id"
+
+
+def test_background_survives_the_client_and_delete_stops_it(tiny_server, client):
+    before = _aborted(tiny_server)
+    body = {"model": "tiny", "input": "Go on.", "max_output_tokens": 900, "ignore_eos": True, "background": True}
+    rid = httpx.post(tiny_server.base + "/v1/responses", json=body, timeout=60).json()["id"]  # connection closed
+    time.sleep(0.5)
+    assert client.responses.retrieve(rid).status in ("queued", "in_progress")
+    deleted = httpx.delete(f"{tiny_server.base}/v1/responses/{rid}", timeout=10).json()
+    assert deleted == {"id": rid, "object": "response.deleted", "deleted": True}
+    wait_idle(tiny_server, 30)
+    assert _aborted(tiny_server) == before + 1
+    _bad(lambda: client.responses.retrieve(rid), 404)
+    assert httpx.delete(f"{tiny_server.base}/v1/responses/{rid}", timeout=10).status_code == 404
+    _bad(lambda: _create(client, input="x", background=True, stream=True))
 
 
 @pytest.fixture(scope="module")

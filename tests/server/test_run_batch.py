@@ -23,6 +23,7 @@ def _line(custom_id, url="/v1/completions", **body):
     (json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}), "method must be POST"),
     (_line("a", url="/v1/embeddings"), "url '/v1/embeddings' is not served in a batch"),
     (_line("a", stream=True), "cannot stream"),
+    (_line("a", url="/v1/responses", input="x", background=True), "cannot run in the background"),
     (json.dumps({"custom_id": "", "method": "POST", "url": "/v1/completions", "body": {}}), "non-empty string"),
     (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": "x"}), "body must be"),
     (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}, "x": 1}), "unknown field"),

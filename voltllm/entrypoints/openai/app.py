@@ -22,6 +22,7 @@ from voltllm.entrypoints.openai.messages_protocol import CountTokensRequest, Mes
 from voltllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from voltllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest)
+from voltllm.entrypoints.openai.responses_background import BackgroundRuns
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import create_chat_completion
@@ -230,14 +231,24 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         return await create_completion(state, req, request)
 
     responses = ResponseStore()
+    background = BackgroundRuns(responses)
 
     @app.post("/v1/responses")
     async def create_responses(request: Request) -> Any:
-        return await create_response(state, responses, await parse_body(request, ResponsesRequest), request)
+        return await create_response(state, responses, await parse_body(request, ResponsesRequest), request,
+                                     background)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict:
         return get_response(responses, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        return background.cancel(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return background.delete(response_id)
 
     async def _acceleration() -> dict:
         from voltllm.engine.async_llm import EngineDeadError

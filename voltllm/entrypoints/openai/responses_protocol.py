@@ -39,8 +39,8 @@ class ResponsesRequest(BaseModel):
     metadata: Optional[dict[str, Any]] = None
     reasoning: Optional[dict[str, Any]] = None  # accepted and echoed; the model reasons (or not) as it does
     user: Optional[str] = None
+    background: Optional[bool] = None  # runs on after the answer (responses_background.py); not with stream
     # not built: refused when set (check())
-    background: Optional[bool] = None
     conversation: Optional[Any] = None
     include: Optional[list[str]] = None
     truncation: Optional[str] = None
@@ -63,8 +63,11 @@ class ResponsesRequest(BaseModel):
 
     def check(self) -> None:
         """400s for what this server does not build."""
-        if self.background:
-            raise bad_request("background responses are not supported", "background", "unsupported_parameter")
+        if self.background and self.store is False:
+            raise bad_request("background responses must be stored: drop store: false", "store")
+        if self.background and self.stream:
+            raise bad_request("a background response cannot be streamed here; poll GET /v1/responses/{id}",
+                              "stream", "unsupported_parameter")
         if self.conversation is not None:
             raise bad_request("conversation is not supported; continue a conversation with previous_response_id",
                               "conversation", "unsupported_parameter")

@@ -17,7 +17,9 @@ class ResponseStore:
         self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, response: dict, conversation: list[dict]) -> None:
+    def put(self, response_id: str, response: dict, conversation: Optional[list[dict]]) -> None:
+        """conversation None: the response cannot be continued (yet): a background response still running, or one
+        that was cancelled or failed."""
         with self._lock:
             self._items[response_id] = (copy.deepcopy(response), copy.deepcopy(conversation))
             self._items.move_to_end(response_id)
@@ -32,7 +34,11 @@ class ResponseStore:
     def conversation(self, response_id: str) -> Optional[list[dict]]:
         with self._lock:
             got = self._items.get(response_id)
-        return copy.deepcopy(got[1]) if got else None
+        return copy.deepcopy(got[1]) if got and got[1] is not None else None
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._items.pop(response_id, None) is not None
 
     def __len__(self) -> int:
         return len(self._items)

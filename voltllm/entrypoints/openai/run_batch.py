@@ -84,6 +84,8 @@ def read_batch(stream: TextIO, source: str) -> list[BatchLine]:
             raise ConfigError(f"{where}: body must be a JSON object (the request)")
         if body.get("stream"):
             raise ConfigError(f"{where}: a batch request cannot stream (body.stream)")
+        if body.get("background"):
+            raise ConfigError(f"{where}: a batch request cannot run in the background (body.background)")
         seen.add(custom_id)
         lines.append(BatchLine(custom_id, url, body))
     return lines

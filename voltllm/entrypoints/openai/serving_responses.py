@@ -1,4 +1,5 @@
-"""POST /v1/responses and GET /v1/responses/{id}: the OpenAI Responses API on top of the chat path.
+"""POST /v1/responses and GET /v1/responses/{id}: the OpenAI Responses API on top of the chat path (background
+responses, their cancel and DELETE: responses_background.py).
 
 The request becomes a chat completion request (responses_protocol.py), which serving_chat.start_chat checks,
 templates and submits; the chat parsers (ChoiceView: reasoning, tool calls, forced tool choices) split the output,
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import RequestOutput
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request
+from voltllm.entrypoints.openai.responses_background import BackgroundRuns
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest, call_ids, input_messages
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
@@ -123,7 +125,8 @@ class _Run:
         return resp
 
 
-async def create_response(state: ServerState, store: ResponseStore, req: ResponsesRequest, raw_request: Any):
+async def create_response(state: ServerState, store: ResponseStore, req: ResponsesRequest, raw_request: Any,
+                          background: Optional[BackgroundRuns] = None):
     req.check()
     history: list[dict] = []
     if req.previous_response_id is not None:
@@ -147,6 +150,10 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         raise
     run = _Run(state, store, req, plan, conversation)
     view = ChoiceView(state, plan, chat.tools, streaming=req.stream)
+    if req.background and background is not None:
+        watcher.stop()  # it outlives this HTTP request
+        run.base["background"] = True
+        return JSONResponse(background.start(run.base, streams, lambda out: _final(run, view, out)))
     if req.stream:
         events = _Events()
         return event_stream(sse_body(_stream(run, view, streams, events), streams, watcher, plan.request_id,
@@ -154,11 +161,15 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     finals = await collect_or_gone(streams, watcher)
     if finals is None:
         return JSONResponse({}, status_code=499)
-    out = finals[0]
+    return JSONResponse(_final(run, view, finals[0]))
+
+
+def _final(run: _Run, view: ChoiceView, out: RequestOutput) -> dict:
+    """The finished response of a request not streamed (stored unless store is false)."""
     c = out.outputs[0]
     reasoning, content, calls = view.view(c.text, True)
     status = "incomplete" if c.finish_reason == "length" else "completed"
-    return JSONResponse(run.finish(output_items(reasoning, content, calls, status), out))
+    return run.finish(output_items(reasoning, content, calls, status), out)
 
 
 def get_response(store: ResponseStore, response_id: str) -> dict:
