@@ -127,6 +127,15 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, and a hybrid's state snapshots (vLLM's): later requests recompute their
+        prompts from the start. False, changing nothing, while requests hold KV blocks."""
+        if self.has_unfinished_requests() or not self.kv.pool.reset_prefix_cache():
+            return False
+        if self.kv.state_prefix is not None:
+            self.kv.state_prefix.reset()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 

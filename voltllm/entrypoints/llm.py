@@ -49,6 +49,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix (benchmarks measure prompts without earlier runs' hits). Between
+        generate / chat calls no request holds blocks, so it succeeds there."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (--generation-config)."""
         m = self.config.model
