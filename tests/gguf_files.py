@@ -1,4 +1,11 @@
-"""Writing tiny GGUF files in tests the way llama.cpp's converter lays out their metadata."""
+"""Writing tiny GGUF files in tests the way llama.cpp's converter lays out their metadata.
+
+writer_with_header: the header of the llama / qwen2 / qwen3 / qwen3moe files the loader tests write tensor by tensor.
+write_hybrid_gguf: a whole tiny hybrid checkpoint (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) converted as convert_hf_to_gguf.py
+converts it; q8_exact_weights makes a checkpoint's matrices exact in F16 and Q8_0, so such a file holds the checkpoint's
+weights bit for bit."""
+import json
+import os
 from typing import Any
 
 
@@ -29,3 +36,309 @@ def writer_with_header(path: str, arch: str, cfg: Any) -> Any:
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     return w
+
+
+# --- hybrid checkpoints, converted as llama.cpp's convert_hf_to_gguf.py does -------------------------------------
+# Learnt from the converter (conversion/qwen.py and conversion/base.py of ggml-org/llama.cpp): Qwen3NextModel,
+# _LinearAttentionVReorderBase, _Qwen35MRopeMixin, _Qwen35MtpMixin, Qwen3_5TextModel / Qwen3_5MoeTextModel,
+# Qwen2MoeModel (expert stacking) and TextModel (metadata, tensor types).
+HYBRID_GGUF_ARCH = {"Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
+                    "Qwen3NextForCausalLM": "qwen3next"}
+KIND_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}  # tiny_models kind -> GGUF
+_QWEN35_DEFAULT_MROPE_SECTION = [11, 11, 10, 0]  # written when the checkpoint's rope_parameters has none
+# tokenizer.ggml.pre the converter finds (by hashing a tokenization) for the real models' tokenizers
+QWEN_PRE = {"qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3next": "qwen2"}
+
+
+def use_qwen_pre_tokenizer(hf_dir: str, arch: str) -> None:
+    """Make the tokenizer in `hf_dir` split text as the real `arch` models' tokenizers do (their pre-tokenizer regex,
+    which readers of a GGUF file take from its tokenizer.ggml.pre), so the file's tokenizer is the directory's."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    if QWEN_PRE[arch] == "qwen35":
+        from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+    else:
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    file = os.path.join(hf_dir, "tokenizer.json")
+    tok = Tokenizer.from_file(file)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.save(file)
+
+
+def q8_exact_weights(hf_dir: str, group: int = 16) -> None:
+    """Round every matrix of the checkpoint in `hf_dir` (in place) so that F16 and Q8_0 hold it exactly: per row a
+    power-of-two scale d and integer codes |q| <= 127, each `group` columns holding a code of +-127 (so every 32-input
+    Q8_0 block made of whole groups gets scale d again, also after the converter moves value heads of `group` columns
+    around). Lets a test demand the GGUF file's exact weights from the checkpoint itself."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(hf_dir, "model.safetensors")
+    tensors = load_file(file)
+    for name, w in tensors.items():
+        if w.ndim != 2 or w.shape[1] % group:
+            continue
+        w = w.float()
+        d = torch.exp2(torch.ceil(torch.log2(w.abs().amax(dim=1, keepdim=True).clamp_min(1e-6) / 127)))
+        q = torch.round(w / d).clamp(-127, 127).reshape(w.shape[0], -1, group)
+        top = q.abs().argmax(dim=-1, keepdim=True)
+        sign = torch.where(q.gather(-1, top) < 0, -1.0, 1.0)
+        q.scatter_(-1, top, sign * 127)
+        tensors[name] = (q.reshape(w.shape) * d).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def exact_hybrid_checkpoint(path: str, kind: str, **overrides: Any) -> Any:
+    """A tiny random hybrid (tiny_models.make_tiny_hybrid, small MoE sizes, + overrides) with a byte-level BPE tokenizer
+    that splits text as the real model's (use_qwen_pre_tokenizer), its matrices exact in F16 and Q8_0
+    (q8_exact_weights); None when this transformers lacks the architecture."""
+    from tiny_models import make_tiny_hybrid, make_tokenizer, small_moe
+
+    tok = make_tokenizer(path)
+    use_qwen_pre_tokenizer(path, KIND_ARCH[kind])
+    cfg = dict(small_moe(kind), vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if make_tiny_hybrid(path, kind, 0, 1, **{**cfg, **overrides}) is None:
+        return None
+    q8_exact_weights(path)
+    return path
+
+
+def _hparams(hf_dir: str) -> dict:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(hf_dir).to_dict()
+
+
+def _reorder_v_heads(t: Any, dim: int, num_k: int, r: int, head_dim: int) -> Any:
+    """Value heads from grouped by key head (g * r + j) to tiled (j * Hk + g) along `dim`."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], num_k, r, head_dim, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _converted(h: dict, arch: str, name: str, t: Any) -> list:
+    """One HF tensor as the converter's modify_tensors chain leaves it (HF names): the value-head tiling of
+    _LinearAttentionVReorderBase (Qwen3.5), then Qwen3NextModel's changes."""
+    import torch
+
+    nk, nv = h["linear_num_key_heads"], h["linear_num_value_heads"]
+    dk, dv = h["linear_key_head_dim"], h["linear_value_head_dim"]
+    if arch != "qwen3next" and nk != nv and "linear_attn." in name:
+        r, qk = nv // nk, 2 * nk * dk
+        if ".in_proj_qkv." in name:
+            t = torch.cat([t[:qk], _reorder_v_heads(t[qk:], 0, nk, r, dv)])
+        elif ".in_proj_z." in name:
+            t = _reorder_v_heads(t, 0, nk, r, dv)
+        elif ".in_proj_b." in name or ".in_proj_a." in name:
+            t = _reorder_v_heads(t, 0, nk, r, 1)
+        elif ".A_log" in name or ".dt_bias" in name:
+            t = _reorder_v_heads(t.unsqueeze(-1), 0, nk, r, 1).squeeze(-1)
+        elif ".conv1d" in name:
+            t = t.squeeze()
+            t = torch.cat([t[:qk], _reorder_v_heads(t[qk:], 0, nk, r, dv)])
+        elif ".out_proj." in name:
+            t = _reorder_v_heads(t, 1, nk, r, dv)
+    if name.endswith(".A_log"):
+        t = -torch.exp(t)
+    elif name.endswith(".dt_bias"):
+        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+    elif "conv1d" in name:
+        t = t.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        t = t + 1
+    if "in_proj_qkvz.weight" in name:  # [q k v z] per key head -> [q all heads | k | v] and z
+        hidden = h["hidden_size"]
+        parts = [dk, dk, nv // nk * dv, nv // nk * dv]
+        q, k, v, z = torch.split(t.permute(1, 0).reshape(hidden, nk, sum(parts)), parts, dim=-1)
+        qkv = torch.cat([q.reshape(hidden, -1), k.reshape(hidden, -1), v.reshape(hidden, -1)], dim=-1)
+        layer = name.rpartition(".in_proj_qkvz")[0]
+        return [(f"{layer}.in_proj_qkv.weight", qkv.permute(1, 0).contiguous()),
+                (f"{layer}.in_proj_z.weight", z.reshape(hidden, -1).permute(1, 0).contiguous())]
+    return [(name, t)]
+
+
+def _tensor_type(gguf_name: str, n_dims: int, outtype: str) -> str:
+    """TextModel.prepare_tensors' choice: 1-D tensors, norms, the routers and the conv kernel stay F32."""
+    always_f32 = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.", ".ssm_conv1d.")
+    if n_dims <= 1 or gguf_name.endswith("_norm.weight") or any(s in gguf_name for s in always_f32) \
+            or not gguf_name.endswith(".weight"):
+        return "F32"
+    return outtype
+
+
+def _add_tensor(w: Any, gguf_name: str, t: Any, outtype: str) -> str:
+    import gguf
+    import numpy as np
+
+    data = t.float().numpy()
+    kind = _tensor_type(gguf_name, data.ndim, outtype)
+    if kind == "F32":
+        w.add_tensor(gguf_name, data.astype(np.float32))
+    elif kind == "F16":
+        w.add_tensor(gguf_name, data.astype(np.float16))
+    else:
+        qtype = gguf.GGMLQuantizationType[kind]
+        try:
+            q = gguf.quants.quantize(data, qtype)
+        except gguf.QuantError:  # a row that is no whole number of blocks: the converter falls back to F16
+            w.add_tensor(gguf_name, data.astype(np.float16))
+            return "F16"
+        w.add_tensor(gguf_name, q, raw_dtype=qtype)
+    return kind
+
+
+def _add_tokenizer(w: Any, hf_dir: str, vocab_size: int, arch: str) -> None:
+    """TextModel._set_vocab_gpt2: the byte-level BPE vocabulary, its merges and special tokens, and the real models'
+    pre-tokenizer name (see use_qwen_pre_tokenizer)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if i in added and added[i].special else gguf.TokenType.NORMAL)
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        merges = json.load(f)["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(QWEN_PRE[arch])
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    for what, token in (("bos", tok.bos_token), ("eos", tok.eos_token), ("pad", tok.pad_token)):
+        if token is not None:
+            getattr(w, f"add_{what}_token_id")(tok.convert_tokens_to_ids(token))
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+
+
+def _add_metadata(w: Any, h: dict, arch: str, n_blocks: int, mtp_layers: int, file_type: int) -> None:
+    """TextModel.set_gguf_parameters, then Qwen2MoeModel's, Qwen3NextModel's and the Qwen3.5 mixins' additions."""
+    rope = h.get("rope_parameters") or {}
+    w.add_block_count(n_blocks)
+    w.add_context_length(h["max_position_embeddings"])
+    w.add_embedding_length(h["hidden_size"])
+    if h.get("intermediate_size") is not None:
+        w.add_feed_forward_length(h["intermediate_size"])
+    w.add_head_count(h["num_attention_heads"])
+    w.add_head_count_kv(h["num_key_value_heads"])
+    if "mrope_section" in rope:
+        w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0, 0, 0, 0])[:4])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(h["rms_norm_eps"])
+    if h.get("num_experts") is not None:
+        w.add_expert_count(h["num_experts"])
+        w.add_expert_used_count(h["num_experts_per_tok"])
+    w.add_key_length(h["head_dim"])
+    w.add_value_length(h["head_dim"])
+    w.add_file_type(file_type)
+    if h.get("moe_intermediate_size") is not None:
+        w.add_expert_feed_forward_length(h["moe_intermediate_size"])
+    if h.get("shared_expert_intermediate_size") is not None:
+        w.add_expert_shared_feed_forward_length(h["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(h["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(h["linear_key_head_dim"])
+    w.add_ssm_group_count(h["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(h["linear_num_value_heads"])
+    w.add_ssm_inner_size(h["linear_value_head_dim"] * h["linear_num_value_heads"])
+    w.add_full_attention_interval(h.get("full_attention_interval", 4))
+    # (the converter reads a top-level partial_rotary_factor only; 0.25 is every Qwen hybrid's)
+    w.add_rope_dimension_count(int(h["head_dim"] * h.get("partial_rotary_factor", 0.25)))
+    if arch != "qwen3next":
+        if "mrope_section" not in rope:
+            w.add_rope_dimension_sections(_QWEN35_DEFAULT_MROPE_SECTION)
+        if mtp_layers:
+            w.add_nextn_predict_layers(mtp_layers)
+
+
+def _mtp_tensors(h: dict, state: dict, n_layers: int) -> list:
+    """A stand-in MTP module as Qwen3.5 checkpoints hold one (mtp.*: a full-attention decoder layer, the fc joining
+    embedding and hidden state, three norms), renamed as _Qwen35MtpMixin renames it (HF names of block n_layers)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    last_attn = max(int(k.split(".")[2]) for k in state if ".self_attn." in k)
+    layer = {k.split(f"model.layers.{last_attn}.", 1)[1]: v for k, v in state.items()
+             if k.startswith(f"model.layers.{last_attn}.")}
+    out = [(f"model.layers.{n_layers}.{k}", torch.randn(v.shape, generator=gen) * 0.05) for k, v in layer.items()]
+    hid = h["hidden_size"]
+    for name, shape in (("eh_proj", (hid, 2 * hid)), ("enorm", (hid,)), ("hnorm", (hid,)),
+                        ("shared_head.norm", (hid,))):
+        out.append((f"model.layers.{n_layers}.{name}.weight", torch.randn(shape, generator=gen) * 0.05))
+    return out
+
+
+_NEXTN = {"eh_proj": "nextn.eh_proj", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
+          "shared_head.norm": "nextn.shared_head_norm"}
+
+
+def write_hybrid_gguf(path: str, hf_dir: str, outtype: str = "F16", fuse_gate_up: bool = False,
+                      mtp_layers: int = 0) -> dict:
+    """Convert the tiny HF hybrid checkpoint in `hf_dir` (config.json, model.safetensors, a byte-level BPE tokenizer:
+    see use_qwen_pre_tokenizer) into a GGUF
+    file at `path` as llama.cpp's convert_hf_to_gguf.py does (--outtype f32 / f16 / q8_0: outtype F32 / F16 / Q8_0;
+    fuse_gate_up: --fuse-gate-up-exps). mtp_layers: also write a stand-in MTP module as nextn blocks (Qwen3.5 only).
+    Returns {GGUF tensor name: GGUF type} of what it wrote."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    h = _hparams(hf_dir)
+    arch = HYBRID_GGUF_ARCH[h["architectures"][0]]
+    n_layers = h["num_hidden_layers"]
+    n_blocks = n_layers + mtp_layers
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    items = [(n, t) for n, t in state.items() if not n.startswith("mtp.")]
+    if mtp_layers:
+        items += _mtp_tensors(h, state, n_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    _add_tokenizer(w, hf_dir, h["vocab_size"], arch)
+    _add_metadata(w, h, arch, n_blocks, mtp_layers, file_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_blocks)
+    experts: dict = {}
+    written: dict = {}
+
+    def add(hf_name: str, t: Any, bid: int) -> None:
+        module = hf_name.rsplit(".", 1)[0].split(".", 3)[-1]
+        if bid >= n_layers and module in _NEXTN:  # (gguf 0.19's name map has no qwen35 nextn tensors)
+            gname = f"blk.{bid}.{_NEXTN[module]}.weight"
+        else:
+            gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        written[gname] = _add_tensor(w, gname, t, outtype)
+
+    for name, t in items:
+        bid = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        for hf_name, data in _converted(h, arch, name, t.float()):
+            if ".mlp.experts." in hf_name:  # Qwen2MoeModel: a layer's experts stacked once all have come
+                experts.setdefault(bid, {})[hf_name] = data
+                if len(experts[bid]) < 3 * h["num_experts"]:
+                    continue
+                stacked = {p: torch.stack([experts[bid].pop(f"model.layers.{bid}.mlp.experts.{e}.{p}.weight")
+                                           for e in range(h["num_experts"])]) for p in ("down_proj", "gate_proj",
+                                                                                        "up_proj")}
+                add(f"model.layers.{bid}.mlp.experts.down_proj.weight", stacked["down_proj"], bid)
+                if fuse_gate_up:  # [E, 2I, H]: gate's rows, then up's
+                    gname = f"blk.{bid}.ffn_gate_up_exps.weight"
+                    written[gname] = _add_tensor(w, gname, torch.cat([stacked["gate_proj"], stacked["up_proj"]], 1),
+                                                 outtype)
+                else:
+                    add(f"model.layers.{bid}.mlp.experts.gate_proj.weight", stacked["gate_proj"], bid)
+                    add(f"model.layers.{bid}.mlp.experts.up_proj.weight", stacked["up_proj"], bid)
+                continue
+            add(hf_name, data, bid)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written

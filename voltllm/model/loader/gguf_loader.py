@@ -1,17 +1,21 @@
 """GGUF files (llama.cpp's format) as a transformers config plus HF-named tensors.
 
 Supported architectures: llama, qwen2, qwen3 (dense), qwen3moe (Qwen3-30B-A3B style: llama.cpp stacks each layer's
-experts into one [E, rows, cols] tensor per projection, read back here as HF's per-expert weights). Tensors are dequantized with the `gguf` package's numpy
+experts into one [E, rows, cols] tensor per projection, read back here as HF's per-expert weights), and the hybrids
+qwen35, qwen35moe and qwen3next (Gated DeltaNet + gated attention: gguf_hybrid.py undoes what llama.cpp's converter
+changes in them). Tensors are dequantized with the `gguf` package's numpy
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
-dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) instead come as
-raw blocks and stay quantized there (model/layers/quantized_linear.py); their dequantized values are the same.
+dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+instead come as raw blocks and stay quantized there (model/layers/quantized_linear.py); their dequantized values are
+the same.
 
 Two things differ from a Hugging Face checkpoint:
 - ggml lists dims innermost first: a GGUF tensor of shape [in, out] is the torch (out, in) weight.
 - llama.cpp's converter permutes llama-arch q/k projection rows so that RoPE rotates adjacent pairs
   (x0, x1), (x2, x3), ... instead of HF's halves (x_i, x_{i+d/2}). We undo that here. qwen2/qwen3
   files use the half-rotation already and are not permuted.
+(The hybrids' further differences: gguf_hybrid.py.)
 """
 from __future__ import annotations
 
@@ -23,7 +27,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+from voltllm.model.loader import gguf_hybrid
+from voltllm.model.loader.gguf_hybrid import HYBRID_ARCHS
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", *HYBRID_ARCHS)
 
 # GGUF tensor name -> HF parameter name (both without the .weight/.bias suffix).
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -41,9 +48,12 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
-# llama.cpp's stacked expert tensors [E, rows, cols] -> each expert's HF projection
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's stacked expert tensors [E, rows, cols] -> each expert's HF projection(s); ffn_gate_up_exps (the
+# converter's --fuse-gate-up-exps) holds gate's rows then up's
+_EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",), "ffn_down_exps": ("down_proj",),
+                 "ffn_gate_up_exps": ("gate_proj", "up_proj")}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")  # (ssm_a has no suffix)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 
 
 def _reader(path: str):
@@ -68,6 +78,12 @@ def _arch(reader) -> str:
     return arch
 
 
+def gguf_architecture(path: str) -> Optional[str]:
+    """The file's general.architecture (whether voltllm reads it or not)."""
+    field = _reader(path).fields.get("general.architecture")
+    return field.contents() if field is not None else None
+
+
 def _f32(value: float) -> float:
     # GGUF stores floats as float32: 1e-5 comes back as 9.999999747e-06. Keep the shortest decimal
     # that rounds to the same float32 (1e-05, what the original config.json said); same value in f32.
@@ -75,7 +91,8 @@ def _f32(value: float) -> float:
 
 
 def gguf_config(path: str) -> Any:
-    """The transformers config (LlamaConfig / Qwen2Config / Qwen3Config) described by a GGUF file's metadata."""
+    """The transformers config (LlamaConfig / Qwen2Config / Qwen3Config / Qwen3MoeConfig, or a hybrid's:
+    gguf_hybrid.hybrid_config) described by a GGUF file's metadata."""
     reader = _reader(path)
     arch = _arch(reader)
     from gguf import GGUFValueType
@@ -106,13 +123,10 @@ def gguf_config(path: str) -> Any:
         raise ValueError(f"GGUF file {path!r}: RoPE scaling type {scaling!r} is not supported")
 
     kwargs = dict(
-        architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                        "qwen3moe": "Qwen3MoeForCausalLM"}[arch]],
         # the embedding matrix is [hidden, vocab] in ggml order
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
-        num_hidden_layers=key("block_count"),
+        intermediate_size=key("feed_forward_length", None),
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim or hidden // heads,
@@ -125,12 +139,18 @@ def gguf_config(path: str) -> Any:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
+    if gguf_hybrid.is_hybrid(arch):
+        return gguf_hybrid.hybrid_config(arch, key, meta, reader.fields, kwargs)
+    if kwargs["intermediate_size"] is None and arch != "qwen3moe":
+        key("feed_forward_length")  # (raises: required)
+    kwargs.update(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                  "qwen3moe": "Qwen3MoeForCausalLM"}[arch]], num_hidden_layers=key("block_count"))
     if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top-k weights for this architecture
         moe_inter = key("expert_feed_forward_length")
         kwargs.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
-                      moe_intermediate_size=moe_inter, intermediate_size=key("feed_forward_length", moe_inter),
+                      moe_intermediate_size=moe_inter, intermediate_size=kwargs["intermediate_size"] or moe_inter,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
@@ -143,12 +163,17 @@ def dense_bytes(path: str, itemsize: int) -> int:
     return sum(int(np.prod(t.shape)) for t in _reader(path).tensors) * itemsize
 
 
-def _hf_name(gguf_name: str) -> Optional[str]:
+def _hf_name(gguf_name: str, arch: str) -> Optional[str]:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
+    if not m:
+        return None
+    if gguf_hybrid.is_hybrid(arch):
+        inner = gguf_hybrid.layer_hf_name(m.group(2), m.group(3))
+        return None if inner is None else f"model.layers.{m.group(1)}.{inner}"
+    if m.group(2) in _LAYER_NAMES and m.group(3) is not None:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
@@ -169,13 +194,15 @@ def _unpermute_rope(w: Any, n_heads: int) -> Any:
 
 
 def _is_matrix_kept(hf_name: str) -> bool:
-    """Linear weights and the token embeddings (quantized_linear.QuantEmbedding) may stay quantized."""
-    return hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
+    """Linear weights (the Gated DeltaNet input projections included) and the token embeddings
+    (quantized_linear.QuantEmbedding) may stay quantized."""
+    return (hf_name.endswith("_proj.weight") or ".linear_attn.in_proj_" in hf_name
+            or hf_name in ("lm_head.weight", "model.embed_tokens.weight"))
 
 
-def _expert_tensors(t: Any, layer: int, proj: str, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
-    """One stacked expert tensor [E, rows, cols] as each expert's HF weight: raw blocks (kept quantized) or
-    float32."""
+def _expert_tensors(t: Any, layer: int, projs: tuple[str, ...], keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+    """One stacked expert tensor [E, rows, cols] as each expert's HF weight(s) (`projs`: one, or gate and up, whose
+    rows the tensor holds one after the other): raw blocks (kept quantized) or float32."""
     from gguf.quants import dequantize
 
     from voltllm.model.layers.gguf_planes import supports
@@ -183,20 +210,24 @@ def _expert_tensors(t: Any, layer: int, proj: str, keep_quantized: bool) -> Iter
 
     experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
     prefix = f"model.layers.{layer}.mlp.experts"
+    n = rows // len(projs)
     if keep_quantized and supports(t.tensor_type.name, cols):
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(experts, rows, -1)
         for e in range(experts):
-            yield f"{prefix}.{e}.{proj}.weight", GGUFBlocks(t.tensor_type.name, raw[e], rows, cols)
+            for i, proj in enumerate(projs):
+                yield f"{prefix}.{e}.{proj}.weight", GGUFBlocks(t.tensor_type.name, raw[e, i * n:(i + 1) * n], n, cols)
         return
     array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(experts, rows, cols)
     for e in range(experts):
-        yield f"{prefix}.{e}.{proj}.weight", torch.from_numpy(array[e].copy())
+        for i, proj in enumerate(projs):
+            yield f"{prefix}.{e}.{proj}.weight", torch.from_numpy(array[e, i * n:(i + 1) * n].copy())
 
 
 def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) for every tensor in the file, in file order: float32 CPU tensors, except with
-    `keep_quantized`, where a linear layer's weight (or the embeddings) of a type with a device layout (model/layers/gguf_planes.py)
-    comes as its raw blocks (GGUFBlocks) for the layer to keep quantized."""
+    `keep_quantized`, where a linear layer's weight (or the embeddings) of a type with a device layout
+    (model/layers/gguf_planes.py) comes as its raw blocks (GGUFBlocks) for the layer to keep quantized. A hybrid's
+    MTP blocks are skipped."""
     from gguf.quants import dequantize
 
     from voltllm.model.layers.quantized_linear import GGUFBlocks
@@ -206,12 +237,17 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False)
     arch = _arch(reader)
     if hf_config is None:
         hf_config = gguf_config(path)
+    hybrid = gguf_hybrid.HybridTensors(arch, hf_config) if gguf_hybrid.is_hybrid(arch) else None
+    n_layers = hf_config.num_hidden_layers
     for t in reader.tensors:
+        block = _BLOCK_RE.match(t.name)
+        if block and hybrid is not None and int(block.group(1)) >= n_layers:  # Qwen3.5's MTP (nextn) blocks
+            continue
         m = _LAYER_RE.fullmatch(t.name)
         if m and m.group(2) in _EXPERT_NAMES:
             yield from _expert_tensors(t, int(m.group(1)), _EXPERT_NAMES[m.group(2)], keep_quantized)
             continue
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} in {path!r} has no place in a {arch} model")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -226,5 +262,10 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False)
             tensor = _unpermute_rope(tensor, hf_config.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute_rope(tensor, hf_config.num_key_value_heads)
-        yield name, tensor
+        if hybrid is not None:
+            yield from hybrid.convert(name, tensor)
+        else:
+            yield name, tensor
+    if hybrid is not None:
+        hybrid.finish()
     _cached_reader.cache_clear()

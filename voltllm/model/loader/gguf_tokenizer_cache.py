@@ -36,11 +36,24 @@ _STALE_TMP_S = 24 * 3600  # temporary folders older than this were left by a pro
 _warned_roots: set[str] = set()
 
 
+# GGUF architectures voltllm reads whose config transformers cannot rebuild from the file: AutoTokenizer reads the
+# config first and fails on them, so their tokenizer is converted by the class transformers gives voltllm's config
+_NO_TRANSFORMERS_CONFIG = ("qwen3next",)
+
+
 def build_gguf_tokenizer(path: str) -> Any:
     """The tokenizer as transformers converts it from the GGUF file (the slow path the cache saves)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    from voltllm.model.loader.gguf_loader import gguf_architecture, gguf_config
+
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    if gguf_architecture(path) in _NO_TRANSFORMERS_CONFIG:
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+        cls_name = TOKENIZER_MAPPING_NAMES.get(gguf_config(path).model_type) or "TokenizersBackend"
+        return tokenizer_class_from_name(cls_name).from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def _stamp(source: str) -> dict[str, Any]:
