@@ -106,8 +106,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"cudagraph_capture_sizes": [1, 2, 4, 8]}\' (no torch.compile here: docs/cli.md)')
     g.add_argument("--optimization-level", "-O", type=int, default=None, choices=[0, 1, 2, 3],
                    help="vLLM's -O0..-O3: 0 = no CUDA graphs; 2 and 3 = the default graphs; 1 is refused (docs/cli.md)")
-    g.add_argument("--cudagraph-capture-sizes", "--cuda-graph-sizes", dest="cudagraph_capture_sizes", nargs="+",
-                   type=int, default=None, help="batch sizes the decode CUDA graphs are captured for")
+    g.add_argument("--cudagraph-capture-sizes", nargs="+", type=int, default=None,
+                   help="batch sizes the decode CUDA graphs are captured for")
+    g.add_argument("--cuda-graph-sizes", nargs="+", type=int, default=None,
+                   help="vLLM's older flag: one value N captures 1, 2, 4 and the multiples of 8 up to N; several "
+                        "values are the sizes")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest decode CUDA graph batch size (default 512, and at most --max-num-seqs)")
     g.add_argument("--require-acceleration", action=argparse.BooleanOptionalAction, default=False,

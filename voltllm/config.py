@@ -158,7 +158,7 @@ class EngineArgs:
     enforce_eager: bool = False
     compilation_config: Optional[Any] = None  # JSON object, dict or vLLM's bare mode number (voltllm.cuda_graph_config)
     optimization_level: Optional[int] = None  # -O N (None: vLLM's default, 2)
-    cuda_graph_sizes: Optional[list[int]] = None  # vLLM's older name of cudagraph_capture_sizes
+    cuda_graph_sizes: Optional[list[int]] = None  # vLLM's older flag: one value N is 1, 2, 4, 8, 16, ... N
     cudagraph_capture_sizes: Optional[list[int]] = None
     max_cudagraph_capture_size: Optional[int] = None
     attention_backend: Optional[str] = None

@@ -132,15 +132,16 @@ def _check_keys(cc: dict) -> None:
             raise CompilationConfigError(f"--compilation-config {key}: not built ({_GRAPH_KEYS_NOT_BUILT[key]})")
         elif key not in KNOWN_KEYS:
             raise CompilationConfigError(f"--compilation-config {key}: unknown key (voltllm reads cudagraph_mode, "
-                                         "cudagraph_capture_sizes, max_cudagraph_capture_size and mode / level 0)")
+                                         "cudagraph_capture_sizes, max_cudagraph_capture_size and mode / level 0 or 3)")
 
 
 def _check_compile_mode(key: str, value: Any) -> None:
-    """mode / level: only 0 (NONE) is true here; the others are torch.compile pipelines."""
+    """mode / level: 0 (NONE) and 3 (VLLM_COMPILE, vLLM's default: its own optimized forward, which voltllm's
+    kernels are here) say what voltllm does; 1 and 2 ask for stock torch.compile / Dynamo pipelines."""
     number = _COMPILE_MODES.get(value.upper()) if isinstance(value, str) and key == "mode" else value
-    if number == 0 and not isinstance(number, bool):
+    if number in (0, 3) and not isinstance(number, bool):
         return
-    if number in (1, 2, 3) and not isinstance(number, bool):
+    if number in (1, 2) and not isinstance(number, bool):
         raise CompilationConfigError(f"--compilation-config {key} {value}: a torch.compile mode; {_NO_TORCH_COMPILE}. "
                                      f"Drop \"{key}\" (or give 0: no compilation, which is what voltllm does)")
     names = " or ".join(("0 to 3", ", ".join(_COMPILE_MODES))) if key == "mode" else "0 to 3"
@@ -167,6 +168,8 @@ def _capture_sizes(cc: dict, cuda_graph_sizes: Optional[Sequence[int]],
     name, sizes = given[0]
     if not isinstance(sizes, (list, tuple)) or not sizes or not all(_is_size(s) for s in sizes):
         raise CompilationConfigError(f"{name} must be a non-empty list of batch sizes >= 1, got {sizes!r}")
+    if name == "--cuda-graph-sizes" and len(sizes) == 1:  # vLLM's: one value is the largest of its usual ladder
+        return sorted({1, 2, 4} | set(range(8, sizes[0] + 1, 8)))
     return sorted(set(sizes))
 
 

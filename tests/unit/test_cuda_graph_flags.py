@@ -49,7 +49,8 @@ def test_no_graphs(tiny, argv):
 @pytest.mark.parametrize("argv", [("-O2",), ("-O3",), ("-cc", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'),
                                   ("-cc", '{"cudagraph_mode": "FULL"}'),  # as vLLM without whole mixed-batch graphs
                                   ("-cc", '{"mode": 0}'), ("-cc", '{"level": 0}'), ("-cc", '{"mode": "none"}'),
-                                  ("-cc", "0")])
+                                  ("-cc", "0"), ("-cc", "3"), ("-cc", '{"level": 3}'),  # vLLM's default pipeline
+                                  ("-cc", '{"mode": "VLLM_COMPILE", "cudagraph_capture_sizes": [1, 2]}')])
 def test_default_graphs(tiny, argv):
     dev = _device(tiny, *argv)
     assert dev.cuda_graphs.mode == "FULL_AND_PIECEWISE" and not dev.enforce_eager
@@ -78,7 +79,15 @@ def test_capture_sizes_above_the_step_budget_are_dropped(tiny):
     assert _device(tiny, "--max-num-batched-tokens", "64", "--max-cudagraph-capture-size", "256"
                    ).cuda_graphs.max_capture_size == 64
     with pytest.raises(ConfigError, match="every size is above --max-num-batched-tokens 64"):
-        _device(tiny, "--max-num-batched-tokens", "64", "--cuda-graph-sizes", "128")
+        _device(tiny, "--max-num-batched-tokens", "64", "--cudagraph-capture-sizes", "128")
+
+
+def test_one_cuda_graph_size_is_the_top_of_vllms_ladder(tiny):
+    """vLLM's --cuda-graph-sizes N (one value): 1, 2, 4 and the multiples of 8 up to N, not N alone (a lone 512
+    above every batch would capture nothing useful)."""
+    assert _device(tiny, "--cuda-graph-sizes", "40").cuda_graphs.capture_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert _device(tiny, "--cuda-graph-sizes", "4").cuda_graphs.capture_sizes == (1, 2, 4)
+    assert _device(tiny, "--cudagraph-capture-sizes", "40").cuda_graphs.capture_sizes == (40,)
 
 
 def test_offline_engine_args_take_the_same_fields(tiny):
@@ -92,9 +101,9 @@ def test_offline_engine_args_take_the_same_fields(tiny):
     ({"optimization_level": 1}, r"-O1: piecewise CUDA graphs for decode batches are not built"),
     ({"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, "cudagraph_mode PIECEWISE: piecewise CUDA graphs"),
     ({"compilation_config": {"cudagraph_mode": "SOMETIMES"}}, "cudagraph_mode must be one of NONE, PIECEWISE"),
-    ({"compilation_config": {"level": 3}}, "level 3: a torch.compile mode; voltllm does not compile"),
-    ({"compilation_config": {"mode": "VLLM_COMPILE"}}, "mode VLLM_COMPILE: a torch.compile mode"),
-    ({"compilation_config": 3}, "mode 3: a torch.compile mode"),
+    ({"compilation_config": {"level": 2}}, "level 2: a torch.compile mode; voltllm does not compile"),
+    ({"compilation_config": {"mode": "STOCK_TORCH_COMPILE"}}, "mode STOCK_TORCH_COMPILE: a torch.compile mode"),
+    ({"compilation_config": 1}, "mode 1: a torch.compile mode"),
     ({"compilation_config": {"mode": 7}}, "mode must be 0 to 3 or NONE, STOCK_TORCH_COMPILE"),
     ({"compilation_config": {"custom_ops": ["none"]}}, "custom_ops: a torch.compile setting"),
     ({"compilation_config": {"pass_config": {}}}, "pass_config: a torch.compile setting"),
