@@ -140,9 +140,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         datefmt="%H:%M:%S")
     parser = build_parser()
     argv = dotted_json_flags(dashed_flags(sys.argv[1:] if argv is None else argv))
-    from voltllm.cli_unbuilt import unbuilt_flag_error
+    from voltllm.cli_unbuilt import screen_unbuilt_flags
 
-    unbuilt = unbuilt_flag_error(argv, option_strings(parser))  # a known vLLM flag: why, not "unrecognized"
+    # a known vLLM flag: why, not "unrecognized"; at the value voltllm matches anyway (--no-enable-lora): dropped
+    argv, unbuilt = screen_unbuilt_flags(argv, option_strings(parser))
     if unbuilt is not None:
         print(f"voltllm: error: {unbuilt}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from voltllm.config import KV_CACHE_DTYPES, ConfigError, EngineArgs
+from voltllm.config import KV_CACHE_DTYPES, ConfigError, EngineArgs, parse_size
 
 
 def _json_arg(flag: str, what: str, ok):
@@ -25,27 +25,14 @@ def _json_arg(flag: str, what: str, ok):
     return parse
 
 
-_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
 def size_arg(flag: str, unit: str = "tokens", auto: bool = False):
     """argparse type for sizes written as vLLM accepts them: 8192, 32k (32,000), 32K (32,768), 1.5m, 4G (bytes).
     auto: "auto" and -1 are taken too, as "auto" (--max-model-len: fit to the KV cache)."""
     def parse(value: str):
-        text = value.strip()
-        if auto and text in ("auto", "-1"):
-            return "auto"
-        scale = _SIZE_SUFFIXES.get(text[-1:], 1)
-        number = text[:-1] if scale != 1 else text
         try:
-            amount = float(number) * scale if scale != 1 else int(number)
-        except ValueError:
-            amount = None
-        if amount is None or amount != int(amount):
-            example = "8192, 32k or 32K" if unit == "tokens" else "4294967296, 4G or 4g"
-            raise argparse.ArgumentTypeError(f"{flag} takes a whole number of {unit} like {example}"
-                                             + (" or auto" if auto else "") + f", got {value!r}")
-        return int(amount)
+            return parse_size(flag, value, unit, auto)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return parse
 
 

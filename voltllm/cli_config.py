@@ -53,9 +53,11 @@ def mapping_argv(data, parser: argparse.ArgumentParser, source: str, allow_model
         if flag in ("--config", "--profile"):
             raise ConfigError(f"{source}: cannot name {flag}")
         if flag not in known:
-            from voltllm.cli_unbuilt import unbuilt_setting_error
+            from voltllm.cli_unbuilt import is_accepted_setting, unbuilt_setting_error
 
-            why = unbuilt_setting_error(str(key))
+            if is_accepted_setting(str(key), value):  # an unbuilt feature left off (enable-lora: false)
+                continue
+            why = unbuilt_setting_error(str(key), value)
             raise ConfigError(f"{source}: {why}" if why else f"{source}: unknown flag {key!r}")
         if value is True:
             argv.append(flag)

@@ -92,6 +92,66 @@ UNBUILT_FLAGS: dict[str, str] = {
 }
 
 
+# Unbuilt features' settings that voltllm matches when the feature is off, as vLLM runs them then (lm-evaluation-
+# harness passes enable_lora=False and max_lora_rank to every vLLM engine): a switch's off form, the settings that
+# only act while their switch is on (which voltllm refuses), and the values that name what voltllm does.
+SWITCHES_OFF = frozenset({"--enable-lora", "--enable-prompt-adapter", "--enable-sleep-mode", "--enable-expert-parallel",
+                          "--enable-eplb", "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias"})
+WHILE_SWITCHED_ON = frozenset({"--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-extra-vocab-size",
+                               "--lora-dtype", "--long-lora-scaling-factors", "--max-prompt-adapters",
+                               "--max-prompt-adapter-token", "--eplb-config"})
+VOLTLLM_VALUES = {"--task": ("generate", "auto"), "--runner": ("generate", "auto"), "--convert": ("none", "auto"),
+                  "--num-scheduler-steps": ("1",), "--num-lookahead-slots": ("0",),
+                  "--scheduler-delay-factor": ("0", "0.0")}
+_FALSE = ("false", "0", "no", "off")
+
+
+def accepted_setting(flag: str, value: object) -> bool:
+    """Whether an unbuilt vLLM flag at `value` (True for a bare switch, a string or a Python value) is what voltllm
+    does anyway; `flag` dashed, without its --no- prefix."""
+    if flag in WHILE_SWITCHED_ON:
+        return True
+    if flag in SWITCHES_OFF:
+        return value is False or value is None or str(value).lower() in _FALSE
+    if flag in VOLTLLM_VALUES:
+        return str(value).lower() in VOLTLLM_VALUES[flag]
+    return False
+
+
+def screen_unbuilt_flags(argv: list[str], known: Iterable[str] = ()) -> tuple[list[str], Optional[str]]:
+    """(argv without the unbuilt vLLM flags it sets to what voltllm does anyway, `FLAG: why` for the first it does
+    not, else None). Flags voltllm's parser defines (`known`) are left alone; words after `--` are values."""
+    known = set(known)
+    kept: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag = _flag_of(arg)
+        if arg == "--":
+            return kept + argv[i:], None
+        if flag is None or flag in known:
+            kept.append(arg)
+            i += 1
+            continue
+        off = flag.startswith("--no-")
+        positive = "--" + flag[len("--no-"):] if off else flag  # (--no-enable-lora)
+        message = UNBUILT_FLAGS.get(flag) or UNBUILT_FLAGS.get(positive)
+        if message is None:
+            kept.append(arg)
+            i += 1
+            continue
+        if "=" in arg:
+            value, used = arg.split("=", 1)[1], 1
+        elif off or positive in SWITCHES_OFF:
+            value, used = not off, 1
+        else:
+            value, used = (argv[i + 1], 2) if i + 1 < len(argv) and not argv[i + 1].startswith("--") else (None, 1)
+        if not accepted_setting(positive, value):
+            return argv, f"{flag}: {message}"
+        i += used
+    return kept, None
+
+
 def _flag_of(arg: str) -> Optional[str]:
     """The flag a command-line word names (`--max-loras=4` -> `--max-loras`), None for a value."""
     if not arg.startswith("--"):
@@ -101,21 +161,19 @@ def _flag_of(arg: str) -> Optional[str]:
 
 def unbuilt_flag_error(argv: Iterable[str], known: Iterable[str] = ()) -> Optional[str]:
     """`FLAG: why` for the first word of argv (underscores already dashed) that is an unbuilt vLLM flag voltllm's
-    parser does not define (`known`: its option strings), else None. Words after `--` are values."""
-    known = set(known)
-    for arg in argv:
-        if arg == "--":
-            return None
-        flag = _flag_of(arg)
-        if flag is not None and flag not in known:
-            positive = "--" + flag[len("--no-"):] if flag.startswith("--no-") else flag  # (--no-enable-lora)
-            message = UNBUILT_FLAGS.get(flag) or UNBUILT_FLAGS.get(positive)
-            if message is not None:
-                return f"{flag}: {message}"
-    return None
+    parser does not define (`known`: its option strings), at a value voltllm does not match; else None."""
+    return screen_unbuilt_flags(list(argv), known)[1]
 
 
-def unbuilt_setting_error(name: str) -> Optional[str]:
-    """For a setting named without dashes (a `--config` file key, an LLM(...) keyword): why it is not built."""
-    message = UNBUILT_FLAGS.get("--" + name.replace("_", "-"))
-    return None if message is None else f"{name}: {message}"
+def unbuilt_setting_error(name: str, value: object = True) -> Optional[str]:
+    """For a setting named without dashes (a `--config` file key, an LLM(...) keyword) at `value`: why it is not
+    built, or None (not an unbuilt vLLM flag; or one at what voltllm does anyway: accepted_setting)."""
+    flag = "--" + name.replace("_", "-")
+    message = UNBUILT_FLAGS.get(flag)
+    return None if message is None or accepted_setting(flag, value) else f"{name}: {message}"
+
+
+def is_accepted_setting(name: str, value: object) -> bool:
+    """An unbuilt vLLM setting (a `--config` key, an LLM(...) keyword) at what voltllm does anyway: to be dropped."""
+    flag = "--" + name.replace("_", "-")
+    return flag in UNBUILT_FLAGS and accepted_setting(flag, value)

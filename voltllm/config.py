@@ -311,10 +311,9 @@ class EngineArgs:
                 logger.warning("this checkpoint turns on sliding-window attention (%d tokens), which voltllm does not "
                                "build: the context is capped at the window, where full attention gives the same "
                                "result (as --disable-sliding-window)", window)
-        fit = self.max_model_len in (-1, "auto")
-        max_model_len = derived_max if self.max_model_len is None or fit else self.max_model_len  # 0 is an error
-        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool):
-            raise ConfigError(f"--max-model-len takes a number of tokens or auto, got {self.max_model_len!r}")
+        asked = None if self.max_model_len is None else parse_size("--max-model-len", self.max_model_len, auto=True)
+        fit = asked == "auto"
+        max_model_len = derived_max if asked is None or fit else asked  # 0 is an error
         if max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {max_model_len} (or auto / -1: what the KV "
                               "cache holds)")
@@ -329,8 +328,10 @@ class EngineArgs:
                 raise ConfigError(f"--speculative-config: the draft model holds "
                                   f"{_max_positions(spec.draft_hf_config)} positions, fewer than --max-model-len "
                                   f"{max_model_len}; lower --max-model-len")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ConfigError(f"--kv-cache-memory-bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        kv_bytes = (None if self.kv_cache_memory_bytes is None
+                    else parse_size("--kv-cache-memory-bytes", self.kv_cache_memory_bytes, "bytes"))
+        if kv_bytes is not None and kv_bytes < 1:
+            raise ConfigError(f"--kv-cache-memory-bytes must be >= 1, got {kv_bytes}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -369,7 +370,7 @@ class EngineArgs:
             raise ConfigError(f"--generation-config {self.generation_config}: no generation_config.json there "
                               "(auto: the model's; vllm: none)")
         batched = (max(2048, min(max_model_len, 8192)) if self.max_num_batched_tokens is None
-                   else self.max_num_batched_tokens)
+                   else parse_size("--max-num-batched-tokens", self.max_num_batched_tokens))
         if batched < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
 
@@ -401,7 +402,7 @@ class EngineArgs:
             calculate_key_offsets=calculate_key_offsets,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
-            mamba_cache_mode=self.mamba_cache_mode, kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+            mamba_cache_mode=self.mamba_cache_mode, kv_cache_memory_bytes=kv_bytes)
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before
@@ -590,6 +591,30 @@ def _max_positions(hf_config: Any) -> int:
     if text is not None:
         return _max_positions(text)
     return 4096
+
+
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(flag: str, value: Any, unit: str = "tokens", auto: bool = False) -> Any:
+    """A size as vLLM writes one: 8192, 32k (32,000), 32K (32,768), 1.5m, 4G; an int passes through. auto: "auto"
+    (any case) and -1 give "auto" (--max-model-len: fit to the KV cache)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "auto" if auto and value == -1 else value
+    text = str(value).strip()
+    if auto and text.lower() in ("auto", "-1"):
+        return "auto"
+    scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        amount = float(number) * scale if scale != 1 else int(number)
+    except ValueError:
+        amount = None
+    if amount is None or amount != int(amount) or isinstance(value, bool):
+        example = "8192, 32k or 32K" if unit == "tokens" else "4294967296, 4G or 4g"
+        raise ConfigError(f"{flag} takes a whole number of {unit} like {example}" + (" or auto" if auto else "")
+                          + f", got {value!r}")
+    return int(amount)
 
 
 def _sliding_window(hf_config: Any) -> Optional[int]:

@@ -104,8 +104,10 @@ def test_bad_prompts_leave_engine_healthy(llm):
         llm.generate("", SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         llm.generate("hello " * 300, SamplingParams(max_tokens=2))
-    with pytest.raises(InvalidRequestError):
-        llm.generate("hello", SamplingParams(max_tokens=1000))
+    # past the context, generation stops at it ("length"), as vLLM's offline engine does (the server refuses)
+    room = llm.config.model.max_model_len - len(llm.get_tokenizer().encode("hello"))
+    capped = llm.generate("hello", SamplingParams(max_tokens=10**6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(capped.token_ids) == room and capped.finish_reason == "length"
     with pytest.raises(InvalidRequestError):
         llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):  # masked in the logits under min_tokens

@@ -6,19 +6,20 @@ from __future__ import annotations
 import pytest
 
 from voltllm.cli import build_parser, main, option_strings
-from voltllm.cli_unbuilt import UNBUILT_FLAGS, unbuilt_flag_error
+from voltllm.cli_unbuilt import UNBUILT_FLAGS, WHILE_SWITCHED_ON, screen_unbuilt_flags, unbuilt_flag_error
 
 
 @pytest.mark.parametrize("argv,expected", [
     (["serve", "--enable-lora"], "voltllm: error: --enable-lora: LoRA adapters are not built in voltllm"),
-    (["serve", "m", "--max_loras=4"], "voltllm: error: --max-loras: LoRA adapters are not built in voltllm"),
+    (["serve", "m", "--lora_modules=a=b"], "voltllm: error: --lora-modules: LoRA adapters are not built in voltllm"),
     (["serve", "m", "--speculative-model", "d", "--num-speculative-tokens", "4"],
      "voltllm: error: --speculative-model: an older vLLM flag: speculative decoding is configured with "
      "--speculative-config"),
     (["serve", "m", "--enable-reasoning", "--reasoning-parser", "qwen3"],
      "voltllm: error: --enable-reasoning: an older vLLM flag: --reasoning-parser NAME alone"),
     (["generate", "hi", "m", "--num-scheduler-steps", "8"], "voltllm: error: --num-scheduler-steps: multi-step"),
-    (["serve", "m", "--no-enable-sleep-mode"], "voltllm: error: --no-enable-sleep-mode: sleep mode"),
+    (["serve", "m", "--enable-sleep-mode"], "voltllm: error: --enable-sleep-mode: sleep mode"),
+    (["serve", "m", "--task", "embed"], "voltllm: error: --task: pooling models"),
 ])
 def test_unbuilt_vllm_flags_exit_2_with_the_reason(capsys, argv, expected):
     assert main(argv) == 2
@@ -31,7 +32,19 @@ def test_every_table_flag_is_refused_and_none_is_defined_by_voltllm():
     known = option_strings(build_parser())
     assert not known & set(UNBUILT_FLAGS), "a built flag must leave the table"
     for flag, why in UNBUILT_FLAGS.items():
-        assert unbuilt_flag_error(["serve", "m", flag, "1"], known) == f"{flag}: {why}"
+        if flag not in WHILE_SWITCHED_ON:  # (those act only while a refused switch is on: accepted at any value)
+            assert unbuilt_flag_error(["serve", "m", flag, "7"], known) == f"{flag}: {why}"
+
+
+@pytest.mark.parametrize("words", [["--no-enable-lora"], ["--enable-lora=false"], ["--max-lora-rank", "16"],
+                                   ["--max-loras=4"], ["--no-enable-sleep-mode"], ["--task", "generate"],
+                                   ["--runner=auto"], ["--num-scheduler-steps", "1"], ["--no-enable-expert-parallel"]])
+def test_unbuilt_features_left_off_are_accepted_and_dropped(words):
+    """vLLM runs these as voltllm does (the feature off, or the value that is voltllm's behaviour); lm-evaluation-
+    harness passes enable_lora=False and max_lora_rank to every engine. They are dropped before parsing."""
+    known = option_strings(build_parser())
+    assert screen_unbuilt_flags(["serve", "m", *words, "--port", "9"], known) == (["serve", "m", "--port", "9"],
+                                                                                   None)
 
 
 def test_other_engineers_server_flags_are_not_in_the_table():
@@ -68,6 +81,25 @@ def test_config_file_and_offline_llm_name_the_reason(tmp_path):
         LLM("unused", enable_sleep_mode=True)
     with pytest.raises(TypeError, match="unknown engine arguments: no_such_argument"):
         LLM("unused", no_such_argument=1)
+    with pytest.raises(TypeError, match="task: pooling models"):
+        LLM("unused", task="embed")
+    cfg.write_text("enable_lora: false\nmax_lora_rank: 16\ntask: generate\nmax-model-len: 77\n")
+    assert merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(cfg)])).max_model_len == 77
+
+
+def test_offline_llm_takes_vllms_engine_keywords(tmp_path):
+    """lm-evaluation-harness's vLLM arguments, and vLLM engine arguments that belong to its server side."""
+    from tiny_models import make_model
+    from voltllm import SamplingParams
+    from voltllm.entrypoints.llm import LLM
+
+    llm = LLM(make_model(str(tmp_path / "tiny"), "llama"), device="cpu", enable_lora=False, max_lora_rank=16,
+              task="generate", disable_log_stats=True, max_logprobs=3, limit_mm_per_prompt={"image": 0})
+    assert llm.generate("hi", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0].outputs[0].logprobs
+    with pytest.raises(ValueError, match="logprobs 4: more than this LLM's max_logprobs"):
+        llm.generate("hi", SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt image"):
+        LLM("unused", limit_mm_per_prompt={"image": 1})
 
 
 def test_docs_list_every_unbuilt_flag():

@@ -48,8 +48,15 @@ def test_bad_values_are_refused(tiny):
         size_arg("--kv-cache-memory-bytes", unit="bytes")("lots")
     with pytest.raises(ConfigError, match="--kv-cache-memory-bytes must be >= 1"):
         EngineArgs(model=tiny, device="cpu", kv_cache_memory_bytes=0).create_engine_config()
-    with pytest.raises(ConfigError, match="a number of tokens or auto"):
+    with pytest.raises(ConfigError, match="--max-model-len takes a whole number of tokens like 8192, 32k or 32K or auto"):
         EngineArgs(model=tiny, device="cpu", max_model_len="most").create_engine_config()
+    with pytest.raises(ConfigError, match="--kv-cache-memory-bytes takes a whole number of bytes"):
+        EngineArgs(model=tiny, device="cpu", kv_cache_memory_bytes="lots").create_engine_config()
+    # strings as the command line writes them, from Python too (vLLM's LLM takes only ints: a clearer error there)
+    cfg = EngineArgs(model=tiny, device="cpu", max_model_len="AUTO", kv_cache_memory_bytes="4M",
+                     max_num_batched_tokens="2k").create_engine_config()
+    assert cfg.model.max_model_len_fit and cfg.cache.kv_cache_memory_bytes == 4 << 20
+    assert cfg.scheduler.max_num_batched_tokens == 2000
 
 
 @pytest.mark.parametrize("value", ["auto", -1])
@@ -64,6 +71,9 @@ def test_auto_fits_the_length_to_the_cache(tiny, value):
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate({"prompt_token_ids": [7] * (20 * BLOCK)}, SamplingParams(max_tokens=1))
+    # the user cannot know the fitted length beforehand: a long max_tokens stops there ("length"), as in vLLM
+    long = llm.generate({"prompt_token_ids": [7] * 300}, SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(long[0].outputs[0].token_ids) == 20 and long[0].outputs[0].finish_reason == "length"
 
 
 def test_auto_stops_at_the_models_maximum(tiny):
@@ -72,13 +82,15 @@ def test_auto_stops_at_the_models_maximum(tiny):
 
 
 def test_a_fixed_cache_too_small_for_the_length_is_an_error(tiny):
-    with pytest.raises(RuntimeError, match=r"fewer than one request of --max-model-len 1024 needs \(64\).*or pass "
-                                           r"auto.*--kv-cache-memory-bytes"):
+    with pytest.raises(RuntimeError, match=r"--kv-cache-memory-bytes 0.2 MiB holds 20 blocks, fewer than one request "
+                                           r"of --max-model-len 1024 needs \(64\).*or pass auto.*raise "
+                                           r"--kv-cache-memory-bytes"):
         _llm(tiny, kv_cache_memory_bytes=20 * PER_BLOCK)
 
 
 def test_auto_with_no_room_for_a_block_is_an_error(tiny):
-    with pytest.raises(RuntimeError, match="not enough memory for any KV cache"):
+    with pytest.raises(RuntimeError, match="not enough memory for any KV cache: --kv-cache-memory-bytes .* is less "
+                                           "than one block of 16 tokens"):
         _llm(tiny, max_model_len="auto", kv_cache_memory_bytes=PER_BLOCK - 1)
 
 

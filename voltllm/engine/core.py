@@ -106,10 +106,8 @@ class EngineCore:
                 f"the prompt has {n} tokens, at or over the maximum context length ({self.max_model_len}); "
                 "shorten it or raise --max-model-len")
         sp = req.sampling_params
-        if sp.max_tokens is not None and n + sp.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate)")
+        # (prompt + max_tokens past the context: generation stops there with finish_reason "length", as vLLM's
+        # engine does; the HTTP API refuses such a request first, as vLLM's server does: AsyncLLM.validate)
         check_vocab(req.prompt_token_ids, sp, self.vocab_size)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")

@@ -29,14 +29,33 @@ def _refuse_unbuilt(lora_request: Any, priority: Optional[list[int]]) -> None:
         raise ValueError("priority: requests are served first come, first served (no priority scheduling)")
 
 
+def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
+    """(the EngineArgs keywords, max_logprobs) from vLLM's LLM(...) keywords: the ones that belong to vLLM's server-side
+    engine arguments are taken here (disable_log_stats: the offline engine logs no periodic stats; max_logprobs: the
+    most logprobs / prompt_logprobs a request may ask, as vLLM's; limit_mm_per_prompt: zero limits only), unbuilt vLLM
+    settings at what voltllm does anyway (enable_lora=False, max_lora_rank=...) are dropped, others refused."""
+    from voltllm.cli_unbuilt import is_accepted_setting, unbuilt_setting_error
+
+    engine = {k: v for k, v in kwargs.items() if k in EngineArgs.field_names()}
+    extra = {k: v for k, v in kwargs.items() if k not in engine}
+    extra.pop("disable_log_stats", None)
+    max_logprobs = extra.pop("max_logprobs", None)
+    if max_logprobs is not None and (not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool)
+                                     or max_logprobs < -1):
+        raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {max_logprobs!r}")
+    for modality, limit in (extra.pop("limit_mm_per_prompt", None) or {}).items():
+        if (limit.get("count", 0) if isinstance(limit, dict) else limit) != 0:
+            raise ValueError(f"limit_mm_per_prompt {modality}: multimodal input is not built; only zero limits")
+    unknown = sorted(k for k, v in extra.items() if not is_accepted_setting(k, v))
+    if unknown:
+        unbuilt = [why for why in (unbuilt_setting_error(k, extra[k]) for k in unknown) if why]
+        raise TypeError(unbuilt[0] if unbuilt else f"unknown engine arguments: {', '.join(unknown)}")
+    return engine, (None if max_logprobs == -1 else max_logprobs)
+
+
 class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
-        unknown = set(kwargs) - EngineArgs.field_names()
-        if unknown:
-            from voltllm.cli_unbuilt import unbuilt_setting_error
-
-            unbuilt = [why for why in map(unbuilt_setting_error, sorted(unknown)) if why]
-            raise TypeError(unbuilt[0] if unbuilt else f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        kwargs, self.max_logprobs = _offline_settings(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
         self.tokenizer = (None if self.config.model.skip_tokenizer_init else
@@ -84,6 +103,10 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got "
                                 f"{type(sp).__name__}")
+            for field in ("logprobs", "prompt_logprobs"):
+                asked = getattr(sp, field)
+                if self.max_logprobs is not None and asked is not None and asked > self.max_logprobs:
+                    raise ValueError(f"{field} {asked}: more than this LLM's max_logprobs ({self.max_logprobs})")
         order: list[str] = []
         try:
             for prompt, sp in zip(prompts, params):

@@ -320,16 +320,17 @@ class ModelRunner:
             budget = kv_budget_bytes(self, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes,
                                      self.state_cache_bytes())
             num = min(useful, budget // per_block)
-        if self.config.model.max_model_len_fit:
-            if num < 1:
-                raise RuntimeError(f"not enough memory for any KV cache: {budget / 2**30:.2f} GiB left after weights "
-                                   f"and activations, {per_block / 2**20:.2f} MiB per block of {self.block_size} "
-                                   "tokens" + _MEMORY_HINT)
-        elif num < need:
-            raise RuntimeError(
-                f"not enough memory for the KV cache: {budget / 2**30:.2f} GiB left after weights and "
-                f"activations holds {num} blocks, fewer than one request of --max-model-len "
-                f"{sc.max_model_len} needs ({need}); lower --max-model-len (or pass auto)" + _MEMORY_HINT)
+        if self.config.model.max_model_len_fit and num < 1 or not self.config.model.max_model_len_fit and num < need:
+            fixed = cc.kv_cache_memory_bytes
+            room = (f"--kv-cache-memory-bytes {fixed / 2**20:.1f} MiB" if fixed is not None else
+                    f"{max(budget, 0) / 2**30:.2f} GiB left after weights and activations")
+            hint = ("; raise --kv-cache-memory-bytes" if self.device.type == "cpu" else _MEMORY_HINT)
+            if self.config.model.max_model_len_fit:
+                raise RuntimeError(f"not enough memory for any KV cache: {room} is less than one block of "
+                                   f"{self.block_size} tokens ({per_block / 2**20:.2f} MiB){hint}")
+            raise RuntimeError(f"not enough memory for the KV cache: {room} holds {num} blocks, fewer than one "
+                               f"request of --max-model-len {sc.max_model_len} needs ({need}); lower --max-model-len "
+                               f"(or pass auto){hint}")
         return int(num)
 
     def fit_max_model_len(self) -> None:

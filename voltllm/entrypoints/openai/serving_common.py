@@ -402,9 +402,9 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, 
             tops.append(None)
             continue
         token_lps.append(_lp(chosen.logprob) if chosen else LOGPROB_FLOOR)
-        ranked = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_n]
-        tops.append({_token_str(lp, tokenizer, t, as_ids): _lp(lp.logprob) for t, lp in ranked} if top_n
-                    else {tok: token_lps[-1]})
+        # as OpenAI's and vLLM's: the sampled token and the top N (N + 1 entries, N when the sampled token is among
+        # them); the engine's order puts the sampled token first
+        tops.append({_token_str(lp, tokenizer, t, as_ids): _lp(lp.logprob) for t, lp in list(pos.items())[:top_n + 1]})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
