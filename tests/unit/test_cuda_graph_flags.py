@@ -3,11 +3,11 @@ graphs voltllm has (DeviceConfig.cuda_graphs), refused by name where they ask fo
 graph batch sizes the runner would capture (the graphs themselves need a GPU)."""
 from __future__ import annotations
 
-import argparse
 import weakref
 
 import pytest
 
+from flag_parsing import parse_engine_flags as _parse
 from tiny_models import make_model
 from voltllm.config import ConfigError, EngineArgs
 from voltllm.cuda_graph_config import CudaGraphConfig
@@ -16,16 +16,6 @@ from voltllm.cuda_graph_config import CudaGraphConfig
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("tiny_graphs")), "qwen3", max_position_embeddings=1024)
-
-
-def _parse(*argv):
-    from voltllm.cli import dashed_flags, dotted_json_flags
-    from voltllm.cli_args import add_engine_args, engine_args_from
-
-    p = argparse.ArgumentParser()
-    p.add_argument("model", nargs="?")
-    add_engine_args(p)
-    return engine_args_from(p.parse_args(dotted_json_flags(dashed_flags(list(argv)))))
 
 
 def _device(tiny, *argv):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flag_parsing import parse_engine_flags as _parse
 from tiny_models import make_model
 from voltllm.config import ConfigError, EngineArgs
 
@@ -25,17 +26,6 @@ def test_unset_sizes_are_derived(tiny):
 def test_sizes_below_one_are_errors(tiny, flag, field, value):
     with pytest.raises(ConfigError, match=f"{flag} must be >= 1, got {value}"):
         EngineArgs(model=tiny, device="cpu", **{field: value}).create_engine_config()
-
-
-def _parse(*argv):
-    import argparse
-
-    from voltllm.cli_args import add_engine_args, engine_args_from
-
-    p = argparse.ArgumentParser()
-    p.add_argument("model", nargs="?")
-    add_engine_args(p)
-    return engine_args_from(p.parse_args(list(argv)))
 
 
 def test_common_vllm_flags_parse(tiny):

@@ -2,10 +2,10 @@
 EngineArgs), and any other value is refused before the model is read, naming the flag and what voltllm does."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
+from flag_parsing import parse_engine_flags as _parse
 from tiny_models import make_model
 from voltllm.config import ConfigError, EngineArgs
 
@@ -13,16 +13,6 @@ from voltllm.config import ConfigError, EngineArgs
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("tiny_fixed")), "qwen3", max_position_embeddings=1024)
-
-
-def _parse(*argv):
-    from voltllm.cli import dashed_flags
-    from voltllm.cli_args import add_engine_args, engine_args_from
-
-    p = argparse.ArgumentParser()
-    p.add_argument("model", nargs="?")
-    add_engine_args(p)
-    return engine_args_from(p.parse_args(dashed_flags(list(argv))))
 
 
 def test_vllm_guide_flags_at_voltllm_behaviour_parse(tiny):

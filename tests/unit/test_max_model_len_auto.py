@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from flag_parsing import parse_engine_flags
 from tiny_models import make_model
 from voltllm.config import ConfigError, EngineArgs
 
@@ -27,13 +28,7 @@ def _llm(tiny, **kw):
 
 @pytest.mark.parametrize("text", ["auto", "-1"])
 def test_flag_parses_auto(tiny, text):
-    from voltllm.cli_args import add_engine_args, engine_args_from
-
-    p = argparse.ArgumentParser()
-    p.add_argument("model", nargs="?")
-    add_engine_args(p)
-    args = engine_args_from(p.parse_args([tiny, "--device", "cpu", "--max-model-len", text,
-                                          "--kv-cache-memory-bytes", "4M"]))
+    args = parse_engine_flags(tiny, "--device", "cpu", "--max-model-len", text, "--kv-cache-memory-bytes", "4M")
     assert args.max_model_len == "auto" and args.kv_cache_memory_bytes == 4 << 20
     cfg = args.create_engine_config()
     # until the cache is sized the length is the model's; the scheduler's prefill budget derives from it as usual
