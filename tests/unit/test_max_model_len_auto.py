@@ -43,7 +43,7 @@ def test_bad_values_are_refused(tiny):
         size_arg("--kv-cache-memory-bytes", unit="bytes")("lots")
     with pytest.raises(ConfigError, match="--kv-cache-memory-bytes must be >= 1"):
         EngineArgs(model=tiny, device="cpu", kv_cache_memory_bytes=0).create_engine_config()
-    with pytest.raises(ConfigError, match="--max-model-len takes a whole number of tokens like 8192, 32k or 32K or auto"):
+    with pytest.raises(ConfigError, match="--max-model-len takes a whole number of tokens like 8192, .* or auto"):
         EngineArgs(model=tiny, device="cpu", max_model_len="most").create_engine_config()
     with pytest.raises(ConfigError, match="--kv-cache-memory-bytes takes a whole number of bytes"):
         EngineArgs(model=tiny, device="cpu", kv_cache_memory_bytes="lots").create_engine_config()
