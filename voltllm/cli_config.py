@@ -16,6 +16,16 @@ from typing import Optional
 from voltllm.config import ConfigError
 
 
+def add_config_args(g) -> None:
+    """--config and --profile, into a command's parser or group (`voltllm serve`, `voltllm run-batch`)."""
+    g.add_argument("--config", default=None, help="a YAML file of flags (vLLM's format: `max-model-len: 8192`); the "
+                   "command line wins")
+    g.add_argument("--profile", action="append", default=None, metavar="NAME",
+                   help="a launch profile: a named set of flags (long-context, low-memory, qwen3-tools, "
+                        "qwen3.5-tools, code-editing; docs/cli.md) or a YAML file of one; repeatable; the command line "
+                        "and --config win")
+
+
 def config_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     """The flags a YAML file stands for (`parser`: the subcommand's, to know which `--no-` forms exist)."""
     if not os.path.isfile(path):

@@ -102,3 +102,16 @@ def test_unknown_profile_names_the_profiles():
         _serve_args(["m", "--profile", "fastest"])
     with pytest.raises(ConfigError, match="no such file"):
         _serve_args(["m", "--profile", "/nonexistent/p.yaml"])
+
+
+def test_run_batch_takes_profiles_and_config(tmp_path):
+    from voltllm.cli import build_parser
+    from voltllm.cli_config import merge_config
+
+    cfg = tmp_path / "batch.yaml"
+    cfg.write_text("max-num-seqs: 4\n")
+    parser = build_parser()
+    argv = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "m", "--profile", "qwen3-tools", "--profile",
+            "long-context", "--config", str(cfg)]
+    args = merge_config(parser, "run-batch", parser.parse_args(argv), argv)
+    assert (args.tool_call_parser, args.kv_cache_dtype, args.max_num_seqs) == ("hermes", "fp8_e4m3", 4)

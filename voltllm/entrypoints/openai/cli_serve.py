@@ -19,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from voltllm.cli_args import json_object_arg, json_string_list
+from voltllm.cli_config import add_config_args
 from voltllm.entrypoints.openai.request_flags import add_request_args, check_request_flags, server_state
 from voltllm.config import ConfigError
 
@@ -40,12 +41,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all IPv4 interfaces)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--config", default=None, help="a YAML file of flags (vLLM's format: `max-model-len: 8192`); the "
-                   "command line wins")
-    s.add_argument("--profile", action="append", default=None, metavar="NAME",
-                   help="a launch profile: a named set of flags (long-context, low-memory, qwen3-tools, "
-                        "qwen3.5-tools, code-editing; docs/cli.md) or a YAML file of one; repeatable; the command line "
-                        "and --config win")
+    add_config_args(s)
     s.add_argument("--api-key", nargs="+", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* routes (several keys: any of them)")
     add_request_args(s)

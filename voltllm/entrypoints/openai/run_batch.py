@@ -38,6 +38,7 @@ class BatchLine:
 
 def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     from voltllm.cli_args import add_engine_args
+    from voltllm.cli_config import add_config_args
     from voltllm.entrypoints.openai.request_flags import add_request_args
 
     p = subparsers.add_parser(
@@ -49,7 +50,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     p.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL); - for stdin")
     p.add_argument("-o", "--output-file", required=True, help="where the results go (JSONL); - for stdout")
     add_engine_args(p)
-    add_request_args(p.add_argument_group("requests (as `voltllm serve`)"))
+    requests = p.add_argument_group("requests (as `voltllm serve`)")
+    add_request_args(requests)
+    add_config_args(requests)
     p.set_defaults(func=run_batch)
     return p
 
