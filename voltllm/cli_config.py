@@ -100,12 +100,12 @@ def merge_config(parser: argparse.ArgumentParser, command: str, args: argparse.N
         sources.append((f"--profile {name}", mapping_argv(profile.flags, sub, f"--profile {name}",
                                                           allow_model=False)))
     if argv is None:
-        defaults = parser.parse_args([command])
+        defaults = _parse(parser, sub, [command])
         given = {d for d, v in vars(args).items() if v != getattr(defaults, d, None)}
     else:
         given = _given(parser, sub, argv)
     for source, source_argv in sources:
-        source_args = parser.parse_args([command, *source_argv])
+        source_args = _parse(parser, sub, [command, *source_argv])
         for dest in _given(parser, sub, [command, *source_argv]) - given:
             setattr(args, dest, getattr(source_args, dest))
             given.add(dest)
@@ -114,14 +114,23 @@ def merge_config(parser: argparse.ArgumentParser, command: str, args: argparse.N
 
 def _given(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The destinations `argv` sets itself (the subcommand's defaults suppressed for one parse)."""
-    saved = [(action, action.default) for action in sub._actions]
+    return set(vars(_parse(parser, sub, argv, suppress_defaults=True))) - {"command", "func"}
+
+
+def _parse(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, argv: list[str],
+           suppress_defaults: bool = False) -> argparse.Namespace:
+    """argv parsed with the subcommand's required flags optional (a file or profile gives some flags, not all: the
+    command line's own parse has checked the required ones)."""
+    saved = [(action, action.default, action.required) for action in sub._actions]
     try:
-        for action, _ in saved:
-            action.default = argparse.SUPPRESS
-        return set(vars(parser.parse_args(argv))) - {"command", "func"}
+        for action, _, _ in saved:
+            action.required = False
+            if suppress_defaults:
+                action.default = argparse.SUPPRESS
+        return parser.parse_args(argv)
     finally:
-        for action, default in saved:
-            action.default = default
+        for action, default, required in saved:
+            action.default, action.required = default, required
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
