@@ -214,8 +214,11 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
                   f"then the tiled dequant-GEMM")
         nvfp4 = "NVFP4 E2M1 with E4M3 group scales (decoded in software)"
         kinds = {"gguf": "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K",
-                 "fp8": "FP8 E4M3 (decoded in software)", "modelopt_fp4": nvfp4,
-                 "compressed-tensors": nvfp4}.get(quant, f"{quant} 4-bit groups")
+                 "fp8": "FP8 E4M3 (decoded in software)", "modelopt_fp4": nvfp4}.get(quant, f"{quant} 4-bit groups")
+        if quant == "compressed-tensors":
+            from voltllm.model.loader.compressed_tensors_checkpoint import describe
+
+            kinds = describe(config.model.hf_config)
         routes["linear"] = _route(True, True, impl + f" ({kinds} kept quantized)",
                                   f"{decode}; larger steps dequantize one weight at a time to {dtype} for cuBLAS; "
                                   f"other layouts dequantized at load{held}")

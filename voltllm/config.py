@@ -57,7 +57,8 @@ class ModelConfig:
     language_model_only: bool = False
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
-    # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" / "compressed-tensors" (NVFP4); None:
+    # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
+    # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py); None:
     # unquantized), from the file itself (or fp8 at load)
     quantization: Optional[str] = None
     # a quantized checkpoint's weights: "quantized" (they stay quantized on the GPU, model/layers/quantized_linear.py;
@@ -488,6 +489,7 @@ def _check_mtp(hf_config: Any, source: Any, load_format: str) -> None:
 def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Optional[str]:
     """The checkpoint's quantization method (what it is, not what the flag says); --quantization must agree, except
     `fp8` on an unquantized llama-family checkpoint, which quantizes it at load."""
+    from voltllm.model.loader.compressed_tensors_checkpoint import CTCheckpointError, ct_scheme
     from voltllm.model.loader.fp8_checkpoint import FP8CheckpointError, fp8_scheme
     from voltllm.model.loader.int4_checkpoint import Int4CheckpointError, int4_scheme, quantization_method
     from voltllm.model.loader.nvfp4_checkpoint import NVFP4CheckpointError, nvfp4_scheme
@@ -495,14 +497,16 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
 
     method = "gguf" if kind == "gguf" else quantization_method(hf_config)
     try:
-        if method in ("modelopt", "compressed-tensors"):  # NVFP4 is the variant read; others raise
+        if method == "modelopt":  # NVFP4 is the variant read; others raise
             method = nvfp4_scheme(hf_config).method
+        elif method == "compressed-tensors" and nvfp4_scheme(hf_config) is None:
+            ct_scheme(hf_config)  # int4 / int8 / FP8 layouts; others raise
         if method is not None and method not in _READ_METHODS:
             raise ConfigError(f"the checkpoint is quantized with {method!r}: reading it is not built yet (built: GGUF "
                               "files, 4-bit AWQ and GPTQ checkpoints, FP8 checkpoints, NVFP4 checkpoints of ModelOpt "
-                              "and compressed-tensors)")
+                              "and compressed-tensors, compressed-tensors int4 / int8 / FP8 checkpoints)")
         int4_scheme(hf_config) if method in ("awq", "gptq") else fp8_scheme(hf_config) if method == "fp8" else None
-    except (Int4CheckpointError, FP8CheckpointError, NVFP4CheckpointError) as e:
+    except (Int4CheckpointError, FP8CheckpointError, NVFP4CheckpointError, CTCheckpointError) as e:
         raise ConfigError(str(e)) from None
     wanted = QUANTIZATION_ALIASES.get(flag) if flag is not None else None
     if wanted == "fp8" and method is None:
@@ -513,7 +517,7 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
     if wanted is not None and wanted != method:
         what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "gguf": "a GGUF file",
                 "fp8": "an FP8 checkpoint", "modelopt_fp4": "a ModelOpt NVFP4 checkpoint",
-                "compressed-tensors": "a compressed-tensors NVFP4 checkpoint"}.get(method, "not a quantized checkpoint")
+                "compressed-tensors": "a compressed-tensors checkpoint"}.get(method, "not a quantized checkpoint")
         raise ConfigError(f"--quantization {flag}: the model is {what}"
                           + (" (--quantization gguf needs a .gguf model file)" if wanted == "gguf" else ""))
     return method

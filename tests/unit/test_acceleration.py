@@ -309,11 +309,21 @@ def test_gdn_prefill_route_names_the_torch_form_where_the_chunk_kernels_do_not_f
 def test_linear_route_names_the_kept_quantized_format(tiny_dir, fake_v100):
     """Predicted for a GPU with quantized weights kept quantized: the route names the format (FP8 is not a 4-bit
     group format); dequantized at load, it says so."""
+    import copy
+
+    from quant_checkpoints import nvfp4_config
+
     config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config())
-    for method, words in (("fp8", "FP8 E4M3"), ("awq", "awq 4-bit groups"), ("gguf", "GGUF Q4_0"),
-                          ("modelopt_fp4", "NVFP4 E2M1"), ("compressed-tensors", "NVFP4 E2M1")):
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
+    for method, words, qc in (("fp8", "FP8 E4M3", None), ("awq", "awq 4-bit groups", None),
+                              ("gguf", "GGUF Q4_0", None), ("modelopt_fp4", "NVFP4 E2M1", None),
+                              ("compressed-tensors", "NVFP4 E2M1", nvfp4_config("compressed-tensors", [])),
+                              ("compressed-tensors", "compressed-tensors int4 (groups of 128)", int4)):
+        hf_config = copy.copy(config.model.hf_config)
+        hf_config.quantization_config = qc
         kept = dataclasses.replace(config, quantization=method, model=dataclasses.replace(
-            config.model, quantization=method, quantized_weights="quantized"))
+            config.model, quantization=method, quantized_weights="quantized", hf_config=hf_config))
         assert words in build_report(kept)["routes"]["linear"]["impl"], method
         dense = dataclasses.replace(kept, model=dataclasses.replace(kept.model, quantized_weights="dequantized"))
         assert f"{method} weights dequantized" in build_report(dense)["routes"]["linear"]["impl"]

@@ -184,11 +184,15 @@ def test_schemes_and_errors():
               "quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}
     assert nvfp4_scheme(_cfg(legacy)).method == "modelopt_fp4"
     assert nvfp4_scheme(_cfg({"quant_method": "awq"})) is None and nvfp4_scheme(SimpleNamespace()) is None
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 128}}}}
+    assert nvfp4_scheme(_cfg(int4)) is None  # compressed_tensors_checkpoint.py reads it
     bad = {
         "quant_algo 'FP8'": {"quant_method": "modelopt", "quant_algo": "FP8"},
         "group_size 32": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32},
-        "format 'pack-quantized'": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-            "group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 128}}}},
+        "format 'mxfp4-pack-quantized'": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                                           "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float",
+                                                                                     "group_size": 32}}}},
         "without config_groups": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
         "sparsity_config": {**nvfp4_config("compressed-tensors", []), "sparsity_config": {"format": "sparse-24"}},
     }
@@ -205,7 +209,7 @@ def test_quantization_flag_must_name_the_checkpoint():
     assert _resolve_quantization("modelopt_fp4", "hf", modelopt) == "modelopt_fp4"
     assert _resolve_quantization("modelopt", "hf", modelopt) == "modelopt_fp4"
     assert _resolve_quantization("compressed-tensors", "hf", ct) == "compressed-tensors"
-    with pytest.raises(ConfigError, match="the model is a compressed-tensors NVFP4 checkpoint"):
+    with pytest.raises(ConfigError, match="the model is a compressed-tensors checkpoint"):
         _resolve_quantization("modelopt_fp4", "hf", ct)
     with pytest.raises(ConfigError, match="the model is a ModelOpt NVFP4 checkpoint"):
         _resolve_quantization("awq", "hf", modelopt)

@@ -87,11 +87,40 @@ def _column_multiple(hf_config: Any, method: Optional[str]) -> Optional[tuple[in
         return math.lcm(GROUP, scheme.group_size), f"{method.upper()} in groups of {scheme.group_size}"
     if method == "fp8":
         return None if quantization_method(hf_config) is None else (column_multiple(FP8_KIND), "FP8 (E4M3)")
-    if method in ("modelopt_fp4", "compressed-tensors"):
+    if method == "compressed-tensors":
+        return _ct_column_multiple(hf_config)
+    if method == "modelopt_fp4":
         return column_multiple(NVFP4_KIND), "NVFP4"
     if method == "gguf":  # per tensor type: 64 at least (K-quants 256, checked at load)
         return GROUP, "GGUF"
     return None
+
+
+def _ct_column_multiple(hf_config: Any) -> Optional[tuple[int, str]]:
+    """_column_multiple for a compressed-tensors checkpoint: NVFP4's, or the least multiple every config group's
+    planes allow (int4: whole groups; int8: Q8_0's 64; FP8: the FP8 planes' 128); int4 with one scale per row makes it
+    -1. Layers dequantized at load (act-order) set none."""
+    from voltllm.model.layers.gguf_planes import FP8_KIND, GROUP, KINDS, NVFP4_KIND, column_multiple
+    from voltllm.model.loader.compressed_tensors_checkpoint import ct_scheme
+    from voltllm.model.loader.nvfp4_checkpoint import nvfp4_scheme
+
+    if nvfp4_scheme(hf_config) is not None:
+        return column_multiple(NVFP4_KIND), "NVFP4"
+    scheme = ct_scheme(hf_config)
+    mult, whats = 1, []
+    for w in scheme.groups if scheme else ():
+        if w.act_order:
+            continue
+        whats.append(f"compressed-tensors {w.describe()}")
+        if w.type == "float":
+            mult = math.lcm(mult, column_multiple(FP8_KIND))
+        elif w.num_bits == 8:  # the scale repeated per 32 inputs, whatever the strategy
+            mult = math.lcm(mult, column_multiple(KINDS["Q8_0"]))
+        elif w.strategy != "group":
+            return -1, whats[-1]
+        else:
+            mult = math.lcm(mult, GROUP, w.group_size)
+    return (mult, " / ".join(whats)) if whats else None
 
 
 def quantized_split_error(tp: int, hf_config: Any, method: Optional[str]) -> Optional[str]:

@@ -23,6 +23,7 @@ The CPU (tests) dequantizes with the torch reference and multiplies with F.linea
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -71,6 +72,18 @@ class PackedWeight:
         """Rows (dim 0) or input columns (dim 1) [start, start + n), rows past the end zeros: a tensor-parallel
         shard (distributed.sharding). Formats that can cut their stored form cheaply override this."""
         return PackedSlice(self, dim, start, n, what)
+
+
+_DENSE_REASONS_LOGGED: set[str] = set()
+
+
+def log_dense_at_load(reason: str) -> None:
+    """Say once per reason (not per layer: a model has hundreds) that weights kept quantized on the device come dense
+    instead, because the planes cannot hold their layout; the values are the checkpoint's own, only bigger."""
+    if reason not in _DENSE_REASONS_LOGGED:
+        _DENSE_REASONS_LOGGED.add(reason)
+        logging.getLogger("voltllm").warning("quantized layers dequantized at load (the planes cannot hold them): %s",
+                                             reason)
 
 
 class MisalignedCut(ValueError):

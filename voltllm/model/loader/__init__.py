@@ -106,8 +106,8 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
                  ) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
-    4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers), else dequantized; AWQ / GPTQ / FP8 / NVFP4 layers always as
-    `<layer>.weight`.
+    4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers), else
+    dequantized; the quantized checkpoints' layers always as `<layer>.weight`.
     quantization "fp8" on an unquantized checkpoint quantizes its projections as they load.
     only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone)."""
     if source.kind == "gguf":
@@ -115,6 +115,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
 
         yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized)
         return
+    from voltllm.model.loader.compressed_tensors_checkpoint import ct_scheme, ct_weights
     from voltllm.model.loader.fp8_checkpoint import fp8_scheme, fp8_weights
     from voltllm.model.loader.int4_checkpoint import int4_scheme, int4_weights
     from voltllm.model.loader.nvfp4_checkpoint import nvfp4_scheme, nvfp4_weights
@@ -127,5 +128,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
         yield from fp8_weights(stream, fp8, keep_quantized)
     elif (nvfp4 := nvfp4_scheme(hf_config)) is not None:
         yield from nvfp4_weights(stream, nvfp4, keep_quantized)
+    elif (ct := ct_scheme(hf_config)) is not None:
+        yield from ct_weights(stream, ct, keep_quantized)
     else:
         yield from stream

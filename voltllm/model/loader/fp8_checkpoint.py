@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 
 from voltllm.model.layers.gguf_planes import FP8_KIND, Planes, Unpacked, to_planes
-from voltllm.model.layers.quantized_linear import PackedWeight
+from voltllm.model.layers.quantized_linear import PackedWeight, log_dense_at_load
 
 FP8_MAX = 448.0
 _SCALE_PARTS = ("weight_scale_inv", "weight_scale")
@@ -111,6 +111,7 @@ class FP8Weight(PackedWeight):
         not a multiple of 128, scale blocks of inputs not a multiple of 128)."""
         per, k = FP8_KIND.super, self.in_features
         if k % per or self.block[1] % per:  # (per-tensor / per-channel blocks span the row: k)
+            log_dense_at_load(f"FP8 layers whose inputs or scale blocks are not a multiple of {per}")
             return self.dequantize(torch.float32, device).to(dtype)
         codes = self.codes.to(device)
         d = self._expanded_scale(k // per, per).to(device).contiguous()

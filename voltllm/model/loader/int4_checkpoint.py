@@ -9,9 +9,17 @@ element at output n, input k is (q - zero) * scale of its group of `group_size` 
   packed along the outputs in order; scales [K/G, N]; g_idx [K], each input's group (act-order checkpoints
   permute it). The original format ("gptq", v1) stores zero - 1; "gptq_v2" stores the zero itself.
 
+- compressed-tensors' `pack-quantized` int4 layers (read by compressed_tensors_checkpoint.py, which builds the
+  Int4Weight): weight_packed int32 [N, ceil(K/8)], packed along the inputs (bits 4i of word j: input 8j + i), each
+  code stored as q + 8 (q signed in [-8, 7]); weight_scale [N, K/G]; asymmetric layers' weight_zero_point int32
+  [ceil(N/8), K/G], packed along the outputs (bits 4i of word j: output 8j + i), stored as zero + 8 too, so
+  (code - stored zero) = q - zero; weight_g_idx [K] for act-order ("group") layers.
+
 `int4_weights` turns the checkpoint's tensor stream into one item per layer: an `Int4Weight` (kept quantized: it
 becomes gguf_planes.Planes of an int4 kind on the device, model/layers/quantized_linear.py) or the dequantized matrix
-(the CPU, small models, architectures without quantized layers).
+(the CPU, small models, architectures without quantized layers). Scales are kept in their stored dtype: the planes
+hold fp16 scales, so a layer whose scales fp16 cannot hold exactly (bf16 / fp32 values outside fp16's range or
+precision) is dequantized at load instead (never rounded).
 """
 from __future__ import annotations
 
@@ -20,13 +28,14 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
-from voltllm.model.layers.quantized_linear import PackedWeight
+from voltllm.model.layers.quantized_linear import PackedWeight, log_dense_at_load
 from voltllm.model.layers.gguf_planes import GROUP, Planes, int4_kind, to_planes, Unpacked
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing order within a 32-bit word
 _AWQ_UNPACK = tuple(AWQ_ORDER.index(c) for c in range(8))  # the nibble holding column c
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
-METHODS = ("awq", "gptq")
+METHODS = ("awq", "gptq")  # quant_method values read here
+CT = "compressed-tensors"  # Int4Scheme.method of compressed-tensors' pack-quantized int4 layers
 
 
 class Int4CheckpointError(ValueError):
@@ -35,7 +44,7 @@ class Int4CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Int4Scheme:
-    method: str  # "awq" | "gptq"
+    method: str  # "awq" | "gptq" | CT
     group_size: int  # inputs per scale; -1: one group per row
     desc_act: bool  # GPTQ act-order: g_idx permutes the groups
     zero_offset: int  # added to a stored zero point (GPTQ v1 stores zero - 1)
@@ -83,6 +92,12 @@ def int4_scheme(hf_config: Any) -> Optional[Int4Scheme]:
                       zero_offset=1 if fmt == "gptq" else 0)
 
 
+def fp16_exact(t: torch.Tensor) -> bool:
+    """Whether fp16 holds every value of the float tensor t exactly (the planes' scales are fp16)."""
+    h = t.to(torch.float16)
+    return bool(torch.isfinite(h).all()) and torch.equal(h.to(t.dtype), t)
+
+
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word (bits 4i .. 4i + 3)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
@@ -99,37 +114,63 @@ def _columns_packed(words: torch.Tensor, method: str) -> torch.Tensor:
 
 @dataclass
 class Int4Weight(PackedWeight):
-    """One linear layer's 4-bit weight as the checkpoint stores it (CPU tensors until `to_weight`)."""
+    """One linear layer's 4-bit weight as the checkpoint stores it (CPU tensors until `to_weight`). CT layers give
+    in_features (their weight_shape: the packed words may pad a row); the others' shapes follow from qweight."""
     scheme: Int4Scheme
     qweight: torch.Tensor
-    qzeros: torch.Tensor
+    qzeros: Optional[torch.Tensor]  # None: a symmetric CT layer (the fixed zero 8)
     scales: torch.Tensor
     g_idx: Optional[torch.Tensor]
     out_features: int = 0
     in_features: int = 0
 
     def __post_init__(self):
-        if self.scheme.method == "awq":
+        method = self.scheme.method
+        if method == "awq":
             self.in_features, self.out_features = self.qweight.shape[0], self.qweight.shape[1] * 8
-        else:
+        elif method == "gptq":
             self.in_features, self.out_features = self.qweight.shape[0] * 8, self.qweight.shape[1]
-        groups = self.in_features // self.scheme.group(self.in_features)
-        if self.scales.shape != (groups, self.out_features) or self.qzeros.shape != (groups, self.out_features // 8):
+        else:
+            self.out_features = self.qweight.shape[0]
+            self.in_features = self.in_features or self.qweight.shape[1] * 8
+        n, k = self.out_features, self.in_features
+        group = self.scheme.group(k)
+        groups = k // group
+        if method == CT:
+            scales_ok = k % group == 0 and tuple(self.scales.shape) == (n, groups)
+            zeros_ok = self.qzeros is None or tuple(self.qzeros.shape) == (-(-n // 8), groups)
+            words_ok = self.qweight.shape[1] == -(-k // 8)
+        else:
+            scales_ok = tuple(self.scales.shape) == (groups, n)
+            zeros_ok = self.qzeros is not None and tuple(self.qzeros.shape) == (groups, n // 8)
+            words_ok = True
+        if not (scales_ok and zeros_ok and words_ok):
+            zeros = None if self.qzeros is None else tuple(self.qzeros.shape)
             raise Int4CheckpointError(
-                f"{self.scheme.method} tensors disagree: qweight {tuple(self.qweight.shape)}, qzeros "
-                f"{tuple(self.qzeros.shape)}, scales {tuple(self.scales.shape)} (group size {self.scheme.group_size})")
+                f"{method} tensors disagree: qweight {tuple(self.qweight.shape)}, qzeros {zeros}, scales "
+                f"{tuple(self.scales.shape)} for a [{n}, {k}] weight (group size {self.scheme.group_size})")
 
     def unpack(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes uint8 [N, K], scales fp16 [N, K/G], zero points int8 [N, K/G]) on `device`, with the inputs in
-        group order (g_idx is applied by `to_weight`)."""
-        qweight, qzeros = self.qweight.to(device), self.qzeros.to(device)
-        if self.scheme.method == "awq":
+        """(codes uint8 [N, K], scales [N, K/G] in their stored dtype, zero points int8 [N, K/G]) on `device`, with
+        the inputs in group order (g_idx is applied by `to_weight`)."""
+        qweight = self.qweight.to(device)
+        n, k = self.out_features, self.in_features
+        method = self.scheme.method
+        if method == "awq":
             codes = _columns_packed(qweight, "awq").t()
+        elif method == "gptq":
+            codes = _nibbles(qweight.t()).reshape(n, k)
         else:
-            codes = _nibbles(qweight.t()).reshape(self.out_features, self.in_features)
-        zeros = _columns_packed(qzeros, self.scheme.method).t().to(torch.int8) + self.scheme.zero_offset
-        return codes.contiguous(), self.scales.to(device=device, dtype=torch.float16).t().contiguous(), \
-            zeros.contiguous()
+            codes = _nibbles(qweight).reshape(n, -1)[:, :k]
+        scales = self.scales.to(device)
+        if method == CT:
+            groups = scales.shape[1]
+            zeros = torch.full((n, groups), 8, dtype=torch.int8, device=codes.device) if self.qzeros is None else \
+                _nibbles(self.qzeros.to(device).t()).reshape(groups, -1)[:, :n].t().to(torch.int8)
+        else:
+            scales = scales.t()
+            zeros = _columns_packed(self.qzeros.to(device), method).t().to(torch.int8) + self.scheme.zero_offset
+        return codes.contiguous(), scales.contiguous(), zeros.contiguous()
 
     def _groups_in_order(self) -> bool:
         if self.g_idx is None:
@@ -137,19 +178,37 @@ class Int4Weight(PackedWeight):
         group = self.scheme.group(self.in_features)
         return torch.equal(self.g_idx.to(torch.int64).cpu(), torch.arange(self.in_features) // group)
 
+    def _planes_refusal(self) -> Optional[str]:
+        """Why the planes cannot hold this layer's layout (None: they can), before its codes are unpacked."""
+        group = self.scheme.group(self.in_features)
+        if not self._groups_in_order():
+            return "act-order groups (g_idx not in input order)"
+        if self.in_features % GROUP:
+            return f"inputs not a multiple of {GROUP}"
+        if group % 16:
+            return f"groups of {group} inputs (not a multiple of 16)"
+        return None
+
     def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
         """Planes on `device`; the dequantized matrix in `dtype` where the planes cannot hold the layout (act-order
-        groups, inputs not a multiple of 64, groups not a multiple of 16)."""
-        group = self.scheme.group(self.in_features)
-        if not self._groups_in_order() or self.in_features % GROUP or group % 16:
+        groups, inputs not a multiple of 64, groups not a multiple of 16, scales fp16 cannot hold exactly)."""
+        why = self._planes_refusal()
+        if why is None:
+            codes, scales, zeros = self.unpack(device)
+            if not fp16_exact(scales):
+                why = f"{scales.dtype} group scales that fp16 cannot hold exactly"
+        if why is not None:
+            log_dense_at_load(f"{self.scheme.method} int4 layers with {why}")
             return self.dequantize(torch.float32, device).to(dtype)
-        codes, scales, zeros = self.unpack(device)
+        group = self.scheme.group(self.in_features)
         symmetric = bool((zeros == 8).all())
         kind = int4_kind(group, zero_points=not symmetric)
-        return to_planes(Unpacked(codes=codes, d=scales, m=None, sc=None, mn=None if symmetric else zeros), kind)
+        return to_planes(Unpacked(codes=codes, d=scales.to(torch.float16), m=None, sc=None,
+                                  mn=None if symmetric else zeros), kind)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
-        """The weight [N, K]: (q - zero) * scale of each input's group, computed in fp32 (exact), cast to dtype."""
+        """The weight [N, K]: (q - zero) * scale of each input's group, computed in fp32 (exact for fp16 / bf16
+        scales: a small integer times an 8- or 11-bit significand; one rounding for fp32 ones), cast to dtype."""
         codes, scales, zeros = self.unpack(device)
         group = self.scheme.group(self.in_features)
         if self.g_idx is not None and not self._groups_in_order():

@@ -74,8 +74,9 @@ def _quantization_config(hf_config: Any) -> Optional[dict]:
 
 
 def nvfp4_scheme(hf_config: Any) -> Optional[NVFP4Scheme]:
-    """The checkpoint's NVFP4 scheme; None when it is neither ModelOpt nor compressed-tensors. Other ModelOpt /
-    compressed-tensors variants raise (one line naming what was found)."""
+    """The checkpoint's NVFP4 scheme; None when it is neither ModelOpt nor compressed-tensors NVFP4 (other
+    compressed-tensors formats: compressed_tensors_checkpoint.py). Other ModelOpt variants, and compressed-tensors
+    NVFP4 groups of another shape, raise (one line naming what was found)."""
     qc = _quantization_config(hf_config)
     method = str((qc or {}).get("quant_method", "")).lower()
     if method == "modelopt":
@@ -97,10 +98,21 @@ def _modelopt(qc: dict) -> NVFP4Scheme:
     return NVFP4Scheme("modelopt")
 
 
-def _compressed_tensors(qc: dict) -> NVFP4Scheme:
+def is_nvfp4_group(group: dict, top_format: Optional[str]) -> bool:
+    """Whether a compressed-tensors config group holds NVFP4 weights (4-bit floats in groups of 16, nvfp4 format)."""
+    fmt = group.get("format") or top_format
+    w = group.get("weights") or {}
+    return fmt == CT_FORMAT or (w.get("num_bits") == 4 and str(w.get("type", "")).lower() == "float")
+
+
+def _compressed_tensors(qc: dict) -> Optional[NVFP4Scheme]:
+    """NVFP4Scheme when every config group is NVFP4; None when none is (compressed_tensors_checkpoint.py reads the
+    other formats, and refuses a mix)."""
     groups = qc.get("config_groups") or {}
     if not groups:
         raise NVFP4CheckpointError("compressed-tensors checkpoint without config_groups: not read")
+    if not all(is_nvfp4_group(g, qc.get("format")) for g in groups.values()):
+        return None
     for name, group in groups.items():
         fmt = group.get("format") or qc.get("format")
         w = group.get("weights") or {}
