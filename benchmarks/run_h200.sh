@@ -1530,6 +1530,15 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s137)  # (for session 48) session 47's GPU tests, written while no GPU was lent: --max-model-len auto /
+         # --kv-cache-memory-bytes / capture sizes / vocabulary ranks, hybrid GGUF files kept quantized, compressed-tensors
+         # int4 / int8 / FP8 kept quantized; then the engine and sampler files the merged changes touch
+    gpu_file test_memory_flags_gpu 150 -n 3
+    gpu_file test_gguf_hybrid_cuda 150 -n 3
+    gpu_file test_compressed_tensors_cuda 150 -n 3
+    gpu_file test_sampler_cuda 100 -n 3
+    gpu_file test_engine_gpu 150 -n 3
+    ;;
   s133)  # (for session 46) quant_dot's sm_90 table (the transposed form, DOT_CONFIGS_SM90): the grouped MoE kernel's
          # tiles (micro --moe; the engine still takes DOT_CONFIGS' there), the quant_dot GPU file, then s132's engine
          # runs (0.6B-shape AWQ / NVFP4 at 64 concurrent; before, at 8ef347a: AWQ native 18,137 output tok/s, TPOT
