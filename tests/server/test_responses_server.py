@@ -200,11 +200,13 @@ def test_text_format_json_schema_and_object(client):
 
 # -- server: refusals, 404s, counters -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"name": "untyped"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
     ({"background": True, "store": False}, "store"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.bogus"]}, "include"),
+    ({"truncation": "middle"}, "truncation"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "sometimes", "tools": []}}, "tool_choice"),
     ({"extra_body": {"conversation": "conv_1"}}, "conversation"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),  # no --enable-auto-tool-choice on this server
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
@@ -245,6 +247,33 @@ def test_disconnect_mid_stream_aborts(tiny_server):
                     break  # leaving the block closes the connection mid-stream
     wait_idle(tiny_server, 30)
     assert _aborted(tiny_server) == before + 1
+
+
+# -- what agent clients send (Codex CLI, the Agents SDK) -------------------------------------------------------------
+def test_agent_client_fields(client, tiny_server):
+    """include reasoning.encrypted_content (nothing to add: reasoning comes back as plain text), truncation auto,
+    max_tool_calls, tools of other types (left out: nothing here runs them), allowed_tools, nulls for defaults."""
+    r = _create(client, input="Weather in Paris?", include=["reasoning.encrypted_content"], truncation="auto",
+                max_output_tokens=80,
+                max_tool_calls=2, tools=[{"type": "web_search"}, {"type": "local_shell"},
+                                         {"type": "custom", "name": "apply_patch"}, WEATHER,
+                                         dict(WEATHER, name="get_time")],
+                tool_choice={"type": "allowed_tools", "mode": "required",
+                             "tools": [{"type": "function", "name": "get_weather"}]})
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls), r.output  # get_time was not allowed
+    assert r.truncation == "auto" and r.max_tool_calls == 2
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "stream": None, "store": None}
+    assert httpx.post(tiny_server.base + "/v1/responses", json=body, timeout=60).status_code == 200
+
+
+def test_output_text_logprobs(client):
+    r = _create(client, input="Hello", max_output_tokens=5, include=["message.output_text.logprobs"], top_logprobs=2,
+                extra_body=NO_EOS)
+    lps = r.output[-1].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens == 5
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in lps)
+    assert "".join(lp.token for lp in lps) == r.output_text
 
 
 # -- background responses, cancel, delete -------------------------------------------------------------------------
@@ -329,6 +358,7 @@ def test_auto_tools_and_reasoning_parser_served(parser_server):
                                          k: v for k, v in WEATHER.items() if k != "type"}}], extra_body=NO_EOS)
     msg = chat.choices[0].message
     assert msg.reasoning_content is None and not msg.tool_calls  # (the random model writes no tags)
+    assert "reasoning" in msg.model_extra and msg.model_extra["reasoning"] is None  # vLLM's newer name too
     assert r.output_text == streamed == msg.content and r.usage.output_tokens_details.reasoning_tokens == 0
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == streamed
 

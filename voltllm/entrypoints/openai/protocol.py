@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.entrypoints.openai.structured import structured_outputs_of
@@ -24,7 +24,22 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Optional[bool] = False
 
 
-class _SamplingFields(BaseModel):
+class NullMeansDefault(BaseModel):
+    """A JSON null for a field that has a non-null default means that default (clients write `"stream": null`,
+    `"n": null`; vLLM's and OpenAI's schemas take them)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            nulls = [k for k, v in data.items() if v is None and k in cls.model_fields
+                     and cls.model_fields[k].default is not None and not cls.model_fields[k].is_required()]
+            if nulls:
+                data = {k: v for k, v in data.items() if k not in nulls}
+        return data
+
+
+class _SamplingFields(NullMeansDefault):
     model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None

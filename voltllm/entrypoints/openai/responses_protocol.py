@@ -10,17 +10,23 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import ConfigDict, StrictBool
 
 from voltllm.entrypoints.openai.errors import bad_request
-from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
+from voltllm.entrypoints.openai.protocol import ChatCompletionRequest, NullMeansDefault
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# include values with nothing to add here: no encrypted reasoning is made (reasoning items come back as plain text),
+# and the others name outputs of OpenAI's built-in tools, which are not built
+_NOTHING_TO_INCLUDE = ("reasoning.encrypted_content", "web_search_call.action.sources", "web_search_call.results",
+                       "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                       "file_search_call.results", "message.input_image.image_url")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullMeansDefault):
     model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
@@ -40,13 +46,13 @@ class ResponsesRequest(BaseModel):
     reasoning: Optional[dict[str, Any]] = None  # accepted and echoed; the model reasons (or not) as it does
     user: Optional[str] = None
     background: Optional[bool] = None  # runs on after the answer (responses_background.py); not with stream
+    include: Optional[list[str]] = None  # LOGPROBS_INCLUDE, and _NOTHING_TO_INCLUDE (nothing to add)
+    top_logprobs: Optional[int] = None  # with LOGPROBS_INCLUDE
+    truncation: Optional[str] = None  # "disabled", or "auto": nothing is cut here (input over the context: 400)
+    max_tool_calls: Optional[int] = None  # bounds built-in tool calls, of which there are none here
     # not built: refused when set (check())
     conversation: Optional[Any] = None
-    include: Optional[list[str]] = None
-    truncation: Optional[str] = None
     prompt: Optional[Any] = None
-    max_tool_calls: Optional[int] = None
-    top_logprobs: Optional[int] = None
     n: Optional[int] = None
     # vLLM's sampling extras, as the chat request takes them
     top_k: Optional[int] = None
@@ -71,40 +77,63 @@ class ResponsesRequest(BaseModel):
         if self.conversation is not None:
             raise bad_request("conversation is not supported; continue a conversation with previous_response_id",
                               "conversation", "unsupported_parameter")
-        if self.include:
-            raise bad_request(f"include is not supported (got {', '.join(map(str, self.include))})", "include",
-                              "unsupported_parameter")
-        if self.truncation not in (None, "disabled"):
-            raise bad_request(f"truncation {self.truncation!r} is not supported; only 'disabled'", "truncation",
-                              "unsupported_parameter")
+        for value in self.include or []:
+            if value != LOGPROBS_INCLUDE and value not in _NOTHING_TO_INCLUDE:
+                raise bad_request(f"include {value!r} is not supported (supported: {LOGPROBS_INCLUDE}, "
+                                  f"{', '.join(_NOTHING_TO_INCLUDE)})", "include", "unsupported_parameter")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise bad_request(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", "top_logprobs")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise bad_request(f"truncation must be 'auto' or 'disabled', got {self.truncation!r}", "truncation")
+        if self.max_tool_calls is not None and self.max_tool_calls < 0:
+            raise bad_request(f"max_tool_calls must be >= 0, got {self.max_tool_calls}", "max_tool_calls")
         if self.prompt is not None:
             raise bad_request("prompt templates are not supported", "prompt", "unsupported_parameter")
-        if self.max_tool_calls is not None:
-            raise bad_request("max_tool_calls is not supported", "max_tool_calls", "unsupported_parameter")
-        if self.top_logprobs:
-            raise bad_request("top_logprobs is not supported", "top_logprobs", "unsupported_parameter")
         if self.n not in (None, 1):
             raise bad_request("n is not a Responses API parameter; one response has one output", "n",
                               "unsupported_parameter")
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
+
     def chat_tools(self) -> Optional[list[dict]]:
+        """The function tools in the chat shape (only those tool_choice's allowed_tools lists, when it does). Tools
+        of other types (OpenAI's built-in web_search, file_search, code_interpreter, ..., Codex's local_shell and
+        custom tools) are left out: nothing here runs them, and the chat templates show function tools only."""
         if not self.tools:
             return None
+        allowed = self._allowed_tool_names()
         out = []
         for i, tool in enumerate(self.tools):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
-                raise bad_request(f"tools[{i}] has type {kind!r}: only function tools are supported (no built-in "
-                                  "tools such as web_search, file_search, computer_use, code_interpreter, "
-                                  "image_generation or mcp)", "tools", "unsupported_tool")
+                if kind is None:
+                    raise bad_request(f"tools[{i}] must be an object with a 'type'", "tools")
+                continue
             if isinstance(tool.get("function"), dict):  # the chat shape, taken as well
+                if allowed is not None and tool["function"].get("name") not in allowed:
+                    continue
                 out.append({"type": "function", "function": tool["function"]})
                 continue
             if not isinstance(tool.get("name"), str) or not tool["name"]:
                 raise bad_request(f"tools[{i}].name must be a non-empty string", "tools")
+            if allowed is not None and tool["name"] not in allowed:
+                continue
             fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
             out.append({"type": "function", "function": fn})
-        return out
+        return out or None
+
+    def _allowed_tool_names(self) -> Optional[set]:
+        """tool_choice {"type": "allowed_tools", "mode": ..., "tools": [{"type": "function", "name": ...}]}: the
+        function names it allows (None: no such tool_choice)."""
+        tc = self.tool_choice
+        if not (isinstance(tc, dict) and tc.get("type") == "allowed_tools"):
+            return None
+        tools = tc.get("tools")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise bad_request("tool_choice allowed_tools needs a list of tools", "tool_choice")
+        return {t.get("name") or (t.get("function") or {}).get("name") for t in tools if t.get("type") == "function"}
 
     def chat_tool_choice(self) -> Any:
         tc = self.tool_choice
@@ -112,8 +141,14 @@ class ResponsesRequest(BaseModel):
             return tc
         if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
             return {"type": "function", "function": {"name": tc["name"]}}
-        raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-                          "tool_choice", "unsupported_parameter")
+        if isinstance(tc, dict) and tc.get("type") == "allowed_tools":
+            mode = tc.get("mode", "auto")
+            if mode not in ("auto", "required"):
+                raise bad_request(f"tool_choice allowed_tools mode must be 'auto' or 'required', got {mode!r}",
+                                  "tool_choice")
+            return mode
+        raise bad_request('tool_choice must be "auto", "none", "required", {"type": "function", "name": ...} or '
+                          '{"type": "allowed_tools", ...}', "tool_choice", "unsupported_parameter")
 
     def response_format(self) -> Optional[dict]:
         fmt = (self.text or {}).get("format")
@@ -143,7 +178,8 @@ class ResponsesRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt, stream=self.stream, tools=self.chat_tools(),
             tool_choice=self.chat_tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
-            response_format=self.response_format(), user=self.user)
+            response_format=self.response_format(), user=self.user,
+            logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs if self.wants_logprobs else None)
 
 
 def _text_of(content: Any, where: str) -> str:

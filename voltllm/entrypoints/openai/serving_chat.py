@@ -99,7 +99,10 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     use_tools, forced = tool_mode(state, req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-    prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.chat_template_kwargs,
+    kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:  # (to the template, as vLLM hands it: templates that read it use it)
+        kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
+    prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=kwargs,
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message, tools=req.tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
@@ -139,8 +142,8 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
         reasoning, content, calls = view.view(c.text, True)
         content = plan.echo_prefix + content
         message: dict[str, Any] = {"role": state.response_role, "content": content if (content or not calls) else None}
-        if state.reasoning_parser:
-            message["reasoning_content"] = reasoning or None
+        if state.reasoning_parser:  # vLLM's newer name and its older one, which many clients still read
+            message["reasoning"] = message["reasoning_content"] = reasoning or None
         message["tool_calls"] = calls
         choice = {"index": c.index, "message": message, "logprobs": None,
                   "finish_reason": _finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
@@ -208,7 +211,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
     for i in range(plan.n):
         first = {"role": state.response_role, "content": plan.echo_prefix}
         if state.reasoning_parser:
-            first["reasoning_content"] = None
+            first["reasoning"] = first["reasoning_content"] = None
         yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}],
                     usage(0, 0) if continuous else None)
     async for _, out in merge_streams(streams):
@@ -222,7 +225,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
             reasoning, content, calls = views[c.index].view(c.text, done)
             delta: dict[str, Any] = {}
             if d := _delta(reasoning, s.reasoning):
-                delta["reasoning_content"] = d
+                delta["reasoning"] = delta["reasoning_content"] = d
                 s.reasoning = reasoning or ""
             if d := _delta(content, s.content):
                 delta["content"] = d

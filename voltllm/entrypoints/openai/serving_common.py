@@ -117,9 +117,9 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
                                       "text-only model (no image, audio or video input)", "messages",
                                       "unsupported_content")
         elif content is None:
-            if role != "assistant":
+            if role not in ("assistant", "tool"):
                 raise bad_request(f"{where}.content is missing", "messages")
-            texts = []  # an assistant turn that only called tools
+            texts = []  # an assistant turn that only called tools; a tool result with nothing in it (as vLLM)
         elif isinstance(content, str):
             texts = [content]
         else:

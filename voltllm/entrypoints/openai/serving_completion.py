@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import JSONResponse
@@ -43,6 +44,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     state.check_logprobs(req.logprobs, "logprobs")
     state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    # vLLM's echo with max_tokens 0: the prompt alone (scoring its logprobs); one token is generated and dropped
+    echo_only = req.echo and max_tokens == 0
+    max_tokens = max_tokens or (1 if echo_only else 0)
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     prompt_logprobs = max(asked) if asked else None  # echo's logprobs and prompt_logprobs share one pass
     params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
@@ -59,11 +63,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     created = int(time.time())
     watcher = DisconnectWatcher(raw_request, state, rids)
     if req.stream:
-        return event_stream(sse_body(_stream(state, req, base_id, model, created, params.n, streams), streams,
-                                          watcher, base_id))
+        return event_stream(sse_body(_stream(state, req, base_id, model, created, params.n, streams, echo_only),
+                                     streams, watcher, base_id))
     finals = await collect_or_gone(streams, watcher)
     if finals is None:
         return JSONResponse({}, status_code=499)
+    if echo_only:
+        finals = [_without_generation(out) for out in finals]
     choices = []
     prompt_tokens = completion_tokens = cached = 0
     for p, out in enumerate(finals):
@@ -94,8 +100,16 @@ class _Sent:
         self.offset = 0  # text offset of the next logprob token
 
 
+def _without_generation(out: RequestOutput) -> RequestOutput:
+    """The output as if nothing had been generated (echo with max_tokens 0): the prompt's, finished by length."""
+    empty = [replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None, cumulative_logprob=None,
+                     finish_reason="length" if c.finish_reason is not None else None, stop_reason=None)
+             for c in out.outputs]
+    return replace(out, outputs=empty)
+
+
 async def _stream(state: ServerState, req: CompletionRequest, base_id: str, model: str, created: int, n: int,
-                  streams: list) -> AsyncIterator[str]:
+                  streams: list, echo_only: bool = False) -> AsyncIterator[str]:
     """The chunks of a streamed completion (sse_body adds [DONE] and the error handling)."""
     opts = req.stream_options
     include_usage = state.enable_force_include_usage or bool(opts and opts.include_usage)
@@ -113,6 +127,8 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
         return sse(body)
 
     async for p, out in merge_streams(streams):
+        if echo_only:
+            out = _without_generation(out)
         prompt_tokens[p] = len(out.prompt_token_ids)
         completion_tokens[p] = sum(len(c.token_ids) for c in out.outputs)
         for c in out.outputs:

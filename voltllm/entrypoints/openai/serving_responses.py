@@ -23,8 +23,8 @@ from voltllm.entrypoints.openai.responses_background import BackgroundRuns
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest, call_ids, input_messages
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
-from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, event_stream, merge_streams,
-                                                       sse_body)
+from voltllm.entrypoints.openai.serving_common import (ServerState, chat_logprobs, collect_or_gone, event_stream,
+                                                       merge_streams, sse_body)
 
 # chat-request parameters named as the Responses API names them, for the 400s start_chat raises
 _PARAMS = {"response_format": "text", "max_tokens": "max_output_tokens", "messages": "input"}
@@ -91,19 +91,26 @@ class _Run:
         self.base = {
             "id": plan.request_id, "object": "response", "created_at": plan.created, "model": plan.model,
             "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
-            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "max_tool_calls": None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "metadata": r.metadata or {}, "output": [], "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id, "reasoning": r.reasoning,
             "store": r.store is not False,
             "temperature": r.temperature if r.temperature is not None else defaults.get("temperature", 1.0),
             "text": r.text or {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
             "tools": r.tools or [], "top_p": r.top_p if r.top_p is not None else defaults.get("top_p", 1.0),
-            "truncation": "disabled", "usage": None, "user": r.user,
+            "truncation": r.truncation or "disabled", "usage": None, "user": r.user,
+            "top_logprobs": r.top_logprobs, "max_tool_calls": r.max_tool_calls,
         }
 
     def finish(self, items: list[dict], out: RequestOutput) -> dict:
         """The finished response (stored unless store is false)."""
         c = out.outputs[0]
+        if self.req.wants_logprobs and c.logprobs is not None:  # (include message.output_text.logprobs)
+            lps = chat_logprobs(c.token_ids, c.logprobs, self.req.top_logprobs or 0, self.state.tokenizer,
+                                self.plan.tokens_as_ids)
+            for it in items:
+                if it["type"] == "message" and it["content"]:
+                    it["content"][0]["logprobs"] = lps
         resp = dict(self.base, output=items, completed_at=int(time.time()))
         if c.finish_reason == "length":
             resp["status"] = "incomplete"
