@@ -192,6 +192,50 @@ def test_tool_round_trip_and_count_tokens(http):
     assert plain["input_tokens"] == _post(http, max_tokens=1)["usage"]["input_tokens"]
 
 
+def _tokens(http, chat_messages: list[dict]) -> int:
+    return http.post("/tokenize", json={"model": "tiny", "messages": chat_messages}).json()["count"]
+
+
+def test_system_role_messages(http):
+    # Claude Code >= 2.1.154 sends system messages inside `messages`: one that opens them joins `system`, a later one
+    # stays a system turn in place (the ChatML template renders one anywhere, so the probe keeps them)
+    messages = [{"role": "system", "content": "Lead."}, *MESSAGES, {"role": "system", "content": "Be brief."}]
+    chat_messages = [{"role": "system", "content": SYSTEM + "\n\nLead."}, *MESSAGES,
+                     {"role": "system", "content": "Be brief."}]
+    count = http.post("/v1/messages/count_tokens", json={"model": "tiny", "system": SYSTEM, "messages": messages})
+    assert count.status_code == 200 and count.json()["input_tokens"] == _tokens(http, chat_messages)
+    chat = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 12, "temperature": 0,
+                                                   "messages": chat_messages}).json()
+    assert _text(_post(http, messages=messages)) == chat["choices"][0]["message"]["content"]
+
+
+def test_tool_search_result_and_adaptive_thinking(http):
+    # Claude Code's tool search answers with tool_reference blocks naming the deferred tools it loaded; its
+    # requests carry thinking {"type": "adaptive"} and output_config.effort
+    result = {"type": "tool_result", "tool_use_id": "toolu_abc", "content": [
+        {"type": "text", "text": "18 degrees"}, {"type": "tool_reference", "tool_name": "ping"}]}
+    msg = _post(http, messages=[*TOOL_ROUND[:2], {"role": "user", "content": [result]}], max_tokens=4,
+                tools=[WEATHER, {**PING, "defer_loading": True}], tool_choice={"type": "none"},
+                thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "high"})
+    reference = {"role": "tool", "tool_call_id": "toolu_abc", "content": '[{"type": "tool_reference", "name": "ping"}]'}
+    assert msg["usage"]["input_tokens"] == _tokens(http, [*TOOL_ROUND_CHAT, reference])
+
+
+def test_output_config_json_schema(http):
+    fmt = {"type": "json_schema", "schema": WEATHER["input_schema"]}
+    msg = _post(http, max_tokens=60, output_config={"format": fmt})
+    value = json.loads(_text(msg))
+    assert set(value) == {"city", "unit"} and value["unit"] in ("c", "f") and len(value["city"]) <= 3
+    assert msg["stop_reason"] == "end_turn"
+    events = _events(http, max_tokens=60, output_format=fmt)  # the beta's older spelling
+    assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == _text(msg)
+    _check_error(http.post("/v1/messages", json=_body(output_config={"format": {"type": "xml"}})), 400,
+                 "invalid_request_error", "json_schema")
+    bad = {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}
+    _check_error(http.post("/v1/messages", json=_body(output_config={"format": bad})), 400,
+                 "invalid_request_error", "output_config.format.schema")
+
+
 def test_errors(http, tiny_server):
     _check_error(http.post("/v1/messages", json={"model": "tiny", "messages": MESSAGES}), 400,
                  "invalid_request_error", "max_tokens")

@@ -9,6 +9,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from tiny_models import CHATML
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.app import AuthAndCountMiddleware
@@ -98,7 +99,21 @@ def test_tool_choice_and_thinking_mapping():
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}]},
      "messages", "image"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages", "document"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages", "role"),
+    ({"messages": [{"role": "ctx", "content": "x"}]}, "messages", "role"),  # vLLM maps no other role either
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages", "no content"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "tool_reference"}]}]}]}, "messages", "tool_name"),
+    ({"thinking": {"type": "adaptive", "display": "full"}}, "thinking", "display"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort", "effort"),
+    ({"output_config": {"format": {"type": "xml"}}}, "output_config.format", "json_schema"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format", "schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, "output_config.format",
+     "schema"),
+    ({"output_format": {"type": "json_schema", "schema": {"type": "object"}}, "output_config": {"effort": "high"}},
+     "output_format", "once"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config.format",
+     "tool_choice"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools", "server tools"),
     ({"tools": [{"name": "f"}]}, "tools", "input_schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "sometimes"}}, "tool_choice", "tool_choice"),
@@ -118,6 +133,119 @@ def test_refused_fields(kw, param):
     with pytest.raises(OpenAIError) as e:
         _req(**kw).check()
     assert e.value.status == 400 and e.value.param == param
+
+
+# -- Claude Code's newer request shapes (as vLLM serves them) ---------------------------------------------
+def test_system_messages_open_or_stay_in_place():
+    top = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.160; cch=1;"},
+           {"type": "text", "text": "Top."}]
+    req = _req(system=top, messages=[
+        {"role": "system", "content": "Lead."},
+        {"role": "user", "content": "Q"},
+        {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1;"},
+                                       {"type": "text", "text": "Inline."}]},
+        {"role": "system", "content": "x-anthropic-billing-header: only"}])
+    expected_tail = [{"role": "user", "content": "Q"}]
+    assert req.chat_messages() == [{"role": "system", "content": "Top.\n\nLead."}, *expected_tail,
+                                   {"role": "system", "content": "Inline."}]
+    assert req.chat_messages("fold") == [{"role": "system", "content": "Top.\n\nLead."},
+                                         {"role": "user", "content": "Q\n\nInline."}]
+    # "preserve" folds too without any system text (vLLM: templates may render the tools at the first system turn)
+    bare = _req(messages=[{"role": "user", "content": "Q"}, {"role": "system", "content": "S"}])
+    assert bare.chat_messages() == [{"role": "user", "content": "Q\n\nS"}]
+    assert bare.chat_request().add_generation_prompt
+
+
+def test_folded_system_messages_keep_tool_runs_whole():
+    call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "18 C"}]}
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": [call]},
+                {"role": "system", "content": "S1"},  # between the call and its result: moves after the result
+                {"role": "user", "content": [result]}, {"role": "system", "content": "S2"},
+                {"role": "assistant", "content": "A"}, {"role": "system", "content": "S3"},
+                {"role": "user", "content": [{"type": "text", "text": "Q2"}]}, {"role": "system", "content": "S4"},
+                {"role": "assistant", "content": "B"}]
+    head = [{"role": "system", "content": "Top."}, {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+    tool = {"role": "tool", "tool_call_id": "t1", "name": "get_weather"}
+    req = _req(system="Top.", messages=messages)
+    assert req.chat_messages("fold") == [
+        *head, {**tool, "content": "18 C\n\nS1\n\nS2"}, {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "S3\n\nQ2\n\nS4"}, {"role": "assistant", "content": "B"}]
+    assert req.chat_messages("preserve") == [
+        *head, {**tool, "content": "18 C"}, {"role": "system", "content": "S1"}, {"role": "system", "content": "S2"},
+        {"role": "assistant", "content": "A"}, {"role": "system", "content": "S3"}, {"role": "user", "content": "Q2"},
+        {"role": "system", "content": "S4"}, {"role": "assistant", "content": "B"}]
+    assert req.chat_request("fold").continue_final_message  # the last assistant turn stays a prefill
+
+
+def test_tool_reference_results_deferred_tools_and_adaptive_thinking():
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    deferred = {**WEATHER, "defer_loading": True}
+    req = _req(tools=[search, deferred], tool_choice={"type": "none"}, thinking={"type": "adaptive",
+                                                                                  "display": "omitted"},
+               output_config={"effort": "high"}, messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                           "input": {"query": "select:get_weather"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "Loaded."}, {"type": "tool_reference", "tool_name": "get_weather"}]}]}])
+    chat = req.chat_request()
+    assert chat.messages[-2:] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "Loaded.", "name": "ToolSearch"},
+        {"role": "tool", "tool_call_id": "t1", "name": "ToolSearch",
+         "content": '[{"type": "tool_reference", "name": "get_weather"}]'}]
+    assert [t["function"].get("defer_loading") for t in chat.tools] == [None, True]
+    # adaptive pins nothing (the template's default, as vLLM does); the effort reaches the template
+    assert chat.chat_template_kwargs == {"reasoning_effort": "high"}
+    assert _req(thinking={"type": "adaptive"}).template_kwargs() is None
+    assert _req(thinking={"type": "disabled"}, output_config={"effort": "low"}).template_kwargs() == {
+        "enable_thinking": False}  # disabled wins over the effort, as in vLLM
+    assert chat.constraint() is None
+
+
+def test_output_config_format_is_a_json_schema_constraint():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for body in ({"output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}},
+                 {"output_format": {"type": "json_schema", "schema": schema}}):
+        chat = _req(**body).chat_request()
+        assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+        chat.check()
+        params = chat.sampling_params(16, None)
+        assert params.structured_outputs.kind == "json" and params.structured_outputs.json == schema
+    # with tools the model may still call ("auto" / "none") the format applies as in chat
+    assert _req(tools=[WEATHER], tool_choice={"type": "none"},
+                output_config={"format": {"type": "json_schema", "schema": schema}}).chat_request().constraint()
+    assert _req(output_config={"effort": "max"}).chat_request().response_format is None
+
+
+_TURN = "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+_GEN = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+
+
+@pytest.mark.parametrize("template, mode, why", [
+    (CHATML, "preserve", "system turns of their own"),
+    ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('System message "
+     "must be at the beginning.') }}{% endif %}" + _TURN + "{% endfor %}" + _GEN, "fold", "refuses"),  # Qwen3.5's
+    ("{% for m in messages %}{% if m['role'] != 'system' or loop.first %}" + _TURN + "{% endif %}{% endfor %}"
+     + _GEN, "fold", "drops"),
+    ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}<|im_start|>user\n{{ m['content'] }}"
+     "<|im_end|>\n{% else %}" + _TURN + "{% endif %}{% endfor %}" + _GEN, "fold", "user message"),
+    ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}{{ m['content'] }}{% else %}" + _TURN
+     + "{% endif %}{% endfor %}" + _GEN, "fold", "role marker"),
+])
+def test_inline_system_probe(tmp_path, template, mode, why):
+    from tiny_models import make_tokenizer
+
+    from voltllm.entrypoints.openai.messages_system_probe import inline_system_mode, probe
+    from voltllm.entrypoints.openai.serving_common import ServerState
+
+    state = ServerState(engine=SimpleNamespace(tokenizer=make_tokenizer(str(tmp_path))), served_model_names=["m"],
+                        max_model_len=256, model_path=str(tmp_path), chat_template=template)
+    found, reason = probe(state)
+    assert found == mode and why in reason, reason
+    assert inline_system_mode(state) == mode
 
 
 def test_count_tokens_body_needs_no_max_tokens():

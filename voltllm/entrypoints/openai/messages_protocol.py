@@ -1,26 +1,39 @@
 """Request models for the Anthropic Messages API (/v1/messages, /v1/messages/count_tokens) and their translation
 into a chat-completions request, which the server's chat path (templating, tools, parsers) then serves.
 
-Translation: `system` (a string or text blocks) -> a system message; a user turn's `text` blocks -> one user
-message (joined by newlines), its `tool_result` blocks -> tool messages (placed before that text, in their order;
-an `is_error` result's text starts with "Error: "); an assistant turn's `text` blocks -> its content, its
-`tool_use` blocks -> tool_calls (same ids), `thinking` / `redacted_thinking` blocks dropped. A last assistant
-turn is a prefill: the template continues it. `tools` -> functions; `tool_choice` auto / any / tool / none ->
-"auto" / "required" / a named function / "none" (`disable_parallel_tool_use` -> parallel_tool_calls false);
-`thinking` enabled / disabled -> the chat template kwarg `enable_thinking` (Qwen3's templates read it; the
-budget is not enforced); `stop_sequences` -> stop strings. Refused with a 400: image and document blocks (and any
-other block type), server tools (a tool with a `type` other than "custom"), `mcp_servers`, `container`.
+Translation: `system` (a string or text blocks) -> a system message; `role: "system"` messages inside `messages`
+(Claude Code sends them) join it when they open `messages`, later ones stay system turns in place or fold into a
+neighbouring turn as the template allows (messages_inline_system.py, vLLM's placement); a user turn's `text`
+blocks -> one user message (joined by newlines), its `tool_result` blocks -> tool messages (placed before that
+text, in their order; an `is_error` result's text starts with "Error: "; the `tool_reference` blocks of Claude
+Code's tool search -> a second tool message for that call, see _tool_reference_message); an assistant turn's
+`text` blocks -> its content, its `tool_use` blocks -> tool_calls (same ids), `thinking` / `redacted_thinking`
+blocks dropped. A last assistant turn is a prefill: the template continues it. `tools` -> functions
+(`defer_loading` passed on for the template, as vLLM does); `tool_choice` auto / any / tool / none -> "auto" /
+"required" / a named function / "none" (`disable_parallel_tool_use` -> parallel_tool_calls false); `thinking`
+enabled / disabled -> the chat template kwarg `enable_thinking` (Qwen3's templates read it; the budget is not
+enforced), adaptive -> nothing (the template's default, as vLLM pins nothing for it); `output_config.effort` ->
+the template kwarg `reasoning_effort`; `output_config.format` json_schema (or the older top-level
+`output_format`) -> a json_schema response_format (structured outputs); `stop_sequences` -> stop strings.
+Refused with a 400: image and document blocks (and any other block type), server tools (a tool with a `type`
+other than "custom"), `mcp_servers`, `container`, output formats other than json_schema, an output format with a
+forced tool_choice (voltllm takes one output constraint per request), roles other than user / assistant / system.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from voltllm.entrypoints.openai.errors import bad_request
+from voltllm.entrypoints.openai.messages_inline_system import place_inline_system, system_text
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
+from voltllm.sampling.structured import StructuredOutputsError, StructuredOutputsParams
 
 _DROPPED = {"thinking", "redacted_thinking"}
+_THINKING_DISPLAY = (None, "summarized", "omitted", "updates")  # accepted, not applied: reasoning always returns
+_EFFORTS = (None, "low", "medium", "high", "xhigh", "max")
 
 
 def _block_text(block: Any, where: str) -> str:
@@ -43,6 +56,33 @@ def _texts(content: Any, where: str) -> str:
     return "\n".join(_block_text(b, f"{where}[{j}]") for j, b in enumerate(content))
 
 
+def _result_parts(content: Any, where: str) -> tuple[str, list[str]]:
+    """A tool_result's text (its text blocks joined by newlines) and the tool names its tool_reference blocks
+    name (Claude Code's tool search answers with them: the deferred tools it loaded)."""
+    if not isinstance(content, list):
+        return _texts(content, where), []
+    texts: list[str] = []
+    names: list[str] = []
+    for j, item in enumerate(content):
+        if isinstance(item, dict) and item.get("type") == "tool_reference":
+            name = item.get("tool_name", item.get("name"))
+            if not isinstance(name, str) or not name:
+                raise bad_request(f"{where}[{j}] needs a tool_name (the tool it loads)", "messages")
+            names.append(name)
+        else:
+            texts.append(_block_text(item, f"{where}[{j}]"))
+    return "\n".join(texts), names
+
+
+def _tool_reference_message(call_id: str, names: list[str]) -> dict:
+    """vLLM gives the template, after the result's own tool message, a second tool message for the call whose
+    content is the parts [{"type": "tool_reference", "name": N}, ...] (templates of models trained on tool search
+    expand them). Messages reach voltllm's templates as text (normalize_messages), so the same list goes as its
+    JSON text."""
+    parts = [{"type": "tool_reference", "name": n} for n in names]
+    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(parts, ensure_ascii=False)}
+
+
 def _user_turn(content: list, where: str, tool_names: dict[str, str]) -> list[dict]:
     tool_msgs: list[dict] = []
     texts: list[str] = []
@@ -52,13 +92,16 @@ def _user_turn(content: list, where: str, tool_names: dict[str, str]) -> list[di
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str):
                 raise bad_request(f"{w}.tool_use_id must be a string", "messages")
-            text = _texts(block.get("content", ""), f"{w}.content")
+            text, references = _result_parts(block.get("content", ""), f"{w}.content")
             if block.get("is_error"):
                 text = f"Error: {text}"
-            msg = {"role": "tool", "tool_call_id": call_id, "content": text}
-            if call_id in tool_names:
-                msg["name"] = tool_names[call_id]
-            tool_msgs.append(msg)
+            msgs = [{"role": "tool", "tool_call_id": call_id, "content": text}]
+            if references:
+                msgs.append(_tool_reference_message(call_id, references))
+            for msg in msgs:
+                if call_id in tool_names:
+                    msg["name"] = tool_names[call_id]
+            tool_msgs.extend(msgs)
         else:
             texts.append(_block_text(block, w))
     return tool_msgs + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
@@ -99,6 +142,8 @@ class CountTokensRequest(BaseModel):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = None
+    output_format: Optional[dict[str, Any]] = None  # the older spelling of output_config.format
     mcp_servers: Optional[list[Any]] = None
     container: Optional[Any] = None
 
@@ -112,20 +157,25 @@ class CountTokensRequest(BaseModel):
         if not self.messages:
             raise bad_request("messages must be a non-empty list", "messages")
 
-    def chat_messages(self) -> list[dict]:
-        out: list[dict] = []
-        if self.system is not None:
-            system = _texts(self.system, "system")
-            if system:
-                out.append({"role": "system", "content": system})
-        tool_names: dict[str, str] = {}
+    def chat_messages(self, inline_system: str = "preserve") -> list[dict]:
+        """The chat messages; `inline_system` ("preserve" / "fold") places system messages found after the first
+        other message (messages_inline_system.py)."""
         for i, m in enumerate(self.messages):
-            where = f"messages[{i}]"
+            if m.get("role") not in ("user", "assistant", "system"):
+                raise bad_request(f"messages[{i}].role must be 'user', 'assistant' or 'system', got "
+                                  f"{m.get('role')!r}", "messages")
+        prompt = system_text(self.system, "system") if self.system is not None else ""
+        leading, messages = place_inline_system(self.messages, prompt, inline_system)
+        system = "\n\n".join(t for t in (prompt, leading) if t)
+        out: list[dict] = [{"role": "system", "content": system}] if system else []
+        tool_names: dict[str, str] = {}
+        for i, m in messages:
+            where = f"messages[{i}]" if i is not None else "messages"
             role = m.get("role")
-            if role not in ("user", "assistant"):
-                raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}", "messages")
             content = m.get("content")
-            if isinstance(content, str):
+            if role == "system":  # kept in place: place_inline_system made its content the text
+                out.append({"role": "system", "content": content})
+            elif isinstance(content, str):
                 out.append({"role": role, "content": content})
             elif not isinstance(content, list):
                 raise bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
@@ -153,6 +203,8 @@ class CountTokensRequest(BaseModel):
             fn: dict[str, Any] = {"name": t["name"], "parameters": schema}
             if isinstance(t.get("description"), str):
                 fn["description"] = t["description"]
+            if t.get("defer_loading") is True:  # for templates that leave such tools out until referenced
+                fn["defer_loading"] = True
             out.append({"type": "function", "function": fn})
         return out
 
@@ -173,17 +225,55 @@ class CountTokensRequest(BaseModel):
                           '{"type": "tool", "name": ...}', "tool_choice")
 
     def template_kwargs(self) -> Optional[dict]:
-        if self.thinking is None:
-            return None
-        kind = self.thinking.get("type")
+        """thinking enabled / disabled -> enable_thinking; adaptive (the model picks its depth) pins nothing, as in
+        vLLM: the template's default applies, as without `thinking`. output_config.effort -> reasoning_effort, which
+        vLLM's chat path hands the template too (templates that read it, e.g. gpt-oss's, set their depth by it); a
+        disabled thinking wins over it, as in vLLM."""
+        effort = (self.output_config or {}).get("effort")
+        if effort not in _EFFORTS:
+            raise bad_request(f"output_config.effort must be one of {', '.join(e for e in _EFFORTS if e)}, got "
+                              f"{effort!r}", "output_config.effort")
+        kind = None if self.thinking is None else self.thinking.get("type")
+        if kind not in (None, "enabled", "disabled", "adaptive"):
+            raise bad_request('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
+                              '{"type": "disabled"}', "thinking")
+        if kind in ("enabled", "adaptive") and self.thinking.get("display") not in _THINKING_DISPLAY:
+            raise bad_request("thinking.display must be 'summarized', 'omitted' or 'updates'", "thinking")
+        kwargs: dict[str, Any] = {}
         if kind in ("enabled", "disabled"):
-            return {"enable_thinking": kind == "enabled"}
-        raise bad_request('thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}',
-                          "thinking")
+            kwargs["enable_thinking"] = kind == "enabled"
+        if effort is not None and kind != "disabled":
+            kwargs["reasoning_effort"] = effort
+        return kwargs or None
 
-    def chat_request(self) -> ChatCompletionRequest:
+    def response_format(self, forced_tool: bool) -> Optional[dict]:
+        """output_config.format (or output_format) as the chat path's json_schema response_format."""
+        if self.output_config is not None and self.output_format is not None:
+            raise bad_request("give the output format once: output_config.format (output_format is its older "
+                              "name)", "output_format")
+        fmt = (self.output_config or {}).get("format") if self.output_format is None else self.output_format
+        where = "output_config.format" if self.output_format is None else "output_format"
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+            raise bad_request(f"{where}.type {kind!r} is not supported: the output formats are "
+                              '{"type": "json_schema", "schema": {...}}', where)
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request(f"{where}.schema must be a JSON schema object", where)
+        if forced_tool:
+            raise bad_request(f"{where} cannot be combined with tool_choice any or tool: both constrain the output "
+                              "and this server applies one constraint per request", where)
+        try:
+            StructuredOutputsParams(json=schema)  # compiled (and cached) here so a bad schema names this field
+        except StructuredOutputsError as e:
+            raise bad_request(f"{where}.schema: {e}", where) from None
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+    def chat_request(self, inline_system: str = "preserve") -> ChatCompletionRequest:
         """The chat-completions request this one is served as."""
-        messages = self.chat_messages()
+        messages = self.chat_messages(inline_system)
         if not any(m["role"] != "system" for m in messages):
             raise bad_request("messages has no content to answer", "messages")
         prefill = messages[-1]["role"] == "assistant"
@@ -191,7 +281,8 @@ class CountTokensRequest(BaseModel):
         fields: dict[str, Any] = dict(
             model=self.model, messages=messages, tools=self.chat_tools(), tool_choice=tool_choice,
             parallel_tool_calls=parallel, chat_template_kwargs=self.template_kwargs(),
-            add_generation_prompt=not prefill, continue_final_message=prefill)
+            add_generation_prompt=not prefill, continue_final_message=prefill,
+            response_format=self.response_format(tool_choice not in (None, "auto", "none")))
         fields.update(self._sampling())
         try:
             return ChatCompletionRequest(**fields)

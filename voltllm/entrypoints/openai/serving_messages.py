@@ -1,6 +1,7 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API served through the chat path.
 
-messages_protocol.py turns the request into a ChatCompletionRequest; from there it is templated and submitted as
+messages_protocol.py turns the request into a ChatCompletionRequest (system messages inside `messages` placed as
+this server's template allows: messages_system_probe.py); from there it is templated and submitted as
 a chat completion with n=1 (serving_chat.start_chat) and parsed by serving_chat's ChoiceView (reasoning parser,
 "auto" tool parser, forced tool choice). The output is shaped the Anthropic way: content blocks (thinking, text,
 tool_use), stop_reason end_turn / max_tokens / stop_sequence / tool_use, and, streamed, named SSE events (message_start,
@@ -18,7 +19,9 @@ from voltllm.engine.async_llm import RequestAbortedError
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.errors import OpenAIError
 from voltllm.entrypoints.openai.messages_errors import anthropic_sse_error
+from voltllm.entrypoints.openai.messages_inline_system import has_inline_system
 from voltllm.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest
+from voltllm.entrypoints.openai.messages_system_probe import inline_system_mode
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
 from voltllm.entrypoints.openai.serving_chat import ChatPlan, ChoiceView, start_chat
 from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_gone, event_stream, merge_streams,
@@ -34,10 +37,12 @@ def served_model(state: ServerState, requested: str) -> str:
 
 
 def _chat(state: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:
-    """The chat-completions request this one is served as, with the request's refusals checked first."""
+    """The chat-completions request this one is served as, with the request's refusals checked first. System
+    messages after the first turn stay in place or fold into a neighbour as this server's template allows."""
     req.check()
     served_model(state, req.model)
-    chat = req.chat_request()
+    mode = inline_system_mode(state) if has_inline_system(req.messages) else "preserve"
+    chat = req.chat_request(mode)
     chat.check()
     return chat
 
