@@ -119,6 +119,9 @@ class DeviceConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks: the engine's runner is rank 0, 1..N-1 are worker processes (distributed/)
+    # rows at which MLP / expert intermediate dimensions are split: 1 (evenly), or a quantized group where an even
+    # share would cut one (distributed.sharding.intermediate_split)
+    intermediate_align: int = 1
 
 
 @dataclass(frozen=True)
@@ -376,7 +379,7 @@ class EngineArgs:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {batched}")
 
         quantized_weights = _quantized_weights(method, self.quantization, hf_config, device, load_format)
-        from voltllm.distributed.support import quantized_split_error, tensor_parallel_error
+        from voltllm.distributed.support import intermediate_alignment, quantized_split_error, tensor_parallel_error
 
         tp = self.tensor_parallel_size
         if quantized_weights == "auto" and tensor_parallel_error(tp, hf_config, device, spec, "dequantized") is None \
@@ -418,7 +421,9 @@ class EngineArgs:
                            attention_backend=self.attention_backend, require_acceleration=self.require_acceleration,
                            prompt_graph_max_tokens=None if graphs.prompt_graphs else 0, cuda_graphs=graphs)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
-                              parallel=ParallelConfig(self.tensor_parallel_size), speculative=spec,
+                              parallel=ParallelConfig(self.tensor_parallel_size, intermediate_align=(
+                                  intermediate_alignment(tp, hf_config, method) if quantized_weights != "dequantized"
+                                  else 1)), speculative=spec,
                               quantization=method)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration

@@ -24,9 +24,9 @@ HYBRID_ENGINE = dict(block_size=4, mamba_block_size=8, max_num_batched_tokens=7,
                      skip_tokenizer_init=True)
 
 
-def _qwen3_moe(path, quant=None):
+def _qwen3_moe(path, quant=None, moe_inter=128):
     """8 experts of 128 intermediate rows (64 per rank: whole 64-input plane groups), top 2, layer 1 dense."""
-    make_model(path, "qwen3_moe", hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=128)
+    make_model(path, "qwen3_moe", hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=moe_inter)
     if quant:
         quantize_checkpoint(path, **quant)
     return path
@@ -35,6 +35,9 @@ def _qwen3_moe(path, quant=None):
 CASES = {
     "qwen3_moe": (lambda p: _qwen3_moe(p), TEXT, LLAMA_ENGINE),
     "qwen3_moe-awq-kept": (lambda p: _qwen3_moe(p, dict(method="awq")), TEXT, LLAMA_ENGINE),
+    # 192 expert rows: an even 96 per rank would cut a 64-input plane group, so rank 0 holds 128 rows and rank 1 64
+    # (sharding.intermediate_split; Qwen3-30B-A3B's 768 rows at -tp 4 with groups of 128 are this case)
+    "qwen3_moe-awq-kept-uneven": (lambda p: _qwen3_moe(p, dict(method="awq"), moe_inter=192), TEXT, LLAMA_ENGINE),
     # routed experts + sigmoid-gated shared expert; qwen3_next also stores GDN in_proj_qkvz grouped by key head
     "qwen3_5_moe": (lambda p: make_tiny_hybrid(p, "qwen3_5_moe", 0, 1, **HYBRID_MOE), IDS, HYBRID_ENGINE),
     "qwen3_next": (lambda p: make_tiny_hybrid(p, "qwen3_next", 0, 1, **HYBRID_MOE), IDS, HYBRID_ENGINE),
@@ -51,7 +54,7 @@ def test_tp2_matches_tp1(case, tmp_path, monkeypatch):
     path = build(str(tmp_path))
     if path is None:
         pytest.skip(f"this transformers has no {case} config")
-    kept = case.endswith("-kept")
+    kept = "-kept" in case
     if kept:  # as on a GPU: the routed experts stay quantized (quant_moe.QuantExperts), each rank cutting its rows
         import voltllm.config
 
@@ -62,6 +65,9 @@ def test_tp2_matches_tp1(case, tmp_path, monkeypatch):
         whole, half = _moe_layers(one), _moe_layers(two)
         assert whole and len(whole) == len(half)
         for a, b in zip(whole, half):  # each rank: half of every expert's and the shared expert's rows
+            if case.endswith("-uneven"):  # whole 64-row groups: 2 on rank 0 (this process), 1 on rank 1
+                assert (a.inter, b.inter, b.inter_start) == (192, 128, 0) and b.qexperts.w2.k == 128
+                continue
             assert b.inter * 2 == a.inter and b.inter_start == 0
             if a.shared_expert is not None:
                 assert b.shared_expert.down_proj.in_features * 2 == a.shared_expert.down_proj.in_features

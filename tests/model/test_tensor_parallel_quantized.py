@@ -89,6 +89,22 @@ def _assert_same_outputs(one, two, prompts) -> None:
     assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
 
 
+def test_uneven_group_split_of_the_mlp_matches_tp1(tmp_path, monkeypatch):
+    """An intermediate size of 192 kept quantized at -tp 2: an even 96 per rank would cut a 64-input plane group, so
+    rank 0 holds 128 rows and rank 1 64 (sharding.intermediate_split); the outputs equal -tp 1's."""
+    path = make_model(str(tmp_path / "m"), "qwen3", **{**SHAPE, "intermediate_size": 192})
+    quantize_checkpoint(path, method="awq")
+    _kept(monkeypatch)
+    one = LLM(path, **ENGINE)
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert two.config.parallel.intermediate_align == 64
+        assert two.engine.runner.model.layers[0].mlp.down_proj.gguf_segments[0].weight.k == 128
+        _assert_same_outputs(one, two, PROMPTS)
+    finally:
+        two.engine.shutdown()
+
+
 def test_hybrid_awq_matches_tp1(tmp_path, monkeypatch):
     """An AWQ qwen3_5 hybrid kept quantized: GDN in_proj shards (interleaved rows) and out_proj's value-head
     columns, gated attention, MLP; prompt logprobs and greedy tokens of -tp 2 equal -tp 1's."""

@@ -93,7 +93,8 @@ AWQ128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": Tru
                                                  "of 128 (AWQ in groups of 128"),
     (2, "gptq", dict(quantization_config={**AWQ128, "quant_method": "gptq", "group_size": -1, "desc_act": False}),
      "GPTQ with one scale per row (group_size -1)"),
-    (2, "modelopt_fp4", dict(intermediate_size=192), "intermediate size 192 / 2 = 96 inputs per rank is not a "
+    (2, "modelopt_fp4", dict(intermediate_size=192), None),  # 3 groups of 64: 2 on rank 0, 1 on rank 1
+    (4, "modelopt_fp4", dict(intermediate_size=192), "intermediate size 192 / 4 = 48 inputs per rank is not a "
                                                      "multiple of 64 (NVFP4"),
     (4, "modelopt_fp4", {}, None),
     (2, "gguf", dict(num_attention_heads=8, head_dim=16), None),  # 64 inputs per rank: whole 64-groups
@@ -105,8 +106,13 @@ AWQ128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": Tru
     (4, "fp8", {}, None),  # quantized at load: the unquantized weight is cut, then quantized
     (2, "awq", dict(model_type="qwen3_moe", num_experts=128, moe_intermediate_size=768, intermediate_size=6144,
                     quantization_config=AWQ128), None),  # Qwen3-30B-A3B: 384 inputs of each expert's down per rank
+    # Qwen3-30B-A3B at -tp 4: 192 inputs per rank would cut a group of 128, so the 6 groups go 2, 2, 1, 1
     (4, "awq", dict(model_type="qwen3_moe", num_experts=128, moe_intermediate_size=768, intermediate_size=6144,
-                    quantization_config=AWQ128), "MoE intermediate size 768 / 4 = 192 inputs per rank"),
+                    quantization_config=AWQ128), None),
+    (8, "awq", dict(model_type="qwen3_moe", num_experts=128, moe_intermediate_size=512, intermediate_size=8192,
+                    num_attention_heads=32, head_dim=128, quantization_config=AWQ128),
+     "MoE intermediate size 512 / 8 = 64 inputs per rank is not a multiple of 128 (AWQ in groups of 128: a row-"
+     "parallel projection's quantized blocks cannot be split), and its 4 groups are fewer than the ranks"),
     (4, "qwen3_5", dict(model_type="qwen3_5_text", intermediate_size=512, linear_num_key_heads=4,
                         linear_num_value_heads=4, linear_value_head_dim=64, quantization_config=AWQ128),
      "Gated DeltaNet value heads x value dim 256 / 4 = 64 inputs per rank is not a multiple of 128"),
@@ -121,6 +127,23 @@ def test_quantized_split_rules(tp, method, overrides, words):
         assert err is not None and words in err and "\n" not in err, err
         assert err.startswith(f"--tensor-parallel-size {tp}: ") and "drop --quantization" in err
     assert tensor_parallel_error(tp, _cfg(**overrides), torch.device("cpu"), None, "dequantized", method) is None
+
+
+def test_intermediate_alignment_and_split():
+    """The ranks' shares of an intermediate dimension: even where that keeps whole groups, else whole groups with the
+    first ranks one more; they tile the dimension in order."""
+    from types import SimpleNamespace
+
+    from voltllm.distributed.sharding import intermediate_split
+    from voltllm.distributed.support import intermediate_alignment
+
+    moe = _cfg(model_type="qwen3_moe", num_experts=128, moe_intermediate_size=768, intermediate_size=6144,
+               quantization_config=AWQ128)
+    assert intermediate_alignment(4, moe, "awq") == 128 and intermediate_alignment(2, moe, "awq") == 1
+    shares = [intermediate_split(768, SimpleNamespace(rank=r, size=4, intermediate_align=128)) for r in range(4)]
+    assert shares == [(0, 256), (256, 256), (512, 128), (640, 128)]
+    assert intermediate_split(6144, SimpleNamespace(rank=3, size=4, intermediate_align=128)) == (4608, 1536)
+    assert intermediate_split(768, SimpleNamespace(rank=1, size=4)) == (192, 192)  # no alignment asked: even
 
 
 def _awq_dir(tmp_path, group: int) -> str:

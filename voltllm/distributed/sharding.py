@@ -2,7 +2,8 @@
 
 - Attention: query heads split evenly; KV heads split evenly when there are at least as many as ranks, else each
   rank keeps the one KV head its query heads read (replicated over N / kv_heads ranks).
-- MLP: the intermediate dimension split evenly (gate and up alike).
+- MLP: the intermediate dimension split evenly (gate and up alike); weights kept quantized whose even share would cut
+  a quantized group: whole groups per rank, not all ranks the same number (intermediate_split).
 - Vocabulary (embedding, LM head): ceil(V / N) rows per rank, the last rank's tail zero-padded.
 
 Weights kept quantized (model.layers.quantized_linear.PackedWeight) are cut the same way, lazily: `PackedWeight.cut`
@@ -20,6 +21,19 @@ def even_split(total: int, rank: int, size: int) -> tuple[int, int]:
     """(start, length) of rank's share of `total` items split evenly (total % size == 0, checked by support.py)."""
     n = total // size
     return rank * n, n
+
+
+def intermediate_split(total: int, tp) -> tuple[int, int]:
+    """(start, length) of this rank's rows of an MLP or expert intermediate dimension: an even share; or, where the
+    weights are kept quantized and an even share would cut a quantized group of the down projection's inputs
+    (tp.intermediate_align > 1, e.g. Qwen3-30B-A3B's 768 expert rows at -tp 4 with int4 groups of 128), whole groups,
+    the first ranks one group more (2, 2, 1, 1 groups of 128). Each rank's down projection adds its partial sum to the
+    all-reduce as before: the shares need not be equal."""
+    align = getattr(tp, "intermediate_align", 1)
+    if align == 1 or total % align or (total // tp.size) % align == 0:
+        return even_split(total, tp.rank, tp.size)
+    base, extra = divmod(total // align, tp.size)
+    return (tp.rank * base + min(tp.rank, extra)) * align, (base + (tp.rank < extra)) * align
 
 
 @dataclass(frozen=True)

@@ -146,12 +146,30 @@ def quantized_split_error(tp: int, hf_config: Any, method: Optional[str]) -> Opt
     inputs = {"attention heads x head_dim": heads * (get("head_dim") or get("hidden_size") // max(heads, 1)),
               "Gated DeltaNet value heads x value dim": get("linear_num_value_heads") * get("linear_value_head_dim"),
               **_split_widths(cfg)}
+    mlp = set(_split_widths(cfg))
     for name, width in inputs.items():
         if not width or width % mult or width % tp:
             continue  # not kept quantized whole (dequantized per layer), or not divisible: tensor_parallel_error's
-        if (width // tp) % mult:
-            return (f"{flag}: the model's {name} {width} / {tp} = {width // tp} inputs per rank is not a multiple of "
-                    f"{mult} ({what}: a row-parallel projection's quantized blocks cannot be split); use a tensor-"
-                    f"parallel size that gives each rank a multiple of {mult}, or drop --quantization to dequantize "
-                    "at load")
+        if (width // tp) % mult == 0:
+            continue
+        if name in mlp and width // mult >= tp:
+            continue  # split in whole groups instead, not all ranks the same (sharding.intermediate_split)
+        return (f"{flag}: the model's {name} {width} / {tp} = {width // tp} inputs per rank is not a multiple of "
+                f"{mult} ({what}: a row-parallel projection's quantized blocks cannot be split)"
+                + (f", and its {width // mult} groups are fewer than the ranks" if name in mlp else "")
+                + f"; use a tensor-parallel size that gives each rank a multiple of {mult}, or drop --quantization "
+                "to dequantize at load")
     return None
+
+
+def intermediate_alignment(tp: int, hf_config: Any, method: Optional[str]) -> int:
+    """The granularity the MLP / expert intermediate rows are split at (ParallelConfig.intermediate_align): the
+    quantized group of the down projections' inputs where an even share would cut one (then the ranks get whole
+    groups, not all the same number), else 1 (an even split)."""
+    rule = _column_multiple(hf_config, method) if tp > 1 else None
+    if rule is None or rule[0] < 0:
+        return 1
+    mult = rule[0]
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    uneven = [w for w in _split_widths(cfg).values() if w % mult == 0 and w % tp == 0 and (w // tp) % mult]
+    return mult if uneven else 1

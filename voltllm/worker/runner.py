@@ -107,6 +107,8 @@ class ModelRunner:
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.tp = tp
+        if tp is not None:  # how the model's layers split their MLP rows (distributed.sharding.intermediate_split)
+            tp.intermediate_align = config.parallel.intermediate_align
         self.send_step = send_step
         if self.device.type == "cuda":  # before any allocation: the KV budget charges this engine what it took since
             from voltllm.worker.memory import free_bytes_at_start

@@ -16,8 +16,8 @@ unsorted GEMV launches (same file), for larger ones the grouped GEMM (voltllm/ke
 sort/align, one launch for every expert's gate_up + SiLU-mul, one for every expert's down projection with the
 routing weights, a sum over k): no loop over experts, no host sync.
 
-Tensor parallelism (`tp`): every rank holds every expert (and the shared expert) with its 1/N share of their
-intermediate rows, as the dense MLP is split: gate / up by rows, down by input columns; the router and the shared
+Tensor parallelism (`tp`): every rank holds every expert (and the shared expert) with its share of their
+intermediate rows (1/N, or whole quantized groups where 1/N would cut one: sharding.intermediate_split), as the dense MLP is split: gate / up by rows, down by input columns; the router and the shared
 expert's gate are replicated. Each rank's sum is then a partial product of the whole layer's (the routing weights and
 the shared gate's sigmoid scale whole expert outputs, so they scale the partials alike), and one all-reduce adds them:
 no expert placement, no token exchange, the same kernels on smaller experts.
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voltllm.distributed.sharding import even_split, take_cols, take_rows
+from voltllm.distributed.sharding import intermediate_split, take_cols, take_rows
 from voltllm.model.layers.activation import silu_and_mul
 from voltllm.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 
@@ -103,10 +103,13 @@ class SparseMoE(nn.Module):
         tp: this rank's tensor-parallel group (module docstring); moe_inter / shared_inter are the whole model's."""
         super().__init__()
         self.tp = tp
-        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
         # this rank's intermediate rows [start, start + n) of every routed expert and of the shared expert
-        self.inter_start, moe_inter = even_split(moe_inter, rank, size)
-        self.shared_start, shared_inter = even_split(shared_inter, rank, size)
+        self.full_inter = moe_inter
+        if tp is None:
+            self.inter_start, self.shared_start = 0, 0
+        else:
+            self.inter_start, moe_inter = intermediate_split(moe_inter, tp)
+            self.shared_start, shared_inter = intermediate_split(shared_inter, tp)
         self.num_experts, self.top_k, self.inter, self.hidden = num_experts, top_k, moe_inter, hidden
         self.norm_topk_prob = norm_topk_prob
         self.dtype = dtype
@@ -253,7 +256,7 @@ class SparseMoE(nn.Module):
         """This rank's part of transformers' stacked experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) or
         experts.down_proj [E, H, I], in either orientation ([E, in, out] checkpoints: Qwen3-VL-MoE style)."""
         e, h, i, s = self.num_experts, self.hidden, self.inter, self.inter_start
-        full = i * (self.tp.size if self.tp is not None else 1)
+        full = self.full_inter
         gate_up = name == "experts.gate_up_proj"
         want = (e, 2 * full, h) if gate_up else (e, h, full)
         if tuple(tensor.shape) != want:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
-from voltllm.distributed.sharding import HeadShard, even_split, take_cols, take_rows, vocab_rows
+from voltllm.distributed.sharding import HeadShard, intermediate_split, take_cols, take_rows, vocab_rows
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import (Linear, LinearMethod, gated_mlp, linear, linear_add_, norm_linear,
                                          one_row_gated)
@@ -69,7 +69,7 @@ class MLP(nn.Module):
                  tp=None):
         super().__init__()
         self.tp = tp
-        inter = inter if tp is None else even_split(inter, tp.rank, tp.size)[1]  # this rank's share
+        inter = inter if tp is None else intermediate_split(inter, tp)[1]  # this rank's share
         self.gate_up_proj = Linear(hidden, [inter, inter], dtype=dtype, method=linear_method)
         self.down_proj = Linear(inter, hidden, dtype=dtype, method=linear_method)
         self.gate_up_proj.silu_mul_output = True  # they run through gated_mlp
@@ -272,7 +272,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
                 return take_rows(tensor, start * d, n * d)
             start, n = h.q_start * d, h.num_heads * d
         elif leaf in ("gate_up_proj", "down_proj"):
-            start, n = even_split(self.config.intermediate_size, tp.rank, tp.size)
+            start, n = intermediate_split(self.config.intermediate_size, tp)
             if leaf == "gate_up_proj":
                 return take_rows(tensor, start, n)
         else:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
-from voltllm.distributed.sharding import HeadShard, even_split, take_cols, take_rows, vocab_rows
+from voltllm.distributed.sharding import HeadShard, intermediate_split, take_cols, take_rows, vocab_rows
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.models.aux_hidden import AuxHiddenCapture
 from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
@@ -203,7 +203,7 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
             raise ValueError(f"unexpected weight {name!r} for a dense MLP layer")
         if layer.tp is not None:  # gate / up by intermediate rows, down by its input columns (as the llama family)
             shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, PackedWeight) else tensor.shape
-            start, n = even_split(shape[1] if target[0] == "down_proj" else shape[0], layer.tp.rank, layer.tp.size)
+            start, n = intermediate_split(shape[1] if target[0] == "down_proj" else shape[0], layer.tp)
             tensor = take_cols(tensor, start, n, name) if target[0] == "down_proj" else take_rows(tensor, start, n)
         getattr(layer.mlp, target[0]).load_weight(tensor, target[1])
         return [p + f"mlp.{target[0]}#{target[1]}"]
