@@ -17,10 +17,11 @@ sort/align, one launch for every expert's gate_up + SiLU-mul, one for every expe
 routing weights, a sum over k): no loop over experts, no host sync.
 
 Tensor parallelism (`tp`): every rank holds every expert (and the shared expert) with its share of their
-intermediate rows (1/N, or whole quantized groups where 1/N would cut one: sharding.intermediate_split), as the dense MLP is split: gate / up by rows, down by input columns; the router and the shared
-expert's gate are replicated. Each rank's sum is then a partial product of the whole layer's (the routing weights and
-the shared gate's sigmoid scale whole expert outputs, so they scale the partials alike), and one all-reduce adds them:
-no expert placement, no token exchange, the same kernels on smaller experts.
+intermediate rows (1/N, or whole quantized groups where 1/N would cut one: sharding.intermediate_split), as the
+dense MLP is split: gate / up by rows, down by input columns; the router and the shared expert's gate are replicated.
+Each rank's sum is then a partial product of the whole layer's (the routing weights and the shared gate's sigmoid
+scale whole expert outputs, so they scale the partials alike), and one all-reduce adds them: no expert placement, no
+token exchange, the same kernels on smaller experts.
 """
 from __future__ import annotations
 
