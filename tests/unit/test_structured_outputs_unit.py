@@ -126,3 +126,18 @@ def test_json_strings_exclude_control_characters():
     good = '{"name": "ab", "ok": true, "n": 3, "tags": ["a"]}'
     assert _is_grammar_accept_string(grammar, good)
     assert not _is_grammar_accept_string(grammar, good.replace("ab", "a\x16"))
+
+
+def test_request_structured_outputs_options():
+    """vLLM's structured_outputs options at what voltllm does are accepted (disable_fallback: xgrammar never falls
+    back; disable_any_whitespace true: compact JSON), flexible whitespace and unknown fields are a 400 by name."""
+    def constraint(so):
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], structured_outputs=so).constraint()
+
+    got = constraint({"regex": "[ab]+", "disable_fallback": True, "disable_any_whitespace": True})
+    assert got.key == ("regex", "[ab]+")
+    for so, words in (({"regex": "a", "disable_any_whitespace": False}, "disable_any_whitespace false"),
+                      ({"regex": "a", "whitespace_pattern": " "}, "unsupported fields: whitespace_pattern"),
+                      ({"regex": "a", "disable_fallback": "yes"}, "disable_fallback must be true or false")):
+        with pytest.raises(OpenAIError, match=words):
+            constraint(so)
