@@ -35,7 +35,8 @@ def test_truncate_prompt_tokens(tiny_server):
     full = _post(tiny_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})["usage"]["prompt_tokens"]
     cut = _post(tiny_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "truncate_prompt_tokens": 3})
     assert full > 3 and cut["usage"]["prompt_tokens"] == 3
-    whole = _post(tiny_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    whole = _post(tiny_server, "/v1/chat/completions",
+                  {"messages": CHAT, "max_tokens": 1, "truncate_prompt_tokens": -1})
     assert whole["usage"]["prompt_tokens"] == full
     r = httpx.post(tiny_server.base + "/v1/completions", json={"model": "tiny", "prompt": "hi",
                                                                "truncate_prompt_tokens": 10 ** 6}, timeout=60)
