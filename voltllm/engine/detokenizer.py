@@ -39,8 +39,12 @@ class IncrementalDetokenizer:
             return self._backend.decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def add(self, token_ids: Sequence[int]) -> Optional[str]:
-        """Append tokens; return the stop string that matched (text then ends there), else None."""
+    def add(self, token_ids: Sequence[int], stop_terminated: bool = False) -> Optional[str]:
+        """Append tokens; return the stop string that matched (text then ends there), else None. stop_terminated:
+        the last token stopped the request (EOS / stop_token_ids): its text is left out unless
+        include_stop_str_in_output (vLLM's rule)."""
+        if stop_terminated and not self.include_stop and token_ids:
+            token_ids = token_ids[:-1]
         for tid in token_ids:
             self.ids.append(tid)
             self.num_tokens += 1

@@ -200,7 +200,7 @@ class Frontend:
                     child.logprobs.append(self._decode_logprobs(lp))
                     child.cumulative_logprob += lp[tid][0]
             if child.detok is not None and out.new_token_ids:
-                matched = child.detok.add(out.new_token_ids)
+                matched = child.detok.add(out.new_token_ids, self._stopped_on_token(st.params, out))
                 if matched is not None and out.finish_reason is None:
                     child.finish_reason, child.stop_reason = "stop", matched
                     to_abort.append(out.request_id)
@@ -215,6 +215,15 @@ class Frontend:
                 st.metrics.finished_time = time.monotonic()
                 self.forget(st.request_id)
         return list(touched.values()), to_abort
+
+    @staticmethod
+    def _stopped_on_token(params: SamplingParams, out: EngineCoreOutput) -> bool:
+        """Whether the engine stopped the request on its last token (EOS or a stop_token_ids entry): that token's
+        text is left out unless include_stop_str_in_output (vLLM's rule; the id stays in token_ids / logprobs)."""
+        if out.finish_reason != "stop" or not out.new_token_ids:
+            return False
+        last = out.new_token_ids[-1]
+        return last in params._eos_token_ids or last in (params.stop_token_ids or ())
 
     def build(self, st: _RequestState) -> RequestOutput:
         comps = []

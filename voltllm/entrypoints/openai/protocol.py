@@ -75,6 +75,17 @@ class _SamplingFields(NullMeansDefault):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[dict[str, Any]] = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); tokenize with special tokens
+    truncate_prompt_tokens: Optional[int] = None
+    return_token_ids: Optional[bool] = None  # vLLM's: token_ids per choice and the prompt's prompt_token_ids
+    # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    logits_processors: Optional[list[Any]] = None
+    priority: Optional[int] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
         """The request's one output constraint, or None; a bad or doubled one is a 400 naming its parameter."""
@@ -88,6 +99,11 @@ class _SamplingFields(NullMeansDefault):
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):
+            raise bad_request("truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last k tokens) or "
+                              f"-1 (the context length), got {self.truncate_prompt_tokens}", "truncate_prompt_tokens")
+        check_unbuilt(self)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None) -> SamplingParams:
@@ -123,6 +139,26 @@ class _SamplingFields(NullMeansDefault):
         )
 
 
+_UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks)
+    "allowed_token_ids": (lambda v: v is None, "restricting sampling to allowed token ids is not built"),
+    "bad_words": (lambda v: not v, "bad_words is not built"),
+    "use_beam_search": (lambda v: not v, "beam search is not built"),
+    "length_penalty": (lambda v: v is None or v == 1.0, "length_penalty (a beam-search setting) is not built"),
+    "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
+    "priority": (lambda v: not v, "requests are served first come, first served (no priority scheduling)"),
+    "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),
+}
+
+
+def check_unbuilt(req: Any) -> None:
+    """A 400 naming the first vLLM field that asks for something voltllm does not build (rather than a 200 that
+    silently differs); the values that ask for nothing (null, empty, defaults) pass, as vLLM treats them."""
+    for name, (nothing, why) in _UNBUILT.items():
+        value = getattr(req, name, None)
+        if not nothing(value):
+            raise bad_request(f"{name}: {why} in voltllm", name, "unsupported_parameter")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]]
     max_completion_tokens: Optional[int] = None
@@ -138,6 +174,20 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     reasoning_effort: Optional[str] = None
+    documents: Optional[list[dict[str, Any]]] = None  # RAG templates' documents, to the chat template (vLLM's)
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes the special tokens itself
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """chat_template_kwargs with what vLLM adds from the request: reasoning_effort (templates that read it use
+        it; "none" also turns enable_thinking off unless the request set it) and documents."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort == "none":
+                kwargs.setdefault("enable_thinking", False)
+        if self.documents is not None:
+            kwargs.setdefault("documents", self.documents)
+        return kwargs or self.chat_template_kwargs
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
         # tool_choice "required" / a named function is a constraint too (tool_choice.py): one per request
@@ -184,6 +234,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
     prompt_logprobs: Optional[int] = None
+    add_special_tokens: bool = True  # vLLM's completions default (a BOS where the tokenizer adds one)
 
     def check(self) -> None:
         self._common_checks()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import JSONResponse
@@ -19,7 +19,7 @@ from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engi
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect_or_gone,
                                                        event_stream, make_params, merge_streams, message_text,
                                                        new_id, prompt_logprobs_json, render_chat, sse,
-                                                       sse_body, submit, usage)
+                                                       sse_body, submit, truncated, usage)
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
 logger = logging.getLogger("voltllm")
@@ -37,6 +37,7 @@ class ChatPlan:
     num_logprobs: Optional[int]
     echo_prefix: str = ""
     tokens_as_ids: bool = False  # logprob tokens as "token_id:N" (--return-tokens-as-token-ids)
+    prompt_ids: list[int] = field(default_factory=list)  # (after truncate_prompt_tokens)
 
 
 def tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Optional[ForcedToolChoice]]:
@@ -99,13 +100,11 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     use_tools, forced = tool_mode(state, req)
     state.check_logprobs(req.top_logprobs, "top_logprobs")
     state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-    kwargs = req.chat_template_kwargs
-    if req.reasoning_effort is not None:  # (to the template, as vLLM hands it: templates that read it use it)
-        kwargs = {"reasoning_effort": req.reasoning_effort, **(kwargs or {})}
-    prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=kwargs,
+    prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.template_kwargs(),
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message, tools=req.tools)
-    ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
+    ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+    ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
                                                              defaults=state.generation_defaults))
@@ -114,7 +113,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     response_id = request_id or (f"chatcmpl-{chosen_id}" if chosen_id is not None else new_id("chatcmpl"))
     engine_id = engine_request_id(response_id, chosen_id is not None)
     plan = ChatPlan(response_id, model, int(time.time()), prompt_text, use_tools, forced,
-                    params.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req))
+                    params.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req), prompt_ids=ids)
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role:
         plan.echo_prefix = message_text(last)
@@ -147,6 +146,8 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
         message["tool_calls"] = calls
         choice = {"index": c.index, "message": message, "logprobs": None,
                   "finish_reason": _finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
         if plan.num_logprobs is not None and c.logprobs is not None:
             choice["logprobs"] = {"content": chat_logprobs(c.token_ids, c.logprobs, plan.num_logprobs,
                                                            state.tokenizer, plan.tokens_as_ids)}
@@ -155,6 +156,8 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
     body = {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
             "choices": choices,
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), cached)}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(out.prompt_token_ids)
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
                                                        req.prompt_logprobs)
@@ -200,20 +203,23 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
     base = {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
     views = [ChoiceView(state, plan, req.tools, streaming=True) for _ in range(plan.n)]
     sent = [_Sent() for _ in range(plan.n)]
-    prompt_tokens, completion_tokens = 0, 0
+    prompt_tokens, completion_tokens = len(plan.prompt_ids), 0
 
-    def chunk(choices: list, usage_now: Optional[dict] = None) -> str:
-        body = {**base, "choices": choices}
+    def chunk(choices: list, usage_now: Optional[dict] = None, extra: Optional[dict] = None) -> str:
+        body = {**base, "choices": choices, **(extra or {})}
         if include_usage:
             body["usage"] = usage_now
         return sse(body)
 
+    # as vLLM's: the first chunk of each choice carries the prompt's token ids (return_token_ids); continuous usage
+    # counts, per chunk, the prompt and that choice's tokens so far
+    first_extra = {"prompt_token_ids": list(plan.prompt_ids)} if req.return_token_ids else None
     for i in range(plan.n):
         first = {"role": state.response_role, "content": plan.echo_prefix}
         if state.reasoning_parser:
             first["reasoning"] = first["reasoning_content"] = None
         yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}],
-                    usage(0, 0) if continuous else None)
+                    usage(prompt_tokens, 0) if continuous else None, first_extra)
     async for _, out in merge_streams(streams):
         prompt_tokens = len(out.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -236,14 +242,17 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
             if plan.num_logprobs is not None and c.logprobs is not None and len(c.token_ids) > s.tokens:
                 lps = {"content": chat_logprobs(c.token_ids[s.tokens:], c.logprobs[s.tokens:], plan.num_logprobs,
                                                 state.tokenizer, plan.tokens_as_ids)}
+            new_ids = list(c.token_ids[s.tokens:])
             s.tokens = len(c.token_ids)
-            if not delta and not done and lps is None:
+            if not delta and not done and lps is None and not (req.return_token_ids and new_ids):
                 continue
             choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None}
             if done:
                 s.done = True
                 choice["finish_reason"] = _finish_reason(c, bool(s.args))
                 choice["stop_reason"] = c.stop_reason
-            yield chunk([choice], usage(prompt_tokens, completion_tokens) if continuous else None)
+            if req.return_token_ids:
+                choice["token_ids"] = new_ids
+            yield chunk([choice], usage(prompt_tokens, len(c.token_ids)) if continuous else None)
     if include_usage:
         yield chunk([], usage(prompt_tokens, completion_tokens))

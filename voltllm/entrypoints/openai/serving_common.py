@@ -185,6 +185,20 @@ def render_chat(state: ServerState, messages: list[dict], *, chat_template: Opti
         raise bad_request(f"could not apply the chat template: {e}", "messages", "chat_template_error")
 
 
+# -- prompts ------------------------------------------------------------------------------------------
+def truncated(ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length); a size over the
+    context length is a 400."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than this model's maximum context length "
+                          f"({max_model_len}); choose a smaller truncation size", "truncate_prompt_tokens")
+    return ids[-keep:]
+
+
 # -- submitting ---------------------------------------------------------------------------------------
 def make_params(build) -> SamplingParams:
     try:

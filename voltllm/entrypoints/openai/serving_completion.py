@@ -15,7 +15,7 @@ from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engi
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
                                                        completion_logprobs, event_stream, make_params, merge_streams,
                                                        new_id, prompt_logprobs_json, sse, sse_body, submit,
-                                                       usage)
+                                                       truncated, usage)
 
 logger = logging.getLogger("voltllm")
 
@@ -37,6 +37,20 @@ def _logprobs(state: ServerState, req: CompletionRequest, out: RequestOutput, c:
     return completion_logprobs(ids, lps, req.logprobs, state.tokenizer, text_offset, state.tokens_as_ids(req))
 
 
+def _engine_prompt(state: ServerState, req: CompletionRequest, prompt: Any) -> Any:
+    """A prompt as the engine takes it: text tokenized with the request's add_special_tokens, then cut to its
+    truncate_prompt_tokens (the text is dropped when cut, so echo shows the tokens that were used)."""
+    if isinstance(prompt, str):
+        if state.tokenizer is None or not prompt:
+            return prompt  # (the engine refuses these with its own message)
+        ids = state.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        ids = prompt
+    kept = truncated(ids, req.truncate_prompt_tokens, state.max_model_len)
+    text = prompt if isinstance(prompt, str) and len(kept) == len(ids) else None
+    return {"prompt": text, "prompt_token_ids": kept} if text is not None else {"prompt_token_ids": kept}
+
+
 async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Any):
     req.check()
     model = state.model_name(req.model)
@@ -55,7 +69,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     base_id = f"cmpl-{chosen_id}" if chosen_id is not None else new_id("cmpl")
     engine_base = engine_request_id(base_id, chosen_id is not None)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = submit(state, rids, prompts, params, req.cache_salt)
+    streams = submit(state, rids, [_engine_prompt(state, req, p) for p in prompts], params, req.cache_salt)
     if state.log_requests:
         logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, prompt%s: %s", engine_base,
                     len(prompts), params.n, max_tokens, req.stream, "s" if len(prompts) > 1 else "",
@@ -85,6 +99,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
                                                                  req.prompt_logprobs)
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
     body = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached if state.enable_prompt_tokens_details else None)}
@@ -98,6 +115,7 @@ class _Sent:
         self.done = False
         self.echoed = False
         self.offset = 0  # text offset of the next logprob token
+        self.sent_prompt_ids = False  # (return_token_ids)
 
 
 def _without_generation(out: RequestOutput) -> RequestOutput:
@@ -119,11 +137,10 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
 
-    def chunk(choices: list) -> str:
+    def chunk(choices: list, usage_now: Optional[dict]) -> str:
         body = {**base, "choices": choices}
         if include_usage:
-            body["usage"] = (usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))
-                             if continuous else None)
+            body["usage"] = usage_now
         return sse(body)
 
     async for p, out in merge_streams(streams):
@@ -147,15 +164,23 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
                 if lps["tokens"]:
                     s.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
             s.text = c.text
+            new_ids = list(c.token_ids[s.tokens:])
             s.tokens = len(c.token_ids)
-            if not text and not done and lps is None:
+            first_ids = req.return_token_ids and not s.sent_prompt_ids
+            if not text and not done and lps is None and not (req.return_token_ids and (new_ids or first_ids)):
                 continue
             choice: dict[str, Any] = {"index": idx, "text": text, "logprobs": lps, "finish_reason": None}
             if done:
                 s.done = True
                 choice["finish_reason"] = c.finish_reason
                 choice["stop_reason"] = c.stop_reason
-            yield chunk([choice])
+            if req.return_token_ids:  # as vLLM's: the prompt's ids in a choice's first chunk, then each delta's
+                if first_ids:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    s.sent_prompt_ids = True
+                choice["token_ids"] = new_ids
+            # continuous usage, as vLLM's: this choice's prompt and its tokens so far
+            yield chunk([choice], usage(prompt_tokens[p], len(c.token_ids)) if continuous else None)
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
                                                            sum(completion_tokens.values()))})

@@ -1,0 +1,140 @@
+"""vLLM's request parameters that shape the prompt (truncate_prompt_tokens, add_special_tokens, reasoning_effort,
+documents) and the ones voltllm refuses (not built), checked against a fake tokenizer and engine."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from voltllm.engine.detokenizer import IncrementalDetokenizer
+from voltllm.entrypoints.openai.errors import OpenAIError
+from voltllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from voltllm.entrypoints.openai.serving_chat import start_chat
+from voltllm.entrypoints.openai.serving_common import ServerState
+from voltllm.entrypoints.openai.serving_completion import _engine_prompt
+
+BOS = 1
+
+
+class FakeTokenizer:
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def __init__(self):
+        self.template_kwargs = None
+
+    def encode(self, text, add_special_tokens=True):
+        return ([BOS] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
+                            tools=None, **kwargs):
+        self.template_kwargs = kwargs
+        return "".join(m["content"] for m in messages)
+
+
+class FakeEngine:
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.prompts = []
+
+    def add_request(self, rid, prompt, params, cache_salt=None):
+        self.prompts.append(prompt)
+        return SimpleNamespace(close=lambda: None)
+
+    def abort(self, rid):
+        pass
+
+
+class FakeRaw:
+    headers: dict = {}
+    scope: dict = {}
+
+    async def receive(self):
+        await asyncio.sleep(3600)
+
+
+def _state(max_model_len=100):
+    return ServerState(engine=FakeEngine(), served_model_names=["m"], max_model_len=max_model_len, model_path="m")
+
+
+def _chat(state, **body):
+    async def run():
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}], max_tokens=1, **body)
+        plan, _, watcher = start_chat(state, req, FakeRaw())
+        watcher.stop()
+        return plan, state.engine.prompts[-1]
+    return asyncio.run(run())
+
+
+def test_chat_encodes_without_special_tokens_unless_asked():
+    state = _state()
+    assert _chat(state)[1]["prompt_token_ids"][0] != BOS
+    assert _chat(state, add_special_tokens=True)[1]["prompt_token_ids"][0] == BOS
+
+
+def test_completions_encode_with_special_tokens_unless_asked():
+    state = _state()
+    assert _engine_prompt(state, CompletionRequest(prompt="hi"), "hi")["prompt_token_ids"] == [BOS, 104, 105]
+    req = CompletionRequest(prompt="hi", add_special_tokens=False)
+    assert _engine_prompt(state, req, "hi") == {"prompt": "hi", "prompt_token_ids": [104, 105]}
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens():
+    state = _state(max_model_len=4)
+    assert _chat(state, truncate_prompt_tokens=2)[1]["prompt_token_ids"] == [ord("l"), ord("o")]
+    assert _chat(state, truncate_prompt_tokens=-1)[1]["prompt_token_ids"] == [ord(c) for c in "ello"]
+    req = CompletionRequest(prompt=[5, 6, 7, 8, 9], truncate_prompt_tokens=3)
+    assert _engine_prompt(state, req, [5, 6, 7, 8, 9]) == {"prompt_token_ids": [7, 8, 9]}
+    with pytest.raises(OpenAIError) as e:
+        _chat(state, truncate_prompt_tokens=5)
+    assert e.value.param == "truncate_prompt_tokens"
+    for bad in (0, -2):
+        with pytest.raises(OpenAIError) as e:
+            _chat(state, truncate_prompt_tokens=bad)
+        assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_template():
+    state = _state()
+    _chat(state, reasoning_effort="none", documents=[{"title": "t", "text": "x"}])
+    kw = state.tokenizer.template_kwargs
+    assert kw["enable_thinking"] is False and kw["reasoning_effort"] == "none"
+    assert kw["documents"] == [{"title": "t", "text": "x"}]
+    _chat(state, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+    assert state.tokenizer.template_kwargs["enable_thinking"] is True  # the request's own kwargs win
+    _chat(state, reasoning_effort="low")
+    assert "enable_thinking" not in state.tokenizer.template_kwargs
+
+
+@pytest.mark.parametrize("field,value", [("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+                                         ("use_beam_search", True), ("length_penalty", 0.5),
+                                         ("logits_processors", ["a.b"]), ("priority", 1),
+                                         ("kv_transfer_params", {"do_remote_prefill": True})])
+def test_unbuilt_vllm_fields_are_refused(field, value):
+    for make in (lambda **b: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **b),
+                 lambda **b: CompletionRequest(prompt="x", **b)):
+        with pytest.raises(OpenAIError) as e:
+            make(**{field: value}).check()
+        assert e.value.param == field and e.value.code == "unsupported_parameter" and e.value.status == 400
+
+
+@pytest.mark.parametrize("field,value", [("allowed_token_ids", None), ("bad_words", []), ("use_beam_search", False),
+                                         ("length_penalty", 1.0), ("logits_processors", []), ("priority", 0),
+                                         ("kv_transfer_params", None)])
+def test_unbuilt_vllm_fields_at_their_defaults_pass(field, value):
+    ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **{field: value}).check()
+    CompletionRequest(prompt="x", **{field: value}).check()
+
+
+def test_a_stop_token_leaves_no_text_unless_asked():
+    from tiny_models import make_tokenizer
+    import tempfile
+    tok = make_tokenizer(tempfile.mkdtemp())
+    ids = tok.encode("Hello world") + [tok.eos_token_id]
+    d = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    d.add(ids[:-1])
+    d.add(ids[-1:], stop_terminated=True)
+    assert d.text == "Hello world"
+    d2 = IncrementalDetokenizer(tok, [], skip_special_tokens=False, include_stop_str_in_output=True)
+    d2.add(ids, stop_terminated=True)
+    assert d2.text == "Hello world<|im_end|>"
