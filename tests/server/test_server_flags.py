@@ -242,3 +242,26 @@ def test_refused_log_flags(argv, match):
     with pytest.raises(ConfigError, match=match):
         check_server_flags(_serve_args(argv))
     check_server_flags(_serve_args(["--enable-log-requests", "--enable-log-outputs", "--max-log-len", "0"]))
+
+
+
+def test_tokenize_messages_take_add_special_tokens(tmp_path):
+    """vLLM's: the messages form takes add_special_tokens too, default false (the template wrote the special
+    tokens); the prompt form defaults to true. A stand-in BOS (id 7) shows which way each call encoded."""
+    from starlette.testclient import TestClient
+
+    from voltllm.entrypoints.openai.app import build_app
+    from voltllm.entrypoints.openai.serving_common import ServerState
+
+    tok = make_tokenizer(str(tmp_path))
+    plain = tok.encode
+    tok.encode = lambda text, add_special_tokens=True, **kw: ([7] if add_special_tokens else []) + plain(
+        text, add_special_tokens=False, **kw)
+    engine = SimpleNamespace(tokenizer=tok, vocab_size=len(tok), is_healthy=True, dead=None)
+    state = ServerState(engine=engine, served_model_names=["m"], max_model_len=256, model_path="m")
+    http = TestClient(build_app(state))
+    msgs = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ messages[0].content }}"}
+    assert http.post("/tokenize", json=msgs).json()["tokens"][0] != 7
+    assert http.post("/tokenize", json={**msgs, "add_special_tokens": True}).json()["tokens"][0] == 7
+    assert http.post("/tokenize", json={"prompt": "hi"}).json()["tokens"][0] == 7
+    assert http.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()["tokens"][0] != 7

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from voltllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from voltllm.engine.types import SchedulerStats
-from voltllm.entrypoints.openai.metrics import VLLM_NAMES, ServerMetrics
+from voltllm.entrypoints.openai.metrics import VLLM_NAMES, ServerMetrics, one_two_five_buckets
+
+LAB = (("engine", "0"), ("model_name", "smol"))
 
 
 def _samples(text: str) -> dict:
@@ -13,14 +16,23 @@ def _samples(text: str) -> dict:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def _metrics(stats: SchedulerStats = SchedulerStats(), max_model_len: int = 1000) -> ServerMetrics:
+    return ServerMetrics("smol", lambda: stats, lambda: True, lambda: 4, max_model_len=max_model_len)
+
+
+def _finished(prompt: int, lengths: list[int], metrics: RequestMetrics) -> RequestOutput:
+    outs = [CompletionOutput(i, "", list(range(n)), finish_reason="stop") for i, n in enumerate(lengths)]
+    return RequestOutput("r", None, list(range(prompt)), outs, True, metrics=metrics)
+
+
 def test_vllm_names_mirror_voltllm_ones():
     stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queries=100,
                            prefix_cache_hits=40, num_preemptions=1,
                            extra={"spec_draft_tokens": 12, "spec_accepted_tokens": 5})
-    m = ServerMetrics("smol", lambda: stats, lambda: True, lambda: 4)
+    m = _metrics(stats)
     m.on_first_token(0.02)
     m.on_tokens(0.005, 3)
-    m.on_finished(None, "stop", 0.4)
+    m.on_finished(_finished(7, [4], RequestMetrics(10.0, 10.02, 10.035, 10.4, 10.001, 10.015, 10.03)), "stop", 0.4)
     m.on_http("POST", "/v1/completions", 200)
     got = _samples(m.render().decode())
     names = {name for name, _ in got}
@@ -39,9 +51,59 @@ def test_vllm_names_mirror_voltllm_ones():
                 assert got[(twin, labels)] == value, (name, twin)
         mirrored += 1
     assert mirrored > 20  # counters, gauges and every histogram bucket
-    assert got[("vllm:num_requests_running", (("model_name", "smol"),))] == 3
-    assert got[("vllm:gpu_cache_usage_perc", (("model_name", "smol"),))] == 0.25
-    assert got[("vllm:request_success_total", (("finished_reason", "stop"), ("model_name", "smol")))] == 1
-    assert got[("vllm:generation_tokens_total", (("model_name", "smol"),))] == 4
-    assert got[("vllm:spec_decode_num_accepted_tokens_total", (("model_name", "smol"),))] == 5
+    assert got[("vllm:num_requests_running", LAB)] == 3
+    assert got[("vllm:gpu_cache_usage_perc", LAB)] == 0.25
+    assert got[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "stop"),
+                                               ("model_name", "smol")))] == 1
+    assert got[("vllm:generation_tokens_total", LAB)] == 4
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", LAB)] == 5
     assert not any(n.startswith("vllm:http_requests") or n.startswith("vllm:num_requests_active") for n in names)
+
+
+def test_one_two_five_buckets_stop_at_the_limit():
+    assert one_two_five_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert one_two_five_buckets(4096)[-3:] == [500, 1000, 2000]
+    assert one_two_five_buckets(0) == []
+
+
+def test_request_histograms_as_vllm_defines_them():
+    """Token counts per request and per choice, vLLM's phase split (queue / prefill / decode / inference from the
+    engine's timestamps) and the per-request mean time per output token, with vLLM's buckets."""
+    m = _metrics(max_model_len=300)
+    for _ in range(3):
+        m.on_tokens(0.03, 1)  # time_per_output_token_seconds: vLLM's older name of the inter-token latency
+    # arrival 100.0, first token seen 100.5, e2e 2.5 s; engine: scheduled 100.25, tokens 100.45 .. 102.35
+    metrics = RequestMetrics(100.0, 100.5, 102.4, 102.5, 100.25, 100.45, 102.35)
+    m.on_finished(_finished(37, [5, 9], metrics), "stop", 2.5)
+    got = _samples(m.render().decode())
+
+    def hist(name: str) -> tuple[float, float]:
+        return got[(f"vllm:{name}_count", LAB)], got[(f"vllm:{name}_sum", LAB)]
+
+    assert hist("request_prompt_tokens") == (1, 37)
+    assert hist("request_generation_tokens") == (2, 14)  # one sample per choice
+    assert hist("request_max_num_generation_tokens") == (1, 9)
+    for name, seconds in (("queue", 0.25), ("prefill", 0.2), ("decode", 1.9), ("inference", 2.1)):
+        count, total = hist(f"request_{name}_time_seconds")
+        assert count == 1 and abs(total - seconds) < 1e-9, name
+    count, total = hist("request_time_per_output_token_seconds")
+    assert count == 1 and abs(total - (2.5 - 0.5) / 8) < 1e-9  # (e2e - TTFT) / (longest choice - 1)
+    assert hist("time_per_output_token_seconds") == (3, 0.09)
+    # vLLM's buckets: 1-2-5 token counts up to max_model_len, request latencies to 7680 s, TPOT from 10 ms
+    les = {n: sorted(float(dict(lab)["le"]) for (name, lab) in got if name == f"vllm:{n}_bucket")
+           for n in ("request_prompt_tokens", "request_queue_time_seconds", "time_per_output_token_seconds")}
+    assert les["request_prompt_tokens"][:-1] == [1, 2, 5, 10, 20, 50, 100, 200]
+    assert les["request_queue_time_seconds"][0] == 0.3 and les["request_queue_time_seconds"][-2] == 7680
+    assert les["time_per_output_token_seconds"][0] == 0.01 and les["time_per_output_token_seconds"][-2] == 80
+
+
+def test_phases_not_reached_are_not_observed():
+    """A request aborted while waiting was never scheduled: no queue, prefill or decode sample (vLLM has none)."""
+    m = _metrics()
+    m.on_finished(_finished(5, [0], RequestMetrics(1.0)), "abort", 0.7)
+    got = _samples(m.render().decode())
+    for name in ("queue", "prefill", "decode", "inference"):
+        assert got[(f"vllm:request_{name}_time_seconds_count", LAB)] == 0
+    assert got[("vllm:request_time_per_output_token_seconds_count", LAB)] == 0
+    assert got[("vllm:request_prompt_tokens_count", LAB)] == 1
+    assert got[("vllm:e2e_request_latency_seconds_count", LAB)] == 1

@@ -41,3 +41,17 @@ def test_lagging_consumer_builds_only_the_newest_output():
     last = asyncio.run(read())
     assert last.finished and last.outputs[0].token_ids == [40, 41, 42, 43] and stream.finished
     assert "r" not in engine._streams and builds == ["r", "r"]
+
+
+def test_engine_timestamps_reach_the_request_metrics():
+    """The engine's scheduling and token times (for GET /metrics' queue / prefill / decode phases) are folded over
+    a request's choices: the earliest scheduling and first token, the latest token."""
+    fe = Frontend(None, "/nonexistent", 4096)
+    a, b = (r.request_id for r in fe.make_requests("r", [5, 6], SamplingParams(max_tokens=2, n=2, detokenize=False)))
+    fe.update([EngineCoreOutput(a, [1], first_token_time=3.0, last_token_time=3.0, scheduled_time=2.0),
+               EngineCoreOutput(b, [1], first_token_time=3.5, last_token_time=3.5, scheduled_time=2.5)])
+    fe.update([EngineCoreOutput(b, [2], "length", first_token_time=3.5, last_token_time=4.5, scheduled_time=2.5)])
+    touched, _ = fe.update([EngineCoreOutput(a, [2], "length", first_token_time=3.0, last_token_time=4.0,
+                                             scheduled_time=2.0)])
+    m = fe.build(touched[0]).metrics
+    assert (m.scheduled_time, m.engine_first_token_time, m.engine_last_token_time) == (2.0, 3.0, 4.5)

@@ -139,10 +139,12 @@ def test_metrics_export_the_counters():
     from voltllm.entrypoints.openai.metrics import ServerMetrics
 
     stats = SchedulerStats(extra={"spec_draft_tokens": 40, "spec_accepted_tokens": 9})
-    text = generate_latest(ServerMetrics("m", lambda: stats, lambda: True, lambda: 0).registry).decode()
-    assert 'voltllm:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text
-    assert 'voltllm:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
-    plain = generate_latest(ServerMetrics("m", SchedulerStats, lambda: True, lambda: 0).registry).decode()
+    text = generate_latest(ServerMetrics("m", lambda: stats, lambda: True, lambda: 0,
+                                         max_model_len=64).registry).decode()
+    assert 'voltllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0' in text
+    assert 'voltllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0' in text
+    plain = generate_latest(ServerMetrics("m", SchedulerStats, lambda: True, lambda: 0,
+                                          max_model_len=64).registry).decode()
     assert "spec_decode" not in plain
 
 

@@ -103,6 +103,18 @@ def _token_ids(value: Any) -> list[int]:
     return ids
 
 
+def _engine_times(m: RequestMetrics, out: EngineCoreOutput) -> None:
+    """Fold one output's engine timestamps into its parent's: earliest scheduling and first token, latest token."""
+    if out.scheduled_time is not None and (m.scheduled_time is None or out.scheduled_time < m.scheduled_time):
+        m.scheduled_time = out.scheduled_time
+    t = out.first_token_time
+    if t is not None and (m.engine_first_token_time is None or t < m.engine_first_token_time):
+        m.engine_first_token_time = t
+    t = out.last_token_time
+    if t is not None and (m.engine_last_token_time is None or t > m.engine_last_token_time):
+        m.engine_last_token_time = t
+
+
 class Frontend:
     """Turns prompts into EngineCoreRequests and EngineCoreOutputs into RequestOutputs."""
 
@@ -194,6 +206,7 @@ class Frontend:
                 st.prompt_logprobs = [None if p is None else self._decode_logprobs(p) for p in out.prompt_logprobs]
             if out.first_token_time is not None and st.metrics.first_token_time is None:
                 st.metrics.first_token_time = time.monotonic()
+            _engine_times(st.metrics, out)
             child.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and child.logprobs is not None:
                 for tid, lp in zip(out.new_token_ids, out.new_logprobs):

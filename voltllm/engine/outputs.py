@@ -28,10 +28,19 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """A request's timestamps, all time.monotonic() (CLOCK_MONOTONIC: one clock for the API and engine processes).
+
+    arrival / first_token / last_token / finished: the API process, as outputs reach it (what a client sees).
+    scheduled / engine_first_token / engine_last_token: the engine, over all of a request's choices (earliest
+    scheduling and first token, latest token); the queue, prefill and decode phases of GET /metrics come from them.
+    """
     arrival_time: float
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    scheduled_time: Optional[float] = None
+    engine_first_token_time: Optional[float] = None
+    engine_last_token_time: Optional[float] = None
 
 
 @dataclass

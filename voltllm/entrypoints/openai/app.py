@@ -36,9 +36,12 @@ from voltllm.entrypoints.openai.serving_responses import create_response, get_re
 logger = logging.getLogger("voltllm")
 M = TypeVar("M", bound=BaseModel)
 
-_ROUTES = {"/health", "/version", "/load", "/metrics", "/tokenize", "/detokenize", "/v1/models",
-           "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/acceleration", "/v1/sm70/acceleration"}
+_ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", "/tokenize", "/detokenize",
+           "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/acceleration",
+           "/v1/sm70/acceleration"}
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
+# behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open)
+_GUARDED_ROUTES = ("/invocations",)
 
 
 def route_path(scope: dict) -> str:
@@ -52,7 +55,8 @@ def route_path(scope: dict) -> str:
 
 
 class AuthAndCountMiddleware:
-    """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/*, per-route HTTP counters."""
+    """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/* and /invocations, per-route HTTP
+    counters."""
 
     def __init__(self, app: Any, api_key: Union[None, str, Sequence[str]], metrics: Optional[ServerMetrics]):
         """api_key: one key or several (any of them is accepted, as vLLM's --api-key K1 K2)."""
@@ -74,7 +78,8 @@ class AuthAndCountMiddleware:
             await send(message)
 
         try:
-            if self.api_keys and path.startswith("/v1") and scope.get("method") != "OPTIONS":
+            guarded = path.startswith("/v1") or path in _GUARDED_ROUTES
+            if self.api_keys and guarded and scope.get("method") != "OPTIONS":
                 if not self._authorized(scope):
                     if is_messages_path(path):  # Anthropic clients send 'x-api-key', and want their error shape
                         body = anthropic_error_body("invalid or missing API key: send it as 'x-api-key: <key>' or "
@@ -121,6 +126,25 @@ async def parse_body(request: Request, model: Type[M]) -> M:
         more = f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
         param = str(first["loc"][0]) if first.get("loc") else None
         raise bad_request(f"{loc}: {first.get('msg', 'invalid value')}{more}", param)
+
+
+async def _invocation(state: ServerState, request: Request) -> Any:
+    """SageMaker's POST /invocations, dispatched as vLLM does: the body is tried as a chat completion request,
+    then as a completion request, and the first it validates as is served (so `messages` -> chat, `prompt` ->
+    completion); one that is neither is a 400 naming both problems."""
+    problems = []
+    for kind, model, serve in (("chat completion", ChatCompletionRequest, create_chat_completion),
+                               ("completion", CompletionRequest, create_completion)):
+        try:
+            req = await parse_body(request, model)
+        except OpenAIError as e:
+            if e.code == "invalid_json":
+                raise
+            problems.append(f"as a {kind} request: {e}")
+            continue
+        return await serve(state, req, request)
+    raise bad_request("the body is neither a chat completion request (with 'messages') nor a completion request "
+                      f"(with 'prompt'): {'; '.join(problems)}", code="invalid_invocation")
 
 
 @dataclass(frozen=True)
@@ -183,6 +207,10 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         why = state.engine.dead or "the engine is not running"
         return error_response(OpenAIError(why, 503))
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check: /health's answer
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
@@ -229,6 +257,10 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     async def completions(request: Request) -> Any:
         req = await parse_body(request, CompletionRequest)
         return await create_completion(state, req, request)
+
+    @app.post("/invocations")  # SageMaker's one generation route (below)
+    async def invocations(request: Request) -> Any:
+        return await _invocation(state, request)
 
     responses = ResponseStore()
     background = BackgroundRuns(responses)
@@ -279,7 +311,9 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
                                chat_template=req.chat_template,
                                kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, tools=req.tools)
-            ids = tok.encode(text, add_special_tokens=False)
+            # vLLM's: the messages form takes add_special_tokens too, default false (the template wrote them)
+            given = "add_special_tokens" in req.model_fields_set
+            ids = tok.encode(text, add_special_tokens=req.add_special_tokens if given else False)
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -235,7 +235,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     engine = AsyncLLM(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
     holder["engine"] = engine
     metrics = ServerMetrics(names[0], lambda: engine.stats, lambda: engine.is_healthy,
-                            lambda: engine.num_active_requests)
+                            lambda: engine.num_active_requests, max_model_len=engine.max_model_len)
     engine.observer = metrics
     _say("starting the engine process and loading the weights there; loading the tokenizer here ...")
     t0 = time.monotonic()

@@ -5,9 +5,11 @@ values; VLLM_NAMES), so dashboards and alerts built for a vLLM server read a vol
 additions (active requests, block count, hit rate, engine liveness, HTTP counts) have no vLLM name.
 
 Per-request timings (TTFT, inter-token latency, end-to-end) are measured in the API process as outputs
-arrive, which is what a client sees. Engine state (running / waiting requests, KV usage, prefix-cache
-hits, preemptions, speculative drafts scored / accepted) is the engine's latest SchedulerStats, sent with every
-step's outputs.
+arrive, which is what a client sees. A finished request's phases, as vLLM splits them, come from the engine's
+timestamps (RequestMetrics): queue = first scheduled - arrival, prefill = first token - first scheduled,
+decode = last token - first token, inference = last token - first scheduled. Engine state (running / waiting
+requests, KV usage, prefix-cache hits, preemptions, speculative drafts scored / accepted) is the engine's latest
+SchedulerStats, sent with every step's outputs.
 """
 from __future__ import annotations
 
@@ -24,8 +26,26 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+# vLLM's request-latency buckets: e2e and the phases (queue, prefill, decode, inference)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0)
+                480.0, 960.0, 1920.0, 7680.0)
+# vLLM's per-output-token buckets (time_per_output_token, request_time_per_output_token)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+# voltllm runs one engine core (no data parallelism): vLLM's `engine` label is always its index 0
+ENGINE_INDEX = "0"
+
+
+def one_two_five_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for per-request token counts, up to max_model_len)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
 
 
 # voltllm metric families that vLLM exports under the same name with its own prefix (vLLM's v1 engine metrics), and
@@ -34,7 +54,10 @@ VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
     "num_requests_running", "num_requests_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
     "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
     "inter_token_latency_seconds", "e2e_request_latency_seconds", "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens")}
+    "spec_decode_num_accepted_tokens", "time_per_output_token_seconds", "request_time_per_output_token_seconds",
+    "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
+    "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+    "request_inference_time_seconds")}
 VLLM_NAMES["voltllm:kv_cache_usage_perc"] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
 
 
@@ -62,16 +85,17 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterable[Any]:
         s = self.stats()
-        lab = ["model_name"]
+        lab = ["model_name", "engine"]
+        values = [self.model, ENGINE_INDEX]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=lab)
-            g.add_metric([self.model], value)
+            g.add_metric(values, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             c = CounterMetricFamily(name, doc, labels=lab)
-            c.add_metric([self.model], value)
+            c.add_metric(values, value)
             return c
 
         yield gauge("voltllm:num_requests_running", "Requests in the engine's running batch.", s.num_running)
@@ -97,14 +121,18 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """Implements AsyncLLM's StatObserver; render() is the /metrics body."""
+    """Implements AsyncLLM's StatObserver; render() is the /metrics body.
+
+    Every family with a `model_name` label also carries vLLM's `engine` label (ENGINE_INDEX)."""
 
     def __init__(self, model: str, stats: Callable[[], SchedulerStats], alive: Callable[[], bool],
-                 active: Callable[[], int]):
+                 active: Callable[[], int], *, max_model_len: int):
+        """max_model_len: the top of the token-count histograms' buckets (as vLLM's)."""
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        lab = ["model_name"]
+        lab = ["model_name", "engine"]
+        tokens = one_two_five_buckets(max_model_len)
         self.requests = Counter("voltllm:request_success", "Finished requests, by finish reason.",
                                 lab + ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("voltllm:prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r)
@@ -115,6 +143,31 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("voltllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", lab,
                              buckets=_E2E_BUCKETS, registry=r)
+        # vLLM's older name for the inter-token latency, with its own buckets: one sample per output token
+        self.tpot = Histogram("voltllm:time_per_output_token_seconds", "Time per output token (API side; the "
+                              "inter-token latency).", lab, buckets=_TPOT_BUCKETS, registry=r)
+        self.request_tpot = Histogram("voltllm:request_time_per_output_token_seconds", "A finished request's mean "
+                                      "time per output token after the first, (e2e - TTFT) / (tokens - 1); 0 for "
+                                      "one token.", lab, buckets=_TPOT_BUCKETS, registry=r)
+        self.request_prompt = Histogram("voltllm:request_prompt_tokens", "Prompt tokens of a finished request.", lab,
+                                        buckets=tokens, registry=r)
+        self.request_generation = Histogram("voltllm:request_generation_tokens", "Tokens generated for one "
+                                            "choice of a finished request.", lab, buckets=tokens, registry=r)
+        self.request_max_generation = Histogram("voltllm:request_max_num_generation_tokens", "Most tokens "
+                                                "generated by one choice of a finished request.", lab,
+                                                buckets=tokens, registry=r)
+        phase = {name: Histogram(f"voltllm:request_{name}_time_seconds", doc, lab, buckets=_E2E_BUCKETS,
+                                 registry=r) for name, doc in (
+            ("queue", "Time a finished request waited before its first scheduling (WAITING phase)."),
+            ("prefill", "Time from a finished request's first scheduling to its first token (PREFILL phase)."),
+            ("decode", "Time from a finished request's first token to its last (DECODE phase)."),
+            ("inference", "Time from a finished request's first scheduling to its last token (RUNNING phase)."))}
+        self.phases = phase
+        # as vLLM, every per-model family shows from the start (a histogram at 0 counts), not from its first sample
+        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.tpot,
+                       self.request_tpot, self.request_prompt, self.request_generation, self.request_max_generation,
+                       *phase.values()):
+            family.labels(model, ENGINE_INDEX)
         self.http = Counter("voltllm:http_requests", "HTTP requests by route and status.",
                             ["method", "path", "status"], registry=r)
         r.register(_EngineCollector(model, stats, alive, active))
@@ -127,24 +180,52 @@ class ServerMetrics:
 
     # StatObserver
     def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(self.model).observe(ttft_s)
-        self.generation_tokens.labels(self.model).inc(1)
+        self.ttft.labels(self.model, ENGINE_INDEX).observe(ttft_s)
+        self.generation_tokens.labels(self.model, ENGINE_INDEX).inc(1)
         self.total_generated += 1
 
     def on_tokens(self, inter_token_s: float, count: int) -> None:
-        h = self.itl.labels(self.model)
+        itl = self.itl.labels(self.model, ENGINE_INDEX)
+        tpot = self.tpot.labels(self.model, ENGINE_INDEX)
         for _ in range(count):
-            h.observe(inter_token_s)
-        self.generation_tokens.labels(self.model).inc(count)
+            itl.observe(inter_token_s)
+            tpot.observe(inter_token_s)
+        self.generation_tokens.labels(self.model, ENGINE_INDEX).inc(count)
         self.total_generated += count
 
     def on_finished(self, out: Optional[RequestOutput], reason: str, e2e_s: float) -> None:
-        self.requests.labels(self.model, reason).inc()
-        self.e2e.labels(self.model).observe(e2e_s)
+        self.requests.labels(self.model, ENGINE_INDEX, reason).inc()
+        self.e2e.labels(self.model, ENGINE_INDEX).observe(e2e_s)
         self.total_finished += 1
         if out is not None:
-            self.prompt_tokens.labels(self.model).inc(len(out.prompt_token_ids))
+            self.prompt_tokens.labels(self.model, ENGINE_INDEX).inc(len(out.prompt_token_ids))
             self.total_prompt += len(out.prompt_token_ids)
+            self._observe_request(out, e2e_s)
+
+    def _observe_request(self, out: RequestOutput, e2e_s: float) -> None:
+        """The per-request histograms: token counts, mean time per output token, and the phases whose
+        timestamps the request reached (one aborted while waiting has no prefill, for instance)."""
+        lab = (self.model, ENGINE_INDEX)
+        self.request_prompt.labels(*lab).observe(len(out.prompt_token_ids))
+        counts = [len(c.token_ids) for c in out.outputs] or [0]
+        for n in counts:
+            self.request_generation.labels(*lab).observe(n)
+        longest = max(counts)
+        self.request_max_generation.labels(*lab).observe(longest)
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            ttft = m.first_token_time - m.arrival_time
+            tpot = max(e2e_s - ttft, 0.0) / (longest - 1) if longest > 1 else 0.0
+            self.request_tpot.labels(*lab).observe(tpot)
+        spans = {"queue": (m.arrival_time, m.scheduled_time),
+                 "prefill": (m.scheduled_time, m.engine_first_token_time),
+                 "decode": (m.engine_first_token_time, m.engine_last_token_time),
+                 "inference": (m.scheduled_time, m.engine_last_token_time)}
+        for name, (start, end) in spans.items():
+            if start is not None and end is not None:
+                self.phases[name].labels(*lab).observe(max(end - start, 0.0))
 
     def on_http(self, method: str, path: str, status: int) -> None:
         self.http.labels(method, path, str(status)).inc()

@@ -147,7 +147,7 @@ async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], ou
         await engine.start()
         names = list(args.served_model_names or [config.model.served_model_name])
         metrics = ServerMetrics(names[0], lambda: engine.stats, lambda: engine.is_healthy,
-                                lambda: engine.num_active_requests)
+                                lambda: engine.num_active_requests, max_model_len=engine.max_model_len)
         engine.observer = metrics
         app = build_app(server_state(config, args, names, engine), metrics)
         window = asyncio.Semaphore(WINDOW_PER_SEQ * config.scheduler.max_num_seqs)
