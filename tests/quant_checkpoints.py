@@ -288,3 +288,20 @@ def quantized_hybrid(path: str, kind: str, quant: dict, tokenizer: bool = False,
         return None
     quantize_checkpoint(path, **quant)
     return path
+
+
+def kept_linears(path: str) -> list:
+    """(name, Linear kept quantized, its dequantized twin) for every projection of the checkpoint at `path` but the LM
+    head (kept_and_dense)."""
+    from voltllm.model.layers.linear import Linear
+
+    kept, dense = kept_and_dense(path)
+    dense_linears = dict(dense.named_modules())
+    return [(name, mod, dense_linears[name]) for name, mod in kept.named_modules()
+            if isinstance(mod, Linear) and name != "lm_head"]
+
+
+def assert_multiplies_alike(kept, dense, seed: int = 0) -> None:
+    """A kept-quantized Linear gives its dequantized twin's outputs on random inputs."""
+    x = torch.randn(3, kept.in_features, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(kept(x), dense(x), rtol=1e-5, atol=1e-5)

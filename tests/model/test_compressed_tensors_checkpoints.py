@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ct_checkpoints import decompressed_weights, quantize_files, quantize_model, reference_model
-from quant_checkpoints import kept_and_dense
+from quant_checkpoints import assert_multiplies_alike, kept_and_dense, kept_linears
 from tiny_models import assert_prompt_logprobs_match, make_model
 
 from voltllm import LLM, SamplingParams
@@ -71,25 +71,17 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint):
 
 def test_kept_quantized_layers_multiply_like_dequantized(checkpoint):
     from voltllm.model.layers.gguf_planes import Planes
-    from voltllm.model.layers.linear import Linear
 
     path, kind, _ = checkpoint
-    kept, dense = kept_and_dense(path)
-    dense_linears = dict(dense.named_modules())
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
-    checked = 0
-    for name, mod in kept.named_modules():
-        if not isinstance(mod, Linear) or name == "lm_head":
-            continue
+    pairs = kept_linears(path)
+    for name, mod, dense in pairs:
         w = mod.gguf_segments[0].weight
         if f"model.{name}" == DENSE:
             assert isinstance(w, torch.Tensor)
         else:
             assert isinstance(w, Planes) and w.kind.name == (kind or f"INT4_G{mod.in_features}"), name
-        xi = x[:, :mod.in_features]
-        torch.testing.assert_close(mod(xi), dense_linears[name](xi), rtol=1e-5, atol=1e-5)
-        checked += 1
-    assert checked == 3 * 4  # qkv, o, gate_up, down per layer
+        assert_multiplies_alike(mod, dense)
+    assert len(pairs) == 3 * 4  # qkv, o, gate_up, down per layer
 
 
 def test_moe_checkpoint(tmp_path):

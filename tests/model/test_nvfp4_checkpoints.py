@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from quant_checkpoints import kept_and_dense, quantize_checkpoint
+from quant_checkpoints import assert_multiplies_alike, kept_and_dense, kept_linears, quantize_checkpoint
 from tiny_models import assert_prompt_logprobs_match, make_model
 
 from voltllm import LLM
@@ -52,16 +52,10 @@ def test_prompt_logprobs_match_transformers_on_dequantized_weights(quantized):
 
 def test_kept_quantized_layers_multiply_like_dequantized(quantized):
     from voltllm.model.layers.gguf_planes import Planes
-    from voltllm.model.layers.linear import Linear
 
     _, path, _ = quantized
-    kept, dense = kept_and_dense(path)
-    dense_linears = dict(dense.named_modules())
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
-    checked = 0
-    for name, mod in kept.named_modules():
-        if not isinstance(mod, Linear) or name == "lm_head":
-            continue
+    pairs = kept_linears(path)
+    for name, mod, dense in pairs:
         segs = mod.gguf_segments
         assert len(segs) == 1
         w = segs[0].weight
@@ -71,10 +65,8 @@ def test_kept_quantized_layers_multiply_like_dequantized(quantized):
             assert isinstance(w, Planes) and w.kind.name == "NVFP4"
             if name.endswith("qkv_proj"):  # q, k and v quantized with their own global scales
                 assert len(set(w.d[:, 0].tolist())) == 3
-        xi = x[:, :mod.in_features]
-        torch.testing.assert_close(mod(xi), dense_linears[name](xi), rtol=1e-5, atol=1e-5)
-        checked += 1
-    assert checked == 3 * 4  # qkv, o, gate_up, down per layer
+        assert_multiplies_alike(mod, dense)
+    assert len(pairs) == 3 * 4  # qkv, o, gate_up, down per layer
 
 
 @pytest.mark.parametrize("method", ["modelopt_fp4", "compressed-tensors"])

@@ -4,7 +4,8 @@ logits of transformers holding the same dequantized weights; the kept-quantized 
 multiply like the dequantized ones; `--quantization fp8` quantizes an unquantized checkpoint at load."""
 import pytest
 import torch
-from quant_checkpoints import kept_and_dense, LINEARS, quantize_checkpoint, quantize_fp8
+from quant_checkpoints import (LINEARS, assert_multiplies_alike, kept_and_dense, kept_linears, quantize_checkpoint,
+                              quantize_fp8)
 from tiny_models import assert_prompt_logprobs_match, make_model
 
 from voltllm import LLM
@@ -41,26 +42,18 @@ def test_logits_match_transformers_on_dequantized_weights(quantized):
 
 def test_kept_quantized_layers_multiply_like_dequantized(quantized):
     from voltllm.model.layers.gguf_planes import Planes
-    from voltllm.model.layers.linear import Linear
 
     variant, path, _ = quantized
-    kept, dense = kept_and_dense(path)
-    dense_linears = dict(dense.named_modules())
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
-    checked = 0
-    for name, mod in kept.named_modules():
-        if not isinstance(mod, Linear) or name == "lm_head":
-            continue
+    pairs = kept_linears(path)
+    for name, mod, dense in pairs:
         segs = mod.gguf_segments
         planes = [s.weight for s in segs if isinstance(s.weight, Planes)]
         if variant == "gptq-act-order":
             assert not planes  # act-order groups: dequantized at load
         else:
             assert len(segs) == 1 and planes and planes[0].kind.name == KINDS[variant]
-        xi = x[:, :mod.in_features]
-        torch.testing.assert_close(mod(xi), dense_linears[name](xi), rtol=1e-5, atol=1e-5)
-        checked += 1
-    assert checked == 3 * 4  # qkv, o, gate_up, down per layer
+        assert_multiplies_alike(mod, dense)
+    assert len(pairs) == 3 * 4  # qkv, o, gate_up, down per layer
 
 
 def test_fp8_quantized_at_load(tmp_path):
