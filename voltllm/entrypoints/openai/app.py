@@ -207,9 +207,9 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         why = state.engine.dead or "the engine is not running"
         return error_response(OpenAIError(why, 503))
 
-    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check: /health's answer
-    async def ping() -> Response:
-        return await health()
+    # SageMaker's health check: /health's answer (one route per method: a shared one repeats its OpenAPI operation id)
+    app.add_api_route("/ping", health, methods=["GET"], operation_id="ping_get")
+    app.add_api_route("/ping", health, methods=["POST"], operation_id="ping_post")
 
     @app.get("/version")
     async def version() -> dict:
