@@ -25,7 +25,7 @@ SHARED_FILES = {
     "server": ("tests/server/test_acceleration_endpoint.py", "tests/server/test_cors.py", "tests/server/test_errors.py",
                "tests/server/test_openai_server.py", "tests/server/test_sagemaker_metrics_server.py"),
     "tiny_server": ("tests/server/test_client_shapes_server.py", "tests/server/test_messages_server.py",
-                    "tests/server/test_responses_server.py",
+                    "tests/server/test_priority_server.py", "tests/server/test_responses_server.py",
                     "tests/server/test_structured_outputs_server.py", "tests/server/test_tool_choice_server.py",
                     "tests/server/test_vllm_params_server.py"),
     "smollm2_transformers": ("tests/model/test_gguf_loader.py", "tests/model/test_smollm2.py"),
@@ -53,7 +53,7 @@ LONGEST_FIRST = {
     "tests/model/test_tensor_parallel.py": 80,
     "tests/unit/test_fused_decode_interp.py": 70,
     "tests/unit/test_gemv_interp.py": 65,
-    "tiny_server": 60,  # tests/server files on the tiny server (conftest.py `tiny_server`)
+    "tiny_server": 75,  # tests/server files on the tiny server (conftest.py `tiny_server`)
     "tests/unit/test_moe_kernels.py": 55,
     "tests/unit/test_make_random_gguf.py": 55,
     "tests/unit/test_gguf_planes.py": 50,

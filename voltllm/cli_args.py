@@ -134,13 +134,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checked against the model's files")
     g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: first come, first served; priority: by each request's priority (lower first), then "
+                        "arrival; the lowest-priority running request is preempted when KV blocks run out")
     # vLLM flags voltllm takes at the value that is its behaviour (voltllm/fixed_flags.py; docs/cli.md)
     f = p.add_argument_group("vLLM flags taken at voltllm's behaviour (other values refused)")
     f.add_argument("--distributed-executor-backend", default=None,
                    help="mp: tensor-parallel ranks are worker processes (uni: one rank)")
     f.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="1 (no data parallelism)")
     f.add_argument("--cpu-offload-gb", type=float, default=0, help="0 (no weight offloading)")
-    f.add_argument("--scheduling-policy", default="fcfs", help="fcfs: first come, first served")
     f.add_argument("--preemption-mode", default=None, help="recompute: preempted requests are prefilled again")
     f.add_argument("--tokenizer-mode", default="auto", help="auto | hf: the checkpoint's Hugging Face tokenizer")
     f.add_argument("--structured-outputs-config", type=json_object_arg("--structured-outputs-config"), default=None,

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 
@@ -38,6 +38,9 @@ QUANTIZATION_ALIASES = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq
                         "compressed-tensors": "compressed-tensors"}
 # the methods read, as ModelConfig.quantization names them
 _READ_METHODS = ("gguf", "awq", "gptq", "fp8", "modelopt_fp4", "compressed-tensors")
+# --scheduling-policy (vLLM's): fcfs, or priority (each request's `priority`, lower first, then arrival)
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32")
 
 
@@ -98,6 +101,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 4096
     async_scheduling: bool = True
+    # --scheduling-policy: the waiting queue's order and the preemption victim (engine/request_queue.py)
+    policy: SchedulingPolicy = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,7 @@ class EngineArgs:
     mamba_cache_mode: str = "align"
     language_model_only: bool = False
     async_scheduling: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     require_acceleration: bool = False
@@ -191,7 +197,6 @@ class EngineArgs:
     distributed_executor_backend: Optional[str] = None  # mp (uni with one rank)
     data_parallel_size: int = 1
     cpu_offload_gb: float = 0
-    scheduling_policy: str = "fcfs"
     preemption_mode: Optional[str] = None  # recompute
     tokenizer_mode: str = "auto"  # auto | hf: the checkpoint's Hugging Face (fast) tokenizer
     structured_outputs_config: Optional[Any] = None  # JSON object: backend auto | xgrammar
@@ -279,6 +284,9 @@ class EngineArgs:
         from voltllm.model.loader import load_hf_config, resolve_model
 
         self._refuse_unbuilt()
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: not a scheduling policy; use fcfs (first "
+                              "come, first served) or priority (by each request's priority, then arrival)")
         graphs = self._resolve_cuda_graphs()
         spec_dict = _parse_json_arg("--speculative-config", self.speculative_config)
         source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
@@ -410,7 +418,8 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before
-                                async_scheduling=self.async_scheduling and spec is None)
+                                async_scheduling=self.async_scheduling and spec is None,
+                                policy=self.scheduling_policy)
         from voltllm.cuda_graph_config import CompilationConfigError, fit_to_batch_budget
 
         try:

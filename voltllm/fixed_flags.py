@@ -18,8 +18,6 @@ def check_fixed_flags(args: Any) -> None:
     if args.cpu_offload_gb != 0:
         raise ConfigError(f"--cpu-offload-gb {args.cpu_offload_gb}: offloading weights to CPU memory is not built; "
                           "use 0")
-    _one_of("--scheduling-policy", args.scheduling_policy, ("fcfs",), {
-        "priority": "per-request priorities are not built: requests are served first come, first served"})
     _one_of("--preemption-mode", args.preemption_mode, (None, "recompute"), {
         "swap": "swapping a preempted request's KV cache to CPU memory is not built: preempted requests are "
                 "recomputed (their blocks freed, their tokens prefilled again)"})

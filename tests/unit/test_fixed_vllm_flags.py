@@ -38,8 +38,7 @@ def test_vllm_guide_flags_at_voltllm_behaviour_parse(tiny):
     ({"distributed_executor_backend": "threads"}, "threads: it must be mp"),
     ({"data_parallel_size": 2}, "--data-parallel-size 2: data parallelism is not built"),
     ({"cpu_offload_gb": 4}, "--cpu-offload-gb 4: offloading weights to CPU memory is not built"),
-    ({"scheduling_policy": "priority"}, "--scheduling-policy priority: per-request priorities are not built"),
-    ({"scheduling_policy": "lifo"}, r"--scheduling-policy lifo: not built \(voltllm takes fcfs\)"),
+    ({"scheduling_policy": "lifo"}, "--scheduling-policy lifo: not a scheduling policy; use fcfs .* or priority"),
     ({"preemption_mode": "swap"}, "--preemption-mode swap: swapping .* not built: preempted requests are recomputed"),
     ({"tokenizer_mode": "slow"}, "--tokenizer-mode slow: transformers 5, which voltllm uses, always loads the fast"),
     ({"tokenizer_mode": "mistral"}, "--tokenizer-mode mistral: mistral_common tokenizers are not built"),
@@ -66,8 +65,8 @@ def test_other_values_refused_before_the_model_is_read(tmp_path, kwargs, match):
 def test_cli_refusal_exit_code(tiny, capsys):
     from voltllm.cli import main
 
-    assert main(["generate", "hi", tiny, "--device", "cpu", "--scheduling-policy", "priority"]) == 2
-    assert "voltllm: error: --scheduling-policy priority: per-request priorities" in capsys.readouterr().err
+    assert main(["generate", "hi", tiny, "--device", "cpu", "--preemption-mode", "swap"]) == 2
+    assert "voltllm: error: --preemption-mode swap: swapping" in capsys.readouterr().err
 
 
 def test_the_context_is_capped_at_a_window_the_checkpoint_turns_on(tmp_path, tiny, caplog):

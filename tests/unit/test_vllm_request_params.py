@@ -36,9 +36,11 @@ class FakeEngine:
     def __init__(self):
         self.tokenizer = FakeTokenizer()
         self.prompts = []
+        self.priorities = []
 
-    def add_request(self, rid, prompt, params, cache_salt=None):
+    def add_request(self, rid, prompt, params, cache_salt=None, priority=0):
         self.prompts.append(prompt)
+        self.priorities.append(priority)
         return SimpleNamespace(close=lambda: None)
 
     def abort(self, rid):
@@ -108,7 +110,7 @@ def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_templa
 
 @pytest.mark.parametrize("field,value", [("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
                                          ("use_beam_search", True), ("length_penalty", 0.5),
-                                         ("logits_processors", ["a.b"]), ("priority", 1),
+                                         ("logits_processors", ["a.b"]),
                                          ("kv_transfer_params", {"do_remote_prefill": True})])
 def test_unbuilt_vllm_fields_are_refused(field, value):
     for make in (lambda **b: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **b),
@@ -124,6 +126,19 @@ def test_unbuilt_vllm_fields_are_refused(field, value):
 def test_unbuilt_vllm_fields_at_their_defaults_pass(field, value):
     ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **{field: value}).check()
     CompletionRequest(prompt="x", **{field: value}).check()
+
+
+def test_priority_reaches_the_engine_from_chat_completions_and_responses():
+    """The engine checks it against --scheduling-policy (AsyncLLM; tests/server/test_priority_server.py)."""
+    from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    state = _state()
+    _chat(state, priority=-3)
+    _chat(state, priority=None)  # null: the default
+    _chat(state)
+    assert state.engine.priorities == [-3, 0, 0]
+    assert ResponsesRequest(input="hi", priority=4).to_chat([{"role": "user", "content": "hi"}]).priority == 4
+    assert ResponsesRequest(input="hi").to_chat([{"role": "user", "content": "hi"}]).priority == 0
 
 
 def test_a_stop_token_leaves_no_text_unless_asked():

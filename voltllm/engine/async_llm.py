@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Protocol
 from voltllm.config import EngineConfig
 from voltllm.engine.frontend import Frontend, PromptType
 from voltllm.engine.outputs import RequestOutput
-from voltllm.engine.request_checks import InvalidRequestError, check_vocab
+from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab
 from voltllm.engine.types import EngineCoreRequest, SchedulerStats
 from voltllm.sampling.params import SamplingParams
 
@@ -374,14 +374,16 @@ class AsyncLLM:
                 f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate); lower max_tokens "
                 "or shorten the prompt")
         check_vocab(ids, sp, self.vocab_size)
+        check_priority(req.priority, self.config.scheduler.policy)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    cache_salt: Optional[str] = None) -> RequestStream:
-        """Validate and submit one request; raises ValueError subclasses for bad input (HTTP 400)."""
+                    cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
+        """Validate and submit one request; raises ValueError subclasses for bad input (HTTP 400). priority: under
+        --scheduling-policy priority, lower is served first (else it must be 0)."""
         self._check_alive()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt)
+        reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority)
         try:
             self._validate(reqs[0])
         except BaseException:
@@ -393,8 +395,8 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params, cache_salt)
+                       cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params, cache_salt, priority)
         try:
             async for out in stream:
                 yield out

@@ -12,7 +12,7 @@ import torch
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import EngineConfig
 from voltllm.engine.request import Request
-from voltllm.engine.request_checks import InvalidRequestError, check_vocab
+from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab
 from voltllm.engine.scheduler import Scheduler, SchedulerOutput
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from voltllm.structured.matchers import GrammarMatchers
@@ -109,6 +109,7 @@ class EngineCore:
         # (prompt + max_tokens past the context: generation stops there with finish_reason "length", as vLLM's
         # engine does; the HTTP API refuses such a request first, as vLLM's server does: AsyncLLM.validate)
         check_vocab(req.prompt_token_ids, sp, self.vocab_size)
+        check_priority(req.priority, self.scheduler.config.policy)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")
 

@@ -142,7 +142,7 @@ class Frontend:
         return None, _token_ids(prompt)
 
     def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                      cache_salt: Optional[str] = None) -> list[EngineCoreRequest]:
+                      cache_salt: Optional[str] = None, priority: int = 0) -> list[EngineCoreRequest]:
         if request_id in self.states:
             raise InvalidPromptError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
@@ -164,7 +164,8 @@ class Frontend:
                                                params.include_stop_str_in_output, params.min_tokens)
             children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
-            reqs.append(EngineCoreRequest(cid, ids, child_params, arrival_time=now, cache_salt=cache_salt))
+            reqs.append(EngineCoreRequest(cid, ids, child_params, arrival_time=now, cache_salt=cache_salt,
+                                          priority=priority))
         self.states[request_id] = _RequestState(request_id, text, ids, params, children, RequestMetrics(now))
         for cid in children:
             self.child_to_parent[cid] = request_id

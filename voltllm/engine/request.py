@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from typing import Optional
 
@@ -25,6 +26,9 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
+_creation_order = itertools.count()  # ties in (priority, arrival time): the request created first goes first
+
+
 class Request:
     """A request's tokens and how many of them have KV in the cache (num_computed_tokens).
 
@@ -37,6 +41,10 @@ class Request:
         self.sampling_params: SamplingParams = req.sampling_params
         self.arrival_time = req.arrival_time or time.monotonic()
         self.cache_salt = req.cache_salt
+        self.priority = req.priority
+        # --scheduling-policy priority: the waiting queue admits the lowest key first, and the running request with
+        # the highest key is the one preempted (engine/request_queue.py, Scheduler)
+        self.priority_key = (self.priority, self.arrival_time, next(_creation_order))
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0

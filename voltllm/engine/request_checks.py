@@ -2,6 +2,7 @@
 the API process (AsyncLLM): one error type, an HTTP 400, and the checks against the model's vocabulary."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence
 
 from voltllm.sampling.params import SamplingParams
@@ -14,6 +15,17 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.param = param
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """A request's `priority` (vLLM's: lower is served first) is taken under --scheduling-policy priority; under fcfs
+    only 0 (the message starts as vLLM's, which clients match)."""
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):  # (numpy integers too)
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+    if priority != 0 and policy != "priority":
+        raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled: the engine runs "
+                                  "--scheduling-policy fcfs; start it with --scheduling-policy priority, or send "
+                                  "priority 0", "priority")
 
 
 def check_vocab(prompt_ids: Sequence[int], sp: SamplingParams, vocab_size: int) -> None:

@@ -5,11 +5,16 @@ request". Running requests go first (oldest first); waiting ones are admitted wh
 --max-num-seqs and free blocks allow. When blocks run out, the newest running request is preempted:
 its blocks are freed and it is recomputed later from its tokens (prompt + output so far), so its
 output is the same as if it had never been preempted.
+
+--scheduling-policy priority keeps both queues ordered by `Request.priority_key` (priority, arrival):
+waiting requests are admitted lowest key first, running ones go lowest key first, and the last running
+one, the lowest priority, is the one preempted (vLLM's victim). No running request is preempted to
+admit a waiting one (nor is it in vLLM).
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -18,6 +23,7 @@ import numpy as np
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import SchedulerConfig
 from voltllm.engine.request import Request, RequestStatus
+from voltllm.engine.request_queue import make_waiting_queue
 from voltllm.engine.speculative import DRAFT_PLACEHOLDER, NgramIndex, SpeculativeConfig, spec_allowed
 from voltllm.engine.types import EngineCoreOutput, PositionLogprobs, SchedulerStats
 
@@ -68,7 +74,8 @@ class Scheduler:
         self.spec = spec
         self.num_draft_tokens = 0  # speculation: drafts scored, and accepted
         self.num_accepted_tokens = 0
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(config.policy)
+        self._by_priority = config.policy == "priority"  # the running list is kept in priority_key order
         # structured outputs: requests whose grammar is compiling (in the background); they join `waiting` when it
         # is ready (grammar_ready), and are not scheduled before
         self.waiting_for_grammar: dict[str, Request] = {}
@@ -86,16 +93,17 @@ class Scheduler:
         """ready: False for a constrained request whose grammar is still compiling (it waits for grammar_ready)."""
         self.requests[req.request_id] = req
         if ready:
-            self.waiting.append(req)
+            self.waiting.add(req)
         else:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar[req.request_id] = req
 
     def grammar_ready(self, req: Request) -> None:
-        """A waiting constrained request has its matcher: it joins the queue (at its end)."""
+        """A waiting constrained request has its matcher: it joins the queue (at its end; under priority, by its
+        key)."""
         del self.waiting_for_grammar[req.request_id]
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def drop(self, req: Request) -> None:
         """Finish a request that failed before it ran (its grammar did not compile); the caller reports why, so no
@@ -159,7 +167,7 @@ class Scheduler:
                     budget -= num_new
                     i += 1
                     break
-                victim = self.running[-1]
+                victim = self.running[-1]  # fcfs: the newest; priority: the largest (priority, arrival)
                 if victim.request_id in scheduled_ids:
                     raise RuntimeError("KV cache too small to run even one request at --max-model-len; "
                                        "raise the KV memory or lower --max-model-len")
@@ -169,7 +177,7 @@ class Scheduler:
                     break
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted_now:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             hit_blocks, num_hit = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
@@ -180,20 +188,23 @@ class Scheduler:
                     need = -(-req.num_tokens // self.kv.block_size)
                     if need > self.kv.num_blocks:
                         # can never fit: fail it rather than wait forever
-                        self.waiting.popleft()
+                        self.waiting.pop()
                         self._finish(req, RequestStatus.FINISHED_ABORTED)
                         self._aborted_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort",
                                                                       stop_reason="kv cache too small"))
                         continue
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             req.num_computed_tokens += num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
-            self.running.append(req)
+            if self._by_priority:  # (the victim of a preemption is the last: the highest key)
+                bisect.insort(self.running, req, key=lambda r: r.priority_key)
+            else:
+                self.running.append(req)
             self._add(out, req, num_new)
             budget -= num_new
         self.step_counter += 1
@@ -238,7 +249,7 @@ class Scheduler:
         self._released.append(req.request_id)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
 
     # -- results --------------------------------------------------------------------------------
     def take_abort_notices(self) -> list[EngineCoreOutput]:

@@ -18,6 +18,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     cache_salt: Optional[str] = None  # keeps prefix-cache sharing within one tenant
+    priority: int = 0  # --scheduling-policy priority: lower is served first (vLLM's); 0 under fcfs
 
 
 @dataclass

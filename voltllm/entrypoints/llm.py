@@ -7,6 +7,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from voltllm.config import EngineArgs
 from voltllm.engine.core import EngineCore, InvalidRequestError
 from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
+from voltllm.engine.request_checks import check_priority
 from voltllm.engine.outputs import RequestOutput
 from voltllm.entrypoints.progress import ProgressBar, UseTqdm
 from voltllm.model.loader import load_tokenizer
@@ -22,11 +23,9 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Opt
                                          chat_template=chat_template, tools=tools, **template_kwargs)
 
 
-def _refuse_unbuilt(lora_request: Any, priority: Optional[list[int]]) -> None:
+def _refuse_lora(lora_request: Any) -> None:
     if lora_request is not None:
         raise ValueError("lora_request: LoRA adapters are not built in voltllm")
-    if priority is not None and any(priority):
-        raise ValueError("priority: requests are served first come, first served (no priority scheduling)")
 
 
 def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
@@ -82,10 +81,11 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: UseTqdm = True, lora_request: Any = None, priority: Optional[list[int]] = None
                  ) -> list[RequestOutput]:
-        """vLLM's signature; lora_request must be None (no LoRA here) and priority all 0 (one FCFS queue).
+        """vLLM's signature; lora_request must be None (no LoRA here). priority: one integer per prompt, lower served
+        first (LLM(scheduling_policy="priority"); under fcfs only 0s).
         use_tqdm: a progress bar on stderr over the sequences completed (True, vLLM's default), none (False), or one
         made by this tqdm-like factory (called with tqdm's keyword arguments)."""
-        _refuse_unbuilt(lora_request, priority)
+        _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and
                                                  isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -99,6 +99,11 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities: give one per prompt")
+        for prio in priorities:  # (before any request is added)
+            check_priority(prio, self.config.scheduler.policy)
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got "
@@ -109,9 +114,9 @@ class LLM:
                     raise ValueError(f"{field} {asked}: more than this LLM's max_logprobs ({self.max_logprobs})")
         order: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, prio in zip(prompts, params, priorities):
                 rid = str(next(self._ids))
-                for req in self.frontend.make_requests(rid, prompt, sp):
+                for req in self.frontend.make_requests(rid, prompt, sp, priority=prio):
                     self.engine.add_request(req)
                 order.append(rid)
         except Exception:
@@ -167,7 +172,7 @@ class LLM:
         from voltllm.entrypoints.openai.errors import OpenAIError
         from voltllm.entrypoints.openai.serving_common import normalize_messages
 
-        _refuse_unbuilt(lora_request, None)
+        _refuse_lora(lora_request)
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: expected one of "
                              f"{', '.join(CONTENT_FORMATS)}")

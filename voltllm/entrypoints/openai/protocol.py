@@ -78,13 +78,15 @@ class _SamplingFields(NullMeansDefault):
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); tokenize with special tokens
     truncate_prompt_tokens: Optional[int] = None
     return_token_ids: Optional[bool] = None  # vLLM's: token_ids per choice and the prompt's prompt_token_ids
+    # vLLM's: lower is served first under --scheduling-policy priority; under fcfs anything but 0 is a 400 (the
+    # engine's check_priority, at submission)
+    priority: int = 0
     # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     logits_processors: Optional[list[Any]] = None
-    priority: Optional[int] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
@@ -145,7 +147,6 @@ _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks
     "use_beam_search": (lambda v: not v, "beam search is not built"),
     "length_penalty": (lambda v: v is None or v == 1.0, "length_penalty (a beam-search setting) is not built"),
     "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
-    "priority": (lambda v: not v, "requests are served first come, first served (no priority scheduling)"),
     "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),
 }
 

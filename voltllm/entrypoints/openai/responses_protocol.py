@@ -66,6 +66,7 @@ class ResponsesRequest(NullMeansDefault):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = None
+    priority: int = 0  # vLLM's: as in chat (lower first under --scheduling-policy priority)
 
     def check(self) -> None:
         """400s for what this server does not build."""
@@ -176,7 +177,7 @@ class ResponsesRequest(NullMeansDefault):
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            cache_salt=self.cache_salt, stream=self.stream, tools=self.chat_tools(),
+            cache_salt=self.cache_salt, priority=self.priority, stream=self.stream, tools=self.chat_tools(),
             tool_choice=self.chat_tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
             response_format=self.response_format(), user=self.user,
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs if self.wants_logprobs else None)

@@ -117,7 +117,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role:
         plan.echo_prefix = message_text(last)
-    streams = submit(state, [engine_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params, req.cache_salt)
+    streams = submit(state, [engine_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params, req.cache_salt,
+                     req.priority)
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, prompt: %s", engine_id, len(ids),
                     params.n, max_tokens, req.stream, shown(prompt_text, state.max_log_len))

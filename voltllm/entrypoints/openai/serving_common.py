@@ -211,12 +211,12 @@ def make_params(build) -> SamplingParams:
 
 
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
-           cache_salt: Optional[str]) -> list[RequestStream]:
+           cache_salt: Optional[str], priority: int = 0) -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added and raise a 400."""
     streams: list[Any] = []
     try:
         for rid, prompt in zip(request_ids, prompts):
-            stream = state.engine.add_request(rid, prompt, params, cache_salt)
+            stream = state.engine.add_request(rid, prompt, params, cache_salt, priority)
             streams.append(OutputLoggingStream(stream, state.max_log_len) if state.log_outputs else stream)
     except BaseException as e:
         for s in streams:

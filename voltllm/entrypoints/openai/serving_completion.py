@@ -69,7 +69,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     base_id = f"cmpl-{chosen_id}" if chosen_id is not None else new_id("cmpl")
     engine_base = engine_request_id(base_id, chosen_id is not None)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = submit(state, rids, [_engine_prompt(state, req, p) for p in prompts], params, req.cache_salt)
+    streams = submit(state, rids, [_engine_prompt(state, req, p) for p in prompts], params, req.cache_salt,
+                     req.priority)
     if state.log_requests:
         logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, prompt%s: %s", engine_base,
                     len(prompts), params.n, max_tokens, req.stream, "s" if len(prompts) > 1 else "",
