@@ -1,5 +1,6 @@
 """vLLM's request parameters on the tiny server: truncate_prompt_tokens, return_token_ids (streamed and not), a stop
-token's text with skip_special_tokens false, and stream_options.continuous_usage_stats."""
+token's text with skip_special_tokens false, stream_options.continuous_usage_stats, allowed_token_ids and bad_words
+(and their 400s)."""
 from __future__ import annotations
 
 import json
@@ -109,3 +110,60 @@ def test_continuous_usage_stats(tiny_server):
         sent[ch["index"]] += len(ch["token_ids"])
         assert c["usage"]["completion_tokens"] == sent[ch["index"]]  # that choice's tokens so far, as vLLM's
     assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def _tokens(server, text):
+    return httpx.post(server.base + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_allowed_token_ids_steer_greedy_output(tiny_server):
+    base = {"prompt": "The capital of France", "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    ids = _post(tiny_server, "/v1/completions", base)["choices"][0]["token_ids"]
+    other = next(t for t in range(40, 400) if t not in ids)
+    got = _post(tiny_server, "/v1/completions", {**base, "allowed_token_ids": [other]})["choices"][0]
+    assert got["token_ids"] == [other] * 4
+    pair = sorted({ids[0], other})
+    chat = _post(tiny_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "ignore_eos": True,
+                                                       "return_token_ids": True, "allowed_token_ids": pair})
+    assert set(chat["choices"][0]["token_ids"]) <= set(pair)
+    # null allows every token, as before
+    same = _post(tiny_server, "/v1/completions", {**base, "allowed_token_ids": None})["choices"][0]
+    assert same["token_ids"] == ids
+
+
+def test_bad_words_avoided_in_greedy_output(tiny_server):
+    base = {"prompt": "The capital of France", "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+    ids = _post(tiny_server, "/v1/completions", base)["choices"][0]["token_ids"]
+    for t in ids:  # a generated token that is a one-token bad word as written or after a space (vLLM's two forms)
+        word = httpx.post(tiny_server.base + "/detokenize", json={"tokens": [t]}).json()["prompt"].lstrip()
+        plain = _tokens(tiny_server, word) if word else []
+        if len(plain) == 1 and t in (plain[0], *_tokens(tiny_server, " " + word)):
+            break
+    else:
+        pytest.skip("no generated token round-trips through the tokenizer")
+    chat = {"messages": CHAT, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+    for path, body in (("/v1/completions", base), ("/v1/chat/completions", chat)):
+        before = _post(tiny_server, path, body)["choices"][0]["token_ids"]
+        got = _post(tiny_server, path, {**body, "bad_words": [word]})["choices"][0]["token_ids"]
+        assert t not in got
+        if t in before:  # the same tokens up to where the word came, then another
+            j = before.index(t)
+            assert got[:j] == before[:j]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("fields,param", [
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [3, 10 ** 7]}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["a"]}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": ["   "]}, "bad_words"),
+    ({"bad_words": "word"}, "bad_words"),
+])
+def test_bad_restrictions_are_400s(tiny_server, path, fields, param):
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
+    r = httpx.post(tiny_server.base + path, json={"model": "tiny", "max_tokens": 2, **body, **fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], err

@@ -108,8 +108,7 @@ def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_templa
     assert "enable_thinking" not in state.tokenizer.template_kwargs
 
 
-@pytest.mark.parametrize("field,value", [("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
-                                         ("use_beam_search", True), ("length_penalty", 0.5),
+@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("length_penalty", 0.5),
                                          ("logits_processors", ["a.b"]),
                                          ("kv_transfer_params", {"do_remote_prefill": True})])
 def test_unbuilt_vllm_fields_are_refused(field, value):
@@ -120,7 +119,7 @@ def test_unbuilt_vllm_fields_are_refused(field, value):
         assert e.value.param == field and e.value.code == "unsupported_parameter" and e.value.status == 400
 
 
-@pytest.mark.parametrize("field,value", [("allowed_token_ids", None), ("bad_words", []), ("use_beam_search", False),
+@pytest.mark.parametrize("field,value", [("use_beam_search", False),
                                          ("length_penalty", 1.0), ("logits_processors", []), ("priority", 0),
                                          ("kv_transfer_params", None)])
 def test_unbuilt_vllm_fields_at_their_defaults_pass(field, value):

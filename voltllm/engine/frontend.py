@@ -1,5 +1,5 @@
-"""The text side of the engine, in the caller's (API) process: tokenize, fan out n > 1, detokenize,
-stop strings, logprob decoding, and RequestOutput assembly.
+"""The text side of the engine, in the caller's (API) process: tokenize (prompts, and bad_words into token ids),
+fan out n > 1, detokenize, stop strings, logprob decoding, and RequestOutput assembly.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any, Optional, Sequence, Union
 
 from voltllm.engine.detokenizer import IncrementalDetokenizer
 from voltllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from voltllm.engine.request_checks import InvalidRequestError
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, PositionLogprobs
+from voltllm.sampling.bad_words import bad_words_token_ids
 from voltllm.sampling.params import SamplingParams
 
 PromptType = Union[str, Sequence[int], dict]
@@ -148,7 +150,7 @@ class Frontend:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidPromptError("the prompt is empty")
-        params = params.clone(_eos_token_ids=self.eos_ids)
+        params = params.clone(_eos_token_ids=self.eos_ids, _bad_words_token_ids=self._bad_words_ids(params))
         now = time.monotonic()
         children: dict[str, _Child] = {}
         reqs = []
@@ -170,6 +172,16 @@ class Frontend:
         for cid in children:
             self.child_to_parent[cid] = request_id
         return reqs
+
+    def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """bad_words as token-id sequences (the engine gets only these)."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words need the tokenizer (started with --skip-tokenizer-init)",
+                                      "bad_words")
+        return bad_words_token_ids(params.bad_words,
+                                   lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
     def child_ids(self, request_id: str) -> list[str]:
         st = self.states.get(request_id)

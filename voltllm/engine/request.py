@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -61,11 +61,12 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = min(sp.max_tokens, room) if sp.max_tokens is not None else room
         self.argmax_only = sp.argmax_only  # (the params are final here) the sampler's fast path, per step
-        # penalties count the earlier tokens' ids, prompt logprobs need the prompt pass's rows: such a step waits
-        # for the one in flight (min_tokens needs only their number: SamplingRow). Structured outputs' masks depend
-        # on the previous token too, but only the sampling needs them: such a step launches its forward first, then
-        # waits (EngineCore._step)
-        self.needs_host_history = sp.has_penalties or sp.prompt_logprobs is not None
+        # penalties count the earlier tokens' ids, multi-token bad words compare the latest ones, prompt logprobs
+        # need the prompt pass's rows: such a step waits for the one in flight (min_tokens needs only their number:
+        # SamplingRow). Structured outputs' masks depend on the previous token too, but only the sampling needs
+        # them: such a step launches its forward first, then waits (EngineCore._step)
+        self.needs_host_history = (sp.has_penalties or sp.bad_words_history > 0
+                                   or sp.prompt_logprobs is not None)
         self.grammar = None  # structured outputs: its xgrammar matcher (structured/matchers.py), while it runs
         self.generator: Optional[torch.Generator] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
@@ -90,6 +91,18 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
+
+    def sampling_history(self) -> Sequence[int]:
+        """The generated ids the sampler reads this step: all of them for penalties, the latest
+        bad_words_history for bad words (a copy of that many), none otherwise. Complete only when no step is in
+        flight (needs_host_history makes the engine wait for it)."""
+        sp = self.sampling_params
+        if sp.has_penalties:
+            return self.output_token_ids
+        k = sp.bad_words_history
+        if k == 0:
+            return ()
+        return self.all_token_ids[max(self.num_prompt_tokens, len(self.all_token_ids) - k):]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

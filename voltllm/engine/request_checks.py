@@ -30,14 +30,23 @@ def check_priority(priority: object, policy: str) -> None:
 
 def check_vocab(prompt_ids: Sequence[int], sp: SamplingParams, vocab_size: int) -> None:
     """Raise InvalidRequestError when the request's token ids do not fit a vocabulary of `vocab_size`. Stop token
-    ids and logit_bias keys are checked too: the sampler indexes the logits with them on the device (min_tokens
-    bans, biases), where an id past the vocabulary would be an out-of-bounds index."""
+    ids, logit_bias keys, allowed_token_ids and bad words' ids are checked too: the sampler indexes the logits with
+    them on the device (bans, biases, the allowed mask), where an id past the vocabulary would be an out-of-bounds
+    index."""
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     if sp.logit_bias and max(sp.logit_bias) >= vocab_size:
         raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if sp.allowed_token_ids and max(sp.allowed_token_ids) >= vocab_size:
+        raise InvalidRequestError(f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids")
+    if sp.bad_words and not sp._bad_words_token_ids:
+        raise InvalidRequestError("bad_words reached the engine without their token ids (the Frontend tokenizes "
+                                  "them)", "bad_words")
+    if any(t >= vocab_size for seq in sp._bad_words_token_ids for t in seq):
+        raise InvalidRequestError(f"bad_words tokenize to ids outside the model's vocabulary [0, {vocab_size})",
+                                  "bad_words")
     if sp.logprobs is not None and sp.logprobs > vocab_size:
         raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({vocab_size})", "logprobs")
     if sp.prompt_logprobs is not None and sp.prompt_logprobs > vocab_size:

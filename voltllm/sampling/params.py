@@ -14,6 +14,8 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_N = 1024
 # seeds are int64 on the device (vLLM's bounds)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# bad_words' token sequences per request after tokenization (vLLM's default cap): each is checked per step
+MAX_BAD_WORD_SEQUENCES = 128
 
 
 class SamplingParamsError(ValueError):
@@ -46,14 +48,24 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     # one output constraint (JSON schema, regex, choice, grammar, JSON object); a dict is taken as its fields
     structured_outputs: Optional["StructuredOutputsParams"] = None
+    # only these token ids may be sampled (every other logit -inf); None: all
+    allowed_token_ids: Optional[list[int]] = None
+    # words never generated: each as written and with a leading space (Frontend turns them into token ids)
+    bad_words: Optional[list[str]] = None
     # Filled by the engine: token ids that end generation (EOS + generation_config's eos ids).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Filled by the Frontend (it has the tokenizer): bad_words as token-id sequences; the sampler reads only these
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, (list, tuple)) or self.bad_words is None:
+            self.bad_words = list(self.bad_words or [])
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == 0 or (isinstance(self.top_k, int) and self.top_k >= 2**31):
             self.top_k = -1  # 0, or more tokens than any vocabulary has: all of them
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
@@ -98,6 +110,20 @@ class SamplingParams:
             raise SamplingParamsError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids must be non-negative integers")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list):
+                bad("allowed_token_ids", "must be a list of token ids")
+            if not allowed:  # (vLLM's rule: it would leave no token to sample)
+                raise SamplingParamsError("allowed_token_ids must not be empty (null allows every token)")
+            wrong = [t for t in allowed if not _is_token_id(t)]
+            if wrong:
+                raise SamplingParamsError(
+                    f"allowed_token_ids must be token ids (non-negative integers), got {wrong[0]!r}")
+        if not isinstance(self.bad_words, list):
+            bad("bad_words", "must be a list of strings")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            bad("bad_words", "must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
@@ -105,21 +131,32 @@ class SamplingParams:
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy with nothing else to apply: no penalties, bias or logprobs, and no stop token that min_tokens
-        would have to ban. The sampler's answer is then the argmax of the logits as they are."""
+        """Greedy with nothing else to apply: no penalties, bias, logprobs, allowed_token_ids or bad words, and no
+        stop token that min_tokens would have to ban. The sampler's answer is then the argmax of the logits as they
+        are."""
         bans = self.min_tokens > 0 and bool(self.stop_token_ids or (not self.ignore_eos and self._eos_token_ids))
         return (self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
-                and not bans)
+                and not bans and self.allowed_token_ids is None and not self.bad_words)
 
     @property
     def has_penalties(self) -> bool:
         """Repetition / frequency / presence penalties: sampling needs the ids of the earlier tokens."""
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
 
+    @property
+    def bad_words_history(self) -> int:
+        """How many of the latest generated tokens the bad-words check reads: the longest sequence's length - 1
+        (0: single-token words only, banned at every step whatever came before)."""
+        return max((len(w) for w in self._bad_words_token_ids), default=1) - 1
+
     def clone(self, **changes) -> "SamplingParams":
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}
         data.update(changes)
         return SamplingParams(**data)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _structured(value) -> Optional["StructuredOutputsParams"]:
@@ -144,8 +181,7 @@ def _normalise_logit_bias(bias: Optional[dict]) -> Optional[dict[int, float]]:
         raise SamplingParamsError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r}")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        is_id = (isinstance(key, int) and not isinstance(key, bool) and key >= 0) or (
-            isinstance(key, str) and key.strip().isdigit())
+        is_id = _is_token_id(key) or (isinstance(key, str) and key.strip().isdigit())
         if not is_id:
             raise SamplingParamsError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
         tok = int(key)

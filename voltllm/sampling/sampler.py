@@ -1,8 +1,10 @@
-"""Batched sampler: penalties, min_tokens, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+"""Batched sampler: allowed token ids, bad words, min_tokens, penalties, logit_bias, temperature, top-k / top-p /
+min-p, per-request seeds, logprobs.
 
 Order (as vLLM): a structured-output request's grammar mask (disallowed tokens to -inf) comes first, then logprobs
-of that distribution; then min_tokens masking, penalties, logit_bias, greedy argmax or temperature -> top-k -> top-p
--> min-p -> sample. Sampling uses the exponential race
+of that distribution (the model's: the restrictions below do not change them); then allowed_token_ids (every other
+token to -inf), bad words and min_tokens bans (-inf), penalties, logit_bias, greedy argmax or temperature -> top-k ->
+top-p -> min-p -> sample. Sampling uses the exponential race
 (argmax of p / q with q ~ Exp(1)), so a seeded request draws its q from its own generator and gets the
 same tokens whatever else is in the batch.
 """
@@ -14,7 +16,8 @@ from typing import Optional, Sequence
 import torch
 
 from voltllm.engine.types import PositionLogprobs
-from voltllm.host_to_device import to_device
+from voltllm.host_to_device import to_device, upload
+from voltllm.sampling.bad_words import banned_tokens
 from voltllm.sampling.bitmask import TokenBitmask, apply_token_bitmask_
 from voltllm.sampling.params import SamplingParams
 
@@ -25,6 +28,7 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
+    # the generated tokens (all of them for penalties; bad words read only the latest bad_words_history)
     output_token_ids: Sequence[int]
     generator: Optional[torch.Generator]
     # tokens generated before this sample, counting ones still in flight (async scheduling) that are not
@@ -149,6 +153,18 @@ def _add_logit_bias_(logits: torch.Tensor, rows: list["SamplingRow"]) -> torch.T
     return logits
 
 
+def _allow_only_(logits: torch.Tensor, allowed: list[tuple[int, list[int]]]) -> None:
+    """Set every logit of row i outside its allowed ids to -inf, in place, for each (i, ids) of `allowed`."""
+    dev = logits.device
+    rows = to_device([i for i, _ in allowed], torch.long, dev)
+    keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool, device=dev)
+    lengths = torch.tensor([len(ids) for _, ids in allowed])
+    cells = (upload(torch.repeat_interleave(torch.arange(len(allowed)), lengths), dev),
+             to_device([t for _, ids in allowed for t in ids], torch.long, dev))
+    keep.index_put_(cells, keep.new_ones(()))
+    logits[rows] = logits[rows].masked_fill_(~keep, float("-inf"))
+
+
 def _cells(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs -> device index tensors for index_put_. Not a Python-list index: that would be copied
     from pageable memory and sync the stream, so every step would wait for the GPU (no async scheduling)."""
@@ -194,24 +210,30 @@ class Sampler:
         greedy_mask = [r.params.greedy for r in rows]
         penalties = any(r.params.has_penalties for r in rows)
         biased = any(r.params.logit_bias for r in rows)
-        bans = []  # min_tokens: no stop tokens before the minimum
+        allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        bans = []  # min_tokens: no stop tokens before the minimum; bad words whose prefix was just generated
         for i, r in enumerate(rows):
             sp = r.params
+            banned = []
             if r.generated < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
-                if banned:
-                    bans.append((i, banned))
+            if sp._bad_words_token_ids:
+                banned += banned_tokens(sp._bad_words_token_ids, r.output_token_ids)
+            if banned:
+                bans.append((i, banned))
         # a greedy batch takes the argmax of the model's logits as they are (exact either way: fp16 / bf16 widen
         # to fp32 exactly), with its bans written as -inf in that dtype; anything else works on an fp32 copy.
         # (At 64 rows x 152K vocabulary the fp32 copy and its argmax cost ~50 us per decode step.)
         if not (all(greedy_mask) and not penalties and not biased and all(n is None for n in num_lp)):
             logits = logits.float() if logits.dtype != torch.float32 or logits_owned else logits.clone()
-        elif (bans or token_bitmask is not None) and not logits_owned:
+        elif (bans or allowed or token_bitmask is not None) and not logits_owned:
             logits = logits.clone()
         if token_bitmask is not None:
             apply_token_bitmask_(logits, token_bitmask)
         dev = logits.device
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
+        if allowed:
+            _allow_only_(logits, allowed)
         if bans:
             cells = _cells([(i, t) for i, banned in bans for t in banned], dev)
             logits.index_put_(cells, logits.new_full((), float("-inf")))  # a fill, not a copy
@@ -269,8 +291,8 @@ class Sampler:
         comes from max(0, p - q) (renormalized). Either way every emitted token is distributed as p (a
         deterministic draft is the case q = one-hot at d). Greedy rows: p is one-hot at the argmax. `drafts` may be
         a device tensor (-1 likewise).
-        Penalties, logprobs and min_tokens bans are not applied (speculative.spec_allowed keeps such requests
-        out)."""
+        Penalties, logprobs, allowed_token_ids, bad words and min_tokens bans are not applied
+        (speculative.spec_allowed keeps such requests out)."""
         dev = logits.device
         logits = _processed_logits(logits, rows)
         greedy = [r.params.greedy for r in rows]

@@ -690,9 +690,9 @@ class ModelRunner:
                 out = self.sampler.sample_argmax(logits, bitmask)
             else:
                 # num_pending counts this step's sample too: the ones before it are still in flight. Only
-                # penalties read the earlier ids (a copy of each request's output per step otherwise).
-                rows = [SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                    r.output_token_ids if r.sampling_params.has_penalties else (),
+                # penalties and bad words read the earlier ids (such steps wait for the one in flight:
+                # Request.needs_host_history); the others get none (a copy of each output per step otherwise).
+                rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.sampling_history(),
                                     r.generator, r.num_output_tokens + r.num_pending - 1) for r in reqs]
                 out = self.sampler.sample(logits, rows, logits_owned=True,  # fresh lm_head output
                                           token_bitmask=bitmask)

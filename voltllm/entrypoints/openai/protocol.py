@@ -1,7 +1,8 @@
 """Request models (pydantic) for the OpenAI-compatible routes, and their mapping to SamplingParams.
 
 Field names follow the OpenAI API plus vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, include_stop_str_in_output, chat_template_kwargs, ...).
+min_tokens, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens, include_stop_str_in_output,
+chat_template_kwargs, ...).
 Unknown fields are accepted and ignored, as OpenAI clients send new fields before servers know them.
 Responses are plain dicts built in serving_chat.py / serving_completion.py.
 """
@@ -81,9 +82,10 @@ class _SamplingFields(NullMeansDefault):
     # vLLM's: lower is served first under --scheduling-policy priority; under fcfs anything but 0 is a 400 (the
     # engine's check_priority, at submission)
     priority: int = 0
-    # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
+    # vLLM's sampling restrictions, checked by SamplingParams (ids, non-empty) and against the vocabulary
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     logits_processors: Optional[list[Any]] = None
@@ -137,13 +139,13 @@ class _SamplingFields(NullMeansDefault):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=self.constraint(),  # (checked in check(); grammars are cached)
         )
 
 
 _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks)
-    "allowed_token_ids": (lambda v: v is None, "restricting sampling to allowed token ids is not built"),
-    "bad_words": (lambda v: not v, "bad_words is not built"),
     "use_beam_search": (lambda v: not v, "beam search is not built"),
     "length_penalty": (lambda v: v is None or v == 1.0, "length_penalty (a beam-search setting) is not built"),
     "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
