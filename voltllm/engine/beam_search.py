@@ -30,10 +30,14 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None  # vLLM's newer field: not built here (the grammar would have to follow each beam)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
             raise BeamSearchParamsError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if self.structured_outputs is not None:
+            bad("structured_outputs", "with beam search is not built in voltllm (must be None)")
 
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_N:
             bad("beam_width", f"must be an integer in [1, {MAX_N}]")
