@@ -107,7 +107,6 @@ def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_templa
 
 
 @pytest.mark.parametrize("field,value", [("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
-                                         ("use_beam_search", True), ("length_penalty", 0.5),
                                          ("logits_processors", ["a.b"]), ("priority", 1),
                                          ("kv_transfer_params", {"do_remote_prefill": True})])
 def test_unbuilt_vllm_fields_are_refused(field, value):
