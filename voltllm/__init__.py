@@ -11,6 +11,10 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
         from voltllm.sampling.params import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":
+        from voltllm.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "StructuredOutputsParams":
         from voltllm.sampling.structured import StructuredOutputsParams
 
@@ -18,4 +22,4 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -51,6 +51,7 @@ def tiny_server(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("tiny")), "llama")
     srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
                       "--disable-log-stats", "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
+    srv.model_path = path  # (the beam-search tests compare with transformers on it)
     try:
         srv.wait_healthy(180)
         yield srv

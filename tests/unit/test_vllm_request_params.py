@@ -108,8 +108,7 @@ def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_templa
     assert "enable_thinking" not in state.tokenizer.template_kwargs
 
 
-@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("length_penalty", 0.5),
-                                         ("logits_processors", ["a.b"]),
+@pytest.mark.parametrize("field,value", [("logits_processors", ["a.b"]),
                                          ("kv_transfer_params", {"do_remote_prefill": True})])
 def test_unbuilt_vllm_fields_are_refused(field, value):
     for make in (lambda **b: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **b),

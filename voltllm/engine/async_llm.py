@@ -21,6 +21,8 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
 from voltllm.config import EngineConfig
+from voltllm.engine.async_beam_search import BeamSearchStream, run_beam_search
+from voltllm.engine.beam_search import BeamSearchParams
 from voltllm.engine.frontend import Frontend, PromptType
 from voltllm.engine.outputs import RequestOutput
 from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab
@@ -150,6 +152,7 @@ class AsyncLLM:
         self.proc: Optional[multiprocessing.process.BaseProcess] = None
         self.dead: Optional[str] = None  # why the engine is gone
         self._streams: dict[str, RequestStream] = {}
+        self._beam_searches: dict[str, BeamSearchStream] = {}  # by request id (their steps' requests: _streams)
         self._ctx = None
         self._actx = None
         self._in = None
@@ -314,6 +317,9 @@ class AsyncLLM:
         for st in list(self._streams.values()):
             st._fail(RequestAbortedError("the server is shutting down"))
         self._streams.clear()
+        for bs in list(self._beam_searches.values()):
+            bs.cancel(RequestAbortedError("the server is shutting down"))
+        self._beam_searches.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
         if self.proc is not None:
@@ -359,7 +365,9 @@ class AsyncLLM:
 
     def _validate(self, req: EngineCoreRequest) -> None:
         """The engine core's own admission checks, done here so that a bad request is a 400 at once."""
-        ids = req.prompt_token_ids
+        self._check_prompt(req.prompt_token_ids, req.sampling_params)
+
+    def _check_prompt(self, ids: list[int], sp: SamplingParams) -> None:
         n = len(ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -367,7 +375,6 @@ class AsyncLLM:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens, at or over this model's maximum context length "
                 f"({self.max_model_len} tokens); shorten it")
-        sp = req.sampling_params
         if sp.max_tokens is not None and n + sp.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
@@ -381,7 +388,7 @@ class AsyncLLM:
         """Validate and submit one request; raises ValueError subclasses for bad input (HTTP 400). priority: under
         --scheduling-policy priority, lower is served first (else it must be 0)."""
         self._check_alive()
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority)
         try:
@@ -403,8 +410,34 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    def beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                    cache_salt: Optional[str] = None, *, skip_special_tokens: bool = True,
+                    num_logprobs: Optional[int] = None, priority: int = 0) -> BeamSearchStream:
+        """Validate and start a beam search (engine/beam_search.py); its stream gives one output, the best
+        params.beam_width beams as choices, when it ends. num_logprobs: each choice's logprobs (the chosen token and
+        that many top ones per token), None for none. priority: its steps' (as add_request's). Raises ValueError
+        subclasses for bad input (HTTP 400)."""
+        self._check_alive()
+        check_priority(priority, self.config.scheduler.policy)
+        if request_id in self._streams or request_id in self._beam_searches:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self.frontend.tokenize(prompt)
+        # the steps' logprobs: the candidates, or more when the answer shows more
+        step_logprobs = min(max(params.num_candidates, num_logprobs or 0), self.vocab_size)
+        self._check_prompt(ids, SamplingParams(max_tokens=params.max_tokens, logprobs=step_logprobs))
+        stream = BeamSearchStream(self, request_id)
+        self._beam_searches[request_id] = stream
+        stream.start(functools.partial(run_beam_search, self, request_id, text, ids, params, step_logprobs,
+                                       cache_salt, skip_special_tokens, num_logprobs, priority))
+        return stream
+
     def abort(self, request_id: str, reason: Optional[str] = None) -> None:
-        """Abort a parent request (all its children); a no-op for unknown or finished requests."""
+        """Abort a parent request (all its children) or a beam search (its step's requests); a no-op for unknown or
+        finished requests."""
+        bs = self._beam_searches.pop(request_id, None)
+        if bs is not None:
+            bs.cancel(RequestAbortedError(reason or f"request {request_id} was aborted"))
+            return
         st = self._streams.pop(request_id, None)
         if self.frontend is not None:
             cids = self.frontend.child_ids(request_id)
@@ -418,7 +451,7 @@ class AsyncLLM:
 
     def abort_all(self) -> None:
         """Abort every request in flight (server shutdown): their streams end with RequestAbortedError."""
-        for rid in list(self._streams):
+        for rid in [*self._beam_searches, *self._streams]:
             self.abort(rid, "the server is shutting down")
 
     async def acceleration_report(self, timeout: float = 30.0) -> dict:
@@ -434,4 +467,5 @@ class AsyncLLM:
 
     @property
     def num_active_requests(self) -> int:
-        return len(self._streams)
+        """Requests in flight: each beam search, and each of its step's requests."""
+        return len(self._streams) + len(self._beam_searches)

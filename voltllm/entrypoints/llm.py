@@ -5,11 +5,12 @@ import itertools
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from voltllm.config import EngineArgs
+from voltllm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from voltllm.engine.core import EngineCore, InvalidRequestError
 from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
 from voltllm.engine.request_checks import check_priority
 from voltllm.engine.outputs import RequestOutput
-from voltllm.entrypoints.progress import ProgressBar, UseTqdm
+from voltllm.entrypoints.progress import ProgressBar, UseTqdm, tqdm
 from voltllm.model.loader import load_tokenizer
 from voltllm.sampling.params import SamplingParams
 
@@ -157,6 +158,79 @@ class LLM:
             if progress is not None:
                 progress.close()
         return [final[rid] for rid in order]
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams, lora_request: Any = None,
+                    use_tqdm: UseTqdm = False, concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py): per prompt the best params.beam_width sequences, best first;
+        each sequence's `tokens` are the prompt's and the generated ones (a final EOS included), its `text` their
+        decoded text (the EOS's only with include_stop_str_in_output). Each step runs every live beam of the prompts
+        batched together (concurrency_limit of them at a time; None: all) as one-token requests; the prefix cache
+        keeps each beam's earlier tokens. use_tqdm: a bar over the steps (tqdm, or this tqdm-like factory)."""
+        _refuse_unbuilt(lora_request, None)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
+        num_logprobs = min(params.num_candidates, self._vocab_size())
+        if self.max_logprobs is not None and num_logprobs > self.max_logprobs:
+            raise ValueError(f"beam_width {params.beam_width}: beam search asks each step for 2 x beam_width = "
+                             f"{num_logprobs} logprobs, more than this LLM's max_logprobs ({self.max_logprobs})")
+        searches = [BeamSearch(self._beam_prompt(p, params), params, self.frontend.eos_ids) for p in prompts]
+        step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=num_logprobs,
+                                     detokenize=False)
+        limit = concurrency_limit or max(len(searches), 1)
+        bar = None
+        if use_tqdm:
+            factory = use_tqdm if callable(use_tqdm) else tqdm
+            bar = factory(total=params.max_tokens * -(-len(searches) // limit), desc="Beam search", unit="step")
+        try:
+            for start in range(0, len(searches), limit):
+                batch = searches[start:start + limit]
+                while True:
+                    active = [s for s in batch if not s.done]
+                    if not active:
+                        break
+                    outs = self.generate([{"prompt_token_ids": b.tokens} for s in active for b in s.live],
+                                         step_params, use_tqdm=False)
+                    at = 0
+                    for s in active:
+                        width = len(s.live)
+                        s.advance([o.outputs[0].logprobs[0] for o in outs[at:at + width]])
+                        at += width
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [BeamSearchOutput([self._finished_beam(s, b) for b in s.best()]) for s in searches]
+
+    def _vocab_size(self) -> int:
+        hf = self.config.model.hf_config
+        return int((hf.get_text_config() if hasattr(hf, "get_text_config") else hf).vocab_size)
+
+    def _beam_prompt(self, prompt: PromptType, params: BeamSearchParams) -> list[int]:
+        _, ids = self.frontend.tokenize(prompt)
+        max_len = self.config.model.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + params.max_tokens > max_len:
+            raise ValueError(f"this model's maximum context length is {max_len} tokens; the beam search asks for "
+                             f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt + {params.max_tokens} "
+                             "max_tokens); lower max_tokens or shorten the prompt")
+        return ids
+
+    def _finished_beam(self, search: BeamSearch, beam: BeamSearchSequence) -> BeamSearchSequence:
+        """vLLM's offline text: the decoded prompt and output (special tokens kept); a final EOS's text only with
+        include_stop_str_in_output."""
+        shown = beam.tokens
+        if beam.finish_reason == "stop" and not search.params.include_stop_str_in_output:
+            shown = shown[:-1]
+        if self.tokenizer is not None:
+            beam.text = self.tokenizer.decode(shown)
+        return beam
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
+from voltllm.entrypoints.openai.beam_search import check_beam_search
 from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.entrypoints.openai.structured import structured_outputs_of
 from voltllm.entrypoints.openai.tool_choice import forced_tool_choice
@@ -85,9 +86,11 @@ class _SamplingFields(NullMeansDefault):
     # vLLM's sampling restrictions, checked by SamplingParams (ids, non-empty) and against the vocabulary
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
-    # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
+    # vLLM's beam search (beam_search.py): n is the beam width; length_penalty its score's exponent (None: 1)
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
+    early_stopping: Optional[Union[bool, str]] = None  # vLLM's older beam-search field: only false / null taken
+    # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
     logits_processors: Optional[list[Any]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
 
@@ -108,6 +111,7 @@ class _SamplingFields(NullMeansDefault):
             raise bad_request("truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last k tokens) or "
                               f"-1 (the context length), got {self.truncate_prompt_tokens}", "truncate_prompt_tokens")
         check_unbuilt(self)
+        check_beam_search(self)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None) -> SamplingParams:
@@ -146,8 +150,6 @@ class _SamplingFields(NullMeansDefault):
 
 
 _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks)
-    "use_beam_search": (lambda v: not v, "beam search is not built"),
-    "length_penalty": (lambda v: v is None or v == 1.0, "length_penalty (a beam-search setting) is not built"),
     "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
     "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),
 }

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
+from voltllm.entrypoints.openai.beam_search import submit_beam_searches
 from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.entrypoints.openai.forced_calls import forced_calls
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
@@ -106,22 +107,28 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
     ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
-                                                             defaults=state.generation_defaults))
+    if not req.use_beam_search:
+        params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
+                                                         defaults=state.generation_defaults))
     # vLLM's ids: chatcmpl-<X-Request-Id header, else the body's request_id> (Responses / Messages bring theirs)
     chosen_id = None if request_id is not None else chosen_request_id(raw_request, req.request_id)
     response_id = request_id or (f"chatcmpl-{chosen_id}" if chosen_id is not None else new_id("chatcmpl"))
     engine_id = engine_request_id(response_id, chosen_id is not None)
     plan = ChatPlan(response_id, model, int(time.time()), prompt_text, use_tools, forced,
-                    params.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req), prompt_ids=ids)
+                    req.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req), prompt_ids=ids)
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role:
         plan.echo_prefix = message_text(last)
-    streams = submit(state, [engine_id], [{"prompt": prompt_text, "prompt_token_ids": ids}], params, req.cache_salt,
-                     req.priority)
+    prompt = {"prompt": prompt_text, "prompt_token_ids": ids}
+    if req.use_beam_search:  # n beams, answered when the search ends (beam_search.py)
+        streams = submit_beam_searches(state, [engine_id], [prompt], req, max_tokens, req.num_logprobs,
+                                        req.priority)
+    else:
+        streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority)
     if state.log_requests:
-        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, prompt: %s", engine_id, len(ids),
-                    params.n, max_tokens, req.stream, shown(prompt_text, state.max_log_len))
+        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, beam search=%s, prompt: %s",
+                    engine_id, len(ids), req.n, max_tokens, req.stream, bool(req.use_beam_search),
+                    shown(prompt_text, state.max_log_len))
     return plan, streams, DisconnectWatcher(raw_request, state, [engine_id])
 
 

@@ -221,15 +221,23 @@ def submit(state: ServerState, request_ids: list[str], prompts: list[Any], param
     except BaseException as e:
         for s in streams:
             s.close()
-        if isinstance(e, InvalidRequestError):
-            code = "context_length_exceeded" if "context length" in str(e) else None
-            raise bad_request(str(e), e.param or ("max_tokens" if code and "generate" in str(e) else "prompt"), code)
-        if isinstance(e, (InvalidPromptError, SamplingParamsError)):
-            raise bad_request(str(e), "prompt")
-        if isinstance(e, EngineDeadError):
-            raise OpenAIError(f"the engine is not available: {e}", 503)
-        raise
+        err = submission_error(e)
+        if err is e:
+            raise
+        raise err
     return streams
+
+
+def submission_error(e: BaseException) -> BaseException:
+    """The HTTP error for a request the engine refused at submission (`e` itself when it is not one of those)."""
+    if isinstance(e, InvalidRequestError):
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        return bad_request(str(e), e.param or ("max_tokens" if code and "generate" in str(e) else "prompt"), code)
+    if isinstance(e, (InvalidPromptError, SamplingParamsError)):
+        return bad_request(str(e), "prompt")
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(f"the engine is not available: {e}", 503)
+    return e
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
+from voltllm.entrypoints.openai.beam_search import submit_beam_searches
 from voltllm.entrypoints.openai.protocol import CompletionRequest
 from voltllm.entrypoints.openai.request_log import shown
 from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
@@ -63,22 +64,26 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     max_tokens = max_tokens or (1 if echo_only else 0)
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     prompt_logprobs = max(asked) if asked else None  # echo's logprobs and prompt_logprobs share one pass
-    params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
-                                                             defaults=state.generation_defaults))
+    n = req.n
     chosen_id = chosen_request_id(raw_request, req.request_id)  # vLLM's: cmpl-<X-Request-Id, else request_id>
     base_id = f"cmpl-{chosen_id}" if chosen_id is not None else new_id("cmpl")
     engine_base = engine_request_id(base_id, chosen_id is not None)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = submit(state, rids, [_engine_prompt(state, req, p) for p in prompts], params, req.cache_salt,
-                     req.priority)
+    engine_prompts = [_engine_prompt(state, req, p) for p in prompts]
+    if req.use_beam_search:  # n beams per prompt, answered when each search ends (beam_search.py)
+        streams = submit_beam_searches(state, rids, engine_prompts, req, max_tokens, req.logprobs, req.priority)
+    else:
+        params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
+                                                         defaults=state.generation_defaults))
+        streams = submit(state, rids, engine_prompts, params, req.cache_salt, req.priority)
     if state.log_requests:
-        logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, prompt%s: %s", engine_base,
-                    len(prompts), params.n, max_tokens, req.stream, "s" if len(prompts) > 1 else "",
-                    ", ".join(shown(p, state.max_log_len) for p in prompts))
+        logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, beam search=%s, prompt%s: %s",
+                    engine_base, len(prompts), n, max_tokens, req.stream, bool(req.use_beam_search),
+                    "s" if len(prompts) > 1 else "", ", ".join(shown(p, state.max_log_len) for p in prompts))
     created = int(time.time())
     watcher = DisconnectWatcher(raw_request, state, rids)
     if req.stream:
-        return event_stream(sse_body(_stream(state, req, base_id, model, created, params.n, streams, echo_only),
+        return event_stream(sse_body(_stream(state, req, base_id, model, created, n, streams, echo_only),
                                      streams, watcher, base_id))
     finals = await collect_or_gone(streams, watcher)
     if finals is None:
@@ -93,7 +98,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         prefix = _prompt_text(state, out) if req.echo else ""
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            choice = {"index": p * params.n + c.index, "text": prefix + c.text, "logprobs": None,
+            choice = {"index": p * n + c.index, "text": prefix + c.text, "logprobs": None,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.logprobs is not None:
                 choice["logprobs"] = _logprobs(state, req, out, c, req.echo)
