@@ -15,7 +15,9 @@ from tiny_models import make_model
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 ROUTES = [("/v1/completions", {"prompt": "The capital of France", "max_tokens": 2}),
           ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
-          ("/v1/responses", {"input": "What is the capital of France?", "max_output_tokens": 2})]
+          ("/v1/responses", {"input": "What is the capital of France?", "max_output_tokens": 2}),
+          # a beam search's steps are requests at its priority (the same check)
+          ("/v1/completions", {"prompt": "The capital of France", "max_tokens": 2, "use_beam_search": True, "n": 2})]
 
 
 def _post(server, path, body, timeout=120):

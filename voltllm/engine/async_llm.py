@@ -366,6 +366,7 @@ class AsyncLLM:
     def _validate(self, req: EngineCoreRequest) -> None:
         """The engine core's own admission checks, done here so that a bad request is a 400 at once."""
         self._check_prompt(req.prompt_token_ids, req.sampling_params)
+        check_priority(req.priority, self.config.scheduler.policy)
 
     def _check_prompt(self, ids: list[int], sp: SamplingParams) -> None:
         n = len(ids)
@@ -381,7 +382,6 @@ class AsyncLLM:
                 f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate); lower max_tokens "
                 "or shorten the prompt")
         check_vocab(ids, sp, self.vocab_size)
-        check_priority(req.priority, self.config.scheduler.policy)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:

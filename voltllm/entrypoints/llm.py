@@ -166,7 +166,7 @@ class LLM:
         decoded text (the EOS's only with include_stop_str_in_output). Each step runs every live beam of the prompts
         batched together (concurrency_limit of them at a time; None: all) as one-token requests; the prefix cache
         keeps each beam's earlier tokens. use_tqdm: a bar over the steps (tqdm, or this tqdm-like factory)."""
-        _refuse_unbuilt(lora_request, None)
+        _refuse_lora(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
