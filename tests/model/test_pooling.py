@@ -254,3 +254,16 @@ def test_sentence_transformers_files_choose_the_pooler(tmp_path, hidden_states, 
     out = llm.embed(PROMPTS[2], use_tqdm=False)[0]
     torch.testing.assert_close(torch.tensor(out.outputs.embedding), hidden_states[PROMPTS[2]].mean(0), atol=2e-5,
                                rtol=1e-4)
+
+
+def test_tensor_parallel_pooling_matches_one_rank(tiny_path):
+    """-tp 2 on the CPU (gloo): rank 0 pools the whole final hidden state (every rank has it after the last
+    all-reduce); the other rank computes no logits for a pooling step."""
+    one = _engine(tiny_path, pooler_config={"pooling_type": "MEAN"})
+    two = _engine(tiny_path, pooler_config={"pooling_type": "MEAN"}, tensor_parallel_size=2)
+    try:
+        for a, b in zip(one.embed(PROMPTS, use_tqdm=False), two.embed(PROMPTS, use_tqdm=False)):
+            torch.testing.assert_close(torch.tensor(b.outputs.embedding), torch.tensor(a.outputs.embedding),
+                                       atol=2e-5, rtol=1e-4)
+    finally:
+        two.engine.shutdown()
