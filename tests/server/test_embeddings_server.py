@@ -167,7 +167,7 @@ def test_matryoshka_dimensions(embed_server, reference, tok):
                                                                                       "maximum context length"),
     ({"input": list(range(1, MAX_LEN + 2))}, "input", "more than this model's maximum context length"),
     ({"input": "x", "normalize": True, "use_activation": False}, "normalize", "name the same switch"),
-    ({"input": "x", "priority": 1}, "priority", "first come, first served"),
+    ({"input": "x", "priority": 1}, "priority", "Got priority 1 but Priority scheduling is not enabled"),
     ({"input": "x", "chat_template": "{{ x }}"}, "chat_template", "apply to the messages form"),
 ])
 def test_bad_requests_are_400s(embed_server, body, param, fragment):

@@ -376,8 +376,8 @@ class AsyncLLM:
             raise InvalidRequestError(runner_mismatch(self.config.model.runner))
         if req.pooling_params is not None:
             self._check_pooling_prompt(req.prompt_token_ids)
-            return
-        self._check_prompt(req.prompt_token_ids, req.sampling_params)
+        else:
+            self._check_prompt(req.prompt_token_ids, req.sampling_params)
         check_priority(req.priority, self.config.scheduler.policy)
 
     def _check_pooling_prompt(self, ids: list[int]) -> None:
@@ -424,13 +424,13 @@ class AsyncLLM:
         return stream
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
-                            cache_salt: Optional[str] = None) -> RequestStream:
+                            cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
         """Validate and submit one embedding request (pooling engines); its stream yields one PoolingRequestOutput.
-        Raises ValueError subclasses for bad input (HTTP 400)."""
+        Raises ValueError subclasses for bad input (HTTP 400). priority: as add_request's."""
         self._check_alive()
         if request_id in self._streams or request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = self.frontend.make_pooling_request(request_id, prompt, params, cache_salt)
+        req = self.frontend.make_pooling_request(request_id, prompt, params, cache_salt, priority)
         try:
             self._validate(req)
         except BaseException:
@@ -442,8 +442,8 @@ class AsyncLLM:
         return stream
 
     async def encode(self, prompt: PromptType, params: Optional[PoolingParams], request_id: str,
-                     cache_salt: Optional[str] = None) -> AsyncIterator[PoolingRequestOutput]:
-        stream = self.add_pooling_request(request_id, prompt, params, cache_salt)
+                     cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        stream = self.add_pooling_request(request_id, prompt, params, cache_salt, priority)
         try:
             async for out in stream:
                 yield out

@@ -193,7 +193,7 @@ class Frontend:
                                    lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
     def make_pooling_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
-                             cache_salt: Optional[str] = None) -> EngineCoreRequest:
+                             cache_salt: Optional[str] = None, priority: int = 0) -> EngineCoreRequest:
         """An embedding request (pooling engines): the prompt tokenized and cut to its truncate_prompt_tokens, its
         params resolved against the engine's pooler (PoolingParamsError for a bad one)."""
         if self.pooler is None:
@@ -217,7 +217,8 @@ class Frontend:
         self.states[request_id] = _RequestState(request_id, text, ids, params, {request_id: _Child(0, None)},
                                                 RequestMetrics(now), pooling=True)
         self.child_to_parent[request_id] = request_id
-        return EngineCoreRequest(request_id, ids, None, arrival_time=now, cache_salt=cache_salt, pooling_params=params)
+        return EngineCoreRequest(request_id, ids, None, arrival_time=now, cache_salt=cache_salt, priority=priority,
+                                 pooling_params=params)
 
     def child_ids(self, request_id: str) -> list[str]:
         st = self.states.get(request_id)

@@ -30,7 +30,7 @@ class EmbeddingRequest(NullMeansDefault):
     endianness: Literal["native", "big", "little"] = "native"  # base64's byte order
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
-    priority: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower first (else only 0: the engine's 400)
     # the chat form's templating (as /v1/chat/completions; add_generation_prompt off by default here, as vLLM's)
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -44,9 +44,6 @@ class EmbeddingRequest(NullMeansDefault):
         return self
 
     def check(self) -> None:
-        if self.priority:
-            raise bad_request("priority: requests are served first come, first served (no priority scheduling) in "
-                              "voltllm", "priority", "unsupported_parameter")
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                               "continue_final_message")

@@ -39,7 +39,7 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw_reques
     base_id = f"embd-{chosen_id}" if chosen_id is not None else new_id("embd")
     engine_base = engine_request_id(base_id, chosen_id is not None)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = _submit(state, rids, prompts, params, req.cache_salt)
+    streams = _submit(state, rids, prompts, params, req.cache_salt, req.priority)
     if state.log_requests:
         logger.info("request %s: embeddings of %d input(s): %s", engine_base, len(prompts),
                     ", ".join(shown(p, state.max_log_len) for p in prompts))
@@ -81,12 +81,13 @@ def _token_ids(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
 
 
 def _submit(state: ServerState, request_ids: list[str], prompts: list[list[int]], params: PoolingParams,
-            cache_salt: Any) -> list[RequestStream]:
+            cache_salt: Any, priority: int) -> list[RequestStream]:
     """One engine request per input; on a failure the ones already added are aborted and a 400 names the field."""
     streams: list[RequestStream] = []
     try:
         for rid, ids in zip(request_ids, prompts):
-            streams.append(state.engine.add_pooling_request(rid, {"prompt_token_ids": ids}, params, cache_salt))
+            streams.append(state.engine.add_pooling_request(rid, {"prompt_token_ids": ids}, params, cache_salt,
+                                                            priority))
     except BaseException as e:
         for s in streams:
             s.close()
@@ -94,7 +95,7 @@ def _submit(state: ServerState, request_ids: list[str], prompts: list[list[int]]
             raise bad_request(str(e), _param_of(e))
         if isinstance(e, InvalidRequestError):
             code = "context_length_exceeded" if "context length" in str(e) else None
-            raise bad_request(str(e), "input", code)
+            raise bad_request(str(e), e.param if e.param == "priority" else "input", code)
         if isinstance(e, InvalidPromptError):
             raise bad_request(str(e), "input")
         if isinstance(e, EngineDeadError):
