@@ -189,3 +189,11 @@ def test_pooling_params_checks():
     resolved = pooler.resolve(PoolingParams(dimensions=8, truncate_prompt_tokens=5), "m")
     assert (resolved.dimensions, resolved.normalize, resolved.truncate_prompt_tokens) == (8, False, 5)
     assert pooler.resolve(None, "m").normalize is False
+
+
+def test_dense_projection_modules_are_refused(tmp_path):
+    from voltllm.pooling.config import PoolerConfigError
+
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    with pytest.raises(PoolerConfigError, match=r"Dense modules \(2_Dense\), which are not built"):
+        sentence_transformers_pooling(_st_dir(tmp_path, [_TRANSFORMER, _POOLING, dense], {"pooling_mode": "mean"}))

@@ -232,6 +232,10 @@ def sentence_transformers_pooling(model_path: str) -> Optional[dict]:
     pooling = next((m for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling")), None)
     if pooling is None:
         return None
+    dense = [m.get("path") for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith(".Dense")]
+    if dense:  # (their projection changes the embedding: without it the result would be silently wrong)
+        raise PoolerConfigError(f"this sentence-transformers checkpoint projects its embeddings with Dense modules "
+                                f"({', '.join(map(str, dense))}), which are not built in voltllm")
     normalize = any(isinstance(m, dict) and str(m.get("type", "")).endswith(".Normalize") for m in modules)
     out: dict = {"normalize": normalize}
     settings = _read_json(os.path.join(model_path, str(pooling.get("path", "")), "config.json")) or {}
