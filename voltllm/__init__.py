@@ -15,6 +15,10 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
         from voltllm.engine.beam_search import BeamSearchParams
 
         return BeamSearchParams
+    if name == "PoolingParams":
+        from voltllm.pooling.params import PoolingParams
+
+        return PoolingParams
     if name == "StructuredOutputsParams":
         from voltllm.sampling.structured import StructuredOutputsParams
 
@@ -22,4 +26,4 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "__version__"]

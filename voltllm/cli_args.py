@@ -137,6 +137,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: first come, first served; priority: by each request's priority (lower first), then "
                         "arrival; the lowest-priority running request is preempted when KV blocks run out")
+    pm = p.add_argument_group("pooling (embedding) models (voltllm/pooling/config.py)")
+    pm.add_argument("--runner", default="auto",
+                    help="auto | generate | pooling: one runner per engine; pooling serves embeddings (/v1/embeddings, "
+                         "LLM.embed) instead of generating; auto: pooling for sentence-transformers checkpoints and "
+                         "encoder architectures (...Model), else generate")
+    pm.add_argument("--convert", default="auto",
+                    help="auto | none | embed: embed runs a causal LM as an embedding model (implies --runner pooling)")
+    pm.add_argument("--task", default=None,
+                    help="vLLM's older flag: generate (or auto) | embed (= --runner pooling --convert embed)")
+    pm.add_argument("--pooler-config", type=json_object_arg("--pooler-config"), default=None,
+                    help='pooling models: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true, '
+                         '"dimensions": N}\' (default: the checkpoint\'s sentence-transformers pooler, else LAST, '
+                         'normalized)')
+    pm.add_argument("--override-pooler-config", type=json_object_arg("--override-pooler-config"), default=None,
+                    help="vLLM's older name of --pooler-config")
     # vLLM flags voltllm takes at the value that is its behaviour (voltllm/fixed_flags.py; docs/cli.md)
     f = p.add_argument_group("vLLM flags taken at voltllm's behaviour (other values refused)")
     f.add_argument("--distributed-executor-backend", default=None,

@@ -15,7 +15,6 @@ _SPEC_OLD = ("an older vLLM flag: speculative decoding is configured with --spec
 _MULTI_STEP = ("multi-step scheduling (removed in vLLM V1) is not built; async scheduling, on by default, overlaps "
                "the host's work for the next step with the GPU's current one instead")
 _MULTIMODAL = "multimodal input is not built: voltllm serves the language model alone (text in, text out)"
-_POOLING = "pooling models (embedding, classification, reward) are not built: voltllm runs generative models only"
 _EXPERT_PARALLEL = ("expert parallelism is not built: -tp splits every expert's rows across the ranks (each rank "
                     "holds all experts)")
 _DATA_PARALLEL = "data parallelism is not built (--data-parallel-size 1 only)"
@@ -73,9 +72,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--quantization-param-path": ("an older vLLM flag: fp8 KV cache scales come from the checkpoint or "
                                   "--calculate-kv-scales"),
     "--logits-processors": "custom logits processor classes are not built",
-    "--task": _POOLING + " (the generate task, vLLM's default, is the only one): drop it",
-    "--runner": _POOLING + " (vLLM's --runner generate is the behaviour): drop it",
-    "--convert": _POOLING, "--pooler-config": _POOLING, "--override-pooler-config": _POOLING,
     # reasoning and tools: vLLM's older flags and plugins
     "--enable-reasoning": "an older vLLM flag: --reasoning-parser NAME alone turns reasoning parsing on",
     "--tool-parser-plugin": "tool parser plugins are not built (the built parsers: --tool-call-parser)",
@@ -100,8 +96,7 @@ SWITCHES_OFF = frozenset({"--enable-lora", "--enable-prompt-adapter", "--enable-
 WHILE_SWITCHED_ON = frozenset({"--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-extra-vocab-size",
                                "--lora-dtype", "--long-lora-scaling-factors", "--max-prompt-adapters",
                                "--max-prompt-adapter-token", "--eplb-config"})
-VOLTLLM_VALUES = {"--task": ("generate", "auto"), "--runner": ("generate", "auto"), "--convert": ("none", "auto"),
-                  "--num-scheduler-steps": ("1",), "--num-lookahead-slots": ("0",),
+VOLTLLM_VALUES = {"--num-scheduler-steps": ("1",), "--num-lookahead-slots": ("0",),
                   "--scheduler-delay-factor": ("0", "0.0")}
 _FALSE = ("false", "0", "no", "off")
 

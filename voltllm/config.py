@@ -72,6 +72,9 @@ class ModelConfig:
     # --max-model-len auto (or -1): max_model_len is the model's maximum until the KV cache is sized, then lowered
     # to the tokens the cache holds (worker/runner.py fit_max_model_len)
     max_model_len_fit: bool = False
+    # generate | pooling (--runner / --convert / --task, voltllm/pooling/config.py): one runner per engine, as vLLM's
+    runner: str = "generate"
+    pooler: Optional[Any] = None  # a pooling engine's pooling.config.PoolerConfig
 
     @property
     def architecture(self) -> str:
@@ -208,6 +211,13 @@ class EngineArgs:
     # full attention over the whole context is always what runs; with a checkpoint whose config turns a sliding window
     # on, this caps --max-model-len at the window, as vLLM does
     disable_sliding_window: bool = False
+    # pooling (embedding) models, vLLM's flags: --runner auto | generate | pooling, --convert auto | none | embed, the
+    # older --task (generate, embed, ...), and --pooler-config (older name --override-pooler-config)
+    runner: str = "auto"
+    convert: str = "auto"
+    task: Optional[str] = None
+    pooler_config: Optional[Any] = None  # JSON object or dict: pooling_type, normalize / use_activation, dimensions
+    override_pooler_config: Optional[Any] = None
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
@@ -276,6 +286,32 @@ class EngineArgs:
         except CompilationConfigError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_runner(self, hf_config: Any, model_path: str, spec: Any) -> tuple[str, Any]:
+        """(runner, PoolerConfig or None) from --runner / --convert / --task / --pooler-config (pooling/config.py)."""
+        from voltllm.model.models.registry import attention_only
+        from voltllm.pooling.config import PoolerConfigError, resolve_pooler_config, resolve_runner
+
+        given = self.pooler_config if self.pooler_config is not None else self.override_pooler_config
+        if self.pooler_config is not None and self.override_pooler_config is not None \
+                and self.pooler_config != self.override_pooler_config:
+            raise ConfigError("--override-pooler-config is the older name of --pooler-config: give one")
+        try:
+            runner = resolve_runner(self.task, self.runner, self.convert, hf_config, model_path)
+            if runner == "generate":
+                if given is not None:
+                    raise ConfigError("--pooler-config applies to pooling models: add --runner pooling")
+                return runner, None
+            pooler = resolve_pooler_config(given, model_path, hf_config)
+        except PoolerConfigError as e:
+            raise ConfigError(str(e)) from None
+        if not attention_only(hf_config):
+            raise ConfigError(f"--runner pooling: embedding models are built for the attention-only architectures "
+                              f"(llama, qwen2, qwen3, qwen3_moe), not {getattr(hf_config, 'model_type', None)!r}")
+        if spec is not None:
+            raise ConfigError("--speculative-config: a pooling model generates nothing to speculate on; drop it")
+        logger.info("pooling (embedding) model: %s", pooler.describe())
+        return runner, pooler
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -309,6 +345,7 @@ class EngineArgs:
             spec = self._resolve_dflash(spec, hf_config)
         elif spec is not None and spec.uses_mtp:
             _check_mtp(hf_config, source, load_format)
+        runner, pooler = self._resolve_runner(hf_config, source.path, spec)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
@@ -407,9 +444,14 @@ class EngineArgs:
             chat_template=self.chat_template, language_model_only=self.language_model_only,
             load_format=load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,
-            quantized_weights=quantized_weights, max_model_len_fit=fit)
+            quantized_weights=quantized_weights, max_model_len_fit=fit, runner=runner, pooler=pooler)
+        prefix_caching = self.enable_prefix_caching
+        if prefix_caching and pooler is not None and pooler.reads_every_token:
+            # (vLLM's choice too) a prefix-cache hit skips tokens whose hidden states MEAN / CLS pool
+            logger.info("prefix caching is off: %s pooling needs every prompt token computed", pooler.pooling_type)
+            prefix_caching = False
         cache = CacheConfig(
-            block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            block_size=self.block_size, enable_prefix_caching=prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
             calculate_key_offsets=calculate_key_offsets,
             gpu_memory_utilization=self.gpu_memory_utilization,

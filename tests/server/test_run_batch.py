@@ -21,7 +21,7 @@ def _line(custom_id, url="/v1/completions", **body):
     ("[1]\n", "line 1: expected an object"),
     (_line("a") + "\n" + _line("a") + "\n", "line 2: custom_id 'a' is used twice"),
     (json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}), "method must be POST"),
-    (_line("a", url="/v1/embeddings"), "url '/v1/embeddings' is not served in a batch"),
+    (_line("a", url="/v1/score"), "url '/v1/score' is not served in a batch"),
     (_line("a", stream=True), "cannot stream"),
     (_line("a", url="/v1/responses", input="x", background=True), "cannot run in the background"),
     (json.dumps({"custom_id": "", "method": "POST", "url": "/v1/completions", "body": {}}), "non-empty string"),
@@ -79,3 +79,22 @@ def test_run_batch_answers_in_order(tmp_path):
     assert by_id["resp"]["response"]["body"]["object"] == "response"
     assert by_id["unknown-model"]["response"]["status_code"] == 404
     assert all(by_id[f"n{i}"]["response"]["body"]["usage"]["completion_tokens"] == 2 for i in range(12))
+
+
+def test_run_batch_embeddings(tmp_path):
+    """A pooling model's batch: /v1/embeddings lines answered as the pooling server answers them (a generation line
+    gets its 404)."""
+    from voltllm.cli import main
+
+    model = make_model(str(tmp_path / "tiny"), "qwen3")
+    lines = [_line("e1", url="/v1/embeddings", input="Hello there"),
+             _line("e2", url="/v1/embeddings", input=["a b", "c"], encoding_format="float"),
+             _line("gen", prompt="x", max_tokens=1)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", str(src), "-o", str(out), model, "--device", "cpu", "--runner", "pooling"]) == 0
+    by_id = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["e1"]["status_code"] == 200 and len(by_id["e1"]["body"]["data"][0]["embedding"]) == 64
+    assert [d["index"] for d in by_id["e2"]["body"]["data"]] == [0, 1]
+    assert by_id["gen"]["status_code"] == 404 and "generates nothing" in by_id["gen"]["body"]["error"]["message"]

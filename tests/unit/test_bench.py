@@ -500,3 +500,16 @@ def test_client_reads_the_server_platform():
             assert runner.server_platform() == want
         finally:
             runner.close()
+
+
+def test_bench_refuses_a_pooling_model(tmp_path, capsys):
+    from transformers import Qwen3Config
+
+    from voltllm.cli import main
+
+    model_dir = tmp_path / "tiny"
+    Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
+    assert main(["bench", "--random-weights", str(model_dir), "--device", "cpu", "--runner", "pooling",
+                 "--output-dir", str(tmp_path / "out")]) == 2
+    assert "voltllm bench measures generation: a pooling (embedding) model" in capsys.readouterr().err

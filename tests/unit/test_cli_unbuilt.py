@@ -19,7 +19,6 @@ from voltllm.cli_unbuilt import UNBUILT_FLAGS, WHILE_SWITCHED_ON, screen_unbuilt
      "voltllm: error: --enable-reasoning: an older vLLM flag: --reasoning-parser NAME alone"),
     (["generate", "hi", "m", "--num-scheduler-steps", "8"], "voltllm: error: --num-scheduler-steps: multi-step"),
     (["serve", "m", "--enable-sleep-mode"], "voltllm: error: --enable-sleep-mode: sleep mode"),
-    (["serve", "m", "--task", "embed"], "voltllm: error: --task: pooling models"),
 ])
 def test_unbuilt_vllm_flags_exit_2_with_the_reason(capsys, argv, expected):
     assert main(argv) == 2
@@ -37,8 +36,9 @@ def test_every_table_flag_is_refused_and_none_is_defined_by_voltllm():
 
 
 @pytest.mark.parametrize("words", [["--no-enable-lora"], ["--enable-lora=false"], ["--max-lora-rank", "16"],
-                                   ["--max-loras=4"], ["--no-enable-sleep-mode"], ["--task", "generate"],
-                                   ["--runner=auto"], ["--num-scheduler-steps", "1"], ["--no-enable-expert-parallel"]])
+                                   ["--max-loras=4"], ["--no-enable-sleep-mode"], ["--num-lookahead-slots", "0"],
+                                   ["--scheduler-delay-factor=0"], ["--num-scheduler-steps", "1"],
+                                   ["--no-enable-expert-parallel"]])
 def test_unbuilt_features_left_off_are_accepted_and_dropped(words):
     """vLLM runs these as voltllm does (the feature off, or the value that is voltllm's behaviour); lm-evaluation-
     harness passes enable_lora=False and max_lora_rank to every engine. They are dropped before parsing."""
@@ -81,8 +81,6 @@ def test_config_file_and_offline_llm_name_the_reason(tmp_path):
         LLM("unused", enable_sleep_mode=True)
     with pytest.raises(TypeError, match="unknown engine arguments: no_such_argument"):
         LLM("unused", no_such_argument=1)
-    with pytest.raises(TypeError, match="task: pooling models"):
-        LLM("unused", task="embed")
     cfg.write_text("enable_lora: false\nmax_lora_rank: 16\ntask: generate\nmax-model-len: 77\n")
     assert merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(cfg)])).max_model_len == 77
 

@@ -262,6 +262,11 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     ea = engine_args_from(args)
     ea.skip_tokenizer_init = True  # token-id prompts, no text: the bench never needs the tokenizer
     config = ea.create_engine_config()
+    if config.model.runner != "generate":
+        from voltllm.config import ConfigError
+
+        raise ConfigError("voltllm bench measures generation: a pooling (embedding) model (--runner pooling) "
+                          "generates nothing to measure")
     device, dtype = config.device.device, config.model.dtype
     max_c = max(p.concurrency for p in plans)
     if max_c > config.scheduler.max_num_seqs:

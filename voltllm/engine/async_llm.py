@@ -24,9 +24,10 @@ from voltllm.config import EngineConfig
 from voltllm.engine.async_beam_search import BeamSearchStream, run_beam_search
 from voltllm.engine.beam_search import BeamSearchParams
 from voltllm.engine.frontend import Frontend, PromptType
-from voltllm.engine.outputs import RequestOutput
-from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab
+from voltllm.engine.outputs import PoolingRequestOutput, RequestOutput
+from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab, runner_mismatch
 from voltllm.engine.types import EngineCoreRequest, SchedulerStats
+from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.params import SamplingParams
 
 logger = logging.getLogger("voltllm")
@@ -103,11 +104,14 @@ class RequestStream:
         self.close()
         raise err  # type: ignore[misc]
 
-    def _observe(self, out: RequestOutput) -> None:
+    def _observe(self, out: Any) -> None:
+        """out: a RequestOutput, or a pooling request's PoolingRequestOutput (no tokens; "stop" when it has its
+        embedding)."""
         self._last_output = out
         obs = self.engine.observer
         now = time.monotonic()
-        n = sum(len(c.token_ids) for c in out.outputs)
+        choices = out.outputs if isinstance(out, RequestOutput) else []
+        n = sum(len(c.token_ids) for c in choices)
         if n > self._num_tokens:
             if self._first_token_time is None:
                 self._first_token_time = now
@@ -121,7 +125,8 @@ class RequestStream:
             self._last_token_time = now
             self._num_tokens = n
         if out.finished and obs:
-            reasons = [c.finish_reason or "abort" for c in out.outputs]
+            reasons = ([c.finish_reason or "abort" for c in choices] if isinstance(out, RequestOutput)
+                       else ["stop" if out.outputs is not None else "abort"])
             obs.on_finished(out, reasons[0] if len(set(reasons)) == 1 else "mixed", now - self.arrival)
 
     def close(self) -> None:
@@ -207,7 +212,9 @@ class AsyncLLM:
                 tok_task.cancel()
             self.shutdown()
             raise
-        self.frontend = Frontend(self.tokenizer, self.config.model.model, self.max_model_len)
+        mc = self.config.model
+        self.frontend = Frontend(self.tokenizer, mc.model, self.max_model_len, pooler=mc.pooler,
+                                 model_name=mc.served_model_name)
         self._task = asyncio.ensure_future(self._output_loop())
 
     async def _wait_ready(self, timeout: Optional[float]) -> None:
@@ -365,8 +372,23 @@ class AsyncLLM:
 
     def _validate(self, req: EngineCoreRequest) -> None:
         """The engine core's own admission checks, done here so that a bad request is a 400 at once."""
-        self._check_prompt(req.prompt_token_ids, req.sampling_params)
+        if (req.pooling_params is not None) != (self.config.model.runner == "pooling"):
+            raise InvalidRequestError(runner_mismatch(self.config.model.runner))
+        if req.pooling_params is not None:
+            self._check_pooling_prompt(req.prompt_token_ids)
+        else:
+            self._check_prompt(req.prompt_token_ids, req.sampling_params)
         check_priority(req.priority, self.config.scheduler.policy)
+
+    def _check_pooling_prompt(self, ids: list[int]) -> None:
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n > self.max_model_len:  # (an embedding needs no room for a generated token)
+            raise InvalidRequestError(
+                f"the input has {n} tokens, more than this model's maximum context length ({self.max_model_len} "
+                "tokens); shorten it or set truncate_prompt_tokens")
+        check_vocab(ids, None, self.vocab_size)
 
     def _check_prompt(self, ids: list[int], sp: SamplingParams) -> None:
         n = len(ids)
@@ -400,6 +422,33 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._send(("add", reqs))
         return stream
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
+                            cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
+        """Validate and submit one embedding request (pooling engines); its stream yields one PoolingRequestOutput.
+        Raises ValueError subclasses for bad input (HTTP 400). priority: as add_request's."""
+        self._check_alive()
+        if request_id in self._streams or request_id in self._beam_searches:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = self.frontend.make_pooling_request(request_id, prompt, params, cache_salt, priority)
+        try:
+            self._validate(req)
+        except BaseException:
+            self.frontend.forget(request_id)
+            raise
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._send(("add", [req]))
+        return stream
+
+    async def encode(self, prompt: PromptType, params: Optional[PoolingParams], request_id: str,
+                     cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        stream = self.add_pooling_request(request_id, prompt, params, cache_salt, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -12,7 +12,7 @@ import torch
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import EngineConfig
 from voltllm.engine.request import Request
-from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab
+from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab, runner_mismatch
 from voltllm.engine.scheduler import Scheduler, SchedulerOutput
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from voltllm.structured.matchers import GrammarMatchers
@@ -101,7 +101,14 @@ class EngineCore:
         n = len(req.prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
-        if n >= self.max_model_len:
+        pooling = req.pooling_params is not None
+        if pooling != (self.config.model.runner == "pooling"):  # one runner per engine, as vLLM's
+            raise InvalidRequestError(runner_mismatch(self.config.model.runner))
+        if pooling and n > self.max_model_len:  # (an embedding needs no room for a generated token)
+            raise InvalidRequestError(
+                f"the input has {n} tokens, more than the maximum context length ({self.max_model_len}); shorten it "
+                "or raise --max-model-len")
+        if not pooling and n >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens, at or over the maximum context length ({self.max_model_len}); "
                 "shorten it or raise --max-model-len")
@@ -116,10 +123,11 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)
         r = Request(req, self.max_model_len)
-        if req.sampling_params.seed is not None:
-            r.generator = torch.Generator(device=self.runner.device).manual_seed(req.sampling_params.seed)
+        sp = r.sampling_params
+        if sp.seed is not None:
+            r.generator = torch.Generator(device=self.runner.device).manual_seed(sp.seed)
         ready = True
-        if req.sampling_params.structured_outputs is not None:
+        if sp.structured_outputs is not None:
             ready = self.grammars.attach(r)  # False: its grammar compiles in the background; it waits meanwhile
         self.scheduler.add_request(r, ready)
 

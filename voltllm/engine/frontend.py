@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from voltllm.engine.detokenizer import IncrementalDetokenizer
-from voltllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from voltllm.engine.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                                    RequestOutput)
 from voltllm.engine.request_checks import InvalidRequestError
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, PositionLogprobs
+from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.bad_words import bad_words_token_ids
 from voltllm.sampling.params import SamplingParams
 
@@ -83,11 +85,13 @@ class _RequestState:
     request_id: str
     prompt: Optional[str]
     prompt_ids: list[int]
-    params: SamplingParams
+    params: Union[SamplingParams, PoolingParams]
     children: dict[str, _Child]
     metrics: RequestMetrics
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     num_cached_tokens: int = 0
+    pooling: bool = False  # an embedding request (one child, no text): its result is `pooled`
+    pooled: Any = None
 
     @property
     def finished(self) -> bool:
@@ -120,10 +124,15 @@ def _engine_times(m: RequestMetrics, out: EngineCoreOutput) -> None:
 class Frontend:
     """Turns prompts into EngineCoreRequests and EngineCoreOutputs into RequestOutputs."""
 
-    def __init__(self, tokenizer: Any, model_path: str, max_model_len: int):
+    def __init__(self, tokenizer: Any, model_path: str, max_model_len: int, pooler: Any = None,
+                 model_name: str = ""):
+        """pooler: a pooling engine's PoolerConfig (its requests' defaults and checks); model_name: the name its
+        errors give the model."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(tokenizer, model_path)
         self.max_model_len = max_model_len
+        self.pooler = pooler
+        self.model_name = model_name
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
 
@@ -183,6 +192,34 @@ class Frontend:
         return bad_words_token_ids(params.bad_words,
                                    lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
+    def make_pooling_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
+                             cache_salt: Optional[str] = None, priority: int = 0) -> EngineCoreRequest:
+        """An embedding request (pooling engines): the prompt tokenized and cut to its truncate_prompt_tokens, its
+        params resolved against the engine's pooler (PoolingParamsError for a bad one)."""
+        if self.pooler is None:
+            raise InvalidPromptError("this engine runs a generative model: it computes no embeddings (start it with "
+                                     "--runner pooling)")
+        if request_id in self.states:
+            raise InvalidPromptError(f"request id {request_id!r} is already in use")
+        params = self.pooler.resolve(params, self.model_name)
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidPromptError("the prompt is empty")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise InvalidPromptError(f"truncate_prompt_tokens ({keep}) is greater than the maximum context "
+                                         f"length ({self.max_model_len})")
+            if keep < len(ids):
+                text, ids = None, ids[-keep:]
+        now = time.monotonic()
+        self.states[request_id] = _RequestState(request_id, text, ids, params, {request_id: _Child(0, None)},
+                                                RequestMetrics(now), pooling=True)
+        self.child_to_parent[request_id] = request_id
+        return EngineCoreRequest(request_id, ids, None, arrival_time=now, cache_salt=cache_salt, priority=priority,
+                                 pooling_params=params)
+
     def child_ids(self, request_id: str) -> list[str]:
         st = self.states.get(request_id)
         return list(st.children) if st else []
@@ -215,6 +252,8 @@ class Frontend:
             if child.finish_reason is not None:
                 continue
             st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
+            if out.pooled is not None:
+                st.pooled = out.pooled
             if out.prompt_logprobs is not None and st.prompt_logprobs is None:
                 st.prompt_logprobs = [None if p is None else self._decode_logprobs(p) for p in out.prompt_logprobs]
             if out.first_token_time is not None and st.metrics.first_token_time is None:
@@ -251,7 +290,10 @@ class Frontend:
         last = out.new_token_ids[-1]
         return last in params._eos_token_ids or last in (params.stop_token_ids or ())
 
-    def build(self, st: _RequestState) -> RequestOutput:
+    def build(self, st: _RequestState) -> Union[RequestOutput, PoolingRequestOutput]:
+        if st.pooling:
+            return PoolingRequestOutput(st.request_id, PoolingOutput(st.pooled) if st.pooled is not None else None,
+                                        st.prompt_ids, st.finished, st.prompt, st.num_cached_tokens, st.metrics)
         comps = []
         for c in sorted(st.children.values(), key=lambda c: c.index):
             done = c.finish_reason is not None

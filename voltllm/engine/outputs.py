@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -54,3 +54,47 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: a pooling request's result, its embedding as a CPU float32 torch tensor."""
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's output of LLM.encode (and of the server's embedding requests). `outputs` is None when the request was
+    aborted before its prompt was computed (e.g. a prompt the KV cache can never hold)."""
+    request_id: str
+    outputs: Optional[PoolingOutput]
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: Optional[str] = None
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: an embedding as a list of floats."""
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's output of LLM.embed: `.outputs.embedding`."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        if out.outputs is None:
+            raise ValueError(f"request {out.request_id} has no embedding: it was aborted")
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)

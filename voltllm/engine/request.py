@@ -11,6 +11,9 @@ import torch
 from voltllm.engine.types import EngineCoreRequest, PositionLogprobs
 from voltllm.sampling.params import SamplingParams
 
+# what a pooling request's sampling fields read as: it samples nothing, so nothing of it asks the sampler for anything
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -38,7 +41,10 @@ class Request:
     def __init__(self, req: EngineCoreRequest, max_model_len: int):
         self.request_id = req.request_id
         self.prompt_token_ids = list(req.prompt_token_ids)
-        self.sampling_params: SamplingParams = req.sampling_params
+        # a pooling request (pooling engines only) runs its prompt once and finishes with the pooled hidden state
+        self.pooling_params = req.pooling_params
+        self.is_pooling = req.pooling_params is not None
+        self.sampling_params: SamplingParams = _POOLING_SAMPLING if self.is_pooling else req.sampling_params
         self.arrival_time = req.arrival_time or time.monotonic()
         self.cache_salt = req.cache_salt
         self.priority = req.priority
@@ -60,6 +66,8 @@ class Request:
         sp = self.sampling_params
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = min(sp.max_tokens, room) if sp.max_tokens is not None else room
+        if self.is_pooling:  # (it produces no token; 1 keeps the scheduler from taking it for done before its end)
+            self.max_tokens = 1
         self.argmax_only = sp.argmax_only  # (the params are final here) the sampler's fast path, per step
         # penalties count the earlier tokens' ids, multi-token bad words compare the latest ones, prompt logprobs
         # need the prompt pass's rows: such a step waits for the one in flight (min_tokens needs only their number:

@@ -28,13 +28,15 @@ def check_priority(priority: object, policy: str) -> None:
                                   "priority 0", "priority")
 
 
-def check_vocab(prompt_ids: Sequence[int], sp: SamplingParams, vocab_size: int) -> None:
+def check_vocab(prompt_ids: Sequence[int], sp: Optional[SamplingParams], vocab_size: int) -> None:
     """Raise InvalidRequestError when the request's token ids do not fit a vocabulary of `vocab_size`. Stop token
     ids, logit_bias keys, allowed_token_ids and bad words' ids are checked too: the sampler indexes the logits with
     them on the device (bans, biases, the allowed mask), where an id past the vocabulary would be an out-of-bounds
-    index."""
+    index. sp None: a pooling request (its prompt only)."""
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if sp is None:
+        return
     if sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     if sp.logit_bias and max(sp.logit_bias) >= vocab_size:
@@ -51,3 +53,12 @@ def check_vocab(prompt_ids: Sequence[int], sp: SamplingParams, vocab_size: int) 
         raise InvalidRequestError(f"logprobs must be <= the vocabulary size ({vocab_size})", "logprobs")
     if sp.prompt_logprobs is not None and sp.prompt_logprobs > vocab_size:
         raise InvalidRequestError(f"prompt_logprobs must be <= the vocabulary size ({vocab_size})", "prompt_logprobs")
+
+
+def runner_mismatch(runner: str) -> str:
+    """Why a request of the other kind cannot run on an engine of `runner` (vLLM runs one runner per engine)."""
+    if runner == "pooling":
+        return ("this engine runs a pooling (embedding) model (--runner pooling): it generates nothing; ask it for "
+                "embeddings")
+    return ("this engine runs a generative model: it computes no embeddings; start one with --runner pooling for "
+            "them")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class ScheduledRequest:
     samples: bool  # this step reaches the end of the request's tokens, so a new token is sampled
     block_array: np.ndarray  # block_ids as int32 (the runner copies its block-table row from it)
     spec_tokens: Sequence[int] = ()  # draft tokens after the known ones (speculation)
+    pools: bool = False  # a pooling request's last prompt chunk: its hidden state is pooled (it samples nothing)
 
 
 @dataclass
@@ -65,6 +66,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = field(default_factory=dict)
     # speculation: the tokens a verified step emits (accepted drafts, then the model's next token)
     verified: dict[str, list[int]] = field(default_factory=dict)
+    # pooling engines: the embedding of each request whose prompt ended in the step (CPU float32 tensors)
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -228,13 +231,15 @@ class Scheduler:
         """with_pending: req.num_tokens_with_pending, when the caller has it."""
         start = req.num_computed_tokens
         with_pending = req.num_tokens_with_pending if with_pending is None else with_pending
-        samples = start + num_new >= with_pending
+        at_end = start + num_new >= with_pending
+        pools = at_end and req.is_pooling  # (a pooling request's end is pooled, never sampled)
+        samples = at_end and not pools
         spec = ()
         if req.spec_token_ids:  # (most steps have none: no allocation then)
             spec = req.spec_token_ids[: max(0, start + num_new - with_pending)]
             req.spec_token_ids = []
         out.scheduled.append(ScheduledRequest(req, num_new, start, self.kv.block_ids(req), samples,
-                                              self.kv.block_array(req), spec))
+                                              self.kv.block_array(req), spec, pools))
         out.total_tokens += num_new
         req.num_computed_tokens = start + num_new  # advanced now, so the next step can be scheduled early
         if samples:
@@ -268,6 +273,10 @@ class Scheduler:
             rid = req.request_id
             if requests.get(rid) is not req:
                 continue  # finished or aborted while the step ran (its id may even be running again, anew)
+            if s.pools:  # its prompt is done: it finishes with its embedding, and frees its blocks now
+                if rid in result.pooled:
+                    outputs.append(self._finish_pooled(req, result.pooled[rid], now))
+                continue
             plp = prompt_lps.get(rid) if prompt_lps else None
             if plp:  # entries for prompt tokens start+1, start+2, ...; keep only ones not seen before
                 req.prompt_logprobs.extend(plp[len(req.prompt_logprobs) - s.start:])
@@ -300,6 +309,13 @@ class Scheduler:
                 self._finish(req, status)
             outputs.append(out)
         return outputs
+
+    def _finish_pooled(self, req: Request, pooled: Any, now: float) -> EngineCoreOutput:
+        req.first_token_time = req.last_token_time = now  # (its one result: the prefill phase ends here)
+        out = EngineCoreOutput(req.request_id, [], RequestStatus.FINISHED_STOPPED.value, None, None, None,
+                               max(req.num_cached_tokens, 0), now, now, req.scheduled_time, pooled)
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return out
 
     def _append_verified(self, req: Request, drafts: list[int], verified: list[int],
                          max_len: int) -> tuple[list[int], Optional[RequestStatus]]:

@@ -1,4 +1,5 @@
-"""Offline API: LLM(model=None, ...).generate(prompts, params) and .chat(messages, params)."""
+"""Offline API: LLM(model=None, ...).generate(prompts, params) and .chat(messages, params); a pooling model's
+LLM(model, runner="pooling").embed(prompts) / .encode(prompts)."""
 from __future__ import annotations
 
 import itertools
@@ -9,9 +10,10 @@ from voltllm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchP
 from voltllm.engine.core import EngineCore, InvalidRequestError
 from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
 from voltllm.engine.request_checks import check_priority
-from voltllm.engine.outputs import RequestOutput
+from voltllm.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from voltllm.entrypoints.progress import ProgressBar, UseTqdm, tqdm
 from voltllm.model.loader import load_tokenizer
+from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.params import SamplingParams
 
 
@@ -53,6 +55,17 @@ def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
     return engine, (None if max_logprobs == -1 else max_logprobs)
 
 
+def _prompt_list(prompts: Any) -> list:
+    """One prompt (text, token ids, a dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and
+                                             isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', a list of token "
+                        f"ids, or a list of those; got {type(prompts).__name__}")
+    return list(prompts)
+
+
 class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
         kwargs, self.max_logprobs = _offline_settings(kwargs)
@@ -62,8 +75,17 @@ class LLM:
                           load_tokenizer(self.config.model.tokenizer, self.config.model.trust_remote_code))
         self.engine = EngineCore(self.config)
         self.config = self.engine.config  # --max-model-len auto: fitted to the KV cache by now
-        self.frontend = Frontend(self.tokenizer, self.config.model.model, self.config.model.max_model_len)
+        m = self.config.model
+        self.frontend = Frontend(self.tokenizer, m.model, m.max_model_len, pooler=m.pooler,
+                                 model_name=m.served_model_name)
         self._ids = itertools.count()
+
+    def _require_runner(self, runner: str, method: str) -> None:
+        """vLLM runs one runner per engine: generate / chat on a generative model, embed / encode on a pooling one."""
+        if self.config.model.runner != runner:
+            raise ValueError(f"LLM.{method}() is for {'pooling (embedding)' if runner == 'pooling' else 'generative'} "
+                             f"models: this LLM runs a {self.config.model.runner} model; create it with "
+                             f"runner={runner!r}")
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -87,13 +109,8 @@ class LLM:
         use_tqdm: a progress bar on stderr over the sequences completed (True, vLLM's default), none (False), or one
         made by this tqdm-like factory (called with tqdm's keyword arguments)."""
         _refuse_lora(lora_request)
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and
-                                                 isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, Iterable):
-            raise TypeError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', a list of token "
-                            f"ids, or a list of those; got {type(prompts).__name__}")
-        prompts = list(prompts)
+        self._require_runner("generate", "generate")
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
@@ -125,14 +142,61 @@ class LLM:
             raise
         return self._run(order, use_tqdm, sum(sp.n for sp in params))
 
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
+               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None, *,
+               truncate_prompt_tokens: Optional[int] = None, use_tqdm: UseTqdm = True, lora_request: Any = None,
+               pooling_task: Optional[str] = "embed", tokenization_kwargs: Optional[dict] = None
+               ) -> list[PoolingRequestOutput]:
+        """vLLM's: each prompt's pooled hidden state (`.outputs.data`, a float32 tensor), for pooling models
+        (runner="pooling"). Only the embed task is built; truncate_prompt_tokens keeps each prompt's last k tokens
+        (-1: the context length), over the params' own."""
+        _refuse_lora(lora_request)
+        self._require_runner("pooling", "encode")
+        if pooling_task not in (None, "embed"):
+            raise ValueError(f"pooling_task {pooling_task!r}: only 'embed' is built (classification, scoring and "
+                             "token-level pooling are not)")
+        if tokenization_kwargs:
+            raise ValueError("tokenization_kwargs: not built here (prompts are tokenized with the model's defaults; "
+                             "pass token ids to control them)")
+        prompts = _prompt_list(prompts)
+        params = (list(pooling_params) if isinstance(pooling_params, Sequence)
+                  else [pooling_params or PoolingParams()] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} pooling params")
+        for p in params:
+            if not isinstance(p, PoolingParams):
+                raise TypeError(f"pooling_params must be PoolingParams (or a list of them), got {type(p).__name__}")
+        if truncate_prompt_tokens is not None:
+            params = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        order: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(self.frontend.make_pooling_request(rid, prompt, p))
+                order.append(rid)
+        except Exception:
+            self._abort(order + [rid])
+            raise
+        return self._run(order, use_tqdm, len(prompts))
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], *, truncate_prompt_tokens: Optional[int] = None,
+              use_tqdm: UseTqdm = True, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              lora_request: Any = None, tokenization_kwargs: Optional[dict] = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding (`.outputs.embedding`, a list of floats), for pooling models."""
+        self._require_runner("pooling", "embed")
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.engine.abort_requests(self.frontend.child_ids(rid))
             self.frontend.forget(rid)
         self.engine.step()  # flush abort notices
 
-    def _run(self, order: list[str], use_tqdm: UseTqdm = False, num_sequences: int = 0) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+    def _run(self, order: list[str], use_tqdm: UseTqdm = False, num_sequences: int = 0) -> list:
+        """The finished outputs of `order` (RequestOutputs; PoolingRequestOutputs for pooling requests)."""
+        final: dict[str, Any] = {}
         progress: Optional[ProgressBar] = None
         try:
             if use_tqdm:  # (a factory that fails aborts the requests, as any error here)
@@ -247,6 +311,7 @@ class LLM:
         from voltllm.entrypoints.openai.serving_common import normalize_messages
 
         _refuse_lora(lora_request)
+        self._require_runner("generate", "chat")
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: expected one of "
                              f"{', '.join(CONTENT_FORMATS)}")

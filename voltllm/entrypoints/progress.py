@@ -24,10 +24,12 @@ class ProgressBar:
         self.bar = factory(total=total, desc="Processed prompts", dynamic_ncols=True, postfix=_rates(0.0, 0.0))
         self.input_tokens = self.output_tokens = 0
 
-    def finished(self, out: RequestOutput) -> None:
-        n = len(out.outputs)
+    def finished(self, out: Any) -> None:
+        """out: a RequestOutput, or a pooling request's output (one sequence, no output tokens)."""
+        choices = out.outputs if isinstance(out, RequestOutput) else []
+        n = len(choices) or 1
         self.input_tokens += len(out.prompt_token_ids) * n
-        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        self.output_tokens += sum(len(c.token_ids) for c in choices)
         elapsed = max(self.bar.format_dict["elapsed"], 1e-6)  # (0 on a coarse clock right after the start)
         self.bar.postfix = _rates(self.input_tokens / elapsed, self.output_tokens / elapsed)
         self.bar.update(n)

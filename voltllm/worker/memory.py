@@ -44,8 +44,12 @@ def profile_activation_bytes(runner) -> int:
     hidden = runner.model(ids, torch.arange(n, device=dev), ForwardContext(meta, caches, runner.backend))
     if draft_caches is not None:  # (while the target's hidden states wait for their logits)
         draft.model(ids, torch.arange(n, device=dev), ForwardContext(meta, draft_caches, draft.backend))
-    # (a verification's logits: a row per token, up to max_decode_rows) + the sampler's fp32 copy
-    runner.model.compute_logits(hidden[-min(n, runner.max_decode_rows):]).float()
+    # (a verification's logits: a row per token, up to max_decode_rows) + the sampler's fp32 copy; a pooling model
+    # has no head: its step's extra is an fp32 copy of the rows it pools (MEAN: all of them)
+    if getattr(runner, "pooler", None) is None:
+        runner.model.compute_logits(hidden[-min(n, runner.max_decode_rows):]).float()
+    else:
+        hidden.float()
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
     del caches, draft_caches, hidden

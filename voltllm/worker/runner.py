@@ -77,6 +77,8 @@ class StepHandle:
     spec_draft_ids: Optional[torch.Tensor] = None
     # a hybrid target's verifying requests, whose state slots collect() settles (worker/hybrid_spec.py)
     spec_states: list = field(default_factory=list)
+    # a pooling engine: the embeddings of the requests whose prompt ended in the step (voltllm/pooling/pooler.py)
+    pooled: Optional[object] = None
     # the device results before their host copies (MTP's after_step reads them): sampled tokens, and the
     # verification's (tokens, accepted or None for greedy)
     sampled_device: Optional[torch.Tensor] = None
@@ -155,6 +157,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.sampler = Sampler()
+        self.pooler = None  # a pooling engine's (--runner pooling): it pools hidden states instead of sampling
+        if config.model.runner == "pooling":
+            from voltllm.pooling.pooler import Pooler
+
+            self.pooler = Pooler(config.model.pooler.pooling_type)
         self.buffers: Optional[InputBuffers] = None
         self.graphs = None  # DecodeGraphs once captured
         self.verify_graphs = None  # a hybrid's verification steps as decode rows (worker/hybrid_spec.py)
@@ -196,7 +203,8 @@ class ModelRunner:
                                                   grouped_max_rows(cap))
         try:
             with torch.device(self.device):
-                model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp)
+                model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp,
+                                    headless=mc.runner == "pooling")
             if mc.load_format == "dummy":
                 init_dummy_weights(model, mc.seed)
                 logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
@@ -704,6 +712,11 @@ class ModelRunner:
             handle.sampled_ids = ids
         for i, s, n in plp:
             handle.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(hidden[qsl[i]:qsl[i] + n], s)
+        if self.pooler is not None:  # (launched before the next step's forward can rewrite a graph's hidden buffer)
+            self.pooler.forget(sched.released_ids)
+            handle.pooled = self.pooler.pool(hidden, qsl, sched.scheduled)
+            if handle.pooled is not None:
+                handle.pooled.copy_to_host_async()
         if self.draft is not None and hasattr(self.draft, "after_step"):  # MTP: its KV needs the chosen tokens
             self.draft.after_step(sched, meta, hidden, qsl, handle)
         if self.device.type == "cuda":
@@ -825,6 +838,8 @@ class ModelRunner:
         if handle.event is not None:
             handle.event.synchronize()
         out = RunnerOutput(prompt_logprobs=handle.prompt_logprobs)
+        if handle.pooled is not None:
+            out.pooled = handle.pooled.to_host()
         if handle.spec_out is not None:
             tokens, accepted = handle.spec_out.to_host()
             sampled = isinstance(handle.spec_out, DraftVerdicts)

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from voltllm import __version__
+from voltllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, error_response, status_phrase
 from voltllm.entrypoints.openai.messages_errors import (MESSAGES_ROUTES, anthropic_error_body,
                                                         anthropic_error_response, is_messages_path)
@@ -30,6 +31,7 @@ from voltllm.entrypoints.openai.server_middleware import (RequestIdHeaderMiddlew
                                                           ServerLoadMiddleware)
 from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
+from voltllm.entrypoints.openai.serving_embedding import create_embedding
 from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
 from voltllm.entrypoints.openai.serving_responses import create_response, get_response
 
@@ -37,8 +39,12 @@ logger = logging.getLogger("voltllm")
 M = TypeVar("M", bound=BaseModel)
 
 _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", "/tokenize", "/detokenize",
-           "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/acceleration",
-           "/v1/sm70/acceleration"}
+           "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+           "/v1/acceleration", "/v1/sm70/acceleration"}
+# vLLM's pooling routes for other tasks than embeddings: refused by name on every server
+_UNBUILT_ROUTES = {"/score": "scoring", "/v1/score": "scoring", "/rerank": "reranking", "/v1/rerank": "reranking",
+                   "/v2/rerank": "reranking", "/classify": "classification",
+                   "/pooling": "vLLM's generic /pooling route", "/v2/embed": "Cohere's embed API"}
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 # behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open)
 _GUARDED_ROUTES = ("/invocations",)
@@ -131,7 +137,9 @@ async def parse_body(request: Request, model: Type[M]) -> M:
 async def _invocation(state: ServerState, request: Request) -> Any:
     """SageMaker's POST /invocations, dispatched as vLLM does: the body is tried as a chat completion request,
     then as a completion request, and the first it validates as is served (so `messages` -> chat, `prompt` ->
-    completion); one that is neither is a 400 naming both problems."""
+    completion); one that is neither is a 400 naming both problems. A pooling server's is its embeddings route."""
+    if state.runner == "pooling":
+        return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
     problems = []
     for kind, model, serve in (("chat completion", ChatCompletionRequest, create_chat_completion),
                                ("completion", CompletionRequest, create_completion)):
@@ -240,23 +248,52 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
             raise OpenAIError(f"The model `{model}` does not exist", 404, "model", "model_not_found")
         return _model_card(model)
 
+    def generation_only(request: Request) -> None:
+        """vLLM serves the generation routes from generate engines only (one runner per engine): a pooling server
+        answers them 404, saying what it serves."""
+        if state.runner == "pooling":
+            raise OpenAIError(f"{request.method} {request.url.path}: this server runs a pooling (embedding) model "
+                              "(--runner pooling), which generates nothing; it serves POST /v1/embeddings", 404)
+
     @app.post("/v1/messages")  # the Anthropic Messages API (serving_messages.py)
     async def messages(request: Request) -> Any:
+        generation_only(request)
         return await create_message(state, await parse_body(request, MessagesRequest), request)
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> dict:
+        generation_only(request)
         return await count_message_tokens(state, await parse_body(request, CountTokensRequest))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        generation_only(request)
         req = await parse_body(request, ChatCompletionRequest)
         return await create_chat_completion(state, req, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
+        generation_only(request)
         req = await parse_body(request, CompletionRequest)
         return await create_completion(state, req, request)
+
+    @app.post("/v1/embeddings")  # pooling servers (serving_embedding.py)
+    async def embeddings(request: Request) -> Any:
+        if state.runner != "pooling":
+            raise OpenAIError("POST /v1/embeddings: this server runs a generative model, which computes no "
+                              "embeddings; serve an embedding model with --runner pooling (a causal LM: "
+                              "--convert embed)", 404)
+        return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
+
+    def _unbuilt_route(path: str, what: str) -> Any:
+        async def refuse() -> None:
+            raise OpenAIError(f"POST {path}: {what} is not built in voltllm (embedding models serve POST "
+                              "/v1/embeddings, with --runner pooling)", 404)
+        return refuse
+
+    for path, what in _UNBUILT_ROUTES.items():
+        app.add_api_route(path, _unbuilt_route(path, what), methods=["POST"], include_in_schema=False,
+                          operation_id=f"unbuilt_{path.strip('/').replace('/', '_')}")
 
     @app.post("/invocations")  # SageMaker's one generation route (below)
     async def invocations(request: Request) -> Any:
@@ -267,19 +304,23 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
 
     @app.post("/v1/responses")
     async def create_responses(request: Request) -> Any:
+        generation_only(request)
         return await create_response(state, responses, await parse_body(request, ResponsesRequest), request,
                                      background)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> dict:
+    async def retrieve_response(response_id: str, request: Request) -> dict:
+        generation_only(request)
         return get_response(responses, response_id)
 
     @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str) -> dict:
+    async def cancel_response(response_id: str, request: Request) -> dict:
+        generation_only(request)
         return background.cancel(response_id)
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict:
+    async def delete_response(response_id: str, request: Request) -> dict:
+        generation_only(request)
         return background.delete(response_id)
 
     async def _acceleration() -> dict:

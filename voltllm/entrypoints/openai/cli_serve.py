@@ -32,7 +32,7 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help=help, description="Serve a model over an OpenAI-compatible HTTP API "
         "(/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /tokenize, /detokenize, "
-        "/health, /metrics). "
+        "/health, /metrics; an embedding model's /v1/embeddings with --runner pooling). "
         "See docs/cli.md for every flag and its status.")
     p.add_argument("model", nargs="?", default=None,
                    help="model path: a Hugging Face directory or a .gguf file (default: the embedded "

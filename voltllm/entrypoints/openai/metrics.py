@@ -207,7 +207,8 @@ class ServerMetrics:
         timestamps the request reached (one aborted while waiting has no prefill, for instance)."""
         lab = (self.model, ENGINE_INDEX)
         self.request_prompt.labels(*lab).observe(len(out.prompt_token_ids))
-        counts = [len(c.token_ids) for c in out.outputs] or [0]
+        # (a pooling request's output has no choices: its embedding is its one result, no generated tokens)
+        counts = ([len(c.token_ids) for c in out.outputs] if isinstance(out.outputs, list) else []) or [0]
         for n in counts:
             self.request_generation.labels(*lab).observe(n)
         longest = max(counts)

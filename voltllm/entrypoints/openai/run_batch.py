@@ -24,7 +24,8 @@ from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm")
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# (/v1/embeddings: pooling models, --runner pooling; a generative model answers those lines 404, as its server does)
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 WINDOW_PER_SEQ = 4  # requests in flight per --max-num-seqs: enough to keep every engine slot busy
 PROGRESS_EVERY_S = 10.0
 

@@ -47,6 +47,7 @@ class ServerState:
     chat_template_content_format: str = "auto"  # auto | string | openai (chat_content_format.py)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    runner: str = "generate"  # generate | pooling (one runner per engine, as vLLM): which model routes answer
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

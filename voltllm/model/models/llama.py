@@ -157,11 +157,13 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int,
-                 linear_method: Optional[LinearMethod] = None, tp=None):
+                 linear_method: Optional[LinearMethod] = None, tp=None, headless: bool = False):
         """linear_method: how the projections (and an untied LM head) hold their weights; None: dense. tp: this
-        rank's tensor-parallel group (None: the whole model on one device)."""
+        rank's tensor-parallel group (None: the whole model on one device). headless: no LM head and no logits (a
+        pooling model: its checkpoint's lm_head, if any, is skipped; embedding checkpoints often have none)."""
         super().__init__()
         self.config = cfg
+        self.headless = headless
         self.dtype = dtype
         self.tp = tp
         self.vocab_size = cfg.vocab_size
@@ -180,7 +182,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
-        self.lm_head = None if self.tie else Linear(cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
+        self.lm_head = None if self.tie or headless else Linear(cfg.hidden_size, head_rows, dtype=dtype,
+                                                                 method=linear_method)
         self.rotary = rotary
         self.has_moe = any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
         # prompt-step CUDA graphs are only validated for dense MLPs (decode graphs cover MoE layers, as in the
@@ -230,12 +233,16 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
 
     @property
     def logits_weight(self) -> Optional[torch.Tensor]:
-        """The dense LM-head weight (None when the head is quantized)."""
+        """The dense LM-head weight (None when the head is quantized, or there is none: headless)."""
+        if self.headless:
+            return None
         return self.embed_tokens.weight if self.tie else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: a greedy batch takes their argmax as they are; the sampler widens them to
         fp32 where it computes on them (an fp32 copy of 64 x 152K logits costs ~15 us per decode step)."""
+        if self.headless:
+            raise RuntimeError("this model was built without its LM head (a pooling model): it computes no logits")
         if self.logits_weight is None:  # a quantized head (its own, or the embeddings' planes)
             logits = self.embed_tokens.logits(hidden) if self.tie else self.lm_head(hidden)
         else:
@@ -288,7 +295,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             if "rotary_emb" in name:
                 continue
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.tie:
+            if name.startswith("lm_head.") and (self.tie or self.headless):
                 continue
             if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
                 for buf in kv_scale[1]:

@@ -1,0 +1,60 @@
+"""PoolingParams: what one embedding request asks for (vLLM's names and rules, embed task only)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+# vLLM's pooling tasks other than "embed": named so that asking for one says it is not built
+_UNBUILT_TASKS = ("classify", "score", "token_embed", "token_classify", "reward", "encode")
+
+
+class PoolingParamsError(ValueError):
+    """A bad pooling parameter; the message starts with the parameter's name (an HTTP 400)."""
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's PoolingParams for embeddings.
+
+    truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds; None: all).
+    dimensions: the embedding's first `dimensions` values (matryoshka models only), renormalized when normalized.
+    normalize: L2-normalize the embedding (None: the model's default, --pooler-config / its sentence-transformers
+    Normalize module, else true). use_activation is vLLM's newer name for it (embed task).
+    """
+
+    truncate_prompt_tokens: Optional[int] = None
+    dimensions: Optional[int] = None
+    normalize: Optional[bool] = None
+    use_activation: Optional[bool] = None
+    task: str = "embed"
+
+    def __post_init__(self) -> None:
+        if self.task in _UNBUILT_TASKS:
+            raise PoolingParamsError(f"task {self.task!r}: only the embed task is built (classification, scoring "
+                                     "and token-level pooling are not)")
+        if self.task != "embed":
+            raise PoolingParamsError(f"task must be 'embed', got {self.task!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or t < -1):
+            raise PoolingParamsError(f"truncate_prompt_tokens must be an integer >= -1 (-1: the context length), "
+                                     f"got {t!r}")
+        if self.dimensions is not None and not _is_int(self.dimensions):
+            raise PoolingParamsError(f"dimensions must be an integer, got {self.dimensions!r}")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise PoolingParamsError(f"{name} must be true or false, got {value!r}")
+        if self.normalize is not None and self.use_activation is not None and self.normalize != self.use_activation:
+            raise PoolingParamsError("normalize and use_activation name the same switch for embeddings: give one")
+
+    @property
+    def normalize_asked(self) -> Optional[bool]:
+        """The request's normalize, under either name (None: the model's default)."""
+        return self.normalize if self.normalize is not None else self.use_activation
+
+    def clone(self, **changes) -> "PoolingParams":
+        return replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
