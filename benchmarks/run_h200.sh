@@ -1530,6 +1530,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s138)  # (session 48) s137's two files that failed on the machine's packages (transformers 5.17 reads no hybrid GGUF
+         # tokenizer: .whl now carries 5.18, voltllm's floor; compressed-tensors was missing: .whl carries it), the
+         # pooling engine on CUDA, the sampler file with allowed_token_ids / bad_words rows
+    gpu_file test_gguf_hybrid_cuda 150 -n 3
+    gpu_file test_compressed_tensors_cuda 150 -n 3
+    gpu_file test_pooling_cuda 150 -n 3
+    gpu_file test_sampler_cuda 100 -n 3
+    ;;
   s137)  # (for session 48) session 47's GPU tests, written while no GPU was lent: --max-model-len auto /
          # --kv-cache-memory-bytes / capture sizes / vocabulary ranks, hybrid GGUF files kept quantized, compressed-tensors
          # int4 / int8 / FP8 kept quantized; then the engine and sampler files the merged changes touch
