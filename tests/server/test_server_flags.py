@@ -184,7 +184,7 @@ def test_request_log_with_prompts_and_outputs(flag_server):
         time.sleep(0.1)
     [req] = _log_lines(flag_server, r"request (cmpl-log-1-\w+): .*prompt: (.*)$")
     assert ast.literal_eval(req.group(2)) == "The quick br"
-    [chat_req] = _log_lines(flag_server, r"request chatcmpl-log-2-\w+: .*stream=True, prompt: (.*)$")
+    [chat_req] = _log_lines(flag_server, r"request chatcmpl-log-2-\w+: .*stream=True, beam search=False, prompt: (.*)$")
     assert ast.literal_eval(chat_req.group(1)) == "<|im_start|>"
     outs = _log_lines(flag_server, r"Generated response cmpl-log-1-\w+ \(choice (\d)\): output: (.*), 6 tokens, "
                                    r"finish_reason: length")
