@@ -1,9 +1,14 @@
-"""Expert parallelism without processes: vLLM's linear placement and expert map, a sparse MoE layer whose ranks hold
-whole experts (their outputs before the all-reduce add up to the whole layer's), and the safetensors loader reading a
-rank's experts only."""
+"""--enable-expert-parallel (-ep) without processes: vLLM's linear placement and expert map, the flag's parsing and
+refusals, a sparse MoE layer whose ranks hold whole experts (their outputs before the all-reduce add up to the whole
+layer's), and the safetensors loader reading a rank's experts only."""
+import json
+
 import pytest
 import torch
 
+from voltllm.cli import build_parser
+from voltllm.cli_args import engine_args_from
+from voltllm.config import ConfigError, EngineArgs
 from voltllm.distributed.experts import ExpertShard
 from voltllm.model.layers.moe import SparseMoE
 
@@ -37,6 +42,118 @@ def test_a_rank_reads_its_experts_tensors_only():
                  "model.layers.0.mlp.experts.gate_up_proj", "model.embed_tokens.weight",
                  "model.layers.0.self_attn.q_proj.weight"):
         assert s.reads(name), name
+
+
+# --- flag, config, refusals -------------------------------------------------------------------------------------
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+       "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+DENSE = {k: v for k, v in MOE.items() if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+DENSE.update(architectures=["LlamaForCausalLM"], model_type="llama")
+
+
+def _dir(tmp_path, cfg) -> str:
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def _config(tmp_path, cfg, tp, **kw):
+    return EngineArgs(model=_dir(tmp_path, cfg), tensor_parallel_size=tp, device="cpu",
+                      **kw).create_engine_config()
+
+
+@pytest.mark.parametrize("words,want", [
+    ([], False), (["--enable-expert-parallel"], True), (["-ep"], True), (["--enable_expert_parallel"], True),
+    (["-ep", "--no-enable-expert-parallel"], False),
+])
+def test_flag_parses(words, want):
+    from voltllm.cli import dashed_flags
+
+    ns = build_parser().parse_args(dashed_flags(["serve", "m", "-tp", "2", *words]))
+    args = engine_args_from(ns)
+    assert args.enable_expert_parallel is want and args.expert_placement_strategy == "linear"
+
+
+def test_moe_model_under_tp_places_whole_experts(tmp_path):
+    config = _config(tmp_path, MOE, 2, enable_expert_parallel=True)
+    assert config.parallel.enable_expert_parallel and config.parallel.tensor_parallel_size == 2
+    assert not _config(tmp_path, MOE, 2).parallel.enable_expert_parallel
+
+
+def test_one_rank_is_a_no_op_as_in_vllm(tmp_path):
+    assert not _config(tmp_path, MOE, 1, enable_expert_parallel=True).parallel.enable_expert_parallel
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_model_without_experts_is_refused_as_in_vllm(tmp_path, tp):
+    with pytest.raises(ConfigError, match=r"--enable-expert-parallel: the model \('llama'\) has no routed experts"):
+        _config(tmp_path, DENSE, tp, enable_expert_parallel=True)
+
+
+def test_fewer_experts_than_ranks_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="the model's 2 experts are fewer than the 4 ranks") as e:
+        _config(tmp_path, {**MOE, "num_experts": 2}, 4, enable_expert_parallel=True)
+    assert "\n" not in str(e.value)
+
+
+def test_whole_experts_need_no_divisible_expert_width(tmp_path):
+    """An expert width -tp cannot split is refused without -ep and runs with it (the shared expert and the dense
+    MLP are still split); 7 experts over 2 ranks are fine too (4 + 3)."""
+    odd = {**MOE, "moe_intermediate_size": 33, "num_experts": 7}
+    with pytest.raises(ConfigError, match="MoE intermediate size 33 does not divide by 2"):
+        _config(tmp_path, odd, 2)
+    assert _config(tmp_path, odd, 2, enable_expert_parallel=True).parallel.enable_expert_parallel
+
+
+def test_quantized_group_rule_leaves_whole_experts_alone():
+    """AWQ groups of 128: 128 expert rows at -tp 4 (32 per rank cut a group; one group cannot go whole to 4 ranks)
+    are refused without -ep, and 384 rows at -tp 2 are split in whole groups (2 + 1); whole experts are never cut, so
+    with -ep only the attention, dense-MLP and shared-expert widths count."""
+    from types import SimpleNamespace
+
+    from voltllm.distributed.support import intermediate_alignment, quantized_split_error
+
+    cfg = SimpleNamespace(**{**MOE, "hidden_size": 512, "num_attention_heads": 4, "head_dim": 128,
+                             "intermediate_size": 1024, "moe_intermediate_size": 128,
+                             "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                     "zero_point": True, "version": "gemm"}})
+    assert "MoE intermediate size 128 / 4" in quantized_split_error(4, cfg, "awq")
+    assert quantized_split_error(4, cfg, "awq", expert_parallel=True) is None
+    cfg.moe_intermediate_size = 384  # 3 groups over 2 ranks: whole groups 2 + 1 without -ep, whole experts with it
+    assert intermediate_alignment(2, cfg, "awq") == 128
+    assert intermediate_alignment(2, cfg, "awq", expert_parallel=True) == 1
+
+
+def test_placement_strategy(tmp_path, caplog):
+    """linear is vLLM's default; round_robin falls back to it with a warning, as vLLM does for models without expert
+    groups (none of the MoE models voltllm runs has them)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="voltllm"):
+        config = _config(tmp_path, MOE, 2, enable_expert_parallel=True, expert_placement_strategy="round_robin")
+    assert config.parallel.enable_expert_parallel and "placed linearly" in caplog.text
+    with pytest.raises(ConfigError, match="--expert-placement-strategy striped: not a placement"):
+        _config(tmp_path, MOE, 2, enable_expert_parallel=True, expert_placement_strategy="striped")
+
+
+@pytest.mark.parametrize("flag", ["--enable-eplb", "--all2all-backend"])
+def test_load_balancer_and_all_to_all_stay_refused(capsys, flag):
+    from voltllm.cli import main
+
+    assert main(["serve", "m", "-tp", "2", "-ep", flag, "naive"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"voltllm: error: {flag}: ") and "not built" in err
+
+
+def test_offline_llm_keyword_reaches_the_config(tmp_path):
+    """LLM(enable_expert_parallel=True) is an EngineArgs field (no longer an unbuilt vLLM keyword)."""
+    from voltllm.cli_unbuilt import unbuilt_setting_error
+
+    assert unbuilt_setting_error("enable_expert_parallel", True) is None
+    assert "enable_expert_parallel" in EngineArgs.field_names()
 
 
 # --- the layer ------------------------------------------------------------------------------------------------
