@@ -105,6 +105,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction, default=False,
+                   help="MoE models under -tp: each rank holds whole routed experts (E / N, the first ranks one more) "
+                        "instead of every expert's 1/N rows; attention and a shared expert stay split")
+    g.add_argument("--expert-placement-strategy", default="linear", choices=["linear", "round_robin"],
+                   help="linear: contiguous runs of experts per rank (round_robin falls back to it, as vLLM does for "
+                        "models without expert groups)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill is always chunked to --max-num-batched-tokens per step (vLLM V1's behaviour)")
     g.add_argument("--swap-space", type=float, default=None,

@@ -15,8 +15,10 @@ _SPEC_OLD = ("an older vLLM flag: speculative decoding is configured with --spec
 _MULTI_STEP = ("multi-step scheduling (removed in vLLM V1) is not built; async scheduling, on by default, overlaps "
                "the host's work for the next step with the GPU's current one instead")
 _MULTIMODAL = "multimodal input is not built: voltllm serves the language model alone (text in, text out)"
-_EXPERT_PARALLEL = ("expert parallelism is not built: -tp splits every expert's rows across the ranks (each rank "
-                    "holds all experts)")
+_EPLB = ("the expert-parallel load balancer (redundant experts moved between ranks) is not built: "
+         "--enable-expert-parallel places each rank's experts once, linearly")
+_ALL2ALL = ("all-to-all token exchange (expert parallelism across data-parallel engines) is not built: under "
+            "--enable-expert-parallel every -tp rank routes every token and one all-reduce sums the MoE output")
 _DATA_PARALLEL = "data parallelism is not built (--data-parallel-size 1 only)"
 _KV_TRANSFER = "disaggregated prefill / KV cache transfer between engines is not built"
 _KV_OFFLOAD = "offloading the KV cache to CPU memory is not built"
@@ -35,8 +37,7 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--enable-sleep-mode": "sleep mode (freeing the GPU between uses, /sleep and /wake_up) is not built",
     "--kv-offloading-size": _KV_OFFLOAD, "--kv-offloading-backend": _KV_OFFLOAD,
     # parallelism
-    "--enable-expert-parallel": _EXPERT_PARALLEL, "--enable-eplb": _EXPERT_PARALLEL, "--eplb-config": _EXPERT_PARALLEL,
-    "--all2all-backend": _EXPERT_PARALLEL,
+    "--enable-eplb": _EPLB, "--eplb-config": _EPLB, "--all2all-backend": _ALL2ALL,
     "--data-parallel-size-local": _DATA_PARALLEL, "--data-parallel-address": _DATA_PARALLEL,
     "--data-parallel-rpc-port": _DATA_PARALLEL, "--data-parallel-backend": _DATA_PARALLEL,
     "--data-parallel-start-rank": _DATA_PARALLEL, "--data-parallel-hybrid-lb": _DATA_PARALLEL,
@@ -91,8 +92,8 @@ UNBUILT_FLAGS: dict[str, str] = {
 # Unbuilt features' settings that voltllm matches when the feature is off, as vLLM runs them then (lm-evaluation-
 # harness passes enable_lora=False and max_lora_rank to every vLLM engine): a switch's off form, the settings that
 # only act while their switch is on (which voltllm refuses), and the values that name what voltllm does.
-SWITCHES_OFF = frozenset({"--enable-lora", "--enable-prompt-adapter", "--enable-sleep-mode", "--enable-expert-parallel",
-                          "--enable-eplb", "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias"})
+SWITCHES_OFF = frozenset({"--enable-lora", "--enable-prompt-adapter", "--enable-sleep-mode", "--enable-eplb",
+                          "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias"})
 WHILE_SWITCHED_ON = frozenset({"--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-extra-vocab-size",
                                "--lora-dtype", "--long-lora-scaling-factors", "--max-prompt-adapters",
                                "--max-prompt-adapter-token", "--eplb-config"})

@@ -130,6 +130,9 @@ class ParallelConfig:
     # rows at which MLP / expert intermediate dimensions are split: 1 (evenly), or a quantized group where an even
     # share would cut one (distributed.sharding.intermediate_split)
     intermediate_align: int = 1
+    # --enable-expert-parallel where it applies (a MoE model over ranks > 1; with one rank vLLM's flag changes
+    # nothing, so it is False there): each rank holds whole routed experts, placed linearly (distributed/experts.py)
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ class EngineArgs:
     attention_backend: Optional[str] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # -ep: MoE layers' routed experts placed whole on the -tp ranks
+    expert_placement_strategy: str = "linear"  # linear (round_robin falls back to it, as in vLLM for these models)
     enable_chunked_prefill: Optional[bool] = None  # None / True: chunked (the only mode); False is refused
     swap_space: Optional[float] = None  # accepted (no-op): preemption recomputes
     disable_custom_all_reduce: bool = False  # accepted (no-op): all-reduces always go through NCCL / gloo
@@ -312,6 +317,28 @@ class EngineArgs:
         logger.info("pooling (embedding) model: %s", pooler.describe())
         return runner, pooler
 
+    def _expert_parallel(self, tp: int, hf_config: Any) -> bool:
+        """Whether the routed experts are placed whole on the ranks (ParallelConfig.enable_expert_parallel):
+        --enable-expert-parallel on a MoE model at -tp > 1. Refused for a model without experts, as vLLM does."""
+        from voltllm.distributed.support import expert_parallel_error
+
+        if self.expert_placement_strategy not in ("linear", "round_robin"):
+            raise ConfigError(f"--expert-placement-strategy {self.expert_placement_strategy}: not a placement; use "
+                              "linear (or round_robin)")
+        if not self.enable_expert_parallel:
+            return False
+        if err := expert_parallel_error(tp, hf_config):
+            raise ConfigError(err)
+        if tp == 1:
+            logger.info("--enable-expert-parallel changes nothing with one rank (it holds every expert), as in vLLM")
+            return False
+        if self.expert_placement_strategy == "round_robin":
+            # vLLM places round-robin only for models with expert groups (DeepSeek-style), which no MoE model voltllm
+            # runs has, and falls back to linear with a warning otherwise
+            logger.warning("--expert-placement-strategy round_robin needs a model with expert groups; the experts are "
+                           "placed linearly (as vLLM does for this model)")
+        return True
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -427,12 +454,14 @@ class EngineArgs:
         from voltllm.distributed.support import intermediate_alignment, quantized_split_error, tensor_parallel_error
 
         tp = self.tensor_parallel_size
-        if quantized_weights == "auto" and tensor_parallel_error(tp, hf_config, device, spec, "dequantized") is None \
-                and (split_err := quantized_split_error(tp, hf_config, method)):
+        ep = self._expert_parallel(tp, hf_config)
+        if quantized_weights == "auto" and tensor_parallel_error(tp, hf_config, device, spec, "dequantized",
+                                                                 expert_parallel=ep) is None \
+                and (split_err := quantized_split_error(tp, hf_config, method, ep)):
             # TP shards weights kept quantized too, but not across a quantized block: "auto" falls back to dense
             logger.warning("%s weights are dequantized at load: %s", method, split_err)
             quantized_weights = "dequantized"
-        if tp_err := tensor_parallel_error(tp, hf_config, device, spec, quantized_weights, method):
+        if tp_err := tensor_parallel_error(tp, hf_config, device, spec, quantized_weights, method, ep):
             raise ConfigError(tp_err)
         gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
@@ -473,8 +502,9 @@ class EngineArgs:
                            prompt_graph_max_tokens=None if graphs.prompt_graphs else 0, cuda_graphs=graphs)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size, intermediate_align=(
-                                  intermediate_alignment(tp, hf_config, method) if quantized_weights != "dequantized"
-                                  else 1)), speculative=spec,
+                                  intermediate_alignment(tp, hf_config, method, ep)
+                                  if quantized_weights != "dequantized" else 1), enable_expert_parallel=ep),
+                              speculative=spec,
                               quantization=method)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration

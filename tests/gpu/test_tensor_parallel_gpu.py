@@ -122,11 +122,13 @@ def test_tp2_hybrid_fp32_matches_tp1_with_cuda_graphs_and_snapshots(tiny_hybrid)
         two.engine.shutdown()
 
 
+@pytest.mark.parametrize("ep", [False, True])
 @pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_moe"])
-def test_tp2_moe_fp32_matches_tp1_with_cuda_graphs(tmp_path, kind):
-    """Sparse MoE layers split by every expert's intermediate rows: the Triton router, per-pair / grouped expert
-    kernels and the fused shared-expert decode launch on each rank's narrower experts, the layer's all-reduce
-    captured in the decode graphs."""
+def test_tp2_moe_fp32_matches_tp1_with_cuda_graphs(tmp_path, kind, ep):
+    """Sparse MoE layers split by every expert's intermediate rows (or, with --enable-expert-parallel, by whole
+    experts: local ids from the device expert map, other ranks' pairs skipped): the Triton router, per-pair / grouped
+    expert kernels and the fused shared-expert decode launch on each rank's experts, the layer's all-reduce captured
+    in the decode graphs."""
     if kind == "qwen3_moe":
         path, greedy, lps, engine = (make_model(str(tmp_path), "qwen3_moe", max_position_embeddings=2048), _greedy,
                                      _prompt_logprobs, dict(device="cuda", gpu_memory_utilization=0.3))
@@ -138,9 +140,9 @@ def test_tp2_moe_fp32_matches_tp1_with_cuda_graphs(tmp_path, kind):
     one = LLM(path, dtype="float32", **engine)
     ref, ref_lp = greedy(one), lps(one)
     del one
-    two = LLM(path, dtype="float32", tensor_parallel_size=2, **engine)
+    two = LLM(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=ep, **engine)
     try:
-        assert two.engine.runner.graphs is not None
+        assert two.engine.runner.graphs is not None and two.config.parallel.enable_expert_parallel is ep
         assert greedy(two) == ref
         assert two.engine.runner.graphs.replays > 0
         assert torch.allclose(lps(two), ref_lp, atol=1e-4, rtol=0)
@@ -184,6 +186,31 @@ def test_tp2_kept_quantized_matches_tp1_kept_quantized(tmp_path, method, compat)
         down = two.engine.runner.model.layers[0].mlp.down_proj.gguf_segments[0].weight
         assert isinstance(down, Planes) and down.k == 128
         assert _greedy(two) == ref
+        assert torch.allclose(_prompt_logprobs(two), ref_lp, atol=1e-3, rtol=0)
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["awq", "modelopt_fp4"])
+def test_tp2_expert_parallel_kept_quantized_matches_tp1(tmp_path, method):
+    """--enable-expert-parallel with the experts kept quantized: each rank's planes hold its 4 of 8 whole experts; the
+    per-pair dequant-GEMM (decode, in the graphs) and the grouped kernel (prompt steps) skip the other ranks' pairs."""
+    from quant_checkpoints import quantize_checkpoint
+
+    path = make_model(str(tmp_path), "qwen3_moe", max_position_embeddings=2048, hidden_size=128, head_dim=32,
+                      intermediate_size=256, moe_intermediate_size=128)
+    quantize_checkpoint(path, method)
+    kw = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, quantization=method)
+    one = LLM(path, **kw)
+    ref, ref_lp = _greedy(one), _prompt_logprobs(one)
+    del one
+    two = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        moe = two.engine.runner.model.layers[0].mlp
+        assert moe.qexperts is not None and moe.qexperts.num_experts == 4 and moe.qexperts.inter == 128
+        assert _greedy(two) == ref
+        assert two.engine.runner.graphs.replays > 0
         assert torch.allclose(_prompt_logprobs(two), ref_lp, atol=1e-3, rtol=0)
         two.engine.check_integrity()
     finally:

@@ -110,3 +110,61 @@ def test_experts_kept_quantized(moe_gguf):
         q = kept_layer.mlp.qexperts
         assert q is not None and (q.w13.kind.name, q.w2.kind.name) == ("Q8_0", "Q4_0")
         torch.testing.assert_close(kept_layer.mlp(x), dense_layer.mlp(x), rtol=1e-5, atol=1e-5)
+
+
+class _ExpertRank:
+    """A stand-in tensor-parallel group placing whole experts (--enable-expert-parallel); the all-reduce is the test's
+    own sum."""
+
+    expert_parallel = True
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def all_reduce_(self, x):
+        return x
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_expert_parallel_reads_only_the_ranks_experts(moe_gguf, keep):
+    """Under expert parallelism the loader yields a rank's experts only (their stacked rows sliced before the copy /
+    dequantization), with the values the whole file gives them (8 experts over 3 ranks: 3, 3, 2); over 2 ranks the
+    rank's layers hold them (kept quantized: planes of its experts), and the ranks' MoE outputs add up to the whole
+    layer's."""
+    from voltllm.distributed.experts import ExpertShard
+    from voltllm.model.layers.quantized_linear import QuantizedLinearMethod
+    from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights
+    from voltllm.model.models.registry import build_model
+
+    path = moe_gguf[0]
+    cfg = gguf_config(path)
+    whole = dict(gguf_weights(path, cfg, keep_quantized=keep))
+    for rank in range(3):
+        shard = ExpertShard.of(8, rank, 3)
+        got = dict(gguf_weights(path, cfg, keep_quantized=keep, experts=shard))
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in got if ".experts." in n}
+        assert experts == set(range(shard.start, shard.start + shard.count))
+        assert {n for n in whole if ".experts." not in n} == {n for n in got if ".experts." not in n}
+        for name, t in got.items():
+            if not keep:
+                assert torch.equal(t, whole[name]), name
+            elif ".experts." in name:  # the expert's raw blocks
+                assert torch.equal(t.raw, whole[name].raw), name
+    parts = []
+    for rank in range(2):
+        model = build_model(cfg, torch.float32, 64, QuantizedLinearMethod() if keep else None,
+                            tp=_ExpertRank(rank, 2))
+        model.load_weights(gguf_weights(path, cfg, keep_quantized=keep, experts=ExpertShard.of(8, rank, 2)))
+        parts.append(model)
+    dense = build_model(cfg, torch.float32, 64)
+    dense.load_weights(gguf_weights(path, cfg))
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    for i, layer in enumerate(dense.layers):
+        mlps = [p.layers[i].mlp for p in parts]
+        assert [(m.experts_shard.start, m.num_local_experts) for m in mlps] == [(0, 4), (4, 4)]
+        if keep:
+            assert all(m.qexperts.w13.kind.name == "Q8_0" and m.qexperts.w2.n == 4 * 128 for m in mlps)
+        else:
+            assert all(tuple(m.w13.shape) == (4, 128, 128) for m in mlps)
+        with torch.no_grad():
+            torch.testing.assert_close(sum(m(x) for m in mlps), layer.mlp(x), rtol=1e-5, atol=1e-5)

@@ -37,8 +37,7 @@ def test_every_table_flag_is_refused_and_none_is_defined_by_voltllm():
 
 @pytest.mark.parametrize("words", [["--no-enable-lora"], ["--enable-lora=false"], ["--max-lora-rank", "16"],
                                    ["--max-loras=4"], ["--no-enable-sleep-mode"], ["--num-lookahead-slots", "0"],
-                                   ["--scheduler-delay-factor=0"], ["--num-scheduler-steps", "1"],
-                                   ["--no-enable-expert-parallel"]])
+                                   ["--scheduler-delay-factor=0"], ["--num-scheduler-steps", "1"], ["--no-enable-eplb"]])
 def test_unbuilt_features_left_off_are_accepted_and_dropped(words):
     """vLLM runs these as voltllm does (the feature off, or the value that is voltllm's behaviour); lm-evaluation-
     harness passes enable_lora=False and max_lora_rank to every engine. They are dropped before parsing."""

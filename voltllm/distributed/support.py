@@ -6,7 +6,8 @@ from typing import Any, Optional
 
 import torch
 
-# llama-family decoders (models/llama.py; qwen3_moe's sparse layers split by every expert's intermediate rows)
+# llama-family decoders (models/llama.py; qwen3_moe's sparse layers split by every expert's intermediate rows, or
+# by whole experts under --enable-expert-parallel: distributed/experts.py)
 TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs); a multimodal
 # qwen3_5 / qwen3_5_moe checkpoint runs as its text model
@@ -17,10 +18,28 @@ TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen
 TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash")
 
 
+def expert_parallel_error(tp: int, hf_config: Any) -> Optional[str]:
+    """Why --enable-expert-parallel cannot apply to this model at `tp` ranks (None: it can). As in vLLM, a model
+    without routed experts is an error whatever the rank count, and with one rank the flag changes nothing."""
+    from voltllm.distributed.experts import model_num_experts
+
+    experts = model_num_experts(hf_config)
+    if experts < 1:
+        return (f"--enable-expert-parallel: the model ({getattr(hf_config, 'model_type', None)!r}) has no routed "
+                "experts (expert parallelism places a mixture-of-experts model's experts on the ranks); drop it")
+    if tp > 1 and experts < tp:
+        return (f"--enable-expert-parallel: the model's {experts} experts are fewer than the {tp} ranks (each rank "
+                f"holds whole experts); use --tensor-parallel-size {experts} or less, or drop the flag to split every "
+                "expert's rows instead")
+    return None
+
+
 def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, speculative: Any,
-                          quantized_weights: str, method: Optional[str] = None) -> Optional[str]:
+                          quantized_weights: str, method: Optional[str] = None,
+                          expert_parallel: bool = False) -> Optional[str]:
     """Why this configuration cannot run with tensor parallelism `tp` (None: it can). `quantized_weights` and
-    `method`: ModelConfig's (weights kept quantized are split too, see quantized_split_error)."""
+    `method`: ModelConfig's (weights kept quantized are split too, see quantized_split_error); expert_parallel:
+    the routed experts are placed whole (their rows are not split)."""
     flag = f"--tensor-parallel-size {tp}"
     if tp < 1:
         return f"--tensor-parallel-size must be >= 1, got {tp}"
@@ -43,13 +62,13 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
         return f"{flag}: the model's {heads} attention heads do not divide by {tp}"
     if kv % tp and tp % kv:
         return f"{flag}: the model's {kv} KV heads neither divide by {tp} nor divide it (needed to shard or replicate)"
-    for name, width in _split_widths(hf_config).items():
+    for name, width in _split_widths(hf_config, expert_parallel).items():
         if width % tp:
             return f"{flag}: the model's {name} {width} does not divide by {tp}"
     if speculative is not None and speculative.method not in TP_SPEC_METHODS:
         return (f"{flag}: speculative method {speculative.method!r} is not supported under tensor parallelism "
                 f"(use {' or '.join(TP_SPEC_METHODS)})")
-    if quantized_weights == "quantized" and (err := quantized_split_error(tp, hf_config, method)):
+    if quantized_weights == "quantized" and (err := quantized_split_error(tp, hf_config, method, expert_parallel)):
         return err
     if device.type == "cuda":
         first = device.index or 0
@@ -61,12 +80,14 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
     return None
 
 
-def _split_widths(cfg: Any) -> dict[str, int]:
+def _split_widths(cfg: Any, expert_parallel: bool = False) -> dict[str, int]:
     """The MLP widths split evenly over the ranks (each rank a 1/N share of the intermediate rows): the dense MLP's,
-    and with sparse MoE layers every routed expert's and the shared expert's; those the config has (non-zero)."""
+    and with sparse MoE layers every routed expert's (unless expert parallelism places them whole) and the shared
+    expert's; those the config has (non-zero)."""
     widths = {"intermediate size": getattr(cfg, "intermediate_size", 0)}
     if int(getattr(cfg, "num_experts", 0) or 0) > 0:
-        widths["MoE intermediate size"] = getattr(cfg, "moe_intermediate_size", 0)
+        if not expert_parallel:
+            widths["MoE intermediate size"] = getattr(cfg, "moe_intermediate_size", 0)
         widths["shared-expert intermediate size"] = getattr(cfg, "shared_expert_intermediate_size", 0)
     return {name: int(w) for name, w in widths.items() if w}
 
@@ -123,10 +144,12 @@ def _ct_column_multiple(hf_config: Any) -> Optional[tuple[int, str]]:
     return (mult, " / ".join(whats)) if whats else None
 
 
-def quantized_split_error(tp: int, hf_config: Any, method: Optional[str]) -> Optional[str]:
+def quantized_split_error(tp: int, hf_config: Any, method: Optional[str],
+                          expert_parallel: bool = False) -> Optional[str]:
     """Why the weights kept quantized cannot be split over `tp` ranks (None: they can). A row-parallel projection
     (o_proj, down_proj, GDN out_proj) gives each rank a band of its inputs, which must be whole blocks / groups of the
-    quantized format wherever the whole weight is kept quantized (its inputs a multiple of them)."""
+    quantized format wherever the whole weight is kept quantized (its inputs a multiple of them). Routed experts
+    placed whole (expert_parallel) are not cut."""
     if tp <= 1:
         return None
     rule = _column_multiple(hf_config, method)
@@ -145,8 +168,8 @@ def quantized_split_error(tp: int, hf_config: Any, method: Optional[str]) -> Opt
     heads = get("num_attention_heads")
     inputs = {"attention heads x head_dim": heads * (get("head_dim") or get("hidden_size") // max(heads, 1)),
               "Gated DeltaNet value heads x value dim": get("linear_num_value_heads") * get("linear_value_head_dim"),
-              **_split_widths(cfg)}
-    mlp = set(_split_widths(cfg))
+              **_split_widths(cfg, expert_parallel)}
+    mlp = set(_split_widths(cfg, expert_parallel))
     for name, width in inputs.items():
         if not width or width % mult or width % tp:
             continue  # not kept quantized whole (dequantized per layer), or not divisible: tensor_parallel_error's
@@ -162,14 +185,16 @@ def quantized_split_error(tp: int, hf_config: Any, method: Optional[str]) -> Opt
     return None
 
 
-def intermediate_alignment(tp: int, hf_config: Any, method: Optional[str]) -> int:
+def intermediate_alignment(tp: int, hf_config: Any, method: Optional[str], expert_parallel: bool = False) -> int:
     """The granularity the MLP / expert intermediate rows are split at (ParallelConfig.intermediate_align): the
     quantized group of the down projections' inputs where an even share would cut one (then the ranks get whole
-    groups, not all the same number), else 1 (an even split)."""
+    groups, not all the same number), else 1 (an even split). Routed experts placed whole (expert_parallel) have
+    no say."""
     rule = _column_multiple(hf_config, method) if tp > 1 else None
     if rule is None or rule[0] < 0:
         return 1
     mult = rule[0]
     cfg = getattr(hf_config, "text_config", None) or hf_config
-    uneven = [w for w in _split_widths(cfg).values() if w % mult == 0 and w % tp == 0 and (w // tp) % mult]
+    uneven = [w for w in _split_widths(cfg, expert_parallel).values()
+              if w % mult == 0 and w % tp == 0 and (w // tp) % mult]
     return mult if uneven else 1

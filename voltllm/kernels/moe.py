@@ -266,7 +266,9 @@ register_kernel("moe.down_weighted", _moe_down_kernel, _down_specs(), compat=Tru
 # ------------------------------------------------------------------------------------------------
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton: Optional[bool] = None,
               sort: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the (token, expert) pairs by expert, each expert's run padded to a multiple of block_m.
+    """Sort the (token, expert) pairs by expert, each expert's run padded to a multiple of block_m. Pairs of id E
+    (num_experts: under expert parallelism, experts other ranks hold) are left out of the rows in use (they sort past
+    num_padded, which the static bound below still holds).
 
     topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair index t*k + j, or T*k on padding rows;
     block_expert int32 [max_blocks]; num_padded int32 [1]: rows in use). Device ops only (no host sync);
@@ -280,8 +282,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton
     if (topk_ids.is_cuda and n <= TRITON_ALIGN_MAX_PAIRS if use_triton is None else use_triton) and n > 0:
         return _moe_align_triton(topk_ids, num_experts, block_m, sort)
     flat = topk_ids.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    # (bin E: pairs left out, padded to nothing and sorted last)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + (block_m - 1)) // block_m * block_m
+    padded[num_experts] = 0
     ends_p = torch.cumsum(padded, 0)
     starts_p = ends_p - padded
     starts_c = torch.cumsum(counts, 0) - counts
@@ -292,8 +296,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_triton
     sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
     sorted_ids.index_copy_(0, dest, order.to(torch.int32))
     starts = torch.arange(max_blocks, device=dev, dtype=torch.int64) * block_m
-    block_expert = torch.searchsorted(ends_p, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_expert, ends_p[-1:].to(torch.int32)
+    block_expert = torch.searchsorted(ends_p[:num_experts], starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), ends_p[-1:].to(torch.int32)
 
 
 def _moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, sort: Optional[bool] = None
@@ -352,10 +356,12 @@ def expert_dims(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[i
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
-                  _workspaces: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                  _workspaces: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                  skip_foreign: bool = False) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] (any float, used in fp32); topk_ids [T, k]
     -> out [T, H] in x's dtype. Same function as fused_experts_ref. `_workspaces` (tests): (inter [>=P, I],
-    pair_out [>=P, H]) buffers to use instead of fresh ones."""
+    pair_out [>=P, H]) buffers to use instead of fresh ones. skip_foreign (expert parallelism): ids -1 name experts
+    other ranks hold; their pairs are left out of the sort and add zero."""
     t = x.shape[0]
     _, inter_dim, hdim = expert_dims(x, w13, w2)
     k = topk_ids.shape[1]
@@ -375,11 +381,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         pair_ws = torch.empty(pairs_max, hdim, dtype=x.dtype, device=x.device)
     for s in range(0, t, chunk_t):
         e = min(t, s + chunk_t)
-        _run_chunk(x[s:e], w13, w2, topk_weights[s:e], topk_ids[s:e], out[s:e], inter_ws, pair_ws, config)
+        _run_chunk(x[s:e], w13, w2, topk_weights[s:e], topk_ids[s:e], out[s:e], inter_ws, pair_ws, config,
+                   skip_foreign)
     return out
 
 
-def _run_chunk(x, w13, w2, topk_weights, topk_ids, out, inter_ws, pair_ws, config) -> None:
+def _run_chunk(x, w13, w2, topk_weights, topk_ids, out, inter_ws, pair_ws, config, skip_foreign=False) -> None:
     t, hdim = x.shape
     e_num, two_i, _ = w13.shape
     inter_dim = two_i // 2
@@ -387,10 +394,14 @@ def _run_chunk(x, w13, w2, topk_weights, topk_ids, out, inter_ws, pair_ws, confi
     p = t * k
     cfg = dict(config or pick_config(p, e_num, x.element_size()))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    if skip_foreign:  # other ranks' pairs as id E: moe_align leaves them out, so no kernel writes their rows
+        topk_ids = torch.where(topk_ids < 0, e_num, topk_ids)
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, e_num, bm)
     max_blocks = block_expert.numel()
     inter = inter_ws[:p]
     pair_out = pair_ws[:p]
+    if skip_foreign:
+        pair_out.zero_()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _moe_gate_up_kernel[(max_blocks * triton.cdiv(inter_dim, bn),)](
         x, w13, sorted_ids, block_expert, num_padded, inter,

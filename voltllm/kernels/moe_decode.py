@@ -18,7 +18,8 @@ were unrolled so that a program's weight loads are all in flight together, and t
                            experts' down rows, weighted by the routing weights and summed in fp32, written
                            straight to out[t] (no per-pair output, no sum launch).
   Entries with id E read the shared expert's own weights in both kernels, so one layer's experts, routed and
-  shared, are these two launches.
+  shared, are these two launches. Entries with id -1 (expert parallelism: experts other ranks hold) read nothing
+  and add zero.
 Without the sort, two pairs of one expert read its weights twice (the second read mostly from L2):
 `SMALL_MAX_PAIRS` keeps this path to batches where it still beats the grouped GEMM (35B shape, session 21: 21 vs 34
 us at 8 pairs, 89 vs 99 at 64, 158 vs 162 at 128; benchmarks/micro/moe_decode_sweep.py).
@@ -96,6 +97,8 @@ def _moe_small_gate_up_kernel(X, W13, WS13, Ids, Inter, E, H, I, IS, stride_xt, 
     pair = tl.program_id(0).to(tl.int64)
     t = pair // K_OUT
     e = tl.load(Ids + pair)
+    if e < 0:  # another rank's expert: its `inter` row is never read (the down kernel skips the pair too)
+        return
     base = W13 + e.to(tl.int64) * stride_we
     stride_n = stride_wn
     n_lim = I
@@ -140,9 +143,10 @@ def _moe_small_down_kernel(Inter, W2, WS2, Ids, TopkW, Out, E, H, I, IS, stride_
     for j in tl.static_range(K_OUT):
         pair = t * K_OUT + j
         e = tl.load(Ids + pair)
-        base = W2 + e.to(tl.int64) * stride_we
+        held = e >= 0  # (-1: another rank's expert, nothing loaded, zero added)
+        base = W2 + tl.maximum(e, 0).to(tl.int64) * stride_we
         stride_n = stride_wn
-        k_lim = I
+        k_lim = tl.where(held, I, 0)
         if HAS_SHARED:
             if e == E:  # the shared expert's [H, IS] down weight
                 base = WS2

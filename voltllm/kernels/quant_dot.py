@@ -266,7 +266,9 @@ def split_k(programs: int, units: int, step: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLIT, -(-target // programs), -(-units // step)))
 
 
-def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights, config, split):
+def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights, config, split, zero_rows=False):
+    """zero_rows: the split-K workspace starts at zero (rows no sorted pair writes, as under expert parallelism, then
+    sum to zero, not to what the memory held)."""
     block_m, block_n, units, warps, stages = config[:5]
     w_first = len(config) > 5 and bool(config[5])
     units = min(units, triton.next_power_of_2(planes.k // 32))
@@ -276,7 +278,8 @@ def _launch(x, planes, out, bias, m, n, grid_m, sorted_args, top_k, row_weights,
         split = split_k(grid_n * grid_m, nu, units, x.device)
     ups = triton.cdiv(triton.cdiv(nu, split), units) * units  # units per split, whole loop steps
     split = triton.cdiv(nu, ups)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    ws = (torch.zeros if zero_rows else torch.empty)(split, m, n, dtype=torch.float32, device=x.device) \
+        if split > 1 else out
     sorted_ids, block_expert, num_padded = sorted_args if sorted_args is not None else (out, out, out)
     _quant_dot_kernel[(grid_n, grid_m, split)](
         x, out, bias if bias is not None else out, *_plane_args(planes), sorted_ids, block_expert, num_padded,
@@ -309,12 +312,16 @@ def quant_dot(x: torch.Tensor, planes, bias: Optional[torch.Tensor] = None, out:
 def quant_moe_dot(x: torch.Tensor, planes, rows_per_expert: int, sorted_ids: torch.Tensor,
                   block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, top_k: int, block_m: int,
                   row_weights: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                  split: Optional[int] = None, tile: Optional[tuple] = None) -> torch.Tensor:
+                  split: Optional[int] = None, tile: Optional[tuple] = None,
+                  skip_foreign: bool = False) -> torch.Tensor:
     """Grouped MoE product over a weight stacked by expert (expert e: rows [e * rows_per_expert, (e + 1) *
     rows_per_expert) of `planes`), for pairs sorted by kernels/moe.moe_align(ids, E, block_m): out[p] =
-    x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert]."""
+    x[p // top_k] @ W_{expert(p)}^T (times row_weights[p] when given, fp32), [num_pairs, rows_per_expert].
+    skip_foreign (expert parallelism): pairs left out of the sort (experts other ranks hold) get zero rows."""
+    if skip_foreign and out is None:
+        out = torch.zeros(num_pairs, rows_per_expert, dtype=x.dtype, device=x.device)
     x, out = checked_expert_operands(x, planes, rows_per_expert, num_pairs, out)
     # tile: (BLOCK_N, U, num_warps, num_stages[, W_FIRST]) (default DOT_CONFIGS' for block_m)
     config = (block_m,) + tuple(tile or pick_config(block_m)[1:])
     return _launch(x, planes, out, None, num_pairs, rows_per_expert, block_expert.numel(),
-                   (sorted_ids, block_expert, num_padded), top_k, row_weights, config, split)
+                   (sorted_ids, block_expert, num_padded), top_k, row_weights, config, split, zero_rows=skip_foreign)

@@ -142,7 +142,11 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU
     j = tl.arange(0, 16)
     if GATHER:  # MoE pairs (BLOCK_M 1): output row pid_m is x row ROWS[pid_m] times expert EXPERTS[pid_m]'s block
         x_row = tl.load(ROWS + pid_m)  # of N rows in a weight stacked by expert
-        plane_n = tl.load(EXPERTS + pid_m).to(tl.int64) * N + offs_n
+        expert = tl.load(EXPERTS + pid_m)
+        if expert < 0:  # expert parallelism: another rank's expert; the pair's row is zero, no weight read
+            tl.store(Y + pid_m * stride_ym + offs_n, tl.zeros([BLOCK_N], dtype=Y.dtype.element_ty), mask=mask_n)
+            return
+        plane_n = expert.to(tl.int64) * N + offs_n
     else:
         x_row = pid_m
         plane_n = offs_n
@@ -315,8 +319,9 @@ def quant_moe_matmul(x: torch.Tensor, planes, rows_per_expert: int, x_rows: torc
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MoE (token, expert) pairs over a weight stacked by expert (expert e: rows [e * rows_per_expert, (e + 1) *
     rows_per_expert) of `planes`): out[p] = x[x_rows[p]] @ W_{experts[p]}^T, [pairs, rows_per_expert] in x's
-    dtype. x_rows / experts: int32 on x's device. One program per pair and output tile, each reading its expert's
-    block at its quantized size (meant for decode-sized batches; no host sync, so CUDA graphs can capture it)."""
+    dtype. x_rows / experts: int32 on x's device; an expert -1 (expert parallelism: another rank's) gives a zero
+    row. One program per pair and output tile, each reading its expert's block at its quantized size (meant for
+    decode-sized batches; no host sync, so CUDA graphs can capture it)."""
     pairs = x_rows.shape[0]
     x, out = checked_expert_operands(x, planes, rows_per_expert, pairs, out)
     block_n, units, warps = FMA_CONFIG

@@ -111,6 +111,8 @@ class ModelRunner:
         self.tp = tp
         if tp is not None:  # how the model's layers split their MLP rows (distributed.sharding.intermediate_split)
             tp.intermediate_align = config.parallel.intermediate_align
+            # and their routed experts: whole ones per rank (distributed/experts.py), else every expert's rows
+            tp.expert_parallel = config.parallel.enable_expert_parallel
         self.send_step = send_step
         if self.device.type == "cuda":  # before any allocation: the KV budget charges this engine what it took since
             from voltllm.worker.memory import free_bytes_at_start
@@ -184,6 +186,7 @@ class ModelRunner:
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
+        from voltllm.distributed.experts import expert_shard, model_num_experts
         from voltllm.model.loader import iter_weights, resolve_model
         from voltllm.model.models.registry import build_model
 
@@ -209,10 +212,12 @@ class ModelRunner:
                 init_dummy_weights(model, mc.seed)
                 logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
                 return model.eval()
-            # quantized weights are allocated while they load, not when the model is built
+            # quantized weights are allocated while they load, not when the model is built; under expert parallelism
+            # the other ranks' experts are not read
+            experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
             model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
                                for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized,
-                                                           mc.quantization))
+                                                           mc.quantization, experts=experts))
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
             raise RuntimeError(

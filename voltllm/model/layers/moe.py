@@ -20,8 +20,14 @@ Tensor parallelism (`tp`): every rank holds every expert (and the shared expert)
 intermediate rows (1/N, or whole quantized groups where 1/N would cut one: sharding.intermediate_split), as the
 dense MLP is split: gate / up by rows, down by input columns; the router and the shared expert's gate are replicated.
 Each rank's sum is then a partial product of the whole layer's (the routing weights and the shared gate's sigmoid
-scale whole expert outputs, so they scale the partials alike), and one all-reduce adds them: no expert placement, no
-token exchange, the same kernels on smaller experts.
+scale whole expert outputs, so they scale the partials alike), and one all-reduce adds them: no token exchange, the
+same kernels on smaller experts.
+
+Expert parallelism (`tp.expert_parallel`, --enable-expert-parallel): each rank holds a contiguous run of whole routed
+experts instead (distributed/experts.py), the shared expert still split by rows. The router still scores every expert
+on every rank; the rank's expert map (a device tensor) turns the chosen global ids into local ones, -1 for the other
+ranks' experts, whose pairs every expert path skips (they add zero here and their whole output on their own rank), so
+the same all-reduce sums the layer.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voltllm.distributed.experts import expert_shard
 from voltllm.distributed.sharding import intermediate_split, take_cols, take_rows
 from voltllm.model.layers.activation import silu_and_mul
 from voltllm.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
@@ -49,19 +56,23 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_* [T, k] -> [T, H]. Sorted by expert, active experts only."""
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_* [T, k] -> [T, H]. Sorted by expert, active experts only; ids
+    -1 (another rank's experts) add nothing."""
     return sorted_experts(x, topk_weights, topk_ids, w13.shape[0], lambda e: (w13[e], w2[e]))
 
 
 def sorted_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                    blocks: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The experts' sum with the (token, expert) pairs sorted by expert: one GEMM pair per expert that received
-    tokens, with its (gate_up [2I, H], down [H, I]) from `blocks(e)`; one host sync (the per-expert counts)."""
+    tokens, with its (gate_up [2I, H], down [H, I]) from `blocks(e)`; one host sync (the per-expert counts). Pairs of
+    id -1 (expert parallelism: experts other ranks hold) sort last and are dropped."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
+    flat = torch.where(flat < 0, num_experts, flat)
     order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1).tolist()[:num_experts]  # the one host sync
+    order = order[:sum(counts)]
     token_of = order // k
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync
     xs = x.index_select(0, token_of)
     ys = torch.empty_like(xs)
     start = 0
@@ -101,17 +112,23 @@ class SparseMoE(nn.Module):
         """quantized_experts: quantized checkpoints' experts stay quantized (quant_moe.QuantExperts) when they
         can; no dense expert weights are allocated unless some expert cannot. linear_method: how the shared
         expert's projections hold their weights (None: dense); the router and the shared expert's gate stay dense.
-        tp: this rank's tensor-parallel group (module docstring); moe_inter / shared_inter are the whole model's."""
+        tp: this rank's tensor-parallel group (module docstring); moe_inter / shared_inter are the whole model's;
+        num_experts the model's routed experts (this rank holds num_local_experts of them)."""
         super().__init__()
         self.tp = tp
+        # expert parallelism: this rank's whole experts (ExpertShard) and the device map from global to local ids
+        self.experts_shard = expert_shard(num_experts, tp)
+        self.register_buffer("expert_map", None if self.experts_shard is None else self.experts_shard.expert_map(),
+                             persistent=False)
         # this rank's intermediate rows [start, start + n) of every routed expert and of the shared expert
         self.full_inter = moe_inter
-        if tp is None:
-            self.inter_start, self.shared_start = 0, 0
-        else:
-            self.inter_start, moe_inter = intermediate_split(moe_inter, tp)
+        self.inter_start, self.shared_start = 0, 0
+        if tp is not None:
+            if self.experts_shard is None:  # (whole experts under expert parallelism)
+                self.inter_start, moe_inter = intermediate_split(moe_inter, tp)
             self.shared_start, shared_inter = intermediate_split(shared_inter, tp)
         self.num_experts, self.top_k, self.inter, self.hidden = num_experts, top_k, moe_inter, hidden
+        self.num_local_experts = num_experts if self.experts_shard is None else self.experts_shard.count
         self.norm_topk_prob = norm_topk_prob
         self.dtype = dtype
         self.gate = Linear(hidden, num_experts, dtype=dtype)
@@ -120,7 +137,7 @@ class SparseMoE(nn.Module):
             from voltllm.model.layers.quant_moe import QuantExperts
 
             self.w13 = self.w2 = None
-            self.qexperts = QuantExperts(num_experts, moe_inter, hidden, torch.empty(0).device, dtype,
+            self.qexperts = QuantExperts(self.num_local_experts, moe_inter, hidden, torch.empty(0).device, dtype,
                                          getattr(linear_method, "moe_tiles", None),
                                          getattr(linear_method, "moe_max_rows", None))
         else:
@@ -132,7 +149,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1, dtype=dtype)
 
     def _allocate_dense(self, device: torch.device) -> None:
-        e, i, h = self.num_experts, self.inter, self.hidden
+        e, i, h = self.num_local_experts, self.inter, self.hidden
         self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=self.dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros(e, h, i, dtype=self.dtype, device=device), requires_grad=False)
 
@@ -142,6 +159,7 @@ class SparseMoE(nn.Module):
 
     def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
+        ep = self.expert_map is not None
         if self.qexperts is not None:
             if x.is_cuda:
                 from voltllm.kernels import moe_decode
@@ -149,23 +167,32 @@ class SparseMoE(nn.Module):
                 weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob)
             else:
                 weights, ids = route(logits, self.top_k, self.norm_topk_prob)
-            return self._add_shared(x, self.qexperts.forward(x, weights, ids))
+            return self._add_shared(x, self.qexperts.forward(x, weights, self._local_ids(ids), skip_foreign=ep))
         if not (x.is_cuda if self.triton_experts is None else self.triton_experts):
             weights, ids = route(logits, self.top_k, self.norm_topk_prob)
-            return self._add_shared(x, fused_experts_ref(x, self.w13, self.w2, weights, ids))
+            return self._add_shared(x, fused_experts_ref(x, self.w13, self.w2, weights, self._local_ids(ids)))
         from voltllm.kernels import moe_decode
         from voltllm.kernels.moe import fused_experts
 
         # the router in one launch (moe_decode docstring); decode-sized batches skip the grouped GEMM's sort
         if x.shape[0] * self.top_k > moe_decode.SMALL_MAX_PAIRS:
             weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob)
-            return self._add_shared(x, fused_experts(x, self.w13, self.w2, weights, ids))
+            return self._add_shared(x, fused_experts(x, self.w13, self.w2, weights, self._local_ids(ids),
+                                                     skip_foreign=ep))
         shared = self._plain_shared_weights()
         if shared is not None:  # the shared expert as one more entry per token, inside the two expert launches
             weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob, shared_gate=(x, shared[0]))
-            return moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids, shared=shared[1:])
+            return moe_decode.fused_experts_small(x, self.w13, self.w2, weights, self._local_ids(ids),
+                                                  shared=shared[1:])
         weights, ids = moe_decode.moe_route(logits, self.top_k, self.norm_topk_prob)
-        return self._add_shared(x, moe_decode.fused_experts_small(x, self.w13, self.w2, weights, ids))
+        return self._add_shared(x, moe_decode.fused_experts_small(x, self.w13, self.w2, weights, self._local_ids(ids)))
+
+    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The router's global expert ids as this rank's (expert parallelism: -1 for other ranks' experts; a shared
+        expert's entry, id num_experts, becomes num_local_experts); on the device, no host sync."""
+        if self.expert_map is None:
+            return ids
+        return self.expert_map.index_select(0, ids.reshape(-1)).view(ids.shape)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
@@ -183,9 +210,14 @@ class SparseMoE(nn.Module):
         return tuple(lin.weight for lin in lins)
 
     # -- weights ---------------------------------------------------------------------------------
+    def _held_experts(self) -> range:
+        """The global ids of the routed experts this rank holds."""
+        s = self.experts_shard
+        return range(self.num_experts) if s is None else range(s.start, s.start + s.count)
+
     def expected_weight_keys(self, prefix: str) -> set[str]:
         keys = {f"{prefix}gate#0"}
-        keys |= {f"{prefix}experts.{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up", "down")}
+        keys |= {f"{prefix}experts.{e}.{p}" for e in self._held_experts() for p in ("gate", "up", "down")}
         if self.shared_expert is not None:
             keys |= {f"{prefix}shared_expert.gate_up_proj#0", f"{prefix}shared_expert.gate_up_proj#1",
                      f"{prefix}shared_expert.down_proj#0", f"{prefix}shared_expert_gate#0"}
@@ -198,12 +230,16 @@ class SparseMoE(nn.Module):
         from voltllm.model.layers.quantized_linear import MisalignedCut, PackedWeight, dense_tensor
 
         m = _EXPERT.fullmatch(name)
-        if m:  # this rank's intermediate rows of the expert (all of them without TP)
-            tensor = self._expert_part(m.group(2)[:-5], tensor, prefix + name)
-        if m and self.qexperts is not None:
+        if m:
             e, kind = int(m.group(1)), m.group(2)[:-5]
+            local = e if self.experts_shard is None else self.experts_shard.local(e)
+            if local is None:  # another rank's expert (expert parallelism; the loaders skip them where they can)
+                return []
+            # this rank's intermediate rows of the expert (all of them without TP, and under expert parallelism)
+            tensor = self._expert_part(kind, tensor, prefix + name)
+        if m and self.qexperts is not None:
             try:
-                self.qexperts.add(e, kind, tensor)
+                self.qexperts.add(local, kind, tensor)
             except MisalignedCut:  # a rank's share of a group: refused like a dense layer's (no dense fallback)
                 raise
             except ValueError as err:
@@ -213,8 +249,7 @@ class SparseMoE(nn.Module):
         if m:  # an expert held dense (the shared expert's projections keep their packed form: their Linears decide)
             if isinstance(tensor, PackedWeight):
                 tensor = tensor.dequantize(torch.float32)
-            e, kind = int(m.group(1)), m.group(2)[:-5]
-            dst = {"gate": self.w13[e, :i], "up": self.w13[e, i:], "down": self.w2[e]}[kind]
+            dst = {"gate": self.w13[local, :i], "up": self.w13[local, i:], "down": self.w2[local]}[kind]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
@@ -226,7 +261,7 @@ class SparseMoE(nn.Module):
             tensor = self._stacked_part(name, dense_tensor(tensor))
             dst.data.copy_(tensor)
             kinds = ("gate", "up") if dst is self.w13 else ("down",)
-            return [f"{prefix}experts.{e}.{kd}" for e in range(self.num_experts) for kd in kinds]
+            return [f"{prefix}experts.{e}.{kd}" for e in self._held_experts() for kd in kinds]
         if name == "gate.weight":
             self.gate.load_weight(dense_tensor(tensor))
             return [f"{prefix}gate#0"]
@@ -246,8 +281,9 @@ class SparseMoE(nn.Module):
         raise ValueError(f"unexpected MoE weight {name!r}")
 
     def _expert_part(self, kind: str, tensor, what: str):
-        """This rank's part of one expert's gate / up ([I, H]: rows) or down ([H, I]: input columns) projection."""
-        if self.tp is None:
+        """This rank's part of one expert's gate / up ([I, H]: rows) or down ([H, I]: input columns) projection: the
+        whole of it without TP or under expert parallelism."""
+        if self.tp is None or self.experts_shard is not None:
             return tensor
         if kind == "down":
             return take_cols(tensor, self.inter_start, self.inter, what)
@@ -255,7 +291,8 @@ class SparseMoE(nn.Module):
 
     def _stacked_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of transformers' stacked experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) or
-        experts.down_proj [E, H, I], in either orientation ([E, in, out] checkpoints: Qwen3-VL-MoE style)."""
+        experts.down_proj [E, H, I], in either orientation ([E, in, out] checkpoints: Qwen3-VL-MoE style); under
+        expert parallelism its experts, whole."""
         e, h, i, s = self.num_experts, self.hidden, self.inter, self.inter_start
         full = self.full_inter
         gate_up = name == "experts.gate_up_proj"
@@ -264,6 +301,8 @@ class SparseMoE(nn.Module):
             if tuple(tensor.transpose(1, 2).shape) != want:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {want}")
             tensor = tensor.transpose(1, 2)
+        if (shard := self.experts_shard) is not None:
+            return tensor[shard.start:shard.start + shard.count]
         if self.tp is None:
             return tensor
         if gate_up:

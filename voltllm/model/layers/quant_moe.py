@@ -99,17 +99,20 @@ class QuantExperts:
         return dequantized(row_band(self.w13, e * i2, (e + 1) * i2), dtype), \
             dequantized(row_band(self.w2, e * h, (e + 1) * h), dtype)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; weights / ids [T, k] (the router's) -> sum_j weights_j * expert_{ids_j}(x), [T, H]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                skip_foreign: bool = False) -> torch.Tensor:
+        """x [T, H]; weights / ids [T, k] (the router's) -> sum_j weights_j * expert_{ids_j}(x), [T, H].
+        skip_foreign (expert parallelism): ids are this rank's local ones, -1 for experts other ranks hold, whose
+        pairs add zero."""
         t, k = ids.shape
         pairs = t * k
         if not self.ready:
             raise RuntimeError("quantized MoE experts used before all of them were loaded")
         if x.is_cuda and t <= PAIR_LAUNCH_MAX_TOKENS:
-            return self._pair_launches(x, weights, ids)
+            return self._pair_launches(x, weights, ids)  # (an expert -1 gives a zero row there)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if x.is_cuda and (capturing or pairs <= self.grouped_max_rows * self.num_experts):
-            return self._grouped(x, weights, ids)
+            return self._grouped(x, weights, ids, skip_foreign=skip_foreign)
         from voltllm.model.layers.moe import sorted_experts
 
         return sorted_experts(x, weights, ids, self.num_experts, lambda e: self.expert_blocks(e, x.dtype))
@@ -126,9 +129,10 @@ class QuantExperts:
         return (y.view(t, k, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                 tile: Optional[tuple] = None) -> torch.Tensor:
+                 tile: Optional[tuple] = None, skip_foreign: bool = False) -> torch.Tensor:
         """tile: quant_moe_dot's (BLOCK_N, U, num_warps, num_stages[, W_FIRST]) for both projections (default: the
-        row class's in self.tiles)."""
+        row class's in self.tiles). skip_foreign: as forward's (other ranks' pairs are left out of the sort, as id E,
+        and their output rows stay zero)."""
         from voltllm.kernels.moe import moe_align
         from voltllm.kernels.quant_dot import pick_config, quant_moe_dot
 
@@ -136,8 +140,11 @@ class QuantExperts:
         pairs = t * k
         config = pick_config(-(-pairs // self.num_experts), self.tiles)  # a row block ~ the pairs of an active expert
         block_m, tile = config[0], tile or config[1:]
+        if skip_foreign:  # (the gate_up rows of those pairs are never read)
+            ids = torch.where(ids < 0, self.num_experts, ids)
         order = moe_align(ids, self.num_experts, block_m)
         act = silu_and_mul(quant_moe_dot(x, self.w13, 2 * self.inter, *order, pairs, k, block_m, tile=tile))
         y = quant_moe_dot(act, self.w2, self.hidden, *order, pairs, 1, block_m,
-                          row_weights=weights.reshape(-1).to(torch.float32).contiguous(), tile=tile)
+                          row_weights=weights.reshape(-1).to(torch.float32).contiguous(), tile=tile,
+                          skip_foreign=skip_foreign)
         return y.view(t, k, -1).sum(dim=1)

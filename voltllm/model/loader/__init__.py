@@ -102,18 +102,20 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
 
 def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = False,
-                 quantization: Optional[str] = None, only: Optional[Callable[[str], bool]] = None
-                 ) -> Iterator[tuple[str, Any]]:
+                 quantization: Optional[str] = None, only: Optional[Callable[[str], bool]] = None,
+                 experts: Any = None) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
     4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers), else
     dequantized; the quantized checkpoints' layers always as `<layer>.weight`.
     quantization "fp8" on an unquantized checkpoint quantizes its projections as they load.
-    only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone)."""
+    only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone). experts: this rank's
+    routed experts under expert parallelism (distributed.experts.ExpertShard): the other ranks' expert tensors are
+    never read (safetensors) or never copied out of the file (GGUF)."""
     if source.kind == "gguf":
         from voltllm.model.loader.gguf_loader import gguf_weights
 
-        yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized)
+        yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized, experts=experts)
         return
     from voltllm.model.loader.compressed_tensors_checkpoint import ct_scheme, ct_weights
     from voltllm.model.loader.fp8_checkpoint import fp8_scheme, fp8_weights
@@ -121,6 +123,8 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     from voltllm.model.loader.nvfp4_checkpoint import nvfp4_scheme, nvfp4_weights
     from voltllm.model.loader.safetensors_loader import safetensors_weights
 
+    if experts is not None:
+        only = experts.reads if only is None else (lambda name, first=only: first(name) and experts.reads(name))
     stream = safetensors_weights(source.path, only)
     if (scheme := int4_scheme(hf_config)) is not None:
         yield from int4_weights(stream, scheme, keep_quantized)

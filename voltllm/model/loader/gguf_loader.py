@@ -200,34 +200,42 @@ def _is_matrix_kept(hf_name: str) -> bool:
             or hf_name in ("lm_head.weight", "model.embed_tokens.weight"))
 
 
-def _expert_tensors(t: Any, layer: int, projs: tuple[str, ...], keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+def _expert_tensors(t: Any, layer: int, projs: tuple[str, ...], keep_quantized: bool,
+                    held: Any = None) -> Iterator[tuple[str, Any]]:
     """One stacked expert tensor [E, rows, cols] as each expert's HF weight(s) (`projs`: one, or gate and up, whose
-    rows the tensor holds one after the other): raw blocks (kept quantized) or float32."""
+    rows the tensor holds one after the other): raw blocks (kept quantized) or float32. held: this rank's experts
+    under expert parallelism (distributed.experts.ExpertShard; None: all), the only ones copied out of the file."""
     from gguf.quants import dequantize
 
     from voltllm.model.layers.gguf_planes import supports
     from voltllm.model.layers.quantized_linear import GGUFBlocks
 
     experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+    first, count = (0, experts) if held is None else (held.start, held.count)
     prefix = f"model.layers.{layer}.mlp.experts"
     n = rows // len(projs)
     if keep_quantized and supports(t.tensor_type.name, cols):
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(experts, rows, -1)
-        for e in range(experts):
+        stored = np.asarray(t.data, dtype=np.uint8).reshape(experts, rows, -1)  # (a view of the memory map)
+        raw = torch.from_numpy(np.array(stored[first:first + count]))
+        for e in range(count):
             for i, proj in enumerate(projs):
-                yield f"{prefix}.{e}.{proj}.weight", GGUFBlocks(t.tensor_type.name, raw[e, i * n:(i + 1) * n], n, cols)
+                yield (f"{prefix}.{first + e}.{proj}.weight",
+                       GGUFBlocks(t.tensor_type.name, raw[e, i * n:(i + 1) * n], n, cols))
         return
-    array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(experts, rows, cols)
-    for e in range(experts):
+    stored = np.asarray(t.data).reshape((experts, rows) + tuple(t.data.shape[-1:]))
+    array = np.asarray(dequantize(stored[first:first + count], t.tensor_type), dtype=np.float32)
+    array = array.reshape(count, rows, cols)
+    for e in range(count):
         for i, proj in enumerate(projs):
-            yield f"{prefix}.{e}.{proj}.weight", torch.from_numpy(array[e, i * n:(i + 1) * n].copy())
+            yield f"{prefix}.{first + e}.{proj}.weight", torch.from_numpy(array[e, i * n:(i + 1) * n].copy())
 
 
-def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
+                 experts: Any = None) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) for every tensor in the file, in file order: float32 CPU tensors, except with
     `keep_quantized`, where a linear layer's weight (or the embeddings) of a type with a device layout
     (model/layers/gguf_planes.py) comes as its raw blocks (GGUFBlocks) for the layer to keep quantized. A hybrid's
-    MTP blocks are skipped."""
+    MTP blocks are skipped. experts: this rank's routed experts under expert parallelism (the others' are skipped)."""
     from gguf.quants import dequantize
 
     from voltllm.model.layers.quantized_linear import GGUFBlocks
@@ -245,7 +253,7 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False)
             continue
         m = _LAYER_RE.fullmatch(t.name)
         if m and m.group(2) in _EXPERT_NAMES:
-            yield from _expert_tensors(t, int(m.group(1)), _EXPERT_NAMES[m.group(2)], keep_quantized)
+            yield from _expert_tensors(t, int(m.group(1)), _EXPERT_NAMES[m.group(2)], keep_quantized, experts)
             continue
         name = _hf_name(t.name, arch)
         if name is None:
