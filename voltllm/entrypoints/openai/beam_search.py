@@ -4,6 +4,7 @@ search cannot honour are refused by name (vLLM drops them silently); the answer'
 first, and a stream carries them only at the end (the beams are ranked when the search ends)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -89,25 +90,14 @@ def submit_beam_searches(state: Any, request_ids: list[str], prompts: list[Any],
                          max_tokens: Optional[int], num_logprobs: Optional[int], priority: int = 0) -> list[Any]:
     """Start one beam search per prompt (a dict with prompt_token_ids); max_tokens None: up to the context length.
     On a failure the searches already started are aborted and a 400 raised, as serving_common.submit does."""
-    from voltllm.entrypoints.openai.request_log import OutputLoggingStream
-    from voltllm.entrypoints.openai.serving_common import submission_error
+    from voltllm.entrypoints.openai.serving_common import start_streams
 
-    streams: list[Any] = []
-    try:
-        for rid, prompt in zip(request_ids, prompts):
-            if max_tokens is None:  # (chat: the prompt's token ids)
-                most = max(state.max_model_len - len(prompt["prompt_token_ids"]), 1)
-            params = beam_search_params(req, most if max_tokens is None else max_tokens, state.generation_defaults,
-                                        state.max_logprobs)
-            stream = state.engine.beam_search(rid, prompt, params, req.cache_salt,
-                                              skip_special_tokens=req.skip_special_tokens, num_logprobs=num_logprobs,
-                                              priority=priority)
-            streams.append(OutputLoggingStream(stream, state.max_log_len) if state.log_outputs else stream)
-    except BaseException as e:
-        for s in streams:
-            s.close()
-        err = submission_error(e)
-        if err is e:
-            raise
-        raise err
-    return streams
+    def start(rid: str, prompt: Any) -> Any:
+        most = max_tokens
+        if most is None:  # (chat: the prompt's token ids)
+            most = max(state.max_model_len - len(prompt["prompt_token_ids"]), 1)
+        params = beam_search_params(req, most, state.generation_defaults, state.max_logprobs)
+        return state.engine.beam_search(rid, prompt, params, req.cache_salt, num_logprobs=num_logprobs,
+                                        skip_special_tokens=req.skip_special_tokens, priority=priority)
+
+    return start_streams(state, (functools.partial(start, rid, prompt) for rid, prompt in zip(request_ids, prompts)))

@@ -3,12 +3,13 @@ chat templating, submitting requests, merging streams, disconnect watching, logp
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 from fastapi.responses import StreamingResponse
 
@@ -214,10 +215,17 @@ def make_params(build) -> SamplingParams:
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
            cache_salt: Optional[str], priority: int = 0) -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added and raise a 400."""
+    return start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt, priority)
+                                 for rid, prompt in zip(request_ids, prompts)))
+
+
+def start_streams(state: ServerState, starts: Iterable[Callable[[], Any]]) -> list[Any]:
+    """Call each start (it submits to the engine and returns the stream); if one fails, close the streams already
+    started (aborting their engine work) and raise the failure as its HTTP error."""
     streams: list[Any] = []
     try:
-        for rid, prompt in zip(request_ids, prompts):
-            stream = state.engine.add_request(rid, prompt, params, cache_salt, priority)
+        for start in starts:
+            stream = start()
             streams.append(OutputLoggingStream(stream, state.max_log_len) if state.log_outputs else stream)
     except BaseException as e:
         for s in streams:
