@@ -88,3 +88,13 @@ def test_an_unknown_model_stays_a_404(tiny_server):
     assert r.status_code == 404
     err = r.json()["error"]
     assert err["code"] == "model_not_found" and "'tiny-lora'" in err["message"]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hi"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_beam_search_with_an_adapter_is_refused(tiny_server, path, body):
+    """(the beam search runs without adapters: a 400 rather than the base model's beams under the adapter's name)"""
+    r = _post(tiny_server, path, {"model": "tiny-lora", "use_beam_search": True, "n": 2, "max_tokens": 2, **body})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "use_beam_search" and "LoRA adapter ('tiny-lora') is not built" in err["message"]

@@ -217,7 +217,8 @@ def test_lora_config_is_typed_and_checked(tiny, tmp_path):
                       (dict(lora_dtype="float16"), "--lora-dtype float16: adapters run in the model's dtype"),
                       (dict(tensor_parallel_size=2), "--enable-lora with --tensor-parallel-size > 1"),
                       (dict(speculative_config={"model": tiny, "num_speculative_tokens": 2}),
-                       "--speculative-config method draft_model")):
+                       "--speculative-config method draft_model"),
+                      (dict(runner="pooling"), "--enable-lora with --runner pooling")):
         with pytest.raises(ConfigError, match=match):
             _config(tiny, enable_lora=True, **kw)
     assert _config(tiny, enable_lora=True, lora_dtype="float32",
