@@ -19,6 +19,10 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
         from voltllm.pooling.params import PoolingParams
 
         return PoolingParams
+    if name == "LoRARequest":
+        from voltllm.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "StructuredOutputsParams":
         from voltllm.sampling.structured import StructuredOutputsParams
 
@@ -26,4 +30,5 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "BeamSearchParams", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]

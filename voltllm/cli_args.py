@@ -158,6 +158,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          'normalized)')
     pm.add_argument("--override-pooler-config", type=json_object_arg("--override-pooler-config"), default=None,
                     help="vLLM's older name of --pooler-config")
+    lo = p.add_argument_group("LoRA adapters (voltllm/lora/; --lora-modules is a server flag)")
+    lo.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+                    help="serve PEFT LoRA adapters on the attention and dense-MLP projections, chosen per request")
+    lo.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one batch (GPU slots)")
+    lo.add_argument("--max-lora-rank", type=int, default=16,
+                    help="the largest adapter rank (1, 8, 16, 32, 64, 128, 256, 320 or 512); slots are sized for it")
+    lo.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="adapters kept loaded in CPU memory (default: --max-loras; never fewer)")
+    lo.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                    help="auto: the model's dtype (the only one built)")
     # vLLM flags voltllm takes at the value that is its behaviour (voltllm/fixed_flags.py; docs/cli.md)
     f = p.add_argument_group("vLLM flags taken at voltllm's behaviour (other values refused)")
     f.add_argument("--distributed-executor-backend", default=None,

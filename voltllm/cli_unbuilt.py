@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-_LORA = "LoRA adapters are not built in voltllm"
+_LORA_SHARDED = ("sharded LoRA weights are not built (LoRA runs without tensor parallelism; "
+                 "--no-fully-sharded-loras is what runs)")
+_LORA_BIAS = "LoRA biases are not built (adapters with bias 'none' only)"
+_LORA_LONG = "long-context LoRA (scaling factors) is not built (vLLM removed it too)"
+_LORA_MM = "multimodal input, and so per-modality default LoRAs, are not built"
 _PROMPT_ADAPTERS = "prompt adapters are not built in voltllm (vLLM removed them too)"
 _SPEC_OLD = ("an older vLLM flag: speculative decoding is configured with --speculative-config, e.g. "
              "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' or '{\"method\": \"ngram\", ...}' (docs/cli.md)")
@@ -27,10 +31,10 @@ _PARTIAL_PREFILLS = ("limiting how many prompts are part-way through their prefi
                      "this flag): each step's --max-num-batched-tokens budget decides; drop it")
 
 UNBUILT_FLAGS: dict[str, str] = {
-    # LoRA
-    "--enable-lora": _LORA, "--lora-modules": _LORA, "--max-loras": _LORA, "--max-lora-rank": _LORA,
-    "--max-cpu-loras": _LORA, "--lora-extra-vocab-size": _LORA, "--lora-dtype": _LORA, "--fully-sharded-loras": _LORA,
-    "--enable-lora-bias": _LORA, "--long-lora-scaling-factors": _LORA, "--default-mm-loras": _LORA,
+    # LoRA (--enable-lora and its settings are built: voltllm/lora/)
+    "--lora-extra-vocab-size": "adapters with extra vocabulary are not built (vLLM deprecated it)",
+    "--fully-sharded-loras": _LORA_SHARDED, "--enable-lora-bias": _LORA_BIAS,
+    "--long-lora-scaling-factors": _LORA_LONG, "--default-mm-loras": _LORA_MM,
     "--enable-prompt-adapter": _PROMPT_ADAPTERS, "--max-prompt-adapters": _PROMPT_ADAPTERS,
     "--max-prompt-adapter-token": _PROMPT_ADAPTERS, "--prompt-adapters": _PROMPT_ADAPTERS,
     # memory
@@ -90,12 +94,12 @@ UNBUILT_FLAGS: dict[str, str] = {
 
 
 # Unbuilt features' settings that voltllm matches when the feature is off, as vLLM runs them then (lm-evaluation-
-# harness passes enable_lora=False and max_lora_rank to every vLLM engine): a switch's off form, the settings that
+# harness passes enable_lora=False and max_lora_rank to every vLLM engine; LoRA is built now, and its settings are
+# EngineArgs fields): a switch's off form, the settings that
 # only act while their switch is on (which voltllm refuses), and the values that name what voltllm does.
-SWITCHES_OFF = frozenset({"--enable-lora", "--enable-prompt-adapter", "--enable-sleep-mode", "--enable-eplb",
+SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-sleep-mode", "--enable-eplb",
                           "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias"})
-WHILE_SWITCHED_ON = frozenset({"--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-extra-vocab-size",
-                               "--lora-dtype", "--long-lora-scaling-factors", "--max-prompt-adapters",
+WHILE_SWITCHED_ON = frozenset({"--lora-extra-vocab-size", "--max-prompt-adapters",
                                "--max-prompt-adapter-token", "--eplb-config"})
 VOLTLLM_VALUES = {"--num-scheduler-steps": ("1",), "--num-lookahead-slots": ("0",),
                   "--scheduler-delay-factor": ("0", "0.0")}

@@ -8,7 +8,7 @@ import glob
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -135,6 +135,21 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
 
 
+# --max-lora-rank values (vLLM's): the rank every slot is padded to
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora and its settings (voltllm/lora/): adapters per batch (GPU slots), the rank slots are sized for,
+    adapters kept in CPU memory, and the dtype of their weights (the model's)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    lora_dtype: torch.dtype = torch.float32
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -144,6 +159,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: Optional[Any] = None  # engine.speculative.SpeculativeConfig (--speculative-config)
     quantization: Optional[str] = None
+    lora: Optional[LoRAConfig] = None  # --enable-lora (None: off)
 
 
 @dataclass
@@ -223,6 +239,13 @@ class EngineArgs:
     task: Optional[str] = None
     pooler_config: Optional[Any] = None  # JSON object or dict: pooling_type, normalize / use_activation, dimensions
     override_pooler_config: Optional[Any] = None
+    # LoRA adapters (voltllm/lora/); the other settings apply only with enable_lora (off, they are not checked, as
+    # vLLM builds no LoRA config then: lm-evaluation-harness passes enable_lora=False with a max_lora_rank)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None  # None: --max-loras
+    lora_dtype: str = "auto"  # auto: the model's dtype (the only one taken)
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
@@ -338,6 +361,38 @@ class EngineArgs:
             logger.warning("--expert-placement-strategy round_robin needs a model with expert groups; the experts are "
                            "placed linearly (as vLLM does for this model)")
         return True
+    def _resolve_lora(self, config: EngineConfig) -> LoRAConfig:
+        """--enable-lora's settings, checked against the model and the rest of the configuration."""
+        from voltllm.lora.adapter import lora_architecture_error
+
+        if err := lora_architecture_error(config.model.hf_config):
+            raise ConfigError(f"--enable-lora: {err}")
+        for flag, value in (("--max-loras", self.max_loras), ("--max-lora-rank", self.max_lora_rank),
+                            ("--max-cpu-loras", self.max_cpu_loras)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"{flag} must be an integer, got {value!r}")
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be >= 1 (adapters in one batch), got {self.max_loras}")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ConfigError(f"--max-lora-rank {self.max_lora_rank}: must be one of "
+                              f"{', '.join(map(str, MAX_LORA_RANKS))} (vLLM's values)")
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if cpu < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras {cpu} must be >= --max-loras {self.max_loras}")
+        dtype = config.model.dtype
+        if self.lora_dtype != "auto" and _DTYPES.get(self.lora_dtype) != dtype:
+            raise ConfigError(f"--lora-dtype {self.lora_dtype}: adapters run in the model's dtype here "
+                              f"({str(dtype).replace('torch.', '')}); use auto")
+        if config.parallel.tensor_parallel_size > 1:
+            raise ConfigError("--enable-lora with --tensor-parallel-size > 1: sharded LoRA weights are not built; "
+                              "use -tp 1")
+        if config.model.runner != "generate":
+            raise ConfigError("--enable-lora with --runner pooling: adapters for embedding models are not built")
+        spec = config.speculative
+        if spec is not None and spec.method != "ngram":
+            raise ConfigError(f"--enable-lora with --speculative-config method {spec.method}: a drafter that runs "
+                              "without the request's adapter is not built with LoRA; use the ngram method or none")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, dtype)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -506,6 +561,8 @@ class EngineArgs:
                                   if quantized_weights != "dequantized" else 1), enable_expert_parallel=ep),
                               speculative=spec,
                               quantization=method)
+        if self.enable_lora:
+            config = replace(config, lora=self._resolve_lora(config))
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration
 

@@ -43,7 +43,6 @@ _TORCH_COMPILE_KEYS = frozenset({
 _GRAPH_KEYS_NOT_BUILT = {
     "cudagraph_num_of_warmups": "voltllm runs each batch size twice before capturing it (not configurable)",
     "cudagraph_copy_inputs": "voltllm's graphs always read the runner's persistent input buffers",
-    "cudagraph_specialize_lora": "LoRA adapters are not built in voltllm",
     "use_cudagraph": "an older vLLM key: use cudagraph_mode (NONE turns CUDA graphs off)",
     "full_cuda_graph": "an older vLLM key: use cudagraph_mode (FULL_AND_PIECEWISE is the default)",
 }
@@ -128,6 +127,12 @@ def _check_keys(cc: dict) -> None:
             _check_compile_mode(key, value)
         elif key in _TORCH_COMPILE_KEYS:
             raise CompilationConfigError(f"--compilation-config {key}: a torch.compile setting; {_NO_TORCH_COMPILE}")
+        elif key == "cudagraph_specialize_lora":
+            if value is not False:  # (vLLM's default is true: separate graphs for batches without adapters)
+                raise CompilationConfigError(
+                    f"--compilation-config cudagraph_specialize_lora {json.dumps(value)}: graphs specialized for "
+                    "batches with and without LoRA adapters are not built: with --enable-lora every graph computes "
+                    "the adapters' terms (a token without one adds zero); false is what runs")
         elif key in _GRAPH_KEYS_NOT_BUILT:
             raise CompilationConfigError(f"--compilation-config {key}: not built ({_GRAPH_KEYS_NOT_BUILT[key]})")
         elif key not in KNOWN_KEYS:

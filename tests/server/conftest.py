@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from lora_adapters import make_adapter
 from server_helpers import API_KEY, MODEL_NAMES, ServerProc, free_port, wait_gone
 from tiny_models import make_model
 
@@ -49,9 +50,12 @@ def tiny_server(tmp_path_factory):
     `one_torch_thread` fixture does in process: a tiny model's steps on a busy 2-core machine otherwise take 5 to
     40 times as long, and vary as much."""
     path = make_model(str(tmp_path_factory.mktemp("tiny")), "llama")
+    # a LoRA adapter served as "tiny-lora" (tests/server/test_lora_server.py); the others' requests run without one
+    lora = make_adapter(str(tmp_path_factory.mktemp("tiny-lora")), path, rank=8, alpha=16)
     srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
+                      "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"tiny-lora={lora}",
                       "--disable-log-stats", "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
-    srv.model_path = path  # (the beam-search tests compare with transformers on it)
+    srv.model_path, srv.lora_path = path, lora  # (the beam-search and LoRA tests compare with transformers)
     try:
         srv.wait_healthy(180)
         yield srv

@@ -98,3 +98,30 @@ def test_run_batch_embeddings(tmp_path):
     assert by_id["e1"]["status_code"] == 200 and len(by_id["e1"]["body"]["data"][0]["embedding"]) == 64
     assert [d["index"] for d in by_id["e2"]["body"]["data"]] == [0, 1]
     assert by_id["gen"]["status_code"] == 404 and "generates nothing" in by_id["gen"]["body"]["error"]["message"]
+
+
+def test_run_batch_serves_lora_modules(tmp_path):
+    """--lora-modules in a batch file's requests: a line naming the adapter runs with it (transformers' merged tokens),
+    one naming the base model runs without."""
+    import torch
+
+    from lora_adapters import make_adapter, merged_model
+    from voltllm.cli import main
+    from voltllm.model.loader import load_tokenizer
+
+    model = make_model(str(tmp_path / "tiny"), "llama")
+    adapter = make_adapter(str(tmp_path / "lora"), model, rank=8)
+    body = dict(prompt="The quick brown fox", max_tokens=4, temperature=0, ignore_eos=True, return_token_ids=True)
+    src = tmp_path / "in.jsonl"
+    src.write_text(_line("lora", model="sql", **body) + "\n" + _line("base", model="tiny", **body) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", str(src), "-o", str(out), model, "--device", "cpu", "--served-model-name", "tiny",
+                 "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"sql={adapter}"]) == 0
+    results = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, out.read_text().splitlines())}
+    ids = load_tokenizer(model).encode(body["prompt"])
+    for name, path in (("lora", adapter), ("base", None)):
+        with torch.no_grad():
+            want = merged_model(model, path).generate(torch.tensor([ids]), max_new_tokens=4, min_new_tokens=4,
+                                                      do_sample=False)[0, len(ids):].tolist()
+        assert results[name]["choices"][0]["token_ids"] == want, name
+    assert results["lora"]["model"] == "sql"

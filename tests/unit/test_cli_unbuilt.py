@@ -10,8 +10,9 @@ from voltllm.cli_unbuilt import UNBUILT_FLAGS, WHILE_SWITCHED_ON, screen_unbuilt
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["serve", "--enable-lora"], "voltllm: error: --enable-lora: LoRA adapters are not built in voltllm"),
-    (["serve", "m", "--lora_modules=a=b"], "voltllm: error: --lora-modules: LoRA adapters are not built in voltllm"),
+    (["serve", "m", "--enable-lora", "--fully-sharded-loras"], "voltllm: error: --fully-sharded-loras: sharded LoRA "
+     "weights are not built"),
+    (["serve", "m", "--enable-lora-bias"], "voltllm: error: --enable-lora-bias: LoRA biases are not built"),
     (["serve", "m", "--speculative-model", "d", "--num-speculative-tokens", "4"],
      "voltllm: error: --speculative-model: an older vLLM flag: speculative decoding is configured with "
      "--speculative-config"),
@@ -35,12 +36,13 @@ def test_every_table_flag_is_refused_and_none_is_defined_by_voltllm():
             assert unbuilt_flag_error(["serve", "m", flag, "7"], known) == f"{flag}: {why}"
 
 
-@pytest.mark.parametrize("words", [["--no-enable-lora"], ["--enable-lora=false"], ["--max-lora-rank", "16"],
-                                   ["--max-loras=4"], ["--no-enable-sleep-mode"], ["--num-lookahead-slots", "0"],
-                                   ["--scheduler-delay-factor=0"], ["--num-scheduler-steps", "1"], ["--no-enable-eplb"]])
+@pytest.mark.parametrize("words", [["--no-fully-sharded-loras"], ["--enable-lora-bias=false"],
+                                   ["--lora-extra-vocab-size", "256"], ["--no-enable-sleep-mode"],
+                                   ["--num-lookahead-slots", "0"], ["--scheduler-delay-factor=0"],
+                                   ["--num-scheduler-steps", "1"], ["--no-enable-eplb"]])
 def test_unbuilt_features_left_off_are_accepted_and_dropped(words):
-    """vLLM runs these as voltllm does (the feature off, or the value that is voltllm's behaviour); lm-evaluation-
-    harness passes enable_lora=False and max_lora_rank to every engine. They are dropped before parsing."""
+    """vLLM runs these as voltllm does (the feature off, or the value that is voltllm's behaviour). They are dropped
+    before parsing."""
     known = option_strings(build_parser())
     assert screen_unbuilt_flags(["serve", "m", *words, "--port", "9"], known) == (["serve", "m", "--port", "9"],
                                                                                    None)
@@ -54,9 +56,9 @@ def test_other_engineers_server_flags_are_not_in_the_table():
 
 
 def test_a_flag_voltllm_defines_is_never_refused_from_the_table():
-    assert unbuilt_flag_error(["serve", "--enable-lora"], known={"--enable-lora"}) is None
-    assert unbuilt_flag_error(["serve", "m", "--", "--enable-lora"]) is None  # after --: values
-    assert unbuilt_flag_error(["generate", "--enable-lora is off", "m"]) is None  # a value, not a flag
+    assert unbuilt_flag_error(["serve", "--enable-sleep-mode"], known={"--enable-sleep-mode"}) is None
+    assert unbuilt_flag_error(["serve", "m", "--", "--enable-sleep-mode"]) is None  # after --: values
+    assert unbuilt_flag_error(["generate", "--enable-sleep-mode is off", "m"]) is None  # a value, not a flag
 
 
 def test_unknown_flags_keep_argparse_message(capsys):
@@ -72,9 +74,9 @@ def test_config_file_and_offline_llm_name_the_reason(tmp_path):
     from voltllm.entrypoints.llm import LLM
 
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("enable_lora: true\n")
+    cfg.write_text("enable_sleep_mode: true\n")
     parser = build_parser()
-    with pytest.raises(ConfigError, match="serve.yaml: enable_lora: LoRA adapters are not built in voltllm"):
+    with pytest.raises(ConfigError, match="serve.yaml: enable_sleep_mode: sleep mode"):
         merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(cfg)]))
     with pytest.raises(TypeError, match="enable_sleep_mode: sleep mode .* is not built"):
         LLM("unused", enable_sleep_mode=True)

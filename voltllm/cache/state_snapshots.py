@@ -96,6 +96,7 @@ class StateSnapshots:
             return None
         i = boundary // self.block_size - 1
         if i >= len(req.block_hashes):
+            # (no LoRA key: hybrids take no adapters, voltllm/lora)
             extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
         return req.block_hashes[i] if i < len(req.block_hashes) else None
 

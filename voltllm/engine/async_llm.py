@@ -406,13 +406,17 @@ class AsyncLLM:
         check_vocab(ids, sp, self.vocab_size)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
+                    cache_salt: Optional[str] = None, priority: int = 0,
+                    lora_request: Optional[Any] = None) -> RequestStream:
         """Validate and submit one request; raises ValueError subclasses for bad input (HTTP 400). priority: under
-        --scheduling-policy priority, lower is served first (else it must be 0)."""
+        --scheduling-policy priority, lower is served first (else it must be 0). lora_request: the adapter it runs
+        with (voltllm.lora.request.LoRARequest; --enable-lora)."""
         self._check_alive()
         if request_id in self._streams or request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority)
+        if lora_request is not None and self.config.lora is None:
+            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
+        reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority, lora_request)
         try:
             self._validate(reqs[0])
         except BaseException:
@@ -451,8 +455,9 @@ class AsyncLLM:
             stream.close()
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params, cache_salt, priority)
+                       cache_salt: Optional[str] = None, priority: int = 0,
+                       lora_request: Optional[Any] = None) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
         try:
             async for out in stream:
                 yield out

@@ -69,7 +69,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix)
         if prefix and snapshots is not None:
             self.kv.state_prefix = snapshots
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative,
+                                   max_loras=config.lora.max_loras if config.lora is not None else 0)
         self.runner.tune_decode_gemms()
         self.runner.warm_up_mixed_step()  # (before the route counters: it is no request's work)
         from voltllm.acceleration import instrument
@@ -122,6 +123,8 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)
+        if req.lora_request is not None:
+            self._register_lora(req.lora_request)
         r = Request(req, self.max_model_len)
         sp = r.sampling_params
         if sp.seed is not None:
@@ -130,6 +133,19 @@ class EngineCore:
         if sp.structured_outputs is not None:
             ready = self.grammars.attach(r)  # False: its grammar compiles in the background; it waits meanwhile
         self.scheduler.add_request(r, ready)
+
+    def _register_lora(self, lora_request) -> None:
+        """The request's adapter, read and checked on its first use (InvalidRequestError: a 400 naming it)."""
+        manager = self.runner.lora
+        if manager is None:
+            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
+        from voltllm.lora.adapter import LoRAAdapterError
+
+        try:
+            manager.register(lora_request, lambda: {r.lora_name for r in self.scheduler.requests.values()
+                                                    if r.lora_name})
+        except LoRAAdapterError as e:
+            raise InvalidRequestError(str(e), "model") from None
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)

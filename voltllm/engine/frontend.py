@@ -153,7 +153,8 @@ class Frontend:
         return None, _token_ids(prompt)
 
     def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                      cache_salt: Optional[str] = None, priority: int = 0) -> list[EngineCoreRequest]:
+                      cache_salt: Optional[str] = None, priority: int = 0,
+                      lora_request: Any = None) -> list[EngineCoreRequest]:
         if request_id in self.states:
             raise InvalidPromptError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
@@ -176,7 +177,7 @@ class Frontend:
             children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             reqs.append(EngineCoreRequest(cid, ids, child_params, arrival_time=now, cache_salt=cache_salt,
-                                          priority=priority))
+                                          priority=priority, lora_request=lora_request))
         self.states[request_id] = _RequestState(request_id, text, ids, params, children, RequestMetrics(now))
         for cid in children:
             self.child_to_parent[cid] = request_id

@@ -71,10 +71,14 @@ class RunnerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec: Optional[SpeculativeConfig] = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec: Optional[SpeculativeConfig] = None,
+                 max_loras: int = 0):
+        """max_loras: --enable-lora's --max-loras (0: off): the running batch holds at most that many distinct
+        adapters, so each step's adapters fit the runner's GPU slots."""
         self.config = config
         self.kv = kv
         self.spec = spec
+        self.max_loras = max_loras
         self.num_draft_tokens = 0  # speculation: drafts scored, and accepted
         self.num_accepted_tokens = 0
         self.waiting = make_waiting_queue(config.policy)
@@ -179,8 +183,15 @@ class Scheduler:
                 if victim is req:
                     break
 
+        # --max-loras: a waiting request whose adapter would be one too many is passed over (it keeps its place, as in
+        # vLLM); the others may still be admitted
+        loras = {r.lora_name for r in running if r.lora_name} if self.max_loras else None
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted_now:
             req = self.waiting.peek()
+            if loras is not None and req.lora_name and req.lora_name not in loras and len(loras) >= self.max_loras:
+                passed_over.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
@@ -210,6 +221,10 @@ class Scheduler:
                 self.running.append(req)
             self._add(out, req, num_new)
             budget -= num_new
+            if loras is not None and req.lora_name:
+                loras.add(req.lora_name)
+        for req in reversed(passed_over):  # back at the head, in their order (under priority: by their keys)
+            self.waiting.requeue(req)
         self.step_counter += 1
         return out
 

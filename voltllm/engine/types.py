@@ -23,6 +23,7 @@ class EngineCoreRequest:
     cache_salt: Optional[str] = None  # keeps prefix-cache sharing within one tenant
     priority: int = 0  # --scheduling-policy priority: lower is served first (vLLM's); 0 under fcfs
     pooling_params: Optional[PoolingParams] = None
+    lora_request: Optional[Any] = None  # voltllm.lora.request.LoRARequest: the adapter it runs with (None: none)
 
 
 @dataclass

@@ -26,16 +26,33 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Opt
                                          chat_template=chat_template, tools=tools, **template_kwargs)
 
 
-def _refuse_lora(lora_request: Any) -> None:
+def _refuse_lora(lora_request: Any, what: str) -> None:
     if lora_request is not None:
-        raise ValueError("lora_request: LoRA adapters are not built in voltllm")
+        raise ValueError(f"lora_request: LoRA adapters are not built for {what} (they are for generate and chat)")
+
+
+def _lora_requests(lora_request: Any, n: int, enabled: bool) -> list:
+    """vLLM's lora_request: one LoRARequest for every prompt, or a list of one (or None) per prompt."""
+    from voltllm.lora.request import LoRARequest
+
+    if lora_request is None:
+        return [None] * n
+    if not enabled:
+        raise ValueError("lora_request: LoRA is not enabled; create the LLM with enable_lora=True")
+    reqs = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+    if len(reqs) != n:
+        raise ValueError(f"{n} prompts but {len(reqs)} lora requests: give one, or one per prompt")
+    for r in reqs:
+        if r is not None and not isinstance(r, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest (voltllm.lora.request), got {type(r).__name__}")
+    return reqs
 
 
 def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
     """(the EngineArgs keywords, max_logprobs) from vLLM's LLM(...) keywords: the ones that belong to vLLM's server-side
     engine arguments are taken here (disable_log_stats: the offline engine logs no periodic stats; max_logprobs: the
     most logprobs / prompt_logprobs a request may ask, as vLLM's; limit_mm_per_prompt: zero limits only), unbuilt vLLM
-    settings at what voltllm does anyway (enable_lora=False, max_lora_rank=...) are dropped, others refused."""
+    settings at what voltllm does anyway (enable_prompt_adapter=False, ...) are dropped, others refused."""
     from voltllm.cli_unbuilt import is_accepted_setting, unbuilt_setting_error
 
     engine = {k: v for k, v in kwargs.items() if k in EngineArgs.field_names()}
@@ -104,11 +121,11 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: UseTqdm = True, lora_request: Any = None, priority: Optional[list[int]] = None
                  ) -> list[RequestOutput]:
-        """vLLM's signature; lora_request must be None (no LoRA here). priority: one integer per prompt, lower served
-        first (LLM(scheduling_policy="priority"); under fcfs only 0s).
+        """vLLM's signature. lora_request: a LoRARequest for every prompt, or a list of one (or None) per prompt
+        (LLM(enable_lora=True)). priority: one integer per prompt, lower served first
+        (LLM(scheduling_policy="priority"); under fcfs only 0s).
         use_tqdm: a progress bar on stderr over the sequences completed (True, vLLM's default), none (False), or one
         made by this tqdm-like factory (called with tqdm's keyword arguments)."""
-        _refuse_lora(lora_request)
         self._require_runner("generate", "generate")
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -117,6 +134,7 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        loras = _lora_requests(lora_request, len(prompts), self.config.lora is not None)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities: give one per prompt")
@@ -132,9 +150,9 @@ class LLM:
                     raise ValueError(f"{field} {asked}: more than this LLM's max_logprobs ({self.max_logprobs})")
         order: list[str] = []
         try:
-            for prompt, sp, prio in zip(prompts, params, priorities):
+            for prompt, sp, prio, lora in zip(prompts, params, priorities, loras):
                 rid = str(next(self._ids))
-                for req in self.frontend.make_requests(rid, prompt, sp, priority=prio):
+                for req in self.frontend.make_requests(rid, prompt, sp, priority=prio, lora_request=lora):
                     self.engine.add_request(req)
                 order.append(rid)
         except Exception:
@@ -150,7 +168,7 @@ class LLM:
         """vLLM's: each prompt's pooled hidden state (`.outputs.data`, a float32 tensor), for pooling models
         (runner="pooling"). Only the embed task is built; truncate_prompt_tokens keeps each prompt's last k tokens
         (-1: the context length), over the params' own."""
-        _refuse_lora(lora_request)
+        _refuse_lora(lora_request, "embedding models")
         self._require_runner("pooling", "encode")
         if pooling_task not in (None, "embed"):
             raise ValueError(f"pooling_task {pooling_task!r}: only 'embed' is built (classification, scoring and "
@@ -230,7 +248,7 @@ class LLM:
         decoded text (the EOS's only with include_stop_str_in_output). Each step runs every live beam of the prompts
         batched together (concurrency_limit of them at a time; None: all) as one-token requests; the prefix cache
         keeps each beam's earlier tokens. use_tqdm: a bar over the steps (tqdm, or this tqdm-like factory)."""
-        _refuse_lora(lora_request)
+        _refuse_lora(lora_request, "beam search")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
@@ -310,7 +328,6 @@ class LLM:
         from voltllm.entrypoints.openai.errors import OpenAIError
         from voltllm.entrypoints.openai.serving_common import normalize_messages
 
-        _refuse_lora(lora_request)
         self._require_runner("generate", "chat")
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: expected one of "
@@ -318,6 +335,7 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        _lora_requests(lora_request, len(conversations), self.config.lora is not None)  # (before any templating)
         template = chat_template or self.config.model.chat_template
         content_format = resolve_content_format(chat_template_content_format, self.tokenizer, template, tools)
         kwargs = dict(chat_template_kwargs or {})
@@ -334,4 +352,4 @@ class LLM:
             text = apply_chat_template(self.tokenizer, conv, template, add_generation_prompt, tools, **kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

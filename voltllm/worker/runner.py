@@ -123,6 +123,14 @@ class ModelRunner:
         # buffering), once the step that used it has run
         self._follower_events: list[torch.cuda.Event] = []
         self.model = model if model is not None else self._load_model()
+        # --enable-lora: the adapters' GPU slots in the model's projections (before KV sizing: they take memory)
+        self.lora = None
+        if config.lora is not None:
+            from voltllm.lora.manager import LoRAManager, lora_token_capacity
+
+            sc = config.scheduler
+            self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
+                                    lora_token_capacity(sc.max_num_batched_tokens, sc.max_num_seqs), self.device)
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
@@ -482,6 +490,8 @@ class ModelRunner:
             h["state_slots"][:n_seqs] = state_slots
             h["state_slots"][n_seqs:rows] = self.state_cache.pad_slot
         buf.upload(t, n_rows, width, rows, state_slots=state_slots is not None)
+        if self.lora is not None:  # each token's adapter (padding: none), for the forward or the graph it replays
+            self.lora.prepare_step(sched.scheduled, t)
         if pending_dst:
             self._fill_pending(buf, pending_dst, pending_src)
         if self.send_step is not None:  # the other TP ranks upload the same host arrays (ids: broadcast later)
@@ -929,12 +939,18 @@ class ModelRunner:
         logger.info("ran a mixed-step warm-up forward in %.1f s", time.monotonic() - t0)
 
     def capture_cuda_graphs(self) -> None:
-        from voltllm.worker.cuda_graphs import DecodeGraphs
-
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.backend.name != "TRITON_ATTN":
             logger.info("CUDA graphs off (%s)", "--enforce-eager or cudagraph_mode NONE / -O0"
                         if self.config.device.enforce_eager else "not supported by this device/backend")
             return
+        from voltllm.lora.manager import optional_lora
+
+        with optional_lora(self.lora):  # the graphs record the LoRA terms (a replay reads the step's mask)
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        from voltllm.worker.cuda_graphs import DecodeGraphs
+
         t0 = time.monotonic()
         self._apply_pdl()
         self._ensure_buffers()

@@ -235,16 +235,19 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def _model_card(name: str) -> dict:
+        lora = state.lora_modules.get(name)  # a --lora-modules adapter: vLLM's parent (its base) and root (its path)
+        root, parent = ((lora.lora_path, lora.base_model_name or state.served_model_names[0]) if lora is not None
+                        else (state.model_path, None))
         return {"id": name, "object": "model", "created": state.created, "owned_by": "voltllm",
-                "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
+                "root": root, "parent": parent, "max_model_len": state.max_model_len}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(n) for n in state.served_model_names]}
+        return {"object": "list", "data": [_model_card(n) for n in [*state.served_model_names, *state.lora_modules]]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
-        if model not in state.served_model_names:
+        if not state.serves(model):
             raise OpenAIError(f"The model `{model}` does not exist", 404, "model", "model_not_found")
         return _model_card(model)
 

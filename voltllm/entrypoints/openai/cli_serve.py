@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from voltllm.cli_args import json_object_arg, json_string_list
 from voltllm.cli_config import add_config_args
-from voltllm.entrypoints.openai.request_flags import add_request_args, check_request_flags, server_state
+from voltllm.entrypoints.openai.request_flags import (add_request_args, check_request_flags, lora_modules,
+                                                      server_state)
 from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm")
@@ -168,11 +169,12 @@ def run_serve(args: argparse.Namespace) -> int:
     _say(f"model {mc.model} ({mc.architecture}, {str(mc.dtype).replace('torch.', '')}, {length}) on "
          f"{config.device.device}; config in {time.monotonic() - t0:.1f} s")
     names = list(args.served_model_names or [mc.served_model_name])
+    loras = lora_modules(config, args, names)  # (ConfigError: exit 2 before the engine starts)
     sock = _bind(args.host, args.port)
     holder: dict[str, Any] = {"rc": 0}
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        asyncio.run(_serve(config, args, names, sock, holder))
+        asyncio.run(_serve(config, args, names, sock, holder, loras))
     except KeyboardInterrupt:
         _say("shutting down")
     except EngineStartError as e:
@@ -225,7 +227,7 @@ async def _log_stats(engine: Any, metrics: Any, every: float = 10.0) -> None:
 
 
 async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: socket.socket,
-                 holder: dict) -> None:
+                 holder: dict, loras: dict) -> None:
     import uvicorn
 
     from voltllm.engine.async_llm import AsyncLLM
@@ -243,7 +245,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     info = engine.engine_info
     _say(f"engine ready in {time.monotonic() - t0:.1f} s (pid {info.get('pid')}, {info.get('num_blocks')} KV blocks "
          f"of {info.get('block_size')} tokens, max_model_len {engine.max_model_len})")
-    state = server_state(config, args, names, engine)
+    state = server_state(config, args, names, engine, loras)
     cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
                         tuple(args.allowed_headers))
     http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,
@@ -271,7 +273,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
             await asyncio.sleep(0.05)
         if server.started:
             host = args.host if ":" not in args.host else f"[{args.host}]"
-            shown = ", ".join(repr(n) for n in names)
+            shown = ", ".join(repr(n) for n in [*names, *loras])
             scheme = "https" if args.ssl_certfile else "http"
             _say(f"serving {shown} at {scheme}://{host}:{args.port} (OpenAI API base URL "
                  f"{scheme}://{host}:{args.port}/v1)"

@@ -3,7 +3,7 @@ usage, request logs): shared by `voltllm serve` and `voltllm run-batch`, which a
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 from voltllm.cli_args import json_object_arg
 from voltllm.config import ConfigError
@@ -16,6 +16,11 @@ def add_request_args(g: Any) -> None:
 
     g.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
                    help="model name(s) the API answers to (the first one is reported); default: the model path")
+    from voltllm.lora.modules import lora_module_arg
+
+    g.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=None, metavar="NAME=PATH",
+                   help='LoRA adapters served under their own model names: name=path or a JSON object {"name", '
+                   '"path", "base_model_name"} (needs --enable-lora)')
     g.add_argument("--default-chat-template-kwargs", type=json_object_arg("--default-chat-template-kwargs"),
                    default=None, help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'; '
                    "a request's chat_template_kwargs override it")
@@ -67,13 +72,23 @@ def check_request_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--served-model-name must not be empty")
 
 
-def server_state(config: Any, args: argparse.Namespace, names: list[str], engine: Any) -> Any:
-    """The app's ServerState for a started engine (its max_model_len: --max-model-len auto is fitted by then)."""
+def lora_modules(config: Any, args: argparse.Namespace, names: list[str]) -> dict:
+    """--lora-modules as name -> LoRARequest, each adapter checked against the model (ConfigError), before the engine
+    starts."""
+    from voltllm.lora.modules import resolve_lora_modules
+
+    return resolve_lora_modules(args.lora_modules, config, names)
+
+
+def server_state(config: Any, args: argparse.Namespace, names: list[str], engine: Any,
+                 loras: Optional[dict] = None) -> Any:
+    """The app's ServerState for a started engine (its max_model_len: --max-model-len auto is fitted by then);
+    loras: lora_modules' adapters."""
     from voltllm.engine.frontend import generation_defaults
     from voltllm.entrypoints.openai.serving_common import ServerState
 
     return ServerState(
-        engine=engine, served_model_names=names, max_model_len=engine.max_model_len,
+        engine=engine, served_model_names=names, max_model_len=engine.max_model_len, lora_modules=dict(loras or {}),
         model_path=config.model.model, chat_template=config.model.chat_template,
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
         chat_template_content_format=args.chat_template_content_format,

@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Optional, TextIO
 
 from voltllm.config import ConfigError
 
@@ -120,9 +120,12 @@ def run_batch(args: argparse.Namespace) -> int:
     check_request_flags(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per in-process request otherwise)
     config = engine_args_from(args).create_engine_config()
+    from voltllm.entrypoints.openai.request_flags import lora_modules
+
+    loras = lora_modules(config, args, list(args.served_model_names or [config.model.served_model_name]))
     out = sys.stdout if args.output_file == "-" else _open_output(args.output_file)
     try:
-        return asyncio.run(_run(config, args, lines, out))
+        return asyncio.run(_run(config, args, lines, out, loras))
     finally:
         if out is not sys.stdout:
             out.close()
@@ -135,7 +138,8 @@ def _open_output(path: str) -> TextIO:
         raise ConfigError(f"--output-file {path}: {e.strerror or e}") from None
 
 
-async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], out: TextIO) -> int:
+async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], out: TextIO,
+               loras: Optional[dict] = None) -> int:
     import httpx
 
     from voltllm.engine.async_llm import AsyncLLM
@@ -150,7 +154,7 @@ async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], ou
         metrics = ServerMetrics(names[0], lambda: engine.stats, lambda: engine.is_healthy,
                                 lambda: engine.num_active_requests, max_model_len=engine.max_model_len)
         engine.observer = metrics
-        app = build_app(server_state(config, args, names, engine), metrics)
+        app = build_app(server_state(config, args, names, engine, loras), metrics)
         window = asyncio.Semaphore(WINDOW_PER_SEQ * config.scheduler.max_num_seqs)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://run-batch",
                                      timeout=None) as client:

@@ -121,10 +121,11 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
         plan.echo_prefix = message_text(last)
     prompt = {"prompt": prompt_text, "prompt_token_ids": ids}
     if req.use_beam_search:  # n beams, answered when the search ends (beam_search.py)
+        state.refuse_lora(model, "use_beam_search", "beam search")
         streams = submit_beam_searches(state, [engine_id], [prompt], req, max_tokens, req.num_logprobs,
                                         req.priority)
     else:
-        streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority)
+        streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model)
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, beam search=%s, prompt: %s",
                     engine_id, len(ids), req.n, max_tokens, req.stream, bool(req.use_beam_search),

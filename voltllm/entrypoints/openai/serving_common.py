@@ -49,18 +49,34 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
     runner: str = "generate"  # generate | pooling (one runner per engine, as vLLM): which model routes answer
+    # --lora-modules: adapter name -> LoRARequest (voltllm.lora); a request naming one as its model runs with it
+    lora_modules: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def serves(self, name: str) -> bool:
+        """Whether `name` is a served model name or a --lora-modules adapter."""
+        return name in self.served_model_names or name in self.lora_modules
+
     def model_name(self, requested: Optional[str]) -> str:
         """The name to answer with; a 404 (OpenAI's and vLLM's status) for a model this server does not serve."""
-        if requested is None or requested == "" or requested in self.served_model_names:
+        if requested is None or requested == "" or self.serves(requested):
             return requested or self.served_model_names[0]
         raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
-                          f"{', '.join(repr(n) for n in self.served_model_names)}", 404, "model", "model_not_found")
+                          f"{', '.join(repr(n) for n in [*self.served_model_names, *self.lora_modules])}", 404,
+                          "model", "model_not_found")
+
+    def lora_request(self, model: Optional[str]) -> Any:
+        """The LoRARequest a request naming `model` runs with (None: the base model)."""
+        return self.lora_modules.get(model) if model else None
+
+    def refuse_lora(self, model: Optional[str], param: str, what: str) -> None:
+        """A 400 for a request that names an adapter and asks for what runs without adapters here."""
+        if self.lora_request(model) is not None:
+            raise bad_request(f"{param}: {what} with a LoRA adapter ({model!r}) is not built", param)
 
     def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list]) -> list[dict]:
         """normalize_messages in the content format the applied template takes (--chat-template-content-format)."""
@@ -213,9 +229,12 @@ def make_params(build) -> SamplingParams:
 
 
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
-           cache_salt: Optional[str], priority: int = 0) -> list[RequestStream]:
-    """Add one engine request per prompt; on any failure abort those already added and raise a 400."""
-    return start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt, priority)
+           cache_salt: Optional[str], priority: int = 0, model: Optional[str] = None) -> list[RequestStream]:
+    """Add one engine request per prompt (with the adapter `model` names, if it is a --lora-modules one); on any
+    failure abort those already added and raise a 400."""
+    lora = state.lora_request(model)
+    return start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt, priority,
+                                                   lora_request=lora)
                                  for rid, prompt in zip(request_ids, prompts)))
 
 

@@ -30,10 +30,11 @@ from voltllm.entrypoints.openai.serving_common import (ServerState, collect_or_g
 
 def served_model(state: ServerState, requested: str) -> str:
     """The model name; a 404 (Anthropic's not_found_error) for one this server does not serve."""
-    if requested in state.served_model_names:
+    if state.serves(requested):
         return requested
     raise OpenAIError(f"model: {requested!r} is not served here; this server serves "
-                      f"{', '.join(repr(n) for n in state.served_model_names)}", 404, "model", "model_not_found")
+                      f"{', '.join(repr(n) for n in [*state.served_model_names, *state.lora_modules])}", 404, "model",
+                      "model_not_found")
 
 
 def _chat(state: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:

@@ -74,15 +74,18 @@ def one_row_gated(gate_up: "Linear", x: torch.Tensor) -> bool:
 def gated_mlp(gate_up: "Linear", down: "Linear", x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate) * up) for the merged projection gate_up = [gate; up]: at one row with `skinny_gated`, and at
     a decode-batch row count with `batch_gated`, the gate_up GEMM writes the activation itself and the down
-    projection runs plain; otherwise down_proj_silu_mul."""
-    if one_row_gated(gate_up, x):
+    projection runs plain; otherwise down_proj_silu_mul. With LoRA (`lora`) the GEMMs that would leave out a
+    projection's adapter term are not taken."""
+    if one_row_gated(gate_up, x) and gate_up.lora is None:
         from voltllm.kernels.gemv import gemv
 
         return down(gemv(x, gate_up.weight, gate_up.bias, config=gate_up.skinny, gated=True))
-    if x.dim() == 2 and gate_up.batch_gated.get(x.shape[0]):
+    if x.dim() == 2 and gate_up.batch_gated.get(x.shape[0]) and gate_up.lora is None:
         from voltllm.kernels.batch_gemm import batch_gemm
 
         return down(batch_gemm(x, gate_up.weight, gate_up.bias, config=gate_up.batch_gemm[x.shape[0]], gated=True))
+    if down.lora is not None:  # (an activation inside down's GEMM would skip its LoRA term; gate_up(x) adds its own)
+        return down(silu_and_mul(gate_up(x)))
     return down_proj_silu_mul(down, gate_up(x))
 
 
@@ -123,7 +126,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b); W is the concatenation of `shard_sizes` along the output dim."""
+    """y = x W^T (+ b); W is the concatenation of `shard_sizes` along the output dim. With `lora` (--enable-lora:
+    voltllm.lora.layers.LoRAWeights) each token's adapter term is added after the base product, whatever the
+    LinearMethod (quantized weights keep their kernels)."""
+
+    lora = None
 
     def __init__(self, in_features: int, shard_sizes: Sequence[int] | int, bias: bool = False,
                  dtype: torch.dtype = torch.float32, method: Optional[LinearMethod] = None):
@@ -158,4 +165,5 @@ class Linear(nn.Module):
         self.bias.data[off:off + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.lora is None else self.lora.add_to(x, y)

@@ -205,8 +205,9 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         no projection weight over FUSED_DECODE_MAX_WEIGHT_BYTES: the decoder layers then fold their RMSNorms and
         residual adds into the GEMMs."""
         # (not under TP: its GEMVs add the o / down products into the residual before any all-reduce could sum them)
+        # (not with LoRA: the fused GEMVs leave out the adapters' terms)
         return input_ids.is_cuda and input_ids.numel() == 1 and not self.has_moe and self.tp is None and all(
-            p.skinny and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
+            p.skinny and p.lora is None and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
             for layer in self.layers for p in layer.projections())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

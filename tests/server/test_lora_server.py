@@ -1,0 +1,100 @@
+"""--enable-lora --lora-modules over HTTP (the tiny server serves the adapter "tiny-lora"): /v1/models lists it with
+`parent` (the base model) and `root` (its path), a request naming it runs with it (its greedy tokens are transformers'
+with the adapter merged), the base model's requests run without it, an unknown name stays a 404."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from lora_adapters import merged_model
+
+
+def _post(server, path, body):
+    return httpx.post(server.base + path, json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_server):
+    """Greedy tokens of transformers' base model and of the merged adapter."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_server.model_path)
+    models = {"tiny": merged_model(tiny_server.model_path, None),
+              "tiny-lora": merged_model(tiny_server.model_path, tiny_server.lora_path)}
+
+    def greedy(model, ids, n):
+        with torch.no_grad():
+            out = models[model].generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    return tok, greedy
+
+
+def test_models_lists_the_adapter_under_its_base(tiny_server):
+    data = httpx.get(tiny_server.base + "/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in data] == ["tiny", "tiny-lora"]
+    base, lora = data
+    assert base["parent"] is None and base["root"] == tiny_server.model_path
+    assert lora["parent"] == "tiny" and lora["root"] == tiny_server.lora_path and lora["object"] == "model"
+    card = httpx.get(tiny_server.base + "/v1/models/tiny-lora", timeout=30).json()
+    assert card == lora
+    assert httpx.get(tiny_server.base + "/v1/models/tiny-lora2", timeout=30).status_code == 404
+
+
+def test_a_completion_naming_the_adapter_runs_with_it(tiny_server, reference):
+    tok, greedy = reference
+    prompt = "The quick brown fox jumps over"
+    ids = tok.encode(prompt)
+    tokens = {}
+    for model in ("tiny-lora", "tiny"):
+        r = _post(tiny_server, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                   "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == model
+        tokens[model] = body["choices"][0]["token_ids"]
+        assert tokens[model] == greedy(model, ids, 6), model
+    assert tokens["tiny"] != tokens["tiny-lora"]
+
+
+def test_chat_and_streams_take_the_adapter(tiny_server, reference):
+    tok, greedy = reference
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    body = {"model": "tiny-lora", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = _post(tiny_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["model"] == "tiny-lora"
+    ids = out["prompt_token_ids"]
+    assert out["choices"][0]["token_ids"] == greedy("tiny-lora", ids, 5)
+    streamed = []
+    with httpx.stream("POST", tiny_server.base + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["model"] == "tiny-lora"
+                for c in chunk["choices"]:
+                    streamed += c.get("token_ids") or []
+    assert streamed == out["choices"][0]["token_ids"]
+
+
+def test_an_unknown_model_stays_a_404(tiny_server):
+    r = _post(tiny_server, "/v1/completions", {"model": "other-lora", "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and "'tiny-lora'" in err["message"]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hi"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_beam_search_with_an_adapter_is_refused(tiny_server, path, body):
+    """(the beam search runs without adapters: a 400 rather than the base model's beams under the adapter's name)"""
+    r = _post(tiny_server, path, {"model": "tiny-lora", "use_beam_search": True, "n": 2, "max_tokens": 2, **body})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "use_beam_search" and "LoRA adapter ('tiny-lora') is not built" in err["message"]

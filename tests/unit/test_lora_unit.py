@@ -1,0 +1,303 @@
+"""LoRA adapters (voltllm/lora/), the parts that need no engine: reading and checking PEFT adapters, the per-token
+delta of a batch mixing slots, the flags and their refusals, --lora-modules, prefix-cache keys."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from lora_adapters import make_adapter
+from tiny_models import make_model
+from voltllm.config import ConfigError, EngineArgs
+from voltllm.lora.adapter import LoRAAdapterError, projection_shapes, read_adapter
+from voltllm.lora.request import LoRARequest
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny")), "llama")
+
+
+@pytest.fixture(scope="module")
+def hf_config(tiny):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny)
+
+
+def _read(path, hf_config, max_rank=16):
+    return read_adapter(LoRARequest("a", 1, path), hf_config, max_rank, torch.float32)
+
+
+# -- reading adapters ----------------------------------------------------------------------------------------------
+def test_peft_modules_map_onto_the_merged_projections_with_scaling(tmp_path, tiny, hf_config):
+    """q / k / v go to qkv_proj's shards 0 / 1 / 2, gate / up to gate_up's; B is stored transposed with the scaling
+    (lora_alpha / r; rsLoRA: lora_alpha / sqrt(r)) folded in."""
+    from safetensors.torch import load_file
+
+    for rslora, scaling in ((False, 16 / 4), (True, 16 / math.sqrt(4))):
+        path = make_adapter(str(tmp_path / f"a{rslora}"), tiny, rank=4, alpha=16, rslora=rslora, layers=[1])
+        adapter = _read(path, hf_config)
+        assert adapter.rank == 4 and adapter.scaling == pytest.approx(scaling)
+        assert sorted(adapter.weights) == ["layers.1.mlp.down_proj", "layers.1.mlp.gate_up_proj",
+                                           "layers.1.self_attn.o_proj", "layers.1.self_attn.qkv_proj"]
+        assert sorted(adapter.weights["layers.1.self_attn.qkv_proj"]) == [0, 1, 2]
+        raw = load_file(os.path.join(path, "adapter_model.safetensors"))
+        a, bt = adapter.weights["layers.1.self_attn.qkv_proj"][1]  # k_proj
+        key = "base_model.model.model.layers.1.self_attn.k_proj"
+        assert torch.equal(a, raw[f"{key}.lora_A.weight"])
+        assert torch.allclose(bt, (raw[f"{key}.lora_B.weight"] * scaling).t())
+        a, bt = adapter.weights["layers.1.mlp.gate_up_proj"][1]  # up_proj
+        assert torch.equal(a, raw["base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"])
+
+
+def test_adapter_name_segments_and_bin_files_are_read(tmp_path, tiny, hf_config):
+    """PEFT's in-memory names (lora_A.default.weight) and adapter_model.bin, as vLLM reads them."""
+    from safetensors.torch import load_file
+
+    path = make_adapter(str(tmp_path / "a"), tiny, rank=2, targets=("q_proj",), layers=[0])
+    raw = load_file(os.path.join(path, "adapter_model.safetensors"))
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    torch.save({k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+                for k, v in raw.items()}, os.path.join(path, "adapter_model.bin"))
+    adapter = _read(path, hf_config)
+    assert list(adapter.weights) == ["layers.0.self_attn.qkv_proj"] and list(adapter.weights[
+        "layers.0.self_attn.qkv_proj"]) == [0]
+
+
+def _with(tmp_path, tiny, name, **kw):
+    return make_adapter(str(tmp_path / name), tiny, rank=4, targets=("q_proj",), layers=[0], **kw)
+
+
+@pytest.mark.parametrize("name,kw,match", [
+    ("dora", dict(extra_config={"use_dora": True}), "DoRA"),
+    ("dora_w", dict(extra_tensors={"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
+                                   torch.ones(64)}), "DoRA"),
+    ("save", dict(extra_config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
+    ("head", dict(extra_tensors={"base_model.model.lm_head.weight": torch.zeros(4, 64)}), "LM head"),
+    ("embed", dict(extra_tensors={"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)}),
+     "embedding"),
+    ("target", dict(extra_config={"target_modules": ["q_proj", "embed_tokens"]}), "embedding or the LM head"),
+    ("bias", dict(extra_config={"bias": "all"}), "bias"),
+    ("bias_w", dict(extra_tensors={"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias":
+                                   torch.zeros(64)}), "LoRA bias"),
+    ("rank", dict(extra_config={"rank_pattern": {"q_proj": 2}}), "per-module ranks"),
+    ("type", dict(extra_config={"peft_type": "PROMPT_TUNING"}), "only LoRA adapters"),
+    ("gate", dict(extra_tensors={"base_model.model.model.layers.0.mlp.gate.lora_A.weight": torch.zeros(4, 64)}),
+     "mlp.gate is not built"),
+    ("layer", dict(extra_tensors={"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight":
+                                  torch.zeros(4, 64)}), "past the model's 3 layers"),
+    ("shape", dict(extra_tensors={"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                                  torch.zeros(4, 63)}), r"this model needs lora_A \(4, 64\)"),
+    ("half", dict(extra_tensors={"base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight":
+                                 torch.zeros(4, 64)}), "no lora_B weight"),
+])
+def test_what_is_not_built_is_refused_by_name(tmp_path, tiny, hf_config, name, kw, match):
+    with pytest.raises(LoRAAdapterError, match=match) as e:
+        _read(_with(tmp_path, tiny, name, **kw), hf_config)
+    assert "LoRA adapter 'a'" in str(e.value)
+
+
+def test_rank_above_max_lora_rank_and_broken_directories(tmp_path, tiny, hf_config):
+    path = make_adapter(str(tmp_path / "r32"), tiny, rank=32, targets=("q_proj",), layers=[0])
+    with pytest.raises(LoRAAdapterError, match="LoRA rank 32 is greater than --max-lora-rank 16"):
+        _read(path, hf_config)
+    assert _read(path, hf_config, max_rank=32).rank == 32
+    with pytest.raises(LoRAAdapterError, match="no such directory"):
+        _read(str(tmp_path / "missing"), hf_config)
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(LoRAAdapterError, match="no adapter_config.json"):
+        _read(str(tmp_path / "empty"), hf_config)
+    (tmp_path / "empty" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    with pytest.raises(LoRAAdapterError, match="no adapter_model.safetensors or adapter_model.bin"):
+        _read(str(tmp_path / "empty"), hf_config)
+    (tmp_path / "empty" / "adapter_config.json").write_text(json.dumps({"lora_alpha": 8}))
+    with pytest.raises(LoRAAdapterError, match="no 'r'"):
+        _read(str(tmp_path / "empty"), hf_config)
+
+
+def test_moe_experts_are_refused_and_attention_of_a_moe_model_is_taken(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    model = make_model(str(tmp_path / "moe"), "qwen3_moe")
+    cfg = AutoConfig.from_pretrained(model)
+    shapes = projection_shapes(cfg)
+    assert "layers.1.mlp.gate_up_proj" in shapes and "layers.0.mlp.gate_up_proj" not in shapes  # layer 1 is dense
+    path = make_adapter(str(tmp_path / "attn"), model, rank=4, targets=("q_proj", "o_proj"))
+    assert len(_read(path, cfg).weights) == 2 * cfg.num_hidden_layers
+    raw = load_file(os.path.join(path, "adapter_model.safetensors"))
+    raw["base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(raw, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(LoRAAdapterError, match="MoE experts"):
+        _read(path, cfg)
+
+
+# -- the per-token delta -------------------------------------------------------------------------------------------
+def test_a_batch_mixing_slots_gives_each_token_its_own_adapter():
+    """Three slots of different ranks in a merged [4, 2, 2]-row projection: each token's output is the base product
+    plus exactly its slot's (x A^T) B^T per shard, zero for tokens without an adapter; rows past the step unused."""
+    from voltllm.lora.layers import LoRABatch, LoRAWeights
+
+    torch.manual_seed(0)
+    shards, k, slots, max_rank = [4, 2, 2], 6, 3, 8
+    batch = LoRABatch(16, slots, torch.float64, torch.device("cpu"))
+    w = LoRAWeights(shards, k, batch, slots, max_rank, torch.float64, torch.device("cpu"))
+    adapters = {}
+    for slot, rank in ((0, 8), (1, 3), (2, 1)):
+        adapters[slot] = {s: (torch.randn(rank, k, dtype=torch.float64), torch.randn(rank, n, dtype=torch.float64))
+                          for s, n in enumerate(shards) if not (slot == 2 and s == 1)}  # slot 2: no shard 1
+        w.load_slot(slot, {s: (a.clone(), bt.clone()) for s, (a, bt) in adapters[slot].items()})
+    token_slots = [0, -1, 2, 1, 1, -1, 0, 2]  # -1: no adapter
+    t = len(token_slots)
+    batch.mask.fill_(7.0)  # stale rows past the step must not matter
+    batch.mask[:t].zero_()
+    for i, s in enumerate(token_slots):
+        if s >= 0:
+            batch.mask[i, s] = 1.0
+    x, y = torch.randn(t, k, dtype=torch.float64), torch.randn(t, sum(shards), dtype=torch.float64)
+    out = w.add_to(x, y.clone())
+    for i, s in enumerate(token_slots):
+        want = y[i].clone()
+        for shard, (a, bt) in (adapters[s].items() if s >= 0 else ()):
+            off = sum(shards[:shard])
+            want[off:off + shards[shard]] += (x[i] @ a.t()) @ bt
+        assert torch.allclose(out[i], want), i
+    w.load_slot(1, None)  # emptied: its tokens get the base product
+    batch.active = True
+    out = w.add_to(x, y.clone())
+    assert torch.allclose(out[3], y[3]) and torch.allclose(out[4], y[4])
+    batch.active = False  # an eager step without adapters: nothing added
+    assert torch.equal(w.add_to(x, y.clone()), y)
+
+
+# -- flags and configuration ---------------------------------------------------------------------------------------
+def test_the_lora_flags_parse_into_engine_args():
+    from voltllm.cli import build_parser
+    from voltllm.cli_args import engine_args_from
+
+    args = build_parser().parse_args(["serve", "m", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64",
+                                      "--max-cpu-loras", "5", "--lora-dtype", "auto", "--lora-modules", "a=/x",
+                                      '{"name": "b", "path": "/y", "base_model_name": "m"}'])
+    ea = engine_args_from(args)
+    assert (ea.enable_lora, ea.max_loras, ea.max_lora_rank, ea.max_cpu_loras, ea.lora_dtype) == (True, 3, 64, 5,
+                                                                                                  "auto")
+    assert [(m.name, m.path, m.base_model_name) for m in args.lora_modules] == [("a", "/x", None), ("b", "/y", "m")]
+    off = engine_args_from(build_parser().parse_args(["serve", "m", "--no-enable-lora", "--max-lora-rank", "16"]))
+    assert off.enable_lora is False
+
+
+@pytest.mark.parametrize("value,match", [("a", "neither name=path nor a JSON object"), ("=p", "expected name=path"),
+                                         ('{"name": "a"}', 'needs a "name" and a "path"'),
+                                         ('{"name": "a", "path": "p", "x": 1}', "unknown keys: x"),
+                                         ("[1]", "the JSON form is an object")])
+def test_lora_modules_values_are_checked(value, match):
+    from voltllm.lora.modules import lora_module_arg
+
+    with pytest.raises(argparse.ArgumentTypeError, match=match):
+        lora_module_arg(value)
+
+
+def _config(tiny, **kw):
+    return EngineArgs(model=tiny, device="cpu", **kw).create_engine_config()
+
+
+def test_lora_config_is_typed_and_checked(tiny, tmp_path):
+    lc = _config(tiny, enable_lora=True, max_loras=2, max_lora_rank=32).lora
+    assert (lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, lc.lora_dtype) == (2, 32, 2, torch.float32)
+    assert _config(tiny).lora is None
+    assert _config(tiny, enable_lora=False, max_lora_rank=17).lora is None  # (off: its settings are not checked)
+    for kw, match in ((dict(max_lora_rank=17), "--max-lora-rank 17: must be one of 1, 8, 16"),
+                      (dict(max_loras=0), "--max-loras must be >= 1"),
+                      (dict(max_loras=3, max_cpu_loras=2), "--max-cpu-loras 2 must be >= --max-loras 3"),
+                      (dict(lora_dtype="float16"), "--lora-dtype float16: adapters run in the model's dtype"),
+                      (dict(tensor_parallel_size=2), "--enable-lora with --tensor-parallel-size > 1"),
+                      (dict(speculative_config={"model": tiny, "num_speculative_tokens": 2}),
+                       "--speculative-config method draft_model"),
+                      (dict(runner="pooling"), "--enable-lora with --runner pooling")):
+        with pytest.raises(ConfigError, match=match):
+            _config(tiny, enable_lora=True, **kw)
+    assert _config(tiny, enable_lora=True, lora_dtype="float32",
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2}).lora is not None
+
+
+def test_hybrid_models_are_refused(tmp_path):
+    from tiny_models import make_tiny_hybrid
+
+    path = make_tiny_hybrid(str(tmp_path / "h"), "qwen3_5", seed=0, gen_seed=0)
+    if path is None:
+        pytest.skip("this transformers has no qwen3_5")
+    with pytest.raises(ConfigError, match="--enable-lora: LoRA adapters are built for the llama, qwen2, qwen3, "
+                                          "qwen3_moe architectures .*not 'qwen3_5"):
+        _config(path, enable_lora=True)
+
+
+def test_lora_modules_are_checked_before_the_engine_starts(tiny, tmp_path):
+    from voltllm.lora.modules import LoRAModulePath, resolve_lora_modules
+
+    good = make_adapter(str(tmp_path / "good"), tiny, rank=8, targets=("q_proj",))
+    wide = make_adapter(str(tmp_path / "wide"), tiny, rank=32, targets=("q_proj",))
+    config = _config(tiny, enable_lora=True, max_lora_rank=16)
+    loras = resolve_lora_modules([LoRAModulePath("g", good), LoRAModulePath("h", good, "tiny")], config, ["tiny"])
+    assert [(r.lora_name, r.lora_int_id, r.lora_path, r.base_model_name) for r in loras.values()] == [
+        ("g", 1, good, None), ("h", 2, good, "tiny")]
+    for modules, match in (([LoRAModulePath("w", wide)], "--lora-modules w: LoRA adapter 'w' .*rank 32 is greater"),
+                           ([LoRAModulePath("g", good)] * 2, "the name 'g' is given twice"),
+                           ([LoRAModulePath("tiny", good)], "'tiny' is already a served model name"),
+                           ([LoRAModulePath("g", good, "other")], "base_model_name 'other' is not a served"),
+                           ([LoRAModulePath("g", str(tmp_path / "nope"))], "no such directory")):
+        with pytest.raises(ConfigError, match=match):
+            resolve_lora_modules(modules, config, ["tiny"])
+    with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
+        resolve_lora_modules([LoRAModulePath("g", good)], _config(tiny), ["tiny"])
+
+
+def test_serve_refuses_lora_modules_without_enable_lora(tiny, tmp_path, capsys):
+    from voltllm.cli import main
+
+    good = make_adapter(str(tmp_path / "good"), tiny, rank=8, targets=("q_proj",))
+    assert main(["serve", tiny, "--device", "cpu", "--lora-modules", f"g={good}"]) == 2
+    assert "voltllm: error: --lora-modules needs --enable-lora" in capsys.readouterr().err
+
+
+def test_lora_request_checks_its_fields():
+    r = LoRARequest("sql", 3, "/p")
+    assert (r.name, r.adapter_id, r.path) == ("sql", 3, "/p")
+    for args, match in ((("", 1, "/p"), "lora_name"), (("a", 0, "/p"), "lora_int_id must be an integer > 0"),
+                        (("a", 1), "lora_path")):
+        with pytest.raises(ValueError, match=match):
+            LoRARequest(*args)
+
+
+# -- prefix-cache keys ---------------------------------------------------------------------------------------------
+def test_block_hashes_differ_by_adapter_and_keep_plain_ones():
+    from voltllm.cache.prefix import extend_block_hashes, hash_block
+
+    tokens = list(range(12))
+
+    def hashes(**kw):
+        out: list[bytes] = []
+        extend_block_hashes(out, tokens, 4, **kw)
+        return out
+
+    plain, a, b = hashes(), hashes(lora_name="a"), hashes(lora_name="b")
+    assert plain[0] == hash_block(None, tokens[:4])  # unchanged for requests without an adapter
+    assert all(len({plain[i], a[i], b[i]}) == 3 for i in range(3))  # every block, through the chain
+    assert hashes(lora_name="a") == a
+    # a cache salt cannot stand for an adapter, and a salted adapter request is its own tenant
+    assert hashes(cache_salt="a") != a and hashes(cache_salt="('lora', 'a')") != a
+    assert hashes(cache_salt="t", lora_name="a") not in (a, hashes(cache_salt="t"))
+
+
+def test_cudagraph_specialize_lora_is_taken_at_false():
+    """One graph set computes the LoRA terms for every batch (vLLM's cudagraph_specialize_lora false); separate graphs
+    for batches without adapters (its default, true) are not built."""
+    from voltllm.cuda_graph_config import CompilationConfigError, resolve_cuda_graphs
+
+    assert resolve_cuda_graphs({"cudagraph_specialize_lora": False}).mode == "FULL_AND_PIECEWISE"
+    with pytest.raises(CompilationConfigError, match="cudagraph_specialize_lora true: graphs specialized"):
+        resolve_cuda_graphs({"cudagraph_specialize_lora": True})

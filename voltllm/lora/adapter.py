@@ -1,0 +1,235 @@
+"""Reading a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) and checking it against the model.
+
+A PEFT adapter holds, per adapted projection, lora_A [r, in] and lora_B [out, r]; the projection becomes
+W + scaling * B A, scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). voltllm merges q / k / v into one qkv
+projection and gate / up into one gate_up, so each PEFT module maps onto a shard (a slice of output rows) of one of
+our Linears (`projection_shapes`). What this version does not build is refused by name: embedding / LM-head LoRA
+(lora_embedding_*, modules_to_save, target_modules naming embed_tokens / lm_head), MoE experts, DoRA, LoRA biases,
+per-module ranks / alphas, ranks above --max-lora-rank.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from voltllm.lora.request import LoRARequest
+
+# the architectures whose projections take adapters (models/llama.py); the hybrids' Gated DeltaNet layers do not
+LORA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+# PEFT module (the projection's name in Hugging Face's model) -> (our Linear inside the decoder layer, its shard)
+PEFT_PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+                    "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+                    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+                    "down_proj": ("mlp.down_proj", 0)}
+_BUILT = "q_proj, k_proj, v_proj, o_proj and the dense MLPs' gate_proj, up_proj, down_proj"
+_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_KEY = re.compile(r"(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[A-Za-z0-9_]+)?\.weight")
+_LAYER_MODULE = re.compile(r"layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[A-Za-z0-9_]+)")
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter this engine cannot serve; the message names the adapter and what."""
+
+
+@dataclass(frozen=True)
+class ProjectionShape:
+    in_features: int
+    shard_sizes: tuple[int, ...]
+
+
+@dataclass
+class LoRAAdapter:
+    """A checked adapter, ready to copy into a slot: per Linear of ours, per shard, (A [r, in], B^T scaled [r, n])
+    in the LoRA dtype (B^T so that a slot's copy is one contiguous block; the scaling is folded into it)."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def pin(self) -> "LoRAAdapter":
+        """Page-locked copies (CUDA): the slot copies then run without the host waiting for the GPU."""
+        self.weights = {name: {s: (a.pin_memory(), bt.pin_memory()) for s, (a, bt) in shards.items()}
+                        for name, shards in self.weights.items()}
+        return self
+
+
+def lora_architecture_error(hf_config: Any) -> Optional[str]:
+    arch = getattr(hf_config, "model_type", None)
+    if arch in LORA_ARCHITECTURES:
+        return None
+    return (f"LoRA adapters are built for the {', '.join(LORA_ARCHITECTURES)} architectures (their attention and "
+            f"dense-MLP projections), not {arch!r}")
+
+
+def projection_shapes(hf_config: Any) -> dict[str, ProjectionShape]:
+    """Our Linears that take adapters ("layers.{i}.self_attn.qkv_proj", ...) and their shapes (the whole model: no
+    tensor parallelism with LoRA). A qwen3_moe sparse layer's MLP is experts, not Linears: only its attention."""
+    from voltllm.model.models.llama import is_moe_layer
+
+    cfg = hf_config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    hidden, q, kv = cfg.hidden_size, heads * head_dim, kv_heads * head_dim
+    out: dict[str, ProjectionShape] = {}
+    for i in range(cfg.num_hidden_layers):
+        out[f"layers.{i}.self_attn.qkv_proj"] = ProjectionShape(hidden, (q, kv, kv))
+        out[f"layers.{i}.self_attn.o_proj"] = ProjectionShape(q, (hidden,))
+        if not is_moe_layer(cfg, i):
+            inter = cfg.intermediate_size
+            out[f"layers.{i}.mlp.gate_up_proj"] = ProjectionShape(hidden, (inter, inter))
+            out[f"layers.{i}.mlp.down_proj"] = ProjectionShape(inter, (hidden,))
+    return out
+
+
+def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """The adapter at req.lora_path, checked against the model (hf_config) and --max-lora-rank; LoRAAdapterError
+    naming what is not built or does not fit."""
+    where = f"LoRA adapter {req.lora_name!r} ({req.lora_path})"
+    if not os.path.isdir(req.lora_path):
+        raise LoRAAdapterError(f"{where}: no such directory")
+    config_path = os.path.join(req.lora_path, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise LoRAAdapterError(f"{where}: no adapter_config.json (a PEFT LoRA adapter directory is expected)")
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoRAAdapterError(f"{where}: adapter_config.json is not readable JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoRAAdapterError(f"{where}: adapter_config.json must hold a JSON object")
+    rank, alpha = _check_config(cfg, where, max_rank)
+    scaling = lora_scaling(rank, alpha, bool(cfg.get("use_rslora")))
+    tensors = _read_tensors(req.lora_path, where)
+    shapes = projection_shapes(hf_config)
+    pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        target, kind = _target_of(key, where, hf_config, shapes)
+        pairs.setdefault(target, {})[kind] = tensor
+    adapter = LoRAAdapter(req.lora_name, req.lora_path, rank, scaling)
+    for (linear, shard), pair in sorted(pairs.items()):
+        missing = {"lora_A", "lora_B"} - set(pair)
+        if missing:
+            raise LoRAAdapterError(f"{where}: {linear} shard {shard} has no {' / '.join(sorted(missing))} weight")
+        a, b = pair["lora_A"], pair["lora_B"]
+        shape = shapes[linear]
+        n = shape.shard_sizes[shard]
+        if tuple(a.shape) != (rank, shape.in_features) or tuple(b.shape) != (n, rank):
+            raise LoRAAdapterError(
+                f"{where}: {_peft_name(linear, shard)} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this "
+                f"model needs lora_A ({rank}, {shape.in_features}) and lora_B ({n}, {rank}) (rank r={rank})")
+        bt = (b.float() * scaling).t().contiguous().to(dtype)
+        adapter.weights.setdefault(linear, {})[shard] = (a.to(dtype).contiguous(), bt)
+    if not adapter.weights:
+        raise LoRAAdapterError(f"{where}: no lora_A / lora_B weights in it")
+    return adapter
+
+
+def _check_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float]:
+    peft_type = cfg.get("peft_type")
+    if peft_type is not None and str(peft_type).upper() != "LORA":
+        raise LoRAAdapterError(f"{where}: peft_type {peft_type!r}: only LoRA adapters are built")
+    for key in ("r", "lora_alpha"):
+        if key not in cfg:
+            raise LoRAAdapterError(f"{where}: adapter_config.json has no {key!r}")
+    rank, alpha = cfg["r"], cfg["lora_alpha"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoRAAdapterError(f"{where}: r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoRAAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    if rank > max_rank:
+        raise LoRAAdapterError(f"{where}: LoRA rank {rank} is greater than --max-lora-rank {max_rank}; raise "
+                               "--max-lora-rank")
+    refused = {
+        "use_dora": "DoRA (use_dora) is not built",
+        "modules_to_save": "modules_to_save (fully trained layers, such as an LM head or embedding) is not built",
+        "rank_pattern": "per-module ranks (rank_pattern) are not built",
+        "alpha_pattern": "per-module alphas (alpha_pattern) are not built",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D-layout weights) is not built",
+        "lora_bias": "LoRA biases (lora_bias) are not built",
+        "layer_replication": "layer_replication is not built",
+        "use_qalora": "QALoRA (use_qalora) is not built",
+    }
+    for key, why in refused.items():
+        if cfg.get(key):
+            raise LoRAAdapterError(f"{where}: {why}")
+    if cfg.get("bias", "none") not in ("none", None):
+        raise LoRAAdapterError(f"{where}: bias {cfg['bias']!r}: adapters that train biases are not built (bias "
+                               "'none' only)")
+    targets = cfg.get("target_modules")
+    names = [targets] if isinstance(targets, str) else targets if isinstance(targets, list) else []
+    for name in names:
+        if isinstance(name, str) and name.split(".")[-1] in ("embed_tokens", "lm_head", "wte", "word_embeddings"):
+            raise LoRAAdapterError(f"{where}: target_modules names {name!r}: LoRA on the embedding or the LM head is "
+                                   f"not built (built: {_BUILT})")
+    return rank, float(alpha)
+
+
+def _read_tensors(path: str, where: str) -> dict[str, torch.Tensor]:
+    for name in _WEIGHT_FILES:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(file, device="cpu")
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the adapter's problem, said with its cause
+            raise LoRAAdapterError(f"{where}: {name} is not readable: {e}") from None
+    raise LoRAAdapterError(f"{where}: no {' or '.join(_WEIGHT_FILES)}")
+
+
+def _target_of(key: str, where: str, hf_config: Any, shapes: dict[str, ProjectionShape]) -> tuple[tuple[str, int], str]:
+    """((our Linear, shard), "lora_A" | "lora_B") for a PEFT weight name, or LoRAAdapterError naming it."""
+    if "lora_embedding" in key or re.search(r"(^|\.)(embed_tokens|lm_head)(\.|$)", key):
+        raise LoRAAdapterError(f"{where}: {key}: LoRA on the embedding or the LM head (or modules_to_save) is not "
+                               f"built (built: {_BUILT})")
+    if "lora_magnitude_vector" in key:
+        raise LoRAAdapterError(f"{where}: {key}: DoRA is not built")
+    m = _KEY.fullmatch(key)
+    if m is None:
+        what = "a LoRA bias" if re.search(r"lora_B(\.[A-Za-z0-9_]+)?\.bias$", key) else "not a lora_A / lora_B weight"
+        raise LoRAAdapterError(f"{where}: {key}: {what}; not built (built: lora_A / lora_B of {_BUILT})")
+    module = m.group("module")
+    for prefix in ("base_model.model.", "model."):
+        module = module.removeprefix(prefix)
+    lm = _LAYER_MODULE.fullmatch(module)
+    if lm is None:
+        experts = ".experts." in module
+        raise LoRAAdapterError(f"{where}: {key}: " + ("LoRA on MoE experts is not built" if experts else
+                                                      f"not a projection this version adapts (built: {_BUILT})"))
+    layer, proj = int(lm.group("layer")), lm.group("proj")
+    if layer >= hf_config.num_hidden_layers:
+        raise LoRAAdapterError(f"{where}: {key}: layer {layer} is past the model's {hf_config.num_hidden_layers} "
+                               "layers")
+    ours = PEFT_PROJECTIONS.get(proj)
+    if ours is None or not ours[0].startswith(lm.group("block")):
+        raise LoRAAdapterError(f"{where}: {key}: LoRA on {lm.group('block')}.{proj} is not built (built: {_BUILT})")
+    linear = f"layers.{layer}.{ours[0]}"
+    if linear not in shapes:  # a qwen3_moe sparse layer: its MLP is experts
+        raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE; LoRA on MoE experts is not "
+                               "built")
+    return (linear, ours[1]), m.group("kind")
+
+
+def _peft_name(linear: str, shard: int) -> str:
+    leaf = linear.rpartition(".")[2]
+    for peft, (ours, s) in PEFT_PROJECTIONS.items():
+        if ours.endswith(leaf) and s == shard:
+            return linear.rpartition(".")[0] + "." + peft
+    return linear
