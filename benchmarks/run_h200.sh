@@ -1532,11 +1532,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     ;;
   s138)  # (session 48) s137's two files that failed on the machine's packages (transformers 5.17 reads no hybrid GGUF
          # tokenizer: .whl now carries 5.18, voltllm's floor; compressed-tensors was missing: .whl carries it), the
-         # pooling engine on CUDA, the sampler file with allowed_token_ids / bad_words rows
+         # pooling engine and LoRA adapters on CUDA, the sampler file with allowed_token_ids / bad_words rows, then the
+         # 8B at 64 concurrent
     gpu_file test_gguf_hybrid_cuda 150 -n 3
     gpu_file test_compressed_tensors_cuda 150 -n 3
     gpu_file test_pooling_cuda 150 -n 3
+    gpu_file test_lora_cuda 150 -n 3
     gpu_file test_sampler_cuda 100 -n 3
+    t0=$SECONDS
+    # the 8B at 64 x 128/128 after the session's merges (LoRA's Linear hook, the priority queue, pooling), 2 warm
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/c64-8b.log" 2>&1
+    echo "8B c64 ($((SECONDS - t0)) s) $(grep -E "^(concurrent|output_tok|ttft)" "$out/c64-8b.log" | awk '{print $1, $5}' | tr '\n' ' ')"
     ;;
   s137)  # (for session 48) session 47's GPU tests, written while no GPU was lent: --max-model-len auto /
          # --kv-cache-memory-bytes / capture sizes / vocabulary ranks, hybrid GGUF files kept quantized, compressed-tensors
