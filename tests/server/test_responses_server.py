@@ -519,7 +519,7 @@ def test_api_key_covers_responses():
 
     from voltllm.entrypoints.openai.app import build_app
 
-    http = TestClient(build_app(SimpleNamespace(), api_key="k"))
+    http = TestClient(build_app(SimpleNamespace(runner="generate"), api_key="k"))
     assert http.post("/v1/responses", json={"input": "hi"}).status_code == 401
     assert http.get("/v1/responses/resp_x").status_code == 401
     got = http.get("/v1/responses/resp_x", headers={"Authorization": "Bearer k"})
