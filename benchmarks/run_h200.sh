@@ -1534,11 +1534,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
          # tokenizer: .whl now carries 5.18, voltllm's floor; compressed-tensors was missing: .whl carries it), the
          # pooling engine and LoRA adapters on CUDA, the sampler file with allowed_token_ids / bad_words rows, then the
          # 8B at 64 concurrent
+    t_all=$SECONDS
+    gpu_file test_lora_cuda 150 -n 3
+    gpu_file test_pooling_cuda 150 -n 3
     gpu_file test_gguf_hybrid_cuda 150 -n 3
     gpu_file test_compressed_tensors_cuda 150 -n 3
-    gpu_file test_pooling_cuda 150 -n 3
-    gpu_file test_lora_cuda 150 -n 3
     gpu_file test_sampler_cuda 100 -n 3
+    (( SECONDS - t_all > 300 )) && { echo "no time left for the 8B run"; exit 0; }
     t0=$SECONDS
     # the 8B at 64 x 128/128 after the session's merges (LoRA's Linear hook, the priority queue, pooling), 2 warm
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
