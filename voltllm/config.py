@@ -8,7 +8,7 @@ import glob
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -393,6 +393,15 @@ class EngineArgs:
             raise ConfigError(f"--enable-lora with --speculative-config method {spec.method}: a drafter that runs "
                               "without the request's adapter is not built with LoRA; use the ngram method or none")
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, dtype)
+
+    def __post_init__(self) -> None:
+        # vLLM's EngineArgs take None for "the default" (its fields default to None and are filled in later):
+        # lm-evaluation-harness passes max_num_seqs=None unless told a batch size. A None for a field that has no
+        # None value of its own is read as that field's default.
+        for f in fields(self):
+            if getattr(self, f.name) is None and f.default is not None and f.default is not MISSING \
+                    and "None" not in str(f.type) and "Optional" not in str(f.type) and str(f.type) != "Any":
+                setattr(self, f.name, f.default)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -134,6 +134,7 @@ def _requests(**fields):
                                          ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
                                          ("repetition_penalty", 1.2), ("logit_bias", {"3": 1}), ("top_p", 0.9),
                                          ("top_k", 5), ("min_p", 0.1), ("seed", 1), ("prompt_logprobs", 1),
+                                         ("allowed_token_ids", [5, 6]), ("bad_words", ["x"]),
                                          ("response_format", {"type": "json_object"}), ("guided_regex", "a+")])
 def test_fields_beam_search_cannot_honour_are_refused_by_name(field, value):
     for req in _requests(use_beam_search=True, n=2, **{field: value}):

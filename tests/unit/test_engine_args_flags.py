@@ -119,3 +119,16 @@ def test_attention_backend_and_mamba_mode_checked_before_loading(tiny, tmp_path)
         pytest.skip("this transformers has no qwen3_5")
     with pytest.raises(ConfigError, match="--mamba-cache-mode all: not built for hybrid models"):
         EngineArgs(model=hybrid, device="cpu", mamba_cache_mode="all").create_engine_config()
+
+
+def test_none_means_the_default_for_fields_without_a_none_value():
+    """vLLM's EngineArgs read None as "the default" (lm-evaluation-harness's vLLM backend passes max_num_seqs=None
+    and block_size may come as None); fields whose None means something (max_model_len: the model's) keep it."""
+    from voltllm.config import EngineArgs
+
+    args = EngineArgs(model="m", max_num_seqs=None, block_size=None, gpu_memory_utilization=None, seed=None,
+                      dtype=None, max_model_len=None, max_num_batched_tokens=None)
+    plain = EngineArgs(model="m")
+    assert (args.max_num_seqs, args.block_size, args.gpu_memory_utilization, args.seed, args.dtype) == (
+        plain.max_num_seqs, plain.block_size, plain.gpu_memory_utilization, plain.seed, plain.dtype)
+    assert args.max_model_len is None and args.max_num_batched_tokens is None

@@ -20,6 +20,8 @@ _NOT_WITH_BEAM_SEARCH = {
     "frequency_penalty": (lambda v: not v, "penalties are not applied to the beams' logprobs"),
     "repetition_penalty": (lambda v: v is None or v == 1.0, "penalties are not applied to the beams' logprobs"),
     "logit_bias": (lambda v: not v, "logit_bias is not applied to the beams' logprobs"),
+    "allowed_token_ids": (lambda v: v is None, "the beams are ranked over the whole vocabulary (no allowed_token_ids)"),
+    "bad_words": (lambda v: not v, "bad words are not banned from the beams"),
     "top_p": (lambda v: v is None or v == 1.0, "the beams are ranked over the whole vocabulary (no top_p)"),
     "top_k": (lambda v: v is None or v in (0, -1), "the beams are ranked over the whole vocabulary (no top_k)"),
     "min_p": (lambda v: v is None or v == 0.0, "the beams are ranked over the whole vocabulary (no min_p)"),
