@@ -98,3 +98,25 @@ def test_beam_search_with_an_adapter_is_refused(tiny_server, path, body):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "use_beam_search" and "LoRA adapter ('tiny-lora') is not built" in err["message"]
+
+
+def _lora_info(server) -> dict:
+    text = httpx.get(server.base + "/metrics", timeout=30).text
+    [line] = [x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{")]
+    labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split('",'))
+    return {k: v.strip('"') for k, v in labels.items()}
+
+
+def test_metrics_name_the_running_adapters(tiny_server):
+    """vLLM's vllm:lora_requests_info gauge (gateway routers read it for adapter affinity): max_lora, and the running
+    and waiting requests' adapters by name (the engine's stats come with its outputs: one request first)."""
+    assert _post(tiny_server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
+    idle = _lora_info(tiny_server)
+    assert idle["running_lora_adapters"] == "" and idle["waiting_lora_adapters"] == "" and int(idle["max_lora"]) >= 1
+    body = {"model": "tiny-lora", "prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", tiny_server.base + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        next(x for x in lines if x.startswith("data: "))  # the request runs
+        busy = _lora_info(tiny_server)
+    assert busy["running_lora_adapters"] == "tiny-lora", busy

@@ -370,5 +370,17 @@ class Scheduler:
             kv_cache_usage=self.kv.usage(),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions, num_blocks=self.kv.num_blocks, step_counter=self.step_counter,
-            extra={"spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens}
-            if self.spec is not None else {})
+            extra=self._extra_stats())
+
+    def _extra_stats(self) -> dict:
+        """Stats of the optional features: speculation's draft counts, --enable-lora's adapters (running / waiting
+        adapter names, as vLLM's lora_requests_info gauge labels them)."""
+        extra: dict = {}
+        if self.spec is not None:
+            extra.update(spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens)
+        if self.max_loras:
+            waiting = list(self.waiting) + list(self.waiting_for_grammar.values())
+            extra.update(max_lora=self.max_loras,
+                         lora_running=sorted({r.lora_name for r in self.running if r.lora_name}),
+                         lora_waiting=sorted({r.lora_name for r in waiting if r.lora_name}))
+        return extra

@@ -13,6 +13,7 @@ SchedulerStats, sent with every step's outputs.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -57,7 +58,7 @@ VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
     "spec_decode_num_accepted_tokens", "time_per_output_token_seconds", "request_time_per_output_token_seconds",
     "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-    "request_inference_time_seconds")}
+    "request_inference_time_seconds", "lora_requests_info")}
 VLLM_NAMES["voltllm:kv_cache_usage_perc"] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
 
 
@@ -117,6 +118,13 @@ class _EngineCollector(Collector):
                           s.extra["spec_draft_tokens"])
             yield counter("voltllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (each one a decode "
                           "step saved).", s.extra["spec_accepted_tokens"])
+        if "max_lora" in s.extra:  # --enable-lora: vLLM's info gauge (labels: the adapters; value: the time)
+            info = GaugeMetricFamily("voltllm:lora_requests_info", "Running stats on LoRA requests: the adapters of "
+                                     "the running and waiting requests (comma-separated names).",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            info.add_metric([str(s.extra["max_lora"]), ",".join(s.extra["lora_waiting"]),
+                             ",".join(s.extra["lora_running"])], time.time())
+            yield info
         yield gauge("voltllm:engine_alive", "1 while the engine process is up.", 1.0 if self.alive() else 0.0)
 
 
