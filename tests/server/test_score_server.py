@@ -198,3 +198,10 @@ def test_the_classifier_routes_are_behind_the_api_key(tmp_path, path):
     # with the key it reaches the route (an embedding model here: the classifier routes answer 404)
     r = http.post(path, json={"query": "a", "documents": ["b"]}, headers={"Authorization": "Bearer k"})
     assert r.status_code == 404 and "served by classifiers" in r.json()["error"]["message"]
+
+
+def test_the_classifier_routes_count_as_server_load():
+    """--enable-server-load-tracking counts the POSTs that run the model; vLLM's /load counts the pooling routes."""
+    from voltllm.entrypoints.openai.server_middleware import LOAD_ROUTES
+
+    assert {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"} <= LOAD_ROUTES
