@@ -314,7 +314,8 @@ class EngineArgs:
         except CompilationConfigError as e:
             raise ConfigError(str(e)) from None
 
-    def _resolve_runner(self, hf_config: Any, model_path: str, spec: Any) -> tuple[str, Any]:
+    def _resolve_runner(self, hf_config: Any, model_path: str, spec: Any,
+                        tokenizer_path: Optional[str] = None) -> tuple[str, Any]:
         """(runner, PoolerConfig or None) from --runner / --convert / --task / --pooler-config (pooling/config.py)."""
         from voltllm.model.models.registry import attention_only
         from voltllm.pooling.config import PoolerConfigError, resolve_pooler_config, resolve_runner
@@ -324,12 +325,13 @@ class EngineArgs:
                 and self.pooler_config != self.override_pooler_config:
             raise ConfigError("--override-pooler-config is the older name of --pooler-config: give one")
         try:
-            runner = resolve_runner(self.task, self.runner, self.convert, hf_config, model_path)
+            runner, task = resolve_runner(self.task, self.runner, self.convert, hf_config, model_path)
             if runner == "generate":
                 if given is not None:
                     raise ConfigError("--pooler-config applies to pooling models: add --runner pooling")
                 return runner, None
-            pooler = resolve_pooler_config(given, model_path, hf_config)
+            pooler = resolve_pooler_config(given, model_path, hf_config, task, tokenizer_path or model_path,
+                                           self.trust_remote_code)
         except PoolerConfigError as e:
             raise ConfigError(str(e)) from None
         if not attention_only(hf_config):
@@ -337,7 +339,8 @@ class EngineArgs:
                               f"(llama, qwen2, qwen3, qwen3_moe), not {getattr(hf_config, 'model_type', None)!r}")
         if spec is not None:
             raise ConfigError("--speculative-config: a pooling model generates nothing to speculate on; drop it")
-        logger.info("pooling (embedding) model: %s", pooler.describe())
+        logger.info("pooling (%s) model: %s", "classification" if pooler.classifier else "embedding",
+                    pooler.describe())
         return runner, pooler
 
     def _expert_parallel(self, tp: int, hf_config: Any) -> bool:
@@ -436,7 +439,7 @@ class EngineArgs:
             spec = self._resolve_dflash(spec, hf_config)
         elif spec is not None and spec.uses_mtp:
             _check_mtp(hf_config, source, load_format)
-        runner, pooler = self._resolve_runner(hf_config, source.path, spec)
+        runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
         device = _resolve_device(self.device)
         compat = _resolve_compat(self.compat, device)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat)

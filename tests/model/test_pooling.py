@@ -211,8 +211,12 @@ def test_one_runner_per_engine(tiny_path):
         generate.embed("hi")
     with pytest.raises(InvalidRequestError, match="computes no embeddings"):
         generate.engine.add_request(EngineCoreRequest("e", [1, 2], None, pooling_params=PoolingParams(normalize=True)))
-    with pytest.raises(ValueError, match="only 'embed' is built"):
+    with pytest.raises(PoolingParamsError, match="task 'classify': model .* is an embedding model"):
         pooling.encode("hi", pooling_task="classify")
+    with pytest.raises(ValueError, match="token-level pooling is not built"):
+        pooling.encode("hi", pooling_task="token_embed")
+    with pytest.raises(ValueError, match=r"LLM.score\(\) is for classifiers"):
+        pooling.score("a", "b")
 
 
 def test_an_encoder_checkpoint_without_lm_head_runs_as_pooling(tmp_path, hidden_states, tiny_path):

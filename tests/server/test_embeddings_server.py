@@ -200,7 +200,7 @@ def test_generation_routes_are_404_on_a_pooling_server(embed_server, method, pat
     r = httpx.request(method, embed_server.base + path, json=body, timeout=30)
     assert r.status_code == 404
     text = json.dumps(r.json())
-    assert "pooling (embedding) model (--runner pooling), which generates nothing" in text
+    assert "pooling model (--runner pooling), which generates nothing" in text
     assert "POST /v1/embeddings" in text
 
 
@@ -216,10 +216,15 @@ def test_invocations_embed_and_the_other_routes_still_answer(embed_server):
     assert m.get("voltllm:generation_tokens_total", 0) == 0
 
 
-@pytest.mark.parametrize("path", ["/v1/score", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
-                                  "/pooling"])
-def test_scoring_reranking_and_classification_are_refused(embed_server, path):
+@pytest.mark.parametrize("path", ["/v1/score", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"])
+def test_classifier_routes_are_404_on_an_embedding_server(embed_server, path):
     r = _post(embed_server, {"model": NAME, "text_1": "a", "text_2": "b"}, path)
+    assert r.status_code == 404
+    assert "served by classifiers" in r.json()["error"]["message"] and "an embedding model" in r.text
+
+
+def test_the_generic_pooling_route_is_refused(embed_server):
+    r = _post(embed_server, {"model": NAME, "input": "a"}, "/pooling")
     assert r.status_code == 404 and "is not built in voltllm" in r.json()["error"]["message"]
 
 
@@ -257,7 +262,8 @@ def test_a_generative_server_has_no_embeddings(tmp_path):
     assert "runs a generative model, which computes no embeddings" in r.json()["error"]["message"]
     assert "--runner pooling" in r.json()["error"]["message"]
     r = http.post("/v1/rerank", json={"query": "a", "documents": ["b"]})
-    assert r.status_code == 404 and "reranking is not built in voltllm" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "reranking is served by classifiers" in r.json()["error"]["message"]
+    assert "this server runs a generative model" in r.json()["error"]["message"]
 
 
 def test_a_pooling_servers_messages_routes_answer_in_anthropics_shape(tmp_path):

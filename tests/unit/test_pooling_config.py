@@ -55,16 +55,25 @@ def test_pooler_config_fields(tiny):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--task", "classify"], "--task classify: classification, scoring / reranking and reward models are not built"),
-    (["--task", "score"], "--task score: classification"),
+    (["--task", "reward"], "--task reward: reward models are not built"),
     (["--task", "draft"], "--task draft: the draft runner belongs to speculative decoding"),
     (["--task", "nonsense"], "--task must be one of auto, generate, embed"),
     (["--runner", "draft"], "--runner draft"),
     (["--runner", "pool"], "--runner must be one of auto, generate, pooling"),
-    (["--convert", "classify"], "--convert classify: classification"),
-    (["--convert", "reward"], "--convert reward: classification"),
-    (["--runner", "generate", "--convert", "embed"], "--convert embed turns the model into an embedding model: it "
+    (["--convert", "reward"], "--convert reward: reward models are not built"),
+    (["--runner", "generate", "--convert", "embed"], "--convert embed turns the model into a pooling model: it "
                                                      "needs --runner pooling"),
+    (["--runner", "generate", "--convert", "classify"], "--convert classify turns the model into a pooling model"),
+    (["--convert", "classify", "--pooler-config", '{"normalize": false}'], "--pooler-config normalize: applies to "
+                                                                            "embedding models, not to a classifier"),
+    (["--convert", "classify", "--hf-overrides", '{"is_original_qwen3_reranker": true}'],
+     "is_original_qwen3_reranker needs classifier_from_token with two tokens"),
+    (["--convert", "classify", "--hf-overrides", '{"classifier_from_token": ["no", "yes"], "method": "x"}'],
+     "--hf-overrides method 'x': one of from_2_way_softmax, no_post_processing"),
+    (["--convert", "classify", "--hf-overrides", '{"classifier_from_token": ["qqqzz", "yes"], '
+      '"is_original_qwen3_reranker": true}'], "classifier_from_token 'qqqzz' is not a token of the model's tokenizer"),
+    (["--runner", "pooling", "--pooler-config", '{"task": "classify"}'], "--pooler-config task 'classify': this "
+                                                                          "engine's pooling task is embed"),
     (["--runner", "pooling", "--convert", "none"], "--runner pooling --convert none"),
     (["--task", "embed", "--runner", "generate"], "--task embed (vLLM's older flag, --runner pooling) contradicts "
                                                   "--runner generate"),
@@ -95,8 +104,8 @@ def test_bad_settings_are_refused_naming_the_flag(tiny, flags, message):
 
 
 def test_refusals_exit_2_at_the_command_line(tiny, capsys):
-    assert main(["serve", tiny, "--device", "cpu", "--task", "classify", "--port", "1"]) == 2
-    assert "voltllm: error: --task classify: classification" in capsys.readouterr().err
+    assert main(["serve", tiny, "--device", "cpu", "--task", "reward", "--port", "1"]) == 2
+    assert "voltllm: error: --task reward: reward models are not built" in capsys.readouterr().err
     assert main(["generate", "hi", tiny, "--device", "cpu", "--runner", "pooling"]) == 2
     assert "LLM.generate() is for generative models" in capsys.readouterr().err
 
@@ -114,14 +123,29 @@ def test_hybrid_models_are_refused_as_pooling_models():
 def test_runner_auto_follows_the_architecture_name(arch, runner):
     from voltllm.pooling.config import resolve_runner
 
-    assert resolve_runner(None, "auto", "auto", SimpleNamespace(architectures=[arch]), "/nonexistent") == runner
+    assert resolve_runner(None, "auto", "auto", SimpleNamespace(architectures=[arch]), "/nonexistent")[0] == runner
 
 
-def test_runner_auto_refuses_classifier_architectures():
+@pytest.mark.parametrize("task,runner,convert,arch,want", [
+    (None, "auto", "auto", "Qwen3ForSequenceClassification", ("pooling", "classify")),
+    (None, "pooling", "auto", "Qwen3ForSequenceClassification", ("pooling", "classify")),
+    (None, "pooling", "auto", "Qwen3ForCausalLM", ("pooling", "embed")),
+    (None, "auto", "classify", "Qwen3ForCausalLM", ("pooling", "classify")),
+    ("score", "auto", "auto", "Qwen3ForCausalLM", ("pooling", "classify")),
+    ("classify", "auto", "auto", "Qwen3ForCausalLM", ("pooling", "classify")),
+    ("embed", "auto", "auto", "Qwen3ForSequenceClassification", ("pooling", "embed")),
+    (None, "generate", "auto", "Qwen3ForSequenceClassification", ("generate", None))])
+def test_classifier_architectures_and_flags_make_a_classifying_pooling_engine(task, runner, convert, arch, want):
+    from voltllm.pooling.config import resolve_runner
+
+    assert resolve_runner(task, runner, convert, SimpleNamespace(architectures=[arch]), "/x") == want
+
+
+def test_runner_auto_refuses_reward_architectures():
     from voltllm.pooling.config import PoolerConfigError, resolve_runner
 
-    with pytest.raises(PoolerConfigError, match="Qwen3ForSequenceClassification: classification"):
-        resolve_runner(None, "auto", "auto", SimpleNamespace(architectures=["Qwen3ForSequenceClassification"]), "/x")
+    with pytest.raises(PoolerConfigError, match="Qwen2ForRewardModeling: reward models are not built"):
+        resolve_runner(None, "auto", "auto", SimpleNamespace(architectures=["Qwen2ForRewardModeling"]), "/x")
 
 
 def _st_dir(tmp_path, modules, pooling=None):
@@ -182,13 +206,17 @@ def test_pooling_params_checks():
                             ({"dimensions": 1.5}, "dimensions must be an integer"),
                             ({"normalize": 1}, "normalize must be true or false"),
                             ({"normalize": True, "use_activation": False}, "name the same switch"),
-                            ({"task": "classify"}, "only the embed task is built")]:
+                            ({"task": "token_embed"}, "task 'token_embed': not built"),
+                            ({"task": "classify", "normalize": True}, "normalize: applies to embeddings"),
+                            ({"task": "score", "dimensions": 4}, "dimensions: applies to embeddings")]:
         with pytest.raises(PoolingParamsError, match=message):
             PoolingParams(**kwargs)
     pooler = PoolerConfig("LAST", normalize=False, hidden_size=64, matryoshka=True)
     resolved = pooler.resolve(PoolingParams(dimensions=8, truncate_prompt_tokens=5), "m")
     assert (resolved.dimensions, resolved.normalize, resolved.truncate_prompt_tokens) == (8, False, 5)
     assert pooler.resolve(None, "m").normalize is False
+    with pytest.raises(PoolingParamsError, match="task 'classify': model 'm' is an embedding model"):
+        pooler.resolve(PoolingParams(task="classify"), "m")
 
 
 def test_dense_projection_modules_are_refused(tmp_path):

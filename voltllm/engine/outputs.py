@@ -98,3 +98,53 @@ class EmbeddingRequestOutput:
         if out.outputs is None:
             raise ValueError(f"request {out.request_id} has no embedding: it was aborted")
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's: a classifier's outputs for one prompt, one value per label (probabilities unless use_activation was
+    false)."""
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's output of LLM.classify: `.outputs.probs`."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        if out.outputs is None:
+            raise ValueError(f"request {out.request_id} has no result: it was aborted")
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: one text pair's score."""
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's output of LLM.score: `.outputs.score`."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ScoringRequestOutput":
+        from voltllm.pooling.scoring import single_score
+
+        if out.outputs is None:
+            raise ValueError(f"request {out.request_id} has no score: it was aborted")
+        return cls(out.request_id, ScoringOutput(single_score(out.outputs.data, out.request_id)),
+                   out.prompt_token_ids, out.finished)

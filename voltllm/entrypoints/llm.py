@@ -1,5 +1,5 @@
 """Offline API: LLM(model=None, ...).generate(prompts, params) and .chat(messages, params); a pooling model's
-LLM(model, runner="pooling").embed(prompts) / .encode(prompts)."""
+LLM(model, runner="pooling").embed(prompts) / .encode(prompts), a classifier's .classify(prompts) / .score(a, b)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +10,8 @@ from voltllm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchP
 from voltllm.engine.core import EngineCore, InvalidRequestError
 from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
 from voltllm.engine.request_checks import check_priority
-from voltllm.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from voltllm.engine.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                                    RequestOutput, ScoringRequestOutput)
 from voltllm.entrypoints.progress import ProgressBar, UseTqdm, tqdm
 from voltllm.model.loader import load_tokenizer
 from voltllm.pooling.params import PoolingParams
@@ -163,16 +164,17 @@ class LLM:
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
                pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None, *,
                truncate_prompt_tokens: Optional[int] = None, use_tqdm: UseTqdm = True, lora_request: Any = None,
-               pooling_task: Optional[str] = "embed", tokenization_kwargs: Optional[dict] = None
+               pooling_task: Optional[str] = None, tokenization_kwargs: Optional[dict] = None
                ) -> list[PoolingRequestOutput]:
-        """vLLM's: each prompt's pooled hidden state (`.outputs.data`, a float32 tensor), for pooling models
-        (runner="pooling"). Only the embed task is built; truncate_prompt_tokens keeps each prompt's last k tokens
-        (-1: the context length), over the params' own."""
-        _refuse_lora(lora_request, "embedding models")
+        """vLLM's: each prompt's pooled result (`.outputs.data`, a float32 tensor), for pooling models
+        (runner="pooling"): an embedding model's pooled hidden state (task embed), a classifier's label values
+        (classify / score). pooling_task None: the engine's task. truncate_prompt_tokens keeps each prompt's last
+        k tokens (-1: the context length), over the params' own."""
+        _refuse_lora(lora_request, "pooling models")
         self._require_runner("pooling", "encode")
-        if pooling_task not in (None, "embed"):
-            raise ValueError(f"pooling_task {pooling_task!r}: only 'embed' is built (classification, scoring and "
-                             "token-level pooling are not)")
+        if pooling_task not in (None, "embed", "classify", "score"):
+            raise ValueError(f"pooling_task {pooling_task!r}: embed, classify or score (token-level pooling is not "
+                             "built)")
         if tokenization_kwargs:
             raise ValueError("tokenization_kwargs: not built here (prompts are tokenized with the model's defaults; "
                              "pass token ids to control them)")
@@ -186,6 +188,11 @@ class LLM:
                 raise TypeError(f"pooling_params must be PoolingParams (or a list of them), got {type(p).__name__}")
         if truncate_prompt_tokens is not None:
             params = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        if pooling_task is not None:
+            for p in params:
+                if p.task not in (None, pooling_task):
+                    raise ValueError(f"pooling_params task {p.task!r} contradicts pooling_task {pooling_task!r}")
+            params = [p.clone(task=pooling_task) for p in params]
         order: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -205,6 +212,48 @@ class LLM:
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                            lora_request=lora_request, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], *, use_tqdm: UseTqdm = True,
+                 pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None, lora_request: Any = None,
+                 tokenization_kwargs: Optional[dict] = None) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's class probabilities (`.outputs.probs`), for classifiers (a ...ForSequenceClassification
+        model, or a causal LM converted by --hf-overrides classifier_from_token)."""
+        self._require_classifier("classify")
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="classify", tokenization_kwargs=tokenization_kwargs)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: Union[str, Sequence[str]], data_2: Union[str, Sequence[str]], /, *,
+              truncate_prompt_tokens: Optional[int] = None, use_tqdm: UseTqdm = True,
+              pooling_params: Optional[PoolingParams] = None, lora_request: Any = None,
+              tokenization_kwargs: Optional[dict] = None) -> list[ScoringRequestOutput]:
+        """vLLM's: the score of each (data_1, data_2) pair (1:1, 1:N or N:N), `.outputs.score`, for one-label
+        classifiers such as rerankers (Qwen3-Reranker through --hf-overrides): the pair is one prompt, its score
+        the classifier's sigmoid output. The caller writes the model's prompt template into the texts."""
+        from voltllm.pooling.scoring import pair_token_ids, score_pairs
+
+        classifier = self._require_classifier("score")
+        if classifier.num_labels != 1:
+            raise ValueError(f"LLM.score() needs a one-label classifier; this one has {classifier.num_labels} labels "
+                             "(use LLM.classify)")
+        if self.tokenizer is None:
+            raise ValueError("LLM.score() tokenizes its texts: it needs the tokenizer (skip_tokenizer_init=False)")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}")
+        pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
+        prompts = [{"prompt_token_ids": pair_token_ids(self.tokenizer, classifier, a, b), "prompt": a + b}
+                   for a, b in pairs]
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="score", tokenization_kwargs=tokenization_kwargs)
+        return [ScoringRequestOutput.from_base(o) for o in outs]
+
+    def _require_classifier(self, method: str) -> Any:
+        self._require_runner("pooling", method)
+        classifier = self.config.model.pooler.classifier
+        if classifier is None:
+            raise ValueError(f"LLM.{method}() is for classifiers (a ...ForSequenceClassification architecture, or "
+                             "--convert classify); this LLM runs an embedding model")
+        return classifier
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -1,10 +1,11 @@
 """Which runner an engine is (vLLM's --runner / --convert / older --task) and, for a pooling engine, its pooler
 (--pooler-config, the checkpoint's sentence-transformers files, defaults), resolved once at start-up.
 
-As in vLLM, one engine runs one runner: a generate engine serves generation only, a pooling engine embeddings only.
-Every architecture voltllm builds is a causal LM, so a pooling engine is one "converted" to embeddings (vLLM's
---convert embed): the final norm's hidden state is pooled (LAST token, MEAN over the prompt, or the first token, CLS)
-and, by default, L2-normalized.
+As in vLLM, one engine runs one runner: a generate engine serves generation only, a pooling engine embeddings (or,
+a classifier, classification / scores) only. Every architecture voltllm builds is a causal LM, so a pooling engine is
+one "converted" (vLLM's --convert embed / classify): the final norm's hidden state is pooled (LAST token, MEAN over
+the prompt, or the first token, CLS) and, by default, L2-normalized (embed), or put through a classification head and
+its activation (classify: classifier.py).
 """
 from __future__ import annotations
 
@@ -14,27 +15,28 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from voltllm.pooling.classifier import ClassifierConfig, ClassifierConfigError, resolve_classifier
 from voltllm.pooling.params import PoolingParams, PoolingParamsError
 
 logger = logging.getLogger("voltllm")
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed")
-_NOT_BUILT = ("classification, scoring / reranking and reward models are not built: voltllm serves generative "
-              "models and embedding models (--runner pooling, --convert embed)")
+CONVERTS = ("auto", "none", "embed", "classify")
+_NOT_BUILT = ("reward models are not built: voltllm serves generative models, embedding models (--runner pooling, "
+              "--convert embed) and sequence classifiers / rerankers (--convert classify)")
 # vLLM's --task values: the runner (and conversion) each one asks for
 _TASKS = {"auto": (None, None), "generate": ("generate", None), "embed": ("pooling", "embed"),
-          "embedding": ("pooling", "embed")}
-_UNBUILT_TASKS = {"classify": _NOT_BUILT, "score": _NOT_BUILT, "reward": _NOT_BUILT,
+          "embedding": ("pooling", "embed"), "classify": ("pooling", "classify"), "score": ("pooling", "classify")}
+_UNBUILT_TASKS = {"reward": _NOT_BUILT,
                   "transcription": "speech-to-text models are not built",
                   "draft": "the draft runner belongs to speculative decoding: give the drafter in --speculative-config"}
 # architecture name suffixes and the runner they default to (vLLM's table, first match wins; a bare "...Model" is an
 # encoder saved without its LM head: an embedding model)
 _ARCH_DEFAULTS = (("ForCausalLM", "generate"), ("ForConditionalGeneration", "generate"), ("ChatModel", "generate"),
-                  ("LMHeadModel", "generate"), ("ForTextEncoding", "pooling"), ("EmbeddingModel", "pooling"),
+                  ("LMHeadModel", "generate"), ("ForTextEncoding", "embed"), ("EmbeddingModel", "embed"),
                   ("ForSequenceClassification", "classify"), ("ClassificationModel", "classify"),
-                  ("ForRewardModeling", "classify"), ("RewardModel", "classify"), ("Model", "pooling"))
+                  ("ForRewardModeling", "reward"), ("RewardModel", "reward"), ("Model", "embed"))
 # --pooler-config keys that belong to other pooling tasks (refused: not built), and ones accepted at their default
 _OTHER_TASK_KEYS = ("softmax", "activation", "logit_bias", "logit_scale", "logit_mean", "logit_sigma", "step_tag_id",
                     "returned_token_ids", "tok_pooling_type")
@@ -49,7 +51,8 @@ class PoolerConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    """A pooling engine's pooler. `normalize` and `dimensions` are the defaults of its requests."""
+    """A pooling engine's pooler. `normalize` and `dimensions` are the defaults of its embedding requests;
+    `classifier` makes the engine a classifier (vLLM's classify / score tasks) instead of an embedding model."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
@@ -58,6 +61,12 @@ class PoolerConfig:
     # matryoshka models (HF config `is_matryoshka` / `matryoshka_dimensions`): embeddings may be cut to a prefix
     matryoshka: bool = False
     matryoshka_dimensions: Optional[tuple[int, ...]] = None
+    classifier: Optional[ClassifierConfig] = None
+
+    @property
+    def task(self) -> str:
+        """The engine's pooling task: classify (a classifier, which also scores pairs) or embed."""
+        return "classify" if self.classifier is not None else "embed"
 
     @property
     def reads_every_token(self) -> bool:
@@ -66,15 +75,28 @@ class PoolerConfig:
 
     def resolve(self, params: Optional[PoolingParams], model_name: str) -> PoolingParams:
         """A request's params with this pooler's defaults filled in (normalize a bool), its dimensions checked as
-        vLLM checks them (matryoshka models only) and against the embedding's size."""
+        vLLM checks them (matryoshka models only) and against the embedding's size. A classifier's requests are
+        classify / score ones (use_activation a bool), an embedding model's embed ones."""
         params = params or PoolingParams()
+        if self.classifier is not None:
+            task = params.task or "classify"
+            if task not in ("classify", "score"):
+                raise PoolingParamsError(f"task {task!r}: model {model_name!r} is a classifier: it serves the classify "
+                                         "and score tasks (LLM.classify / score, POST /classify, /score, /rerank)")
+            PoolingParams(normalize=params.normalize, dimensions=params.dimensions, task=task)  # (their checks)
+            return PoolingParams(truncate_prompt_tokens=params.truncate_prompt_tokens, task=task,
+                                 use_activation=True if params.use_activation is None else params.use_activation)
+        if params.task not in (None, "embed"):
+            raise PoolingParamsError(f"task {params.task!r}: model {model_name!r} is an embedding model: it serves "
+                                     "the embed task only (a classifier or reranker needs --convert classify or a "
+                                     "...ForSequenceClassification architecture)")
         normalize = params.normalize_asked
         dims = params.dimensions
         if dims is not None:
             self.check_dimensions(dims, model_name)
         else:
             dims = self.dimensions
-        return PoolingParams(truncate_prompt_tokens=params.truncate_prompt_tokens, dimensions=dims,
+        return PoolingParams(truncate_prompt_tokens=params.truncate_prompt_tokens, dimensions=dims, task="embed",
                              normalize=self.normalize if normalize is None else normalize)
 
     def check_dimensions(self, dims: int, model_name: str) -> None:
@@ -91,20 +113,26 @@ class PoolerConfig:
             raise PoolingParamsError(f"dimensions: the model's embeddings have {self.hidden_size} values, got {dims}")
 
     def describe(self) -> str:
+        if self.classifier is not None:
+            return f"{self.pooling_type} pooling, a classifier: {self.classifier.describe()}"
         return (f"{self.pooling_type} pooling, {'normalized' if self.normalize else 'not normalized'}"
                 + (f", {self.dimensions} dimensions" if self.dimensions else ""))
 
 
-def resolve_runner(task: Optional[str], runner: str, convert: str, hf_config: Any, model_path: str) -> str:
-    """'generate' or 'pooling', from --task / --runner / --convert and the model, as vLLM resolves them: --runner auto
-    is pooling for a sentence-transformers checkpoint (modules.json with a Pooling module), an architecture named as
-    an encoder (Qwen3Model, ...EmbeddingModel) or --convert embed, else generate."""
+def resolve_runner(task: Optional[str], runner: str, convert: str, hf_config: Any, model_path: str
+                   ) -> tuple[str, Optional[str]]:
+    """(runner, pooling task): 'generate' (task None) or 'pooling' with 'embed' or 'classify', from --task /
+    --runner / --convert and the model, as vLLM resolves them: --runner auto is pooling for a sentence-transformers
+    checkpoint (modules.json with a Pooling module), an architecture named as an encoder (Qwen3Model,
+    ...EmbeddingModel) or a sequence classifier (...ForSequenceClassification, e.g. a reranker through
+    --hf-overrides), or --convert embed / classify, else generate. A pooling runner's task follows --convert, else
+    the architecture (a ...ForSequenceClassification classifies, any other embeds)."""
     if runner not in RUNNERS:
         if runner == "draft":
             raise PoolerConfigError(f"--runner draft: {_UNBUILT_TASKS['draft']}")
         raise PoolerConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     if convert not in CONVERTS:
-        if convert in ("classify", "reward"):
+        if convert == "reward":
             raise PoolerConfigError(f"--convert {convert}: {_NOT_BUILT}")
         raise PoolerConfigError(f"--convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     if task is not None:
@@ -123,34 +151,54 @@ def resolve_runner(task: Optional[str], runner: str, convert: str, hf_config: An
         runner = task_runner or runner
         convert = task_convert or convert
     if runner == "auto":
-        runner = "pooling" if convert == "embed" else _default_runner(hf_config, model_path)
+        runner = ("pooling" if convert in ("embed", "classify")
+                  or _architecture_kind(hf_config, model_path) in ("embed", "classify") else "generate")
         if runner == "pooling":
-            logger.info("--runner auto: pooling (an embedding model); pass --runner explicitly to choose")
-    if runner == "generate" and convert == "embed":
-        raise PoolerConfigError("--convert embed turns the model into an embedding model: it needs --runner pooling "
-                                "(or auto), not generate")
-    if runner == "pooling" and convert == "none":
+            logger.info("--runner auto: pooling (an embedding or classification model); pass --runner explicitly")
+    if runner == "generate":
+        if convert in ("embed", "classify"):
+            raise PoolerConfigError(f"--convert {convert} turns the model into a pooling model: it needs --runner "
+                                    "pooling (or auto), not generate")
+        return runner, None
+    if convert == "none":
         raise PoolerConfigError("--runner pooling --convert none: voltllm's architectures are causal LMs, run as "
-                                "embedding models by conversion; use --convert embed (or auto)")
-    return runner
+                                "pooling models by conversion; use --convert embed or classify (or auto)")
+    if convert == "auto":
+        convert = "classify" if _architecture_kind(hf_config, model_path) == "classify" else "embed"
+    return runner, convert
 
 
-def _default_runner(hf_config: Any, model_path: str) -> str:
+def _architecture_kind(hf_config: Any, model_path: str) -> str:
+    """What the checkpoint is by vLLM's rules: generate, embed, classify (reward: refused, not built)."""
     if sentence_transformers_pooling(model_path) is not None:
-        return "pooling"
+        return "embed"
     for arch in getattr(hf_config, "architectures", None) or ():
         for suffix, kind in _ARCH_DEFAULTS:
             if arch.endswith(suffix):
-                if kind == "classify":
+                if kind == "reward":
                     raise PoolerConfigError(f"architecture {arch}: {_NOT_BUILT}")
                 return kind
     return "generate"
 
 
-def resolve_pooler_config(value: Any, model_path: str, hf_config: Any) -> PoolerConfig:
+def resolve_pooler_config(value: Any, model_path: str, hf_config: Any, task: str = "embed",
+                          tokenizer_path: Optional[str] = None, trust_remote_code: bool = False) -> PoolerConfig:
     """--pooler-config (a JSON object or dict; None) over the checkpoint's sentence-transformers pooler over the
-    defaults (LAST, normalized), as vLLM layers them."""
+    defaults (LAST, normalized), as vLLM layers them. task classify: a classifier (its head: classifier.py)."""
     user = _parse_user(value)
+    if user.get("task", task) != task and not (task == "classify" and user.get("task") == "score"):
+        raise PoolerConfigError(f"--pooler-config task {user['task']!r}: this engine's pooling task is {task}")
+    if task == "classify":
+        for key in ("normalize", "dimensions"):
+            if user.get(key) is not None:
+                raise PoolerConfigError(f"--pooler-config {key}: applies to embedding models, not to a classifier")
+        try:
+            classifier = resolve_classifier(hf_config, tokenizer_path, trust_remote_code)
+        except ClassifierConfigError as e:
+            raise PoolerConfigError(str(e)) from None
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        return PoolerConfig(pooling_type=user.get("pooling_type") or "LAST", normalize=False,
+                            hidden_size=int(getattr(text, "hidden_size", 0) or 0), classifier=classifier)
     st = sentence_transformers_pooling(model_path) or {}
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     hidden = int(getattr(text, "hidden_size", 0) or 0)
@@ -203,8 +251,10 @@ def _parse_user(value: Any) -> dict:
                 raise PoolerConfigError(f"--pooler-config dimensions must be an integer, got {v!r}")
             out["dimensions"] = v
         elif key == "task":
-            if v not in (None, "embed"):
-                raise PoolerConfigError(f"--pooler-config task {v!r}: only embed is built ({_NOT_BUILT})")
+            if v not in (None, "embed", "classify", "score"):
+                raise PoolerConfigError(f"--pooler-config task {v!r}: embed, classify or score ({_NOT_BUILT})")
+            if v is not None:
+                out["task"] = v
         elif key in _DEFAULT_ONLY:
             default, why = _DEFAULT_ONLY[key]
             if v != default:

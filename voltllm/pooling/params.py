@@ -1,11 +1,12 @@
-"""PoolingParams: what one embedding request asks for (vLLM's names and rules, embed task only)."""
+"""PoolingParams: what one pooling request asks for (vLLM's names and rules: the embed, classify and score tasks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Optional
 
-# vLLM's pooling tasks other than "embed": named so that asking for one says it is not built
-_UNBUILT_TASKS = ("classify", "score", "token_embed", "token_classify", "reward", "encode")
+TASKS = ("embed", "classify", "score")
+# vLLM's other pooling tasks: named so that asking for one says it is not built
+_UNBUILT_TASKS = ("token_embed", "token_classify", "reward", "encode", "plugin")
 
 
 class PoolingParamsError(ValueError):
@@ -14,26 +15,27 @@ class PoolingParamsError(ValueError):
 
 @dataclass
 class PoolingParams:
-    """vLLM's PoolingParams for embeddings.
+    """vLLM's PoolingParams for embeddings and classification / scores.
 
     truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds; None: all).
     dimensions: the embedding's first `dimensions` values (matryoshka models only), renormalized when normalized.
     normalize: L2-normalize the embedding (None: the model's default, --pooler-config / its sentence-transformers
-    Normalize module, else true). use_activation is vLLM's newer name for it (embed task).
+    Normalize module, else true). use_activation is vLLM's newer name for it (embed task); for classify / score it
+    applies the classifier's activation (sigmoid / softmax; None: true) and normalize / dimensions do not apply.
+    task: embed, classify or score; None: the engine's (embed for an embedding model, classify for a classifier).
     """
 
     truncate_prompt_tokens: Optional[int] = None
     dimensions: Optional[int] = None
     normalize: Optional[bool] = None
     use_activation: Optional[bool] = None
-    task: str = "embed"
+    task: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.task in _UNBUILT_TASKS:
-            raise PoolingParamsError(f"task {self.task!r}: only the embed task is built (classification, scoring "
-                                     "and token-level pooling are not)")
-        if self.task != "embed":
-            raise PoolingParamsError(f"task must be 'embed', got {self.task!r}")
+            raise PoolingParamsError(f"task {self.task!r}: not built (the embed, classify and score tasks are)")
+        if self.task is not None and self.task not in TASKS:
+            raise PoolingParamsError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         t = self.truncate_prompt_tokens
         if t is not None and (not _is_int(t) or t < -1):
             raise PoolingParamsError(f"truncate_prompt_tokens must be an integer >= -1 (-1: the context length), "
@@ -44,6 +46,11 @@ class PoolingParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise PoolingParamsError(f"{name} must be true or false, got {value!r}")
+        if self.task in ("classify", "score"):
+            for name in ("normalize", "dimensions"):
+                if getattr(self, name) is not None:
+                    raise PoolingParamsError(f"{name}: applies to embeddings, not to the {self.task} task (its "
+                                             "switch is use_activation)")
         if self.normalize is not None and self.use_activation is not None and self.normalize != self.use_activation:
             raise PoolingParamsError("normalize and use_activation name the same switch for embeddings: give one")
 

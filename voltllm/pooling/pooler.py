@@ -5,6 +5,8 @@ LAST reads the prompt's last row (it is always computed: a prefix-cache hit leav
 read earlier tokens too, and a prompt may take several steps (chunked prefill): MEAN keeps each request's running sum
 of its chunks' rows, CLS its first token's row, until its last chunk (their engines cache no prefixes, config.py).
 A request preempted mid-prompt is computed again from its first token, which starts its sum over.
+A classifier's pooled rows go through its head (float32) and, where the request asks (use_activation), its
+activation: each request's result is then its num_labels values (classifier.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from voltllm.host_to_device import to_device, upload
+from voltllm.pooling.classifier import activate
 
 
 @dataclass
@@ -38,8 +41,12 @@ class PooledRows:
 
 
 class Pooler:
-    def __init__(self, pooling_type: str):
+    def __init__(self, pooling_type: str, head: Optional[torch.Tensor] = None, activation: Optional[str] = None):
+        """head: a classifier's weight [num_labels, hidden] (float32, on the model's device); activation: its
+        activation (sigmoid / softmax / none). None: an embedding model."""
         self.pooling_type = pooling_type
+        self.head = head
+        self.activation = activation
         # MEAN: the float32 sum of the rows computed so far; CLS: the first token's row (by request id)
         self._partial: dict[str, torch.Tensor] = {}
 
@@ -60,7 +67,10 @@ class Pooler:
             if not done:
                 return None
             pooled = torch.stack(rows)
-        return finish(pooled, [s.request.request_id for _, s in done], [s.request.pooling_params for _, s in done])
+        ids, params = [s.request.request_id for _, s in done], [s.request.pooling_params for _, s in done]
+        if self.head is not None:
+            return classify(pooled, self.head, self.activation, ids, params)
+        return finish(pooled, ids, params)
 
     def _accumulate(self, hidden: torch.Tensor, qsl: list[int], scheduled: list) -> tuple[list, list]:
         """MEAN / CLS: fold this step's chunks into the requests' partial results; (the finished (index, request)
@@ -89,6 +99,22 @@ class Pooler:
             else:
                 self._partial[rid] = part
         return done, rows
+
+
+def classify(pooled: torch.Tensor, head: torch.Tensor, activation: str, request_ids: list[str],
+             params: list) -> PooledRows:
+    """The classifier's outputs: logits = pooled . head^T, activated for the requests that ask (use_activation)."""
+    logits = pooled @ head.t()
+    active = [bool(p.use_activation) for p in params]
+    if all(active):
+        out = activate(logits, activation)
+    elif any(active):
+        idx = to_device([i for i, a in enumerate(active) if a], torch.long, logits.device)
+        out = logits.clone()
+        out[idx] = activate(logits[idx], activation)
+    else:
+        out = logits
+    return PooledRows(request_ids, out, [head.shape[0]] * len(request_ids))
 
 
 def finish(pooled: torch.Tensor, request_ids: list[str], params: list) -> PooledRows:

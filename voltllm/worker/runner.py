@@ -171,7 +171,9 @@ class ModelRunner:
         if config.model.runner == "pooling":
             from voltllm.pooling.pooler import Pooler
 
-            self.pooler = Pooler(config.model.pooler.pooling_type)
+            pc = config.model.pooler
+            self.pooler = Pooler(pc.pooling_type, getattr(self.model, "score_weight", None),
+                                 pc.classifier.activation if pc.classifier is not None else None)
         self.buffers: Optional[InputBuffers] = None
         self.graphs = None  # DecodeGraphs once captured
         self.verify_graphs = None  # a hybrid's verification steps as decode rows (worker/hybrid_spec.py)
@@ -215,7 +217,8 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp,
-                                    headless=mc.runner == "pooling")
+                                    headless=mc.runner == "pooling",
+                                    classifier=mc.pooler.classifier if mc.runner == "pooling" else None)
             if mc.load_format == "dummy":
                 init_dummy_weights(model, mc.seed)
                 logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)

@@ -32,6 +32,8 @@ from voltllm.entrypoints.openai.server_middleware import (RequestIdHeaderMiddlew
 from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
 from voltllm.entrypoints.openai.serving_embedding import create_embedding
+from voltllm.entrypoints.openai.scoring_protocol import ClassificationRequest, RerankRequest, ScoreRequest
+from voltllm.entrypoints.openai.serving_score import create_classify, create_rerank, create_score
 from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
 from voltllm.entrypoints.openai.serving_responses import create_response, get_response
 
@@ -40,14 +42,21 @@ M = TypeVar("M", bound=BaseModel)
 
 _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", "/tokenize", "/detokenize",
            "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-           "/v1/acceleration", "/v1/sm70/acceleration"}
-# vLLM's pooling routes for other tasks than embeddings: refused by name on every server
-_UNBUILT_ROUTES = {"/score": "scoring", "/v1/score": "scoring", "/rerank": "reranking", "/v1/rerank": "reranking",
-                   "/v2/rerank": "reranking", "/classify": "classification",
-                   "/pooling": "vLLM's generic /pooling route", "/v2/embed": "Cohere's embed API"}
+           "/v1/acceleration", "/v1/sm70/acceleration", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+           "/classify"}
+# vLLM's pooling routes that are not built: refused by name on every server
+_UNBUILT_ROUTES = {"/pooling": "vLLM's generic /pooling route", "/v2/embed": "Cohere's embed API"}
+# a classifier's routes (serving_score.py): path -> (request model, handler, what it does)
+_CLASSIFIER_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
+                      "/v1/score": (ScoreRequest, create_score, "scoring"),
+                      "/rerank": (RerankRequest, create_rerank, "reranking"),
+                      "/v1/rerank": (RerankRequest, create_rerank, "reranking"),
+                      "/v2/rerank": (RerankRequest, create_rerank, "reranking"),
+                      "/classify": (ClassificationRequest, create_classify, "classification")}
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
-# behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open)
-_GUARDED_ROUTES = ("/invocations",)
+# behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open),
+# and a classifier's routes outside /v1 run the model as much as /v1/score does
+_GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify")
 
 
 def route_path(scope: dict) -> str:
@@ -61,8 +70,8 @@ def route_path(scope: dict) -> str:
 
 
 class AuthAndCountMiddleware:
-    """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/* and /invocations, per-route HTTP
-    counters."""
+    """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/*, /invocations and the classifier
+    routes, per-route HTTP counters."""
 
     def __init__(self, app: Any, api_key: Union[None, str, Sequence[str]], metrics: Optional[ServerMetrics]):
         """api_key: one key or several (any of them is accepted, as vLLM's --api-key K1 K2)."""
@@ -137,7 +146,17 @@ async def parse_body(request: Request, model: Type[M]) -> M:
 async def _invocation(state: ServerState, request: Request) -> Any:
     """SageMaker's POST /invocations, dispatched as vLLM does: the body is tried as a chat completion request,
     then as a completion request, and the first it validates as is served (so `messages` -> chat, `prompt` ->
-    completion); one that is neither is a 400 naming both problems. A pooling server's is its embeddings route."""
+    completion); one that is neither is a 400 naming both problems. A pooling server's is its embeddings route; a
+    classifier's is rerank (a body with `query`), classify (with `input`) or score."""
+    if state.runner == "pooling" and state.classifier is not None:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None  # (parse_body below answers the 400)
+        kind = "/rerank" if isinstance(body, dict) and "query" in body else (
+            "/classify" if isinstance(body, dict) and "input" in body else "/score")
+        model, serve, _ = _CLASSIFIER_ROUTES[kind]
+        return await serve(state, await parse_body(request, model), request)
     if state.runner == "pooling":
         return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
     problems = []
@@ -255,8 +274,10 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         """vLLM serves the generation routes from generate engines only (one runner per engine): a pooling server
         answers them 404, saying what it serves."""
         if state.runner == "pooling":
-            raise OpenAIError(f"{request.method} {request.url.path}: this server runs a pooling (embedding) model "
-                              "(--runner pooling), which generates nothing; it serves POST /v1/embeddings", 404)
+            serves = ("/score, /v1/score, /rerank, /v1/rerank, /v2/rerank and /classify" if state.classifier
+                      is not None else "/v1/embeddings")
+            raise OpenAIError(f"{request.method} {request.url.path}: this server runs a pooling model (--runner "
+                              f"pooling), which generates nothing; it serves POST {serves}", 404)
 
     @app.post("/v1/messages")  # the Anthropic Messages API (serving_messages.py)
     async def messages(request: Request) -> Any:
@@ -286,12 +307,31 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
             raise OpenAIError("POST /v1/embeddings: this server runs a generative model, which computes no "
                               "embeddings; serve an embedding model with --runner pooling (a causal LM: "
                               "--convert embed)", 404)
+        if state.classifier is not None:
+            raise OpenAIError("POST /v1/embeddings: this server runs a classifier (a reranker), which computes no "
+                              "embeddings; it serves POST /score, /v1/score, /rerank, /v1/rerank, /v2/rerank and "
+                              "/classify", 404)
         return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
+
+    def _classifier_route(path: str, model: Any, serve: Any, what: str) -> Any:
+        async def route(request: Request) -> Any:
+            if state.runner != "pooling" or state.classifier is None:
+                raise OpenAIError(f"POST {path}: {what} is served by classifiers (a ...ForSequenceClassification "
+                                  "model, or a causal LM reranker through --hf-overrides classifier_from_token, with "
+                                  "--runner pooling); this server runs "
+                                  + ("an embedding model" if state.runner == "pooling" else "a generative model"), 404)
+            return await serve(state, await parse_body(request, model), request)
+        return route
+
+    for path, (model, serve, what) in _CLASSIFIER_ROUTES.items():
+        app.add_api_route(path, _classifier_route(path, model, serve, what), methods=["POST"],
+                          operation_id=path.strip("/").replace("/", "_"))
 
     def _unbuilt_route(path: str, what: str) -> Any:
         async def refuse() -> None:
             raise OpenAIError(f"POST {path}: {what} is not built in voltllm (embedding models serve POST "
-                              "/v1/embeddings, with --runner pooling)", 404)
+                              "/v1/embeddings, classifiers /score, /rerank and /classify, with --runner pooling)",
+                              404)
         return refuse
 
     for path, what in _UNBUILT_ROUTES.items():

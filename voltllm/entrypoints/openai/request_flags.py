@@ -99,5 +99,6 @@ def server_state(config: Any, args: argparse.Namespace, names: list[str], engine
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs, runner=config.model.runner,
+        classifier=config.model.pooler.classifier if config.model.pooler is not None else None,
         generation_defaults=generation_defaults(config.model.model, config.model.generation_config,
                                                 config.model.override_generation_config))

@@ -49,6 +49,9 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
     runner: str = "generate"  # generate | pooling (one runner per engine, as vLLM): which model routes answer
+    # a pooling engine's classification head (voltllm.pooling.classifier.ClassifierConfig; None: embeddings): the
+    # score / rerank / classify routes answer on a classifier, /v1/embeddings on an embedding model
+    classifier: Any = None
     # --lora-modules: adapter name -> LoRARequest (voltllm.lora); a request naming one as its model runs with it
     lora_modules: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))

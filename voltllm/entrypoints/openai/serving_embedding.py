@@ -31,7 +31,8 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw_reques
     req.check()
     model = state.model_name(req.model)
     try:
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize, use_activation=req.use_activation)
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize, use_activation=req.use_activation,
+                               task="embed")
     except PoolingParamsError as e:
         raise bad_request(str(e), _param_of(e))
     prompts = [truncated(ids, req.truncate_prompt_tokens, state.max_model_len) for ids in _token_ids(state, req)]

@@ -16,6 +16,9 @@ from voltllm.model.layers.rotary import rope_parameters
 logger = logging.getLogger("voltllm")
 
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")
+# keys vLLM (and voltllm) read from the config that transformers' configs do not define: set without a warning
+_VLLM_KEYS = ("classifier_from_token", "is_original_qwen3_reranker", "method", "use_pad_token", "is_matryoshka",
+              "matryoshka_dimensions")
 
 
 class HFOverrideError(ValueError):
@@ -32,7 +35,7 @@ def apply_hf_overrides(config: Any, overrides: dict, prefix: str = "") -> Any:
         elif isinstance(value, dict) and hasattr(current, "to_dict"):  # a sub-config: field by field
             apply_hf_overrides(current, value, name + ".")
         else:
-            if not hasattr(config, key):
+            if not hasattr(config, key) and key not in _VLLM_KEYS:
                 logger.warning("--hf-overrides: %s is not a field of the model's config; set anyway", name)
             setattr(config, key, value)
     return config

@@ -157,10 +157,12 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int,
-                 linear_method: Optional[LinearMethod] = None, tp=None, headless: bool = False):
+                 linear_method: Optional[LinearMethod] = None, tp=None, headless: bool = False, classifier=None):
         """linear_method: how the projections (and an untied LM head) hold their weights; None: dense. tp: this
         rank's tensor-parallel group (None: the whole model on one device). headless: no LM head and no logits (a
-        pooling model: its checkpoint's lm_head, if any, is skipped; embedding checkpoints often have none)."""
+        pooling model: its checkpoint's lm_head, if any, is skipped; embedding checkpoints often have none).
+        classifier: a headless model's classification head (voltllm.pooling.classifier.ClassifierConfig): its float32
+        weight `score_weight` [num_labels, hidden] is the checkpoint's score.weight or built from LM-head rows."""
         super().__init__()
         self.config = cfg
         self.headless = headless
@@ -185,6 +187,10 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         self.lm_head = None if self.tie or headless else Linear(cfg.hidden_size, head_rows, dtype=dtype,
                                                                  method=linear_method)
         self.rotary = rotary
+        self.classifier = classifier
+        if classifier is not None:  # (a buffer: it moves with the model; the pooler reads it, pooling/pooler.py)
+            self.register_buffer("score_weight", torch.zeros(classifier.num_labels, cfg.hidden_size,
+                                                             dtype=torch.float32), persistent=False)
         self.has_moe = any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
         # prompt-step CUDA graphs are only validated for dense MLPs (decode graphs cover MoE layers, as in the
         # hybrid MoE models), and not with all-reduces inside their pieces (TP: not run on a multi-GPU machine yet)
@@ -254,6 +260,13 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         logits = self.tp.all_gather_last(logits)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
 
+    def _loads_head(self, name: str) -> bool:
+        """Whether this checkpoint weight is (or holds the rows of) the classifier's head: score.weight, else the LM
+        head's (the embedding's, tied) rows of classifier_from_token."""
+        if self.classifier.from_token_ids is None:
+            return name == "score.weight"
+        return name == ("embed_tokens.weight" if self.tie else "lm_head.weight")
+
     def _moe_of(self, name: str) -> Optional[tuple["DecoderLayer", str]]:
         """(layer, name inside its MLP) for a weight of a sparse MoE layer's MLP, else None."""
         if not self.has_moe or not name.startswith("layers.") or ".mlp." not in name:
@@ -292,10 +305,21 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        head_loaded = False
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             name = name.removeprefix("model.")
+            if self.classifier is not None and self._loads_head(name):
+                head = (tensor.to(torch.float32) if self.classifier.from_token_ids is None
+                        else self.classifier.head_from_vocab(tensor))
+                if head.shape != self.score_weight.shape:
+                    raise ValueError(f"{name}: shape {tuple(head.shape)}, expected {tuple(self.score_weight.shape)} "
+                                     "(num_labels x hidden_size)")
+                self.score_weight.copy_(head)
+                head_loaded = True
+                if name != "embed_tokens.weight":
+                    continue
             if name.startswith("lm_head.") and (self.tie or self.headless):
                 continue
             if (kv_scale := kv_scale_target(name)) is not None:  # fp8 KV cache scales
@@ -338,3 +362,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         missing = sorted(e for e in expected if e not in loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")
+        if self.classifier is not None and not head_loaded:
+            raise ValueError("the checkpoint has no classification head (score.weight): a causal LM becomes a "
+                             "classifier from its LM-head rows with --hf-overrides classifier_from_token and method "
+                             "(or is_original_qwen3_reranker for Qwen3-Reranker)" if self.classifier.from_token_ids is
+                             None else "the checkpoint has no LM head to build the classifier from")

@@ -31,18 +31,20 @@ def supports_quantized_layers(hf_config: Any) -> bool:
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
-                tp: Any = None, headless: bool = False) -> torch.nn.Module:
+                tp: Any = None, headless: bool = False, classifier: Any = None) -> torch.nn.Module:
     """linear_method: a LinearMethod for the projections (quantized weights kept quantized,
     supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (every architecture here,
     weights dense or kept quantized; what a configuration may split: voltllm.distributed.support). headless: no LM
-    head (a pooling model's: it computes no logits; attention-only architectures)."""
+    head (a pooling model's: it computes no logits; attention-only architectures); classifier: a headless model's
+    classification head (voltllm.pooling.classifier.ClassifierConfig)."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
     if headless:
         if _MODELS[arch] is not LlamaForCausalLM:
             raise ValueError(f"model type {arch!r}: pooling models are built for attention-only architectures")
-        return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method, tp=tp, headless=True)
+        return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method, tp=tp, headless=True,
+                                classifier=classifier)
     if tp is not None:
         return _MODELS[arch](hf_config, dtype, max_positions, linear_method, tp=tp)
     if linear_method is not None:

@@ -1,0 +1,49 @@
+"""Scoring text pairs with a classifier (vLLM's score task, cross-encoder style): each (text_1, text_2) pair is one
+prompt, its score the classifier's one output (sigmoid of its logit by default). Shared by LLM.score and the server's
+/score and /rerank routes.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from voltllm.pooling.classifier import ClassifierConfig
+
+
+class ScoreInputError(ValueError):
+    """Score inputs of the wrong shape (an HTTP 400; the message names the field)."""
+
+
+def score_pairs(data_1: Union[str, list], data_2: Union[str, list], names: tuple[str, str] = ("text_1", "text_2")
+                ) -> list[tuple[str, str]]:
+    """vLLM's pairing: 1:1, 1:N (the one text_1 with each text_2) or N:N (position by position)."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    for name, values in zip(names, (first, second)):
+        if not values:
+            raise ScoreInputError(f"{name}: at least one text must be given")
+        for v in values:
+            if not isinstance(v, str):
+                raise ScoreInputError(f"{name}: texts only (strings), got {type(v).__name__}")
+    if len(first) > 1 and len(first) != len(second):
+        raise ScoreInputError(f"{names[0]} has {len(first)} texts and {names[1]} {len(second)}: give one {names[0]} "
+                              f"(scored against each {names[1]}) or as many as {names[1]} (1:1, 1:N or N:N)")
+    if len(first) == 1:
+        first = first * len(second)
+    return list(zip(first, second))
+
+
+def pair_token_ids(tokenizer: Any, classifier: ClassifierConfig, text_1: str, text_2: str) -> list[int]:
+    """One pair's prompt as vLLM builds it: a causal LM converted to a reranker (classifier_from_token) reads
+    text_1 + text_2 as one text (the caller writes the model's template into them, e.g. Qwen3-Reranker's); a
+    sequence-classification checkpoint reads them as the tokenizer's text pair (its separator tokens, if any)."""
+    if classifier.pair_form == "concat":
+        return list(tokenizer(text_1 + text_2)["input_ids"])
+    return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
+
+
+def single_score(data: Any, request_id: str) -> float:
+    """A pooled classifier output as one score (vLLM's score task needs a one-label classifier)."""
+    if data.numel() != 1:
+        raise ValueError(f"request {request_id}: the classifier has {data.numel()} labels; scores need a one-label "
+                         "classifier (its probabilities are served by classify)")
+    return float(data.reshape(()).item())
