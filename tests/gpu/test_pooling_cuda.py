@@ -44,3 +44,29 @@ def test_embeddings_match_transformers_on_cuda(tiny_path, dtype, tol, pooling_ty
         assert abs(F.normalize(torch.tensor(a.outputs.embedding), dim=-1).norm().item() - 1.0) < 1e-3
     llm.engine.check_integrity()
     assert llm.engine.kv.usage() == 0.0
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 2e-2)])
+def test_reranker_scores_match_transformers_on_cuda(tiny_path, dtype, tol):
+    """A causal LM converted to a Qwen3-Reranker style classifier (vLLM's --hf-overrides): score =
+    sigmoid(logit_yes - logit_no) at the pair prompt's last token, the head applied on the card."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from voltllm import LLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    no_id, yes_id = 300, 301  # (the tiny tokenizer has no "no" / "yes": two of its tokens stand in)
+    no, yes = tok.convert_ids_to_tokens([no_id, yes_id])
+    llm = LLM(tiny_path, runner="pooling", device="cuda", dtype=dtype, gpu_memory_utilization=0.2,
+              hf_overrides={"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+                            "is_original_qwen3_reranker": True})
+    ref = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=getattr(torch, dtype)).cuda().eval()
+    query = "query: what is the capital of France? "
+    outs = llm.score(query, PROMPTS, use_tqdm=False)
+    for doc, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            lg = ref(torch.tensor([tok(query + doc)["input_ids"]], device="cuda")).logits[0, -1].float()
+        want = torch.sigmoid(lg[yes_id] - lg[no_id]).item()
+        assert abs(out.outputs.score - want) < tol, (doc[:20], out.outputs.score, want)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.usage() == 0.0
