@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 from voltllm.engine.detokenizer import IncrementalDetokenizer
 from voltllm.engine.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
                                     RequestOutput)
-from voltllm.engine.request_checks import InvalidRequestError
+from voltllm.engine.request_checks import InvalidRequestError, kept_prompt
 from voltllm.engine.types import EngineCoreOutput, EngineCoreRequest, PositionLogprobs
 from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.bad_words import bad_words_token_ids
@@ -206,14 +206,9 @@ class Frontend:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidPromptError("the prompt is empty")
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            keep = self.max_model_len if keep == -1 else keep
-            if keep > self.max_model_len:
-                raise InvalidPromptError(f"truncate_prompt_tokens ({keep}) is greater than the maximum context "
-                                         f"length ({self.max_model_len})")
-            if keep < len(ids):
-                text, ids = None, ids[-keep:]
+        kept = kept_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(ids):
+            text, ids = None, kept
         now = time.monotonic()
         self.states[request_id] = _RequestState(request_id, text, ids, params, {request_id: _Child(0, None)},
                                                 RequestMetrics(now), pooling=True)

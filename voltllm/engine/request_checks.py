@@ -17,6 +17,20 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def kept_prompt(ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length; None: all of them); a
+    size over the context length is an error naming the field."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than this model's maximum context "
+                                  f"length ({max_model_len}); choose a smaller truncation size",
+                                  "truncate_prompt_tokens")
+    return ids[-keep:]
+
+
 def check_priority(priority: object, policy: str) -> None:
     """A request's `priority` (vLLM's: lower is served first) is taken under --scheduling-policy priority; under fcfs
     only 0 (the message starts as vLLM's, which clients match)."""

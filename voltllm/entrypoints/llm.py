@@ -300,12 +300,10 @@ class LLM:
         _refuse_lora(lora_request, "beam search")
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
-        num_logprobs = min(params.num_candidates, self._vocab_size())
+        num_logprobs = min(params.num_candidates, self.engine.vocab_size)
         if self.max_logprobs is not None and num_logprobs > self.max_logprobs:
             raise ValueError(f"beam_width {params.beam_width}: beam search asks each step for 2 x beam_width = "
                              f"{num_logprobs} logprobs, more than this LLM's max_logprobs ({self.max_logprobs})")
@@ -337,10 +335,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [BeamSearchOutput([self._finished_beam(s, b) for b in s.best()]) for s in searches]
-
-    def _vocab_size(self) -> int:
-        hf = self.config.model.hf_config
-        return int((hf.get_text_config() if hasattr(hf, "get_text_config") else hf).vocab_size)
 
     def _beam_prompt(self, prompt: PromptType, params: BeamSearchParams) -> list[int]:
         _, ids = self.frontend.tokenize(prompt)

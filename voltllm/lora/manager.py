@@ -124,12 +124,10 @@ class LoRAManager:
 
     @contextlib.contextmanager
     def capturing(self):
-        """CUDA-graph captures record the LoRA terms (a replay computes them over the mask the step filled)."""
+        """CUDA-graph captures record the LoRA terms (a replay computes them over the mask the step filled); the
+        next step's prepare_step sets `active` again for eager forwards."""
         self.batch.active = True
-        try:
-            yield
-        finally:
-            self.batch.active = True
+        yield
 
     def resident(self) -> dict[str, int]:
         return dict(self._slots)

@@ -17,6 +17,7 @@ from voltllm.engine.async_llm import (AsyncLLM, EngineDeadError, InvalidRequestE
                                       RequestStream)
 from voltllm.engine.frontend import InvalidPromptError
 from voltllm.engine.outputs import Logprob, RequestOutput
+from voltllm.engine.request_checks import kept_prompt
 from voltllm.entrypoints.chat_content_format import resolve_content_format
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from voltllm.entrypoints.openai.request_log import OutputLoggingStream
@@ -208,16 +209,11 @@ def render_chat(state: ServerState, messages: list[dict], *, chat_template: Opti
 
 # -- prompts ------------------------------------------------------------------------------------------
 def truncated(ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length); a size over the
-    context length is a 400."""
-    if keep is None:
-        return ids
-    if keep == -1:
-        keep = max_model_len
-    if keep > max_model_len:
-        raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than this model's maximum context length "
-                          f"({max_model_len}); choose a smaller truncation size", "truncate_prompt_tokens")
-    return ids[-keep:]
+    """request_checks.kept_prompt, its error a 400."""
+    try:
+        return kept_prompt(ids, keep, max_model_len)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 # -- submitting ---------------------------------------------------------------------------------------
