@@ -324,6 +324,8 @@ class EngineArgs:
         if self.pooler_config is not None and self.override_pooler_config is not None \
                 and self.pooler_config != self.override_pooler_config:
             raise ConfigError("--override-pooler-config is the older name of --pooler-config: give one")
+        if isinstance(given, str):
+            given = _parse_json_arg("--pooler-config", given)
         try:
             runner, task = resolve_runner(self.task, self.runner, self.convert, hf_config, model_path)
             if runner == "generate":

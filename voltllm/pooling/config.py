@@ -218,13 +218,8 @@ def resolve_pooler_config(value: Any, model_path: str, hf_config: Any, task: str
 
 
 def _parse_user(value: Any) -> dict:
-    if value is None:
+    if value is None:  # (a JSON string is parsed by EngineArgs)
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise PoolerConfigError(f"--pooler-config must be a JSON object: {e}") from None
     if not isinstance(value, dict):
         raise PoolerConfigError(f"--pooler-config must be a JSON object, got {type(value).__name__}")
     out: dict = {}
