@@ -1530,6 +1530,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s139)  # (session 49) wide split-K TMA tiles for the 64-row decode GEMMs (micro/batch_gemm_wide_split.py), then the
+         # 8B at 64 x 128/128 with the sweep's winning tiles offered to the tuner (B) and without (A), one call
+    t_all=$SECONDS
+    timeout 280 python3 benchmarks/micro/batch_gemm_wide_split.py --json "$out/wide-tiles.json" 64 2>&1 \
+      | grep -v -i warn > "$out/wide-split-sweep.txt"
+    tail -4 "$out/wide-split-sweep.txt"; cat "$out/wide-tiles.json" 2>/dev/null | tr -d ' \n'; echo
+    for side in B A; do
+      (( SECONDS - t_all > 420 )) && { echo "no time left for side $side"; break; }
+      tiles=none; [ $side = B ] && tiles="$out/wide-tiles.json"
+      [ $side = B ] && [ ! -s "$tiles" ] && continue
+      python3 benchmarks/micro/bench_with_tma_configs.py $tiles -- --commit "$sha" --output-dir "$out" \
+        --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-wide$side-$sha > "$out/c64-$side.log" 2>&1
+      echo "side $side: $(grep -E "^(concurrent|output_tok|ttft)" "$out/c64-$side.log" | awk '{print $1, $5}' | tr '\n' ' ')"
+      grep -i "decode-batch GEMM choice" "$out/c64-$side.log" | grep "M=64 " | head -6
+    done
+    ;;
   s138)  # (session 48) s137's two files that failed on the machine's packages (transformers 5.17 reads no hybrid GGUF
          # tokenizer: .whl now carries 5.18, voltllm's floor; compressed-tensors was missing: .whl carries it), the
          # pooling engine and LoRA adapters on CUDA, the sampler file with allowed_token_ids / bad_words rows, then the
