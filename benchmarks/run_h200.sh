@@ -1533,6 +1533,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s139)  # (session 49) wide split-K TMA tiles for the 64-row decode GEMMs (micro/batch_gemm_wide_split.py), then the
          # 8B at 64 x 128/128 with the sweep's winning tiles offered to the tuner (B) and without (A), one call
     t_all=$SECONDS
+    gpu_file test_argmax_cuda 60
     timeout 60 python3 benchmarks/micro/argmax_rows.py 2>&1 | grep -v -i warn | tee "$out/argmax-rows.txt"
     timeout 280 python3 benchmarks/micro/batch_gemm_wide_split.py --json "$out/wide-tiles.json" 64 2>&1 \
       | grep -v -i warn > "$out/wide-split-sweep.txt"

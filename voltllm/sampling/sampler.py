@@ -40,6 +40,16 @@ class SamplingRow:
         return len(self.output_token_ids) if self.num_generated is None else self.num_generated
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [rows, vocab] logits; on a GPU by one Triton launch (kernels/argmax.py: torch's
+    reduction took 22.7 us of the 8B's 64-row decode step for ~5 us of reads)."""
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
+        from voltllm.kernels.argmax import row_argmax
+
+        return row_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def _pad(lists: list[Sequence[int]], device: torch.device, fill: int) -> torch.Tensor:
     width = max((len(x) for x in lists), default=0)
     out = torch.full((len(lists), max(width, 1)), fill, dtype=torch.long)
@@ -198,7 +208,7 @@ class Sampler:
         `sample` (applied to a copy)."""
         if token_bitmask is not None:
             logits = apply_token_bitmask_(logits.clone(), token_bitmask)
-        return SamplerOutput(tokens=logits.argmax(dim=-1), num_logprobs=[None] * logits.shape[0])
+        return SamplerOutput(tokens=greedy_tokens(logits), num_logprobs=[None] * logits.shape[0])
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], logits_owned: bool = False,
                token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
@@ -242,7 +252,7 @@ class Sampler:
         if biased:  # added to the fp32 copy
             _add_logit_bias_(logits, rows)
 
-        sampled = logits.argmax(dim=-1)
+        sampled = greedy_tokens(logits)
         if not all(greedy_mask):
             probs = _shaped_probs(logits, rows)
             random_tokens = (probs / self._race_noise(probs, rows, greedy_mask)).argmax(dim=-1)
