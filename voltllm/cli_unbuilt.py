@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-_LORA_SHARDED = ("sharded LoRA weights are not built (LoRA runs without tensor parallelism; "
+_LORA_SHARDED = ("fully sharded LoRA weights are not built (under --tensor-parallel-size each rank cuts B of the "
+                 "column-parallel and A of the row-parallel projections, as their base weights; "
                  "--no-fully-sharded-loras is what runs)")
 _LORA_BIAS = "LoRA biases are not built (adapters with bias 'none' only)"
 _LORA_LONG = "long-context LoRA (scaling factors) is not built (vLLM removed it too)"

@@ -388,9 +388,6 @@ class EngineArgs:
         if self.lora_dtype != "auto" and _DTYPES.get(self.lora_dtype) != dtype:
             raise ConfigError(f"--lora-dtype {self.lora_dtype}: adapters run in the model's dtype here "
                               f"({str(dtype).replace('torch.', '')}); use auto")
-        if config.parallel.tensor_parallel_size > 1:
-            raise ConfigError("--enable-lora with --tensor-parallel-size > 1: sharded LoRA weights are not built; "
-                              "use -tp 1")
         if config.model.runner != "generate":
             raise ConfigError("--enable-lora with --runner pooling: adapters for embedding models are not built")
         spec = config.speculative

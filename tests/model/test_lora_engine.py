@@ -136,7 +136,7 @@ def test_max_loras_bounds_the_adapters_of_a_batch(setup):
     manager = llm.engine.runner.lora
     seen: list[set] = []
     assign = manager._assign
-    manager._assign = lambda names: seen.append(set(names)) or assign(names)
+    manager._assign = lambda names, loads: seen.append(set(names)) or assign(names, loads)
     names = ["a1", "a2", None, "a1", "a3", None]
     _check_greedy(setup, llm, names)
     assert max(len(s) for s in seen) == 1 and {n for s in seen for n in s} == {"a1", "a2", "a3"}

@@ -10,8 +10,8 @@ from voltllm.cli_unbuilt import UNBUILT_FLAGS, WHILE_SWITCHED_ON, screen_unbuilt
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["serve", "m", "--enable-lora", "--fully-sharded-loras"], "voltllm: error: --fully-sharded-loras: sharded LoRA "
-     "weights are not built"),
+    (["serve", "m", "--enable-lora", "--fully-sharded-loras"], "voltllm: error: --fully-sharded-loras: fully "
+     "sharded LoRA weights are not built"),
     (["serve", "m", "--enable-lora-bias"], "voltllm: error: --enable-lora-bias: LoRA biases are not built"),
     (["serve", "m", "--speculative-model", "d", "--num-speculative-tokens", "4"],
      "voltllm: error: --speculative-model: an older vLLM flag: speculative decoding is configured with "

@@ -215,7 +215,6 @@ def test_lora_config_is_typed_and_checked(tiny, tmp_path):
                       (dict(max_loras=0), "--max-loras must be >= 1"),
                       (dict(max_loras=3, max_cpu_loras=2), "--max-cpu-loras 2 must be >= --max-loras 3"),
                       (dict(lora_dtype="float16"), "--lora-dtype float16: adapters run in the model's dtype"),
-                      (dict(tensor_parallel_size=2), "--enable-lora with --tensor-parallel-size > 1"),
                       (dict(speculative_config={"model": tiny, "num_speculative_tokens": 2}),
                        "--speculative-config method draft_model"),
                       (dict(runner="pooling"), "--enable-lora with --runner pooling")):
@@ -223,6 +222,9 @@ def test_lora_config_is_typed_and_checked(tiny, tmp_path):
             _config(tiny, enable_lora=True, **kw)
     assert _config(tiny, enable_lora=True, lora_dtype="float32",
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2}).lora is not None
+    # tensor parallelism: each rank holds its cut of the adapters (lora/sharding.py)
+    tp = _config(tiny, enable_lora=True, tensor_parallel_size=2)
+    assert tp.lora is not None and tp.parallel.tensor_parallel_size == 2
 
 
 def test_hybrid_models_are_refused(tmp_path):

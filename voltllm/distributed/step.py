@@ -6,7 +6,7 @@ hybrid the accepted-draft counts follow as a second device broadcast (worker/hyb
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -48,3 +48,5 @@ class StepInputs:
     state_verify: list[tuple[int, int]] = field(default_factory=list)
     # a verification replayed as decode rows (the walks graphs): per row its slot, walk start and walk end
     state_walks: Optional[tuple[list[int], list[int], list[int]]] = None
+    # --enable-lora: the step's slot loads and each token's adapter slot (lora/manager.py LoRAStep), as rank 0 chose
+    lora: Optional[Any] = None

@@ -71,8 +71,9 @@ def lora_architecture_error(hf_config: Any) -> Optional[str]:
 
 
 def projection_shapes(hf_config: Any) -> dict[str, ProjectionShape]:
-    """Our Linears that take adapters ("layers.{i}.self_attn.qkv_proj", ...) and their shapes (the whole model: no
-    tensor parallelism with LoRA). A qwen3_moe sparse layer's MLP is experts, not Linears: only its attention."""
+    """Our Linears that take adapters ("layers.{i}.self_attn.qkv_proj", ...) and their whole shapes (what an adapter
+    is checked against; under tensor parallelism each rank then cuts it, lora/sharding.py). A qwen3_moe sparse
+    layer's MLP is experts, not Linears: only its attention."""
     from voltllm.model.models.llama import is_moe_layer
 
     cfg = hf_config

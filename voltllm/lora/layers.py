@@ -6,10 +6,12 @@ Each Linear that takes adapters gets a `LoRAWeights` (`linear.lora`) holding eve
 With the step's one-hot mask [tokens, slots] (`LoRABatch.mask`: 1 where a token runs the adapter in that slot; a
 token without an adapter has an all-zero row), the term is three launches of fixed shape:
   xa = x a^T;  xa *= mask (per slot);  y += xa b
-so every token takes its own adapter's (x A^T) B^T x scaling and no other's, whatever mix the batch holds. The shapes
-depend only on the token count, the adapter choice is device data: CUDA graphs capture it and a replay reads the
-mask the runner filled (no host sync, no per-step launch change). R is --max-lora-rank, slots --max-loras: the
+so every token takes its own adapter's (x A^T) B^T x scaling and no other's, whatever mix the batch holds. The
+shapes depend only on the token count, the adapter choice is device data: CUDA graphs capture it and a replay reads
+the mask the runner filled (no host sync, no per-step launch change). R is --max-lora-rank, slots --max-loras: the
 products are tokens x slots x R wide (small next to the projection itself).
+Under tensor parallelism `in` and `out` are the rank's (lora/sharding.py cuts the adapters): a row-parallel
+projection's term is the rank's partial one, added into its partial product before the all-reduce that follows.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class LoRAWeights:
         self.shard_sizes = list(shard_sizes)
         self.offsets = [sum(self.shard_sizes[:s]) for s in range(len(self.shard_sizes))]
         self.slots, self.rank = max_loras, max_rank
+        self.in_features = in_features
         rows = len(self.shard_sizes) * max_loras * max_rank
         self.a = torch.zeros(rows, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(rows, sum(self.shard_sizes), dtype=dtype, device=device)

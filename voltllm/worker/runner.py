@@ -129,8 +129,10 @@ class ModelRunner:
             from voltllm.lora.manager import LoRAManager, lora_token_capacity
 
             sc = config.scheduler
+            # (under TP each rank's slots hold its cut of the adapters, cut as the model cuts its checkpoint)
             self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
-                                    lora_token_capacity(sc.max_num_batched_tokens, sc.max_num_seqs), self.device)
+                                    lora_token_capacity(sc.max_num_batched_tokens, sc.max_num_seqs), self.device,
+                                    split=self.model.tp_part if tp is not None else None)
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
@@ -493,8 +495,9 @@ class ModelRunner:
             h["state_slots"][:n_seqs] = state_slots
             h["state_slots"][n_seqs:rows] = self.state_cache.pad_slot
         buf.upload(t, n_rows, width, rows, state_slots=state_slots is not None)
+        lora_step = None
         if self.lora is not None:  # each token's adapter (padding: none), for the forward or the graph it replays
-            self.lora.prepare_step(sched.scheduled, t)
+            lora_step = self.lora.prepare_step(sched.scheduled, t)
         if pending_dst:
             self._fill_pending(buf, pending_dst, pending_src)
         if self.send_step is not None:  # the other TP ranks upload the same host arrays (ids: broadcast later)
@@ -502,7 +505,7 @@ class ModelRunner:
                 num_tokens=num_tokens, padded_tokens=t, num_seqs=n_rows, rows=rows, table_width=width,
                 positions=h["positions"][:t].copy(), slot_mapping=h["slot_mapping"][:t].copy(),
                 block_tables=h["block_tables"][:rows * width].copy(), query_start_loc=qsl, seq_lens=seq_lens,
-                max_query_len=max_q)
+                max_query_len=max_q, lora=lora_step)
             if state_slots is not None and token_rows:  # the walks graph's state rows, as fill_walks laid them
                 self._step_inputs.state_walks = (h["state_slots"][:rows].tolist(), h["state_walks"][:rows].tolist(),
                                                  h["state_walks"][buf.max_seqs:buf.max_seqs + rows].tolist())
@@ -793,6 +796,8 @@ class ModelRunner:
             h["state_slots"][:step.num_seqs] = slots
             h["state_slots"][step.num_seqs:rows] = self.state_cache.pad_slot
         buf.upload(t, step.num_seqs, width, rows, state_slots=slots is not None and step.graph_rows > 0)
+        if self.lora is not None:  # rank 0's slot loads and its tokens' adapters
+            self.lora.follow_step(step.lora, t)
         self.tp.broadcast_(buf.input_ids[:t])
         meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
         graphs = self.verify_graphs if step.state_walks is not None else self.graphs

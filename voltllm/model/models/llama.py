@@ -275,9 +275,10 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         layer = self.layers[int(idx)]
         return (layer, rest[len("mlp."):]) if isinstance(layer.mlp, SparseMoE) and rest.startswith("mlp.") else None
 
-    def _tp_part(self, module_name: str, kind: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+    def tp_part(self, module_name: str, kind: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint projection (the whole tensor without TP). Biases follow their rows; a
-        row-parallel projection's bias is added once, by rank 0 (the others keep zeros, the all-reduce sums)."""
+        row-parallel projection's bias is added once, by rank 0 (the others keep zeros, the all-reduce sums). LoRA
+        cuts its adapters with it too (lora/sharding.py: B's rows of qkv / gate_up, A's columns of o / down)."""
         tp = self.tp
         if tp is None:
             return tensor
@@ -340,7 +341,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             if isinstance(module, VocabParallelEmbedding):
                 module.load(tensor)
             elif isinstance(module, Linear):
-                tensor = self._tp_part(module_name, kind, shard, tensor)
+                tensor = self.tp_part(module_name, kind, shard, tensor)
                 (module.load_weight if kind == "weight" else module.load_bias)(tensor, shard)
             elif hasattr(module, "table"):  # a GGUF embedding kept quantized (quantized_linear.QuantEmbedding)
                 module.load(tensor)
