@@ -13,31 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server_helpers import ServerProc, free_port, metrics
-from tiny_models import make_model, make_tokenizer
+from server_helpers import EMBED_MAX_LEN, EMBED_NAME, metrics
+from tiny_models import make_tokenizer
 
-NAME = "tiny-embed"
-MAX_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def embed_path(tmp_path_factory):
-    return make_model(str(tmp_path_factory.mktemp("tiny_embed")), "qwen3", max_position_embeddings=256)
-
-
-@pytest.fixture(scope="module")
-def embed_server(embed_path):
-    """The tiny qwen3 as an embedding model (vLLM's --task embed spelling, to cover it), matryoshka at 16 / 32. One
-    torch thread, as the other tiny servers."""
-    srv = ServerProc([embed_path, "--device", "cpu", "--task", "embed", "--block-size", "4",
-                      "--max-model-len", str(MAX_LEN), "--served-model-name", NAME, "--disable-log-stats",
-                      "--disable-uvicorn-access-log", "--hf-overrides", '{"matryoshka_dimensions": [16, 32]}'],
-                     free_port(), env={"OMP_NUM_THREADS": "1"})
-    try:
-        srv.wait_healthy(180)
-        yield srv
-    finally:
-        srv.stop()
+NAME, MAX_LEN = EMBED_NAME, EMBED_MAX_LEN  # (conftest.py's session fixture `embed_server`)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +180,7 @@ def test_generation_routes_are_404_on_a_pooling_server(embed_server, method, pat
     assert r.status_code == 404
     text = json.dumps(r.json())
     assert "pooling model (--runner pooling), which generates nothing" in text
-    assert "POST /v1/embeddings" in text
+    assert "POST /v1/embeddings, /score, /v1/score, /rerank, /v1/rerank and /v2/rerank" in text
 
 
 def test_invocations_embed_and_the_other_routes_still_answer(embed_server):
@@ -216,9 +195,9 @@ def test_invocations_embed_and_the_other_routes_still_answer(embed_server):
     assert m.get("voltllm:generation_tokens_total", 0) == 0
 
 
-@pytest.mark.parametrize("path", ["/v1/score", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"])
-def test_classifier_routes_are_404_on_an_embedding_server(embed_server, path):
-    r = _post(embed_server, {"model": NAME, "text_1": "a", "text_2": "b"}, path)
+def test_classify_is_404_on_an_embedding_server(embed_server):
+    """(/score and /rerank answer here: tests/server/test_embedding_score_server.py)"""
+    r = _post(embed_server, {"model": NAME, "input": "a"}, "/classify")
     assert r.status_code == 404
     assert "served by classifiers" in r.json()["error"]["message"] and "an embedding model" in r.text
 
@@ -262,7 +241,7 @@ def test_a_generative_server_has_no_embeddings(tmp_path):
     assert "runs a generative model, which computes no embeddings" in r.json()["error"]["message"]
     assert "--runner pooling" in r.json()["error"]["message"]
     r = http.post("/v1/rerank", json={"query": "a", "documents": ["b"]})
-    assert r.status_code == 404 and "reranking is served by classifiers" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "reranking is served by pooling models" in r.json()["error"]["message"]
     assert "this server runs a generative model" in r.json()["error"]["message"]
 
 
