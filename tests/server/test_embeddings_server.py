@@ -85,6 +85,52 @@ def test_base64_dtypes_and_byte_orders(embed_server, dtype, endianness, np_dtype
     assert torch.equal(back, floats.to(getattr(torch, dtype)).float())
 
 
+@pytest.mark.parametrize("dtype,torch_dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_base64_fp8(embed_server, dtype, torch_dtype):
+    """vLLM's fp8 embed_dtypes: one byte per value, the fp8 bits (byte order does not apply)."""
+    floats = torch.tensor(_post(embed_server, {"input": "Hello"}).json()["data"][0]["embedding"])
+    for endianness in ("native", "big"):
+        r = _post(embed_server, {"input": "Hello", "encoding_format": "base64", "embed_dtype": dtype,
+                                 "endianness": endianness})
+        raw = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype=np.uint8)
+        assert len(raw) == len(floats)
+        assert torch.equal(torch.from_numpy(raw.copy()).view(torch_dtype).float(), floats.to(torch_dtype).float())
+
+
+def _decoded(body: bytes, item: dict) -> torch.Tensor:
+    """One embedding of a binary answer, from its metadata item (vLLM's layout)."""
+    np_dtype = {"float32": "f4", "float16": "f2", "bfloat16": "i2"}[item["embed_dtype"]]
+    order = {"native": "=", "little": "<", "big": ">"}[item["endianness"]]
+    values = np.frombuffer(body[item["start"]:item["end"]], dtype=order + np_dtype).reshape(item["shape"])
+    t = torch.from_numpy(values.astype(values.dtype.newbyteorder("=")))
+    return t.view(torch.bfloat16).float() if item["embed_dtype"] == "bfloat16" else t.float()
+
+
+@pytest.mark.parametrize("dtype,endianness", [("float32", "native"), ("float16", "big"), ("bfloat16", "little")])
+def test_bytes_encoding_format(embed_server, tok, dtype, endianness):
+    """vLLM's encoding_format bytes: the embeddings' bytes one after another as the body (application/octet-stream),
+    the id, model, usage and each embedding's place in a `metadata` header; bytes_only: the same body alone."""
+    texts = ["Hello world", "The quick brown fox"]
+    floats = [torch.tensor(d["embedding"]) for d in _post(embed_server, {"input": texts}).json()["data"]]
+    r = _post(embed_server, {"model": NAME, "input": texts, "encoding_format": "bytes", "embed_dtype": dtype,
+                             "endianness": endianness})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(r.headers["metadata"])
+    n = sum(len(tok.encode(t)) for t in texts)
+    assert meta["id"].startswith("embd-") and meta["model"] == NAME and isinstance(meta["created"], int)
+    assert meta["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    width = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype] * len(floats[0])
+    assert [(m["index"], m["start"], m["end"], m["shape"], m["embed_dtype"], m["endianness"]) for m in meta["data"]] \
+        == [(0, 0, width, [len(floats[0])], dtype, endianness), (1, width, 2 * width, [len(floats[0])], dtype,
+                                                                 endianness)]
+    assert len(r.content) == 2 * width
+    for item, want in zip(meta["data"], floats):
+        assert torch.equal(_decoded(r.content, item), want.to(getattr(torch, dtype)).float())
+    only = _post(embed_server, {"input": texts, "encoding_format": "bytes_only", "embed_dtype": dtype,
+                                "endianness": endianness})
+    assert only.status_code == 200 and "metadata" not in only.headers and only.content == r.content
+
+
 def test_token_id_inputs_and_usage(embed_server, reference, tok):
     ids = tok.encode("What is the capital of France?")
     one = _post(embed_server, {"input": ids}).json()
@@ -141,7 +187,8 @@ def test_matryoshka_dimensions(embed_server, reference, tok):
     ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, None, "give either 'input'"),
     ({}, None, "give either 'input'"),
     ({"input": [1.5]}, "input", ""),
-    ({"input": "x", "encoding_format": "bytes"}, "encoding_format", ""),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", ""),
+    ({"input": "x", "encoding_format": "base64", "embed_dtype": "int8"}, "embed_dtype", ""),
     ({"input": "x", "truncate_prompt_tokens": MAX_LEN + 1}, "truncate_prompt_tokens", "greater than this model's "
                                                                                       "maximum context length"),
     ({"input": list(range(1, MAX_LEN + 2))}, "input", "more than this model's maximum context length"),
