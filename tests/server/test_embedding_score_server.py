@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server_helpers import EMBED_MAX_LEN, EMBED_NAME
+from server_helpers import EMBED_MAX_LEN, EMBED_NAME, metrics
 
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital of France.", "def add(a, b): return a + b", "The quick brown fox jumps.",
@@ -105,6 +105,22 @@ def test_truncate_prompt_tokens_cuts_each_text(embed_server, tok):
     assert r["usage"]["prompt_tokens"] == 3 + 1 + 3
     want = _cosine(embed_server, QUERY, DOCS[0], truncate_prompt_tokens=3)
     assert r["data"][0]["score"] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("path,pair", [("/score", ("text_1", "text_2")), ("/v1/rerank", ("query", "documents"))])
+def test_cache_salt_reaches_the_prefix_cache(embed_server, path, pair):
+    """vLLM's cache_salt: texts under a new salt share no cached blocks with earlier ones; under the same salt they
+    do (prefix-cache hits in /metrics)."""
+    first, second = f"Salted query for {path}", f"Another salted text for {path}"  # (no shared first block)
+    body = {pair[0]: first, pair[1]: [second] if pair[1] == "documents" else second}
+
+    def hits(salt):
+        before = metrics(embed_server)["voltllm:prefix_cache_hits_total"]
+        assert _post(embed_server, {**body, "cache_salt": salt}, path).status_code == 200
+        return metrics(embed_server)["voltllm:prefix_cache_hits_total"] - before
+    assert hits(f"{path}-a") == 0
+    assert hits(f"{path}-b") == 0
+    assert hits(f"{path}-b") > 0
 
 
 def test_invocations_dispatch_by_body(embed_server):
