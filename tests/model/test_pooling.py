@@ -215,8 +215,8 @@ def test_one_runner_per_engine(tiny_path):
         pooling.encode("hi", pooling_task="classify")
     with pytest.raises(ValueError, match="token-level pooling is not built"):
         pooling.encode("hi", pooling_task="token_embed")
-    with pytest.raises(ValueError, match=r"LLM.score\(\) is for classifiers"):
-        pooling.score("a", "b")
+    with pytest.raises(ValueError, match=r"LLM.score\(\) is for pooling \(embedding\) models"):
+        generate.score("a", "b")
 
 
 def test_an_encoder_checkpoint_without_lm_head_runs_as_pooling(tmp_path, hidden_states, tiny_path):

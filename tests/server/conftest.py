@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lora_adapters import make_adapter
-from server_helpers import API_KEY, MODEL_NAMES, ServerProc, free_port, wait_gone
+from server_helpers import API_KEY, EMBED_MAX_LEN, EMBED_NAME, MODEL_NAMES, ServerProc, free_port, wait_gone
 from tiny_models import make_model
 
 
@@ -56,6 +56,27 @@ def tiny_server(tmp_path_factory):
                       "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"tiny-lora={lora}",
                       "--disable-log-stats", "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
     srv.model_path, srv.lora_path = path, lora  # (the beam-search and LoRA tests compare with transformers)
+    try:
+        srv.wait_healthy(180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def embed_path(tmp_path_factory) -> str:
+    return make_model(str(tmp_path_factory.mktemp("tiny_embed")), "qwen3", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="session")
+def embed_server(embed_path):
+    """The tiny qwen3 as an embedding model (vLLM's --task embed spelling, to cover it), matryoshka at 16 / 32, served
+    as EMBED_NAME; shared by the embeddings and the embedding-score tests. One torch thread, as the other tiny
+    servers."""
+    srv = ServerProc([embed_path, "--device", "cpu", "--task", "embed", "--block-size", "4",
+                      "--max-model-len", str(EMBED_MAX_LEN), "--served-model-name", EMBED_NAME, "--disable-log-stats",
+                      "--disable-uvicorn-access-log", "--hf-overrides", '{"matryoshka_dimensions": [16, 32]}'],
+                     free_port(), env={"OMP_NUM_THREADS": "1"})
     try:
         srv.wait_healthy(180)
         yield srv

@@ -14,6 +14,7 @@ import httpx
 
 API_KEY = "test-key-123"
 MODEL_NAMES = ("smol", "smol-alias")
+EMBED_NAME, EMBED_MAX_LEN = "tiny-embed", 64  # the shared embedding server (conftest.py `embed_server`)
 _SCRIPT = os.path.join(os.path.dirname(sys.executable), "voltllm")
 VOLTLLM = [_SCRIPT] if os.path.isfile(_SCRIPT) else [sys.executable, "-m", "voltllm.cli"]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

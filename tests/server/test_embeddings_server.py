@@ -13,31 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server_helpers import ServerProc, free_port, metrics
-from tiny_models import make_model, make_tokenizer
+from server_helpers import EMBED_MAX_LEN, EMBED_NAME, metrics
+from tiny_models import make_tokenizer
 
-NAME = "tiny-embed"
-MAX_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def embed_path(tmp_path_factory):
-    return make_model(str(tmp_path_factory.mktemp("tiny_embed")), "qwen3", max_position_embeddings=256)
-
-
-@pytest.fixture(scope="module")
-def embed_server(embed_path):
-    """The tiny qwen3 as an embedding model (vLLM's --task embed spelling, to cover it), matryoshka at 16 / 32. One
-    torch thread, as the other tiny servers."""
-    srv = ServerProc([embed_path, "--device", "cpu", "--task", "embed", "--block-size", "4",
-                      "--max-model-len", str(MAX_LEN), "--served-model-name", NAME, "--disable-log-stats",
-                      "--disable-uvicorn-access-log", "--hf-overrides", '{"matryoshka_dimensions": [16, 32]}'],
-                     free_port(), env={"OMP_NUM_THREADS": "1"})
-    try:
-        srv.wait_healthy(180)
-        yield srv
-    finally:
-        srv.stop()
+NAME, MAX_LEN = EMBED_NAME, EMBED_MAX_LEN  # (conftest.py's session fixture `embed_server`)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +85,56 @@ def test_base64_dtypes_and_byte_orders(embed_server, dtype, endianness, np_dtype
     assert torch.equal(back, floats.to(getattr(torch, dtype)).float())
 
 
+@pytest.mark.parametrize("dtype,torch_dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_base64_fp8(embed_server, dtype, torch_dtype):
+    """vLLM's fp8 embed_dtypes: one byte per value, the fp8 bits (byte order does not apply; the exact bits:
+    tests/unit/test_embedding_bytes.py). Another request's floats may differ in their last bits (a prefix-cache hit
+    computes fewer rows): compared within fp8's precision."""
+    floats = torch.tensor(_post(embed_server, {"input": "Hello"}).json()["data"][0]["embedding"])
+    for endianness in ("native", "big"):
+        r = _post(embed_server, {"input": "Hello", "encoding_format": "base64", "embed_dtype": dtype,
+                                 "endianness": endianness})
+        raw = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype=np.uint8)
+        assert len(raw) == len(floats)
+        torch.testing.assert_close(torch.from_numpy(raw.copy()).view(torch_dtype).float(), floats, rtol=0.13,
+                                   atol=2e-3)
+
+
+def _decoded(body: bytes, item: dict) -> torch.Tensor:
+    """One embedding of a binary answer, from its metadata item (vLLM's layout)."""
+    np_dtype = {"float32": "f4", "float16": "f2", "bfloat16": "i2"}[item["embed_dtype"]]
+    order = {"native": "=", "little": "<", "big": ">"}[item["endianness"]]
+    values = np.frombuffer(body[item["start"]:item["end"]], dtype=order + np_dtype).reshape(item["shape"])
+    t = torch.from_numpy(values.astype(values.dtype.newbyteorder("=")))
+    return t.view(torch.bfloat16).float() if item["embed_dtype"] == "bfloat16" else t.float()
+
+
+@pytest.mark.parametrize("dtype,endianness", [("float32", "native"), ("float16", "big"), ("bfloat16", "little")])
+def test_bytes_encoding_format(embed_server, tok, dtype, endianness):
+    """vLLM's encoding_format bytes: the embeddings' bytes one after another as the body (application/octet-stream),
+    the id, model, usage and each embedding's place in a `metadata` header; bytes_only: the same body alone."""
+    texts = ["Hello world", "The quick brown fox"]
+    floats = [torch.tensor(d["embedding"]) for d in _post(embed_server, {"input": texts}).json()["data"]]
+    r = _post(embed_server, {"model": NAME, "input": texts, "encoding_format": "bytes", "embed_dtype": dtype,
+                             "endianness": endianness})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(r.headers["metadata"])
+    n = sum(len(tok.encode(t)) for t in texts)
+    assert meta["id"].startswith("embd-") and meta["model"] == NAME and isinstance(meta["created"], int)
+    assert meta["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    width = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype] * len(floats[0])
+    assert [(m["index"], m["start"], m["end"], m["shape"], m["embed_dtype"], m["endianness"]) for m in meta["data"]] \
+        == [(0, 0, width, [len(floats[0])], dtype, endianness), (1, width, 2 * width, [len(floats[0])], dtype,
+                                                                 endianness)]
+    assert len(r.content) == 2 * width
+    for item, want in zip(meta["data"], floats):  # (another request's floats: equal within the dtype's precision)
+        tol = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 4e-3}[dtype]
+        torch.testing.assert_close(_decoded(r.content, item), want, rtol=tol, atol=tol)
+    only = _post(embed_server, {"input": texts, "encoding_format": "bytes_only", "embed_dtype": dtype,
+                                "endianness": endianness})
+    assert only.status_code == 200 and "metadata" not in only.headers and only.content == r.content
+
+
 def test_token_id_inputs_and_usage(embed_server, reference, tok):
     ids = tok.encode("What is the capital of France?")
     one = _post(embed_server, {"input": ids}).json()
@@ -162,7 +191,8 @@ def test_matryoshka_dimensions(embed_server, reference, tok):
     ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, None, "give either 'input'"),
     ({}, None, "give either 'input'"),
     ({"input": [1.5]}, "input", ""),
-    ({"input": "x", "encoding_format": "bytes"}, "encoding_format", ""),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", ""),
+    ({"input": "x", "encoding_format": "base64", "embed_dtype": "int8"}, "embed_dtype", ""),
     ({"input": "x", "truncate_prompt_tokens": MAX_LEN + 1}, "truncate_prompt_tokens", "greater than this model's "
                                                                                       "maximum context length"),
     ({"input": list(range(1, MAX_LEN + 2))}, "input", "more than this model's maximum context length"),
@@ -201,7 +231,7 @@ def test_generation_routes_are_404_on_a_pooling_server(embed_server, method, pat
     assert r.status_code == 404
     text = json.dumps(r.json())
     assert "pooling model (--runner pooling), which generates nothing" in text
-    assert "POST /v1/embeddings" in text
+    assert "POST /v1/embeddings, /score, /v1/score, /rerank, /v1/rerank and /v2/rerank" in text
 
 
 def test_invocations_embed_and_the_other_routes_still_answer(embed_server):
@@ -216,9 +246,9 @@ def test_invocations_embed_and_the_other_routes_still_answer(embed_server):
     assert m.get("voltllm:generation_tokens_total", 0) == 0
 
 
-@pytest.mark.parametrize("path", ["/v1/score", "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"])
-def test_classifier_routes_are_404_on_an_embedding_server(embed_server, path):
-    r = _post(embed_server, {"model": NAME, "text_1": "a", "text_2": "b"}, path)
+def test_classify_is_404_on_an_embedding_server(embed_server):
+    """(/score and /rerank answer here: tests/server/test_embedding_score_server.py)"""
+    r = _post(embed_server, {"model": NAME, "input": "a"}, "/classify")
     assert r.status_code == 404
     assert "served by classifiers" in r.json()["error"]["message"] and "an embedding model" in r.text
 
@@ -262,7 +292,7 @@ def test_a_generative_server_has_no_embeddings(tmp_path):
     assert "runs a generative model, which computes no embeddings" in r.json()["error"]["message"]
     assert "--runner pooling" in r.json()["error"]["message"]
     r = http.post("/v1/rerank", json={"query": "a", "documents": ["b"]})
-    assert r.status_code == 404 and "reranking is served by classifiers" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "reranking is served by pooling models" in r.json()["error"]["message"]
     assert "this server runs a generative model" in r.json()["error"]["message"]
 
 

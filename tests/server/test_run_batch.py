@@ -24,6 +24,9 @@ def _line(custom_id, url="/v1/completions", **body):
     (_line("a", url="/v1/score"), "url '/v1/score' is not served in a batch"),
     (_line("a", stream=True), "cannot stream"),
     (_line("a", url="/v1/responses", input="x", background=True), "cannot run in the background"),
+    (_line("a", url="/v1/embeddings", input="x", encoding_format="bytes"), "encoding_format 'bytes' answers with a "
+                                                                             "binary body"),
+    (_line("a", url="/v1/embeddings", input="x", encoding_format="bytes_only"), "use float or base64"),
     (json.dumps({"custom_id": "", "method": "POST", "url": "/v1/completions", "body": {}}), "non-empty string"),
     (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": "x"}), "body must be"),
     (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}, "x": 1}), "unknown field"),

@@ -181,7 +181,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(rerank_server, tok, expect
 
 @pytest.mark.parametrize("path", ["/score", "/rerank", "/v2/rerank", "/classify", "/v1/rerank"])
 def test_the_classifier_routes_are_behind_the_api_key(tmp_path, path):
-    """In process (no model): with --api-key, a classifier route outside /v1 is refused without the key, as /v1/*."""
+    """In process (no model): with --api-key, a scoring route outside /v1 is refused without the key, as /v1/*."""
     from types import SimpleNamespace
 
     from fastapi.testclient import TestClient
@@ -195,9 +195,12 @@ def test_the_classifier_routes_are_behind_the_api_key(tmp_path, path):
     state = ServerState(engine=engine, served_model_names=["m"], max_model_len=64, model_path="m", runner="pooling")
     http = TestClient(build_app(state, api_key="k"))
     assert http.post(path, json={"query": "a", "documents": ["b"]}).status_code == 401
-    # with the key it reaches the route (an embedding model here: the classifier routes answer 404)
-    r = http.post(path, json={"query": "a", "documents": ["b"]}, headers={"Authorization": "Bearer k"})
-    assert r.status_code == 404 and "served by classifiers" in r.json()["error"]["message"]
+    # with the key it reaches the route (an embedding model here: /classify answers 404, the others check the body)
+    r = http.post(path, json={"query": "a", "documents": []}, headers={"Authorization": "Bearer k"})
+    if path == "/classify":
+        assert r.status_code == 404 and "served by classifiers" in r.json()["error"]["message"]
+    else:
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_the_classifier_routes_count_as_server_load():

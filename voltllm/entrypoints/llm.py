@@ -1,5 +1,6 @@
 """Offline API: LLM(model=None, ...).generate(prompts, params) and .chat(messages, params); a pooling model's
-LLM(model, runner="pooling").embed(prompts) / .encode(prompts), a classifier's .classify(prompts) / .score(a, b)."""
+LLM(model, runner="pooling").embed(prompts) / .encode(prompts) / .score(a, b) (cosine similarity), a classifier's
+.classify(prompts) / .score(a, b)."""
 from __future__ import annotations
 
 import itertools
@@ -227,19 +228,30 @@ class LLM:
               truncate_prompt_tokens: Optional[int] = None, use_tqdm: UseTqdm = True,
               pooling_params: Optional[PoolingParams] = None, lora_request: Any = None,
               tokenization_kwargs: Optional[dict] = None) -> list[ScoringRequestOutput]:
-        """vLLM's: the score of each (data_1, data_2) pair (1:1, 1:N or N:N), `.outputs.score`, for one-label
-        classifiers such as rerankers (Qwen3-Reranker through --hf-overrides): the pair is one prompt, its score
-        the classifier's sigmoid output. The caller writes the model's prompt template into the texts."""
-        from voltllm.pooling.scoring import pair_token_ids, score_pairs
+        """vLLM's: the score of each (data_1, data_2) pair (1:1, 1:N or N:N), `.outputs.score`, for pooling models.
+        A one-label classifier (a cross-encoder such as a reranker: Qwen3-Reranker through --hf-overrides) reads each
+        pair as one prompt, its score the classifier's sigmoid output; the caller writes the model's prompt template
+        into the texts. An embedding model (a bi-encoder) embeds each text as LLM.embed does (a single data_1 once),
+        a pair's score the cosine similarity of its two embeddings."""
+        from voltllm.pooling.scoring import cosine_scores, pair_token_ids, score_inputs, score_pairs
 
-        classifier = self._require_classifier("score")
-        if classifier.num_labels != 1:
+        self._require_runner("pooling", "score")
+        classifier = self.config.model.pooler.classifier
+        if classifier is not None and classifier.num_labels != 1:
             raise ValueError(f"LLM.score() needs a one-label classifier; this one has {classifier.num_labels} labels "
                              "(use LLM.classify)")
         if self.tokenizer is None:
             raise ValueError("LLM.score() tokenizes its texts: it needs the tokenizer (skip_tokenizer_init=False)")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}")
+        if classifier is None:
+            firsts, seconds = score_inputs(data_1, data_2, ("data_1", "data_2"))
+            outs = self.encode(firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                               use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
+                               tokenization_kwargs=tokenization_kwargs)
+            scored = cosine_scores(outs[:len(firsts)], outs[len(firsts):], getattr(self.tokenizer, "pad_token_id",
+                                                                                    None))
+            return [ScoringRequestOutput.from_base(o) for o in scored]
         pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
         prompts = [{"prompt_token_ids": pair_token_ids(self.tokenizer, classifier, a, b), "prompt": a + b}
                    for a, b in pairs]

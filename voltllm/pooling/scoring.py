@@ -1,11 +1,16 @@
-"""Scoring text pairs with a classifier (vLLM's score task, cross-encoder style): each (text_1, text_2) pair is one
-prompt, its score the classifier's one output (sigmoid of its logit by default). Shared by LLM.score and the server's
-/score and /rerank routes.
+"""Scoring text pairs, as vLLM does, in its two kinds (shared by LLM.score and the server's /score and /rerank routes):
+- a classifier (cross-encoder): each (text_1, text_2) pair is one prompt, its score the classifier's one output
+  (sigmoid of its logit by default);
+- an embedding model (bi-encoder): each text is embedded on its own, as /v1/embeddings embeds it, and a pair's score
+  is the cosine similarity of its two embeddings.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Sequence, Union
 
+import torch.nn.functional as F
+
+from voltllm.engine.outputs import PoolingOutput, PoolingRequestOutput
 from voltllm.pooling.classifier import ClassifierConfig
 
 
@@ -13,9 +18,10 @@ class ScoreInputError(ValueError):
     """Score inputs of the wrong shape (an HTTP 400; the message names the field)."""
 
 
-def score_pairs(data_1: Union[str, list], data_2: Union[str, list], names: tuple[str, str] = ("text_1", "text_2")
-                ) -> list[tuple[str, str]]:
-    """vLLM's pairing: 1:1, 1:N (the one text_1 with each text_2) or N:N (position by position)."""
+def score_inputs(data_1: Union[str, list], data_2: Union[str, list], names: tuple[str, str] = ("text_1", "text_2")
+                 ) -> tuple[list[str], list[str]]:
+    """The two sides as lists of texts, checked against vLLM's pairing rule: 1:1, 1:N (the one text_1 with each
+    text_2) or N:N (position by position)."""
     first = [data_1] if isinstance(data_1, str) else list(data_1)
     second = [data_2] if isinstance(data_2, str) else list(data_2)
     for name, values in zip(names, (first, second)):
@@ -27,9 +33,37 @@ def score_pairs(data_1: Union[str, list], data_2: Union[str, list], names: tuple
     if len(first) > 1 and len(first) != len(second):
         raise ScoreInputError(f"{names[0]} has {len(first)} texts and {names[1]} {len(second)}: give one {names[0]} "
                               f"(scored against each {names[1]}) or as many as {names[1]} (1:1, 1:N or N:N)")
+    return first, second
+
+
+def score_pairs(data_1: Union[str, list], data_2: Union[str, list], names: tuple[str, str] = ("text_1", "text_2")
+                ) -> list[tuple[str, str]]:
+    """The (text_1, text_2) pairs under vLLM's pairing rule (score_inputs)."""
+    first, second = score_inputs(data_1, data_2, names)
     if len(first) == 1:
         first = first * len(second)
     return list(zip(first, second))
+
+
+def cosine_scores(firsts: Sequence[PoolingRequestOutput], seconds: Sequence[PoolingRequestOutput],
+                  pad_token_id: Optional[int]) -> list[PoolingRequestOutput]:
+    """vLLM's bi-encoder scores: one output per pair (a single first embedding paired with each second), its data the
+    cosine similarity of the two embeddings (float32, a 0-d tensor), its prompt tokens both texts' tokens with the
+    tokenizer's pad token between them when it has one (what vLLM counts as the pair's usage)."""
+    if len(firsts) == 1:
+        firsts = list(firsts) * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(f"{len(firsts)} first embeddings for {len(seconds)} second ones")
+    pad = [] if pad_token_id is None else [pad_token_id]
+    scored = []
+    for a, b in zip(firsts, seconds):
+        if a.outputs is None or b.outputs is None:
+            raise ValueError(f"request {(a if a.outputs is None else b).request_id} has no embedding: it was aborted")
+        score = F.cosine_similarity(a.outputs.data.float(), b.outputs.data.float(), dim=0)
+        scored.append(PoolingRequestOutput(f"{a.request_id}_{b.request_id}", PoolingOutput(score),
+                                           list(a.prompt_token_ids) + pad + list(b.prompt_token_ids), True,
+                                           num_cached_tokens=a.num_cached_tokens + b.num_cached_tokens))
+    return scored
 
 
 def pair_token_ids(tokenizer: Any, classifier: ClassifierConfig, text_1: str, text_2: str) -> list[int]:

@@ -32,7 +32,7 @@ from voltllm.entrypoints.openai.server_middleware import (RequestIdHeaderMiddlew
 from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
 from voltllm.entrypoints.openai.serving_embedding import create_embedding
-from voltllm.entrypoints.openai.scoring_protocol import ClassificationRequest, RerankRequest, ScoreRequest
+from voltllm.entrypoints.openai.scoring_protocol import SCORE_FORMS, ClassificationRequest, RerankRequest, ScoreRequest
 from voltllm.entrypoints.openai.serving_score import create_classify, create_rerank, create_score
 from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
 from voltllm.entrypoints.openai.serving_responses import create_response, get_response
@@ -46,8 +46,9 @@ _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", 
            "/classify"}
 # vLLM's pooling routes that are not built: refused by name on every server
 _UNBUILT_ROUTES = {"/pooling": "vLLM's generic /pooling route", "/v2/embed": "Cohere's embed API"}
-# a classifier's routes (serving_score.py): path -> (request model, handler, what it does)
-_CLASSIFIER_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
+# the pooling routes of serving_score.py: path -> (request model, handler, what it does); /classify on classifiers only,
+# the others on every pooling server (an embedding model scores by cosine similarity, as vLLM's bi-encoders)
+_SCORING_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
                       "/v1/score": (ScoreRequest, create_score, "scoring"),
                       "/rerank": (RerankRequest, create_rerank, "reranking"),
                       "/v1/rerank": (RerankRequest, create_rerank, "reranking"),
@@ -55,7 +56,7 @@ _CLASSIFIER_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
                       "/classify": (ClassificationRequest, create_classify, "classification")}
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 # behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open),
-# and a classifier's routes outside /v1 run the model as much as /v1/score does
+# and the scoring routes outside /v1 run the model as much as /v1/score does
 _GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify")
 
 
@@ -70,7 +71,7 @@ def route_path(scope: dict) -> str:
 
 
 class AuthAndCountMiddleware:
-    """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/*, /invocations and the classifier
+    """Pure ASGI (streaming- and disconnect-safe): Bearer key check on /v1/*, /invocations and the scoring
     routes, per-route HTTP counters."""
 
     def __init__(self, app: Any, api_key: Union[None, str, Sequence[str]], metrics: Optional[ServerMetrics]):
@@ -146,19 +147,25 @@ async def parse_body(request: Request, model: Type[M]) -> M:
 async def _invocation(state: ServerState, request: Request) -> Any:
     """SageMaker's POST /invocations, dispatched as vLLM does: the body is tried as a chat completion request,
     then as a completion request, and the first it validates as is served (so `messages` -> chat, `prompt` ->
-    completion); one that is neither is a 400 naming both problems. A pooling server's is its embeddings route; a
-    classifier's is rerank (a body with `query`), classify (with `input`) or score."""
-    if state.runner == "pooling" and state.classifier is not None:
+    completion); one that is neither is a 400 naming both problems. A pooling server's is, by the body's fields (as
+    vLLM tries its request types in turn): rerank (`query`), score (a pair of score inputs, `text_1` / `text_2`,
+    ...), else an embedding model's embeddings and a classifier's classify."""
+    if state.runner == "pooling":
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
             body = None  # (parse_body below answers the 400)
-        kind = "/rerank" if isinstance(body, dict) and "query" in body else (
-            "/classify" if isinstance(body, dict) and "input" in body else "/score")
-        model, serve, _ = _CLASSIFIER_ROUTES[kind]
+        fields = set(body) if isinstance(body, dict) else set()
+        if "query" in fields:
+            kind = "/rerank"
+        elif not fields & {"input", "messages"} and any(set(f) <= fields for f in SCORE_FORMS):
+            kind = "/score"
+        elif state.classifier is None:
+            return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
+        else:
+            kind = "/classify" if "input" in fields else "/score"
+        model, serve, _ = _SCORING_ROUTES[kind]
         return await serve(state, await parse_body(request, model), request)
-    if state.runner == "pooling":
-        return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
     problems = []
     for kind, model, serve in (("chat completion", ChatCompletionRequest, create_chat_completion),
                                ("completion", CompletionRequest, create_completion)):
@@ -275,7 +282,7 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         answers them 404, saying what it serves."""
         if state.runner == "pooling":
             serves = ("/score, /v1/score, /rerank, /v1/rerank, /v2/rerank and /classify" if state.classifier
-                      is not None else "/v1/embeddings")
+                      is not None else "/v1/embeddings, /score, /v1/score, /rerank, /v1/rerank and /v2/rerank")
             raise OpenAIError(f"{request.method} {request.url.path}: this server runs a pooling model (--runner "
                               f"pooling), which generates nothing; it serves POST {serves}", 404)
 
@@ -313,25 +320,29 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
                               "/classify", 404)
         return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
 
-    def _classifier_route(path: str, model: Any, serve: Any, what: str) -> Any:
+    def _scoring_route(path: str, model: Any, serve: Any, what: str) -> Any:
         async def route(request: Request) -> Any:
-            if state.runner != "pooling" or state.classifier is None:
+            if state.runner != "pooling":
+                raise OpenAIError(f"POST {path}: {what} is served by pooling models (--runner pooling: an embedding "
+                                  "model scores by cosine similarity, a classifier / reranker such as a "
+                                  "...ForSequenceClassification model or a causal LM through --hf-overrides "
+                                  "classifier_from_token by its output); this server runs a generative model", 404)
+            if path == "/classify" and state.classifier is None:
                 raise OpenAIError(f"POST {path}: {what} is served by classifiers (a ...ForSequenceClassification "
                                   "model, or a causal LM reranker through --hf-overrides classifier_from_token, with "
-                                  "--runner pooling); this server runs "
-                                  + ("an embedding model" if state.runner == "pooling" else "a generative model"), 404)
+                                  "--runner pooling); this server runs an embedding model", 404)
             return await serve(state, await parse_body(request, model), request)
         return route
 
-    for path, (model, serve, what) in _CLASSIFIER_ROUTES.items():
-        app.add_api_route(path, _classifier_route(path, model, serve, what), methods=["POST"],
+    for path, (model, serve, what) in _SCORING_ROUTES.items():
+        app.add_api_route(path, _scoring_route(path, model, serve, what), methods=["POST"],
                           operation_id=path.strip("/").replace("/", "_"))
 
     def _unbuilt_route(path: str, what: str) -> Any:
         async def refuse() -> None:
             raise OpenAIError(f"POST {path}: {what} is not built in voltllm (embedding models serve POST "
-                              "/v1/embeddings, classifiers /score, /rerank and /classify, with --runner pooling)",
-                              404)
+                              "/v1/embeddings, /score and /rerank, classifiers /score, /rerank and /classify, with "
+                              "--runner pooling)", 404)
         return refuse
 
     for path, what in _UNBUILT_ROUTES.items():

@@ -18,7 +18,9 @@ class EmbeddingRequest(NullMeansDefault):
     model: Optional[str] = None
     input: Optional[EmbeddingInput] = None
     messages: Optional[list[dict[str, Any]]] = None  # vLLM's chat form (instead of input)
-    encoding_format: Literal["float", "base64"] = "float"
+    # float: JSON numbers; base64: each embedding's bytes as base64 text; bytes (vLLM's): the embeddings' bytes as the
+    # whole binary body, the rest in a `metadata` header; bytes_only: the body alone
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
     dimensions: Optional[int] = None  # matryoshka models only (else a 400, as vLLM's)
     user: Optional[str] = None
     # vLLM's extra parameters
@@ -26,8 +28,8 @@ class EmbeddingRequest(NullMeansDefault):
     add_special_tokens: Optional[bool] = None  # default: true for input, false for messages (the template writes them)
     normalize: Optional[bool] = None  # (vLLM's older name of use_activation)
     use_activation: Optional[bool] = None  # L2-normalize the embedding (None: the model's default)
-    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # base64's element type
-    endianness: Literal["native", "big", "little"] = "native"  # base64's byte order
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"  # base64's / bytes'
+    endianness: Literal["native", "big", "little"] = "native"  # base64's / bytes' byte order
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
     priority: int = 0  # --scheduling-policy priority: lower first (else only 0: the engine's 400)

@@ -90,6 +90,9 @@ def read_batch(stream: TextIO, source: str) -> list[BatchLine]:
             raise ConfigError(f"{where}: a batch request cannot stream (body.stream)")
         if body.get("background"):
             raise ConfigError(f"{where}: a batch request cannot run in the background (body.background)")
+        if url == "/v1/embeddings" and body.get("encoding_format") in ("bytes", "bytes_only"):
+            raise ConfigError(f"{where}: body.encoding_format {body['encoding_format']!r} answers with a binary body, "
+                              "which a JSONL result line cannot hold; use float or base64")
         seen.add(custom_id)
         lines.append(BatchLine(custom_id, url, body))
     return lines

@@ -1,6 +1,6 @@
-"""Request bodies of vLLM's classifier routes: POST /score and /v1/score (text pairs: text_1 / text_2, or data_1 /
-data_2, queries / documents, queries / items), /rerank, /v1/rerank and /v2/rerank (a query and documents, Jina /
-Cohere style), /classify (inputs' class probabilities)."""
+"""Request bodies of vLLM's scoring routes: POST /score and /v1/score (text pairs: text_1 / text_2, or data_1 / data_2,
+queries / documents, queries / items), /rerank, /v1/rerank and /v2/rerank (a query and documents, Jina / Cohere style;
+both on classifiers and embedding models), and a classifier's /classify (inputs' class probabilities)."""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -25,6 +25,7 @@ class _ClassifierRequest(NullMeansDefault):
     priority: int = 0
     request_id: Optional[str] = None
     user: Optional[str] = None
+    cache_salt: Optional[str] = None  # (vLLM's: salts the prompts' prefix-cache hashes)
 
     def wants_activation(self) -> Optional[bool]:
         return next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), None)

@@ -1,15 +1,17 @@
 """POST /v1/embeddings (pooling engines, --runner pooling): each input's pooled hidden state as an OpenAI embedding
-object list, floats or base64, with vLLM's extra parameters (embeddings_protocol.py)."""
+object list, floats or base64, or (vLLM's encoding_format bytes / bytes_only) as one binary body, with vLLM's extra
+parameters (embeddings_protocol.py)."""
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import time
 from typing import Any
 
 import numpy as np
 import torch
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from voltllm.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
 from voltllm.engine.frontend import InvalidPromptError
@@ -24,10 +26,13 @@ from voltllm.pooling.params import PoolingParams, PoolingParamsError
 
 logger = logging.getLogger("voltllm")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# embed_dtype -> (the values' dtype, the integer dtype whose bits numpy handles: it has no bfloat16 / fp8)
+_DTYPES = {"float32": (torch.float32, None), "float16": (torch.float16, None),
+           "bfloat16": (torch.bfloat16, torch.int16), "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+           "fp8_e5m2": (torch.float8_e5m2, torch.uint8)}
 
 
-async def create_embedding(state: ServerState, req: EmbeddingRequest, raw_request: Any) -> JSONResponse:
+async def create_embedding(state: ServerState, req: EmbeddingRequest, raw_request: Any) -> Response:
     req.check()
     model = state.model_name(req.model)
     try:
@@ -48,13 +53,14 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw_reques
     finals = await collect_or_gone(streams, DisconnectWatcher(raw_request, state, rids))
     if finals is None:
         return JSONResponse({}, status_code=499)
-    data, prompt_tokens = [], 0
     for i, out in enumerate(finals):
         if out.outputs is None:  # aborted in the engine (a prompt its KV cache can never hold)
             raise OpenAIError(f"input {i} was aborted before it was computed (the KV cache cannot hold it)", 503,
                               code="request_aborted")
-        data.append({"index": i, "object": "embedding", "embedding": _encoded(out, req)})
-        prompt_tokens += len(out.prompt_token_ids)
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+    if req.encoding_format in ("bytes", "bytes_only"):
+        return _bytes_response(finals, req, base_id, created, model, prompt_tokens)
+    data = [{"index": i, "object": "embedding", "embedding": _encoded(out, req)} for i, out in enumerate(finals)]
     body = {"id": base_id, "object": "list", "created": created, "model": model, "data": data,
             "usage": usage(prompt_tokens, 0)}
     return JSONResponse(body)
@@ -110,17 +116,38 @@ def _param_of(e: PoolingParamsError) -> Any:
     return name if name.isidentifier() else None
 
 
-def _encoded(out: PoolingRequestOutput, req: EmbeddingRequest) -> Any:
-    """The embedding as floats, or (base64) the bytes of embed_dtype values in `endianness` order, base64-encoded
-    (float32 native: what the openai client decodes by default)."""
-    data = out.outputs.data
-    if req.encoding_format == "float":
-        return data.tolist()
-    values = data.to(_DTYPES[req.embed_dtype])
-    if values.dtype == torch.bfloat16:  # (numpy has no bfloat16: its bits as 16-bit integers)
-        array = values.view(torch.int16).numpy()
-    else:
-        array = values.numpy()
-    order = {"native": "=", "little": "<", "big": ">"}[req.endianness]
+def embedding_bytes(data: torch.Tensor, embed_dtype: str, endianness: str) -> bytes:
+    """The embedding's values as embed_dtype, in `endianness` byte order (native: this machine's)."""
+    dtype, bits = _DTYPES[embed_dtype]
+    values = data.to(dtype)
+    array = (values.view(bits) if bits is not None else values).numpy()
+    order = {"native": "=", "little": "<", "big": ">"}[endianness]
     array = array.astype(array.dtype.newbyteorder(order), copy=False)
-    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+    return np.ascontiguousarray(array).tobytes()
+
+
+def _encoded(out: PoolingRequestOutput, req: EmbeddingRequest) -> Any:
+    """The embedding as floats, or (base64) its embedding_bytes base64-encoded (float32 native: what the openai client
+    decodes by default)."""
+    if req.encoding_format == "float":
+        return out.outputs.data.tolist()
+    return base64.b64encode(embedding_bytes(out.outputs.data, req.embed_dtype, req.endianness)).decode("ascii")
+
+
+def _bytes_response(finals: list[PoolingRequestOutput], req: EmbeddingRequest, base_id: str, created: int,
+                    model: str, prompt_tokens: int) -> Response:
+    """vLLM's binary answer: the body is every embedding's embedding_bytes, one after another; for `bytes` a
+    `metadata` header (JSON) holds the id, created, model, usage and each embedding's place in the body (index,
+    embed_dtype, endianness, start and end byte offsets, shape); `bytes_only` sends the body alone."""
+    chunks, items, offset = [], [], 0
+    for i, out in enumerate(finals):
+        chunk = embedding_bytes(out.outputs.data, req.embed_dtype, req.endianness)
+        items.append({"index": i, "embed_dtype": req.embed_dtype, "endianness": req.endianness, "start": offset,
+                      "end": offset + len(chunk), "shape": list(out.outputs.data.shape)})
+        chunks.append(chunk)
+        offset += len(chunk)
+    headers = None
+    if req.encoding_format == "bytes":
+        headers = {"metadata": json.dumps({"id": base_id, "created": created, "model": model, "data": items,
+                                           "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})}
+    return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)

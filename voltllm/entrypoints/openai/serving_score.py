@@ -1,7 +1,9 @@
-"""vLLM's classifier routes (pooling engines whose model is a classifier, voltllm/pooling/classifier.py):
-POST /score, /v1/score (each text pair's score), /rerank, /v1/rerank, /v2/rerank (documents ordered by their score
-against a query) and /classify (each input's class probabilities). A pair is one prompt (pooling/scoring.py); the
-texts carry the model's prompt template, as vLLM's Qwen3-Reranker examples write it."""
+"""vLLM's scoring routes on pooling engines: POST /score, /v1/score (each text pair's score), /rerank, /v1/rerank,
+/v2/rerank (documents ordered by their score against a query), and a classifier's /classify (each input's class
+probabilities). On a classifier (voltllm/pooling/classifier.py, a cross-encoder) a pair is one prompt
+(pooling/scoring.py) and the texts carry the model's prompt template, as vLLM's Qwen3-Reranker examples write it; on an
+embedding model (a bi-encoder) each text is embedded as /v1/embeddings embeds it and a pair's score is the cosine
+similarity of its two embeddings."""
 from __future__ import annotations
 
 import logging
@@ -18,13 +20,15 @@ from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, Server
                                                        truncated, usage)
 from voltllm.entrypoints.openai.serving_embedding import _param_of, _submit
 from voltllm.pooling.params import PoolingParams, PoolingParamsError
-from voltllm.pooling.scoring import ScoreInputError, pair_token_ids, score_pairs, single_score
+from voltllm.pooling.scoring import (ScoreInputError, cosine_scores, pair_token_ids, score_inputs,
+                                     single_score)
 
 logger = logging.getLogger("voltllm")
 
 
 def _one_label(state: ServerState, what: str) -> None:
-    if state.classifier.num_labels != 1:
+    """vLLM scores with a classifier of one label only (an embedding model scores by cosine similarity)."""
+    if state.classifier is not None and state.classifier.num_labels != 1:
         raise bad_request(f"{what} needs a one-label classifier (a reranker); this model has "
                           f"{state.classifier.num_labels} labels: use POST /classify", "model")
 
@@ -36,21 +40,27 @@ def _params(req: Any, task: str) -> PoolingParams:
         raise bad_request(str(e), _param_of(e))
 
 
-def _pair_prompts(state: ServerState, pairs: list[tuple[str, str]], keep: Any) -> list[list[int]]:
-    tok = state.tokenizer
-    if tok is None:
-        raise bad_request("scoring tokenizes text pairs: this server was started with --skip-tokenizer-init")
-    return [truncated(pair_token_ids(tok, state.classifier, a, b), keep, state.max_model_len) for a, b in pairs]
+def _tokenizer(state: ServerState) -> Any:
+    if state.tokenizer is None:
+        raise bad_request("scoring tokenizes its texts: this server was started with --skip-tokenizer-init")
+    return state.tokenizer
+
+
+def _score_inputs(first: Any, second: Any, names: tuple[str, str]) -> tuple[list[str], list[str]]:
+    try:
+        return score_inputs(first, second, names)
+    except ScoreInputError as e:
+        raise bad_request(str(e), str(e).split(":", 1)[0].split(" ", 1)[0])
 
 
 async def _run(state: ServerState, raw_request: Any, req: Any, prefix: str, prompts: list[list[int]],
-               params: PoolingParams, what: str) -> tuple[str, list]:
+               params: PoolingParams, what: str, cache_salt: Any = None) -> tuple[str, list]:
     """The prompts through the engine: (the response id, their finished outputs)."""
     chosen_id = chosen_request_id(raw_request, req.request_id)
     base_id = f"{prefix}-{chosen_id}" if chosen_id is not None else new_id(prefix)
     engine_base = engine_request_id(base_id, chosen_id is not None)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = _submit(state, rids, prompts, params, None, req.priority)
+    streams = _submit(state, rids, prompts, params, cache_salt, req.priority)
     if state.log_requests:
         logger.info("request %s: %s of %d prompt(s): %s", engine_base, what, len(prompts),
                     ", ".join(shown(p, state.max_log_len) for p in prompts))
@@ -64,17 +74,40 @@ async def _run(state: ServerState, raw_request: Any, req: Any, prefix: str, prom
     return base_id, finals
 
 
+async def _scored(state: ServerState, raw_request: Any, req: Any, prefix: str, first: list[str], second: list[str],
+                  names: tuple[str, str], what: str) -> tuple[str, list]:
+    """Each (first, second) pair's score, as outputs whose data is the score and whose prompt tokens are what the
+    pair counts in the usage: (the response id, the outputs; none when the client left)."""
+    tok = _tokenizer(state)
+    keep = req.truncate_prompt_tokens
+    if state.classifier is not None:  # a cross-encoder: one prompt per pair
+        if len(first) == 1:
+            first = first * len(second)
+        prompts = [truncated(pair_token_ids(tok, state.classifier, a, b), keep, state.max_model_len)
+                   for a, b in zip(first, second)]
+        return await _run(state, raw_request, req, prefix, prompts, _params(req, "score"), what, req.cache_salt)
+    # a bi-encoder: every text embedded once (a single first text too), as /v1/embeddings embeds a string input
+    prompts = []
+    for name, texts in zip(names, (first, second)):
+        for i, text in enumerate(texts):
+            ids = tok.encode(text)
+            if not ids:
+                raise bad_request(f"{name}: text {i} is empty (it has no tokens to embed)", name)
+            prompts.append(truncated(ids, keep, state.max_model_len))
+    base_id, finals = await _run(state, raw_request, req, prefix, prompts, _params(req, "embed"), what,
+                                 req.cache_salt)
+    if not finals:
+        return base_id, []
+    return base_id, cosine_scores(finals[:len(first)], finals[len(first):], getattr(tok, "pad_token_id", None))
+
+
 async def create_score(state: ServerState, req: ScoreRequest, raw_request: Any) -> JSONResponse:
     model = state.model_name(req.model)
     _one_label(state, "scoring")
     names, first, second = req.pair()
-    try:
-        pairs = score_pairs(first, second, names)
-    except ScoreInputError as e:
-        raise bad_request(str(e), str(e).split(":", 1)[0].split(" ", 1)[0])
-    prompts = _pair_prompts(state, pairs, req.truncate_prompt_tokens)
+    first, second = _score_inputs(first, second, names)
     created = int(time.time())
-    base_id, finals = await _run(state, raw_request, req, "score", prompts, _params(req, "score"), "scores")
+    base_id, finals = await _scored(state, raw_request, req, "score", first, second, names, "scores")
     if not finals:
         return JSONResponse({}, status_code=499)
     data = [{"index": i, "object": "score", "score": single_score(o.outputs.data, o.request_id)}
@@ -88,8 +121,8 @@ async def create_rerank(state: ServerState, req: RerankRequest, raw_request: Any
     _one_label(state, "reranking")
     if not req.documents:
         raise bad_request("documents: at least one document must be given", "documents")
-    prompts = _pair_prompts(state, [(req.query, d) for d in req.documents], req.truncate_prompt_tokens)
-    base_id, finals = await _run(state, raw_request, req, "rerank", prompts, _params(req, "score"), "reranking")
+    base_id, finals = await _scored(state, raw_request, req, "rerank", [req.query], list(req.documents),
+                                    ("query", "documents"), "reranking")
     if not finals:
         return JSONResponse({}, status_code=499)
     results = []
