@@ -16,7 +16,7 @@ def cases(device: str):
         for rows, vocab in ((1, 151936), (3, 5000), (64, 4097), (2, 17), (5, 4096)):
             yield f"random-{str(dt)[6:]}-{rows}x{vocab}", torch.randn(rows, vocab, generator=g).to(dt)
         x = torch.zeros(6, 9000, dtype=dt)
-        x[1, 4096] = x[1, 8000] = 1.0  # a tie across chunks: the first wins
+        x[1, 4096] = x[1, 8000] = x[1, 8500] = 1.0  # ties inside and across chunks: the first wins
         x[2] = float("-inf")  # every token banned: index 0, as torch
         x[3, 5000] = x[3, 7000] = float("nan")  # NaN beats every number: its first index
         x[4, 8999] = float("inf")

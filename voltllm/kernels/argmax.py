@@ -1,9 +1,13 @@
 """Row-wise argmax of a decode step's logits (greedy sampling) in one Triton launch.
 
 torch's argmax of the 8B's 64 x 151,936 fp16 logits takes 22.7 us per decode step on the H200 (session 41's 64-
-concurrent profile) for 19.4 MB that the copy rate moves in ~5 us. Here each program takes one row and streams it
-in chunks, keeping the best value and its first index; ties go to the lowest index and a NaN wins over every
-number (its first index), which is what torch.argmax returns. Reference: torch.argmax(dim=-1).
+concurrent profile) for 19.4 MB that the copy rate moves in ~5 us. A program per row was slower still (39 us at 64
+rows, 31 at one row: its chunk loop waits on every load, session 49), so the row is cut: program (r, c) takes
+CHUNK entries of row r and writes its maximum and that maximum's first index; the last of the row's programs to
+finish (a per-row arrival count, acq_rel) reads the row's partials in chunk order, keeps the first chunk holding the
+row's maximum, stores its index and resets the count to 0 (CUDA-graph replays and eager calls share the counts).
+Ties go to the lowest index and a NaN wins over every number (its first index), which is what torch.argmax returns.
+Reference: torch.argmax(dim=-1).
 """
 from __future__ import annotations
 
@@ -13,38 +17,68 @@ import triton.language as tl
 
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
+_NONE = 2147483647  # "no index" (larger than any vocabulary position)
+
 
 @triton.jit
-def _row_argmax_kernel(X, OUT, V, stride_x, BLOCK: tl.constexpr):
+def _row_argmax_kernel(X, OUT, PART_V, PART_I, COUNTS, V, stride_x, n_chunks, CHUNK: tl.constexpr,
+                       MAX_CHUNKS: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    x_row = X + row.to(tl.int64) * stride_x
-    best = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.full((), 0, tl.int32)
-    first_nan = tl.full((), 2147483647, tl.int32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        v = tl.load(x_row + idx, mask=idx < V, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
-        nan = v != v
-        first_nan = tl.minimum(first_nan, tl.min(tl.where(nan, idx, 2147483647), axis=0))
-        v = tl.where(nan, float("-inf"), v)
-        m = tl.max(v, axis=0)
-        # the chunk's first position of its maximum; a later chunk replaces the best only when strictly greater
-        m_idx = tl.min(tl.where(v == m, idx, 2147483647), axis=0)
-        take = m > best
-        best_idx = tl.where(take, m_idx, best_idx)
-        best = tl.where(take, m, best)
-    tl.store(OUT + row, tl.where(first_nan < 2147483647, first_nan, best_idx).to(tl.int64))
+    c = tl.program_id(1)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(X + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf"),
+                eviction_policy="evict_first").to(tl.float32)
+    nan = v != v
+    first_nan = tl.min(tl.where(nan, idx, _NONE), axis=0)
+    v = tl.where(nan, float("-inf"), v)
+    m = tl.max(v, axis=0)
+    m_idx = tl.min(tl.where(v == m, idx, _NONE), axis=0)
+    # a NaN outranks every number: a chunk holding one reports its first NaN's index as -1 - index (a negative
+    # index flags it), and the row's answer is then the first such index whatever the values say
+    is_nan = first_nan < _NONE
+    slot = row * n_chunks + c
+    tl.store(PART_V + slot, m)
+    tl.store(PART_I + slot, tl.where(is_nan, -1 - first_nan, m_idx))
+    tl.debug_barrier()  # the partial is written before the count is released
+    arrived = tl.atomic_add(COUNTS + row, 1, sem="acq_rel")
+    if arrived == n_chunks - 1:  # the row's last chunk: combine in chunk order
+        offs = tl.arange(0, MAX_CHUNKS)
+        mc = offs < n_chunks
+        pv = tl.load(PART_V + row * n_chunks + offs, mask=mc, other=float("-inf"), cache_modifier=".cg")
+        pi = tl.load(PART_I + row * n_chunks + offs, mask=mc, other=_NONE, cache_modifier=".cg")
+        nan_first = tl.min(tl.where(pi < 0, -1 - pi, _NONE), axis=0)
+        best = tl.max(pv, axis=0)
+        best_chunk = tl.min(tl.where((pv == best) & mc, offs, MAX_CHUNKS), axis=0)
+        best_idx = tl.sum(tl.where(offs == best_chunk, pi, 0), axis=0)
+        tl.store(OUT + row, tl.where(nan_first < _NONE, nan_first, best_idx).to(tl.int64))
+        tl.atomic_xchg(COUNTS + row, 0)
+
+
+CHUNK = 8192
+MAX_ROWS = 1 << 12  # rows a call may have (the per-row arrival counts)
 
 
 def _specs() -> list[CompileSpec]:
-    return [CompileSpec({"X": dt, "OUT": "*i64", "V": "i32", "stride_x": "i32", "BLOCK": "constexpr"},
-                        {"BLOCK": 4096}, f"{dt[1:]} rows") for dt in ("*fp16", "*fp32")]  # (no bf16 on sm_70 / 75)
+    sig = {"X": "", "OUT": "*i64", "PART_V": "*fp32", "PART_I": "*i32", "COUNTS": "*i32", "V": "i32",
+           "stride_x": "i32", "n_chunks": "i32", "CHUNK": "constexpr", "MAX_CHUNKS": "constexpr"}
+    return [CompileSpec({**sig, "X": dt}, {"CHUNK": CHUNK, "MAX_CHUNKS": 32}, f"{dt[1:]} rows")
+            for dt in ("*fp16", "*fp32")]  # (no bf16 on sm_70 / 75)
 
 
 register_kernel("sampling.row_argmax", _row_argmax_kernel, _specs())
 
-BLOCK = 4096
+_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _row_counts(device: torch.device) -> torch.Tensor:
+    """The device's per-row arrival counts: zeroed once; every call leaves them at zero (the row's last program
+    resets its own)."""
+    c = _counts.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("row_argmax: its counts must exist before CUDA-graph capture (call it once first)")
+        c = _counts[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+    return c
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -52,11 +86,18 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"row_argmax: x {tuple(x.shape)} {x.dtype} not supported")
     rows, v = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"row_argmax: {rows} rows exceed {MAX_ROWS}")
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
     if v == 0:
         raise ValueError("row_argmax: empty rows have no argmax")
-    block = min(BLOCK, triton.next_power_of_2(v))
-    _row_argmax_kernel[(rows,)](x, out, v, x.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    chunk = min(CHUNK, triton.next_power_of_2(v))
+    n_chunks = triton.cdiv(v, chunk)
+    part_v = torch.empty(rows * n_chunks, dtype=torch.float32, device=x.device)
+    part_i = torch.empty(rows * n_chunks, dtype=torch.int32, device=x.device)
+    _row_argmax_kernel[(rows, n_chunks)](x, out, part_v, part_i, _row_counts(x.device), v, x.stride(0), n_chunks,
+                                         CHUNK=chunk, MAX_CHUNKS=max(2, triton.next_power_of_2(n_chunks)),
+                                         num_warps=8 if chunk >= 4096 else 4)
     return out
