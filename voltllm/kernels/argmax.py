@@ -17,7 +17,7 @@ import triton.language as tl
 
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
-_NONE = 2147483647  # "no index" (larger than any vocabulary position)
+_NONE = tl.constexpr(2147483647)  # "no index" (larger than any vocabulary position)
 
 
 @triton.jit
