@@ -39,8 +39,9 @@ def capability_route(capability: Optional[tuple[int, int]]) -> str:
 
 
 def auto_compat(capability: Optional[tuple[int, int]]) -> str:
-    """The compat route `--compat auto` picks (same rule as voltllm.config._resolve_compat)."""
-    if capability is None or tuple(capability) >= (8, 0):
+    """The compat route `--compat auto` picks (voltllm.config._resolve_compat uses it): sm70 / sm75 on those chips;
+    none on the CPU, sm_80+, and below sm_70 (unsupported: the configuration refuses such a GPU)."""
+    if capability is None or tuple(capability) >= (8, 0) or tuple(capability) < (7, 0):
         return "none"
     major, minor = capability
     return "sm70" if major == 7 and minor < 5 else "sm75"
@@ -56,7 +57,9 @@ def route_capability(capability: Optional[tuple[int, int]], compat: str) -> Opti
 
 @dataclass(frozen=True)
 class Platform:
-    route: str  # effective kernel route: cpu | sm70 | sm75 | sm80 | sm90 (a forced --compat wins)
+    # effective kernel route: cpu | sm70 | sm75 | sm80 | sm90 (a forced --compat wins), or unsupported (below sm_70:
+    # described for `voltllm check`, refused by the configuration)
+    route: str
     hardware_route: str  # the chip's own route (differs from `route` under a forced --compat)
     device: str  # "cpu", "cuda:0"
     name: str  # device name ("cpu" on the CPU)
@@ -119,8 +122,9 @@ def platform_for(capability: Optional[tuple[int, int]], compat: str = "auto", de
     hw_fp4 = cap >= (10, 0)
     compat_on = compat != "none"
     if hw == "unsupported":
-        notes.append(f"sm_{cap[0]}{cap[1]} is below sm_70: Triton and the supported torch builds do not target it")
-    if compat_on and hw not in COMPAT_ROUTES:
+        notes.append(f"sm_{cap[0]}{cap[1]} is below sm_70: Triton and the supported torch builds do not target it; "
+                     "voltllm refuses to start on it (use --device cpu)")
+    if compat_on and hw not in COMPAT_ROUTES + ("unsupported",):
         notes.append(f"--compat {compat} forced on sm_{cap[0]}{cap[1]}: the compat kernels run here (FMA decode "
                      "attention, fp16, software fp8), but Triton still compiles for this chip, so tl.dot in "
                      "prefill attention uses its tensor cores; a real sm_70/75 would run it on FMA")

@@ -19,9 +19,22 @@ def test_auto_compat_matches_config_rule():
     from voltllm.config import _resolve_compat
 
     assert auto_compat(None) == "none"
-    for cap, want in (((7, 0), "sm70"), ((7, 5), "sm75"), ((8, 0), "none"), ((9, 0), "none")):
+    for cap, want in (((6, 1), "none"), ((7, 0), "sm70"), ((7, 5), "sm75"), ((8, 0), "none"), ((9, 0), "none")):
         assert auto_compat(cap) == want
+        assert _resolve_compat("auto", torch.device("cuda", 0), cap) == want
     assert _resolve_compat("auto", torch.device("cpu")) == auto_compat(None)
+
+
+@pytest.mark.parametrize("cap", [(6, 0), (6, 1)])
+def test_below_sm70_is_unsupported_not_the_sm75_route(cap):
+    """A P100 / P40 is described as unsupported (the configuration refuses it), with no tensor-core claims."""
+    p = platform_for(cap, name="Tesla P40")
+    assert p.route == "unsupported" and p.hardware_route == "unsupported" and p.compat == "none"
+    assert not (p.triton_tensor_cores or p.vendor_tensor_cores or p.native_bf16 or p.native_fp8)
+    assert not any("tensor cores" in n for n in p.notes), p.notes
+    assert any("below sm_70" in n and "--device cpu" in n for n in p.notes)
+    forced = platform_for(cap, compat="sm75")  # --compat sm75 on it: still no "tl.dot uses its tensor cores"
+    assert not any("tensor cores" in n for n in forced.notes), forced.notes
 
 
 def test_route_capability_dispatches_as_the_compat_chip():
