@@ -135,8 +135,7 @@ def platform_for(capability: Optional[tuple[int, int]], compat: str = "auto", de
     if torch_arch_list is not None:
         has_arch = _arch_listed(cap, torch_arch_list)
         if not has_arch:
-            notes.append(f"this torch build lists {', '.join(torch_arch_list) or 'no archs'}, not "
-                         f"sm_{cap[0]}{cap[1]}: install a build that ships it (V100: a CUDA 12.6 build)")
+            notes.append(_missing_arch_text(cap, torch_arch_list))
     return Platform(route=route, hardware_route=hw, device=device or "cuda", name=name or "cuda",
                     capability=cap, compat=compat,
                     native_bf16=hw_bf16 and not compat_on, native_fp8=hw_fp8 and not compat_on,
@@ -145,6 +144,31 @@ def platform_for(capability: Optional[tuple[int, int]], compat: str = "auto", de
                     recommended_dtype="float16" if (compat_on or not hw_bf16) else "bfloat16",
                     torch_has_arch=has_arch, sm_count=sm_count, total_memory_gib=total_memory_gib,
                     notes=tuple(notes))
+
+
+def _missing_arch_text(cap: tuple[int, int], arch_list: list[str]) -> str:
+    return (f"this torch build lists {', '.join(arch_list) or 'no archs'}, not sm_{cap[0]}{cap[1]}: install a build "
+            "that ships it (V100: a CUDA 12.6 build)")
+
+
+def torch_arch_error(plat: Platform) -> Optional[str]:
+    """Why the installed torch cannot run on this GPU (None: it can, or it is unknown): the engine's refusal at
+    start, naming the fix `voltllm check` prints as a note."""
+    if plat.torch_has_arch is not False or plat.capability is None:
+        return None
+    return (f"{plat.name} (sm_{plat.capability[0]}{plat.capability[1]}): "
+            + _missing_arch_text(plat.capability, _torch_arch_list() or []) + f"; the installed torch is "
+            f"{torch.__version__}")
+
+
+def _torch_arch_list() -> Optional[list[str]]:
+    """torch's compiled GPU archs; None when unknown (an empty list says nothing either: a build without the
+    flags recorded)."""
+    try:
+        archs = list(torch.cuda.get_arch_list())
+    except Exception:  # noqa: BLE001 - older builds / odd environments
+        return None
+    return archs or None
 
 
 def _arch_listed(cap: tuple[int, int], arch_list: list[str]) -> bool:
@@ -174,10 +198,7 @@ def detect(device: Union[str, torch.device, None] = "auto", compat: str = "auto"
         raise RuntimeError(f"{dev}: no CUDA GPU is visible")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    try:
-        arch_list = list(torch.cuda.get_arch_list())
-    except Exception:  # noqa: BLE001 - older builds / odd environments
-        arch_list = None
+    arch_list = _torch_arch_list()
     return platform_for((props.major, props.minor), compat=compat, device=f"cuda:{index}", name=props.name,
                         torch_arch_list=arch_list, sm_count=props.multi_processor_count,
                         total_memory_gib=round(props.total_memory / 2**30, 2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voltllm.platform import auto_compat, capability_route, detect, platform_for, route_capability
+from voltllm.platform import auto_compat, capability_route, detect, platform_for, route_capability, torch_arch_error
 
 
 @pytest.mark.parametrize("cap,route", [
@@ -75,6 +75,18 @@ def test_v100_torch_build_without_sm70():
     assert p.torch_has_arch is False
     assert any("sm_70" in n for n in p.notes)
     assert platform_for((7, 0), torch_arch_list=["compute_70"]).torch_has_arch is True  # PTX JIT
+
+
+def test_torch_arch_error_names_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
+    p = platform_for((7, 0), name="Tesla V100-SXM2-32GB", torch_arch_list=["sm_80", "sm_90"])
+    err = torch_arch_error(p)
+    assert err.startswith("Tesla V100-SXM2-32GB (sm_70): this torch build lists sm_80, sm_90, not sm_70")
+    assert "install a build that ships it (V100: a CUDA 12.6 build)" in err and torch.__version__ in err
+    assert err.split(": ", 1)[1].split("; the installed")[0] in p.notes  # the fix voltllm check prints
+    assert torch_arch_error(platform_for((7, 0), torch_arch_list=["sm_70"])) is None
+    assert torch_arch_error(platform_for((7, 0))) is None  # arch list unknown: not refused
+    assert torch_arch_error(platform_for(None)) is None
 
 
 def test_t4():

@@ -115,3 +115,18 @@ def test_bf16_kv_cache_on_the_compat_route_names_the_route(bf16_model, monkeypat
     assert config(bf16_model, kv_cache_dtype="float16").cache.kv_cache_dtype == "float16"
     assert config(bf16_model, kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8"
 
+
+def test_engine_start_refuses_a_torch_build_without_the_gpus_arch(bf16_model, monkeypatch, capsys):
+    """A V100 under a torch build that ships no sm_70 kernels (a CUDA 12.8 build): refused before anything loads,
+    with the fix `voltllm check` prints, not "no kernel image is available" from the first kernel."""
+    from voltllm.cli import main
+    from voltllm.engine.core import EngineCore
+
+    fake_gpu(monkeypatch, (7, 0), "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"])
+    cfg = config(bf16_model)  # the configuration itself is fine
+    with pytest.raises(ConfigError, match=r"Tesla V100-SXM2-32GB \(sm_70\): this torch build lists sm_75, .*not sm_70: "
+                                          r"install a build that ships it \(V100: a CUDA 12.6 build\)"):
+        EngineCore(cfg)
+    assert main(["check", bf16_model, "--max-model-len", "256"]) == 2
+    assert "install a build that ships it" in capsys.readouterr().err
