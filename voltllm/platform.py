@@ -172,18 +172,21 @@ def _torch_arch_list() -> Optional[list[str]]:
 
 
 def _arch_listed(cap: tuple[int, int], arch_list: list[str]) -> bool:
-    """Whether torch's arch list can run this chip: its own sm_XY, or a compute_XY (PTX) at or below it."""
-    own = f"sm_{cap[0]}{cap[1]}"
-    if own in arch_list:
-        return True
+    """Whether torch's arch list can run this chip: a cubin of its major version at or below its minor (an sm_86
+    build runs on sm_89: cuda's binary compatibility within a major version; sm_90a-style cubins only on their own
+    chip), or a compute_XY (PTX, JIT-compiled) at or below it."""
     for a in arch_list:
-        if a.startswith("compute_"):
-            try:
-                v = int(a.split("_", 1)[1].rstrip("a"))
-            except ValueError:
-                continue
-            if (v // 10, v % 10) <= cap:
-                return True
+        kind, _, num = a.partition("_")
+        specific = num.endswith(("a", "f"))
+        try:
+            v = int(num.rstrip("af"))
+        except ValueError:
+            continue
+        arch = (v // 10, v % 10)
+        if kind == "sm" and (arch == cap or (not specific and arch[0] == cap[0] and arch[1] <= cap[1])):
+            return True
+        if kind == "compute" and arch <= cap:
+            return True
     return False
 
 

@@ -77,6 +77,18 @@ def test_v100_torch_build_without_sm70():
     assert platform_for((7, 0), torch_arch_list=["compute_70"]).torch_has_arch is True  # PTX JIT
 
 
+def test_cubins_of_a_lower_minor_run_on_the_chip():
+    # cuda's binary compatibility within a major version: torch cu126 wheels list sm_86 but no sm_89, and run on
+    # an RTX 4090 / L40; an arch-specific cubin (sm_90a) runs only on its own chip
+    cu126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+    assert platform_for((8, 9), torch_arch_list=cu126).torch_has_arch is True
+    assert platform_for((7, 5), torch_arch_list=["sm_70"]).torch_has_arch is True
+    assert platform_for((8, 0), torch_arch_list=["sm_75", "sm_86"]).torch_has_arch is False
+    assert platform_for((9, 0), torch_arch_list=["sm_86"]).torch_has_arch is False
+    assert platform_for((10, 3), torch_arch_list=["sm_100a"]).torch_has_arch is False
+    assert platform_for((10, 0), torch_arch_list=["sm_100a"]).torch_has_arch is True
+
+
 def test_torch_arch_error_names_the_fix(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
     p = platform_for((7, 0), name="Tesla V100-SXM2-32GB", torch_arch_list=["sm_80", "sm_90"])
