@@ -151,13 +151,18 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
         routes["attention_prefill"] = _route(False, True, "TORCH_REF", forced_ref)
         routes["attention_decode"] = _route(False, True, "TORCH_REF", forced_ref)
     else:
+        # as the backend chooses (TritonAttentionBackend._use_sdpa_prefill): the compat route, or a chip below sm_80
+        # under --compat none
+        below_sm80 = plat.capability is not None and tuple(plat.capability) < (8, 0)
         sdpa = ("SDPA" in backend_routes["prefill"]) if backend_routes else (
-            dev.compat != "none" and _has_module("voltllm.attention.compat_backend"))
+            (dev.compat != "none" or below_sm80) and _has_module("voltllm.attention.compat_backend"))
         if sdpa:
+            where = (f"the {dev.compat} route" if dev.compat != "none" else
+                     f"on sm_{plat.capability[0]}{plat.capability[1]} the native route" if below_sm80 else "the route")
             routes["attention_prefill"] = _route(
                 True, True, backend_routes["prefill"] if backend_routes else
                 "bridge pages to an fp16 workspace + torch SDPA efficient attention",
-                f"the {dev.compat} route sends compute-bound prefill to a vendor kernel (fp16 tensor cores "
+                f"{where} sends compute-bound prefill to a vendor kernel (fp16 tensor cores "
                 "on sm_70+), since Triton's tl.dot is FMA on sm_70/75", tensor_cores=plat.vendor_tensor_cores)
         else:
             tc = plat.triton_tensor_cores

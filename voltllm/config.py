@@ -440,8 +440,9 @@ class EngineArgs:
             _check_mtp(hf_config, source, load_format)
         runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
         device = _resolve_device(self.device)
-        compat = _resolve_compat(self.compat, device)
-        dtype = _resolve_dtype(self.dtype, hf_config, device, compat)
+        capability = _gpu_capability(device)  # None on the CPU; below sm_70 a ConfigError
+        compat = _resolve_compat(self.compat, device, capability)
+        dtype = _resolve_dtype(self.dtype, hf_config, device, compat, capability)
 
         derived_max = _max_positions(hf_config)
         # sliding-window attention is not built: a checkpoint that turns it on is served with full attention up to
@@ -485,7 +486,7 @@ class EngineArgs:
                               f"got {self.kv_cache_dtype!r}")
         from voltllm.attention.kv_spec import FP8_KV_DTYPES, kv_cache_dtype_error  # fp8*: uint8 cache
 
-        if kv_err := kv_cache_dtype_error(self.kv_cache_dtype, dtype):
+        if kv_err := kv_cache_dtype_error(self.kv_cache_dtype, dtype, _no_bf16_reason(device, compat, capability)):
             raise ConfigError(kv_err)
         calculate_kv_scales = self.calculate_kv_scales
         if calculate_kv_scales and self.kv_cache_dtype not in FP8_KV_DTYPES:
@@ -708,33 +709,65 @@ def _quantized_weights(method: Optional[str], flag: Optional[str], hf_config: An
     return "quantized" if flag is not None or KEEP_QUANTIZED == 1 else "auto"
 
 
-def _resolve_compat(compat: str, device: torch.device) -> str:
+def _gpu_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """The GPU's compute capability (None on the CPU). Below sm_70 nothing here runs (Triton and the torch builds
+    voltllm targets stop at sm_70): refused, rather than sent down the sm75 route."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (7, 0):
+        name = torch.cuda.get_device_properties(device).name
+        raise ConfigError(f"{name} (sm_{major}{minor}) is not supported: voltllm needs a GPU of sm_70 (V100) or "
+                          "newer; run on the CPU with --device cpu")
+    return major, minor
+
+
+def _resolve_compat(compat: str, device: torch.device, capability: Optional[tuple[int, int]] = None) -> str:
+    from voltllm.platform import auto_compat
+
     if compat not in ("auto", "none", "sm70", "sm75"):
         raise ConfigError(f"--compat must be auto, none, sm70 or sm75, got {compat!r}")
+    if compat in ("sm70", "sm75") and device.type != "cuda":
+        # the CPU runs the plain-PyTorch reference: a GPU kernel route would silently do nothing there
+        raise ConfigError(f"--compat {compat} selects a GPU kernel route, but the device is the CPU (--device cpu, "
+                          "or no GPU visible); drop --compat (or pass auto)")
     if compat != "auto":
         return compat
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return "sm70" if major == 7 and minor < 5 else "sm75"
-    return "none"
+    return auto_compat(capability)
 
 
-def _resolve_dtype(dtype: str, hf_config: Any, device: torch.device, compat: str) -> torch.dtype:
+def _no_bf16_reason(device: torch.device, compat: str, capability: Optional[tuple[int, int]]) -> Optional[str]:
+    """What lacks bf16 here (None: bf16 runs): the compat route, or a GPU below sm_80 whatever --compat says (torch
+    has no bf16 attention kernels there). The CPU runs bf16 in torch."""
+    if device.type != "cuda":
+        return None
+    if compat != "none":
+        return f"the {compat} route"
+    if capability is not None and tuple(capability) < (8, 0):
+        return f"this GPU (sm_{capability[0]}{capability[1]}, below sm_80)"
+    return None
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: torch.device, compat: str,
+                   capability: Optional[tuple[int, int]] = None) -> torch.dtype:
+    no_bf16 = _no_bf16_reason(device, compat, capability)
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32  # half types are slow and imprecise on CPUs
-        if compat != "none":
-            return torch.float16
         cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(cfg, str):
             cfg = _DTYPES.get(cfg)
+        if no_bf16 is not None:
+            if cfg == torch.bfloat16:  # fp16's range is narrower: say so, and how to keep bf16's
+                logger.info("the checkpoint is bfloat16; it runs in float16 because %s has no bf16 (--dtype float32 "
+                            "keeps its range, at twice the memory)", no_bf16)
+            return torch.float16
         return cfg if cfg in (torch.float16, torch.bfloat16) else torch.float16
     if dtype not in _DTYPES:
         raise ConfigError(f"--dtype must be auto, half, float16, bfloat16 or float32, got {dtype!r}")
     resolved = _DTYPES[dtype]
-    if resolved == torch.bfloat16 and compat != "none":
-        raise ConfigError(f"--dtype bfloat16 is not supported on the {compat} route (no native bf16); use half")
+    if resolved == torch.bfloat16 and no_bf16 is not None:
+        raise ConfigError(f"--dtype {dtype}: {no_bf16} has no bf16; use --dtype half (or float32)")
     return resolved
 
 

@@ -39,8 +39,9 @@ def capability_route(capability: Optional[tuple[int, int]]) -> str:
 
 
 def auto_compat(capability: Optional[tuple[int, int]]) -> str:
-    """The compat route `--compat auto` picks (same rule as voltllm.config._resolve_compat)."""
-    if capability is None or tuple(capability) >= (8, 0):
+    """The compat route `--compat auto` picks (voltllm.config._resolve_compat uses it): sm70 / sm75 on those chips;
+    none on the CPU, sm_80+, and below sm_70 (unsupported: the configuration refuses such a GPU)."""
+    if capability is None or tuple(capability) >= (8, 0) or tuple(capability) < (7, 0):
         return "none"
     major, minor = capability
     return "sm70" if major == 7 and minor < 5 else "sm75"
@@ -56,7 +57,9 @@ def route_capability(capability: Optional[tuple[int, int]], compat: str) -> Opti
 
 @dataclass(frozen=True)
 class Platform:
-    route: str  # effective kernel route: cpu | sm70 | sm75 | sm80 | sm90 (a forced --compat wins)
+    # effective kernel route: cpu | sm70 | sm75 | sm80 | sm90 (a forced --compat wins), or unsupported (below sm_70:
+    # described for `voltllm check`, refused by the configuration)
+    route: str
     hardware_route: str  # the chip's own route (differs from `route` under a forced --compat)
     device: str  # "cpu", "cuda:0"
     name: str  # device name ("cpu" on the CPU)
@@ -119,8 +122,9 @@ def platform_for(capability: Optional[tuple[int, int]], compat: str = "auto", de
     hw_fp4 = cap >= (10, 0)
     compat_on = compat != "none"
     if hw == "unsupported":
-        notes.append(f"sm_{cap[0]}{cap[1]} is below sm_70: Triton and the supported torch builds do not target it")
-    if compat_on and hw not in COMPAT_ROUTES:
+        notes.append(f"sm_{cap[0]}{cap[1]} is below sm_70: Triton and the supported torch builds do not target it; "
+                     "voltllm refuses to start on it (use --device cpu)")
+    if compat_on and hw not in COMPAT_ROUTES + ("unsupported",):
         notes.append(f"--compat {compat} forced on sm_{cap[0]}{cap[1]}: the compat kernels run here (FMA decode "
                      "attention, fp16, software fp8), but Triton still compiles for this chip, so tl.dot in "
                      "prefill attention uses its tensor cores; a real sm_70/75 would run it on FMA")
@@ -131,8 +135,7 @@ def platform_for(capability: Optional[tuple[int, int]], compat: str = "auto", de
     if torch_arch_list is not None:
         has_arch = _arch_listed(cap, torch_arch_list)
         if not has_arch:
-            notes.append(f"this torch build lists {', '.join(torch_arch_list) or 'no archs'}, not "
-                         f"sm_{cap[0]}{cap[1]}: install a build that ships it (V100: a CUDA 12.6 build)")
+            notes.append(_missing_arch_text(cap, torch_arch_list))
     return Platform(route=route, hardware_route=hw, device=device or "cuda", name=name or "cuda",
                     capability=cap, compat=compat,
                     native_bf16=hw_bf16 and not compat_on, native_fp8=hw_fp8 and not compat_on,
@@ -143,19 +146,47 @@ def platform_for(capability: Optional[tuple[int, int]], compat: str = "auto", de
                     notes=tuple(notes))
 
 
+def _missing_arch_text(cap: tuple[int, int], arch_list: list[str]) -> str:
+    return (f"this torch build lists {', '.join(arch_list) or 'no archs'}, not sm_{cap[0]}{cap[1]}: install a build "
+            "that ships it (V100: a CUDA 12.6 build)")
+
+
+def torch_arch_error(plat: Platform) -> Optional[str]:
+    """Why the installed torch cannot run on this GPU (None: it can, or it is unknown): the engine's refusal at
+    start, naming the fix `voltllm check` prints as a note."""
+    if plat.torch_has_arch is not False or plat.capability is None:
+        return None
+    return (f"{plat.name} (sm_{plat.capability[0]}{plat.capability[1]}): "
+            + _missing_arch_text(plat.capability, _torch_arch_list() or []) + f"; the installed torch is "
+            f"{torch.__version__}")
+
+
+def _torch_arch_list() -> Optional[list[str]]:
+    """torch's compiled GPU archs; None when unknown (an empty list says nothing either: a build without the
+    flags recorded)."""
+    try:
+        archs = list(torch.cuda.get_arch_list())
+    except Exception:  # noqa: BLE001 - older builds / odd environments
+        return None
+    return archs or None
+
+
 def _arch_listed(cap: tuple[int, int], arch_list: list[str]) -> bool:
-    """Whether torch's arch list can run this chip: its own sm_XY, or a compute_XY (PTX) at or below it."""
-    own = f"sm_{cap[0]}{cap[1]}"
-    if own in arch_list:
-        return True
+    """Whether torch's arch list can run this chip: a cubin of its major version at or below its minor (an sm_86
+    build runs on sm_89: cuda's binary compatibility within a major version; sm_90a-style cubins only on their own
+    chip), or a compute_XY (PTX, JIT-compiled) at or below it."""
     for a in arch_list:
-        if a.startswith("compute_"):
-            try:
-                v = int(a.split("_", 1)[1].rstrip("a"))
-            except ValueError:
-                continue
-            if (v // 10, v % 10) <= cap:
-                return True
+        kind, _, num = a.partition("_")
+        specific = num.endswith(("a", "f"))
+        try:
+            v = int(num.rstrip("af"))
+        except ValueError:
+            continue
+        arch = (v // 10, v % 10)
+        if kind == "sm" and (arch == cap or (not specific and arch[0] == cap[0] and arch[1] <= cap[1])):
+            return True
+        if kind == "compute" and arch <= cap:
+            return True
     return False
 
 
@@ -170,10 +201,7 @@ def detect(device: Union[str, torch.device, None] = "auto", compat: str = "auto"
         raise RuntimeError(f"{dev}: no CUDA GPU is visible")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    try:
-        arch_list = list(torch.cuda.get_arch_list())
-    except Exception:  # noqa: BLE001 - older builds / odd environments
-        arch_list = None
+    arch_list = _torch_arch_list()
     return platform_for((props.major, props.minor), compat=compat, device=f"cuda:{index}", name=props.name,
                         torch_arch_list=arch_list, sm_count=props.multi_processor_count,
                         total_memory_gib=round(props.total_memory / 2**30, 2))

@@ -156,6 +156,23 @@ def test_predicted_v100_route(tiny_dir, fake_v100):
     assert "cuda_graphs" in report["expected"]
 
 
+def test_predicted_v100_prefill_under_compat_none(tiny_dir, monkeypatch):
+    """--compat none on a real sm_70: the backend still sends prefill to bridge + SDPA (Triton's tl.dot is FMA
+    there), and the prediction says so."""
+    plat = platform_for((7, 0), compat="none", device="cuda:0", name="Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(acceleration, "for_config", lambda config: plat)
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config(), compat="none")
+    prefill = build_report(config)["routes"]["attention_prefill"]
+    assert "SDPA" in prefill["impl"] and prefill["tensor_cores"] is True
+    assert "on sm_70 the native route" in prefill["reason"]
+    # the backend the runner would build agrees
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(use_tensor_cores=None, max_context=256)
+    backend._dev_info["cuda:0"] = ((7, 0), 80)
+    assert "SDPA" in backend.routes(torch.device("cuda", 0))["prefill"]
+
+
 def test_require_acceleration_refuses_each_disabled_route(tiny_dir, fake_v100):
     config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu").create_engine_config(), attention_backend="TORCH_REF")
     with pytest.raises(ConfigError) as e:
@@ -212,6 +229,7 @@ def test_cli_require_acceleration_exit_2(tiny_dir, fake_v100, monkeypatch, capsy
     from voltllm.cli import main
 
     monkeypatch.setattr(config_mod, "_resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(config_mod, "_gpu_capability", lambda device: (7, 0))
     rc = main(["check", tiny_dir, "--no-load", "--compat", "sm70", "--attention-backend", "TORCH_REF",
                "--require-acceleration"])
     assert rc == 2

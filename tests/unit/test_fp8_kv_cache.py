@@ -79,6 +79,10 @@ def test_kv_spec():
     assert kv_cache_spec("float16", torch.float16).storage_dtype == torch.float16
     assert "fp8_e4m3" in kv_cache_dtype_error("int4", torch.float16)
     assert "model dtype" in kv_cache_dtype_error("float16", torch.float32)
+    # a route without bf16: the error says so and names the fix, rather than "differs from the model dtype"
+    err = kv_cache_dtype_error("bfloat16", torch.float16, "the sm70 route")
+    assert err.startswith("--kv-cache-dtype bfloat16: the sm70 route has no bf16") and "use auto" in err
+    assert kv_cache_dtype_error("float16", torch.float16, "the sm70 route") is None
     with pytest.raises(ValueError):
         kv_cache_spec("fp4", torch.float16)
 

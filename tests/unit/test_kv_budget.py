@@ -74,3 +74,71 @@ def test_kv_cache_memory_bytes_over_the_free_memory_is_an_error(card):
     card.update(total=100 * GiB, free=9 * GiB, reserved=19 * GiB)
     with pytest.raises(RuntimeError, match="--kv-cache-memory-bytes 10.00 GiB does not fit"):
         memory.kv_budget_bytes(_runner(29 * GiB), 0.9, fixed=10 * GiB)
+
+
+# --- the profiled forward, with a stand-in allocator -------------------------------------------------------------
+class FakeAllocator:
+    """torch.cuda's memory counters over a stand-in allocator: allocate / free move them as a forward would."""
+
+    def __init__(self, monkeypatch, total: int, in_use: int):
+        self.total, self.allocated, self.peak = total, in_use, in_use
+        for name, fn in (("synchronize", lambda dev=None: None), ("empty_cache", lambda: None),
+                         ("memory_allocated", lambda dev=None: self.allocated),
+                         ("max_memory_allocated", lambda dev=None: self.peak),
+                         ("reset_peak_memory_stats", lambda dev=None: setattr(self, "peak", self.allocated)),
+                         ("memory_reserved", lambda dev=None: self.allocated),  # (empty_cache returned the rest)
+                         ("mem_get_info", lambda dev=None: (self.total - self.allocated, self.total))):
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def allocate(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+
+class ProfiledModel:
+    """A model whose forward runs the compat prefill's workspace allocation (the real SDPAPrefill, sized for
+    --max-model-len, kept afterwards) and `transient` bytes of activations freed before it returns."""
+
+    num_attention_layers, kv_heads_and_dim, hidden = 2, (2, 64), 8
+
+    def __init__(self, card: FakeAllocator, transient: int):
+        self.card, self.transient = card, transient
+
+    def __call__(self, ids, positions, ctx):
+        before = ctx.backend.workspace_bytes()
+        heads, dim = self.kv_heads_and_dim
+        ctx.backend.sdpa_prefill.workspace(len(ids), heads, dim, torch.float16, ids.device)
+        self.card.allocate(ctx.backend.workspace_bytes() - before)
+        self.card.allocate(self.transient)
+        self.card.free(self.transient)
+        return torch.zeros(len(ids), self.hidden)
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def test_compat_prefill_workspace_is_charged_once(monkeypatch):
+    """The profiled forward allocates the compat prefill workspace at --max-model-len and keeps it: the engine's
+    memory in use (memory_reserved) holds it, so the activation peak must not count it again."""
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+
+    max_model_len, weights, transient = 4096, 10 * GiB, 300 << 20
+    card = FakeAllocator(monkeypatch, total=32 * GiB, in_use=weights)
+    monkeypatch.setattr(memory, "prompt_graph_bytes", lambda runner, activations: 0)
+    monkeypatch.setattr(memory, "chunk_workspace_slack_bytes", lambda model, n: 0)
+    backend = TritonAttentionBackend(use_tensor_cores=False, max_context=max_model_len)  # the compat route's
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), block_size=16, kv_dtype=torch.float16, backend=backend, pooler=None,
+        max_decode_rows=1, model=ProfiledModel(card, transient), free_at_start=32 * GiB,
+        config=SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=512, max_model_len=max_model_len,
+                                                         max_num_seqs=8)))
+    workspace = 2 * max_model_len * 2 * 64 * 2  # K and V rows of --max-model-len, 2 kv heads x 64, fp16
+    assert memory.profile_activation_bytes(runner) == transient
+    assert backend.workspace_bytes() == workspace and card.allocated == weights + workspace  # kept: in use
+    budget = memory.kv_budget_bytes(runner, 0.9)
+    assert budget == int(32 * GiB * 0.9) - (weights + workspace) - transient - EXTRA
+    # profiled again: the workspace exists already, so the forward allocates (and keeps) nothing more
+    assert memory.profile_activation_bytes(runner) == transient

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voltllm.platform import auto_compat, capability_route, detect, platform_for, route_capability
+from voltllm.platform import auto_compat, capability_route, detect, platform_for, route_capability, torch_arch_error
 
 
 @pytest.mark.parametrize("cap,route", [
@@ -19,9 +19,22 @@ def test_auto_compat_matches_config_rule():
     from voltllm.config import _resolve_compat
 
     assert auto_compat(None) == "none"
-    for cap, want in (((7, 0), "sm70"), ((7, 5), "sm75"), ((8, 0), "none"), ((9, 0), "none")):
+    for cap, want in (((6, 1), "none"), ((7, 0), "sm70"), ((7, 5), "sm75"), ((8, 0), "none"), ((9, 0), "none")):
         assert auto_compat(cap) == want
+        assert _resolve_compat("auto", torch.device("cuda", 0), cap) == want
     assert _resolve_compat("auto", torch.device("cpu")) == auto_compat(None)
+
+
+@pytest.mark.parametrize("cap", [(6, 0), (6, 1)])
+def test_below_sm70_is_unsupported_not_the_sm75_route(cap):
+    """A P100 / P40 is described as unsupported (the configuration refuses it), with no tensor-core claims."""
+    p = platform_for(cap, name="Tesla P40")
+    assert p.route == "unsupported" and p.hardware_route == "unsupported" and p.compat == "none"
+    assert not (p.triton_tensor_cores or p.vendor_tensor_cores or p.native_bf16 or p.native_fp8)
+    assert not any("tensor cores" in n for n in p.notes), p.notes
+    assert any("below sm_70" in n and "--device cpu" in n for n in p.notes)
+    forced = platform_for(cap, compat="sm75")  # --compat sm75 on it: still no "tl.dot uses its tensor cores"
+    assert not any("tensor cores" in n for n in forced.notes), forced.notes
 
 
 def test_route_capability_dispatches_as_the_compat_chip():
@@ -62,6 +75,30 @@ def test_v100_torch_build_without_sm70():
     assert p.torch_has_arch is False
     assert any("sm_70" in n for n in p.notes)
     assert platform_for((7, 0), torch_arch_list=["compute_70"]).torch_has_arch is True  # PTX JIT
+
+
+def test_cubins_of_a_lower_minor_run_on_the_chip():
+    # cuda's binary compatibility within a major version: torch cu126 wheels list sm_86 but no sm_89, and run on
+    # an RTX 4090 / L40; an arch-specific cubin (sm_90a) runs only on its own chip
+    cu126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+    assert platform_for((8, 9), torch_arch_list=cu126).torch_has_arch is True
+    assert platform_for((7, 5), torch_arch_list=["sm_70"]).torch_has_arch is True
+    assert platform_for((8, 0), torch_arch_list=["sm_75", "sm_86"]).torch_has_arch is False
+    assert platform_for((9, 0), torch_arch_list=["sm_86"]).torch_has_arch is False
+    assert platform_for((10, 3), torch_arch_list=["sm_100a"]).torch_has_arch is False
+    assert platform_for((10, 0), torch_arch_list=["sm_100a"]).torch_has_arch is True
+
+
+def test_torch_arch_error_names_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
+    p = platform_for((7, 0), name="Tesla V100-SXM2-32GB", torch_arch_list=["sm_80", "sm_90"])
+    err = torch_arch_error(p)
+    assert err.startswith("Tesla V100-SXM2-32GB (sm_70): this torch build lists sm_80, sm_90, not sm_70")
+    assert "install a build that ships it (V100: a CUDA 12.6 build)" in err and torch.__version__ in err
+    assert err.split(": ", 1)[1].split("; the installed")[0] in p.notes  # the fix voltllm check prints
+    assert torch_arch_error(platform_for((7, 0), torch_arch_list=["sm_70"])) is None
+    assert torch_arch_error(platform_for((7, 0))) is None  # arch list unknown: not refused
+    assert torch_arch_error(platform_for(None)) is None
 
 
 def test_t4():

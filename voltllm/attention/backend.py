@@ -97,6 +97,11 @@ class AttentionBackend(ABC):
         """The engine's longest context is now max_context (--max-model-len auto, after memory sizing): drop
         buffers sized for more. Backends without such buffers have nothing to do."""
 
+    def workspace_bytes(self) -> int:
+        """Bytes of the buffers a forward allocates and this backend keeps for the next ones (the compat prefill
+        workspace): memory sizing charges them once, as memory the engine holds (worker/memory.py). 0: none."""
+        return 0
+
     @abstractmethod
     def forward(
         self,

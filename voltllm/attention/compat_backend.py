@@ -34,9 +34,9 @@ kernel for them.
 
 The workspace is allocated once at the largest context the engine can hold (max_context; the runner
 passes --max-model-len, so the memory profiler's forward allocates it at full size and the KV budget
-accounts for it) and reused by every layer and step; it only grows if a longer context than announced
-arrives; joined requests are split into pieces whose contexts fit it. The host knows every length: no device
-syncs.
+charges it once, as memory the engine holds: worker/memory.py) and reused by every layer and step; it
+only grows if a longer context than announced arrives; joined requests are split into pieces whose
+contexts fit it. The host knows every length: no device syncs.
 On CUDA the SDPA calls are pinned to the efficient-attention kernel (the one V100 has), so
 `--compat sm70` on a newer GPU tests the same kernel.
 """

@@ -62,11 +62,17 @@ class KVCacheSpec:
         return 0 if self.fp8_format == "e4m3" else 1
 
 
-def kv_cache_dtype_error(kv_cache_dtype: str, model_dtype: torch.dtype) -> Optional[str]:
-    """Why `--kv-cache-dtype kv_cache_dtype` cannot run with a model in model_dtype (None: it can)."""
+def kv_cache_dtype_error(kv_cache_dtype: str, model_dtype: torch.dtype,
+                         no_bf16: Optional[str] = None) -> Optional[str]:
+    """Why `--kv-cache-dtype kv_cache_dtype` cannot run with a model in model_dtype (None: it can). no_bf16: what
+    lacks bf16 on this device ("the sm70 route", ...; config._no_bf16_reason), None where bf16 runs."""
     name = (kv_cache_dtype or "auto").lower()
     if name == "auto" or name in FP8_KV_DTYPES:
         return None
+    if name == "bfloat16" and no_bf16 is not None:
+        return (f"--kv-cache-dtype bfloat16: {no_bf16} has no bf16 (the model runs in "
+                f"{str(model_dtype).removeprefix('torch.')}); use auto (the model dtype) or fp8 / fp8_e5m2 "
+                f"(half the bytes)")
     if name in _FLOAT_KV_DTYPES:
         if _FLOAT_KV_DTYPES[name] != model_dtype:
             return (f"--kv-cache-dtype {name} differs from the model dtype {str(model_dtype).removeprefix('torch.')}; "

@@ -101,6 +101,9 @@ class TritonAttentionBackend(AttentionBackend):
     def limit_context(self, max_context: int) -> None:
         self.sdpa_prefill.limit_context(max_context)
 
+    def workspace_bytes(self) -> int:
+        return self.sdpa_prefill.workspace_bytes()
+
     # --- device facts and scratch -------------------------------------------------------------
     def _device_info(self, device: torch.device) -> tuple[Optional[tuple[int, int]], int]:
         key = str(device)

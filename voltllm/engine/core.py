@@ -25,8 +25,21 @@ logger = logging.getLogger("voltllm")
 GRAMMAR_WAIT_S = 0.05
 
 
+def check_torch_runs_on(config: EngineConfig) -> None:
+    """Refuse a GPU the installed torch has no kernels for (e.g. a V100 under a CUDA 12.8 build) before anything is
+    loaded: its first kernel would fail deep in the model load with "no kernel image is available"."""
+    if config.device.device.type != "cuda":
+        return
+    from voltllm.config import ConfigError
+    from voltllm.platform import detect, torch_arch_error
+
+    if err := torch_arch_error(detect(config.device.device, config.device.compat)):
+        raise ConfigError(err)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None):
+        check_torch_runs_on(config)
         self.config = config
         self.tp_workers = None  # rank 0's handle on the other tensor-parallel ranks (voltllm.distributed)
         if config.parallel.tensor_parallel_size > 1:

@@ -20,7 +20,9 @@ def profiled_tokens(runner) -> int:
 
 @torch.inference_mode()
 def profile_activation_bytes(runner) -> int:
-    """Peak memory of one forward over --max-num-batched-tokens tokens (one sequence) beyond the weights."""
+    """Peak memory of one forward over --max-num-batched-tokens tokens (one sequence) beyond the weights, less the
+    buffers an attention backend allocates in it and keeps (the compat prefill workspace, sized for --max-model-len):
+    those stay allocated, so kv_budget_bytes charges them with the engine's memory in use, once."""
     dev = runner.device
     n = profiled_tokens(runner)
     bs = runner.block_size
@@ -33,6 +35,8 @@ def profile_activation_bytes(runner) -> int:
     caches = make_kv_cache(runner.model.num_attention_layers, nblocks, bs, heads, dim, runner.kv_dtype, dev)
     draft = getattr(runner, "draft", None)  # draft-model speculation: its forward follows the target's on each step
     draft_caches = draft.profile_caches(nblocks, bs, runner.kv_dtype) if draft is not None else None
+    backends = [runner.backend] + ([draft.backend] if getattr(draft, "backend", None) is not None else [])
+    kept_before = sum(b.workspace_bytes() for b in backends)
     cache_bytes = torch.cuda.memory_allocated(dev) - base
     meta = AttentionMetadata(
         num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
@@ -52,9 +56,10 @@ def profile_activation_bytes(runner) -> int:
         hidden.float()
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
+    kept = sum(b.workspace_bytes() for b in backends) - kept_before
     del caches, draft_caches, hidden
     torch.cuda.empty_cache()
-    return int(peak)
+    return int(peak - kept)
 
 
 def prompt_graph_bytes(runner, activations: int) -> int:
