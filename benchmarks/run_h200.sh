@@ -1531,20 +1531,24 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
   s140)  # (session 49) the split row argmax (GPU file + micro), wide gated gate_up tiles at 64 rows
-         # (micro/batch_gemm_gated_wide.py), then the 8B at 64 x 128/128 with its winners offered (B) and without (A)
+         # (micro/batch_gemm_gated_wide.py), then the 8B at 64 x 128/128: B with the gated winners offered to the
+         # tuner, C with the decode kernel's first tile loaded before the PDL wait, A neither (one call)
     t_all=$SECONDS
     gpu_file test_argmax_cuda 60
     timeout 60 python3 benchmarks/micro/argmax_rows.py 2>&1 | grep -v -i warn | tee "$out/argmax-rows.txt"
     timeout 200 python3 benchmarks/micro/batch_gemm_gated_wide.py --json "$out/gated-tiles.json" 64 48 32 2>&1 \
       | grep -v -i warn | tee "$out/gated-wide-sweep.txt" | grep -v fastest
     cat "$out/gated-tiles.json" 2>/dev/null | tr -d ' \n'; echo
-    for side in B A; do
-      (( SECONDS - t_all > 400 )) && { echo "no time left for side $side"; break; }
-      tiles=none; [ $side = B ] && tiles="$out/gated-tiles.json"
-      [ $side = B ] && ! grep -q "\[[0-9]" "$tiles" 2>/dev/null && continue
-      python3 benchmarks/micro/bench_with_tma_configs.py $tiles -- --commit "$sha" --output-dir "$out" \
+    early="--set voltllm.kernels.attention.paged_decode:EARLY_FIRST_TILE=True"
+    for side in B C A; do
+      (( SECONDS - t_all > 440 )) && { echo "no time left for side $side"; break; }
+      args=none
+      [ $side = B ] && args="$out/gated-tiles.json"
+      [ $side = C ] && args="none $early"
+      [ $side = B ] && ! grep -q "\[[0-9]" "$out/gated-tiles.json" 2>/dev/null && continue
+      python3 benchmarks/micro/bench_with_tma_configs.py $args -- --commit "$sha" --output-dir "$out" \
         --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
-        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-gated$side-$sha > "$out/c64-$side.log" 2>&1
+        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$side-$sha > "$out/c64-$side.log" 2>&1
       echo "side $side: $(grep -E "^(concurrent|output_tok|ttft)" "$out/c64-$side.log" | awk '{print $1, $5}' | tr '\n' ' ')"
       grep -A12 "decode-batch GEMM choice" "$out/c64-$side.log" | grep -E "M=64 |gated" | head -8
     done

@@ -290,6 +290,14 @@ def _checks():
     yield "decode_f16_d128_mha_split16_lanes_empty_parts", lambda: run_kernel_case(
         make_case([(200, 1), (33, 1), (1, 1)], 2, 2, 128, 16, f16, seed=16), "decode", num_splits=16,
         use_dot=False, fma_lanes=True), f16
+    # the first tile loaded before the PDL wait (where it lies below the step's new row): slices of 0-4 tiles,
+    # a sequence whose only tile holds the new row, block boundaries
+    yield "decode_f32_d64_gqa4_split3_dot_early_tile", lambda: run_kernel_case(
+        make_case(decode + [(33, 1), (48, 1)], 8, 2, 64, 16, f32, seed=22), "decode", num_splits=3, use_dot=True,
+        block_n=16, early_tile=True), f32
+    yield "decode_f16_d128_gqa4_nosplit_fma_early_tile", lambda: run_kernel_case(
+        make_case([(200, 1), (32, 1), (33, 1), (1, 1)], 8, 2, 128, 16, f16, seed=23), "decode", num_splits=1,
+        use_dot=False, block_n=32, early_tile=True), f16
     # the per-lane route's next-tile register prefetch: slices of 0-3 tiles, odd lengths, block boundaries
     yield "decode_f32_d64_gqa4_split3_lanes_next_tile", lambda: run_kernel_case(
         make_case([(95, 1), (32, 1), (33, 1), (1, 1), (17, 1)], 8, 2, 64, 16, f32, seed=20), "decode",

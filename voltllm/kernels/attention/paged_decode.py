@@ -170,6 +170,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_N: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, NEXT_TILE: tl.constexpr = False,
+    EARLY_TILE: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -220,6 +221,13 @@ def _paged_decode_kernel(
         pos0 = start + n
         k0, v0 = _load_kv_tile(KV, bt_row, pos0, pos0 < read_end, d, d_mask, stride_c_kv, stride_c_blk,
                                stride_c_slot, head_off, PAGE, KV_FMT, DT)
+    elif EARLY_TILE and not LANES:
+        # The predecessor (RoPE + KV store) writes this step's rows, [seq_len - query rows, seq_len); a first tile
+        # wholly below them was written by earlier steps, so its loads may go out before the PDL wait
+        early = has_row & (start + BLOCK_N <= seq_len - (q_end - q_start)) & (start < read_end)
+        pos0 = start + n
+        k0, v0 = _load_kv_tile(KV, bt_row, pos0, (pos0 < read_end) & early, d, d_mask, stride_c_kv, stride_c_blk,
+                               stride_c_slot, head_off, PAGE, KV_FMT, DT)
     pdl_enter(PDL)
     if KV_FMT >= 0:  # fp8 cache: s = q . (decode(k) * k_scale) = (q . decode(k)) * k_scale
         qk_scale = qk_scale * tl.load(KScale)
@@ -261,6 +269,10 @@ def _paged_decode_kernel(
                     mask=g_mask[:, None] & d_mask[None, :] & has_row, other=0.0)
         if not USE_DOT:
             q = q.to(tl.float32) * qk_scale
+        if EARLY_TILE and not LANES:
+            if early:
+                m_i, l_i, acc = _attend_tile(q, k0, v0, pos0 < read_end, m_i, l_i, acc, qk_scale, USE_DOT, IEEE)
+                loop_start = start + BLOCK_N
     if LANES:
         # FMA route, one online softmax per (head, lane n): no cross-warp reduction inside the loop;
         # the BLOCK_N lanes are merged once at the end (like split-KV partitions).
@@ -493,6 +505,9 @@ DOT_SMALL_TILE_PER_SM = 3
 # 9,109 to 8,892 output tok/s with 256 (same call). Most programs start after the predecessor anyway (512 programs,
 # one resident wave), so their prefetch only duplicates their own loads.
 KV_PREFETCH_TOKENS = 0
+# With PDL and the RoPE launch storing K / V (no fused rope), the dot / per-row routes issue their first tile's loads
+# before the PDL wait when that tile lies wholly below the rows the step writes (session 49; off until measured).
+EARLY_FIRST_TILE = False
 MAX_SPLITS = 64
 
 
@@ -559,7 +574,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
                  prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None,
-                 num_sms: int = 0, next_tile: bool | None = None) -> torch.Tensor:
+                 num_sms: int = 0, next_tile: bool | None = None, early_tile: bool | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -578,6 +593,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     num_sms: the device's SM count, for the default tile and warps (0: those for few programs).
     next_tile (FMA per-lane route only): request each tile's K / V before computing the previous one (a register
     prefetch; the route runs where Triton has no cp.async pipelining). None: by LANES_NEXT_TILE's rule.
+    early_tile (without rope, not the per-lane route): issue the first tile's loads before the PDL wait when it lies
+    below the step's new rows. None: EARLY_FIRST_TILE with PDL on (without PDL it only moves the loads up).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     assert fma_lanes or not next_tile, "next_tile is an option of the FMA per-lane route (fma_lanes=True)"
@@ -626,6 +643,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
         PREFETCH_N=triton.cdiv(prefetch, block_n) * block_n, ROPE=rope is not None,
         NORM=rope is not None and rope.q_norm is not None, NEXT_TILE=next_tile,
+        EARLY_TILE=(EARLY_FIRST_TILE and launch["PDL"] if early_tile is None else early_tile) and rope is None
+        and not fma_lanes,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch,
     )
     if split:
