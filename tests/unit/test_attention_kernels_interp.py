@@ -27,6 +27,8 @@ CHECKS = [
     "decode_f32_d64_page32_tile16_split3",
     "decode_f32_d64_gqa4_split5_lanes",
     "decode_f16_d128_mha_split16_lanes_empty_parts",
+    "decode_f32_d64_gqa4_split3_dot_early_tile",
+    "decode_f16_d128_gqa4_nosplit_fma_early_tile",
     "decode_f32_d64_gqa4_split3_lanes_next_tile",
     "decode_f16_d128_gqa4_nosplit_lanes_next_tile",
     "decode_rope_norm_f32_d64_gqa4_split5_dot",
