@@ -422,7 +422,7 @@ def _specs():
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
                        "KV_FMT": "constexpr", "PDL": "constexpr", "PREFETCH_N": "constexpr",
-                       "ROPE": "constexpr", "NORM": "constexpr", "NEXT_TILE": "constexpr"}
+                       "ROPE": "constexpr", "NORM": "constexpr", "NEXT_TILE": "constexpr", "EARLY_TILE": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
@@ -441,7 +441,7 @@ def _specs():
                             "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_N": block_n,
                             "PAGE": 16, "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False,
                             "KV_FMT": kv_fmt, "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm,
-                            "NEXT_TILE": next_tile},
+                            "NEXT_TILE": next_tile, "EARLY_TILE": False},
                             label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
                             + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")
                             + (f" block_n {block_n}" if half else "") + (" next-tile" if next_tile else "")))
