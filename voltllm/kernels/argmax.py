@@ -56,6 +56,9 @@ def _row_argmax_kernel(X, OUT, PART_V, PART_I, COUNTS, V, stride_x, n_chunks, CH
 
 CHUNK = 8192
 MAX_ROWS = 1 << 12  # rows a call may have (the per-row arrival counts)
+# Whether greedy sampling on CUDA uses row_argmax (sampling/sampler.greedy_tokens). Off until the split form is timed
+# on a GPU (benchmarks/micro/argmax_rows.py): the program-per-row form it replaced lost to torch at every size.
+ROW_ARGMAX_ON_CUDA = False
 
 
 def _specs() -> list[CompileSpec]:

@@ -41,12 +41,13 @@ class SamplingRow:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1) of [rows, vocab] logits; on a GPU by one Triton launch (kernels/argmax.py: torch's
-    reduction took 22.7 us of the 8B's 64-row decode step for ~5 us of reads)."""
+    """logits.argmax(dim=-1) of [rows, vocab] logits; on a GPU by kernels/argmax.row_argmax where ROW_ARGMAX_ON_CUDA
+    says so (torch's reduction took 22.7 us of the 8B's 64-row decode step for ~5 us of reads)."""
     if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
-        from voltllm.kernels.argmax import row_argmax
+        from voltllm.kernels import argmax
 
-        return row_argmax(logits)
+        if argmax.ROW_ARGMAX_ON_CUDA:
+            return argmax.row_argmax(logits)
     return logits.argmax(dim=-1)
 
 
