@@ -41,3 +41,41 @@ def check_regex_output(text: str, pattern: str = REGEX) -> None:
 
 def check_json_object_output(text: str) -> None:
     assert isinstance(json.loads(text), dict), repr(text)
+
+
+# structural tags: free text, except that a trigger ("<") starts a tag: "<f>", JSON of TAG_SCHEMA, "</f>". Whitespace
+# inside is xgrammar's (as in vLLM): at most one in a row, or a random model writes whitespace for ever.
+TAG_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+TAG = {"begin": "<f>", "content": {"type": "json_schema", "json_schema": TAG_SCHEMA, "max_whitespace_cnt": 1},
+       "end": "</f>"}
+
+
+def structural_tag(**options) -> dict:
+    """xgrammar's structural tag (vLLM's newer form) with TAG after the trigger "<" (options: at_least_one, ...)."""
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], "tags": [TAG],
+                                                 **options}}
+
+
+# vLLM's older form: the same tag, JSON with free whitespace
+LEGACY_TAG = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": TAG_SCHEMA, "end": "</f>"}],
+              "triggers": ["<"]}
+
+
+def check_tagged_output(text: str, complete: bool = True) -> list[dict]:
+    """Free text with tags: every "<" begins "<f>" + JSON of TAG_SCHEMA + "</f>" (the last may be cut off unless
+    `complete`); returns the tags' objects."""
+    pieces = text.split("<")
+    objects = []
+    for i, piece in enumerate(pieces[1:], 1):
+        if piece.startswith("/f>"):  # the end of the tag before: free text after it
+            continue
+        if not complete and i == len(pieces) - 1 and "</f>" not in "<" + piece:
+            assert ("<" + piece).startswith("<f>") or "<f>".startswith("<" + piece), repr(text)
+            continue
+        assert piece.startswith("f>") and i + 1 < len(pieces) and pieces[i + 1].startswith("/f>"), repr(text)
+        obj = json.loads(piece[2:])
+        assert set(obj) == {"n", "ok"} and 0 <= obj["n"] <= 99 and isinstance(obj["ok"], bool), obj
+        objects.append(obj)
+    return objects

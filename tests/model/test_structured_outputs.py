@@ -1,10 +1,14 @@
 """Structured outputs offline on a tiny random model: whatever the weights choose, the output follows the constraint
-(JSON schema, regex, choice, EBNF grammar, JSON object), with async scheduling on and off, beside unconstrained
-requests (whose greedy output is their output alone), with n > 1, preemption, speculation and aborts."""
+(JSON schema, regex, choice, EBNF grammar, JSON object, structural tag), with async scheduling on and off, beside
+unconstrained requests (whose greedy output is their output alone), with n > 1, preemption, speculation and
+aborts."""
+import json
+
 import pytest
 
-from structured_cases import (CHOICES, GRAMMAR, GRAMMAR_RE, LONG_REGEX, REGEX, SCHEMA, check_json_object_output,
-                              check_regex_output, check_schema_output)
+from structured_cases import (CHOICES, GRAMMAR, GRAMMAR_RE, LEGACY_TAG, LONG_REGEX, REGEX, SCHEMA,
+                              check_json_object_output, check_regex_output, check_schema_output, check_tagged_output,
+                              structural_tag)
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams, StructuredOutputsParams
 from voltllm.engine.types import EngineCoreRequest
@@ -78,6 +82,49 @@ def test_a_finished_grammar_ends_the_request_even_without_eos(llm):
         out = llm.generate(PROMPTS[2], _params(max_tokens=20, structured_outputs={"choice": CHOICES}, **kw))[0]
         assert out.outputs[0].text in CHOICES and out.outputs[0].finish_reason == "stop", (kw, out.outputs[0])
     assert len(llm.engine.grammars) == 0
+
+
+def test_structural_tag_leaves_free_text_free_and_constrains_each_tag(llm):
+    """Until the trigger the model writes what it would unconstrained; from it on, "<f>" + JSON of the tag's schema
+    + "</f>"; then free text again, up to the next trigger."""
+    trigger = llm.get_tokenizer().convert_tokens_to_ids("<")
+    bias = {trigger: 3.0}  # the trigger now and then (this prompt and weights: after a few free tokens)
+    free = llm.generate(PROMPTS[2], _params(max_tokens=40, logit_bias=bias))[0].outputs[0].text
+    out = llm.generate(PROMPTS[2], _params(max_tokens=40, logit_bias=bias,
+                                           structured_outputs={"structural_tag": structural_tag()}))[0].outputs[0]
+    before = out.text.split("<")[0]
+    assert before and free.startswith(before + "<") and not free.startswith(before + "<f>"), (free, out.text)
+    assert len(check_tagged_output(out.text, complete=False)) >= 1 and out.text.count("</f>") >= 1, out.text
+    assert out.text.split("</f>")[1].strip(), out.text  # free text after the tag's end
+    # vLLM's older form, as JSON text, with no trigger in this text: token for token the unconstrained output
+    plain = llm.generate(PROMPTS[0], _params(max_tokens=30))[0].outputs[0]
+    legacy = llm.generate(PROMPTS[0], _params(max_tokens=30, structured_outputs={
+        "structural_tag": json.dumps(LEGACY_TAG)}))[0].outputs[0]
+    assert "<" not in plain.text and legacy.token_ids == plain.token_ids
+    # at_least_one + stop_after_first: one tag from the first token, then the grammar ends the request
+    forced = llm.generate(PROMPTS[1], _params(structured_outputs=StructuredOutputsParams(
+        structural_tag=structural_tag(at_least_one=True, stop_after_first=True))))[0].outputs[0]
+    assert forced.text.startswith("<f>") and forced.text.endswith("</f>") and forced.finish_reason == "stop"
+    assert len(check_tagged_output(forced.text)) == 1
+    assert len(llm.engine.grammars) == 0
+    llm.engine.check_integrity()
+
+
+def test_structural_tag_tokens_resolve_against_the_vocabulary(llm):
+    """A token format named by its text is built by the engine's compile (the API process has no vocabulary); one the
+    vocabulary lacks fails that request with a 400-kind error, and the engine goes on."""
+    from voltllm.engine.request_checks import InvalidRequestError
+
+    def tag(token):
+        return {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "token", "token": token}, {"type": "const_string", "value": "ok"}]}}
+
+    out = llm.generate(PROMPTS[0], _params(structured_outputs={"structural_tag": tag("<")}))[0].outputs[0]
+    assert out.text == "<ok" and out.token_ids[0] == llm.get_tokenizer().convert_tokens_to_ids("<")
+    with pytest.raises(InvalidRequestError, match='invalid structural tag: Token string "<nope>" not found'):
+        llm.generate(PROMPTS[0], _params(structured_outputs={"structural_tag": tag("<nope>")}))
+    assert not llm.engine.has_unfinished_requests() and len(llm.engine.grammars) == 0
+    llm.engine.check_integrity()
 
 
 def test_n_children_each_follow_their_own_matcher(llm):

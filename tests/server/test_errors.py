@@ -61,7 +61,9 @@ CASES = [
     ("tool choice names an unknown function", CHAT, {"messages": MSG, "tool_choice": {
         "type": "function", "function": {"name": "g"}}, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "tool_choice"),
-    ("unsupported response format", CHAT, {"messages": MSG, "response_format": {"type": "structural_tag"}}, 400,
+    ("unsupported response format", CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400,
+     "response_format"),
+    ("structural tag without a format", CHAT, {"messages": MSG, "response_format": {"type": "structural_tag"}}, 400,
      "response_format"),
     ("two structured-output constraints", CMPL, {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, 400,
      "guided_choice"),

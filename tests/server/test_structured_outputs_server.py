@@ -1,6 +1,7 @@
 """Structured outputs over HTTP with the openai client, on a `voltllm serve` of a tiny random model: OpenAI's
-response_format, vLLM's guided_* and structured_outputs parameters, chat and completions, streamed and not; and the
-400s (two constraints, an invalid schema / regex / grammar, an unsupported response_format)."""
+response_format, vLLM's guided_* and structured_outputs parameters and structural tags, chat and completions,
+streamed and not; and the 400s (two constraints, an invalid schema / regex / grammar / structural tag, an unsupported
+response_format)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import json
 import openai
 import pytest
 
-from structured_cases import (CHOICES, GRAMMAR, GRAMMAR_RE, REGEX, SCHEMA, check_json_object_output,
-                              check_regex_output, check_schema_output)
+from structured_cases import (CHOICES, GRAMMAR, GRAMMAR_RE, LEGACY_TAG, REGEX, SCHEMA, check_json_object_output,
+                              check_regex_output, check_schema_output, check_tagged_output, structural_tag)
 
 MESSAGES = [{"role": "user", "content": "Give me a record."}]
 
@@ -98,9 +99,38 @@ def test_invalid_constraints_name_their_parameter(client):
     assert body["param"] == "structured_outputs", body
 
 
+def test_structural_tags(client):
+    """vLLM's response_format structural_tag (xgrammar's form; the older structures + triggers) and
+    structured_outputs.structural_tag (JSON text): free text, and a tag after each trigger."""
+    forced = structural_tag(at_least_one=True, stop_after_first=True)
+    choice = _chat(client, response_format=forced).choices[0]
+    assert len(check_tagged_output(choice.message.content)) == 1 and choice.finish_reason == "stop", choice
+    stream = _chat(client, response_format=forced, stream=True, temperature=0.8, seed=3)
+    assert len(check_tagged_output("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))) == 1
+    # free text where no trigger comes: what the model says unconstrained, whichever form and parameter
+    plain = _complete(client, max_tokens=20).choices[0].text
+    assert "<" not in plain
+    assert _complete(client, max_tokens=20, extra_body={"response_format": LEGACY_TAG}).choices[0].text == plain
+    so = {"structural_tag": json.dumps(LEGACY_TAG)}
+    out = _complete(client, max_tokens=20, extra_body={"structured_outputs": so})
+    assert out.choices[0].text == plain
+
+
+def test_malformed_structural_tags_name_their_parameter(client):
+    for rf, words in [({"type": "structural_tag"}, "needs a format"),
+                      ({"type": "structural_tag", "format": {}}, "format"),
+                      ({**LEGACY_TAG, "triggers": ["<g"]}, "does not match any trigger")]:
+        body = _bad(lambda: _chat(client, response_format=rf))
+        assert body["param"] == "response_format" and "invalid structural tag" in body["message"], body
+        assert words in body["message"], body
+    body = _bad(lambda: _complete(client, extra_body={"structured_outputs": {"structural_tag": "{oops"}}))
+    assert body["param"] == "structured_outputs" and "not valid JSON" in body["message"], body
+
+
 def test_unsupported_response_format(client):
-    body = _bad(lambda: _chat(client, response_format={"type": "structural_tag", "format": {}}))
+    body = _bad(lambda: _chat(client, response_format={"type": "xml"}))
     assert body["param"] == "response_format" and body["code"] == "unsupported_parameter", body
+    assert "'structural_tag'" in body["message"], body
     body = _bad(lambda: _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x"}}))
     assert body["param"] == "response_format", body
     # the engine is unharmed by all of the above

@@ -1,5 +1,5 @@
 """Structured outputs without an engine: the params' checks, the request-parameter mapping, the bitmask applied to
-logits (every sampler path), and the grammar's JSON strings."""
+logits (every sampler path), the grammar's JSON strings, and structural tags' grammars."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from structured_cases import CHOICES, REGEX, SCHEMA
+from structured_cases import CHOICES, LEGACY_TAG, REGEX, SCHEMA, TAG_SCHEMA, structural_tag
 from voltllm.entrypoints.openai.errors import OpenAIError
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from voltllm.sampling.bitmask import TokenBitmask, apply_token_bitmask_
@@ -141,3 +141,90 @@ def test_request_structured_outputs_options():
                       ({"regex": "a", "disable_fallback": "yes"}, "disable_fallback must be true or false")):
         with pytest.raises(OpenAIError, match=words):
             constraint(so)
+
+
+def test_structural_tag_params_and_key():
+    """Both of vLLM's forms, as an object or its JSON text, give one key: xgrammar's form (the older one rewritten),
+    which the grammar and its compile are cached by; a malformed tag names structural_tag."""
+    legacy_as_new = structural_tag()
+    legacy_as_new["format"]["tags"] = [{"begin": "<f>", "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+                                        "end": "</f>"}]
+    key = StructuredOutputsParams(structural_tag=json.dumps(LEGACY_TAG)).key
+    assert key[0] == "structural_tag" and json.loads(key[1])["format"]["type"] == "triggered_tags"
+    assert StructuredOutputsParams(structural_tag=LEGACY_TAG).key == key
+    assert (StructuredOutputsParams(structural_tag=json.dumps(structural_tag(), indent=2)).key ==
+            StructuredOutputsParams(structural_tag=structural_tag()).key)
+    assert pickle.loads(pickle.dumps(SamplingParams(structured_outputs={"structural_tag": LEGACY_TAG}))
+                        ).structured_outputs.key == key
+    bad_format = {"type": "structural_tag", "format": {"type": "nope"}}
+    wrong_trigger = {**LEGACY_TAG, "triggers": ["<g"]}
+    for tag, words in [("{oops", "not valid JSON"), ("[1]", "must be a JSON object"), (3, "JSON object or its JSON"),
+                       ({"type": "structural_tag"}, "needs a format"),
+                       ({**LEGACY_TAG, "format": {}}, "not both"),
+                       ({**LEGACY_TAG, "at_least_one": True}, "structures and triggers only"),
+                       ({**LEGACY_TAG, "structures": [{"begin": "<f>", "end": "</f>"}]}, "schema must be"),
+                       ({**LEGACY_TAG, "triggers": []}, "triggers must be"),
+                       (bad_format, "Format type not recognized: nope"),
+                       (wrong_trigger, "does not match any trigger"),
+                       (structural_tag() | {"format": {"type": "regex", "pattern": "(ab"}}, "Regex parsing error"),
+                       ({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {"type": "nope"}}},
+                        "Unsupported type")]:
+        with pytest.raises(StructuredOutputsError, match=words) as e:
+            StructuredOutputsParams(structural_tag=tag)
+        assert e.value.field == "structural_tag" and "invalid structural tag" in str(e.value), (tag, e.value)
+        assert "[" not in str(e.value).split(":")[0] and "Invalid structural tag error" not in str(e.value)
+    with pytest.raises(StructuredOutputsError, match="exactly one of .*structural_tag"):
+        StructuredOutputsParams(regex=REGEX, structural_tag=LEGACY_TAG)
+
+
+def test_structural_tag_grammar_free_text_and_tags():
+    """Outside a trigger the text is free; from a trigger on, a tag's begin, JSON following its schema, its end; then
+    free text again. The older form allows xgrammar's free JSON whitespace, the newer one what its format says."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from voltllm.structured.grammar import grammar_for
+
+    legacy = grammar_for(StructuredOutputsParams(structural_tag=LEGACY_TAG).key)
+    new = grammar_for(StructuredOutputsParams(structural_tag=structural_tag()).key)
+    forced = grammar_for(StructuredOutputsParams(structural_tag=structural_tag(at_least_one=True,
+                                                                               stop_after_first=True)).key)
+    tag = '<f>{"n": 7, "ok": true}</f>'
+    for g in (legacy, new):
+        assert accepts(g, "any text at all, {not json} f> ]")
+        assert accepts(g, "free " + tag + " free again " + tag)
+        assert not accepts(g, "free <g>")  # the trigger "<" leads to "<f>" only
+        assert not accepts(g, '<f>{"n": 7}</f>')  # the schema's required key
+        assert not accepts(g, '<f>{"n": 100, "ok": true}</f>')
+        assert not accepts(g, '<f>{"n": 7, "ok": true} and on')  # its end
+    assert accepts(legacy, '<f>{\n   "n":  7, "ok": true}</f>') and not accepts(new, '<f>{  "n": 7, "ok": true}</f>')
+    assert accepts(forced, tag) and not accepts(forced, "x" + tag) and not accepts(forced, tag + "x")
+    # a token named by its text is resolved against the vocabulary: only the engine's compile can build it
+    token_tag = {"type": "structural_tag", "format": {"type": "token", "token": "<|im_end|>"}}
+    assert grammar_for(StructuredOutputsParams(structural_tag=token_tag).key) is None
+
+
+def test_structural_tag_request_parameters():
+    """response_format {"type": "structural_tag", ...} (either form) and structured_outputs.structural_tag (JSON
+    text) map to one constraint; a malformed tag is a 400 naming the parameter."""
+    def so(**kw):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw)
+        req.check()
+        return req.sampling_params(8, None).structured_outputs
+
+    key = StructuredOutputsParams(structural_tag=LEGACY_TAG).key
+    assert so(response_format=LEGACY_TAG).key == key
+    assert so(structured_outputs={"structural_tag": json.dumps(LEGACY_TAG)}).key == key
+    assert so(response_format=structural_tag()).key == so(structured_outputs={
+        "structural_tag": json.dumps(structural_tag())}).key
+    assert CompletionRequest(prompt="x", response_format=LEGACY_TAG).constraint().key == key
+    for kw, param, words in [
+            ({"response_format": {"type": "structural_tag"}}, "response_format", "needs a format"),
+            ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format", "nope"),
+            ({"response_format": {**LEGACY_TAG, "triggers": ["<g"]}}, "response_format", "any trigger"),
+            ({"structured_outputs": {"structural_tag": "{oops"}}, "structured_outputs", "not valid JSON"),
+            ({"structured_outputs": {"structural_tag": json.dumps(LEGACY_TAG), "regex": "a"}}, "structured_outputs",
+             "one structured-output constraint"),
+            ({"response_format": LEGACY_TAG, "guided_regex": "a"}, "guided_regex", "one structured-output")]:
+        with pytest.raises(OpenAIError, match=words) as e:
+            so(**kw)
+        assert e.value.status == 400 and e.value.param == param, (kw, e.value.message)

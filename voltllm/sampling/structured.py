@@ -1,6 +1,7 @@
 """StructuredOutputsParams: the one output constraint a request may carry (vLLM's field names).
 
-Exactly one of json (a JSON schema), regex, choice, grammar (EBNF as xgrammar reads it) or json_object. The
+Exactly one of json (a JSON schema), regex, choice, grammar (EBNF as xgrammar reads it), json_object or
+structural_tag (free text with constrained parts after triggers: structured/structural_tag.py). The
 constraint is checked when the params are made, by building its grammar (voltllm/structured/grammar.py, cached),
 so a bad schema fails there rather than in the engine.
 """
@@ -28,13 +29,14 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None  # any JSON object
+    structural_tag: Optional[Union[str, dict]] = None  # xgrammar's structural tag or vLLM's older form (or JSON text)
 
     def __post_init__(self) -> None:
         given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputsError(
                 given[1] if given else "json",
-                "structured outputs take exactly one of json, regex, choice, grammar, json_object"
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object, structural_tag"
                 + (f"; got {', '.join(given)}" if given else ""))
         self._check_types()
         from voltllm.structured.grammar import grammar_for
@@ -60,6 +62,19 @@ class StructuredOutputsParams:
             raise StructuredOutputsError("grammar", "grammar must be a non-empty EBNF string")
         if self.json_object not in (None, True, False):
             raise StructuredOutputsError("json_object", "json_object must be a boolean")
+        if self.structural_tag is not None:
+            self._structural_tag_text()  # its shape (what is inside its formats: when the grammar is built)
+
+    def _structural_tag_text(self) -> str:
+        from voltllm.structured.structural_tag import structural_tag_text
+
+        if not isinstance(self.structural_tag, (str, dict)):
+            raise StructuredOutputsError("structural_tag",
+                                         "invalid structural tag: it must be a JSON object or its JSON text")
+        try:
+            return structural_tag_text(self.structural_tag)
+        except ValueError as e:
+            raise StructuredOutputsError("structural_tag", f"invalid structural tag: {e}") from None
 
     @property
     def kind(self) -> str:
@@ -78,4 +93,6 @@ class StructuredOutputsParams:
             return kind, json.dumps(list(value))
         if kind == "json_object":
             return kind, ""
+        if kind == "structural_tag":  # (the older form rewritten into xgrammar's: one key for both)
+            return kind, self._structural_tag_text()
         return kind, value

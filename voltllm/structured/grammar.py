@@ -1,13 +1,15 @@
 """A constraint's key -> xgrammar Grammar (tokenizer-free, so the API process can check a request with it).
 
 JSON is constrained to xgrammar's compact form (no free whitespace between tokens: `{"a": 1, "b": [2]}`): output
-that is still valid JSON, and a model cannot spend its tokens on endless whitespace inside an object.
+that is still valid JSON, and a model cannot spend its tokens on endless whitespace inside an object. A structural
+tag's JSON formats are xgrammar's own (whitespace as its format says: `max_whitespace_cnt`), as in vLLM.
 """
 from __future__ import annotations
 
 import json
 import re
 from functools import lru_cache
+from typing import Optional
 
 import xgrammar as xgr
 
@@ -15,6 +17,9 @@ from voltllm.sampling.structured import StructuredOutputsError
 
 # xgrammar's errors start with "[time] /path/file.cc:line: "; the rest is the message a user can act on
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# then, from a compile, the check that failed ("Check failed: (...) is false: "); then its structural-tag errors'
+# class, which our message says already ("invalid structural tag: ...")
+_ERROR_KIND = re.compile(r"^(Check failed: \(.*?\) is false: )?(Invalid (structural tag|JSON) error: )?")
 
 
 # xgrammar 0.2.8 writes the characters of a string with minLength / maxLength as this class, which lets control
@@ -39,23 +44,43 @@ def _choice_grammar(choices_text: str) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(choices_text)))
 
 
+def _structural_tag_grammar(text: str) -> Optional[xgr.Grammar]:
+    try:
+        return xgr.Grammar.from_structural_tag(text)
+    except RuntimeError as e:
+        # a token format named by its text ({"type": "token", "token": "<|im_end|>"}) needs the vocabulary: only the
+        # engine's compile (GrammarCompiler.compile_structural_tag) can resolve it, and report what is wrong there
+        if "requires tokenizer_info" in str(e):
+            return None
+        raise
+
+
 _BUILDERS = {
     "json": _json_grammar,
     "json_object": lambda _: _json_grammar('{"type": "object"}'),
     "regex": xgr.Grammar.from_regex,
     "choice": _choice_grammar,
     "grammar": xgr.Grammar.from_ebnf,
+    "structural_tag": _structural_tag_grammar,
 }
 
 
+def xgrammar_message(e: Exception) -> str:
+    """An xgrammar error's first line without its log prefix: the part a user can act on."""
+    return _ERROR_KIND.sub("", _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else
+                                               type(e).__name__))
+
+
 @lru_cache(maxsize=256)
-def grammar_for(key: tuple[str, str]) -> xgr.Grammar:
-    """The grammar of a StructuredOutputsParams.key; StructuredOutputsError naming the field when it is invalid."""
+def grammar_for(key: tuple[str, str]) -> Optional[xgr.Grammar]:
+    """The grammar of a StructuredOutputsParams.key; StructuredOutputsError naming the field when it is invalid.
+    None only for a structural tag that names tokens by their text (it is built against the vocabulary, in the
+    engine: GrammarMatchers)."""
     kind, text = key
     try:
         return _BUILDERS[kind](text)
     except (RuntimeError, ValueError, TypeError) as e:
-        message = _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        message = xgrammar_message(e)
         what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
-                "grammar": "grammar"}[kind]
+                "grammar": "grammar", "structural_tag": "structural tag"}[kind]
         raise StructuredOutputsError(kind, f"invalid {what}: {message}") from None

@@ -97,13 +97,20 @@ class GrammarMatchers:
     def _build(self, key: tuple[str, str]) -> Any:
         """The compiled grammar of a key (runs in the compile thread); InvalidRequestError when it cannot be built."""
         from voltllm.sampling.structured import StructuredOutputsError
-        from voltllm.structured.grammar import grammar_for
+        from voltllm.structured.grammar import grammar_for, xgrammar_message
 
         compiler = self._compiler_or_fail()
         try:
+            if key[0] == "structural_tag":  # (from its text: token formats resolve against the vocabulary here)
+                grammar_for(key)  # checked as in the API process first: the same messages
+                return compiler.compile_structural_tag(key[1])
             return compiler.compile_grammar(grammar_for(key))
-        except (StructuredOutputsError, RuntimeError, ValueError) as e:
+        except StructuredOutputsError as e:
             raise InvalidRequestError(f"structured outputs: {e}", "structured_outputs") from None
+        except (RuntimeError, ValueError) as e:
+            what = "invalid structural tag: " if key[0] == "structural_tag" else ""
+            raise InvalidRequestError(f"structured outputs: {what}{xgrammar_message(e)}",
+                                      "structured_outputs") from None
 
     def _submit(self, key: tuple[str, str]) -> concurrent.futures.Future:
         if self._pool is None:

@@ -1,9 +1,11 @@
 """A request's structured-output parameters -> one StructuredOutputsParams, or an OpenAI-style 400.
 
 Sources: OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
-"schema", "strict"}}), vLLM's guided_json / guided_regex / guided_choice / guided_grammar and its newer
-structured_outputs object. More than one constraint in a request is refused, as is an invalid one (the grammar is
-built here, in the API process, so the engine only ever sees constraints that compile).
+"schema", "strict"}}; vLLM's {"type": "structural_tag", "format": {...}} and its older {"type": "structural_tag",
+"structures": [...], "triggers": [...]}), vLLM's guided_json / guided_regex / guided_choice / guided_grammar and its
+newer structured_outputs object (structural_tag there: the same, as JSON text). More than one constraint in a
+request is refused, as is an invalid one (the grammar is built here, in the API process, so the engine only ever
+sees constraints that compile; a structural tag's token formats excepted: structured/grammar.py).
 """
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.sampling.structured import StructuredOutputsError, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_FORMAT_TYPES = "'text', 'json_object', 'json_schema' or 'structural_tag'"
 
 
 def _from_response_format(rf: dict[str, Any]) -> Optional[dict[str, Any]]:
     if "type" not in rf:  # required by OpenAI's API (and vLLM's)
-        raise bad_request("response_format needs a type: 'text', 'json_object' or 'json_schema'", "response_format")
+        raise bad_request(f"response_format needs a type: {_FORMAT_TYPES}", "response_format")
     kind = rf["type"]
     if kind == "text":
         return None
@@ -30,8 +33,10 @@ def _from_response_format(rf: dict[str, Any]) -> Optional[dict[str, Any]]:
             raise bad_request("response_format json_schema needs a json_schema object with a schema object "
                               "({\"name\": ..., \"schema\": {...}})", "response_format")
         return {"json": spec["schema"]}
-    raise bad_request(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
-                      "'json_schema'", "response_format", "unsupported_parameter")
+    if kind == "structural_tag":  # the object is the tag, either form (StructuredOutputsParams checks it)
+        return {"structural_tag": rf}
+    raise bad_request(f"response_format type {kind!r} is not supported; use {_FORMAT_TYPES}", "response_format",
+                      "unsupported_parameter")
 
 
 def _from_structured(obj: Any) -> dict[str, Any]:
