@@ -262,12 +262,18 @@ def test_sentence_transformers_files_choose_the_pooler(tmp_path, hidden_states, 
 
 def test_tensor_parallel_pooling_matches_one_rank(tiny_path):
     """-tp 2 on the CPU (gloo): rank 0 pools the whole final hidden state (every rank has it after the last
-    all-reduce); the other rank computes no logits for a pooling step."""
+    all-reduce); the other rank computes no logits for a pooling step. LLM.score on it: the cosine of two
+    embeddings, one rank's."""
     one = _engine(tiny_path, pooler_config={"pooling_type": "MEAN"})
     two = _engine(tiny_path, pooler_config={"pooling_type": "MEAN"}, tensor_parallel_size=2)
     try:
         for a, b in zip(one.embed(PROMPTS, use_tqdm=False), two.embed(PROMPTS, use_tqdm=False)):
             torch.testing.assert_close(torch.tensor(b.outputs.embedding), torch.tensor(a.outputs.embedding),
                                        atol=2e-5, rtol=1e-4)
+        for args in ((PROMPTS[0], PROMPTS[1:]), (PROMPTS[:2], PROMPTS[2:])):  # 1:N and N:N
+            want = [o.outputs.score for o in one.score(*args, use_tqdm=False)]
+            got = [o.outputs.score for o in two.score(*args, use_tqdm=False)]
+            assert len(got) == len(args[1]) and len(set(got)) == len(got)  # (distinct pairs, distinct scores)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-6, rtol=1e-5)
     finally:
         two.engine.shutdown()

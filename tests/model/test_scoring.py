@@ -2,7 +2,8 @@
 reranker as vLLM serves Qwen3-Reranker (--hf-overrides architectures / classifier_from_token /
 is_original_qwen3_reranker: score = sigmoid(logit_yes - logit_no) at the pair prompt's last token), the
 no_post_processing head over a tied embedding, and plain ...ForSequenceClassification checkpoints (score.weight),
-each against transformers; batching, chunked prompts, use_activation and the refusals."""
+each against transformers; batching, chunked prompts, use_activation and the refusals; and under -tp 2 (gloo) the
+same scores / probabilities as one rank."""
 import pytest
 import torch
 
@@ -125,10 +126,9 @@ def test_no_post_processing_over_a_tied_embedding(tmp_path):
         llm.score("a", "b", use_tqdm=False)
 
 
-@pytest.mark.parametrize("num_labels", [1, 3])
-def test_sequence_classification_checkpoints_match_transformers(tmp_path, num_labels):
-    """A Qwen3ForSequenceClassification checkpoint (its score.weight): --runner auto makes it a classifier; one label
-    scores by sigmoid, several classify by softmax, as vLLM; the pair is the tokenizer's text pair."""
+def _sequence_classification_checkpoint(tmp_path, num_labels):
+    """A tiny Qwen3ForSequenceClassification checkpoint (a random score.weight) under tmp_path: (path, transformers'
+    model, tokenizer)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     causal = make_model(str(tmp_path / "causal"), "qwen3", max_position_embeddings=256)
@@ -140,7 +140,14 @@ def test_sequence_classification_checkpoints_match_transformers(tmp_path, num_la
     path = str(tmp_path / "seqcls")
     ref.save_pretrained(path)
     tok.save_pretrained(path)
-    ref.eval()
+    return path, ref.eval(), tok
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_sequence_classification_checkpoints_match_transformers(tmp_path, num_labels):
+    """A Qwen3ForSequenceClassification checkpoint (its score.weight): --runner auto makes it a classifier; one label
+    scores by sigmoid, several classify by softmax, as vLLM; the pair is the tokenizer's text pair."""
+    path, ref, tok = _sequence_classification_checkpoint(tmp_path, num_labels)
     llm = LLM(path, block_size=4)
     assert llm.config.model.runner == "pooling" and llm.config.model.pooler.classifier.num_labels == num_labels
 
@@ -162,3 +169,50 @@ def test_sequence_classification_checkpoints_match_transformers(tmp_path, num_la
 def test_a_causal_lm_without_a_head_source_is_refused(causal_path):
     with pytest.raises(ValueError, match="the checkpoint has no classification head .*classifier_from_token"):
         LLM(causal_path, runner="pooling", convert="classify", block_size=4)
+
+
+def _tp2(path, **kw):
+    """The same engine at -tp 2 (two gloo processes on the CPU; rank 0 pools and classifies)."""
+    return LLM(path, runner="pooling", block_size=4, tensor_parallel_size=2, **kw)
+
+
+def _assert_same(got, want):  # fp32 on both: only the ranks' all-reduce order differs
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-6, rtol=1e-5)
+
+
+def test_tensor_parallel_reranker_matches_one_rank(reranker, causal_path, tok):
+    """Qwen3-Reranker's overrides at -tp 2: the head is built from the whole checkpoint's yes / no rows (not this
+    rank's vocabulary shard) and the scores, raw logits and probabilities are one rank's."""
+    two = _tp2(causal_path, hf_overrides=_overrides(tok), max_num_batched_tokens=16)
+    try:
+        assert two.config.parallel.tensor_parallel_size == 2
+        pairs = ([QUERY, "another question? ", "x "], DOCS)
+        for a, b in ((reranker.score(QUERY, DOCS, use_tqdm=False), two.score(QUERY, DOCS, use_tqdm=False)),
+                     (reranker.score(*pairs, use_tqdm=False), two.score(*pairs, use_tqdm=False))):
+            _assert_same([o.outputs.score for o in b], [o.outputs.score for o in a])
+        raw = PoolingParams(use_activation=False)
+        _assert_same([o.outputs.score for o in two.score(QUERY, DOCS, pooling_params=raw, use_tqdm=False)],
+                     [o.outputs.score for o in reranker.score(QUERY, DOCS, pooling_params=raw, use_tqdm=False)])
+        texts = [QUERY + d for d in DOCS]
+        _assert_same([o.outputs.probs for o in two.classify(texts, use_tqdm=False)],
+                     [o.outputs.probs for o in reranker.classify(texts, use_tqdm=False)])
+        two.engine.check_integrity()
+    finally:
+        two.engine.shutdown()
+
+
+def test_tensor_parallel_three_label_classifier_matches_one_rank(tmp_path):
+    """A ForSequenceClassification checkpoint with 3 labels (its score.weight, softmax) at -tp 2: one rank's
+    probabilities, batched and with prompts chunked over steps."""
+    path, _, _ = _sequence_classification_checkpoint(tmp_path, 3)
+    one = LLM(path, block_size=4, max_num_batched_tokens=16)
+    two = _tp2(path, max_num_batched_tokens=16)
+    try:
+        assert two.config.model.pooler.classifier.num_labels == 3
+        texts = DOCS + [QUERY * 2]  # (the last over the 16-token step budget: chunked)
+        want = [o.outputs.probs for o in one.classify(texts, use_tqdm=False)]
+        got = [o.outputs.probs for o in two.classify(texts, use_tqdm=False)]
+        assert all(len(p) == 3 for p in got)
+        _assert_same(got, want)
+    finally:
+        two.engine.shutdown()
