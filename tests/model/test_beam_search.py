@@ -174,7 +174,7 @@ def test_ignore_eos_and_include_stop_str(eos_llm, ref, eos_model):
 def test_refusals(llm, tiny_path):
     with pytest.raises(ValueError, match="maximum context length"):
         llm.beam_search(["x " * 100], BeamSearchParams(beam_width=2, max_tokens=100))
-    with pytest.raises(ValueError, match="lora_request"):
+    with pytest.raises(ValueError, match="lora_request: LoRA is not enabled"):  # (with it: test_lora_beam_search.py)
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search(PROMPTS, {"beam_width": 2})

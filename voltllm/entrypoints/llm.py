@@ -308,11 +308,13 @@ class LLM:
         each sequence's `tokens` are the prompt's and the generated ones (a final EOS included), its `text` their
         decoded text (the EOS's only with include_stop_str_in_output). Each step runs every live beam of the prompts
         batched together (concurrency_limit of them at a time; None: all) as one-token requests; the prefix cache
-        keeps each beam's earlier tokens. use_tqdm: a bar over the steps (tqdm, or this tqdm-like factory)."""
-        _refuse_lora(lora_request, "beam search")
+        keeps each beam's earlier tokens. use_tqdm: a bar over the steps (tqdm, or this tqdm-like factory).
+        lora_request: as generate's (one for every prompt, or one per prompt); every step request of a prompt's
+        search runs with its adapter."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         prompts = _prompt_list(prompts)
+        loras = _lora_requests(lora_request, len(prompts), self.config.lora is not None)
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
         num_logprobs = min(params.num_candidates, self.engine.vocab_size)
@@ -330,14 +332,17 @@ class LLM:
         try:
             for start in range(0, len(searches), limit):
                 batch = searches[start:start + limit]
+                batch_loras = loras[start:start + limit]
                 while True:
-                    active = [s for s in batch if not s.done]
+                    active = [(s, lora) for s, lora in zip(batch, batch_loras) if not s.done]
                     if not active:
                         break
-                    outs = self.generate([{"prompt_token_ids": b.tokens} for s in active for b in s.live],
-                                         step_params, use_tqdm=False)
+                    step_loras = [lora for s, lora in active for _ in s.live]
+                    outs = self.generate([{"prompt_token_ids": b.tokens} for s, _ in active for b in s.live],
+                                         step_params, use_tqdm=False,
+                                         lora_request=step_loras if any(step_loras) else None)
                     at = 0
-                    for s in active:
+                    for s, _ in active:
                         width = len(s.live)
                         s.advance([o.outputs[0].logprobs[0] for o in outs[at:at + width]])
                         at += width
