@@ -1,6 +1,7 @@
 """--enable-lora --lora-modules over HTTP (the tiny server serves the adapter "tiny-lora"): /v1/models lists it with
 `parent` (the base model) and `root` (its path), a request naming it runs with it (its greedy tokens are transformers'
-with the adapter merged), the base model's requests run without it, an unknown name stays a 404."""
+with the adapter merged; use_beam_search's beams are the merged model's), the base model's requests run without it, an
+unknown name stays a 404."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from beam_reference import Reference
 from lora_adapters import merged_model
 
 
@@ -30,7 +32,7 @@ def reference(tiny_server):
             out = models[model].generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
         return out[0, len(ids):].tolist()
 
-    return tok, greedy
+    return tok, greedy, models
 
 
 def test_models_lists_the_adapter_under_its_base(tiny_server):
@@ -45,7 +47,7 @@ def test_models_lists_the_adapter_under_its_base(tiny_server):
 
 
 def test_a_completion_naming_the_adapter_runs_with_it(tiny_server, reference):
-    tok, greedy = reference
+    tok, greedy, _ = reference
     prompt = "The quick brown fox jumps over"
     ids = tok.encode(prompt)
     tokens = {}
@@ -61,7 +63,7 @@ def test_a_completion_naming_the_adapter_runs_with_it(tiny_server, reference):
 
 
 def test_chat_and_streams_take_the_adapter(tiny_server, reference):
-    tok, greedy = reference
+    tok, greedy, _ = reference
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     body = {"model": "tiny-lora", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
@@ -90,14 +92,31 @@ def test_an_unknown_model_stays_a_404(tiny_server):
     assert err["code"] == "model_not_found" and "'tiny-lora'" in err["message"]
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hi"}),
-                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
-def test_beam_search_with_an_adapter_is_refused(tiny_server, path, body):
-    """(the beam search runs without adapters: a 400 rather than the base model's beams under the adapter's name)"""
-    r = _post(tiny_server, path, {"model": "tiny-lora", "use_beam_search": True, "n": 2, "max_tokens": 2, **body})
-    assert r.status_code == 400
-    err = r.json()["error"]
-    assert err["param"] == "use_beam_search" and "LoRA adapter ('tiny-lora') is not built" in err["message"]
+def _beams(reference, name, prompt_ids, n, max_tokens):
+    """The best beams' output ids of a plain beam search over transformers' logprobs of `name`'s merged model."""
+    tok, _, models = reference
+    eos = {tok.eos_token_id}
+    best = Reference(models[name]).search(prompt_ids, n, max_tokens, eos)
+    return [t[len(prompt_ids):-1] if t[-1] in eos else t[len(prompt_ids):] for t, _ in best]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "The quick brown fox"}),
+                                       ("/v1/chat/completions",
+                                        {"messages": [{"role": "user", "content": "The quick brown fox"}]})])
+def test_beam_search_with_an_adapter_answers_its_beams(tiny_server, reference, path, body):
+    """use_beam_search naming the adapter: every step runs with it, so the beams are the merged model's (and not
+    the base model's, which the same request naming "tiny" answers)."""
+    got = {}
+    for model in ("tiny-lora", "tiny"):
+        r = _post(tiny_server, path, {"model": model, "use_beam_search": True, "n": 3, "max_tokens": 5,
+                                      "temperature": 0, "return_token_ids": True, **body})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["model"] == model
+        prompt_ids = out["choices"][0]["prompt_token_ids"] if "prompt" in body else out["prompt_token_ids"]
+        got[model] = [c["token_ids"] for c in out["choices"]]
+        assert got[model] == _beams(reference, model, prompt_ids, 3, 5), model
+    assert got["tiny-lora"] != got["tiny"]
 
 
 def _lora_info(server) -> dict:

@@ -95,9 +95,11 @@ async def _final(stream: "RequestStream") -> RequestOutput:
 
 async def run_beam_search(engine: "AsyncLLM", request_id: str, prompt_text: Optional[str], prompt_ids: list[int],
                           params: BeamSearchParams, step_logprobs: int, cache_salt: Optional[str],
-                          skip_special_tokens: bool, num_logprobs: Optional[int], priority: int = 0) -> RequestOutput:
+                          skip_special_tokens: bool, num_logprobs: Optional[int], priority: int = 0,
+                          lora_request: Optional[Any] = None) -> RequestOutput:
     """Step the search to its end: each live beam one request of one token with `step_logprobs` logprobs (at the
-    search's priority); the step's requests are closed (aborted where unfinished) however the step ends."""
+    search's priority, with its adapter: the prefix cache then keys the beams' blocks by it, as any request's); the
+    step's requests are closed (aborted where unfinished) however the step ends."""
     search = BeamSearch(prompt_ids, params, engine.frontend.eos_ids)
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=step_logprobs,
                                  detokenize=False)
@@ -108,7 +110,7 @@ async def run_beam_search(engine: "AsyncLLM", request_id: str, prompt_text: Opti
             for i, beam in enumerate(search.live):
                 streams.append(engine.add_request(f"{request_id}-beam{search.steps}-{i}",
                                                   {"prompt_token_ids": beam.tokens}, step_params, cache_salt,
-                                                  priority))
+                                                  priority, lora_request))
             finals = [await _final(s) for s in streams]
         finally:
             for s in streams:

@@ -466,13 +466,16 @@ class AsyncLLM:
 
     def beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
                     cache_salt: Optional[str] = None, *, skip_special_tokens: bool = True,
-                    num_logprobs: Optional[int] = None, priority: int = 0) -> BeamSearchStream:
+                    num_logprobs: Optional[int] = None, priority: int = 0,
+                    lora_request: Optional[Any] = None) -> BeamSearchStream:
         """Validate and start a beam search (engine/beam_search.py); its stream gives one output, the best
         params.beam_width beams as choices, when it ends. num_logprobs: each choice's logprobs (the chosen token and
-        that many top ones per token), None for none. priority: its steps' (as add_request's). Raises ValueError
-        subclasses for bad input (HTTP 400)."""
+        that many top ones per token), None for none. priority, lora_request: its steps' (as add_request's). Raises
+        ValueError subclasses for bad input (HTTP 400)."""
         self._check_alive()
         check_priority(priority, self.config.scheduler.policy)
+        if lora_request is not None and self.config.lora is None:
+            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
         if request_id in self._streams or request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.frontend.tokenize(prompt)
@@ -482,7 +485,7 @@ class AsyncLLM:
         stream = BeamSearchStream(self, request_id)
         self._beam_searches[request_id] = stream
         stream.start(functools.partial(run_beam_search, self, request_id, text, ids, params, step_logprobs,
-                                       cache_salt, skip_special_tokens, num_logprobs, priority))
+                                       cache_salt, skip_special_tokens, num_logprobs, priority, lora_request))
         return stream
 
     def abort(self, request_id: str, reason: Optional[str] = None) -> None:

@@ -89,10 +89,14 @@ def beam_search_params(req: Any, max_tokens: int, defaults: dict, max_logprobs: 
 
 
 def submit_beam_searches(state: Any, request_ids: list[str], prompts: list[Any], req: Any,
-                         max_tokens: Optional[int], num_logprobs: Optional[int], priority: int = 0) -> list[Any]:
-    """Start one beam search per prompt (a dict with prompt_token_ids); max_tokens None: up to the context length.
-    On a failure the searches already started are aborted and a 400 raised, as serving_common.submit does."""
+                         max_tokens: Optional[int], num_logprobs: Optional[int], priority: int = 0,
+                         model: Optional[str] = None) -> list[Any]:
+    """Start one beam search per prompt (a dict with prompt_token_ids), with the adapter `model` names if it is a
+    --lora-modules one; max_tokens None: up to the context length. On a failure the searches already started are
+    aborted and a 400 raised, as serving_common.submit does."""
     from voltllm.entrypoints.openai.serving_common import start_streams
+
+    lora = state.lora_request(model)
 
     def start(rid: str, prompt: Any) -> Any:
         most = max_tokens
@@ -100,6 +104,7 @@ def submit_beam_searches(state: Any, request_ids: list[str], prompts: list[Any],
             most = max(state.max_model_len - len(prompt["prompt_token_ids"]), 1)
         params = beam_search_params(req, most, state.generation_defaults, state.max_logprobs)
         return state.engine.beam_search(rid, prompt, params, req.cache_salt, num_logprobs=num_logprobs,
-                                        skip_special_tokens=req.skip_special_tokens, priority=priority)
+                                        skip_special_tokens=req.skip_special_tokens, priority=priority,
+                                        lora_request=lora)
 
     return start_streams(state, (functools.partial(start, rid, prompt) for rid, prompt in zip(request_ids, prompts)))

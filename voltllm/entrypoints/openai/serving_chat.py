@@ -121,9 +121,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
         plan.echo_prefix = message_text(last)
     prompt = {"prompt": prompt_text, "prompt_token_ids": ids}
     if req.use_beam_search:  # n beams, answered when the search ends (beam_search.py)
-        state.refuse_lora(model, "use_beam_search", "beam search")
         streams = submit_beam_searches(state, [engine_id], [prompt], req, max_tokens, req.num_logprobs,
-                                        req.priority)
+                                        req.priority, model=model)
     else:
         streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model)
     if state.log_requests:

@@ -77,11 +77,6 @@ class ServerState:
         """The LoRARequest a request naming `model` runs with (None: the base model)."""
         return self.lora_modules.get(model) if model else None
 
-    def refuse_lora(self, model: Optional[str], param: str, what: str) -> None:
-        """A 400 for a request that names an adapter and asks for what runs without adapters here."""
-        if self.lora_request(model) is not None:
-            raise bad_request(f"{param}: {what} with a LoRA adapter ({model!r}) is not built", param)
-
     def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list]) -> list[dict]:
         """normalize_messages in the content format the applied template takes (--chat-template-content-format)."""
         fmt = resolve_content_format(self.chat_template_content_format, self.tokenizer,

@@ -71,8 +71,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
     engine_prompts = [_engine_prompt(state, req, p) for p in prompts]
     if req.use_beam_search:  # n beams per prompt, answered when each search ends (beam_search.py)
-        state.refuse_lora(model, "use_beam_search", "beam search")
-        streams = submit_beam_searches(state, rids, engine_prompts, req, max_tokens, req.logprobs, req.priority)
+        streams = submit_beam_searches(state, rids, engine_prompts, req, max_tokens, req.logprobs, req.priority,
+                                       model=model)
     else:
         params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
                                                          defaults=state.generation_defaults))
