@@ -414,8 +414,7 @@ class AsyncLLM:
         self._check_alive()
         if request_id in self._streams or request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if lora_request is not None and self.config.lora is None:
-            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
+        self._check_lora(lora_request)
         reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority, lora_request)
         try:
             self._validate(reqs[0])
@@ -464,6 +463,10 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    def _check_lora(self, lora_request: Optional[Any]) -> None:
+        if lora_request is not None and self.config.lora is None:
+            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
+
     def beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
                     cache_salt: Optional[str] = None, *, skip_special_tokens: bool = True,
                     num_logprobs: Optional[int] = None, priority: int = 0,
@@ -474,8 +477,7 @@ class AsyncLLM:
         ValueError subclasses for bad input (HTTP 400)."""
         self._check_alive()
         check_priority(priority, self.config.scheduler.policy)
-        if lora_request is not None and self.config.lora is None:
-            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
+        self._check_lora(lora_request)
         if request_id in self._streams or request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.frontend.tokenize(prompt)
