@@ -104,6 +104,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="refuse to start when a route this configuration expects is disabled (see voltllm check)")
     g.add_argument("--attention-backend", default=None, help="TRITON_ATTN | TORCH_REF | FLASH_ATTN_V100 (alias)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines side by side, each a whole copy of the model on its own -tp GPUs; the server sends "
+                        "each request to the least busy one (serve and run-batch)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction, default=False,
                    help="MoE models under -tp: each rank holds whole routed experts (E / N, the first ranks one more) "
@@ -172,7 +175,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("vLLM flags taken at voltllm's behaviour (other values refused)")
     f.add_argument("--distributed-executor-backend", default=None,
                    help="mp: tensor-parallel ranks are worker processes (uni: one rank)")
-    f.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="1 (no data parallelism)")
     f.add_argument("--cpu-offload-gb", type=float, default=0, help="0 (no weight offloading)")
     f.add_argument("--preemption-mode", default=None, help="recompute: preempted requests are prefilled again")
     f.add_argument("--tokenizer-mode", default="auto", help="auto | hf: the checkpoint's Hugging Face tokenizer")

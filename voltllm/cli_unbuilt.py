@@ -24,7 +24,8 @@ _EPLB = ("the expert-parallel load balancer (redundant experts moved between ran
          "--enable-expert-parallel places each rank's experts once, linearly")
 _ALL2ALL = ("all-to-all token exchange (expert parallelism across data-parallel engines) is not built: under "
             "--enable-expert-parallel every -tp rank routes every token and one all-reduce sums the MoE output")
-_DATA_PARALLEL = "data parallelism is not built (--data-parallel-size 1 only)"
+_DATA_PARALLEL = ("data parallelism over several nodes or API servers is not built: --data-parallel-size N runs N "
+                  "engines on this machine behind one API server")
 _KV_TRANSFER = "disaggregated prefill / KV cache transfer between engines is not built"
 _KV_OFFLOAD = "offloading the KV cache to CPU memory is not built"
 _TRACING = "OpenTelemetry tracing is not built (Prometheus metrics: GET /metrics)"

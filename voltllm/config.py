@@ -133,6 +133,9 @@ class ParallelConfig:
     # --enable-expert-parallel where it applies (a MoE model over ranks > 1; with one rank vLLM's flag changes
     # nothing, so it is False there): each rank holds whole routed experts, placed linearly (distributed/experts.py)
     enable_expert_parallel: bool = False
+    # --data-parallel-size: engines (each with its tensor-parallel ranks) serving one API server, each a whole copy of
+    # the model on its own GPUs (engine/data_parallel.py); the offline LLM and the in-process bench run one
+    data_parallel_size: int = 1
 
 
 # --max-lora-rank values (vLLM's): the rank every slot is padded to
@@ -194,6 +197,7 @@ class EngineArgs:
     max_cudagraph_capture_size: Optional[int] = None
     attention_backend: Optional[str] = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engines side by side (serve / run-batch; engine/data_parallel.py)
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False  # -ep: MoE layers' routed experts placed whole on the -tp ranks
     expert_placement_strategy: str = "linear"  # linear (round_robin falls back to it, as in vLLM for these models)
@@ -219,7 +223,6 @@ class EngineArgs:
     require_acceleration: bool = False
     # vLLM flags taken at the value that is voltllm's behaviour, refused at others (voltllm/fixed_flags.py)
     distributed_executor_backend: Optional[str] = None  # mp (uni with one rank)
-    data_parallel_size: int = 1
     cpu_offload_gb: float = 0
     preemption_mode: Optional[str] = None  # recompute
     tokenizer_mode: str = "auto"  # auto | hf: the checkpoint's Hugging Face (fast) tokenizer
@@ -530,6 +533,7 @@ class EngineArgs:
             quantized_weights = "dequantized"
         if tp_err := tensor_parallel_error(tp, hf_config, device, spec, quantized_weights, method, ep):
             raise ConfigError(tp_err)
+        _check_data_parallel(self.data_parallel_size, tp, self.enable_expert_parallel, device)
         gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
         model = ModelConfig(
@@ -570,7 +574,8 @@ class EngineArgs:
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size, intermediate_align=(
                                   intermediate_alignment(tp, hf_config, method, ep)
-                                  if quantized_weights != "dequantized" else 1), enable_expert_parallel=ep),
+                                  if quantized_weights != "dequantized" else 1), enable_expert_parallel=ep,
+                                  data_parallel_size=self.data_parallel_size),
                               speculative=spec,
                               quantization=method)
         if self.enable_lora:
@@ -592,6 +597,24 @@ def _parse_json_arg(flag: str, value: Any) -> Optional[dict]:
     if not isinstance(parsed, dict):
         raise ConfigError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
     return parsed
+
+
+def _check_data_parallel(dp: int, tp: int, expert_parallel: bool, device: torch.device) -> None:
+    """--data-parallel-size: engines of -tp ranks each, side by side on their own GPUs (engine k on the dp * tp
+    devices from the first one's index + k * tp); on the CPU every engine runs there."""
+    if dp < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {dp}")
+    if dp == 1:
+        return
+    if expert_parallel:
+        raise ConfigError(f"--data-parallel-size {dp} with --enable-expert-parallel: experts spread over the ranks of "
+                          "several data-parallel engines (all-to-all) are not built; -ep places experts over one "
+                          "engine's -tp ranks, so drop -ep or use --data-parallel-size 1")
+    if device.type == "cuda":
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + dp * tp > count:
+            raise ConfigError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp}: needs {dp * tp} CUDA devices "
+                              f"from cuda:{first}, but {count} are visible")
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -12,9 +12,6 @@ from voltllm.config import ConfigError
 def check_fixed_flags(args: Any) -> None:
     """Raise ConfigError for the first of these flags `args` (EngineArgs) sets to a value voltllm does not run."""
     _executor_backend(args.distributed_executor_backend, args.tensor_parallel_size)
-    if args.data_parallel_size != 1:
-        raise ConfigError(f"--data-parallel-size {args.data_parallel_size}: data parallelism is not built (one engine "
-                          "per server; -tp splits one model over GPUs); use 1")
     if args.cpu_offload_gb != 0:
         raise ConfigError(f"--cpu-offload-gb {args.cpu_offload_gb}: offloading weights to CPU memory is not built; "
                           "use 0")

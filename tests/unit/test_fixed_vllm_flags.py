@@ -36,7 +36,6 @@ def test_vllm_guide_flags_at_voltllm_behaviour_parse(tiny):
     ({"distributed_executor_backend": "external_launcher"}, "external_launcher: engines started by torchrun"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "uni: with --tensor-parallel-size 2"),
     ({"distributed_executor_backend": "threads"}, "threads: it must be mp"),
-    ({"data_parallel_size": 2}, "--data-parallel-size 2: data parallelism is not built"),
     ({"cpu_offload_gb": 4}, "--cpu-offload-gb 4: offloading weights to CPU memory is not built"),
     ({"scheduling_policy": "lifo"}, "--scheduling-policy lifo: not a scheduling policy; use fcfs .* or priority"),
     ({"preemption_mode": "swap"}, "--preemption-mode swap: swapping .* not built: preempted requests are recomputed"),

@@ -258,10 +258,12 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     from voltllm.bench.inprocess import InProcessRunner, free_device_memory
     from voltllm.cli_args import engine_args_from
     from voltllm.engine.core import EngineCore
+    from voltllm.engine.data_parallel import require_one_engine
 
     ea = engine_args_from(args)
     ea.skip_tokenizer_init = True  # token-id prompts, no text: the bench never needs the tokenizer
     config = ea.create_engine_config()
+    require_one_engine(config, "the in-process bench")
     if config.model.runner != "generate":
         from voltllm.config import ConfigError
 

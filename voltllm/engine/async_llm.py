@@ -142,8 +142,10 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer: Any = None, observer: Optional[StatObserver] = None,
-                 log_level: int = logging.INFO):
+                 log_level: int = logging.INFO, engine_index: int = 0):
+        """engine_index: this engine's place among --data-parallel-size engines (engine/data_parallel.py)."""
         self.config = config
+        self.engine_index = engine_index
         self.tokenizer = tokenizer
         self.observer = observer
         self.log_level = log_level
@@ -189,10 +191,12 @@ class AsyncLLM:
         self._out.bind(out_addr)
         mp = multiprocessing.get_context("spawn")
         # daemon: multiprocessing terminates it at interpreter exit even if shutdown() was never called
-        self.proc = mp.Process(target=run_engine_core, name="voltllm-engine", daemon=True,
+        dp = self.config.parallel.data_parallel_size
+        name = "voltllm-engine" if dp == 1 else f"voltllm-engine-{self.engine_index}"
+        self.proc = mp.Process(target=run_engine_core, name=name, daemon=True,
                                args=(self.config, in_addr, out_addr, os.getpid(), self.log_level))
         self.proc.start()
-        logger.info("engine process started (pid %d); loading weights there", self.proc.pid)
+        logger.info("%s process started (pid %d); loading weights there", name.replace("voltllm-", ""), self.proc.pid)
 
     async def start(self, timeout: Optional[float] = None) -> None:
         """Spawn the engine process, load the tokenizer meanwhile, and wait until the engine is ready."""
@@ -405,6 +409,10 @@ class AsyncLLM:
                 "or shorten the prompt")
         check_vocab(ids, sp, self.vocab_size)
 
+    def serves(self, request_id: str) -> bool:
+        """Whether a request or beam search of this id is in flight here."""
+        return request_id in self._streams or request_id in self._beam_searches
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     cache_salt: Optional[str] = None, priority: int = 0,
                     lora_request: Optional[Any] = None) -> RequestStream:
@@ -412,7 +420,7 @@ class AsyncLLM:
         --scheduling-policy priority, lower is served first (else it must be 0). lora_request: the adapter it runs
         with (voltllm.lora.request.LoRARequest; --enable-lora)."""
         self._check_alive()
-        if request_id in self._streams or request_id in self._beam_searches:
+        if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._check_lora(lora_request)
         reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority, lora_request)
@@ -431,7 +439,7 @@ class AsyncLLM:
         """Validate and submit one embedding request (pooling engines); its stream yields one PoolingRequestOutput.
         Raises ValueError subclasses for bad input (HTTP 400). priority: as add_request's."""
         self._check_alive()
-        if request_id in self._streams or request_id in self._beam_searches:
+        if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = self.frontend.make_pooling_request(request_id, prompt, params, cache_salt, priority)
         try:
@@ -478,7 +486,7 @@ class AsyncLLM:
         self._check_alive()
         check_priority(priority, self.config.scheduler.policy)
         self._check_lora(lora_request)
-        if request_id in self._streams or request_id in self._beam_searches:
+        if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self.frontend.tokenize(prompt)
         # the steps' logprobs: the candidates, or more when the answer shows more

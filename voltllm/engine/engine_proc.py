@@ -64,8 +64,9 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    # data-parallel engines name themselves in their lines (the process name AsyncLLM gave: voltllm-engine-K)
+    who = "%(name)s (%(processName)s)" if config.parallel.data_parallel_size > 1 else "%(name)s"
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s {who}: %(message)s", datefmt="%H:%M:%S")
 
     import zmq
 

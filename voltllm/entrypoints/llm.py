@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from voltllm.config import EngineArgs
 from voltllm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from voltllm.engine.core import EngineCore, InvalidRequestError
+from voltllm.engine.data_parallel import require_one_engine
 from voltllm.engine.frontend import Frontend, PromptType, generation_defaults
 from voltllm.engine.request_checks import check_priority
 from voltllm.engine.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
@@ -90,6 +91,7 @@ class LLM:
         kwargs, self.max_logprobs = _offline_settings(kwargs)
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
+        require_one_engine(self.config, "the offline LLM")
         self.tokenizer = (None if self.config.model.skip_tokenizer_init else
                           load_tokenizer(self.config.model.tokenizer, self.config.model.trust_remote_code))
         self.engine = EngineCore(self.config)

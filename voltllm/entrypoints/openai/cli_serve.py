@@ -166,8 +166,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     mc = config.model
     length = f"max_model_len {mc.max_model_len}" + (" at most, fitted to the KV cache" if mc.max_model_len_fit else "")
+    dp = config.parallel.data_parallel_size
     _say(f"model {mc.model} ({mc.architecture}, {str(mc.dtype).replace('torch.', '')}, {length}) on "
-         f"{config.device.device}; config in {time.monotonic() - t0:.1f} s")
+         f"{config.device.device}" + (f", {dp} data-parallel engines" if dp > 1 else "")
+         + f"; config in {time.monotonic() - t0:.1f} s")
     names = list(args.served_model_names or [mc.served_model_name])
     loras = lora_modules(config, args, names)  # (ConfigError: exit 2 before the engine starts)
     sock = _bind(args.host, args.port)
@@ -230,21 +232,23 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
                  holder: dict, loras: dict) -> None:
     import uvicorn
 
-    from voltllm.engine.async_llm import AsyncLLM
+    from voltllm.engine.data_parallel import make_async_engine
     from voltllm.entrypoints.openai.app import CorsSettings, HttpOptions, build_app
-    from voltllm.entrypoints.openai.metrics import ServerMetrics
+    from voltllm.entrypoints.openai.metrics import engine_metrics
 
-    engine = AsyncLLM(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
+    engine = make_async_engine(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
     holder["engine"] = engine
-    metrics = ServerMetrics(names[0], lambda: engine.stats, lambda: engine.is_healthy,
-                            lambda: engine.num_active_requests, max_model_len=engine.max_model_len)
-    engine.observer = metrics
-    _say("starting the engine process and loading the weights there; loading the tokenizer here ...")
+    metrics = engine_metrics(names[0], engine)
+    dp = config.parallel.data_parallel_size
+    _say(("starting the engine process" if dp == 1 else f"starting {dp} data-parallel engine processes")
+         + " and loading the weights there; loading the tokenizer here ...")
     t0 = time.monotonic()
     await engine.start(timeout=args.engine_ready_timeout)
     info = engine.engine_info
-    _say(f"engine ready in {time.monotonic() - t0:.1f} s (pid {info.get('pid')}, {info.get('num_blocks')} KV blocks "
-         f"of {info.get('block_size')} tokens, max_model_len {engine.max_model_len})")
+    pids = f"pid {info.get('pid')}" if dp == 1 else f"pids {info.get('pids')}"
+    _say(f"{'engine' if dp == 1 else f'{dp} engines'} ready in {time.monotonic() - t0:.1f} s ({pids}, "
+         f"{info.get('num_blocks')} KV blocks of {info.get('block_size')} tokens, max_model_len "
+         f"{engine.max_model_len})")
     state = server_state(config, args, names, engine, loras)
     cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
                         tuple(args.allowed_headers))

@@ -14,7 +14,7 @@ SchedulerStats, sent with every step's outputs.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,7 +33,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 # vLLM's per-output-token buckets (time_per_output_token, request_time_per_output_token)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
-# voltllm runs one engine core (no data parallelism): vLLM's `engine` label is always its index 0
+# vLLM's `engine` label: the engine's index among --data-parallel-size engines (0 with one engine)
 ENGINE_INDEX = "0"
 
 
@@ -76,56 +76,61 @@ class _VLLMNames(Collector):
                 yield copy
 
 
+# one engine's state for /metrics: its latest SchedulerStats, whether it is up, the API server's requests on it
+EngineSample = tuple[SchedulerStats, bool, int]
+
+
 class _EngineCollector(Collector):
-    def __init__(self, model: str, stats: Callable[[], SchedulerStats], alive: Callable[[], bool],
-                 active: Callable[[], int]):
+    def __init__(self, model: str, engines: Callable[[], Sequence[EngineSample]]):
         self.model = model
-        self.stats = stats
-        self.alive = alive
-        self.active = active
+        self.engines = engines
 
     def collect(self) -> Iterable[Any]:
-        s = self.stats()
+        samples = list(self.engines())
         lab = ["model_name", "engine"]
-        values = [self.model, ENGINE_INDEX]
+        families: dict[str, Any] = {}
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=lab)
-            g.add_metric(values, value)
-            return g
+        def add(kind: Any, name: str, doc: str, index: int, value: float) -> None:
+            if name not in families:
+                families[name] = kind(name, doc, labels=lab)
+            families[name].add_metric([self.model, str(index)], value)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=lab)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("voltllm:num_requests_running", "Requests in the engine's running batch.", s.num_running)
-        yield gauge("voltllm:num_requests_waiting", "Requests waiting to be scheduled (queue length).",
-                    s.num_waiting)
-        yield gauge("voltllm:num_requests_active", "Requests the API server is serving (incl. ones being detokenized).",
-                    self.active())
-        yield gauge("voltllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_cache_usage)
-        yield gauge("voltllm:kv_cache_num_blocks", "KV-cache blocks in total.", s.num_blocks)
-        yield counter("voltllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
-        yield counter("voltllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        yield gauge("voltllm:prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).", rate)
-        yield counter("voltllm:num_preemptions", "Requests preempted (blocks freed, recomputed later).",
-                      s.num_preemptions)
-        if "spec_draft_tokens" in s.extra:  # --speculative-config
-            yield counter("voltllm:spec_decode_num_draft_tokens", "Draft tokens scored by speculative steps.",
-                          s.extra["spec_draft_tokens"])
-            yield counter("voltllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (each one a decode "
-                          "step saved).", s.extra["spec_accepted_tokens"])
-        if "max_lora" in s.extra:  # --enable-lora: vLLM's info gauge (labels: the adapters; value: the time)
+        for i, (s, alive, active) in enumerate(samples):
+            add(GaugeMetricFamily, "voltllm:num_requests_running", "Requests in the engine's running batch.", i,
+                s.num_running)
+            add(GaugeMetricFamily, "voltllm:num_requests_waiting", "Requests waiting to be scheduled (queue length).",
+                i, s.num_waiting)
+            add(GaugeMetricFamily, "voltllm:num_requests_active", "Requests the API server is serving (incl. ones "
+                "being detokenized).", i, active)
+            add(GaugeMetricFamily, "voltllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", i,
+                s.kv_cache_usage)
+            add(GaugeMetricFamily, "voltllm:kv_cache_num_blocks", "KV-cache blocks in total.", i, s.num_blocks)
+            add(CounterMetricFamily, "voltllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                i, s.prefix_cache_queries)
+            add(CounterMetricFamily, "voltllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", i,
+                s.prefix_cache_hits)
+            rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+            add(GaugeMetricFamily, "voltllm:prefix_cache_hit_rate", "Prefix-cache hits / queries since start "
+                "(tokens).", i, rate)
+            add(CounterMetricFamily, "voltllm:num_preemptions", "Requests preempted (blocks freed, recomputed "
+                "later).", i, s.num_preemptions)
+            if "spec_draft_tokens" in s.extra:  # --speculative-config
+                add(CounterMetricFamily, "voltllm:spec_decode_num_draft_tokens", "Draft tokens scored by "
+                    "speculative steps.", i, s.extra["spec_draft_tokens"])
+                add(CounterMetricFamily, "voltllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (each "
+                    "one a decode step saved).", i, s.extra["spec_accepted_tokens"])
+            add(GaugeMetricFamily, "voltllm:engine_alive", "1 while the engine process is up.", i,
+                1.0 if alive else 0.0)
+        yield from families.values()
+        lora = [s.extra for s, _, _ in samples if "max_lora" in s.extra]
+        if lora:  # --enable-lora: vLLM's info gauge (no engine label: the adapters of every engine's requests)
             info = GaugeMetricFamily("voltllm:lora_requests_info", "Running stats on LoRA requests: the adapters of "
                                      "the running and waiting requests (comma-separated names).",
                                      labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-            info.add_metric([str(s.extra["max_lora"]), ",".join(s.extra["lora_waiting"]),
-                             ",".join(s.extra["lora_running"])], time.time())
+            waiting = sorted({n for e in lora for n in e["lora_waiting"]})
+            running = sorted({n for e in lora for n in e["lora_running"]})
+            info.add_metric([str(lora[0]["max_lora"]), ",".join(waiting), ",".join(running)], time.time())
             yield info
-        yield gauge("voltllm:engine_alive", "1 while the engine process is up.", 1.0 if self.alive() else 0.0)
 
 
 class ServerMetrics:
@@ -134,8 +139,11 @@ class ServerMetrics:
     Every family with a `model_name` label also carries vLLM's `engine` label (ENGINE_INDEX)."""
 
     def __init__(self, model: str, stats: Callable[[], SchedulerStats], alive: Callable[[], bool],
-                 active: Callable[[], int], *, max_model_len: int):
-        """max_model_len: the top of the token-count histograms' buckets (as vLLM's)."""
+                 active: Callable[[], int], *, max_model_len: int,
+                 engines: Optional[Callable[[], Sequence[EngineSample]]] = None, num_engines: int = 1):
+        """max_model_len: the top of the token-count histograms' buckets (as vLLM's). With --data-parallel-size,
+        engines gives each engine's sample (DataParallelLLM.engine_samples) in place of stats / alive / active, and
+        for_engine(k) the observer of engine k's requests."""
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -175,10 +183,11 @@ class ServerMetrics:
         for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.tpot,
                        self.request_tpot, self.request_prompt, self.request_generation, self.request_max_generation,
                        *phase.values()):
-            family.labels(model, ENGINE_INDEX)
+            for k in range(num_engines):
+                family.labels(model, str(k))
         self.http = Counter("voltllm:http_requests", "HTTP requests by route and status.",
                             ["method", "path", "status"], registry=r)
-        r.register(_EngineCollector(model, stats, alive, active))
+        r.register(_EngineCollector(model, engines or (lambda: [(stats(), alive(), active())])))
         self.vllm_names = CollectorRegistry(auto_describe=True)
         self.vllm_names.register(_VLLMNames(r))
         # totals for the periodic log line
@@ -186,34 +195,37 @@ class ServerMetrics:
         self.total_prompt = 0
         self.total_finished = 0
 
-    # StatObserver
-    def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(self.model, ENGINE_INDEX).observe(ttft_s)
-        self.generation_tokens.labels(self.model, ENGINE_INDEX).inc(1)
+    # StatObserver (of engine 0's requests; for_engine(k): engine k's)
+    def on_first_token(self, ttft_s: float, engine: str = ENGINE_INDEX) -> None:
+        self.ttft.labels(self.model, engine).observe(ttft_s)
+        self.generation_tokens.labels(self.model, engine).inc(1)
         self.total_generated += 1
 
-    def on_tokens(self, inter_token_s: float, count: int) -> None:
-        itl = self.itl.labels(self.model, ENGINE_INDEX)
-        tpot = self.tpot.labels(self.model, ENGINE_INDEX)
+    def on_tokens(self, inter_token_s: float, count: int, engine: str = ENGINE_INDEX) -> None:
+        itl = self.itl.labels(self.model, engine)
+        tpot = self.tpot.labels(self.model, engine)
         for _ in range(count):
             itl.observe(inter_token_s)
             tpot.observe(inter_token_s)
-        self.generation_tokens.labels(self.model, ENGINE_INDEX).inc(count)
+        self.generation_tokens.labels(self.model, engine).inc(count)
         self.total_generated += count
 
-    def on_finished(self, out: Optional[RequestOutput], reason: str, e2e_s: float) -> None:
-        self.requests.labels(self.model, ENGINE_INDEX, reason).inc()
-        self.e2e.labels(self.model, ENGINE_INDEX).observe(e2e_s)
+    def on_finished(self, out: Optional[RequestOutput], reason: str, e2e_s: float, engine: str = ENGINE_INDEX) -> None:
+        self.requests.labels(self.model, engine, reason).inc()
+        self.e2e.labels(self.model, engine).observe(e2e_s)
         self.total_finished += 1
         if out is not None:
-            self.prompt_tokens.labels(self.model, ENGINE_INDEX).inc(len(out.prompt_token_ids))
+            self.prompt_tokens.labels(self.model, engine).inc(len(out.prompt_token_ids))
             self.total_prompt += len(out.prompt_token_ids)
-            self._observe_request(out, e2e_s)
+            self._observe_request(out, e2e_s, engine)
 
-    def _observe_request(self, out: RequestOutput, e2e_s: float) -> None:
+    def for_engine(self, index: int) -> "_EngineObserver":
+        return _EngineObserver(self, str(index))
+
+    def _observe_request(self, out: RequestOutput, e2e_s: float, engine: str) -> None:
         """The per-request histograms: token counts, mean time per output token, and the phases whose
         timestamps the request reached (one aborted while waiting has no prefill, for instance)."""
-        lab = (self.model, ENGINE_INDEX)
+        lab = (self.model, engine)
         self.request_prompt.labels(*lab).observe(len(out.prompt_token_ids))
         # (a pooling request's output has no choices: its embedding is its one result, no generated tokens)
         counts = ([len(c.token_ids) for c in out.outputs] if isinstance(out.outputs, list) else []) or [0]
@@ -241,3 +253,31 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + generate_latest(self.vllm_names)
+
+
+class _EngineObserver:
+    """The StatObserver of one data-parallel engine's requests: ServerMetrics' samples labelled with its index."""
+
+    def __init__(self, metrics: ServerMetrics, engine: str):
+        self.metrics = metrics
+        self.engine = engine
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.metrics.on_first_token(ttft_s, self.engine)
+
+    def on_tokens(self, inter_token_s: float, count: int) -> None:
+        self.metrics.on_tokens(inter_token_s, count, self.engine)
+
+    def on_finished(self, out: Optional[RequestOutput], reason: str, e2e_s: float) -> None:
+        self.metrics.on_finished(out, reason, e2e_s, self.engine)
+
+
+def engine_metrics(model: str, engine: Any) -> ServerMetrics:
+    """The server's metrics for `engine` (an AsyncLLM, or a DataParallelLLM: samples and observers per engine),
+    set as its observer."""
+    many = getattr(engine, "engines", None)
+    metrics = ServerMetrics(model, lambda: engine.stats, lambda: engine.is_healthy,
+                            lambda: engine.num_active_requests, max_model_len=engine.max_model_len,
+                            engines=engine.engine_samples if many else None, num_engines=len(many) if many else 1)
+    engine.observer = metrics
+    return metrics

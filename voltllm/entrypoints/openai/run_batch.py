@@ -145,20 +145,20 @@ async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], ou
                loras: Optional[dict] = None) -> int:
     import httpx
 
-    from voltllm.engine.async_llm import AsyncLLM
+    from voltllm.engine.data_parallel import make_async_engine
     from voltllm.entrypoints.openai.app import build_app
     from voltllm.entrypoints.openai.request_flags import server_state
-    from voltllm.entrypoints.openai.metrics import ServerMetrics
+    from voltllm.entrypoints.openai.metrics import engine_metrics
 
-    engine = AsyncLLM(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
+    engine = make_async_engine(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
     try:
         await engine.start()
         names = list(args.served_model_names or [config.model.served_model_name])
-        metrics = ServerMetrics(names[0], lambda: engine.stats, lambda: engine.is_healthy,
-                                lambda: engine.num_active_requests, max_model_len=engine.max_model_len)
-        engine.observer = metrics
+        metrics = engine_metrics(names[0], engine)
         app = build_app(server_state(config, args, names, engine, loras), metrics)
-        window = asyncio.Semaphore(WINDOW_PER_SEQ * config.scheduler.max_num_seqs)
+        # requests in flight: enough to keep every engine's batch full
+        window = asyncio.Semaphore(WINDOW_PER_SEQ * config.scheduler.max_num_seqs
+                                   * config.parallel.data_parallel_size)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://run-batch",
                                      timeout=None) as client:
             async def one(line: BatchLine) -> dict:

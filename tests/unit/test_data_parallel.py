@@ -1,0 +1,180 @@
+"""--data-parallel-size: its configuration checks, each engine's devices, and DataParallelLLM's routing, aborts,
+stats and reports over stand-in engines (the real engine processes: tests/server/test_data_parallel_server.py)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tiny_models import make_model
+from voltllm.config import ConfigError, EngineArgs, _check_data_parallel
+from voltllm.engine.async_llm import EngineDeadError
+from voltllm.engine.data_parallel import DataParallelLLM, make_async_engine, rank_config, require_one_engine
+from voltllm.engine.request_checks import InvalidRequestError
+from voltllm.engine.types import SchedulerStats
+from voltllm.entrypoints.openai.metrics import engine_metrics
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny_dp")), "llama")
+
+
+@pytest.fixture(scope="module")
+def dp3_config(tiny):
+    return EngineArgs(model=tiny, device="cpu", data_parallel_size=3).create_engine_config()
+
+
+class FakeEngine:
+    def __init__(self, index: int, active: int = 0, stats: SchedulerStats = None):
+        self.engine_index = index
+        self.active = {f"old-{index}-{i}" for i in range(active)}
+        self.dead = None
+        self.is_healthy = True
+        self.stats = stats or SchedulerStats()
+        self.aborted: list[str] = []
+        self.observer = None
+        self.config = None
+        self.max_model_len = 1024
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self.active)
+
+    def serves(self, rid: str) -> bool:
+        return rid in self.active
+
+    def add_request(self, rid: str, *args, **kwargs):
+        self.active.add(rid)
+        return (self.engine_index, rid, args, kwargs)
+
+    add_pooling_request = beam_search = add_request
+
+    def abort(self, rid: str, reason=None) -> None:
+        self.aborted.append(rid)
+        self.active.discard(rid)
+
+
+def _dp(config, engines) -> DataParallelLLM:
+    dp = DataParallelLLM(config)
+    dp.engines = engines
+    return dp
+
+
+def test_config_takes_the_engine_count(tiny, dp3_config):
+    assert dp3_config.parallel.data_parallel_size == 3
+    assert EngineArgs(model=tiny, device="cpu").create_engine_config().parallel.data_parallel_size == 1
+    with pytest.raises(ConfigError, match="--data-parallel-size must be >= 1, got 0"):
+        EngineArgs(model=tiny, device="cpu", data_parallel_size=0).create_engine_config()
+
+
+def test_expert_parallel_over_engines_is_refused(tmp_path):
+    moe = make_model(str(tmp_path / "moe"), "qwen3_moe")
+    with pytest.raises(ConfigError, match="--data-parallel-size 2 with --enable-expert-parallel: experts spread"):
+        EngineArgs(model=moe, device="cpu", data_parallel_size=2,
+                   enable_expert_parallel=True).create_engine_config()
+
+
+def test_engines_need_their_own_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    _check_data_parallel(2, 2, False, torch.device("cuda"))  # cuda:0-1 and cuda:2-3
+    with pytest.raises(ConfigError, match="--data-parallel-size 2 x --tensor-parallel-size 2: needs 4 CUDA devices "
+                                          "from cuda:1, but 4 are visible"):
+        _check_data_parallel(2, 2, False, torch.device("cuda", 1))
+    _check_data_parallel(4, 1, False, torch.device("cpu"))  # every engine on the CPU
+
+
+def test_each_engine_starts_on_its_tensor_parallel_group(dp3_config):
+    cfg = replace(dp3_config, device=replace(dp3_config.device, device=torch.device("cuda", 1)),
+                  parallel=replace(dp3_config.parallel, tensor_parallel_size=2))
+    assert [str(rank_config(cfg, k).device.device) for k in range(3)] == ["cuda:1", "cuda:3", "cuda:5"]
+    assert rank_config(dp3_config, 2) is dp3_config  # the CPU: every engine there
+    dp = DataParallelLLM(cfg)
+    assert [e.engine_index for e in dp.engines] == [0, 1, 2]
+    assert [str(e.config.device.device) for e in dp.engines] == ["cuda:1", "cuda:3", "cuda:5"]
+    assert type(make_async_engine(dp3_config)) is DataParallelLLM
+
+
+def test_offline_llm_and_inprocess_bench_refuse_several_engines(tiny, dp3_config):
+    from voltllm import LLM
+
+    with pytest.raises(ConfigError, match="--data-parallel-size 3: the offline LLM runs one engine; data-parallel "
+                                          "engines are served by `voltllm serve`"):
+        LLM(tiny, device="cpu", data_parallel_size=3)
+    with pytest.raises(ConfigError, match="the in-process bench runs one engine"):
+        require_one_engine(dp3_config, "the in-process bench")
+
+
+def test_requests_go_to_the_least_busy_engine_round_robin_among_equals(dp3_config):
+    engines = [FakeEngine(0, active=2), FakeEngine(1), FakeEngine(2)]
+    dp = _dp(dp3_config, engines)
+    picked = [dp.add_request(f"r{i}", "prompt", None)[0] for i in range(7)]
+    # 1 and 2 idle, 0 busy: 1, 2, then all at 1 except 0 at 2 ... each time the least busy, ties in turn
+    assert picked == [1, 2, 1, 2, 0, 1, 2]
+    assert dp.num_active_requests == 9
+    assert dp.beam_search("b", "prompt", None)[0] == 0 and dp.add_pooling_request("p", "x")[0] == 1
+    with pytest.raises(InvalidRequestError, match="request id 'r3' is already in use"):
+        dp.add_request("r3", "prompt", None)
+
+
+def test_abort_reaches_the_serving_engine_and_a_dead_engine_refuses_new_requests(dp3_config):
+    engines = [FakeEngine(0), FakeEngine(1), FakeEngine(2)]
+    dp = _dp(dp3_config, engines)
+    dp.add_request("a", "prompt", None)
+    owner = next(e for e in engines if e.serves("a"))
+    dp.abort("a")
+    assert not owner.serves("a") and dp.num_active_requests == 0
+    dp.add_request("b", "prompt", None)
+    dp.add_request("c", "prompt", None)
+    engines[1].dead = "the engine process exited (exit code -9)"
+    engines[1].is_healthy = False
+    assert not dp.is_healthy
+    assert dp.dead == "data-parallel engine 1: the engine process exited (exit code -9)"
+    with pytest.raises(EngineDeadError, match="data-parallel engine 1"):
+        dp.add_request("d", "prompt", None)
+
+
+def test_stats_add_up_and_metrics_label_each_engine(dp3_config):
+    lora = {"max_lora": 2, "lora_running": ["x"], "lora_waiting": []}
+    parts = [SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=10,
+                            prefix_cache_hits=4, num_blocks=100,
+                            extra={"spec_draft_tokens": 3, "spec_accepted_tokens": 2, **lora}),
+             SchedulerStats(num_running=1, kv_cache_usage=0.0, prefix_cache_queries=5, prefix_cache_hits=5,
+                            num_blocks=300, extra={"spec_draft_tokens": 1, "spec_accepted_tokens": 1, **lora,
+                                                   "lora_running": ["y"], "lora_waiting": ["x"]}),
+             SchedulerStats(num_blocks=100)]
+    dp = _dp(dp3_config, [FakeEngine(k, stats=s) for k, s in enumerate(parts)])
+    s = dp.stats
+    assert (s.num_running, s.num_waiting, s.prefix_cache_queries, s.prefix_cache_hits, s.num_blocks) == \
+        (3, 1, 15, 9, 500)
+    assert s.kv_cache_usage == pytest.approx(50 / 500)  # the share of all blocks in use
+    assert s.extra["spec_draft_tokens"] == 4 and s.extra["max_lora"] == 2
+    assert s.extra["lora_running"] == ["x", "y"]
+
+    metrics = engine_metrics("m", dp)
+    assert [e.observer.engine for e in dp.engines] == ["0", "1", "2"]
+    dp.engines[2].observer.on_first_token(0.1)
+    text = metrics.render().decode()
+    assert 'voltllm:kv_cache_num_blocks{engine="1",model_name="m"} 300.0' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 2.0' in text
+    assert 'voltllm:time_to_first_token_seconds_count{engine="2",model_name="m"} 1.0' in text
+    assert 'voltllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 0.0' in text
+    assert 'running_lora_adapters="x,y"' in text and text.count("voltllm:lora_requests_info{") == 1
+
+
+def test_acceleration_report_is_every_engines_verdict(dp3_config):
+    def report(ok: bool, device: str) -> dict:
+        return {"object": "acceleration_report", "ok": ok, "configuration": {"device": device}, "routes": {},
+                "disabled_expected": [] if ok else [{"route": "attention", "reason": "off"}]}
+
+    engines = [FakeEngine(k) for k in range(3)]
+    for k, e in enumerate(engines):
+        async def acc(timeout=30.0, k=k):
+            return report(k != 2, f"cuda:{k}")
+        e.acceleration_report = acc
+    out = asyncio.run(_dp(dp3_config, engines).acceleration_report())
+    assert out["ok"] is False
+    assert out["disabled_expected"] == [{"route": "attention", "reason": "off", "engine": 2}]
+    assert out["engines"] == [{"engine": k, "device": f"cuda:{k}", "ok": k != 2} for k in range(3)]

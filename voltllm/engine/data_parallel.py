@@ -1,0 +1,228 @@
+"""Data parallelism (--data-parallel-size N): N engines side by side behind one API server.
+
+Each engine is an ordinary AsyncLLM (its own engine process, its own -tp ranks, KV cache, prefix cache and CUDA
+graphs) on its own GPUs: engine k takes the -tp devices from the configured first one's index + k * tp (on the CPU
+all run there). A request goes whole to one engine, the one with the fewest requests in flight (ties: the engine
+after the last one chosen), and stays there: its streams, aborts and beam-search steps are that engine's. The
+engines never talk to each other, so a model is served N times over, as vLLM's data parallelism serves a dense
+model (vLLM spreads a MoE model's experts over its data-parallel ranks; here each engine holds every expert, see
+config._check_data_parallel).
+
+DataParallelLLM offers the part of AsyncLLM's interface the server and run-batch use; one engine's death makes the
+whole unhealthy (the server then stops, as it does when its one engine dies).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Any, AsyncIterator, Optional
+
+import torch
+
+from voltllm.config import ConfigError, EngineConfig
+from voltllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from voltllm.engine.outputs import PoolingRequestOutput, RequestOutput
+from voltllm.engine.request_checks import InvalidRequestError
+from voltllm.engine.types import SchedulerStats
+
+logger = logging.getLogger("voltllm")
+
+
+def rank_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Engine `index`'s configuration: the same, on the tensor-parallel group of GPUs that is its own."""
+    dev = config.device.device
+    if dev.type != "cuda":
+        return config
+    first = (dev.index or 0) + index * config.parallel.tensor_parallel_size
+    return replace(config, device=replace(config.device, device=torch.device("cuda", first)))
+
+
+def require_one_engine(config: EngineConfig, who: str) -> None:
+    """`who` (the offline LLM, the in-process bench) drives one engine in its own process: refuse more."""
+    dp = config.parallel.data_parallel_size
+    if dp > 1:
+        raise ConfigError(f"--data-parallel-size {dp}: {who} runs one engine; data-parallel engines are served by "
+                          "`voltllm serve` and `voltllm run-batch` (measure them with `voltllm bench --base-url`)")
+
+
+def make_async_engine(config: EngineConfig, log_level: int = logging.INFO) -> Any:
+    """The server's engine handle: an AsyncLLM, or a DataParallelLLM of --data-parallel-size of them."""
+    if config.parallel.data_parallel_size > 1:
+        return DataParallelLLM(config, log_level=log_level)
+    return AsyncLLM(config, log_level=log_level)
+
+
+class DataParallelLLM:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None, log_level: int = logging.INFO):
+        n = config.parallel.data_parallel_size
+        if n < 2:
+            raise ValueError(f"data parallelism needs at least 2 engines, got {n}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engines = [AsyncLLM(rank_config(config, k), tokenizer, log_level=log_level, engine_index=k)
+                        for k in range(n)]
+        self._observer: Any = None
+        self._next = 0  # where the search for the least busy engine starts (round robin among equals)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self, timeout: Optional[float] = None) -> None:
+        """Start every engine at once (their weights load in parallel, one tokenizer is loaded for all)."""
+        try:
+            if self.tokenizer is None:
+                from voltllm.model.loader import load_tokenizer
+
+                mc = self.config.model
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, mc.tokenizer, mc.trust_remote_code)
+            for e in self.engines:
+                e.tokenizer = self.tokenizer
+            await asyncio.gather(*(e.start(timeout) for e in self.engines))
+        except BaseException:
+            self.shutdown()
+            raise
+        for e in self.engines:
+            info = e.engine_info
+            logger.info("data-parallel engine %d on %s: pid %s, %s KV blocks", e.engine_index, e.config.device.device,
+                        info.get("pid"), info.get("num_blocks"))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for e in self.engines:
+            e.shutdown(timeout)
+
+    @property
+    def observer(self) -> Any:
+        return self._observer
+
+    @observer.setter
+    def observer(self, obs: Any) -> None:
+        """A metrics observer with for_engine(k) (ServerMetrics) labels each engine's requests by its index."""
+        self._observer = obs
+        for e in self.engines:
+            e.observer = obs.for_engine(e.engine_index) if hasattr(obs, "for_engine") else obs
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        return all(e.is_healthy for e in self.engines)
+
+    @property
+    def dead(self) -> Optional[str]:
+        for e in self.engines:
+            if e.dead:
+                return f"data-parallel engine {e.engine_index}: {e.dead}"
+        return None
+
+    @property
+    def proc(self) -> Any:
+        """The first engine process that has exited, else engine 0's (the server's watchdog reads its exit code)."""
+        for e in self.engines:
+            if e.proc is not None and not e.proc.is_alive():
+                return e.proc
+        return self.engines[0].proc
+
+    @property
+    def max_model_len(self) -> int:
+        """The shortest of the engines' (--max-model-len auto fits each to its own KV cache)."""
+        return min(e.max_model_len for e in self.engines)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engines[0].vocab_size
+
+    @property
+    def engine_info(self) -> dict:
+        """Engine 0's start-up facts, with the KV blocks of all engines summed and each engine's pid."""
+        info = dict(self.engines[0].engine_info)
+        info["num_blocks"] = sum(int(e.engine_info.get("num_blocks") or 0) for e in self.engines)
+        info["pids"] = [e.engine_info.get("pid") for e in self.engines]
+        info["data_parallel_size"] = len(self.engines)
+        return info
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The engines' latest stats together: counts summed, KV use as the share of all blocks in use."""
+        parts = [e.stats for e in self.engines]
+        blocks = sum(s.num_blocks for s in parts)
+        used = sum(s.kv_cache_usage * s.num_blocks for s in parts)
+        extra: dict = {}
+        for s in parts:
+            for k, v in s.extra.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "max_lora":
+                    extra[k] = extra.get(k, 0) + v
+                elif isinstance(v, list):
+                    extra[k] = sorted(set(extra.get(k, [])) | set(v))
+                else:
+                    extra.setdefault(k, v)
+        return SchedulerStats(num_running=sum(s.num_running for s in parts),
+                              num_waiting=sum(s.num_waiting for s in parts),
+                              kv_cache_usage=used / blocks if blocks else 0.0,
+                              prefix_cache_queries=sum(s.prefix_cache_queries for s in parts),
+                              prefix_cache_hits=sum(s.prefix_cache_hits for s in parts),
+                              num_preemptions=sum(s.num_preemptions for s in parts), num_blocks=blocks,
+                              step_counter=sum(s.step_counter for s in parts), extra=extra)
+
+    def engine_samples(self) -> list[tuple[SchedulerStats, bool, int]]:
+        """Each engine's (stats, alive, requests in flight), by index: /metrics labels them `engine`."""
+        return [(e.stats, e.is_healthy, e.num_active_requests) for e in self.engines]
+
+    @property
+    def num_active_requests(self) -> int:
+        return sum(e.num_active_requests for e in self.engines)
+
+    # -- requests -------------------------------------------------------------------------------
+    def _pick(self, request_id: str) -> AsyncLLM:
+        """The engine for a new request: the fewest requests in flight, ties broken round robin. Raises for a
+        request id one engine already serves, and when an engine has died (the server is going down)."""
+        if (why := self.dead) is not None:
+            raise EngineDeadError(why)
+        for e in self.engines:
+            if e.serves(request_id):
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        n = len(self.engines)
+        order = [self.engines[(self._next + i) % n] for i in range(n)]
+        best = min(order, key=lambda e: e.num_active_requests)
+        self._next = (best.engine_index + 1) % n
+        return best
+
+    def add_request(self, request_id: str, *args: Any, **kwargs: Any) -> RequestStream:
+        return self._pick(request_id).add_request(request_id, *args, **kwargs)
+
+    def add_pooling_request(self, request_id: str, *args: Any, **kwargs: Any) -> RequestStream:
+        return self._pick(request_id).add_pooling_request(request_id, *args, **kwargs)
+
+    def beam_search(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        """The whole search on one engine: its steps' prompts share that engine's prefix cache."""
+        return self._pick(request_id).beam_search(request_id, *args, **kwargs)
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, *args: Any,
+                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        async for out in self._pick(request_id).generate(prompt, params, request_id, *args, **kwargs):
+            yield out
+
+    async def encode(self, prompt: Any, params: Any, request_id: str, *args: Any,
+                     **kwargs: Any) -> AsyncIterator[PoolingRequestOutput]:
+        async for out in self._pick(request_id).encode(prompt, params, request_id, *args, **kwargs):
+            yield out
+
+    def abort(self, request_id: str, reason: Optional[str] = None) -> None:
+        """Abort a request on whichever engine serves it (a no-op on the others, as for unknown ids)."""
+        for e in self.engines:
+            e.abort(request_id, reason)
+
+    def abort_all(self) -> None:
+        for e in self.engines:
+            e.abort_all()
+
+    async def acceleration_report(self, timeout: float = 30.0) -> dict:
+        """Engine 0's report (the engines run one configuration) with each engine's verdict under "engines"; "ok"
+        only if every engine's is, and a route disabled on any engine's GPU is listed with that engine's index."""
+        reports = await asyncio.gather(*(e.acceleration_report(timeout) for e in self.engines))
+        for r in reports:
+            if "routes" not in r:  # an engine could not build its report: that answer is the answer
+                return r
+        out = dict(reports[0])
+        out["ok"] = all(r["ok"] for r in reports)
+        out["disabled_expected"] = [{**d, "engine": k} for k, r in enumerate(reports) for d in r["disabled_expected"]]
+        out["engines"] = [{"engine": k, "device": r["configuration"]["device"], "ok": r["ok"]}
+                          for k, r in enumerate(reports)]
+        return out
