@@ -107,6 +107,37 @@ def test_truncate_prompt_tokens_cuts_each_text(embed_server, tok):
     assert r["data"][0]["score"] == pytest.approx(want, abs=1e-5)
 
 
+def test_truncation_side_right_cuts_each_text_end(embed_server, tok):
+    """vLLM's truncation_side "right": truncate_prompt_tokens keeps each text's first k tokens."""
+    r = _post(embed_server, {"text_1": QUERY, "text_2": DOCS[0], "truncate_prompt_tokens": 3,
+                             "truncation_side": "right"}, "/score").json()
+    assert r["usage"]["prompt_tokens"] == 3 + 1 + 3
+    want = F.cosine_similarity(_embedding(embed_server, tok.encode(QUERY)[:3]),
+                               _embedding(embed_server, tok.encode(DOCS[0])[:3]), dim=0).item()
+    assert r["data"][0]["score"] == pytest.approx(want, abs=1e-5)
+
+
+def _first_tokens(tok, text, n):
+    """The text cut after its first n tokens (what vLLM's max_tokens_per_query / max_tokens_per_doc keep)."""
+    cut = text[:tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"][n - 1][1]]
+    assert tok.encode(cut) == tok.encode(text)[:n] and len(tok.encode(text)) > n
+    return cut
+
+
+@pytest.mark.parametrize("path,pair", [("/score", ("text_1", "text_2")), ("/rerank", ("query", "documents"))])
+def test_max_tokens_per_query_and_doc_cut_each_text(embed_server, tok, path, pair):
+    """vLLM's max_tokens_per_query / max_tokens_per_doc on a bi-encoder: each text cut to its first N tokens, then
+    embedded; the usage counts the cut texts."""
+    r = _post(embed_server, {pair[0]: QUERY, pair[1]: DOCS[:2], "max_tokens_per_query": 4, "max_tokens_per_doc": 3},
+              path)
+    assert r.status_code == 200, r.text
+    q, cut = _first_tokens(tok, QUERY, 4), [_first_tokens(tok, d, 3) for d in DOCS[:2]]
+    got = r.json()["data"] if path == "/score" else sorted(r.json()["results"], key=lambda x: x["index"])
+    for d, x in zip(cut, got):
+        assert x.get("score", x.get("relevance_score")) == pytest.approx(_cosine(embed_server, q, d), abs=1e-5)
+    assert r.json()["usage"]["prompt_tokens"] == sum(_pair_tokens(tok, q, d) for d in cut) == 2 * (4 + 1 + 3)
+
+
 @pytest.mark.parametrize("path,pair", [("/score", ("text_1", "text_2")), ("/v1/rerank", ("query", "documents"))])
 def test_cache_salt_reaches_the_prefix_cache(embed_server, path, pair):
     """vLLM's cache_salt: texts under a new salt share no cached blocks with earlier ones; under the same salt they
@@ -143,6 +174,11 @@ def test_invocations_dispatch_by_body(embed_server):
     ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority", "Priority scheduling is not enabled"),
     ("/v1/rerank", {"query": "a", "documents": []}, "documents", "at least one document"),
     ("/v1/rerank", {"query": "a", "documents": ["b", ""]}, "documents", "documents: text 1 is empty"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "max_tokens_per_doc": -1}, "max_tokens_per_doc",
+     "must be a non-negative integer"),
+    ("/score", {"text_1": "a", "text_2": "b", "max_tokens_per_query": EMBED_MAX_LEN}, "max_tokens_per_query",
+     f"must be less than max_model_len ({EMBED_MAX_LEN})"),
+    ("/score", {"text_1": "a", "text_2": "b", "truncation_side": "both"}, "truncation_side", ""),
 ])
 def test_bad_requests_are_400s(embed_server, path, body, param, fragment):
     r = _post(embed_server, body, path)

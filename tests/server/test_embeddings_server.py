@@ -153,6 +153,12 @@ def test_text_options(embed_server, reference, tok):
     cut = _post(embed_server, {"input": text, "truncate_prompt_tokens": 5}).json()
     assert cut["usage"]["prompt_tokens"] == 5
     torch.testing.assert_close(torch.tensor(cut["data"][0]["embedding"]), reference(ids[-5:]), atol=2e-5, rtol=1e-4)
+    # vLLM's truncation_side: right keeps the first k tokens, left (the default's end) the last k
+    first = _post(embed_server, {"input": text, "truncate_prompt_tokens": 5, "truncation_side": "right"}).json()
+    assert first["usage"]["prompt_tokens"] == 5
+    torch.testing.assert_close(torch.tensor(first["data"][0]["embedding"]), reference(ids[:5]), atol=2e-5, rtol=1e-4)
+    last = _post(embed_server, {"input": text, "truncate_prompt_tokens": 5, "truncation_side": "left"}).json()
+    assert last["data"][0]["embedding"] == pytest.approx(cut["data"][0]["embedding"], abs=1e-5)
     raw = _post(embed_server, {"input": ids, "normalize": False}).json()["data"][0]["embedding"]
     assert abs(torch.tensor(raw).norm().item() - 1.0) > 1e-3
     torch.testing.assert_close(F.normalize(torch.tensor(raw), dim=-1), reference(ids), atol=2e-5, rtol=1e-4)
@@ -197,6 +203,7 @@ def test_matryoshka_dimensions(embed_server, reference, tok):
                                                                                       "maximum context length"),
     ({"input": list(range(1, MAX_LEN + 2))}, "input", "more than this model's maximum context length"),
     ({"input": "x", "normalize": True, "use_activation": False}, "normalize", "name the same switch"),
+    ({"input": "x", "truncate_prompt_tokens": 1, "truncation_side": "middle"}, "truncation_side", ""),
     ({"input": "x", "priority": 1}, "priority", "Got priority 1 but Priority scheduling is not enabled"),
     ({"input": "x", "chat_template": "{{ x }}"}, "chat_template", "apply to the messages form"),
 ])

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from server_helpers import ServerProc, free_port, wait_idle
-from structured_cases import SCHEMA, check_schema_output
+from structured_cases import CHOICES, SCHEMA, check_schema_output, check_tagged_output, structural_tag
 from tiny_models import make_model
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages
@@ -182,6 +182,30 @@ def test_required_tool_choice_streamed(client):
     else:
         _check_weather(call.arguments)
     assert not [e for e in events if e.type.startswith("response.output_text")]
+
+
+def test_structured_outputs_structural_tag_as_in_chat(client):
+    """vLLM's Responses API takes a structural tag in structured_outputs (JSON text), as chat does: the same greedy
+    text as chat with that constraint; text.format structural_tag is refused (OpenAI's text formats have none, nor
+    do vLLM's), pointing there; two constraints are a 400."""
+    forced = {"structural_tag": json.dumps(structural_tag(at_least_one=True, stop_after_first=True))}
+    r = _create(client, input="Give me a record.", max_output_tokens=80, extra_body={"structured_outputs": forced})
+    assert len(check_tagged_output(r.output_text)) == 1 and r.status == "completed", r.output_text
+    chat, _ = _chat_text(client, [{"role": "user", "content": "Give me a record."}], 80,
+                         extra_body={"structured_outputs": forced})
+    assert r.output_text == chat
+    stream = list(client.responses.create(model="tiny", input="Give me a record.", max_output_tokens=80,
+                                          temperature=0, stream=True, extra_body={"structured_outputs": forced}))
+    assert stream[-1].response.output_text == chat
+    r = _create(client, input="Pick one.", extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert r.output_text in CHOICES
+    body = _bad(lambda: _create(client, input="x", text={"format": structural_tag()}))
+    assert body["param"] == "text" and "structured_outputs.structural_tag" in body["message"], body
+    body = _bad(lambda: _create(client, input="x", text={"format": {"type": "json_object"}},
+                                extra_body={"structured_outputs": forced}))
+    assert "one structured-output constraint" in body["message"] and "text.format" in body["message"], body
+    body = _bad(lambda: _create(client, input="x", extra_body={"structured_outputs": {"structural_tag": "{}"}}))
+    assert body["param"] == "structured_outputs" and "structural tag" in body["message"], body
 
 
 def test_text_format_json_schema_and_object(client):

@@ -21,7 +21,8 @@ def _line(custom_id, url="/v1/completions", **body):
     ("[1]\n", "line 1: expected an object"),
     (_line("a") + "\n" + _line("a") + "\n", "line 2: custom_id 'a' is used twice"),
     (json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}), "method must be POST"),
-    (_line("a", url="/v1/score"), "url '/v1/score' is not served in a batch"),
+    (_line("a", url="/classify"), "url '/classify' is not served in a batch"),
+    (_line("a", url="/v3/rerank"), "url '/v3/rerank' is not served in a batch; one of: .*/v2/rerank"),
     (_line("a", stream=True), "cannot stream"),
     (_line("a", url="/v1/responses", input="x", background=True), "cannot run in the background"),
     (_line("a", url="/v1/embeddings", input="x", encoding_format="bytes"), "encoding_format 'bytes' answers with a "
@@ -101,6 +102,42 @@ def test_run_batch_embeddings(tmp_path):
     assert by_id["e1"]["status_code"] == 200 and len(by_id["e1"]["body"]["data"][0]["embedding"]) == 64
     assert [d["index"] for d in by_id["e2"]["body"]["data"]] == [0, 1]
     assert by_id["gen"]["status_code"] == 404 and "generates nothing" in by_id["gen"]["body"]["error"]["message"]
+
+
+def test_run_batch_scores_and_reranks(tmp_path):
+    """vLLM's run-batch score and rerank URLs on an embedding model: each line answered as the server answers it
+    (the cosine of the two texts' embeddings, rerank order, a 400 kept with its status)."""
+    import torch
+    import torch.nn.functional as F
+
+    from voltllm.cli import main
+
+    model = make_model(str(tmp_path / "tiny"), "qwen3")
+    query, docs = "What is the capital of France?", ["Paris is the capital of France.", "def add(a, b): return a + b"]
+    lines = [_line("eq", url="/v1/embeddings", input=query), _line("ed", url="/v1/embeddings", input=docs)]
+    lines += [_line(f"score{url}", url=url, text_1=query, text_2=docs) for url in ("/score", "/v1/score")]
+    lines += [_line(f"rerank{url}", url=url, query=query, documents=docs)
+              for url in ("/rerank", "/v1/rerank", "/v2/rerank")]
+    lines.append(_line("bad", url="/v1/rerank", query=query, documents=docs, max_tokens_per_doc=-1))
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", str(src), "-o", str(out), model, "--device", "cpu", "--runner", "pooling"]) == 0
+    by_id = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    q = torch.tensor(by_id["eq"]["body"]["data"][0]["embedding"])
+    want = [F.cosine_similarity(q, torch.tensor(d["embedding"]), dim=0).item() for d in by_id["ed"]["body"]["data"]]
+    for url in ("/score", "/v1/score"):
+        r = by_id[f"score{url}"]
+        assert r["status_code"] == 200 and r["body"]["object"] == "list" and r["body"]["id"].startswith("score-")
+        assert [d["score"] for d in r["body"]["data"]] == pytest.approx(want, abs=1e-5)
+    order = sorted(range(len(docs)), key=lambda i: want[i], reverse=True)
+    for url in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = by_id[f"rerank{url}"]
+        assert r["status_code"] == 200 and r["body"]["id"].startswith("rerank-"), r
+        assert [x["index"] for x in r["body"]["results"]] == order
+        assert [x["document"]["text"] for x in r["body"]["results"]] == [docs[i] for i in order]
+    bad = by_id["bad"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "max_tokens_per_doc"
 
 
 def test_run_batch_serves_lora_modules(tmp_path):

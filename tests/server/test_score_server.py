@@ -50,17 +50,23 @@ def rerank_server(rerank_path, tok):
 
 
 @pytest.fixture(scope="module")
-def expected(rerank_path, tok):
-    """transformers' sigmoid(logit_yes - logit_no) at the last token of text_1 + text_2."""
+def expected_ids(rerank_path):
+    """transformers' sigmoid(logit_yes - logit_no) at the last of these prompt tokens."""
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(rerank_path, dtype=torch.float32).eval()
 
-    def score(a: str, b: str) -> float:
+    def score(ids: list[int]) -> float:
         with torch.no_grad():
-            lg = ref(torch.tensor([tok(a + b)["input_ids"]])).logits[0, -1]
+            lg = ref(torch.tensor([ids])).logits[0, -1]
         return torch.sigmoid(lg[YES_ID] - lg[NO_ID]).item()
     return score
+
+
+@pytest.fixture(scope="module")
+def expected(expected_ids, tok):
+    """transformers' sigmoid(logit_yes - logit_no) at the last token of text_1 + text_2."""
+    return lambda a, b: expected_ids(tok(a + b)["input_ids"])
 
 
 def _post(server, body, path):
@@ -177,6 +183,66 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(rerank_server, tok, expect
     ids = tok(QUERY + DOCS[0])["input_ids"]
     r = _post(rerank_server, {"text_1": QUERY, "text_2": DOCS[0], "truncate_prompt_tokens": 5}, "/score").json()
     assert r["usage"]["prompt_tokens"] == 5 and len(ids) > 5
+
+
+def test_truncation_side_right_keeps_the_first_tokens(rerank_server, tok, expected_ids):
+    """vLLM's truncation_side: "right" cuts the pair prompt's end (keeps its first k tokens), "left" its start."""
+    ids = tok(QUERY + DOCS[0])["input_ids"]
+    for side, kept in (("right", ids[:5]), ("left", ids[-5:])):
+        r = _post(rerank_server, {"text_1": QUERY, "text_2": DOCS[0], "truncate_prompt_tokens": 5,
+                                  "truncation_side": side}, "/score")
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 5
+        assert r.json()["data"][0]["score"] == pytest.approx(expected_ids(kept), abs=2e-5), side
+    r = _post(rerank_server, {"input": QUERY + DOCS[0], "truncate_prompt_tokens": 4, "truncation_side": "right"},
+              "/classify").json()
+    assert r["usage"]["prompt_tokens"] == 4 and r["data"][0]["probs"][0] == pytest.approx(expected_ids(ids[:4]),
+                                                                                          abs=2e-5)
+
+
+def _first_tokens(tok, text, n):
+    """The text cut after its first n tokens (what vLLM's max_tokens_per_query / max_tokens_per_doc keep)."""
+    cut = text[:tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"][n - 1][1]]
+    assert tok.encode(cut) == tok.encode(text)[:n] and len(tok.encode(text)) > n
+    return cut
+
+
+@pytest.mark.parametrize("path,pair", [("/score", ("text_1", "text_2")), ("/v1/rerank", ("query", "documents")),
+                                       ("/score", ("queries", "documents"))])
+def test_max_tokens_per_query_and_doc_cut_each_text(rerank_server, tok, expected, path, pair):
+    """vLLM's max_tokens_per_query / max_tokens_per_doc: each text cut to its first N tokens before the pair prompt
+    is made (truncate_prompt_tokens then cuts that prompt); the usage counts what was scored."""
+    query, docs = QUERY, DOCS[:2]
+    body = {pair[0]: query, pair[1]: docs, "max_tokens_per_query": 3, "max_tokens_per_doc": 2}
+    r = _post(rerank_server, body, path)
+    assert r.status_code == 200, r.text
+    q = _first_tokens(tok, query, 3)
+    cut = [_first_tokens(tok, d, 2) for d in docs]
+    got = r.json()["data"] if path == "/score" else sorted(r.json()["results"], key=lambda x: x["index"])
+    for d, x in zip(cut, got):
+        assert x.get("score", x.get("relevance_score")) == pytest.approx(expected(q, d), abs=2e-5)
+    assert r.json()["usage"]["prompt_tokens"] == sum(len(tok(q + d)["input_ids"]) for d in cut)
+    # a limit the text fits leaves it whole; with truncate_prompt_tokens the pair prompt is cut after
+    whole = _post(rerank_server, {pair[0]: query, pair[1]: docs, "max_tokens_per_doc": MAX_LEN - 1}, path).json()
+    assert whole["usage"]["prompt_tokens"] == sum(len(tok(query + d)["input_ids"]) for d in docs)
+    both = _post(rerank_server, {**body, "truncate_prompt_tokens": 4}, path).json()
+    assert both["usage"]["prompt_tokens"] == 4 * len(docs)
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/rerank"])
+@pytest.mark.parametrize("field,value,fragment", [
+    ("max_tokens_per_query", -1, "max_tokens_per_query must be a non-negative integer"),
+    ("max_tokens_per_doc", -2, "max_tokens_per_doc must be a non-negative integer"),
+    ("max_tokens_per_doc", MAX_LEN, f"max_tokens_per_doc ({MAX_LEN}) must be less than max_model_len ({MAX_LEN})"),
+    ("max_tokens_per_query", "x", ""),
+    ("truncation_side", "middle", ""),
+])
+def test_bad_truncation_fields_are_400s(rerank_server, path, field, value, fragment):
+    body = {"text_1": "a", "text_2": "b"} if path == "/score" else {"query": "a", "documents": ["b"]}
+    r = _post(rerank_server, {**body, field: value}, path)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and fragment in err["message"], err
 
 
 @pytest.mark.parametrize("path", ["/score", "/rerank", "/v2/rerank", "/classify", "/v1/rerank"])

@@ -65,3 +65,45 @@ def test_cosine_scores_refuse_mismatched_or_aborted_outputs():
     aborted = PoolingRequestOutput("x", None, [1], True)
     with pytest.raises(ValueError, match="request x has no embedding"):
         cosine_scores([aborted], [_out("b", [1.0], [1])], None)
+
+
+def test_first_tokens_text_cuts_at_the_nth_tokens_end(tmp_path):
+    """vLLM's max_tokens_per_query / max_tokens_per_doc: the text up to the end of its first N tokens, sliced from the
+    text itself (no decode round trip); special tokens are not counted; a text that fits is unchanged."""
+    from tiny_models import make_tokenizer
+    from voltllm.pooling.scoring import first_tokens_text
+
+    tok = make_tokenizer(str(tmp_path))
+    text = "The capital of France is Paris, and Paris is large."
+    ids = tok.encode(text, add_special_tokens=False)
+    for n in (1, 3, len(ids) - 1):
+        cut = first_tokens_text(tok, text, n)
+        assert text.startswith(cut) and tok.encode(cut, add_special_tokens=False) == ids[:n], n
+    assert first_tokens_text(tok, text, len(ids)) == text and first_tokens_text(tok, text, 10**6) == text
+
+
+def test_first_tokens_text_without_offsets_decodes_the_first_tokens():
+    """A tokenizer with no offset mapping (transformers' slow ones raise NotImplementedError): its first N tokens
+    decoded."""
+    from voltllm.pooling.scoring import first_tokens_text
+
+    class Slow:
+        def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+            if return_offsets_mapping:
+                raise NotImplementedError
+            return {"input_ids": [ord(c) for c in text]}
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    assert first_tokens_text(Slow(), "abcdef", 4) == "abcd" and first_tokens_text(Slow(), "ab", 4) == "ab"
+
+
+@pytest.mark.parametrize("side,want", [(None, [4, 5, 6]), ("left", [4, 5, 6]), ("right", [1, 2, 3])])
+def test_kept_prompt_truncation_side(side, want):
+    """vLLM's truncation_side: left (the default) keeps the last k tokens, right the first k; -1 the context."""
+    from voltllm.engine.request_checks import kept_prompt
+
+    assert kept_prompt([1, 2, 3, 4, 5, 6], 3, 8, side) == want
+    assert kept_prompt([1, 2, 3, 4, 5, 6], -1, 4, side) == ([3, 4, 5, 6] if side != "right" else [1, 2, 3, 4])
+    assert kept_prompt([1, 2], None, 8, side) == [1, 2]

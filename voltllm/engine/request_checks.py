@@ -17,9 +17,10 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
-def kept_prompt(ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length; None: all of them); a
-    size over the context length is an error naming the field."""
+def kept_prompt(ids: list[int], keep: Optional[int], max_model_len: int, side: Optional[str] = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length; None: all of them), or
+    with its truncation_side "right" the first ones ("left", the default, cuts the start); a size over the context
+    length is an error naming the field."""
     if keep is None:
         return ids
     if keep == -1:
@@ -28,6 +29,8 @@ def kept_prompt(ids: list[int], keep: Optional[int], max_model_len: int) -> list
         raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than this model's maximum context "
                                   f"length ({max_model_len}); choose a smaller truncation size",
                                   "truncate_prompt_tokens")
+    if side == "right":
+        return ids[:keep] if keep else ids  # (0 keeps all, as the left side's ids[-0:] does)
     return ids[-keep:]
 
 

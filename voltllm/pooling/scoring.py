@@ -75,6 +75,20 @@ def pair_token_ids(tokenizer: Any, classifier: ClassifierConfig, text_1: str, te
     return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
 
 
+def first_tokens_text(tokenizer: Any, text: str, limit: int) -> str:
+    """vLLM's max_tokens_per_query / max_tokens_per_doc: the text up to the end of its first `limit` tokens (special
+    tokens not counted), cut at that token's last character so the rest of the prompt tokenizes as written (no
+    decode round trip); a text of `limit` tokens or fewer unchanged."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # (a slow tokenizer has no offsets: its first tokens decoded instead)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if len(ids) <= limit else tokenizer.decode(ids[:limit])
+    if len(enc["input_ids"]) <= limit:
+        return text
+    return text[:enc["offset_mapping"][limit - 1][1]]
+
+
 def single_score(data: Any, request_id: str) -> float:
     """A pooled classifier output as one score (vLLM's score task needs a one-label classifier)."""
     if data.numel() != 1:

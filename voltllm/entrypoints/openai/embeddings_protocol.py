@@ -25,6 +25,7 @@ class EmbeddingRequest(NullMeansDefault):
     user: Optional[str] = None
     # vLLM's extra parameters
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)  # keep the last k tokens (-1: the context)
+    truncation_side: Optional[Literal["left", "right"]] = None  # right: truncate_prompt_tokens keeps the first k
     add_special_tokens: Optional[bool] = None  # default: true for input, false for messages (the template writes them)
     normalize: Optional[bool] = None  # (vLLM's older name of use_activation)
     use_activation: Optional[bool] = None  # L2-normalize the embedding (None: the model's default)

@@ -2,7 +2,8 @@
 
 A Responses request becomes chat messages (`instructions` first as a system message, then the conversation of
 `previous_response_id`, then `input`), the chat tools shape (the Responses API's flat function tools), the chat
-tool_choice and a response_format (`text.format`), so the chat path templates, samples and parses it. What this
+tool_choice and a response_format (`text.format`; vLLM's `structured_outputs` as chat takes it), so the chat path
+templates, samples and parses it. What this
 server does not build is refused with a 400 naming its parameter; unknown fields are ignored.
 """
 from __future__ import annotations
@@ -67,6 +68,9 @@ class ResponsesRequest(NullMeansDefault):
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = None
     priority: int = 0  # vLLM's: as in chat (lower first under --scheduling-policy priority)
+    # vLLM's structured outputs object (json, regex, choice, grammar, json_object, structural_tag), as in chat: its
+    # Responses API takes a structural tag only here (text.format is OpenAI's: text, json_object, json_schema)
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def check(self) -> None:
         """400s for what this server does not build."""
@@ -165,6 +169,10 @@ class ResponsesRequest(NullMeansDefault):
                 raise bad_request("text.format json_schema needs a schema object", "text")
             return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"],
                                                            "strict": fmt.get("strict")}}
+        if kind == "structural_tag":  # (vLLM's text.format is OpenAI's type, which has no structural tag either)
+            raise bad_request("text.format type 'structural_tag' is not a Responses API format (text, json_object, "
+                              "json_schema); give the tag as structured_outputs.structural_tag (its JSON text), as "
+                              "vLLM's Responses API takes it", "text", "unsupported_parameter")
         raise bad_request(f"text.format type {kind!r} is not supported; use 'text', 'json_object' or "
                           "'json_schema'", "text", "unsupported_parameter")
 
@@ -179,7 +187,7 @@ class ResponsesRequest(NullMeansDefault):
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt, priority=self.priority, stream=self.stream, tools=self.chat_tools(),
             tool_choice=self.chat_tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
-            response_format=self.response_format(), user=self.user,
+            response_format=self.response_format(), structured_outputs=self.structured_outputs, user=self.user,
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs if self.wants_logprobs else None)
 
 

@@ -24,8 +24,10 @@ from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm")
 
-# (/v1/embeddings: pooling models, --runner pooling; a generative model answers those lines 404, as its server does)
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+# (/v1/embeddings and the scoring routes: pooling models, --runner pooling; a generative model answers those lines
+# 404, as its server does. vLLM's run-batch takes every URL ending in /score or /rerank: these are the ones served)
+SCORE_URLS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings") + SCORE_URLS
 WINDOW_PER_SEQ = 4  # requests in flight per --max-num-seqs: enough to keep every engine slot busy
 PROGRESS_EVERY_S = 10.0
 

@@ -3,7 +3,7 @@ queries / documents, queries / items), /rerank, /v1/rerank and /v2/rerank (a que
 both on classifiers and embedding models), and a classifier's /classify (inputs' class probabilities)."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, StrictInt, StrictStr, model_validator
 
@@ -19,6 +19,7 @@ class _ClassifierRequest(NullMeansDefault):
 
     model: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)  # keep each prompt's last k tokens
+    truncation_side: Optional[Literal["left", "right"]] = None  # the end truncate_prompt_tokens cuts (None: left)
     use_activation: Optional[bool] = None  # the classifier's sigmoid / softmax (None: true)
     activation: Optional[bool] = None  # (vLLM's older names of use_activation)
     softmax: Optional[bool] = None
@@ -31,7 +32,14 @@ class _ClassifierRequest(NullMeansDefault):
         return next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), None)
 
 
-class ScoreRequest(_ClassifierRequest):
+class _PairRequest(_ClassifierRequest):
+    # vLLM's (Cohere's / Jina's names): each first text (query) / second text (document) cut to its first N tokens
+    # before the pair is made (0: no cut); checked in serving_score (0 <= N < the context length)
+    max_tokens_per_query: int = 0
+    max_tokens_per_doc: int = 0
+
+
+class ScoreRequest(_PairRequest):
     text_1: Optional[ScoreInputs] = None
     text_2: Optional[ScoreInputs] = None
     data_1: Optional[ScoreInputs] = None
@@ -53,7 +61,7 @@ class ScoreRequest(_ClassifierRequest):
         return names, getattr(self, names[0]), getattr(self, names[1])
 
 
-class RerankRequest(_ClassifierRequest):
+class RerankRequest(_PairRequest):
     query: StrictStr
     documents: list[StrictStr]
     top_n: int = 0  # the best top_n results (0, or more than there are: all), as vLLM

@@ -203,10 +203,10 @@ def render_chat(state: ServerState, messages: list[dict], *, chat_template: Opti
 
 
 # -- prompts ------------------------------------------------------------------------------------------
-def truncated(ids: list[int], keep: Optional[int], max_model_len: int) -> list[int]:
+def truncated(ids: list[int], keep: Optional[int], max_model_len: int, side: Optional[str] = None) -> list[int]:
     """request_checks.kept_prompt, its error a 400."""
     try:
-        return kept_prompt(ids, keep, max_model_len)
+        return kept_prompt(ids, keep, max_model_len, side)
     except InvalidRequestError as e:
         raise bad_request(str(e), e.param) from None
 

@@ -40,7 +40,8 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw_reques
                                task="embed")
     except PoolingParamsError as e:
         raise bad_request(str(e), _param_of(e))
-    prompts = [truncated(ids, req.truncate_prompt_tokens, state.max_model_len) for ids in _token_ids(state, req)]
+    prompts = [truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
+               for ids in _token_ids(state, req)]
     chosen_id = chosen_request_id(raw_request, req.request_id)  # vLLM's: embd-<X-Request-Id, else request_id>
     base_id = f"embd-{chosen_id}" if chosen_id is not None else new_id("embd")
     engine_base = engine_request_id(base_id, chosen_id is not None)

@@ -20,8 +20,8 @@ from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, Server
                                                        truncated, usage)
 from voltllm.entrypoints.openai.serving_embedding import _param_of, _submit
 from voltllm.pooling.params import PoolingParams, PoolingParamsError
-from voltllm.pooling.scoring import (ScoreInputError, cosine_scores, pair_token_ids, score_inputs,
-                                     single_score)
+from voltllm.pooling.scoring import (ScoreInputError, cosine_scores, first_tokens_text, pair_token_ids,
+                                     score_inputs, single_score)
 
 logger = logging.getLogger("voltllm")
 
@@ -53,6 +53,30 @@ def _score_inputs(first: Any, second: Any, names: tuple[str, str]) -> tuple[list
         raise bad_request(str(e), str(e).split(":", 1)[0].split(" ", 1)[0])
 
 
+def _token_limit(req: Any, name: str, max_model_len: int) -> int:
+    """max_tokens_per_query / max_tokens_per_doc, checked as vLLM checks them (0: no cut)."""
+    value = getattr(req, name)
+    if value < 0:
+        raise bad_request(f"{name} must be a non-negative integer (0: no limit), got {value}", name)
+    if value >= max_model_len:
+        raise bad_request(f"{name} ({value}) must be less than max_model_len ({max_model_len})", name)
+    return value
+
+
+def _cut_texts(state: ServerState, req: Any, first: list[str], second: list[str]) -> tuple[list[str], list[str]]:
+    """Each first text (query) and second text (document) cut to its first max_tokens_per_query /
+    max_tokens_per_doc tokens, as vLLM cuts them: the text itself, before the pair prompt (template, special tokens)
+    is made and before truncate_prompt_tokens cuts that."""
+    per_query = _token_limit(req, "max_tokens_per_query", state.max_model_len)
+    per_doc = _token_limit(req, "max_tokens_per_doc", state.max_model_len)
+    tok = _tokenizer(state)
+    if per_query:
+        first = [first_tokens_text(tok, t, per_query) for t in first]
+    if per_doc:
+        second = [first_tokens_text(tok, t, per_doc) for t in second]
+    return first, second
+
+
 async def _run(state: ServerState, raw_request: Any, req: Any, prefix: str, prompts: list[list[int]],
                params: PoolingParams, what: str, cache_salt: Any = None) -> tuple[str, list]:
     """The prompts through the engine: (the response id, their finished outputs)."""
@@ -79,11 +103,12 @@ async def _scored(state: ServerState, raw_request: Any, req: Any, prefix: str, f
     """Each (first, second) pair's score, as outputs whose data is the score and whose prompt tokens are what the
     pair counts in the usage: (the response id, the outputs; none when the client left)."""
     tok = _tokenizer(state)
-    keep = req.truncate_prompt_tokens
+    first, second = _cut_texts(state, req, first, second)
+    keep, side = req.truncate_prompt_tokens, req.truncation_side
     if state.classifier is not None:  # a cross-encoder: one prompt per pair
         if len(first) == 1:
             first = first * len(second)
-        prompts = [truncated(pair_token_ids(tok, state.classifier, a, b), keep, state.max_model_len)
+        prompts = [truncated(pair_token_ids(tok, state.classifier, a, b), keep, state.max_model_len, side)
                    for a, b in zip(first, second)]
         return await _run(state, raw_request, req, prefix, prompts, _params(req, "score"), what, req.cache_salt)
     # a bi-encoder: every text embedded once (a single first text too), as /v1/embeddings embeds a string input
@@ -93,7 +118,7 @@ async def _scored(state: ServerState, raw_request: Any, req: Any, prefix: str, f
             ids = tok.encode(text)
             if not ids:
                 raise bad_request(f"{name}: text {i} is empty (it has no tokens to embed)", name)
-            prompts.append(truncated(ids, keep, state.max_model_len))
+            prompts.append(truncated(ids, keep, state.max_model_len, side))
     base_id, finals = await _run(state, raw_request, req, prefix, prompts, _params(req, "embed"), what,
                                  req.cache_salt)
     if not finals:
@@ -154,7 +179,7 @@ async def create_classify(state: ServerState, req: ClassificationRequest, raw_re
         ids = state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else p
         if not ids:
             raise bad_request(f"input {i} is empty", "input")
-        prompts.append(truncated(ids, req.truncate_prompt_tokens, state.max_model_len))
+        prompts.append(truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side))
     created = int(time.time())
     base_id, finals = await _run(state, raw_request, req, "classify", prompts, _params(req, "classify"),
                                  "classification")
