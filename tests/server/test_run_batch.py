@@ -53,7 +53,9 @@ def test_a_bad_file_fails_before_the_model_loads(tmp_path, capsys):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_run_batch_answers_in_order(tmp_path):
+@pytest.mark.parametrize("engines", [[], ["--data-parallel-size", "2"]], ids=["one-engine", "dp2"])
+def test_run_batch_answers_in_order(tmp_path, engines):
+    """(with -dp 2 the lines spread over two engine processes and still come back in the input's order)"""
     from voltllm.cli import main
 
     model = make_model(str(tmp_path / "tiny"), "llama")
@@ -69,7 +71,7 @@ def test_run_batch_answers_in_order(tmp_path):
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     assert main(["run-batch", "-i", str(src), "-o", str(out), model, "--device", "cpu", "--served-model-name", "tiny",
-                 "--max-num-seqs", "2"]) == 0
+                 "--max-num-seqs", "2", *engines]) == 0
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [json.loads(x)["custom_id"] for x in lines]
     by_id = {r["custom_id"]: r for r in results}
