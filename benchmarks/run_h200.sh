@@ -234,6 +234,7 @@
 #   s130     (session 44) the start-up mixed-step forward: 35B-A3B --compat sm70 compiles, 1 cold + 1 warm
 #   s131     (queued for session 45) session 44's last changes on the GPU: dense warm-up compiles, MoE / engine / fp8-KV
 #            GPU files
+#   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
 stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -1529,6 +1530,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     }
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
+    ;;
+  s141dp)  # (session 50; kind nvidia-h200-x2) data parallelism and an engine on the second card: the GPU file (an
+           # LLM on cuda:1 against cuda:0 with decode graphs; a -dp 2 server with an engine per card)
+    gpu_file test_data_parallel_gpu 300
     ;;
   s140)  # (session 49) the split row argmax (GPU file + micro), wide gated gate_up tiles at 64 rows
          # (micro/batch_gemm_gated_wide.py), then the 8B at 64 x 128/128: B with the gated winners offered to the

@@ -207,6 +207,14 @@ def detect(device: Union[str, torch.device, None] = "auto", compat: str = "auto"
                         total_memory_gib=round(props.total_memory / 2**30, 2))
 
 
+def make_current(device: torch.device) -> None:
+    """Make a CUDA device with an index this process's current one. Triton launches, new streams, graph captures and
+    bare synchronize() calls all act on the current device, not on their tensors': an engine on cuda:1 (--device
+    cuda:1, a data-parallel engine past the first) would otherwise launch on cuda:0."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def for_config(config: Any) -> Platform:
     """The platform of a resolved EngineConfig (its device and its resolved compat route)."""
     return detect(config.device.device, config.device.compat)

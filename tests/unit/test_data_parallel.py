@@ -178,3 +178,16 @@ def test_acceleration_report_is_every_engines_verdict(dp3_config):
     assert out["ok"] is False
     assert out["disabled_expected"] == [{"route": "attention", "reason": "off", "engine": 2}]
     assert out["engines"] == [{"engine": k, "device": f"cuda:{k}", "ok": k != 2} for k in range(3)]
+
+
+def test_an_engine_makes_its_gpu_the_current_device(monkeypatch):
+    """Triton launches, streams and graph captures act on the current device: an engine on cuda:2 (a data-parallel
+    engine past the first, or --device cuda:2) must make it current, or its kernels would launch on cuda:0."""
+    from voltllm.platform import make_current
+
+    made: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    make_current(torch.device("cuda", 2))
+    make_current(torch.device("cuda"))  # (no index: the current device already)
+    make_current(torch.device("cpu"))
+    assert made == [torch.device("cuda", 2)]

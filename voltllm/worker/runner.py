@@ -115,8 +115,10 @@ class ModelRunner:
             tp.expert_parallel = config.parallel.enable_expert_parallel
         self.send_step = send_step
         if self.device.type == "cuda":  # before any allocation: the KV budget charges this engine what it took since
+            from voltllm.platform import make_current
             from voltllm.worker.memory import free_bytes_at_start
 
+            make_current(self.device)  # (cuda:1 and up: Triton and graph captures use the current device)
             self.free_at_start = free_bytes_at_start(self.device)
         self._step_inputs: Optional[StepInputs] = None  # rank 0 of a TP group: this step's, for send_step
         # ranks > 0: the last two steps' events; a step's host staging set is refilled two steps later (double
