@@ -1,5 +1,6 @@
 """`voltllm serve -dp 2` on the CPU: two engine processes behind one API server. Requests spread over both and give
-one engine's greedy answers, /metrics labels each engine, a stream closed early frees its engine's blocks, one
+one engine's greedy answers, a conversation's next turn goes where its beginning is cached, /metrics labels each
+engine, a stream closed early frees its engine's blocks, one
 engine's death stops the server (exit 1) and nothing is left behind."""
 from __future__ import annotations
 
@@ -59,6 +60,18 @@ def test_serve_dp2_spreads_requests_and_stops_without_orphans(tiny_path):
         assert _engine_samples(text, "voltllm:engine_alive") == {"0": 1.0, "1": 1.0}
         report = httpx.get(srv.base + "/v1/acceleration", timeout=30).json()
         assert [e["engine"] for e in report["engines"]] == [0, 1] and report["ok"] is True
+
+        # a conversation's next turn goes to the engine that served the last one: its prompt's beginning is cached
+        # there (in turn, it would go to the other, idle engine and miss)
+        turn = "System: be brief. User: " + "what is the weather like at sea today? " * 12
+        hits = _engine_samples(httpx.get(srv.base + "/metrics", timeout=10).text, "voltllm:prefix_cache_hits_total")
+        for prompt in (turn, turn + " Assistant: calm. User: and tomorrow?"):
+            r = httpx.post(srv.base + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        after = _engine_samples(httpx.get(srv.base + "/metrics", timeout=10).text, "voltllm:prefix_cache_hits_total")
+        gained = sorted(after[e] - hits.get(e, 0.0) for e in after)
+        assert gained[0] == 0 and gained[1] > 100, (hits, after)
 
         # a stream closed after its first chunk is aborted on its engine: every engine ends idle, no block held
         with httpx.stream("POST", srv.base + "/v1/completions", timeout=60,

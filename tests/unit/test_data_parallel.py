@@ -191,3 +191,47 @@ def test_an_engine_makes_its_gpu_the_current_device(monkeypatch):
     make_current(torch.device("cuda"))  # (no index: the current device already)
     make_current(torch.device("cpu"))
     assert made == [torch.device("cuda", 2)]
+
+
+def test_a_conversations_next_turn_goes_where_its_beginning_is_cached():
+    from voltllm.engine.dp_routing import SLACK, TEXT_CHUNK, PrefixRouter, prompt_keys
+
+    system = "You are a helpful assistant. " * 10  # > 2 chunks, shared by every conversation
+    talk = [system + f"User {u}: " + "tell me about the sea " * 20 for u in range(2)]
+    probe = PrefixRouter(2)
+    probe.choose(prompt_keys(talk[0]), [0, 0])
+    # a new conversation: the engine holding the shared system prompt, while at most SLACK busier ...
+    assert probe.choose(prompt_keys(talk[1]), [1, 0]) == 0
+    router = PrefixRouter(2)
+    first = router.choose(prompt_keys(talk[0]), [0, 0])
+    busier = [0, 0]
+    busier[first] = SLACK + 1
+    second = router.choose(prompt_keys(talk[1]), busier)  # ... else the least busy
+    assert second == 1 - first
+    # each conversation's next turn (its prompt grown by an answer and a message) returns to its engine, though the
+    # other engine is now less busy, and though both hold the shared system prompt
+    for conv, engine in ((0, first), (1, second)):
+        grown = talk[conv] + " Assistant: waves. User: and the tides? " * 8
+        loads = [3, 3]
+        loads[engine] += SLACK
+        assert router.choose(prompt_keys(grown), loads) == engine
+    # ... but not when that engine is more than SLACK busier: then the least busy takes it
+    loads = [0, 0]
+    loads[first] = SLACK + 1
+    assert router.choose(prompt_keys(talk[0] + " more"), loads) == 1 - first
+    # the cache salt and the adapter key the engines' blocks: another salt or adapter is another prompt
+    assert prompt_keys(talk[0]) != prompt_keys(talk[0], cache_salt="s") != prompt_keys(talk[0], adapter="a")
+    assert prompt_keys("x" * (TEXT_CHUNK - 1)) == [] and len(prompt_keys("x" * (2 * TEXT_CHUNK + 5))) == 2
+    assert len(prompt_keys({"prompt_token_ids": list(range(70))})) == 2 and prompt_keys(None) == []
+
+
+def test_the_router_forgets_the_least_recently_used(monkeypatch):
+    from voltllm.engine import dp_routing
+
+    monkeypatch.setattr(dp_routing, "REMEMBERED", 4)
+    router = dp_routing.PrefixRouter(2)
+    router.choose([1, 2, 3], [0, 0])
+    router.choose([4, 5], [1, 0])
+    router.choose([1, 6], [0, 2])  # engine 0 again: key 1 refreshed, 6 added
+    router.choose([7], [0, 5])  # 5 keys on engine 0: the least recently used (2) goes
+    assert list(router.seen[0]) == [3, 1, 6, 7] and list(router.seen[1]) == [4, 5]

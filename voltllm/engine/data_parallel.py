@@ -2,8 +2,9 @@
 
 Each engine is an ordinary AsyncLLM (its own engine process, its own -tp ranks, KV cache, prefix cache and CUDA
 graphs) on its own GPUs: engine k takes the -tp devices from the configured first one's index + k * tp (on the CPU
-all run there). A request goes whole to one engine, the one with the fewest requests in flight (ties: the engine
-after the last one chosen), and stays there: its streams, aborts and beam-search steps are that engine's. The
+all run there). A request goes whole to one engine, the least busy one unless another holds the beginning of its
+prompt in its prefix cache (engine/dp_routing.py), and stays there: its streams, aborts and beam-search steps are
+that engine's. The
 engines never talk to each other, so a model is served N times over, as vLLM's data parallelism serves a dense
 model (vLLM spreads a MoE model's experts over its data-parallel ranks; here each engine holds every expert, see
 config._check_data_parallel).
@@ -22,6 +23,7 @@ import torch
 
 from voltllm.config import ConfigError, EngineConfig
 from voltllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from voltllm.engine.dp_routing import PrefixRouter, prompt_keys
 from voltllm.engine.outputs import PoolingRequestOutput, RequestOutput
 from voltllm.engine.request_checks import InvalidRequestError
 from voltllm.engine.types import SchedulerStats
@@ -63,7 +65,7 @@ class DataParallelLLM:
         self.engines = [AsyncLLM(rank_config(config, k), tokenizer, log_level=log_level, engine_index=k)
                         for k in range(n)]
         self._observer: Any = None
-        self._next = 0  # where the search for the least busy engine starts (round robin among equals)
+        self.router = PrefixRouter(n)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self, timeout: Optional[float] = None) -> None:
@@ -170,39 +172,53 @@ class DataParallelLLM:
         return sum(e.num_active_requests for e in self.engines)
 
     # -- requests -------------------------------------------------------------------------------
-    def _pick(self, request_id: str) -> AsyncLLM:
-        """The engine for a new request: the fewest requests in flight, ties broken round robin. Raises for a
-        request id one engine already serves, and when an engine has died (the server is going down)."""
+    def _pick(self, request_id: str, prompt: Any, cache_salt: Optional[str] = None,
+              lora_request: Optional[Any] = None) -> AsyncLLM:
+        """The engine for a new request (engine/dp_routing.py: the least busy, or the one holding the prompt's
+        beginning). Raises for a request id one engine already serves, and when an engine has died (the server is
+        going down)."""
         if (why := self.dead) is not None:
             raise EngineDeadError(why)
         for e in self.engines:
             if e.serves(request_id):
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        n = len(self.engines)
-        order = [self.engines[(self._next + i) % n] for i in range(n)]
-        best = min(order, key=lambda e: e.num_active_requests)
-        self._next = (best.engine_index + 1) % n
-        return best
+        adapter = getattr(lora_request, "lora_name", None)
+        keys = prompt_keys(prompt, cache_salt, adapter)
+        return self.engines[self.router.choose(keys, [e.num_active_requests for e in self.engines])]
 
-    def add_request(self, request_id: str, *args: Any, **kwargs: Any) -> RequestStream:
-        return self._pick(request_id).add_request(request_id, *args, **kwargs)
+    def add_request(self, request_id: str, prompt: Any, params: Any, cache_salt: Optional[str] = None,
+                    priority: int = 0, lora_request: Optional[Any] = None) -> RequestStream:
+        engine = self._pick(request_id, prompt, cache_salt, lora_request)
+        return engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
 
-    def add_pooling_request(self, request_id: str, *args: Any, **kwargs: Any) -> RequestStream:
-        return self._pick(request_id).add_pooling_request(request_id, *args, **kwargs)
+    def add_pooling_request(self, request_id: str, prompt: Any, params: Any = None, cache_salt: Optional[str] = None,
+                            priority: int = 0) -> RequestStream:
+        return self._pick(request_id, prompt, cache_salt).add_pooling_request(request_id, prompt, params, cache_salt,
+                                                                              priority)
 
-    def beam_search(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+    def beam_search(self, request_id: str, prompt: Any, params: Any, cache_salt: Optional[str] = None,
+                    **kwargs: Any) -> Any:
         """The whole search on one engine: its steps' prompts share that engine's prefix cache."""
-        return self._pick(request_id).beam_search(request_id, *args, **kwargs)
+        engine = self._pick(request_id, prompt, cache_salt, kwargs.get("lora_request"))
+        return engine.beam_search(request_id, prompt, params, cache_salt, **kwargs)
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, *args: Any,
-                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        async for out in self._pick(request_id).generate(prompt, params, request_id, *args, **kwargs):
-            yield out
+    async def generate(self, prompt: Any, params: Any, request_id: str, cache_salt: Optional[str] = None,
+                       priority: int = 0, lora_request: Optional[Any] = None) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
 
-    async def encode(self, prompt: Any, params: Any, request_id: str, *args: Any,
-                     **kwargs: Any) -> AsyncIterator[PoolingRequestOutput]:
-        async for out in self._pick(request_id).encode(prompt, params, request_id, *args, **kwargs):
-            yield out
+    async def encode(self, prompt: Any, params: Any, request_id: str, cache_salt: Optional[str] = None,
+                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        stream = self.add_pooling_request(request_id, prompt, params, cache_salt, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
 
     def abort(self, request_id: str, reason: Optional[str] = None) -> None:
         """Abort a request on whichever engine serves it (a no-op on the others, as for unknown ids)."""
