@@ -235,3 +235,22 @@ def test_the_router_forgets_the_least_recently_used(monkeypatch):
     router.choose([1, 6], [0, 2])  # engine 0 again: key 1 refreshed, 6 added
     router.choose([7], [0, 5])  # 5 keys on engine 0: the least recently used (2) goes
     assert list(router.seen[0]) == [3, 1, 6, 7] and list(router.seen[1]) == [4, 5]
+
+
+def test_engines_fitted_to_different_cards_all_take_the_shortest_length(dp3_config):
+    """--max-model-len auto fits each engine to its own card: a request must be accepted or refused alike on all."""
+    from types import SimpleNamespace
+
+    engines = [FakeEngine(k) for k in range(3)]
+    for e, fitted in zip(engines, (4096, 1536, 8192)):
+        async def start(timeout=None, e=e, fitted=fitted):
+            e.max_model_len = fitted
+            e.frontend = SimpleNamespace(max_model_len=fitted)
+            e.engine_info = {"pid": 1, "num_blocks": 8}
+        e.start = start
+        e.config = dp3_config
+    dp = DataParallelLLM(dp3_config, tokenizer=object())
+    dp.engines = engines
+    asyncio.run(dp.start())
+    assert dp.max_model_len == 1536
+    assert [(e.max_model_len, e.frontend.max_model_len) for e in engines] == [(1536, 1536)] * 3

@@ -82,6 +82,11 @@ class DataParallelLLM:
         except BaseException:
             self.shutdown()
             raise
+        # --max-model-len auto fits each engine to its own card's KV cache: every engine takes the shortest, so a
+        # request is accepted or refused the same whichever engine it reaches
+        shortest = self.max_model_len
+        for e in self.engines:
+            e.max_model_len = e.frontend.max_model_len = shortest
         for e in self.engines:
             info = e.engine_info
             logger.info("data-parallel engine %d on %s: pid %s, %s KV blocks", e.engine_index, e.config.device.device,
