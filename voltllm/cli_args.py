@@ -106,7 +106,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engines side by side, each a whole copy of the model on its own -tp GPUs; the server sends "
-                        "each request to the least busy one (serve and run-batch)")
+                        "each request to the least busy one, or to the one caching its prompt's beginning (serve and "
+                        "run-batch)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction, default=False,
                    help="MoE models under -tp: each rank holds whole routed experts (E / N, the first ranks one more) "
