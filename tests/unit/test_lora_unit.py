@@ -286,13 +286,18 @@ def test_block_hashes_differ_by_adapter_and_keep_plain_ones():
         extend_block_hashes(out, tokens, 4, **kw)
         return out
 
-    plain, a, b = hashes(), hashes(lora_name="a"), hashes(lora_name="b")
+    from voltllm.lora.manager import LoRAKey
+
+    a_key = LoRAKey("a", 1)
+    plain, a, b = hashes(), hashes(lora_key=a_key), hashes(lora_key=LoRAKey("b", 2))
     assert plain[0] == hash_block(None, tokens[:4])  # unchanged for requests without an adapter
     assert all(len({plain[i], a[i], b[i]}) == 3 for i in range(3))  # every block, through the chain
-    assert hashes(lora_name="a") == a
+    assert hashes(lora_key=LoRAKey("a", 1)) == a
+    # a reload of "a" (a new key: removed, or loaded in place) does not read the old load's blocks
+    assert all(x != y for x, y in zip(hashes(lora_key=LoRAKey("a", 3)), a))
     # a cache salt cannot stand for an adapter, and a salted adapter request is its own tenant
-    assert hashes(cache_salt="a") != a and hashes(cache_salt="('lora', 'a')") != a
-    assert hashes(cache_salt="t", lora_name="a") not in (a, hashes(cache_salt="t"))
+    assert hashes(cache_salt="a") != a and hashes(cache_salt="('lora', 'a', 1)") != a
+    assert hashes(cache_salt="t", lora_key=a_key) not in (a, hashes(cache_salt="t"))
 
 
 def test_cudagraph_specialize_lora_is_taken_at_false():
