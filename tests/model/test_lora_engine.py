@@ -326,3 +326,74 @@ def test_requests_running_with_a_removed_adapter_finish_with_it(setup):
     assert steps[0] > 3 and sorted(seen["kept"]) == ["a1", "a2"]
     assert [k.name for k in manager.cached()] == ["a2"] and "a1" not in {k.name for k in manager.resident()}
     assert llm.list_loras() == {2} and not manager.retiring
+
+
+def test_the_engine_process_loop_takes_remove_lora(setup):
+    """engine_proc's loop (in a thread over inproc sockets) with ("remove_lora", id), as AsyncLLM.remove_lora sends it
+    after a request of the adapter: the request finishes with the adapter's tokens, then the adapter is dropped."""
+    import os
+    import pickle
+    import threading
+
+    import zmq
+
+    from voltllm.engine.engine_proc import _loop
+
+    llm = setup.llm()
+    engine, manager = llm.engine, llm.engine.runner.lora
+    kept, remove = [], engine.remove_lora
+
+    def remove_and_look(lora_int_id):
+        removed = remove(lora_int_id)
+        kept.append(sorted(k.name for k in manager.cached()))  # (what CPU memory holds right after)
+        return removed
+
+    engine.remove_lora = remove_and_look
+    ctx = zmq.Context()
+    to_engine, inp = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_engine.bind("inproc://lora-in")
+    inp.connect("inproc://lora-in")
+    from_engine.bind("inproc://lora-out")
+    out.connect("inproc://lora-out")
+    loop = threading.Thread(target=_loop, args=(engine, inp, out, os.getppid()), daemon=True)
+
+    def send(*msg):
+        to_engine.send(pickle.dumps(msg))
+
+    def recv():
+        assert from_engine.poll(30_000), "the engine loop sent nothing"
+        return pickle.loads(from_engine.recv())
+
+    n = 100
+    (req,) = llm.frontend.make_requests("r1", PROMPTS[0], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                        lora_request=setup.lora("a1"))
+    llm.frontend.forget("r1")
+    try:
+        loop.start()
+        send("add", [req])
+        tokens = []
+        while True:
+            msg = recv()
+            assert msg[0] == "outputs", msg
+            for o in msg[1]:
+                if not tokens:
+                    send("remove_lora", 1)  # (after the request, as AsyncLLM sends it)
+                tokens += o.new_token_ids
+                finished = o.finished
+            if msg[1] and finished:
+                break
+        send("check")
+        while (msg := recv())[0] != "check":
+            pass
+        assert msg == ("check", None)
+        send("shutdown")
+        loop.join(30)
+        assert not loop.is_alive()
+    finally:
+        engine.remove_lora = remove
+        for s in (to_engine, inp, out, from_engine):
+            s.close(0)
+    assert tokens == setup.greedy("a1", req.prompt_token_ids, n)
+    assert kept == [["a1"]]  # the request was running when the message came: kept until it finished
+    assert manager.cached() == [] and manager.resident() == {} and llm.list_loras() == set()

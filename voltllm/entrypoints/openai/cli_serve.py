@@ -69,6 +69,10 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    help='CORS: a JSON list of methods (default ["*"])')
     s.add_argument("--allowed-headers", type=json_string_list("--allowed-headers"), default=["*"],
                    help='CORS: a JSON list of headers (default ["*"])')
+    s.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora): clients load adapters from paths on this "
+                   "machine")
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load before giving up (default: no limit)")
     p.set_defaults(func=run_serve)
@@ -170,6 +174,9 @@ def run_serve(args: argparse.Namespace) -> int:
          f"{config.device.device}; config in {time.monotonic() - t0:.1f} s")
     names = list(args.served_model_names or [mc.served_model_name])
     loras = lora_modules(config, args, names)  # (ConfigError: exit 2 before the engine starts)
+    if args.allow_runtime_lora_updating and config.lora is None:
+        raise ConfigError("--allow-runtime-lora-updating loads LoRA adapters at run time: add --enable-lora (and "
+                          "--max-lora-rank / --max-loras for the adapters to come)")
     sock = _bind(args.host, args.port)
     holder: dict[str, Any] = {"rc": 0}
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -246,6 +253,10 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     _say(f"engine ready in {time.monotonic() - t0:.1f} s (pid {info.get('pid')}, {info.get('num_blocks')} KV blocks "
          f"of {info.get('block_size')} tokens, max_model_len {engine.max_model_len})")
     state = server_state(config, args, names, engine, loras)
+    state.allow_runtime_lora_updating = args.allow_runtime_lora_updating
+    if state.allow_runtime_lora_updating:
+        logger.warning("--allow-runtime-lora-updating: POST /v1/load_lora_adapter reads adapters from any path this "
+                       "server can read (require --api-key where clients are not trusted)")
     cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
                         tuple(args.allowed_headers))
     http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,
