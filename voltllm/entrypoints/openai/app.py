@@ -194,10 +194,11 @@ class CorsSettings:
 @dataclass(frozen=True)
 class HttpOptions:
     """vLLM's HTTP-level server flags: --disable-fastapi-docs, --enable-request-id-headers,
-    --enable-server-load-tracking."""
+    --enable-server-load-tracking, --allow-runtime-lora-updating."""
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json
     request_id_headers: bool = False  # X-Request-Id on every response
     server_load_tracking: bool = False  # GET /load counts the requests in flight
+    runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py)
 
 
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
@@ -271,7 +272,7 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(n) for n in [*state.served_model_names, *state.lora_modules]]}
 
-    if state.allow_runtime_lora_updating:  # (without it the routes do not exist, as in vLLM: 404)
+    if http.runtime_lora_updating:  # (without it the routes do not exist, as in vLLM: 404)
         from voltllm.entrypoints.openai.serving_lora import (LoadLoRAAdapterRequest, RuntimeLoRAs,
                                                              UnloadLoRAAdapterRequest)
 

@@ -253,14 +253,14 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     _say(f"engine ready in {time.monotonic() - t0:.1f} s (pid {info.get('pid')}, {info.get('num_blocks')} KV blocks "
          f"of {info.get('block_size')} tokens, max_model_len {engine.max_model_len})")
     state = server_state(config, args, names, engine, loras)
-    state.allow_runtime_lora_updating = args.allow_runtime_lora_updating
-    if state.allow_runtime_lora_updating:
+    if args.allow_runtime_lora_updating:
         logger.warning("--allow-runtime-lora-updating: POST /v1/load_lora_adapter reads adapters from any path this "
                        "server can read (require --api-key where clients are not trusted)")
     cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
                         tuple(args.allowed_headers))
     http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,
-                       server_load_tracking=args.enable_server_load_tracking)
+                       server_load_tracking=args.enable_server_load_tracking,
+                       runtime_lora_updating=args.allow_runtime_lora_updating)
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors, http=http)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",

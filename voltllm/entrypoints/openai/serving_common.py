@@ -56,7 +56,6 @@ class ServerState:
     # --lora-modules and the adapters /v1/load_lora_adapter loaded (--allow-runtime-lora-updating): adapter name ->
     # LoRARequest (voltllm.lora); a request naming one as its model runs with it
     lora_modules: dict = field(default_factory=dict)
-    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
