@@ -79,11 +79,11 @@ def test_a_steps_adapter_choice_does_not_sync(setup):
     llm = LLM(model, device="cuda", dtype="float16", gpu_memory_utilization=0.3, enable_lora=True, max_loras=2,
               max_lora_rank=8)
     manager = llm.engine.runner.lora
-    for r in loras.values():
-        manager.register(r)
+    keys = {name: manager.register(r) for name, r in loras.items()}
 
     def step(names, counts):
-        return [SimpleNamespace(request=SimpleNamespace(lora_name=n), num_new_tokens=c) for n, c in zip(names, counts)]
+        return [SimpleNamespace(request=SimpleNamespace(lora_key=keys.get(n)), num_new_tokens=c)
+                for n, c in zip(names, counts)]
 
     manager.prepare_step(step(["a1"], [3]), 4)  # warm-up (first pinned allocations)
     torch.cuda.synchronize()
@@ -97,5 +97,5 @@ def test_a_steps_adapter_choice_does_not_sync(setup):
     slot = manager.resident()
     mask = manager.batch.mask[:4].float().cpu()
     want = torch.zeros(4, 2)
-    want[0, slot["a1"]] = want[1, slot["a2"]] = 1
+    want[0, slot[keys["a1"]]] = want[1, slot[keys["a2"]]] = 1
     assert torch.equal(mask, want)

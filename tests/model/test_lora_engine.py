@@ -139,7 +139,7 @@ def test_max_loras_bounds_the_adapters_of_a_batch(setup):
     manager._assign = lambda names, loads: seen.append(set(names)) or assign(names, loads)
     names = ["a1", "a2", None, "a1", "a3", None]
     _check_greedy(setup, llm, names)
-    assert max(len(s) for s in seen) == 1 and {n for s in seen for n in s} == {"a1", "a2", "a3"}
+    assert max(len(s) for s in seen) == 1 and {k.name for s in seen for k in s} == {"a1", "a2", "a3"}
     assert llm.engine.scheduler.num_preemptions > 0
 
 
@@ -148,7 +148,7 @@ def test_max_cpu_loras_drops_unused_adapters_and_reads_them_again(setup):
     manager = llm.engine.runner.lora
     for name in ("a1", "a2", "a1", "a3"):
         _check_greedy(setup, llm, [name, None], PROMPTS[:2])
-        assert manager.cached() == [name]
+        assert [k.name for k in manager.cached()] == [name]
     # adapters of live requests are kept even beyond the limit (one batch of three adapters, one slot)
     _check_greedy(setup, llm, ["a1", "a2", "a3"], PROMPTS[:3])
 
@@ -250,3 +250,150 @@ def test_a_moe_models_attention_and_dense_layers_take_adapters(tmp_path):
         "a1": dict(rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
         "a2": dict(rank=4, seed=5, targets=("gate_proj", "up_proj", "down_proj"), layers=[1])})
     _check_greedy(s, s.llm(), [None, "a1", "a2"], PROMPTS[:3])
+
+
+# -- adding and removing adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------------
+def test_add_list_and_remove_loras(setup, tmp_path):
+    llm = setup.llm(max_loras=2)
+    manager = llm.engine.runner.lora
+    assert llm.list_loras() == set()
+    assert llm.add_lora(setup.requests["a1"]) is True
+    assert llm.list_loras() == {1} and [k.name for k in manager.cached()] == ["a1"]
+    _check_greedy(setup, llm, ["a1", "a2"], PROMPTS[:2])
+    assert llm.list_loras() == {1, 2}
+    assert llm.remove_lora(1) is True and llm.list_loras() == {2}
+    assert [k.name for k in manager.cached()] == ["a2"] and [k.name for k in manager.resident()] == ["a2"]
+    assert llm.remove_lora(1) is False
+    with pytest.raises(ValueError, match="LoRA adapter 'x' .* no such directory"):
+        llm.add_lora(LoRARequest("x", 9, str(tmp_path / "none")))
+    assert llm.list_loras() == {2}
+    _check_greedy(setup, llm, ["a1", None], PROMPTS[:2])  # read again from its path, dropped after
+    assert llm.list_loras() == {2} and [k.name for k in manager.cached()] == ["a2"]
+    llm.engine.check_integrity()
+
+
+def test_a_reload_at_the_same_path_serves_the_new_weights_and_none_of_the_old_blocks(setup, tmp_path):
+    """remove_lora, new files at the adapter's path, the same LoRARequest again: the new weights run, and the prefix
+    cache does not hand it the blocks the old weights computed (a removed adapter comes back under a new key)."""
+    llm = setup.llm()
+    path = make_adapter(str(tmp_path / "re"), setup.model, rank=8, alpha=16, seed=11)
+    req = LoRARequest("re", 7, path)
+    prompt = PROMPTS[3]  # several full blocks of 4
+    ids = llm.get_tokenizer().encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run():
+        out = llm.generate(prompt, params, lora_request=req, use_tqdm=False)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    def greedy():
+        with torch.no_grad():
+            out = merged_model(setup.model, path).generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6,
+                                                           do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    old = greedy()
+    assert run() == (old, 0)
+    tokens, cached = run()
+    assert tokens == old and cached > 0  # its blocks are cached
+    assert llm.remove_lora(7) is True
+    make_adapter(path, setup.model, rank=8, alpha=16, seed=12)  # new weights at the same path
+    new = greedy()
+    assert new != old
+    assert run() == (new, 0)
+    llm.engine.check_integrity()
+
+
+def test_requests_running_with_a_removed_adapter_finish_with_it(setup):
+    """remove_lora while requests of the adapter run: they finish with its weights (tokens of the merged model), then
+    it leaves CPU memory and its slot; nothing else is disturbed."""
+    llm = setup.llm()
+    engine, manager = llm.engine, llm.engine.runner.lora
+    step, steps, seen = engine.step, [0], {}
+
+    def step_then_remove():
+        out = step()
+        steps[0] += 1
+        if steps[0] == 2:  # both requests are running: a1's are decoding
+            assert engine.remove_lora(1) is True
+            seen["kept"] = [k.name for k in manager.cached()]
+            engine.check_integrity()
+        return out
+
+    engine.step = step_then_remove
+    _check_greedy(setup, llm, ["a1", "a2", "a1"], PROMPTS[:3], SamplingParams(temperature=0, max_tokens=8,
+                                                                              ignore_eos=True))
+    assert steps[0] > 3 and sorted(seen["kept"]) == ["a1", "a2"]
+    assert [k.name for k in manager.cached()] == ["a2"] and "a1" not in {k.name for k in manager.resident()}
+    assert llm.list_loras() == {2} and not manager.retiring
+
+
+def test_the_engine_process_loop_takes_remove_lora(setup):
+    """engine_proc's loop (in a thread over inproc sockets) with ("remove_lora", id), as AsyncLLM.remove_lora sends it
+    after a request of the adapter: the request finishes with the adapter's tokens, then the adapter is dropped."""
+    import os
+    import pickle
+    import threading
+
+    import zmq
+
+    from voltllm.engine.engine_proc import _loop
+
+    llm = setup.llm()
+    engine, manager = llm.engine, llm.engine.runner.lora
+    kept, remove = [], engine.remove_lora
+
+    def remove_and_look(lora_int_id):
+        removed = remove(lora_int_id)
+        kept.append(sorted(k.name for k in manager.cached()))  # (what CPU memory holds right after)
+        return removed
+
+    engine.remove_lora = remove_and_look
+    ctx = zmq.Context()
+    to_engine, inp = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_engine.bind("inproc://lora-in")
+    inp.connect("inproc://lora-in")
+    from_engine.bind("inproc://lora-out")
+    out.connect("inproc://lora-out")
+    loop = threading.Thread(target=_loop, args=(engine, inp, out, os.getppid()), daemon=True)
+
+    def send(*msg):
+        to_engine.send(pickle.dumps(msg))
+
+    def recv():
+        assert from_engine.poll(30_000), "the engine loop sent nothing"
+        return pickle.loads(from_engine.recv())
+
+    n = 100
+    (req,) = llm.frontend.make_requests("r1", PROMPTS[0], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                        lora_request=setup.lora("a1"))
+    llm.frontend.forget("r1")
+    try:
+        loop.start()
+        send("add", [req])
+        tokens = []
+        while True:
+            msg = recv()
+            assert msg[0] == "outputs", msg
+            for o in msg[1]:
+                if not tokens:
+                    send("remove_lora", 1)  # (after the request, as AsyncLLM sends it)
+                tokens += o.new_token_ids
+                finished = o.finished
+            if msg[1] and finished:
+                break
+        send("check")
+        while (msg := recv())[0] != "check":
+            pass
+        assert msg == ("check", None)
+        send("shutdown")
+        loop.join(30)
+        assert not loop.is_alive()
+    finally:
+        engine.remove_lora = remove
+        for s in (to_engine, inp, out, from_engine):
+            s.close(0)
+    assert tokens == setup.greedy("a1", req.prompt_token_ids, n)
+    assert kept == [["a1"]]  # the request was running when the message came: kept until it finished
+    assert manager.cached() == [] and manager.resident() == {} and llm.list_loras() == set()

@@ -81,6 +81,27 @@ def test_prompt_distributions_match_tp1(engines):
             assert torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
 
 
+def test_removed_and_reloaded_adapters_on_every_rank(engines, tmp_path):
+    """remove_lora on a -tp engine (the workers drop it with rank 0's next step), then the adapter's name reloaded with
+    other weights under a new id, and the removed LoRARequest used again (read afresh, dropped after): every batch
+    matches -tp 1."""
+    one, two, loras = engines
+    before = _run(two, loras)
+    for llm in (one, two):
+        assert llm.remove_lora(1) is True and llm.list_loras() == {2}
+    model = one.config.model.model
+    reloaded = dict(loras, a1=LoRARequest("a1", 9, make_adapter(str(tmp_path / "a1-new"), model, rank=8, alpha=16,
+                                                                seed=5)))
+    after = _run(two, reloaded)
+    _assert_same(_run(one, reloaded), after)
+    assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
+    _assert_same(before, _run(two, loras))  # the removed id 1 again: its old files, read anew
+    assert two.list_loras() == {2, 9}
+    two.engine.check_integrity()
+    for llm in (one, two):  # (as the other tests of these engines expect)
+        assert llm.remove_lora(9) is True and llm.add_lora(loras["a1"]) is True
+
+
 def test_one_slot_reloaded_and_adapters_read_again_on_every_rank(tmp_path):
     """--max-loras 1 --max-cpu-loras 1: adapters take turns in the one slot, and the worker, which keeps only the
     resident one in CPU memory, reads the others again when rank 0 puts them back."""

@@ -1,7 +1,8 @@
 """--enable-lora --lora-modules over HTTP (the tiny server serves the adapter "tiny-lora"): /v1/models lists it with
 `parent` (the base model) and `root` (its path), a request naming it runs with it (its greedy tokens are transformers'
 with the adapter merged; use_beam_search's beams are the merged model's), the base model's requests run without it, an
-unknown name stays a 404."""
+unknown name stays a 404; without --allow-runtime-lora-updating the load / unload routes do not exist
+(tests/server/test_lora_runtime_server.py serves them)."""
 from __future__ import annotations
 
 import json
@@ -139,3 +140,12 @@ def test_metrics_name_the_running_adapters(tiny_server):
         next(x for x in lines if x.startswith("data: "))  # the request runs
         busy = _lora_info(tiny_server)
     assert busy["running_lora_adapters"] == "tiny-lora", busy
+
+
+def test_without_runtime_updating_the_load_and_unload_routes_do_not_exist(tiny_server):
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": tiny_server.lora_path}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "tiny-lora"})):
+        r = _post(tiny_server, path, body)
+        assert r.status_code == 404 and "no route" in r.json()["error"]["message"], r.text
+    assert [m["id"] for m in httpx.get(tiny_server.base + "/v1/models", timeout=30).json()["data"]] == \
+        ["tiny", "tiny-lora"]

@@ -39,14 +39,14 @@ def _manager(path: str, tp, max_loras: int = 2, max_cpu_loras: int = 2):
                               torch.device("cpu"), split=model.tp_part if tp is not None else None)
 
 
-def _scheduled(*names_and_tokens):
-    return [SimpleNamespace(request=SimpleNamespace(lora_name=name), num_new_tokens=n) for name, n in names_and_tokens]
+def _scheduled(*keys_and_tokens):
+    return [SimpleNamespace(request=SimpleNamespace(lora_key=key), num_new_tokens=n) for key, n in keys_and_tokens]
 
 
 def _model(path: str, tp):
     model, manager = _manager(path, tp)
-    manager.register(LoRARequest("a", 1, os.path.join(path, "adapter")))
-    step = manager.prepare_step(_scheduled(("a", WITH_ADAPTER), (None, T - WITH_ADAPTER)), T)
+    key = manager.register(LoRARequest("a", 1, os.path.join(path, "adapter")))
+    step = manager.prepare_step(_scheduled((key, WITH_ADAPTER), (None, T - WITH_ADAPTER)), T)
     return model, manager, step
 
 
@@ -102,11 +102,13 @@ def test_a_follower_repeats_rank_0s_slots_and_mask(tmp_path, monkeypatch):
     _, follower = _manager(path, None)
     read, reads = manager_module.read_adapter, []
     steps = [[("a1", 3)], [("a2", 2), (None, 1)], [(None, 2)], [("a3", 1), ("a1", 2)], [("a2", 3)], [("a3", 2)]]
+    keys = {}
     for i, step in enumerate(steps):
-        live = {name for name, _ in step if name}  # (the engine's live requests: this step's)
-        for name in live:
-            leader.register(requests[name], lambda: live)
-        plan = leader.prepare_step(_scheduled(*step), T)
+        live = {keys.get(name) for name, _ in step if name}  # (the engine's live requests: this step's)
+        for name in sorted({name for name, _ in step if name}):
+            keys[name] = leader.register(requests[name], lambda: live)
+            live.add(keys[name])
+        plan = leader.prepare_step(_scheduled(*[(keys.get(name), n) for name, n in step]), T)
         with monkeypatch.context() as m:  # the follower's own reads
             m.setattr(manager_module, "read_adapter", lambda req, *a: reads.append(req.lora_name) or read(req, *a))
             follower.follow_step(plan, T)

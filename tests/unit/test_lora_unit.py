@@ -286,13 +286,18 @@ def test_block_hashes_differ_by_adapter_and_keep_plain_ones():
         extend_block_hashes(out, tokens, 4, **kw)
         return out
 
-    plain, a, b = hashes(), hashes(lora_name="a"), hashes(lora_name="b")
+    from voltllm.lora.manager import LoRAKey
+
+    a_key = LoRAKey("a", 1)
+    plain, a, b = hashes(), hashes(lora_key=a_key), hashes(lora_key=LoRAKey("b", 2))
     assert plain[0] == hash_block(None, tokens[:4])  # unchanged for requests without an adapter
     assert all(len({plain[i], a[i], b[i]}) == 3 for i in range(3))  # every block, through the chain
-    assert hashes(lora_name="a") == a
+    assert hashes(lora_key=LoRAKey("a", 1)) == a
+    # a reload of "a" (a new key: removed, or loaded in place) does not read the old load's blocks
+    assert all(x != y for x, y in zip(hashes(lora_key=LoRAKey("a", 3)), a))
     # a cache salt cannot stand for an adapter, and a salted adapter request is its own tenant
-    assert hashes(cache_salt="a") != a and hashes(cache_salt="('lora', 'a')") != a
-    assert hashes(cache_salt="t", lora_name="a") not in (a, hashes(cache_salt="t"))
+    assert hashes(cache_salt="a") != a and hashes(cache_salt="('lora', 'a', 1)") != a
+    assert hashes(cache_salt="t", lora_key=a_key) not in (a, hashes(cache_salt="t"))
 
 
 def test_cudagraph_specialize_lora_is_taken_at_false():
@@ -303,3 +308,27 @@ def test_cudagraph_specialize_lora_is_taken_at_false():
     assert resolve_cuda_graphs({"cudagraph_specialize_lora": False}).mode == "FULL_AND_PIECEWISE"
     with pytest.raises(CompilationConfigError, match="cudagraph_specialize_lora true: graphs specialized"):
         resolve_cuda_graphs({"cudagraph_specialize_lora": True})
+
+
+def test_serve_refuses_runtime_lora_updating_without_enable_lora(tiny, capsys):
+    from voltllm.cli import main
+
+    assert main(["serve", tiny, "--device", "cpu", "--allow-runtime-lora-updating"]) == 2
+    assert "voltllm: error: --allow-runtime-lora-updating loads LoRA adapters at run time: add --enable-lora" in \
+        capsys.readouterr().err
+
+
+def test_a_request_naming_an_adapter_unloaded_meanwhile_is_a_404_not_the_base_model():
+    """ServerState.lora_request (called as the request is submitted, after its name was checked): an adapter unloaded
+    in between must not run the request on the base model."""
+    from voltllm.entrypoints.openai.errors import OpenAIError
+    from voltllm.entrypoints.openai.serving_common import ServerState
+
+    lora = LoRARequest("a", 1, "/p")
+    state = ServerState(engine=None, served_model_names=["tiny"], max_model_len=64, model_path="/m",
+                        lora_modules={"a": lora})
+    assert state.lora_request("a") is lora and state.lora_request("tiny") is None and state.lora_request(None) is None
+    del state.lora_modules["a"]  # /v1/unload_lora_adapter
+    with pytest.raises(OpenAIError) as e:
+        state.lora_request("a")
+    assert e.value.status == 404 and e.value.code == "model_not_found"

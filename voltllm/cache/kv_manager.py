@@ -40,7 +40,7 @@ class KVCacheManager:
 
     def _update_hashes(self, req: Request) -> None:
         if self.enable_caching:
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, req.lora_name)
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, req.lora_key)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of the request (at least one token is always left to compute)."""

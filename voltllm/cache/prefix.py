@@ -1,9 +1,11 @@
 """Chained block hashes for prefix caching.
 
 hash(block i) = H(hash(block i-1) | token ids of block i | extra keys). Extra keys (a cache salt, a LoRA adapter's
-name) go into the first block, so different tenants, and different adapters (or an adapter and the base model: their
-KV differ), never share blocks; the chain carries them into every later block. The adapter's key is tagged
-(("lora", name)) so that no cache salt can stand for it.
+key: its name and the engine's serial number of that load, lora/manager.py LoRAKey) go into the first block, so
+different tenants, and different adapters (or an adapter and the base model: their KV differ), never share blocks;
+the chain carries them into every later block. A reloaded adapter (removed, or loaded in place) is a new key, so the
+blocks its old weights computed are never read for it. The adapter's key is tagged (("lora", name, serial)) so that
+no cache salt can stand for it.
 """
 from __future__ import annotations
 
@@ -23,17 +25,17 @@ def hash_block(parent: Optional[bytes], token_ids: Sequence[int], extra_keys: Op
     return h.digest()
 
 
-def first_block_keys(cache_salt: Optional[str] = None, lora_name: Optional[str] = None) -> Optional[tuple]:
+def first_block_keys(cache_salt: Optional[str] = None, lora_key: Optional[tuple] = None) -> Optional[tuple]:
     """The first block's extra keys (None without any: the hashes of plain requests do not change)."""
-    keys = ((cache_salt,) if cache_salt else ()) + ((("lora", lora_name),) if lora_name else ())
+    keys = ((cache_salt,) if cache_salt else ()) + ((("lora", *lora_key),) if lora_key else ())
     return keys or None
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        cache_salt: Optional[str] = None, lora_name: Optional[str] = None) -> None:
+                        cache_salt: Optional[str] = None, lora_key: Optional[tuple] = None) -> None:
     """Append the hashes of newly full blocks of token_ids to hashes (in place)."""
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i > 0 else None
-        extra = first_block_keys(cache_salt, lora_name) if i == 0 else None
+        extra = first_block_keys(cache_salt, lora_key) if i == 0 else None
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))

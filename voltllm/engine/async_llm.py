@@ -521,6 +521,11 @@ class AsyncLLM:
         for rid in [*self._beam_searches, *self._streams]:
             self.abort(rid, "the server is shutting down")
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The engine removes the adapter of that id (EngineCore.remove_lora): the requests already sent with it finish
+        with it (this message comes after them), then it leaves the engine's CPU memory and GPU slot."""
+        self._send(("remove_lora", lora_int_id))
+
     async def acceleration_report(self, timeout: float = 30.0) -> dict:
         """The engine's acceleration report (voltllm.acceleration.build_report on the loaded engine)."""
         self._check_alive()

@@ -136,9 +136,9 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)
-        if req.lora_request is not None:
-            self._register_lora(req.lora_request)
+        lora_key = self._register_lora(req.lora_request) if req.lora_request is not None else None
         r = Request(req, self.max_model_len)
+        r.lora_key = lora_key
         sp = r.sampling_params
         if sp.seed is not None:
             r.generator = torch.Generator(device=self.runner.device).manual_seed(sp.seed)
@@ -147,21 +147,49 @@ class EngineCore:
             ready = self.grammars.attach(r)  # False: its grammar compiles in the background; it waits meanwhile
         self.scheduler.add_request(r, ready)
 
-    def _register_lora(self, lora_request) -> None:
-        """The request's adapter, read and checked on its first use (InvalidRequestError: a 400 naming it)."""
-        manager = self.runner.lora
-        if manager is None:
-            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
+    def _register_lora(self, lora_request):
+        """The key of the request's adapter, read and checked on its first use (InvalidRequestError: a 400 naming
+        it)."""
         from voltllm.lora.adapter import LoRAAdapterError
 
         try:
-            manager.register(lora_request, lambda: {r.lora_name for r in self.scheduler.requests.values()
-                                                    if r.lora_name})
+            return self._lora_manager().register(lora_request, self._live_lora_keys)
         except LoRAAdapterError as e:
             raise InvalidRequestError(str(e), "model") from None
 
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise InvalidRequestError("a LoRA adapter was asked for, but LoRA is not enabled (--enable-lora)", "model")
+        return self.runner.lora
+
+    def _live_lora_keys(self) -> set:
+        return {r.lora_key for r in self.scheduler.requests.values() if r.lora_key}
+
+    def _drop_retired_loras(self) -> None:
+        """Removed adapters whose last requests ended leave CPU memory and their GPU slot."""
+        if self.runner.lora is not None and self.runner.lora.retiring:
+            self.runner.lora.drop_retired(self._live_lora_keys)
+
+    # vLLM's LoRA management (LLMEngine.add_lora / remove_lora / list_loras; the server's load / unload routes)
+    def add_lora(self, lora_request) -> bool:
+        """Read and check the adapter now (LoRAAdapterError, a ValueError, for one that cannot run), so that its
+        first request does not; a removed lora_int_id is taken again."""
+        self._lora_manager().add(lora_request, self._live_lora_keys)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Remove the adapter(s) of that id: requests running with it finish with it, then it leaves CPU memory and
+        its GPU slot; a later request naming it reads it again (new weights at its path included) and drops it when
+        it ends, unless add_lora takes it back. False: none was loaded."""
+        return self._lora_manager().remove(lora_int_id, self._live_lora_keys)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters loaded (read by a request or add_lora, not removed)."""
+        return self._lora_manager().ids()
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self._drop_retired_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, and a hybrid's state snapshots (vLLM's): later requests recompute their
@@ -277,6 +305,7 @@ class EngineCore:
             if not self.async_scheduling:
                 outputs += self._finish_inflight()
         outputs += self.scheduler.take_abort_notices()
+        self._drop_retired_loras()
         return outputs
 
     def stats(self) -> SchedulerStats:
@@ -294,6 +323,8 @@ class EngineCore:
         for rid, r in s.requests.items():
             if r.sampling_params.structured_outputs is not None and rid not in g.waiting:
                 assert r.grammar is not None and g.live.get(rid) is r.grammar, f"request {rid} has no matcher"
+        if self.runner.lora is not None:
+            self.runner.lora.check_integrity(self._live_lora_keys())
         if self.runner.state_cache is not None:
             self.runner.state_cache.check_integrity()
         if self.runner.state_snapshots is not None:

@@ -10,9 +10,10 @@ a connected ipc socket no longer needs its file, and a killed API process then l
   ("abort", [child request id, ...])           ("startup_error", message)
   ("check",)   run check_integrity()           ("outputs", [EngineCoreOutput, ...], SchedulerStats)
   ("report",)  acceleration report             ("error", [child request id, ...], message)
-  ("shutdown",)                                ("check", message or None)
-                                               ("report", report dict or {"error": message})
+  ("remove_lora", lora_int_id)                 ("check", message or None)
+  ("shutdown",)                                ("report", report dict or {"error": message})
                                                ("fatal", message)
+remove_lora: an unloaded LoRA adapter, dropped once the requests running with it end (EngineCore.remove_lora).
 
 The loop blocks on its input socket only while it has nothing to compute (or nothing but requests whose grammar is
 compiling in the background: then it also wakes when a compile ends); otherwise it drains input without waiting and
@@ -192,6 +193,8 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
                         out.send(_dumps(("report", build_report(core.config, core.runner))))
                     except Exception as e:  # noqa: BLE001
                         out.send(_dumps(("report", {"error": f"{type(e).__name__}: {e}"})))
+                elif kind == "remove_lora":
+                    core.remove_lora(msg[1])
                 elif kind == "shutdown":
                     return
                 else:

@@ -47,10 +47,11 @@ class Request:
         self.sampling_params: SamplingParams = _POOLING_SAMPLING if self.is_pooling else req.sampling_params
         self.arrival_time = req.arrival_time or time.monotonic()
         self.cache_salt = req.cache_salt
-        # --enable-lora: its adapter (voltllm.lora), named in its block hashes so that no prefix is shared across
-        # adapters or with the base model
+        # --enable-lora: its adapter (voltllm.lora) and the engine's key of that adapter's load (set by EngineCore when
+        # the LoRA manager took it), in its block hashes so that no prefix is shared across adapters (or loads of one)
+        # or with the base model
         self.lora_request = req.lora_request
-        self.lora_name: Optional[str] = req.lora_request.lora_name if req.lora_request is not None else None
+        self.lora_key: Optional[tuple] = None
         self.priority = req.priority
         # --scheduling-policy priority: the waiting queue admits the lowest key first, and the running request with
         # the highest key is the one preempted (engine/request_queue.py, Scheduler)

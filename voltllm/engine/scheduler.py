@@ -185,11 +185,11 @@ class Scheduler:
 
         # --max-loras: a waiting request whose adapter would be one too many is passed over (it keeps its place, as in
         # vLLM); the others may still be admitted
-        loras = {r.lora_name for r in running if r.lora_name} if self.max_loras else None
+        loras = {r.lora_key for r in running if r.lora_key} if self.max_loras else None
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted_now:
             req = self.waiting.peek()
-            if loras is not None and req.lora_name and req.lora_name not in loras and len(loras) >= self.max_loras:
+            if loras is not None and req.lora_key and req.lora_key not in loras and len(loras) >= self.max_loras:
                 passed_over.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = ([], 0)
@@ -221,8 +221,8 @@ class Scheduler:
                 self.running.append(req)
             self._add(out, req, num_new)
             budget -= num_new
-            if loras is not None and req.lora_name:
-                loras.add(req.lora_name)
+            if loras is not None and req.lora_key:
+                loras.add(req.lora_key)
         for req in reversed(passed_over):  # back at the head, in their order (under priority: by their keys)
             self.waiting.requeue(req)
         self.step_counter += 1
@@ -381,6 +381,6 @@ class Scheduler:
         if self.max_loras:
             waiting = list(self.waiting) + list(self.waiting_for_grammar.values())
             extra.update(max_lora=self.max_loras,
-                         lora_running=sorted({r.lora_name for r in self.running if r.lora_name}),
-                         lora_waiting=sorted({r.lora_name for r in waiting if r.lora_name}))
+                         lora_running=sorted({r.lora_request.lora_name for r in self.running if r.lora_key}),
+                         lora_waiting=sorted({r.lora_request.lora_name for r in waiting if r.lora_key}))
         return extra

@@ -116,6 +116,22 @@ class LLM:
         generate / chat calls no request holds blocks, so it succeeds there."""
         return self.engine.reset_prefix_cache()
 
+    # vLLM's LLMEngine LoRA management (llm.llm_engine.add_lora / remove_lora / list_loras), on the LLM itself
+    def add_lora(self, lora_request: Any) -> bool:
+        """Read and check a LoRARequest's adapter now (ValueError for one that cannot run), so that its first request
+        does not (LLM(enable_lora=True))."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop the adapter of that lora_int_id from CPU memory and its GPU slot; a later request naming it reads it
+        again from its path (with a fresh prefix cache) and drops it when it ends, unless add_lora takes it back.
+        False: none was loaded."""
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters loaded (by a request or add_lora; not removed)."""
+        return self.engine.list_loras()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (--generation-config)."""
         m = self.config.model

@@ -38,6 +38,11 @@ class LoRAAdapterError(ValueError):
     """An adapter this engine cannot serve; the message names the adapter and what."""
 
 
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """No adapter at the path (no such directory, or no adapter_config.json in it): vLLM's "not found" case, which
+    /v1/load_lora_adapter answers 404 where an adapter that fails its checks is a 400."""
+
+
 @dataclass(frozen=True)
 class ProjectionShape:
     in_features: int
@@ -101,10 +106,11 @@ def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.d
     naming what is not built or does not fit."""
     where = f"LoRA adapter {req.lora_name!r} ({req.lora_path})"
     if not os.path.isdir(req.lora_path):
-        raise LoRAAdapterError(f"{where}: no such directory")
+        raise LoRAAdapterNotFoundError(f"{where}: no such directory")
     config_path = os.path.join(req.lora_path, "adapter_config.json")
     if not os.path.isfile(config_path):
-        raise LoRAAdapterError(f"{where}: no adapter_config.json (a PEFT LoRA adapter directory is expected)")
+        raise LoRAAdapterNotFoundError(f"{where}: no adapter_config.json (a PEFT LoRA adapter directory is "
+                                       "expected)")
     try:
         with open(config_path) as f:
             cfg = json.load(f)

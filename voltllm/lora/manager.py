@@ -1,25 +1,32 @@
 """The engine's side of LoRA: which adapters it knows, which sit in the GPU slots, and each step's per-token mask.
 
-- Known adapters: a request names one with a LoRARequest; the first request of a name reads and checks it
-  (`register`, at add_request: a bad adapter is that request's error). Checked adapters are kept in CPU memory,
-  least recently used dropped beyond --max-cpu-loras, but never one a live request uses (a dropped one is read from
-  its path again by its next request).
+- Known adapters: a request names one with a LoRARequest; the first request of a (name, lora_int_id) reads and checks
+  it (`register`, at add_request: a bad adapter is that request's error) and the manager gives it a `LoRAKey` (the
+  name and a serial number of its own): the engine's identity of that load, which its requests, its slot and its
+  prefix-cache blocks go by. Checked adapters are kept in CPU memory, least recently used dropped beyond
+  --max-cpu-loras, but never one a live request uses (a dropped one is read from its path again by its next request).
+- Removal (`remove`, vLLM's remove_lora; the server's /v1/unload_lora_adapter and in-place reloads): the adapter is
+  retired, so a later request of the same LoRARequest reads it afresh under a new key (new weights never meet the old
+  load's slot or cached blocks), and it is dropped from CPU memory and its GPU slot once no live request uses it
+  (`drop_retired`, after each step); requests running with it finish with it.
 - GPU slots: --max-loras of them in every LoRA-taking Linear (layers.LoRAWeights). The scheduler admits requests so
   that the running batch holds at most --max-loras distinct adapters; each step the adapters of its requests take
   slots (resident ones stay, others evict a slot no request of the step uses, least recently used first) and the
   runner fills the mask (`prepare_step`).
 - Tensor parallelism: every rank has a manager whose slots hold its cut of each adapter (lora/sharding.py). Rank 0
-  decides; `prepare_step` returns the step's `LoRAStep` (the slot loads it made, each token's slot), which travels in
-  the step's StepInputs, and the other ranks repeat it (`follow_step`): they read each adapter from its path
-  themselves when it first takes a slot there, so every rank holds the same adapter in the same slot.
+  decides; `prepare_step` returns the step's `LoRAStep` (the adapters dropped since the last step, the slot loads it
+  made, each token's slot), which travels in the step's StepInputs, and the other ranks repeat it (`follow_step`):
+  they read each adapter from its path themselves when it first takes a slot there, so every rank holds the same
+  adapter in the same slot, and drop what rank 0 dropped.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -32,14 +39,26 @@ from voltllm.lora.sharding import Split, shard_adapter
 logger = logging.getLogger("voltllm")
 
 
+class LoRAKey(NamedTuple):
+    """One load of an adapter in this engine: its name and the serial number the manager gave it when it read it.
+    A reload (after remove, or under another lora_int_id) is a new key, so nothing of an old load is taken for it."""
+
+    name: str
+    serial: int
+
+
 @dataclass
 class LoRAStep:
-    """One step's LoRA choices as rank 0 made them, for the other tensor-parallel ranks to repeat: the adapters that
-    took a slot this step (slot, request; in order) and each of the step's real tokens' slot (-1: none; None: a step
-    without adapters)."""
+    """One step's LoRA choices as rank 0 made them, for the other tensor-parallel ranks to repeat: the adapters rank 0
+    dropped since its last step, the adapters that took a slot this step (slot, key, request; in order) and each of
+    the step's real tokens' slot (-1: none; None: a step without adapters)."""
 
-    loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    drops: list[LoRAKey] = field(default_factory=list)
+    loads: list[tuple[int, LoRAKey, LoRARequest]] = field(default_factory=list)
     token_slots: Optional[np.ndarray] = None
+
+
+LiveKeys = Callable[[], Iterable[LoRAKey]]
 
 
 class LoRAManager:
@@ -67,62 +86,144 @@ class LoRAManager:
             linear.lora = self.weights[name] = LoRAWeights(linear.shard_sizes, linear.in_features, self.batch,
                                                            self.max_loras, lora_config.max_lora_rank, self.dtype,
                                                            device)
-        self.known: dict[str, LoRARequest] = {}
-        self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
-        self._slots: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recently used first
+        self.known: dict[LoRAKey, LoRARequest] = {}
+        self._current: dict[tuple[str, int], LoRAKey] = {}  # (name, lora_int_id) -> the key new requests run with
+        self._retired: set[LoRAKey] = set()  # removed, kept while live requests use them
+        self._removed_ids: set[int] = set()  # remove()d ids: a later request's load is retired at once
+        self._dropped: list[LoRAKey] = []  # dropped since the last step (the other TP ranks drop them with it)
+        self._serials = itertools.count(1)
+        self._cpu: OrderedDict[LoRAKey, LoRAAdapter] = OrderedDict()  # least recently used first
+        self._slots: OrderedDict[LoRAKey, int] = OrderedDict()  # resident adapter -> slot, least recently used first
         self._dirty_rows = 0  # mask rows that may be non-zero
         logger.info("LoRA: %d projections take adapters, %d slot(s) of rank %d, %.1f MiB", len(self.weights),
                     self.max_loras, lora_config.max_lora_rank,
                     sum(w.nbytes for w in self.weights.values()) / 2**20)
 
     # -- known adapters -------------------------------------------------------------------------
-    def register(self, req: LoRARequest, live_names: Callable[[], Iterable[str]] = tuple) -> None:
-        """Make `req`'s adapter known (read and checked on its first use); LoRAAdapterError for one that cannot run.
-        live_names: the adapters live requests use (never dropped from CPU memory)."""
-        known = self.known.get(req.lora_name)
-        if known is not None and known.lora_path != req.lora_path:
-            raise LoRAAdapterError(f"LoRA adapter {req.lora_name!r} is already loaded from {known.lora_path}; a "
-                                   f"second adapter ({req.lora_path}) needs another name")
-        if req.lora_name in self._cpu:
-            self._cpu.move_to_end(req.lora_name)
+    def register(self, req: LoRARequest, live_keys: LiveKeys = tuple) -> LoRAKey:
+        """The key `req`'s requests run with (its adapter read and checked on its first use); LoRAAdapterError for
+        one that cannot run. live_keys: the adapters live requests use (never dropped from CPU memory)."""
+        ident = (req.lora_name, req.lora_int_id)
+        key = self._current.get(ident)
+        if key is not None and self.known[key].lora_path != req.lora_path:
+            raise LoRAAdapterError(f"LoRA adapter {req.lora_name!r} is already loaded from {self.known[key].lora_path} "
+                                   f"(lora_int_id {req.lora_int_id}); a second adapter ({req.lora_path}) needs "
+                                   "another name or lora_int_id")
+        if key is None:  # a request that came after remove() (a beam search's next step): its still live load
+            key = next((k for k in self._retired if (k.name, self.known[k].lora_int_id) == ident
+                        and self.known[k].lora_path == req.lora_path), None)
+        if key is None:
+            key = LoRAKey(req.lora_name, next(self._serials))
+            self._read(key, req)
+            self.known[key] = req
+            if req.lora_int_id in self._removed_ids:  # (dropped when its requests end)
+                self._retired.add(key)
+            else:
+                self._current[ident] = key
+        elif key in self._cpu:
+            self._cpu.move_to_end(key)
+        else:  # dropped from CPU memory (--max-cpu-loras): read again
+            self._read(key, req)
+        self._limit_cpu(set(live_keys()) | {key})
+        return key
+
+    def add(self, req: LoRARequest, live_keys: LiveKeys = tuple) -> LoRAKey:
+        """vLLM's add_lora: read and check the adapter now (a removed lora_int_id is taken again)."""
+        self._removed_ids.discard(req.lora_int_id)
+        return self.register(req, live_keys)
+
+    def remove(self, lora_int_id: int, live_keys: LiveKeys = tuple) -> bool:
+        """vLLM's remove_lora: retire the adapters of that id (new requests of it read it again; the running ones
+        finish with it) and drop those no live request uses. False: no such adapter was loaded."""
+        idents = [i for i in self._current if i[1] == lora_int_id]
+        for ident in idents:
+            self._retired.add(self._current.pop(ident))
+        self._removed_ids.add(lora_int_id)
+        self.drop_retired(live_keys)
+        return bool(idents)
+
+    def ids(self) -> set[int]:
+        """vLLM's list_loras: the lora_int_ids of the adapters loaded (not removed)."""
+        return {i for _, i in self._current}
+
+    @property
+    def retiring(self) -> bool:
+        return bool(self._retired)
+
+    def drop_retired(self, live_keys: LiveKeys) -> None:
+        """Drop the removed adapters no live request uses any more: CPU memory, GPU slot (zeroed)."""
+        if not self._retired:
             return
+        live = set(live_keys())
+        for key in sorted(self._retired - live):
+            self._retired.discard(key)
+            self._drop(key)
+            self._dropped.append(key)
+
+    def _drop(self, key: LoRAKey) -> None:
+        self.known.pop(key, None)
+        self._cpu.pop(key, None)
+        slot = self._slots.pop(key, None)
+        if slot is not None:  # (stream-ordered: a step in flight still reads the old values)
+            for w in self.weights.values():
+                w.load_slot(slot, None)
+
+    def _read(self, key: LoRAKey, req: LoRARequest) -> None:
         adapter = read_adapter(req, self.hf_config, self.config.max_lora_rank, self.dtype)
         if self.split is not None:  # this rank's part of each matrix
             adapter = shard_adapter(adapter, self.split, self.weights)
         if self.device.type == "cuda":
             adapter.pin()
-        self.known[req.lora_name] = req
-        self._cpu[req.lora_name] = adapter
-        if len(self._cpu) > self.config.max_cpu_loras:
-            keep = set(live_names()) | {req.lora_name}
-            for name in [n for n in self._cpu if n not in keep][: len(self._cpu) - self.config.max_cpu_loras]:
-                del self._cpu[name]
+        self._cpu[key] = adapter
+
+    def _limit_cpu(self, keep: set[LoRAKey]) -> None:
+        """At most --max-cpu-loras adapters in CPU memory (least recently used dropped first), but never one of
+        `keep`."""
+        excess = len(self._cpu) - self.config.max_cpu_loras
+        if excess > 0:
+            for key in [k for k in self._cpu if k not in keep][:excess]:
+                del self._cpu[key]
+
+    def check_integrity(self, live_keys: Iterable[LoRAKey]) -> None:
+        live = set(live_keys)
+        assert live <= set(self._cpu), f"LoRA adapters of live requests not in CPU memory: {live - set(self._cpu)}"
+        assert self._retired <= live, f"removed LoRA adapters kept without live requests: {self._retired - live}"
+        assert set(self._cpu) <= set(self.known) and set(self._slots) <= set(self.known), "unknown LoRA adapters held"
+        assert set(self._current.values()) | self._retired == set(self.known), \
+            "LoRA adapters neither current nor retired"
 
     # -- one step -------------------------------------------------------------------------------
     def prepare_step(self, scheduled: list, num_tokens: int) -> LoRAStep:
         """Each token's adapter for the step whose tokens (padding included: num_tokens) the runner laid out in
         scheduled order, each request's num_new_tokens together: the adapters take slots, the mask is uploaded.
         Returns what the other tensor-parallel ranks repeat (follow_step)."""
-        names = [s.request.lora_name for s in scheduled]
-        if not any(names):
+        step = LoRAStep(drops=self._dropped)
+        self._dropped = []
+        keys = [s.request.lora_key for s in scheduled]
+        if not any(keys):
             self._upload_mask(None, num_tokens)
-            return LoRAStep()
-        step = LoRAStep()
-        slot_of = self._assign({n for n in names if n}, step.loads)
-        per_request = np.array([slot_of[n] if n else -1 for n in names], dtype=np.int32)
+            return step
+        slot_of = self._assign({k for k in keys if k}, step.loads)
+        per_request = np.array([slot_of[k] if k else -1 for k in keys], dtype=np.int32)
         step.token_slots = np.repeat(per_request, [s.num_new_tokens for s in scheduled])
         self._upload_mask(step.token_slots, num_tokens)
         return step
 
     def follow_step(self, step: LoRAStep, num_tokens: int) -> None:
-        """A tensor-parallel rank other than 0: rank 0's slot loads (each adapter read and cut here, unless still
-        in this rank's CPU memory) and its tokens' slots."""
-        for slot, req in step.loads:
-            # CPU memory keeps the adapters of the other slots for sure (this rank does not know the live requests;
-            # one dropped here is read again when rank 0 puts it back)
-            others = {n for n, j in self._slots.items() if j != slot}
-            self.register(req, lambda: others)
-            self._load_slot(slot, req.lora_name)
+        """A tensor-parallel rank other than 0: rank 0's drops, its slot loads (each adapter read and cut here,
+        unless still in this rank's CPU memory) and its tokens' slots."""
+        for key in step.drops:
+            self._drop(key)
+        for slot, key, req in step.loads:
+            if key in self._cpu:
+                self._cpu.move_to_end(key)
+            else:
+                self._read(key, req)
+                self.known[key] = req
+                # CPU memory keeps the adapters of the other slots for sure (this rank does not know the live
+                # requests; one dropped here is read again when rank 0 puts it back)
+                self._limit_cpu({k for k, j in self._slots.items() if j != slot} | {key})
+            self._load_slot(slot, key)
         self._upload_mask(step.token_slots, num_tokens)
 
     def _upload_mask(self, per_token: Optional[np.ndarray], num_tokens: int) -> None:
@@ -145,35 +246,35 @@ class LoRAManager:
         self._dirty_rows = max(self._dirty_rows, num_tokens)
         self.batch.active = True
 
-    def _assign(self, names: set[str], loads: list[tuple[int, LoRARequest]]) -> dict[str, int]:
+    def _assign(self, keys: set[LoRAKey], loads: list[tuple[int, LoRAKey, LoRARequest]]) -> dict[LoRAKey, int]:
         """A slot for each adapter of the step (at most --max-loras: the scheduler's admission rule); the slots it
         loads are appended to `loads`."""
-        if len(names) > self.max_loras:
-            raise RuntimeError(f"a step with {len(names)} LoRA adapters; --max-loras is {self.max_loras}")
-        for name in names:
-            if name in self._slots:
-                self._slots.move_to_end(name)
-        for name in sorted(n for n in names if n not in self._slots):
+        if len(keys) > self.max_loras:
+            raise RuntimeError(f"a step with {len(keys)} LoRA adapters; --max-loras is {self.max_loras}")
+        for key in keys:
+            if key in self._slots:
+                self._slots.move_to_end(key)
+        for key in sorted(k for k in keys if k not in self._slots):
             used = set(self._slots.values())
             free = [j for j in range(self.max_loras) if j not in used]
             if free:
                 slot = free[0]
             else:  # the least recently used resident adapter this step does not need
-                slot = self._slots[next(n for n in self._slots if n not in names)]
-            self._load_slot(slot, name)
-            loads.append((slot, self.known[name]))
-        return {name: self._slots[name] for name in names}
+                slot = self._slots[next(k for k in self._slots if k not in keys)]
+            self._load_slot(slot, key)
+            loads.append((slot, key, self.known[key]))
+        return {key: self._slots[key] for key in keys}
 
-    def _load_slot(self, slot: int, name: str) -> None:
-        """Adapter `name` (in CPU memory) into `slot`, replacing the one there."""
-        adapter = self._cpu.get(name)
+    def _load_slot(self, slot: int, key: LoRAKey) -> None:
+        """Adapter `key` (in CPU memory) into `slot`, replacing the one there."""
+        adapter = self._cpu.get(key)
         if adapter is None:  # (a live request's adapter is never dropped from CPU memory)
-            raise RuntimeError(f"LoRA adapter {name!r} is not loaded")
-        for held in [n for n, j in self._slots.items() if j == slot]:
+            raise RuntimeError(f"LoRA adapter {key.name!r} is not loaded")
+        for held in [k for k, j in self._slots.items() if j == slot]:
             del self._slots[held]
         for linear, w in self.weights.items():
             w.load_slot(slot, adapter.weights.get(linear))
-        self._slots[name] = slot
+        self._slots[key] = slot
 
     @contextlib.contextmanager
     def capturing(self):
@@ -182,10 +283,10 @@ class LoRAManager:
         self.batch.active = True
         yield
 
-    def resident(self) -> dict[str, int]:
+    def resident(self) -> dict[LoRAKey, int]:
         return dict(self._slots)
 
-    def cached(self) -> list[str]:
+    def cached(self) -> list[LoRAKey]:
         return list(self._cpu)
 
 

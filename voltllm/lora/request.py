@@ -7,8 +7,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """An adapter: its name (its identity here, as in vLLM's prefix-cache keys), a positive integer id (vLLM's
-    "globally unique" id; kept for compatibility) and the directory holding adapter_config.json and
+    """An adapter: its name, a positive integer id (vLLM's "globally unique" id: the engine takes one (name, id) as one
+    adapter, and remove_lora goes by the id) and the directory holding adapter_config.json and
     adapter_model.safetensors. base_model_name: the served model it is listed under (/v1/models `parent`)."""
 
     lora_name: str

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence, Type, TypeVar, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -43,7 +43,7 @@ M = TypeVar("M", bound=BaseModel)
 _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", "/tokenize", "/detokenize",
            "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
            "/v1/acceleration", "/v1/sm70/acceleration", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-           "/classify"}
+           "/classify", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 # vLLM's pooling routes that are not built: refused by name on every server
 _UNBUILT_ROUTES = {"/pooling": "vLLM's generic /pooling route", "/v2/embed": "Cohere's embed API"}
 # the pooling routes of serving_score.py: path -> (request model, handler, what it does); /classify on classifiers only,
@@ -194,10 +194,11 @@ class CorsSettings:
 @dataclass(frozen=True)
 class HttpOptions:
     """vLLM's HTTP-level server flags: --disable-fastapi-docs, --enable-request-id-headers,
-    --enable-server-load-tracking."""
+    --enable-server-load-tracking, --allow-runtime-lora-updating."""
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json
     request_id_headers: bool = False  # X-Request-Id on every response
     server_load_tracking: bool = False  # GET /load counts the requests in flight
+    runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py)
 
 
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
@@ -270,6 +271,20 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(n) for n in [*state.served_model_names, *state.lora_modules]]}
+
+    if http.runtime_lora_updating:  # (without it the routes do not exist, as in vLLM: 404)
+        from voltllm.entrypoints.openai.serving_lora import (LoadLoRAAdapterRequest, RuntimeLoRAs,
+                                                             UnloadLoRAAdapterRequest)
+
+        runtime_loras = RuntimeLoRAs(state)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return PlainTextResponse(await runtime_loras.load(await parse_body(request, LoadLoRAAdapterRequest)))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return PlainTextResponse(await runtime_loras.unload(await parse_body(request, UnloadLoRAAdapterRequest)))
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:

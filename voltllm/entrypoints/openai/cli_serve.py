@@ -69,6 +69,10 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    help='CORS: a JSON list of methods (default ["*"])')
     s.add_argument("--allowed-headers", type=json_string_list("--allowed-headers"), default=["*"],
                    help='CORS: a JSON list of headers (default ["*"])')
+    s.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora): clients load adapters from paths on this "
+                   "machine")
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load before giving up (default: no limit)")
     p.set_defaults(func=run_serve)
@@ -172,6 +176,9 @@ def run_serve(args: argparse.Namespace) -> int:
          + f"; config in {time.monotonic() - t0:.1f} s")
     names = list(args.served_model_names or [mc.served_model_name])
     loras = lora_modules(config, args, names)  # (ConfigError: exit 2 before the engine starts)
+    if args.allow_runtime_lora_updating and config.lora is None:
+        raise ConfigError("--allow-runtime-lora-updating loads LoRA adapters at run time: add --enable-lora (and "
+                          "--max-lora-rank / --max-loras for the adapters to come)")
     sock = _bind(args.host, args.port)
     holder: dict[str, Any] = {"rc": 0}
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -250,10 +257,14 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
          f"{info.get('num_blocks')} KV blocks of {info.get('block_size')} tokens, max_model_len "
          f"{engine.max_model_len})")
     state = server_state(config, args, names, engine, loras)
+    if args.allow_runtime_lora_updating:
+        logger.warning("--allow-runtime-lora-updating: POST /v1/load_lora_adapter reads adapters from any path this "
+                       "server can read (require --api-key where clients are not trusted)")
     cors = CorsSettings(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
                         tuple(args.allowed_headers))
     http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,
-                       server_load_tracking=args.enable_server_load_tracking)
+                       server_load_tracking=args.enable_server_load_tracking,
+                       runtime_lora_updating=args.allow_runtime_lora_updating)
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors, http=http)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",

@@ -53,7 +53,8 @@ class ServerState:
     # a pooling engine's classification head (voltllm.pooling.classifier.ClassifierConfig; None: embeddings): the
     # score / rerank / classify routes answer on a classifier, /v1/embeddings on an embedding model
     classifier: Any = None
-    # --lora-modules: adapter name -> LoRARequest (voltllm.lora); a request naming one as its model runs with it
+    # --lora-modules and the adapters /v1/load_lora_adapter loaded (--allow-runtime-lora-updating): adapter name ->
+    # LoRARequest (voltllm.lora); a request naming one as its model runs with it
     lora_modules: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -62,20 +63,29 @@ class ServerState:
         return self.engine.tokenizer
 
     def serves(self, name: str) -> bool:
-        """Whether `name` is a served model name or a --lora-modules adapter."""
+        """Whether `name` is a served model name or a LoRA adapter loaded now."""
         return name in self.served_model_names or name in self.lora_modules
 
     def model_name(self, requested: Optional[str]) -> str:
         """The name to answer with; a 404 (OpenAI's and vLLM's status) for a model this server does not serve."""
         if requested is None or requested == "" or self.serves(requested):
             return requested or self.served_model_names[0]
-        raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
-                          f"{', '.join(repr(n) for n in [*self.served_model_names, *self.lora_modules])}", 404,
-                          "model", "model_not_found")
+        raise self._model_not_found(requested)
+
+    def _model_not_found(self, requested: str) -> OpenAIError:
+        return OpenAIError(f"The model `{requested}` does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in [*self.served_model_names, *self.lora_modules])}", 404,
+                           "model", "model_not_found")
 
     def lora_request(self, model: Optional[str]) -> Any:
-        """The LoRARequest a request naming `model` runs with (None: the base model)."""
-        return self.lora_modules.get(model) if model else None
+        """The LoRARequest a request naming `model` runs with (None: the base model); the 404 of model_name for an
+        adapter unloaded since the request's name was checked (it must not run on the base model instead)."""
+        if not model or model in self.served_model_names:
+            return None
+        lora = self.lora_modules.get(model)
+        if lora is None:
+            raise self._model_not_found(model)
+        return lora
 
     def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list]) -> list[dict]:
         """normalize_messages in the content format the applied template takes (--chat-template-content-format)."""
