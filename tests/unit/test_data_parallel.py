@@ -35,6 +35,7 @@ class FakeEngine:
         self.is_healthy = True
         self.stats = stats or SchedulerStats()
         self.aborted: list[str] = []
+        self.removed_loras: list[int] = []
         self.observer = None
         self.config = None
         self.max_model_len = 1024
@@ -55,6 +56,9 @@ class FakeEngine:
     def abort(self, rid: str, reason=None) -> None:
         self.aborted.append(rid)
         self.active.discard(rid)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.removed_loras.append(lora_int_id)
 
 
 def _dp(config, engines) -> DataParallelLLM:
@@ -134,6 +138,12 @@ def test_abort_reaches_the_serving_engine_and_a_dead_engine_refuses_new_requests
     assert dp.dead == "data-parallel engine 1: the engine process exited (exit code -9)"
     with pytest.raises(EngineDeadError, match="data-parallel engine 1"):
         dp.add_request("d", "prompt", None)
+
+
+def test_an_unloaded_adapter_leaves_every_engine(dp3_config):
+    engines = [FakeEngine(k) for k in range(3)]
+    _dp(dp3_config, engines).remove_lora(7)  # (/v1/unload_lora_adapter: any engine may have read it)
+    assert [e.removed_loras for e in engines] == [[7], [7], [7]]
 
 
 def test_stats_add_up_and_metrics_label_each_engine(dp3_config):

@@ -234,6 +234,11 @@ class DataParallelLLM:
         for e in self.engines:
             e.abort_all()
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Every engine removes the adapter (each read it on its own first request with it, if any)."""
+        for e in self.engines:
+            e.remove_lora(lora_int_id)
+
     async def acceleration_report(self, timeout: float = 30.0) -> dict:
         """Engine 0's report (the engines run one configuration) with each engine's verdict under "engines"; "ok"
         only if every engine's is, and a route disabled on any engine's GPU is listed with that engine's index."""
