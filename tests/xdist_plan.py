@@ -30,7 +30,8 @@ SHARED_FILES = {
                     "tests/server/test_structured_outputs_server.py", "tests/server/test_tool_choice_server.py",
                     "tests/server/test_vllm_params_server.py"),
     "smollm2_transformers": ("tests/model/test_gguf_loader.py", "tests/model/test_smollm2.py"),
-    "embed_server": ("tests/server/test_embeddings_server.py", "tests/server/test_embedding_score_server.py"),
+    "embed_server": ("tests/server/test_embeddings_server.py", "tests/server/test_embedding_score_server.py",
+                     "tests/server/test_pooling_server.py"),
 }
 UNIT_OF_FILE = {path: unit for unit, paths in SHARED_FILES.items() for path in paths}
 

@@ -67,6 +67,27 @@ def test_normalization_does_not_change_the_cosine_and_truncation_applies_per_tex
     assert len(cut.prompt_token_ids) == 3 + 1 + 3
 
 
+def test_max_tokens_per_query_and_doc_cut_each_text_before_it_is_embedded(llm):
+    """PoolingParams(extra_kwargs=...) (vLLM's offline max_tokens_per_query / max_tokens_per_doc): each text embedded
+    as its first N tokens; the usage tokens are the cut texts'."""
+    tok = llm.get_tokenizer()
+
+    def first(text, n):
+        return text[:tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"][n - 1][1]]
+
+    params = PoolingParams(extra_kwargs={"max_tokens_per_query": 3, "max_tokens_per_doc": 4})
+    outs = llm.score(QUERY, DOCS[:2], pooling_params=params, use_tqdm=False)
+    q = first(QUERY, 3)
+    for doc, out in zip(DOCS, outs):
+        d = first(doc, 4)
+        assert out.outputs.score == pytest.approx(_cosine(_embedding(llm, q), _embedding(llm, d)), abs=1e-5)
+        assert out.prompt_token_ids == tok.encode(q) + [tok.pad_token_id] + tok.encode(d)
+    whole = llm.score(QUERY, DOCS[0], pooling_params=PoolingParams(extra_kwargs={"max_tokens_per_doc": 100}),
+                      use_tqdm=False)[0]
+    assert whole.outputs.score == pytest.approx(llm.score(QUERY, DOCS[0], use_tqdm=False)[0].outputs.score, abs=1e-6)
+    llm.engine.check_integrity()
+
+
 def test_refusals(llm):
     with pytest.raises(ScoreInputError, match="data_1 has 2 texts and data_2 3"):
         llm.score(["a", "b"], DOCS, use_tqdm=False)

@@ -105,6 +105,52 @@ def test_classifier_refusals(reranker):
     reranker.engine.check_integrity()
 
 
+def _first_tokens(tok, text, n):
+    """The text cut after its first n tokens (special tokens not counted), as vLLM's max_tokens_per_* keep it."""
+    cut = text[:tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"][n - 1][1]]
+    assert tok.encode(cut, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)[:n]
+    return cut
+
+
+def test_max_tokens_per_query_and_doc_through_extra_kwargs(reranker, tok, last_logits):
+    """vLLM's offline form of the server's max_tokens_per_query / max_tokens_per_doc: PoolingParams(extra_kwargs=...)
+    cuts each data_1 / data_2 text to its first N tokens before the pair prompt is made; truncate_prompt_tokens then
+    cuts the pair prompt; use_activation still applies."""
+    limits = {"max_tokens_per_query": 4, "max_tokens_per_doc": 3}
+    outs = reranker.score(QUERY, DOCS, pooling_params=PoolingParams(extra_kwargs=limits), use_tqdm=False)
+    q = _first_tokens(tok, QUERY, 4)
+    for doc, out in zip(DOCS, outs):
+        d = _first_tokens(tok, doc, 3)
+        assert out.prompt_token_ids == tok(q + d)["input_ids"]
+        assert out.outputs.score == pytest.approx(_want(last_logits, q + d), abs=2e-5)
+    only_doc = reranker.score(QUERY, DOCS[0], pooling_params=PoolingParams(extra_kwargs={"max_tokens_per_doc": 2}),
+                              use_tqdm=False)[0]
+    assert only_doc.prompt_token_ids == tok(QUERY + _first_tokens(tok, DOCS[0], 2))["input_ids"]
+    both = reranker.score(QUERY, DOCS[:2], pooling_params=PoolingParams(extra_kwargs=limits), truncate_prompt_tokens=5,
+                          use_tqdm=False)
+    assert [o.prompt_token_ids for o in both] == [tok(q + _first_tokens(tok, d, 3))["input_ids"][-5:]
+                                                  for d in DOCS[:2]]
+    raw = reranker.score(QUERY, DOCS[0], pooling_params=PoolingParams(extra_kwargs=limits, use_activation=False),
+                         use_tqdm=False)[0]
+    lg = last_logits(q + _first_tokens(tok, DOCS[0], 3))
+    assert raw.outputs.score == pytest.approx((lg[YES_ID] - lg[NO_ID]).item(), abs=1e-4)
+    reranker.engine.check_integrity()
+
+
+def test_token_limit_refusals(reranker):
+    max_len = reranker.config.model.max_model_len
+    with pytest.raises(PoolingParamsError, match="extra_kwargs max_tokens_per_doc must be a non-negative integer"):
+        PoolingParams(extra_kwargs={"max_tokens_per_doc": -1})
+    with pytest.raises(PoolingParamsError, match="extra_kwargs 'compressed_token_type_ids': not built"):
+        PoolingParams(extra_kwargs={"compressed_token_type_ids": [1]})
+    with pytest.raises(ScoreInputError, match=f"max_tokens_per_query \\({max_len}\\) must be less than max_model_len"):
+        reranker.score("a", "b", pooling_params=PoolingParams(extra_kwargs={"max_tokens_per_query": max_len}),
+                       use_tqdm=False)
+    with pytest.raises(ValueError, match="extra_kwargs max_tokens_per_doc: apply to LLM.score"):
+        reranker.classify("hi", pooling_params=PoolingParams(extra_kwargs={"max_tokens_per_doc": 2}), use_tqdm=False)
+    reranker.engine.check_integrity()
+
+
 def test_no_post_processing_over_a_tied_embedding(tmp_path):
     """Three tokens' rows of a tied embedding (a llama with tie_word_embeddings): classify's softmax over the three
     tokens' logits at the last position."""

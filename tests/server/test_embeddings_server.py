@@ -238,7 +238,7 @@ def test_generation_routes_are_404_on_a_pooling_server(embed_server, method, pat
     assert r.status_code == 404
     text = json.dumps(r.json())
     assert "pooling model (--runner pooling), which generates nothing" in text
-    assert "POST /v1/embeddings, /score, /v1/score, /rerank, /v1/rerank and /v2/rerank" in text
+    assert "POST /v1/embeddings, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank and /pooling" in text
 
 
 def test_invocations_embed_and_the_other_routes_still_answer(embed_server):
@@ -260,8 +260,9 @@ def test_classify_is_404_on_an_embedding_server(embed_server):
     assert "served by classifiers" in r.json()["error"]["message"] and "an embedding model" in r.text
 
 
-def test_the_generic_pooling_route_is_refused(embed_server):
-    r = _post(embed_server, {"model": NAME, "input": "a"}, "/pooling")
+def test_cohere_embed_route_is_refused(embed_server):
+    """(vLLM's /pooling answers: tests/server/test_pooling_server.py)"""
+    r = _post(embed_server, {"model": NAME, "texts": ["a"]}, "/v2/embed")
     assert r.status_code == 404 and "is not built in voltllm" in r.json()["error"]["message"]
 
 

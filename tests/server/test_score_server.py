@@ -1,5 +1,5 @@
-"""POST /score, /v1/score, /rerank, /v1/rerank, /v2/rerank and /classify on `voltllm serve TINY --runner pooling
---hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+"""POST /score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /classify and /pooling on `voltllm serve TINY --runner
+pooling --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
 "is_original_qwen3_reranker": true}'` (a tiny random qwen3 served as vLLM serves Qwen3-Reranker): scores against
 transformers' sigmoid(logit_yes - logit_no) at the pair prompt's last token, the input forms, rerank order, top_n and
 return_documents, usage, the 400s, and the routes this server answers 404."""
@@ -140,6 +140,34 @@ def test_classify_and_invocations(rerank_server, expected):
     assert {x["index"] for x in inv["results"]} == {0, 1}
     inv = _post(rerank_server, {"text_1": QUERY, "text_2": DOCS[0]}, "/invocations").json()
     assert inv["data"][0]["score"] == pytest.approx(expected(QUERY, DOCS[0]), abs=2e-5)
+
+
+@pytest.mark.parametrize("task", [None, "classify"])
+def test_pooling_route_gives_the_class_probabilities(rerank_server, expected, task):
+    """vLLM's /pooling on a classifier: each input's data is its probabilities (/classify's probs); use_activation
+    (or softmax / activation) false the raw logit."""
+    texts = [QUERY + DOCS[0], QUERY + DOCS[1]]
+    r = _post(rerank_server, {"model": NAME, "input": texts, **({"task": task} if task else {})}, "/pooling")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("pooling-") and body["object"] == "list" and body["model"] == NAME
+    probs = [d["probs"] for d in _post(rerank_server, {"input": texts}, "/classify").json()["data"]]
+    for doc, d, p in zip(DOCS, body["data"], probs):
+        assert d["object"] == "pooling" and d["data"] == pytest.approx(p, abs=1e-6)
+        assert d["data"][0] == pytest.approx(expected(QUERY, doc), abs=2e-5)
+    assert body["usage"] == _post(rerank_server, {"input": texts}, "/classify").json()["usage"]
+    for name in ("use_activation", "softmax", "activation"):
+        raw = _post(rerank_server, {"input": texts[0], name: False}, "/pooling").json()["data"][0]["data"][0]
+        p = expected(QUERY, DOCS[0])
+        assert raw == pytest.approx(float(torch.logit(torch.tensor(p, dtype=torch.float64))), abs=1e-3), name
+
+
+@pytest.mark.parametrize("task,fragment", [("embed", "Unsupported task: 'embed': this server runs a classifier"),
+                                           ("score", "use 'classify'"),
+                                           ("token_classify", "per-token classification")])
+def test_pooling_route_refuses_the_other_tasks(rerank_server, task, fragment):
+    r = _post(rerank_server, {"input": "a", "task": task}, "/pooling")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task" and fragment in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path,body,param,fragment", [

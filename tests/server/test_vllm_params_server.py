@@ -1,6 +1,6 @@
-"""vLLM's request parameters on the tiny server: truncate_prompt_tokens, return_token_ids (streamed and not), a stop
-token's text with skip_special_tokens false, stream_options.continuous_usage_stats, allowed_token_ids and bad_words
-(and their 400s)."""
+"""vLLM's request parameters on the tiny server: truncate_prompt_tokens and truncation_side, return_token_ids
+(streamed and not), a stop token's text with skip_special_tokens false, stream_options.continuous_usage_stats,
+allowed_token_ids and bad_words (and their 400s)."""
 from __future__ import annotations
 
 import json
@@ -42,6 +42,23 @@ def test_truncate_prompt_tokens(tiny_server):
     r = httpx.post(tiny_server.base + "/v1/completions", json={"model": "tiny", "prompt": "hi",
                                                                "truncate_prompt_tokens": 10 ** 6}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_truncation_side(tiny_server):
+    """vLLM's truncation_side on completions and chat: right keeps the prompt's first k tokens; another value is a
+    400 naming the field."""
+    got = _post(tiny_server, "/v1/completions", {"prompt": list(range(10, 30)), "max_tokens": 1, "return_token_ids":
+                                                 True, "truncate_prompt_tokens": 5, "truncation_side": "right"})
+    assert got["choices"][0]["prompt_token_ids"] == list(range(10, 15)) and got["usage"]["prompt_tokens"] == 5
+    body = {"messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+    full = _post(tiny_server, "/v1/chat/completions", body)["prompt_token_ids"]
+    for side, kept in (("right", full[:3]), ("left", full[-3:])):
+        cut = _post(tiny_server, "/v1/chat/completions", {**body, "truncate_prompt_tokens": 3, "truncation_side": side})
+        assert cut["prompt_token_ids"] == kept, side
+    for path, extra in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        r = httpx.post(tiny_server.base + path, json={"model": "tiny", "truncate_prompt_tokens": 2,
+                                                      "truncation_side": "middle", **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side", r.text
 
 
 def test_return_token_ids(tiny_server):

@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
 from voltllm.engine.detokenizer import IncrementalDetokenizer
 from voltllm.entrypoints.openai.errors import OpenAIError
@@ -94,6 +95,25 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens():
         with pytest.raises(OpenAIError) as e:
             _chat(state, truncate_prompt_tokens=bad)
         assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_truncation_side_picks_the_end_that_is_cut():
+    """vLLM's truncation_side (chat and completions): right keeps the prompt's first k tokens, left (the default)
+    its last k; without truncate_prompt_tokens it changes nothing."""
+    state = _state(max_model_len=10)
+    assert _chat(state, truncate_prompt_tokens=2, truncation_side="right")[1]["prompt_token_ids"] == [ord("h"),
+                                                                                                       ord("e")]
+    assert _chat(state, truncate_prompt_tokens=2, truncation_side="left")[1]["prompt_token_ids"] == [ord("l"),
+                                                                                                      ord("o")]
+    assert _chat(state, truncation_side="right")[1]["prompt_token_ids"] == [ord(c) for c in "hello"]
+    req = CompletionRequest(prompt=[5, 6, 7, 8, 9], truncate_prompt_tokens=3, truncation_side="right")
+    assert _engine_prompt(state, req, [5, 6, 7, 8, 9]) == {"prompt_token_ids": [5, 6, 7]}
+    req = CompletionRequest(prompt="hi", truncate_prompt_tokens=2, truncation_side="right")
+    assert _engine_prompt(state, req, "hi") == {"prompt_token_ids": [BOS, 104]}  # (the cut text is dropped)
+    for make in (lambda: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], truncation_side="mid"),
+                 lambda: CompletionRequest(prompt="x", truncation_side="mid")):
+        with pytest.raises(ValidationError, match="truncation_side"):
+            make()
 
 
 def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_template():

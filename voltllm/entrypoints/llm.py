@@ -205,6 +205,9 @@ class LLM:
         for p in params:
             if not isinstance(p, PoolingParams):
                 raise TypeError(f"pooling_params must be PoolingParams (or a list of them), got {type(p).__name__}")
+            if p.extra_kwargs:  # (LLM.score applies them and passes params without them)
+                raise ValueError(f"pooling_params extra_kwargs {', '.join(p.extra_kwargs)}: apply to LLM.score "
+                                 "(each query / document cut before the pair is made), not to single prompts")
         if truncate_prompt_tokens is not None:
             params = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         if pooling_task is not None:
@@ -250,8 +253,12 @@ class LLM:
         A one-label classifier (a cross-encoder such as a reranker: Qwen3-Reranker through --hf-overrides) reads each
         pair as one prompt, its score the classifier's sigmoid output; the caller writes the model's prompt template
         into the texts. An embedding model (a bi-encoder) embeds each text as LLM.embed does (a single data_1 once),
-        a pair's score the cosine similarity of its two embeddings."""
-        from voltllm.pooling.scoring import cosine_scores, pair_token_ids, score_inputs, score_pairs
+        a pair's score the cosine similarity of its two embeddings. vLLM's pooling_params
+        extra_kwargs={"max_tokens_per_query": N, "max_tokens_per_doc": M} cut each data_1 / data_2 text to its
+        first N / M tokens (special tokens not counted; 0: no cut; each below max_model_len) before the pair prompt
+        is made and before truncate_prompt_tokens cuts it, as the server's /score and /rerank fields do."""
+        from voltllm.pooling.scoring import (check_token_limit, cosine_scores, cut_texts, pair_token_ids,
+                                             score_inputs)
 
         self._require_runner("pooling", "score")
         classifier = self.config.model.pooler.classifier
@@ -262,17 +269,25 @@ class LLM:
             raise ValueError("LLM.score() tokenizes its texts: it needs the tokenizer (skip_tokenizer_init=False)")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}")
+        firsts, seconds = score_inputs(data_1, data_2, ("data_1", "data_2"))
+        if pooling_params is not None and pooling_params.extra_kwargs:
+            max_len = self.config.model.max_model_len
+            limits = [check_token_limit(name, value, max_len)
+                      for name, value in zip(("max_tokens_per_query", "max_tokens_per_doc"),
+                                             pooling_params.token_limits())]
+            firsts, seconds = cut_texts(self.tokenizer, firsts, seconds, *limits)
+            pooling_params = pooling_params.clone(extra_kwargs=None)
         if classifier is None:
-            firsts, seconds = score_inputs(data_1, data_2, ("data_1", "data_2"))
             outs = self.encode(firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                                use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
                                tokenization_kwargs=tokenization_kwargs)
             scored = cosine_scores(outs[:len(firsts)], outs[len(firsts):], getattr(self.tokenizer, "pad_token_id",
                                                                                     None))
             return [ScoringRequestOutput.from_base(o) for o in scored]
-        pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
+        if len(firsts) == 1:  # (1:N: the one data_1 with each data_2)
+            firsts = firsts * len(seconds)
         prompts = [{"prompt_token_ids": pair_token_ids(self.tokenizer, classifier, a, b), "prompt": a + b}
-                   for a, b in pairs]
+                   for a, b in zip(firsts, seconds)]
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                            lora_request=lora_request, pooling_task="score", tokenization_kwargs=tokenization_kwargs)
         return [ScoringRequestOutput.from_base(o) for o in outs]

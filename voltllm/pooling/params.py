@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 TASKS = ("embed", "classify", "score")
+# the extra_kwargs keys built (vLLM's offline max_tokens_per_query / max_tokens_per_doc for LLM.score)
+EXTRA_KWARGS = ("max_tokens_per_query", "max_tokens_per_doc")
 # vLLM's other pooling tasks: named so that asking for one says it is not built
 _UNBUILT_TASKS = ("token_embed", "token_classify", "reward", "encode", "plugin")
 
@@ -23,6 +25,9 @@ class PoolingParams:
     Normalize module, else true). use_activation is vLLM's newer name for it (embed task); for classify / score it
     applies the classifier's activation (sigmoid / softmax; None: true) and normalize / dimensions do not apply.
     task: embed, classify or score; None: the engine's (embed for an embedding model, classify for a classifier).
+    extra_kwargs: vLLM's per-request extras; the ones built are LLM.score's max_tokens_per_query / max_tokens_per_doc
+    (each query / document text cut to its first N tokens before the pair is made; 0: no cut), as vLLM takes them
+    offline. Other keys are refused (nothing here would read them).
     """
 
     truncate_prompt_tokens: Optional[int] = None
@@ -30,6 +35,7 @@ class PoolingParams:
     normalize: Optional[bool] = None
     use_activation: Optional[bool] = None
     task: Optional[str] = None
+    extra_kwargs: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.task in _UNBUILT_TASKS:
@@ -53,6 +59,26 @@ class PoolingParams:
                                              "switch is use_activation)")
         if self.normalize is not None and self.use_activation is not None and self.normalize != self.use_activation:
             raise PoolingParamsError("normalize and use_activation name the same switch for embeddings: give one")
+        self._check_extra_kwargs()
+
+    def _check_extra_kwargs(self) -> None:
+        extra = self.extra_kwargs
+        if extra is None:
+            return
+        if not isinstance(extra, dict):
+            raise PoolingParamsError(f"extra_kwargs must be a dict, got {type(extra).__name__}")
+        for key, value in extra.items():
+            if key not in EXTRA_KWARGS:
+                raise PoolingParamsError(f"extra_kwargs {key!r}: not built (the keys voltllm reads are "
+                                         f"{', '.join(EXTRA_KWARGS)}, for LLM.score)")
+            if not _is_int(value) or value < 0:
+                raise PoolingParamsError(f"extra_kwargs {key} must be a non-negative integer (0: no limit), got "
+                                         f"{value!r}")
+
+    def token_limits(self) -> tuple[int, int]:
+        """(max_tokens_per_query, max_tokens_per_doc) from extra_kwargs; 0: no cut."""
+        extra = self.extra_kwargs or {}
+        return extra.get("max_tokens_per_query", 0), extra.get("max_tokens_per_doc", 0)
 
     @property
     def normalize_asked(self) -> Optional[bool]:

@@ -89,6 +89,27 @@ def first_tokens_text(tokenizer: Any, text: str, limit: int) -> str:
     return text[:enc["offset_mapping"][limit - 1][1]]
 
 
+def check_token_limit(name: str, value: int, max_model_len: int) -> int:
+    """max_tokens_per_query / max_tokens_per_doc as vLLM checks them: 0 (no cut) or a token count below the context
+    length; a ScoreInputError (its message starts with the name) otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ScoreInputError(f"{name} must be a non-negative integer (0: no limit), got {value}")
+    if value >= max_model_len:
+        raise ScoreInputError(f"{name} ({value}) must be less than max_model_len ({max_model_len})")
+    return value
+
+
+def cut_texts(tokenizer: Any, first: list[str], second: list[str], per_query: int, per_doc: int
+              ) -> tuple[list[str], list[str]]:
+    """Each first text (query) cut to its first per_query tokens and each second text (document) to its first
+    per_doc (0: not cut), before the pair prompt is made (first_tokens_text)."""
+    if per_query:
+        first = [first_tokens_text(tokenizer, t, per_query) for t in first]
+    if per_doc:
+        second = [first_tokens_text(tokenizer, t, per_doc) for t in second]
+    return first, second
+
+
 def single_score(data: Any, request_id: str) -> float:
     """A pooled classifier output as one score (vLLM's score task needs a one-label classifier)."""
     if data.numel() != 1:

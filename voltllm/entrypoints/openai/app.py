@@ -16,6 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from voltllm import __version__
 from voltllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
+from voltllm.entrypoints.openai.pooling_protocol import PoolingRequest
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, error_response, status_phrase
 from voltllm.entrypoints.openai.messages_errors import (MESSAGES_ROUTES, anthropic_error_body,
                                                         anthropic_error_response, is_messages_path)
@@ -32,6 +33,7 @@ from voltllm.entrypoints.openai.server_middleware import (RequestIdHeaderMiddlew
 from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
 from voltllm.entrypoints.openai.serving_embedding import create_embedding
+from voltllm.entrypoints.openai.serving_pooling import create_pooling
 from voltllm.entrypoints.openai.scoring_protocol import SCORE_FORMS, ClassificationRequest, RerankRequest, ScoreRequest
 from voltllm.entrypoints.openai.serving_score import create_classify, create_rerank, create_score
 from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
@@ -43,9 +45,9 @@ M = TypeVar("M", bound=BaseModel)
 _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", "/tokenize", "/detokenize",
            "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
            "/v1/acceleration", "/v1/sm70/acceleration", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-           "/classify", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+           "/classify", "/pooling", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 # vLLM's pooling routes that are not built: refused by name on every server
-_UNBUILT_ROUTES = {"/pooling": "vLLM's generic /pooling route", "/v2/embed": "Cohere's embed API"}
+_UNBUILT_ROUTES = {"/v2/embed": "Cohere's embed API"}
 # the pooling routes of serving_score.py: path -> (request model, handler, what it does); /classify on classifiers only,
 # the others on every pooling server (an embedding model scores by cosine similarity, as vLLM's bi-encoders)
 _SCORING_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
@@ -56,8 +58,8 @@ _SCORING_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
                       "/classify": (ClassificationRequest, create_classify, "classification")}
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 # behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open),
-# and the scoring routes outside /v1 run the model as much as /v1/score does
-_GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify")
+# and the scoring routes and /pooling outside /v1 run the model as much as /v1/score does
+_GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling")
 
 
 def route_path(scope: dict) -> str:
@@ -296,8 +298,9 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         """vLLM serves the generation routes from generate engines only (one runner per engine): a pooling server
         answers them 404, saying what it serves."""
         if state.runner == "pooling":
-            serves = ("/score, /v1/score, /rerank, /v1/rerank, /v2/rerank and /classify" if state.classifier
-                      is not None else "/v1/embeddings, /score, /v1/score, /rerank, /v1/rerank and /v2/rerank")
+            serves = ("/score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /classify and /pooling"
+                      if state.classifier is not None
+                      else "/v1/embeddings, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank and /pooling")
             raise OpenAIError(f"{request.method} {request.url.path}: this server runs a pooling model (--runner "
                               f"pooling), which generates nothing; it serves POST {serves}", 404)
 
@@ -331,9 +334,17 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
                               "--convert embed)", 404)
         if state.classifier is not None:
             raise OpenAIError("POST /v1/embeddings: this server runs a classifier (a reranker), which computes no "
-                              "embeddings; it serves POST /score, /v1/score, /rerank, /v1/rerank, /v2/rerank and "
-                              "/classify", 404)
+                              "embeddings; it serves POST /score, /v1/score, /rerank, /v1/rerank, /v2/rerank, "
+                              "/classify and /pooling", 404)
         return await create_embedding(state, await parse_body(request, EmbeddingRequest), request)
+
+    @app.post("/pooling")  # vLLM's generic pooling route, on pooling servers (serving_pooling.py)
+    async def pooling(request: Request) -> Any:
+        if state.runner != "pooling":
+            raise OpenAIError("POST /pooling: this server runs a generative model, which pools nothing; vLLM serves "
+                              "/pooling from pooling models (--runner pooling: an embedding model, or a classifier "
+                              "through --convert classify)", 404)
+        return await create_pooling(state, await parse_body(request, PoolingRequest), request)
 
     def _scoring_route(path: str, model: Any, serve: Any, what: str) -> Any:
         async def route(request: Request) -> Any:
@@ -356,8 +367,8 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     def _unbuilt_route(path: str, what: str) -> Any:
         async def refuse() -> None:
             raise OpenAIError(f"POST {path}: {what} is not built in voltllm (embedding models serve POST "
-                              "/v1/embeddings, /score and /rerank, classifiers /score, /rerank and /classify, with "
-                              "--runner pooling)", 404)
+                              "/v1/embeddings, /score, /rerank and /pooling, classifiers /score, /rerank, /classify "
+                              "and /pooling, with --runner pooling)", 404)
         return refuse
 
     for path, what in _UNBUILT_ROUTES.items():

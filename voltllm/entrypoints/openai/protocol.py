@@ -79,6 +79,8 @@ class _SamplingFields(NullMeansDefault):
     structured_outputs: Optional[dict[str, Any]] = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); tokenize with special tokens
     truncate_prompt_tokens: Optional[int] = None
+    # vLLM's: the end truncate_prompt_tokens cuts: left (None, the default) keeps the last k tokens, right the first k
+    truncation_side: Optional[Literal["left", "right"]] = None
     return_token_ids: Optional[bool] = None  # vLLM's: token_ids per choice and the prompt's prompt_token_ids
     # vLLM's: lower is served first under --scheduling-policy priority; under fcfs anything but 0 is a 400 (the
     # engine's check_priority, at submission)

@@ -10,7 +10,8 @@ REQUEST_ID_HEADER = b"x-request-id"
 GENERATED_ID_KEY = "voltllm.request_id"  # (ASGI scope) the id made for a request that sent no X-Request-Id
 # the routes that run the model (vLLM's /load counts its generation and pooling routes)
 LOAD_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                         "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"})
+                         "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
+                         "/pooling"})
 
 
 def header(scope: dict, name: bytes) -> Optional[str]:

@@ -105,7 +105,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message, tools=req.tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
-    ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len)
+    ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if not req.use_beam_search:
         params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,

@@ -40,14 +40,15 @@ def _logprobs(state: ServerState, req: CompletionRequest, out: RequestOutput, c:
 
 def _engine_prompt(state: ServerState, req: CompletionRequest, prompt: Any) -> Any:
     """A prompt as the engine takes it: text tokenized with the request's add_special_tokens, then cut to its
-    truncate_prompt_tokens (the text is dropped when cut, so echo shows the tokens that were used)."""
+    truncate_prompt_tokens from its truncation_side (the text is dropped when cut, so echo shows the tokens that were
+    used)."""
     if isinstance(prompt, str):
         if state.tokenizer is None or not prompt:
             return prompt  # (the engine refuses these with its own message)
         ids = state.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
     else:
         ids = prompt
-    kept = truncated(ids, req.truncate_prompt_tokens, state.max_model_len)
+    kept = truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
     text = prompt if isinstance(prompt, str) and len(kept) == len(ids) else None
     return {"prompt": text, "prompt_token_ids": kept} if text is not None else {"prompt_token_ids": kept}
 

@@ -7,7 +7,7 @@ import base64
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -40,34 +40,46 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw_reques
                                task="embed")
     except PoolingParamsError as e:
         raise bad_request(str(e), _param_of(e))
-    prompts = [truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
-               for ids in _token_ids(state, req)]
-    chosen_id = chosen_request_id(raw_request, req.request_id)  # vLLM's: embd-<X-Request-Id, else request_id>
-    base_id = f"embd-{chosen_id}" if chosen_id is not None else new_id("embd")
-    engine_base = engine_request_id(base_id, chosen_id is not None)
-    rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = _submit(state, rids, prompts, params, req.cache_salt, req.priority)
-    if state.log_requests:
-        logger.info("request %s: embeddings of %d input(s): %s", engine_base, len(prompts),
-                    ", ".join(shown(p, state.max_log_len) for p in prompts))
-    created = int(time.time())
-    finals = await collect_or_gone(streams, DisconnectWatcher(raw_request, state, rids))
-    if finals is None:
+    pooled = await pool_inputs(state, req, params, raw_request, "embd", "embeddings")
+    if pooled is None:
         return JSONResponse({}, status_code=499)
-    for i, out in enumerate(finals):
-        if out.outputs is None:  # aborted in the engine (a prompt its KV cache can never hold)
-            raise OpenAIError(f"input {i} was aborted before it was computed (the KV cache cannot hold it)", 503,
-                              code="request_aborted")
+    base_id, created, finals = pooled
     prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
     if req.encoding_format in ("bytes", "bytes_only"):
-        return _bytes_response(finals, req, base_id, created, model, prompt_tokens)
-    data = [{"index": i, "object": "embedding", "embedding": _encoded(out, req)} for i, out in enumerate(finals)]
+        return bytes_response(finals, req, base_id, created, model, prompt_tokens)
+    data = [{"index": i, "object": "embedding", "embedding": encoded(out, req)} for i, out in enumerate(finals)]
     body = {"id": base_id, "object": "list", "created": created, "model": model, "data": data,
             "usage": usage(prompt_tokens, 0)}
     return JSONResponse(body)
 
 
-def _token_ids(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+async def pool_inputs(state: ServerState, req: Any, params: PoolingParams, raw_request: Any, prefix: str,
+                      what: str) -> Optional[tuple[str, int, list[PoolingRequestOutput]]]:
+    """An embeddings-shaped request's prompts (its `input` or `messages`, cut to its truncate_prompt_tokens from its
+    truncation_side) pooled, one engine request each: (the response id `<prefix>-...`, the creation time, the
+    finished outputs in input order); None when the client left first."""
+    prompts = [truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
+               for ids in _token_ids(state, req)]
+    chosen_id = chosen_request_id(raw_request, req.request_id)  # vLLM's: <prefix>-<X-Request-Id, else request_id>
+    base_id = f"{prefix}-{chosen_id}" if chosen_id is not None else new_id(prefix)
+    engine_base = engine_request_id(base_id, chosen_id is not None)
+    rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
+    streams = _submit(state, rids, prompts, params, req.cache_salt, req.priority)
+    if state.log_requests:
+        logger.info("request %s: %s of %d input(s): %s", engine_base, what, len(prompts),
+                    ", ".join(shown(p, state.max_log_len) for p in prompts))
+    created = int(time.time())
+    finals = await collect_or_gone(streams, DisconnectWatcher(raw_request, state, rids))
+    if finals is None:
+        return None
+    for i, out in enumerate(finals):
+        if out.outputs is None:  # aborted in the engine (a prompt its KV cache can never hold)
+            raise OpenAIError(f"input {i} was aborted before it was computed (the KV cache cannot hold it)", 503,
+                              code="request_aborted")
+    return base_id, created, finals
+
+
+def _token_ids(state: ServerState, req: Any) -> list[list[int]]:
     """Every prompt as token ids: text tokenized with add_special_tokens (default true), a chat templated first
     (add_special_tokens default false: the template wrote them), token ids checked against the vocabulary."""
     tok = state.tokenizer
@@ -127,7 +139,7 @@ def embedding_bytes(data: torch.Tensor, embed_dtype: str, endianness: str) -> by
     return np.ascontiguousarray(array).tobytes()
 
 
-def _encoded(out: PoolingRequestOutput, req: EmbeddingRequest) -> Any:
+def encoded(out: PoolingRequestOutput, req: Any) -> Any:
     """The embedding as floats, or (base64) its embedding_bytes base64-encoded (float32 native: what the openai client
     decodes by default)."""
     if req.encoding_format == "float":
@@ -135,7 +147,7 @@ def _encoded(out: PoolingRequestOutput, req: EmbeddingRequest) -> Any:
     return base64.b64encode(embedding_bytes(out.outputs.data, req.embed_dtype, req.endianness)).decode("ascii")
 
 
-def _bytes_response(finals: list[PoolingRequestOutput], req: EmbeddingRequest, base_id: str, created: int,
+def bytes_response(finals: list[PoolingRequestOutput], req: Any, base_id: str, created: int,
                     model: str, prompt_tokens: int) -> Response:
     """vLLM's binary answer: the body is every embedding's embedding_bytes, one after another; for `bytes` a
     `metadata` header (JSON) holds the id, created, model, usage and each embedding's place in the body (index,

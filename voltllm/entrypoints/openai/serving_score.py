@@ -20,7 +20,7 @@ from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, Server
                                                        truncated, usage)
 from voltllm.entrypoints.openai.serving_embedding import _param_of, _submit
 from voltllm.pooling.params import PoolingParams, PoolingParamsError
-from voltllm.pooling.scoring import (ScoreInputError, cosine_scores, first_tokens_text, pair_token_ids,
+from voltllm.pooling.scoring import (ScoreInputError, check_token_limit, cosine_scores, cut_texts, pair_token_ids,
                                      score_inputs, single_score)
 
 logger = logging.getLogger("voltllm")
@@ -53,28 +53,17 @@ def _score_inputs(first: Any, second: Any, names: tuple[str, str]) -> tuple[list
         raise bad_request(str(e), str(e).split(":", 1)[0].split(" ", 1)[0])
 
 
-def _token_limit(req: Any, name: str, max_model_len: int) -> int:
-    """max_tokens_per_query / max_tokens_per_doc, checked as vLLM checks them (0: no cut)."""
-    value = getattr(req, name)
-    if value < 0:
-        raise bad_request(f"{name} must be a non-negative integer (0: no limit), got {value}", name)
-    if value >= max_model_len:
-        raise bad_request(f"{name} ({value}) must be less than max_model_len ({max_model_len})", name)
-    return value
-
-
 def _cut_texts(state: ServerState, req: Any, first: list[str], second: list[str]) -> tuple[list[str], list[str]]:
     """Each first text (query) and second text (document) cut to its first max_tokens_per_query /
     max_tokens_per_doc tokens, as vLLM cuts them: the text itself, before the pair prompt (template, special tokens)
-    is made and before truncate_prompt_tokens cuts that."""
-    per_query = _token_limit(req, "max_tokens_per_query", state.max_model_len)
-    per_doc = _token_limit(req, "max_tokens_per_doc", state.max_model_len)
-    tok = _tokenizer(state)
-    if per_query:
-        first = [first_tokens_text(tok, t, per_query) for t in first]
-    if per_doc:
-        second = [first_tokens_text(tok, t, per_doc) for t in second]
-    return first, second
+    is made and before truncate_prompt_tokens cuts that (as LLM.score does)."""
+    limits = []
+    for name in ("max_tokens_per_query", "max_tokens_per_doc"):
+        try:
+            limits.append(check_token_limit(name, getattr(req, name), state.max_model_len))
+        except ScoreInputError as e:
+            raise bad_request(str(e), name)
+    return cut_texts(_tokenizer(state), first, second, *limits)
 
 
 async def _run(state: ServerState, raw_request: Any, req: Any, prefix: str, prompts: list[list[int]],
