@@ -136,6 +136,13 @@ class ParallelConfig:
     # --data-parallel-size: engines (each with its tensor-parallel ranks) serving one API server, each a whole copy of
     # the model on its own GPUs (engine/data_parallel.py); the offline LLM and the in-process bench run one
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # this engine's index among them (rank_config sets it)
+
+    def global_seed(self, seed: int) -> int:
+        """The seed of a process's global RNG (unseeded requests' sampling): --seed, offset by the data-parallel
+        engine's index, so engines do not draw the same numbers (the ranks of one engine share it: they sample
+        alike)."""
+        return seed + self.data_parallel_rank
 
 
 # --max-lora-rank values (vLLM's): the rank every slot is padded to
@@ -443,7 +450,8 @@ class EngineArgs:
             _check_mtp(hf_config, source, load_format)
         runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
         device = _resolve_device(self.device)
-        capability = _gpu_capability(device)  # None on the CPU; below sm_70 a ConfigError
+        # None on the CPU; below sm_70 a ConfigError; over mixed cards the oldest's (the route must run on all)
+        capability = _run_capability(device, self.tensor_parallel_size * self.data_parallel_size)
         compat = _resolve_compat(self.compat, device, capability)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat, capability)
 
@@ -624,7 +632,15 @@ def _resolve_device(device: str) -> torch.device:
         raise ConfigError(f"--device {device}: no CUDA GPU is visible")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {device!r}") from None
+    count = torch.cuda.device_count() if dev.type == "cuda" else 0
+    if dev.type == "cuda" and dev.index is not None and dev.index >= count:
+        raise ConfigError(f"--device {device}: {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1}; "
+                          "CUDA_VISIBLE_DEVICES numbers the cards it lists from 0, in its order)")
+    return dev
 
 
 # the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
@@ -743,6 +759,22 @@ def _gpu_capability(device: torch.device) -> Optional[tuple[int, int]]:
         raise ConfigError(f"{name} (sm_{major}{minor}) is not supported: voltllm needs a GPU of sm_70 (V100) or "
                           "newer; run on the CPU with --device cpu")
     return major, minor
+
+
+def _run_capability(device: torch.device, cards: int) -> Optional[tuple[int, int]]:
+    """The compute capability the run's route and dtype follow: over the cards it uses (-tp x -dp from --device's
+    index, as far as they are visible: the count is checked later), the lowest, so that a V100 beside an RTX 3090
+    gets the compat route and fp16 it needs, whichever card CUDA lists first. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    first = device.index or 0
+    last = max(first + 1, min(first + cards, torch.cuda.device_count()))
+    caps = {i: _gpu_capability(torch.device("cuda", i)) for i in range(first, last)}
+    lowest = min(caps.values())
+    if len(set(caps.values())) > 1:
+        logger.warning("mixed GPUs (%s): the kernel route and dtype follow the oldest, sm_%d%d, on every card",
+                       ", ".join(f"cuda:{i} sm_{c[0]}{c[1]}" for i, c in caps.items()), *lowest)
+    return lowest
 
 
 def _resolve_compat(compat: str, device: torch.device, capability: Optional[tuple[int, int]] = None) -> str:

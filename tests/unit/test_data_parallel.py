@@ -94,7 +94,10 @@ def test_each_engine_starts_on_its_tensor_parallel_group(dp3_config):
     cfg = replace(dp3_config, device=replace(dp3_config.device, device=torch.device("cuda", 1)),
                   parallel=replace(dp3_config.parallel, tensor_parallel_size=2))
     assert [str(rank_config(cfg, k).device.device) for k in range(3)] == ["cuda:1", "cuda:3", "cuda:5"]
-    assert rank_config(dp3_config, 2) is dp3_config  # the CPU: every engine there
+    assert rank_config(dp3_config, 2).device == dp3_config.device  # the CPU: every engine there
+    # each engine's unseeded sampling draws its own numbers: the global seed is offset by its index
+    assert [rank_config(dp3_config, k).parallel.global_seed(0) for k in range(3)] == [0, 1, 2]
+    assert dp3_config.parallel.global_seed(5) == 5
     dp = DataParallelLLM(cfg)
     assert [e.engine_index for e in dp.engines] == [0, 1, 2]
     assert [str(e.config.device.device) for e in dp.engines] == ["cuda:1", "cuda:3", "cuda:5"]
@@ -264,3 +267,33 @@ def test_engines_fitted_to_different_cards_all_take_the_shortest_length(dp3_conf
     asyncio.run(dp.start())
     assert dp.max_model_len == 1536
     assert [(e.max_model_len, e.frontend.max_model_len) for e in engines] == [(1536, 1536)] * 3
+
+
+def test_a_device_past_the_visible_cards_is_a_clear_error(monkeypatch):
+    from voltllm.config import _resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"--device cuda:2: 2 CUDA device\(s\) are visible \(cuda:0 .. cuda:1; "
+                                          "CUDA_VISIBLE_DEVICES numbers"):
+        _resolve_device("cuda:2")
+    with pytest.raises(ConfigError, match="--device must be auto, cpu or cuda"):
+        _resolve_device("cuda:x")
+
+
+def test_mixed_cards_follow_the_oldest(monkeypatch, caplog):
+    """An RTX 3090 (sm_86) listed before a V100 (sm_70): the route and dtype of every card follow the V100 (the compat
+    route runs on the newer card too; bf16 would not run on the V100)."""
+    from voltllm.config import _resolve_compat, _run_capability
+
+    caps = {0: (8, 6), 1: (7, 0), 2: (8, 6)}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: caps[torch.device(d).index])
+    assert _run_capability(torch.device("cuda"), 1) == (8, 6)  # one card: its own
+    with caplog.at_level("WARNING", logger="voltllm"):
+        assert _run_capability(torch.device("cuda"), 2) == (7, 0)  # -tp 2 or -dp 2 over cuda:0-1
+    assert "mixed GPUs (cuda:0 sm_86, cuda:1 sm_70): the kernel route and dtype follow the oldest, sm_70" in caplog.text
+    assert _resolve_compat("auto", torch.device("cuda"), (7, 0)) == "sm70"
+    assert _run_capability(torch.device("cuda", 2), 4) == (8, 6)  # (cards past the visible ones: checked later)
+    assert _run_capability(torch.device("cpu"), 2) is None

@@ -104,7 +104,7 @@ class Timer:
             graph = torch.cuda.CUDAGraph()
             from voltllm.worker.cuda_graphs import gc_paused
 
-            with gc_paused(), torch.cuda.graph(graph):
+            with gc_paused(), torch.cuda.graph(graph, stream=side):  # (this card's stream, not the process-wide one)
                 fn()
             try:
                 return self.samples_ms(graph.replay, iters, warmup=1)

@@ -76,6 +76,13 @@ class TPGroup:
         self.host.allreduce([t], opts).wait()
         return int(t.item())
 
+    def host_barrier(self) -> None:
+        """Wait for every rank over the host (gloo) group. Before the first NCCL operation: NCCL makes its
+        communicator there, lazily, and waits without limit for a peer that died while loading (there is nothing yet
+        for abort() to cancel); gloo fails at once when a peer's connection is gone, so rank 0 reports the worker's
+        own error instead of hanging."""
+        self.host.barrier().wait()
+
     def abort(self) -> None:
         """Make collectives that wait on a dead peer fail (NCCL would wait out TIMEOUT); best effort."""
         for pg in {id(self.dev): self.dev, id(self.host): self.host}.values():

@@ -70,7 +70,7 @@ def _start(config: Any, rank: int, port: int, conn: Any):
     config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
     conn.send(("hello",))
     tp = TPGroup(rank, size, make_store(rank, size, port), device)
-    torch.manual_seed(config.model.seed)
+    torch.manual_seed(config.parallel.global_seed(config.model.seed))  # (rank 0's: the ranks sample alike)
     runner = ModelRunner(config, tp=tp)
     runner.initialize_kv_cache()
     runner.tune_decode_gemms()

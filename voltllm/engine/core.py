@@ -31,10 +31,12 @@ def check_torch_runs_on(config: EngineConfig) -> None:
     if config.device.device.type != "cuda":
         return
     from voltllm.config import ConfigError
+    from voltllm.distributed.group import rank_device
     from voltllm.platform import detect, torch_arch_error
 
-    if err := torch_arch_error(detect(config.device.device, config.device.compat)):
-        raise ConfigError(err)
+    for rank in range(config.parallel.tensor_parallel_size):  # (every card of the group: they may differ)
+        if err := torch_arch_error(detect(rank_device(config.device.device, rank), config.device.compat)):
+            raise ConfigError(err)
 
 
 class EngineCore:
@@ -59,7 +61,7 @@ class EngineCore:
 
     def _start(self, config: EngineConfig, model: Optional[torch.nn.Module]) -> None:
         # the other TP ranks run the same steps that hold collectives, in this order (distributed/worker.py)
-        torch.manual_seed(config.model.seed)
+        torch.manual_seed(config.parallel.global_seed(config.model.seed))
         tp = self.tp_workers
         if tp is not None:
             from dataclasses import replace

@@ -32,7 +32,9 @@ logger = logging.getLogger("voltllm")
 
 
 def rank_config(config: EngineConfig, index: int) -> EngineConfig:
-    """Engine `index`'s configuration: the same, on the tensor-parallel group of GPUs that is its own."""
+    """Engine `index`'s configuration: the same, on the tensor-parallel group of GPUs that is its own (on the CPU: the
+    CPU), knowing its index (its global seed: ParallelConfig.global_seed)."""
+    config = replace(config, parallel=replace(config.parallel, data_parallel_rank=index))
     dev = config.device.device
     if dev.type != "cuda":
         return config

@@ -174,6 +174,8 @@ class DecodeGraphs:
                     r.model(ids, pos, ctx)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # on this engine's stream: torch's default capture stream is one per process, made on the first card that
+            # captured (a second engine on another card in the same process would capture on it)
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 hidden = r.model(ids, pos, ctx)
             self.graphs[bs] = CapturedGraph(bs, graph, hidden)

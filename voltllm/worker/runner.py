@@ -119,12 +119,17 @@ class ModelRunner:
             from voltllm.worker.memory import free_bytes_at_start
 
             make_current(self.device)  # (cuda:1 and up: Triton and graph captures use the current device)
+            props = torch.cuda.get_device_properties(self.device)
+            logger.info("%s%s: %s, %.1f GiB, sm_%d%d", self.device, f" (tensor-parallel rank {tp.rank})" if tp else "",
+                        props.name, props.total_memory / 2**30, props.major, props.minor)
             self.free_at_start = free_bytes_at_start(self.device)
         self._step_inputs: Optional[StepInputs] = None  # rank 0 of a TP group: this step's, for send_step
         # ranks > 0: the last two steps' events; a step's host staging set is refilled two steps later (double
         # buffering), once the step that used it has run
         self._follower_events: list[torch.cuda.Event] = []
         self.model = model if model is not None else self._load_model()
+        if tp is not None:  # every rank has its weights before the first collective (group.host_barrier says why)
+            tp.host_barrier()
         # --enable-lora: the adapters' GPU slots in the model's projections (before KV sizing: they take memory)
         self.lora = None
         if config.lora is not None:
@@ -268,7 +273,12 @@ class ModelRunner:
             from voltllm.model.loader.int4_checkpoint import dense_bytes
         # (under tensor parallelism each rank holds 1/N of it: the same rule per GPU as without)
         dense = dense_bytes(mc.model, itemsize) / self.config.parallel.tensor_parallel_size
-        room = torch.cuda.get_device_properties(self.device).total_memory * self.config.cache.gpu_memory_utilization
+        # every rank the same choice, that of the group's smallest card (a 16 GB V100 beside a 32 GB one): the ranks'
+        # layers must agree (a drafter's dense copies of the vocabulary, the collectives' shapes)
+        first = (self.device.index or 0) - (self.tp.rank if self.tp is not None else 0)  # the group's first card
+        smallest = min(torch.cuda.get_device_properties(first + r).total_memory
+                       for r in range(self.config.parallel.tensor_parallel_size))
+        room = smallest * self.config.cache.gpu_memory_utilization
         keep = dense > AUTO_DENSE_FRACTION * room
         logger.info("%s weights: %.2f GiB dequantized (per GPU), %.2f GiB usable on the GPU -> %s (--quantization %s "
                     "keeps them quantized)", mc.quantization, dense / 2**30, room / 2**30,

@@ -30,7 +30,8 @@ def graph_replay_ms(fn, weights: list[torch.Tensor], reps: int = 24) -> float:
         fn(w)  # compile / pick algorithms outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph):
+    # (a stream of the weights' card: torch's default capture stream is process-wide, on the first card that captured)
+    with gc_paused(), torch.cuda.graph(graph, stream=torch.cuda.Stream(device=weights[0].device)):
         for i in range(reps):
             fn(weights[i % len(weights)])
     graph.replay()
