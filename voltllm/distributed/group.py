@@ -8,6 +8,8 @@ no process-wide state and a second engine in the same process (tests) cannot col
 from __future__ import annotations
 
 import datetime
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -32,6 +34,10 @@ class TPGroup:
         self.host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, TIMEOUT)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # NCCL >= 2.19 allocates through cuMem by default, which makes every all-reduce captured in the decode CUDA
+            # graphs hold memory of its own (GiBs over ~20 graphs, nowhere in the KV budget); vLLM turns it off too.
+            # A user's own setting is kept.
+            os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = TIMEOUT
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", store), rank, size, opts)

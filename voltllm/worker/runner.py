@@ -965,8 +965,15 @@ class ModelRunner:
             return
         from voltllm.lora.manager import optional_lora
 
-        with optional_lora(self.lora):  # the graphs record the LoRA terms (a replay reads the step's mask)
-            self._capture_graphs()
+        try:
+            with optional_lora(self.lora):  # the graphs record the LoRA terms (a replay reads the step's mask)
+                self._capture_graphs()
+        except torch.OutOfMemoryError:
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise RuntimeError(
+                f"{self.device} ran out of memory capturing the decode CUDA graphs ({free / 2**30:.2f} of "
+                f"{total / 2**30:.1f} GiB free): lower --gpu-memory-utilization (the KV cache takes that share) or "
+                "--max-num-seqs / --max-cudagraph-capture-size (fewer graphs), or pass --enforce-eager") from None
 
     def _capture_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
