@@ -106,3 +106,37 @@ def test_one_engine_dying_stops_the_server(tiny_path):
         assert not wait_gone(pids, 10), "orphan processes after an engine died"
     finally:
         srv.stop()
+
+
+def test_runtime_lora_adapters_reach_every_engine(tiny_path, tmp_path):
+    """/v1/load_lora_adapter under -dp 2: requests naming the adapter run with it on whichever engine takes them (the
+    same greedy tokens on both), and after /v1/unload_lora_adapter its name is a 404 and both engines end idle."""
+    from lora_adapters import make_adapter
+
+    lora = make_adapter(str(tmp_path / "lora"), tiny_path, rank=8, alpha=16)
+    srv = ServerProc([tiny_path, "--device", "cpu", "-dp", "2", "--block-size", "4", "--served-model-name", "tiny",
+                      "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updating", "--disable-log-stats"],
+                     free_port(), env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(180)
+        r = httpx.post(srv.base + "/v1/load_lora_adapter", json={"lora_name": "ad", "lora_path": lora}, timeout=60)
+        assert r.status_code == 200, r.text
+
+        async def together(model: str) -> list[str]:
+            c = openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=120)
+            outs = await asyncio.gather(*(c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6,
+                                                               temperature=0) for _ in range(4)))
+            return [o.choices[0].text for o in outs]
+
+        with_adapter = asyncio.run(together("ad"))
+        assert len(set(with_adapter)) == 1  # both engines ran it with the adapter's weights
+        assert with_adapter[0] != asyncio.run(together("tiny"))[0]
+        done = _engine_samples(httpx.get(srv.base + "/metrics", timeout=10).text, "voltllm:request_success_total")
+        assert min(done.values()) >= 2, done  # (both engines served some)
+        r = httpx.post(srv.base + "/v1/unload_lora_adapter", json={"lora_name": "ad"}, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(srv.base + "/v1/completions", json={"model": "ad", "prompt": "x", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 404, r.text
+        wait_idle(srv)
+    finally:
+        srv.stop()
