@@ -297,3 +297,28 @@ def test_mixed_cards_follow_the_oldest(monkeypatch, caplog):
     assert _resolve_compat("auto", torch.device("cuda"), (7, 0)) == "sm70"
     assert _run_capability(torch.device("cuda", 2), 4) == (8, 6)  # (cards past the visible ones: checked later)
     assert _run_capability(torch.device("cpu"), 2) is None
+
+
+def test_an_engine_that_cannot_start_stops_the_others(dp3_config):
+    """One engine's start-up error: the engines still loading stop waiting, every engine is shut down, and the error
+    is the failed engine's."""
+    from voltllm.engine.async_llm import EngineStartError
+
+    engines = [FakeEngine(k) for k in range(3)]
+    events = []
+    for e in engines:
+        async def start(timeout=None, e=e):
+            if e.engine_index == 1:
+                raise EngineStartError("the engine could not start: out of memory")
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                events.append(("cancelled", e.engine_index))
+                raise
+        e.start = start
+        e.shutdown = lambda timeout=5.0, e=e: events.append(("shutdown", e.engine_index))
+    dp = DataParallelLLM(dp3_config, tokenizer=object())
+    dp.engines = engines
+    with pytest.raises(EngineStartError, match="out of memory"):
+        asyncio.run(asyncio.wait_for(dp.start(), 10))
+    assert sorted(events) == [("cancelled", 0), ("cancelled", 2), ("shutdown", 0), ("shutdown", 1), ("shutdown", 2)]

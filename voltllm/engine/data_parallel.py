@@ -80,7 +80,14 @@ class DataParallelLLM:
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, mc.tokenizer, mc.trust_remote_code)
             for e in self.engines:
                 e.tokenizer = self.tokenizer
-            await asyncio.gather(*(e.start(timeout) for e in self.engines))
+            starts = [asyncio.ensure_future(e.start(timeout)) for e in self.engines]
+            try:
+                await asyncio.gather(*starts)
+            except BaseException:  # one engine could not start: the others stop waiting, then all stop
+                for t in starts:
+                    t.cancel()
+                await asyncio.gather(*starts, return_exceptions=True)
+                raise
         except BaseException:
             self.shutdown()
             raise
