@@ -287,3 +287,22 @@ def test_incomplete_or_bad_weights(llama, tmp_path):
     head = make_eagle3(str(tmp_path / "fc"), 64, _vocab(target), layer_ids=[1, 2, 3, 4])  # 4 layers read, fc of 3
     with pytest.raises(ValueError, match="fc.weight: shape"):
         LLM(target, speculative_config=_spec(head), **BASE)
+
+
+def test_under_tensor_parallelism(llama, tmp_path_factory):
+    """-tp 2 (gloo): the head runs whole on rank 0 beside its target shard, reading the target's layers there (whole
+    after each layer's all-reduce) and rank 0's whole copies of the target's tied embedding / LM head (a head with
+    neither); its draft logits equal the reference's, the tokens one device's plain ones."""
+    target, _, ids = llama
+    head = make_eagle3(str(tmp_path_factory.mktemp("e3-tp-head")), 64, _vocab(target), own_lm_head=False, seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with pytest.MonkeyPatch.context() as mp:
+        seen = record_draft_logits(mp)  # (rank 0 runs in this process: the head is there)
+        llm = LLM(target, tensor_parallel_size=2, speculative_config=_spec(head), max_num_batched_tokens=6, **BASE)
+        try:
+            assert llm.engine.runner.full_vocab is not None
+            outs = _run(llm, PROMPTS[:3], sp)
+        finally:
+            llm.engine.shutdown()
+    assert outs == _plain(target, PROMPTS[:3], sp)
+    assert _check(target, head, ids, seen, PROMPTS[:3], outs) >= 9
