@@ -306,3 +306,37 @@ def test_under_tensor_parallelism(llama, tmp_path_factory):
             llm.engine.shutdown()
     assert outs == _plain(target, PROMPTS[:3], sp)
     assert _check(target, head, ids, seen, PROMPTS[:3], outs) >= 9
+
+
+def test_a_bin_head_from_the_hub(llama, tmp_path, monkeypatch):
+    """The EAGLE authors publish heads as pytorch_model.bin: a Hub repo without safetensors is fetched again for its
+    .bin files (huggingface_hub stood in for by a snapshot directory holding what such a repo has) and read; its
+    drafts are the safetensors copy's."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    target, head, _ = llama
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    shutil.copy(f"{head}/config.json", snap / "config.json")
+    torch.save(load_file(f"{head}/model.safetensors"), snap / "pytorch_model.bin")
+    asked = []
+
+    def fetch_repo(repo_id, revision=None, download_dir=None, token=None, trust_remote_code=False,
+                   tokenizer_only=False, patterns=None, offline_first=True):
+        asked.append((repo_id, tuple(patterns)))
+        return str(snap)
+
+    monkeypatch.setattr("voltllm.model.loader.hub.fetch_repo", fetch_repo)
+    monkeypatch.setattr("voltllm.model.loader.hub.looks_like_repo_id", lambda name: name == "org/EAGLE3-head")
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with monkeypatch.context() as mp:
+        drafts, _ = record_drafts(mp)
+        outs = _run(LLM(target, speculative_config=_spec("org/EAGLE3-head"), **BASE), PROMPTS[:2], sp)
+    assert [p for _, p in asked] == [("*.json", "*.safetensors"), ("*.json", "pytorch_model*.bin")]
+    with monkeypatch.context() as mp:
+        want, _ = record_drafts(mp)
+        assert _run(LLM(target, speculative_config=_spec(head), **BASE), PROMPTS[:2], sp) == outs
+    assert drafts == want and drafts

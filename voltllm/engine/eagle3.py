@@ -159,13 +159,38 @@ def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Par
                         bool(getattr(draft_cfg, "norm_before_residual", False)), float(scale or 1.0))
 
 
+def _has(path: str, pattern: str) -> bool:
+    return bool(glob.glob(os.path.join(path, pattern)))
+
+
+def resolve_head(model: str, revision: Optional[str], download_dir: Optional[str], token: Any) -> Any:
+    """The head's ModelSource: a local path as --model resolves one, or a Hub repo fetched with its safetensors
+    weights, else its pytorch_model*.bin (the EAGLE authors' heads are published so; a .bin is read with torch.load's
+    weights_only)."""
+    from voltllm.model.loader import ModelLoadError, ModelSource, hub, resolve_model
+
+    if not hub.looks_like_repo_id(model):
+        return resolve_model(model, revision, download_dir, token, False)
+    path = hub.fetch_repo(model, revision, download_dir, token, patterns=["*.json", "*.safetensors"])
+    bins = ["*.json", "pytorch_model*.bin"]
+    if not _has(path, "*.safetensors"):
+        path = hub.fetch_repo(model, revision, download_dir, token, patterns=bins)
+        if not _has(path, "pytorch_model*.bin"):  # a cached snapshot without them: fetch them
+            path = hub.fetch_repo(model, revision, download_dir, token, patterns=bins, offline_first=False)
+    if not os.path.isfile(os.path.join(path, "config.json")) or not (
+            _has(path, "*.safetensors") or _has(path, "pytorch_model*.bin")):
+        raise ModelLoadError(f"Hugging Face repo {model} has no config.json with safetensors or pytorch_model.bin "
+                             "weights")
+    return ModelSource(path=path, kind="hf")
+
+
 def resolve_eagle3(spec: SpeculativeConfig, target_hf_config: Any, download_dir: Optional[str] = None,
                    token: Any = None) -> SpeculativeConfig:
     """spec with the head's local path and HF config, after the checks of eagle3_params."""
-    from voltllm.model.loader import ModelLoadError, load_hf_config, resolve_model
+    from voltllm.model.loader import ModelLoadError, load_hf_config
 
     try:
-        source = resolve_model(spec.model, spec.revision, download_dir, token, False)
+        source = resolve_head(spec.model, spec.revision, download_dir, token)
         if source.kind == "gguf":
             raise ValueError("a GGUF file is not an EAGLE-3 checkpoint (config.json + weights)")
         hf_config = load_hf_config(source, trust_remote_code=False)  # a Llama config with EAGLE keys
