@@ -640,10 +640,9 @@ def _resolve_device(device: str) -> torch.device:
 
 
 # the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
-# position and keeps the accepted one's (voltllm/worker/hybrid_spec.py). Every method of engine/speculative.py's
-# METHODS but eagle3 (not built for them: no test covers a hybrid's captured layers feeding a head); one added there
-# stays refused for hybrids until it is listed here
-HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp")
+# position and keeps the accepted one's (voltllm/worker/hybrid_spec.py). Today that is every method of
+# engine/speculative.py's METHODS; one added there stays refused for hybrids until it is listed here
+HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3")
 
 
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:

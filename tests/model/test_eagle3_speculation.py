@@ -1,15 +1,17 @@
 """EAGLE-3 speculation (CPU): tiny random heads in the public checkpoint format (tests/eagle3_models.py) beside a tiny
 llama target (8 layers: vLLM's default layers 2 / 4 / 5; a draft vocabulary of 96 ids with d2t, the EAGLE repo's
-`midlayer.*` names) and a tiny qwen3 target (4 layers named in the config, unsorted; `layers.0.*` names, its own
-embedding, the target's LM head, norm_before_residual):
+`midlayer.*` names), a tiny qwen3 target (4 layers named in the config, unsorted; `layers.0.*` names, its own
+embedding, the target's LM head, norm_before_residual) and a tiny qwen3_5 hybrid (Gated DeltaNet layers read; its
+verification keeps per-position recurrent states, prefix-cache hits restart at state snapshots):
 
 - every draft logit of every proposal (first draft and chained passes) equals a float64 reference of the head's math
   fed by transformers' hidden states of the target, through chunked prefill, rejected drafts, concurrent requests,
   prefix-cache hits and preemption; the reference with a wrong layer or without d2t fails the same check;
 - greedy outputs equal plain decoding's, with oracle drafts accepted and rejected; a head that always agrees accepts
   every draft in 1 + ceil((N - 1) / (K + 1)) steps; seeded sampled runs repeat;
-- the head's own graph form (CPU stand-ins of the decode graphs, padded rows) gives the eager form's drafts;
-- configuration refusals.
+- the head's own graph form (CPU stand-ins of the decode graphs, padded rows; a hybrid's verification-walks graphs)
+  gives the eager form's drafts;
+- -tp 2 (gloo), a Hub head published as pytorch_model.bin, configuration refusals.
 """
 import json
 import random
@@ -19,12 +21,12 @@ import pytest
 from eagle3_models import Eagle3Reference, make_eagle3, patch_eagle3
 from mtp_models import check_against_reference, record_draft_logits, record_drafts
 from spec_oracle import PlainRuns, oracle_table, run_checked
-from tiny_models import make_model
+from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 from voltllm.config import ConfigError
 
 _rng = random.Random(0)
-VOCAB = 300  # (prompt ids below it: the tiny tokenizer's vocabulary is a little larger)
+VOCAB = 192  # (prompt ids below it: the tiny tokenizer's vocabulary and the hybrid's, HYBRID_VOCAB)
 PROMPTS = [[_rng.randrange(VOCAB) for _ in range(11)], [_rng.randrange(VOCAB) for _ in range(23)], [7, 8],
            [_rng.randrange(VOCAB) for _ in range(6)]]
 BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True, dtype="float32")
@@ -39,7 +41,8 @@ def _spec(head, k=K, **kw):
 
 def _vocab(path):
     with open(f"{path}/config.json") as f:
-        return json.load(f)["vocab_size"]
+        cfg = json.load(f)
+    return cfg.get("text_config", cfg)["vocab_size"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,19 @@ def qwen3(tmp_path_factory):
     return target, head, [1, 2, 3]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A qwen3_5 hybrid target (Gated DeltaNet layers 0-2, attention layer 3) read at layers 1-3, a 64-id draft
+    vocabulary."""
+    target = make_tiny_hybrid(str(tmp_path_factory.mktemp("e3-hybrid")), "qwen3_5", seed=0, gen_seed=1)
+    if target is None:
+        pytest.skip("this transformers has no qwen3_5")
+    head = make_eagle3(str(tmp_path_factory.mktemp("e3-hybrid-head")), 64, HYBRID_VOCAB, draft_vocab=64,
+                       layer_ids=[1, 2, 3], seed=3)
+    return target, head, [1, 2, 3]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "hybrid"])
 def pair(request):
     return request.getfixturevalue(request.param)
 
@@ -118,6 +133,25 @@ def test_draft_logits_through_prefix_hits_and_preemption(llama, monkeypatch):
     assert tight.engine.stats().num_preemptions > 0
     assert outs == _plain(target, PROMPTS, sp)
     assert _check(target, head, ids, seen, PROMPTS, outs) > 0
+
+
+def test_hybrid_snapshot_hits_and_preemption(hybrid, monkeypatch):
+    """A hybrid target's prefix-cache hits restart at a recurrent-state snapshot (every 8 tokens here), whose
+    positions' head KV the first request wrote; preemption recomputes: drafts the reference's, tokens plain ones."""
+    target, head, ids = hybrid
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    shared = PROMPTS[1][:17]
+    prompts = [shared + [3, 4, 5], shared + [9, 9]]
+    seen = record_draft_logits(monkeypatch)
+    llm = LLM(target, speculative_config=_spec(head), mamba_block_size=8, **BASE)
+    outs = [_run(llm, [p], sp)[0] for p in prompts]
+    assert llm.engine.runner.state_snapshots.stats()["restored"] > 0
+    assert outs == _plain(target, prompts, sp, enable_prefix_caching=False)
+    assert _check(target, head, ids, seen, prompts, outs) > 0
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tight = LLM(target, speculative_config=_spec(head), max_num_batched_tokens=16, num_gpu_blocks_override=24, **BASE)
+    assert _run(tight, PROMPTS, sp) == _plain(target, PROMPTS, sp)
+    assert tight.engine.stats().num_preemptions > 0
 
 
 @pytest.mark.parametrize("budget", [64, 5])
@@ -188,24 +222,26 @@ class _EagerReplay:
 
 
 def _graph_form(llm, max_rows: int) -> None:
-    """The target's decode graphs (decode and verification token rows) and the head's, as CPU stand-ins."""
+    """The target's decode graphs (decode and verification token rows; a hybrid's verification-walks graphs too) and
+    the head's, as CPU stand-ins."""
     from graph_stand_ins import PaddedDecodeGraphs
     from voltllm.worker.cuda_graphs import DecodeGraphs
 
     runner = llm.engine.runner
     runner._ensure_buffers()
-    graphs = DecodeGraphs(runner)
-    graphs.graphs = {bs: _EagerReplay(graphs, bs) for bs in graphs.sizes}
-    runner.graphs = graphs
+    for walks in (False, True) if runner.state_cache is not None else (False,):
+        graphs = DecodeGraphs(runner, walks=walks)
+        graphs.graphs = {bs: _EagerReplay(graphs, bs) for bs in graphs.sizes}
+        setattr(runner, "verify_graphs" if walks else "graphs", graphs)
     runner.draft.graphs = PaddedDecodeGraphs(runner.draft.graph_view(), max_rows)
 
 
-@pytest.mark.parametrize("max_rows", [16, 2])
-def test_graph_form_equals_eager_and_reference(llama, monkeypatch, max_rows):
+@pytest.mark.parametrize("which,max_rows", [("llama", 16), ("llama", 2), ("hybrid", 16)])
+def test_graph_form_equals_eager_and_reference(request, monkeypatch, which, max_rows):
     """Requests of different lengths joining (prompts in chunks of the 16-token budget) and finishing mid-run: with
     the head's passes in their graph form (rows padded to a power of two; max_rows 2: the wider passes eager) the
     drafts and tokens equal the eager form's, and every draft logit the reference's."""
-    target, head, ids = llama
+    target, head, ids = request.getfixturevalue(which)
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (14, 9, 17, 5)]
     kw = dict(max_num_batched_tokens=16, max_num_seqs=16)
     runs = []
@@ -267,16 +303,10 @@ def test_checkpoint_refusals(llama, tmp_path, what, kw, match):
 
 
 def test_target_refusals(tmp_path_factory, llama):
-    from tiny_models import make_tiny_hybrid
-
     small = make_model(str(tmp_path_factory.mktemp("e3-3layers")), "llama")  # default layers (2, 1, 0): 0 is out
     head = make_eagle3(str(tmp_path_factory.mktemp("e3-small-head")), 64, _vocab(small))
     with pytest.raises(ConfigError, match="7 layers or more"):
         LLM(small, speculative_config=_spec(head), **BASE)
-    hybrid = make_tiny_hybrid(str(tmp_path_factory.mktemp("e3-hybrid")), "qwen3_5", seed=0, gen_seed=1)
-    if hybrid is not None:
-        with pytest.raises(ConfigError, match="not built for hybrid targets"):
-            LLM(hybrid, speculative_config=_spec(head), **BASE)
 
 
 def test_incomplete_or_bad_weights(llama, tmp_path):

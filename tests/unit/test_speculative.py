@@ -131,11 +131,10 @@ def test_engine_config(monkeypatch):
     assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3")).method == "ngram"
     with pytest.raises(ConfigError, match="not built yet"):
         _resolve_speculative({"method": "medusa", "num_speculative_tokens": 3}, SimpleNamespace(model_type="qwen3"))
-    monkeypatch.undo()  # EAGLE-3 heads: attention-only targets
+    monkeypatch.undo()
     eagle3 = {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
     assert _resolve_speculative(eagle3, SimpleNamespace(model_type="qwen3")).uses_eagle3
-    with pytest.raises(ConfigError, match="eagle3 is not built for hybrid targets"):
-        _resolve_speculative(eagle3, SimpleNamespace(model_type="qwen3_next"))
+    assert _resolve_speculative(eagle3, SimpleNamespace(model_type="qwen3_next")).uses_eagle3
 
 
 def test_metrics_export_the_counters():
