@@ -1,10 +1,10 @@
-"""EAGLE-3 speculation on the GPU (tiny random llama / qwen3 targets with random heads in the public checkpoint format,
-tests/eagle3_models.py): with the target's decode CUDA graphs and the head's own (worker/eagle3_runner.py, MTPRunner's
-graphs), fp32 draft logits equal the float64 reference of the head's math and greedy tokens equal plain decoding's
-(native and --compat sm70, chunked prompts beside verifications); the head's graph replays give --enforce-eager's
-drafts and tokens exactly in fp32 (K = 1 and 3, padded batches, requests joining and finishing mid-run) and agree in
-fp16; an fp16 head that always agrees accepts every draft; sampled requests repeat by seed; the drafter's
-enforce_eager keeps the target's graphs."""
+"""EAGLE-3 speculation on the GPU (tiny random llama / qwen3 / qwen3_5 hybrid targets with random heads in the public
+checkpoint format, tests/eagle3_models.py): with the target's decode CUDA graphs and the head's own
+(worker/eagle3_runner.py, MTPRunner's graphs), fp32 draft logits equal the float64 reference of the head's math and
+greedy tokens equal plain decoding's (native and --compat sm70, chunked prompts beside verifications); the head's
+graph replays give --enforce-eager's drafts and tokens exactly in fp32 (K = 1 and 3, padded batches, requests joining
+and finishing mid-run) and agree in fp16; an fp16 head that always agrees accepts every draft; sampled requests
+repeat by seed; the drafter's enforce_eager keeps the target's graphs."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,11 @@ import torch
 
 from eagle3_models import Eagle3Reference, make_eagle3
 from mtp_models import check_against_reference, record_draft_logits, record_drafts
-from tiny_models import make_model
+from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 
 pytestmark = pytest.mark.gpu
 
-V = 300  # prompt ids below the tiny tokenizer's vocabulary
+V = HYBRID_VOCAB  # prompt ids below the tiny tokenizer's vocabulary and the hybrid's
 PROMPTS = [[(7 * i + 3) % V for i in range(13)], [(5 * i + 1) % V for i in range(29)], [7, 8]]
 GRAPH_PROMPTS = PROMPTS + [[(3 * i + 2) % V for i in range(41)], [(11 * i) % V for i in range(9)]]
 
@@ -62,7 +62,11 @@ def pairs(tmp_path_factory):
     a qwen3 one (named layers, its own embedding, the target's LM head, norm_before_residual)."""
     llama = make_model(str(tmp_path_factory.mktemp("g-llama")), "llama", num_hidden_layers=8)
     qwen3 = make_model(str(tmp_path_factory.mktemp("g-qwen3")), "qwen3", num_hidden_layers=4)
-    return {
+    hybrid = make_tiny_hybrid(str(tmp_path_factory.mktemp("g-hybrid")), "qwen3_5", seed=0, gen_seed=1)
+    made = {} if hybrid is None else {
+        "hybrid": (hybrid, make_eagle3(str(tmp_path_factory.mktemp("g-hybrid-head")), 64, HYBRID_VOCAB,
+                                       draft_vocab=64, layer_ids=[1, 2, 3], seed=3), [1, 2, 3])}
+    return made | {
         "llama": (llama, make_eagle3(str(tmp_path_factory.mktemp("g-llama-head")), 64, _vocab(llama),
                                      draft_vocab=96), [2, 4, 5]),
         "qwen3": (qwen3, make_eagle3(str(tmp_path_factory.mktemp("g-qwen3-head")), 64, _vocab(qwen3),
@@ -72,9 +76,13 @@ def pairs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind,compat,budget", [("llama", "none", 512), ("qwen3", "none", 512),
-                                                ("llama", "sm70", 512), ("llama", "none", 20)])
+                                                ("llama", "sm70", 512), ("llama", "none", 20),
+                                                ("hybrid", "none", 512), ("hybrid", "none", 20)])
 def test_fp32_reference_and_plain(pairs, monkeypatch, kind, compat, budget):
+    """(a qwen3_5 hybrid: its verification steps replay the walks graphs, the head's pass after them its own)"""
     _cuda()
+    if kind not in pairs:
+        pytest.skip("this transformers has no qwen3_5")
     target, head, ids = pairs[kind]
     kw = dict(dtype="float32", compat=compat, max_num_batched_tokens=budget)
     ref = _run(_llm(target, **kw), PROMPTS, _greedy())
@@ -85,6 +93,8 @@ def test_fp32_reference_and_plain(pairs, monkeypatch, kind, compat, budget):
     fulls = {tuple(p): list(p) + list(o) for p, o in zip(PROMPTS, got)}
     assert check_against_reference(Eagle3Reference(target, head, ids), seen, fulls, 3, atol=2e-3) > 0
     assert llm.engine.runner.draft.graphs is not None
+    if kind == "hybrid" and budget == 512:
+        assert llm.engine.runner.verify_graphs is not None and llm.engine.runner.verify_graphs.replays > 0
 
 
 def test_fp16_agreeing_head_accepts_every_draft(tmp_path_factory):
@@ -138,9 +148,11 @@ def _graph_vs_eager(pair, monkeypatch, dtype, k):
     return eager_out, graph_out, eager_drafts, graph_drafts
 
 
-@pytest.mark.parametrize("kind,k", [("llama", 1), ("llama", 3), ("qwen3", 3)])
+@pytest.mark.parametrize("kind,k", [("llama", 1), ("llama", 3), ("qwen3", 3), ("hybrid", 3)])
 def test_fp32_graphs_equal_eager(pairs, monkeypatch, kind, k):
     _cuda()
+    if kind not in pairs:
+        pytest.skip("this transformers has no qwen3_5")
     eager_out, graph_out, eager_drafts, graph_drafts = _graph_vs_eager(pairs[kind], monkeypatch, "float32", k)
     assert graph_out == eager_out
     assert graph_drafts == eager_drafts and len(graph_drafts) > 5
