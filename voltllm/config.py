@@ -302,6 +302,16 @@ class EngineArgs:
         except SpeculativeConfigError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_eagle3(self, spec: Any, hf_config: Any) -> Any:
+        """An EAGLE-3 head's local path and config, checked against the target (engine/eagle3.py)."""
+        from voltllm.engine.eagle3 import resolve_eagle3
+        from voltllm.engine.speculative import SpeculativeConfigError
+
+        try:
+            return resolve_eagle3(spec, hf_config, self.download_dir, self.hf_token)
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
+
     def _resolve_draft(self, spec: Any, hf_config: Any, tokenizer: str) -> Any:
         """A draft model's local path and config, checked against the target (engine/draft_model.py)."""
         from voltllm.engine.draft_model import resolve_draft
@@ -448,6 +458,8 @@ class EngineArgs:
             spec = self._resolve_dflash(spec, hf_config)
         elif spec is not None and spec.uses_mtp:
             _check_mtp(hf_config, source, load_format)
+        elif spec is not None and spec.uses_eagle3:
+            spec = self._resolve_eagle3(spec, hf_config)
         runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
         device = _resolve_device(self.device)
         # None on the CPU; below sm_70 a ConfigError; over mixed cards the oldest's (the route must run on all)
@@ -646,7 +658,7 @@ def _resolve_device(device: str) -> torch.device:
 # the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
 # position and keeps the accepted one's (voltllm/worker/hybrid_spec.py). Today that is every method of
 # engine/speculative.py's METHODS; one added there stays refused for hybrids until it is listed here
-HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp")
+HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3")
 
 
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:

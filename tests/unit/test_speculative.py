@@ -14,7 +14,8 @@ def test_config():
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 4, 2)
     assert SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 3,
                                         "prompt_lookup_min": 6}).prompt_lookup_max == 6
-    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "not built yet"),
+    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "EAGLE-1 heads .* are not built"),
+                     ({"method": "medusa", "num_speculative_tokens": 3}, "not built yet"),
                      ({"method": "ngram"}, "num_speculative_tokens"),
                      ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
@@ -129,7 +130,11 @@ def test_engine_config(monkeypatch):
         _resolve_speculative(spec, SimpleNamespace(model_type="qwen3_next"))
     assert _resolve_speculative(spec, SimpleNamespace(model_type="qwen3")).method == "ngram"
     with pytest.raises(ConfigError, match="not built yet"):
-        _resolve_speculative({"method": "eagle3", "num_speculative_tokens": 3}, SimpleNamespace(model_type="qwen3"))
+        _resolve_speculative({"method": "medusa", "num_speculative_tokens": 3}, SimpleNamespace(model_type="qwen3"))
+    monkeypatch.undo()
+    eagle3 = {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
+    assert _resolve_speculative(eagle3, SimpleNamespace(model_type="qwen3")).uses_eagle3
+    assert _resolve_speculative(eagle3, SimpleNamespace(model_type="qwen3_next")).uses_eagle3
 
 
 def test_metrics_export_the_counters():
@@ -194,7 +199,7 @@ def test_draft_config():
                      ({"model": "m"}, "num_speculative_tokens"),
                      ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "unsupported keys"),
                      ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "only 1"),
-                     ({"method": "eagle", "model": "m", "num_speculative_tokens": 2}, "not built yet"),
+                     ({"method": "eagle", "model": "m", "num_speculative_tokens": 2}, "EAGLE-1"),
                      ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "unsupported keys for ngram")]:
         with pytest.raises(SpeculativeConfigError, match=msg):
             SpeculativeConfig.from_dict(bad)

@@ -18,13 +18,16 @@ the target's hidden states fills the same reserved slots (engine/dflash.py, work
 
 MTP (`"method": "mtp"`) drafts with the target's own multi-token-prediction module (Qwen3-Next / Qwen3.5 checkpoints'
 mtp.* weights), chained K times, in the same reserved slots (engine/mtp.py, worker/mtp_runner.py).
+
+An EAGLE-3 head (`"method": "eagle3"`) drafts as MTP does, chaining its one decoder layer K times, fed by three of
+the target's layers' hidden states (engine/eagle3.py, worker/eagle3_runner.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-METHODS = ("ngram", "draft_model", "dflash", "mtp")
+METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3")
 # vLLM's older method names that mean MTP on the targets built here
 _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp"}
 # vLLM's keys for a drafter (draft model, DFlash, MTP): how it draws its drafts, whether it runs without CUDA graphs,
@@ -38,7 +41,12 @@ _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "pro
          | _DRAFTER_KEYS,
          "dflash": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS,
-         "mtp": {"method", "num_speculative_tokens"} | _DRAFTER_KEYS}
+         "mtp": {"method", "num_speculative_tokens"} | _DRAFTER_KEYS,
+         "eagle3": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
+         | _DRAFTER_KEYS}
+# vLLM's methods refused here with a reason of their own
+_REFUSED = {"eagle": "EAGLE-1 heads (method \"eagle\") are not built: only EAGLE-3 heads (method \"eagle3\", e.g. "
+                     "yuhuili/EAGLE3-* or SpecForge checkpoints) are"}
 # draft_sample_method: "probabilistic" draws a sampled request's drafts from the drafter's own distribution q and
 # verifies them with min(1, p / q); "greedy" takes the drafter's argmax for every request (verified as one-hot q, so
 # sampled outputs keep the target's distribution either way). vLLM's default is greedy; this engine's is
@@ -85,9 +93,13 @@ class SpeculativeConfig:
         return self.method == "mtp"
 
     @property
+    def uses_eagle3(self) -> bool:
+        return self.method == "eagle3"
+
+    @property
     def drafts_on_device(self) -> bool:
-        """The scheduler reserves placeholder draft slots that the runner fills (draft model, DFlash, MTP)."""
-        return self.method in ("draft_model", "dflash", "mtp")
+        """The scheduler reserves placeholder draft slots that the runner fills (draft model, DFlash, MTP, EAGLE-3)."""
+        return self.method in ("draft_model", "dflash", "mtp", "eagle3")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -95,6 +107,8 @@ class SpeculativeConfig:
         method = _ALIASES.get(method, method)
         if not method and d.get("model"):  # vLLM: a model without a method is a draft model
             method = "draft_model"
+        if method in _REFUSED:
+            raise SpeculativeConfigError(f"--speculative-config method {method!r}: {_REFUSED[method]}")
         if method not in METHODS:
             raise SpeculativeConfigError(f"--speculative-config method {d.get('method')!r} is not built yet "
                                          f"(built: {', '.join(METHODS)})")
@@ -107,7 +121,7 @@ class SpeculativeConfig:
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in 1..32")
-        if method in ("draft_model", "dflash"):
+        if method in ("draft_model", "dflash", "eagle3"):
             return replace(cls._draft_model(d, k, method), **_drafter_options(d))
         if method == "mtp":  # its weights are the target's: nothing else to read
             return cls("mtp", k, **_drafter_options(d))

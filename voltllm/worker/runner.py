@@ -143,10 +143,10 @@ class ModelRunner:
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
-        # MTP / DFlash borrow the target's embedding and LM head: under TP, rank 0 keeps whole copies for them
+        # MTP / DFlash / EAGLE-3 borrow the target's embedding and LM head: under TP, rank 0 keeps whole copies for them
         # (every rank joins the gathers, here at the same point of every rank's start-up)
         self.full_vocab = None
-        if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash):
+        if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3):
             from voltllm.model.layers.full_vocab import gather_full_vocab
 
             self.full_vocab = gather_full_vocab(self.model, tp)
@@ -164,6 +164,10 @@ class ModelRunner:
             from voltllm.worker.mtp_runner import MTPRunner
 
             self.draft = MTPRunner(self, spec)
+        elif spec is not None and spec.uses_eagle3:  # an EAGLE-3 head, chained as MTP (voltllm.worker.eagle3_runner)
+            from voltllm.worker.eagle3_runner import Eagle3Runner
+
+            self.draft = Eagle3Runner(self, spec)
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)
         # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).

@@ -1,0 +1,196 @@
+"""Tiny random EAGLE-3 heads in the public checkpoint format (config.json + model.safetensors, the EAGLE repo /
+SpecForge names), made at test time, and a float64 reference of the head's math fed by transformers' hidden states
+of the target (written from the architecture, independent of voltllm's layers).
+
+The head (vLLM's Eagle3LlamaForCausalLM): for position i with next token x_{i+1},
+  g_i = fc(concat of hidden_states[j][i] for the head's target layers j, ascending)
+  a   = attention(q / k / v of [rms(embed(x_{i+1}), input_layernorm) | rms(g_i, hidden_norm)]), causal, RoPE at i
+  r   = a + g_i (or + rms(g_i, hidden_norm) with norm_before_residual);  y_i = r + mlp(rms(r, post_attention_layernorm))
+  logits over the draft vocabulary = rms(y_i, norm) @ lm_head^T, at target ids draft_id + d2t[draft_id], -inf elsewhere
+and y_i is the hidden input of the chained row at position i + 1 (with the drafted token).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+HEADS, KV_HEADS, HEAD_DIM, INTER = 4, 2, 16, 96
+THETA = 10000.0
+
+
+def make_eagle3(path: str, hidden: int, vocab: int, draft_vocab: Optional[int] = None,
+                layer_ids: Optional[list[int]] = None, ids_in_eagle_config: bool = True, layout: str = "midlayer",
+                own_embedding: bool = False, own_lm_head: bool = True, seed: int = 0, std: float = 0.15,
+                zero_lm_head: bool = False, drop: tuple = (), **overrides) -> str:
+    """Save a head under path. draft_vocab: a smaller draft vocabulary (with d2t / t2d tensors; None: the target's).
+    layer_ids None: vLLM's default choice. layout: "midlayer" (EAGLE repo / SpecForge) or "layers.0". drop: tensor
+    names left out."""
+    draft_vocab = draft_vocab or vocab
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": INTER, "num_hidden_layers": 1, "num_attention_heads": HEADS,
+           "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": THETA,
+           "max_position_embeddings": 1024, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+           "target_hidden_size": hidden, "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu"}
+    if layer_ids is not None:
+        if ids_in_eagle_config:
+            cfg["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layer_ids}
+        else:
+            cfg["eagle_aux_hidden_state_layer_ids"] = layer_ids
+    cfg.update(overrides)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+    p = "midlayer." if layout == "midlayer" else "layers.0."
+    w = {"fc.weight": rnd(hidden, 3 * hidden), "norm.weight": norm(hidden),
+         p + "input_layernorm.weight": norm(hidden), p + "hidden_norm.weight": norm(hidden),
+         p + "post_attention_layernorm.weight": norm(hidden),
+         p + "self_attn.q_proj.weight": rnd(HEADS * HEAD_DIM, 2 * hidden),
+         p + "self_attn.k_proj.weight": rnd(KV_HEADS * HEAD_DIM, 2 * hidden),
+         p + "self_attn.v_proj.weight": rnd(KV_HEADS * HEAD_DIM, 2 * hidden),
+         p + "self_attn.o_proj.weight": rnd(hidden, HEADS * HEAD_DIM),
+         p + "mlp.gate_proj.weight": rnd(INTER, hidden), p + "mlp.up_proj.weight": rnd(INTER, hidden),
+         p + "mlp.down_proj.weight": rnd(hidden, INTER)}
+    if own_lm_head:
+        w["lm_head.weight"] = torch.zeros(draft_vocab, hidden) if zero_lm_head else rnd(draft_vocab, hidden)
+    if own_embedding:
+        w["embed_tokens.weight"] = rnd(vocab, hidden)
+    if draft_vocab != vocab:  # a random subset of the target's ids, ascending (as SpecForge's frequency cut keeps them)
+        kept = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+        w["d2t"] = kept - torch.arange(draft_vocab)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[kept] = True
+        w["t2d"] = t2d
+    for name in drop:
+        w.pop(name)
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos):
+    """x [L, H, D] rotated at positions pos [L] (rotate-half layout)."""
+    d = x.shape[-1]
+    inv = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = pos.double()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Eagle3Reference:
+    """The head in float64: transformers' target for the hidden states (and the embedding / LM head the head lacks);
+    the rest here. layer_ids / use_d2t: what the reference assumes (tests mutate them to show the check's teeth)."""
+
+    def __init__(self, target_path: str, head_path: str, layer_ids: list[int], use_d2t: bool = True):
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        self.hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float64,
+                                                        attn_implementation="eager").eval()
+        raw = load_file(os.path.join(head_path, "model.safetensors"))
+        self.w = {k.replace("midlayer.", "").replace("layers.0.", ""): v.double() if v.is_floating_point() else v
+                  for k, v in raw.items()}
+        with open(os.path.join(head_path, "config.json")) as f:
+            self.cfg = json.load(f)
+        self.layer_ids = sorted(layer_ids)
+        self.vocab = self.hf.config.vocab_size
+        n = self.cfg.get("draft_vocab_size") or self.vocab
+        self.target_ids = (torch.arange(n) + self.w["d2t"]) if use_d2t and "d2t" in self.w else torch.arange(n)
+        self._fused: dict = {}
+
+    @torch.no_grad()
+    def fused_target_states(self, ids: list[int]) -> torch.Tensor:
+        """g_i for every position of ids [len, hidden]."""
+        hs = self.hf.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        return torch.cat([hs[j][0] for j in self.layer_ids], -1) @ self.w["fc.weight"].T
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        table = self.w.get("embed_tokens.weight")
+        return table[torch.tensor(ids)] if table is not None else self.hf.model.embed_tokens(torch.tensor(ids))
+
+    @torch.no_grad()
+    def outputs(self, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """y_i for rows at positions 0..len-1 (causal): row i fed next_ids[i] and hidden[i]."""
+        w, t = self.w, len(next_ids)
+        e = _rms(self._embed(next_ids), w["input_layernorm.weight"])
+        g = _rms(hidden, w["hidden_norm.weight"])
+        residual = g if self.cfg.get("norm_before_residual") else hidden
+        x = torch.cat([e, g], -1)
+        q = (x @ w["self_attn.q_proj.weight"].T).view(t, HEADS, HEAD_DIM)
+        k = (x @ w["self_attn.k_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM)
+        v = (x @ w["self_attn.v_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM)
+        pos = torch.arange(t)
+        q, k = _rope(q, pos), _rope(k, pos)
+        k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        att = torch.einsum("qhd,khd->hqk", q, k) * HEAD_DIM ** -0.5
+        att = att + torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)
+        a = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(t, HEADS * HEAD_DIM)
+        r = a @ w["self_attn.o_proj.weight"].T + residual
+        m = _rms(r, w["post_attention_layernorm.weight"])
+        gated = F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)
+        return r + gated @ w["mlp.down_proj.weight"].T
+
+    @torch.no_grad()
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        x = _rms(y, self.w["norm.weight"])
+        head = self.w.get("lm_head.weight")
+        small = x @ head.T if head is not None else self.hf.lm_head(x)
+        full = torch.full((self.vocab,), float("-inf"), dtype=torch.float64)
+        full[self.target_ids] = small
+        return full
+
+    def draft_logits(self, full: list[int], start: int, drafts: list[int]) -> list[torch.Tensor]:
+        """The logits of drafts 1..len(drafts)+1 of a request whose next input is full[start] at position start: the
+        first from y_{start-1} on the true tokens, each next one from a chained row (draft j, the previous y)."""
+        key = tuple(full)
+        if key not in self._fused:
+            self._fused[key] = self.fused_target_states(list(full))
+        ids, hid = list(full[1:start + 1]), list(self._fused[key][:start])
+        y = self.outputs(ids, torch.stack(hid))[-1]
+        result = [self.logits(y)]
+        for d in drafts:
+            ids.append(d)
+            hid.append(y)
+            y = self.outputs(ids, torch.stack(hid))[-1]
+            result.append(self.logits(y))
+        return result
+
+
+def patch_eagle3(monkeypatch, table: dict, vocab: int) -> None:
+    """The head's proposal runs as usual, then its drafts (MTPRunner._drafts [drafts, requests], read by the step's
+    input ids and the verification) are replaced by the oracle's (tests/spec_oracle.py)."""
+    from spec_oracle import oracle_drafts
+    from voltllm.worker.eagle3_runner import Eagle3Runner
+
+    orig = Eagle3Runner.propose
+
+    def propose(self, sched):
+        orig(self, sched)
+        if self._drafts is None:
+            return
+        for i, s in enumerate(s for s in sched.scheduled if s.spec_tokens):
+            full = table.get(tuple(s.request.prompt_token_ids))
+            if full is not None:
+                want = oracle_drafts(full, s.start + 1, len(s.spec_tokens), vocab)
+                self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
+
+    monkeypatch.setattr(Eagle3Runner, "propose", propose)
