@@ -39,7 +39,7 @@ UNIT_OF_FILE = {path: unit for unit, paths in SHARED_FILES.items() for path in p
 # their order matters): started first, longest first
 LONGEST_FIRST = {
     "tests/unit/test_sm70_gate.py": 540,  # cross-compiles every registered kernel (in two processes of its own)
-    "tests/model/test_eagle3_speculation.py": 400,
+    "tests/model/test_eagle3_speculation.py": 110,
     "tests/model/test_hybrid_speculation.py": 380,
     "tests/model/test_mtp_speculation.py": 350,
     "server": 340,  # tests/server files on the shared SmolLM2 server (conftest.py `server`)
