@@ -234,6 +234,7 @@
 #   s130     (session 44) the start-up mixed-step forward: 35B-A3B --compat sm70 compiles, 1 cold + 1 warm
 #   s131     (queued for session 45) session 44's last changes on the GPU: dense warm-up compiles, MoE / engine / fp8-KV
 #            GPU files
+#   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
 stage=$1; sha=$2
@@ -1530,6 +1531,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     }
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
+    ;;
+  s142)  # (session 50) the GPU files of session 50's CPU-built work on one GPU: EAGLE-3 (graphs, fp16, sm70, hybrid),
+         # LoRA (per-load keys, runtime removal)
+    gpu_file test_eagle3_cuda 300
+    gpu_file test_lora_cuda 200
     ;;
   s141dp)  # (session 50; kind nvidia-h200-x2) data parallelism and an engine on the second card: the GPU file (an
            # LLM on cuda:1 against cuda:0 with decode graphs; a -dp 2 server with an engine per card)
