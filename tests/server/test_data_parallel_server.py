@@ -58,6 +58,10 @@ def test_serve_dp2_spreads_requests_and_stops_without_orphans(tiny_path):
         assert min(done.values()) >= 2, done  # the least busy engine takes each: both get a share
         assert set(_engine_samples(text, "vllm:kv_cache_usage_perc")) == {"0", "1"}
         assert _engine_samples(text, "voltllm:engine_alive") == {"0": 1.0, "1": 1.0}
+        steps = _engine_samples(text, "vllm:iteration_tokens_total_count")
+        assert set(steps) == {"0", "1"} and min(steps.values()) >= 6, steps  # each engine's prompt and decode steps
+        assert sum(_engine_samples(text, "vllm:request_params_n_count").values()) == len(PROMPTS)
+        assert set(_engine_samples(text, "vllm:cache_config_info")) == {"0", "1"}
         report = httpx.get(srv.base + "/v1/acceleration", timeout=30).json()
         assert [e["engine"] for e in report["engines"]] == [0, 1] and report["ok"] is True
 

@@ -107,3 +107,40 @@ def test_phases_not_reached_are_not_observed():
     assert got[("vllm:request_time_per_output_token_seconds_count", LAB)] == 0
     assert got[("vllm:request_prompt_tokens_count", LAB)] == 1
     assert got[("vllm:e2e_request_latency_seconds_count", LAB)] == 1
+
+
+def test_step_tokens_request_params_and_cache_config():
+    """vLLM's iteration_tokens_total (tokens of each engine step), request_params_n / request_params_max_tokens and
+    cache_config_info families, under both names."""
+    from types import SimpleNamespace
+
+    cache = SimpleNamespace(block_size=16, kv_cache_dtype="auto", enable_prefix_caching=True,
+                            gpu_memory_utilization=0.9, num_gpu_blocks_override=None)
+    m = ServerMetrics("smol", lambda: SchedulerStats(num_blocks=321), lambda: True, lambda: 0, max_model_len=1000,
+                      cache_config=cache)
+    m.on_iteration_tokens([64, 1, 300])
+    m.on_request_params(2, 100)
+    got = _samples(m.render().decode())
+    for prefix in ("voltllm:", "vllm:"):
+        assert got[(prefix + "iteration_tokens_total_count", LAB)] == 3
+        assert got[(prefix + "iteration_tokens_total_sum", LAB)] == 365
+        assert got[(prefix + "iteration_tokens_total_bucket", (*LAB[:1], ("le", "64.0"), *LAB[1:]))] == 2
+        assert got[(prefix + "request_params_n_sum", LAB)] == 2
+        assert got[(prefix + "request_params_max_tokens_sum", LAB)] == 100
+        info = [(labels, v) for (name, labels), v in got.items() if name == prefix + "cache_config_info"]
+        assert len(info) == 1 and info[0][1] == 1.0
+        assert dict(info[0][0]) == {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
+                                    "gpu_memory_utilization": "0.9", "num_gpu_blocks": "321",
+                                    "num_gpu_blocks_override": "None", "engine": "0"}
+
+
+def test_the_scheduler_hands_each_steps_tokens_over_once(tmp_path):
+    from tiny_models import make_model
+    from voltllm import LLM, SamplingParams
+
+    llm = LLM(make_model(str(tmp_path / "m"), "llama"), block_size=4)
+    llm.engine.stats()  # (what start-up scheduled)
+    llm.generate(["a b c d e f"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    steps = llm.engine.stats().iteration_tokens
+    assert steps[0] > 1 and steps[1:] == [1, 1, 1]  # the prompt's step, then one token per decode step
+    assert llm.engine.stats().iteration_tokens == []

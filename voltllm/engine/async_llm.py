@@ -49,6 +49,10 @@ class StatObserver(Protocol):
     def on_first_token(self, ttft_s: float) -> None: ...
     def on_tokens(self, inter_token_s: float, count: int) -> None: ...
     def on_finished(self, out: Optional[RequestOutput], reason: str, e2e_s: float) -> None: ...
+    # (optional) a generation request admitted with its n and its max_tokens (the effective one when not given)
+    def on_request_params(self, n: int, max_tokens: int) -> None: ...
+    # (optional) the tokens of each engine step since the last outputs
+    def on_iteration_tokens(self, counts: list[int]) -> None: ...
 
 
 class RequestStream:
@@ -265,6 +269,8 @@ class AsyncLLM:
         if kind == "outputs":
             _, outputs, stats = msg
             self.stats = stats
+            if stats.iteration_tokens and hasattr(self.observer, "on_iteration_tokens"):
+                self.observer.on_iteration_tokens(stats.iteration_tokens)
             touched, to_abort = self.frontend.update(outputs)
             if to_abort:
                 self._send(("abort", to_abort))
@@ -432,6 +438,10 @@ class AsyncLLM:
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._send(("add", reqs))
+        if hasattr(self.observer, "on_request_params"):
+            n_prompt = len(reqs[0].prompt_token_ids)
+            self.observer.on_request_params(params.n, params.max_tokens if params.max_tokens is not None
+                                            else self.max_model_len - n_prompt)
         return stream
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,

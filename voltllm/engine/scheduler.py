@@ -40,6 +40,10 @@ class ScheduledRequest:
     pools: bool = False  # a pooling request's last prompt chunk: its hidden state is pooled (it samples nothing)
 
 
+# steps whose token counts wait for the next stats() at most (the API process takes them every step)
+MAX_STEP_TOKENS_KEPT = 4096
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -90,6 +94,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.step_counter = 0
+        self._step_tokens: list[int] = []  # each step's scheduled tokens since the last stats() (SchedulerStats)
         self._aborted_outputs: list[EngineCoreOutput] = []
         self._released: list[str] = []
         # structured outputs: the engine core's GrammarMatchers (structured/matchers.py), set when it has one
@@ -226,6 +231,10 @@ class Scheduler:
         for req in reversed(passed_over):  # back at the head, in their order (under priority: by their keys)
             self.waiting.requeue(req)
         self.step_counter += 1
+        if out.total_tokens:
+            self._step_tokens.append(out.total_tokens)
+            if len(self._step_tokens) > MAX_STEP_TOKENS_KEPT:  # (an offline LLM never asks for its stats)
+                del self._step_tokens[:-MAX_STEP_TOKENS_KEPT]
         return out
 
     def _propose(self, req: Request, max_new: int) -> list[int]:
@@ -365,7 +374,9 @@ class Scheduler:
         return None
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        """The current state, and the token counts of the steps scheduled since the last call (handed over once)."""
+        steps, self._step_tokens = self._step_tokens, []
+        return SchedulerStats(iteration_tokens=steps,
             num_running=len(self.running), num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv.usage(),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,

@@ -64,3 +64,5 @@ class SchedulerStats:
     num_blocks: int = 0
     step_counter: int = 0
     extra: dict = field(default_factory=dict)
+    # the tokens each step scheduled since the previous stats() (vLLM's iteration_tokens_total histogram)
+    iteration_tokens: list = field(default_factory=list)

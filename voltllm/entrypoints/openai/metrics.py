@@ -9,7 +9,8 @@ arrive, which is what a client sees. A finished request's phases, as vLLM splits
 timestamps (RequestMetrics): queue = first scheduled - arrival, prefill = first token - first scheduled,
 decode = last token - first token, inference = last token - first scheduled. Engine state (running / waiting
 requests, KV usage, prefix-cache hits, preemptions, speculative drafts scored / accepted) is the engine's latest
-SchedulerStats, sent with every step's outputs.
+SchedulerStats, sent with every step's outputs; those also carry the token counts of the steps since the last ones
+(iteration_tokens_total). A generation request's n and max_tokens are observed when it is admitted.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
     "spec_decode_num_accepted_tokens", "time_per_output_token_seconds", "request_time_per_output_token_seconds",
     "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-    "request_inference_time_seconds", "lora_requests_info")}
+    "request_inference_time_seconds", "lora_requests_info", "iteration_tokens_total", "request_params_n",
+    "request_params_max_tokens", "cache_config_info")}
 VLLM_NAMES["voltllm:kv_cache_usage_perc"] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
 
 
@@ -76,14 +78,19 @@ class _VLLMNames(Collector):
                 yield copy
 
 
+# vLLM's buckets for the tokens of one engine step, and for a request's n
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
 # one engine's state for /metrics: its latest SchedulerStats, whether it is up, the API server's requests on it
 EngineSample = tuple[SchedulerStats, bool, int]
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model: str, engines: Callable[[], Sequence[EngineSample]]):
+    def __init__(self, model: str, engines: Callable[[], Sequence[EngineSample]], cache_config: Any = None):
         self.model = model
         self.engines = engines
+        self.cache_config = cache_config  # (voltllm.config.CacheConfig: vLLM's cache_config_info labels)
 
     def collect(self) -> Iterable[Any]:
         samples = list(self.engines())
@@ -122,6 +129,17 @@ class _EngineCollector(Collector):
             add(GaugeMetricFamily, "voltllm:engine_alive", "1 while the engine process is up.", i,
                 1.0 if alive else 0.0)
         yield from families.values()
+        c = self.cache_config
+        if c is not None:  # vLLM's info gauge: the cache configuration as labels, value 1
+            names = ["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "num_gpu_blocks",
+                     "num_gpu_blocks_override", "engine"]
+            info = GaugeMetricFamily("voltllm:cache_config_info", "Information of the engine's cache configuration.",
+                                     labels=names)
+            for i, (s, _, _) in enumerate(samples):
+                info.add_metric([str(c.block_size), str(c.kv_cache_dtype), str(c.enable_prefix_caching),
+                                 str(c.gpu_memory_utilization), str(s.num_blocks), str(c.num_gpu_blocks_override),
+                                 str(i)], 1.0)
+            yield info
         lora = [s.extra for s, _, _ in samples if "max_lora" in s.extra]
         if lora:  # --enable-lora: vLLM's info gauge (no engine label: the adapters of every engine's requests)
             info = GaugeMetricFamily("voltllm:lora_requests_info", "Running stats on LoRA requests: the adapters of "
@@ -140,7 +158,8 @@ class ServerMetrics:
 
     def __init__(self, model: str, stats: Callable[[], SchedulerStats], alive: Callable[[], bool],
                  active: Callable[[], int], *, max_model_len: int,
-                 engines: Optional[Callable[[], Sequence[EngineSample]]] = None, num_engines: int = 1):
+                 engines: Optional[Callable[[], Sequence[EngineSample]]] = None, num_engines: int = 1,
+                 cache_config: Any = None):
         """max_model_len: the top of the token-count histograms' buckets (as vLLM's). With --data-parallel-size,
         engines gives each engine's sample (DataParallelLLM.engine_samples) in place of stats / alive / active, and
         for_engine(k) the observer of engine k's requests."""
@@ -179,15 +198,22 @@ class ServerMetrics:
             ("decode", "Time from a finished request's first token to its last (DECODE phase)."),
             ("inference", "Time from a finished request's first scheduling to its last token (RUNNING phase)."))}
         self.phases = phase
+        self.iteration_tokens = Histogram("voltllm:iteration_tokens_total", "Tokens scheduled in each engine step.",
+                                          lab, buckets=_ITERATION_BUCKETS, registry=r)
+        self.params_n = Histogram("voltllm:request_params_n", "The n of each generation request.", lab,
+                                  buckets=_N_BUCKETS, registry=r)
+        self.params_max_tokens = Histogram("voltllm:request_params_max_tokens", "The max_tokens of each generation "
+                                           "request (when not given: what its context leaves).", lab, buckets=tokens,
+                                           registry=r)
         # as vLLM, every per-model family shows from the start (a histogram at 0 counts), not from its first sample
         for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.tpot,
                        self.request_tpot, self.request_prompt, self.request_generation, self.request_max_generation,
-                       *phase.values()):
+                       *phase.values(), self.iteration_tokens, self.params_n, self.params_max_tokens):
             for k in range(num_engines):
                 family.labels(model, str(k))
         self.http = Counter("voltllm:http_requests", "HTTP requests by route and status.",
                             ["method", "path", "status"], registry=r)
-        r.register(_EngineCollector(model, engines or (lambda: [(stats(), alive(), active())])))
+        r.register(_EngineCollector(model, engines or (lambda: [(stats(), alive(), active())]), cache_config))
         self.vllm_names = CollectorRegistry(auto_describe=True)
         self.vllm_names.register(_VLLMNames(r))
         # totals for the periodic log line
@@ -218,6 +244,15 @@ class ServerMetrics:
             self.prompt_tokens.labels(self.model, engine).inc(len(out.prompt_token_ids))
             self.total_prompt += len(out.prompt_token_ids)
             self._observe_request(out, e2e_s, engine)
+
+    def on_request_params(self, n: int, max_tokens: int, engine: str = ENGINE_INDEX) -> None:
+        self.params_n.labels(self.model, engine).observe(n)
+        self.params_max_tokens.labels(self.model, engine).observe(max_tokens)
+
+    def on_iteration_tokens(self, counts: list[int], engine: str = ENGINE_INDEX) -> None:
+        hist = self.iteration_tokens.labels(self.model, engine)
+        for c in counts:
+            hist.observe(c)
 
     def for_engine(self, index: int) -> "_EngineObserver":
         return _EngineObserver(self, str(index))
@@ -271,6 +306,12 @@ class _EngineObserver:
     def on_finished(self, out: Optional[RequestOutput], reason: str, e2e_s: float) -> None:
         self.metrics.on_finished(out, reason, e2e_s, self.engine)
 
+    def on_request_params(self, n: int, max_tokens: int) -> None:
+        self.metrics.on_request_params(n, max_tokens, self.engine)
+
+    def on_iteration_tokens(self, counts: list[int]) -> None:
+        self.metrics.on_iteration_tokens(counts, self.engine)
+
 
 def engine_metrics(model: str, engine: Any) -> ServerMetrics:
     """The server's metrics for `engine` (an AsyncLLM, or a DataParallelLLM: samples and observers per engine),
@@ -278,6 +319,7 @@ def engine_metrics(model: str, engine: Any) -> ServerMetrics:
     many = getattr(engine, "engines", None)
     metrics = ServerMetrics(model, lambda: engine.stats, lambda: engine.is_healthy,
                             lambda: engine.num_active_requests, max_model_len=engine.max_model_len,
-                            engines=engine.engine_samples if many else None, num_engines=len(many) if many else 1)
+                            engines=engine.engine_samples if many else None, num_engines=len(many) if many else 1,
+                            cache_config=getattr(getattr(engine, "config", None), "cache", None))
     engine.observer = metrics
     return metrics
