@@ -190,3 +190,37 @@ def test_through_the_chat_stream_and_body(parser, text, content):
         assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
         assert json.loads(message["tool_calls"][1]["function"]["arguments"]) == {"tz": "UTC"}
         assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("parser_cls, text, content, calls", [
+    # NaN / Infinity are not JSON: content, streamed or not (Python's json would take them)
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"x": NaN}}', '{"name": "f", "parameters": {"x": NaN}}', []),
+    # an end marker cut short by the end of the output is content
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {}}<|eom', "<|eom", [("f", {})]),
+    # escapes, in JSON strings and Python ones
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"p": "C:\\\\dir \\"x\\" \\u00e9"}}', "",
+     [("f", {"p": 'C:\\dir "x" é'})]),
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"p": "\\x"}}', '{"name": "f", "parameters": {"p": "\\x"}}',
+     []),
+    (PythonicToolParser, "[f(p='it\\'s \\\\ ]', q=\"\\\"\")]", "", [("f", {"p": "it's \\ ]", "q": '"'})]),
+    # Python names may be non-ASCII
+    (PythonicToolParser, "[météo(ville='Paris')]", "", [("météo", {"ville": "Paris"})]),
+])
+def test_edge_cases(parser_cls, text, content, calls):
+    _check(parser_cls, text, content, calls)
+
+
+def test_a_long_call_streams_quickly():
+    """Holding back a call whose arguments are still being written scans its strings with regexes, not per character
+    (a 24 kB call fed in 3,000 pieces)."""
+    import time
+
+    for parser_cls, text in ((Llama3JsonToolParser, '{"name": "write", "parameters": {"text": "%s"}}'),
+                             (PythonicToolParser, "[write(text='%s')]")):
+        text = text % ("lorem ipsum " * 2000)
+        p = parser_cls()
+        t0 = time.perf_counter()
+        for end in range(1, len(text), 8):
+            p.extract(text[:end], False)
+        assert p.extract(text, True)[1][0]["name"] == "write"
+        assert time.perf_counter() - t0 < 5.0

@@ -24,8 +24,15 @@ import math
 import re
 from typing import Any, Optional
 
-_JSON = json.JSONDecoder()
-_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_JSON = json.JSONDecoder(parse_constant=_no_constant)  # strict JSON: no NaN / Infinity, as _could_be_json reads it
+_IDENT = re.compile(r"[^\W\d]\w*")
+_JSON_STRING_BODY = re.compile(r'[^"\\]*(?:\\["\\/bfnrtu][^"\\]*)*')
+_PY_STRING_BODY = {q: re.compile(rf"[^{q}\\]*(?:\\.[^{q}\\]*)*", re.S) for q in "'\""}
 _CLOSERS = {")": "(", "]": "[", "}": "{"}
 
 
@@ -87,7 +94,7 @@ class _ScannedToolParser:
         self._remember(text, start, finished)
         head = self._lead(text[:start], held=False, calls_follow=True)
         while True:
-            pos = self._skip_between(text, end)
+            pos = self._skip_between(text, end, finished)
             if pos is None:  # the start of an end marker
                 return head, calls
             if pos == len(text):
@@ -105,8 +112,9 @@ class _ScannedToolParser:
         if not finished:  # (a group still open when the text ends is "no" then, but not for a longer text)
             self._seen, self._undecided = text, undecided
 
-    def _skip_between(self, text: str, pos: int) -> Optional[int]:
-        """Past whitespace, separators and end markers after a group (None: text ends in the start of a marker)."""
+    def _skip_between(self, text: str, pos: int, finished: bool) -> Optional[int]:
+        """Past whitespace, separators and end markers after a group (None: the text, still coming, ends in the
+        start of a marker)."""
         while pos < len(text):
             if text[pos].isspace() or text[pos] in self.separators:
                 pos += 1
@@ -115,7 +123,7 @@ class _ScannedToolParser:
             if mark is not None:
                 pos += len(mark)
                 continue
-            if any(m.startswith(text[pos:]) for m in self.marks_after):
+            if not finished and any(m.startswith(text[pos:]) for m in self.marks_after):
                 return None
             break
         return pos
@@ -208,18 +216,10 @@ def _could_be_json(text: str, start: int) -> bool:
 
 def _string_end(text: str, i: int) -> int:
     """Index past the JSON string opening at text[i]; -1 if the text ends inside it, -2 if it is not valid."""
-    i += 1
-    while i < len(text):
-        c = text[i]
-        if c == '"':
-            return i + 1
-        if c == "\\":
-            if i + 1 < len(text) and text[i + 1] not in '"\\/bfnrtu':
-                return -2
-            i += 2
-            continue
-        i += 1
-    return -1
+    i = _JSON_STRING_BODY.match(text, i + 1).end()  # (the body's characters and valid escapes at once)
+    if i == len(text) or (text[i] == "\\" and i + 1 == len(text)):
+        return -1
+    return i + 1 if text[i] == '"' else -2  # (else a backslash before a character JSON cannot escape)
 
 
 class Llama3JsonToolParser(_ScannedToolParser):
@@ -231,7 +231,7 @@ class Llama3JsonToolParser(_ScannedToolParser):
     def group(self, text: str, start: int, finished: bool) -> tuple[str, int, list[dict]]:
         try:
             obj, end = _JSON.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (JSONDecodeError is a ValueError)
             return ("open" if not finished and _could_be_json(text, start) else "no"), start, []
         name = obj.get("name") if isinstance(obj, dict) else None
         if not isinstance(name, str) or not name:
@@ -252,12 +252,14 @@ def _call_list_end(text: str, start: int) -> tuple[str, int]:
     while i < n:
         c = text[i]
         if quote:
-            if c == "\\":
-                i += 2
-                continue
-            if c == quote:
+            i = _PY_STRING_BODY[quote].match(text, i).end()  # to the closing quote, past escapes
+            if i < len(text) and text[i] == quote:
                 quote = ""
-        elif len(stack) == 1:
+                i += 1
+            else:
+                return "open", -1
+            continue
+        if len(stack) == 1:
             if c.isspace():
                 pass
             elif c == "]" and expect != "paren":
