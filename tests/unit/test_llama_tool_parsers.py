@@ -224,3 +224,27 @@ def test_a_long_call_streams_quickly():
             p.extract(text[:end], False)
         assert p.extract(text, True)[1][0]["name"] == "write"
         assert time.perf_counter() - t0 < 5.0
+
+
+_PIECES = {
+    Llama3JsonToolParser: ['{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "arguments": {"s": "x}y{"}}',
+                           '{"a": 1}', "{", "}", " ", ";", "text ", "<|python_tag|>", "<|eom_id|>", '"', "\\", "NaN",
+                           "\n", "tru",
+                           '{"name": "f", "parameters": {"x": [1, {"y": null}]}}'],
+    PythonicToolParser: ["[f(a=1)]", "[g(s='x]y'), h()]", "[", "]", "(", ")", "f(", "a=1", ",", " ", "text ", "'", '"',
+                         "\\", "<|python_start|>", "<|python_end|>", "[1]", "h()", "[f(a=[1, {'k': None}])]"],
+}
+
+
+@pytest.mark.parametrize("parser_cls", list(_PIECES))
+def test_random_mixtures_stream_as_they_parse_whole(parser_cls):
+    """Calls, pieces of calls, prose and markers in random order: every stream (never taking anything back) ends
+    with what the whole text gives."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(_PIECES[parser_cls]) for _ in range(rng.randint(1, 8)))
+        whole = parser_cls().extract(text, True)
+        for step in (1, 4):
+            assert _streamed(parser_cls(), text, step) == whole, (text, step)
