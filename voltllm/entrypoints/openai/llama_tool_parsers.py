@@ -95,9 +95,7 @@ class _ScannedToolParser:
         head = self._lead(text[:start], held=False, calls_follow=True)
         while True:
             pos = self._skip_between(text, end, finished)
-            if pos is None:  # the start of an end marker
-                return head, calls
-            if pos == len(text):
+            if pos is None or pos == len(text):  # (None: the start of an end marker)
                 return head, calls
             if self.separators and text[pos] == self.opener:
                 kind, next_end, more = self.group(text, pos, finished)
