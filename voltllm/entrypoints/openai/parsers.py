@@ -11,6 +11,8 @@ still become a tag (a trailing "</thi" or "<tool_ca") is held back until the nex
   not parse ends the calls: it and the text after it are content (ToolParser.extract), streamed or not.
 - tools `qwen3_coder` (also `qwen3_xml`): <tool_call><function=NAME><parameter=P>value</parameter>...
   </function></tool_call>; values are converted with the request's JSON schema types.
+- tools `llama3_json` (also `llama4_json`) and `pythonic` (also `llama4_pythonic`): calls without a start tag, a
+  JSON object per call or a Python list of calls (llama_tool_parsers.py).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import json
 import re
 import uuid
 from typing import Any, Optional
+
+from voltllm.entrypoints.openai.llama_tool_parsers import Llama3JsonToolParser, PythonicToolParser
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
@@ -156,4 +160,6 @@ class Qwen3CoderToolParser(ToolParser):
         return {"name": func, "arguments": json.dumps(args, ensure_ascii=False)}
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser}
+TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser,
+                "llama3_json": Llama3JsonToolParser, "llama4_json": Llama3JsonToolParser,
+                "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser}

@@ -1,0 +1,250 @@
+"""The llama3_json and pythonic tool-call parsers (llama_tool_parsers.py) on Llama-like outputs, whole and streamed
+(the cumulative text at several step sizes, as serving_chat hands it over): the same calls and content either way, and
+a stream never takes back what it sent; then through the chat stream and body (stand-in engine outputs)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from voltllm.entrypoints.openai.parsers import TOOL_PARSERS
+from voltllm.entrypoints.openai.llama_tool_parsers import Llama3JsonToolParser, PythonicToolParser
+
+
+def _streamed(parser, text: str, step: int):
+    sent, calls = "", []
+    for end in list(range(1, len(text), step)) + [len(text)]:
+        content, got = parser.extract(text[:end], end == len(text))
+        assert content.startswith(sent), (text[:end], sent, content)  # never takes back content
+        assert got[: len(calls)] == calls, (text[:end], calls, got)  # nor a call
+        sent, calls = content, got
+    return sent, calls
+
+
+def _check(parser_cls, text: str, content: str, calls: list[tuple[str, dict]]):
+    """Whole and streamed (fresh parsers, and one parser reused across the steps) give content and calls."""
+    whole = parser_cls().extract(text, True)
+    assert whole[0] == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole[1]] == calls
+    for step in (1, 3, 8):
+        assert _streamed(parser_cls(), text, step) == whole, step
+
+
+WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+TIME = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # Llama 3.1 / 3.2 / 3.3: the JSON object alone, "parameters" or "arguments"
+    (WEATHER, "", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    (TIME, "", [("get_time", {"tz": "UTC"})]),
+    # <|python_tag|> (kept when skip_special_tokens is off) and an end token after the call are dropped
+    ("<|python_tag|>" + WEATHER + "<|eom_id|>", "", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    # several calls, separated by ";" and / or whitespace
+    (WEATHER + "; " + TIME, "", [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "UTC"})]),
+    (WEATHER + "\n" + TIME + ";", "", [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "UTC"})]),
+    # text before the call is content; so is text after it (raw); leading whitespace alone is not
+    ("I will check the weather.\n" + WEATHER, "I will check the weather.\n",
+     [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("Sure <|python_tag|>" + WEATHER, "Sure ", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    (WEATHER + "\n\nI asked for the weather.", "I asked for the weather.",
+     [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("\n  " + WEATHER, "", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    # arguments as a string holding a JSON object, nested values, unicode
+    ('{"name": "f", "parameters": "{\\"a\\": 1}"}', "", [("f", {"a": 1})]),
+    ('{"name": "f", "parameters": {"q": {"x": [1, -2.5, true, null]}, "s": "東京 \\"q\\""}}', "",
+     [("f", {"q": {"x": [1, -2.5, True, None]}, "s": '東京 "q"'})]),
+    # braces that are not calls stay content: code, JSON without a name, a JSON answer
+    ("function f() { return {a: 1}; }", "function f() { return {a: 1}; }", []),
+    ('Here is JSON: {"name": "Alice", "age": 3} and {"x": {"y": 1}}',
+     'Here is JSON: {"name": "Alice", "age": 3} and {"x": {"y": 1}}', []),
+    ("use {braces} then " + WEATHER, "use {braces} then ", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    # malformed: all content
+    ('{"name": "get_weather", "parameters": {"city": "Paris"', '{"name": "get_weather", "parameters": {"city": "Paris"',
+     []),  # cut short by max_tokens
+    ('{"name": "f", "parameters": {"a": 1}, }', '{"name": "f", "parameters": {"a": 1}, }', []),
+    ('{"name": "f"}', '{"name": "f"}', []),  # no arguments
+    ('{"name": 3, "parameters": {}}', '{"name": 3, "parameters": {}}', []),
+    ('{"name": "f", "parameters": [1]}', '{"name": "f", "parameters": [1]}', []),
+    ("{'name': 'f', 'parameters': {}}", "{'name': 'f', 'parameters': {}}", []),
+    # a call, then one that does not parse: that and the rest are content, raw
+    (WEATHER + '; {"name": "get_time", "parameters": {oops}}', '{"name": "get_time", "parameters": {oops}}',
+     [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("no tools here", "no tools here", []),
+    ("", "", []),
+])
+def test_llama3_json(text, content, calls):
+    _check(Llama3JsonToolParser, text, content, calls)
+
+
+CALLS = "[get_weather(city='Paris', unit=\"c\"), get_time()]"
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (CALLS, "", [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]),
+    ("[get_weather(city = 'Paris',)]", "", [("get_weather", {"city": "Paris"})]),
+    # literal values: numbers (negative too), True / None and JSON's true / null, lists, tuples, dicts
+    ("[f(a=-1, b=2.5, c=True, d=None, e=true, g=null, h=[1, (2, 3)], i={'k': {'n': -0.5}}, j='東京')]", "",
+     [("f", {"a": -1, "b": 2.5, "c": True, "d": None, "e": True, "g": None, "h": [1, [2, 3]],
+             "i": {"k": {"n": -0.5}}, "j": "東京"})]),
+    # brackets and quotes inside strings
+    ("[search(q='a ] b ) c', r=\"it's [x]\")]", "", [("search", {"q": "a ] b ) c", "r": "it's [x]"})]),
+    # Llama 4's markers (kept when skip_special_tokens is off) are dropped
+    ("<|python_start|>[get_time()]<|python_end|>", "", [("get_time", {})]),
+    # text before the list is content, text after it too
+    ("Let me look that up.\n\n" + CALLS, "Let me look that up.\n\n",
+     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]),
+    ("[get_time()]\nDone.", "Done.", [("get_time", {})]),
+    # not calls: all content
+    ("See [the docs](https://example.com) or [1, 2].", "See [the docs](https://example.com) or [1, 2].", []),
+    ("[get_weather('Paris')]", "[get_weather('Paris')]", []),  # positional arguments have no names
+    ("[f(a=x)]", "[f(a=x)]", []),  # a variable is not a literal
+    ("[f(a=1 + 2)]", "[f(a=1 + 2)]", []),
+    ("[f(**kw)]", "[f(**kw)]", []),
+    ("[os.system(cmd='ls')]", "[os.system(cmd='ls')]", []),  # a call's name is a plain name
+    ("[]", "[]", []),
+    ("[f(a=1), 3]", "[f(a=1), 3]", []),
+    ("[get_weather(city='Par", "[get_weather(city='Par", []),  # cut short by max_tokens
+    ("[f(a=1)) ]", "[f(a=1)) ]", []),
+    ("- [ ] item", "- [ ] item", []),
+])
+def test_pythonic(text, content, calls):
+    _check(PythonicToolParser, text, content, calls)
+
+
+def test_registered_names():
+    assert TOOL_PARSERS["llama3_json"] is TOOL_PARSERS["llama4_json"] is Llama3JsonToolParser
+    assert TOOL_PARSERS["pythonic"] is TOOL_PARSERS["llama4_pythonic"] is PythonicToolParser
+
+
+def test_held_back_while_a_call_may_still_come():
+    p = Llama3JsonToolParser()
+    assert p.extract("Checking. <|python_", False) == ("Checking. ", [])
+    assert p.extract('Checking. <|python_tag|>{"name": "get_weather", "param', False) == ("Checking. ", [])
+    assert p.extract("Checking. <|python_", True) == ("Checking. <|python_", [])
+    # a "{" that cannot become JSON goes out at once
+    assert Llama3JsonToolParser().extract("if (x) { return", False) == ("if (x) { return", [])
+    py = PythonicToolParser()
+    assert py.extract("Okay: [get_weather(city='Pa", False) == ("Okay: ", [])
+    assert py.extract("Okay: [get weather", False) == ("Okay: [get weather", [])
+
+
+def test_a_reused_parser_looks_again_at_text_that_is_not_a_continuation():
+    p = Llama3JsonToolParser()
+    assert p.extract("abc {", True) == ("abc {", [])
+    assert p.extract("abc {x", False) == ("abc {x", [])
+    assert p.extract('abc {"name": "f", "parameters": {}}', True)[1] == [{"name": "f", "arguments": "{}"}]
+
+
+def _chat(parser: str, text: str, step: int):
+    """The SSE chunks and the JSON body serving_chat makes of a model's text (stand-in engine outputs)."""
+    from voltllm.engine.outputs import CompletionOutput, RequestOutput
+    from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from voltllm.entrypoints.openai.serving_chat import ChatPlan, _full_response, _stream
+    from voltllm.entrypoints.openai.serving_common import ServerState
+
+    outs = []
+    for end in list(range(step, len(text), step)) + [len(text)]:
+        c = CompletionOutput(0, text[:end], list(range(end)), finish_reason="stop" if end == len(text) else None)
+        outs.append(RequestOutput("chatcmpl-1", None, [1, 2], [c], end == len(text)))
+
+    class Stream:
+        async def __aiter__(self):
+            for o in outs:
+                yield o
+
+        def close(self):
+            pass
+
+    state = ServerState(engine=SimpleNamespace(tokenizer=None), served_model_names=["m"], max_model_len=64,
+                        model_path="m", tool_call_parser=parser, enable_auto_tool_choice=True)
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("get_weather", "get_time")]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, stream=True)
+    plan = ChatPlan("chatcmpl-1", "m", 1, "prompt", True, None, 1, None)
+
+    async def go():
+        return [e async for e in _stream(state, req, plan, [Stream()])]
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(go())]
+    return chunks, _full_response(state, req, plan, outs[-1])
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    ("llama3_json", "Checking.\n" + WEATHER + ";" + TIME, "Checking.\n"),
+    ("pythonic", "Checking.\n[get_weather(city='Paris', unit='c'), get_time(tz='UTC')]", "Checking.\n"),
+    ("llama3_json", WEATHER + ";" + TIME, None),
+])
+def test_through_the_chat_stream_and_body(parser, text, content):
+    for step in (2, 7):
+        chunks, body = _chat(parser, text, step)
+        deltas = [ch["choices"][0]["delta"] for ch in chunks]
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        message = body["choices"][0]["message"]
+        assert message["content"] == content
+        assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+        assert [c["index"] for c in calls] == [0, 1]  # each call once, whole
+        for streamed, full in zip(calls, message["tool_calls"]):
+            assert streamed["function"] == full["function"] and streamed["id"].startswith("call_")
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
+        assert json.loads(message["tool_calls"][1]["function"]["arguments"]) == {"tz": "UTC"}
+        assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("parser_cls, text, content, calls", [
+    # NaN / Infinity are not JSON: content, streamed or not (Python's json would take them)
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"x": NaN}}', '{"name": "f", "parameters": {"x": NaN}}', []),
+    # an end marker cut short by the end of the output is content
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {}}<|eom', "<|eom", [("f", {})]),
+    # escapes, in JSON strings and Python ones
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"p": "C:\\\\dir \\"x\\" \\u00e9"}}', "",
+     [("f", {"p": 'C:\\dir "x" é'})]),
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"p": "\\x"}}', '{"name": "f", "parameters": {"p": "\\x"}}',
+     []),
+    (PythonicToolParser, "[f(p='it\\'s \\\\ ]', q=\"\\\"\")]", "", [("f", {"p": "it's \\ ]", "q": '"'})]),
+    # Python names may be non-ASCII
+    (PythonicToolParser, "[météo(ville='Paris')]", "", [("météo", {"ville": "Paris"})]),
+])
+def test_edge_cases(parser_cls, text, content, calls):
+    _check(parser_cls, text, content, calls)
+
+
+def test_a_long_call_streams_quickly():
+    """Holding back a call whose arguments are still being written scans its strings with regexes, not per character
+    (a 24 kB call fed in 3,000 pieces)."""
+    import time
+
+    for parser_cls, text in ((Llama3JsonToolParser, '{"name": "write", "parameters": {"text": "%s"}}'),
+                             (PythonicToolParser, "[write(text='%s')]")):
+        text = text % ("lorem ipsum " * 2000)
+        p = parser_cls()
+        t0 = time.perf_counter()
+        for end in range(1, len(text), 8):
+            p.extract(text[:end], False)
+        assert p.extract(text, True)[1][0]["name"] == "write"
+        assert time.perf_counter() - t0 < 5.0
+
+
+_PIECES = {
+    Llama3JsonToolParser: ['{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "arguments": {"s": "x}y{"}}',
+                           '{"a": 1}', "{", "}", " ", ";", "text ", "<|python_tag|>", "<|eom_id|>", '"', "\\", "NaN",
+                           "\n", "tru",
+                           '{"name": "f", "parameters": {"x": [1, {"y": null}]}}'],
+    PythonicToolParser: ["[f(a=1)]", "[g(s='x]y'), h()]", "[", "]", "(", ")", "f(", "a=1", ",", " ", "text ", "'", '"',
+                         "\\", "<|python_start|>", "<|python_end|>", "[1]", "h()", "[f(a=[1, {'k': None}])]"],
+}
+
+
+@pytest.mark.parametrize("parser_cls", list(_PIECES))
+def test_random_mixtures_stream_as_they_parse_whole(parser_cls):
+    """Calls, pieces of calls, prose and markers in random order: every stream (never taking anything back) ends
+    with what the whole text gives."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(_PIECES[parser_cls]) for _ in range(rng.randint(1, 8)))
+        whole = parser_cls().extract(text, True)
+        for step in (1, 4):
+            assert _streamed(parser_cls(), text, step) == whole, (text, step)
