@@ -29,7 +29,8 @@ def tiny(tmp_path_factory):
 
 
 def test_the_shipped_profiles():
-    assert profile_names() == ["code-editing", "long-context", "low-memory", "qwen3-tools", "qwen3.5-tools"]
+    assert profile_names() == ["code-editing", "llama3-tools", "long-context", "low-memory", "qwen3-tools",
+                             "qwen3.5-tools"]
     with open(os.path.join(REPO, "docs", "cli.md")) as f:
         docs = f.read()
     for name in profile_names():
@@ -98,7 +99,7 @@ def test_bad_profile_files(tmp_path, text, match):
 
 
 def test_unknown_profile_names_the_profiles():
-    with pytest.raises(ConfigError, match="no such profile; the profiles are: code-editing, long-context"):
+    with pytest.raises(ConfigError, match="no such profile; the profiles are: code-editing, llama3-tools, long-context"):
         _serve_args(["m", "--profile", "fastest"])
     with pytest.raises(ConfigError, match="no such file"):
         _serve_args(["m", "--profile", "/nonexistent/p.yaml"])
