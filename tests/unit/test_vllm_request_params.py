@@ -23,6 +23,7 @@ class FakeTokenizer:
 
     def __init__(self):
         self.template_kwargs = None
+        self.template_tools = None
 
     def encode(self, text, add_special_tokens=True):
         return ([BOS] if add_special_tokens else []) + [ord(c) for c in text]
@@ -30,6 +31,7 @@ class FakeTokenizer:
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
                             tools=None, **kwargs):
         self.template_kwargs = kwargs
+        self.template_tools = tools
         return "".join(m["content"] for m in messages)
 
 
@@ -124,8 +126,21 @@ def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_templa
     assert kw["documents"] == [{"title": "t", "text": "x"}]
     _chat(state, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
     assert state.tokenizer.template_kwargs["enable_thinking"] is True  # the request's own kwargs win
-    _chat(state, reasoning_effort="low")
-    assert "enable_thinking" not in state.tokenizer.template_kwargs
+    _chat(state, reasoning_effort="low")  # vLLM's rule: an effort other than "none" turns thinking on
+    assert state.tokenizer.template_kwargs["enable_thinking"] is True
+
+
+def test_reasoning_effort_turns_thinking_on_over_the_servers_default():
+    """--default-chat-template-kwargs '{"enable_thinking": false}' and a request asking for reasoning: thinking on,
+    as in vLLM; the request's own chat_template_kwargs still decide, and no effort leaves the default."""
+    state = _state()
+    state.default_chat_template_kwargs = {"enable_thinking": False}
+    _chat(state, reasoning_effort="high")
+    assert state.tokenizer.template_kwargs["enable_thinking"] is True
+    _chat(state, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})
+    assert state.tokenizer.template_kwargs["enable_thinking"] is False
+    _chat(state)
+    assert state.tokenizer.template_kwargs["enable_thinking"] is False
 
 
 @pytest.mark.parametrize("field,value", [("logits_processors", ["a.b"]),

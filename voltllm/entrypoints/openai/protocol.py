@@ -186,12 +186,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_kwargs(self) -> Optional[dict[str, Any]]:
         """chat_template_kwargs with what vLLM adds from the request: reasoning_effort (templates that read it use
-        it; "none" also turns enable_thinking off unless the request set it) and documents."""
+        it) and, unless the request's chat_template_kwargs set it, enable_thinking = the effort is not "none" (vLLM's
+        rule: asking for reasoning turns thinking on, also over --default-chat-template-kwargs), and documents."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-            if self.reasoning_effort == "none":
-                kwargs.setdefault("enable_thinking", False)
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
         if self.documents is not None:
             kwargs.setdefault("documents", self.documents)
         return kwargs or self.chat_template_kwargs
