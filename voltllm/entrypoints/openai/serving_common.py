@@ -264,7 +264,7 @@ def submission_error(e: BaseException) -> BaseException:
     """The HTTP error for a request the engine refused at submission (`e` itself when it is not one of those)."""
     if isinstance(e, InvalidRequestError):
         code = "context_length_exceeded" if "context length" in str(e) else None
-        return bad_request(str(e), e.param or ("max_tokens" if code and "generate" in str(e) else "prompt"), code)
+        return bad_request(str(e), e.param or "prompt", code)
     if isinstance(e, (InvalidPromptError, SamplingParamsError)):
         return bad_request(str(e), "prompt")
     if isinstance(e, EngineDeadError):
