@@ -92,9 +92,22 @@ class _SamplingFields(NullMeansDefault):
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     early_stopping: Optional[Union[bool, str]] = None  # vLLM's older beam-search field: only false / null taken
+    # vLLM's: tokens per streamed chunk, raised to the server's --stream-interval (stream_interval.py)
+    stream_interval: Optional[int] = None
     # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
     logits_processors: Optional[list[Any]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
+    ec_transfer_params: Optional[dict[str, Any]] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+    logprob_token_ids: Optional[list[int]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    media_io_kwargs: Optional[dict[str, Any]] = None
+    prompt_embeds: Optional[Any] = None
+    # stopping on repeated n-gram loops: chat's object, completions' three sizes (0: off)
+    repetition_detection: Optional[dict[str, Any]] = None
+    max_repetition_pattern_size: Optional[int] = None
+    min_repetition_pattern_size: Optional[int] = None
+    repetition_min_count: Optional[int] = None
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
         """The request's one output constraint, or None; a bad or doubled one is a 400 naming its parameter."""

@@ -21,6 +21,7 @@ from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, Server
                                                        event_stream, make_params, merge_streams, message_text,
                                                        new_id, prompt_logprobs_json, render_chat, sse,
                                                        sse_body, submit, truncated, usage)
+from voltllm.entrypoints.openai.stream_interval import stream_interval
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
 logger = logging.getLogger("voltllm")
@@ -96,14 +97,17 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     """Check, template and submit a chat request (shared with /v1/responses): its plan, output streams and
     disconnect watcher (which the caller stops, through collect_or_gone or sse_body)."""
     req.check()
+    interval = stream_interval(state.stream_interval, req)
     model = state.model_name(req.model)
-    messages = state.template_messages(req.messages, req.chat_template, req.tools)
+    # --exclude-tools-when-tool-choice-none (vLLM's): the model is not shown tools it may not call
+    template_tools = None if state.exclude_tools_when_tool_choice_none and req.tool_choice == "none" else req.tools
+    messages = state.template_messages(req.messages, req.chat_template, template_tools)
     use_tools, forced = tool_mode(state, req)
-    state.check_logprobs(req.top_logprobs, "top_logprobs")
-    state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    req.top_logprobs = state.check_logprobs(req.top_logprobs, "top_logprobs")
+    req.prompt_logprobs = state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.template_kwargs(),
                               add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message, tools=req.tools)
+                              continue_final_message=req.continue_final_message, tools=template_tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
     ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -124,7 +128,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
         streams = submit_beam_searches(state, [engine_id], [prompt], req, max_tokens, req.num_logprobs,
                                         req.priority, model=model)
     else:
-        streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model)
+        streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model,
+                         interval=interval)
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, beam search=%s, prompt: %s",
                     engine_id, len(ids), req.n, max_tokens, req.stream, bool(req.use_beam_search),
