@@ -164,9 +164,25 @@ class _SamplingFields(NullMeansDefault):
         )
 
 
+_MULTIMODAL = "multimodal input is not built (voltllm serves text models)"
+_REPETITION = ("stopping on repeated token patterns is not built (repetition_penalty / frequency_penalty discourage "
+               "them)")
 _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks)
     "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
     "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),
+    "ec_transfer_params": (lambda v: not v, "encoder-cache transfer (multimodal disaggregation) is not built"),
+    "vllm_xargs": (lambda v: not v, "extension arguments (vllm_xargs) are not built: no extension reads them"),
+    "thinking_token_budget": (lambda v: v is None, "capping the reasoning tokens is not built (max_tokens caps the "
+                                                   "whole output)"),
+    "logprob_token_ids": (lambda v: not v, "logprobs of fixed token ids are not built (use logprobs with "
+                                           "top_logprobs / prompt_logprobs)"),
+    "mm_processor_kwargs": (lambda v: not v, _MULTIMODAL),
+    "media_io_kwargs": (lambda v: not v, _MULTIMODAL),
+    "prompt_embeds": (lambda v: v is None, "prompt embeddings as input are not built (prompts are text or token ids)"),
+    "repetition_detection": (lambda v: v is None, _REPETITION),
+    "max_repetition_pattern_size": (lambda v: not v, _REPETITION),
+    "min_repetition_pattern_size": (lambda v: not v, _REPETITION),
+    "repetition_min_count": (lambda v: not v, _REPETITION),
 }
 
 
@@ -194,6 +210,11 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     reasoning_effort: Optional[str] = None
+    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer; grammars here always constrain from
+    # the first token, which is what vLLM does then
+    include_reasoning: bool = True
+    thinking_token_budget: Optional[int] = None  # vLLM's, not built (check_unbuilt)
+    return_prompt_text: Optional[bool] = None  # vLLM's: the templated prompt as prompt_text (streamed: first chunk)
     documents: Optional[list[dict[str, Any]]] = None  # RAG templates' documents, to the chat template (vLLM's)
     add_special_tokens: bool = False  # vLLM's chat default: the template writes the special tokens itself
 

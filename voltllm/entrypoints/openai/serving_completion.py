@@ -115,6 +115,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
     body = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "service_tier": None, "system_fingerprint": None,  # (vLLM's null keys)
             "usage": usage(prompt_tokens, completion_tokens, cached if state.enable_prompt_tokens_details else None)}
     return JSONResponse(body)
 
