@@ -133,9 +133,14 @@ def test_access_log_leaves_out_the_listed_endpoints(flags_server):
 
 def test_serves_on_a_unix_domain_socket(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("tiny_uds")), "llama")
-    sock = os.path.join(tempfile.mkdtemp(prefix="voltllm-uds-"), "api.sock")
-    srv = ServerProc([path, "--device", "cpu", "--served-model-name", NAME, "--disable-log-stats", "--uds", sock],
-                     free_port(), env={"OMP_NUM_THREADS": "1"})
+    where = tempfile.mkdtemp(prefix="voltllm-uds-")
+    sock, log_file, log_config = (os.path.join(where, name) for name in ("api.sock", "server.log", "logging.json"))
+    with open(log_config, "w") as f:  # (--log-config-file: every log line into a file of its own)
+        json.dump({"version": 1, "disable_existing_loggers": False,
+                   "handlers": {"file": {"class": "logging.FileHandler", "filename": log_file}},
+                   "root": {"handlers": ["file"], "level": "INFO"}}, f)
+    srv = ServerProc([path, "--device", "cpu", "--served-model-name", NAME, "--disable-log-stats", "--uds", sock,
+                      "--log-config-file", log_config], free_port(), env={"OMP_NUM_THREADS": "1"})
     try:
         client = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://voltllm", timeout=60)
         deadline = time.monotonic() + 180
@@ -151,6 +156,10 @@ def test_serves_on_a_unix_domain_socket(tmp_path_factory):
         r = client.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert f"unix:{sock}" in srv.log_text()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and '"POST /v1/completions' not in open(log_file).read():
+            time.sleep(0.2)
+        assert '"POST /v1/completions' in open(log_file).read()  # (uvicorn's access line, through the config)
         with pytest.raises(httpx.HTTPError):  # nothing on the TCP port
             httpx.get(srv.base + "/health", timeout=3)
     finally:
