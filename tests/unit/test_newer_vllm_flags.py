@@ -13,19 +13,21 @@ from voltllm.cli_unbuilt import SHORT_ALIASES, UNBUILT_FLAGS
 MISSING = "model '/nonexistent' not found"
 
 # every flag the audit found unrecognized (its section 9)
-AUDIT_FLAGS = """--performance-mode --attention-config -ac --trust-request-chat-template --logprobs-mode
---stream-interval --mm-processor-cache-type --mamba-ssm-cache-dtype --mamba-cache-dtype --disable-cascade-attn --kernel-config
---moe-backend --enable-flashinfer-autotune --prefix-caching-hash-algo --data-parallel-rank -dpn --profiler-config
---tool-server --exclude-tools-when-tool-choice-none --enable-tokenizer-info-endpoint --uds --ssl-ca-certs
---ssl-cert-reqs --ssl-ciphers --enable-ssl-refresh --log-config-file --disable-access-log-for-endpoints
---enable-log-deltas --enable-offline-docs --middleware --h11-max-incomplete-event-size --h11-max-header-count --grpc
---enable-per-request-metrics --mm-shm-cache-max-object-size-mb --mm-encoder-attn-backend --enable-mm-embeds
---video-pruning-rate --disable-chunked-mm-input --trust-request-mm-kwargs --enable-dbo --dbo-decode-token-threshold
+AUDIT_FLAGS = """
+--performance-mode --attention-config -ac --trust-request-chat-template --logprobs-mode --stream-interval
+--mm-processor-cache-type --mamba-ssm-cache-dtype --mamba-cache-dtype --disable-cascade-attn --kernel-config
+--moe-backend --enable-flashinfer-autotune --prefix-caching-hash-algo --data-parallel-rank -dpn
+--profiler-config --tool-server --exclude-tools-when-tool-choice-none --enable-tokenizer-info-endpoint --uds
+--ssl-ca-certs --ssl-cert-reqs --ssl-ciphers --enable-ssl-refresh --log-config-file
+--disable-access-log-for-endpoints --enable-log-deltas --enable-offline-docs --middleware
+--h11-max-incomplete-event-size --h11-max-header-count --grpc --enable-per-request-metrics
+--mm-shm-cache-max-object-size-mb --mm-encoder-attn-backend --enable-mm-embeds --video-pruning-rate
+--disable-chunked-mm-input --trust-request-mm-kwargs --enable-dbo --dbo-decode-token-threshold
 --dbo-prefill-token-threshold --disable-nccl-for-dp-synchronization --data-parallel-multi-port-external-lb -asc
 --kv-cache-metrics --enable-mfu-metrics --show-hidden-metrics-for-version --aggregate-engine-logging
 --enable-return-routed-experts --weight-transfer-config --ec-transfer-config --io-processor-plugin
---logits-processor-pattern --additional-config --override-attention-dtype --kv-sharing-fast-prefill --hf-config-path
---code-revision --config-format --ignore-patterns --use-tqdm-on-load --pt-load-map-location
+--logits-processor-pattern --additional-config --override-attention-dtype --kv-sharing-fast-prefill
+--hf-config-path --code-revision --config-format --ignore-patterns --use-tqdm-on-load --pt-load-map-location
 --disable-hybrid-kv-cache-manager --log-error-stack --tokens-only --fingerprint-mode --fingerprint-value""".split()
 
 
