@@ -85,7 +85,7 @@ def dashed_flags(argv: list[str]) -> list[str]:
 
 
 _DOTTED = re.compile(r"(--?[A-Za-z][\w-]*)\.([A-Za-z_][\w.]*)(?:=(.*))?", re.DOTALL)
-_FLAG_ALIASES = {"-cc": "--compilation-config"}
+_FLAG_ALIASES = {"-cc": "--compilation-config", "-ac": "--attention-config"}
 
 
 def dotted_json_flags(argv: list[str]) -> list[str]:

@@ -190,6 +190,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--safetensors-load-strategy", default=None, help="lazy: files are memory-mapped")
     f.add_argument("--max-parallel-loading-workers", type=int, default=None,
                    help="at least --tensor-parallel-size: every rank loads its weights at once")
+    f.add_argument("--performance-mode", default="balanced", help="balanced: vLLM's default tuning")
+    f.add_argument("--logprobs-mode", default="raw_logprobs",
+                   help="raw_logprobs: the model's log-softmax before penalties, logit_bias and temperature")
+    f.add_argument("--disable-cascade-attn", action=argparse.BooleanOptionalAction, default=False,
+                   help="either value: there is no cascade attention here")
+    f.add_argument("--mamba-cache-dtype", default="auto",
+                   help="auto: conv state in the model dtype, SSM state in float32")
+    f.add_argument("--mamba-ssm-cache-dtype", default="auto", help="auto | float32: the SSM state is float32")
+    f.add_argument("--config-format", default="auto", help="auto | hf: the checkpoint's config.json")
+    f.add_argument("--attention-config", "-ac", type=json_object_arg("--attention-config"), default=None,
+                   help='vLLM\'s \'{"backend": NAME}\', as --attention-backend NAME')
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -29,6 +29,11 @@ _DATA_PARALLEL = ("data parallelism over several nodes or API servers is not bui
 _KV_TRANSFER = "disaggregated prefill / KV cache transfer between engines is not built"
 _KV_OFFLOAD = "offloading the KV cache to CPU memory is not built"
 _TRACING = "OpenTelemetry tracing is not built (Prometheus metrics: GET /metrics)"
+_DBO = "dual-batch overlap (micro-batches overlapping expert-parallel communication) is not built"
+_OWN_KERNELS = "voltllm runs its own Triton kernels (docs/kernels.md); vLLM's kernel and backend choices are not built"
+_PROFILER = "profiling (/start_profile, /stop_profile) is not built; `voltllm bench` measures the engine instead"
+_TOOL_SERVER = "built-in tools run by the server (gpt-oss's browser / python through MCP tool servers) are not built"
+_OBSERVABILITY = "is not built (Prometheus metrics: GET /metrics; docs/cli.md lists the families)"
 _PARTIAL_PREFILLS = ("limiting how many prompts are part-way through their prefill is not built (vLLM has removed "
                      "this flag): each step's --max-num-batched-tokens budget decides; drop it")
 
@@ -50,7 +55,10 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--data-parallel-external-lb": _DATA_PARALLEL,
     "--decode-context-parallel-size": "decode context parallelism is not built",
     "--headless": "headless engines (no API server, for multi-node data parallelism) are not built",
-    "--api-server-count": "one API server process serves every request here; several are not built: drop it",
+    "--api-server-count": "one API server process serves every request here (1); several are not built",
+    "--data-parallel-rank": _DATA_PARALLEL, "--data-parallel-multi-port-external-lb": _DATA_PARALLEL,
+    "--disable-nccl-for-dp-synchronization": _DATA_PARALLEL,
+    "--enable-dbo": _DBO, "--dbo-decode-token-threshold": _DBO, "--dbo-prefill-token-threshold": _DBO,
     "--ray-workers-use-nsight": "Ray is not built: tensor-parallel ranks are multiprocessing worker processes",
     "--worker-cls": "custom worker classes are not built",
     "--worker-extension-cls": "custom worker classes are not built",
@@ -90,9 +98,58 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--allowed-media-domains": _MULTIMODAL, "--interleave-mm-strings": _MULTIMODAL, "--skip-mm-profiling": _MULTIMODAL,
     "--enable-prompt-embeds": "prompt embeddings as input are not built (prompts are text or token ids)",
     # disaggregation, observability
+    "--mm-processor-cache-type": _MULTIMODAL, "--mm-shm-cache-max-object-size-mb": _MULTIMODAL,
+    "--mm-encoder-attn-backend": _MULTIMODAL, "--enable-mm-embeds": _MULTIMODAL, "--video-pruning-rate": _MULTIMODAL,
+    "--disable-chunked-mm-input": _MULTIMODAL, "--trust-request-mm-kwargs": _MULTIMODAL,
+    # disaggregation, observability
     "--kv-transfer-config": _KV_TRANSFER, "--kv-events-config": "KV cache events are not built",
+    "--ec-transfer-config": "encoder-cache transfer between engines (multimodal disaggregation) is not built",
     "--otlp-traces-endpoint": _TRACING, "--collect-detailed-traces": _TRACING,
+    "--kv-cache-metrics": f"KV-cache residency metrics {_OBSERVABILITY}",
+    "--enable-mfu-metrics": f"model FLOPs utilization metrics {_OBSERVABILITY}",
+    "--aggregate-engine-logging": "one stats log line over the data-parallel engines is not built: each line is "
+                                  "engine 0's client view of all engines' requests",
+    "--enable-per-request-metrics": "per-request timing metrics in responses are not built (the same timings feed "
+                                    "GET /metrics)",
+    "--profiler-config": _PROFILER,
+    # kernels and engine internals of newer vLLM
+    "--kernel-config": _OWN_KERNELS, "--moe-backend": _OWN_KERNELS, "--enable-flashinfer-autotune": _OWN_KERNELS,
+    "--prefix-caching-hash-algo": "voltllm hashes prefix-cache blocks with blake2b (128-bit); vLLM's sha256 / "
+                                  "sha256_cbor / xxhash choices are not built",
+    "--disable-hybrid-kv-cache-manager": "hybrid models' KV cache is always managed per layer kind here (attention "
+                                         "pages and recurrent-state slots); one manager for every layer is not built",
+    "--override-attention-dtype": "an attention dtype other than the model's is not built",
+    "--kv-sharing-fast-prefill": "KV sharing across layers is not built",
+    "--enable-return-routed-experts": "returning MoE routing decisions is not built",
+    "--weight-transfer-config": "weight updates from a trainer (/update_weights) are not built",
+    "--io-processor-plugin": "IO processor plugins are not built",
+    "--logits-processor-pattern": "custom logits processor classes are not built",
+    "--additional-config": "platform plugins' extra configuration is not built",
+    # models and loading, newer flags
+    "--hf-config-path": "a config from another path is not built: the model directory's config.json is read",
+    "--code-revision": "remote code from another revision is not built (--revision fetches the model's)",
+    "--ignore-patterns": "filtering the model's files by pattern is not built: the loader reads the weights it needs",
+    "--pt-load-map-location": "loading .pt weights onto another device first is not built",
+    "--use-tqdm-on-load": "a progress bar while loading is not built: start-up prints each phase instead",
+    # frontend (serve) flags of newer vLLM
+    "--tool-server": _TOOL_SERVER,
+    "--enable-ssl-refresh": "reloading the TLS certificate when its files change is not built: restart the server",
+    "--log-error-stack": "stack traces of error responses are not logged (500s are logged with their error)",
+    "--enable-log-deltas": "logging streamed output deltas is not built: --enable-log-outputs logs each finished "
+                           "choice's text once (--no-enable-log-deltas is what runs)",
+    "--h11-max-incomplete-event-size": "uvicorn's h11 limits are not configurable here (its defaults apply)",
+    "--h11-max-header-count": "uvicorn's h11 limits are not configurable here (its defaults apply)",
+    "--enable-offline-docs": "vendored offline /docs assets are not built (/docs loads Swagger UI from a CDN)",
+    "--middleware": "extra ASGI middleware from import paths is not built",
+    "--grpc": "the gRPC server is not built (HTTP only)",
+    "--tokens-only": "the tokens-in / tokens-out server (/inference/v1/generate only) is not built",
+    "--fingerprint-mode": "system_fingerprint is always null here (vLLM's older behaviour)",
+    "--fingerprint-value": "system_fingerprint is always null here (vLLM's older behaviour)",
+    "--show-hidden-metrics-for-version": "voltllm hides no metric (accepted at any version)",
 }
+
+# vLLM's single-dash spellings of table flags
+SHORT_ALIASES = {"-asc": "--api-server-count", "-dpn": "--data-parallel-rank"}
 
 
 # Unbuilt features' settings that voltllm matches when the feature is off, as vLLM runs them then (lm-evaluation-
@@ -100,18 +157,32 @@ UNBUILT_FLAGS: dict[str, str] = {
 # EngineArgs fields): a switch's off form, the settings that
 # only act while their switch is on (which voltllm refuses), and the values that name what voltllm does.
 SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-sleep-mode", "--enable-eplb",
-                          "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias"})
+                          "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias",
+                          "--enable-dbo", "--disable-nccl-for-dp-synchronization", "--enable-mm-embeds",
+                          "--disable-chunked-mm-input", "--trust-request-mm-kwargs", "--kv-cache-metrics",
+                          "--enable-mfu-metrics", "--aggregate-engine-logging", "--enable-per-request-metrics",
+                          "--enable-flashinfer-autotune", "--disable-hybrid-kv-cache-manager",
+                          "--kv-sharing-fast-prefill", "--enable-return-routed-experts", "--use-tqdm-on-load",
+                          "--enable-ssl-refresh", "--log-error-stack", "--enable-log-deltas",
+                          "--enable-offline-docs", "--grpc", "--tokens-only",
+                          "--data-parallel-multi-port-external-lb"})
 WHILE_SWITCHED_ON = frozenset({"--lora-extra-vocab-size", "--max-prompt-adapters",
-                               "--max-prompt-adapter-token", "--eplb-config"})
+                               "--max-prompt-adapter-token", "--eplb-config", "--dbo-decode-token-threshold",
+                               "--dbo-prefill-token-threshold"})
+# accepted at any value: there is nothing here for them to change (voltllm hides no metric)
+INERT = frozenset({"--show-hidden-metrics-for-version"})
 VOLTLLM_VALUES = {"--num-scheduler-steps": ("1",), "--num-lookahead-slots": ("0",),
-                  "--scheduler-delay-factor": ("0", "0.0")}
+                  "--scheduler-delay-factor": ("0", "0.0"), "--api-server-count": ("1",),
+                  # text only: there is no encoder whose weights or data could be split
+                  "--mm-encoder-tp-mode": ("weights", "data"),
+                  "--fingerprint-mode": ("none",)}
 _FALSE = ("false", "0", "no", "off")
 
 
 def accepted_setting(flag: str, value: object) -> bool:
     """Whether an unbuilt vLLM flag at `value` (True for a bare switch, a string or a Python value) is what voltllm
     does anyway; `flag` dashed, without its --no- prefix."""
-    if flag in WHILE_SWITCHED_ON:
+    if flag in WHILE_SWITCHED_ON or flag in INERT:
         return True
     if flag in SWITCHES_OFF:
         return value is False or value is None or str(value).lower() in _FALSE
@@ -128,7 +199,7 @@ def screen_unbuilt_flags(argv: list[str], known: Iterable[str] = ()) -> tuple[li
     i = 0
     while i < len(argv):
         arg = argv[i]
-        flag = _flag_of(arg)
+        flag = _flag_of(arg) or SHORT_ALIASES.get(arg.split("=", 1)[0])
         if arg == "--":
             return kept + argv[i:], None
         if flag is None or flag in known:

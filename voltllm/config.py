@@ -239,6 +239,13 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     safetensors_load_strategy: Optional[str] = None  # lazy (memory-mapped)
     max_parallel_loading_workers: Optional[int] = None  # >= tensor_parallel_size: every rank loads at once
+    performance_mode: str = "balanced"  # vLLM's default tuning (the others are not built)
+    logprobs_mode: str = "raw_logprobs"  # logprobs of the model's distribution, before any sampling processor
+    disable_cascade_attn: bool = False  # no cascade attention is built: either value
+    mamba_cache_dtype: str = "auto"  # recurrent state: conv state in the model dtype, SSM state in float32
+    mamba_ssm_cache_dtype: str = "auto"  # auto | float32: the SSM state is always float32
+    config_format: str = "auto"  # auto | hf: the checkpoint's Hugging Face config.json
+    attention_config: Optional[Any] = None  # -ac: {"backend": ...} only (as --attention-backend)
     # full attention over the whole context is always what runs; with a checkpoint whose config turns a sliding window
     # on, this caps --max-model-len at the window, as vLLM does
     disable_sliding_window: bool = False
@@ -521,9 +528,9 @@ class EngineArgs:
             logger.warning("--calculate-key-offsets is ignored: --kv-cache-dtype %s is not an fp8 cache",
                            self.kv_cache_dtype)
             calculate_key_offsets = False
-        if (self.attention_backend or "").upper() not in ("", "TRITON_ATTN", "TORCH_REF"):
-            raise ConfigError(f"--attention-backend {self.attention_backend}: not built here (TRITON_ATTN, TORCH_REF, "
-                              "or FLASH_ATTN_V100 on the command line, an alias of TRITON_ATTN)")
+        from voltllm.fixed_flags import attention_backend_of
+
+        attention_backend = attention_backend_of(self)  # (its name checked with the fixed flags, before the model)
         from voltllm.model.models.registry import attention_only
 
         if self.mamba_cache_mode not in ("align", "none") and not attention_only(hf_config):
@@ -589,7 +596,7 @@ class EngineArgs:
         except CompilationConfigError as e:
             raise ConfigError(str(e)) from None
         dev = DeviceConfig(device=device, compat=compat, enforce_eager=not graphs.decode_graphs,
-                           attention_backend=self.attention_backend, require_acceleration=self.require_acceleration,
+                           attention_backend=attention_backend, require_acceleration=self.require_acceleration,
                            prompt_graph_max_tokens=None if graphs.prompt_graphs else 0, cuda_graphs=graphs)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size, intermediate_align=(

@@ -37,6 +37,66 @@ def check_fixed_flags(args: Any) -> None:
         raise ConfigError(f"--max-parallel-loading-workers {workers}: loading the {args.tensor_parallel_size} "
                           "tensor-parallel ranks in batches is not built (every rank reads its weights at once); "
                           "leave it out or give at least --tensor-parallel-size")
+    _newer_engine_flags(args)
+
+
+def _newer_engine_flags(args: Any) -> None:
+    """Flags of newer vLLM versions (0.11+) that guides pass, taken at voltllm's behaviour."""
+    _one_of("--performance-mode", args.performance_mode, ("balanced",), {
+        "interactivity": "latency tuning (finer CUDA-graph sizes for small batches) is not built: voltllm runs vLLM's "
+                         "default tuning (balanced); for smaller batches' graphs give --cudagraph-capture-sizes",
+        "throughput": "throughput tuning (larger batch limits) is not built: voltllm runs vLLM's default tuning "
+                      "(balanced); raise --max-num-seqs / --max-num-batched-tokens instead"})
+    _one_of("--logprobs-mode", args.logprobs_mode, ("raw_logprobs",), {
+        mode: "voltllm returns the model's log-softmax before penalties, logit_bias, temperature and top-k / top-p "
+              "(raw_logprobs; the grammar mask of structured outputs applied, as in vLLM); other modes are not built"
+        for mode in ("raw_logits", "processed_logprobs", "processed_logits")})
+    # (--disable-cascade-attn: either value; voltllm has no cascade attention, so there is nothing to disable)
+    _one_of("--mamba-ssm-cache-dtype", args.mamba_ssm_cache_dtype, ("auto", "float32"), {
+        dtype: "hybrid models keep their recurrent (SSM) state in float32 here; other dtypes are not built (auto or "
+               "float32)" for dtype in ("float16", "bfloat16", "half")})
+    _one_of("--mamba-cache-dtype", args.mamba_cache_dtype, ("auto",), {
+        dtype: "hybrid models keep their convolution state in the model dtype and their SSM state in float32 (auto); "
+               "one dtype for both is not built (--mamba-ssm-cache-dtype float32 is accepted)"
+        for dtype in ("float32", "float16", "bfloat16", "half")})
+    _one_of("--config-format", args.config_format, ("auto", "hf"), {
+        "mistral": "Mistral's params.json format is not built: the checkpoint's Hugging Face config.json is read "
+                   "(auto / hf)"})
+    attention_backend_of(args)
+
+
+def attention_backend_of(args: Any) -> Optional[str]:
+    """--attention-backend, or vLLM's newer -ac/--attention-config '{"backend": ...}' (its one key built here);
+    ConfigError for other keys or two different backends."""
+    backend = _attention_config_backend(args)
+    if (backend or "").upper() not in ("", "TRITON_ATTN", "TORCH_REF"):
+        raise ConfigError(f"--attention-backend {backend}: not built here (TRITON_ATTN, TORCH_REF, or FLASH_ATTN_V100 "
+                          "on the command line, an alias of TRITON_ATTN)")
+    return backend
+
+
+def _attention_config_backend(args: Any) -> Optional[str]:
+    config = args.attention_config
+    if config is None:
+        return args.attention_backend
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--attention-config must be a JSON object: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--attention-config must be a JSON object, got {type(config).__name__}")
+    for key in config:
+        if key != "backend":
+            raise ConfigError(f"--attention-config {key}: not built (voltllm runs its own Triton attention kernels; "
+                              "only backend is read, as --attention-backend takes it)")
+    backend = config.get("backend")
+    if backend == "FLASH_ATTN_V100":
+        backend = "TRITON_ATTN"
+    if backend is not None and args.attention_backend is not None and backend != args.attention_backend:
+        raise ConfigError(f"--attention-config backend {backend} and --attention-backend {args.attention_backend} "
+                          "differ: give one")
+    return backend if backend is not None else args.attention_backend
 
 
 def _executor_backend(backend: Optional[str], tp: int) -> None:

@@ -201,7 +201,8 @@ def test_matryoshka_dimensions(embed_server, reference, tok):
     ({"input": "x", "encoding_format": "base64", "embed_dtype": "int8"}, "embed_dtype", ""),
     ({"input": "x", "truncate_prompt_tokens": MAX_LEN + 1}, "truncate_prompt_tokens", "greater than this model's "
                                                                                       "maximum context length"),
-    ({"input": list(range(1, MAX_LEN + 2))}, "input", "more than this model's maximum context length"),
+    ({"input": list(range(1, MAX_LEN + 2))}, "input", f"This model's maximum context length is {MAX_LEN} tokens. "
+                                                      f"However, you requested {MAX_LEN + 1} tokens in the input"),
     ({"input": "x", "normalize": True, "use_activation": False}, "normalize", "name the same switch"),
     ({"input": "x", "truncate_prompt_tokens": 1, "truncation_side": "middle"}, "truncation_side", ""),
     ({"input": "x", "priority": 1}, "priority", "Got priority 1 but Priority scheduling is not enabled"),
@@ -212,7 +213,7 @@ def test_bad_requests_are_400s(embed_server, body, param, fragment):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and fragment in err["message"]
-    if "context length" in fragment and param == "input":
+    if "context length" in fragment and param == "input":  # (vLLM's words, which clients match)
         assert err["code"] == "context_length_exceeded"
 
 

@@ -1,8 +1,11 @@
-"""`voltllm serve --ssl-certfile/--ssl-keyfile` serves HTTPS (a self-signed certificate made with openssl); missing
-files and a key without a certificate are refused before any model is loaded."""
+"""`voltllm serve --ssl-certfile/--ssl-keyfile` serves HTTPS (a self-signed certificate made with openssl), with
+--ssl-ca-certs / --ssl-cert-reqs 2 only to clients holding a certificate those CAs signed; missing files and a key
+without a certificate are refused before any model is loaded."""
 from __future__ import annotations
 
 import shutil
+import ssl
+import time
 import subprocess
 
 import httpx
@@ -51,3 +54,36 @@ def test_bad_tls_flags_are_refused(extra, match):
     args = parser.parse_args(["serve", *extra])
     with pytest.raises(ConfigError, match=match):
         check_server_flags(args)
+
+
+def test_client_certificates_required(model_path, cert, tmp_path):
+    """--ssl-cert-reqs 2 with --ssl-ca-certs (vLLM's mutual TLS): a client without a certificate the CA file vouches
+    for is refused at the handshake; one with it is served. (A self-signed client certificate is its own CA.)"""
+    key, crt = cert
+    client_key, client_crt = str(tmp_path / "client.key"), str(tmp_path / "client.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", client_key, "-out",
+                    client_crt, "-days", "1", "-subj", "/CN=client"], check=True, capture_output=True)
+    srv = ServerProc([model_path, "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
+                      "--disable-log-stats", "--ssl-keyfile", key, "--ssl-certfile", crt, "--ssl-ca-certs", client_crt,
+                      "--ssl-cert-reqs", "2", "--ssl-ciphers", "ECDHE+AESGCM"], free_port(), https=True)
+    try:
+        deadline = time.monotonic() + 300
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # (the server's certificate is self-signed)
+        ctx.load_cert_chain(client_crt, client_key)
+        with httpx.Client(verify=ctx, timeout=60) as holder:
+            while True:
+                assert srv.proc.poll() is None, srv.log_text()[-3000:]
+                try:
+                    if holder.get(srv.base + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline, srv.log_text()[-3000:]
+                    time.sleep(0.5)
+            r = holder.post(srv.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        srv.descendants = []
+        with pytest.raises(httpx.HTTPError):  # no client certificate
+            httpx.get(srv.base + "/health", verify=False, timeout=10)
+    finally:
+        srv.stop()

@@ -23,6 +23,7 @@ class FakeTokenizer:
 
     def __init__(self):
         self.template_kwargs = None
+        self.template_tools = None
 
     def encode(self, text, add_special_tokens=True):
         return ([BOS] if add_special_tokens else []) + [ord(c) for c in text]
@@ -30,6 +31,7 @@ class FakeTokenizer:
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
                             tools=None, **kwargs):
         self.template_kwargs = kwargs
+        self.template_tools = tools
         return "".join(m["content"] for m in messages)
 
 
@@ -124,12 +126,31 @@ def test_reasoning_effort_none_turns_thinking_off_and_documents_reach_the_templa
     assert kw["documents"] == [{"title": "t", "text": "x"}]
     _chat(state, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
     assert state.tokenizer.template_kwargs["enable_thinking"] is True  # the request's own kwargs win
-    _chat(state, reasoning_effort="low")
-    assert "enable_thinking" not in state.tokenizer.template_kwargs
+    _chat(state, reasoning_effort="low")  # vLLM's rule: an effort other than "none" turns thinking on
+    assert state.tokenizer.template_kwargs["enable_thinking"] is True
+
+
+def test_reasoning_effort_turns_thinking_on_over_the_servers_default():
+    """--default-chat-template-kwargs '{"enable_thinking": false}' and a request asking for reasoning: thinking on,
+    as in vLLM; the request's own chat_template_kwargs still decide, and no effort leaves the default."""
+    state = _state()
+    state.default_chat_template_kwargs = {"enable_thinking": False}
+    _chat(state, reasoning_effort="high")
+    assert state.tokenizer.template_kwargs["enable_thinking"] is True
+    _chat(state, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})
+    assert state.tokenizer.template_kwargs["enable_thinking"] is False
+    _chat(state)
+    assert state.tokenizer.template_kwargs["enable_thinking"] is False
 
 
 @pytest.mark.parametrize("field,value", [("logits_processors", ["a.b"]),
-                                         ("kv_transfer_params", {"do_remote_prefill": True})])
+                                         ("kv_transfer_params", {"do_remote_prefill": True}),
+                                         ("ec_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
+                                         ("logprob_token_ids", [5, 6]), ("mm_processor_kwargs", {"fps": 2}),
+                                         ("media_io_kwargs", {"video": {}}), ("prompt_embeds", "AAAA"),
+                                         ("repetition_detection", {"max_pattern_size": 4}),
+                                         ("max_repetition_pattern_size", 8), ("min_repetition_pattern_size", 2),
+                                         ("repetition_min_count", 3)])
 def test_unbuilt_vllm_fields_are_refused(field, value):
     for make in (lambda **b: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **b),
                  lambda **b: CompletionRequest(prompt="x", **b)):
@@ -140,7 +161,9 @@ def test_unbuilt_vllm_fields_are_refused(field, value):
 
 @pytest.mark.parametrize("field,value", [("use_beam_search", False),
                                          ("length_penalty", 1.0), ("logits_processors", []), ("priority", 0),
-                                         ("kv_transfer_params", None)])
+                                         ("kv_transfer_params", None), ("vllm_xargs", {}), ("ec_transfer_params", None),
+                                         ("logprob_token_ids", None), ("mm_processor_kwargs", {}),
+                                         ("max_repetition_pattern_size", 0), ("repetition_detection", None)])
 def test_unbuilt_vllm_fields_at_their_defaults_pass(field, value):
     ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **{field: value}).check()
     CompletionRequest(prompt="x", **{field: value}).check()
@@ -171,3 +194,10 @@ def test_a_stop_token_leaves_no_text_unless_asked():
     d2 = IncrementalDetokenizer(tok, [], skip_special_tokens=False, include_stop_str_in_output=True)
     d2.add(ids, stop_terminated=True)
     assert d2.text == "Hello world<|im_end|>"
+
+
+def test_thinking_token_budget_is_refused_on_chat():
+    with pytest.raises(OpenAIError) as e:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], thinking_token_budget=64).check()
+    assert e.value.param == "thinking_token_budget" and e.value.code == "unsupported_parameter"
+    ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], thinking_token_budget=None).check()

@@ -25,7 +25,8 @@ from voltllm.engine.async_beam_search import BeamSearchStream, run_beam_search
 from voltllm.engine.beam_search import BeamSearchParams
 from voltllm.engine.frontend import Frontend, PromptType
 from voltllm.engine.outputs import PoolingRequestOutput, RequestOutput
-from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab, runner_mismatch
+from voltllm.engine.request_checks import (InvalidRequestError, check_priority, check_vocab, context_length_message,
+                                           runner_mismatch)
 from voltllm.engine.types import EngineCoreRequest, SchedulerStats
 from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.params import SamplingParams
@@ -395,24 +396,19 @@ class AsyncLLM:
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         if n > self.max_model_len:  # (an embedding needs no room for a generated token)
-            raise InvalidRequestError(
-                f"the input has {n} tokens, more than this model's maximum context length ({self.max_model_len} "
-                "tokens); shorten it or set truncate_prompt_tokens")
+            raise InvalidRequestError(context_length_message(self.max_model_len, n, None) + " (or set "
+                                      "truncate_prompt_tokens).", "input")
         check_vocab(ids, None, self.vocab_size)
 
     def _check_prompt(self, ids: list[int], sp: SamplingParams) -> None:
         n = len(ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, at or over this model's maximum context length "
-                f"({self.max_model_len} tokens); shorten it")
-        if sp.max_tokens is not None and n + sp.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{n + sp.max_tokens} ({n} in the prompt + {sp.max_tokens} to generate); lower max_tokens "
-                "or shorten the prompt")
+        # (max_tokens None: up to the context, which needs room for one token at least)
+        wanted = sp.max_tokens if sp.max_tokens is not None else 1
+        if n >= self.max_model_len or n + wanted > self.max_model_len:
+            raise InvalidRequestError(context_length_message(self.max_model_len, n, wanted),
+                                      "prompt" if n >= self.max_model_len else "max_tokens")
         check_vocab(ids, sp, self.vocab_size)
 
     def serves(self, request_id: str) -> bool:

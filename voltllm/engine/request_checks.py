@@ -17,6 +17,18 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def context_length_message(max_model_len: int, prompt_tokens: int, output_tokens: Optional[int]) -> str:
+    """A request too long for the context, in the words of vLLM's (and OpenAI's) error, which clients match to tell
+    it from other 400s (LiteLLM's ContextWindowExceededError: "This model's maximum context length is"), then what
+    to do. output_tokens: the tokens asked to generate (None: an input to embed or score, which needs no room)."""
+    if output_tokens is None:
+        return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_tokens} tokens in the input. Please reduce the length of the input")
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + output_tokens} tokens ({prompt_tokens} in the prompt, {output_tokens} in the "
+            "completion). Please reduce the length of the prompt or the completion (max_tokens).")
+
+
 def kept_prompt(ids: list[int], keep: Optional[int], max_model_len: int, side: Optional[str] = None) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length; None: all of them), or
     with its truncation_side "right" the first ones ("left", the default, cuts the start); a size over the context

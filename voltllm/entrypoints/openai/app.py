@@ -38,16 +38,25 @@ from voltllm.entrypoints.openai.scoring_protocol import SCORE_FORMS, Classificat
 from voltllm.entrypoints.openai.serving_score import create_classify, create_rerank, create_score
 from voltllm.entrypoints.openai.serving_messages import count_message_tokens, create_message
 from voltllm.entrypoints.openai.serving_responses import create_response, get_response
+from voltllm.entrypoints.openai.tokenizer_info import tokenizer_info_of
 
 logger = logging.getLogger("voltllm")
 M = TypeVar("M", bound=BaseModel)
 
 _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", "/tokenize", "/detokenize",
+           "/tokenizer_info",
            "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
            "/v1/acceleration", "/v1/sm70/acceleration", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
            "/classify", "/pooling", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
-# vLLM's pooling routes that are not built: refused by name on every server
-_UNBUILT_ROUTES = {"/v2/embed": "Cohere's embed API"}
+_POOLING_ROUTES_BUILT = ("embedding models serve POST /v1/embeddings, /score, /rerank and /pooling, classifiers "
+                         "/score, /rerank, /classify and /pooling, with --runner pooling")
+_TEXT_ONLY = "voltllm serves text models (text in, text out)"
+# vLLM's routes that are not built: refused by name on every server (path -> (what, what is served instead))
+_UNBUILT_ROUTES = {"/v2/embed": ("Cohere's embed API", _POOLING_ROUTES_BUILT),
+                   "/v1/audio/transcriptions": ("speech-to-text (transcription)", _TEXT_ONLY),
+                   "/v1/audio/translations": ("speech-to-text (translation)", _TEXT_ONLY),
+                   "/v1/audio/speech": ("text-to-speech", _TEXT_ONLY),
+                   "/v1/realtime": ("the realtime (speech) API", _TEXT_ONLY)}
 # the pooling routes of serving_score.py: path -> (request model, handler, what it does); /classify on classifiers only,
 # the others on every pooling server (an embedding model scores by cosine similarity, as vLLM's bi-encoders)
 _SCORING_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
@@ -196,11 +205,12 @@ class CorsSettings:
 @dataclass(frozen=True)
 class HttpOptions:
     """vLLM's HTTP-level server flags: --disable-fastapi-docs, --enable-request-id-headers,
-    --enable-server-load-tracking, --allow-runtime-lora-updating."""
+    --enable-server-load-tracking, --allow-runtime-lora-updating, --enable-tokenizer-info-endpoint."""
     fastapi_docs: bool = True  # /docs, /redoc, /openapi.json
     request_id_headers: bool = False  # X-Request-Id on every response
     server_load_tracking: bool = False  # GET /load counts the requests in flight
     runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py)
+    tokenizer_info: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
 
 
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
@@ -364,15 +374,14 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         app.add_api_route(path, _scoring_route(path, model, serve, what), methods=["POST"],
                           operation_id=path.strip("/").replace("/", "_"))
 
-    def _unbuilt_route(path: str, what: str) -> Any:
-        async def refuse() -> None:
-            raise OpenAIError(f"POST {path}: {what} is not built in voltllm (embedding models serve POST "
-                              "/v1/embeddings, /score, /rerank and /pooling, classifiers /score, /rerank, /classify "
-                              "and /pooling, with --runner pooling)", 404)
+    def _unbuilt_route(path: str, what: str, instead: str) -> Any:
+        async def refuse(request: Request) -> None:
+            raise OpenAIError(f"{request.method} {path}: {what} is not built in voltllm ({instead})", 404)
         return refuse
 
-    for path, what in _UNBUILT_ROUTES.items():
-        app.add_api_route(path, _unbuilt_route(path, what), methods=["POST"], include_in_schema=False,
+    for path, (what, instead) in _UNBUILT_ROUTES.items():
+        # (GET too: /v1/realtime is a WebSocket upgrade, which arrives as a GET)
+        app.add_api_route(path, _unbuilt_route(path, what, instead), methods=["GET", "POST"], include_in_schema=False,
                           operation_id=f"unbuilt_{path.strip('/').replace('/', '_')}")
 
     @app.post("/invocations")  # SageMaker's one generation route (below)
@@ -443,6 +452,11 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         if req.return_token_strs:
             body["token_strs"] = tok.convert_ids_to_tokens(ids)
         return body
+
+    if http.tokenizer_info:
+        @app.get("/tokenizer_info")  # vLLM's: may expose the chat template, hence behind its own flag
+        async def tokenizer_info() -> dict:
+            return tokenizer_info_of(state.tokenizer, state.chat_template)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:

@@ -74,7 +74,7 @@ def beam_search_params(req: Any, max_tokens: int, defaults: dict, max_logprobs: 
     """The request's BeamSearchParams (vLLM's to_beam_search_params): beam width n, temperature the request's, else
     the model's generation default, else 1.0 (vLLM's; above 0 the steps' samples join the candidates). 2 x n logprobs
     per step must fit --max-logprobs, as in vLLM."""
-    if 2 * req.n > max_logprobs:
+    if max_logprobs != -1 and 2 * req.n > max_logprobs:  # (-1: no limit)
         raise bad_request(f"n {req.n}: beam search asks each step for 2 x n = {2 * req.n} logprobs, more than this "
                           f"server's --max-logprobs ({max_logprobs})", "n")
     temperature = req.temperature if req.temperature is not None else defaults.get("temperature", 1.0)

@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import socket
+import ssl
+import stat
 import sys
 import time
 from typing import Any, Optional
@@ -51,6 +53,12 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
+    s.add_argument("--disable-access-log-for-endpoints", default=None,
+                   help='comma-separated paths left out of the access log, e.g. "/health,/metrics,/ping"')
+    s.add_argument("--log-config-file", default=None,
+                   help="a JSON logging configuration (logging.config.dictConfig) for voltllm's and uvicorn's logs")
+    s.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and the chat template)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic engine-stats log line")
     s.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                    help="add X-Request-Id to every response (the request's own, else a new one)")
@@ -61,6 +69,14 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM)")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
+    s.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates that client certificates are "
+                   "checked against (PEM)")
+    s.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
+                   help="HTTPS client certificates (Python's ssl.CERT_*): 0 not asked (default), 1 checked when "
+                   "sent, 2 required")
+    s.add_argument("--ssl-ciphers", default=None, help="HTTPS cipher suites for TLS 1.2 and below (OpenSSL's list "
+                   "format)")
+    s.add_argument("--uds", default=None, help="serve on this Unix domain socket path instead of --host / --port")
     s.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
                    help='CORS: origins browsers may call from, a JSON list (default ["*"])')
     s.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
@@ -105,9 +121,40 @@ def check_server_flags(args: argparse.Namespace) -> None:
                               f"(`voltllm serve MODEL {flag} ...`) or pass --model")
     if args.ssl_keyfile and not args.ssl_certfile:
         raise ConfigError("--ssl-keyfile needs --ssl-certfile")
-    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+    for flag, given in (("--ssl-ca-certs", args.ssl_ca_certs), ("--ssl-ciphers", args.ssl_ciphers),
+                        ("--ssl-cert-reqs", args.ssl_cert_reqs != ssl.CERT_NONE)):
+        if given and not args.ssl_certfile:
+            raise ConfigError(f"{flag} applies to HTTPS: add --ssl-certfile (and --ssl-keyfile)")
+    if args.ssl_cert_reqs != ssl.CERT_NONE and not args.ssl_ca_certs:
+        raise ConfigError(f"--ssl-cert-reqs {args.ssl_cert_reqs} checks client certificates: add --ssl-ca-certs (the "
+                          "CAs they are checked against)")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs), ("--log-config-file", args.log_config_file)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: no such file")
+    if args.ssl_ciphers is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).set_ciphers(args.ssl_ciphers)
+        except ssl.SSLError:
+            raise ConfigError(f"--ssl-ciphers {args.ssl_ciphers!r}: OpenSSL knows none of these cipher "
+                              "suites") from None
+    if args.log_config_file is not None:
+        log_config(args.log_config_file)  # (ConfigError for a file that is not a JSON logging configuration)
+    if args.uds is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.uds))):
+        raise ConfigError(f"--uds {args.uds}: its directory does not exist")
+
+
+def log_config(path: str) -> dict:
+    """--log-config-file: vLLM's JSON logging configuration (a logging.config.dictConfig mapping)."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--log-config-file {path}: not a JSON file: {e}") from None
+    if not isinstance(config, dict) or "version" not in config:
+        raise ConfigError(f"--log-config-file {path}: must be a JSON object in logging.config.dictConfig's schema "
+                          '(with "version": 1)')
+    return config
 
 
 def _looks_like_model(word: str) -> bool:
@@ -117,6 +164,30 @@ def _looks_like_model(word: str) -> bool:
 
 def _say(msg: str) -> None:
     print(f"voltllm: {msg}", file=sys.stderr, flush=True)
+
+
+def _bind_unix(path: str) -> socket.socket:
+    """--uds: listen on a Unix domain socket; a stale socket file (nothing listens on it) is replaced."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ConfigError(f"--uds {path}: exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # (left by a server that was killed)
+        else:
+            raise ConfigError(f"--uds {path}: another server listens on it")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {path}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -179,7 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.allow_runtime_lora_updating and config.lora is None:
         raise ConfigError("--allow-runtime-lora-updating loads LoRA adapters at run time: add --enable-lora (and "
                           "--max-lora-rank / --max-loras for the adapters to come)")
-    sock = _bind(args.host, args.port)
+    sock = _bind_unix(args.uds) if args.uds else _bind(args.host, args.port)
     holder: dict[str, Any] = {"rc": 0}
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -194,6 +265,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if engine is not None:
             engine.shutdown()
         sock.close()
+        if args.uds and os.path.exists(args.uds):
+            os.unlink(args.uds)
         signal.signal(signal.SIGTERM, previous)
     _say("stopped")
     # Everything this process owns is released above; skip the interpreter's module teardown, which
@@ -264,12 +337,23 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
                         tuple(args.allowed_headers))
     http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,
                        server_load_tracking=args.enable_server_load_tracking,
-                       runtime_lora_updating=args.allow_runtime_lora_updating)
+                       runtime_lora_updating=args.allow_runtime_lora_updating,
+                       tokenizer_info=args.enable_tokenizer_info_endpoint)
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors, http=http)
+    tls: dict[str, Any] = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
+                           "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
+    if args.ssl_ciphers is not None:
+        tls["ssl_ciphers"] = args.ssl_ciphers  # (else uvicorn's default list)
+    logs: dict[str, Any] = {}
+    if args.log_config_file is not None:
+        logs["log_config"] = log_config(args.log_config_file)  # (uvicorn applies it: dictConfig)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",
-                               root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
-                               ssl_certfile=args.ssl_certfile)
+                               root_path=args.root_path, **tls, **logs)
+    if args.disable_access_log_for_endpoints:
+        from voltllm.entrypoints.openai.access_log import quiet_endpoints
+
+        quiet_endpoints(args.disable_access_log_for_endpoints, args.root_path)
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: Optional[list] = None) -> None:
             # end in-flight requests first, so that open streams close now instead of at the graceful timeout
@@ -290,9 +374,9 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
             host = args.host if ":" not in args.host else f"[{args.host}]"
             shown = ", ".join(repr(n) for n in [*names, *loras])
             scheme = "https" if args.ssl_certfile else "http"
-            _say(f"serving {shown} at {scheme}://{host}:{args.port} (OpenAI API base URL "
-                 f"{scheme}://{host}:{args.port}/v1)"
-                 + ("; API key required on /v1" if args.api_key else ""))
+            where = (f"unix:{args.uds} (OpenAI API base path /v1)" if args.uds else
+                     f"{scheme}://{host}:{args.port} (OpenAI API base URL {scheme}://{host}:{args.port}/v1)")
+            _say(f"serving {shown} at {where}" + ("; API key required on /v1" if args.api_key else ""))
             if not args.disable_log_stats:
                 stats_task = asyncio.ensure_future(_log_stats(engine, metrics))
         await serve_task

@@ -92,9 +92,22 @@ class _SamplingFields(NullMeansDefault):
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     early_stopping: Optional[Union[bool, str]] = None  # vLLM's older beam-search field: only false / null taken
+    # vLLM's: tokens per streamed chunk, raised to the server's --stream-interval (stream_interval.py)
+    stream_interval: Optional[int] = None
     # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
     logits_processors: Optional[list[Any]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
+    ec_transfer_params: Optional[dict[str, Any]] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+    logprob_token_ids: Optional[list[int]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    media_io_kwargs: Optional[dict[str, Any]] = None
+    prompt_embeds: Optional[Any] = None
+    # stopping on repeated n-gram loops: chat's object, completions' three sizes (0: off)
+    repetition_detection: Optional[dict[str, Any]] = None
+    max_repetition_pattern_size: Optional[int] = None
+    min_repetition_pattern_size: Optional[int] = None
+    repetition_min_count: Optional[int] = None
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
         """The request's one output constraint, or None; a bad or doubled one is a 400 naming its parameter."""
@@ -151,9 +164,25 @@ class _SamplingFields(NullMeansDefault):
         )
 
 
+_MULTIMODAL = "multimodal input is not built (voltllm serves text models)"
+_REPETITION = ("stopping on repeated token patterns is not built (repetition_penalty / frequency_penalty discourage "
+               "them)")
 _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks)
     "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
     "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),
+    "ec_transfer_params": (lambda v: not v, "encoder-cache transfer (multimodal disaggregation) is not built"),
+    "vllm_xargs": (lambda v: not v, "extension arguments (vllm_xargs) are not built: no extension reads them"),
+    "thinking_token_budget": (lambda v: v is None, "capping the reasoning tokens is not built (max_tokens caps the "
+                                                   "whole output)"),
+    "logprob_token_ids": (lambda v: not v, "logprobs of fixed token ids are not built (use logprobs with "
+                                           "top_logprobs / prompt_logprobs)"),
+    "mm_processor_kwargs": (lambda v: not v, _MULTIMODAL),
+    "media_io_kwargs": (lambda v: not v, _MULTIMODAL),
+    "prompt_embeds": (lambda v: v is None, "prompt embeddings as input are not built (prompts are text or token ids)"),
+    "repetition_detection": (lambda v: v is None, _REPETITION),
+    "max_repetition_pattern_size": (lambda v: not v, _REPETITION),
+    "min_repetition_pattern_size": (lambda v: not v, _REPETITION),
+    "repetition_min_count": (lambda v: not v, _REPETITION),
 }
 
 
@@ -181,17 +210,22 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     reasoning_effort: Optional[str] = None
+    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer; grammars here always constrain from
+    # the first token, which is what vLLM does then
+    include_reasoning: bool = True
+    thinking_token_budget: Optional[int] = None  # vLLM's, not built (check_unbuilt)
+    return_prompt_text: Optional[bool] = None  # vLLM's: the templated prompt as prompt_text (streamed: first chunk)
     documents: Optional[list[dict[str, Any]]] = None  # RAG templates' documents, to the chat template (vLLM's)
     add_special_tokens: bool = False  # vLLM's chat default: the template writes the special tokens itself
 
     def template_kwargs(self) -> Optional[dict[str, Any]]:
         """chat_template_kwargs with what vLLM adds from the request: reasoning_effort (templates that read it use
-        it; "none" also turns enable_thinking off unless the request set it) and documents."""
+        it) and, unless the request's chat_template_kwargs set it, enable_thinking = the effort is not "none" (vLLM's
+        rule: asking for reasoning turns thinking on, also over --default-chat-template-kwargs), and documents."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-            if self.reasoning_effort == "none":
-                kwargs.setdefault("enable_thinking", False)
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
         if self.documents is not None:
             kwargs.setdefault("documents", self.documents)
         return kwargs or self.chat_template_kwargs

@@ -33,7 +33,16 @@ def add_request_args(g: Any) -> None:
     g.add_argument("--reasoning-parser", default=None,
                    help=f"one of: {', '.join(REASONING_PARSERS)} (splits <think>...</think> into reasoning_content)")
     g.add_argument("--response-role", default="assistant", help="role of the generated chat message")
-    g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs a request may ask; -1: no limit (a request's -1 asks for "
+                   "the whole vocabulary)")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed chunk (the first chunk and each choice's last are sent at once); a "
+                   "request's stream_interval may ask for more")
+    g.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="a request's chat_template is applied (what voltllm always does; the --no- form is refused)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                   help='the chat template gets no tools when a request\'s tool_choice is "none"')
     g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help='logprob tokens as "token_id:N" (tokens that are not valid UTF-8 on their own stay '
                    "identifiable); a request's return_tokens_as_token_ids overrides it")
@@ -62,8 +71,13 @@ def check_request_flags(args: argparse.Namespace) -> None:
     if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
         raise ConfigError(f"--reasoning-parser {args.reasoning_parser!r} is not built; available: "
                           f"{', '.join(REASONING_PARSERS)}")
-    if args.max_logprobs < 0:
-        raise ConfigError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    if args.max_logprobs < -1:
+        raise ConfigError(f"--max-logprobs must be >= 0, or -1 (no limit), got {args.max_logprobs}")
+    if args.stream_interval < 1:
+        raise ConfigError(f"--stream-interval must be >= 1 (tokens per streamed chunk), got {args.stream_interval}")
+    if args.trust_request_chat_template is False:
+        raise ConfigError("--no-trust-request-chat-template: refusing a request's chat_template is not built; voltllm "
+                          "applies the chat_template a request sends (as --trust-request-chat-template does)")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ConfigError(f"--max-log-len must be >= 0 (characters or token ids), got {args.max_log_len}")
     if args.enable_log_outputs and not args.enable_log_requests:
@@ -93,7 +107,8 @@ def server_state(config: Any, args: argparse.Namespace, names: list[str], engine
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),
         chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role, max_logprobs=args.max_logprobs,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, stream_interval=args.stream_interval,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,

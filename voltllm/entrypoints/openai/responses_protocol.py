@@ -9,7 +9,7 @@ server does not build is refused with a 400 naming its parameter; unknown fields
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import ConfigDict, StrictBool
 
@@ -44,7 +44,11 @@ class ResponsesRequest(NullMeansDefault):
     store: Optional[bool] = True
     stream: StrictBool = False
     metadata: Optional[dict[str, Any]] = None
-    reasoning: Optional[dict[str, Any]] = None  # accepted and echoed; the model reasons (or not) as it does
+    # echoed; its effort goes to the chat template as chat's reasoning_effort (vLLM's), "none" turning thinking off
+    reasoning: Optional[dict[str, Any]] = None
+    logit_bias: Optional[dict[str, Any]] = None  # as chat's (token id -> bias)
+    request_id: Optional[str] = None  # vLLM's: the response's id (default resp_<uuid>)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"  # echoed (vLLM's default: auto)
     user: Optional[str] = None
     background: Optional[bool] = None  # runs on after the answer (responses_background.py); not with stream
     include: Optional[list[str]] = None  # LOGPROBS_INCLUDE, and _NOTHING_TO_INCLUDE (nothing to add)
@@ -74,6 +78,11 @@ class ResponsesRequest(NullMeansDefault):
 
     def check(self) -> None:
         """400s for what this server does not build."""
+        if self.reasoning is not None and not isinstance(self.reasoning.get("effort", None), (str, type(None))):
+            raise bad_request("reasoning.effort must be a string, e.g. \"low\", \"medium\", \"high\" or \"none\"",
+                              "reasoning")
+        if self.request_id is not None and not self.request_id:
+            raise bad_request("request_id must be a non-empty string", "request_id")
         if self.background and self.store is False:
             raise bad_request("background responses must be stored: drop store: false", "store")
         if self.background and self.stream:
@@ -186,6 +195,7 @@ class ResponsesRequest(NullMeansDefault):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt, priority=self.priority, stream=self.stream, tools=self.chat_tools(),
+            reasoning_effort=(self.reasoning or {}).get("effort"), logit_bias=self.logit_bias,
             tool_choice=self.chat_tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
             response_format=self.response_format(), structured_outputs=self.structured_outputs, user=self.user,
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs if self.wants_logprobs else None)

@@ -21,6 +21,7 @@ from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, Server
                                                        event_stream, make_params, merge_streams, message_text,
                                                        new_id, prompt_logprobs_json, render_chat, sse,
                                                        sse_body, submit, truncated, usage)
+from voltllm.entrypoints.openai.stream_interval import stream_interval
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
 logger = logging.getLogger("voltllm")
@@ -39,6 +40,7 @@ class ChatPlan:
     echo_prefix: str = ""
     tokens_as_ids: bool = False  # logprob tokens as "token_id:N" (--return-tokens-as-token-ids)
     prompt_ids: list[int] = field(default_factory=list)  # (after truncate_prompt_tokens)
+    include_reasoning: bool = True  # false: the reasoning is split off and dropped (vLLM's include_reasoning)
 
 
 def tool_mode(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, Optional[ForcedToolChoice]]:
@@ -59,6 +61,7 @@ class ChoiceView:
     def __init__(self, state: ServerState, plan: ChatPlan, tools: Optional[list], streaming: bool):
         self.streaming = streaming
         self.forced = plan.forced
+        self.include_reasoning = plan.include_reasoning
         # a forced choice's grammar starts the output with its JSON at once: there is no reasoning to split off
         self.reasoning: Optional[ReasoningParser] = (
             REASONING_PARSERS[state.reasoning_parser](plan.prompt_text)
@@ -71,6 +74,8 @@ class ChoiceView:
         reasoning = None
         if self.reasoning is not None:
             reasoning, text = self.reasoning.split(text, finished, self.streaming)
+            if not self.include_reasoning:
+                reasoning = None
         calls: list[dict] = []
         if self.forced is not None:
             calls = forced_calls(self.forced, text, finished)
@@ -96,14 +101,17 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     """Check, template and submit a chat request (shared with /v1/responses): its plan, output streams and
     disconnect watcher (which the caller stops, through collect_or_gone or sse_body)."""
     req.check()
+    interval = stream_interval(state.stream_interval, req)
     model = state.model_name(req.model)
-    messages = state.template_messages(req.messages, req.chat_template, req.tools)
+    # --exclude-tools-when-tool-choice-none (vLLM's): the model is not shown tools it may not call
+    template_tools = None if state.exclude_tools_when_tool_choice_none and req.tool_choice == "none" else req.tools
+    messages = state.template_messages(req.messages, req.chat_template, template_tools)
     use_tools, forced = tool_mode(state, req)
-    state.check_logprobs(req.top_logprobs, "top_logprobs")
-    state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    req.top_logprobs = state.check_logprobs(req.top_logprobs, "top_logprobs")
+    req.prompt_logprobs = state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     prompt_text = render_chat(state, messages, chat_template=req.chat_template, kwargs=req.template_kwargs(),
                               add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message, tools=req.tools)
+                              continue_final_message=req.continue_final_message, tools=template_tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
     ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -115,7 +123,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
     response_id = request_id or (f"chatcmpl-{chosen_id}" if chosen_id is not None else new_id("chatcmpl"))
     engine_id = engine_request_id(response_id, chosen_id is not None)
     plan = ChatPlan(response_id, model, int(time.time()), prompt_text, use_tools, forced,
-                    req.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req), prompt_ids=ids)
+                    req.n, req.num_logprobs, tokens_as_ids=state.tokens_as_ids(req), prompt_ids=ids,
+                    include_reasoning=req.include_reasoning)
     last = messages[-1]
     if req.echo and last.get("role") == state.response_role:
         plan.echo_prefix = message_text(last)
@@ -124,7 +133,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
         streams = submit_beam_searches(state, [engine_id], [prompt], req, max_tokens, req.num_logprobs,
                                         req.priority, model=model)
     else:
-        streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model)
+        streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model,
+                         interval=interval)
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, beam search=%s, prompt: %s",
                     engine_id, len(ids), req.n, max_tokens, req.stream, bool(req.use_beam_search),
@@ -161,9 +171,12 @@ def _full_response(state: ServerState, req: ChatCompletionRequest, plan: ChatPla
                                                            state.tokenizer, plan.tokens_as_ids)}
         choices.append(choice)
     cached = out.num_cached_tokens if state.enable_prompt_tokens_details else None
+    # (service_tier, system_fingerprint: vLLM's null keys; no fingerprint is made here)
     body = {"id": plan.request_id, "object": "chat.completion", "created": plan.created, "model": plan.model,
-            "choices": choices,
+            "choices": choices, "service_tier": None, "system_fingerprint": None,
             "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), cached)}
+    if req.return_prompt_text:
+        body["prompt_text"] = plan.prompt_text
     if req.return_token_ids:
         body["prompt_token_ids"] = list(out.prompt_token_ids)
     if req.prompt_logprobs is not None:
@@ -221,7 +234,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
 
     # as vLLM's: the first chunk of each choice carries the prompt's token ids (return_token_ids); continuous usage
     # counts, per chunk, the prompt and that choice's tokens so far
-    first_extra = {"prompt_token_ids": list(plan.prompt_ids)} if req.return_token_ids else None
+    first_extra = {"prompt_token_ids": list(plan.prompt_ids)} if req.return_token_ids else {}
+    if req.return_prompt_text:
+        first_extra["prompt_text"] = plan.prompt_text
     for i in range(plan.n):
         first = {"role": state.response_role, "content": plan.echo_prefix}
         if state.reasoning_parser:

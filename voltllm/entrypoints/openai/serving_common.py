@@ -21,6 +21,7 @@ from voltllm.engine.request_checks import kept_prompt
 from voltllm.entrypoints.chat_content_format import resolve_content_format
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from voltllm.entrypoints.openai.request_log import OutputLoggingStream
+from voltllm.entrypoints.openai.stream_interval import IntervalStream
 from voltllm.sampling.params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("voltllm")
@@ -37,7 +38,7 @@ class ServerState:
     chat_template: Optional[str] = None
     default_chat_template_kwargs: dict = field(default_factory=dict)
     response_role: str = "assistant"
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1: no limit (a request's -1 asks for the whole vocabulary), as vLLM's
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
@@ -48,6 +49,8 @@ class ServerState:
     log_outputs: bool = False  # log each finished choice's text (with log_requests)
     chat_template_content_format: str = "auto"  # auto | string | openai (chat_content_format.py)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    stream_interval: int = 1  # --stream-interval: tokens per streamed chunk (stream_interval.py)
+    exclude_tools_when_tool_choice_none: bool = False  # the template gets no tools under tool_choice "none"
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
     runner: str = "generate"  # generate | pooling (one runner per engine, as vLLM): which model routes answer
     # a pooling engine's classification head (voltllm.pooling.classifier.ClassifierConfig; None: embeddings): the
@@ -99,9 +102,19 @@ class ServerState:
         asked = getattr(req, "return_tokens_as_token_ids", None)
         return self.return_tokens_as_token_ids if asked is None else bool(asked)
 
-    def check_logprobs(self, n: Optional[int], param: str) -> None:
-        if n is not None and (n < 0 or n > self.max_logprobs):
-            raise bad_request(f"{param} must be between 0 and {self.max_logprobs} (--max-logprobs), got {n}", param)
+    def check_logprobs(self, n: Optional[int], param: str) -> Optional[int]:
+        """A request's logprobs count as the engine takes it (vLLM's -1: the whole vocabulary, with --max-logprobs
+        -1 only); a 400 for a count above --max-logprobs."""
+        if n is None:
+            return None
+        unlimited = self.max_logprobs == -1
+        if n == -1 and unlimited:
+            return self.engine.vocab_size
+        if n < 0 or (not unlimited and n > self.max_logprobs):
+            whole = " (-1, the whole vocabulary, needs --max-logprobs -1)" if n == -1 else ""
+            most = "the vocabulary size, or -1" if unlimited else f"{self.max_logprobs} (--max-logprobs)"
+            raise bad_request(f"{param} must be between 0 and {most}, got {n}{whole}", param)
+        return n
 
 
 def new_id(prefix: str) -> str:
@@ -233,13 +246,15 @@ def make_params(build) -> SamplingParams:
 
 
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
-           cache_salt: Optional[str], priority: int = 0, model: Optional[str] = None) -> list[RequestStream]:
+           cache_salt: Optional[str], priority: int = 0, model: Optional[str] = None,
+           interval: int = 1) -> list[RequestStream]:
     """Add one engine request per prompt (with the adapter `model` names, if it is a --lora-modules one); on any
-    failure abort those already added and raise a 400."""
+    failure abort those already added and raise a 400. interval: a stream's tokens per output (stream_interval.py)."""
     lora = state.lora_request(model)
-    return start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt, priority,
-                                                   lora_request=lora)
-                                 for rid, prompt in zip(request_ids, prompts)))
+    streams = start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt,
+                                                      priority, lora_request=lora)
+                                    for rid, prompt in zip(request_ids, prompts)))
+    return streams if interval == 1 else [IntervalStream(s, interval) for s in streams]
 
 
 def start_streams(state: ServerState, starts: Iterable[Callable[[], Any]]) -> list[Any]:
@@ -264,7 +279,7 @@ def submission_error(e: BaseException) -> BaseException:
     """The HTTP error for a request the engine refused at submission (`e` itself when it is not one of those)."""
     if isinstance(e, InvalidRequestError):
         code = "context_length_exceeded" if "context length" in str(e) else None
-        return bad_request(str(e), e.param or ("max_tokens" if code and "generate" in str(e) else "prompt"), code)
+        return bad_request(str(e), e.param or "prompt", code)
     if isinstance(e, (InvalidPromptError, SamplingParamsError)):
         return bad_request(str(e), "prompt")
     if isinstance(e, EngineDeadError):

@@ -13,6 +13,7 @@ from voltllm.entrypoints.openai.beam_search import submit_beam_searches
 from voltllm.entrypoints.openai.protocol import CompletionRequest
 from voltllm.entrypoints.openai.request_log import shown
 from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
+from voltllm.entrypoints.openai.stream_interval import stream_interval
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
                                                        completion_logprobs, event_stream, make_params, merge_streams,
                                                        new_id, prompt_logprobs_json, sse, sse_body, submit,
@@ -55,10 +56,11 @@ def _engine_prompt(state: ServerState, req: CompletionRequest, prompt: Any) -> A
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Any):
     req.check()
+    interval = stream_interval(state.stream_interval, req)
     model = state.model_name(req.model)
     prompts = req.prompts()
-    state.check_logprobs(req.logprobs, "logprobs")
-    state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    req.logprobs = state.check_logprobs(req.logprobs, "logprobs")
+    req.prompt_logprobs = state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     # vLLM's echo with max_tokens 0: the prompt alone (scoring its logprobs); one token is generated and dropped
     echo_only = req.echo and max_tokens == 0
@@ -77,7 +79,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     else:
         params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
                                                          defaults=state.generation_defaults))
-        streams = submit(state, rids, engine_prompts, params, req.cache_salt, req.priority, model=model)
+        streams = submit(state, rids, engine_prompts, params, req.cache_salt, req.priority, model=model,
+                         interval=interval)
     if state.log_requests:
         logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, beam search=%s, prompt%s: %s",
                     engine_base, len(prompts), n, max_tokens, req.stream, bool(req.use_beam_search),
@@ -112,6 +115,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
     body = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "service_tier": None, "system_fingerprint": None,  # (vLLM's null keys)
             "usage": usage(prompt_tokens, completion_tokens, cached if state.enable_prompt_tokens_details else None)}
     return JSONResponse(body)
 

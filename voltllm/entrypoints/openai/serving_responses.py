@@ -99,7 +99,7 @@ class _Run:
             "text": r.text or {"format": {"type": "text"}}, "tool_choice": r.tool_choice or "auto",
             "tools": r.tools or [], "top_p": r.top_p if r.top_p is not None else defaults.get("top_p", 1.0),
             "truncation": r.truncation or "disabled", "usage": None, "user": r.user,
-            "top_logprobs": r.top_logprobs, "max_tool_calls": r.max_tool_calls,
+            "top_logprobs": r.top_logprobs, "max_tool_calls": r.max_tool_calls, "service_tier": r.service_tier,
         }
 
     def finish(self, items: list[dict], out: RequestOutput) -> dict:
@@ -148,7 +148,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     try:
         chat = req.to_chat(messages)
-        plan, streams, watcher = start_chat(state, chat, raw_request, request_id=_id("resp"))
+        plan, streams, watcher = start_chat(state, chat, raw_request, request_id=req.request_id or _id("resp"))
     except OpenAIError as e:
         if e.param in _PARAMS:
             e.message = e.message.replace(e.param, _PARAMS[e.param])
