@@ -60,6 +60,12 @@ class FakeEngine:
     def remove_lora(self, lora_int_id: int) -> None:
         self.removed_loras.append(lora_int_id)
 
+    def _spawn(self) -> None:
+        self.spawned = True
+
+    def ask_to_stop(self) -> None:
+        self.asked_to_stop = True
+
 
 def _dp(config, engines) -> DataParallelLLM:
     dp = DataParallelLLM(config)
@@ -260,7 +266,7 @@ def test_engines_fitted_to_different_cards_all_take_the_shortest_length(dp3_conf
             e.max_model_len = fitted
             e.frontend = SimpleNamespace(max_model_len=fitted)
             e.engine_info = {"pid": 1, "num_blocks": 8}
-        e.start = start
+        e.finish_start = start
         e.config = dp3_config
     dp = DataParallelLLM(dp3_config, tokenizer=object())
     dp.engines = engines
@@ -315,10 +321,18 @@ def test_an_engine_that_cannot_start_stops_the_others(dp3_config):
             except asyncio.CancelledError:
                 events.append(("cancelled", e.engine_index))
                 raise
-        e.start = start
+        e.finish_start = start
         e.shutdown = lambda timeout=5.0, e=e: events.append(("shutdown", e.engine_index))
     dp = DataParallelLLM(dp3_config, tokenizer=object())
     dp.engines = engines
     with pytest.raises(EngineStartError, match="out of memory"):
         asyncio.run(asyncio.wait_for(dp.start(), 10))
     assert sorted(events) == [("cancelled", 0), ("cancelled", 2), ("shutdown", 0), ("shutdown", 1), ("shutdown", 2)]
+    assert all(e.spawned and e.asked_to_stop for e in engines)  # all spawned before waiting; all asked before joins
+
+
+def test_check_says_it_checks_engine_0(tiny, capsys):
+    from voltllm.cli import main
+
+    assert main(["check", tiny, "--device", "cpu", "-dp", "2", "--no-load"]) == 0
+    assert "--data-parallel-size 2: checking engine 0 (on cpu)" in capsys.readouterr().err

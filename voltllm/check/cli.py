@@ -72,6 +72,9 @@ def run_check(args: argparse.Namespace) -> int:
     from voltllm.cli_args import engine_args_from
 
     config = engine_args_from(args).create_engine_config()  # ConfigError (incl. --require-acceleration): exit 2
+    if config.parallel.data_parallel_size > 1:  # (the engines share the configuration: the first one stands for all)
+        print(f"voltllm check: --data-parallel-size {config.parallel.data_parallel_size}: checking engine 0 (on "
+              f"{config.device.device}); the others run the same configuration on their own cards", file=sys.stderr)
     if args.no_load:
         report = build_report(config)
     else:

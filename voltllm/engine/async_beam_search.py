@@ -30,6 +30,7 @@ class BeamSearchStream:
         self._error: Optional[BaseException] = None
         self._event = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
+        self.lora_int_id: Optional[int] = None  # its adapter's: an unload waits for the search (AsyncLLM.remove_lora)
 
     def start(self, search: Callable[[], Awaitable[RequestOutput]]) -> None:
         self._task = asyncio.ensure_future(self._run(search))
@@ -44,6 +45,7 @@ class BeamSearchStream:
         finally:
             if self.engine._beam_searches.get(self.request_id) is self:
                 del self.engine._beam_searches[self.request_id]
+            self.engine._beam_search_ended()
             self._event.set()
 
     def cancel(self, error: BaseException) -> None:

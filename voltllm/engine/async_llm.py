@@ -165,6 +165,7 @@ class AsyncLLM:
         self.dead: Optional[str] = None  # why the engine is gone
         self._streams: dict[str, RequestStream] = {}
         self._beam_searches: dict[str, BeamSearchStream] = {}  # by request id (their steps' requests: _streams)
+        self._removals_after_searches: set[int] = set()  # unloaded adapters' ids waiting for beam searches to end
         self._ctx = None
         self._actx = None
         self._in = None
@@ -206,6 +207,11 @@ class AsyncLLM:
     async def start(self, timeout: Optional[float] = None) -> None:
         """Spawn the engine process, load the tokenizer meanwhile, and wait until the engine is ready."""
         self._spawn()
+        await self.finish_start(timeout)
+
+    async def finish_start(self, timeout: Optional[float] = None) -> None:
+        """start() after the spawn (data parallelism spawns every engine first): the tokenizer (unless given) and the
+        engine's ready message; on failure the engine is shut down."""
         tok_task = None
         if self.tokenizer is None:
             from voltllm.model.loader import load_tokenizer
@@ -236,6 +242,8 @@ class AsyncLLM:
                     continue
                 if msg[0] == "ready":
                     self.engine_info = msg[1]
+                    # (the block count from the start: /metrics' kv_cache_num_blocks and cache_config_info labels)
+                    self.stats = SchedulerStats(num_blocks=int(msg[1].get("num_blocks") or 0))
                     # --max-model-len auto: the engine fitted the length to its KV cache
                     self.max_model_len = int(msg[1].get("max_model_len", self.max_model_len))
                     return
@@ -326,6 +334,17 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return (not self._closed and self.dead is None and self.proc is not None and self.proc.is_alive()
                 and self._task is not None and not self._task.done())
+
+    def ask_to_stop(self) -> None:
+        """Send a ready engine the polite stop without waiting for it (data parallelism asks every engine first, then
+        shuts each down, so their stops overlap)."""
+        if not self._closed and self.proc is not None and self.proc.is_alive() and self.engine_info:
+            import zmq
+
+            try:
+                self._in.send(pickle.dumps(("shutdown",)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine process (politely, then by force) and release sockets. Idempotent."""
@@ -499,6 +518,7 @@ class AsyncLLM:
         step_logprobs = min(max(params.num_candidates, num_logprobs or 0), self.vocab_size)
         self._check_prompt(ids, SamplingParams(max_tokens=params.max_tokens, logprobs=step_logprobs))
         stream = BeamSearchStream(self, request_id)
+        stream.lora_int_id = lora_request.lora_int_id if lora_request is not None else None
         self._beam_searches[request_id] = stream
         stream.start(functools.partial(run_beam_search, self, request_id, text, ids, params, step_logprobs,
                                        cache_salt, skip_special_tokens, num_logprobs, priority, lora_request))
@@ -529,8 +549,20 @@ class AsyncLLM:
 
     def remove_lora(self, lora_int_id: int) -> None:
         """The engine removes the adapter of that id (EngineCore.remove_lora): the requests already sent with it finish
-        with it (this message comes after them), then it leaves the engine's CPU memory and GPU slot."""
+        with it (this message comes after them), then it leaves the engine's CPU memory and GPU slot. A beam search
+        running with it sends its step requests one step at a time, so the message waits until such searches end
+        (else each later step would read the adapter again, from whatever its path holds by then)."""
+        if any(bs.lora_int_id == lora_int_id for bs in self._beam_searches.values()):
+            self._removals_after_searches.add(lora_int_id)
+            return
         self._send(("remove_lora", lora_int_id))
+
+    def _beam_search_ended(self) -> None:
+        """Send the adapter removals that waited for beam searches which have all ended now."""
+        for lora_id in list(self._removals_after_searches):
+            if not any(bs.lora_int_id == lora_id for bs in self._beam_searches.values()):
+                self._removals_after_searches.discard(lora_id)
+                self._send(("remove_lora", lora_id))
 
     async def acceleration_report(self, timeout: float = 30.0) -> dict:
         """The engine's acceleration report (voltllm.acceleration.build_report on the loaded engine)."""

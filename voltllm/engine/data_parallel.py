@@ -73,6 +73,8 @@ class DataParallelLLM:
     async def start(self, timeout: Optional[float] = None) -> None:
         """Start every engine at once (their weights load in parallel, one tokenizer is loaded for all)."""
         try:
+            for e in self.engines:  # the engines load their weights while the tokenizer loads here
+                e._spawn()
             if self.tokenizer is None:
                 from voltllm.model.loader import load_tokenizer
 
@@ -80,7 +82,7 @@ class DataParallelLLM:
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, mc.tokenizer, mc.trust_remote_code)
             for e in self.engines:
                 e.tokenizer = self.tokenizer
-            starts = [asyncio.ensure_future(e.start(timeout)) for e in self.engines]
+            starts = [asyncio.ensure_future(e.finish_start(timeout)) for e in self.engines]
             try:
                 await asyncio.gather(*starts)
             except BaseException:  # one engine could not start: the others stop waiting, then all stop
@@ -102,6 +104,9 @@ class DataParallelLLM:
                         info.get("pid"), info.get("num_blocks"))
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Every engine asked to stop first, then each shut down (waited for, then forced): their stops overlap."""
+        for e in self.engines:
+            e.ask_to_stop()
         for e in self.engines:
             e.shutdown(timeout)
 
