@@ -65,8 +65,8 @@ def _start(config: Any, rank: int, port: int, conn: Any):
 
     size = config.parallel.tensor_parallel_size
     device = rank_device(config.device.device, rank)
-    if device.type == "cpu":  # ranks share the CPU's cores (rank 0 keeps its process's setting)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    if device.type == "cpu":  # ranks (and data-parallel engines) share the CPU's cores (rank 0 keeps its setting)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size * config.parallel.data_parallel_size)))
     config = dataclasses.replace(config, device=dataclasses.replace(config.device, device=device))
     conn.send(("hello",))
     tp = TPGroup(rank, size, make_store(rank, size, port), device)

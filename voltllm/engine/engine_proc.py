@@ -65,6 +65,11 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
+    dp, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+    if dp > 1 and config.device.device.type == "cpu":  # data-parallel engines on the CPU share its cores
+        import torch
+
+        torch.set_num_threads(min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // (dp * tp))))
     # data-parallel engines name themselves in their lines (the process name AsyncLLM gave: voltllm-engine-K)
     who = "%(name)s (%(processName)s)" if config.parallel.data_parallel_size > 1 else "%(name)s"
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s {who}: %(message)s", datefmt="%H:%M:%S")
