@@ -37,7 +37,7 @@ def test_the_embed_task_pools_the_embedding(embed_server, task):
     assert r.status_code == 200, r.text
     out = r.json()
     assert set(out) == {"id", "object", "created", "model", "data", "usage"}
-    assert out["id"].startswith("pooling-") and out["object"] == "list" and out["model"] == NAME
+    assert out["id"].startswith("pool-") and out["object"] == "list" and out["model"] == NAME
     assert [(d["index"], d["object"]) for d in out["data"]] == [(0, "pooling"), (1, "pooling")]
     assert [d["data"] for d in out["data"]] == [pytest.approx(e, abs=1e-6)
                                                 for e in _embeddings(embed_server, {"input": TEXTS})]
@@ -47,7 +47,7 @@ def test_the_embed_task_pools_the_embedding(embed_server, task):
 
 def test_request_id_header_names_the_response(embed_server):
     r = _post(embed_server, {"input": "hi"}, headers={"X-Request-Id": "abc-1"})
-    assert r.status_code == 200 and r.json()["id"] == "pooling-abc-1"
+    assert r.status_code == 200 and r.json()["id"] == "pool-abc-1"
 
 
 def test_the_chat_form_and_token_ids(embed_server):
@@ -71,7 +71,7 @@ def test_base64_and_bytes_encodings(embed_server):
     r = _post(embed_server, {"input": TEXTS, "encoding_format": "bytes"})
     assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
     meta = json.loads(r.headers["metadata"])
-    assert meta["id"].startswith("pooling-") and meta["model"] == NAME and len(meta["data"]) == 2
+    assert meta["id"].startswith("pool-") and meta["model"] == NAME and len(meta["data"]) == 2
     first = meta["data"][0]
     assert np.frombuffer(r.content[first["start"]:first["end"]], dtype=np.float32).tolist() == pytest.approx(
         floats, abs=0)

@@ -150,7 +150,7 @@ def test_pooling_route_gives_the_class_probabilities(rerank_server, expected, ta
     r = _post(rerank_server, {"model": NAME, "input": texts, **({"task": task} if task else {})}, "/pooling")
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["id"].startswith("pooling-") and body["object"] == "list" and body["model"] == NAME
+    assert body["id"].startswith("pool-") and body["object"] == "list" and body["model"] == NAME
     probs = [d["probs"] for d in _post(rerank_server, {"input": texts}, "/classify").json()["data"]]
     for doc, d, p in zip(DOCS, body["data"], probs):
         assert d["object"] == "pooling" and d["data"] == pytest.approx(p, abs=1e-6)

@@ -23,7 +23,7 @@ async def create_pooling(state: ServerState, req: PoolingRequest, raw_request: A
         params = PoolingParams(use_activation=req.activation_switch(), task=task)
     except PoolingParamsError as e:
         raise bad_request(str(e), _param_of(e))
-    pooled = await pool_inputs(state, req, params, raw_request, "pooling", f"pooling ({task})")
+    pooled = await pool_inputs(state, req, params, raw_request, "pool", f"pooling ({task})")  # vLLM's id prefix
     if pooled is None:
         return JSONResponse({}, status_code=499)
     base_id, created, finals = pooled
