@@ -319,6 +319,47 @@ def test_incomplete_or_bad_weights(llama, tmp_path):
         LLM(target, speculative_config=_spec(head), **BASE)
 
 
+def _write_bad_bin(path, kind):
+    import argparse
+
+    import torch
+
+    if kind == "junk":
+        path.write_bytes(b"not a torch file at all")
+    elif kind == "foreign_object":  # a pickle weights_only refuses (UnpicklingError)
+        torch.save({"fc.weight": argparse.Namespace(x=1)}, path)
+    else:  # "no_table": a bare tensor, not a state dict
+        torch.save(torch.zeros(2), path)
+
+
+@pytest.mark.parametrize("kind,match", [("junk", "not a checkpoint torch.load can read"),
+                                        ("foreign_object", "Unsupported global"),
+                                        ("no_table", "table of named tensors")])
+def test_an_unreadable_bin_head_is_a_config_error(llama, tmp_path, kind, match):
+    """A pytorch_model.bin torch cannot read with weights_only (a damaged file, a pickle of other objects) or that
+    holds no state dict: a ConfigError naming the file, not a traceback. A pre-zip (legacy) torch.save file is read
+    (without mapping, as the weight loader reads it)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from voltllm.engine.eagle3 import checkpoint_tensor_names
+
+    target, head, _ = llama
+    bad = tmp_path / "head"
+    bad.mkdir()
+    shutil.copy(f"{head}/config.json", bad / "config.json")
+    _write_bad_bin(bad / "pytorch_model.bin", kind)
+    with pytest.raises(ConfigError, match=f"EAGLE-3 head: cannot load .*pytorch_model.bin.*{match}"):
+        LLM(target, speculative_config=_spec(str(bad)), **BASE)
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    tensors = load_file(f"{head}/model.safetensors")
+    torch.save(tensors, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert checkpoint_tensor_names(str(legacy)) == set(tensors)
+
+
 def test_under_tensor_parallelism(llama, tmp_path_factory):
     """-tp 2 (gloo): the head runs whole on rank 0 beside its target shard, reading the target's layers there (whole
     after each layer's all-reduce) and rank 0's whole copies of the target's tied embedding / LM head (a head with

@@ -78,21 +78,43 @@ def layer_name(name: str) -> Optional[str]:
 
 
 def checkpoint_tensor_names(path: str) -> set[str]:
-    """The tensor names of a checkpoint directory (safetensors headers, or a legacy pytorch_model*.bin)."""
+    """The tensor names of a checkpoint directory (safetensors headers, or a legacy pytorch_model*.bin); a file
+    that cannot be read is a ValueError naming it."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     names: set[str] = set()
     if files:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         for f in files:
-            with safe_open(f, framework="pt", device="cpu") as st:
-                names.update(st.keys())
+            try:
+                with safe_open(f, framework="pt", device="cpu") as st:
+                    names.update(st.keys())
+            except SafetensorError as e:
+                raise ValueError(f"{f} is not a readable safetensors file ({e})") from None
         return names
+    for f in sorted(glob.glob(os.path.join(path, "pytorch_model*.bin"))):
+        names.update(_bin_tensors(f).keys())
+    return names
+
+
+def _bin_tensors(f: str) -> dict:
+    """A pytorch_model*.bin's name -> tensor table, read with weights_only (mapped when it is a zip-format file; an
+    older pickle-only file is read whole, as the weight loader reads it)."""
+    import zipfile
+
     import torch
 
-    for f in sorted(glob.glob(os.path.join(path, "pytorch_model*.bin"))):
-        names.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True).keys())
-    return names
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
+    except Exception as e:  # (a damaged or foreign file fails in many ways: UnpicklingError, RuntimeError, KeyError..)
+        lines = str(e).strip().splitlines() or [""]
+        detail = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0]).strip()  # (torch's useful line)
+        reason = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+        raise ValueError(f"{f} is not a checkpoint torch.load can read with weights_only (a file of tensors "
+                         f"written by torch.save): {reason}") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ValueError(f"{f} does not hold a table of named tensors (a state dict)")
+    return state
 
 
 def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Params:
