@@ -114,6 +114,38 @@ def test_a_removed_adapter_comes_back_under_a_new_key(paths, monkeypatch):
     m.check_integrity(set())
 
 
+def test_add_after_remove_takes_back_a_load_still_in_use(paths, monkeypatch):
+    """add() of a removed adapter while requests of its old load still run: that load is current again (listed, kept
+    after those requests end, no second read); at another path it stays retired beside a fresh current load."""
+    import voltllm.lora.manager as manager_module
+
+    model, adapters = paths
+    m = _manager(model)
+    r1 = LoRARequest("a1", 1, adapters["a1"])
+    k1 = m.register(r1)
+    _step(m, k1)
+    live = {k1}
+    m.remove(1, lambda: live)
+    read, reads = manager_module.read_adapter, []
+    monkeypatch.setattr(manager_module, "read_adapter", lambda req, *a: reads.append(req.lora_name) or read(req, *a))
+    assert m.add(r1, lambda: live) == k1 and reads == []
+    assert m.ids() == {1} and not m.retiring
+    m.check_integrity(live)
+    live.clear()  # its old requests end: the load stays
+    m.drop_retired(lambda: live)
+    assert k1 in m.known and k1 in m.cached() and m.register(r1) == k1 and reads == []
+    m.check_integrity(live)
+    # removed again, then added from another path while the old load runs: a new load, the old one retired
+    live.add(k1)
+    m.remove(1, lambda: live)
+    moved = m.add(LoRARequest("a1", 1, adapters["a2"]), lambda: live)
+    assert moved != k1 and reads == ["a1"] and m.ids() == {1} and m.retiring
+    live.clear()
+    m.drop_retired(lambda: live)
+    assert k1 not in m.known and moved in m.known and not m.retiring
+    m.check_integrity(live)
+
+
 def test_another_lora_int_id_is_another_load(paths):
     """The server reloads an adapter in place under a new lora_int_id: both loads coexist while the old one's
     requests run (two slots), each with its own weights; the same (name, id) at another path is refused."""

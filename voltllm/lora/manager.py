@@ -110,8 +110,7 @@ class LoRAManager:
                                    f"(lora_int_id {req.lora_int_id}); a second adapter ({req.lora_path}) needs "
                                    "another name or lora_int_id")
         if key is None:  # a request that came after remove() (a beam search's next step): its still live load
-            key = next((k for k in self._retired if (k.name, self.known[k].lora_int_id) == ident
-                        and self.known[k].lora_path == req.lora_path), None)
+            key = self._retired_load(req)
         if key is None:
             key = LoRAKey(req.lora_name, next(self._serials))
             self._read(key, req)
@@ -128,9 +127,22 @@ class LoRAManager:
         return key
 
     def add(self, req: LoRARequest, live_keys: LiveKeys = tuple) -> LoRAKey:
-        """vLLM's add_lora: read and check the adapter now (a removed lora_int_id is taken again)."""
+        """vLLM's add_lora: read and check the adapter now (a removed lora_int_id is taken again: a load of it that
+        requests still run with becomes current again, so it is listed and kept when they end)."""
         self._removed_ids.discard(req.lora_int_id)
+        ident = (req.lora_name, req.lora_int_id)
+        if ident not in self._current:
+            key = self._retired_load(req)
+            if key is not None:
+                self._retired.discard(key)
+                self._current[ident] = key
         return self.register(req, live_keys)
+
+    def _retired_load(self, req: LoRARequest) -> Optional[LoRAKey]:
+        """The removed load of req's (name, lora_int_id) from its path that live requests still use, if any."""
+        ident = (req.lora_name, req.lora_int_id)
+        return next((k for k in self._retired if (k.name, self.known[k].lora_int_id) == ident
+                     and self.known[k].lora_path == req.lora_path), None)
 
     def remove(self, lora_int_id: int, live_keys: LiveKeys = tuple) -> bool:
         """vLLM's remove_lora: retire the adapters of that id (new requests of it read it again; the running ones
