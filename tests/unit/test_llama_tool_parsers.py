@@ -61,6 +61,11 @@ TIME = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
     ('Here is JSON: {"name": "Alice", "age": 3} and {"x": {"y": 1}}',
      'Here is JSON: {"name": "Alice", "age": 3} and {"x": {"y": 1}}', []),
     ("use {braces} then " + WEATHER, "use {braces} then ", [("get_weather", {"city": "Paris", "unit": "c"})]),
+    # the first key: Llama's "name" (or Meta's documented "type"), or the arguments; any other makes it content
+    ('{"type": "function", "name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1})]),
+    ('{"parameters": {"a": 1}, "name": "f"}', "", [("f", {"a": 1})]),
+    ('{"n\\u0061me": "f", "arguments": {}}', "", [("f", {})]),  # (the key as JSON reads it)
+    ('{"id": 1, "name": "f", "parameters": {}}', '{"id": 1, "name": "f", "parameters": {}}', []),
     # malformed: all content
     ('{"name": "get_weather", "parameters": {"city": "Paris"', '{"name": "get_weather", "parameters": {"city": "Paris"',
      []),  # cut short by max_tokens
@@ -210,29 +215,70 @@ def test_edge_cases(parser_cls, text, content, calls):
     _check(parser_cls, text, content, calls)
 
 
-def test_a_long_call_streams_quickly():
-    """Holding back a call whose arguments are still being written scans its strings with regexes, not per character
-    (a 24 kB call fed in 3,000 pieces)."""
-    import time
+def _fed(parser, text: str, step: int):
+    """The text fed to parser a few characters at a time, as a stream: its last answer."""
+    for end in range(step, len(text), step):
+        parser.extract(text[:end], False)
+    return parser.extract(text, True)
 
-    for parser_cls, text in ((Llama3JsonToolParser, '{"name": "write", "parameters": {"text": "%s"}}'),
-                             (PythonicToolParser, "[write(text='%s')]")):
-        text = text % ("lorem ipsum " * 2000)
+
+ROWS = [{"id": i, "title": f"item {i}", "tags": ["a", "b"], "score": i * 0.5, "ok": True, "note": None}
+        for i in range(200)]
+
+
+@pytest.mark.parametrize("parser_cls, text, called", [
+    # a long call: its strings, numbers and nested values
+    (Llama3JsonToolParser, '{"name": "write", "parameters": {"text": "%s", "rows": %s}}'
+     % ("lorem ipsum " * 1000, json.dumps(ROWS)), ["write"]),
+    (PythonicToolParser, "[write(text='%s', rows=%s)]" % ("lorem ipsum " * 1000, [[r["id"], r] for r in ROWS]),
+     ["write"]),
+    # a long JSON answer that starts like a call (held back to its end, then content), pretty-printed
+    (Llama3JsonToolParser, "Sure:\n" + json.dumps({"name": "report", "rows": ROWS}, indent=1), []),
+    (Llama3JsonToolParser, json.dumps({"result": ROWS}), []),
+])
+def test_a_long_stream_reads_each_character_about_once(parser_cls, text, called, monkeypatch):
+    """The text only grows, so each "{" / "[" is scanned on from where the last token stopped: the characters
+    scanned stay within twice the text (not once per token, as a rescan from the "{" on every token would: the
+    texts are 12 to 20 kB), and a closed object is decoded once."""
+    import voltllm.entrypoints.openai.llama_tool_parsers as parsers
+
+    strict, decodes = parsers._JSON, []
+
+    class CountingDecoder:
+        def raw_decode(self, s, idx):
+            decodes.append(idx)
+            return strict.raw_decode(s, idx)
+
+    monkeypatch.setattr(parsers, "_JSON", CountingDecoder())
+    whole = parser_cls().extract(text, True)
+    assert [c["name"] for c in whole[1]] == called and (called or whole[0] == text)
+    for step in (1, 4):
+        decodes.clear()
         p = parser_cls()
-        t0 = time.perf_counter()
-        for end in range(1, len(text), 8):
-            p.extract(text[:end], False)
-        assert p.extract(text, True)[1][0]["name"] == "write"
-        assert time.perf_counter() - t0 < 5.0
+        assert _fed(p, text, step) == whole
+        assert p.chars_scanned <= 2 * len(text), (step, p.chars_scanned, len(text))
+        assert len(decodes) == len(set(decodes))  # (each object decoded once at most)
+
+
+def test_a_json_answer_streams_at_once():
+    """An object whose first key is not a call's goes out as content once that key is complete, not at its end."""
+    p = Llama3JsonToolParser()
+    assert p.extract('Result: {"res', False) == ("Result: ", [])
+    assert p.extract('Result: {"result": [1, ', False) == ('Result: {"result": [1, ', [])
+    assert p.extract('Result: {"result": [1, {"name": "x"', False) == ('Result: {"result": [1, ', [])  # (may be one)
+    assert p.extract('Result: {"result": [1, {"name": "x"}]}', True) == ('Result: {"result": [1, {"name": "x"}]}', [])
 
 
 _PIECES = {
     Llama3JsonToolParser: ['{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "arguments": {"s": "x}y{"}}',
                            '{"a": 1}', "{", "}", " ", ";", "text ", "<|python_tag|>", "<|eom_id|>", '"', "\\", "NaN",
-                           "\n", "tru",
-                           '{"name": "f", "parameters": {"x": [1, {"y": null}]}}'],
+                           "\n", "tru", '{"name": "f", "parameters": {"x": [1, {"y": null}]}}',
+                           # pieces of keys, numbers and words cut anywhere, a first key that is not a call's
+                           '{"', "name", '": ', "12", "e5", "true", ",", ":", "[", "]", '{"type": "function", ',
+                           '"parameters": {', '"name": "h"', "\\u00e9", '{"id": 2, '],
     PythonicToolParser: ["[f(a=1)]", "[g(s='x]y'), h()]", "[", "]", "(", ")", "f(", "a=1", ",", " ", "text ", "'", '"',
-                         "\\", "<|python_start|>", "<|python_end|>", "[1]", "h()", "[f(a=[1, {'k': None}])]"],
+                         "\\", "<|python_start|>", "<|python_end|>", "[1]", "h()", "[f(a=[1, {'k': None}])]",
+                         "get_", "time", "=", "{", "}"],
 }
 
 
@@ -243,8 +289,8 @@ def test_random_mixtures_stream_as_they_parse_whole(parser_cls):
     import random
 
     rng = random.Random(0)
-    for _ in range(300):
-        text = "".join(rng.choice(_PIECES[parser_cls]) for _ in range(rng.randint(1, 8)))
+    for _ in range(600):
+        text = "".join(rng.choice(_PIECES[parser_cls]) for _ in range(rng.randint(1, 10)))
         whole = parser_cls().extract(text, True)
         for step in (1, 4):
             assert _streamed(parser_cls(), text, step) == whole, (text, step)
