@@ -180,7 +180,24 @@ CALL_FIRST_KEYS = frozenset({"name", "type", "parameters", "arguments"})
 _NUMBER_CHARS = frozenset("+-0123456789.eE")
 
 
-class _JsonScan:
+class _Scan:
+    """A held-back group's scanner: it walks the text from where its last advance stopped (the text only grows)."""
+
+    pos: int
+    examined: int
+
+    def advance(self, text: str) -> str:
+        """"open" while the group may still become calls, "closed" (pos: past its last bracket) or "no"."""
+        entry = self.pos
+        verdict, stop = self._walk(text)
+        self.examined += max(stop - entry, 0)
+        return verdict
+
+    def _walk(self, text: str) -> tuple[str, int]:
+        raise NotImplementedError
+
+
+class _JsonScan(_Scan):
     """Whether the "{" at `start` and what follows can still grow into JSON, read as the text grows: each advance
     goes on where the last stopped (inside a string too), so a stream reads each character about once. Errs on the
     side of yes (the closed object is decoded after), except that an object whose first key is not one of
@@ -194,12 +211,6 @@ class _JsonScan:
         self.first_keys = first_keys
         self.examined = 0  # characters looked at, over all advances (a token cut by the text's end counts again)
 
-    def advance(self, text: str) -> str:
-        """"open" while it may still grow into JSON, "closed" (pos: past the object's "}") or "no"."""
-        entry = self.pos
-        verdict, stop = self._walk(text)
-        self.examined += max(stop - entry, 0)
-        return verdict
 
     def _walk(self, text: str) -> tuple[str, int]:
         stack = self.stack
@@ -317,7 +328,7 @@ class Llama3JsonToolParser(_ScannedToolParser):
 
 
 # -- pythonic ---------------------------------------------------------------------------------------------------
-class _CallListScan:
+class _CallListScan(_Scan):
     """Whether the "[" at `start` and what follows can still grow into a list of calls, read as the text grows (each
     advance goes on where the last stopped, inside a string too); the closed list is parsed after."""
 
@@ -328,12 +339,6 @@ class _CallListScan:
         self.quote = ""  # the quote of the string pos is inside
         self.examined = 0  # characters looked at, over all advances (a name cut by the text's end counts again)
 
-    def advance(self, text: str) -> str:
-        """"open" while it may still become a list of calls, "closed" (pos: past its "]") or "no"."""
-        entry = self.pos
-        verdict, stop = self._walk(text)
-        self.examined += max(stop - entry, 0)
-        return verdict
 
     def _walk(self, text: str) -> tuple[str, int]:
         stack = self.stack

@@ -21,7 +21,7 @@ from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.rotary import RotaryEmbedding
-from voltllm.model.models.llama import MLP, Attention, _STACKED
+from voltllm.model.models.llama import MLP, Attention, stacked_target
 
 
 class Eagle3Layer(nn.Module):
@@ -120,11 +120,7 @@ class Eagle3Drafter(nn.Module):
             inner = layer_name(name)
             if inner is not None:
                 name = "layers.0." + inner
-            target, shard = name, 0
-            for frag, (ours, idx) in _STACKED.items():
-                if f".{frag}." in name:
-                    target, shard = name.replace(frag, ours), idx
-                    break
+            target, shard = stacked_target(name)
             module_name, _, kind = target.rpartition(".")
             module = self.get_submodule(module_name) if module_name else None
             if isinstance(module, Linear):

@@ -153,6 +153,15 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+def stacked_target(name: str) -> tuple[str, int]:
+    """A checkpoint weight's name in our stacked projections, and its shard there (q / k / v -> qkv_proj 0 / 1 / 2,
+    gate / up -> gate_up_proj 0 / 1); other names unchanged, shard 0."""
+    for frag, (ours, idx) in _STACKED.items():
+        if f".{frag}." in name:
+            return name.replace(frag, ours), idx
+    return name, 0
+
+
 class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
 
@@ -331,11 +340,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
                 layer, rest = moe
                 loaded.update(layer.mlp.load_hf_weight(rest, tensor, name[:len(name) - len(rest)]))
                 continue
-            target, shard = name, 0
-            for frag, (ours, idx) in _STACKED.items():
-                if f".{frag}." in name:
-                    target, shard = name.replace(frag, ours), idx
-                    break
+            target, shard = stacked_target(name)
             module_name, _, kind = target.rpartition(".")
             module = self.get_submodule(module_name)
             if isinstance(module, VocabParallelEmbedding):
