@@ -200,6 +200,9 @@ class _FakeEngine:
         if bs is not None:
             bs.cancel(RequestAbortedError("aborted"))
 
+    def _beam_search_ended(self):  # (AsyncLLM sends the adapter removals that waited for searches)
+        self.ended = getattr(self, "ended", 0) + 1
+
 
 def test_beam_search_stream_answers_once_and_aborts_its_task():
     import asyncio
@@ -214,6 +217,7 @@ def test_beam_search_stream_answers_once_and_aborts_its_task():
         a = engine._beam_searches["a"] = BeamSearchStream(engine, "a")
         a.start(lambda: asyncio.sleep(0, done))
         assert [out async for out in a] == [done] and "a" not in engine._beam_searches
+        assert engine.ended == 1  # the engine hears of every search's end
         a.close()
         assert engine.aborted == []  # finished: nothing to abort
 
