@@ -178,19 +178,7 @@ class Eagle3Reference:
 def patch_eagle3(monkeypatch, table: dict, vocab: int) -> None:
     """The head's proposal runs as usual, then its drafts (MTPRunner._drafts [drafts, requests], read by the step's
     input ids and the verification) are replaced by the oracle's (tests/spec_oracle.py)."""
-    from spec_oracle import oracle_drafts
+    from spec_oracle import patch_device_proposals
     from voltllm.worker.eagle3_runner import Eagle3Runner
 
-    orig = Eagle3Runner.propose
-
-    def propose(self, sched):
-        orig(self, sched)
-        if self._drafts is None:
-            return
-        for i, s in enumerate(s for s in sched.scheduled if s.spec_tokens):
-            full = table.get(tuple(s.request.prompt_token_ids))
-            if full is not None:
-                want = oracle_drafts(full, s.start + 1, len(s.spec_tokens), vocab)
-                self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
-
-    monkeypatch.setattr(Eagle3Runner, "propose", propose)
+    patch_device_proposals(monkeypatch, Eagle3Runner, table, vocab)

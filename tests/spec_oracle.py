@@ -57,11 +57,17 @@ def patch_draft_model(monkeypatch: Any, table: dict, vocab: int) -> None:
 def patch_dflash(monkeypatch: Any, table: dict, vocab: int) -> None:
     """The DFlash drafter's block forward runs as usual, then its drafts (DFlashRunner._drafts [drafts, requests],
     read by the step's input ids and the greedy verification) are replaced by the oracle's."""
-    import torch
-
     from voltllm.worker.dflash_runner import DFlashRunner
 
-    orig = DFlashRunner.propose
+    patch_device_proposals(monkeypatch, DFlashRunner, table, vocab)
+
+
+def patch_device_proposals(monkeypatch: Any, runner_cls: Any, table: dict, vocab: int) -> None:
+    """A device drafter's `propose` (DFlash's, MTP's, EAGLE-3's) runs as usual, then its drafts (`_drafts` [drafts,
+    requests]) are replaced by the oracle's for the requests `table` knows."""
+    import torch
+
+    orig = runner_cls.propose
 
     def propose(self, sched):
         orig(self, sched)
@@ -73,7 +79,7 @@ def patch_dflash(monkeypatch: Any, table: dict, vocab: int) -> None:
                 want = oracle_drafts(full, s.start + 1, len(s.spec_tokens), vocab)
                 self._drafts[:len(want), i] = torch.tensor(want, dtype=torch.long)
 
-    monkeypatch.setattr(DFlashRunner, "propose", propose)
+    monkeypatch.setattr(runner_cls, "propose", propose)
 
 
 def run_checked(llm: Any, prompts: list, sps: Any) -> list:

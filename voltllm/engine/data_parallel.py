@@ -223,21 +223,15 @@ class DataParallelLLM:
 
     async def generate(self, prompt: Any, params: Any, request_id: str, cache_salt: Optional[str] = None,
                        priority: int = 0, lora_request: Optional[Any] = None) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
+        engine = self._pick(request_id, prompt, cache_salt, lora_request)
+        async for out in engine.generate(prompt, params, request_id, cache_salt, priority, lora_request):
+            yield out
 
     async def encode(self, prompt: Any, params: Any, request_id: str, cache_salt: Optional[str] = None,
                      priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
-        stream = self.add_pooling_request(request_id, prompt, params, cache_salt, priority)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
+        async for out in self._pick(request_id, prompt, cache_salt).encode(prompt, params, request_id, cache_salt,
+                                                                            priority):
+            yield out
 
     def abort(self, request_id: str, reason: Optional[str] = None) -> None:
         """Abort a request on whichever engine serves it (a no-op on the others, as for unknown ids)."""
