@@ -9,12 +9,13 @@ import os
 from typing import Any
 
 
-def writer_with_header(path: str, arch: str, cfg: Any) -> Any:
+def writer_with_header(path: str, arch: str, cfg: Any, split_max_tensors: int = 0) -> Any:
     """A gguf.GGUFWriter for `arch` with the model metadata of the transformers config `cfg` (the shapes, RoPE,
-    norm epsilon, special tokens; the expert counts of qwen3moe)."""
+    norm epsilon, special tokens; the expert counts of qwen3moe). split_max_tensors: write a split model as
+    llama.cpp's gguf-split does (NAME-00001-of-0000N.gguf, ...), this many tensors per file."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -342,3 +343,29 @@ def write_hybrid_gguf(path: str, hf_dir: str, outtype: str = "F16", fuse_gate_up
     w.write_tensors_to_file()
     w.close()
     return written
+
+
+def split_copy(src: str, dst: str, max_tensors: int) -> list[str]:
+    """Rewrite the GGUF `src` as llama.cpp's gguf-split would cut it (`dst` names the parts: dst-00001-of-0000N.gguf,
+    ...), every metadata field and tensor as it was; the parts' paths, in order."""
+    import glob
+    import os
+
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch, split_max_tensors=max_tensors)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # (the writer writes these itself)
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    stem = dst[: -len(".gguf")]
+    return sorted(glob.glob(f"{glob.escape(stem)}-[0-9]*-of-[0-9]*.gguf")) or [os.path.abspath(dst)]

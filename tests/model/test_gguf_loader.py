@@ -1,6 +1,8 @@
 """GGUF loading: the real SmolLM2 file against transformers' own GGUF loader, and tiny synthetic
 llama / qwen2 / qwen3 files written here against the HF weights they were made from."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -77,13 +79,13 @@ def _deinterleave_rows(w, n_heads):
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(0, 2, 1, *range(3, w.ndim + 2)).reshape(w.shape)
 
 
-def _write_tiny(path, arch, hf_config, state_dict, quantize=None):
+def _write_tiny(path, arch, hf_config, state_dict, quantize=None, split_max_tensors=0):
     """Write state_dict as a GGUF the way llama.cpp's converter lays it out; return the expected
     (HF name -> float32 tensor) after the file's quantization. quantize: HF name suffix -> GGUF type (default:
-    up_proj Q8_0; gate_proj is stored F16 unless named)."""
+    up_proj Q8_0; gate_proj is stored F16 unless named). split_max_tensors: split it as gguf-split does."""
     quantize = _UP_Q8 if quantize is None else quantize
     c = hf_config
-    w = writer_with_header(path, arch, c)
+    w = writer_with_header(path, arch, c, split_max_tensors)
     expected = {}
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -153,6 +155,36 @@ def test_tiny_roundtrip(tmp_path, arch):
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32 and tensor.shape == state_dict[name].shape, name
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_a_split_model_reads_as_one_file(tmp_path):
+    """llama.cpp's gguf-split parts (NAME-0000k-of-0000N.gguf) read as the one file they were cut from: the first
+    part's metadata, every part's tensors; any part names the model; a missing part is a clear error."""
+    from voltllm.model.loader import ModelLoadError, resolve_model
+    from voltllm.model.loader.gguf_loader import dense_bytes, split_files
+
+    hf_config, state_dict = _tiny("qwen3")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "split").mkdir()
+    expected = _write_tiny(tmp_path / "one" / "tiny.gguf", "qwen3", hf_config, state_dict)
+    _write_tiny(tmp_path / "split" / "tiny.gguf", "qwen3", hf_config, state_dict, split_max_tensors=7)
+    parts = sorted(str(p) for p in (tmp_path / "split").iterdir())
+    assert len(parts) >= 3 and parts[0].endswith(f"tiny-00001-of-{len(parts):05d}.gguf")
+    assert split_files(parts[-1]) == parts
+    assert resolve_model(parts[1]).path == parts[0]  # any part, or their folder, names the model by the first
+    assert resolve_model(str(tmp_path / "split")).path == parts[0]
+
+    one = str(tmp_path / "one" / "tiny.gguf")
+    _assert_config_matches(gguf_config(parts[0]), gguf_config(one))
+    ours = dict(gguf_weights(parts[0]))
+    assert set(ours) == set(expected) and all(torch.equal(ours[n], expected[n]) for n in expected)
+    assert dense_bytes(parts[0], 2) == dense_bytes(one, 2)
+
+    os.remove(parts[1])
+    with pytest.raises(ModelLoadError, match=f"lacks 1 of its {len(parts)} files: tiny-00002-of-"):
+        resolve_model(parts[0])
+    with pytest.raises(ValueError, match="lacks 1 of its"):
+        gguf_config(parts[0])
 
 
 def test_unsupported_arch(tmp_path):

@@ -32,3 +32,25 @@ def test_capital_of_france(engines):
                    SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ends on <|im_end|> (EOS from the GGUF tokenizer)
+
+
+
+def test_a_split_copy_of_the_file_reads_as_the_file(smollm2_gguf, tmp_path):
+    """The same GGUF cut into parts as gguf-split does (the first holds metadata and tokenizer) reads as the file:
+    the same config, tokenizer and weights, whichever part names it (the engine reads it through these alone)."""
+    from gguf_files import split_copy
+
+    from voltllm.model.loader import resolve_model
+    from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights
+    from voltllm.model.loader.gguf_tokenizer_cache import build_gguf_tokenizer
+
+    parts = split_copy(smollm2_gguf, str(tmp_path / "smollm2.gguf"), max_tensors=100)
+    assert len(parts) >= 3
+    source = resolve_model(parts[-1])
+    assert source.path == source.tokenizer_path == parts[0]
+    assert gguf_config(parts[0]).to_dict() == gguf_config(smollm2_gguf).to_dict()
+    text = "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n"
+    assert build_gguf_tokenizer(parts[0]).encode(text) == build_gguf_tokenizer(smollm2_gguf).encode(text)
+    theirs = dict(gguf_weights(smollm2_gguf))
+    ours = dict(gguf_weights(parts[0]))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -35,9 +35,12 @@ class FakeHub:
             raise self.error
         os.makedirs(snap, exist_ok=True)
         src = self.repos[repo_id]
-        for f in os.listdir(src):
-            if any(fnmatch.fnmatch(f, p) for p in allow_patterns):
-                shutil.copy(os.path.join(src, f), snap)
+        for folder, _, files in os.walk(src):
+            for f in files:
+                rel = os.path.relpath(os.path.join(folder, f), src)  # the Hub's patterns match the repo path
+                if any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
+                    os.makedirs(os.path.dirname(os.path.join(snap, rel)), exist_ok=True)
+                    shutil.copy(os.path.join(src, rel), os.path.join(snap, rel))
         return snap
 
 
@@ -142,9 +145,29 @@ def test_one_gguf_file_of_a_repo_by_its_quantization(fake_hub, tmp_path):
     assert src.kind == "gguf" and src.path.endswith("model-Q4_K_M.gguf")
     assert os.listdir(os.path.dirname(src.path)) == ["model-Q4_K_M.gguf"]  # that file only
     assert "*Q4_K_M.gguf" in fake_hub.calls[-1]["allow_patterns"] and fake_hub.calls[-1]["token"] == "hf_x"
-    with pytest.raises(ModelLoadError, match="has no single-file .gguf named \\*Q8_0.gguf"):
+    with pytest.raises(ModelLoadError, match="has no .gguf model named \\*Q8_0.gguf"):
         resolve_model("acme/tiny-GGUF:Q8_0")  # the cached snapshot lacks it, and so does the repo
     assert [c["local_files_only"] for c in fake_hub.calls[-2:]] == [True, False]
+
+
+def test_a_split_gguf_of_a_repo_by_its_quantization(fake_hub, tmp_path):
+    """A big model comes split by gguf-split, often in a folder per quantization: all its parts are fetched (no other
+    quantization) and the model is named by its first part; a part that did not come is a clear error."""
+    folder = tmp_path / "gguf-repo" / "Q8_0"
+    folder.mkdir()
+    for i in (1, 2, 3):
+        (folder / f"model-Q8_0-0000{i}-of-00003.gguf").write_bytes(b"GGUF")
+    src = resolve_model("acme/tiny-GGUF:Q8_0")
+    assert src.kind == "gguf" and src.path.endswith(os.path.join("Q8_0", "model-Q8_0-00001-of-00003.gguf"))
+    assert sorted(os.listdir(os.path.dirname(src.path))) == [f"model-Q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(src.path)), "model-Q4_K_M.gguf"))
+    os.remove(src.path.replace("00001-of", "00002-of"))  # a part missing from the cache is fetched again
+    assert resolve_model("acme/tiny-GGUF:Q8_0").path == src.path and os.path.isfile(src.path.replace("1-of", "2-of"))
+    assert [c["local_files_only"] for c in fake_hub.calls[-2:]] == [True, False]
+    os.remove(src.path.replace("00001-of", "00002-of"))
+    (folder / "model-Q8_0-00002-of-00003.gguf").unlink()  # and one the repo lacks is a clear error
+    with pytest.raises(ModelLoadError, match="lacks 1 of its 3 files: model-Q8_0-00002-of-00003.gguf"):
+        resolve_model("acme/tiny-GGUF:Q8_0")
 
 
 def test_hub_flags_parse():

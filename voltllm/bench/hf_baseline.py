@@ -37,6 +37,11 @@ def load_hf_model(model_path: str, hf_config: Any, load_format: str, dtype: torc
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         model = model.to(device)  # a no-op unless transformers built some of it elsewhere
     elif model_path.endswith(".gguf") and os.path.isfile(model_path):
+        from voltllm.model.loader.gguf_loader import split_files
+
+        if len(split_files(model_path)) > 1:
+            raise ValueError(f"the transformers baseline reads no split GGUF ({model_path}): merge it with llama.cpp's "
+                             "gguf-split --merge, or run without --baseline hf")
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path) or ".",
                                                      gguf_file=os.path.basename(model_path), dtype=dtype)
         model = model.to(device)

@@ -46,16 +46,28 @@ def resolve_model(model: Optional[str], revision: Optional[str] = None, download
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelLoadError(f"model file {model!r} is not a .gguf file")
-        return ModelSource(path=path, kind="gguf")
+        return ModelSource(path=_gguf_model_file(path), kind="gguf")
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
             return ModelSource(path=path, kind="hf")
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if len(ggufs) == 1:
-            return ModelSource(path=os.path.join(path, ggufs[0]), kind="gguf")
-        raise ModelLoadError(f"model directory {model!r} has no config.json (nor exactly one .gguf file)")
+        models = sorted({_gguf_model_file(os.path.join(path, f)) for f in ggufs})  # a split model counts once
+        if len(models) == 1:
+            return ModelSource(path=models[0], kind="gguf")
+        raise ModelLoadError(f"model directory {model!r} has no config.json (nor exactly one .gguf model: found "
+                             f"{len(models)})")
     raise ModelLoadError(f"model {model!r} not found: give a local Hugging Face directory, a .gguf file or a "
                          "Hugging Face Hub repo id (owner/name)")
+
+
+def _gguf_model_file(path: str) -> str:
+    """The file a GGUF model is named by: the first part of a split one (it holds the metadata and tokenizer)."""
+    from voltllm.model.loader.gguf_loader import first_split_file
+
+    try:
+        return first_split_file(path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def resolve_model_for(model: Optional[str], args: Any) -> ModelSource:

@@ -10,6 +10,9 @@ dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0
 instead come as raw blocks and stay quantized there (model/layers/quantized_linear.py); their dequantized values are
 the same.
 
+A model split by llama.cpp's gguf-split (NAME-00001-of-0000N.gguf, ...) is read as one file: the first part's
+metadata and every part's tensors (split_files).
+
 Two things differ from a Hugging Face checkpoint:
 - ggml lists dims innermost first: a GGUF tensor of shape [in, out] is the torch (out, in) weight.
 - llama.cpp's converter permutes llama-arch q/k projection rows so that RoPE rotates adjacent pairs
@@ -56,18 +59,63 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")  # (ssm_a has n
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 
 
+# llama.cpp's gguf-split names: NAME-00001-of-00003.gguf, ... (the first file holds the metadata, each holds a share
+# of the tensors; big models on the Hub come this way, often in a folder per quantization)
+_SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+def split_files(path: str) -> list[str]:
+    """Every file of the split GGUF that `path` is one of, in order (the first holds the metadata); [path] for a
+    single-file GGUF. A missing part is a ValueError naming it."""
+    m = _SPLIT_NAME.fullmatch(os.path.basename(path))
+    if m is None:
+        return [path]
+    folder, count = os.path.dirname(path), int(m.group("count"))
+    if count < 1 or not 1 <= int(m.group("no")) <= count:
+        raise ValueError(f"GGUF file {path!r}: its name says part {int(m.group('no'))} of {count}")
+    parts = [os.path.join(folder, f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [os.path.basename(p) for p in parts if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"split GGUF {parts[0]!r} lacks {len(missing)} of its {count} files: {', '.join(missing)}")
+    return parts
+
+
+def first_split_file(path: str) -> str:
+    """The file of a split GGUF that holds its metadata (the tokenizer's too); `path` itself for a single file."""
+    return split_files(path)[0]
+
+
+class _SplitReader:
+    """The parts of a split GGUF read as one file: the first part's metadata, every part's tensors in order."""
+
+    def __init__(self, readers: list[Any], paths: list[str]):
+        self.fields = readers[0].fields
+        self.tensors = [t for r in readers for t in r.tensors]
+        field = self.fields.get("split.count")
+        if field is not None and int(field.contents()) != len(paths):
+            raise ValueError(f"split GGUF {paths[0]!r} says it has {field.contents()} files; found {len(paths)}")
+        field = self.fields.get("split.tensors.count")
+        if field is not None and int(field.contents()) != len(self.tensors):
+            raise ValueError(f"split GGUF {paths[0]!r} says it holds {field.contents()} tensors; its {len(paths)} "
+                             f"files hold {len(self.tensors)} (a part from another conversion?)")
+
+
 def _reader(path: str):
     # Parsing the header costs seconds (the tokenizer arrays are read element by element), so the usual
     # gguf_config() then gguf_weights() on one file shares one reader; gguf_weights drops it when done.
-    st = os.stat(path)
-    return _cached_reader(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    stamps = []
+    for part in split_files(path):
+        st = os.stat(part)
+        stamps.append((os.path.abspath(part), st.st_size, st.st_mtime_ns))
+    return _cached_reader(tuple(stamps))
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_reader(path: str, size: int, mtime_ns: int):
+def _cached_reader(stamps: tuple[tuple[str, int, int], ...]):
     from gguf import GGUFReader
 
-    return GGUFReader(path, "r")
+    readers = [GGUFReader(path, "r") for path, _, _ in stamps]
+    return readers[0] if len(readers) == 1 else _SplitReader(readers, [path for path, _, _ in stamps])
 
 
 def _arch(reader) -> str:

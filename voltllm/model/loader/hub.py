@@ -92,22 +92,54 @@ def gguf_quant_ref(name: str) -> Optional[tuple[str, str]]:
 
 def fetch_gguf(repo_id: str, quant: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
                token: Token = None) -> str:
-    """The local path of the repo's one `*<quant>.gguf` file (any letter case, as uploaders name them), fetched
-    alone (a GGUF repo holds every quantization). Split files (`-00001-of-000NN.gguf`) are not read."""
-    patterns = sorted({f"*{q}.gguf" for q in (quant, quant.upper(), quant.lower())})
+    """The local path of the repo's one GGUF model of quantization `quant` (any letter case, as uploaders name them),
+    fetched alone (a GGUF repo holds every quantization): a single `*<quant>.gguf` file, or the first part of a split
+    one (`*<quant>-00001-of-0000N.gguf`, ..., at the top or in a folder per quantization, as big models come)."""
+    split = "-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9]"
+    patterns = sorted({f"*{q}{tail}.gguf" for q in (quant, quant.upper(), quant.lower()) for tail in ("", split)})
+    from voltllm.model.loader.gguf_loader import first_split_file
 
-    def matches(path: str) -> list[str]:
-        return sorted(f for f in os.listdir(path) if f.lower().endswith(f"{quant.lower()}.gguf"))
+    def complete(snapshot: str) -> bool:
+        found = _gguf_models(snapshot, quant)
+        try:
+            return len(found) == 1 and bool(first_split_file(os.path.join(snapshot, found[0])))
+        except ValueError:
+            return False
 
     path = fetch_repo(repo_id, revision, download_dir, token, patterns=patterns)
-    if not matches(path):  # a cached snapshot without this quantization: fetch it
+    if not complete(path):  # a cached snapshot without this quantization (or some of its parts): fetch it
         path = fetch_repo(repo_id, revision, download_dir, token, patterns=patterns, offline_first=False)
-    found = matches(path)
+    found = _gguf_models(path, quant)
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({', '.join(found)})"
-        raise ModelLoadError(f"Hugging Face repo {repo_id} has {what} single-file .gguf named *{quant}.gguf; name "
-                             "one quantization the repo holds (e.g. Q4_K_M), or download the file and pass its path")
-    return os.path.join(path, found[0])
+        raise ModelLoadError(f"Hugging Face repo {repo_id} has {what} .gguf model named *{quant}.gguf (or split as "
+                             f"*{quant}-00001-of-0000N.gguf); name one quantization the repo holds (e.g. Q4_K_M), or "
+                             "download the file and pass its path")
+    try:
+        return first_split_file(os.path.join(path, found[0]))
+    except ValueError as e:  # a split model whose parts did not all come
+        raise ModelLoadError(f"Hugging Face repo {repo_id}: {e}") from None
+
+
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def _gguf_models(snapshot: str, quant: str) -> list[str]:
+    """The GGUF models of quantization `quant` in a snapshot (paths relative to it): single files and split models
+    (named by their first part), anywhere in the tree."""
+    found = set()
+    for folder, _, files in os.walk(snapshot):
+        for f in files:
+            if not f.lower().endswith(".gguf"):
+                continue
+            stem = f[: -len(".gguf")]
+            part = _SPLIT_PART.search(stem)
+            if part is not None:
+                stem = stem[: part.start()]
+            if stem.lower().endswith(quant.lower()):
+                rel = os.path.relpath(os.path.join(folder, f), snapshot)
+                found.add(re.sub(r"-\d{5}(-of-\d{5}\.gguf)$", r"-00001\1", rel) if part is not None else rel)
+    return sorted(found)
 
 
 def require_weights(path: str, repo_id: str) -> None:
