@@ -276,6 +276,9 @@ class EngineArgs:
         from voltllm.fixed_flags import check_fixed_flags
 
         check_fixed_flags(self)
+        from voltllm.reasoning_config import check_reasoning_flags
+
+        check_reasoning_flags(self.reasoning_parser, self.reasoning_config)
         if self.pipeline_parallel_size != 1:
             raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not "
                               "built yet; use 1")

@@ -48,29 +48,42 @@ def _parsed(value: Any) -> dict:
     return value
 
 
-def resolve_reasoning(reasoning_parser: Optional[str], reasoning_config: Any, enable_in_reasoning: bool,
-                      skip_tokenizer_init: bool, load_tokenizer: Callable[[], Any]) -> Optional[ReasoningConfig]:
-    """The reasoning delimiters as token ids (None: neither flag given); ConfigError for an unknown parser or key, a
-    missing string, or one that tokenizes to nothing."""
+def check_reasoning_flags(reasoning_parser: Optional[str], reasoning_config: Any) -> tuple[str, str]:
+    """The flags' own checks (before the model is read: a built parser, known keys, both strings) and the
+    delimiters they give ("" twice: neither flag)."""
     given = _parsed(reasoning_config)
+    defaults = _parser_delimiters(reasoning_parser)
     if reasoning_parser is None and not given:
-        return None
-    defaults = ("", "")
-    if reasoning_parser is not None:
-        from voltllm.entrypoints.openai.parsers import REASONING_PARSERS
-
-        parser = REASONING_PARSERS.get(reasoning_parser)
-        if parser is None:
-            raise ConfigError(f"--reasoning-parser {reasoning_parser!r} is not built; available: "
-                              f"{', '.join(REASONING_PARSERS)}")
-        defaults = (parser.start_str, parser.end_str)
+        return "", ""
     start = given.get("reasoning_start_str", defaults[0])
     end = given.get("reasoning_end_str", defaults[1])
     if not start or not end:
         missing = "reasoning_start_str" if not start else "reasoning_end_str"
         raise ConfigError(f"--reasoning-config needs {missing} (or --reasoning-parser, which knows both)")
+    return start, end
+
+
+def _parser_delimiters(reasoning_parser: Optional[str]) -> tuple[str, str]:
+    if reasoning_parser is None:
+        return "", ""
+    from voltllm.entrypoints.openai.parsers import REASONING_PARSERS
+
+    parser = REASONING_PARSERS.get(reasoning_parser)
+    if parser is None:
+        raise ConfigError(f"--reasoning-parser {reasoning_parser!r} is not built; available: "
+                          f"{', '.join(REASONING_PARSERS)}")
+    return parser.start_str, parser.end_str
+
+
+def resolve_reasoning(reasoning_parser: Optional[str], reasoning_config: Any, enable_in_reasoning: bool,
+                      skip_tokenizer_init: bool, load_tokenizer: Callable[[], Any]) -> Optional[ReasoningConfig]:
+    """The reasoning delimiters as token ids (None: neither flag given); ConfigError for an unknown parser or key, a
+    missing string, or one that tokenizes to nothing."""
+    start, end = check_reasoning_flags(reasoning_parser, reasoning_config)
+    if not start:
+        return None
     if skip_tokenizer_init:
-        if given:
+        if reasoning_config is not None:
             raise ConfigError("--reasoning-config: its strings are tokenized with the model's tokenizer, which "
                               "--skip-tokenizer-init leaves out; drop one of them")
         return None  # (no tokenizer, no text: nothing reads the reasoning)

@@ -95,7 +95,8 @@ def test_forced_tool_choice_after_the_reasoning(client, end_id):
     assert call.function.name == "record"
     check_schema_output(call.function.arguments)
     chunks = list(_chat(client, end_id, stream=True, **kw))
-    args = "".join(tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or [])
+    args = "".join(tc.function.arguments or "" for c in chunks if c.choices
+                   for tc in c.choices[0].delta.tool_calls or [])
     assert json.loads(args) == json.loads(call.function.arguments)
 
 
