@@ -18,7 +18,8 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(path: str, vocab_size: int = 400) -> Any:
+def make_tokenizer(path: str, vocab_size: int = 400, added_tokens: tuple = ()) -> Any:
+    """added_tokens: whole tokens added after training, kept in the text (Qwen3's "<think>" / "</think>" are)."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -27,18 +28,21 @@ def make_tokenizer(path: str, vocab_size: int = 400) -> Any:
                             special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>",
                                   bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    if added_tokens:
+        tok.add_tokens(list(added_tokens), special_tokens=False)
     tok.chat_template = CHATML
     tok.save_pretrained(path)
     return tok
 
 
-def make_model(path: str, kind: str = "llama", seed: int = 0, std: float = 0.15, **overrides: Any) -> str:
+def make_model(path: str, kind: str = "llama", seed: int = 0, std: float = 0.15, added_tokens: tuple = (),
+               **overrides: Any) -> str:
     """Save a tiny random model of `kind` (llama | qwen2 | qwen3 | qwen3_moe: 8 experts, top 2, layer 1 dense) with
-    a tokenizer under path."""
+    a tokenizer under path (added_tokens: make_tokenizer's)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[kind]
-    tok = make_tokenizer(path)
+    tok = make_tokenizer(path, added_tokens=added_tokens)
     kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
               tie_word_embeddings=kind not in ("qwen3", "qwen3_moe"), bos_token_id=tok.bos_token_id,

@@ -126,6 +126,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "weights quantized on the GPU (without it: only when, dequantized, they would take over half "
                         "the usable memory); fp8 on an fp16 / bf16 model quantizes it at load")
     g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
+    g.add_argument("--reasoning-config", type=json_object_arg("--reasoning-config"), default=None,
+                   help='reasoning delimiters for thinking_token_budget, e.g. \'{"reasoning_start_str": "<think>", '
+                   '"reasoning_end_str": "</think>"}\' (default: --reasoning-parser\'s)')
     g.add_argument("--hf-overrides", type=json_object_arg("--hf-overrides"), default=None,
                    help="JSON object of HF config fields to change, e.g. RoPE scaling for long context")
     g.add_argument("--generation-config", default="auto")

@@ -170,6 +170,9 @@ class EngineConfig:
     speculative: Optional[Any] = None  # engine.speculative.SpeculativeConfig (--speculative-config)
     quantization: Optional[str] = None
     lora: Optional[LoRAConfig] = None  # --enable-lora (None: off)
+    # --reasoning-parser / --reasoning-config: the reasoning's delimiters as token ids (reasoning_config.py; None:
+    # neither given); the Frontend hands them to the requests that need them
+    reasoning: Optional[Any] = None
 
 
 @dataclass
@@ -235,6 +238,10 @@ class EngineArgs:
     tokenizer_mode: str = "auto"  # auto | hf: the checkpoint's Hugging Face (fast) tokenizer
     structured_outputs_config: Optional[Any] = None  # JSON object: backend auto | xgrammar
     guided_decoding_backend: Optional[str] = None  # vLLM's older flag: auto | xgrammar
+    # reasoning models (vLLM's): the parser (serve's --reasoning-parser) and --reasoning-config's JSON object
+    # (reasoning_start_str / reasoning_end_str); voltllm/reasoning_config.py
+    reasoning_parser: Optional[str] = None
+    reasoning_config: Optional[Any] = None
     model_impl: str = "auto"  # auto | vllm: voltllm's own model implementations
     long_prefill_token_threshold: int = 0
     safetensors_load_strategy: Optional[str] = None  # lazy (memory-mapped)
@@ -269,6 +276,9 @@ class EngineArgs:
         from voltllm.fixed_flags import check_fixed_flags
 
         check_fixed_flags(self)
+        from voltllm.reasoning_config import check_reasoning_flags
+
+        check_reasoning_flags(self.reasoning_parser, self.reasoning_config)
         if self.pipeline_parallel_size != 1:
             raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not "
                               "built yet; use 1")
@@ -279,6 +289,19 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_ALIASES:
             raise ConfigError(f"--quantization {self.quantization}: this quantization method is not built yet (built: "
                               f"{', '.join(QUANTIZATION_ALIASES)})")
+
+    def _resolve_reasoning(self, tokenizer: str) -> Any:
+        """--reasoning-parser / --reasoning-config as token ids (the tokenizer is loaded for them, only then)."""
+        from voltllm.fixed_flags import enable_in_reasoning
+        from voltllm.reasoning_config import resolve_reasoning
+
+        def load():
+            from voltllm.model.loader import load_tokenizer
+
+            return load_tokenizer(tokenizer, self.trust_remote_code)
+
+        return resolve_reasoning(self.reasoning_parser, self.reasoning_config,
+                                 enable_in_reasoning(self.structured_outputs_config), self.skip_tokenizer_init, load)
 
     def _resolve_tokenizer(self, source: Any) -> str:
         """--tokenizer (a path or a Hub repo id), else the model's own; --tokenizer-revision fetches the tokenizer
@@ -607,6 +630,9 @@ class EngineArgs:
                               quantization=method)
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
+        reasoning = self._resolve_reasoning(tokenizer)
+        if reasoning is not None:
+            config = replace(config, reasoning=reasoning)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration
 

@@ -149,8 +149,21 @@ def _structured_outputs(config: Any, guided_decoding_backend: Optional[str]) -> 
                 raise ConfigError(f"--structured-outputs-config disable_any_whitespace {json.dumps(value)}: voltllm's "
                                   "JSON grammars never allow free whitespace between JSON tokens (true is what it "
                                   "does); flexible whitespace is not built")
+        elif key == "enable_in_reasoning":
+            if not isinstance(value, bool):
+                raise ConfigError(f"--structured-outputs-config enable_in_reasoning must be true or false, got "
+                                  f"{value!r}")
+            # read by enable_in_reasoning(): whether grammars constrain the reasoning too (voltllm/reasoning_config.py)
         elif key == "reasoning_parser":
             raise ConfigError("--structured-outputs-config reasoning_parser: give it as --reasoning-parser")
         else:
-            raise ConfigError(f"--structured-outputs-config {key}: not built (voltllm reads backend, disable_fallback "
-                              "and disable_any_whitespace)")
+            raise ConfigError(f"--structured-outputs-config {key}: not built (voltllm reads backend, disable_fallback, "
+                              "disable_any_whitespace and enable_in_reasoning)")
+
+
+def enable_in_reasoning(config: Any) -> bool:
+    """--structured-outputs-config enable_in_reasoning (vLLM's, default false): grammars constrain from the first
+    token, the reasoning included, rather than from the end of the reasoning (checked by _structured_outputs)."""
+    if isinstance(config, str):
+        config = json.loads(config)
+    return bool(config.get("enable_in_reasoning", False)) if isinstance(config, dict) else False

@@ -48,6 +48,10 @@ def test_vllm_guide_flags_at_voltllm_behaviour_parse(tiny):
     ({"structured_outputs_config": {"disable_fallback": "yes"}}, "disable_fallback must be true or false"),
     ({"structured_outputs_config": {"reasoning_parser": "qwen3"}}, "reasoning_parser: give it as --reasoning-parser"),
     ({"structured_outputs_config": {"whitespace_pattern": " "}}, "whitespace_pattern: not built"),
+    ({"structured_outputs_config": {"enable_in_reasoning": "yes"}}, "enable_in_reasoning must be true or false"),
+    ({"reasoning_config": {"think_end_str": "</think>"}}, "--reasoning-config think_end_str: not a key voltllm"),
+    ({"reasoning_config": {"reasoning_start_str": "<think>"}}, "--reasoning-config needs reasoning_end_str"),
+    ({"reasoning_parser": "granite"}, "--reasoning-parser 'granite' is not built"),
     ({"structured_outputs_config": "[1]"}, "--structured-outputs-config must be a JSON object"),
     ({"guided_decoding_backend": "lm-format-enforcer"}, "--guided-decoding-backend lm-format-enforcer: structured"),
     ({"model_impl": "transformers"}, "--model-impl transformers: the Transformers modeling backend is not built"),
@@ -66,6 +70,13 @@ def test_cli_refusal_exit_code(tiny, capsys):
 
     assert main(["generate", "hi", tiny, "--device", "cpu", "--preemption-mode", "swap"]) == 2
     assert "voltllm: error: --preemption-mode swap: swapping" in capsys.readouterr().err
+
+
+def test_reasoning_config_refusals_exit_2(tiny, capsys):
+    from voltllm.cli import main
+
+    assert main(["generate", "hi", tiny, "--device", "cpu", "--reasoning-config", '{"reasoning_end_str": "</t>"}']) == 2
+    assert "voltllm: error: --reasoning-config needs reasoning_start_str" in capsys.readouterr().err
 
 
 def test_the_context_is_capped_at_a_window_the_checkpoint_turns_on(tmp_path, tiny, caplog):

@@ -260,7 +260,8 @@ def test_count_tokens_body_needs_no_max_tokens():
 
 # -- output shaping -----------------------------------------------------------------------------------
 def _state(**kw):
-    base = dict(reasoning_parser=None, tool_call_parser=None, enable_prompt_tokens_details=False)
+    base = dict(reasoning_parser=None, tool_call_parser=None, enable_prompt_tokens_details=False,
+                grammar_after_reasoning=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -365,6 +366,22 @@ def test_forced_required_calls_stream_as_growing_input_json():
     assert len(deltas) > 4  # the first call's arguments went in pieces
     whole = ChoiceView(_state(), _plan(forced=forced), tools, streaming=False).view(text, True)
     assert [b["input"] for b in content_blocks(*whole)] == [{"city": "Oslo"}, {}]
+
+
+def test_forced_calls_follow_the_reasoning_when_grammars_start_after_it():
+    """--reasoning-parser without enable_in_reasoning: a forced choice's grammar starts after the reasoning, so its
+    output is reasoning, then the calls; with enable_in_reasoning the JSON comes at once (no reasoning split)."""
+    tools = _chat_tools(WEATHER)
+    forced = forced_tool_choice(tools, {"type": "function", "function": {"name": "get_weather"}}, True)
+    text = 'Oslo, then.</think>{"city": "Oslo"}'
+    after = _state(reasoning_parser="qwen3", grammar_after_reasoning=True)
+    for streaming in (False, True):
+        reasoning, content, calls = ChoiceView(after, _plan(prompt="<think>", forced=forced), tools,
+                                               streaming=streaming).view(text, True)
+        assert (reasoning, content, calls[0]["function"]["arguments"]) == ("Oslo, then.", "", '{"city": "Oslo"}')
+    reasoning, _, calls = ChoiceView(_state(reasoning_parser="qwen3"), _plan(prompt="<think>", forced=forced), tools,
+                                     streaming=False).view('{"city": "Oslo"}', True)
+    assert reasoning is None and calls[0]["function"]["arguments"] == '{"city": "Oslo"}'
 
 
 def test_named_call_cut_short():

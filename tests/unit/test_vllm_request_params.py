@@ -196,8 +196,19 @@ def test_a_stop_token_leaves_no_text_unless_asked():
     assert d2.text == "Hello world<|im_end|>"
 
 
-def test_thinking_token_budget_is_refused_on_chat():
-    with pytest.raises(OpenAIError) as e:
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], thinking_token_budget=64).check()
-    assert e.value.param == "thinking_token_budget" and e.value.code == "unsupported_parameter"
-    ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], thinking_token_budget=None).check()
+def test_thinking_token_budget_reaches_the_sampling_params():
+    """vLLM's field on chat and completions: a budget, -1 (no cap, as unset), a negative one a 400-worthy error."""
+    from voltllm.sampling.params import SamplingParamsError
+
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], thinking_token_budget=64)
+    chat.check()
+    assert chat.sampling_params(16, None).thinking_token_budget == 64
+    comp = CompletionRequest(prompt="x", thinking_token_budget=-1)
+    comp.check()
+    assert comp.sampling_params(16, None).thinking_token_budget is None
+    assert CompletionRequest(prompt="x", thinking_token_budget=0).sampling_params(16, None).thinking_token_budget == 0
+    with pytest.raises(SamplingParamsError, match="thinking_token_budget"):
+        CompletionRequest(prompt="x", thinking_token_budget=-2).sampling_params(16, None)
+    with pytest.raises(OpenAIError) as e:  # (beam search cannot force the beams' ends)
+        CompletionRequest(prompt="x", thinking_token_budget=8, use_beam_search=True, n=2).check()
+    assert e.value.param == "thinking_token_budget"

@@ -229,7 +229,7 @@ class AsyncLLM:
             raise
         mc = self.config.model
         self.frontend = Frontend(self.tokenizer, mc.model, self.max_model_len, pooler=mc.pooler,
-                                 model_name=mc.served_model_name)
+                                 model_name=mc.served_model_name, reasoning=self.config.reasoning)
         self._task = asyncio.ensure_future(self._output_loop())
 
     async def _wait_ready(self, timeout: Optional[float]) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import EngineConfig
+from voltllm.engine.reasoning_state import ReasoningStates, wants_state
 from voltllm.engine.request import Request
 from voltllm.engine.request_checks import InvalidRequestError, check_priority, check_vocab, runner_mismatch
 from voltllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -100,6 +101,8 @@ class EngineCore:
         self.grammars = GrammarMatchers(None if config.model.skip_tokenizer_init else self._engine_tokenizer,
                                         self.vocab_size)
         self.scheduler.grammars = self.grammars
+        self.reasoning = ReasoningStates()  # thinking budgets, grammars after the reasoning
+        self.scheduler.reasoning = self.reasoning
         self.grammar_wait_s = GRAMMAR_WAIT_S
         self._request_errors: list[tuple[str, str]] = []  # (request id, message): requests failed after add_request
         self.max_model_len = config.model.max_model_len
@@ -147,6 +150,7 @@ class EngineCore:
         ready = True
         if sp.structured_outputs is not None:
             ready = self.grammars.attach(r)  # False: its grammar compiles in the background; it waits meanwhile
+        self.reasoning.attach(r)
         self.scheduler.add_request(r, ready)
 
     def _register_lora(self, lora_request):
@@ -218,7 +222,19 @@ class EngineCore:
         return errors
 
     def _samples_constrained(self, sched: SchedulerOutput) -> bool:
-        return any(s.samples and s.request.grammar is not None for s in sched.scheduled)
+        """Whether a request that samples in this step may get an allowed-token row, while the step in flight's
+        tokens are not known: a grammar's, or a thinking budget's forced end (one near its budget only)."""
+        if not (self.grammars.live or self.reasoning.live):
+            return False
+        for s in sched.scheduled:
+            if not s.samples:
+                continue
+            r = s.request
+            st = r.reasoning
+            # (num_pending counts this step's own token too)
+            if st.may_constrain(r.num_pending - 1) if st is not None else r.grammar is not None:
+                return True
+        return False
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compile ended join the queue, or fail with its error."""
@@ -288,15 +304,18 @@ class EngineCore:
         handle = None
         if sched.empty:
             self.runner.release(sched.released_ids)
-        elif self.grammars.live and self._inflight is not None and self._samples_constrained(sched):
-            # structured outputs under async scheduling: the masks need the step in flight's tokens, the forward
-            # does not (its pending input ids are fed on the device). Launch the forward, then wait for the step in
-            # flight, advance the matchers and fill the masks while the device runs it, then launch the sampling.
+        elif self._inflight is not None and self._samples_constrained(sched):
+            # structured outputs and thinking budgets under async scheduling: the masks need the step in flight's
+            # tokens, the forward does not (its pending input ids are fed on the device). Launch the forward, then
+            # wait for the step in flight, advance the matchers and reasoning states and fill the masks while the
+            # device runs it, then launch the sampling.
             launched = self.runner.launch_forward(sched)
             outputs += self._finish_inflight()
             sched.grammar_masks = self.grammars.masks(sched.scheduled)
             handle = self.runner.launch_sampling(launched)
-        elif self.grammars.live:  # (nothing in flight: every constrained request's previous token is known)
+        elif self._inflight is None and (self.grammars.live or self.reasoning.live):
+            # (nothing in flight: every constrained request's previous token is known; with a step in flight, no
+            # request that samples here can be constrained: _samples_constrained)
             sched.grammar_masks = self.grammars.masks(sched.scheduled)
         if handle is None and not sched.empty:
             handle = self.runner.execute_async(sched)
@@ -325,6 +344,11 @@ class EngineCore:
         for rid, r in s.requests.items():
             if r.sampling_params.structured_outputs is not None and rid not in g.waiting:
                 assert r.grammar is not None and g.live.get(rid) is r.grammar, f"request {rid} has no matcher"
+            if wants_state(r.sampling_params):
+                assert r.reasoning is not None and self.reasoning.live.get(rid) is r.reasoning, \
+                    f"request {rid} has no reasoning state"
+        leaked = set(self.reasoning.live) - set(s.requests)
+        assert not leaked, f"reasoning state of finished requests: {sorted(leaked)}"
         if self.runner.lora is not None:
             self.runner.lora.check_integrity(self._live_lora_keys())
         if self.runner.state_cache is not None:

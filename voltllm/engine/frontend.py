@@ -125,10 +125,11 @@ class Frontend:
     """Turns prompts into EngineCoreRequests and EngineCoreOutputs into RequestOutputs."""
 
     def __init__(self, tokenizer: Any, model_path: str, max_model_len: int, pooler: Any = None,
-                 model_name: str = ""):
+                 model_name: str = "", reasoning: Any = None):
         """pooler: a pooling engine's PoolerConfig (its requests' defaults and checks); model_name: the name its
-        errors give the model."""
+        errors give the model; reasoning: the engine's ReasoningConfig (--reasoning-parser / --reasoning-config)."""
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.eos_ids = eos_token_ids(tokenizer, model_path)
         self.max_model_len = max_model_len
         self.pooler = pooler
@@ -160,7 +161,8 @@ class Frontend:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidPromptError("the prompt is empty")
-        params = params.clone(_eos_token_ids=self.eos_ids, _bad_words_token_ids=self._bad_words_ids(params))
+        params = params.clone(_eos_token_ids=self.eos_ids, _bad_words_token_ids=self._bad_words_ids(params),
+                              **self._reasoning_fields(params))
         now = time.monotonic()
         children: dict[str, _Child] = {}
         reqs = []
@@ -192,6 +194,29 @@ class Frontend:
                                       "bad_words")
         return bad_words_token_ids(params.bad_words,
                                    lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _reasoning_fields(self, params: SamplingParams) -> dict:
+        """The reasoning's delimiters for a request with a thinking budget or a grammar (engine/reasoning_state.py);
+        InvalidRequestError (a 400) for a budget the server cannot apply."""
+        r = self.reasoning
+        budget = params.thinking_token_budget
+        if budget is not None and r is None:
+            raise InvalidRequestError("thinking_token_budget is set but the server knows no reasoning delimiters: "
+                                      "start it with --reasoning-parser (or --reasoning-config) to use "
+                                      "thinking_token_budget", "thinking_token_budget")
+        grammar = params.structured_outputs is not None
+        if r is None or (budget is None and not grammar):
+            return {}
+        if budget is not None and grammar and not r.grammar_after_reasoning:
+            raise InvalidRequestError(
+                "thinking_token_budget cannot be combined with structured outputs whose grammar constrains the "
+                "reasoning too (its forced end would break the grammar): the server needs --reasoning-parser, "
+                "without --structured-outputs-config enable_in_reasoning true", "thinking_token_budget")
+        after = grammar and r.grammar_after_reasoning
+        if budget is None and not after:
+            return {}
+        return {"_reasoning_start_ids": r.start_ids, "_reasoning_end_ids": r.end_ids,
+                "_grammar_after_reasoning": after}
 
     def make_pooling_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
                              cache_salt: Optional[str] = None, priority: int = 0) -> EngineCoreRequest:

@@ -81,6 +81,8 @@ class Request:
         self.needs_host_history = (sp.has_penalties or sp.bad_words_history > 0
                                    or sp.prompt_logprobs is not None)
         self.grammar = None  # structured outputs: its xgrammar matcher (structured/matchers.py), while it runs
+        # a thinking budget or a grammar after the reasoning: where it stands in its reasoning (reasoning_state.py)
+        self.reasoning = None
         self.generator: Optional[torch.Generator] = None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
         self.new_logprobs: list[PositionLogprobs] = []

@@ -99,6 +99,8 @@ class Scheduler:
         self._released: list[str] = []
         # structured outputs: the engine core's GrammarMatchers (structured/matchers.py), set when it has one
         self.grammars = None
+        # thinking budgets / grammars after the reasoning: the engine core's ReasoningStates (reasoning_state.py)
+        self.reasoning = None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request, ready: bool = True) -> None:
@@ -145,6 +147,8 @@ class Scheduler:
         self.kv.free(req)
         if req.grammar is not None or compiling:
             self.grammars.release(req)
+        if req.reasoning is not None:
+            self.reasoning.release(req)
         self.requests.pop(req.request_id, None)
         self._released.append(req.request_id)
 
@@ -244,12 +248,15 @@ class Scheduler:
         k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
         if k <= 0:
             return []
+        reasoning = req.reasoning
         if self.spec.drafts_on_device:
-            return [DRAFT_PLACEHOLDER] * k
+            # a grammar waiting for the end of reasoning takes only drafts it can check (they may end it)
+            return [] if reasoning is not None and reasoning.drafts_must_be_known else [DRAFT_PLACEHOLDER] * k
         index = req.ngram_index
         if index is None:
             index = req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        return index.propose(req.all_token_ids, k)
+        drafts = index.propose(req.all_token_ids, k)
+        return reasoning.cut_drafts(drafts) if reasoning is not None else drafts
 
     def _add(self, out: SchedulerOutput, req: Request, num_new: int, with_pending: Optional[int] = None) -> None:
         """with_pending: req.num_tokens_with_pending, when the caller has it."""
@@ -320,8 +327,7 @@ class Scheduler:
                 new = [token]
                 lp = logprobs.get(rid) if logprobs else None
                 status = self._check_stop(req, token, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
-                if status is None and req.grammar is not None:
-                    status = self.grammars.accept(req, token)
+                status = self._constraints_accept(req, token, status)
             num_out = len(tokens) - req.num_prompt_tokens
             out = EngineCoreOutput(rid, new, None, None, [lp] if lp is not None else None, None,
                                    max(req.num_cached_tokens, 0), req.first_token_time, now, req.scheduled_time)
@@ -352,13 +358,22 @@ class Scheduler:
         for i, tok in enumerate(verified):
             tokens.append(tok)
             status = self._check_stop(req, tok, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
-            if status is None and req.grammar is not None:  # (constrained requests get no drafts: spec_allowed)
-                status = self.grammars.accept(req, tok)
+            # (a grammar gets no drafts once it applies: spec_allowed; while it waits, none that end the reasoning
+            # before the step's last token: ReasoningState.cut_drafts)
+            status = self._constraints_accept(req, tok, status)
             if status is not None:
                 verified = verified[: i + 1]
                 break
         req.num_computed_tokens = len(tokens) - 1
         return verified, status
+
+    def _constraints_accept(self, req: Request, token: int, status: Optional[RequestStatus]) -> Optional[RequestStatus]:
+        """Advance the request's reasoning state and, when the token is its grammar's, its matcher (a grammar after
+        the reasoning starts with the token after the reasoning's end); the matcher may finish the request."""
+        grammar_token = req.reasoning.accept(token) if req.reasoning is not None else True
+        if status is None and req.grammar is not None and grammar_token:
+            return self.grammars.accept(req, token)
+        return status
 
     @staticmethod
     def _check_stop(req: Request, token: int, num_out: int, at_max_len: bool) -> Optional[RequestStatus]:

@@ -236,14 +236,20 @@ def accept_sampled(drafts: list[int], accepted: list[bool], tokens: list[int]) -
 
 def spec_allowed(req: Any, max_new: Optional[int] = None) -> int:
     """How many draft tokens a request may take this step: none in flight, no penalties / logprobs / prompt
-    logprobs (they would need the earlier tokens or per-position outputs), no structured outputs, allowed_token_ids
-    or bad words (each draft would need its own mask; the verification applies none), min_tokens reached (its
-    stop-token bans are not applied to drafts), room left for the drafts and the model's next token. Greedy and
-    sampled requests alike: verification keeps their output distribution exact (Sampler.verify_drafts)."""
+    logprobs (they would need the earlier tokens or per-position outputs), no structured outputs (but while its
+    grammar waits for the end of the reasoning), allowed_token_ids or bad words (each draft would need its own mask;
+    the verification applies none), min_tokens reached (its stop-token bans are not applied to drafts), a thinking
+    budget that no position of the step can reach (ReasoningState.max_drafts), room left for the drafts and the
+    model's next token. Greedy and sampled requests alike: verification keeps their output distribution exact
+    (Sampler.verify_drafts)."""
     sp = req.sampling_params
+    reasoning = getattr(req, "reasoning", None)
+    grammar_masks = sp.structured_outputs is not None and (reasoning is None or not reasoning.drafts_must_be_known)
     if (req.num_pending or req.needs_host_history or sp.has_penalties or sp.logprobs is not None
-            or sp.structured_outputs is not None or sp.allowed_token_ids is not None or sp.bad_words
+            or grammar_masks or sp.allowed_token_ids is not None or sp.bad_words
             or req.num_output_tokens < sp.min_tokens):
         return 0
     room = req.max_tokens - req.num_output_tokens - 1
-    return max(0, min(room, max_new if max_new is not None else room))
+    k = max(0, min(room, max_new if max_new is not None else room))
+    cap = reasoning.max_drafts() if reasoning is not None else None
+    return k if cap is None else max(0, min(k, cap))

@@ -98,7 +98,7 @@ class LLM:
         self.config = self.engine.config  # --max-model-len auto: fitted to the KV cache by now
         m = self.config.model
         self.frontend = Frontend(self.tokenizer, m.model, m.max_model_len, pooler=m.pooler,
-                                 model_name=m.served_model_name)
+                                 model_name=m.served_model_name, reasoning=self.config.reasoning)
         self._ids = itertools.count()
 
     def _require_runner(self, runner: str, method: str) -> None:

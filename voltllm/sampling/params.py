@@ -52,10 +52,18 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     # words never generated: each as written and with a leading space (Frontend turns them into token ids)
     bad_words: Optional[list[str]] = None
+    # reasoning models: the most tokens the reasoning section (<think> ... </think>) may hold before its end is forced
+    # (vLLM's; -1 means none, as None); needs --reasoning-parser or --reasoning-config (engine/reasoning_state.py)
+    thinking_token_budget: Optional[int] = None
     # Filled by the engine: token ids that end generation (EOS + generation_config's eos ids).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     # Filled by the Frontend (it has the tokenizer): bad_words as token-id sequences; the sampler reads only these
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # Filled by the Frontend for requests with a thinking budget or structured outputs, when the server knows the
+    # reasoning's delimiters: their token ids, and whether the grammar starts after the reasoning
+    _reasoning_start_ids: tuple[int, ...] = field(default=(), repr=False)
+    _reasoning_end_ids: tuple[int, ...] = field(default=(), repr=False)
+    _grammar_after_reasoning: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +78,8 @@ class SamplingParams:
             self.top_k = -1  # 0, or more tokens than any vocabulary has: all of them
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self.structured_outputs = _structured(self.structured_outputs)
+        if type(self.thinking_token_budget) is int and self.thinking_token_budget == -1:
+            self.thinking_token_budget = None  # vLLM's "unlimited"
         self.validate()
 
     def validate(self) -> None:
@@ -120,6 +130,9 @@ class SamplingParams:
             if wrong:
                 raise SamplingParamsError(
                     f"allowed_token_ids must be token ids (non-negative integers), got {wrong[0]!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            bad("thinking_token_budget", "must be an integer >= 0, or -1 (no cap)")
         if not isinstance(self.bad_words, list):
             bad("bad_words", "must be a list of strings")
         if any(not isinstance(w, str) or not w for w in self.bad_words):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from voltllm.engine.reasoning_state import ON, OPEN
 from voltllm.engine.request import Request, RequestStatus
 from voltllm.engine.request_checks import InvalidRequestError
 
@@ -245,15 +246,42 @@ class GrammarMatchers:
         return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
     def masks(self, scheduled: list) -> Optional[GrammarMasks]:
-        """Allowed-token rows for the constrained requests that sample in this step (ScheduledRequest list)."""
-        if not self.live:
+        """Allowed-token rows for the requests that sample in this step and are constrained at this position
+        (ScheduledRequest list): a grammar's (with the reasoning's first token beside it where the first output
+        token may open the reasoning), or a single forced token (a thinking budget's end, the rest of a start the
+        first token opened: engine/reasoning_state.py). A request inside its reasoning, and a budget request short
+        of its budget, get none."""
+        rows: list[tuple[Request, Optional[int], Optional[int]]] = []  # (request, forced token, extra token)
+        for s in scheduled:
+            if not s.samples:
+                continue
+            r = s.request
+            st = r.reasoning
+            if st is None:
+                if r.grammar is not None:
+                    rows.append((r, None, None))
+                continue
+            forced = st.forced()
+            if forced is not None:
+                rows.append((r, forced, None))
+            elif r.grammar is not None and st.grammar in (OPEN, ON):
+                rows.append((r, None, st.start[0] if st.grammar == OPEN else None))
+        if not rows:
             return None
-        reqs = [s.request for s in scheduled if s.samples and s.request.grammar is not None]
-        if not reqs:
-            return None
-        import xgrammar as xgr
-
-        bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
-        for i, r in enumerate(reqs):
+        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for i, (r, forced, extra) in enumerate(rows):
+            if forced is not None:
+                bitmask[i] = 0
+                _allow(bitmask, i, forced)
+                continue
             r.grammar.fill_next_token_bitmask(bitmask, i)
-        return GrammarMasks({r.request_id: i for i, r in enumerate(reqs)}, bitmask)
+            if extra is not None:
+                _allow(bitmask, i, extra)
+        return GrammarMasks({r.request_id: i for i, (r, _, _) in enumerate(rows)}, bitmask)
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set token's bit in a row of an int32 bitmask (xgrammar's layout: bit j of word w is token 32 * w + j)."""
+    word, bit = divmod(token, 32)
+    value = (1 << bit) - (1 << 32 if bit == 31 else 0)  # (as a signed int32)
+    bitmask[row, word] = int(bitmask[row, word]) | value

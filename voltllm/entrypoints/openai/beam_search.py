@@ -28,6 +28,8 @@ _NOT_WITH_BEAM_SEARCH = {
     "seed": (lambda v: v is None, "a seed is not applied to the steps' samples (use temperature 0 for a "
                                   "deterministic search)"),
     "prompt_logprobs": (lambda v: v is None, "beam search computes no prompt logprobs"),
+    "thinking_token_budget": (lambda v: v is None or v == -1, "the thinking budget's forced end is not applied to "
+                                                               "the beams"),
 }
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                       "structured_outputs")

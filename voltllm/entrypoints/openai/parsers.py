@@ -36,6 +36,10 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningParser:
+    # the delimiters (also the engine's, for thinking_token_budget and grammars after the reasoning, unless
+    # --reasoning-config gives others: voltllm/reasoning_config.py)
+    start_str, end_str = THINK_START, THINK_END
+
     def __init__(self, prompt_text: str = ""):
         self.opened_by_prompt = prompt_text.rstrip().endswith(THINK_START)
 

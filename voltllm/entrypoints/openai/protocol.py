@@ -94,6 +94,9 @@ class _SamplingFields(NullMeansDefault):
     early_stopping: Optional[Union[bool, str]] = None  # vLLM's older beam-search field: only false / null taken
     # vLLM's: tokens per streamed chunk, raised to the server's --stream-interval (stream_interval.py)
     stream_interval: Optional[int] = None
+    # vLLM's: the most tokens the reasoning may hold before its end is forced (-1: no cap); needs the server's
+    # --reasoning-parser or --reasoning-config (else a 400 from the Frontend)
+    thinking_token_budget: Optional[int] = None
     # vLLM's, not built here: refused unless at the value that asks for nothing (check_unbuilt)
     logits_processors: Optional[list[Any]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
@@ -161,6 +164,7 @@ class _SamplingFields(NullMeansDefault):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=self.constraint(),  # (checked in check(); grammars are cached)
+            thinking_token_budget=self.thinking_token_budget,
         )
 
 
@@ -172,8 +176,6 @@ _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks
     "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),
     "ec_transfer_params": (lambda v: not v, "encoder-cache transfer (multimodal disaggregation) is not built"),
     "vllm_xargs": (lambda v: not v, "extension arguments (vllm_xargs) are not built: no extension reads them"),
-    "thinking_token_budget": (lambda v: v is None, "capping the reasoning tokens is not built (max_tokens caps the "
-                                                   "whole output)"),
     "logprob_token_ids": (lambda v: not v, "logprobs of fixed token ids are not built (use logprobs with "
                                            "top_logprobs / prompt_logprobs)"),
     "mm_processor_kwargs": (lambda v: not v, _MULTIMODAL),
@@ -210,10 +212,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     reasoning_effort: Optional[str] = None
-    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer; grammars here always constrain from
-    # the first token, which is what vLLM does then
+    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer (it is still generated: a grammar
+    # still starts after it)
     include_reasoning: bool = True
-    thinking_token_budget: Optional[int] = None  # vLLM's, not built (check_unbuilt)
     return_prompt_text: Optional[bool] = None  # vLLM's: the templated prompt as prompt_text (streamed: first chunk)
     documents: Optional[list[dict[str, Any]]] = None  # RAG templates' documents, to the chat template (vLLM's)
     add_special_tokens: bool = False  # vLLM's chat default: the template writes the special tokens itself

@@ -62,10 +62,11 @@ class ChoiceView:
         self.streaming = streaming
         self.forced = plan.forced
         self.include_reasoning = plan.include_reasoning
-        # a forced choice's grammar starts the output with its JSON at once: there is no reasoning to split off
+        # a forced choice's grammar starts after the reasoning (its calls follow it), unless grammars constrain the
+        # reasoning too (--structured-outputs-config enable_in_reasoning): then the JSON comes at once, no reasoning
         self.reasoning: Optional[ReasoningParser] = (
             REASONING_PARSERS[state.reasoning_parser](plan.prompt_text)
-            if state.reasoning_parser and plan.forced is None else None)
+            if state.reasoning_parser and (plan.forced is None or state.grammar_after_reasoning) else None)
         self.tools: Optional[ToolParser] = (
             TOOL_PARSERS[state.tool_call_parser](tools) if plan.use_tools else None)
         self.call_ids: list[str] = []

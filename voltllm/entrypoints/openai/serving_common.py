@@ -40,6 +40,9 @@ class ServerState:
     response_role: str = "assistant"
     max_logprobs: int = 20  # -1: no limit (a request's -1 asks for the whole vocabulary), as vLLM's
     reasoning_parser: Optional[str] = None
+    # grammars (structured outputs, forced tool choices) start after the reasoning (--reasoning-parser without
+    # --structured-outputs-config enable_in_reasoning true): a forced choice's output is reasoning, then its calls
+    grammar_after_reasoning: bool = False
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
     enable_prompt_tokens_details: bool = False
