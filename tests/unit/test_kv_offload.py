@@ -226,3 +226,16 @@ def test_host_store_moves_blocks_of_every_cache():
             assert torch.equal(c[:, dst], b[:, src])
         for untouched in (1, 2, 3, 5, 6, 7):
             assert torch.equal(c[:, untouched], b[:, untouched])
+
+
+def test_metrics_export_the_cpu_tier_under_vllms_names():
+    from voltllm.engine.types import SchedulerStats
+    from voltllm.entrypoints.openai.metrics import ServerMetrics
+
+    stats = SchedulerStats(extra={"external_prefix_cache_queries": 400, "external_prefix_cache_hits": 96})
+    text = ServerMetrics("m", lambda: stats, lambda: True, lambda: 0, max_model_len=64).render().decode()
+    for prefix in ("voltllm", "vllm"):
+        assert f'{prefix}:external_prefix_cache_queries_total{{engine="0",model_name="m"}} 400.0' in text
+        assert f'{prefix}:external_prefix_cache_hits_total{{engine="0",model_name="m"}} 96.0' in text
+    plain = ServerMetrics("m", SchedulerStats, lambda: True, lambda: 0, max_model_len=64).render().decode()
+    assert "external_prefix_cache" not in plain
