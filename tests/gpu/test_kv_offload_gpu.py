@@ -1,7 +1,7 @@
-"""--kv-offloading-size on CUDA: pinned host slots, asynchronous copies on the runner's stream, decode CUDA graphs and
-piecewise prompt graphs on. A 14-block pool evicts a first prompt's blocks to the CPU tier; its second run loads them
-back, and its greedy tokens and logprobs are bit for bit those of an engine whose larger pool kept them on the GPU
-(the same prefix hit, the same KV). Run on the GPU machine:
+"""--kv-offloading-size on CUDA: page-locked host slots (cudaHostRegister), asynchronous copies on the runner's
+stream, decode CUDA graphs and piecewise prompt graphs on. A 14-block pool evicts a first prompt's blocks to the CPU
+tier; its second run loads them back, and its greedy tokens and logprobs are bit for bit those of an engine whose
+larger pool kept them on the GPU (the same prefix hit, the same KV). Run on the GPU machine:
     PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -m gpu -q tests/gpu/test_kv_offload_gpu.py -p no:cacheprovider
 (not run yet: written on a machine without a GPU)."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_cpu_tier_hits_equal_gpu_hits(tiny, dtype, kv_cache_dtype, async_schedul
     kw = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling)
     llm, outs = _run(tiny, 14, kv_offloading_size=0.01, **kw)
     runner = llm.engine.runner
-    assert runner.kv_offload.host.is_pinned() and runner.graphs is not None and runner.graphs.replays > 0
+    assert runner.kv_offload.pinned and runner.graphs is not None and runner.graphs.replays > 0
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 96]
     assert llm.engine.stats().extra["external_prefix_cache_hits"] == 96
     del llm

@@ -3,20 +3,23 @@ cache the runner's blocks address (every attention layer's K and V, and a drafte
 blocks), copied as the scheduler's KVTransfers say (cache/cpu_offload.py keeps which slot holds what).
 
 Layout: one uint8 host buffer [slots, slot_bytes], slot-major, each cache's block at an aligned offset, so that a
-block moves in one copy of all its layers (consecutive slots in one copy). Pinned on CUDA, so the copies are
-asynchronous. Per step and per cache, a save gathers its blocks on the device into a staging buffer of the same
-row layout (one index_select per cache) and copies the rows to their slots; a load copies the slots' rows into the
-staging buffer and scatters them into the blocks (one index_copy_ per cache).
+block moves in one copy of all its layers (consecutive slots in one copy). Page-locked on CUDA (cudaHostRegister, at
+its exact size), so the copies are asynchronous. Per step and per cache, a save gathers its blocks on the device
+into a staging buffer of the same row layout (one index_select per cache) and copies the rows to their slots; a
+load copies the slots' rows into the staging buffer and scatters them into the blocks (one index_copy_ per cache).
 
-Ordering: everything runs on the runner's current stream before the step's forward, so a save reads a block after
-every earlier step wrote it and before this step (or its loads) rewrites it, and a host slot is read or rewritten
-only in stream order with the copies before. Under async scheduling the step still in flight never writes a block
-the scheduler reused: a freed block is no request's any more, and its last writes were launched before this step's
-copies, so stream order is enough; the host never touches the slots itself.
+Ordering: everything runs on the runner's current stream before the step's forward (and a drafter's), so a save
+reads a block after every earlier step wrote it and before this step (or its loads) rewrites it, and a host slot is
+read or rewritten only after the copies planned before. Under async scheduling the step still in flight was launched
+before this step's copies: a block it writes (even one freed since, its request aborted) is saved after those writes,
+and it never reads a block reused now (its blocks were its requests' when it launched), so stream order is enough;
+no host sync. The host never touches the slots itself.
 """
 from __future__ import annotations
 
 import logging
+import weakref
+
 import torch
 
 from voltllm.cache.cpu_offload import KVTransfers, host_available_bytes
@@ -68,7 +71,12 @@ class HostKVStore:
         if rows < 1:
             raise ValueError("the staging buffer holds no block")
         self.staging = staging[: rows * self.slot_bytes].view(rows, self.slot_bytes)
-        self.host = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.host = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            _page_lock(self.host)
+            self.pinned = True
+            weakref.finalize(self, _page_unlock, self.host)
         self.device = staging.device
 
     @property
@@ -104,6 +112,22 @@ class HostKVStore:
             cache.index_copy_(1, idx, view.transpose(0, 1))
 
 
+def _page_lock(t: torch.Tensor) -> None:
+    """Pin a CPU tensor in place (cudaHostRegister), so copies to and from it are asynchronous. torch's pinned
+    allocator (pin_memory=True) would round the size up to a power of two: 40 GiB would lock 64."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister failed (CUDA error {code})")
+
+
+def _page_unlock(t: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already; the process frees it anyway
+        pass
+
+
 def reserve_staging(runner) -> torch.Tensor:
     """The device staging buffer, taken before the KV cache is sized (so the budget is charged for it)."""
     return torch.empty(staging_bytes(runner.kv_block_bytes()), dtype=torch.uint8, device=runner.device)
@@ -136,12 +160,12 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
     pin = runner.device.type == "cuda"
     try:
         store = HostKVStore(caches, num, staging, pin)
-    except RuntimeError as e:  # (cudaHostAlloc refused: too much to lock)
+    except RuntimeError as e:  # (the host refused the allocation, or to lock that much)
         raise RuntimeError(f"--kv-offloading-size {size_gib:g} GiB: allocating {need / 2**30:.2f} GiB of "
                            f"{'pinned ' if pin else ''}host memory failed ({e}); lower --kv-offloading-size") from None
     bs = config.cache.block_size
     logger.info("KV offloading: %d CPU blocks of %d tokens = %d tokens, %.2f GiB of %shost memory%s", num, bs,
-                num * bs, store.nbytes / 2**30, "pinned " if pin else "",
+                num * bs, store.nbytes / 2**30, "page-locked " if pin else "",
                 f" on each of {tp} ranks" if tp > 1 else "")
     return store
 
