@@ -78,6 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of host memory (all -tp ranks together) keeping prefix-cache blocks the GPU evicts; a "
+                        "later prompt with that prefix copies them back instead of recomputing them")
+    g.add_argument("--kv-offloading-backend", default="native",
+                   help="native: voltllm's CPU tier (vLLM's lmcache is not built)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))

@@ -27,7 +27,6 @@ _ALL2ALL = ("all-to-all token exchange (expert parallelism across data-parallel 
 _DATA_PARALLEL = ("data parallelism over several nodes or API servers is not built: --data-parallel-size N runs N "
                   "engines on this machine behind one API server")
 _KV_TRANSFER = "disaggregated prefill / KV cache transfer between engines is not built"
-_KV_OFFLOAD = "offloading the KV cache to CPU memory is not built"
 _TRACING = "OpenTelemetry tracing is not built (Prometheus metrics: GET /metrics)"
 _DBO = "dual-batch overlap (micro-batches overlapping expert-parallel communication) is not built"
 _OWN_KERNELS = "voltllm runs its own Triton kernels (docs/kernels.md); vLLM's kernel and backend choices are not built"
@@ -46,7 +45,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--max-prompt-adapter-token": _PROMPT_ADAPTERS, "--prompt-adapters": _PROMPT_ADAPTERS,
     # memory
     "--enable-sleep-mode": "sleep mode (freeing the GPU between uses, /sleep and /wake_up) is not built",
-    "--kv-offloading-size": _KV_OFFLOAD, "--kv-offloading-backend": _KV_OFFLOAD,
     # parallelism
     "--enable-eplb": _EPLB, "--eplb-config": _EPLB, "--all2all-backend": _ALL2ALL,
     "--data-parallel-size-local": _DATA_PARALLEL, "--data-parallel-address": _DATA_PARALLEL,

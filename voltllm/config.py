@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal, Optional, Union
@@ -96,6 +97,10 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 2 << 30
     mamba_block_size: Optional[int] = None
     mamba_cache_mode: str = "align"
+    # --kv-offloading-size: GiB of host memory for the prefix cache's CPU tier, all tensor-parallel ranks together
+    # (vLLM's meaning; None: off); --kv-offloading-backend: "native" (voltllm's own, cache/cpu_offload.py)
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_backend: str = "native"
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,8 @@ class EngineArgs:
     num_gpu_blocks_override: Optional[int] = None
     mamba_block_size: Optional[int] = None
     mamba_cache_mode: str = "align"
+    kv_offloading_size: Optional[float] = None  # GiB of host memory for evicted prefix-cache blocks (all TP ranks)
+    kv_offloading_backend: str = "native"  # native (lmcache is not built)
     language_model_only: bool = False
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
@@ -600,13 +607,17 @@ class EngineArgs:
             # (vLLM's choice too) a prefix-cache hit skips tokens whose hidden states MEAN / CLS pool
             logger.info("prefix caching is off: %s pooling needs every prompt token computed", pooler.pooling_type)
             prefix_caching = False
+        offload_gib = _resolve_kv_offloading(self.kv_offloading_size, self.kv_offloading_backend, prefix_caching,
+                                             self.enable_prefix_caching, attention_only(hf_config),
+                                             self.data_parallel_size)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
             calculate_key_offsets=calculate_key_offsets,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
-            mamba_cache_mode=self.mamba_cache_mode, kv_cache_memory_bytes=kv_bytes)
+            mamba_cache_mode=self.mamba_cache_mode, kv_cache_memory_bytes=kv_bytes,
+            kv_offloading_size=offload_gib, kv_offloading_backend=self.kv_offloading_backend)
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before
@@ -650,6 +661,38 @@ def _parse_json_arg(flag: str, value: Any) -> Optional[dict]:
     if not isinstance(parsed, dict):
         raise ConfigError(f"{flag} must be a JSON object, got {type(parsed).__name__}")
     return parsed
+
+
+def _resolve_kv_offloading(size_gib: Optional[float], backend: str, prefix_caching: bool, asked_prefix: bool,
+                           attention_only: bool, dp: int) -> Optional[float]:
+    """--kv-offloading-size / --kv-offloading-backend: the CPU tier's GiB (None: off), or a ConfigError where it
+    cannot run."""
+    if backend == "lmcache":
+        raise ConfigError("--kv-offloading-backend lmcache: the LMCache connector is not built; native (the default) "
+                          "keeps evicted prefix-cache blocks in CPU memory")
+    if backend != "native":
+        raise ConfigError(f"--kv-offloading-backend {backend}: not a backend; native (vLLM's other one, lmcache, is "
+                          "not built)")
+    if size_gib is None:
+        return None
+    if isinstance(size_gib, bool) or not isinstance(size_gib, (int, float)) or not math.isfinite(size_gib) \
+            or size_gib <= 0:
+        raise ConfigError(f"--kv-offloading-size must be a number of GiB > 0, got {size_gib!r}")
+    if not prefix_caching:
+        why = ("--no-enable-prefix-caching turns the prefix cache off" if not asked_prefix else
+               "this pooling model's MEAN / CLS pooling turns prefix caching off")
+        raise ConfigError(f"--kv-offloading-size: the CPU tier keeps prefix-cache blocks, and {why}; drop one of them")
+    if not attention_only:
+        raise ConfigError("--kv-offloading-size: not built for hybrid models (their prefix hits resume from "
+                          "recurrent-state snapshots on the GPU, which the CPU tier does not hold); drop it")
+    from voltllm.cache.cpu_offload import host_available_bytes
+
+    available = host_available_bytes()
+    if available is not None and size_gib * dp * 2**30 > available:
+        engines = f" x {dp} data-parallel engines" if dp > 1 else ""
+        raise ConfigError(f"--kv-offloading-size {size_gib:g} GiB{engines}: this host has {available / 2**30:.1f} GiB "
+                          "of memory available (MemAvailable in /proc/meminfo); lower --kv-offloading-size")
+    return float(size_gib)
 
 
 def _check_data_parallel(dp: int, tp: int, expert_parallel: bool, device: torch.device) -> None:

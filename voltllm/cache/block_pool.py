@@ -6,7 +6,7 @@ first, only when a new block is needed.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 
 class Block:
@@ -76,6 +76,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
+        # --kv-offloading-size: told of each cached block about to be reused (its hash still set), so its contents can
+        # be saved to the CPU tier first (kv_manager.py)
+        self.on_evict: Optional[Callable[[Block], None]] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,6 +104,8 @@ class BlockPool:
     def _evict(self, b: Block) -> None:
         if b.block_hash is not None:
             if self.cached.get(b.block_hash) is b:
+                if self.on_evict is not None:
+                    self.on_evict(b)
                 del self.cached[b.block_hash]
             b.block_hash = None
 

@@ -6,6 +6,7 @@ from typing import Optional
 import numpy as np
 
 from voltllm.cache.block_pool import Block, BlockPool
+from voltllm.cache.cpu_offload import CpuBlockIndex, KVTransfers
 from voltllm.cache.prefix import extend_block_hashes
 from voltllm.engine.request import Request
 
@@ -14,7 +15,8 @@ _NO_BLOCKS.flags.writeable = False
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, cpu_blocks: int = 0):
+        """cpu_blocks: host slots of the CPU tier (--kv-offloading-size; 0: none)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -30,6 +32,16 @@ class KVCacheManager:
         # hybrid models: recurrent-state snapshots (voltllm.cache.state_snapshots.StateSnapshots) limit prefix
         # hits to snapshot boundaries and cut prefill chunks at them; None for attention-only models
         self.state_prefix = None
+        # the CPU tier (cache/cpu_offload.py): evicted cached blocks are saved to host slots, later prefix hits there
+        # are loaded into fresh blocks; the copies of the step being scheduled gather in `transfers`
+        self.cpu: Optional[CpuBlockIndex] = None
+        self.transfers = KVTransfers()
+        self._cpu_hits: dict[str, list[int]] = {}  # request id -> host slots get_computed_blocks found, until allocated
+        self.cpu_queries = 0  # vLLM's external_prefix_cache_queries / _hits (tokens)
+        self.cpu_hit_tokens = 0
+        if cpu_blocks and enable_caching:
+            self.cpu = CpuBlockIndex(cpu_blocks)
+            self.pool.on_evict = self._save_evicted
 
     @property
     def num_blocks(self) -> int:
@@ -58,7 +70,41 @@ class KVCacheManager:
             hits = hits[: self.state_prefix.limit_hit(req, len(hits))]
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        num_cpu = self._cpu_lookup(req, hits, max_blocks) if self.cpu is not None else 0
+        return hits, (len(hits) + num_cpu) * self.block_size
+
+    def _cpu_lookup(self, req: Request, hits: list[Block], max_blocks: int) -> int:
+        """The CPU tier's hits after the GPU's (kept for allocate_slots, their slots pinned until the step's copies
+        are taken); at most as many as leave one free GPU block for the tokens still to compute."""
+        slots = self.cpu.lookup_run(req.block_hashes[len(hits):max_blocks]) if self.state_prefix is None else []
+        room = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0) - 1
+        slots = slots[:max(room, 0)]
+        self.cpu_queries += req.num_tokens
+        self.cpu_hit_tokens += len(slots) * self.block_size
+        if slots:
+            self.cpu.pin(slots)
+            self._cpu_hits[req.request_id] = slots
+        return len(slots)
+
+    def _save_evicted(self, b: Block) -> None:
+        """A cached block is about to be reused: save it to a host slot first, unless the CPU tier holds its hash."""
+        slot = self.cpu.store(b.block_hash)
+        if slot is not None:
+            self.transfers.saves.append((b.block_id, slot))
+
+    def take_transfers(self) -> Optional[KVTransfers]:
+        """The copies of the step just scheduled (None: none), in the order they must run; the loads' slots are
+        unpinned (a later step's saves into them run after these loads, in stream order)."""
+        if self.cpu is None:
+            return None
+        out, self.transfers = (self.transfers or None), KVTransfers()
+        self.cpu.unpin_all()
+        self._cpu_hits.clear()  # (hits of a request that was not admitted: looked up again next time)
+        return out
+
+    def reset_cpu_tier(self) -> None:
+        if self.cpu is not None:
+            self.cpu.reset()
 
     def cap_new_tokens(self, req: Request, start: int, num_new: int) -> int:
         """num_new, or fewer so that a hybrid model's chunk ends where a state snapshot is wanted."""
@@ -69,7 +115,7 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[Block]] = None) -> Optional[list[Block]]:
         """Make room for num_new_tokens more tokens; None (and nothing changed) if blocks run out."""
-        if not new_computed_blocks:  # the common decode case first: the held blocks have room (no allocation)
+        if not new_computed_blocks and not self._cpu_hits:  # the common decode case first: the held blocks have room
             rid = req.request_id
             held = self.req_blocks.get(rid)
             if held is not None:
@@ -81,10 +127,11 @@ class KVCacheManager:
                         self._cache_full_blocks(req, filled)  # a block fills this step: register its hash
                     return []
         new_computed_blocks = new_computed_blocks or []
+        cpu_slots = self._cpu_hits.pop(req.request_id, ()) if self._cpu_hits else ()
         held = self.req_blocks.get(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = req.num_computed_tokens + (len(new_computed_blocks) + len(cpu_slots)) * self.block_size
         total = num_computed + num_new_tokens
-        need = -(-total // self.block_size) - len(held) - len(new_computed_blocks)
+        need = -(-total // self.block_size) - len(held) - len(new_computed_blocks)  # (CPU hits take new blocks)
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(need, 0) + evictable_hits > self.pool.num_free_blocks:
             return None
@@ -94,6 +141,9 @@ class KVCacheManager:
             blocks.extend(new_computed_blocks)
             self._append_ids(req.request_id, [b.block_id for b in new_computed_blocks])
         new = self.pool.get_new_blocks(need) if need > 0 else []
+        # the CPU hits' blocks come first (they follow the GPU hits); their hashes are registered below, with the
+        # step's: the loads run before any forward reads them
+        self.transfers.loads.extend(zip(cpu_slots, (b.block_id for b in new)))
         blocks.extend(new)
         self._append_ids(req.request_id, [b.block_id for b in new])
         self._cache_full_blocks(req, min(total, req.num_tokens))
@@ -133,6 +183,7 @@ class KVCacheManager:
         self._block_arrays.pop(req.request_id, None)
         self._block_views.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
+        self._cpu_hits.pop(req.request_id, None)
         if self.state_prefix is not None:
             self.state_prefix.forget(req.request_id)
         self.pool.free_blocks(reversed(blocks))  # tail blocks are evicted first
@@ -160,3 +211,7 @@ class KVCacheManager:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         self.pool.check_integrity(refs)
+        if self.cpu is not None:  # (between steps: the last step's copies were taken)
+            self.cpu.check_integrity()
+            assert not self._cpu_hits, f"CPU-tier hits of requests never allocated: {sorted(self._cpu_hits)}"
+            assert not self.transfers, "KV copies planned outside a step"

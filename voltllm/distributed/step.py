@@ -50,3 +50,6 @@ class StepInputs:
     state_walks: Optional[tuple[list[int], list[int], list[int]]] = None
     # --enable-lora: the step's slot loads and each token's adapter slot (lora/manager.py LoRAStep), as rank 0 chose
     lora: Optional[Any] = None
+    # --kv-offloading-size: the step's copies between blocks and host slots (cache/cpu_offload.py KVTransfers), run
+    # before the forward
+    kv_transfers: Optional[Any] = None

@@ -82,7 +82,9 @@ class EngineCore:
                            "(--mamba-cache-mode align), and %s; it applies to attention-only models",
                            "--mamba-cache-mode none keeps none" if config.cache.mamba_cache_mode == "none"
                            else "there is no memory for them")
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix)
+        offload = self.runner.kv_offload  # --kv-offloading-size: the CPU tier's host slots
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix,
+                                 cpu_blocks=offload.num_slots if offload is not None else 0)
         if prefix and snapshots is not None:
             self.kv.state_prefix = snapshots
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative,
@@ -197,13 +199,16 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         self._drop_retired_loras()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         """Forget every cached prefix, and a hybrid's state snapshots (vLLM's): later requests recompute their
-        prompts from the start. False, changing nothing, while requests hold KV blocks."""
+        prompts from the start. False, changing nothing, while requests hold KV blocks. reset_connector (vLLM's):
+        the CPU tier's blocks too (--kv-offloading-size); without it they stay, as vLLM keeps its connector's."""
         if self.has_unfinished_requests() or not self.kv.pool.reset_prefix_cache():
             return False
         if self.kv.state_prefix is not None:
             self.kv.state_prefix.reset()
+        if reset_connector:
+            self.kv.reset_cpu_tier()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -334,6 +339,9 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        offload = self.runner.kv_offload
+        assert (self.kv.cpu.num_slots if self.kv.cpu is not None else 0) == (
+            offload.num_slots if offload is not None else 0), "the CPU tier's index and host slots differ"
         g, s = self.grammars, self.scheduler
         leaked = (set(g.live) | set(g.waiting)) - set(s.requests)
         assert not leaked, f"grammar state of finished requests: {sorted(leaked)}"

@@ -55,6 +55,9 @@ class SchedulerOutput:
     # structured outputs: the allowed tokens of this step's constrained sampling requests (structured.GrammarMasks),
     # set by the engine core once their previous tokens are known
     grammar_masks: Optional[object] = None
+    # --kv-offloading-size: the step's copies between GPU blocks and the CPU tier (cache/cpu_offload.py KVTransfers),
+    # which every rank runs before the step's forward
+    kv_transfers: Optional[object] = None
 
     @property
     def empty(self) -> bool:
@@ -234,6 +237,7 @@ class Scheduler:
                 loras.add(req.lora_key)
         for req in reversed(passed_over):  # back at the head, in their order (under priority: by their keys)
             self.waiting.requeue(req)
+        out.kv_transfers = self.kv.take_transfers()  # (only allocations that scheduled a request make any)
         self.step_counter += 1
         if out.total_tokens:
             self._step_tokens.append(out.total_tokens)
@@ -399,11 +403,14 @@ class Scheduler:
             extra=self._extra_stats())
 
     def _extra_stats(self) -> dict:
-        """Stats of the optional features: speculation's draft counts, --enable-lora's adapters (running / waiting
-        adapter names, as vLLM's lora_requests_info gauge labels them)."""
+        """Stats of the optional features: speculation's draft counts, the CPU KV tier's lookups, --enable-lora's
+        adapters (running / waiting adapter names, as vLLM's lora_requests_info gauge labels them)."""
         extra: dict = {}
         if self.spec is not None:
             extra.update(spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens)
+        if self.kv.cpu is not None:  # --kv-offloading-size: the CPU tier's lookups, as vLLM's KV connector's
+            extra.update(external_prefix_cache_queries=self.kv.cpu_queries,
+                         external_prefix_cache_hits=self.kv.cpu_hit_tokens)
         if self.max_loras:
             waiting = list(self.waiting) + list(self.waiting_for_grammar.values())
             extra.update(max_lora=self.max_loras,

@@ -111,10 +111,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         """vLLM's: forget every cached prefix (benchmarks measure prompts without earlier runs' hits). Between
-        generate / chat calls no request holds blocks, so it succeeds there."""
-        return self.engine.reset_prefix_cache()
+        generate / chat calls no request holds blocks, so it succeeds there. reset_connector: the CPU tier's blocks
+        too (kv_offloading_size), as vLLM's resets its KV connector's only then."""
+        return self.engine.reset_prefix_cache(reset_connector)
 
     # vLLM's LLMEngine LoRA management (llm.llm_engine.add_lora / remove_lora / list_loras), on the LLM itself
     def add_lora(self, lora_request: Any) -> bool:

@@ -179,6 +179,7 @@ class ModelRunner:
         self._apply_pdl()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.kv_offload = None  # the CPU tier's host slots (--kv-offloading-size; worker/kv_offload.py HostKVStore)
         self.sampler = Sampler()
         self.pooler = None  # a pooling engine's (--runner pooling): it pools hidden states instead of sampling
         if config.model.runner == "pooling":
@@ -406,6 +407,11 @@ class ModelRunner:
                     "checkpoints per request" if self._state_checkpoints else "") + "): lower --max-num-seqs") from None
             logger.info("recurrent state: %d slots, %.2f GiB", self.config.scheduler.max_num_seqs,
                         self.state_cache_bytes() / 2**30)
+        staging = None
+        if self.config.cache.kv_offloading_size is not None:  # (taken before sizing: the KV budget is charged for it)
+            from voltllm.worker.kv_offload import reserve_staging
+
+            staging = reserve_staging(self)
         self.num_blocks = self.determine_num_blocks()
         if self.is_hybrid:  # prefix-cache snapshots of the recurrent state take the place of some KV blocks
             from voltllm.cache.state_snapshots import build_state_snapshots
@@ -422,6 +428,10 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_size, gib, self.config.cache.kv_cache_dtype
                     if self.kv_dtype == torch.uint8 else self.kv_dtype)
+        if staging is not None:  # (every TP rank here: the slot count is a minimum over them)
+            from voltllm.worker.kv_offload import build_host_store
+
+            self.kv_offload = build_host_store(self, staging)
         return self.num_blocks
 
     # -- one step -------------------------------------------------------------------------------
@@ -645,6 +655,8 @@ class ModelRunner:
         once the step in flight has returned the tokens the masks depend on, while the GPU runs this forward).
         The two halves run back to back, in this order, before any other step is launched."""
         self._apply_pdl()
+        if sched.kv_transfers is not None:  # CPU-tier saves and loads, before anything reads or writes the blocks
+            self.kv_offload.apply(sched.kv_transfers)
         if self.draft is not None:  # the draft model's tokens into the draft slots the scheduler reserved
             self.draft.propose(sched)
         n_seqs = len(sched.scheduled)
@@ -706,6 +718,7 @@ class ModelRunner:
             step.prompt_graph_tokens = prompt_graph.num_tokens if prompt_graph is not None else 0
             step.calc_kv_scales, step.calc_key_offsets = self.calc_kv_scales_pending, self.calc_key_offsets_pending
             step.logits_rows = ([rows_idx] if reqs else []) + [(qsl[i], qsl[i] + n) for i, _, n in plp]
+            step.kv_transfers = sched.kv_transfers  # (each rank copies its own heads' part, at the same slots)
             self.send_step(step)
             self.tp.broadcast_(self.buffers.input_ids[:t])
         hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts)
@@ -796,6 +809,8 @@ class ModelRunner:
         same logits rows (their gathers are collectives), nothing sampled."""
         if len(self._follower_events) == 2:  # the staging set about to be refilled was uploaded two steps ago
             self._follower_events.pop(0).synchronize()
+        if step.kv_transfers is not None:  # rank 0 ran them first thing too
+            self.kv_offload.apply(step.kv_transfers)
         buf = self._ensure_buffers()
         t, rows, width = step.padded_tokens, step.rows, step.table_width
         h = buf.host_set(t, rows)

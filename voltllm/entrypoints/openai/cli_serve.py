@@ -302,9 +302,12 @@ async def _log_stats(engine: Any, metrics: Any, every: float = 10.0) -> None:
         rate = s.prefix_cache_hits / s.prefix_cache_queries * 100 if s.prefix_cache_queries else 0.0
         drafts = s.extra.get("spec_draft_tokens", 0)
         spec = (f", drafts accepted {s.extra['spec_accepted_tokens'] / drafts * 100:.1f}%" if drafts else "")
-        logger.info("engine: %d running, %d waiting, KV cache %.1f%% used, prefix-cache hit rate %.1f%%, "
+        cpu_queries = s.extra.get("external_prefix_cache_queries")  # --kv-offloading-size (vLLM logs it so)
+        cpu = (f", external prefix-cache hit rate {s.extra['external_prefix_cache_hits'] / cpu_queries * 100:.1f}%"
+               if cpu_queries else "")
+        logger.info("engine: %d running, %d waiting, KV cache %.1f%% used, prefix-cache hit rate %.1f%%%s, "
                     "generation %.1f tok/s, prompt %.1f tok/s (finished prompts)%s", s.num_running, s.num_waiting,
-                    s.kv_cache_usage * 100, rate, (gen - last_gen) / dt, (prompt - last_prompt) / dt, spec)
+                    s.kv_cache_usage * 100, rate, cpu, (gen - last_gen) / dt, (prompt - last_prompt) / dt, spec)
         last_gen, last_prompt, last_t = gen, prompt, now
 
 

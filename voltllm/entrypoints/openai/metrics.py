@@ -60,7 +60,8 @@ VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
     "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
     "request_inference_time_seconds", "lora_requests_info", "iteration_tokens_total", "request_params_n",
-    "request_params_max_tokens", "cache_config_info")}
+    "request_params_max_tokens", "cache_config_info", "external_prefix_cache_queries",
+    "external_prefix_cache_hits")}
 VLLM_NAMES["voltllm:kv_cache_usage_perc"] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
 
 
@@ -119,6 +120,11 @@ class _EngineCollector(Collector):
             rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
             add(GaugeMetricFamily, "voltllm:prefix_cache_hit_rate", "Prefix-cache hits / queries since start "
                 "(tokens).", i, rate)
+            if "external_prefix_cache_queries" in s.extra:  # --kv-offloading-size: the CPU tier (vLLM's KV connector)
+                add(CounterMetricFamily, "voltllm:external_prefix_cache_queries", "Prompt tokens looked up in the "
+                    "CPU tier of the prefix cache (--kv-offloading-size).", i, s.extra["external_prefix_cache_queries"])
+                add(CounterMetricFamily, "voltllm:external_prefix_cache_hits", "Prompt tokens found in the CPU tier "
+                    "of the prefix cache and copied back to the GPU.", i, s.extra["external_prefix_cache_hits"])
             add(CounterMetricFamily, "voltllm:num_preemptions", "Requests preempted (blocks freed, recomputed "
                 "later).", i, s.num_preemptions)
             if "spec_draft_tokens" in s.extra:  # --speculative-config

@@ -1,0 +1,66 @@
+"""--kv-offloading-size on CUDA: page-locked host slots (cudaHostRegister), asynchronous copies on the runner's
+stream, decode CUDA graphs and piecewise prompt graphs on. A 14-block pool evicts a first prompt's blocks to the CPU
+tier; its second run loads them back, and its greedy tokens and logprobs are bit for bit those of an engine whose
+larger pool kept them on the GPU (the same prefix hit, the same KV). Run on the GPU machine:
+    PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -m gpu -q tests/gpu/test_kv_offload_gpu.py -p no:cacheprovider
+(not run yet: written on a machine without a GPU)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(3, 200) for _ in range(100)] for _ in range(3)]
+ORDER = [0, 1, 2, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny_kvo_gpu")), "qwen3", max_position_embeddings=1024)
+
+
+def _run(tiny, blocks, **kw):
+    llm = LLM(tiny, device="cuda", block_size=16, num_gpu_blocks_override=blocks, max_model_len=200, max_num_seqs=2,
+              gpu_memory_utilization=0.3, **kw)
+    outs = []
+    for i in ORDER:
+        outs.append(llm.generate({"prompt_token_ids": PROMPTS[i]}, GREEDY, use_tqdm=False)[0])
+        llm.engine.check_integrity()
+    return llm, outs
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("float16", "auto"), ("float16", "fp8")])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_cpu_tier_hits_equal_gpu_hits(tiny, dtype, kv_cache_dtype, async_scheduling):
+    kw = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling)
+    llm, outs = _run(tiny, 14, kv_offloading_size=0.01, **kw)
+    runner = llm.engine.runner
+    assert runner.kv_offload.pinned and runner.graphs is not None and runner.graphs.replays > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 96]
+    assert llm.engine.stats().extra["external_prefix_cache_hits"] == 96
+    del llm
+    _, kept = _run(tiny, 64, **kw)
+    assert [o.num_cached_tokens for o in kept] == [0, 0, 0, 96]
+    for got, want in zip(outs, kept):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+def test_tensor_parallel_ranks_copy_their_own_heads(tiny):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    llm, outs = _run(tiny, 14, dtype="float32", kv_offloading_size=0.02, tensor_parallel_size=2)
+    try:
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 96]
+        assert outs[3].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    finally:
+        llm.engine.shutdown()
