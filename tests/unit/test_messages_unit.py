@@ -95,6 +95,19 @@ def test_tool_choice_and_thinking_mapping():
     assert _req(thinking={"type": "disabled"}).template_kwargs() == {"enable_thinking": False}
 
 
+def test_thinking_budget_tokens_caps_the_reasoning_when_the_server_can():
+    """thinking.budget_tokens becomes thinking_token_budget on a server that knows the reasoning's delimiters; without
+    them it is ignored (Claude Code sends it on every request); a budget that is no positive integer is a 400."""
+    enabled = {"type": "enabled", "budget_tokens": 2048}
+    assert _req(thinking=enabled).chat_request(thinking_budgets=True).thinking_token_budget == 2048
+    assert _req(thinking=enabled).chat_request().thinking_token_budget is None
+    assert _req(thinking={"type": "disabled"}).chat_request(thinking_budgets=True).thinking_token_budget is None
+    assert _req(thinking={"type": "adaptive"}).chat_request(thinking_budgets=True).thinking_token_budget is None
+    for bad in (0, -5, "2048", 1.5, True):
+        with pytest.raises(OpenAIError, match="thinking.budget_tokens must be a positive integer"):
+            _req(thinking={"type": "enabled", "budget_tokens": bad}).chat_request(thinking_budgets=True)
+
+
 @pytest.mark.parametrize("kw, param, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}]},
      "messages", "image"),

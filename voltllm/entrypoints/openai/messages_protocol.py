@@ -11,10 +11,11 @@ Code's tool search -> a second tool message for that call, see _tool_reference_m
 blocks dropped. A last assistant turn is a prefill: the template continues it. `tools` -> functions
 (`defer_loading` passed on for the template, as vLLM does); `tool_choice` auto / any / tool / none -> "auto" /
 "required" / a named function / "none" (`disable_parallel_tool_use` -> parallel_tool_calls false); `thinking`
-enabled / disabled -> the chat template kwarg `enable_thinking` (Qwen3's templates read it; the budget is not
-enforced), adaptive -> nothing (the template's default, as vLLM pins nothing for it); `output_config.effort` ->
-the template kwarg `reasoning_effort`; `output_config.format` json_schema (or the older top-level
-`output_format`) -> a json_schema response_format (structured outputs); `stop_sequences` -> stop strings.
+enabled / disabled -> the chat template kwarg `enable_thinking` (Qwen3's templates read it; `budget_tokens` ->
+thinking_token_budget when the server knows the reasoning's delimiters, else ignored), adaptive -> nothing (the
+template's default, as vLLM pins nothing for it); `output_config.effort` -> the template kwarg `reasoning_effort`;
+`output_config.format` json_schema (or the older top-level `output_format`) -> a json_schema response_format
+(structured outputs); `stop_sequences` -> stop strings.
 Refused with a 400: image and document blocks (and any other block type), server tools (a tool with a `type`
 other than "custom"), `mcp_servers`, `container`, output formats other than json_schema, an output format with a
 forced tool_choice (voltllm takes one output constraint per request), roles other than user / assistant / system.
@@ -271,8 +272,21 @@ class CountTokensRequest(BaseModel):
             raise bad_request(f"{where}.schema: {e}", where) from None
         return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
-    def chat_request(self, inline_system: str = "preserve") -> ChatCompletionRequest:
-        """The chat-completions request this one is served as."""
+    def thinking_budget(self) -> Optional[int]:
+        """thinking.budget_tokens of an enabled thinking: the most tokens the reasoning may take (a positive
+        integer; Anthropic's own minimum, 1024, is not imposed on local models)."""
+        if self.thinking is None or self.thinking.get("type") != "enabled" or "budget_tokens" not in self.thinking:
+            return None
+        budget = self.thinking["budget_tokens"]
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise bad_request(f"thinking.budget_tokens must be a positive integer, got {budget!r}",
+                              "thinking.budget_tokens")
+        return budget
+
+    def chat_request(self, inline_system: str = "preserve", thinking_budgets: bool = False) -> ChatCompletionRequest:
+        """The chat-completions request this one is served as. thinking_budgets: the server knows the reasoning's
+        delimiters, so thinking.budget_tokens caps the reasoning (thinking_token_budget); without them it is ignored,
+        as clients such as Claude Code send it on every request."""
         messages = self.chat_messages(inline_system)
         if not any(m["role"] != "system" for m in messages):
             raise bad_request("messages has no content to answer", "messages")
@@ -283,6 +297,9 @@ class CountTokensRequest(BaseModel):
             parallel_tool_calls=parallel, chat_template_kwargs=self.template_kwargs(),
             add_generation_prompt=not prefill, continue_final_message=prefill,
             response_format=self.response_format(tool_choice not in (None, "auto", "none")))
+        budget = self.thinking_budget()
+        if budget is not None and thinking_budgets:
+            fields["thinking_token_budget"] = budget
         fields.update(self._sampling())
         try:
             return ChatCompletionRequest(**fields)

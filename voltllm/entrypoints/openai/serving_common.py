@@ -43,6 +43,8 @@ class ServerState:
     # grammars (structured outputs, forced tool choices) start after the reasoning (--reasoning-parser without
     # --structured-outputs-config enable_in_reasoning true): a forced choice's output is reasoning, then its calls
     grammar_after_reasoning: bool = False
+    # the engine knows the reasoning's delimiters (--reasoning-parser / --reasoning-config): thinking budgets apply
+    thinking_budgets: bool = False
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
     enable_prompt_tokens_details: bool = False

@@ -43,7 +43,7 @@ def _chat(state: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:
     req.check()
     served_model(state, req.model)
     mode = inline_system_mode(state) if has_inline_system(req.messages) else "preserve"
-    chat = req.chat_request(mode)
+    chat = req.chat_request(mode, thinking_budgets=state.thinking_budgets)
     chat.check()
     return chat
 
