@@ -1532,6 +1532,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     cab next1 1; cab plain1 0; cab next2 1
     cab fp8next 1 --kv-cache-dtype fp8_e4m3; cab fp8plain 0 --kv-cache-dtype fp8_e4m3
     ;;
+  s143)  # (session 51) the GPU files of sessions 50-51's CPU-built work on one GPU: KV offloading to CPU memory
+         # (page-locked slots, graphs), EAGLE-3, LoRA (per-load keys, runtime removal)
+    gpu_file test_kv_offload_gpu 150
+    gpu_file test_eagle3_cuda 250
+    gpu_file test_lora_cuda 150
+    ;;
   s142)  # (session 50) the GPU files of session 50's CPU-built work on one GPU: EAGLE-3 (graphs, fp16, sm70, hybrid),
          # LoRA (per-load keys, runtime removal)
     gpu_file test_eagle3_cuda 300
