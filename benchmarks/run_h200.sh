@@ -1537,6 +1537,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_kv_offload_gpu 150
     gpu_file test_eagle3_cuda 250
     gpu_file test_lora_cuda 150
+    # what the CPU tier saves on the 8B shape: a 16K-token prompt back from host memory vs computed vs a GPU hit
+    timeout 200 python3 benchmarks/micro/kv_offload_reuse.py --input-len 16384 --runs 3 2>&1 | grep -v -i warn \
+      | tee "$out/kv-offload-reuse.txt" | tail -7
     ;;
   s142)  # (session 50) the GPU files of session 50's CPU-built work on one GPU: EAGLE-3 (graphs, fp16, sm70, hybrid),
          # LoRA (per-load keys, runtime removal)
