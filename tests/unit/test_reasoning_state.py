@@ -73,9 +73,20 @@ def test_the_first_token_may_open_the_reasoning_or_start_the_grammar():
     st = ReasoningState((S,), (E,), budget=None, grammar=True, prompt=[1, 2])
     assert st.grammar == OPEN
     assert feed(st, [4, 5])[1] == [True, True] and st.grammar == ON
-    st = ReasoningState(S3, E3, budget=1, grammar=True, prompt=[1, 2])
-    out, grammar = feed(st, [S3[0], 0, 0, 5, 6, 0, 0, 7])  # the rest of the start forced, budget, then the grammar
-    assert out == [*S3, 5, *E3, 7] and grammar == [False] * 7 + [True]
+    st = ReasoningState((S,), (E,), budget=1, grammar=True, prompt=[1, 2])
+    out, grammar = feed(st, [S, 5, 0, 7])  # the start opens the reasoning: the budget, its forced end, the grammar
+    assert out == [S, 5, E, 7] and grammar == [False] * 3 + [True]
+
+
+def test_the_grammar_applies_at_once_after_a_closed_reasoning_or_with_a_start_of_several_tokens():
+    """Qwen3 with thinking off writes `<think>\n\n</think>` in the prompt: the reasoning has ended (vLLM reads it
+    so), no first-token union; a start of several tokens could begin with the grammar's own text ("<"): no union."""
+    closed = ReasoningState((S,), (E,), budget=None, grammar=True, prompt=[1, S, 3, E, 3])
+    assert closed.grammar == ON and feed(closed, [S, 4])[1] == [True, True]
+    multi = ReasoningState(S3, E3, budget=1, grammar=True, prompt=[1, 2])
+    assert multi.grammar == ON and feed(multi, [S3[0], 4])[1] == [True, True]
+    unopened = ReasoningState((S,), (E,), budget=None, grammar=True, prompt=[1, 2])
+    assert unopened.grammar == OPEN
 
 
 def test_speculative_rounds_append_several_tokens_and_take_only_safe_drafts():

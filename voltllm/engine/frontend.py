@@ -203,7 +203,9 @@ class Frontend:
         if budget is not None and r is None:
             raise InvalidRequestError("thinking_token_budget is set but the server knows no reasoning delimiters: "
                                       "start it with --reasoning-parser (or --reasoning-config) to use "
-                                      "thinking_token_budget", "thinking_token_budget")
+                                      "thinking_token_budget" + (" (and with its tokenizer: not --skip-tokenizer-init)"
+                                                                 if self.tokenizer is None else ""),
+                                      "thinking_token_budget")
         grammar = params.structured_outputs is not None
         if r is None or (budget is None and not grammar):
             return {}

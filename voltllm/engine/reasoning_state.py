@@ -9,12 +9,12 @@ appends several). It decides, per sampled position:
 
 - a forced token: once the reasoning section holds `thinking_token_budget` tokens, the end sequence, one token at a
   time (a one-token allowed mask), then generation goes on freely; a natural end stops the count, a later start
-  counts again from 0 (vLLM counts from the last start). A grammar request whose first token opened the reasoning
-  with the start sequence's first token is forced through the rest of the start sequence;
+  counts again from 0 (vLLM counts from the last start);
 - the grammar's phase (requests whose grammar starts after the reasoning): "wait" while inside reasoning (no mask,
-  the matcher is not advanced), "open" at the first output token of a prompt that is not inside reasoning (the
-  grammar's tokens or the start sequence's first token), "on" from the first token after the end sequence (or when
-  the first token was the grammar's).
+  the matcher is not advanced), "open" at the first output token of a prompt that holds no reasoning (the grammar's
+  tokens or the start token, when the start is one token), "on" from the first token after the end sequence (or
+  when the first token was the grammar's; at once after a prompt that closed its reasoning, or with a start of
+  several tokens).
 
 Masks are built from this in GrammarMatchers.masks; Scheduler.update feeds tokens through `accept`.
 """
@@ -48,8 +48,13 @@ class ReasoningState:
         # tokens since the last start (the prompt's own reasoning tokens count): the reasoning section's length
         self.count = len(prompt) - (last_start + len(self.start)) if self.inside else 0
         self.tail: list[int] = list(prompt[-self.keep:])
-        self.opening = 0  # forcing the start sequence: how much of it is written (0: not opening)
-        self.grammar = None if not grammar else (WAIT if self.inside else OPEN)
+        # a grammar waits while the prompt is inside the reasoning; it applies at once after a reasoning the prompt
+        # closed (Qwen3's enable_thinking=false writes "<think>\n\n</think>": no new reasoning, as vLLM reads it), or
+        # when the start is several tokens (its first could be the grammar's own text); else the first token may
+        # open the reasoning (a single special token beside the grammar's: OPEN)
+        closed = 0 <= last_start < last_end
+        self.grammar = None if not grammar else (
+            WAIT if self.inside else ON if closed or len(self.start) > 1 else OPEN)
 
     # -- what the next position must be -------------------------------------------------------
     def _end_matched(self) -> int:
@@ -66,8 +71,6 @@ class ReasoningState:
 
     def forced(self) -> Optional[int]:
         """The token the next position must be, or None."""
-        if self.opening:
-            return self.start[self.opening]
         if self.inside and self.budget is not None and self.count >= self.budget and self.tracking:
             return self.end[self._end_matched()]
         return None
@@ -75,7 +78,7 @@ class ReasoningState:
     def may_constrain(self, unknown: int) -> bool:
         """Whether the next position may get a mask while `unknown` earlier tokens are not known yet (async
         scheduling: the step in flight's). False keeps the request on the unconstrained fast path."""
-        if self.grammar in (OPEN, ON) or self.opening:
+        if self.grammar in (OPEN, ON):
             return True
         if self.grammar == WAIT and unknown:
             return True  # an unknown token may end the reasoning: the grammar then starts
@@ -90,7 +93,7 @@ class ReasoningState:
         """Speculation: the most drafts this request may take with no mask needed on any of the step's positions
         (None: no limit from its reasoning). A draft verified without the mask it needed would break the budget or
         the grammar."""
-        if self.opening or self.grammar in (OPEN, ON) or self.forced() is not None:
+        if self.grammar in (OPEN, ON) or self.forced() is not None:
             return 0
         if self.budget is None or not self.tracking:
             return None
@@ -124,19 +127,11 @@ class ReasoningState:
             if token != self.start[0]:
                 self.grammar = ON
                 return True
-            self.grammar = WAIT  # the first token opened the reasoning: the rest of the start is forced
+            self.grammar = WAIT  # the first token (the one-token start) opened the reasoning
             self._push(token)
-            if len(self.start) == 1:
-                self._opened()
-            else:
-                self.opening = 1
+            self._opened()
             return False
         self._push(token)
-        if self.opening:
-            self.opening += 1
-            if self.opening == len(self.start):
-                self._opened()
-            return False
         if self.inside:
             self.count += 1
             if self.count >= len(self.end) and tuple(self.tail[-len(self.end):]) == self.end:
@@ -148,7 +143,7 @@ class ReasoningState:
         return False
 
     def _opened(self) -> None:
-        self.opening, self.inside, self.count = 0, True, 0
+        self.inside, self.count = True, 0
 
     def _push(self, token: int) -> None:
         self.tail.append(token)
