@@ -43,6 +43,18 @@ def test_qwen3_reasoning_opened_by_template_and_absent():
     assert plain.split("<think>still going", True, streaming=False) == ("still going", "")
 
 
+def test_reasoning_split_on_the_delimiters_reasoning_config_names():
+    """--reasoning-config's strings are the engine's delimiters (budgets, grammars after the reasoning): the chat
+    parser splits on the same ones, streamed or not."""
+    p = ReasoningParser("<|im_start|>assistant\n", "[THINK]", "[/THINK]")
+    text = "[THINK]plan it[/THINK]The plan."
+    assert p.split(text, True, streaming=False) == ("plan it", "The plan.")
+    assert _streamed_reasoning(p, text) == ("plan it", "The plan.")
+    assert p.split("<think>x</think>y", True, streaming=False) == (None, "<think>x</think>y")
+    opened = ReasoningParser("<|im_start|>assistant\n[THINK]", "[THINK]", "[/THINK]")
+    assert opened.split("hmm[/THINK]ok", True, streaming=False) == ("hmm", "ok")
+
+
 def _streamed_tools(parser, text: str, step: int = 3):
     sent, calls = "", []
     for cum, done in _stream_pieces(text, step):

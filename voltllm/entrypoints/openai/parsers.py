@@ -36,32 +36,36 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningParser:
-    # the delimiters (also the engine's, for thinking_token_budget and grammars after the reasoning, unless
-    # --reasoning-config gives others: voltllm/reasoning_config.py)
+    """Splits "<think>...</think>" off the text; start / end: other delimiters (--reasoning-config's strings, which
+    the engine also uses for thinking_token_budget and grammars after the reasoning: voltllm/reasoning_config.py)."""
+
     start_str, end_str = THINK_START, THINK_END
 
-    def __init__(self, prompt_text: str = ""):
-        self.opened_by_prompt = prompt_text.rstrip().endswith(THINK_START)
+    def __init__(self, prompt_text: str = "", start: Optional[str] = None, end: Optional[str] = None):
+        self.start = start or self.start_str
+        self.end = end or self.end_str
+        self.opened_by_prompt = prompt_text.rstrip().endswith(self.start)
 
     def split(self, text: str, finished: bool, streaming: bool) -> tuple[Optional[str], str]:
         """(reasoning so far or None, content so far) for the cumulative text."""
+        start, end_tag = self.start, self.end
         started = self.opened_by_prompt
         t = text
         stripped = t.lstrip()
-        if stripped.startswith(THINK_START):
-            started, t = True, stripped[len(THINK_START):]
-        elif not finished and stripped and THINK_START.startswith(stripped):
-            return None, ""  # could still become "<think>"
+        if stripped.startswith(start):
+            started, t = True, stripped[len(start):]
+        elif not finished and stripped and start.startswith(stripped):
+            return None, ""  # could still become the start
         if not started and streaming:
             return None, text
-        end = t.find(THINK_END)
+        end = t.find(end_tag)
         if end >= 0:
-            return t[:end].lstrip(), t[end + len(THINK_END):].lstrip()
+            return t[:end].lstrip(), t[end + len(end_tag):].lstrip()
         if not started:
             return None, text
         if finished:
             return t.lstrip(), ""  # reasoning cut short (max_tokens)
-        return t[: len(t) - _partial_suffix(t, THINK_END)].lstrip(), ""
+        return t[: len(t) - _partial_suffix(t, end_tag)].lstrip(), ""
 
 
 REASONING_PARSERS = {"qwen3": ReasoningParser, "deepseek_r1": ReasoningParser}

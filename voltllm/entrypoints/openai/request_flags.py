@@ -112,6 +112,7 @@ def server_state(config: Any, args: argparse.Namespace, names: list[str], engine
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         grammar_after_reasoning=config.reasoning is not None and config.reasoning.grammar_after_reasoning,
         thinking_budgets=config.reasoning is not None,
+        reasoning_delimiters=(config.reasoning.start_str, config.reasoning.end_str) if config.reasoning else None,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,

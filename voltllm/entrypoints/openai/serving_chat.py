@@ -65,7 +65,7 @@ class ChoiceView:
         # a forced choice's grammar starts after the reasoning (its calls follow it), unless grammars constrain the
         # reasoning too (--structured-outputs-config enable_in_reasoning): then the JSON comes at once, no reasoning
         self.reasoning: Optional[ReasoningParser] = (
-            REASONING_PARSERS[state.reasoning_parser](plan.prompt_text)
+            REASONING_PARSERS[state.reasoning_parser](plan.prompt_text, *(state.reasoning_delimiters or ()))
             if state.reasoning_parser and (plan.forced is None or state.grammar_after_reasoning) else None)
         self.tools: Optional[ToolParser] = (
             TOOL_PARSERS[state.tool_call_parser](tools) if plan.use_tools else None)

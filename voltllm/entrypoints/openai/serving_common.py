@@ -45,6 +45,8 @@ class ServerState:
     grammar_after_reasoning: bool = False
     # the engine knows the reasoning's delimiters (--reasoning-parser / --reasoning-config): thinking budgets apply
     thinking_budgets: bool = False
+    # (start, end) strings of the reasoning when --reasoning-config names them: the parser splits on these too
+    reasoning_delimiters: Optional[tuple[str, str]] = None
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
     enable_prompt_tokens_details: bool = False
