@@ -192,3 +192,44 @@ def test_a_hybrid_without_gpu_snapshots_is_refused():
 
     with pytest.raises(RuntimeError, match="no recurrent-state snapshots on the GPU"):
         _host_snapshot_slots(SimpleNamespace(is_hybrid=True, state_snapshots=None, tp=None), 2**20)
+
+
+def test_an_mtp_drafters_kv_moves_with_the_blocks(tmp_path_factory):
+    """MTP on a hybrid: its layer's KV shares the target's blocks, so it goes to the CPU tier and back with them: the
+    first prompt's blocks hold the same target and MTP KV after their trip as when it was computed, and the run after
+    the CPU-tier hit gives the tokens of plain decoding (no logprobs: they take no drafts)."""
+    import torch
+
+    from mtp_models import make_mtp_target
+
+    made = make_mtp_target(tmp_path_factory, "qwen3_5")
+    if made is None:
+        pytest.skip("this transformers has no qwen3_5")
+    path, _ = made
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = _llm(path, blocks=20, kv_offloading_size=0.002, speculative_config={"method": "mtp",
+                                                                               "num_speculative_tokens": 2})
+    runner, kv = llm.engine.runner, llm.engine.kv
+    caches = runner.kv_caches + runner.draft.kv_caches
+    assert len(runner.kv_offload.parts) == len(caches) > len(runner.kv_caches)  # the MTP layer's KV too
+
+    def blocks_of_first_prompt():
+        from voltllm.cache.prefix import extend_block_hashes
+
+        hashes: list = []
+        extend_block_hashes(hashes, PROMPTS[0], 4, None)
+        return [kv.pool.cached[h].block_id for h in hashes[:HIT // 4]]
+
+    outs = [llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0]]
+    before = [c[:, blocks_of_first_prompt()].clone() for c in caches]
+    outs += [llm.generate({"prompt_token_ids": PROMPTS[i]}, params, use_tqdm=False)[0] for i in ORDER[1:]]
+    llm.engine.check_integrity()
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, HIT]
+    assert llm.engine.stats().extra["external_prefix_cache_hits"] > 0
+    assert runner.state_snapshots.num_host_restored == 1
+    after = [c[:, blocks_of_first_prompt()] for c in caches]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    plain = _llm(path, blocks=20)
+    assert outs[3].outputs[0].token_ids == plain.generate({"prompt_token_ids": PROMPTS[0]}, params,
+                                                          use_tqdm=False)[0].outputs[0].token_ids
+    _assert_clean(llm)
