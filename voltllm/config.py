@@ -609,7 +609,7 @@ class EngineArgs:
             prefix_caching = False
         offload_gib = _resolve_kv_offloading(self.kv_offloading_size, self.kv_offloading_backend, prefix_caching,
                                              self.enable_prefix_caching, attention_only(hf_config),
-                                             self.data_parallel_size)
+                                             self.mamba_cache_mode, self.data_parallel_size)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
@@ -664,7 +664,7 @@ def _parse_json_arg(flag: str, value: Any) -> Optional[dict]:
 
 
 def _resolve_kv_offloading(size_gib: Optional[float], backend: str, prefix_caching: bool, asked_prefix: bool,
-                           attention_only: bool, dp: int) -> Optional[float]:
+                           attention_only: bool, mamba_cache_mode: str, dp: int) -> Optional[float]:
     """--kv-offloading-size / --kv-offloading-backend: the CPU tier's GiB (None: off), or a ConfigError where it
     cannot run."""
     if backend == "lmcache":
@@ -682,9 +682,10 @@ def _resolve_kv_offloading(size_gib: Optional[float], backend: str, prefix_cachi
         why = ("--no-enable-prefix-caching turns the prefix cache off" if not asked_prefix else
                "this pooling model's MEAN / CLS pooling turns prefix caching off")
         raise ConfigError(f"--kv-offloading-size: the CPU tier keeps prefix-cache blocks, and {why}; drop one of them")
-    if not attention_only:
-        raise ConfigError("--kv-offloading-size: not built for hybrid models (their prefix hits resume from "
-                          "recurrent-state snapshots on the GPU, which the CPU tier does not hold); drop it")
+    if not attention_only and mamba_cache_mode == "none":
+        raise ConfigError("--kv-offloading-size: --mamba-cache-mode none keeps no recurrent-state snapshots, so this "
+                          "hybrid model has no prefix cache for the CPU tier to extend; use --mamba-cache-mode align "
+                          "(the default) or drop --kv-offloading-size")
     from voltllm.cache.cpu_offload import host_available_bytes
 
     available = host_available_bytes()

@@ -239,3 +239,48 @@ def test_metrics_export_the_cpu_tier_under_vllms_names():
         assert f'{prefix}:external_prefix_cache_hits_total{{engine="0",model_name="m"}} 96.0' in text
     plain = ServerMetrics("m", SchedulerStats, lambda: True, lambda: 0, max_model_len=64).render().decode()
     assert "external_prefix_cache" not in plain
+
+
+# -- hybrid models: a hit ends at a snapshot boundary, its blocks and snapshot from either tier ---------------------
+def test_hybrid_hits_resume_at_a_snapshot_boundary_across_both_tiers():
+    from types import SimpleNamespace
+
+    from voltllm.cache.state_snapshots import StateSnapshots
+    from voltllm.model.state_cache import StateCache
+
+    cache = StateCache(1, 2, (3, 4), (2, 2, 2), torch.float32)
+    snaps = StateSnapshots(cache, num_snapshots=1, mamba_block_size=8, block_size=4)
+    snaps.attach_host(StateCache(1, 4, (3, 4), (2, 2, 2), torch.float32))
+    kv = KVCacheManager(8, 4, cpu_blocks=8)
+    kv.state_prefix = snaps
+    a = _req("a", range(100, 125))  # 6 full blocks + 1 token
+    _admit(kv, a)
+    slot = cache.allocate("a")
+    for start in (0, 8, 16):  # snapshots at 8, 16 and 24: a pool of one sends 8 and 16 to the host
+        snaps.after_forward([SimpleNamespace(request=a, start=start, num_new_tokens=8, spec_tokens=())], [slot])
+    assert len(snaps) == 1 and len(snaps.host_index) == 2 and snaps.num_offloaded == 2
+    kv.free(a)
+    hog = _req("hog", range(300, 332))  # 8 blocks: every cached block of a goes to the CPU tier
+    _admit(kv, hog)
+    kv.take_transfers()
+    kv.free(hog)
+    # every block from the CPU tier, up to the pool's snapshot at 24
+    again = _req("a2", range(100, 125))
+    hits, n = kv.get_computed_blocks(again)
+    assert not hits and n == 24 and kv.cpu_hit_tokens == 24
+    kv.take_transfers()
+    # without it, the host's snapshot at 16 limits the CPU-tier hit (the blocks past it stay unpinned, not loaded)
+    snaps.reset()
+    hits, n = kv.get_computed_blocks(again)
+    assert not hits and n == 16
+    assert kv.allocate_slots(again, again.num_tokens - n, hits) is not None
+    assert len(kv.take_transfers().loads) == 4
+    again.num_computed_tokens = again.num_tokens
+    kv.free(again)
+    # GPU hits past the deepest snapshot are cut back to it too (the host's at 16: no CPU block needed)
+    third = _req("a3", range(100, 125))
+    hits, n = kv.get_computed_blocks(third)
+    assert len(hits) == 4 and n == 16
+    kv.take_transfers()
+    kv.check_integrity()
+    snaps.check_integrity()

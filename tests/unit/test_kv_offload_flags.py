@@ -1,5 +1,6 @@
 """--kv-offloading-size / --kv-offloading-backend (vLLM's): parsed into CacheConfig, refused clearly where the CPU tier
-cannot run (another backend, a size that is not > 0, prefix caching off, hybrid models, more than the host has)."""
+cannot run (another backend, a size that is not > 0, prefix caching off, a hybrid without snapshots, more than the
+host has)."""
 from __future__ import annotations
 
 import pytest
@@ -63,12 +64,17 @@ def test_more_than_the_host_has_is_refused(tiny, monkeypatch):
     assert EngineArgs(model=tiny, device="cpu", kv_offloading_size=2).create_engine_config().cache.kv_offloading_size
 
 
-def test_hybrid_models_are_refused(tmp_path):
+def test_hybrid_models_take_it_unless_they_keep_no_snapshots(tmp_path):
+    """A hybrid's prefix hits resume from recurrent-state snapshots (--mamba-cache-mode align, the default): the CPU
+    tier keeps those too. --mamba-cache-mode none keeps none, so there is no prefix cache to extend."""
     path = make_tiny_hybrid(str(tmp_path / "hybrid"), "qwen3_5", seed=0, gen_seed=0)
     if path is None:
         pytest.skip("this transformers has no qwen3_5")
-    with pytest.raises(ConfigError, match="--kv-offloading-size: not built for hybrid models"):
-        EngineArgs(model=path, device="cpu", kv_offloading_size=1, skip_tokenizer_init=True).create_engine_config()
+    config = EngineArgs(model=path, device="cpu", kv_offloading_size=1, skip_tokenizer_init=True).create_engine_config()
+    assert config.cache.kv_offloading_size == 1
+    with pytest.raises(ConfigError, match="--kv-offloading-size: --mamba-cache-mode none keeps no recurrent-state"):
+        EngineArgs(model=path, device="cpu", kv_offloading_size=1, skip_tokenizer_init=True,
+                   mamba_cache_mode="none").create_engine_config()
 
 
 def test_mean_pooling_models_are_refused(tiny):

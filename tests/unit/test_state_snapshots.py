@@ -265,3 +265,36 @@ def test_verification_steps_save_no_snapshot():
     assert len(snaps) == 0
     snaps.after_forward([_sched(a, 5, 3)], [slot])
     assert len(snaps) == 1
+
+
+def test_evicted_snapshots_go_to_host_slots_and_come_back_from_there():
+    """--kv-offloading-size: a snapshot the pool evicts is copied to a host slot first (before its row is rewritten,
+    even by two saves in one step), found by limit_hit, and restored from the host straight into a slot."""
+    cache = _cache()
+    snaps = StateSnapshots(cache, num_snapshots=1, mamba_block_size=8, block_size=4)
+    snaps.attach_host(StateCache(2, 2, (3, 8), (2, 4, 4), torch.float32))
+    a, c = _req("a", range(40)), _req("c", [5] * 40)
+    slot_a, slot_c = cache.allocate("a"), cache.allocate("c")
+    _fill(cache, slot_a, 1.0)
+    snaps.after_forward([_sched(a, 0, 8)], [slot_a])  # a@8 in the pool
+    _fill(cache, slot_a, 2.0)
+    _fill(cache, slot_c, 3.0)
+    # one step saves a@16 and c@8 into the pool's only row: a@8, then a@16, go to the host, each with its contents
+    saves = snaps.plan_saves([_sched(a, 8, 8), _sched(c, 0, 8)], [slot_a, slot_c])
+    assert [(s, r) for s, r, _ in saves] == [(slot_a, 0), (slot_c, 0)] and all(h >= 0 for _, _, h in saves)
+    snaps.apply_saves(saves)
+    assert snaps.num_offloaded == 2 and len(snaps) == 1 and len(snaps.host_index) == 2
+    snaps.check_integrity()
+    # a request sharing a's first 20 tokens resumes at 16, from the host
+    b = _req("b", list(range(20)) + [99] * 10)
+    assert snaps.limit_hit(b, 5) == 4
+    slot_b = cache.allocate("b")
+    done = snaps.before_forward([_sched(b, 16, 4)], [slot_b])
+    assert done == [(saves[1][2], slot_b, 16, True)] and snaps.num_host_restored == 1
+    assert torch.all(cache.conv[0][slot_b] == 2.0) and torch.all(cache.ssm[1][slot_b] == 2.5)
+    # the host keeps its snapshots over a reset of the pool; reset_host drops them
+    snaps.reset()
+    assert snaps.limit_hit(_req("b2", list(range(20))), 5) == 4
+    snaps.reset_host()
+    assert snaps.limit_hit(_req("b3", list(range(20))), 5) == 0
+    snaps.check_integrity()

@@ -44,6 +44,15 @@ class CpuBlockIndex:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._by_hash
 
+    def count_run(self, hashes: Iterable[bytes]) -> int:
+        """How many of the leading hashes are held here (up to the first that is not), touching none."""
+        n = 0
+        for h in hashes:
+            if h not in self._by_hash:
+                break
+            n += 1
+        return n
+
     def lookup_run(self, hashes: Iterable[bytes]) -> list[int]:
         """The slots of the leading hashes held here (up to the first that is not); each becomes the most recent."""
         slots = []

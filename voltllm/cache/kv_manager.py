@@ -66,19 +66,27 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        if self.state_prefix is not None:
-            hits = hits[: self.state_prefix.limit_hit(req, len(hits))]
+        num_cpu = self._cpu_room(req, hits, max_blocks) if self.cpu is not None else 0
+        if self.state_prefix is not None:  # a hybrid's hit ends at a snapshot boundary (its blocks GPU or CPU ones)
+            usable = self.state_prefix.limit_hit(req, len(hits) + num_cpu)
+            hits = hits[:usable]
+            num_cpu = max(0, usable - len(hits))
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * self.block_size
-        num_cpu = self._cpu_lookup(req, hits, max_blocks) if self.cpu is not None else 0
+        num_cpu = self._cpu_lookup(req, len(hits), num_cpu) if self.cpu is not None else 0
         return hits, (len(hits) + num_cpu) * self.block_size
 
-    def _cpu_lookup(self, req: Request, hits: list[Block], max_blocks: int) -> int:
-        """The CPU tier's hits after the GPU's (kept for allocate_slots, their slots pinned until the step's copies
-        are taken); at most as many as leave one free GPU block for the tokens still to compute."""
-        slots = self.cpu.lookup_run(req.block_hashes[len(hits):max_blocks]) if self.state_prefix is None else []
+    def _cpu_room(self, req: Request, hits: list[Block], max_blocks: int) -> int:
+        """How many blocks after the GPU hits the CPU tier holds, at most as many as leave one free GPU block for the
+        tokens still to compute."""
+        held = self.cpu.count_run(req.block_hashes[len(hits):max_blocks])
         room = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0) - 1
-        slots = slots[:max(room, 0)]
+        return min(held, max(room, 0))
+
+    def _cpu_lookup(self, req: Request, num_gpu: int, num_cpu: int) -> int:
+        """Take the CPU tier's first num_cpu hits after the GPU's num_gpu (kept for allocate_slots, their slots pinned
+        until the step's copies are taken)."""
+        slots = self.cpu.lookup_run(req.block_hashes[num_gpu:num_gpu + num_cpu]) if num_cpu else []
         self.cpu_queries += req.num_tokens
         self.cpu_hit_tokens += len(slots) * self.block_size
         if slots:
@@ -105,6 +113,8 @@ class KVCacheManager:
     def reset_cpu_tier(self) -> None:
         if self.cpu is not None:
             self.cpu.reset()
+            if self.state_prefix is not None:  # a hybrid's snapshots there too
+                self.state_prefix.reset_host()
 
     def cap_new_tokens(self, req: Request, start: int, num_new: int) -> int:
         """num_new, or fewer so that a hybrid model's chunk ends where a state snapshot is wanted."""

@@ -32,6 +32,17 @@ copy was enqueued before, and a save that evicts a row is ordered after any rest
 A decode step under async scheduling computes a token that is not on the host yet, so its boundary hash is
 unknown and no snapshot is taken there (prompt boundaries and synchronous decode are covered).
 
+CPU tier (--kv-offloading-size, cache/cpu_offload.py): a snapshot the pool evicts is saved to a host slot first
+(its own host slots, SNAPSHOT_MEMORY_SHARE of the tier's bytes, LRU, keyed by the same hash: `host_index`), and a
+lookup counts a snapshot held there as one the pool holds: limit_hit resumes at the deepest boundary whose snapshot is
+in either and whose KV blocks are on the GPU or in the CPU tier (kv_manager.py); before_forward restores a host
+snapshot straight into the request's slot. The host index changes only in plan_saves (at launch, after the step's
+restores were enqueued), so a snapshot limit_hit found at schedule time is still where it was when the step
+restores it. Ordering: an eviction's copy (row -> host slot) runs in apply_saves just before the row is rewritten,
+after the forward, on the same stream: after every restore of this step or an earlier one that read the row or the
+host slot, and before any later step's restore reads the host slot. Under async scheduling the step in flight was
+enqueued before all of this step's copies, so it sees no slot, row or host slot change under it; no host sync.
+
 Memory: the pool is carved out of the KV cache budget (`build_state_snapshots`): about
 SNAPSHOT_MEMORY_SHARE of the KV bytes, at least MIN_SNAPSHOTS snapshots, fewer KV blocks in exchange.
 `--mamba-cache-mode none` (or prefix caching off) builds no pool, and prefix caching is then off for the
@@ -43,6 +54,7 @@ import logging
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
+from voltllm.cache.cpu_offload import CpuBlockIndex
 from voltllm.cache.prefix import extend_block_hashes
 from voltllm.model.state_cache import StateCache
 
@@ -82,6 +94,21 @@ class StateSnapshots:
         self.num_saved = 0
         self.num_restored = 0
         self.num_evicted = 0
+        # the CPU tier's snapshots (attach_host): host storage with the pool's layout, and which hash each slot holds
+        self.host: Optional[StateCache] = None
+        self.host_index: Optional[CpuBlockIndex] = None
+        self.num_offloaded = 0  # evicted snapshots saved to host slots
+        self.num_host_restored = 0
+
+    def attach_host(self, host: StateCache) -> None:
+        """Give the pool host slots for the snapshots it evicts (--kv-offloading-size; worker/kv_offload.py)."""
+        self.host = host
+        self.host_index = CpuBlockIndex(host.num_slots)
+
+    def has(self, block_hash: Optional[bytes]) -> bool:
+        """Whether a snapshot of this hash can be restored: in the pool or in its host slots."""
+        return block_hash is not None and (block_hash in self._index or (
+            self.host_index is not None and block_hash in self.host_index))
 
     # -- lookups ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -109,7 +136,7 @@ class StateSnapshots:
         deepest = kv_tokens // m * m
         found = 0
         for b in range(deepest, 0, -m):
-            if self._hash_at(req, b) in self._index:
+            if self.has(self._hash_at(req, b)):
                 found = b
                 break
         if deepest > found:
@@ -134,7 +161,7 @@ class StateSnapshots:
         if b <= start:
             return num_new
         h = self._hash_at(req, b)
-        if h is None or h in self._index:
+        if h is None or self.has(h):
             return num_new
         return b - start
 
@@ -142,40 +169,49 @@ class StateSnapshots:
         self._targets.pop(request_id, None)
 
     # -- runner side -----------------------------------------------------------------------------
-    def before_forward(self, scheduled: Sequence[Any], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    def before_forward(self, scheduled: Sequence[Any], slots: Sequence[int]) -> list[tuple[int, int, int, bool]]:
         """Restore snapshots into the slots of requests that start this step at a prefix-cache hit. Returns the
-        restores as (snapshot row, slot, tokens): tensor parallelism's other ranks replay them (apply_restores)."""
+        restores as (snapshot row or host slot, slot, tokens, from host): tensor parallelism's other ranks replay
+        them (apply_restores)."""
         done = []
         for s, slot in zip(scheduled, slots):
             start = s.start
             if slot < 0 or start == 0 or self.cache.num_tokens[slot] == start or start % self.mamba_block_size:
                 continue
             h = self._hash_at(s.request, start)
-            row = self._index.get(h) if h is not None else None
-            if row is None:
+            if h is None:
+                continue
+            row = self._index.get(h)
+            if row is not None:
+                self._index.move_to_end(h)
+                done.append((row, slot, start, False))
+            elif self.host_index is not None and h in self.host_index:
+                done.append((self.host_index.lookup_run([h])[0], slot, start, True))
+                self.num_host_restored += 1
+            else:
                 continue  # not a hit of ours: the model's note_step check raises
-            self._index.move_to_end(h)
             self.num_restored += 1
-            done.append((row, slot, start))
         self.apply_restores(done)
         return done
 
-    def apply_restores(self, restores: Sequence[tuple[int, int, int]]) -> None:
-        """Copy snapshot rows into state slots: (snapshot row, slot, tokens it covers) each (before_forward's
-        result; a tensor-parallel rank other than 0 gets rank 0's, since only rank 0 schedules and keeps the index:
-        every rank's pool holds its own heads of the same snapshots in the same rows)."""
-        for row, slot, tokens in restores:
-            self._copy(self.store, row, self.cache, slot)
+    def apply_restores(self, restores: Sequence[tuple[int, int, int, bool]]) -> None:
+        """Copy snapshots into state slots: (snapshot row, or host slot where the last is True, slot, tokens it covers)
+        each (before_forward's result; a tensor-parallel rank other than 0 gets rank 0's, since only rank 0 schedules
+        and keeps the indexes: every rank's pool and host slots hold its own heads of the same snapshots at the same
+        rows and slots)."""
+        for row, slot, tokens, from_host in restores:
+            self._copy(self.host if from_host else self.store, row, self.cache, slot)
             self.cache.num_tokens[slot] = tokens
 
     def after_forward(self, scheduled: Sequence[Any], slots: Sequence[int]) -> None:
         """Snapshot the slots of requests whose computed tokens now end at a boundary."""
         self.apply_saves(self.plan_saves(scheduled, slots))
 
-    def plan_saves(self, scheduled: Sequence[Any], slots: Sequence[int]) -> list[tuple[int, int]]:
-        """after_forward's decisions, (slot, snapshot row) each, with the index updated as if they were done (host
-        data only, so the runner plans before the forward and ships them to the other tensor-parallel ranks);
-        apply_saves copies after the forward."""
+    def plan_saves(self, scheduled: Sequence[Any], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+        """after_forward's decisions, (slot, snapshot row, host slot) each, with the indexes updated as if they were
+        done (host data only, so the runner plans before the forward and ships them to the other tensor-parallel
+        ranks); apply_saves copies after the forward. The host slot (-1: none) is where the row's evicted snapshot
+        goes first (the CPU tier's)."""
         saves = []
         for s, slot in zip(scheduled, slots):
             end = s.start + s.num_new_tokens
@@ -188,19 +224,29 @@ class StateSnapshots:
             if h in self._index:
                 self._index.move_to_end(h)
                 continue
+            host_slot = -1
             if self._free:
                 row = self._free.pop()
             else:
-                _, row = self._index.popitem(last=False)
+                evicted, row = self._index.popitem(last=False)
                 self.num_evicted += 1
+                if self.host_index is not None:  # (None: the host holds that hash already)
+                    saved = self.host_index.store(evicted)
+                    if saved is not None:
+                        host_slot = saved
+                        self.num_offloaded += 1
             self._index[h] = row
             self.num_saved += 1
-            saves.append((slot, row))
+            saves.append((slot, row, host_slot))
         return saves
 
-    def apply_saves(self, saves: Sequence[tuple[int, int]]) -> None:
-        """Copy state slots into snapshot rows, (slot, row) each (plan_saves' result), after the step's forward."""
-        for slot, row in saves:
+    def apply_saves(self, saves: Sequence[tuple[int, int, int]]) -> None:
+        """Copy state slots into snapshot rows, (slot, row, host slot) each (plan_saves' result), after the step's
+        forward; a row's evicted snapshot first goes to its host slot (in plan order: a row evicted twice in one step
+        is saved with the contents the first save gave it)."""
+        for slot, row, host_slot in saves:
+            if host_slot >= 0:
+                self._copy(self.store, row, self.host, host_slot)
             self._copy(self.cache, slot, self.store, row)
 
     @staticmethod
@@ -212,14 +258,23 @@ class StateSnapshots:
 
     # -- upkeep ----------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop every snapshot (rows return to the free list)."""
+        """Drop every snapshot of the pool (rows return to the free list); the host's stay (reset_host)."""
         self._free = list(range(self.capacity - 1, -1, -1))
         self._index.clear()
         self._targets.clear()
 
+    def reset_host(self) -> None:
+        """Drop the CPU tier's snapshots (reset_prefix_cache(reset_connector=True))."""
+        if self.host_index is not None:
+            self.host_index.reset()
+
     def stats(self) -> dict:
-        return {"snapshots": len(self._index), "capacity": self.capacity, "saved": self.num_saved,
-                "restored": self.num_restored, "evicted": self.num_evicted}
+        out = {"snapshots": len(self._index), "capacity": self.capacity, "saved": self.num_saved,
+               "restored": self.num_restored, "evicted": self.num_evicted}
+        if self.host_index is not None:
+            out.update(host_snapshots=len(self.host_index), host_capacity=self.host_index.num_slots,
+                       offloaded=self.num_offloaded, host_restored=self.num_host_restored)
+        return out
 
     def check_integrity(self, live_request_ids: Optional[set] = None) -> None:
         rows = list(self._index.values())
@@ -227,6 +282,10 @@ class StateSnapshots:
         assert len(set(self._free)) == len(self._free), "a snapshot row is free twice"
         assert not set(rows) & set(self._free), "a snapshot row is both free and used"
         assert set(rows) | set(self._free) == set(range(self.capacity)), "snapshot rows lost"
+        if self.host_index is not None:
+            self.host_index.check_integrity()
+            assert self.host is not None and self.host.num_slots == self.host_index.num_slots, \
+                "the host snapshot index and its slots differ"
         if live_request_ids is not None:
             stale = set(self._targets) - set(live_request_ids)
             assert not stale, f"snapshot targets kept for requests that are gone: {sorted(stale)[:3]}"

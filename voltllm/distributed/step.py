@@ -36,10 +36,11 @@ class StepInputs:
     spec_logits_rows: list[int] = field(default_factory=list)
     # a hybrid model's recurrent state (rank 0 allocates the slots and keeps the snapshot index; every rank's state
     # cache and snapshot pool hold their own heads in the same rows): each request's slot, the snapshots restored
-    # into slots before the forward (row, slot, tokens) and the slots saved after it (slot, row)
+    # into slots before the forward (row or host slot, slot, tokens, from host) and the slots saved after it (slot,
+    # row, host slot the row's evicted snapshot goes to first or -1: --kv-offloading-size)
     state_slots: Optional[list[int]] = None
-    state_restores: list[tuple[int, int, int]] = field(default_factory=list)
-    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # each request's (start, end) tokens (the slots' token counts before and after the step, as rank 0 checked them)
     state_spans: list[tuple[int, int]] = field(default_factory=list)
     # a speculative step: each request's draft count (an eager verification keeps per-position states), and the

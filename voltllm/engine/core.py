@@ -363,4 +363,6 @@ class EngineCore:
             self.runner.state_cache.check_integrity()
         if self.runner.state_snapshots is not None:
             self.runner.state_snapshots.check_integrity(set(self.scheduler.requests))
+            assert (self.runner.state_snapshots.host_index is not None) == (self.kv.cpu is not None), \
+                "a CPU tier without host slots for the hybrid's snapshots, or host slots without a CPU tier"
 

@@ -106,6 +106,11 @@ class StateCache:
         return per_layer * spec["num_layers"]
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two tensors that hold every row, conv and SSM (a host copy page-locks them: worker/kv_offload.py)."""
+        return self._conv_all, self._ssm_all
+
+    @property
     def pad_slot(self) -> int:
         return self.num_slots
 

@@ -14,6 +14,11 @@ read or rewritten only after the copies planned before. Under async scheduling t
 before this step's copies: a block it writes (even one freed since, its request aborted) is saved after those writes,
 and it never reads a block reused now (its blocks were its requests' when it launched), so stream order is enough;
 no host sync. The host never touches the slots itself.
+
+Hybrid models: the recurrent-state snapshots their prefix hits resume from (cache/state_snapshots.py) get host slots
+of their own beside the KV blocks': SNAPSHOT_MEMORY_SHARE of the tier's bytes (the share the GPU pool takes of the KV
+cache), at least one snapshot; a host StateCache of the pool's layout (page-locked on CUDA). The snapshot pool copies
+to and from it itself, on the same stream (its docstring says when).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch
 
 from voltllm.cache.cpu_offload import KVTransfers, host_available_bytes
 from voltllm.host_to_device import to_device
+from voltllm.model.state_cache import StateCache
 
 logger = logging.getLogger("voltllm")
 
@@ -133,9 +139,28 @@ def reserve_staging(runner) -> torch.Tensor:
     return torch.empty(staging_bytes(runner.kv_block_bytes()), dtype=torch.uint8, device=runner.device)
 
 
+def _host_snapshot_slots(runner, per_rank: int) -> tuple[int, int]:
+    """(host snapshot slots, bytes of one) for a hybrid model's state snapshots; (0, 0) for an attention-only model."""
+    if not runner.is_hybrid:
+        return 0, 0
+    from voltllm.cache.state_snapshots import SNAPSHOT_MEMORY_SHARE
+    from voltllm.model.state_cache import StateCache
+
+    if runner.state_snapshots is None:  # (build_state_snapshots found no GPU memory for them)
+        raise RuntimeError("--kv-offloading-size: this hybrid model has no recurrent-state snapshots on the GPU (no "
+                           "memory left for them next to the KV cache), so no prefix cache for the CPU tier to "
+                           "extend; drop --kv-offloading-size or give the KV cache more memory")
+    snap_bytes = StateCache.bytes_per_slot(runner.model.state_spec)  # (this rank's heads)
+    num = max(1, int(SNAPSHOT_MEMORY_SHARE * per_rank) // snap_bytes)
+    if runner.tp is not None:
+        num = runner.tp.min_int(num)
+    return num, snap_bytes
+
+
 def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
     """The CPU tier of a runner whose KV cache (and drafter's) is allocated: --kv-offloading-size GiB in all, split over
-    the tensor-parallel ranks as vLLM splits it (each rank its own heads), the slot count every rank can hold."""
+    the tensor-parallel ranks as vLLM splits it (each rank its own heads), the slot count every rank can hold. A hybrid
+    model's snapshot pool gets its host slots here too (attached to it)."""
     config = runner.config
     size_gib = config.cache.kv_offloading_size
     tp = config.parallel.tensor_parallel_size
@@ -144,14 +169,17 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
         caches += [c for c in getattr(runner.draft, "kv_caches", []) if not any(c is t for t in caches)]
     _, slot_bytes = slot_layout(caches)
     per_rank = int(size_gib * 2**30 / tp)
-    num = per_rank // slot_bytes
+    num_snaps, snap_bytes = _host_snapshot_slots(runner, per_rank)
+    num = max(0, per_rank - num_snaps * snap_bytes) // slot_bytes
     if runner.tp is not None:  # rank 0's index addresses every rank's slots
         num = runner.tp.min_int(num)
     if num < 1:
-        raise RuntimeError(f"--kv-offloading-size {size_gib:g} GiB holds no KV block: one block takes "
+        snaps = (f" next to {num_snaps} recurrent-state snapshot(s) of {snap_bytes / 2**20:.2f} MiB"
+                 if num_snaps else "")
+        raise RuntimeError(f"--kv-offloading-size {size_gib:g} GiB holds no KV block{snaps}: one block takes "
                            f"{slot_bytes / 2**20:.2f} MiB" + (f" per rank ({size_gib:g} GiB over {tp} ranks)"
                                                               if tp > 1 else "") + "; raise it")
-    need = num * slot_bytes
+    need = num * slot_bytes + num_snaps * snap_bytes
     available = host_available_bytes()
     if available is not None and need > available:
         raise RuntimeError(f"--kv-offloading-size {size_gib:g} GiB: this host has {available / 2**30:.1f} GiB of "
@@ -160,6 +188,8 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
     pin = runner.device.type == "cuda"
     try:
         store = HostKVStore(caches, num, staging, pin)
+        if num_snaps:
+            runner.state_snapshots.attach_host(_host_state_cache(runner.state_snapshots.store, num_snaps, pin))
     except RuntimeError as e:  # (the host refused the allocation, or to lock that much)
         raise RuntimeError(f"--kv-offloading-size {size_gib:g} GiB: allocating {need / 2**30:.2f} GiB of "
                            f"{'pinned ' if pin else ''}host memory failed ({e}); lower --kv-offloading-size") from None
@@ -167,5 +197,21 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
     logger.info("KV offloading: %d CPU blocks of %d tokens = %d tokens, %.2f GiB of %shost memory%s", num, bs,
                 num * bs, store.nbytes / 2**30, "page-locked " if pin else "",
                 f" on each of {tp} ranks" if tp > 1 else "")
+    if num_snaps:
+        logger.info("KV offloading: %d CPU recurrent-state snapshots, %.2f GiB%s", num_snaps,
+                    num_snaps * snap_bytes / 2**30, f" on each of {tp} ranks" if tp > 1 else "")
     return store
+
+
+def _host_state_cache(pool: StateCache, num: int, pin: bool) -> StateCache:
+    """Host slots for snapshots of the GPU pool's layout (every GDN layer's conv and SSM state), page-locked where
+    `pin`, so the pool's copies to and from them are asynchronous."""
+    conv_dtype = pool.conv[0].dtype if pool.conv else torch.float32
+    ssm_dtype = pool.ssm[0].dtype if pool.ssm else torch.float32
+    host = StateCache(pool.num_layers, num, pool.conv_shape, pool.ssm_shape, conv_dtype, "cpu", ssm_dtype)
+    if pin:
+        for t in host.tensors:
+            _page_lock(t)
+            weakref.finalize(host, _page_unlock, t)
+    return host
 
