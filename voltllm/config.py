@@ -382,7 +382,7 @@ class EngineArgs:
                 and self.pooler_config != self.override_pooler_config:
             raise ConfigError("--override-pooler-config is the older name of --pooler-config: give one")
         if isinstance(given, str):
-            given = _parse_json_arg("--pooler-config", given)
+            given = parse_json_object("--pooler-config", given)
         try:
             runner, task = resolve_runner(self.task, self.runner, self.convert, hf_config, model_path)
             if runner == "generate":
@@ -474,12 +474,12 @@ class EngineArgs:
             raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: not a scheduling policy; use fcfs (first "
                               "come, first served) or priority (by each request's priority, then arrival)")
         graphs = self._resolve_cuda_graphs()
-        spec_dict = _parse_json_arg("--speculative-config", self.speculative_config)
+        spec_dict = parse_json_object("--speculative-config", self.speculative_config)
         source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
         load_format = _resolve_load_format(self.load_format, source)
         tokenizer = self._resolve_tokenizer(source)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
-        overrides = _parse_json_arg("--hf-overrides", self.hf_overrides)
+        overrides = parse_json_object("--hf-overrides", self.hf_overrides)
         if overrides:
             from voltllm.model.loader.hf_overrides import HFOverrideError, apply_hf_overrides
 
@@ -651,7 +651,8 @@ class EngineArgs:
         return config
 
 
-def _parse_json_arg(flag: str, value: Any) -> Optional[dict]:
+def parse_json_object(flag: str, value: Any) -> Optional[dict]:
+    """A JSON-object flag's value (given as JSON text or a dict) as a dict; None when not given."""
     if value is None or isinstance(value, dict):
         return value
     try:
@@ -981,7 +982,7 @@ def _generation_override(value: Any) -> Optional[dict]:
     from voltllm.engine.frontend import GENERATION_DEFAULT_KEYS
     from voltllm.sampling.params import SamplingParams, SamplingParamsError
 
-    override = _parse_json_arg("--override-generation-config", value)
+    override = parse_json_object("--override-generation-config", value)
     if not override:
         return None
     unknown = sorted(set(override) - set(GENERATION_DEFAULT_KEYS))

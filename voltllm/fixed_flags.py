@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from voltllm.config import ConfigError
+from voltllm.config import ConfigError, parse_json_object
 
 
 def check_fixed_flags(args: Any) -> None:
@@ -79,13 +79,7 @@ def _attention_config_backend(args: Any) -> Optional[str]:
     config = args.attention_config
     if config is None:
         return args.attention_backend
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--attention-config must be a JSON object: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--attention-config must be a JSON object, got {type(config).__name__}")
+    config = parse_json_object("--attention-config", config)
     for key in config:
         if key != "backend":
             raise ConfigError(f"--attention-config {key}: not built (voltllm runs its own Triton attention kernels; "
@@ -129,13 +123,7 @@ def _structured_outputs(config: Any, guided_decoding_backend: Optional[str]) -> 
         raise ConfigError(f"--guided-decoding-backend {guided_decoding_backend}: {_XGRAMMAR_ONLY}")
     if config is None:
         return
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--structured-outputs-config must be a JSON object: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--structured-outputs-config must be a JSON object, got {type(config).__name__}")
+    config = parse_json_object("--structured-outputs-config", config)
     for key, value in config.items():
         if key == "backend":
             if value not in _STRUCTURED_BACKENDS:
@@ -164,6 +152,4 @@ def _structured_outputs(config: Any, guided_decoding_backend: Optional[str]) -> 
 def enable_in_reasoning(config: Any) -> bool:
     """--structured-outputs-config enable_in_reasoning (vLLM's, default false): grammars constrain from the first
     token, the reasoning included, rather than from the end of the reasoning (checked by _structured_outputs)."""
-    if isinstance(config, str):
-        config = json.loads(config)
-    return bool(config.get("enable_in_reasoning", False)) if isinstance(config, dict) else False
+    return bool((parse_json_object("--structured-outputs-config", config) or {}).get("enable_in_reasoning", False))

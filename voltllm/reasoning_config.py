@@ -6,11 +6,10 @@ special tokens; a string not given comes from --reasoning-parser (qwen3 / deepse
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from voltllm.config import ConfigError
+from voltllm.config import ConfigError, parse_json_object
 
 _KEYS = ("reasoning_start_str", "reasoning_end_str")
 
@@ -28,15 +27,7 @@ class ReasoningConfig:
 
 
 def _parsed(value: Any) -> dict:
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--reasoning-config must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--reasoning-config must be a JSON object, got {type(value).__name__}")
+    value = parse_json_object("--reasoning-config", value) or {}
     for key, v in value.items():
         if key == "reasoning_parser":
             raise ConfigError("--reasoning-config reasoning_parser: give it as --reasoning-parser")
