@@ -131,7 +131,14 @@ def test_step_tokens_request_params_and_cache_config():
         assert len(info) == 1 and info[0][1] == 1.0
         assert dict(info[0][0]) == {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
                                     "gpu_memory_utilization": "0.9", "num_gpu_blocks": "321",
-                                    "num_gpu_blocks_override": "None", "engine": "0"}
+                                    "num_gpu_blocks_override": "None", "kv_offloading_size": "None",
+                                    "kv_offloading_backend": "None", "engine": "0"}
+
+    offloading = SimpleNamespace(**vars(cache), kv_offloading_size=4.0, kv_offloading_backend="native")
+    m = ServerMetrics("smol", lambda: SchedulerStats(num_blocks=321), lambda: True, lambda: 0, max_model_len=1000,
+                      cache_config=offloading)
+    info = [labels for (name, labels), _ in _samples(m.render().decode()).items() if name == "vllm:cache_config_info"]
+    assert dict(info[0])["kv_offloading_size"] == "4.0" and dict(info[0])["kv_offloading_backend"] == "native"
 
 
 def test_the_scheduler_hands_each_steps_tokens_over_once(tmp_path):

@@ -138,12 +138,14 @@ class _EngineCollector(Collector):
         c = self.cache_config
         if c is not None:  # vLLM's info gauge: the cache configuration as labels, value 1
             names = ["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "num_gpu_blocks",
-                     "num_gpu_blocks_override", "engine"]
+                     "num_gpu_blocks_override", "kv_offloading_size", "kv_offloading_backend", "engine"]
             info = GaugeMetricFamily("voltllm:cache_config_info", "Information of the engine's cache configuration.",
                                      labels=names)
+            offload = getattr(c, "kv_offloading_size", None)
             for i, (s, _, _) in enumerate(samples):
                 info.add_metric([str(c.block_size), str(c.kv_cache_dtype), str(c.enable_prefix_caching),
                                  str(c.gpu_memory_utilization), str(s.num_blocks), str(c.num_gpu_blocks_override),
+                                 str(offload), str(getattr(c, "kv_offloading_backend", None) if offload else None),
                                  str(i)], 1.0)
             yield info
         lora = [s.extra for s, _, _ in samples if "max_lora" in s.extra]
