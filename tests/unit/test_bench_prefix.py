@@ -139,7 +139,8 @@ def test_cache_metrics_hit_rate_ttft_percentiles_and_turns():
     run.cache_hits_source = "none"
     assert cache_scenario_metrics(run)["prefix_cache_hit_rate"] is None
     assert "workload" in run.to_json() and "index" in run.to_json()["requests"][0]
-    plain = RunResult("concurrency", 1, "cold", 10, 4, 0.0, 1.0, [RequestTiming(10, 2, 0.0, 0.1, 0.4, token_times=[0.1, 0.4])])
+    one = RequestTiming(10, 2, 0.0, 0.1, 0.4, token_times=[0.1, 0.4])
+    plain = RunResult("concurrency", 1, "cold", 10, 4, 0.0, 1.0, [one])
     assert "workload" not in plain.to_json() and "turn" not in plain.to_json()["requests"][0]  # (unchanged)
 
 
@@ -241,3 +242,95 @@ def test_cache_scenario_refusals(tmp_path):
         _tiny(tmp_path, "x", *PREFIX_FLAGS, "--multi-turn-num-turns", "2")
     with pytest.raises(ConfigError, match="needs 80 tokens .* more than --max-model-len 64"):
         _tiny(tmp_path, "x", *MULTI_TURN_FLAGS[:5], "4", *MULTI_TURN_FLAGS[6:])
+
+
+# -- against a server (mock transport) --------------------------------------------------------------------------------
+def _mock_server(httpx, usage_cached: bool):
+    """A streaming /v1/completions that answers ids 100 + i (with token_ids when asked) and a /metrics whose hit
+    counters grow by half of each prompt (GPU pool, as vLLM names them) and 3 tokens (CPU tier)."""
+    state = {"bodies": [], "hits": 0.0, "ext": 0.0}
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/metrics":
+            text = ("# TYPE vllm:prefix_cache_hits_total counter\n"
+                    f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {state["hits"]}\n'
+                    f'vllm:external_prefix_cache_hits_total{{engine="0",model_name="m"}} {state["ext"]}\n'
+                    f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} 1e6\n')
+            return httpx.Response(200, text=text)
+        body = json.loads(request.content)
+        state["bodies"].append(body)
+        state["hits"] += len(body["prompt"]) // 2
+        state["ext"] += 3
+        n = body["max_tokens"]
+        chunks = []
+        for i in range(n):
+            c = {"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}],
+                 "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": i + 1}}
+            if body.get("return_token_ids"):
+                c["choices"][0]["token_ids"] = [100 + i]
+            chunks.append(c)
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+        if usage_cached and len(body["prompt"]) > 10:  # (vLLM leaves a count of 0 out)
+            usage["prompt_tokens_details"] = {"cached_tokens": 8}
+        chunks += [{"choices": [], "usage": usage}, b"[DONE]"]
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    return handler, state
+
+
+def _sse(objs: list) -> bytes:
+    return b"".join(b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n\n" for o in objs)
+
+
+@pytest.mark.parametrize("usage_cached", [False, True])
+def test_client_runs_conversations_with_the_servers_answers(usage_cached):
+    httpx = pytest.importorskip("httpx")
+    from voltllm.bench.client import ClientRunner
+
+    handler, state = _mock_server(httpx, usage_cached)
+    spec = MultiTurn(num_conversations=3, num_turns=2, input_len=6, output_len=3)
+    plan = make_plans("multi-turn", [2], spec=spec)[0]
+    runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
+    try:
+        run = runner(plan, "warm1", make_run_input(plan, 50, 0, 1))
+    finally:
+        runner.close()
+    bodies = state["bodies"]
+    assert len(bodies) == 6 and all(b["return_token_ids"] and b["max_tokens"] == b["min_tokens"] == 3 for b in bodies)
+    firsts = {tuple(b["prompt"]) for b in bodies if len(b["prompt"]) == 6}
+    seconds = [b["prompt"] for b in bodies if len(b["prompt"]) == 15]
+    assert len(firsts) == 3 and len(seconds) == 3
+    for p in seconds:  # the history: turn 1's prompt, the server's answer, a new user turn
+        assert tuple(p[:6]) in firsts and p[6:9] == [100, 101, 102]
+    assert [(r.turn, r.prompt_tokens) for r in run.requests] == [(1, 6)] * 3 + [(2, 15)] * 3
+    m = run.metrics()
+    assert run.side == "client" and run.workload == spec.describe() and m["ttft_ms_turn2"] > 0
+    assert m["external_prefix_cache_hit_tokens"] == 18  # the CPU tier's counter grew 3 per request
+    if usage_cached:  # each request's own count
+        assert run.cache_hits_source == "requests" and m["prefix_cache_hit_tokens"] == 3 * 8
+        assert m["prefill_tok_s"] > 0
+    else:  # the counters' growth: half of every prompt (GPU) + the CPU tier's
+        assert run.cache_hits_source == "metrics" and m["prefix_cache_hit_tokens"] == 3 * 3 + 3 * 7 + 18
+        assert m["prefix_cache_hit_rate"] == pytest.approx(48 / 63) and m["prefill_tok_s"] is None
+
+
+def test_client_without_metrics_leaves_the_hit_rate_unknown():
+    httpx = pytest.importorskip("httpx")
+    from voltllm.bench.client import ClientRunner
+
+    handler, _ = _mock_server(httpx, False)
+
+    def no_metrics(request):
+        return httpx.Response(404) if request.url.path == "/metrics" else handler(request)
+
+    plan = make_plans("prefix", [3], spec=PrefixRepetition(8, 4, 2, 2, 4))[0]
+    runner = ClientRunner("http://test", transport=httpx.MockTransport(no_metrics))
+    try:
+        run = runner(plan, "cold", make_run_input(plan, 50, 0, 0))
+    finally:
+        runner.close()
+    m = run.metrics()
+    assert len(run.requests) == 4 and run.cache_hits_source == "none"
+    assert m["prefix_cache_hit_rate"] is None and m["external_prefix_cache_hit_rate"] is None and m["ttft_ms"] > 0
