@@ -29,7 +29,7 @@ SCENARIOS = ("decode", "concurrency", "prefill")
 DEFAULT_LENGTHS = {"decode": (512, 256), "concurrency": (128, 128), "prefill": (8192, 1)}
 # the prefix-cache scenarios (not in `all`): shared-prefix requests and multi-turn conversations, N requests each run
 # with C in flight; their lengths come from their own flags (bench/workloads.py)
-CACHE_SCENARIOS = {"prefix": PrefixRepetition, "multi-turn": MultiTurn}
+CACHE_SCENARIO_SPECS = {"prefix": PrefixRepetition, "multi-turn": MultiTurn}
 DEFAULT_CONCURRENCY = {"concurrency": [1, 4, 16, 64], "prefix": [16], "multi-turn": [4]}
 
 
@@ -70,7 +70,7 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
     """The configurations to run. range_ratio spreads the lengths of the concurrency scenario's requests and
     request_rate their arrival over time (the single-request scenarios measure one request, so they refuse both).
     concurrency None: the scenario's default. The prefix-cache scenarios take their request set from spec."""
-    if scenario in CACHE_SCENARIOS:
+    if scenario in CACHE_SCENARIO_SPECS:
         return _cache_plans(scenario, concurrency or DEFAULT_CONCURRENCY[scenario], input_len, output_len, range_ratio,
                             request_rate, spec)
     concurrency = concurrency or DEFAULT_CONCURRENCY["concurrency"]
@@ -104,7 +104,7 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
 
 def _cache_plans(scenario: str, concurrency: list[int], input_len: Optional[int], output_len: Optional[int],
                  range_ratio: float, request_rate: float, spec: Optional[PrefixRepetition | MultiTurn]) -> list[Plan]:
-    kind = CACHE_SCENARIOS[scenario]
+    kind = CACHE_SCENARIO_SPECS[scenario]
     flags = "--prefix-repetition-prefix-len / -suffix-len / -output-len" if kind is PrefixRepetition else \
         "--multi-turn-input-len / --multi-turn-output-len"
     if input_len is not None or output_len is not None:
