@@ -19,10 +19,9 @@ from voltllm.bench import limits as L
 from voltllm.bench import record as R
 from voltllm.bench.compiles import CompileLog
 from voltllm.bench.inprocess import SCENARIOS, Plan, make_plans, run_protocol
-from voltllm.bench.metrics import CACHE_SCENARIOS
 from voltllm.bench.workloads import MultiTurn, PrefixRepetition
 from voltllm.config import ConfigError
-from voltllm.bench.metrics import find_row, format_report, headline, rate_json, speedup, table_rows
+from voltllm.bench.metrics import CACHE_SCENARIOS, find_row, format_report, headline, rate_json, speedup, table_rows
 
 logger = logging.getLogger("voltllm.bench")
 
