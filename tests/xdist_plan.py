@@ -24,7 +24,8 @@ MAX_CPU_WORKERS = 2  # measured on CI's 2 cores; each worker can hold several GB
 SHARED_FILES = {
     "server": ("tests/server/test_acceleration_endpoint.py", "tests/server/test_cors.py", "tests/server/test_errors.py",
                "tests/server/test_openai_server.py", "tests/server/test_sagemaker_metrics_server.py"),
-    "tiny_server": ("tests/server/test_beam_search_server.py", "tests/server/test_client_shapes_server.py",
+    "tiny_server": ("tests/server/test_beam_search_server.py", "tests/server/test_bench_server.py",
+                    "tests/server/test_client_shapes_server.py",
                     "tests/server/test_lora_server.py", "tests/server/test_messages_server.py",
                     "tests/server/test_priority_server.py", "tests/server/test_reasoning_server.py",
                     "tests/server/test_responses_server.py",

@@ -19,7 +19,9 @@ from voltllm.bench import limits as L
 from voltllm.bench import record as R
 from voltllm.bench.compiles import CompileLog
 from voltllm.bench.inprocess import SCENARIOS, Plan, make_plans, run_protocol
-from voltllm.bench.metrics import find_row, format_report, headline, rate_json, speedup, table_rows
+from voltllm.bench.workloads import MultiTurn, PrefixRepetition
+from voltllm.config import ConfigError
+from voltllm.bench.metrics import CACHE_SCENARIOS, find_row, format_report, headline, rate_json, speedup, table_rows
 
 logger = logging.getLogger("voltllm.bench")
 
@@ -43,9 +45,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-weights", default=None, metavar="NAME|DIR",
                    help="random weights at a named shape (qwen3-8b-shape, qwen3-0.6b-shape, qwen3.5-27b-shape) "
                         "or at the shape of a directory's config.json (implies --load-format dummy)")
-    g.add_argument("--scenario", default="decode", choices=list(SCENARIOS) + ["all", "kernels"],
+    g.add_argument("--scenario", default="decode", choices=list(SCENARIOS) + ["all"] + list(CACHE_SCENARIOS)
+                   + ["kernels"],
                    help="decode: batch 1, 512 in / 256 out; concurrency: C requests together, 128/128; "
-                        "prefill: one 8192-token prompt; all: the three; kernels: the GDN / MoE Triton kernels "
+                        "prefill: one 8192-token prompt; all: the three; prefix: requests sharing prompt prefixes "
+                        "(--prefix-repetition-*), C in flight; multi-turn: conversations whose turns resend the "
+                        "history (--multi-turn-*), C in flight; kernels: the GDN / MoE Triton kernels "
                         "against their torch references at the model's layer shapes (CUDA only, no engine)")
     g.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: per scenario)")
     g.add_argument("--output-len", type=int, default=None, help="forced output tokens (default: per scenario)")
@@ -58,7 +63,34 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="shape of the gamma distribution of --request-rate's gaps: 1 = a Poisson process, below 1 "
                         "burstier, above 1 more regular (vLLM's flag)")
-    g.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
+    g.add_argument("--concurrency", type=_int_list, default=None,
+                   help="e.g. 1,4,16,64 (the default for --scenario concurrency); prefix / multi-turn: requests in "
+                        "flight (default 16 / 4)")
+    p = PrefixRepetition()
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"--scenario prefix: requests per run (vLLM's flag; default {p.num_prompts}, a multiple of "
+                        "--prefix-repetition-num-prefixes)")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=None,
+                   help=f"--scenario prefix: tokens of each shared prefix (vLLM's flag; default {p.prefix_len})")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=None,
+                   help=f"--scenario prefix: fresh tokens after the prefix per request (default {p.suffix_len})")
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=None,
+                   help=f"--scenario prefix: distinct prefixes, each serving num-prompts / P requests (default "
+                        f"{p.num_prefixes})")
+    g.add_argument("--prefix-repetition-output-len", type=int, default=None,
+                   help=f"--scenario prefix: forced output tokens per request (default {p.output_len})")
+    g.add_argument("--prefix-repetition-reuse-prefixes", action="store_true",
+                   help="--scenario prefix: draw the prefixes once per configuration, so the warm runs find the cold "
+                        "run's prefixes cached (default: a fresh prefix set per run)")
+    mt = MultiTurn()
+    g.add_argument("--multi-turn-num-conversations", type=int, default=None,
+                   help=f"--scenario multi-turn: conversations per run (default {mt.num_conversations})")
+    g.add_argument("--multi-turn-num-turns", type=int, default=None,
+                   help=f"--scenario multi-turn: user turns (requests) per conversation (default {mt.num_turns})")
+    g.add_argument("--multi-turn-input-len", type=int, default=None,
+                   help=f"--scenario multi-turn: tokens of each new user turn (default {mt.input_len})")
+    g.add_argument("--multi-turn-output-len", type=int, default=None,
+                   help=f"--scenario multi-turn: forced tokens of each answer (default {mt.output_len})")
     g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -149,7 +181,7 @@ def attach_limits(rows: list[dict], plans: list[Plan], cost: Optional[L.ModelCos
         elif metric == "concurrent_decode_tok_s":
             limit = L.decode_limit_tok_s(cost, dev, plan.concurrency, _decode_context(plan), roofline=True)
             conc_limit[str(plan.concurrency)] = limit
-        elif metric == "prefill_tok_s":
+        elif metric == "prefill_tok_s" and plan.scenario == "prefill":  # (one prompt: the prefix scenarios' vary)
             limit = L.prefill_limit_tok_s(cost, dev, plan.input_len)
             out["prefill_limit_tok_s"] = limit
         elif metric == "ttft_ms" and plan.scenario == "prefill":
@@ -160,7 +192,7 @@ def attach_limits(rows: list[dict], plans: list[Plan], cost: Optional[L.ModelCos
         row["ratio"] = limit / row["median"] if metric.endswith("_ms") else row["median"] / limit
         if metric == "pure_decode_tok_s" and plan == decode_plan:
             out["ratio"] = row["ratio"]
-        elif metric == "prefill_tok_s":
+        elif metric == "prefill_tok_s" and plan.scenario == "prefill":
             out["prefill_ratio"] = row["ratio"]
         elif metric == "concurrent_decode_tok_s":
             conc_ratio[str(plan.concurrency)] = row["ratio"]
@@ -204,8 +236,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile and (args.base_url or args.profile_steps < 1):
         raise ValueError("--profile runs torch.profiler in this process (not with --base-url) over "
                          "--profile-steps >= 1 steps")
+    spec = cache_spec(args)
+    if spec is not None and (args.baseline or args.profile):
+        raise ConfigError(f"--scenario {args.scenario} measures voltllm's prefix cache: --baseline (transformers has "
+                          "none) and --profile (decode steps) run with the other scenarios")
     plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len, args.random_range_ratio,
-                       args.request_rate, args.burstiness)
+                       args.request_rate, args.burstiness, spec)
     if args.baseline and (args.random_range_ratio or math.isfinite(args.request_rate)):
         raise ValueError("--baseline runs transformers generate on one batch of equal lengths sent together: "
                          "drop --random-range-ratio and --request-rate")
@@ -241,9 +277,43 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _workload_flags(args: argparse.Namespace) -> dict:
-    """How the concurrency scenario's requests were shaped, for the result file (JSON has no infinity)."""
-    return {"random_range_ratio": args.random_range_ratio, "request_rate": rate_json(args.request_rate),
-            "burstiness": args.burstiness}
+    """How the concurrency scenario's requests were shaped, for the result file (JSON has no infinity); the prefix-cache
+    scenarios' request set."""
+    out = {"random_range_ratio": args.random_range_ratio, "request_rate": rate_json(args.request_rate),
+           "burstiness": args.burstiness}
+    spec = cache_spec(args)
+    if spec is not None:
+        out["workload"] = spec.describe()
+    return out
+
+
+_PREFIX_FLAGS = {"num_prompts": "num_prompts", "prefix_repetition_prefix_len": "prefix_len",
+                 "prefix_repetition_suffix_len": "suffix_len", "prefix_repetition_num_prefixes": "num_prefixes",
+                 "prefix_repetition_output_len": "output_len"}
+_MULTI_TURN_FLAGS = {"multi_turn_num_conversations": "num_conversations", "multi_turn_num_turns": "num_turns",
+                     "multi_turn_input_len": "input_len", "multi_turn_output_len": "output_len"}
+
+
+def cache_spec(args: argparse.Namespace) -> Optional[PrefixRepetition | MultiTurn]:
+    """The request set of --scenario prefix / multi-turn from their flags (None for the other scenarios); a flag of
+    one of them given with another scenario is refused."""
+    def given(flags: dict) -> dict:
+        return {field: getattr(args, dest) for dest, field in flags.items() if getattr(args, dest) is not None}
+
+    prefix, multi = given(_PREFIX_FLAGS), given(_MULTI_TURN_FLAGS)
+    if args.prefix_repetition_reuse_prefixes:
+        prefix["reuse_prefixes"] = True
+    for scenario, flags, table in (("prefix", prefix, _PREFIX_FLAGS), ("multi-turn", multi, _MULTI_TURN_FLAGS)):
+        if flags and args.scenario != scenario:
+            names = [f"--{dest.replace('_', '-')}" for dest, field in table.items() if field in flags]
+            names += ["--prefix-repetition-reuse-prefixes"] if "reuse_prefixes" in flags else []
+            raise ConfigError(f"{', '.join(names)} shape the requests of --scenario {scenario}, not --scenario "
+                              f"{args.scenario}")
+    if args.scenario == "prefix":
+        return PrefixRepetition(**prefix)
+    if args.scenario == "multi-turn":
+        return MultiTurn(**multi)
+    return None
 
 
 def _default_name(report: dict, args: argparse.Namespace) -> str:
@@ -265,8 +335,6 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     config = ea.create_engine_config()
     require_one_engine(config, "the in-process bench")
     if config.model.runner != "generate":
-        from voltllm.config import ConfigError
-
         raise ConfigError("voltllm bench measures generation: a pooling (embedding) model (--runner pooling) "
                           "generates nothing to measure")
     device, dtype = config.device.device, config.model.dtype
@@ -278,6 +346,11 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     t0 = time.monotonic()
     engine = EngineCore(config)
     start_s = time.monotonic() - t0
+    longest = max((p.spec.max_request_len for p in plans if p.spec is not None), default=0)
+    if longest > engine.max_model_len:
+        raise ConfigError(f"--scenario {args.scenario}: its longest request needs {longest} tokens (prompt and "
+                          f"answer), more than --max-model-len {engine.max_model_len}: raise it or shorten the "
+                          "requests")
     model = engine.runner.model
     cost = L.model_cost(model, config.model.hf_config, engine.runner.kv_dtype)
     hf_config = config.model.hf_config

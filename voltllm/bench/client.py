@@ -13,12 +13,43 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from voltllm.bench.inprocess import Plan, Workload
 from voltllm.bench.metrics import RequestTiming, RunResult
+from voltllm.bench.workloads import RequestSource
 
 logger = logging.getLogger("voltllm.bench")
+
+
+@dataclass
+class _Streamed:
+    """What one streamed completion brought: a time per token, and where asked for, the token ids and the final
+    usage's prompt_tokens_details.cached_tokens (None: not reported)."""
+
+    times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    cached_tokens: Optional[int] = None
+
+
+# prefix-cache counters of /metrics (vLLM's names, which a voltllm server also writes): the GPU pool's hits (vLLM's
+# older name second) and the CPU tier's (KV connector's), in prompt tokens since the server started
+HIT_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+EXTERNAL_HIT_COUNTER = "vllm:external_prefix_cache_hits_total"
+
+
+def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named series of a Prometheus text exposition, summed over their labels (engines)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            value = line.rsplit("}", 1)[-1].split()[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 class ClientRunner:
@@ -73,7 +104,13 @@ class ClientRunner:
         return body
 
     async def _one(self, body: dict, t_send: float) -> RequestTiming:
-        times: list[float] = []
+        times = (await self._stream(body)).times
+        return RequestTiming(prompt_tokens=len(body["prompt"]), output_tokens=len(times), arrival=t_send,
+                             first_token=times[0], last_token=times[-1], token_times=times)
+
+    async def _stream(self, body: dict) -> _Streamed:
+        got = _Streamed()
+        times = got.times
         final_total: Optional[int] = None
         async with self.client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -94,7 +131,9 @@ class ClientRunner:
                 total = usage.get("completion_tokens")
                 if not choices:  # the final usage-only chunk
                     final_total = total if total is not None else final_total
+                    got.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                     continue
+                got.token_ids.extend(choices[0].get("token_ids") or [])
                 if total is not None:
                     k = total - len(times)
                 else:
@@ -104,8 +143,7 @@ class ClientRunner:
             times.extend([times[-1]] * (final_total - len(times)))
         if not times:
             raise RuntimeError("the server streamed no tokens (does it stream text? start it with a tokenizer)")
-        return RequestTiming(prompt_tokens=len(body["prompt"]), output_tokens=len(times), arrival=t_send,
-                             first_token=times[0], last_token=times[-1], token_times=times)
+        return got
 
     async def _sent_at(self, body: dict, at: float) -> RequestTiming:
         await asyncio.sleep(max(0.0, at - time.monotonic()))
@@ -116,7 +154,9 @@ class ClientRunner:
         reqs = await asyncio.gather(*(self._sent_at(b, t0 + dt) for b, dt in zip(bodies, offsets)))
         return t0, list(reqs), time.monotonic()
 
-    def __call__(self, plan: Plan, run: str, work: Workload) -> RunResult:
+    def __call__(self, plan: Plan, run: str, work: Workload | RequestSource) -> RunResult:
+        if isinstance(work, RequestSource):
+            return self.loop.run_until_complete(self._run_source(plan, run, work))
         bodies = [self.payload(p, n, self.sampling_seed + i)
                   for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))]
         offsets = [work.arrival(i) for i in range(len(bodies))]
@@ -128,3 +168,83 @@ class ClientRunner:
         end = max(r.last_token for r in reqs)
         return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
                          side="client", range_ratio=plan.range_ratio, request_rate=plan.request_rate)
+
+    # -- the prefix-cache scenarios: a RequestSource with C requests in flight -------------------------------------
+    async def _cache_counters(self) -> Optional[dict[str, float]]:
+        """The prefix-cache hit counters of GET /metrics; None when the server has no /metrics."""
+        try:
+            r = await self.client.get("/metrics")
+            r.raise_for_status()
+        except Exception:  # noqa: BLE001 - no counters: the hit rate is then unknown, not an error
+            return None
+        return parse_counters(r.text, HIT_COUNTERS + (EXTERNAL_HIT_COUNTER,))
+
+    async def _run_source(self, plan: Plan, run: str, source: RequestSource) -> RunResult:
+        """C workers each send the source's next request as soon as theirs ends (a multi-turn conversation's next
+        turn waits for its answer: a worker with none ready waits for another's to end)."""
+        before = await self._cache_counters()
+        ready = asyncio.Condition()
+        done: list[tuple[RequestTiming, Optional[int]]] = []
+        t0 = time.monotonic()
+
+        async def worker() -> None:
+            while True:
+                async with ready:
+                    req = source.next()
+                    while req is None and not source.exhausted:
+                        await ready.wait()
+                        req = source.next()
+                if req is None:
+                    return
+                body = self.payload(req.prompt, req.output_len, self.sampling_seed + req.index)
+                if source.wants_answers:
+                    body["return_token_ids"] = True
+                sent = time.monotonic()
+                got = await self._stream(body)
+                if len(got.times) != req.output_len:
+                    raise RuntimeError(f"the server made {len(got.times)} tokens, not the forced {req.output_len} "
+                                       "(does it honour ignore_eos and min_tokens?)")
+                if source.wants_answers and len(got.token_ids) != req.output_len:
+                    raise RuntimeError(f"the server returned {len(got.token_ids)} token ids for {req.output_len} "
+                                       "tokens: a multi-turn conversation resends them (request field "
+                                       "return_token_ids)")
+                timing = RequestTiming(prompt_tokens=len(req.prompt), output_tokens=len(got.times), arrival=sent,
+                                       first_token=got.times[0], last_token=got.times[-1], token_times=got.times,
+                                       cached_tokens=got.cached_tokens or 0, index=req.index, group=req.group,
+                                       turn=req.turn)
+                done.append((timing, got.cached_tokens))
+                async with ready:
+                    source.done(req, got.token_ids)
+                    ready.notify_all()
+
+        async with asyncio.TaskGroup() as tasks:  # (one failing cancels the others)
+            for _ in range(plan.concurrency):
+                tasks.create_task(worker())
+        after = await self._cache_counters()
+        reqs = sorted((t for t, _ in done), key=lambda t: t.index)
+        result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0,
+                           max(r.last_token for r in reqs), reqs, side="client", workload=plan.spec.describe())
+        _cache_hits_from_server(result, [c for _, c in done], before, after)
+        return result
+
+
+def _cache_hits_from_server(result: RunResult, reported: list[Optional[int]], before: Optional[dict],
+                            after: Optional[dict]) -> None:
+    """The run's cache hits: each request's usage cached_tokens where the server reports them (vLLM with
+    --enable-prompt-tokens-details; it leaves out a count of 0, so one request's count is enough to read the others'
+    absence as 0), else the /metrics counters' growth over the run (GPU pool + CPU tier); the CPU tier's share from
+    /metrics where the server exports it."""
+    def grew(name: str) -> Optional[float]:
+        if before is None or after is None or name not in after:
+            return None
+        return after[name] - before.get(name, 0.0)
+
+    gpu = next((g for g in (grew(n) for n in HIT_COUNTERS) if g is not None), None)
+    ext = grew(EXTERNAL_HIT_COUNTER)
+    result.external_cache_hit_tokens = int(ext) if ext is not None else None
+    if any(c is not None for c in reported):
+        result.cache_hits_source = "requests"
+    elif gpu is not None:
+        result.cache_hits_source, result.cache_hit_tokens = "metrics", int(gpu + (ext or 0.0))
+    else:
+        result.cache_hits_source = "none"

@@ -19,12 +19,18 @@ import torch
 
 from voltllm.bench.compiles import CompileLog
 from voltllm.bench.metrics import RequestTiming, RunResult
+from voltllm.bench.workloads import MultiTurn, PrefixRepetition, RequestSource, make_source
+from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm.bench")
 
 SCENARIOS = ("decode", "concurrency", "prefill")
 # scenario -> (input length, output length) when --input-len / --output-len are not given
 DEFAULT_LENGTHS = {"decode": (512, 256), "concurrency": (128, 128), "prefill": (8192, 1)}
+# the prefix-cache scenarios (not in `all`): shared-prefix requests and multi-turn conversations, N requests each run
+# with C in flight; their lengths come from their own flags (bench/workloads.py)
+CACHE_SCENARIO_SPECS = {"prefix": PrefixRepetition, "multi-turn": MultiTurn}
+DEFAULT_CONCURRENCY = {"concurrency": [1, 4, 16, 64], "prefix": [16], "multi-turn": [4]}
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,8 @@ class Plan:
     # --request-rate / --burstiness; 1: a Poisson process); inf: all at once
     request_rate: float = math.inf
     burstiness: float = 1.0
+    # the prefix-cache scenarios' request set (input_len / output_len then give its prompt and answer lengths)
+    spec: Optional[PrefixRepetition | MultiTurn] = None
 
 
 @dataclass(frozen=True)
@@ -56,11 +64,16 @@ class Workload:
         return self.arrivals[i] if self.arrivals else 0.0
 
 
-def make_plans(scenario: str, concurrency: list[int], input_len: Optional[int] = None,
+def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optional[int] = None,
                output_len: Optional[int] = None, range_ratio: float = 0.0, request_rate: float = math.inf,
-               burstiness: float = 1.0) -> list[Plan]:
+               burstiness: float = 1.0, spec: Optional[PrefixRepetition | MultiTurn] = None) -> list[Plan]:
     """The configurations to run. range_ratio spreads the lengths of the concurrency scenario's requests and
-    request_rate their arrival over time (the single-request scenarios measure one request, so they refuse both)."""
+    request_rate their arrival over time (the single-request scenarios measure one request, so they refuse both).
+    concurrency None: the scenario's default. The prefix-cache scenarios take their request set from spec."""
+    if scenario in CACHE_SCENARIO_SPECS:
+        return _cache_plans(scenario, concurrency or DEFAULT_CONCURRENCY[scenario], input_len, output_len, range_ratio,
+                            request_rate, spec)
+    concurrency = concurrency or DEFAULT_CONCURRENCY["concurrency"]
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
@@ -86,6 +99,32 @@ def make_plans(scenario: str, concurrency: list[int], input_len: Optional[int] =
                 plans.append(Plan(name, c, il, ol, range_ratio, request_rate, burstiness))
             else:
                 plans.append(Plan(name, c, il, ol))
+    return plans
+
+
+def _cache_plans(scenario: str, concurrency: list[int], input_len: Optional[int], output_len: Optional[int],
+                 range_ratio: float, request_rate: float, spec: Optional[PrefixRepetition | MultiTurn]) -> list[Plan]:
+    kind = CACHE_SCENARIO_SPECS[scenario]
+    flags = "--prefix-repetition-prefix-len / -suffix-len / -output-len" if kind is PrefixRepetition else \
+        "--multi-turn-input-len / --multi-turn-output-len"
+    if input_len is not None or output_len is not None:
+        raise ConfigError(f"--input-len / --output-len shape the decode, concurrency and prefill scenarios; --scenario "
+                          f"{scenario} takes its lengths from {flags}")
+    if range_ratio or math.isfinite(request_rate):
+        raise ConfigError(f"--random-range-ratio and --request-rate shape --scenario concurrency; --scenario "
+                          f"{scenario} sends its requests with --concurrency C in flight")
+    spec = spec if spec is not None else kind()
+    if not isinstance(spec, kind):
+        raise ValueError(f"--scenario {scenario} needs a {kind.__name__} request set, got {type(spec).__name__}")
+    spec.check()
+    plans = []
+    for c in concurrency:
+        if c < 1:
+            raise ConfigError(f"--concurrency values must be >= 1, got {c}")
+        if isinstance(spec, PrefixRepetition):
+            plans.append(Plan(scenario, c, spec.prompt_len, spec.output_len, spec=spec))
+        else:
+            plans.append(Plan(scenario, c, spec.input_len, spec.output_len, spec=spec))
     return plans
 
 
@@ -138,7 +177,16 @@ def make_workload(plan: Plan, vocab_size: int, seed: int) -> Workload:
     return Workload(prompts, output_lens, arrivals)
 
 
-RunFn = Callable[[Plan, str, Workload], RunResult]
+RunFn = Callable[[Plan, str, "Workload | RequestSource"], RunResult]
+
+
+def make_run_input(plan: Plan, vocab_size: int, seed: int, run_index: int) -> Workload | RequestSource:
+    """A run's requests: a Workload, or for the prefix-cache scenarios a RequestSource (prefixes fresh per run
+    unless the spec reuses them: then drawn from the configuration's run-0 seed)."""
+    run_seed = prompt_seed(seed, plan, run_index)
+    if plan.spec is not None:
+        return make_source(plan.spec, vocab_size, run_seed, prompt_seed(seed, plan, 0))
+    return make_workload(plan, vocab_size, run_seed)
 
 
 def run_protocol(plans: list[Plan], run_fn: RunFn, vocab_size: int, seed: int, num_warm: int = 3,
@@ -149,7 +197,7 @@ def run_protocol(plans: list[Plan], run_fn: RunFn, vocab_size: int, seed: int, n
     for plan in plans:
         for i in range(1 + num_warm):
             run = "cold" if i == 0 else f"warm{i}"
-            r = run_fn(plan, run, make_workload(plan, vocab_size, prompt_seed(seed, plan, i)))
+            r = run_fn(plan, run, make_run_input(plan, vocab_size, seed, i))
             if r.is_warm and r.compiles:
                 logger.warning("%s %s c=%d %s compiled %d Triton kernels during the run (%s): its numbers include "
                                "the compiles", label, plan.scenario, plan.concurrency, run, len(r.compiles),
@@ -196,16 +244,25 @@ class InProcessRunner:
         self.sampling_seed = sampling_seed
         self._batch = 0
 
-    def __call__(self, plan: Plan, run: str, work: Workload) -> RunResult:
-        from voltllm.engine.types import EngineCoreRequest
-
+    def drain(self) -> None:
+        """Let a step still in flight (async scheduling) land; the engine must then be idle."""
         eng = self.engine
-        for _ in range(8):  # let a step still in flight (async scheduling) land
+        for _ in range(8):
             if not eng.has_unfinished_requests():
                 break
             eng.step()
         if eng.has_unfinished_requests():
             raise RuntimeError("the engine still has requests from an earlier run")
+
+    def __call__(self, plan: Plan, run: str, work: Workload | RequestSource) -> RunResult:
+        from voltllm.engine.types import EngineCoreRequest
+
+        if isinstance(work, RequestSource):
+            from voltllm.bench.closed_loop import run_source_inprocess
+
+            return run_source_inprocess(self, plan, run, work)
+        eng = self.engine
+        self.drain()
         self._batch += 1
         preempt0 = eng.stats().num_preemptions
         mark = self.compile_log.mark() if self.compile_log is not None else 0

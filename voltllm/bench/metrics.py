@@ -30,6 +30,10 @@ class RequestTiming:
     scheduled: Optional[float] = None  # when the scheduler first admitted it (engine-side only)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     token_times: list[float] = field(default_factory=list)  # bench-side arrival time of each output token
+    # the prefix-cache scenarios: send order in the run, the shared prefix's / conversation's index, the turn (1-based)
+    index: Optional[int] = None
+    group: Optional[int] = None
+    turn: Optional[int] = None
 
     @property
     def ttft_s(self) -> float:
@@ -48,6 +52,9 @@ class RequestTiming:
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("token_times")
+        for key in ("index", "group", "turn"):  # (only the prefix-cache scenarios have them)
+            if d[key] is None:
+                del d[key]
         d.update(ttft_ms=self.ttft_s * 1e3, decode_s=self.decode_s, prefill_s=self.prefill_s,
                  pure_decode_tok_s=pure_decode_tok_s(self.output_tokens, self.first_token, self.last_token))
         return d
@@ -90,6 +97,14 @@ def prefill_tok_s(prompt_tokens: int, cached_tokens: int, prefill_s: float) -> O
     return computed / prefill_s if prefill_s > 0 and computed > 0 else None
 
 
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The q-th percentile (0 < q <= 100) by nearest rank; None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
 def tpot_ms(reqs: Sequence[RequestTiming]) -> Optional[float]:
     """Time per output token after the first (decode time / (tokens - 1)), median over the requests that decoded
     (vLLM's TPOT, reported as its median)."""
@@ -123,6 +138,13 @@ class RunResult:
     range_ratio: float = 0.0  # requests' lengths spread over [len * (1 - r), len * (1 + r)]; 0: all equal
     request_rate: float = math.inf  # mean arrival rate of the requests (1/s); inf: all sent at the start
     compiles: Optional[list[str]] = None  # Triton kernels compiled during the run (None: not observed here)
+    # the prefix-cache scenarios (CACHE_SCENARIOS): the request set's flags; where the prompt tokens served from the
+    # cache come from: "requests" (each request's cached_tokens), "metrics" (a server's /metrics counters over the
+    # run: cache_hit_tokens) or "none" (unknown); the CPU tier's share of them (None: unknown or no CPU tier)
+    workload: Optional[dict] = None
+    cache_hits_source: str = "requests"
+    cache_hit_tokens: Optional[int] = None
+    external_cache_hit_tokens: Optional[int] = None
 
     @property
     def wall_s(self) -> float:
@@ -136,6 +158,8 @@ class RunResult:
         """This run's metric values (tok/s, ms)."""
         reqs = self.requests
         total_out = sum(r.output_tokens for r in reqs)
+        if self.scenario in CACHE_SCENARIOS:
+            return cache_scenario_metrics(self)
         m: dict[str, Optional[float]] = {
             "output_tok_s": output_tok_s(total_out, self.wall_s),
             "concurrent_decode_tok_s": concurrent_decode_tok_s([r.token_times for r in reqs]),
@@ -151,11 +175,48 @@ class RunResult:
         return m
 
     def to_json(self) -> dict:
-        return {"scenario": self.scenario, "concurrency": self.concurrency, "run": self.run,
-                "input_len": self.input_len, "output_len": self.output_len, "range_ratio": self.range_ratio,
-                "request_rate": rate_json(self.request_rate), "triton_compiles": self.compiles, "wall_s": self.wall_s,
-                "preemptions": self.preemptions, "side": self.side, "metrics": self.metrics(),
-                "requests": [r.summary() for r in self.requests]}
+        out = {"scenario": self.scenario, "concurrency": self.concurrency, "run": self.run,
+               "input_len": self.input_len, "output_len": self.output_len, "range_ratio": self.range_ratio,
+               "request_rate": rate_json(self.request_rate), "triton_compiles": self.compiles, "wall_s": self.wall_s,
+               "preemptions": self.preemptions, "side": self.side, "metrics": self.metrics(),
+               "requests": [r.summary() for r in self.requests]}
+        if self.workload is not None:
+            out["workload"] = self.workload
+            out["cache_hits_source"] = self.cache_hits_source
+        return out
+
+
+# -- the prefix-cache scenarios (bench/workloads.py) ------------------------------------------------------------------
+CACHE_SCENARIOS = ("prefix", "multi-turn")
+
+
+def cache_scenario_metrics(run: RunResult) -> dict[str, Optional[float]]:
+    """N requests with C in flight, sharing prefixes: TTFT (median, p90; per turn for multi-turn), output tok/s (all
+    output tokens / wall), prefill tok/s of the computed tokens (prompt - cache hits, summed, over the requests'
+    prefill times summed: at C = 1 the prefill scenario's definition), the prefix-cache hit rate (prompt tokens
+    served from the cache, GPU pool or CPU tier, / prompt tokens) and the CPU tier's share (None where unknown)."""
+    reqs = run.requests
+    ttfts = [r.ttft_s * 1e3 for r in reqs]
+    prompt = sum(r.prompt_tokens for r in reqs)
+    per_request = run.cache_hits_source == "requests"
+    hits = sum(r.cached_tokens for r in reqs) if per_request else (
+        run.cache_hit_tokens if run.cache_hits_source == "metrics" else None)
+    prefill_s = sum(r.prefill_s for r in reqs)
+    computed = sum(max(0, r.prompt_tokens - r.cached_tokens) for r in reqs)
+    ext = run.external_cache_hit_tokens
+    m: dict[str, Optional[float]] = {
+        "ttft_ms": statistics.median(ttfts), "ttft_p90_ms": percentile(ttfts, 90),
+        "output_tok_s": output_tok_s(sum(r.output_tokens for r in reqs), run.wall_s),
+        # (without per-request hits the computed tokens of each request are unknown)
+        "prefill_tok_s": computed / prefill_s if per_request and prefill_s > 0 and computed else None,
+        "prefix_cache_hit_rate": hits / prompt if hits is not None and prompt else None,
+        "prefix_cache_hit_tokens": float(hits) if hits is not None else None,
+        "external_prefix_cache_hit_rate": ext / prompt if ext is not None and prompt else None,
+        "external_prefix_cache_hit_tokens": float(ext) if ext is not None else None,
+    }
+    for turn in sorted({r.turn for r in reqs if r.turn is not None}):
+        m[f"ttft_ms_turn{turn}"] = statistics.median(r.ttft_s * 1e3 for r in reqs if r.turn == turn)
+    return m
 
 
 def rate_json(rate: float) -> Optional[float]:
@@ -178,7 +239,20 @@ SCENARIO_METRICS = {
     "decode": ("pure_decode_tok_s", "ttft_ms", "output_tok_s"),
     "concurrency": ("concurrent_decode_tok_s", "output_tok_s", "ttft_ms", "tpot_ms", "itl_p99_ms"),
     "prefill": ("prefill_tok_s", "ttft_ms"),
+    "prefix": ("ttft_ms", "ttft_p90_ms", "output_tok_s", "prefill_tok_s", "prefix_cache_hit_rate",
+               "external_prefix_cache_hit_rate"),
+    "multi-turn": ("ttft_ms", "output_tok_s", "prefix_cache_hit_rate", "external_prefix_cache_hit_rate"),
 }
+
+
+def scenario_metrics(scenario: str, runs: Sequence[RunResult]) -> tuple[str, ...]:
+    """The table's metrics of one configuration: SCENARIO_METRICS, and multi-turn's TTFT of each turn after its
+    median."""
+    names = SCENARIO_METRICS[scenario]
+    if scenario != "multi-turn":
+        return names
+    turns = sorted({r.turn for run in runs for r in run.requests if r.turn is not None})
+    return names[:1] + tuple(f"ttft_ms_turn{t}" for t in turns) + names[1:]
 
 
 def table_rows(results: Sequence[RunResult]) -> list[dict]:
@@ -189,13 +263,16 @@ def table_rows(results: Sequence[RunResult]) -> list[dict]:
         groups.setdefault(key, []).append(r)
     rows = []
     for (scenario, c, il, ol, rr, rate), runs in groups.items():
-        for metric in SCENARIO_METRICS[scenario]:
+        for metric in scenario_metrics(scenario, runs):
             s = summarize(runs, metric)
             if s is None:
                 continue
-            rows.append({"metric": metric, "scenario": scenario, "concurrency": c, "input_len": il,
-                         "output_len": ol, "range_ratio": rr, "request_rate": rate_json(rate), **s, "limit": None,
-                         "ratio": None})
+            row = {"metric": metric, "scenario": scenario, "concurrency": c, "input_len": il,
+                   "output_len": ol, "range_ratio": rr, "request_rate": rate_json(rate), **s, "limit": None,
+                   "ratio": None}
+            if runs[0].workload is not None:
+                row["workload"] = runs[0].workload
+            rows.append(row)
     return rows
 
 
@@ -224,7 +301,18 @@ def headline(rows: Sequence[dict]) -> dict:
                                     if r["metric"] == "concurrent_decode_tok_s" and r["scenario"] == "concurrency"},
         "output_tok_s": {str(r["concurrency"]): r["median"] for r in rows
                          if r["metric"] == "output_tok_s" and r["scenario"] == "concurrency"},
+        **cache_headline(rows),
     }
+
+
+def cache_headline(rows: Sequence[dict]) -> dict:
+    """{"prefix" / "multi_turn": {"<C>": {metric: warm median}}} for the prefix-cache scenarios that ran."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["scenario"] in CACHE_SCENARIOS:
+            key = r["scenario"].replace("-", "_")
+            out.setdefault(key, {}).setdefault(str(r["concurrency"]), {})[r["metric"]] = r["median"]
+    return out
 
 
 def speedup(ours: Optional[float], theirs: Optional[float], metric: str) -> Optional[float]:
@@ -240,13 +328,24 @@ def _fmt(v: Optional[float]) -> str:
     return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
 
 
+def workload_label(scenario: str, w: dict) -> str:
+    """The table's name of a prefix-cache configuration."""
+    if scenario == "prefix":
+        reuse = " reused" if w.get("reuse_prefixes") else ""
+        return (f"prefix {w['prefix_len']}+{w['suffix_len']}/{w['output_len']} {w['num_prefixes']}p{reuse} "
+                f"n={w['num_prompts']}")
+    return f"multi-turn {w['num_conversations']}x{w['num_turns']} {w['input_len']}/{w['output_len']}"
+
+
 def format_table(rows: Sequence[dict], title: str = "", ratio_header: str = "ratio") -> str:
     head = ["metric", "scenario", "C", "warm median", "warm values", "cold", "limit", ratio_header]
     body = []
     for r in rows:
         spread = f" x(1+-{r['range_ratio']:g})" if r.get("range_ratio") else ""
         spread += f" @{r['request_rate']:g}/s" if r.get("request_rate") is not None else ""
-        body.append([r["metric"], f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}", str(r["concurrency"]),
+        shape = workload_label(r["scenario"], r["workload"]) if r.get("workload") else \
+            f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}"
+        body.append([r["metric"], shape, str(r["concurrency"]),
                      _fmt(r["median"]), " ".join(_fmt(v) for v in r["warm"]), _fmt(r["cold"]), _fmt(r.get("limit")),
                      _fmt(r.get("ratio"))])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
