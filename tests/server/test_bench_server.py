@@ -17,7 +17,7 @@ def test_multi_turn_bench_against_a_server(tiny_server, tmp_path):
         res = json.load(f)
     assert res["config"]["client_side_times"] and res["config"]["workload"]["num_turns"] == 3
     for run in res["metrics"]["runs"]:
-        assert run["cache_hits_source"] == "metrics"  # (voltllm streams no cached_tokens: its /metrics counters)
+        assert run["cache_hits_source"] == "metrics"  # (this server has no --enable-prompt-tokens-details)
         assert [(r["turn"], r["prompt_tokens"]) for r in run["requests"]] == [(1, 12)] * 2 + [(2, 28)] * 2 + [
             (3, 44)] * 2
         # turns 2 and 3 find their history (block size 4): (12 + 3) // 4 * 4 and (28 + 3) // 4 * 4 tokens

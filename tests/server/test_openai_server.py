@@ -213,6 +213,15 @@ def test_prefix_cache_hit_reported(client):
     client.completions.create(model="smol", prompt=long_prompt, max_tokens=1, temperature=0)
     r = client.completions.create(model="smol", prompt=long_prompt, max_tokens=1, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens >= 16
+    # streamed, the final usage chunk carries them too (as vLLM's with --enable-prompt-tokens-details)
+    chunks = list(client.completions.create(model="smol", prompt=long_prompt, max_tokens=1, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
+    messages = [{"role": "user", "content": long_prompt}]
+    client.chat.completions.create(model="smol", messages=messages, max_tokens=1, temperature=0)
+    chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=1, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
 
 
 def test_metrics(server, client):

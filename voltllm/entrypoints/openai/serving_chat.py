@@ -225,7 +225,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
     base = {"id": plan.request_id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model}
     views = [ChoiceView(state, plan, req.tools, streaming=True) for _ in range(plan.n)]
     sent = [_Sent() for _ in range(plan.n)]
-    prompt_tokens, completion_tokens = len(plan.prompt_ids), 0
+    prompt_tokens, completion_tokens, cached = len(plan.prompt_ids), 0, 0
 
     def chunk(choices: list, usage_now: Optional[dict] = None, extra: Optional[dict] = None) -> str:
         body = {**base, "choices": choices, **(extra or {})}
@@ -247,6 +247,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
     async for _, out in merge_streams(streams):
         prompt_tokens = len(out.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        cached = out.num_cached_tokens
         for c in out.outputs:
             s = sent[c.index]
             if s.done:
@@ -278,5 +279,5 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, plan: ChatPlan
             if req.return_token_ids:
                 choice["token_ids"] = new_ids
             yield chunk([choice], usage(prompt_tokens, len(c.token_ids)) if continuous else None)
-    if include_usage:
-        yield chunk([], usage(prompt_tokens, completion_tokens))
+    if include_usage:  # (the final usage with the prompt's cached tokens, as the non-streamed answer and vLLM's)
+        yield chunk([], usage(prompt_tokens, completion_tokens, cached if state.enable_prompt_tokens_details else None))

@@ -148,6 +148,7 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
     sent: dict[int, _Sent] = {}
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
 
     def chunk(choices: list, usage_now: Optional[dict]) -> str:
         body = {**base, "choices": choices}
@@ -160,6 +161,7 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
             out = _without_generation(out)
         prompt_tokens[p] = len(out.prompt_token_ids)
         completion_tokens[p] = sum(len(c.token_ids) for c in out.outputs)
+        cached[p] = out.num_cached_tokens
         for c in out.outputs:
             idx = p * n + c.index
             s = sent.setdefault(idx, _Sent())
@@ -194,5 +196,6 @@ async def _stream(state: ServerState, req: CompletionRequest, base_id: str, mode
             # continuous usage, as vLLM's: this choice's prompt and its tokens so far
             yield chunk([choice], usage(prompt_tokens[p], len(c.token_ids)) if continuous else None)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(sum(prompt_tokens.values()),
-                                                           sum(completion_tokens.values()))})
+        yield sse({**base, "choices": [], "usage": usage(
+            sum(prompt_tokens.values()), sum(completion_tokens.values()),
+            sum(cached.values()) if state.enable_prompt_tokens_details else None)})
