@@ -106,6 +106,9 @@ def test_evicted_blocks_and_snapshot_come_back_from_the_cpu_tier(checkpoints, re
     llm = _llm(checkpoints[kind], kv_offloading_size=0.001, async_scheduling=async_scheduling)
     snaps = llm.engine.runner.state_snapshots
     assert snaps.capacity == 4 and snaps.host is not None and snaps.host.num_slots == snaps.host_index.num_slots > 3
+    # the host memory (KV slots, snapshot slots and the snapshot pool's padding row) stays within the size asked
+    host_bytes = llm.engine.runner.kv_offload.nbytes + sum(t.numel() * t.element_size() for t in snaps.host.tensors)
+    assert host_bytes <= 0.001 * 2**30
     outs = _run(llm)
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0, HIT]
     extra = llm.engine.stats().extra

@@ -151,7 +151,8 @@ def _host_snapshot_slots(runner, per_rank: int) -> tuple[int, int]:
                            "memory left for them next to the KV cache), so no prefix cache for the CPU tier to "
                            "extend; drop --kv-offloading-size or give the KV cache more memory")
     snap_bytes = StateCache.bytes_per_slot(runner.model.state_spec)  # (this rank's heads)
-    num = max(1, int(SNAPSHOT_MEMORY_SHARE * per_rank) // snap_bytes)
+    # (a StateCache holds one padding row beside its slots: the host copy pays for it too)
+    num = max(1, int(SNAPSHOT_MEMORY_SHARE * per_rank) // snap_bytes - 1)
     if runner.tp is not None:
         num = runner.tp.min_int(num)
     return num, snap_bytes
@@ -170,7 +171,8 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
     _, slot_bytes = slot_layout(caches)
     per_rank = int(size_gib * 2**30 / tp)
     num_snaps, snap_bytes = _host_snapshot_slots(runner, per_rank)
-    num = max(0, per_rank - num_snaps * snap_bytes) // slot_bytes
+    snaps_bytes = (num_snaps + 1) * snap_bytes if num_snaps else 0  # (the host pool's padding row included)
+    num = max(0, per_rank - snaps_bytes) // slot_bytes
     if runner.tp is not None:  # rank 0's index addresses every rank's slots
         num = runner.tp.min_int(num)
     if num < 1:
@@ -179,7 +181,7 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
         raise RuntimeError(f"--kv-offloading-size {size_gib:g} GiB holds no KV block{snaps}: one block takes "
                            f"{slot_bytes / 2**20:.2f} MiB" + (f" per rank ({size_gib:g} GiB over {tp} ranks)"
                                                               if tp > 1 else "") + "; raise it")
-    need = num * slot_bytes + num_snaps * snap_bytes
+    need = num * slot_bytes + snaps_bytes
     available = host_available_bytes()
     if available is not None and need > available:
         raise RuntimeError(f"--kv-offloading-size {size_gib:g} GiB: this host has {available / 2**30:.1f} GiB of "
@@ -198,8 +200,8 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
                 num * bs, store.nbytes / 2**30, "page-locked " if pin else "",
                 f" on each of {tp} ranks" if tp > 1 else "")
     if num_snaps:
-        logger.info("KV offloading: %d CPU recurrent-state snapshots, %.2f GiB%s", num_snaps,
-                    num_snaps * snap_bytes / 2**30, f" on each of {tp} ranks" if tp > 1 else "")
+        logger.info("KV offloading: %d CPU recurrent-state snapshots, %.2f GiB%s", num_snaps, snaps_bytes / 2**30,
+                    f" on each of {tp} ranks" if tp > 1 else "")
     return store
 
 
