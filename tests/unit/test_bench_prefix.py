@@ -334,3 +334,42 @@ def test_client_without_metrics_leaves_the_hit_rate_unknown():
     m = run.metrics()
     assert len(run.requests) == 4 and run.cache_hits_source == "none"
     assert m["prefix_cache_hit_rate"] is None and m["external_prefix_cache_hit_rate"] is None and m["ttft_ms"] > 0
+
+
+def test_a_turns_sampling_seed_does_not_depend_on_which_answer_came_first():
+    """Sampled conversations against a server repeat with fixed seeds: a turn's seed is its conversation's and turn's,
+    whatever order the answers of the turns before it came back in."""
+    spec = MultiTurn(num_conversations=3, num_turns=2, input_len=4, output_len=1)
+    seeds = []
+    for order in ([0, 1, 2], [2, 1, 0]):
+        src = ConversationSource(spec, 100, seed=0)
+        firsts = [src.next() for _ in range(3)]
+        for i in order:
+            src.done(firsts[i], [7])
+        seeds.append({(r.group, r.turn): r.seed for r in firsts + [src.next() for _ in range(3)]})
+    assert seeds[0] == seeds[1] and len(set(seeds[0].values())) == 6
+
+
+def test_counters_without_labels_and_a_failing_server():
+    """A /metrics sample without labels is read; a request the server refuses ends the run with its error (not an
+    ExceptionGroup of every client's)."""
+    httpx = pytest.importorskip("httpx")
+    from voltllm.bench.client import ClientRunner, parse_counters
+
+    names = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+    text = 'vllm:prefix_cache_hits_total 42.0\nvllm:prefix_cache_hits_total{engine="1"} 8\nweird_line\n'
+    assert parse_counters(text, names) == {"vllm:prefix_cache_hits_total": 50.0}
+    handler, _ = _mock_server(httpx, False)
+
+    def refusing(request):
+        if request.url.path == "/v1/completions":
+            return httpx.Response(400, json={"error": {"message": "too long"}})
+        return handler(request)
+
+    plan = make_plans("prefix", [2], spec=PrefixRepetition(8, 4, 2, 2, 4))[0]
+    runner = ClientRunner("http://test", transport=httpx.MockTransport(refusing))
+    try:
+        with pytest.raises(RuntimeError, match="400"):
+            runner(plan, "cold", make_run_input(plan, 50, 0, 0))
+    finally:
+        runner.close()

@@ -47,8 +47,11 @@ def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in names:
-            value = line.rsplit("}", 1)[-1].split()[0]
-            out[name] = out.get(name, 0.0) + float(value)
+            rest = line.rsplit("}", 1)[-1] if "{" in line else line[len(name):]
+            try:
+                out[name] = out.get(name, 0.0) + float(rest.split()[0])
+            except (IndexError, ValueError):
+                continue  # (a sample this reader does not understand: not counted)
     return out
 
 
@@ -196,7 +199,7 @@ class ClientRunner:
                         req = source.next()
                 if req is None:
                     return
-                body = self.payload(req.prompt, req.output_len, self.sampling_seed + req.index)
+                body = self.payload(req.prompt, req.output_len, self.sampling_seed + req.seed)
                 if source.wants_answers:
                     body["return_token_ids"] = True
                 sent = time.monotonic()
@@ -217,9 +220,12 @@ class ClientRunner:
                     source.done(req, got.token_ids)
                     ready.notify_all()
 
-        async with asyncio.TaskGroup() as tasks:  # (one failing cancels the others)
-            for _ in range(plan.concurrency):
-                tasks.create_task(worker())
+        try:
+            async with asyncio.TaskGroup() as tasks:  # (one failing cancels the others)
+                for _ in range(plan.concurrency):
+                    tasks.create_task(worker())
+        except ExceptionGroup as group:  # the first client's error, as the other scenarios raise theirs
+            raise group.exceptions[0] from None
         after = await self._cache_counters()
         reqs = sorted((t for t, _ in done), key=lambda t: t.index)
         result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0,

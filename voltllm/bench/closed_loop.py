@@ -56,7 +56,7 @@ def run_source_inprocess(runner: InProcessRunner, plan: Plan, run: str, source: 
                 return
             rid = f"bench{runner._batch}-{req.index}"
             sp = sampling_params(req.output_len, runner.temperature, runner.top_p, runner.top_k,
-                                 runner.sampling_seed + req.index)
+                                 runner.sampling_seed + req.seed)
             now = time.monotonic()
             eng.add_request(EngineCoreRequest(rid, list(req.prompt), sp, arrival_time=now))
             live[rid] = _Live(req, now)

@@ -96,11 +96,18 @@ class MultiTurn:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    index: int  # send order in the run (its sampling seed is the base seed + index)
+    index: int  # send order in the run
     prompt: list[int]
     output_len: int
     group: int  # the shared prefix's index (prefix) or the conversation's (multi-turn)
     turn: Optional[int] = None  # 1-based turn of its conversation (multi-turn)
+    seed_offset: Optional[int] = None  # its sampling seed is the base seed + this (None: + index)
+
+    @property
+    def seed(self) -> int:
+        """The offset of its sampling seed: fixed by what the request is (a conversation's turn), not by when the
+        answers before it came back, so sampled runs with fixed seeds repeat."""
+        return self.index if self.seed_offset is None else self.seed_offset
 
 
 class RequestSource:
@@ -174,7 +181,8 @@ class ConversationSource(RequestSource):
         self.turns_sent[c] += 1
         self.handed_out += 1
         prompt = self.history[c] + self.user_turns[c][k]
-        return BenchRequest(self.handed_out - 1, prompt, self.spec.output_len, c, k + 1)
+        return BenchRequest(self.handed_out - 1, prompt, self.spec.output_len, c, k + 1,
+                            seed_offset=c * self.spec.num_turns + k)
 
     def done(self, req: BenchRequest, output_ids: list[int]) -> None:
         if len(output_ids) != req.output_len:
