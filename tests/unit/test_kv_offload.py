@@ -267,7 +267,7 @@ def test_hybrid_hits_resume_at_a_snapshot_boundary_across_both_tiers():
     # every block from the CPU tier, up to the pool's snapshot at 24
     again = _req("a2", range(100, 125))
     hits, n = kv.get_computed_blocks(again)
-    assert not hits and n == 24 and kv.cpu_hit_tokens == 24
+    assert not hits and n == 24 and kv.cpu_hit_tokens == 0  # (counted when a lookup admits its request)
     kv.take_transfers()
     # without it, the host's snapshot at 16 limits the CPU-tier hit (the blocks past it stay unpinned, not loaded)
     snaps.reset()
@@ -284,3 +284,27 @@ def test_hybrid_hits_resume_at_a_snapshot_boundary_across_both_tiers():
     kv.take_transfers()
     kv.check_integrity()
     snaps.check_integrity()
+
+
+def test_a_request_waiting_for_blocks_is_counted_once():
+    """The prefix-cache counters (GPU and CPU tier) count the lookup that admits a request, not each step's retry
+    while it waits for free blocks: the hit rates stay true under memory pressure."""
+    kv = KVCacheManager(6, 4, cpu_blocks=8)
+    a = _req("a", range(100, 117))  # 5 blocks of prompt
+    _admit(kv, a)
+    kv.free(a)
+    hog = _req("hog", range(300, 320))  # 5 blocks: 4 of a's cached blocks go to the CPU tier
+    _admit(kv, hog)
+    kv.take_transfers()
+    again = _req("again", range(100, 117))
+    for _ in range(3):  # the hog holds the pool: the lookup finds the hits, the allocation fails, it waits
+        hits, n = kv.get_computed_blocks(again)
+        assert n > 0 and kv.allocate_slots(again, again.num_tokens - n, hits) is None
+        kv.take_transfers()
+    assert (kv.prefix_queries, kv.cpu_queries) == (17 + 20, 17 + 20) and kv.cpu_hit_tokens == 0
+    kv.free(hog)
+    hits, n = kv.get_computed_blocks(again)
+    assert kv.allocate_slots(again, again.num_tokens - n, hits) is not None
+    assert (kv.prefix_queries, kv.cpu_queries) == (17 + 20 + 17,) * 2  # (its three waits not counted)
+    assert kv.prefix_hits + kv.cpu_hit_tokens == n and kv.cpu_hit_tokens > 0
+    kv.take_transfers()

@@ -39,6 +39,7 @@ class KVCacheManager:
         self._cpu_hits: dict[str, list[int]] = {}  # request id -> host slots get_computed_blocks found, until allocated
         self.cpu_queries = 0  # vLLM's external_prefix_cache_queries / _hits (tokens)
         self.cpu_hit_tokens = 0
+        self._lookup: Optional[tuple[str, int, int, int]] = None  # the last lookup's counts, until it admits
         if cpu_blocks and enable_caching:
             self.cpu = CpuBlockIndex(cpu_blocks)
             self.pool.on_evict = self._save_evicted
@@ -71,10 +72,23 @@ class KVCacheManager:
             usable = self.state_prefix.limit_hit(req, len(hits) + num_cpu)
             hits = hits[:usable]
             num_cpu = max(0, usable - len(hits))
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         num_cpu = self._cpu_lookup(req, len(hits), num_cpu) if self.cpu is not None else 0
+        # counted once the request is admitted (allocate_slots): one that waits for blocks is looked up again
+        self._lookup = (req.request_id, req.num_tokens, len(hits) * self.block_size, num_cpu * self.block_size)
         return hits, (len(hits) + num_cpu) * self.block_size
+
+    def _count_lookup(self, req: Request) -> None:
+        """The prefix-cache counters (vLLM's queries / hits, the CPU tier's as its external ones) of the lookup that
+        admitted the request."""
+        if self._lookup is None or self._lookup[0] != req.request_id:
+            return
+        _, queries, gpu_hits, cpu_hits = self._lookup
+        self._lookup = None
+        self.prefix_queries += queries
+        self.prefix_hits += gpu_hits
+        if self.cpu is not None:
+            self.cpu_queries += queries
+            self.cpu_hit_tokens += cpu_hits
 
     def _cpu_room(self, req: Request, hits: list[Block], max_blocks: int) -> int:
         """How many blocks after the GPU hits the CPU tier holds, at most as many as leave one free GPU block for the
@@ -87,8 +101,6 @@ class KVCacheManager:
         """Take the CPU tier's first num_cpu hits after the GPU's num_gpu (kept for allocate_slots, their slots pinned
         until the step's copies are taken)."""
         slots = self.cpu.lookup_run(req.block_hashes[num_gpu:num_gpu + num_cpu]) if num_cpu else []
-        self.cpu_queries += req.num_tokens
-        self.cpu_hit_tokens += len(slots) * self.block_size
         if slots:
             self.cpu.pin(slots)
             self._cpu_hits[req.request_id] = slots
@@ -157,6 +169,7 @@ class KVCacheManager:
         blocks.extend(new)
         self._append_ids(req.request_id, [b.block_id for b in new])
         self._cache_full_blocks(req, min(total, req.num_tokens))
+        self._count_lookup(req)
         return new
 
     def _append_ids(self, request_id: str, new_ids: list[int]) -> None:
