@@ -4,7 +4,7 @@ A request is added when a slot frees (the moment its predecessor's last token re
 TTFT counts from it; a multi-turn conversation's next turn is built from the answer's token ids as soon as it ends.
 Cache hits are the engine's own per-request count (num_cached_tokens: GPU-pool and CPU-tier blocks together); the CPU
 tier's share is the engine's external_prefix_cache_hits counter over the run (vLLM's KV-connector counter, counted
-when a lookup finds blocks there).
+by the lookup that admits each request).
 """
 from __future__ import annotations
 

@@ -248,8 +248,8 @@ class GrammarMatchers:
     def masks(self, scheduled: list) -> Optional[GrammarMasks]:
         """Allowed-token rows for the requests that sample in this step and are constrained at this position
         (ScheduledRequest list): a grammar's (with the reasoning's first token beside it where the first output
-        token may open the reasoning), or a single forced token (a thinking budget's end, the rest of a start the
-        first token opened: engine/reasoning_state.py). A request inside its reasoning, and a budget request short
+        token may open the reasoning), or a single forced token (a thinking budget's end:
+        engine/reasoning_state.py). A request inside its reasoning, and a budget request short
         of its budget, get none."""
         rows: list[tuple[Request, Optional[int], Optional[int]]] = []  # (request, forced token, extra token)
         for s in scheduled:

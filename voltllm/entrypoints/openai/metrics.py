@@ -121,8 +121,9 @@ class _EngineCollector(Collector):
             add(GaugeMetricFamily, "voltllm:prefix_cache_hit_rate", "Prefix-cache hits / queries since start "
                 "(tokens).", i, rate)
             if "external_prefix_cache_queries" in s.extra:  # --kv-offloading-size: the CPU tier (vLLM's KV connector)
-                add(CounterMetricFamily, "voltllm:external_prefix_cache_queries", "Prompt tokens looked up in the "
-                    "CPU tier of the prefix cache (--kv-offloading-size).", i, s.extra["external_prefix_cache_queries"])
+                add(CounterMetricFamily, "voltllm:external_prefix_cache_queries", "Prompt tokens of the requests "
+                    "admitted with the CPU tier of the prefix cache on (--kv-offloading-size).", i,
+                    s.extra["external_prefix_cache_queries"])
                 add(CounterMetricFamily, "voltllm:external_prefix_cache_hits", "Prompt tokens found in the CPU tier "
                     "of the prefix cache and copied back to the GPU.", i, s.extra["external_prefix_cache_hits"])
             add(CounterMetricFamily, "voltllm:num_preemptions", "Requests preempted (blocks freed, recomputed "
