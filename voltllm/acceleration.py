@@ -122,6 +122,29 @@ def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str
     return impl, why
 
 
+def _kv_offload_route(config: Any, runner: Any, cuda: bool) -> dict:
+    """--kv-offloading-size: the prefix cache's CPU tier. On CUDA its copies are asynchronous only from page-locked
+    host memory (else each one stalls the stream on a host copy)."""
+    impl = ("host slots of whole KV blocks, copied on the runner's stream before each step's forward "
+            "(worker/kv_offload.py)")
+    store = getattr(runner, "kv_offload", None) if runner is not None else None
+    if store is None:
+        return _route(runner is None and cuda, cuda, impl, "predicted: page-locked host slots" if runner is None
+                      else "no host store was built" if cuda else _cpu_note(), gib=config.cache.kv_offloading_size)
+    extra = dict(slots=store.num_slots, gib=round(store.nbytes / 2**30, 3), pinned=store.pinned,
+                 blocks_saved=store.blocks_saved, blocks_loaded=store.blocks_loaded)
+    tally = (f"; {store.num_slots} slots ({extra['gib']} GiB), {store.blocks_saved} blocks saved, "
+             f"{store.blocks_loaded} loaded")
+    if not cuda:
+        return _route(False, False, impl, _cpu_note() + tally, **extra)
+    return _route(store.pinned, True, impl, ("page-locked (cudaHostRegister): asynchronous copies" if store.pinned
+                  else "host slots are not page-locked: every copy waits for the host") + tally, **extra)
+
+
+def _cpu_note() -> str:
+    return "CPU: plain tensor copies between host memory and the CPU KV cache"
+
+
 def build_report(config: Any, runner: Any = None, platform: Optional[Platform] = None) -> dict:
     """The report dict (JSON-ready). With a runner: its actual routes and counters; without: predicted."""
     from voltllm import __version__
@@ -312,6 +335,9 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
                     else "torch router + reference experts (one GEMM pair per expert with tokens)")
         routes["moe"] = _route(cuda, cuda, impl,
                                "no loop over experts, no host sync, CUDA-graph safe" if cuda else cpu_reason)
+
+    if getattr(config.cache, "kv_offloading_size", None):
+        routes["kv_offload"] = _kv_offload_route(config, runner, cuda)
 
     counters = counters_of(runner) if runner is not None else None
     calls = counters.calls() if counters is not None else None

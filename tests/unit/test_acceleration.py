@@ -50,7 +50,7 @@ def test_cpu_report_shape_and_reasons(llm):
     assert report["object"] == "acceleration_report" and report["source"] == "engine"
     assert report["platform"]["route"] == "cpu"
     names = list(report["routes"])
-    assert names == [r for r in ROUTES if not r.startswith("gdn_") and r != "moe"]  # a dense model
+    assert names == [r for r in ROUTES if not r.startswith("gdn_") and r not in ("moe", "kv_offload")]  # a dense model
     for name, r in report["routes"].items():
         assert set(r) >= {"enabled", "expected", "impl", "reason", "calls"}, name
         assert r["enabled"] is False and r["expected"] is False, name  # the CPU runs the reference routes
@@ -345,3 +345,24 @@ def test_linear_route_names_the_kept_quantized_format(tiny_dir, fake_v100):
         assert words in build_report(kept)["routes"]["linear"]["impl"], method
         dense = dataclasses.replace(kept, model=dataclasses.replace(kept.model, quantized_weights="dequantized"))
         assert f"{method} weights dequantized" in build_report(dense)["routes"]["linear"]["impl"]
+
+
+def test_kv_offload_route_predicted_and_counted(tiny_dir, fake_v100):
+    """--kv-offloading-size adds the CPU tier's route: predicted page-locked on CUDA; on an engine, its slots and the
+    blocks it saved and loaded."""
+    from voltllm import LLM, SamplingParams
+
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu", kv_offloading_size=0.01).create_engine_config())
+    r = build_report(config)["routes"]["kv_offload"]
+    assert r["enabled"] and r["expected"] and "page-locked" in r["reason"]
+    assert "kv_offload" not in build_report(_fake_cuda(EngineArgs(model=tiny_dir, device="cpu")
+                                                       .create_engine_config()))["routes"]
+    llm = LLM(tiny_dir, device="cpu", max_model_len=256, num_gpu_blocks_override=12, block_size=16,
+              kv_offloading_size=0.01, skip_tokenizer_init=True)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    for prompt in ([5] * 100, [7] * 100, [5] * 100):  # the second evicts the first, the third loads it back
+        llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)
+    report = build_report(llm.engine.config, llm.engine.runner)
+    r = report["routes"]["kv_offload"]
+    assert not r["enabled"] and not r["expected"] and r["blocks_saved"] > 0 and r["blocks_loaded"] > 0
+    assert f"{r['blocks_loaded']} loaded" in r["reason"] and "kv_offload" in format_report(report)

@@ -84,6 +84,7 @@ class HostKVStore:
             self.pinned = True
             weakref.finalize(self, _page_unlock, self.host)
         self.device = staging.device
+        self.blocks_saved = self.blocks_loaded = 0  # (the acceleration report's counters)
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +99,8 @@ class HostKVStore:
     def apply(self, transfers: KVTransfers) -> None:
         """Run a step's copies (saves, then loads) on the current stream."""
         rows = self.staging.shape[0]
+        self.blocks_saved += len(transfers.saves)
+        self.blocks_loaded += len(transfers.loads)
         for at in range(0, len(transfers.saves), rows):
             self._save(transfers.saves[at:at + rows])
         for at in range(0, len(transfers.loads), rows):
