@@ -215,6 +215,8 @@ def test_drafter_keys():
     c = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "greedy",
                                      "enforce_eager": True, "draft_kv_cache_dtype": "auto"})
     assert (c.method, c.draft_sample_method, c.draft_enforce_eager) == ("mtp", "greedy", True)
+    for alias in ("qwen3_next_mtp", "qwen3_5_mtp"):  # vLLM's model-named spellings of the same method
+        assert SpeculativeConfig.from_dict({"method": alias, "num_speculative_tokens": 1}).method == "mtp"
     assert SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2}).draft_sample_method == \
         "probabilistic"
     assert not SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2,

@@ -29,7 +29,8 @@ from typing import Any, Optional
 
 METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3")
 # vLLM's older method names that mean MTP on the targets built here
-_ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp"}
+# vLLM's older / model-named spellings (Qwen3.5's MTP is the same layer as Qwen3-Next's)
+_ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 # vLLM's keys for a drafter (draft model, DFlash, MTP): how it draws its drafts, whether it runs without CUDA graphs,
 # and its KV cache dtype / attention backend (each also under its draft_ name), where only what the drafter here does
 # is accepted (_drafter_options)
