@@ -78,6 +78,26 @@ def test_auto_content_format_follows_the_template(tmp_path):
     assert _rendered("", TWO_PARTS, LOOPING, fixed) == "<><><><>"  # (a string's characters have no 'text')
 
 
+REASONING_TEMPLATE = ("{% for m in messages %}{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}"
+                      "</think>{% endif %}{{ m.content }}|{% endfor %}")
+
+
+def test_history_reasoning_reaches_the_template_as_reasoning_content(tmp_path):
+    """An earlier assistant turn's `reasoning` (vLLM's name) or `reasoning_content` (the older one) is the
+    template's reasoning_content (Qwen3 / Qwen3.5 templates read that name); `reasoning` wins when both come."""
+    http = _local_client(tmp_path, chat_template_content_format="string")
+    user = {"role": "user", "content": "q"}
+    for turn, shown in [({"reasoning": "r1"}, "<think>r1</think>a|"),
+                        ({"reasoning_content": "r2"}, "<think>r2</think>a|"),
+                        ({"reasoning": "new", "reasoning_content": "old"}, "<think>new</think>a|"),
+                        ({}, "a|")]:
+        messages = [user, {"role": "assistant", "content": "a", **turn}, user]
+        assert _rendered("", messages, REASONING_TEMPLATE, http) == "q|" + shown + "q|", turn
+    r = http.post("/tokenize", json={"messages": [user, {"role": "assistant", "content": "a", "reasoning": 3}],
+                                     "chat_template": REASONING_TEMPLATE})
+    assert r.status_code == 400 and "messages[1].reasoning must be a string" in r.json()["error"]["message"]
+
+
 def _sse(r: httpx.Response) -> list[dict]:
     import json
 

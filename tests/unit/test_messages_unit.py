@@ -54,7 +54,7 @@ def test_conversation_with_tools_becomes_chat_messages():
     assert req.chat_messages() == [
         {"role": "system", "content": "Be brief.\nUse tools."},
         {"role": "user", "content": "Weather in Paris\nand Rome?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"role": "assistant", "content": "Checking.", "reasoning": "I should call the tool", "tool_calls": [
             {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
             {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C", "name": "get_weather"},
@@ -274,7 +274,7 @@ def test_count_tokens_body_needs_no_max_tokens():
 # -- output shaping -----------------------------------------------------------------------------------
 def _state(**kw):
     base = dict(reasoning_parser=None, tool_call_parser=None, enable_prompt_tokens_details=False,
-                grammar_after_reasoning=False)
+                grammar_after_reasoning=False, reasoning_delimiters=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -356,6 +356,49 @@ def test_streamed_blocks_add_up_to_the_whole(step):
     # no tag text leaks into a delta
     assert not any("<" in json.dumps(d["delta"]) for n, d in events if n == "content_block_delta"
                    and d["delta"]["type"] != "input_json_delta")
+
+
+def test_qwen3_coder_call_opened_in_the_thinking_streams_its_input_per_parameter():
+    """Qwen3.5's call before "</think>" is a tool_use block (the reasoning ends at it), whose input_json_delta pieces
+    come a parameter at a time and add up to the input."""
+    state = _state(reasoning_parser="qwen3", tool_call_parser="qwen3_coder")
+    text = ("Need weather.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>")
+    events = _stream(state, _plan(prompt="<|im_start|>assistant\n<think>\n", use_tools=True),
+                     _chat_tools(WEATHER), text, step=1)
+    blocks = _replay(events)
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"] and blocks[0]["thinking"] == "Need weather.\n"
+    assert blocks[1]["name"] == "get_weather" and blocks[1]["input"] == {"city": "Paris", "unit": "C"}
+    pieces = [d["delta"]["partial_json"] for n, d in events
+              if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+    assert pieces == ["{", '"city": "Paris"', ', "unit": "C"', "}"]
+
+
+def test_thinking_blocks_of_earlier_turns_reach_the_template():
+    """As vLLM: an assistant turn's thinking blocks become its `reasoning` (joined), redacted_thinking is dropped;
+    the template gets it as reasoning_content (Qwen3's templates render it for turns after the last user query)."""
+    from voltllm.entrypoints.openai.serving_common import normalize_messages
+
+    req = _req(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Call the tool. ", "signature": "s1"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "thinking", "thinking": "With Paris.", "signature": "s2"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}],
+        tools=[WEATHER])
+    assistant = req.chat_messages()[1]
+    assert assistant["reasoning"] == "Call the tool. With Paris."
+    assert normalize_messages(req.chat_messages())[1]["reasoning_content"] == "Call the tool. With Paris."
+    only_redacted = _req(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "ok"}]},
+        {"role": "user", "content": "y"}])
+    assert "reasoning" not in only_redacted.chat_messages()[1]
+    with pytest.raises(OpenAIError) as e:
+        _req(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": 5}]}]).chat_messages()
+    assert "thinking must be a string" in e.value.message
 
 
 def test_prompt_opened_thinking_and_plain_text():

@@ -7,8 +7,9 @@ neighbouring turn as the template allows (messages_inline_system.py, vLLM's plac
 blocks -> one user message (joined by newlines), its `tool_result` blocks -> tool messages (placed before that
 text, in their order; an `is_error` result's text starts with "Error: "; the `tool_reference` blocks of Claude
 Code's tool search -> a second tool message for that call, see _tool_reference_message); an assistant turn's
-`text` blocks -> its content, its `tool_use` blocks -> tool_calls (same ids), `thinking` / `redacted_thinking`
-blocks dropped. A last assistant turn is a prefill: the template continues it. `tools` -> functions
+`text` blocks -> its content, its `tool_use` blocks -> tool_calls (same ids), its `thinking` blocks -> the message's
+`reasoning` (joined, as vLLM's; the chat template gets it as `reasoning_content`), `redacted_thinking` blocks
+dropped (opaque data, as vLLM). A last assistant turn is a prefill: the template continues it. `tools` -> functions
 (`defer_loading` passed on for the template, as vLLM does); `tool_choice` auto / any / tool / none -> "auto" /
 "required" / a named function / "none" (`disable_parallel_tool_use` -> parallel_tool_calls false); `thinking`
 enabled / disabled -> the chat template kwarg `enable_thinking` (Qwen3's templates read it; `budget_tokens` ->
@@ -32,7 +33,6 @@ from voltllm.entrypoints.openai.messages_inline_system import place_inline_syste
 from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
 from voltllm.sampling.structured import StructuredOutputsError, StructuredOutputsParams
 
-_DROPPED = {"thinking", "redacted_thinking"}
 _THINKING_DISPLAY = (None, "summarized", "omitted", "updates")  # accepted, not applied: reasoning always returns
 _EFFORTS = (None, "low", "medium", "high", "xhigh", "max")
 
@@ -111,10 +111,18 @@ def _user_turn(content: list, where: str, tool_names: dict[str, str]) -> list[di
 def _assistant_turn(content: list, where: str, tool_names: dict[str, str]) -> dict:
     texts: list[str] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for j, block in enumerate(content):
         w = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind in _DROPPED:
+        if kind == "redacted_thinking":
+            continue
+        if kind == "thinking":
+            thinking = block.get("thinking")
+            if thinking is not None and not isinstance(thinking, str):
+                raise bad_request(f"{w}.thinking must be a string", "messages")
+            if thinking is not None:
+                thoughts.append(thinking)
             continue
         if kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
@@ -128,6 +136,8 @@ def _assistant_turn(content: list, where: str, tool_names: dict[str, str]) -> di
         else:
             texts.append(_block_text(block, w))
     msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if thoughts:
+        msg["reasoning"] = "".join(thoughts)
     if calls:
         msg["tool_calls"] = calls
     return msg

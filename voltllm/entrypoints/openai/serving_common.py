@@ -175,6 +175,8 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
             msg["content"] = [{"type": "text", "text": t} for t in texts]
         else:
             msg["content"] = "\n".join(texts)
+        if role == "assistant":
+            _history_reasoning(m, msg, where)
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -196,6 +198,20 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
             msg["tool_calls"] = fixed
         out.append(msg)
     return out
+
+
+def _history_reasoning(m: dict, msg: dict, where: str) -> None:
+    """An earlier assistant turn's reasoning, sent as `reasoning` (vLLM's name) or `reasoning_content` (the older
+    one, which vLLM's docs keep accepting), reaches the template under both names: Qwen3 / Qwen3.5 templates read
+    `reasoning_content` (and render it for the turns after the last user query). `reasoning` wins, as vLLM's."""
+    reasoning = m.get("reasoning")
+    if reasoning is None:
+        reasoning = m.get("reasoning_content")
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, str):
+        raise bad_request(f"{where}.reasoning must be a string", "messages")
+    msg["reasoning"] = msg["reasoning_content"] = reasoning
 
 
 def message_text(message: dict) -> str:
