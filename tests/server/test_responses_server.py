@@ -390,8 +390,8 @@ def test_auto_tools_and_reasoning_parser_served(parser_server):
 # -- unit: output shaping with the parsers, input translation, the store --------------------------------------------
 def _state(**kw):
     tok = SimpleNamespace(encode=lambda text, add_special_tokens=False: text.split())
-    return SimpleNamespace(**{"reasoning_parser": None, "tool_call_parser": None, "generation_defaults": {},
-                              "tokenizer": tok, **kw})
+    return SimpleNamespace(**{"reasoning_parser": None, "reasoning_delimiters": None, "tool_call_parser": None,
+                              "generation_defaults": {}, "tokenizer": tok, **kw})
 
 
 def _plan(use_tools=False):
