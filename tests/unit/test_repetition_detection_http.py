@@ -53,3 +53,14 @@ def test_bad_http_values_are_400s_naming_the_field(make):
         with pytest.raises(OpenAIError) as e:
             _params(make(**body))
         assert e.value.status == 400 and e.value.param == param, (body, e.value.param, str(e.value))
+
+
+def test_messages_ends_the_turn_on_a_repetition():
+    """Not a stop sequence: "repetition_detected" is no text the model wrote."""
+    from voltllm.engine.outputs import CompletionOutput
+    from voltllm.entrypoints.openai.serving_messages import stop_reason
+
+    out = CompletionOutput(0, "ab ab", [1, 2, 1, 2], finish_reason="repetition", stop_reason="repetition_detected")
+    assert stop_reason(out, False) == ("end_turn", None)
+    out = CompletionOutput(0, "ab", [1, 2], finish_reason="stop", stop_reason="ab")
+    assert stop_reason(out, False) == ("stop_sequence", "ab")
