@@ -23,6 +23,10 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
         from voltllm.lora.request import LoRARequest
 
         return LoRARequest
+    if name == "RepetitionDetectionParams":
+        from voltllm.sampling.repetition import RepetitionDetectionParams
+
+        return RepetitionDetectionParams
     if name == "StructuredOutputsParams":
         from voltllm.sampling.structured import StructuredOutputsParams
 
@@ -30,5 +34,5 @@ def __getattr__(name):  # lazy: `import voltllm` stays cheap for the CLI
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams",
-           "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "RepetitionDetectionParams", "SamplingParams",
+           "StructuredOutputsParams", "__version__"]

@@ -147,10 +147,7 @@ def test_reasoning_effort_turns_thinking_on_over_the_servers_default():
                                          ("kv_transfer_params", {"do_remote_prefill": True}),
                                          ("ec_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
                                          ("logprob_token_ids", [5, 6]), ("mm_processor_kwargs", {"fps": 2}),
-                                         ("media_io_kwargs", {"video": {}}), ("prompt_embeds", "AAAA"),
-                                         ("repetition_detection", {"max_pattern_size": 4}),
-                                         ("max_repetition_pattern_size", 8), ("min_repetition_pattern_size", 2),
-                                         ("repetition_min_count", 3)])
+                                         ("media_io_kwargs", {"video": {}}), ("prompt_embeds", "AAAA")])
 def test_unbuilt_vllm_fields_are_refused(field, value):
     for make in (lambda **b: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **b),
                  lambda **b: CompletionRequest(prompt="x", **b)):

@@ -10,6 +10,7 @@ import torch
 
 from voltllm.engine.types import EngineCoreRequest, PositionLogprobs
 from voltllm.sampling.params import SamplingParams
+from voltllm.sampling.repetition import RepetitionDetector
 
 # what a pooling request's sampling fields read as: it samples nothing, so nothing of it asks the sampler for anything
 _POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
@@ -23,10 +24,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_REPETITION = "repetition"  # repetition_detection found a repeated pattern (vLLM's finish reason)
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "repetition")
 
 
 _creation_order = itertools.count()  # ties in (priority, arrival time): the request created first goes first
@@ -64,7 +66,7 @@ class Request:
         self.num_pending = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling (-1: not yet)
         self.status = RequestStatus.WAITING
-        self.stop_reason: Optional[int] = None
+        self.stop_reason: Optional[int | str] = None  # a stop token's id, or "repetition_detected"
         self.block_hashes: list[bytes] = []
         self.spec_token_ids: list[int] = []  # speculation: drafts proposed for the step being scheduled
         self.ngram_index = None  # speculation: the n-gram proposer's index of this request's tokens
@@ -84,6 +86,8 @@ class Request:
         # a thinking budget or a grammar after the reasoning: where it stands in its reasoning (reasoning_state.py)
         self.reasoning = None
         self.generator: Optional[torch.Generator] = None
+        # repetition_detection: the detector the scheduler feeds each output token (None: no check, no cost)
+        self.repetition = RepetitionDetector(sp.repetition_detection) if sp.repetition_detection else None
         self.prompt_logprobs: list[Optional[PositionLogprobs]] = []
         self.new_logprobs: list[PositionLogprobs] = []
         self.first_token_time: Optional[float] = None

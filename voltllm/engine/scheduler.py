@@ -26,6 +26,7 @@ from voltllm.engine.request import Request, RequestStatus
 from voltllm.engine.request_queue import make_waiting_queue
 from voltllm.engine.speculative import DRAFT_PLACEHOLDER, NgramIndex, SpeculativeConfig, spec_allowed
 from voltllm.engine.types import EngineCoreOutput, PositionLogprobs, SchedulerStats
+from voltllm.sampling.repetition import STOP_REASON as REPETITION_STOP_REASON
 
 
 @dataclass
@@ -382,6 +383,9 @@ class Scheduler:
     @staticmethod
     def _check_stop(req: Request, token: int, num_out: int, at_max_len: bool) -> Optional[RequestStatus]:
         sp = req.sampling_params
+        # (every output token goes to the detector, also those min_tokens holds back from the check, as vLLM
+        # checks the whole output)
+        repeated = req.repetition is not None and req.repetition.append(token)
         if num_out >= sp.min_tokens:
             if not sp.ignore_eos and token in sp._eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -390,6 +394,9 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if num_out >= req.max_tokens or at_max_len:
             return RequestStatus.FINISHED_LENGTH
+        if repeated and num_out >= sp.min_tokens:  # after the stops and the length, as vLLM's check_stop
+            req.stop_reason = REPETITION_STOP_REASON
+            return RequestStatus.FINISHED_REPETITION
         return None
 
     def stats(self) -> SchedulerStats:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
+    from voltllm.sampling.repetition import RepetitionDetectionParams
     from voltllm.sampling.structured import StructuredOutputsParams
 
 # OpenAI's logit_bias range; larger magnitudes are clamped to it (as vLLM does): +-100 already decides the token
@@ -55,6 +56,10 @@ class SamplingParams:
     # reasoning models: the most tokens the reasoning section (<think> ... </think>) may hold before its end is forced
     # (vLLM's; -1 means none, as None); needs --reasoning-parser or --reasoning-config (engine/reasoning_state.py)
     thinking_token_budget: Optional[int] = None
+    # vLLM's: finish the request (finish_reason "repetition") when its output ends in a pattern of
+    # min_pattern_size .. max_pattern_size tokens repeated min_count times; a dict is taken as its fields
+    # (sampling/repetition.py)
+    repetition_detection: Optional["RepetitionDetectionParams"] = None
     # Filled by the engine: token ids that end generation (EOS + generation_config's eos ids).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     # Filled by the Frontend (it has the tokenizer): bad_words as token-id sequences; the sampler reads only these
@@ -78,6 +83,7 @@ class SamplingParams:
             self.top_k = -1  # 0, or more tokens than any vocabulary has: all of them
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self.structured_outputs = _structured(self.structured_outputs)
+        self.repetition_detection = _repetition(self.repetition_detection)
         if type(self.thinking_token_budget) is int and self.thinking_token_budget == -1:
             self.thinking_token_budget = None  # vLLM's "unlimited"
         self.validate()
@@ -184,6 +190,15 @@ def _structured(value) -> Optional["StructuredOutputsParams"]:
         except TypeError as e:
             raise SamplingParamsError(f"structured_outputs has an unknown field: {e}") from None
     raise SamplingParamsError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {value!r}")
+
+
+def _repetition(value) -> Optional["RepetitionDetectionParams"]:
+    """The request's RepetitionDetectionParams (checked when made; a dict is taken as its fields); None when it asks
+    for nothing (max_pattern_size 0), so the scheduler keeps no detector for it."""
+    from voltllm.sampling.repetition import repetition_params
+
+    params = repetition_params(value)
+    return params if params is not None and params.active else None
 
 
 def _normalise_logit_bias(bias: Optional[dict]) -> Optional[dict[int, float]]:

@@ -30,6 +30,9 @@ _NOT_WITH_BEAM_SEARCH = {
     "prompt_logprobs": (lambda v: v is None, "beam search computes no prompt logprobs"),
     "thinking_token_budget": (lambda v: v is None or v == -1, "the thinking budget's forced end is not applied to "
                                                                "the beams"),
+    "repetition_detection": (lambda v: not v or not v.get("max_pattern_size"), "the beams end only on EOS or "
+                                                                              "max_tokens (no repetition check)"),
+    "max_repetition_pattern_size": (lambda v: not v, "the beams end only on EOS or max_tokens (no repetition check)"),
 }
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                       "structured_outputs")

@@ -106,7 +106,8 @@ class _SamplingFields(NullMeansDefault):
     mm_processor_kwargs: Optional[dict[str, Any]] = None
     media_io_kwargs: Optional[dict[str, Any]] = None
     prompt_embeds: Optional[Any] = None
-    # stopping on repeated n-gram loops: chat's object, completions' three sizes (0: off)
+    # vLLM's: finish the request (finish_reason "repetition") when its output ends in a repeated token pattern:
+    # {max_pattern_size, min_pattern_size, min_count} (sampling/repetition.py), or vLLM's older flat fields
     repetition_detection: Optional[dict[str, Any]] = None
     max_repetition_pattern_size: Optional[int] = None
     min_repetition_pattern_size: Optional[int] = None
@@ -115,6 +116,18 @@ class _SamplingFields(NullMeansDefault):
     def constraint(self) -> Optional[StructuredOutputsParams]:
         """The request's one output constraint, or None; a bad or doubled one is a 400 naming its parameter."""
         return structured_outputs_of(self)
+
+    def repetition(self) -> Optional[dict[str, Any]]:
+        """repetition_detection's fields, from its object or vLLM's older flat fields (one spelling per request);
+        SamplingParams checks them."""
+        flat = {"max_pattern_size": self.max_repetition_pattern_size,
+                "min_pattern_size": self.min_repetition_pattern_size, "min_count": self.repetition_min_count}
+        flat = {k: v for k, v in flat.items() if v is not None}
+        if flat and self.repetition_detection is not None:
+            raise bad_request("repetition_detection cannot be combined with max_repetition_pattern_size / "
+                              "min_repetition_pattern_size / repetition_min_count (vLLM's older spelling of its "
+                              "fields): give one of them", "repetition_detection")
+        return flat or self.repetition_detection
 
     def _common_checks(self) -> None:
         self.constraint()
@@ -165,12 +178,11 @@ class _SamplingFields(NullMeansDefault):
             bad_words=self.bad_words,
             structured_outputs=self.constraint(),  # (checked in check(); grammars are cached)
             thinking_token_budget=self.thinking_token_budget,
+            repetition_detection=self.repetition(),
         )
 
 
 _MULTIMODAL = "multimodal input is not built (voltllm serves text models)"
-_REPETITION = ("stopping on repeated token patterns is not built (repetition_penalty / frequency_penalty discourage "
-               "them)")
 _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks)
     "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
     "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),
@@ -181,10 +193,6 @@ _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks
     "mm_processor_kwargs": (lambda v: not v, _MULTIMODAL),
     "media_io_kwargs": (lambda v: not v, _MULTIMODAL),
     "prompt_embeds": (lambda v: v is None, "prompt embeddings as input are not built (prompts are text or token ids)"),
-    "repetition_detection": (lambda v: v is None, _REPETITION),
-    "max_repetition_pattern_size": (lambda v: not v, _REPETITION),
-    "min_repetition_pattern_size": (lambda v: not v, _REPETITION),
-    "repetition_min_count": (lambda v: not v, _REPETITION),
 }
 
 

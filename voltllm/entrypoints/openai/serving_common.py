@@ -262,8 +262,8 @@ def make_params(build) -> SamplingParams:
     try:
         return build()
     except SamplingParamsError as e:
-        name = str(e).split(" ", 1)[0]
-        raise bad_request(str(e), name if name.isidentifier() else None)
+        name = str(e).split(" ", 1)[0]  # (a field of an object field is dotted: repetition_detection.min_count)
+        raise bad_request(str(e), name if all(part.isidentifier() for part in name.split(".")) else None)
     except (TypeError, ValueError) as e:
         raise bad_request(str(e))
 

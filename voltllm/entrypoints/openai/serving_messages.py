@@ -93,7 +93,7 @@ def stop_reason(c: CompletionOutput, has_calls: bool) -> tuple[str, Optional[str
         return "max_tokens", None
     if has_calls:
         return "tool_use", None
-    if isinstance(c.stop_reason, str):
+    if isinstance(c.stop_reason, str) and c.finish_reason == "stop":  # (not repetition's "repetition_detected")
         return "stop_sequence", c.stop_reason
     return "end_turn", None
 
