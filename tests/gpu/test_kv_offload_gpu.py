@@ -52,7 +52,13 @@ def test_cpu_tier_hits_equal_gpu_hits(tiny, dtype, kv_cache_dtype, async_schedul
     assert [o.num_cached_tokens for o in kept] == [0, 0, 0, 96]
     for got, want in zip(outs, kept):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+        if dtype == "float32":  # the same KV: bit for bit
+            assert got.outputs[0].logprobs == want.outputs[0].logprobs
+        else:  # fp16 steps of two engines may differ in the last bit of a logit (seen on the H200: 1e-6 in a logprob)
+            for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+                (ta, la), = a.items()
+                (tb, lb), = b.items()
+                assert ta == tb and abs(la.logprob - lb.logprob) < 1e-4
 
 
 def test_tensor_parallel_ranks_copy_their_own_heads(tiny):

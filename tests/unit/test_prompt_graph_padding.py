@@ -131,7 +131,8 @@ def test_the_largest_bucket_follows_the_model_size(shape, expected):
         model = LlamaForCausalLM(getattr(transformers, cls)(**kwargs), torch.float16, 64)
     device = DeviceConfig(torch.device("cpu"))
     runner = types.SimpleNamespace(is_hybrid=False, model=model, device=torch.device("cpu"), config=types.SimpleNamespace(
-        device=device, scheduler=types.SimpleNamespace(max_num_batched_tokens=16384)))
+        device=device, scheduler=types.SimpleNamespace(max_num_batched_tokens=16384, max_num_seqs=256),
+        model=types.SimpleNamespace(max_model_len=32768)))
     assert ModelRunner.prompt_graph_max_tokens(runner) == expected
     runner.config.scheduler.max_num_batched_tokens = 2048
     assert ModelRunner.prompt_graph_max_tokens(runner) == min(expected, 2048)
@@ -161,3 +162,26 @@ def test_auto_bucket_rule_edges_and_gpu_speed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(major=9, minor=0, multi_processor_count=132))
     assert pg.device_speed(torch.device("cuda", 0)) == 1.0
+
+
+def test_warm_up_sequences_fit_the_block_table_and_the_buckets_what_a_step_can_hold(tmp_path):
+    """A prompt graph's warm-up attends as sequences no longer than --max-model-len: one sequence of a bucket's tokens
+    read past its block-table row (an illegal memory access at start on the H200 with --max-model-len 200,
+    --max-num-seqs 2 and 8,192-token buckets). And no bucket is larger than a step can be (max_num_seqs x
+    max_model_len)."""
+    from types import SimpleNamespace
+
+    from voltllm.worker.prompt_graphs import PromptGraphs
+
+    class Runner:  # (PromptGraphs keeps a weak reference)
+        config = SimpleNamespace(model=SimpleNamespace(max_model_len=200))
+        block_size = 16
+        buffers = SimpleNamespace(block_tables=torch.zeros(2, 13, dtype=torch.int32))
+
+    runner = Runner()
+    graphs = PromptGraphs(runner, 400)
+    assert graphs._warm_up_seqs(400) == [200, 200] and graphs._warm_up_seqs(64) == [64]
+    assert graphs._warm_up_seqs(256) == [200, 56]
+    path = make_model(str(tmp_path / "m"), "qwen3", max_position_embeddings=512)
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=200, max_num_seqs=2, skip_tokenizer_init=True)
+    assert llm.engine.runner.prompt_graph_max_tokens() <= 2 * 200

@@ -56,9 +56,11 @@ def _row_argmax_kernel(X, OUT, PART_V, PART_I, COUNTS, V, stride_x, n_chunks, CH
 
 CHUNK = 8192
 MAX_ROWS = 1 << 12  # rows a call may have (the per-row arrival counts)
-# Whether greedy sampling on CUDA uses row_argmax (sampling/sampler.greedy_tokens). Off until the split form is timed
-# on a GPU (benchmarks/micro/argmax_rows.py): the program-per-row form it replaced lost to torch at every size.
-ROW_ARGMAX_ON_CUDA = False
+# Whether greedy sampling on CUDA uses row_argmax (sampling/sampler.greedy_tokens). On since session 51's H200 timing
+# (benchmarks/micro/argmax_rows.py, results/session51/s140-08e38ad/argmax-rows.txt): 1 / 16 / 64 rows of 151,936
+# fp16 logits 3.60 / 6.15 / 13.03 us against torch's 8.32 / 12.21 / 23.09 (the program-per-row form it replaced lost
+# to torch at every size).
+ROW_ARGMAX_ON_CUDA = True
 
 
 def _specs() -> list[CompileSpec]:

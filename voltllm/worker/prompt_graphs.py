@@ -184,13 +184,26 @@ class PromptGraphs:
             self.replays += 1
         return g
 
+    def _warm_up_seqs(self, t: int) -> list[int]:
+        """The lengths of the sequences a warm-up of t tokens attends as: none longer than --max-model-len (a longer
+        one would read past its block-table row); the bucket cap (max_num_seqs x max_model_len) bounds their count."""
+        longest = max(1, min(self.runner.config.model.max_model_len, self.runner.buffers.block_tables.shape[1] *
+                             self.runner.block_size))
+        return [min(longest, t - start) for start in range(0, t, longest)]
+
     def _capture_meta(self, t: int) -> AttentionMetadata:
-        """One sequence of t tokens on the persistent buffers (warm-up runs attend with it; nothing is stored)."""
+        """The warm-up sequences of t tokens on the persistent buffers (warm-up runs attend with them; nothing is
+        stored)."""
         buf = self.runner.buffers
+        lens = self._warm_up_seqs(t)
+        n = len(lens)
+        starts = [0]
+        for length in lens:
+            starts.append(starts[-1] + length)
         return AttentionMetadata(
-            num_tokens=t, query_start_loc=buf.query_start_loc[:2], seq_lens=buf.seq_lens[:1],
-            block_tables=buf.block_tables[:1], slot_mapping=buf.slot_mapping[:t], max_query_len=t, max_seq_len=t,
-            query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
+            num_tokens=t, query_start_loc=buf.query_start_loc[:n + 1], seq_lens=buf.seq_lens[:n],
+            block_tables=buf.block_tables[:n], slot_mapping=buf.slot_mapping[:t], max_query_len=max(lens),
+            max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens)
 
     @torch.inference_mode()
     def capture(self, pool) -> None:
@@ -207,15 +220,16 @@ class PromptGraphs:
         q_buf = torch.zeros(top, heads, dim, dtype=r.dtype, device=r.device)
         out_buf = torch.zeros_like(q_buf)
         for t in reversed(self.sizes):  # largest first, so smaller ones reuse its pool memory
-            buf.select_for(t, 1)  # the layout a step of t (padded) tokens uploads into
-            # dummy inputs: token 0 at position 0, stored nowhere; one sequence reading block 0 (warm-ups only)
+            lens = self._warm_up_seqs(t)
+            buf.select_for(t, len(lens))  # the layout a step of t (padded) tokens uploads into
+            # dummy inputs: token 0 at position 0, stored nowhere; sequences reading block 0 (warm-ups only)
             buf.input_ids[:t].zero_()
             buf.positions[:t].zero_()
             buf.slot_mapping[:t].fill_(-1)
-            buf.query_start_loc[:2].copy_(torch.tensor([0, t], dtype=torch.int32))
-            buf.seq_lens[:1].fill_(t)
-            buf.block_tables[:1].zero_()
             meta = self._capture_meta(t)
+            buf.query_start_loc[:len(lens) + 1].copy_(torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32))
+            buf.seq_lens[:len(lens)].copy_(torch.tensor(lens, dtype=torch.int32))
+            buf.block_tables[:len(lens)].zero_()
             ids, pos = buf.input_ids[:t], buf.positions[:t]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

@@ -1027,7 +1027,9 @@ class ModelRunner:
             layers = self.model.layers
             top = auto_max_tokens(sum(p.in_features * p.out_features for layer in layers
                                       for p in layer.projections()) / max(len(layers), 1), device_speed(self.device))
-        return min(top, self.config.scheduler.max_num_batched_tokens)
+        # (a step never holds more than max_num_seqs sequences of at most max_model_len tokens)
+        sched = self.config.scheduler
+        return min(top, sched.max_num_batched_tokens, sched.max_num_seqs * self.config.model.max_model_len)
 
     def _capture_prompt_graphs(self) -> None:
         from voltllm.worker.prompt_graphs import PromptGraphs
