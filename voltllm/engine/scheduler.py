@@ -332,7 +332,8 @@ class Scheduler:
                 new = [token]
                 lp = logprobs.get(rid) if logprobs else None
                 status = self._check_stop(req, token, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
-                status = self._constraints_accept(req, token, status)
+                if req.reasoning is not None or req.grammar is not None:  # (most requests have neither)
+                    status = self._constraints_accept(req, token, status)
             num_out = len(tokens) - req.num_prompt_tokens
             out = EngineCoreOutput(rid, new, None, None, [lp] if lp is not None else None, None,
                                    max(req.num_cached_tokens, 0), req.first_token_time, now, req.scheduled_time)
