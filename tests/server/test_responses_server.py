@@ -508,6 +508,42 @@ def test_input_translation():
     assert ResponsesRequest(input="x", text={"format": {"type": "text"}}).response_format() is None
 
 
+def test_input_reasoning_items_reach_the_template():
+    """As vLLM: a resent output's reasoning item is the `reasoning` of its assistant turn (the message and calls
+    after it join that turn), so the template shows the earlier reasoning (as reasoning_content too); OpenAI's
+    summary is read when there is no content; encrypted reasoning is a 400."""
+    from jinja2 import Template
+
+    from voltllm.entrypoints.openai.errors import OpenAIError
+    from voltllm.entrypoints.openai.serving_common import normalize_messages
+
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    msgs = input_messages([
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Check the weather."}]},
+        said, call, {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "It is mild."}]},
+        {**said, "content": [{"type": "output_text", "text": "18 C."}]}])
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[1]["reasoning"] == "Check the weather." and msgs[1]["content"] == "Let me look."
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["c1"]
+    assert (msgs[3]["reasoning"], msgs[3]["content"]) == ("It is mild.", "18 C.")
+    template = Template("{% for m in messages %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+                        "{% endif %}{{ m.content }}|{% endfor %}")
+    assert template.render(messages=normalize_messages(msgs)) == (
+        "q|<think>Check the weather.</think>Let me look.|18 C|<think>It is mild.</think>18 C.|")
+    # a reasoning item after a turn that has reasoning already opens a turn of its own
+    two = input_messages([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "a"}]},
+                          {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "b"}]}])
+    assert two == [{"role": "assistant", "content": None, "reasoning": "a"},
+                   {"role": "assistant", "content": None, "reasoning": "b"}]
+    with pytest.raises(OpenAIError) as exc:
+        input_messages([{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}])
+    assert exc.value.status == 400 and "encrypted reasoning content is not supported" in exc.value.message
+
+
 def test_function_call_output_needs_its_call():
     """OpenAI's 400 for an output whose call_id no earlier function_call (in the input or the previous response's
     conversation) made."""

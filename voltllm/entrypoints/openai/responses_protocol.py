@@ -223,16 +223,37 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _reasoning_of(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content (what this server and vLLM output), else its summary
+    (what OpenAI returns), its parts joined (vLLM reads the first part only). Encrypted reasoning cannot be read
+    here: a 400, as vLLM's."""
+    if item.get("encrypted_content"):
+        raise bad_request(f"{where}: encrypted reasoning content is not supported; resend the reasoning as content "
+                          '[{"type": "reasoning_text", "text": ...}]', "input", "unsupported_parameter")
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if not parts:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise bad_request(f"{where}.{field} must be a list of parts with a text string", "input")
+        return ("" if field == "content" else "\n\n").join(p["text"] for p in parts)
+    return ""
+
+
 def call_ids(messages: list[dict]) -> set[str]:
     """The ids of the tool calls in chat messages (a stored conversation's assistant turns)."""
     return {c.get("id") for m in messages for c in (m.get("tool_calls") or []) if isinstance(c, dict)}
 
 
 def input_messages(items: Union[str, list[dict]], prior_call_ids: Iterable[str] = ()) -> list[dict]:
-    """The Responses API's input (a string, or message / function_call / function_call_output items) as chat
-    messages. Consecutive function_call items join one assistant turn; reasoning items are dropped (the chat
-    templates do not take them back). A function_call_output must answer a function_call made before it, in the
-    input or among prior_call_ids (the previous_response_id conversation's): else a 400, as OpenAI's."""
+    """The Responses API's input (a string, or message / reasoning / function_call / function_call_output items) as
+    chat messages. As vLLM: a reasoning item becomes the `reasoning` of an assistant turn (the one before it when
+    that has none yet, else a new turn), and the assistant message and function_call items after it join that turn,
+    so a resent output (reasoning, message, calls) is one turn again and the template shows the earlier reasoning
+    (normalize_messages hands it over as reasoning_content too). A function_call_output must answer a function_call
+    made before it, in the input or among prior_call_ids (the previous_response_id conversation's): else a 400, as
+    OpenAI's."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     known = set(prior_call_ids)
@@ -246,7 +267,12 @@ def input_messages(items: Union[str, list[dict]], prior_call_ids: Iterable[str] 
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
                 raise bad_request(f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, got {role!r}", "input")
-            out.append({"role": role, "content": _text_of(item.get("content"), where)})
+            text = _text_of(item.get("content"), where)
+            last = out[-1] if out else None
+            if role == "assistant" and last is not None and last["role"] == "assistant" and last["content"] is None:
+                last["content"] = text  # the text of a turn its reasoning (or calls) opened, as vLLM joins them
+            else:
+                out.append({"role": role, "content": text})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}: a function_call item needs call_id and name", "input")
@@ -270,7 +296,12 @@ def input_messages(items: Union[str, list[dict]], prior_call_ids: Iterable[str] 
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text_of(item.get("output", ""), where)})
         elif kind == "reasoning":
-            continue
+            reasoning = _reasoning_of(item, where)
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and last.get("reasoning") is None:
+                last["reasoning"] = reasoning
+            else:
+                out.append({"role": "assistant", "content": None, "reasoning": reasoning})
         else:
             raise bad_request(f"{where} has type {kind!r}: input items may be messages, function_call, "
                               "function_call_output or reasoning", "input", "unsupported_parameter")
