@@ -70,6 +70,27 @@ def _local_client(tmp_path, http_options=None, **state_kw):
     return TestClient(build_app(state, http=http_options or HttpOptions()))
 
 
+def test_model_cards_in_vllms_shape(tmp_path):
+    """/v1/models entries carry vLLM's ModelCard fields, `permission` included (one entry, vLLM's values), the same
+    on each call and from /v1/models/{name}; a LoRA adapter's parent is its base and its root its path."""
+    lora = SimpleNamespace(lora_path="/adapters/a", base_model_name=None)
+    http = _local_client(tmp_path, lora_modules={"a": lora})
+    listed = http.get("/v1/models").json()
+    assert listed["object"] == "list" and [c["id"] for c in listed["data"]] == ["m", "a"]
+    base, adapter = listed["data"]
+    assert set(base) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+    assert (base["object"], base["root"], base["parent"], base["max_model_len"]) == ("model", "m", None, 256)
+    assert (adapter["root"], adapter["parent"]) == ("/adapters/a", "m")
+    (perm,) = base["permission"]
+    assert perm["id"].startswith("modelperm-") and perm["created"] == base["created"]
+    assert {k: v for k, v in perm.items() if k not in ("id", "created")} == {
+        "object": "model_permission", "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+        "group": None, "is_blocking": False}
+    assert adapter["permission"][0]["id"] != perm["id"]
+    assert http.get("/v1/models").json() == listed and http.get("/v1/models/m").json() == base
+
+
 def test_auto_content_format_follows_the_template(tmp_path):
     http = _local_client(tmp_path)  # the default: auto
     assert _rendered("", TWO_PARTS, LOOPING, http) == "<x><y><z>"

@@ -22,6 +22,7 @@ from voltllm.entrypoints.openai.messages_errors import (MESSAGES_ROUTES, anthrop
                                                         anthropic_error_response, is_messages_path)
 from voltllm.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest
 from voltllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from voltllm.entrypoints.openai.model_cards import ModelCards
 from voltllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest)
 from voltllm.entrypoints.openai.responses_background import BackgroundRuns
@@ -273,16 +274,11 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
             raise OpenAIError("metrics are disabled", 404)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def _model_card(name: str) -> dict:
-        lora = state.lora_modules.get(name)  # a --lora-modules adapter: vLLM's parent (its base) and root (its path)
-        root, parent = ((lora.lora_path, lora.base_model_name or state.served_model_names[0]) if lora is not None
-                        else (state.model_path, None))
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "voltllm",
-                "root": root, "parent": parent, "max_model_len": state.max_model_len}
+    model_cards = ModelCards(state)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(n) for n in [*state.served_model_names, *state.lora_modules]]}
+        return model_cards.listing()
 
     if http.runtime_lora_updating:  # (without it the routes do not exist, as in vLLM: 404)
         from voltllm.entrypoints.openai.serving_lora import (LoadLoRAAdapterRequest, RuntimeLoRAs,
@@ -302,7 +298,7 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     async def get_model(model: str) -> dict:
         if not state.serves(model):
             raise OpenAIError(f"The model `{model}` does not exist", 404, "model", "model_not_found")
-        return _model_card(model)
+        return model_cards.card(model)
 
     def generation_only(request: Request) -> None:
         """vLLM serves the generation routes from generate engines only (one runner per engine): a pooling server
