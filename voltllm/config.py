@@ -178,6 +178,8 @@ class EngineConfig:
     # --reasoning-parser / --reasoning-config: the reasoning's delimiters as token ids (reasoning_config.py; None:
     # neither given); the Frontend hands them to the requests that need them
     reasoning: Optional[Any] = None
+    # --structured-outputs-config disable_any_whitespace false: JSON grammars take whitespace between tokens
+    json_any_whitespace: bool = False
 
 
 @dataclass
@@ -558,7 +560,7 @@ class EngineArgs:
             logger.warning("--calculate-key-offsets is ignored: --kv-cache-dtype %s is not an fp8 cache",
                            self.kv_cache_dtype)
             calculate_key_offsets = False
-        from voltllm.fixed_flags import attention_backend_of
+        from voltllm.fixed_flags import attention_backend_of, json_any_whitespace
 
         attention_backend = attention_backend_of(self)  # (its name checked with the fixed flags, before the model)
         from voltllm.model.models.registry import attention_only
@@ -638,7 +640,8 @@ class EngineArgs:
                                   if quantized_weights != "dequantized" else 1), enable_expert_parallel=ep,
                                   data_parallel_size=self.data_parallel_size),
                               speculative=spec,
-                              quantization=method)
+                              quantization=method, json_any_whitespace=json_any_whitespace(
+                                  self.structured_outputs_config))
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
         reasoning = self._resolve_reasoning(tokenizer)

@@ -133,10 +133,10 @@ def _structured_outputs(config: Any, guided_decoding_backend: Optional[str]) -> 
                 raise ConfigError(f"--structured-outputs-config disable_fallback must be true or false, got {value!r}")
             # either way: xgrammar never falls back to another backend here
         elif key == "disable_any_whitespace":
-            if value is not True:
-                raise ConfigError(f"--structured-outputs-config disable_any_whitespace {json.dumps(value)}: voltllm's "
-                                  "JSON grammars never allow free whitespace between JSON tokens (true is what it "
-                                  "does); flexible whitespace is not built")
+            if not isinstance(value, bool):
+                raise ConfigError(f"--structured-outputs-config disable_any_whitespace must be true or false, got "
+                                  f"{json.dumps(value)}")
+            # read by json_any_whitespace(): false lets JSON grammars take whitespace between tokens
         elif key == "enable_in_reasoning":
             if not isinstance(value, bool):
                 raise ConfigError(f"--structured-outputs-config enable_in_reasoning must be true or false, got "
@@ -153,3 +153,10 @@ def enable_in_reasoning(config: Any) -> bool:
     """--structured-outputs-config enable_in_reasoning (vLLM's, default false): grammars constrain from the first
     token, the reasoning included, rather than from the end of the reasoning (checked by _structured_outputs)."""
     return bool((parse_json_object("--structured-outputs-config", config) or {}).get("enable_in_reasoning", False))
+
+
+def json_any_whitespace(config: Any) -> bool:
+    """--structured-outputs-config disable_any_whitespace false: JSON grammars take any whitespace between JSON tokens
+    (xgrammar's any_whitespace, vLLM's default). voltllm's default is true, the compact form: the same JSON in fewer
+    tokens, and no model spending its tokens on whitespace inside an object (checked by _structured_outputs)."""
+    return not (parse_json_object("--structured-outputs-config", config) or {}).get("disable_any_whitespace", True)

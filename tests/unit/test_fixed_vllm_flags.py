@@ -27,8 +27,17 @@ def test_vllm_guide_flags_at_voltllm_behaviour_parse(tiny):
     assert args.create_engine_config().model.max_model_len == 1024  # (qwen3 here turns no sliding window on)
     for backend in ("uni", None):  # uni: one rank, the engine process's own
         EngineArgs(model=tiny, device="cpu", distributed_executor_backend=backend).create_engine_config()
-    EngineArgs(model=tiny, device="cpu", tokenizer_mode="auto", model_impl="auto",
-               structured_outputs_config='{"backend": "auto", "disable_any_whitespace": true}').create_engine_config()
+    compact = EngineArgs(model=tiny, device="cpu", tokenizer_mode="auto", model_impl="auto",
+                         structured_outputs_config='{"backend": "auto", "disable_any_whitespace": true}')
+    assert compact.create_engine_config().json_any_whitespace is False
+
+
+def test_structured_outputs_any_whitespace_setting(tiny):
+    """disable_any_whitespace false (vLLM's default) lets JSON grammars take free whitespace; voltllm's default is
+    the compact form (true)."""
+    free = _parse(tiny, "--device", "cpu", "--structured-outputs-config", '{"disable_any_whitespace": false}')
+    assert free.create_engine_config().json_any_whitespace is True
+    assert EngineArgs(model=tiny, device="cpu").create_engine_config().json_any_whitespace is False
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -44,7 +53,7 @@ def test_vllm_guide_flags_at_voltllm_behaviour_parse(tiny):
     ({"tokenizer_mode": "custom"}, r"--tokenizer-mode custom: not built \(voltllm takes auto, hf\)"),
     ({"structured_outputs_config": {"backend": "guidance"}}, "backend guidance: structured outputs run through xgr"),
     ({"structured_outputs_config": {"backend": "outlines"}}, "backend outlines: structured outputs run through xgr"),
-    ({"structured_outputs_config": {"disable_any_whitespace": False}}, "disable_any_whitespace false: voltllm's JSON"),
+    ({"structured_outputs_config": {"disable_any_whitespace": "no"}}, "disable_any_whitespace must be true or false"),
     ({"structured_outputs_config": {"disable_fallback": "yes"}}, "disable_fallback must be true or false"),
     ({"structured_outputs_config": {"reasoning_parser": "qwen3"}}, "reasoning_parser: give it as --reasoning-parser"),
     ({"structured_outputs_config": {"whitespace_pattern": " "}}, "whitespace_pattern: not built"),

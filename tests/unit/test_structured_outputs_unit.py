@@ -128,6 +128,34 @@ def test_json_strings_exclude_control_characters():
     assert not _is_grammar_accept_string(grammar, good.replace("ab", "a\x16"))
 
 
+def test_json_any_whitespace_grammars(tmp_path):
+    """JSON grammars are compact by default; with any_whitespace (--structured-outputs-config disable_any_whitespace
+    false) they take free whitespace between tokens, as vLLM's, in the grammar cache and the engine's compile alike.
+    Other kinds do not change."""
+    import xgrammar as xgr
+
+    from tiny_models import make_tokenizer
+    from voltllm.structured.grammar import grammar_for
+    from voltllm.structured.matchers import GrammarMatchers
+
+    spaced, compact = '{\n  "a" : [ 1 ,2 ]\n}', '{"a": [1, 2]}'
+    for params in (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "array"}},
+                                                 "required": ["a"]}), StructuredOutputsParams(json_object=True)):
+        free, tight = grammar_for(params.key, True), grammar_for(params.key)
+        assert free is not tight and grammar_for(params.key, False) is tight  # (cached by the setting too)
+        assert xgr.testing._is_grammar_accept_string(free, spaced)
+        assert xgr.testing._is_grammar_accept_string(free, compact)
+        assert not xgr.testing._is_grammar_accept_string(tight, spaced)
+        assert xgr.testing._is_grammar_accept_string(tight, compact)
+    regex = StructuredOutputsParams(regex="a b").key
+    assert str(grammar_for(regex, True)) == str(grammar_for(regex))
+    tok = make_tokenizer(str(tmp_path))
+    key = StructuredOutputsParams(json_object=True).key
+    for any_whitespace, accepted in ((True, True), (False, False)):
+        matchers = GrammarMatchers(lambda: tok, len(tok), json_any_whitespace=any_whitespace)
+        assert xgr.GrammarMatcher(matchers._build(key)).accept_string('{\n "a" : 1 }') is accepted
+
+
 def test_request_structured_outputs_options():
     """vLLM's structured_outputs options at what voltllm does are accepted (disable_fallback: xgrammar never falls
     back; disable_any_whitespace true: compact JSON), flexible whitespace and unknown fields are a 400 by name."""

@@ -101,7 +101,7 @@ class EngineCore:
         # structured outputs: matchers over the logits' width (the tokenizer is loaded on the first constrained request,
         # in the grammar compile thread)
         self.grammars = GrammarMatchers(None if config.model.skip_tokenizer_init else self._engine_tokenizer,
-                                        self.vocab_size)
+                                        self.vocab_size, config.json_any_whitespace)
         self.scheduler.grammars = self.grammars
         self.reasoning = ReasoningStates()  # thinking budgets, grammars after the reasoning
         self.scheduler.reasoning = self.reasoning

@@ -1,8 +1,10 @@
 """A constraint's key -> xgrammar Grammar (tokenizer-free, so the API process can check a request with it).
 
-JSON is constrained to xgrammar's compact form (no free whitespace between tokens: `{"a": 1, "b": [2]}`): output
-that is still valid JSON, and a model cannot spend its tokens on endless whitespace inside an object. A structural
-tag's JSON formats are xgrammar's own (whitespace as its format says: `max_whitespace_cnt`), as in vLLM.
+JSON is constrained to xgrammar's compact form by default (no free whitespace between tokens: `{"a": 1, "b": [2]}`):
+output that is still valid JSON, and a model cannot spend its tokens on endless whitespace inside an object. With
+any_whitespace (--structured-outputs-config disable_any_whitespace false, vLLM's default) JSON grammars take any
+whitespace between tokens, as vLLM's; the setting is part of the cache key. A structural tag's JSON formats are
+xgrammar's own (whitespace as its format says: `max_whitespace_cnt`), as in vLLM.
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ _LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
 _STRICT_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
 
 
-def _json_grammar(schema_text: str) -> xgr.Grammar:
-    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=True)
+def _json_grammar(schema_text: str, any_whitespace: bool) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=any_whitespace, strict_mode=True)
     text = str(grammar)
     if _LOOSE_STRING_CHARS in text:  # the same grammar with control characters out of those strings
         try:
@@ -55,13 +57,14 @@ def _structural_tag_grammar(text: str) -> Optional[xgr.Grammar]:
         raise
 
 
+# (text, any_whitespace) -> grammar; whitespace applies to the JSON kinds only, as in vLLM
 _BUILDERS = {
     "json": _json_grammar,
-    "json_object": lambda _: _json_grammar('{"type": "object"}'),
-    "regex": xgr.Grammar.from_regex,
-    "choice": _choice_grammar,
-    "grammar": xgr.Grammar.from_ebnf,
-    "structural_tag": _structural_tag_grammar,
+    "json_object": lambda _, any_whitespace: _json_grammar('{"type": "object"}', any_whitespace),
+    "regex": lambda text, _: xgr.Grammar.from_regex(text),
+    "choice": lambda text, _: _choice_grammar(text),
+    "grammar": lambda text, _: xgr.Grammar.from_ebnf(text),
+    "structural_tag": lambda text, _: _structural_tag_grammar(text),
 }
 
 
@@ -71,14 +74,19 @@ def xgrammar_message(e: Exception) -> str:
                                                type(e).__name__))
 
 
+def grammar_for(key: tuple[str, str], any_whitespace: bool = False) -> Optional[xgr.Grammar]:
+    """The grammar of a StructuredOutputsParams.key (JSON with free whitespace between tokens when any_whitespace,
+    else compact; cached by both); StructuredOutputsError naming the field when it is invalid. None only for a
+    structural tag that names tokens by their text (it is built against the vocabulary, in the engine:
+    GrammarMatchers)."""
+    return _cached_grammar(key, any_whitespace)  # (one cache entry however the setting was passed)
+
+
 @lru_cache(maxsize=256)
-def grammar_for(key: tuple[str, str]) -> Optional[xgr.Grammar]:
-    """The grammar of a StructuredOutputsParams.key; StructuredOutputsError naming the field when it is invalid.
-    None only for a structural tag that names tokens by their text (it is built against the vocabulary, in the
-    engine: GrammarMatchers)."""
+def _cached_grammar(key: tuple[str, str], any_whitespace: bool) -> Optional[xgr.Grammar]:
     kind, text = key
     try:
-        return _BUILDERS[kind](text)
+        return _BUILDERS[kind](text, any_whitespace)
     except (RuntimeError, ValueError, TypeError) as e:
         message = xgrammar_message(e)
         what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",

@@ -56,11 +56,15 @@ class GrammarMatchers:
 
     tokenizer_loader: returns the HF tokenizer (called once, in the compile thread, on the first constrained request
     that needs a compile); None when the engine has no tokenizer (--skip-tokenizer-init: constrained requests are
-    refused when they arrive). vocab_size: the model's logits width, which may exceed the tokenizer's."""
+    refused when they arrive). vocab_size: the model's logits width, which may exceed the tokenizer's.
+    json_any_whitespace: JSON grammars take free whitespace (--structured-outputs-config disable_any_whitespace
+    false); fixed for the engine, so the compiled cache, per engine, needs no more than the constraint's key."""
 
-    def __init__(self, tokenizer_loader: Optional[Callable[[], Any]], vocab_size: int):
+    def __init__(self, tokenizer_loader: Optional[Callable[[], Any]], vocab_size: int,
+                 json_any_whitespace: bool = False):
         self._load_tokenizer = tokenizer_loader
         self.vocab_size = vocab_size
+        self.json_any_whitespace = json_any_whitespace
         self._compiler: Any = None  # (built and read in the compile thread only)
         # why structured outputs cannot work with this tokenizer, once the compile thread has found out: later
         # requests are refused when they arrive
@@ -105,7 +109,7 @@ class GrammarMatchers:
             if key[0] == "structural_tag":  # (from its text: token formats resolve against the vocabulary here)
                 grammar_for(key)  # checked as in the API process first: the same messages
                 return compiler.compile_structural_tag(key[1])
-            return compiler.compile_grammar(grammar_for(key))
+            return compiler.compile_grammar(grammar_for(key, self.json_any_whitespace))
         except StructuredOutputsError as e:
             raise InvalidRequestError(f"structured outputs: {e}", "structured_outputs") from None
         except (RuntimeError, ValueError) as e:

@@ -44,14 +44,15 @@ def _from_structured(obj: Any) -> dict[str, Any]:
         raise bad_request("structured_outputs must be an object", "structured_outputs")
     obj = dict(obj)
     # vLLM's options, at what voltllm does: xgrammar never falls back to another backend (disable_fallback either
-    # way), and its JSON grammars never allow free whitespace between tokens (disable_any_whitespace true)
+    # way); whitespace in JSON is the server's setting (--structured-outputs-config disable_any_whitespace, the only
+    # one vLLM's engine reads too), so a request's true is taken as the default's compact form and false refused
     fallback = obj.pop("disable_fallback", None)
     if fallback is not None and not isinstance(fallback, bool):
         raise bad_request("structured_outputs.disable_fallback must be true or false", "structured_outputs")
     if obj.pop("disable_any_whitespace", True) is not True:
-        raise bad_request("structured_outputs.disable_any_whitespace false: flexible whitespace between JSON tokens "
-                          "is not built (voltllm's JSON grammars are compact, as with true)", "structured_outputs",
-                          "unsupported_parameter")
+        raise bad_request("structured_outputs.disable_any_whitespace false: whitespace between JSON tokens is set "
+                          "for the server (--structured-outputs-config '{\"disable_any_whitespace\": false}'), not "
+                          "per request", "structured_outputs", "unsupported_parameter")
     unknown = sorted(k for k, v in obj.items() if k not in _STRUCTURED_FIELDS and v is not None)
     if unknown:
         raise bad_request(f"structured_outputs has unsupported fields: {', '.join(unknown)} (supported: "
