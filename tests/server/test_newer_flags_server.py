@@ -155,6 +155,10 @@ def test_serves_on_a_unix_domain_socket(tmp_path_factory):
         srv.descendants = []
         r = client.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        # ("serving ... at unix:" is said once the server reports started, which it may do after a first answer)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and f"unix:{sock}" not in srv.log_text():
+            time.sleep(0.1)
         assert f"unix:{sock}" in srv.log_text()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and '"POST /v1/completions' not in open(log_file).read():
