@@ -28,12 +28,12 @@ def tiny(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("tiny_kvo_gpu")), "qwen3", max_position_embeddings=1024)
 
 
-def _run(tiny, blocks, **kw):
+def _run(tiny, blocks, prompts=PROMPTS, **kw):
     llm = LLM(tiny, device="cuda", block_size=16, num_gpu_blocks_override=blocks, max_model_len=200, max_num_seqs=2,
               gpu_memory_utilization=0.3, **kw)
     outs = []
     for i in ORDER:
-        outs.append(llm.generate({"prompt_token_ids": PROMPTS[i]}, GREEDY, use_tqdm=False)[0])
+        outs.append(llm.generate({"prompt_token_ids": prompts[i]}, GREEDY, use_tqdm=False)[0])
         llm.engine.check_integrity()
     return llm, outs
 
@@ -88,14 +88,8 @@ def hybrid(tmp_path_factory):
 
 
 def _run_hybrid(path, blocks, **kw):
-    llm = LLM(path, device="cuda", skip_tokenizer_init=True, block_size=16, mamba_block_size=32,
-              max_num_batched_tokens=32, num_gpu_blocks_override=blocks, max_model_len=200, max_num_seqs=2,
-              gpu_memory_utilization=0.3, **kw)
-    outs = []
-    for i in ORDER:
-        outs.append(llm.generate({"prompt_token_ids": HYBRID_PROMPTS[i]}, GREEDY, use_tqdm=False)[0])
-        llm.engine.check_integrity()
-    return llm, outs
+    return _run(path, blocks, HYBRID_PROMPTS, skip_tokenizer_init=True, mamba_block_size=32, max_num_batched_tokens=32,
+                **kw)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
