@@ -9,8 +9,9 @@ still become a tag (a trailing "</thi" or "<tool_ca") is held back until the nex
   Without any "<think>", a streamed answer is all content; a non-streamed one is split at "</think>".
   `qwen3` only: inside the reasoning, a "<tool_call>" followed by "<function" (a qwen3_coder call Qwen3.5 opened
   before closing its thinking) also ends it, as in vLLM; the call is content, for the tool parser.
-- tools `hermes`: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of them. A block that does
-  not parse ends the calls: it and the text after it are content (ToolParser.extract), streamed or not.
+- tools `hermes`: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of them. A block is a call
+  once its name string is complete; a stream sends it then, and its arguments as they are written (hermes_reader.py).
+  A block with no name string ends the calls: it and the text after it are content (ToolParser.extract).
 - tools `qwen3_coder` (also `qwen3_xml`): <tool_call><function=NAME><parameter=P>value</parameter>...
   </function></tool_call>; values are converted with the request's JSON schema types. A stream sends the call once
   its name is complete, then its arguments a parameter at a time (parse_open_block).
@@ -24,6 +25,7 @@ import re
 import uuid
 from typing import Any, Optional
 
+from voltllm.entrypoints.openai.hermes_reader import HermesCallReader
 from voltllm.entrypoints.openai.llama_tool_parsers import Llama3JsonToolParser, PythonicToolParser
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -130,14 +132,24 @@ class ToolParser:
         parse to the same name and to arguments that start with that prefix (a stream never takes back)."""
         return None
 
+    def read_block(self, text: str, start: int, finished: bool) -> tuple[Optional[dict], int, bool]:
+        """The block whose "<tool_call>" is at text[start]: (its call or None, where its end tag starts or -1,
+        decided). While not decided the call is the one still being written (parse_open_block) or None; decided,
+        a None call makes the block content."""
+        body = start + len(TOOL_START)
+        end = text.find(TOOL_END, body)
+        if end < 0 and not finished:  # still being written
+            return self.parse_open_block(text[body:]), -1, False
+        return self.parse_block(text[body: end if end >= 0 else len(text)]), end, True
+
     def extract(self, text: str, finished: bool) -> tuple[str, list[dict]]:
-        """(content, complete calls so far) of the cumulative text. The calls are the blocks that parse, up to the
+        """(content, calls so far) of the cumulative text. The calls are the blocks that parse, up to the
         first one that does not; the content is the text before the first block, and from a block that does not
         parse on, the raw text (that block and all after it). So a stream never takes back a call it has sent,
         nothing the model wrote is lost, and the streamed and the whole text give the same result. (vLLM's hermes
         parser makes all of such an output content when not streaming, while its stream has sent the calls.) Text
-        between and after parsed blocks is dropped, as vLLM's; a block still open is held back until the text
-        finishes, then parsed as it stands (output cut by max_tokens, or a model that omits the end tag)."""
+        between and after parsed blocks is dropped, as vLLM's; a block still open is parsed as it stands once the
+        text finishes (output cut by max_tokens, or a model that omits the end tag)."""
         first = text.find(TOOL_START)
         if first < 0:
             hold = 0 if finished else _partial_suffix(text, TOOL_START)
@@ -145,14 +157,11 @@ class ToolParser:
         calls: list[dict] = []
         start = first
         while start >= 0:
-            end = text.find(TOOL_END, start)
-            if end < 0 and not finished:  # still being written
-                partial = self.parse_open_block(text[start + len(TOOL_START):])
-                if partial is not None:
-                    calls.append(partial)
+            call, end, decided = self.read_block(text, start, finished)
+            if not decided:
+                if call is not None:
+                    calls.append(call)
                 break
-            body = text[start + len(TOOL_START): end if end >= 0 else len(text)]
-            call = self.parse_block(body)
             if call is None:
                 return text[:first] + text[start:], calls
             calls.append(call)
@@ -163,16 +172,40 @@ class ToolParser:
 
 
 class HermesToolParser(ToolParser):
-    def parse_block(self, body: str) -> Optional[dict]:
-        try:
-            obj = json.loads(body.strip())
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        return {"name": obj["name"],
-                "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call>. A block is a call once its name is complete (what a
+    stream sends first); its arguments stream as they are written, re-serialized as json.dumps writes them
+    (hermes_reader.py). The block ends at the first "</tool_call>" after its JSON object (one inside a JSON string
+    is text of the arguments). Arguments that do not end as JSON (cut short, or not JSON from some point on) are
+    the re-serialized part, then the rest of the block as written, so the stream can have sent the first part."""
+
+    def __init__(self, tools: Optional[list[dict]] = None):
+        super().__init__(tools)
+        self._seen = ""  # the text of the last extract: a stream's next text continues it
+        self._readers: dict[int, HermesCallReader] = {}  # by the block's start: read on where they stopped
+
+    def extract(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        if not text.startswith(self._seen):  # (not a continuation: read again from the start)
+            self._readers = {}
+        self._seen = text
+        return super().extract(text, finished)
+
+    def read_block(self, text: str, start: int, finished: bool) -> tuple[Optional[dict], int, bool]:
+        body = start + len(TOOL_START)
+        reader = self._readers.setdefault(start, HermesCallReader())
+        reader.read(text, body)
+        end = text.find(TOOL_END, body + reader.pos) if reader.stopped else -1
+        decided = end >= 0 or finished
+        if reader.name is None:
+            return None, end, decided
+        if reader.args_state == "done":
+            args = reader.arguments()
+        elif reader.args_state == "none":
+            args = "{}" if decided or reader.stopped else ""  # (as json.loads read: no arguments, none)
+        elif decided:  # the JSON stops inside the arguments: the rest of the block as written follows
+            args = reader.arguments() + text[body + reader.args_mark: end if end >= 0 else len(text)].strip()
+        else:
+            args = reader.arguments()
+        return {"name": reader.name, "arguments": args}, end, decided
 
 
 _FUNC = re.compile(r"<function=([^>\s]+)\s*>(.*?)(?:</function>|$)", re.S)

@@ -203,7 +203,7 @@ def _delta(new: Optional[str], sent: str) -> str:
 
 def _call_deltas(calls: list[dict], sent: list[int]) -> list[dict]:
     """A new call goes whole (id, name, arguments so far); a call sent before, only its new arguments (a forced
-    choice's arguments grow as they are generated; the "auto" parsers give only complete calls)."""
+    choice's, hermes' and qwen3_coder's arguments grow as they are generated; the llama parsers give complete calls)."""
     deltas = []
     for k, call in enumerate(calls):
         args = call["function"]["arguments"]
