@@ -644,7 +644,7 @@ class EngineArgs:
         weight_offload = resolve_weight_offload(self.cpu_offload_gb, self.cpu_offload_params, self.offload_backend,
                                                 self.offload_group_size, self.offload_num_in_group,
                                                 self.offload_prefetch_step, self.enable_lora)
-        if weight_offload is not None and graphs.prompt_graphs:
+        if weight_offload is not None and graphs.prompt_graphs and device.type == "cuda":
             # (a piecewise graph ends at every attention call, but a prefetched layer's copy joins the main stream a
             # layer or more later: the copy stream cannot stay forked across pieces)
             logger.info("piecewise prompt CUDA graphs are off with weight offloading (decode graphs stay on)")

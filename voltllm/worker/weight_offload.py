@@ -70,6 +70,8 @@ def reachable_tensors(root: Any, skip: frozenset = frozenset()) -> list[_Found]:
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             out.append(_Found(path.rstrip("."), obj, False))
+            # a view keeps its base tensor (and so the base's storage) alive: re-point that too
+            walk(obj._base, path + "_base.")
             return
         if isinstance(obj, nn.Module):
             from voltllm.model.layers.moe import SparseMoE
@@ -82,10 +84,12 @@ def reachable_tensors(root: Any, skip: frozenset = frozenset()) -> list[_Found]:
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     out.append(_Found(name(n), p, False))
+                    walk(p._base, name(n) + "._base.")
             for n, b in obj._buffers.items():
                 if b is not None and id(b) not in seen:
                     seen.add(id(b))
                     out.append(_Found(name(n), b, True))
+                    walk(b._base, name(n) + "._base.")
             for n, m in obj._modules.items():
                 walk(m, name(n) + ".")
             for n, v in vars(obj).items():
