@@ -83,6 +83,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "later prompt with that prefix copies them back instead of recomputing them")
     g.add_argument("--kv-offloading-backend", default="native",
                    help="native: voltllm's CPU tier (vLLM's lmcache is not built)")
+    w = p.add_argument_group("weight offloading to CPU memory (decoder layers streamed to the GPU each forward)")
+    w.add_argument("--cpu-offload-gb", type=float, default=0,
+                   help="GiB of decoder-layer weights per GPU kept in CPU memory (whole layers, spread out; 0: none)")
+    w.add_argument("--cpu-offload-params", nargs="+", default=None,
+                   help="offload only the tensors with these name segments (e.g. experts, mlp.down_proj)")
+    w.add_argument("--offload-backend", default="auto", help="auto | prefetch (uva, in-place reads, is not built)")
+    w.add_argument("--offload-group-size", type=int, default=0,
+                   help="offload the last --offload-num-in-group layers of every N (instead of --cpu-offload-gb)")
+    w.add_argument("--offload-num-in-group", type=int, default=1, help="layers offloaded per group")
+    w.add_argument("--offload-prefetch-step", type=int, default=1,
+                   help="offloaded layers copied ahead of their turn (GPU staging slots: this + 1)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
@@ -184,7 +195,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("vLLM flags taken at voltllm's behaviour (other values refused)")
     f.add_argument("--distributed-executor-backend", default=None,
                    help="mp: tensor-parallel ranks are worker processes (uni: one rank)")
-    f.add_argument("--cpu-offload-gb", type=float, default=0, help="0 (no weight offloading)")
     f.add_argument("--preemption-mode", default=None, help="recompute: preempted requests are prefilled again")
     f.add_argument("--tokenizer-mode", default="auto", help="auto | hf: the checkpoint's Hugging Face tokenizer")
     f.add_argument("--structured-outputs-config", type=json_object_arg("--structured-outputs-config"), default=None,

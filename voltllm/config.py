@@ -180,6 +180,8 @@ class EngineConfig:
     reasoning: Optional[Any] = None
     # --structured-outputs-config disable_any_whitespace false: JSON grammars take whitespace between tokens
     json_any_whitespace: bool = False
+    # --cpu-offload-gb / --offload-group-size: decoder layers kept in CPU memory (weight_offload_config.py; None: off)
+    weight_offload: Optional[Any] = None
 
 
 @dataclass
@@ -234,6 +236,13 @@ class EngineArgs:
     mamba_cache_mode: str = "align"
     kv_offloading_size: Optional[float] = None  # GiB of host memory for evicted prefix-cache blocks (all TP ranks)
     kv_offloading_backend: str = "native"  # native (lmcache is not built)
+    # weight offloading to CPU memory (vLLM's flags; voltllm/weight_offload_config.py, worker/weight_offload.py)
+    cpu_offload_gb: float = 0
+    cpu_offload_params: Optional[Any] = None  # names (list, or one comma-separated string)
+    offload_backend: str = "auto"  # auto | prefetch (uva is not built)
+    offload_group_size: int = 0
+    offload_num_in_group: int = 1
+    offload_prefetch_step: int = 1
     language_model_only: bool = False
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
@@ -242,7 +251,6 @@ class EngineArgs:
     require_acceleration: bool = False
     # vLLM flags taken at the value that is voltllm's behaviour, refused at others (voltllm/fixed_flags.py)
     distributed_executor_backend: Optional[str] = None  # mp (uni with one rank)
-    cpu_offload_gb: float = 0
     preemption_mode: Optional[str] = None  # recompute
     tokenizer_mode: str = "auto"  # auto | hf: the checkpoint's Hugging Face (fast) tokenizer
     structured_outputs_config: Optional[Any] = None  # JSON object: backend auto | xgrammar
@@ -631,9 +639,19 @@ class EngineArgs:
             graphs = fit_to_batch_budget(graphs, batched)
         except CompilationConfigError as e:
             raise ConfigError(str(e)) from None
+        from voltllm.weight_offload_config import resolve_weight_offload
+
+        weight_offload = resolve_weight_offload(self.cpu_offload_gb, self.cpu_offload_params, self.offload_backend,
+                                                self.offload_group_size, self.offload_num_in_group,
+                                                self.offload_prefetch_step, self.enable_lora)
+        if weight_offload is not None and graphs.prompt_graphs and device.type == "cuda":
+            # (a piecewise graph ends at every attention call, but a prefetched layer's copy joins the main stream a
+            # layer or more later: the copy stream cannot stay forked across pieces)
+            logger.info("piecewise prompt CUDA graphs are off with weight offloading (decode graphs stay on)")
         dev = DeviceConfig(device=device, compat=compat, enforce_eager=not graphs.decode_graphs,
                            attention_backend=attention_backend, require_acceleration=self.require_acceleration,
-                           prompt_graph_max_tokens=None if graphs.prompt_graphs else 0, cuda_graphs=graphs)
+                           prompt_graph_max_tokens=None if graphs.prompt_graphs and weight_offload is None else 0,
+                           cuda_graphs=graphs)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size, intermediate_align=(
                                   intermediate_alignment(tp, hf_config, method, ep)
@@ -641,7 +659,7 @@ class EngineArgs:
                                   data_parallel_size=self.data_parallel_size),
                               speculative=spec,
                               quantization=method, json_any_whitespace=json_any_whitespace(
-                                  self.structured_outputs_config))
+                                  self.structured_outputs_config), weight_offload=weight_offload)
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
         reasoning = self._resolve_reasoning(tokenizer)

@@ -12,9 +12,6 @@ from voltllm.config import ConfigError, parse_json_object
 def check_fixed_flags(args: Any) -> None:
     """Raise ConfigError for the first of these flags `args` (EngineArgs) sets to a value voltllm does not run."""
     _executor_backend(args.distributed_executor_backend, args.tensor_parallel_size)
-    if args.cpu_offload_gb != 0:
-        raise ConfigError(f"--cpu-offload-gb {args.cpu_offload_gb}: offloading weights to CPU memory is not built; "
-                          "use 0")
     _one_of("--preemption-mode", args.preemption_mode, (None, "recompute"), {
         "swap": "swapping a preempted request's KV cache to CPU memory is not built: preempted requests are "
                 "recomputed (their blocks freed, their tokens prefilled again)"})

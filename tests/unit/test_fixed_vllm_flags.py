@@ -45,7 +45,6 @@ def test_structured_outputs_any_whitespace_setting(tiny):
     ({"distributed_executor_backend": "external_launcher"}, "external_launcher: engines started by torchrun"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "uni: with --tensor-parallel-size 2"),
     ({"distributed_executor_backend": "threads"}, "threads: it must be mp"),
-    ({"cpu_offload_gb": 4}, "--cpu-offload-gb 4: offloading weights to CPU memory is not built"),
     ({"scheduling_policy": "lifo"}, "--scheduling-policy lifo: not a scheduling policy; use fcfs .* or priority"),
     ({"preemption_mode": "swap"}, "--preemption-mode swap: swapping .* not built: preempted requests are recomputed"),
     ({"tokenizer_mode": "slow"}, "--tokenizer-mode slow: transformers 5, which voltllm uses, always loads the fast"),

@@ -23,11 +23,11 @@ to and from it itself, on the same stream (its docstring says when).
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
 from voltllm.cache.cpu_offload import KVTransfers, host_available_bytes
+from voltllm.host_memory import page_lock_for
 from voltllm.host_to_device import to_device
 from voltllm.model.state_cache import StateCache
 
@@ -80,9 +80,8 @@ class HostKVStore:
         self.host = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8)
         self.pinned = False
         if pin:
-            _page_lock(self.host)
+            page_lock_for(self, self.host)
             self.pinned = True
-            weakref.finalize(self, _page_unlock, self.host)
         self.device = staging.device
         self.blocks_saved = self.blocks_loaded = 0  # (the acceleration report's counters)
 
@@ -119,22 +118,6 @@ class HostKVStore:
         idx = to_device([block for _, block in pairs], torch.long, self.device)
         for cache, view in self._views(len(pairs)):
             cache.index_copy_(1, idx, view.transpose(0, 1))
-
-
-def _page_lock(t: torch.Tensor) -> None:
-    """Pin a CPU tensor in place (cudaHostRegister), so copies to and from it are asynchronous. torch's pinned
-    allocator (pin_memory=True) would round the size up to a power of two: 40 GiB would lock 64."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister failed (CUDA error {code})")
-
-
-def _page_unlock(t: torch.Tensor) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already; the process frees it anyway
-        pass
 
 
 def reserve_staging(runner) -> torch.Tensor:
@@ -216,7 +199,6 @@ def _host_state_cache(pool: StateCache, num: int, pin: bool) -> StateCache:
     host = StateCache(pool.num_layers, num, pool.conv_shape, pool.ssm_shape, conv_dtype, "cpu", ssm_dtype)
     if pin:
         for t in host.tensors:
-            _page_lock(t)
-            weakref.finalize(host, _page_unlock, t)
+            page_lock_for(host, t)
     return host
 

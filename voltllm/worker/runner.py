@@ -51,13 +51,18 @@ AUTO_DENSE_FRACTION = 0.5
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights in place (speed depends on shapes, not values): N(0, 0.02), norms at 1."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights in place (speed depends on shapes, not values): N(0, 0.02), norms at 1. Drawn on the first
+    parameter's device: decoder layers built in CPU memory for weight offloading get the values they would have got
+    on the GPU."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
-        else:
+        elif p.device == device:
             p.normal_(0.0, 0.02, generator=gen)
+        else:
+            p.copy_(torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=gen))
 
 
 @dataclass
@@ -127,6 +132,7 @@ class ModelRunner:
         # ranks > 0: the last two steps' events; a step's host staging set is refilled two steps later (double
         # buffering), once the step that used it has run
         self._follower_events: list[torch.cuda.Event] = []
+        self.weight_offload = None  # LayerStreamer: decoder layers kept in CPU memory (worker/weight_offload.py)
         self.model = model if model is not None else self._load_model()
         if tp is not None:  # every rank has its weights before the first collective (group.host_barrier says why)
             tp.host_barrier()
@@ -211,6 +217,7 @@ class ModelRunner:
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
         from voltllm.distributed.experts import expert_shard, model_num_experts
+        from voltllm.model.layer_placement import host_layers
         from voltllm.model.loader import iter_weights, resolve_model
         from voltllm.model.models.registry import build_model
 
@@ -228,21 +235,32 @@ class ModelRunner:
             cap = route_capability(cap, self.config.device.compat)
             linear_method = QuantizedLinearMethod(dot_max_rows(cap), dot_table(cap), moe_table(cap),
                                                   grouped_max_rows(cap))
+        offload = self.config.weight_offload
         try:
-            with torch.device(self.device):
+            # with weight offloading the decoder layers are built (and loaded) in CPU memory: the offloader then
+            # moves those that stay to the GPU (model/layer_placement.py)
+            with host_layers(self.device if offload is not None else None), torch.device(self.device):
                 model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp,
                                     headless=mc.runner == "pooling",
                                     classifier=mc.pooler.classifier if mc.runner == "pooling" else None)
             if mc.load_format == "dummy":
                 init_dummy_weights(model, mc.seed)
                 logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
+            else:
+                # quantized weights are allocated while they load, not when the model is built; under expert
+                # parallelism the other ranks' experts are not read
+                experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
+                model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                    else t)
+                                   for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized,
+                                                            mc.quantization, experts=experts))
+            if offload is not None:
+                from voltllm.worker.weight_offload import describe, install_weight_offload
+
+                self.weight_offload = install_weight_offload(model, offload, self.device)
+                logger.info("weight offloading: %s", describe(self.weight_offload, len(model.layers)))
+            if mc.load_format == "dummy":
                 return model.eval()
-            # quantized weights are allocated while they load, not when the model is built; under expert parallelism
-            # the other ranks' experts are not read
-            experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
-            model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                               for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized,
-                                                           mc.quantization, experts=experts))
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0)
             raise RuntimeError(

@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 import torch
 
+from voltllm.model.layer_placement import execution_device
 from voltllm.model.layers.activation import silu_and_mul
 from voltllm.model.layers.gguf_planes import Planes, concat_rows, row_band
 from voltllm.model.layers.quantized_linear import PackedWeight, dequantized
@@ -47,11 +48,13 @@ class QuantExperts:
         self.w2: Optional[Planes] = None
         # rows per expert up to which the grouped tiled kernel beats dequantize + cuBLAS (0 off the GPU)
         self.grouped_max_rows = 0
-        if device.type == "cuda":
+        # (the GPU it runs on: a layer built in CPU memory for weight offloading runs there too, layer_placement.py)
+        run_on = device if device.type == "cuda" else execution_device()
+        if run_on.type == "cuda":
             from voltllm.kernels.quant_dot import grouped_max_rows
 
             self.grouped_max_rows = (grouped_rows if grouped_rows is not None
-                                     else grouped_max_rows(torch.cuda.get_device_capability(device)))
+                                     else grouped_max_rows(torch.cuda.get_device_capability(run_on)))
 
     @property
     def ready(self) -> bool:

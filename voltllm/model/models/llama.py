@@ -17,6 +17,7 @@ from torch import nn
 from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.distributed.sharding import HeadShard, intermediate_split, take_cols, take_rows, vocab_rows
 from voltllm.model.forward_context import ForwardContext
+from voltllm.model.layer_placement import build_layer
 from voltllm.model.layers.linear import (Linear, LinearMethod, gated_mlp, linear, linear_add_, norm_linear,
                                          one_row_gated)
 from voltllm.model.layers.moe import SparseMoE
@@ -188,7 +189,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         else:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, rotary, linear_method, tp)
+        self.layers = nn.ModuleList(build_layer(DecoderLayer, cfg, i, dtype, rotary, linear_method, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))

@@ -41,6 +41,7 @@ from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.distributed.sharding import HeadShard, intermediate_split, take_cols, take_rows, vocab_rows
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.models.aux_hidden import AuxHiddenCapture
+from voltllm.model.layer_placement import build_layer
 from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear, LinearMethod
@@ -240,8 +241,8 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
                 mixer_index, n_gdn = n_gdn, n_gdn + 1
             else:
                 mixer_index, n_attn = n_attn, n_attn + 1
-            layers.append(HybridDecoderLayer(cfg, i, kind, mixer_index, self._is_moe(cfg, i), gdn_layout,
-                                             norm_topk, dtype, rotary, linear_method, tp))
+            layers.append(build_layer(HybridDecoderLayer, cfg, i, kind, mixer_index, self._is_moe(cfg, i), gdn_layout,
+                                      norm_topk, dtype, rotary, linear_method, tp))
         self.layers = nn.ModuleList(layers)
         self._num_attn, self._num_gdn = n_attn, n_gdn
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if tp is None else
