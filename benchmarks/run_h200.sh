@@ -234,6 +234,8 @@
 #   s130     (session 44) the start-up mixed-step forward: 35B-A3B --compat sm70 compiles, 1 cold + 1 warm
 #   s131     (queued for session 45) session 44's last changes on the GPU: dense warm-up compiles, MoE / engine / fp8-KV
 #            GPU files
+#   s144a    (session 52) weight offloading GPU file, host -> GPU copy rate, 8B batch 1 with 8 GiB offloaded
+#   s144b    (session 52) the 8B at 64 x 128/128 (#4)
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
@@ -1549,6 +1551,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s141dp)  # (session 50; kind nvidia-h200-x2) data parallelism and an engine on the second card: the GPU file (an
            # LLM on cuda:1 against cuda:0 with decode graphs; a -dp 2 server with an engine per card)
     gpu_file test_data_parallel_gpu 300
+    ;;
+  s144a)  # (session 52) weight offloading: its GPU file, the page-locked host -> GPU copy rate, the 8B shape at
+          # batch 1 with 8 GiB of its layers in CPU memory (prefetch 1 and 3)
+    gpu_file test_weight_offload_gpu 300
+    timeout 60 python3 benchmarks/micro/h2d_copy_rate.py 2>&1 | grep -v -i warn | tee "$out/h2d.txt"
+    for step in 1 3; do
+      bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario decode \
+        --input-len 512 --output-len 64 --num-warm 1 --cpu-offload-gb 8 --offload-prefetch-step $step \
+        --name qwen3-8b-shape-fp16-decode-b1-offload8-p$step-$sha > "$out/offload-p$step.log" 2>&1
+      grep -E "weight offloading|^pure_decode|^ttft" "$out/offload-p$step.log" | cut -c1-200
+    done
+    ;;
+  s144b)  # (session 52) #4: the 8B at 64 x 128/128 on main (the split-row argmax on since session 51)
+    bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency \
+      --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha \
+      > "$out/c64.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
     ;;
   s140)  # (session 49) the split row argmax (GPU file + micro), wide gated gate_up tiles at 64 rows
          # (micro/batch_gemm_gated_wide.py), then the 8B at 64 x 128/128: B with the gated winners offered to the
