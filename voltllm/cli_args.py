@@ -76,6 +76,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--gpu-memory-utilization leaves; on the CPU, the KV cache's size (default 2 GiB)")
     g.add_argument("--max-num-batched-tokens", type=size_arg("--max-num-batched-tokens"), default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="at most this many tokens of one request per step (0: no cap), so a long prompt leaves room "
+                        "for the prompts behind it")
+    g.add_argument("--max-num-partial-prefills", type=int, default=1,
+                   help="above 1: --long-prefill-token-threshold defaults to 4%% of --max-model-len (vLLM's rule)")
+    g.add_argument("--max-long-partial-prefills", type=int, default=1, help="at most --max-num-partial-prefills")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--kv-offloading-size", type=float, default=None,
@@ -204,7 +210,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--disable-sliding-window", action=argparse.BooleanOptionalAction, default=False,
                    help="attention always spans the whole context here; caps --max-model-len at a window the "
                         "checkpoint turns on")
-    f.add_argument("--long-prefill-token-threshold", type=int, default=0, help="0: no per-prompt chunk cap")
     f.add_argument("--safetensors-load-strategy", default=None, help="lazy: files are memory-mapped")
     f.add_argument("--max-parallel-loading-workers", type=int, default=None,
                    help="at least --tensor-parallel-size: every rank loads its weights at once")

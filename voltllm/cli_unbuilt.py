@@ -33,8 +33,6 @@ _OWN_KERNELS = "voltllm runs its own Triton kernels (docs/kernels.md); vLLM's ke
 _PROFILER = "profiling (/start_profile, /stop_profile) is not built; `voltllm bench` measures the engine instead"
 _TOOL_SERVER = "built-in tools run by the server (gpt-oss's browser / python through MCP tool servers) are not built"
 _OBSERVABILITY = "is not built (Prometheus metrics: GET /metrics; docs/cli.md lists the families)"
-_PARTIAL_PREFILLS = ("limiting how many prompts are part-way through their prefill is not built (vLLM has removed "
-                     "this flag): each step's --max-num-batched-tokens budget decides; drop it")
 
 UNBUILT_FLAGS: dict[str, str] = {
     # LoRA (--enable-lora and its settings are built: voltllm/lora/)
@@ -71,7 +69,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--num-scheduler-steps": _MULTI_STEP, "--multi-step-stream-outputs": _MULTI_STEP,
     "--use-v2-block-manager": "an older vLLM flag (its v2 block manager became the only one): drop it; voltllm's "
                               "KV cache is paged in blocks as in vLLM V1",
-    "--max-num-partial-prefills": _PARTIAL_PREFILLS, "--max-long-partial-prefills": _PARTIAL_PREFILLS,
     "--scheduler-delay-factor": "delaying prompts is not built: waiting requests are admitted at the next step",
     "--scheduler-cls": "custom scheduler classes are not built",
     "--max-seq-len-to-capture": "an older vLLM flag: voltllm's decode CUDA graphs cover every context up to "

@@ -111,6 +111,9 @@ class SchedulerConfig:
     async_scheduling: bool = True
     # --scheduling-policy: the waiting queue's order and the preemption victim (engine/request_queue.py)
     policy: SchedulingPolicy = "fcfs"
+    # --long-prefill-token-threshold: at most this many of a request's tokens per step (0: no cap), so one long
+    # prompt leaves room in each step for the prompts that arrive after it (vLLM's rule)
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,8 @@ class EngineArgs:
     reasoning_config: Optional[Any] = None
     model_impl: str = "auto"  # auto | vllm: voltllm's own model implementations
     long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1  # > 1: the threshold defaults to 4% of --max-model-len (vLLM's rule)
+    max_long_partial_prefills: int = 1
     safetensors_load_strategy: Optional[str] = None  # lazy (memory-mapped)
     max_parallel_loading_workers: Optional[int] = None  # >= tensor_parallel_size: every rank loads at once
     performance_mode: str = "balanced"  # vLLM's default tuning (the others are not built)
@@ -632,7 +637,10 @@ class EngineArgs:
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before
                                 async_scheduling=self.async_scheduling and spec is None,
-                                policy=self.scheduling_policy)
+                                policy=self.scheduling_policy,
+                                long_prefill_token_threshold=_long_prefill_threshold(
+                                    self.long_prefill_token_threshold, self.max_num_partial_prefills,
+                                    self.max_long_partial_prefills, max_model_len))
         from voltllm.cuda_graph_config import CompilationConfigError, fit_to_batch_budget
 
         try:
@@ -670,6 +678,27 @@ class EngineArgs:
 
             require_acceleration(config)
         return config
+
+
+def _long_prefill_threshold(threshold: Any, partial: Any, long_partial: Any, max_model_len: int) -> int:
+    """--long-prefill-token-threshold as the scheduler's per-request cap (0: none), vLLM's way: with
+    --max-num-partial-prefills above 1 and no threshold given, 4% of --max-model-len."""
+    for flag, value, least in (("--long-prefill-token-threshold", threshold, 0),
+                               ("--max-num-partial-prefills", partial, 1),
+                               ("--max-long-partial-prefills", long_partial, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{flag} must be an integer >= {least}, got {value!r}")
+    if long_partial > partial:
+        raise ConfigError(f"--max-long-partial-prefills {long_partial} must be <= --max-num-partial-prefills {partial}")
+    if partial > 1:
+        if threshold == 0:
+            threshold = int(max_model_len * 0.04)
+        elif threshold > max_model_len:
+            raise ConfigError(f"--long-prefill-token-threshold {threshold} cannot be greater than --max-model-len "
+                              f"{max_model_len}")
+        logger.info("concurrent partial prefills: --max-num-partial-prefills %d, --max-long-partial-prefills %d, "
+                    "--long-prefill-token-threshold %d", partial, long_partial, threshold)
+    return threshold
 
 
 def parse_json_object(flag: str, value: Any) -> Optional[dict]:

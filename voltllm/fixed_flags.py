@@ -22,10 +22,6 @@ def check_fixed_flags(args: Any) -> None:
     _one_of("--model-impl", args.model_impl, ("auto", "vllm"), {
         "transformers": "the Transformers modeling backend is not built: voltllm runs its own implementations of the "
                         "architectures it supports (docs/models.md)"})
-    if args.long_prefill_token_threshold != 0:
-        raise ConfigError(f"--long-prefill-token-threshold {args.long_prefill_token_threshold}: capping each prompt's "
-                          "chunk per step is not built (a prompt takes what is left of --max-num-batched-tokens); "
-                          "use 0")
     _one_of("--safetensors-load-strategy", args.safetensors_load_strategy, (None, "lazy"), {
         "eager": "reading whole files into memory first is not built: safetensors files are memory-mapped (lazy)",
         "prefetch": "reading files into the page cache first is not built: safetensors files are memory-mapped (lazy)"})

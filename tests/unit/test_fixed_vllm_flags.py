@@ -63,7 +63,6 @@ def test_structured_outputs_any_whitespace_setting(tiny):
     ({"structured_outputs_config": "[1]"}, "--structured-outputs-config must be a JSON object"),
     ({"guided_decoding_backend": "lm-format-enforcer"}, "--guided-decoding-backend lm-format-enforcer: structured"),
     ({"model_impl": "transformers"}, "--model-impl transformers: the Transformers modeling backend is not built"),
-    ({"long_prefill_token_threshold": 512}, "--long-prefill-token-threshold 512: capping each prompt's chunk"),
     ({"safetensors_load_strategy": "eager"}, "--safetensors-load-strategy eager: reading whole files into memory"),
     ({"safetensors_load_strategy": "prefetch"}, "--safetensors-load-strategy prefetch: reading files into the page"),
     ({"max_parallel_loading_workers": 1, "tensor_parallel_size": 2}, "--max-parallel-loading-workers 1: loading"),

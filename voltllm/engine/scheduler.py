@@ -159,6 +159,8 @@ class Scheduler:
     # -- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        # --long-prefill-token-threshold: one request's share of a step (no cap: the whole budget)
+        cap = self.config.long_prefill_token_threshold or budget
         out = SchedulerOutput()
         out.released_ids, self._released = self._released, []
         preempted_now = False
@@ -175,7 +177,7 @@ class Scheduler:
             computed = req.num_computed_tokens
             if self.spec is not None and with_pending - computed == 1:  # decoding: guess the next tokens
                 req.spec_token_ids = self._propose(req, budget - 1)
-            num_new = min(with_pending + len(req.spec_token_ids) - computed, budget)
+            num_new = min(with_pending + len(req.spec_token_ids) - computed, budget, cap)
             num_new = kv.cap_new_tokens(req, computed, num_new)  # hybrid snapshot boundaries
             if num_new <= 0:
                 i += 1
@@ -208,7 +210,7 @@ class Scheduler:
             hit_blocks, num_hit = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens - num_hit, budget)
+            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens - num_hit, budget, cap)
             num_new = self.kv.cap_new_tokens(req, req.num_computed_tokens + num_hit, num_new)
             if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
                 if not self.running:
