@@ -66,7 +66,17 @@ KINDS = {k.name: k for k in (
     PlaneKind("Q5_K", 256, 176, hi_bits=1, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q4_K", 256, 144, hi_bits=0, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q6_K", 256, 210, hi_bits=2, zero=32, has_min=False, sub=16, super=256),
+    # the low-bit types, re-laid into the forms above (module docstring): Q3_K's 3-bit code low2 + 4 hbit with the
+    # zero 4, Q2_K's 2-bit code with a 4-bit scale and min per 16, the IQ4 types' table value + 128 as an 8-bit code
+    PlaneKind("Q3_K", 256, 110, hi_bits=0, zero=4, has_min=False, sub=16, super=256),
+    PlaneKind("Q2_K", 256, 84, hi_bits=0, zero=0, has_min=True, sub=16, super=256),
+    PlaneKind("IQ4_NL", 32, 18, hi_bits=4, zero=128, has_min=False, sub=0, super=32),
+    PlaneKind("IQ4_XS", 256, 136, hi_bits=4, zero=128, has_min=False, sub=32, super=256),
 )}
+# the byte offsets of each GGUF block's fp16 scale (and min) fields
+_F16_FIELDS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}
+# IQ4_NL's / IQ4_XS's 16 non-linear values (llama.cpp's kvalues_iq4nl), indexed by the 4-bit code
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def int4_kind(group: int, zero_points: bool) -> PlaneKind:
@@ -195,6 +205,33 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
             qh = b[..., 16:48].reshape(n, nb, 1, 32)
             bits = (qh >> torch.arange(8, dtype=torch.uint8, device=qh.device).reshape(8, 1)) & 1
             codes = codes.reshape(n, nb, 8, 32) | (bits << 4)
+    elif kind.name in ("Q2_K", "Q3_K"):
+        # qs: 2 halves of 32 bytes; bits 2t of byte l of half h are element 128 h + 32 t + l (8 runs of 32)
+        qs = b[..., 16:80] if kind.name == "Q2_K" else b[..., 32:96]
+        qs = qs.reshape(n, nb, 2, 1, 32)
+        codes = torch.cat([(qs >> (2 * t)) & 3 for t in range(4)], dim=3).reshape(n, nb, 8, 32)
+        if kind.name == "Q2_K":  # per 16: the scale in the low nibble, the min in the high one
+            d, m = _f16(b, 80), _f16(b, 82)
+            sc, mn = b[..., 0:16] & 15, b[..., 0:16] >> 4
+        else:  # bit i of hmask[l]: run i's element l; a set bit adds 4 (q = low2 - 4 where it is clear)
+            hm = b[..., 0:32].reshape(n, nb, 1, 32)
+            codes = codes | (((hm >> torch.arange(8, dtype=torch.uint8, device=hm.device).reshape(8, 1)) & 1) << 2)
+            s, d = b[..., 96:108], _f16(b, 108)
+            lo4, hi2 = s[..., 0:8], s[..., 8:12]  # 6-bit scales: low 4 bits, then 2 bits per sub-block at 2 (j // 4)
+            sc = (torch.cat([lo4 & 15, lo4 >> 4], dim=-1) | (torch.cat([(hi2 >> (2 * i)) & 3 for i in range(4)],
+                                                                       dim=-1) << 4)).to(torch.int16) - 32
+    elif kind.name in ("IQ4_NL", "IQ4_XS"):
+        d = _f16(b, 0)
+        if kind.name == "IQ4_NL":
+            idx = _nibbles(b[..., 2:18])
+        else:  # sub-block j's 6-bit scale: nibble j % 2 of scales_l[j // 2] | bits 2 j of scales_h << 4, minus 32
+            sh = b[..., 2:4].contiguous().view(torch.int16)[..., 0:1].to(torch.int32) & 0xFFFF
+            lo4 = b[..., 4:8].to(torch.int32)
+            ls = torch.stack([lo4 & 15, lo4 >> 4], dim=-1).reshape(n, nb, 8)
+            sc = (ls | (((sh >> (2 * torch.arange(8, dtype=torch.int32, device=sh.device))) & 3) << 4)) - 32
+            idx = _nibbles(b[..., 8:136].reshape(n, nb, 8, 16))
+        table = torch.tensor(IQ4_VALUES, dtype=torch.int16, device=b.device) + 128
+        codes = table[idx.long()].to(torch.uint8)  # the value + 128: Q8_0's 8-bit code form
     elif kind.name == "Q6_K":
         ql = b[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, first / second 32 bytes, l)
         qh = b[..., 128:192].reshape(n, nb, 2, 32)
@@ -352,7 +389,7 @@ def random_blocks(type_name: str, n: int, k: int, generator: Optional[torch.Gene
     kind = KINDS[type_name]
     nb = k // kind.block
     raw = torch.randint(0, 256, (n, nb, kind.block_bytes), dtype=torch.uint8, generator=generator)
-    offsets = [208] if kind.name == "Q6_K" else [0, 2] if kind.has_min else [0]
+    offsets = _F16_FIELDS.get(kind.name, (0, 2) if kind.has_min else (0,))
     for off in offsets:
         v = (torch.randn(n, nb, generator=generator) * scale).to(torch.float16)
         raw[..., off:off + 2] = v.view(torch.uint8).reshape(n, nb, 2)
