@@ -207,10 +207,21 @@ def _constexprs(kind) -> dict:
             "ZP": kind.zero_points, "FP8": kind.fp8, "FP4": kind.fp4}
 
 
-# every GGUF kind, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), FP8 and NVFP4, for the
-# sm70 gate
-_GATED_KINDS = list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False), int4_kind(32, True), FP8_KIND,
-                                       NVFP4_KIND]
+def _distinct_forms(kinds) -> list:
+    """The kinds with constexprs no earlier one has (IQ4_NL compiles exactly as Q8_0: one spec for both)."""
+    seen, out = set(), []
+    for kind in kinds:
+        key = tuple(sorted(_constexprs(kind).items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(kind)
+    return out
+
+
+# every GGUF kind's form, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), FP8 and NVFP4,
+# for the sm70 gate
+_GATED_KINDS = _distinct_forms(list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False),
+                                                       int4_kind(32, True), FP8_KIND, NVFP4_KIND])
 
 
 def _with_scale_type(sig: dict, kind) -> dict:

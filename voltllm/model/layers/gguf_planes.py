@@ -9,11 +9,21 @@ separate arrays of the same information:
 - `hi`  the code bits above 4, or None: 4 bits (Q8_0) in `lo`'s layout [N, K/2]; 2 bits (Q6_K) [N, K/4], where
   byte j (< 16) of a 64-group holds elements j, 16 + j, 32 + j, 48 + j at bits 0, 2, 4, 6; 1 bit (Q5_0, Q5_1,
   Q5_K) [N, K/8], where byte j (< 8) of a 64-group holds elements j + 8 s at bit s.
-- `d`   fp16 [N, K/SUPER]: the block scale (SUPER = 32 for the legacy types Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0,
-  256 for the K-quants).
-- `m`   fp16 [N, K/SUPER] or None: Q4_1's / Q5_1's offset, Q4_K's / Q5_K's dmin.
-- `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' sub-block scale (and Q4_K's / Q5_K's sub-block min), SUB = 32
-  (Q4_K, Q5_K) or 16 (Q6_K); for the int4 kinds with zero points, `mn` holds the group's zero point [N, K/SUPER].
+- `d`   fp16 [N, K/SUPER]: the block scale (SUPER = 32 for the legacy types Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and
+  IQ4_NL, 256 for the K-quants and IQ4_XS).
+- `m`   fp16 [N, K/SUPER] or None: Q4_1's / Q5_1's offset, Q2_K's / Q4_K's / Q5_K's dmin.
+- `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' / IQ4_XS's sub-block scale (and Q2_K's / Q4_K's / Q5_K's
+  sub-block min), SUB = 32 (Q4_K, Q5_K, IQ4_XS) or 16 (Q2_K, Q3_K, Q6_K); for the int4 kinds with zero points, `mn`
+  holds the group's zero point [N, K/SUPER].
+
+The low-bit types are re-laid into these same forms (no kernel arithmetic of their own): Q3_K's element
+d * (sc - 32) * (low2 - (hbit ? 0 : 4)) becomes the 3-bit code low2 + 4 hbit in `lo` with ZERO 4 and the int8
+sub-scale sc - 32 per 16; Q2_K's d * (s & 15) * q - dmin * (s >> 4) a 2-bit code in `lo` with `sc` / `mn` per 16
+(Q4_K's form with 16-element sub-blocks); IQ4_NL's d * kvalues[i] and IQ4_XS's d * (ls - 32) * kvalues[i] (a
+16-entry non-linear table, which no 4-bit code with a zero maps affinely) the 8-bit code kvalues[i] + 128 in `lo` /
+`hi` with ZERO 128 (Q8_0's form), IQ4_XS with its int8 sub-scale ls - 32 per 32. The kernels' fma(d * sc, code,
+-ZERO * d * sc [- dmin * mn]) gives the same fp32 values: d * sc * code is exact (at most 11 + 5 + 8 = 24
+significant bits), so the one rounding is that of the `gguf` package's last operation.
 
 The 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py) use the same planes: `int4_kind(group)` is a
 kind whose `d` is the group's scale and, with zero points (AWQ, asymmetric GPTQ), `mn` its integer zero, so an
@@ -26,9 +36,10 @@ e2m1(q) * e4m3(sc) * d, the first product exact in fp32 (at most 6 significant b
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
-the ones the fp16 load path used (tests check this bit for bit). Bytes per weight stay the format's own: Q4_0
-4.5 bits, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625 and Q5_K 5.625 (their 6-bit sub-scales widened to int8),
-Q6_K 6.56.
+the ones the fp16 load path used (tests check this bit for bit). Bits per weight stay the format's own: Q4_0
+4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625 and Q5_K 5.625 (their 6-bit sub-scales widened to int8),
+Q6_K 6.56. The low-bit types take more than in the file, still 2-3.5x less than fp16: Q3_K 4.56 (3.44 in the
+file), Q2_K 5.125 (2.625), IQ4_NL 8.5 (4.5), IQ4_XS 8.31 (4.25).
 """
 from __future__ import annotations
 
