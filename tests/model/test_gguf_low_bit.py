@@ -3,11 +3,9 @@ random blocks) kept quantized, run end to end on the CPU (as on a GPU: the confi
 QuantizedLinearMethod multiplies by the torch reference's dequantized planes): the layers, the quantized MoE experts
 and the embedding / tied LM head hold planes of Q2_K / Q3_K / IQ4_XS / IQ4_NL, far smaller than fp16, and give the
 dense load's greedy tokens and logprobs."""
-from pathlib import Path
-
 import pytest
 
-from interp_util import load_script
+from gguf_files import LOW_BIT_CASES, write_low_bit_gguf
 from voltllm import LLM, SamplingParams
 from voltllm.model.layers.gguf_planes import Planes
 from voltllm.model.layers.quantized_linear import held_segments
@@ -15,33 +13,14 @@ from voltllm.model.layers.quantized_linear import held_segments
 pytest.importorskip("gguf")
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hi"]
-# (GGUF arch's transformers config, shape, mix): 320 inputs (intermediate) are not whole 256-element blocks, so
-# llama.cpp's fallback types come in for ffn_down (IQ4_NL for IQ4_XS, Q5_1 / Q5_0 for Q5_K / Q4_K); the tied head
-# of the first is its Q3_K embedding table
-COMMON = dict(vocab_size=1000, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
-CASES = {
-    "q3_k_m": ("Qwen3Config", dict(tie_word_embeddings=True), "Q3_K_M", {"Q3_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"}),
-    "iq4_xs": ("Qwen3Config", dict(tie_word_embeddings=False), "IQ4_XS",
-               {"IQ4_XS", "IQ4_NL", "Q5_K", "Q5_1", "Q6_K"}),
-    "q2_k-moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-                                        moe_intermediate_size=256), "Q2_K", {"Q2_K", "Q3_K", "Q4_K", "Q6_K"}),
-}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=list(LOW_BIT_CASES))
 def engines(request, tmp_path_factory, smollm2_gguf):
-    from voltllm.bench import shapes
-
-    cls, extra, mix, kinds = CASES[request.param]
-    script = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_gguf.py")
-    out = str(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(shapes.SHAPES, "tiny-low-bit", (cls, {**COMMON, **extra}))
-        mp.setattr(script, "SHAPES", shapes.SHAPES)
-        script.write("tiny-low-bit", mix, smollm2_gguf, out)
     import voltllm.config
 
+    out = str(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf")
+    kinds = write_low_bit_gguf(out, request.param, smollm2_gguf)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(voltllm.config, "_quantized_weights", lambda *a, **k: "quantized")
         kept = LLM(out, device="cpu", max_model_len=128, dtype="float32")
