@@ -81,6 +81,22 @@ def test_supports():
     assert supports("IQ4_NL", 576) and not supports("Q3_K", 576)  # 32- / 256-element blocks
 
 
+def test_dense_at_load_said_once_per_type(monkeypatch, caplog):
+    """The loader keeps the kinds with planes; a quantized type without them (IQ3_XXS), or a kind whose rows are not
+    whole blocks, is dequantized and said once per reason in the log (not per tensor); float types silently."""
+    from voltllm.model.layers import quantized_linear
+    from voltllm.model.loader.gguf_loader import _kept
+
+    monkeypatch.setattr(quantized_linear, "_DENSE_REASONS_LOGGED", set())
+    with caplog.at_level("WARNING", logger="voltllm"):
+        assert _kept("Q3_K", 4096) and _kept("Q2_K", 4096) and _kept("IQ4_XS", 4096) and _kept("IQ4_NL", 576)
+        assert not any(_kept(*c) for c in (("IQ3_XXS", 4096), ("IQ3_XXS", 512), ("Q3_K", 576), ("F16", 4096)))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert "GGUF IQ3_XXS matrices (a type without a plane layout)" in msgs[0]
+    assert "GGUF Q3_K matrices whose inputs are not a multiple of 256" in msgs[1]
+
+
 def test_low_bit_blocks_by_hand():
     """One block of each low-bit type written field by field (llama.cpp's block_q3_K / block_q2_K / block_iq4_nl /
     block_iq4_xs), so a mistake shared by the re-layout and the `gguf` package's numpy code would show."""
