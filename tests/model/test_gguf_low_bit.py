@@ -48,7 +48,7 @@ def test_held_quantized(engines):
     assert kept.engine.runner.keep_quantized and not dense.engine.runner.keep_quantized
     held, nbytes, elements = _held(kept.engine.runner.model)
     assert held == kinds
-    assert nbytes * 8 / elements < 8.5  # bits per weight: at most IQ4's 8.3-8.5, against fp16's 16
+    assert nbytes * 8 / elements < 6.6  # bits per weight: at most Q6_K's 6.56 (the LM head), against fp16's 16
 
 
 def test_greedy_and_logprobs_match_the_dense_load(engines):

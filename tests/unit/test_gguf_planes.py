@@ -24,11 +24,10 @@ def _gguf_dequant(raw: torch.Tensor, name: str, k: int) -> np.ndarray:
     return gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[name]).reshape(raw.shape[0], k)
 
 
-# bits per weight on the device: the format's own (plus 0.125 for Q4_K's / Q5_K's sub-scales widened to int8);
-# the low-bit types re-laid into wider forms (a 4-bit `lo` for Q2_K's / Q3_K's codes, Q8_0's 8-bit form for IQ4's
-# table values), still far below fp16's 16
+# bits per weight on the device: the format's own (plus 0.125 for Q4_K's / Q5_K's / IQ4_XS's sub-scales widened to
+# int8); Q2_K's / Q3_K's codes in a 4-bit `lo`, with int8 scales (and mins) per 16, still far below fp16's 16
 PLANE_BITS = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q5_0": 5.5, "Q5_1": 6, "Q5_K": 5.625, "Q4_K": 4.625,
-              "Q6_K": 6.5625, "Q3_K": 4.5625, "Q2_K": 5.125, "IQ4_NL": 8.5, "IQ4_XS": 8.3125}
+              "Q6_K": 6.5625, "Q3_K": 4.5625, "Q2_K": 5.125, "IQ4_NL": 4.5, "IQ4_XS": 4.3125}
 
 
 def test_kept_kinds():

@@ -66,6 +66,7 @@ class PlaneKind:
     zero_points: bool = False  # `mn` holds a per-`super` integer zero point (AWQ / GPTQ int4): w = d * (q - zero)
     fp8: bool = False  # the 8-bit codes are E4M3 floats (FP8 checkpoints): w = d * e4m3(q), `d` fp32
     fp4: bool = False  # the 4-bit codes are E2M1 floats, `sc` E4M3 codes per `sub` (NVFP4): w = e2m1(q) * e4m3(sc) * d
+    nl: bool = False  # the 4-bit codes index IQ4's non-linear table (IQ4_CODES: its values + ZERO 128)
 
 
 KINDS = {k.name: k for k in (
@@ -78,16 +79,17 @@ KINDS = {k.name: k for k in (
     PlaneKind("Q4_K", 256, 144, hi_bits=0, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q6_K", 256, 210, hi_bits=2, zero=32, has_min=False, sub=16, super=256),
     # the low-bit types, re-laid into the forms above (module docstring): Q3_K's 3-bit code low2 + 4 hbit with the
-    # zero 4, Q2_K's 2-bit code with a 4-bit scale and min per 16, the IQ4 types' table value + 128 as an 8-bit code
+    # zero 4, Q2_K's 2-bit code with a 4-bit scale and min per 16, the IQ4 types' 4-bit table index
     PlaneKind("Q3_K", 256, 110, hi_bits=0, zero=4, has_min=False, sub=16, super=256),
     PlaneKind("Q2_K", 256, 84, hi_bits=0, zero=0, has_min=True, sub=16, super=256),
-    PlaneKind("IQ4_NL", 32, 18, hi_bits=4, zero=128, has_min=False, sub=0, super=32),
-    PlaneKind("IQ4_XS", 256, 136, hi_bits=4, zero=128, has_min=False, sub=32, super=256),
+    PlaneKind("IQ4_NL", 32, 18, hi_bits=0, zero=128, has_min=False, sub=0, super=32, nl=True),
+    PlaneKind("IQ4_XS", 256, 136, hi_bits=0, zero=128, has_min=False, sub=32, super=256, nl=True),
 )}
 # the byte offsets of each GGUF block's fp16 scale (and min) fields
 _F16_FIELDS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}
 # IQ4_NL's / IQ4_XS's 16 non-linear values (llama.cpp's kvalues_iq4nl), indexed by the 4-bit code
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_CODES = tuple(v + 128 for v in IQ4_VALUES)  # the same as 8-bit codes with ZERO 128 (what the kernels look up)
 
 
 def int4_kind(group: int, zero_points: bool) -> PlaneKind:
@@ -241,8 +243,7 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
             ls = torch.stack([lo4 & 15, lo4 >> 4], dim=-1).reshape(n, nb, 8)
             sc = (ls | (((sh >> (2 * torch.arange(8, dtype=torch.int32, device=sh.device))) & 3) << 4)) - 32
             idx = _nibbles(b[..., 8:136].reshape(n, nb, 8, 16))
-        table = torch.tensor(IQ4_VALUES, dtype=torch.int16, device=b.device) + 128
-        codes = table[idx.long()].to(torch.uint8)  # the value + 128: Q8_0's 8-bit code form
+        codes = idx  # the table index (`nl`: looked up when dequantized)
     elif kind.name == "Q6_K":
         ql = b[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, first / second 32 bytes, l)
         qh = b[..., 128:192].reshape(n, nb, 2, 32)
@@ -267,7 +268,8 @@ def dequantize_unpacked(u: Unpacked, kind: PlaneKind) -> torch.Tensor:
         return (e2m1_values(u.codes) * e4m3_values(u.sc).repeat_interleave(kind.sub, dim=1)) * d
     if kind.fp8:
         return d * u.codes.view(torch.float8_e4m3fn).to(torch.float32)
-    q = u.codes.to(torch.float32) - kind.zero if kind.zero else u.codes.to(torch.float32)
+    codes = torch.tensor(IQ4_CODES, dtype=torch.uint8, device=u.codes.device)[u.codes.long()] if kind.nl else u.codes
+    q = codes.to(torch.float32) - kind.zero if kind.zero else codes.to(torch.float32)
     if kind.zero_points:
         return d * (q - u.mn.to(torch.float32).repeat_interleave(kind.super, dim=1))
     if kind.sub:
