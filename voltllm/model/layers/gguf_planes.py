@@ -16,14 +16,14 @@ separate arrays of the same information:
   sub-block min), SUB = 32 (Q4_K, Q5_K, IQ4_XS) or 16 (Q2_K, Q3_K, Q6_K); for the int4 kinds with zero points, `mn`
   holds the group's zero point [N, K/SUPER].
 
-The low-bit types are re-laid into these same forms (no kernel arithmetic of their own): Q3_K's element
-d * (sc - 32) * (low2 - (hbit ? 0 : 4)) becomes the 3-bit code low2 + 4 hbit in `lo` with ZERO 4 and the int8
-sub-scale sc - 32 per 16; Q2_K's d * (s & 15) * q - dmin * (s >> 4) a 2-bit code in `lo` with `sc` / `mn` per 16
-(Q4_K's form with 16-element sub-blocks); IQ4_NL's d * kvalues[i] and IQ4_XS's d * (ls - 32) * kvalues[i] (a
-16-entry non-linear table, which no 4-bit code with a zero maps affinely) the 8-bit code kvalues[i] + 128 in `lo` /
-`hi` with ZERO 128 (Q8_0's form), IQ4_XS with its int8 sub-scale ls - 32 per 32. The kernels' fma(d * sc, code,
--ZERO * d * sc [- dmin * mn]) gives the same fp32 values: d * sc * code is exact (at most 11 + 5 + 8 = 24
-significant bits), so the one rounding is that of the `gguf` package's last operation.
+The low-bit types are re-laid into these same forms: Q3_K's element d * (sc - 32) * (low2 - (hbit ? 0 : 4)) becomes
+the 3-bit code low2 + 4 hbit in `lo` with ZERO 4 and the int8 sub-scale sc - 32 per 16; Q2_K's d * (s & 15) * q -
+dmin * (s >> 4) a 2-bit code in `lo` with `sc` / `mn` per 16 (Q4_K's form with 16-element sub-blocks). IQ4_NL's
+d * kvalues[i] and IQ4_XS's d * (ls - 32) * kvalues[i] (kvalues: a 16-entry non-linear table, IQ4_VALUES) keep the
+index i in `lo` (`nl` kinds, IQ4_XS with its int8 sub-scale ls - 32 per 32); the one step of their own is the
+lookup, index -> kvalues[i] + 128 (IQ4_CODES), after which the code is an 8-bit one with ZERO 128 (Q8_0's). The
+kernels' fma(d * sc, code, -ZERO * d * sc [- dmin * mn]) gives the same fp32 values: d * sc * code is exact (at most
+11 + 5 + 8 = 24 significant bits), so the one rounding is that of the `gguf` package's last operation.
 
 The 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py) use the same planes: `int4_kind(group)` is a
 kind whose `d` is the group's scale and, with zero points (AWQ, asymmetric GPTQ), `mn` its integer zero, so an
@@ -38,8 +38,8 @@ An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, n
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
 the ones the fp16 load path used (tests check this bit for bit). Bits per weight stay the format's own: Q4_0
 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625 and Q5_K 5.625 (their 6-bit sub-scales widened to int8),
-Q6_K 6.56. The low-bit types take more than in the file, still 2-3.5x less than fp16: Q3_K 4.56 (3.44 in the
-file), Q2_K 5.125 (2.625), IQ4_NL 8.5 (4.5), IQ4_XS 8.31 (4.25).
+Q6_K 6.56, IQ4_NL 4.5 and IQ4_XS 4.31 (4.25 in the file). Q3_K and Q2_K take more than in the file, still 3-3.5x
+less than fp16: Q3_K 4.56 (3.44 in the file), Q2_K 5.125 (2.625).
 """
 from __future__ import annotations
 
