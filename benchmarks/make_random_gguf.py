@@ -5,10 +5,14 @@ on the GPU machine (the real Qwen GGUFs are too large to carry there: ../shared/
         --tokenizer-from /root/m/smollm2.gguf /root/m/qwen3-8b-q4_k_m.gguf
 
 The tokenizer (and so the vocabulary: the LM head and embeddings get its size, not the shape's) is copied from
---tokenizer-from. --mix is one GGUF type for every matrix (Q4_0, Q8_0, Q4_K, Q6_K, ...), or Q4_K_M: Q4_K, with
-attn_v and ffn_down Q6_K in every other layer and the LM head Q6_K (roughly llama.cpp's rule). Block scales are
-random around 0.02 (voltllm.model.layers.gguf_planes.random_blocks): the values mean nothing, the bytes and kinds are
-a real file's.
+--tokenizer-from. --mix is one GGUF type for every matrix (Q4_0, Q8_0, Q4_K, Q6_K, Q3_K, IQ4_NL, ...), or one of
+llama.cpp's file types, a mix (roughly llama.cpp's rules, MIXES): Q4_K_M (Q4_K, attn_v and ffn_down Q6_K in every
+other layer), Q3_K_M (Q3_K; attn_output Q4_K, attn_v / ffn_down Q5_K and Q4_K in alternate layers), Q2_K (Q2_K;
+attn_output Q3_K, attn_v / ffn_down Q4_K and Q3_K) and IQ4_XS (IQ4_XS; attn_v / ffn_down Q5_K in every other
+layer), each with the LM head Q6_K. As llama.cpp does, a matrix whose rows are not whole 256-element blocks takes
+the type's fallback (IQ4_NL for Q2_K / Q3_K / IQ4_XS, Q5_0 for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K). Block scales
+are random around 0.02 (voltllm.model.layers.gguf_planes.random_blocks): the values mean nothing, the bytes and
+kinds are a real file's.
 """
 import argparse
 import sys
@@ -22,13 +26,29 @@ from voltllm.model.layers.gguf_planes import KINDS, random_blocks
 ARCH = {"Qwen3Config": "qwen3", "LlamaConfig": "llama", "Qwen3MoeConfig": "qwen3moe"}
 
 
+# llama.cpp file type -> (most matrices, attn_v / ffn_down in even layers, in odd layers, attn_output); the LM head
+# is Q6_K in every mix
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K", "Q4_K", "Q4_K"), "Q3_K_M": ("Q3_K", "Q5_K", "Q4_K", "Q4_K"),
+         "Q2_K": ("Q2_K", "Q4_K", "Q3_K", "Q3_K"), "IQ4_XS": ("IQ4_XS", "Q5_K", "IQ4_XS", "IQ4_XS")}
+# llama.cpp's type for a matrix whose rows are not whole 256-element blocks
+FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
 def kind_of(name: str, layer: int, mix: str) -> str:
     """The GGUF type of one matrix under the mix."""
-    if mix != "Q4_K_M":
+    if mix not in MIXES:
         return mix
-    if name == "output" or (name in ("attn_v", "ffn_down", "ffn_down_exps") and layer % 2 == 0):
+    base, even, odd, attn_output = MIXES[mix]
+    if name == "output":
         return "Q6_K"
-    return "Q4_K"
+    if name in ("attn_v", "ffn_down", "ffn_down_exps"):
+        return even if layer % 2 == 0 else odd
+    return attn_output if name == "attn_output" else base
+
+
+def fitted(kind: str, cols: int) -> str:
+    """The type a matrix of `cols` inputs gets: llama.cpp's fallback where rows are not whole blocks of `kind`."""
+    return FALLBACK.get(kind, kind) if cols % KINDS[kind].block else kind
 
 
 def copy_tokenizer(writer, path: str) -> int:
@@ -83,6 +103,7 @@ def write(shape: str, mix: str, tokenizer_from: str, out: str, seed: int = 0) ->
     def matrix(name: str, rows: int, cols: int, kind: str, stack: int = 0) -> None:
         """One matrix of random blocks, or `stack` of them as one [stack, rows, cols] tensor (llama.cpp's
         experts)."""
+        kind = fitted(kind, cols)
         raw = random_blocks(kind, max(stack, 1) * rows, cols, gen).numpy()
         if stack:
             raw = raw.reshape(stack, rows, -1)
@@ -126,7 +147,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--shape", default="qwen3-8b-shape", choices=[s for s, (cls, _) in SHAPES.items() if cls in ARCH])
-    ap.add_argument("--mix", default="Q4_K_M", choices=["Q4_K_M", *KINDS])
+    ap.add_argument("--mix", default="Q4_K_M", choices=[*MIXES, *(k for k in KINDS if k not in MIXES)])
     ap.add_argument("--tokenizer-from", required=True, help="a GGUF file whose tokenizer to copy")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -369,3 +369,37 @@ def split_copy(src: str, dst: str, max_tensors: int) -> list[str]:
     w.close()
     stem = dst[: -len(".gguf")]
     return sorted(glob.glob(f"{glob.escape(stem)}-[0-9]*-of-[0-9]*.gguf")) or [os.path.abspath(dst)]
+
+
+# --- llama.cpp's low-bit mixes (benchmarks/make_random_gguf.py: random blocks of each matrix's type) -------------
+# case -> (transformers config class, shape, mix, the plane kinds a model kept quantized holds). Intermediate 320 is
+# no whole 256-element blocks, so ffn_down takes llama.cpp's fallback types (IQ4_NL for IQ4_XS, Q5_1 / Q5_0 for Q5_K /
+# Q4_K); the first case ties the LM head to its Q3_K embedding table; the last is a qwen3moe (Q2_K / Q3_K / Q4_K
+# experts)
+_LOW_BIT_COMMON = dict(vocab_size=1000, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+LOW_BIT_CASES = {
+    "q3_k_m": ("Qwen3Config", dict(tie_word_embeddings=True), "Q3_K_M", {"Q3_K", "Q4_K", "Q5_K", "Q5_1", "Q5_0"}),
+    "iq4_xs": ("Qwen3Config", dict(tie_word_embeddings=False), "IQ4_XS",
+               {"IQ4_XS", "IQ4_NL", "Q5_K", "Q5_1", "Q6_K"}),
+    "q2_k-moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=256), "Q2_K", {"Q2_K", "Q3_K", "Q4_K", "Q6_K"}),
+}
+
+
+def write_low_bit_gguf(path: str, case: str, tokenizer_from: str) -> set:
+    """A tiny GGUF of LOW_BIT_CASES[case] (the tokenizer, and so the vocabulary, copied from the GGUF file
+    `tokenizer_from`); returns the plane kinds it holds."""
+    from pathlib import Path
+
+    import pytest
+    from interp_util import load_script
+    from voltllm.bench import shapes
+
+    cls, extra, mix, kinds = LOW_BIT_CASES[case]
+    script = load_script(Path(__file__).resolve().parents[1] / "benchmarks" / "make_random_gguf.py")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(shapes.SHAPES, "tiny-low-bit", (cls, {**_LOW_BIT_COMMON, **extra}))
+        mp.setattr(script, "SHAPES", shapes.SHAPES)
+        script.write("tiny-low-bit", mix, tokenizer_from, path)
+    return kinds

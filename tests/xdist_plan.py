@@ -61,6 +61,7 @@ LONGEST_FIRST = {
     "tests/unit/test_gemv_interp.py": 65,
     "tiny_server": 75,  # tests/server files on the tiny server (conftest.py `tiny_server`)
     "tests/unit/test_moe_kernels.py": 55,
+    "tests/model/test_gguf_low_bit.py": 65,
     "tests/unit/test_make_random_gguf.py": 55,
     "tests/unit/test_gguf_planes.py": 50,
 }

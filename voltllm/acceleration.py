@@ -241,7 +241,7 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
                   f"rows, the tensor-core GEMV (sm_80+, not --compat) up to {MMA_MAX_ROWS} where timed faster, "
                   f"then the tiled dequant-GEMM")
         nvfp4 = "NVFP4 E2M1 with E4M3 group scales (decoded in software)"
-        kinds = {"gguf": "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K",
+        kinds = {"gguf": "GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / Q3_K / Q2_K / IQ4_XS / IQ4_NL",
                  "fp8": "FP8 E4M3 (decoded in software)", "modelopt_fp4": nvfp4}.get(quant, f"{quant} 4-bit groups")
         if quant == "compressed-tensors":
             from voltllm.model.loader.compressed_tensors_checkpoint import describe

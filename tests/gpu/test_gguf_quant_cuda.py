@@ -26,7 +26,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 576), (6144, 4096)])
 def test_kernels_match_reference(name, n, k):
     if k % KINDS[name].block:
-        k = 1024  # K-quants need whole 256-element blocks
+        k = 1024  # K-quants and IQ4_XS need whole 256-element blocks
     seed = random.SystemRandom().randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
     p = planes_from_blocks(random_blocks(name, n, k, g), name, k, torch.device("cuda"))

@@ -34,7 +34,7 @@ def _planes(kind: str, n: int, k: int, g: torch.Generator):
     return planes_from_blocks(random_blocks(kind, n, k, g), kind, k, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "AWQ_G128", "FP8"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q3_K", "Q2_K", "IQ4_XS", "AWQ_G128", "FP8"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
 def test_quant_dot_matches_reference(kind, n, k):
     seed = random.SystemRandom().randrange(1 << 30)

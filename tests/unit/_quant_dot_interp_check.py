@@ -16,7 +16,8 @@ from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_fr
 
 KIND_NAMES = list(KINDS) + [k.name for k in INT4_KINDS]
 CHECKS = [f"{name}-rows20" for name in KIND_NAMES] + ["fp32-rows5", "split3-Q6_K", "split2-AWQ-bias",
-                                                     "wfirst-split2-AWQ-bias", "wfirst-rows20", "MOE-sorted"]
+                                                     "wfirst-split2-AWQ-bias", "wfirst-rows20", "MOE-sorted",
+                                                     "MOE-sorted-Q3_K", "MOE-sorted-IQ4_XS"]
 
 
 def _planes(name, n, k, gen):
@@ -64,14 +65,16 @@ def main() -> int:
     failed += not _check("Q4_K", "wfirst-rows20", p, torch.randn(20, 768, dtype=torch.float16), None,
                          config=(16, 32, 4, 4, 1, True))
     failed += not _check_moe_sorted(gen)
+    failed += not _check_moe_sorted(gen, "Q3_K")  # GGUF low-bit experts (a Q2_K / Q3_K_M file's)
+    failed += not _check_moe_sorted(gen, "IQ4_XS")
     return 1 if failed else 0
 
 
-def _check_moe_sorted(gen) -> bool:
+def _check_moe_sorted(gen, gguf_kind: str = "") -> bool:
     """7 tokens routed to 2 of 4 experts of 40 rows (one expert gets none): the gate_up form (x rows pair // 2) and
     the weighted down form (the pairs' own rows), against each pair's row times its expert's dequantized block."""
     kind, e, rows, k, t, top_k = INT4_KINDS[1], 4, 40, 256, 7, 2
-    p = _int4_planes(kind, e * rows, k, gen)
+    p = _planes(gguf_kind, e * rows, k, gen) if gguf_kind else _int4_planes(kind, e * rows, k, gen)
     w = dequantize_planes(p)
     x = torch.randn(t, k, dtype=torch.float16)
     ids = torch.tensor([[0, 2], [2, 0], [1, 2], [0, 1], [2, 0], [1, 0], [2, 1]], dtype=torch.int32)
@@ -93,7 +96,8 @@ def _check_moe_sorted(gen) -> bool:
                          tile=(64, 4, 4, 1, True), out=torch.full((pairs, rows), float("nan"), dtype=torch.float16))
     err3 = rel(out3, ref2)
     ok = err < 2e-3 and err2 < 2e-3 and err3 < 2e-3 and not torch.isnan(out).any() and not torch.isnan(out3).any()
-    print(f"CHECK MOE-sorted {'ok' if ok else 'FAIL'} rel {err:.2e} / weighted {err2:.2e} / transposed {err3:.2e}",
+    name = "MOE-sorted" + (f"-{gguf_kind}" if gguf_kind else "")
+    print(f"CHECK {name} {'ok' if ok else 'FAIL'} rel {err:.2e} / weighted {err2:.2e} / transposed {err3:.2e}",
           flush=True)
     return ok
 

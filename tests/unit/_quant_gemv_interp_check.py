@@ -17,7 +17,7 @@ from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, NVFP4_KIND, Unpac
 # AWQ / GPTQ checkpoints; FP8 and NVFP4 checkpoints
 INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), FP8_KIND, NVFP4_KIND]
 CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
-          for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs", "NVFP4-MOE-pairs"]
+          for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs", "NVFP4-MOE-pairs", "Q2_K-MOE-pairs"]
 
 
 def _int4_planes(kind, n, k, gen):
@@ -75,6 +75,7 @@ def main() -> int:
             print(f"CHECK {name}-{form} {'ok' if ok else 'FAIL'} rel {err:.2e}")
     failed += not _check_moe_pairs(gen, int4_kind(64, True), "MOE-pairs")
     failed += not _check_moe_pairs(gen, NVFP4_KIND, "NVFP4-MOE-pairs")
+    failed += not _check_moe_pairs(gen, KINDS["Q2_K"], "Q2_K-MOE-pairs")  # a GGUF low-bit kind: scale and min per 16
     return 1 if failed else 0
 
 
@@ -82,7 +83,8 @@ def _check_moe_pairs(gen, kind, name: str) -> bool:
     """quant_moe_matmul: 5 (token, expert) pairs over 3 experts of 40 rows stacked in one weight of `kind`, against
     each pair's row of x times its expert's dequantized block."""
     e, rows, k = 3, 40, 256
-    p = _int4_planes(kind, e * rows, k, gen)
+    p = (planes_from_blocks(random_blocks(kind.name, e * rows, k, gen), kind.name, k) if kind.name in KINDS
+         else _int4_planes(kind, e * rows, k, gen))
     w = dequantize_planes(p)
     x = torch.randn(4, k, dtype=torch.float16)
     x_rows = torch.tensor([0, 0, 3, 1, 2], dtype=torch.int32)

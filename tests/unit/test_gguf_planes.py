@@ -24,6 +24,19 @@ def _gguf_dequant(raw: torch.Tensor, name: str, k: int) -> np.ndarray:
     return gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[name]).reshape(raw.shape[0], k)
 
 
+# bits per weight on the device: the format's own (plus 0.125 for Q4_K's / Q5_K's / IQ4_XS's sub-scales widened to
+# int8); Q2_K's / Q3_K's codes in a 4-bit `lo`, with int8 scales (and mins) per 16, still far below fp16's 16
+PLANE_BITS = {"Q4_0": 4.5, "Q4_1": 5, "Q8_0": 8.5, "Q5_0": 5.5, "Q5_1": 6, "Q5_K": 5.625, "Q4_K": 4.625,
+              "Q6_K": 6.5625, "Q3_K": 4.5625, "Q2_K": 5.125, "IQ4_NL": 4.5, "IQ4_XS": 4.3125}
+
+
+def test_kept_kinds():
+    assert set(KINDS) == set(PLANE_BITS)
+    for name in ("Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"):
+        kind = KINDS[name]
+        assert (kind.block, kind.block_bytes) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 def test_random_blocks_dequantize_like_gguf(name):
     g = torch.Generator().manual_seed(3)
@@ -32,8 +45,7 @@ def test_random_blocks_dequantize_like_gguf(name):
     p = planes_from_blocks(raw, name, k)
     ours = dequantize_planes(p).numpy()
     assert ours.view(np.uint32).tolist() == _gguf_dequant(raw, name, k).astype(np.float32).view(np.uint32).tolist()
-    # the format's own bits per weight, plus 0.125 for the int8 sub-scales of Q4_K / Q5_K
-    assert p.nbytes * 8 / (n * k) <= KINDS[name].block_bytes * 8 / KINDS[name].block + 0.13
+    assert p.nbytes * 8 / (n * k) == PLANE_BITS[name]
     assert torch.equal(from_planes(p).codes, from_planes(planes_from_blocks(raw, name, k)).codes)
 
 
@@ -63,7 +75,64 @@ def test_supports():
     assert supports("Q4_K", 4096) and supports("Q4_0", 576)
     assert not supports("Q4_K", 576)  # 256-element blocks
     assert not supports("Q4_0", 96)  # no whole 64-element groups
-    assert supports("Q5_K", 4096) and not supports("Q3_K", 4096) and not supports("F16", 4096)
+    assert supports("Q5_K", 4096) and not supports("IQ3_XXS", 4096) and not supports("F16", 4096)
+    assert supports("Q3_K", 4096) and supports("Q2_K", 4096) and supports("IQ4_XS", 4096)
+    assert supports("IQ4_NL", 576) and not supports("Q3_K", 576)  # 32- / 256-element blocks
+
+
+def test_dense_at_load_said_once_per_type(monkeypatch, caplog):
+    """The loader keeps the kinds with planes; a quantized type without them (IQ3_XXS), or a kind whose rows are not
+    whole blocks, is dequantized and said once per reason in the log (not per tensor); float types silently."""
+    from voltllm.model.layers import quantized_linear
+    from voltllm.model.loader.gguf_loader import _kept
+
+    monkeypatch.setattr(quantized_linear, "_DENSE_REASONS_LOGGED", set())
+    with caplog.at_level("WARNING", logger="voltllm"):
+        assert _kept("Q3_K", 4096) and _kept("Q2_K", 4096) and _kept("IQ4_XS", 4096) and _kept("IQ4_NL", 576)
+        assert not any(_kept(*c) for c in (("IQ3_XXS", 4096), ("IQ3_XXS", 512), ("Q3_K", 576), ("F16", 4096)))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert "GGUF IQ3_XXS matrices (a type without a plane layout)" in msgs[0]
+    assert "GGUF Q3_K matrices whose inputs are not a multiple of 256" in msgs[1]
+
+
+def test_low_bit_blocks_by_hand():
+    """One block of each low-bit type written field by field (llama.cpp's block_q3_K / block_q2_K / block_iq4_nl /
+    block_iq4_xs), so a mistake shared by the re-layout and the `gguf` package's numpy code would show."""
+    d = np.float16(0.5).tobytes()
+    # Q3_K: element 0 (run 0, l 0): low2 3, hbit set -> q 3; element 33 (run 1, l 1): low2 1 (bits 2-3 of qs[1]),
+    # hbit clear -> q -3; sub-block 0 scale 40 (- 32 = 8), sub-block 2 (elements 32..47) scale 1 (- 32 = -31)
+    hmask, qs, sc = np.zeros(32, np.uint8), np.zeros(64, np.uint8), np.zeros(12, np.uint8)
+    hmask[:] = 0xFD  # every hbit set except run 1's
+    qs[0], qs[1] = 3, 1 << 2
+    sc[0] = 40 & 15
+    sc[8] = (40 >> 4) & 3  # sub-block 0's high bits: bits 0-1 of byte 8
+    sc[2] = 1
+    raw = torch.from_numpy(np.concatenate([hmask, qs, sc, np.frombuffer(d, np.uint8)]).reshape(1, -1))
+    w = dequantize_planes(planes_from_blocks(raw, "Q3_K", 256))[0]
+    assert (float(w[0]), float(w[33])) == (0.5 * 8 * 3, 0.5 * -31 * -3)
+    # Q2_K: sub-block 1 (elements 16..31): scale 3, min 2; element 17 (run 0, l 17): q = 2
+    scales, qs = np.zeros(16, np.uint8), np.zeros(64, np.uint8)
+    scales[1] = 3 | (2 << 4)
+    qs[17] = 2
+    dmin = np.float16(0.25).tobytes()
+    raw = torch.from_numpy(np.concatenate([scales, qs, np.frombuffer(d + dmin, np.uint8)]).reshape(1, -1))
+    w = dequantize_planes(planes_from_blocks(raw, "Q2_K", 256))[0]
+    assert (float(w[17]), float(w[16])) == (0.5 * 3 * 2 - 0.25 * 2, -0.25 * 2)
+    # IQ4_NL: element 3 (low nibble of qs[3]) index 0 -> -127, element 19 (its high nibble) index 15 -> 113
+    qs = np.full(16, 0x88, np.uint8)
+    qs[3] = 0xF0
+    raw = torch.from_numpy(np.tile(np.concatenate([np.frombuffer(d, np.uint8), qs]), 2).reshape(1, -1))
+    w = dequantize_planes(planes_from_blocks(raw, "IQ4_NL", 64))[0]
+    assert (float(w[3]), float(w[19]), float(w[0])) == (0.5 * -127, 0.5 * 113, 0.5 * 1)
+    # IQ4_XS: sub-block 5 (elements 160..191): scale low nibble 9 (high nibble of scales_l[2]), high bits 2 (bits
+    # 10-11 of scales_h) -> 41 - 32 = 9; element 161 (low nibble of qs[16 * 5 + 1]) index 14 -> 89
+    sh, sl, qs = np.array([2 << 10], np.uint16), np.zeros(4, np.uint8), np.full(128, 0x88, np.uint8)
+    sl[2] = 9 << 4
+    qs[81] = 0x8E
+    raw = torch.from_numpy(np.concatenate([np.frombuffer(d, np.uint8), sh.view(np.uint8), sl, qs]).reshape(1, -1))
+    w = dequantize_planes(planes_from_blocks(raw, "IQ4_XS", 256))[0]
+    assert (float(w[161]), float(w[160]), float(w[0])) == (0.5 * 9 * 89, 0.5 * 9 * 1, 0.5 * -32 * 1)
 
 
 def _mixed_layer(bias: bool):

@@ -17,6 +17,20 @@ def test_q4_k_m_mix():
     assert kind_of("attn_v", 5, "Q8_0") == "Q8_0"
 
 
+def test_low_bit_mixes():
+    """llama.cpp's Q3_K_M / Q2_K / IQ4_XS file types as mixes, and its fallback types for rows of partial blocks."""
+    script = _script()
+    kind_of, fitted = script.kind_of, script.fitted
+    assert [kind_of(n, 1, "Q3_K_M") for n in ("attn_q", "attn_output", "attn_v", "ffn_up", "output")] == [
+        "Q3_K", "Q4_K", "Q4_K", "Q3_K", "Q6_K"]
+    assert kind_of("ffn_down", 0, "Q3_K_M") == "Q5_K"
+    assert [kind_of("ffn_down", i, "Q2_K") for i in range(2)] == ["Q4_K", "Q3_K"]
+    assert kind_of("ffn_gate", 0, "Q2_K") == "Q2_K" and kind_of("attn_output", 0, "Q2_K") == "Q3_K"
+    assert kind_of("attn_k", 0, "IQ4_XS") == "IQ4_XS" and kind_of("attn_v", 0, "IQ4_XS") == "Q5_K"
+    assert fitted("Q3_K", 576) == "IQ4_NL" and fitted("Q6_K", 576) == "Q8_0" and fitted("Q3_K", 1024) == "Q3_K"
+    assert fitted("Q4_0", 576) == "Q4_0"
+
+
 def test_written_file_loads_and_generates(tmp_path, smollm2_gguf):
     pytest.importorskip("gguf")
     from voltllm import LLM, SamplingParams

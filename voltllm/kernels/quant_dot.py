@@ -46,7 +46,8 @@ from voltllm.model.layers.gguf_planes import KINDS, int4_kind
 
 @triton.jit
 def _half_weights(q, e, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                  SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr):
+                  SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr,
+                  NL: tl.constexpr = False):
     """fp32 weights [BLOCK_N, 32] of elements e .. e + 31 of rows n2 from their integer codes q: one scale load per
     row for the 32 (two where scales cover 16 elements: Q6_K, NVFP4, int4 groups of 16)."""
     s, b = _unit_scales(e, n2, mask2, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
@@ -56,7 +57,7 @@ def _half_weights(q, e, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO: t
         first = j < 16
         s = tl.where(first, s, s2)
         b = tl.where(first, b, b2)
-    return _scaled(s, _codes_to_float(q, FP8, FP4), b, FP4)
+    return _scaled(s, _codes_to_float(q, FP8, FP4, NL), b, FP4)
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
                       HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr,
                       FP8: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr,
                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, SPLIT: tl.constexpr,
-                      W_FIRST: tl.constexpr = False):
+                      W_FIRST: tl.constexpr = False, NL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)  # split-K: this program's UPS units of K (all of them when not SPLIT; UPS even)
@@ -118,9 +119,9 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
                 q_a |= ((hb >> (j // 8)) & 1) << 4
                 q_b |= ((hb >> (j // 8 + 4)) & 1) << 4
             w_a = _half_weights(q_a, g * 64, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB,
-                                SUPER, ZP, FP8, FP4)
+                                SUPER, ZP, FP8, FP4, NL)
             w_b = _half_weights(q_b, g * 64 + 32, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN,
-                                SUB, SUPER, ZP, FP8, FP4)
+                                SUB, SUPER, ZP, FP8, FP4, NL)
             xp = X + x_row[:, None] * stride_xm + g * 64 + j
             xm = mask_m[:, None] & (g < g_end)
             x_a = tl.load(xp, mask=xm, other=0.0)
@@ -151,7 +152,7 @@ def _specs() -> list[CompileSpec]:
            "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
                                           "ZP", "FP8", "FP4", "HAS_BIAS", "SORTED", "TOP_K", "WEIGHTED",
-                                          "SPLIT")})
+                                          "SPLIT", "NL")})
     dense = {"BLOCK_M": 32, "BLOCK_N": 32, "U": 4, "HAS_BIAS": False, "SORTED": False, "TOP_K": 1, "WEIGHTED": False,
              "SPLIT": True}
     specs = [CompileSpec(_with_scale_type(sig, kind), {**dense, **_constexprs(kind)}, f"{kind.name} rows")

@@ -61,8 +61,12 @@ def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.cons
 
 
 @triton.jit
-def _codes_to_float(q, FP8: tl.constexpr, FP4: tl.constexpr):
-    """Integer codes (int32) as fp32: plain integers, or E4M3 / E2M1 codes read as fp16 bits (see below)."""
+def _codes_to_float(q, FP8: tl.constexpr, FP4: tl.constexpr, NL: tl.constexpr = False):
+    """Integer codes (int32) as fp32: plain integers, E4M3 / E2M1 codes read as fp16 bits (see below), or (NL) 4-bit
+    indices into IQ4's table as its 8-bit codes (gguf_planes.IQ4_CODES)."""
+    if NL:  # the table's 16 bytes packed 4 per word (int32 literals): pick the word, then the byte; exact
+        word = tl.where(q < 8, tl.where(q < 4, 1059919873, 1986682191), tl.where(q < 12, -1499886207, -237386315))
+        q = (word >> ((q & 3) * 8)) & 0xFF
     if FP8:  # E4M3 codes read as fp16 bits (sign, then exponent and mantissa moved up 7 bits): the value / 2^8,
         # subnormals included; the fp16 -> fp32 conversion is exact (no fp8 instructions: SM70 has none)
         f = (((q & 0x7F) << 7) | ((q & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -88,7 +92,7 @@ def _scaled(s, q, b, FP4: tl.constexpr):
 def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d, stride_s,
                    U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                    SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr,
-                   FP4: tl.constexpr = False):
+                   FP4: tl.constexpr = False, NL: tl.constexpr = False):
     """fp32 weights of rows offs_n for `lo` units u0 .. u0 + U (16 bytes each): (lo, hi, e0), the weights [BLOCK_N,
     U, 16] of elements e0 + j and e0 + 32 + j, with e0 [1, U, 1] = 64 (u // 2) + 16 (u % 2)."""
     u = u0 + tl.arange(0, U)
@@ -117,8 +121,8 @@ def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, str
         shift = ((u % 2) * 2)[None, :, None]
         q_lo |= ((hb >> shift) & 3) << 4
         q_hi |= ((hb >> (shift + 4)) & 3) << 4
-    q_lo = _codes_to_float(q_lo, FP8, FP4)
-    q_hi = _codes_to_float(q_hi, FP8, FP4)
+    q_lo = _codes_to_float(q_lo, FP8, FP4, NL)
+    q_hi = _codes_to_float(q_hi, FP8, FP4, NL)
     e0 = ((u // 2) * 64 + (u % 2) * 16)[None, :, None]
     s_lo, b_lo = _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP,
                               FP8, FP4)
@@ -132,7 +136,7 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU
                          stride_hi, stride_d, stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr,
                          HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr, SUB: tl.constexpr,
                          SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         GATHER: tl.constexpr, FP4: tl.constexpr):
+                         GATHER: tl.constexpr, FP4: tl.constexpr, NL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,7 +160,7 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, U * 16), dtype=tl.float32)
     for u0 in range(0, NU, U):
         w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, plane_n, mask_n, u0, NU, stride_lo, stride_hi,
-                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
+                                        stride_d, stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4, NL)
         umask = (u0 + tl.arange(0, U)) < NU
         if BLOCK_M == 1:  # one row: stay in the tile's own [BLOCK_N, U, 16] layout
             xp = X + x_row * stride_xm + e0 + j[None, None, :]
@@ -185,12 +189,12 @@ def _quant_matmul_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, ROWS, EXPERTS, M, N, NU
 def _dequant_kernel(OUT, LO, HI, D, Mp, SC, MN, N, NU, stride_out, stride_lo, stride_hi, stride_d, stride_s,
                     BLOCK_N: tl.constexpr, U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr,
                     HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr,
-                    FP8: tl.constexpr, FP4: tl.constexpr):
+                    FP8: tl.constexpr, FP4: tl.constexpr, NL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     u0 = tl.program_id(1) * U
     mask_n = offs_n < N
     w_lo, w_hi, e0 = _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d,
-                                    stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
+                                    stride_s, U, HI_BITS, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4, NL)
     j = tl.arange(0, 16)
     mask = mask_n[:, None, None] & ((u0 + tl.arange(0, U)) < NU)[None, :, None]
     ptr = OUT + offs_n[:, None, None] * stride_out + e0 + j[None, None, :]
@@ -204,13 +208,24 @@ _PLANE_ARGS = {"LO": "*u8", "HI": "*u8", "D": "*fp16", "Mp": "*fp16", "SC": "*i8
 def _constexprs(kind) -> dict:
     """A gguf_planes.PlaneKind as the kernels' constexprs."""
     return {"HI_BITS": kind.hi_bits, "ZERO": kind.zero, "HAS_MIN": kind.has_min, "SUB": kind.sub, "SUPER": kind.super,
-            "ZP": kind.zero_points, "FP8": kind.fp8, "FP4": kind.fp4}
+            "ZP": kind.zero_points, "FP8": kind.fp8, "FP4": kind.fp4, "NL": kind.nl}
 
 
-# every GGUF kind, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), FP8 and NVFP4, for the
-# sm70 gate
-_GATED_KINDS = list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False), int4_kind(32, True), FP8_KIND,
-                                       NVFP4_KIND]
+def _distinct_forms(kinds) -> list:
+    """The kinds with constexprs no earlier one has (one spec per distinct form)."""
+    seen, out = set(), []
+    for kind in kinds:
+        key = tuple(sorted(_constexprs(kind).items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(kind)
+    return out
+
+
+# every GGUF kind's form, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), FP8 and NVFP4,
+# for the sm70 gate
+_GATED_KINDS = _distinct_forms(list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False),
+                                                       int4_kind(32, True), FP8_KIND, NVFP4_KIND])
 
 
 def _with_scale_type(sig: dict, kind) -> dict:
@@ -223,7 +238,7 @@ def _matmul_specs() -> list[CompileSpec]:
            "N": "i32", "NU": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_lo": "i32", "stride_hi": "i32",
            "stride_d": "i32", "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER",
-                                          "ZP", "FP8", "HAS_BIAS", "GATHER", "FP4")})
+                                          "ZP", "FP8", "HAS_BIAS", "GATHER", "FP4", "NL")})
     return [CompileSpec(_with_scale_type(sig, kind), {"BLOCK_M": 1, "BLOCK_N": 8, "U": 16, **_constexprs(kind),
                                                       "HAS_BIAS": kind.name == "Q8_0", "GATHER": False},
                         f"{kind.name} m1")
@@ -244,7 +259,7 @@ def _dequant_specs() -> list[CompileSpec]:
     sig = {"OUT": "*fp16", **_PLANE_ARGS, "N": "i32", "NU": "i32", "stride_out": "i32", "stride_lo": "i32",
            "stride_hi": "i32", "stride_d": "i32", "stride_s": "i32"}
     sig.update({k: "constexpr" for k in ("BLOCK_N", "U", "HI_BITS", "ZERO", "HAS_MIN", "SUB", "SUPER", "ZP", "FP8",
-                                          "FP4")})
+                                          "FP4", "NL")})
     return [CompileSpec(_with_scale_type(sig, kind), {"BLOCK_N": 16, "U": 16, **_constexprs(kind)}, kind.name)
             for kind in _GATED_KINDS]
 

@@ -405,8 +405,8 @@ def supports(kind) -> bool:
     NVFP4's scales, scale groups of 16 elements or more."""
     if kind.fp4:
         return kind.sub == 16
-    return (kind.hi_bits == 0 and not kind.has_min and kind.sub == 0 and not kind.fp8 and kind.super % 16 == 0
-            and 0 <= kind.zero < 16)
+    return (kind.hi_bits == 0 and not kind.has_min and kind.sub == 0 and not kind.fp8 and not kind.nl
+            and kind.super % 16 == 0 and 0 <= kind.zero < 16)
 
 
 def fits(planes) -> bool:

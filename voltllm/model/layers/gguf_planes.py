@@ -9,11 +9,21 @@ separate arrays of the same information:
 - `hi`  the code bits above 4, or None: 4 bits (Q8_0) in `lo`'s layout [N, K/2]; 2 bits (Q6_K) [N, K/4], where
   byte j (< 16) of a 64-group holds elements j, 16 + j, 32 + j, 48 + j at bits 0, 2, 4, 6; 1 bit (Q5_0, Q5_1,
   Q5_K) [N, K/8], where byte j (< 8) of a 64-group holds elements j + 8 s at bit s.
-- `d`   fp16 [N, K/SUPER]: the block scale (SUPER = 32 for the legacy types Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0,
-  256 for the K-quants).
-- `m`   fp16 [N, K/SUPER] or None: Q4_1's / Q5_1's offset, Q4_K's / Q5_K's dmin.
-- `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' sub-block scale (and Q4_K's / Q5_K's sub-block min), SUB = 32
-  (Q4_K, Q5_K) or 16 (Q6_K); for the int4 kinds with zero points, `mn` holds the group's zero point [N, K/SUPER].
+- `d`   fp16 [N, K/SUPER]: the block scale (SUPER = 32 for the legacy types Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and
+  IQ4_NL, 256 for the K-quants and IQ4_XS).
+- `m`   fp16 [N, K/SUPER] or None: Q4_1's / Q5_1's offset, Q2_K's / Q4_K's / Q5_K's dmin.
+- `sc`, `mn`  int8 [N, K/SUB] or None: the K-quants' / IQ4_XS's sub-block scale (and Q2_K's / Q4_K's / Q5_K's
+  sub-block min), SUB = 32 (Q4_K, Q5_K, IQ4_XS) or 16 (Q2_K, Q3_K, Q6_K); for the int4 kinds with zero points, `mn`
+  holds the group's zero point [N, K/SUPER].
+
+The low-bit types are re-laid into these same forms: Q3_K's element d * (sc - 32) * (low2 - (hbit ? 0 : 4)) becomes
+the 3-bit code low2 + 4 hbit in `lo` with ZERO 4 and the int8 sub-scale sc - 32 per 16; Q2_K's d * (s & 15) * q -
+dmin * (s >> 4) a 2-bit code in `lo` with `sc` / `mn` per 16 (Q4_K's form with 16-element sub-blocks). IQ4_NL's
+d * kvalues[i] and IQ4_XS's d * (ls - 32) * kvalues[i] (kvalues: a 16-entry non-linear table, IQ4_VALUES) keep the
+index i in `lo` (`nl` kinds, IQ4_XS with its int8 sub-scale ls - 32 per 32); the one step of their own is the
+lookup, index -> kvalues[i] + 128 (IQ4_CODES), after which the code is an 8-bit one with ZERO 128 (Q8_0's). The
+kernels' fma(d * sc, code, -ZERO * d * sc [- dmin * mn]) gives the same fp32 values: d * sc * code is exact (at most
+11 + 5 + 8 = 24 significant bits), so the one rounding is that of the `gguf` package's last operation.
 
 The 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py) use the same planes: `int4_kind(group)` is a
 kind whose `d` is the group's scale and, with zero points (AWQ, asymmetric GPTQ), `mn` its integer zero, so an
@@ -26,9 +36,10 @@ e2m1(q) * e4m3(sc) * d, the first product exact in fp32 (at most 6 significant b
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
-the ones the fp16 load path used (tests check this bit for bit). Bytes per weight stay the format's own: Q4_0
-4.5 bits, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625 and Q5_K 5.625 (their 6-bit sub-scales widened to int8),
-Q6_K 6.56.
+the ones the fp16 load path used (tests check this bit for bit). Bits per weight stay the format's own: Q4_0
+4.5, Q4_1 5, Q5_0 5.5, Q5_1 6, Q8_0 8.5, Q4_K 4.625 and Q5_K 5.625 (their 6-bit sub-scales widened to int8),
+Q6_K 6.56, IQ4_NL 4.5 and IQ4_XS 4.31 (4.25 in the file). Q3_K and Q2_K take more than in the file, still 3-3.5x
+less than fp16: Q3_K 4.56 (3.44 in the file), Q2_K 5.125 (2.625).
 """
 from __future__ import annotations
 
@@ -55,6 +66,7 @@ class PlaneKind:
     zero_points: bool = False  # `mn` holds a per-`super` integer zero point (AWQ / GPTQ int4): w = d * (q - zero)
     fp8: bool = False  # the 8-bit codes are E4M3 floats (FP8 checkpoints): w = d * e4m3(q), `d` fp32
     fp4: bool = False  # the 4-bit codes are E2M1 floats, `sc` E4M3 codes per `sub` (NVFP4): w = e2m1(q) * e4m3(sc) * d
+    nl: bool = False  # the 4-bit codes index IQ4's non-linear table (IQ4_CODES: its values + ZERO 128)
 
 
 KINDS = {k.name: k for k in (
@@ -66,7 +78,18 @@ KINDS = {k.name: k for k in (
     PlaneKind("Q5_K", 256, 176, hi_bits=1, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q4_K", 256, 144, hi_bits=0, zero=0, has_min=True, sub=32, super=256),
     PlaneKind("Q6_K", 256, 210, hi_bits=2, zero=32, has_min=False, sub=16, super=256),
+    # the low-bit types, re-laid into the forms above (module docstring): Q3_K's 3-bit code low2 + 4 hbit with the
+    # zero 4, Q2_K's 2-bit code with a 4-bit scale and min per 16, the IQ4 types' 4-bit table index
+    PlaneKind("Q3_K", 256, 110, hi_bits=0, zero=4, has_min=False, sub=16, super=256),
+    PlaneKind("Q2_K", 256, 84, hi_bits=0, zero=0, has_min=True, sub=16, super=256),
+    PlaneKind("IQ4_NL", 32, 18, hi_bits=0, zero=128, has_min=False, sub=0, super=32, nl=True),
+    PlaneKind("IQ4_XS", 256, 136, hi_bits=0, zero=128, has_min=False, sub=32, super=256, nl=True),
 )}
+# the byte offsets of each GGUF block's fp16 scale (and min) fields
+_F16_FIELDS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}
+# IQ4_NL's / IQ4_XS's 16 non-linear values (llama.cpp's kvalues_iq4nl), indexed by the 4-bit code
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_CODES = tuple(v + 128 for v in IQ4_VALUES)  # the same as 8-bit codes with ZERO 128 (what the kernels look up)
 
 
 def int4_kind(group: int, zero_points: bool) -> PlaneKind:
@@ -195,6 +218,32 @@ def unpack_blocks(raw: torch.Tensor, kind: PlaneKind, k: int) -> Unpacked:
             qh = b[..., 16:48].reshape(n, nb, 1, 32)
             bits = (qh >> torch.arange(8, dtype=torch.uint8, device=qh.device).reshape(8, 1)) & 1
             codes = codes.reshape(n, nb, 8, 32) | (bits << 4)
+    elif kind.name in ("Q2_K", "Q3_K"):
+        # qs: 2 halves of 32 bytes; bits 2t of byte l of half h are element 128 h + 32 t + l (8 runs of 32)
+        qs = b[..., 16:80] if kind.name == "Q2_K" else b[..., 32:96]
+        qs = qs.reshape(n, nb, 2, 1, 32)
+        codes = torch.cat([(qs >> (2 * t)) & 3 for t in range(4)], dim=3).reshape(n, nb, 8, 32)
+        if kind.name == "Q2_K":  # per 16: the scale in the low nibble, the min in the high one
+            d, m = _f16(b, 80), _f16(b, 82)
+            sc, mn = b[..., 0:16] & 15, b[..., 0:16] >> 4
+        else:  # bit i of hmask[l]: run i's element l; a set bit adds 4 (q = low2 - 4 where it is clear)
+            hm = b[..., 0:32].reshape(n, nb, 1, 32)
+            codes = codes | (((hm >> torch.arange(8, dtype=torch.uint8, device=hm.device).reshape(8, 1)) & 1) << 2)
+            s, d = b[..., 96:108], _f16(b, 108)
+            lo4, hi2 = s[..., 0:8], s[..., 8:12]  # 6-bit scales: low 4 bits, then 2 bits per sub-block at 2 (j // 4)
+            sc = (torch.cat([lo4 & 15, lo4 >> 4], dim=-1) | (torch.cat([(hi2 >> (2 * i)) & 3 for i in range(4)],
+                                                                       dim=-1) << 4)).to(torch.int16) - 32
+    elif kind.name in ("IQ4_NL", "IQ4_XS"):
+        d = _f16(b, 0)
+        if kind.name == "IQ4_NL":
+            idx = _nibbles(b[..., 2:18])
+        else:  # sub-block j's 6-bit scale: nibble j % 2 of scales_l[j // 2] | bits 2 j of scales_h << 4, minus 32
+            sh = b[..., 2:4].contiguous().view(torch.int16)[..., 0:1].to(torch.int32) & 0xFFFF
+            lo4 = b[..., 4:8].to(torch.int32)
+            ls = torch.stack([lo4 & 15, lo4 >> 4], dim=-1).reshape(n, nb, 8)
+            sc = (ls | (((sh >> (2 * torch.arange(8, dtype=torch.int32, device=sh.device))) & 3) << 4)) - 32
+            idx = _nibbles(b[..., 8:136].reshape(n, nb, 8, 16))
+        codes = idx  # the table index (`nl`: looked up when dequantized)
     elif kind.name == "Q6_K":
         ql = b[..., 0:128].reshape(n, nb, 2, 2, 32)  # (half, first / second 32 bytes, l)
         qh = b[..., 128:192].reshape(n, nb, 2, 32)
@@ -219,7 +268,8 @@ def dequantize_unpacked(u: Unpacked, kind: PlaneKind) -> torch.Tensor:
         return (e2m1_values(u.codes) * e4m3_values(u.sc).repeat_interleave(kind.sub, dim=1)) * d
     if kind.fp8:
         return d * u.codes.view(torch.float8_e4m3fn).to(torch.float32)
-    q = u.codes.to(torch.float32) - kind.zero if kind.zero else u.codes.to(torch.float32)
+    codes = torch.tensor(IQ4_CODES, dtype=torch.uint8, device=u.codes.device)[u.codes.long()] if kind.nl else u.codes
+    q = codes.to(torch.float32) - kind.zero if kind.zero else codes.to(torch.float32)
     if kind.zero_points:
         return d * (q - u.mn.to(torch.float32).repeat_interleave(kind.super, dim=1))
     if kind.sub:
@@ -352,7 +402,7 @@ def random_blocks(type_name: str, n: int, k: int, generator: Optional[torch.Gene
     kind = KINDS[type_name]
     nb = k // kind.block
     raw = torch.randint(0, 256, (n, nb, kind.block_bytes), dtype=torch.uint8, generator=generator)
-    offsets = [208] if kind.name == "Q6_K" else [0, 2] if kind.has_min else [0]
+    offsets = _F16_FIELDS.get(kind.name, (0, 2) if kind.has_min else (0,))
     for off in offsets:
         v = (torch.randn(n, nb, generator=generator) * scale).to(torch.float16)
         raw[..., off:off + 2] = v.view(torch.uint8).reshape(n, nb, 2)

@@ -6,9 +6,10 @@ qwen35, qwen35moe and qwen3next (Gated DeltaNet + gated attention: gguf_hybrid.p
 changes in them). Tensors are dequantized with the `gguf` package's numpy
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
-dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-instead come as raw blocks and stay quantized there (model/layers/quantized_linear.py); their dequantized values are
-the same.
+dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+and the low-bit Q3_K, Q2_K, IQ4_XS, IQ4_NL of Q3_K_M / Q2_K / IQ4_XS files) instead come as raw blocks and stay
+quantized there (model/layers/quantized_linear.py, re-laid by model/layers/gguf_planes.py); their dequantized values
+are the same. Other types (IQ2 / IQ3 / IQ1, TQ*, BF16, ...) are dequantized here.
 
 A model split by llama.cpp's gguf-split (NAME-00001-of-0000N.gguf, ...) is read as one file: the first part's
 metadata and every part's tensors (split_files).
@@ -248,6 +249,26 @@ def _is_matrix_kept(hf_name: str) -> bool:
             or hf_name in ("lm_head.weight", "model.embed_tokens.weight"))
 
 
+# GGUF types that hold no quantized codes (a matrix of one is dense anyway)
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _kept(type_name: str, cols: int) -> bool:
+    """Whether a matrix of this GGUF type and input width stays quantized (gguf_planes.supports); a quantized type
+    that does not is dequantized here, said once per type and reason in the log (its memory is then fp16's)."""
+    from voltllm.model.layers.gguf_planes import GROUP, KINDS, supports
+    from voltllm.model.layers.quantized_linear import log_dense_at_load
+
+    if supports(type_name, cols):
+        return True
+    if type_name in KINDS:
+        log_dense_at_load(f"GGUF {type_name} matrices whose inputs are not a multiple of "
+                          f"{max(GROUP, KINDS[type_name].block)}")
+    elif type_name not in _FLOAT_TYPES:
+        log_dense_at_load(f"GGUF {type_name} matrices (a type without a plane layout)")
+    return False
+
+
 def _expert_tensors(t: Any, layer: int, projs: tuple[str, ...], keep_quantized: bool,
                     held: Any = None) -> Iterator[tuple[str, Any]]:
     """One stacked expert tensor [E, rows, cols] as each expert's HF weight(s) (`projs`: one, or gate and up, whose
@@ -255,14 +276,13 @@ def _expert_tensors(t: Any, layer: int, projs: tuple[str, ...], keep_quantized: 
     under expert parallelism (distributed.experts.ExpertShard; None: all), the only ones copied out of the file."""
     from gguf.quants import dequantize
 
-    from voltllm.model.layers.gguf_planes import supports
     from voltllm.model.layers.quantized_linear import GGUFBlocks
 
     experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
     first, count = (0, experts) if held is None else (held.start, held.count)
     prefix = f"model.layers.{layer}.mlp.experts"
     n = rows // len(projs)
-    if keep_quantized and supports(t.tensor_type.name, cols):
+    if keep_quantized and _kept(t.tensor_type.name, cols):
         stored = np.asarray(t.data, dtype=np.uint8).reshape(experts, rows, -1)  # (a view of the memory map)
         raw = torch.from_numpy(np.array(stored[first:first + count]))
         for e in range(count):
@@ -287,7 +307,6 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
     from gguf.quants import dequantize
 
     from voltllm.model.layers.quantized_linear import GGUFBlocks
-    from voltllm.model.layers.gguf_planes import supports
 
     reader = _reader(path)
     arch = _arch(reader)
@@ -307,7 +326,7 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} in {path!r} has no place in a {arch} model")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if keep_quantized and _is_matrix_kept(name) and len(shape) == 2 and supports(t.tensor_type.name, shape[1]):
+        if keep_quantized and _is_matrix_kept(name) and len(shape) == 2 and _kept(t.tensor_type.name, shape[1]):
             tensor = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(t.data, dtype=np.uint8)), *shape)
         else:
             array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
