@@ -17,8 +17,10 @@ def _count(seqs, s):
     return sum(1 for q in seqs for i in range(len(q) - n + 1) if q[i:i + n] == s)
 
 
-def _brute_tree(seqs, pattern, k, depth, factor, min_prob):
-    """(tokens, score) of the best draft from one source, straight from the definition."""
+def _brute_tree(gens, pattern, k, depth, factor, min_prob):
+    """(tokens, score) of the best draft from one source, straight from the definition: `gens` lists the source's
+    automata, each a list of sequences (the cache's generations; a request's own tokens are one of one)."""
+    seqs = [q for g in gens for q in g]
     best, best_score = [], 0.0
     for L in range(1, len(pattern)):
         ctx = list(pattern[-L:])
@@ -27,12 +29,15 @@ def _brute_tree(seqs, pattern, k, depth, factor, min_prob):
         cap = min(k, int(L * factor + 1e-6), depth - L)
         tokens, prob, score, s = [], 1.0, 0.0, ctx
         while len(tokens) < cap:
-            total = _count(seqs, s)
-            follow = {t for q in seqs for i in range(len(q) - len(s)) if q[i:i + len(s)] == s for t in [q[i + len(s)]]}
-            if not follow:
+            picks = set()  # each automaton's most frequent continuation, then the best of those over them all
+            for g in gens:
+                follow = {q[i + len(s)] for q in g for i in range(len(q) - len(s)) if q[i:i + len(s)] == s}
+                if follow:
+                    picks.add(min(follow, key=lambda t: (-_count(g, s + [t]), t)))
+            if not picks:
                 break
-            t = min(follow, key=lambda t: (-_count(seqs, s + [t]), t))
-            prob *= _count(seqs, s + [t]) / total
+            t = min(picks, key=lambda t: (-_count(seqs, s + [t]), t))
+            prob *= _count(seqs, s + [t]) / _count(seqs, s)
             if prob < min_prob:
                 break
             tokens.append(t)
@@ -43,10 +48,12 @@ def _brute_tree(seqs, pattern, k, depth, factor, min_prob):
     return best, best_score
 
 
-def _brute(own, outputs, k, depth, factor, min_prob):
+def _brute(own, outputs, k, depth, factor, min_prob, one_each=False):
+    """outputs: the cached outputs, in one automaton, or one_each in an automaton of its own."""
     pattern = own[-depth:]
-    mine = _brute_tree([own], pattern, k, depth, factor, min_prob)
-    shared = _brute_tree(outputs, pattern, k, depth, factor, min_prob) if outputs else ([], 0.0)
+    mine = _brute_tree([[own]], pattern, k, depth, factor, min_prob)
+    gens = [[o] for o in outputs] if one_each else [outputs]
+    shared = _brute_tree(gens, pattern, k, depth, factor, min_prob) if outputs else ([], 0.0)
     return shared[0] if shared[1] > mine[1] else mine[0]
 
 
@@ -68,8 +75,8 @@ def test_own_tokens_match_brute_force(depth, factor, min_prob, alphabet):
 
 @pytest.mark.parametrize("limit", [100, 4])
 def test_cached_outputs_of_interleaved_requests_match_brute_force(limit):
-    """Four requests decode in turns; each proposal reads its own tokens and every cached output (its own too),
-    in one automaton (limit 100) or one a request (limit 4: generations of one, their counts summed)."""
+    """Four requests decode in random turns; each proposal reads its own tokens and every cached output (its own
+    too), in one automaton (limit 100) or one a request (limit 4: generations of one, their counts summed)."""
     rng = random.Random(1)
     depth, k = 7, 6
     proposer = SuffixProposer(depth, limit, 1.0, 0.1)
@@ -77,12 +84,12 @@ def test_cached_outputs_of_interleaved_requests_match_brute_force(limit):
     for r in reqs:
         r.num_prompt_tokens = len(r.all_token_ids)
     synced: dict = {}  # request -> its tokens when it last proposed (the cache has its output up to there)
-    for step in range(120):
+    for step in range(160):
         r = reqs[rng.randrange(4)]
         synced[id(r)] = len(r.all_token_ids)
         outputs = [q.all_token_ids[q.num_prompt_tokens:synced[id(q)]] for q in reqs if id(q) in synced]
         got = proposer.propose(r, k)
-        assert got == _brute(r.all_token_ids, outputs, k, depth, 1.0, 0.1)
+        assert got == _brute(r.all_token_ids, outputs, k, depth, 1.0, 0.1, one_each=limit == 4)
         r.all_token_ids += [rng.randrange(3)]
     assert len(proposer.cache.generations) == (1 if limit == 100 else 4)
 
@@ -187,7 +194,7 @@ def test_release_adds_the_last_tokens_and_drops_the_state():
     assert proposer.propose(_req([2, 60, 61, 62], 1), 4) == [63]
 
 
-def test_automaton_counts_are_substring_counts():
+def test_automaton_counts_and_best_continuations():
     rng = random.Random(3)
     sam = SuffixAutomaton(5)
     seqs = [[], [], []]
@@ -203,6 +210,10 @@ def test_automaton_counts_are_substring_counts():
             state, matched = sam.match(s)
             if matched == n:
                 assert sam.count[state] == _count(seqs, s)
+                follow = {q[i + n] for q in seqs for i in range(len(q) - n) if q[i:i + n] == s}
+                if n < 5:  # (kept below the depth) the most frequent continuation, the smaller id on a tie
+                    want = min(follow, key=lambda t: (-_count(seqs, s + [t]), t)) if follow else -1
+                    assert sam.best[state] == want
             else:
                 assert _count(seqs, s) == 0
 

@@ -35,7 +35,9 @@ class SuffixAutomaton:
     occurrence counts. State 0 is the root (the empty string); `nxt[s]` maps a token to the state of the extended
     string, `link[s]` is the state of its longest suffix in another state, `length[s]` its longest string's
     length; a state holds the strings of lengths length[link[s]] + 1 .. length[s], which all occur at the same ends.
-    `count[s]` is that number of ends, kept for states holding a string of at most `depth` tokens."""
+    `count[s]` is that number of ends, kept for states holding a string of at most `depth` tokens; `best[s]` the
+    token of its most frequent continuation (the smaller id on a tie; -1: none), kept for states holding a string of
+    fewer than `depth` tokens: one child's count grows at a time, so the best is the old one or that child."""
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -43,6 +45,7 @@ class SuffixAutomaton:
         self.link: list[int] = [-1]
         self.length: list[int] = [0]
         self.count: list[int] = [0]
+        self.best: list[int] = [-1]
 
     @property
     def num_states(self) -> int:
@@ -55,7 +58,8 @@ class SuffixAutomaton:
 
     def append(self, cursor: list[int], token: int) -> None:
         """Extend the cursor's sequence by one token, and count the new end of each of its suffixes of <= depth
-        tokens."""
+        tokens; the states of the old end's suffixes, each now followed by the token, may take it as their best."""
+        before = cursor[1]
         last = self._extend(cursor[0], token)
         n = cursor[2] + 1
         length, link, depth = self.length, self.link, self.depth
@@ -72,16 +76,29 @@ class SuffixAutomaton:
         while v > 0:
             count[v] += 1
             v = link[v]
+        nxt, best = self.nxt, self.best
+        v = before  # (its chain runs through any state split off it)
+        while v != -1:
+            b = best[v]
+            if b != token:
+                if b < 0:
+                    best[v] = token
+                else:
+                    mine, theirs = count[nxt[v][token]], count[nxt[v][b]]
+                    if mine > theirs or mine == theirs and token < b:
+                        best[v] = token
+            v = link[v]
 
     def extend(self, cursor: list[int], tokens) -> None:
         for t in tokens:
             self.append(cursor, t)
 
-    def _new(self, length: int, nxt: dict, link: int, count: int) -> int:
+    def _new(self, length: int, nxt: dict, link: int, count: int, best: int) -> int:
         self.nxt.append(nxt)
         self.link.append(link)
         self.length.append(length)
         self.count.append(count)
+        self.best.append(best)
         return len(self.length) - 1
 
     def _extend(self, last: int, token: int) -> int:
@@ -90,7 +107,7 @@ class SuffixAutomaton:
         q = nxt[last].get(token)
         if q is not None:  # another sequence has this string already
             return q if length[q] == length[last] + 1 else self._split(last, q, token)
-        cur = self._new(length[last] + 1, {}, 0, 0)
+        cur = self._new(length[last] + 1, {}, 0, 0, -1)
         p = last
         while p != -1 and token not in nxt[p]:
             nxt[p][token] = cur
@@ -104,7 +121,7 @@ class SuffixAutomaton:
         """Move the strings of q up to length[p] + 1 tokens into a state of their own (they now also end where q's
         longer strings do not), redirecting p's suffixes' transitions to it."""
         nxt, link = self.nxt, self.link
-        c = self._new(self.length[p] + 1, dict(nxt[q]), link[q], self.count[q])
+        c = self._new(self.length[p] + 1, dict(nxt[q]), link[q], self.count[q], self.best[q])
         while p != -1 and nxt[p].get(token) == q:
             nxt[p][token] = c
             p = link[p]
@@ -136,35 +153,36 @@ _EMPTY = Draft([], 0.0, 0)
 
 
 def _path(sources: list[tuple[SuffixAutomaton, int]], cap: int, min_prob: float) -> tuple[list[int], list[float]]:
-    """The most frequent continuation of the context held by `sources` (an automaton and the context's state in it,
-    counts summed over them; on a tie the smaller token id), up to `cap` tokens while its probability stays >=
-    min_prob; with the running sum of those probabilities after each token."""
+    """The most frequent continuation of the context held by `sources` (an automaton and the context's state in it;
+    over several, the best of each one's best tokens by their summed counts, the smaller id on a tie), up to `cap`
+    tokens while its probability stays >= min_prob; with the running sum of those probabilities after each
+    token."""
     tokens: list[int] = []
     scores: list[float] = []
     prob, score = 1.0, 0.0
     while len(tokens) < cap:
         if len(sources) == 1:
             sam, s = sources[0]
-            count = sam.count
-            total = count[s]
-            best, best_n = -1, 0
-            for tok, child in sam.nxt[s].items():
-                n = count[child]
-                if n > best_n or n == best_n and tok < best:
-                    best, best_n = tok, n
+            best = sam.best[s]
+            if best < 0:
+                break
+            total, best_n = sam.count[s], sam.count[sam.nxt[s][best]]
         else:
-            total = 0
-            counts: dict[int, int] = {}
+            total, best, best_n = 0, -1, 0
             for sam, s in sources:
                 total += sam.count[s]
-                for tok, child in sam.nxt[s].items():
-                    counts[tok] = counts.get(tok, 0) + sam.count[child]
-            best, best_n = -1, 0
-            for tok, n in counts.items():
+            for tok in {sam.best[s] for sam, s in sources}:
+                if tok < 0:
+                    continue
+                n = 0
+                for sam, s in sources:
+                    child = sam.nxt[s].get(tok)
+                    if child is not None:
+                        n += sam.count[child]
                 if n > best_n or n == best_n and tok < best:
                     best, best_n = tok, n
-        if best_n == 0 or total == 0:
-            break
+            if best < 0:
+                break
         prob *= best_n / total
         if prob < min_prob:
             break
@@ -175,40 +193,69 @@ def _path(sources: list[tuple[SuffixAutomaton, int]], cap: int, min_prob: float)
     return tokens, scores
 
 
-def best_draft(contexts: list[list[tuple[SuffixAutomaton, int]]], depth: int, max_tokens: int, factor: float,
-               min_prob: float) -> Draft:
-    """The best-scoring draft over the match lengths: contexts[L] lists the sources holding the pattern's last L
-    tokens, with their states (contexts[0] unused). Match lengths are tried longest first; a shorter one replaces
-    the best only with a higher score, and is skipped when its token cap cannot reach one."""
+# a run of match lengths hi .. lo (hi >= lo >= 1) whose contexts are the same states: [(automaton, state), ...]
+Group = tuple[int, int, list[tuple[SuffixAutomaton, int]]]
+
+
+def best_draft(groups: list[Group], depth: int, max_tokens: int, factor: float, min_prob: float) -> Draft:
+    """The best-scoring draft over the match lengths, given as groups, longest first. Each match length L may take
+    min(max_tokens, floor(L * factor), depth - L) tokens; a shorter match replaces the best only with a higher
+    score. A group's path is found once (the most any of its lengths may take); a group whose lengths cannot reach
+    the best's score (a score is at most its token count) or whose states have no continuation is skipped."""
     best = _EMPTY
-    # a context's path for a cap is the prefix of its path for a larger one: kept per context, recomputed only
-    # when a larger cap is asked of a path that had reached its own
-    paths: dict[tuple, tuple[list[int], list[float], int]] = {}
-    for L in range(len(contexts) - 1, 0, -1):
-        cap = min(max_tokens, int(L * factor + 1e-6), depth - L)
-        if cap <= best.score:
+    for hi, lo, sources in groups:
+        if min(max_tokens, int(hi * factor + 1e-6), depth - lo) <= best.score:
             continue
-        sources = contexts[L]
-        key = tuple(s for _, s in sources)
-        got = paths.get(key)
-        if got is None or (cap > got[2] and len(got[0]) == got[2]):
-            got = paths[key] = (*_path(sources, cap, min_prob), cap)
-        n = min(cap, len(got[0]))
-        if n and got[1][n - 1] > best.score:
-            best = Draft(got[0][:n], got[1][n - 1], L)
+        if not any(sam.nxt[v] for sam, v in sources):  # (the others' counts still weigh in the probabilities)
+            continue
+        caps = [(L, min(max_tokens, int(L * factor + 1e-6), depth - L)) for L in range(hi, lo - 1, -1)]
+        tokens, scores = _path(sources, max(c for _, c in caps), min_prob)
+        for L, cap in caps:
+            n = min(cap, len(tokens))
+            if n and scores[n - 1] > best.score:
+                best = Draft(tokens[:n], scores[n - 1], L)
     return best
 
 
-def _context_chain(sam: SuffixAutomaton, state: int, longest: int) -> list[int]:
-    """The states of the last L tokens matched at `state`, for L = 0 .. longest (walking suffix links)."""
+def _chain(sam: SuffixAutomaton, state: int, longest: int) -> list[tuple[int, int, int]]:
+    """(hi, lo, state) for the match lengths longest .. 1 of the string matched at `state` (its suffixes, walking
+    suffix links: each state holds the lengths length[link] + 1 .. length)."""
     link, length = sam.link, sam.length
-    out = [0] * (longest + 1)
-    v = state
-    for L in range(longest, 0, -1):
-        while length[link[v]] >= L:
+    out = []
+    v, hi = state, longest
+    while hi >= 1:
+        while length[link[v]] >= hi:
             v = link[v]
-        out[L] = v
+        lo = length[link[v]] + 1
+        out.append((hi, lo, v))
+        hi = lo - 1
     return out
+
+
+def _merge(chains: list[tuple[SuffixAutomaton, list[tuple[int, int, int]]]]) -> list[Group]:
+    """The groups of several automata's chains: runs of match lengths over which every automaton matching them
+    keeps its state (an automaton whose match is shorter joins below its length)."""
+    if len(chains) == 1:
+        sam, chain = chains[0]
+        return [(hi, lo, [(sam, v)]) for hi, lo, v in chain]
+    groups: list[Group] = []
+    at = [0] * len(chains)
+    top = max(chain[0][0] for _, chain in chains)
+    hi = top
+    while hi >= 1:
+        lo, sources = 1, []
+        for i, (sam, chain) in enumerate(chains):
+            if chain[0][0] < hi:  # matches shorter: joins at its length
+                lo = max(lo, chain[0][0] + 1)
+                continue
+            while chain[at[i]][1] > hi:
+                at[i] += 1
+            g_hi, g_lo, v = chain[at[i]]
+            lo = max(lo, g_lo)
+            sources.append((sam, v))
+        groups.append((hi, lo, sources))
+        hi = lo - 1
+    return groups
 
 
 class _Generation:
@@ -246,18 +293,14 @@ class SuffixCache:
             self.num_cached -= old.started
         return gen, gen.sam.new_cursor()
 
-    def contexts(self, pattern: list[int], longest: int) -> list[list[tuple[SuffixAutomaton, int]]]:
-        """contexts[L]: the generations holding the pattern's last L tokens, and their states, for L up to
-        `longest` (no longer than any generation matches)."""
+    def groups(self, pattern: list[int], longest: int) -> list[Group]:
+        """The match-length groups of the pattern's suffixes (up to `longest` tokens) in the generations."""
         chains = []
-        top = 0
         for gen in self.generations:
             state, n = gen.sam.match(pattern)
-            n = min(n, longest)
             if n:
-                chains.append((gen.sam, _context_chain(gen.sam, state, n)))
-                top = max(top, n)
-        return [[(sam, chain[L]) for sam, chain in chains if L < len(chain)] for L in range(top + 1)]
+                chains.append((gen.sam, _chain(gen.sam, state, min(n, longest))))
+        return _merge(chains) if chains else []
 
 
 class SuffixState:
@@ -291,11 +334,10 @@ class SuffixProposer:
             return []
         pattern = tokens[-self.depth:]
         longest = len(pattern) - 1
-        local = _context_chain(state.sam, state.cursor[1], longest)
-        sam = state.sam
-        draft = best_draft([[(sam, s)] for s in local], self.depth, k, self.factor, self.min_prob)
-        if self.cache.generations:
-            shared = best_draft(self.cache.contexts(pattern, longest), self.depth, k, self.factor, self.min_prob)
+        own = _merge([(state.sam, _chain(state.sam, state.cursor[1], longest))]) if longest else []
+        draft = best_draft(own, self.depth, k, self.factor, self.min_prob)
+        if self.cache.generations and longest:
+            shared = best_draft(self.cache.groups(pattern, longest), self.depth, k, self.factor, self.min_prob)
             if shared.score > draft.score:
                 draft = shared
         return draft.tokens
