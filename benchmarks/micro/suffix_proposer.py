@@ -4,6 +4,7 @@ worst case for per-token costs: accepted drafts bring several tokens per proposa
 Zipf-distributed vocabulary of 32,000 with a third of the text copied from earlier spans of 4-40 tokens.
 
     PYTHONPATH=$PWD python3 benchmarks/micro/suffix_proposer.py [--requests 64] [--prompt 1024] [--output 1024]
+        [--cached N --finished M]
 
 Prints the prompt's first proposal (the request's automaton built) per prompt token, the steady per-step cost per
 request (catching up one token, then proposing up to K = 24 drafts) and the n-gram proposer's, and the automata's
@@ -37,10 +38,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=1024)
     ap.add_argument("--k", type=int, default=24)
+    ap.add_argument("--cached", type=int, default=10000, help="suffix_decoding_max_cached_requests")
+    ap.add_argument("--finished", type=int, default=0, help="requests whose outputs are in the cache before (with "
+                    "--cached 4 x --requests and --finished 3 x --requests: three full generations and the running "
+                    "requests in the fourth)")
     args = ap.parse_args()
     rng = random.Random(0)
     texts = [stream(rng, args.prompt + args.output) for _ in range(args.requests)]
-    proposer = SuffixProposer(24, 10000, 1.0, 0.1)
+    proposer = SuffixProposer(24, args.cached, 1.0, 0.1)
+    for i in range(args.finished):
+        done = SimpleNamespace(all_token_ids=stream(rng, 16 + args.output), num_prompt_tokens=16, suffix_state=None)
+        proposer.propose(done, 0)
+        proposer.release(done)
     reqs = [SimpleNamespace(all_token_ids=t[:args.prompt], num_prompt_tokens=args.prompt, suffix_state=None)
             for t in texts]
     t0 = time.perf_counter()
@@ -64,15 +73,16 @@ def main() -> None:
         suffix_s += t1 - t0
         ngram_s += time.perf_counter() - t1
     n = args.requests * (args.output - 1)
-    print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, K = {args.k}")
+    print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, K = {args.k}, "
+          f"{len(proposer.cache.generations)} cache generation(s)")
     print(f"suffix: prompt automaton {build / (args.requests * args.prompt) * 1e6:.2f} us per prompt token; "
           f"{suffix_s / n * 1e6:.1f} us per request-step ({suffix_s / (args.output - 1) * 1e3:.2f} ms per step of "
           f"{args.requests}); {drafted / n:.2f} drafts per proposal")
     print(f"ngram:  {ngram_s / n * 1e6:.1f} us per request-step")
-    cached = sum(g.sam.num_states for g in proposer.cache.generations)
+    cached = sum(g.sam.num_states for g in list(proposer.cache.generations)[-1:])
     own = sum(r.suffix_state.sam.num_states for r in reqs)
     print(f"states per token: own {own / sum(len(t) for t in texts):.2f}, cache "
-          f"{cached / (args.requests * args.output):.2f}")
+          f"{cached / (args.requests * args.output):.2f} (its newest generation)")
     # Python memory of one request's automaton
     tracemalloc.start()
     one = SuffixProposer(24, 0, 1.0, 0.1)

@@ -46,6 +46,7 @@ class SuffixAutomaton:
         self.length: list[int] = [0]
         self.count: list[int] = [0]
         self.best: list[int] = [-1]
+        self.appends = 0  # tokens appended: a match made at one count holds while it stays
 
     @property
     def num_states(self) -> int:
@@ -60,6 +61,7 @@ class SuffixAutomaton:
         """Extend the cursor's sequence by one token, and count the new end of each of its suffixes of <= depth
         tokens; the states of the old end's suffixes, each now followed by the token, may take it as their best."""
         before = cursor[1]
+        self.appends += 1
         last = self._extend(cursor[0], token)
         n = cursor[2] + 1
         length, link, depth = self.length, self.link, self.depth
@@ -128,17 +130,21 @@ class SuffixAutomaton:
         link[q] = c
         return c
 
-    def match(self, pattern) -> tuple[int, int]:
-        """(state, length) of the longest suffix of `pattern` that occurs in the automaton."""
-        nxt, link, length = self.nxt, self.link, self.length
-        v = n = 0
-        for t in pattern:
+    def match(self, tokens, v: int = 0, n: int = 0) -> tuple[int, int]:
+        """(state, length) of the longest suffix of the text matched at (v, n) followed by `tokens` that occurs in
+        the automaton (from the root: of `tokens`), kept to at most `depth` tokens."""
+        nxt, link, length, depth = self.nxt, self.link, self.length, self.depth
+        for t in tokens:
             while v and t not in nxt[v]:
                 v = link[v]
                 n = length[v]
             child = nxt[v].get(t)
             if child is not None:
                 v, n = child, n + 1
+                if n > depth:
+                    n = depth
+                    while length[link[v]] >= depth:
+                        v = link[v]
         return v, n
 
 
@@ -259,12 +265,13 @@ def _merge(chains: list[tuple[SuffixAutomaton, list[tuple[int, int, int]]]]) -> 
 
 
 class _Generation:
-    __slots__ = ("sam", "started", "alive")
+    __slots__ = ("sam", "started", "alive", "serial")
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, serial: int):
         self.sam = SuffixAutomaton(depth)
         self.started = 0  # requests whose outputs it holds
         self.alive = True
+        self.serial = serial
 
 
 class SuffixCache:
@@ -277,13 +284,15 @@ class SuffixCache:
         self.per_generation = -(-max_requests // n)
         self.generations: deque[_Generation] = deque()
         self.num_cached = 0
+        self._serials = 0
 
     def start(self) -> Optional[tuple[_Generation, list[int]]]:
         """A new request's place for its output (None when the cache is off)."""
         if self.max_requests == 0:
             return None
         if not self.generations or self.generations[-1].started >= self.per_generation:
-            self.generations.append(_Generation(self.depth))
+            self._serials += 1
+            self.generations.append(_Generation(self.depth, self._serials))
         gen = self.generations[-1]
         gen.started += 1
         self.num_cached += 1
@@ -293,20 +302,33 @@ class SuffixCache:
             self.num_cached -= old.started
         return gen, gen.sam.new_cursor()
 
-    def groups(self, pattern: list[int], longest: int) -> list[Group]:
-        """The match-length groups of the pattern's suffixes (up to `longest` tokens) in the generations."""
+    def groups(self, tokens: list[int], longest: int, matches: dict[int, list[int]]) -> list[Group]:
+        """The match-length groups of the suffixes of the request's tokens (up to `longest` of them) in the
+        generations. `matches` keeps the request's match in each generation ([state, length, the generation's
+        appends, tokens]): one that no append has changed since goes on with the new tokens only (most
+        generations hold finished requests' outputs); the others match the last `depth` tokens anew."""
         chains = []
         for gen in self.generations:
-            state, n = gen.sam.match(pattern)
+            sam = gen.sam
+            m = matches.get(gen.serial)
+            if m is not None and m[2] == sam.appends:
+                state, n = sam.match(tokens[m[3]:], m[0], m[1])
+            else:
+                state, n = sam.match(tokens[-self.depth:])
+            matches[gen.serial] = [state, n, sam.appends, len(tokens)]
             if n:
-                chains.append((gen.sam, _chain(gen.sam, state, min(n, longest))))
+                chains.append((sam, _chain(sam, state, min(n, longest))))
+        if len(matches) > len(self.generations):  # (a dropped generation's)
+            live = {gen.serial for gen in self.generations}
+            for serial in [s for s in matches if s not in live]:
+                del matches[serial]
         return _merge(chains) if chains else []
 
 
 class SuffixState:
     """One request's suffix-decoding state: the automaton of its prompt and output, and its output's place in the
     cache."""
-    __slots__ = ("sam", "cursor", "seen", "cached", "cached_seen")
+    __slots__ = ("sam", "cursor", "seen", "cached", "cached_seen", "matches")
 
     def __init__(self, depth: int, cached: Optional[tuple[_Generation, list[int]]]):
         self.sam = SuffixAutomaton(depth)
@@ -314,6 +336,7 @@ class SuffixState:
         self.seen = 0  # tokens in the automaton
         self.cached = cached
         self.cached_seen = 0  # output tokens in the cache
+        self.matches: dict[int, list[int]] = {}  # its match in each generation of the cache (SuffixCache.groups)
 
 
 class SuffixProposer:
@@ -337,7 +360,8 @@ class SuffixProposer:
         own = _merge([(state.sam, _chain(state.sam, state.cursor[1], longest))]) if longest else []
         draft = best_draft(own, self.depth, k, self.factor, self.min_prob)
         if self.cache.generations and longest:
-            shared = best_draft(self.cache.groups(pattern, longest), self.depth, k, self.factor, self.min_prob)
+            groups = self.cache.groups(tokens, longest, state.matches)
+            shared = best_draft(groups, self.depth, k, self.factor, self.min_prob)
             if shared.score > draft.score:
                 draft = shared
         return draft.tokens
