@@ -94,6 +94,26 @@ def test_cached_outputs_of_interleaved_requests_match_brute_force(limit):
     assert len(proposer.cache.generations) == (1 if limit == 100 else 4)
 
 
+def test_matches_in_unchanged_generations_go_on_with_new_tokens():
+    """Finished requests' generations no longer change: a running request's match there advances with its new
+    tokens only, and its proposals still equal the brute force's."""
+    rng = random.Random(2)
+    depth, k = 6, 5
+    proposer = SuffixProposer(depth, 4, 1.0, 0.1)
+    outputs = []
+    for _ in range(3):
+        done = _req([9] + [rng.randrange(3) for _ in range(40)], 1)
+        proposer.propose(done, 0)
+        proposer.release(done)
+        outputs.append(done.all_token_ids[1:])
+    r = _req([rng.randrange(3) for _ in range(5)], 5)
+    for step in range(80):
+        got = proposer.propose(r, k)
+        assert got == _brute(r.all_token_ids, outputs + [r.all_token_ids[5:]], k, depth, 1.0, 0.1, one_each=True)
+        r.all_token_ids += [rng.randrange(3)] * rng.choice((1, 2))
+    assert len(r.suffix_state.matches) == 4
+
+
 def test_repeated_code_block():
     """The second copy of a block is drafted from the first, as far as the match allows (factor 1: as many tokens
     as matched)."""
