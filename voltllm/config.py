@@ -463,9 +463,10 @@ class EngineArgs:
         if config.model.runner != "generate":
             raise ConfigError("--enable-lora with --runner pooling: adapters for embedding models are not built")
         spec = config.speculative
-        if spec is not None and spec.method != "ngram":
+        if spec is not None and spec.method not in ("ngram", "suffix"):  # (the host-side proposers)
             raise ConfigError(f"--enable-lora with --speculative-config method {spec.method}: a drafter that runs "
-                              "without the request's adapter is not built with LoRA; use the ngram method or none")
+                              "without the request's adapter is not built with LoRA; use the ngram or suffix method "
+                              "or none")
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, dtype)
 
     def __post_init__(self) -> None:
@@ -786,7 +787,7 @@ def _resolve_device(device: str) -> torch.device:
 # the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
 # position and keeps the accepted one's (voltllm/worker/hybrid_spec.py). Today that is every method of
 # engine/speculative.py's METHODS; one added there stays refused for hybrids until it is listed here
-HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3")
+HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3", "suffix")
 
 
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:

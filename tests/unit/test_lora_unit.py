@@ -220,8 +220,8 @@ def test_lora_config_is_typed_and_checked(tiny, tmp_path):
                       (dict(runner="pooling"), "--enable-lora with --runner pooling")):
         with pytest.raises(ConfigError, match=match):
             _config(tiny, enable_lora=True, **kw)
-    assert _config(tiny, enable_lora=True, lora_dtype="float32",
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 2}).lora is not None
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2}, {"method": "suffix"}):  # host-side drafts
+        assert _config(tiny, enable_lora=True, lora_dtype="float32", speculative_config=spec).lora is not None
     # tensor parallelism: each rank holds its cut of the adapters (lora/sharding.py)
     tp = _config(tiny, enable_lora=True, tensor_parallel_size=2)
     assert tp.lora is not None and tp.parallel.tensor_parallel_size == 2

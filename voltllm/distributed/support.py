@@ -12,10 +12,10 @@ TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs); a multimodal
 # qwen3_5 / qwen3_5_moe checkpoint runs as its text model
 TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
-# speculative methods under TP: host n-grams; a draft model, the target's MTP module, a DFlash drafter and an EAGLE-3
-# head run unsharded beside rank 0's target shard (MTP, DFlash and EAGLE-3 with rank 0's whole copies of the target's
-# embedding and LM head, model/layers/full_vocab.py)
-TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash", "eagle3")
+# speculative methods under TP: host n-gram and suffix drafts; a draft model, the target's MTP module, a DFlash
+# drafter and an EAGLE-3 head run unsharded beside rank 0's target shard (MTP, DFlash and EAGLE-3 with rank 0's whole
+# copies of the target's embedding and LM head, model/layers/full_vocab.py)
+TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash", "eagle3", "suffix")
 
 
 def expert_parallel_error(tp: int, hf_config: Any) -> Optional[str]:

@@ -70,6 +70,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.spec_token_ids: list[int] = []  # speculation: drafts proposed for the step being scheduled
         self.ngram_index = None  # speculation: the n-gram proposer's index of this request's tokens
+        self.suffix_state = None  # speculation: suffix decoding's automaton of them (suffix_decoding.SuffixState)
         sp = self.sampling_params
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = min(sp.max_tokens, room) if sp.max_tokens is not None else room

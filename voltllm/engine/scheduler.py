@@ -25,6 +25,7 @@ from voltllm.config import SchedulerConfig
 from voltllm.engine.request import Request, RequestStatus
 from voltllm.engine.request_queue import make_waiting_queue
 from voltllm.engine.speculative import DRAFT_PLACEHOLDER, NgramIndex, SpeculativeConfig, spec_allowed
+from voltllm.engine.suffix_decoding import SuffixProposer
 from voltllm.engine.types import EngineCoreOutput, PositionLogprobs, SchedulerStats
 from voltllm.sampling.repetition import STOP_REASON as REPETITION_STOP_REASON
 
@@ -86,6 +87,10 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.spec = spec
+        # suffix decoding: its cache of recent outputs, and each request's automaton (freed when it finishes)
+        self.suffix = None if spec is None or not spec.uses_suffix else SuffixProposer(
+            spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
         self.max_loras = max_loras
         self.num_draft_tokens = 0  # speculation: drafts scored, and accepted
         self.num_accepted_tokens = 0
@@ -153,6 +158,8 @@ class Scheduler:
             self.grammars.release(req)
         if req.reasoning is not None:
             self.reasoning.release(req)
+        if req.suffix_state is not None:
+            self.suffix.release(req)
         self.requests.pop(req.request_id, None)
         self._released.append(req.request_id)
 
@@ -249,20 +256,23 @@ class Scheduler:
         return out
 
     def _propose(self, req: Request, max_new: int) -> list[int]:
-        """Drafts for a decoding request (none where speculation cannot keep its output exact): n-gram ones, or
-        placeholders for a draft model's, which the runner fills before the step runs (their slots are allocated
-        here, with the step's)."""
+        """Drafts for a decoding request (none where speculation cannot keep its output exact): n-gram or suffix
+        ones, or placeholders for a draft model's, which the runner fills before the step runs (their slots are
+        allocated here, with the step's)."""
         k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
-        if k <= 0:
-            return []
         reasoning = req.reasoning
-        if self.spec.drafts_on_device:
+        if self.suffix is not None:  # (its automata take every token, also in steps that may not speculate)
+            drafts = self.suffix.propose(req, k)
+        elif k <= 0:
+            return []
+        elif self.spec.drafts_on_device:
             # a grammar waiting for the end of reasoning takes only drafts it can check (they may end it)
             return [] if reasoning is not None and reasoning.drafts_must_be_known else [DRAFT_PLACEHOLDER] * k
-        index = req.ngram_index
-        if index is None:
-            index = req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        drafts = index.propose(req.all_token_ids, k)
+        else:
+            index = req.ngram_index
+            if index is None:
+                index = req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+            drafts = index.propose(req.all_token_ids, k)
         return reasoning.cut_drafts(drafts) if reasoning is not None else drafts
 
     def _add(self, out: SchedulerOutput, req: Request, num_new: int, with_pending: Optional[int] = None) -> None:

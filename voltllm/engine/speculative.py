@@ -21,13 +21,17 @@ mtp.* weights), chained K times, in the same reserved slots (engine/mtp.py, work
 
 An EAGLE-3 head (`"method": "eagle3"`) drafts as MTP does, chaining its one decoder layer K times, fed by three of
 the target's layers' hidden states (engine/eagle3.py, worker/eagle3_runner.py).
+
+Suffix decoding (`"method": "suffix"`) drafts on the host as the n-gram proposer does, from suffix automata of the
+request's own tokens and of recent requests' outputs, a number of drafts that grows with the match
+(engine/suffix_decoding.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3")
+METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3", "suffix")
 # vLLM's older method names that mean MTP on the targets built here
 # vLLM's older / model-named spellings (Qwen3.5's MTP is the same layer as Qwen3-Next's)
 _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
@@ -37,7 +41,10 @@ _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 _DRAFTER_KEYS = {"draft_sample_method", "enforce_eager", "kv_cache_dtype", "draft_kv_cache_dtype", "attention_backend",
                  "draft_attention_backend"}
 # vLLM's keys, per method; draft_tensor_parallel_size is accepted at 1 (the draft runs beside the target)
+_SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
 _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+         "suffix": {"method", "num_speculative_tokens"} | _SUFFIX_KEYS,
          "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS,
          "dflash": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
@@ -56,6 +63,9 @@ DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 # the attention backends a drafter may name: the one it shares with the target (--attention-backend's names)
 _DRAFT_ATTENTION_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN_V100", "TORCH_REF")
 
+
+# the most drafts one step may take (num_speculative_tokens)
+MAX_SPECULATIVE_TOKENS = 32
 
 # a draft model's draft slot before the runner fills it (ScheduledRequest.spec_tokens)
 DRAFT_PLACEHOLDER = -1
@@ -80,6 +90,16 @@ class SpeculativeConfig:
     # whether it runs without its CUDA graphs (the target keeps its own unless --enforce-eager)
     draft_sample_method: str = "probabilistic"
     draft_enforce_eager: bool = False
+    # suffix decoding (vLLM's keys and defaults): the automata's depth (the match plus its draft), the requests whose
+    # outputs are cached (0: none), drafts per matched token, and a draft token's least empirical probability
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    @property
+    def uses_suffix(self) -> bool:
+        return self.method == "suffix"
 
     @property
     def uses_draft_model(self) -> bool:
@@ -119,9 +139,10 @@ class SpeculativeConfig:
                                          "mtp.* weights: leave out \"model\"")
         if unknown:
             raise SpeculativeConfigError(f"--speculative-config: unsupported keys for {method}: {', '.join(unknown)}")
+        if method == "suffix":
+            return cls._suffix(d)
         k = d.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
-            raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in 1..32")
+        _check_num_speculative_tokens(k)
         if method in ("draft_model", "dflash", "eagle3"):
             return replace(cls._draft_model(d, k, method), **_drafter_options(d))
         if method == "mtp":  # its weights are the target's: nothing else to read
@@ -136,6 +157,44 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"--speculative-config prompt_lookup_min ({lo}) exceeds prompt_lookup_max "
                                          f"({hi})")
         return cls(method, k, hi, lo)
+
+    @classmethod
+    def _suffix(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        """Suffix decoding's keys, checked as vLLM checks them; num_speculative_tokens, the most drafts a step may
+        take, defaults to the tree depth (vLLM's default)."""
+        def number(key: str, integer: bool) -> Any:
+            v = d.get(key, getattr(cls, key))
+            if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+                raise SpeculativeConfigError(f"--speculative-config {key} must be "
+                                             f"{'an integer' if integer else 'a number'}, got {v!r}")
+            return v
+
+        depth = number("suffix_decoding_max_tree_depth", True)
+        cached = number("suffix_decoding_max_cached_requests", True)
+        factor = number("suffix_decoding_max_spec_factor", False)
+        min_prob = number("suffix_decoding_min_token_prob", False)
+        if depth < 1:
+            raise SpeculativeConfigError(f"--speculative-config suffix_decoding_max_tree_depth {depth} must be >= 1")
+        if cached < 0:
+            raise SpeculativeConfigError(f"--speculative-config suffix_decoding_max_cached_requests {cached} must be "
+                                         ">= 0 (0: no cache of earlier requests' outputs)")
+        if factor < 0:
+            raise SpeculativeConfigError(f"--speculative-config suffix_decoding_max_spec_factor {factor} must be "
+                                         ">= 0")
+        if not 0 <= min_prob <= 1:
+            raise SpeculativeConfigError(f"--speculative-config suffix_decoding_min_token_prob {min_prob} must be in "
+                                         "[0, 1]")
+        k = d.get("num_speculative_tokens")
+        if k is None:
+            k = depth
+            if k > MAX_SPECULATIVE_TOKENS:
+                raise SpeculativeConfigError(
+                    f"--speculative-config method suffix: num_speculative_tokens defaults to "
+                    f"suffix_decoding_max_tree_depth ({depth}), above the {MAX_SPECULATIVE_TOKENS} drafts a step may "
+                    f"take here; give num_speculative_tokens (1..{MAX_SPECULATIVE_TOKENS})")
+        _check_num_speculative_tokens(k)
+        return cls("suffix", k, suffix_decoding_max_tree_depth=depth, suffix_decoding_max_cached_requests=cached,
+                   suffix_decoding_max_spec_factor=float(factor), suffix_decoding_min_token_prob=float(min_prob))
 
     @classmethod
     def _draft_model(cls, d: dict[str, Any], k: int, method: str = "draft_model") -> "SpeculativeConfig":
@@ -155,6 +214,12 @@ class SpeculativeConfig:
     def with_draft(self, path: str, hf_config: Any) -> "SpeculativeConfig":
         """This config with the draft resolved: its local path and HF config."""
         return replace(self, model=path, draft_hf_config=hf_config)
+
+
+def _check_num_speculative_tokens(k: Any) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens, an integer in "
+                                     f"1..{MAX_SPECULATIVE_TOKENS}")
 
 
 def _drafter_options(d: dict[str, Any]) -> dict[str, Any]:
