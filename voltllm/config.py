@@ -653,13 +653,14 @@ class EngineArgs:
         weight_offload = resolve_weight_offload(self.cpu_offload_gb, self.cpu_offload_params, self.offload_backend,
                                                 self.offload_group_size, self.offload_num_in_group,
                                                 self.offload_prefetch_step, self.enable_lora)
-        if weight_offload is not None and graphs.prompt_graphs and device.type == "cuda":
+        streamed = weight_offload is not None and weight_offload.backend == "prefetch"
+        if streamed and graphs.prompt_graphs and device.type == "cuda":
             # (a piecewise graph ends at every attention call, but a prefetched layer's copy joins the main stream a
             # layer or more later: the copy stream cannot stay forked across pieces)
             logger.info("piecewise prompt CUDA graphs are off with weight offloading (decode graphs stay on)")
         dev = DeviceConfig(device=device, compat=compat, enforce_eager=not graphs.decode_graphs,
                            attention_backend=attention_backend, require_acceleration=self.require_acceleration,
-                           prompt_graph_max_tokens=None if graphs.prompt_graphs and weight_offload is None else 0,
+                           prompt_graph_max_tokens=None if graphs.prompt_graphs and not streamed else 0,
                            cuda_graphs=graphs)
         config = EngineConfig(model=model, cache=cache, scheduler=sched, device=dev,
                               parallel=ParallelConfig(self.tensor_parallel_size, intermediate_align=(

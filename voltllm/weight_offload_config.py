@@ -1,12 +1,16 @@
 """vLLM's weight-offloading flags, resolved to a WeightOffloadConfig (what worker/weight_offload.py runs).
 
-vLLM has two forms: `--cpu-offload-gb N` (the "uva" backend: N GiB of parameters per GPU kept in CPU memory and read
+vLLM has two forms: `--cpu-offload-gb N` (its "uva" backend: N GiB of parameters per GPU kept in CPU memory and read
 over the bus in place) and group offloading (`--offload-group-size G --offload-num-in-group n`: the last n decoder
-layers of every G, prefetched `--offload-prefetch-step` layers ahead). voltllm runs both the second way: whole decoder
-layers live in page-locked CPU memory and are copied into GPU staging slots ahead of their turn, on a copy stream,
-while the layers before them compute. `--cpu-offload-gb` picks the layers (evenly spread, at least N GiB of them),
-the group flags pick them as vLLM does. In-place UVA reads (`--offload-backend uva`) are not built: a prompt's GEMMs
-would read every weight tile over the bus many times.
+layers of every G, prefetched `--offload-prefetch-step` layers ahead). Both choose whole decoder layers here
+(`--cpu-offload-gb`: the fewest evenly spread ones holding at least N GiB; the group flags: vLLM's rule), and both
+backends are built:
+- prefetch (the default, `auto`): the layers live in page-locked CPU memory and are copied into GPU staging slots
+  ahead of their turn, on a copy stream, while the layers before them compute. Every forward moves every offloaded
+  byte once, whatever the batch.
+- uva (`--offload-backend uva`): the kernels read the offloaded weights in place over the bus. No staging slots; a
+  decode step reads each weight it uses once, and a MoE layer's unused experts not at all (with `--cpu-offload-params
+  experts`, only the routed experts cross the bus), but a prompt's GEMMs read each weight tile many times.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 from voltllm.config import ConfigError
 
-OFFLOAD_BACKENDS = ("auto", "prefetch")
+OFFLOAD_BACKENDS = ("auto", "prefetch", "uva")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class WeightOffloadConfig:
     num_in_group: int  # --offload-num-in-group: the last n layers of every group
     prefetch_step: int  # --offload-prefetch-step: offloaded layers copied ahead (0: each copied as its turn comes)
     params: tuple[str, ...]  # --cpu-offload-params: only tensors whose names hold one of these segment runs
+    backend: str = "prefetch"  # prefetch (staging slots) | uva (read in place)
 
     @property
     def slots(self) -> int:
@@ -56,12 +61,8 @@ def offload_params(value: Any) -> tuple[str, ...]:
 def resolve_weight_offload(cpu_offload_gb: Any, cpu_offload_params: Any, backend: str, group_size: Any,
                            num_in_group: Any, prefetch_step: Any, enable_lora: bool) -> Optional[WeightOffloadConfig]:
     """The flags as a WeightOffloadConfig (None: no offloading), or a ConfigError naming the flag."""
-    if backend == "uva":
-        raise ConfigError("--offload-backend uva: reading weights in place over the bus (zero-copy) is not built; "
-                          "voltllm copies offloaded layers into GPU staging slots ahead of their turn (auto / "
-                          "prefetch), which --cpu-offload-gb uses too")
     if backend not in OFFLOAD_BACKENDS:
-        raise ConfigError(f"--offload-backend {backend!r}: not a backend (auto, prefetch; uva is not built)")
+        raise ConfigError(f"--offload-backend {backend!r}: not a backend (auto, prefetch, uva)")
     if isinstance(cpu_offload_gb, bool) or not isinstance(cpu_offload_gb, (int, float)) \
             or not math.isfinite(cpu_offload_gb) or cpu_offload_gb < 0:
         raise ConfigError(f"--cpu-offload-gb must be a number of GiB >= 0, got {cpu_offload_gb!r}")
@@ -70,6 +71,9 @@ def resolve_weight_offload(cpu_offload_gb: Any, cpu_offload_params: Any, backend
     prefetch_step = _count("--offload-prefetch-step", prefetch_step, 0)
     params = offload_params(cpu_offload_params)
     if group_size > 0:
+        if backend == "uva":
+            raise ConfigError("--offload-group-size with --offload-backend uva: group offloading is the prefetch "
+                              "backend's (vLLM's too); give --cpu-offload-gb for uva, or drop --offload-backend")
         if num_in_group > group_size:
             raise ConfigError(f"--offload-num-in-group {num_in_group} must be <= --offload-group-size {group_size}")
         if prefetch_step < 1:
@@ -85,7 +89,8 @@ def resolve_weight_offload(cpu_offload_gb: Any, cpu_offload_params: Any, backend
                           "built: the adapters' GPU slots live in the offloaded projections; drop one of them")
     budget = 0 if group_size > 0 else int(cpu_offload_gb * 2**30)
     return WeightOffloadConfig(budget_bytes=budget, group_size=group_size, num_in_group=num_in_group,
-                               prefetch_step=prefetch_step, params=params)
+                               prefetch_step=prefetch_step, params=params,
+                               backend="uva" if backend == "uva" else "prefetch")
 
 
 def matches(path: str, patterns: Sequence[str]) -> bool:

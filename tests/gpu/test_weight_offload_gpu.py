@@ -1,7 +1,9 @@
 """Weight offloading on CUDA (worker/weight_offload.py): offloaded decoder layers in page-locked host memory, copied
 into fewer GPU staging slots than there are of them on a copy stream ahead of their turn, decode CUDA graphs (which
 capture the copies) and eager prompt steps. Greedy tokens and logprobs equal an engine without offloading: dense fp32 /
-fp16, a hybrid (qwen3_5), and AWQ weights kept quantized (their planes offloaded). Run on the GPU machine:
+fp16, a hybrid (qwen3_5), and AWQ weights kept quantized (their planes offloaded). With --offload-backend uva the
+kernels read the weights in host memory in place (dense layers at 20 decode rows, where the decode-batch GEMMs must
+not take TMA tiles; a MoE model's experts only). Run on the GPU machine:
     PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -m gpu -q tests/gpu/test_weight_offload_gpu.py -p no:cacheprovider
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ ALL = 1000.0  # GiB: every layer
 
 
 def _run(path, prompts=PROMPTS, **kw):
-    llm = LLM(path, device="cuda", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3, **kw)
+    kw.setdefault("max_num_seqs", 8)
+    llm = LLM(path, device="cuda", max_model_len=256, gpu_memory_utilization=0.3, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
                  for o in outs]
@@ -128,4 +131,41 @@ def test_weights_kept_quantized(tmp_path, monkeypatch):
     streamer = runner.weight_offload
     assert streamer.slots.data_ptr() <= planes.lo.data_ptr() < streamer.slots.data_ptr() + streamer.slots.numel()
     _assert_close(outs, reference, 1e-3)
+    _free(llm)
+
+
+# -- --offload-backend uva: kernels read the offloaded weights in host memory, in place ------------------------------
+WIDE = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 3 * i)] for i in range(20)]  # 20 rows: decode-batch GEMMs
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 1e-3)])
+def test_read_in_place(dense, dtype, tol):
+    from voltllm.host_memory import in_host_memory
+
+    ref_llm, reference = _run(dense, WIDE, dtype=dtype, max_num_seqs=32)
+    _free(ref_llm)
+    llm, outs = _run(dense, WIDE, dtype=dtype, max_num_seqs=32, cpu_offload_gb=ALL, offload_backend="uva")
+    runner = llm.engine.runner
+    held = runner.weight_offload
+    assert held.num_slots == 0 and held.order == [0, 1, 2, 3, 4, 5]
+    for layer in runner.model.layers:
+        assert all(p.is_cuda and in_host_memory(p) for p in layer.parameters())
+    assert runner.graphs is not None and runner.graphs.replays > 0
+    _assert_close(outs, reference, tol)
+    _free(llm)
+
+
+def test_moe_experts_read_in_place(tmp_path):
+    """A MoE model's experts only (vLLM's --cpu-offload-params experts) in host memory, read in place: each decode
+    step reads the routed experts over the bus."""
+    from voltllm.host_memory import in_host_memory
+
+    path = make_model(str(tmp_path), "qwen3_moe", num_hidden_layers=3)
+    ref_llm, reference = _run(path, dtype="float32")
+    _free(ref_llm)
+    llm, outs = _run(path, dtype="float32", cpu_offload_gb=ALL, offload_backend="uva", cpu_offload_params=["experts"])
+    layers = llm.engine.runner.model.layers
+    assert in_host_memory(layers[0].mlp.w13) and in_host_memory(layers[2].mlp.w2)
+    assert not in_host_memory(layers[0].self_attn.qkv_proj.weight)
+    _assert_close(outs, reference, 1e-5)
     _free(llm)

@@ -64,6 +64,20 @@ def test_offloaded_layers_generate_the_same(dense, flags, offloaded, slots):
     assert _outputs(llm) == reference
 
 
+def test_read_in_place(dense):
+    """--offload-backend uva: the offloaded layers' tensors view their host buffers (on a GPU: through a CUDA view
+    of the page-locked buffer); no slots, no hooks."""
+    path, reference = dense
+    llm = _llm(path, cpu_offload_gb=ALL, offload_backend="uva")
+    held = llm.engine.runner.weight_offload
+    assert held.order == [0, 1, 2, 3] and held.num_slots == 0
+    for layer, host in zip(llm.engine.runner.model.layers, held.host):
+        lo, hi = host.data_ptr(), host.data_ptr() + host.numel()
+        assert all(lo <= p.data_ptr() < hi for p in layer.parameters())
+        assert not layer._forward_pre_hooks
+    assert _outputs(llm) == reference
+
+
 def test_layers_sharing_a_slot_need_their_copies(dense, monkeypatch):
     """The check above can fail: with the per-layer copy skipped, layers read whichever layer's weights the shared
     slot holds."""

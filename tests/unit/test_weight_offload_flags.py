@@ -26,13 +26,17 @@ def test_flags_parse(tiny):
     grouped = _parse(tiny, "--device", "cpu", "--offload-backend", "prefetch", "--offload-group-size", "8",
                      "--offload-num-in-group", "2").create_engine_config().weight_offload
     assert (grouped.budget_bytes, grouped.group_size, grouped.num_in_group, grouped.prefetch_step) == (0, 8, 2, 1)
+    assert grouped.backend == "prefetch" and wo.backend == "prefetch"
+    uva = _parse(tiny, "--device", "cpu", "--cpu-offload-gb", "1", "--offload-backend", "uva",
+                 "--cpu-offload-params", "experts").create_engine_config()
+    assert uva.weight_offload.backend == "uva" and uva.device.prompt_graph_max_tokens is None  # (prompt graphs stay)
     plain = _parse(tiny, "--device", "cpu", "--cpu-offload-gb", "0").create_engine_config()
     assert plain.weight_offload is None and plain.device.prompt_graph_max_tokens is None
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"cpu_offload_gb": 1, "offload_backend": "uva"}, "--offload-backend uva: reading weights in place"),
     ({"cpu_offload_gb": 1, "offload_backend": "disk"}, "--offload-backend 'disk': not a backend"),
+    ({"offload_group_size": 4, "offload_backend": "uva"}, "--offload-group-size with --offload-backend uva"),
     ({"cpu_offload_gb": -1}, "--cpu-offload-gb must be a number of GiB >= 0"),
     ({"cpu_offload_gb": float("nan")}, "--cpu-offload-gb must be a number of GiB >= 0"),
     ({"offload_group_size": 4, "offload_num_in_group": 5}, "--offload-num-in-group 5 must be <= --offload-group-s"),

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -197,6 +197,50 @@ def plan_offload(model: nn.Module, cfg: WeightOffloadConfig) -> OffloadPlan:
     return OffloadPlan(chosen, {i: offloadable[i] for i in chosen}, sizes)
 
 
+def _packed(groups: list[_Group]) -> tuple[torch.Tensor, list[int]]:
+    """One layer's offloadable storages copied into one host buffer at aligned offsets (the buffer, the offsets)."""
+    offsets, at = [], 0
+    for g in groups:
+        offsets.append(at)
+        at = _aligned(at + g.nbytes)
+    host = torch.empty(at, dtype=torch.uint8)
+    for g, start in zip(groups, offsets):
+        host[start:start + g.nbytes].copy_(g.bytes_view())
+    return host, offsets
+
+
+class HostResidentLayers:
+    """--offload-backend uva: the offloaded layers' storages stay in page-locked host memory and their tensors view
+    it in place (host_memory.device_view), so kernels read them over the bus; no slots, no hooks. Off the GPU the
+    tensors simply view the host buffers."""
+
+    num_slots = prefetch = slot_bytes = staging_bytes = 0
+
+    def __init__(self, plan: OffloadPlan, device: torch.device):
+        self.order = list(plan.layers)
+        self.host: list[torch.Tensor] = []
+        for layer in self.order:
+            host, offsets = _packed(plan.groups[layer])
+            if device.type == "cuda":
+                from voltllm.host_memory import device_view, page_lock_for
+
+                page_lock_for(self, host)
+                base = device_view(host, device)
+            else:
+                base = host
+            for g, at in zip(plan.groups[layer], offsets):
+                g.repoint(base[at:at + g.nbytes])
+            self.host.append(host)
+        self.layer_bytes = [h.numel() for h in self.host]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(self.layer_bytes)
+
+    def remove(self) -> None:
+        pass
+
+
 class LayerStreamer:
     """The offloaded layers' host copies, the GPU staging slots and the forward hooks that fill them (module
     docstring)."""
@@ -209,29 +253,19 @@ class LayerStreamer:
         self.num_slots = max(1, min(prefetch_step + 1, n))
         self.prefetch = self.num_slots - 1
         # each offloaded layer's storages at aligned offsets, the same in its host buffer and in its slot
-        layouts = []
-        for layer in self.order:
-            offsets, at = [], 0
-            for g in plan.groups[layer]:
-                offsets.append(at)
-                at = _aligned(at + g.nbytes)
-            layouts.append((offsets, at))
-        self.layer_bytes = [size for _, size in layouts]
+        packed = [_packed(plan.groups[layer]) for layer in self.order]
+        self.host: list[torch.Tensor] = [host for host, _ in packed]
+        self.layer_bytes = [h.numel() for h in self.host]
         self.slot_bytes = max(self.layer_bytes, default=0)
         self.slots = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
-        self.host: list[torch.Tensor] = []
         for j, layer in enumerate(self.order):
-            offsets, size = layouts[j]
-            host = torch.empty(size, dtype=torch.uint8)
-            for g, at in zip(plan.groups[layer], offsets):
-                host[at:at + g.nbytes].copy_(g.bytes_view())
+            for g, at in zip(plan.groups[layer], packed[j][1]):
                 g.repoint(self.slots[j % self.num_slots, at:at + g.nbytes])
             if pin:
                 from voltllm.host_memory import page_lock_for
 
-                page_lock_for(self, host)
-            self.host.append(host)
+                page_lock_for(self, self.host[j])
         for j in range(self.num_slots):  # valid weights before the first forward (start-up tuners time these GEMMs)
             self._copy(j)
         self.stream = torch.cuda.Stream(device) if pin and self.prefetch > 0 else None
@@ -285,9 +319,10 @@ def _move_to(groups: Iterator[_Group], device: torch.device) -> None:
         g.repoint(region)
 
 
-def install_weight_offload(model: nn.Module, cfg: WeightOffloadConfig, device: torch.device) -> LayerStreamer:
+def install_weight_offload(model: nn.Module, cfg: WeightOffloadConfig,
+                           device: torch.device) -> Union[LayerStreamer, HostResidentLayers]:
     """Offload the layers the plan chooses and move every other host-built tensor to `device` (module docstring);
-    returns the LayerStreamer whose hooks now run in every forward."""
+    returns the LayerStreamer whose hooks now run in every forward (prefetch), or the HostResidentLayers (uva)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     plan = plan_offload(model, cfg)
@@ -300,7 +335,8 @@ def install_weight_offload(model: nn.Module, cfg: WeightOffloadConfig, device: t
              if g.key in offloaded or (g.tensors[0].tensor.device != device)]
     _move_to((g for key, g in everything.items() if key not in offloaded and g.tensors[0].tensor.device != device),
              device)
-    streamer = LayerStreamer(model.layers, plan, cfg.prefetch_step, device)
+    streamer = (HostResidentLayers(plan, device) if cfg.backend == "uva"
+                else LayerStreamer(model.layers, plan, cfg.prefetch_step, device))
     del everything, plan
     alive = sum(not w.expired() for w in watch)
     if alive:
@@ -311,8 +347,12 @@ def install_weight_offload(model: nn.Module, cfg: WeightOffloadConfig, device: t
     return streamer
 
 
-def describe(streamer: LayerStreamer, num_layers: int) -> str:
+def describe(streamer: Union[LayerStreamer, HostResidentLayers], num_layers: int) -> str:
     gib = 2**30
+    if isinstance(streamer, HostResidentLayers):
+        return (f"{len(streamer.order)} of {num_layers} decoder layers ({streamer.offloaded_bytes / gib:.2f} GiB) in "
+                "CPU memory, read in place over the bus (--offload-backend uva); GPU memory saved "
+                f"{streamer.offloaded_bytes / gib:.2f} GiB")
     saved = streamer.offloaded_bytes - streamer.staging_bytes
     return (f"{len(streamer.order)} of {num_layers} decoder layers ({streamer.offloaded_bytes / gib:.2f} GiB) in CPU "
             f"memory, copied to {streamer.num_slots} GPU staging slot(s) of {streamer.slot_bytes / gib:.2f} GiB "
