@@ -236,6 +236,7 @@
 #            GPU files
 #   s144a    (session 52) weight offloading GPU file, host -> GPU copy rate, 8B batch 1 with 8 GiB offloaded
 #   s144b    (session 52) the 8B at 64 x 128/128 (#4)
+#   s144c    (session 52) qwen3-30b-a3b shape with its experts in host memory: uva vs prefetch, batch 1 decode
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
@@ -1556,11 +1557,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # batch 1 with 8 GiB of its layers in CPU memory (prefetch 1 and 3)
     gpu_file test_weight_offload_gpu 300
     timeout 60 python3 benchmarks/micro/h2d_copy_rate.py 2>&1 | grep -v -i warn | tee "$out/h2d.txt"
-    for step in 1 3; do
+    for form in p1 p3 uva; do
+      args="--offload-prefetch-step ${form#p}"; [ $form = uva ] && args="--offload-backend uva"
       bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario decode \
-        --input-len 512 --output-len 64 --num-warm 1 --cpu-offload-gb 8 --offload-prefetch-step $step \
-        --name qwen3-8b-shape-fp16-decode-b1-offload8-p$step-$sha > "$out/offload-p$step.log" 2>&1
-      grep -E "weight offloading|^pure_decode|^ttft" "$out/offload-p$step.log" | cut -c1-200
+        --input-len 512 --output-len 64 --num-warm 1 --cpu-offload-gb 8 $args \
+        --name qwen3-8b-shape-fp16-decode-b1-offload8-$form-$sha > "$out/offload-$form.log" 2>&1
+      grep -E "weight offloading|^pure_decode|^ttft" "$out/offload-$form.log" | cut -c1-200
+    done
+    ;;
+  s144c)  # (session 52) a MoE model's experts in host memory (qwen3-30b-a3b shape, fp16: ~57 GB of experts), read in
+          # place (uva) against streamed (prefetch): batch 1 decode
+    for form in uva prefetch; do
+      n=64; [ $form = prefetch ] && n=8
+      bench_via "python3 -m voltllm.cli" --random-weights qwen3-30b-a3b-shape --dtype half --scenario decode \
+        --input-len 128 --output-len $n --num-warm 1 --cpu-offload-gb 1000 --cpu-offload-params experts \
+        --offload-backend $form --max-model-len 4096 \
+        --name qwen3-30b-a3b-shape-fp16-decode-b1-experts-$form-$sha > "$out/moe-$form.log" 2>&1
+      grep -E "weight offloading|^pure_decode|^ttft|Error" "$out/moe-$form.log" | cut -c1-200
     done
     ;;
   s144b)  # (session 52) #4: the 8B at 64 x 128/128 on main (the split-row argmax on since session 51)
