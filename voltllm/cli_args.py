@@ -94,7 +94,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GiB of decoder-layer weights per GPU kept in CPU memory (whole layers, spread out; 0: none)")
     w.add_argument("--cpu-offload-params", nargs="+", default=None,
                    help="offload only the tensors with these name segments (e.g. experts, mlp.down_proj)")
-    w.add_argument("--offload-backend", default="auto", help="auto | prefetch (uva, in-place reads, is not built)")
+    w.add_argument("--offload-backend", default="auto",
+                   help="auto = prefetch (copy layers into GPU slots ahead of their turn) | uva (kernels read the "
+                        "weights in host memory in place; for MoE experts)")
     w.add_argument("--offload-group-size", type=int, default=0,
                    help="offload the last --offload-num-in-group layers of every N (instead of --cpu-offload-gb)")
     w.add_argument("--offload-num-in-group", type=int, default=1, help="layers offloaded per group")

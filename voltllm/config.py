@@ -242,7 +242,7 @@ class EngineArgs:
     # weight offloading to CPU memory (vLLM's flags; voltllm/weight_offload_config.py, worker/weight_offload.py)
     cpu_offload_gb: float = 0
     cpu_offload_params: Optional[Any] = None  # names (list, or one comma-separated string)
-    offload_backend: str = "auto"  # auto | prefetch (uva is not built)
+    offload_backend: str = "auto"  # auto (= prefetch) | prefetch | uva
     offload_group_size: int = 0
     offload_num_in_group: int = 1
     offload_prefetch_step: int = 1

@@ -43,17 +43,20 @@ def page_lock_for(owner: object, t: torch.Tensor) -> None:
 class _CudaArray:
     """The __cuda_array_interface__ of a registered host buffer (bytes), for torch.as_tensor."""
 
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
-                                         "strides": None}
+    def __init__(self, t: torch.Tensor, nbytes: int):
+        self.host = t  # (torch keeps this object alive with the tensor it wraps, and so the host buffer)
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (t.data_ptr(), False),
+                                         "version": 3, "strides": None}
 
 
 def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A uint8 CUDA tensor on `device` over the bytes of `t`, a contiguous CPU tensor page-locked with page_lock: GPU
-    kernels read it in place over the bus. The caller keeps `t` (and its registration) alive as long as the view."""
+    kernels read it in place over the bus (the view keeps `t` alive; the caller keeps it registered as long). Under
+    unified virtual addressing (64-bit Linux, every GPU voltllm runs on) a registered buffer's host address is also
+    its device address."""
     nbytes = t.numel() * t.element_size()
     with torch.cuda.device(device):
-        view = torch.as_tensor(_CudaArray(t.data_ptr(), nbytes), device=device)
+        view = torch.as_tensor(_CudaArray(t, nbytes), device=device)
     span = (t.data_ptr(), t.data_ptr() + nbytes)
     bisect.insort(_VIEWED, span)
     weakref.finalize(t, _forget, span)

@@ -51,10 +51,14 @@ def offload_params(value: Any) -> tuple[str, ...]:
     items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
     names = []
     for item in items:
-        if not isinstance(item, str) or not item.strip() or item.strip(".") != item or ".." in item:
-            raise ConfigError(f"--cpu-offload-params: {item!r} is not a parameter name segment (e.g. experts, "
-                              "mlp.experts, self_attn.qkv_proj)")
-        names.extend(part for part in item.split(",") if part)
+        parts = [p.strip() for p in item.split(",")] if isinstance(item, str) else [item]
+        for part in parts:
+            if part == "" and isinstance(item, str) and item.strip():
+                continue  # (a trailing comma)
+            if not isinstance(part, str) or not part or part.strip(".") != part or ".." in part or " " in part:
+                raise ConfigError(f"--cpu-offload-params: {part!r} is not a parameter name segment (e.g. experts, "
+                                  "mlp.experts, self_attn.qkv_proj, layers.3)")
+            names.append(part)
     return tuple(dict.fromkeys(names))
 
 

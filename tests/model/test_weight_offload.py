@@ -49,8 +49,9 @@ def _slot_views(streamer: LayerStreamer, layer: torch.nn.Module) -> int:
 @pytest.mark.parametrize("flags,offloaded,slots", [
     (dict(cpu_offload_gb=ALL, offload_prefetch_step=0), [0, 1, 2, 3], 1),
     (dict(cpu_offload_gb=ALL, offload_prefetch_step=2), [0, 1, 2, 3], 3),
-    (dict(cpu_offload_gb=1e-6), [2], 1),  # the fewest layers covering the budget: one, mid-model
-    (dict(offload_group_size=2, offload_num_in_group=1), [1, 3], 2),  # vLLM's rule: the last 1 of every 2
+    # the fewest layers freeing the budget: three (two of them go to the two staging slots), spread out
+    (dict(cpu_offload_gb=1e-6), [0, 2, 3], 2),
+    (dict(offload_group_size=4, offload_num_in_group=3), [1, 2, 3], 2),  # vLLM's rule: the last 3 of every 4
 ])
 def test_offloaded_layers_generate_the_same(dense, flags, offloaded, slots):
     path, reference = dense
@@ -155,14 +156,39 @@ def test_a_tensor_it_cannot_repoint_stops_the_start(dense, monkeypatch):
         _llm(path, cpu_offload_gb=ALL)
 
 
-def _cfg(budget=0, group=0, n=1):
-    return WeightOffloadConfig(budget_bytes=budget, group_size=group, num_in_group=n, prefetch_step=1, params=())
+def _cfg(budget=0, group=0, n=1, backend="prefetch"):
+    return WeightOffloadConfig(budget_bytes=budget, group_size=group, num_in_group=n, prefetch_step=1, params=(),
+                               backend=backend)
 
 
 def test_choose_layers():
+    """The budget is GPU memory freed: the offloaded layers less the two staging slots (prefetch 1)."""
     sizes = [10] * 8
-    assert choose_layers(sizes, _cfg(budget=25)) == [1, 4, 6]  # three layers, spread over the eight
-    assert choose_layers(sizes, _cfg(budget=10)) == [4]
+    assert choose_layers(sizes, _cfg(budget=25)) == [0, 2, 4, 5, 7]  # five layers free 30 (two slots take 20)
+    assert choose_layers(sizes, _cfg(budget=10)) == [1, 4, 6]
     assert choose_layers(sizes, _cfg(budget=81)) == list(range(8))  # more than the model: all of it
     assert choose_layers(sizes, _cfg(group=4, n=2)) == [2, 3, 6, 7]
-    assert choose_layers([5, 50, 5, 5], _cfg(budget=50)) == [1, 3]  # sizes differ: counted, not assumed
+    assert choose_layers(sizes, _cfg(budget=25, backend="uva")) == [1, 4, 6]  # uva: no slots
+    assert choose_layers([5, 50, 5, 5], _cfg(budget=50, backend="uva")) == [1, 3]  # sizes differ: counted
+
+
+def test_offloading_that_frees_nothing_is_refused(dense):
+    path, _ = dense
+    with pytest.raises(RuntimeError, match="would free no GPU memory"):  # two layers, two slots
+        _llm(path, offload_group_size=2, offload_num_in_group=1)
+    with pytest.raises(RuntimeError, match="picks none"):
+        _llm(path, offload_group_size=8, offload_num_in_group=1)
+
+
+def test_vllm_parameter_names(tmp_path):
+    """--cpu-offload-params takes vLLM's names: a MoE layer's experts.w13_weight, a layer by layers.N."""
+    path = make_model(str(tmp_path), "qwen3_moe", num_hidden_layers=3)
+    llm = _llm(path, cpu_offload_gb=ALL, offload_backend="uva", cpu_offload_params="experts.w2_weight,layers.1")
+    layers = llm.engine.runner.model.layers
+    host = llm.engine.runner.weight_offload.host
+    spans = [(h.data_ptr(), h.data_ptr() + h.numel()) for h in host]
+
+    def held(t):
+        return any(lo <= t.data_ptr() < hi for lo, hi in spans)
+    assert held(layers[0].mlp.w2) and not held(layers[0].mlp.w13)  # only w2 of the MoE layers ...
+    assert all(held(p) for p in layers[1].parameters())  # ... and all of layer 1

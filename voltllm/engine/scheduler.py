@@ -183,7 +183,7 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             if self.spec is not None and with_pending - computed == 1:  # decoding: guess the next tokens
-                req.spec_token_ids = self._propose(req, budget - 1)
+                req.spec_token_ids = self._propose(req, min(budget, cap) - 1)
             num_new = min(with_pending + len(req.spec_token_ids) - computed, budget, cap)
             num_new = kv.cap_new_tokens(req, computed, num_new)  # hybrid snapshot boundaries
             if num_new <= 0:

@@ -50,11 +50,11 @@ AUTO_DENSE_FRACTION = 0.5
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights in place (speed depends on shapes, not values): N(0, 0.02), norms at 1. Drawn on the first
-    parameter's device: decoder layers built in CPU memory for weight offloading get the values they would have got
-    on the GPU."""
-    device = next(model.parameters()).device
+def init_dummy_weights(model: torch.nn.Module, seed: int, device: Optional[torch.device] = None) -> None:
+    """Random weights in place (speed depends on shapes, not values): N(0, 0.02), norms at 1. Drawn on `device` (the
+    engine's; default: the first parameter's): decoder layers built in CPU memory for weight offloading get the
+    values they would have got on the GPU."""
+    device = device if device is not None else next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
@@ -236,6 +236,10 @@ class ModelRunner:
             linear_method = QuantizedLinearMethod(dot_max_rows(cap), dot_table(cap), moe_table(cap),
                                                   grouped_max_rows(cap))
         offload = self.config.weight_offload
+        if offload is not None and mc.load_format != "dummy":
+            from voltllm.worker.weight_offload import check_host_room
+
+            check_host_room(str(mc.model))
         try:
             # with weight offloading the decoder layers are built (and loaded) in CPU memory: the offloader then
             # moves those that stay to the GPU (model/layer_placement.py)
@@ -244,7 +248,7 @@ class ModelRunner:
                                     headless=mc.runner == "pooling",
                                     classifier=mc.pooler.classifier if mc.runner == "pooling" else None)
             if mc.load_format == "dummy":
-                init_dummy_weights(model, mc.seed)
+                init_dummy_weights(model, mc.seed, self.device)
                 logger.info("random weights at the shapes of %s (--load-format dummy)", mc.model)
             else:
                 # quantized weights are allocated while they load, not when the model is built; under expert

@@ -42,7 +42,7 @@ logger = logging.getLogger("voltllm")
 ALIGN = 256  # bytes: a storage's start in a slot (TMA descriptors and vector loads need 16)
 # names a MoE layer's experts have in vLLM's checkpoints ("mlp.experts.w2_weight"), so --cpu-offload-params experts
 # selects them here too
-_EXPERT_ATTRS = {"w13": "experts.w13", "w2": "experts.w2", "qexperts": "experts"}
+_EXPERT_ATTRS = {"w13": "experts.w13_weight", "w2": "experts.w2_weight", "qexperts": "experts"}
 # nn.Module attributes that are bookkeeping, not state the layer computes with
 _MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
 
@@ -164,15 +164,25 @@ class OffloadPlan:
     layer_bytes: list[int]  # every layer's offloadable bytes (index: layer)
 
 
+def _saved(sizes: list[int], picked: list[int], cfg: WeightOffloadConfig) -> int:
+    """GPU bytes freed by offloading `picked`: their bytes, less the staging slots (prefetch: as many as
+    prefetch_step + 1, each as large as the largest offloaded layer; uva: none)."""
+    total = sum(sizes[i] for i in picked)
+    if cfg.backend == "uva" or not picked:
+        return total
+    return total - min(cfg.slots, len(picked)) * max(sizes[i] for i in picked)
+
+
 def choose_layers(sizes: list[int], cfg: WeightOffloadConfig) -> list[int]:
     """The decoder layers to offload: vLLM's group rule (the last num_in_group of every group_size), or the fewest
-    evenly spread layers whose offloadable bytes reach the budget (all of them when they never do)."""
+    evenly spread layers whose offloading frees at least the budget of GPU memory, the staging slots counted (all of
+    them when none does)."""
     n = len(sizes)
     if cfg.group_size > 0:
         return [i for i in range(n) if i % cfg.group_size >= cfg.group_size - cfg.num_in_group]
     for count in range(1, n + 1):
         picked = sorted({min(n - 1, int((k + 0.5) * n / count)) for k in range(count)})
-        if sum(sizes[i] for i in picked) >= cfg.budget_bytes:
+        if _saved(sizes, picked, cfg) >= cfg.budget_bytes:
             return picked
     return list(range(n))
 
@@ -191,9 +201,17 @@ def plan_offload(model: nn.Module, cfg: WeightOffloadConfig) -> OffloadPlan:
         offloadable[i] = [
             g for key, g in groups.items()
             if key not in outside and reach_count[key] == 1 and not any(f.buffer for f in g.tensors)
-            and (not cfg.params or any(matches(f.path, cfg.params) for f in g.tensors))]
-    sizes = [sum(g.nbytes for g in offloadable[i]) for i in range(len(layers))]
+            and (not cfg.params or any(matches(f"model.layers.{i}.{f.path}", cfg.params) for f in g.tensors))]
+    sizes = [sum(_aligned(g.nbytes) for g in offloadable[i]) for i in range(len(layers))]
     chosen = [i for i in choose_layers(sizes, cfg) if sizes[i] > 0]
+    saved = _saved(sizes, chosen, cfg)
+    if chosen and saved < cfg.budget_bytes:
+        logger.warning("weight offloading: every decoder layer's offloadable weights free %.2f GiB of GPU memory, less "
+                       "than --cpu-offload-gb %.2f", saved / 2**30, cfg.budget_bytes / 2**30)
+    if chosen and saved <= 0:
+        raise RuntimeError(f"weight offloading: the {len(chosen)} offloaded layer(s) would free no GPU memory (their "
+                           f"{min(cfg.slots, len(chosen))} staging slot(s) take as much); offload more layers or "
+                           "lower --offload-prefetch-step")
     return OffloadPlan(chosen, {i: offloadable[i] for i in chosen}, sizes)
 
 
@@ -252,20 +270,22 @@ class LayerStreamer:
         n = len(self.order)
         self.num_slots = max(1, min(prefetch_step + 1, n))
         self.prefetch = self.num_slots - 1
-        # each offloaded layer's storages at aligned offsets, the same in its host buffer and in its slot
-        packed = [_packed(plan.groups[layer]) for layer in self.order]
-        self.host: list[torch.Tensor] = [host for host, _ in packed]
-        self.layer_bytes = [h.numel() for h in self.host]
+        # each offloaded layer's storages at aligned offsets, the same in its host buffer and in its slot; packed and
+        # re-pointed a layer at a time, so host memory holds one layer twice at most
+        self.layer_bytes = [plan.layer_bytes[layer] for layer in self.order]
         self.slot_bytes = max(self.layer_bytes, default=0)
         self.slots = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
+        self.host: list[torch.Tensor] = []
         for j, layer in enumerate(self.order):
-            for g, at in zip(plan.groups[layer], packed[j][1]):
+            host, offsets = _packed(plan.groups[layer])
+            for g, at in zip(plan.groups[layer], offsets):
                 g.repoint(self.slots[j % self.num_slots, at:at + g.nbytes])
             if pin:
                 from voltllm.host_memory import page_lock_for
 
-                page_lock_for(self, self.host[j])
+                page_lock_for(self, host)
+            self.host.append(host)
         for j in range(self.num_slots):  # valid weights before the first forward (start-up tuners time these GEMMs)
             self._copy(j)
         self.stream = torch.cuda.Stream(device) if pin and self.prefetch > 0 else None
@@ -319,6 +339,25 @@ def _move_to(groups: Iterator[_Group], device: torch.device) -> None:
         g.repoint(region)
 
 
+def check_host_room(model_path: str) -> None:
+    """Before the decoder layers are built in CPU memory: the checkpoint's weight files (a bound on what they take
+    there) must fit the memory the host has available, or loading would end in the kernel's OOM killer."""
+    import os
+
+    from voltllm.cache.cpu_offload import host_available_bytes
+
+    available = host_available_bytes()
+    if available is None or not os.path.exists(model_path):
+        return
+    files = [model_path] if os.path.isfile(model_path) else [
+        os.path.join(model_path, f) for f in os.listdir(model_path) if f.endswith((".safetensors", ".gguf", ".bin"))]
+    size = sum(os.path.getsize(f) for f in files)
+    if size > available:
+        raise RuntimeError(f"weight offloading builds the decoder layers in CPU memory first: the checkpoint's "
+                           f"{size / 2**30:.1f} GiB of weights do not fit the {available / 2**30:.1f} GiB this host "
+                           "has available (MemAvailable in /proc/meminfo)")
+
+
 def install_weight_offload(model: nn.Module, cfg: WeightOffloadConfig,
                            device: torch.device) -> Union[LayerStreamer, HostResidentLayers]:
     """Offload the layers the plan chooses and move every other host-built tensor to `device` (module docstring);
@@ -327,8 +366,10 @@ def install_weight_offload(model: nn.Module, cfg: WeightOffloadConfig,
         device = torch.device("cuda", torch.cuda.current_device())
     plan = plan_offload(model, cfg)
     if not plan.layers:
-        raise RuntimeError("weight offloading: no decoder layer holds a tensor it could offload"
-                           + (f" (--cpu-offload-params {' '.join(cfg.params)} matches none)" if cfg.params else ""))
+        why = (f" (--cpu-offload-params {' '.join(cfg.params)} matches none)" if cfg.params else
+               f" (--offload-group-size {cfg.group_size} with {len(model.layers)} layers picks none)"
+               if cfg.group_size > len(model.layers) else "")
+        raise RuntimeError("weight offloading: no decoder layer holds a tensor it could offload" + why)
     offloaded = {g.key for gs in plan.groups.values() for g in gs}
     everything = _groups(reachable_tensors(model))
     watch = [StorageWeakRef(g.storage) for g in everything.values()
@@ -337,6 +378,8 @@ def install_weight_offload(model: nn.Module, cfg: WeightOffloadConfig,
              device)
     streamer = (HostResidentLayers(plan, device) if cfg.backend == "uva"
                 else LayerStreamer(model.layers, plan, cfg.prefetch_step, device))
+    # the model keeps what its tensors now view (host buffers, their registration, the slots) alive as long as itself
+    model.weight_offload_holder = streamer
     del everything, plan
     alive = sum(not w.expired() for w in watch)
     if alive:
