@@ -1,6 +1,6 @@
 """Tiny quantized checkpoints written at test time: a tiny random model's linear weights quantized
-round-to-nearest per group and packed the way AutoAWQ (GEMM) and GPTQ write them (the loops below follow the
-formats' definitions, independently of voltllm's vectorized unpacking), as FP8 (E4M3) with block-wise
+round-to-nearest per group and packed the way AutoAWQ (GEMM) and GPTQ (4- or 8-bit) write them (the loops below
+follow the formats' definitions, independently of voltllm's vectorized unpacking), as FP8 (E4M3) with block-wise
 `weight_scale_inv` (Qwen's FP8 releases) or per-channel `weight_scale` scales, or as NVFP4 (E2M1 codes in groups of 16
 with E4M3 scales and a global scale) the way NVIDIA ModelOpt and compressed-tensors write it."""
 from __future__ import annotations
@@ -18,10 +18,11 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 GDN_LINEARS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
-def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool, g_idx: Optional[torch.Tensor] = None):
-    """w [N, K] fp32 -> (codes uint8 [N, K], scales fp16 [N, G], zeros int [N, G], dequantized fp32 [N, K]).
-    g_idx [K]: each input's group (act order); default k // group."""
+def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool, g_idx: Optional[torch.Tensor] = None, bits: int = 4):
+    """w [N, K] fp32 -> (codes uint8 [N, K], scales fp16 [N, G], zeros int [N, G], dequantized fp32 [N, K]) with
+    `bits`-bit codes (4 or 8). g_idx [K]: each input's group (act order); default k // group."""
     n, k = w.shape
+    top = (1 << bits) - 1  # the largest code
     g_idx = torch.arange(k) // group if g_idx is None else g_idx
     groups = int(g_idx.max()) + 1
     scales = torch.empty(n, groups, dtype=torch.float16)
@@ -29,16 +30,16 @@ def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool, g_idx: Optional[t
     for g in range(groups):
         cols = w[:, g_idx == g]
         if symmetric:
-            s = (cols.abs().amax(1) / 7.5).clamp_min(1e-6)
-            z = torch.full((n,), 8, dtype=torch.int64)
+            s = (cols.abs().amax(1) / (top / 2)).clamp_min(1e-6)
+            z = torch.full((n,), (top + 1) // 2, dtype=torch.int64)
         else:
             lo, hi = cols.amin(1).clamp_max(0), cols.amax(1).clamp_min(0)
-            s = ((hi - lo) / 15).clamp_min(1e-6)
-            # zero points 1..15: GPTQ's original format stores zero - 1 in 4 bits, so it cannot hold 0
-            z = torch.round(-lo / s.half().float()).clamp(1, 15).to(torch.int64)
+            s = ((hi - lo) / top).clamp_min(1e-6)
+            # zero points 1..top: GPTQ's original format stores zero - 1 in `bits` bits, so it cannot hold 0
+            z = torch.round(-lo / s.half().float()).clamp(1, top).to(torch.int64)
         scales[:, g], zeros[:, g] = s.half(), z
     s_full, z_full = scales.float()[:, g_idx], zeros[:, g_idx]
-    codes = torch.round(w / s_full + z_full).clamp(0, 15).to(torch.int64)
+    codes = torch.round(w / s_full + z_full).clamp(0, top).to(torch.int64)
     deq = (codes - z_full).float() * s_full
     return codes.to(torch.uint8), scales, zeros, deq
 
@@ -62,18 +63,20 @@ def pack_awq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> 
 
 
 def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
-              v2: bool = False) -> dict[str, torch.Tensor]:
-    """GPTQ layout (v1 stores zero - 1) from codes [N, K], zeros / scales [N, G]."""
+              v2: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
+    """GPTQ layout (v1 stores zero - 1) from `bits`-bit codes [N, K] (4 or 8: 32 / bits per int32 word, in order
+    from the low bits), zeros / scales [N, G]."""
+    per, mask = 32 // bits, np.uint64((1 << bits) - 1)
     intw = codes.t().numpy().astype(np.uint64)  # [K, N]
-    qweight = np.zeros((intw.shape[0] // 8, intw.shape[1]), dtype=np.uint64)
+    qweight = np.zeros((intw.shape[0] // per, intw.shape[1]), dtype=np.uint64)
     for r in range(qweight.shape[0]):
-        for i in range(8):
-            qweight[r] |= intw[8 * r + i] << np.uint64(4 * i)
+        for i in range(per):
+            qweight[r] |= intw[per * r + i] << np.uint64(bits * i)
     z = zeros.t().numpy().astype(np.int64) - (0 if v2 else 1)  # [G, N]
-    qzeros = np.zeros((z.shape[0], z.shape[1] // 8), dtype=np.uint64)
+    qzeros = np.zeros((z.shape[0], z.shape[1] // per), dtype=np.uint64)
     for j in range(qzeros.shape[1]):
-        for i in range(8):
-            qzeros[:, j] |= (z[:, 8 * j + i].astype(np.uint64) & np.uint64(15)) << np.uint64(4 * i)
+        for i in range(per):
+            qzeros[:, j] |= (z[:, per * j + i].astype(np.uint64) & mask) << np.uint64(bits * i)
     return {"qweight": _words(qweight), "qzeros": _words(qzeros), "scales": scales.t().contiguous(),
             "g_idx": g_idx.to(torch.int32)}
 
@@ -163,14 +166,16 @@ def nvfp4_config(producer: str, ignore: list[str]) -> dict:
 
 def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool = False, act_order: bool = False,
                         seed: int = 0, block: Optional[tuple[int, int]] = (128, 128), dense: tuple[str, ...] = (),
-                        quant_file: bool = False) -> dict[str, torch.Tensor]:
-    """Rewrite the HF checkpoint at `path` (a tiny_models.make_model directory) in place as an `method` (awq, gptq:
-    4-bit in groups of `group`; fp8: E4M3 in blocks, or per channel with block None; modelopt_fp4 /
+                        quant_file: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
+    """Rewrite the HF checkpoint at `path` (a tiny_models.make_model directory) in place as an `method` (awq: 4-bit,
+    gptq: `bits`-bit (4 or 8), in groups of `group`; fp8: E4M3 in blocks, or per channel with block None; modelopt_fp4 /
     compressed-tensors: NVFP4, leaving the layers named in `dense` unquantized and listed as ignored; ModelOpt's
     config in hf_quant_config.json with quant_file) checkpoint; returns the dequantized weights {name: [N, K] fp32}
     (what a reference model should hold)."""
     from safetensors.torch import load_file, save_file
 
+    if bits != 4 and method != "gptq":
+        raise ValueError(f"{bits}-bit weights: GPTQ only")
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     out, deq = {}, {}
@@ -198,8 +203,9 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
         g_idx = torch.arange(k) // group
         if act_order:
             g_idx = g_idx[torch.randperm(k, generator=gen)]
-        codes, scales, zeros, w = quantize_rtn(t.float(), group, symmetric, g_idx)
-        packed = pack_awq(codes, zeros, scales) if method == "awq" else pack_gptq(codes, zeros, scales, g_idx)
+        codes, scales, zeros, w = quantize_rtn(t.float(), group, symmetric, g_idx, bits)
+        packed = pack_awq(codes, zeros, scales) if method == "awq" else pack_gptq(codes, zeros, scales, g_idx,
+                                                                                  bits=bits)
         out.update({f"{prefix}.{p}": v for p, v in packed.items()})
         deq[name] = w
     save_file(out, file, metadata={"format": "pt"})
@@ -220,7 +226,7 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
     elif method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": symmetric, "desc_act": act_order,
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": symmetric, "desc_act": act_order,
               "checkpoint_format": "gptq"}
     cfg["quantization_config"] = qc
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -243,8 +243,12 @@ def test_quantized_weights_policy(monkeypatch, smollm2_gguf):
         _resolve_quantization("gptq", "hf", awq)
     with pytest.raises(ConfigError, match="'bitsandbytes': reading it is not built yet"):
         _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "bitsandbytes"}))
+    gptq8 = SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 8})
+    assert _resolve_quantization(None, "hf", gptq8) == _resolve_quantization("gptq_marlin", "hf", gptq8) == "gptq"
+    with pytest.raises(ConfigError, match="3-bit"):
+        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 3}))
     with pytest.raises(ConfigError, match="8-bit"):
-        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 8}))
+        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "awq", "bits": 8}))
     monkeypatch.setattr(config, "KEEP_QUANTIZED", 0)
     assert _quantized_weights("gguf", "gguf", llama, cuda, "auto") == "dequantized"
     monkeypatch.setattr(config, "KEEP_QUANTIZED", 1)

@@ -27,7 +27,10 @@ kernels' fma(d * sc, code, -ZERO * d * sc [- dmin * mn]) gives the same fp32 val
 
 The 4-bit AWQ / GPTQ checkpoints (model/loader/int4_checkpoint.py) use the same planes: `int4_kind(group)` is a
 kind whose `d` is the group's scale and, with zero points (AWQ, asymmetric GPTQ), `mn` its integer zero, so an
-element dequantizes to d * (q - zero) exactly (fp16 scale times a 5-bit integer: exact in fp32). FP8 (E4M3)
+element dequantizes to d * (q - zero) exactly (fp16 scale times a 5-bit integer: exact in fp32). The 8-bit GPTQ
+checkpoints use `int8_kind(group)`: their codes in `lo` / `hi` like Q8_0 (ZERO 128), `d` the group's scale and, with
+zero points (asymmetric GPTQ), `mn` the group's zero minus 128 (int8), so d * (q - 128 - mn) = d * (q - zero), again
+exact (an 11-bit significand times a 9-bit integer). FP8 (E4M3)
 checkpoints (model/loader/fp8_checkpoint.py) keep their 8-bit codes in `lo` / `hi` like Q8_0 and an fp32 `d` per 128
 inputs (FP8_KIND): an element is d * e4m3(q). NVFP4 checkpoints (model/loader/nvfp4_checkpoint.py) keep their E2M1
 codes in `lo`, their E4M3 per-16 scale codes in `sc` (raw bits, int8 [N, K/16]) and the tensor's fp32 global scale in
@@ -64,6 +67,7 @@ class PlaneKind:
     sub: int  # elements per sub-block scale, 0 when the type has none
     super: int  # elements per `d` (and `m`)
     zero_points: bool = False  # `mn` holds a per-`super` integer zero point (AWQ / GPTQ int4): w = d * (q - zero)
+    # (the int8 kinds: mn = zero - ZERO, so w = d * (q - ZERO - mn))
     fp8: bool = False  # the 8-bit codes are E4M3 floats (FP8 checkpoints): w = d * e4m3(q), `d` fp32
     fp4: bool = False  # the 4-bit codes are E2M1 floats, `sc` E4M3 codes per `sub` (NVFP4): w = e2m1(q) * e4m3(sc) * d
     nl: bool = False  # the 4-bit codes index IQ4's non-linear table (IQ4_CODES: its values + ZERO 128)
@@ -100,6 +104,16 @@ def int4_kind(group: int, zero_points: bool) -> PlaneKind:
     name = f"INT4_G{group}" + ("_ZP" if zero_points else "")
     return PlaneKind(name, group, 0, hi_bits=0, zero=0 if zero_points else 8, has_min=False, sub=0, super=group,
                      zero_points=zero_points)
+
+
+def int8_kind(group: int, zero_points: bool) -> PlaneKind:
+    """The kind of an 8-bit GPTQ checkpoint quantized in groups of `group` input features (a multiple of 16): codes
+    q in `lo` / `hi` (Q8_0's layout, ZERO 128); with zero points `mn` holds zero - 128 per group (int8: zeros
+    0..255), without them the zero is the fixed 128 (symmetric GPTQ)."""
+    if group % 16:
+        raise ValueError(f"int8 group size {group} is not a multiple of 16")
+    name = f"INT8_G{group}" + ("_ZP" if zero_points else "")
+    return PlaneKind(name, group, 0, hi_bits=4, zero=128, has_min=False, sub=0, super=group, zero_points=zero_points)
 
 
 # FP8 (E4M3) weights with an fp32 scale per 128 inputs of a row (block-wise checkpoints repeat their 128 x 128

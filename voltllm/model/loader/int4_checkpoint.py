@@ -1,4 +1,5 @@
-"""4-bit AWQ and GPTQ checkpoints: Hugging Face directories whose config.json carries a `quantization_config`.
+"""4-bit AWQ and 4- / 8-bit GPTQ checkpoints: Hugging Face directories whose config.json carries a
+`quantization_config`.
 
 Each quantized linear layer stores `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`) instead of `weight`; the
 element at output n, input k is (q - zero) * scale of its group of `group_size` inputs. The two formats pack the
@@ -8,6 +9,10 @@ element at output n, input k is (q - zero) * scale of its group of `group_size` 
 - GPTQ: qweight int32 [K/8, N], packed along the inputs (bits 4i of row r: input 8r + i); qzeros int32 [K/G, N/8],
   packed along the outputs in order; scales [K/G, N]; g_idx [K], each input's group (act-order checkpoints
   permute it). The original format ("gptq", v1) stores zero - 1; "gptq_v2" stores the zero itself.
+- GPTQ 8-bit (`"bits": 8`, e.g. Qwen's *-GPTQ-Int8): the same with 4 codes per word: qweight int32 [K/4, N] (bits 8i
+  of row r: input 4r + i), qzeros int32 [K/G, N/4] (bits 8i of word j: output 4j + i); symmetric checkpoints' zero
+  is 128 (v1 stores 127). As for 4 bits, a zero is the stored field plus the v1 offset (no wrap: a v1 field of 255
+  reads 256, as vLLM's GPTQ kernels read it).
 
 - compressed-tensors' `pack-quantized` int4 layers (read by compressed_tensors_checkpoint.py, which builds the
   Int4Weight): weight_packed int32 [N, ceil(K/8)], packed along the inputs (bits 4i of word j: input 8j + i), each
@@ -16,10 +21,12 @@ element at output n, input k is (q - zero) * scale of its group of `group_size` 
   (code - stored zero) = q - zero; weight_g_idx [K] for act-order ("group") layers.
 
 `int4_weights` turns the checkpoint's tensor stream into one item per layer: an `Int4Weight` (kept quantized: it
-becomes gguf_planes.Planes of an int4 kind on the device, model/layers/quantized_linear.py) or the dequantized matrix
+becomes gguf_planes.Planes of an int4 kind, or of an int8 kind for 8-bit GPTQ, on the device,
+model/layers/quantized_linear.py) or the dequantized matrix
 (the CPU, small models, architectures without quantized layers). Scales are kept in their stored dtype: the planes
 hold fp16 scales, so a layer whose scales fp16 cannot hold exactly (bf16 / fp32 values outside fp16's range or
-precision) is dequantized at load instead (never rounded).
+precision) is dequantized at load instead (never rounded); so is an 8-bit layer with a zero of 256 (the int8 zero
+plane holds zero - 128).
 """
 from __future__ import annotations
 
@@ -29,12 +36,13 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 
 from voltllm.model.layers.quantized_linear import PackedWeight, log_dense_at_load
-from voltllm.model.layers.gguf_planes import GROUP, Planes, int4_kind, to_planes, Unpacked
+from voltllm.model.layers.gguf_planes import GROUP, Planes, int4_kind, int8_kind, to_planes, Unpacked
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing order within a 32-bit word
 _AWQ_UNPACK = tuple(AWQ_ORDER.index(c) for c in range(8))  # the nibble holding column c
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 METHODS = ("awq", "gptq")  # quant_method values read here
+GPTQ_BITS = (4, 8)  # GPTQ weight widths read (AWQ: 4)
 CT = "compressed-tensors"  # Int4Scheme.method of compressed-tensors' pack-quantized int4 layers
 
 
@@ -48,6 +56,12 @@ class Int4Scheme:
     group_size: int  # inputs per scale; -1: one group per row
     desc_act: bool  # GPTQ act-order: g_idx permutes the groups
     zero_offset: int  # added to a stored zero point (GPTQ v1 stores zero - 1)
+    bits: int = 4  # code width: 4, or 8 (GPTQ only)
+
+    @property
+    def per_word(self) -> int:
+        """Codes per packed int32 word."""
+        return 32 // self.bits
 
     def group(self, in_features: int) -> int:
         return in_features if self.group_size in (-1, 0) else self.group_size
@@ -69,14 +83,16 @@ def _quantization_config(hf_config: Any) -> Optional[dict]:
 
 
 def int4_scheme(hf_config: Any) -> Optional[Int4Scheme]:
-    """The checkpoint's 4-bit scheme; None when it is not AWQ / GPTQ. Variants not read here raise."""
+    """The checkpoint's AWQ (4-bit) / GPTQ (4- or 8-bit) scheme; None when it is neither. Variants not read here
+    raise."""
     qc = _quantization_config(hf_config)
     method = quantization_method(hf_config)
     if method not in METHODS:
         return None
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    if bits != 4:
-        raise Int4CheckpointError(f"{method} checkpoint with {bits}-bit weights: only 4-bit AWQ / GPTQ is read")
+    if bits not in (GPTQ_BITS if method == "gptq" else (4,)):
+        raise Int4CheckpointError(f"{method} checkpoint with {bits}-bit weights: read are 4-bit AWQ and 4- or 8-bit "
+                                  "GPTQ checkpoints")
     group = int(qc.get("group_size", qc.get("q_group_size", 128)))
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
@@ -89,7 +105,7 @@ def int4_scheme(hf_config: Any) -> Optional[Int4Scheme]:
     if fmt not in ("gptq", "gptq_v2"):
         raise Int4CheckpointError(f"GPTQ checkpoint format {fmt!r}: only gptq and gptq_v2 are read")
     return Int4Scheme("gptq", group, desc_act=bool(qc.get("desc_act", False)),
-                      zero_offset=1 if fmt == "gptq" else 0)
+                      zero_offset=1 if fmt == "gptq" else 0, bits=bits)
 
 
 def fp16_exact(t: torch.Tensor) -> bool:
@@ -98,15 +114,15 @@ def fp16_exact(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(h).all()) and torch.equal(h.to(t.dtype), t)
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word (bits 4i .. 4i + 3)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    return ((words.to(torch.int32)[..., None] >> shifts) & 15).to(torch.uint8)
+def _nibbles(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [..., W] -> uint8 [..., W, 32 / bits]: field i of each word (bits `bits` i .. `bits` (i + 1) - 1)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    return ((words.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
 
 
-def _columns_packed(words: torch.Tensor, method: str) -> torch.Tensor:
-    """int32 [R, C/8] packed along the columns -> uint8 [R, C] in column order."""
-    nib = _nibbles(words)
+def _columns_packed(words: torch.Tensor, method: str, bits: int = 4) -> torch.Tensor:
+    """int32 [R, C / (32 / bits)] packed along the columns -> uint8 [R, C] in column order."""
+    nib = _nibbles(words, bits)
     if method == "awq":
         nib = nib[..., list(_AWQ_UNPACK)]
     return nib.reshape(words.shape[0], -1)
@@ -114,8 +130,9 @@ def _columns_packed(words: torch.Tensor, method: str) -> torch.Tensor:
 
 @dataclass
 class Int4Weight(PackedWeight):
-    """One linear layer's 4-bit weight as the checkpoint stores it (CPU tensors until `to_weight`). CT layers give
-    in_features (their weight_shape: the packed words may pad a row); the others' shapes follow from qweight."""
+    """One linear layer's 4-bit (or 8-bit GPTQ) weight as the checkpoint stores it (CPU tensors until `to_weight`). CT
+    layers give in_features (their weight_shape: the packed words may pad a row); the others' shapes follow from
+    qweight."""
     scheme: Int4Scheme
     qweight: torch.Tensor
     qzeros: Optional[torch.Tensor]  # None: a symmetric CT layer (the fixed zero 8)
@@ -129,7 +146,7 @@ class Int4Weight(PackedWeight):
         if method == "awq":
             self.in_features, self.out_features = self.qweight.shape[0], self.qweight.shape[1] * 8
         elif method == "gptq":
-            self.in_features, self.out_features = self.qweight.shape[0] * 8, self.qweight.shape[1]
+            self.in_features, self.out_features = self.qweight.shape[0] * self.scheme.per_word, self.qweight.shape[1]
         else:
             self.out_features = self.qweight.shape[0]
             self.in_features = self.in_features or self.qweight.shape[1] * 8
@@ -142,7 +159,7 @@ class Int4Weight(PackedWeight):
             words_ok = self.qweight.shape[1] == -(-k // 8)
         else:
             scales_ok = tuple(self.scales.shape) == (groups, n)
-            zeros_ok = self.qzeros is not None and tuple(self.qzeros.shape) == (groups, n // 8)
+            zeros_ok = self.qzeros is not None and tuple(self.qzeros.shape) == (groups, n // self.scheme.per_word)
             words_ok = True
         if not (scales_ok and zeros_ok and words_ok):
             zeros = None if self.qzeros is None else tuple(self.qzeros.shape)
@@ -151,25 +168,26 @@ class Int4Weight(PackedWeight):
                 f"{tuple(self.scales.shape)} for a [{n}, {k}] weight (group size {self.scheme.group_size})")
 
     def unpack(self, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes uint8 [N, K], scales [N, K/G] in their stored dtype, zero points int8 [N, K/G]) on `device`, with
-        the inputs in group order (g_idx is applied by `to_weight`)."""
+        """(codes uint8 [N, K], scales [N, K/G] in their stored dtype, zero points int16 [N, K/G]: 0..16, 8-bit GPTQ
+        0..256) on `device`, with the inputs in group order (g_idx is applied by `to_weight`)."""
         qweight = self.qweight.to(device)
         n, k = self.out_features, self.in_features
         method = self.scheme.method
         if method == "awq":
             codes = _columns_packed(qweight, "awq").t()
         elif method == "gptq":
-            codes = _nibbles(qweight.t()).reshape(n, k)
+            codes = _nibbles(qweight.t(), self.scheme.bits).reshape(n, k)
         else:
             codes = _nibbles(qweight).reshape(n, -1)[:, :k]
         scales = self.scales.to(device)
         if method == CT:
             groups = scales.shape[1]
-            zeros = torch.full((n, groups), 8, dtype=torch.int8, device=codes.device) if self.qzeros is None else \
-                _nibbles(self.qzeros.to(device).t()).reshape(groups, -1)[:, :n].t().to(torch.int8)
+            zeros = torch.full((n, groups), 8, dtype=torch.int16, device=codes.device) if self.qzeros is None else \
+                _nibbles(self.qzeros.to(device).t()).reshape(groups, -1)[:, :n].t().to(torch.int16)
         else:
             scales = scales.t()
-            zeros = _columns_packed(self.qzeros.to(device), method).t().to(torch.int8) + self.scheme.zero_offset
+            zeros = (_columns_packed(self.qzeros.to(device), method, self.scheme.bits).t().to(torch.int16)
+                     + self.scheme.zero_offset)
         return codes.contiguous(), scales.contiguous(), zeros.contiguous()
 
     def _groups_in_order(self) -> bool:
@@ -191,20 +209,26 @@ class Int4Weight(PackedWeight):
 
     def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
         """Planes on `device`; the dequantized matrix in `dtype` where the planes cannot hold the layout (act-order
-        groups, inputs not a multiple of 64, groups not a multiple of 16, scales fp16 cannot hold exactly)."""
+        groups, inputs not a multiple of 64, groups not a multiple of 16, scales fp16 cannot hold exactly, an 8-bit
+        zero of 256)."""
         why = self._planes_refusal()
+        eight = self.scheme.bits == 8
         if why is None:
             codes, scales, zeros = self.unpack(device)
             if not fp16_exact(scales):
                 why = f"{scales.dtype} group scales that fp16 cannot hold exactly"
+            elif eight and bool((zeros > 255).any()):
+                why = "zero points of 256 (a GPTQ v1 field of 255)"
         if why is not None:
-            log_dense_at_load(f"{self.scheme.method} int4 layers with {why}")
+            log_dense_at_load(f"{self.scheme.method} int{self.scheme.bits} layers with {why}")
             return self.dequantize(torch.float32, device).to(dtype)
         group = self.scheme.group(self.in_features)
-        symmetric = bool((zeros == 8).all())
-        kind = int4_kind(group, zero_points=not symmetric)
-        return to_planes(Unpacked(codes=codes, d=scales.to(torch.float16), m=None, sc=None,
-                                  mn=None if symmetric else zeros), kind)
+        fixed = 128 if eight else 8  # the symmetric checkpoints' zero
+        symmetric = bool((zeros == fixed).all())
+        kind = (int8_kind if eight else int4_kind)(group, zero_points=not symmetric)
+        # the int8 kinds' zero plane holds zero - 128 (their ZERO), the int4 kinds' the zero itself (ZERO 0)
+        mn = None if symmetric else (zeros - kind.zero).to(torch.int8)
+        return to_planes(Unpacked(codes=codes, d=scales.to(torch.float16), m=None, sc=None, mn=mn), kind)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
         """The weight [N, K]: (q - zero) * scale of each input's group, computed in fp32 (exact for fp16 / bf16
@@ -248,11 +272,22 @@ def int4_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: Int4Scheme,
 
 def dense_bytes(path: str, itemsize: int) -> int:
     """Bytes of the checkpoint's weights once dequantized to elements of `itemsize` bytes (from the safetensors
-    headers: a qweight word is 8 weights; zeros, scales and g_idx disappear)."""
+    headers: a qweight word is 8 weights, 4 for 8-bit GPTQ (config.json's bits); zeros, scales and g_idx
+    disappear)."""
+    import json
+    import os
+
     from voltllm.model.loader.safetensors_loader import stored_elements
+
+    config = os.path.join(path, "config.json")
+    qc = {}
+    if os.path.exists(config):
+        with open(config) as f:
+            qc = json.load(f).get("quantization_config") or {}
+    per_word = 32 // int(qc.get("bits", qc.get("w_bit", 4)))
 
     def dense(name: str, n: int) -> int:
         part = name.rpartition(".")[2]
-        return 0 if part in ("qzeros", "scales", "g_idx") else 8 * n if part == "qweight" else n
+        return 0 if part in ("qzeros", "scales", "g_idx") else per_word * n if part == "qweight" else n
 
     return itemsize * stored_elements(path, dense)
