@@ -1,5 +1,6 @@
-"""AWQ / GPTQ (4-bit) and FP8 weights kept quantized on the GPU: the dequant-GEMM and the dequant kernel with the
-int4 kinds (zero points; GPTQ's fixed zero 8) and the FP8 kind (software E4M3 decode) against the checkpoint's own
+"""AWQ / GPTQ (4-bit), GPTQ 8-bit and FP8 weights kept quantized on the GPU: the dequant-GEMM and the dequant kernel
+with the int4 kinds (zero points; GPTQ's fixed zero 8), the int8 kinds (zero points; the fixed zero 128) and the FP8
+kind (software E4M3 decode) against the checkpoint's own
 dequantization at real shapes, fp16 and bf16, outputs poisoned first; and tiny AWQ / GPTQ / FP8 models kept quantized
 against the same checkpoint dequantized at load (fp32: the same logits; fp16 under --compat sm70: it runs and keeps
 its bookkeeping), and --quantization fp8 at load."""
@@ -24,7 +25,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("method,group,symmetric", [("awq", 128, False), ("gptq", 128, True), ("awq", 32, False),
-                                                    ("fp8", 128, True)])
+                                                    ("gptq8", 128, True), ("gptq8", 128, False), ("fp8", 128, True)])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288)])
 def test_kernels_match_reference(method, group, symmetric, n, k):
     seed = random.SystemRandom().randrange(1 << 30)
@@ -33,13 +34,17 @@ def test_kernels_match_reference(method, group, symmetric, n, k):
         codes, scales, deq = quantize_fp8(w, (128, 128))
         packed = FP8Weight.from_checkpoint(codes, scales, (128, 128))
     else:
-        codes, scales, zeros, deq = quantize_rtn(w, group, symmetric)
+        codes, scales, zeros, deq = quantize_rtn(w, group, symmetric, bits=8 if method == "gptq8" else 4)
     if method == "awq":
         packed = Int4Weight(Int4Scheme("awq", group, False, 0), **pack_awq(codes, zeros, scales), g_idx=None)
     elif method == "gptq":
         packed = Int4Weight(Int4Scheme("gptq", group, False, 1), **pack_gptq(codes, zeros, scales, torch.arange(k) // group))
+    elif method == "gptq8":
+        packed = Int4Weight(Int4Scheme("gptq", group, False, 1, bits=8),
+                            **pack_gptq(codes, zeros, scales, torch.arange(k) // group, bits=8))
     p = packed.to_weight(torch.device("cuda"), torch.float16)
     assert p.kind.zero_points == (method != "fp8" and not symmetric) and p.kind.fp8 == (method == "fp8")
+    assert p.kind.name.startswith("INT8_") == (method == "gptq8")
     ref_w = deq.cuda()
     got = dequantize(p, torch.float32, out=torch.full((n, k), float("nan"), device="cuda"))
     assert torch.equal(got, ref_w), f"seed {seed}"
@@ -53,11 +58,14 @@ def test_kernels_match_reference(method, group, symmetric, n, k):
             assert err < tol and not out.isnan().any(), f"{method} g{group} {n}x{k} m={m} {dtype}: {err:.2e} seed {seed}"
 
 
-@pytest.fixture(scope="module", params=["awq", "gptq", "fp8"])
+@pytest.fixture(scope="module", params=["awq", "gptq", "gptq8", "fp8"])
 def tiny_quantized(request, tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp(request.param)), "qwen3", hidden_size=128, intermediate_size=256,
                       head_dim=32, std=0.08)
-    quantize_checkpoint(path, request.param, symmetric=request.param == "gptq")
+    if request.param == "gptq8":  # asymmetric 8-bit (the int8 zero plane)
+        quantize_checkpoint(path, "gptq", bits=8)
+    else:
+        quantize_checkpoint(path, request.param, symmetric=request.param == "gptq")
     return path
 
 

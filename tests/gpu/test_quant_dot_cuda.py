@@ -1,7 +1,7 @@
-"""The tiled dequant-GEMM (kernels/quant_dot.py) on the GPU: GGUF, AWQ and FP8 planes at the qwen3-8b projection
-shapes against the planes' own dequantization (fp16 / bf16, 5-300 rows, outputs poisoned first, K split or not), the
-linear layer's dispatch by row count, and quantized MoE experts (layers/quant_moe.QuantExperts) on all three paths (per pair,
-grouped, per expert dequantize + cuBLAS) and inside a CUDA graph against the dense experts."""
+"""The tiled dequant-GEMM (kernels/quant_dot.py) on the GPU: GGUF, AWQ, 8-bit GPTQ and FP8 planes at the qwen3-8b
+projection shapes against the planes' own dequantization (fp16 / bf16, 5-300 rows, outputs poisoned first, K split or
+not), the linear layer's dispatch by row count, and quantized MoE experts (layers/quant_moe.QuantExperts) on all three
+paths (per pair, grouped, per expert dequantize + cuBLAS) and inside a CUDA graph against the dense experts."""
 from __future__ import annotations
 
 import random
@@ -11,8 +11,8 @@ import torch
 
 from voltllm.kernels.quant_dot import dot_max_rows, grouped_max_rows, quant_dot
 from voltllm.kernels.quant_gemv import dequantize
-from voltllm.model.layers.gguf_planes import (FP8_KIND, Unpacked, int4_kind, map_planes, planes_from_blocks,
-                                              random_blocks, to_planes)
+from voltllm.model.layers.gguf_planes import (FP8_KIND, Unpacked, int4_kind, int8_kind, map_planes,
+                                              planes_from_blocks, random_blocks, to_planes)
 
 pytestmark = pytest.mark.gpu
 
@@ -22,19 +22,22 @@ def _rel(a, b):
 
 
 def _planes(kind: str, n: int, k: int, g: torch.Generator):
-    if kind in ("AWQ_G128", "FP8"):
-        pk = int4_kind(128, True) if kind == "AWQ_G128" else FP8_KIND
-        codes = torch.randint(0, 16 if kind == "AWQ_G128" else 255, (n, k), dtype=torch.uint8, generator=g)
+    if kind in ("AWQ_G128", "GPTQ8_G128", "FP8"):
+        pk = {"AWQ_G128": int4_kind(128, True), "GPTQ8_G128": int8_kind(128, True), "FP8": FP8_KIND}[kind]
+        top = {"AWQ_G128": 16, "GPTQ8_G128": 256, "FP8": 255}[kind]
+        codes = torch.randint(0, top, (n, k), dtype=torch.uint8, generator=g)
         if pk.fp8:
             codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
         d = torch.rand(n, k // pk.super, generator=g) * 0.01 + 0.001
-        zeros = torch.randint(0, 16, (n, k // 128), dtype=torch.int8, generator=g) if pk.zero_points else None
+        zlo, ztop = (-128, 128) if pk.hi_bits else (0, 16)  # the int8 kinds' zero plane: zero - 128
+        zeros = torch.randint(zlo, ztop, (n, k // 128), dtype=torch.int8, generator=g) if pk.zero_points else None
         p = to_planes(Unpacked(codes=codes, d=d if pk.fp8 else d.half(), m=None, sc=None, mn=zeros), pk)
         return map_planes(p, lambda t: t.cuda(), n)
     return planes_from_blocks(random_blocks(kind, n, k, g), kind, k, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q3_K", "Q2_K", "IQ4_XS", "AWQ_G128", "FP8"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q3_K", "Q2_K", "IQ4_XS", "AWQ_G128", "GPTQ8_G128",
+                                  "FP8"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
 def test_quant_dot_matches_reference(kind, n, k):
     seed = random.SystemRandom().randrange(1 << 30)

@@ -12,7 +12,7 @@ from quant_checkpoints import nvfp4_layer
 from voltllm.kernels.quant_gemv import dequantize
 from voltllm.kernels.quant_half2 import (DOT, HALF2, HALF2_ROWS, MMA, few_row_matmul, fits, half2_matmul,
                                          half2_rows_matmul, operands_ok)
-from voltllm.model.layers.gguf_planes import (Unpacked, int4_kind, map_planes, planes_from_blocks,
+from voltllm.model.layers.gguf_planes import (Unpacked, int4_kind, int8_kind, map_planes, planes_from_blocks,
                                               random_blocks, to_planes)
 from voltllm.model.loader.nvfp4_checkpoint import NVFP4Scheme, NVFP4Weight
 
@@ -83,6 +83,15 @@ def test_dispatch_and_fits():
     assert _rel(few_row_matmul(x, p, config=(MMA, 8, 4)), ref) < 2e-3  # strided: the fp32 form instead
     assert _rel(few_row_matmul(xb, p, config=(MMA, 8, 4)), xb.float() @ w.T) < 1e-2
     assert _rel(few_row_matmul(x.contiguous(), p, config=(DOT,)), ref) < 2e-3
+    # 8-bit GPTQ planes (codes with high bits): refused by this form and the tensor-core one, the fp32 form runs
+    u = Unpacked(codes=torch.randint(0, 256, (256, 1024), dtype=torch.uint8, generator=g),
+                 d=(torch.rand(256, 8, generator=g) * 0.01 + 0.001).half(), m=None, sc=None,
+                 mn=torch.randint(-128, 128, (256, 8), dtype=torch.int8, generator=g))
+    p8 = map_planes(to_planes(u, int8_kind(128, True)), lambda t: t.to("cuda"), 256)
+    ref8 = x.float() @ dequantize(p8, torch.float32).T
+    assert not fits(p8) and not operands_ok(x.contiguous(), p8, None)
+    for config in ((HALF2, 2, 32, 2), (HALF2_ROWS, 2, 64, 2), (MMA, 8, 4), (DOT,), None):
+        assert _rel(few_row_matmul(x.contiguous(), p8, config=config), ref8) < 2e-3
     # NVFP4 whose per-16 scale times global times 2^14 passes fp16's range: not this form
     q = _planes("NVFP4", 64, 256, g)
     assert fits(q)

@@ -1,5 +1,6 @@
 """Run under TRITON_INTERPRET=1 (test_quant_dot.py): the tiled dequant-GEMM (kernels/quant_dot.py) against the torch
-reference (gguf_planes.dequantize_planes) for every kept GGUF kind, the AWQ / GPTQ int4 kinds and FP8, with row and
+reference (gguf_planes.dequantize_planes) for every kept GGUF kind, the AWQ / GPTQ int4 kinds, 8-bit GPTQ's int8 kinds
+and FP8, with row and
 group tails, two row blocks, a bias and an output that is a column slice of a wider tensor; and its SORTED (MoE)
 mode over experts stacked in one weight, routed pairs sorted by kernels/moe.moe_align. Prints `CHECK name ok|FAIL
 detail` lines."""
@@ -17,7 +18,7 @@ from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_fr
 KIND_NAMES = list(KINDS) + [k.name for k in INT4_KINDS]
 CHECKS = [f"{name}-rows20" for name in KIND_NAMES] + ["fp32-rows5", "split3-Q6_K", "split2-AWQ-bias",
                                                      "wfirst-split2-AWQ-bias", "wfirst-rows20", "MOE-sorted",
-                                                     "MOE-sorted-Q3_K", "MOE-sorted-IQ4_XS"]
+                                                     "MOE-sorted-Q3_K", "MOE-sorted-IQ4_XS", "MOE-sorted-INT8_G128_ZP"]
 
 
 def _planes(name, n, k, gen):
@@ -67,12 +68,14 @@ def main() -> int:
     failed += not _check_moe_sorted(gen)
     failed += not _check_moe_sorted(gen, "Q3_K")  # GGUF low-bit experts (a Q2_K / Q3_K_M file's)
     failed += not _check_moe_sorted(gen, "IQ4_XS")
+    failed += not _check_moe_sorted(gen, "INT8_G128_ZP")  # 8-bit GPTQ experts
     return 1 if failed else 0
 
 
 def _check_moe_sorted(gen, gguf_kind: str = "") -> bool:
     """7 tokens routed to 2 of 4 experts of 40 rows (one expert gets none): the gate_up form (x rows pair // 2) and
-    the weighted down form (the pairs' own rows), against each pair's row times its expert's dequantized block."""
+    the weighted down form (the pairs' own rows), against each pair's row times its expert's dequantized block.
+    gguf_kind: a GGUF kind's name or one of INT4_KINDS' (default: AWQ g128)."""
     kind, e, rows, k, t, top_k = INT4_KINDS[1], 4, 40, 256, 7, 2
     p = _planes(gguf_kind, e * rows, k, gen) if gguf_kind else _int4_planes(kind, e * rows, k, gen)
     w = dequantize_planes(p)

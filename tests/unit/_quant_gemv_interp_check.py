@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the dequant-GEMM (one row; several, over two programs along the rows) and the
 dequant-to-fp16 kernel against the torch reference (gguf_planes.dequantize_planes), for every kept GGUF kind and
-the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8), FP8 (E4M3, fp32 scales) and NVFP4 (E2M1 codes, E4M3
+the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8), the 8-bit GPTQ int8 kinds (zero points or the fixed
+zero 128), FP8 (E4M3, fp32 scales) and NVFP4 (E2M1 codes, E4M3
 scales per 16, fp32 global per row; the dequantized weights bit for bit), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
 `CHECK name ok|FAIL detail` lines."""
 import sys
@@ -11,17 +12,20 @@ from interp_util import patch_interpreter_index
 patch_interpreter_index()
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul, quant_moe_matmul  # noqa: E402
 from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, NVFP4_KIND, Unpacked,  # noqa: E402
-                                              dequantize_planes, int4_kind, planes_from_blocks, random_blocks,
-                                              to_planes)
+                                              dequantize_planes, int4_kind, int8_kind, planes_from_blocks,
+                                              random_blocks, to_planes)
 
-# AWQ / GPTQ checkpoints; FP8 and NVFP4 checkpoints
-INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), FP8_KIND, NVFP4_KIND]
+# AWQ / GPTQ checkpoints (8-bit GPTQ: groups of 128 with zero points, of 16 without); FP8 and NVFP4 checkpoints
+INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), int8_kind(128, True),
+              int8_kind(16, False), FP8_KIND, NVFP4_KIND]
 CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
-          for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs", "NVFP4-MOE-pairs", "Q2_K-MOE-pairs"]
+          for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs", "NVFP4-MOE-pairs", "Q2_K-MOE-pairs",
+                                                                  "INT8-MOE-pairs"]
 
 
 def _int4_planes(kind, n, k, gen):
-    """Random codes, fp16 group scales and (for zero-point kinds) zero points 0..15 in an int4 kind's planes; FP8:
+    """Random codes, fp16 group scales and (for zero-point kinds) zero points 0..15 in an int4 kind's planes (int8
+    kinds: codes 0..255 and every int8 zero plane value, i.e. zeros 0..255); FP8:
     every E4M3 code but the NaNs (subnormals included) and fp32 scales; NVFP4: every E2M1 code, E4M3 scale codes of
     every exponent and sign (subnormals included, no NaN) and a global scale per row that is not a power of two."""
     groups = k // kind.super
@@ -37,9 +41,11 @@ def _int4_planes(kind, n, k, gen):
         codes[(codes & 0x7F) == 0x7F] = 0x7E
         d = torch.rand(n, groups, generator=gen) * 1e-3 + 1e-4
         return to_planes(Unpacked(codes=codes, d=d, m=None, sc=None, mn=None), kind)
-    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    top = 256 if kind.hi_bits else 16
+    codes = torch.randint(0, top, (n, k), dtype=torch.uint8, generator=gen)
     d = (torch.randn(n, groups, generator=gen) * 0.02).half()
-    zeros = torch.randint(0, 16, (n, groups), dtype=torch.int8, generator=gen) if kind.zero_points else None
+    lo = -128 if kind.hi_bits else 0  # the int8 kinds' zero plane: zero - 128
+    zeros = torch.randint(lo, lo + top, (n, groups), dtype=torch.int8, generator=gen) if kind.zero_points else None
     return to_planes(Unpacked(codes=codes, d=d, m=None, sc=None, mn=zeros), kind)
 
 
@@ -76,6 +82,7 @@ def main() -> int:
     failed += not _check_moe_pairs(gen, int4_kind(64, True), "MOE-pairs")
     failed += not _check_moe_pairs(gen, NVFP4_KIND, "NVFP4-MOE-pairs")
     failed += not _check_moe_pairs(gen, KINDS["Q2_K"], "Q2_K-MOE-pairs")  # a GGUF low-bit kind: scale and min per 16
+    failed += not _check_moe_pairs(gen, int8_kind(64, True), "INT8-MOE-pairs")  # 8-bit GPTQ experts
     return 1 if failed else 0
 
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels.registry import CompileSpec, register_kernel
-from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind
+from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind, int8_kind
 
 __triton_helpers__ = ("_dequant_units", "_unit_scales", "_codes_to_float", "_scaled")
 
@@ -49,7 +49,8 @@ def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.cons
         if SUB > 0:
             s = s * tl.load(SC + n3 * stride_s + e0 // SUB, mask=mask3, other=0).to(tl.float32)
         b = s * (-ZERO)  # exact: ZERO is 0, 8, 16, 32 or 128
-        if ZP:  # an int4 checkpoint's zero point: s * q - s * zero is exact in fp32 (fp16 scale, 4-bit integers)
+        if ZP:  # an int4 / int8 checkpoint's zero point (int8: minus ZERO 128): b = -s * zero and s * q + b are exact
+            # in fp32 (an fp16 scale times integers of at most 9 bits)
             b = b - s * tl.load(MN + n3 * stride_s + e0 // SUPER, mask=mask3, other=0).to(tl.float32)
         elif HAS_MIN:
             m = tl.load(Mp + n3 * stride_d + e0 // SUPER, mask=mask3, other=0.0).to(tl.float32)
@@ -222,10 +223,11 @@ def _distinct_forms(kinds) -> list:
     return out
 
 
-# every GGUF kind's form, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), FP8 and NVFP4,
-# for the sm70 gate
+# every GGUF kind's form, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), 8-bit GPTQ's
+# (asymmetric, symmetric), FP8 and NVFP4, for the sm70 gate
 _GATED_KINDS = _distinct_forms(list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False),
-                                                       int4_kind(32, True), FP8_KIND, NVFP4_KIND])
+                                                       int4_kind(32, True), int8_kind(128, True),
+                                                       int8_kind(128, False), FP8_KIND, NVFP4_KIND])
 
 
 def _with_scale_type(sig: dict, kind) -> dict:
