@@ -1,6 +1,7 @@
-"""Quantized checkpoints end to end on the CPU: a tiny qwen3 quantized and packed as AutoAWQ / GPTQ write it, or
+"""Quantized checkpoints end to end on the CPU: a tiny qwen3 quantized and packed as AutoAWQ / GPTQ (4- and 8-bit)
+write it, or
 as an FP8 checkpoint (block-wise or per-channel scales; tests/quant_checkpoints.py), runs in the engine with the
-logits of transformers holding the same dequantized weights; the kept-quantized layers (int4 / FP8 planes)
+logits of transformers holding the same dequantized weights; the kept-quantized layers (int4 / int8 / FP8 planes)
 multiply like the dequantized ones; `--quantization fp8` quantizes an unquantized checkpoint at load."""
 import pytest
 import torch
@@ -13,8 +14,14 @@ from voltllm import LLM
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
 VARIANTS = {"awq": dict(method="awq"), "gptq-sym": dict(method="gptq", symmetric=True),
             "gptq-act-order": dict(method="gptq", act_order=True), "fp8-block": dict(method="fp8"),
-            "fp8-channel": dict(method="fp8", block=None)}
-KINDS = {"awq": "INT4_G32_ZP", "gptq-sym": "INT4_G32", "fp8-block": "FP8_E4M3", "fp8-channel": "FP8_E4M3"}
+            "fp8-channel": dict(method="fp8", block=None),
+            # 8-bit GPTQ (Qwen's *-GPTQ-Int8): asymmetric, symmetric (groups of 64), act-order
+            "gptq8": dict(method="gptq", bits=8), "gptq8-sym": dict(method="gptq", bits=8, symmetric=True, group=64),
+            "gptq8-act-order": dict(method="gptq", bits=8, act_order=True)}
+KINDS = {"awq": "INT4_G32_ZP", "gptq-sym": "INT4_G32", "fp8-block": "FP8_E4M3", "fp8-channel": "FP8_E4M3",
+         "gptq8": "INT8_G32_ZP", "gptq8-sym": "INT8_G64"}
+# --quantization per variant (vLLM's names: gptq_marlin reads the same GPTQ checkpoints, 4- and 8-bit)
+FLAGS = {"gptq8-sym": "gptq_marlin", "gptq8": "gptq"}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -35,7 +42,7 @@ def quantized(request, tmp_path_factory):
 
 def test_logits_match_transformers_on_dequantized_weights(quantized):
     variant, path, ref = quantized
-    llm = LLM(path, block_size=4, max_num_seqs=4)
+    llm = LLM(path, block_size=4, max_num_seqs=4, quantization=FLAGS.get(variant))
     assert llm.engine.config.model.quantization == VARIANTS[variant]["method"]
     assert_prompt_logprobs_match(llm, ref, PROMPTS)
 
@@ -48,7 +55,7 @@ def test_kept_quantized_layers_multiply_like_dequantized(quantized):
     for name, mod, dense in pairs:
         segs = mod.gguf_segments
         planes = [s.weight for s in segs if isinstance(s.weight, Planes)]
-        if variant == "gptq-act-order":
+        if variant.endswith("act-order"):
             assert not planes  # act-order groups: dequantized at load
         else:
             assert len(segs) == 1 and planes and planes[0].kind.name == KINDS[variant]
@@ -73,7 +80,7 @@ def test_fp8_quantized_at_load(tmp_path):
     assert_prompt_logprobs_match(llm, ref, PROMPTS)
 
 
-@pytest.mark.parametrize("method,moe_inter", [("awq", 64), ("fp8", 128), ("fp8", 64)])
+@pytest.mark.parametrize("method,moe_inter", [("awq", 64), ("gptq8", 64), ("fp8", 128), ("fp8", 64)])
 def test_moe_checkpoint(tmp_path, method, moe_inter):
     """qwen3_moe with quantized attention and expert projections. Dequantized at load (the CPU engine): logits
     equal transformers holding the dequantized weights (loaded from a copy of the checkpoint with those weights, so
@@ -88,7 +95,7 @@ def test_moe_checkpoint(tmp_path, method, moe_inter):
                       moe_intermediate_size=moe_inter, std=0.08)
     ref_path = str(tmp_path / "ref")
     shutil.copytree(path, ref_path)
-    deq = quantize_checkpoint(path, method)
+    deq = quantize_checkpoint(path, "gptq", bits=8) if method == "gptq8" else quantize_checkpoint(path, method)
     assert any(".experts." in name for name in deq)
     tensors = load_file(f"{ref_path}/model.safetensors")
     tensors.update(deq)

@@ -20,7 +20,7 @@ PROMPTS = [
 ]
 ENGINE = dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=8)
 # every row-parallel input a multiple of 128 per rank at tp 2 (heads x head_dim 128, intermediate 256): whole
-# int4 groups, NVFP4 64-groups and FP8 128-blocks on each rank
+# int4 / int8 groups, NVFP4 64-groups and FP8 128-blocks on each rank
 SHAPE = dict(hidden_size=128, head_dim=32, intermediate_size=256)
 
 CASES = {
@@ -30,6 +30,8 @@ CASES = {
     "nvfp4-llama-tied": ("llama", dict(vocab_size=401), dict(method="modelopt_fp4")),
     # FP8 in 128 x 128 blocks: 4 heads x 64 = 256 attention inputs, 128 per rank (whole 128-input scale blocks)
     "fp8-qwen3": ("qwen3", dict(head_dim=64), dict(method="fp8")),
+    # GPTQ 8-bit (groups of 32, zero points: the int8 planes' codes in lo / hi and zero plane cut by columns)
+    "gptq8-qwen3": ("qwen3", dict(tie_word_embeddings=False), dict(method="gptq", bits=8)),
 }
 
 
