@@ -1,4 +1,5 @@
-"""A Hugging Face checkpoint of random quantized weights (4-bit AWQ or GPTQ, FP8 E4M3 with 128 x 128 block scales,
+"""A Hugging Face checkpoint of random quantized weights (4-bit AWQ or GPTQ, 8-bit GPTQ (--method gptq --bits 8, the
+layout of Qwen's *-GPTQ-Int8), FP8 E4M3 with 128 x 128 block scales,
 NVFP4 as NVIDIA ModelOpt writes it, or fp16 for `--quantization fp8` at load) at a named dense or hybrid shape, for
 end-to-end runs of quantized checkpoints on the GPU machine (the real Qwen AWQ / GPTQ / FP8 / NVFP4 repos are too large
 to carry there).
@@ -8,7 +9,8 @@ to carry there).
 
 The tokenizer, if any, is converted from --tokenizer-from (a GGUF file or a Hugging Face directory); the
 vocabulary is the shape's or the tokenizer's, whichever is larger (`voltllm bench` needs no tokenizer: it speaks
-token ids). Every projection gets random packed words (all codes and zero points) and fp16 group scales of about
+token ids). Every projection gets random packed words (all codes and zero points; 8-bit zero fields 0..254, as a
+GPTQ v1 field of 255 would read as a zero of 256, which the planes do not hold) and fp16 group scales of about
 `scale`, or random E4M3 codes (all but the NaNs) and fp32 block scales, or (nvfp4) random E2M1 codes, E4M3 group
 scales and an fp32 global scale per tensor (`--quantization modelopt_fp4`); embeddings, the LM head and norms are fp16
 as the quantizers leave them. Hybrid shapes (qwen3.5-27b-shape, qwen3.5-35b-a3b-shape, qwen3-next-80b-a3b-shape) pack
@@ -40,8 +42,10 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, gen: torch.Generator) -> dict:
-    """The tensors of one [rows, cols] projection in the method's layout: qweight / qzeros / scales (/ g_idx);
+def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, gen: torch.Generator,
+                 bits: int = 4) -> dict:
+    """The tensors of one [rows, cols] projection in the method's layout: qweight / qzeros / scales (/ g_idx; GPTQ
+    packs 32 / bits codes per word);
     FP8: weight and weight_scale_inv; NVFP4 (ModelOpt's names): weight, weight_scale, weight_scale_2, input_scale;
     fp16: weight."""
     if method == "fp16":
@@ -65,14 +69,22 @@ def packed_layer(method: str, rows: int, cols: int, group: int, scale: float, ge
     scales = (torch.rand(groups, rows, generator=gen) * scale + scale / 2).half()
     if method == "awq":
         return {"qweight": words(cols, rows // 8), "qzeros": words(groups, rows // 8), "scales": scales}
-    return {"qweight": words(cols // 8, rows), "qzeros": words(groups, rows // 8), "scales": scales,
+    per = 32 // bits
+    if bits == 8:  # zero fields 0..254 (bytes of little-endian words)
+        qzeros = torch.randint(0, 255, (groups, rows), dtype=torch.uint8, generator=gen).view(torch.int32)
+    else:
+        qzeros = words(groups, rows // per)
+    return {"qweight": words(cols // per, rows), "qzeros": qzeros, "scales": scales,
             "g_idx": (torch.arange(cols) // group).to(torch.int32)}
 
 
 def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], out: str, seed: int = 0,
-          scale: float = 0.002) -> int:
-    """Write the checkpoint directory; returns the bytes of its tensors."""
+          scale: float = 0.002, bits: int = 4) -> int:
+    """Write the checkpoint directory; returns the bytes of its tensors. bits: GPTQ's 4 or 8."""
     from safetensors.torch import save_file
+
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        raise SystemExit(f"--bits {bits}: 4 for every method, 8 for gptq")
 
     cls, _ = SHAPES[shape]
     if cls not in DENSE + HYBRID:
@@ -104,7 +116,7 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
     elif method == "nvfp4":
         qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
     else:
-        qc = {"quant_method": method, "bits": 4, "group_size": group}
+        qc = {"quant_method": method, "bits": bits, "group_size": group}
         qc.update({"zero_point": True, "version": "gemm"} if method == "awq"
                   else {"sym": False, "desc_act": False, "checkpoint_format": "gptq"})
     if method != "fp16":
@@ -155,7 +167,7 @@ def write(shape: str, method: str, group: int, tokenizer_from: Optional[str], ou
         else:
             projections += [("mlp.gate_proj", inter, h), ("mlp.up_proj", inter, h), ("mlp.down_proj", h, inter)]
         for name, rows, cols in projections:
-            for part, t in packed_layer(method, rows, cols, group, scale, gen).items():
+            for part, t in packed_layer(method, rows, cols, group, scale, gen, bits).items():
                 add(f"{p}.{name}.{part}", t)
         add(f"{p}.input_layernorm.weight", norm(h, dtype=torch.float16))
         add(f"{p}.post_attention_layernorm.weight", norm(h, dtype=torch.float16))
@@ -203,10 +215,11 @@ def main(argv: list[str]) -> int:
                     choices=[s for s, (cls, _) in SHAPES.items() if cls in DENSE + HYBRID])
     ap.add_argument("--method", default="awq", choices=["awq", "gptq", "fp8", "nvfp4", "fp16"])
     ap.add_argument("--group", type=int, default=128, help="AWQ / GPTQ group size (NVFP4: always 16)")
+    ap.add_argument("--bits", type=int, default=4, choices=[4, 8], help="GPTQ weight bits (AWQ: 4)")
     ap.add_argument("--tokenizer-from", help="a GGUF file or Hugging Face directory (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    nbytes = write(args.shape, args.method, args.group, args.tokenizer_from, args.out, args.seed)
+    nbytes = write(args.shape, args.method, args.group, args.tokenizer_from, args.out, args.seed, bits=args.bits)
     print(f"wrote {args.out}: {nbytes / 2**30:.2f} GiB of tensors")
     return 0
 

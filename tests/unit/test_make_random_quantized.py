@@ -1,8 +1,10 @@
-"""benchmarks/make_random_quantized.py: a Hugging Face checkpoint of random 4-bit AWQ / GPTQ, FP8 or NVFP4 weights at a named
-shape, with a tokenizer converted from a GGUF file, that voltllm reads (dequantized on the CPU) and generates from."""
+"""benchmarks/make_random_quantized.py: a Hugging Face checkpoint of random 4-bit AWQ / GPTQ, 8-bit GPTQ, FP8 or NVFP4
+weights at a named shape, with a tokenizer converted from a GGUF file, that voltllm reads (dequantized on the CPU) and
+generates from."""
 from pathlib import Path
 
 import pytest
+import torch
 from interp_util import load_script
 
 
@@ -10,19 +12,25 @@ def _script():
     return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "make_random_quantized.py")
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "nvfp4"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "gptq8", "fp8", "nvfp4"])
 def test_written_checkpoint_loads_and_generates(tmp_path, smollm2_gguf, method):
     from voltllm import LLM, SamplingParams
     from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+    from voltllm.model.layers.gguf_planes import Planes
     from voltllm.model.layers.quantized_linear import PackedWeight
 
     out = str(tmp_path / f"random-smollm2-{method}")
-    _script().write("smollm2-135m-shape", method, 64, smollm2_gguf, out)  # 576 inputs: groups of 64
+    bits = 8 if method == "gptq8" else 4
+    method = method.removesuffix("8")
+    _script().write("smollm2-135m-shape", method, 64, smollm2_gguf, out, bits=bits)  # 576 inputs: groups of 64
     src = resolve_model(out)
     cfg = load_hf_config(src)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (576, 30, 49152)
     layers = [t for _, t in iter_weights(src, cfg, keep_quantized=True) if isinstance(t, PackedWeight)]
     assert len(layers) == 30 * 7
+    if bits == 8:  # every layer kept as int8 planes (no zero of 256 among the random fields)
+        assert all(isinstance(p := w.to_weight(None, torch.float32), Planes) and p.kind.name == "INT8_G64_ZP"
+                   for w in layers[:7])
     llm = LLM(out, device="cpu", max_model_len=256, dtype="float32")
     assert llm.engine.config.model.quantization == {"nvfp4": "modelopt_fp4"}.get(method, method)
     got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
