@@ -247,6 +247,11 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
             from voltllm.model.loader.compressed_tensors_checkpoint import describe
 
             kinds = describe(config.model.hf_config)
+        elif quant in ("awq", "gptq"):  # 4-bit, or GPTQ's 8-bit (int8 planes)
+            from voltllm.model.loader.int4_checkpoint import int4_scheme
+
+            scheme = int4_scheme(config.model.hf_config)
+            kinds = f"{quant} {scheme.bits if scheme is not None else 4}-bit groups"
         routes["linear"] = _route(True, True, impl + f" ({kinds} kept quantized)",
                                   f"{decode}; larger steps dequantize one weight at a time to {dtype} for cuBLAS; "
                                   f"other layouts dequantized at load{held}")

@@ -18,6 +18,8 @@ CASES = {
     "qwen3_next-nvfp4": ("qwen3_next", MOE, dict(method="modelopt_fp4")),
     "qwen3_5-awq": ("qwen3_5", {}, dict(method="awq")),
     "qwen3_5-gptq-sym": ("qwen3_5", {}, dict(method="gptq", symmetric=True)),
+    # 8-bit GPTQ (asymmetric): int8 planes in the GDN / attention / MLP projections and the routed experts
+    "qwen3_5_moe-gptq8": ("qwen3_5_moe", MOE, dict(method="gptq", bits=8)),
     "qwen3_5-fp8-channel": ("qwen3_5", {}, dict(method="fp8", block=None)),
     "qwen3_5_moe-nvfp4": ("qwen3_5_moe", MOE, dict(method="compressed-tensors")),
     # the GDN b / a projections left unquantized (as quantizers commonly do): in_proj holds planes and dense rows
@@ -30,7 +32,7 @@ CASES = {
                               dict(method="fp8")),
 }
 KIND = {"awq": "INT4_G32_ZP", "gptq": "INT4_G32", "fp8": "FP8_E4M3", "modelopt_fp4": "NVFP4",
-        "compressed-tensors": "NVFP4"}
+        "compressed-tensors": "NVFP4", "gptq8": "INT8_G32_ZP"}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -59,7 +61,8 @@ def test_layers_held_as_planes(checkpoint):
     from voltllm.model.layers.moe import SparseMoE
 
     name, path = checkpoint
-    method = CASES[name][2]["method"]
+    quant = CASES[name][2]
+    method = quant["method"] + ("8" if quant.get("bits") == 8 else "")
     narrow = name.endswith("narrow")
     kept, dense = kept_and_dense(path)
     dense_mods = dict(dense.named_modules())

@@ -336,6 +336,7 @@ def test_linear_route_names_the_kept_quantized_format(tiny_dir, fake_v100):
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
     for method, words, qc in (("fp8", "FP8 E4M3", None), ("awq", "awq 4-bit groups", None),
                               ("gguf", "GGUF Q4_0", None), ("modelopt_fp4", "NVFP4 E2M1", None),
+                              ("gptq", "gptq 8-bit groups", {"quant_method": "gptq", "bits": 8, "group_size": 128}),
                               ("compressed-tensors", "NVFP4 E2M1", nvfp4_config("compressed-tensors", [])),
                               ("compressed-tensors", "compressed-tensors int4 (groups of 128)", int4)):
         hf_config = copy.copy(config.model.hf_config)
