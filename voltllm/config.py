@@ -839,8 +839,8 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
             ct_scheme(hf_config)  # int4 / int8 / FP8 layouts; others raise
         if method is not None and method not in _READ_METHODS:
             raise ConfigError(f"the checkpoint is quantized with {method!r}: reading it is not built yet (built: GGUF "
-                              "files, 4-bit AWQ and GPTQ checkpoints, FP8 checkpoints, NVFP4 checkpoints of ModelOpt "
-                              "and compressed-tensors, compressed-tensors int4 / int8 / FP8 checkpoints)")
+                              "files, 4-bit AWQ and 4- / 8-bit GPTQ checkpoints, FP8 checkpoints, NVFP4 checkpoints "
+                              "of ModelOpt and compressed-tensors, compressed-tensors int4 / int8 / FP8 checkpoints)")
         int4_scheme(hf_config) if method in ("awq", "gptq") else fp8_scheme(hf_config) if method == "fp8" else None
     except (Int4CheckpointError, FP8CheckpointError, NVFP4CheckpointError, CTCheckpointError) as e:
         raise ConfigError(str(e)) from None
