@@ -237,6 +237,7 @@
 #   s144a    (session 52) weight offloading GPU file, host -> GPU copy rate, 8B batch 1 with 8 GiB offloaded
 #   s144b    (session 52) the 8B at 64 x 128/128 (#4)
 #   s144c    (session 52) qwen3-30b-a3b shape with its experts in host memory: uva vs prefetch, batch 1 decode
+#   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
@@ -1581,6 +1582,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha \
       > "$out/c64.log" 2>&1
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
+    ;;
+  s144d)  # (session 52) kernels for the new quantized kinds: Q2_K / Q3_K / IQ4_NL / IQ4_XS GGUF planes and 8-bit
+          # GPTQ planes (dequant-GEMV, tiled dequant-GEMM, the packed-fp16 refusals, the checkpoints end to end)
+    gpu_file test_gguf_quant_cuda 150
+    gpu_file test_quant_dot_cuda 200
+    gpu_file test_quant_half2_cuda 120
+    gpu_file test_quant_checkpoints_cuda 200
     ;;
   s140)  # (session 49) the split row argmax (GPU file + micro), wide gated gate_up tiles at 64 rows
          # (micro/batch_gemm_gated_wide.py), then the 8B at 64 x 128/128: B with the gated winners offered to the
