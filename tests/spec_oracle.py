@@ -82,6 +82,20 @@ def patch_device_proposals(monkeypatch: Any, runner_cls: Any, table: dict, vocab
     monkeypatch.setattr(runner_cls, "propose", propose)
 
 
+# text prompts with something to repeat (and one without), for the host-side drafters (n-gram, suffix)
+TEXT_PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+                "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+                "0123456789 0123456789 0123",
+                "Hi"]
+
+
+def text_outputs(llm: Any, prompts: list, sps: Any) -> list:
+    """Token ids of each request (text prompts), after the engine's books check out."""
+    outs = llm.generate(prompts, sps)
+    llm.engine.check_integrity()
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def run_checked(llm: Any, prompts: list, sps: Any) -> list:
     """Token ids of each request (prompts as token id lists), after the engine's books check out and every KV block
     is back."""

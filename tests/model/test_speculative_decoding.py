@@ -3,14 +3,12 @@ without speculation, in fewer steps; drafts are cut by the token budget, max_tok
 requests speculate beside greedy ones and repeat from run to run; blocks are not leaked."""
 import pytest
 
+from spec_oracle import TEXT_PROMPTS, text_outputs
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
-           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-           "0123456789 0123456789 0123",
-           "Hi"]
+PROMPTS = TEXT_PROMPTS
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -18,10 +16,7 @@ def path(request, tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp(request.param)), request.param)
 
 
-def _run(llm, prompts, sps):
-    outs = llm.generate(prompts, sps)
-    llm.engine.check_integrity()
-    return [o.outputs[0].token_ids for o in outs]
+_run = text_outputs
 
 
 @pytest.mark.parametrize("budget", [64, 5])

@@ -4,15 +4,12 @@ seeded sampled requests speculate beside greedy ones, a finished or aborted requ
 /metrics spec-decode counters count the drafts."""
 import pytest
 
-from spec_oracle import run_checked
+from spec_oracle import TEXT_PROMPTS, run_checked, text_outputs
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 
 SPEC = {"method": "suffix", "num_speculative_tokens": 6}
-PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
-           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-           "0123456789 0123456789 0123",
-           "Hi"]
+PROMPTS = TEXT_PROMPTS
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -20,10 +17,7 @@ def path(request, tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp(request.param)), request.param)
 
 
-def _run(llm, prompts, sps):
-    outs = llm.generate(prompts, sps)
-    llm.engine.check_integrity()
-    return [o.outputs[0].token_ids for o in outs]
+_run = text_outputs
 
 
 @pytest.mark.parametrize("budget", [64, 5])

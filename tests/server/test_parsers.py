@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
+
+from chat_streams import chat_pieces
 
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, HermesToolParser, Qwen3CoderToolParser,
                                                 ReasoningParser)
@@ -191,37 +192,7 @@ def test_hermes_rule_for_blocks_that_do_not_parse(text, calls, content):
 
 def _chat_pieces(text: str, step: int, tools: list, parser: str = "hermes", reasoning: str = None,
                  prompt: str = "prompt"):
-    """The SSE chunks and the JSON body serving_chat makes of a model's text (stand-in engine outputs)."""
-    import asyncio
-
-    from voltllm.engine.outputs import CompletionOutput, RequestOutput
-    from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
-    from voltllm.entrypoints.openai.serving_chat import ChatPlan, _full_response, _stream
-    from voltllm.entrypoints.openai.serving_common import ServerState
-
-    outs = []
-    for end in list(range(step, len(text), step)) + [len(text)]:
-        c = CompletionOutput(0, text[:end], list(range(end)), finish_reason="stop" if end == len(text) else None)
-        outs.append(RequestOutput("chatcmpl-1", None, [1, 2], [c], end == len(text)))
-
-    class Stream:
-        async def __aiter__(self):
-            for o in outs:
-                yield o
-
-        def close(self):
-            pass
-
-    state = ServerState(engine=SimpleNamespace(tokenizer=None), served_model_names=["m"], max_model_len=64,
-                        model_path="m", tool_call_parser=parser, enable_auto_tool_choice=True,
-                        reasoning_parser=reasoning)
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, stream=True)
-    plan = ChatPlan("chatcmpl-1", "m", 1, prompt, True, None, 1, None)
-
-    async def go():
-        return [e async for e in _stream(state, req, plan, [Stream()])]
-    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(go())]
-    return chunks, _full_response(state, req, plan, outs[-1])
+    return chat_pieces(text, step, tools, parser, reasoning, prompt)
 
 
 def test_hermes_rule_through_the_chat_stream():

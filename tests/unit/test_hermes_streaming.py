@@ -4,12 +4,12 @@ arguments, and the finished arguments are json.dumps(json.loads(...)) of what th
 not; then through the chat stream (stand-in engine outputs): the name first, argument deltas that add up."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
+
+from chat_streams import chat_pieces
 
 from voltllm.entrypoints.openai.hermes_reader import HermesCallReader
 from voltllm.entrypoints.openai.parsers import HermesToolParser
@@ -165,37 +165,7 @@ def test_reader_stops_at_the_end_of_the_object():
 
 # -- through the chat stream ----------------------------------------------------------------------------------------
 def _chat(text: str, step: int, reasoning: str = None, prompt: str = "<|im_start|>assistant\n"):
-    """The SSE chunks and the JSON body serving_chat makes of a model's text (stand-in engine outputs)."""
-    from voltllm.engine.outputs import CompletionOutput, RequestOutput
-    from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
-    from voltllm.entrypoints.openai.serving_chat import ChatPlan, _full_response, _stream
-    from voltllm.entrypoints.openai.serving_common import ServerState
-
-    outs = []
-    for end in list(range(step, len(text), step)) + [len(text)]:
-        c = CompletionOutput(0, text[:end], list(range(end)), finish_reason="stop" if end == len(text) else None)
-        outs.append(RequestOutput("chatcmpl-1", None, [1, 2], [c], end == len(text)))
-
-    class Stream:
-        async def __aiter__(self):
-            for o in outs:
-                yield o
-
-        def close(self):
-            pass
-
-    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
-             for n in ("get_weather", "get_time")]
-    state = ServerState(engine=SimpleNamespace(tokenizer=None), served_model_names=["m"], max_model_len=64,
-                        model_path="m", tool_call_parser="hermes", enable_auto_tool_choice=True,
-                        reasoning_parser=reasoning)
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, stream=True)
-    plan = ChatPlan("chatcmpl-1", "m", 1, prompt, True, None, 1, None)
-
-    async def go():
-        return [e async for e in _stream(state, req, plan, [Stream()])]
-    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(go())]
-    return chunks, _full_response(state, req, plan, outs[-1])
+    return chat_pieces(text, step, reasoning=reasoning, prompt=prompt)
 
 
 CHAT_TEXT = ('<think>\nThe user wants {"weather"} </tool_call> and the time.\n</think>\n\nChecking both.'

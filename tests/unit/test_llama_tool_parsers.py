@@ -3,11 +3,11 @@
 a stream never takes back what it sent; then through the chat stream and body (stand-in engine outputs)."""
 from __future__ import annotations
 
-import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
+
+from chat_streams import chat_pieces
 
 from voltllm.entrypoints.openai.parsers import TOOL_PARSERS
 from voltllm.entrypoints.openai.llama_tool_parsers import Llama3JsonToolParser, PythonicToolParser
@@ -144,36 +144,7 @@ def test_a_reused_parser_looks_again_at_text_that_is_not_a_continuation():
 
 
 def _chat(parser: str, text: str, step: int):
-    """The SSE chunks and the JSON body serving_chat makes of a model's text (stand-in engine outputs)."""
-    from voltllm.engine.outputs import CompletionOutput, RequestOutput
-    from voltllm.entrypoints.openai.protocol import ChatCompletionRequest
-    from voltllm.entrypoints.openai.serving_chat import ChatPlan, _full_response, _stream
-    from voltllm.entrypoints.openai.serving_common import ServerState
-
-    outs = []
-    for end in list(range(step, len(text), step)) + [len(text)]:
-        c = CompletionOutput(0, text[:end], list(range(end)), finish_reason="stop" if end == len(text) else None)
-        outs.append(RequestOutput("chatcmpl-1", None, [1, 2], [c], end == len(text)))
-
-    class Stream:
-        async def __aiter__(self):
-            for o in outs:
-                yield o
-
-        def close(self):
-            pass
-
-    state = ServerState(engine=SimpleNamespace(tokenizer=None), served_model_names=["m"], max_model_len=64,
-                        model_path="m", tool_call_parser=parser, enable_auto_tool_choice=True)
-    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
-             for n in ("get_weather", "get_time")]
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, stream=True)
-    plan = ChatPlan("chatcmpl-1", "m", 1, "prompt", True, None, 1, None)
-
-    async def go():
-        return [e async for e in _stream(state, req, plan, [Stream()])]
-    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(go())]
-    return chunks, _full_response(state, req, plan, outs[-1])
+    return chat_pieces(text, step, parser=parser)
 
 
 @pytest.mark.parametrize("parser, text, content", [
