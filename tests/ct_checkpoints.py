@@ -17,7 +17,7 @@ import torch
 
 # config groups' weights (and input activations, dropped by voltllm) of the schemes the tests use, as the library's
 # presets write them: W4A16 / W4A16_ASYM / W8A16 (pack-quantized), FP8 / FP8_DYNAMIC / FP8_BLOCK (float-quantized),
-# INT8 W8A8 (int-quantized)
+# INT8 W8A8 (int-quantized); and int8 weights with zero points (asymmetric) of both int formats
 _TOKEN_INT8 = dict(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
 SCHEMES = {
     "w4a16-asym-g32": dict(weights=dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)),
@@ -27,6 +27,7 @@ SCHEMES = {
     "w4a16-tensor": dict(weights=dict(num_bits=4, type="int", symmetric=True, strategy="tensor")),
     "w8a16-g64": dict(weights=dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=64)),
     "w8a16-asym-channel": dict(weights=dict(num_bits=8, type="int", symmetric=False, strategy="channel")),
+    "w8a16-asym-g32": dict(weights=dict(num_bits=8, type="int", symmetric=False, strategy="group", group_size=32)),
     "fp8-tensor": dict(weights=dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
                        input_activations=dict(num_bits=8, type="float", symmetric=True, strategy="tensor")),
     "fp8-dynamic": dict(weights=dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
@@ -38,6 +39,10 @@ SCHEMES = {
                                              group_size=128, dynamic=True)),
     "int8-w8a8": dict(weights=dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
                       input_activations=_TOKEN_INT8),
+    "int8-w8a8-asym": dict(weights=dict(num_bits=8, type="int", symmetric=False, strategy="channel"),
+                           input_activations=_TOKEN_INT8),
+    "int8-w8a8-asym-g128": dict(weights=dict(num_bits=8, type="int", symmetric=False, strategy="group",
+                                             group_size=128), input_activations=_TOKEN_INT8),
 }
 
 

@@ -21,8 +21,9 @@ from voltllm.model.loader.int4_checkpoint import Int4Weight
 # the plane kind each scheme's layers are kept as (None: dequantized at load)
 KEPT = {"w4a16-asym-g32": "INT4_G32_ZP", "w4a16-g128": "INT4_G128", "w4a16-channel": "INT4_G256",
         "w4a16-asym-channel": "INT4_G256_ZP", "w4a16-tensor": "INT4_G256", "w8a16-g64": "Q8_0",
-        "w8a16-asym-channel": None, "fp8-tensor": "FP8_E4M3", "fp8-dynamic": "FP8_E4M3", "fp8-block": "FP8_E4M3",
-        "int8-w8a8": "Q8_0"}
+        "w8a16-asym-channel": "INT8_G64_ZP", "w8a16-asym-g32": "INT8_G32_ZP", "fp8-tensor": "FP8_E4M3",
+        "fp8-dynamic": "FP8_E4M3", "fp8-block": "FP8_E4M3", "int8-w8a8": "Q8_0", "int8-w8a8-asym": "INT8_G64_ZP",
+        "int8-w8a8-asym-g128": "INT8_G128_ZP"}
 TYPES = {"w4a16": Int4Weight, "w8a16": Int8Weight, "int8": Int8Weight, "fp8": FP8Weight}
 
 
@@ -55,7 +56,8 @@ def test_layers_equal_the_library_decompression(name):
         assert torch.equal(dequantize_planes(kept), ref)
 
 
-@pytest.mark.parametrize("name", ["w4a16-asym-g32", "w8a16-g64", "fp8-block", "int8-w8a8"])
+@pytest.mark.parametrize("name", ["w4a16-asym-g32", "w8a16-g64", "fp8-block", "int8-w8a8", "w8a16-asym-g32",
+                                  "int8-w8a8-asym"])
 def test_bf16_checkpoint_one_rounding(name):
     """A bf16 layer (bf16 scales: fp16 holds them exactly, so int layers stay planes): the library decompresses in
     bf16, one rounding of the exact product; voltllm's fp32 product rounded to bf16 is the same."""
@@ -88,6 +90,29 @@ def test_layouts_the_planes_cannot_hold_are_dequantized_with_a_log_line(caplog):
         assert words in caplog.text
     int8 = Int8Weight(torch.randint(-128, 128, (8, 64), dtype=torch.int8), torch.rand(8, 4), None, None, 16)
     assert isinstance(int8.to_weight(None, torch.float32), torch.Tensor) and "groups of 16" in caplog.text
+    zero = torch.randint(-128, 128, (8, 8), dtype=torch.int8)  # zero points in groups of 8: no int8 kind holds them
+    asym = Int8Weight(torch.randint(-128, 128, (8, 64), dtype=torch.int8), torch.rand(8, 8), zero, None, 8)
+    kept = asym.to_weight(None, torch.float32)
+    assert isinstance(kept, torch.Tensor) and torch.equal(kept, asym.dequantize())
+    assert "zero points in groups of 8 inputs (not a multiple of 16)" in caplog.text
+
+
+def test_asymmetric_int8_planes_by_hand():
+    """int8 with zero points kept as the int8 planes: mn is the signed zero point itself (codes q + 128, ZERO 128),
+    every (q, zero) pair of int8 gives d * (q - zero) exactly; one scale per row is repeated per 64 inputs (channel),
+    a checkpoint's groups of 16 stay groups of 16."""
+    q = torch.arange(-128, 128, dtype=torch.int8).repeat(256, 1)  # [256, 256]: every code on every row
+    zero = torch.arange(-128, 128, dtype=torch.int8)[:, None]  # row r: zero r - 128, every zero point once
+    scale = torch.full((256, 1), 0.5).to(torch.float16)
+    per_row = Int8Weight(q, scale, zero, None, 256)
+    p = per_row.to_weight(None, torch.float32)
+    assert isinstance(p, Planes) and p.kind.name == "INT8_G64_ZP" and p.kind.zero == 128
+    assert p.d.shape == p.mn.shape == (256, 4) and torch.equal(p.mn[:, 0], zero[:, 0])
+    want = (q.float() - zero.float()) * 0.5
+    assert torch.equal(dequantize_planes(p), want) and torch.equal(per_row.dequantize(), want)
+    grouped = Int8Weight(q, scale.repeat(1, 16), zero.repeat(1, 16), None, 16)
+    g = grouped.to_weight(None, torch.float32)
+    assert g.kind.name == "INT8_G16_ZP" and torch.equal(dequantize_planes(g), want)
 
 
 def test_packed_words_by_hand():
@@ -233,7 +258,8 @@ def test_quantization_flag_and_config_errors():
 
 def test_tensor_parallel_cut_rule():
     """Weights kept quantized split over ranks only at whole groups: int4 groups of 128 with 64 inputs per rank are
-    refused, channel-wise int4 always; int8 (Q8_0 planes) cuts at 64 inputs, FP8 at 128."""
+    refused, channel-wise int4 always; int8 (Q8_0 planes; with zero points one scale per row, repeated per 64) cuts at
+    64 inputs, int8 with zero points in groups at whole groups, FP8 at 128."""
     from voltllm.distributed.support import quantized_split_error
 
     def err(name, head_dim=32):  # o_proj: 4 heads x head_dim inputs, split over 2 ranks
@@ -244,7 +270,8 @@ def test_tensor_parallel_cut_rule():
     assert "groups of 128" in err("w4a16-g128")
     assert err("w4a16-asym-g32") is None
     assert "span all its inputs" in err("w4a16-channel")
-    assert err("int8-w8a8") is None
+    assert err("int8-w8a8") is None and err("int8-w8a8-asym") is None and err("w8a16-asym-g32") is None
+    assert "groups of 128" in err("int8-w8a8-asym-g128") and err("int8-w8a8-asym-g128", head_dim=64) is None
     assert "FP8" in err("fp8-dynamic") and err("fp8-dynamic", head_dim=64) is None
 
 

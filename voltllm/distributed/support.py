@@ -119,10 +119,11 @@ def _column_multiple(hf_config: Any, method: Optional[str]) -> Optional[tuple[in
 
 def _ct_column_multiple(hf_config: Any) -> Optional[tuple[int, str]]:
     """_column_multiple for a compressed-tensors checkpoint: NVFP4's, or the least multiple every config group's
-    planes allow (int4: whole groups; int8: Q8_0's 64; FP8: the FP8 planes' 128); int4 with one scale per row makes it
-    -1. Layers dequantized at load (act-order) set none."""
-    from voltllm.model.layers.gguf_planes import FP8_KIND, GROUP, KINDS, NVFP4_KIND, column_multiple
-    from voltllm.model.loader.compressed_tensors_checkpoint import ct_scheme
+    planes allow (int4: whole groups; int8: Q8_0's 64, with zero points in groups whole groups (the int8 kinds), one
+    scale per row repeated per 64; FP8: the FP8 planes' 128); int4 with one scale per row makes it -1. Layers
+    dequantized at load (act-order, int8 zero points in groups not a multiple of 16) set none beyond 64."""
+    from voltllm.model.layers.gguf_planes import FP8_KIND, GROUP, KINDS, NVFP4_KIND, column_multiple, int8_kind
+    from voltllm.model.loader.compressed_tensors_checkpoint import INT8_GROUP_MULTIPLE, ct_scheme
     from voltllm.model.loader.nvfp4_checkpoint import nvfp4_scheme
 
     if nvfp4_scheme(hf_config) is not None:
@@ -135,7 +136,9 @@ def _ct_column_multiple(hf_config: Any) -> Optional[tuple[int, str]]:
         whats.append(f"compressed-tensors {w.describe()}")
         if w.type == "float":
             mult = math.lcm(mult, column_multiple(FP8_KIND))
-        elif w.num_bits == 8:  # the scale repeated per 32 inputs, whatever the strategy
+        elif w.num_bits == 8 and not w.symmetric and w.strategy == "group" and w.group_size % INT8_GROUP_MULTIPLE == 0:
+            mult = math.lcm(mult, column_multiple(int8_kind(w.group_size, zero_points=True)))
+        elif w.num_bits == 8:  # Q8_0's scale repeated per 32 inputs, or a row's scale and zero point per 64
             mult = math.lcm(mult, column_multiple(KINDS["Q8_0"]))
         elif w.strategy != "group":
             return -1, whats[-1]

@@ -30,9 +30,12 @@ vLLM does.
 
 Kept quantized on the GPU: int4 layers as the int4 planes (AWQ / GPTQ's: codes, fp16 scale and, asymmetric, int8 zero
 point per group), int8 symmetric layers as Q8_0 planes (8-bit codes, the fp16 scale repeated per 32 inputs: 8.5 bits
-per weight), FP8 layers as FP8 planes. Where the planes cannot hold a layer (inputs not a multiple of 64, act-order
-groups, int8 groups not a multiple of 32 or asymmetric int8, scales fp16 cannot hold exactly, FP8 inputs not a
-multiple of 128) it is dequantized at load, layer by layer, with one log line per reason. Dequantized values are the
+per weight), int8 asymmetric layers as the int8 planes with zero points (8-bit GPTQ's, gguf_planes.int8_kind: the
+signed int8 zero point is the plane's zero - 128 as it is; the checkpoint's groups, 8.1875 bits per weight at 128, or
+for one scale per row the scale and zero repeated per 64 inputs, 8.375, so tensor parallelism cuts at 64 inputs),
+FP8 layers as FP8 planes. Where the planes cannot hold a layer (inputs not a multiple of 64, act-order groups, int8
+groups not a multiple of 32, or of 16 with zero points, scales fp16 cannot hold exactly, FP8 inputs not a multiple of
+128) it is dequantized at load, layer by layer, with one log line per reason. Dequantized values are the
 checkpoint's exactly: (q - zero) and e4m3 are exact in fp32 and so is their product with an fp16 / bf16 scale (one
 rounding with an fp32 scale), then one rounding to the compute dtype (compressed-tensors' own decompression rounds
 the product to the scale's dtype instead: the same value when the compute dtype is that dtype).
@@ -49,7 +52,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
-from voltllm.model.layers.gguf_planes import GROUP, KINDS, Planes, Unpacked, to_planes
+from voltllm.model.layers.gguf_planes import GROUP, KINDS, PlaneKind, Planes, Unpacked, int8_kind, to_planes
 from voltllm.model.layers.quantized_linear import PackedWeight, log_dense_at_load
 from voltllm.model.loader.fp8_checkpoint import FP8Weight
 from voltllm.model.loader.int4_checkpoint import CT, Int4Scheme, Int4Weight, fp16_exact
@@ -62,6 +65,7 @@ _QPARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
 _ACTIVATION_PARTS = ("input_scale", "input_zero_point", "input_global_scale")
 _KV_OUTPUT = re.compile(r"^(?P<attn>.*)\.(?P<proj>k_proj|v_proj)\.output_(?P<what>scale|zero_point)$")
 Q8_0 = KINDS["Q8_0"]  # 8-bit codes q + 128 and an fp16 scale per 32 inputs: w = d * (code - 128)
+INT8_GROUP_MULTIPLE = 16  # the int8 kinds' groups (gguf_planes.int8_kind): whole 16-input units of the kernels
 
 
 class CTCheckpointError(ValueError):
@@ -252,21 +256,42 @@ class Int8Weight(PackedWeight):
             return self.g_idx.to(device=device, dtype=torch.int64)
         return torch.arange(self.in_features, device=device) // self.group
 
-    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
-        """Q8_0 planes (the scale repeated per 32 inputs) on `device`; the dequantized matrix where they cannot hold
-        the layer."""
+    def plane_kind(self) -> PlaneKind:
+        """The planes' kind: symmetric, Q8_0 (the scale repeated per 32 inputs); asymmetric, an int8 kind with the
+        zero point per `d` (int8_kind): the checkpoint's groups, or for one scale per row (channel / tensor) the scale
+        and zero repeated per 64 inputs, so tensor parallelism cuts the row at 64 inputs as for symmetric layers."""
+        if self.zero is None:
+            return Q8_0
+        return int8_kind(GROUP if self.group == self.in_features else self.group, zero_points=True)
+
+    def _planes_refusal(self) -> Optional[str]:
+        """Why the planes cannot hold this layer (None: they can)."""
         k = self.in_features
-        in_order = self.g_idx is None or torch.equal(self.g_idx.to(torch.int64).cpu(), torch.arange(k) // self.group)
-        why = ("zero points (asymmetric int8)" if self.zero is not None else
-               "act-order groups (g_idx not in input order)" if not in_order else
-               f"inputs not a multiple of {GROUP}" if k % GROUP else
-               f"groups of {self.group} inputs (not a multiple of {Q8_0.super})" if self.group % Q8_0.super else
-               f"{self.scale.dtype} scales that fp16 cannot hold exactly" if not fp16_exact(self.scale) else None)
+        if self.g_idx is not None and not torch.equal(self.g_idx.to(torch.int64).cpu(), torch.arange(k) // self.group):
+            return "act-order groups (g_idx not in input order)"
+        if k % GROUP:
+            return f"inputs not a multiple of {GROUP}"
+        if self.zero is None and self.group % Q8_0.super:
+            return f"groups of {self.group} inputs (not a multiple of {Q8_0.super})"
+        if self.zero is not None and self.group % INT8_GROUP_MULTIPLE:
+            return f"zero points in groups of {self.group} inputs (not a multiple of {INT8_GROUP_MULTIPLE})"
+        if not fp16_exact(self.scale):
+            return f"{self.scale.dtype} scales that fp16 cannot hold exactly"
+        return None
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
+        """Planes of plane_kind() on `device`; the dequantized matrix where they cannot hold the layer."""
+        why = self._planes_refusal()
         if why is not None:
             log_dense_at_load(f"int8 layers with {why}")
             return self.dequantize(torch.float32, device).to(dtype)
-        d = self.scale.to(device=device, dtype=torch.float16).repeat_interleave(self.group // Q8_0.super, dim=1)
-        return to_planes(Unpacked(codes=self.codes(device), d=d.contiguous(), m=None, sc=None, mn=None), Q8_0)
+        kind = self.plane_kind()
+        repeat = self.group // kind.super
+        d = self.scale.to(device=device, dtype=torch.float16).repeat_interleave(repeat, dim=1)
+        # the int8 kinds' zero plane holds zero - ZERO 128 in code space (code = q + 128): the signed zero itself
+        mn = None if self.zero is None else self.zero.to(device=device, dtype=torch.int8).repeat_interleave(repeat, 1)
+        return to_planes(Unpacked(codes=self.codes(device), d=d.contiguous(), m=None, sc=None,
+                                  mn=None if mn is None else mn.contiguous()), kind)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
         """(q - zero) * scale [N, K] in fp32 (exact for fp16 / bf16 scales), cast to dtype."""
