@@ -23,7 +23,11 @@ VARIANTS = {"qwen3-w4a16-asym-g32": ("qwen3", "w4a16-asym-g32", "INT4_G32_ZP"),
             "qwen3-w8a16-g64": ("qwen3", "w8a16-g64", "Q8_0"),
             "qwen3-fp8-dynamic": ("qwen3", "fp8-dynamic", "FP8_E4M3"),
             "llama-fp8-block": ("llama", "fp8-block", "FP8_E4M3"),
-            "qwen3-int8-w8a8": ("qwen3", "int8-w8a8", "Q8_0")}
+            "qwen3-int8-w8a8": ("qwen3", "int8-w8a8", "Q8_0"),
+            # int8 with zero points: the int8 planes' zero plane, per the checkpoint's groups (pack-quantized) or
+            # one scale per row repeated per 64 inputs (int-quantized, channel)
+            "qwen3-w8a16-asym-g32": ("qwen3", "w8a16-asym-g32", "INT8_G32_ZP"),
+            "llama-int8-w8a8-asym": ("llama", "int8-w8a8-asym", "INT8_G64_ZP")}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

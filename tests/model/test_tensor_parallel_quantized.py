@@ -107,6 +107,28 @@ def test_uneven_group_split_of_the_mlp_matches_tp1(tmp_path, monkeypatch):
         two.engine.shutdown()
 
 
+@pytest.mark.parametrize("scheme,kind", [("int8-w8a8-asym", "INT8_G64_ZP"), ("w8a16-asym-g32", "INT8_G32_ZP")])
+def test_compressed_tensors_asymmetric_int8_matches_tp1(tmp_path, monkeypatch, scheme, kind):
+    """compressed-tensors int8 with zero points (the library's compressors) kept quantized at -tp 2: the int8 planes'
+    codes, scales and zero plane cut by columns (one scale per row: repeated per 64 inputs, so 64 per rank holds;
+    groups of 32: whole groups); the outputs equal -tp 1's."""
+    from ct_checkpoints import quantize_model
+
+    path = make_model(str(tmp_path / "m"), "qwen3", **SHAPE)
+    quantize_model(path, scheme)
+    _kept(monkeypatch)
+    one = LLM(path, **ENGINE)
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        cfg = one.config.model.hf_config
+        _check_kept(one, 1, cfg)
+        _check_kept(two, 2, cfg)
+        assert two.engine.runner.model.layers[0].self_attn.o_proj.gguf_segments[0].weight.kind.name == kind
+        _assert_same_outputs(one, two, PROMPTS)
+    finally:
+        two.engine.shutdown()
+
+
 def test_hybrid_awq_matches_tp1(tmp_path, monkeypatch):
     """An AWQ qwen3_5 hybrid kept quantized: GDN in_proj shards (interleaved rows) and out_proj's value-head
     columns, gated attention, MLP; prompt logprobs and greedy tokens of -tp 2 equal -tp 1's."""
