@@ -30,7 +30,8 @@ def _packed(name: str, w: torch.Tensor):
 
 
 @pytest.mark.parametrize("name,kind", [("w4a16-asym-g32", "INT4_G32_ZP"), ("w4a16-g128", "INT4_G128"),
-                                       ("w8a16-g64", "Q8_0"), ("int8-w8a8", "Q8_0"), ("fp8-dynamic", "FP8_E4M3")])
+                                       ("w8a16-g64", "Q8_0"), ("int8-w8a8", "Q8_0"), ("fp8-dynamic", "FP8_E4M3"),
+                                       ("w8a16-asym-g32", "INT8_G32_ZP"), ("int8-w8a8-asym", "INT8_G64_ZP")])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288)])
 def test_kernels_match_the_library(name, kind, n, k):
     seed = random.SystemRandom().randrange(1 << 30)
@@ -52,7 +53,8 @@ def test_kernels_match_the_library(name, kind, n, k):
 
 
 @pytest.fixture(scope="module", params=[("qwen3", "w4a16-asym-g32"), ("llama", "w4a16-g128"), ("qwen3", "w8a16-g64"),
-                                        ("qwen3", "fp8-dynamic"), ("llama", "fp8-block"), ("qwen3", "int8-w8a8")],
+                                        ("qwen3", "fp8-dynamic"), ("llama", "fp8-block"), ("qwen3", "int8-w8a8"),
+                                        ("llama", "int8-w8a8-asym")],
                 ids=lambda p: "-".join(p))
 def tiny_ct(request, tmp_path_factory):
     arch, name = request.param
@@ -86,7 +88,7 @@ def test_tiny_model_compat_route(tiny_ct):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["w4a16-g128", "fp8-dynamic"])
+@pytest.mark.parametrize("name", ["w4a16-g128", "fp8-dynamic", "w8a16-asym-g32"])
 def test_moe_experts_kept_quantized(monkeypatch, tmp_path, name):
     """qwen3_moe whose experts the library compressed (model-free, the router ignored), kept quantized as MoE planes
     (per-pair dequant-GEMM launches in decode, CUDA graphs included) against the checkpoint dequantized at load."""

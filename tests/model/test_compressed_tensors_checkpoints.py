@@ -117,7 +117,7 @@ def test_moe_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("kind,name", [("qwen3_5", "w4a16-asym-g32"), ("qwen3_next", "fp8-dynamic"),
-                                       ("qwen3_5_moe", "w8a16-g64")])
+                                       ("qwen3_5_moe", "w8a16-g64"), ("qwen3_5_moe", "w8a16-asym-g32")])
 def test_hybrid_checkpoints(tmp_path, kind, name):
     """Tiny hybrids the library compressed (model-free; the routers, the shared expert's gate and the GDN b / a
     projections ignored, as quantizers leave them): the dequantized weights equal the library's decompression, and
