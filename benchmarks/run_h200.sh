@@ -1589,6 +1589,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_quant_dot_cuda 200
     gpu_file test_quant_half2_cuda 120
     gpu_file test_quant_checkpoints_cuda 200
+    gpu_file test_compressed_tensors_cuda 150
     ;;
   s140)  # (session 49) the split row argmax (GPU file + micro), wide gated gate_up tiles at 64 rows
          # (micro/batch_gemm_gated_wide.py), then the 8B at 64 x 128/128: B with the gated winners offered to the
