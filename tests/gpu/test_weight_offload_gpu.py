@@ -82,18 +82,26 @@ def test_offloaded_layers_generate_the_same(dense, dtype, tol, flags, order, slo
     _free(llm)
 
 
+def _gpu_weight_bytes(model) -> int:
+    """Bytes of the distinct GPU storages the model's tensors view (weights, buffers, staging slots)."""
+    from voltllm.worker.weight_offload import reachable_tensors
+
+    seen = {}
+    for f in reachable_tensors(model):
+        if f.tensor.is_cuda:
+            s = f.tensor.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def test_offloading_frees_gpu_memory(dense):
-    """The weights' GPU memory drops by the offloaded layers, less the staging slots."""
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    llm = LLM(dense, device="cuda", dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 26,
-              enforce_eager=True)
-    full = torch.cuda.memory_allocated() - base
+    """The model's GPU storages shrink by the offloaded layers, less the staging slots."""
+    kw = dict(device="cuda", dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 26, enforce_eager=True)
+    llm = LLM(dense, **kw)
+    full = _gpu_weight_bytes(llm.engine.runner.model)
     _free(llm)
-    base = torch.cuda.memory_allocated()
-    llm = LLM(dense, device="cuda", dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 26,
-              enforce_eager=True, cpu_offload_gb=ALL, offload_prefetch_step=0)
-    offloaded = torch.cuda.memory_allocated() - base
+    llm = LLM(dense, **kw, cpu_offload_gb=ALL, offload_prefetch_step=0)
+    offloaded = _gpu_weight_bytes(llm.engine.runner.model)
     streamer = llm.engine.runner.weight_offload
     saved = streamer.offloaded_bytes - streamer.staging_bytes
     assert saved > 0 and full - offloaded >= 0.9 * saved
