@@ -122,6 +122,23 @@ def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str
     return impl, why
 
 
+def _weight_offload_route(cfg: Any, runner: Any, cuda: bool) -> dict:
+    """--cpu-offload-gb / --offload-group-size: decoder layers in CPU memory (worker/weight_offload.py). On CUDA the
+    host buffers must be page-locked: the prefetch copies are then asynchronous, and uva's in-place reads possible."""
+    impl = ("decoder layers in page-locked host memory, read in place over the bus (--offload-backend uva)"
+            if cfg.backend == "uva" else
+            f"decoder layers in page-locked host memory, copied into {cfg.slots} GPU staging slots "
+            f"{cfg.prefetch_step} layer(s) ahead on a copy stream (prefetch)")
+    held = getattr(runner, "weight_offload", None) if runner is not None else None
+    if held is None:
+        return _route(runner is None and cuda, cuda, impl, "predicted: page-locked host buffers" if runner is None
+                      else "no offloaded layer was set up" if cuda else _cpu_note())
+    gib = round(held.offloaded_bytes / 2**30, 3)
+    tally = f"; {len(held.order)} layers ({gib} GiB) offloaded, {held.num_slots} staging slots"
+    return _route(cuda, cuda, impl, ("page-locked (cudaHostRegister)" if cuda else _cpu_note()) + tally,
+                  layers=len(held.order), gib=gib, slots=held.num_slots)
+
+
 def _kv_offload_route(config: Any, runner: Any, cuda: bool) -> dict:
     """--kv-offloading-size: the prefix cache's CPU tier. On CUDA its copies are asynchronous only from page-locked
     host memory (else each one stalls the stream on a host copy)."""
@@ -343,6 +360,8 @@ def build_report(config: Any, runner: Any = None, platform: Optional[Platform] =
 
     if getattr(config.cache, "kv_offloading_size", None):
         routes["kv_offload"] = _kv_offload_route(config, runner, cuda)
+    if getattr(config, "weight_offload", None) is not None:
+        routes["weight_offload"] = _weight_offload_route(config.weight_offload, runner, cuda)
 
     counters = counters_of(runner) if runner is not None else None
     calls = counters.calls() if counters is not None else None

@@ -16,7 +16,7 @@ import torch
 
 
 ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "sampler", "cuda_graphs",
-          "compile_cache", "fused_elementwise", "gdn_decode", "gdn_prefill", "moe", "kv_offload")
+          "compile_cache", "fused_elementwise", "gdn_decode", "gdn_prefill", "moe", "kv_offload", "weight_offload")
 # routes whose calls happen inside the model forward (so inside a decode CUDA graph)
 _FORWARD_ROUTES = ("attention_prefill", "attention_decode", "kv_codec", "linear", "fused_elementwise", "gdn_decode",
                    "gdn_prefill", "moe")

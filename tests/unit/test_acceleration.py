@@ -50,7 +50,8 @@ def test_cpu_report_shape_and_reasons(llm):
     assert report["object"] == "acceleration_report" and report["source"] == "engine"
     assert report["platform"]["route"] == "cpu"
     names = list(report["routes"])
-    assert names == [r for r in ROUTES if not r.startswith("gdn_") and r not in ("moe", "kv_offload")]  # a dense model
+    assert names == [r for r in ROUTES if not r.startswith("gdn_")
+                     and r not in ("moe", "kv_offload", "weight_offload")]  # a dense model
     for name, r in report["routes"].items():
         assert set(r) >= {"enabled", "expected", "impl", "reason", "calls"}, name
         assert r["enabled"] is False and r["expected"] is False, name  # the CPU runs the reference routes
@@ -367,3 +368,20 @@ def test_kv_offload_route_predicted_and_counted(tiny_dir, fake_v100):
     r = report["routes"]["kv_offload"]
     assert not r["enabled"] and not r["expected"] and r["blocks_saved"] > 0 and r["blocks_loaded"] > 0
     assert f"{r['blocks_loaded']} loaded" in r["reason"] and "kv_offload" in format_report(report)
+
+
+def test_weight_offload_route(tiny_dir, fake_v100):
+    """--cpu-offload-gb adds the offloaded layers' route: predicted page-locked on CUDA; on an engine, its layers."""
+    from voltllm import LLM
+
+    config = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu", cpu_offload_gb=1000).create_engine_config())
+    r = build_report(config)["routes"]["weight_offload"]
+    assert r["enabled"] and r["expected"] and "2 GPU staging slots" in r["impl"]
+    uva = _fake_cuda(EngineArgs(model=tiny_dir, device="cpu", cpu_offload_gb=1000,
+                                offload_backend="uva").create_engine_config())
+    assert "read in place" in build_report(uva)["routes"]["weight_offload"]["impl"]
+    llm = LLM(tiny_dir, device="cpu", max_model_len=256, cpu_offload_gb=1000, skip_tokenizer_init=True)
+    report = build_report(llm.engine.config, llm.engine.runner)
+    r = report["routes"]["weight_offload"]
+    n = len(llm.engine.runner.model.layers)
+    assert r["layers"] == n and f"{n} layers" in r["reason"] and "weight_offload" in format_report(report)
