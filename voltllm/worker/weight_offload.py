@@ -64,7 +64,7 @@ def reachable_tensors(root: Any, skip: frozenset = frozenset()) -> list[_Found]:
     out: list[_Found] = []
     seen: set[int] = set(skip)
 
-    def walk(obj: Any, path: str, moe: bool = False) -> None:
+    def walk(obj: Any, path: str) -> None:
         if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
             return
         seen.add(id(obj))
@@ -80,16 +80,12 @@ def reachable_tensors(root: Any, skip: frozenset = frozenset()) -> list[_Found]:
 
             def name(n: str) -> str:
                 return f"{path}{_EXPERT_ATTRS.get(n, n) if in_moe else n}"
-            for n, p in obj._parameters.items():
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(_Found(name(n), p, False))
-                    walk(p._base, name(n) + "._base.")
-            for n, b in obj._buffers.items():
-                if b is not None and id(b) not in seen:
-                    seen.add(id(b))
-                    out.append(_Found(name(n), b, True))
-                    walk(b._base, name(n) + "._base.")
+            for table, is_buffer in ((obj._parameters, False), (obj._buffers, True)):
+                for n, t in table.items():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        out.append(_Found(name(n), t, is_buffer))
+                        walk(t._base, name(n) + "._base.")
             for n, m in obj._modules.items():
                 walk(m, name(n) + ".")
             for n, v in vars(obj).items():
