@@ -10,33 +10,55 @@ from typing import Any, Optional, Sequence
 import torch
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the hybrids' Gated DeltaNet projections (Qwen3.5's names, then Qwen3-Next's)
+GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
+HYBRID_TARGETS = ALL_TARGETS + GDN_TARGETS
+_HYBRIDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
-def _shapes(cfg: Any) -> dict[str, tuple[int, int]]:
-    """PEFT module -> (in, out) for the llama family."""
+def _layer_shapes(cfg: Any, layer: int) -> dict[str, tuple[str, int, int]]:
+    """PEFT module -> (its block, in, out) in decoder layer `layer` (the llama family or a hybrid)."""
+    hybrid = cfg.model_type in _HYBRIDS
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-            "up_proj": (h, i), "down_proj": (i, h)}
+    out: dict[str, tuple[str, int, int]] = {}
+    if hybrid and cfg.layer_types[layer] == "linear_attention":
+        nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
+        if cfg.model_type == "qwen3_next":
+            out.update(in_proj_qkvz=("linear_attn", h, 2 * nk * dk + 2 * nv * dv),
+                       in_proj_ba=("linear_attn", h, 2 * nv))
+        else:
+            out.update(in_proj_qkv=("linear_attn", h, 2 * nk * dk + nv * dv), in_proj_z=("linear_attn", h, nv * dv),
+                       in_proj_b=("linear_attn", h, nv), in_proj_a=("linear_attn", h, nv))
+        out["out_proj"] = ("linear_attn", nv * dv, h)
+    else:  # a hybrid's q_proj gives [q | gate] per head
+        out.update(q_proj=("self_attn", h, (2 if hybrid else 1) * q), k_proj=("self_attn", h, kv),
+                   v_proj=("self_attn", h, kv), o_proj=("self_attn", q, h))
+    if not hybrid or cfg.model_type == "qwen3_5":  # (the MoE hybrids' MLPs are experts)
+        out.update(gate_proj=("mlp", h, i), up_proj=("mlp", h, i), down_proj=("mlp", i, h))
+    return out
 
 
 def make_adapter(path: str, model_path: str, rank: int = 8, alpha: float = 16, seed: int = 1,
                  targets: Sequence[str] = ALL_TARGETS, layers: Optional[Sequence[int]] = None, std: float = 0.1,
                  rslora: bool = False, extra_config: Optional[dict] = None,
                  extra_tensors: Optional[dict] = None) -> str:
-    """A random LoRA adapter for the model at model_path (both A and B random, so its effect is large)."""
+    """A random LoRA adapter for the model at model_path (both A and B random, so its effect is large); each layer
+    gets those of `targets` it has (a hybrid's attention or Gated DeltaNet modules, dense MLPs only)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_path)
-    shapes = _shapes(cfg)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in (range(cfg.num_hidden_layers) if layers is None else layers):
+        shapes = _layer_shapes(cfg, layer)
         for t in targets:
-            block = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            n_in, n_out = shapes[t]
+            if t not in shapes:
+                continue
+            block, n_in, n_out = shapes[t]
             name = f"base_model.model.model.layers.{layer}.{block}.{t}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * std
             tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * std
@@ -75,3 +97,15 @@ def merged_model(model_path: str, adapter_path: Optional[str]) -> Any:
             b = tensors[key.replace(".lora_A.", ".lora_B.")]
             params[f"{module}.weight"] += scaling * (b.double() @ a.double()).float()
     return model
+
+
+def save_merged(model_path: str, adapter_path: str, out: str) -> str:
+    """The checkpoint at model_path with the adapter merged into its weights, saved under `out` (tokenizer files
+    copied): what a plain engine serves as the reference of the adapter."""
+    import shutil
+
+    merged_model(model_path, adapter_path).save_pretrained(out)
+    for name in os.listdir(model_path):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(model_path, name), out)
+    return out

@@ -6,11 +6,12 @@ import argparse
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
 
-from lora_adapters import make_adapter
+from lora_adapters import HYBRID_TARGETS as _HYBRID_TARGETS, make_adapter
 from tiny_models import make_model
 from voltllm.config import ConfigError, EngineArgs
 from voltllm.lora.adapter import LoRAAdapterError, projection_shapes, read_adapter
@@ -227,15 +228,65 @@ def test_lora_config_is_typed_and_checked(tiny, tmp_path):
     assert tp.lora is not None and tp.parallel.tensor_parallel_size == 2
 
 
-def test_hybrid_models_are_refused(tmp_path):
+def test_hybrid_models_take_adapters_and_other_architectures_are_refused(tmp_path):
+    from types import SimpleNamespace
+
     from tiny_models import make_tiny_hybrid
+    from voltllm.lora.adapter import lora_architecture_error
 
     path = make_tiny_hybrid(str(tmp_path / "h"), "qwen3_5", seed=0, gen_seed=0)
     if path is None:
         pytest.skip("this transformers has no qwen3_5")
-    with pytest.raises(ConfigError, match="--enable-lora: LoRA adapters are built for the llama, qwen2, qwen3, "
-                                          "qwen3_moe architectures .*not 'qwen3_5"):
-        _config(path, enable_lora=True)
+    assert _config(path, enable_lora=True).lora is not None
+    with pytest.raises(ConfigError, match="--enable-lora with --tensor-parallel-size 2: LoRA adapters on 'qwen3_5"
+                                          ".*one GPU only"):
+        _config(path, enable_lora=True, tensor_parallel_size=2)
+    assert "not 'gemma2'" in lora_architecture_error(SimpleNamespace(model_type="gemma2"))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_hybrid_modules_are_mapped_and_the_others_refused_by_name(tmp_path, kind):
+    """A hybrid's layers 0-2 are Gated DeltaNet, 3 full attention (make_tiny_hybrid): each takes its own modules;
+    another layer kind's module, a MoE layer's MLP (experts, router, shared expert) are refused naming them."""
+    from transformers import AutoConfig
+
+    from tiny_models import make_tiny_hybrid, small_moe
+    from voltllm.lora.adapter import peft_modules
+
+    path = make_tiny_hybrid(str(tmp_path / kind), kind, seed=0, gen_seed=0, **small_moe(kind))
+    if path is None:
+        pytest.skip(f"this transformers has no {kind}")
+    cfg = AutoConfig.from_pretrained(path)
+    shapes, modules = projection_shapes(cfg), peft_modules(cfg)
+    assert shapes["layers.3.self_attn.qkv_proj"].shard_sizes == (2 * 4 * 32, 2 * 32, 2 * 32)  # q_proj: [q | gate]
+    assert shapes["layers.0.linear_attn.in_proj"].shard_sizes == (32, 32, 64, 64, 4, 4)
+    gdn = ("in_proj_qkvz", "in_proj_ba") if kind == "qwen3_next" else ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                      "in_proj_a")
+    assert {m.rpartition(".")[2] for m in modules if m.startswith("layers.0.")} == \
+        set(gdn) | {"out_proj"} | ({"gate_proj", "up_proj", "down_proj"} if kind == "qwen3_5" else set())
+    covered = sorted(pc.shard for m in gdn for pc in modules[f"layers.0.linear_attn.{m}"])
+    assert covered == [0, 1, 2, 3, 4, 5]  # (every in_proj shard, once)
+    adapter = _read(make_adapter(str(tmp_path / "all"), path, rank=4, targets=_HYBRID_TARGETS), cfg)
+    assert adapter.weights["layers.1.linear_attn.in_proj"].keys() == {0, 1, 2, 3, 4, 5}
+    bad = {"base_model.model.model.layers.0.self_attn.q_proj": ("layer 0 has no self_attn module (it is a Gated "
+                                                                "DeltaNet (linear_attn) layer)", 64),
+           "base_model.model.model.layers.3.linear_attn.out_proj": ("layer 3 has no linear_attn module (it is a "
+                                                                    "full attention (self_attn) layer)", 64),
+           "base_model.model.model.layers.1.linear_attn.conv1d": ("LoRA on linear_attn.conv1d is not built", 4)}
+    if kind != "qwen3_5":
+        bad["base_model.model.model.layers.0.mlp.shared_expert.gate_proj"] = ("MoE experts", 64)
+        bad["base_model.model.model.layers.0.mlp.experts.1.up_proj"] = ("MoE experts", 64)
+        bad["base_model.model.model.layers.2.mlp.gate_proj"] = ("sparse MoE", 64)
+    for i, (module, (match, n_in)) in enumerate(bad.items()):
+        extra = {f"{module}.lora_A.weight": torch.zeros(4, n_in), f"{module}.lora_B.weight": torch.zeros(8, 4)}
+        with pytest.raises(LoRAAdapterError, match=re.escape(match)):
+            _read(make_adapter(str(tmp_path / f"bad{i}"), path, rank=4, targets=("k_proj",), extra_tensors=extra),
+                  cfg)
+    # a multimodal Qwen3.5's adapters name the text model's layers under language_model
+    mm = {"base_model.model.model.language_model.layers.3.self_attn.k_proj.lora_A.weight": torch.zeros(4, 64),
+          "base_model.model.model.language_model.layers.3.self_attn.k_proj.lora_B.weight": torch.zeros(64, 4)}
+    mm_path = make_adapter(str(tmp_path / "mm"), path, rank=4, targets=(), extra_tensors=mm)
+    assert list(_read(mm_path, cfg).weights) == ["layers.3.self_attn.qkv_proj"]
 
 
 def test_lora_modules_are_checked_before_the_engine_starts(tiny, tmp_path):

@@ -123,8 +123,8 @@ class StateSnapshots:
             return None
         i = boundary // self.block_size - 1
         if i >= len(req.block_hashes):
-            # (no LoRA key: hybrids take no adapters, voltllm/lora)
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
+            # (the adapter's key too, as the KV manager's: whichever hashes first, the chain is the same)
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, req.lora_key)
         return req.block_hashes[i] if i < len(req.block_hashes) else None
 
     # -- scheduler side --------------------------------------------------------------------------

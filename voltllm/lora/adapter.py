@@ -2,10 +2,14 @@
 
 A PEFT adapter holds, per adapted projection, lora_A [r, in] and lora_B [out, r]; the projection becomes
 W + scaling * B A, scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). voltllm merges q / k / v into one qkv
-projection and gate / up into one gate_up, so each PEFT module maps onto a shard (a slice of output rows) of one of
-our Linears (`projection_shapes`). What this version does not build is refused by name: embedding / LM-head LoRA
-(lora_embedding_*, modules_to_save, target_modules naming embed_tokens / lm_head), MoE experts, DoRA, LoRA biases,
-per-module ranks / alphas, ranks above --max-lora-rank.
+projection and gate / up into one gate_up, so each PEFT module maps onto shards (slices of output rows) of one of
+our Linears (`peft_modules`, `projection_shapes`): B's rows go where the module's weight rows went when the
+checkpoint was loaded, A is the module's (the same A for each shard of one module). The hybrids (qwen3_5 / qwen3_5_moe /
+qwen3_next) adapt their gated attention (q_proj: [q_h | gate_h] per head, as qkv_proj's shard 0 holds it), their
+Gated DeltaNet projections (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen3-Next's head-grouped in_proj_qkvz /
+in_proj_ba, out_proj: gdn.in_proj_pieces) and their dense MLPs. What this version does not build is refused by name:
+embedding / LM-head LoRA (lora_embedding_*, modules_to_save, target_modules naming embed_tokens / lm_head), MoE experts
+(a shared expert included), DoRA, LoRA biases, per-module ranks / alphas, ranks above --max-lora-rank.
 """
 from __future__ import annotations
 
@@ -20,18 +24,20 @@ import torch
 
 from voltllm.lora.request import LoRARequest
 
-# the architectures whose projections take adapters (models/llama.py); the hybrids' Gated DeltaNet layers do not
-LORA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+# the architectures whose projections take adapters (models/llama.py, models/qwen3_next.py)
+LORA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe") + HYBRID_ARCHITECTURES
 
 # PEFT module (the projection's name in Hugging Face's model) -> (our Linear inside the decoder layer, its shard)
 PEFT_PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
                     "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
                     "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
                     "down_proj": ("mlp.down_proj", 0)}
-_BUILT = "q_proj, k_proj, v_proj, o_proj and the dense MLPs' gate_proj, up_proj, down_proj"
+_BUILT = ("q_proj, k_proj, v_proj, o_proj, the dense MLPs' gate_proj, up_proj, down_proj and the hybrids' Gated "
+          "DeltaNet in_proj_* / out_proj")
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[A-Za-z0-9_]+)?\.weight")
-_LAYER_MODULE = re.compile(r"layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[A-Za-z0-9_]+)")
+_LAYER_MODULE = re.compile(r"layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp|linear_attn)\.(?P<proj>[A-Za-z0-9_.]+)")
 
 
 class LoRAAdapterError(ValueError):
@@ -47,6 +53,14 @@ class LoRAAdapterNotFoundError(LoRAAdapterError):
 class ProjectionShape:
     in_features: int
     shard_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a PEFT module on one of our Linears: its B rows `rows` (in order; None: all) are `shard` of `linear`."""
+    linear: str
+    shard: int
+    rows: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -71,30 +85,75 @@ def lora_architecture_error(hf_config: Any) -> Optional[str]:
     arch = getattr(hf_config, "model_type", None)
     if arch in LORA_ARCHITECTURES:
         return None
-    return (f"LoRA adapters are built for the {', '.join(LORA_ARCHITECTURES)} architectures (their attention and "
-            f"dense-MLP projections), not {arch!r}")
+    return (f"LoRA adapters are built for the {', '.join(LORA_ARCHITECTURES)} architectures (their attention, "
+            f"Gated DeltaNet and dense-MLP projections), not {arch!r}")
+
+
+def _is_hybrid(hf_config: Any) -> bool:
+    return getattr(hf_config, "model_type", None) in HYBRID_ARCHITECTURES
 
 
 def projection_shapes(hf_config: Any) -> dict[str, ProjectionShape]:
     """Our Linears that take adapters ("layers.{i}.self_attn.qkv_proj", ...) and their whole shapes (what an adapter
-    is checked against; under tensor parallelism each rank then cuts it, lora/sharding.py). A qwen3_moe sparse
-    layer's MLP is experts, not Linears: only its attention."""
+    is checked against; under tensor parallelism each rank then cuts it, lora/sharding.py). A sparse MoE layer's MLP
+    is experts, not Linears: only its attention (or Gated DeltaNet)."""
+    return _layout(hf_config)[0]
+
+
+def peft_modules(hf_config: Any) -> dict[str, tuple[Piece, ...]]:
+    """PEFT module inside the decoder stack ("layers.{i}.self_attn.q_proj", "layers.{i}.linear_attn.in_proj_qkv",
+    ...) -> where its B rows go in our Linears."""
+    return _layout(hf_config)[1]
+
+
+def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple[Piece, ...]]]:
     from voltllm.model.models.llama import is_moe_layer
 
+    hybrid = _is_hybrid(hf_config)
     cfg = hf_config
+    if hybrid:
+        from voltllm.model.models.qwen3_next import (hybrid_is_moe_layer, hybrid_layer_types, hybrid_variant,
+                                                     text_config)
+        cfg = text_config(hf_config)
+        kinds = hybrid_layer_types(cfg)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     hidden, q, kv = cfg.hidden_size, heads * head_dim, kv_heads * head_dim
-    out: dict[str, ProjectionShape] = {}
+    shapes: dict[str, ProjectionShape] = {}
+    modules: dict[str, tuple[Piece, ...]] = {}
+
+    def whole(layer: int, block: str, peft: str, linear: str, shard: int) -> None:
+        modules[f"layers.{layer}.{block}.{peft}"] = (Piece(f"layers.{layer}.{linear}", shard),)
+
     for i in range(cfg.num_hidden_layers):
-        out[f"layers.{i}.self_attn.qkv_proj"] = ProjectionShape(hidden, (q, kv, kv))
-        out[f"layers.{i}.self_attn.o_proj"] = ProjectionShape(q, (hidden,))
-        if not is_moe_layer(cfg, i):
+        p = f"layers.{i}."
+        if hybrid and kinds[i] == "linear_attention":
+            from voltllm.model.layers.gdn import in_proj_pieces
+
+            nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            shapes[p + "linear_attn.in_proj"] = ProjectionShape(hidden, (nk * dk, nk * dk, nv * dv, nv * dv, nv, nv))
+            shapes[p + "linear_attn.out_proj"] = ProjectionShape(nv * dv, (hidden,))
+            names = (("in_proj_qkvz", "in_proj_ba") if hybrid_variant(cfg) == "qwen3_next" else
+                     ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+            for name in names:
+                modules[p + "linear_attn." + name] = tuple(Piece(p + "linear_attn.in_proj", shard, rows) for
+                                                           shard, rows in in_proj_pieces(name, nk, nv, dk, dv))
+            whole(i, "linear_attn", "out_proj", "linear_attn.out_proj", 0)
+        else:
+            # a hybrid's gated attention: q_proj's rows are [q_h | gate_h] per head, qkv_proj's shard 0 as loaded
+            shapes[p + "self_attn.qkv_proj"] = ProjectionShape(hidden, ((2 if hybrid else 1) * q, kv, kv))
+            shapes[p + "self_attn.o_proj"] = ProjectionShape(q, (hidden,))
+            for peft in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                whole(i, "self_attn", peft, *PEFT_PROJECTIONS[peft])
+        if not (hybrid_is_moe_layer(cfg, i) if hybrid else is_moe_layer(cfg, i)):
             inter = cfg.intermediate_size
-            out[f"layers.{i}.mlp.gate_up_proj"] = ProjectionShape(hidden, (inter, inter))
-            out[f"layers.{i}.mlp.down_proj"] = ProjectionShape(inter, (hidden,))
-    return out
+            shapes[p + "mlp.gate_up_proj"] = ProjectionShape(hidden, (inter, inter))
+            shapes[p + "mlp.down_proj"] = ProjectionShape(inter, (hidden,))
+            for peft in ("gate_proj", "up_proj", "down_proj"):
+                whole(i, "mlp", peft, *PEFT_PROJECTIONS[peft])
+    return shapes, modules
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
@@ -121,25 +180,29 @@ def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.d
     rank, alpha = _check_config(cfg, where, max_rank)
     scaling = lora_scaling(rank, alpha, bool(cfg.get("use_rslora")))
     tensors = _read_tensors(req.lora_path, where)
-    shapes = projection_shapes(hf_config)
-    pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    shapes, modules = _layout(hf_config)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        target, kind = _target_of(key, where, hf_config, shapes)
-        pairs.setdefault(target, {})[kind] = tensor
+        module, kind = _module_of(key, where, hf_config, modules)
+        pairs.setdefault(module, {})[kind] = tensor
     adapter = LoRAAdapter(req.lora_name, req.lora_path, rank, scaling)
-    for (linear, shard), pair in sorted(pairs.items()):
+    for module, pair in sorted(pairs.items()):
         missing = {"lora_A", "lora_B"} - set(pair)
         if missing:
-            raise LoRAAdapterError(f"{where}: {linear} shard {shard} has no {' / '.join(sorted(missing))} weight")
+            raise LoRAAdapterError(f"{where}: {module} has no {' / '.join(sorted(missing))} weight")
         a, b = pair["lora_A"], pair["lora_B"]
-        shape = shapes[linear]
-        n = shape.shard_sizes[shard]
-        if tuple(a.shape) != (rank, shape.in_features) or tuple(b.shape) != (n, rank):
+        pieces = modules[module]
+        n_in = shapes[pieces[0].linear].in_features
+        n = sum(shapes[pc.linear].shard_sizes[pc.shard] if pc.rows is None else len(pc.rows) for pc in pieces)
+        if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n, rank):
             raise LoRAAdapterError(
-                f"{where}: {_peft_name(linear, shard)} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this "
-                f"model needs lora_A ({rank}, {shape.in_features}) and lora_B ({n}, {rank}) (rank r={rank})")
-        bt = (b.float() * scaling).t().contiguous().to(dtype)
-        adapter.weights.setdefault(linear, {})[shard] = (a.to(dtype).contiguous(), bt)
+                f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
+                f"lora_A ({rank}, {n_in}) and lora_B ({n}, {rank}) (rank r={rank})")
+        a = a.to(dtype).contiguous()
+        bt = (b.float() * scaling).t()
+        for pc in pieces:  # (the module's A on each of its shards; B's rows where the weight's rows went)
+            part = bt if pc.rows is None else bt[:, pc.rows]
+            adapter.weights.setdefault(pc.linear, {})[pc.shard] = (a, part.contiguous().to(dtype))
     if not adapter.weights:
         raise LoRAAdapterError(f"{where}: no lora_A / lora_B weights in it")
     return adapter
@@ -201,8 +264,9 @@ def _read_tensors(path: str, where: str) -> dict[str, torch.Tensor]:
     raise LoRAAdapterError(f"{where}: no {' or '.join(_WEIGHT_FILES)}")
 
 
-def _target_of(key: str, where: str, hf_config: Any, shapes: dict[str, ProjectionShape]) -> tuple[tuple[str, int], str]:
-    """((our Linear, shard), "lora_A" | "lora_B") for a PEFT weight name, or LoRAAdapterError naming it."""
+def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Piece, ...]]) -> tuple[str, str]:
+    """(PEFT module inside the decoder stack, "lora_A" | "lora_B") for a PEFT weight name, or LoRAAdapterError naming
+    it."""
     if "lora_embedding" in key or re.search(r"(^|\.)(embed_tokens|lm_head)(\.|$)", key):
         raise LoRAAdapterError(f"{where}: {key}: LoRA on the embedding or the LM head (or modules_to_save) is not "
                                f"built (built: {_BUILT})")
@@ -213,30 +277,24 @@ def _target_of(key: str, where: str, hf_config: Any, shapes: dict[str, Projectio
         what = "a LoRA bias" if re.search(r"lora_B(\.[A-Za-z0-9_]+)?\.bias$", key) else "not a lora_A / lora_B weight"
         raise LoRAAdapterError(f"{where}: {key}: {what}; not built (built: lora_A / lora_B of {_BUILT})")
     module = m.group("module")
-    for prefix in ("base_model.model.", "model."):
+    for prefix in ("base_model.model.", "model.", "language_model."):  # (a multimodal Qwen3.5's text model)
         module = module.removeprefix(prefix)
     lm = _LAYER_MODULE.fullmatch(module)
     if lm is None:
         experts = ".experts." in module
         raise LoRAAdapterError(f"{where}: {key}: " + ("LoRA on MoE experts is not built" if experts else
                                                       f"not a projection this version adapts (built: {_BUILT})"))
-    layer, proj = int(lm.group("layer")), lm.group("proj")
-    if layer >= hf_config.num_hidden_layers:
-        raise LoRAAdapterError(f"{where}: {key}: layer {layer} is past the model's {hf_config.num_hidden_layers} "
-                               "layers")
-    ours = PEFT_PROJECTIONS.get(proj)
-    if ours is None or not ours[0].startswith(lm.group("block")):
-        raise LoRAAdapterError(f"{where}: {key}: LoRA on {lm.group('block')}.{proj} is not built (built: {_BUILT})")
-    linear = f"layers.{layer}.{ours[0]}"
-    if linear not in shapes:  # a qwen3_moe sparse layer: its MLP is experts
-        raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE; LoRA on MoE experts is not "
-                               "built")
-    return (linear, ours[1]), m.group("kind")
-
-
-def _peft_name(linear: str, shard: int) -> str:
-    leaf = linear.rpartition(".")[2]
-    for peft, (ours, s) in PEFT_PROJECTIONS.items():
-        if ours.endswith(leaf) and s == shard:
-            return linear.rpartition(".")[0] + "." + peft
-    return linear
+    layer, block, proj = int(lm.group("layer")), lm.group("block"), lm.group("proj")
+    num_layers = (getattr(hf_config, "text_config", None) or hf_config).num_hidden_layers
+    if layer >= num_layers:
+        raise LoRAAdapterError(f"{where}: {key}: layer {layer} is past the model's {num_layers} layers")
+    if module in modules:
+        return module, m.group("kind")
+    if any(name.startswith(f"layers.{layer}.{block}.") for name in modules):
+        raise LoRAAdapterError(f"{where}: {key}: LoRA on {block}.{proj} is not built (built: {_BUILT})")
+    if block == "mlp":  # (no dense MLP in this layer)
+        raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE; LoRA on MoE experts (and its "
+                               "router / shared expert) is not built")
+    kind = "Gated DeltaNet (linear_attn)" if any(name.startswith(f"layers.{layer}.linear_attn.") for name in modules) \
+        else "full attention (self_attn)"
+    raise LoRAAdapterError(f"{where}: {key}: layer {layer} has no {block} module (it is a {kind} layer)")

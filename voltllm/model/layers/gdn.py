@@ -204,6 +204,25 @@ def set_chunk_precision(model: nn.Module, precision: str) -> int:
     return len(layers)
 
 
+def in_proj_pieces(module: str, nk: int, nv: int, dk: int, dv: int) -> list[tuple[int, Optional[torch.Tensor]]]:
+    """Where the rows of a checkpoint's in_proj_* projection (`module`, the transformers name) land in our merged
+    in_proj: [(shard, its rows of the module in the shard's order; None: all of them)], [] for another name. The
+    checkpoint loader and LoRA (lora/adapter.py: B's rows follow the weight's) both go by it. Shards: 0 q, 1 k, 2 v,
+    3 z (Hk x Dk, Hk x Dk, Hv x Dv, Hv x Dv), 4 b, 5 a (one row per value head)."""
+    kd, vd, r = nk * dk, nv * dv, nv // nk
+    if module == "in_proj_qkv":  # Qwen3.5: flat [q | k | v]
+        return list(zip((0, 1, 2), torch.arange(2 * kd + vd).split([kd, kd, vd])))
+    if module in ("in_proj_z", "in_proj_b", "in_proj_a"):
+        return [({"in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}[module], None)]
+    if module == "in_proj_qkvz":  # Qwen3-Next: per key head g, [q_g k_g v_g z_g]
+        grouped = torch.arange(nk * (2 * dk + 2 * r * dv)).reshape(nk, -1)
+        return [(i, part.reshape(-1)) for i, part in enumerate(grouped.split([dk, dk, r * dv, r * dv], dim=1))]
+    if module == "in_proj_ba":  # Qwen3-Next: per key head g, [b_g a_g]
+        b, a = torch.arange(2 * nv).reshape(nk, 2 * r).split([r, r], dim=1)
+        return [(4, b.reshape(-1)), (5, a.reshape(-1))]
+    return []
+
+
 class GatedDeltaNet(nn.Module):
     # Decode batches (one row per request, CUDA-graph padding rows included) use the Triton kernels of
     # voltllm/kernels/gdn_decode.py: None = on CUDA tensors only (tests set True to run them interpreted).
@@ -429,29 +448,15 @@ class GatedDeltaNet(nn.Module):
         rank's heads (_local; packed ones lazily, distributed.sharding)."""
         nk, nv, dk, dv = self.full_nk, self.full_nv, self.dk, self.dv
         kd, vd = nk * dk, nv * dv
-        if name == "in_proj_qkv.weight":
-            rows = torch.arange(2 * kd + vd).split([kd, kd, vd])
-            for i, part in enumerate(split_rows(tensor, list(rows))):
-                self.in_proj.load_weight(self._local(part, i), i)
-            return [f"{prefix}in_proj#{i}" for i in range(3)]
-        shard = {"in_proj_z.weight": 3, "in_proj_b.weight": 4, "in_proj_a.weight": 5}.get(name)
-        if shard is not None:
-            self.in_proj.load_weight(self._local(tensor, shard), shard)
-            return [f"{prefix}in_proj#{shard}"]
-        if name == "in_proj_qkvz.weight":  # per key head g: [q_g k_g v_g z_g]
-            r = nv // nk
-            grouped = torch.arange(nk * (2 * dk + 2 * r * dv)).reshape(nk, -1)
-            parts = grouped.split([dk, dk, r * dv, r * dv], dim=1)
-            for i, part in enumerate(split_rows(tensor, [p.reshape(-1) for p in parts])):
-                self.in_proj.load_weight(self._local(part, i), i)
-            return [f"{prefix}in_proj#{i}" for i in range(4)]
-        if name == "in_proj_ba.weight":  # per key head g: [b_g a_g]
-            r = nv // nk
-            b, a = torch.arange(2 * nv).reshape(nk, 2 * r).split([r, r], dim=1)
-            b, a = split_rows(tensor, [b.reshape(-1), a.reshape(-1)])
-            self.in_proj.load_weight(self._local(b, 4), 4)
-            self.in_proj.load_weight(self._local(a, 5), 5)
-            return [f"{prefix}in_proj#4", f"{prefix}in_proj#5"]
+        pieces = in_proj_pieces(name.removesuffix(".weight"), nk, nv, dk, dv) if name.endswith(".weight") else []
+        if pieces:
+            if len(pieces) == 1 and pieces[0][1] is None:
+                parts = [tensor]
+            else:
+                parts = split_rows(tensor, [rows for _, rows in pieces])
+            for (shard, _), part in zip(pieces, parts):
+                self.in_proj.load_weight(self._local(part, shard), shard)
+            return [f"{prefix}in_proj#{shard}" for shard, _ in pieces]
         if name == "conv1d.weight":  # channels [q | k | v], each following its heads
             full = tensor.reshape(2 * kd + vd, self.kernel)
             if self.tp is not None:

@@ -59,6 +59,26 @@ def text_config(cfg: Any) -> Any:
     return getattr(cfg, "text_config", None) or cfg
 
 
+def hybrid_variant(cfg: Any) -> str:
+    """qwen3_next, qwen3_5_moe or qwen3_5 for a (text) config."""
+    mt = getattr(text_config(cfg), "model_type", "") or ""
+    return "qwen3_next" if mt.startswith("qwen3_next") else "qwen3_5_moe" if mt.startswith("qwen3_5_moe") else "qwen3_5"
+
+
+def hybrid_layer_types(cfg: Any) -> list[str]:
+    """Each decoder layer's mixer: "full_attention" or "linear_attention" (Gated DeltaNet)."""
+    cfg = text_config(cfg)
+    return list(getattr(cfg, "layer_types", None) or [
+        "full_attention" if (i + 1) % getattr(cfg, "full_attention_interval", 4) == 0 else "linear_attention"
+        for i in range(cfg.num_hidden_layers)])
+
+
+def hybrid_is_moe_layer(cfg: Any, i: int) -> bool:
+    """Whether decoder layer i's MLP is a sparse MoE (qwen3_5_moe: all; qwen3_next: as qwen3_moe; qwen3_5: none)."""
+    variant = hybrid_variant(cfg)
+    return variant == "qwen3_5_moe" or variant == "qwen3_next" and is_moe_layer(text_config(cfg), i)
+
+
 def _rotary_dim(cfg: Any, head_dim: int) -> int:
     factor = rope_parameters(cfg).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     return int(head_dim * (factor or 1.0))
@@ -224,13 +244,9 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         self.dtype = dtype
         self.tp = tp
         self.vocab_size = cfg.vocab_size
-        mt = getattr(cfg, "model_type", "") or ""
-        self.variant = ("qwen3_next" if mt.startswith("qwen3_next") else
-                        "qwen3_5_moe" if mt.startswith("qwen3_5_moe") else "qwen3_5")
+        self.variant = hybrid_variant(cfg)
         gdn_layout = "qkvz" if self.variant == "qwen3_next" else "split"
-        layer_types = list(getattr(cfg, "layer_types", None) or [
-            "full_attention" if (i + 1) % getattr(cfg, "full_attention_interval", 4) == 0 else "linear_attention"
-            for i in range(cfg.num_hidden_layers)])
+        layer_types = hybrid_layer_types(cfg)
         self.layer_types = layer_types
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1), _rotary_dim(cfg, head_dim))
@@ -254,11 +270,7 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         self.rotary = rotary
 
     def _is_moe(self, cfg: Any, i: int) -> bool:
-        if self.variant == "qwen3_5_moe":
-            return True
-        if self.variant == "qwen3_next":
-            return is_moe_layer(cfg, i)
-        return False
+        return hybrid_is_moe_layer(cfg, i)
 
     # -- what the runner needs to size and lay out the caches -----------------------------------
     @property
