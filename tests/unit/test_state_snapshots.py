@@ -19,7 +19,8 @@ from voltllm.model.state_cache import StateCache
 # the pool alone
 # ---------------------------------------------------------------------------------------------
 def _req(rid: str, tokens: list[int], salt=None):
-    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), block_hashes=[], cache_salt=salt)
+    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), block_hashes=[], cache_salt=salt,
+                           lora_key=None)
 
 
 def _sched(req, start: int, n: int):
