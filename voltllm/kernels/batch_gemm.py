@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.host_memory import in_host_memory
 from voltllm.kernels import pdl
 from voltllm.kernels.pdl import pdl_enter, prefetch_rows_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
@@ -335,8 +336,6 @@ def _smem_limit(device: torch.device) -> int:
 def _tma_aligned(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
     """TMA needs 16-byte aligned bases and row strides in device memory (not weights read in place from host memory:
     --offload-backend uva); with silu_mul the up half of x starts K elements in."""
-    from voltllm.host_memory import in_host_memory
-
     es = x.element_size()
     return not in_host_memory(w) and (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0
             and (w.stride(0) * es) % 16 == 0 and (k * es) % 16 == 0)
