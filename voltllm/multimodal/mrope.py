@@ -1,0 +1,57 @@
+"""Qwen3.5's multimodal RoPE (interleaved M-RoPE): each token has a (t, h, w) position; frequency j of the rotary
+half rotates by the h position when j % 3 == 1 (j < 3 * section_h), by w when j % 3 == 2 (j < 3 * section_w), else by
+t. Text tokens have t == h == w, so their rotation is plain 1-D RoPE: only image tokens need rows of their own."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+def prompt_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int, int]]],
+                     spatial_merge_size: int) -> tuple[np.ndarray, int]:
+    """M-RoPE positions [3, num_tokens] of a prompt whose images are (offset, grid_thw) in prompt order, and the
+    delta of the tokens after it (position of token i = i + delta). As transformers' Qwen3.5 get_rope_index: text
+    runs continue from the running position; an image's tokens take (cur + t, cur + row, cur + col) over its merged
+    grid, after which the running position advances by max(h, w) / merge."""
+    pos = np.empty((3, num_tokens), dtype=np.int64)
+    cur, at = 0, 0
+    for offset, (t, h, w) in images:
+        if offset < at:
+            raise ValueError(f"image placeholders overlap or are out of order (one at {offset}, text up to {at})")
+        gh, gw = h // spatial_merge_size, w // spatial_merge_size
+        n = t * gh * gw
+        if offset + n > num_tokens:
+            raise ValueError(f"an image's {n} tokens at {offset} run past the prompt's {num_tokens}")
+        pos[:, at:offset] = np.arange(offset - at) + cur
+        cur += offset - at
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        pos[0, offset:offset + n] = tt.reshape(-1) + cur
+        pos[1, offset:offset + n] = hh.reshape(-1) + cur
+        pos[2, offset:offset + n] = ww.reshape(-1) + cur
+        cur += max(gh, gw)
+        at = offset + n
+    pos[:, at:] = np.arange(num_tokens - at) + cur
+    delta = int(pos.max()) + 1 - num_tokens if num_tokens else 0
+    return pos, delta
+
+
+def axis_of_frequency(half: int, section: Sequence[int]) -> np.ndarray:
+    """For each of the rotary half's `half` frequencies, the axis (0 t, 1 h, 2 w) whose position rotates it."""
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} must add up to the rotary half ({half} frequencies)")
+    j = np.arange(half)
+    axis = np.zeros(half, dtype=np.int64)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axis
+
+
+def rotation_rows(positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor,
+                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin rows [N, half] for tokens with (t, h, w) positions [3, N]: the rows a 1-D RoPE table would hold
+    at a position, with each frequency taking its axis's position."""
+    chosen = positions.to(torch.float64).index_select(0, axis.to(positions.device))  # [half, N]: per-frequency pos
+    angles = chosen.t() * inv_freq.to(device=positions.device, dtype=torch.float64)
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
