@@ -109,9 +109,7 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     text = getattr(mc.hf_config, "text_config", None) or mc.hf_config
     from voltllm.model.layers.rotary import rope_parameters
 
-    section = rope_parameters(text).get("mrope_section")
-    if not section:
-        raise ValueError("a multimodal Qwen3.5 config needs rope_parameters.mrope_section for its image positions")
+    section = rope_parameters(text).get("mrope_section") or [11, 11, 10]  # (transformers' default for Qwen3.5)
     sc = config.scheduler
     return ImageStep(tower, runner.model.rotary, list(section), max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
                      runner.device)
