@@ -53,7 +53,9 @@ def _check(vl, shapes, expect_grids):
 
 
 def test_one_image_matches_transformers(vl):
-    _check(vl, [(32, 48)], [[1, 8, 12]])
+    batch, _ = _check(vl, [(32, 48)], [[1, 8, 12]])
+    # Called outside no_grad (as the runner may), the loaded tower's rows hold no autograd graph.
+    assert not vl.tower(batch["pixel_values"], [(1, 8, 12)]).requires_grad
 
 
 def test_non_square_tall_grid_matches_transformers(vl):

@@ -245,7 +245,7 @@ def load_vision_tower(model_dir: str, hf_config: Any, dtype: torch.dtype, device
     tower = tower.to_empty(device=device)
     weights = safetensors_weights(model_dir, only=lambda name: name.startswith(VISUAL_PREFIXES))
     tower.load_weights((_strip_prefix(name), tensor) for name, tensor in weights)
-    return tower.eval()
+    return tower.eval().requires_grad_(False)  # inference only: kept rows must not hold an autograd graph
 
 
 def _strip_prefix(name: str) -> str:
