@@ -143,3 +143,21 @@ def test_prefix_cache_is_keyed_by_the_pixels(vl):
     assert cached[2] >= start + a_mm.images[0].num_tokens, "the same pixels hit past the image"
     assert _same(first, _reference(vl, a_ids, a_out)) and _same(again, first)
     assert _same(b, _reference(vl, b_ids, b_out))
+
+
+def test_dummy_weights_take_images_and_gone_requests_leave_no_rows(vl):
+    """--load-format dummy builds a random tower too; an aborted request's kept rows go with it."""
+    ids, _, mm = _prompt(vl, ["Look:", None, "and tell."], [_image(5, 32, 48)])
+    llm = _llm(vl[0], load_format="dummy", max_num_batched_tokens=16, enable_chunked_prefill=True)
+    step = llm.engine.runner.image_step
+    assert step is not None and step.largest_grid == (1, 64, 64)
+    core = llm.engine
+    core.add_request(EngineCoreRequest("cut", ids, GREEDY, multi_modal=mm))
+    core.step()
+    assert step.encoded, "the image's rows are kept while its tokens are being prefilled"
+    core.abort_requests(["cut"])
+    while core.has_unfinished_requests():
+        core.step()
+    core.step()
+    assert not step.encoded
+    assert len(_run(llm, [(ids, mm)])[0]) == NEW_TOKENS

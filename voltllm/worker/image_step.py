@@ -127,10 +127,17 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     config = runner.config
     if image_input_refusal(config) is not None:
         return None
-    from voltllm.multimodal.vision_tower import load_vision_tower
+    from voltllm.multimodal.vision_tower import load_vision_tower, vision_tower_for
 
     mc = config.model
-    tower = load_vision_tower(mc.model, mc.hf_config, runner.dtype, runner.device)
+    if mc.load_format == "dummy":  # random weights at the checkpoint's shapes, as the language model's
+        from voltllm.worker.runner import init_dummy_weights
+
+        tower = vision_tower_for(mc.hf_config, runner.dtype).to(runner.device).requires_grad_(False)
+        with torch.no_grad():
+            init_dummy_weights(tower, mc.seed, runner.device)
+    else:
+        tower = load_vision_tower(mc.model, mc.hf_config, runner.dtype, runner.device)
     text = getattr(mc.hf_config, "text_config", None) or mc.hf_config
     from voltllm.model.layers.rotary import rope_parameters
 
