@@ -72,3 +72,12 @@ def test_dummy_weights_take_images_and_gone_requests_leave_no_rows(vl):
     core.step()
     assert not step.encoded
     assert len(_run(llm, [(ids, mm)])[0]) == NEW_TOKENS
+
+
+def test_tensor_parallel_two_ranks_match_transformers(vl):
+    """-tp 2: rank 0 encodes and broadcasts the tower rows; every rank writes the same scratch rotary rows."""
+    ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
+    text_ids, _, _ = _prompt(vl, ["Just some text here."], [])
+    llm = _llm(vl[0], tensor_parallel_size=2, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    got = _run(llm, [(ids, mm), (text_ids, None)])
+    assert _same(got[0], _reference(vl, ids, out)) and _same(got[1], _reference(vl, text_ids, None))

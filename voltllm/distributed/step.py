@@ -54,3 +54,6 @@ class StepInputs:
     # --kv-offloading-size: the step's copies between blocks and host slots (cache/cpu_offload.py KVTransfers), run
     # before the forward
     kv_transfers: Optional[Any] = None
+    # image input: the step's scratch rotary rows and which tokens take tower rows (worker/image_step.py ImageRows;
+    # the rows themselves follow the input ids as a broadcast)
+    images: Optional[Any] = None

@@ -19,8 +19,6 @@ def image_input_refusal(config: Any) -> Optional[str]:
         return "the server was started with --language-model-only (no image input)"
     if mc.runner == "pooling":
         return "image input is built for generation, not for --runner pooling"
-    if config.parallel.tensor_parallel_size > 1:
-        return "image input is not built with --tensor-parallel-size above 1 yet"
     spec = config.speculative
     if spec is not None and (spec.uses_draft_model or spec.uses_dflash or spec.uses_eagle3):
         # (their own models rotate 1-D positions: n-gram, suffix and MTP, which shares the target's rotary, work)

@@ -8,6 +8,7 @@ tables (RotaryEmbedding.reserve_rows) and those rows' indices as positions; ever
 images rotates as a 1-D position (multimodal/mrope.py), shifted by the prompt's delta after it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -16,8 +17,20 @@ import torch
 from voltllm.multimodal.mrope import axis_of_frequency
 
 
+@dataclass
+class ImageRows:
+    """A step's image work as the forward takes it: the (t, h, w) positions of its scratch rotary rows [3, k], the
+    step's token indices that take tower rows, and those rows (rank 0 broadcasts them; StepInputs carries the rest)."""
+    rows3d: Optional[np.ndarray]
+    embed_at: Optional[np.ndarray]
+    embeds: Optional[torch.Tensor] = None
+
+    def for_followers(self) -> ImageRows:
+        return ImageRows(self.rows3d, self.embed_at)
+
+
 class ImageStep:
-    def __init__(self, tower: Any, rotary: Any, mrope_section: list[int], max_step_tokens: int,
+    def __init__(self, tower: Optional[Any], rotary: Any, mrope_section: list[int], max_step_tokens: int,
                  device: torch.device):
         self.tower = tower
         self.rotary = rotary
@@ -27,7 +40,7 @@ class ImageStep:
         self.axis = torch.from_numpy(axis_of_frequency(rotary.cos.shape[1], mrope_section)).to(device)
         self.inv_freq = rotary.inv_freq.to(device)
         self.encoded: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> tower rows
-        self.largest_grid = (1, 2 * tower.merge, 2 * tower.merge)  # memory profiling's image (image_step_for sets it)
+        self.largest_grid = (1, 4, 4)  # memory profiling's image (image_step_for sets the processor's largest)
         self._new_step()
 
     def _new_step(self) -> None:
@@ -75,21 +88,41 @@ class ImageStep:
             self.encoded[key] = rows
         return rows
 
-    def finish(self, extra: dict) -> None:
-        """Write the step's scratch rotary rows and hand the model its image rows (ctx.extra["image_embeds"])."""
-        if self._rows3d:
-            p3 = torch.from_numpy(np.concatenate(self._rows3d, axis=1)).to(self.device)
+    def finish(self, extra: dict, dtype: torch.dtype) -> Optional[ImageRows]:
+        """Write the step's scratch rotary rows and hand the model its image rows (extra["image_embeds"]); returns
+        what the other tensor-parallel ranks need for the same (None: the step has no image token)."""
+        rows = None
+        if self._rows3d or self._embeds:
+            rows = ImageRows(np.concatenate(self._rows3d, axis=1) if self._rows3d else None,
+                             np.concatenate(self._embed_at) if self._embeds else None,
+                             torch.cat(self._embeds).to(dtype).contiguous() if self._embeds else None)
+            self._apply(rows, extra)
+        self._new_step()
+        return rows
+
+    def follow(self, rows: ImageRows, extra: dict, tp: Any, hidden_size: int, dtype: torch.dtype) -> None:
+        """A tensor-parallel rank other than 0: rank 0's scratch rows and image rows (a broadcast from it, after
+        the step's input ids) for this rank's forward."""
+        if rows.embed_at is not None:
+            embeds = tp.broadcast_(torch.empty(len(rows.embed_at), hidden_size, dtype=dtype, device=self.device))
+            rows = ImageRows(rows.rows3d, rows.embed_at, embeds)
+        self._apply(rows, extra)
+
+    def _apply(self, rows: ImageRows, extra: dict) -> None:
+        if rows.rows3d is not None:
+            p3 = torch.from_numpy(rows.rows3d).to(self.device)
             k = p3.shape[1]
             angles = p3.double().index_select(0, self.axis).t() * self.inv_freq.double()
             self.rotary.cos[self.base:self.base + k] = (angles.cos() * self.rotary.scale).float()
             self.rotary.sin[self.base:self.base + k] = (angles.sin() * self.rotary.scale).float()
-        if self._embeds:
-            at = torch.from_numpy(np.concatenate(self._embed_at)).to(self.device)
-            extra["image_embeds"] = (at, torch.cat(self._embeds))
-        self._new_step()
+        if rows.embeds is not None:
+            extra["image_embeds"] = (torch.from_numpy(rows.embed_at).to(self.device), rows.embeds)
 
     def profile(self, grid: tuple[int, int, int]) -> None:
-        """Encode one random image of `grid` (the largest the processor makes): memory profiling's tower peak."""
+        """Encode one random image of `grid` (the largest the processor makes): memory profiling's tower peak
+        (nothing on a rank without the tower)."""
+        if self.tower is None:
+            return
         t, h, w = grid
         self.tower(torch.randn(t * h * w, self.tower.patch_dim, device=self.device), [grid])
 
@@ -130,7 +163,9 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     from voltllm.multimodal.vision_tower import load_vision_tower, vision_tower_for
 
     mc = config.model
-    if mc.load_format == "dummy":  # random weights at the checkpoint's shapes, as the language model's
+    if runner.tp is not None and runner.tp.rank > 0:  # rank 0 encodes and broadcasts the rows: no tower here
+        tower = None
+    elif mc.load_format == "dummy":  # random weights at the checkpoint's shapes, as the language model's
         from voltllm.worker.runner import init_dummy_weights
 
         tower = vision_tower_for(mc.hf_config, runner.dtype).to(runner.device).requires_grad_(False)
@@ -145,5 +180,6 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     sc = config.scheduler
     step = ImageStep(tower, runner.model.rotary, list(section), max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
                      runner.device)
-    step.largest_grid = largest_grid(mc.model, tower)
+    if tower is not None:
+        step.largest_grid = largest_grid(mc.model, tower)
     return step

@@ -66,7 +66,7 @@ def _tower_peak_bytes(runner) -> int:
     """An engine that takes images: the vision tower's peak on the largest image (it runs before a step's forward, so
     the two peaks do not add up); 0 otherwise."""
     step = getattr(runner, "image_step", None)
-    if step is None:
+    if step is None or step.tower is None:  # (a tensor-parallel rank > 0 has no tower)
         return 0
     dev = runner.device
     base = torch.cuda.memory_allocated(dev)

@@ -719,8 +719,9 @@ class ModelRunner:
                                state_slots=slots if graph is not None else None,
                                pad_tokens_to=prompt_graph.num_tokens if prompt_graph else 0, token_rows=token_rows)
         images: dict = {}
+        image_rows = None
         if self.image_step is not None:  # the step's image rows and scratch rotary rows
-            self.image_step.finish(images)
+            image_rows = self.image_step.finish(images, self.dtype)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
@@ -764,8 +765,11 @@ class ModelRunner:
             step.calc_kv_scales, step.calc_key_offsets = self.calc_kv_scales_pending, self.calc_key_offsets_pending
             step.logits_rows = ([rows_idx] if reqs else []) + [(qsl[i], qsl[i] + n) for i, _, n in plp]
             step.kv_transfers = sched.kv_transfers  # (each rank copies its own heads' part, at the same slots)
+            step.images = image_rows.for_followers() if image_rows is not None else None
             self.send_step(step)
             self.tp.broadcast_(self.buffers.input_ids[:t])
+            if image_rows is not None and image_rows.embeds is not None:  # (ImageStep.follow receives them)
+                self.tp.broadcast_(image_rows.embeds)
         hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts, images)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
@@ -880,6 +884,9 @@ class ModelRunner:
         if self.lora is not None:  # rank 0's slot loads and its tokens' adapters
             self.lora.follow_step(step.lora, t)
         self.tp.broadcast_(buf.input_ids[:t])
+        images: dict = {}
+        if step.images is not None:  # rank 0's image rows (a broadcast after the ids) and scratch rotary rows
+            self.image_step.follow(step.images, images, self.tp, self.model.config.hidden_size, self.dtype)
         meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
         graphs = self.verify_graphs if step.state_walks is not None else self.graphs
         graph = graphs.for_batch(step.num_seqs) if step.graph_rows and graphs is not None else None
@@ -894,7 +901,7 @@ class ModelRunner:
             for slot, (start, _) in zip(slots, step.state_spans):
                 self.state_cache.num_tokens[slot] = start
         hidden = self._forward(graph, prompt_graph, meta, t, step.state_spans, slots, step.state_saves,
-                               step.state_drafts)
+                               step.state_drafts, images)
         if step.spec_logits_rows:  # the verification's logits (a gather), then its accepted states (a broadcast)
             self.model.compute_logits(hidden[to_device(step.spec_logits_rows, torch.long, self.device)])
             if slots is not None and step.state_verify:
