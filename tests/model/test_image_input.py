@@ -81,3 +81,20 @@ def test_tensor_parallel_two_ranks_match_transformers(vl):
     llm = _llm(vl[0], tensor_parallel_size=2, max_num_batched_tokens=16, enable_chunked_prefill=True)
     got = _run(llm, [(ids, mm), (text_ids, None)])
     assert _same(got[0], _reference(vl, ids, out)) and _same(got[1], _reference(vl, text_ids, None))
+
+
+def test_the_same_image_in_requests_at_once_is_encoded_once(vl):
+    """Two requests of one prompt and a third prompt with the same picture: one tower run for the three; the rows
+    leave the kept set once every one has computed the image's tokens and stay among the recent ones."""
+    ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    other_ids, other_out, other_mm = _prompt(vl, ["Here:", None, "Describe."], [_image(0, 32, 48)])
+    llm = _llm(vl[0], max_num_batched_tokens=24, enable_chunked_prefill=True)
+    step = llm.engine.runner.image_step
+    calls = []
+    tower = step.tower
+    step.tower = lambda pixels, grids: calls.append(grids) or tower(pixels, grids)
+    got = _run(llm, [(ids, mm), (ids, mm), (other_ids, other_mm)])
+    assert len(calls) == 1 and not step.encoded and not step.waiting
+    assert list(step.recent) == [mm.images[0].content_hash]
+    want = _reference(vl, ids, out)
+    assert _same(got[0], want) and _same(got[1], want) and _same(got[2], _reference(vl, other_ids, other_out))

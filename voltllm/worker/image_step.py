@@ -1,13 +1,15 @@
 """A step's image inputs on the runner side: the vision tower's rows in place of the placeholder tokens' embeddings,
 and the M-RoPE rotation of image tokens.
 
-An image is encoded once, when a step first reaches its tokens, and its rows are kept until the step that computes
-its last token (chunked prefill may split an image across steps; a prefix-cache hit may start inside one). Image
+An image is encoded once, when a step first reaches its tokens, and its rows are kept (by content hash: requests
+showing the same image at once share them) until no request has tokens of it left to compute (chunked prefill may
+split an image across steps; a prefix-cache hit may start inside one). Image
 tokens whose (t, h, w) positions differ get cos / sin rows of their own in scratch rows at the end of the rotary
 tables (RotaryEmbedding.reserve_rows) and those rows' indices as positions; every other token of a request with
 images rotates as a 1-D position (multimodal/mrope.py), shifted by the prompt's delta after it."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,7 +41,14 @@ class ImageStep:
         self.base = rotary.reserve_rows(max_step_tokens)
         self.axis = torch.from_numpy(axis_of_frequency(rotary.cos.shape[1], mrope_section)).to(device)
         self.inv_freq = rotary.inv_freq.to(device)
-        self.encoded: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> tower rows
+        # an image's tower rows by content hash, kept while a request still has tokens of it to compute (requests
+        # that show the same image at once, such as the n samples of one prompt, encode it once)
+        self.encoded: dict[bytes, torch.Tensor] = {}
+        self.waiting: dict[bytes, set[str]] = {}  # content hash -> the requests still to compute some of its tokens
+        # then, up to a step's tokens of rows in all, the latest ones no request waits for (a request behind with the
+        # same image, or the next turn of a chat that misses the prefix cache, takes them instead of encoding again)
+        self.recent: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._recent_rows = 0
         self.largest_grid = (1, 4, 4)  # memory profiling's image (image_step_for sets the processor's largest)
         self._new_step()
 
@@ -70,23 +79,42 @@ class ImageStep:
             lo, hi = max(start, im.offset), min(end, im.end)
             if lo >= hi:
                 continue
-            rows = self._encoded(req.request_id, i, im)
+            rows = self._encoded(im)
             self._embed_at.append(np.arange(lo, hi) - start + t)
             self._embeds.append(rows[lo - im.offset:hi - im.offset])
-            if hi == im.end:  # its last token is computed in this step: nothing later needs its rows
-                del self.encoded[(req.request_id, i)]
+            waiting = self.waiting.setdefault(im.content_hash, set())
+            if hi == im.end:  # its last token is computed in this step: this request needs its rows no more
+                waiting.discard(req.request_id)
+                if not waiting:
+                    self._drop(im.content_hash)
+            else:
+                waiting.add(req.request_id)
         return pos
 
-    def _encoded(self, request_id: str, index: int, image: Any) -> torch.Tensor:
-        key = (request_id, index)
+    def _encoded(self, image: Any) -> torch.Tensor:
+        key = image.content_hash
         rows = self.encoded.get(key)
+        if rows is None and key in self.recent:
+            rows = self.encoded[key] = self.recent.pop(key)
+            self._recent_rows -= rows.shape[0]
         if rows is None:
             rows = self.tower(image.pixel_values.to(self.device, non_blocking=True), [image.grid_thw])
             if rows.shape[0] != image.num_tokens:
                 raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {image.num_tokens} "
                                    "placeholder tokens")
-            self.encoded[key] = rows
+            self.encoded[image.content_hash] = rows
         return rows
+
+    def _drop(self, key: bytes) -> None:
+        """No request waits for the image's rows: they become the most recent of the kept ones."""
+        rows = self.encoded.pop(key, None)
+        self.waiting.pop(key, None)
+        if rows is None or rows.shape[0] > self.capacity:
+            return
+        self.recent[key] = rows
+        self._recent_rows += rows.shape[0]
+        while self._recent_rows > self.capacity:
+            self._recent_rows -= self.recent.popitem(last=False)[1].shape[0]
 
     def finish(self, extra: dict, dtype: torch.dtype) -> Optional[ImageRows]:
         """Write the step's scratch rotary rows and hand the model its image rows (extra["image_embeds"]); returns
@@ -128,10 +156,12 @@ class ImageStep:
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the kept rows of finished or preempted requests (a preempted one encodes again when it resumes)."""
-        if self.encoded:
+        if self.waiting:
             gone = set(request_ids)
-            for key in [k for k in self.encoded if k[0] in gone]:
-                del self.encoded[key]
+            for key, waiting in list(self.waiting.items()):
+                waiting -= gone
+                if not waiting:
+                    self._drop(key)
 
 
 def largest_grid(model_dir: str, tower: Any) -> tuple[int, int, int]:

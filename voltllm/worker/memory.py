@@ -59,7 +59,16 @@ def profile_activation_bytes(runner) -> int:
     kept = sum(b.workspace_bytes() for b in backends) - kept_before
     del caches, draft_caches, hidden
     torch.cuda.empty_cache()
-    return int(max(peak - kept, _tower_peak_bytes(runner)))
+    return int(max(peak - kept, _tower_peak_bytes(runner)) + _kept_image_rows_bytes(runner))
+
+
+def _kept_image_rows_bytes(runner) -> int:
+    """The tower rows an engine that takes images keeps across steps: those of images being prefilled and the
+    recent ones (ImageStep.recent, up to a step's tokens), charged as two steps' tokens of rows."""
+    step = getattr(runner, "image_step", None)
+    if step is None:
+        return 0
+    return 2 * step.capacity * runner.model.config.hidden_size * runner.dtype.itemsize
 
 
 def _tower_peak_bytes(runner) -> int:
