@@ -24,10 +24,12 @@ def _first_attention_layer(cfg: dict) -> int:
     return cfg.get("full_attention_interval", 4) - 1
 
 
-def add_mtp_weights(path: str, seed: int = 5, std: float = 0.08, zero_lm_head: bool = False) -> dict:
+def add_mtp_weights(path: str, seed: int = 5, std: float = 0.08, zero_lm_head: bool = False,
+                    prefix: str = "model.") -> dict:
     """Add mtp.fc / mtp.pre_fc_norm_* / mtp.norm and mtp.layers.0.* (the names and shapes of the target's first
     full-attention layer, its MLP or MoE included) to the checkpoint under path; returns the added tensors.
-    zero_lm_head: the target's LM head set to zeros (every argmax is token 0: target and MTP always agree)."""
+    zero_lm_head: the target's LM head set to zeros (every argmax is token 0: target and MTP always agree).
+    prefix: where the text model's layers are (a VL checkpoint's: "model.language_model.")."""
     from safetensors.torch import load_file, save_file
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -36,7 +38,7 @@ def add_mtp_weights(path: str, seed: int = 5, std: float = 0.08, zero_lm_head: b
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
-    src = f"model.layers.{_first_attention_layer(cfg)}."
+    src = f"{prefix}layers.{_first_attention_layer(cfg)}."
     gen = torch.Generator().manual_seed(seed)
     h = cfg["hidden_size"]
     added = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=gen) * std}

@@ -98,3 +98,21 @@ def test_the_same_image_in_requests_at_once_is_encoded_once(vl):
     assert list(step.recent) == [mm.images[0].content_hash]
     want = _reference(vl, ids, out)
     assert _same(got[0], want) and _same(got[1], want) and _same(got[2], _reference(vl, other_ids, other_out))
+
+
+def test_mtp_drafts_keep_the_greedy_output(vl, tmp_path):
+    """The target's MTP module drafts for a request with an image (its chained rows at the shifted positions): the
+    greedy output is the one without speculation."""
+    import shutil
+
+    from mtp_models import add_mtp_weights
+
+    path = str(tmp_path / "vl-mtp")
+    shutil.copytree(vl[0], path)
+    add_mtp_weights(path, prefix="model.language_model.")
+    ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    plain = _run(_llm(path), [(ids, mm)])[0]
+    llm = _llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm.engine.runner.draft is not None and llm.engine.runner.image_step is not None
+    spec = _run(llm, [(ids, mm)])[0]
+    assert [t for t, _ in spec] == [t for t, _ in plain]

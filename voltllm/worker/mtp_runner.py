@@ -215,9 +215,11 @@ class MTPRunner(DeviceDrafts):
         tables = np.zeros((n, width), dtype=np.int32)
         for i, (s, k) in enumerate(zip(rows, ks)):
             tables[i, :len(s.block_ids)] = s.block_array
+            mm = s.request.multi_modal  # (a prompt with images: decoding positions are shifted by its M-RoPE delta)
+            delta = mm.rope_delta if mm is not None else 0
             for j in range(1, k):
                 p = s.start - 1 + j
-                longs[j - 1, :, i] = p, s.block_ids[p // bs] * bs + p % bs
+                longs[j - 1, :, i] = p + delta, s.block_ids[p // bs] * bs + p % bs
                 lens[j - 1, i] = p + 1
         ints = np.concatenate([np.arange(n + 1, dtype=np.int32), lens.ravel(), tables.ravel()])
         return longs, ints, lens
