@@ -54,7 +54,7 @@ def _lora_requests(lora_request: Any, n: int, enabled: bool) -> list:
 def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
     """(the EngineArgs keywords, max_logprobs) from vLLM's LLM(...) keywords: the ones that belong to vLLM's server-side
     engine arguments are taken here (disable_log_stats: the offline engine logs no periodic stats; max_logprobs: the
-    most logprobs / prompt_logprobs a request may ask, as vLLM's; limit_mm_per_prompt: zero limits only), unbuilt vLLM
+    most logprobs / prompt_logprobs a request may ask, as vLLM's), unbuilt vLLM
     settings at what voltllm does anyway (enable_prompt_adapter=False, ...) are dropped, others refused."""
     from voltllm.cli_unbuilt import is_accepted_setting, unbuilt_setting_error
 
@@ -65,9 +65,6 @@ def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
     if max_logprobs is not None and (not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool)
                                      or max_logprobs < -1):
         raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {max_logprobs!r}")
-    for modality, limit in (extra.pop("limit_mm_per_prompt", None) or {}).items():
-        if (limit.get("count", 0) if isinstance(limit, dict) else limit) != 0:
-            raise ValueError(f"limit_mm_per_prompt {modality}: multimodal input is not built; only zero limits")
     unknown = sorted(k for k, v in extra.items() if not is_accepted_setting(k, v))
     if unknown:
         unbuilt = [why for why in (unbuilt_setting_error(k, extra[k]) for k in unknown) if why]
