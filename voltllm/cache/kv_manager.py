@@ -7,7 +7,7 @@ import numpy as np
 
 from voltllm.cache.block_pool import Block, BlockPool
 from voltllm.cache.cpu_offload import CpuBlockIndex, KVTransfers
-from voltllm.cache.prefix import extend_block_hashes
+from voltllm.cache.prefix import extend_request_hashes
 from voltllm.engine.request import Request
 
 _NO_BLOCKS = np.empty(0, dtype=np.int32)  # block_array of a request without blocks
@@ -53,7 +53,7 @@ class KVCacheManager:
 
     def _update_hashes(self, req: Request) -> None:
         if self.enable_caching:
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, req.lora_key)
+            extend_request_hashes(req, self.block_size)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of the request (at least one token is always left to compute)."""

@@ -55,7 +55,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from voltllm.cache.cpu_offload import CpuBlockIndex
-from voltllm.cache.prefix import extend_block_hashes
+from voltllm.cache.prefix import extend_request_hashes
 from voltllm.model.state_cache import StateCache
 
 logger = logging.getLogger("voltllm")
@@ -124,7 +124,7 @@ class StateSnapshots:
         i = boundary // self.block_size - 1
         if i >= len(req.block_hashes):
             # (the adapter's key too, as the KV manager's: whichever hashes first, the chain is the same)
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, req.lora_key)
+            extend_request_hashes(req, self.block_size)
         return req.block_hashes[i] if i < len(req.block_hashes) else None
 
     # -- scheduler side --------------------------------------------------------------------------

@@ -436,15 +436,19 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     cache_salt: Optional[str] = None, priority: int = 0,
-                    lora_request: Optional[Any] = None) -> RequestStream:
+                    lora_request: Optional[Any] = None, multi_modal: Optional[Any] = None) -> RequestStream:
         """Validate and submit one request; raises ValueError subclasses for bad input (HTTP 400). priority: under
         --scheduling-policy priority, lower is served first (else it must be 0). lora_request: the adapter it runs
-        with (voltllm.lora.request.LoRARequest; --enable-lora)."""
+        with (voltllm.lora.request.LoRARequest; --enable-lora). multi_modal: the prompt's images
+        (voltllm.multimodal.inputs.MultiModalPrompt; the prompt's ids have their placeholders expanded)."""
         self._check_alive()
         if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._check_lora(lora_request)
-        reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority, lora_request)
+        if multi_modal is not None:
+            self._check_images(multi_modal)
+        reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority, lora_request,
+                                           multi_modal)
         try:
             self._validate(reqs[0])
         except BaseException:
@@ -495,6 +499,13 @@ class AsyncLLM:
                 yield out
         finally:
             stream.close()
+
+    def _check_images(self, multi_modal: Any) -> None:
+        from voltllm.multimodal.support import image_input_refusal
+
+        why = image_input_refusal(self.config)
+        if why is not None:
+            raise InvalidRequestError(why, "messages")
 
     def _check_lora(self, lora_request: Optional[Any]) -> None:
         if lora_request is not None and self.config.lora is None:

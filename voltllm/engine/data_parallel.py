@@ -206,9 +206,10 @@ class DataParallelLLM:
         return self.engines[self.router.choose(keys, [e.num_active_requests for e in self.engines])]
 
     def add_request(self, request_id: str, prompt: Any, params: Any, cache_salt: Optional[str] = None,
-                    priority: int = 0, lora_request: Optional[Any] = None) -> RequestStream:
+                    priority: int = 0, lora_request: Optional[Any] = None,
+                    multi_modal: Optional[Any] = None) -> RequestStream:
         engine = self._pick(request_id, prompt, cache_salt, lora_request)
-        return engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
+        return engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request, multi_modal)
 
     def add_pooling_request(self, request_id: str, prompt: Any, params: Any = None, cache_salt: Optional[str] = None,
                             priority: int = 0) -> RequestStream:

@@ -155,12 +155,15 @@ class Frontend:
 
     def make_requests(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       cache_salt: Optional[str] = None, priority: int = 0,
-                      lora_request: Any = None) -> list[EngineCoreRequest]:
+                      lora_request: Any = None, multi_modal: Any = None) -> list[EngineCoreRequest]:
         if request_id in self.states:
             raise InvalidPromptError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidPromptError("the prompt is empty")
+        if multi_modal is not None and multi_modal.rope_positions.shape[-1] != len(ids):
+            raise InvalidPromptError(f"the images' positions cover {multi_modal.rope_positions.shape[-1]} tokens, the "
+                                     f"prompt has {len(ids)}")
         params = params.clone(_eos_token_ids=self.eos_ids, _bad_words_token_ids=self._bad_words_ids(params),
                               **self._reasoning_fields(params))
         now = time.monotonic()
@@ -179,7 +182,7 @@ class Frontend:
             children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             reqs.append(EngineCoreRequest(cid, ids, child_params, arrival_time=now, cache_salt=cache_salt,
-                                          priority=priority, lora_request=lora_request))
+                                          priority=priority, lora_request=lora_request, multi_modal=multi_modal))
         self.states[request_id] = _RequestState(request_id, text, ids, params, children, RequestMetrics(now))
         for cid in children:
             self.child_to_parent[cid] = request_id

@@ -54,6 +54,11 @@ class Request:
         # or with the base model
         self.lora_request = req.lora_request
         self.lora_key: Optional[tuple] = None
+        # a prompt with images: the runner encodes them and gives their tokens M-RoPE positions; their content hashes
+        # key the prefix-cache blocks their tokens fall in
+        self.multi_modal = req.multi_modal
+        self.image_spans: tuple[tuple[int, int, bytes], ...] = () if req.multi_modal is None else tuple(
+            (im.offset, im.end, im.content_hash) for im in req.multi_modal.images)
         self.priority = req.priority
         # --scheduling-policy priority: the waiting queue admits the lowest key first, and the running request with
         # the highest key is the one preempted (engine/request_queue.py, Scheduler)

@@ -24,6 +24,9 @@ class EngineCoreRequest:
     priority: int = 0  # --scheduling-policy priority: lower is served first (vLLM's); 0 under fcfs
     pooling_params: Optional[PoolingParams] = None
     lora_request: Optional[Any] = None  # voltllm.lora.request.LoRARequest: the adapter it runs with (None: none)
+    # a prompt with images (voltllm.multimodal.inputs.MultiModalPrompt): its placeholders are already expanded in
+    # prompt_token_ids
+    multi_modal: Optional[Any] = None
 
 
 @dataclass

@@ -134,6 +134,10 @@ class ModelRunner:
         self._follower_events: list[torch.cuda.Event] = []
         self.weight_offload = None  # LayerStreamer: decoder layers kept in CPU memory (worker/weight_offload.py)
         self.model = model if model is not None else self._load_model()
+        # a Qwen3.5 checkpoint's vision tower and its steps' image rows (worker/image_step.py; None: text only)
+        from voltllm.worker.image_step import image_step_for
+
+        self.image_step = image_step_for(self)
         if tp is not None:  # every rank has its weights before the first collective (group.host_barrier says why)
             tp.host_barrier()
         # --enable-lora: the adapters' GPU slots in the model's projections (before KV sizing: they take memory)
@@ -499,7 +503,7 @@ class ModelRunner:
                     else:  # the token is still being sampled by the step in flight
                         pending_dst.append(t)
                         pending_src.append(self._prev_rows[req.request_id])
-                    pos_h[t] = start
+                    pos_h[t] = start if req.multi_modal is None else self._mm_position(req, start, t)
                     slot_h[t] = bids[start // bs] * bs + start % bs
                 else:
                     known = req.all_token_ids[start:start + n]
@@ -511,7 +515,7 @@ class ModelRunner:
                         pending_dst.append(t + n - 1)
                         pending_src.append(self._prev_rows[req.request_id])
                     p = np.arange(start, start + n)
-                    pos_h[t:t + n] = p
+                    pos_h[t:t + n] = p if req.multi_modal is None else self.image_step.positions(req, start, n, t)
                     slot_h[t:t + n] = np.asarray(bids, dtype=np.int64)[p // bs] * bs + p % bs
                 t += n
                 qsl.append(t)
@@ -568,6 +572,13 @@ class ModelRunner:
             max_query_len=max_q, max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
 
+    def _mm_position(self, req, start: int, t: int) -> int:
+        """The rope position of token `start` of a request with images, at step row t (a decode row, or a prompt's
+        one-token chunk)."""
+        if start >= req.num_prompt_tokens:
+            return start + req.multi_modal.rope_delta
+        return int(self.image_step.positions(req, start, 1, t)[0])
+
     def _prepare_decode_rows(self, scheduled: list, table: np.ndarray, h: dict, pending_dst: list[int],
                              pending_src: list[int]) -> tuple[int, list[int], list[int]]:
         """prepare's loop for a step of one-token rows: per row only list appends and the block-table row, then one
@@ -585,12 +596,14 @@ class ModelRunner:
                 ids.append(0)
                 pending_dst.append(i)
                 pending_src.append(prev_rows[req.request_id])
-            pos.append(start)
+            pos.append(start if req.multi_modal is None else self._mm_position(req, start, i))
             slots.append(bids[start // bs] * bs + start % bs)
         n = len(ids)
         h["input_ids"][:n] = ids
         h["positions"][:n] = pos
         h["slot_mapping"][:n] = slots
+        if self.image_step is not None:  # (positions may be shifted or scratch rows: the lengths come from starts)
+            return n, list(range(n + 1)), [s.start + 1 for s in scheduled]
         return n, list(range(n + 1)), [p + 1 for p in pos]
 
     def _prepare_token_rows(self, scheduled: list, table: np.ndarray, h: dict) -> tuple[int, list[int], list[int]]:
@@ -598,22 +611,24 @@ class ModelRunner:
         consecutive rows with the request's block table, each attending to its own position's prefix (the step's
         K / V are stored before any attention reads them, so row j sees the drafts before it)."""
         bs = self.block_size
-        ids, pos, slots = [], [], []
+        ids, pos, slots, lens = [], [], [], []
         r = 0
         for s in scheduled:
             bids, start = s.block_ids, s.start
             toks = [s.request.all_token_ids[start], *s.spec_tokens]
             table[r:r + len(toks), : len(bids)] = s.block_array
+            delta = 0 if s.request.multi_modal is None else s.request.multi_modal.rope_delta  # (decoding: 1-D)
             for j, tok in enumerate(toks):
                 p = start + j
                 ids.append(tok)
-                pos.append(p)
+                pos.append(p + delta)
+                lens.append(p + 1)
                 slots.append(bids[p // bs] * bs + p % bs)
             r += len(toks)
         h["input_ids"][:r] = ids
         h["positions"][:r] = pos
         h["slot_mapping"][:r] = slots
-        return r, list(range(r + 1)), [p + 1 for p in pos]
+        return r, list(range(r + 1)), lens
 
     @staticmethod
     def _token_rows_step(sched: SchedulerOutput) -> bool:
@@ -642,6 +657,8 @@ class ModelRunner:
         """Drop per-request runner state (recurrent-state slots, draft catch-ups) of finished/preempted requests."""
         if self.draft is not None:
             self.draft.forget(request_ids)
+        if self.image_step is not None:
+            self.image_step.forget(request_ids)
         if self.state_cache is not None:
             for rid in request_ids:
                 self.state_cache.free(rid)
@@ -683,7 +700,10 @@ class ModelRunner:
             self.draft.propose(sched)
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
-        calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending
+        # (a step with image tokens in its prompts runs eagerly too: the tower's rows replace their embeddings)
+        calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending or (
+            self.image_step is not None and any(s.request.multi_modal is not None
+                                                and s.start < s.request.num_prompt_tokens for s in sched.scheduled))
         # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows
                       and self._token_rows_step(sched))
@@ -698,6 +718,9 @@ class ModelRunner:
         t, meta = self.prepare(sched, pad_to=graph.batch_size if graph else 0,
                                state_slots=slots if graph is not None else None,
                                pad_tokens_to=prompt_graph.num_tokens if prompt_graph else 0, token_rows=token_rows)
+        images: dict = {}
+        if self.image_step is not None:  # the step's image rows and scratch rotary rows
+            self.image_step.finish(images)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
@@ -743,7 +766,7 @@ class ModelRunner:
             step.kv_transfers = sched.kv_transfers  # (each rank copies its own heads' part, at the same slots)
             self.send_step(step)
             self.tp.broadcast_(self.buffers.input_ids[:t])
-        hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts)
+        hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts, images)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
@@ -798,12 +821,15 @@ class ModelRunner:
 
     def _forward(self, graph, prompt_graph, meta: AttentionMetadata, t: int,
                  spans: Optional[list[tuple[int, int]]] = None, slots: Optional[list[int]] = None,
-                 saves: Optional[list[tuple[int, int]]] = None, drafts: Optional[list[int]] = None) -> torch.Tensor:
+                 saves: Optional[list[tuple[int, int]]] = None, drafts: Optional[list[int]] = None,
+                 images: Optional[dict] = None) -> torch.Tensor:
         """The step's hidden states: a decode graph's replay, a prompt graph's, or the eager forward. A hybrid
         model's recurrent-state bookkeeping: `slots` (one per request), `spans` (each request's (start, end)
         tokens), `saves` (the snapshots to take after the forward, StateSnapshots.plan_saves) and, in a speculative
-        step, `drafts` (each request's draft count: the eager verification keeps per-position states)."""
+        step, `drafts` (each request's draft count: the eager verification keeps per-position states). `images`:
+        the image rows for the eager forward (ImageStep.finish)."""
         buf = self.buffers
+        assert not (images and (graph is not None or prompt_graph is not None)), "image steps run eagerly"
         if graph is not None:
             if slots is not None:  # the model's own check and bookkeeping do not run in a replay
                 self.state_cache.note_step(slots, [a for a, _ in spans], [b for _, b in spans])
@@ -820,6 +846,8 @@ class ModelRunner:
                 ctx.extra["state_slots"] = slots
                 if drafts is not None:  # per-position states kept
                     ctx.extra["state_drafts"] = drafts
+            if images:
+                ctx.extra.update(images)
             hidden = self.model(buf.input_ids[:t], buf.positions[:t], ctx)
         if self.state_snapshots is not None and saves:  # snapshots at --mamba-block-size boundaries (decode too)
             self.state_snapshots.apply_saves(saves)

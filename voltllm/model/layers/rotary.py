@@ -33,10 +33,20 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         inv_freq, scale = inv_freq_for(config, self.rotary_dim)
+        self.inv_freq, self.scale = inv_freq.float(), float(scale)  # (image M-RoPE rows are computed from them)
         t = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq.float())
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)  # [max_pos, rotary_dim / 2]
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+
+    def reserve_rows(self, n: int) -> int:
+        """Append n scratch rows to the cos / sin tables (before any CUDA graph captures them); returns the first's
+        index. A step's tokens whose rotation is no position's (an image token's M-RoPE, multimodal/mrope.py) get
+        their rows written there and these indices as positions, so the kernels need no other input."""
+        base = self.cos.shape[0]
+        pad = self.cos.new_zeros(n, self.cos.shape[1])
+        self.cos, self.sin = torch.cat((self.cos, pad)), torch.cat((self.sin, pad))
+        return base
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache_write=None):
         """q [T, Hq, D], k [T, Hk, D] -> rotated (first rotary_dim channels), same dtype.

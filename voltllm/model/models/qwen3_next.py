@@ -297,6 +297,9 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         batch = HybridBatch.from_context(ctx, self.state_spec) if self._num_gdn else None
         x = self.embed_tokens(input_ids)
+        images = ctx.extra.get("image_embeds")
+        if images is not None:  # the vision tower's rows in place of the image placeholders' (worker/image_step.py)
+            x.index_copy_(0, images[0], images[1].to(x.dtype))
         residual = None
         aux = self.aux_hidden is not None  # a DFlash drafter's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):

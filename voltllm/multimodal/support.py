@@ -1,0 +1,32 @@
+"""Whether an engine takes images, and why not when it does not (the reason is the 400's message)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py)
+IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def image_input_refusal(config: Any) -> Optional[str]:
+    """None when the engine of `config` (an EngineConfig) takes images; else why it does not."""
+    mc = config.model
+    hf = mc.hf_config
+    if getattr(hf, "vision_config", None) is None or getattr(hf, "model_type", None) not in IMAGE_MODEL_TYPES:
+        return "this server serves a text-only model (no image, audio or video input)"
+    if mc.quantization == "gguf":
+        return "a GGUF file holds the language model only (no image input)"
+    if mc.language_model_only:
+        return "the server was started with --language-model-only (no image input)"
+    if mc.runner == "pooling":
+        return "image input is built for generation, not for --runner pooling"
+    if config.parallel.tensor_parallel_size > 1:
+        return "image input is not built with --tensor-parallel-size above 1 yet"
+    spec = config.speculative
+    if spec is not None and (spec.uses_draft_model or spec.uses_dflash or spec.uses_eagle3):
+        # (their own models rotate 1-D positions: n-gram, suffix and MTP, which shares the target's rotary, work)
+        return "image input is not built with a draft-model, DFlash or EAGLE-3 speculative method (n-gram, suffix " \
+               "and MTP work)"
+    limits = getattr(mc, "limit_mm_per_prompt", None) or {}
+    if limits.get("image", 1) == 0:
+        return "the server was started with --limit-mm-per-prompt image 0 (no image input)"
+    return None
