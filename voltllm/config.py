@@ -508,7 +508,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from voltllm.model.loader import load_hf_config, resolve_model
-        from voltllm.multimodal.processor import ImageProcessor, model_takes_images
+        from voltllm.multimodal.processor import ImageProcessor
+        from voltllm.multimodal.support import image_input_refusal
 
         self._refuse_unbuilt()
         from voltllm.multimodal.config import resolve_multimodal
@@ -700,7 +701,7 @@ class EngineArgs:
                               quantization=method, json_any_whitespace=json_any_whitespace(
                                   self.structured_outputs_config), weight_offload=weight_offload,
                               multimodal=multimodal)
-        if model.runner == "generate" and model_takes_images(hf_config, self.language_model_only):
+        if image_input_refusal(config) is None:
             # (built here too, so that a processor the model's files or --mm-processor-kwargs break fails at start)
             ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs)
         if self.enable_lora:

@@ -9,7 +9,7 @@ from PIL import Image
 
 from voltllm.config import ConfigError
 from voltllm.multimodal.mrope import prompt_positions
-from voltllm.multimodal.processor import ImageCountError, ImageProcessor, model_takes_images
+from voltllm.multimodal.processor import ImageCountError, ImageProcessor
 from vl_models import make_tiny_qwen3_5_vl
 
 
@@ -33,14 +33,6 @@ def proc(vl_dir, hf_config):
 def noise_image(w, h, seed):
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-
-
-def test_takes_images(hf_config):
-    from transformers import LlamaConfig
-
-    assert model_takes_images(hf_config)
-    assert not model_takes_images(hf_config, language_model_only=True)
-    assert not model_takes_images(LlamaConfig())
 
 
 def test_expansion_offsets_and_pixels(proc, hf_config):

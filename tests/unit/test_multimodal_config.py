@@ -8,6 +8,8 @@ import pytest
 
 from voltllm.config import ConfigError, EngineArgs
 from voltllm.multimodal.config import DEFAULT_LIMIT, resolve_multimodal
+from voltllm.multimodal.processor import image_processor_for
+from voltllm.multimodal.support import image_input_refusal
 
 
 def test_defaults():
@@ -68,10 +70,16 @@ def test_engine_config(tmp_path):
     config = EngineArgs(model=text, device="cpu", limit_mm_per_prompt={"image": 4},
                         mm_processor_kwargs={"anything": 1}).create_engine_config()
     assert config.multimodal.image_limit == 4
+    assert image_processor_for(config) is None
     vl = make_tiny_qwen3_5_vl(str(tmp_path / "vl"))
-    assert EngineArgs(model=vl, device="cpu").create_engine_config().multimodal.image_limit == 999
+    config = EngineArgs(model=vl, device="cpu", mm_processor_kwargs={"max_pixels": 4096}).create_engine_config()
+    assert config.multimodal.image_limit == 999 and image_input_refusal(config) is None
+    assert image_processor_for(config).hf_processor.size.longest_edge == 4096
+    none = EngineArgs(model=vl, device="cpu", limit_mm_per_prompt={"image": 0}).create_engine_config()
+    assert "--limit-mm-per-prompt image 0" in image_input_refusal(none) and image_processor_for(none) is None
     with pytest.raises(ConfigError, match="--mm-processor-kwargs.*num_crops"):  # checked at start, not per request
         EngineArgs(model=vl, device="cpu", mm_processor_kwargs={"num_crops": 4}).create_engine_config()
     # --language-model-only: the text model alone, so no processor is built (or checked)
-    EngineArgs(model=vl, device="cpu", language_model_only=True,
-               mm_processor_kwargs={"num_crops": 4}).create_engine_config()
+    text_only = EngineArgs(model=vl, device="cpu", language_model_only=True,
+                           mm_processor_kwargs={"num_crops": 4}).create_engine_config()
+    assert "--language-model-only" in image_input_refusal(text_only) and image_processor_for(text_only) is None

@@ -18,15 +18,18 @@ from voltllm.multimodal.mrope import prompt_positions
 _NOT_SETTINGS = frozenset({"return_tensors", "device", "data_format", "input_data_format"})
 
 
+def image_processor_for(config: Any) -> Optional["ImageProcessor"]:
+    """The image processor of an engine that takes images (multimodal/support.py), else None."""
+    from voltllm.multimodal.support import image_input_refusal
+
+    if image_input_refusal(config) is not None:
+        return None
+    return ImageProcessor.from_model(config.model.model, config.model.hf_config,
+                                     config.multimodal.mm_processor_kwargs)
+
+
 class ImageCountError(ValueError):
     """The rendered prompt's image placeholders do not match the images given (a 400)."""
-
-
-def model_takes_images(hf_config: Any, language_model_only: bool = False) -> bool:
-    """Whether a checkpoint's config describes a vision-language model (a vision_config and an image token) whose
-    images are taken: not under --language-model-only."""
-    return (not language_model_only and getattr(hf_config, "vision_config", None) is not None
-            and getattr(hf_config, "image_token_id", None) is not None)
 
 
 class ImageProcessor:
