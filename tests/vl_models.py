@@ -3,10 +3,18 @@ model of tiny_models.HYBRID_COMMON, a 2-block vision tower, a small BPE tokenize
 chat template that places images, and a Qwen2-VL image processor config."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from typing import Optional
 
+import numpy as np
 import torch
+
+from voltllm import SamplingParams
+from voltllm.engine.types import EngineCoreRequest
+from voltllm.multimodal.inputs import ImageInput, MultiModalPrompt
+from voltllm.multimodal.mrope import prompt_positions
 
 from tiny_models import HYBRID_COMMON, make_tokenizer, small_moe
 
@@ -84,3 +92,93 @@ def make_tiny_qwen3_5_vl(path: str, kind: str = "qwen3_5", seed: int = 0) -> str
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(VL_PREPROCESSOR, f, indent=2)
     return str(path)
+
+
+# --- the engine vs transformers on the tiny checkpoint (tests/model/test_image_input.py, tests/gpu) -----------
+NEW_TOKENS = 6  # greedy tokens per request
+
+
+def vl_setup(path: str) -> tuple:
+    """(checkpoint path, its image processor, tokenizer, transformers' model): what the helpers below take as `vl`."""
+    import transformers
+
+    path = make_tiny_qwen3_5_vl(path, "qwen3_5", seed=0)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in VL_PREPROCESSOR.items()
+                                            if k not in ("image_processor_type", "processor_class")})
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return path, processor, tok, ref
+
+
+def vl_image(seed: int, h: int, w: int):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def vl_prompt(vl, text_parts: list, images: list):
+    """Token ids with each image's placeholder expanded, the processor's pixels, and our MultiModalPrompt."""
+    _, processor, tok, ref = vl
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in text_parts]
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    image_id = ref.config.image_token_id
+    out = processor(images=images, return_tensors="pt") if images else None
+    expanded, items, k = [], [], 0
+    for t in ids:
+        if t != image_id:
+            expanded.append(t)
+            continue
+        grid = tuple(int(x) for x in out["image_grid_thw"][k])
+        n = grid[0] * grid[1] * grid[2] // 4
+        start = sum(int(np.prod(g)) for g in out["image_grid_thw"][:k].tolist())
+        pixels = out["pixel_values"][start:start + int(np.prod(grid))]
+        digest = hashlib.sha256(pixels.numpy().tobytes()).digest()
+        items.append(ImageInput(pixels.float(), grid, digest, len(expanded), n))
+        expanded += [image_id] * n
+        k += 1
+    assert k == len(images)
+    pos, delta = prompt_positions(len(expanded), [(im.offset, im.grid_thw) for im in items], 2)
+    mm = MultiModalPrompt(tuple(items), pos, delta) if items else None
+    return expanded, out, mm
+
+
+def vl_reference(vl, ids: list, out) -> list[tuple[int, float]]:
+    """transformers' greedy tokens and their logprobs."""
+    ref = vl[3]
+    inputs = {"input_ids": torch.tensor([ids])}
+    if out is not None:
+        types = (inputs["input_ids"] == ref.config.image_token_id).int()
+        inputs.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"], mm_token_type_ids=types)
+    with torch.no_grad():
+        gen = ref.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
+                           output_logits=True, return_dict_in_generate=True)  # (raw: min_new_tokens masks EOS)
+    tokens = gen.sequences[0, len(ids):].tolist()
+    return [(t, torch.log_softmax(s[0].float(), -1)[t].item()) for t, s in zip(tokens, gen.logits)]
+
+
+def same_greedy(got: list, want: list) -> bool:
+    return [t for t, _ in got] == [t for t, _ in want] and all(abs(a - b) < 1e-4 for (_, a), (_, b) in
+                                                               zip(got, want))
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def run_greedy(llm, prompts: list, cached: Optional[list] = None) -> list[list[tuple[int, float]]]:
+    """Each prompt's greedy (token, logprob)s; `cached` gets each one's prefix-cache hit tokens."""
+    core = llm.engine
+    for i, (ids, mm) in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"r{i}", ids, GREEDY, multi_modal=mm))
+    got: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+    hits: dict[str, int] = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            got[o.request_id] += [(t, lp[t][0]) for t, lp in zip(o.new_token_ids, o.new_logprobs)]
+            if o.finished:
+                hits[o.request_id] = o.num_cached_tokens
+    if cached is not None:
+        cached += [hits[f"r{i}"] for i in range(len(prompts))]
+    return [got[f"r{i}"] for i in range(len(prompts))]

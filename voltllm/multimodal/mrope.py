@@ -38,9 +38,10 @@ def prompt_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int
 
 
 def axis_of_frequency(half: int, section: Sequence[int]) -> np.ndarray:
-    """For each of the rotary half's `half` frequencies, the axis (0 t, 1 h, 2 w) whose position rotates it."""
-    if sum(section) != half:
-        raise ValueError(f"mrope_section {list(section)} must add up to the rotary half ({half} frequencies)")
+    """For each of the rotary half's `half` frequencies, the axis (0 t, 1 h, 2 w) whose position rotates it (as
+    transformers applies the section, also when it does not add up to `half`: a small test model's)."""
+    if len(section) != 3:
+        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(section)}")
     j = np.arange(half)
     axis = np.zeros(half, dtype=np.int64)
     axis[(j % 3 == 1) & (j < 3 * section[1])] = 1

@@ -27,6 +27,7 @@ class ImageStep:
         self.axis = torch.from_numpy(axis_of_frequency(rotary.cos.shape[1], mrope_section)).to(device)
         self.inv_freq = rotary.inv_freq.to(device)
         self.encoded: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> tower rows
+        self.largest_grid = (1, 2 * tower.merge, 2 * tower.merge)  # memory profiling's image (image_step_for sets it)
         self._new_step()
 
     def _new_step(self) -> None:
@@ -87,12 +88,36 @@ class ImageStep:
             extra["image_embeds"] = (at, torch.cat(self._embeds))
         self._new_step()
 
+    def profile(self, grid: tuple[int, int, int]) -> None:
+        """Encode one random image of `grid` (the largest the processor makes): memory profiling's tower peak."""
+        t, h, w = grid
+        self.tower(torch.randn(t * h * w, self.tower.patch_dim, device=self.device), [grid])
+
     def forget(self, request_ids: list[str]) -> None:
         """Drop the kept rows of finished or preempted requests (a preempted one encodes again when it resumes)."""
         if self.encoded:
             gone = set(request_ids)
             for key in [k for k in self.encoded if k[0] in gone]:
                 del self.encoded[key]
+
+
+def largest_grid(model_dir: str, tower: Any) -> tuple[int, int, int]:
+    """The patch grid of the largest image the checkpoint's image processor makes (its max pixels, as a square),
+    from preprocessor_config.json: `size.longest_edge` or `max_pixels` (Qwen2-VL's default, 12845056, without)."""
+    import json
+    import math
+    import os
+
+    conf: dict = {}
+    path = os.path.join(model_dir, "preprocessor_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            conf = json.load(f)
+    size = conf.get("size") or {}
+    pixels = size.get("longest_edge") or conf.get("max_pixels") or 12845056
+    unit = tower.patch * tower.merge
+    side = max(1, math.isqrt(int(pixels)) // unit) * tower.merge
+    return (1, side, side)
 
 
 def image_step_for(runner: Any) -> Optional[ImageStep]:
@@ -102,16 +127,23 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     config = runner.config
     if image_input_refusal(config) is not None:
         return None
-    from voltllm.multimodal.vision_tower import load_vision_tower
+    from voltllm.multimodal.vision_tower import load_vision_tower, vision_tower_for
 
     mc = config.model
-    tower = load_vision_tower(mc.model, mc.hf_config, runner.dtype, runner.device)
+    if mc.load_format == "dummy":  # random weights at the checkpoint's shapes, as the language model's
+        from voltllm.worker.runner import init_dummy_weights
+
+        tower = vision_tower_for(mc.hf_config, runner.dtype).to(runner.device).requires_grad_(False)
+        with torch.no_grad():
+            init_dummy_weights(tower, mc.seed, runner.device)
+    else:
+        tower = load_vision_tower(mc.model, mc.hf_config, runner.dtype, runner.device)
     text = getattr(mc.hf_config, "text_config", None) or mc.hf_config
     from voltllm.model.layers.rotary import rope_parameters
 
-    section = rope_parameters(text).get("mrope_section")
-    if not section:
-        raise ValueError("a multimodal Qwen3.5 config needs rope_parameters.mrope_section for its image positions")
+    section = rope_parameters(text).get("mrope_section") or [11, 11, 10]  # (transformers' default for Qwen3.5)
     sc = config.scheduler
-    return ImageStep(tower, runner.model.rotary, list(section), max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
+    step = ImageStep(tower, runner.model.rotary, list(section), max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
                      runner.device)
+    step.largest_grid = largest_grid(mc.model, tower)
+    return step

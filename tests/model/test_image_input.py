@@ -1,0 +1,74 @@
+"""Image input end to end in the engine (Qwen3.5 VL, tiny random checkpoint, fp32 CPU) against transformers'
+Qwen3_5ForConditionalGeneration: greedy tokens with one image, two images split by chunked prefill, a text request
+beside an image one, and prefix caching keyed by the image's pixels."""
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from vl_models import (GREEDY, NEW_TOKENS, run_greedy as _run, same_greedy as _same,  # noqa: E402
+                       vl_image as _image, vl_prompt as _prompt, vl_reference as _reference, vl_setup)
+from voltllm.engine.types import EngineCoreRequest  # noqa: E402
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    return vl_setup(str(tmp_path_factory.mktemp("vl")))
+
+
+def _llm(path, **kw):
+    from voltllm.entrypoints.llm import LLM
+
+    return LLM(path, device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=4, **kw)
+
+
+def test_one_image_matches_transformers(vl):
+    ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    assert mm.rope_delta < 0 and len(ids) > 30
+    llm = _llm(vl[0])
+    assert llm.engine.runner.image_step is not None
+    assert _same(_run(llm, [(ids, mm)])[0], _reference(vl, ids, out))
+    assert not llm.engine.runner.image_step.encoded, "every image's rows are dropped once its tokens are computed"
+
+
+def test_two_images_split_by_chunked_prefill_and_a_text_request_beside(vl):
+    ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
+    text_ids, _, _ = _prompt(vl, ["Just some text here."], [])
+    llm = _llm(vl[0], max_num_batched_tokens=16, enable_chunked_prefill=True)
+    got = _run(llm, [(ids, mm), (text_ids, None)])
+    assert _same(got[0], _reference(vl, ids, out)) and _same(got[1], _reference(vl, text_ids, None))
+
+
+def test_prefix_cache_is_keyed_by_the_pixels(vl):
+    a_ids, a_out, a_mm = _prompt(vl, [None, "Describe it."], [_image(3, 32, 48)])
+    b_ids, b_out, b_mm = _prompt(vl, [None, "Describe it."], [_image(4, 32, 48)])
+    assert a_ids == b_ids, "the same placeholders: only the pixels differ"
+    llm = _llm(vl[0], block_size=16, mamba_block_size=16, enable_prefix_caching=True)
+    cached: list[int] = []
+    first = _run(llm, [(a_ids, a_mm)], cached)[0]
+    b = _run(llm, [(b_ids, b_mm)], cached)[0]
+    again = _run(llm, [(a_ids, a_mm)], cached)[0]
+    start = a_mm.images[0].offset
+    assert cached[0] == 0 and cached[1] == start // 16 * 16, "no block holding the image may be shared"
+    assert cached[2] >= start + a_mm.images[0].num_tokens, "the same pixels hit past the image"
+    assert _same(first, _reference(vl, a_ids, a_out)) and _same(again, first)
+    assert _same(b, _reference(vl, b_ids, b_out))
+
+
+def test_dummy_weights_take_images_and_gone_requests_leave_no_rows(vl):
+    """--load-format dummy builds a random tower too; an aborted request's kept rows go with it."""
+    ids, _, mm = _prompt(vl, ["Look:", None, "and tell."], [_image(5, 32, 48)])
+    llm = _llm(vl[0], load_format="dummy", max_num_batched_tokens=16, enable_chunked_prefill=True)
+    step = llm.engine.runner.image_step
+    assert step is not None and step.largest_grid == (1, 64, 64)
+    core = llm.engine
+    core.add_request(EngineCoreRequest("cut", ids, GREEDY, multi_modal=mm))
+    core.step()
+    assert step.encoded, "the image's rows are kept while its tokens are being prefilled"
+    core.abort_requests(["cut"])
+    while core.has_unfinished_requests():
+        core.step()
+    core.step()
+    assert not step.encoded
+    assert len(_run(llm, [(ids, mm)])[0]) == NEW_TOKENS
