@@ -126,7 +126,7 @@ def _image_url(block: dict, where: str) -> str:
         return f"data:{source['media_type']};base64,{source['data']}"
     if kind == "url" and isinstance(source.get("url"), str):
         return source["url"]
-    raise bad_request(f"{where}.source must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+    raise bad_request(f"{where}: an image block's source must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
                       f"{{\"type\": \"url\", \"url\"}} (file sources need Anthropic's Files API, not built)",
                       "messages")
 
