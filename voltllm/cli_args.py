@@ -189,6 +189,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          'normalized)')
     pm.add_argument("--override-pooler-config", type=json_object_arg("--override-pooler-config"), default=None,
                     help="vLLM's older name of --pooler-config")
+    mm = p.add_argument_group("image input (Qwen3.5 vision-language models; voltllm/multimodal/)")
+    mm.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
+                    help='most items of each modality in one request, e.g. \'{"image": 2}\' (default 999 images; '
+                         'video and audio are not built: 0 only)')
+    mm.add_argument("--mm-processor-kwargs", type=json_object_arg("--mm-processor-kwargs"), default=None,
+                    help='the image processor\'s settings over preprocessor_config.json, e.g. \'{"max_pixels": '
+                         '1003520}\'')
+    mm.add_argument("--allowed-local-media-path", default=None,
+                    help="a directory whose files requests may name as file:// image URLs (trusted clients only)")
+    mm.add_argument("--allowed-media-domains", nargs="+", default=None,
+                    help="the only hosts http(s) image URLs may name (default: any)")
     lo = p.add_argument_group("LoRA adapters (voltllm/lora/; --lora-modules is a server flag)")
     lo.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
                     help="serve PEFT LoRA adapters on the attention and dense-MLP projections, chosen per request")

@@ -13,13 +13,15 @@ _LORA_SHARDED = ("fully sharded LoRA weights are not built (under --tensor-paral
                  "--no-fully-sharded-loras is what runs)")
 _LORA_BIAS = "LoRA biases are not built (adapters with bias 'none' only)"
 _LORA_LONG = "long-context LoRA (scaling factors) is not built (vLLM removed it too)"
-_LORA_MM = "multimodal input, and so per-modality default LoRAs, are not built"
+_LORA_MM = "per-modality default LoRAs are not built"
 _PROMPT_ADAPTERS = "prompt adapters are not built in voltllm (vLLM removed them too)"
 _SPEC_OLD = ("an older vLLM flag: speculative decoding is configured with --speculative-config, e.g. "
              "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' or '{\"method\": \"ngram\", ...}' (docs/cli.md)")
 _MULTI_STEP = ("multi-step scheduling (removed in vLLM V1) is not built; async scheduling, on by default, overlaps "
                "the host's work for the next step with the GPU's current one instead")
-_MULTIMODAL = "multimodal input is not built: voltllm serves the language model alone (text in, text out)"
+_MULTIMODAL = ("this multimodal setting is not built: image input is (Qwen3.5 vision-language models, with "
+               "--limit-mm-per-prompt, --mm-processor-kwargs, --allowed-local-media-path, --allowed-media-domains); "
+               "video, audio, embeddings as input and processor caches are not")
 _EPLB = ("the expert-parallel load balancer (redundant experts moved between ranks) is not built: "
          "--enable-expert-parallel places each rank's experts once, linearly")
 _ALL2ALL = ("all-to-all token exchange (expert parallelism across data-parallel engines) is not built: under "
@@ -87,10 +89,9 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--tool-parser-plugin": "tool parser plugins are not built (the built parsers: --tool-call-parser)",
     "--reasoning-parser-plugin": "reasoning parser plugins are not built (the built parsers: --reasoning-parser)",
     # multimodal
-    "--mm-processor-kwargs": _MULTIMODAL, "--mm-processor-cache-gb": _MULTIMODAL,
+    "--mm-processor-cache-gb": _MULTIMODAL,
     "--disable-mm-preprocessor-cache": _MULTIMODAL, "--mm-encoder-tp-mode": _MULTIMODAL,
-    "--media-io-kwargs": _MULTIMODAL, "--allowed-local-media-path": _MULTIMODAL,
-    "--allowed-media-domains": _MULTIMODAL, "--interleave-mm-strings": _MULTIMODAL, "--skip-mm-profiling": _MULTIMODAL,
+    "--media-io-kwargs": _MULTIMODAL, "--interleave-mm-strings": _MULTIMODAL, "--skip-mm-profiling": _MULTIMODAL,
     "--enable-prompt-embeds": "prompt embeddings as input are not built (prompts are text or token ids)",
     # disaggregation, observability
     "--mm-processor-cache-type": _MULTIMODAL, "--mm-shm-cache-max-object-size-mb": _MULTIMODAL,

@@ -10,11 +10,14 @@ import logging
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 
 from voltllm.cuda_graph_config import CudaGraphConfig
+
+if TYPE_CHECKING:
+    from voltllm.multimodal.config import MultiModalConfig
 
 logger = logging.getLogger("voltllm")
 
@@ -185,6 +188,15 @@ class EngineConfig:
     json_any_whitespace: bool = False
     # --cpu-offload-gb / --offload-group-size: decoder layers kept in CPU memory (weight_offload_config.py; None: off)
     weight_offload: Optional[Any] = None
+    # image input's settings (--limit-mm-per-prompt, --mm-processor-kwargs, the media flags); text-only models ignore
+    # them
+    multimodal: "MultiModalConfig" = field(default_factory=lambda: _default_multimodal())
+
+
+def _default_multimodal() -> "MultiModalConfig":
+    from voltllm.multimodal.config import MultiModalConfig  # (it imports this module's ConfigError)
+
+    return MultiModalConfig()
 
 
 @dataclass
@@ -292,6 +304,12 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None  # None: --max-loras
     lora_dtype: str = "auto"  # auto: the model's dtype (the only one taken)
+    # image input (vLLM's flags; voltllm/multimodal/config.py): items per prompt by modality (JSON object), the image
+    # processor's settings (JSON object), the directory file:// URLs may read, the hosts http(s) URLs may name
+    limit_mm_per_prompt: Optional[Any] = None
+    mm_processor_kwargs: Optional[Any] = None
+    allowed_local_media_path: Optional[str] = None
+    allowed_media_domains: Optional[Any] = None
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
@@ -490,8 +508,14 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from voltllm.model.loader import load_hf_config, resolve_model
+        from voltllm.multimodal.processor import ImageProcessor
+        from voltllm.multimodal.support import image_input_refusal
 
         self._refuse_unbuilt()
+        from voltllm.multimodal.config import resolve_multimodal
+
+        multimodal = resolve_multimodal(self.limit_mm_per_prompt, self.mm_processor_kwargs,
+                                        self.allowed_local_media_path, self.allowed_media_domains)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: not a scheduling policy; use fcfs (first "
                               "come, first served) or priority (by each request's priority, then arrival)")
@@ -675,7 +699,11 @@ class EngineArgs:
                                   data_parallel_size=self.data_parallel_size),
                               speculative=spec,
                               quantization=method, json_any_whitespace=json_any_whitespace(
-                                  self.structured_outputs_config), weight_offload=weight_offload)
+                                  self.structured_outputs_config), weight_offload=weight_offload,
+                              multimodal=multimodal)
+        if image_input_refusal(config) is None:
+            # (built here too, so that a processor the model's files or --mm-processor-kwargs break fails at start)
+            ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs)
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
         reasoning = self._resolve_reasoning(tokenizer)

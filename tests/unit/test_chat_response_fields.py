@@ -21,7 +21,7 @@ def _answer(state, **body):
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}], max_tokens=5, **body)
 
     async def run():
-        plan, _, watcher = start_chat(state, req, FakeRaw())
+        plan, _, watcher = await start_chat(state, req, FakeRaw())
         watcher.stop()
         out = RequestOutput("r", None, plan.prompt_ids, [CompletionOutput(0, TEXT, [1, 2, 3], finish_reason="stop")],
                            True)

@@ -65,7 +65,7 @@ def _state(max_model_len=100):
 def _chat(state, **body):
     async def run():
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "hello"}], max_tokens=1, **body)
-        plan, _, watcher = start_chat(state, req, FakeRaw())
+        plan, _, watcher = await start_chat(state, req, FakeRaw())
         watcher.stop()
         return plan, state.engine.prompts[-1]
     return asyncio.run(run())

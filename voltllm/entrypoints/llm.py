@@ -54,7 +54,7 @@ def _lora_requests(lora_request: Any, n: int, enabled: bool) -> list:
 def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
     """(the EngineArgs keywords, max_logprobs) from vLLM's LLM(...) keywords: the ones that belong to vLLM's server-side
     engine arguments are taken here (disable_log_stats: the offline engine logs no periodic stats; max_logprobs: the
-    most logprobs / prompt_logprobs a request may ask, as vLLM's; limit_mm_per_prompt: zero limits only), unbuilt vLLM
+    most logprobs / prompt_logprobs a request may ask, as vLLM's), unbuilt vLLM
     settings at what voltllm does anyway (enable_prompt_adapter=False, ...) are dropped, others refused."""
     from voltllm.cli_unbuilt import is_accepted_setting, unbuilt_setting_error
 
@@ -65,9 +65,6 @@ def _offline_settings(kwargs: dict) -> tuple[dict, Optional[int]]:
     if max_logprobs is not None and (not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool)
                                      or max_logprobs < -1):
         raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {max_logprobs!r}")
-    for modality, limit in (extra.pop("limit_mm_per_prompt", None) or {}).items():
-        if (limit.get("count", 0) if isinstance(limit, dict) else limit) != 0:
-            raise ValueError(f"limit_mm_per_prompt {modality}: multimodal input is not built; only zero limits")
     unknown = sorted(k for k, v in extra.items() if not is_accepted_setting(k, v))
     if unknown:
         unbuilt = [why for why in (unbuilt_setting_error(k, extra[k]) for k in unknown) if why]
@@ -100,6 +97,28 @@ class LLM:
         self.frontend = Frontend(self.tokenizer, m.model, m.max_model_len, pooler=m.pooler,
                                  model_name=m.served_model_name, reasoning=self.config.reasoning)
         self._ids = itertools.count()
+        from voltllm.multimodal.processor import image_processor_for
+
+        self._images = image_processor_for(self.config)  # None: a text-only engine
+
+    def _image_parts(self, urls: list) -> dict:
+        """normalize_messages' image keywords: collect image URLs into `urls` when this engine takes images, else
+        refuse image parts saying why (multimodal/support.py)."""
+        from voltllm.multimodal.support import image_input_refusal
+
+        if self._images is None:
+            return {"refusal": image_input_refusal(self.config) or "this model takes no images"}
+        return {"image_urls": urls}
+
+    def _prepare_images(self, ids: list[int], urls: list[str]) -> tuple[list[int], Any]:
+        from voltllm.multimodal.media import load_image
+
+        limit = self.config.multimodal.image_limit
+        if len(urls) > limit:
+            raise ValueError(f"{len(urls)} images in one conversation: this LLM takes at most {limit} "
+                             "(limit_mm_per_prompt)")
+        media = self.config.multimodal.media_settings()
+        return self._images.prepare(ids, [load_image(url, media) for url in urls])
 
     def _require_runner(self, runner: str, method: str) -> None:
         """vLLM runs one runner per engine: generate / chat on a generative model, embed / encode on a pooling one."""
@@ -142,7 +161,9 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: UseTqdm = True, lora_request: Any = None, priority: Optional[list[int]] = None
                  ) -> list[RequestOutput]:
-        """vLLM's signature. lora_request: a LoRARequest for every prompt, or a list of one (or None) per prompt
+        """vLLM's signature. A dict prompt may carry "multi_modal", a MultiModalPrompt (multimodal/inputs.py) whose
+        images' placeholders its prompt_token_ids hold expanded (LLM.chat makes them from image_url parts).
+        lora_request: a LoRARequest for every prompt, or a list of one (or None) per prompt
         (LLM(enable_lora=True)). priority: one integer per prompt, lower served first
         (LLM(scheduling_policy="priority"); under fcfs only 0s).
         use_tqdm: a progress bar on stderr over the sequences completed (True, vLLM's default), none (False), or one
@@ -173,7 +194,9 @@ class LLM:
         try:
             for prompt, sp, prio, lora in zip(prompts, params, priorities, loras):
                 rid = str(next(self._ids))
-                for req in self.frontend.make_requests(rid, prompt, sp, priority=prio, lora_request=lora):
+                images = prompt.get("multi_modal") if isinstance(prompt, dict) else None
+                for req in self.frontend.make_requests(rid, prompt, sp, priority=prio, lora_request=lora,
+                                                       multi_modal=images):
                     self.engine.add_request(req)
                 order.append(rid)
         except Exception:
@@ -437,13 +460,17 @@ class LLM:
             kwargs["continue_final_message"] = True
         prompts = []
         for conv in conversations:
+            urls: list[str] = []
             try:
-                conv = normalize_messages(conv, content_format)
+                conv = normalize_messages(conv, content_format, **self._image_parts(urls))
             except OpenAIError as e:
                 raise ValueError(e.message) from None
             if continue_final_message and conv[-1].get("role") != "assistant":
                 raise ValueError("continue_final_message needs the last message to be from the assistant")
             text = apply_chat_template(self.tokenizer, conv, template, add_generation_prompt, tools, **kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+            if urls:  # as the server's chat path: images read, processed, their placeholders expanded
+                prompt["prompt_token_ids"], prompt["multi_modal"] = self._prepare_images(ids, urls)
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

@@ -24,7 +24,6 @@ def image_input_refusal(config: Any) -> Optional[str]:
         # (their own models rotate 1-D positions: n-gram, suffix and MTP, which shares the target's rotary, work)
         return "image input is not built with a draft-model, DFlash or EAGLE-3 speculative method (n-gram, suffix " \
                "and MTP work)"
-    limits = getattr(mc, "limit_mm_per_prompt", None) or {}
-    if limits.get("image", 1) == 0:
+    if config.multimodal.image_limit == 0:
         return "the server was started with --limit-mm-per-prompt image 0 (no image input)"
     return None

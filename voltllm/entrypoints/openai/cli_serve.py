@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from voltllm.cli_args import json_object_arg, json_string_list
+from voltllm.cli_args import json_string_list
 from voltllm.cli_config import add_config_args
 from voltllm.entrypoints.openai.request_flags import (add_request_args, check_request_flags, lora_modules,
                                                       server_state)
@@ -48,8 +48,6 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--api-key", nargs="+", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* routes (several keys: any of them)")
     add_request_args(s)
-    s.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
-                   help="JSON object of multimodal item limits; only all-zero limits are accepted (text-only server)")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -99,11 +97,6 @@ def check_server_flags(args: argparse.Namespace) -> None:
     """Refuse server flags we cannot honour (ConfigError -> exit 2), before any model is loaded."""
 
     check_request_flags(args)
-    for modality, limit in (args.limit_mm_per_prompt or {}).items():
-        count = limit.get("count", 0) if isinstance(limit, dict) else limit
-        if count != 0:
-            raise ConfigError(f"--limit-mm-per-prompt {modality}={json.dumps(limit)}: multimodal input is not "
-                              "built (text-only models); only zero limits are accepted")
     if getattr(args, "skip_tokenizer_init", False):
         raise ConfigError("--skip-tokenizer-init is not supported by `voltllm serve`: the server needs the "
                           "tokenizer for chat templates, text prompts and streaming text")

@@ -17,9 +17,11 @@ thinking_token_budget when the server knows the reasoning's delimiters, else ign
 template's default, as vLLM pins nothing for it); `output_config.effort` -> the template kwarg `reasoning_effort`;
 `output_config.format` json_schema (or the older top-level `output_format`) -> a json_schema response_format
 (structured outputs); `stop_sequences` -> stop strings.
-Refused with a 400: image and document blocks (and any other block type), server tools (a tool with a `type`
-other than "custom"), `mcp_servers`, `container`, output formats other than json_schema, an output format with a
-forced tool_choice (voltllm takes one output constraint per request), roles other than user / assistant / system.
+`image` blocks in user turns (base64 or url sources) -> image_url parts, which the chat path takes or refuses.
+Refused with a 400: document blocks (and any other block type, images inside tool results), server tools (a tool
+with a `type` other than "custom"), `mcp_servers`, `container`, output formats other than json_schema, an output
+format with a forced tool_choice (voltllm takes one output constraint per request), roles other than user /
+assistant / system.
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def _block_text(block: Any, where: str) -> str:
     if not isinstance(block, dict) or "type" not in block:
         raise bad_request(f"{where} must be an object with a 'type'", "messages")
     if block["type"] != "text":
-        raise bad_request(f"{where} has type {block['type']!r}: only text blocks are accepted here (this server "
-                          "serves a text-only model: no image or document input)", "messages")
+        raise bad_request(f"{where} has type {block['type']!r}: only text blocks are accepted here (images only as "
+                          "image blocks of a user turn; no document input)", "messages")
     if not isinstance(block.get("text"), str):
         raise bad_request(f"{where}.text must be a string", "messages")
     return block["text"]
@@ -87,6 +89,7 @@ def _tool_reference_message(call_id: str, names: list[str]) -> dict:
 def _user_turn(content: list, where: str, tool_names: dict[str, str]) -> list[dict]:
     tool_msgs: list[dict] = []
     texts: list[str] = []
+    images: list[int] = []  # the indexes in texts that hold image URLs
     for j, block in enumerate(content):
         w = f"{where}.content[{j}]"
         if isinstance(block, dict) and block.get("type") == "tool_result":
@@ -103,9 +106,29 @@ def _user_turn(content: list, where: str, tool_names: dict[str, str]) -> list[di
                 if call_id in tool_names:
                     msg["name"] = tool_names[call_id]
             tool_msgs.extend(msgs)
+        elif isinstance(block, dict) and block.get("type") == "image":
+            images.append(len(texts))
+            texts.append(_image_url(block, w))
         else:
             texts.append(_block_text(block, w))
+    if images:  # (chat parts: the chat path takes or refuses the images as for /v1/chat/completions)
+        parts = [{"type": "image_url", "image_url": {"url": t}} if i in images else {"type": "text", "text": t}
+                 for i, t in enumerate(texts)]
+        return tool_msgs + [{"role": "user", "content": parts}]
     return tool_msgs + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+
+
+def _image_url(block: dict, where: str) -> str:
+    """An image block's source as a URL: base64 data as a data URL, a url source as itself."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request(f"{where}: an image block's source must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                      f"{{\"type\": \"url\", \"url\"}} (file sources need Anthropic's Files API, not built)",
+                      "messages")
 
 
 def _assistant_turn(content: list, where: str, tool_names: dict[str, str]) -> dict:

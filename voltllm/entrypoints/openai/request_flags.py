@@ -99,9 +99,14 @@ def server_state(config: Any, args: argparse.Namespace, names: list[str], engine
     """The app's ServerState for a started engine (its max_model_len: --max-model-len auto is fitted by then);
     loras: lora_modules' adapters."""
     from voltllm.engine.frontend import generation_defaults
-    from voltllm.entrypoints.openai.serving_common import ServerState
+    from voltllm.entrypoints.openai.serving_common import TEXT_ONLY, ServerState
+    from voltllm.multimodal.processor import image_processor_for
+    from voltllm.multimodal.support import image_input_refusal
 
+    images = image_processor_for(config)
     return ServerState(
+        images=images, image_refusal=image_input_refusal(config) or TEXT_ONLY,
+        image_limit=config.multimodal.image_limit, media=config.multimodal.media_settings(),
         engine=engine, served_model_names=names, max_model_len=engine.max_model_len, lora_modules=dict(loras or {}),
         model_path=config.model.model, chat_template=config.model.chat_template,
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),

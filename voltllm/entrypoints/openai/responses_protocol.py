@@ -18,7 +18,7 @@ from voltllm.entrypoints.openai.protocol import ChatCompletionRequest, NullMeans
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
+_UNSUPPORTED_PARTS = ("input_file", "input_audio")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values with nothing to add here: no encrypted reasoning is made (reasoning items come back as plain text),
 # and the others name outputs of OpenAI's built-in tools, which are not built
@@ -201,26 +201,36 @@ class ResponsesRequest(NullMeansDefault):
             logprobs=self.wants_logprobs, top_logprobs=self.top_logprobs if self.wants_logprobs else None)
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str) -> Union[str, list[dict]]:
+    """A message's content for the chat request: its text, or, when it holds input_image parts, chat parts (text and
+    image_url, in order; the chat path takes or refuses the images as for /v1/chat/completions)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
-    texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
             if not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}.content[{j}].text must be a string", "input")
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
+            parts.append({"type": "text", "text": str(part.get("refusal", ""))})
+        elif kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise bad_request(f"{where}.content[{j}]: an input_image needs an image_url (a URL or a data URL); "
+                                  "file_id images need OpenAI's Files API, which is not built", "input",
+                                  "unsupported_content")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         elif kind in _UNSUPPORTED_PARTS:
-            raise bad_request(f"{where}.content[{j}] has type {kind!r}: this server serves a text-only model "
-                              "(no image, file or audio input)", "input", "unsupported_content")
+            raise bad_request(f"{where}.content[{j}] has type {kind!r}: this server takes no file or audio input",
+                              "input", "unsupported_content")
         else:
             raise bad_request(f"{where}.content[{j}] has unknown type {kind!r}", "input")
-    return "\n".join(texts)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def _reasoning_of(item: dict, where: str) -> str:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
 from voltllm.entrypoints.openai.beam_search import submit_beam_searches
+from voltllm.entrypoints.openai.chat_images import prepare_chat_images
 from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.entrypoints.openai.forced_calls import forced_calls
 from voltllm.entrypoints.openai.parsers import (REASONING_PARSERS, TOOL_PARSERS, ReasoningParser, ToolParser,
@@ -97,16 +98,21 @@ def _finish_reason(c: CompletionOutput, has_calls: bool) -> Optional[str]:
     return c.finish_reason
 
 
-def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
-               request_id: Optional[str] = None) -> tuple[ChatPlan, list, DisconnectWatcher]:
-    """Check, template and submit a chat request (shared with /v1/responses): its plan, output streams and
-    disconnect watcher (which the caller stops, through collect_or_gone or sse_body)."""
+async def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
+                     request_id: Optional[str] = None) -> tuple[ChatPlan, list, DisconnectWatcher]:
+    """Check, template and submit a chat request (shared with /v1/responses and /v1/messages): its plan, output
+    streams and disconnect watcher (which the caller stops, through collect_or_gone or sse_body). Images are read
+    and processed only for a request that has some."""
     req.check()
     interval = stream_interval(state.stream_interval, req)
     model = state.model_name(req.model)
     # --exclude-tools-when-tool-choice-none (vLLM's): the model is not shown tools it may not call
     template_tools = None if state.exclude_tools_when_tool_choice_none and req.tool_choice == "none" else req.tools
-    messages = state.template_messages(req.messages, req.chat_template, template_tools)
+    image_urls: list[str] = []
+    messages = state.template_messages(req.messages, req.chat_template, template_tools, image_urls)
+    if image_urls and req.use_beam_search:
+        raise bad_request("use_beam_search does not take images (beam search runs on text prompts)",
+                          "use_beam_search")
     use_tools, forced = tool_mode(state, req)
     req.top_logprobs = state.check_logprobs(req.top_logprobs, "top_logprobs")
     req.prompt_logprobs = state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -114,7 +120,14 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message, tools=template_tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+    multi_modal = None
+    if image_urls:  # (each image's placeholder token becomes its tokens; usage counts them)
+        ids, multi_modal = await prepare_chat_images(state, ids, image_urls)
+    whole = len(ids)
     ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
+    if multi_modal is not None and len(ids) != whole:
+        raise bad_request(f"truncate_prompt_tokens would cut a prompt with images ({whole} tokens with the images' "
+                          "tokens); leave it out or raise it", "truncate_prompt_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if not req.use_beam_search:
         params = make_params(lambda: req.sampling_params(max_tokens, req.num_logprobs, req.prompt_logprobs,
@@ -135,7 +148,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
                                         req.priority, model=model)
     else:
         streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model,
-                         interval=interval)
+                         interval=interval, multi_modal=multi_modal)
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, beam search=%s, prompt: %s",
                     engine_id, len(ids), req.n, max_tokens, req.stream, bool(req.use_beam_search),
@@ -144,7 +157,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request: Any,
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Any):
-    plan, streams, watcher = start_chat(state, req, raw_request)
+    plan, streams, watcher = await start_chat(state, req, raw_request)
     if req.stream:
         return event_stream(sse_body(_stream(state, req, plan, streams), streams, watcher, plan.request_id))
     finals = await collect_or_gone(streams, watcher)

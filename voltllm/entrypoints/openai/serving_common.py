@@ -22,11 +22,15 @@ from voltllm.entrypoints.chat_content_format import resolve_content_format
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from voltllm.entrypoints.openai.request_log import OutputLoggingStream
 from voltllm.entrypoints.openai.stream_interval import IntervalStream
+from voltllm.multimodal.media import MediaSettings
 from voltllm.sampling.params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("voltllm")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+TEXT_ONLY = "this server serves a text-only model (no image, audio or video input)"
+IMAGE_ROUTES = ("images are taken by /v1/chat/completions, /v1/responses and /v1/messages, not by this route (it "
+                "renders the messages alone)")
 
 
 @dataclass
@@ -66,6 +70,13 @@ class ServerState:
     # --lora-modules and the adapters /v1/load_lora_adapter loaded (--allow-runtime-lora-updating): adapter name ->
     # LoRARequest (voltllm.lora); a request naming one as its model runs with it
     lora_modules: dict = field(default_factory=dict)
+    # image input: the model's image processor when the engine takes images (multimodal/processor.py), else None and
+    # image_refusal says why (multimodal/support.py); most images per request (--limit-mm-per-prompt); what image
+    # URLs may be read (--allowed-local-media-path, --allowed-media-domains)
+    images: Any = None
+    image_refusal: str = TEXT_ONLY
+    image_limit: int = 999
+    media: MediaSettings = field(default_factory=MediaSettings)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -97,11 +108,18 @@ class ServerState:
             raise self._model_not_found(model)
         return lora
 
-    def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list]) -> list[dict]:
-        """normalize_messages in the content format the applied template takes (--chat-template-content-format)."""
+    def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list],
+                          image_urls: Optional[list] = None) -> list[dict]:
+        """normalize_messages in the content format the applied template takes (--chat-template-content-format).
+        image_urls: a list the image parts' URLs are appended to, in order, by a route that sends images on (with a
+        server that takes them); without it image parts are refused, saying why."""
         fmt = resolve_content_format(self.chat_template_content_format, self.tokenizer,
                                      chat_template or self.chat_template, tools)
-        return normalize_messages(messages, fmt)
+        if self.images is None:
+            return normalize_messages(messages, fmt, refusal=self.image_refusal)
+        if image_urls is None:
+            return normalize_messages(messages, fmt, refusal=IMAGE_ROUTES)
+        return normalize_messages(messages, fmt, image_urls=image_urls)
 
     def tokens_as_ids(self, req: Any) -> bool:
         """Whether logprob tokens are written "token_id:N": the request's return_tokens_as_token_ids, else the
@@ -132,10 +150,14 @@ def new_id(prefix: str) -> str:
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-def normalize_messages(messages: Any, content_format: str = "string") -> list[dict]:
-    """Validate chat messages and refuse multimodal parts. Content for the template (--chat-template-content-format):
-    `string` flattens text parts to one string; `openai` makes every content a list of {"type": "text", "text"}
-    parts (a string content one part, an assistant turn with only tool calls none), as vLLM passes them."""
+def normalize_messages(messages: Any, content_format: str = "string", image_urls: Optional[list] = None,
+                       refusal: str = TEXT_ONLY) -> list[dict]:
+    """Validate chat messages. Content for the template (--chat-template-content-format): `string` flattens text
+    parts to one string; `openai` makes every content a list of {"type": "text", "text"} parts (a string content one
+    part, an assistant turn with only tool calls none), as vLLM passes them. Image parts (OpenAI's image_url, its url
+    in an object or a bare string, as vLLM takes both) are taken only given `image_urls`: each becomes
+    {"type": "image"} in place (vLLM's part for the template) and its URL is appended; else they, and every other
+    multimodal part, are refused with `refusal`."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -148,6 +170,7 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
             raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", "messages")
         msg = dict(m)
         content = m.get("content")
+        images: list[int] = []  # the indexes in texts that stand for image parts
         if isinstance(content, list):
             texts: list[str] = []
             for j, part in enumerate(content):
@@ -159,9 +182,16 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
                     texts.append(part["text"])
                 elif part["type"] == "refusal":
                     texts.append(str(part.get("refusal", "")))
+                elif part["type"] == "image_url" and image_urls is not None:
+                    image_urls.append(_image_url(part, f"{where}.content[{j}]", content_format))
+                    images.append(len(texts))
+                    texts.append("")
+                elif image_urls is not None:
+                    raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: this server takes images "
+                                      "(image_url parts) but no video, audio or file input", "messages",
+                                      "unsupported_content")
                 else:
-                    raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: this server serves a "
-                                      "text-only model (no image, audio or video input)", "messages",
+                    raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: {refusal}", "messages",
                                       "unsupported_content")
         elif content is None:
             if role not in ("assistant", "tool"):
@@ -172,7 +202,8 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
         else:
             raise bad_request(f"{where}.content must be a string or a list of content parts", "messages")
         if content_format == "openai":
-            msg["content"] = [{"type": "text", "text": t} for t in texts]
+            msg["content"] = [{"type": "image"} if i in images else {"type": "text", "text": t}
+                              for i, t in enumerate(texts)]
         else:
             msg["content"] = "\n".join(texts)
         if role == "assistant":
@@ -200,6 +231,19 @@ def normalize_messages(messages: Any, content_format: str = "string") -> list[di
     return out
 
 
+def _image_url(part: dict, where: str, content_format: str) -> str:
+    if content_format != "openai":
+        raise bad_request(f"{where}: an image cannot be placed in a chat template that takes message content as one "
+                          "string; start the server with --chat-template-content-format openai (with a template that "
+                          "loops over the content parts, placing {\"type\": \"image\"} ones)", "messages",
+                          "unsupported_content")
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}.image_url must be a URL string or an object with a 'url' string", "messages")
+    return url
+
+
 def _history_reasoning(m: dict, msg: dict, where: str) -> None:
     """An earlier assistant turn's reasoning, sent as `reasoning` (vLLM's name) or `reasoning_content` (the older
     one, which vLLM's docs keep accepting), reaches the template under both names: Qwen3 / Qwen3.5 templates read
@@ -218,7 +262,7 @@ def message_text(message: dict) -> str:
     """A normalized message's content as one string, in either content format."""
     content = message.get("content")
     if isinstance(content, list):
-        return "\n".join(part["text"] for part in content)
+        return "\n".join(part["text"] for part in content if part["type"] == "text")
     return content or ""
 
 
@@ -270,12 +314,14 @@ def make_params(build) -> SamplingParams:
 
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
            cache_salt: Optional[str], priority: int = 0, model: Optional[str] = None,
-           interval: int = 1) -> list[RequestStream]:
+           interval: int = 1, multi_modal: Any = None) -> list[RequestStream]:
     """Add one engine request per prompt (with the adapter `model` names, if it is a --lora-modules one); on any
-    failure abort those already added and raise a 400. interval: a stream's tokens per output (stream_interval.py)."""
+    failure abort those already added and raise a 400. interval: a stream's tokens per output (stream_interval.py).
+    multi_modal: a chat prompt's images (multimodal/inputs.py MultiModalPrompt; one prompt)."""
     lora = state.lora_request(model)
+    images = {} if multi_modal is None else {"multi_modal": multi_modal}
     streams = start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt,
-                                                      priority, lora_request=lora)
+                                                      priority, lora_request=lora, **images)
                                     for rid, prompt in zip(request_ids, prompts)))
     return streams if interval == 1 else [IntervalStream(s, interval) for s in streams]
 

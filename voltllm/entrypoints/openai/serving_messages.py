@@ -179,7 +179,7 @@ class BlockStreamer:
 async def create_message(state: ServerState, req: MessagesRequest, raw_request: Any):
     chat = _chat(state, req)
     chat.max_tokens, chat.stream = req.max_tokens, req.stream
-    plan, streams, watcher = start_chat(state, chat, raw_request, request_id=f"msg_{uuid.uuid4().hex}")
+    plan, streams, watcher = await start_chat(state, chat, raw_request, request_id=f"msg_{uuid.uuid4().hex}")
     if req.stream:
         return event_stream(sse_body(_events(state, chat, plan, streams), streams, watcher, plan.request_id,
                                           done=None, error_event=anthropic_sse_error))

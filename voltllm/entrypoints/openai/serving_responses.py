@@ -148,7 +148,8 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     try:
         chat = req.to_chat(messages)
-        plan, streams, watcher = start_chat(state, chat, raw_request, request_id=req.request_id or _id("resp"))
+        plan, streams, watcher = await start_chat(state, chat, raw_request,
+                                                  request_id=req.request_id or _id("resp"))
     except OpenAIError as e:
         if e.param in _PARAMS:
             e.message = e.message.replace(e.param, _PARAMS[e.param])

@@ -1,0 +1,136 @@
+"""Image input over HTTP: a real server on the tiny Qwen3.5 VL checkpoint (tests/vl_models.py) answers chat
+completions, Responses and Messages requests with images; the limits, media rules and refusals are 400s."""
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from server_helpers import ServerProc, free_port
+from vl_models import make_tiny_qwen3_5_vl
+
+MAX_LEN = 512
+
+
+def png(w: int, h: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(w: int = 48, h: int = 32, seed: int = 0) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(w, h, seed)).decode()
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    path = make_tiny_qwen3_5_vl(str(tmp_path_factory.mktemp("vl")))
+    media = tmp_path_factory.mktemp("media")
+    (media / "a.png").write_bytes(png(48, 32))
+    srv = ServerProc([path, "--device", "cpu", "--max-model-len", str(MAX_LEN), "--served-model-name", "vl",
+                      "--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--allowed-local-media-path", str(media),
+                      "--disable-log-stats", "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
+    srv.model_path, srv.media = path, media
+    try:
+        srv.wait_healthy(300)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(vl):
+    with httpx.Client(base_url=vl.base, timeout=120) as client:
+        yield client
+
+
+def _text_prompt_tokens(vl, content: list) -> int:
+    """The rendered prompt's tokens before the images' placeholders are expanded."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vl.model_path)
+    parts = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+    text = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def _chat(http, content, **extra):
+    return http.post("/v1/chat/completions", json={"model": "vl", "max_tokens": 4, "temperature": 0,
+                                                   "messages": [{"role": "user", "content": content}], **extra})
+
+
+def test_chat_with_image_counts_expanded_prompt(vl, http):
+    content = [{"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": data_url()}},
+               {"type": "text", "text": "this picture?"}]
+    r = _chat(http, content, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # a 48 x 32 image is a (1, 8, 12) patch grid: 24 tokens after the 2 x 2 merge, in place of 1 placeholder
+    assert body["usage"]["prompt_tokens"] == _text_prompt_tokens(vl, content) - 1 + 24
+    assert len(body["prompt_token_ids"]) == body["usage"]["prompt_tokens"]
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    # vLLM's bare-string image_url gives the same prompt and (greedy) the same answer
+    bare = [content[0], {"type": "image_url", "image_url": data_url()}, content[2]]
+    again = _chat(http, bare, return_token_ids=True).json()
+    assert again["prompt_token_ids"] == body["prompt_token_ids"]
+    assert again["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
+
+
+def test_local_file_only_under_allowed_path(vl, http, tmp_path):
+    ok = _chat(http, [{"type": "image_url", "image_url": {"url": f"file://{vl.media}/a.png"}}])
+    assert ok.status_code == 200, ok.text
+    (tmp_path / "b.png").write_bytes(png(16, 16))
+    bad = _chat(http, [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/b.png"}}])
+    assert bad.status_code == 400 and "--allowed-local-media-path" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content, param, words", [
+    ([{"type": "image_url", "image_url": {"url": data_url(seed=i)}} for i in range(3)], "messages",
+     "at most 2 (--limit-mm-per-prompt)"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}], "messages", "not valid base64"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}], "messages", "not an image"),
+    ([{"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}], "messages", "no video, audio or file input"),
+    ([{"type": "image_url", "image_url": {}}], "messages", "image_url must be a URL string"),
+    # 256 x 256 pixels: 64 x 64 patches, 1,024 tokens, past --max-model-len
+    ([{"type": "image_url", "image_url": {"url": data_url(256, 256)}}], "prompt", "context length"),
+])
+def test_refusals(http, content, param, words):
+    r = _chat(http, content)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_beam_search_and_truncation_refused(http):
+    image = [{"type": "image_url", "image_url": {"url": data_url()}}]
+    r = _chat(http, image, use_beam_search=True, n=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    r = _chat(http, image, truncate_prompt_tokens=5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_responses_input_image(vl, http):
+    chat = _chat(http, [{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": data_url()}}])
+    r = http.post("/v1/responses", json={"model": "vl", "max_output_tokens": 4, "temperature": 0, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Describe"},
+                                     {"type": "input_image", "image_url": data_url()}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    bad = http.post("/v1/responses", json={"model": "vl", "input": [
+        {"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
+def test_messages_image_block(http):
+    chat = _chat(http, [{"type": "image_url", "image_url": {"url": data_url()}}, {"type": "text", "text": "Describe"}])
+    b64 = data_url().split(",", 1)[1]
+    r = http.post("/v1/messages", json={"model": "vl", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": "Describe"}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]

@@ -1,0 +1,156 @@
+"""An image part's source -> a PIL RGB image: `data:image/...;base64,` URLs always, `http(s)://` URLs fetched (within
+--allowed-media-domains when given), `file://` URLs only under --allowed-local-media-path (vLLM's rules). Every
+failure is a MediaError, which the server answers with a 400."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+from urllib.parse import unquote, urljoin, urlsplit
+
+from PIL import Image
+
+FETCH_TIMEOUT_S = 5.0  # vLLM's image fetch timeout
+MAX_IMAGE_BYTES = 32 << 20  # an encoded image (fetched, read or decoded from base64) larger than this is refused
+MAX_REDIRECTS = 5
+
+
+class MediaError(ValueError):
+    """An image source that cannot be read (the message says why); a 400 in the HTTP API."""
+
+
+@dataclass(frozen=True)
+class MediaSettings:
+    allowed_local_media_path: Optional[str] = None  # a directory (real path); None: file:// URLs refused
+    allowed_media_domains: Optional[tuple[str, ...]] = None  # host names http(s) URLs may name; None: any
+    fetch_timeout_s: float = FETCH_TIMEOUT_S
+    max_bytes: int = MAX_IMAGE_BYTES
+
+
+def load_image(url: str, settings: MediaSettings = MediaSettings()) -> Image.Image:
+    """The image a part's URL names, decoded and converted to RGB."""
+    if not isinstance(url, str) or not url:
+        raise MediaError("an image URL must be a non-empty string")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = _data_url_bytes(url, settings.max_bytes)
+    elif scheme in ("http", "https"):
+        data = _fetch(url, settings)
+    elif scheme == "file":
+        data = _read_local(url, settings)
+    else:
+        raise MediaError(f"image URL {_short(url)}: expected a data:image/...;base64, URL, an http(s):// URL or a "
+                         "file:// URL")
+    return decode_image(data, _short(url))
+
+
+def decode_image(data: bytes, what: str = "the image") -> Image.Image:
+    """Encoded image bytes (PNG, JPEG, WebP, ... whatever Pillow reads) -> an RGB image; transparency over white."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+                rgba = im.convert("RGBA")
+                out = Image.new("RGB", rgba.size, (255, 255, 255))
+                out.paste(rgba, mask=rgba.getchannel("A"))
+                return out
+            return im.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise MediaError(f"{what}: too many pixels ({e})") from None
+    except (OSError, ValueError, SyntaxError) as e:  # (UnidentifiedImageError is an OSError)
+        raise MediaError(f"{what} is not an image Pillow can read: {e}") from None
+
+
+def _data_url_bytes(url: str, max_bytes: int) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep:
+        raise MediaError("a data URL needs a ',' before its data (data:image/png;base64,...)")
+    kinds = head[len("data:"):].split(";")
+    if not kinds[0].lower().startswith("image/"):
+        raise MediaError(f"data URL of type {kinds[0] or 'text/plain'!r}: only image/* data URLs are taken here")
+    if "base64" not in (k.lower() for k in kinds[1:]):
+        raise MediaError("an image data URL must be base64-encoded (data:image/png;base64,...)")
+    if len(payload) > max_bytes * 4 // 3 + 4:
+        raise MediaError(f"the image is larger than {max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"the image data URL is not valid base64: {e}") from None
+
+
+def _fetch(url: str, settings: MediaSettings) -> bytes:
+    """GET the URL with a timeout and a size cap; redirects are followed by hand, so that each host is checked."""
+    import httpx
+
+    deadline = time.monotonic() + settings.fetch_timeout_s
+    for _ in range(MAX_REDIRECTS + 1):
+        _check_domain(url, settings.allowed_media_domains)
+        try:
+            with httpx.stream("GET", url, timeout=settings.fetch_timeout_s, follow_redirects=False) as r:
+                if r.is_redirect and "location" in r.headers:
+                    url = urljoin(url, r.headers["location"])
+                    continue
+                if r.status_code != 200:
+                    raise MediaError(f"fetching the image {_short(url)} failed: HTTP {r.status_code}")
+                declared = r.headers.get("content-length")
+                if declared is not None and declared.isdigit() and int(declared) > settings.max_bytes:
+                    raise MediaError(f"the image {_short(url)} is larger than {settings.max_bytes} bytes")
+                chunks, size = [], 0
+                for chunk in r.iter_bytes():
+                    size += len(chunk)
+                    if size > settings.max_bytes:
+                        raise MediaError(f"the image {_short(url)} is larger than {settings.max_bytes} bytes")
+                    if time.monotonic() > deadline:
+                        raise MediaError(f"fetching the image {_short(url)} took more than "
+                                         f"{settings.fetch_timeout_s:g} s")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except httpx.TimeoutException:
+            raise MediaError(f"fetching the image {_short(url)} took more than {settings.fetch_timeout_s:g} s") \
+                from None
+        except httpx.HTTPError as e:
+            raise MediaError(f"fetching the image {_short(url)} failed: {e}") from None
+    raise MediaError(f"fetching the image {_short(url)} failed: more than {MAX_REDIRECTS} redirects")
+
+
+def _check_domain(url: str, allowed: Optional[tuple[str, ...]]) -> None:
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https"):
+        raise MediaError(f"image URL {_short(url)}: only http(s) URLs are fetched (a redirect led elsewhere)")
+    host = (parts.hostname or "").lower()
+    if not host:
+        raise MediaError(f"image URL {_short(url)} names no host")
+    if allowed is not None and host not in allowed:
+        raise MediaError(f"image URL {_short(url)}: the host {host!r} is not one of the server's "
+                         f"--allowed-media-domains ({', '.join(allowed)})")
+
+
+def _read_local(url: str, settings: MediaSettings) -> bytes:
+    root = settings.allowed_local_media_path
+    if root is None:
+        raise MediaError("file:// image URLs are refused: the server reads local files only under "
+                         "--allowed-local-media-path")
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise MediaError(f"image URL {_short(url)}: a file:// URL must name a local path (file:///path)")
+    path = os.path.realpath(unquote(parts.path))
+    if os.path.commonpath([path, root]) != root:
+        raise MediaError(f"image file {unquote(parts.path)!r} is not under the server's --allowed-local-media-path")
+    try:
+        if os.path.getsize(path) > settings.max_bytes:
+            raise MediaError(f"image file {unquote(parts.path)!r} is larger than {settings.max_bytes} bytes")
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise MediaError(f"cannot read image file {unquote(parts.path)!r}: {e.strerror or e}") from None
+
+
+def _short(url: str) -> str:
+    """A URL as errors show it (a data URL's payload left out)."""
+    if url[:5].lower() == "data:":
+        return url.split(",", 1)[0] + ",..."
+    return repr(url if len(url) <= 200 else url[:200] + "...")
