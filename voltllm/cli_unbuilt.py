@@ -169,7 +169,8 @@ WHILE_SWITCHED_ON = frozenset({"--lora-extra-vocab-size", "--max-prompt-adapters
 INERT = frozenset({"--show-hidden-metrics-for-version"})
 VOLTLLM_VALUES = {"--num-scheduler-steps": ("1",), "--num-lookahead-slots": ("0",),
                   "--scheduler-delay-factor": ("0", "0.0"), "--api-server-count": ("1",),
-                  # text only: there is no encoder whose weights or data could be split
+                  # the vision tower runs whole on rank 0, which broadcasts its rows (worker/image_step.py): its
+                  # weights are not split and its data is not divided, whichever mode is asked; both run it so
                   "--mm-encoder-tp-mode": ("weights", "data"),
                   "--fingerprint-mode": ("none",)}
 _FALSE = ("false", "0", "no", "off")

@@ -116,3 +116,9 @@ def test_mtp_drafts_keep_the_greedy_output(vl, tmp_path):
     assert llm.engine.runner.draft is not None and llm.engine.runner.image_step is not None
     spec = _run(llm, [(ids, mm)])[0]
     assert [t for t, _ in spec] == [t for t, _ in plain]
+
+
+def test_profiled_image_follows_mm_processor_kwargs(vl):
+    """Memory profiling encodes the largest image the processor makes, --mm-processor-kwargs applied."""
+    llm = _llm(vl[0], load_format="dummy", mm_processor_kwargs={"max_pixels": 1024})
+    assert llm.engine.runner.image_step.largest_grid == (1, 8, 8)  # 32 x 32 pixels of 4-pixel patches

@@ -164,22 +164,22 @@ class ImageStep:
                     self._drop(key)
 
 
-def largest_grid(model_dir: str, tower: Any) -> tuple[int, int, int]:
-    """The patch grid of the largest image the checkpoint's image processor makes (its max pixels, as a square),
-    from preprocessor_config.json: `size.longest_edge` or `max_pixels` (Qwen2-VL's default, 12845056, without)."""
-    import json
+def largest_grid(config: Any, tower: Any) -> tuple[int, int, int]:
+    """The patch grid of the largest image the engine's image processor makes (its longest_edge pixels, with
+    --mm-processor-kwargs applied, as a square; Qwen2-VL's default 12845056 when it cannot be built)."""
     import math
-    import os
 
-    conf: dict = {}
-    path = os.path.join(model_dir, "preprocessor_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            conf = json.load(f)
-    size = conf.get("size") or {}
-    pixels = size.get("longest_edge") or conf.get("max_pixels") or 12845056
+    from voltllm.config import ConfigError
+    from voltllm.multimodal.processor import image_processor_for
+
+    pixels = None
+    try:
+        processor = image_processor_for(config)
+        pixels = processor.hf_processor.size.longest_edge if processor is not None else None
+    except (ConfigError, AttributeError):
+        pass
     unit = tower.patch * tower.merge
-    side = max(1, math.isqrt(int(pixels)) // unit) * tower.merge
+    side = max(1, math.isqrt(int(pixels or 12845056)) // unit) * tower.merge
     return (1, side, side)
 
 
@@ -211,5 +211,5 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     step = ImageStep(tower, runner.model.rotary, list(section), max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
                      runner.device)
     if tower is not None:
-        step.largest_grid = largest_grid(mc.model, tower)
+        step.largest_grid = largest_grid(config, tower)
     return step
