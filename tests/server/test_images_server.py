@@ -134,3 +134,17 @@ def test_messages_image_block(http):
         {"type": "text", "text": "Describe"}]}]})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+
+
+def test_tokenize_expands_the_images(vl, http):
+    """vLLM's /tokenize with messages: the prompt the chat route would run, each image's tokens in place."""
+    content = [{"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": data_url()}},
+               {"type": "text", "text": "this picture?"}]
+    r = http.post("/tokenize", json={"model": "vl", "messages": [{"role": "user", "content": content}],
+                                     "add_generation_prompt": True})
+    assert r.status_code == 200, r.text
+    chat = _chat(http, content, return_token_ids=True).json()
+    assert r.json()["tokens"] == chat["prompt_token_ids"] and r.json()["count"] == _text_prompt_tokens(vl, content) + 23
+    bad = http.post("/tokenize", json={"model": "vl", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,not-an-image"}}]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from voltllm import __version__
+from voltllm.entrypoints.openai.chat_images import prepare_chat_images
 from voltllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
 from voltllm.entrypoints.openai.pooling_protocol import PoolingRequest
 from voltllm.entrypoints.openai.errors import OpenAIError, bad_request, error_body, error_response, status_phrase
@@ -433,13 +434,16 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         state.model_name(req.model)
         tok = state.tokenizer
         if req.messages is not None:
-            text = render_chat(state, state.template_messages(req.messages, req.chat_template, req.tools),
+            image_urls: list[str] = []  # (a server that takes images: each one's tokens, as the chat route's prompt)
+            text = render_chat(state, state.template_messages(req.messages, req.chat_template, req.tools, image_urls),
                                chat_template=req.chat_template,
                                kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, tools=req.tools)
             # vLLM's: the messages form takes add_special_tokens too, default false (the template wrote them)
             given = "add_special_tokens" in req.model_fields_set
             ids = tok.encode(text, add_special_tokens=req.add_special_tokens if given else False)
+            if image_urls:
+                ids, _ = await prepare_chat_images(state, ids, image_urls)
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
