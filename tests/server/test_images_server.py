@@ -134,6 +134,14 @@ def test_messages_image_block(http):
         {"type": "text", "text": "Describe"}]}]})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    counted = http.post("/v1/messages/count_tokens", json={"model": "vl", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": "Describe"}]}]})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == r.json()["usage"]["input_tokens"]
+    counted = http.post("/v1/messages/count_tokens", json={"model": "vl", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": "Describe"}]}]})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == r.json()["usage"]["input_tokens"]
 
 
 def test_tokenize_expands_the_images(vl, http):

@@ -29,8 +29,8 @@ logger = logging.getLogger("voltllm")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 TEXT_ONLY = "this server serves a text-only model (no image, audio or video input)"
-IMAGE_ROUTES = ("images are taken by /v1/chat/completions, /v1/responses, /v1/messages and /tokenize, not by this "
-                "route (it renders the messages alone)")
+IMAGE_ROUTES = ("images are taken by /v1/chat/completions, /v1/responses, /v1/messages (and its count_tokens) and "
+                "/tokenize, not by this route (it renders the messages alone)")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from voltllm.engine.async_llm import RequestAbortedError
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
+from voltllm.entrypoints.openai.chat_images import prepare_chat_images
 from voltllm.entrypoints.openai.errors import OpenAIError
 from voltllm.entrypoints.openai.messages_errors import anthropic_sse_error
 from voltllm.entrypoints.openai.messages_inline_system import has_inline_system
@@ -50,10 +51,15 @@ def _chat(state: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:
 
 async def count_message_tokens(state: ServerState, req: CountTokensRequest) -> dict:
     chat = _chat(state, req)
-    prompt_text = render_chat(state, state.template_messages(chat.messages, None, chat.tools), chat_template=None,
-                              kwargs=chat.chat_template_kwargs, add_generation_prompt=chat.add_generation_prompt,
+    image_urls: list[str] = []  # (images count as the tokens /v1/messages would run them with)
+    prompt_text = render_chat(state, state.template_messages(chat.messages, None, chat.tools, image_urls),
+                              chat_template=None, kwargs=chat.chat_template_kwargs,
+                              add_generation_prompt=chat.add_generation_prompt,
                               continue_final_message=chat.continue_final_message, tools=chat.tools)
-    return {"input_tokens": len(state.tokenizer.encode(prompt_text, add_special_tokens=False))}
+    ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
+    if image_urls:
+        ids, _ = await prepare_chat_images(state, ids, image_urls)
+    return {"input_tokens": len(ids)}
 
 
 # -- output shapes ------------------------------------------------------------------------------------
