@@ -104,3 +104,17 @@ def quantize_bnb_checkpoint(path: str, ref_path: str, bits: int = 4, quant_type:
     cfg["quantization_config"] = bnb_config(bits, quant_type, double_quant, skip)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
+
+
+def nf4_at_load_reference(path: str, ref_path: str) -> None:
+    """`ref_path`: a copy of the unquantized checkpoint at `path` whose projections hold what `--quantization
+    bitsandbytes` makes of them (NF4 in blocks of 64 with double quantization, dequantized to the stored dtype)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, ref_path, dirs_exist_ok=True)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name, t in tensors.items():
+        prefix, _, part = name.rpartition(".")
+        if part == "weight" and prefix.rpartition(".")[2] in LINEARS:
+            tensors[name] = reference_4bit(layer_4bit(name, t, "nf4", True), name).to(t.dtype)
+    save_file(tensors, os.path.join(ref_path, "model.safetensors"), metadata={"format": "pt"})
