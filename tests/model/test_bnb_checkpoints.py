@@ -69,12 +69,15 @@ def test_quantized_at_load(tmp_path, kind):
     _assert_same(got, _run(str(tmp_path / "ref")))
 
 
-def test_refusals(tmp_path):
+def test_refusals(tmp_path, capsys):
+    from voltllm.cli import main
     from voltllm.config import ConfigError
 
     path = _tiny(str(tmp_path / "dense"), "llama")
     with pytest.raises(ConfigError, match="--load-format bitsandbytes reads bitsandbytes checkpoints"):
         LLM(path, load_format="bitsandbytes")
+    assert main(["generate", "hi", path, "--device", "cpu", "--load-format", "bitsandbytes"]) == 2
+    assert "voltllm: error: --load-format bitsandbytes reads bitsandbytes checkpoints" in capsys.readouterr().err
     quantize_bnb_checkpoint(path, str(tmp_path / "ref"))
     with pytest.raises(ConfigError, match="--quantization fp8: the model is a bitsandbytes checkpoint"):
         LLM(path, quantization="fp8")
