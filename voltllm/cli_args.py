@@ -146,9 +146,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="accepted for vLLM compatibility: tensor-parallel all-reduces use NCCL (gloo on the CPU)")
     g.add_argument("--quantization", "-q", default=None,
-                   help="the model's method (gguf, awq, gptq, fp8, modelopt_fp4, ...; docs/cli.md): keep its "
-                        "weights quantized on the GPU (without it: only when, dequantized, they would take over half "
-                        "the usable memory); fp8 on an fp16 / bf16 model quantizes it at load")
+                   help="the model's method (gguf, awq, gptq, fp8, modelopt_fp4, bitsandbytes, ...; docs/cli.md): "
+                        "keep its weights quantized on the GPU (without it: only when, dequantized, they would take "
+                        "over half the usable memory; bitsandbytes weights are always dequantized at load); fp8 / "
+                        "bitsandbytes on an fp16 / bf16 model quantizes it at load")
     g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
     g.add_argument("--reasoning-config", type=json_object_arg("--reasoning-config"), default=None,
                    help='reasoning delimiters for thinking_token_budget, e.g. \'{"reasoning_start_str": "<think>", '
@@ -166,9 +167,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-block-size", type=int, default=None)
     g.add_argument("--mamba-cache-mode", default="align", choices=["align", "none", "all"])
     g.add_argument("--language-model-only", action=argparse.BooleanOptionalAction, default=False)
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf"],
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf",
+                                                              "bitsandbytes"],
                    help="dummy: random weights at the model's shapes (benchmarks); safetensors / pt / gguf: as auto, "
-                        "checked against the model's files")
+                        "checked against the model's files; bitsandbytes: as auto for a bitsandbytes model")
     g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

@@ -39,9 +39,11 @@ KEEP_QUANTIZED = -1
 # NVFP4 checkpoint, and only NVFP4 ones are read here)
 QUANTIZATION_ALIASES = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
                         "fp8": "fp8", "modelopt": "modelopt_fp4", "modelopt_fp4": "modelopt_fp4",
-                        "compressed-tensors": "compressed-tensors"}
+                        "compressed-tensors": "compressed-tensors", "bitsandbytes": "bitsandbytes"}
 # the methods read, as ModelConfig.quantization names them
-_READ_METHODS = ("gguf", "awq", "gptq", "fp8", "modelopt_fp4", "compressed-tensors")
+_READ_METHODS = ("gguf", "awq", "gptq", "fp8", "modelopt_fp4", "compressed-tensors", "bitsandbytes")
+# methods whose weights no quantized-linear plane holds: always dequantized at load (model/loader/bnb_checkpoint.py)
+_DEQUANTIZED_METHODS = ("bitsandbytes",)
 # --scheduling-policy (vLLM's): fcfs, or priority (each request's `priority`, lower first, then arrival)
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
@@ -65,8 +67,8 @@ class ModelConfig:
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
     # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
-    # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py); None:
-    # unquantized), from the file itself (or fp8 at load)
+    # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py), "bitsandbytes" (NF4 / FP4 / int8,
+    # always dequantized at load); None: unquantized), from the file itself (or fp8 / bitsandbytes at load)
     quantization: Optional[str] = None
     # a quantized checkpoint's weights: "quantized" (they stay quantized on the GPU, model/layers/quantized_linear.py;
     # --quantization METHOD), "dequantized" (to the compute dtype at load: the CPU, unquantized checkpoints,
@@ -534,6 +536,7 @@ class EngineArgs:
             except HFOverrideError as e:
                 raise ConfigError(str(e)) from None
         method = _resolve_quantization(self.quantization, source.kind, hf_config)
+        _check_bnb_load_format(self.load_format, method)
         spec = _resolve_speculative(spec_dict, hf_config)
         if spec is not None and spec.uses_draft_model:
             spec = self._resolve_draft(spec, hf_config, tokenizer)
@@ -858,7 +861,8 @@ def _check_mtp(hf_config: Any, source: Any, load_format: str) -> None:
 
 def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Optional[str]:
     """The checkpoint's quantization method (what it is, not what the flag says); --quantization must agree, except
-    `fp8` on an unquantized llama-family checkpoint, which quantizes it at load."""
+    `fp8` / `bitsandbytes` on an unquantized llama-family checkpoint, which quantizes it at load."""
+    from voltllm.model.loader.bnb_checkpoint import BnbCheckpointError, bnb_scheme
     from voltllm.model.loader.compressed_tensors_checkpoint import CTCheckpointError, ct_scheme
     from voltllm.model.loader.fp8_checkpoint import FP8CheckpointError, fp8_scheme
     from voltllm.model.loader.int4_checkpoint import Int4CheckpointError, int4_scheme, quantization_method
@@ -874,20 +878,23 @@ def _resolve_quantization(flag: Optional[str], kind: str, hf_config: Any) -> Opt
         if method is not None and method not in _READ_METHODS:
             raise ConfigError(f"the checkpoint is quantized with {method!r}: reading it is not built yet (built: GGUF "
                               "files, 4-bit AWQ and 4- / 8-bit GPTQ checkpoints, FP8 checkpoints, NVFP4 checkpoints "
-                              "of ModelOpt and compressed-tensors, compressed-tensors int4 / int8 / FP8 checkpoints)")
+                              "of ModelOpt and compressed-tensors, compressed-tensors int4 / int8 / FP8 checkpoints, "
+                              "bitsandbytes 4- / 8-bit checkpoints)")
         int4_scheme(hf_config) if method in ("awq", "gptq") else fp8_scheme(hf_config) if method == "fp8" else None
-    except (Int4CheckpointError, FP8CheckpointError, NVFP4CheckpointError, CTCheckpointError) as e:
+        bnb_scheme(hf_config) if method == "bitsandbytes" else None
+    except (Int4CheckpointError, FP8CheckpointError, NVFP4CheckpointError, CTCheckpointError, BnbCheckpointError) as e:
         raise ConfigError(str(e)) from None
     wanted = QUANTIZATION_ALIASES.get(flag) if flag is not None else None
-    if wanted == "fp8" and method is None:
+    if wanted in ("fp8", "bitsandbytes") and method is None:
         if not attention_only(hf_config):  # (the hybrids' GDN projections have no at-load path)
-            raise ConfigError(f"--quantization fp8 quantizes the projections at load for the llama / qwen2 / qwen3 "
-                              f"architectures only, not {getattr(hf_config, 'model_type', None)!r}")
-        return "fp8"
+            raise ConfigError(f"--quantization {flag} quantizes the projections at load for the llama / qwen2 / qwen3 "
+                              f"/ qwen3_moe architectures only, not {getattr(hf_config, 'model_type', None)!r}")
+        return wanted
     if wanted is not None and wanted != method:
         what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint", "gguf": "a GGUF file",
                 "fp8": "an FP8 checkpoint", "modelopt_fp4": "a ModelOpt NVFP4 checkpoint",
-                "compressed-tensors": "a compressed-tensors checkpoint"}.get(method, "not a quantized checkpoint")
+                "compressed-tensors": "a compressed-tensors checkpoint",
+                "bitsandbytes": "a bitsandbytes checkpoint"}.get(method, "not a quantized checkpoint")
         raise ConfigError(f"--quantization {flag}: the model is {what}"
                           + (" (--quantization gguf needs a .gguf model file)" if wanted == "gguf" else ""))
     return method
@@ -898,15 +905,27 @@ _FILE_FORMATS = {"safetensors": ("hf", "*.safetensors"), "pt": ("hf", "pytorch_m
 
 
 def _resolve_load_format(fmt: str, source: Any) -> str:
-    """auto / dummy as given; safetensors / pt / gguf checked against the model's files, then auto."""
-    if fmt in ("auto", "dummy"):
-        return fmt
+    """auto / dummy as given; safetensors / pt / gguf checked against the model's files, then auto; bitsandbytes
+    (vLLM's loader of bitsandbytes weights, which `--quantization bitsandbytes` implies) is auto once
+    _check_bnb_load_format has seen the method."""
+    if fmt in ("auto", "dummy", "bitsandbytes"):
+        return "auto" if fmt == "bitsandbytes" else fmt
     if fmt not in _FILE_FORMATS:
-        raise ConfigError(f"--load-format must be one of auto, dummy, {', '.join(_FILE_FORMATS)}; got {fmt!r}")
+        raise ConfigError(f"--load-format must be one of auto, dummy, {', '.join(_FILE_FORMATS)}, bitsandbytes; got "
+                          f"{fmt!r}")
     kind, pattern = _FILE_FORMATS[fmt]
     if source.kind != kind or (pattern and not glob.glob(os.path.join(source.path, pattern))):
         raise ConfigError(f"--load-format {fmt}: {source.path} has no such weights (auto picks what it has)")
     return "auto"
+
+
+def _check_bnb_load_format(fmt: str, method: Optional[str]) -> None:
+    """--load-format bitsandbytes reads bitsandbytes weights: a bitsandbytes checkpoint, or one quantized at load
+    with --quantization bitsandbytes."""
+    if fmt == "bitsandbytes" and method != "bitsandbytes":
+        raise ConfigError(f"--load-format bitsandbytes reads bitsandbytes checkpoints (or quantizes an unquantized one "
+                          f"with --quantization bitsandbytes); this model is "
+                          f"{'quantized with ' + repr(method) if method else 'not quantized'}: drop the flag")
 
 
 def _quantized_weights(method: Optional[str], flag: Optional[str], hf_config: Any, device: torch.device,
@@ -916,6 +935,10 @@ def _quantized_weights(method: Optional[str], flag: Optional[str], hf_config: An
     from voltllm.model.models.registry import supports_quantized_layers
 
     if method is None or device.type != "cuda" or load_format != "auto" or KEEP_QUANTIZED == 0:
+        return "dequantized"
+    if method in _DEQUANTIZED_METHODS:
+        logger.warning("%s weights are dequantized at load to the compute dtype: no quantized-linear kernel holds "
+                       "them, so they take the unquantized model's GPU memory (docs/models.md)", method)
         return "dequantized"
     if not supports_quantized_layers(hf_config):
         logger.warning("%s weights are dequantized at load: quantized layers are not built for model type %r",

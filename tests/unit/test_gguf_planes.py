@@ -241,8 +241,8 @@ def test_quantized_weights_policy(monkeypatch, smollm2_gguf):
     assert _resolve_quantization("awq_marlin", "hf", awq) == "awq"
     with pytest.raises(ConfigError, match="the model is an AWQ checkpoint"):
         _resolve_quantization("gptq", "hf", awq)
-    with pytest.raises(ConfigError, match="'bitsandbytes': reading it is not built yet"):
-        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "bitsandbytes"}))
+    with pytest.raises(ConfigError, match="'hqq': reading it is not built yet"):
+        _resolve_quantization(None, "hf", SimpleNamespace(quantization_config={"quant_method": "hqq"}))
     gptq8 = SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 8})
     assert _resolve_quantization(None, "hf", gptq8) == _resolve_quantization("gptq_marlin", "hf", gptq8) == "gptq"
     with pytest.raises(ConfigError, match="3-bit"):

@@ -119,8 +119,9 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
     4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers), else
-    dequantized; the quantized checkpoints' layers always as `<layer>.weight`.
-    quantization "fp8" on an unquantized checkpoint quantizes its projections as they load.
+    dequantized; the quantized checkpoints' layers always as `<layer>.weight`. bitsandbytes layers are always
+    dequantized (no plane holds them: bnb_checkpoint.py).
+    quantization "fp8" / "bitsandbytes" on an unquantized checkpoint quantizes its projections as they load.
     only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone). experts: this rank's
     routed experts under expert parallelism (distributed.experts.ExpertShard): the other ranks' expert tensors are
     never read (safetensors) or never copied out of the file (GGUF)."""
@@ -129,6 +130,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
 
         yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized, experts=experts)
         return
+    from voltllm.model.loader.bnb_checkpoint import bnb_scheme, bnb_weights, quantized_layers
     from voltllm.model.loader.compressed_tensors_checkpoint import ct_scheme, ct_weights
     from voltllm.model.loader.fp8_checkpoint import fp8_scheme, fp8_weights
     from voltllm.model.loader.int4_checkpoint import int4_scheme, int4_weights
@@ -138,7 +140,10 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     if experts is not None:
         only = experts.reads if only is None else (lambda name, first=only: first(name) and experts.reads(name))
     stream = safetensors_weights(source.path, only)
-    if (scheme := int4_scheme(hf_config)) is not None:
+    if (bnb := bnb_scheme(hf_config, quantization)) is not None:
+        yield from bnb_weights(stream, bnb, quantized_layers(source.path) if bnb.bits == 4 and not bnb.at_load
+                               else set())
+    elif (scheme := int4_scheme(hf_config)) is not None:
         yield from int4_weights(stream, scheme, keep_quantized)
     elif (fp8 := fp8_scheme(hf_config, quantization)) is not None:
         yield from fp8_weights(stream, fp8, keep_quantized)

@@ -1,0 +1,84 @@
+"""bitsandbytes checkpoints end to end on the CPU: tiny llama / qwen3 / qwen3_moe models whose projections are
+quantized with the reference codec and saved in bitsandbytes' layout (tests/bnb_checkpoints.py: NF4 and FP4, with
+and without double quantization, a bf16 weight dtype with bf16 quant storage, 8-bit rows; one projection left dense as
+llm_int8_skip_modules leaves it) give the engine the same full-vocabulary prompt logprobs and greedy tokens as the
+dense checkpoint holding the dequantized weights; `--quantization bitsandbytes` on an unquantized checkpoint equals
+the dense checkpoint holding its NF4-rounded projections."""
+import os
+
+import pytest
+import torch
+from bnb_checkpoints import nf4_at_load_reference, quantize_bnb_checkpoint
+from tiny_models import full_prompt_logprobs, make_model
+
+from voltllm import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
+SKIP = "layers.1.self_attn.o_proj"
+VARIANTS = {"nf4-double": ("qwen3", dict()), "nf4": ("llama", dict(double_quant=False)),
+            "fp4-double": ("llama", dict(quant_type="fp4")),
+            "fp4": ("qwen3", dict(quant_type="fp4", double_quant=False)),
+            "nf4-bf16": ("qwen3", dict(dtype=torch.bfloat16, storage=torch.bfloat16)), "int8": ("qwen3", dict(bits=8)),
+            "moe-nf4-double": ("qwen3_moe", dict())}
+
+
+def _tiny(path: str, kind: str) -> str:
+    # odd sizes too: inputs of 96 and 160 (blocks of 64 cross rows; the last block of a matrix is partial)
+    return make_model(path, kind, hidden_size=96, intermediate_size=160, head_dim=24, moe_intermediate_size=40,
+                      std=0.08)
+
+
+def _run(path: str, **kwargs):
+    llm = LLM(path, block_size=4, max_num_seqs=4, **kwargs)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return llm, [o.outputs[0].token_ids for o in outs], full_prompt_logprobs(llm, PROMPTS)
+
+
+def _assert_same(got, ref):
+    assert got[1] == ref[1]
+    assert torch.equal(got[2], ref[2])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_engine_equals_the_dequantized_dense_checkpoint(tmp_path, variant):
+    kind, kw = VARIANTS[variant]
+    path = _tiny(str(tmp_path / "bnb"), kind)
+    quantize_bnb_checkpoint(path, str(tmp_path / "ref"), skip=(SKIP,), **kw)
+    if kind == "qwen3_moe":  # the routed experts are 4-bit layers too
+        from voltllm.model.loader.bnb_checkpoint import quantized_layers
+
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in quantized_layers(path)
+    # vLLM's spellings: the method is read from the checkpoint, `--quantization` / `--load-format bitsandbytes` agree
+    flags = dict(quantization="bitsandbytes", load_format="bitsandbytes") if variant == "nf4-double" else {}
+    got = _run(path, **flags)
+    assert got[0].engine.config.model.quantization == "bitsandbytes"
+    assert got[0].engine.config.model.quantized_weights == "dequantized"
+    ref = _run(str(tmp_path / "ref"))
+    assert ref[0].engine.config.model.quantization is None
+    _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_quantized_at_load(tmp_path, kind):
+    path = _tiny(str(tmp_path / "dense"), kind)
+    nf4_at_load_reference(path, str(tmp_path / "ref"))
+    got = _run(path, quantization="bitsandbytes")
+    assert got[0].engine.config.model.quantization == "bitsandbytes"
+    plain = _run(path)
+    assert not torch.equal(got[2], plain[2])  # the projections really are NF4-rounded
+    _assert_same(got, _run(str(tmp_path / "ref")))
+
+
+def test_refusals(tmp_path, capsys):
+    from voltllm.cli import main
+    from voltllm.config import ConfigError
+
+    path = _tiny(str(tmp_path / "dense"), "llama")
+    with pytest.raises(ConfigError, match="--load-format bitsandbytes reads bitsandbytes checkpoints"):
+        LLM(path, load_format="bitsandbytes")
+    assert main(["generate", "hi", path, "--device", "cpu", "--load-format", "bitsandbytes"]) == 2
+    assert "voltllm: error: --load-format bitsandbytes reads bitsandbytes checkpoints" in capsys.readouterr().err
+    quantize_bnb_checkpoint(path, str(tmp_path / "ref"))
+    with pytest.raises(ConfigError, match="--quantization fp8: the model is a bitsandbytes checkpoint"):
+        LLM(path, quantization="fp8")
+    assert os.path.isdir(str(tmp_path / "ref"))
