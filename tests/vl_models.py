@@ -141,17 +141,20 @@ def _experts_as_released(path: str) -> None:
 NEW_TOKENS = 6  # greedy tokens per request
 
 
-def vl_setup(path: str) -> tuple:
-    """(checkpoint path, its image processor, tokenizer, transformers' model): what the helpers below take as `vl`."""
+def vl_setup(path: str, kind: str = "qwen3_5") -> tuple:
+    """(checkpoint path, its image processor, tokenizer, transformers' model): what the helpers below take as `vl`.
+    kind: qwen3_5 / qwen3_5_moe (make_tiny_qwen3_5_vl) or qwen3_vl / qwen3_vl_moe (make_tiny_qwen3_vl)."""
     import transformers
 
-    path = make_tiny_qwen3_5_vl(path, "qwen3_5", seed=0)
+    make = make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else make_tiny_qwen3_5_vl
+    path = make(path, kind, seed=0)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     processor = Qwen2VLImageProcessorPil(**{k: v for k, v in VL_PREPROCESSOR.items()
                                             if k not in ("image_processor_type", "processor_class")})
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model_cls = getattr(transformers, _VL_CONFIGS[kind][1])
+    ref = model_cls.from_pretrained(path, dtype=torch.float32).eval()
     return path, processor, tok, ref
 
 

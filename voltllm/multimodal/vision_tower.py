@@ -261,6 +261,12 @@ class VisionTower(nn.Module):
         return a.cos(), a.sin()
 
 
+def deepstack_levels(hf_config: Any) -> int:
+    """How many sets of deepstack rows the model's tower gives (Qwen3-VL; 0 for Qwen3.5 or no vision_config)."""
+    vision_config = _field(hf_config, "vision_config")
+    return 0 if vision_config is None else len(_field(vision_config, "deepstack_visual_indexes", None) or ())
+
+
 def vision_tower_for(hf_config: Any, dtype: torch.dtype) -> Optional[VisionTower]:
     """The (unloaded) vision tower of a model config, or None when it has no vision_config."""
     vision_config = _field(hf_config, "vision_config")
