@@ -78,3 +78,17 @@ def test_moe_kind_matches_transformers(tmp_path):
     assert llm.engine.runner.model.has_moe
     got = _run(llm, [(ids, mm), (text_ids, None)])
     assert _same(got[0], _reference(vl, ids, out)) and _same(got[1], _reference(vl, text_ids, None))
+
+
+def test_dummy_weights_profile_and_kept_rows_carry_the_deepstack_levels(vl):
+    """--load-format dummy builds the deepstack mergers too; memory profiling encodes through them and charges the
+    kept rows at their full width (the rows and two levels)."""
+    from voltllm.worker.memory import _kept_image_rows_bytes
+
+    ids, _, mm = _prompt(vl, ["Look:", None, "and tell."], [_image(5, 32, 48)])
+    llm = _llm(vl[0], load_format="dummy", max_num_batched_tokens=16, enable_chunked_prefill=True)
+    runner = llm.engine.runner
+    step = runner.image_step
+    step.profile((1, 8, 8))
+    assert _kept_image_rows_bytes(runner) == 2 * step.capacity * 64 * 3 * 4  # fp32 rows of 64 x (1 + 2 levels)
+    assert len(_run(llm, [(ids, mm)])[0]) == 6
