@@ -1,6 +1,7 @@
-"""A tiny random Qwen3.5 vision-language checkpoint saved with transformers at test time (no network): the hybrid text
-model of tiny_models.HYBRID_COMMON, a 2-block vision tower, a small BPE tokenizer with Qwen's vision tokens and a
-chat template that places images, and a Qwen2-VL image processor config."""
+"""Tiny random vision-language checkpoints saved with transformers at test time (no network): Qwen3.5 (the hybrid text
+model of tiny_models.HYBRID_COMMON, a 2-block vision tower) and Qwen3-VL (a Qwen3 / Qwen3-MoE text model, a 3-block
+tower with two deepstack levels), each with a small BPE tokenizer with Qwen's vision tokens, a chat template that
+places images, and a Qwen2-VL image processor config."""
 from __future__ import annotations
 
 import hashlib
@@ -54,13 +55,41 @@ VL_PREPROCESSOR = {
 }
 
 _VL_CONFIGS = {"qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
-               "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
+               "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+               "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+               "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
+
+# Qwen3-VL's text model: a Qwen3 (qwen3_vl_moe: Qwen3-MoE, layer 1 dense) as tiny_models.make_model's, with interleaved
+# M-RoPE over its 8 rotary frequencies (t, h, w sections 4, 2, 2, summing to the half as [24, 20, 20] does for 128).
+QWEN3_VL_TEXT = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                     initializer_range=0.08,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [4, 2, 2],
+                                      "mrope_interleaved": True})
+# (moe_intermediate_size 48: neither 2 * 48 nor 48 is the hidden size, so the stacked experts' orientation is plain)
+QWEN3_VL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1,
+                    mlp_only_layers=[1])
+# its tower: Qwen3.5's with a third block and the outputs of blocks 0 and 2 as deepstack levels 0 and 1
+QWEN3_VL_VISION = {**VL_VISION, "depth": 3, "deepstack_visual_indexes": [0, 2]}
 
 
 def make_tiny_qwen3_5_vl(path: str, kind: str = "qwen3_5", seed: int = 0) -> str:
     """Save a tiny random Qwen3_5ForConditionalGeneration (kind "qwen3_5_moe": the MoE one with
     tiny_models.HYBRID_MOE's small experts) with tokenizer, chat template and image processor config under path.
     Vision weights are random with std 0.2 and LayerNorms 1 + noise, so a wrong vision kernel changes the output."""
+    text = {**HYBRID_COMMON, **small_moe(kind)}
+    return _make_tiny_vl(path, kind, seed, text, dict(VL_VISION))
+
+
+def make_tiny_qwen3_vl(path: str, kind: str = "qwen3_vl", seed: int = 0) -> str:
+    """Save a tiny random Qwen3VLForConditionalGeneration (kind "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration
+    with QWEN3_VL_MOE's experts) as make_tiny_qwen3_5_vl does: QWEN3_VL_TEXT's text model, QWEN3_VL_VISION's tower
+    (two deepstack levels, added after text layers 0 and 1)."""
+    text = {**QWEN3_VL_TEXT, **(QWEN3_VL_MOE if kind == "qwen3_vl_moe" else {})}
+    return _make_tiny_vl(path, kind, seed, text, dict(QWEN3_VL_VISION))
+
+
+def _make_tiny_vl(path: str, kind: str, seed: int, text: dict, vision: dict) -> str:
     import transformers
 
     config_cls, model_cls = (getattr(transformers, name) for name in _VL_CONFIGS[kind])
@@ -72,9 +101,9 @@ def make_tiny_qwen3_5_vl(path: str, kind: str = "qwen3_5", seed: int = 0) -> str
     tok.chat_template = VL_CHATML
     tok.save_pretrained(path)
 
-    text = {**HYBRID_COMMON, **small_moe(kind), "vocab_size": VL_VOCAB, "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    cfg = config_cls(text_config=text, vision_config=dict(VL_VISION), tie_word_embeddings=False, **ids)
+    text = {**text, "vocab_size": VL_VOCAB, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id}
+    cfg = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     torch.manual_seed(seed)
     model = model_cls(cfg).to(torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -89,26 +118,43 @@ def make_tiny_qwen3_5_vl(path: str, kind: str = "qwen3_5", seed: int = 0) -> str
             elif "norm" in name:
                 p.add_(0.2 * noise)
     model.save_pretrained(path)
+    if kind == "qwen3_vl_moe":
+        _experts_as_released(path)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(VL_PREPROCESSOR, f, indent=2)
     return str(path)
+
+
+def _experts_as_released(path: str) -> None:
+    """Store the stacked experts as the released Qwen3-VL-MoE checkpoints do, [E, in, out] (gate_up [E, H, 2I], down
+    [E, I, H]): transformers saves its in-memory [E, out, in] and reads either."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 # --- the engine vs transformers on the tiny checkpoint (tests/model/test_image_input.py, tests/gpu) -----------
 NEW_TOKENS = 6  # greedy tokens per request
 
 
-def vl_setup(path: str) -> tuple:
-    """(checkpoint path, its image processor, tokenizer, transformers' model): what the helpers below take as `vl`."""
+def vl_setup(path: str, kind: str = "qwen3_5") -> tuple:
+    """(checkpoint path, its image processor, tokenizer, transformers' model): what the helpers below take as `vl`.
+    kind: qwen3_5 / qwen3_5_moe (make_tiny_qwen3_5_vl) or qwen3_vl / qwen3_vl_moe (make_tiny_qwen3_vl)."""
     import transformers
 
-    path = make_tiny_qwen3_5_vl(path, "qwen3_5", seed=0)
+    make = make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else make_tiny_qwen3_5_vl
+    path = make(path, kind, seed=0)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     processor = Qwen2VLImageProcessorPil(**{k: v for k, v in VL_PREPROCESSOR.items()
                                             if k not in ("image_processor_type", "processor_class")})
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model_cls = getattr(transformers, _VL_CONFIGS[kind][1])
+    ref = model_cls.from_pretrained(path, dtype=torch.float32).eval()
     return path, processor, tok, ref
 
 

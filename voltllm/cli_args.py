@@ -191,7 +191,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          'normalized)')
     pm.add_argument("--override-pooler-config", type=json_object_arg("--override-pooler-config"), default=None,
                     help="vLLM's older name of --pooler-config")
-    mm = p.add_argument_group("image input (Qwen3.5 vision-language models; voltllm/multimodal/)")
+    mm = p.add_argument_group("image input (Qwen3.5 and Qwen3-VL vision-language models; voltllm/multimodal/)")
     mm.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
                     help='most items of each modality in one request, e.g. \'{"image": 2}\' (default 999 images; '
                          'video and audio are not built: 0 only)')

@@ -83,3 +83,17 @@ def test_engine_config(tmp_path):
     text_only = EngineArgs(model=vl, device="cpu", language_model_only=True,
                            mm_processor_kwargs={"num_crops": 4}).create_engine_config()
     assert "--language-model-only" in image_input_refusal(text_only) and image_processor_for(text_only) is None
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_takes_images_unless_told_otherwise(tmp_path, kind):
+    from vl_models import make_tiny_qwen3_vl
+
+    vl = make_tiny_qwen3_vl(str(tmp_path / "vl"), kind)
+    config = EngineArgs(model=vl, device="cpu").create_engine_config()
+    assert image_input_refusal(config) is None and image_processor_for(config).merge == 2
+    text_only = EngineArgs(model=vl, device="cpu", language_model_only=True).create_engine_config()
+    assert "--language-model-only" in image_input_refusal(text_only)
+    spec = EngineArgs(model=vl, device="cpu", speculative_config={"method": "draft_model", "model": vl,
+                                                                  "num_speculative_tokens": 2}).create_engine_config()
+    assert "draft-model" in image_input_refusal(spec)

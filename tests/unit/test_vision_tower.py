@@ -134,3 +134,65 @@ def test_text_only_config_has_no_tower(vl):
     assert vision_tower_for(vl.model.config.text_config, torch.float32) is None
     assert vision_tower_for(vl.model.config, torch.float16) is not None
     assert image_token_count((1, 8, 12), 2) == 24 and image_token_count((2, 4, 4), 2) == 8
+
+
+# --- Qwen3-VL: the same tower plus deepstack mergers -----------------------------------------------------------
+def _qwen3_vl_reference(visual, pixel_values, grids):
+    with torch.no_grad():
+        out = visual(pixel_values, grid_thw=torch.tensor(grids))
+    return out.pooler_output, out.deepstack_features
+
+
+def test_qwen3_vl_tower_and_deepstack_rows_match_transformers(tmp_path):
+    from vl_models import make_tiny_qwen3_vl
+
+    path = make_tiny_qwen3_vl(str(tmp_path), "qwen3_vl", seed=2)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    assert type(model.model.visual).__name__ == "Qwen3VLVisionModel"
+    batch = transformers.AutoImageProcessor.from_pretrained(path)(images=_images((32, 48), (64, 24)),
+                                                                  return_tensors="pt")
+    grids = batch["image_grid_thw"].tolist()
+    tower = load_vision_tower(path, model.config, torch.float32, "cpu")
+    assert tower.deepstack_levels == 2
+    with torch.no_grad():
+        rows, deepstack = tower.forward_with_deepstack(batch["pixel_values"], grids)
+        plain = tower(batch["pixel_values"], grids)
+    ref_rows, ref_deepstack = _qwen3_vl_reference(model.model.visual, batch["pixel_values"], grids)
+    assert rows.shape == ref_rows.shape == (24 + 24, 64) and torch.equal(plain, rows)
+    assert _rel_err(rows, ref_rows) < 1e-4
+    assert len(deepstack) == len(ref_deepstack) == 2
+    for ours, ref in zip(deepstack, ref_deepstack):
+        assert ours.shape == ref.shape == rows.shape and _rel_err(ours, ref) < 1e-4
+    # the levels differ from the rows and from each other (a swapped merger or block would show)
+    assert _rel_err(deepstack[0], deepstack[1]) > 0.1 and _rel_err(deepstack[0], rows) > 0.1
+
+
+def test_deepstack_levels_follow_block_order_when_the_list_is_not_sorted():
+    """transformers takes block i's merger at i's place in deepstack_visual_indexes and lists the levels in block
+    order: with [2, 0], level 0 is block 0's output through merger 1."""
+    from vl_models import QWEN3_VL_VISION
+
+    cfg = transformers.Qwen3VLVisionConfig(**{**QWEN3_VL_VISION, "deepstack_visual_indexes": [2, 0]})
+    torch.manual_seed(5)
+    visual = transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in visual.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name and name.endswith("weight")
+                    else 0.2 * torch.randn_like(p))
+    tower = vision_tower_for(SimpleNamespace(vision_config=cfg), torch.float32)
+    tower.load_weights(visual.state_dict().items())
+    grids = [[1, 8, 12]]
+    pixels = torch.randn(96, tower.patch_dim, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        rows, deepstack = tower.forward_with_deepstack(pixels, grids)
+    ref_rows, ref_deepstack = _qwen3_vl_reference(visual, pixels, grids)
+    assert _rel_err(rows, ref_rows) < 1e-4
+    assert all(_rel_err(ours, ref) < 1e-4 for ours, ref in zip(deepstack, ref_deepstack))
+
+
+def test_deepstack_indexes_outside_the_blocks_are_refused():
+    from vl_models import QWEN3_VL_VISION
+
+    with pytest.raises(ValueError, match=r"deepstack_visual_indexes \[0, 3\].*depth 3"):
+        vision_tower_for(SimpleNamespace(vision_config={**QWEN3_VL_VISION, "deepstack_visual_indexes": [0, 3]}),
+                         torch.float32)

@@ -7,8 +7,9 @@ from typing import Any, Optional
 import torch
 
 # llama-family decoders (models/llama.py; qwen3_moe's sparse layers split by every expert's intermediate rows, or
-# by whole experts under --enable-expert-parallel: distributed/experts.py)
-TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# by whole experts under --enable-expert-parallel: distributed/experts.py); a qwen3_vl / qwen3_vl_moe checkpoint runs
+# as its text model (a qwen3 / qwen3_moe)
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
 # hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs); a multimodal
 # qwen3_5 / qwen3_5_moe checkpoint runs as its text model
 TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -49,20 +50,20 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
     if kind not in TP_MODEL_TYPES + TP_HYBRID_TYPES:
         return (f"{flag}: tensor parallelism is built for {' / '.join(TP_MODEL_TYPES + TP_HYBRID_TYPES)} models, "
                 f"not {kind!r}")
+    text = getattr(hf_config, "text_config", None) or hf_config  # (a multimodal checkpoint's text model)
     if kind in TP_HYBRID_TYPES:
-        hf_config = getattr(hf_config, "text_config", None) or hf_config
-        nk, nv = int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads)
+        nk, nv = int(text.linear_num_key_heads), int(text.linear_num_value_heads)
         if nk % tp:
             return f"{flag}: the model's {nk} Gated DeltaNet key heads do not divide by {tp}"
         if nv % tp:
             return f"{flag}: the model's {nv} Gated DeltaNet value heads do not divide by {tp}"
-    heads = int(hf_config.num_attention_heads)
-    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
     if heads % tp:
         return f"{flag}: the model's {heads} attention heads do not divide by {tp}"
     if kv % tp and tp % kv:
         return f"{flag}: the model's {kv} KV heads neither divide by {tp} nor divide it (needed to shard or replicate)"
-    for name, width in _split_widths(hf_config, expert_parallel).items():
+    for name, width in _split_widths(text, expert_parallel).items():
         if width % tp:
             return f"{flag}: the model's {name} {width} does not divide by {tp}"
     if speculative is not None and speculative.method not in TP_SPEC_METHODS:

@@ -1,6 +1,7 @@
-"""Qwen3.5's multimodal RoPE (interleaved M-RoPE): each token has a (t, h, w) position; frequency j of the rotary
-half rotates by the h position when j % 3 == 1 (j < 3 * section_h), by w when j % 3 == 2 (j < 3 * section_w), else by
-t. Text tokens have t == h == w, so their rotation is plain 1-D RoPE: only image tokens need rows of their own."""
+"""Qwen3.5's and Qwen3-VL's multimodal RoPE (interleaved M-RoPE): each token has a (t, h, w) position; frequency j of
+the rotary half rotates by the h position when j % 3 == 1 (j < 3 * section_h), by w when j % 3 == 2 (j < 3 *
+section_w), else by t. Text tokens have t == h == w, so their rotation is plain 1-D RoPE: only image tokens need rows
+of their own."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -12,9 +13,9 @@ import torch
 def prompt_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int, int]]],
                      spatial_merge_size: int) -> tuple[np.ndarray, int]:
     """M-RoPE positions [3, num_tokens] of a prompt whose images are (offset, grid_thw) in prompt order, and the
-    delta of the tokens after it (position of token i = i + delta). As transformers' Qwen3.5 get_rope_index: text
-    runs continue from the running position; an image's tokens take (cur + t, cur + row, cur + col) over its merged
-    grid, after which the running position advances by max(h, w) / merge."""
+    delta of the tokens after it (position of token i = i + delta). As transformers' Qwen3.5 (and Qwen3-VL)
+    get_rope_index: text runs continue from the running position; an image's tokens take (cur + t, cur + row, cur +
+    col) over its merged grid, after which the running position advances by max(h, w) / merge."""
     pos = np.empty((3, num_tokens), dtype=np.int64)
     cur, at = 0, 0
     for offset, (t, h, w) in images:

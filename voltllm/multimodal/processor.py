@@ -1,6 +1,7 @@
-"""A Qwen3.5 vision-language model's image preprocessing on the frontend: transformers' Qwen2-VL image processor (its
-PIL backend, from the model's preprocessor_config.json, with --mm-processor-kwargs over it), the model's image token,
-and the expansion of each image's placeholder token into one token per merged patch (inputs.py's MultiModalPrompt)."""
+"""A Qwen3.5 or Qwen3-VL vision-language model's image preprocessing on the frontend: transformers' Qwen2-VL image
+processor (its PIL backend, from the model's preprocessor_config.json, with --mm-processor-kwargs over it), the model's
+image token, and the expansion of each image's placeholder token into one token per merged patch (inputs.py's
+MultiModalPrompt)."""
 from __future__ import annotations
 
 import hashlib

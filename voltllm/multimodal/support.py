@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 # the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py)
-IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 
 
 def image_input_refusal(config: Any) -> Optional[str]:

@@ -1,10 +1,14 @@
-"""Qwen3.5's vision encoder: image patches -> rows of the text model's hidden size, one per merged 2x2 patch window.
+"""Qwen3.5's and Qwen3-VL's vision encoder: image patches -> rows of the text model's hidden size, one per merged 2x2
+patch window.
 
 The processor (transformers' Qwen2-VL image processor) gives each image as t*h*w rows, one flattened
 (channel, temporal, patch, patch) patch each, laid out window by window: the patches of each spatial_merge_size
 square are consecutive. The tower keeps that order throughout: a linear patch embedding, a learned position table
 resampled bilinearly to the image's grid, blocks of non-causal attention (within one frame of one image) with an
 axial (row, column) rotary, and the merger, which turns each window's consecutive rows into one output row.
+Qwen3-VL's tower is the same plus deepstack: after each block listed in `deepstack_visual_indexes` a merger of its own
+(LayerNorm over the whole merged window instead of per patch) turns that block's output into one more set of rows,
+which the text model adds to the image tokens' hidden states after its first layers (models/llama.py).
 
 LayerNorm and the rotary run in fp32 whatever the tower's dtype; attention runs in the tower's dtype through
 scaled_dot_product_attention, whose fused kernels keep the softmax and its sums in fp32."""
@@ -93,17 +97,22 @@ class _Block(nn.Module):
 
 
 class _Merger(nn.Module):
-    """LayerNorm per patch, then each window's merge**2 consecutive rows as one row -> linear, GELU, linear."""
+    """LayerNorm per patch (norm_window: over the merged window, Qwen3-VL's deepstack mergers), then each window's
+    merge**2 consecutive rows as one row -> linear, GELU, linear."""
 
-    def __init__(self, hidden: int, merge: int, out_hidden: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, merge: int, out_hidden: int, dtype: torch.dtype, norm_window: bool = False):
         super().__init__()
         self.window = hidden * merge * merge
-        self.norm = nn.LayerNorm(hidden, eps=1e-6, dtype=torch.float32)
+        self.norm_window = norm_window
+        self.norm = nn.LayerNorm(self.window if norm_window else hidden, eps=1e-6, dtype=torch.float32)
         self.linear_fc1 = nn.Linear(self.window, self.window, dtype=dtype)
         self.linear_fc2 = nn.Linear(self.window, out_hidden, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _layer_norm(self.norm, x).reshape(-1, self.window)
+        if self.norm_window:
+            x = _layer_norm(self.norm, x.reshape(-1, self.window))
+        else:
+            x = _layer_norm(self.norm, x).reshape(-1, self.window)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
@@ -115,8 +124,9 @@ class _PatchEmbed(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """Qwen3.5's vision encoder (transformers' Qwen3_5VisionModel's math), parameters named as the checkpoint's
-    below its "model.visual." prefix."""
+    """Qwen3.5's vision encoder (transformers' Qwen3_5VisionModel's math), with Qwen3-VL's deepstack mergers when the
+    config lists deepstack_visual_indexes (Qwen3VLVisionModel's), parameters named as the checkpoint's below its
+    "model.visual." prefix."""
 
     def __init__(self, vision_config: Any, dtype: torch.dtype):
         super().__init__()
@@ -142,8 +152,13 @@ class VisionTower(nn.Module):
             raise ValueError(f"vision num_position_embeddings {positions} is not a square grid")
         if act not in _ACTIVATIONS:
             raise ValueError(f"vision hidden_act {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
-        if f("deepstack_visual_indexes"):
-            raise ValueError("vision deepstack_visual_indexes (Qwen3-VL's deepstack) are not supported")
+        depth = int(f("depth"))
+        # block index -> its deepstack merger (the one at the index's place in the list); the levels are in block order
+        deepstack = [int(i) for i in f("deepstack_visual_indexes", None) or ()]
+        if len(set(deepstack)) != len(deepstack) or any(not 0 <= i < depth for i in deepstack):
+            raise ValueError(f"vision deepstack_visual_indexes {deepstack} must be distinct block indices below the "
+                             f"depth {depth}")
+        self.deepstack_merger_of_block = {i: deepstack.index(i) for i in deepstack}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"vision rope_type {rope.get('rope_type')!r} is not supported (only 'axial')")
         self.head_dim = head_dim
@@ -151,8 +166,16 @@ class VisionTower(nn.Module):
         self.patch_embed = _PatchEmbed(self.patch_dim, self.hidden, dtype)
         self.pos_embed = nn.Embedding(positions, self.hidden, dtype=dtype)
         self.blocks = nn.ModuleList(_Block(self.hidden, self.heads, int(f("intermediate_size")), act, dtype)
-                                    for _ in range(int(f("depth"))))
+                                    for _ in range(depth))
         self.merger = _Merger(self.hidden, self.merge, self.out_hidden, dtype)
+        if deepstack:  # (absent for Qwen3.5: its checkpoints have no deepstack_merger_list tensors)
+            self.deepstack_merger_list = nn.ModuleList(
+                _Merger(self.hidden, self.merge, self.out_hidden, dtype, norm_window=True) for _ in deepstack)
+
+    @property
+    def deepstack_levels(self) -> int:
+        """How many sets of deepstack rows forward_with_deepstack gives (0: a Qwen3.5 tower)."""
+        return len(self.deepstack_merger_of_block)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors named without the "model.visual." / "visual." prefix; every parameter must come."""
@@ -180,6 +203,12 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: the images' processor rows, concatenated in the order of grids (their (t, h, w) patch
         grids). Returns [sum of image_token_count, out_hidden_size] in the tower's dtype."""
+        return self.forward_with_deepstack(pixel_values, grids)[0]
+
+    def forward_with_deepstack(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]
+                               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """forward's rows, and the deepstack rows of each level (deepstack_levels of them, each shaped as the rows:
+        level k is added to the image tokens' hidden states after text decoder layer k)."""
         grids = [tuple(int(v) for v in g) for g in grids]
         for g in grids:
             image_token_count(g, self.merge)  # checks each grid divides into merge windows
@@ -192,9 +221,13 @@ class VisionTower(nn.Module):
         x = x + self._position_embeddings(grids, device).to(self.dtype)
         cos, sin = self._rotary(grids, device)
         segments = [h * w for t, h, w in grids for _ in range(t)]
-        for block in self.blocks:
+        deepstack = []
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, segments)
-        return self.merger(x)
+            merger = self.deepstack_merger_of_block.get(i)
+            if merger is not None:
+                deepstack.append(self.deepstack_merger_list[merger](x))
+        return self.merger(x), deepstack
 
     def _window_order(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column of each patch of an h x w grid in the processor's window-by-window order."""
@@ -226,6 +259,12 @@ class VisionTower(nn.Module):
         a = torch.cat(angles)
         a = torch.cat((a, a), dim=-1)
         return a.cos(), a.sin()
+
+
+def deepstack_levels(hf_config: Any) -> int:
+    """How many sets of deepstack rows the model's tower gives (Qwen3-VL; 0 for Qwen3.5 or no vision_config)."""
+    vision_config = _field(hf_config, "vision_config")
+    return 0 if vision_config is None else len(_field(vision_config, "deepstack_visual_indexes", None) or ())
 
 
 def vision_tower_for(hf_config: Any, dtype: torch.dtype) -> Optional[VisionTower]:

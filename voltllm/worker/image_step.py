@@ -6,7 +6,12 @@ showing the same image at once share them) until no request has tokens of it lef
 split an image across steps; a prefix-cache hit may start inside one). Image
 tokens whose (t, h, w) positions differ get cos / sin rows of their own in scratch rows at the end of the rotary
 tables (RotaryEmbedding.reserve_rows) and those rows' indices as positions; every other token of a request with
-images rotates as a 1-D position (multimodal/mrope.py), shifted by the prompt's delta after it."""
+images rotates as a 1-D position (multimodal/mrope.py), shifted by the prompt's delta after it.
+
+A Qwen3-VL tower also gives deepstack rows (one set per level, row for row with the main ones): an image's rows are
+kept as one tensor [tokens, hidden * (1 + levels)], main rows first, so every slice, cache and broadcast carries the
+levels with them; the forward gets them as extra["image_deepstack"], a list of [tokens, hidden] in the order of
+extra["image_embeds"]'s indices."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -33,8 +38,9 @@ class ImageRows:
 
 class ImageStep:
     def __init__(self, tower: Optional[Any], rotary: Any, mrope_section: list[int], max_step_tokens: int,
-                 device: torch.device):
+                 device: torch.device, deepstack_levels: int = 0):
         self.tower = tower
+        self.deepstack_levels = deepstack_levels  # (the config's: a tensor-parallel rank > 0 has no tower)
         self.rotary = rotary
         self.device = device
         self.capacity = max_step_tokens
@@ -98,12 +104,22 @@ class ImageStep:
             rows = self.encoded[key] = self.recent.pop(key)
             self._recent_rows -= rows.shape[0]
         if rows is None:
-            rows = self.tower(image.pixel_values.to(self.device, non_blocking=True), [image.grid_thw])
+            rows = self._encode(image.pixel_values.to(self.device, non_blocking=True), image.grid_thw)
             if rows.shape[0] != image.num_tokens:
                 raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {image.num_tokens} "
                                    "placeholder tokens")
             self.encoded[image.content_hash] = rows
         return rows
+
+    def _encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The tower's rows of one image, with its deepstack levels' beside them: [tokens, hidden * (1 + levels)]."""
+        if not self.deepstack_levels:
+            return self.tower(pixel_values, [grid])
+        rows, deepstack = self.tower.forward_with_deepstack(pixel_values, [grid])
+        if len(deepstack) != self.deepstack_levels:
+            raise RuntimeError(f"the vision tower gave {len(deepstack)} deepstack levels, not the config's "
+                               f"{self.deepstack_levels}")
+        return torch.cat([rows, *deepstack], dim=1)
 
     def _drop(self, key: bytes) -> None:
         """No request waits for the image's rows: they become the most recent of the kept ones."""
@@ -132,7 +148,8 @@ class ImageStep:
         """A tensor-parallel rank other than 0: rank 0's scratch rows and image rows (a broadcast from it, after
         the step's input ids) for this rank's forward."""
         if rows.embed_at is not None:
-            embeds = tp.broadcast_(torch.empty(len(rows.embed_at), hidden_size, dtype=dtype, device=self.device))
+            width = hidden_size * (1 + self.deepstack_levels)
+            embeds = tp.broadcast_(torch.empty(len(rows.embed_at), width, dtype=dtype, device=self.device))
             rows = ImageRows(rows.rows3d, rows.embed_at, embeds)
         self._apply(rows, extra)
 
@@ -144,7 +161,11 @@ class ImageStep:
             self.rotary.cos[self.base:self.base + k] = (angles.cos() * self.rotary.scale).float()
             self.rotary.sin[self.base:self.base + k] = (angles.sin() * self.rotary.scale).float()
         if rows.embeds is not None:
-            extra["image_embeds"] = (torch.from_numpy(rows.embed_at).to(self.device), rows.embeds)
+            at = torch.from_numpy(rows.embed_at).to(self.device)
+            levels = rows.embeds.tensor_split(1 + self.deepstack_levels, dim=1)  # main rows, then each level's
+            extra["image_embeds"] = (at, levels[0])
+            if self.deepstack_levels:
+                extra["image_deepstack"] = list(levels[1:])
 
     def profile(self, grid: tuple[int, int, int]) -> None:
         """Encode one random image of `grid` (the largest the processor makes): memory profiling's tower peak
@@ -152,7 +173,7 @@ class ImageStep:
         if self.tower is None:
             return
         t, h, w = grid
-        self.tower(torch.randn(t * h * w, self.tower.patch_dim, device=self.device), [grid])
+        self._encode(torch.randn(t * h * w, self.tower.patch_dim, device=self.device), grid)
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the kept rows of finished or preempted requests (a preempted one encodes again when it resumes)."""
@@ -190,7 +211,7 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     config = runner.config
     if image_input_refusal(config) is not None:
         return None
-    from voltllm.multimodal.vision_tower import load_vision_tower, vision_tower_for
+    from voltllm.multimodal.vision_tower import deepstack_levels, load_vision_tower, vision_tower_for
 
     mc = config.model
     if runner.tp is not None and runner.tp.rank > 0:  # rank 0 encodes and broadcasts the rows: no tower here
@@ -206,10 +227,12 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     text = getattr(mc.hf_config, "text_config", None) or mc.hf_config
     from voltllm.model.layers.rotary import rope_parameters
 
-    section = rope_parameters(text).get("mrope_section") or [11, 11, 10]  # (transformers' default for Qwen3.5)
+    # (transformers' defaults: Qwen3.5's, Qwen3-VL's)
+    default = [24, 20, 20] if mc.hf_config.model_type.startswith("qwen3_vl") else [11, 11, 10]
+    section = rope_parameters(text).get("mrope_section") or default
     sc = config.scheduler
     step = ImageStep(tower, runner.model.rotary, list(section), max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
-                     runner.device)
+                     runner.device, deepstack_levels(mc.hf_config))
     if tower is not None:
         step.largest_grid = largest_grid(config, tower)
     return step

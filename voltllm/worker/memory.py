@@ -64,11 +64,13 @@ def profile_activation_bytes(runner) -> int:
 
 def _kept_image_rows_bytes(runner) -> int:
     """The tower rows an engine that takes images keeps across steps: those of images being prefilled and the
-    recent ones (ImageStep.recent, up to a step's tokens), charged as two steps' tokens of rows."""
+    recent ones (ImageStep.recent, up to a step's tokens), charged as two steps' tokens of rows (a Qwen3-VL row holds
+    its deepstack levels' too)."""
     step = getattr(runner, "image_step", None)
     if step is None:
         return 0
-    return 2 * step.capacity * runner.model.config.hidden_size * runner.dtype.itemsize
+    width = runner.model.config.hidden_size * (1 + step.deepstack_levels)
+    return 2 * step.capacity * width * runner.dtype.itemsize
 
 
 def _tower_peak_bytes(runner) -> int:

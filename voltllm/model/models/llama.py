@@ -1,6 +1,11 @@
 """Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm, qwen3_moe: qwen3 with sparse MoE MLPs)
 over the paged KV cache.
 
+Qwen3-VL checkpoints (qwen3_vl / qwen3_vl_moe) run as their text model, a qwen3 / qwen3_moe: `model.language_model.*`
+weights are used, `model.visual.*` skipped (the vision tower, multimodal/vision_tower.py, reads those). A step with
+image tokens (worker/image_step.py) swaps the tower's rows in for their embeddings and adds its deepstack rows to their
+hidden states after the first decoder layers (one level per layer), as transformers' Qwen3VLTextModel does.
+
 Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup): every rank builds the layers at its shard's shapes
 and `load_weights` slices the checkpoint's tensors (voltllm.distributed.sharding): qkv and gate_up by output rows
 (heads / intermediate), o_proj and down_proj by input columns, each followed by an all-reduce; qwen3_moe's sparse
@@ -28,6 +33,16 @@ from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 from voltllm.model.models.aux_hidden import AuxHiddenCapture
 
 
+# (qwen3_vl_text / qwen3_vl_moe_text: Qwen3-VL's text models, a qwen3 / qwen3_moe)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
+_VISUAL_PREFIXES = ("model.visual.", "visual.")
+
+
+def text_config(cfg: Any) -> Any:
+    """The language model's config: a multimodal checkpoint's text_config, else the config itself."""
+    return getattr(cfg, "text_config", None) or cfg
+
+
 class Attention(PagedAttention):
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
                  linear_method: Optional[LinearMethod] = None, tp=None):
@@ -45,7 +60,7 @@ class Attention(PagedAttention):
         self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype, method=linear_method)
         o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
         self.o_proj = Linear(q, cfg.hidden_size, bias=o_bias, dtype=dtype, method=linear_method)
-        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
+        self.qk_norm = cfg.model_type in QK_NORM_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -174,6 +189,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         classifier: a headless model's classification head (voltllm.pooling.classifier.ClassifierConfig): its float32
         weight `score_weight` [num_labels, hidden] is the checkpoint's score.weight or built from LM-head rows."""
         super().__init__()
+        top, cfg = cfg, text_config(cfg)
         self.config = cfg
         self.headless = headless
         self.dtype = dtype
@@ -192,7 +208,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         self.layers = nn.ModuleList(build_layer(DecoderLayer, cfg, i, dtype, rotary, linear_method, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        # (a multimodal checkpoint's own flag decides, as in transformers: Qwen3-VL-MoE's text config says True for all)
+        self.tie = bool(getattr(top, "tie_word_embeddings", False))
         head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
         self.lm_head = None if self.tie or headless else Linear(cfg.hidden_size, head_rows, dtype=dtype,
                                                                  method=linear_method)
@@ -228,11 +245,20 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        images = ctx.extra.get("image_embeds")
+        deepstack = None
+        if images is not None:  # the vision tower's rows in place of the image placeholders' (worker/image_step.py)
+            x.index_copy_(0, images[0], images[1].to(x.dtype))
+            deepstack = ctx.extra.get("image_deepstack")  # Qwen3-VL: one set of rows per level, the same tokens
         residual = None
         fused = self.fused_decode(input_ids)
         aux = self.aux_hidden is not None  # DFlash's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, fused)
+            if deepstack is not None and i < len(deepstack):
+                # layer i's output is x + residual (the add waits for the next norm; fused: all in residual), so
+                # adding level i to the residual adds it to the output, where transformers adds it
+                residual.index_add_(0, images[0], deepstack[i].to(residual.dtype))
             if aux:
                 self.keep_layer_output(i, x, residual)
         if fused:
@@ -318,9 +344,12 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         loaded: set[str] = set()
         head_loaded = False
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or name.startswith(_VISUAL_PREFIXES):
                 continue
-            name = name.removeprefix("model.")
+            if name.startswith(("model.language_model.", "language_model.")):  # a multimodal checkpoint's text model
+                name = name.partition("language_model.")[2]
+            else:
+                name = name.removeprefix("model.")
             if self.classifier is not None and self._loads_head(name):
                 head = (tensor.to(torch.float32) if self.classifier.from_token_ids is None
                         else self.classifier.head_from_vocab(tensor))
