@@ -79,7 +79,7 @@ def test_accepted_at_voltllms_behaviour(capsys, words):
     (["--profiler-config", '{"profiler": "torch"}'], "--profiler-config: profiling (/start_profile"),
     (["--tool-server", "demo"], "--tool-server: built-in tools run by the server"),
     (["--prefix-caching-hash-algo", "sha256"], "--prefix-caching-hash-algo: voltllm hashes prefix-cache blocks"),
-    (["--mm-processor-cache-type", "shm"], "--mm-processor-cache-type: multimodal input is not built"),
+    (["--mm-processor-cache-type", "shm"], "--mm-processor-cache-type: this multimodal setting is not built"),
     (["--enable-flashinfer-autotune"], "--enable-flashinfer-autotune: voltllm runs its own Triton kernels"),
     (["--fingerprint-mode", "full"], "--fingerprint-mode: system_fingerprint is always null here"),
     (["--ssl-ca-certs", "/etc/hostname"], "--ssl-ca-certs applies to HTTPS: add --ssl-certfile"),
