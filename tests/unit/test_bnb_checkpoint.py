@@ -152,8 +152,14 @@ def test_quantization_config_and_flags():
         _check_bnb_load_format("bitsandbytes", None)
     with pytest.raises(ConfigError, match="quantized with 'awq'"):
         _check_bnb_load_format("bitsandbytes", "awq")
-    # never kept quantized, not even with the flag on a GPU (no plane holds NF4 / FP4)
-    assert _quantized_weights("bitsandbytes", "bitsandbytes", four, torch.device("cuda", 0), "auto") == "dequantized"
+    # 4-bit layers are kept quantized on a GPU (with the flag; else by size), also quantized at load; 8-bit rows and
+    # the CPU dequantize
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", four, gpu, "auto") == "quantized"
+    assert _quantized_weights("bitsandbytes", None, four, gpu, "auto") == "auto"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", llama, gpu, "auto") == "quantized"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", eight, gpu, "auto") == "dequantized"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", four, cpu, "auto") == "dequantized"
 
 
 def test_state_sizes_are_checked():
