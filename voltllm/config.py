@@ -66,8 +66,9 @@ class ModelConfig:
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
     # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
-    # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py), "bitsandbytes" (NF4 / FP4 / int8,
-    # always dequantized at load); None: unquantized), from the file itself (or fp8 / bitsandbytes at load)
+    # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py), "bitsandbytes" (NF4 / FP4, kept
+    # quantized like the others; int8 always dequantized at load); None: unquantized), from the file itself (or fp8 /
+    # bitsandbytes at load)
     quantization: Optional[str] = None
     # a quantized checkpoint's weights: "quantized" (they stay quantized on the GPU, model/layers/quantized_linear.py;
     # --quantization METHOD), "dequantized" (to the compute dtype at load: the CPU, unquantized checkpoints,

@@ -37,6 +37,9 @@ inputs (FP8_KIND): an element is d * e4m3(q). NVFP4 checkpoints (model/loader/nv
 codes in `lo`, their E4M3 per-16 scale codes in `sc` (raw bits, int8 [N, K/16]) and the tensor's fp32 global scale in
 `d`, repeated per row and 256 inputs (NVFP4_KIND: 4 + 0.5 + 0.125 = 4.625 bits per weight): an element is
 e2m1(q) * e4m3(sc) * d, the first product exact in fp32 (at most 6 significant bits), so the value is rounded once.
+bitsandbytes 4-bit layers (model/loader/bnb_checkpoint.py) keep their NF4 / FP4 table index in `lo` and each block's
+absmax in `d` (fp16, one per `super` = block of 64 or 128 inputs; bnb_kind): an element is table[q] * d, the table's
+fp32 value in [-1, 1] times the absmax, rounded once as bitsandbytes does (4.25 bits per weight in blocks of 64).
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
