@@ -32,7 +32,8 @@ _DTYPES = {
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
 }
 # Experiment knob (benchmarks/set_and_run.py A/B runs, tests): a quantized checkpoint's weights (GGUF, AWQ, GPTQ,
-# FP8, NVFP4) on the GPU are kept quantized (1), dequantized at load (0), or chosen by size (-1, the default: "auto")
+# FP8, NVFP4, bitsandbytes 4-bit) on the GPU are kept quantized (1), dequantized at load (0), or chosen by size (-1,
+# the default: "auto")
 KEEP_QUANTIZED = -1
 # --quantization values: the checkpoint's own method, under vLLM's names (the *_marlin names pick vLLM's kernels
 # for the same checkpoints; here they mean the same as awq / gptq; vLLM turns `modelopt` into `modelopt_fp4` for an
@@ -42,8 +43,6 @@ QUANTIZATION_ALIASES = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq
                         "compressed-tensors": "compressed-tensors", "bitsandbytes": "bitsandbytes"}
 # the methods read, as ModelConfig.quantization names them
 _READ_METHODS = ("gguf", "awq", "gptq", "fp8", "modelopt_fp4", "compressed-tensors", "bitsandbytes")
-# methods whose weights no quantized-linear plane holds: always dequantized at load (model/loader/bnb_checkpoint.py)
-_DEQUANTIZED_METHODS = ("bitsandbytes",)
 # --scheduling-policy (vLLM's): fcfs, or priority (each request's `priority`, lower first, then arrival)
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
@@ -67,8 +66,9 @@ class ModelConfig:
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
     # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
-    # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py), "bitsandbytes" (NF4 / FP4 / int8,
-    # always dequantized at load); None: unquantized), from the file itself (or fp8 / bitsandbytes at load)
+    # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py), "bitsandbytes" (NF4 / FP4, kept
+    # quantized like the others; int8 always dequantized at load); None: unquantized), from the file itself (or fp8 /
+    # bitsandbytes at load)
     quantization: Optional[str] = None
     # a quantized checkpoint's weights: "quantized" (they stay quantized on the GPU, model/layers/quantized_linear.py;
     # --quantization METHOD), "dequantized" (to the compute dtype at load: the CPU, unquantized checkpoints,
@@ -936,10 +936,14 @@ def _quantized_weights(method: Optional[str], flag: Optional[str], hf_config: An
 
     if method is None or device.type != "cuda" or load_format != "auto" or KEEP_QUANTIZED == 0:
         return "dequantized"
-    if method in _DEQUANTIZED_METHODS:
-        logger.warning("%s weights are dequantized at load to the compute dtype: no quantized-linear kernel holds "
-                       "them, so they take the unquantized model's GPU memory (docs/models.md)", method)
-        return "dequantized"
+    if method == "bitsandbytes":
+        from voltllm.model.loader.bnb_checkpoint import bnb_scheme, keeps_quantized
+
+        if not keeps_quantized(bnb_scheme(hf_config, method)):
+            logger.warning("bitsandbytes 8-bit weights are dequantized at load to the compute dtype: no "
+                           "quantized-linear kernel holds LLM.int8() rows, so they take the unquantized model's GPU "
+                           "memory (docs/models.md)")
+            return "dequantized"
     if not supports_quantized_layers(hf_config):
         logger.warning("%s weights are dequantized at load: quantized layers are not built for model type %r",
                        method, getattr(hf_config, "model_type", None))

@@ -1,9 +1,9 @@
-"""AWQ / GPTQ (4-bit), GPTQ 8-bit and FP8 weights kept quantized on the GPU: the dequant-GEMM and the dequant kernel
-with the int4 kinds (zero points; GPTQ's fixed zero 8), the int8 kinds (zero points; the fixed zero 128) and the FP8
-kind (software E4M3 decode) against the checkpoint's own
-dequantization at real shapes, fp16 and bf16, outputs poisoned first; and tiny AWQ / GPTQ / FP8 models kept quantized
-against the same checkpoint dequantized at load (fp32: the same logits; fp16 under --compat sm70: it runs and keeps
-its bookkeeping), and --quantization fp8 at load."""
+"""AWQ / GPTQ (4-bit), GPTQ 8-bit, FP8 and bitsandbytes 4-bit weights kept quantized on the GPU: the dequant-GEMM and
+the dequant kernel with the int4 kinds (zero points; GPTQ's fixed zero 8), the int8 kinds (zero points; the fixed zero
+128), the FP8 kind (software E4M3 decode) and bitsandbytes' NF4 / FP4 kinds (table lookup, fp16 absmax) against the
+checkpoint's own dequantization at real shapes, fp16 and bf16, outputs poisoned first; and tiny AWQ / GPTQ / FP8 /
+bitsandbytes models kept quantized against the same checkpoint dequantized at load (fp32: the same logits; fp16 under
+--compat sm70: it runs and keeps its bookkeeping), and --quantization fp8 / bitsandbytes at load."""
 from __future__ import annotations
 
 import random
@@ -132,3 +132,89 @@ def test_moe_experts_kept_quantized(monkeypatch, tmp_path, method):
         assert (llm.engine.runner.model.layers[0].mlp.qexperts is not None) == keep
 
     assert_kept_matches_dequantized(monkeypatch, path, check)
+
+
+@pytest.mark.parametrize("quant_type,blocksize,double_quant,wdtype", [("nf4", 64, True, torch.float16),
+                                                                    ("nf4", 128, False, torch.bfloat16),
+                                                                    ("fp4", 64, False, torch.float16),
+                                                                    ("fp4", 128, True, torch.bfloat16)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288)])
+def test_bnb_kernels_match_the_codec(quant_type, blocksize, double_quant, wdtype, n, k):
+    """bitsandbytes 4-bit layers (bnb_codec) kept quantized: the dequantize kernel equals the planes' reference bit
+    for bit and the codec's dequantization up to the absmax's fp16 rounding (none without double quantization: the
+    absmax is an fp16 / bf16 weight); the dequant-GEMM (1-16 rows) and the tiled kernel (5-64 rows) multiply like it."""
+    from voltllm.kernels.quant_dot import quant_dot
+    from voltllm.model.layers.gguf_planes import dequantize_planes, map_planes
+    from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight
+    from voltllm.model.loader.bnb_codec import dequantize_4bit, quantize_4bit
+
+    seed = random.SystemRandom().randrange(1 << 30)
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02).to(wdtype)
+    packed, state = quantize_4bit(w, quant_type, blocksize, double_quant=double_quant)
+    p = Bnb4bitWeight(packed, state).to_weight(torch.device("cuda"), torch.float16)
+    assert p.kind.bnb == quant_type and p.kind.super == blocksize
+    state.dtype = torch.float32  # the codec's product before its rounding to the stored dtype
+    ref_w = dequantize_4bit(packed, state).cuda()
+    got = dequantize(p, torch.float32, out=torch.full((n, k), float("nan"), device="cuda"))
+    host = map_planes(p, lambda t: t.cpu(), n)
+    assert torch.equal(got.cpu(), dequantize_planes(host)), f"seed {seed}"
+    if double_quant:
+        assert float(((got - ref_w).abs() / ref_w.abs())[ref_w != 0].max()) <= 2 ** -11, f"seed {seed}"
+    else:
+        assert torch.equal(got, ref_w), f"seed {seed}"
+    for dtype in (torch.float16, torch.bfloat16) if (n, k) == (4096, 4096) else (torch.float16,):
+        tol = 2e-3 if dtype == torch.float16 else 1e-2
+        for m in (1, 3, 4, 7, 16, 33, 64):
+            x = torch.randn(m, k, dtype=dtype, device="cuda")
+            out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+            (quant_matmul if m <= 16 else quant_dot)(x, p, out=out)
+            if 5 <= m <= 16:
+                dot = quant_dot(x, p, out=torch.full((m, n), float("nan"), dtype=dtype, device="cuda"))
+                assert _rel(dot, x.float() @ got.T) < tol and not dot.isnan().any(), f"dot m={m} seed {seed}"
+            err = _rel(out, x.float() @ got.T)
+            assert err < tol and not out.isnan().any(), f"{quant_type} b{blocksize} {n}x{k} m={m} {dtype}: {err:.2e} " \
+                                                        f"seed {seed}"
+
+
+@pytest.mark.parametrize("variant", ["nf4-double", "fp4", "at-load", "moe-nf4-double"])
+def test_bnb_tiny_model_kept_quantized(monkeypatch, tmp_path, variant):
+    """A bitsandbytes checkpoint (or --quantization bitsandbytes at load) kept quantized on the GPU (fp32; prompt
+    steps dequantize + cuBLAS, 1-4-row decode the dequant-GEMM, 6-row batches the tiled kernel, CUDA graphs; MoE
+    experts per pair / grouped) gives the tokens and logprobs of the dense checkpoint holding the planes' values;
+    then fp16 under --compat sm70 runs with it."""
+    import voltllm.config
+    from bnb_checkpoints import planes_reference, quantize_bnb_checkpoint
+
+    from voltllm import LLM, SamplingParams
+
+    kind = "qwen3_moe" if variant.startswith("moe") else "qwen3"
+    path = make_model(str(tmp_path / "bnb"), kind, hidden_size=128, intermediate_size=256, head_dim=32,
+                      moe_intermediate_size=128, std=0.08)
+    flag = "bitsandbytes" if variant == "at-load" else None
+    if flag is None:
+        quantize_bnb_checkpoint(path, str(tmp_path / "deq"), quant_type="fp4" if variant == "fp4" else "nf4",
+                                double_quant=variant.endswith("double"))
+    planes_reference(path, str(tmp_path / "ref"), flag)
+    prompts = [f"The quick brown fox {i} " * (1 + i) for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
+    kw = dict(device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.2)
+    outs = {}
+    for name, model, keep, quant in (("kept", path, 1, flag), ("ref", str(tmp_path / "ref"), -1, None)):
+        monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", keep)
+        llm = LLM(model, quantization=quant, **kw)
+        assert llm.engine.runner.keep_quantized == (name == "kept")
+        outs[name] = llm.generate(prompts, sp) + llm.generate(prompts[:1], sp)
+        llm.engine.check_integrity()
+        del llm
+    for a, b in zip(outs["kept"], outs["ref"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            tok = next(iter(lb))
+            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
+    monkeypatch.setattr(voltllm.config, "KEEP_QUANTIZED", -1)
+    llm = LLM(path, device="cuda", dtype="float16", compat="sm70", quantization="bitsandbytes", max_model_len=512,
+              gpu_memory_utilization=0.2)
+    assert llm.engine.runner.keep_quantized
+    out = llm.generate(["Hello world"] * 3, SamplingParams(temperature=0, max_tokens=8, min_tokens=8))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    llm.engine.check_integrity()

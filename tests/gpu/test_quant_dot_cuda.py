@@ -1,4 +1,5 @@
-"""The tiled dequant-GEMM (kernels/quant_dot.py) on the GPU: GGUF, AWQ, 8-bit GPTQ and FP8 planes at the qwen3-8b
+"""The tiled dequant-GEMM (kernels/quant_dot.py) on the GPU: GGUF, AWQ, 8-bit GPTQ, FP8 and bitsandbytes NF4 / FP4
+planes at the qwen3-8b
 projection shapes against the planes' own dequantization (fp16 / bf16, 5-300 rows, outputs poisoned first, K split or
 not), the linear layer's dispatch by row count, and quantized MoE experts (layers/quant_moe.QuantExperts) on all three
 paths (per pair, grouped, per expert dequantize + cuBLAS) and inside a CUDA graph against the dense experts."""
@@ -11,7 +12,7 @@ import torch
 
 from voltllm.kernels.quant_dot import dot_max_rows, grouped_max_rows, quant_dot
 from voltllm.kernels.quant_gemv import dequantize
-from voltllm.model.layers.gguf_planes import (FP8_KIND, Unpacked, int4_kind, int8_kind, map_planes,
+from voltllm.model.layers.gguf_planes import (FP8_KIND, Unpacked, bnb_kind, int4_kind, int8_kind, map_planes,
                                               planes_from_blocks, random_blocks, to_planes)
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +23,11 @@ def _rel(a, b):
 
 
 def _planes(kind: str, n: int, k: int, g: torch.Generator):
+    if kind.startswith("BNB_"):  # bitsandbytes: every table code, a positive fp16 absmax per block
+        pk = bnb_kind(kind[4:7].lower(), int(kind.rpartition("_B")[2]))
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        d = (torch.rand(n, k // pk.super, generator=g) * 0.05 + 0.001).half()
+        return map_planes(to_planes(Unpacked(codes=codes, d=d, m=None, sc=None, mn=None), pk), lambda t: t.cuda(), n)
     if kind in ("AWQ_G128", "GPTQ8_G128", "FP8"):
         pk = {"AWQ_G128": int4_kind(128, True), "GPTQ8_G128": int8_kind(128, True), "FP8": FP8_KIND}[kind]
         top = {"AWQ_G128": 16, "GPTQ8_G128": 256, "FP8": 255}[kind]
@@ -37,7 +43,7 @@ def _planes(kind: str, n: int, k: int, g: torch.Generator):
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q3_K", "Q2_K", "IQ4_XS", "AWQ_G128", "GPTQ8_G128",
-                                  "FP8"])
+                                  "FP8", "BNB_NF4_B64", "BNB_FP4_B128"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
 def test_quant_dot_matches_reference(kind, n, k):
     seed = random.SystemRandom().randrange(1 << 30)
@@ -78,24 +84,25 @@ def test_linear_dispatch_by_rows(monkeypatch):
         assert _rel(y, x.float() @ w.T) < 2e-3
 
 
-def _experts(g):
+def _experts(g, kind: str = "AWQ_G128"):
     from voltllm.model.layers.quant_moe import QuantExperts
 
     e, inter, h = 16, 256, 512
     qe = QuantExperts(e, inter, h, torch.device("cuda"), torch.float16)
-    qe.w13 = _planes("AWQ_G128", e * 2 * inter, h, g)
-    qe.w2 = _planes("AWQ_G128", e * h, inter, g)
+    qe.w13 = _planes(kind, e * 2 * inter, h, g)
+    qe.w2 = _planes(kind, e * h, inter, g)
     w13 = dequantize(qe.w13, torch.float32).view(e, 2 * inter, h)
     w2 = dequantize(qe.w2, torch.float32).view(e, h, inter)
     return qe, w13, w2
 
 
-def test_quant_moe_paths_match_dense():
+@pytest.mark.parametrize("kind", ["AWQ_G128", "BNB_NF4_B64"])
+def test_quant_moe_paths_match_dense(kind):
     """Per-pair launches (<= 16 tokens), the grouped kernel (more), per-expert dequantize + cuBLAS (past the row
     limit): each against the dense experts, with one expert receiving no token."""
     from voltllm.model.layers.moe import fused_experts_ref
 
-    qe, w13, w2 = _experts(torch.Generator().manual_seed(4))
+    qe, w13, w2 = _experts(torch.Generator().manual_seed(4), kind)
     top_k = 4
     for t, limit in ((1, None), (16, None), (17, None), (37, None), (300, None), (300, 2)):
         x = torch.randn(t, 512, dtype=torch.float16, device="cuda")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from bnb_checkpoints import nf4_at_load_reference, quantize_bnb_checkpoint
+from bnb_checkpoints import nf4_at_load_reference, planes_reference, quantize_bnb_checkpoint
 from tiny_models import full_prompt_logprobs, make_model
 
 from voltllm import LLM, SamplingParams
@@ -82,3 +82,56 @@ def test_refusals(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--quantization fp8: the model is a bitsandbytes checkpoint"):
         LLM(path, quantization="fp8")
     assert os.path.isdir(str(tmp_path / "ref"))
+
+
+# kept quantized (as on a GPU: the config says "quantized"; the CPU's QuantizedLinearMethod multiplies by the torch
+# reference's dequantized planes): (architecture, checkpoint options, --quantization, the plane kind)
+KEPT = {"nf4-double": ("qwen3", dict(), None, "BNB_NF4_B64"),
+        "fp4-bf16": ("llama", dict(quant_type="fp4", double_quant=False, dtype=torch.bfloat16), None, "BNB_FP4_B64"),
+        "moe-nf4-double": ("qwen3_moe", dict(), None, "BNB_NF4_B64"),
+        "at-load": ("qwen3", None, "bitsandbytes", "BNB_NF4_B64")}
+
+
+@pytest.mark.parametrize("variant", list(KEPT))
+def test_kept_quantized_layers(tmp_path, monkeypatch, variant):
+    """4-bit layers held as planes (4.25 bits per weight; the layer llm_int8_skip_modules left out stays dense) give
+    the greedy tokens and logprobs of the dense checkpoint holding the planes' values (tests/bnb_checkpoints.py
+    planes_reference), and the dequantized load's prompt logprobs up to the planes' rounding (the absmax in fp16, the
+    product not rounded to the stored dtype)."""
+    import voltllm.config
+    from voltllm.model.layers.gguf_planes import Planes
+    from voltllm.model.layers.quantized_linear import held_segments
+
+    kind, kw, flag, plane_kind = KEPT[variant]
+    # inputs of 128 / 256 / 64 (experts): whole blocks per row, as the planes need
+    path = make_model(str(tmp_path / "bnb"), kind, hidden_size=128, intermediate_size=256, head_dim=32,
+                      moe_intermediate_size=64, std=0.08)
+    if kw is not None:
+        quantize_bnb_checkpoint(path, str(tmp_path / "deq"), skip=(SKIP,), **kw)
+    planes_reference(path, str(tmp_path / "ref"), flag)
+    with monkeypatch.context() as mp:
+        mp.setattr(voltllm.config, "_quantized_weights", lambda *a, **k: "quantized")
+        kept = _run(path, quantization=flag)
+    assert kept[0].engine.runner.keep_quantized
+    kinds, nbytes, elements, dense_layers = set(), 0, 0, []
+    for name, mod in kept[0].engine.runner.model.named_modules():
+        planes = [s.weight for s in held_segments(mod) if isinstance(s.weight, Planes)]
+        experts = getattr(mod, "qexperts", None)
+        if experts is not None and experts.ready:
+            planes += [experts.w13, experts.w2]
+        if held_segments(mod) and not planes and "layers." in name:  # (not the embedding / LM head: never bnb's)
+            dense_layers.append(name)
+        for p in planes:
+            kinds.add(p.kind.name)
+            nbytes += p.nbytes
+            elements += p.n * p.k
+    assert kinds == {plane_kind} and nbytes * 8 / elements == 4.25
+    assert dense_layers == (["layers.1.self_attn.o_proj"] if kw is not None else [])
+    ref = _run(str(tmp_path / "ref"))
+    assert kept[1] == ref[1]
+    torch.testing.assert_close(kept[2], ref[2], rtol=0, atol=1e-5)
+    dense = _run(path, quantization=flag)
+    assert not dense[0].engine.runner.keep_quantized
+    # (a bf16 layer's dequantized load rounds each weight to bf16, 2^-9; the planes' fp32 product does not)
+    bf16 = kw is not None and kw.get("dtype") == torch.bfloat16
+    torch.testing.assert_close(kept[2], dense[2], rtol=0, atol=2e-2 if bf16 else 5e-3)

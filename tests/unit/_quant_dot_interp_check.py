@@ -1,6 +1,6 @@
 """Run under TRITON_INTERPRET=1 (test_quant_dot.py): the tiled dequant-GEMM (kernels/quant_dot.py) against the torch
-reference (gguf_planes.dequantize_planes) for every kept GGUF kind, the AWQ / GPTQ int4 kinds, 8-bit GPTQ's int8 kinds
-and FP8, with row and
+reference (gguf_planes.dequantize_planes) for every kept GGUF kind, the AWQ / GPTQ int4 kinds, 8-bit GPTQ's int8 kinds,
+FP8, NVFP4 and bitsandbytes' NF4 / FP4, with row and
 group tails, two row blocks, a bias and an output that is a column slice of a wider tensor; and its SORTED (MoE)
 mode over experts stacked in one weight, routed pairs sorted by kernels/moe.moe_align. Prints `CHECK name ok|FAIL
 detail` lines."""
@@ -18,7 +18,8 @@ from voltllm.model.layers.gguf_planes import KINDS, dequantize_planes, planes_fr
 KIND_NAMES = list(KINDS) + [k.name for k in INT4_KINDS]
 CHECKS = [f"{name}-rows20" for name in KIND_NAMES] + ["fp32-rows5", "split3-Q6_K", "split2-AWQ-bias",
                                                      "wfirst-split2-AWQ-bias", "wfirst-rows20", "MOE-sorted",
-                                                     "MOE-sorted-Q3_K", "MOE-sorted-IQ4_XS", "MOE-sorted-INT8_G128_ZP"]
+                                                     "MOE-sorted-Q3_K", "MOE-sorted-IQ4_XS", "MOE-sorted-INT8_G128_ZP",
+                                                     "MOE-sorted-BNB_NF4_B64"]
 
 
 def _planes(name, n, k, gen):
@@ -69,6 +70,7 @@ def main() -> int:
     failed += not _check_moe_sorted(gen, "Q3_K")  # GGUF low-bit experts (a Q2_K / Q3_K_M file's)
     failed += not _check_moe_sorted(gen, "IQ4_XS")
     failed += not _check_moe_sorted(gen, "INT8_G128_ZP")  # 8-bit GPTQ experts
+    failed += not _check_moe_sorted(gen, "BNB_NF4_B64")  # bitsandbytes experts
     return 1 if failed else 0
 
 

@@ -1,9 +1,11 @@
 """Run under TRITON_INTERPRET=1 (test_gguf_planes.py): the dequant-GEMM (one row; several, over two programs along the rows) and the
 dequant-to-fp16 kernel against the torch reference (gguf_planes.dequantize_planes), for every kept GGUF kind and
 the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8), the 8-bit GPTQ int8 kinds (zero points or the fixed
-zero 128), FP8 (E4M3, fp32 scales) and NVFP4 (E2M1 codes, E4M3
-scales per 16, fp32 global per row; the dequantized weights bit for bit), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider tensor. Prints
-`CHECK name ok|FAIL detail` lines."""
+zero 128), FP8 (E4M3, fp32 scales), NVFP4 (E2M1 codes, E4M3
+scales per 16, fp32 global per row) and bitsandbytes' NF4 / FP4 (table codes, an fp16 absmax per block; the dequantized
+weights bit for bit), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider
+tensor; and bitsandbytes layers quantized by the reference codec (bnb_codec.py, with and without double quantization)
+re-laid as planes, against the codec's own dequantization. Prints `CHECK name ok|FAIL detail` lines."""
 import sys
 
 import torch
@@ -12,23 +14,35 @@ from interp_util import patch_interpreter_index
 patch_interpreter_index()
 from voltllm.kernels.quant_gemv import dequantize, quant_matmul, quant_moe_matmul  # noqa: E402
 from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, NVFP4_KIND, Unpacked,  # noqa: E402
-                                              dequantize_planes, int4_kind, int8_kind, planes_from_blocks,
+                                              bnb_kind, dequantize_planes, int4_kind, int8_kind, planes_from_blocks,
                                               random_blocks, to_planes)
+from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight  # noqa: E402
+from voltllm.model.loader.bnb_codec import dequantize_4bit, quantize_4bit  # noqa: E402
 
-# AWQ / GPTQ checkpoints (8-bit GPTQ: groups of 128 with zero points, of 16 without); FP8 and NVFP4 checkpoints
+# AWQ / GPTQ checkpoints (8-bit GPTQ: groups of 128 with zero points, of 16 without); FP8 and NVFP4 checkpoints;
+# bitsandbytes NF4 in blocks of 64, FP4 in blocks of 128
 INT4_KINDS = [int4_kind(32, True), int4_kind(128, True), int4_kind(64, False), int8_kind(128, True),
-              int8_kind(16, False), FP8_KIND, NVFP4_KIND]
+              int8_kind(16, False), FP8_KIND, NVFP4_KIND, bnb_kind("nf4", 64), bnb_kind("fp4", 128)]
+# bitsandbytes layers from the codec: (quant_type, blocksize, double quantization, weight dtype)
+BNB_LAYERS = [("nf4", 64, True, torch.float16), ("nf4", 128, False, torch.bfloat16), ("fp4", 64, False, torch.float16),
+              ("fp4", 128, True, torch.float32)]
 CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
           for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs", "NVFP4-MOE-pairs", "Q2_K-MOE-pairs",
-                                                                  "INT8-MOE-pairs"]
+                                                                  "INT8-MOE-pairs", "BNB_NF4-MOE-pairs"] + [
+    f"codec-{t}-b{bs}{'-double' if dq else ''}-{str(dt).removeprefix('torch.')}" for t, bs, dq, dt in BNB_LAYERS]
 
 
 def _int4_planes(kind, n, k, gen):
     """Random codes, fp16 group scales and (for zero-point kinds) zero points 0..15 in an int4 kind's planes (int8
     kinds: codes 0..255 and every int8 zero plane value, i.e. zeros 0..255); FP8:
     every E4M3 code but the NaNs (subnormals included) and fp32 scales; NVFP4: every E2M1 code, E4M3 scale codes of
-    every exponent and sign (subnormals included, no NaN) and a global scale per row that is not a power of two."""
+    every exponent and sign (subnormals included, no NaN) and a global scale per row that is not a power of two;
+    bitsandbytes: every table code and a positive fp16 absmax per block."""
     groups = k // kind.super
+    if kind.bnb:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        d = (torch.rand(n, groups, generator=gen) * 0.1 + 1e-3).half()
+        return to_planes(Unpacked(codes=codes, d=d, m=None, sc=None, mn=None), kind)
     if kind.fp4:
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
         sc = torch.randint(0, 256, (n, k // kind.sub), dtype=torch.uint8, generator=gen)
@@ -83,7 +97,33 @@ def main() -> int:
     failed += not _check_moe_pairs(gen, NVFP4_KIND, "NVFP4-MOE-pairs")
     failed += not _check_moe_pairs(gen, KINDS["Q2_K"], "Q2_K-MOE-pairs")  # a GGUF low-bit kind: scale and min per 16
     failed += not _check_moe_pairs(gen, int8_kind(64, True), "INT8-MOE-pairs")  # 8-bit GPTQ experts
+    failed += not _check_moe_pairs(gen, bnb_kind("nf4", 64), "BNB_NF4-MOE-pairs")  # bitsandbytes experts
+    for layer in BNB_LAYERS:
+        failed += not _check_bnb_codec(gen, *layer)
     return 1 if failed else 0
+
+
+def _check_bnb_codec(gen, quant_type: str, blocksize: int, double_quant: bool, dtype: torch.dtype) -> bool:
+    """A weight quantized by bnb_codec, re-laid as planes (Bnb4bitWeight.to_weight): the dequantize kernel (into a
+    NaN-poisoned output) and the dequant-GEMM against the codec's dequantization in fp32. The absmax's fp16 rounding
+    is the only difference: none without double quantization (the absmax is one of the fp16 / bf16 weights; fp32
+    weights round), at most 2^-11 relative per element with it."""
+    n, k = 37, 384
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    packed, state = quantize_4bit(w, quant_type, blocksize, double_quant=double_quant)
+    ref = dequantize_4bit(packed, state.__class__(**{**state.__dict__, "dtype": torch.float32}))
+    planes = Bnb4bitWeight(packed, state).to_weight(torch.device("cpu"), torch.float16)
+    got = dequantize(planes, torch.float32, out=torch.full((n, k), float("nan")))
+    err = float(((got - ref).abs() / ref.abs().clamp_min(1e-30))[ref != 0].max())
+    exact = dtype != torch.float32 and not double_quant
+    ok = (torch.equal(got, ref) if exact else err <= 2 ** -11) and torch.equal(got, dequantize_planes(planes))
+    x = torch.randn(3, k, dtype=torch.float16)
+    out = quant_matmul(x, planes, out=torch.full((3, n), float("nan"), dtype=torch.float16))
+    mm_err = rel(out, x.float() @ ref.T)
+    ok = ok and mm_err < 2e-3 and not torch.isnan(out).any()
+    name = f"codec-{quant_type}-b{blocksize}{'-double' if double_quant else ''}-{str(dtype).removeprefix('torch.')}"
+    print(f"CHECK {name} {'ok' if ok else 'FAIL'} max rel {err:.2e} (exact {exact}) matmul rel {mm_err:.2e}")
+    return ok
 
 
 def _check_moe_pairs(gen, kind, name: str) -> bool:

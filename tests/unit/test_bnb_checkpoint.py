@@ -152,8 +152,14 @@ def test_quantization_config_and_flags():
         _check_bnb_load_format("bitsandbytes", None)
     with pytest.raises(ConfigError, match="quantized with 'awq'"):
         _check_bnb_load_format("bitsandbytes", "awq")
-    # never kept quantized, not even with the flag on a GPU (no plane holds NF4 / FP4)
-    assert _quantized_weights("bitsandbytes", "bitsandbytes", four, torch.device("cuda", 0), "auto") == "dequantized"
+    # 4-bit layers are kept quantized on a GPU (with the flag; else by size), also quantized at load; 8-bit rows and
+    # the CPU dequantize
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", four, gpu, "auto") == "quantized"
+    assert _quantized_weights("bitsandbytes", None, four, gpu, "auto") == "auto"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", llama, gpu, "auto") == "quantized"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", eight, gpu, "auto") == "dequantized"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", four, cpu, "auto") == "dequantized"
 
 
 def test_state_sizes_are_checked():
@@ -164,3 +170,54 @@ def test_state_sizes_are_checked():
     with pytest.raises(BnbCheckpointError, match="127 packed bytes"):
         list(bnb_weights(tensors.items(), BnbScheme(4), {"x.weight"}))
     assert isinstance(state, Bnb4bitState)
+
+
+def test_kept_quantized_planes_and_their_refusals(caplog, monkeypatch):
+    """A 4-bit layer kept quantized: planes of its kind (codes re-laid, fp16 absmax: 4.25 bits per weight) whose
+    values are the codec's up to the absmax's fp16 rounding; layouts the planes cannot hold come dense (bitsandbytes'
+    own dequantization), said once per reason in the log."""
+    from voltllm.model.layers.gguf_planes import Planes, bnb_kind, dequantize_planes
+    from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight
+
+    import voltllm.model.layers.quantized_linear as quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "_DENSE_REASONS_LOGGED", set())  # (each reason is logged once a process)
+    cpu = torch.device("cpu")
+    w = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)) * 0.05
+    for quant_type, blocksize, double_quant in (("nf4", 64, True), ("fp4", 128, False)):
+        packed, state = quantize_4bit(w, quant_type, blocksize, double_quant=double_quant)
+        p = Bnb4bitWeight(packed, state).to_weight(cpu, torch.float16)
+        assert isinstance(p, Planes) and p.kind == bnb_kind(quant_type, blocksize) and p.d.dtype == torch.float16
+        assert p.nbytes * 8 / w.numel() == 4 + 16 / blocksize
+        ref = dequantize_4bit(packed, state)
+        torch.testing.assert_close(dequantize_planes(p), ref, rtol=2 ** -11, atol=0)
+    with pytest.raises(ValueError, match="blocks of 64 / 128"):
+        bnb_kind("nf4", 256)
+    cases = {"blocks of 256": (w, 256), "not a multiple of 64": (w[:, :96].contiguous(), 64),
+             "beyond fp16's range": (w * 1e7, 64)}
+    for reason, (x, blocksize) in cases.items():
+        packed, state = quantize_4bit(x, "nf4", blocksize, double_quant=False)
+        with caplog.at_level("WARNING", logger="voltllm"):
+            got = Bnb4bitWeight(packed, state).to_weight(cpu, torch.float32)
+        assert isinstance(got, torch.Tensor) and torch.equal(got, dequantize_4bit(packed, state))
+        assert reason in caplog.text
+
+
+def test_dense_size_and_tensor_parallel_multiple(tmp_path):
+    """The "auto" policy's dequantized size of a 4-bit checkpoint equals the unquantized model's; row-parallel cuts of
+    4-bit layers fall on whole 64-input groups (blocks of 128: checked per layer at load), 8-bit rows set none."""
+    from bnb_checkpoints import quantize_bnb_checkpoint
+    from tiny_models import make_model
+
+    from voltllm.distributed.support import _column_multiple
+    from voltllm.model.loader.bnb_checkpoint import dense_bytes
+    from voltllm.model.loader.safetensors_loader import stored_elements
+
+    path = make_model(str(tmp_path / "m"), "qwen3", hidden_size=128, intermediate_size=256, head_dim=32)
+    elements = stored_elements(path, lambda name, n: n)
+    quantize_bnb_checkpoint(path, str(tmp_path / "ref"), storage=torch.bfloat16)
+    assert dense_bytes(path, 2) == 2 * elements
+    four, eight = (SimpleNamespace(model_type="qwen3", quantization_config=bnb_config(b)) for b in (4, 8))
+    assert _column_multiple(four, "bitsandbytes") == (64, "bitsandbytes 4-bit")
+    assert _column_multiple(SimpleNamespace(model_type="qwen3"), "bitsandbytes") == (64, "bitsandbytes 4-bit")
+    assert _column_multiple(eight, "bitsandbytes") is None

@@ -3,7 +3,7 @@ tuner's candidates for it. The kernel itself runs on the GPU (tests/gpu/test_qua
 interpreter form) and passes the sm_70 / sm_75 gate with the other registered kernels."""
 from voltllm.kernels.quant_half2 import DOT, HALF2, HALF2_ROWS, MMA, supports
 from voltllm.kernels.registry import REGISTRY
-from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind, int8_kind
+from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, bnb_kind, int4_kind, int8_kind
 from voltllm.model.layers.quantized_linear import FMA_MAX_ROWS, MMA_MAX_ROWS, MMA_ROW_CLASSES, row_class
 from voltllm.worker.quant_tuning import CANDIDATES, HALF2_CANDIDATES, MMA_CANDIDATES, TUNE_ROWS
 
@@ -17,6 +17,8 @@ def test_kinds():
     assert supports(NVFP4_KIND) and not supports(FP8_KIND)
     # 8-bit GPTQ's codes have high bits: the FMA / tiled kernels take them (few_row_matmul falls back to quant_matmul)
     assert not supports(int8_kind(128, True)) and not supports(int8_kind(128, False))
+    # bitsandbytes' codes index a table of floats (so do IQ4's, of integers): the FMA / tiled kernels look them up
+    assert not any(supports(bnb_kind(t, b)) for t in ("nf4", "fp4") for b in (64, 128))
 
 
 def test_registered_and_tuned():

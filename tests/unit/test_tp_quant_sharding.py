@@ -1,7 +1,7 @@
 """Tensor-parallel shards of weights kept quantized (distributed/sharding.py, PackedWeight.cut, gguf_planes.col_band /
 row_shard): each shard's planes dequantize to exactly the same slice of the whole dequantized matrix, for GGUF,
-int4 (AWQ / GPTQ), FP8 and NVFP4 kinds; padded vocabulary rows are zeros; a cut across a block is an error that names
-the layer, the kind and the multiple."""
+int4 (AWQ / GPTQ), FP8, NVFP4 and bitsandbytes NF4 / FP4 kinds; padded vocabulary rows are zeros; a cut across a
+block is an error that names the layer, the kind and the multiple."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +34,13 @@ def _planes(name: str, n: int, k: int, seed: int = 0) -> Planes:
     if name == "FP8":
         d = torch.rand(n, k // 128, generator=g) * 0.01
         return to_planes(Unpacked(codes=_finite_e4m3(g, (n, k)), d=d, m=None, sc=None, mn=None), FP8_KIND)
+    if name.startswith("BNB"):  # BNB_<type>_B<blocksize>: a bitsandbytes layer quantized by the codec
+        from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight
+        from voltllm.model.loader.bnb_codec import quantize_4bit
+
+        packed, state = quantize_4bit(torch.randn(n, k, generator=g) * 0.05, name[4:7].lower(),
+                                      int(name.rpartition("_B")[2]), double_quant=True)
+        return Bnb4bitWeight(packed, state).to_weight(None, torch.float32)
     assert name == "NVFP4"
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     sc = _finite_e4m3(g, (n, k // 16)).view(torch.int8)
@@ -42,7 +49,8 @@ def _planes(name: str, n: int, k: int, seed: int = 0) -> Planes:
 
 
 # (kind, inputs): NVFP4 at 320 inputs (a partial last 256-span of its global scale)
-CASES = [(name, 1024) for name in KINDS] + [("INT4_G32_ZP", 512), ("INT4_G128", 512), ("FP8", 512), ("NVFP4", 320)]
+CASES = [(name, 1024) for name in KINDS] + [("INT4_G32_ZP", 512), ("INT4_G128", 512), ("FP8", 512), ("NVFP4", 320),
+                                             ("BNB_NF4_B64", 512), ("BNB_FP4_B128", 512)]
 
 
 @pytest.mark.parametrize("name,k", CASES)
@@ -72,7 +80,8 @@ class _Held(PackedWeight):
         return dequantize_planes(self.p).to(dtype)
 
 
-@pytest.mark.parametrize("name,k", [("Q4_K", 1024), ("INT4_G32_ZP", 512), ("FP8", 512), ("NVFP4", 320)])
+@pytest.mark.parametrize("name,k", [("Q4_K", 1024), ("INT4_G32_ZP", 512), ("FP8", 512), ("NVFP4", 320),
+                                    ("BNB_NF4_B64", 512)])
 def test_take_rows_and_cols_dispatch_on_packed_weights(name, k):
     p = _planes(name, 8, k)
     full = dequantize_planes(p)
@@ -103,7 +112,8 @@ def test_rows_of_interleaved_shards_compose():
 
 
 @pytest.mark.parametrize("name,k,start,n,mult", [("Q4_K", 1024, 128, 256, 256), ("INT4_G128", 512, 64, 128, 128),
-                                                 ("Q8_0", 256, 32, 64, 64), ("FP8", 512, 128, 64, 128)])
+                                                 ("Q8_0", 256, 32, 64, 64), ("FP8", 512, 128, 64, 128),
+                                                 ("BNB_FP4_B128", 512, 64, 128, 128)])
 def test_misaligned_column_cut_is_an_error_naming_the_layer(name, k, start, n, mult):
     p = _planes(name, 4, k)
     cut = take_cols(_Held(p), start, n, "layers.3.mlp.down_proj")

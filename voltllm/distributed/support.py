@@ -115,6 +115,10 @@ def _column_multiple(hf_config: Any, method: Optional[str]) -> Optional[tuple[in
         return column_multiple(NVFP4_KIND), "NVFP4"
     if method == "gguf":  # per tensor type: 64 at least (K-quants 256, checked at load)
         return GROUP, "GGUF"
+    if method == "bitsandbytes":  # 4-bit: per layer, blocks of 64 or 128 (checked at load); 8-bit rows: dequantized
+        from voltllm.model.loader.bnb_checkpoint import bnb_scheme, keeps_quantized
+
+        return (GROUP, "bitsandbytes 4-bit") if keeps_quantized(bnb_scheme(hf_config, method)) else None
     return None
 
 

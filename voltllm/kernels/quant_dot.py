@@ -47,7 +47,7 @@ from voltllm.model.layers.gguf_planes import KINDS, int4_kind
 @triton.jit
 def _half_weights(q, e, n2, mask2, j, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                   SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr,
-                  NL: tl.constexpr = False):
+                  NL: tl.constexpr = 0):
     """fp32 weights [BLOCK_N, 32] of elements e .. e + 31 of rows n2 from their integer codes q: one scale load per
     row for the 32 (two where scales cover 16 elements: Q6_K, NVFP4, int4 groups of 16)."""
     s, b = _unit_scales(e, n2, mask2, D, Mp, SC, MN, stride_d, stride_s, ZERO, HAS_MIN, SUB, SUPER, ZP, FP8, FP4)
@@ -67,7 +67,7 @@ def _quant_dot_kernel(X, Y, B, LO, HI, D, Mp, SC, MN, SortedIds, BlockExpert, Nu
                       HAS_MIN: tl.constexpr, SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr,
                       FP8: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr,
                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, SPLIT: tl.constexpr,
-                      W_FIRST: tl.constexpr = False, NL: tl.constexpr = False):
+                      W_FIRST: tl.constexpr = False, NL: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)  # split-K: this program's UPS units of K (all of them when not SPLIT; UPS even)

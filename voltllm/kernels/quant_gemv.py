@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from voltllm.kernels.registry import CompileSpec, register_kernel
-from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, int4_kind, int8_kind
+from voltllm.model.layers.gguf_planes import FP8_KIND, KINDS, NVFP4_KIND, bnb_kind, int4_kind, int8_kind
 
-__triton_helpers__ = ("_dequant_units", "_unit_scales", "_codes_to_float", "_scaled")
+__triton_helpers__ = ("_dequant_units", "_unit_scales", "_codes_to_float", "_scaled", "_pick8", "_bnb_value")
 
 
 @triton.jit
@@ -62,13 +62,43 @@ def _unit_scales(e0, n3, mask3, D, Mp, SC, MN, stride_d, stride_s, ZERO: tl.cons
 
 
 @triton.jit
-def _codes_to_float(q, FP8: tl.constexpr, FP4: tl.constexpr, NL: tl.constexpr = False):
-    """Integer codes (int32) as fp32: plain integers, E4M3 / E2M1 codes read as fp16 bits (see below), or (NL) 4-bit
-    indices into IQ4's table as its 8-bit codes (gguf_planes.IQ4_CODES)."""
-    if NL:  # the table's 16 bytes packed 4 per word (int32 literals): pick the word, then the byte; exact
+def _pick8(q, v0, v1, v2, v3, v4, v5, v6, v7):
+    """v[q & 7] for 3-bit codes q: a tree of selects on the code's bits (fp32 constants, exact)."""
+    b0 = (q & 1) != 0
+    b1 = (q & 2) != 0
+    low = tl.where(b1, tl.where(b0, v3, v2), tl.where(b0, v1, v0))
+    high = tl.where(b1, tl.where(b0, v7, v6), tl.where(b0, v5, v4))
+    return tl.where((q & 4) != 0, high, low)
+
+
+@triton.jit
+def _bnb_value(q, NL: tl.constexpr):
+    """bitsandbytes' table value (fp32, in [-1, 1]) of 4-bit codes q: NL 2 NF4, NL 3 FP4 (bnb_codec.table's fp32
+    values; the interpreter checks compare every code with it)."""
+    if NL == 2:
+        neg = _pick8(q, -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                     -0.18477343022823334, -0.09105003625154495, 0.0)
+        pos = _pick8(q, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+        v = tl.where((q & 8) != 0, pos, neg)
+    else:  # FP4: bit 3 the sign, codes 0..7 the magnitudes (0, 0.0625, 8, 12, 4, 6, 2, 3) / 12
+        mag = _pick8(q, 0.0, 0.0052083334885537624, 0.6666666865348816, 1.0, 0.3333333432674408, 0.5,
+                     0.1666666716337204, 0.25)
+        v = tl.where((q & 8) != 0, -mag, mag)
+    return v
+
+
+@triton.jit
+def _codes_to_float(q, FP8: tl.constexpr, FP4: tl.constexpr, NL: tl.constexpr = 0):
+    """Integer codes (int32) as fp32: plain integers, E4M3 / E2M1 codes read as fp16 bits (see below), (NL 1) 4-bit
+    indices into IQ4's table as its 8-bit codes (gguf_planes.IQ4_CODES) or (NL 2 / 3) 4-bit indices into
+    bitsandbytes' NF4 / FP4 table of floats (TABLE_IDS)."""
+    if NL == 1:  # the table's 16 bytes packed 4 per word (int32 literals): pick the word, then the byte; exact
         word = tl.where(q < 8, tl.where(q < 4, 1059919873, 1986682191), tl.where(q < 12, -1499886207, -237386315))
         q = (word >> ((q & 3) * 8)) & 0xFF
-    if FP8:  # E4M3 codes read as fp16 bits (sign, then exponent and mantissa moved up 7 bits): the value / 2^8,
+    if NL >= 2:
+        f = _bnb_value(q, NL)
+    elif FP8:  # E4M3 codes read as fp16 bits (sign, then exponent and mantissa moved up 7 bits): the value / 2^8,
         # subnormals included; the fp16 -> fp32 conversion is exact (no fp8 instructions: SM70 has none)
         f = (((q & 0x7F) << 7) | ((q & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     elif FP4:  # E2M1 codes read as fp16 bits (exponent and mantissa at fp16's top mantissa bit, sign at bit 15): the
@@ -93,7 +123,7 @@ def _scaled(s, q, b, FP4: tl.constexpr):
 def _dequant_units(LO, HI, D, Mp, SC, MN, offs_n, mask_n, u0, NU, stride_lo, stride_hi, stride_d, stride_s,
                    U: tl.constexpr, HI_BITS: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                    SUB: tl.constexpr, SUPER: tl.constexpr, ZP: tl.constexpr, FP8: tl.constexpr,
-                   FP4: tl.constexpr = False, NL: tl.constexpr = False):
+                   FP4: tl.constexpr = False, NL: tl.constexpr = 0):
     """fp32 weights of rows offs_n for `lo` units u0 .. u0 + U (16 bytes each): (lo, hi, e0), the weights [BLOCK_N,
     U, 16] of elements e0 + j and e0 + 32 + j, with e0 [1, U, 1] = 64 (u // 2) + 16 (u % 2)."""
     u = u0 + tl.arange(0, U)
@@ -206,10 +236,19 @@ def _dequant_kernel(OUT, LO, HI, D, Mp, SC, MN, N, NU, stride_out, stride_lo, st
 _PLANE_ARGS = {"LO": "*u8", "HI": "*u8", "D": "*fp16", "Mp": "*fp16", "SC": "*i8", "MN": "*i8"}
 
 
+# NL: the table a 4-bit code indexes (0: none, the code is the value): IQ4's integers, bitsandbytes' NF4 / FP4 floats
+TABLE_IDS = {"iq4": 1, "nf4": 2, "fp4": 3}
+
+
+def table_id(kind) -> int:
+    """The kernels' NL constexpr of a gguf_planes.PlaneKind (TABLE_IDS)."""
+    return TABLE_IDS["iq4"] if kind.nl else TABLE_IDS[kind.bnb] if kind.bnb else 0
+
+
 def _constexprs(kind) -> dict:
     """A gguf_planes.PlaneKind as the kernels' constexprs."""
     return {"HI_BITS": kind.hi_bits, "ZERO": kind.zero, "HAS_MIN": kind.has_min, "SUB": kind.sub, "SUPER": kind.super,
-            "ZP": kind.zero_points, "FP8": kind.fp8, "FP4": kind.fp4, "NL": kind.nl}
+            "ZP": kind.zero_points, "FP8": kind.fp8, "FP4": kind.fp4, "NL": table_id(kind)}
 
 
 def _distinct_forms(kinds) -> list:
@@ -224,10 +263,11 @@ def _distinct_forms(kinds) -> list:
 
 
 # every GGUF kind's form, the int4 checkpoints' common forms (AWQ / asymmetric GPTQ, symmetric GPTQ), 8-bit GPTQ's
-# (asymmetric, symmetric), FP8 and NVFP4, for the sm70 gate
+# (asymmetric, symmetric), FP8, NVFP4 and bitsandbytes' NF4 / FP4, for the sm70 gate
 _GATED_KINDS = _distinct_forms(list(KINDS.values()) + [int4_kind(128, True), int4_kind(128, False),
                                                        int4_kind(32, True), int8_kind(128, True),
-                                                       int8_kind(128, False), FP8_KIND, NVFP4_KIND])
+                                                       int8_kind(128, False), FP8_KIND, NVFP4_KIND,
+                                                       bnb_kind("nf4", 64), bnb_kind("fp4", 64)])
 
 
 def _with_scale_type(sig: dict, kind) -> dict:

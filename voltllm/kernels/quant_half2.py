@@ -402,11 +402,12 @@ def _half2_rows_kernel(X, Y, B, LO, D, SC, MN, M, N, NU, stride_xm, stride_ym, s
 
 def supports(kind) -> bool:
     """Whether a plane kind has this form: 4-bit codes without high bits, a zero point (fixed or per group) or
-    NVFP4's scales, scale groups of 16 elements or more (not Q8_0 / 8-bit GPTQ / FP8: their codes have high bits)."""
+    NVFP4's scales, scale groups of 16 elements or more (not Q8_0 / 8-bit GPTQ / FP8: their codes have high bits;
+    not the table kinds, IQ4 and bitsandbytes' NF4 / FP4, whose codes are looked up)."""
     if kind.fp4:
         return kind.sub == 16
     return (kind.hi_bits == 0 and not kind.has_min and kind.sub == 0 and not kind.fp8 and not kind.nl
-            and kind.super % 16 == 0 and 0 <= kind.zero < 16)
+            and not kind.bnb and kind.super % 16 == 0 and 0 <= kind.zero < 16)
 
 
 def fits(planes) -> bool:

@@ -300,6 +300,8 @@ class ModelRunner:
             from voltllm.model.loader.nvfp4_checkpoint import dense_bytes
         elif mc.quantization == "compressed-tensors":  # (NVFP4 ones: nvfp4_checkpoint's count)
             from voltllm.model.loader.compressed_tensors_checkpoint import dense_bytes
+        elif mc.quantization == "bitsandbytes":
+            from voltllm.model.loader.bnb_checkpoint import dense_bytes
         else:
             from voltllm.model.loader.int4_checkpoint import dense_bytes
         # (under tensor parallelism each rank holds 1/N of it: the same rule per GPU as without)

@@ -37,6 +37,9 @@ inputs (FP8_KIND): an element is d * e4m3(q). NVFP4 checkpoints (model/loader/nv
 codes in `lo`, their E4M3 per-16 scale codes in `sc` (raw bits, int8 [N, K/16]) and the tensor's fp32 global scale in
 `d`, repeated per row and 256 inputs (NVFP4_KIND: 4 + 0.5 + 0.125 = 4.625 bits per weight): an element is
 e2m1(q) * e4m3(sc) * d, the first product exact in fp32 (at most 6 significant bits), so the value is rounded once.
+bitsandbytes 4-bit layers (model/loader/bnb_checkpoint.py) keep their NF4 / FP4 table index in `lo` and each block's
+absmax in `d` (fp16, one per `super` = block of 64 or 128 inputs; bnb_kind): an element is table[q] * d, the table's
+fp32 value in [-1, 1] times the absmax, rounded once as bitsandbytes does (4.25 bits per weight in blocks of 64).
 
 An element with code q dequantizes to (d * sc) * (q - ZERO) + m (legacy types, no `sc`) or
 - (dmin * mn) (Q4_K, Q5_K), computed in fp32 in the order the `gguf` package's numpy code uses, so the values equal
@@ -72,6 +75,7 @@ class PlaneKind:
     fp8: bool = False  # the 8-bit codes are E4M3 floats (FP8 checkpoints): w = d * e4m3(q), `d` fp32
     fp4: bool = False  # the 4-bit codes are E2M1 floats, `sc` E4M3 codes per `sub` (NVFP4): w = e2m1(q) * e4m3(sc) * d
     nl: bool = False  # the 4-bit codes index IQ4's non-linear table (IQ4_CODES: its values + ZERO 128)
+    bnb: str = ""  # "nf4" / "fp4": the 4-bit codes index bitsandbytes' table of floats in [-1, 1], w = d * table[q]
 
 
 KINDS = {k.name: k for k in (
@@ -125,6 +129,19 @@ FP8_KIND = PlaneKind("FP8_E4M3", 128, 0, hi_bits=4, zero=0, has_min=False, sub=0
 # inputs of a row (the last one covers a partial span when K is not a multiple of 256), so shards with different
 # global scales (q / k / v, gate / up) stack into one merged projection
 NVFP4_KIND = PlaneKind("NVFP4", 16, 0, hi_bits=0, zero=0, has_min=False, sub=16, super=256, fp4=True)
+# bitsandbytes' 4-bit block sizes kept quantized (64: what transformers writes and vLLM quantizes at load; 128: the
+# other common one); a block of other inputs is dequantized at load (model/loader/bnb_checkpoint.py)
+BNB_BLOCKSIZES = (64, 128)
+
+
+def bnb_kind(quant_type: str, blocksize: int) -> PlaneKind:
+    """The kind of a bitsandbytes 4-bit weight (NF4 / FP4) in blocks of `blocksize` inputs (BNB_BLOCKSIZES): the
+    code's table value times the block's absmax, held in `d` (fp16)."""
+    if quant_type not in ("nf4", "fp4") or blocksize not in BNB_BLOCKSIZES:
+        raise ValueError(f"bitsandbytes {quant_type} in blocks of {blocksize}: kept quantized for nf4 / fp4 in blocks "
+                         f"of {' / '.join(map(str, BNB_BLOCKSIZES))}")
+    return PlaneKind(f"BNB_{quant_type.upper()}_B{blocksize}", blocksize, 0, hi_bits=0, zero=0, has_min=False, sub=0,
+                     super=blocksize, bnb=quant_type)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -284,6 +301,10 @@ def dequantize_unpacked(u: Unpacked, kind: PlaneKind) -> torch.Tensor:
         return (e2m1_values(u.codes) * e4m3_values(u.sc).repeat_interleave(kind.sub, dim=1)) * d
     if kind.fp8:
         return d * u.codes.view(torch.float8_e4m3fn).to(torch.float32)
+    if kind.bnb:  # bitsandbytes' order: the table's fp32 value times the absmax, one rounding
+        from voltllm.model.loader.bnb_codec import table
+
+        return table(kind.bnb).to(u.codes.device)[u.codes.long()] * d
     codes = torch.tensor(IQ4_CODES, dtype=torch.uint8, device=u.codes.device)[u.codes.long()] if kind.nl else u.codes
     q = codes.to(torch.float32) - kind.zero if kind.zero else codes.to(torch.float32)
     if kind.zero_points:

@@ -118,9 +118,9 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
                  experts: Any = None) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
-    4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers), else
-    dequantized; the quantized checkpoints' layers always as `<layer>.weight`. bitsandbytes layers are always
-    dequantized (no plane holds them: bnb_checkpoint.py).
+    4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers, bitsandbytes
+    4-bit layers), else dequantized; the quantized checkpoints' layers always as `<layer>.weight`. bitsandbytes 8-bit
+    layers are dequantized even so (bnb_checkpoint.py).
     quantization "fp8" / "bitsandbytes" on an unquantized checkpoint quantizes its projections as they load.
     only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone). experts: this rank's
     routed experts under expert parallelism (distributed.experts.ExpertShard): the other ranks' expert tensors are
@@ -142,7 +142,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     stream = safetensors_weights(source.path, only)
     if (bnb := bnb_scheme(hf_config, quantization)) is not None:
         yield from bnb_weights(stream, bnb, quantized_layers(source.path) if bnb.bits == 4 and not bnb.at_load
-                               else set())
+                               else set(), keep_quantized)
     elif (scheme := int4_scheme(hf_config)) is not None:
         yield from int4_weights(stream, scheme, keep_quantized)
     elif (fp8 := fp8_scheme(hf_config, quantization)) is not None:

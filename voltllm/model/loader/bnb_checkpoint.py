@@ -12,14 +12,25 @@ bitsandbytes` on an unquantized one. The codec is bnb_codec.py.
 tile layouts are refused).
 Layers the quantizer skipped (`llm_int8_skip_modules`, the LM head) are stored dense and pass through.
 
-No plane of the quantized-linear kernels holds NF4 / FP4 exactly (their 4-bit table is IQ4's integers, fixed in the
-kernels; an NF4 value times an fp32 absmax is no 8-bit code times a scale), so every layer is dequantized at load, to
-the layer's stored dtype (bitsandbytes' own result), then the compute dtype: on a GPU this saves no memory against
-the unquantized model.
+Kept quantized (on a GPU, `ModelConfig.quantized_weights`), a 4-bit layer becomes a Bnb4bitWeight whose planes are
+gguf_planes.bnb_kind(quant_type, blocksize): the codes re-laid into `lo` and each block's absmax in `d`, double
+quantization resolved at load (bnb_codec.block_absmax, fp32) and rounded to fp16. fp16 holds an absmax well: it is
+a weight magnitude (the largest |w| of its block), far inside fp16's range; without double quantization the absmax of
+an fp16 or bf16 checkpoint is one of its weights, so fp16 holds it exactly (bf16 down to 2^-17); with double
+quantization the fp32 absmax is itself an 8-bit code's value (about 1% apart), and fp16's rounding (at most 2^-11
+relative) adds twenty times less. An element is then table[q] * absmax in fp32, one rounding, as bitsandbytes does:
+the layer is 4.25 bits per weight on the device (bitsandbytes' own 4.13 with double quantization). A layer the
+planes cannot hold (inputs not a multiple of 64 or of the block, so blocks straddle rows; a block size other than 64
+/ 128; an absmax beyond fp16's range) is dequantized at load, with one log line per reason. 8-bit layers are always
+dequantized at load.
+
+On the CPU, or where the weights are not kept quantized, every layer is dequantized at load, to the layer's stored
+dtype (bitsandbytes' own result), then the compute dtype: on a GPU this saves no memory against the unquantized
+model.
 
 `--quantization bitsandbytes` on an unquantized llama / qwen2 / qwen3 / qwen3_moe checkpoint quantizes each
-projection at load as vLLM does (NF4, blocks of 64, double quantization), then dequantizes it as above: the model
-runs with NF4-rounded weights.
+projection at load as vLLM does (NF4, blocks of 64, double quantization), then keeps it quantized or dequantizes it
+as above: the model runs with NF4-rounded weights.
 """
 from __future__ import annotations
 
@@ -28,17 +39,20 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
-from voltllm.model.loader.bnb_codec import (QUANT_TYPES, Bnb4bitState, NestedAbsmax, dequantize_4bit, dequantize_int8,
-                                            quantize_4bit, table)
+from voltllm.model.layers.gguf_planes import BNB_BLOCKSIZES, GROUP, Planes, Unpacked, bnb_kind, to_planes
+from voltllm.model.layers.quantized_linear import PackedWeight, log_dense_at_load
+from voltllm.model.loader.bnb_codec import (QUANT_TYPES, Bnb4bitState, NestedAbsmax, block_absmax, dequantize_4bit,
+                                            dequantize_int8, quantize_4bit, table, unpack_codes)
 
 QUANT_STATE = ".quant_state.bitsandbytes__"
 _4BIT_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _NESTED_PARTS = ("nested_absmax", "nested_quant_map")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPE_BYTES = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 _INT8_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 # the projections `--quantization bitsandbytes` quantizes at load, MoE experts included (embeddings, the LM head,
 # norms and the router stay as they are: vLLM's in-flight quantization leaves them too)
@@ -70,6 +84,53 @@ def bnb_scheme(hf_config: Any, quantization: Optional[str] = None) -> Optional[B
         raise BnbCheckpointError(f"bitsandbytes checkpoint with load_in_4bit {four} and load_in_8bit {eight}: "
                                  "expected exactly one of them")
     return BnbScheme(8 if eight else 4)
+
+
+FP16_MAX = 65504.0
+
+
+@dataclass
+class Bnb4bitWeight(PackedWeight):
+    """One 4-bit layer as the checkpoint stores it: the packed codes (any storage dtype, read as bytes) and its
+    state. `to_weight` re-lays it as planes of bnb_kind on the device (see the module docstring)."""
+    packed: torch.Tensor
+    state: Bnb4bitState
+    out_features: int = 0
+    in_features: int = 0
+
+    def __post_init__(self):
+        self.out_features, self.in_features = self.state.shape
+
+    def planes_refusal(self) -> Optional[str]:
+        """Why the planes cannot hold this layer's layout (None: they can); the absmax is checked in to_weight."""
+        bs, k = self.state.blocksize, self.in_features
+        if bs not in BNB_BLOCKSIZES:
+            kept = " / ".join(map(str, BNB_BLOCKSIZES))
+            return f"bitsandbytes 4-bit blocks of {bs} (kept quantized: blocks of {kept})"
+        if k % bs or k % GROUP:
+            return f"bitsandbytes 4-bit layers whose inputs are not a multiple of {max(bs, GROUP)} (blocks of {bs})"
+        return None
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
+        """Planes of bnb_kind on `device`; the dequantized matrix in `dtype` where they cannot hold the layer."""
+        why = self.planes_refusal()
+        absmax = None
+        if why is None:
+            absmax = block_absmax(self.state).to(device)
+            if absmax.numel() and float(absmax.abs().max()) > FP16_MAX:
+                why = "bitsandbytes 4-bit blocks whose absmax is beyond fp16's range"
+        if why is not None:
+            log_dense_at_load(why)
+            return self.dequantize(dtype, device)
+        n, k = self.out_features, self.in_features
+        codes = unpack_codes(self.packed.to(device), n * k).reshape(n, k)
+        d = absmax.reshape(n, k // self.state.blocksize).to(torch.float16)
+        return to_planes(Unpacked(codes=codes, d=d, m=None, sc=None, mn=None),
+                         bnb_kind(self.state.quant_type, self.state.blocksize))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        """bitsandbytes' own dequantization (in the stored dtype), then `dtype`."""
+        return dequantize_4bit(self.packed, self.state).to(device=device, dtype=dtype)
 
 
 def quantized_layers(path: str) -> set[str]:
@@ -138,7 +199,8 @@ def _json_bytes(t: torch.Tensor) -> bytes:
     return bytes(t.to(torch.uint8).reshape(-1).tolist())
 
 
-def _weights_4bit(stream: Iterable[tuple[str, torch.Tensor]], layers: set[str]) -> Iterator[tuple[str, Any]]:
+def _weights_4bit(stream: Iterable[tuple[str, torch.Tensor]], layers: set[str],
+                  keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     held: dict[str, dict[str, torch.Tensor]] = {}
     keys: dict[str, str] = {}
     for name, t in stream:
@@ -159,7 +221,9 @@ def _weights_4bit(stream: Iterable[tuple[str, torch.Tensor]], layers: set[str]) 
         parts[part] = t
         if _complete(parts):
             del held[weight]
-            yield weight, dequantize_4bit(parts["weight"], _quant_state(weight, parts, keys.pop(weight)))
+            state = _quant_state(weight, parts, keys.pop(weight))
+            yield weight, (Bnb4bitWeight(parts["weight"], state) if keep_quantized
+                           else dequantize_4bit(parts["weight"], state))
     if held:
         weight, parts = next(iter(held.items()))
         raise BnbCheckpointError(f"bitsandbytes layer {weight!r} is incomplete in the checkpoint (has "
@@ -194,22 +258,55 @@ def _weights_8bit(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
                                  f"{', '.join(sorted(parts))})")
 
 
-def _quantized_at_load(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+def _quantized_at_load(stream: Iterable[tuple[str, torch.Tensor]], keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     for name, t in stream:
         if _PROJECTION.fullmatch(name) and t.dim() == 2 and t.is_floating_point():
-            t = dequantize_4bit(*quantize_4bit(t, "nf4", double_quant=True))
+            packed, state = quantize_4bit(t, "nf4", double_quant=True)
+            t = Bnb4bitWeight(packed, state) if keep_quantized else dequantize_4bit(packed, state)
         yield name, t
 
 
-def bnb_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: BnbScheme,
-                layers: set[str]) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's (name, tensor) stream with each bitsandbytes layer's tensors gathered into its dequantized
-    weight (4-bit: in the layer's stored dtype; 8-bit: fp32); `layers`: the 4-bit layers' weight names
-    (quantized_layers). With scheme.at_load, the projections of an unquantized checkpoint are quantized to NF4 and
-    dequantized. Other tensors pass through."""
+def bnb_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: BnbScheme, layers: set[str],
+                keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (name, tensor) stream with each bitsandbytes layer's tensors gathered into one weight: a 4-bit
+    layer's Bnb4bitWeight (keep_quantized) or its dequantized weight in the layer's stored dtype; an 8-bit layer's
+    dequantized weight (fp32) always. `layers`: the 4-bit layers' weight names (quantized_layers). With
+    scheme.at_load, the projections of an unquantized checkpoint are quantized to NF4 (then kept or dequantized
+    alike). Other tensors pass through."""
     if scheme.at_load:
-        yield from _quantized_at_load(stream)
+        yield from _quantized_at_load(stream, keep_quantized)
     elif scheme.bits == 8:
         yield from _weights_8bit(stream)
     else:
-        yield from _weights_4bit(stream, layers)
+        yield from _weights_4bit(stream, layers, keep_quantized)
+
+
+def keeps_quantized(scheme: BnbScheme) -> bool:
+    """Whether layers of this scheme can be kept quantized on the GPU (4-bit; LLM.int8()'s rows are dequantized)."""
+    return scheme.bits == 4
+
+
+def dense_bytes(path: str, itemsize: int) -> int:
+    """Bytes of the checkpoint's weights once dequantized to elements of `itemsize` bytes (from the safetensors
+    headers: a 4-bit layer's packed bytes are two weights each; its absmax, maps and state disappear)."""
+    from safetensors import safe_open
+
+    from voltllm.model.loader.safetensors_loader import stored_elements
+
+    layers = quantized_layers(path)
+    storage: dict[str, int] = {}  # a 4-bit layer's packed storage bytes per element (bnb_4bit_quant_storage)
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if name in layers:
+                    storage[name] = _DTYPE_BYTES.get(st.get_slice(name).get_dtype(), 1)
+
+    def dense(name: str, n: int) -> int:
+        if name in layers:
+            return 2 * n * storage[name]
+        weight, _, part = name.rpartition(".")
+        if QUANT_STATE in name or (weight in layers and part in _4BIT_PARTS):
+            return 0
+        return 0 if part in ("SCB", "weight_format") else n
+
+    return itemsize * stored_elements(path, dense)
