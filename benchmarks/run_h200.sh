@@ -238,7 +238,8 @@
 #   s144b    (session 52) the 8B at 64 x 128/128 (#4)
 #   s144c    (session 52) qwen3-30b-a3b shape with its experts in host memory: uva vs prefetch, batch 1 decode
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
-#   s145     (session 53) image input (Qwen3.5 VL tiny: fp32 graphs vs transformers, fp16 graphs vs eager, compat)
+#   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
+#            bitsandbytes NF4 / FP4 planes
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
@@ -1587,6 +1588,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s145)  # (session 53) image input: the tower's rows, M-RoPE scratch rows read by the fused rope / decode kernels,
          # decode graphs at shifted positions, the compat route
     gpu_file test_image_input_cuda 300
+    gpu_file test_quant_dot_cuda 200 -k bnb  # bitsandbytes NF4 / FP4 planes (kernels, MoE paths)
+    gpu_file test_quant_checkpoints_cuda 200 -k bnb
     ;;
   s144d)  # (session 52) kernels for the new quantized kinds: Q2_K / Q3_K / IQ4_NL / IQ4_XS GGUF planes and 8-bit
           # GPTQ planes (dequant-GEMV, tiled dequant-GEMM, the packed-fp16 refusals, the checkpoints end to end)
