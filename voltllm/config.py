@@ -460,16 +460,10 @@ class EngineArgs:
         return True
     def _resolve_lora(self, config: EngineConfig) -> LoRAConfig:
         """--enable-lora's settings, checked against the model and the rest of the configuration."""
-        from voltllm.lora.adapter import HYBRID_ARCHITECTURES, lora_architecture_error
+        from voltllm.lora.adapter import lora_architecture_error
 
         if err := lora_architecture_error(config.model.hf_config):
             raise ConfigError(f"--enable-lora: {err}")
-        if config.parallel.tensor_parallel_size > 1 and \
-                getattr(config.model.hf_config, "model_type", None) in HYBRID_ARCHITECTURES:
-            # (the hybrids' adapters are not cut for tensor-parallel ranks: their models have no tp_part)
-            raise ConfigError(f"--enable-lora with --tensor-parallel-size {config.parallel.tensor_parallel_size}: "
-                              f"LoRA adapters on {config.model.hf_config.model_type!r} (a hybrid model) run on one "
-                              "GPU only; use --tensor-parallel-size 1")
         for flag, value in (("--max-loras", self.max_loras), ("--max-lora-rank", self.max_lora_rank),
                             ("--max-cpu-loras", self.max_cpu_loras)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

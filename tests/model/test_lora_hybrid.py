@@ -75,6 +75,24 @@ def test_adapters_equal_the_merged_checkpoint(tmp_path, kind):
     assert refs["a1"][1][0] != refs[None][1][0] and refs["a2"][2][0] != refs[None][2][0]
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_tensor_parallel_ranks_cut_the_adapters_as_the_checkpoint(tmp_path, kind):
+    """-tp 2: each rank's adapter slices are the model's own cuts of its projections (gated attention by heads,
+    Gated DeltaNet in_proj by key / value heads and out_proj by value-head columns, dense MLPs by intermediate
+    rows): a mixed batch equals the merged checkpoints at -tp 1."""
+    root = str(tmp_path)
+    base = _hybrid(root, kind)
+    a1 = make_adapter(f"{root}/a1", base, rank=8, alpha=16, seed=1, targets=HYBRID_TARGETS, std=0.15)
+    reqs = {"a1": LoRARequest("a1", 1, a1)}
+    names = ["a1", None, "a1"]
+    prompts = [[t % HYBRID_VOCAB for t in p] for p in PROMPTS[:3]]
+    ours = _outputs(_lora_llm(base, tensor_parallel_size=2), prompts, [reqs[n] if n else None for n in names])
+    refs = {None: _outputs(_llm(base), prompts), "a1": _outputs(_llm(save_merged(base, a1, f"{root}/m1")), prompts)}
+    for i, n in enumerate(names):
+        _same([ours[i]], [refs[n][i]])
+    assert refs["a1"][0][0] != refs[None][0][0]
+
+
 def test_chunked_prefill_and_prefix_snapshots_keep_adapters_apart(tmp_path):
     """Prompts prefilled in small chunks beside decoding requests of other adapters; then the same long prompt under
     the base model, a1, a2 and a1 again with prefix caching (KV blocks and Gated DeltaNet state snapshots): each run

@@ -238,9 +238,7 @@ def test_hybrid_models_take_adapters_and_other_architectures_are_refused(tmp_pat
     if path is None:
         pytest.skip("this transformers has no qwen3_5")
     assert _config(path, enable_lora=True).lora is not None
-    with pytest.raises(ConfigError, match="--enable-lora with --tensor-parallel-size 2: LoRA adapters on 'qwen3_5"
-                                          ".*one GPU only"):
-        _config(path, enable_lora=True, tensor_parallel_size=2)
+    assert _config(path, enable_lora=True, tensor_parallel_size=2).lora is not None  # (cut by the model's tp_part)
     assert "not 'gemma2'" in lora_architecture_error(SimpleNamespace(model_type="gemma2"))
 
 

@@ -474,10 +474,18 @@ class GatedDeltaNet(nn.Module):
             return [f"{prefix}norm_weight"]
         if name == "out_proj.weight":  # row-parallel: this rank's value heads' input columns
             if self.tp is not None:
-                tensor = take_cols(tensor, self.v_start * dv, self.value_dim, prefix + "out_proj")
+                tensor = self.local_out_cols(tensor, prefix + "out_proj")
             self.out_proj.load_weight(tensor)
             return [f"{prefix}out_proj#0"]
         raise ValueError(f"unexpected GDN weight {name!r}")
+
+    def local_out_cols(self, tensor: Any, name: str) -> Any:
+        """This rank's value heads' input columns of out_proj (row-parallel) given the whole projection's."""
+        return take_cols(tensor, self.v_start * self.dv, self.value_dim, name)
+
+    def local_in_rows(self, part: Any, shard: int) -> Any:
+        """_local for a caller outside the loader (LoRA's B rows of in_proj shard `shard`)."""
+        return self._local(part, shard)
 
     def _local(self, part: Any, shard: int) -> Any:
         """This rank's rows of in_proj shard `shard` (0 q, 1 k: key heads; 2 v, 3 z: value heads; 4 b, 5 a: one row

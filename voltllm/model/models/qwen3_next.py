@@ -107,6 +107,18 @@ class GatedAttention(PagedAttention):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
 
+    def local_qkv_rows(self, tensor: Any, shard: int) -> Any:
+        """This rank's heads' rows of qkv_proj shard `shard` (0: q_proj, [q_h | gate_h] per head, 2 D rows; 1 k,
+        2 v) given the whole projection's rows (the checkpoint's, or a LoRA B's)."""
+        d, h = self.head_dim, self.heads
+        return (take_rows(tensor, h.q_start * 2 * d, h.num_heads * 2 * d) if shard == 0 else
+                take_rows(tensor, h.kv_start * d, h.num_kv_heads * d))
+
+    def local_o_cols(self, tensor: Any, name: str) -> Any:
+        """This rank's heads' input columns of o_proj (row-parallel) given the whole projection's."""
+        d, h = self.head_dim, self.heads
+        return take_cols(tensor, h.q_start * d, h.num_heads * d, name)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qg, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
@@ -203,15 +215,12 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
         if sub in _ATTN_STACKED:
             shard = _ATTN_STACKED[sub]
             if layer.tp is not None:  # this rank's heads' rows: q_proj holds [q_h | gate_h] per head (2 D rows)
-                d, h = attn.head_dim, attn.heads
-                tensor = (take_rows(tensor, h.q_start * 2 * d, h.num_heads * 2 * d) if shard == 0 else
-                          take_rows(tensor, h.kv_start * d, h.num_kv_heads * d))
+                tensor = attn.local_qkv_rows(tensor, shard)
             (attn.qkv_proj.load_weight if kind == "weight" else attn.qkv_proj.load_bias)(tensor, shard)
             return [p + f"self_attn.qkv_proj#{shard}"]
         if sub == "o_proj":
             if layer.tp is not None:  # row-parallel: this rank's heads' input columns; the bias added by rank 0 only
-                d, h = attn.head_dim, attn.heads
-                tensor = (take_cols(tensor, h.q_start * d, h.num_heads * d, name) if kind == "weight" else
+                tensor = (attn.local_o_cols(tensor, name) if kind == "weight" else
                           tensor if layer.tp.rank == 0 else torch.zeros_like(tensor))
             (attn.o_proj.load_weight if kind == "weight" else attn.o_proj.load_bias)(tensor)
             return [p + "self_attn.o_proj#0"]
@@ -329,6 +338,30 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         for i, layer in enumerate(self.layers):
             keys |= layer_expected_keys(layer, f"layers.{i}.")
         return keys
+
+    def tp_part(self, module_name: str, kind: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a projection's whole weight (the checkpoint loader's cuts: gated attention by heads,
+        Gated DeltaNet by key / value heads, dense MLPs by intermediate rows). LoRA cuts its adapters with it
+        (lora/sharding.py: B's rows of the column-parallel shards, A's columns of o_proj / out_proj / down_proj)."""
+        if self.tp is None:
+            return tensor
+        parts = module_name.split(".")
+        if "layers" not in parts or kind != "weight":
+            raise ValueError(f"{module_name} ({kind}): no tensor-parallel split is defined for it")
+        layer = self.layers[int(parts[parts.index("layers") + 1])]
+        leaf = parts[-1]
+        if leaf == "qkv_proj":
+            return layer.self_attn.local_qkv_rows(tensor, shard)
+        if leaf == "o_proj":
+            return layer.self_attn.local_o_cols(tensor, module_name)
+        if leaf == "in_proj":
+            return layer.linear_attn.local_in_rows(tensor, shard)
+        if leaf == "out_proj":
+            return layer.linear_attn.local_out_cols(tensor, module_name)
+        if leaf in ("gate_up_proj", "down_proj") and not isinstance(layer.mlp, SparseMoE):
+            start, n = intermediate_split(self.config.intermediate_size, self.tp)
+            return take_rows(tensor, start, n) if leaf == "gate_up_proj" else take_cols(tensor, start, n, module_name)
+        raise ValueError(f"{module_name}: no tensor-parallel split is defined for it")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
