@@ -51,6 +51,7 @@ def make_adapter(path: str, model_path: str, rank: int = 8, alpha: float = 16, s
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_path)
+    cfg = getattr(cfg, "text_config", None) or cfg  # (a vision-language checkpoint's text model)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in (range(cfg.num_hidden_layers) if layers is None else layers):

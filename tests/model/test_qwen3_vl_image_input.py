@@ -92,3 +92,63 @@ def test_dummy_weights_profile_and_kept_rows_carry_the_deepstack_levels(vl):
     step.profile((1, 8, 8))
     assert _kept_image_rows_bytes(runner) == 2 * step.capacity * 64 * 3 * 4  # fp32 rows of 64 x (1 + 2 levels)
     assert len(_run(llm, [(ids, mm)])[0]) == 6
+
+
+def _merged_copy(path: str, adapter: str, out: str) -> str:
+    """The checkpoint at path with the adapter merged into its text model's weights (W + scaling * B A)."""
+    import glob
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    scaling = config["lora_alpha"] / config["r"]
+    lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    (file,) = glob.glob(os.path.join(out, "*.safetensors"))
+    sd = load_file(file)
+    for key, a in lora.items():
+        if ".lora_A." in key:
+            module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+            b = lora[key.replace(".lora_A.", ".lora_B.")]
+            sd[f"{module}.weight"] = sd[f"{module}.weight"] + scaling * (b.double() @ a.double()).float()
+    save_file(sd, file, metadata={"format": "pt"})
+    return out
+
+
+def test_lora_adapters_on_the_text_model_with_an_image(vl, tmp_path):
+    """PEFT adapters on Qwen3-VL's text model (its names under model.language_model), with an image in the prompt:
+    the engine with the adapter equals the engine on the merged checkpoint; an adapter on the vision tower is
+    refused by name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lora_adapters import make_adapter
+    from vl_models import GREEDY
+    from voltllm import LoRARequest
+    from voltllm.engine.types import EngineCoreRequest
+    from voltllm.lora.adapter import LoRAAdapterError, read_adapter
+
+    adapter = make_adapter(str(tmp_path / "a"), vl[0], rank=4, alpha=8, seed=3, std=0.15)
+    # (PEFT names a Qwen3-VL module under model.language_model)
+    tensors = {k.replace("base_model.model.model.layers.", "base_model.model.model.language_model.layers."): v
+               for k, v in load_file(f"{adapter}/adapter_model.safetensors").items()}
+    save_file(tensors, f"{adapter}/adapter_model.safetensors")
+    merged = _merged_copy(vl[0], adapter, str(tmp_path / "merged"))
+    ids, _, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    want = _run(_llm(merged), [(ids, mm)])[0]
+    llm = _llm(vl[0], enable_lora=True, max_lora_rank=8)
+    core = llm.engine
+    core.add_request(EngineCoreRequest("l", ids, GREEDY, multi_modal=mm, lora_request=LoRARequest("a", 1, adapter)))
+    got = []
+    while core.has_unfinished_requests():
+        for o in core.step():
+            got += [(t, lp[t][0]) for t, lp in zip(o.new_token_ids, o.new_logprobs)]
+    assert _same(got, want) and not _same(got, _run(_llm(vl[0]), [(ids, mm)])[0])
+    save_file({"base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": torch.zeros(4, 32)},
+              f"{adapter}/adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="visual.blocks.0.attn.qkv.*not a projection"):
+        read_adapter(LoRARequest("v", 2, adapter), llm.config.model.hf_config, 8, torch.float32)

@@ -26,7 +26,8 @@ from voltllm.lora.request import LoRARequest
 
 HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 # the architectures whose projections take adapters (models/llama.py, models/qwen3_next.py)
-LORA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe") + HYBRID_ARCHITECTURES
+# (Qwen3-VL: its text model, a qwen3 / qwen3_moe; adapters on the vision tower are refused by name)
+LORA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe") + HYBRID_ARCHITECTURES
 
 # PEFT module (the projection's name in Hugging Face's model) -> (our Linear inside the decoder layer, its shard)
 PEFT_PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
@@ -110,7 +111,7 @@ def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple
     from voltllm.model.models.llama import is_moe_layer
 
     hybrid = _is_hybrid(hf_config)
-    cfg = hf_config
+    cfg = getattr(hf_config, "text_config", None) or hf_config  # (a vision-language checkpoint's text model)
     if hybrid:
         from voltllm.model.models.qwen3_next import (hybrid_is_moe_layer, hybrid_layer_types, hybrid_variant,
                                                      text_config)
