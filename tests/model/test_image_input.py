@@ -122,3 +122,17 @@ def test_profiled_image_follows_mm_processor_kwargs(vl):
     """Memory profiling encodes the largest image the processor makes, --mm-processor-kwargs applied."""
     llm = _llm(vl[0], load_format="dummy", mm_processor_kwargs={"max_pixels": 1024})
     assert llm.engine.runner.image_step.largest_grid == (1, 8, 8)  # 32 x 32 pixels of 4-pixel patches
+
+
+def test_preempted_image_requests_encode_again_and_match(vl):
+    """A KV budget too small for both image requests at once: one is preempted (recomputed from its prompt, its
+    image encoded again or taken from the recent rows) and both still give transformers' tokens; no rows leak."""
+    first, out1, mm1 = _prompt(vl, [None, "What is in this picture?"], [_image(6, 32, 48)])
+    second, out2, mm2 = _prompt(vl, ["Here:", None, "Describe."], [_image(7, 40, 24)])
+    llm = _llm(vl[0], block_size=4, max_num_batched_tokens=16, enable_chunked_prefill=True,
+               num_gpu_blocks_override=(len(first) + len(second)) // 4 + 2)
+    got = _run(llm, [(first, mm1), (second, mm2)])
+    assert llm.engine.stats().num_preemptions > 0
+    assert _same(got[0], _reference(vl, first, out1)) and _same(got[1], _reference(vl, second, out2))
+    step = llm.engine.runner.image_step
+    assert not step.encoded and not step.waiting
