@@ -355,7 +355,7 @@ class EngineArgs:
 
         try:
             if spec:
-                spec = speculators.detect(spec, self.download_dir, self.hf_token)
+                spec = speculators.detect(spec, self.download_dir, self.hf_token, self.trust_remote_code)
             head = speculators.probe(self.model, self.revision, self.download_dir, self.hf_token,
                                      self.trust_remote_code)
             if head is None:

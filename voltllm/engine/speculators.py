@@ -140,14 +140,15 @@ def verifier(cfg: dict) -> str:
     return name
 
 
-def detect(spec: dict, download_dir: Optional[str], token: Any) -> dict:
+def detect(spec: dict, download_dir: Optional[str], token: Any, trust_remote_code: bool = False) -> dict:
     """--speculative-config with a speculators head as "model": method eagle3 when no method is given (vLLM's
     detection), and num_speculative_tokens from the head's config when not given. Other configs: unchanged."""
     method = spec.get("method")
     if not isinstance(spec.get("model"), str) or not (
             method in (None, "") or method == "eagle3" and spec.get("num_speculative_tokens") is None):
         return spec  # (method eagle3 with its drafts given: resolve_eagle3 reads either layout)
-    cfg = probe(spec["model"], spec.get("revision"), download_dir, token)
+    cfg = probe(spec["model"], spec.get("revision"), download_dir, token, trust_remote_code)  # (a draft model's
+    # fetch: resolve_draft's files)
     if cfg is None:
         return spec
     problem = eagle3_problem(cfg)
