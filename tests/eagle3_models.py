@@ -182,3 +182,45 @@ def patch_eagle3(monkeypatch, table: dict, vocab: int) -> None:
     from voltllm.worker.eagle3_runner import Eagle3Runner
 
     patch_device_proposals(monkeypatch, Eagle3Runner, table, vocab)
+
+
+def to_speculators(head: str, path: str, verifier: str, target: Optional[str] = None, speculative_tokens: int = 3,
+                   drop_keys: tuple = (), tensors: Optional[dict] = None, **overrides) -> str:
+    """The head at `head` (make_eagle3's layout) saved under path in the speculators format (RedHatAI/*.eagle3): the
+    same weights under layers.0.*, with the target's embedding copied in when `target` is given (as the speculators
+    converter saves the verifier's); a config with the decoder layer's Llama config nested in transformer_layer_config,
+    the EAGLE-3 fields at the top (norm_before_residual written explicitly) and a speculators_config naming
+    `verifier`. drop_keys: top-level config keys left out; tensors: extra tensors; overrides: top-level keys."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(head, "config.json")) as f:
+        src = json.load(f)
+    w = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(os.path.join(head, "model.safetensors")).items()}
+    if target is not None and "embed_tokens.weight" not in w:
+        w["embed_tokens.weight"] = load_file(os.path.join(target, "model.safetensors"))["model.embed_tokens.weight"]
+    w.update(tensors or {})
+    layer_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "attention_bias",
+                  "hidden_act")
+    layer = {"model_type": "llama", "mlp_bias": False, "tie_word_embeddings": False,
+             **{k: src[k] for k in layer_keys if k in src}}
+    ids = src.get("eagle_aux_hidden_state_layer_ids") or (src.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
+           "transformer_layer_config": layer, "draft_vocab_size": src["draft_vocab_size"],
+           "norm_before_residual": bool(src.get("norm_before_residual", False)),
+           "target_hidden_size": src.get("target_hidden_size"), "eagle_aux_hidden_state_layer_ids": ids,
+           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens":
+                                                        speculative_tokens, "verifier_accept_k": 1,
+                                                        "accept_tolerance": 0.0}],
+                                  "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
+    cfg.update(overrides)
+    for k in drop_keys:
+        cfg.pop(k)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path

@@ -345,12 +345,35 @@ class EngineArgs:
         return resolve_reasoning(self.reasoning_parser, self.reasoning_config,
                                  enable_in_reasoning(self.structured_outputs_config), self.skip_tokenizer_init, load)
 
-    def _resolve_tokenizer(self, source: Any) -> str:
+    def _resolve_speculators(self, spec: Optional[dict]) -> tuple[Optional[str], Optional[str], Optional[dict]]:
+        """The model to serve, its revision and --speculative-config after vLLM's speculators handling
+        (engine/speculators.py): --model naming a speculators EAGLE-3 head serves the verifier its config names, with
+        the head as the drafter (--revision is the head's); a speculators head as --speculative-config's "model"
+        gets method eagle3 and the head's drafts per step unless given."""
+        from voltllm.engine import speculators
+        from voltllm.engine.speculative import SpeculativeConfigError
+
+        try:
+            if spec:
+                spec = speculators.detect(spec, self.download_dir, self.hf_token, self.trust_remote_code)
+            head = speculators.probe(self.model, self.revision, self.download_dir, self.hf_token,
+                                     self.trust_remote_code)
+            if head is None:
+                return self.model, self.revision, spec
+            spec = speculators.speculative_config_for_model(head, self.model, self.revision, spec)
+            ver = speculators.verifier(head)
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
+        logger.info("--model %s is a speculators EAGLE-3 head: serving its verifier %s with the head as drafter",
+                    self.model, ver)
+        return ver, None, spec
+
+    def _resolve_tokenizer(self, source: Any, model: Optional[str]) -> str:
         """--tokenizer (a path or a Hub repo id), else the model's own; --tokenizer-revision fetches the tokenizer
-        files of that revision from the Hub (of --tokenizer, or of the model's repo)."""
+        files of that revision from the Hub (of --tokenizer, or of the model's repo: `model`)."""
         from voltllm.model.loader import hub
 
-        name = self.tokenizer or (self.model if self.tokenizer_revision else None)
+        name = self.tokenizer or (model if self.tokenizer_revision else None)
         if name is None:
             return source.tokenizer_path
         if hub.looks_like_repo_id(name):
@@ -503,7 +526,7 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        from voltllm.model.loader import load_hf_config, resolve_model
+        from voltllm.model.loader import ModelLoadError, load_hf_config, resolve_model
         from voltllm.multimodal.processor import ImageProcessor
         from voltllm.multimodal.support import image_input_refusal
 
@@ -517,9 +540,17 @@ class EngineArgs:
                               "come, first served) or priority (by each request's priority, then arrival)")
         graphs = self._resolve_cuda_graphs()
         spec_dict = parse_json_object("--speculative-config", self.speculative_config)
-        source = resolve_model(self.model, self.revision, self.download_dir, self.hf_token, self.trust_remote_code)
+        model_ref, revision, spec_dict = self._resolve_speculators(spec_dict)
+        try:
+            source = resolve_model(model_ref, revision, self.download_dir, self.hf_token, self.trust_remote_code)
+        except ModelLoadError as e:
+            if model_ref == self.model:
+                raise
+            raise ConfigError(f"--model {self.model} is a speculators EAGLE-3 head whose verifier {model_ref} cannot "
+                              f"be loaded ({e}); give the verifier (or a copy of it) as --model, with "
+                              f"--speculative-config '{{\"model\": \"{self.model}\"}}'") from None
         load_format = _resolve_load_format(self.load_format, source)
-        tokenizer = self._resolve_tokenizer(source)
+        tokenizer = self._resolve_tokenizer(source, model_ref)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
         overrides = parse_json_object("--hf-overrides", self.hf_overrides)
         if overrides:
@@ -635,7 +666,7 @@ class EngineArgs:
             raise ConfigError(tp_err)
         _check_data_parallel(self.data_parallel_size, tp, self.enable_expert_parallel, device)
         gen_override = _generation_override(self.override_generation_config)
-        model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
+        model_name = self.served_model_name or (model_ref or "SmolLM2-135M-Instruct")
         model = ModelConfig(
             model=source.path, tokenizer=tokenizer, served_model_name=model_name,
             dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,

@@ -279,7 +279,6 @@ def test_method_keys():
 
 @pytest.mark.parametrize("what,kw,match", [
     ("eagle1", dict(architectures=["EagleLlamaForCausalLM"]), "EAGLE-1 head"),
-    ("speculators", dict(architectures=["Eagle3Speculator"]), "speculators format"),
     ("other", dict(architectures=["Qwen3ForCausalLM"]), "not an EAGLE-3 Llama head"),
     ("hidden", dict(hidden=32), "hidden size 32 differs"),
     ("target_hidden", dict(target_hidden_size=128), "target of hidden size 128"),

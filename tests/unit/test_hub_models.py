@@ -221,3 +221,24 @@ def test_generate_cli_runs_a_cached_repo_id(tmp_path, tiny_model):
                         "--download-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=300,
                        env=env)
     assert r.returncode != 0 and "acme/absent" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_speculators_head_repo_as_the_model(fake_hub, tiny_model, tmp_path):
+    """--model naming a speculators EAGLE-3 head on the Hub (as RedHatAI/*-speculator.eagle3): the head's repo is
+    fetched as a model's is, then the verifier its config names (another repo) is served under that name, the head
+    as drafter with its drafts per step (engine/speculators.py)."""
+    import json
+
+    from eagle3_models import make_eagle3, to_speculators
+
+    with open(os.path.join(tiny_model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    head = make_eagle3(str(tmp_path / "head"), 64, vocab, layer_ids=[1, 2])
+    fake_hub.repos["acme/tiny-speculator.eagle3"] = to_speculators(head, str(tmp_path / "spec-head"), "acme/tiny",
+                                                                   tiny_model, speculative_tokens=2)
+    dl = str(tmp_path / "dl")
+    cfg = EngineArgs(model="acme/tiny-speculator.eagle3", device="cpu", download_dir=dl).create_engine_config()
+    assert cfg.model.served_model_name == "acme/tiny" and cfg.model.model.startswith(dl)
+    assert cfg.speculative.method == "eagle3" and cfg.speculative.num_speculative_tokens == 2
+    assert cfg.speculative.model.startswith(dl) and "speculator" in cfg.speculative.model
+    assert {c["repo_id"] for c in fake_hub.calls} == {"acme/tiny-speculator.eagle3", "acme/tiny"}

@@ -18,6 +18,10 @@ entering target layer j (Hugging Face's hidden_states[j], the output of layer j 
 ascending layer order, as vLLM's target forward collects them. Weights: fc, midlayer.* (or layers.0.*) with
 hidden_norm, norm, lm_head (absent: the target's, for a full-vocabulary head), d2t (int offsets, needed when the draft
 vocabulary is smaller; t2d is not read), embed_tokens (absent: the target's embedding).
+
+The speculators format (RedHatAI/*-speculator.eagle3: a `speculators_config`, the layer's config nested in
+`transformer_layer_config`) holds the same head under the layers.0.* names; engine/speculators.py reads its config
+into these terms.
 """
 from __future__ import annotations
 
@@ -121,9 +125,6 @@ def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Par
     """The head's parameters, checked against the target and the checkpoint's tensor names (SpeculativeConfigError,
     one line)."""
     archs = list(getattr(draft_cfg, "architectures", None) or [])
-    if "Eagle3Speculator" in archs or getattr(draft_cfg, "speculators_model_type", None):
-        raise _err("the speculators format (Eagle3Speculator: transformer_layer_config / speculators_config) is not "
-                   "read; use a checkpoint in the EAGLE / SpecForge layout (LlamaForCausalLMEagle3)")
     if any(a.startswith("Eagle") and not a.startswith("Eagle3") for a in archs):
         raise _err(f"architectures {archs} is an EAGLE-1 head; only EAGLE-3 heads are built")
     if not any(a in ARCHITECTURES for a in archs):
@@ -209,16 +210,26 @@ def resolve_head(model: str, revision: Optional[str], download_dir: Optional[str
 def resolve_eagle3(spec: SpeculativeConfig, target_hf_config: Any, download_dir: Optional[str] = None,
                    token: Any = None) -> SpeculativeConfig:
     """spec with the head's local path and HF config, after the checks of eagle3_params."""
+    from voltllm.engine import speculators
     from voltllm.model.loader import ModelLoadError, load_hf_config
 
     try:
         source = resolve_head(spec.model, spec.revision, download_dir, token)
         if source.kind == "gguf":
             raise ValueError("a GGUF file is not an EAGLE-3 checkpoint (config.json + weights)")
-        hf_config = load_hf_config(source, trust_remote_code=False)  # a Llama config with EAGLE keys
+        speculators_cfg = speculators.read_config(source.path)
+        if speculators_cfg is None:
+            hf_config = load_hf_config(source, trust_remote_code=False)  # a Llama config with EAGLE keys
         names = checkpoint_tensor_names(source.path)
     except (ModelLoadError, OSError, ValueError) as e:
         raise _err(f"cannot load {spec.model!r}: {e}") from None
+    if speculators_cfg is not None:  # the same head in the speculators format (engine/speculators.py)
+        if (problem := speculators.eagle3_problem(speculators_cfg)) is not None:
+            raise _err(problem)
+        try:
+            hf_config = speculators.draft_config(speculators_cfg)
+        except SpeculativeConfigError as e:
+            raise _err(str(e)) from None
     params = eagle3_params(hf_config, target_hf_config, names)
     logger.info("EAGLE-3 head %s: target layers %s, draft vocabulary %d%s", source.path, list(params.layer_ids),
                 params.draft_vocab_size, "" if params.own_embedding else ", the target's embedding")

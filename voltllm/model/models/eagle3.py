@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from voltllm.engine.eagle3 import Eagle3Params, layer_name
+from voltllm.engine.speculators import TRAINING_ONLY_TENSORS
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.norm import RMSNorm
@@ -106,12 +107,12 @@ class Eagle3Drafter(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's (name, tensor) pairs: fc, midlayer.* / layers.0.*, norm, lm_head, embed_tokens, d2t (t2d
-        is not read)."""
+        and a speculators checkpoint's verifier_norm / verifier_lm_head are not read)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name == "t2d" or "rotary_emb" in name:
+            if name == "t2d" or "rotary_emb" in name or name in TRAINING_ONLY_TENSORS:
                 continue
             if name == "d2t":
                 self._load_d2t(tensor)
