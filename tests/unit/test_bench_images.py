@@ -186,3 +186,16 @@ def test_random_mm_refusals(vl_path, tmp_path):
         _bench(vl_path, tmp_path, "x", *IMAGE_FLAGS, "--limit-mm-per-prompt", '{"image": 2}', "--no-limits")
     with pytest.raises(ConfigError, match="needs 213 tokens .* more than --max-model-len 200"):
         _bench(vl_path, tmp_path, "x", *IMAGE_FLAGS, "--max-model-len", "200", "--no-limits")
+
+
+def test_requests_without_images_among_ones_with(vl_path, tmp_path):
+    """r = 1 allows 0 images: such a request is plain text through the same path (no MultiModalPrompt)."""
+    res = _bench(vl_path, tmp_path, "mm0", "--scenario", "random-mm", "--random-mm-bucket-config", "{(32, 48, 1): 1}",
+                 "--random-mm-num-mm-items-range-ratio", "1", "--input-len", "8", "--output-len", "2",
+                 "--concurrency", "6", "--no-limits")
+    counts = [r["images"] for run in res["metrics"]["runs"] for r in run["requests"]]
+    assert set(counts) == {0, 1, 2}
+    for run in res["metrics"]["runs"]:
+        for r in run["requests"]:
+            assert r["image_tokens"] == 24 * r["images"] and r["prompt_tokens"] == 8 + 26 * r["images"]
+        assert len(run["processor_ms"]) == len(run["tower_ms"]) == sum(r["images"] for r in run["requests"])

@@ -59,17 +59,19 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: per scenario)")
     g.add_argument("--output-len", type=int, default=None, help="forced output tokens (default: per scenario)")
     g.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
-                   help="--scenario concurrency: draw each request's input and output length uniformly from "
+                   help="--scenario concurrency / random-mm: draw each request's input and output length uniformly "
+                        "from "
                         "[len * (1 - R), len * (1 + R)] (vLLM's flag; 0 = all equal, R < 1)")
     g.add_argument("--request-rate", type=float, default=float("inf"), metavar="R",
-                   help="--scenario concurrency: send the C requests at R per second on average instead of all at "
+                   help="--scenario concurrency / random-mm: send the C requests at R per second on average instead "
+                        "of all at "
                         "once (vLLM's flag; gaps drawn from a gamma distribution, see --burstiness; default inf)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="shape of the gamma distribution of --request-rate's gaps: 1 = a Poisson process, below 1 "
                         "burstier, above 1 more regular (vLLM's flag)")
     g.add_argument("--concurrency", type=_int_list, default=None,
-                   help="e.g. 1,4,16,64 (the default for --scenario concurrency); prefix / multi-turn: requests in "
-                        "flight (default 16 / 4)")
+                   help="e.g. 1,4,16,64 (the default for --scenario concurrency; random-mm: 1,4,16); prefix / "
+                        "multi-turn: requests in flight (default 16 / 4)")
     p = PrefixRepetition()
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"--scenario prefix: requests per run (vLLM's flag; default {p.num_prompts}, a multiple of "

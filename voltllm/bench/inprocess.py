@@ -93,8 +93,8 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
                          f"{request_rate} and {burstiness}")
     for flag, used in (("--random-range-ratio", range_ratio != 0.0), ("--request-rate", math.isfinite(request_rate))):
         if used and "concurrency" not in names and not is_images:
-            raise ValueError(f"{flag} shapes the requests of --scenario concurrency; --scenario {scenario} runs one "
-                             "request at a time")
+            raise ValueError(f"{flag} shapes the requests of --scenario concurrency and random-mm; --scenario "
+                             f"{scenario} runs one request at a time")
     if is_images:
         images = images if images is not None else RandomMM()
     plans = []
@@ -406,7 +406,7 @@ class InProcessRunner:
             ids, mm, secs = prepare_inprocess(self.image_processor, plan.image_tokens, text, images)
             prompts.append(ids)
             mms.append(mm)
-            per_image += [secs * 1e3 / len(images)] * len(images)
+            per_image += [secs * 1e3 / len(images)] * len(images) if images else []
         return prompts, mms, per_image
 
 
