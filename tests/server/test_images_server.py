@@ -156,3 +156,46 @@ def test_tokenize_expands_the_images(vl, http):
     bad = http.post("/tokenize", json={"model": "vl", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,not-an-image"}}]}]})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_bench_random_mm_against_the_server(vl, tmp_path):
+    """`voltllm bench --scenario random-mm --base-url`: streaming chat completions of the text then the images; each
+    request's prompt tokens are the server's count, its image tokens the processor's, the requests those in process
+    gets."""
+    import dataclasses
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from voltllm.bench.cli import main
+    from voltllm.bench.images import image_tokens_of, random_mm
+    from voltllm.bench.inprocess import make_plans, make_run_input
+
+    buckets = "{(32, 48, 1): 0.5, (64, 64, 1): 0.5}"
+    out = tmp_path / "results"
+    assert main([vl.model_path, "--base-url", vl.base, "--scenario", "random-mm", "--random-mm-bucket-config", buckets,
+                 "--random-mm-num-mm-items-range-ratio", "1", "--random-mm-limit-mm-per-prompt", '{"image": 2}',
+                 "--prompt-vocab", "300", "--input-len", "10", "--output-len", "3", "--concurrency", "3",
+                 "--num-warm", "1", "--no-limits", "--output-dir", str(out), "--name", "mm", "--commit", "abc"]) == 0
+    with open(out / "mm.json") as f:
+        res = json.load(f)
+    spec = random_mm(1, 1.0, '{"image": 2}', buckets)
+    plan = dataclasses.replace(make_plans("random-mm", [3], 10, 3, images=spec)[0],
+                               image_tokens=image_tokens_of(AutoConfig.from_pretrained(vl.model_path)))
+    tok = AutoTokenizer.from_pretrained(vl.model_path)
+    per_size = {(32, 48): 24, (64, 64): 64}
+    assert res["config"]["client_side_times"] and len(res["metrics"]["runs"]) == 2
+    for i, run in enumerate(res["metrics"]["runs"]):
+        work = make_run_input(plan, 300, 0, i)
+        for r, text, images in zip(run["requests"], work.prompts, work.images):
+            content = [{"type": "text", "text": tok.decode(text)}] + [{"type": "image_url"}] * len(images)
+            assert r["images"] == len(images) and r["image_tokens"] == sum(per_size[im.height, im.width]
+                                                                           for im in images)
+            # the rendered prompt (one placeholder per image) with each placeholder expanded to its image's tokens
+            assert r["prompt_tokens"] == _text_prompt_tokens(vl, content) + r["image_tokens"] - len(images)
+            assert r["output_tokens"] == 3
+        assert run["tower_ms"] is None and run["metrics"]["images_per_request"] == sum(
+            len(ims) for ims in work.images) / 3
+    assert sum(r["images"] for run in res["metrics"]["runs"] for r in run["requests"]) > 0
+    rows = {r["metric"] for r in res["metrics"]["table"]}
+    assert {"ttft_ms", "images_per_request", "image_tokens_per_request"} <= rows and "vision_tower_ms" not in rows

@@ -7,6 +7,7 @@ generate on the same model and prompts in the same call. Writes benchmarks/resul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -18,7 +19,8 @@ from typing import Any, Optional
 from voltllm.bench import limits as L
 from voltllm.bench import record as R
 from voltllm.bench.compiles import CompileLog
-from voltllm.bench.inprocess import SCENARIOS, Plan, make_plans, run_protocol
+from voltllm.bench.inprocess import IMAGE_SCENARIO, SCENARIOS, Plan, make_plans, run_protocol
+from voltllm.bench.images import RandomMM, random_mm
 from voltllm.bench.workloads import MultiTurn, PrefixRepetition
 from voltllm.config import ConfigError
 from voltllm.bench.metrics import CACHE_SCENARIOS, find_row, format_report, headline, rate_json, speedup, table_rows
@@ -46,26 +48,30 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="random weights at a named shape (qwen3-8b-shape, qwen3-0.6b-shape, qwen3.5-27b-shape) "
                         "or at the shape of a directory's config.json (implies --load-format dummy)")
     g.add_argument("--scenario", default="decode", choices=list(SCENARIOS) + ["all"] + list(CACHE_SCENARIOS)
-                   + ["kernels"],
+                   + [IMAGE_SCENARIO, "kernels"],
                    help="decode: batch 1, 512 in / 256 out; concurrency: C requests together, 128/128; "
                         "prefill: one 8192-token prompt; all: the three; prefix: requests sharing prompt prefixes "
                         "(--prefix-repetition-*), C in flight; multi-turn: conversations whose turns resend the "
-                        "history (--multi-turn-*), C in flight; kernels: the GDN / MoE Triton kernels "
+                        "history (--multi-turn-*), C in flight; random-mm: C requests together, each random text "
+                        "and random images (--random-mm-*; a Qwen3.5 / Qwen3-VL model); kernels: the GDN / MoE "
+                        "Triton kernels "
                         "against their torch references at the model's layer shapes (CUDA only, no engine)")
     g.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: per scenario)")
     g.add_argument("--output-len", type=int, default=None, help="forced output tokens (default: per scenario)")
     g.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
-                   help="--scenario concurrency: draw each request's input and output length uniformly from "
+                   help="--scenario concurrency / random-mm: draw each request's input and output length uniformly "
+                        "from "
                         "[len * (1 - R), len * (1 + R)] (vLLM's flag; 0 = all equal, R < 1)")
     g.add_argument("--request-rate", type=float, default=float("inf"), metavar="R",
-                   help="--scenario concurrency: send the C requests at R per second on average instead of all at "
+                   help="--scenario concurrency / random-mm: send the C requests at R per second on average instead "
+                        "of all at "
                         "once (vLLM's flag; gaps drawn from a gamma distribution, see --burstiness; default inf)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="shape of the gamma distribution of --request-rate's gaps: 1 = a Poisson process, below 1 "
                         "burstier, above 1 more regular (vLLM's flag)")
     g.add_argument("--concurrency", type=_int_list, default=None,
-                   help="e.g. 1,4,16,64 (the default for --scenario concurrency); prefix / multi-turn: requests in "
-                        "flight (default 16 / 4)")
+                   help="e.g. 1,4,16,64 (the default for --scenario concurrency; random-mm: 1,4,16); prefix / "
+                        "multi-turn: requests in flight (default 16 / 4)")
     p = PrefixRepetition()
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"--scenario prefix: requests per run (vLLM's flag; default {p.num_prompts}, a multiple of "
@@ -91,6 +97,19 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"--scenario multi-turn: tokens of each new user turn (default {mt.input_len})")
     g.add_argument("--multi-turn-output-len", type=int, default=None,
                    help=f"--scenario multi-turn: forced tokens of each answer (default {mt.output_len})")
+    g.add_argument("--random-mm-base-items-per-request", type=int, default=None, metavar="N",
+                   help="--scenario random-mm: images per request around which the count is drawn (vLLM's flag; "
+                        "default 1)")
+    g.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=None, metavar="R",
+                   help="--scenario random-mm: draw each request's image count uniformly from [floor(N * (1 - R)), "
+                        "ceil(N * (1 + R))] (vLLM's flag; 0 <= R <= 1, default 0)")
+    g.add_argument("--random-mm-limit-mm-per-prompt", default=None, metavar="JSON",
+                   help="--scenario random-mm: the most images one request gets, e.g. '{\"image\": 3, \"video\": 0}' "
+                        "(vLLM's flag; only the image count is used; default image 255)")
+    g.add_argument("--random-mm-bucket-config", default=None, metavar="DICT",
+                   help="--scenario random-mm: image sizes and their probabilities, {(height, width, 1): p, ...} "
+                        "(vLLM's flag; num_frames must be 1: images only; default {(256, 256, 1): 0.5, "
+                        "(720, 1280, 1): 0.5})")
     g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -158,11 +177,15 @@ def _decode_context(plan: Plan) -> float:
 
 
 def attach_limits(rows: list[dict], plans: list[Plan], cost: Optional[L.ModelCost],
-                  dev: Optional[L.DeviceLimits]) -> dict:
-    """Fill each row's limit and ratio (measured / limit; limit / measured for times) and build `limit`."""
+                  dev: Optional[L.DeviceLimits], img_cost: Optional[dict] = None) -> dict:
+    """Fill each row's limit and ratio (measured / limit; limit / measured for times) and build `limit`.
+    random-mm (img_cost: bench/images.py image_cost): the prompt counts its mean image tokens, TTFT at C = 1 adds the
+    images' tower FLOPs to the prefill's, and the tower's time per image is held to its FLOPs / matmul rate."""
     out: dict[str, Any] = {"copy_GBps": dev.copy_GBps if dev else None,
                            "matmul_TFLOPs": dev.matmul_TFLOPs if dev else None,
                            "decode_limit_tok_s": None, "ratio": None}
+    if img_cost is not None:
+        out["image_cost"] = img_cost
     if dev is None or cost is None:
         return out
     decode_plan = next((p for p in plans if p.scenario == "decode"), Plan("decode", 1, 512, 256))
@@ -176,6 +199,12 @@ def attach_limits(rows: list[dict], plans: list[Plan], cost: Optional[L.ModelCos
         plan = Plan(row["scenario"], row["concurrency"], row["input_len"], row["output_len"],
                     row.get("range_ratio", 0.0))
         limit = None
+        if row["scenario"] == IMAGE_SCENARIO:  # (the row carries its limit; the headline keys are the text scenarios')
+            limit = _image_row_limit(metric, plan, cost, dev, img_cost)
+            if limit is not None:
+                row["limit"] = limit
+                row["ratio"] = limit / row["median"] if metric.endswith("_ms") else row["median"] / limit
+            continue
         if metric == "pure_decode_tok_s":
             limit = L.decode_limit_tok_s(cost, dev, 1, _decode_context(plan))
         elif metric == "concurrent_decode_tok_s":
@@ -200,6 +229,23 @@ def attach_limits(rows: list[dict], plans: list[Plan], cost: Optional[L.ModelCos
         out["concurrent_decode_limit_tok_s"] = conc_limit
         out["concurrent_decode_ratio"] = conc_ratio
     return out
+
+
+def _image_row_limit(metric: str, plan: Plan, cost: L.ModelCost, dev: L.DeviceLimits, img_cost: Optional[dict]
+                     ) -> Optional[float]:
+    """A random-mm row's limit at the mean request: text + mean images x mean prompt tokens per image."""
+    if img_cost is None:
+        return None
+    images = img_cost["images_per_request"]
+    prompt = plan.input_len + images * img_cost["prompt_tokens_per_image"]
+    rate = dev.matmul_TFLOPs * 1e12
+    if metric == "ttft_ms" and plan.concurrency == 1:
+        return (cost.prefill_flops(round(prompt)) + images * img_cost["tower_flops_per_image"]) / rate * 1e3
+    if metric == "vision_tower_ms":
+        return img_cost["tower_flops_per_image"] / rate * 1e3
+    if metric == "concurrent_decode_tok_s":
+        return L.decode_limit_tok_s(cost, dev, plan.concurrency, prompt + plan.output_len / 2, roofline=True)
+    return None
 
 
 def _measure(args: argparse.Namespace, device: Any, dtype: Any) -> Optional[L.DeviceLimits]:
@@ -240,8 +286,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if spec is not None and (args.baseline or args.profile):
         raise ConfigError(f"--scenario {args.scenario} measures voltllm's prefix cache: --baseline (transformers has "
                           "none) and --profile (decode steps) run with the other scenarios")
+    images = image_spec(args)
+    if images is not None and (args.baseline or args.profile):
+        raise ConfigError("--scenario random-mm sends images: --baseline (transformers' generate is given token ids "
+                          "only) and --profile (decode steps) run with the other scenarios")
     plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len, args.random_range_ratio,
-                       args.request_rate, args.burstiness, spec)
+                       args.request_rate, args.burstiness, spec, images)
     if args.baseline and (args.random_range_ratio or math.isfinite(args.request_rate)):
         raise ValueError("--baseline runs transformers generate on one batch of equal lengths sent together: "
                          "drop --random-range-ratio and --request-rate")
@@ -284,7 +334,27 @@ def _workload_flags(args: argparse.Namespace) -> dict:
     spec = cache_spec(args)
     if spec is not None:
         out["workload"] = spec.describe()
+    images = image_spec(args)
+    if images is not None:
+        out["random_mm"] = images.describe()
     return out
+
+
+_IMAGE_FLAGS = ("random_mm_base_items_per_request", "random_mm_num_mm_items_range_ratio",
+                "random_mm_limit_mm_per_prompt", "random_mm_bucket_config")
+
+
+def image_spec(args: argparse.Namespace) -> Optional[RandomMM]:
+    """The images of --scenario random-mm from its flags (None for the other scenarios); a --random-mm-* flag given
+    with another scenario is refused."""
+    given = [f"--{dest.replace('_', '-')}" for dest in _IMAGE_FLAGS if getattr(args, dest, None) is not None]
+    if args.scenario != IMAGE_SCENARIO:
+        if given:
+            raise ConfigError(f"{', '.join(given)} shape the images of --scenario random-mm, not --scenario "
+                              f"{args.scenario}")
+        return None
+    return random_mm(args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio,
+                     args.random_mm_limit_mm_per_prompt, args.random_mm_bucket_config)
 
 
 _PREFIX_FLAGS = {"num_prompts": "num_prompts", "prefix_repetition_prefix_len": "prefix_len",
@@ -324,6 +394,60 @@ def _default_name(report: dict, args: argparse.Namespace) -> str:
     return f"{where}{label}-{model.get('dtype')}-{args.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _image_plans(plans: list[Plan], hf_config: Any, processor: Any, image_limit: int, limit_name: str
+                 ) -> tuple[list[Plan], dict]:
+    """random-mm's plans with the model's vision token ids, and what an image costs (bench/images.py image_cost);
+    ConfigError when a request could get more images than `image_limit` allows."""
+    import dataclasses
+
+    from voltllm.bench.images import bucket_grids, image_cost, image_tokens_of
+
+    spec = plans[0].images
+    most = spec.items_range[1]
+    if most > image_limit:
+        raise ConfigError(f"--scenario random-mm gives a request up to {most} images, more than {limit_name} image "
+                          f"{image_limit}: lower --random-mm-base-items-per-request / --random-mm-limit-mm-per-prompt")
+    tokens = image_tokens_of(hf_config)
+    cost = image_cost(spec, bucket_grids(processor, spec), hf_config.vision_config, tokens)
+    return [dataclasses.replace(p, image_tokens=tokens) for p in plans], cost
+
+
+def _longest_image_request(plan: Plan, cost: dict) -> int:
+    """Tokens of random-mm's longest possible request: the longest text, the most images of the largest bucket, the
+    longest answer."""
+    from voltllm.bench.inprocess import length_range
+
+    per_image = max(b["tokens"] for b in cost["buckets"].values()) + len(plan.image_tokens.placeholder) - 1
+    text = length_range(plan.input_len, plan.range_ratio)[1] if plan.range_ratio else plan.input_len
+    out = length_range(plan.output_len, plan.range_ratio)[1] if plan.range_ratio else plan.output_len
+    return text + plan.images.items_range[1] * per_image + out
+
+
+def _client_images(args: argparse.Namespace, model_path: Optional[str], hf_config: Any, plans: list[Plan]
+                   ) -> tuple[list[Plan], dict, Any]:
+    """random-mm against a server: the model's image processor (image tokens per image, the limit's tower FLOPs)
+    and tokenizer (the text ids -> the chat message's text), from the model the bench is given."""
+    from voltllm.multimodal.config import resolve_multimodal
+    from voltllm.multimodal.processor import ImageProcessor
+    from voltllm.multimodal.support import IMAGE_MODEL_TYPES
+
+    if hf_config is None:
+        raise ConfigError("--scenario random-mm with --base-url needs the served model's path (MODEL or --model): "
+                          "its tokenizer writes the text and its image processor counts the image tokens")
+    if getattr(hf_config, "vision_config", None) is None or hf_config.model_type not in IMAGE_MODEL_TYPES:
+        raise ConfigError(f"--scenario random-mm sends images: {model_path} is a text-only model (image input is "
+                          f"built for {', '.join(IMAGE_MODEL_TYPES)} checkpoints with a vision_config)")
+    from transformers import AutoTokenizer
+
+    processor = ImageProcessor.from_model(model_path, hf_config,
+                                          resolve_multimodal(mm_processor_kwargs=args.mm_processor_kwargs)
+                                          .mm_processor_kwargs)
+    plans, cost = _image_plans(plans, hf_config, processor, plans[0].images.image_limit,
+                               "--random-mm-limit-mm-per-prompt")
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or model_path, trust_remote_code=args.trust_remote_code)
+    return plans, cost, lambda ids: tok.decode(ids, skip_special_tokens=False)
+
+
 def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[str]) -> dict:
     from voltllm.bench.inprocess import InProcessRunner, free_device_memory
     from voltllm.cli_args import engine_args_from
@@ -338,6 +462,17 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
         raise ConfigError("voltllm bench measures generation: a pooling (embedding) model (--runner pooling) "
                           "generates nothing to measure")
     device, dtype = config.device.device, config.model.dtype
+    processor = img_cost = None
+    if any(p.images is not None for p in plans):
+        from voltllm.multimodal.processor import image_processor_for
+        from voltllm.multimodal.support import image_input_refusal
+
+        refusal = image_input_refusal(config)
+        if refusal is not None:
+            raise ConfigError(f"--scenario random-mm sends images, which this engine does not take: {refusal}")
+        processor = image_processor_for(config)
+        plans, img_cost = _image_plans(plans, config.model.hf_config, processor, config.multimodal.image_limit,
+                                       "the engine's --limit-mm-per-prompt")
     max_c = max(p.concurrency for p in plans)
     if max_c > config.scheduler.max_num_seqs:
         logger.warning("concurrency %d > --max-num-seqs %d: requests will queue instead of starting together",
@@ -347,6 +482,8 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     engine = EngineCore(config)
     start_s = time.monotonic() - t0
     longest = max((p.spec.max_request_len for p in plans if p.spec is not None), default=0)
+    if img_cost is not None:
+        longest = max(_longest_image_request(p, img_cost) for p in plans)
     if longest > engine.max_model_len:
         raise ConfigError(f"--scenario {args.scenario}: its longest request needs {longest} tokens (prompt and "
                           f"answer), more than --max-model-len {engine.max_model_len}: raise it or shorten the "
@@ -357,12 +494,16 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     vocab = args.prompt_vocab or int(getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size"))
     # compiles are seen in this process only: with -tp N the engine runs in processes of its own
     observe = config.parallel.tensor_parallel_size == 1
-    with CompileLog() as compiles:
+    image_step = getattr(engine.runner, "image_step", None) if observe and processor is not None else None
+    with CompileLog() as compiles, contextlib.ExitStack() as stack:
+        from voltllm.bench.images import TowerTimer
+
+        timer = stack.enter_context(TowerTimer(image_step, device)) if image_step is not None else None
         runner = InProcessRunner(engine, args.temperature, args.top_p, args.top_k, args.prompt_seed,
-                                 compiles if observe else None)
+                                 compiles if observe else None, processor, timer)
         results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm)
     rows = table_rows(results)
-    limit = attach_limits(rows, plans, cost, dev_limits)
+    limit = attach_limits(rows, plans, cost, dev_limits, img_cost)
     limit["model_cost"] = cost.to_json()
     if dev_limits:
         limit["device"] = dev_limits.to_json()
@@ -478,15 +619,20 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
     dev_limits = _measure(args, device, dtype) if cost is not None else None
     vocab = args.prompt_vocab or (int(getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size"))
                                   if hf_config is not None else 10000)
+    decode = img_cost = None
+    if any(p.images is not None for p in plans):
+        plans, img_cost, decode = _client_images(args, model_path, hf_config, plans)
     runner = ClientRunner(args.base_url, args.server_model, args.temperature, args.top_p, args.top_k,
-                          args.prompt_seed, args.api_key)
+                          args.prompt_seed, args.api_key, decode_text=decode,
+                          image_token_counts={k: b["tokens"] for k, b in img_cost["buckets"].items()}
+                          if img_cost else None)
     try:
         server = runner.server_platform()
         results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm, label="server")
     finally:
         runner.close()
     rows = table_rows(results)
-    limit = attach_limits(rows, plans, cost, dev_limits)
+    limit = attach_limits(rows, plans, cost, dev_limits, img_cost)
     if cost is not None:
         limit["model_cost"] = cost.to_json()
     if dev_limits:

@@ -6,6 +6,11 @@ it carries even when the server merges tokens (partial UTF-8). Times are client-
 with tokens - send; decode time = last token chunk - first. The server must stream text per token (start
 it with a tokenizer); a server without continuous usage stats is counted one token per text chunk, with
 the remainder from the final usage put on the last chunk.
+
+Requests with images (--scenario random-mm) go to streaming /v1/chat/completions instead, as vLLM's openai-chat
+backend sends them: one user message of a text part (the request's ids decoded with the model's tokenizer) then one
+image_url part per image (a JPEG data URL); the prompt tokens each request reports are the server's usage.prompt_tokens
+(chat template, text tokenized again, image tokens), its image tokens the model's processor's count for each size.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class _Streamed:
     times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     cached_tokens: Optional[int] = None
+    prompt_tokens: Optional[int] = None  # the final usage's
 
 
 # prefix-cache counters of /metrics (vLLM's names, which a voltllm server also writes): the GPU pool's hits (vLLM's
@@ -58,7 +64,7 @@ def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
 class ClientRunner:
     def __init__(self, base_url: str, model: Optional[str] = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = -1, sampling_seed: int = 0, api_key: Optional[str] = None,
-                 transport: Any = None):
+                 transport: Any = None, decode_text: Any = None, image_token_counts: Optional[dict] = None):
         try:
             import httpx
         except ImportError as e:  # httpx ships with the test extras
@@ -66,6 +72,9 @@ class ClientRunner:
         self.base_url = base_url.rstrip("/")
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.sampling_seed = sampling_seed
+        # random-mm: token ids -> the chat message's text (the model's tokenizer); "HxW" -> an image's prompt tokens
+        self.decode_text = decode_text
+        self.image_token_counts = image_token_counts or {}
         self.loop = asyncio.new_event_loop()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=None, headers=headers, transport=transport,
@@ -106,19 +115,39 @@ class ClientRunner:
             body["top_k"] = self.top_k
         return body
 
+    def chat_payload(self, text_ids: list[int], images: tuple, output_len: int, seed: int) -> dict:
+        """A streaming chat completion of the text then the images (vLLM's openai-chat order)."""
+        if self.decode_text is None:
+            raise RuntimeError("requests with images need the model's tokenizer to write their text (decode_text)")
+        content = [{"type": "text", "text": self.decode_text(text_ids)}]
+        content += [{"type": "image_url", "image_url": {"url": im.data_url()}} for im in images]
+        body = self.payload(text_ids, output_len, seed)
+        del body["prompt"]
+        body["messages"] = [{"role": "user", "content": content}]
+        return body
+
     async def _one(self, body: dict, t_send: float) -> RequestTiming:
-        times = (await self._stream(body)).times
-        return RequestTiming(prompt_tokens=len(body["prompt"]), output_tokens=len(times), arrival=t_send,
-                             first_token=times[0], last_token=times[-1], token_times=times)
+        got = await self._stream(body)
+        times = got.times
+        if "messages" not in body:
+            return RequestTiming(prompt_tokens=len(body["prompt"]), output_tokens=len(times), arrival=t_send,
+                                 first_token=times[0], last_token=times[-1], token_times=times)
+        images = body["bench_images"]
+        return RequestTiming(prompt_tokens=got.prompt_tokens or 0, output_tokens=len(times), arrival=t_send,
+                             first_token=times[0], last_token=times[-1], token_times=times, images=len(images),
+                             image_tokens=sum(self.image_token_counts.get(f"{im.height}x{im.width}", 0)
+                                              for im in images))
 
     async def _stream(self, body: dict) -> _Streamed:
         got = _Streamed()
         times = got.times
         final_total: Optional[int] = None
-        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        body = {k: v for k, v in body.items() if k != "bench_images"}
+        async with self.client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                raise RuntimeError(f"POST /v1/completions -> {resp.status_code}: {text[:500]}")
+                raise RuntimeError(f"POST {path} -> {resp.status_code}: {text[:500]}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -135,12 +164,13 @@ class ClientRunner:
                 if not choices:  # the final usage-only chunk
                     final_total = total if total is not None else final_total
                     got.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    got.prompt_tokens = usage.get("prompt_tokens", got.prompt_tokens)
                     continue
                 got.token_ids.extend(choices[0].get("token_ids") or [])
                 if total is not None:
                     k = total - len(times)
-                else:
-                    k = 1 if choices[0].get("text") else 0
+                else:  # (a completion's text, a chat chunk's delta content)
+                    k = 1 if choices[0].get("text") or (choices[0].get("delta") or {}).get("content") else 0
                 times.extend([now] * max(k, 0))
         if final_total is not None and final_total > len(times) and times:
             times.extend([times[-1]] * (final_total - len(times)))
@@ -160,8 +190,12 @@ class ClientRunner:
     def __call__(self, plan: Plan, run: str, work: Workload | RequestSource) -> RunResult:
         if isinstance(work, RequestSource):
             return self.loop.run_until_complete(self._run_source(plan, run, work))
-        bodies = [self.payload(p, n, self.sampling_seed + i)
-                  for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))]
+        if work.images is None:
+            bodies = [self.payload(p, n, self.sampling_seed + i)
+                      for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))]
+        else:  # (the images are encoded here, before the run's clock starts)
+            bodies = [{**self.chat_payload(p, ims, n, self.sampling_seed + i), "bench_images": ims}
+                      for i, (p, ims, n) in enumerate(zip(work.prompts, work.images, work.output_lens))]
         offsets = [work.arrival(i) for i in range(len(bodies))]
         t0, reqs, _ = self.loop.run_until_complete(self._batch(bodies, offsets))
         for r, n in zip(reqs, work.output_lens):
@@ -169,8 +203,11 @@ class ClientRunner:
                 raise RuntimeError(f"the server made {r.output_tokens} tokens, not the forced {n} "
                                    "(does it honour ignore_eos and min_tokens?)")
         end = max(r.last_token for r in reqs)
-        return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
-                         side="client", range_ratio=plan.range_ratio, request_rate=plan.request_rate)
+        result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
+                           side="client", range_ratio=plan.range_ratio, request_rate=plan.request_rate)
+        if work.images is not None:
+            result.images = plan.images.describe()
+        return result
 
     # -- the prefix-cache scenarios: a RequestSource with C requests in flight -------------------------------------
     async def _cache_counters(self) -> Optional[dict[str, float]]:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from voltllm.bench.compiles import CompileLog
+from voltllm.bench.images import BenchImage, ImageTokens, RandomMM
 from voltllm.bench.metrics import RequestTiming, RunResult
 from voltllm.bench.workloads import MultiTurn, PrefixRepetition, RequestSource, make_source
 from voltllm.config import ConfigError
@@ -25,12 +26,15 @@ from voltllm.config import ConfigError
 logger = logging.getLogger("voltllm.bench")
 
 SCENARIOS = ("decode", "concurrency", "prefill")
-# scenario -> (input length, output length) when --input-len / --output-len are not given
-DEFAULT_LENGTHS = {"decode": (512, 256), "concurrency": (128, 128), "prefill": (8192, 1)}
+# scenario -> (input length, output length) when --input-len / --output-len are not given (random-mm: the text's)
+DEFAULT_LENGTHS = {"decode": (512, 256), "concurrency": (128, 128), "prefill": (8192, 1), "random-mm": (128, 128)}
 # the prefix-cache scenarios (not in `all`): shared-prefix requests and multi-turn conversations, N requests each run
 # with C in flight; their lengths come from their own flags (bench/workloads.py)
 CACHE_SCENARIO_SPECS = {"prefix": PrefixRepetition, "multi-turn": MultiTurn}
-DEFAULT_CONCURRENCY = {"concurrency": [1, 4, 16, 64], "prefix": [16], "multi-turn": [4]}
+DEFAULT_CONCURRENCY = {"concurrency": [1, 4, 16, 64], "prefix": [16], "multi-turn": [4], "random-mm": [1, 4, 16]}
+# requests with images (bench/images.py, not in `all`): C requests together, as the concurrency scenario's, each with
+# random text and random images
+IMAGE_SCENARIO = "random-mm"
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class Plan:
     burstiness: float = 1.0
     # the prefix-cache scenarios' request set (input_len / output_len then give its prompt and answer lengths)
     spec: Optional[PrefixRepetition | MultiTurn] = None
+    # random-mm: the requests' images, and the model's vision token ids (set once the model is known)
+    images: Optional[RandomMM] = None
+    image_tokens: Optional[ImageTokens] = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     arrivals: Optional[list[float]] = None  # None: all at the start
+    images: Optional[list[tuple[BenchImage, ...]]] = None  # random-mm: each request's images (after its text)
 
     def arrival(self, i: int) -> float:
         return self.arrivals[i] if self.arrivals else 0.0
@@ -66,14 +74,17 @@ class Workload:
 
 def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optional[int] = None,
                output_len: Optional[int] = None, range_ratio: float = 0.0, request_rate: float = math.inf,
-               burstiness: float = 1.0, spec: Optional[PrefixRepetition | MultiTurn] = None) -> list[Plan]:
+               burstiness: float = 1.0, spec: Optional[PrefixRepetition | MultiTurn] = None,
+               images: Optional[RandomMM] = None) -> list[Plan]:
     """The configurations to run. range_ratio spreads the lengths of the concurrency scenario's requests and
     request_rate their arrival over time (the single-request scenarios measure one request, so they refuse both).
-    concurrency None: the scenario's default. The prefix-cache scenarios take their request set from spec."""
+    concurrency None: the scenario's default. The prefix-cache scenarios take their request set from spec, random-mm
+    its images from `images`."""
     if scenario in CACHE_SCENARIO_SPECS:
         return _cache_plans(scenario, concurrency or DEFAULT_CONCURRENCY[scenario], input_len, output_len, range_ratio,
                             request_rate, spec)
-    concurrency = concurrency or DEFAULT_CONCURRENCY["concurrency"]
+    is_images = scenario == IMAGE_SCENARIO
+    concurrency = concurrency or DEFAULT_CONCURRENCY[IMAGE_SCENARIO if is_images else "concurrency"]
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
@@ -81,11 +92,23 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
         raise ValueError(f"--request-rate and --burstiness must be > 0 (and the burstiness finite), got "
                          f"{request_rate} and {burstiness}")
     for flag, used in (("--random-range-ratio", range_ratio != 0.0), ("--request-rate", math.isfinite(request_rate))):
-        if used and "concurrency" not in names:
-            raise ValueError(f"{flag} shapes the requests of --scenario concurrency; --scenario {scenario} runs one "
-                             "request at a time")
+        if used and "concurrency" not in names and not is_images:
+            raise ValueError(f"{flag} shapes the requests of --scenario concurrency and random-mm; --scenario "
+                             f"{scenario} runs one request at a time")
+    if is_images:
+        images = images if images is not None else RandomMM()
     plans = []
     for name in names:
+        if is_images:
+            il, ol = DEFAULT_LENGTHS[name]
+            il, ol = input_len or il, output_len or ol
+            if il < 1 or ol < 1:
+                raise ValueError("--input-len and --output-len must be >= 1")
+            for c in concurrency:
+                if c < 1:
+                    raise ValueError(f"--concurrency values must be >= 1, got {c}")
+                plans.append(Plan(name, c, il, ol, range_ratio, request_rate, burstiness, images=images))
+            continue
         if name not in SCENARIOS:
             raise ValueError(f"--scenario must be one of {', '.join(SCENARIOS)} or all, got {name!r}")
         il, ol = DEFAULT_LENGTHS[name]
@@ -166,6 +189,8 @@ def make_workload(plan: Plan, vocab_size: int, seed: int) -> Workload:
     come from their own stream of the seed, so a rate changes when requests arrive, not what they are."""
     n = plan.concurrency
     arrivals = arrival_times(n, plan.request_rate, plan.burstiness, seed ^ 0x5EED)
+    if plan.images is not None:
+        return _image_workload(plan, vocab_size, seed, arrivals)
     if not plan.range_ratio:
         return Workload(random_prompts(n, plan.input_len, vocab_size, seed), [plan.output_len] * n, arrivals)
     gen = torch.Generator().manual_seed(seed)
@@ -175,6 +200,25 @@ def make_workload(plan: Plan, vocab_size: int, seed: int) -> Workload:
     output_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
     prompts = [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for length in input_lens]
     return Workload(prompts, output_lens, arrivals)
+
+
+def _image_workload(plan: Plan, vocab_size: int, seed: int, arrivals: Optional[list[float]]) -> Workload:
+    """random-mm: the lengths as the concurrency scenario draws them, then each request's text ids and images
+    (bench/images.py) from the same seed."""
+    from voltllm.bench.images import draw_requests
+
+    if plan.image_tokens is None:
+        raise ValueError("a random-mm plan needs the model's image token ids (Plan.image_tokens)")
+    n = plan.concurrency
+    input_lens, output_lens = [plan.input_len] * n, [plan.output_len] * n
+    if plan.range_ratio:
+        gen = torch.Generator().manual_seed(seed)
+        lo, hi = length_range(plan.input_len, plan.range_ratio)
+        input_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+        lo, hi = length_range(plan.output_len, plan.range_ratio)
+        output_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    prompts, images = draw_requests(plan.images, plan.image_tokens, n, input_lens, vocab_size, seed)
+    return Workload(prompts, output_lens, arrivals, images)
 
 
 RunFn = Callable[[Plan, str, "Workload | RequestSource"], RunResult]
@@ -234,12 +278,17 @@ class _Track:
 
 
 class InProcessRunner:
-    """Runs one batch at a time on an EngineCore that nothing else is using."""
+    """Runs one batch at a time on an EngineCore that nothing else is using. Requests with images (random-mm) need
+    the engine's image processor (multimodal/processor.py); tower_timer (bench/images.py, entered by the caller) times
+    the vision tower's calls of each run."""
 
     def __init__(self, engine: Any, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
-                 sampling_seed: int = 0, compile_log: Optional[CompileLog] = None):
+                 sampling_seed: int = 0, compile_log: Optional[CompileLog] = None, image_processor: Any = None,
+                 tower_timer: Any = None):
         self.engine = engine
         self.compile_log = compile_log  # entered by the caller: each run records the kernels compiled in it
+        self.image_processor = image_processor
+        self.tower_timer = tower_timer
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.sampling_seed = sampling_seed
         self._batch = 0
@@ -264,14 +313,16 @@ class InProcessRunner:
         eng = self.engine
         self.drain()
         self._batch += 1
+        prompts, mms, processor_ms = self._prepare(plan, work)
         preempt0 = eng.stats().num_preemptions
         mark = self.compile_log.mark() if self.compile_log is not None else 0
+        tower_mark = self.tower_timer.mark() if self.tower_timer is not None else 0
         t0 = time.monotonic()
         track: dict[str, _Track] = {}
         forced: dict[str, int] = {}
         order = sorted(range(len(work.prompts)), key=work.arrival)
         for i in order:
-            track[f"bench{self._batch}-{i}"] = _Track(t0 + work.arrival(i), len(work.prompts[i]))
+            track[f"bench{self._batch}-{i}"] = _Track(t0 + work.arrival(i), len(prompts[i]))
 
         def admit(k: int, now: float) -> int:
             """Add the requests from order[k] on whose send time has come, stamped with that time (a server would
@@ -280,7 +331,8 @@ class InProcessRunner:
                 i = order[k]
                 rid, n = f"bench{self._batch}-{i}", work.output_lens[i]
                 sp = sampling_params(n, self.temperature, self.top_p, self.top_k, self.sampling_seed + i)
-                eng.add_request(EngineCoreRequest(rid, list(work.prompts[i]), sp, arrival_time=track[rid].arrival))
+                eng.add_request(EngineCoreRequest(rid, list(prompts[i]), sp, arrival_time=track[rid].arrival,
+                                                  multi_modal=mms[i]))
                 forced[rid] = n
                 k += 1
             return k
@@ -320,15 +372,42 @@ class InProcessRunner:
             if t.finish == "abort" or t.n != forced[rid]:
                 raise RuntimeError(f"request {rid} ended with {t.n} of {forced[rid]} forced tokens "
                                    f"(finish {t.finish}, {t.stop_reason}); raise the KV cache or --max-model-len")
+            i = int(rid.rsplit("-", 1)[1])
             reqs.append(RequestTiming(
                 prompt_tokens=t.prompt_tokens, output_tokens=t.n, arrival=t.arrival,
                 first_token=t.first if t.first is not None else t.times[0],
                 last_token=t.last if t.last is not None else t.times[-1],
-                scheduled=t.scheduled, cached_tokens=t.cached, token_times=t.times))
-        return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
-                         preemptions=eng.stats().num_preemptions - preempt0, side="server",
-                         range_ratio=plan.range_ratio, request_rate=plan.request_rate,
-                         compiles=self.compile_log.since(mark) if self.compile_log is not None else None)
+                scheduled=t.scheduled, cached_tokens=t.cached, token_times=t.times,
+                images=len(work.images[i]) if work.images is not None else None,
+                image_tokens=(sum(im.num_tokens for im in mms[i].images) if mms[i] is not None else 0)
+                if work.images is not None else None))
+        result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
+                           preemptions=eng.stats().num_preemptions - preempt0, side="server",
+                           range_ratio=plan.range_ratio, request_rate=plan.request_rate,
+                           compiles=self.compile_log.since(mark) if self.compile_log is not None else None)
+        if work.images is not None:
+            result.images = plan.images.describe()
+            result.processor_ms = processor_ms
+            result.tower_ms = self.tower_timer.since(tower_mark) if self.tower_timer is not None else None
+        return result
+
+    def _prepare(self, plan: Plan, work: Workload) -> tuple[list[list[int]], list[Any], list[float]]:
+        """Each request's prompt ids and MultiModalPrompt (None: no image), and the image processor's milliseconds
+        per image: the images go through the server's processor before the run's clock starts."""
+        if work.images is None:
+            return work.prompts, [None] * len(work.prompts), []
+        from voltllm.bench.images import prepare_inprocess
+
+        if self.image_processor is None:
+            raise ValueError("requests with images need the engine's image processor (InProcessRunner's "
+                             "image_processor)")
+        prompts, mms, per_image = [], [], []
+        for text, images in zip(work.prompts, work.images):
+            ids, mm, secs = prepare_inprocess(self.image_processor, plan.image_tokens, text, images)
+            prompts.append(ids)
+            mms.append(mm)
+            per_image += [secs * 1e3 / len(images)] * len(images) if images else []
+        return prompts, mms, per_image
 
 
 def build_engine(engine_args: Any) -> Any:

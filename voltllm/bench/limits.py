@@ -12,6 +12,9 @@
 - prefill limit: FLOPs of one prompt = 2 * matmul params * L (embedding lookups are not matmuls; logits
   for the last position only) + causal attention 4 * attention layers * q heads * head dim * L^2 / 2;
   limit tok/s = L / (FLOPs / matmul rate).
+- images (--scenario random-mm): an image's vision-tower FLOPs (tower_flops, from the vision config and the patch
+  grid the image processor makes of it) are added to the prefill FLOPs of the prompt, whose length counts the
+  image's tokens (one per merged patch window): TTFT limit = (prefill FLOPs + tower FLOPs of its images) / matmul rate.
 
 On the CPU the same code runs at tiny sizes (wall clock instead of CUDA events) so tests exercise it.
 """
@@ -252,3 +255,26 @@ def decode_limit_tok_s(cost: ModelCost, dev: DeviceLimits, batch: int, context_l
 
 def prefill_limit_tok_s(cost: ModelCost, dev: DeviceLimits, prompt_len: int) -> float:
     return prompt_len / (cost.prefill_flops(prompt_len) / (dev.matmul_TFLOPs * 1e12))
+
+
+def tower_flops(vision_config: Any, grid: tuple[int, int, int]) -> float:
+    """FLOPs of Qwen3.5's / Qwen3-VL's vision tower (multimodal/vision_tower.py) on one image of patch grid (t, h, w):
+    N = t * h * w patches of hidden H through the patch embedding (patch_dim x H), `depth` blocks of qkv (3 H^2),
+    proj (H^2), MLP (2 H I) and non-causal attention within each frame (4 (h w)^2 H: scores and values), then the
+    merger and each deepstack merger on N / m^2 windows of W = H m^2 (W^2 + W x out_hidden). 2 FLOPs a
+    multiply-add; LayerNorms, rotary, activations and the position table's resampling are not matmuls and are not
+    counted."""
+    def f(name: str, default: Any = None) -> Any:
+        return vision_config.get(name, default) if isinstance(vision_config, dict) else getattr(
+            vision_config, name, default)
+
+    t, h, w = (int(v) for v in grid)
+    hidden, inter, depth = int(f("hidden_size")), int(f("intermediate_size")), int(f("depth"))
+    merge, out = int(f("spatial_merge_size", 2)), int(f("out_hidden_size"))
+    patch_dim = int(f("in_channels", 3)) * int(f("temporal_patch_size", 2)) * int(f("patch_size")) ** 2
+    mergers = 1 + len(f("deepstack_visual_indexes", None) or ())
+    n = t * h * w
+    window = hidden * merge * merge
+    per_patch = patch_dim * hidden + depth * (4 * hidden * hidden + 2 * hidden * inter)
+    attention = depth * t * 4 * (h * w) ** 2 * hidden
+    return 2.0 * n * per_patch + attention + 2.0 * (n // (merge * merge)) * mergers * (window * window + window * out)

@@ -34,6 +34,9 @@ class RequestTiming:
     index: Optional[int] = None
     group: Optional[int] = None
     turn: Optional[int] = None
+    # random-mm: the request's images and their tokens in the prompt (prompt_tokens counts them)
+    images: Optional[int] = None
+    image_tokens: Optional[int] = None
 
     @property
     def ttft_s(self) -> float:
@@ -52,7 +55,7 @@ class RequestTiming:
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("token_times")
-        for key in ("index", "group", "turn"):  # (only the prefix-cache scenarios have them)
+        for key in ("index", "group", "turn", "images", "image_tokens"):  # (only the scenarios that have them)
             if d[key] is None:
                 del d[key]
         d.update(ttft_ms=self.ttft_s * 1e3, decode_s=self.decode_s, prefill_s=self.prefill_s,
@@ -145,6 +148,11 @@ class RunResult:
     cache_hits_source: str = "requests"
     cache_hit_tokens: Optional[int] = None
     external_cache_hit_tokens: Optional[int] = None
+    # random-mm: the request set's image flags (bench/images.py RandomMM.describe), and per image the processor's
+    # milliseconds (before the run, in process) and the vision tower's (each call in the run; None: not measured)
+    images: Optional[dict] = None
+    processor_ms: Optional[list[float]] = None
+    tower_ms: Optional[list[float]] = None
 
     @property
     def wall_s(self) -> float:
@@ -172,6 +180,8 @@ class RunResult:
             m["pure_decode_tok_s"] = pure_decode_tok_s(r.output_tokens, r.first_token, r.last_token)
             m["prefill_tok_s"] = prefill_tok_s(r.prompt_tokens, r.cached_tokens, r.prefill_s)
         m["prefix_cache_hit_tokens"] = float(sum(r.cached_tokens for r in reqs))
+        if self.images is not None:
+            m.update(image_metrics(self))
         return m
 
     def to_json(self) -> dict:
@@ -183,7 +193,24 @@ class RunResult:
         if self.workload is not None:
             out["workload"] = self.workload
             out["cache_hits_source"] = self.cache_hits_source
+        if self.images is not None:
+            out.update(images=self.images, processor_ms=self.processor_ms, tower_ms=self.tower_ms)
         return out
+
+
+def image_metrics(run: RunResult) -> dict[str, Optional[float]]:
+    """random-mm: images and image tokens per request (means over the run's requests), prompt tokens per request
+    (text and image tokens), and per image the vision tower's and the image processor's milliseconds (means; None where
+    not measured: against a server, or a run that encoded no image)."""
+    reqs = run.requests
+
+    def mean(values: Sequence[float]) -> Optional[float]:
+        return statistics.fmean(values) if values else None
+    return {"images_per_request": mean([r.images or 0 for r in reqs]),
+            "image_tokens_per_request": mean([r.image_tokens or 0 for r in reqs]),
+            "prompt_tokens_per_request": mean([r.prompt_tokens for r in reqs]),
+            "vision_tower_ms": mean(run.tower_ms or []),
+            "image_processor_ms": mean(run.processor_ms or [])}
 
 
 # -- the prefix-cache scenarios (bench/workloads.py) ------------------------------------------------------------------
@@ -242,6 +269,9 @@ SCENARIO_METRICS = {
     "prefix": ("ttft_ms", "ttft_p90_ms", "output_tok_s", "prefill_tok_s", "prefix_cache_hit_rate",
                "external_prefix_cache_hit_rate"),
     "multi-turn": ("ttft_ms", "output_tok_s", "prefix_cache_hit_rate", "external_prefix_cache_hit_rate"),
+    "random-mm": ("ttft_ms", "output_tok_s", "concurrent_decode_tok_s", "tpot_ms", "itl_p99_ms", "images_per_request",
+                  "image_tokens_per_request", "prompt_tokens_per_request", "vision_tower_ms",
+                  "image_processor_ms"),
 }
 
 
@@ -272,6 +302,8 @@ def table_rows(results: Sequence[RunResult]) -> list[dict]:
                    "ratio": None}
             if runs[0].workload is not None:
                 row["workload"] = runs[0].workload
+            if runs[0].images is not None:
+                row["images"] = runs[0].images
             rows.append(row)
     return rows
 
@@ -306,10 +338,11 @@ def headline(rows: Sequence[dict]) -> dict:
 
 
 def cache_headline(rows: Sequence[dict]) -> dict:
-    """{"prefix" / "multi_turn": {"<C>": {metric: warm median}}} for the prefix-cache scenarios that ran."""
+    """{"prefix" / "multi_turn" / "random_mm": {"<C>": {metric: warm median}}} for the prefix-cache and image
+    scenarios that ran."""
     out: dict[str, dict] = {}
     for r in rows:
-        if r["scenario"] in CACHE_SCENARIOS:
+        if r["scenario"] in CACHE_SCENARIOS + ("random-mm",):
             key = r["scenario"].replace("-", "_")
             out.setdefault(key, {}).setdefault(str(r["concurrency"]), {})[r["metric"]] = r["median"]
     return out
@@ -337,6 +370,16 @@ def workload_label(scenario: str, w: dict) -> str:
     return f"multi-turn {w['num_conversations']}x{w['num_turns']} {w['input_len']}/{w['output_len']}"
 
 
+def images_label(images: Optional[dict]) -> str:
+    """A random-mm configuration's images in the table: the count range and the sizes (height x width)."""
+    if not images:
+        return ""
+    lo, hi = images["images_per_request_range"]
+    count = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    sizes = ",".join(f"{b['height']}x{b['width']}" for b in images["buckets"])
+    return f" +{count} img {sizes}"
+
+
 def format_table(rows: Sequence[dict], title: str = "", ratio_header: str = "ratio") -> str:
     head = ["metric", "scenario", "C", "warm median", "warm values", "cold", "limit", ratio_header]
     body = []
@@ -344,7 +387,7 @@ def format_table(rows: Sequence[dict], title: str = "", ratio_header: str = "rat
         spread = f" x(1+-{r['range_ratio']:g})" if r.get("range_ratio") else ""
         spread += f" @{r['request_rate']:g}/s" if r.get("request_rate") is not None else ""
         shape = workload_label(r["scenario"], r["workload"]) if r.get("workload") else \
-            f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}"
+            f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}{images_label(r.get('images'))}"
         body.append([r["metric"], shape, str(r["concurrency"]),
                      _fmt(r["median"]), " ".join(_fmt(v) for v in r["warm"]), _fmt(r["cold"]), _fmt(r.get("limit")),
                      _fmt(r.get("ratio"))])
