@@ -71,10 +71,15 @@ def make_eagle3(path: str, hidden: int, vocab: int, draft_vocab: Optional[int] =
         w["t2d"] = t2d
     for name in drop:
         w.pop(name)
+    return save_head(path, w, cfg)
+
+
+def save_head(path: str, weights: dict, cfg: dict) -> str:
+    """A head's tensors (model.safetensors) and config.json under path."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"),
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -191,7 +196,7 @@ def to_speculators(head: str, path: str, verifier: str, target: Optional[str] = 
     converter saves the verifier's); a config with the decoder layer's Llama config nested in transformer_layer_config,
     the EAGLE-3 fields at the top (norm_before_residual written explicitly) and a speculators_config naming
     `verifier`. drop_keys: top-level config keys left out; tensors: extra tensors; overrides: top-level keys."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     with open(os.path.join(head, "config.json")) as f:
         src = json.load(f)
@@ -218,9 +223,4 @@ def to_speculators(head: str, path: str, verifier: str, target: Optional[str] = 
     cfg.update(overrides)
     for k in drop_keys:
         cfg.pop(k)
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
+    return save_head(path, w, cfg)
