@@ -5,6 +5,7 @@ into one token per merged patch, and of each video's into its temporal patches, 
 between vision start / end (inputs.py's MultiModalPrompt: one ImageInput per temporal patch)."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from typing import Any, Optional, Sequence
@@ -67,8 +68,9 @@ class ImageProcessor:
             raise ConfigError(f"--mm-processor-kwargs: neither the image processor (Qwen2-VL's) nor the video "
                               f"processor (Qwen3-VL's) takes {', '.join(unknown)}; they take "
                               f"{', '.join(sorted(allowed | VIDEO_SETTINGS))}")
-        video_kwargs = {k: v for k, v in kwargs.items() if k in VIDEO_SETTINGS}
-        kwargs = {k: v for k, v in kwargs.items() if k in allowed}
+        # (copies: a processor may change a setting's dict in place, e.g. the image one's size by its max_pixels)
+        video_kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in VIDEO_SETTINGS})
+        kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in allowed})
         if not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
             raise ConfigError(f"{model_dir} has a vision_config but no preprocessor_config.json (the image "
                               "processor's settings); add it, or serve the text model alone with --language-model-only")
