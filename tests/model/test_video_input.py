@@ -26,11 +26,23 @@ def _llm(path, **kw):
 
 
 def test_one_video_matches_transformers(vl):
-    ids, out, mm = _prompt(vl, [None, "What happens?"], [_video(0, 9, 32, 48)])
+    import base64
+
+    from vl_models import GREEDY
+
+    data = _video(0, 9, 32, 48)
+    ids, out, mm = _prompt(vl, [None, "What happens?"], [data])
     assert tuple(out["video_grid_thw"][0].tolist()) == (2, 8, 12) and len(mm.images) == 2
     llm = _llm(vl[0])
-    assert _same(_run(llm, [(ids, mm)])[0], _reference(vl, ids, out))
+    want = _reference(vl, ids, out)
+    assert _same(_run(llm, [(ids, mm)])[0], want)
     assert not llm.engine.runner.image_step.encoded
+    # LLM.chat with the video as a data URL: the same prompt and answer
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    chat = llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                  {"type": "text", "text": "What happens?"}]}], GREEDY,
+                    use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ids and list(chat.outputs[0].token_ids) == [t for t, _ in want]
 
 
 def test_video_and_image_split_by_chunked_prefill(vl):
