@@ -191,13 +191,51 @@ def vl_prompt(vl, text_parts: list, images: list):
     return expanded, out, mm
 
 
+def vl_video_bytes(seed: int, frames: int, h: int, w: int, fps: int = 4, fmt: str = "mp4") -> bytes:
+    """A small random video written with PyAV (mp4: MPEG-4 part 2; webm: VP8), in memory."""
+    import io
+
+    import av
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as container:
+        stream = container.add_stream("mpeg4" if fmt == "mp4" else "libvpx", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
+def vl_video_prompt(vl, text_parts: list, videos: list, processor=None):
+    """Token ids with each video expanded by voltllm's processor (`processor`, else one built from the checkpoint),
+    its MultiModalPrompt, and the reference's inputs: pixel_values_videos / video_grid_thw from that processor's
+    rows. videos: encoded video bytes, in the order of the None entries of text_parts."""
+    from voltllm.multimodal.processor import ImageProcessor
+
+    path, _, tok, ref = vl
+    if processor is None:
+        processor = ImageProcessor.from_model(path, ref.config, videos=True)
+    content = [{"type": "video"} if p is None else {"type": "text", "text": p} for p in text_parts]
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    processed = [processor.video_from_bytes(data) for data in videos]
+    ids, mm = processor.prepare(ids, [], processed, tok)
+    out = {"pixel_values_videos": torch.cat([torch.from_numpy(v.pixel_values) for v in processed]),
+           "video_grid_thw": torch.tensor([list(v.grid) for v in processed])}
+    return ids, out, mm
+
+
 def vl_reference(vl, ids: list, out) -> list[tuple[int, float]]:
-    """transformers' greedy tokens and their logprobs."""
+    """transformers' greedy tokens and their logprobs (out: the image processor's output, or vl_video_prompt's)."""
     ref = vl[3]
     inputs = {"input_ids": torch.tensor([ids])}
     if out is not None:
-        types = (inputs["input_ids"] == ref.config.image_token_id).int()
-        inputs.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"], mm_token_type_ids=types)
+        types = ((inputs["input_ids"] == ref.config.image_token_id).int() +
+                 2 * (inputs["input_ids"] == ref.config.video_token_id).int())
+        inputs.update({k: v for k, v in out.items()}, mm_token_type_ids=types)
     with torch.no_grad():
         gen = ref.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
                            output_logits=True, return_dict_in_generate=True)  # (raw: min_new_tokens masks EOS)

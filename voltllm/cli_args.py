@@ -191,17 +191,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          'normalized)')
     pm.add_argument("--override-pooler-config", type=json_object_arg("--override-pooler-config"), default=None,
                     help="vLLM's older name of --pooler-config")
-    mm = p.add_argument_group("image input (Qwen3.5 and Qwen3-VL vision-language models; voltllm/multimodal/)")
+    mm = p.add_argument_group("image and video input (Qwen3.5 and Qwen3-VL vision-language models; "
+                              "voltllm/multimodal/)")
     mm.add_argument("--limit-mm-per-prompt", type=json_object_arg("--limit-mm-per-prompt"), default=None,
-                    help='most items of each modality in one request, e.g. \'{"image": 2}\' (default 999 images; '
-                         'video and audio are not built: 0 only)')
+                    help='most items of each modality in one request, e.g. \'{"image": 2, "video": 1}\' (default '
+                         '999 images and 999 videos; audio is not built: 0 only)')
     mm.add_argument("--mm-processor-kwargs", type=json_object_arg("--mm-processor-kwargs"), default=None,
-                    help='the image processor\'s settings over preprocessor_config.json, e.g. \'{"max_pixels": '
-                         '1003520}\'')
+                    help='the image / video processors\' settings over their configs, e.g. \'{"max_pixels": '
+                         '1003520}\' or \'{"fps": 1, "max_frames": 64}\'')
+    mm.add_argument("--media-io-kwargs", type=json_object_arg("--media-io-kwargs"), default=None,
+                    help='the media loaders\' settings: \'{"video": {"num_frames": N}}\' (vLLM\'s default 32; -1: '
+                         'every frame, then the processor samples by its fps) and "fps"')
     mm.add_argument("--allowed-local-media-path", default=None,
-                    help="a directory whose files requests may name as file:// image URLs (trusted clients only)")
+                    help="a directory whose files requests may name as file:// image / video URLs (trusted clients "
+                         "only)")
     mm.add_argument("--allowed-media-domains", nargs="+", default=None,
-                    help="the only hosts http(s) image URLs may name (default: any)")
+                    help="the only hosts http(s) image / video URLs may name (default: any)")
     lo = p.add_argument_group("LoRA adapters (voltllm/lora/; --lora-modules is a server flag)")
     lo.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
                     help="serve PEFT LoRA adapters on the attention and dense-MLP projections, chosen per request")

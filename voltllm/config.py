@@ -306,10 +306,12 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None  # None: --max-loras
     lora_dtype: str = "auto"  # auto: the model's dtype (the only one taken)
-    # image input (vLLM's flags; voltllm/multimodal/config.py): items per prompt by modality (JSON object), the image
-    # processor's settings (JSON object), the directory file:// URLs may read, the hosts http(s) URLs may name
+    # image and video input (vLLM's flags; voltllm/multimodal/config.py): items per prompt by modality (JSON object),
+    # the image / video processors' settings (JSON object), the media loaders' (JSON object: video num_frames / fps),
+    # the directory file:// URLs may read, the hosts http(s) URLs may name
     limit_mm_per_prompt: Optional[Any] = None
     mm_processor_kwargs: Optional[Any] = None
+    media_io_kwargs: Optional[Any] = None
     allowed_local_media_path: Optional[str] = None
     allowed_media_domains: Optional[Any] = None
 
@@ -534,7 +536,8 @@ class EngineArgs:
         from voltllm.multimodal.config import resolve_multimodal
 
         multimodal = resolve_multimodal(self.limit_mm_per_prompt, self.mm_processor_kwargs,
-                                        self.allowed_local_media_path, self.allowed_media_domains)
+                                        self.allowed_local_media_path, self.allowed_media_domains,
+                                        self.media_io_kwargs)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: not a scheduling policy; use fcfs (first "
                               "come, first served) or priority (by each request's priority, then arrival)")
@@ -731,7 +734,8 @@ class EngineArgs:
                               multimodal=multimodal)
         if image_input_refusal(config) is None:
             # (built here too, so that a processor the model's files or --mm-processor-kwargs break fails at start)
-            ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs)
+            ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs,
+                                      multimodal.video_limit > 0)
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
         reasoning = self._resolve_reasoning(tokenizer)

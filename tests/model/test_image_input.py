@@ -120,8 +120,13 @@ def test_mtp_drafts_keep_the_greedy_output(vl, tmp_path):
 
 def test_profiled_image_follows_mm_processor_kwargs(vl):
     """Memory profiling encodes the largest image the processor makes, --mm-processor-kwargs applied."""
-    llm = _llm(vl[0], load_format="dummy", mm_processor_kwargs={"max_pixels": 1024})
+    llm = _llm(vl[0], load_format="dummy", mm_processor_kwargs={"max_pixels": 1024},
+               limit_mm_per_prompt={"video": 0})
     assert llm.engine.runner.image_step.largest_grid == (1, 8, 8)  # 32 x 32 pixels of 4-pixel patches
+    # with videos (max_pixels is the image processor's alone): a temporal patch of the video budget's 2 frames
+    llm = _llm(vl[0], load_format="dummy", mm_processor_kwargs={"max_pixels": 1024, "size": {
+        "shortest_edge": 1024, "longest_edge": 2 * 48 * 48}})
+    assert llm.engine.runner.image_step.largest_grid == (1, 12, 12)
 
 
 def test_preempted_image_requests_encode_again_and_match(vl):

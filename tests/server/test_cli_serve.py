@@ -61,7 +61,7 @@ def _seed_argv(text: str, model: str) -> list[str]:
 def test_seed_commands_parse_and_refuse_unbuilt_flags(tiny_model):
     bad_parser = ["serve", tiny_model, "--tool-call-parser", "nonexistent_parser", "--enable-auto-tool-choice"]
     bad_reasoning = ["serve", tiny_model, "--reasoning-parser", "nope"]
-    mm = ["serve", tiny_model, "--limit-mm-per-prompt", '{"image": 2, "video": 1}']
+    mm = ["serve", tiny_model, "--limit-mm-per-prompt", '{"image": 2, "video": 1, "audio": 1}']
     auto_alone = ["serve", tiny_model, "--enable-auto-tool-choice"]
     bad_json = ["serve", tiny_model, "--default-chat-template-kwargs", "{not json"]
     r1, r2, r_parser, r_reason, r_mm, r_auto, r_json = _run_many(
@@ -77,7 +77,7 @@ def test_seed_commands_parse_and_refuse_unbuilt_flags(tiny_model):
     assert r_parser.returncode == 2 and "--tool-call-parser" in r_parser.stderr and "nonexistent_parser" in r_parser.stderr
     assert "hermes" in r_parser.stderr  # lists what is available
     assert r_reason.returncode == 2 and "--reasoning-parser" in r_reason.stderr
-    assert r_mm.returncode == 2 and "--limit-mm-per-prompt video" in r_mm.stderr  # (images are built)
+    assert r_mm.returncode == 2 and "--limit-mm-per-prompt audio" in r_mm.stderr  # (images and videos are built)
     assert r_auto.returncode == 2 and "--tool-call-parser" in r_auto.stderr
     assert r_json.returncode == 2 and "--default-chat-template-kwargs" in r_json.stderr
 

@@ -1,5 +1,6 @@
-"""Image input over HTTP: a real server on the tiny Qwen3.5 VL checkpoint (tests/vl_models.py) answers chat
-completions, Responses and Messages requests with images; the limits, media rules and refusals are 400s."""
+"""Image and video input over HTTP: a real server on the tiny Qwen3.5 VL checkpoint (tests/vl_models.py) answers chat
+completions, Responses and Messages requests with images, and chat completions and /tokenize with videos; the
+limits, media rules and refusals are 400s."""
 from __future__ import annotations
 
 import base64
@@ -11,7 +12,7 @@ import pytest
 from PIL import Image
 
 from server_helpers import ServerProc, free_port
-from vl_models import make_tiny_qwen3_5_vl
+from vl_models import make_tiny_qwen3_5_vl, vl_video_bytes
 
 MAX_LEN = 512
 
@@ -27,13 +28,19 @@ def data_url(w: int = 48, h: int = 32, seed: int = 0) -> str:
     return "data:image/png;base64," + base64.b64encode(png(w, h, seed)).decode()
 
 
+def video_url(frames: int = 9, w: int = 48, h: int = 32, seed: int = 0) -> str:
+    """An MP4 at 4 fps: 9 frames are 2.25 s, sampled at 2 fps to 4 frames, 2 temporal patches of 24 tokens."""
+    return "data:video/mp4;base64," + base64.b64encode(vl_video_bytes(seed, frames, h, w)).decode()
+
+
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     path = make_tiny_qwen3_5_vl(str(tmp_path_factory.mktemp("vl")))
     media = tmp_path_factory.mktemp("media")
     (media / "a.png").write_bytes(png(48, 32))
+    (media / "v.mp4").write_bytes(vl_video_bytes(0, 9, 32, 48))
     srv = ServerProc([path, "--device", "cpu", "--max-model-len", str(MAX_LEN), "--served-model-name", "vl",
-                      "--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--allowed-local-media-path", str(media),
+                      "--limit-mm-per-prompt", '{"image": 2, "video": 1}', "--allowed-local-media-path", str(media),
                       "--disable-log-stats", "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
     srv.model_path, srv.media = path, media
     try:
@@ -54,7 +61,7 @@ def _text_prompt_tokens(vl, content: list) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(vl.model_path)
-    parts = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+    parts = [{"type": p["type"][:-4]} if p["type"] in ("image_url", "video_url") else p for p in content]
     text = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
     return len(tok.encode(text, add_special_tokens=False))
 
@@ -94,7 +101,14 @@ def test_local_file_only_under_allowed_path(vl, http, tmp_path):
      "at most 2 (--limit-mm-per-prompt)"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}], "messages", "not valid base64"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}], "messages", "not an image"),
-    ([{"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}], "messages", "no video, audio or file input"),
+    ([{"type": "input_audio", "input_audio": {"data": "AAAA"}}], "messages", "no audio or file input"),
+    ([{"type": "video_url", "video_url": {"url": video_url(seed=i)}} for i in range(2)], "messages",
+     "2 videos in one request: this server takes at most 1 (--limit-mm-per-prompt)"),
+    ([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,aGVsbG8="}}], "messages",
+     "not a format FFmpeg can read"),
+    ([{"type": "video_url", "video_url": {"url": data_url()}}], "messages", "only video/* data URLs"),
+    # 40 frames: the loader's 32, 16 temporal patches of 24 tokens and their timestamps, past --max-model-len
+    ([{"type": "video_url", "video_url": {"url": video_url(40)}}], "prompt", "context length"),
     ([{"type": "image_url", "image_url": {}}], "messages", "image_url must be a URL string"),
     # 256 x 256 pixels: 64 x 64 patches, 1,024 tokens, past --max-model-len
     ([{"type": "image_url", "image_url": {"url": data_url(256, 256)}}], "prompt", "context length"),
@@ -199,3 +213,29 @@ def test_bench_random_mm_against_the_server(vl, tmp_path):
     assert sum(r["images"] for run in res["metrics"]["runs"] for r in run["requests"]) > 0
     rows = {r["metric"] for r in res["metrics"]["table"]}
     assert {"ttft_ms", "images_per_request", "image_tokens_per_request"} <= rows and "vision_tower_ms" not in rows
+
+
+def test_chat_with_video_counts_its_frames(vl, http):
+    """A video's placeholder (vision start, video pad, vision end) becomes, per temporal patch, `<t seconds>`, vision
+    start, 24 video tokens, vision end; /tokenize gives the same ids; a file:// video under the allowed path too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vl.model_path)
+    content = [{"type": "text", "text": "What happens in"}, {"type": "video_url", "video_url": {"url": video_url()}},
+               {"type": "text", "text": "this clip?"}]
+    r = _chat(http, content, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    stamps = sum(len(tok.encode(f"<{t} seconds>", add_special_tokens=False)) for t in ("0.4", "1.6"))
+    assert body["usage"]["prompt_tokens"] == _text_prompt_tokens(vl, content) - 3 + stamps + 2 * (2 + 24)
+    ids = body["prompt_token_ids"]
+    assert ids.count(tok.convert_tokens_to_ids("<|video_pad|>")) == 48 and "<1.6 seconds>" in tok.decode(ids)
+    counted = http.post("/tokenize", json={"model": "vl", "messages": [{"role": "user", "content": content}],
+                                           "add_generation_prompt": True})
+    assert counted.status_code == 200 and counted.json()["tokens"] == ids
+    local = [content[0], {"type": "video_url", "video_url": {"url": f"file://{vl.media}/v.mp4"}}, content[2]]
+    again = _chat(http, local, return_token_ids=True).json()
+    assert again["prompt_token_ids"] == ids and again["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
+    # a video and an image in one message
+    both = _chat(http, [{"type": "image_url", "image_url": {"url": data_url()}}, *content])
+    assert both.status_code == 200 and both.json()["usage"]["prompt_tokens"] == body["usage"]["prompt_tokens"] + 24 + 2

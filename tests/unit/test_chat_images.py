@@ -33,6 +33,19 @@ def test_image_parts_for_the_template():
     assert "Compare<|vision_start|><|image_pad|><|vision_end|>with<|vision_start|><|image_pad|>" in text
 
 
+def test_video_parts_for_the_template():
+    urls: list = []
+    videos: list = []
+    msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://a/v.mp4"}},
+                                         {"type": "image_url", "image_url": "http://a/1.png"},
+                                         {"type": "video_url", "video_url": "data:video/mp4;base64,AAAA"}]}]
+    out = normalize_messages(msgs, "openai", image_urls=urls, video_urls=videos)
+    assert urls == ["http://a/1.png"] and videos == ["http://a/v.mp4", "data:video/mp4;base64,AAAA"]
+    assert out[0]["content"] == [{"type": "video"}, {"type": "image"}, {"type": "video"}]
+    text = jinja2.Environment().from_string(VL_CHATML).render(messages=out, add_generation_prompt=False)
+    assert text.count("<|vision_start|><|video_pad|><|vision_end|>") == 2
+
+
 def test_image_refusals():
     with pytest.raises(OpenAIError, match="--chat-template-content-format openai") as e:
         normalize_messages(MSGS, "string", image_urls=[])
@@ -40,8 +53,13 @@ def test_image_refusals():
     with pytest.raises(OpenAIError, match="content\\[1\\] has type 'image_url': some reason"):
         normalize_messages(MSGS, "openai", refusal="some reason")
     video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://a/v.mp4"}}]}]
-    with pytest.raises(OpenAIError, match="takes images .* but no video, audio or file input"):
+    with pytest.raises(OpenAIError, match="takes images .* but no video on this route"):
         normalize_messages(video, "openai", image_urls=[])
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]
+    with pytest.raises(OpenAIError, match="takes images and videos .* no audio or file input"):
+        normalize_messages(audio, "openai", image_urls=[], video_urls=[])
+    with pytest.raises(OpenAIError, match="a video cannot be placed in a chat template that takes message content"):
+        normalize_messages(video, "string", image_urls=[], video_urls=[])
     with pytest.raises(OpenAIError, match="image_url must be a URL string"):
         normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}], "openai",
                            image_urls=[])

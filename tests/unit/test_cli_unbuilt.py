@@ -98,8 +98,8 @@ def test_offline_llm_takes_vllms_engine_keywords(tmp_path):
     assert llm.generate("hi", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0].outputs[0].logprobs
     with pytest.raises(ValueError, match="logprobs 4: more than this LLM's max_logprobs"):
         llm.generate("hi", SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="--limit-mm-per-prompt video.*not built"):  # (images are)
-        LLM("unused", limit_mm_per_prompt={"image": 1, "video": 1})
+    with pytest.raises(ValueError, match="--limit-mm-per-prompt audio.*not built"):  # (images and videos are)
+        LLM("unused", limit_mm_per_prompt={"image": 1, "video": 1, "audio": 1})
 
 
 def test_docs_list_every_unbuilt_flag():

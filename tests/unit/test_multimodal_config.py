@@ -23,7 +23,8 @@ def test_limits():
     assert resolve_multimodal({"image": 2}).image_limit == 2
     assert resolve_multimodal('{"image": {"count": 3}, "video": 0, "audio": 0}').image_limit == 3
     assert resolve_multimodal({"image": 0}).image_limit == 0
-    for bad, why in (({"video": 1}, "video input is not built"), ({"audio": {"count": 2}}, "audio input"),
+    assert resolve_multimodal({"video": 1}).video_limit == 1
+    for bad, why in (({"audio": {"count": 2}}, "audio input"),
                      ({"image": -1}, "integer >= 0"), ({"image": "2"}, "integer >= 0"),
                      ({"image": {"count": 1, "width": 512}}, 'only "count"'), ('["image"]', "a JSON object"),
                      ({"vision_chunk": 1}, "modality 'vision_chunk'")):
@@ -55,10 +56,12 @@ def test_cli_flags_reach_engine_args(tmp_path):
     add_parser(parser.add_subparsers(dest="cmd"), help="serve")
     argv = dotted_json_flags(dashed_flags(["serve", "m", "--limit-mm-per-prompt.image", "2", "--mm-processor-kwargs",
                                            '{"max_pixels": 4096}', "--allowed-local-media-path", str(tmp_path),
+                                           "--media-io-kwargs", '{"video": {"num_frames": 8}}',
                                            "--allowed-media-domains", "a.com", "b.com"]))
     ea = engine_args_from(parser.parse_args(argv))
     assert ea.limit_mm_per_prompt == {"image": 2} and ea.mm_processor_kwargs == {"max_pixels": 4096}
     assert ea.allowed_local_media_path == str(tmp_path) and ea.allowed_media_domains == ["a.com", "b.com"]
+    assert ea.media_io_kwargs == {"video": {"num_frames": 8}}
 
 
 def test_engine_config(tmp_path):
@@ -75,9 +78,10 @@ def test_engine_config(tmp_path):
     config = EngineArgs(model=vl, device="cpu", mm_processor_kwargs={"max_pixels": 4096}).create_engine_config()
     assert config.multimodal.image_limit == 999 and image_input_refusal(config) is None
     assert image_processor_for(config).hf_processor.size.longest_edge == 4096
-    none = EngineArgs(model=vl, device="cpu", limit_mm_per_prompt={"image": 0}).create_engine_config()
+    # (videos stay on, vLLM's default 999, unless limited to 0 too)
+    none = EngineArgs(model=vl, device="cpu", limit_mm_per_prompt={"image": 0, "video": 0}).create_engine_config()
     assert "--limit-mm-per-prompt image 0" in image_input_refusal(none) and image_processor_for(none) is None
-    with pytest.raises(ConfigError, match="--mm-processor-kwargs.*num_crops"):  # checked at start, not per request
+    with pytest.raises(ConfigError, match="--mm-processor-kwargs.*takes num_crops"):  # checked at start
         EngineArgs(model=vl, device="cpu", mm_processor_kwargs={"num_crops": 4}).create_engine_config()
     # --language-model-only: the text model alone, so no processor is built (or checked)
     text_only = EngineArgs(model=vl, device="cpu", language_model_only=True,

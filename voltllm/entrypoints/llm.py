@@ -101,24 +101,26 @@ class LLM:
 
         self._images = image_processor_for(self.config)  # None: a text-only engine
 
-    def _image_parts(self, urls: list) -> dict:
-        """normalize_messages' image keywords: collect image URLs into `urls` when this engine takes images, else
-        refuse image parts saying why (multimodal/support.py)."""
+    def _image_parts(self, urls: list, video_urls: list) -> dict:
+        """normalize_messages' image / video keywords: collect their URLs into `urls` / `video_urls` when this
+        engine takes them, else refuse such parts saying why (multimodal/support.py)."""
         from voltllm.multimodal.support import image_input_refusal
 
         if self._images is None:
             return {"refusal": image_input_refusal(self.config) or "this model takes no images"}
-        return {"image_urls": urls}
+        return {"image_urls": urls, "video_urls": video_urls}
 
-    def _prepare_images(self, ids: list[int], urls: list[str]) -> tuple[list[int], Any]:
+    def _prepare_images(self, ids: list[int], urls: list[str], video_urls: list[str]) -> tuple[list[int], Any]:
         from voltllm.multimodal.media import load_image
 
-        limit = self.config.multimodal.image_limit
-        if len(urls) > limit:
-            raise ValueError(f"{len(urls)} images in one conversation: this LLM takes at most {limit} "
-                             "(limit_mm_per_prompt)")
-        media = self.config.multimodal.media_settings()
-        return self._images.prepare(ids, [load_image(url, media) for url in urls])
+        mm = self.config.multimodal
+        for what, n, limit in (("images", len(urls), mm.image_limit), ("videos", len(video_urls), mm.video_limit)):
+            if n > limit:
+                raise ValueError(f"{n} {what} in one conversation: this LLM takes at most {limit} "
+                                 "(limit_mm_per_prompt)")
+        media = mm.media_settings()
+        return self._images.prepare(ids, [load_image(url, media) for url in urls],
+                                    [self._images.load_video(url, media) for url in video_urls], self.tokenizer)
 
     def _require_runner(self, runner: str, method: str) -> None:
         """vLLM runs one runner per engine: generate / chat on a generative model, embed / encode on a pooling one."""
@@ -461,8 +463,9 @@ class LLM:
         prompts = []
         for conv in conversations:
             urls: list[str] = []
+            video_urls: list[str] = []
             try:
-                conv = normalize_messages(conv, content_format, **self._image_parts(urls))
+                conv = normalize_messages(conv, content_format, **self._image_parts(urls, video_urls))
             except OpenAIError as e:
                 raise ValueError(e.message) from None
             if continue_final_message and conv[-1].get("role") != "assistant":
@@ -470,7 +473,7 @@ class LLM:
             text = apply_chat_template(self.tokenizer, conv, template, add_generation_prompt, tools, **kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompt = {"prompt": text, "prompt_token_ids": ids}
-            if urls:  # as the server's chat path: images read, processed, their placeholders expanded
-                prompt["prompt_token_ids"], prompt["multi_modal"] = self._prepare_images(ids, urls)
+            if urls or video_urls:  # as the server's chat path: media read, processed, placeholders expanded
+                prompt["prompt_token_ids"], prompt["multi_modal"] = self._prepare_images(ids, urls, video_urls)
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

@@ -1,5 +1,5 @@
-"""Image input's settings (vLLM's flags): --limit-mm-per-prompt, --mm-processor-kwargs, --allowed-local-media-path,
---allowed-media-domains, checked and typed. A text-only model ignores them, as vLLM does."""
+"""Image and video input's settings (vLLM's flags): --limit-mm-per-prompt, --mm-processor-kwargs, --media-io-kwargs,
+--allowed-local-media-path, --allowed-media-domains, checked and typed. A text-only model ignores them, as vLLM does."""
 from __future__ import annotations
 
 import json
@@ -9,16 +9,19 @@ from typing import Any, Optional
 
 from voltllm.config import ConfigError
 from voltllm.multimodal.media import MediaSettings
+from voltllm.multimodal.video import VideoLoading
 
 DEFAULT_LIMIT = 999  # vLLM V1's default items per prompt of each modality
-# modalities vLLM's models take; only images are built here, so the others may only be limited to 0
-_UNBUILT_MODALITIES = ("video", "audio")
+# modalities vLLM's models take; images and videos are built here, so the others may only be limited to 0
+_UNBUILT_MODALITIES = ("audio",)
 
 
 @dataclass(frozen=True)
 class MultiModalConfig:
     image_limit: int = DEFAULT_LIMIT  # --limit-mm-per-prompt's "image": most images in one request
-    mm_processor_kwargs: dict = field(default_factory=dict)  # over the image processor's preprocessor_config.json
+    video_limit: int = DEFAULT_LIMIT  # --limit-mm-per-prompt's "video": most videos in one request
+    mm_processor_kwargs: dict = field(default_factory=dict)  # over the image / video processors' configs
+    video_loading: VideoLoading = VideoLoading()  # --media-io-kwargs's "video": frames the loader reads
     allowed_local_media_path: Optional[str] = None  # a real directory path: file:// image URLs are read under it
     allowed_media_domains: Optional[tuple[str, ...]] = None  # host names http(s) image URLs may name (None: any)
 
@@ -28,12 +31,39 @@ class MultiModalConfig:
 
 def resolve_multimodal(limit_mm_per_prompt: Any = None, mm_processor_kwargs: Any = None,
                        allowed_local_media_path: Optional[str] = None,
-                       allowed_media_domains: Any = None) -> MultiModalConfig:
+                       allowed_media_domains: Any = None, media_io_kwargs: Any = None) -> MultiModalConfig:
     """The flags as a MultiModalConfig; ConfigError naming the flag for a value that cannot run."""
-    return MultiModalConfig(image_limit=_image_limit(_json_object("--limit-mm-per-prompt", limit_mm_per_prompt)),
+    image, video = _limits(_json_object("--limit-mm-per-prompt", limit_mm_per_prompt))
+    return MultiModalConfig(image_limit=image, video_limit=video,
                             mm_processor_kwargs=_json_object("--mm-processor-kwargs", mm_processor_kwargs),
+                            video_loading=_video_loading(_json_object("--media-io-kwargs", media_io_kwargs)),
                             allowed_local_media_path=_local_path(allowed_local_media_path),
                             allowed_media_domains=_domains(allowed_media_domains))
+
+
+def _video_loading(kwargs: dict) -> VideoLoading:
+    """vLLM's --media-io-kwargs: per modality, its media loader's settings; the video loader's num_frames and fps
+    are built (an image's loader has no setting here)."""
+    for modality, settings in kwargs.items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"--media-io-kwargs {modality}: expected a JSON object of settings, got "
+                              f"{json.dumps(settings)}")
+        if modality != "video" and settings:
+            raise ConfigError(f"--media-io-kwargs {modality}: only the video loader's settings (num_frames, fps) are "
+                              f"built, not {', '.join(sorted(settings))}")
+    video = kwargs.get("video") or {}
+    extra = sorted(set(video) - {"num_frames", "fps"})
+    if extra:
+        raise ConfigError(f"--media-io-kwargs video: the video loader takes num_frames and fps, not {', '.join(extra)}")
+    num_frames = video.get("num_frames", VideoLoading.num_frames)
+    fps = video.get("fps", VideoLoading.fps)
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames == 0 or num_frames < -1:
+        raise ConfigError(f"--media-io-kwargs video num_frames: a frame count > 0, or -1 for every frame (the "
+                          f"processor then samples by its fps), got {json.dumps(num_frames)}")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or (fps <= 0 and fps != -1):
+        raise ConfigError(f"--media-io-kwargs video fps: frames per second > 0, or -1 for no fps cap, got "
+                          f"{json.dumps(fps)}")
+    return VideoLoading(num_frames=num_frames, fps=float(fps))
 
 
 def _json_object(flag: str, value: Any) -> dict:
@@ -49,8 +79,8 @@ def _json_object(flag: str, value: Any) -> dict:
     return dict(value)
 
 
-def _image_limit(limits: dict) -> int:
-    image = DEFAULT_LIMIT
+def _limits(limits: dict) -> tuple[int, int]:
+    image = video = DEFAULT_LIMIT
     for modality, limit in limits.items():
         count = limit
         if isinstance(limit, dict):  # vLLM's {"count": N, ...}; its other keys size vLLM's memory profiling only
@@ -64,11 +94,13 @@ def _image_limit(limits: dict) -> int:
                               f"{json.dumps(limit)}")
         if modality == "image":
             image = count
+        elif modality == "video":
+            video = count
         elif count != 0:
             what = f"{modality} input" if modality in _UNBUILT_MODALITIES else f"the modality {modality!r}"
             raise ConfigError(f"--limit-mm-per-prompt {modality}={json.dumps(limit)}: {what} is not built (images "
-                              f"only); give {modality} 0 or leave it out")
-    return image
+                              f"and videos only); give {modality} 0 or leave it out")
+    return image, video
 
 
 def _local_path(path: Optional[str]) -> Optional[str]:

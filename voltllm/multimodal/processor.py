@@ -1,9 +1,11 @@
-"""A Qwen3.5 or Qwen3-VL vision-language model's image preprocessing on the frontend: transformers' Qwen2-VL image
-processor (its PIL backend, from the model's preprocessor_config.json, with --mm-processor-kwargs over it), the model's
-image token, and the expansion of each image's placeholder token into one token per merged patch (inputs.py's
-MultiModalPrompt)."""
+"""A Qwen3.5 or Qwen3-VL vision-language model's image and video preprocessing on the frontend: transformers' Qwen2-VL
+image processor (its PIL backend, from the model's preprocessor_config.json, with --mm-processor-kwargs over it), the
+video processor's settings (video.py), the model's vision tokens, and the expansion of each image's placeholder token
+into one token per merged patch, and of each video's into its temporal patches, each `<t seconds>` then its tokens
+between vision start / end (inputs.py's MultiModalPrompt: one ImageInput per temporal patch)."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from typing import Any, Optional, Sequence
@@ -14,6 +16,9 @@ import torch
 from voltllm.config import ConfigError
 from voltllm.multimodal.inputs import ImageInput, MultiModalPrompt
 from voltllm.multimodal.mrope import prompt_positions
+from voltllm.multimodal.media import MediaError, MediaSettings, read_media
+from voltllm.multimodal.video import (VIDEO_SETTINGS, ProcessedVideo, VideoLoading, VideoSampling, decode_video,
+                                      video_sampling_for)
 
 # the processor's call-time settings a request could not mean (they pick the output's container, not the pixels)
 _NOT_SETTINGS = frozenset({"return_tensors", "device", "data_format", "input_data_format"})
@@ -25,35 +30,47 @@ def image_processor_for(config: Any) -> Optional["ImageProcessor"]:
 
     if image_input_refusal(config) is not None:
         return None
-    return ImageProcessor.from_model(config.model.model, config.model.hf_config,
-                                     config.multimodal.mm_processor_kwargs)
+    processor = ImageProcessor.from_model(config.model.model, config.model.hf_config,
+                                          config.multimodal.mm_processor_kwargs, config.multimodal.video_limit > 0)
+    processor.video_loading = config.multimodal.video_loading
+    return processor
 
 
 class ImageCountError(ValueError):
-    """The rendered prompt's image placeholders do not match the images given (a 400)."""
+    """The rendered prompt's image or video placeholders do not match the items given (a 400)."""
 
 
 class ImageProcessor:
-    """Images of one model: pixels -> (pixel_values, grid) -> placeholder expansion and M-RoPE positions."""
+    """Images and videos of one model: pixels -> (pixel_values, grid) -> placeholder expansion and M-RoPE
+    positions. `video` None: the engine takes no video (--limit-mm-per-prompt video 0)."""
 
-    def __init__(self, hf_processor: Any, image_token_id: int, spatial_merge_size: int):
+    def __init__(self, hf_processor: Any, image_token_id: int, spatial_merge_size: int,
+                 video: Optional[VideoSampling] = None, video_token_ids: Optional[tuple[int, int, int]] = None):
         self.hf_processor = hf_processor
         self.image_token_id = int(image_token_id)
         self.merge = int(spatial_merge_size)
+        self.video = video
+        # (video token, vision start, vision end)
+        self.video_token_id, self.vision_start_id, self.vision_end_id = video_token_ids or (-1, -1, -1)
+        self.video_loading = VideoLoading()  # --media-io-kwargs video (image_processor_for sets the engine's)
 
     @classmethod
-    def from_model(cls, model_dir: str, hf_config: Any, mm_processor_kwargs: Optional[dict] = None
-                   ) -> "ImageProcessor":
-        """The model's processor (ConfigError naming --mm-processor-kwargs for a key the processor does not take or
-        a setting that contradicts the vision tower's)."""
+    def from_model(cls, model_dir: str, hf_config: Any, mm_processor_kwargs: Optional[dict] = None,
+                   videos: bool = False) -> "ImageProcessor":
+        """The model's processor (ConfigError naming --mm-processor-kwargs for a key neither the image nor the video
+        processor takes, or a setting that contradicts the vision tower's). videos: build the video settings too."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         kwargs = dict(mm_processor_kwargs or {})
         allowed = set(Qwen2VLImageProcessorPil.valid_kwargs.__annotations__) - _NOT_SETTINGS
-        unknown = sorted(set(kwargs) - allowed)
+        unknown = sorted(set(kwargs) - allowed - VIDEO_SETTINGS)
         if unknown:
-            raise ConfigError(f"--mm-processor-kwargs: the image processor (Qwen2-VL's) takes no {', '.join(unknown)}; "
-                              f"it takes {', '.join(sorted(allowed))}")
+            raise ConfigError(f"--mm-processor-kwargs: neither the image processor (Qwen2-VL's) nor the video "
+                              f"processor (Qwen3-VL's) takes {', '.join(unknown)}; they take "
+                              f"{', '.join(sorted(allowed | VIDEO_SETTINGS))}")
+        # (copies: a processor may change a setting's dict in place, e.g. the image one's size by its max_pixels)
+        video_kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in VIDEO_SETTINGS})
+        kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in allowed})
         if not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
             raise ConfigError(f"{model_dir} has a vision_config but no preprocessor_config.json (the image "
                               "processor's settings); add it, or serve the text model alone with --language-model-only")
@@ -63,13 +80,24 @@ class ImageProcessor:
             raise ConfigError(f"the image processor of {model_dir} could not be built (--mm-processor-kwargs "
                               f"{kwargs}): {e}") from None
         vision = hf_config.vision_config
+        video = None
+        if videos:
+            try:
+                video = video_sampling_for(model_dir, video_kwargs)
+            except (TypeError, ValueError, OSError, AttributeError) as e:
+                raise ConfigError(f"the video processor of {model_dir} could not be built (--mm-processor-kwargs "
+                                  f"{video_kwargs}): {e}") from None
         for ours, theirs in (("merge_size", "spatial_merge_size"), ("patch_size", "patch_size"),
                              ("temporal_patch_size", "temporal_patch_size")):
             want = getattr(vision, theirs, None)
-            if want is not None and getattr(hf, ours) != want:
-                raise ConfigError(f"the image processor's {ours} {getattr(hf, ours)} is not the vision tower's "
-                                  f"{theirs} {want} (preprocessor_config.json or --mm-processor-kwargs)")
-        return cls(hf, hf_config.image_token_id, vision.spatial_merge_size)
+            for what, settings in (("image", hf), ("video", video)):
+                if settings is not None and want is not None and getattr(settings, ours) != want:
+                    raise ConfigError(f"the {what} processor's {ours} {getattr(settings, ours)} is not the vision "
+                                      f"tower's {theirs} {want} (its processor config or --mm-processor-kwargs)")
+        ids = None
+        if video is not None:
+            ids = (hf_config.video_token_id, hf_config.vision_start_token_id, hf_config.vision_end_token_id)
+        return cls(hf, hf_config.image_token_id, vision.spatial_merge_size, video, ids)
 
     def process(self, images: Sequence[Any]) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
         """Each image's processor rows [patches, C * T * P * P] (float32) and patch grid (t, h, w)."""
@@ -80,33 +108,76 @@ class ImageProcessor:
             out.append((torch.from_numpy(np.ascontiguousarray(feats["pixel_values"], dtype=np.float32)), grid))
         return out
 
+    def load_video(self, url: str, media: MediaSettings) -> ProcessedVideo:
+        """The video a part's URL names, read under the image rules with video limits, decoded, sampled and
+        processed (MediaError for one that cannot be read, or a server that takes no video)."""
+        if self.video is None:
+            raise MediaError("this server takes no video (--limit-mm-per-prompt video 0)")
+        return self.video_from_bytes(read_media(url, media.for_videos()))
+
+    def video_from_bytes(self, data: bytes) -> ProcessedVideo:
+        if self.video is None:
+            raise MediaError("this server takes no video (--limit-mm-per-prompt video 0)")
+        return decode_video(data, self.video_loading, self.video)
+
     def num_tokens(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 
-    def prepare(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], MultiModalPrompt]:
-        """The prompt with each image token (one per image, in order) expanded to the image's tokens, and what the
-        runner needs for them. ImageCountError when the placeholders and the images differ in number."""
+    def prepare(self, prompt_ids: Sequence[int], images: Sequence[Any], videos: Sequence[ProcessedVideo] = (),
+                tokenizer: Any = None) -> tuple[list[int], MultiModalPrompt]:
+        """The prompt with each image token (one per image, in order) expanded to the image's tokens and each video
+        token (with the vision start / end the chat template wrapped it in, when there) to its temporal patches,
+        each `<t seconds>` (tokenized alone, by `tokenizer`) + vision start + its tokens + vision end, as
+        transformers' Qwen3VLProcessor writes them; and what the runner needs for them: one ImageInput of grid
+        (1, h, w) per temporal patch (get_rope_index splits a video so; the tower attends within each). Videos are
+        decode_video's output. ImageCountError when the placeholders and the items differ in number."""
         at = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
         if len(at) != len(images):
             raise ImageCountError(f"the prompt holds {len(at)} image placeholder(s) but {len(images)} image(s) were "
                                   "given (the chat template places one per image part)")
-        processed = self.process(images)
+        video_at = [i for i, t in enumerate(prompt_ids) if t == self.video_token_id] if videos else []
+        if len(video_at) != len(videos):
+            raise ImageCountError(f"the prompt holds {len(video_at)} video placeholder(s) but {len(videos)} video(s) "
+                                  "were given (the chat template places one per video part)")
+        items = sorted([(i, 0, item) for i, item in zip(at, self.process(images))] +
+                       [(i, 1, item) for i, item in zip(video_at, videos)], key=lambda x: x[0])
         ids: list[int] = []
-        inputs = []
+        inputs = []  # (offset, tokens, pixels, grid)
         prev = 0
-        for index, (pixels, grid) in zip(at, processed):
-            ids.extend(prompt_ids[prev:index])
-            n = self.num_tokens(grid)
-            inputs.append((len(ids), n, pixels, grid))
-            ids.extend([self.image_token_id] * n)
-            prev = index + 1
+        for index, is_video, item in items:
+            if not is_video:
+                pixels, grid = item
+                ids.extend(prompt_ids[prev:index])
+                n = self.num_tokens(grid)
+                inputs.append((len(ids), n, pixels, grid))
+                ids.extend([self.image_token_id] * n)
+                prev = index + 1
+                continue
+            lo, hi = index, index + 1
+            if (index - 1 >= prev and prompt_ids[index - 1] == self.vision_start_id and hi < len(prompt_ids)
+                    and prompt_ids[hi] == self.vision_end_id):
+                lo, hi = index - 1, index + 2  # (each temporal patch gets its own start / end instead)
+            ids.extend(prompt_ids[prev:lo])
+            self._expand_video(item, ids, inputs, tokenizer)
+            prev = hi
         ids.extend(prompt_ids[prev:])
         positions, delta = prompt_positions(len(ids), [(offset, grid) for offset, _, _, grid in inputs], self.merge)
         return ids, MultiModalPrompt(
             images=tuple(ImageInput(pixels, grid, content_hash(pixels, grid), offset, n)
                          for offset, n, pixels, grid in inputs),
             rope_positions=positions, rope_delta=delta)
+
+    def _expand_video(self, video: ProcessedVideo, ids: list[int], inputs: list, tokenizer: Any) -> None:
+        t, h, w = video.grid
+        rows = torch.from_numpy(video.pixel_values)
+        n = self.num_tokens((1, h, w))
+        for k, secs in enumerate(video.timestamps[:t]):
+            ids.extend(tokenizer.encode(f"<{secs:.1f} seconds>", add_special_tokens=False))
+            ids.append(self.vision_start_id)
+            inputs.append((len(ids), n, rows[k * h * w:(k + 1) * h * w], (1, h, w)))
+            ids.extend([self.video_token_id] * n)
+            ids.append(self.vision_end_id)
 
 
 def content_hash(pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> bytes:

@@ -1,4 +1,5 @@
-"""Whether an engine takes images, and why not when it does not (the reason is the 400's message)."""
+"""Whether an engine takes images and videos, and why not when it does not (the reason is the 400's message). One
+answer for both: they share the vision tower; --limit-mm-per-prompt's per-modality counts are checked per request."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -24,6 +25,6 @@ def image_input_refusal(config: Any) -> Optional[str]:
         # (their own models rotate 1-D positions: n-gram, suffix and MTP, which shares the target's rotary, work)
         return "image input is not built with a draft-model, DFlash or EAGLE-3 speculative method (n-gram, suffix " \
                "and MTP work)"
-    if config.multimodal.image_limit == 0:
-        return "the server was started with --limit-mm-per-prompt image 0 (no image input)"
+    if config.multimodal.image_limit == 0 and config.multimodal.video_limit == 0:
+        return "the server was started with --limit-mm-per-prompt image 0 and video 0 (no image or video input)"
     return None

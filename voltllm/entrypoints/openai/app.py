@@ -435,15 +435,17 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         tok = state.tokenizer
         if req.messages is not None:
             image_urls: list[str] = []  # (a server that takes images: each one's tokens, as the chat route's prompt)
-            text = render_chat(state, state.template_messages(req.messages, req.chat_template, req.tools, image_urls),
+            video_urls: list[str] = []
+            text = render_chat(state, state.template_messages(req.messages, req.chat_template, req.tools, image_urls,
+                                                              video_urls),
                                chat_template=req.chat_template,
                                kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, tools=req.tools)
             # vLLM's: the messages form takes add_special_tokens too, default false (the template wrote them)
             given = "add_special_tokens" in req.model_fields_set
             ids = tok.encode(text, add_special_tokens=req.add_special_tokens if given else False)
-            if image_urls:
-                ids, _ = await prepare_chat_images(state, ids, image_urls)
+            if image_urls or video_urls:
+                ids, _ = await prepare_chat_images(state, ids, image_urls, video_urls)
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -182,7 +182,8 @@ class _SamplingFields(NullMeansDefault):
         )
 
 
-_MULTIMODAL = "multimodal input is not built (voltllm serves text models)"
+_MULTIMODAL = ("per-request multimodal settings are not built: the server's --mm-processor-kwargs and "
+               "--media-io-kwargs apply to every image and video")
 _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks)
     "logits_processors": (lambda v: not v, "per-request logits processors are not built"),
     "kv_transfer_params": (lambda v: v is None, "KV-cache transfer (disaggregated prefill) is not built"),

@@ -106,7 +106,8 @@ def server_state(config: Any, args: argparse.Namespace, names: list[str], engine
     images = image_processor_for(config)
     return ServerState(
         images=images, image_refusal=image_input_refusal(config) or TEXT_ONLY,
-        image_limit=config.multimodal.image_limit, media=config.multimodal.media_settings(),
+        image_limit=config.multimodal.image_limit, video_limit=config.multimodal.video_limit,
+        media=config.multimodal.media_settings(),
         engine=engine, served_model_names=names, max_model_len=engine.max_model_len, lora_modules=dict(loras or {}),
         model_path=config.model.model, chat_template=config.model.chat_template,
         default_chat_template_kwargs=dict(args.default_chat_template_kwargs or {}),

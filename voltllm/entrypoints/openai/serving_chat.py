@@ -109,9 +109,10 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request
     # --exclude-tools-when-tool-choice-none (vLLM's): the model is not shown tools it may not call
     template_tools = None if state.exclude_tools_when_tool_choice_none and req.tool_choice == "none" else req.tools
     image_urls: list[str] = []
-    messages = state.template_messages(req.messages, req.chat_template, template_tools, image_urls)
-    if image_urls and req.use_beam_search:
-        raise bad_request("use_beam_search does not take images (beam search runs on text prompts)",
+    video_urls: list[str] = []
+    messages = state.template_messages(req.messages, req.chat_template, template_tools, image_urls, video_urls)
+    if (image_urls or video_urls) and req.use_beam_search:
+        raise bad_request("use_beam_search does not take images or videos (beam search runs on text prompts)",
                           "use_beam_search")
     use_tools, forced = tool_mode(state, req)
     req.top_logprobs = state.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -121,8 +122,8 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request
                               continue_final_message=req.continue_final_message, tools=template_tools)
     ids = state.tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
     multi_modal = None
-    if image_urls:  # (each image's placeholder token becomes its tokens; usage counts them)
-        ids, multi_modal = await prepare_chat_images(state, ids, image_urls)
+    if image_urls or video_urls:  # (each image's / video's placeholder becomes its tokens; usage counts them)
+        ids, multi_modal = await prepare_chat_images(state, ids, image_urls, video_urls)
     whole = len(ids)
     ids = truncated(ids, req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
     if multi_modal is not None and len(ids) != whole:

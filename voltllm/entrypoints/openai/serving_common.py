@@ -30,7 +30,8 @@ logger = logging.getLogger("voltllm")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 TEXT_ONLY = "this server serves a text-only model (no image, audio or video input)"
 IMAGE_ROUTES = ("images are taken by /v1/chat/completions, /v1/responses, /v1/messages (and its count_tokens) and "
-                "/tokenize, not by this route (it renders the messages alone)")
+                "/tokenize, videos by /v1/chat/completions and /tokenize, not by this route (it renders the messages "
+                "alone)")
 
 
 @dataclass
@@ -70,12 +71,13 @@ class ServerState:
     # --lora-modules and the adapters /v1/load_lora_adapter loaded (--allow-runtime-lora-updating): adapter name ->
     # LoRARequest (voltllm.lora); a request naming one as its model runs with it
     lora_modules: dict = field(default_factory=dict)
-    # image input: the model's image processor when the engine takes images (multimodal/processor.py), else None and
-    # image_refusal says why (multimodal/support.py); most images per request (--limit-mm-per-prompt); what image
-    # URLs may be read (--allowed-local-media-path, --allowed-media-domains)
+    # image and video input: the model's processor when the engine takes them (multimodal/processor.py), else None
+    # and image_refusal says why (multimodal/support.py); most images / videos per request (--limit-mm-per-prompt);
+    # what media URLs may be read (--allowed-local-media-path, --allowed-media-domains)
     images: Any = None
     image_refusal: str = TEXT_ONLY
     image_limit: int = 999
+    video_limit: int = 999
     media: MediaSettings = field(default_factory=MediaSettings)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -109,17 +111,17 @@ class ServerState:
         return lora
 
     def template_messages(self, messages: Any, chat_template: Optional[str], tools: Optional[list],
-                          image_urls: Optional[list] = None) -> list[dict]:
+                          image_urls: Optional[list] = None, video_urls: Optional[list] = None) -> list[dict]:
         """normalize_messages in the content format the applied template takes (--chat-template-content-format).
-        image_urls: a list the image parts' URLs are appended to, in order, by a route that sends images on (with a
-        server that takes them); without it image parts are refused, saying why."""
+        image_urls / video_urls: lists the image / video parts' URLs are appended to, in order, by a route that sends
+        them on (with a server that takes them); without them such parts are refused, saying why."""
         fmt = resolve_content_format(self.chat_template_content_format, self.tokenizer,
                                      chat_template or self.chat_template, tools)
         if self.images is None:
             return normalize_messages(messages, fmt, refusal=self.image_refusal)
         if image_urls is None:
             return normalize_messages(messages, fmt, refusal=IMAGE_ROUTES)
-        return normalize_messages(messages, fmt, image_urls=image_urls)
+        return normalize_messages(messages, fmt, image_urls=image_urls, video_urls=video_urls)
 
     def tokens_as_ids(self, req: Any) -> bool:
         """Whether logprob tokens are written "token_id:N": the request's return_tokens_as_token_ids, else the
@@ -151,12 +153,13 @@ _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
 def normalize_messages(messages: Any, content_format: str = "string", image_urls: Optional[list] = None,
-                       refusal: str = TEXT_ONLY) -> list[dict]:
+                       refusal: str = TEXT_ONLY, video_urls: Optional[list] = None) -> list[dict]:
     """Validate chat messages. Content for the template (--chat-template-content-format): `string` flattens text
     parts to one string; `openai` makes every content a list of {"type": "text", "text"} parts (a string content one
     part, an assistant turn with only tool calls none), as vLLM passes them. Image parts (OpenAI's image_url, its url
     in an object or a bare string, as vLLM takes both) are taken only given `image_urls`: each becomes
-    {"type": "image"} in place (vLLM's part for the template) and its URL is appended; else they, and every other
+    {"type": "image"} in place (vLLM's part for the template) and its URL is appended; video parts (vLLM's
+    video_url, the same two forms) likewise as {"type": "video"} given `video_urls` too; else they, and every other
     multimodal part, are refused with `refusal`."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
@@ -170,7 +173,7 @@ def normalize_messages(messages: Any, content_format: str = "string", image_urls
             raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", "messages")
         msg = dict(m)
         content = m.get("content")
-        images: list[int] = []  # the indexes in texts that stand for image parts
+        media: dict[int, str] = {}  # the indexes in texts that stand for image / video parts -> "image" / "video"
         if isinstance(content, list):
             texts: list[str] = []
             for j, part in enumerate(content):
@@ -184,12 +187,18 @@ def normalize_messages(messages: Any, content_format: str = "string", image_urls
                     texts.append(str(part.get("refusal", "")))
                 elif part["type"] == "image_url" and image_urls is not None:
                     image_urls.append(_image_url(part, f"{where}.content[{j}]", content_format))
-                    images.append(len(texts))
+                    media[len(texts)] = "image"
+                    texts.append("")
+                elif part["type"] == "video_url" and video_urls is not None:
+                    video_urls.append(_image_url(part, f"{where}.content[{j}]", content_format, "video"))
+                    media[len(texts)] = "video"
                     texts.append("")
                 elif image_urls is not None:
-                    raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: this server takes images "
-                                      "(image_url parts) but no video, audio or file input", "messages",
-                                      "unsupported_content")
+                    takes = "images and videos (image_url, video_url parts)" if video_urls is not None else \
+                        "images (image_url parts) but no video on this route (/v1/chat/completions and /tokenize " \
+                        "take videos)"
+                    raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: this server takes {takes}, "
+                                      "no audio or file input", "messages", "unsupported_content")
                 else:
                     raise bad_request(f"{where}.content[{j}] has type {part['type']!r}: {refusal}", "messages",
                                       "unsupported_content")
@@ -202,7 +211,7 @@ def normalize_messages(messages: Any, content_format: str = "string", image_urls
         else:
             raise bad_request(f"{where}.content must be a string or a list of content parts", "messages")
         if content_format == "openai":
-            msg["content"] = [{"type": "image"} if i in images else {"type": "text", "text": t}
+            msg["content"] = [{"type": media[i]} if i in media else {"type": "text", "text": t}
                               for i, t in enumerate(texts)]
         else:
             msg["content"] = "\n".join(texts)
@@ -231,16 +240,16 @@ def normalize_messages(messages: Any, content_format: str = "string", image_urls
     return out
 
 
-def _image_url(part: dict, where: str, content_format: str) -> str:
+def _image_url(part: dict, where: str, content_format: str, kind: str = "image") -> str:
     if content_format != "openai":
-        raise bad_request(f"{where}: an image cannot be placed in a chat template that takes message content as one "
-                          "string; start the server with --chat-template-content-format openai (with a template that "
-                          "loops over the content parts, placing {\"type\": \"image\"} ones)", "messages",
-                          "unsupported_content")
-    image = part.get("image_url")
+        raise bad_request(f"{where}: a{'n' if kind == 'image' else ''} {kind} cannot be placed in a chat template that "
+                          "takes message content as one string; start the server with --chat-template-content-format "
+                          f"openai (with a template that loops over the content parts, placing {{\"type\": "
+                          f"\"{kind}\"}} ones)", "messages", "unsupported_content")
+    image = part.get(f"{kind}_url")
     url = image.get("url") if isinstance(image, dict) else image
     if not isinstance(url, str) or not url:
-        raise bad_request(f"{where}.image_url must be a URL string or an object with a 'url' string", "messages")
+        raise bad_request(f"{where}.{kind}_url must be a URL string or an object with a 'url' string", "messages")
     return url
 
 
