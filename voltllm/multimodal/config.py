@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from voltllm.config import ConfigError
+from voltllm.config import ConfigError, parse_json_object
 from voltllm.multimodal.media import MediaSettings
 from voltllm.multimodal.video import VideoLoading
 
@@ -67,16 +67,8 @@ def _video_loading(kwargs: dict) -> VideoLoading:
 
 
 def _json_object(flag: str, value: Any) -> dict:
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag} must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag} must be a JSON object, got {json.dumps(value)}")
-    return dict(value)
+    """config.parse_json_object, None as {} (a copy: the flag's value is not shared)."""
+    return dict(parse_json_object(flag, value) or {})
 
 
 def _limits(limits: dict) -> tuple[int, int]:
