@@ -207,6 +207,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          "only)")
     mm.add_argument("--allowed-media-domains", nargs="+", default=None,
                     help="the only hosts http(s) image / video URLs may name (default: any)")
+    mm.add_argument("--mm-processor-cache-gb", type=float, default=4.0,
+                    help="GiB of processed images and videos kept by their bytes, so a chat's earlier items are not "
+                         "decoded and processed again each turn (0: none)")
+    mm.add_argument("--disable-mm-preprocessor-cache", action="store_true", default=False,
+                    help="vLLM's older switch for --mm-processor-cache-gb 0")
     lo = p.add_argument_group("LoRA adapters (voltllm/lora/; --lora-modules is a server flag)")
     lo.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
                     help="serve PEFT LoRA adapters on the attention and dense-MLP projections, chosen per request")

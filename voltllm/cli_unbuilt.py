@@ -90,8 +90,7 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--tool-parser-plugin": "tool parser plugins are not built (the built parsers: --tool-call-parser)",
     "--reasoning-parser-plugin": "reasoning parser plugins are not built (the built parsers: --reasoning-parser)",
     # multimodal
-    "--mm-processor-cache-gb": _MULTIMODAL,
-    "--disable-mm-preprocessor-cache": _MULTIMODAL, "--mm-encoder-tp-mode": _MULTIMODAL,
+    "--mm-encoder-tp-mode": _MULTIMODAL,
     "--interleave-mm-strings": _MULTIMODAL, "--skip-mm-profiling": _MULTIMODAL,
     "--enable-prompt-embeds": "prompt embeddings as input are not built (prompts are text or token ids)",
     # disaggregation, observability

@@ -314,6 +314,8 @@ class EngineArgs:
     media_io_kwargs: Optional[Any] = None
     allowed_local_media_path: Optional[str] = None
     allowed_media_domains: Optional[Any] = None
+    mm_processor_cache_gb: float = 4.0  # processed images / videos kept by their bytes (0: none)
+    disable_mm_preprocessor_cache: bool = False  # vLLM's older switch for --mm-processor-cache-gb 0
 
     def _refuse_unbuilt(self) -> None:
         """Flags whose capability is not built yet: refused by name before the model is even read."""
@@ -537,7 +539,8 @@ class EngineArgs:
 
         multimodal = resolve_multimodal(self.limit_mm_per_prompt, self.mm_processor_kwargs,
                                         self.allowed_local_media_path, self.allowed_media_domains,
-                                        self.media_io_kwargs)
+                                        self.media_io_kwargs, self.mm_processor_cache_gb,
+                                        self.disable_mm_preprocessor_cache)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: not a scheduling policy; use fcfs (first "
                               "come, first served) or priority (by each request's priority, then arrival)")

@@ -239,3 +239,4 @@ def test_chat_with_video_counts_its_frames(vl, http):
     # a video and an image in one message
     both = _chat(http, [{"type": "image_url", "image_url": {"url": data_url()}}, *content])
     assert both.status_code == 200 and both.json()["usage"]["prompt_tokens"] == body["usage"]["prompt_tokens"] + 24 + 2
+

@@ -76,7 +76,7 @@ def test_processor_kwargs(vl_dir, hf_config):
     small = ImageProcessor.from_model(vl_dir, hf_config, {"max_pixels": 8 * 8 * 16})
     _, mm = small.prepare([hf_config.image_token_id], [noise_image(64, 64, 0)])
     assert mm.images[0].grid_thw == (1, 8, 8) and mm.images[0].num_tokens == 16
-    with pytest.raises(ConfigError, match="--mm-processor-kwargs.*takes no num_crops"):
+    with pytest.raises(ConfigError, match="--mm-processor-kwargs.*takes num_crops"):
         ImageProcessor.from_model(vl_dir, hf_config, {"num_crops": 4})
     with pytest.raises(ConfigError, match="merge_size 4 is not the vision tower's spatial_merge_size 2"):
         ImageProcessor.from_model(vl_dir, hf_config, {"merge_size": 4})

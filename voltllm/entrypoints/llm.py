@@ -111,15 +111,13 @@ class LLM:
         return {"image_urls": urls, "video_urls": video_urls}
 
     def _prepare_images(self, ids: list[int], urls: list[str], video_urls: list[str]) -> tuple[list[int], Any]:
-        from voltllm.multimodal.media import load_image
-
         mm = self.config.multimodal
         for what, n, limit in (("images", len(urls), mm.image_limit), ("videos", len(video_urls), mm.video_limit)):
             if n > limit:
                 raise ValueError(f"{n} {what} in one conversation: this LLM takes at most {limit} "
                                  "(limit_mm_per_prompt)")
         media = mm.media_settings()
-        return self._images.prepare(ids, [load_image(url, media) for url in urls],
+        return self._images.prepare(ids, [self._images.load_image(url, media) for url in urls],
                                     [self._images.load_video(url, media) for url in video_urls], self.tokenizer)
 
     def _require_runner(self, runner: str, method: str) -> None:

@@ -24,6 +24,7 @@ class MultiModalConfig:
     video_loading: VideoLoading = VideoLoading()  # --media-io-kwargs's "video": frames the loader reads
     allowed_local_media_path: Optional[str] = None  # a real directory path: file:// image URLs are read under it
     allowed_media_domains: Optional[tuple[str, ...]] = None  # host names http(s) image URLs may name (None: any)
+    processor_cache_gb: float = 4.0  # --mm-processor-cache-gb (vLLM's default): processed items kept by their bytes
 
     def media_settings(self) -> MediaSettings:
         return MediaSettings(self.allowed_local_media_path, self.allowed_media_domains)
@@ -31,14 +32,24 @@ class MultiModalConfig:
 
 def resolve_multimodal(limit_mm_per_prompt: Any = None, mm_processor_kwargs: Any = None,
                        allowed_local_media_path: Optional[str] = None,
-                       allowed_media_domains: Any = None, media_io_kwargs: Any = None) -> MultiModalConfig:
+                       allowed_media_domains: Any = None, media_io_kwargs: Any = None,
+                       mm_processor_cache_gb: Any = 4.0,
+                       disable_mm_preprocessor_cache: bool = False) -> MultiModalConfig:
     """The flags as a MultiModalConfig; ConfigError naming the flag for a value that cannot run."""
     image, video = _limits(_json_object("--limit-mm-per-prompt", limit_mm_per_prompt))
+    try:
+        cache_gb = float(mm_processor_cache_gb)
+    except (TypeError, ValueError):
+        cache_gb = -1.0
+    if not cache_gb >= 0:
+        raise ConfigError(f"--mm-processor-cache-gb must be a number of GiB >= 0, got {mm_processor_cache_gb!r}")
     return MultiModalConfig(image_limit=image, video_limit=video,
                             mm_processor_kwargs=_json_object("--mm-processor-kwargs", mm_processor_kwargs),
                             video_loading=_video_loading(_json_object("--media-io-kwargs", media_io_kwargs)),
                             allowed_local_media_path=_local_path(allowed_local_media_path),
-                            allowed_media_domains=_domains(allowed_media_domains))
+                            allowed_media_domains=_domains(allowed_media_domains),
+                            # (vLLM's older switch: no cache)
+                            processor_cache_gb=0.0 if disable_mm_preprocessor_cache else cache_gb)
 
 
 def _video_loading(kwargs: dict) -> VideoLoading:

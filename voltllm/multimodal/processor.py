@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -16,7 +17,8 @@ import torch
 from voltllm.config import ConfigError
 from voltllm.multimodal.inputs import ImageInput, MultiModalPrompt
 from voltllm.multimodal.mrope import prompt_positions
-from voltllm.multimodal.media import MediaError, MediaSettings, read_media
+from voltllm.multimodal.media import MediaError, MediaSettings, decode_image, read_media
+from voltllm.multimodal.processed_cache import ProcessedCache
 from voltllm.multimodal.video import (VIDEO_SETTINGS, ProcessedVideo, VideoLoading, VideoSampling, decode_video,
                                       video_sampling_for)
 
@@ -33,7 +35,15 @@ def image_processor_for(config: Any) -> Optional["ImageProcessor"]:
     processor = ImageProcessor.from_model(config.model.model, config.model.hf_config,
                                           config.multimodal.mm_processor_kwargs, config.multimodal.video_limit > 0)
     processor.video_loading = config.multimodal.video_loading
+    processor.cache = ProcessedCache(int(config.multimodal.processor_cache_gb * 2**30))
     return processor
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: torch.Tensor  # [patches, C * T * P * P] float32, the processor's rows
+    grid: tuple[int, int, int]
+    content_hash: Optional[bytes]  # (None: computed when the prompt is prepared)
 
 
 class ImageCountError(ValueError):
@@ -53,6 +63,7 @@ class ImageProcessor:
         # (video token, vision start, vision end)
         self.video_token_id, self.vision_start_id, self.vision_end_id = video_token_ids or (-1, -1, -1)
         self.video_loading = VideoLoading()  # --media-io-kwargs video (image_processor_for sets the engine's)
+        self.cache = ProcessedCache(0)  # --mm-processor-cache-gb (image_processor_for sets the engine's)
 
     @classmethod
     def from_model(cls, model_dir: str, hf_config: Any, mm_processor_kwargs: Optional[dict] = None,
@@ -108,6 +119,18 @@ class ImageProcessor:
             out.append((torch.from_numpy(np.ascontiguousarray(feats["pixel_values"], dtype=np.float32)), grid))
         return out
 
+    def load_image(self, url: str, media: MediaSettings) -> ProcessedImage:
+        """The image a part's URL names, read, decoded and processed (or taken from the processed cache by its
+        bytes); MediaError for one that cannot be read."""
+        return self.image_from_bytes(read_media(url, media), url)
+
+    def image_from_bytes(self, data: bytes, what: str = "the image") -> ProcessedImage:
+        def make() -> ProcessedImage:
+            (pixels, grid), = self.process([decode_image(data, what)])
+            return ProcessedImage(pixels, grid, content_hash(pixels, grid))
+
+        return self.cache.get_or_make("image", data, make, lambda item: item.pixel_values.nbytes)
+
     def load_video(self, url: str, media: MediaSettings) -> ProcessedVideo:
         """The video a part's URL names, read under the image rules with video limits, decoded, sampled and
         processed (MediaError for one that cannot be read, or a server that takes no video)."""
@@ -118,7 +141,8 @@ class ImageProcessor:
     def video_from_bytes(self, data: bytes) -> ProcessedVideo:
         if self.video is None:
             raise MediaError("this server takes no video (--limit-mm-per-prompt video 0)")
-        return decode_video(data, self.video_loading, self.video)
+        return self.cache.get_or_make("video", data, lambda: decode_video(data, self.video_loading, self.video),
+                                      lambda video: video.pixel_values.nbytes)
 
     def num_tokens(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
@@ -140,17 +164,17 @@ class ImageProcessor:
         if len(video_at) != len(videos):
             raise ImageCountError(f"the prompt holds {len(video_at)} video placeholder(s) but {len(videos)} video(s) "
                                   "were given (the chat template places one per video part)")
-        items = sorted([(i, 0, item) for i, item in zip(at, self.process(images))] +
+        items = sorted([(i, 0, item) for i, item in zip(at, self._processed(images))] +
                        [(i, 1, item) for i, item in zip(video_at, videos)], key=lambda x: x[0])
         ids: list[int] = []
         inputs = []  # (offset, tokens, pixels, grid)
         prev = 0
         for index, is_video, item in items:
             if not is_video:
-                pixels, grid = item
+                pixels, grid = item.pixel_values, item.grid
                 ids.extend(prompt_ids[prev:index])
                 n = self.num_tokens(grid)
-                inputs.append((len(ids), n, pixels, grid))
+                inputs.append((len(ids), n, pixels, grid, item.content_hash))
                 ids.extend([self.image_token_id] * n)
                 prev = index + 1
                 continue
@@ -162,11 +186,19 @@ class ImageProcessor:
             self._expand_video(item, ids, inputs, tokenizer)
             prev = hi
         ids.extend(prompt_ids[prev:])
-        positions, delta = prompt_positions(len(ids), [(offset, grid) for offset, _, _, grid in inputs], self.merge)
+        positions, delta = prompt_positions(len(ids), [(offset, grid) for offset, _, _, grid, _ in inputs],
+                                            self.merge)
         return ids, MultiModalPrompt(
-            images=tuple(ImageInput(pixels, grid, content_hash(pixels, grid), offset, n)
-                         for offset, n, pixels, grid in inputs),
+            images=tuple(ImageInput(pixels, grid, digest or content_hash(pixels, grid), offset, n)
+                         for offset, n, pixels, grid, digest in inputs),
             rope_positions=positions, rope_delta=delta)
+
+    def _processed(self, images: Sequence[Any]) -> list[ProcessedImage]:
+        """ProcessedImage items as they are; PIL images processed here."""
+        out = [im if isinstance(im, ProcessedImage) else None for im in images]
+        raw = [im for im in images if not isinstance(im, ProcessedImage)]
+        made = iter(ProcessedImage(p, g, None) for p, g in self.process(raw))
+        return [im if im is not None else next(made) for im in out]
 
     def _expand_video(self, video: ProcessedVideo, ids: list[int], inputs: list, tokenizer: Any) -> None:
         t, h, w = video.grid
@@ -175,7 +207,7 @@ class ImageProcessor:
         for k, secs in enumerate(video.timestamps[:t]):
             ids.extend(tokenizer.encode(f"<{secs:.1f} seconds>", add_special_tokens=False))
             ids.append(self.vision_start_id)
-            inputs.append((len(ids), n, rows[k * h * w:(k + 1) * h * w], (1, h, w)))
+            inputs.append((len(ids), n, rows[k * h * w:(k + 1) * h * w], (1, h, w), None))
             ids.extend([self.video_token_id] * n)
             ids.append(self.vision_end_id)
 

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any, Sequence
 
 from voltllm.entrypoints.openai.errors import bad_request
-from voltllm.multimodal.media import MediaError, load_image
+from voltllm.multimodal.media import MediaError
 
 
 async def prepare_chat_images(state: Any, prompt_ids: list[int], urls: list[str],
@@ -17,7 +17,8 @@ async def prepare_chat_images(state: Any, prompt_ids: list[int], urls: list[str]
             raise bad_request(f"{n} {what} in one request: this server takes at most {limit} (--limit-mm-per-prompt)",
                               "messages")
     try:
-        images = await asyncio.gather(*(asyncio.to_thread(load_image, url, state.media) for url in urls))
+        images = await asyncio.gather(*(asyncio.to_thread(state.images.load_image, url, state.media)
+                                        for url in urls))
     except MediaError as e:
         raise bad_request(str(e), "messages", "invalid_image") from None
     try:  # (decoding, resizing and normalizing cost milliseconds or more per item: not on the event loop either)
