@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-# the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py)
-IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+# the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py,
+# qwen2_vision_tower.py)
+IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl")
 
 
 def image_input_refusal(config: Any) -> Optional[str]:
