@@ -101,3 +101,23 @@ def test_dummy_weights_build_the_tower_and_profile_through_it(vl):
     assert step.largest_grid == (1, 64, 64)  # the processor's longest_edge, 64 x 64 patches' pixels, as a square
     step.profile((1, 8, 8))
     assert len(_run(llm, [(ids, mm)])[0]) == 6
+
+
+def test_lora_adapters_on_the_text_model_with_an_image(vl, tmp_path):
+    """PEFT adapters on the qwen2 text model (named base_model.model.model.layers.*, as the checkpoint's), with an
+    image in the prompt: the engine with the adapter equals the engine on the merged checkpoint."""
+    from lora_adapters import make_adapter, merged_copy
+    from vl_models import GREEDY
+    from voltllm import LoRARequest
+    from voltllm.engine.types import EngineCoreRequest
+
+    adapter = make_adapter(str(tmp_path / "a"), vl[0], rank=4, alpha=8, seed=3, std=0.15)
+    ids, _, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    want = _run(_llm(merged_copy(vl[0], adapter, str(tmp_path / "merged"))), [(ids, mm)])[0]
+    core = _llm(vl[0], enable_lora=True, max_lora_rank=8).engine
+    core.add_request(EngineCoreRequest("l", ids, GREEDY, multi_modal=mm, lora_request=LoRARequest("a", 1, adapter)))
+    got = []
+    while core.has_unfinished_requests():
+        for o in core.step():
+            got += [(t, lp[t][0]) for t, lp in zip(o.new_token_ids, o.new_logprobs)]
+    assert _same(got, want) and not _same(got, _run(_llm(vl[0]), [(ids, mm)])[0])
