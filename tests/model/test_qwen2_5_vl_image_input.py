@@ -121,3 +121,17 @@ def test_lora_adapters_on_the_text_model_with_an_image(vl, tmp_path):
         for o in core.step():
             got += [(t, lp[t][0]) for t, lp in zip(o.new_token_ids, o.new_logprobs)]
     assert _same(got, want) and not _same(got, _run(_llm(vl[0]), [(ids, mm)])[0])
+
+
+def test_video_parts_are_refused_by_name(vl):
+    """Video input (Qwen3.x's temporal patches after timestamps) is not built for Qwen2-VL / Qwen2.5-VL, whose video
+    positions differ: a video part gets a 400 that says so, images still work."""
+    from voltllm.multimodal.media import MediaError
+
+    llm = _llm(vl[0])
+    from voltllm.multimodal.processor import image_processor_for
+
+    proc = image_processor_for(llm.config)
+    assert proc is not None and proc.video is None
+    with pytest.raises(MediaError, match=f"video input is not built for {vl[3].config.model_type} models"):
+        proc.video_from_bytes(b"\x00")
