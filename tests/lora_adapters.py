@@ -110,3 +110,27 @@ def save_merged(model_path: str, adapter_path: str, out: str) -> str:
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(os.path.join(model_path, name), out)
     return out
+
+
+def merged_copy(path: str, adapter: str, out: str) -> str:
+    """The (single-file) checkpoint at path with the adapter merged into its weights (W + scaling * B A), at out: the
+    reference an engine serving the adapter must match."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    scaling = config["lora_alpha"] / config["r"]
+    lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    (file,) = glob.glob(os.path.join(out, "*.safetensors"))
+    sd = load_file(file)
+    for key, a in lora.items():
+        if ".lora_A." in key:
+            module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+            b = lora[key.replace(".lora_A.", ".lora_B.")]
+            sd[f"{module}.weight"] = sd[f"{module}.weight"] + scaling * (b.double() @ a.double()).float()
+    save_file(sd, file, metadata={"format": "pt"})
+    return out

@@ -1,7 +1,7 @@
 """Tiny random vision-language checkpoints saved with transformers at test time (no network): Qwen3.5 (the hybrid text
-model of tiny_models.HYBRID_COMMON, a 2-block vision tower) and Qwen3-VL (a Qwen3 / Qwen3-MoE text model, a 3-block
-tower with two deepstack levels), each with a small BPE tokenizer with Qwen's vision tokens, a chat template that
-places images, and a Qwen2-VL image processor config."""
+model of tiny_models.HYBRID_COMMON, a 2-block vision tower), Qwen3-VL (a Qwen3 / Qwen3-MoE text model, a 3-block
+tower with two deepstack levels) and Qwen2.5-VL / Qwen2-VL (a Qwen2 text model, 2-block towers), each with a small
+BPE tokenizer with Qwen's vision tokens, a chat template that places images, and a Qwen2-VL image processor config."""
 from __future__ import annotations
 
 import hashlib
@@ -57,7 +57,9 @@ VL_PREPROCESSOR = {
 _VL_CONFIGS = {"qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
                "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
                "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-               "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
+               "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+               "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+               "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration")}
 
 # Qwen3-VL's text model: a Qwen3 (qwen3_vl_moe: Qwen3-MoE, layer 1 dense) as tiny_models.make_model's, with interleaved
 # M-RoPE over its 8 rotary frequencies (t, h, w sections 4, 2, 2, summing to the half as [24, 20, 20] does for 128).
@@ -71,6 +73,31 @@ QWEN3_VL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=
                     mlp_only_layers=[1])
 # its tower: Qwen3.5's with a third block and the outputs of blocks 0 and 2 as deepstack levels 0 and 1
 QWEN3_VL_VISION = {**VL_VISION, "depth": 3, "deepstack_visual_indexes": [0, 2]}
+
+
+# Qwen2-VL's / Qwen2.5-VL's text model: a Qwen2 (QKV bias) with contiguous M-RoPE over its 8 rotary frequencies (t,
+# h, w sections 2, 3, 3 in order: they must add up to the half, as [16, 24, 24] does for 128).
+QWEN2_VL_TEXT = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.08,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 3, 3]})
+# Qwen2.5-VL's tower: RMSNorm, gated MLP, window attention. window_size 16 pixels is 2 x 2 merged squares (4 x 4
+# patches), so a 32 x 48 image (grid 1 x 8 x 12) has 6 windows and a 40 x 24 one (1 x 10 x 6) 6 of 3 sizes; block 0
+# attends within windows, block 1 over the whole image.
+QWEN2_5_VL_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4,
+                         temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=QWEN2_VL_TEXT["hidden_size"],
+                         in_channels=3, hidden_act="silu", window_size=16, fullatt_block_indexes=[1])
+# Qwen2-VL's tower: LayerNorm, QuickGELU MLP of embed_dim * mlp_ratio, full attention; its hidden_size is the output's
+QWEN2_VL_VISION = dict(depth=2, embed_dim=32, hidden_size=QWEN2_VL_TEXT["hidden_size"], num_heads=2, mlp_ratio=2,
+                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+                       hidden_act="quick_gelu")
+
+
+def make_tiny_qwen2_5_vl(path: str, kind: str = "qwen2_5_vl", seed: int = 0) -> str:
+    """Save a tiny random Qwen2_5_VLForConditionalGeneration (kind "qwen2_vl": Qwen2VLForConditionalGeneration, with
+    tied embeddings as Qwen2-VL-2B has) as make_tiny_qwen3_5_vl does: QWEN2_VL_TEXT's text model, QWEN2_5_VL_VISION's
+    (QWEN2_VL_VISION's) tower."""
+    vision = QWEN2_VL_VISION if kind == "qwen2_vl" else QWEN2_5_VL_VISION
+    return _make_tiny_vl(path, kind, seed, dict(QWEN2_VL_TEXT), dict(vision), tie=kind == "qwen2_vl")
 
 
 def make_tiny_qwen3_5_vl(path: str, kind: str = "qwen3_5", seed: int = 0) -> str:
@@ -89,7 +116,7 @@ def make_tiny_qwen3_vl(path: str, kind: str = "qwen3_vl", seed: int = 0) -> str:
     return _make_tiny_vl(path, kind, seed, text, dict(QWEN3_VL_VISION))
 
 
-def _make_tiny_vl(path: str, kind: str, seed: int, text: dict, vision: dict) -> str:
+def _make_tiny_vl(path: str, kind: str, seed: int, text: dict, vision: dict, tie: bool = False) -> str:
     import transformers
 
     config_cls, model_cls = (getattr(transformers, name) for name in _VL_CONFIGS[kind])
@@ -103,7 +130,7 @@ def _make_tiny_vl(path: str, kind: str, seed: int, text: dict, vision: dict) -> 
 
     text = {**text, "vocab_size": VL_VOCAB, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
             "pad_token_id": tok.pad_token_id}
-    cfg = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    cfg = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
     torch.manual_seed(seed)
     model = model_cls(cfg).to(torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -143,10 +170,12 @@ NEW_TOKENS = 6  # greedy tokens per request
 
 def vl_setup(path: str, kind: str = "qwen3_5") -> tuple:
     """(checkpoint path, its image processor, tokenizer, transformers' model): what the helpers below take as `vl`.
-    kind: qwen3_5 / qwen3_5_moe (make_tiny_qwen3_5_vl) or qwen3_vl / qwen3_vl_moe (make_tiny_qwen3_vl)."""
+    kind: qwen3_5 / qwen3_5_moe (make_tiny_qwen3_5_vl), qwen3_vl / qwen3_vl_moe (make_tiny_qwen3_vl) or qwen2_5_vl /
+    qwen2_vl (make_tiny_qwen2_5_vl)."""
     import transformers
 
-    make = make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else make_tiny_qwen3_5_vl
+    make = (make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else
+            make_tiny_qwen2_5_vl if kind in ("qwen2_vl", "qwen2_5_vl") else make_tiny_qwen3_5_vl)
     path = make(path, kind, seed=0)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

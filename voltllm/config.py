@@ -532,7 +532,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from voltllm.model.loader import ModelLoadError, load_hf_config, resolve_model
         from voltllm.multimodal.processor import ImageProcessor
-        from voltllm.multimodal.support import image_input_refusal
+        from voltllm.multimodal.support import image_input_refusal, takes_videos
 
         self._refuse_unbuilt()
         from voltllm.multimodal.config import resolve_multimodal
@@ -737,8 +737,7 @@ class EngineArgs:
                               multimodal=multimodal)
         if image_input_refusal(config) is None:
             # (built here too, so that a processor the model's files or --mm-processor-kwargs break fails at start)
-            ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs,
-                                      multimodal.video_limit > 0)
+            ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs, takes_videos(config))
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
         reasoning = self._resolve_reasoning(tokenizer)

@@ -1,8 +1,8 @@
-"""Image input on a CUDA GPU (tiny Qwen3.5 and Qwen3-VL checkpoints): fp32 with CUDA graphs gives transformers'
-greedy tokens and logprobs (the fused rope and decode kernels read the M-RoPE scratch rows; decode steps replay graphs
-with the shifted positions; Qwen3-VL's deepstack rows are added in the eager image steps); fp16 agrees with fp16
---enforce-eager; --compat sm70 too. Run on the GPU machine: pytest -m gpu tests/gpu/test_image_input_cuda.py (not run
-yet, neither case)."""
+"""Image input on a CUDA GPU (tiny Qwen3.5, Qwen3-VL and Qwen2.5-VL checkpoints): fp32 with CUDA graphs gives
+transformers' greedy tokens and logprobs (the fused rope and decode kernels read the M-RoPE scratch rows, Qwen2.5-VL's
+by the contiguous rule; decode steps replay graphs with the shifted positions; Qwen3-VL's deepstack rows are added in
+the eager image steps); fp16 agrees with fp16 --enforce-eager; --compat sm70 too. Run on the GPU machine: pytest -m
+gpu tests/gpu/test_image_input_cuda.py (not run yet, neither case)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ from voltllm.entrypoints.llm import LLM
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
 def vl(tmp_path_factory, request):
     return vl_setup(str(tmp_path_factory.mktemp("vl")), request.param)
 

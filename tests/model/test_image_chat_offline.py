@@ -1,6 +1,6 @@
 """LLM.chat with image_url parts (the frontend's media reading, processor and placeholder expansion) against
-transformers' Qwen3_5ForConditionalGeneration and Qwen3VLForConditionalGeneration on the tiny VL checkpoints; the
-offline limit."""
+transformers' Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration
+on the tiny VL checkpoints; the offline limit."""
 from __future__ import annotations
 
 import base64
@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from vl_models import GREEDY, same_greedy, vl_image, vl_prompt, vl_reference, vl_setup  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
 def vl(tmp_path_factory, request):
     return vl_setup(str(tmp_path_factory.mktemp("vl")), request.param)
 

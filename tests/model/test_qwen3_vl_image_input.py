@@ -94,31 +94,6 @@ def test_dummy_weights_profile_and_kept_rows_carry_the_deepstack_levels(vl):
     assert len(_run(llm, [(ids, mm)])[0]) == 6
 
 
-def _merged_copy(path: str, adapter: str, out: str) -> str:
-    """The checkpoint at path with the adapter merged into its text model's weights (W + scaling * B A)."""
-    import glob
-    import json
-    import os
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(path, out)
-    with open(os.path.join(adapter, "adapter_config.json")) as f:
-        config = json.load(f)
-    scaling = config["lora_alpha"] / config["r"]
-    lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))
-    (file,) = glob.glob(os.path.join(out, "*.safetensors"))
-    sd = load_file(file)
-    for key, a in lora.items():
-        if ".lora_A." in key:
-            module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
-            b = lora[key.replace(".lora_A.", ".lora_B.")]
-            sd[f"{module}.weight"] = sd[f"{module}.weight"] + scaling * (b.double() @ a.double()).float()
-    save_file(sd, file, metadata={"format": "pt"})
-    return out
-
-
 def test_lora_adapters_on_the_text_model_with_an_image(vl, tmp_path):
     """PEFT adapters on Qwen3-VL's text model (its names under model.language_model), with an image in the prompt:
     the engine with the adapter equals the engine on the merged checkpoint; an adapter on the vision tower is
@@ -126,7 +101,7 @@ def test_lora_adapters_on_the_text_model_with_an_image(vl, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from lora_adapters import make_adapter
+    from lora_adapters import make_adapter, merged_copy as _merged_copy
     from vl_models import GREEDY
     from voltllm import LoRARequest
     from voltllm.engine.types import EngineCoreRequest

@@ -83,20 +83,26 @@ def test_runs_draw_fresh_requests_and_every_runner_the_same():
 
 
 # -- the limit: the tower's FLOPs -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_vl", "qwen2_5_vl", "qwen2_vl"])
 def test_tower_flops_count_the_towers_matmuls_and_attention(kind):
+    """(Qwen2.5-VL's: the windowed block's attention over windows of several sizes, the other's over the frame)"""
+    from types import SimpleNamespace
+
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vl_models import QWEN3_VL_VISION, VL_VISION
+    from vl_models import QWEN2_5_VL_VISION, QWEN2_VL_VISION, QWEN3_VL_VISION, VL_VISION
     from voltllm.bench.limits import tower_flops
-    from voltllm.multimodal.vision_tower import VisionTower
+    from voltllm.multimodal.vision_tower import vision_tower_for
 
-    vision = dict(QWEN3_VL_VISION if kind == "qwen3_vl" else VL_VISION)
-    tower = VisionTower(vision, torch.float32)
-    for grid in [(1, 8, 12), (1, 16, 16), (2, 4, 8)]:
+    vision = dict({"qwen3_vl": QWEN3_VL_VISION, "qwen2_5_vl": QWEN2_5_VL_VISION, "qwen2_vl": QWEN2_VL_VISION}.get(
+        kind, VL_VISION))
+    tower = vision_tower_for(SimpleNamespace(vision_config=vision), torch.float32)
+    for grid in [(1, 8, 12), (1, 16, 16), (2, 4, 8), (1, 10, 14)]:
         pixels = torch.randn(grid[0] * grid[1] * grid[2], tower.patch_dim)
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
+        # (the math SDPA, whose matmuls the counter sees: it counts no fused CPU attention kernel)
+        with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             tower.forward_with_deepstack(pixels, [grid])
         assert tower_flops(vision, grid) == counter.get_total_flops(), grid
 

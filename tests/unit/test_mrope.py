@@ -1,5 +1,6 @@
-"""M-RoPE positions and rotation rows against transformers' Qwen3.5 and Qwen3-VL (get_rope_index and the text
-rotary): the two families share them."""
+"""M-RoPE positions and rotation rows against transformers' Qwen3.5, Qwen3-VL, Qwen2-VL and Qwen2.5-VL (get_rope_index
+and the text rotary): the four share the positions of images; Qwen3.x rotate interleaved, Qwen2-VL / Qwen2.5-VL
+contiguous."""
 import numpy as np
 import pytest
 import torch
@@ -8,10 +9,17 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model, Qwen3_5Te
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextRotaryEmbedding
 
-from voltllm.multimodal.mrope import axis_of_frequency, prompt_positions, rotation_rows
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel, Qwen2_5_VLRotaryEmbedding
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel, Qwen2VLRotaryEmbedding
+
+from voltllm.multimodal.mrope import axis_of_frequency, mrope_layout, prompt_positions, rotation_rows
 
 FAMILIES = {"qwen3_5": (Qwen3_5Config, Qwen3_5Model, Qwen3_5TextRotaryEmbedding),
-            "qwen3_vl": (Qwen3VLConfig, Qwen3VLModel, Qwen3VLTextRotaryEmbedding)}
+            "qwen3_vl": (Qwen3VLConfig, Qwen3VLModel, Qwen3VLTextRotaryEmbedding),
+            "qwen2_vl": (Qwen2VLConfig, Qwen2VLModel, Qwen2VLRotaryEmbedding),
+            "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2_5_VLRotaryEmbedding)}
 
 
 def _reference(n: int, images: list, family: str = "qwen3_5") -> tuple[torch.Tensor, int]:
@@ -45,18 +53,46 @@ def test_overlapping_or_overlong_images_are_refused():
         prompt_positions(10, [(8, (1, 4, 4))], 2)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_rotation_rows_match_the_interleaved_text_rotary(family):
-    images = [(3, (1, 4, 6)), (20, (1, 8, 4))]
+def _rows(family: str, images: list, interleaved: bool) -> tuple:
+    """Our rotation rows under the family's default config's layout (or the other one), and transformers'."""
     pos, _ = _reference(34, images, family)
     config_cls, _, rotary_cls = FAMILIES[family]
-    rotary = rotary_cls(config_cls().text_config)
+    text = config_cls().text_config
+    rotary = rotary_cls(text)
     cos, sin = rotary(torch.zeros(1), pos[:, None])
     half = rotary.inv_freq.shape[0]
-    axis = torch.from_numpy(axis_of_frequency(half, rotary.mrope_section))
+    layout_interleaved, section = mrope_layout(family, text.rope_parameters)
+    assert section == list(rotary.mrope_section)
+    axis = torch.from_numpy(axis_of_frequency(half, section, layout_interleaved == interleaved))
     mine, _ = prompt_positions(34, images, 2)
     c, s = rotation_rows(torch.from_numpy(mine), rotary.inv_freq, axis)
-    torch.testing.assert_close(c, cos[0, :, :half].float(), rtol=0, atol=2e-6)
-    torch.testing.assert_close(s, sin[0, :, :half].float(), rtol=0, atol=2e-6)
+    return c, s, cos[0, :, :half].float(), sin[0, :, :half].float()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_rotation_rows_match_the_text_rotary(family):
+    """Qwen3.x interleaved, Qwen2-VL / Qwen2.5-VL contiguous ([16, 24, 24] over 64 frequencies), as mrope_layout
+    picks from the default configs; the other rule's rows differ."""
+    images = [(3, (1, 4, 6)), (20, (1, 8, 4))]
+    c, s, cos, sin = _rows(family, images, True)
+    torch.testing.assert_close(c, cos, rtol=0, atol=2e-6)
+    torch.testing.assert_close(s, sin, rtol=0, atol=2e-6)
+    c, s, cos, sin = _rows(family, images, False)
+    assert (c - cos).abs().max() > 0.1 and (s - sin).abs().max() > 0.1
     with pytest.raises(ValueError, match="3 entries"):
-        axis_of_frequency(half, [16, 16])
+        axis_of_frequency(64, [16, 16])
+
+
+def test_layout_rules():
+    assert axis_of_frequency(8, [2, 3, 3], interleaved=False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert axis_of_frequency(8, [4, 2, 2]).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    with pytest.raises(ValueError, match=r"\[2, 3, 2\] must split the rotary half's 8"):
+        axis_of_frequency(8, [2, 3, 2], interleaved=False)
+    # the config's flag decides when it says, else the model type; the config's section, else transformers' default
+    assert mrope_layout("qwen2_5_vl", {}) == (False, [16, 24, 24])
+    assert mrope_layout("qwen2_vl", {"mrope_section": [2, 3, 3]}) == (False, [2, 3, 3])
+    assert mrope_layout("qwen3_vl", {}) == (True, [24, 20, 20])
+    assert mrope_layout("qwen3_5", {"mrope_interleaved": True, "mrope_section": [11, 11, 10]}) == (True, [11, 11, 10])
+    assert mrope_layout("qwen2_5_vl", {"mrope_interleaved": True})[0] is True
+    with pytest.raises(ValueError, match="no M-RoPE layout is known for model type 'qwen2'"):
+        mrope_layout("qwen2", {})

@@ -89,11 +89,11 @@ def test_engine_config(tmp_path):
     assert "--language-model-only" in image_input_refusal(text_only) and image_processor_for(text_only) is None
 
 
-@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe"])
-def test_qwen3_vl_takes_images_unless_told_otherwise(tmp_path, kind):
-    from vl_models import make_tiny_qwen3_vl
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "qwen2_vl"])
+def test_qwen3_vl_and_qwen2_vl_take_images_unless_told_otherwise(tmp_path, kind):
+    from vl_models import make_tiny_qwen2_5_vl, make_tiny_qwen3_vl
 
-    vl = make_tiny_qwen3_vl(str(tmp_path / "vl"), kind)
+    vl = (make_tiny_qwen2_5_vl if kind.startswith("qwen2") else make_tiny_qwen3_vl)(str(tmp_path / "vl"), kind)
     config = EngineArgs(model=vl, device="cpu").create_engine_config()
     assert image_input_refusal(config) is None and image_processor_for(config).merge == 2
     text_only = EngineArgs(model=vl, device="cpu", language_model_only=True).create_engine_config()

@@ -1,6 +1,6 @@
-"""The tiny Qwen3.5 and Qwen3-VL test checkpoints (tests/vl_models.py) are what the vision tests assume: transformers
-loads them, their vision token ids are the tokenizer's and inside the vocabulary, their chat template places images,
-and the image processor lays a 32x48 image out as a (1, 8, 12) grid."""
+"""The tiny Qwen3.5, Qwen3-VL, Qwen2.5-VL and Qwen2-VL test checkpoints (tests/vl_models.py) are what the vision tests
+assume: transformers loads them, their vision token ids are the tokenizer's and inside the vocabulary, their chat
+template places images, and the image processor lays a 32x48 image out as a (1, 8, 12) grid."""
 import numpy as np
 import pytest
 import torch
@@ -8,12 +8,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 PIL_Image = pytest.importorskip("PIL.Image")
 
-from vl_models import VISION_TOKENS, VL_VOCAB, make_tiny_qwen3_5_vl, make_tiny_qwen3_vl  # noqa: E402
+from vl_models import (VISION_TOKENS, VL_VOCAB, make_tiny_qwen2_5_vl, make_tiny_qwen3_5_vl,  # noqa: E402
+                       make_tiny_qwen3_vl)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "qwen2_vl"])
 def test_tiny_vl_checkpoint_loads_and_sees_the_image(tmp_path, kind):
-    path = (make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else make_tiny_qwen3_5_vl)(str(tmp_path), kind)
+    make = (make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else
+            make_tiny_qwen2_5_vl if kind.startswith("qwen2") else make_tiny_qwen3_5_vl)
+    path = make(str(tmp_path), kind)
     model = transformers.AutoModelForImageTextToText.from_pretrained(path)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     proc = transformers.AutoImageProcessor.from_pretrained(path)

@@ -258,23 +258,35 @@ def prefill_limit_tok_s(cost: ModelCost, dev: DeviceLimits, prompt_len: int) -> 
 
 
 def tower_flops(vision_config: Any, grid: tuple[int, int, int]) -> float:
-    """FLOPs of Qwen3.5's / Qwen3-VL's vision tower (multimodal/vision_tower.py) on one image of patch grid (t, h, w):
-    N = t * h * w patches of hidden H through the patch embedding (patch_dim x H), `depth` blocks of qkv (3 H^2),
-    proj (H^2), MLP (2 H I) and non-causal attention within each frame (4 (h w)^2 H: scores and values), then the
-    merger and each deepstack merger on N / m^2 windows of W = H m^2 (W^2 + W x out_hidden). 2 FLOPs a
-    multiply-add; LayerNorms, rotary, activations and the position table's resampling are not matmuls and are not
-    counted."""
+    """FLOPs of the vision tower (multimodal/vision_tower.py, qwen2_vision_tower.py) on one image of patch grid (t, h,
+    w): N = t * h * w patches of width H through the patch embedding (patch_dim x H), `depth` blocks of qkv (3 H^2),
+    proj (H^2), MLP (2 H I; Qwen2.5-VL's gated one 3 H I) and non-causal attention (4 L^2 H per span of L patches: a
+    frame, or for Qwen2.5-VL's windowed blocks each window), then the merger and each deepstack merger (Qwen3-VL) on
+    N / m^2 squares of W = H m^2 (W^2 + W x out). 2 FLOPs a multiply-add; norms, rotary, activations and the position
+    table's resampling are not matmuls and are not counted."""
+    from voltllm.multimodal.qwen2_vision_tower import qwen2_vision_dims, qwen2_vision_family, window_layout
+
     def f(name: str, default: Any = None) -> Any:
         return vision_config.get(name, default) if isinstance(vision_config, dict) else getattr(
             vision_config, name, default)
 
     t, h, w = (int(v) for v in grid)
-    hidden, inter, depth = int(f("hidden_size")), int(f("intermediate_size")), int(f("depth"))
-    merge, out = int(f("spatial_merge_size", 2)), int(f("out_hidden_size"))
+    depth, merge = int(f("depth")), int(f("spatial_merge_size", 2))
     patch_dim = int(f("in_channels", 3)) * int(f("temporal_patch_size", 2)) * int(f("patch_size")) ** 2
-    mergers = 1 + len(f("deepstack_visual_indexes", None) or ())
+    frame_attention = t * 4 * (h * w) ** 2
+    if qwen2_vision_family(vision_config) is not None:
+        dims = qwen2_vision_dims(vision_config)
+        hidden, inter, out = dims["hidden"], dims["intermediate"], dims["out"]
+        mlp_mats, mergers = (3 if dims["gated"] else 2), 1
+        windows = window_layout([(t, h, w)], merge, dims["window_units"])[1]
+        window_attention = 4 * sum(n * n for n in windows)
+        attention = sum(frame_attention if i in dims["full_blocks"] else window_attention for i in range(depth))
+    else:
+        hidden, inter, out = int(f("hidden_size")), int(f("intermediate_size")), int(f("out_hidden_size"))
+        mlp_mats, mergers = 2, 1 + len(f("deepstack_visual_indexes", None) or ())
+        attention = depth * frame_attention
     n = t * h * w
-    window = hidden * merge * merge
-    per_patch = patch_dim * hidden + depth * (4 * hidden * hidden + 2 * hidden * inter)
-    attention = depth * t * 4 * (h * w) ** 2 * hidden
-    return 2.0 * n * per_patch + attention + 2.0 * (n // (merge * merge)) * mergers * (window * window + window * out)
+    square = hidden * merge * merge
+    per_patch = patch_dim * hidden + depth * (4 * hidden * hidden + mlp_mats * hidden * inter)
+    return 2.0 * n * per_patch + attention * hidden + 2.0 * (n // (merge * merge)) * mergers * (
+        square * square + square * out)

@@ -8,8 +8,8 @@ import torch
 
 # llama-family decoders (models/llama.py; qwen3_moe's sparse layers split by every expert's intermediate rows, or
 # by whole experts under --enable-expert-parallel: distributed/experts.py); a qwen3_vl / qwen3_vl_moe checkpoint runs
-# as its text model (a qwen3 / qwen3_moe)
-TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+# as its text model (a qwen3 / qwen3_moe), a qwen2_vl / qwen2_5_vl one as a qwen2
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl")
 # hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs); a multimodal
 # qwen3_5 / qwen3_5_moe checkpoint runs as its text model
 TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")

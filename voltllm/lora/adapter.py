@@ -26,8 +26,10 @@ from voltllm.lora.request import LoRARequest
 
 HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 # the architectures whose projections take adapters (models/llama.py, models/qwen3_next.py)
-# (Qwen3-VL: its text model, a qwen3 / qwen3_moe; adapters on the vision tower are refused by name)
-LORA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe") + HYBRID_ARCHITECTURES
+# (Qwen3-VL: its text model, a qwen3 / qwen3_moe; Qwen2-VL / Qwen2.5-VL: a qwen2; adapters on the vision tower are
+# refused by name)
+LORA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl",
+                      "qwen2_5_vl") + HYBRID_ARCHITECTURES
 
 # PEFT module (the projection's name in Hugging Face's model) -> (our Linear inside the decoder layer, its shard)
 PEFT_PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),

@@ -1,7 +1,11 @@
-"""Qwen3.5's and Qwen3-VL's multimodal RoPE (interleaved M-RoPE): each token has a (t, h, w) position; frequency j of
-the rotary half rotates by the h position when j % 3 == 1 (j < 3 * section_h), by w when j % 3 == 2 (j < 3 *
-section_w), else by t. Text tokens have t == h == w, so their rotation is plain 1-D RoPE: only image tokens need rows
-of their own."""
+"""Multimodal RoPE (M-RoPE): each token has a (t, h, w) position, and each frequency of the rotary half turns with
+one of the three. Two rules split the frequencies between the axes:
+- interleaved (Qwen3.5, Qwen3-VL): frequency j rotates by the h position when j % 3 == 1 (j < 3 * section_h), by w
+  when j % 3 == 2 (j < 3 * section_w), else by t;
+- contiguous (Qwen2-VL, Qwen2.5-VL): the first section_t frequencies by t, the next section_h by h, the last
+  section_w by w.
+Text tokens have t == h == w, so their rotation is plain 1-D RoPE either way: only image tokens need rows of their
+own."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -13,9 +17,10 @@ import torch
 def prompt_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int, int]]],
                      spatial_merge_size: int) -> tuple[np.ndarray, int]:
     """M-RoPE positions [3, num_tokens] of a prompt whose images are (offset, grid_thw) in prompt order, and the
-    delta of the tokens after it (position of token i = i + delta). As transformers' Qwen3.5 (and Qwen3-VL)
-    get_rope_index: text runs continue from the running position; an image's tokens take (cur + t, cur + row, cur +
-    col) over its merged grid, after which the running position advances by max(h, w) / merge."""
+    delta of the tokens after it (position of token i = i + delta). As transformers' get_rope_index of Qwen3.5,
+    Qwen3-VL, Qwen2-VL and Qwen2.5-VL (the four agree on images): text runs continue from the running position; an
+    image's tokens take (cur + t, cur + row, cur + col) over its merged grid, after which the running position
+    advances by max(h, w) / merge."""
     pos = np.empty((3, num_tokens), dtype=np.int64)
     cur, at = 0, 0
     for offset, (t, h, w) in images:
@@ -38,16 +43,41 @@ def prompt_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int
     return pos, delta
 
 
-def axis_of_frequency(half: int, section: Sequence[int]) -> np.ndarray:
-    """For each of the rotary half's `half` frequencies, the axis (0 t, 1 h, 2 w) whose position rotates it (as
-    transformers applies the section, also when it does not add up to `half`: a small test model's)."""
+def axis_of_frequency(half: int, section: Sequence[int], interleaved: bool = True) -> np.ndarray:
+    """For each of the rotary half's `half` frequencies, the axis (0 t, 1 h, 2 w) whose position rotates it.
+    Interleaved: as transformers applies the section, also when it does not add up to `half` (a small test model's).
+    Contiguous: the sections in order, which must add up to `half` (transformers splits the frequencies by them)."""
     if len(section) != 3:
         raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(section)}")
+    if not interleaved:
+        if sum(section) != half or min(section) < 0:
+            raise ValueError(f"mrope_section {list(section)} must split the rotary half's {half} frequencies "
+                             "(contiguous M-RoPE: its entries add up to head_dim / 2)")
+        return np.repeat(np.arange(3, dtype=np.int64), section)
     j = np.arange(half)
     axis = np.zeros(half, dtype=np.int64)
     axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
     axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
     return axis
+
+
+# model type -> (interleaved, transformers' default mrope_section when the config gives none)
+_MROPE_LAYOUT = {"qwen3_5": (True, [11, 11, 10]), "qwen3_5_moe": (True, [11, 11, 10]),
+                 "qwen3_vl": (True, [24, 20, 20]), "qwen3_vl_moe": (True, [24, 20, 20]),
+                 "qwen2_vl": (False, [16, 24, 24]), "qwen2_5_vl": (False, [16, 24, 24])}
+
+
+def mrope_layout(model_type: str, rope_parameters: dict) -> tuple[bool, list[int]]:
+    """(interleaved, mrope_section) of a multimodal model's text rotary. The config's `mrope_interleaved` decides
+    when it says (Qwen3.5's and Qwen3-VL's configs say true), else the model type (transformers' Qwen2-VL and
+    Qwen2.5-VL are contiguous, its Qwen3.x interleaved); the section is the config's, else transformers' default."""
+    if model_type not in _MROPE_LAYOUT:
+        raise ValueError(f"no M-RoPE layout is known for model type {model_type!r}")
+    interleaved, section = _MROPE_LAYOUT[model_type]
+    flag = rope_parameters.get("mrope_interleaved")
+    if flag is not None:
+        interleaved = bool(flag)
+    return interleaved, list(rope_parameters.get("mrope_section") or section)
 
 
 def rotation_rows(positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor,

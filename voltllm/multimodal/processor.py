@@ -28,12 +28,12 @@ _NOT_SETTINGS = frozenset({"return_tensors", "device", "data_format", "input_dat
 
 def image_processor_for(config: Any) -> Optional["ImageProcessor"]:
     """The image processor of an engine that takes images (multimodal/support.py), else None."""
-    from voltllm.multimodal.support import image_input_refusal
+    from voltllm.multimodal.support import image_input_refusal, takes_videos
 
     if image_input_refusal(config) is not None:
         return None
     processor = ImageProcessor.from_model(config.model.model, config.model.hf_config,
-                                          config.multimodal.mm_processor_kwargs, config.multimodal.video_limit > 0)
+                                          config.multimodal.mm_processor_kwargs, takes_videos(config))
     processor.video_loading = config.multimodal.video_loading
     processor.cache = ProcessedCache(int(config.multimodal.processor_cache_gb * 2**30))
     return processor
@@ -64,6 +64,7 @@ class ImageProcessor:
         self.video_token_id, self.vision_start_id, self.vision_end_id = video_token_ids or (-1, -1, -1)
         self.video_loading = VideoLoading()  # --media-io-kwargs video (image_processor_for sets the engine's)
         self.cache = ProcessedCache(0)  # --mm-processor-cache-gb (image_processor_for sets the engine's)
+        self.no_video = "this server takes no video (--limit-mm-per-prompt video 0)"  # (the 400's message)
 
     @classmethod
     def from_model(cls, model_dir: str, hf_config: Any, mm_processor_kwargs: Optional[dict] = None,
@@ -108,7 +109,12 @@ class ImageProcessor:
         ids = None
         if video is not None:
             ids = (hf_config.video_token_id, hf_config.vision_start_token_id, hf_config.vision_end_token_id)
-        return cls(hf, hf_config.image_token_id, vision.spatial_merge_size, video, ids)
+        processor = cls(hf, hf_config.image_token_id, vision.spatial_merge_size, video, ids)
+        from voltllm.multimodal.support import VIDEO_MODEL_TYPES
+
+        if hf_config.model_type not in VIDEO_MODEL_TYPES:
+            processor.no_video = f"video input is not built for {hf_config.model_type} models (images only)"
+        return processor
 
     def process(self, images: Sequence[Any]) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
         """Each image's processor rows [patches, C * T * P * P] (float32) and patch grid (t, h, w)."""
@@ -135,12 +141,12 @@ class ImageProcessor:
         """The video a part's URL names, read under the image rules with video limits, decoded, sampled and
         processed (MediaError for one that cannot be read, or a server that takes no video)."""
         if self.video is None:
-            raise MediaError("this server takes no video (--limit-mm-per-prompt video 0)")
+            raise MediaError(self.no_video)
         return self.video_from_bytes(read_media(url, media.for_videos()))
 
     def video_from_bytes(self, data: bytes) -> ProcessedVideo:
         if self.video is None:
-            raise MediaError("this server takes no video (--limit-mm-per-prompt video 0)")
+            raise MediaError(self.no_video)
         return self.cache.get_or_make("video", data, lambda: decode_video(data, self.video_loading, self.video),
                                       lambda video: video.pixel_values.nbytes)
 

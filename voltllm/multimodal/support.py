@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-# the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py)
-IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+# the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py,
+# qwen2_vision_tower.py)
+IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl")
+# those that also take videos (Qwen2-VL's and Qwen2.5-VL's video positions and token layout are not built)
+VIDEO_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+
+
+def takes_videos(config: Any) -> bool:
+    """Whether an engine that takes images (image_input_refusal None) takes videos too."""
+    return config.multimodal.video_limit > 0 and config.model.hf_config.model_type in VIDEO_MODEL_TYPES
 
 
 def image_input_refusal(config: Any) -> Optional[str]:

@@ -117,10 +117,44 @@ class _Merger(nn.Module):
 
 
 class _PatchEmbed(nn.Module):
-    def __init__(self, patch_dim: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, patch_dim: int, hidden: int, dtype: torch.dtype, bias: bool = True):
         super().__init__()
         # The checkpoint's Conv3d has stride == kernel over exactly one kernel's worth of input: a linear map.
-        self.proj = nn.Linear(patch_dim, hidden, dtype=dtype)
+        self.proj = nn.Linear(patch_dim, hidden, bias=bias, dtype=dtype)
+
+
+def patch_order(h: int, w: int, merge: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each patch of an h x w grid in the processor's window-by-window order (the patches of each
+    merge x merge square consecutive)."""
+    m = merge
+    rows = torch.arange(h, device=device).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+    cols = torch.arange(w, device=device).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+    return rows.permute(0, 2, 1, 3).reshape(-1), cols.permute(0, 2, 1, 3).reshape(-1)
+
+
+def load_tower_weights(tower: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors (named without the "model.visual." / "visual." prefix) into a tower's parameters;
+    every parameter must come, and no other tensor."""
+    params = dict(tower.named_parameters())
+    loaded, unknown = set(), []
+    for name, tensor in weights:
+        param = params.get(name)
+        if param is None:
+            unknown.append(name)
+            continue
+        if name == "patch_embed.proj.weight":
+            tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d [out, C, T, P, P] -> [out, C*T*P*P]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"vision tensor {name} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(param.shape)} from the vision_config")
+        with torch.no_grad():
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        loaded.add(name)
+    if unknown:
+        raise ValueError(f"unknown vision tensors in the checkpoint: {sorted(unknown)}")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"vision tensors missing from the checkpoint: {missing}")
 
 
 class VisionTower(nn.Module):
@@ -179,26 +213,7 @@ class VisionTower(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors named without the "model.visual." / "visual." prefix; every parameter must come."""
-        params = dict(self.named_parameters())
-        loaded, unknown = set(), []
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
-                unknown.append(name)
-                continue
-            if name == "patch_embed.proj.weight":
-                tensor = tensor.reshape(tensor.shape[0], -1)  # Conv3d [out, C, T, P, P] -> [out, C*T*P*P]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"vision tensor {name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(param.shape)} from the vision_config")
-            with torch.no_grad():
-                param.copy_(tensor.to(device=param.device, dtype=param.dtype))
-            loaded.add(name)
-        if unknown:
-            raise ValueError(f"unknown vision tensors in the checkpoint: {sorted(unknown)}")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"vision tensors missing from the checkpoint: {missing}")
+        load_tower_weights(self, weights)
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """pixel_values: the images' processor rows, concatenated in the order of grids (their (t, h, w) patch
@@ -229,20 +244,13 @@ class VisionTower(nn.Module):
                 deepstack.append(self.deepstack_merger_list[merger](x))
         return self.merger(x), deepstack
 
-    def _window_order(self, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row and column of each patch of an h x w grid in the processor's window-by-window order."""
-        m = self.merge
-        rows = torch.arange(h, device=device).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w, device=device).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        return rows.permute(0, 2, 1, 3).reshape(-1), cols.permute(0, 2, 1, 3).reshape(-1)
-
     def _position_embeddings(self, grids: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
         """The learned side x side table resampled (bilinear, corners aligned) to each grid, in window order, fp32."""
         table = self.pos_embed.weight.float().t().reshape(1, self.hidden, self.side, self.side)
         parts = []
         for t, h, w in grids:
             grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]  # [hidden, h, w]
-            rows, cols = self._window_order(h, w, device)
+            rows, cols = patch_order(h, w, self.merge, device)
             parts.append(grid[:, rows, cols].t().repeat(t, 1))
         return torch.cat(parts)
 
@@ -253,7 +261,7 @@ class VisionTower(nn.Module):
         inv_freq = 1.0 / self.rope_theta ** (torch.arange(quarter, device=device, dtype=torch.float32) / quarter)
         angles = []
         for t, h, w in grids:
-            rows, cols = self._window_order(h, w, device)
+            rows, cols = patch_order(h, w, self.merge, device)
             a = torch.cat((rows[:, None] * inv_freq, cols[:, None] * inv_freq), dim=-1)
             angles.append(a.repeat(t, 1))
         a = torch.cat(angles)
@@ -267,13 +275,20 @@ def deepstack_levels(hf_config: Any) -> int:
     return 0 if vision_config is None else len(_field(vision_config, "deepstack_visual_indexes", None) or ())
 
 
-def vision_tower_for(hf_config: Any, dtype: torch.dtype) -> Optional[VisionTower]:
-    """The (unloaded) vision tower of a model config, or None when it has no vision_config."""
+def vision_tower_for(hf_config: Any, dtype: torch.dtype) -> Optional[nn.Module]:
+    """The (unloaded) vision tower of a model config, or None when it has no vision_config: Qwen2-VL's or
+    Qwen2.5-VL's (multimodal/qwen2_vision_tower.py) for their vision_config, else Qwen3.5's / Qwen3-VL's."""
     vision_config = _field(hf_config, "vision_config")
-    return None if vision_config is None else VisionTower(vision_config, dtype)
+    if vision_config is None:
+        return None
+    from voltllm.multimodal.qwen2_vision_tower import Qwen2VisionTower, qwen2_vision_family
+
+    if qwen2_vision_family(vision_config) is not None:
+        return Qwen2VisionTower(vision_config, dtype)
+    return VisionTower(vision_config, dtype)
 
 
-def load_vision_tower(model_dir: str, hf_config: Any, dtype: torch.dtype, device: Any) -> VisionTower:
+def load_vision_tower(model_dir: str, hf_config: Any, dtype: torch.dtype, device: Any) -> nn.Module:
     """Build the tower on `device` and load only the checkpoint's visual tensors into it."""
     from voltllm.model.loader.safetensors_loader import safetensors_weights
 

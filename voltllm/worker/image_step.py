@@ -5,8 +5,9 @@ An image is encoded once, when a step first reaches its tokens, and its rows are
 showing the same image at once share them) until no request has tokens of it left to compute (chunked prefill may
 split an image across steps; a prefix-cache hit may start inside one). Image
 tokens whose (t, h, w) positions differ get cos / sin rows of their own in scratch rows at the end of the rotary
-tables (RotaryEmbedding.reserve_rows) and those rows' indices as positions; every other token of a request with
-images rotates as a 1-D position (multimodal/mrope.py), shifted by the prompt's delta after it.
+tables (RotaryEmbedding.reserve_rows) and those rows' indices as positions (each frequency taking its axis's position
+by the model's rule, interleaved or contiguous); every other token of a request with images rotates as a 1-D position
+(multimodal/mrope.py), shifted by the prompt's delta after it.
 
 A Qwen3-VL tower also gives deepstack rows (one set per level, row for row with the main ones): an image's rows are
 kept as one tensor [tokens, hidden * (1 + levels)], main rows first, so every slice, cache and broadcast carries the
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from voltllm.multimodal.mrope import axis_of_frequency
+from voltllm.multimodal.mrope import axis_of_frequency, mrope_layout
 
 
 @dataclass
@@ -38,14 +39,15 @@ class ImageRows:
 
 class ImageStep:
     def __init__(self, tower: Optional[Any], rotary: Any, mrope_section: list[int], max_step_tokens: int,
-                 device: torch.device, deepstack_levels: int = 0):
+                 device: torch.device, deepstack_levels: int = 0, mrope_interleaved: bool = True):
         self.tower = tower
         self.deepstack_levels = deepstack_levels  # (the config's: a tensor-parallel rank > 0 has no tower)
         self.rotary = rotary
         self.device = device
         self.capacity = max_step_tokens
         self.base = rotary.reserve_rows(max_step_tokens)
-        self.axis = torch.from_numpy(axis_of_frequency(rotary.cos.shape[1], mrope_section)).to(device)
+        self.axis = torch.from_numpy(axis_of_frequency(rotary.cos.shape[1], mrope_section,
+                                                       mrope_interleaved)).to(device)
         self.inv_freq = rotary.inv_freq.to(device)
         # an image's tower rows by content hash, kept while a request still has tokens of it to compute (requests
         # that show the same image at once, such as the n samples of one prompt, encode it once)
@@ -230,12 +232,10 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     text = getattr(mc.hf_config, "text_config", None) or mc.hf_config
     from voltllm.model.layers.rotary import rope_parameters
 
-    # (transformers' defaults: Qwen3.5's, Qwen3-VL's)
-    default = [24, 20, 20] if mc.hf_config.model_type.startswith("qwen3_vl") else [11, 11, 10]
-    section = rope_parameters(text).get("mrope_section") or default
+    interleaved, section = mrope_layout(mc.hf_config.model_type, rope_parameters(text))
     sc = config.scheduler
-    step = ImageStep(tower, runner.model.rotary, list(section), max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
-                     runner.device, deepstack_levels(mc.hf_config))
+    step = ImageStep(tower, runner.model.rotary, section, max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8,
+                     runner.device, deepstack_levels(mc.hf_config), interleaved)
     if tower is not None:
         step.largest_grid = largest_grid(config, tower)
     return step

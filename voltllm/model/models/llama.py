@@ -1,10 +1,12 @@
 """Llama-family decoder (llama, qwen2 with QKV bias, qwen3 with QK-norm, qwen3_moe: qwen3 with sparse MoE MLPs)
 over the paged KV cache.
 
-Qwen3-VL checkpoints (qwen3_vl / qwen3_vl_moe) run as their text model, a qwen3 / qwen3_moe: `model.language_model.*`
-weights are used, `model.visual.*` skipped (the vision tower, multimodal/vision_tower.py, reads those). A step with
-image tokens (worker/image_step.py) swaps the tower's rows in for their embeddings and adds its deepstack rows to their
-hidden states after the first decoder layers (one level per layer), as transformers' Qwen3VLTextModel does.
+Qwen3-VL checkpoints (qwen3_vl / qwen3_vl_moe) run as their text model, a qwen3 / qwen3_moe, and Qwen2-VL /
+Qwen2.5-VL ones (qwen2_vl / qwen2_5_vl) as a qwen2: `model.language_model.*` weights (or, as the released Qwen2-VL /
+Qwen2.5-VL checkpoints name them, `model.*`) are used, `model.visual.*` / `visual.*` skipped (the vision tower,
+multimodal/vision_tower.py, reads those). A step with image tokens (worker/image_step.py) swaps the tower's rows in for
+their embeddings and, for Qwen3-VL, adds its deepstack rows to their hidden states after the first decoder layers (one
+level per layer), as transformers' Qwen3VLTextModel does.
 
 Tensor parallelism (`tp`, a voltllm.distributed.group.TPGroup): every rank builds the layers at its shard's shapes
 and `load_weights` slices the checkpoint's tensors (voltllm.distributed.sharding): qkv and gate_up by output rows
@@ -35,6 +37,8 @@ from voltllm.model.models.aux_hidden import AuxHiddenCapture
 
 # (qwen3_vl_text / qwen3_vl_moe_text: Qwen3-VL's text models, a qwen3 / qwen3_moe)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
+# qwen2's QKV bias (o_proj has none); qwen2_vl_text / qwen2_5_vl_text: Qwen2-VL's and Qwen2.5-VL's text models, a qwen2
+QKV_BIAS_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 _VISUAL_PREFIXES = ("model.visual.", "visual.")
 
 
@@ -55,10 +59,10 @@ class Attention(PagedAttention):
         self.tp = tp
         self.num_heads = self.heads.num_heads
         self.num_kv_heads = self.heads.num_kv_heads
-        bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        bias = cfg.model_type in QKV_BIAS_TYPES or bool(getattr(cfg, "attention_bias", False))
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q, kv, kv], bias=bias, dtype=dtype, method=linear_method)
-        o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
+        o_bias = cfg.model_type not in QKV_BIAS_TYPES and bool(getattr(cfg, "attention_bias", False))
         self.o_proj = Linear(q, cfg.hidden_size, bias=o_bias, dtype=dtype, method=linear_method)
         self.qk_norm = cfg.model_type in QK_NORM_TYPES
         if self.qk_norm:

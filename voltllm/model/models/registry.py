@@ -12,6 +12,8 @@ _MODELS = {
     "llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
     # Qwen3-VL: its text model is a qwen3 / qwen3_moe (the vision tower runs beside it: worker/image_step.py)
     "qwen3_vl": LlamaForCausalLM, "qwen3_vl_moe": LlamaForCausalLM,
+    # Qwen2-VL / Qwen2.5-VL: a qwen2 text model
+    "qwen2_vl": LlamaForCausalLM, "qwen2_5_vl": LlamaForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM, "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
 }
