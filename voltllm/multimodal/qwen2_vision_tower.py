@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voltllm.multimodal.vision_tower import (_ACTIVATIONS, _field, _layer_norm, _PatchEmbed, _rotate,
+from voltllm.multimodal.vision_tower import (_ACTIVATIONS, _Attention, _field, _layer_norm, _PatchEmbed,
                                              image_token_count, load_tower_weights, patch_order)
 
 QWEN2_VL, QWEN2_5_VL = "qwen2_vl", "qwen2_5_vl"
@@ -98,38 +98,6 @@ class _RMSNorm(nn.Module):
 def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _rms_norm(norm, x) if isinstance(norm, _RMSNorm) else _layer_norm(norm, x)
 
-
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
-    """Non-causal attention of [N, heads, head_dim] rows within consecutive segments: the segments of one length
-    run as one batched call (a Qwen2.5-VL image has hundreds of windows but at most four window sizes)."""
-    out = torch.empty_like(q)
-    starts: dict[int, list[int]] = {}
-    at = 0
-    for length in segments:
-        starts.setdefault(length, []).append(at)
-        at += length
-    for length, firsts in starts.items():
-        if not length:
-            continue
-        rows = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
-        pick = lambda x: x.index_select(0, rows).view(len(firsts), length, *x.shape[1:]).transpose(1, 2)  # noqa: E731
-        o = F.scaled_dot_product_attention(pick(q), pick(k), pick(v))  # [windows, heads, length, head_dim]
-        out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
-    return out
-
-
-class _Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, dtype: torch.dtype):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
-        self.proj = nn.Linear(hidden, hidden, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
-        out = _segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, segments)
-        return self.proj(out.reshape(n, -1))
 
 
 class _Mlp(nn.Module):

@@ -51,6 +51,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    """Non-causal attention of [N, heads, head_dim] rows within consecutive segments (a frame of an image, or a
+    Qwen2.5-VL window): the segments of one length run as one batched call (an image has hundreds of windows but at
+    most four window sizes)."""
+    out = torch.empty_like(q)
+    starts: dict[int, list[int]] = {}
+    at = 0
+    for length in segments:
+        starts.setdefault(length, []).append(at)
+        at += length
+    for length, firsts in starts.items():
+        if not length:
+            continue
+        rows = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+        pick = lambda x: x.index_select(0, rows).view(len(firsts), length, *x.shape[1:]).transpose(1, 2)  # noqa: E731
+        o = F.scaled_dot_product_attention(pick(q), pick(k), pick(v))  # [segments, heads, length, head_dim]
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+    return out
+
+
 class _Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, dtype: torch.dtype):
         super().__init__()
@@ -61,16 +81,8 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)  # each [N, heads, head_dim]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        start = 0
-        for length in segments:  # one frame of one image attends only to itself
-            sl = slice(start, start + length)
-            out[sl] = F.scaled_dot_product_attention(
-                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1)).transpose(0, 1)
-            start += length
+        out = _segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, segments)
         return self.proj(out.reshape(n, -1))
-
 
 class _Mlp(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype):
