@@ -295,3 +295,10 @@ def run_greedy(llm, prompts: list, cached: Optional[list] = None) -> list[list[t
     if cached is not None:
         cached += [hits[f"r{i}"] for i in range(len(prompts))]
     return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def cpu_llm(path: str, **kw):
+    """The engine the VL tests run: fp32 on the CPU, eager, 4 sequences."""
+    from voltllm.entrypoints.llm import LLM
+
+    return LLM(path, device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=4, **kw)

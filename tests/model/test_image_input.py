@@ -8,19 +8,13 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from vl_models import (GREEDY, NEW_TOKENS, run_greedy as _run, same_greedy as _same,  # noqa: E402
+from vl_models import (cpu_llm as _llm, GREEDY, NEW_TOKENS, run_greedy as _run, same_greedy as _same,  # noqa: E402
                        vl_image as _image, vl_prompt as _prompt, vl_reference as _reference, vl_setup)
 from voltllm.engine.types import EngineCoreRequest  # noqa: E402
 
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     return vl_setup(str(tmp_path_factory.mktemp("vl")))
-
-
-def _llm(path, **kw):
-    from voltllm.entrypoints.llm import LLM
-
-    return LLM(path, device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=4, **kw)
 
 
 def test_one_image_matches_transformers(vl):

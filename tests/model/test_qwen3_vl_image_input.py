@@ -9,19 +9,13 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from vl_models import (run_greedy as _run, same_greedy as _same, vl_image as _image,  # noqa: E402
+from vl_models import (cpu_llm as _llm, run_greedy as _run, same_greedy as _same, vl_image as _image,  # noqa: E402
                        vl_prompt as _prompt, vl_reference as _reference, vl_setup)
 
 
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     return vl_setup(str(tmp_path_factory.mktemp("qwen3vl")), "qwen3_vl")
-
-
-def _llm(path, **kw):
-    from voltllm.entrypoints.llm import LLM
-
-    return LLM(path, device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=4, **kw)
 
 
 def _two_images_and_text(vl):

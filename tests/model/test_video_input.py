@@ -10,19 +10,13 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from vl_models import (run_greedy as _run, same_greedy as _same, vl_image, vl_prompt,  # noqa: E402
+from vl_models import (cpu_llm as _llm, run_greedy as _run, same_greedy as _same, vl_image, vl_prompt,  # noqa: E402
                        vl_reference as _reference, vl_setup, vl_video_bytes as _video, vl_video_prompt as _prompt)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl"])
 def vl(request, tmp_path_factory):
     return vl_setup(str(tmp_path_factory.mktemp(request.param)), request.param)
-
-
-def _llm(path, **kw):
-    from voltllm.entrypoints.llm import LLM
-
-    return LLM(path, device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=4, **kw)
 
 
 def test_one_video_matches_transformers(vl):
