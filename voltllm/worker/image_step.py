@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from voltllm.host_to_device import upload
 from voltllm.multimodal.mrope import axis_of_frequency, mrope_layout
 
 
@@ -106,7 +107,7 @@ class ImageStep:
             rows = self.encoded[key] = self.recent.pop(key)
             self._recent_rows -= rows.shape[0]
         if rows is None:
-            rows = self._encode(image.pixel_values.to(self.device, non_blocking=True), image.grid_thw)
+            rows = self._encode(upload(image.pixel_values, self.device), image.grid_thw)
             if rows.shape[0] != image.num_tokens:
                 raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {image.num_tokens} "
                                    "placeholder tokens")
@@ -157,13 +158,13 @@ class ImageStep:
 
     def _apply(self, rows: ImageRows, extra: dict) -> None:
         if rows.rows3d is not None:
-            p3 = torch.from_numpy(rows.rows3d).to(self.device)
+            p3 = upload(torch.from_numpy(rows.rows3d), self.device)
             k = p3.shape[1]
             angles = p3.double().index_select(0, self.axis).t() * self.inv_freq.double()
             self.rotary.cos[self.base:self.base + k] = (angles.cos() * self.rotary.scale).float()
             self.rotary.sin[self.base:self.base + k] = (angles.sin() * self.rotary.scale).float()
         if rows.embeds is not None:
-            at = torch.from_numpy(rows.embed_at).to(self.device)
+            at = upload(torch.from_numpy(rows.embed_at), self.device)
             levels = rows.embeds.tensor_split(1 + self.deepstack_levels, dim=1)  # main rows, then each level's
             extra["image_embeds"] = (at, levels[0])
             if self.deepstack_levels:
