@@ -19,10 +19,10 @@ _SPEC_OLD = ("an older vLLM flag: speculative decoding is configured with --spec
              "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' or '{\"method\": \"ngram\", ...}' (docs/cli.md)")
 _MULTI_STEP = ("multi-step scheduling (removed in vLLM V1) is not built; async scheduling, on by default, overlaps "
                "the host's work for the next step with the GPU's current one instead")
-_MULTIMODAL = ("this multimodal setting is not built: image and video input are (Qwen3.5 and Qwen3-VL "
-               "vision-language models, with --limit-mm-per-prompt, --mm-processor-kwargs, --media-io-kwargs, "
-               "--allowed-local-media-path, --allowed-media-domains); audio, embeddings as input and processor "
-               "caches are not")
+_MULTIMODAL = ("this multimodal setting is not built: image input is (Qwen3.5, Qwen3-VL, Qwen2.5-VL and Qwen2-VL; "
+               "video for Qwen3.5 and Qwen3-VL; with --limit-mm-per-prompt, --mm-processor-kwargs, --media-io-kwargs, "
+               "--allowed-local-media-path, --allowed-media-domains, --mm-processor-cache-gb); audio, embeddings as "
+               "input and shared-memory processor caches are not")
 _EPLB = ("the expert-parallel load balancer (redundant experts moved between ranks) is not built: "
          "--enable-expert-parallel places each rank's experts once, linearly")
 _ALL2ALL = ("all-to-all token exchange (expert parallelism across data-parallel engines) is not built: under "
