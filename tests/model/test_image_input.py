@@ -135,3 +135,31 @@ def test_preempted_image_requests_encode_again_and_match(vl):
     assert _same(got[0], _reference(vl, first, out1)) and _same(got[1], _reference(vl, second, out2))
     step = llm.engine.runner.image_step
     assert not step.encoded and not step.waiting
+
+
+def test_vllm_multi_modal_data_prompts_and_refusals(vl):
+    """LLM.generate takes vLLM's {"prompt", "multi_modal_data": {"image": ...}}: the same tokens as the expanded
+    prompt; an engine that takes no images refuses a prompt with images (ValueError, nothing left running)."""
+    from voltllm import SamplingParams
+
+    picture = _image(0, 32, 48)
+    ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [picture])
+    tok = vl[2]
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
+        "type": "text", "text": "What is in this picture?"}]}], add_generation_prompt=True, tokenize=False)
+    llm = _llm(vl[0])
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    got = llm.generate({"prompt": text, "multi_modal_data": {"image": picture}}, params, use_tqdm=False)[0]
+    assert got.prompt_token_ids == ids and got.outputs[0].token_ids == [t for t, _ in _reference(vl, ids, out)]
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": [picture, picture]}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="video_url"):
+        llm.generate({"prompt": text, "multi_modal_data": {"video": [picture]}}, params, use_tqdm=False)
+    text_only = _llm(vl[0], limit_mm_per_prompt={"image": 0, "video": 0})
+    with_data = {"prompt": text, "multi_modal_data": {"image": picture}}
+    for prompt in ({"prompt_token_ids": ids, "multi_modal": mm}, with_data):
+        with pytest.raises(ValueError, match="limit-mm-per-prompt image 0"):
+            text_only.generate(prompt, params, use_tqdm=False)
+    assert not text_only.engine.has_unfinished_requests()
+    assert len(text_only.generate({"prompt_token_ids": ids[:5]}, params, use_tqdm=False)[0].outputs[0].token_ids) \
+        == NEW_TOKENS

@@ -84,7 +84,9 @@ def test_dummy_weights_profile_and_kept_rows_carry_the_deepstack_levels(vl):
     runner = llm.engine.runner
     step = runner.image_step
     step.profile((1, 8, 8))
-    assert _kept_image_rows_bytes(runner) == 2 * step.capacity * 64 * 3 * 4  # fp32 rows of 64 x (1 + 2 levels)
+    # fp32 rows of 64 x (1 + 2 levels): the largest image's (its grid (1, 64, 64): 1,024 tokens) and a step's
+    assert step.largest_grid == (1, 64, 64)
+    assert _kept_image_rows_bytes(runner) == (1024 + step.capacity) * 64 * 3 * 4
     assert len(_run(llm, [(ids, mm)])[0]) == 6
 
 

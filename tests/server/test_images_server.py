@@ -112,6 +112,8 @@ def test_local_file_only_under_allowed_path(vl, http, tmp_path):
     ([{"type": "image_url", "image_url": {}}], "messages", "image_url must be a URL string"),
     # 256 x 256 pixels: 64 x 64 patches, 1,024 tokens, past --max-model-len
     ([{"type": "image_url", "image_url": {"url": data_url(256, 256)}}], "prompt", "context length"),
+    # the processor's own refusal (an aspect ratio above 200) is a 400 too, not a 500
+    ([{"type": "image_url", "image_url": {"url": data_url(2010, 8)}}], "messages", "the image could not be used"),
 ])
 def test_refusals(http, content, param, words):
     r = _chat(http, content)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import http.server
+import time
 import io
 import os
 import threading
@@ -35,6 +36,8 @@ def test_transparency_goes_over_white():
 
 
 @pytest.mark.parametrize("url, why", [
+    ("http://[::1", "is not a URL"),
+    ("http://xn--/x", "failed"),
     ("data:image/png;base64,@@@not-base64@@@", "not valid base64"),
     (data_url(b"these bytes are no picture"), "not an image"),
     ("data:text/plain;base64,aGk=", r"only image/\* data URLs"),
@@ -73,6 +76,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict = {}
 
     def do_GET(self):
+        if self.path == "/drip":  # a header line a second, for ever: only a total deadline ends it
+            self.send_response(200)
+            try:
+                for i in range(60):
+                    self.send_header(f"X-Drip-{i}", "1")
+                    self.flush_headers()
+                    time.sleep(0.5)
+            except OSError:
+                pass
+            return
         status, headers, body = self.routes.get(self.path, (404, {}, b""))
         self.send_response(status)
         for k, v in headers.items():
@@ -124,3 +137,22 @@ def test_allowed_media_domains(http_base):
     # a redirect to another host is checked too, before anything is fetched from it
     with pytest.raises(MediaError, match="'localhost' is not one of"):
         load_image(f"{http_base}/away", only_local)
+
+
+def test_a_dripping_server_is_cut_at_the_total_deadline(http_base):
+    t0 = time.monotonic()
+    with pytest.raises(MediaError, match="took more than 1 s"):
+        load_image(f"{http_base}/drip", MediaSettings(fetch_timeout_s=1))
+    assert time.monotonic() - t0 < 3
+
+
+def test_huge_images_refused_before_decoding(monkeypatch, tmp_path):
+    """A small file can hold a huge image: more than MAX_IMAGE_PIXELS is refused from its header."""
+    import voltllm.multimodal.media as media
+
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(MediaError, match="5 x 30 pixels is more than 100"):
+        load_image(data_url(png_bytes(size=(5, 30))))
+    assert load_image(data_url(png_bytes(size=(5, 20)))).size == (5, 20)
+    with pytest.raises(MediaError, match="not a file path"):
+        load_image("file:///tmp/a%00b.png", MediaSettings(allowed_local_media_path=str(tmp_path)))

@@ -16,6 +16,7 @@ from voltllm.engine.outputs import (ClassificationRequestOutput, EmbeddingReques
                                     RequestOutput, ScoringRequestOutput)
 from voltllm.entrypoints.progress import ProgressBar, UseTqdm, tqdm
 from voltllm.model.loader import load_tokenizer
+from voltllm.multimodal.support import image_input_refusal
 from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.params import SamplingParams
 
@@ -104,11 +105,32 @@ class LLM:
     def _image_parts(self, urls: list, video_urls: list) -> dict:
         """normalize_messages' image / video keywords: collect their URLs into `urls` / `video_urls` when this
         engine takes them, else refuse such parts saying why (multimodal/support.py)."""
-        from voltllm.multimodal.support import image_input_refusal
-
         if self._images is None:
             return {"refusal": image_input_refusal(self.config) or "this model takes no images"}
         return {"image_urls": urls, "video_urls": video_urls}
+
+    def _with_multi_modal_data(self, prompt: dict) -> dict:
+        """vLLM's {"prompt" or "prompt_token_ids", "multi_modal_data": {"image": ...}} as the prompt this engine takes:
+        its ids with each image placeholder expanded and the images' MultiModalPrompt."""
+        from PIL import Image
+
+        if self._images is None:
+            raise ValueError(image_input_refusal(self.config) or "this model takes no images")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            other = sorted(set(data)) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"multi_modal_data takes {{'image': PIL image(s)}} here, got {other} (videos: LLM.chat "
+                             "with video_url parts)")
+        images = data.get("image") or []
+        images = images if isinstance(images, (list, tuple)) else [images]
+        if not all(isinstance(im, Image.Image) for im in images):
+            raise ValueError("multi_modal_data's images must be PIL images")
+        if len(images) > self.config.multimodal.image_limit:
+            raise ValueError(f"{len(images)} images in one prompt: this LLM takes at most "
+                             f"{self.config.multimodal.image_limit} (limit_mm_per_prompt)")
+        text, ids = self.frontend.tokenize({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        ids, mm = self._images.prepare(ids, [im.convert("RGB") for im in images], (), self.tokenizer)
+        return {"prompt_token_ids": ids, "multi_modal": mm, **({"prompt": text} if text is not None else {})}
 
     def _prepare_images(self, ids: list[int], urls: list[str], video_urls: list[str]) -> tuple[list[int], Any]:
         mm = self.config.multimodal
@@ -161,8 +183,10 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: UseTqdm = True, lora_request: Any = None, priority: Optional[list[int]] = None
                  ) -> list[RequestOutput]:
-        """vLLM's signature. A dict prompt may carry "multi_modal", a MultiModalPrompt (multimodal/inputs.py) whose
-        images' placeholders its prompt_token_ids hold expanded (LLM.chat makes them from image_url parts).
+        """vLLM's signature. A dict prompt may carry vLLM's "multi_modal_data" ({"image": a PIL image or a list of
+        them}, one image placeholder of the model in its prompt per image, in order), or "multi_modal", a
+        MultiModalPrompt (multimodal/inputs.py) whose images' placeholders its prompt_token_ids hold expanded
+        (LLM.chat makes them from image_url parts).
         lora_request: a LoRARequest for every prompt, or a list of one (or None) per prompt
         (LLM(enable_lora=True)). priority: one integer per prompt, lower served first
         (LLM(scheduling_policy="priority"); under fcfs only 0s).
@@ -194,7 +218,11 @@ class LLM:
         try:
             for prompt, sp, prio, lora in zip(prompts, params, priorities, loras):
                 rid = str(next(self._ids))
+                if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+                    prompt = self._with_multi_modal_data(prompt)
                 images = prompt.get("multi_modal") if isinstance(prompt, dict) else None
+                if images is not None and (why := image_input_refusal(self.config)) is not None:
+                    raise ValueError(why)
                 for req in self.frontend.make_requests(rid, prompt, sp, priority=prio, lora_request=lora,
                                                        multi_modal=images):
                     self.engine.add_request(req)

@@ -4,11 +4,12 @@
 failure is a MediaError, which the server answers with a 400."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import concurrent.futures
 import io
 import os
-import time
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import unquote, urljoin, urlsplit
@@ -18,6 +19,7 @@ from PIL import Image
 FETCH_TIMEOUT_S = 5.0  # vLLM's image fetch timeout
 MAX_IMAGE_BYTES = 32 << 20  # an encoded image (fetched, read or decoded from base64) larger than this is refused
 MAX_REDIRECTS = 5
+MAX_IMAGE_PIXELS = 1 << 26  # 67 Mpx (8192 x 8192): decoded, more would take gigabytes before any resize
 VIDEO_FETCH_TIMEOUT_S = 30.0  # vLLM's video fetch timeout
 MAX_VIDEO_BYTES = 256 << 20  # an encoded video larger than this is refused
 
@@ -64,9 +66,12 @@ def read_media(url: str, settings: MediaSettings = MediaSettings()) -> bytes:
 
 
 def decode_image(data: bytes, what: str = "the image") -> Image.Image:
-    """Encoded image bytes (PNG, JPEG, WebP, ... whatever Pillow reads) -> an RGB image; transparency over white."""
+    """Encoded image bytes (PNG, JPEG, WebP, ... whatever Pillow reads) -> an RGB image; transparency over white.
+    More than MAX_IMAGE_PIXELS is refused before the pixels are decoded (a small file can hold a huge image)."""
     try:
         with Image.open(io.BytesIO(data)) as im:
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise MediaError(f"{what}: {im.width} x {im.height} pixels is more than {MAX_IMAGE_PIXELS} are taken")
             im.load()
             if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
                 rgba = im.convert("RGBA")
@@ -102,45 +107,63 @@ def _data_url_bytes(url: str, max_bytes: int, kind: str = "image") -> bytes:
 
 
 def _fetch(url: str, settings: MediaSettings) -> bytes:
-    """GET the URL with a timeout and a size cap; redirects are followed by hand, so that each host is checked."""
+    """GET the URL with a size cap, the whole fetch (redirects and a server that drips its answer included) within
+    settings.fetch_timeout_s; redirects are followed by hand, so that each host is checked. It runs on an event loop
+    of its own, on a thread of its own (the caller may be inside a loop), and is cancelled at the deadline."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _fetch_within(url, settings)).result()
+
+
+async def _fetch_within(url: str, settings: MediaSettings) -> bytes:
+    try:
+        return await asyncio.wait_for(_fetch_async(url, settings), settings.fetch_timeout_s)
+    except asyncio.TimeoutError:
+        raise MediaError(f"fetching the {settings.kind} {_short(url)} took more than "
+                         f"{settings.fetch_timeout_s:g} s") from None
+
+
+async def _fetch_async(url: str, settings: MediaSettings) -> bytes:
     import httpx
 
-    deadline = time.monotonic() + settings.fetch_timeout_s
-    for _ in range(MAX_REDIRECTS + 1):
-        _check_domain(url, settings.allowed_media_domains, settings.kind)
-        try:
-            with httpx.stream("GET", url, timeout=settings.fetch_timeout_s, follow_redirects=False) as r:
-                if r.is_redirect and "location" in r.headers:
-                    url = urljoin(url, r.headers["location"])
-                    continue
-                if r.status_code != 200:
-                    raise MediaError(f"fetching the {settings.kind} {_short(url)} failed: HTTP {r.status_code}")
-                declared = r.headers.get("content-length")
-                if declared is not None and declared.isdigit() and int(declared) > settings.max_bytes:
-                    raise MediaError(f"the {settings.kind} {_short(url)} is larger than {settings.max_bytes} bytes")
-                chunks, size = [], 0
-                for chunk in r.iter_bytes():
-                    size += len(chunk)
-                    if size > settings.max_bytes:
-                        raise MediaError(f"the {settings.kind} {_short(url)} is larger than {settings.max_bytes} bytes")
-                    if time.monotonic() > deadline:
-                        raise MediaError(f"fetching the {settings.kind} {_short(url)} took more than "
-                                         f"{settings.fetch_timeout_s:g} s")
-                    chunks.append(chunk)
-                return b"".join(chunks)
-        except httpx.TimeoutException:
-            raise MediaError(f"fetching the {settings.kind} {_short(url)} took more than "
-                             f"{settings.fetch_timeout_s:g} s") from None
-        except httpx.HTTPError as e:
-            raise MediaError(f"fetching the {settings.kind} {_short(url)} failed: {e}") from None
-    raise MediaError(f"fetching the {settings.kind} {_short(url)} failed: more than {MAX_REDIRECTS} redirects")
+    kind = settings.kind
+    async with httpx.AsyncClient(timeout=settings.fetch_timeout_s, follow_redirects=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            _check_domain(url, settings.allowed_media_domains, kind)
+            try:
+                async with client.stream("GET", url) as r:
+                    if r.is_redirect and "location" in r.headers:
+                        url = urljoin(url, r.headers["location"])
+                        continue
+                    if r.status_code != 200:
+                        raise MediaError(f"fetching the {kind} {_short(url)} failed: HTTP {r.status_code}")
+                    declared = r.headers.get("content-length")
+                    if declared is not None and declared.isdigit() and int(declared) > settings.max_bytes:
+                        raise MediaError(f"the {kind} {_short(url)} is larger than {settings.max_bytes} bytes")
+                    chunks, size = [], 0
+                    async for chunk in r.aiter_bytes():
+                        size += len(chunk)
+                        if size > settings.max_bytes:
+                            raise MediaError(f"the {kind} {_short(url)} is larger than {settings.max_bytes} bytes")
+                        chunks.append(chunk)
+                    return b"".join(chunks)
+            except MediaError:
+                raise
+            except httpx.TimeoutException:
+                raise MediaError(f"fetching the {kind} {_short(url)} took more than "
+                                 f"{settings.fetch_timeout_s:g} s") from None
+            except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # (ValueError: a URL httpx cannot parse)
+                raise MediaError(f"fetching the {kind} {_short(url)} failed: {e}") from None
+    raise MediaError(f"fetching the {kind} {_short(url)} failed: more than {MAX_REDIRECTS} redirects")
 
 
 def _check_domain(url: str, allowed: Optional[tuple[str, ...]], kind: str = "image") -> None:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+    except ValueError as e:  # (e.g. an unclosed IPv6 bracket)
+        raise MediaError(f"{kind} URL {_short(url)} is not a URL: {e}") from None
     if parts.scheme.lower() not in ("http", "https"):
         raise MediaError(f"{kind} URL {_short(url)}: only http(s) URLs are fetched (a redirect led elsewhere)")
-    host = (parts.hostname or "").lower()
     if not host:
         raise MediaError(f"{kind} URL {_short(url)} names no host")
     if allowed is not None and host not in allowed:
@@ -156,7 +179,10 @@ def _read_local(url: str, settings: MediaSettings) -> bytes:
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise MediaError(f"{settings.kind} URL {_short(url)}: a file:// URL must name a local path (file:///path)")
-    path = os.path.realpath(unquote(parts.path))
+    try:
+        path = os.path.realpath(unquote(parts.path))
+    except ValueError as e:  # (an embedded NUL)
+        raise MediaError(f"{settings.kind} URL {_short(url)} is not a file path: {e}") from None
     if os.path.commonpath([path, root]) != root:
         raise MediaError(f"{settings.kind} file {unquote(parts.path)!r} is not under the server's "
                          "--allowed-local-media-path")

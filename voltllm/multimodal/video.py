@@ -16,6 +16,8 @@ from voltllm.multimodal.media import MediaError
 
 DEFAULT_NUM_FRAMES = 32  # vLLM's video loader: at most this many frames, evenly spread, unless it takes them all
 DEFAULT_VIDEO_FPS = 24.0  # a stream that states no frame rate (transformers' fallback for the timestamps)
+MAX_VIDEO_FRAMES = 1 << 20  # about 4.8 hours at 60 fps
+
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,10 @@ def _probe(data: bytes) -> _Stream:
         v = container.streams.video[0]
         rate = v.average_rate or v.guessed_rate or v.base_rate
         fps = float(rate) if rate else DEFAULT_VIDEO_FPS
-        height, width = v.codec_context.height, v.codec_context.width
+        ctx = v.codec_context
+        if ctx is None:
+            raise MediaError("the video stream has no decoder FFmpeg knows")
+        height, width = ctx.height, ctx.width
         total = v.frames
         if not total:
             try:
@@ -202,6 +207,8 @@ def _probe(data: bytes) -> _Stream:
                 raise MediaError(f"the video could not be read: {e}") from None
     if total < 1 or height < 1 or width < 1:
         raise MediaError("the video has no frames")
+    if total > MAX_VIDEO_FRAMES:  # (a header's count is the sender's word: no frame list of a billion entries)
+        raise MediaError(f"the video claims {total} frames: more than {MAX_VIDEO_FRAMES} are not read")
     return _Stream(total, fps, height, width)
 
 

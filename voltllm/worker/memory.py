@@ -63,14 +63,17 @@ def profile_activation_bytes(runner) -> int:
 
 
 def _kept_image_rows_bytes(runner) -> int:
-    """The tower rows an engine that takes images keeps across steps: those of images being prefilled and the
-    recent ones (ImageStep.recent, up to a step's tokens), charged as two steps' tokens of rows (a Qwen3-VL row holds
-    its deepstack levels' too)."""
+    """The tower rows an engine that takes images keeps across steps: those of images being prefilled (a whole image,
+    while chunked prefill is inside it: the largest one's rows) and the recent ones (ImageStep.recent, up to a step's
+    tokens); charged as the larger of two steps' tokens of rows and the largest image's plus one step's (a Qwen3-VL
+    row holds its deepstack levels' too)."""
     step = getattr(runner, "image_step", None)
     if step is None:
         return 0
+    t, h, w = step.largest_grid
+    largest = t * h * w // (step.tower.merge ** 2) if step.tower is not None else 0
     width = runner.model.config.hidden_size * (1 + step.deepstack_levels)
-    return 2 * step.capacity * width * runner.dtype.itemsize
+    return max(2 * step.capacity, largest + step.capacity) * width * runner.dtype.itemsize
 
 
 def _tower_peak_bytes(runner) -> int:

@@ -16,16 +16,19 @@ async def prepare_chat_images(state: Any, prompt_ids: list[int], urls: list[str]
         if n > limit:
             raise bad_request(f"{n} {what} in one request: this server takes at most {limit} (--limit-mm-per-prompt)",
                               "messages")
-    try:
+    try:  # (read, decoded and processed here: a MediaError, or the processor's own ValueError, e.g. an aspect ratio
+        # above 200)
         images = await asyncio.gather(*(asyncio.to_thread(state.images.load_image, url, state.media)
                                         for url in urls))
-    except MediaError as e:
-        raise bad_request(str(e), "messages", "invalid_image") from None
+    except ValueError as e:
+        raise bad_request(str(e) if isinstance(e, MediaError) else f"the image could not be used: {e}", "messages",
+                          "invalid_image") from None
     try:  # (decoding, resizing and normalizing cost milliseconds or more per item: not on the event loop either)
         videos = await asyncio.gather(*(asyncio.to_thread(state.images.load_video, url, state.media)
                                         for url in video_urls))
-    except MediaError as e:
-        raise bad_request(str(e), "messages", "invalid_video") from None
+    except ValueError as e:
+        raise bad_request(str(e) if isinstance(e, MediaError) else f"the video could not be used: {e}", "messages",
+                          "invalid_video") from None
     try:
         return await asyncio.to_thread(state.images.prepare, prompt_ids, images, videos, state.tokenizer)
     except ValueError as e:  # the placeholder count, or the processor's own (e.g. an aspect ratio above 200)
