@@ -64,8 +64,10 @@ def test_a_waiting_request_with_a_higher_priority_goes_first(priority_server):
     finished: dict[str, float] = {}
 
     def send(name, priority):
+        # (64 tokens: with one sequence, the second finishes 64 steps after the first, a gap no client thread's
+        # jitter on a loaded host can reverse)
         r = _post(priority_server, "/v1/completions",
-                  {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "priority": priority})
+                  {"prompt": "Hello", "max_tokens": 64, "ignore_eos": True, "priority": priority})
         assert r.status_code == 200, r.text
         finished[name] = time.monotonic()
 
