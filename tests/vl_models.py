@@ -302,3 +302,19 @@ def cpu_llm(path: str, **kw):
     from voltllm.entrypoints.llm import LLM
 
     return LLM(path, device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=4, **kw)
+
+
+def perturbed_tower(visual: torch.nn.Module, vision_config):
+    """transformers' vision model `visual` (eval) with random weights from torch's generator (std 0.2, norms 1 +
+    noise, as the tiny checkpoints' towers), and our tower holding the same weights: (visual, tower)."""
+    from types import SimpleNamespace
+
+    from voltllm.multimodal.vision_tower import vision_tower_for
+
+    with torch.no_grad():
+        for name, p in visual.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name and name.endswith("weight")
+                    else 0.2 * torch.randn_like(p))
+    tower = vision_tower_for(SimpleNamespace(vision_config=vision_config), torch.float32)
+    tower.load_weights(visual.state_dict().items())
+    return visual, tower

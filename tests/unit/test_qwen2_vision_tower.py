@@ -11,9 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 PIL_Image = pytest.importorskip("PIL.Image")
 
-from vl_models import QWEN2_5_VL_VISION, QWEN2_VL_VISION, make_tiny_qwen2_5_vl  # noqa: E402
+from vl_models import QWEN2_5_VL_VISION, QWEN2_VL_VISION, make_tiny_qwen2_5_vl, perturbed_tower  # noqa: E402
 from voltllm.multimodal import qwen2_vision_tower as q2  # noqa: E402
-from voltllm.multimodal.vision_tower import load_vision_tower, vision_tower_for  # noqa: E402
+from voltllm.multimodal.vision_tower import load_vision_tower  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
@@ -91,13 +91,8 @@ def test_windows_and_their_reordering_matter(monkeypatch):
     the squares in the processor's order instead of window order, moves the rows off transformers'."""
     cfg = transformers.Qwen2_5_VLVisionConfig(**QWEN2_5_VL_VISION)
     torch.manual_seed(5)
-    visual = transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in visual.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name and name.endswith("weight")
-                    else 0.2 * torch.randn_like(p))
-    tower = vision_tower_for(SimpleNamespace(vision_config=cfg), torch.float32)
-    tower.load_weights(visual.state_dict().items())
+    model_cls = transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel
+    visual, tower = perturbed_tower(model_cls(cfg).eval(), cfg)
     grids = [[1, 10, 14]]
     pixels = torch.randn(140, tower.patch_dim, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

@@ -170,17 +170,12 @@ def test_qwen3_vl_tower_and_deepstack_rows_match_transformers(tmp_path):
 def test_deepstack_levels_follow_block_order_when_the_list_is_not_sorted():
     """transformers takes block i's merger at i's place in deepstack_visual_indexes and lists the levels in block
     order: with [2, 0], level 0 is block 0's output through merger 1."""
-    from vl_models import QWEN3_VL_VISION
+    from vl_models import QWEN3_VL_VISION, perturbed_tower
 
     cfg = transformers.Qwen3VLVisionConfig(**{**QWEN3_VL_VISION, "deepstack_visual_indexes": [2, 0]})
     torch.manual_seed(5)
-    visual = transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in visual.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name and name.endswith("weight")
-                    else 0.2 * torch.randn_like(p))
-    tower = vision_tower_for(SimpleNamespace(vision_config=cfg), torch.float32)
-    tower.load_weights(visual.state_dict().items())
+    visual, tower = perturbed_tower(transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel(cfg).eval(),
+                                    cfg)
     grids = [[1, 8, 12]]
     pixels = torch.randn(96, tower.patch_dim, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
