@@ -240,6 +240,8 @@
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
 #            bitsandbytes NF4 / FP4 planes
+#   s146pp   (session 54; kind nvidia-h200-x2) pipeline parallelism over two GPUs: its GPU file, then the 8B shape at
+#            -pp 2, batch 1 and 64 concurrent
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
@@ -1551,6 +1553,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
          # LoRA (per-load keys, runtime removal)
     gpu_file test_eagle3_cuda 300
     gpu_file test_lora_cuda 200
+    ;;
+  s146pp)  # (session 54; kind nvidia-h200-x2) pipeline parallelism: NCCL send / recv inside the decode graphs
+    gpu_file test_pipeline_parallel_gpu 300
+    bench --random-weights qwen3-8b-shape --dtype half -pp 2 --scenario decode --input-len 512 --output-len 128 \
+      --num-warm 1 --name qwen3-8b-shape-fp16-pp2-decode-b1-$sha
+    bench --random-weights qwen3-8b-shape --dtype half -pp 2 --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-pp2-c64-$sha
     ;;
   s141dp)  # (session 50; kind nvidia-h200-x2) data parallelism and an engine on the second card: the GPU file (an
            # LLM on cuda:1 against cuda:0 with decode graphs; a -dp 2 server with an engine per card)

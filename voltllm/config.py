@@ -150,6 +150,13 @@ class ParallelConfig:
     # the model on its own GPUs (engine/data_parallel.py); the offline LLM and the in-process bench run one
     data_parallel_size: int = 1
     data_parallel_rank: int = 0  # this engine's index among them (rank_config sets it)
+    # --pipeline-parallel-size: the decoder layers cut into this many stages, one rank each (distributed/pipeline.py)
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks (processes, one GPU each): its tensor-parallel ranks times its pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def global_seed(self, seed: int) -> int:
         """The seed of a process's global RNG (unseeded requests' sampling): --seed, offset by the data-parallel
@@ -325,9 +332,6 @@ class EngineArgs:
         from voltllm.reasoning_config import check_reasoning_flags
 
         check_reasoning_flags(self.reasoning_parser, self.reasoning_config)
-        if self.pipeline_parallel_size != 1:
-            raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism is not "
-                              "built yet; use 1")
         if self.enable_chunked_prefill is False:
             raise ConfigError("--no-enable-chunked-prefill: prefill is always chunked here (each step computes at most "
                               "--max-num-batched-tokens tokens, as vLLM V1 does); scheduling whole prompts only is "
@@ -580,7 +584,8 @@ class EngineArgs:
         runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
         device = _resolve_device(self.device)
         # None on the CPU; below sm_70 a ConfigError; over mixed cards the oldest's (the route must run on all)
-        capability = _run_capability(device, self.tensor_parallel_size * self.data_parallel_size)
+        capability = _run_capability(device, self.tensor_parallel_size * self.pipeline_parallel_size
+                                     * self.data_parallel_size)
         compat = _resolve_compat(self.compat, device, capability)
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat, capability)
 
@@ -671,6 +676,10 @@ class EngineArgs:
         if tp_err := tensor_parallel_error(tp, hf_config, device, spec, quantized_weights, method, ep):
             raise ConfigError(tp_err)
         _check_data_parallel(self.data_parallel_size, tp, self.enable_expert_parallel, device)
+        from voltllm.distributed.support import pipeline_parallel_error
+
+        if pp_err := pipeline_parallel_error(self, hf_config, spec, runner, device):
+            raise ConfigError(pp_err)
         gen_override = _generation_override(self.override_generation_config)
         model_name = self.served_model_name or (model_ref or "SmolLM2-135M-Instruct")
         model = ModelConfig(
@@ -730,7 +739,8 @@ class EngineArgs:
                               parallel=ParallelConfig(self.tensor_parallel_size, intermediate_align=(
                                   intermediate_alignment(tp, hf_config, method, ep)
                                   if quantized_weights != "dequantized" else 1), enable_expert_parallel=ep,
-                                  data_parallel_size=self.data_parallel_size),
+                                  data_parallel_size=self.data_parallel_size,
+                                  pipeline_parallel_size=self.pipeline_parallel_size),
                               speculative=spec,
                               quantization=method, json_any_whitespace=json_any_whitespace(
                                   self.structured_outputs_config), weight_offload=weight_offload,

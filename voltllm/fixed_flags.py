@@ -11,7 +11,7 @@ from voltllm.config import ConfigError, parse_json_object
 
 def check_fixed_flags(args: Any) -> None:
     """Raise ConfigError for the first of these flags `args` (EngineArgs) sets to a value voltllm does not run."""
-    _executor_backend(args.distributed_executor_backend, args.tensor_parallel_size)
+    _executor_backend(args.distributed_executor_backend, args.tensor_parallel_size * args.pipeline_parallel_size)
     _one_of("--preemption-mode", args.preemption_mode, (None, "recompute"), {
         "swap": "swapping a preempted request's KV cache to CPU memory is not built: preempted requests are "
                 "recomputed (their blocks freed, their tokens prefilled again)"})
@@ -26,10 +26,11 @@ def check_fixed_flags(args: Any) -> None:
         "eager": "reading whole files into memory first is not built: safetensors files are memory-mapped (lazy)",
         "prefetch": "reading files into the page cache first is not built: safetensors files are memory-mapped (lazy)"})
     workers = args.max_parallel_loading_workers
-    if workers is not None and workers < args.tensor_parallel_size:
-        raise ConfigError(f"--max-parallel-loading-workers {workers}: loading the {args.tensor_parallel_size} "
-                          "tensor-parallel ranks in batches is not built (every rank reads its weights at once); "
-                          "leave it out or give at least --tensor-parallel-size")
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    if workers is not None and workers < ranks:
+        raise ConfigError(f"--max-parallel-loading-workers {workers}: loading the {ranks} "
+                          "ranks in batches is not built (every rank reads its weights at once); "
+                          "leave it out or give at least the rank count (tensor x pipeline parallel size)")
     _newer_engine_flags(args)
 
 
@@ -91,7 +92,7 @@ def _executor_backend(backend: Optional[str], tp: int) -> None:
         return  # tensor-parallel ranks 1..N-1 are multiprocessing worker processes (voltllm.distributed)
     if backend == "uni" and tp == 1:
         return  # one rank: the model runs in the engine process
-    why = {"uni": f"with --tensor-parallel-size {tp} the ranks are worker processes (mp)",
+    why = {"uni": f"with {tp} ranks (tensor x pipeline parallel) the ranks are worker processes (mp)",
            "ray": "Ray is not built: tensor-parallel ranks are multiprocessing worker processes (mp)",
            "external_launcher": "engines started by torchrun are not built: voltllm spawns its tensor-parallel "
                                 "ranks itself (mp)"}.get(backend, "it must be mp (or uni with one rank)")

@@ -43,7 +43,7 @@ def test_structured_outputs_any_whitespace_setting(tiny):
 @pytest.mark.parametrize("kwargs,match", [
     ({"distributed_executor_backend": "ray"}, "--distributed-executor-backend ray: Ray is not built"),
     ({"distributed_executor_backend": "external_launcher"}, "external_launcher: engines started by torchrun"),
-    ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "uni: with --tensor-parallel-size 2"),
+    ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "uni: with 2 ranks"),
     ({"distributed_executor_backend": "threads"}, "threads: it must be mp"),
     ({"scheduling_policy": "lifo"}, "--scheduling-policy lifo: not a scheduling policy; use fcfs .* or priority"),
     ({"preemption_mode": "swap"}, "--preemption-mode swap: swapping .* not built: preempted requests are recomputed"),

@@ -493,7 +493,7 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     hf_config = config.model.hf_config
     vocab = args.prompt_vocab or int(getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size"))
     # compiles are seen in this process only: with -tp N the engine runs in processes of its own
-    observe = config.parallel.tensor_parallel_size == 1
+    observe = config.parallel.world_size == 1
     image_step = getattr(engine.runner, "image_step", None) if observe and processor is not None else None
     with CompileLog() as compiles, contextlib.ExitStack() as stack:
         from voltllm.bench.images import TowerTimer
@@ -520,6 +520,7 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
                   "dtype": R.dtype_name(dtype), "load_format": config.model.load_format,
                   "params": sum(p.numel() for p in model.parameters()), "weight_bytes": cost.weight_bytes},
         "config": {"device": str(device), "tensor_parallel_size": config.parallel.tensor_parallel_size,
+                   "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
                    "max_model_len": engine.max_model_len,  # (--max-model-len auto: as fitted)
                    "max_num_seqs": config.scheduler.max_num_seqs,
                    "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,

@@ -316,8 +316,8 @@ def build_state_snapshots(runner: Any, num_blocks: int) -> tuple[Optional[StateS
         spare = max(0, num_blocks - min_blocks)
         n = min(n, spare * block_bytes // snap_bytes)
         num_blocks -= -(-n * snap_bytes // block_bytes)
-    if getattr(runner, "tp", None) is not None:  # every rank the same rows and blocks (rank 0 may hold a draft's KV)
-        n, num_blocks = runner.tp.min_int(n), runner.tp.min_int(num_blocks)
+    if getattr(runner, "group", None) is not None:  # every rank the same rows and blocks (rank 0 may hold a draft's KV)
+        n, num_blocks = runner.group.min_int(n), runner.group.min_int(num_blocks)
     if n < 1:
         logger.warning("no memory left for recurrent-state snapshots (%.1f MiB each) next to the KV cache",
                        snap_bytes / 2**20)

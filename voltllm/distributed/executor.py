@@ -34,7 +34,7 @@ class TPWorkerError(RuntimeError):
 
 class TPWorkers:
     def __init__(self, config: Any):
-        self.size = config.parallel.tensor_parallel_size
+        self.size = config.parallel.world_size
         self.error: Optional[TPWorkerError] = None
         self._stopping = threading.Event()
         self._broken = threading.Event()  # set by the CUDA watchdog when a worker exited

@@ -1,4 +1,4 @@
-"""The collectives a tensor-parallel model and runner need, over one group of N ranks.
+"""The collectives a tensor- or pipeline-parallel model and runner need, over one group of N ranks.
 
 Two process groups share one TCP store: the device group (NCCL on CUDA, one GPU per rank; gloo on the CPU) carries
 the model's all-reduces and gathers and the step's input ids, and a gloo group carries small host values (the KV
@@ -72,6 +72,15 @@ class TPGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self.dev.broadcast([x], opts).wait()
+        return x
+
+    def send_(self, x: torch.Tensor, dst: int) -> None:
+        """x to rank dst (pipeline parallelism's hand-over; the receiver posts a recv_ of the same shape)."""
+        self.dev.send([x], dst, 0).wait()
+
+    def recv_(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """x, in place, from rank src's send_."""
+        self.dev.recv([x], src, 0).wait()
         return x
 
     def min_int(self, value: int) -> int:

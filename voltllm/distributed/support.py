@@ -1,4 +1,5 @@
-"""What runs under --tensor-parallel-size N > 1, checked once at configuration time (one-line reasons)."""
+"""What runs under --tensor-parallel-size N > 1 and --pipeline-parallel-size N > 1, checked once at configuration time
+(one-line reasons)."""
 from __future__ import annotations
 
 import math
@@ -206,3 +207,53 @@ def intermediate_alignment(tp: int, hf_config: Any, method: Optional[str], exper
     uneven = [w for w in _split_widths(cfg, expert_parallel).values()
               if w % mult == 0 and w % tp == 0 and (w // tp) % mult]
     return mult if uneven else 1
+
+
+def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner: str,
+                            device: torch.device) -> Optional[str]:
+    """Why this configuration cannot run with --pipeline-parallel-size args.pipeline_parallel_size (None: it can).
+    args: EngineArgs; runner: the resolved runner (generate / pooling); device: the resolved device."""
+    pp = args.pipeline_parallel_size
+    flag = f"--pipeline-parallel-size {pp}"
+    if pp < 1:
+        return f"--pipeline-parallel-size must be >= 1, got {pp}"
+    if pp == 1:
+        return None
+    refused = [(args.tensor_parallel_size > 1, "with --tensor-parallel-size > 1 (stages of several ranks)"),
+               (args.data_parallel_size > 1, "with --data-parallel-size > 1"),
+               (speculative is not None, "with speculative decoding"),
+               (args.enable_lora, "with --enable-lora"),
+               (bool(args.cpu_offload_gb), "with --cpu-offload-gb (weight offloading)"),
+               (bool(args.kv_offloading_size), "with --kv-offloading-size"),
+               (runner == "pooling", "for pooling models")]
+    for hit, what in refused:
+        if hit:
+            return f"{flag}: pipeline parallelism {what} is not built"
+    from voltllm.distributed.pipeline import stage_layers
+    from voltllm.model.models.registry import attention_only
+
+    text = getattr(hf_config, "text_config", None) or hf_config
+    layers = int(text.num_hidden_layers)
+    if pp > layers:
+        return f"{flag}: the model has only {layers} decoder layers (one stage holds at least one)"
+    stages = stage_layers(layers, pp)
+    vision = getattr(hf_config, "vision_config", None)
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or []) if vision is not None else 0
+    if deepstack > stages[0][1]:  # (Qwen3-VL adds image rows after its first layers, which rank 0 must hold)
+        return (f"{flag}: rank 0's {stages[0][1]} layers are fewer than the {deepstack} layers the vision tower's "
+                "deepstack rows join; use fewer stages")
+    if not attention_only(hf_config):  # a hybrid: every stage needs a KV cache and a recurrent state to size
+        from voltllm.model.models.qwen3_next import hybrid_layer_types
+
+        kinds = hybrid_layer_types(text)
+        for r, (start, end) in enumerate(stages):
+            held = set(kinds[start:end])
+            if held != {"full_attention", "linear_attention"}:
+                return (f"{flag}: stage {r} (layers {start}-{end - 1}) would hold no "
+                        f"{'full-attention' if 'full_attention' not in held else 'Gated DeltaNet'} layer, which is not "
+                        "built; use fewer stages")
+    if device.type == "cuda":
+        first = device.index or 0
+        if first + pp > torch.cuda.device_count():
+            return f"{flag}: needs {pp} CUDA devices from cuda:{first}, but {torch.cuda.device_count()} are visible"
+    return None

@@ -63,7 +63,7 @@ def _start(config: Any, rank: int, port: int, conn: Any):
     from voltllm.distributed.group import TPGroup, make_store, rank_device
     from voltllm.worker.runner import ModelRunner
 
-    size = config.parallel.tensor_parallel_size
+    size = config.parallel.world_size
     device = rank_device(config.device.device, rank)
     if device.type == "cpu":  # ranks (and data-parallel engines) share the CPU's cores (rank 0 keeps its setting)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size * config.parallel.data_parallel_size)))

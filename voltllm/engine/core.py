@@ -35,7 +35,7 @@ def check_torch_runs_on(config: EngineConfig) -> None:
     from voltllm.distributed.group import rank_device
     from voltllm.platform import detect, torch_arch_error
 
-    for rank in range(config.parallel.tensor_parallel_size):  # (every card of the group: they may differ)
+    for rank in range(config.parallel.world_size):  # (every card of the group: they may differ)
         if err := torch_arch_error(detect(rank_device(config.device.device, rank), config.device.compat)):
             raise ConfigError(err)
 
@@ -45,9 +45,9 @@ class EngineCore:
         check_torch_runs_on(config)
         self.config = config
         self.tp_workers = None  # rank 0's handle on the other tensor-parallel ranks (voltllm.distributed)
-        if config.parallel.tensor_parallel_size > 1:
+        if config.parallel.world_size > 1:
             if model is not None:
-                raise ValueError("a prebuilt model cannot be sharded for tensor parallelism")
+                raise ValueError("a prebuilt model cannot be sharded for tensor or pipeline parallelism")
             from voltllm.distributed.executor import TPWorkers
 
             self.tp_workers = TPWorkers(config)

@@ -38,7 +38,7 @@ def rank_config(config: EngineConfig, index: int) -> EngineConfig:
     dev = config.device.device
     if dev.type != "cuda":
         return config
-    first = (dev.index or 0) + index * config.parallel.tensor_parallel_size
+    first = (dev.index or 0) + index * config.parallel.world_size
     return replace(config, device=replace(config.device, device=torch.device("cuda", first)))
 
 

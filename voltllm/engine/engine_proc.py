@@ -65,7 +65,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
-    dp, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+    dp, tp = config.parallel.data_parallel_size, config.parallel.world_size
     if dp > 1 and config.device.device.type == "cpu":  # data-parallel engines on the CPU share its cores
         import torch
 

@@ -147,10 +147,14 @@ class ImageStep:
         self._new_step()
         return rows
 
-    def follow(self, rows: ImageRows, extra: dict, tp: Any, hidden_size: int, dtype: torch.dtype) -> None:
-        """A tensor-parallel rank other than 0: rank 0's scratch rows and image rows (a broadcast from it, after
-        the step's input ids) for this rank's forward."""
-        if rows.embed_at is not None:
+    def follow(self, rows: ImageRows, extra: dict, tp: Any, hidden_size: int, dtype: torch.dtype,
+               with_embeds: bool = True) -> None:
+        """A rank other than 0: rank 0's scratch rows and image rows (a broadcast from it, after the step's input
+        ids) for this rank's forward. with_embeds False (a later pipeline stage, which starts from hidden states):
+        the scratch rotary rows alone."""
+        if not with_embeds:
+            rows = ImageRows(rows.rows3d, None, None)
+        elif rows.embed_at is not None:
             width = hidden_size * (1 + self.deepstack_levels)
             embeds = tp.broadcast_(torch.empty(len(rows.embed_at), width, dtype=dtype, device=self.device))
             rows = ImageRows(rows.rows3d, rows.embed_at, embeds)
@@ -220,7 +224,7 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
     from voltllm.multimodal.vision_tower import deepstack_levels, load_vision_tower, vision_tower_for
 
     mc = config.model
-    if runner.tp is not None and runner.tp.rank > 0:  # rank 0 encodes and broadcasts the rows: no tower here
+    if runner.group is not None and runner.group.rank > 0:  # rank 0 encodes and broadcasts the rows: no tower here
         tower = None
     elif mc.load_format == "dummy":  # random weights at the checkpoint's shapes, as the language model's
         from voltllm.worker.runner import init_dummy_weights

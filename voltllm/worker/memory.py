@@ -50,7 +50,10 @@ def profile_activation_bytes(runner) -> int:
         draft.model(ids, torch.arange(n, device=dev), ForwardContext(meta, draft_caches, draft.backend))
     # (a verification's logits: a row per token, up to max_decode_rows) + the sampler's fp32 copy; a pooling model
     # has no head: its step's extra is an fp32 copy of the rows it pools (MEAN: all of them)
-    if getattr(runner, "pooler", None) is None:
+    pp = getattr(runner, "pp", None)
+    if pp is not None and not pp.first:  # a later pipeline stage: rank 0 computes the logits
+        pass
+    elif getattr(runner, "pooler", None) is None:
         runner.model.compute_logits(hidden[-min(n, runner.max_decode_rows):]).float()
     else:
         hidden.float()

@@ -107,13 +107,23 @@ class LaunchedForward:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None, tp=None, send_step=None):
-        """tp: this rank's tensor-parallel group (voltllm.distributed.group.TPGroup; None: one device). send_step
-        (rank 0 of a group): hands each step's StepInputs to the other ranks, which run execute_follower."""
+        """tp: this rank's group of ranks (voltllm.distributed.group.TPGroup; None: one device): the tensor-parallel
+        group, or with --pipeline-parallel-size the pipeline's ranks (then `tp` is None here and `pp` this rank's
+        stage). send_step (rank 0 of a group): hands each step's StepInputs to the other ranks, which run
+        execute_follower."""
         self.config = config
         self.device = config.device.device
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
-        self.tp = tp
+        self.group = tp  # the ranks' collectives (KV block count, the step's input ids, image rows)
+        self.pp = None  # this rank's pipeline stage (voltllm.distributed.pipeline)
+        if tp is not None and config.parallel.pipeline_parallel_size > 1:
+            from voltllm.distributed.pipeline import PipelineStage
+            from voltllm.model.models.llama import text_config
+
+            self.pp = PipelineStage.of(int(text_config(config.model.hf_config).num_hidden_layers), tp)
+            tp = None
+        self.tp = tp  # the tensor-parallel group the model's layers are split over
         if tp is not None:  # how the model's layers split their MLP rows (distributed.sharding.intermediate_split)
             tp.intermediate_align = config.parallel.intermediate_align
             # and their routed experts: whole ones per rank (distributed/experts.py), else every expert's rows
@@ -125,7 +135,9 @@ class ModelRunner:
 
             make_current(self.device)  # (cuda:1 and up: Triton and graph captures use the current device)
             props = torch.cuda.get_device_properties(self.device)
-            logger.info("%s%s: %s, %.1f GiB, sm_%d%d", self.device, f" (tensor-parallel rank {tp.rank})" if tp else "",
+            logger.info("%s%s: %s, %.1f GiB, sm_%d%d", self.device,
+                        f" ({'pipeline stage' if self.pp else 'tensor-parallel rank'} {self.group.rank})"
+                        if self.group else "",
                         props.name, props.total_memory / 2**30, props.major, props.minor)
             self.free_at_start = free_bytes_at_start(self.device)
         self._step_inputs: Optional[StepInputs] = None  # rank 0 of a TP group: this step's, for send_step
@@ -138,8 +150,8 @@ class ModelRunner:
         from voltllm.worker.image_step import image_step_for
 
         self.image_step = image_step_for(self)
-        if tp is not None:  # every rank has its weights before the first collective (group.host_barrier says why)
-            tp.host_barrier()
+        if self.group is not None:  # every rank has its weights before the first collective (host_barrier says why)
+            self.group.host_barrier()
         # --enable-lora: the adapters' GPU slots in the model's projections (before KV sizing: they take memory)
         self.lora = None
         if config.lora is not None:
@@ -160,7 +172,7 @@ class ModelRunner:
             from voltllm.model.layers.full_vocab import gather_full_vocab
 
             self.full_vocab = gather_full_vocab(self.model, tp)
-        if tp is not None and tp.rank > 0:  # drafters run unsharded beside rank 0's shard, on rank 0 only
+        if self.group is not None and self.group.rank > 0:  # drafters run unsharded beside rank 0's shard, on rank 0
             spec = None
         if spec is not None and spec.uses_draft_model:
             from voltllm.worker.draft_runner import DraftRunner
@@ -184,7 +196,7 @@ class ModelRunner:
         # The switch is process-wide, so each runner sets it again before it launches (two engines in one
         # process, e.g. native and --compat, must each run as configured)
         # Not under TP until it is validated with NCCL kernels between the PDL launches on a multi-GPU machine.
-        self.use_pdl = (self.device.type == "cuda" and config.device.compat == "none" and tp is None
+        self.use_pdl = (self.device.type == "cuda" and config.device.compat == "none" and self.group is None
                         and torch.cuda.get_device_capability(self.device) >= (9, 0))
         self._apply_pdl()
         self.kv_caches: list[torch.Tensor] = []
@@ -248,7 +260,7 @@ class ModelRunner:
             # with weight offloading the decoder layers are built (and loaded) in CPU memory: the offloader then
             # moves those that stay to the GPU (model/layer_placement.py)
             with host_layers(self.device if offload is not None else None), torch.device(self.device):
-                model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp,
+                model = build_model(mc.hf_config, self.dtype, mc.max_model_len, linear_method, tp=self.tp, pp=self.pp,
                                     headless=mc.runner == "pooling",
                                     classifier=mc.pooler.classifier if mc.runner == "pooling" else None)
             if mc.load_format == "dummy":
@@ -304,13 +316,13 @@ class ModelRunner:
             from voltllm.model.loader.bnb_checkpoint import dense_bytes
         else:
             from voltllm.model.loader.int4_checkpoint import dense_bytes
-        # (under tensor parallelism each rank holds 1/N of it: the same rule per GPU as without)
-        dense = dense_bytes(mc.model, itemsize) / self.config.parallel.tensor_parallel_size
+        # (under tensor or pipeline parallelism each rank holds ~1/N of it: the same rule per GPU as without)
+        dense = dense_bytes(mc.model, itemsize) / self.config.parallel.world_size
         # every rank the same choice, that of the group's smallest card (a 16 GB V100 beside a 32 GB one): the ranks'
         # layers must agree (a drafter's dense copies of the vocabulary, the collectives' shapes)
-        first = (self.device.index or 0) - (self.tp.rank if self.tp is not None else 0)  # the group's first card
+        first = (self.device.index or 0) - (self.group.rank if self.group is not None else 0)  # the group's first card
         smallest = min(torch.cuda.get_device_properties(first + r).total_memory
-                       for r in range(self.config.parallel.tensor_parallel_size))
+                       for r in range(self.config.parallel.world_size))
         room = smallest * self.config.cache.gpu_memory_utilization
         keep = dense > AUTO_DENSE_FRACTION * room
         logger.info("%s weights: %.2f GiB dequantized (per GPU), %.2f GiB usable on the GPU -> %s (--quantization %s "
@@ -370,10 +382,10 @@ class ModelRunner:
         return spec.num_speculative_tokens if spec is not None else 0
 
     def determine_num_blocks(self) -> int:
-        """KV blocks for this engine; under TP the fewest any rank can hold (each rank holds its heads' share of
-        every block, so all ranks must agree on the count)."""
+        """KV blocks for this engine; under TP / PP the fewest any rank can hold (each rank holds its heads' or its
+        layers' share of every block, so all ranks must agree on the count)."""
         num = self._local_num_blocks()
-        return num if self.tp is None else self.tp.min_int(num)
+        return num if self.group is None else self.group.min_int(num)
 
     def _local_num_blocks(self) -> int:
         cc = self.config.cache
@@ -769,9 +781,10 @@ class ModelRunner:
             step.kv_transfers = sched.kv_transfers  # (each rank copies its own heads' part, at the same slots)
             step.images = image_rows.for_followers() if image_rows is not None else None
             self.send_step(step)
-            self.tp.broadcast_(self.buffers.input_ids[:t])
-            if image_rows is not None and image_rows.embeds is not None:  # (ImageStep.follow receives them)
-                self.tp.broadcast_(image_rows.embeds)
+            if self.pp is None:  # (a later pipeline stage starts from hidden states: no ids, no image rows)
+                self.group.broadcast_(self.buffers.input_ids[:t])
+                if image_rows is not None and image_rows.embeds is not None:  # (ImageStep.follow receives them)
+                    self.group.broadcast_(image_rows.embeds)
         hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts, images)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
@@ -885,10 +898,12 @@ class ModelRunner:
         buf.upload(t, step.num_seqs, width, rows, state_slots=slots is not None and step.graph_rows > 0)
         if self.lora is not None:  # rank 0's slot loads and its tokens' adapters
             self.lora.follow_step(step.lora, t)
-        self.tp.broadcast_(buf.input_ids[:t])
         images: dict = {}
+        if self.pp is None:  # (a later pipeline stage starts from hidden states: no ids, no image rows)
+            self.group.broadcast_(buf.input_ids[:t])
         if step.images is not None:  # rank 0's image rows (a broadcast after the ids) and scratch rotary rows
-            self.image_step.follow(step.images, images, self.tp, self.model.config.hidden_size, self.dtype)
+            self.image_step.follow(step.images, images, self.group, self.model.config.hidden_size, self.dtype,
+                                   with_embeds=self.pp is None)
         meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
         graphs = self.verify_graphs if step.state_walks is not None else self.graphs
         graph = graphs.for_batch(step.num_seqs) if step.graph_rows and graphs is not None else None
@@ -904,13 +919,14 @@ class ModelRunner:
                 self.state_cache.num_tokens[slot] = start
         hidden = self._forward(graph, prompt_graph, meta, t, step.state_spans, slots, step.state_saves,
                                step.state_drafts, images)
-        if step.spec_logits_rows:  # the verification's logits (a gather), then its accepted states (a broadcast)
+        # (the logits' gathers are TP collectives; under PP rank 0 alone computes them, from the last stage's rows)
+        if step.spec_logits_rows and self.pp is None:  # the verification's logits, then its accepted states
             self.model.compute_logits(hidden[to_device(step.spec_logits_rows, torch.long, self.device)])
             if slots is not None and step.state_verify:
                 from voltllm.worker.hybrid_spec import follow_accepted_states
 
                 follow_accepted_states(self.state_cache, self.tp, step.state_verify)
-        for sel in step.logits_rows:
+        for sel in step.logits_rows if self.pp is None else ():
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
         if self.device.type == "cuda":

@@ -108,10 +108,12 @@ def residual_stream(x: torch.Tensor) -> torch.Tensor:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 linear_method: Optional[LinearMethod] = None, tp=None):
+                 linear_method: Optional[LinearMethod] = None, tp=None, kv_index: Optional[int] = None):
+        """idx: the layer's index in the model; kv_index: its KV cache's among this rank's (a pipeline stage's
+        layers start at 0; None: idx)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, idx, dtype, rotary, linear_method, tp)
+        self.self_attn = Attention(cfg, idx if kv_index is None else kv_index, dtype, rotary, linear_method, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if is_moe_layer(cfg, idx):  # qwen3_moe: routed experts without a shared one (kept quantized with the rest)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
@@ -186,37 +188,44 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int,
-                 linear_method: Optional[LinearMethod] = None, tp=None, headless: bool = False, classifier=None):
+                 linear_method: Optional[LinearMethod] = None, tp=None, headless: bool = False, classifier=None,
+                 pp=None):
         """linear_method: how the projections (and an untied LM head) hold their weights; None: dense. tp: this
         rank's tensor-parallel group (None: the whole model on one device). headless: no LM head and no logits (a
         pooling model: its checkpoint's lm_head, if any, is skipped; embedding checkpoints often have none).
         classifier: a headless model's classification head (voltllm.pooling.classifier.ClassifierConfig): its float32
-        weight `score_weight` [num_labels, hidden] is the checkpoint's score.weight or built from LM-head rows."""
+        weight `score_weight` [num_labels, hidden] is the checkpoint's score.weight or built from LM-head rows.
+        pp: this rank's pipeline stage (voltllm.distributed.pipeline): `layers` holds its decoder layers alone
+        (local indices); the embeddings, final norm and LM head live on rank 0."""
         super().__init__()
         top, cfg = cfg, text_config(cfg)
         self.config = cfg
         self.headless = headless
         self.dtype = dtype
         self.tp = tp
+        self.pp = pp
         self.vocab_size = cfg.vocab_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
         from voltllm.model.layers.quantized_linear import QuantizedLinearMethod, QuantEmbedding
 
-        if isinstance(linear_method, QuantizedLinearMethod):  # (under TP: this rank's vocabulary rows, see its doc)
+        if pp is not None and not pp.first:  # a later pipeline stage starts from the previous one's output
+            self.embed_tokens = None
+        elif isinstance(linear_method, QuantizedLinearMethod):  # (under TP: this rank's vocabulary rows, see its doc)
             self.embed_tokens = QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, linear_method, tp)
         elif tp is not None:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         else:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(build_layer(DecoderLayer, cfg, i, dtype, rotary, linear_method, tp)
-                                    for i in range(cfg.num_hidden_layers))
+        first, end = (0, cfg.num_hidden_layers) if pp is None else (pp.start, pp.end)
+        self.layers = nn.ModuleList(build_layer(DecoderLayer, cfg, i, dtype, rotary, linear_method, tp, i - first)
+                                    for i in range(first, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # (a multimodal checkpoint's own flag decides, as in transformers: Qwen3-VL-MoE's text config says True for all)
         self.tie = bool(getattr(top, "tie_word_embeddings", False))
         head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
-        self.lm_head = None if self.tie or headless else Linear(cfg.hidden_size, head_rows, dtype=dtype,
-                                                                 method=linear_method)
+        self.lm_head = None if self.tie or headless or self.embed_tokens is None else Linear(
+            cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
         self.rotary = rotary
         self.classifier = classifier
         if classifier is not None:  # (a buffer: it moves with the model; the pooler reads it, pooling/pooler.py)
@@ -224,8 +233,9 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
                                                              dtype=torch.float32), persistent=False)
         self.has_moe = any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
         # prompt-step CUDA graphs are only validated for dense MLPs (decode graphs cover MoE layers, as in the
-        # hybrid MoE models), and not with all-reduces inside their pieces (TP: not run on a multi-GPU machine yet)
-        self.supports_prompt_graphs = not self.has_moe and tp is None
+        # hybrid MoE models), and not with all-reduces or hand-overs inside their pieces (TP / PP: not run on a
+        # multi-GPU machine yet)
+        self.supports_prompt_graphs = not self.has_moe and tp is None and pp is None
 
     # -- what the runner needs to size and lay out the KV cache ---------------------------------
     @property
@@ -243,18 +253,24 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         residual adds into the GEMMs."""
         # (not under TP: its GEMVs add the o / down products into the residual before any all-reduce could sum them)
         # (not with LoRA: the fused GEMVs leave out the adapters' terms)
-        return input_ids.is_cuda and input_ids.numel() == 1 and not self.has_moe and self.tp is None and all(
+        # (not under PP: its output is all in the residual stream, which the hand-over does not expect)
+        return input_ids.is_cuda and input_ids.numel() == 1 and not self.has_moe and self.tp is None and \
+            self.pp is None and all(
             p.skinny and p.lora is None and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
             for layer in self.layers for p in layer.projections())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        residual = None
+        if self.embed_tokens is None:  # a later pipeline stage
+            x, residual = self.pp.receive(input_ids.shape[0], self.config.hidden_size, self.dtype,
+                                          residual_stream(torch.empty(0, dtype=self.dtype)).dtype, input_ids.device)
+        else:
+            x = self.embed_tokens(input_ids)
         images = ctx.extra.get("image_embeds")
         deepstack = None
         if images is not None:  # the vision tower's rows in place of the image placeholders' (worker/image_step.py)
             x.index_copy_(0, images[0], images[1].to(x.dtype))
             deepstack = ctx.extra.get("image_deepstack")  # Qwen3-VL: one set of rows per level, the same tokens
-        residual = None
         fused = self.fused_decode(input_ids)
         aux = self.aux_hidden is not None  # DFlash's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
@@ -265,6 +281,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
                 residual.index_add_(0, images[0], deepstack[i].to(residual.dtype))
             if aux:
                 self.keep_layer_output(i, x, residual)
+        if self.pp is not None:  # on to the next stage; rank 0 gets the last stage's output back
+            x, residual = self.pp.pass_on(x, residual)
         if fused:
             from voltllm.kernels.fused import rms_norm
 
@@ -280,8 +298,9 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
 
     @property
     def logits_weight(self) -> Optional[torch.Tensor]:
-        """The dense LM-head weight (None when the head is quantized, or there is none: headless)."""
-        if self.headless:
+        """The dense LM-head weight (None when the head is quantized, or there is none: headless, or a later pipeline
+        stage)."""
+        if self.headless or self.embed_tokens is None:
             return None
         return self.embed_tokens.weight if self.tie else self.lm_head.weight
 
@@ -354,6 +373,10 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
                 name = name.partition("language_model.")[2]
             else:
                 name = name.removeprefix("model.")
+            if self.pp is not None:  # this stage's layers (local indices); the ends of the model on rank 0 alone
+                name = self.pp.local(name)
+                if name is None or (self.embed_tokens is None and name.startswith(("embed_tokens.", "lm_head."))):
+                    continue
             if self.classifier is not None and self._loads_head(name):
                 head = (tensor.to(torch.float32) if self.classifier.from_token_ids is None
                         else self.classifier.head_from_vocab(tensor))

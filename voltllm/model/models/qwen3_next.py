@@ -243,15 +243,18 @@ def load_layer_weight(layer: HybridDecoderLayer, p: str, rest: str, tensor: torc
 
 class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
-                 linear_method: Optional[LinearMethod] = None, tp=None):
+                 linear_method: Optional[LinearMethod] = None, tp=None, pp=None):
         """linear_method: how the projections (attention, GDN, dense MLPs, shared experts, an untied LM head) hold
         their weights, and with a quantized one the routed experts stay quantized too; None: dense. tp: this rank's
-        tensor-parallel group (None: the whole model on one device; dense qwen3_5 only, see the module docstring)."""
+        tensor-parallel group (None: the whole model on one device; dense qwen3_5 only, see the module docstring).
+        pp: this rank's pipeline stage (voltllm.distributed.pipeline): `layers` holds its decoder layers alone (local
+        indices, and local KV cache / recurrent state indices); the embeddings, final norm and LM head are rank 0's."""
         super().__init__()
         cfg = text_config(config)
         self.config = cfg
         self.dtype = dtype
         self.tp = tp
+        self.pp = pp
         self.vocab_size = cfg.vocab_size
         self.variant = hybrid_variant(cfg)
         gdn_layout = "qkvz" if self.variant == "qwen3_next" else "split"
@@ -262,6 +265,8 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         norm_topk = True if self.variant == "qwen3_5_moe" else bool(getattr(cfg, "norm_topk_prob", True))
         layers, n_attn, n_gdn = [], 0, 0
         for i, kind in enumerate(layer_types):
+            if pp is not None and not pp.owns(i):
+                continue
             if kind == "linear_attention":
                 mixer_index, n_gdn = n_gdn, n_gdn + 1
             else:
@@ -270,12 +275,16 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
                                       norm_topk, dtype, rotary, linear_method, tp))
         self.layers = nn.ModuleList(layers)
         self._num_attn, self._num_gdn = n_attn, n_gdn
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if tp is None else
-                             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp))
+        if pp is not None and not pp.first:  # a later pipeline stage starts from the previous one's output
+            self.embed_tokens = None
+        else:
+            self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if tp is None else
+                                 VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
         head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
-        self.lm_head = None if self.tie else Linear(cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
+        self.lm_head = None if self.tie or self.embed_tokens is None else Linear(
+            cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
         self.rotary = rotary
 
     def _is_moe(self, cfg: Any, i: int) -> bool:
@@ -305,16 +314,22 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         batch = HybridBatch.from_context(ctx, self.state_spec) if self._num_gdn else None
-        x = self.embed_tokens(input_ids)
+        residual = None
+        if self.embed_tokens is None:  # a later pipeline stage
+            x, residual = self.pp.receive(input_ids.shape[0], self.config.hidden_size, self.dtype,
+                                          residual_stream(torch.empty(0, dtype=self.dtype)).dtype, input_ids.device)
+        else:
+            x = self.embed_tokens(input_ids)
         images = ctx.extra.get("image_embeds")
         if images is not None:  # the vision tower's rows in place of the image placeholders' (worker/image_step.py)
             x.index_copy_(0, images[0], images[1].to(x.dtype))
-        residual = None
         aux = self.aux_hidden is not None  # a DFlash drafter's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, batch)
             if aux:
                 self.keep_layer_output(i, x, residual)
+        if self.pp is not None:  # on to the next stage; rank 0 gets the last stage's output back
+            x, residual = self.pp.pass_on(x, residual)
         x, _ = self.norm(x, residual)
         if aux:
             self.keep_final_output(x)
@@ -335,6 +350,8 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
     # -- weights ---------------------------------------------------------------------------------
     def _expected_keys(self) -> set[str]:
         keys = {"embed_tokens.weight", "norm.weight"} | (set() if self.tie else {"lm_head#0"})
+        if self.embed_tokens is None:  # a later pipeline stage: its layers and the (unused) final norm
+            keys = {"norm.weight"}
         for i, layer in enumerate(self.layers):
             keys |= layer_expected_keys(layer, f"layers.{i}.")
         return keys
@@ -376,6 +393,12 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
                 name = name[len("language_model."):]
             else:
                 name = name.removeprefix("model.")
+            if self.pp is not None:  # this stage's layers (local indices); the ends of the model on rank 0 alone
+                if name.startswith("layers.") and int(name.split(".")[1]) >= len(self.layer_types):
+                    raise ValueError(f"unexpected weight {name!r}: the config has {len(self.layer_types)} layers")
+                name = self.pp.local(name)
+                if name is None or (self.embed_tokens is None and name.startswith(("embed_tokens.", "lm_head."))):
+                    continue
             if name == "lm_head.weight":
                 lm_head_seen = True
                 if not self.tie:
@@ -398,7 +421,7 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
             if i >= len(self.layers):
                 raise ValueError(f"unexpected weight {name!r}: the config has {len(self.layers)} layers")
             loaded.update(load_layer_weight(self.layers[i], f"layers.{i}.", rest, tensor, params))
-        if not self.tie and "lm_head#0" not in loaded and not lm_head_seen:
+        if not self.tie and self.lm_head is not None and "lm_head#0" not in loaded and not lm_head_seen:
             # checkpoint without lm_head: the embedding is tied even if the config does not say so
             self.lm_head.load_weight(self.embed_tokens.weight.data)
             loaded.add("lm_head#0")

@@ -35,12 +35,13 @@ def supports_quantized_layers(hf_config: Any) -> bool:
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
-                tp: Any = None, headless: bool = False, classifier: Any = None) -> torch.nn.Module:
+                tp: Any = None, headless: bool = False, classifier: Any = None, pp: Any = None) -> torch.nn.Module:
     """linear_method: a LinearMethod for the projections (quantized weights kept quantized,
     supports_quantized_layers); None: dense weights. tp: this rank's tensor-parallel group (every architecture here,
     weights dense or kept quantized; what a configuration may split: voltllm.distributed.support). headless: no LM
     head (a pooling model's: it computes no logits; attention-only architectures); classifier: a headless model's
-    classification head (voltllm.pooling.classifier.ClassifierConfig)."""
+    classification head (voltllm.pooling.classifier.ClassifierConfig). pp: this rank's pipeline stage
+    (voltllm.distributed.pipeline.PipelineStage): only its decoder layers are built."""
     arch = getattr(hf_config, "model_type", None)
     if arch not in _MODELS:
         raise ValueError(f"model type {arch!r} is not supported (supported: {', '.join(supported_architectures())})")
@@ -51,6 +52,8 @@ def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_m
                                 classifier=classifier)
     if tp is not None:
         return _MODELS[arch](hf_config, dtype, max_positions, linear_method, tp=tp)
+    if pp is not None:
+        return _MODELS[arch](hf_config, dtype, max_positions, linear_method, pp=pp)
     if linear_method is not None:
         return _MODELS[arch](hf_config, dtype, max_positions, linear_method)
     return _MODELS[arch](hf_config, dtype, max_positions)

@@ -1,0 +1,92 @@
+"""Pipeline parallelism: each rank holds a contiguous run of the decoder layers, and a step's hidden states travel
+from rank to rank.
+
+Rank 0 is the first stage and also the last step of the ring: it holds the embeddings, its layers, the final norm and
+the LM head, and it schedules and samples as with one GPU. A step goes 0 -> 1 -> ... -> N-1 and back to rank 0, which
+then computes the logits. So only the hidden states (and the residual stream, which the fused add + norm keeps apart
+until the next layer's norm) cross between GPUs: a step's tokens x hidden size, twice, per boundary. The other ranks
+run the same step from the StepInputs rank 0 sends them (execute_follower), over their own layers and KV cache.
+
+This gives a model room on several GPUs whose count does not divide its heads (a 3-GPU rig), and over PCIe it sends
+far less than tensor parallelism's two all-reduces per layer. The stages run one after another within a step (no
+micro-batches), so it adds capacity, not speed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def stage_layers(num_layers: int, size: int) -> list[tuple[int, int]]:
+    """Each rank's [start, end) decoder layers: an even split, the remainder going one layer each to the last ranks
+    (rank 0 also holds the embeddings and the LM head, so it gets the fewest)."""
+    if size > num_layers:
+        raise ValueError(f"--pipeline-parallel-size {size} is more than the model's {num_layers} decoder layers")
+    base, extra = divmod(num_layers, size)
+    counts = [base + (1 if r >= size - extra else 0) for r in range(size)]
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+@dataclass
+class PipelineStage:
+    """This rank's place in the pipeline and the hand-overs of a step's hidden states (over the group's device
+    communicator: NCCL on CUDA, which CUDA graphs capture like the all-reduces of tensor parallelism; gloo on the
+    CPU)."""
+
+    rank: int
+    size: int
+    start: int  # this rank's first decoder layer (global index)
+    end: int  # one past its last
+    group: Any  # the ranks' TPGroup (voltllm.distributed.group)
+
+    @classmethod
+    def of(cls, num_layers: int, group: Any) -> "PipelineStage":
+        start, end = stage_layers(num_layers, group.size)[group.rank]
+        return cls(group.rank, group.size, start, end, group)
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+    def local(self, name: str) -> "str | None":
+        """A checkpoint name with its decoder-layer index made local ("layers.12.x" -> "layers.2.x" on a rank that
+        starts at 10); None for another rank's layer. Names outside the layers pass unchanged."""
+        if not name.startswith("layers."):
+            return name
+        idx, _, rest = name[len("layers."):].partition(".")
+        i = int(idx)
+        return f"layers.{i - self.start}.{rest}" if self.owns(i) else None
+
+    def receive(self, tokens: int, hidden: int, dtype: torch.dtype, residual_dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A later stage's input: the previous rank's hidden states and residual stream."""
+        x = torch.empty(tokens, hidden, dtype=dtype, device=device)
+        residual = torch.empty(tokens, hidden, dtype=residual_dtype, device=device)
+        src = self.rank - 1
+        self.group.recv_(x, src)
+        self.group.recv_(residual, src)
+        return x, residual
+
+    def pass_on(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """After this rank's layers: send them on (the last rank sends back to rank 0). Rank 0 then waits for the last
+        rank's output, which it returns; the others return theirs (their final norm's result is not used)."""
+        x, residual = x.contiguous(), residual.contiguous()
+        dst = (self.rank + 1) % self.size
+        self.group.send_(x, dst)
+        self.group.send_(residual, dst)
+        if not self.first:
+            return x, residual
+        last = self.size - 1
+        out_x, out_res = torch.empty_like(x), torch.empty_like(residual)
+        self.group.recv_(out_x, last)
+        self.group.recv_(out_res, last)
+        return out_x, out_res
