@@ -142,3 +142,46 @@ def test_prefix_cache_is_keyed_by_each_temporal_patch(vl):
     assert cached[2] >= a_mm.images[1].end, "the same pixels hit past the video"
     assert _same(first, _reference(vl, a_ids, a_out)) and _same(b, _reference(vl, b_ids, b_out))
     assert _same(again, first)
+
+
+def test_chat_mm_processor_kwargs_reach_the_processor(vl):
+    """LLM.chat(mm_processor_kwargs=...) (vLLM's keyword): this call's processor settings over the engine's, as
+    --mm-processor-kwargs sets them: max_pixels 1024 shrinks a 32 x 48 image (grid 1 x 8 x 12) and each frame of a
+    video to 1024 pixels' patches; the answer is transformers' on those pixels. A later call without them gets the
+    engine's settings again; a key no processor takes is a ValueError naming the argument."""
+    import io
+
+    import torch
+
+    from voltllm.multimodal.processor import ImageProcessor
+
+    path, _, tok, ref = vl
+    image, data = vl_image(5, 32, 48), _video(6, 4, 32, 48, fps=8)  # (Qwen2.5-VL: time step 1)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," +
+                                                   base64.b64encode(buf.getvalue()).decode()}},
+               {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}},
+               {"type": "text", "text": "Both?"}]
+    small = ImageProcessor.from_model(path, ref.config, {"max_pixels": 1024}, videos=True)
+    pixels, grid = small.process([image])[0]
+    video = small.video_from_bytes(data)
+    assert grid == (1, 6, 8) and video.grid == (2, 6, 8)  # (32 x 48 -> 24 x 32 under 1024 pixels)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "video"},
+                                                                 {"type": "text", "text": "Both?"}]}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids, _ = small.prepare(tok.encode(text, add_special_tokens=False), [image], [video], tok)
+    out = {"pixel_values": pixels, "image_grid_thw": torch.tensor([grid]),
+           "pixel_values_videos": torch.from_numpy(video.pixel_values), "video_grid_thw": torch.tensor([video.grid])}
+    if ref.config.model_type == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.tensor([video.second_per_grid])
+    llm = _llm(path)
+    messages = [{"role": "user", "content": content}]
+    got = llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs={"max_pixels": 1024})[0]
+    assert got.prompt_token_ids == ids
+    assert _same([(t, lp[t].logprob) for t, lp in zip(got.outputs[0].token_ids, got.outputs[0].logprobs)],
+                 _reference(vl, ids, out))
+    plain = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert plain.prompt_token_ids.count(ref.config.image_token_id) == 24  # (the engine's: 8 x 12 / 4)
+    with pytest.raises(ValueError, match="mm_processor_kwargs: neither the image processor"):
+        llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs={"nonsense": 1})
