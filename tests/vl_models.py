@@ -241,7 +241,8 @@ def vl_video_bytes(seed: int, frames: int, h: int, w: int, fps: int = 4, fmt: st
 def vl_video_prompt(vl, text_parts: list, videos: list, processor=None):
     """Token ids with each video expanded by voltllm's processor (`processor`, else one built from the checkpoint),
     its MultiModalPrompt, and the reference's inputs: pixel_values_videos / video_grid_thw from that processor's
-    rows. videos: encoded video bytes, in the order of the None entries of text_parts."""
+    rows (Qwen2.5-VL: and its second_per_grid_ts). videos: encoded video bytes, in the order of the None entries of
+    text_parts."""
     from voltllm.multimodal.processor import ImageProcessor
 
     path, _, tok, ref = vl
@@ -254,6 +255,8 @@ def vl_video_prompt(vl, text_parts: list, videos: list, processor=None):
     ids, mm = processor.prepare(ids, [], processed, tok)
     out = {"pixel_values_videos": torch.cat([torch.from_numpy(v.pixel_values) for v in processed]),
            "video_grid_thw": torch.tensor([list(v.grid) for v in processed])}
+    if ref.config.model_type == "qwen2_5_vl":  # (its processor's seconds per temporal patch: time positions' step)
+        out["second_per_grid_ts"] = torch.tensor([v.second_per_grid for v in processed])
     return ids, out, mm
 
 

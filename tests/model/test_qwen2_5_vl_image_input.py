@@ -117,15 +117,15 @@ def test_lora_adapters_on_the_text_model_with_an_image(vl, tmp_path):
     assert _same(got, want) and not _same(got, _run(_llm(vl[0]), [(ids, mm)])[0])
 
 
-def test_video_parts_are_refused_by_name(vl):
-    """Video input (Qwen3.x's temporal patches after timestamps) is not built for Qwen2-VL / Qwen2.5-VL, whose video
-    positions differ: a video part gets a 400 that says so, images still work."""
+def test_video_settings_follow_the_limit(vl):
+    """Qwen2-VL / Qwen2.5-VL take videos (tests/model/test_qwen2_5_vl_video_input.py) with Qwen2-VL's video
+    processor settings; --limit-mm-per-prompt video 0 refuses a video part by that name, images still work."""
     from voltllm.multimodal.media import MediaError
-
-    llm = _llm(vl[0])
     from voltllm.multimodal.processor import image_processor_for
 
-    proc = image_processor_for(llm.config)
+    proc = image_processor_for(_llm(vl[0]).config)
+    assert proc is not None and proc.video is not None and proc.video.qwen2_family
+    proc = image_processor_for(_llm(vl[0], limit_mm_per_prompt={"video": 0}).config)
     assert proc is not None and proc.video is None
-    with pytest.raises(MediaError, match=f"video input is not built for {vl[3].config.model_type} models"):
+    with pytest.raises(MediaError, match="video 0"):
         proc.video_from_bytes(b"\x00")

@@ -96,3 +96,43 @@ def test_layout_rules():
     assert mrope_layout("qwen2_5_vl", {"mrope_interleaved": True})[0] is True
     with pytest.raises(ValueError, match="no M-RoPE layout is known for model type 'qwen2'"):
         mrope_layout("qwen2", {})
+
+
+def _video_reference(n: int, videos: list, family: str, seconds: list) -> tuple[torch.Tensor, int]:
+    """transformers' get_rope_index of a prompt holding Qwen2.x videos (offset, grid) with second_per_grid_ts."""
+    config_cls, model_cls, _ = FAMILIES[family]
+    model = model_cls.__new__(model_cls)
+    torch.nn.Module.__init__(model)
+    model.config = config_cls()
+    types = torch.zeros(1, n, dtype=torch.int)
+    for offset, (t, h, w) in videos:
+        types[0, offset:offset + t * h * w // 4] = 2
+    extra = {"second_per_grid_ts": torch.tensor(seconds)} if family == "qwen2_5_vl" else {}
+    pos, delta = model.get_rope_index(torch.zeros(1, n, dtype=torch.long), types, None,
+                                      torch.tensor([g for _, g in videos]), **extra)
+    return pos[:, 0], int(delta)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_video_positions_match_transformers(family):
+    """A Qwen2.x video is one grid over its temporal patches, time positions floor(k x tokens_per_second x seconds
+    per patch) (Qwen2.5-VL's default tokens_per_second 4; 2/3 s: a fractional step 8/3) or k (Qwen2-VL)."""
+    tps = Qwen2_5_VLConfig().vision_config.tokens_per_second
+    videos, seconds = [(2, (3, 8, 12)), (80, (2, 4, 6))], [2 / 3, 0.25]
+    want, delta = _video_reference(100, videos, family, seconds)
+    steps = [float(np.float32(tps) * np.float32(s)) if family == "qwen2_5_vl" else 1.0 for s in seconds]
+    got, got_delta = prompt_positions(100, [(o, g, s) for (o, g), s in zip(videos, steps)], 2)
+    assert (got == want.numpy()).all() and got_delta == delta
+    if family == "qwen2_5_vl":
+        assert got[0, [2, 26, 50]].tolist() == [2, 4, 7]
+
+
+def test_text_after_a_long_video_continues_past_its_last_time():
+    """Where a video's time positions pass its rows and columns (8 patches of 2 x 2 merged squares), the text after
+    it starts one past the largest, as the Qwen models' original get_rope_index and vLLM's do; transformers 5's
+    starts at the video's start + max(h, w) / merge, overlapping the video's times (not followed here)."""
+    got, delta = prompt_positions(40, [(3, (8, 4, 4), 1.0)], 2)
+    assert got[0, 3:35:4].tolist() == list(range(3, 11))  # each patch's first token: times 3 .. 10
+    assert (got[:, 35:] == np.arange(11, 16)).all() and delta == 16 - 40
+    want, _ = _video_reference(40, [(3, (8, 4, 4))], "qwen2_vl", [1.0])
+    assert (got[:, :35] == want[:, :35].numpy()).all() and (want[:, 35:] == torch.arange(5, 10)).all()

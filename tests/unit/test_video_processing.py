@@ -177,3 +177,70 @@ def test_engine_config_video_settings(tmp_path):
         with pytest.raises(ConfigError, match="--mm-processor-kwargs|processor") as e:
             EngineArgs(model=vl, device="cpu", mm_processor_kwargs=kwargs).create_engine_config()
         assert why in str(e.value), e.value
+
+
+def test_qwen2_vl_video_settings(tmp_path):
+    """Qwen2.5-VL / Qwen2-VL: transformers' Qwen2-VL video processor's settings (read without its torchvision
+    module): min_pixels / max_pixels over size, per frame; its class defaults (CLIP mean / std) where the config
+    says nothing; no processor sampling (the loader's frames); fps / num_frames refused by name."""
+    import json
+    import os
+    from dataclasses import replace
+
+    from vl_models import make_tiny_qwen2_5_vl
+    from voltllm.multimodal.processor import image_processor_for
+    from voltllm.multimodal.video import resized_size, video_sampling_for
+
+    vl = make_tiny_qwen2_5_vl(str(tmp_path / "vl"))
+    config = EngineArgs(model=vl, device="cpu", mm_processor_kwargs={"max_pixels": 4096},
+                        media_io_kwargs={"video": {"num_frames": 8}}).create_engine_config()
+    proc = image_processor_for(config)
+    v = proc.video
+    assert v.qwen2_family and v.fps is None and (v.min_pixels, v.max_pixels) == (1024, 4096)
+    assert proc.hf_processor.size.longest_edge == 4096 and proc.tokens_per_second == 4.0
+    assert sampled_indices(40, 4.0, VideoLoading(), v) == np.linspace(0, 39, 32, dtype=int).tolist()
+    assert sampled_indices(9, 4.0, VideoLoading(), v) == list(range(9))  # (all read: still not resampled)
+    # the budget is per frame: 9 frames of 32 x 48 keep their size (Qwen3-VL's rule shrinks them to fit all 9)
+    assert resized_size(9, 32, 48, v) == (32, 48) and resized_size(9, 32, 48, replace(v, qwen2_family=False))[0] < 32
+    assert resized_size(9, 64, 96, v) == (48, 72)  # (over 4096 pixels: scaled by sqrt(6144 / 4096), floored to 8)
+    # a released Qwen2.5-VL preprocessor_config.json: min_pixels / max_pixels and no size, CLIP's mean by default
+    bare = tmp_path / "bare"
+    os.makedirs(bare)
+    with open(bare / "preprocessor_config.json", "w") as f:
+        json.dump({"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+                   "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessor",
+                   "processor_class": "Qwen2_5_VLProcessor"}, f)
+    s = video_sampling_for(str(bare), {}, qwen2_family=True)
+    assert (s.min_pixels, s.max_pixels, s.patch_size, s.min_frames) == (3136, 12845056, 14, 4)
+    assert s.mean == pytest.approx((0.48145466, 0.4578275, 0.40821073)) and s.max_video_tokens == 128000
+    assert video_sampling_for(str(bare), {"max_pixels": 50176}, qwen2_family=True).max_pixels == 50176
+    for kwargs, why in (({"fps": 1}, "fps: Qwen2-VL's video processor samples no frames"),
+                        ({"num_frames": 4}, "--media-io-kwargs"), ({"nonsense": 1}, "Qwen2-VL's) takes nonsense")):
+        with pytest.raises(ConfigError, match="--mm-processor-kwargs") as e:
+            EngineArgs(model=vl, device="cpu", mm_processor_kwargs=kwargs).create_engine_config()
+        assert why in str(e.value), e.value
+
+
+def test_qwen2_video_expansion_and_seconds(tmp_path):
+    """A Qwen2.x video: its tokens in one run in place of the placeholder (the template's vision start / end kept,
+    no timestamps), one ImageInput per temporal patch; seconds per patch from the frames read (9 at 4 fps, 4 read:
+    4 / 9 x 4 fps, 2 frames a patch: 1.125 s)."""
+    from vl_models import make_tiny_qwen2_5_vl
+    from voltllm.multimodal.processor import ImageProcessor
+    from voltllm.multimodal.video import second_per_grid
+    import transformers
+
+    vl = make_tiny_qwen2_5_vl(str(tmp_path / "vl"))
+    cfg = transformers.AutoConfig.from_pretrained(vl)
+    tok = transformers.AutoTokenizer.from_pretrained(vl)
+    proc = ImageProcessor.from_model(vl, cfg, videos=True)
+    proc.video_loading = VideoLoading(num_frames=4)
+    video = proc.video_from_bytes(vl_video_bytes(0, 9, 32, 48, fps=4))
+    assert video.grid == (2, 8, 12) and video.second_per_grid == pytest.approx(1.125)
+    assert second_per_grid(9, 9, 4.0, 2) == 0.5
+    start, end = cfg.vision_start_token_id, cfg.vision_end_token_id
+    prompt = [5, start, cfg.video_token_id, end, 6]
+    ids, mm = proc.prepare(prompt, [], [video], tok)
+    assert ids == [5, start] + [cfg.video_token_id] * 48 + [end, 6]
+    assert [(im.offset, im.num_tokens, im.grid_thw) for im in mm.images] == [(2, 24, (1, 8, 12)), (26, 24, (1, 8, 12))]
+    assert mm.rope_positions[0, [2, 26]].tolist() == [2, 6]  # (time step 4 x 1.125 = 4.5, floored)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from voltllm.config import EngineArgs
+from voltllm.config import ConfigError, EngineArgs
 from voltllm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from voltllm.engine.core import EngineCore, InvalidRequestError
 from voltllm.engine.data_parallel import require_one_engine
@@ -101,6 +101,40 @@ class LLM:
         from voltllm.multimodal.processor import image_processor_for
 
         self._images = image_processor_for(self.config)  # None: a text-only engine
+        self._call_processor: tuple[str, Any] = ("", None)  # the latest chat call's mm_processor_kwargs' processor
+
+    def _processor_for_call(self, mm_processor_kwargs: Optional[dict]) -> Any:
+        """The image / video processor of a chat call: the engine's, or with vLLM's per-call mm_processor_kwargs
+        over its --mm-processor-kwargs key by key (the same checks; ValueError naming the argument). A text-only
+        engine ignores them, as it ignores --mm-processor-kwargs."""
+        if not mm_processor_kwargs or self._images is None:
+            return self._images
+        if not isinstance(mm_processor_kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict, got {type(mm_processor_kwargs).__name__}")
+        import json
+
+        from voltllm.multimodal.processed_cache import ProcessedCache
+        from voltllm.multimodal.processor import ImageProcessor
+        from voltllm.multimodal.support import takes_videos
+
+        merged = {**self.config.multimodal.mm_processor_kwargs, **mm_processor_kwargs}
+        try:
+            key = json.dumps(merged, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"mm_processor_kwargs must hold JSON values: {e}") from None
+        processor = self._call_processor[1] if self._call_processor[0] == key else None
+        if processor is None:
+            try:
+                processor = ImageProcessor.from_model(self.config.model.model, self.config.model.hf_config, merged,
+                                                      takes_videos(self.config))
+            except ConfigError as e:
+                raise ValueError(str(e).replace("--mm-processor-kwargs", "mm_processor_kwargs")) from None
+            processor.video_loading = self._images.video_loading
+            # (its own processed cache, as the engine's keyed by the media's bytes, for these settings; only the
+            # latest settings' processor is kept, so at most twice --mm-processor-cache-gb is held)
+            processor.cache = ProcessedCache(int(self.config.multimodal.processor_cache_gb * 2**30))
+            self._call_processor = (key, processor)
+        return processor
 
     def _image_parts(self, urls: list, video_urls: list) -> dict:
         """normalize_messages' image / video keywords: collect their URLs into `urls` / `video_urls` when this
@@ -132,15 +166,17 @@ class LLM:
         ids, mm = self._images.prepare(ids, [im.convert("RGB") for im in images], (), self.tokenizer)
         return {"prompt_token_ids": ids, "multi_modal": mm, **({"prompt": text} if text is not None else {})}
 
-    def _prepare_images(self, ids: list[int], urls: list[str], video_urls: list[str]) -> tuple[list[int], Any]:
+    def _prepare_images(self, ids: list[int], urls: list[str], video_urls: list[str], processor: Any = None
+                        ) -> tuple[list[int], Any]:
+        processor = processor or self._images
         mm = self.config.multimodal
         for what, n, limit in (("images", len(urls), mm.image_limit), ("videos", len(video_urls), mm.video_limit)):
             if n > limit:
                 raise ValueError(f"{n} {what} in one conversation: this LLM takes at most {limit} "
                                  "(limit_mm_per_prompt)")
         media = mm.media_settings()
-        return self._images.prepare(ids, [self._images.load_image(url, media) for url in urls],
-                                    [self._images.load_video(url, media) for url in video_urls], self.tokenizer)
+        return processor.prepare(ids, [processor.load_image(url, media) for url in urls],
+                                 [processor.load_video(url, media) for url in video_urls], self.tokenizer)
 
     def _require_runner(self, runner: str, method: str) -> None:
         """vLLM runs one runner per engine: generate / chat on a generative model, embed / encode on a pooling one."""
@@ -464,11 +500,13 @@ class LLM:
              use_tqdm: UseTqdm = True, lora_request: Any = None, chat_template: Optional[str] = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Optional[list] = None,
-             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict] = None, mm_processor_kwargs: Optional[dict] = None
+             ) -> list[RequestOutput]:
         """vLLM's signature (keyword use). Content reaches the template as the server's
         --chat-template-content-format does it (chat_content_format.py): one string ("string"), a list of OpenAI
         text parts ("openai"), or what the template loops over ("auto"); continue_final_message continues the last
-        assistant message."""
+        assistant message. mm_processor_kwargs: this call's image / video processor settings, over the engine's
+        mm_processor_kwargs (--mm-processor-kwargs) key by key."""
         from voltllm.entrypoints.chat_content_format import CONTENT_FORMATS, resolve_content_format
         from voltllm.entrypoints.openai.errors import OpenAIError
         from voltllm.entrypoints.openai.serving_common import normalize_messages
@@ -483,6 +521,7 @@ class LLM:
         _lora_requests(lora_request, len(conversations), self.config.lora is not None)  # (before any templating)
         template = chat_template or self.config.model.chat_template
         content_format = resolve_content_format(chat_template_content_format, self.tokenizer, template, tools)
+        processor = self._processor_for_call(mm_processor_kwargs)  # (before any templating: a bad key fails first)
         kwargs = dict(chat_template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
@@ -500,6 +539,7 @@ class LLM:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompt = {"prompt": text, "prompt_token_ids": ids}
             if urls or video_urls:  # as the server's chat path: media read, processed, placeholders expanded
-                prompt["prompt_token_ids"], prompt["multi_modal"] = self._prepare_images(ids, urls, video_urls)
+                prompt["prompt_token_ids"], prompt["multi_modal"] = self._prepare_images(ids, urls, video_urls,
+                                                                                          processor)
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

@@ -14,16 +14,30 @@ import numpy as np
 import torch
 
 
-def prompt_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int, int]]],
-                     spatial_merge_size: int) -> tuple[np.ndarray, int]:
-    """M-RoPE positions [3, num_tokens] of a prompt whose images are (offset, grid_thw) in prompt order, and the
-    delta of the tokens after it (position of token i = i + delta). As transformers' get_rope_index of Qwen3.5,
-    Qwen3-VL, Qwen2-VL and Qwen2.5-VL (the four agree on images): text runs continue from the running position; an
-    image's tokens take (cur + t, cur + row, cur + col) over its merged grid, after which the running position
-    advances by max(h, w) / merge."""
+def time_positions(t: int, step: float) -> np.ndarray:
+    """The time positions of a grid's t temporal patches past its start: floor(k x step), k x step in float32 as
+    transformers' get_vision_position_ids computes it (Qwen2.5-VL's step, tokens_per_second x second_per_grid_ts,
+    may be fractional)."""
+    return (np.arange(t, dtype=np.float32) * np.float32(step)).astype(np.int64)
+
+
+def prompt_positions(num_tokens: int, images: Sequence[tuple], spatial_merge_size: int) -> tuple[np.ndarray, int]:
+    """M-RoPE positions [3, num_tokens] of a prompt whose images are (offset, grid_thw) or (offset, grid_thw, time
+    step) in prompt order, and the delta of the tokens after it (position of token i = i + delta). As the Qwen
+    models' get_rope_index (transformers', vLLM's): text runs continue from the running position; an image's
+    tokens take (cur + time, cur + row, cur + col) over its merged grid, time being temporal patch k's
+    time_positions (an image, or one of Qwen3.x's per-patch video grids, has t 1; a Qwen2-VL video's grid holds
+    all its patches, step 1; Qwen2.5-VL's steps by tokens_per_second x second_per_grid_ts), after which the running
+    position is one past the grid's largest: cur + max(last time + 1, h / merge, w / merge).
+
+    (transformers 5's get_rope_index advances by max(h, w) / merge alone, so a video whose time positions pass its
+    rows and columns gives the text after it positions that overlap the video's; the Qwen models' original code, and
+    vLLM's, continue one past the largest, as here. The two agree for every image and for such videos as not.)"""
     pos = np.empty((3, num_tokens), dtype=np.int64)
     cur, at = 0, 0
-    for offset, (t, h, w) in images:
+    for item in images:
+        offset, (t, h, w) = item[0], item[1]
+        step = item[2] if len(item) > 2 else 1.0
         if offset < at:
             raise ValueError(f"image placeholders overlap or are out of order (one at {offset}, text up to {at})")
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
@@ -32,11 +46,11 @@ def prompt_positions(num_tokens: int, images: Sequence[tuple[int, tuple[int, int
             raise ValueError(f"an image's {n} tokens at {offset} run past the prompt's {num_tokens}")
         pos[:, at:offset] = np.arange(offset - at) + cur
         cur += offset - at
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        tt, hh, ww = np.meshgrid(time_positions(t, step), np.arange(gh), np.arange(gw), indexing="ij")
         pos[0, offset:offset + n] = tt.reshape(-1) + cur
         pos[1, offset:offset + n] = hh.reshape(-1) + cur
         pos[2, offset:offset + n] = ww.reshape(-1) + cur
-        cur += max(gh, gw)
+        cur += max(int(tt.max()) + 1 if n else 0, gh, gw)
         at = offset + n
     pos[:, at:] = np.arange(num_tokens - at) + cur
     delta = int(pos.max()) + 1 - num_tokens if num_tokens else 0

@@ -1,8 +1,11 @@
-"""A Qwen3.5 or Qwen3-VL vision-language model's image and video preprocessing on the frontend: transformers' Qwen2-VL
-image processor (its PIL backend, from the model's preprocessor_config.json, with --mm-processor-kwargs over it), the
-video processor's settings (video.py), the model's vision tokens, and the expansion of each image's placeholder token
-into one token per merged patch, and of each video's into its temporal patches, each `<t seconds>` then its tokens
-between vision start / end (inputs.py's MultiModalPrompt: one ImageInput per temporal patch)."""
+"""A Qwen3.5, Qwen3-VL, Qwen2.5-VL or Qwen2-VL vision-language model's image and video preprocessing on the frontend:
+transformers' Qwen2-VL image processor (its PIL backend, from the model's preprocessor_config.json, with
+--mm-processor-kwargs over it), the video processor's settings (video.py), the model's vision tokens, and the
+expansion of each image's placeholder token into one token per merged patch, and of each video's into its temporal
+patches (inputs.py's MultiModalPrompt: one ImageInput per temporal patch):
+- Qwen3.5 / Qwen3-VL: each patch as `<t seconds>` then its tokens between vision start / end;
+- Qwen2.5-VL / Qwen2-VL: all patches' tokens in one run between the template's vision start / end, their M-RoPE time
+  positions spaced by the patch's seconds (Qwen2.5-VL) or by one (Qwen2-VL): mrope.prompt_positions."""
 from __future__ import annotations
 
 import copy
@@ -16,11 +19,15 @@ import torch
 
 from voltllm.config import ConfigError
 from voltllm.multimodal.inputs import ImageInput, MultiModalPrompt
-from voltllm.multimodal.mrope import prompt_positions
+from voltllm.multimodal.mrope import prompt_positions, time_positions
 from voltllm.multimodal.media import MediaError, MediaSettings, decode_image, read_media
 from voltllm.multimodal.processed_cache import ProcessedCache
-from voltllm.multimodal.video import (VIDEO_SETTINGS, ProcessedVideo, VideoLoading, VideoSampling, decode_video,
-                                      video_sampling_for)
+from voltllm.multimodal.video import (QWEN2_VIDEO_SETTINGS, VIDEO_SETTINGS, ProcessedVideo, VideoLoading,
+                                      VideoSampling, decode_video, video_sampling_for)
+
+# models whose video is one run of tokens over all temporal patches (no timestamps), as transformers' Qwen2-VL /
+# Qwen2.5-VL processors write it
+QWEN2_VIDEO_LAYOUT = ("qwen2_vl", "qwen2_5_vl")
 
 # the processor's call-time settings a request could not mean (they pick the output's container, not the pixels)
 _NOT_SETTINGS = frozenset({"return_tensors", "device", "data_format", "input_data_format"})
@@ -55,13 +62,17 @@ class ImageProcessor:
     positions. `video` None: the engine takes no video (--limit-mm-per-prompt video 0)."""
 
     def __init__(self, hf_processor: Any, image_token_id: int, spatial_merge_size: int,
-                 video: Optional[VideoSampling] = None, video_token_ids: Optional[tuple[int, int, int]] = None):
+                 video: Optional[VideoSampling] = None, video_token_ids: Optional[tuple[int, int, int]] = None,
+                 tokens_per_second: Optional[float] = None):
         self.hf_processor = hf_processor
         self.image_token_id = int(image_token_id)
         self.merge = int(spatial_merge_size)
         self.video = video
         # (video token, vision start, vision end)
         self.video_token_id, self.vision_start_id, self.vision_end_id = video_token_ids or (-1, -1, -1)
+        # Qwen2.5-VL's vision_config.tokens_per_second: a video patch's M-RoPE time step is this x its seconds
+        # (Qwen2-VL, with video.qwen2_family and no such setting: a step of one)
+        self.tokens_per_second = tokens_per_second
         self.video_loading = VideoLoading()  # --media-io-kwargs video (image_processor_for sets the engine's)
         self.cache = ProcessedCache(0)  # --mm-processor-cache-gb (image_processor_for sets the engine's)
         self.no_video = "this server takes no video (--limit-mm-per-prompt video 0)"  # (the 400's message)
@@ -74,14 +85,16 @@ class ImageProcessor:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         kwargs = dict(mm_processor_kwargs or {})
+        qwen2_family = hf_config.model_type in QWEN2_VIDEO_LAYOUT
+        video_settings = VIDEO_SETTINGS | (QWEN2_VIDEO_SETTINGS if qwen2_family else frozenset())
         allowed = set(Qwen2VLImageProcessorPil.valid_kwargs.__annotations__) - _NOT_SETTINGS
-        unknown = sorted(set(kwargs) - allowed - VIDEO_SETTINGS)
+        unknown = sorted(set(kwargs) - allowed - video_settings)
         if unknown:
             raise ConfigError(f"--mm-processor-kwargs: neither the image processor (Qwen2-VL's) nor the video "
-                              f"processor (Qwen3-VL's) takes {', '.join(unknown)}; they take "
-                              f"{', '.join(sorted(allowed | VIDEO_SETTINGS))}")
+                              f"processor ({'Qwen2-VL' if qwen2_family else 'Qwen3-VL'}'s) takes "
+                              f"{', '.join(unknown)}; they take {', '.join(sorted(allowed | video_settings))}")
         # (copies: a processor may change a setting's dict in place, e.g. the image one's size by its max_pixels)
-        video_kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in VIDEO_SETTINGS})
+        video_kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in video_settings})
         kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in allowed})
         if not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
             raise ConfigError(f"{model_dir} has a vision_config but no preprocessor_config.json (the image "
@@ -95,7 +108,7 @@ class ImageProcessor:
         video = None
         if videos:
             try:
-                video = video_sampling_for(model_dir, video_kwargs)
+                video = video_sampling_for(model_dir, video_kwargs, qwen2_family)
             except (TypeError, ValueError, OSError, AttributeError) as e:
                 raise ConfigError(f"the video processor of {model_dir} could not be built (--mm-processor-kwargs "
                                   f"{video_kwargs}): {e}") from None
@@ -109,7 +122,10 @@ class ImageProcessor:
         ids = None
         if video is not None:
             ids = (hf_config.video_token_id, hf_config.vision_start_token_id, hf_config.vision_end_token_id)
-        processor = cls(hf, hf_config.image_token_id, vision.spatial_merge_size, video, ids)
+        tokens_per_second = None
+        if hf_config.model_type == "qwen2_5_vl":
+            tokens_per_second = float(getattr(vision, "tokens_per_second", None) or 4)  # (transformers' default)
+        processor = cls(hf, hf_config.image_token_id, vision.spatial_merge_size, video, ids, tokens_per_second)
         from voltllm.multimodal.support import VIDEO_MODEL_TYPES
 
         if hf_config.model_type not in VIDEO_MODEL_TYPES:
@@ -157,11 +173,13 @@ class ImageProcessor:
     def prepare(self, prompt_ids: Sequence[int], images: Sequence[Any], videos: Sequence[ProcessedVideo] = (),
                 tokenizer: Any = None) -> tuple[list[int], MultiModalPrompt]:
         """The prompt with each image token (one per image, in order) expanded to the image's tokens and each video
-        token (with the vision start / end the chat template wrapped it in, when there) to its temporal patches,
-        each `<t seconds>` (tokenized alone, by `tokenizer`) + vision start + its tokens + vision end, as
-        transformers' Qwen3VLProcessor writes them; and what the runner needs for them: one ImageInput of grid
-        (1, h, w) per temporal patch (get_rope_index splits a video so; the tower attends within each). Videos are
-        decode_video's output. ImageCountError when the placeholders and the items differ in number."""
+        token to its temporal patches' tokens: Qwen3.x (with the vision start / end the chat template wrapped it
+        in, when there) each `<t seconds>` (tokenized alone, by `tokenizer`) + vision start + its tokens + vision
+        end, as transformers' Qwen3VLProcessor writes them; Qwen2.x all patches' tokens in place of the one, as
+        Qwen2_5_VLProcessor does. And what the runner needs for them: one ImageInput of grid (1, h, w) per
+        temporal patch (the tower attends within each frame; Qwen3.x's get_rope_index splits a video so too) and
+        the prompt's M-RoPE positions. Videos are decode_video's output. ImageCountError when the placeholders and
+        the items differ in number."""
         at = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
         if len(at) != len(images):
             raise ImageCountError(f"the prompt holds {len(at)} image placeholder(s) but {len(images)} image(s) were "
@@ -173,15 +191,22 @@ class ImageProcessor:
         items = sorted([(i, 0, item) for i, item in zip(at, self._processed(images))] +
                        [(i, 1, item) for i, item in zip(video_at, videos)], key=lambda x: x[0])
         ids: list[int] = []
-        inputs = []  # (offset, tokens, pixels, grid)
+        inputs = []  # (offset, tokens, pixels, grid, content hash or None)
+        spans = []  # mrope.prompt_positions' items: (offset, grid, time step), one per image or Qwen2.x video
         prev = 0
         for index, is_video, item in items:
             if not is_video:
                 pixels, grid = item.pixel_values, item.grid
                 ids.extend(prompt_ids[prev:index])
                 n = self.num_tokens(grid)
+                spans.append((len(ids), grid, 1.0))
                 inputs.append((len(ids), n, pixels, grid, item.content_hash))
                 ids.extend([self.image_token_id] * n)
+                prev = index + 1
+                continue
+            if self.video is not None and self.video.qwen2_family:
+                ids.extend(prompt_ids[prev:index])
+                self._expand_video_run(item, ids, inputs, spans)
                 prev = index + 1
                 continue
             lo, hi = index, index + 1
@@ -189,11 +214,10 @@ class ImageProcessor:
                     and prompt_ids[hi] == self.vision_end_id):
                 lo, hi = index - 1, index + 2  # (each temporal patch gets its own start / end instead)
             ids.extend(prompt_ids[prev:lo])
-            self._expand_video(item, ids, inputs, tokenizer)
+            self._expand_video(item, ids, inputs, spans, tokenizer)
             prev = hi
         ids.extend(prompt_ids[prev:])
-        positions, delta = prompt_positions(len(ids), [(offset, grid) for offset, _, _, grid, _ in inputs],
-                                            self.merge)
+        positions, delta = prompt_positions(len(ids), spans, self.merge)
         return ids, MultiModalPrompt(
             images=tuple(ImageInput(pixels, grid, digest or content_hash(pixels, grid), offset, n)
                          for offset, n, pixels, grid, digest in inputs),
@@ -206,21 +230,48 @@ class ImageProcessor:
         made = iter(ProcessedImage(p, g, None) for p, g in self.process(raw))
         return [im if im is not None else next(made) for im in out]
 
-    def _expand_video(self, video: ProcessedVideo, ids: list[int], inputs: list, tokenizer: Any) -> None:
+    def _expand_video(self, video: ProcessedVideo, ids: list[int], inputs: list, spans: list,
+                      tokenizer: Any) -> None:
         t, h, w = video.grid
         rows = torch.from_numpy(video.pixel_values)
         n = self.num_tokens((1, h, w))
         for k, secs in enumerate(video.timestamps[:t]):
             ids.extend(tokenizer.encode(f"<{secs:.1f} seconds>", add_special_tokens=False))
             ids.append(self.vision_start_id)
+            spans.append((len(ids), (1, h, w), 1.0))
             inputs.append((len(ids), n, rows[k * h * w:(k + 1) * h * w], (1, h, w), None))
             ids.extend([self.video_token_id] * n)
             ids.append(self.vision_end_id)
 
+    def video_time_step(self, video: ProcessedVideo) -> float:
+        """The M-RoPE time position step between a Qwen2.x video's temporal patches: Qwen2.5-VL's tokens_per_second
+        x second_per_grid_ts, in float32 as transformers' get_rope_index multiplies them; Qwen2-VL's one."""
+        if self.tokens_per_second is None:
+            return 1.0
+        return float(np.float32(self.tokens_per_second) * np.float32(video.second_per_grid))
 
-def content_hash(pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> bytes:
-    """sha256 over the processed pixels and the grid: equal images (at equal processor settings) hash alike."""
+    def _expand_video_run(self, video: ProcessedVideo, ids: list[int], inputs: list, spans: list) -> None:
+        """A Qwen2.x video: its t * h * w / merge**2 tokens in one run, one ImageInput per temporal patch, whose
+        content hash also holds the patch's time position (two videos alike up to a patch but for their frame rate
+        must not share that patch's KV blocks)."""
+        t, h, w = video.grid
+        rows = torch.from_numpy(video.pixel_values)
+        n = self.num_tokens((1, h, w))
+        step = self.video_time_step(video)
+        spans.append((len(ids), (t, h, w), step))
+        times = time_positions(t, step)
+        for k in range(t):
+            pixels = rows[k * h * w:(k + 1) * h * w]
+            inputs.append((len(ids), n, pixels, (1, h, w), content_hash(pixels, (1, h, w), int(times[k]))))
+            ids.extend([self.video_token_id] * n)
+
+
+def content_hash(pixel_values: torch.Tensor, grid: tuple[int, int, int], time_position: int = 0) -> bytes:
+    """sha256 over the processed pixels and the grid (and a Qwen2.x video patch's time position, past the video's
+    start, when not 0): equal images (at equal processor settings) hash alike."""
     h = hashlib.sha256()
     h.update(np.asarray(grid, dtype=np.int64).tobytes())
+    if time_position:
+        h.update(b"t" + np.asarray([time_position], dtype=np.int64).tobytes())
     h.update(pixel_values.contiguous().numpy().tobytes())
     return h.digest()

@@ -7,8 +7,8 @@ from typing import Any, Optional
 # the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py,
 # qwen2_vision_tower.py)
 IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl")
-# those that also take videos (Qwen2-VL's and Qwen2.5-VL's video positions and token layout are not built)
-VIDEO_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+# those that also take videos (all of them: Qwen3.x's patches after timestamps, Qwen2.x's in one run; processor.py)
+VIDEO_MODEL_TYPES = IMAGE_MODEL_TYPES
 
 
 def takes_videos(config: Any) -> bool:

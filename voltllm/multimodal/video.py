@@ -1,10 +1,14 @@
-"""A video part's bytes -> the vision tower's rows, as vLLM serves Qwen3-VL / Qwen3.5 videos: PyAV decodes the frames,
-which are sampled as vLLM's video loader (--media-io-kwargs video num_frames / fps) and then transformers' Qwen3-VL
-video processor (its fps, min_frames, max_frames) do it, resized by the processor's smart-resize rule, normalized and
-cut into patch rows in the processor's layout (temporal_patch_size frames per row). transformers' processor needs
-torchvision for the pixel work; this does it with numpy and PIL (PIL's bicubic resize, as the PIL image processor)."""
+"""A video part's bytes -> the vision tower's rows, as vLLM serves Qwen3-VL / Qwen3.5 and Qwen2.5-VL / Qwen2-VL
+videos: PyAV decodes the frames, which are sampled as vLLM's video loader (--media-io-kwargs video num_frames / fps)
+and then the model's transformers video processor do it (Qwen3-VL's samples by its fps, min_frames, max_frames;
+Qwen2-VL's, which Qwen2.5-VL uses too, takes the loader's frames as they are), resized by the processor's smart-resize
+rule (Qwen3-VL's pixel budget counts all frames, Qwen2-VL's each frame), normalized and cut into patch rows in the
+processor's layout (temporal_patch_size frames per row). transformers' processors need torchvision for the pixel work
+(Qwen2-VL's even to be imported); this does it with numpy and PIL (PIL's bicubic resize, as the PIL image
+processor)."""
 from __future__ import annotations
 
+import functools
 import io
 import math
 from dataclasses import dataclass
@@ -48,6 +52,9 @@ class VideoSampling:
     resample: int = 3  # PIL's BICUBIC
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 768
+    # Qwen3-VL's processor: min / max_pixels count all frames together and it samples among the loader's frames;
+    # Qwen2-VL's (qwen2_family): they count one frame and it takes the loader's frames (do_sample_frames false)
+    qwen2_family: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,9 @@ class ProcessedVideo:
     pixel_values: np.ndarray  # [t * h * w, C * temporal_patch * patch * patch] float32, t-major
     grid: tuple[int, int, int]  # (t, h, w) patches; each temporal patch is one (1, h, w) grid to the tower
     timestamps: tuple[float, ...]  # seconds of each temporal patch (the mean of its first and last frame)
+    # seconds one temporal patch spans: temporal_patch_size / the sampled frames' rate (transformers' Qwen2.5-VL
+    # processor's second_per_grid_ts, which spaces the patches' M-RoPE time positions)
+    second_per_grid: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,7 @@ def loader_indices(total: int, fps: float, loading: VideoLoading) -> tuple[list[
 def sampled_indices(total: int, fps: float, loading: VideoLoading, s: VideoSampling) -> list[int]:
     """The video's frames that become the processor's frames, in order (a short video may repeat some)."""
     indices, processor_samples = loader_indices(total, fps, loading)
-    if not processor_samples:
+    if not processor_samples or s.qwen2_family:
         return indices
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import VideoMetadata
@@ -101,8 +111,17 @@ def timestamps(indices: Sequence[int], fps: float, temporal_patch_size: int) -> 
     return tuple((secs[i] + secs[i + temporal_patch_size - 1]) / 2 for i in range(0, len(secs), temporal_patch_size))
 
 
+def second_per_grid(num_sampled: int, total: int, fps: float, temporal_patch_size: int) -> float:
+    """transformers' Qwen2.5-VL second_per_grid_ts: temporal_patch_size over the sampled frames' rate (its
+    VideoMetadata.sampled_fps: sampled / total frames x the video's fps)."""
+    return temporal_patch_size / (num_sampled / total * fps)
+
+
 def resized_size(num_frames: int, height: int, width: int, s: VideoSampling) -> tuple[int, int]:
-    """(height, width) of every frame after the processor's smart resize, whose pixel budget counts all frames."""
+    """(height, width) of every frame after the processor's smart resize, whose pixel budget counts all frames
+    (Qwen3-VL's) or each frame (Qwen2-VL's)."""
+    if s.qwen2_family:
+        return _qwen2_resized_size(num_frames, height, width, s)
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
     factor = s.patch_size * s.merge_size
@@ -114,6 +133,23 @@ def resized_size(num_frames: int, height: int, width: int, s: VideoSampling) -> 
     try:
         return smart_resize(num_frames, height, width, temporal_factor=s.temporal_patch_size, factor=factor,
                             min_pixels=s.min_pixels, max_pixels=max_pixels)
+    except ValueError as e:
+        raise MediaError(f"the video cannot be used: {e}") from None
+
+
+def _qwen2_resized_size(num_frames: int, height: int, width: int, s: VideoSampling) -> tuple[int, int]:
+    """Qwen2-VL's video processor: the image smart resize per frame (its cap_pixels_per_frame: each frame at most an
+    even share of 90% of max_video_tokens tokens' pixels, over temporal_patch_size frames, floored at 1.05 x
+    min_pixels)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    factor = s.patch_size * s.merge_size
+    max_pixels = s.max_pixels
+    if s.cap_pixels_per_frame:
+        total_pixels = int(s.max_video_tokens * factor * factor * 0.9)
+        max_pixels = max(min(max_pixels, total_pixels * s.temporal_patch_size // num_frames), int(s.min_pixels * 1.05))
+    try:
+        return smart_resize(height, width, factor=factor, min_pixels=s.min_pixels, max_pixels=max_pixels)
     except ValueError as e:
         raise MediaError(f"the video cannot be used: {e}") from None
 
@@ -148,14 +184,16 @@ def patchify(frames: np.ndarray, s: VideoSampling) -> tuple[np.ndarray, tuple[in
     return np.ascontiguousarray(x.reshape(t * h * w, c * tp * p * p), dtype=np.float32), (t, h, w)
 
 
-def process_frames(frames: Sequence[np.ndarray], indices: Sequence[int], fps: float, s: VideoSampling
-                   ) -> ProcessedVideo:
-    """Sampled RGB frames (any size, uint8 [H, W, 3]) and their indices in the video -> the tower's rows."""
+def process_frames(frames: Sequence[np.ndarray], indices: Sequence[int], fps: float, s: VideoSampling,
+                   total: Optional[int] = None) -> ProcessedVideo:
+    """Sampled RGB frames (any size, uint8 [H, W, 3]) and their indices in the video of `total` frames (None: the
+    frames are all of them) -> the tower's rows."""
     height, width = frames[0].shape[:2]
     rh, rw = resized_size(len(frames), height, width, s)
     resized = np.stack([resize_frame(f, rh, rw, s.resample) for f in frames])
     rows, grid = patchify(normalized(resized, s), s)
-    return ProcessedVideo(rows, grid, timestamps(indices, fps, s.temporal_patch_size))
+    return ProcessedVideo(rows, grid, timestamps(indices, fps, s.temporal_patch_size),
+                          second_per_grid(len(indices), total or len(indices), fps, s.temporal_patch_size))
 
 
 def decode_video(data: bytes, loading: VideoLoading, s: VideoSampling) -> ProcessedVideo:
@@ -169,7 +207,8 @@ def decode_video(data: bytes, loading: VideoLoading, s: VideoSampling) -> Proces
         frames, decoded = _decode_frames(data, indices, rh, rw, s.resample)
         if frames is not None:
             rows, grid = patchify(normalized(np.stack(frames), s), s)
-            return ProcessedVideo(rows, grid, timestamps(indices, stream.fps, s.temporal_patch_size))
+            return ProcessedVideo(rows, grid, timestamps(indices, stream.fps, s.temporal_patch_size),
+                                  second_per_grid(len(indices), total, stream.fps, s.temporal_patch_size))
         if decoded < 1:
             break
         total = decoded
@@ -248,10 +287,15 @@ VIDEO_SETTINGS = frozenset({"size", "patch_size", "temporal_patch_size", "merge_
                             "max_video_tokens"})
 
 
-def video_sampling_for(model_dir: str, kwargs: dict) -> VideoSampling:
-    """The video processor's settings: transformers' Qwen3-VL video processor as from_pretrained builds it
-    (video_preprocessor_config.json, else preprocessor_config.json, over its class defaults) with `kwargs` (the
-    --mm-processor-kwargs it takes) over them. ValueError for settings that cannot run."""
+# keys Qwen2-VL's video processor takes besides those (its older per-frame pixel bounds, over size's)
+QWEN2_VIDEO_SETTINGS = frozenset({"min_pixels", "max_pixels"})
+
+
+def video_sampling_for(model_dir: str, kwargs: dict, qwen2_family: bool = False) -> VideoSampling:
+    """The video processor's settings: transformers' Qwen3-VL video processor (qwen2_family: Qwen2-VL's, which
+    Qwen2.5-VL uses too) as from_pretrained builds it (video_preprocessor_config.json, else preprocessor_config.json,
+    over its class defaults) with `kwargs` (the --mm-processor-kwargs it takes) over them. ValueError for settings
+    that cannot run."""
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     if kwargs.get("do_resize") is False:
@@ -259,12 +303,18 @@ def video_sampling_for(model_dir: str, kwargs: dict) -> VideoSampling:
     kwargs = {k: v for k, v in kwargs.items() if k not in ("do_resize", "do_convert_rgb")}
     if kwargs.get("fps") is not None and kwargs.get("num_frames") is not None:
         raise ValueError("fps and num_frames are exclusive (the processor samples by one of them)")
-    hf = Qwen3VLVideoProcessor.from_pretrained(model_dir, **kwargs)
+    if qwen2_family:
+        given = sorted(k for k in ("fps", "num_frames") if kwargs.get(k) is not None)
+        if given:
+            raise ValueError(f"{' and '.join(given)}: Qwen2-VL's video processor samples no frames (its "
+                             "do_sample_frames is false), it takes the loader's; choose them with --media-io-kwargs "
+                             "'{\"video\": {\"num_frames\": N, \"fps\": F}}'")
+    hf = (_qwen2_vl_video_processor() if qwen2_family else Qwen3VLVideoProcessor).from_pretrained(model_dir, **kwargs)
     size = hf.size
     if not size.shortest_edge or not size.longest_edge:
         raise ValueError(f"the video processor's size needs shortest_edge and longest_edge, got {dict(size)}")
     num_frames = kwargs.get("num_frames", getattr(hf, "num_frames", None))
-    fps = None if num_frames is not None else float(hf.fps)
+    fps = None if num_frames is not None or qwen2_family else float(hf.fps)
     if num_frames is not None and not 1 <= int(num_frames) <= hf.max_frames:
         raise ValueError(f"num_frames {num_frames} must be between 1 and max_frames {hf.max_frames}")
     if fps is not None and fps <= 0:
@@ -280,4 +330,47 @@ def video_sampling_for(model_dir: str, kwargs: dict) -> VideoSampling:
                          max_frames=int(hf.max_frames), mean=mean, std=std, rescale_factor=float(hf.rescale_factor),
                          do_rescale=bool(hf.do_rescale), do_normalize=bool(hf.do_normalize),
                          resample=int(hf.resample), cap_pixels_per_frame=bool(hf.cap_pixels_per_frame),
-                         max_video_tokens=int(hf.max_video_tokens))
+                         max_video_tokens=int(hf.max_video_tokens), qwen2_family=qwen2_family)
+
+
+@functools.lru_cache(maxsize=None)
+def _qwen2_vl_video_processor() -> type:
+    """transformers' Qwen2VLVideoProcessor's settings (class defaults, min_pixels / max_pixels over size) on
+    BaseVideoProcessor's from_pretrained: its own module imports torchvision, which voltllm does not install."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
+    from transformers.processing_utils import VideosKwargs
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    class Qwen2VLVideoKwargs(VideosKwargs, total=False):
+        min_pixels: int
+        max_pixels: int
+        patch_size: int
+        temporal_patch_size: int
+        merge_size: int
+        min_frames: int
+        max_frames: int
+        cap_pixels_per_frame: bool
+        max_video_tokens: int
+
+    class Qwen2VLVideoSettings(BaseVideoProcessor):
+        resample = PILImageResampling.BICUBIC
+        size = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
+        image_mean = OPENAI_CLIP_MEAN
+        image_std = OPENAI_CLIP_STD
+        do_resize = do_rescale = do_normalize = do_convert_rgb = True
+        patch_size, temporal_patch_size, merge_size = 14, 2, 2
+        min_frames, max_frames = 4, 768
+        do_sample_frames = False
+        cap_pixels_per_frame = None
+        max_video_tokens = 128000
+        valid_kwargs = Qwen2VLVideoKwargs
+
+        def __init__(self, **kwargs: Any):
+            size = dict(kwargs.pop("size", None) or self.size)
+            for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+                if kwargs.get(key) is not None:
+                    size[edge] = kwargs.pop(key)
+                kwargs.pop(key, None)
+            super().__init__(size=size, **kwargs)
+
+    return Qwen2VLVideoSettings

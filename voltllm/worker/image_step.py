@@ -195,7 +195,8 @@ class ImageStep:
 def largest_grid(config: Any, tower: Any) -> tuple[int, int, int]:
     """The patch grid of the largest image the engine's image processor makes (its longest_edge pixels, with
     --mm-processor-kwargs applied, as a square; Qwen2-VL's default 12845056 when it cannot be built), or of a video's
-    largest temporal patch when that is larger (its budget over at least temporal_patch_size frames)."""
+    largest temporal patch when that is larger (Qwen3.x: its budget over at least temporal_patch_size frames; Qwen2.x:
+    its per-frame budget)."""
     import math
 
     from voltllm.config import ConfigError
@@ -205,8 +206,10 @@ def largest_grid(config: Any, tower: Any) -> tuple[int, int, int]:
     try:
         processor = image_processor_for(config)
         pixels = processor.hf_processor.size.longest_edge if processor is not None else None
-        if processor is not None and processor.video is not None:
-            pixels = max(pixels or 0, processor.video.max_pixels // processor.video.temporal_patch_size)
+        video = processor.video if processor is not None else None
+        if video is not None:  # (Qwen2-VL's video processor bounds each frame's pixels, Qwen3-VL's all frames')
+            pixels = max(pixels or 0, video.max_pixels if video.qwen2_family else
+                         video.max_pixels // video.temporal_patch_size)
     except (ConfigError, AttributeError):
         pass
     unit = tower.patch * tower.merge
