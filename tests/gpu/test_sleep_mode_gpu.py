@@ -17,7 +17,7 @@ KV_BYTES = 512 * 2**20
 def llm(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("tiny")), "qwen3", intermediate_size=4096, hidden_size=1024,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=64)
-    return LLM(path, device="cuda", dtype="float16", max_model_len=2048, kv_cache_memory_bytes=KV_BYTES,
+    return LLM(path, device="cuda", dtype="float16", max_model_len=1024, kv_cache_memory_bytes=KV_BYTES,
                enable_sleep_mode=True)
 
 
