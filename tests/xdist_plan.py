@@ -29,7 +29,7 @@ SHARED_FILES = {
                     "tests/server/test_lora_server.py", "tests/server/test_messages_server.py",
                     "tests/server/test_priority_server.py", "tests/server/test_reasoning_server.py",
                     "tests/server/test_repetition_detection_server.py",
-                    "tests/server/test_responses_server.py",
+                    "tests/server/test_responses_server.py", "tests/server/test_sleep_mode_server.py",
                     "tests/server/test_structured_outputs_server.py", "tests/server/test_tool_choice_server.py",
                     "tests/server/test_vllm_params_server.py"),
     "smollm2_transformers": ("tests/model/test_gguf_loader.py", "tests/model/test_smollm2.py"),

@@ -111,6 +111,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-key-offsets", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: store keys minus each layer's per-channel key mean from the first forward "
                         "(attention is unchanged; less fp8 error for keys with a large mean, e.g. a QKV bias)")
+    g.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False,
+                   help="allow freeing the GPU between uses: LLM.sleep / wake_up, the server's POST /sleep?level=1|2, "
+                        "POST /wake_up and GET /is_sleeping")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False, help="no CUDA graphs")
     g.add_argument("--compilation-config", "-cc", type=compilation_config_arg, default=None,
                    help='CUDA graphs as vLLM configures them, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", '

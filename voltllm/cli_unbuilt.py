@@ -44,8 +44,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--long-lora-scaling-factors": _LORA_LONG, "--default-mm-loras": _LORA_MM,
     "--enable-prompt-adapter": _PROMPT_ADAPTERS, "--max-prompt-adapters": _PROMPT_ADAPTERS,
     "--max-prompt-adapter-token": _PROMPT_ADAPTERS, "--prompt-adapters": _PROMPT_ADAPTERS,
-    # memory
-    "--enable-sleep-mode": "sleep mode (freeing the GPU between uses, /sleep and /wake_up) is not built",
     # parallelism
     "--enable-eplb": _EPLB, "--eplb-config": _EPLB, "--all2all-backend": _ALL2ALL,
     "--data-parallel-size-local": _DATA_PARALLEL, "--data-parallel-address": _DATA_PARALLEL,
@@ -152,7 +150,7 @@ SHORT_ALIASES = {"-asc": "--api-server-count", "-dpn": "--data-parallel-rank"}
 # harness passes enable_lora=False and max_lora_rank to every vLLM engine; LoRA is built now, and its settings are
 # EngineArgs fields): a switch's off form, the settings that
 # only act while their switch is on (which voltllm refuses), and the values that name what voltllm does.
-SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-sleep-mode", "--enable-eplb",
+SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-eplb",
                           "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias",
                           "--enable-dbo", "--disable-nccl-for-dp-synchronization", "--enable-mm-embeds",
                           "--disable-chunked-mm-input", "--trust-request-mm-kwargs", "--kv-cache-metrics",

@@ -200,6 +200,9 @@ class EngineConfig:
     # image input's settings (--limit-mm-per-prompt, --mm-processor-kwargs, the media flags); text-only models ignore
     # them
     multimodal: "MultiModalConfig" = field(default_factory=lambda: _default_multimodal())
+    # --enable-sleep-mode: sleep(level) / wake_up(tags) free and restore the weights' and the KV cache's device memory
+    # (worker/sleep_mode.py)
+    enable_sleep_mode: bool = False
 
 
 def _default_multimodal() -> "MultiModalConfig":
@@ -306,6 +309,8 @@ class EngineArgs:
     task: Optional[str] = None
     pooler_config: Optional[Any] = None  # JSON object or dict: pooling_type, normalize / use_activation, dimensions
     override_pooler_config: Optional[Any] = None
+    # --enable-sleep-mode: LLM.sleep / wake_up and the server's /sleep, /wake_up, /is_sleeping (worker/sleep_mode.py)
+    enable_sleep_mode: bool = False
     # LoRA adapters (voltllm/lora/); the other settings apply only with enable_lora (off, they are not checked, as
     # vLLM builds no LoRA config then: lm-evaluation-harness passes enable_lora=False with a max_lora_rank)
     enable_lora: bool = False
@@ -750,6 +755,12 @@ class EngineArgs:
             ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs, takes_videos(config))
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
+        if self.enable_sleep_mode:
+            from voltllm.worker.sleep_mode import sleep_mode_refusal
+
+            if why := sleep_mode_refusal(config):
+                raise ConfigError(f"--enable-sleep-mode: {why}")
+            config = replace(config, enable_sleep_mode=True)
         reasoning = self._resolve_reasoning(tokenizer)
         if reasoning is not None:
             config = replace(config, reasoning=reasoning)

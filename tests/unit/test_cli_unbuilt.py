@@ -19,7 +19,7 @@ from voltllm.cli_unbuilt import INERT, UNBUILT_FLAGS, WHILE_SWITCHED_ON, screen_
     (["serve", "m", "--enable-reasoning", "--reasoning-parser", "qwen3"],
      "voltllm: error: --enable-reasoning: an older vLLM flag: --reasoning-parser NAME alone"),
     (["generate", "hi", "m", "--num-scheduler-steps", "8"], "voltllm: error: --num-scheduler-steps: multi-step"),
-    (["serve", "m", "--enable-sleep-mode"], "voltllm: error: --enable-sleep-mode: sleep mode"),
+    (["serve", "m", "--enable-eplb"], "voltllm: error: --enable-eplb: the expert-parallel load balancer"),
 ])
 def test_unbuilt_vllm_flags_exit_2_with_the_reason(capsys, argv, expected):
     assert main(argv) == 2
@@ -38,7 +38,7 @@ def test_every_table_flag_is_refused_and_none_is_defined_by_voltllm():
 
 
 @pytest.mark.parametrize("words", [["--no-fully-sharded-loras"], ["--enable-lora-bias=false"],
-                                   ["--lora-extra-vocab-size", "256"], ["--no-enable-sleep-mode"],
+                                   ["--lora-extra-vocab-size", "256"], ["--no-enable-dbo"],
                                    ["--num-lookahead-slots", "0"], ["--scheduler-delay-factor=0"],
                                    ["--num-scheduler-steps", "1"], ["--no-enable-eplb"]])
 def test_unbuilt_features_left_off_are_accepted_and_dropped(words):
@@ -57,9 +57,9 @@ def test_other_engineers_server_flags_are_not_in_the_table():
 
 
 def test_a_flag_voltllm_defines_is_never_refused_from_the_table():
-    assert unbuilt_flag_error(["serve", "--enable-sleep-mode"], known={"--enable-sleep-mode"}) is None
-    assert unbuilt_flag_error(["serve", "m", "--", "--enable-sleep-mode"]) is None  # after --: values
-    assert unbuilt_flag_error(["generate", "--enable-sleep-mode is off", "m"]) is None  # a value, not a flag
+    assert unbuilt_flag_error(["serve", "--enable-eplb"], known={"--enable-eplb"}) is None
+    assert unbuilt_flag_error(["serve", "m", "--", "--enable-eplb"]) is None  # after --: values
+    assert unbuilt_flag_error(["generate", "--enable-eplb is off", "m"]) is None  # a value, not a flag
 
 
 def test_unknown_flags_keep_argparse_message(capsys):
@@ -75,12 +75,12 @@ def test_config_file_and_offline_llm_name_the_reason(tmp_path):
     from voltllm.entrypoints.llm import LLM
 
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("enable_sleep_mode: true\n")
+    cfg.write_text("enable_eplb: true\n")
     parser = build_parser()
-    with pytest.raises(ConfigError, match="serve.yaml: enable_sleep_mode: sleep mode"):
+    with pytest.raises(ConfigError, match="serve.yaml: enable_eplb: the expert-parallel load balancer"):
         merge_config(parser, "serve", parser.parse_args(["serve", "--config", str(cfg)]))
-    with pytest.raises(TypeError, match="enable_sleep_mode: sleep mode .* is not built"):
-        LLM("unused", enable_sleep_mode=True)
+    with pytest.raises(TypeError, match="enable_eplb: the expert-parallel load balancer .* is not built"):
+        LLM("unused", enable_eplb=True)
     with pytest.raises(TypeError, match="unknown engine arguments: no_such_argument"):
         LLM("unused", no_such_argument=1)
     cfg.write_text("enable_lora: false\nmax_lora_rank: 16\ntask: generate\nmax-model-len: 77\n")

@@ -46,6 +46,11 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (client gone, shutdown) before it finished."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine is sleeping (--enable-sleep-mode): it takes no request until woken up. An EngineDeadError, so that
+    every route answers it as it answers an engine that is not available (503)."""
+
+
 class StatObserver(Protocol):
     def on_first_token(self, ttft_s: float) -> None: ...
     def on_tokens(self, inter_token_s: float, count: int) -> None: ...
@@ -174,6 +179,10 @@ class AsyncLLM:
         self._task: Optional[asyncio.Task] = None
         self._closed = False
         self._report_waiters: list[asyncio.Future] = []  # acceleration_report() calls, answered in order
+        # --enable-sleep-mode: set when a sleep is sent (new requests are refused from then on), cleared when the
+        # engine answers a wake_up with every part awake; sleep() / wake_up() calls are answered in order
+        self.sleeping = False
+        self._sleep_waiters: list[asyncio.Future] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -303,6 +312,13 @@ class AsyncLLM:
                 fut = self._report_waiters.pop(0)
                 if not fut.done():
                     fut.set_result(msg[1])
+        elif kind == "sleep_mode":
+            _, error, sleeping = msg
+            self.sleeping = sleeping
+            if self._sleep_waiters:
+                fut = self._sleep_waiters.pop(0)
+                if not fut.done():
+                    fut.set_result(error)
         elif kind == "fatal":
             self._on_dead(f"the engine failed: {msg[1].strip().splitlines()[-1]}")
         else:
@@ -316,6 +332,10 @@ class AsyncLLM:
             if not fut.done():
                 fut.set_exception(EngineDeadError(why))
         self._report_waiters.clear()
+        for fut in self._sleep_waiters:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(why))
+        self._sleep_waiters.clear()
         for rid, st in list(self._streams.items()):
             st._fail(EngineDeadError(why))
         self._streams.clear()
@@ -400,6 +420,11 @@ class AsyncLLM:
         if self.frontend is None:
             raise EngineDeadError("the engine is not started")
 
+    def _check_awake(self) -> None:
+        self._check_alive()
+        if self.sleeping:
+            raise EngineSleepingError("the engine is sleeping (--enable-sleep-mode): POST /wake_up wakes it")
+
     def _validate(self, req: EngineCoreRequest) -> None:
         """The engine core's own admission checks, done here so that a bad request is a 400 at once."""
         if (req.pooling_params is not None) != (self.config.model.runner == "pooling"):
@@ -441,7 +466,7 @@ class AsyncLLM:
         --scheduling-policy priority, lower is served first (else it must be 0). lora_request: the adapter it runs
         with (voltllm.lora.request.LoRARequest; --enable-lora). multi_modal: the prompt's images
         (voltllm.multimodal.inputs.MultiModalPrompt; the prompt's ids have their placeholders expanded)."""
-        self._check_alive()
+        self._check_awake()
         if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._check_lora(lora_request)
@@ -467,7 +492,7 @@ class AsyncLLM:
                             cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
         """Validate and submit one embedding request (pooling engines); its stream yields one PoolingRequestOutput.
         Raises ValueError subclasses for bad input (HTTP 400). priority: as add_request's."""
-        self._check_alive()
+        self._check_awake()
         if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = self.frontend.make_pooling_request(request_id, prompt, params, cache_salt, priority)
@@ -519,7 +544,7 @@ class AsyncLLM:
         params.beam_width beams as choices, when it ends. num_logprobs: each choice's logprobs (the chosen token and
         that many top ones per token), None for none. priority, lora_request: its steps' (as add_request's). Raises
         ValueError subclasses for bad input (HTTP 400)."""
-        self._check_alive()
+        self._check_awake()
         check_priority(priority, self.config.scheduler.policy)
         self._check_lora(lora_request)
         if self.serves(request_id):
@@ -585,6 +610,48 @@ class AsyncLLM:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise EngineDeadError(f"the engine did not answer the report request within {timeout:.0f} s") from None
+
+    # -- sleep mode (--enable-sleep-mode) ----------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's: the engine frees the GPU memory of its weights (level 1: kept in CPU memory; level 2: discarded,
+        reloaded at wake-up) and of its KV cache. The requests in flight are aborted (their streams fail with
+        RequestAbortedError, vLLM's default "abort" mode); new ones are refused with EngineSleepingError until
+        wake_up. ValueError: a bad level, or sleep mode off."""
+        from voltllm.worker.sleep_mode import check_level
+
+        self._check_alive()
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
+        check_level(level)
+        was_sleeping, self.sleeping = self.sleeping, True
+        if not was_sleeping:
+            for rid in [*self._beam_searches, *self._streams]:
+                self.abort(rid, f"request {rid} was aborted: the engine was put to sleep")
+        try:
+            await self._sleep_mode_call(("sleep", level))
+        except ValueError:
+            self.sleeping = was_sleeping
+            raise
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Restore what sleep freed: tags None (all), or ["weights"] / ["kv_cache"]; requests are taken again once
+        every part is awake. ValueError: a bad tag, or sleep mode off."""
+        from voltllm.worker.sleep_mode import check_tags
+
+        self._check_alive()
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the server with --enable-sleep-mode")
+        check_tags(tags)
+        await self._sleep_mode_call(("wake_up", list(tags) if tags is not None else None))
+
+    async def _sleep_mode_call(self, msg: tuple) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._sleep_waiters.append(fut)
+        self._send(msg)
+        error = await asyncio.shield(fut)  # (a sleep waits for the step in flight; a level-2 wake-up reloads weights)
+        if error is not None:
+            kind, message = error
+            raise (ValueError if kind == "ValueError" else RuntimeError)(message)
 
     @property
     def num_active_requests(self) -> int:

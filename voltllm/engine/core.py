@@ -111,6 +111,11 @@ class EngineCore:
         # async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host
         self.async_scheduling = config.scheduler.async_scheduling
         self._inflight: Optional[tuple[SchedulerOutput, StepHandle]] = None
+        self.sleep_state = None  # --enable-sleep-mode: worker.sleep_mode.RunnerSleep
+        if config.enable_sleep_mode:
+            from voltllm.worker.sleep_mode import RunnerSleep
+
+            self.sleep_state = RunnerSleep(self.runner)
 
     def _engine_tokenizer(self):
         mc = self.config.model
@@ -142,6 +147,9 @@ class EngineCore:
             raise InvalidRequestError(f"request id {req.request_id!r} is already running")
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        if self.is_sleeping():
+            raise InvalidRequestError("the engine is sleeping (--enable-sleep-mode): wake it up (LLM.wake_up(), "
+                                      "POST /wake_up) before sending requests")
         self.validate(req)
         lora_key = self._register_lora(req.lora_request) if req.lora_request is not None else None
         r = Request(req, self.max_model_len)
@@ -210,6 +218,47 @@ class EngineCore:
         if reset_connector:
             self.kv.reset_cpu_tier()
         return True
+
+    # vLLM's sleep mode (--enable-sleep-mode; worker/sleep_mode.py)
+    def _sleep_mode(self):
+        if self.sleep_state is None:
+            raise ValueError("sleep mode is off: create the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        return self.sleep_state
+
+    def sleep(self, level: int = 1) -> list[EngineCoreOutput]:
+        """Free the device memory of the weights (level 1: kept in CPU memory; level 2: discarded, reloaded from the
+        checkpoint at wake-up) and of the KV cache (discarded). Requests still unfinished are aborted first (vLLM's
+        default "abort" mode): the returned outputs are the step in flight's and their abort notices, which the
+        caller delivers. The prefix cache is forgotten (its blocks' contents go)."""
+        state = self._sleep_mode()
+        state.check(level)
+        if state.is_sleeping:
+            state.sleep(level)  # (a warning: already asleep)
+            return []
+        outputs: list[EngineCoreOutput] = []
+        if self._inflight is not None:
+            outputs += self._finish_inflight()
+        unfinished = list(self.scheduler.requests)
+        if unfinished:
+            logger.info("sleep: aborting %d unfinished request(s)", len(unfinished))
+            self.abort_requests(unfinished)
+        outputs += self.step()  # (schedules nothing: flushes the abort notices, releases the requests' runner state)
+        if self.has_unfinished_requests() or not self.reset_prefix_cache(reset_connector=self.kv.cpu is not None):
+            raise RuntimeError("sleep: requests still hold KV blocks after they were aborted")
+        state.sleep(level)
+        return outputs
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Restore what sleep() freed: tags None (all), or a list of "weights" and / or "kv_cache" (vLLM's, e.g. the
+        weights first to update them, then the KV cache). The engine runs requests again once both are awake."""
+        from voltllm.worker.sleep_mode import check_tags
+
+        check_tags(tags)
+        self._sleep_mode().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True from sleep() until every tag is awake again."""
+        return self.sleep_state is not None and self.sleep_state.is_sleeping
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -339,6 +388,10 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.is_sleeping():
+            assert not self.has_unfinished_requests(), "a sleeping engine holds requests"
+            assert self.kv.pool.num_free_blocks == self.kv.pool.num_blocks and not self.kv.pool.cached, \
+                "a sleeping engine's KV blocks are in use or cached"
         offload = self.runner.kv_offload
         assert (self.kv.cpu.num_slots if self.kv.cpu is not None else 0) == (
             offload.num_slots if offload is not None else 0), "the CPU tier's index and host slots differ"

@@ -248,6 +248,18 @@ class DataParallelLLM:
         for e in self.engines:
             e.remove_lora(lora_int_id)
 
+    async def sleep(self, level: int = 1) -> None:
+        """Every engine sleeps (AsyncLLM.sleep)."""
+        await asyncio.gather(*(e.sleep(level) for e in self.engines))
+
+    async def wake_up(self, tags: Optional[list] = None) -> None:
+        await asyncio.gather(*(e.wake_up(tags) for e in self.engines))
+
+    @property
+    def sleeping(self) -> bool:
+        """Some engine sleeps (all do, unless one failed to wake up)."""
+        return any(e.sleeping for e in self.engines)
+
     async def acceleration_report(self, timeout: float = 30.0) -> dict:
         """Engine 0's report (the engines run one configuration) with each engine's verdict under "engines"; "ok"
         only if every engine's is, and a route disabled on any engine's GPU is listed with that engine's index."""

@@ -11,9 +11,13 @@ a connected ipc socket no longer needs its file, and a killed API process then l
   ("check",)   run check_integrity()           ("outputs", [EngineCoreOutput, ...], SchedulerStats)
   ("report",)  acceleration report             ("error", [child request id, ...], message)
   ("remove_lora", lora_int_id)                 ("check", message or None)
-  ("shutdown",)                                ("report", report dict or {"error": message})
-                                               ("fatal", message)
+  ("sleep", level)                             ("report", report dict or {"error": message})
+  ("wake_up", tags or None)                    ("sleep_mode", None or (error kind, message), is_sleeping)
+  ("shutdown",)                                ("fatal", message)
 remove_lora: an unloaded LoRA adapter, dropped once the requests running with it end (EngineCore.remove_lora).
+sleep / wake_up (--enable-sleep-mode): each answered with one "sleep_mode" message, after the "outputs" of the
+requests sleep aborted (EngineCore.sleep); error kind "ValueError" is a bad argument, "RuntimeError" a failure (e.g.
+too little GPU memory to wake up).
 
 The loop blocks on its input socket only while it has nothing to compute (or nothing but requests whose grammar is
 compiling in the background: then it also wakes when a compile ends); otherwise it drains input without waiting and
@@ -200,6 +204,8 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
                         out.send(_dumps(("report", {"error": f"{type(e).__name__}: {e}"})))
                 elif kind == "remove_lora":
                     core.remove_lora(msg[1])
+                elif kind in ("sleep", "wake_up"):
+                    _sleep_mode_call(core, out, kind, msg[1])
                 elif kind == "shutdown":
                     return
                 else:
@@ -213,3 +219,19 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
                 out.send(_dumps(("error", [rid], message)))
             if outputs or flush or not core.waiting_only_for_grammars():
                 out.send(_dumps(("outputs", outputs, core.stats())))
+
+
+def _sleep_mode_call(core: Any, out: Any, kind: str, arg: Any) -> None:
+    """sleep(level) / wake_up(tags): the aborted requests' outputs first, then the answer."""
+    error = None
+    try:
+        if kind == "sleep":
+            outputs = core.sleep(arg)
+            if outputs:
+                out.send(_dumps(("outputs", outputs, core.stats())))
+        else:
+            core.wake_up(arg)
+    except (ValueError, RuntimeError) as e:
+        logger.warning("%s failed: %s", kind, e)
+        error = ("ValueError" if isinstance(e, ValueError) else "RuntimeError", str(e))
+    out.send(_dumps(("sleep_mode", error, core.is_sleeping())))

@@ -194,6 +194,20 @@ class LLM:
         too (kv_offloading_size), as vLLM's resets its KV connector's only then."""
         return self.engine.reset_prefix_cache(reset_connector)
 
+    # vLLM's sleep mode (LLM(enable_sleep_mode=True)): free the GPU between uses
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: the weights go to CPU memory and the KV cache is discarded; level 2: both are discarded (wake_up
+        reloads the weights from the checkpoint). The prefix cache is forgotten. generate / chat refuse to run until
+        wake_up."""
+        self.engine.sleep(level)  # (between generate calls no request is in flight: none is aborted)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Restore what sleep freed: everything (None), or ["weights"] / ["kv_cache"] one at a time."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     # vLLM's LLMEngine LoRA management (llm.llm_engine.add_lora / remove_lora / list_loras), on the LLM itself
     def add_lora(self, lora_request: Any) -> bool:
         """Read and check a LoRARequest's adapter now (ValueError for one that cannot run), so that its first request

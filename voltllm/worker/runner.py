@@ -232,9 +232,7 @@ class ModelRunner:
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
-        from voltllm.distributed.experts import expert_shard, model_num_experts
         from voltllm.model.layer_placement import host_layers
-        from voltllm.model.loader import iter_weights, resolve_model
         from voltllm.model.models.registry import build_model
 
         t0 = time.monotonic()
@@ -269,11 +267,7 @@ class ModelRunner:
             else:
                 # quantized weights are allocated while they load, not when the model is built; under expert
                 # parallelism the other ranks' experts are not read
-                experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
-                model.load_weights((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                                    else t)
-                                   for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized,
-                                                            mc.quantization, experts=experts))
+                model.load_weights(self._checkpoint_weights())
             if offload is not None:
                 from voltllm.worker.weight_offload import describe, install_weight_offload
 
@@ -294,6 +288,27 @@ class ModelRunner:
 
             logger.info("%s weights kept quantized on the GPU: %s", mc.quantization, describe_quantized(model))
         return model
+
+    def _checkpoint_weights(self):
+        """The checkpoint's (name, tensor) pairs as load_weights takes them: floating tensors in the model's dtype;
+        under expert parallelism the other ranks' experts are not read."""
+        from voltllm.distributed.experts import expert_shard, model_num_experts
+        from voltllm.model.loader import iter_weights, resolve_model
+
+        mc = self.config.model
+        experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
+        return ((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized, mc.quantization,
+                                         experts=experts))
+
+    @torch.no_grad()
+    def reload_weights(self) -> None:
+        """Load the weights again into the model's existing tensors (sleep level 2's wake-up: worker/sleep_mode.py);
+        --load-format dummy draws the same seeded random values again."""
+        if self.config.model.load_format == "dummy":
+            init_dummy_weights(self.model, self.config.model.seed, self.device)
+        else:
+            self.model.load_weights(self._checkpoint_weights())
 
     def _keep_quantized(self) -> bool:
         """Resolve ModelConfig.quantized_weights. "auto" keeps the weights quantized when, dequantized, they would
@@ -1068,6 +1083,11 @@ class ModelRunner:
                 f"{self.device} ran out of memory capturing the decode CUDA graphs ({free / 2**30:.2f} of "
                 f"{total / 2**30:.1f} GiB free): lower --gpu-memory-utilization (the KV cache takes that share) or "
                 "--max-num-seqs / --max-cudagraph-capture-size (fewer graphs), or pass --enforce-eager") from None
+
+    def drop_cuda_graphs(self) -> None:
+        """Forget the captured CUDA graphs and their memory pools (sleep mode: they recorded the addresses of weights
+        and KV tensors about to be released); capture_cuda_graphs captures them again."""
+        self.graphs = self.verify_graphs = self.prompt_graphs = None
 
     def _capture_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs

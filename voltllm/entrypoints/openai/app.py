@@ -49,7 +49,8 @@ _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", 
            "/tokenizer_info",
            "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
            "/v1/acceleration", "/v1/sm70/acceleration", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-           "/classify", "/pooling", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+           "/classify", "/pooling", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/sleep", "/wake_up",
+           "/is_sleeping"}
 _POOLING_ROUTES_BUILT = ("embedding models serve POST /v1/embeddings, /score, /rerank and /pooling, classifiers "
                          "/score, /rerank, /classify and /pooling, with --runner pooling")
 _TEXT_ONLY = "voltllm serves text models (text in, text out)"
@@ -70,7 +71,8 @@ _SCORING_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 # behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open),
 # and the scoring routes and /pooling outside /v1 run the model as much as /v1/score does
-_GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling")
+# (and /sleep, /wake_up: they take the whole engine away from every client)
+_GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling", "/sleep", "/wake_up")
 
 
 def route_path(scope: dict) -> str:
@@ -213,6 +215,7 @@ class HttpOptions:
     server_load_tracking: bool = False  # GET /load counts the requests in flight
     runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py)
     tokenizer_info: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
+    sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (--enable-sleep-mode; sleep_routes.py)
 
 
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
@@ -294,6 +297,10 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> Response:
             return PlainTextResponse(await runtime_loras.unload(await parse_body(request, UnloadLoRAAdapterRequest)))
+
+    from voltllm.entrypoints.openai.sleep_routes import add_sleep_routes
+
+    add_sleep_routes(app, state, http.sleep_mode)
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
