@@ -30,7 +30,7 @@ def sleep_mode_refusal(config: Any) -> Optional[str]:
     if config.parallel.tensor_parallel_size > 1:
         return ("not built under --tensor-parallel-size > 1 (the other ranks' weights and KV cache live in their own "
                 "processes); run one rank per engine, or --data-parallel-size for more GPUs")
-    if getattr(config.parallel, "pipeline_parallel_size", 1) > 1:
+    if config.parallel.pipeline_parallel_size > 1:
         return "not built under --pipeline-parallel-size > 1"
     if config.weight_offload is not None:
         return ("not built with weight offloading (--cpu-offload-gb / --offload-group-size): its layers live in CPU "
