@@ -114,17 +114,48 @@ def test_hybrid_gdn_model(tmp_path):
         two.engine.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_ngram_speculation_matches_plain(tmp_path, monkeypatch, kind):
+    """n-gram drafts (an oracle's: right and wrong ones) verified by rank 0 from the last stage's rows; on the hybrid
+    every stage keeps the accepted rows of its own Gated DeltaNet states (rank 0's counts, a broadcast)."""
+    from spec_oracle import oracle_table, patch_ngram, run_checked
+
+    if kind == "qwen3":
+        path, vocab = make_model(str(tmp_path), "qwen3", num_hidden_layers=4), 400
+    else:
+        path, vocab = make_tiny_hybrid(str(tmp_path), "qwen3_5", seed=0, gen_seed=1, num_hidden_layers=8), 192
+        if path is None:
+            pytest.skip("this transformers has no Qwen3_5TextConfig")
+    kw = dict(block_size=4, mamba_block_size=8, max_num_batched_tokens=9, max_num_seqs=4, skip_tokenizer_init=True)
+    prompts = [[(7 * i + 3) % 190 for i in range(n)] for n in (19, 5, 26)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = run_checked(LLM(path, **kw), prompts, params)
+    patch_ngram(monkeypatch, oracle_table(prompts, plain), vocab)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    two = LLM(path, pipeline_parallel_size=2, speculative_config=ngram, **kw)
+    try:
+        assert run_checked(two, prompts, params) == plain
+        stats = two.engine.stats().extra
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+        assert run_checked(two, prompts, params) == plain  # again, from prefix-cache hits
+    finally:
+        two.engine.shutdown()
+
+
 @pytest.mark.parametrize("extra, message", [
     (dict(pipeline_parallel_size=0), "--pipeline-parallel-size must be >= 1"),
     (dict(pipeline_parallel_size=4), "only 3 decoder layers"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "with --tensor-parallel-size > 1"),
     (dict(pipeline_parallel_size=2, enable_lora=True), "with --enable-lora"),
-    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "with speculative decoding"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": "SELF",
+                                                         "num_speculative_tokens": 2}),
+     "with --speculative-config method 'draft_model'"),
     (dict(pipeline_parallel_size=2, cpu_offload_gb=1), "with --cpu-offload-gb"),
 ])
 def test_refused_combinations(tmp_path, extra, message):
     path = make_model(str(tmp_path), "qwen3")
+    if "speculative_config" in extra:  # (the model drafts for itself)
+        extra = dict(extra, speculative_config=dict(extra["speculative_config"], model=path))
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model=path, device="cpu", **extra).create_engine_config()
 

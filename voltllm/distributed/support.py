@@ -18,6 +18,9 @@ TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen
 # drafter and an EAGLE-3 head run unsharded beside rank 0's target shard (MTP, DFlash and EAGLE-3 with rank 0's whole
 # copies of the target's embedding and LM head, model/layers/full_vocab.py)
 TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash", "eagle3", "suffix")
+# speculative methods under PP: the host's drafts (rank 0 verifies; on a hybrid every stage keeps the accepted rows
+# of its own layers' states, rank 0's counts broadcast as under TP)
+PP_SPEC_METHODS = ("ngram", "suffix")
 
 
 def expert_parallel_error(tp: int, hf_config: Any) -> Optional[str]:
@@ -221,7 +224,9 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
         return None
     refused = [(args.tensor_parallel_size > 1, "with --tensor-parallel-size > 1 (stages of several ranks)"),
                (args.data_parallel_size > 1, "with --data-parallel-size > 1"),
-               (speculative is not None, "with speculative decoding"),
+               (speculative is not None and speculative.method not in PP_SPEC_METHODS,
+                f"with --speculative-config method {getattr(speculative, 'method', None)!r} (built: "
+                f"{', '.join(PP_SPEC_METHODS)})"),
                (args.enable_lora, "with --enable-lora"),
                (bool(args.cpu_offload_gb), "with --cpu-offload-gb (weight offloading)"),
                (bool(args.kv_offloading_size), "with --kv-offloading-size"),

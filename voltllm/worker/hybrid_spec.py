@@ -36,8 +36,8 @@ def keep_accepted_states(cache: Any, rows: list, out: Any, draft_ids: Optional[t
     """rows: the step's verifying (index, ScheduledRequest) pairs in verification-row order (1 + drafts rows each);
     out: the sampler's SamplerOutput (greedy: the model's choices) or DraftVerdicts, before its host copy;
     draft_ids: a draft model's drafts per row on the device (-1 after each request's last), else None (the drafts
-    are the requests' spec_tokens); tp: rank 0's tensor-parallel group, whose other ranks take the same counts
-    (follow_accepted_states)."""
+    are the requests' spec_tokens); tp: rank 0's group (tensor- or pipeline-parallel), whose other ranks take the
+    same counts (follow_accepted_states)."""
     dev = out.tokens.device
     n_drafts = [len(s.spec_tokens) for _, s in rows]
     req_of_row = [i for i, k in enumerate(n_drafts) for _ in range(k + 1)]
@@ -62,7 +62,7 @@ def keep_accepted_states(cache: Any, rows: list, out: Any, draft_ids: Optional[t
 
 
 def follow_accepted_states(cache: Any, tp: Any, verify: list[tuple[int, int]]) -> None:
-    """A tensor-parallel rank other than 0, after a verification: rank 0's accepted-draft counts (a device broadcast,
+    """A rank other than 0 (tensor- or pipeline-parallel), after a verification: rank 0's accepted-draft counts (a device broadcast,
     in stream order: no host sync) pick the same checkpoint rows of this rank's heads' states. verify: the verifying
     requests' (slot, draft count), in rank 0's row order. Their host-side token counts come with the next step
     (StepInputs.state_spans)."""

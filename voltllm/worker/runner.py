@@ -935,12 +935,13 @@ class ModelRunner:
         hidden = self._forward(graph, prompt_graph, meta, t, step.state_spans, slots, step.state_saves,
                                step.state_drafts, images)
         # (the logits' gathers are TP collectives; under PP rank 0 alone computes them, from the last stage's rows)
-        if step.spec_logits_rows and self.pp is None:  # the verification's logits, then its accepted states
-            self.model.compute_logits(hidden[to_device(step.spec_logits_rows, torch.long, self.device)])
+        if step.spec_logits_rows:  # the verification's logits, then its accepted states (a broadcast from rank 0)
+            if self.pp is None:
+                self.model.compute_logits(hidden[to_device(step.spec_logits_rows, torch.long, self.device)])
             if slots is not None and step.state_verify:
                 from voltllm.worker.hybrid_spec import follow_accepted_states
 
-                follow_accepted_states(self.state_cache, self.tp, step.state_verify)
+                follow_accepted_states(self.state_cache, self.group, step.state_verify)
         for sel in step.logits_rows if self.pp is None else ():
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
@@ -969,7 +970,7 @@ class ModelRunner:
         if self.state_cache is not None:  # the recurrent states after each request's last accepted draft
             from voltllm.worker.hybrid_spec import keep_accepted_states
 
-            handle.spec_states = keep_accepted_states(self.state_cache, rows, out, draft_ids, self.tp)
+            handle.spec_states = keep_accepted_states(self.state_cache, rows, out, draft_ids, self.group)
         handle.spec_device = (out.tokens, getattr(out, "accepted", None))
         out.copy_to_host_async()
         handle.spec_out = out
