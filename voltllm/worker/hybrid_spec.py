@@ -62,8 +62,8 @@ def keep_accepted_states(cache: Any, rows: list, out: Any, draft_ids: Optional[t
 
 
 def follow_accepted_states(cache: Any, tp: Any, verify: list[tuple[int, int]]) -> None:
-    """A rank other than 0 (tensor- or pipeline-parallel), after a verification: rank 0's accepted-draft counts (a device broadcast,
-    in stream order: no host sync) pick the same checkpoint rows of this rank's heads' states. verify: the verifying
+    """A rank other than 0 (tensor- or pipeline-parallel), after a verification: rank 0's accepted-draft counts (a
+    device broadcast, in stream order: no host sync) pick the same checkpoint rows of this rank's states. verify: the
     requests' (slot, draft count), in rank 0's row order. Their host-side token counts come with the next step
     (StepInputs.state_spans)."""
     n = len(verify)
