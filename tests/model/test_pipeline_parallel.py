@@ -192,3 +192,26 @@ def test_deepstack_layers_must_be_on_rank_0(tmp_path):
     path = make_tiny_qwen3_vl(str(tmp_path), "qwen3_vl")  # 3 text layers, deepstack rows after layers 0 and 1
     with pytest.raises(ConfigError, match="rank 0's 1 layers are fewer than the 2 layers"):
         EngineArgs(model=path, device="cpu", pipeline_parallel_size=2).create_engine_config()
+
+
+def test_a_stage_reads_only_its_layers(tmp_path):
+    """The loader never reads another stage's decoder layers (safetensors: names filtered before reading)."""
+    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
+
+    source = resolve_model(make_model(str(tmp_path), "qwen3", num_hidden_layers=4))
+    names = [n for n, _ in iter_weights(source, load_hf_config(source), layers=lambda i: i in (1, 2))]
+    layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+    assert layers == {1, 2}
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names and "model.norm.weight" in names
+
+
+def test_a_gguf_stage_reads_only_its_blocks(tmp_path, smollm2_gguf):
+    """A tiny GGUF of llama.cpp's low-bit kinds (2 blocks): a stage's loader never dequantizes the other's block."""
+    from gguf_files import LOW_BIT_CASES, write_low_bit_gguf
+    from voltllm.model.loader.gguf_loader import gguf_weights
+
+    out = str(tmp_path / "tiny.gguf")
+    write_low_bit_gguf(out, next(iter(LOW_BIT_CASES)), smollm2_gguf)
+    names = [n for n, _ in gguf_weights(out, layers=lambda i: i == 1)]
+    assert {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")} == {1}
+    assert "model.embed_tokens.weight" in names

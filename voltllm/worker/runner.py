@@ -291,7 +291,8 @@ class ModelRunner:
 
     def _checkpoint_weights(self):
         """The checkpoint's (name, tensor) pairs as load_weights takes them: floating tensors in the model's dtype;
-        under expert parallelism the other ranks' experts are not read."""
+        under expert parallelism the other ranks' experts are not read, under pipeline parallelism the other stages'
+        layers."""
         from voltllm.distributed.experts import expert_shard, model_num_experts
         from voltllm.model.loader import iter_weights, resolve_model
 
@@ -299,7 +300,7 @@ class ModelRunner:
         experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
         return ((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
                 for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized, mc.quantization,
-                                         experts=experts))
+                                         experts=experts, layers=self.pp.owns if self.pp is not None else None))
 
     @torch.no_grad()
     def reload_weights(self) -> None:

@@ -6,6 +6,7 @@ Everything downstream sees one shape: a transformers config, a tokenizer, and an
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -115,7 +116,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
 def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = False,
                  quantization: Optional[str] = None, only: Optional[Callable[[str], bool]] = None,
-                 experts: Any = None) -> Iterator[tuple[str, Any]]:
+                 experts: Any = None, layers: Optional[Callable[[int], bool]] = None) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
     4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers, bitsandbytes
@@ -124,11 +125,13 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     quantization "fp8" / "bitsandbytes" on an unquantized checkpoint quantizes its projections as they load.
     only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone). experts: this rank's
     routed experts under expert parallelism (distributed.experts.ExpertShard): the other ranks' expert tensors are
-    never read (safetensors) or never copied out of the file (GGUF)."""
+    never read (safetensors) or never copied out of the file (GGUF). layers: the decoder layers to read, by index (a
+    pipeline stage's, distributed/pipeline.py): the others' tensors are never read (names outside the decoder layers,
+    the embeddings, the LM head, a vision tower or an MTP module, always are)."""
     if source.kind == "gguf":
         from voltllm.model.loader.gguf_loader import gguf_weights
 
-        yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized, experts=experts)
+        yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized, experts=experts, layers=layers)
         return
     from voltllm.model.loader.bnb_checkpoint import bnb_scheme, bnb_weights, quantized_layers
     from voltllm.model.loader.compressed_tensors_checkpoint import ct_scheme, ct_weights
@@ -139,6 +142,9 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
 
     if experts is not None:
         only = experts.reads if only is None else (lambda name, first=only: first(name) and experts.reads(name))
+    if layers is not None:
+        in_stage = _of_layers(layers)
+        only = in_stage if only is None else (lambda name, first=only: first(name) and in_stage(name))
     stream = safetensors_weights(source.path, only)
     if (bnb := bnb_scheme(hf_config, quantization)) is not None:
         yield from bnb_weights(stream, bnb, quantized_layers(source.path) if bnb.bits == 4 and not bnb.at_load
@@ -153,3 +159,16 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
         yield from ct_weights(stream, ct, keep_quantized)
     else:
         yield from stream
+
+
+# a decoder layer's stored name: model.layers.N., model.language_model.layers.N., language_model.model.layers.N., ...
+# (not an MTP module's mtp.layers.N. nor a vision tower's blocks)
+_DECODER_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
+
+
+def _of_layers(layers: Callable[[int], bool]) -> Callable[[str], bool]:
+    """A stored-name filter that keeps names outside the decoder layers and the layers `layers` accepts."""
+    def reads(name: str) -> bool:
+        m = _DECODER_LAYER.match(name)
+        return m is None or layers(int(m.group(1)))
+    return reads

@@ -299,11 +299,12 @@ def _expert_tensors(t: Any, layer: int, projs: tuple[str, ...], keep_quantized: 
 
 
 def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
-                 experts: Any = None) -> Iterator[tuple[str, Any]]:
+                 experts: Any = None, layers: Any = None) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) for every tensor in the file, in file order: float32 CPU tensors, except with
     `keep_quantized`, where a linear layer's weight (or the embeddings) of a type with a device layout
     (model/layers/gguf_planes.py) comes as its raw blocks (GGUFBlocks) for the layer to keep quantized. A hybrid's
-    MTP blocks are skipped. experts: this rank's routed experts under expert parallelism (the others' are skipped)."""
+    MTP blocks are skipped. experts: this rank's routed experts under expert parallelism (the others' are skipped).
+    layers: which decoder layers to read, by index (a pipeline stage's; None: all): the others are never dequantized."""
     from gguf.quants import dequantize
 
     from voltllm.model.layers.quantized_linear import GGUFBlocks
@@ -317,6 +318,8 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
     for t in reader.tensors:
         block = _BLOCK_RE.match(t.name)
         if block and hybrid is not None and int(block.group(1)) >= n_layers:  # Qwen3.5's MTP (nextn) blocks
+            continue
+        if block and layers is not None and not layers(int(block.group(1))):
             continue
         m = _LAYER_RE.fullmatch(t.name)
         if m and m.group(2) in _EXPERT_NAMES:
