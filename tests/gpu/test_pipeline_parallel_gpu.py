@@ -1,6 +1,7 @@
 """Pipeline parallelism over two GPUs (NCCL point-to-point): -pp 2 against one GPU on a tiny qwen3 and a tiny dense
 hybrid (qwen3_5, 8 layers) with decode CUDA graphs on (the hand-overs captured inside each rank's graphs), fp32 and
-fp16. Needs 2 CUDA devices (benchmarks/run_h200.sh s146pp, kind nvidia-h200-x2); skipped otherwise."""
+fp16; with 4 devices also -tp 2 -pp 2. Needs 2 CUDA devices (benchmarks/run_h200.sh s146pp, kind nvidia-h200-x2);
+skipped otherwise."""
 import pytest
 import torch
 
@@ -52,3 +53,17 @@ def test_pp2_hybrid_matches_one_gpu(tmp_path):
         assert two.engine.runner.graphs.replays > 0
     finally:
         two.engine.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+def test_tp2_pp2_matches_one_gpu(tmp_path):
+    """Two stages of two tensor-parallel ranks (their all-reduces and the hand-overs in the decode graphs)."""
+    path = make_model(str(tmp_path), "llama", num_hidden_layers=4, max_position_embeddings=2048, vocab_size=401)
+    kw = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    ref = _greedy(LLM(path, **kw))
+    four = LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2, **kw)
+    try:
+        assert _greedy(four) == ref
+        assert four.engine.runner.graphs.replays > 0
+    finally:
+        four.engine.shutdown()

@@ -26,12 +26,13 @@ def make_store(rank: int, size: int, port: int) -> dist.TCPStore:
 class TPGroup:
     """This rank's view of the tensor-parallel group."""
 
-    def __init__(self, rank: int, size: int, store: dist.TCPStore, device: torch.device):
+    def __init__(self, rank: int, size: int, store: dist.TCPStore, device: torch.device, prefix: str = ""):
+        """prefix: the store keys' prefix of a subgroup's communicators (subgroup())."""
         self.rank = rank
         self.size = size
         self.device = device
         self.store = store  # kept alive: rank 0's store serves the others
-        self.host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, TIMEOUT)
+        self.host = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "host", store), rank, size, TIMEOUT)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             # NCCL >= 2.19 allocates through cuMem by default, which makes every all-reduce captured in the decode CUDA
@@ -40,9 +41,14 @@ class TPGroup:
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = TIMEOUT
-            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", store), rank, size, opts)
+            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "dev", store), rank, size, opts)
         else:
             self.dev = self.host
+
+    def subgroup(self, members: list[int], name: str) -> "TPGroup":
+        """A group of some of these ranks (this one among them), over the same store: a pipeline stage's
+        tensor-parallel ranks. Only the members make it; `name` keeps its communicators apart from the others'."""
+        return TPGroup(members.index(self.rank), len(members), self.store, self.device, prefix=f"{name}/")
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (a row-parallel projection's partial products)."""

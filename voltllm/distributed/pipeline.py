@@ -10,6 +10,10 @@ run the same step from the StepInputs rank 0 sends them (execute_follower), over
 This gives a model room on several GPUs whose count does not divide its heads (a 3-GPU rig), and over PCIe it sends
 far less than tensor parallelism's two all-reduces per layer. The stages run one after another within a step (no
 micro-batches), so it adds capacity, not speed.
+
+With -tp T as well, each stage is T ranks splitting its layers as tensor parallelism does (a subgroup of their own):
+world rank = stage * T + tensor-parallel rank, and tensor-parallel rank r of a stage hands its (replicated) hidden
+states to rank r of the next. Stage 0's T ranks hold the vocabulary-parallel embedding and LM head.
 """
 from __future__ import annotations
 
@@ -39,16 +43,29 @@ class PipelineStage:
     communicator: NCCL on CUDA, which CUDA graphs capture like the all-reduces of tensor parallelism; gloo on the
     CPU)."""
 
-    rank: int
-    size: int
+    rank: int  # the stage's index
+    size: int  # the stage count
     start: int  # this rank's first decoder layer (global index)
     end: int  # one past its last
-    group: Any  # the ranks' TPGroup (voltllm.distributed.group)
+    group: Any  # every rank's TPGroup (voltllm.distributed.group): the hand-overs go over it
+    tp_size: int = 1  # tensor-parallel ranks per stage
+    tp_rank: int = 0  # this rank's among its stage's
 
     @classmethod
-    def of(cls, num_layers: int, group: Any) -> "PipelineStage":
-        start, end = stage_layers(num_layers, group.size)[group.rank]
-        return cls(group.rank, group.size, start, end, group)
+    def of(cls, num_layers: int, group: Any, tp_size: int = 1) -> "PipelineStage":
+        stage, tp_rank = divmod(group.rank, tp_size)
+        size = group.size // tp_size
+        start, end = stage_layers(num_layers, size)[stage]
+        return cls(stage, size, start, end, group, tp_size, tp_rank)
+
+    def world_rank(self, stage: int) -> int:
+        """The rank of `stage` that this one hands over to / receives from (the same tensor-parallel rank)."""
+        return stage * self.tp_size + self.tp_rank
+
+    @property
+    def members(self) -> list[int]:
+        """This stage's ranks (its tensor-parallel subgroup)."""
+        return [self.world_rank(self.rank) + r - self.tp_rank for r in range(self.tp_size)]
 
     @property
     def first(self) -> bool:
@@ -71,7 +88,7 @@ class PipelineStage:
         """A later stage's input: the previous rank's hidden states and residual stream."""
         x = torch.empty(tokens, hidden, dtype=dtype, device=device)
         residual = torch.empty(tokens, hidden, dtype=residual_dtype, device=device)
-        src = self.rank - 1
+        src = self.world_rank(self.rank - 1)
         self.group.recv_(x, src)
         self.group.recv_(residual, src)
         return x, residual
@@ -80,12 +97,12 @@ class PipelineStage:
         """After this rank's layers: send them on (the last rank sends back to rank 0). Rank 0 then waits for the last
         rank's output, which it returns; the others return theirs (their final norm's result is not used)."""
         x, residual = x.contiguous(), residual.contiguous()
-        dst = (self.rank + 1) % self.size
+        dst = self.world_rank((self.rank + 1) % self.size)
         self.group.send_(x, dst)
         self.group.send_(residual, dst)
         if not self.first:
             return x, residual
-        last = self.size - 1
+        last = self.world_rank(self.size - 1)
         out_x, out_res = torch.empty_like(x), torch.empty_like(residual)
         self.group.recv_(out_x, last)
         self.group.recv_(out_res, last)

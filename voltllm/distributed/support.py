@@ -222,8 +222,7 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
         return f"--pipeline-parallel-size must be >= 1, got {pp}"
     if pp == 1:
         return None
-    refused = [(args.tensor_parallel_size > 1, "with --tensor-parallel-size > 1 (stages of several ranks)"),
-               (args.data_parallel_size > 1, "with --data-parallel-size > 1"),
+    refused = [(args.data_parallel_size > 1, "with --data-parallel-size > 1"),
                (speculative is not None and speculative.method not in PP_SPEC_METHODS,
                 f"with --speculative-config method {getattr(speculative, 'method', None)!r} (built: "
                 f"{', '.join(PP_SPEC_METHODS)})"),
@@ -258,7 +257,8 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
                         f"{'full-attention' if 'full_attention' not in held else 'Gated DeltaNet'} layer, which is not "
                         "built; use fewer stages")
     if device.type == "cuda":
-        first = device.index or 0
-        if first + pp > torch.cuda.device_count():
-            return f"{flag}: needs {pp} CUDA devices from cuda:{first}, but {torch.cuda.device_count()} are visible"
+        first, ranks = device.index or 0, pp * args.tensor_parallel_size
+        if first + ranks > torch.cuda.device_count():
+            return (f"{flag}: needs {ranks} CUDA devices from cuda:{first}, but {torch.cuda.device_count()} are "
+                    "visible")
     return None

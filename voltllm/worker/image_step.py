@@ -151,13 +151,13 @@ class ImageStep:
                with_embeds: bool = True) -> None:
         """A rank other than 0: rank 0's scratch rows and image rows (a broadcast from it, after the step's input
         ids) for this rank's forward. with_embeds False (a later pipeline stage, which starts from hidden states):
-        the scratch rotary rows alone."""
-        if not with_embeds:
-            rows = ImageRows(rows.rows3d, None, None)
-        elif rows.embed_at is not None:
+        the scratch rotary rows alone (it takes part in the broadcast, and drops the rows)."""
+        if rows.embed_at is not None:
             width = hidden_size * (1 + self.deepstack_levels)
             embeds = tp.broadcast_(torch.empty(len(rows.embed_at), width, dtype=dtype, device=self.device))
             rows = ImageRows(rows.rows3d, rows.embed_at, embeds)
+        if not with_embeds:
+            rows = ImageRows(rows.rows3d, None, None)
         self._apply(rows, extra)
 
     def _apply(self, rows: ImageRows, extra: dict) -> None:

@@ -121,8 +121,10 @@ class ModelRunner:
             from voltllm.distributed.pipeline import PipelineStage
             from voltllm.model.models.llama import text_config
 
-            self.pp = PipelineStage.of(int(text_config(config.model.hf_config).num_hidden_layers), tp)
-            tp = None
+            tps = config.parallel.tensor_parallel_size
+            self.pp = PipelineStage.of(int(text_config(config.model.hf_config).num_hidden_layers), tp, tps)
+            # (every rank makes its own stage's subgroup, at the same point of start-up)
+            tp = tp.subgroup(self.pp.members, f"stage{self.pp.rank}") if tps > 1 else None
         self.tp = tp  # the tensor-parallel group the model's layers are split over
         if tp is not None:  # how the model's layers split their MLP rows (distributed.sharding.intermediate_split)
             tp.intermediate_align = config.parallel.intermediate_align
@@ -797,10 +799,10 @@ class ModelRunner:
             step.kv_transfers = sched.kv_transfers  # (each rank copies its own heads' part, at the same slots)
             step.images = image_rows.for_followers() if image_rows is not None else None
             self.send_step(step)
-            if self.pp is None:  # (a later pipeline stage starts from hidden states: no ids, no image rows)
-                self.group.broadcast_(self.buffers.input_ids[:t])
-                if image_rows is not None and image_rows.embeds is not None:  # (ImageStep.follow receives them)
-                    self.group.broadcast_(image_rows.embeds)
+            # (every rank takes them: a later pipeline stage, which starts from hidden states, drops them)
+            self.group.broadcast_(self.buffers.input_ids[:t])
+            if image_rows is not None and image_rows.embeds is not None:  # (ImageStep.follow receives them)
+                self.group.broadcast_(image_rows.embeds)
         hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts, images)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
@@ -915,11 +917,10 @@ class ModelRunner:
         if self.lora is not None:  # rank 0's slot loads and its tokens' adapters
             self.lora.follow_step(step.lora, t)
         images: dict = {}
-        if self.pp is None:  # (a later pipeline stage starts from hidden states: no ids, no image rows)
-            self.group.broadcast_(buf.input_ids[:t])
+        self.group.broadcast_(buf.input_ids[:t])  # (a later pipeline stage does not use them)
         if step.images is not None:  # rank 0's image rows (a broadcast after the ids) and scratch rotary rows
             self.image_step.follow(step.images, images, self.group, self.model.config.hidden_size, self.dtype,
-                                   with_embeds=self.pp is None)
+                                   with_embeds=self.pp is None or self.pp.first)
         meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
         graphs = self.verify_graphs if step.state_walks is not None else self.graphs
         graph = graphs.for_batch(step.num_seqs) if step.graph_rows and graphs is not None else None
@@ -935,15 +936,16 @@ class ModelRunner:
                 self.state_cache.num_tokens[slot] = start
         hidden = self._forward(graph, prompt_graph, meta, t, step.state_spans, slots, step.state_saves,
                                step.state_drafts, images)
-        # (the logits' gathers are TP collectives; under PP rank 0 alone computes them, from the last stage's rows)
+        # (the logits' gathers are TP collectives; under PP stage 0 alone computes them, from the last stage's rows)
+        logits_here = self.pp is None or self.pp.first
         if step.spec_logits_rows:  # the verification's logits, then its accepted states (a broadcast from rank 0)
-            if self.pp is None:
+            if logits_here:
                 self.model.compute_logits(hidden[to_device(step.spec_logits_rows, torch.long, self.device)])
             if slots is not None and step.state_verify:
                 from voltllm.worker.hybrid_spec import follow_accepted_states
 
                 follow_accepted_states(self.state_cache, self.group, step.state_verify)
-        for sel in step.logits_rows if self.pp is None else ():
+        for sel in step.logits_rows if logits_here else ():
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
         if self.device.type == "cuda":

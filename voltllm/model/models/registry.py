@@ -50,10 +50,8 @@ def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int, linear_m
             raise ValueError(f"model type {arch!r}: pooling models are built for attention-only architectures")
         return LlamaForCausalLM(hf_config, dtype, max_positions, linear_method, tp=tp, headless=True,
                                 classifier=classifier)
-    if tp is not None:
-        return _MODELS[arch](hf_config, dtype, max_positions, linear_method, tp=tp)
-    if pp is not None:
-        return _MODELS[arch](hf_config, dtype, max_positions, linear_method, pp=pp)
+    if tp is not None or pp is not None:
+        return _MODELS[arch](hf_config, dtype, max_positions, linear_method, tp=tp, pp=pp)
     if linear_method is not None:
         return _MODELS[arch](hf_config, dtype, max_positions, linear_method)
     return _MODELS[arch](hf_config, dtype, max_positions)
