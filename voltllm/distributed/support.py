@@ -222,7 +222,6 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
     refused = [(args.tensor_parallel_size > 1, "with --tensor-parallel-size > 1 (stages of several ranks)"),
                (args.data_parallel_size > 1, "with --data-parallel-size > 1"),
                (speculative is not None, "with speculative decoding"),
-               (args.enable_lora, "with --enable-lora"),
                (bool(args.cpu_offload_gb), "with --cpu-offload-gb (weight offloading)"),
                (bool(args.kv_offloading_size), "with --kv-offloading-size"),
                (runner == "pooling", "for pooling models")]
