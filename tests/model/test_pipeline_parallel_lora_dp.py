@@ -8,6 +8,11 @@
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import sys
+
 import pytest
 
 from lora_adapters import HYBRID_TARGETS, make_adapter
@@ -171,3 +176,75 @@ def test_stage_projection_names():
     assert stage_projections(shapes, None) == shapes
     a = LoRAAdapter("x", "/p", 8, 2.0, {f"layers.{i}.mlp.down_proj": {0: i} for i in (1, 3)})
     assert stage_adapter(a, stage).weights == {"layers.1.mlp.down_proj": {0: 3}}
+
+
+def test_serve_dp2_pp2_matches_one_rank(tmp_path):
+    """`voltllm serve -dp 2 -pp 2 --enable-lora`: two engines of two stages each (4 processes under the server), each
+    request's greedy text, with the adapter or without, as one rank's, whichever engine served it."""
+    import httpx
+    import openai
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))  # the server tests' ServerProc
+    from server_helpers import ServerProc, descendants_of, free_port, wait_gone
+
+    model = make_model(str(tmp_path / "llama"), "llama", num_hidden_layers=4)
+    lora = make_adapter(str(tmp_path / "ad"), model, rank=8, alpha=16, seed=1, layers=[2, 3])  # the later stage's
+    prompts = [f"The quick brown fox {i}" for i in range(6)]
+    one = LLM(model, block_size=4, enable_lora=True, max_lora_rank=8)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    want = {name: [o.outputs[0].text for o in one.generate(prompts, greedy, use_tqdm=False, lora_request=req)]
+            for name, req in (("tiny", None), ("ad", LoRARequest("ad", 1, lora)))}
+    assert want["tiny"] != want["ad"]
+    srv = ServerProc([model, "--device", "cpu", "-dp", "2", "-pp", "2", "--block-size", "4", "--served-model-name",
+                      "tiny", "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad={lora}",
+                      "--disable-log-stats"], free_port(), env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_healthy(180)
+        pids = descendants_of(srv.proc.pid)
+        spawned = [p for p in pids if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert len(spawned) == 4, spawned  # 2 engine processes (rank 0 each), each with its later stage's worker
+
+        async def together(name: str) -> list[str]:
+            c = openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=120)
+            outs = await asyncio.gather(*(c.completions.create(model=name, prompt=p, max_tokens=6, temperature=0)
+                                          for p in prompts))
+            return [o.choices[0].text for o in outs]
+
+        for name in ("tiny", "ad"):
+            assert asyncio.run(together(name)) == want[name], name
+        done = {}
+        for line in httpx.get(srv.base + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("voltllm:request_success_total{"):
+                engine = line.partition('engine="')[2].partition('"')[0]
+                done[engine] = done.get(engine, 0.0) + float(line.rpartition(" ")[2])
+        assert set(done) == {"0", "1"} and min(done.values()) >= 2, done  # both engines served some
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log_text()[-3000:]
+        assert not wait_gone(pids, 10), "orphan processes after SIGTERM"
+    finally:
+        srv.stop()
+
+
+def test_data_parallel_engines_take_their_stages_cards(tmp_path, monkeypatch):
+    """Engine k of -dp N -pp P starts on cuda:first + k P (its stages the P cards from there); the engines' cards
+    must all be visible."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+
+    from voltllm.config import EngineArgs
+    from voltllm.distributed.support import pipeline_parallel_error
+    from voltllm.engine.data_parallel import rank_config
+
+    model = make_model(str(tmp_path), "llama", num_hidden_layers=4)
+    cfg = EngineArgs(model=model, device="cpu", pipeline_parallel_size=2, data_parallel_size=3).create_engine_config()
+    cfg = replace(cfg, device=replace(cfg.device, device=torch.device("cuda", 1)))
+    assert [str(rank_config(cfg, k).device.device) for k in range(3)] == ["cuda:1", "cuda:3", "cuda:5"]
+    args = SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1, data_parallel_size=3, enable_lora=False,
+                           cpu_offload_gb=0, kv_offloading_size=None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+    hf = cfg.model.hf_config
+    assert pipeline_parallel_error(args, hf, None, "generate", torch.device("cuda", 0)) is None
+    assert pipeline_parallel_error(args, hf, None, "generate", torch.device("cuda", 1)) == (
+        "--pipeline-parallel-size 2: needs 3 x 2 = 6 CUDA devices from cuda:1, but 6 are visible")

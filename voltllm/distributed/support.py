@@ -220,7 +220,6 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
     if pp == 1:
         return None
     refused = [(args.tensor_parallel_size > 1, "with --tensor-parallel-size > 1 (stages of several ranks)"),
-               (args.data_parallel_size > 1, "with --data-parallel-size > 1"),
                (speculative is not None, "with speculative decoding"),
                (bool(args.cpu_offload_gb), "with --cpu-offload-gb (weight offloading)"),
                (bool(args.kv_offloading_size), "with --kv-offloading-size"),
@@ -251,8 +250,9 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
                 return (f"{flag}: stage {r} (layers {start}-{end - 1}) would hold no "
                         f"{'full-attention' if 'full_attention' not in held else 'Gated DeltaNet'} layer, which is not "
                         "built; use fewer stages")
-    if device.type == "cuda":
-        first = device.index or 0
-        if first + pp > torch.cuda.device_count():
-            return f"{flag}: needs {pp} CUDA devices from cuda:{first}, but {torch.cuda.device_count()} are visible"
+    if device.type == "cuda":  # (data-parallel engines of pp stages each: engine k on the pp cards from first + k pp)
+        first, dp = device.index or 0, args.data_parallel_size
+        if first + dp * pp > torch.cuda.device_count():
+            need = f"{dp} x {pp} = {dp * pp}" if dp > 1 else f"{pp}"
+            return f"{flag}: needs {need} CUDA devices from cuda:{first}, but {torch.cuda.device_count()} are visible"
     return None
