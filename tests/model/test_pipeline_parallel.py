@@ -173,7 +173,6 @@ def test_ngram_speculation_matches_plain(tmp_path, monkeypatch, kind):
 @pytest.mark.parametrize("extra, message", [
     (dict(pipeline_parallel_size=0), "--pipeline-parallel-size must be >= 1"),
     (dict(pipeline_parallel_size=4), "only 3 decoder layers"),
-    (dict(pipeline_parallel_size=2, enable_lora=True), "with --enable-lora"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": "SELF",
                                                          "num_speculative_tokens": 2}),
      "with --speculative-config method 'draft_model'"),

@@ -222,11 +222,9 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
         return f"--pipeline-parallel-size must be >= 1, got {pp}"
     if pp == 1:
         return None
-    refused = [(args.data_parallel_size > 1, "with --data-parallel-size > 1"),
-               (speculative is not None and speculative.method not in PP_SPEC_METHODS,
+    refused = [(speculative is not None and speculative.method not in PP_SPEC_METHODS,
                 f"with --speculative-config method {getattr(speculative, 'method', None)!r} (built: "
                 f"{', '.join(PP_SPEC_METHODS)})"),
-               (args.enable_lora, "with --enable-lora"),
                (bool(args.cpu_offload_gb), "with --cpu-offload-gb (weight offloading)"),
                (bool(args.kv_offloading_size), "with --kv-offloading-size"),
                (runner == "pooling", "for pooling models")]
@@ -256,9 +254,9 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
                 return (f"{flag}: stage {r} (layers {start}-{end - 1}) would hold no "
                         f"{'full-attention' if 'full_attention' not in held else 'Gated DeltaNet'} layer, which is not "
                         "built; use fewer stages")
-    if device.type == "cuda":
-        first, ranks = device.index or 0, pp * args.tensor_parallel_size
-        if first + ranks > torch.cuda.device_count():
-            return (f"{flag}: needs {ranks} CUDA devices from cuda:{first}, but {torch.cuda.device_count()} are "
-                    "visible")
+    if device.type == "cuda":  # (data-parallel engines of pp x tp ranks each, side by side from the first card)
+        first, dp, ranks = device.index or 0, args.data_parallel_size, pp * args.tensor_parallel_size
+        if first + dp * ranks > torch.cuda.device_count():
+            need = f"{dp} x {ranks} = {dp * ranks}" if dp > 1 else f"{ranks}"
+            return f"{flag}: needs {need} CUDA devices from cuda:{first}, but {torch.cuda.device_count()} are visible"
     return None

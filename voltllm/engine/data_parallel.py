@@ -1,13 +1,12 @@
 """Data parallelism (--data-parallel-size N): N engines side by side behind one API server.
 
-Each engine is an ordinary AsyncLLM (its own engine process, its own -tp ranks, KV cache, prefix cache and CUDA
-graphs) on its own GPUs: engine k takes the -tp devices from the configured first one's index + k * tp (on the CPU
-all run there). A request goes whole to one engine, the least busy one unless another holds the beginning of its
-prompt in its prefix cache (engine/dp_routing.py), and stays there: its streams, aborts and beam-search steps are
-that engine's. The
-engines never talk to each other, so a model is served N times over, as vLLM's data parallelism serves a dense
-model (vLLM spreads a MoE model's experts over its data-parallel ranks; here each engine holds every expert, see
-config._check_data_parallel).
+Each engine is an ordinary AsyncLLM (its own engine process, its own -tp ranks or -pp stages, KV cache, prefix cache
+and CUDA graphs) on its own GPUs: engine k takes its tp x pp devices from the configured first one's index +
+k * tp * pp (on the CPU all run there). A request goes whole to one engine, the least busy one unless another holds
+the beginning of its prompt in its prefix cache (engine/dp_routing.py), and stays there: its streams, aborts and
+beam-search steps are that engine's. The engines never talk to each other, so a model is served N times over, as
+vLLM's data parallelism serves a dense model (vLLM spreads a MoE model's experts over its data-parallel ranks; here
+each engine holds every expert, see config._check_data_parallel).
 
 DataParallelLLM offers the part of AsyncLLM's interface the server and run-batch use; one engine's death makes the
 whole unhealthy (the server then stops, as it does when its one engine dies).
@@ -32,8 +31,8 @@ logger = logging.getLogger("voltllm")
 
 
 def rank_config(config: EngineConfig, index: int) -> EngineConfig:
-    """Engine `index`'s configuration: the same, on the tensor-parallel group of GPUs that is its own (on the CPU: the
-    CPU), knowing its index (its global seed: ParallelConfig.global_seed)."""
+    """Engine `index`'s configuration: the same, on the group of GPUs that is its own (its tensor-parallel ranks or
+    pipeline stages; on the CPU: the CPU), knowing its index (its global seed: ParallelConfig.global_seed)."""
     config = replace(config, parallel=replace(config.parallel, data_parallel_rank=index))
     dev = config.device.device
     if dev.type != "cuda":

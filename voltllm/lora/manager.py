@@ -18,6 +18,8 @@
   made, each token's slot), which travels in the step's StepInputs, and the other ranks repeat it (`follow_step`):
   they read each adapter from its path themselves when it first takes a slot there, so every rank holds the same
   adapter in the same slot, and drop what rank 0 dropped.
+- Pipeline parallelism: likewise a manager per rank, but over its stage's decoder layers alone: each rank keeps the
+  adapter's matrices of its own layers, renamed to their local indices (lora/stages.py), and follows rank 0's steps.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from voltllm.lora.adapter import LoRAAdapter, LoRAAdapterError, projection_shape
 from voltllm.lora.layers import LoRABatch, LoRAWeights
 from voltllm.lora.request import LoRARequest
 from voltllm.lora.sharding import Split, shard_adapter
+from voltllm.lora.stages import stage_adapter, stage_projections
 
 logger = logging.getLogger("voltllm")
 
@@ -63,9 +66,11 @@ LiveKeys = Callable[[], Iterable[LoRAKey]]
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, lora_config: Any, hf_config: Any, max_tokens: int,
-                 device: torch.device, split: Optional[Split] = None):
+                 device: torch.device, split: Optional[Split] = None, stage: Any = None):
         """split: under tensor parallelism, the model's cut of a checkpoint weight for this rank (its `tp_part`):
-        the projections are the rank's shards, and each adapter is cut the same way."""
+        the projections are the rank's shards, and each adapter is cut the same way. stage: under pipeline
+        parallelism, this rank's PipelineStage (voltllm.distributed.pipeline): the model holds its layers alone,
+        under local indices, and each adapter keeps those layers' matrices."""
         from voltllm.model.layers.linear import Linear
 
         self.config = lora_config
@@ -74,9 +79,10 @@ class LoRAManager:
         self.dtype = lora_config.lora_dtype
         self.max_loras = lora_config.max_loras
         self.split = split
+        self.stage = stage
         self.batch = LoRABatch(max_tokens, self.max_loras, self.dtype, device)
         self.weights: dict[str, LoRAWeights] = {}
-        for name, shape in projection_shapes(hf_config).items():
+        for name, shape in stage_projections(projection_shapes(hf_config), stage).items():
             linear = model.get_submodule(name)
             whole = isinstance(linear, Linear) and tuple(linear.shard_sizes) == shape.shard_sizes
             # (a rank's shard of the projection: as many shards, each cut, under tensor parallelism)
@@ -182,6 +188,8 @@ class LoRAManager:
 
     def _read(self, key: LoRAKey, req: LoRARequest) -> None:
         adapter = read_adapter(req, self.hf_config, self.config.max_lora_rank, self.dtype)
+        if self.stage is not None:  # this stage's layers, under local indices
+            adapter = stage_adapter(adapter, self.stage)
         if self.split is not None:  # this rank's part of each matrix
             adapter = shard_adapter(adapter, self.split, self.weights)
         if self.device.type == "cuda":

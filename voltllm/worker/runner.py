@@ -160,10 +160,11 @@ class ModelRunner:
             from voltllm.lora.manager import LoRAManager, lora_token_capacity
 
             sc = config.scheduler
-            # (under TP each rank's slots hold its cut of the adapters, cut as the model cuts its checkpoint)
+            # (under TP each rank's slots hold its cut of the adapters, cut as the model cuts its checkpoint; under PP
+            # the adapters' matrices of its stage's layers)
             self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
                                     lora_token_capacity(sc.max_num_batched_tokens, sc.max_num_seqs), self.device,
-                                    split=self.model.tp_part if tp is not None else None)
+                                    split=self.model.tp_part if tp is not None else None, stage=self.pp)
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
