@@ -176,7 +176,8 @@ def test_ngram_speculation_matches_plain(tmp_path, monkeypatch, kind):
     (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": "SELF",
                                                          "num_speculative_tokens": 2}),
      "with --speculative-config method 'draft_model'"),
-    (dict(pipeline_parallel_size=2, cpu_offload_gb=1), "with --cpu-offload-gb"),
+    (dict(pipeline_parallel_size=2, cpu_offload_gb=1), "with weight offloading"),
+    (dict(pipeline_parallel_size=2, offload_group_size=2, offload_prefetch_step=1), "with weight offloading"),
 ])
 def test_refused_combinations(tmp_path, extra, message):
     path = make_model(str(tmp_path), "qwen3")
@@ -241,3 +242,25 @@ def test_a_gguf_stage_reads_only_its_blocks(tmp_path, smollm2_gguf):
     names = [n for n, _ in gguf_weights(out, layers=lambda i: i == 1)]
     assert {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")} == {1}
     assert "model.embed_tokens.weight" in names
+
+
+def test_kv_scales_calculated_on_the_stages_that_lack_them(tmp_path):
+    """--calculate-kv-scales with checkpoint scales for rank 0's layers only: the later stage still calculates its
+    own on the first forward (the step's flag is every stage's need, not rank 0's)."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_model(str(tmp_path), "qwen3", num_hidden_layers=4)
+    f = f"{path}/model.safetensors"
+    weights = load_file(f)
+    for i in (0, 1):  # (as a checkpoint calibrated on some layers)
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.02)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.04)
+    save_file(weights, f, metadata={"format": "pt"})
+    kw = dict(ENGINE, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(PROMPTS, GREEDY)]
+    two = LLM(path, pipeline_parallel_size=2, **kw)
+    try:
+        assert two.engine.runner.calc_kv_scales_pending  # (rank 0's own layers have theirs)
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY)] == expected
+    finally:
+        two.engine.shutdown()

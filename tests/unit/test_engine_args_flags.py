@@ -39,7 +39,7 @@ def test_common_vllm_flags_parse(tiny):
 
 @pytest.mark.parametrize("argv,match", [(("--no-enable-chunked-prefill",), "--no-enable-chunked-prefill"),
                                         (("--pipeline-parallel-size", "2", "--cpu-offload-gb", "1"),
-                                         "--pipeline-parallel-size 2: pipeline parallelism with --cpu-offload-gb"),
+                                         "--pipeline-parallel-size 2: pipeline parallelism with weight offloading"),
                                         (("-pp", "64"), "--pipeline-parallel-size 64: the model has only")])
 def test_unbuilt_vllm_modes_are_refused_by_name(tiny, argv, match):
     with pytest.raises(ConfigError, match=match):

@@ -490,9 +490,12 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
                           "requests")
     model = engine.runner.model
     cost = L.model_cost(model, config.model.hf_config, engine.runner.kv_dtype)
-    if config.parallel.pipeline_parallel_size > 1:  # (the stages run in turn: the whole model's bytes would be the bound)
-        logger.warning("-pp %d: the limits below count rank 0's stage (%d of the model's layers) only",
-                       config.parallel.pipeline_parallel_size, len(model.layers))
+    if config.parallel.pipeline_parallel_size > 1:  # the stages run in turn: a step reads the whole model
+        if not getattr(engine.runner, "keep_quantized", False) and engine.runner.kv_dtype == engine.runner.dtype:
+            cost = L.meta_model_cost(config.model.hf_config, engine.runner.dtype)  # (its dense weights, all layers)
+        else:
+            logger.warning("-pp %d: the limits below count rank 0's stage (%d of the model's layers) only",
+                           config.parallel.pipeline_parallel_size, len(model.layers))
     hf_config = config.model.hf_config
     vocab = args.prompt_vocab or int(getattr(getattr(hf_config, "text_config", None) or hf_config, "vocab_size"))
     # compiles are seen in this process only: with -tp N the engine runs in processes of its own

@@ -225,7 +225,8 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
     refused = [(speculative is not None and speculative.method not in PP_SPEC_METHODS,
                 f"with --speculative-config method {getattr(speculative, 'method', None)!r} (built: "
                 f"{', '.join(PP_SPEC_METHODS)})"),
-               (bool(args.cpu_offload_gb), "with --cpu-offload-gb (weight offloading)"),
+               (bool(args.cpu_offload_gb) or bool(args.offload_group_size),
+                "with weight offloading (--cpu-offload-gb, --offload-group-size)"),
                (bool(args.kv_offloading_size), "with --kv-offloading-size"),
                (runner == "pooling", "for pooling models")]
     for hit, what in refused:

@@ -225,6 +225,8 @@ class ModelRunner:
 
         # --calculate-kv-scales: the first real step runs eagerly and sets the layers' k/v scales
         self.calc_kv_scales_pending = kv_scales_to_calculate(self.model, config.cache.calculate_kv_scales)
+        if self.pp is not None:  # a stage whose layers lack checkpoint scales needs the step, whichever stage it is
+            self.calc_kv_scales_pending = -self.group.min_int(-int(self.calc_kv_scales_pending)) > 0
         # --calculate-key-offsets: the same first real step sets the layers' key offsets (buffers made here, before
         # any CUDA graph capture reads them)
         self.calc_key_offsets_pending = bool(getattr(config.cache, "calculate_key_offsets", False))

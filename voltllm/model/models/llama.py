@@ -374,6 +374,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             else:
                 name = name.removeprefix("model.")
             if self.pp is not None:  # this stage's layers (local indices); the ends of the model on rank 0 alone
+                if name.startswith("layers.") and int(name.split(".")[1]) >= self.config.num_hidden_layers:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
                 name = self.pp.local(name)
                 if name is None or (self.embed_tokens is None and name.startswith(("embed_tokens.", "lm_head."))):
                     continue
