@@ -472,6 +472,7 @@ class AsyncLLM:
         self._check_lora(lora_request)
         if multi_modal is not None:
             self._check_images(multi_modal)
+            multi_modal = multi_modal.for_tower(self.config.model.dtype)  # (sent to the engine process: fewer bytes)
         reqs = self.frontend.make_requests(request_id, prompt, params, cache_salt, priority, lora_request,
                                            multi_modal)
         try:

@@ -6,7 +6,7 @@ the blocks the image's tokens fall in; the runner encodes `pixel_values` with th
 reaches the image's tokens and puts the encoder's rows in place of those tokens' embeddings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -14,7 +14,9 @@ import torch
 
 @dataclass(frozen=True)
 class ImageInput:
-    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch] float32, the processor's rows
+    # [patches, channels * temporal_patch * patch * patch]: the processor's float32 rows (or in a half-precision
+    # tower's dtype: MultiModalPrompt.for_tower)
+    pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]  # the patch grid (t, h, w), before the spatial merge
     content_hash: bytes  # identifies the pixels (and grid): prefix-cache blocks holding its tokens are keyed by it
     offset: int  # prompt index of its first placeholder token
@@ -34,3 +36,11 @@ class MultiModalPrompt:
     def position_row(self, index: int) -> int:
         """The 1-D position of a token past the prompt (all three axes equal)."""
         return index + self.rope_delta
+
+    def for_tower(self, dtype: torch.dtype) -> "MultiModalPrompt":
+        """This prompt with its pixel rows in a half-precision tower's dtype (the tower casts them to it first thing,
+        so nothing changes but the bytes: half of them to pickle and send to the engine process). Content hashes
+        stay those of the processor's float32 rows. Unchanged for a float32 tower."""
+        if dtype not in (torch.float16, torch.bfloat16):
+            return self
+        return replace(self, images=tuple(replace(im, pixel_values=im.pixel_values.to(dtype)) for im in self.images))
