@@ -1,4 +1,5 @@
-"""A tensor-parallel worker process (rank 1..N-1): builds its model shard and replays the steps rank 0 sends.
+"""A tensor- or pipeline-parallel worker process (rank 1..N-1): builds its model shard or stage and replays the steps
+rank 0 sends.
 
 It mirrors EngineCore's start-up (runner, KV cache, GEMM tuning, CUDA graphs) so that the collectives inside those
 line up with rank 0's, then loops: each ("step", StepInputs) is one forward (ModelRunner.execute_follower). Pipe
@@ -28,7 +29,10 @@ def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, lo
     _die_with_parent()
     if os.getppid() != parent_pid:  # the engine died before prctl took effect
         os._exit(0)
-    logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s tp{rank}: %(message)s",
+    pp = config.parallel.pipeline_parallel_size
+    who = f"tp{rank}" if pp == 1 else f"pp{rank // config.parallel.tensor_parallel_size}" + (
+        f"-tp{rank % config.parallel.tensor_parallel_size}" if config.parallel.tensor_parallel_size > 1 else "")
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s {who}: %(message)s",
                         datefmt="%H:%M:%S")
     code = 0
     try:
