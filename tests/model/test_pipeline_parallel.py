@@ -3,19 +3,11 @@ through the offline LLM API (rank 0 in this process, the later stages spawned wo
 import pytest
 import torch
 
-from tiny_models import full_prompt_logprobs, make_model, make_tiny_hybrid
+from parallel_checks import ENGINE, PROMPTS, assert_logits_match
+from tiny_models import make_model, make_tiny_hybrid
 from voltllm import LLM, SamplingParams
 from voltllm.config import ConfigError, EngineArgs
 from voltllm.distributed.pipeline import stage_layers
-
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "What is the capital of France?",
-    "Hi",
-    "def add(a, b):\n    return a + b\n# now the quick brown fox",
-]
-# small blocks and a small token budget: chunked prefill, mixed prefill + decode steps, prefix-cache hits
-ENGINE = dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=8)
 GREEDY = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
 
 
@@ -40,10 +32,7 @@ def engines(request, tmp_path_factory):
 
 def test_logits_match_one_rank(engines):
     """Full distributions at every prompt position (prompt logprobs over the whole vocabulary), batched."""
-    one, two = engines
-    a, b = full_prompt_logprobs(one, PROMPTS), full_prompt_logprobs(two, PROMPTS)
-    assert not a.isnan().any()
-    assert torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
+    assert_logits_match(*engines)
 
 
 def test_greedy_and_sampling_match_one_rank_chunked_and_cached(engines):

@@ -8,20 +8,11 @@ import textwrap
 import time
 
 import pytest
-import torch
 
-from tiny_models import full_prompt_logprobs, make_model
+from parallel_checks import ENGINE, PROMPTS, assert_logits_match
+from tiny_models import make_model
 from voltllm import LLM, SamplingParams
 from voltllm.distributed.executor import TPWorkerError
-
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "What is the capital of France?",
-    "Hi",
-    "def add(a, b):\n    return a + b\n# now the quick brown fox",
-]
-# small blocks and a small token budget: chunked prefill, mixed prefill + decode steps, prefix-cache hits
-ENGINE = dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=8)
 
 CASES = {
     # tied head, o_proj bias (added by rank 0 only), a vocabulary that does not divide by 2 (padded shard),
@@ -46,10 +37,7 @@ def engines(request, tmp_path_factory):
 
 def test_logits_match_tp1(engines):
     """Full distributions at every prompt position (prompt logprobs over the whole vocabulary), batched."""
-    one, two = engines
-    a, b = full_prompt_logprobs(one, PROMPTS), full_prompt_logprobs(two, PROMPTS)
-    assert not a.isnan().any() and not b.isnan().any()
-    assert torch.allclose(a, b, atol=2e-5, rtol=0), (a - b).abs().max()
+    assert_logits_match(*engines)
 
 
 def test_greedy_matches_tp1_chunked_and_cached(engines):

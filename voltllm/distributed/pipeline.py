@@ -83,11 +83,14 @@ class PipelineStage:
         i = int(idx)
         return f"layers.{i - self.start}.{rest}" if self.owns(i) else None
 
-    def receive(self, tokens: int, hidden: int, dtype: torch.dtype, residual_dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A later stage's input: the previous rank's hidden states and residual stream."""
+    def receive(self, input_ids: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A later stage's input, in place of the embeddings of `input_ids`: the previous rank's hidden states (in
+        the model's dtype) and residual stream (in residual_stream's dtype)."""
+        from voltllm.model.models.llama import residual_stream
+
+        tokens, device = input_ids.shape[0], input_ids.device
         x = torch.empty(tokens, hidden, dtype=dtype, device=device)
-        residual = torch.empty(tokens, hidden, dtype=residual_dtype, device=device)
+        residual = torch.empty(tokens, hidden, dtype=residual_stream(x[:0]).dtype, device=device)
         src = self.world_rank(self.rank - 1)
         self.group.recv_(x, src)
         self.group.recv_(residual, src)

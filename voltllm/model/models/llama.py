@@ -262,8 +262,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = None
         if self.embed_tokens is None:  # a later pipeline stage
-            x, residual = self.pp.receive(input_ids.shape[0], self.config.hidden_size, self.dtype,
-                                          residual_stream(torch.empty(0, dtype=self.dtype)).dtype, input_ids.device)
+            x, residual = self.pp.receive(input_ids, self.config.hidden_size, self.dtype)
         else:
             x = self.embed_tokens(input_ids)
         images = ctx.extra.get("image_embeds")
