@@ -198,3 +198,14 @@ def test_the_comparison_sees_the_qkv_order(tmp_path, monkeypatch):
     ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
     monkeypatch.setattr(gguf_mmproj, "_QKV", ("attn_k", "attn_q", "attn_v"))
     assert not _same(_run(_llm(lm), [(ids, mm)])[0], _reference(vl, ids, out))
+
+
+def test_mmproj_flag_reaches_the_engine_args():
+    import argparse
+
+    from voltllm.cli_args import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["--mmproj", "/m/mmproj-F16.gguf"])).mmproj == "/m/mmproj-F16.gguf"
+    assert engine_args_from(p.parse_args([])).mmproj is None

@@ -3,7 +3,8 @@
 Supported architectures: llama, qwen2, qwen3 (dense), qwen3moe (Qwen3-30B-A3B style: llama.cpp stacks each layer's
 experts into one [E, rows, cols] tensor per projection, read back here as HF's per-expert weights), and the hybrids
 qwen35, qwen35moe and qwen3next (Gated DeltaNet + gated attention: gguf_hybrid.py undoes what llama.cpp's converter
-changes in them). Tensors are dequantized with the `gguf` package's numpy
+changes in them), and qwen2vl (Qwen2-VL's / Qwen2.5-VL's language model, a qwen2; with its llama.cpp projector file a
+vision-language model: gguf_mmproj.py). Tensors are dequantized with the `gguf` package's numpy
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
 dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
