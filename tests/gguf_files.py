@@ -205,7 +205,10 @@ def _add_tokenizer(w: Any, hf_dir: str, vocab_size: int, arch: str) -> None:
             types.append(gguf.TokenType.UNUSED)
         else:
             tokens.append(by_id[i])
-            types.append(gguf.TokenType.CONTROL if i in added and added[i].special else gguf.TokenType.NORMAL)
+            # (the converter: an added token is CONTROL when special or shaped like one, <|...|>, else USER_DEFINED)
+            looks_special = by_id[i].startswith("<|") and by_id[i].endswith("|>")
+            types.append(gguf.TokenType.NORMAL if i not in added else
+                         gguf.TokenType.CONTROL if added[i].special or looks_special else gguf.TokenType.USER_DEFINED)
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         merges = json.load(f)["model"]["merges"]
     w.add_tokenizer_model("gpt2")
@@ -403,3 +406,110 @@ def write_low_bit_gguf(path: str, case: str, tokenizer_from: str) -> set:
         mp.setattr(script, "SHAPES", shapes.SHAPES)
         script.write("tiny-low-bit", mix, tokenizer_from, path)
     return kinds
+
+
+# --- Qwen2-VL / Qwen2.5-VL as llama.cpp ships them: a qwen2vl language model and an mmproj file ----------------------
+# Learnt from convert_hf_to_gguf.py's Qwen2VLModel (the text model, arch qwen2vl), Qwen2VLVisionModel and MmprojModel
+# (the projector: general.architecture clip, clip.vision.* metadata; the Conv3d patch embedding split into its two
+# temporal halves, each block's qkv into q / k / v).
+QWEN_PRE["qwen2vl"] = "qwen2"
+
+
+def fp16_exact_checkpoint(hf_dir: str) -> None:
+    """Round every tensor of the checkpoint in `hf_dir` (in place) to a value F16 holds, so that F16 GGUF files of it
+    hold its weights exactly."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(hf_dir, "model.safetensors")
+    tensors = {k: v.half().float() for k, v in load_file(file).items()}
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def write_qwen2_vl_ggufs(hf_dir: str, lm_path: str, mmproj_path: str, outtype: str = "F16",
+                         window_size: bool = True) -> None:
+    """Convert the tiny Qwen2.5-VL / Qwen2-VL checkpoint in `hf_dir` into llama.cpp's two files: the language model at
+    `lm_path` (qwen2vl) and its projector at `mmproj_path` (--mmproj), matrices in `outtype` (F32 / F16), norms and
+    biases in F32. window_size: also write clip.vision.window_size (the converter does not: clip.cpp then assumes
+    112 pixels, the released models' window; the tiny tower's is 16)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    h = _hparams(hf_dir)
+    text, vision, family = h["text_config"], h["vision_config"], h["model_type"]
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16}[outtype]
+
+    w = gguf.GGUFWriter(str(lm_path), "qwen2vl")
+    _add_tokenizer(w, hf_dir, text["vocab_size"], "qwen2vl")
+    w.add_block_count(text["num_hidden_layers"])
+    w.add_context_length(text["max_position_embeddings"])
+    w.add_embedding_length(text["hidden_size"])
+    w.add_feed_forward_length(text["intermediate_size"])
+    w.add_head_count(text["num_attention_heads"])
+    w.add_head_count_kv(text["num_key_value_heads"])
+    w.add_rope_dimension_sections((list(text["rope_parameters"]["mrope_section"]) + [0, 0, 0, 0])[:4])
+    w.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    w.add_file_type(file_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2VL, text["num_hidden_layers"])
+    for name, t in state.items():
+        if name.startswith("visual."):
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ValueError(f"no GGUF name for {name}")
+        _add_tensor(w, gname, t, outtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    with open(os.path.join(hf_dir, "preprocessor_config.json")) as f:
+        pre = json.load(f)
+    qwen2 = family == "qwen2_vl"
+    m = gguf.GGUFWriter(str(mmproj_path), "clip")
+    m.add_type(gguf.GGUFType.MMPROJ)
+    m.add_file_type(file_type)
+    m.add_clip_has_vision_encoder(True)
+    m.add_vision_projection_dim(text["hidden_size"])
+    m.add_vision_image_size(vision.get("image_size", 560))
+    m.add_vision_patch_size(vision["patch_size"])
+    m.add_vision_embedding_length(vision["embed_dim"] if qwen2 else vision["hidden_size"])
+    # (Qwen2-VL: the converter writes its vision_config.hidden_size, the output width, as the feed-forward length)
+    m.add_vision_feed_forward_length(vision["hidden_size"] if qwen2 else vision["intermediate_size"])
+    m.add_vision_block_count(vision["depth"])
+    m.add_vision_head_count(vision["num_heads"])
+    m.add_vision_image_mean(pre["image_mean"])
+    m.add_vision_image_std(pre["image_std"])
+    if qwen2:
+        m.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
+    else:
+        m.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+        m.add_vision_use_silu(True)
+        full = vision["fullatt_block_indexes"]
+        m.add_vision_n_wa_pattern(full[0] + 1)
+        if window_size:
+            m.add_uint32(gguf.Keys.ClipVision.WINDOW_SIZE, vision["window_size"])
+    m.add_vision_attention_layernorm_eps(text["rms_norm_eps"])
+    # (mm.{bid} comes from the same block-indexed table: a tiny tower of depth 2 must still reach mm.2)
+    vnames = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["depth"], 3))
+    for name, t in state.items():
+        if not name.startswith("visual."):
+            continue
+        if name == "visual.patch_embed.proj.weight":  # Conv3d [out, C, 2, P, P] -> two Conv2d kernels
+            _add_tensor(m, "v.patch_embd.weight", t[:, :, 0], outtype)
+            _add_tensor(m, "v.patch_embd.weight.1", t[:, :, 1], outtype)
+            continue
+        parts = [(name, t)]
+        if ".attn.qkv." in name:
+            c = t.shape[0] // 3
+            parts = [(name.replace("qkv", x), t[i * c:(i + 1) * c]) for i, x in enumerate("qkv")]
+        for hf_name, data in parts:
+            gname = vnames.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gname is None:
+                raise ValueError(f"no GGUF name for {hf_name}")
+            _add_tensor(m, gname, data, outtype)
+    m.write_header_to_file()
+    m.write_kv_data_to_file()
+    m.write_tensors_to_file()
+    m.close()

@@ -170,6 +170,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-block-size", type=int, default=None)
     g.add_argument("--mamba-cache-mode", default="align", choices=["align", "none", "all"])
     g.add_argument("--language-model-only", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--mmproj", default=None, metavar="PATH",
+                   help="llama.cpp's vision projector file (mmproj-*.gguf) of a Qwen2-VL / Qwen2.5-VL GGUF model "
+                        "(default: the one mmproj*.gguf beside the model file, as vLLM finds it)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf",
                                                               "bitsandbytes"],
                    help="dummy: random weights at the model's shapes (benchmarks); safetensors / pt / gguf: as auto, "

@@ -63,6 +63,9 @@ class ModelConfig:
     override_generation_config: Optional[dict] = None  # sampling defaults merged over generation_config's
     chat_template: Optional[str] = None
     language_model_only: bool = False
+    # a GGUF model's vision projector file (llama.cpp's mmproj-*.gguf: --mmproj, or the one beside the model file);
+    # None: none (a text-only model, a Hugging Face directory, or --language-model-only)
+    mmproj: Optional[str] = None
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     skip_tokenizer_init: bool = False
     # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
@@ -271,6 +274,8 @@ class EngineArgs:
     offload_num_in_group: int = 1
     offload_prefetch_step: int = 1
     language_model_only: bool = False
+    # llama.cpp's --mmproj: the vision projector file of a GGUF model (default: an mmproj*.gguf beside the model file)
+    mmproj: Optional[str] = None
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
     load_format: str = "auto"
@@ -538,6 +543,32 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
+    def _resolve_mmproj(self, source: Any, hf_config: Any) -> tuple[Optional[str], Any]:
+        """A GGUF model's vision projector (--mmproj, else an mmproj*.gguf beside the model file) and the multimodal
+        config of the two files (model/loader/gguf_mmproj.py); (None, hf_config) without one."""
+        if source.kind != "gguf":
+            if self.mmproj:
+                raise ConfigError(f"--mmproj {self.mmproj}: a projector file goes with a GGUF model file; "
+                                  f"{source.path} is a Hugging Face directory (its vision tower is in its safetensors)")
+            return None, hf_config
+        from voltllm.model.loader.gguf_loader import gguf_architecture
+        from voltllm.model.loader.gguf_mmproj import MMPROJ_LM_ARCHS, find_mmproj, multimodal_config, read_mmproj
+
+        if self.language_model_only:
+            return None, hf_config
+        try:
+            if self.mmproj is None and gguf_architecture(source.path) not in MMPROJ_LM_ARCHS:
+                return None, hf_config  # (a projector beside a text-only model is not looked for)
+            path = find_mmproj(source.path, self.mmproj)
+            if path is None:
+                logger.warning("%s is a vision-language model's GGUF file, but no projector file (mmproj*.gguf) is "
+                               "beside it: it serves text only; give its projector with --mmproj PATH for image "
+                               "input", source.path)
+                return None, hf_config
+            return path, multimodal_config(source.path, hf_config, read_mmproj(path))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     def create_engine_config(self) -> EngineConfig:
         from voltllm.model.loader import ModelLoadError, load_hf_config, resolve_model
         from voltllm.multimodal.processor import ImageProcessor
@@ -567,6 +598,7 @@ class EngineArgs:
         load_format = _resolve_load_format(self.load_format, source)
         tokenizer = self._resolve_tokenizer(source, model_ref)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
+        mmproj, hf_config = self._resolve_mmproj(source, hf_config)
         overrides = parse_json_object("--hf-overrides", self.hf_overrides)
         if overrides:
             from voltllm.model.loader.hf_overrides import HFOverrideError, apply_hf_overrides
@@ -692,7 +724,7 @@ class EngineArgs:
             dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
             trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
             override_generation_config=gen_override,
-            chat_template=self.chat_template, language_model_only=self.language_model_only,
+            chat_template=self.chat_template, language_model_only=self.language_model_only, mmproj=mmproj,
             load_format=load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,
             quantized_weights=quantized_weights, max_model_len_fit=fit, runner=runner, pooler=pooler)
@@ -752,7 +784,8 @@ class EngineArgs:
                               multimodal=multimodal)
         if image_input_refusal(config) is None:
             # (built here too, so that a processor the model's files or --mm-processor-kwargs break fails at start)
-            ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs, takes_videos(config))
+            ImageProcessor.from_model(model.model, hf_config, multimodal.mm_processor_kwargs, takes_videos(config),
+                                      model.mmproj)
         if self.enable_lora:
             config = replace(config, lora=self._resolve_lora(config))
         if self.enable_sleep_mode:

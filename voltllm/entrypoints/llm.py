@@ -126,7 +126,7 @@ class LLM:
         if processor is None:
             try:
                 processor = ImageProcessor.from_model(self.config.model.model, self.config.model.hf_config, merged,
-                                                      takes_videos(self.config))
+                                                      takes_videos(self.config), self.config.model.mmproj)
             except ConfigError as e:
                 raise ValueError(str(e).replace("--mm-processor-kwargs", "mm_processor_kwargs")) from None
             processor.video_loading = self._images.video_loading

@@ -40,7 +40,8 @@ def image_processor_for(config: Any) -> Optional["ImageProcessor"]:
     if image_input_refusal(config) is not None:
         return None
     processor = ImageProcessor.from_model(config.model.model, config.model.hf_config,
-                                          config.multimodal.mm_processor_kwargs, takes_videos(config))
+                                          config.multimodal.mm_processor_kwargs, takes_videos(config),
+                                          config.model.mmproj)
     processor.video_loading = config.multimodal.video_loading
     processor.cache = ProcessedCache(int(config.multimodal.processor_cache_gb * 2**30))
     return processor
@@ -79,9 +80,11 @@ class ImageProcessor:
 
     @classmethod
     def from_model(cls, model_dir: str, hf_config: Any, mm_processor_kwargs: Optional[dict] = None,
-                   videos: bool = False) -> "ImageProcessor":
+                   videos: bool = False, mmproj: Optional[str] = None) -> "ImageProcessor":
         """The model's processor (ConfigError naming --mm-processor-kwargs for a key neither the image nor the video
-        processor takes, or a setting that contradicts the vision tower's). videos: build the video settings too."""
+        processor takes, or a setting that contradicts the vision tower's). videos: build the video settings too.
+        mmproj: a GGUF model's projector file, whose metadata gives the settings (model/loader/gguf_mmproj.py)
+        instead of the directory's preprocessor_config.json."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         kwargs = dict(mm_processor_kwargs or {})
@@ -96,11 +99,17 @@ class ImageProcessor:
         # (copies: a processor may change a setting's dict in place, e.g. the image one's size by its max_pixels)
         video_kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in video_settings})
         kwargs = copy.deepcopy({k: v for k, v in kwargs.items() if k in allowed})
-        if not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
+        settings = None
+        if mmproj is not None:
+            from voltllm.model.loader.gguf_mmproj import read_mmproj
+
+            settings = read_mmproj(mmproj).preprocessor
+        elif not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
             raise ConfigError(f"{model_dir} has a vision_config but no preprocessor_config.json (the image "
                               "processor's settings); add it, or serve the text model alone with --language-model-only")
         try:
-            hf = Qwen2VLImageProcessorPil.from_pretrained(model_dir, **kwargs)
+            hf = (Qwen2VLImageProcessorPil.from_pretrained(model_dir, **kwargs) if settings is None
+                  else Qwen2VLImageProcessorPil(**{**settings, **kwargs}))
         except (TypeError, ValueError, OSError) as e:
             raise ConfigError(f"the image processor of {model_dir} could not be built (--mm-processor-kwargs "
                               f"{kwargs}): {e}") from None
@@ -108,7 +117,7 @@ class ImageProcessor:
         video = None
         if videos:
             try:
-                video = video_sampling_for(model_dir, video_kwargs, qwen2_family)
+                video = video_sampling_for(model_dir, video_kwargs, qwen2_family, settings)
             except (TypeError, ValueError, OSError, AttributeError) as e:
                 raise ConfigError(f"the video processor of {model_dir} could not be built (--mm-processor-kwargs "
                                   f"{video_kwargs}): {e}") from None

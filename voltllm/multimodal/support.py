@@ -22,8 +22,8 @@ def image_input_refusal(config: Any) -> Optional[str]:
     hf = mc.hf_config
     if getattr(hf, "vision_config", None) is None or getattr(hf, "model_type", None) not in IMAGE_MODEL_TYPES:
         return "this server serves a text-only model (no image, audio or video input)"
-    if mc.quantization == "gguf":
-        return "a GGUF file holds the language model only (no image input)"
+    if mc.quantization == "gguf" and mc.mmproj is None:  # (its config has a vision_config only with a projector)
+        return "a GGUF file holds the language model only (no image input): give its projector file with --mmproj"
     if mc.language_model_only:
         return "the server was started with --language-model-only (no image input)"
     if mc.runner == "pooling":

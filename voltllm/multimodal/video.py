@@ -291,11 +291,13 @@ VIDEO_SETTINGS = frozenset({"size", "patch_size", "temporal_patch_size", "merge_
 QWEN2_VIDEO_SETTINGS = frozenset({"min_pixels", "max_pixels"})
 
 
-def video_sampling_for(model_dir: str, kwargs: dict, qwen2_family: bool = False) -> VideoSampling:
+def video_sampling_for(model_dir: str, kwargs: dict, qwen2_family: bool = False,
+                       settings: Optional[dict] = None) -> VideoSampling:
     """The video processor's settings: transformers' Qwen3-VL video processor (qwen2_family: Qwen2-VL's, which
     Qwen2.5-VL uses too) as from_pretrained builds it (video_preprocessor_config.json, else preprocessor_config.json,
-    over its class defaults) with `kwargs` (the --mm-processor-kwargs it takes) over them. ValueError for settings
-    that cannot run."""
+    over its class defaults) with `kwargs` (the --mm-processor-kwargs it takes) over them; `settings` in place of
+    the directory's files (a GGUF projector's, model/loader/gguf_mmproj.py). ValueError for settings that cannot
+    run."""
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     if kwargs.get("do_resize") is False:
@@ -309,7 +311,8 @@ def video_sampling_for(model_dir: str, kwargs: dict, qwen2_family: bool = False)
             raise ValueError(f"{' and '.join(given)}: Qwen2-VL's video processor samples no frames (its "
                              "do_sample_frames is false), it takes the loader's; choose them with --media-io-kwargs "
                              "'{\"video\": {\"num_frames\": N, \"fps\": F}}'")
-    hf = (_qwen2_vl_video_processor() if qwen2_family else Qwen3VLVideoProcessor).from_pretrained(model_dir, **kwargs)
+    cls = _qwen2_vl_video_processor() if qwen2_family else Qwen3VLVideoProcessor
+    hf = cls.from_pretrained(model_dir, **kwargs) if settings is None else cls(**{**settings, **kwargs})
     size = hf.size
     if not size.shortest_edge or not size.longest_edge:
         raise ValueError(f"the video processor's size needs shortest_edge and longest_edge, got {dict(size)}")

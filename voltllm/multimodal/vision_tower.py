@@ -300,8 +300,10 @@ def vision_tower_for(hf_config: Any, dtype: torch.dtype) -> Optional[nn.Module]:
     return VisionTower(vision_config, dtype)
 
 
-def load_vision_tower(model_dir: str, hf_config: Any, dtype: torch.dtype, device: Any) -> nn.Module:
-    """Build the tower on `device` and load only the checkpoint's visual tensors into it."""
+def load_vision_tower(model_dir: str, hf_config: Any, dtype: torch.dtype, device: Any,
+                      mmproj: Optional[str] = None) -> nn.Module:
+    """Build the tower on `device` and load only the checkpoint's visual tensors into it (mmproj: from that
+    llama.cpp projector file instead, model/loader/gguf_mmproj.py)."""
     from voltllm.model.loader.safetensors_loader import safetensors_weights
 
     with torch.device("meta"):  # no throwaway random init: load_weights fills every parameter
@@ -309,6 +311,11 @@ def load_vision_tower(model_dir: str, hf_config: Any, dtype: torch.dtype, device
     if tower is None:
         raise ValueError(f"the model at {model_dir} has no vision_config: it takes no image input")
     tower = tower.to_empty(device=device)
+    if mmproj is not None:
+        from voltllm.model.loader.gguf_mmproj import mmproj_weights, read_mmproj
+
+        tower.load_weights(mmproj_weights(read_mmproj(mmproj)))
+        return tower.eval().requires_grad_(False)
     weights = safetensors_weights(model_dir, only=lambda name: name.startswith(VISUAL_PREFIXES))
     tower.load_weights((_strip_prefix(name), tensor) for name, tensor in weights)
     return tower.eval().requires_grad_(False)  # inference only: kept rows must not hold an autograd graph

@@ -236,7 +236,7 @@ def image_step_for(runner: Any) -> Optional[ImageStep]:
         with torch.no_grad():
             init_dummy_weights(tower, mc.seed, runner.device)
     else:
-        tower = load_vision_tower(mc.model, mc.hf_config, runner.dtype, runner.device)
+        tower = load_vision_tower(mc.model, mc.hf_config, runner.dtype, runner.device, mc.mmproj)
     text = getattr(mc.hf_config, "text_config", None) or mc.hf_config
     from voltllm.model.layers.rotary import rope_parameters
 

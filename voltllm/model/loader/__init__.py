@@ -51,7 +51,8 @@ def resolve_model(model: Optional[str], revision: Optional[str] = None, download
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
             return ModelSource(path=path, kind="hf")
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        # (mmproj*.gguf: llama.cpp's vision projector beside a model, not a model)
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf") and not f.lower().startswith("mmproj"))
         models = sorted({_gguf_model_file(os.path.join(path, f)) for f in ggufs})  # a split model counts once
         if len(models) == 1:
             return ModelSource(path=models[0], kind="gguf")

@@ -3,7 +3,8 @@
 Supported architectures: llama, qwen2, qwen3 (dense), qwen3moe (Qwen3-30B-A3B style: llama.cpp stacks each layer's
 experts into one [E, rows, cols] tensor per projection, read back here as HF's per-expert weights), and the hybrids
 qwen35, qwen35moe and qwen3next (Gated DeltaNet + gated attention: gguf_hybrid.py undoes what llama.cpp's converter
-changes in them). Tensors are dequantized with the `gguf` package's numpy
+changes in them), and qwen2vl (Qwen2-VL's / Qwen2.5-VL's language model, a qwen2; with its llama.cpp projector file a
+vision-language model: gguf_mmproj.py). Tensors are dequantized with the `gguf` package's numpy
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
 dtype. On a GPU the linear layers' weights of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
@@ -34,7 +35,10 @@ import torch
 from voltllm.model.loader import gguf_hybrid
 from voltllm.model.loader.gguf_hybrid import HYBRID_ARCHS
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", *HYBRID_ARCHS)
+# qwen2vl: Qwen2-VL's / Qwen2.5-VL's language model, a qwen2 (its M-RoPE sections matter with images only: a projector
+# file beside it makes it multimodal, gguf_mmproj.py)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2vl", *HYBRID_ARCHS)
+_QWEN2_LIKE = ("qwen2", "qwen2vl")  # always q/k/v biases
 
 # GGUF tensor name -> HF parameter name (both without the .weight/.bias suffix).
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -122,6 +126,10 @@ def _cached_reader(stamps: tuple[tuple[str, int, int], ...]):
 def _arch(reader) -> str:
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
+    if arch == "clip":
+        raise ValueError("this GGUF file is a vision projector (llama.cpp's mmproj), not a language model: give the "
+                         "language model's GGUF file as the model (the mmproj*.gguf beside it is found, or name it "
+                         "with --mmproj)")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     return arch
@@ -130,6 +138,12 @@ def _arch(reader) -> str:
 def gguf_architecture(path: str) -> Optional[str]:
     """The file's general.architecture (whether voltllm reads it or not)."""
     field = _reader(path).fields.get("general.architecture")
+    return field.contents() if field is not None else None
+
+
+def gguf_field(path: str, name: str) -> Any:
+    """One metadata field's value (an array as a list), or None when the file lacks it."""
+    field = _reader(path).fields.get(name)
     return field.contents() if field is not None else None
 
 
@@ -193,8 +207,9 @@ def gguf_config(path: str) -> Any:
     if kwargs["intermediate_size"] is None and arch != "qwen3moe":
         key("feed_forward_length")  # (raises: required)
     kwargs.update(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                  "qwen3moe": "Qwen3MoeForCausalLM"}[arch]], num_hidden_layers=key("block_count"))
-    if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
+                                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen2vl": "Qwen2ForCausalLM"}[arch]],
+                  num_hidden_layers=key("block_count"))
+    if arch not in _QWEN2_LIKE:  # Qwen2 always has q/k/v biases and no switch for them
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top-k weights for this architecture
         moe_inter = key("expert_feed_forward_length")
@@ -203,8 +218,8 @@ def gguf_config(path: str) -> Any:
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-            "qwen3moe": Qwen3MoeConfig}[arch](**kwargs)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3moe": Qwen3MoeConfig,
+            "qwen2vl": Qwen2Config}[arch](**kwargs)
 
 
 def dense_bytes(path: str, itemsize: int) -> int:
@@ -314,7 +329,8 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
     if hf_config is None:
         hf_config = gguf_config(path)
     hybrid = gguf_hybrid.HybridTensors(arch, hf_config) if gguf_hybrid.is_hybrid(arch) else None
-    n_layers = hf_config.num_hidden_layers
+    n_layers = getattr(hf_config, "text_config", None) or hf_config  # (a multimodal config: its text model's)
+    n_layers = n_layers.num_hidden_layers
     for t in reader.tensors:
         block = _BLOCK_RE.match(t.name)
         if block and hybrid is not None and int(block.group(1)) >= n_layers:  # Qwen3.5's MTP (nextn) blocks

@@ -130,7 +130,7 @@ def _gguf_models(snapshot: str, quant: str) -> list[str]:
     found = set()
     for folder, _, files in os.walk(snapshot):
         for f in files:
-            if not f.lower().endswith(".gguf"):
+            if not f.lower().endswith(".gguf") or f.lower().startswith("mmproj"):  # (a vision projector file)
                 continue
             stem = f[: -len(".gguf")]
             part = _SPLIT_PART.search(stem)
