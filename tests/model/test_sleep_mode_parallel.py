@@ -87,13 +87,18 @@ def test_level_2_reloads_the_workers_own_weights(llm):
     assert _tokens(llm) == before
 
 
-def test_out_of_memory_on_a_worker_at_wake_up(llm):
-    """Rank 1 runs out of memory restoring the weights: the engine raises it naming the rank, every rank's weights
-    sleep again (rank 0's came back and are released again), and a later wake_up succeeds."""
+@pytest.mark.parametrize("failing", [1, 0])
+def test_out_of_memory_at_wake_up(llm, failing):
+    """A rank runs out of memory restoring the weights: the engine raises it (a worker's naming its rank), every
+    rank's weights sleep again (the other ranks' came back and are released again), and a later wake_up succeeds."""
     before = _tokens(llm)
     llm.sleep(level=1)
-    llm.engine.tp_workers.call_on_workers(probes.fail_next_restore, 1)
-    with pytest.raises(RuntimeError, match="rank 1: not enough cpu memory to wake up the weights"):
+    if failing:
+        llm.engine.tp_workers.call_on_workers(probes.fail_next_restore, failing)
+    else:
+        probes.fail_next_restore(llm.engine.runner, 0)
+    with pytest.raises(RuntimeError, match=("rank 1: " if failing else "^") + "not enough cpu memory to wake up the "
+                       "weights"):
         llm.wake_up()
     _check_asleep(llm, weights=True, kv=True)
     llm.wake_up()

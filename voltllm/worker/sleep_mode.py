@@ -10,6 +10,9 @@ shares it (tied embeddings, a state cache's per-layer rows) stays the same Pytho
 The data pointers change, so the CUDA graphs (which recorded them) are dropped at sleep and captured again once both
 tags are awake. The engine (EngineCore) first ends or aborts its requests and forgets its cached prefixes: the KV
 cache's contents are gone, and its blocks are all free.
+
+Under tensor / pipeline parallelism every rank has a RunnerSleep of its own, whose wake-up phases (wake_tag, undo_tag,
+commit_tag, finish_wake) distributed/sleep.py runs on all ranks together.
 """
 from __future__ import annotations
 
