@@ -4,6 +4,9 @@ wake-up are the ones before sleep, level 2 reloads each rank's own shard / stage
 failure at wake-up is an error in the engine, not a hang."""
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 import worker_probes as probes
@@ -112,6 +115,17 @@ def test_a_worker_failing_in_sleep_is_an_engine_error(qwen3_path):
         with pytest.raises(TPWorkerError, match="tensor-parallel worker 1 failed: RuntimeError: injected failure"):
             llm.sleep(level=1)
         with pytest.raises(TPWorkerError, match="worker 1 failed"):
+            llm.wake_up()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_worker_killed_while_asleep_is_reported_at_wake_up(qwen3_path):
+    llm = LLM(qwen3_path, tensor_parallel_size=2, **ENGINE)
+    try:
+        llm.sleep(level=2)
+        os.kill(llm.engine.tp_workers.procs[0].pid, signal.SIGKILL)
+        with pytest.raises(TPWorkerError, match="tensor-parallel worker 1 exited"):
             llm.wake_up()
     finally:
         llm.engine.shutdown()
