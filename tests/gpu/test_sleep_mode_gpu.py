@@ -58,3 +58,31 @@ def test_wake_up_weights_then_kv_cache(llm):
     assert llm.is_sleeping() and llm.engine.runner.graphs is None
     llm.wake_up(tags=["kv_cache"])
     assert not llm.is_sleeping() and _greedy(llm) == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_two_gpus_sleep_and_wake_with_graphs(tmp_path, layout):
+    """-tp 2 / -pp 2 (NCCL): both GPUs give their memory back, and the CUDA graphs (their collectives captured) are
+    captured again on both ranks together at wake-up; greedy outputs are the ones before sleep."""
+    path = make_model(str(tmp_path), "qwen3", intermediate_size=4096, hidden_size=1024, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=64, num_hidden_layers=4)
+    llm = LLM(path, device="cuda", dtype="float16", max_model_len=1024, kv_cache_memory_bytes=KV_BYTES,
+              enable_sleep_mode=True, **layout)
+    try:
+        runner = llm.engine.runner
+        before = _greedy(llm)
+        for level in (1, 2):
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            awake = [torch.cuda.mem_get_info(d)[0] for d in (0, 1)]
+            llm.sleep(level=level)
+            asleep = [torch.cuda.mem_get_info(d)[0] for d in (0, 1)]
+            assert all(b - a >= 0.9 * KV_BYTES for a, b in zip(awake, asleep)), (awake, asleep)
+            llm.wake_up()
+            assert runner.graphs is not None
+            replays = runner.graphs.replays
+            assert _greedy(llm) == before
+            assert runner.graphs.replays > replays
+    finally:
+        llm.engine.shutdown()

@@ -155,9 +155,10 @@ def test_sleep_mode_off_is_refused(qwen3_path):
     assert llm.is_sleeping() is False
 
 
-def test_tensor_parallel_is_refused(qwen3_path):
-    with pytest.raises(ConfigError, match="--enable-sleep-mode: not built under --tensor-parallel-size > 1"):
-        _llm(qwen3_path, tensor_parallel_size=2)
+def test_weight_offloading_is_refused(qwen3_path):
+    """(Tensor and pipeline parallelism run it: tests/model/test_sleep_mode_parallel.py)"""
+    with pytest.raises(ConfigError, match="--enable-sleep-mode: not built with weight offloading"):
+        _llm(qwen3_path, cpu_offload_gb=1)
 
 
 def test_a_tied_llama_and_a_hybrid_sleep_and_wake(tmp_path):

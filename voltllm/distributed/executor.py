@@ -69,14 +69,15 @@ class TPWorkers:
         logger.info("tensor parallelism: %d ranks (workers: pids %s)", self.size, [p.pid for p in self.procs])
 
     # -- start-up -------------------------------------------------------------------------------
-    def _wait_for(self, kind: str, timeout: Optional[float]) -> list[Any]:
+    def _wait_for(self, kind: str, timeout: Optional[float], at_start: bool = True) -> list[Any]:
         """Each worker's next message, which must be `kind`; raises the worker's error (or its death) otherwise."""
         out = []
         deadline = None if timeout is None else time.monotonic() + timeout
+        exited = _exited_at_start if at_start else _exited
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.1):
                 if not p.is_alive() and not conn.poll(0):
-                    raise self._fail(_exited_at_start(rank, p.exitcode))
+                    raise self._fail(exited(rank, p.exitcode))
                 if deadline is not None and time.monotonic() > deadline:
                     raise self._fail(TPWorkerError(f"tensor-parallel worker {rank} did not start within "
                                                    f"{timeout:.0f} s"))
@@ -84,7 +85,7 @@ class TPWorkers:
                 msg = conn.recv()
             except (EOFError, OSError):
                 p.join(1.0)
-                raise self._fail(_exited_at_start(rank, p.exitcode)) from None
+                raise self._fail(exited(rank, p.exitcode)) from None
             if msg[0] != kind:
                 raise self._fail(self._worker_error(rank, msg))
             out.append(msg[1:])
@@ -100,6 +101,23 @@ class TPWorkers:
     # -- steps ----------------------------------------------------------------------------------
     def send_step(self, step: StepInputs) -> None:
         self._send(("step", step))
+
+    def send(self, msg: tuple) -> None:
+        """One message to every worker (worker.py lists them)."""
+        self._send(msg)
+
+    def collect(self, kind: str) -> list[tuple]:
+        """Each worker's answer to the last message sent, which must be `kind` (its fields after the kind); a worker's
+        error or death raises TPWorkerError, which stays: every later call raises it."""
+        if self.error is not None:
+            raise self.error
+        return self._wait_for(kind, None, at_start=False)
+
+    def call_on_workers(self, fn: Any, *args: Any) -> list[Any]:
+        """Tests and diagnostics: fn(runner, *args) on every worker (fn a module-level function: it is pickled by
+        name), their results in rank order. Between steps only."""
+        self.send(("call", fn, args))
+        return [m[0] for m in self.collect("called")]
 
     def fail_worker(self, rank: int, text: str) -> None:
         """Tests: make worker `rank` raise RuntimeError(text) at its next message (the engine must report it)."""
@@ -145,7 +163,10 @@ class TPWorkers:
             for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
                 try:
                     if conn.poll(0):
-                        return self._fail(self._worker_error(rank, conn.recv()))
+                        msg = conn.recv()
+                        if msg[0] == "error":  # (another is an answer rank 0 no longer waits for: not a failure)
+                            return self._fail(self._worker_error(rank, msg))
+                        continue
                 except (EOFError, OSError):
                     pass
                 if not p.is_alive():
@@ -173,6 +194,10 @@ def _exited_at_start(rank: int, code: Optional[int]) -> TPWorkerError:
     return TPWorkerError(f"tensor-parallel worker {rank} exited during start-up (exit code {code}; its output says "
                          "why; workers are spawned, so a script that builds the engine at import time needs an "
                          "`if __name__ == '__main__':` guard)")
+
+
+def _exited(rank: int, code: Optional[int]) -> TPWorkerError:
+    return TPWorkerError(f"tensor-parallel worker {rank} exited (exit code {code}; its output says why)")
 
 
 class _children_allowed:

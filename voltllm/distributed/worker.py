@@ -3,8 +3,11 @@ rank 0 sends.
 
 It mirrors EngineCore's start-up (runner, KV cache, GEMM tuning, CUDA graphs) so that the collectives inside those
 line up with rank 0's, then loops: each ("step", StepInputs) is one forward (ModelRunner.execute_follower). Pipe
-messages from rank 0 (pickled tuples): ("step", StepInputs), ("fail", text) (tests: raise here), ("shutdown",).
-To rank 0: ("hello",) before joining the process group, ("ready", num_blocks), ("error", text) before exiting.
+messages from rank 0 (pickled tuples): ("step", StepInputs), ("sleep_mode", method, args) (--enable-sleep-mode:
+this rank's RunnerSleep does what rank 0's does, distributed/sleep.py), ("call", fn, args) (tests: fn(runner,
+*args)), ("fail", text) (tests: raise here), ("shutdown",). To rank 0: ("hello",) before joining the process group,
+("ready", num_blocks), ("sleep_mode", None or the message of a wake-up that failed here and can be retried),
+("called", result), ("error", text) before exiting.
 
 It never outlives the engine: Linux's parent-death signal (SIGTERM when its parent exits), and EOF on its pipe.
 """
@@ -38,10 +41,19 @@ def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, lo
     try:
         runner = _start(config, rank, port, conn)
         conn.send(("ready", runner.num_blocks))
+        sleep_state = None
+        if config.enable_sleep_mode:
+            from voltllm.worker.sleep_mode import RunnerSleep
+
+            sleep_state = RunnerSleep(runner)
         while True:
             msg = pickle.loads(conn.recv_bytes())
             if msg[0] == "step":
                 runner.execute_follower(msg[1])
+            elif msg[0] == "sleep_mode":
+                conn.send(("sleep_mode", _sleep_mode_call(sleep_state, msg[1], msg[2])))
+            elif msg[0] == "call":
+                conn.send(("called", msg[1](runner, *msg[2])))
             elif msg[0] == "shutdown":
                 break
             elif msg[0] == "fail":
@@ -58,6 +70,23 @@ def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, lo
     finally:
         logging.shutdown()
         os._exit(code)  # skip interpreter teardown (seconds with torch loaded): nothing here needs it
+
+
+def _sleep_mode_call(state: Any, method: str, args: tuple):
+    """One phase of sleep / wake-up on this rank. A wake-up that failed here (out of memory) leaves its tag asleep
+    and is answered with its message: rank 0 undoes it on the other ranks and raises it, and a later wake_up
+    retries. Any other failure ends the worker (rank 0 raises it as this worker's error)."""
+    from voltllm.distributed.sleep import WORKER_PHASES
+
+    if state is None or method not in WORKER_PHASES:
+        raise RuntimeError(f"unexpected sleep-mode call {method!r} (sleep mode {'on' if state else 'off'})")
+    try:
+        getattr(state, method)(*args)
+    except RuntimeError as e:
+        if method != "wake_tag":
+            raise
+        return str(e)
+    return None
 
 
 def _start(config: Any, rank: int, port: int, conn: Any):

@@ -111,11 +111,15 @@ class EngineCore:
         # async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host
         self.async_scheduling = config.scheduler.async_scheduling
         self._inflight: Optional[tuple[SchedulerOutput, StepHandle]] = None
-        self.sleep_state = None  # --enable-sleep-mode: worker.sleep_mode.RunnerSleep
+        self.sleep_state = None  # --enable-sleep-mode: worker.sleep_mode.RunnerSleep (a group: distributed.sleep's)
         if config.enable_sleep_mode:
             from voltllm.worker.sleep_mode import RunnerSleep
 
             self.sleep_state = RunnerSleep(self.runner)
+            if tp is not None:  # every rank sleeps and wakes its own memory
+                from voltllm.distributed.sleep import GroupSleep
+
+                self.sleep_state = GroupSleep(self.sleep_state, tp)
 
     def _engine_tokenizer(self):
         mc = self.config.model

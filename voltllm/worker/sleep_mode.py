@@ -10,6 +10,9 @@ shares it (tied embeddings, a state cache's per-layer rows) stays the same Pytho
 The data pointers change, so the CUDA graphs (which recorded them) are dropped at sleep and captured again once both
 tags are awake. The engine (EngineCore) first ends or aborts its requests and forgets its cached prefixes: the KV
 cache's contents are gone, and its blocks are all free.
+
+Under tensor / pipeline parallelism every rank has a RunnerSleep of its own, whose wake-up phases (wake_tag, undo_tag,
+commit_tag, finish_wake) distributed/sleep.py runs on all ranks together.
 """
 from __future__ import annotations
 
@@ -27,11 +30,6 @@ SLEEP_TAGS = ("weights", "kv_cache")
 
 def sleep_mode_refusal(config: Any) -> Optional[str]:
     """Why --enable-sleep-mode cannot run with this configuration (None: it can)."""
-    if config.parallel.tensor_parallel_size > 1:
-        return ("not built under --tensor-parallel-size > 1 (the other ranks' weights and KV cache live in their own "
-                "processes); run one rank per engine, or --data-parallel-size for more GPUs")
-    if config.parallel.pipeline_parallel_size > 1:
-        return "not built under --pipeline-parallel-size > 1"
     if config.weight_offload is not None:
         return ("not built with weight offloading (--cpu-offload-gb / --offload-group-size): its layers live in CPU "
                 "memory")
@@ -192,23 +190,63 @@ class RunnerSleep:
             logger.warning("wake_up: the engine is not sleeping")
             return
         t0 = time.monotonic()
+        for tag in self.tags_to_wake(tags):
+            self.wake_tag(tag)
+            self.commit_tag(tag)
+        self.finish_wake()
+        self.log_woken(tags, t0)
+
+    # wake_up's phases, which distributed/sleep.py runs on every rank of a group: restore a tag everywhere, then
+    # commit it (or undo it where it came back, should it fail on any rank), then capture the graphs together
+    def tags_to_wake(self, tags: Sequence[str]) -> list[str]:
         for tag in tags:
             if tag not in self.asleep:
                 logger.warning("wake_up(tags=[%r]): that part is awake already", tag)
-                continue
-            self._restore_all(tag)
-            if tag == "weights" and self._reload:
+        return [tag for tag in tags if tag in self.asleep]
+
+    def wake_tag(self, tag: str) -> None:
+        """The tag's storages back on the device (level 2's weights reloaded); it stays asleep until commit_tag.
+        RuntimeError (out of memory, a reload that left parameters unwritten): its storages are released again."""
+        self._restore_all(tag)
+        if tag == "weights" and self._reload:
+            try:
                 self._reload_weights()
-            self.asleep.discard(tag)
-        if not self.asleep:
-            self._freed.clear()
-            self.level = None
-            self.runner.capture_cuda_graphs()
-            graphs, prompt = self.runner.graphs, self.runner.prompt_graphs
-            if graphs is not None:  # (the acceleration report counts replays since start-up)
-                graphs.replays = int(getattr(graphs, "replays", 0) or 0) + self._graph_replays[0]
-            if prompt is not None:
-                prompt.replays = int(getattr(prompt, "replays", 0) or 0) + self._graph_replays[1]
+            except BaseException:
+                self.undo_tag(tag)
+                raise
+
+    def undo_tag(self, tag: str) -> None:
+        """Release a tag that wake_tag restored here but another rank could not (level 1's CPU copies are kept until
+        commit_tag, level 2's weights are reloaded again at the next wake_tag)."""
+        if tag not in self.asleep:
+            return
+        for f in self._freed[tag]:
+            f.release_again()
+        self._empty_cache()
+
+    def commit_tag(self, tag: str) -> None:
+        """The tag is awake (on every rank): its CPU copies go."""
+        for f in self._freed.get(tag, []):
+            f.host = None
+        if tag == "weights":
+            self._reload = []
+        self.asleep.discard(tag)
+
+    def finish_wake(self) -> None:
+        """Once no tag sleeps: capture the CUDA graphs again (under a group every rank at once: captures hold
+        collectives), their replay counts carried over."""
+        if self.asleep or self.level is None:
+            return
+        self._freed.clear()
+        self.level = None
+        self.runner.capture_cuda_graphs()
+        graphs, prompt = self.runner.graphs, self.runner.prompt_graphs
+        if graphs is not None:  # (the acceleration report counts replays since start-up)
+            graphs.replays = int(getattr(graphs, "replays", 0) or 0) + self._graph_replays[0]
+        if prompt is not None:
+            prompt.replays = int(getattr(prompt, "replays", 0) or 0) + self._graph_replays[1]
+
+    def log_woken(self, tags: Sequence[str], t0: float) -> None:
         logger.info("woke %s in %.2f s%s", " and ".join(tags), time.monotonic() - t0,
                     "" if not self.asleep else f" ({' and '.join(sorted(self.asleep))} still asleep)")
 
@@ -225,8 +263,6 @@ class RunnerSleep:
             self._empty_cache()
             raise RuntimeError(f"not enough {self.runner.device} memory to wake up the {tag}: free memory there "
                                "(whatever used it while the engine slept) and call wake_up again") from None
-        for f in self._freed[tag]:
-            f.host = None
 
     def _reload_weights(self) -> None:
         """Level 2: the parameters from the checkpoint (or --load-format dummy's seeded random values), into the
@@ -242,7 +278,6 @@ class RunnerSleep:
         if missed:
             raise RuntimeError(f"sleep level 2: the checkpoint reload left parameters unwritten, e.g. {missed[:3]}; "
                                "this model sleeps at level 1 only")
-        self._reload = []
         logger.info("reloaded the weights from the checkpoint in %.1f s", time.monotonic() - t0)
 
     def _sync(self) -> None:
