@@ -182,3 +182,47 @@ def test_a_tied_llama_and_a_hybrid_sleep_and_wake(tmp_path):
         hybrid.wake_up()
         assert _tokens(hybrid) == before
         hybrid.engine.check_integrity()
+
+
+def test_a_sleep_that_runs_out_of_host_memory_leaves_the_engine_awake(qwen3_path, monkeypatch):
+    """Every host copy is taken before anything is released: the failure leaves every weight in place."""
+    import voltllm.worker.sleep_mode as sleep_mode
+
+    llm = _llm(qwen3_path)
+    before = _tokens(llm)
+    real_empty, copies = torch.empty, [0]
+
+    def empty(*args, **kw):
+        if "pin_memory" in kw:  # (the host copies)
+            copies[0] += 1
+            if copies[0] > 5:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(sleep_mode.torch, "empty", empty)
+    with pytest.raises(RuntimeError, match="failed before releasing anything, the engine stays awake"):
+        llm.sleep(1)
+    monkeypatch.undo()
+    assert not llm.is_sleeping()
+    assert all(p.untyped_storage().nbytes() > 0 for p in llm.engine.runner.model.parameters())
+    assert _tokens(llm) == before
+
+
+def test_a_level_2_reload_from_a_broken_checkpoint_stays_asleep_and_can_be_retried(tmp_path):
+    import os
+    import shutil
+
+    path = make_model(str(tmp_path / "m"), "qwen3")
+    llm = _llm(path)
+    before = _tokens(llm)
+    llm.sleep(2)
+    f = os.path.join(path, "model.safetensors")
+    shutil.move(f, f + ".bak")
+    with open(f, "wb") as out:
+        out.write(b"\x00" * 16)  # (a checkpoint being rewritten in place)
+    with pytest.raises(RuntimeError, match="reloading the weights from the checkpoint failed"):
+        llm.wake_up()
+    assert llm.is_sleeping()
+    shutil.move(f + ".bak", f)
+    llm.wake_up()
+    assert not llm.is_sleeping() and _tokens(llm) == before

@@ -297,7 +297,8 @@ class AsyncLLM:
                 if st is not None:
                     st._put(functools.partial(self.frontend.build, state))
         elif kind == "error":
-            _, child_ids, message = msg
+            _, child_ids, message, *why = msg
+            error = EngineSleepingError if why == ["sleeping"] else InvalidRequestError
             parents = {self.frontend.child_to_parent.get(c) for c in child_ids} - {None}
             for pid in parents:
                 others = [c for c in self.frontend.child_ids(pid) if c not in child_ids]
@@ -306,7 +307,7 @@ class AsyncLLM:
                 self.frontend.forget(pid)
                 st = self._streams.pop(pid, None)
                 if st is not None:
-                    st._fail(InvalidRequestError(message))
+                    st._fail(error(message))
         elif kind == "report":
             if self._report_waiters:
                 fut = self._report_waiters.pop(0)
@@ -314,11 +315,12 @@ class AsyncLLM:
                     fut.set_result(msg[1])
         elif kind == "sleep_mode":
             _, error, sleeping = msg
-            self.sleeping = sleeping
-            if self._sleep_waiters:
-                fut = self._sleep_waiters.pop(0)
-                if not fut.done():
-                    fut.set_result(error)
+            fut = self._sleep_waiters.pop(0) if self._sleep_waiters else None
+            # while another sleep / wake-up call is on its way, admission stays closed: an "awake" answer followed by
+            # a queued sleep must not let requests through that the engine would meet asleep
+            self.sleeping = sleeping or (self.sleeping and bool(self._sleep_waiters))
+            if fut is not None and not fut.done():
+                fut.set_result(error)
         elif kind == "fatal":
             self._on_dead(f"the engine failed: {msg[1].strip().splitlines()[-1]}")
         else:

@@ -177,6 +177,10 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
                 if kind == "add":
                     reqs = msg[1]
                     added = []
+                    if core.is_sleeping():  # (sent while a sleep was on its way: the server answers 503, not 400)
+                        out.send(_dumps(("error", [r.request_id for r in reqs], "the engine is sleeping "
+                                         "(--enable-sleep-mode): POST /wake_up wakes it", "sleeping")))
+                        continue
                     try:
                         for req in reqs:
                             core.add_request(req)
@@ -231,7 +235,7 @@ def _sleep_mode_call(core: Any, out: Any, kind: str, arg: Any) -> None:
                 out.send(_dumps(("outputs", outputs, core.stats())))
         else:
             core.wake_up(arg)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:  # (a wake-up's failure leaves its part asleep: it can be retried)
         logger.warning("%s failed: %s", kind, e)
         error = ("ValueError" if isinstance(e, ValueError) else "RuntimeError", str(e))
     out.send(_dumps(("sleep_mode", error, core.is_sleeping())))

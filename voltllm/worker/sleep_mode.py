@@ -80,11 +80,15 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class _Freed:
-    """One storage whose device memory was released: its size, and its bytes kept in CPU memory (None: discarded)."""
+    """One storage whose device memory is to be released: its size, and its bytes kept in CPU memory (None:
+    discarded). Made for every storage first (the copies taken), released only then: a sleep that fails half-way
+    (host memory runs out) leaves every weight where it was."""
 
     __slots__ = ("storage", "nbytes", "host")
 
     def __init__(self, storage: torch.UntypedStorage, keep: bool):
+        if not storage.resizable():
+            raise RuntimeError("a weight or KV tensor's memory cannot be released (its storage is not resizable)")
         self.storage = storage
         self.nbytes = storage.nbytes()
         self.host = None
@@ -92,9 +96,9 @@ class _Freed:
             pin = storage.device.type == "cuda"
             self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
             self.host.copy_(_bytes_of(storage))
-        if not storage.resizable():
-            raise RuntimeError("a weight or KV tensor's memory cannot be released (its storage is not resizable)")
-        storage.resize_(0)
+
+    def release(self) -> None:
+        self.storage.resize_(0)
 
     def restore(self) -> None:
         self.storage.resize_(self.nbytes)
@@ -165,18 +169,25 @@ class RunnerSleep:
         t0 = time.monotonic()
         before = _device_used(self.runner.device)
         self._sync()
-        graphs, prompt = self.runner.graphs, self.runner.prompt_graphs
-        self._graph_replays = (int(getattr(graphs, "replays", 0) or 0), int(getattr(prompt, "replays", 0) or 0))
-        self.runner.drop_cuda_graphs()  # (they recorded the addresses about to be released)
         kept, discarded = self._weight_tensors(level)
         # views of a discarded storage must not also be copied (a buffer aliasing a parameter): discard wins
         discarded_storages = _unique_storages(discarded)
         gone = {s.data_ptr() for s in discarded_storages}
         kept_storages = [s for s in _unique_storages(kept) if s.data_ptr() not in gone]
-        self._freed["weights"] = ([_Freed(s, keep=True) for s in kept_storages]
-                                  + [_Freed(s, keep=False) for s in discarded_storages])
+        try:  # every copy taken before anything is released
+            freed = {"weights": ([_Freed(s, keep=True) for s in kept_storages]
+                                 + [_Freed(s, keep=False) for s in discarded_storages]),
+                     "kv_cache": [_Freed(s, keep=False) for s in _unique_storages(self._kv_tensors())]}
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # (pinned or plain host memory ran out)
+            raise RuntimeError(f"sleep level {level} failed before releasing anything, the engine stays awake: "
+                               f"{type(e).__name__}: {e}") from None
+        graphs, prompt = self.runner.graphs, self.runner.prompt_graphs
+        self._graph_replays = (int(getattr(graphs, "replays", 0) or 0), int(getattr(prompt, "replays", 0) or 0))
+        self.runner.drop_cuda_graphs()  # (they recorded the addresses about to be released)
+        for f in (*freed["weights"], *freed["kv_cache"]):
+            f.release()
+        self._freed = freed
         self._reload = [p for p in self.runner.model.parameters()] if level == 2 else []
-        self._freed["kv_cache"] = [_Freed(s, keep=False) for s in _unique_storages(self._kv_tensors())]
         self.level = level
         self.asleep = set(SLEEP_TAGS)
         self._empty_cache()
@@ -273,7 +284,12 @@ class RunnerSleep:
             floats = [p for p in self._reload if p.is_floating_point()]
             for p in floats:
                 p.fill_(float("nan"))
-            runner.reload_weights()
+            try:
+                runner.reload_weights()
+            except Exception as e:  # noqa: BLE001 - an unreadable checkpoint: the weights stay asleep, retry later
+                raise RuntimeError(f"sleep level 2: reloading the weights from the checkpoint failed "
+                                   f"({type(e).__name__}: {e}); they stay asleep: fix the checkpoint and call wake_up "
+                                   "again") from e
             missed = [n for n, p in runner.model.named_parameters() if p.is_floating_point() and p.isnan().any()]
         if missed:
             raise RuntimeError(f"sleep level 2: the checkpoint reload left parameters unwritten, e.g. {missed[:3]}; "
