@@ -1,0 +1,54 @@
+"""Qwen3-VL (dense and MoE) and Qwen3.5 (dense and MoE) as llama.cpp ships them: a qwen3vl / qwen3vlmoe / qwen35 /
+qwen35moe GGUF language model plus its mmproj-*.gguf projector (qwen3vl_merger), written by tests/gguf_files.py from a
+tiny random checkpoint as convert_hf_to_gguf.py does, in F16 that holds the checkpoint exactly. The engine on the two
+files matches transformers' *ForConditionalGeneration on the original checkpoint (greedy tokens and logprobs, one
+image); the comparison sees the deepstack levels' order; projector and model of different kinds are refused."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+pytest.importorskip("gguf")
+
+from gguf_files import fp16_exact_checkpoint, use_qwen_pre_tokenizer, write_qwen3_vl_ggufs  # noqa: E402
+from vl_models import (cpu_llm as _llm, run_greedy as _run, same_greedy as _same, vl_image as _image,  # noqa: E402
+                       vl_prompt as _prompt, vl_reference as _reference, vl_setup)
+
+_PRE = {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35"}
+
+
+def _setup(root: str, kind: str, **write) -> tuple:
+    """(vl tuple for vl_models' helpers, the GGUF model's path, its projector's path), the two files in root/gguf."""
+    import torch
+
+    hf, processor, tok, _ = vl_setup(os.path.join(root, "hf"), kind)
+    use_qwen_pre_tokenizer(hf, _PRE[kind])
+    fp16_exact_checkpoint(hf)
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+    ref = type(_)(_.config).from_pretrained(hf, dtype=torch.float32).eval()  # (the F16-exact weights)
+    os.makedirs(os.path.join(root, "gguf"))
+    lm, mmproj = os.path.join(root, "gguf", "tiny-F16.gguf"), os.path.join(root, "gguf", "mmproj-tiny-F16.gguf")
+    write_qwen3_vl_ggufs(hf, lm, mmproj, **write)
+    return (hf, processor, tok, ref), lm, mmproj
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def files(request, tmp_path_factory):
+    return _setup(str(tmp_path_factory.mktemp(request.param)), request.param)
+
+
+def test_model_and_projector_match_transformers(files):
+    vl, lm, mmproj = files
+    ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    llm = _llm(lm)
+    mc = llm.engine.config.model
+    assert mc.mmproj == mmproj and mc.quantization == "gguf"  # (found beside the model file)
+    assert mc.hf_config.model_type == vl[3].config.model_type
+    step = llm.engine.runner.image_step
+    assert step is not None and type(step.tower).__name__ == "VisionTower"
+    assert step.tower.deepstack_levels == len(getattr(vl[3].config.vision_config, "deepstack_visual_indexes", None)
+                                              or ())
+    assert _same(_run(llm, [(ids, mm)])[0], _reference(vl, ids, out))
