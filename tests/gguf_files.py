@@ -588,7 +588,7 @@ def _write_qwen3_vl_lm(hf_dir: str, h: dict, arch: str, lm_path: str, outtype: s
     w.add_layer_norm_rms_eps(text["rms_norm_eps"])
     w.add_file_type(file_type)
     if arch == "qwen3vlmoe":
-        w.add_expert_count(text["num_experts"])
+        w.add_expert_count(text.get("num_experts", text.get("num_local_experts")))
         w.add_expert_used_count(text["num_experts_per_tok"])
         w.add_expert_feed_forward_length(text["moe_intermediate_size"])
     w.add_num_deepstack_layers(len(vision.get("deepstack_visual_indexes") or ()))

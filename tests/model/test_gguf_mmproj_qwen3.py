@@ -14,21 +14,32 @@ pytest.importorskip("PIL")
 pytest.importorskip("gguf")
 
 from gguf_files import fp16_exact_checkpoint, use_qwen_pre_tokenizer, write_qwen3_vl_ggufs  # noqa: E402
-from vl_models import (cpu_llm as _llm, run_greedy as _run, same_greedy as _same, vl_image as _image,  # noqa: E402
-                       vl_prompt as _prompt, vl_reference as _reference, vl_setup)
+from vl_models import (VL_PREPROCESSOR, cpu_llm as _llm, make_tiny_qwen3_5_vl, make_tiny_qwen3_vl,  # noqa: E402
+                       run_greedy as _run, same_greedy as _same, vl_image as _image, vl_prompt as _prompt,
+                       vl_reference as _reference)
 
 _PRE = {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35"}
+_MODELS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
 
 def _setup(root: str, kind: str, **write) -> tuple:
     """(vl tuple for vl_models' helpers, the GGUF model's path, its projector's path), the two files in root/gguf."""
     import torch
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    hf, processor, tok, _ = vl_setup(os.path.join(root, "hf"), kind)
+    hf = os.path.join(root, "hf")
+    if kind.startswith("qwen3_vl"):
+        # (Qwen3-VL-MoE sparse in every layer, as the released models are: llama.cpp's qwen3vlmoe has no dense layer)
+        make_tiny_qwen3_vl(hf, kind, seed=0, **({"mlp_only_layers": []} if kind == "qwen3_vl_moe" else {}))
+    else:
+        make_tiny_qwen3_5_vl(hf, kind, seed=0)
     use_qwen_pre_tokenizer(hf, _PRE[kind])
     fp16_exact_checkpoint(hf)
+    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in VL_PREPROCESSOR.items()
+                                            if k not in ("image_processor_type", "processor_class")})
     tok = transformers.AutoTokenizer.from_pretrained(hf)
-    ref = type(_)(_.config).from_pretrained(hf, dtype=torch.float32).eval()  # (the F16-exact weights)
+    ref = getattr(transformers, _MODELS[kind]).from_pretrained(hf, dtype=torch.float32).eval()
     os.makedirs(os.path.join(root, "gguf"))
     lm, mmproj = os.path.join(root, "gguf", "tiny-F16.gguf"), os.path.join(root, "gguf", "mmproj-tiny-F16.gguf")
     write_qwen3_vl_ggufs(hf, lm, mmproj, **write)
