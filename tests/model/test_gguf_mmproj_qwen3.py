@@ -63,3 +63,41 @@ def test_model_and_projector_match_transformers(files):
     assert step.tower.deepstack_levels == len(getattr(vl[3].config.vision_config, "deepstack_visual_indexes", None)
                                               or ())
     assert _same(_run(llm, [(ids, mm)])[0], _reference(vl, ids, out))
+
+
+def test_the_comparison_sees_the_deepstack_level_order(tmp_path):
+    """A projector whose deepstack mergers sit at each other's blocks (level 0's under block 2, level 1's under block
+    0) moves an image prompt's output off transformers': the levels' order is the blocks' order."""
+    vl, lm, _ = _setup(str(tmp_path / "a"), "qwen3_vl", deepstack_order=[1, 0])
+    ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    assert not _same(_run(_llm(lm), [(ids, mm)])[0], _reference(vl, ids, out))
+
+
+def test_metadata_as_the_converter_writes_it(files):
+    """The deepstack blocks come from clip.vision.is_deepstack_layers (none for Qwen3.5), the position table's size
+    from v.position_embd, and the processor's pixel bounds are the released Qwen3-VL / Qwen3.5 configs'."""
+    from voltllm.model.loader.gguf_mmproj import read_mmproj
+
+    vl, _, mmproj = files
+    mm = read_mmproj(mmproj)
+    vision = vl[3].config.vision_config
+    assert mm.family == "qwen3_vl"
+    assert mm.vision_config["deepstack_visual_indexes"] == list(getattr(vision, "deepstack_visual_indexes", None)
+                                                                or ())
+    assert mm.vision_config["num_position_embeddings"] == vision.num_position_embeddings
+    assert mm.preprocessor["size"] == {"shortest_edge": 64 * 8 * 8, "longest_edge": 16384 * 8 * 8}
+
+
+def test_projector_of_another_kind_is_refused(tmp_path):
+    """A Qwen3.5 projector (no deepstack) beside a Qwen3-VL model, or a Qwen3-VL one beside a Qwen3.5 model."""
+    import shutil
+
+    from voltllm.config import ConfigError
+
+    _, vl_lm, vl_proj = _setup(str(tmp_path / "vl"), "qwen3_vl")
+    _, q35_lm, q35_proj = _setup(str(tmp_path / "q35"), "qwen3_5")
+    for lm, proj in ((vl_lm, q35_proj), (q35_lm, vl_proj)):
+        folder = str(tmp_path / f"pair-{os.path.basename(os.path.dirname(os.path.dirname(lm)))}")
+        os.makedirs(folder)
+        with pytest.raises(ConfigError, match="different models"):
+            _llm(shutil.copy(lm, folder), mmproj=proj)
