@@ -513,3 +513,159 @@ def write_qwen2_vl_ggufs(hf_dir: str, lm_path: str, mmproj_path: str, outtype: s
     m.write_kv_data_to_file()
     m.write_tensors_to_file()
     m.close()
+
+
+# --- Qwen3-VL / Qwen3.5 as llama.cpp ships them: a qwen3vl / qwen3vlmoe / qwen35 / qwen35moe language model and an
+# mmproj file. Learnt from convert_hf_to_gguf.py's Qwen3VLTextModel / Qwen3VLMoeTextModel (a Qwen3 / Qwen3-MoE plus
+# n_deepstack_layers; the MoE's released [E, in, out] experts split and transposed into ffn_*_exps), Qwen3_5TextModel
+# (the hybrids above) and Qwen3VLVisionModel, which writes Qwen3-VL's and Qwen3.5's projectors alike (projector type
+# qwen3vl_merger; the Conv3d split in two, its bias kept; qkv kept whole; deepstack mergers named by the block they
+# follow, flagged in clip.vision.is_deepstack_layers).
+QWEN_PRE.update(qwen3vl="qwen2", qwen3vlmoe="qwen2")
+QWEN3_VL_GGUF_ARCH = {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "qwen3_5": "qwen35",
+                      "qwen3_5_moe": "qwen35moe"}
+_DEEPSTACK_PARTS = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+_MERGER_PARTS = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+
+
+def write_qwen3_vl_ggufs(hf_dir: str, lm_path: str, mmproj_path: str, outtype: str = "F16",
+                         deepstack_order: Any = None) -> None:
+    """Convert the tiny Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / Qwen3.5-MoE checkpoint in `hf_dir` (make_tiny_qwen3_vl /
+    make_tiny_qwen3_5_vl) into llama.cpp's two files: the language model at `lm_path` and its projector at
+    `mmproj_path`. deepstack_order: a permutation of the deepstack levels to write them in (a broken converter, for
+    the test that the comparison sees the level order)."""
+    h = _hparams(hf_dir)
+    kind = h["model_type"]
+    arch = QWEN3_VL_GGUF_ARCH[kind]
+    if arch in ("qwen35", "qwen35moe"):
+        write_hybrid_gguf(lm_path, _text_only_copy(hf_dir, h), outtype)
+    else:
+        _write_qwen3_vl_lm(hf_dir, h, arch, lm_path, outtype)
+    _write_qwen3_vl_mmproj(hf_dir, h, mmproj_path, outtype, deepstack_order)
+
+
+def _text_only_copy(hf_dir: str, h: dict) -> str:
+    """The VL checkpoint's text model as the hybrid's text-only checkpoint (what Qwen3_5TextModel converts: the
+    language model's tensors, named as Qwen3_5ForCausalLM's) in hf_dir/text."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = os.path.join(hf_dir, "text")
+    os.makedirs(out, exist_ok=True)
+    text = dict(h["text_config"])
+    text["architectures"] = [{"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}[h["model_type"]]]
+    text["tie_word_embeddings"] = h.get("tie_word_embeddings", False)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(text, f)
+    for name in os.listdir(hf_dir):
+        if name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(os.path.join(hf_dir, name), out)
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    save_file({n.replace("model.language_model.", "model.", 1): t for n, t in state.items()
+               if not n.startswith(("model.visual.", "mtp."))}, os.path.join(out, "model.safetensors"))
+    return out
+
+
+def _write_qwen3_vl_lm(hf_dir: str, h: dict, arch: str, lm_path: str, outtype: str) -> None:
+    import gguf
+    from safetensors.torch import load_file
+
+    text, vision = h["text_config"], h["vision_config"]
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16}[outtype]
+    w = gguf.GGUFWriter(str(lm_path), arch)
+    _add_tokenizer(w, hf_dir, text["vocab_size"], arch)
+    w.add_block_count(text["num_hidden_layers"])
+    w.add_context_length(text["max_position_embeddings"])
+    w.add_embedding_length(text["hidden_size"])
+    w.add_feed_forward_length(text["intermediate_size"])
+    w.add_head_count(text["num_attention_heads"])
+    w.add_head_count_kv(text["num_key_value_heads"])
+    w.add_key_length(text["head_dim"])
+    w.add_value_length(text["head_dim"])
+    w.add_rope_dimension_sections((list(text["rope_parameters"]["mrope_section"]) + [0, 0, 0, 0])[:4])
+    w.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    w.add_file_type(file_type)
+    if arch == "qwen3vlmoe":
+        w.add_expert_count(text.get("num_experts", text.get("num_local_experts")))
+        w.add_expert_used_count(text["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(text["moe_intermediate_size"])
+    w.add_num_deepstack_layers(len(vision.get("deepstack_visual_indexes") or ()))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], text["num_hidden_layers"])
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if name.startswith("model.visual."):
+            continue
+        name = name.replace("model.language_model.", "model.", 1)
+        parts = [(name, t)]
+        if name.endswith("mlp.experts.gate_up_proj"):  # released [E, H, 2I]: gate's columns, then up's
+            half = t.shape[-1] // 2
+            base = name.rsplit(".", 1)[0]
+            parts = [(f"{base}.gate_proj.weight", t[..., :half].transpose(1, 2)),
+                     (f"{base}.up_proj.weight", t[..., half:].transpose(1, 2))]
+        elif name.endswith("mlp.experts.down_proj"):  # released [E, I, H]
+            parts = [(f"{name}.weight", t.transpose(1, 2))]
+        for hf_name, data in parts:
+            gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gname is None:
+                raise ValueError(f"no GGUF name for {hf_name}")
+            _add_tensor(w, gname, data.contiguous(), outtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_qwen3_vl_mmproj(hf_dir: str, h: dict, mmproj_path: str, outtype: str, deepstack_order: Any) -> None:
+    import gguf
+    from safetensors.torch import load_file
+
+    text, vision = h["text_config"], h["vision_config"]
+    deepstack = list(vision.get("deepstack_visual_indexes") or ())
+    with open(os.path.join(hf_dir, "preprocessor_config.json")) as f:
+        pre = json.load(f)
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16}[outtype]
+    m = gguf.GGUFWriter(str(mmproj_path), "clip")
+    m.add_type(gguf.GGUFType.MMPROJ)
+    m.add_file_type(file_type)
+    m.add_clip_has_vision_encoder(True)
+    m.add_vision_projection_dim(text["hidden_size"])
+    m.add_vision_image_size(int(vision["num_position_embeddings"] ** 0.5 * vision["patch_size"]))
+    m.add_vision_patch_size(vision["patch_size"])
+    m.add_vision_embedding_length(vision["hidden_size"])
+    m.add_vision_feed_forward_length(vision["intermediate_size"])
+    m.add_vision_block_count(vision["depth"])
+    m.add_vision_head_count(vision["num_heads"])
+    m.add_vision_image_mean(pre["image_mean"])
+    m.add_vision_image_std(pre["image_std"])
+    m.add_clip_projector_type(gguf.VisionProjectorType.QWEN3VL)
+    m.add_vision_use_gelu(True)
+    m.add_vision_spatial_merge_size(vision["spatial_merge_size"])
+    m.add_vision_attention_layernorm_eps(text["rms_norm_eps"])
+    m.add_vision_is_deepstack_layers([i in deepstack for i in range(vision["depth"])])
+    vnames = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["depth"])
+    order = list(deepstack_order) if deepstack_order is not None else list(range(len(deepstack)))
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if not name.startswith("model.visual."):
+            continue
+        name = name.replace("model.visual.", "visual.", 1)
+        rest, _, suffix = name.split(".", 1)[1].rpartition(".")
+        if name == "visual.patch_embed.proj.weight":  # Conv3d [out, C, 2, P, P] -> two Conv2d kernels
+            _add_tensor(m, "v.patch_embd.weight", t[:, :, 0], outtype)
+            _add_tensor(m, "v.patch_embd.weight.1", t[:, :, 1], outtype)
+        elif name == "visual.patch_embed.proj.bias":
+            _add_tensor(m, "v.patch_embd.bias", t, outtype)
+        elif rest.startswith("deepstack_merger_list."):  # level k -> the block it follows
+            _, k, part = rest.split(".")
+            _add_tensor(m, f"v.deepstack.{deepstack[order[int(k)]]}.{_DEEPSTACK_PARTS[part]}.{suffix}", t, outtype)
+        elif rest.startswith("merger."):
+            _add_tensor(m, f"{_MERGER_PARTS[rest.split('.')[1]]}.{suffix}", t, outtype)
+        else:
+            gname = vnames.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gname is None:
+                raise ValueError(f"no GGUF name for {name}")
+            _add_tensor(m, gname, t, outtype)
+    m.write_header_to_file()
+    m.write_kv_data_to_file()
+    m.write_tensors_to_file()
+    m.close()

@@ -108,11 +108,11 @@ def make_tiny_qwen3_5_vl(path: str, kind: str = "qwen3_5", seed: int = 0) -> str
     return _make_tiny_vl(path, kind, seed, text, dict(VL_VISION))
 
 
-def make_tiny_qwen3_vl(path: str, kind: str = "qwen3_vl", seed: int = 0) -> str:
+def make_tiny_qwen3_vl(path: str, kind: str = "qwen3_vl", seed: int = 0, **text_overrides) -> str:
     """Save a tiny random Qwen3VLForConditionalGeneration (kind "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration
-    with QWEN3_VL_MOE's experts) as make_tiny_qwen3_5_vl does: QWEN3_VL_TEXT's text model, QWEN3_VL_VISION's tower
-    (two deepstack levels, added after text layers 0 and 1)."""
-    text = {**QWEN3_VL_TEXT, **(QWEN3_VL_MOE if kind == "qwen3_vl_moe" else {})}
+    with QWEN3_VL_MOE's experts) as make_tiny_qwen3_5_vl does: QWEN3_VL_TEXT's text model (+ text_overrides),
+    QWEN3_VL_VISION's tower (two deepstack levels, added after text layers 0 and 1)."""
+    text = {**QWEN3_VL_TEXT, **(QWEN3_VL_MOE if kind == "qwen3_vl_moe" else {}), **text_overrides}
     return _make_tiny_vl(path, kind, seed, text, dict(QWEN3_VL_VISION))
 
 

@@ -3,7 +3,8 @@
 Supported architectures: llama, qwen2, qwen3 (dense), qwen3moe (Qwen3-30B-A3B style: llama.cpp stacks each layer's
 experts into one [E, rows, cols] tensor per projection, read back here as HF's per-expert weights), and the hybrids
 qwen35, qwen35moe and qwen3next (Gated DeltaNet + gated attention: gguf_hybrid.py undoes what llama.cpp's converter
-changes in them), and qwen2vl (Qwen2-VL's / Qwen2.5-VL's language model, a qwen2; with its llama.cpp projector file a
+changes in them), qwen2vl (Qwen2-VL's / Qwen2.5-VL's language model, a qwen2) and qwen3vl / qwen3vlmoe (Qwen3-VL's,
+a qwen3 / qwen3moe); with its llama.cpp projector file each of the vision-language ones, Qwen3.5's included, is a
 vision-language model: gguf_mmproj.py). Tensors are dequantized with the `gguf` package's numpy
 code (the same code transformers uses), so the weights equal what
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` loads; the model loader casts them to the compute
@@ -35,9 +36,12 @@ import torch
 from voltllm.model.loader import gguf_hybrid
 from voltllm.model.loader.gguf_hybrid import HYBRID_ARCHS
 
-# qwen2vl: Qwen2-VL's / Qwen2.5-VL's language model, a qwen2 (its M-RoPE sections matter with images only: a projector
-# file beside it makes it multimodal, gguf_mmproj.py)
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2vl", *HYBRID_ARCHS)
+# qwen2vl: Qwen2-VL's / Qwen2.5-VL's language model, a qwen2; qwen3vl / qwen3vlmoe: Qwen3-VL's, a qwen3 / qwen3moe
+# (their M-RoPE sections and Qwen3-VL's deepstack matter with images only: a projector file beside it makes it
+# multimodal, gguf_mmproj.py)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2vl", "qwen3vl", "qwen3vlmoe", *HYBRID_ARCHS)
+# a vision-language model's text architecture -> the text-only one it is read as
+_TEXT_ARCH = {"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3moe"}
 _QWEN2_LIKE = ("qwen2", "qwen2vl")  # always q/k/v biases
 
 # GGUF tensor name -> HF parameter name (both without the .weight/.bias suffix).
@@ -204,22 +208,23 @@ def gguf_config(path: str) -> Any:
     )
     if gguf_hybrid.is_hybrid(arch):
         return gguf_hybrid.hybrid_config(arch, key, meta, reader.fields, kwargs)
-    if kwargs["intermediate_size"] is None and arch != "qwen3moe":
+    text_arch = _TEXT_ARCH.get(arch, arch)
+    if kwargs["intermediate_size"] is None and text_arch != "qwen3moe":
         key("feed_forward_length")  # (raises: required)
     kwargs.update(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen2vl": "Qwen2ForCausalLM"}[arch]],
+                                  "qwen3moe": "Qwen3MoeForCausalLM"}[text_arch]],
                   num_hidden_layers=key("block_count"))
     if arch not in _QWEN2_LIKE:  # Qwen2 always has q/k/v biases and no switch for them
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top-k weights for this architecture
+    if text_arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top-k weights for this architecture
         moe_inter = key("expert_feed_forward_length")
         kwargs.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
                       moe_intermediate_size=moe_inter, intermediate_size=kwargs["intermediate_size"] or moe_inter,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3moe": Qwen3MoeConfig,
-            "qwen2vl": Qwen2Config}[arch](**kwargs)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+            "qwen3moe": Qwen3MoeConfig}[text_arch](**kwargs)
 
 
 def dense_bytes(path: str, itemsize: int) -> int:
@@ -328,9 +333,9 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
     arch = _arch(reader)
     if hf_config is None:
         hf_config = gguf_config(path)
-    hybrid = gguf_hybrid.HybridTensors(arch, hf_config) if gguf_hybrid.is_hybrid(arch) else None
-    n_layers = getattr(hf_config, "text_config", None) or hf_config  # (a multimodal config: its text model's)
-    n_layers = n_layers.num_hidden_layers
+    text = getattr(hf_config, "text_config", None) or hf_config  # (a multimodal config: its text model's)
+    hybrid = gguf_hybrid.HybridTensors(arch, text) if gguf_hybrid.is_hybrid(arch) else None
+    n_layers = text.num_hidden_layers
     for t in reader.tensors:
         block = _BLOCK_RE.match(t.name)
         if block and hybrid is not None and int(block.group(1)) >= n_layers:  # Qwen3.5's MTP (nextn) blocks

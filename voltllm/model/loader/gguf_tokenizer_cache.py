@@ -38,7 +38,7 @@ _warned_roots: set[str] = set()
 
 # GGUF architectures voltllm reads whose config transformers cannot rebuild from the file: AutoTokenizer reads the
 # config first and fails on them, so their tokenizer is converted by the class transformers gives voltllm's config
-_NO_TRANSFORMERS_CONFIG = ("qwen3next", "qwen2vl")
+_NO_TRANSFORMERS_CONFIG = ("qwen3next", "qwen2vl", "qwen3vl", "qwen3vlmoe")
 
 
 def build_gguf_tokenizer(path: str) -> Any:
