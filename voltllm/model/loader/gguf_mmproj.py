@@ -177,9 +177,11 @@ def read_mmproj(path: str) -> Mmproj:
                       deepstack_visual_indexes=_deepstack_blocks(path, meta, shapes, depth))
     square = (patch * merge) ** 2
     least, most = _SQUARES[family]
-    preprocessor = dict(patch_size=patch, temporal_patch_size=2, merge_size=merge,
-                        image_mean=[float(x) for x in key("image_mean")],
-                        image_std=[float(x) for x in key("image_std")],
+    mean, std = [float(x) for x in key("image_mean")], [float(x) for x in key("image_std")]
+    if len(mean) != 3 or len(std) != 3 or not all(x > 0 for x in std):
+        raise ValueError(f"projector file {path!r}: clip.vision.image_mean {mean} / image_std {std} must give one "
+                         "value per RGB channel, each std above 0")
+    preprocessor = dict(patch_size=patch, temporal_patch_size=2, merge_size=merge, image_mean=mean, image_std=std,
                         size={"shortest_edge": int(key("image_min_pixels", least * square)),
                               "longest_edge": int(key("image_max_pixels", most * square))})
     return Mmproj(path, family, vision, preprocessor)
