@@ -171,7 +171,9 @@ class ModelRunner:
         # MTP / DFlash / EAGLE-3 borrow the target's embedding and LM head: under TP, rank 0 keeps whole copies for them
         # (every rank joins the gathers, here at the same point of every rank's start-up)
         self.full_vocab = None
-        if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3):
+        # (under -tp -pp stage 0's ranks alone: the later stages hold no embedding or LM head)
+        if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3) and (
+                self.pp is None or self.pp.first):
             from voltllm.model.layers.full_vocab import gather_full_vocab
 
             self.full_vocab = gather_full_vocab(self.model, tp)
