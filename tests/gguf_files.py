@@ -425,6 +425,26 @@ def fp16_exact_checkpoint(hf_dir: str) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+def _vl_text_writer(lm_path: str, arch: str, hf_dir: str, text: dict, file_type: Any) -> Any:
+    """A GGUFWriter for a vision-language checkpoint's language model, its tokenizer and common header written (the
+    caller adds its architecture's keys, then the tensors)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(lm_path), arch)
+    _add_tokenizer(w, hf_dir, text["vocab_size"], arch)
+    w.add_block_count(text["num_hidden_layers"])
+    w.add_context_length(text["max_position_embeddings"])
+    w.add_embedding_length(text["hidden_size"])
+    w.add_feed_forward_length(text["intermediate_size"])
+    w.add_head_count(text["num_attention_heads"])
+    w.add_head_count_kv(text["num_key_value_heads"])
+    w.add_rope_dimension_sections((list(text["rope_parameters"]["mrope_section"]) + [0, 0, 0, 0])[:4])
+    w.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    w.add_file_type(file_type)
+    return w
+
+
 def write_qwen2_vl_ggufs(hf_dir: str, lm_path: str, mmproj_path: str, outtype: str = "F16",
                          window_size: bool = True) -> None:
     """Convert the tiny Qwen2.5-VL / Qwen2-VL checkpoint in `hf_dir` into llama.cpp's two files: the language model at
@@ -439,18 +459,7 @@ def write_qwen2_vl_ggufs(hf_dir: str, lm_path: str, mmproj_path: str, outtype: s
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16}[outtype]
 
-    w = gguf.GGUFWriter(str(lm_path), "qwen2vl")
-    _add_tokenizer(w, hf_dir, text["vocab_size"], "qwen2vl")
-    w.add_block_count(text["num_hidden_layers"])
-    w.add_context_length(text["max_position_embeddings"])
-    w.add_embedding_length(text["hidden_size"])
-    w.add_feed_forward_length(text["intermediate_size"])
-    w.add_head_count(text["num_attention_heads"])
-    w.add_head_count_kv(text["num_key_value_heads"])
-    w.add_rope_dimension_sections((list(text["rope_parameters"]["mrope_section"]) + [0, 0, 0, 0])[:4])
-    w.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
-    w.add_file_type(file_type)
+    w = _vl_text_writer(lm_path, "qwen2vl", hf_dir, text, file_type)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2VL, text["num_hidden_layers"])
     for name, t in state.items():
         if name.startswith("visual."):
@@ -573,20 +582,9 @@ def _write_qwen3_vl_lm(hf_dir: str, h: dict, arch: str, lm_path: str, outtype: s
 
     text, vision = h["text_config"], h["vision_config"]
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16}[outtype]
-    w = gguf.GGUFWriter(str(lm_path), arch)
-    _add_tokenizer(w, hf_dir, text["vocab_size"], arch)
-    w.add_block_count(text["num_hidden_layers"])
-    w.add_context_length(text["max_position_embeddings"])
-    w.add_embedding_length(text["hidden_size"])
-    w.add_feed_forward_length(text["intermediate_size"])
-    w.add_head_count(text["num_attention_heads"])
-    w.add_head_count_kv(text["num_key_value_heads"])
+    w = _vl_text_writer(lm_path, arch, hf_dir, text, file_type)
     w.add_key_length(text["head_dim"])
     w.add_value_length(text["head_dim"])
-    w.add_rope_dimension_sections((list(text["rope_parameters"]["mrope_section"]) + [0, 0, 0, 0])[:4])
-    w.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
-    w.add_file_type(file_type)
     if arch == "qwen3vlmoe":
         w.add_expert_count(text.get("num_experts", text.get("num_local_experts")))
         w.add_expert_used_count(text["num_experts_per_tok"])
