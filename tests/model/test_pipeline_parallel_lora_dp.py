@@ -242,7 +242,7 @@ def test_data_parallel_engines_take_their_stages_cards(tmp_path, monkeypatch):
     cfg = replace(cfg, device=replace(cfg.device, device=torch.device("cuda", 1)))
     assert [str(rank_config(cfg, k).device.device) for k in range(3)] == ["cuda:1", "cuda:3", "cuda:5"]
     args = SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1, data_parallel_size=3, enable_lora=False,
-                           cpu_offload_gb=0, kv_offloading_size=None)
+                           cpu_offload_gb=0, offload_group_size=0, kv_offloading_size=None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
     hf = cfg.model.hf_config
     assert pipeline_parallel_error(args, hf, None, "generate", torch.device("cuda", 0)) is None
