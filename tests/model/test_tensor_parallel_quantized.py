@@ -7,18 +7,12 @@ import random
 import pytest
 import torch
 
+from parallel_checks import ENGINE, PROMPTS
 from quant_checkpoints import quantize_checkpoint, quantized_hybrid
 from tiny_models import HYBRID_VOCAB, full_prompt_logprobs, make_model
 from voltllm import LLM, SamplingParams
 from voltllm.model.layers.gguf_planes import Planes
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "What is the capital of France?",
-    "Hi",
-    "def add(a, b):\n    return a + b\n# now the quick brown fox",
-]
-ENGINE = dict(block_size=4, max_num_batched_tokens=7, max_num_seqs=8)
 # every row-parallel input a multiple of 128 per rank at tp 2 (heads x head_dim 128, intermediate 256): whole
 # int4 / int8 groups, NVFP4 64-groups and FP8 128-blocks on each rank
 SHAPE = dict(hidden_size=128, head_dim=32, intermediate_size=256)
