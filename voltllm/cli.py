@@ -152,7 +152,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from voltllm.model.loader import ModelLoadError
 
     try:
-        if getattr(args, "config", None) or getattr(args, "profile", None):
+        # (`voltllm bench --profile` is a switch of its own, not launch profiles)
+        if getattr(args, "config", None) or isinstance(getattr(args, "profile", None), list):
             from voltllm.cli_config import merge_config
 
             args = merge_config(parser, args.command, args, argv)

@@ -93,7 +93,8 @@ def merge_config(parser: argparse.ArgumentParser, command: str, args: argparse.N
     sources: list[tuple[str, list[str]]] = []
     if getattr(args, "config", None):
         sources.append((f"--config {args.config}", config_argv(args.config, sub)))
-    for name in reversed(getattr(args, "profile", None) or []):
+    profiles = getattr(args, "profile", None)
+    for name in reversed(profiles if isinstance(profiles, list) else []):
         from voltllm.profiles import load_profile
 
         profile = load_profile(name)

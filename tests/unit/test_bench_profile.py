@@ -246,3 +246,13 @@ def test_profile_needs_the_engine_in_process():
         main(["--random-weights", "qwen3-0.6b-shape", "--profile-trace"])
     with pytest.raises(ValueError, match="--profile"):
         main(["--random-weights", "qwen3-0.6b-shape", "--device", "cpu", "--profile", "--profile-steps", "0"])
+
+
+def test_bench_profile_switch_is_not_a_launch_profile(capsys):
+    """`voltllm bench --profile` (a switch) must reach the bench, not the launch-profile merge of `serve --profile NAME`
+    (which read it as a list of names and raised TypeError)."""
+    from voltllm.cli import main
+
+    assert main(["bench", "--random-weights", "qwen3-0.6b-shape", "--base-url", "http://127.0.0.1:9",
+                 "--profile"]) == 2
+    assert "--profile runs torch.profiler" in capsys.readouterr().err
