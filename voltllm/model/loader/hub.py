@@ -126,11 +126,11 @@ def fetch_gguf(repo_id: str, quant: str, revision: Optional[str] = None, downloa
         model = first_split_file(os.path.join(path, found[0]))
     except ValueError as e:  # a split model whose parts did not all come
         raise ModelLoadError(f"Hugging Face repo {repo_id}: {e}") from None
+    if not projector:
+        return model, None
     from voltllm.model.loader.gguf_loader import gguf_architecture
     from voltllm.model.loader.gguf_mmproj import MMPROJ_LM_ARCHS
 
-    if not projector:
-        return model, None
     try:
         if gguf_architecture(model) not in MMPROJ_LM_ARCHS:
             return model, None  # (a text-only model takes none)
