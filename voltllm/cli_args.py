@@ -171,8 +171,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-cache-mode", default="align", choices=["align", "none", "all"])
     g.add_argument("--language-model-only", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--mmproj", default=None, metavar="PATH",
-                   help="llama.cpp's vision projector file (mmproj-*.gguf) of a Qwen2-VL / Qwen2.5-VL GGUF model "
-                        "(default: the one mmproj*.gguf beside the model file, as vLLM finds it)")
+                   help="llama.cpp's vision projector file (mmproj-*.gguf) of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / "
+                        "Qwen3.5 GGUF model (default: with an owner/name:QUANT model, the repo's projector, fetched "
+                        "as llama.cpp's -hf does; else the one *mmproj*.gguf beside the model file)")
+    g.add_argument("--no-mmproj", action="store_true", default=False,
+                   help="llama.cpp's: no projector fetched from the Hub or looked for beside a GGUF model (text "
+                        "only); --mmproj PATH still loads")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf",
                                                               "bitsandbytes"],
                    help="dummy: random weights at the model's shapes (benchmarks); safetensors / pt / gguf: as auto, "

@@ -274,8 +274,11 @@ class EngineArgs:
     offload_num_in_group: int = 1
     offload_prefetch_step: int = 1
     language_model_only: bool = False
-    # llama.cpp's --mmproj: the vision projector file of a GGUF model (default: an mmproj*.gguf beside the model file)
+    # llama.cpp's --mmproj: the vision projector file of a GGUF model (default: the projector fetched with an
+    # owner/name:QUANT Hub model, else the *mmproj*.gguf beside the model file)
     mmproj: Optional[str] = None
+    # llama.cpp's --no-mmproj: no projector fetched or looked for beside the model (text only; --mmproj still loads)
+    no_mmproj: bool = False
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
     load_format: str = "auto"
@@ -544,27 +547,35 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def _resolve_mmproj(self, source: Any, hf_config: Any) -> tuple[Optional[str], Any]:
-        """A GGUF model's vision projector (--mmproj, else an mmproj*.gguf beside the model file) and the multimodal
-        config of the two files (model/loader/gguf_mmproj.py); (None, hf_config) without one."""
+        """A GGUF model's vision projector (--mmproj, else the one fetched with an owner/name:QUANT Hub model, else a
+        *mmproj*.gguf beside the model file; none with --no-mmproj) and the multimodal config of the two files
+        (model/loader/gguf_mmproj.py); (None, hf_config) without one."""
         if source.kind != "gguf":
-            if self.mmproj:
-                raise ConfigError(f"--mmproj {self.mmproj}: a projector file goes with a GGUF model file; "
-                                  f"{source.path} is a Hugging Face directory (its vision tower is in its safetensors)")
+            for flag, given in (("--mmproj " + str(self.mmproj), self.mmproj), ("--no-mmproj", self.no_mmproj)):
+                if given:
+                    raise ConfigError(f"{flag}: a projector file goes with a GGUF model file; {source.path} is a "
+                                      "Hugging Face directory (its vision tower is in its safetensors; "
+                                      "--language-model-only serves its text model alone)")
             return None, hf_config
         from voltllm.model.loader.gguf_loader import gguf_architecture
         from voltllm.model.loader.gguf_mmproj import MMPROJ_LM_ARCHS, find_mmproj, multimodal_config, read_mmproj
 
-        if self.language_model_only:
+        if self.language_model_only or (self.no_mmproj and not self.mmproj):
             return None, hf_config
         try:
             if self.mmproj is None and gguf_architecture(source.path) not in MMPROJ_LM_ARCHS:
                 return None, hf_config  # (a projector beside a text-only model is not looked for)
-            path = find_mmproj(source.path, self.mmproj)
-            if path is None:
-                logger.warning("%s is a vision-language model's GGUF file, but no projector file (mmproj*.gguf) is "
-                               "beside it: it serves text only; give its projector with --mmproj PATH for image "
-                               "input", source.path)
-                return None, hf_config
+            if self.mmproj is None and source.hub_repo is not None:
+                path = source.mmproj  # fetched with the model (none: hub.fetch_projector said why)
+                if path is None:
+                    return None, hf_config
+            else:
+                path = find_mmproj(source.path, self.mmproj)
+                if path is None:
+                    logger.warning("%s is a vision-language model's GGUF file, but no projector file (*mmproj*.gguf) "
+                                   "is beside it: it serves text only; give its projector with --mmproj PATH for "
+                                   "image input", source.path)
+                    return None, hf_config
             return path, multimodal_config(source.path, hf_config, read_mmproj(path))
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -588,7 +599,8 @@ class EngineArgs:
         spec_dict = parse_json_object("--speculative-config", self.speculative_config)
         model_ref, revision, spec_dict = self._resolve_speculators(spec_dict)
         try:
-            source = resolve_model(model_ref, revision, self.download_dir, self.hf_token, self.trust_remote_code)
+            source = resolve_model(model_ref, revision, self.download_dir, self.hf_token, self.trust_remote_code,
+                                   projector=not (self.mmproj or self.no_mmproj or self.language_model_only))
         except ModelLoadError as e:
             if model_ref == self.model:
                 raise

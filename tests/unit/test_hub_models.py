@@ -7,41 +7,10 @@ import shutil
 
 import pytest
 
+from hub_fakes import FakeHub
+
 from voltllm.config import ConfigError, EngineArgs
 from voltllm.model.loader import ModelLoadError, hub, resolve_model
-
-
-class FakeHub:
-    """snapshot_download over {repo_id: local model dir}: "downloads" copy the allowed files into a cache, cached
-    snapshots are served with local_files_only=True; every call is recorded."""
-
-    def __init__(self, cache, repos, error=None):
-        self.cache, self.repos, self.error, self.calls = cache, repos, error, []
-
-    def __call__(self, repo_id, *, revision=None, cache_dir=None, token=None, allow_patterns=None,
-                 local_files_only=False):
-        import fnmatch
-
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
-        self.calls.append(dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, token=token,
-                               allow_patterns=list(allow_patterns), local_files_only=local_files_only))
-        snap = os.path.join(cache_dir or self.cache, repo_id.replace("/", "--"), revision or "main")
-        if local_files_only:
-            if os.path.isdir(snap):
-                return snap
-            raise LocalEntryNotFoundError("not in the cache")
-        if self.error is not None:
-            raise self.error
-        os.makedirs(snap, exist_ok=True)
-        src = self.repos[repo_id]
-        for folder, _, files in os.walk(src):
-            for f in files:
-                rel = os.path.relpath(os.path.join(folder, f), src)  # the Hub's patterns match the repo path
-                if any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
-                    os.makedirs(os.path.dirname(os.path.join(snap, rel)), exist_ok=True)
-                    shutil.copy(os.path.join(src, rel), os.path.join(snap, rel))
-        return snap
 
 
 @pytest.fixture(scope="module")

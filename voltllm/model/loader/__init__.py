@@ -21,6 +21,10 @@ class ModelLoadError(ValueError):
 class ModelSource:
     path: str  # directory or .gguf file
     kind: str  # "hf" | "gguf"
+    # a Hub GGUF model (owner/name:QUANT): its repo id, and the vision projector fetched with it (None: not asked for,
+    # a text-only model, or none to be had: hub.fetch_projector warned)
+    hub_repo: Optional[str] = None
+    mmproj: Optional[str] = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -28,9 +32,11 @@ class ModelSource:
 
 
 def resolve_model(model: Optional[str], revision: Optional[str] = None, download_dir: Optional[str] = None,
-                  token: Any = None, trust_remote_code: bool = False) -> ModelSource:
+                  token: Any = None, trust_remote_code: bool = False, projector: bool = False) -> ModelSource:
     """Turn a --model value into a source; None means the embedded default model. A name that is no local path
-    but a Hugging Face Hub repo id is fetched (or found in the cache) first: loader/hub.py."""
+    but a Hugging Face Hub repo id is fetched (or found in the cache) first: loader/hub.py. projector: with an
+    owner/name:QUANT vision-language model, fetch its projector file too (the engine's model, unless --mmproj,
+    --no-mmproj or --language-model-only)."""
     if model is None:
         from voltllm.model.loader.default_model import ensure_default_model
 
@@ -38,7 +44,8 @@ def resolve_model(model: Optional[str], revision: Optional[str] = None, download
     from voltllm.model.loader import hub
 
     if (ref := hub.gguf_quant_ref(model)) is not None:  # owner/name:QUANT: one GGUF file of a repo
-        return ModelSource(path=hub.fetch_gguf(*ref, revision, download_dir, token), kind="gguf")
+        path, mmproj = hub.fetch_gguf(*ref, revision, download_dir, token, projector=projector)
+        return ModelSource(path=path, kind="gguf", hub_repo=ref[0], mmproj=mmproj)
     if hub.looks_like_repo_id(model):
         path = hub.fetch_repo(model, revision, download_dir, token, trust_remote_code)
         hub.require_weights(path, model)
@@ -51,8 +58,10 @@ def resolve_model(model: Optional[str], revision: Optional[str] = None, download
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
             return ModelSource(path=path, kind="hf")
-        # (mmproj*.gguf: llama.cpp's vision projector beside a model, not a model)
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf") and not f.lower().startswith("mmproj"))
+        from voltllm.model.loader.gguf_mmproj import is_projector_name
+
+        # (*mmproj*.gguf: llama.cpp's vision projector beside a model, not a model)
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf") and not is_projector_name(f))
         models = sorted({_gguf_model_file(os.path.join(path, f)) for f in ggufs})  # a split model counts once
         if len(models) == 1:
             return ModelSource(path=models[0], kind="gguf")

@@ -75,17 +75,25 @@ _DEEPSTACK_RE = re.compile(r"v\.deepstack\.(\d+)\.(\w+)\.(weight|bias)")
 _QKV = ("attn_q", "attn_k", "attn_v")
 
 
+def is_projector_name(file_name: str) -> bool:
+    """Whether a .gguf file's name marks a vision projector, not a language model: "mmproj" anywhere in it, in any
+    letter case (as llama.cpp tells them apart in a Hub repo: mmproj-F16.gguf, mmproj-model-f16.gguf,
+    Qwen2.5-VL-7B-Instruct-mmproj-f16.gguf)."""
+    name = os.path.basename(file_name).lower()
+    return name.endswith(".gguf") and "mmproj" in name
+
+
 def find_mmproj(model_file: str, explicit: Optional[str] = None) -> Optional[str]:
-    """The projector file of the GGUF model `model_file`: `explicit` (--mmproj) when given, else the one file named
-    mmproj*.gguf beside the model (None when there is none). ValueError for a missing explicit file or several
-    candidates."""
+    """The projector file of the GGUF model `model_file`: `explicit` (--mmproj) when given, else the one projector
+    file (is_projector_name) beside the model (None when there is none). ValueError for a missing explicit file or
+    several candidates."""
     if explicit:
         path = os.path.expanduser(explicit)
         if not os.path.isfile(path):
             raise ValueError(f"--mmproj {explicit}: no such file")
         return path
     folder = os.path.dirname(os.path.abspath(model_file))
-    found = sorted(f for f in os.listdir(folder) if f.lower().startswith("mmproj") and f.lower().endswith(".gguf"))
+    found = sorted(f for f in os.listdir(folder) if is_projector_name(f))
     if len(found) > 1:
         raise ValueError(f"{folder} holds {len(found)} projector files ({', '.join(found)}): name the one to use with "
                          "--mmproj PATH (or serve the text model alone with --language-model-only)")
