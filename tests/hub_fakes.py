@@ -40,11 +40,12 @@ class FakeHub:
                       for d, _, files in os.walk(src) for f in files)
 
     def __call__(self, repo_id, *, revision=None, cache_dir=None, token=None, allow_patterns=None,
-                 local_files_only=False):
+                 local_files_only=False, ignore_patterns=None):
         from huggingface_hub.errors import LocalEntryNotFoundError
 
         self.calls.append(dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, token=token,
-                               allow_patterns=list(allow_patterns), local_files_only=local_files_only))
+                               allow_patterns=list(allow_patterns), local_files_only=local_files_only,
+                               ignore_patterns=list(ignore_patterns or [])))
         snap = os.path.join(cache_dir or self.cache, repo_id.replace("/", "--"), revision or "main")
         if local_files_only:
             if os.path.isdir(snap):
@@ -56,7 +57,8 @@ class FakeHub:
         for folder, _, files in os.walk(src):
             for f in files:
                 rel = os.path.relpath(os.path.join(folder, f), src)  # the Hub's patterns match the repo path
-                if any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
+                if any(fnmatch.fnmatch(rel, p) for p in allow_patterns) and \
+                        not any(fnmatch.fnmatch(rel, p) for p in ignore_patterns or []):
                     os.makedirs(os.path.dirname(os.path.join(snap, rel)), exist_ok=True)
                     shutil.copy(os.path.join(src, rel), os.path.join(snap, rel))
         return snap

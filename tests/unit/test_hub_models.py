@@ -113,10 +113,21 @@ def test_one_gguf_file_of_a_repo_by_its_quantization(fake_hub, tmp_path):
     src = resolve_model("acme/tiny-GGUF:q4_k_m", token="hf_x")
     assert src.kind == "gguf" and src.path.endswith("model-Q4_K_M.gguf")
     assert os.listdir(os.path.dirname(src.path)) == ["model-Q4_K_M.gguf"]  # that file only
-    assert "*Q4_K_M.gguf" in fake_hub.calls[-1]["allow_patterns"] and fake_hub.calls[-1]["token"] == "hf_x"
+    assert "*[-._]Q4_K_M.gguf" in fake_hub.calls[-1]["allow_patterns"] and fake_hub.calls[-1]["token"] == "hf_x"
     with pytest.raises(ModelLoadError, match="has no .gguf model named \\*Q8_0.gguf"):
         resolve_model("acme/tiny-GGUF:Q8_0")  # the cached snapshot lacks it, and so does the repo
     assert [c["local_files_only"] for c in fake_hub.calls[-2:]] == [True, False]
+
+
+def test_a_quantization_tag_is_matched_whole(fake_hub, tmp_path):
+    """:F16 fetches model-F16.gguf alone: not model-BF16.gguf (which ends in the same letters and would make two
+    models), nor a projector with the same tag (fetch_projector chooses projectors)."""
+    repo = tmp_path / "gguf-repo"
+    for name in ("model-F16.gguf", "model-BF16.gguf", "mmproj-F16.gguf", "MMPROJ-model.F16.gguf"):
+        (repo / name).write_bytes(b"GGUF")
+    src = resolve_model("acme/tiny-GGUF:F16")
+    assert src.path.endswith("model-F16.gguf") and os.listdir(os.path.dirname(src.path)) == ["model-F16.gguf"]
+    assert resolve_model("acme/tiny-GGUF:BF16").path.endswith("model-BF16.gguf")
 
 
 def test_a_split_gguf_of_a_repo_by_its_quantization(fake_hub, tmp_path):

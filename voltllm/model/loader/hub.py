@@ -46,9 +46,11 @@ def looks_like_repo_id(name: str) -> bool:
 
 def fetch_repo(repo_id: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
                token: Token = None, trust_remote_code: bool = False, tokenizer_only: bool = False,
-               patterns: Optional[list[str]] = None, offline_first: bool = True) -> str:
+               patterns: Optional[list[str]] = None, offline_first: bool = True,
+               ignore: Optional[list[str]] = None) -> str:
     """The local snapshot directory of `repo_id` at `revision`: from the cache when it is there (no network),
-    else downloaded. `patterns`: the files to fetch instead of a model's (config, tokenizer, safetensors).
+    else downloaded. `patterns`: the files to fetch instead of a model's (config, tokenizer, safetensors); `ignore`:
+    files those patterns match that are not to be fetched.
     Raises ModelLoadError with what went wrong and what to do."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
@@ -59,6 +61,8 @@ def fetch_repo(repo_id: str, revision: Optional[str] = None, download_dir: Optio
         if trust_remote_code:
             patterns.append("*.py")
     kw = dict(revision=revision, cache_dir=download_dir, token=token, allow_patterns=patterns)
+    if ignore:
+        kw["ignore_patterns"] = ignore
     at = f"{repo_id}" + (f" (revision {revision})" if revision else "")
     if offline_first:
         try:
@@ -103,7 +107,9 @@ def fetch_gguf(repo_id: str, quant: str, revision: Optional[str] = None, downloa
     ..., at the top or in a folder per quantization, as big models come). projector: also fetch the vision projector
     of a model that takes images (fetch_projector); text-only models get none."""
     split = "-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9]"
-    patterns = sorted({f"*{q}{tail}.gguf" for q in (quant, quant.upper(), quant.lower()) for tail in ("", split)})
+    # the tag ends the name after a separator (or is the whole name): :F16 must not fetch model-BF16.gguf too
+    patterns = sorted({f"{lead}{q}{tail}.gguf" for q in (quant, quant.upper(), quant.lower())
+                       for tail in ("", split) for lead in ("*[-._]", "", "*/")})
     from voltllm.model.loader.gguf_loader import first_split_file
 
     def complete(snapshot: str) -> bool:
@@ -113,9 +119,10 @@ def fetch_gguf(repo_id: str, quant: str, revision: Optional[str] = None, downloa
         except ValueError:
             return False
 
-    path = fetch_repo(repo_id, revision, download_dir, token, patterns=patterns)
+    fetch = dict(patterns=patterns, ignore=[_ANY_PROJECTOR])  # (a projector with the same tag: fetch_projector's)
+    path = fetch_repo(repo_id, revision, download_dir, token, **fetch)
     if not complete(path):  # a cached snapshot without this quantization (or some of its parts): fetch it
-        path = fetch_repo(repo_id, revision, download_dir, token, patterns=patterns, offline_first=False)
+        path = fetch_repo(repo_id, revision, download_dir, token, offline_first=False, **fetch)
     found = _gguf_models(path, quant)
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({', '.join(found)})"
@@ -140,6 +147,8 @@ def fetch_gguf(repo_id: str, quant: str, revision: Optional[str] = None, downloa
 
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+# gguf_mmproj.is_projector_name as a Hub file pattern ("mmproj" in any letter case)
+_ANY_PROJECTOR = "*[mM][mM][pP][rR][oO][jJ]*"
 
 
 def fetch_projector(repo_id: str, snapshot: str, model: str, revision: Optional[str] = None,
@@ -232,7 +241,8 @@ def _gguf_models(snapshot: str, quant: str) -> list[str]:
             part = _SPLIT_PART.search(stem)
             if part is not None:
                 stem = stem[: part.start()]
-            if stem.lower().endswith(quant.lower()):
+            if stem.lower() == quant.lower() or stem[-len(quant) - 1:-len(quant)] in ("-", ".", "_") and \
+                    stem.lower().endswith(quant.lower()):
                 rel = os.path.relpath(os.path.join(folder, f), snapshot)
                 found.add(re.sub(r"-\d{5}(-of-\d{5}\.gguf)$", r"-00001\1", rel) if part is not None else rel)
     return sorted(found)
