@@ -40,8 +40,8 @@ PEFT_PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.q
                     "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
                     "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
                     "down_proj": ("mlp.down_proj", 0)}
-_BUILT = ("q_proj, k_proj, v_proj, o_proj, the dense MLPs', the MoE experts' (per expert) and shared experts' gate_proj, "
-          "up_proj, down_proj and the hybrids' Gated DeltaNet in_proj_* / out_proj")
+_BUILT = ("q_proj, k_proj, v_proj, o_proj, the dense MLPs', the MoE experts' (per expert) and shared experts' "
+          "gate_proj, up_proj, down_proj and the hybrids' Gated DeltaNet in_proj_* / out_proj")
 # a routed expert's PEFT module inside a decoder layer's MLP: mlp.experts.{e}.{gate,up,down}_proj
 _EXPERT_MODULE = re.compile(r"experts\.(?P<expert>\d+)\.(?P<kind>gate|up|down)_proj")
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -365,6 +365,9 @@ def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Pi
             raise LoRAAdapterError(f"{where}: {key}: LoRA on the fused experts tensors (PEFT target_parameters "
                                    "mlp.experts.gate_up_proj / down_proj) is not built; per-expert adapters "
                                    "(mlp.experts.{e}.gate_proj / up_proj / down_proj) are")
+        if proj in ("gate_proj", "up_proj", "down_proj"):
+            raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE (no dense {proj}; its "
+                                   f"experts take mlp.experts.{{e}}.{proj})")
         if not proj.startswith("shared_expert."):  # (the router, the shared expert's gate)
             raise LoRAAdapterError(f"{where}: {key}: LoRA on the MoE's {proj} is not built (built: {_BUILT})")
         raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s sparse MoE has no {proj} (no shared expert, or "
