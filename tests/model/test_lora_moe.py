@@ -189,3 +189,13 @@ def test_hybrid_moe_routed_and_shared_expert_adapters_equal_the_merged_checkpoin
         for d, r in zip(lps, refs[n][i][1]):
             assert d.keys() == r.keys() and all(d[t] == pytest.approx(r[t], abs=1e-4) for t in d)
     assert refs["a1"][0][0] != refs[None][0][0]
+
+
+def test_pipeline_stages_hold_their_layers_expert_adapters(setup):
+    """-pp 2 (gloo): each stage's expert slots hold the adapter's experts of its own layers (lora/stages.py), and
+    every stage runs the steps of expert adapters eagerly alike; tokens and logprobs equal the merged model's."""
+    two = LLM(setup.model, pipeline_parallel_size=2, **ENGINE)
+    try:
+        setup.check(two)
+    finally:
+        two.engine.shutdown()
