@@ -36,9 +36,37 @@ def _layer_shapes(cfg: Any, layer: int) -> dict[str, tuple[str, int, int]]:
     else:  # a hybrid's q_proj gives [q | gate] per head
         out.update(q_proj=("self_attn", h, (2 if hybrid else 1) * q), k_proj=("self_attn", h, kv),
                    v_proj=("self_attn", h, kv), o_proj=("self_attn", q, h))
-    if not hybrid or cfg.model_type == "qwen3_5":  # (the MoE hybrids' MLPs are experts)
+    if _sparse(cfg, layer):  # routed experts (targets "experts": every expert's), a shared expert's projections
+        ei, si = cfg.moe_intermediate_size, getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+        for e in range(cfg.num_experts):
+            out.update({f"experts.{e}.gate_proj": ("mlp", h, ei), f"experts.{e}.up_proj": ("mlp", h, ei),
+                        f"experts.{e}.down_proj": ("mlp", ei, h)})
+        if si:
+            out.update({"shared_expert.gate_proj": ("mlp", h, si), "shared_expert.up_proj": ("mlp", h, si),
+                        "shared_expert.down_proj": ("mlp", si, h)})
+    elif not hybrid or cfg.model_type == "qwen3_5":
         out.update(gate_proj=("mlp", h, i), up_proj=("mlp", h, i), down_proj=("mlp", i, h))
     return out
+
+
+def _sparse(cfg: Any, layer: int) -> bool:
+    if cfg.model_type in _HYBRIDS:
+        from voltllm.model.models.qwen3_next import hybrid_is_moe_layer
+
+        return hybrid_is_moe_layer(cfg, layer)
+    from voltllm.model.models.llama import is_moe_layer
+
+    return is_moe_layer(cfg, layer)
+
+
+def _targeted(module: str, targets: Sequence[str]) -> bool:
+    """Whether a layer's PEFT module is one of `targets` ("experts": every routed expert's gate / up / down;
+    "shared_expert": the shared expert's)."""
+    if module.startswith("experts."):
+        return "experts" in targets
+    if module.startswith("shared_expert."):
+        return "shared_expert" in targets
+    return module in targets
 
 
 def make_adapter(path: str, model_path: str, rank: int = 8, alpha: float = 16, seed: int = 1,
@@ -46,7 +74,8 @@ def make_adapter(path: str, model_path: str, rank: int = 8, alpha: float = 16, s
                  rslora: bool = False, extra_config: Optional[dict] = None,
                  extra_tensors: Optional[dict] = None) -> str:
     """A random LoRA adapter for the model at model_path (both A and B random, so its effect is large); each layer
-    gets those of `targets` it has (a hybrid's attention or Gated DeltaNet modules, dense MLPs only)."""
+    gets those of `targets` it has (a hybrid's attention or Gated DeltaNet modules; a dense MLP's gate_proj / up_proj
+    / down_proj; a sparse MoE's routed experts: "experts", its shared expert: "shared_expert")."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -56,8 +85,8 @@ def make_adapter(path: str, model_path: str, rank: int = 8, alpha: float = 16, s
     tensors = {}
     for layer in (range(cfg.num_hidden_layers) if layers is None else layers):
         shapes = _layer_shapes(cfg, layer)
-        for t in targets:
-            if t not in shapes:
+        for t in shapes:
+            if not _targeted(t, targets):
                 continue
             block, n_in, n_out = shapes[t]
             name = f"base_model.model.model.layers.{layer}.{block}.{t}"

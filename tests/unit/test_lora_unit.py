@@ -121,21 +121,64 @@ def test_rank_above_max_lora_rank_and_broken_directories(tmp_path, tiny, hf_conf
         _read(str(tmp_path / "empty"), hf_config)
 
 
-def test_moe_experts_are_refused_and_attention_of_a_moe_model_is_taken(tmp_path):
-    from safetensors.torch import load_file, save_file
+def test_moe_experts_are_read_per_expert_and_bad_expert_modules_refused(tmp_path):
+    """qwen3_moe: attention everywhere, the dense layer's MLP and the sparse layers' routed experts (PEFT's per-expert
+    names) are read (expert pairs apart: A [r, in], B^T scaled [r, out]); an expert past the layer's, a wrong shape,
+    the router, a shared expert the model lacks, a dense name on a sparse layer and PEFT's fused-experts form are
+    refused naming them."""
+    from safetensors.torch import load_file
     from transformers import AutoConfig
+
+    from voltllm.lora.adapter import expert_shapes
 
     model = make_model(str(tmp_path / "moe"), "qwen3_moe")
     cfg = AutoConfig.from_pretrained(model)
     shapes = projection_shapes(cfg)
     assert "layers.1.mlp.gate_up_proj" in shapes and "layers.0.mlp.gate_up_proj" not in shapes  # layer 1 is dense
+    assert set(expert_shapes(cfg)) == {"layers.0.mlp.experts", "layers.2.mlp.experts"}
     path = make_adapter(str(tmp_path / "attn"), model, rank=4, targets=("q_proj", "o_proj"))
-    assert len(_read(path, cfg).weights) == 2 * cfg.num_hidden_layers
+    adapter = _read(path, cfg)
+    assert len(adapter.weights) == 2 * cfg.num_hidden_layers and not adapter.experts and not adapter.has_experts
+    path = make_adapter(str(tmp_path / "experts"), model, rank=4, alpha=8, targets=("experts", "k_proj"))
+    adapter = _read(path, cfg)
+    assert adapter.has_experts and set(adapter.experts) == {"layers.0.mlp.experts", "layers.2.mlp.experts"}
+    pairs = adapter.experts["layers.2.mlp.experts"]
+    assert set(pairs) == {(e, k) for e in range(8) for k in ("gate", "up", "down")}
     raw = load_file(os.path.join(path, "adapter_model.safetensors"))
-    raw["base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight"] = torch.zeros(4, 64)
-    save_file(raw, os.path.join(path, "adapter_model.safetensors"))
-    with pytest.raises(LoRAAdapterError, match="MoE experts"):
-        _read(path, cfg)
+    a = raw["base_model.model.model.layers.2.mlp.experts.5.down_proj.lora_A.weight"]
+    b = raw["base_model.model.model.layers.2.mlp.experts.5.down_proj.lora_B.weight"]
+    assert torch.allclose(pairs[(5, "down")][0], a) and torch.allclose(pairs[(5, "down")][1], 2 * b.t())
+    assert tuple(pairs[(5, "gate")][0].shape) == (4, 64) and tuple(pairs[(5, "gate")][1].shape) == (4, 48)
+    bad = {"mlp.experts.8.gate_proj": ("expert 8 is past layer 0's 8 experts", 64, 48),
+           "mlp.experts.3.up_proj": ("this model needs lora_A (4, 64) and lora_B (48, 4)", 64, 40),
+           "mlp.gate": ("LoRA on the MoE's gate is not built", 64, 8),
+           "mlp.shared_expert.gate_proj": ("sparse MoE has no shared_expert.gate_proj", 64, 8),
+           "mlp.down_proj": ("layer 0's MLP is a sparse MoE (no dense down_proj", 48, 64),
+           "mlp.experts": ("fused experts tensors (PEFT target_parameters", 64, 48),
+           "mlp.experts.base_layer": ("fused experts tensors (PEFT target_parameters", 64, 48)}
+    for i, (module, (match, n_in, n_out)) in enumerate(bad.items()):
+        name = f"base_model.model.model.layers.0.{module}"
+        extra = {f"{name}.lora_A.weight": torch.zeros(4, n_in), f"{name}.lora_B.weight": torch.zeros(n_out, 4)}
+        with pytest.raises(LoRAAdapterError, match=re.escape(match)):
+            _read(make_adapter(str(tmp_path / f"bad{i}"), model, rank=4, targets=("k_proj",), extra_tensors=extra),
+                  cfg)
+
+
+def test_expert_slots_beyond_the_experts_own_size_are_refused(tmp_path):
+    """--max-loras x experts x --max-lora-rank x 3 (hidden + inter) per MoE layer must not exceed the experts' own
+    values: a ValueError naming the flags to lower (tiny qwen3_moe: hidden 64, inter 48: slots x rank <= 27)."""
+    from transformers import AutoConfig
+
+    from voltllm.lora.adapter import expert_shapes
+    from voltllm.lora.manager import check_expert_slots
+
+    cfg = AutoConfig.from_pretrained(make_model(str(tmp_path / "moe"), "qwen3_moe"))
+    experts = expert_shapes(cfg)
+    check_expert_slots(experts, 3, 8)
+    check_expert_slots({}, 64, 512)  # (a dense model: no expert slots)
+    with pytest.raises(ValueError, match=r"MoE experts' LoRA slots would hold .* lower --max-loras or "
+                                         r"--max-lora-rank"):
+        check_expert_slots(experts, 4, 8)
 
 
 # -- the per-token delta -------------------------------------------------------------------------------------------
@@ -260,7 +303,7 @@ def test_hybrid_modules_are_mapped_and_the_others_refused_by_name(tmp_path, kind
     assert shapes["layers.0.linear_attn.in_proj"].shard_sizes == (32, 32, 64, 64, 4, 4)
     gdn = ("in_proj_qkvz", "in_proj_ba") if kind == "qwen3_next" else ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                       "in_proj_a")
-    assert {m.rpartition(".")[2] for m in modules if m.startswith("layers.0.")} == \
+    assert {m.rpartition(".")[2] for m in modules if m.startswith("layers.0.") and ".shared_expert." not in m} == \
         set(gdn) | {"out_proj"} | ({"gate_proj", "up_proj", "down_proj"} if kind == "qwen3_5" else set())
     covered = sorted(pc.shard for m in gdn for pc in modules[f"layers.0.linear_attn.{m}"])
     assert covered == [0, 1, 2, 3, 4, 5]  # (every in_proj shard, once)
@@ -271,9 +314,10 @@ def test_hybrid_modules_are_mapped_and_the_others_refused_by_name(tmp_path, kind
            "base_model.model.model.layers.3.linear_attn.out_proj": ("layer 3 has no linear_attn module (it is a "
                                                                     "full attention (self_attn) layer)", 64),
            "base_model.model.model.layers.1.linear_attn.conv1d": ("LoRA on linear_attn.conv1d is not built", 4)}
-    if kind != "qwen3_5":
-        bad["base_model.model.model.layers.0.mlp.shared_expert.gate_proj"] = ("MoE experts", 64)
-        bad["base_model.model.model.layers.0.mlp.experts.1.up_proj"] = ("MoE experts", 64)
+    if kind != "qwen3_5":  # (the shared expert's and the experts' modules are taken: tests/model/test_lora_moe.py)
+        assert modules["layers.0.mlp.shared_expert.up_proj"][0].linear == "layers.0.mlp.shared_expert.gate_up_proj"
+        bad["base_model.model.model.layers.0.mlp.shared_expert_gate"] = ("LoRA on the MoE's shared_expert_gate", 64)
+        bad["base_model.model.model.layers.0.mlp.experts.9.up_proj"] = ("past layer 0's 4 experts", 64)
         bad["base_model.model.model.layers.2.mlp.gate_proj"] = ("sparse MoE", 64)
     for i, (module, (match, n_in)) in enumerate(bad.items()):
         extra = {f"{module}.lora_A.weight": torch.zeros(4, n_in), f"{module}.lora_B.weight": torch.zeros(8, 4)}

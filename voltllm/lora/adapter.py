@@ -7,9 +7,13 @@ our Linears (`peft_modules`, `projection_shapes`): B's rows go where the module'
 checkpoint was loaded, A is the module's (the same A for each shard of one module). The hybrids (qwen3_5 / qwen3_5_moe /
 qwen3_next) adapt their gated attention (q_proj: [q_h | gate_h] per head, as qkv_proj's shard 0 holds it), their
 Gated DeltaNet projections (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen3-Next's head-grouped in_proj_qkvz /
-in_proj_ba, out_proj: gdn.in_proj_pieces) and their dense MLPs. What this version does not build is refused by name:
-embedding / LM-head LoRA (lora_embedding_*, modules_to_save, target_modules naming embed_tokens / lm_head), MoE experts
-(a shared expert included), DoRA, LoRA biases, per-module ranks / alphas, ranks above --max-lora-rank.
+in_proj_ba, out_proj: gdn.in_proj_pieces) and their dense MLPs. A sparse MoE layer's routed experts take adapters
+in PEFT's per-expert form (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`): they are not Linears, so they are
+kept apart (`LoRAAdapter.experts`, `expert_shapes`; lora/experts.py applies them); a shared expert's projections are
+Linears like a dense MLP's (`mlp.shared_expert.gate_up_proj` / `down_proj`). What this version does not build is
+refused by name: embedding / LM-head LoRA (lora_embedding_*, modules_to_save, target_modules naming embed_tokens /
+lm_head), PEFT's fused-experts form (target_parameters: `mlp.experts.lora_A` over all experts), the router (mlp.gate)
+and the shared expert's gate, DoRA, LoRA biases, per-module ranks / alphas, ranks above --max-lora-rank.
 """
 from __future__ import annotations
 
@@ -36,8 +40,10 @@ PEFT_PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.q
                     "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
                     "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
                     "down_proj": ("mlp.down_proj", 0)}
-_BUILT = ("q_proj, k_proj, v_proj, o_proj, the dense MLPs' gate_proj, up_proj, down_proj and the hybrids' Gated "
-          "DeltaNet in_proj_* / out_proj")
+_BUILT = ("q_proj, k_proj, v_proj, o_proj, the dense MLPs', the MoE experts' (per expert) and shared experts' "
+          "gate_proj, up_proj, down_proj and the hybrids' Gated DeltaNet in_proj_* / out_proj")
+# a routed expert's PEFT module inside a decoder layer's MLP: mlp.experts.{e}.{gate,up,down}_proj
+_EXPERT_MODULE = re.compile(r"experts\.(?P<expert>\d+)\.(?P<kind>gate|up|down)_proj")
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[A-Za-z0-9_]+)?\.weight")
 _LAYER_MODULE = re.compile(r"layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp|linear_attn)\.(?P<proj>[A-Za-z0-9_.]+)")
@@ -66,21 +72,39 @@ class Piece:
     rows: Optional[torch.Tensor] = None
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """A sparse MoE layer's routed experts, whole: E experts of hidden -> inter (gate, up) -> hidden (down)."""
+    num_experts: int
+    hidden: int
+    inter: int
+
+
+# per (expert, "gate" | "up" | "down"): (A [r, in], B^T scaled [r, out]), as `LoRAAdapter.weights`' pairs
+ExpertPairs = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class LoRAAdapter:
     """A checked adapter, ready to copy into a slot: per Linear of ours, per shard, (A [r, in], B^T scaled [r, n])
-    in the LoRA dtype (B^T so that a slot's copy is one contiguous block; the scaling is folded into it)."""
+    in the LoRA dtype (B^T so that a slot's copy is one contiguous block; the scaling is folded into it); per sparse
+    MoE layer ("layers.{i}.mlp.experts"), its routed experts' pairs. has_experts: whether the whole adapter (before a
+    pipeline stage or a rank took its part) adapts routed experts: its steps run eagerly on every rank alike."""
 
     name: str
     path: str
     rank: int
     scaling: float
     weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    experts: dict[str, ExpertPairs] = field(default_factory=dict)
+    has_experts: bool = False
 
     def pin(self) -> "LoRAAdapter":
         """Page-locked copies (CUDA): the slot copies then run without the host waiting for the GPU."""
         self.weights = {name: {s: (a.pin_memory(), bt.pin_memory()) for s, (a, bt) in shards.items()}
                         for name, shards in self.weights.items()}
+        self.experts = {name: {k: (a.pin_memory(), bt.pin_memory()) for k, (a, bt) in pairs.items()}
+                        for name, pairs in self.experts.items()}
         return self
 
 
@@ -98,9 +122,14 @@ def _is_hybrid(hf_config: Any) -> bool:
 
 def projection_shapes(hf_config: Any) -> dict[str, ProjectionShape]:
     """Our Linears that take adapters ("layers.{i}.self_attn.qkv_proj", ...) and their whole shapes (what an adapter
-    is checked against; under tensor parallelism each rank then cuts it, lora/sharding.py). A sparse MoE layer's MLP
-    is experts, not Linears: only its attention (or Gated DeltaNet)."""
+    is checked against; under tensor parallelism each rank then cuts it, lora/sharding.py). A sparse MoE layer's
+    routed experts are not Linears (`expert_shapes`); its shared expert's projections are."""
     return _layout(hf_config)[0]
+
+
+def expert_shapes(hf_config: Any) -> dict[str, ExpertShape]:
+    """The sparse MoE layers' routed experts ("layers.{i}.mlp.experts") and their whole shapes."""
+    return _layout(hf_config)[2]
 
 
 def peft_modules(hf_config: Any) -> dict[str, tuple[Piece, ...]]:
@@ -109,7 +138,8 @@ def peft_modules(hf_config: Any) -> dict[str, tuple[Piece, ...]]:
     return _layout(hf_config)[1]
 
 
-def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple[Piece, ...]]]:
+def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple[Piece, ...]],
+                                     dict[str, ExpertShape]]:
     from voltllm.model.models.llama import is_moe_layer
 
     hybrid = _is_hybrid(hf_config)
@@ -125,6 +155,7 @@ def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple
     hidden, q, kv = cfg.hidden_size, heads * head_dim, kv_heads * head_dim
     shapes: dict[str, ProjectionShape] = {}
     modules: dict[str, tuple[Piece, ...]] = {}
+    experts: dict[str, ExpertShape] = {}
 
     def whole(layer: int, block: str, peft: str, linear: str, shard: int) -> None:
         modules[f"layers.{layer}.{block}.{peft}"] = (Piece(f"layers.{layer}.{linear}", shard),)
@@ -156,7 +187,16 @@ def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple
             shapes[p + "mlp.down_proj"] = ProjectionShape(inter, (hidden,))
             for peft in ("gate_proj", "up_proj", "down_proj"):
                 whole(i, "mlp", peft, *PEFT_PROJECTIONS[peft])
-    return shapes, modules
+        else:
+            experts[p + "mlp.experts"] = ExpertShape(cfg.num_experts, hidden, cfg.moe_intermediate_size)
+            shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+            if shared:  # (Qwen3-Next / Qwen3.5-MoE: a dense SwiGLU MLP beside the routed experts)
+                shapes[p + "mlp.shared_expert.gate_up_proj"] = ProjectionShape(hidden, (shared, shared))
+                shapes[p + "mlp.shared_expert.down_proj"] = ProjectionShape(shared, (hidden,))
+                for peft in ("gate_proj", "up_proj", "down_proj"):
+                    linear, shard = PEFT_PROJECTIONS[peft]
+                    whole(i, "mlp", "shared_expert." + peft, "mlp.shared_expert." + linear.split(".")[1], shard)
+    return shapes, modules, experts
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
@@ -183,10 +223,10 @@ def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.d
     rank, alpha = _check_config(cfg, where, max_rank)
     scaling = lora_scaling(rank, alpha, bool(cfg.get("use_rslora")))
     tensors = _read_tensors(req.lora_path, where)
-    shapes, modules = _layout(hf_config)
+    shapes, modules, experts = _layout(hf_config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        module, kind = _module_of(key, where, hf_config, modules)
+        module, kind = _module_of(key, where, hf_config, modules, experts)
         pairs.setdefault(module, {})[kind] = tensor
     adapter = LoRAAdapter(req.lora_name, req.lora_path, rank, scaling)
     for module, pair in sorted(pairs.items()):
@@ -194,6 +234,9 @@ def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.d
         if missing:
             raise LoRAAdapterError(f"{where}: {module} has no {' / '.join(sorted(missing))} weight")
         a, b = pair["lora_A"], pair["lora_B"]
+        if module not in modules:  # a routed expert's gate / up / down
+            _add_expert_pair(adapter, module, a, b, experts, where, dtype)
+            continue
         pieces = modules[module]
         n_in = shapes[pieces[0].linear].in_features
         n = sum(shapes[pc.linear].shard_sizes[pc.shard] if pc.rows is None else len(pc.rows) for pc in pieces)
@@ -206,9 +249,26 @@ def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.d
         for pc in pieces:  # (the module's A on each of its shards; B's rows where the weight's rows went)
             part = bt if pc.rows is None else bt[:, pc.rows]
             adapter.weights.setdefault(pc.linear, {})[pc.shard] = (a, part.contiguous().to(dtype))
-    if not adapter.weights:
+    if not adapter.weights and not adapter.experts:
         raise LoRAAdapterError(f"{where}: no lora_A / lora_B weights in it")
+    adapter.has_experts = bool(adapter.experts)
     return adapter
+
+
+def _add_expert_pair(adapter: LoRAAdapter, module: str, a: torch.Tensor, b: torch.Tensor,
+                     experts: dict[str, ExpertShape], where: str, dtype: torch.dtype) -> None:
+    """A routed expert's (A, B) into adapter.experts["layers.{i}.mlp.experts"][(e, kind)], checked like a Linear's."""
+    layer, _, rest = module.partition(".mlp.")
+    m = _EXPERT_MODULE.fullmatch(rest)
+    shape = experts[layer + ".mlp.experts"]
+    n_in, n_out = ((shape.inter, shape.hidden) if m.group("kind") == "down" else (shape.hidden, shape.inter))
+    rank = adapter.rank
+    if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):
+        raise LoRAAdapterError(
+            f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
+            f"lora_A ({rank}, {n_in}) and lora_B ({n_out}, {rank}) (rank r={rank})")
+    pair = (a.to(dtype).contiguous(), (b.float() * adapter.scaling).t().contiguous().to(dtype))
+    adapter.experts.setdefault(layer + ".mlp.experts", {})[(int(m.group("expert")), m.group("kind"))] = pair
 
 
 def _check_config(cfg: dict, where: str, max_rank: int) -> tuple[int, float]:
@@ -267,7 +327,8 @@ def _read_tensors(path: str, where: str) -> dict[str, torch.Tensor]:
     raise LoRAAdapterError(f"{where}: no {' or '.join(_WEIGHT_FILES)}")
 
 
-def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Piece, ...]]) -> tuple[str, str]:
+def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Piece, ...]],
+               experts: dict[str, ExpertShape]) -> tuple[str, str]:
     """(PEFT module inside the decoder stack, "lora_A" | "lora_B") for a PEFT weight name, or LoRAAdapterError naming
     it."""
     if "lora_embedding" in key or re.search(r"(^|\.)(embed_tokens|lm_head)(\.|$)", key):
@@ -284,20 +345,35 @@ def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Pi
         module = module.removeprefix(prefix)
     lm = _LAYER_MODULE.fullmatch(module)
     if lm is None:
-        experts = ".experts." in module
-        raise LoRAAdapterError(f"{where}: {key}: " + ("LoRA on MoE experts is not built" if experts else
-                                                      f"not a projection this version adapts (built: {_BUILT})"))
+        raise LoRAAdapterError(f"{where}: {key}: not a projection this version adapts (built: {_BUILT})")
     layer, block, proj = int(lm.group("layer")), lm.group("block"), lm.group("proj")
     num_layers = (getattr(hf_config, "text_config", None) or hf_config).num_hidden_layers
     if layer >= num_layers:
         raise LoRAAdapterError(f"{where}: {key}: layer {layer} is past the model's {num_layers} layers")
     if module in modules:
         return module, m.group("kind")
+    sparse = f"layers.{layer}.mlp.experts" in experts
+    if block == "mlp" and sparse:
+        e = _EXPERT_MODULE.fullmatch(proj)
+        if e is not None:
+            num = experts[f"layers.{layer}.mlp.experts"].num_experts
+            if int(e.group("expert")) >= num:
+                raise LoRAAdapterError(f"{where}: {key}: expert {e.group('expert')} is past layer {layer}'s {num} "
+                                       "experts")
+            return module, m.group("kind")
+        if proj.split(".")[0] == "experts":  # (PEFT's target_parameters on transformers' fused 3D experts)
+            raise LoRAAdapterError(f"{where}: {key}: LoRA on the fused experts tensors (PEFT target_parameters "
+                                   "mlp.experts.gate_up_proj / down_proj) is not built; per-expert adapters "
+                                   "(mlp.experts.{e}.gate_proj / up_proj / down_proj) are")
+        if proj in ("gate_proj", "up_proj", "down_proj"):
+            raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE (no dense {proj}; its "
+                                   f"experts take mlp.experts.{{e}}.{proj})")
+        if not proj.startswith("shared_expert."):  # (the router, the shared expert's gate)
+            raise LoRAAdapterError(f"{where}: {key}: LoRA on the MoE's {proj} is not built (built: {_BUILT})")
+        raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s sparse MoE has no {proj} (no shared expert, or "
+                               f"not one of its projections; built: {_BUILT})")
     if any(name.startswith(f"layers.{layer}.{block}.") for name in modules):
         raise LoRAAdapterError(f"{where}: {key}: LoRA on {block}.{proj} is not built (built: {_BUILT})")
-    if block == "mlp":  # (no dense MLP in this layer)
-        raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE; LoRA on MoE experts (and its "
-                               "router / shared expert) is not built")
     kind = "Gated DeltaNet (linear_attn)" if any(name.startswith(f"layers.{layer}.linear_attn.") for name in modules) \
         else "full attention (self_attn)"
     raise LoRAAdapterError(f"{where}: {key}: layer {layer} has no {block} module (it is a {kind} layer)")

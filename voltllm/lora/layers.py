@@ -29,6 +29,8 @@ class LoRABatch:
     def __init__(self, max_tokens: int, max_loras: int, dtype: torch.dtype, device: torch.device):
         self.mask = torch.zeros(max_tokens, max_loras, dtype=dtype, device=device)
         self.active = True
+        # whether the step's tokens use an adapter with MoE expert weights (an eager step: lora/experts.py)
+        self.experts_active = False
 
 
 class LoRAWeights:

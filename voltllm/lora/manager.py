@@ -20,6 +20,9 @@
   adapter in the same slot, and drop what rank 0 dropped.
 - Pipeline parallelism: likewise a manager per rank, but over its stage's decoder layers alone: each rank keeps the
   adapter's matrices of its own layers, renamed to their local indices (lora/stages.py), and follows rank 0's steps.
+- MoE experts: every sparse MoE layer gets slots for its routed experts too (lora/experts.py), refused at start when
+  they would outweigh the experts themselves (`check_expert_slots`). A step whose tokens use an adapter with expert
+  weights sets `LoRABatch.experts_active` and runs eagerly (`needs_eager`: the runner's choice, made by rank 0).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 import numpy as np
 import torch
 
-from voltllm.lora.adapter import LoRAAdapter, LoRAAdapterError, projection_shapes, read_adapter
+from voltllm.lora.adapter import LoRAAdapter, LoRAAdapterError, expert_shapes, projection_shapes, read_adapter
+from voltllm.lora.experts import ExpertLoRAWeights, expert_slot_values
 from voltllm.lora.layers import LoRABatch, LoRAWeights
 from voltllm.lora.request import LoRARequest
 from voltllm.lora.sharding import Split, shard_adapter
@@ -82,6 +86,7 @@ class LoRAManager:
         self.stage = stage
         self.batch = LoRABatch(max_tokens, self.max_loras, self.dtype, device)
         self.weights: dict[str, LoRAWeights] = {}
+        self.expert_weights: dict[str, ExpertLoRAWeights] = {}
         for name, shape in stage_projections(projection_shapes(hf_config), stage).items():
             linear = model.get_submodule(name)
             whole = isinstance(linear, Linear) and tuple(linear.shard_sizes) == shape.shard_sizes
@@ -92,6 +97,17 @@ class LoRAManager:
             linear.lora = self.weights[name] = LoRAWeights(linear.shard_sizes, linear.in_features, self.batch,
                                                            self.max_loras, lora_config.max_lora_rank, self.dtype,
                                                            device)
+        from voltllm.model.layers.moe import SparseMoE
+
+        experts = expert_shapes(hf_config)
+        check_expert_slots(experts, self.max_loras, lora_config.max_lora_rank)
+        for name, shape in stage_projections(experts, stage).items():
+            moe = model.get_submodule(name.rpartition(".")[0])  # ("layers.{i}.mlp")
+            if not isinstance(moe, SparseMoE) or moe.num_experts != shape.num_experts:
+                raise RuntimeError(f"{name}: not the sparse MoE layer LoRA expects ({shape})")
+            moe.lora = self.expert_weights[name] = ExpertLoRAWeights(moe, self.batch, self.max_loras,
+                                                                     lora_config.max_lora_rank, self.dtype, device)
+        self._slot_experts = [False] * self.max_loras  # (host) slots holding an adapter with expert weights
         self.known: dict[LoRAKey, LoRARequest] = {}
         self._current: dict[tuple[str, int], LoRAKey] = {}  # (name, lora_int_id) -> the key new requests run with
         self._retired: set[LoRAKey] = set()  # removed, kept while live requests use them
@@ -101,9 +117,11 @@ class LoRAManager:
         self._cpu: OrderedDict[LoRAKey, LoRAAdapter] = OrderedDict()  # least recently used first
         self._slots: OrderedDict[LoRAKey, int] = OrderedDict()  # resident adapter -> slot, least recently used first
         self._dirty_rows = 0  # mask rows that may be non-zero
-        logger.info("LoRA: %d projections take adapters, %d slot(s) of rank %d, %.1f MiB", len(self.weights),
-                    self.max_loras, lora_config.max_lora_rank,
-                    sum(w.nbytes for w in self.weights.values()) / 2**20)
+        logger.info("LoRA: %d projections and %d MoE layers' experts take adapters, %d slot(s) of rank %d, %.1f MiB "
+                    "(experts: %.1f MiB)", len(self.weights), len(self.expert_weights), self.max_loras,
+                    lora_config.max_lora_rank, sum(w.nbytes for w in self.weights.values()) / 2**20
+                    + sum(w.nbytes for w in self.expert_weights.values()) / 2**20,
+                    sum(w.nbytes for w in self.expert_weights.values()) / 2**20)
 
     # -- known adapters -------------------------------------------------------------------------
     def register(self, req: LoRARequest, live_keys: LiveKeys = tuple) -> LoRAKey:
@@ -185,13 +203,16 @@ class LoRAManager:
         if slot is not None:  # (stream-ordered: a step in flight still reads the old values)
             for w in self.weights.values():
                 w.load_slot(slot, None)
+            for ew in self.expert_weights.values():
+                ew.load_slot(slot, None)
+            self._slot_experts[slot] = False
 
     def _read(self, key: LoRAKey, req: LoRARequest) -> None:
         adapter = read_adapter(req, self.hf_config, self.config.max_lora_rank, self.dtype)
         if self.stage is not None:  # this stage's layers, under local indices
             adapter = stage_adapter(adapter, self.stage)
         if self.split is not None:  # this rank's part of each matrix
-            adapter = shard_adapter(adapter, self.split, self.weights)
+            adapter = shard_adapter(adapter, self.split, self.weights, self.expert_weights)
         if self.device.type == "cuda":
             adapter.pin()
         self._cpu[key] = adapter
@@ -249,6 +270,8 @@ class LoRAManager:
     def _upload_mask(self, per_token: Optional[np.ndarray], num_tokens: int) -> None:
         """The mask rows of the step's num_tokens tokens from each real token's slot (-1: none; None: no adapter in
         the step: the eager forward skips the terms)."""
+        slots = set(np.unique(per_token).tolist()) if per_token is not None else set()
+        self.batch.experts_active = any(self._slot_experts[s] for s in slots if s >= 0)
         if per_token is None:
             self.batch.active = False
             if self._dirty_rows:  # (graphs read the mask whatever `active` says)
@@ -294,6 +317,9 @@ class LoRAManager:
             del self._slots[held]
         for linear, w in self.weights.items():
             w.load_slot(slot, adapter.weights.get(linear))
+        for name, ew in self.expert_weights.items():
+            ew.load_slot(slot, adapter.experts.get(name))
+        self._slot_experts[slot] = adapter.has_experts
         self._slots[key] = slot
 
     @contextlib.contextmanager
@@ -301,13 +327,40 @@ class LoRAManager:
         """CUDA-graph captures record the LoRA terms (a replay computes them over the mask the step filled); the
         next step's prepare_step sets `active` again for eager forwards."""
         self.batch.active = True
+        self.batch.experts_active = False  # (expert terms run eagerly: never recorded in a graph)
         yield
+
+    def needs_eager(self, scheduled: list) -> bool:
+        """Whether a step of these scheduled requests must run eagerly: one of them uses an adapter with MoE expert
+        weights (their terms sort the pairs on the host: lora/experts.py)."""
+        return any(s.request.lora_key and self._cpu[s.request.lora_key].has_experts for s in scheduled)
 
     def resident(self) -> dict[LoRAKey, int]:
         return dict(self._slots)
 
     def cached(self) -> list[LoRAKey]:
         return list(self._cpu)
+
+
+# the experts' slots may take at most this share of the experts' own weights (a bound, not a tuning: beyond it the
+# slots cost more memory than the model's experts; --max-loras or --max-lora-rank is then to be lowered)
+EXPERT_SLOTS_MAX_SHARE = 1.0
+
+
+def check_expert_slots(experts: dict, max_loras: int, max_rank: int) -> None:
+    """ValueError when the MoE experts' LoRA slots (--max-loras x experts x --max-lora-rank x 3 (hidden + inter) per
+    layer) would take more values than the experts themselves (experts x 3 hidden x inter)."""
+    if not experts:
+        return
+    slots = sum(expert_slot_values(s, max_loras, max_rank) for s in experts.values())
+    weights = sum(s.num_experts * 3 * s.hidden * s.inter for s in experts.values())
+    if slots > EXPERT_SLOTS_MAX_SHARE * weights:
+        shape = next(iter(experts.values()))
+        raise ValueError(
+            f"--enable-lora: the MoE experts' LoRA slots would hold {slots / 1e6:.1f}M values (--max-loras {max_loras} "
+            f"x {shape.num_experts} experts x --max-lora-rank {max_rank} x 3 x (hidden {shape.hidden} + inter "
+            f"{shape.inter}) per MoE layer, {len(experts)} layers), more than the experts themselves "
+            f"({weights / 1e6:.1f}M); lower --max-loras or --max-lora-rank")
 
 
 def lora_token_capacity(max_num_batched_tokens: int, max_num_seqs: int) -> int:

@@ -14,10 +14,13 @@
 The cut is the model's own (`tp_part`, the one that cuts the checkpoint), so adapter and base slices cannot drift
 apart. Which matrix is cut follows from the shapes: where a rank's Linear has fewer inputs than the whole projection,
 A's columns; where a shard has fewer outputs, B's rows (a replicated KV head is a whole shard: nothing to cut).
+- MoE experts (lora/experts.py): cut by their layer's own cut of the experts, the same rule (gate / up column-parallel,
+  down row-parallel over the intermediate band; whole experts of its own under expert parallelism). A shared expert's
+  projections are Linears, cut as above by the layer's shared_tp_part.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -28,9 +31,11 @@ from voltllm.lora.layers import LoRAWeights
 Split = Callable[[str, str, int, torch.Tensor], torch.Tensor]
 
 
-def shard_adapter(adapter: LoRAAdapter, split: Split, weights: dict[str, LoRAWeights]) -> LoRAAdapter:
+def shard_adapter(adapter: LoRAAdapter, split: Split, weights: dict[str, LoRAWeights],
+                  expert_weights: Optional[dict[str, Any]] = None) -> LoRAAdapter:
     """`adapter` (read whole: per Linear, per shard, A [r, in] and B^T scaled [r, n]) cut to this rank's Linears
-    (`weights`: the LoRA slots of each, at the rank's shapes)."""
+    (`weights`: the LoRA slots of each, at the rank's shapes) and MoE layers (`expert_weights`: their experts' slots,
+    lora/experts.py, which cut as their layer cuts its experts)."""
     out: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for linear, shards in adapter.weights.items():
         w = weights[linear]
@@ -46,4 +51,6 @@ def shard_adapter(adapter: LoRAAdapter, split: Split, weights: dict[str, LoRAWei
                                    f"and {w.shard_sizes[s]} outputs")
             cut[s] = (a, bt)
         out[linear] = cut
-    return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling, out)
+    experts = {name: expert_weights[name].cut(pairs, f"{name} (LoRA {adapter.name!r})")
+               for name, pairs in adapter.experts.items()}
+    return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling, out, experts, adapter.has_experts)

@@ -28,6 +28,8 @@ def stage_projections(shapes: dict[str, V], stage: Optional[Any]) -> dict[str, V
 
 
 def stage_adapter(adapter: LoRAAdapter, stage: Any) -> LoRAAdapter:
-    """`adapter` (read whole, keyed by global Linear names) reduced to this stage's Linears, under local names."""
+    """`adapter` (read whole, keyed by global Linear names) reduced to this stage's Linears and MoE layers' experts,
+    under local names (has_experts stays the whole adapter's: every stage runs its steps eagerly alike)."""
     return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling,
-                       stage_projections(adapter.weights, stage))
+                       stage_projections(adapter.weights, stage), stage_projections(adapter.experts, stage),
+                       adapter.has_experts)

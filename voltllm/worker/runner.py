@@ -738,9 +738,12 @@ class ModelRunner:
         n_seqs = len(sched.scheduled)
         graph = prompt_graph = None
         # (a step with image tokens in its prompts runs eagerly too: the tower's rows replace their embeddings)
+        # (and one whose tokens use an adapter with MoE expert weights: their terms sort the pairs on the host,
+        # lora/experts.py)
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending or (
             self.image_step is not None and any(s.request.multi_modal is not None
-                                                and s.start < s.request.num_prompt_tokens for s in sched.scheduled))
+                                                and s.start < s.request.num_prompt_tokens for s in sched.scheduled)) \
+            or (self.lora is not None and self.lora.needs_eager(sched.scheduled))
         # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows
                       and self._token_rows_step(sched))

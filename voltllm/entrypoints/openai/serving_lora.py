@@ -54,8 +54,9 @@ class RuntimeLoRAs:
             raise bad_request("both 'lora_name' and 'lora_path' must be given (non-empty strings)",
                               "lora_path" if name else "lora_name")
         if req.is_3d_lora_weight:
-            raise bad_request("is_3d_lora_weight: 3D (fused MoE expert) LoRA weights are not built; LoRA on MoE "
-                              "experts is not built", "is_3d_lora_weight")
+            raise bad_request("is_3d_lora_weight: 3D (fused MoE expert) LoRA weights are not built; adapters on "
+                              "MoE experts in PEFT's per-expert form (mlp.experts.{e}.gate_proj / up_proj / down_proj) "
+                              "are", "is_3d_lora_weight")
         if name in state.served_model_names:
             raise bad_request(f"{name!r} is a served model name (--served-model-name); give the adapter another name",
                               "lora_name")

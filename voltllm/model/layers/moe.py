@@ -105,6 +105,9 @@ _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 class SparseMoE(nn.Module):
     # None: the Triton grouped GEMM on CUDA tensors only (tests set True to run it interpreted on the CPU)
     triton_experts: Optional[bool] = None
+    # --enable-lora: the routed experts' adapter slots (voltllm.lora.experts.ExpertLoRAWeights); a step whose tokens
+    # use an adapter with expert weights runs the experts there (eagerly), others take the paths below unchanged
+    lora = None
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_inter: int, shared_inter: int,
                  norm_topk_prob: bool, dtype: torch.dtype, quantized_experts: bool = False,
@@ -160,6 +163,11 @@ class SparseMoE(nn.Module):
     def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         ep = self.expert_map is not None
+        if self.lora is not None and self.lora.batch.experts_active:
+            weights, ids = route(logits, self.top_k, self.norm_topk_prob)
+            blocks = ((lambda e: self.qexperts.expert_blocks(e, x.dtype)) if self.qexperts is not None else
+                      (lambda e: (self.w13[e], self.w2[e])))
+            return self._add_shared(x, self.lora.forward(x, weights, self._local_ids(ids), blocks))
         if self.qexperts is not None:
             if x.is_cuda:
                 from voltllm.kernels import moe_decode
@@ -201,11 +209,13 @@ class SparseMoE(nn.Module):
 
     def _plain_shared_weights(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(gate [1, H], gate_up [2 IS, H], down [H, IS]) of the shared expert when all three are plain
-        unquantized weights without bias (what the fused decode path reads); else None."""
+        unquantized weights without bias or LoRA slots (what the fused decode path reads; it would skip a LoRA
+        term); else None."""
         if self.shared_expert is None:
             return None
         lins = (self.shared_expert_gate, self.shared_expert.gate_up_proj, self.shared_expert.down_proj)
-        if any(not isinstance(lin.method, UnquantizedLinearMethod) or lin.bias is not None for lin in lins):
+        if any(not isinstance(lin.method, UnquantizedLinearMethod) or lin.bias is not None or lin.lora is not None
+               for lin in lins):
             return None
         return tuple(lin.weight for lin in lins)
 
@@ -279,6 +289,12 @@ class SparseMoE(nn.Module):
                 getattr(self.shared_expert, shard[0]).load_weight(tensor, shard[1])
                 return [f"{prefix}shared_expert.{shard[0]}#{shard[1]}"]
         raise ValueError(f"unexpected MoE weight {name!r}")
+
+    def shared_tp_part(self, leaf: str, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """This rank's part of a shared expert projection's whole [out, in] weight (gate_up_proj: its intermediate
+        rows; down_proj: its input columns), as load_hf_weight cuts the checkpoint's (LoRA cuts its adapters so)."""
+        start, n = self.shared_start, self.shared_expert.down_proj.in_features
+        return take_cols(tensor, start, n, what) if leaf == "down_proj" else take_rows(tensor, start, n)
 
     def _expert_part(self, kind: str, tensor, what: str):
         """This rank's part of one expert's gate / up ([I, H]: rows) or down ([H, I]: input columns) projection: the

@@ -341,6 +341,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         if tp is None:
             return tensor
         leaf = module_name.rpartition(".")[2]
+        if ".shared_expert." in module_name:  # (a sparse MoE's shared expert: the layer's own cut)
+            return self._moe_of(module_name)[0].mlp.shared_tp_part(leaf, tensor, module_name)
         if leaf == "lm_head":
             rows = vocab_rows(self.vocab_size, tp.size)
             return take_rows(tensor, tp.rank * rows, rows)

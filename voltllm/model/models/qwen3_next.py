@@ -366,6 +366,8 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
             raise ValueError(f"{module_name} ({kind}): no tensor-parallel split is defined for it")
         layer = self.layers[int(parts[parts.index("layers") + 1])]
         leaf = parts[-1]
+        if "shared_expert" in parts and isinstance(layer.mlp, SparseMoE):  # (the layer's own cut)
+            return layer.mlp.shared_tp_part(leaf, tensor, module_name)
         if leaf == "qkv_proj":
             return layer.self_attn.local_qkv_rows(tensor, shard)
         if leaf == "o_proj":
