@@ -28,12 +28,13 @@ Kept quantized, an 8-bit layer becomes a Bnb8bitWeight whose planes are the symm
 SCB / 127 rounded to fp16 in `d`, repeated per 64 inputs (8.25 bits per weight, so tensor parallelism cuts a row at
 64 inputs as for 4-bit layers; bitsandbytes' own: 8 + 32 / K). An element is then q * fp16(SCB / 127) in fp32, exact
 (an 8-bit integer times an 11-bit significand), so it is bitsandbytes' q * SCB / 127 up to that one fp16 rounding of
-the scale (2^-11 relative at most), finer than the fp16 / bf16 weight the dequantized load gives. A layer whose
-inputs are not a multiple of 64, or with a row scale fp16 holds only as a subnormal (SCB below 127 x 2^-14, about
-0.0078: the relative error would grow past 2^-11; an all-zero row's 0 is exact) or not at all, is dequantized at load
-(one log line per reason). The product is weight-only, as for every kept-quantized layer: x @ (q * scale) in fp16 /
-bf16 with fp32 accumulation, as the dequantized load computes it, not bitsandbytes' own int8 matmul with its fp16
-decomposition of activation outliers (llm_int8_threshold, ignored here and by vLLM's bitsandbytes path alike).
+the scale (2^-11 relative at most: the bound of the fp16 weight the dequantized load gives, finer than a bf16 one).
+A layer whose inputs are not a multiple of 64, or with a row scale fp16 holds only as a subnormal (SCB below
+127 x 2^-14, about 0.0078: the relative error would grow past 2^-11; an all-zero row's 0 is exact) or not at all, is
+dequantized at load (one log line per reason). The product is weight-only, as for every kept-quantized layer:
+x @ (q * scale) in fp16 / bf16 with fp32 accumulation, as the dequantized load computes it, not bitsandbytes' own
+int8 matmul (int8 activations, outlier columns over llm_int8_threshold in fp16), which vLLM calls:
+llm_int8_threshold is ignored.
 
 On the CPU, or where the weights are not kept quantized, every layer is dequantized at load, to the layer's stored
 dtype (bitsandbytes' own result; fp32 for 8-bit layers: q * SCB * (1 / 127)), then the compute dtype: on a GPU this
