@@ -239,7 +239,7 @@
 #   s144c    (session 52) qwen3-30b-a3b shape with its experts in host memory: uva vs prefetch, batch 1 decode
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
-#            bitsandbytes NF4 / FP4 planes
+#            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
 #   s146pp   (session 54; kind nvidia-h200-x2) pipeline parallelism over two GPUs: its GPU file, then the 8B shape at
 #            -pp 2, batch 1 and 64 concurrent
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
@@ -1598,7 +1598,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
          # decode graphs at shifted positions, the compat route
     gpu_file test_image_input_cuda 300
     gpu_file test_quant_dot_cuda 200 -k bnb  # bitsandbytes NF4 / FP4 planes (kernels, MoE paths)
-    gpu_file test_quant_checkpoints_cuda 200 -k bnb
+    gpu_file test_quant_checkpoints_cuda 300 -k bnb  # (+ 8-bit rows: kernels vs the codec, tiny models vs dequantized)
     ;;
   s144d)  # (session 52) kernels for the new quantized kinds: Q2_K / Q3_K / IQ4_NL / IQ4_XS GGUF planes and 8-bit
           # GPTQ planes (dequant-GEMV, tiled dequant-GEMM, the packed-fp16 refusals, the checkpoints end to end)

@@ -121,21 +121,23 @@ def nf4_at_load_reference(path: str, ref_path: str) -> None:
 
 
 def planes_reference(path: str, ref_path: str, quantization: str | None = None) -> None:
-    """`ref_path`: an unquantized copy of the checkpoint at `path` whose 4-bit layers hold the values of the planes
-    they become when kept quantized (table[q] * the fp16-rounded absmax, fp32): the dense model a kept-quantized
-    engine must equal. `quantization`: "bitsandbytes" to quantize an unquantized checkpoint at load."""
+    """`ref_path`: an unquantized copy of the checkpoint at `path` whose 4-bit / 8-bit layers hold the values of the
+    planes they become when kept quantized (table[q] * the fp16-rounded absmax; q * the fp16-rounded SCB / 127; fp32):
+    the dense model a kept-quantized engine must equal. `quantization`: "bitsandbytes" to quantize an unquantized
+    checkpoint at load."""
     from safetensors.torch import save_file
 
-    from voltllm.model.layers.gguf_planes import dequantize_planes
+    from voltllm.model.layers.gguf_planes import Planes, dequantize_planes
     from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
-    from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight
+    from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight, Bnb8bitWeight
 
     shutil.copytree(path, ref_path, dirs_exist_ok=True)
     source = resolve_model(path)
     tensors = {}
     for name, t in iter_weights(source, load_hf_config(source), keep_quantized=True, quantization=quantization):
-        if isinstance(t, Bnb4bitWeight):
-            t = dequantize_planes(t.to_weight(torch.device("cpu"), torch.float32))
+        if isinstance(t, (Bnb4bitWeight, Bnb8bitWeight)):
+            t = t.to_weight(torch.device("cpu"), torch.float32)
+            t = dequantize_planes(t) if isinstance(t, Planes) else t
         tensors[name] = t.contiguous()
     save_file(tensors, os.path.join(ref_path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(ref_path, "config.json")) as f:

@@ -151,7 +151,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None,
                    help="the model's method (gguf, awq, gptq, fp8, modelopt_fp4, bitsandbytes, ...; docs/cli.md): "
                         "keep its weights quantized on the GPU (without it: only when, dequantized, they would take "
-                        "over half the usable memory; bitsandbytes 8-bit weights are always dequantized at load); "
+                        "over half the usable memory); "
                         "fp8 / bitsandbytes on an fp16 / bf16 model quantizes it at load")
     g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
     g.add_argument("--reasoning-config", type=json_object_arg("--reasoning-config"), default=None,

@@ -1033,14 +1033,6 @@ def _quantized_weights(method: Optional[str], flag: Optional[str], hf_config: An
 
     if method is None or device.type != "cuda" or load_format != "auto" or KEEP_QUANTIZED == 0:
         return "dequantized"
-    if method == "bitsandbytes":
-        from voltllm.model.loader.bnb_checkpoint import bnb_scheme, keeps_quantized
-
-        if not keeps_quantized(bnb_scheme(hf_config, method)):
-            logger.warning("bitsandbytes 8-bit weights are dequantized at load to the compute dtype: no "
-                           "quantized-linear kernel holds LLM.int8() rows, so they take the unquantized model's GPU "
-                           "memory (docs/models.md)")
-            return "dequantized"
     if not supports_quantized_layers(hf_config):
         logger.warning("%s weights are dequantized at load: quantized layers are not built for model type %r",
                        method, getattr(hf_config, "model_type", None))

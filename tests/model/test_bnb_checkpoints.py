@@ -3,7 +3,8 @@ quantized with the reference codec and saved in bitsandbytes' layout (tests/bnb_
 and without double quantization, a bf16 weight dtype with bf16 quant storage, 8-bit rows; one projection left dense as
 llm_int8_skip_modules leaves it) give the engine the same full-vocabulary prompt logprobs and greedy tokens as the
 dense checkpoint holding the dequantized weights; `--quantization bitsandbytes` on an unquantized checkpoint equals
-the dense checkpoint holding its NF4-rounded projections."""
+the dense checkpoint holding its NF4-rounded projections; 4-bit and 8-bit layers kept quantized as planes equal the
+dense checkpoint holding the planes' values."""
 import os
 
 import pytest
@@ -85,24 +86,29 @@ def test_refusals(tmp_path, capsys):
 
 
 # kept quantized (as on a GPU: the config says "quantized"; the CPU's QuantizedLinearMethod multiplies by the torch
-# reference's dequantized planes): (architecture, checkpoint options, --quantization, the plane kind)
-KEPT = {"nf4-double": ("qwen3", dict(), None, "BNB_NF4_B64"),
-        "fp4-bf16": ("llama", dict(quant_type="fp4", double_quant=False, dtype=torch.bfloat16), None, "BNB_FP4_B64"),
-        "moe-nf4-double": ("qwen3_moe", dict(), None, "BNB_NF4_B64"),
-        "at-load": ("qwen3", None, "bitsandbytes", "BNB_NF4_B64")}
+# reference's dequantized planes): (architecture, checkpoint options, --quantization, the plane kind, bits per weight)
+KEPT = {"nf4-double": ("qwen3", dict(), None, "BNB_NF4_B64", 4.25),
+        "fp4-bf16": ("llama", dict(quant_type="fp4", double_quant=False, dtype=torch.bfloat16), None, "BNB_FP4_B64",
+                     4.25),
+        "moe-nf4-double": ("qwen3_moe", dict(), None, "BNB_NF4_B64", 4.25),
+        "at-load": ("qwen3", None, "bitsandbytes", "BNB_NF4_B64", 4.25),
+        # 8-bit rows: 8-bit GPTQ's symmetric kind, the row's scale per 64 inputs
+        "int8": ("qwen3", dict(bits=8), None, "INT8_G64", 8.25),
+        "int8-bf16": ("llama", dict(bits=8, dtype=torch.bfloat16), None, "INT8_G64", 8.25),
+        "moe-int8": ("qwen3_moe", dict(bits=8), None, "INT8_G64", 8.25)}
 
 
 @pytest.mark.parametrize("variant", list(KEPT))
 def test_kept_quantized_layers(tmp_path, monkeypatch, variant):
-    """4-bit layers held as planes (4.25 bits per weight; the layer llm_int8_skip_modules left out stays dense) give
-    the greedy tokens and logprobs of the dense checkpoint holding the planes' values (tests/bnb_checkpoints.py
-    planes_reference), and the dequantized load's prompt logprobs up to the planes' rounding (the absmax in fp16, the
-    product not rounded to the stored dtype)."""
+    """4-bit and 8-bit layers held as planes (4.25 / 8.25 bits per weight; the layer llm_int8_skip_modules left out
+    stays dense) give the greedy tokens and logprobs of the dense checkpoint holding the planes' values
+    (tests/bnb_checkpoints.py planes_reference), and the dequantized load's prompt logprobs up to the planes' rounding
+    (the absmax or SCB / 127 in fp16, the 4-bit product not rounded to the stored dtype)."""
     import voltllm.config
     from voltllm.model.layers.gguf_planes import Planes
     from voltllm.model.layers.quantized_linear import held_segments
 
-    kind, kw, flag, plane_kind = KEPT[variant]
+    kind, kw, flag, plane_kind, bits = KEPT[variant]
     # inputs of 128 / 256 / 64 (experts): whole blocks per row, as the planes need
     path = make_model(str(tmp_path / "bnb"), kind, hidden_size=128, intermediate_size=256, head_dim=32,
                       moe_intermediate_size=64, std=0.08)
@@ -125,13 +131,13 @@ def test_kept_quantized_layers(tmp_path, monkeypatch, variant):
             kinds.add(p.kind.name)
             nbytes += p.nbytes
             elements += p.n * p.k
-    assert kinds == {plane_kind} and nbytes * 8 / elements == 4.25
+    assert kinds == {plane_kind} and nbytes * 8 / elements == bits
     assert dense_layers == (["layers.1.self_attn.o_proj"] if kw is not None else [])
     ref = _run(str(tmp_path / "ref"))
     assert kept[1] == ref[1]
     torch.testing.assert_close(kept[2], ref[2], rtol=0, atol=1e-5)
     dense = _run(path, quantization=flag)
     assert not dense[0].engine.runner.keep_quantized
-    # (a bf16 layer's dequantized load rounds each weight to bf16, 2^-9; the planes' fp32 product does not)
-    bf16 = kw is not None and kw.get("dtype") == torch.bfloat16
+    # (a bf16 4-bit layer's dequantized load rounds each weight to bf16, 2^-9; the planes' fp32 product does not)
+    bf16 = kw is not None and kw.get("dtype") == torch.bfloat16 and kw.get("bits", 4) == 4
     torch.testing.assert_close(kept[2], dense[2], rtol=0, atol=2e-2 if bf16 else 5e-3)

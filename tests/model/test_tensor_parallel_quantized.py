@@ -123,6 +123,25 @@ def test_compressed_tensors_asymmetric_int8_matches_tp1(tmp_path, monkeypatch, s
         two.engine.shutdown()
 
 
+def test_bnb_int8_matches_tp1(tmp_path, monkeypatch):
+    """bitsandbytes 8-bit rows kept quantized at -tp 2: the int8 planes' codes and the row scale repeated per 64
+    inputs cut by columns (row-parallel o_proj / down_proj: 64 / 128 inputs per rank); the outputs equal -tp 1's."""
+    from bnb_checkpoints import quantize_bnb_checkpoint
+
+    path = make_model(str(tmp_path / "m"), "qwen3", **SHAPE)
+    quantize_bnb_checkpoint(path, str(tmp_path / "ref"), bits=8)
+    _kept(monkeypatch)
+    one = LLM(path, **ENGINE)
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        cfg = one.config.model.hf_config
+        _check_kept(one, 1, cfg)
+        _check_kept(two, 2, cfg)
+        assert two.engine.runner.model.layers[0].self_attn.o_proj.gguf_segments[0].weight.kind.name == "INT8_G64"
+        _assert_same_outputs(one, two, PROMPTS)
+    finally:
+        two.engine.shutdown()
+
 def test_hybrid_awq_matches_tp1(tmp_path, monkeypatch):
     """An AWQ qwen3_5 hybrid kept quantized: GDN in_proj shards (interleaved rows) and out_proj's value-head
     columns, gated attention, MLP; prompt logprobs and greedy tokens of -tp 2 equal -tp 1's."""

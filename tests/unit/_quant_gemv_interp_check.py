@@ -4,8 +4,9 @@ the AWQ / GPTQ int4 kinds (zero points or the fixed zero 8), the 8-bit GPTQ int8
 zero 128), FP8 (E4M3, fp32 scales), NVFP4 (E2M1 codes, E4M3
 scales per 16, fp32 global per row) and bitsandbytes' NF4 / FP4 (table codes, an fp16 absmax per block; the dequantized
 weights bit for bit), on random blocks, with row / group tails, a bias and an output that is a column slice of a wider
-tensor; and bitsandbytes layers quantized by the reference codec (bnb_codec.py, with and without double quantization)
-re-laid as planes, against the codec's own dequantization. Prints `CHECK name ok|FAIL detail` lines."""
+tensor; and bitsandbytes layers quantized by the reference codec (bnb_codec.py: 4-bit with and without double
+quantization, 8-bit rows) re-laid as planes, against the codec's own dequantization. Prints `CHECK name ok|FAIL
+detail` lines."""
 import sys
 
 import torch
@@ -16,8 +17,8 @@ from voltllm.kernels.quant_gemv import dequantize, quant_matmul, quant_moe_matmu
 from voltllm.model.layers.gguf_planes import (FP8_KIND, KINDS, NVFP4_KIND, Unpacked,  # noqa: E402
                                               bnb_kind, dequantize_planes, int4_kind, int8_kind, planes_from_blocks,
                                               random_blocks, to_planes)
-from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight  # noqa: E402
-from voltllm.model.loader.bnb_codec import dequantize_4bit, quantize_4bit  # noqa: E402
+from voltllm.model.loader.bnb_checkpoint import BNB8_KIND, Bnb4bitWeight, Bnb8bitWeight  # noqa: E402
+from voltllm.model.loader.bnb_codec import dequantize_4bit, dequantize_int8, quantize_4bit, quantize_int8  # noqa: E402
 
 # AWQ / GPTQ checkpoints (8-bit GPTQ: groups of 128 with zero points, of 16 without); FP8 and NVFP4 checkpoints;
 # bitsandbytes NF4 in blocks of 64, FP4 in blocks of 128
@@ -29,7 +30,8 @@ BNB_LAYERS = [("nf4", 64, True, torch.float16), ("nf4", 128, False, torch.bfloat
 CHECKS = [f"{name}-{form}" for name in list(KINDS) + [k.name for k in INT4_KINDS]
           for form in ("dequant", "rows1", "rows3", "rows6")] + ["MOE-pairs", "NVFP4-MOE-pairs", "Q2_K-MOE-pairs",
                                                                   "INT8-MOE-pairs", "BNB_NF4-MOE-pairs"] + [
-    f"codec-{t}-b{bs}{'-double' if dq else ''}-{str(dt).removeprefix('torch.')}" for t, bs, dq, dt in BNB_LAYERS]
+    f"codec-{t}-b{bs}{'-double' if dq else ''}-{str(dt).removeprefix('torch.')}" for t, bs, dq, dt in BNB_LAYERS] + [
+    f"codec-int8-{dt}" for dt in ("float16", "bfloat16")]
 
 
 def _int4_planes(kind, n, k, gen):
@@ -100,7 +102,33 @@ def main() -> int:
     failed += not _check_moe_pairs(gen, bnb_kind("nf4", 64), "BNB_NF4-MOE-pairs")  # bitsandbytes experts
     for layer in BNB_LAYERS:
         failed += not _check_bnb_codec(gen, *layer)
+    for dtype in (torch.float16, torch.bfloat16):
+        failed += not _check_bnb_int8_codec(gen, dtype)
     return 1 if failed else 0
+
+
+def _check_bnb_int8_codec(gen, dtype: torch.dtype) -> bool:
+    """A bitsandbytes 8-bit layer (bnb_codec.quantize_int8) re-laid as planes (Bnb8bitWeight.to_weight: 8-bit GPTQ's
+    symmetric kind, SCB / 127 in fp16 per 64 inputs): the dequantize kernel (into a NaN-poisoned output) equals the
+    planes' reference bit for bit and the codec's q * SCB / 127 within the scale's fp16 rounding (2^-11 relative);
+    the dequant-GEMM multiplies like it. Rows of scales 10^-2 .. 10 and an all-zero row."""
+    n, k = 37, 384
+    w = (torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]).to(dtype)
+    w[5] = 0
+    codes, scb = quantize_int8(w)
+    ref = dequantize_int8(codes, scb)
+    planes = Bnb8bitWeight(codes, scb).to_weight(torch.device("cpu"), torch.float16)
+    got = dequantize(planes, torch.float32, out=torch.full((n, k), float("nan")))
+    err = float(((got - ref).abs() / ref.abs().clamp_min(1e-30))[ref != 0].max())
+    ok = (planes.kind == BNB8_KIND and torch.equal(got, dequantize_planes(planes)) and err <= 2 ** -11 * (1 + 2 ** -10)
+          and not got[5].any())
+    x = torch.randn(3, k, dtype=torch.float16)
+    out = quant_matmul(x, planes, out=torch.full((3, n), float("nan"), dtype=torch.float16))
+    mm_err = rel(out, x.float() @ ref.T)
+    ok = ok and mm_err < 2e-3 and not torch.isnan(out).any()
+    print(f"CHECK codec-int8-{str(dtype).removeprefix('torch.')} {'ok' if ok else 'FAIL'} max rel {err:.2e} "
+          f"matmul rel {mm_err:.2e}")
+    return ok
 
 
 def _check_bnb_codec(gen, quant_type: str, blocksize: int, double_quant: bool, dtype: torch.dtype) -> bool:

@@ -152,13 +152,15 @@ def test_quantization_config_and_flags():
         _check_bnb_load_format("bitsandbytes", None)
     with pytest.raises(ConfigError, match="quantized with 'awq'"):
         _check_bnb_load_format("bitsandbytes", "awq")
-    # 4-bit layers are kept quantized on a GPU (with the flag; else by size), also quantized at load; 8-bit rows and
-    # the CPU dequantize
+    # 4-bit and 8-bit layers are kept quantized on a GPU (with the flag; else by size), also quantized at load; the
+    # CPU dequantizes
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert _quantized_weights("bitsandbytes", "bitsandbytes", four, gpu, "auto") == "quantized"
     assert _quantized_weights("bitsandbytes", None, four, gpu, "auto") == "auto"
     assert _quantized_weights("bitsandbytes", "bitsandbytes", llama, gpu, "auto") == "quantized"
-    assert _quantized_weights("bitsandbytes", "bitsandbytes", eight, gpu, "auto") == "dequantized"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", eight, gpu, "auto") == "quantized"
+    assert _quantized_weights("bitsandbytes", None, eight, gpu, "auto") == "auto"
+    assert _quantized_weights("bitsandbytes", "bitsandbytes", eight, cpu, "auto") == "dequantized"
     assert _quantized_weights("bitsandbytes", "bitsandbytes", four, cpu, "auto") == "dequantized"
 
 
@@ -204,8 +206,9 @@ def test_kept_quantized_planes_and_their_refusals(caplog, monkeypatch):
 
 
 def test_dense_size_and_tensor_parallel_multiple(tmp_path):
-    """The "auto" policy's dequantized size of a 4-bit checkpoint equals the unquantized model's; row-parallel cuts of
-    4-bit layers fall on whole 64-input groups (blocks of 128: checked per layer at load), 8-bit rows set none."""
+    """The "auto" policy's dequantized size of a 4-bit or 8-bit checkpoint equals the unquantized model's;
+    row-parallel cuts fall on whole 64-input groups (4-bit blocks of 128: checked per layer at load; 8-bit rows: the
+    scale repeated per 64 inputs)."""
     from bnb_checkpoints import quantize_bnb_checkpoint
     from tiny_models import make_model
 
@@ -220,4 +223,70 @@ def test_dense_size_and_tensor_parallel_multiple(tmp_path):
     four, eight = (SimpleNamespace(model_type="qwen3", quantization_config=bnb_config(b)) for b in (4, 8))
     assert _column_multiple(four, "bitsandbytes") == (64, "bitsandbytes 4-bit")
     assert _column_multiple(SimpleNamespace(model_type="qwen3"), "bitsandbytes") == (64, "bitsandbytes 4-bit")
-    assert _column_multiple(eight, "bitsandbytes") is None
+    assert _column_multiple(eight, "bitsandbytes") == (64, "bitsandbytes 8-bit")
+    path8 = make_model(str(tmp_path / "m8"), "qwen3", hidden_size=128, intermediate_size=256, head_dim=32)
+    quantize_bnb_checkpoint(path8, str(tmp_path / "ref8"), bits=8)
+    assert dense_bytes(path8, 2) == 2 * elements  # (SCB and weight_format are not weights)
+
+
+def test_int8_kept_quantized_planes_and_their_refusals(caplog, monkeypatch):
+    """An 8-bit layer kept quantized: planes of 8-bit GPTQ's symmetric kind (codes q + 128, the row's SCB / 127 in
+    fp16 repeated per 64 inputs: 8.25 bits per weight) whose values are exactly q * fp16(SCB / 127), so bitsandbytes'
+    q * SCB / 127 up to one fp16 rounding of the scale; an all-zero row stays zero; layouts the planes cannot hold
+    come dense (bitsandbytes' own dequantization), said once per reason in the log."""
+    from voltllm.model.layers.gguf_planes import Planes, dequantize_planes, int8_kind
+    from voltllm.model.loader.bnb_checkpoint import BNB8_KIND, Bnb8bitWeight
+
+    import voltllm.model.layers.quantized_linear as quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "_DENSE_REASONS_LOGGED", set())  # (each reason is logged once a process)
+    cpu = torch.device("cpu")
+    assert BNB8_KIND == int8_kind(64, zero_points=False) and BNB8_KIND.zero == 128 and not BNB8_KIND.zero_points
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        w = (torch.randn(7, 256, generator=g) * torch.logspace(-2, 1, 7)[:, None]).to(dtype)
+        w[3] = 0  # an all-zero row: SCB 0
+        codes, scb = quantize_int8(w)
+        p = Bnb8bitWeight(codes, scb).to_weight(cpu, torch.float16)
+        assert isinstance(p, Planes) and p.kind == BNB8_KIND and p.d.dtype == torch.float16
+        assert p.nbytes * 8 / w.numel() == 8.25
+        got = dequantize_planes(p)
+        # exactly the integer times the fp16-rounded scale (an 8-bit integer times an 11-bit significand: exact)
+        scale16 = (scb.double() / 127).to(torch.float16).float()
+        assert torch.equal(got, codes.float() * scale16[:, None])
+        ref = dequantize_int8(codes, scb)  # what the dequantized load gives (fp32)
+        assert torch.equal(got[3], torch.zeros(256)) and torch.equal(ref[3], torch.zeros(256))
+        nz = ref != 0
+        assert float(((got - ref).abs()[nz] / ref.abs()[nz]).max()) <= 2 ** -11 * (1 + 2 ** -10)
+        assert torch.equal(got == 0, ref == 0)
+        # against today's dequantized fp16 weights: within one fp16 rounding of the weight and one of the scale
+        ref16 = ref.to(torch.float16).float()
+        assert float(((got - ref16).abs()[nz] / ref.abs()[nz]).max()) <= 2 ** -10 * (1 + 2 ** -9)
+    cases = {"not a multiple of 64": torch.randn(4, 96, generator=g),
+             "below fp16's normal range": torch.randn(4, 128, generator=g) * torch.tensor([1, 1, 1e-3, 1])[:, None],
+             "beyond fp16's range": torch.randn(4, 128, generator=g) * 1e7}
+    for reason, x in cases.items():
+        codes, scb = quantize_int8(x)
+        with caplog.at_level("WARNING", logger="voltllm"):
+            got = Bnb8bitWeight(codes, scb).to_weight(cpu, torch.float32)
+        assert isinstance(got, torch.Tensor) and torch.equal(got, dequantize_int8(codes, scb))
+        assert reason in caplog.text
+
+
+def test_int8_reader_keeps_layers_quantized():
+    """With keep_quantized the 8-bit reader gathers a layer's int8 weight and SCB into a Bnb8bitWeight (whatever the
+    order they come in); without it, the fp32 dequantized weight as before. Dense tensors pass through."""
+    from voltllm.model.loader.bnb_checkpoint import Bnb8bitWeight
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(6))
+    codes, scb = quantize_int8(w)
+    stream = [("l.SCB", scb), ("l.weight_format", torch.tensor(0, dtype=torch.uint8)), ("l.weight", codes),
+              ("lm_head.weight", w)]
+    kept = dict(bnb_weights(stream, BnbScheme(8), set(), keep_quantized=True))
+    assert set(kept) == {"l.weight", "lm_head.weight"} and kept["lm_head.weight"] is w
+    q = kept["l.weight"]
+    assert isinstance(q, Bnb8bitWeight) and (q.out_features, q.in_features) == (8, 64)
+    assert torch.equal(q.codes, codes) and torch.equal(q.scb, scb)
+    assert torch.equal(q.dequantize(), dequantize_int8(codes, scb))
+    dense = dict(bnb_weights(stream, BnbScheme(8), set()))
+    assert torch.equal(dense["l.weight"], dequantize_int8(codes, scb))

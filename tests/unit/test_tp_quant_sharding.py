@@ -1,6 +1,6 @@
 """Tensor-parallel shards of weights kept quantized (distributed/sharding.py, PackedWeight.cut, gguf_planes.col_band /
 row_shard): each shard's planes dequantize to exactly the same slice of the whole dequantized matrix, for GGUF,
-int4 (AWQ / GPTQ), FP8, NVFP4 and bitsandbytes NF4 / FP4 kinds; padded vocabulary rows are zeros; a cut across a
+int4 (AWQ / GPTQ), FP8, NVFP4, bitsandbytes NF4 / FP4 and 8-bit kinds; padded vocabulary rows are zeros; a cut across a
 block is an error that names the layer, the kind and the multiple."""
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ def _finite_e4m3(g, shape) -> torch.Tensor:
     return torch.where((c & 0x7F) == 0x7F, c - 1, c)  # (0x7F / 0xFF are NaN)
 
 
+def _bnb8(n: int, k: int, g: torch.Generator):
+    from voltllm.model.loader.bnb_checkpoint import Bnb8bitWeight
+    from voltllm.model.loader.bnb_codec import quantize_int8
+
+    return Bnb8bitWeight(*quantize_int8(torch.randn(n, k, generator=g) * 0.05))
+
+
 def _planes(name: str, n: int, k: int, seed: int = 0) -> Planes:
     g = torch.Generator().manual_seed(seed)
     if name in KINDS:
@@ -34,6 +41,8 @@ def _planes(name: str, n: int, k: int, seed: int = 0) -> Planes:
     if name == "FP8":
         d = torch.rand(n, k // 128, generator=g) * 0.01
         return to_planes(Unpacked(codes=_finite_e4m3(g, (n, k)), d=d, m=None, sc=None, mn=None), FP8_KIND)
+    if name == "BNB8":  # a bitsandbytes 8-bit layer (LLM.int8() rows) quantized by the codec
+        return _bnb8(n, k, g).to_weight(None, torch.float32)
     if name.startswith("BNB"):  # BNB_<type>_B<blocksize>: a bitsandbytes layer quantized by the codec
         from voltllm.model.loader.bnb_checkpoint import Bnb4bitWeight
         from voltllm.model.loader.bnb_codec import quantize_4bit
@@ -50,7 +59,7 @@ def _planes(name: str, n: int, k: int, seed: int = 0) -> Planes:
 
 # (kind, inputs): NVFP4 at 320 inputs (a partial last 256-span of its global scale)
 CASES = [(name, 1024) for name in KINDS] + [("INT4_G32_ZP", 512), ("INT4_G128", 512), ("FP8", 512), ("NVFP4", 320),
-                                             ("BNB_NF4_B64", 512), ("BNB_FP4_B128", 512)]
+                                             ("BNB_NF4_B64", 512), ("BNB_FP4_B128", 512), ("BNB8", 512)]
 
 
 @pytest.mark.parametrize("name,k", CASES)
@@ -81,22 +90,26 @@ class _Held(PackedWeight):
 
 
 @pytest.mark.parametrize("name,k", [("Q4_K", 1024), ("INT4_G32_ZP", 512), ("FP8", 512), ("NVFP4", 320),
-                                    ("BNB_NF4_B64", 512)])
+                                    ("BNB_NF4_B64", 512), ("BNB8", 512)])
 def test_take_rows_and_cols_dispatch_on_packed_weights(name, k):
     p = _planes(name, 8, k)
     full = dequantize_planes(p)
     mult = column_multiple(p.kind)
     w = _Held(p) if name not in KINDS else GGUFBlocks(name, random_blocks(name, 8, k, torch.Generator().manual_seed(0)),
                                                         8, k)
+    if name == "BNB8":  # the loader's own weight, cut before it is re-laid
+        w = _bnb8(8, k, torch.Generator().manual_seed(0))
+        assert column_multiple(p.kind) == 64
+    dense = w.dequantize(torch.float32)  # (the format's own dequantization: the 8-bit layer's, not its planes')
     cols = take_cols(w, mult, mult, "layers.0.self_attn.o_proj")
     assert (cols.out_features, cols.in_features) == (8, mult)
     assert torch.equal(dequantize_planes(cols.to_weight(None, torch.float32)), full[:, mult:2 * mult])
-    assert torch.equal(cols.dequantize(torch.float32), full[:, mult:2 * mult])
+    assert torch.equal(cols.dequantize(torch.float32), dense[:, mult:2 * mult])
     rows = take_rows(w, 6, 4)  # the last rank of a padded vocabulary: 2 real rows, 2 zero rows
     assert (rows.out_features, rows.in_features) == (4, k)
     got = dequantize_planes(rows.to_weight(None, torch.float32))
     assert torch.equal(got[:2], full[6:]) and not got[2:].any()
-    assert torch.equal(rows.dequantize(torch.float32)[:2], full[6:])
+    assert torch.equal(rows.dequantize(torch.float32)[:2], dense[6:])
     both = take_cols(take_rows(w, 1, 3), 0, mult)  # a row cut then a column cut
     assert torch.equal(dequantize_planes(both.to_weight(None, torch.float32)), full[1:4, :mult])
 

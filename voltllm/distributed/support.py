@@ -121,10 +121,11 @@ def _column_multiple(hf_config: Any, method: Optional[str]) -> Optional[tuple[in
         return column_multiple(NVFP4_KIND), "NVFP4"
     if method == "gguf":  # per tensor type: 64 at least (K-quants 256, checked at load)
         return GROUP, "GGUF"
-    if method == "bitsandbytes":  # 4-bit: per layer, blocks of 64 or 128 (checked at load); 8-bit rows: dequantized
-        from voltllm.model.loader.bnb_checkpoint import bnb_scheme, keeps_quantized
+    if method == "bitsandbytes":  # 4-bit: per layer, blocks of 64 or 128 (checked at load); 8-bit: a row's scale
+        from voltllm.model.loader.bnb_checkpoint import bnb_scheme  # repeated per 64 inputs
 
-        return (GROUP, "bitsandbytes 4-bit") if keeps_quantized(bnb_scheme(hf_config, method)) else None
+        scheme = bnb_scheme(hf_config, method)
+        return None if scheme is None else (GROUP, f"bitsandbytes {scheme.bits}-bit")
     return None
 
 

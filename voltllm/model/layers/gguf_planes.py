@@ -31,7 +31,8 @@ element dequantizes to d * (q - zero) exactly (fp16 scale times a 5-bit integer:
 checkpoints use `int8_kind(group)`: their codes in `lo` / `hi` like Q8_0 (ZERO 128), `d` the group's scale and, with
 zero points (asymmetric GPTQ), `mn` the group's zero minus 128 (int8), so d * (q - 128 - mn) = d * (q - zero), again
 exact (an 11-bit significand times a 9-bit integer); so do compressed-tensors' int8 layers with zero points
-(model/loader/compressed_tensors_checkpoint.py). FP8 (E4M3)
+(model/loader/compressed_tensors_checkpoint.py) and bitsandbytes' 8-bit (LLM.int8()) layers, symmetric with the row's
+SCB / 127 rounded to fp16 in `d`, repeated per 64 inputs (model/loader/bnb_checkpoint.py). FP8 (E4M3)
 checkpoints (model/loader/fp8_checkpoint.py) keep their 8-bit codes in `lo` / `hi` like Q8_0 and an fp32 `d` per 128
 inputs (FP8_KIND): an element is d * e4m3(q). NVFP4 checkpoints (model/loader/nvfp4_checkpoint.py) keep their E2M1
 codes in `lo`, their E4M3 per-16 scale codes in `sc` (raw bits, int8 [N, K/16]) and the tensor's fp32 global scale in
@@ -115,7 +116,7 @@ def int8_kind(group: int, zero_points: bool) -> PlaneKind:
     """The kind of an 8-bit GPTQ checkpoint (or a compressed-tensors int8 one with zero points) quantized in groups of
     `group` input features (a multiple of 16): codes q in `lo` / `hi` (Q8_0's layout, ZERO 128); with zero points
     `mn` holds zero - 128 per group (int8: zeros 0..255; compressed-tensors' signed zero point as it is), without
-    them the zero is the fixed 128 (symmetric GPTQ)."""
+    them the zero is the fixed 128 (symmetric GPTQ; bitsandbytes' 8-bit rows, int8_kind(64, False))."""
     if group % 16:
         raise ValueError(f"int8 group size {group} is not a multiple of 16")
     name = f"INT8_G{group}" + ("_ZP" if zero_points else "")

@@ -130,8 +130,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
     4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers, bitsandbytes
-    4-bit layers), else dequantized; the quantized checkpoints' layers always as `<layer>.weight`. bitsandbytes 8-bit
-    layers are dequantized even so (bnb_checkpoint.py).
+    4-bit / 8-bit layers), else dequantized; the quantized checkpoints' layers always as `<layer>.weight`.
     quantization "fp8" / "bitsandbytes" on an unquantized checkpoint quantizes its projections as they load.
     only: the stored tensor names to read (safetensors; e.g. a checkpoint's MTP module alone). experts: this rank's
     routed experts under expert parallelism (distributed.experts.ExpertShard): the other ranks' expert tensors are

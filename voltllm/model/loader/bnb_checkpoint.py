@@ -21,12 +21,24 @@ quantization the fp32 absmax is itself an 8-bit code's value (about 1% apart), a
 relative) adds twenty times less. An element is then table[q] * absmax in fp32, one rounding, as bitsandbytes does:
 the layer is 4.25 bits per weight on the device (bitsandbytes' own 4.13 with double quantization). A layer the
 planes cannot hold (inputs not a multiple of 64 or of the block, so blocks straddle rows; a block size other than 64
-/ 128; an absmax beyond fp16's range) is dequantized at load, with one log line per reason. 8-bit layers are always
-dequantized at load.
+/ 128; an absmax beyond fp16's range) is dequantized at load, with one log line per reason.
+
+Kept quantized, an 8-bit layer becomes a Bnb8bitWeight whose planes are the symmetric int8 kind of 8-bit GPTQ
+(gguf_planes.int8_kind(64), `INT8_G64`): the codes q + 128 in `lo` / `hi` (ZERO 128) and the row's scale
+SCB / 127 rounded to fp16 in `d`, repeated per 64 inputs (8.25 bits per weight, so tensor parallelism cuts a row at
+64 inputs as for 4-bit layers; bitsandbytes' own: 8 + 32 / K). An element is then q * fp16(SCB / 127) in fp32, exact
+(an 8-bit integer times an 11-bit significand), so it is bitsandbytes' q * SCB / 127 up to that one fp16 rounding of
+the scale (2^-11 relative at most: the bound of the fp16 weight the dequantized load gives, finer than a bf16 one).
+A layer whose inputs are not a multiple of 64, or with a row scale fp16 holds only as a subnormal (SCB below
+127 x 2^-14, about 0.0078: the relative error would grow past 2^-11; an all-zero row's 0 is exact) or not at all, is
+dequantized at load (one log line per reason). The product is weight-only, as for every kept-quantized layer:
+x @ (q * scale) in fp16 / bf16 with fp32 accumulation, as the dequantized load computes it, not bitsandbytes' own
+int8 matmul (int8 activations, outlier columns over llm_int8_threshold in fp16), which vLLM calls:
+llm_int8_threshold is ignored.
 
 On the CPU, or where the weights are not kept quantized, every layer is dequantized at load, to the layer's stored
-dtype (bitsandbytes' own result), then the compute dtype: on a GPU this saves no memory against the unquantized
-model.
+dtype (bitsandbytes' own result; fp32 for 8-bit layers: q * SCB * (1 / 127)), then the compute dtype: on a GPU this
+saves no memory against the unquantized model.
 
 `--quantization bitsandbytes` on an unquantized llama / qwen2 / qwen3 / qwen3_moe checkpoint quantizes each
 projection at load as vLLM does (NF4, blocks of 64, double quantization), then keeps it quantized or dequantizes it
@@ -43,7 +55,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
-from voltllm.model.layers.gguf_planes import BNB_BLOCKSIZES, GROUP, Planes, Unpacked, bnb_kind, to_planes
+from voltllm.model.layers.gguf_planes import BNB_BLOCKSIZES, GROUP, Planes, Unpacked, bnb_kind, int8_kind, to_planes
 from voltllm.model.layers.quantized_linear import PackedWeight, log_dense_at_load
 from voltllm.model.loader.bnb_codec import (QUANT_TYPES, Bnb4bitState, NestedAbsmax, block_absmax, dequantize_4bit,
                                             dequantize_int8, quantize_4bit, table, unpack_codes)
@@ -87,6 +99,9 @@ def bnb_scheme(hf_config: Any, quantization: Optional[str] = None) -> Optional[B
 
 
 FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 2.0 ** -14
+# 8-bit layers' planes: 8-bit GPTQ's symmetric kind (codes q + 128, ZERO 128), the row's scale repeated per 64 inputs
+BNB8_KIND = int8_kind(GROUP, zero_points=False)
 
 
 @dataclass
@@ -131,6 +146,49 @@ class Bnb4bitWeight(PackedWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
         """bitsandbytes' own dequantization (in the stored dtype), then `dtype`."""
         return dequantize_4bit(self.packed, self.state).to(device=device, dtype=dtype)
+
+
+@dataclass
+class Bnb8bitWeight(PackedWeight):
+    """One 8-bit (LLM.int8()) layer as the checkpoint stores it: int8 codes [N, K] and each row's absmax SCB
+    (fp32 [N]), weight = q * SCB / 127. `to_weight` re-lays it as planes of BNB8_KIND (see the module docstring)."""
+    codes: torch.Tensor
+    scb: torch.Tensor
+    out_features: int = 0
+    in_features: int = 0
+
+    def __post_init__(self):
+        self.out_features, self.in_features = self.codes.shape
+
+    def row_scales(self) -> torch.Tensor:
+        """SCB / 127 per row, rounded once to fp16 (from the fp64 quotient)."""
+        return (self.scb.reshape(-1).to(torch.float64) / 127).to(torch.float16)
+
+    def planes_refusal(self) -> Optional[str]:
+        """Why the planes cannot hold this layer (None: they can)."""
+        if self.in_features % GROUP:
+            return f"bitsandbytes 8-bit layers whose inputs are not a multiple of {GROUP}"
+        scale = self.scb.reshape(-1).to(torch.float64) / 127
+        if bool((scale.abs() > FP16_MAX).any()) or not bool(torch.isfinite(scale).all()):
+            return "bitsandbytes 8-bit rows whose scale (SCB / 127) is beyond fp16's range"
+        if bool(((scale != 0) & (scale.abs() < FP16_MIN_NORMAL)).any()):
+            return "bitsandbytes 8-bit rows whose scale (SCB / 127) is below fp16's normal range (SCB < 0.0078)"
+        return None
+
+    def to_weight(self, device: Optional[torch.device], dtype: torch.dtype) -> Union[Planes, torch.Tensor]:
+        """Planes of BNB8_KIND on `device`; the dequantized matrix in `dtype` where they cannot hold the layer."""
+        why = self.planes_refusal()
+        if why is not None:
+            log_dense_at_load(why)
+            return self.dequantize(dtype, device)
+        n, k = self.out_features, self.in_features
+        codes = (self.codes.to(device).to(torch.int16) + BNB8_KIND.zero).to(torch.uint8)
+        d = self.row_scales().to(device).reshape(n, 1).expand(n, k // BNB8_KIND.super)
+        return to_planes(Unpacked(codes=codes, d=d.contiguous(), m=None, sc=None, mn=None), BNB8_KIND)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> torch.Tensor:
+        """bitsandbytes' own dequantization, q * SCB * (1 / 127) in fp32, then `dtype`."""
+        return dequantize_int8(self.codes.to(device), self.scb.to(device)).to(dtype)
 
 
 def quantized_layers(path: str) -> set[str]:
@@ -230,7 +288,7 @@ def _weights_4bit(stream: Iterable[tuple[str, torch.Tensor]], layers: set[str],
                                  f"{', '.join(sorted(parts))})")
 
 
-def _weights_8bit(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+def _weights_8bit(stream: Iterable[tuple[str, torch.Tensor]], keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     held: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in stream:
         prefix, _, part = name.rpartition(".")
@@ -251,7 +309,7 @@ def _weights_8bit(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
             if codes.dim() != 2 or scb.numel() != codes.shape[0]:
                 raise BnbCheckpointError(f"bitsandbytes 8-bit layer {prefix!r}: weight {list(codes.shape)} with "
                                          f"{scb.numel()} SCB values: expected one per row")
-            yield f"{prefix}.weight", dequantize_int8(codes, scb)
+            yield f"{prefix}.weight", (Bnb8bitWeight(codes, scb) if keep_quantized else dequantize_int8(codes, scb))
     if held:
         prefix, parts = next(iter(held.items()))
         raise BnbCheckpointError(f"bitsandbytes 8-bit layer {prefix!r} is incomplete in the checkpoint (has "
@@ -270,20 +328,15 @@ def bnb_weights(stream: Iterable[tuple[str, torch.Tensor]], scheme: BnbScheme, l
                 keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, tensor) stream with each bitsandbytes layer's tensors gathered into one weight: a 4-bit
     layer's Bnb4bitWeight (keep_quantized) or its dequantized weight in the layer's stored dtype; an 8-bit layer's
-    dequantized weight (fp32) always. `layers`: the 4-bit layers' weight names (quantized_layers). With
-    scheme.at_load, the projections of an unquantized checkpoint are quantized to NF4 (then kept or dequantized
-    alike). Other tensors pass through."""
+    Bnb8bitWeight (keep_quantized) or its dequantized weight (fp32). `layers`: the 4-bit layers' weight names
+    (quantized_layers). With scheme.at_load, the projections of an unquantized checkpoint are quantized to NF4 (then
+    kept or dequantized alike). Other tensors pass through."""
     if scheme.at_load:
         yield from _quantized_at_load(stream, keep_quantized)
     elif scheme.bits == 8:
-        yield from _weights_8bit(stream)
+        yield from _weights_8bit(stream, keep_quantized)
     else:
         yield from _weights_4bit(stream, layers, keep_quantized)
-
-
-def keeps_quantized(scheme: BnbScheme) -> bool:
-    """Whether layers of this scheme can be kept quantized on the GPU (4-bit; LLM.int8()'s rows are dequantized)."""
-    return scheme.bits == 4
 
 
 def dense_bytes(path: str, itemsize: int) -> int:
