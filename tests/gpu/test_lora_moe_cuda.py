@@ -32,9 +32,9 @@ def test_fp32_expert_adapters_give_the_merged_models_tokens(tmp_path):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, min_tokens=n),
                         lora_request=[loras.get(name) for name in NAMES], use_tqdm=False)
     tok = llm.get_tokenizer()
+    refs = {None: model} | {name: merged_copy(model, p, str(tmp_path / f"merged-{name}")) for name, p in paths.items()}
     for prompt, name, out in zip(PROMPTS, NAMES, outs):
-        path = model if name is None else merged_copy(model, paths[name], str(tmp_path / f"merged-{name}"))
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ref = AutoModelForCausalLM.from_pretrained(refs[name], dtype=torch.float32).eval()
         ids = tok.encode(prompt)
         with torch.no_grad():
             want = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0]
