@@ -4,7 +4,12 @@ reads the same final hidden states as on one rank; the later stages run the veri
 0's StepInputs and, on a hybrid, keep the accepted rows of their own Gated DeltaNet states (rank 0's counts, a
 broadcast). Drafts from an oracle (tests/spec_oracle.py: right and wrong ones) make every verification outcome
 happen; greedy outputs equal plain decoding's on one rank, and the MTP's draft logits equal the float64 reference
-fed by transformers' hidden states of the target (tests/mtp_models.py)."""
+fed by transformers' hidden states of the target (tests/mtp_models.py).
+
+DFlash drafters and an EAGLE-3 head read the outputs of target layers on both stages (and DFlash the last layer's,
+after rank 0's final norm): their rows ride the hand-overs back to rank 0. Tokens and acceptance counts equal one
+rank's with the same drafter and oracle, and every draft logit equals one rank's and the float64 reference's
+(tests/eagle3_models.py, tests/dflash_models.py); rank 0 dropping the rows that came back fails the reference."""
 import random
 
 import pytest

@@ -14,6 +14,10 @@ micro-batches), so it adds capacity, not speed.
 With -tp T as well, each stage is T ranks splitting its layers as tensor parallelism does (a subgroup of their own):
 world rank = stage * T + tensor-parallel rank, and tensor-parallel rank r of a stage hands its (replicated) hidden
 states to rank r of the next. Stage 0's T ranks hold the vocabulary-parallel embedding and LM head.
+
+A DFlash drafter or an EAGLE-3 head on rank 0 reads several layers' outputs (models/aux_hidden.py): on rank 0's
+chain (tensor-parallel rank 0 of each stage) the step's rows of that buffer go along with each hand-over, every stage
+adding its own layers' columns, and come back to rank 0 with the last stage's output (worker/aux_features.py).
 """
 from __future__ import annotations
 
