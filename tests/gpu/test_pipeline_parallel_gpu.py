@@ -1,6 +1,7 @@
 """Pipeline parallelism over two GPUs (NCCL point-to-point): -pp 2 against one GPU on a tiny qwen3 and a tiny dense
 hybrid (qwen3_5, 8 layers) with decode CUDA graphs on (the hand-overs captured inside each rank's graphs), fp32 and
-fp16; with 4 devices also -tp 2 -pp 2. Needs 2 CUDA devices (benchmarks/run_h200.sh s146pp, kind nvidia-h200-x2);
+fp16; EAGLE-3 and DFlash drafters (their target layers' rows riding the hand-overs); with 4 devices also
+-tp 2 -pp 2. Needs 2 CUDA devices (benchmarks/run_h200.sh s146pp, kind nvidia-h200-x2);
 skipped otherwise."""
 import pytest
 import torch
@@ -67,3 +68,46 @@ def test_tp2_pp2_matches_one_gpu(tmp_path):
         assert four.engine.runner.graphs.replays > 0
     finally:
         four.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_pp2_aux_drafters_match_one_gpu(tmp_path, monkeypatch, method):
+    """An EAGLE-3 head (vLLM's default layers 2 / 4 / 5 of an 8-layer llama: layers 1 and 3 on stage 0, 4 on stage 1)
+    and a DFlash drafter (layers 0, 5 and the last, 7) under -pp 2 with decode CUDA graphs: each stage's aux rows
+    ride the hand-overs captured in its graphs. Greedy tokens, acceptance counts and every proposal's draft logits
+    equal one GPU's (fp32)."""
+    from dflash_models import make_dflash, record_block_logits
+    from eagle3_models import make_eagle3
+    from mtp_models import record_draft_logits
+
+    target = make_model(str(tmp_path / "target"), "llama", num_hidden_layers=8, max_position_embeddings=2048)
+    if method == "eagle3":
+        spec = {"method": "eagle3", "model": make_eagle3(str(tmp_path / "head"), 64, 400, draft_vocab=96),
+                "num_speculative_tokens": 3}
+    else:
+        spec = {"method": "dflash", "model": make_dflash(str(tmp_path / "dflash"), 64, 400, 8, [0, 5, 7],
+                                                         block_size=4), "num_speculative_tokens": 3}
+    kw = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, speculative_config=spec)
+
+    def run(**extra):
+        seen = record_draft_logits(monkeypatch) if method == "eagle3" else None
+        llm = LLM(target, **kw, **extra)
+        try:
+            records = seen if seen is not None else record_block_logits(llm.engine.runner.draft)
+            outs = _greedy(llm)
+            assert llm.engine.runner.graphs.replays > 0
+            llm.engine.check_integrity()
+            stats = llm.engine.stats().extra
+        finally:
+            llm.engine.shutdown()
+        monkeypatch.undo()
+        logits = ([lg for _, _, got, _ in records for lg in got] if method == "eagle3"
+                  else [r["logits"] for r in records if r["rows"]])
+        return outs, (stats["spec_accepted_tokens"], stats["spec_draft_tokens"]), logits
+
+    one = run()
+    two = run(pipeline_parallel_size=2)
+    assert two[0] == one[0] and two[1] == one[1] and two[1][1] > 0
+    assert len(two[2]) == len(one[2])
+    for a, b in zip(two[2], one[2]):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).nan_to_num().abs().max()

@@ -162,18 +162,11 @@ def test_ngram_speculation_matches_plain(tmp_path, monkeypatch, kind):
 @pytest.mark.parametrize("extra, message", [
     (dict(pipeline_parallel_size=0), "--pipeline-parallel-size must be >= 1"),
     (dict(pipeline_parallel_size=4), "only 3 decoder layers"),
-    (dict(pipeline_parallel_size=2, speculative_config={"method": "dflash", "num_speculative_tokens": 2}),
-     "with --speculative-config method 'dflash'"),
     (dict(pipeline_parallel_size=2, cpu_offload_gb=1), "with weight offloading"),
     (dict(pipeline_parallel_size=2, offload_group_size=2, offload_prefetch_step=1), "with weight offloading"),
 ])
 def test_refused_combinations(tmp_path, extra, message):
     path = make_model(str(tmp_path), "qwen3")
-    if "speculative_config" in extra:  # a DFlash drafter reading the target's layers 0 and 2 (on both stages)
-        from dflash_models import make_dflash
-
-        drafter = make_dflash(str(tmp_path / "dflash"), 64, 400, 3, [0, 2], block_size=3)
-        extra = dict(extra, speculative_config=dict(extra["speculative_config"], model=drafter))
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model=path, device="cpu", **extra).create_engine_config()
 

@@ -14,11 +14,15 @@ micro-batches), so it adds capacity, not speed.
 With -tp T as well, each stage is T ranks splitting its layers as tensor parallelism does (a subgroup of their own):
 world rank = stage * T + tensor-parallel rank, and tensor-parallel rank r of a stage hands its (replicated) hidden
 states to rank r of the next. Stage 0's T ranks hold the vocabulary-parallel embedding and LM head.
+
+A DFlash drafter or an EAGLE-3 head on rank 0 reads several layers' outputs (models/aux_hidden.py): on rank 0's
+chain (tensor-parallel rank 0 of each stage) the step's rows of that buffer go along with each hand-over, every stage
+adding its own layers' columns, and come back to rank 0 with the last stage's output (worker/aux_features.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -83,9 +87,11 @@ class PipelineStage:
         i = int(idx)
         return f"layers.{i - self.start}.{rest}" if self.owns(i) else None
 
-    def receive(self, input_ids: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def receive(self, input_ids: torch.Tensor, hidden: int, dtype: torch.dtype,
+                aux: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A later stage's input, in place of the embeddings of `input_ids`: the previous rank's hidden states (in
-        the model's dtype) and residual stream (in residual_stream's dtype)."""
+        the model's dtype) and residual stream (in residual_stream's dtype). aux: the model's AuxHiddenCapture
+        buffer (a drafter reads several layers' outputs), whose step rows the earlier stages filled so far come too."""
         from voltllm.model.models.llama import residual_stream
 
         tokens, device = input_ids.shape[0], input_ids.device
@@ -94,19 +100,29 @@ class PipelineStage:
         src = self.world_rank(self.rank - 1)
         self.group.recv_(x, src)
         self.group.recv_(residual, src)
+        if aux is not None:
+            self.group.recv_(aux[:tokens], src)
         return x, residual
 
-    def pass_on(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pass_on(self, x: torch.Tensor, residual: torch.Tensor,
+                aux: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """After this rank's layers: send them on (the last rank sends back to rank 0). Rank 0 then waits for the last
-        rank's output, which it returns; the others return theirs (their final norm's result is not used)."""
+        rank's output, which it returns; the others return theirs (their final norm's result is not used). aux: as
+        in receive, its step rows sent on with this stage's layers' columns added (and back on rank 0, every
+        stage's)."""
         x, residual = x.contiguous(), residual.contiguous()
         dst = self.world_rank((self.rank + 1) % self.size)
+        rows = None if aux is None else aux[:x.shape[0]]  # (leading rows of a contiguous buffer: contiguous)
         self.group.send_(x, dst)
         self.group.send_(residual, dst)
+        if rows is not None:
+            self.group.send_(rows, dst)
         if not self.first:
             return x, residual
         last = self.world_rank(self.size - 1)
         out_x, out_res = torch.empty_like(x), torch.empty_like(residual)
         self.group.recv_(out_x, last)
         self.group.recv_(out_res, last)
+        if rows is not None:
+            self.group.recv_(rows, last)
         return out_x, out_res

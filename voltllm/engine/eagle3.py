@@ -121,6 +121,25 @@ def _bin_tensors(f: str) -> dict:
     return state
 
 
+def head_layer_ids(draft_cfg: Any, target_cfg: Any) -> tuple[int, ...]:
+    """The target layers a head reads (vLLM's numbering: the stream entering each), ascending, from its config alone
+    (SpeculativeConfigError, one line); the later pipeline stages ask too, to keep their share of those streams."""
+    target_text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    eagle_cfg = getattr(draft_cfg, "eagle_config", None) or {}
+    if not isinstance(eagle_cfg, dict):
+        eagle_cfg = {}
+    n_target = int(target_text.num_hidden_layers)
+    ids = (getattr(draft_cfg, "eagle_aux_hidden_state_layer_ids", None)
+           or eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or default_layer_ids(n_target))
+    if (not isinstance(ids, (list, tuple)) or not all(_int(i) and 1 <= i < n_target for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise _err(f"target layers {list(ids) if isinstance(ids, (list, tuple)) else ids!r} must be distinct layer "
+                   f"ids 1..{n_target - 1} of the target (the stream entering each; 0, the embedding, is not read)"
+                   + (" - vLLM's default (2, L // 2, L - 3) needs a target of 7 layers or more; name them in "
+                      "eagle_aux_hidden_state_layer_ids" if n_target < 7 else ""))
+    return tuple(sorted(ids))
+
+
 def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Params:
     """The head's parameters, checked against the target and the checkpoint's tensor names (SpeculativeConfigError,
     one line)."""
@@ -156,15 +175,7 @@ def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Par
                    "not built")
     if getattr(draft_cfg, "parallel_drafting", False):
         raise _err("parallel drafting heads (mask_hidden) are not built")
-    n_target = int(target_text.num_hidden_layers)
-    ids = (getattr(draft_cfg, "eagle_aux_hidden_state_layer_ids", None)
-           or eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or default_layer_ids(n_target))
-    if (not isinstance(ids, (list, tuple)) or not all(_int(i) and 1 <= i < n_target for i in ids)
-            or len(set(ids)) != len(ids)):
-        raise _err(f"target layers {list(ids) if isinstance(ids, (list, tuple)) else ids!r} must be distinct layer "
-                   f"ids 1..{n_target - 1} of the target (the stream entering each; 0, the embedding, is not read)"
-                   + (" - vLLM's default (2, L // 2, L - 3) needs a target of 7 layers or more; name them in "
-                      "eagle_aux_hidden_state_layer_ids" if n_target < 7 else ""))
+    ids = head_layer_ids(draft_cfg, target_text)
     layer_names = {layer_name(k) for k in names} - {None}
     stripped = {k.removeprefix("model.") for k in names}
     if "fc.weight" not in stripped or "hidden_norm.weight" not in layer_names:
@@ -178,7 +189,7 @@ def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Par
         raise _err("the checkpoint has no lm_head.weight and its draft vocabulary is not the target's (the target's "
                    "head cannot stand in)")
     scale = getattr(draft_cfg, "logit_scale", None)
-    return Eagle3Params(tuple(sorted(ids)), int(draft_vocab), "embed_tokens.weight" in stripped, own_head, has_d2t,
+    return Eagle3Params(ids, int(draft_vocab), "embed_tokens.weight" in stripped, own_head, has_d2t,
                         bool(getattr(draft_cfg, "norm_before_residual", False)), float(scale or 1.0))
 
 

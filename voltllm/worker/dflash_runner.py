@@ -46,6 +46,7 @@ from voltllm.host_to_device import upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
 from voltllm.sampling.sampler import SamplingRow
+from voltllm.worker.aux_features import aux_capacity
 from voltllm.worker.device_drafts import DeviceDrafts, draft_weights
 
 logger = logging.getLogger("voltllm")
@@ -75,8 +76,7 @@ class DFlashRunner(DeviceDrafts):
         self.kv_caches: list[torch.Tensor] = []
         sc = runner.config.scheduler
         # the target's chosen layers' outputs for every token of a step (the runner's input buffers' capacity)
-        self.features = runner.model.set_aux_hidden(self.params.target_layer_ids,
-                                                    max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8)
+        self.features = runner.model.set_aux_hidden(self.params.target_layer_ids, aux_capacity(sc))
         self._drafts, self._probs, self._prob_rows = None, None, {}
         self.graphs = None  # DecodeGraphs of the drafter's block forward, on the target's input buffers
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from voltllm.attention.backend import AttentionMetadata
+from voltllm.worker.aux_features import aux_capacity
 from voltllm.worker.device_drafts import draft_weights
 from voltllm.worker.mtp_runner import MTPRunner
 
@@ -36,8 +37,7 @@ class Eagle3Runner(MTPRunner):
         super().__init__(runner, spec)
         sc = runner.config.scheduler
         # the target's chosen layers' outputs for every token of a step (the runner's input buffers' capacity)
-        self.features = runner.model.set_aux_hidden(self.params.capture_layers,
-                                                    max(sc.max_num_batched_tokens, sc.max_num_seqs) + 8)
+        self.features = runner.model.set_aux_hidden(self.params.capture_layers, aux_capacity(sc))
 
     def _load(self, runner: Any) -> torch.nn.Module:
         from voltllm.engine.eagle3 import checkpoint_tensor_names, eagle3_params

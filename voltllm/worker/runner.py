@@ -195,6 +195,11 @@ class ModelRunner:
             from voltllm.worker.eagle3_runner import Eagle3Runner
 
             self.draft = Eagle3Runner(self, spec)
+        # a later pipeline stage keeps its layers' share of what rank 0's DFlash drafter / EAGLE-3 head reads, and
+        # hands it on with its hidden states (worker/aux_features.py)
+        from voltllm.worker.aux_features import keep_stage_aux
+
+        keep_stage_aux(self.model, config, self.pp)
         self._set_gdn_precision()
         self.backend = select_attention_backend(config)
         # programmatic dependent launch for the decode kernels: sm_90+, native route (voltllm/kernels/pdl.py).

@@ -262,7 +262,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = None
         if self.embed_tokens is None:  # a later pipeline stage
-            x, residual = self.pp.receive(input_ids, self.config.hidden_size, self.dtype)
+            x, residual = self.pp.receive(input_ids, self.config.hidden_size, self.dtype, self.aux_hidden)
         else:
             x = self.embed_tokens(input_ids)
         images = ctx.extra.get("image_embeds")
@@ -271,7 +271,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             x.index_copy_(0, images[0], images[1].to(x.dtype))
             deepstack = ctx.extra.get("image_deepstack")  # Qwen3-VL: one set of rows per level, the same tokens
         fused = self.fused_decode(input_ids)
-        aux = self.aux_hidden is not None  # DFlash's target features (AuxHiddenCapture)
+        aux = self.aux_hidden is not None  # a DFlash drafter's or EAGLE-3 head's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, fused)
             if deepstack is not None and i < len(deepstack):
@@ -281,7 +281,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             if aux:
                 self.keep_layer_output(i, x, residual)
         if self.pp is not None:  # on to the next stage; rank 0 gets the last stage's output back
-            x, residual = self.pp.pass_on(x, residual)
+            x, residual = self.pp.pass_on(x, residual, self.aux_hidden)  # (with a drafter's aux rows)
         if fused:
             from voltllm.kernels.fused import rms_norm
 

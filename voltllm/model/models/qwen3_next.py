@@ -316,19 +316,19 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
         batch = HybridBatch.from_context(ctx, self.state_spec) if self._num_gdn else None
         residual = None
         if self.embed_tokens is None:  # a later pipeline stage
-            x, residual = self.pp.receive(input_ids, self.config.hidden_size, self.dtype)
+            x, residual = self.pp.receive(input_ids, self.config.hidden_size, self.dtype, self.aux_hidden)
         else:
             x = self.embed_tokens(input_ids)
         images = ctx.extra.get("image_embeds")
         if images is not None:  # the vision tower's rows in place of the image placeholders' (worker/image_step.py)
             x.index_copy_(0, images[0], images[1].to(x.dtype))
-        aux = self.aux_hidden is not None  # a DFlash drafter's target features (AuxHiddenCapture)
+        aux = self.aux_hidden is not None  # a DFlash drafter's or EAGLE-3 head's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, batch)
             if aux:
                 self.keep_layer_output(i, x, residual)
         if self.pp is not None:  # on to the next stage; rank 0 gets the last stage's output back
-            x, residual = self.pp.pass_on(x, residual)
+            x, residual = self.pp.pass_on(x, residual, self.aux_hidden)  # (with a drafter's aux rows)
         x, _ = self.norm(x, residual)
         if aux:
             self.keep_final_output(x)
