@@ -37,7 +37,7 @@ PLE = dict(ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2, ngram_vocab_si
 KINDS = {
     "plain": dict(INDEXER),
     "ple": dict(INDEXER, **PLE, output_gate_type="sigmoid"),
-    "qsa": dict(INDEXER, indexer_budget=8),
+    "qsa": dict(INDEXER, **PLE, indexer_budget=8),  # (PLE too: both per-request states together)
 }
 
 
@@ -270,3 +270,30 @@ def test_state_spec_extras_and_kv_layout(checkpoints):
     cache.copy_slot(0, 1)
     assert cache.extra["ple_ctx"][1].tolist() == [7, 7]
     assert cache.like(3, "cpu").extra["ple_conv"].shape == (4, 2, 6, 128)
+
+
+def test_engine_greedy_with_preemption_and_prefix_cache(checkpoints):
+    """Through the whole engine (scheduler, state slots with the PLE extras, QSA keys in KV blocks, chunked prefill,
+    preemption, prefix-cache snapshots): greedy tokens equal transformers' generate."""
+    from voltllm import LLM, SamplingParams
+
+    path, ref = checkpoints["qsa"]
+    prompts = _seqs(8, [37, 5, 26, 18], eos_at=((0, 12), (2, 20)))
+    llm = LLM(path, skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=30,
+              mamba_block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.engine.stats().num_preemptions > 0
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            expected.append(ref.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                         pad_token_id=0)[0, len(p):].tolist())
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    snaps = llm.engine.runner.state_snapshots
+    assert llm.generate([{"prompt_token_ids": prompts[2]}], params)[0].outputs[0].token_ids == expected[2]
+    restored = snaps.stats()["restored"]
+    again = llm.generate([{"prompt_token_ids": prompts[2]}], params)  # a prefix-cache hit restores a snapshot
+    assert snaps.stats()["restored"] > restored
+    assert again[0].outputs[0].token_ids == expected[2]
+    llm.engine.check_integrity()

@@ -741,6 +741,9 @@ class ModelRunner:
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending or (
             self.image_step is not None and any(s.request.multi_modal is not None
                                                 and s.start < s.request.num_prompt_tokens for s in sched.scheduled))
+        # a model whose step has host-side work no graph replays (Qwen4-Exp's QSA past its budget) runs it eagerly
+        calibrating = calibrating or (hasattr(self.model, "eager_step") and self.model.eager_step(
+            [s.start + s.num_new_tokens for s in sched.scheduled]))
         # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows
                       and self._token_rows_step(sched))
@@ -1080,6 +1083,9 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.backend.name != "TRITON_ATTN":
             logger.info("CUDA graphs off (%s)", "--enforce-eager or cudagraph_mode NONE / -O0"
                         if self.config.device.enforce_eager else "not supported by this device/backend")
+            return
+        if not getattr(self.model, "supports_cuda_graphs", True):  # (Qwen4-Exp's PLE: host-memory table gathers)
+            logger.info("CUDA graphs off (this model's steps gather host-memory rows: eager steps)")
             return
         from voltllm.lora.manager import optional_lora
 
