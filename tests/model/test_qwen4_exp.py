@@ -297,3 +297,14 @@ def test_engine_greedy_with_preemption_and_prefix_cache(checkpoints):
     assert snaps.stats()["restored"] > restored
     assert again[0].outputs[0].token_ids == expected[2]
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs, what", [(dict(enable_lora=True), "LoRA"), (dict(kv_cache_dtype="fp8"), "fp8 KV"),
+                                          (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                    "prompt_lookup_max": 3}), "speculative")])
+def test_unbuilt_features_are_refused(checkpoints, kwargs, what):
+    from voltllm import LLM
+    from voltllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=what):
+        LLM(checkpoints["qsa"][0], skip_tokenizer_init=True, **kwargs)
