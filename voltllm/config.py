@@ -580,6 +580,10 @@ class EngineArgs:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def _refuse_qwen4_exp_unbuilt(self, hf_config: Any, method: Optional[str], spec: Any, runner: str) -> None:
+        if (what := _qwen4_exp_unbuilt(self, hf_config, method, spec, runner)) is not None:
+            raise ConfigError(f"Qwen4-Exp ({hf_config.model_type}): {what} is not built for this model")
+
     def create_engine_config(self) -> EngineConfig:
         from voltllm.model.loader import ModelLoadError, load_hf_config, resolve_model
         from voltllm.multimodal.processor import ImageProcessor
@@ -631,6 +635,8 @@ class EngineArgs:
         elif spec is not None and spec.uses_eagle3:
             spec = self._resolve_eagle3(spec, hf_config)
         runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
+        if getattr(hf_config, "model_type", None) in ("qwen4_exp", "qwen4_exp_text"):
+            self._refuse_qwen4_exp_unbuilt(hf_config, method, spec, runner)
         device = _resolve_device(self.device)
         # None on the CPU; below sm_70 a ConfigError; over mixed cards the oldest's (the route must run on all)
         capability = _run_capability(device, self.tensor_parallel_size * self.pipeline_parallel_size
@@ -923,6 +929,24 @@ def _resolve_device(device: str) -> torch.device:
 # position and keeps the accepted one's (voltllm/worker/hybrid_spec.py). Today that is every method of
 # engine/speculative.py's METHODS; one added there stays refused for hybrids until it is listed here
 HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3", "suffix")
+
+
+def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: Any, runner: str) -> Optional[str]:
+    """What of this launch is not built for Qwen4-Exp (voltllm/model/models/qwen4_exp.py), or None."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        return "tensor / pipeline parallelism"
+    if method is not None:
+        return f"quantized checkpoints ({method})"
+    if args.enable_lora:
+        return "LoRA (--enable-lora)"
+    if spec is not None:
+        return "speculative decoding (--speculative-config)"
+    if runner != "generate":
+        return f"--runner {runner}"
+    if getattr(text, "indexer_n_heads", None) is not None and args.kv_cache_dtype.startswith("fp8"):
+        return f"an fp8 KV cache (--kv-cache-dtype {args.kv_cache_dtype}: QSA keeps its index keys in the cache)"
+    return None
 
 
 def _resolve_speculative(spec: Optional[dict], hf_config: Any) -> Any:

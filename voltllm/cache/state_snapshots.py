@@ -82,11 +82,8 @@ class StateSnapshots:
         self.mamba_block_size = mamba_block_size
         self.block_size = block_size
         dev = cache.ssm[0].device if cache.ssm else "cpu"
-        conv_dtype = cache.conv[0].dtype if cache.conv else None
-        ssm_dtype = cache.ssm[0].dtype if cache.ssm else None
         # the pool's storage is a StateCache of its own (its slot bookkeeping is unused; rows are ours)
-        self.store = StateCache(cache.num_layers, num_snapshots, cache.conv_shape, cache.ssm_shape, conv_dtype,
-                                dev, ssm_dtype)
+        self.store = cache.like(num_snapshots, dev)
         self.capacity = num_snapshots
         self._index: OrderedDict[bytes, int] = OrderedDict()  # block hash -> row; oldest use first
         self._free: list[int] = list(range(num_snapshots - 1, -1, -1))
@@ -255,6 +252,8 @@ class StateSnapshots:
             dc[dst_row].copy_(sc[src_row], non_blocking=True)
         for ss, ds in zip(src.ssm, dst.ssm):
             ds[dst_row].copy_(ss[src_row], non_blocking=True)
+        for name, st in src.extra.items():  # (a model's extra per-slot states: Qwen4-Exp's PLE context)
+            dst.extra[name][dst_row].copy_(st[src_row], non_blocking=True)
 
     # -- upkeep ----------------------------------------------------------------------------------
     def reset(self) -> None:

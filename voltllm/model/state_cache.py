@@ -27,6 +27,12 @@ API
   reset(slot)                      zero both states of a slot (all layers)
   copy_slot(src, dst)              copy both states within the pool (prefix-cache snapshots live in a
                                    pool of their own: voltllm.cache.state_snapshots)
+  like(num_slots, device)          an empty cache of the same layout (snapshot pools, host copies)
+
+Extra per-slot states (`extras`, spec["extras"]: name -> (shape, dtype)): a model may keep more per-request state
+than GDN's two, e.g. Qwen4-Exp's Per-Layer-Embedding token context and dilated-conv rows. Each is one tensor
+cache.extra[name] [num_slots + 1, *shape] (rows as conv / ssm: extra_rows[name] holds the checkpoint rows too),
+and follows the slots everywhere the GDN states do: reset, copy_slot, keep_accepted, snapshots, host copies.
 
 Speculative decoding (`checkpoints` = num_speculative_tokens > 0): a verification step runs a request's known
 token and its k drafts through every GDN layer, but only the drafts the sampler accepts may stay in the state. So
@@ -62,7 +68,8 @@ import torch
 class StateCache:
     def __init__(self, num_layers: int, num_slots: int, conv_shape: Sequence[int], ssm_shape: Sequence[int],
                  conv_dtype: torch.dtype, device: torch.device | str = "cpu",
-                 ssm_dtype: torch.dtype = torch.float32, checkpoints: int = 0):
+                 ssm_dtype: torch.dtype = torch.float32, checkpoints: int = 0,
+                 extras: Optional[dict] = None):
         if num_slots < 1:
             raise ValueError(f"a state cache needs at least one slot, got {num_slots}")
         self.num_layers = num_layers
@@ -78,6 +85,10 @@ class StateCache:
         self.ssm_rows = list(self._ssm_all.unbind(0))
         self.conv = [c[: num_slots + 1] for c in self.conv_rows]
         self.ssm = [c[: num_slots + 1] for c in self.ssm_rows]
+        self.extra_spec = {name: (tuple(shape), dtype) for name, (shape, dtype) in (extras or {}).items()}
+        self.extra_rows = {name: torch.zeros(rows, *shape, dtype=dtype, device=device)
+                           for name, (shape, dtype) in self.extra_spec.items()}
+        self.extra = {name: t[: num_slots + 1] for name, t in self.extra_rows.items()}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._owner: dict[Hashable, int] = {}
         self.num_tokens: list[int] = [0] * num_slots
@@ -89,9 +100,18 @@ class StateCache:
     @classmethod
     def for_model(cls, model: Any, num_slots: int, device: torch.device | str = "cpu",
                   checkpoints: int = 0) -> "StateCache":
-        spec = model.state_spec
+        return cls.from_spec(model.state_spec, num_slots, device, checkpoints)
+
+    @classmethod
+    def from_spec(cls, spec: dict, num_slots: int, device: torch.device | str = "cpu",
+                  checkpoints: int = 0) -> "StateCache":
         return cls(spec["num_layers"], num_slots, spec["conv_shape"], spec["ssm_shape"], spec["conv_dtype"],
-                   device, spec.get("ssm_dtype", torch.float32), checkpoints)
+                   device, spec.get("ssm_dtype", torch.float32), checkpoints, spec.get("extras"))
+
+    def like(self, num_slots: int, device: torch.device | str) -> "StateCache":
+        """An empty cache of this one's layout (every state, extras included) with num_slots slots."""
+        return StateCache(self.num_layers, num_slots, self.conv_shape, self.ssm_shape, self._conv_all.dtype, device,
+                          self._ssm_all.dtype, extras=self.extra_spec)
 
     @staticmethod
     def bytes_per_slot(spec: dict) -> int:
@@ -103,12 +123,14 @@ class StateCache:
             return n * torch.tensor([], dtype=dtype).element_size()
         per_layer = size(spec["conv_shape"], spec["conv_dtype"]) + size(spec["ssm_shape"],
                                                                          spec.get("ssm_dtype", torch.float32))
-        return per_layer * spec["num_layers"]
+        extras = sum(size(shape, dtype) for shape, dtype in (spec.get("extras") or {}).values())
+        return per_layer * spec["num_layers"] + extras
 
     @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two tensors that hold every row, conv and SSM (a host copy page-locks them: worker/kv_offload.py)."""
-        return self._conv_all, self._ssm_all
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that hold every row: conv, SSM, then the extras (a host copy page-locks them:
+        worker/kv_offload.py; sleep mode releases them)."""
+        return (self._conv_all, self._ssm_all, *self.extra_rows.values())
 
     @property
     def pad_slot(self) -> int:
@@ -170,6 +192,8 @@ class StateCache:
         src = torch.where(accepted < num_drafts, self.checkpoint_base + slots * self.checkpoints + accepted, slots)
         for rows in (self._conv_all, self._ssm_all):
             rows.index_copy_(1, slots, rows.index_select(1, src))
+        for rows in self.extra_rows.values():
+            rows.index_copy_(0, slots, rows.index_select(0, src))
 
     def settle(self, slot: int, lease: int, num_tokens: int) -> None:
         """The host side of keep_accepted: the slot covers num_tokens tokens, unless it was allocated again since
@@ -190,10 +214,14 @@ class StateCache:
         for c, s in zip(self.conv, self.ssm):
             c[slot].zero_()
             s[slot].zero_()
+        for t in self.extra.values():
+            t[slot].zero_()
         self.num_tokens[slot] = 0
 
     def copy_slot(self, src: int, dst: int) -> None:
         for c, s in zip(self.conv, self.ssm):
             c[dst].copy_(c[src])
             s[dst].copy_(s[src])
+        for t in self.extra.values():
+            t[dst].copy_(t[src])
         self.num_tokens[dst] = self.num_tokens[src]

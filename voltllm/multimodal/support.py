@@ -20,6 +20,8 @@ def image_input_refusal(config: Any) -> Optional[str]:
     """None when the engine of `config` (an EngineConfig) takes images; else why it does not."""
     mc = config.model
     hf = mc.hf_config
+    if getattr(hf, "model_type", None) == "qwen4_exp":
+        return "vision input is not built for Qwen4-Exp: its checkpoint runs as a text-only model"
     if getattr(hf, "vision_config", None) is None or getattr(hf, "model_type", None) not in IMAGE_MODEL_TYPES:
         return "this server serves a text-only model (no image, audio or video input)"
     if mc.quantization == "gguf" and mc.mmproj is None:  # (its config has a vision_config only with a projector)

@@ -194,9 +194,7 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
 def _host_state_cache(pool: StateCache, num: int, pin: bool) -> StateCache:
     """Host slots for snapshots of the GPU pool's layout (every GDN layer's conv and SSM state), page-locked where
     `pin`, so the pool's copies to and from them are asynchronous."""
-    conv_dtype = pool.conv[0].dtype if pool.conv else torch.float32
-    ssm_dtype = pool.ssm[0].dtype if pool.ssm else torch.float32
-    host = StateCache(pool.num_layers, num, pool.conv_shape, pool.ssm_shape, conv_dtype, "cpu", ssm_dtype)
+    host = pool.like(num, "cpu")
     if pin:
         for t in host.tensors:
             page_lock_for(host, t)

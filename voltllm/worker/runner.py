@@ -749,6 +749,9 @@ class ModelRunner:
             self.image_step is not None and any(s.request.multi_modal is not None
                                                 and s.start < s.request.num_prompt_tokens for s in sched.scheduled)) \
             or (self.lora is not None and self.lora.needs_eager(sched.scheduled))
+        # a model whose step has host-side work no graph replays (Qwen4-Exp's QSA past its budget) runs it eagerly
+        calibrating = calibrating or (hasattr(self.model, "eager_step") and self.model.eager_step(
+            [s.start + s.num_new_tokens for s in sched.scheduled]))
         # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows
                       and self._token_rows_step(sched))
@@ -1088,6 +1091,9 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.device.enforce_eager or self.backend.name != "TRITON_ATTN":
             logger.info("CUDA graphs off (%s)", "--enforce-eager or cudagraph_mode NONE / -O0"
                         if self.config.device.enforce_eager else "not supported by this device/backend")
+            return
+        if not getattr(self.model, "supports_cuda_graphs", True):  # (Qwen4-Exp's PLE: host-memory table gathers)
+            logger.info("CUDA graphs off (this model's steps gather host-memory rows: eager steps)")
             return
         from voltllm.lora.manager import optional_lora
 

@@ -148,7 +148,7 @@ class RunnerSleep:
         tensors = list(r.kv_caches)
         for cache in (r.state_cache, getattr(r.state_snapshots, "store", None)):
             if cache is not None:  # (a hybrid's recurrent states: per-layer rows are views of these)
-                tensors += [cache._conv_all, cache._ssm_all]
+                tensors += list(cache.tensors)
         return tensors
 
     # -- sleep / wake ----------------------------------------------------------------------------

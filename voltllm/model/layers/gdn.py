@@ -5,7 +5,8 @@
     beta          = sigmoid(b)
     g             = -exp(A_log) * softplus(a + dt_bias)        (log decay, <= 0)
     o             = gated_delta_rule(l2norm(q) / sqrt(Dk), l2norm(k), v, g, beta)   fp32 state [Hv, Dk, Dv]
-    y             = (rmsnorm(o) * w_norm * silu(z)) W_out       (per value head)
+    y             = (rmsnorm(o) * w_norm * act(z)) W_out        (per value head; act: silu, or sigmoid for a
+                                                            Qwen4-Exp output_gate_type "sigmoid": torch form)
 
 Checkpoint layouts: Qwen3.5 stores in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (flat, [q|k|v]);
 Qwen3-Next stores in_proj_qkvz / in_proj_ba grouped by key head ([q_g k_g v_g z_g] for each key head g,
@@ -130,8 +131,7 @@ class HybridBatch:
             from voltllm.model.state_cache import StateCache
 
             device = ctx.kv_caches[0].device if ctx.kv_caches else torch.device("cpu")
-            cache = StateCache(spec["num_layers"], max(n, 1), spec["conv_shape"], spec["ssm_shape"],
-                               spec["conv_dtype"], device, spec.get("ssm_dtype", torch.float32))
+            cache = StateCache.from_spec(spec, max(n, 1), device)
             slots = list(range(n))
         else:
             if slots is None:
@@ -194,6 +194,15 @@ class RowSplit:
                            has_initial_state=batch.has_initial_state.index_select(0, rest_req),
                            query_start_loc=rest_qsl, decode_only=False)
         return cls(flat[:m], flat[m:2 * m], flat[2 * m:2 * m + r], rest)
+
+
+def gate_activation(cfg: Any) -> str:
+    """The GDN output gate's activation: Qwen4-Exp's output_gate_type, else hidden_act (silu / swish)."""
+    act = getattr(cfg, "output_gate_type", None) or getattr(cfg, "hidden_act", "silu")
+    act = "silu" if act == "swish" else act
+    if act not in ("silu", "sigmoid"):
+        raise ValueError(f"Gated DeltaNet output gate activation {act!r} is not supported (silu or sigmoid)")
+    return act
 
 
 def set_chunk_precision(model: nn.Module, precision: str) -> int:
@@ -279,6 +288,8 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(self.dv, dtype=torch.float32), requires_grad=False)
         self.eps = cfg.rms_norm_eps
         self.out_proj = Linear(self.value_dim, h, dtype=dtype, method=linear_method)
+        # the output gate's activation: silu (Qwen3-Next / Qwen3.5); Qwen4-Exp may say sigmoid (output_gate_type)
+        self.gate_act = gate_activation(cfg)
 
     # -- state shapes (for the StateCache) -------------------------------------------------------
     @property
@@ -428,13 +439,15 @@ class GatedDeltaNet(nn.Module):
         return not all(qsl[i + 1] - qsl[i] >= LONG_PREFILL_TOKENS for i in range(len(qsl) - 1))
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if o.is_cuda if self.triton_norm is None else self.triton_norm:  # one launch instead of ~10, same fp32 math
+        # one launch instead of ~10, same fp32 math; the kernel knows silu only: a sigmoid gate runs the torch form
+        if (o.is_cuda if self.triton_norm is None else self.triton_norm) and self.gate_act == "silu":
             from voltllm.kernels import fused
 
             return fused.gated_rms_norm_heads(o, z, self.norm_weight, self.eps)
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
-        return (of * F.silu(z.float())).to(o.dtype)
+        gate = F.silu(z.float()) if self.gate_act == "silu" else torch.sigmoid(z.float())
+        return (of * gate).to(o.dtype)
 
     # -- weights ---------------------------------------------------------------------------------
     def expected_weight_keys(self, prefix: str) -> set[str]:

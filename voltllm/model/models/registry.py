@@ -7,6 +7,7 @@ import torch
 
 from voltllm.model.models.llama import LlamaForCausalLM
 from voltllm.model.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+from voltllm.model.models.qwen4_exp import Qwen4ExpForCausalLM
 
 _MODELS = {
     "llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM, "qwen3_moe": LlamaForCausalLM,
@@ -16,6 +17,8 @@ _MODELS = {
     "qwen2_vl": LlamaForCausalLM, "qwen2_5_vl": LlamaForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM, "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
+    # Qwen4-Exp: hyper-connections, PLE, QSA (a qwen4_exp multimodal checkpoint runs as its text model)
+    "qwen4_exp": Qwen4ExpForCausalLM, "qwen4_exp_text": Qwen4ExpForCausalLM,
 }
 
 

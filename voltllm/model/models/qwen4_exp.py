@@ -1,0 +1,425 @@
+"""Qwen4-Exp text model (qwen4_exp_text; a qwen4_exp multimodal checkpoint runs as its text model: the
+`model.language_model.*` weights, `model.visual.*` and `mtp.*` skipped).
+
+The residual stream is hc = hc_count copies of the hidden state side by side, [T, hc * H] (hyper-connections):
+
+  h          = repeat(embed(ids), hc)
+  layer i:   h += PLE_i(h)                              (layers in ple_layer_ids only: qwen4_exp_ple.py)
+             m, w = gate(h);  h += mixer(m) (x) w       gate: a GatedResidual, per layer and sub-block
+             m, w = gate'(h); h += moe(m) (x) w
+  out        = mixer_gate(h) -> [T, H]; logits = lm_head(out)      (no final norm)
+
+  GatedResidual(h):  n = zero-centred RMSNorm of each H-wide stream (weight hc * H)
+                     a = sigmoid(W_up silu(W_down n / hc))                  [T, hc, H] per-stream, per-channel mix
+                     m = mean_c(a_c * n_c)                                  [T, H]: the block's input
+                     w = 2 sigmoid(W_inject n / hc)                         [T, hc]: how much of the block's output
+                                                                            each stream takes (h += out[:, None] w)
+  mixer  = Gated DeltaNet ("linear_attention"; output gate silu or sigmoid: output_gate_type or hidden_act)
+         | Qwen3.5 gated attention with a QSA indexer ("indexed_attention" / "full_attention": qwen4_exp_qsa.py;
+           without indexer_* config fields, plain gated attention)
+  moe    = Qwen3-Next sparse MoE with a sigmoid-gated shared expert, every layer.
+
+Positions: M-RoPE as Qwen3.5; text only, every section has the token's position (ordinary RoPE).
+
+Per-request state: the GDN layers' conv / SSM states in the StateCache, plus the StateCache extras "ple_ctx" (the
+last ngram_size - 1 token ids) and "ple_conv" (every PLE layer's last dilated-conv inputs) when PLE layers exist;
+QSA raw keys in extra paged KV caches (IndexKeyStore). Not built (refused at load): tensor / pipeline parallelism,
+quantized checkpoints, LoRA, speculative decoding, vision input, pooling.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voltllm.model.forward_context import ForwardContext
+from voltllm.model.layer_placement import build_layer
+from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+from voltllm.model.layers.moe import SparseMoE
+from voltllm.model.layers.rotary import RotaryEmbedding
+from voltllm.model.models.qwen3_next import GatedAttention, _rotary_dim, text_config
+from voltllm.model.models.qwen4_exp_ple import NGramContext, PLELayer, ZeroCentredRMSNorm
+from voltllm.model.models.qwen4_exp_qsa import IndexKeyStore, QSAIndexer, QUERY_CHUNK, sparse_attention
+
+_SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+_SHARD = re.compile(r"ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
+_PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
+
+UNSUPPORTED = ("tensor / pipeline parallelism, quantized checkpoints, LoRA, speculative decoding, vision input and "
+               "pooling are not built for Qwen4-Exp (qwen4_exp / qwen4_exp_text)")
+
+
+def layer_kinds(cfg: Any) -> list[str]:
+    """Each layer's mixer, "linear_attention" or "indexed_attention" (a config's "full_attention" is the same)."""
+    kinds = getattr(cfg, "layer_types", None) or [
+        "indexed_attention" if (i + 1) % getattr(cfg, "full_attention_interval", 4) == 0 else "linear_attention"
+        for i in range(cfg.num_hidden_layers)]
+    kinds = ["indexed_attention" if k == "full_attention" else k for k in kinds]
+    bad = sorted(set(kinds) - {"linear_attention", "indexed_attention"})
+    if bad:
+        raise ValueError(f"Qwen4-Exp: unknown layer types {bad}")
+    return kinds
+
+
+def has_qsa(cfg: Any) -> bool:
+    return getattr(cfg, "indexer_n_heads", None) is not None
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, combine: bool = True):
+        super().__init__()
+        self.hc, self.hidden = cfg.hc_count, cfg.hidden_size
+        width = self.hc * self.hidden
+        self.hc_norm = ZeroCentredRMSNorm(width, cfg.rms_norm_eps, self.hidden)
+        self.input_mix_weight_down = nn.Linear(width, cfg.hc_lowrank, bias=False, dtype=dtype)
+        self.input_mix_weight_up = nn.Linear(cfg.hc_lowrank, width, bias=False, dtype=dtype)
+        self.block_inject_weight = nn.Linear(width, self.hc, bias=False, dtype=dtype) if combine else None
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """h [T, hc * H] -> (the block's input [T, H], injection weights [T, hc] or None for the final mixer)."""
+        n = self.hc_norm(h)
+        mix = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(n) / self.hc)))
+        mixed = (mix.unflatten(-1, (self.hc, self.hidden)) * n.unflatten(-1, (self.hc, self.hidden))).mean(-2)
+        if self.block_inject_weight is None:
+            return mixed, None
+        return mixed, 2 * torch.sigmoid(self.block_inject_weight(n) / self.hc)
+
+    @staticmethod
+    def inject(h: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return h + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+
+
+class IndexedAttention(GatedAttention):
+    """Qwen3.5 gated attention; with QSA, contexts past the budget attend to the indexer's selection only."""
+
+    def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
+                 index_slot: Optional[tuple[int, int, int]]):
+        super().__init__(cfg, kv_index, dtype, rotary)
+        self.indexer = QSAIndexer(cfg, dtype) if index_slot is not None else None
+        self.index_slot = index_slot
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext,
+                sparse: Sequence[int] = ()) -> torch.Tensor:
+        """sparse: the requests (batch indices) whose context is past the indexer's full-attention length."""
+        if self.indexer is None:
+            return super().forward(positions, x, ctx)
+        t = x.shape[0]
+        q_idx, raw = self.indexer.project(x)
+        cache_i, plane, off = self.index_slot
+        keys = IndexKeyStore.view(ctx.kv_caches[cache_i], plane, off, self.indexer.dim)
+        _store_rows(keys, raw, ctx.meta.slot_mapping[:t])
+        qg, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.contiguous()
+        q_raw = q.clone() if sparse else None  # (the paged path may rotate q in place)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = self.rope_and_attend(positions, q, k, v, ctx, self.q_norm, self.k_norm)  # also stores K / V
+        out = out.reshape(t, self.num_heads, self.head_dim)
+        if sparse:
+            out = out.clone()
+            self._sparse_rows(out, q_raw, q_idx, positions, keys, ctx, sparse)
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _sparse_rows(self, out, q_raw, q_idx, positions, keys, ctx: ForwardContext, sparse: Sequence[int]) -> None:
+        from voltllm.attention.torch_ref import gather_kv
+        from voltllm.model.models.qwen4_exp_qsa import rope_rows
+
+        meta = ctx.meta
+        kv = ctx.kv_caches[self.kv_index]
+        bs = kv.shape[2]
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in sparse:
+            length = lens[i]
+            table = meta.block_tables[i]
+            nblocks = -(-length // bs)
+            token_rows = (table[:nblocks].long()[:, None] * bs + torch.arange(bs, device=table.device)).reshape(-1)
+            raw_keys = keys.index_select(0, token_rows[:length])
+            k_all, v_all = gather_kv(kv, table, length)
+            for a in range(qsl[i], qsl[i + 1], QUERY_CHUNK):
+                b = min(a + QUERY_CHUNK, qsl[i + 1])
+                pos = positions[a:b]
+                mask = self.indexer.selection(q_idx[a:b], pos, raw_keys, self.rotary)
+                q = rope_rows(self.q_norm(q_raw[a:b]), pos, self.rotary)
+                out[a:b] = sparse_attention(q, k_all, v_all, mask, self.scale)
+
+
+def _store_rows(rows: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows[slot_mapping[t]] = values[t], skipping slot -1, without a host sync (CUDA-graph safe): padding rows
+    repeat row 0's write (same slot, same value), so duplicates agree."""
+    valid = slot_mapping >= 0
+    first = slot_mapping[:1].clamp_min(0)
+    idx = torch.where(valid, slot_mapping, first.expand_as(slot_mapping))
+    vals = torch.where(valid[:, None], values, values[:1].expand_as(values))
+    rows.index_copy_(0, idx, vals.to(rows.dtype))
+
+
+class Qwen4ExpDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, idx: int, kind: str, mixer_index: int, ple_index: Optional[int],
+                 index_slot: Optional[tuple[int, int, int]], dtype: torch.dtype, rotary: RotaryEmbedding):
+        super().__init__()
+        self.kind = kind
+        self.ple_index = ple_index
+        self.ple = PLELayer(cfg, ple_index, dtype) if ple_index is not None else None
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, "split")
+        else:
+            self.self_attn = IndexedAttention(cfg, mixer_index, dtype, rotary, index_slot)
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                             cfg.shared_expert_intermediate_size, bool(getattr(cfg, "norm_topk_prob", True)), dtype)
+        self.attn_hyper_connection = GatedResidual(cfg, dtype)
+        self.mlp_hyper_connection = GatedResidual(cfg, dtype)
+
+    def forward(self, positions, h, ctx: ForwardContext, batch: Optional[HybridBatch], step: "_Step"):
+        if self.ple is not None:
+            h = h + self.ple(h, step.windows, batch.state_cache.extra["ple_conv"][:, self.ple_index], batch)
+        x, w = self.attn_hyper_connection(h)
+        if self.kind == "linear_attention":
+            x = self.linear_attn(x, batch)
+        else:
+            x = self.self_attn(positions, x, ctx, step.sparse)
+        h = GatedResidual.inject(h, x, w)
+        x, w = self.mlp_hyper_connection(h)
+        return GatedResidual.inject(h, self.mlp(x), w)
+
+
+class _Step:
+    """What every layer of one forward shares: the PLE n-gram windows, the requests on QSA's sparse path."""
+
+    def __init__(self, windows: Optional[torch.Tensor], sparse: list[int]):
+        self.windows = windows
+        self.sparse = sparse
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
+                 tp: Any = None, pp: Any = None):
+        super().__init__()
+        if linear_method is not None or tp is not None or pp is not None:
+            raise ValueError(UNSUPPORTED)
+        cfg = text_config(config)
+        self.config = cfg
+        self.dtype = dtype
+        self.vocab_size = cfg.vocab_size
+        if (getattr(cfg, "hidden_act", "silu") or "silu") not in ("silu", "swish"):
+            raise ValueError(f"Qwen4-Exp: hidden_act {cfg.hidden_act!r} is not supported (silu)")
+        if getattr(cfg, "hc_count", 0) < 2:
+            raise ValueError("Qwen4-Exp needs hc_count >= 2")
+        self.layer_types = layer_kinds(cfg)
+        self.ple_ids = sorted(set(getattr(cfg, "ple_layer_ids", None) or []))
+        for lid in self.ple_ids:
+            if not 1 <= lid <= len(self.layer_types) or self.layer_types[lid - 1] != "linear_attention":
+                raise ValueError(f"Qwen4-Exp: PLE layer id {lid} must be a linear_attention layer (1-indexed)")
+        eos = getattr(cfg, "eos_token_id", None)
+        self.eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        if self.ple_ids and self.eos is None:
+            raise ValueError("Qwen4-Exp: PLE layers need eos_token_id in the config")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1), _rotary_dim(cfg, head_dim))
+        n_attn = self.layer_types.count("indexed_attention")
+        if n_attn == 0:
+            raise ValueError("Qwen4-Exp: no attention layer in layer_types")
+        self.qsa = has_qsa(cfg)
+        if self.qsa:
+            if getattr(cfg, "indexer_kv_heads", 1) != 1 or cfg.indexer_budget % cfg.indexer_compress_ratio:
+                raise ValueError("Qwen4-Exp QSA: indexer_kv_heads must be 1 and indexer_budget a multiple of "
+                                 "indexer_compress_ratio")
+            if rotary.rotary_dim > cfg.indexer_head_dim:
+                raise ValueError("Qwen4-Exp QSA: the rotary dimensions must fit the indexer head")
+        self.index_store = (IndexKeyStore(n_attn, n_attn, cfg.num_key_value_heads, head_dim, cfg.indexer_head_dim)
+                            if self.qsa else None)
+        layers, a, g = [], 0, 0
+        for i, kind in enumerate(self.layer_types):
+            ple_index = self.ple_ids.index(i + 1) if i + 1 in self.ple_ids else None
+            if kind == "linear_attention":
+                mixer_index, g = g, g + 1
+                slot = None
+            else:
+                mixer_index, a = a, a + 1
+                slot = self.index_store.place(mixer_index) if self.qsa else None
+            layers.append(build_layer(Qwen4ExpDecoderLayer, cfg, i, kind, mixer_index, ple_index, slot, dtype,
+                                      rotary))
+        self.layers = nn.ModuleList(layers)
+        self._num_attn, self._num_gdn = a, g
+        if g == 0:
+            raise ValueError("Qwen4-Exp: no linear_attention layer (the recurrent state needs one)")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.hyper_connection_mixer = GatedResidual(cfg, dtype, combine=False)
+        self.tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.rotary = rotary
+        self.hc = cfg.hc_count
+
+    # -- what the runner needs ---------------------------------------------------------------------
+    @property
+    def num_attention_layers(self) -> int:
+        """KV caches to allocate: the attention layers' own, then those holding QSA raw keys (IndexKeyStore)."""
+        return self._num_attn + (self.index_store.num_caches if self.index_store is not None else 0)
+
+    @property
+    def kv_heads_and_dim(self) -> tuple[int, int]:
+        a = next(layer.self_attn for layer in self.layers if layer.kind == "indexed_attention")
+        return a.num_kv_heads, a.head_dim
+
+    @property
+    def is_hybrid(self) -> bool:
+        return True
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """PLE gathers host-memory table rows from the step's token ids: no graph can replay that."""
+        return not self.ple_ids
+
+    def eager_step(self, context_lens: Sequence[int]) -> bool:
+        """Whether a decode step over requests of these context lengths must run eagerly (QSA's sparse path)."""
+        return self.qsa and max(context_lens, default=0) >= self._full_context
+
+    @property
+    def _full_context(self) -> int:
+        return self.config.indexer_budget + self.config.indexer_compress_ratio
+
+    @property
+    def state_spec(self) -> dict:
+        g = next(layer.linear_attn for layer in self.layers if layer.kind == "linear_attention")
+        spec = {"num_layers": self._num_gdn, "conv_shape": g.conv_state_shape, "conv_dtype": self.dtype,
+                "ssm_shape": g.ssm_state_shape, "ssm_dtype": torch.float32}
+        if self.ple_ids:
+            ple = next(layer.ple for layer in self.layers if layer.ple is not None)
+            spec["extras"] = {
+                "ple_ctx": ((self.config.ngram_size - 1,), torch.long),
+                "ple_conv": ((len(self.ple_ids), ple.conv_rows, self.hc * self.config.hidden_size), self.dtype)}
+        return spec
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        batch = HybridBatch.from_context(ctx, self.state_spec)
+        if batch.drafts is not None or batch.walks is not None:
+            raise ValueError(UNSUPPORTED)
+        windows = None
+        if self.ple_ids:
+            if isinstance(ctx.extra.get("state_slots"), torch.Tensor):
+                raise RuntimeError("Qwen4-Exp with PLE layers cannot run in a CUDA graph (host table gathers)")
+            cache = batch.state_cache
+            ngrams = NGramContext(input_ids, batch.query_start_loc, batch.slots, batch.has_initial_state,
+                                  cache.extra["ple_ctx"], self.config.ngram_size, self.eos)
+            windows = ngrams.windows
+        meta = ctx.meta
+        sparse = []
+        if self.qsa and not isinstance(ctx.extra.get("state_slots"), torch.Tensor):
+            sparse = [i for i, n in enumerate(meta.seq_lens_cpu) if n >= self._full_context]
+        step = _Step(windows, sparse)
+        h = self.embed_tokens(input_ids).repeat(1, self.hc)
+        for layer in self.layers:
+            h = layer(positions, h, ctx, batch, step)
+        if self.ple_ids:
+            ngrams.save(batch.state_cache.extra["ple_ctx"], batch.slots)
+        out, _ = self.hyper_connection_mixer(h)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.tie else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards: dict[int, set] = {}
+        for name, tensor in weights:
+            if name.startswith(_SKIP_PREFIXES) or "rotary_emb" in name:
+                continue
+            for prefix in ("model.language_model.", "language_model.", "model."):
+                if name.startswith(prefix):
+                    name = name[len(prefix):]
+                    break
+            if self.tie and name == "lm_head.weight":
+                continue
+            if not name.startswith("layers."):
+                self._copy(params, name, tensor)
+                loaded.add(name)
+                continue
+            idx, rest = name[len("layers."):].split(".", 1)
+            if int(idx) >= len(self.layers):
+                raise ValueError(f"unexpected weight {name!r}: the config has {len(self.layers)} layers")
+            layer, p = self.layers[int(idx)], f"layers.{idx}."
+            if rest.startswith("linear_attn.") and layer.kind == "linear_attention":
+                loaded.update(layer.linear_attn.load_hf_weight(rest[len("linear_attn."):], tensor,
+                                                               p + "linear_attn."))
+            elif rest.startswith("mlp."):
+                loaded.update(layer.mlp.load_hf_weight(rest[len("mlp."):], tensor, p + "mlp."))
+            elif rest.startswith("self_attn.") and layer.kind == "indexed_attention":
+                loaded.update(self._load_attention(layer.self_attn, p, rest[len("self_attn."):], tensor, params))
+            elif rest.startswith("ple.") and layer.ple is not None:
+                loaded.update(self._load_ple(layer.ple, p, rest, tensor, params, shards))
+            else:
+                self._copy(params, name, tensor)
+                loaded.add(name)
+        for i, layer in enumerate(self.layers):
+            got = shards.get(i, set())
+            if layer.ple is not None and (None in got or len(got) == layer.ple.num_shards):
+                loaded.add(f"layers.{i}.ple.table")
+        missing = sorted(self._expected_keys() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights, e.g. {missing[:3]}")
+
+    def _expected_keys(self) -> set[str]:
+        """load_weights' names: parameters by name, the merged projections by shard ("qkv_proj#1"), n-gram tables."""
+        keys = {n for n in dict(self.named_parameters()) if not (
+            ".linear_attn." in n or ".mlp." in n or ".self_attn.qkv_proj." in n or ".self_attn.o_proj." in n)}
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            if layer.kind == "linear_attention":
+                keys |= layer.linear_attn.expected_weight_keys(p + "linear_attn.")
+            else:
+                keys |= {p + f"self_attn.qkv_proj#{s}" for s in range(3)} | {p + "self_attn.o_proj#0"}
+            keys |= layer.mlp.expected_weight_keys(p + "mlp.")
+            if layer.ple is not None:
+                keys.add(p + "ple.table")
+        return keys
+
+    def _load_attention(self, attn: IndexedAttention, p: str, rest: str, tensor, params) -> list[str]:
+        stacked = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
+        if rest in stacked:
+            attn.qkv_proj.load_weight(tensor, stacked[rest])
+            return [p + f"self_attn.qkv_proj#{stacked[rest]}"]
+        if rest == "o_proj.weight":
+            attn.o_proj.load_weight(tensor)
+            return [p + "self_attn.o_proj#0"]
+        if rest.startswith("indexer.") and attn.indexer is None:
+            raise ValueError(f"{p}self_attn.{rest}: a QSA indexer weight, but the config sets no indexer_* fields")
+        if rest.endswith(("k_scale", "v_scale")):
+            raise ValueError(UNSUPPORTED)
+        self._copy(params, p + "self_attn." + rest, tensor)
+        return [p + "self_attn." + rest]
+
+    def _load_ple(self, ple: PLELayer, p: str, rest: str, tensor, params, shards: dict) -> list[str]:
+        m = _SHARD.match(rest)
+        if m is not None:
+            index = int(m.group(1)) if m.group(1) is not None else None
+            ple.load_table_shard(index, tensor, p + rest)
+            shards.setdefault(int(p.split(".")[1]), set()).add(index)
+            return []
+        buf = rest.rsplit(".", 1)[-1]
+        if buf in _PLE_BUFFERS:  # derived from the config here; the checkpoint's must agree
+            ours = {"layer_multipliers": torch.tensor(ple.multipliers), "ngram_heads_offsets": ple.offsets.cpu(),
+                    "ngram_heads_vocab_sizes": ple.vocab_sizes.cpu()}[buf]
+            if not torch.equal(ours, tensor.cpu().long()):
+                raise ValueError(f"{p}{rest}: differs from what the config derives (seed, vocab sizes)")
+            return []
+        if rest == "ple.conv1d.weight":
+            tensor = tensor.reshape(tensor.shape[0], -1)
+            rest = "ple.conv_weight"
+        self._copy(params, p + rest, tensor)
+        return [p + rest]
+
+    @staticmethod
+    def _copy(params: dict, name: str, tensor: torch.Tensor) -> None:
+        if name not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+        params[name].data.copy_(tensor)

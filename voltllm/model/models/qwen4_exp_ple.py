@@ -1,0 +1,235 @@
+"""Qwen4-Exp Per-Layer Embedding (PLE): hashed token n-gram embeddings injected into the hyper-connection residual
+of chosen linear-attention layers (transformers' Qwen4ExpTextNGramEmbedding / Qwen4ExpTextPLELayer).
+
+Per step, once for the whole model (NGramContext): each token's window of the ngram_size previous tokens, taken
+from the request's history (its last ngram_size - 1 tokens, a per-slot state; eos_token_id padding for a new
+request), where the context resets after an EOS: shifted token s of position p is token[p - s] unless an EOS lies
+in positions [p - s, p - 1], else eos_token_id.
+
+Per PLE layer (ple_layer_index i over the model's PLE layers):
+  ids_n,h  = (XOR_{s<n} window_s * m_s  mod  V_h) + offset_h      n = 2..ngram_size, heads_per_ngram heads h each;
+             int64 wrap-around products; m_s from splitmix64(seed + 10007 i, s); V_h the (i * heads + h + 1)-th prime
+             after ngram_vocab_size_base - 1
+  e        = concat_h table[ids_h]                                 [T, ple_embed_dim]; the table stays in host memory
+  gate_c   = signed_sqrt(<norm_key(e W_k)_c, norm_query(x)_c> / sqrt(H))   one per stream c (x: the hc * H residual)
+  g        = sigmoid(gate_c) * (e W_v)                             [T, hc, H]
+  out      = g + silu(dilated_depthwise_conv(norm_conv(g)))        kernel ple_conv_kernel_size, dilation ngram_size;
+                                                                   state: the last (k - 1) * ngram_size normed rows
+The layer adds `out` to the residual before its attention hyper-connection.
+
+Memory: the n-gram tables are the checkpoint's largest tensors (~45B parameters in the real model, split over
+split_ngram_parts shards per layer: `ple.ple_embedding.ngram_embedding.shard_<i>.weight`, concatenated here along
+rows in shard order). They are kept in host (CPU) memory in the model dtype and gathered there (T x heads rows per
+layer per step), then copied to the device: the host needs the table's bytes (~90 GiB in bf16 for the real model)
+on top of everything else; the GPU holds none of it. The host gather needs the token ids on the host, so a model
+with PLE layers runs without CUDA graphs (its decode steps are eager).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_MASK64 = (1 << 64) - 1
+_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+_SPLITMIX_M1 = 0xBF58476D1CE4E5B9
+_SPLITMIX_M2 = 0x94D049BB133111EB
+_PRIME_1 = 10007
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + _SPLITMIX_GAMMA) & _MASK64
+    value = ((value ^ (value >> 30)) * _SPLITMIX_M1) & _MASK64
+    value = ((value ^ (value >> 27)) * _SPLITMIX_M2) & _MASK64
+    return (value ^ (value >> 31)) & _MASK64
+
+
+def layer_multipliers(unigram_vocab_size: int, ngram_size: int, ple_layer_index: int, seed: int) -> list[int]:
+    """The odd hash multiplier of each window position (< int64 max / vocab, so token * m never wraps)."""
+    multiplier_max = ((1 << 63) - 1) // max(unigram_vocab_size, 1)
+    half_bound = max(1, multiplier_max // 2)
+    base_seed = seed + _PRIME_1 * ple_layer_index
+    return [2 * (_splitmix64((base_seed + _SPLITMIX_GAMMA * (i + 1)) & _MASK64) % half_bound) + 1
+            for i in range(ngram_size)]
+
+
+def _is_prime(value: int) -> bool:
+    if value < 2:
+        return False
+    if value % 2 == 0:
+        return value == 2
+    return all(value % d for d in range(3, math.isqrt(value) + 1, 2))
+
+
+def primes_after(start: int, count: int) -> list[int]:
+    """The first `count` primes greater than start."""
+    out, p = [], start
+    while len(out) < count:
+        p += 1
+        if _is_prime(p):
+            out.append(p)
+    return out
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w) in fp32, over groups of `group` channels (the whole width when group is None)."""
+
+    def __init__(self, width: int, eps: float, group: Optional[int] = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width), requires_grad=False)
+        self.eps = eps
+        self.group = group or width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().unflatten(-1, (-1, self.group))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = xf.flatten(-2) * (1.0 + self.weight.float())
+        return out.to(x.dtype)
+
+
+class NGramContext:
+    """One step's n-gram windows for every PLE layer, and the per-slot token history they come from.
+
+    state_ctx: the StateCache extra "ple_ctx" [rows, ngram_size - 1] int64 (the request's last tokens, oldest first).
+    windows [ngram_size, T]: row s holds each token's shifted token s (row 0: the token itself), EOS-reset applied.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, qsl: list[int], slots: torch.Tensor, has_initial: torch.Tensor,
+                 state_ctx: torch.Tensor, ngram_size: int, eos: int):
+        n_ctx = ngram_size - 1
+        dev = input_ids.device
+        ids = input_ids.long()
+        n = len(qsl) - 1
+        prev = torch.where(has_initial[:, None], state_ctx.index_select(0, slots),
+                           torch.full((n, n_ctx), eos, dtype=torch.long, device=dev))  # [n, n_ctx]
+        # each request's history [its n_ctx previous tokens, its step tokens] back to back in one flat buffer
+        hist = torch.empty(n * n_ctx + ids.shape[0], dtype=torch.long, device=dev)
+        tok_at, ctx_at, end_at = [], [], []
+        for i in range(n):
+            base = qsl[i] + i * n_ctx
+            ctx_at.extend(range(base, base + n_ctx))
+            tok_at.extend(range(base + n_ctx, base + n_ctx + qsl[i + 1] - qsl[i]))
+            end = base + n_ctx + qsl[i + 1] - qsl[i]
+            end_at.extend(range(end - n_ctx, end))
+        index = torch.tensor(tok_at + ctx_at + end_at, dtype=torch.long, device=dev)
+        t = ids.shape[0]
+        tok_pos, ctx_pos, end_pos = index[:t], index[t:t + n * n_ctx], index[t + n * n_ctx:]
+        hist.index_copy_(0, tok_pos, ids)
+        hist.index_copy_(0, ctx_pos, prev.reshape(-1))
+        rows = [ids]
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        for s in range(1, ngram_size):
+            shifted = hist.index_select(0, tok_pos - s)
+            valid = valid & (shifted != eos)  # an EOS in [p - s, p - 1] ends the window
+            rows.append(torch.where(valid, shifted, torch.full_like(shifted, eos)))
+        self.windows = torch.stack(rows)
+        self.new_ctx = hist.index_select(0, end_pos).view(n, n_ctx)  # each request's last n_ctx tokens
+
+    def save(self, state_ctx: torch.Tensor, slots: torch.Tensor) -> None:
+        state_ctx.index_copy_(0, slots, self.new_ctx)
+
+
+class PLELayer(nn.Module):
+    def __init__(self, cfg: Any, ple_layer_index: int, dtype: torch.dtype):
+        super().__init__()
+        self.hidden = cfg.hidden_size
+        self.hc = cfg.hc_count
+        width = self.hc * self.hidden
+        embed = cfg.ple_embed_dim or cfg.hidden_size
+        self.ngram_size = cfg.ngram_size
+        self.heads_per_ngram = cfg.heads_per_ngram
+        heads = (self.ngram_size - 1) * self.heads_per_ngram
+        self.head_dim = embed // heads
+        sizes = primes_after(cfg.ngram_vocab_size_base - 1, (ple_layer_index + 1) * heads)[-heads:]
+        offsets = [sum(sizes[:h]) for h in range(heads)]
+        div = cfg.make_ngram_vocab_size_divisible_by
+        self.table_rows = -(-sum(sizes) // div) * div
+        self.split_parts = cfg.split_ngram_parts
+        # the checkpoint's shards: torch.chunk of the rows (transformers' save), so some counts give fewer pieces
+        self.num_shards = -(-self.table_rows // -(-self.table_rows // self.split_parts))
+        self.multipliers = layer_multipliers(cfg.vocab_size, self.ngram_size, ple_layer_index, cfg.seed)
+        self.register_buffer("vocab_sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
+        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
+        # host memory, outside the module's parameters (model.to(device) leaves it there): see the module docstring
+        self.table = torch.zeros(self.table_rows, self.head_dim, dtype=dtype, device="cpu")
+        self.key_proj = nn.Linear(embed, width, bias=False, dtype=dtype)
+        self.value_proj = nn.Linear(embed, self.hidden, bias=False, dtype=dtype)
+        eps = cfg.rms_norm_eps
+        self.norm_key = ZeroCentredRMSNorm(width, eps, self.hidden)
+        self.norm_query = ZeroCentredRMSNorm(width, eps, self.hidden)
+        self.norm_conv = ZeroCentredRMSNorm(width, eps, self.hidden)
+        self.kernel = cfg.ple_conv_kernel_size
+        self.dilation = self.ngram_size
+        self.conv_rows = (self.kernel - 1) * self.dilation
+        self.conv_weight = nn.Parameter(torch.zeros(width, self.kernel, dtype=dtype), requires_grad=False)
+
+    # -- the n-gram embedding ---------------------------------------------------------------------
+    def ngram_ids(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows [ngram_size, T] -> row ids [T, heads] into the table (transformers' hashing, bit for bit)."""
+        blocks = []
+        for n in range(2, self.ngram_size + 1):
+            mixed = windows[0] * self.multipliers[0]
+            for s in range(1, n):
+                mixed = torch.bitwise_xor(mixed, windows[s] * self.multipliers[s])
+            h0 = (n - 2) * self.heads_per_ngram
+            sizes = self.vocab_sizes[h0:h0 + self.heads_per_ngram]
+            blocks.append(torch.remainder(mixed.unsqueeze(-1), sizes) + self.offsets[h0:h0 + self.heads_per_ngram])
+        return torch.cat(blocks, dim=-1)
+
+    def embed(self, windows: torch.Tensor) -> torch.Tensor:
+        ids = self.ngram_ids(windows).cpu()
+        rows = self.table[ids.reshape(-1)].view(ids.shape[0], -1)  # the host gather
+        return rows.to(windows.device, non_blocking=True)
+
+    def load_table_shard(self, index: Optional[int], tensor: torch.Tensor, name: str) -> None:
+        """Shard `index` of the table (torch.chunk of the rows into split_ngram_parts), or the whole (None)."""
+        if index is None:
+            start, rows = 0, self.table_rows
+        else:
+            per = -(-self.table_rows // self.split_parts)
+            start = index * per
+            rows = min(per, self.table_rows - start)
+        if tuple(tensor.shape) != (rows, self.head_dim):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {(rows, self.head_dim)} (an n-gram table "
+                             f"of {self.table_rows} rows in {self.split_parts} shards)")
+        self.table[start:start + rows].copy_(tensor)
+
+    # -- forward -------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, windows: torch.Tensor, conv_state: torch.Tensor, batch: Any) -> torch.Tensor:
+        """x [T, hc * H] (the residual); conv_state: this layer's rows of the "ple_conv" extra [rows, K', hc * H]
+        (updated in place). Returns what to add to x."""
+        t = x.shape[0]
+        e = self.embed(windows).to(x.dtype)
+        key = self.norm_key(self.key_proj(e)).view(t, self.hc, self.hidden)
+        value = self.value_proj(e)
+        query = self.norm_query(x).view(t, self.hc, self.hidden)
+        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [T, hc * H]
+        normed = self.norm_conv(gated)
+        return gated + F.silu(self._dilated_conv(normed, conv_state, batch))
+
+    def _dilated_conv(self, x: torch.Tensor, conv_state: torch.Tensor, batch: Any) -> torch.Tensor:
+        """Causal depthwise conv (dilation ngram_size) per request over [its state rows, its step rows]; the
+        state then keeps the last conv_rows inputs (zeros before a request's first token)."""
+        qsl, k, d, r = batch.query_start_loc, self.kernel, self.dilation, self.conv_rows
+        n = len(qsl) - 1
+        prev = conv_state.index_select(0, batch.slots)  # [n, r, C]
+        prev = torch.where(batch.has_initial_state[:, None, None], prev, torch.zeros_like(prev))
+        outs, tails = [], []
+        w = self.conv_weight.to(x.dtype)
+        for i in range(n):
+            seq = torch.cat([prev[i], x[qsl[i]:qsl[i + 1]]])  # [r + len, C]
+            ln = qsl[i + 1] - qsl[i]
+            # out[p] = sum_j w[:, j] * seq[r + p - (k - 1 - j) * d]
+            acc = torch.zeros(ln, x.shape[1], dtype=torch.float32, device=x.device)
+            for j in range(k):
+                start = r - (k - 1 - j) * d
+                acc += seq[start:start + ln].float() * w[:, j].float()
+            outs.append(acc.to(x.dtype))
+            tails.append(seq[-r:])
+        conv_state.index_copy_(0, batch.slots, torch.stack(tails).to(conv_state.dtype))
+        return torch.cat(outs)

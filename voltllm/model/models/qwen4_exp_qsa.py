@@ -1,0 +1,138 @@
+"""Qwen4-Exp QSA: an indexer that picks which blocks of past tokens each query of an indexed-attention layer sees
+(transformers' Qwen4ExpTextQSAIndexer), and the sparse attention over them.
+
+  [q_idx | key] = x W_idx                   q_idx: n_idx heads of d_idx; key: one raw key [d_idx] per token (cached)
+  q_idx         = rope(q_layernorm(q_idx))   zero-centred RMSNorm, RoPE on the first rotary_dim channels
+  block j       = tokens [j r, (j + 1) r)    r = indexer_compress_ratio; complete blocks of positions 0..p only:
+                                             n_c(p) = (p + 1) // r
+  key_j         = rope(k_layernorm(mean_fp32(raw keys of block j) -> dtype), at position j r)
+  score_j       = sum_h relu(q_idx_h . key_j) / sqrt(d_idx)        fp32
+  selected(p)   = tokens of the top min(budget // r, n_c) blocks, plus the tail [n_c r, p]
+When n_c <= budget // r every token is selected: a context of fewer than budget + r tokens is plain causal attention
+(the normal paged path); only rows of longer contexts take the sparse path here.
+
+Raw keys live in the paged KV cache's blocks (so prefix caching, preemption and offloading carry them like K / V):
+the model asks the runner for a few more "attention layers" than it has (IndexKeyStore), and packs the indexed
+layers' raw keys into those caches' token rows: a cache [2, blocks, block_size, Hkv, D] holds 2 * (Hkv * D //
+d_idx) layers' keys per token. An fp8 KV cache is refused (the raw keys are stored in the model dtype).
+
+The sparse path is plain torch, per request, query rows in chunks: the request's raw keys and K / V gathered through
+its block table, the selection as a token mask, masked attention in fp32 (correct, not fast). Its host decisions
+(which requests are past the budget) are not replayable, so the runner runs steps with such a request eagerly
+(Qwen4ExpForCausalLM.eager_step).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from voltllm.model.layers.rotary import RotaryEmbedding
+from voltllm.model.models.qwen4_exp_ple import ZeroCentredRMSNorm
+
+QUERY_CHUNK = 256  # query rows scored / attended at once on the sparse path (bounds the [rows, context] masks)
+
+
+class IndexKeyStore:
+    """Where each indexed layer's raw keys live inside the extra KV caches (after the attention layers' own)."""
+
+    def __init__(self, num_attention: int, num_indexed: int, kv_heads: int, head_dim: int, index_dim: int):
+        per_plane = (kv_heads * head_dim) // index_dim
+        if per_plane < 1:
+            raise ValueError(f"QSA index keys of {index_dim} channels do not fit a KV cache row of {kv_heads} x "
+                             f"{head_dim}")
+        self.per_plane = per_plane
+        self.index_dim = index_dim
+        self.num_attention = num_attention
+        self.num_caches = -(-num_indexed // (2 * per_plane)) if num_indexed else 0
+
+    def place(self, j: int) -> tuple[int, int, int]:
+        """Indexed layer j -> (KV cache index, plane 0 / 1, channel offset)."""
+        cache, rest = divmod(j, 2 * self.per_plane)
+        plane, slot = divmod(rest, self.per_plane)
+        return self.num_attention + cache, plane, slot * self.index_dim
+
+    @staticmethod
+    def view(kv_cache: torch.Tensor, plane: int, offset: int, dim: int) -> torch.Tensor:
+        """[blocks * block_size, dim] rows of one layer's raw keys."""
+        if kv_cache.dtype == torch.uint8:
+            raise ValueError("Qwen4-Exp QSA keeps its index keys in the KV cache in the model dtype: an fp8 KV cache "
+                             "(--kv-cache-dtype fp8*) is not supported for this model")
+        two, nb, bs = kv_cache.shape[:3]
+        return kv_cache.view(two, nb * bs, -1)[plane, :, offset:offset + dim]
+
+
+def rope_rows(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    """RoPE (rotate-half) on the first rotary_dim channels of x [T, ..., d] at positions [T]; any device, new tensor."""
+    rd = rotary.rotary_dim
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
+    cos, sin = rotary.cos[positions].view(shape), rotary.sin[positions].view(shape)
+    xr = x[..., :rd].float()
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x[..., rd:]), dim=-1)
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads = cfg.indexer_n_heads
+        self.dim = cfg.indexer_head_dim
+        self.ratio = cfg.indexer_compress_ratio
+        self.budget = cfg.indexer_budget
+        self.top_blocks = self.budget // self.ratio
+        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 1) * self.dim, bias=False, dtype=dtype)
+        self.q_layernorm = ZeroCentredRMSNorm(self.dim, cfg.rms_norm_eps)
+        self.k_layernorm = ZeroCentredRMSNorm(self.dim, cfg.rms_norm_eps)
+
+    @property
+    def full_context(self) -> int:
+        """Contexts shorter than this are plain causal attention (every block selected)."""
+        return self.budget + self.ratio
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (unnormed queries [T, n_idx, d_idx], raw keys [T, d_idx])."""
+        q, k = self.index_qk_proj(x).split([self.n_heads * self.dim, self.dim], dim=-1)
+        return q.view(-1, self.n_heads, self.dim), k
+
+    def selection(self, q_idx: torch.Tensor, positions: torch.Tensor, raw_keys: torch.Tensor,
+                  rotary: RotaryEmbedding) -> torch.Tensor:
+        """q_idx [n, n_idx, d] of query rows at positions [n] (unnormed); raw_keys [L, d]: the request's keys at
+        positions 0..L-1 (L > every position) -> bool mask [n, L] of the tokens each row attends to."""
+        n, length = q_idx.shape[0], raw_keys.shape[0]
+        r = self.ratio
+        dev = raw_keys.device
+        q = rope_rows(self.q_layernorm(q_idx), positions, rotary)
+        nc_max = length // r
+        pos = positions.long()
+        tail_start = (pos + 1) // r * r
+        t = torch.arange(length, device=dev)
+        mask = (t[None, :] >= tail_start[:, None]) & (t[None, :] <= pos[:, None])
+        if nc_max == 0:
+            return mask
+        pooled = raw_keys[:nc_max * r].view(nc_max, r, self.dim).float().mean(1).to(raw_keys.dtype)
+        keys = rope_rows(self.k_layernorm(pooled), torch.arange(nc_max, device=dev) * r, rotary)
+        scores = torch.relu(torch.einsum("nhd,cd->nhc", q.float(), keys.float())).sum(1) / math.sqrt(self.dim)
+        complete = (pos + 1) // r  # n_c per row
+        scores = scores.masked_fill(torch.arange(nc_max, device=dev)[None, :] >= complete[:, None], float("-inf"))
+        top = scores.topk(min(self.top_blocks, nc_max), dim=-1).indices  # [n, k]
+        chosen = torch.zeros(n, nc_max, dtype=torch.bool, device=dev)
+        chosen.scatter_(1, top, True)
+        chosen &= torch.arange(nc_max, device=dev)[None, :] < complete[:, None]  # (-inf picks: incomplete blocks)
+        block_tokens = chosen.repeat_interleave(r, dim=1)
+        mask[:, :nc_max * r] |= block_tokens
+        return mask
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [n, Hq, D] (rotated), k / v [L, Hkv, D] (the request's cached K / V), mask [n, L] -> [n, Hq, D]; fp32."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
+    s = s.masked_fill(~mask[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, vf).to(q.dtype)
