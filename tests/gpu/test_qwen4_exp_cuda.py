@@ -1,0 +1,39 @@
+"""Qwen4-Exp on a CUDA GPU (tiny random checkpoints of tests/model/test_qwen4_exp.py): fp32 greedy tokens equal
+transformers' generate, with CUDA graphs on, for a model without PLE (graphs replayed; QSA rows past the budget run
+their steps eagerly, with the raw index keys written into the KV blocks) and one with PLE (no graphs: host-memory
+n-gram tables), through chunked prefill and decode. Run on the GPU machine: pytest -m gpu
+tests/gpu/test_qwen4_exp_cuda.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen4ExpTextConfig"):
+    pytest.skip("this transformers has no Qwen4-Exp", allow_module_level=True)
+
+from model.test_qwen4_exp import COMMON, INDEXER, PLE, _randomize, _seqs  # noqa: E402
+from voltllm import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+KINDS = {"qsa-graphs": dict(INDEXER, indexer_budget=8), "qsa-ple": dict(INDEXER, **PLE, indexer_budget=8)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_fp32_greedy_matches_transformers(tmp_path, kind):
+    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **KINDS[kind])
+    torch.manual_seed(11)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    _randomize(ref, 12)
+    ref.save_pretrained(tmp_path)
+    prompts = _seqs(3, [37, 5, 26, 3], eos_at=((0, 12),))
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.2,
+              block_size=16, max_num_batched_tokens=32, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == want, kind
+    llm.engine.check_integrity()
