@@ -1,0 +1,69 @@
+"""Image and video input for Qwen4-Exp (a tiny random qwen4_exp checkpoint: Qwen3.5-MoE's vision tower, the
+Qwen4-Exp text model) end to end in the engine, fp32 CPU, against transformers' Qwen4ExpForConditionalGeneration:
+greedy tokens and logprobs with one image, two images split by chunked prefill beside a text request, and a video;
+with PLE layers (which hash the real token ids, image placeholders included) and without. The PLE case also shows
+that handing PLE other ids for the image rows leaves transformers' output."""
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+if not hasattr(transformers, "Qwen4ExpConfig"):
+    pytest.skip("this transformers has no Qwen4-Exp", allow_module_level=True)
+
+from vl_models import (cpu_llm as _llm, run_greedy as _run, same_greedy as _same, vl_image as _image,  # noqa: E402
+                       vl_prompt as _prompt, vl_reference as _reference, vl_setup)
+from voltllm.model.models import qwen4_exp_ple  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["ple", "no_ple"])
+def vl(request, tmp_path_factory):
+    return vl_setup(str(tmp_path_factory.mktemp(f"q4-{request.param}")), "qwen4_exp", ple=request.param == "ple")
+
+
+def test_one_image_matches_transformers(vl):
+    ids, out, mm = _prompt(vl, [None, "What is in this picture?"], [_image(0, 32, 48)])
+    assert mm.rope_delta < 0 and len(ids) > 30
+    llm = _llm(vl[0])
+    assert llm.engine.runner.image_step is not None, "the qwen4_exp checkpoint takes images (no refusal)"
+    assert bool(vl[3].config.text_config.ple_layer_ids) == bool(llm.engine.runner.model.ple_ids)
+    assert _same(_run(llm, [(ids, mm)])[0], _reference(vl, ids, out))
+    assert not llm.engine.runner.image_step.encoded
+
+
+def test_two_images_split_by_chunked_prefill_and_a_text_request_beside(vl):
+    ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
+    text_ids, _, _ = _prompt(vl, ["Just some text here."], [])
+    llm = _llm(vl[0], max_num_batched_tokens=16, enable_chunked_prefill=True)
+    got = _run(llm, [(ids, mm), (text_ids, None)])
+    assert _same(got[0], _reference(vl, ids, out)) and _same(got[1], _reference(vl, text_ids, None))
+
+
+def test_video_matches_transformers(vl):
+    pytest.importorskip("av")
+    from vl_models import vl_video_bytes, vl_video_prompt
+
+    ids, out, mm = vl_video_prompt(vl, [None, "What happens?"], [vl_video_bytes(0, 9, 32, 48)])
+    assert tuple(out["video_grid_thw"][0].tolist()) == (2, 8, 12) and len(mm.images) == 2
+    assert _same(_run(_llm(vl[0]), [(ids, mm)])[0], _reference(vl, ids, out))
+
+
+def test_ple_hashes_the_placeholder_ids(vl, monkeypatch):
+    """PLE's n-gram windows must hold the image placeholder ids (transformers' ple_input_ids = input_ids): any other
+    id for the image rows (here the pad id, as a rows-in-place-of-ids path might give) changes the output."""
+    if not vl[3].config.text_config.ple_layer_ids:
+        pytest.skip("no PLE layers")
+    ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
+    want = _reference(vl, ids, out)
+    image_id = vl[3].config.image_token_id
+    real = qwen4_exp_ple.NGramContext.__init__
+
+    def other_ids(self, input_ids, *args):
+        real(self, input_ids.masked_fill(input_ids == image_id, 0), *args)
+
+    monkeypatch.setattr(qwen4_exp_ple.NGramContext, "__init__", other_ids)
+    got = _run(_llm(vl[0]), [(ids, mm)])[0]
+    assert not _same(got, want)
+    worst = max(abs(a - b) for (_, a), (_, b) in zip(got, want))
+    assert [t for t, _ in got] != [t for t, _ in want] or worst > 1e-3
