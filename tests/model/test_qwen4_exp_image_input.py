@@ -1,8 +1,10 @@
 """Image and video input for Qwen4-Exp (a tiny random qwen4_exp checkpoint: Qwen3.5-MoE's vision tower, the
 Qwen4-Exp text model) end to end in the engine, fp32 CPU, against transformers' Qwen4ExpForConditionalGeneration:
 greedy tokens and logprobs with one image, two images split by chunked prefill beside a text request, and a video;
-with PLE layers (which hash the real token ids, image placeholders included) and without. The PLE case also shows
-that handing PLE other ids for the image rows leaves transformers' output."""
+with PLE layers (which hash the real token ids, image placeholders included) and without, and with QSA's sparse path
+(its indexer rotates pooled past keys by each block's first token's M-RoPE position). The PLE case also shows that
+handing PLE other ids for the image rows leaves transformers' output; the QSA case that rotating those keys by 1-D
+token positions does."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +19,14 @@ from vl_models import (cpu_llm as _llm, run_greedy as _run, same_greedy as _same
 from voltllm.model.models import qwen4_exp_ple  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=["ple", "no_ple"])
+# ple: PLE layers, QSA's budget past every context (plain causal attention); no_ple: neither; qsa: PLE and a QSA
+# budget of 8 tokens, so every image prompt's rows past 12 tokens take the sparse path (pooled keys rotated again)
+VARIANTS = {"ple": dict(ple=True), "no_ple": dict(ple=False), "qsa": dict(ple=True, indexer_budget=8)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def vl(request, tmp_path_factory):
-    return vl_setup(str(tmp_path_factory.mktemp(f"q4-{request.param}")), "qwen4_exp", ple=request.param == "ple")
+    return vl_setup(str(tmp_path_factory.mktemp(f"q4-{request.param}")), "qwen4_exp", **VARIANTS[request.param])
 
 
 def test_one_image_matches_transformers(vl):
@@ -67,3 +74,21 @@ def test_ple_hashes_the_placeholder_ids(vl, monkeypatch):
     assert not _same(got, want)
     worst = max(abs(a - b) for (_, a), (_, b) in zip(got, want))
     assert [t for t, _ in got] != [t for t, _ in want] or worst > 1e-3
+
+
+def test_qsa_rotates_past_keys_by_their_mrope_positions(vl, monkeypatch):
+    """QSA past its budget pools and rotates cached raw keys again: an image request's block-start tokens must take
+    their M-RoPE rotations (ImageStep.token_rotations), not their token indices' 1-D ones."""
+    from voltllm.worker.image_step import ImageStep
+
+    if vl[3].config.text_config.indexer_budget > 64:
+        pytest.skip("no context here reaches QSA's budget")
+    ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
+    want = _reference(vl, ids, out)
+
+    def one_d(self, req, length):
+        return self.rotary.cos[:length].clone(), self.rotary.sin[:length].clone()
+
+    monkeypatch.setattr(ImageStep, "token_rotations", one_d)
+    got = _run(_llm(vl[0], max_num_batched_tokens=16, enable_chunked_prefill=True), [(ids, mm)])[0]
+    assert not _same(got, want)

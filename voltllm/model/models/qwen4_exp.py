@@ -137,8 +137,13 @@ class IndexedAttention(GatedAttention):
         kv = ctx.kv_caches[self.kv_index]
         bs = kv.shape[2]
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        rotations = ctx.extra.get("token_rotations") or {}
         for i in sparse:
             length = lens[i]
+            rotary, pos_i = self.rotary, positions[qsl[i]:qsl[i + 1]]
+            if i in rotations:  # a request with images (M-RoPE positions): by token index, each token's rotation
+                rotary = _TokenRotary(*rotations[i], self.rotary.rotary_dim)
+                pos_i = torch.arange(length - (qsl[i + 1] - qsl[i]), length, device=positions.device)
             table = meta.block_tables[i]
             nblocks = -(-length // bs)
             token_rows = (table[:nblocks].long()[:, None] * bs + torch.arange(bs, device=table.device)).reshape(-1)
@@ -146,10 +151,17 @@ class IndexedAttention(GatedAttention):
             k_all, v_all = gather_kv(kv, table, length)
             for a in range(qsl[i], qsl[i + 1], QUERY_CHUNK):
                 b = min(a + QUERY_CHUNK, qsl[i + 1])
-                pos = positions[a:b]
-                mask = self.indexer.selection(q_idx[a:b], pos, raw_keys, self.rotary)
-                q = rope_rows(self.q_norm(q_raw[a:b]), pos, self.rotary)
+                pos = pos_i[a - qsl[i]:b - qsl[i]]
+                mask = self.indexer.selection(q_idx[a:b], pos, raw_keys, rotary)
+                q = rope_rows(self.q_norm(q_raw[a:b]), pos, rotary)
                 out[a:b] = sparse_attention(q, k_all, v_all, mask, self.scale)
+
+
+class _TokenRotary:
+    """A rotary table by token index (cos / sin [context, half]: ImageStep.token_rotations), for QSA's sparse path."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
+        self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
 
 
 def _store_rows(rows: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
