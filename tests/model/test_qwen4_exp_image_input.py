@@ -92,3 +92,19 @@ def test_qsa_rotates_past_keys_by_their_mrope_positions(vl, monkeypatch):
     monkeypatch.setattr(ImageStep, "token_rotations", one_d)
     got = _run(_llm(vl[0], max_num_batched_tokens=16, enable_chunked_prefill=True), [(ids, mm)])[0]
     assert not _same(got, want)
+
+
+def test_prefix_cache_hit_past_the_image(vl):
+    """The same prompt again hits the prefix cache past its image (KV blocks, the GDN and PLE state snapshots, QSA's
+    keys in the blocks) and gives transformers' output again; other pixels share no block from the image on."""
+    a_ids, a_out, a_mm = _prompt(vl, [None, "Describe it."], [_image(3, 32, 48)])
+    b_ids, b_out, b_mm = _prompt(vl, [None, "Describe it."], [_image(4, 32, 48)])
+    llm = _llm(vl[0], block_size=16, mamba_block_size=16, enable_prefix_caching=True)
+    cached: list[int] = []
+    first = _run(llm, [(a_ids, a_mm)], cached)[0]
+    b = _run(llm, [(b_ids, b_mm)], cached)[0]
+    again = _run(llm, [(a_ids, a_mm)], cached)[0]
+    assert cached[1] == a_mm.images[0].offset // 16 * 16
+    assert cached[2] >= a_mm.images[0].offset + a_mm.images[0].num_tokens
+    assert _same(first, _reference(vl, a_ids, a_out)) and _same(again, first)
+    assert _same(b, _reference(vl, b_ids, b_out))
