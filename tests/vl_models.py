@@ -59,7 +59,8 @@ _VL_CONFIGS = {"qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
                "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
                "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
                "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-               "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration")}
+               "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+               "qwen4_exp": ("Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration")}
 
 # Qwen3-VL's text model: a Qwen3 (qwen3_vl_moe: Qwen3-MoE, layer 1 dense) as tiny_models.make_model's, with interleaved
 # M-RoPE over its 8 rotary frequencies (t, h, w sections 4, 2, 2, summing to the half as [24, 20, 20] does for 128).
@@ -90,6 +91,29 @@ QWEN2_5_VL_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size
 QWEN2_VL_VISION = dict(depth=2, embed_dim=32, hidden_size=QWEN2_VL_TEXT["hidden_size"], num_heads=2, mlp_ratio=2,
                        patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
                        hidden_act="quick_gelu")
+
+
+# Qwen4-Exp's text model (tests/model/test_qwen4_exp.py's shape): hyper-connections of 2 streams, MoE every layer, GDN
+# and indexed attention; Qwen3.5's tower (VL_VISION). transformers always builds the QSA indexer: a budget past every
+# context here is plain causal attention. QWEN4_EXP_PLE adds PLE layers 1 and 3 (n-gram hashes of the token ids).
+QWEN4_EXP_TEXT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6, hc_count=2,
+                      hc_lowrank=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=32,
+                      indexer_budget=4096, indexer_compress_ratio=4,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                       "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+QWEN4_EXP_PLE = dict(ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=101,
+                     make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4, ple_conv_kernel_size=3)
+
+
+def make_tiny_qwen4_exp_vl(path: str, kind: str = "qwen4_exp", seed: int = 0, ple: bool = True,
+                           **text_overrides) -> str:
+    """Save a tiny random Qwen4ExpForConditionalGeneration as make_tiny_qwen3_5_vl does: QWEN4_EXP_TEXT's text model
+    (with QWEN4_EXP_PLE's PLE layers when ple; + text_overrides), VL_VISION's tower (Qwen3.5-MoE's)."""
+    text = {**QWEN4_EXP_TEXT, **(QWEN4_EXP_PLE if ple else {}), **text_overrides}
+    return _make_tiny_vl(path, "qwen4_exp", seed, text, dict(VL_VISION))
 
 
 def make_tiny_qwen2_5_vl(path: str, kind: str = "qwen2_5_vl", seed: int = 0) -> str:
@@ -144,6 +168,8 @@ def _make_tiny_vl(path: str, kind: str, seed: int, text: dict, vision: dict, tie
                 p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
             elif "norm" in name:
                 p.add_(0.2 * noise)
+            elif "ngram_embedding" in name:  # (Qwen4-Exp's PLE tables: transformers' init is far smaller)
+                p.copy_(noise)
     model.save_pretrained(path)
     if kind == "qwen3_vl_moe":
         _experts_as_released(path)
@@ -168,15 +194,16 @@ def _experts_as_released(path: str) -> None:
 NEW_TOKENS = 6  # greedy tokens per request
 
 
-def vl_setup(path: str, kind: str = "qwen3_5") -> tuple:
+def vl_setup(path: str, kind: str = "qwen3_5", **make_kwargs) -> tuple:
     """(checkpoint path, its image processor, tokenizer, transformers' model): what the helpers below take as `vl`.
-    kind: qwen3_5 / qwen3_5_moe (make_tiny_qwen3_5_vl), qwen3_vl / qwen3_vl_moe (make_tiny_qwen3_vl) or qwen2_5_vl /
-    qwen2_vl (make_tiny_qwen2_5_vl)."""
+    kind: qwen3_5 / qwen3_5_moe (make_tiny_qwen3_5_vl), qwen3_vl / qwen3_vl_moe (make_tiny_qwen3_vl), qwen2_5_vl /
+    qwen2_vl (make_tiny_qwen2_5_vl) or qwen4_exp (make_tiny_qwen4_exp_vl, which make_kwargs go to)."""
     import transformers
 
     make = (make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else
-            make_tiny_qwen2_5_vl if kind in ("qwen2_vl", "qwen2_5_vl") else make_tiny_qwen3_5_vl)
-    path = make(path, kind, seed=0)
+            make_tiny_qwen2_5_vl if kind in ("qwen2_vl", "qwen2_5_vl") else
+            make_tiny_qwen4_exp_vl if kind == "qwen4_exp" else make_tiny_qwen3_5_vl)
+    path = make(path, kind, seed=0, **make_kwargs)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     processor = Qwen2VLImageProcessorPil(**{k: v for k, v in VL_PREPROCESSOR.items()

@@ -77,6 +77,7 @@ def axis_of_frequency(half: int, section: Sequence[int], interleaved: bool = Tru
 
 # model type -> (interleaved, transformers' default mrope_section when the config gives none)
 _MROPE_LAYOUT = {"qwen3_5": (True, [11, 11, 10]), "qwen3_5_moe": (True, [11, 11, 10]),
+                 "qwen4_exp": (True, [11, 11, 10]),  # (its text model is Qwen3.5-MoE's rotary)
                  "qwen3_vl": (True, [24, 20, 20]), "qwen3_vl_moe": (True, [24, 20, 20]),
                  "qwen2_vl": (False, [16, 24, 24]), "qwen2_5_vl": (False, [16, 24, 24])}
 

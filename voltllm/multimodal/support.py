@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 # the natively multimodal checkpoints whose vision tower voltllm runs (voltllm/multimodal/vision_tower.py,
-# qwen2_vision_tower.py)
-IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl")
+# qwen2_vision_tower.py; qwen4_exp's is Qwen3.5-MoE's)
+IMAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl", "qwen4_exp")
 # those that also take videos (all of them: Qwen3.x's patches after timestamps, Qwen2.x's in one run; processor.py)
 VIDEO_MODEL_TYPES = IMAGE_MODEL_TYPES
 
@@ -20,8 +20,6 @@ def image_input_refusal(config: Any) -> Optional[str]:
     """None when the engine of `config` (an EngineConfig) takes images; else why it does not."""
     mc = config.model
     hf = mc.hf_config
-    if getattr(hf, "model_type", None) == "qwen4_exp":
-        return "vision input is not built for Qwen4-Exp: its checkpoint runs as a text-only model"
     if getattr(hf, "vision_config", None) is None or getattr(hf, "model_type", None) not in IMAGE_MODEL_TYPES:
         return "this server serves a text-only model (no image, audio or video input)"
     if mc.quantization == "gguf" and mc.mmproj is None:  # (its config has a vision_config only with a projector)

@@ -174,6 +174,26 @@ class ImageStep:
             if self.deepstack_levels:
                 extra["image_deepstack"] = list(levels[1:])
 
+    def token_rotations(self, req: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin rows [length, half] of tokens 0..length-1 of a request with images, each at its M-RoPE position
+        (the prompt's (t, h, w), then 1-D shifted by the delta): for a model that rotates past tokens' keys again by
+        token index (Qwen4-Exp's QSA indexer pools and rotates cached raw keys)."""
+        mm = req.multi_modal
+        n = min(length, req.num_prompt_tokens)
+        p3 = np.empty((3, length), dtype=np.int64)
+        p3[:, :n] = mm.rope_positions[:, :n]
+        p3[:, n:] = np.arange(n, length, dtype=np.int64) + mm.rope_delta
+        own = np.nonzero((p3[0] != p3[1]) | (p3[0] != p3[2]))[0]
+        flat = upload(torch.from_numpy(p3[0].copy()), self.device)
+        cos, sin = self.rotary.cos[flat], self.rotary.sin[flat]  # (copies; text tokens rotate as 1-D positions)
+        if len(own):
+            p = upload(torch.from_numpy(p3[:, own]), self.device)
+            angles = p.double().index_select(0, self.axis).t() * self.inv_freq.double()
+            at = upload(torch.from_numpy(own), self.device)
+            cos[at] = (angles.cos() * self.rotary.scale).float()
+            sin[at] = (angles.sin() * self.rotary.scale).float()
+        return cos, sin
+
     def profile(self, grid: tuple[int, int, int]) -> None:
         """Encode one random image of `grid` (the largest the processor makes): memory profiling's tower peak
         (nothing on a rank without the tower)."""

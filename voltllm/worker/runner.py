@@ -770,6 +770,12 @@ class ModelRunner:
         image_rows = None
         if self.image_step is not None:  # the step's image rows and scratch rotary rows
             image_rows = self.image_step.finish(images, self.dtype)
+            if hasattr(self.model, "eager_step"):  # (Qwen4-Exp's QSA past its budget: eager; it rotates past keys)
+                rotations = {i: self.image_step.token_rotations(s.request, s.start + s.num_new_tokens)
+                             for i, s in enumerate(sched.scheduled) if s.request.multi_modal is not None
+                             and self.model.eager_step([s.start + s.num_new_tokens])}
+                if rotations:
+                    images["token_rotations"] = rotations
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)

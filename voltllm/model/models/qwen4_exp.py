@@ -1,5 +1,5 @@
-"""Qwen4-Exp text model (qwen4_exp_text; a qwen4_exp multimodal checkpoint runs as its text model: the
-`model.language_model.*` weights, `model.visual.*` and `mtp.*` skipped).
+"""Qwen4-Exp text model (qwen4_exp_text; of a qwen4_exp multimodal checkpoint, the `model.language_model.*` weights:
+`model.visual.*`, Qwen3.5-MoE's vision tower, is the runner's (worker/image_step.py), `mtp.*` skipped).
 
 The residual stream is hc = hc_count copies of the hidden state side by side, [T, hc * H] (hyper-connections):
 
@@ -19,12 +19,16 @@ The residual stream is hc = hc_count copies of the hidden state side by side, [T
            without indexer_* config fields, plain gated attention)
   moe    = Qwen3-Next sparse MoE with a sigmoid-gated shared expert, every layer.
 
-Positions: M-RoPE as Qwen3.5; text only, every section has the token's position (ordinary RoPE).
+Images / videos (a qwen4_exp checkpoint): as Qwen3.5-MoE's, the tower's rows replace the placeholder tokens'
+embeddings (extra["image_embeds"]) and image tokens rotate by their M-RoPE rows (the runner's scratch rotary rows);
+PLE hashes the real token ids, placeholders included (transformers' ple_input_ids = input_ids), never the rows.
+
+Positions: M-RoPE as Qwen3.5; text tokens have every section at the token's position (ordinary RoPE).
 
 Per-request state: the GDN layers' conv / SSM states in the StateCache, plus the StateCache extras "ple_ctx" (the
 last ngram_size - 1 token ids) and "ple_conv" (every PLE layer's last dilated-conv inputs) when PLE layers exist;
 QSA raw keys in extra paged KV caches (IndexKeyStore). Not built (refused at load): tensor / pipeline parallelism,
-quantized checkpoints, LoRA, speculative decoding, vision input, pooling.
+quantized checkpoints, LoRA, speculative decoding, pooling.
 """
 from __future__ import annotations
 
@@ -48,8 +52,8 @@ _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _SHARD = re.compile(r"ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
 
-UNSUPPORTED = ("tensor / pipeline parallelism, quantized checkpoints, LoRA, speculative decoding, vision input and "
-               "pooling are not built for Qwen4-Exp (qwen4_exp / qwen4_exp_text)")
+UNSUPPORTED = ("tensor / pipeline parallelism, quantized checkpoints, LoRA, speculative decoding and pooling are not "
+               "built for Qwen4-Exp (qwen4_exp / qwen4_exp_text)")
 
 
 def layer_kinds(cfg: Any) -> list[str]:
@@ -133,8 +137,13 @@ class IndexedAttention(GatedAttention):
         kv = ctx.kv_caches[self.kv_index]
         bs = kv.shape[2]
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        rotations = ctx.extra.get("token_rotations") or {}
         for i in sparse:
             length = lens[i]
+            rotary, pos_i = self.rotary, positions[qsl[i]:qsl[i + 1]]
+            if i in rotations:  # a request with images (M-RoPE positions): by token index, each token's rotation
+                rotary = _TokenRotary(*rotations[i], self.rotary.rotary_dim)
+                pos_i = torch.arange(length - (qsl[i + 1] - qsl[i]), length, device=positions.device)
             table = meta.block_tables[i]
             nblocks = -(-length // bs)
             token_rows = (table[:nblocks].long()[:, None] * bs + torch.arange(bs, device=table.device)).reshape(-1)
@@ -142,10 +151,17 @@ class IndexedAttention(GatedAttention):
             k_all, v_all = gather_kv(kv, table, length)
             for a in range(qsl[i], qsl[i + 1], QUERY_CHUNK):
                 b = min(a + QUERY_CHUNK, qsl[i + 1])
-                pos = positions[a:b]
-                mask = self.indexer.selection(q_idx[a:b], pos, raw_keys, self.rotary)
-                q = rope_rows(self.q_norm(q_raw[a:b]), pos, self.rotary)
+                pos = pos_i[a - qsl[i]:b - qsl[i]]
+                mask = self.indexer.selection(q_idx[a:b], pos, raw_keys, rotary)
+                q = rope_rows(self.q_norm(q_raw[a:b]), pos, rotary)
                 out[a:b] = sparse_attention(q, k_all, v_all, mask, self.scale)
+
+
+class _TokenRotary:
+    """A rotary table by token index (cos / sin [context, half]: ImageStep.token_rotations), for QSA's sparse path."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
+        self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
 
 
 def _store_rows(rows: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -312,7 +328,11 @@ class Qwen4ExpForCausalLM(nn.Module):
         if self.qsa and not isinstance(ctx.extra.get("state_slots"), torch.Tensor):
             sparse = [i for i, n in enumerate(meta.seq_lens_cpu) if n >= self._full_context]
         step = _Step(windows, sparse)
-        h = self.embed_tokens(input_ids).repeat(1, self.hc)
+        x = self.embed_tokens(input_ids)
+        images = ctx.extra.get("image_embeds")
+        if images is not None:  # the vision tower's rows in place of the placeholders' (worker/image_step.py); PLE
+            x.index_copy_(0, images[0], images[1].to(x.dtype))  # still hashes input_ids, placeholder ids included
+        h = x.repeat(1, self.hc)
         for layer in self.layers:
             h = layer(positions, h, ctx, batch, step)
         if self.ple_ids:
