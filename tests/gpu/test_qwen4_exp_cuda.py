@@ -1,8 +1,8 @@
 """Qwen4-Exp on a CUDA GPU (tiny random checkpoints of tests/model/test_qwen4_exp.py): fp32 greedy tokens equal
 transformers' generate, with CUDA graphs on, for a model without PLE (graphs replayed; QSA rows past the budget run
-their steps eagerly, with the raw index keys written into the KV blocks) and one with PLE (no graphs: host-memory
-n-gram tables), through chunked prefill and decode. Run on the GPU machine: pytest -m gpu
-tests/gpu/test_qwen4_exp_cuda.py."""
+their steps eagerly, with the raw index keys written into the KV blocks) and ones with PLE (the n-gram tables in
+page-locked host memory, read in place by the GPU, in graph replays too), through chunked prefill and decode. Run on
+the GPU machine: pytest -m gpu tests/gpu/test_qwen4_exp_cuda.py."""
 from __future__ import annotations
 
 import pytest
@@ -37,3 +37,37 @@ def test_fp32_greedy_matches_transformers(tmp_path, kind):
                                 pad_token_id=0)[0, len(p):].tolist()
         assert o.outputs[0].token_ids == want, kind
     llm.engine.check_integrity()
+
+
+def test_ple_graphs_equal_eager_and_transformers(tmp_path):
+    """PLE with CUDA graphs (QSA's budget past every context, so every decode step replays): the n-gram tables are
+    page-locked host memory the graphs read in place. Greedy fp32 tokens equal transformers' generate, and the
+    logprobs equal --enforce-eager's bit for bit (capture sizes 1..4: no padding rows), async scheduling on."""
+    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **dict(INDEXER, **PLE))
+    torch.manual_seed(13)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    _randomize(ref, 14)
+    ref.save_pretrained(tmp_path)
+    prompts = _seqs(4, [37, 5, 26, 3], eos_at=((0, 12), (2, 25)))
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=0)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.2,
+                  block_size=16, max_num_batched_tokens=32, max_num_seqs=4, enforce_eager=eager,
+                  compilation_config={"cudagraph_capture_sizes": [1, 2, 3, 4]})
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runner = llm.engine.runner
+        assert (runner.graphs is None) == eager and (eager or runner.graphs.replays > 20)
+        from voltllm.host_memory import in_host_memory
+
+        assert in_host_memory(runner.model.layers[0].ple.readable_table(runner.device))
+        runs[eager] = [(o.outputs[0].token_ids, [d[t].logprob for t, d in zip(o.outputs[0].token_ids,
+                                                                               o.outputs[0].logprobs)]) for o in outs]
+        llm.engine.check_integrity()
+        del llm
+    assert runs[False] == runs[True]
+    for p, (tokens, _) in zip(prompts, runs[False]):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert tokens == want

@@ -260,7 +260,7 @@ def test_state_spec_extras_and_kv_layout(checkpoints):
     assert spec["extras"]["ple_ctx"] == ((2,), torch.long)
     assert spec["extras"]["ple_conv"] == ((2, 6, 128), torch.float32)
     assert StateCache.bytes_per_slot(spec) == 3 * (3 * 128 * 4 + 4 * 16 * 16 * 4) + 2 * 8 + 2 * 6 * 128 * 4
-    assert not ple_model.supports_cuda_graphs
+    assert ple_model.supports_cuda_graphs  # (PLE gathers on the device: tests/model/test_qwen4_exp_ple_graphs.py)
     qsa = _ours(checkpoints["qsa"][0])
     # one attention layer; its raw keys (32 channels) packed into one more cache of rows 2 x 32
     assert qsa.num_attention_layers == 2 and qsa.kv_heads_and_dim == (2, 32)

@@ -241,7 +241,7 @@ def test_named_shapes_have_the_documented_sizes(tmp_path):
     from voltllm.bench.shapes import make_config, materialize, shape_names
 
     assert shape_names() == ["qwen3-0.6b-shape", "qwen3-30b-a3b-shape", "qwen3-8b-shape", "qwen3-next-80b-a3b-shape",
-                             "qwen3.5-27b-shape", "qwen3.5-35b-a3b-shape", "smollm2-135m-shape"]
+                             "qwen3.5-27b-shape", "qwen3.5-35b-a3b-shape", "qwen4-exp-shape", "smollm2-135m-shape"]
     moe = L.meta_model_cost(make_config("qwen3-30b-a3b-shape"), torch.bfloat16)  # Qwen3-30B-A3B: 30.53 B, 3.3 B active
     assert moe.weight_bytes / 2e9 == pytest.approx(30.53, abs=0.01) and moe.expert_fraction == 8 / 128
     assert 3.2e9 < moe.active_matmul_params() + 2 * moe.logits_params < 3.5e9
@@ -281,6 +281,46 @@ def test_named_shapes_have_the_documented_sizes(tmp_path):
     assert materialize(path, str(tmp_path)) == path  # a directory is used as it is
     with pytest.raises(ValueError):
         materialize("no-such-shape", str(tmp_path))
+
+
+def test_qwen4_exp_shape_and_a_cut_down_random_weight_run(tmp_path):
+    """qwen4-exp-shape: transformers' Qwen4ExpTextConfig sizes with QSA and PLE; the bench counts every parameter but
+    the PLE n-gram tables (host memory, a step's rows read in place) and the PLE extras in the per-request state. The
+    same config cut down to tiny widths runs `voltllm bench --random-weights` on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen4ExpTextConfig"):
+        pytest.skip("this transformers has no Qwen4-Exp")
+    from voltllm.bench.cli import main
+    from voltllm.bench.shapes import SHAPES, make_config
+
+    cfg = make_config("qwen4-exp-shape")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok) == (2048, 40, 512, 10)
+    assert cfg.layer_types.count("indexed_attention") == 10 and cfg.ple_layer_ids == [1, 2, 3]
+    cost = L.meta_model_cost(cfg, torch.bfloat16)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    tables = sum(p.numel() for n, p in hf.named_parameters() if "ngram_embedding" in n)
+    assert 3 * 16 * 20_000 * 128 < tables < 3 * 16 * 20_300 * 128  # per PLE layer 16 heads of ~20K rows x 128
+    hf_params = sum(p.numel() for p in hf.parameters())
+    assert cost.matmul_params + 2 * cost.logits_params == hf_params - tables  # 67.4 B without the tables
+    assert cost.expert_params == 40 * 512 * 3 * 512 * 2048 and cost.expert_fraction == 10 / 512
+    gdn = 30 * (3 * (2 * 16 * 128 + 32 * 128) * 2 + 32 * 128 * 128 * 4)  # conv (kernel - 1 rows, bf16) + fp32 SSM
+    # + ple_ctx (2 token ids) and ple_conv (per PLE layer (kernel - 1) x ngram_size rows of hc x H)
+    assert cost.state_bytes_per_request == gdn + 2 * 8 + 3 * (3 * 3) * 4 * 2048 * 2
+    small = dict(SHAPES["qwen4-exp-shape"][1], vocab_size=512, hidden_size=64, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, hc_lowrank=16,
+                 indexer_head_dim=32, indexer_budget=8, ngram_vocab_size_base=101, eos_token_id=5,
+                 max_position_embeddings=256)
+    model_dir = tmp_path / "tiny-qwen4-exp"
+    transformers.Qwen4ExpTextConfig(**small).save_pretrained(model_dir)
+    out = tmp_path / "results"
+    assert main(["--random-weights", str(model_dir), "--device", "cpu", "--output-dir", str(out), "--name", "q4",
+                 "--commit", "abc123", "--scenario", "decode", "--input-len", "12", "--output-len", "4",
+                 "--num-warm", "1", "--no-limits"]) == 0
+    with open(out / "q4.json") as f:
+        assert json.load(f)["metrics"]["pure_decode_tok_s"] > 0
 
 
 # -- client against a mock streaming server -------------------------------------------------------

@@ -51,6 +51,27 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
         max_position_embeddings=262144)),
+    # Qwen4-Exp (qwen4_exp_text): transformers' Qwen4ExpTextConfig defaults (hidden 2048, 40 layers 3 GDN : 1 QSA
+    # attention, 512 experts top-10 of width 512 + a shared one, hyper-connections 4 x 320) with
+    # - QSA: 4 indexer heads of 128, budget 2048 tokens in blocks of 4: the figures of TensorRT-Edge-LLM's QSA indexer
+    #   kernel docs (a [B, S, 4, 128] query, S / 4 blocks, 2048 + 3 selected rows); the checkpoint's config was not
+    #   found, so they are the best available guess;
+    # - PLE on the first three GDN layers (a guess: where the real model puts them is not known here) with a SMALL
+    #   n-gram vocabulary (base 20K rows per head: ~80 MiB of host table per layer in bf16), not the real 20M per head,
+    #   whose tables (~90 GiB of host memory) would have to be allocated and page-locked for a random-weight run.
+    #   The tables stay in host memory (the GPU reads a step's rows in place), so their size changes no GPU figure;
+    # - eos_token_id 248044 (Qwen3.5's <|endoftext|>): PLE resets its n-gram windows at it; Qwen3.5's RoPE (a quarter
+    #   of the head rotated, theta 1e7: transformers' default rotates all 256 dims, more than the 128-wide index head).
+    "qwen4-exp-shape": ("Qwen4ExpTextConfig", dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, hc_count=4, hc_lowrank=320,
+        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+        ple_layer_ids=[1, 2, 3], ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000,
+        eos_token_id=248044, tie_word_embeddings=False, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True})),
 }
 
 

@@ -1098,8 +1098,8 @@ class ModelRunner:
             logger.info("CUDA graphs off (%s)", "--enforce-eager or cudagraph_mode NONE / -O0"
                         if self.config.device.enforce_eager else "not supported by this device/backend")
             return
-        if not getattr(self.model, "supports_cuda_graphs", True):  # (Qwen4-Exp's PLE: host-memory table gathers)
-            logger.info("CUDA graphs off (this model's steps gather host-memory rows: eager steps)")
+        if not getattr(self.model, "supports_cuda_graphs", True):  # (a model whose steps need host work a replay skips)
+            logger.info("CUDA graphs off (this model's steps cannot be replayed: eager steps)")
             return
         from voltllm.lora.manager import optional_lora
 

@@ -287,8 +287,17 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """PLE gathers host-memory table rows from the step's token ids: no graph can replay that."""
-        return not self.ple_ids
+        """Yes: PLE's n-gram ids and table gathers are device work (qwen4_exp_ple.py's docstring). Asked before the
+        runner captures, so the tables are made readable by the GPU here at the latest (not inside a capture)."""
+        self.place_tables(self.embed_tokens.weight.device)
+        return True
+
+    def place_tables(self, device: torch.device) -> None:
+        """Make the PLE layers' host-memory n-gram tables readable by `device`'s kernels (on a GPU: page-locked in
+        place, read through CUDA views); idempotent."""
+        for layer in self.layers:
+            if layer.ple is not None:
+                layer.ple.readable_table(device)
 
     def eager_step(self, context_lens: Sequence[int]) -> bool:
         """Whether a decode step over requests of these context lengths must run eagerly (QSA's sparse path)."""
@@ -317,8 +326,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             raise ValueError(UNSUPPORTED)
         windows = None
         if self.ple_ids:
-            if isinstance(ctx.extra.get("state_slots"), torch.Tensor):
-                raise RuntimeError("Qwen4-Exp with PLE layers cannot run in a CUDA graph (host table gathers)")
+            self.place_tables(input_ids.device)  # (once; a capture finds them placed: supports_cuda_graphs)
             cache = batch.state_cache
             ngrams = NGramContext(input_ids, batch.query_start_loc, batch.slots, batch.has_initial_state,
                                   cache.extra["ple_ctx"], self.config.ngram_size, self.eos)

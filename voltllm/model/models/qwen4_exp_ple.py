@@ -19,10 +19,17 @@ The layer adds `out` to the residual before its attention hyper-connection.
 
 Memory: the n-gram tables are the checkpoint's largest tensors (~45B parameters in the real model, split over
 split_ngram_parts shards per layer: `ple.ple_embedding.ngram_embedding.shard_<i>.weight`, concatenated here along
-rows in shard order). They are kept in host (CPU) memory in the model dtype and gathered there (T x heads rows per
-layer per step), then copied to the device: the host needs the table's bytes (~90 GiB in bf16 for the real model)
-on top of everything else; the GPU holds none of it. The host gather needs the token ids on the host, so a model
-with PLE layers runs without CUDA graphs (its decode steps are eager).
+rows in shard order). They are kept in host (CPU) memory in the model dtype: the host needs the table's bytes (~90
+GiB in bf16 for the real model) on top of everything else; the GPU holds none of it.
+
+The gather (T x heads rows per layer per step) runs on the device, from row ids hashed on the device: on a GPU the
+table is page-locked in place (cudaHostRegister) and read through a CUDA view of it (host_memory.device_view, unified
+virtual addressing), so the kernel reads just the step's rows over the bus. Nothing in a step reads the device from
+the host, and a decode step is captured in a CUDA graph like any other. Why not gather on the host before the step
+into a staged device buffer: every n-gram includes the token itself, and under async scheduling a decode row's token
+is the one the step in flight is still sampling (the runner fills it on the device, ModelRunner._fill_pending), so a
+host gather would have to wait for that step, losing the overlap of the next step's host work with the GPU; a
+device-resident table would not fit the GPU for the real model. The eager and graph forms run the same code.
 """
 from __future__ import annotations
 
@@ -95,6 +102,8 @@ class NGramContext:
 
     state_ctx: the StateCache extra "ple_ctx" [rows, ngram_size - 1] int64 (the request's last tokens, oldest first).
     windows [ngram_size, T]: row s holds each token's shifted token s (row 0: the token itself), EOS-reset applied.
+    A step of one token per request (decode, and every CUDA-graph step) takes device ops only: no index list
+    uploaded, nothing read back, no shape from device data.
     """
 
     def __init__(self, input_ids: torch.Tensor, qsl: list[int], slots: torch.Tensor, has_initial: torch.Tensor,
@@ -105,7 +114,32 @@ class NGramContext:
         n = len(qsl) - 1
         prev = torch.where(has_initial[:, None], state_ctx.index_select(0, slots),
                            torch.full((n, n_ctx), eos, dtype=torch.long, device=dev))  # [n, n_ctx]
-        # each request's history [its n_ctx previous tokens, its step tokens] back to back in one flat buffer
+        if ids.shape[0] == n:  # one token per request: its history is [its n_ctx previous tokens, itself]
+            hist = torch.cat([prev, ids[:, None]], dim=1)  # [n, n_ctx + 1]
+
+            def shifted_by(s: int) -> torch.Tensor:
+                return hist[:, n_ctx - s]
+
+            self.new_ctx = hist[:, 1:]
+        else:
+            hist, tok_pos, self.new_ctx = self._histories(ids, qsl, prev, n_ctx)
+
+            def shifted_by(s: int) -> torch.Tensor:
+                return hist.index_select(0, tok_pos - s)
+
+        rows = [ids]
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        for s in range(1, ngram_size):
+            shifted = shifted_by(s)
+            valid = valid & (shifted != eos)  # an EOS in [p - s, p - 1] ends the window
+            rows.append(torch.where(valid, shifted, torch.full_like(shifted, eos)))
+        self.windows = torch.stack(rows)
+
+    @staticmethod
+    def _histories(ids: torch.Tensor, qsl: list[int], prev: torch.Tensor, n_ctx: int):
+        """Each request's history [its n_ctx previous tokens, its step tokens] back to back in one flat buffer:
+        (the buffer, each step token's place in it, each request's last n_ctx tokens [n, n_ctx])."""
+        dev, n = ids.device, len(qsl) - 1
         hist = torch.empty(n * n_ctx + ids.shape[0], dtype=torch.long, device=dev)
         tok_at, ctx_at, end_at = [], [], []
         for i in range(n):
@@ -119,14 +153,7 @@ class NGramContext:
         tok_pos, ctx_pos, end_pos = index[:t], index[t:t + n * n_ctx], index[t + n * n_ctx:]
         hist.index_copy_(0, tok_pos, ids)
         hist.index_copy_(0, ctx_pos, prev.reshape(-1))
-        rows = [ids]
-        valid = torch.ones_like(ids, dtype=torch.bool)
-        for s in range(1, ngram_size):
-            shifted = hist.index_select(0, tok_pos - s)
-            valid = valid & (shifted != eos)  # an EOS in [p - s, p - 1] ends the window
-            rows.append(torch.where(valid, shifted, torch.full_like(shifted, eos)))
-        self.windows = torch.stack(rows)
-        self.new_ctx = hist.index_select(0, end_pos).view(n, n_ctx)  # each request's last n_ctx tokens
+        return hist, tok_pos, hist.index_select(0, end_pos).view(n, n_ctx)
 
     def save(self, state_ctx: torch.Tensor, slots: torch.Tensor) -> None:
         state_ctx.index_copy_(0, slots, self.new_ctx)
@@ -155,6 +182,7 @@ class PLELayer(nn.Module):
         self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
         # host memory, outside the module's parameters (model.to(device) leaves it there): see the module docstring
         self.table = torch.zeros(self.table_rows, self.head_dim, dtype=dtype, device="cpu")
+        self._view: Optional[torch.Tensor] = None  # a GPU's CUDA view of it (readable_table)
         self.key_proj = nn.Linear(embed, width, bias=False, dtype=dtype)
         self.value_proj = nn.Linear(embed, self.hidden, bias=False, dtype=dtype)
         eps = cfg.rms_norm_eps
@@ -180,9 +208,30 @@ class PLELayer(nn.Module):
         return torch.cat(blocks, dim=-1)
 
     def embed(self, windows: torch.Tensor) -> torch.Tensor:
-        ids = self.ngram_ids(windows).cpu()
-        rows = self.table[ids.reshape(-1)].view(ids.shape[0], -1)  # the host gather
-        return rows.to(windows.device, non_blocking=True)
+        """[T, ple_embed_dim]: each token's rows of the table, gathered on windows' device (module docstring)."""
+        ids = self.ngram_ids(windows)
+        return self.readable_table(windows.device).index_select(0, ids.reshape(-1)).view(ids.shape[0], -1)
+
+    def readable_table(self, device: torch.device) -> torch.Tensor:
+        """The table as `device`'s kernels read it: off the GPU the table itself; on a GPU a CUDA view of it, the
+        table page-locked in place on the first call (which must come before any CUDA-graph capture: the model's
+        place_tables) and unlocked when this layer is collected. The view stays valid through load_table_shard's
+        in-place copies (a sleep-mode reload)."""
+        if device.type != "cuda":
+            return self.table
+        if self._view is None:
+            from voltllm.host_memory import device_view, page_lock_for
+
+            try:
+                page_lock_for(self, self.table)
+            except RuntimeError as e:
+                gib = self.table.numel() * self.table.element_size() / 2**30
+                raise RuntimeError(f"Qwen4-Exp PLE: page-locking the {gib:.2f} GiB n-gram table in host memory, "
+                                   f"which the GPU reads in place, failed ({e})") from None
+            self._view = device_view(self.table, device).view(self.table.dtype).view(self.table.shape)
+        elif self._view.device != device:
+            raise RuntimeError(f"Qwen4-Exp PLE: the n-gram table is read by {self._view.device}, not {device}")
+        return self._view
 
     def load_table_shard(self, index: Optional[int], tensor: torch.Tensor, name: str) -> None:
         """Shard `index` of the table (torch.chunk of the rows into split_ngram_parts), or the whole (None)."""
@@ -219,8 +268,15 @@ class PLELayer(nn.Module):
         n = len(qsl) - 1
         prev = conv_state.index_select(0, batch.slots)  # [n, r, C]
         prev = torch.where(batch.has_initial_state[:, None, None], prev, torch.zeros_like(prev))
-        outs, tails = [], []
         w = self.conv_weight.to(x.dtype)
+        if x.shape[0] == n:  # one row per request (decode, CUDA graphs): all requests at once, the same products
+            seq = torch.cat([prev, x[:, None]], dim=1)  # [n, r + 1, C]
+            acc = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+            for j in range(k):
+                acc += seq[:, r - (k - 1 - j) * d].float() * w[:, j].float()
+            conv_state.index_copy_(0, batch.slots, seq[:, 1:].to(conv_state.dtype))
+            return acc.to(x.dtype)
+        outs, tails = [], []
         for i in range(n):
             seq = torch.cat([prev[i], x[qsl[i]:qsl[i + 1]]])  # [r + len, C]
             ln = qsl[i + 1] - qsl[i]
