@@ -23,8 +23,8 @@ Positions: M-RoPE as Qwen3.5; text only, every section has the token's position 
 
 Per-request state: the GDN layers' conv / SSM states in the StateCache, plus the StateCache extras "ple_ctx" (the
 last ngram_size - 1 token ids) and "ple_conv" (every PLE layer's last dilated-conv inputs) when PLE layers exist;
-QSA raw keys in extra paged KV caches (IndexKeyStore). Not built (refused at load): tensor / pipeline parallelism,
-quantized checkpoints, LoRA, speculative decoding, vision input, pooling.
+QSA raw and pooled index keys in extra paged KV caches (IndexKeyStore). Not built (refused at load): tensor /
+pipeline parallelism, quantized checkpoints, LoRA, speculative decoding, vision input, pooling.
 """
 from __future__ import annotations
 

@@ -16,10 +16,12 @@ the model asks the runner for a few more "attention layers" than it has (IndexKe
 layers' raw keys into those caches' token rows: a cache [2, blocks, block_size, Hkv, D] holds 2 * (Hkv * D //
 d_idx) layers' keys per token. An fp8 KV cache is refused (the raw keys are stored in the model dtype).
 
-The sparse path is plain torch, per request, query rows in chunks: the request's raw keys and K / V gathered through
-its block table, the selection as a token mask, masked attention in fp32 (correct, not fast). Its host decisions
-(which requests are past the budget) are not replayable, so the runner runs steps with such a request eagerly
-(Qwen4ExpForCausalLM.eager_step).
+Rows of prompt chunks past the budget take the plain torch path here, per request, query rows in chunks: the
+request's raw keys and K / V gathered through its block table, the selection as a token mask, masked attention in
+fp32 (correct, not fast); its host decisions are not replayable, so the runner runs such steps eagerly
+(Qwen4ExpForCausalLM.eager_step). Decode rows select on the device (qwen4_exp_qsa_decode: pooled keys stored per
+block, virtual block tables into the paged decode kernel, CUDA-graph safe); this module's selection +
+sparse_attention stay their reference.
 """
 from __future__ import annotations
 
