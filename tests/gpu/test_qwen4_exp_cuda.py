@@ -1,8 +1,9 @@
 """Qwen4-Exp on a CUDA GPU (tiny random checkpoints of tests/model/test_qwen4_exp.py): fp32 greedy tokens equal
-transformers' generate, with CUDA graphs on, for a model without PLE (graphs replayed; QSA rows past the budget run
-their steps eagerly, with the raw index keys written into the KV blocks) and ones with PLE (the n-gram tables in
-page-locked host memory, read in place by the GPU, in graph replays too), through chunked prefill and decode. Run on
-the GPU machine: pytest -m gpu tests/gpu/test_qwen4_exp_cuda.py."""
+transformers' generate, with CUDA graphs on, for a model without PLE (graphs replayed, also for decode rows past the
+QSA budget: they select on the device through virtual block tables; raw and pooled index keys in the KV blocks; ratio
+4 and 8 against pages of 16 and 4 tokens) and ones with PLE (the n-gram tables in page-locked host memory, read in
+place by the GPU, in graph replays too), through chunked prefill and decode. Run on the GPU machine: pytest -m gpu
+tests/gpu/test_qwen4_exp_cuda.py."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,9 @@ from model.test_qwen4_exp import COMMON, INDEXER, PLE, _randomize, _seqs  # noqa
 from voltllm import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-KINDS = {"qsa-graphs": dict(INDEXER, indexer_budget=8), "qsa-ple": dict(INDEXER, **PLE, indexer_budget=8)}
+KINDS = {"qsa-graphs": dict(INDEXER, indexer_budget=8), "qsa-ple": dict(INDEXER, **PLE, indexer_budget=8),
+         "qsa-graphs-r8-page4": dict(INDEXER, indexer_budget=16, indexer_compress_ratio=8)}
+BLOCK_SIZE = {"qsa-graphs-r8-page4": 4}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -28,7 +31,7 @@ def test_fp32_greedy_matches_transformers(tmp_path, kind):
     ref.save_pretrained(tmp_path)
     prompts = _seqs(3, [37, 5, 26, 3], eos_at=((0, 12),))
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.2,
-              block_size=16, max_num_batched_tokens=32, max_num_seqs=8)
+              block_size=BLOCK_SIZE.get(kind, 16), max_num_batched_tokens=32, max_num_seqs=8)
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for p, o in zip(prompts, outs):
@@ -36,6 +39,8 @@ def test_fp32_greedy_matches_transformers(tmp_path, kind):
             want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                 pad_token_id=0)[0, len(p):].tolist()
         assert o.outputs[0].token_ids == want, kind
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.replays >= 10, kind  # (decode steps past the budget and PLE steps replay)
     llm.engine.check_integrity()
 
 
@@ -71,3 +76,33 @@ def test_ple_graphs_equal_eager_and_transformers(tmp_path):
             want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                 pad_token_id=0)[0, len(p):].tolist()
         assert tokens == want
+
+
+def test_long_context_decode_graphs_match_transformers(tmp_path):
+    """A context of a few thousand tokens (budget 64, ratio 4: most blocks dropped), fp32: greedy tokens with decode
+    graphs (the device selection replayed) equal an eager engine's and transformers' generate."""
+    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **dict(INDEXER, indexer_budget=64))
+    torch.manual_seed(13)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    _randomize(ref, 14)
+    ref.save_pretrained(tmp_path)
+    prompts = _seqs(5, [3001, 1234, 77])
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.2,
+                  max_model_len=4096, max_num_batched_tokens=512, max_num_seqs=4, enforce_eager=eager)
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                    params)]
+        if not eager:
+            assert llm.engine.runner.graphs.replays >= 7
+        llm.engine.check_integrity()
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
+    ref = ref.cuda()
+    for p, got in zip(prompts, outs[False]):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, min_new_tokens=8,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert got == want

@@ -749,9 +749,10 @@ class ModelRunner:
             self.image_step is not None and any(s.request.multi_modal is not None
                                                 and s.start < s.request.num_prompt_tokens for s in sched.scheduled)) \
             or (self.lora is not None and self.lora.needs_eager(sched.scheduled))
-        # a model whose step has host-side work no graph replays (Qwen4-Exp's QSA past its budget) runs it eagerly
+        # a model whose step has host-side work no graph replays (Qwen4-Exp's QSA prompt rows past its budget) runs it
+        # eagerly
         calibrating = calibrating or (hasattr(self.model, "eager_step") and self.model.eager_step(
-            [s.start + s.num_new_tokens for s in sched.scheduled]))
+            [s.start + s.num_new_tokens for s in sched.scheduled], [s.num_new_tokens for s in sched.scheduled]))
         # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows
                       and self._token_rows_step(sched))

@@ -27,11 +27,12 @@ Positions: M-RoPE as Qwen3.5; text tokens have every section at the token's posi
 
 Per-request state: the GDN layers' conv / SSM states in the StateCache, plus the StateCache extras "ple_ctx" (the
 last ngram_size - 1 token ids) and "ple_conv" (every PLE layer's last dilated-conv inputs) when PLE layers exist;
-QSA raw keys in extra paged KV caches (IndexKeyStore). Not built (refused at load): tensor / pipeline parallelism,
-quantized checkpoints, LoRA, speculative decoding, pooling.
+QSA raw and pooled index keys in extra paged KV caches (IndexKeyStore). Not built (refused at load): tensor /
+pipeline parallelism, quantized checkpoints, LoRA, speculative decoding, pooling.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Iterable, Optional, Sequence
 
@@ -97,31 +98,45 @@ class GatedResidual(nn.Module):
 
 
 class IndexedAttention(GatedAttention):
-    """Qwen3.5 gated attention; with QSA, contexts past the budget attend to the indexer's selection only."""
+    """Qwen3.5 gated attention; with QSA, contexts past the budget attend to the indexer's selection only: decode
+    rows through virtual block tables (qwen4_exp_qsa_decode, CUDA-graph safe), prompt rows through the torch path."""
 
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 index_slot: Optional[tuple[int, int, int]]):
+                 index_slot: Optional[tuple[tuple[int, int, int], tuple[int, int, int]]]):
         super().__init__(cfg, kv_index, dtype, rotary)
         self.indexer = QSAIndexer(cfg, dtype) if index_slot is not None else None
         self.index_slot = index_slot
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext,
-                sparse: Sequence[int] = ()) -> torch.Tensor:
-        """sparse: the requests (batch indices) whose context is past the indexer's full-attention length."""
+                sparse: Sequence[int] = (), select_decode: bool = False) -> torch.Tensor:
+        """sparse: the requests (batch indices) whose context is past the indexer's full-attention length (torch
+        path); select_decode: a pure-decode step whose every row attends to its selection (virtual block tables)."""
         if self.indexer is None:
             return super().forward(positions, x, ctx)
+        from voltllm.model.models import qwen4_exp_qsa_decode as qsa
+
         t = x.shape[0]
+        meta = ctx.meta
         q_idx, raw = self.indexer.project(x)
-        cache_i, plane, off = self.index_slot
-        keys = IndexKeyStore.view(ctx.kv_caches[cache_i], plane, off, self.indexer.dim)
-        _store_rows(keys, raw, ctx.meta.slot_mapping[:t])
+        keys, pooled = (IndexKeyStore.view(ctx.kv_caches[c], plane, off, self.indexer.dim)
+                        for c, plane, off in self.index_slot)
+        bs = ctx.kv_caches[self.kv_index].shape[2]
+        _store_rows(keys, raw, meta.slot_mapping[:t])
+        qsa.store_pooled_keys(self.indexer, self.rotary, keys, pooled, positions, meta.slot_mapping[:t],
+                              meta.block_tables, qsa.row_sequences(meta, t, x.device), bs)
         qg, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = q.contiguous()
         q_raw = q.clone() if sparse else None  # (the paged path may rotate q in place)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.rope_and_attend(positions, q, k, v, ctx, self.q_norm, self.k_norm)  # also stores K / V
+        attn_ctx = ctx
+        if select_decode:  # the same launch as the plain path, over each row's selected pages
+            vmeta, page = qsa.decode_selection(self.indexer, self.rotary, q_idx, positions, pooled, meta, bs)
+            caches = list(ctx.kv_caches)
+            caches[self.kv_index] = qsa.paged_view(caches[self.kv_index], page)
+            attn_ctx = dataclasses.replace(ctx, meta=vmeta, kv_caches=caches)
+        out = self.rope_and_attend(positions, q, k, v, attn_ctx, self.q_norm, self.k_norm)  # also stores K / V
         out = out.reshape(t, self.num_heads, self.head_dim)
         if sparse:
             out = out.clone()
@@ -197,18 +212,20 @@ class Qwen4ExpDecoderLayer(nn.Module):
         if self.kind == "linear_attention":
             x = self.linear_attn(x, batch)
         else:
-            x = self.self_attn(positions, x, ctx, step.sparse)
+            x = self.self_attn(positions, x, ctx, step.sparse, step.select_decode)
         h = GatedResidual.inject(h, x, w)
         x, w = self.mlp_hyper_connection(h)
         return GatedResidual.inject(h, self.mlp(x), w)
 
 
 class _Step:
-    """What every layer of one forward shares: the PLE n-gram windows, the requests on QSA's sparse path."""
+    """What every layer of one forward shares: the PLE n-gram windows, the requests on QSA's torch path, whether
+    QSA's decode rows attend through virtual block tables."""
 
-    def __init__(self, windows: Optional[torch.Tensor], sparse: list[int]):
+    def __init__(self, windows: Optional[torch.Tensor], sparse: list[int], select_decode: bool = False):
         self.windows = windows
         self.sparse = sparse
+        self.select_decode = select_decode
 
 
 class Qwen4ExpForCausalLM(nn.Module):
@@ -299,9 +316,14 @@ class Qwen4ExpForCausalLM(nn.Module):
             if layer.ple is not None:
                 layer.ple.readable_table(device)
 
-    def eager_step(self, context_lens: Sequence[int]) -> bool:
-        """Whether a decode step over requests of these context lengths must run eagerly (QSA's sparse path)."""
-        return self.qsa and max(context_lens, default=0) >= self._full_context
+    def eager_step(self, context_lens: Sequence[int], query_lens: Optional[Sequence[int]] = None) -> bool:
+        """Whether a step over requests of these context lengths (after the step) and query lengths must run eagerly:
+        a request past QSA's budget with several query rows (the torch path). Decode rows select on the device (CUDA
+        graphs too). Without query_lens every request counts as several rows."""
+        if not self.qsa:
+            return False
+        query_lens = query_lens if query_lens is not None else [2] * len(context_lens)
+        return any(c >= self._full_context and q > 1 for c, q in zip(context_lens, query_lens))
 
     @property
     def _full_context(self) -> int:
@@ -332,10 +354,15 @@ class Qwen4ExpForCausalLM(nn.Module):
                                   cache.extra["ple_ctx"], self.config.ngram_size, self.eos)
             windows = ngrams.windows
         meta = ctx.meta
-        sparse = []
-        if self.qsa and not isinstance(ctx.extra.get("state_slots"), torch.Tensor):
-            sparse = [i for i, n in enumerate(meta.seq_lens_cpu) if n >= self._full_context]
-        step = _Step(windows, sparse)
+        sparse, select_decode = [], False
+        if self.qsa:
+            # a CUDA graph (state slots on the device) is captured once for every context length: pure-decode steps
+            # select on the device; eager steps only when a context is past the budget (prompt rows: torch path)
+            graph = isinstance(ctx.extra.get("state_slots"), torch.Tensor)
+            long = [] if graph else [i for i, n in enumerate(meta.seq_lens_cpu) if n >= self._full_context]
+            select_decode = meta.is_pure_decode and (graph or bool(long))
+            sparse = [] if select_decode else long
+        step = _Step(windows, sparse, select_decode)
         x = self.embed_tokens(input_ids)
         images = ctx.extra.get("image_embeds")
         if images is not None:  # the vision tower's rows in place of the placeholders' (worker/image_step.py); PLE

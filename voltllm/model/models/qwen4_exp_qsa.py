@@ -16,10 +16,12 @@ the model asks the runner for a few more "attention layers" than it has (IndexKe
 layers' raw keys into those caches' token rows: a cache [2, blocks, block_size, Hkv, D] holds 2 * (Hkv * D //
 d_idx) layers' keys per token. An fp8 KV cache is refused (the raw keys are stored in the model dtype).
 
-The sparse path is plain torch, per request, query rows in chunks: the request's raw keys and K / V gathered through
-its block table, the selection as a token mask, masked attention in fp32 (correct, not fast). Its host decisions
-(which requests are past the budget) are not replayable, so the runner runs steps with such a request eagerly
-(Qwen4ExpForCausalLM.eager_step).
+Rows of prompt chunks past the budget take the plain torch path here, per request, query rows in chunks: the
+request's raw keys and K / V gathered through its block table, the selection as a token mask, masked attention in
+fp32 (correct, not fast); its host decisions are not replayable, so the runner runs such steps eagerly
+(Qwen4ExpForCausalLM.eager_step). Decode rows select on the device (qwen4_exp_qsa_decode: pooled keys stored per
+block, virtual block tables into the paged decode kernel, CUDA-graph safe); this module's selection +
+sparse_attention stay their reference.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ QUERY_CHUNK = 256  # query rows scored / attended at once on the sparse path (bo
 
 
 class IndexKeyStore:
-    """Where each indexed layer's raw keys live inside the extra KV caches (after the attention layers' own)."""
+    """Where each indexed layer's raw keys and pooled block keys live inside the extra KV caches (after the attention
+    layers' own): entries 0..n-1 are the layers' raw keys, n..2n-1 their pooled keys (qwen4_exp_qsa_decode)."""
 
     def __init__(self, num_attention: int, num_indexed: int, kv_heads: int, head_dim: int, index_dim: int):
         per_plane = (kv_heads * head_dim) // index_dim
@@ -46,17 +49,21 @@ class IndexKeyStore:
         self.per_plane = per_plane
         self.index_dim = index_dim
         self.num_attention = num_attention
-        self.num_caches = -(-num_indexed // (2 * per_plane)) if num_indexed else 0
+        self.num_indexed = num_indexed
+        self.num_caches = -(-2 * num_indexed // (2 * per_plane)) if num_indexed else 0
 
-    def place(self, j: int) -> tuple[int, int, int]:
-        """Indexed layer j -> (KV cache index, plane 0 / 1, channel offset)."""
-        cache, rest = divmod(j, 2 * self.per_plane)
+    def _entry(self, e: int) -> tuple[int, int, int]:
+        cache, rest = divmod(e, 2 * self.per_plane)
         plane, slot = divmod(rest, self.per_plane)
         return self.num_attention + cache, plane, slot * self.index_dim
 
+    def place(self, j: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """Indexed layer j -> (raw keys, pooled keys), each (KV cache index, plane 0 / 1, channel offset)."""
+        return self._entry(j), self._entry(self.num_indexed + j)
+
     @staticmethod
     def view(kv_cache: torch.Tensor, plane: int, offset: int, dim: int) -> torch.Tensor:
-        """[blocks * block_size, dim] rows of one layer's raw keys."""
+        """[blocks * block_size, dim] rows of one layer's raw (or pooled) keys."""
         if kv_cache.dtype == torch.uint8:
             raise ValueError("Qwen4-Exp QSA keeps its index keys in the KV cache in the model dtype: an fp8 KV cache "
                              "(--kv-cache-dtype fp8*) is not supported for this model")

@@ -1,0 +1,207 @@
+"""Qwen4-Exp QSA decode rows (voltllm/model/models/qwen4_exp_qsa_decode.py) against the torch reference
+(QSAIndexer.selection + sparse_attention), on random data.
+
+The case builder (make_case, run_case) is shared: tests/unit/test_qwen4_exp_qsa_decode.py runs it on the CPU with the
+torch attention backend; run as a script under TRITON_INTERPRET=1 (tests/unit/test_qwen4_exp_qsa_decode.py runs it in
+a subprocess) it checks the Triton paged decode kernel over the virtual block tables, printing
+    CHECK <name> <ok|FAIL> <detail>
+"""
+from __future__ import annotations
+
+import math
+import sys
+import traceback
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from voltllm.attention.backend import AttentionMetadata
+from voltllm.attention.torch_ref import gather_kv
+from voltllm.model.layers.rotary import RotaryEmbedding
+from voltllm.model.models import qwen4_exp_qsa_decode as qsa
+from voltllm.model.models.qwen4_exp_qsa import QSAIndexer, sparse_attention
+
+HEADS, KV_HEADS, HEAD_DIM, N_IDX, D_IDX, ROT = 8, 2, 64, 4, 32, 16
+
+
+@dataclass
+class Case:
+    indexer: QSAIndexer
+    rotary: RotaryEmbedding
+    lens: list[int]  # contexts after the decode step (row i at position lens[i] - 1)
+    kv: torch.Tensor  # [2, blocks, page, KV_HEADS, HEAD_DIM]; unused slots NaN
+    index: torch.Tensor  # [2, blocks, page, 1, D_IDX]: plane 0 raw keys, plane 1 pooled keys
+    tables: torch.Tensor  # [R, width] int32 (pad rows: zeros)
+    q_idx: torch.Tensor  # [R, N_IDX, D_IDX] the decode rows' indexer queries (unnormed)
+    q: torch.Tensor  # [R, HEADS, HEAD_DIM] the decode rows' attention queries (rotated)
+    meta: AttentionMetadata  # the decode step's (pad rows: slot -1, seq_len 1)
+    page: int
+
+    @property
+    def raw(self) -> torch.Tensor:
+        return self.index.view(2, -1, D_IDX)[0]
+
+    @property
+    def pooled(self) -> torch.Tensor:
+        return self.index.view(2, -1, D_IDX)[1]
+
+
+def make_case(lens: list[int], ratio: int, page: int, budget: int, seed: int, pad_rows: int = 0,
+              dtype: torch.dtype = torch.float32, extra_width: int = 2) -> Case:
+    """Random keys and weights; the prompt (every position but the last) stored and its pooled keys computed by
+    one multi-row step, as a prompt chunk does; the decode rows' raw keys stored by the caller (run_selection)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = SimpleNamespace(hidden_size=16, indexer_n_heads=N_IDX, indexer_head_dim=D_IDX, indexer_compress_ratio=ratio,
+                          indexer_budget=budget, rms_norm_eps=1e-6,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    indexer = QSAIndexer(cfg, dtype)
+    with torch.no_grad():
+        indexer.q_layernorm.weight.copy_(torch.randn(D_IDX, generator=g) * 0.3)
+        indexer.k_layernorm.weight.copy_(torch.randn(D_IDX, generator=g) * 0.3)
+    rotary = RotaryEmbedding(cfg, D_IDX, max(lens) + 64, ROT)
+    nblocks = [math.ceil(n / page) for n in lens]
+    width = max(nblocks) + extra_width
+    total = sum(nblocks) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    rows = len(lens) + pad_rows
+    tables = torch.zeros(rows, width, dtype=torch.int32)
+    kv = torch.full((2, total, page, KV_HEADS, HEAD_DIM), float("nan"), dtype=dtype)
+    index = torch.zeros(2, total, page, 1, D_IDX, dtype=dtype)
+    flat_kv = kv.view(2, -1, KV_HEADS, HEAD_DIM)
+    used, prompt_slots, prompt_pos, prompt_qsl = 0, [], [], [0]
+    for i, n in enumerate(lens):
+        blocks = perm[used:used + nblocks[i]]
+        used += nblocks[i]
+        tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots = torch.tensor([blocks[p // page] * page + p % page for p in range(n)])
+        flat_kv[:, slots] = torch.randn(2, n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+        index.view(2, -1, D_IDX)[0, slots] = torch.randn(n, D_IDX, generator=g).to(dtype)
+        prompt_slots += slots[:-1].tolist()
+        prompt_pos += list(range(n - 1))
+        prompt_qsl.append(len(prompt_pos))
+    raw_view = index.view(2, -1, D_IDX)[0]
+    pooled_view = index.view(2, -1, D_IDX)[1]
+    prompt = AttentionMetadata(
+        num_tokens=len(prompt_pos), query_start_loc=torch.tensor(prompt_qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([n - 1 for n in lens], dtype=torch.int32), block_tables=tables[:len(lens)],
+        slot_mapping=torch.tensor(prompt_slots), max_query_len=max(lens) - 1, max_seq_len=max(lens) - 1,
+        query_start_loc_cpu=prompt_qsl, seq_lens_cpu=[n - 1 for n in lens])
+    positions = torch.tensor(prompt_pos)
+    with torch.no_grad():
+        qsa.store_pooled_keys(indexer, rotary, raw_view, pooled_view, positions, prompt.slot_mapping, tables,
+                              qsa.row_sequences(prompt, len(prompt_pos), positions.device), page)
+    last = [int(tables[i, (n - 1) // page]) * page + (n - 1) % page for i, n in enumerate(lens)]
+    meta = AttentionMetadata(
+        num_tokens=rows, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens + [1] * pad_rows, dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.tensor(last + [-1] * pad_rows), max_query_len=1, max_seq_len=max(lens),
+        query_start_loc_cpu=list(range(rows + 1)), seq_lens_cpu=lens + [1] * pad_rows)
+    q_idx = torch.randn(rows, N_IDX, D_IDX, generator=g).to(dtype)
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(dtype)
+    return Case(indexer, rotary, lens, kv, index, tables, q_idx, q, meta, page)
+
+
+def positions(case: Case) -> torch.Tensor:
+    return torch.tensor([n - 1 for n in case.lens] + [0] * (case.meta.num_tokens - len(case.lens)))
+
+
+@torch.no_grad()
+def run_selection(case: Case) -> tuple[AttentionMetadata, int]:
+    """The decode step: its rows' pooled keys stored (completing rows), then the selection's metadata."""
+    pos = positions(case)
+    meta = case.meta
+    qsa.store_pooled_keys(case.indexer, case.rotary, case.raw, case.pooled, pos, meta.slot_mapping,
+                          meta.block_tables, qsa.row_sequences(meta, pos.shape[0], pos.device), case.page)
+    return qsa.decode_selection(case.indexer, case.rotary, case.q_idx, pos, case.pooled, meta, case.page)
+
+
+@torch.no_grad()
+def reference(case: Case) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(attention [n, HEADS, HEAD_DIM], each row's selected flat slots, sorted) from the torch reference."""
+    outs, chosen = [], []
+    scale = HEAD_DIM ** -0.5
+    for i, n in enumerate(case.lens):
+        table = case.tables[i]
+        slots = torch.tensor([int(table[p // case.page]) * case.page + p % case.page for p in range(n)])
+        mask = case.indexer.selection(case.q_idx[i:i + 1], torch.tensor([n - 1]), case.raw[slots], case.rotary)
+        k, v = gather_kv(case.kv, table, n)
+        outs.append(sparse_attention(case.q[i:i + 1], k, v, mask, scale))
+        chosen.append(slots[mask[0]].sort().values)
+    return torch.cat(outs), chosen
+
+
+def selected_slots(vmeta: AttentionMetadata, page: int, rows: int) -> list[torch.Tensor]:
+    """Each row's flat slots in its virtual table (the first seq_len positions), sorted."""
+    out = []
+    for i in range(rows):
+        n = int(vmeta.seq_lens[i])
+        p = torch.arange(n)
+        out.append((vmeta.block_tables[i].long()[p // page] * page + p % page).sort().values)
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def run_case(case: Case, backend) -> tuple[float, str]:
+    """(relative error of the decode rows' attention, problems) for a backend attending over the selection."""
+    vmeta, page = run_selection(case)
+    n = len(case.lens)
+    ref, want = reference(case)
+    got = selected_slots(vmeta, page, n)
+    problems = [f"row {i}: selection differs" for i in range(n) if not torch.equal(got[i], want[i])]
+    view = qsa.paged_view(case.kv, page)
+    k = torch.zeros(case.q.shape[0], KV_HEADS, HEAD_DIM, dtype=case.q.dtype)
+    out = backend.forward(case.q.clone(), k, k.clone(), view, vmeta, HEAD_DIM ** -0.5, kv_written=True)
+    if not torch.isfinite(out[:n]).all():
+        problems.append("non-finite output (read outside the selection)")
+    return rel_err(out[:n], ref), " ".join(problems)
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _checks():
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+
+    f32 = torch.float32
+    # (lens, ratio, page, budget): rows below and above budget + ratio, odd lengths, rows completing a block now
+    mixed = [7, 16, 23, 40, 41, 64, 99, 100]
+    yield "ratio_lt_page_nosplit", lambda: run_case(make_case(mixed, 4, 16, 16, seed=1, pad_rows=2),
+                                                    TritonAttentionBackend(num_sms=1)), f32
+    yield "ratio_eq_page_split", lambda: run_case(make_case(mixed, 4, 4, 16, seed=2),
+                                                  TritonAttentionBackend(num_sms=64, max_splits=3)), f32
+    yield "ratio_two_pages_fma", lambda: run_case(make_case(mixed, 8, 4, 16, seed=3, pad_rows=1),
+                                                  TritonAttentionBackend(use_tensor_cores=False, num_sms=64)), f32
+    yield "ratio_lt_page_f16_lanes", lambda: run_case(
+        make_case([5, 50, 131], 4, 8, 24, seed=4, dtype=torch.float16),
+        TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=True)), torch.float16
+
+
+def main() -> int:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("run with TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    from interp_util import patch_interpreter_index
+
+    patch_interpreter_index()
+    torch.set_num_threads(2)
+    failed = 0
+    for name, fn, dtype in _checks():
+        try:
+            err, problems = fn()
+            ok = err < TOL[dtype] and not problems
+            detail = f"relerr={err:.3e} tol={TOL[dtype]:.0e} {problems}".strip()
+        except Exception:
+            ok, detail = False, traceback.format_exc().replace("\n", " | ")
+        failed += not ok
+        print(f"CHECK {name} {'ok' if ok else 'FAIL'} {detail}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Qwen4-Exp QSA for decode rows (one query row per sequence) without host decisions: CUDA-graph capturable, every
+shape static (the block tables' width bounds the blocks), the attention itself the ordinary paged decode kernel.
+
+Pooled block keys. Block j's key (the mean of its r raw keys, k_layernorm, RoPE at position j r; qwen4_exp_qsa) is
+fixed once the block is complete, so it is computed once, by the step whose row completes the block (position
+(j + 1) r - 1; a prompt chunk computes every block it completes), and stored in the paged KV cache: a second
+IndexKeyStore entry per indexed layer ("pooled plane", d_idx channels per token row), at the row of the block's last
+token. That row's page is the sequence's own when it is written (a page shared through the prefix cache holds a
+prefix ending at or past that token, so its pooled keys are those every sharer computes), and prefix caching,
+preemption and offloading carry it with K / V. Rows of other positions in the plane hold unused values.
+
+Scores + top-k (block_scores, virtual_tables): for each decode row at position p, every block j < NB (NB: the block
+tables' width in blocks; a graph's tables are --max-model-len wide) is scored from its stored key, blocks past
+n_c = (p + 1) // r masked to -inf, top min(budget // r, NB) taken, the -inf picks dropped, the rest sorted.
+
+Attention over the selection: the selected blocks, then the tail block n_c (positions n_c r .. p), as a VIRTUAL
+block table over the KV cache viewed with pages of P = gcd(r, block_size) tokens (each block is r / P such pages,
+each inside one real page), and a virtual seq_len (selected r each + the tail's p + 1 - n_c r). K / V are stored
+RoPE'd at their true positions, so attending to a subset is the paged decode kernel over another key set. A row whose
+context is under budget + r selects every complete block: its virtual table is its whole context in order, the
+same attention as the plain path. The reference stays qwen4_exp_qsa.QSAIndexer.selection + sparse_attention.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from voltllm.attention.backend import AttentionMetadata
+from voltllm.model.layers.rotary import RotaryEmbedding
+from voltllm.model.models.qwen4_exp_qsa import QSAIndexer, rope_rows
+
+
+def row_sequences(meta: AttentionMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """Each token row's sequence (batch index) [num_rows]: rows are sequences in a pure-decode step (a graph's padding
+    rows included); otherwise from the host's query starts (an eager step)."""
+    if meta.is_pure_decode:
+        return torch.arange(num_rows, device=device).clamp_max(meta.block_tables.shape[0] - 1)
+    qsl = meta.query_start_loc_cpu
+    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)])
+    seqs = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    pad = num_rows - seqs.shape[0]  # (rows past the sequences' tokens: attributed to the last, written nowhere)
+    if pad > 0:
+        seqs = torch.cat((seqs, seqs.new_full((pad,), max(len(lens) - 1, 0))))
+    return seqs[:num_rows].to(device)
+
+
+def token_slots(block_tables: torch.Tensor, seqs: torch.Tensor, positions: torch.Tensor,
+                block_size: int) -> torch.Tensor:
+    """Cache rows (flat slots) of positions [n, ...] of sequences seqs [n] (columns clamped to the table)."""
+    pos = positions.long()
+    col = (pos // block_size).clamp(0, block_tables.shape[1] - 1)
+    pages = block_tables[seqs.long()].long().gather(1, col.reshape(col.shape[0], -1)).view_as(col)
+    return pages * block_size + pos % block_size
+
+
+def store_pooled_keys(indexer: QSAIndexer, rotary: RotaryEmbedding, raw_keys: torch.Tensor,
+                      pooled_keys: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_tables: torch.Tensor, seqs: torch.Tensor, block_size: int) -> None:
+    """For every row t: the pooled key of the block of r positions ending at positions[t] into pooled_keys at the
+    row's own slot (only rows completing a block give a key anything reads; slot -1 writes nowhere). Raw keys of
+    this step must be stored already."""
+    from voltllm.model.models.qwen4_exp import _store_rows
+
+    t, r = slot_mapping.shape[0], indexer.ratio
+    pos = positions[:t].long()
+    window = (pos[:, None] - (r - 1) + torch.arange(r, device=pos.device)).clamp_min(0)  # [t, r]
+    raw = raw_keys[token_slots(block_tables, seqs[:t], window, block_size).view(-1)].view(t, r, indexer.dim)
+    pooled = raw.float().mean(1).to(raw_keys.dtype)
+    start = (pos + 1 - r).clamp_min(0)
+    keys = rope_rows(indexer.k_layernorm(pooled), start, rotary)
+    _store_rows(pooled_keys, keys, slot_mapping)
+
+
+def block_scores(indexer: QSAIndexer, q_rot: torch.Tensor, pooled_keys: torch.Tensor, positions: torch.Tensor,
+                 block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """q_rot [R, n_idx, d] (normed, RoPE'd) of decode rows at positions [R] (row i: sequence i) -> fp32 scores
+    [R, NB] of every block the tables can hold, -inf for blocks not complete at the row's position."""
+    rows, r = q_rot.shape[0], indexer.ratio
+    nb = block_tables.shape[1] * block_size // r
+    j = torch.arange(nb, device=q_rot.device)
+    ends = ((j + 1) * r - 1).expand(rows, nb)
+    seqs = torch.arange(rows, device=q_rot.device)
+    keys = pooled_keys[token_slots(block_tables, seqs, ends, block_size).view(-1)].view(rows, nb, indexer.dim)
+    scores = torch.relu(torch.einsum("nhd,ncd->nhc", q_rot.float(), keys.float())).sum(1) / math.sqrt(indexer.dim)
+    complete = (positions[:rows].long() + 1) // r
+    return scores.masked_fill(j[None, :] >= complete[:, None], float("-inf"))
+
+
+def virtual_tables(scores: torch.Tensor, top_blocks: int, positions: torch.Tensor, block_tables: torch.Tensor,
+                   ratio: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """-> (virtual block tables [R, (k + 1) r / P] int32 over pages of P = gcd(ratio, block_size) tokens, virtual
+    seq_lens [R] int32, P): row i's top-k complete blocks (by scores [R, NB]) in order, then its tail block."""
+    rows, nb = scores.shape
+    dev = scores.device
+    k = min(top_blocks, nb)
+    page = math.gcd(ratio, block_size)
+    vals, idx = scores.topk(k, dim=-1)
+    valid = vals > float("-inf")  # (-inf picks: blocks not complete)
+    chosen = torch.where(valid, idx, nb).sort(dim=-1).values  # ascending, dropped picks last
+    nsel = valid.sum(-1)
+    pos = positions[:rows].long()
+    complete = (pos + 1) // ratio
+    slots = torch.arange(k + 1, device=dev)[None, :]
+    blocks = torch.cat((chosen, chosen.new_zeros(rows, 1)), dim=1)
+    blocks = torch.where(slots == nsel[:, None], complete[:, None], blocks)  # the tail block right after them
+    blocks = torch.where(slots > nsel[:, None], 0, blocks)  # padding: never read (past the virtual seq_len)
+    per_block = ratio // page
+    first = blocks[:, :, None] * ratio + torch.arange(per_block, device=dev) * page  # [R, k + 1, r / P]
+    seqs = torch.arange(rows, device=dev)
+    pages = token_slots(block_tables, seqs, first, block_size) // page  # page index in the P-token view
+    lens = nsel * ratio + (pos + 1 - complete * ratio)
+    return pages.view(rows, -1).to(torch.int32), lens.to(torch.int32), page
+
+
+def selection_meta(meta: AttentionMetadata, tables: torch.Tensor, lens: torch.Tensor,
+                   bound: int) -> AttentionMetadata:
+    """The step's pure-decode metadata with the virtual tables and seq_lens. Host lengths: the real ones on the CPU
+    (the torch backend reads them), the bound on CUDA (its decode kernel reads the device lengths; no sync)."""
+    host = lens.tolist() if not lens.is_cuda else [min(bound, n) for n in meta.seq_lens_cpu]
+    return AttentionMetadata(
+        num_tokens=meta.num_tokens, query_start_loc=meta.query_start_loc, seq_lens=lens, block_tables=tables,
+        slot_mapping=meta.slot_mapping, max_query_len=meta.max_query_len, max_seq_len=min(meta.max_seq_len, bound),
+        query_start_loc_cpu=meta.query_start_loc_cpu, seq_lens_cpu=host)
+
+
+def paged_view(kv_cache: torch.Tensor, page: int) -> torch.Tensor:
+    """The KV cache [2, blocks, block_size, H, D] as pages of `page` tokens (the same memory, the same flat slots)."""
+    two, nb, bs = kv_cache.shape[:3]
+    if page == bs:
+        return kv_cache
+    return kv_cache.view(two, nb * bs // page, page, *kv_cache.shape[3:])
+
+
+def decode_selection(indexer: QSAIndexer, rotary: RotaryEmbedding, q_idx: torch.Tensor, positions: torch.Tensor,
+                     pooled_keys: torch.Tensor, meta: AttentionMetadata, block_size: int,
+                     scores_fn: Optional[callable] = None) -> tuple[AttentionMetadata, int]:
+    """A pure-decode step's rows -> (the metadata attending to each row's selection, the view's page size)."""
+    rows = meta.block_tables.shape[0]
+    q_rot = rope_rows(indexer.q_layernorm(q_idx[:rows]), positions[:rows], rotary)
+    scores = (scores_fn or block_scores)(indexer, q_rot, pooled_keys, positions, meta.block_tables, block_size)
+    tables, lens, page = virtual_tables(scores, indexer.top_blocks, positions, meta.block_tables, indexer.ratio,
+                                        block_size)
+    bound = min(indexer.top_blocks, scores.shape[1]) * indexer.ratio + indexer.ratio
+    return selection_meta(meta, tables, lens, bound), page
