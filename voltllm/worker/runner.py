@@ -753,6 +753,13 @@ class ModelRunner:
         # eagerly
         calibrating = calibrating or (hasattr(self.model, "eager_step") and self.model.eager_step(
             [s.start + s.num_new_tokens for s in sched.scheduled], [s.num_new_tokens for s in sched.scheduled]))
+        # (and one whose image requests need their tokens' M-RoPE rotations by index: Qwen4-Exp's QSA pooled keys,
+        # and its torch path past the budget in a step that is not pure decode)
+        rotated = [i for i, s in enumerate(sched.scheduled) if self.image_step is not None
+                   and s.request.multi_modal is not None and hasattr(self.model, "needs_token_rotations")
+                   and (self.model.needs_token_rotations(s.start, s.request.num_prompt_tokens)
+                        or sched.total_tokens > n_seqs and self.model.eager_step([s.start + s.num_new_tokens]))]
+        calibrating = calibrating or bool(rotated)
         # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows
                       and self._token_rows_step(sched))
@@ -771,12 +778,11 @@ class ModelRunner:
         image_rows = None
         if self.image_step is not None:  # the step's image rows and scratch rotary rows
             image_rows = self.image_step.finish(images, self.dtype)
-            if hasattr(self.model, "eager_step"):  # (Qwen4-Exp's QSA past its budget: eager; it rotates past keys)
-                rotations = {i: self.image_step.token_rotations(s.request, s.start + s.num_new_tokens)
-                             for i, s in enumerate(sched.scheduled) if s.request.multi_modal is not None
-                             and self.model.eager_step([s.start + s.num_new_tokens])}
-                if rotations:
-                    images["token_rotations"] = rotations
+            if rotated:  # (Qwen4-Exp's QSA rotates past keys by their tokens' positions: an eager step)
+                images["token_rotations"] = {
+                    i: self.image_step.token_rotations(sched.scheduled[i].request,
+                                                       sched.scheduled[i].start + sched.scheduled[i].num_new_tokens)
+                    for i in rotated}
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)

@@ -122,8 +122,13 @@ class IndexedAttention(GatedAttention):
                         for c, plane, off in self.index_slot)
         bs = ctx.kv_caches[self.kv_index].shape[2]
         _store_rows(keys, raw, meta.slot_mapping[:t])
+        # blocks are token ranges; under M-RoPE (images) a token's position is not its index
+        token_pos = qsa.row_token_index(meta, t, x.device)
+        qsl, rotations = meta.query_start_loc_cpu, ctx.extra.get("token_rotations") or {}
+        start_rotary = {(qsl[i], qsl[i + 1]): _TokenRotary(*rot, self.rotary.rotary_dim)
+                        for i, rot in rotations.items()}
         qsa.store_pooled_keys(self.indexer, self.rotary, keys, pooled, positions, meta.slot_mapping[:t],
-                              meta.block_tables, qsa.row_sequences(meta, t, x.device), bs)
+                              meta.block_tables, qsa.row_sequences(meta, t, x.device), bs, token_pos, start_rotary)
         qg, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = q.contiguous()
@@ -132,7 +137,8 @@ class IndexedAttention(GatedAttention):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         attn_ctx = ctx
         if select_decode:  # the same launch as the plain path, over each row's selected pages
-            vmeta, page = qsa.decode_selection(self.indexer, self.rotary, q_idx, positions, pooled, meta, bs)
+            vmeta, page = qsa.decode_selection(self.indexer, self.rotary, q_idx, positions, pooled, meta, bs,
+                                               token_pos=token_pos)
             caches = list(ctx.kv_caches)
             caches[self.kv_index] = qsa.paged_view(caches[self.kv_index], page)
             attn_ctx = dataclasses.replace(ctx, meta=vmeta, kv_caches=caches)
@@ -324,6 +330,12 @@ class Qwen4ExpForCausalLM(nn.Module):
             return False
         query_lens = query_lens if query_lens is not None else [2] * len(context_lens)
         return any(c >= self._full_context and q > 1 for c, q in zip(context_lens, query_lens))
+
+    def needs_token_rotations(self, start: int, num_prompt_tokens: int) -> bool:
+        """Whether a step of a request with images whose rows start at token `start` must have its tokens' M-RoPE
+        rotations by token index (ImageStep.token_rotations; an eager step): a row in it may complete a QSA block
+        that starts inside the prompt, whose first token may be an image token (pooled keys rotate at it)."""
+        return self.qsa and start < num_prompt_tokens + self.config.indexer_compress_ratio - 1
 
     @property
     def _full_context(self) -> int:

@@ -32,6 +32,17 @@ from voltllm.model.layers.rotary import RotaryEmbedding
 from voltllm.model.models.qwen4_exp_qsa import QSAIndexer, rope_rows
 
 
+def row_token_index(meta: AttentionMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+    """Each token row's token index in its sequence [num_rows] (a graph's padding rows: clamped to 0). Decode rows:
+    seq_len - 1 on the device (CUDA-graph safe); otherwise from the host's query starts and lengths."""
+    if meta.is_pure_decode:
+        return (meta.seq_lens[:num_rows].long() - 1).clamp_min(0)
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    idx = [n - (qsl[i + 1] - qsl[i]) + j for i, n in enumerate(lens) for j in range(qsl[i + 1] - qsl[i])]
+    idx += [0] * (num_rows - len(idx))
+    return torch.tensor(idx[:num_rows], dtype=torch.long).to(device)
+
+
 def row_sequences(meta: AttentionMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
     """Each token row's sequence (batch index) [num_rows]: rows are sequences in a pure-decode step (a graph's padding
     rows included); otherwise from the host's query starts (an eager step)."""
@@ -57,19 +68,24 @@ def token_slots(block_tables: torch.Tensor, seqs: torch.Tensor, positions: torch
 
 def store_pooled_keys(indexer: QSAIndexer, rotary: RotaryEmbedding, raw_keys: torch.Tensor,
                       pooled_keys: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                      block_tables: torch.Tensor, seqs: torch.Tensor, block_size: int) -> None:
-    """For every row t: the pooled key of the block of r positions ending at positions[t] into pooled_keys at the
+                      block_tables: torch.Tensor, seqs: torch.Tensor, block_size: int,
+                      token_pos: Optional[torch.Tensor] = None, start_rotary: Optional[dict] = None) -> None:
+    """For every row t: the pooled key of the block of r tokens ending at the row's token into pooled_keys at the
     row's own slot (only rows completing a block give a key anything reads; slot -1 writes nowhere). Raw keys of
-    this step must be stored already."""
+    this step must be stored already. token_pos: each row's token index (None: the positions are token indices, as
+    in a text-only request); the key rotates at the block's first token's rotary position, positions - (r - 1) (a
+    block of text tokens has consecutive M-RoPE positions), or, for the rows start_rotary names ({row range (a, b):
+    a rotary table by token index}: a request with images, whose block may hold image tokens), that token's own."""
     from voltllm.model.models.qwen4_exp import _store_rows
 
     t, r = slot_mapping.shape[0], indexer.ratio
-    pos = positions[:t].long()
-    window = (pos[:, None] - (r - 1) + torch.arange(r, device=pos.device)).clamp_min(0)  # [t, r]
+    tok = (positions[:t] if token_pos is None else token_pos[:t]).long()
+    window = (tok[:, None] - (r - 1) + torch.arange(r, device=tok.device)).clamp_min(0)  # [t, r]
     raw = raw_keys[token_slots(block_tables, seqs[:t], window, block_size).view(-1)].view(t, r, indexer.dim)
-    pooled = raw.float().mean(1).to(raw_keys.dtype)
-    start = (pos + 1 - r).clamp_min(0)
-    keys = rope_rows(indexer.k_layernorm(pooled), start, rotary)
+    normed = indexer.k_layernorm(raw.float().mean(1).to(raw_keys.dtype))
+    keys = rope_rows(normed, (positions[:t].long() + 1 - r).clamp_min(0), rotary)
+    for (a, b), table in (start_rotary or {}).items():
+        keys[a:b] = rope_rows(normed[a:b], (tok[a:b] + 1 - r).clamp_min(0), table)
     _store_rows(pooled_keys, keys, slot_mapping)
 
 
@@ -135,12 +151,16 @@ def paged_view(kv_cache: torch.Tensor, page: int) -> torch.Tensor:
 
 def decode_selection(indexer: QSAIndexer, rotary: RotaryEmbedding, q_idx: torch.Tensor, positions: torch.Tensor,
                      pooled_keys: torch.Tensor, meta: AttentionMetadata, block_size: int,
-                     scores_fn: Optional[callable] = None) -> tuple[AttentionMetadata, int]:
-    """A pure-decode step's rows -> (the metadata attending to each row's selection, the view's page size)."""
+                     scores_fn: Optional[callable] = None,
+                     token_pos: Optional[torch.Tensor] = None) -> tuple[AttentionMetadata, int]:
+    """A pure-decode step's rows -> (the metadata attending to each row's selection, the view's page size).
+    positions rotate the queries; token_pos (None: the positions) are the rows' token indices, which set the blocks
+    (they differ under M-RoPE once a request has images)."""
     rows = meta.block_tables.shape[0]
+    tok = positions if token_pos is None else token_pos
     q_rot = rope_rows(indexer.q_layernorm(q_idx[:rows]), positions[:rows], rotary)
-    scores = (scores_fn or block_scores)(indexer, q_rot, pooled_keys, positions, meta.block_tables, block_size)
-    tables, lens, page = virtual_tables(scores, indexer.top_blocks, positions, meta.block_tables, indexer.ratio,
+    scores = (scores_fn or block_scores)(indexer, q_rot, pooled_keys, tok, meta.block_tables, block_size)
+    tables, lens, page = virtual_tables(scores, indexer.top_blocks, tok, meta.block_tables, indexer.ratio,
                                         block_size)
     bound = min(indexer.top_blocks, scores.shape[1]) * indexer.ratio + indexer.ratio
     return selection_meta(meta, tables, lens, bound), page
