@@ -82,3 +82,55 @@ def test_each_rank_holds_its_share(engines):
         assert [x.self_attn.index_slot for x in m2.layers if x.kind == "indexed_attention"] == [(2, 0, 0), (2, 1, 0)]
     if name.endswith("-ep"):
         assert m2.layers[0].mlp.experts_shard.count == 2
+
+
+def test_what_stays_refused():
+    """Pipeline parallelism, GGUF / bitsandbytes checkpoints: refused for Qwen4-Exp with one line; -tp sizes whose
+    PLE or QSA cuts do not fit: refused by tensor_parallel_error."""
+    from types import SimpleNamespace
+
+    from tiny_models import QWEN4_EXP_COMMON
+    from voltllm.config import EngineArgs, _qwen4_exp_unbuilt
+    from voltllm.distributed.support import tensor_parallel_error
+
+    cfg = SimpleNamespace(model_type="qwen4_exp_text", **QWEN4_EXP_COMMON, **PLE, **INDEXER)
+    assert _qwen4_exp_unbuilt(EngineArgs(model="m", tensor_parallel_size=2), cfg, "awq", None, "generate") is None
+    assert "pipeline" in _qwen4_exp_unbuilt(EngineArgs(model="m", pipeline_parallel_size=2), cfg, None, None,
+                                            "generate")
+    for method in ("gguf", "bitsandbytes"):
+        assert method in _qwen4_exp_unbuilt(EngineArgs(model="m"), cfg, method, None, "generate")
+    cpu = torch.device("cpu")
+    assert tensor_parallel_error(2, cfg, cpu, None, "dequantized") is None
+    wide = SimpleNamespace(**{**vars(cfg), "indexer_head_dim": 64})  # a 64-channel key in a rank's 32-channel row
+    assert "QSA index keys" in tensor_parallel_error(2, wide, cpu, None, "dequantized")
+    narrow = SimpleNamespace(**{**vars(cfg), "ple_embed_dim": 4 * 6})  # 6 channels per n-gram head, -tp 4
+    assert "PLE" in tensor_parallel_error(4, SimpleNamespace(**{**vars(narrow), "linear_num_key_heads": 4,
+                                                                 "num_key_value_heads": 4}), cpu, None, "dequantized")
+
+
+def test_awq_kept_quantized_matches_tp1(tmp_path, monkeypatch):
+    """An AWQ checkpoint kept quantized (as on a GPU), its PLE key / value and indexer projections quantized too
+    (dequantized at load, then cut by table columns): the planes cut by heads / expert rows on each rank; prompt
+    logprobs and greedy tokens of -tp 2 equal -tp 1's (PLE and QSA past its budget)."""
+    import voltllm.config
+    from quant_checkpoints import quantized_qwen4_exp
+    from voltllm.model.layers.gguf_planes import Planes
+
+    path = quantized_qwen4_exp(str(tmp_path), dict(method="awq", extra=("key_proj", "value_proj", "index_qk_proj")),
+                               **{**INDEXER, **PLE, "indexer_budget": 8})
+    if path is None:
+        pytest.skip("this transformers has no Qwen4-Exp")
+    monkeypatch.setattr(voltllm.config, "_quantized_weights", lambda *a, **k: "quantized")
+    one = LLM(path, **ENGINE)
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        model = two.engine.runner.model
+        out = model.layers[0].linear_attn.out_proj.gguf_segments[0].weight
+        assert isinstance(out, Planes) and out.k == 8 * 16 // 2 and model.layers[0].mlp.qexperts is not None
+        a, b = full_prompt_logprobs(one, PROMPTS[:3]), full_prompt_logprobs(two, PROMPTS[:3])
+        assert not a.isnan().any() and torch.allclose(a, b, atol=5e-5, rtol=0), (a - b).abs().max()
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
+    finally:
+        two.engine.shutdown()
