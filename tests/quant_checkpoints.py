@@ -166,12 +166,14 @@ def nvfp4_config(producer: str, ignore: list[str]) -> dict:
 
 def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool = False, act_order: bool = False,
                         seed: int = 0, block: Optional[tuple[int, int]] = (128, 128), dense: tuple[str, ...] = (),
-                        quant_file: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
+                        quant_file: bool = False, bits: int = 4,
+                        extra: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Rewrite the HF checkpoint at `path` (a tiny_models.make_model directory) in place as an `method` (awq: 4-bit,
     gptq: `bits`-bit (4 or 8), in groups of `group`; fp8: E4M3 in blocks, or per channel with block None; modelopt_fp4 /
     compressed-tensors: NVFP4, leaving the layers named in `dense` unquantized and listed as ignored; ModelOpt's
     config in hf_quant_config.json with quant_file) checkpoint; returns the dequantized weights {name: [N, K] fp32}
-    (what a reference model should hold)."""
+    (what a reference model should hold). `extra`: more projection names (the last part of a layer's name) to quantize
+    beside LINEARS and GDN_LINEARS."""
     from safetensors.torch import load_file, save_file
 
     if bits != 4 and method != "gptq":
@@ -182,7 +184,7 @@ def quantize_checkpoint(path: str, method: str, group: int = 32, symmetric: bool
     gen = torch.Generator().manual_seed(seed)
     for name, t in tensors.items():
         prefix, _, part = name.rpartition(".")
-        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS + GDN_LINEARS:
+        if part != "weight" or prefix.rpartition(".")[2] not in LINEARS + GDN_LINEARS + tuple(extra):
             out[name] = t
             continue
         if prefix.removeprefix("model.") in dense:
@@ -311,3 +313,16 @@ def assert_multiplies_alike(kept, dense, seed: int = 0) -> None:
     """A kept-quantized Linear gives its dequantized twin's outputs on random inputs."""
     x = torch.randn(3, kept.in_features, generator=torch.Generator().manual_seed(seed))
     torch.testing.assert_close(kept(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def quantized_qwen4_exp(path: str, quant: dict, **overrides) -> Optional[str]:
+    """A tiny random qwen4_exp_text checkpoint (tiny_models.make_tiny_qwen4_exp at the quantizable hybrid shape:
+    hidden 128, GDN value heads of 8 x 16, experts and shared expert of 128 rows; + overrides) quantized in place by
+    quantize_checkpoint(**quant). None when this transformers lacks Qwen4-Exp."""
+    from tiny_models import make_tiny_qwen4_exp
+
+    shape = {k: v for k, v in HYBRID_QUANT_SHAPE.items() if k != "intermediate_size"}
+    if make_tiny_qwen4_exp(path, 3, **{**shape, **HYBRID_QUANT_MOE, **overrides}) is None:
+        return None
+    quantize_checkpoint(path, **quant)
+    return path

@@ -145,6 +145,50 @@ def make_tiny_hybrid(path: str, kind: str, seed: int, gen_seed: int, conv_std: f
     return str(path)
 
 
+
+# --- tiny Qwen4-Exp (qwen4_exp_text) checkpoints: hyper-connections, GDN + gated attention, MoE every layer -----
+QWEN4_EXP_EOS = 5
+QWEN4_EXP_COMMON = dict(
+    vocab_size=HYBRID_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, hc_count=2, hc_lowrank=16, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, eos_token_id=QWEN4_EXP_EOS,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+# the QSA indexer (transformers always builds it): a budget past every context is plain causal attention
+QWEN4_EXP_INDEXER = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=4096,
+                         indexer_compress_ratio=4)
+# PLE on layers 1 and 3 (1-indexed; linear-attention layers), n-gram tables of 4 heads of 16 channels in 4 shards
+QWEN4_EXP_PLE = dict(ple_layer_ids=[1, 3], ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=101,
+                     make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4, ple_conv_kernel_size=3)
+
+
+def make_tiny_qwen4_exp(path: str, seed: int, **overrides: Any) -> str | None:
+    """Save a tiny random qwen4_exp_text checkpoint (QWEN4_EXP_COMMON + overrides) under path, with slow-ish GDN
+    decays, perturbed norms, larger conv and n-gram table weights (so every part moves the logits). None when this
+    transformers lacks Qwen4-Exp."""
+    import transformers
+
+    cls = getattr(transformers, "Qwen4ExpTextConfig", None)
+    if cls is None:
+        return None
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**QWEN4_EXP_COMMON, **overrides}))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.6, generator=gen).log())
+            elif "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+            elif "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+            elif "ngram_embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return str(path)
+
+
 def tiny_gdn_layer(device: str) -> Any:
     """One GatedDeltaNet layer (2 key / 4 value heads of 16, conv kernel 4, hidden 32), fp32, seeded random
     weights (std 0.3): the layer-level kernel checks run it with their Triton path on and off."""

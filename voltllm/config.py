@@ -931,13 +931,18 @@ def _resolve_device(device: str) -> torch.device:
 HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3", "suffix")
 
 
+# the quantized checkpoints built for Qwen4-Exp (as for the Qwen3.5-MoE hybrid): kept quantized on a GPU, dequantized
+# at load on the CPU; GGUF (no Qwen4-Exp GGUF layout) and bitsandbytes are not
+QWEN4_EXP_QUANT_METHODS = ("awq", "gptq", "fp8", "modelopt_fp4", "compressed-tensors")
+
+
 def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: Any, runner: str) -> Optional[str]:
     """What of this launch is not built for Qwen4-Exp (voltllm/model/models/qwen4_exp.py), or None."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
-        return "tensor / pipeline parallelism"
-    if method is not None:
-        return f"quantized checkpoints ({method})"
+    if args.pipeline_parallel_size > 1:
+        return "pipeline parallelism (--pipeline-parallel-size; tensor parallelism is built)"
+    if method is not None and method not in QWEN4_EXP_QUANT_METHODS:
+        return f"{method} quantization (built: {', '.join(QWEN4_EXP_QUANT_METHODS)} checkpoints)"
     if args.enable_lora:
         return "LoRA (--enable-lora)"
     if spec is not None:

@@ -11,9 +11,11 @@ import torch
 # by whole experts under --enable-expert-parallel: distributed/experts.py); a qwen3_vl / qwen3_vl_moe checkpoint runs
 # as its text model (a qwen3 / qwen3_moe), a qwen2_vl / qwen2_5_vl one as a qwen2
 TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen2_vl", "qwen2_5_vl")
-# hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs); a multimodal
-# qwen3_5 / qwen3_5_moe checkpoint runs as its text model
-TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+# hybrids (models/qwen3_next.py: Gated DeltaNet + gated attention + dense or sparse MoE MLPs; models/qwen4_exp.py:
+# the same mixers and MoE with hyper-connections, PLE and QSA); a multimodal qwen3_5 / qwen3_5_moe / qwen4_exp
+# checkpoint runs as its text model
+TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp",
+                   "qwen4_exp_text")
 # speculative methods under TP: host n-gram and suffix drafts; a draft model, the target's MTP module, a DFlash
 # drafter and an EAGLE-3 head run unsharded beside rank 0's target shard (MTP, DFlash and EAGLE-3 with rank 0's whole
 # copies of the target's embedding and LM head, model/layers/full_vocab.py)
@@ -73,6 +75,8 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
     for name, width in _split_widths(text, expert_parallel).items():
         if width % tp:
             return f"{flag}: the model's {name} {width} does not divide by {tp}"
+    if kind in ("qwen4_exp", "qwen4_exp_text") and (err := _qwen4_exp_split_error(tp, text)):
+        return f"{flag}: {err}"
     if speculative is not None and speculative.method not in TP_SPEC_METHODS:
         return (f"{flag}: speculative method {speculative.method!r} is not supported under tensor parallelism "
                 f"(use {' or '.join(TP_SPEC_METHODS)})")
@@ -85,6 +89,24 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
             return f"{flag}: needs {tp} CUDA devices from cuda:{first}, but {count} are visible"
     elif device.type != "cpu":
         return f"{flag}: tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {device.type}"
+    return None
+
+
+def _qwen4_exp_split_error(tp: int, cfg: Any) -> Optional[str]:
+    """Qwen4-Exp's own cuts (models/qwen4_exp.py): the PLE tables by each n-gram head's channels; the QSA raw keys
+    packed into rows of a rank's KV heads."""
+    if getattr(cfg, "ple_layer_ids", None):
+        heads = (int(cfg.ngram_size) - 1) * int(cfg.heads_per_ngram)
+        head_dim = int(getattr(cfg, "ple_embed_dim", None) or cfg.hidden_size) // heads
+        if head_dim % tp:
+            return f"the PLE n-gram heads' {head_dim} channels (split over the ranks) do not divide by {tp}"
+    if getattr(cfg, "indexer_n_heads", None) is not None:
+        heads = int(cfg.num_attention_heads)
+        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        row = max(1, kv // tp) * int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        if int(cfg.indexer_head_dim) > row:
+            return (f"a rank's KV cache rows ({max(1, kv // tp)} KV heads, {row} channels) cannot hold the QSA index "
+                    f"keys of {cfg.indexer_head_dim} channels")
     return None
 
 

@@ -27,8 +27,21 @@ Positions: M-RoPE as Qwen3.5; text tokens have every section at the token's posi
 
 Per-request state: the GDN layers' conv / SSM states in the StateCache, plus the StateCache extras "ple_ctx" (the
 last ngram_size - 1 token ids) and "ple_conv" (every PLE layer's last dilated-conv inputs) when PLE layers exist;
-QSA raw and pooled index keys in extra paged KV caches (IndexKeyStore). Not built (refused at load): tensor /
-pipeline parallelism, quantized checkpoints, LoRA, speculative decoding, pooling.
+QSA raw and pooled index keys in extra paged KV caches (IndexKeyStore).
+
+Quantized checkpoints kept quantized (a QuantizedLinearMethod as `linear_method`), as the Qwen3.5-MoE hybrid: the
+attention, GDN, shared-expert and untied LM-head projections hold planes, the routed experts quant_moe.QuantExperts.
+The hyper-connection, router, shared-expert gate, PLE and QSA indexer linears are plain nn.Linear layers: dense, and
+dequantized at load where a checkpoint quantized them.
+
+Tensor parallelism (`tp`, a TPGroup), as qwen3_next.py: gated attention by heads, each GDN layer by key / value heads,
+the MoE by every expert's intermediate rows (or whole experts under --enable-expert-parallel), the embedding and LM
+head by vocabulary rows; the mixer's o_proj / out_proj partial products are summed here (Qwen4ExpDecoderLayer), the
+MoE's in SparseMoE. The residual stream h, the hyper-connections and the QSA indexer are replicated (every rank
+computes the same selection from the same raw keys, which each rank keeps beside its own KV heads). The PLE n-gram
+tables are split by columns (each rank gathers its 1 / N of every head's embedding channels, and key_proj / value_proj
+sum their partial products over the ranks): each rank's process holds 1 / N of the host-memory tables.
+Not built (refused at load): pipeline parallelism, LoRA, speculative decoding, pooling.
 """
 from __future__ import annotations
 
@@ -40,11 +53,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voltllm.distributed.sharding import HeadShard, take_rows, vocab_rows
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layer_placement import build_layer
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
+from voltllm.model.layers.linear import Linear, LinearMethod
 from voltllm.model.layers.moe import SparseMoE
+from voltllm.model.layers.quantized_linear import dense_tensor
 from voltllm.model.layers.rotary import RotaryEmbedding
+from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 from voltllm.model.models.qwen3_next import GatedAttention, _rotary_dim, text_config
 from voltllm.model.models.qwen4_exp_ple import NGramContext, PLELayer, ZeroCentredRMSNorm
 from voltllm.model.models.qwen4_exp_qsa import IndexKeyStore, QSAIndexer, QUERY_CHUNK, sparse_attention
@@ -53,8 +70,8 @@ _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _SHARD = re.compile(r"ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
 
-UNSUPPORTED = ("tensor / pipeline parallelism, quantized checkpoints, LoRA, speculative decoding and pooling are not "
-               "built for Qwen4-Exp (qwen4_exp / qwen4_exp_text)")
+UNSUPPORTED = ("pipeline parallelism, LoRA, speculative decoding and pooling are not built for Qwen4-Exp "
+               "(qwen4_exp / qwen4_exp_text)")
 
 
 def layer_kinds(cfg: Any) -> list[str]:
@@ -102,8 +119,10 @@ class IndexedAttention(GatedAttention):
     rows through virtual block tables (qwen4_exp_qsa_decode, CUDA-graph safe), prompt rows through the torch path."""
 
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 index_slot: Optional[tuple[tuple[int, int, int], tuple[int, int, int]]]):
-        super().__init__(cfg, kv_index, dtype, rotary)
+                 index_slot: Optional[tuple[tuple[int, int, int], tuple[int, int, int]]],
+                 linear_method: Optional[LinearMethod] = None, tp=None):
+        # (with tp: this rank's heads; the indexer, a few channels per token, is replicated)
+        super().__init__(cfg, kv_index, dtype, rotary, linear_method, tp)
         self.indexer = QSAIndexer(cfg, dtype) if index_slot is not None else None
         self.index_slot = index_slot
 
@@ -197,17 +216,22 @@ def _store_rows(rows: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Te
 
 class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, kind: str, mixer_index: int, ple_index: Optional[int],
-                 index_slot: Optional[tuple[int, int, int]], dtype: torch.dtype, rotary: RotaryEmbedding):
+                 index_slot: Optional[tuple[tuple[int, int, int], tuple[int, int, int]]], dtype: torch.dtype,
+                 rotary: RotaryEmbedding,
+                 linear_method: Optional[LinearMethod] = None, tp=None):
         super().__init__()
         self.kind = kind
+        self.tp = tp
         self.ple_index = ple_index
-        self.ple = PLELayer(cfg, ple_index, dtype) if ple_index is not None else None
+        self.ple = PLELayer(cfg, ple_index, dtype, tp) if ple_index is not None else None
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, "split")
+            self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, "split", linear_method, tp)
         else:
-            self.self_attn = IndexedAttention(cfg, mixer_index, dtype, rotary, index_slot)
+            self.self_attn = IndexedAttention(cfg, mixer_index, dtype, rotary, index_slot, linear_method, tp)
+        # kept quantized: the routed experts as quant_moe.QuantExperts, the shared expert's Linears as planes
         self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                             cfg.shared_expert_intermediate_size, bool(getattr(cfg, "norm_topk_prob", True)), dtype)
+                             cfg.shared_expert_intermediate_size, bool(getattr(cfg, "norm_topk_prob", True)), dtype,
+                             quantized_experts=linear_method is not None, linear_method=linear_method, tp=tp)
         self.attn_hyper_connection = GatedResidual(cfg, dtype)
         self.mlp_hyper_connection = GatedResidual(cfg, dtype)
 
@@ -219,6 +243,8 @@ class Qwen4ExpDecoderLayer(nn.Module):
             x = self.linear_attn(x, batch)
         else:
             x = self.self_attn(positions, x, ctx, step.sparse, step.select_decode)
+        if self.tp is not None:  # the ranks' heads' out_proj / o_proj partial products (the MoE sums its own)
+            x = self.tp.all_reduce_(x)
         h = GatedResidual.inject(h, x, w)
         x, w = self.mlp_hyper_connection(h)
         return GatedResidual.inject(h, self.mlp(x), w)
@@ -235,14 +261,18 @@ class _Step:
 
 
 class Qwen4ExpForCausalLM(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int, linear_method: Any = None,
-                 tp: Any = None, pp: Any = None):
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int,
+                 linear_method: Optional[LinearMethod] = None, tp: Any = None, pp: Any = None):
+        """linear_method: how the attention, GDN, shared-expert and untied LM-head projections hold their weights
+        (with a quantized one the routed experts stay quantized too); None: dense. tp: this rank's tensor-parallel
+        group (module docstring); None: the whole model here."""
         super().__init__()
-        if linear_method is not None or tp is not None or pp is not None:
+        if pp is not None:
             raise ValueError(UNSUPPORTED)
         cfg = text_config(config)
         self.config = cfg
         self.dtype = dtype
+        self.tp = tp
         self.vocab_size = cfg.vocab_size
         if (getattr(cfg, "hidden_act", "silu") or "silu") not in ("silu", "swish"):
             raise ValueError(f"Qwen4-Exp: hidden_act {cfg.hidden_act!r} is not supported (silu)")
@@ -269,7 +299,10 @@ class Qwen4ExpForCausalLM(nn.Module):
                                  "indexer_compress_ratio")
             if rotary.rotary_dim > cfg.indexer_head_dim:
                 raise ValueError("Qwen4-Exp QSA: the rotary dimensions must fit the indexer head")
-        self.index_store = (IndexKeyStore(n_attn, n_attn, cfg.num_key_value_heads, head_dim, cfg.indexer_head_dim)
+        # each rank's KV cache rows hold its own KV heads: the raw keys are packed into rows of that width
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        local_kv = HeadShard.of(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size).num_kv_heads
+        self.index_store = (IndexKeyStore(n_attn, n_attn, local_kv, head_dim, cfg.indexer_head_dim)
                             if self.qsa else None)
         layers, a, g = [], 0, 0
         for i, kind in enumerate(self.layer_types):
@@ -281,15 +314,17 @@ class Qwen4ExpForCausalLM(nn.Module):
                 mixer_index, a = a, a + 1
                 slot = self.index_store.place(mixer_index) if self.qsa else None
             layers.append(build_layer(Qwen4ExpDecoderLayer, cfg, i, kind, mixer_index, ple_index, slot, dtype,
-                                      rotary))
+                                      rotary, linear_method, tp))
         self.layers = nn.ModuleList(layers)
         self._num_attn, self._num_gdn = a, g
         if g == 0:
             raise ValueError("Qwen4-Exp: no linear_attention layer (the recurrent state needs one)")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if tp is None else
+                             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp))
         self.hyper_connection_mixer = GatedResidual(cfg, dtype, combine=False)
         self.tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
+        self.lm_head = None if self.tie else Linear(cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
         self.rotary = rotary
         self.hc = cfg.hc_count
 
@@ -388,8 +423,15 @@ class Qwen4ExpForCausalLM(nn.Module):
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.tie else self.lm_head.weight
-        return F.linear(hidden, w)
+        if not self.tie and self.lm_head.weight is None:  # a head held by a quantized LinearMethod
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight if self.tie else self.lm_head.weight)
+        if self.tp is None:
+            return logits
+        # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)
+        logits = self.tp.all_gather_last(logits)
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
 
     # -- weights ---------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -403,7 +445,17 @@ class Qwen4ExpForCausalLM(nn.Module):
                 if name.startswith(prefix):
                     name = name[len(prefix):]
                     break
-            if self.tie and name == "lm_head.weight":
+            if name == "lm_head.weight":
+                if not self.tie:
+                    if self.tp is not None:  # this rank's vocabulary rows
+                        rows = vocab_rows(self.vocab_size, self.tp.size)
+                        tensor = take_rows(tensor, self.tp.rank * rows, rows)
+                    self.lm_head.load_weight(tensor)
+                    loaded.add("lm_head#0")
+                continue
+            if name == "embed_tokens.weight" and self.tp is not None:
+                self.embed_tokens.load(dense_tensor(tensor))  # (held dense, as without TP)
+                loaded.add(name)
                 continue
             if not name.startswith("layers."):
                 self._copy(params, name, tensor)
@@ -436,7 +488,10 @@ class Qwen4ExpForCausalLM(nn.Module):
     def _expected_keys(self) -> set[str]:
         """load_weights' names: parameters by name, the merged projections by shard ("qkv_proj#1"), n-gram tables."""
         keys = {n for n in dict(self.named_parameters()) if not (
-            ".linear_attn." in n or ".mlp." in n or ".self_attn.qkv_proj." in n or ".self_attn.o_proj." in n)}
+            ".linear_attn." in n or ".mlp." in n or ".self_attn.qkv_proj." in n or ".self_attn.o_proj." in n
+            or n.startswith("lm_head."))}
+        if not self.tie:
+            keys.add("lm_head#0")
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             if layer.kind == "linear_attention":
@@ -449,17 +504,24 @@ class Qwen4ExpForCausalLM(nn.Module):
         return keys
 
     def _load_attention(self, attn: IndexedAttention, p: str, rest: str, tensor, params) -> list[str]:
-        stacked = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
-        if rest in stacked:
-            attn.qkv_proj.load_weight(tensor, stacked[rest])
-            return [p + f"self_attn.qkv_proj#{stacked[rest]}"]
-        if rest == "o_proj.weight":
-            attn.o_proj.load_weight(tensor)
+        sub, _, kind = rest.rpartition(".")
+        stacked = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+        if sub in stacked:
+            shard = stacked[sub]
+            if self.tp is not None:  # this rank's heads' rows: q_proj holds [q_h | gate_h] per head (2 D rows)
+                tensor = attn.local_qkv_rows(tensor, shard)
+            (attn.qkv_proj.load_weight if kind == "weight" else attn.qkv_proj.load_bias)(tensor, shard)
+            return [p + f"self_attn.qkv_proj#{shard}"]
+        if sub == "o_proj":
+            if self.tp is not None:  # row-parallel: this rank's heads' input columns; the bias added by rank 0 only
+                tensor = (attn.local_o_cols(tensor, p + "self_attn.o_proj") if kind == "weight" else
+                          tensor if self.tp.rank == 0 else torch.zeros_like(tensor))
+            (attn.o_proj.load_weight if kind == "weight" else attn.o_proj.load_bias)(tensor)
             return [p + "self_attn.o_proj#0"]
         if rest.startswith("indexer.") and attn.indexer is None:
             raise ValueError(f"{p}self_attn.{rest}: a QSA indexer weight, but the config sets no indexer_* fields")
         if rest.endswith(("k_scale", "v_scale")):
-            raise ValueError(UNSUPPORTED)
+            raise ValueError(f"{p}self_attn.{rest}: FP8 KV-cache scales are not built for Qwen4-Exp")
         self._copy(params, p + "self_attn." + rest, tensor)
         return [p + "self_attn." + rest]
 
@@ -480,6 +542,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         if rest == "ple.conv1d.weight":
             tensor = tensor.reshape(tensor.shape[0], -1)
             rest = "ple.conv_weight"
+        elif rest in ("ple.key_proj.weight", "ple.value_proj.weight"):  # (with tp: this rank's table columns')
+            tensor = ple.local_proj_cols(dense_tensor(tensor))
         self._copy(params, p + rest, tensor)
         return [p + rest]
 
@@ -487,6 +551,8 @@ class Qwen4ExpForCausalLM(nn.Module):
     def _copy(params: dict, name: str, tensor: torch.Tensor) -> None:
         if name not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        tensor = dense_tensor(tensor)  # (a parameter is always dense: a quantized hyper-connection / PLE / indexer
+        # linear is dequantized here)
         if params[name].shape != tensor.shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
         params[name].data.copy_(tensor)

@@ -20,7 +20,10 @@ The layer adds `out` to the residual before its attention hyper-connection.
 Memory: the n-gram tables are the checkpoint's largest tensors (~45B parameters in the real model, split over
 split_ngram_parts shards per layer: `ple.ple_embedding.ngram_embedding.shard_<i>.weight`, concatenated here along
 rows in shard order). They are kept in host (CPU) memory in the model dtype: the host needs the table's bytes (~90
-GiB in bf16 for the real model) on top of everything else; the GPU holds none of it.
+GiB in bf16 for the real model) on top of everything else; the GPU holds none of it. Under tensor parallelism each
+rank holds 1 / N of every table's columns (head_dim / N of each head's channels; ~90 / N GiB per rank's process): it
+gathers its columns of the rows, key_proj / value_proj multiply them by their matching input columns and sum the
+partial products over the ranks (_RankSum).
 
 The gather (T x heads rows per layer per step) runs on the device, from row ids hashed on the device: on a GPU the
 table is page-locked in place (cudaHostRegister) and read through a CUDA view of it (host_memory.device_view, unified
@@ -159,8 +162,20 @@ class NGramContext:
         state_ctx.index_copy_(0, slots, self.new_ctx)
 
 
+class _RankSum(nn.Linear):
+    """A linear layer over this rank's input columns whose partial products are summed over the ranks."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, tp):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce_(super().forward(x))
+
+
 class PLELayer(nn.Module):
-    def __init__(self, cfg: Any, ple_layer_index: int, dtype: torch.dtype):
+    def __init__(self, cfg: Any, ple_layer_index: int, dtype: torch.dtype, tp=None):
+        """tp: this rank's tensor-parallel group (its columns of the table, module docstring); None: all."""
         super().__init__()
         self.hidden = cfg.hidden_size
         self.hc = cfg.hc_count
@@ -170,6 +185,12 @@ class PLELayer(nn.Module):
         self.heads_per_ngram = cfg.heads_per_ngram
         heads = (self.ngram_size - 1) * self.heads_per_ngram
         self.head_dim = embed // heads
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        if self.head_dim % size:
+            raise ValueError(f"Qwen4-Exp PLE: the n-gram heads' {self.head_dim} channels do not divide by the {size} "
+                             "tensor-parallel ranks")
+        self.heads = heads
+        self.cols = (rank * (self.head_dim // size), self.head_dim // size)  # (first, count) of each head's channels
         sizes = primes_after(cfg.ngram_vocab_size_base - 1, (ple_layer_index + 1) * heads)[-heads:]
         offsets = [sum(sizes[:h]) for h in range(heads)]
         div = cfg.make_ngram_vocab_size_divisible_by
@@ -181,10 +202,13 @@ class PLELayer(nn.Module):
         self.register_buffer("vocab_sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
         # host memory, outside the module's parameters (model.to(device) leaves it there): see the module docstring
-        self.table = torch.zeros(self.table_rows, self.head_dim, dtype=dtype, device="cpu")
+        self.table = torch.zeros(self.table_rows, self.cols[1], dtype=dtype, device="cpu")
         self._view: Optional[torch.Tensor] = None  # a GPU's CUDA view of it (readable_table)
-        self.key_proj = nn.Linear(embed, width, bias=False, dtype=dtype)
-        self.value_proj = nn.Linear(embed, self.hidden, bias=False, dtype=dtype)
+        local = heads * self.cols[1]
+        self.key_proj = (nn.Linear(embed, width, bias=False, dtype=dtype) if tp is None else
+                         _RankSum(local, width, dtype, tp))
+        self.value_proj = (nn.Linear(embed, self.hidden, bias=False, dtype=dtype) if tp is None else
+                           _RankSum(local, self.hidden, dtype, tp))
         eps = cfg.rms_norm_eps
         self.norm_key = ZeroCentredRMSNorm(width, eps, self.hidden)
         self.norm_query = ZeroCentredRMSNorm(width, eps, self.hidden)
@@ -244,7 +268,15 @@ class PLELayer(nn.Module):
         if tuple(tensor.shape) != (rows, self.head_dim):
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {(rows, self.head_dim)} (an n-gram table "
                              f"of {self.table_rows} rows in {self.split_parts} shards)")
-        self.table[start:start + rows].copy_(tensor)
+        first, n = self.cols
+        self.table[start:start + rows].copy_(tensor[:, first:first + n])
+
+    def local_proj_cols(self, weight: torch.Tensor) -> torch.Tensor:
+        """key_proj's / value_proj's input columns of this rank's table columns (every head's [first, first + n))."""
+        first, n = self.cols
+        if n == self.head_dim:
+            return weight
+        return weight.unflatten(1, (self.heads, self.head_dim))[:, :, first:first + n].flatten(1)
 
     # -- forward -------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, windows: torch.Tensor, conv_state: torch.Tensor, batch: Any) -> torch.Tensor:
