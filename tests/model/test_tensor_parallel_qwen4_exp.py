@@ -71,15 +71,22 @@ def test_each_rank_holds_its_share(engines):
     assert (g2.nk * 2, g2.nv * 2) == (g1.nk, g1.nv)
     r1, r2 = one.engine.runner, two.engine.runner
     assert r2.state_cache.ssm_shape[0] * 2 == r1.state_cache.ssm_shape[0]
-    assert r2.kv_caches[0].shape[-2] == a2.num_kv_heads and len(r2.kv_caches) == len(r1.kv_caches)
+    assert r2.kv_caches[0].shape[-2] == a2.num_kv_heads
+    for m, r in ((m1, r1), (m2, r2)):  # the attention layers' caches, then the index keys' (raw and pooled)
+        assert len(r.kv_caches) == m.num_attention_layers
+        assert m.num_attention_layers == m._num_attn + (m.index_store.num_caches if m.qsa else 0)
     assert m2.embed_tokens.weight.shape[0] == -(-m1.vocab_size // 2)
     if m1.layers[0].ple is not None:
         t1, t2 = m1.layers[0].ple.table, m2.layers[0].ple.table
         assert t2.shape == (t1.shape[0], t1.shape[1] // 2)
         assert torch.equal(t2, t1[:, :t2.shape[1]])  # rank 0: the first half of every head's channels
     if name == "qsa":
-        assert [x.self_attn.index_slot for x in m1.layers if x.kind == "indexed_attention"] == [(2, 0, 0), (2, 0, 32)]
-        assert [x.self_attn.index_slot for x in m2.layers if x.kind == "indexed_attention"] == [(2, 0, 0), (2, 1, 0)]
+        # two indexed layers: raw keys then pooled keys, 32 channels each, in rows of 2 x 32 (-tp 1: both layers'
+        # raw keys in plane 0, their pooled keys in plane 1) or 1 x 32 (-tp 2: one per plane, two caches)
+        assert [x.self_attn.index_slot for x in m1.layers if x.kind == "indexed_attention"] == [
+            ((2, 0, 0), (2, 1, 0)), ((2, 0, 32), (2, 1, 32))]
+        assert [x.self_attn.index_slot for x in m2.layers if x.kind == "indexed_attention"] == [
+            ((2, 0, 0), (3, 0, 0)), ((2, 1, 0), (3, 1, 0))]
     if name.endswith("-ep"):
         assert m2.layers[0].mlp.experts_shard.count == 2
 
