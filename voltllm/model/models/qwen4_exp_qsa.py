@@ -71,6 +71,16 @@ class IndexKeyStore:
         return kv_cache.view(two, nb * bs, -1)[plane, :, offset:offset + dim]
 
 
+def break_ties(scores: torch.Tensor) -> torch.Tensor:
+    """Scores [..., blocks] with their ties at 0 made strict, earlier blocks first. relu makes every block whose heads
+    all score below zero tie at exactly 0 (common with few indexer heads), and top-k among equal values is up to the
+    sort (torch's differs with the vector's length and device: transformers' own choice is not fixed either); both
+    of voltllm's paths (prompt rows here, decode rows in qwen4_exp_qsa_decode) select by this one rule. Positive
+    scores stay as they are, the zeros become -(j + 1): below every positive score, above -inf."""
+    j = torch.arange(1, scores.shape[-1] + 1, device=scores.device, dtype=scores.dtype)
+    return torch.where(scores == 0, -j, scores)
+
+
 def rope_rows(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
     """RoPE (rotate-half) on the first rotary_dim channels of x [T, ..., d] at positions [T]; any device, new tensor."""
     rd = rotary.rotary_dim
@@ -121,7 +131,8 @@ class QSAIndexer(nn.Module):
             return mask
         pooled = raw_keys[:nc_max * r].view(nc_max, r, self.dim).float().mean(1).to(raw_keys.dtype)
         keys = rope_rows(self.k_layernorm(pooled), torch.arange(nc_max, device=dev) * r, rotary)
-        scores = torch.relu(torch.einsum("nhd,cd->nhc", q.float(), keys.float())).sum(1) / math.sqrt(self.dim)
+        scores = break_ties(torch.relu(torch.einsum("nhd,cd->nhc", q.float(), keys.float())).sum(1)
+                            / math.sqrt(self.dim))
         complete = (pos + 1) // r  # n_c per row
         scores = scores.masked_fill(torch.arange(nc_max, device=dev)[None, :] >= complete[:, None], float("-inf"))
         top = scores.topk(min(self.top_blocks, nc_max), dim=-1).indices  # [n, k]

@@ -29,7 +29,7 @@ import torch
 
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.model.layers.rotary import RotaryEmbedding
-from voltllm.model.models.qwen4_exp_qsa import QSAIndexer, rope_rows
+from voltllm.model.models.qwen4_exp_qsa import QSAIndexer, break_ties, rope_rows
 
 
 def row_token_index(meta: AttentionMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
@@ -99,7 +99,8 @@ def block_scores(indexer: QSAIndexer, q_rot: torch.Tensor, pooled_keys: torch.Te
     ends = ((j + 1) * r - 1).expand(rows, nb)
     seqs = torch.arange(rows, device=q_rot.device)
     keys = pooled_keys[token_slots(block_tables, seqs, ends, block_size).view(-1)].view(rows, nb, indexer.dim)
-    scores = torch.relu(torch.einsum("nhd,ncd->nhc", q_rot.float(), keys.float())).sum(1) / math.sqrt(indexer.dim)
+    scores = break_ties(torch.relu(torch.einsum("nhd,ncd->nhc", q_rot.float(), keys.float())).sum(1)
+                        / math.sqrt(indexer.dim))
     complete = (positions[:rows].long() + 1) // r
     return scores.masked_fill(j[None, :] >= complete[:, None], float("-inf"))
 
