@@ -13,7 +13,8 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # the hybrids' Gated DeltaNet projections (Qwen3.5's names, then Qwen3-Next's)
 GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 HYBRID_TARGETS = ALL_TARGETS + GDN_TARGETS
-_HYBRIDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+_QWEN4_EXP = ("qwen4_exp", "qwen4_exp_text")  # (Qwen3.5's GDN and gated attention; a sparse MoE in every layer)
+_HYBRIDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next") + _QWEN4_EXP
 
 
 def _layer_shapes(cfg: Any, layer: int) -> dict[str, tuple[str, int, int]]:
@@ -21,7 +22,7 @@ def _layer_shapes(cfg: Any, layer: int) -> dict[str, tuple[str, int, int]]:
     hybrid = cfg.model_type in _HYBRIDS
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
+    h, i = cfg.hidden_size, getattr(cfg, "intermediate_size", None)  # (none on Qwen4-Exp: MoE only)
     out: dict[str, tuple[str, int, int]] = {}
     if hybrid and cfg.layer_types[layer] == "linear_attention":
         nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -50,6 +51,8 @@ def _layer_shapes(cfg: Any, layer: int) -> dict[str, tuple[str, int, int]]:
 
 
 def _sparse(cfg: Any, layer: int) -> bool:
+    if cfg.model_type in _QWEN4_EXP:
+        return True
     if cfg.model_type in _HYBRIDS:
         from voltllm.model.models.qwen3_next import hybrid_is_moe_layer
 

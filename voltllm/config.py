@@ -943,8 +943,6 @@ def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: A
         return "pipeline parallelism (--pipeline-parallel-size; tensor parallelism is built)"
     if method is not None and method not in QWEN4_EXP_QUANT_METHODS:
         return f"{method} quantization (built: {', '.join(QWEN4_EXP_QUANT_METHODS)} checkpoints)"
-    if args.enable_lora:
-        return "LoRA (--enable-lora)"
     if spec is not None:
         return "speculative decoding (--speculative-config)"
     if runner != "generate":

@@ -357,7 +357,7 @@ def test_engine_greedy_with_preemption_and_prefix_cache(checkpoints):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("kwargs, what", [(dict(enable_lora=True), "LoRA"), (dict(kv_cache_dtype="fp8"), "fp8 KV"),
+@pytest.mark.parametrize("kwargs, what", [(dict(kv_cache_dtype="fp8"), "fp8 KV"),
                                           (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                                     "prompt_lookup_max": 3}), "speculative")])
 def test_unbuilt_features_are_refused(checkpoints, kwargs, what):

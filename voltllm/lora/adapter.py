@@ -5,7 +5,7 @@ W + scaling * B A, scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). volt
 projection and gate / up into one gate_up, so each PEFT module maps onto shards (slices of output rows) of one of
 our Linears (`peft_modules`, `projection_shapes`): B's rows go where the module's weight rows went when the
 checkpoint was loaded, A is the module's (the same A for each shard of one module). The hybrids (qwen3_5 / qwen3_5_moe /
-qwen3_next) adapt their gated attention (q_proj: [q_h | gate_h] per head, as qkv_proj's shard 0 holds it), their
+qwen3_next / qwen4_exp) adapt their gated attention (q_proj: [q_h | gate_h] per head, as qkv_proj's shard 0 holds it), their
 Gated DeltaNet projections (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen3-Next's head-grouped in_proj_qkvz /
 in_proj_ba, out_proj: gdn.in_proj_pieces) and their dense MLPs. A sparse MoE layer's routed experts take adapters
 in PEFT's per-expert form (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`): they are not Linears, so they are
@@ -13,7 +13,9 @@ kept apart (`LoRAAdapter.experts`, `expert_shapes`; lora/experts.py applies them
 Linears like a dense MLP's (`mlp.shared_expert.gate_up_proj` / `down_proj`). What this version does not build is
 refused by name: embedding / LM-head LoRA (lora_embedding_*, modules_to_save, target_modules naming embed_tokens /
 lm_head), PEFT's fused-experts form (target_parameters: `mlp.experts.lora_A` over all experts), the router (mlp.gate)
-and the shared expert's gate, DoRA, LoRA biases, per-module ranks / alphas, ranks above --max-lora-rank.
+and the shared expert's gate, DoRA, LoRA biases, per-module ranks / alphas, ranks above --max-lora-rank; on Qwen4-Exp
+its hyper-connection (attn_hyper_connection / mlp_hyper_connection / hyper_connection_mixer), PLE (ple.key_proj /
+ple.value_proj) and QSA indexer (index_qk_proj) linears.
 """
 from __future__ import annotations
 
@@ -28,7 +30,11 @@ import torch
 
 from voltllm.lora.request import LoRARequest
 
-HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+# Qwen4-Exp (models/qwen4_exp.py): Qwen3.5's gated attention and Gated DeltaNet, a sparse MoE with a shared expert in
+# every layer; its hyper-connection, PLE, QSA indexer and router linears take no adapters (refused by name)
+QWEN4_EXP_ARCHITECTURES = ("qwen4_exp", "qwen4_exp_text")
+HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next") + \
+    QWEN4_EXP_ARCHITECTURES
 # the architectures whose projections take adapters (models/llama.py, models/qwen3_next.py)
 # (Qwen3-VL: its text model, a qwen3 / qwen3_moe; Qwen2-VL / Qwen2.5-VL: a qwen2; adapters on the vision tower are
 # refused by name)
@@ -42,6 +48,10 @@ PEFT_PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.q
                     "down_proj": ("mlp.down_proj", 0)}
 _BUILT = ("q_proj, k_proj, v_proj, o_proj, the dense MLPs', the MoE experts' (per expert) and shared experts' "
           "gate_proj, up_proj, down_proj and the hybrids' Gated DeltaNet in_proj_* / out_proj")
+# Qwen4-Exp's linears that take no adapters: (a PEFT module's name part, what it is)
+_QWEN4_EXP_REFUSED = (("attn_hyper_connection", "hyper-connection"), ("mlp_hyper_connection", "hyper-connection"),
+                      ("hyper_connection_mixer", "hyper-connection"), ("ple.key_proj", "PLE"),
+                      ("ple.value_proj", "PLE"), ("index_qk_proj", "QSA indexer"))
 # a routed expert's PEFT module inside a decoder layer's MLP: mlp.experts.{e}.{gate,up,down}_proj
 _EXPERT_MODULE = re.compile(r"experts\.(?P<expert>\d+)\.(?P<kind>gate|up|down)_proj")
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -149,6 +159,11 @@ def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple
                                                      text_config)
         cfg = text_config(hf_config)
         kinds = hybrid_layer_types(cfg)
+    qwen4_exp = getattr(hf_config, "model_type", None) in QWEN4_EXP_ARCHITECTURES
+    if qwen4_exp:  # (its own layer kinds: "indexed_attention" layers are gated attention; a sparse MoE in each layer)
+        from voltllm.model.models.qwen4_exp import layer_kinds
+
+        kinds = layer_kinds(cfg)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -181,7 +196,7 @@ def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple
             shapes[p + "self_attn.o_proj"] = ProjectionShape(q, (hidden,))
             for peft in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 whole(i, "self_attn", peft, *PEFT_PROJECTIONS[peft])
-        if not (hybrid_is_moe_layer(cfg, i) if hybrid else is_moe_layer(cfg, i)):
+        if not (qwen4_exp or (hybrid_is_moe_layer(cfg, i) if hybrid else is_moe_layer(cfg, i))):
             inter = cfg.intermediate_size
             shapes[p + "mlp.gate_up_proj"] = ProjectionShape(hidden, (inter, inter))
             shapes[p + "mlp.down_proj"] = ProjectionShape(inter, (hidden,))
@@ -190,7 +205,7 @@ def _layout(hf_config: Any) -> tuple[dict[str, ProjectionShape], dict[str, tuple
         else:
             experts[p + "mlp.experts"] = ExpertShape(cfg.num_experts, hidden, cfg.moe_intermediate_size)
             shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
-            if shared:  # (Qwen3-Next / Qwen3.5-MoE: a dense SwiGLU MLP beside the routed experts)
+            if shared:  # (Qwen3-Next / Qwen3.5-MoE / Qwen4-Exp: a dense SwiGLU MLP beside the routed experts)
                 shapes[p + "mlp.shared_expert.gate_up_proj"] = ProjectionShape(hidden, (shared, shared))
                 shapes[p + "mlp.shared_expert.down_proj"] = ProjectionShape(shared, (hidden,))
                 for peft in ("gate_proj", "up_proj", "down_proj"):
@@ -343,6 +358,11 @@ def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Pi
     module = m.group("module")
     for prefix in ("base_model.model.", "model.", "language_model."):  # (a multimodal Qwen3.5's text model)
         module = module.removeprefix(prefix)
+    if getattr(hf_config, "model_type", None) in QWEN4_EXP_ARCHITECTURES:
+        for part, what in _QWEN4_EXP_REFUSED:
+            if re.search(rf"(^|\.){re.escape(part)}(\.|$)", module):
+                raise LoRAAdapterError(f"{where}: {key}: LoRA on Qwen4-Exp's {what} linears ({part}) is not built "
+                                       f"(built: {_BUILT})")
     lm = _LAYER_MODULE.fullmatch(module)
     if lm is None:
         raise LoRAAdapterError(f"{where}: {key}: not a projection this version adapts (built: {_BUILT})")
@@ -369,7 +389,8 @@ def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Pi
             raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE (no dense {proj}; its "
                                    f"experts take mlp.experts.{{e}}.{proj})")
         if not proj.startswith("shared_expert."):  # (the router, the shared expert's gate)
-            raise LoRAAdapterError(f"{where}: {key}: LoRA on the MoE's {proj} is not built (built: {_BUILT})")
+            role = "the router; " if proj == "gate" else "its output gate; " if proj == "shared_expert_gate" else ""
+            raise LoRAAdapterError(f"{where}: {key}: LoRA on the MoE's {proj} is not built ({role}built: {_BUILT})")
         raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s sparse MoE has no {proj} (no shared expert, or "
                                f"not one of its projections; built: {_BUILT})")
     if any(name.startswith(f"layers.{layer}.{block}.") for name in modules):

@@ -41,7 +41,11 @@ MoE's in SparseMoE. The residual stream h, the hyper-connections and the QSA ind
 computes the same selection from the same raw keys, which each rank keeps beside its own KV heads). The PLE n-gram
 tables are split by columns (each rank gathers its 1 / N of every head's embedding channels, and key_proj / value_proj
 sum their partial products over the ranks): each rank's process holds 1 / N of the host-memory tables.
-Not built (refused at load): pipeline parallelism, LoRA, speculative decoding, pooling.
+LoRA (--enable-lora, voltllm/lora/): the Linears take adapters as Qwen3.5-MoE's do (gated attention q / k / v / o,
+the GDN in_proj_* / out_proj, the shared expert's); the routed experts through their SparseMoE (lora/experts.py);
+under tp each rank's part cut by `tp_part`, the loader's own cuts. The hyper-connection, PLE, QSA indexer and router
+linears take none (refused by name: lora/adapter.py).
+Not built (refused at load): pipeline parallelism, speculative decoding, pooling.
 """
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _SHARD = re.compile(r"ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
 
-UNSUPPORTED = ("pipeline parallelism, LoRA, speculative decoding and pooling are not built for Qwen4-Exp "
+UNSUPPORTED = ("pipeline parallelism, speculative decoding and pooling are not built for Qwen4-Exp "
                "(qwen4_exp / qwen4_exp_text)")
 
 
@@ -434,6 +438,30 @@ class Qwen4ExpForCausalLM(nn.Module):
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
 
     # -- weights ---------------------------------------------------------------------------------------
+    def tp_part(self, module_name: str, kind: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a LoRA-taking projection's whole weight ("layers.{i}.self_attn.qkv_proj", ...): the
+        loader's cuts (gated attention by heads, Gated DeltaNet by key / value heads, the shared expert by the MoE
+        layer's own cut). LoRA cuts its adapters with it (lora/sharding.py); the routed experts' adapters are cut by
+        their layer (lora/experts.py)."""
+        if self.tp is None:
+            return tensor
+        parts = module_name.split(".")
+        if "layers" not in parts or kind != "weight":
+            raise ValueError(f"{module_name} ({kind}): no tensor-parallel split is defined for it")
+        layer = self.layers[int(parts[parts.index("layers") + 1])]
+        leaf = parts[-1]
+        if "shared_expert" in parts:
+            return layer.mlp.shared_tp_part(leaf, tensor, module_name)
+        if leaf == "qkv_proj" and layer.kind == "indexed_attention":
+            return layer.self_attn.local_qkv_rows(tensor, shard)
+        if leaf == "o_proj" and layer.kind == "indexed_attention":
+            return layer.self_attn.local_o_cols(tensor, module_name)
+        if leaf == "in_proj" and layer.kind == "linear_attention":
+            return layer.linear_attn.local_in_rows(tensor, shard)
+        if leaf == "out_proj" and layer.kind == "linear_attention":
+            return layer.linear_attn.local_out_cols(tensor, module_name)
+        raise ValueError(f"{module_name}: no tensor-parallel split is defined for it")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
