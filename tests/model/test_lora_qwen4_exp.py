@@ -183,3 +183,24 @@ def test_a_multimodal_checkpoints_language_model_names_are_read_as_the_text_mode
     for name, shards in a.weights.items():
         for s, (x, y) in shards.items():
             assert torch.equal(x, b.weights[name][s][0]) and torch.equal(y, b.weights[name][s][1])
+
+
+def test_qsa_past_its_budget_keeps_the_adapters_terms(tmp_path):
+    """QSA with a budget of 8 tokens: the prompts past it take the sparse path (prompt rows) and the device selection
+    (decode rows) with the adapted q / k / v (and q_proj's adapted gate); each equals transformers on the merged
+    checkpoint."""
+    s = Setup.__new__(Setup)
+    s.root = str(tmp_path)
+    s.model = make_tiny_qwen4_exp(f"{s.root}/q4", 4, **dict(QWEN4_EXP_INDEXER, indexer_budget=8),
+                                  layer_types=["linear_attention", "indexed_attention"] * 2)
+    if s.model is None:
+        pytest.skip("this transformers has no Qwen4-Exp")
+    s.paths = {"a1": make_adapter(f"{s.root}/a1", s.model, **ADAPTERS["a1"])}
+    s.requests = {"a1": LoRARequest("a1", 1, s.paths["a1"])}
+    s.prompts = [[t % HYBRID_VOCAB for t in p] for p in PROMPTS]
+    llm = LLM(s.model, **ENGINE)
+    try:
+        s.check(llm, ["a1", None, "a1", "a1"])
+    finally:
+        llm.engine.shutdown()
+    assert s.reference("a1", tuple(s.prompts[0]))[0] != s.reference(None, tuple(s.prompts[0]))[0]
