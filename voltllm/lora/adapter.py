@@ -5,17 +5,17 @@ W + scaling * B A, scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). volt
 projection and gate / up into one gate_up, so each PEFT module maps onto shards (slices of output rows) of one of
 our Linears (`peft_modules`, `projection_shapes`): B's rows go where the module's weight rows went when the
 checkpoint was loaded, A is the module's (the same A for each shard of one module). The hybrids (qwen3_5 / qwen3_5_moe /
-qwen3_next / qwen4_exp) adapt their gated attention (q_proj: [q_h | gate_h] per head, as qkv_proj's shard 0 holds
-it), their Gated DeltaNet projections (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen3-Next's head-grouped in_proj_qkvz /
-in_proj_ba, out_proj: gdn.in_proj_pieces) and their dense MLPs. A sparse MoE layer's routed experts take adapters
-in PEFT's per-expert form (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`): they are not Linears, so they are
-kept apart (`LoRAAdapter.experts`, `expert_shapes`; lora/experts.py applies them); a shared expert's projections are
-Linears like a dense MLP's (`mlp.shared_expert.gate_up_proj` / `down_proj`). What this version does not build is
-refused by name: embedding / LM-head LoRA (lora_embedding_*, modules_to_save, target_modules naming embed_tokens /
-lm_head), PEFT's fused-experts form (target_parameters: `mlp.experts.lora_A` over all experts), the router (mlp.gate)
-and the shared expert's gate, DoRA, LoRA biases, per-module ranks / alphas, ranks above --max-lora-rank; on Qwen4-Exp
-its hyper-connection (attn_hyper_connection / mlp_hyper_connection / hyper_connection_mixer), PLE (ple.key_proj /
-ple.value_proj) and QSA indexer (index_qk_proj) linears.
+qwen3_next / qwen4_exp) adapt their gated attention (q_proj: [q_h | gate_h] per head, as qkv_proj's shard 0 holds it),
+their Gated DeltaNet projections (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen3-Next's head-grouped
+in_proj_qkvz / in_proj_ba, out_proj: gdn.in_proj_pieces) and their dense MLPs. A sparse MoE layer's routed experts take
+adapters in PEFT's per-expert form (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`): they are not Linears, so
+they are kept apart (`LoRAAdapter.experts`, `expert_shapes`; lora/experts.py applies them); a shared expert's
+projections are Linears like a dense MLP's (`mlp.shared_expert.gate_up_proj` / `down_proj`). What this version does not
+build is refused by name: embedding / LM-head LoRA (lora_embedding_*, modules_to_save, target_modules naming
+embed_tokens / lm_head), PEFT's fused-experts form (target_parameters: `mlp.experts.lora_A` over all experts), the
+router (mlp.gate) and the shared expert's gate, DoRA, LoRA biases, per-module ranks / alphas, ranks above
+--max-lora-rank; on Qwen4-Exp its hyper-connection (attn_hyper_connection / mlp_hyper_connection /
+hyper_connection_mixer), PLE (ple.key_proj / ple.value_proj) and QSA indexer (index_qk_proj) linears.
 """
 from __future__ import annotations
 
