@@ -126,6 +126,23 @@ def test_tensor_parallel_ranks_cut_the_adapters_as_the_checkpoint(setup, expert_
         two.engine.shutdown()
 
 
+def test_prefix_snapshots_keep_adapters_apart(setup):
+    """The same long prompt under the base model, a1, a2, a1 again and the base model again, with prefix caching
+    (KV blocks, QSA keys, GDN and PLE state snapshots keyed by adapter-keyed block hashes): each run equals its merged
+    reference, so nothing cached under one adapter served another, and the repeats did resume from snapshots."""
+    llm = LLM(setup.model, **{**ENGINE, "enable_prefix_caching": True, "mamba_block_size": 8})
+    prompt = setup.prompts[2] + setup.prompts[0]
+    saved = setup.prompts
+    try:
+        setup.prompts = [prompt]
+        for name in [None, "a1", "a2", "a1", None, "a2"]:
+            setup.check(llm, [name])
+        assert llm.engine.runner.state_snapshots.num_restored > 0
+    finally:
+        setup.prompts = saved
+        llm.engine.shutdown()
+
+
 # -- what is not built: refused by name -------------------------------------------------------------------------
 REFUSED = {
     "layers.0.attn_hyper_connection.input_mix_weight_down": ((16, 128), "hyper-connection"),
