@@ -15,6 +15,10 @@ With -tp T as well, each stage is T ranks splitting its layers as tensor paralle
 world rank = stage * T + tensor-parallel rank, and tensor-parallel rank r of a stage hands its (replicated) hidden
 states to rank r of the next. Stage 0's T ranks hold the vocabulary-parallel embedding and LM head.
 
+A model whose residual stream is one tensor (Qwen4-Exp: hc_count copies of the hidden state side by side, [T,
+hc * H], with no separate residual) hands that tensor over instead (receive_stream / pass_on_stream): a step's tokens x
+hc x hidden size per boundary.
+
 A DFlash drafter or an EAGLE-3 head on rank 0 reads several layers' outputs (models/aux_hidden.py): on rank 0's
 chain (tensor-parallel rank 0 of each stage) the step's rows of that buffer go along with each hand-over, every stage
 adding its own layers' columns, and come back to rank 0 with the last stage's output (worker/aux_features.py).
@@ -126,3 +130,21 @@ class PipelineStage:
         if rows is not None:
             self.group.recv_(rows, last)
         return out_x, out_res
+
+    def receive_stream(self, input_ids: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """receive for a model whose residual stream is one tensor [tokens, width] (Qwen4-Exp's hyper-connection
+        streams, hc * hidden wide): the previous rank's."""
+        h = torch.empty(input_ids.shape[0], width, dtype=dtype, device=input_ids.device)
+        self.group.recv_(h, self.world_rank(self.rank - 1))
+        return h
+
+    def pass_on_stream(self, h: torch.Tensor) -> torch.Tensor:
+        """pass_on for a one-tensor residual stream: sent on; rank 0 then returns the last rank's (the others
+        their own)."""
+        h = h.contiguous()
+        self.group.send_(h, self.world_rank((self.rank + 1) % self.size))
+        if not self.first:
+            return h
+        out = torch.empty_like(h)
+        self.group.recv_(out, self.world_rank(self.size - 1))
+        return out

@@ -275,6 +275,10 @@ def pipeline_parallel_error(args: Any, hf_config: Any, speculative: Any, runner:
         from voltllm.model.models.qwen3_next import hybrid_layer_types
 
         kinds = hybrid_layer_types(text)
+        if getattr(hf_config, "model_type", None) in ("qwen4_exp", "qwen4_exp_text"):  # (its indexed attention)
+            from voltllm.model.models.qwen4_exp import layer_kinds
+
+            kinds = ["full_attention" if k == "indexed_attention" else k for k in layer_kinds(text)]
         for r, (start, end) in enumerate(stages):
             held = set(kinds[start:end])
             if held != {"full_attention", "linear_attention"}:

@@ -222,11 +222,14 @@ class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, kind: str, mixer_index: int, ple_index: Optional[int],
                  index_slot: Optional[tuple[tuple[int, int, int], tuple[int, int, int]]], dtype: torch.dtype,
                  rotary: RotaryEmbedding,
-                 linear_method: Optional[LinearMethod] = None, tp=None):
+                 linear_method: Optional[LinearMethod] = None, tp=None, ple_row: Optional[int] = None):
+        """ple_index: the layer's among the model's PLE layers (its hash multipliers and table sizes); ple_row: its
+        row of the "ple_conv" state among this rank's PLE layers (a pipeline stage's; default ple_index)."""
         super().__init__()
         self.kind = kind
         self.tp = tp
         self.ple_index = ple_index
+        self.ple_row = ple_index if ple_row is None else ple_row
         self.ple = PLELayer(cfg, ple_index, dtype, tp) if ple_index is not None else None
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, mixer_index, dtype, "split", linear_method, tp)
@@ -241,7 +244,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
 
     def forward(self, positions, h, ctx: ForwardContext, batch: Optional[HybridBatch], step: "_Step"):
         if self.ple is not None:
-            h = h + self.ple(h, step.windows, batch.state_cache.extra["ple_conv"][:, self.ple_index], batch)
+            h = h + self.ple(h, step.windows, batch.state_cache.extra["ple_conv"][:, self.ple_row], batch)
         x, w = self.attn_hyper_connection(h)
         if self.kind == "linear_attention":
             x = self.linear_attn(x, batch)
@@ -269,14 +272,15 @@ class Qwen4ExpForCausalLM(nn.Module):
                  linear_method: Optional[LinearMethod] = None, tp: Any = None, pp: Any = None):
         """linear_method: how the attention, GDN, shared-expert and untied LM-head projections hold their weights
         (with a quantized one the routed experts stay quantized too); None: dense. tp: this rank's tensor-parallel
-        group (module docstring); None: the whole model here."""
+        group (module docstring); None: the whole model here. pp: this rank's pipeline stage
+        (voltllm.distributed.pipeline): `layers` holds its decoder layers alone (local indices, and local KV cache,
+        recurrent state, PLE state and index-key indices); the embedding, final mixer and LM head are rank 0's."""
         super().__init__()
-        if pp is not None:
-            raise ValueError(UNSUPPORTED)
         cfg = text_config(config)
         self.config = cfg
         self.dtype = dtype
         self.tp = tp
+        self.pp = pp
         self.vocab_size = cfg.vocab_size
         if (getattr(cfg, "hidden_act", "silu") or "silu") not in ("silu", "swish"):
             raise ValueError(f"Qwen4-Exp: hidden_act {cfg.hidden_act!r} is not supported (silu)")
@@ -293,9 +297,12 @@ class Qwen4ExpForCausalLM(nn.Module):
             raise ValueError("Qwen4-Exp: PLE layers need eos_token_id in the config")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1), _rotary_dim(cfg, head_dim))
-        n_attn = self.layer_types.count("indexed_attention")
+        owned = [i for i in range(len(self.layer_types)) if pp is None or pp.owns(i)]
+        n_attn = sum(self.layer_types[i] == "indexed_attention" for i in owned)
         if n_attn == 0:
-            raise ValueError("Qwen4-Exp: no attention layer in layer_types")
+            raise ValueError("Qwen4-Exp: no attention layer in layer_types"
+                             + ("" if pp is None else f" {pp.start}-{pp.end - 1} (this pipeline stage's)"))
+        self.stage_ple_ids = [lid for lid in self.ple_ids if lid - 1 in owned]  # (PLE ids are 1-indexed)
         self.qsa = has_qsa(cfg)
         if self.qsa:
             if getattr(cfg, "indexer_kv_heads", 1) != 1 or cfg.indexer_budget % cfg.indexer_compress_ratio:
@@ -309,8 +316,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.index_store = (IndexKeyStore(n_attn, n_attn, local_kv, head_dim, cfg.indexer_head_dim)
                             if self.qsa else None)
         layers, a, g = [], 0, 0
-        for i, kind in enumerate(self.layer_types):
+        for i in owned:
+            kind = self.layer_types[i]
             ple_index = self.ple_ids.index(i + 1) if i + 1 in self.ple_ids else None
+            ple_row = self.stage_ple_ids.index(i + 1) if ple_index is not None else None
             if kind == "linear_attention":
                 mixer_index, g = g, g + 1
                 slot = None
@@ -318,17 +327,21 @@ class Qwen4ExpForCausalLM(nn.Module):
                 mixer_index, a = a, a + 1
                 slot = self.index_store.place(mixer_index) if self.qsa else None
             layers.append(build_layer(Qwen4ExpDecoderLayer, cfg, i, kind, mixer_index, ple_index, slot, dtype,
-                                      rotary, linear_method, tp))
+                                      rotary, linear_method, tp, ple_row))
         self.layers = nn.ModuleList(layers)
         self._num_attn, self._num_gdn = a, g
         if g == 0:
             raise ValueError("Qwen4-Exp: no linear_attention layer (the recurrent state needs one)")
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if tp is None else
-                             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp))
-        self.hyper_connection_mixer = GatedResidual(cfg, dtype, combine=False)
         self.tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False))
-        head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
-        self.lm_head = None if self.tie else Linear(cfg.hidden_size, head_rows, dtype=dtype, method=linear_method)
+        if pp is not None and not pp.first:  # a later pipeline stage starts from the previous one's streams h
+            self.embed_tokens = self.hyper_connection_mixer = self.lm_head = None
+        else:
+            self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if tp is None else
+                                 VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp))
+            self.hyper_connection_mixer = GatedResidual(cfg, dtype, combine=False)
+            head_rows = cfg.vocab_size if tp is None else vocab_rows(cfg.vocab_size, tp.size)
+            self.lm_head = None if self.tie else Linear(cfg.hidden_size, head_rows, dtype=dtype,
+                                                        method=linear_method)
         self.rotary = rotary
         self.hc = cfg.hc_count
 
@@ -351,7 +364,7 @@ class Qwen4ExpForCausalLM(nn.Module):
     def supports_cuda_graphs(self) -> bool:
         """Yes: PLE's n-gram ids and table gathers are device work (qwen4_exp_ple.py's docstring). Asked before the
         runner captures, so the tables are made readable by the GPU here at the latest (not inside a capture)."""
-        self.place_tables(self.embed_tokens.weight.device)
+        self.place_tables(next(self.layers[0].parameters()).device)
         return True
 
     def place_tables(self, device: torch.device) -> None:
@@ -385,11 +398,12 @@ class Qwen4ExpForCausalLM(nn.Module):
         g = next(layer.linear_attn for layer in self.layers if layer.kind == "linear_attention")
         spec = {"num_layers": self._num_gdn, "conv_shape": g.conv_state_shape, "conv_dtype": self.dtype,
                 "ssm_shape": g.ssm_state_shape, "ssm_dtype": torch.float32}
-        if self.ple_ids:
+        if self.stage_ple_ids:  # (under -pp, a stage with PLE layers: its own rows, and its own copy of the context)
             ple = next(layer.ple for layer in self.layers if layer.ple is not None)
             spec["extras"] = {
                 "ple_ctx": ((self.config.ngram_size - 1,), torch.long),
-                "ple_conv": ((len(self.ple_ids), ple.conv_rows, self.hc * self.config.hidden_size), self.dtype)}
+                "ple_conv": ((len(self.stage_ple_ids), ple.conv_rows, self.hc * self.config.hidden_size),
+                             self.dtype)}
         return spec
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -398,7 +412,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         if batch.drafts is not None or batch.walks is not None:
             raise ValueError(UNSUPPORTED)
         windows = None
-        if self.ple_ids:
+        if self.stage_ple_ids:  # (every stage with PLE layers hashes the step's ids, which every rank has)
             self.place_tables(input_ids.device)  # (once; a capture finds them placed: supports_cuda_graphs)
             cache = batch.state_cache
             ngrams = NGramContext(input_ids, batch.query_start_loc, batch.slots, batch.has_initial_state,
@@ -414,15 +428,22 @@ class Qwen4ExpForCausalLM(nn.Module):
             select_decode = meta.is_pure_decode and (graph or bool(long))
             sparse = [] if select_decode else long
         step = _Step(windows, sparse, select_decode)
-        x = self.embed_tokens(input_ids)
-        images = ctx.extra.get("image_embeds")
-        if images is not None:  # the vision tower's rows in place of the placeholders' (worker/image_step.py); PLE
-            x.index_copy_(0, images[0], images[1].to(x.dtype))  # still hashes input_ids, placeholder ids included
-        h = x.repeat(1, self.hc)
+        if self.embed_tokens is None:  # a later pipeline stage
+            h = self.pp.receive_stream(input_ids, self.hc * self.config.hidden_size, self.dtype)
+        else:
+            x = self.embed_tokens(input_ids)
+            images = ctx.extra.get("image_embeds")
+            if images is not None:  # the vision tower's rows in place of the placeholders' (worker/image_step.py);
+                x.index_copy_(0, images[0], images[1].to(x.dtype))  # PLE still hashes input_ids, placeholders too
+            h = x.repeat(1, self.hc)
         for layer in self.layers:
             h = layer(positions, h, ctx, batch, step)
-        if self.ple_ids:
+        if self.stage_ple_ids:
             ngrams.save(batch.state_cache.extra["ple_ctx"], batch.slots)
+        if self.pp is not None:  # on to the next stage; rank 0 gets the last stage's streams back
+            h = self.pp.pass_on_stream(h)
+            if not self.pp.first:  # (its output is not used: rank 0 computes the logits)
+                return h[:, :self.config.hidden_size]
         out, _ = self.hyper_connection_mixer(h)
         return out
 
@@ -473,6 +494,13 @@ class Qwen4ExpForCausalLM(nn.Module):
                 if name.startswith(prefix):
                     name = name[len(prefix):]
                     break
+            if self.pp is not None:  # this stage's layers (local indices); the ends of the model on rank 0 alone
+                if name.startswith("layers.") and int(name.split(".")[1]) >= len(self.layer_types):
+                    raise ValueError(f"unexpected weight {name!r}: the config has {len(self.layer_types)} layers")
+                name = self.pp.local(name)
+                if name is None or (self.embed_tokens is None and name.startswith(
+                        ("embed_tokens.", "lm_head.", "hyper_connection_mixer."))):
+                    continue
             if name == "lm_head.weight":
                 if not self.tie:
                     if self.tp is not None:  # this rank's vocabulary rows
@@ -518,7 +546,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         keys = {n for n in dict(self.named_parameters()) if not (
             ".linear_attn." in n or ".mlp." in n or ".self_attn.qkv_proj." in n or ".self_attn.o_proj." in n
             or n.startswith("lm_head."))}
-        if not self.tie:
+        if not self.tie and self.embed_tokens is not None:
             keys.add("lm_head#0")
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
