@@ -45,7 +45,11 @@ LoRA (--enable-lora, voltllm/lora/): the Linears take adapters as Qwen3.5-MoE's 
 the GDN in_proj_* / out_proj, the shared expert's); the routed experts through their SparseMoE (lora/experts.py);
 under tp each rank's part cut by `tp_part`, the loader's own cuts. The hyper-connection, PLE, QSA indexer and router
 linears take none (refused by name: lora/adapter.py).
-Not built (refused at load): pipeline parallelism, speculative decoding, pooling.
+Pipeline parallelism (`pp`, a PipelineStage): each stage builds its layers alone (local KV cache, GDN state, QSA
+index-key and PLE state indices); the stages hand over h [T, hc * H] whole (PipelineStage.receive_stream /
+pass_on_stream) and rank 0 applies the final mixer to the last stage's h. A stage with PLE layers keeps their
+"ple_conv" rows and its own "ple_ctx" copy, advanced from the step's ids, which every rank gets (docs/hybrid.md).
+Not built (refused at load): speculative decoding, pooling; LoRA under pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _SHARD = re.compile(r"ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
 
-UNSUPPORTED = ("pipeline parallelism, speculative decoding and pooling are not built for Qwen4-Exp "
+UNSUPPORTED = ("speculative decoding and pooling are not built for Qwen4-Exp "
                "(qwen4_exp / qwen4_exp_text)")
 
 
