@@ -368,7 +368,8 @@ class Qwen4ExpForCausalLM(nn.Module):
     def supports_cuda_graphs(self) -> bool:
         """Yes: PLE's n-gram ids and table gathers are device work (qwen4_exp_ple.py's docstring). Asked before the
         runner captures, so the tables are made readable by the GPU here at the latest (not inside a capture)."""
-        self.place_tables(next(self.layers[0].parameters()).device)
+        ends = self.embed_tokens if self.embed_tokens is not None else self.layers[0]  # (a later -pp stage: none)
+        self.place_tables(next(ends.parameters()).device)
         return True
 
     def place_tables(self, device: torch.device) -> None:
