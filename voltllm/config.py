@@ -943,6 +943,8 @@ def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: A
             args.language_model_only):  # (a later stage's QSA layers would lack the image tokens' rotations)
         return ("image and video input under pipeline parallelism (--pipeline-parallel-size; add "
                 "--language-model-only to serve the text model)")
+    if args.pipeline_parallel_size > 1 and args.enable_lora:  # (each built alone; together not yet run)
+        return "LoRA (--enable-lora) under pipeline parallelism (--pipeline-parallel-size)"
     if method is not None and method not in QWEN4_EXP_QUANT_METHODS:
         return f"{method} quantization (built: {', '.join(QWEN4_EXP_QUANT_METHODS)} checkpoints)"
     if spec is not None:

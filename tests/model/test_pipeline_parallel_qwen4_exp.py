@@ -118,7 +118,8 @@ def test_stages_of_two_tensor_parallel_ranks(tmp_path):
 
 
 def test_what_stays_refused():
-    """A stage without an attention layer (or without a Gated DeltaNet layer), and images under -pp: one line each."""
+    """A stage without an attention layer (or without a Gated DeltaNet layer), images and LoRA under -pp: one line
+    each."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen4ExpTextConfig"):
         pytest.skip("this transformers has no Qwen4-Exp")
@@ -141,3 +142,5 @@ def test_what_stays_refused():
     assert _qwen4_exp_unbuilt(EngineArgs(model="m", pipeline_parallel_size=2, language_model_only=True), vl, None,
                               None, "generate") is None
     assert _qwen4_exp_unbuilt(EngineArgs(model="m"), vl, None, None, "generate") is None
+    assert "LoRA (--enable-lora) under pipeline parallelism" in _qwen4_exp_unbuilt(
+        EngineArgs(model="m", pipeline_parallel_size=2, enable_lora=True), ok, None, None, "generate")
