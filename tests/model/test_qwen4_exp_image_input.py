@@ -78,7 +78,7 @@ def test_ple_hashes_the_placeholder_ids(vl, monkeypatch):
 
 def test_qsa_rotates_past_keys_by_their_mrope_positions(vl, monkeypatch):
     """QSA past its budget pools and rotates cached raw keys again: an image request's block-start tokens must take
-    their M-RoPE rotations (ImageStep.token_rotations), not their token indices' 1-D ones."""
+    their M-RoPE rotations (ImageStep.rotations of their positions), not their token indices' 1-D ones."""
     from voltllm.worker.image_step import ImageStep
 
     if vl[3].config.text_config.indexer_budget > 64:
@@ -86,12 +86,24 @@ def test_qsa_rotates_past_keys_by_their_mrope_positions(vl, monkeypatch):
     ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
     want = _reference(vl, ids, out)
 
-    def one_d(self, req, length):
+    def one_d(self, p3):
+        length = p3.shape[1]
         return self.rotary.cos[:length].clone(), self.rotary.sin[:length].clone()
 
-    monkeypatch.setattr(ImageStep, "token_rotations", one_d)
+    monkeypatch.setattr(ImageStep, "rotations", one_d)
     got = _run(_llm(vl[0], max_num_batched_tokens=16, enable_chunked_prefill=True), [(ids, mm)])[0]
     assert not _same(got, want)
+
+
+def test_tensor_parallel_ranks_rotate_alike(vl):
+    """-tp 2 (gloo) gives -tp 1's output with images past QSA's budget: rank 1 rotates the pooled keys of image
+    requests with rank 0's token positions (ImageRows.token_positions), as rank 0 does."""
+    if vl[3].config.text_config.indexer_budget > 64:
+        pytest.skip("no context here reaches QSA's budget")
+    ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
+    got = _run(_llm(vl[0], max_num_batched_tokens=16, enable_chunked_prefill=True, tensor_parallel_size=2),
+               [(ids, mm)])[0]
+    assert _same(got, _reference(vl, ids, out))
 
 
 def test_prefix_cache_hit_past_the_image(vl):

@@ -33,9 +33,11 @@ class ImageRows:
     rows3d: Optional[np.ndarray]
     embed_at: Optional[np.ndarray]
     embeds: Optional[torch.Tensor] = None
+    # {request's batch index: its tokens' M-RoPE positions [3, length]} (token_positions): Qwen4-Exp's QSA steps
+    token_positions: Optional[dict] = None
 
     def for_followers(self) -> ImageRows:
-        return ImageRows(self.rows3d, self.embed_at)
+        return ImageRows(self.rows3d, self.embed_at, token_positions=self.token_positions)
 
 
 class ImageStep:
@@ -155,10 +157,12 @@ class ImageStep:
         if rows.embed_at is not None:
             width = hidden_size * (1 + self.deepstack_levels)
             embeds = tp.broadcast_(torch.empty(len(rows.embed_at), width, dtype=dtype, device=self.device))
-            rows = ImageRows(rows.rows3d, rows.embed_at, embeds)
+            rows = ImageRows(rows.rows3d, rows.embed_at, embeds, rows.token_positions)
         if not with_embeds:
-            rows = ImageRows(rows.rows3d, None, None)
+            rows = ImageRows(rows.rows3d, None, None, rows.token_positions)
         self._apply(rows, extra)
+        if rows.token_positions:  # (rank 0's requests' positions: the same rotations on every rank)
+            extra["token_rotations"] = {i: self.rotations(p3) for i, p3 in rows.token_positions.items()}
 
     def _apply(self, rows: ImageRows, extra: dict) -> None:
         if rows.rows3d is not None:
@@ -178,11 +182,10 @@ class ImageStep:
         """cos / sin rows [length, half] of tokens 0..length-1 of a request with images, each at its M-RoPE position
         (the prompt's (t, h, w), then 1-D shifted by the delta): for a model that rotates past tokens' keys again by
         token index (Qwen4-Exp's QSA indexer pools and rotates cached raw keys)."""
-        mm = req.multi_modal
-        n = min(length, req.num_prompt_tokens)
-        p3 = np.empty((3, length), dtype=np.int64)
-        p3[:, :n] = mm.rope_positions[:, :n]
-        p3[:, n:] = np.arange(n, length, dtype=np.int64) + mm.rope_delta
+        return self.rotations(token_positions(req, length))
+
+    def rotations(self, p3: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin rows of tokens at M-RoPE positions p3 [3, length] (token_rotations)."""
         own = np.nonzero((p3[0] != p3[1]) | (p3[0] != p3[2]))[0]
         flat = upload(torch.from_numpy(p3[0].copy()), self.device)
         cos, sin = self.rotary.cos[flat], self.rotary.sin[flat]  # (copies; text tokens rotate as 1-D positions)
@@ -210,6 +213,17 @@ class ImageStep:
                 waiting -= gone
                 if not waiting:
                     self._drop(key)
+
+
+def token_positions(req: Any, length: int) -> np.ndarray:
+    """The M-RoPE positions [3, length] of tokens 0..length-1 of a request with images: the prompt's (t, h, w), then
+    1-D shifted by its delta."""
+    mm = req.multi_modal
+    n = min(length, req.num_prompt_tokens)
+    p3 = np.empty((3, length), dtype=np.int64)
+    p3[:, :n] = mm.rope_positions[:, :n]
+    p3[:, n:] = np.arange(n, length, dtype=np.int64) + mm.rope_delta
+    return p3
 
 
 def largest_grid(config: Any, tower: Any) -> tuple[int, int, int]:

@@ -779,10 +779,14 @@ class ModelRunner:
         if self.image_step is not None:  # the step's image rows and scratch rotary rows
             image_rows = self.image_step.finish(images, self.dtype)
             if rotated:  # (Qwen4-Exp's QSA rotates past keys by their tokens' positions: an eager step)
-                images["token_rotations"] = {
-                    i: self.image_step.token_rotations(sched.scheduled[i].request,
-                                                       sched.scheduled[i].start + sched.scheduled[i].num_new_tokens)
-                    for i in rotated}
+                from voltllm.worker.image_step import ImageRows, token_positions
+
+                p3 = {i: token_positions(sched.scheduled[i].request,
+                                         sched.scheduled[i].start + sched.scheduled[i].num_new_tokens)
+                      for i in rotated}
+                images["token_rotations"] = {i: self.image_step.rotations(p) for i, p in p3.items()}
+                image_rows = image_rows or ImageRows(None, None)
+                image_rows.token_positions = p3  # (the other ranks rotate the same: ImageStep.follow)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
