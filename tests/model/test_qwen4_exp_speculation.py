@@ -23,9 +23,9 @@ K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True)
 # prompts past the QSA budget + ratio (12 tokens) after a few tokens, one with an EOS (PLE's context reset) and a
-# repetitive one (real n-gram drafts); 30 new tokens each
+# repetitive one (real n-gram drafts); 20 new tokens each
 PROMPTS = _seqs(11, [9, 21, 14], eos_at=((1, 6),)) + [[17, 23, 41, 17, 23, 41, 17, 23, 41, 17, 23]]
-SP = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+SP = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 _plain = PlainRuns(BASE)
 
@@ -72,7 +72,8 @@ def test_ngram_oracle_greedy_equals_plain_and_transformers(target, oracle_ngram,
     """Budget 7: prompt chunks share steps with verifications (their rows beside drafting ones)."""
     path, ref = target
     plain = _plain(path, PROMPTS, SP, max_num_batched_tokens=budget)
-    assert plain == _transformers(ref, PROMPTS, 30)
+    if budget == 64:  # (plain decoding's tokens do not depend on the budget: tests/model/test_qwen4_exp.py)
+        assert plain == _transformers(ref, PROMPTS, 20)
     oracle_ngram.update(oracle_table(PROMPTS, plain))
     llm = LLM(path, speculative_config=NGRAM, max_num_batched_tokens=budget, **BASE)
     assert run_checked(llm, PROMPTS, SP) == plain

@@ -41,7 +41,10 @@ MoE's in SparseMoE. The residual stream h, the hyper-connections and the QSA ind
 computes the same selection from the same raw keys, which each rank keeps beside its own KV heads). The PLE n-gram
 tables are split by columns (each rank gathers its 1 / N of every head's embedding channels, and key_proj / value_proj
 sum their partial products over the ranks): each rank's process holds 1 / N of the host-memory tables.
-Not built (refused at load): pipeline parallelism, LoRA, speculative decoding, pooling.
+Speculative decoding (ngram, suffix, draft_model): the GDN states as every hybrid's; the PLE extras keep the
+window after each verified row in the slot's checkpoint rows (gdn_verify.WindowCheckpoints), so keep_accepted undoes
+rejected drafts; verification steps run eagerly (supports_verify_graphs). Why QSA's keys need nothing: docs/hybrid.md.
+Not built (refused at load): pipeline parallelism, LoRA, MTP / DFlash / EAGLE-3 speculation, pooling.
 """
 from __future__ import annotations
 
