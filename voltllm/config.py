@@ -626,6 +626,10 @@ class EngineArgs:
         method = _resolve_quantization(self.quantization, source.kind, hf_config)
         _check_bnb_load_format(self.load_format, method)
         spec = _resolve_speculative(spec_dict, hf_config)
+        if (spec is not None and getattr(hf_config, "model_type", None) in ("qwen4_exp", "qwen4_exp_text")
+                and spec.method in QWEN4_EXP_SPEC_UNBUILT):  # (before the drafter is resolved)
+            raise ConfigError(f"Qwen4-Exp ({hf_config.model_type}): {QWEN4_EXP_SPEC_UNBUILT[spec.method]} is not "
+                              "built for this model")
         if spec is not None and spec.uses_draft_model:
             spec = self._resolve_draft(spec, hf_config, tokenizer)
         elif spec is not None and spec.uses_dflash:
@@ -936,6 +940,17 @@ HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3", "suffi
 QWEN4_EXP_QUANT_METHODS = ("awq", "gptq", "fp8", "modelopt_fp4", "compressed-tensors")
 
 
+# speculative methods not built for Qwen4-Exp (ngram, suffix and draft_model are: docs/hybrid.md "Qwen4-Exp")
+QWEN4_EXP_SPEC_UNBUILT = {
+    "dflash": "DFlash speculation (--speculative-config method dflash: its drafter reads target layers' hidden states, "
+              "and Qwen4-Exp's residual is hc_count hyper-connection streams wide; built: ngram, suffix, draft_model)",
+    "eagle3": "EAGLE-3 speculation (--speculative-config method eagle3: its head reads target layers' hidden states, "
+              "and Qwen4-Exp's residual is hc_count hyper-connection streams wide; built: ngram, suffix, draft_model)",
+    "mtp": "MTP speculation (--speculative-config method mtp: the checkpoint's mtp.* module is not loaded; built: "
+           "ngram, suffix, draft_model)",
+}
+
+
 def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: Any, runner: str) -> Optional[str]:
     """What of this launch is not built for Qwen4-Exp (voltllm/model/models/qwen4_exp.py), or None."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -947,8 +962,10 @@ def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: A
         return "LoRA (--enable-lora) under pipeline parallelism (--pipeline-parallel-size)"
     if method is not None and method not in QWEN4_EXP_QUANT_METHODS:
         return f"{method} quantization (built: {', '.join(QWEN4_EXP_QUANT_METHODS)} checkpoints)"
-    if spec is not None:
-        return "speculative decoding (--speculative-config)"
+    if spec is not None and (why := QWEN4_EXP_SPEC_UNBUILT.get(spec.method)) is not None:
+        return why
+    if spec is not None and args.pipeline_parallel_size > 1:  # (each built alone; together not yet run)
+        return "speculative decoding (--speculative-config) under pipeline parallelism (--pipeline-parallel-size)"
     if runner != "generate":
         return f"--runner {runner}"
     if getattr(text, "indexer_n_heads", None) is not None and args.kv_cache_dtype.startswith("fp8"):

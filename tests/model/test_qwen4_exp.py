@@ -358,8 +358,8 @@ def test_engine_greedy_with_preemption_and_prefix_cache(checkpoints):
 
 
 @pytest.mark.parametrize("kwargs, what", [(dict(kv_cache_dtype="fp8"), "fp8 KV"),
-                                          (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                                    "prompt_lookup_max": 3}), "speculative")])
+                                          (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+                                           "MTP speculation")])
 def test_unbuilt_features_are_refused(checkpoints, kwargs, what):
     from voltllm import LLM
     from voltllm.config import ConfigError

@@ -92,3 +92,34 @@ def test_verification_rows_are_checked():
                         host_rows=([0], [True]))
     with pytest.raises(RuntimeError, match="checkpoints per slot"):
         layer(x, batch)
+
+
+def test_window_checkpoints_hold_the_window_after_each_draft():
+    """gdn_verify.WindowCheckpoints (Qwen4-Exp's PLE extras): checkpoint row j of a drafting request's slot holds the
+    last `width` rows of [its old window | its rows 0 .. j]; a request without drafts (a prompt chunk) and other
+    slots' rows are untouched; keep_accepted then leaves each slot at its last accepted position's window."""
+    from voltllm.model.layers.gdn import HybridBatch
+    from voltllm.model.layers.gdn_verify import WindowCheckpoints
+
+    width, k, c = 3, 4, 2
+    cache = StateCache(1, 4, (1, 1), (1, 1, 1), torch.float32, checkpoints=k, extras={"w": ((width, c), torch.float32)})
+    cache.extra_rows["w"].copy_(torch.randn(cache.extra_rows["w"].shape))
+    before = cache.extra_rows["w"].clone()
+    qsl, slots, drafts = [0, 4, 9, 11], [2, 0, 3], [3, 0, 1]  # request 1: a 5-row prompt chunk, no drafts
+    batch = HybridBatch(cache, torch.tensor(slots), torch.tensor([True, True, True]), qsl, decode_only=False)
+    batch.drafts, batch.host_rows = drafts, (slots, [True] * 3)
+    x = torch.randn(qsl[-1], c)
+    plan = WindowCheckpoints.build(batch, width)
+    plan.save(x, cache.extra["w"], cache.extra_rows["w"])
+    written = set()
+    for i in (0, 2):
+        seq = torch.cat([before[slots[i]], x[qsl[i]:qsl[i + 1]]])
+        for j in range(drafts[i]):
+            row = cache.checkpoint_base + slots[i] * k + j
+            assert torch.equal(cache.extra_rows["w"][row], seq[j + 1:j + 1 + width])
+            written.add(row)
+    untouched = [r for r in range(before.shape[0]) if r not in written]
+    assert torch.equal(cache.extra_rows["w"][untouched], before[untouched])
+    cache.extra["w"][2] = 7.0  # (the step's own write: the window after the last row)
+    cache.keep_accepted(torch.tensor([2]), torch.tensor([3]), torch.tensor([1]))  # one of three drafts accepted
+    assert torch.equal(cache.extra["w"][2], torch.cat([before[2], x[0:4]])[2:2 + width])

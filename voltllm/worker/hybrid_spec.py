@@ -13,8 +13,9 @@ decode rows replayed by the decode CUDA graphs: every row an independent request
 instead go through its recurrent state in order, so a hybrid replays a second graph set captured in walks
 (`capture_verify_graphs`: DecodeGraphs(walks=True)), whose GDN layers walk each request's rows from its first row
 (`fill_walks` lays the rows out: slot and walk per row); its attention layers see the same decode rows as before.
-Without those graphs (the CPU, --enforce-eager, a step with more tokens than --max-num-seqs, a mixed step) the
-verification is an eager prompt-form step (hybrids capture no prompt graphs).
+Without those graphs (the CPU, --enforce-eager, a step with more tokens than --max-num-seqs, a mixed step, a model
+whose supports_verify_graphs is False: Qwen4-Exp) the verification is an eager prompt-form step (hybrids capture no
+prompt graphs).
 
 Under tensor parallelism every rank holds its heads' states in the same rows; rank 0 broadcasts the accepted counts
 it computed and the other ranks keep the same rows (`follow_accepted_states`).

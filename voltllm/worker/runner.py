@@ -1140,7 +1140,9 @@ class ModelRunner:
         self.graphs.capture()
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                     self.graphs.sizes, time.monotonic() - t0)
-        if self.is_hybrid and self.config.speculative is not None:
+        # (a hybrid whose verification needs more than its GDN layers' walks, Qwen4-Exp's PLE, verifies eagerly)
+        if self.is_hybrid and self.config.speculative is not None and getattr(self.model, "supports_verify_graphs",
+                                                                                True):
             from voltllm.worker.hybrid_spec import capture_verify_graphs
 
             self.verify_graphs = capture_verify_graphs(self)

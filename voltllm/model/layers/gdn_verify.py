@@ -127,3 +127,53 @@ class VerifyRows:
 
         return gdn_ref.gated_delta_rule_checkpointed(*args, self.walk_qsl, self.walk_init, cache.checkpoint_base,
                                                      cache.checkpoints)
+
+
+@dataclass
+class WindowCheckpoints:
+    """A verification step's checkpoints of a per-slot sliding-window state other than GDN's conv: a state that is
+    the last `width` rows of a request's inputs (Qwen4-Exp's PLE n-gram context and dilated-conv rows). As the GDN
+    conv's (VerifyRows.save_conv_checkpoints): the state after drafting request i's position j (j < its drafts) is
+    the last `width` rows of [its old state | its rows 0 .. j], written into checkpoint row j of its slot, whence
+    StateCache.keep_accepted takes the last accepted position's."""
+    draft_slots: torch.Tensor  # long [d]: the drafting requests' slots
+    draft_tokens: torch.Tensor  # long: their flat rows, in order
+    src: torch.Tensor  # long [P * width]: rows of the gathered table [old states | rows], checkpoint by checkpoint
+    dst: torch.Tensor  # long [P]: each checkpoint's row in the cache's row space
+    width: int
+
+    @classmethod
+    def build(cls, batch: Any, width: int) -> Optional["WindowCheckpoints"]:
+        """batch: a verification step's HybridBatch (batch.drafts set); None when no request drafts."""
+        if batch.drafts is None or not any(batch.drafts) or width < 1:
+            return None
+        cache, qsl, drafts = batch.state_cache, batch.query_start_loc, batch.drafts
+        slots = batch.host_rows[0]
+        drafting = [i for i, k in enumerate(drafts) if k > 0]
+        if max(drafts) > cache.checkpoints:
+            raise RuntimeError(f"a request verifies {max(drafts)} drafts but the state cache keeps "
+                               f"{cache.checkpoints} checkpoints per slot")
+        tokens, src, dst = [], [], []
+        at = len(drafting) * width
+        for c, i in enumerate(drafting):
+            n = qsl[i + 1] - qsl[i]
+            if n != drafts[i] + 1:
+                raise ValueError(f"request {i} verifies {drafts[i]} drafts in {n} rows (known token + drafts)")
+            tokens.extend(range(qsl[i], qsl[i + 1]))
+            xp = [c * width + r for r in range(width)] + list(range(at, at + n))
+            at += n
+            for j in range(drafts[i]):  # the state after position j: xp[j + 1 : j + 1 + width]
+                src.extend(xp[j + 1:j + 1 + width])
+                dst.append(cache.checkpoint_base + slots[i] * cache.checkpoints + j)
+        d = len(drafting)
+        flat = to_device([slots[i] for i in drafting] + tokens + src + dst, torch.long, batch.slots.device)
+        return cls(flat[:d], flat[d:d + len(tokens)], flat[d + len(tokens):d + len(tokens) + len(src)],
+                   flat[d + len(tokens) + len(src):], width)
+
+    def save(self, x: torch.Tensor, states: torch.Tensor, rows: torch.Tensor) -> None:
+        """Before the step moves the slots on: states [slots + 1, width, C] (the slots' old states), x [T, C] (the
+        step's inputs to the window), rows: the same state's whole row space [.., width, C] (checkpoints written)."""
+        c = states.shape[2]
+        table = torch.cat([states.index_select(0, self.draft_slots).reshape(-1, c),
+                           x.index_select(0, self.draft_tokens).to(states.dtype)])
+        rows.index_copy_(0, self.dst, table.index_select(0, self.src).reshape(-1, self.width, c))

@@ -49,7 +49,11 @@ Pipeline parallelism (`pp`, a PipelineStage): each stage builds its layers alone
 index-key and PLE state indices); the stages hand over h [T, hc * H] whole (PipelineStage.receive_stream /
 pass_on_stream) and rank 0 applies the final mixer to the last stage's h. A stage with PLE layers keeps their
 "ple_conv" rows and its own "ple_ctx" copy, advanced from the step's ids, which every rank gets (docs/hybrid.md).
-Not built (refused at load): speculative decoding, pooling; LoRA under pipeline parallelism.
+Speculative decoding (ngram, suffix, draft_model): the GDN states as every hybrid's; the PLE extras keep the
+window after each verified row in the slot's checkpoint rows (gdn_verify.WindowCheckpoints), so keep_accepted undoes
+rejected drafts; verification steps run eagerly (supports_verify_graphs). Why QSA's keys need nothing: docs/hybrid.md.
+Not built (refused at load): MTP / DFlash / EAGLE-3 speculation, pooling; LoRA, images or speculative decoding under
+pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -78,8 +82,9 @@ _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _SHARD = re.compile(r"ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
 _PLE_BUFFERS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
 
-UNSUPPORTED = ("speculative decoding and pooling are not built for Qwen4-Exp "
-               "(qwen4_exp / qwen4_exp_text)")
+NO_WALKS = ("Qwen4-Exp: a verification step as decode rows (the hybrid verification CUDA graphs, state_walks) is not "
+            "built: its PLE n-gram windows need each request's earlier rows; verification steps run eagerly "
+            "(supports_verify_graphs)")
 
 
 def layer_kinds(cfg: Any) -> list[str]:
@@ -248,7 +253,10 @@ class Qwen4ExpDecoderLayer(nn.Module):
 
     def forward(self, positions, h, ctx: ForwardContext, batch: Optional[HybridBatch], step: "_Step"):
         if self.ple is not None:
-            h = h + self.ple(h, step.windows, batch.state_cache.extra["ple_conv"][:, self.ple_row], batch)
+            cache = batch.state_cache
+            ckpt = None if step.conv_checkpoints is None else (step.conv_checkpoints,
+                                                               cache.extra_rows["ple_conv"][:, self.ple_row])
+            h = h + self.ple(h, step.windows, cache.extra["ple_conv"][:, self.ple_row], batch, ckpt)
         x, w = self.attn_hyper_connection(h)
         if self.kind == "linear_attention":
             x = self.linear_attn(x, batch)
@@ -263,12 +271,15 @@ class Qwen4ExpDecoderLayer(nn.Module):
 
 class _Step:
     """What every layer of one forward shares: the PLE n-gram windows, the requests on QSA's torch path, whether
-    QSA's decode rows attend through virtual block tables."""
+    QSA's decode rows attend through virtual block tables, and in a speculative verification step the PLE conv's
+    checkpoint plan (gdn_verify.WindowCheckpoints; None otherwise)."""
 
-    def __init__(self, windows: Optional[torch.Tensor], sparse: list[int], select_decode: bool = False):
+    def __init__(self, windows: Optional[torch.Tensor], sparse: list[int], select_decode: bool = False,
+                 conv_checkpoints: Any = None):
         self.windows = windows
         self.sparse = sparse
         self.select_decode = select_decode
+        self.conv_checkpoints = conv_checkpoints
 
 
 class Qwen4ExpForCausalLM(nn.Module):
@@ -365,6 +376,11 @@ class Qwen4ExpForCausalLM(nn.Module):
         return True
 
     @property
+    def supports_verify_graphs(self) -> bool:
+        """No: a speculative verification step runs eagerly (the runner captures no walks graphs: NO_WALKS)."""
+        return False
+
+    @property
     def supports_cuda_graphs(self) -> bool:
         """Yes: PLE's n-gram ids and table gathers are device work (qwen4_exp_ple.py's docstring). Asked before the
         runner captures, so the tables are made readable by the GPU here at the latest (not inside a capture)."""
@@ -414,15 +430,17 @@ class Qwen4ExpForCausalLM(nn.Module):
     # -- forward ---------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         batch = HybridBatch.from_context(ctx, self.state_spec)
-        if batch.drafts is not None or batch.walks is not None:
-            raise ValueError(UNSUPPORTED)
-        windows = None
+        if batch.walks is not None:
+            raise ValueError(NO_WALKS)
+        windows = conv_checkpoints = None
         if self.stage_ple_ids:  # (every stage with PLE layers hashes the step's ids, which every rank has)
             self.place_tables(input_ids.device)  # (once; a capture finds them placed: supports_cuda_graphs)
             cache = batch.state_cache
             ngrams = NGramContext(input_ids, batch.query_start_loc, batch.slots, batch.has_initial_state,
                                   cache.extra["ple_ctx"], self.config.ngram_size, self.eos)
             windows = ngrams.windows
+            if batch.drafts is not None:  # a verification: the PLE states after each draft's position, as GDN's
+                conv_checkpoints = self._save_ple_context_checkpoints(input_ids, batch)
         meta = ctx.meta
         sparse, select_decode = [], False
         if self.qsa:
@@ -432,7 +450,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             long = [] if graph else [i for i, n in enumerate(meta.seq_lens_cpu) if n >= self._full_context]
             select_decode = meta.is_pure_decode and (graph or bool(long))
             sparse = [] if select_decode else long
-        step = _Step(windows, sparse, select_decode)
+        step = _Step(windows, sparse, select_decode, conv_checkpoints)
         if self.embed_tokens is None:  # a later pipeline stage
             h = self.pp.receive_stream(input_ids, self.hc * self.config.hidden_size, self.dtype)
         else:
@@ -451,6 +469,21 @@ class Qwen4ExpForCausalLM(nn.Module):
                 return h[:, :self.config.hidden_size]
         out, _ = self.hyper_connection_mixer(h)
         return out
+
+    def _save_ple_context_checkpoints(self, input_ids: torch.Tensor, batch: HybridBatch) -> Any:
+        """A verification step (batch.drafts): each drafting request's n-gram context after each of its positions
+        but the last into its slot's checkpoint rows (StateCache.keep_accepted later keeps the last accepted one's,
+        undoing the rejected drafts' tokens), before NGramContext.save moves the slots on. Returns the PLE dilated
+        conv's plan (each PLE layer saves its rows the same way: PLELayer._dilated_conv)."""
+        from voltllm.model.layers.gdn_verify import WindowCheckpoints
+
+        cache = batch.state_cache
+        ctx = WindowCheckpoints.build(batch, self.config.ngram_size - 1)
+        if ctx is not None:
+            ctx.save(input_ids.long()[:, None], cache.extra["ple_ctx"][..., None],
+                     cache.extra_rows["ple_ctx"][..., None])
+        ple = next(layer.ple for layer in self.layers if layer.ple is not None)
+        return WindowCheckpoints.build(batch, ple.conv_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.tie and self.lm_head.weight is None:  # a head held by a quantized LinearMethod

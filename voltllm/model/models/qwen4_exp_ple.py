@@ -279,9 +279,12 @@ class PLELayer(nn.Module):
         return weight.unflatten(1, (self.heads, self.head_dim))[:, :, first:first + n].flatten(1)
 
     # -- forward -------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, windows: torch.Tensor, conv_state: torch.Tensor, batch: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, windows: torch.Tensor, conv_state: torch.Tensor, batch: Any,
+                checkpoints: Any = None) -> torch.Tensor:
         """x [T, hc * H] (the residual); conv_state: this layer's rows of the "ple_conv" extra [rows, K', hc * H]
-        (updated in place). Returns what to add to x."""
+        (updated in place); checkpoints: in a speculative verification step, (gdn_verify.WindowCheckpoints, this
+        layer's whole "ple_conv" row space), whose checkpoint rows get the state after each draft's position.
+        Returns what to add to x."""
         t = x.shape[0]
         e = self.embed(windows).to(x.dtype)
         key = self.norm_key(self.key_proj(e)).view(t, self.hc, self.hidden)
@@ -291,6 +294,9 @@ class PLELayer(nn.Module):
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [T, hc * H]
         normed = self.norm_conv(gated)
+        if checkpoints is not None:  # (before the conv moves the slots on)
+            plan, rows = checkpoints
+            plan.save(normed, conv_state, rows)
         return gated + F.silu(self._dilated_conv(normed, conv_state, batch))
 
     def _dilated_conv(self, x: torch.Tensor, conv_state: torch.Tensor, batch: Any) -> torch.Tensor:
