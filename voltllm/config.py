@@ -954,10 +954,6 @@ QWEN4_EXP_SPEC_UNBUILT = {
 def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: Any, runner: str) -> Optional[str]:
     """What of this launch is not built for Qwen4-Exp (voltllm/model/models/qwen4_exp.py), or None."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    if args.pipeline_parallel_size > 1 and getattr(hf_config, "vision_config", None) is not None and not (
-            args.language_model_only):  # (a later stage's QSA layers would lack the image tokens' rotations)
-        return ("image and video input under pipeline parallelism (--pipeline-parallel-size; add "
-                "--language-model-only to serve the text model)")
     if args.pipeline_parallel_size > 1 and args.enable_lora:  # (each built alone; together not yet run)
         return "LoRA (--enable-lora) under pipeline parallelism (--pipeline-parallel-size)"
     if method is not None and method not in QWEN4_EXP_QUANT_METHODS:

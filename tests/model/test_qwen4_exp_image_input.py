@@ -106,6 +106,17 @@ def test_tensor_parallel_ranks_rotate_alike(vl):
     assert _same(got, _reference(vl, ids, out))
 
 
+def test_pipeline_stages_rotate_alike(tmp_path):
+    """-pp 2 (gloo) with images past QSA's budget and PLE: the later stage rotates its indexed layer's pooled keys with
+    rank 0's token positions (ImageRows.token_positions) and hashes the placeholder ids; transformers' output."""
+    vl = vl_setup(str(tmp_path), "qwen4_exp", ple=True, indexer_budget=8,
+                  layer_types=["linear_attention", "indexed_attention"] * 2)  # (attention on each stage)
+    ids, out, mm = _prompt(vl, ["Compare", None, "with", None, "please."], [_image(1, 32, 48), _image(2, 40, 24)])
+    got = _run(_llm(vl[0], max_num_batched_tokens=16, enable_chunked_prefill=True, pipeline_parallel_size=2),
+               [(ids, mm)])[0]
+    assert _same(got, _reference(vl, ids, out))
+
+
 def test_prefix_cache_hit_past_the_image(vl):
     """The same prompt again hits the prefix cache past its image (KV blocks, the GDN and PLE state snapshots, QSA's
     keys in the blocks) and gives transformers' output again; other pixels share no block from the image on."""

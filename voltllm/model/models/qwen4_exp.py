@@ -52,7 +52,7 @@ pass_on_stream) and rank 0 applies the final mixer to the last stage's h. A stag
 Speculative decoding (ngram, suffix, draft_model): the GDN states as every hybrid's; the PLE extras keep the
 window after each verified row in the slot's checkpoint rows (gdn_verify.WindowCheckpoints), so keep_accepted undoes
 rejected drafts; verification steps run eagerly (supports_verify_graphs). Why QSA's keys need nothing: docs/hybrid.md.
-Not built (refused at load): MTP / DFlash / EAGLE-3 speculation, pooling; LoRA, images or speculative decoding under
+Not built (refused at load): MTP / DFlash / EAGLE-3 speculation, pooling; LoRA or speculative decoding under
 pipeline parallelism.
 """
 from __future__ import annotations
