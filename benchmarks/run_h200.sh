@@ -240,6 +240,8 @@
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
 #            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
+#   s155     (session 55) Qwen4-Exp GPU files (QSA device selection in graphs, PLE graphs reading host memory, images,
+#            LoRA), LoRA on MoE experts, then a short qwen4-exp-shape decode bench
 #   s146pp   (session 54; kind nvidia-h200-x2) pipeline parallelism over two GPUs: its GPU file, then the 8B shape at
 #            -pp 2, batch 1 and 64 concurrent
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
@@ -1593,6 +1595,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha \
       > "$out/c64.log" 2>&1
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
+    ;;
+  s155)  # (session 55) Qwen4-Exp on the GPU: QSA decode rows selecting on the device inside graphs (virtual block
+          # tables), PLE tables read in place from page-locked host memory in graph replays, images, LoRA
+    gpu_file test_qwen4_exp_cuda 240
+    gpu_file test_image_input_cuda 150 -k qwen4
+    gpu_file test_lora_qwen4_exp_cuda 120
+    gpu_file test_lora_moe_cuda 90
+    bench_via "python3 -m voltllm.cli" --random-weights qwen4-exp-shape --dtype half --scenario decode \
+      --input-len 512 --output-len 64 --num-warm 1 --max-model-len 4096 \
+      --name qwen4-exp-shape-fp16-decode-b1-$sha > "$out/q4-b1.log" 2>&1
+    grep -E "^pure_decode|^ttft|Error" "$out/q4-b1.log" | cut -c1-200
     ;;
   s145)  # (session 53) image input: the tower's rows, M-RoPE scratch rows read by the fused rope / decode kernels,
          # decode graphs at shifted positions, the compat route
