@@ -241,7 +241,7 @@
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
 #            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
 #   s155     (session 55) Qwen4-Exp GPU files (QSA device selection in graphs, PLE graphs reading host memory, images,
-#            LoRA), LoRA on MoE experts, then a short qwen4-exp-shape decode bench
+#            LoRA), LoRA on MoE experts, then a short qwen4-exp-shape decode bench (135 GB of fp16 weights: an H200)
 #   s146pp   (session 54; kind nvidia-h200-x2) pipeline parallelism over two GPUs: its GPU file, then the 8B shape at
 #            -pp 2, batch 1 and 64 concurrent
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
