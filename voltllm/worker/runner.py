@@ -755,10 +755,10 @@ class ModelRunner:
             [s.start + s.num_new_tokens for s in sched.scheduled], [s.num_new_tokens for s in sched.scheduled]))
         # (and one whose image requests need their tokens' M-RoPE rotations by index: Qwen4-Exp's QSA pooled keys,
         # and its torch path past the budget in a step that is not pure decode)
-        rotated = [i for i, s in enumerate(sched.scheduled) if self.image_step is not None
-                   and s.request.multi_modal is not None and hasattr(self.model, "needs_token_rotations")
-                   and (self.model.needs_token_rotations(s.start, s.request.num_prompt_tokens)
-                        or sched.total_tokens > n_seqs and self.model.eager_step([s.start + s.num_new_tokens]))]
+        rotated = [] if self.image_step is None or not hasattr(self.model, "needs_token_rotations") else [
+            i for i, s in enumerate(sched.scheduled) if s.request.multi_modal is not None
+            and (self.model.needs_token_rotations(s.start, s.request.num_prompt_tokens)
+                 or sched.total_tokens > n_seqs and self.model.eager_step([s.start + s.num_new_tokens]))]
         calibrating = calibrating or bool(rotated)
         # a speculative decode step as decode rows (one per token; the row buffers hold max_decode_rows)
         token_rows = (not calibrating and n_seqs < sched.total_tokens <= self.max_decode_rows

@@ -10,7 +10,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
-import torch
 
 
 class ModelLoadError(ValueError):
