@@ -23,3 +23,19 @@ def assert_logits_match(one: Any, many: Any, atol: float = 2e-5) -> None:
     a, b = full_prompt_logprobs(one, PROMPTS), full_prompt_logprobs(many, PROMPTS)
     assert not a.isnan().any() and not b.isnan().any()
     assert torch.allclose(a, b, atol=atol, rtol=0), (a - b).abs().max()
+
+
+def assert_matches_one_rank(one: Any, many: Any, prompts: list, max_tokens: int = 16) -> None:
+    """Full distributions at every prompt position (batched, chunked), then greedy tokens (decode batches), then again
+    from the prefix cache (every rank's state snapshots restored)."""
+    from voltllm import SamplingParams
+
+    a, b = full_prompt_logprobs(one, prompts), full_prompt_logprobs(many, prompts)
+    assert not a.isnan().any() and not b.isnan().any()
+    assert torch.allclose(a, b, atol=5e-5, rtol=0), (a - b).abs().max()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in many.generate(prompts, params)] == expected
+    assert many.engine.runner.state_snapshots.num_restored > 0
+    many.engine.check_integrity()

@@ -12,6 +12,7 @@ import torch
 
 from tiny_models import (HYBRID_VOCAB, QWEN4_EXP_COMMON, QWEN4_EXP_INDEXER as INDEXER, QWEN4_EXP_PLE as PLE,
                          full_prompt_logprobs, make_tiny_qwen4_exp)
+from parallel_checks import assert_matches_one_rank
 from voltllm import LLM, SamplingParams
 from voltllm.distributed.pipeline import PipelineStage
 
@@ -49,15 +50,7 @@ def test_logits_and_greedy_match_pp1(engines):
     """Full distributions at every prompt position (batched, chunked), then 16 greedy tokens (decode batches), then
     again from the prefix cache (every stage's state snapshots, PLE state included)."""
     _, one, two = engines
-    a, b = full_prompt_logprobs(one, PROMPTS), full_prompt_logprobs(two, PROMPTS)
-    assert not a.isnan().any() and not b.isnan().any()
-    assert torch.allclose(a, b, atol=5e-5, rtol=0), (a - b).abs().max()
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
-    for _ in range(2):
-        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
-    assert two.engine.runner.state_snapshots.num_restored > 0
-    two.engine.check_integrity()
+    assert_matches_one_rank(one, two, PROMPTS)
 
 
 def test_perturbed_hand_over_is_caught(engines, monkeypatch):

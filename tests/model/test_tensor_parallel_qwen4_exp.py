@@ -11,6 +11,7 @@ import torch
 
 from tiny_models import (HYBRID_VOCAB, QWEN4_EXP_INDEXER as INDEXER, QWEN4_EXP_PLE as PLE, full_prompt_logprobs,
                          make_tiny_qwen4_exp)
+from parallel_checks import assert_matches_one_rank
 from voltllm import LLM, SamplingParams
 
 _rng = random.Random(11)
@@ -51,15 +52,7 @@ def test_logits_and_greedy_match_tp1(engines):
     """Full distributions at every prompt position (batched, chunked), then 16 greedy tokens (decode batches; QSA's
     sparse path on every rank), then again from the prefix cache (every rank's state snapshots)."""
     _, one, two = engines
-    a, b = full_prompt_logprobs(one, PROMPTS), full_prompt_logprobs(two, PROMPTS)
-    assert not a.isnan().any() and not b.isnan().any()
-    assert torch.allclose(a, b, atol=5e-5, rtol=0), (a - b).abs().max()
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
-    for _ in range(2):
-        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, params)] == expected
-    assert two.engine.runner.state_snapshots.num_restored > 0
-    two.engine.check_integrity()
+    assert_matches_one_rank(one, two, PROMPTS)
 
 
 def test_each_rank_holds_its_share(engines):
