@@ -174,7 +174,15 @@ def make_tiny_qwen4_exp(path: str, seed: int, **overrides: Any) -> str | None:
         return None
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cls(**{**QWEN4_EXP_COMMON, **overrides}))
-    gen = torch.Generator().manual_seed(seed + 1)
+    randomize_qwen4_exp(model, seed + 1)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def randomize_qwen4_exp(model: torch.nn.Module, seed: int) -> None:
+    """Qwen4-Exp's parameters that transformers initialises to constants made random (GDN decay, norms, the
+    dilated convs, the n-gram tables), so a missing piece changes the output."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -185,8 +193,6 @@ def make_tiny_qwen4_exp(path: str, seed: int, **overrides: Any) -> str | None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
             elif "ngram_embedding" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
-    model.save_pretrained(path)
-    return str(path)
 
 
 def tiny_gdn_layer(device: str) -> Any:

@@ -15,6 +15,7 @@ if not hasattr(transformers, "Qwen4ExpTextConfig"):
     pytest.skip("this transformers has no Qwen4-Exp", allow_module_level=True)
 
 from model.test_hybrid_parity import Harness  # noqa: E402
+from tiny_models import randomize_qwen4_exp  # noqa: E402
 from voltllm.model.loader.safetensors_loader import safetensors_weights  # noqa: E402
 from voltllm.model.models import qwen4_exp, qwen4_exp_ple  # noqa: E402
 from voltllm.model.models.qwen4_exp import Qwen4ExpForCausalLM  # noqa: E402
@@ -42,18 +43,7 @@ KINDS = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.6, generator=gen).log())
-            elif "norm" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-            elif "conv1d" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
-            elif "ngram_embedding" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
+_randomize = randomize_qwen4_exp  # (tests/gpu/test_qwen4_exp_cuda.py imports it from here)
 
 
 @pytest.fixture(scope="module")
