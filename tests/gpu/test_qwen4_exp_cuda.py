@@ -62,7 +62,7 @@ def test_ple_graphs_equal_eager_and_transformers(tmp_path):
                   compilation_config={"cudagraph_capture_sizes": [1, 2, 3, 4]})
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         runner = llm.engine.runner
-        assert (runner.graphs is None) == eager and (eager or runner.graphs.replays > 20)
+        assert (runner.graphs is None) == eager and (eager or runner.graphs.replays >= 8)
         from voltllm.host_memory import in_host_memory
 
         assert in_host_memory(runner.model.layers[0].ple.readable_table(runner.device))

@@ -243,6 +243,8 @@ class PLELayer(nn.Module):
         in-place copies (a sleep-mode reload)."""
         if device.type != "cuda":
             return self.table
+        if device.index is None:  # "cuda" names the current device; the view's device always has its index
+            device = torch.device("cuda", torch.cuda.current_device())
         if self._view is None:
             from voltllm.host_memory import device_view, page_lock_for
 
