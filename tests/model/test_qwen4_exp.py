@@ -18,8 +18,8 @@ from model.test_hybrid_parity import Harness  # noqa: E402
 from tiny_models import randomize_qwen4_exp  # noqa: E402
 from voltllm.model.loader.safetensors_loader import safetensors_weights  # noqa: E402
 from voltllm.model.models import qwen4_exp, qwen4_exp_ple  # noqa: E402
+from voltllm.model.models import qwen4_exp_qsa_decode as qsa_decode  # noqa: E402
 from voltllm.model.models.qwen4_exp import Qwen4ExpForCausalLM  # noqa: E402
-from voltllm.model.models.qwen4_exp_qsa import QSAIndexer  # noqa: E402
 
 VOCAB = 192
 EOS = 5
@@ -195,25 +195,28 @@ def test_ple_table_is_host_memory_and_shards_load(checkpoints):
 
 
 def test_qsa_selection_drops_blocks_and_matters(checkpoints, monkeypatch):
-    """Contexts past budget + ratio really drop blocks; plain causal attention there leaves transformers' logits."""
+    """Contexts past budget + ratio really drop blocks (prompt chunks and decode rows alike take virtual tables);
+    plain causal attention there leaves transformers' logits."""
     path, ref = checkpoints["qsa"]
     seqs = _schedule_seqs(5)
     refs = [_ref_logits(ref, s) for s in seqs]
     model = _ours(path)
-    dropped = []
-    real = QSAIndexer.selection
+    dropped = {"prompt": 0, "decode": 0}
+    real = qsa_decode.virtual_tables
 
-    def counting(self, q_idx, positions, raw_keys, rotary):
-        mask = real(self, q_idx, positions, raw_keys, rotary)
-        dropped.append(int((mask.sum(-1) < positions + 1).sum()))
-        return mask
+    def counting(scores, top_blocks, positions, block_tables, ratio, block_size):
+        tables, lens, page = real(scores, top_blocks, positions, block_tables, ratio, block_size)
+        rows = positions[:scores.shape[0]].long()
+        # (prompt_selection hands one request's table to every row; decode_selection one table per sequence)
+        kind = "prompt" if block_tables.stride(0) == 0 else "decode"
+        dropped[kind] += int((lens.long() < rows + 1).sum())
+        return tables, lens, page
 
-    monkeypatch.setattr(QSAIndexer, "selection", counting)
+    monkeypatch.setattr(qsa_decode, "virtual_tables", counting)
     assert _run_schedule(model, refs, seqs) <= 2e-5
-    assert sum(dropped) > 50  # many rows attended to fewer tokens than their causal context
-    monkeypatch.setattr(QSAIndexer, "selection", lambda self, q, p, k, rot: (
-        torch.arange(k.shape[0])[None, :] <= p[:, None]))  # every past token: plain causal attention
-    assert _run_schedule(model, refs, seqs, tol=None) > 1e-3
+    assert dropped["prompt"] > 20 and dropped["decode"] > 5, dropped  # rows attended to less than their context
+    monkeypatch.setattr(qsa_decode, "virtual_tables", lambda scores, top, *a: real(scores, scores.shape[1], *a))
+    assert _run_schedule(model, refs, seqs, tol=None) > 1e-3  # every complete block: plain causal attention
 
 
 class _GraphLike:

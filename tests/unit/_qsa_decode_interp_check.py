@@ -160,6 +160,45 @@ def run_case(case: Case, backend) -> tuple[float, str]:
     return rel_err(out[:n], ref), " ".join(problems)
 
 
+@torch.no_grad()
+def run_prompt_rows(case: Case, backend, rows: int, chunk: int) -> tuple[float, str]:
+    """The last `rows` token rows of the case's one request as a multi-row chunk (prompt_selection, `chunk` rows at
+    a time, as IndexedAttention._sparse_rows cuts them) against the reference row by row: (relative error, problems).
+    Rows whose complete blocks fit the budget are left out, as the model leaves them (plain causal rows)."""
+    (n,) = case.lens
+    run_selection(case)  # the last row's raw and pooled keys stored, as a prompt chunk's store does
+    table = case.tables[0]
+    slots = torch.tensor([int(table[p // case.page]) * case.page + p % case.page for p in range(n)])
+    first = max(n - rows, qsa.first_sparse_token(case.indexer))
+    g = torch.Generator().manual_seed(n)
+    q_idx = torch.randn(n, N_IDX, D_IDX, generator=g).to(case.q.dtype)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(case.q.dtype)
+    k_all, v_all = gather_kv(case.kv, table, n)
+    scale = HEAD_DIM ** -0.5
+    problems, worst = [], 0.0
+    view = None
+    for a in range(first, n, chunk):
+        b = min(a + chunk, n)
+        tok = torch.arange(a, b)
+        vmeta, page = qsa.prompt_selection(case.indexer, case.rotary, q_idx[a:b], tok, tok, b - 1, case.pooled, table,
+                                           case.page, slots[a:b])
+        view = qsa.paged_view(case.kv, page)
+        kz = torch.zeros(b - a, KV_HEADS, HEAD_DIM, dtype=q.dtype)
+        out = backend.forward(q[a:b].clone(), kz, kz.clone(), view, vmeta, scale, kv_written=True)
+        got = selected_slots(vmeta, page, b - a)
+        mask = case.indexer.selection(q_idx[a:b], tok, case.raw[slots], case.rotary)
+        for j in range(b - a):
+            if not torch.equal(got[j], slots[mask[j]].sort().values):
+                problems.append(f"token {a + j}: selection differs")
+        if not bool(mask.sum(-1).lt(tok + 1).any()):
+            problems.append(f"rows {a}..{b - 1}: nothing dropped (the case does not exercise the selection)")
+        ref = sparse_attention(q[a:b], k_all, v_all, mask, scale)
+        if not torch.isfinite(out).all():
+            problems.append("non-finite output (read outside the selection)")
+        worst = max(worst, rel_err(out, ref))
+    return worst, " ".join(problems)
+
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -178,6 +217,8 @@ def _checks():
     yield "ratio_lt_page_f16_lanes", lambda: run_case(
         make_case([5, 50, 131], 4, 8, 24, seed=4, dtype=torch.float16),
         TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=True)), torch.float16
+    yield "prompt_rows_split", lambda: run_prompt_rows(make_case([131], 4, 8, 16, seed=5),
+                                                       TritonAttentionBackend(num_sms=64, max_splits=3), 40, 16), f32
 
 
 def main() -> int:

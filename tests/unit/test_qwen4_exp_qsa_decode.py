@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from interp_util import run_interp_checks
+from voltllm.model.models import qwen4_exp_qsa_decode as qsa
 
 HELPER = Path(__file__).with_name("_qsa_decode_interp_check.py")
 _spec = importlib.util.spec_from_file_location("_qsa_decode_interp_check", HELPER)
@@ -35,6 +36,27 @@ def test_selection_and_attention_match_reference(ratio, page, budget, seed):
     err, problems = chk.run_case(case, TorchReferenceBackend())
     assert not problems, problems
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("ratio, page, budget, chunk", [(4, 16, 16, 7), (8, 4, 16, 64), (2, 16, 6, 1)])
+def test_prompt_rows_match_reference(ratio, page, budget, chunk):
+    """A multi-row chunk's rows past the budget (prompt_selection, cut into chunks of rows) select what the reference
+    selects row by row and attend alike; the rows' own positions bound their selection (causal within the chunk)."""
+    from voltllm.attention.torch_ref import TorchReferenceBackend
+
+    case = chk.make_case([97], ratio, page, budget, seed=ratio + page)
+    err, problems = chk.run_prompt_rows(case, TorchReferenceBackend(), 60, chunk)
+    assert not problems, problems
+    assert err < 1e-5, err
+
+
+def test_prompt_rows_per_chunk_bounds_the_scores():
+    case = chk.make_case([40], 4, 16, 16, seed=1)
+    ix = case.indexer
+    assert qsa.prompt_rows_per_chunk(ix, 39) == 1024  # short contexts: the row cap
+    rows = qsa.prompt_rows_per_chunk(ix, 262143)  # 256K tokens, 64K blocks
+    assert 1 <= rows and rows * ix.n_heads * (262144 // 4) * 8 <= qsa.SCORE_BYTES
+    assert qsa.first_sparse_token(ix) == (16 // 4 + 1) * 4 - 1
 
 
 def test_long_rows_select_budget_tokens_and_short_rows_everything():
@@ -59,7 +81,7 @@ def test_pooled_keys_are_needed():
 
 
 @pytest.mark.parametrize("name", ["ratio_lt_page_nosplit", "ratio_eq_page_split", "ratio_two_pages_fma",
-                                  "ratio_lt_page_f16_lanes"])
+                                  "ratio_lt_page_f16_lanes", "prompt_rows_split"])
 def test_paged_decode_kernel_over_virtual_tables_interp(interp_results, name):
     assert interp_results.get(name, "missing").startswith("ok"), interp_results.get(name)
 

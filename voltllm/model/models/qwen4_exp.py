@@ -76,7 +76,7 @@ from voltllm.model.layers.rotary import RotaryEmbedding
 from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 from voltllm.model.models.qwen3_next import GatedAttention, _rotary_dim, text_config
 from voltllm.model.models.qwen4_exp_ple import NGramContext, PLELayer, ZeroCentredRMSNorm
-from voltllm.model.models.qwen4_exp_qsa import IndexKeyStore, QSAIndexer, QUERY_CHUNK, sparse_attention
+from voltllm.model.models.qwen4_exp_qsa import IndexKeyStore, QSAIndexer, rope_rows
 
 _SKIP_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 _SHARD = re.compile(r"ple\.ple_embedding\.ngram_embedding\.(?:shard_(\d+)\.)?weight$")
@@ -128,8 +128,9 @@ class GatedResidual(nn.Module):
 
 
 class IndexedAttention(GatedAttention):
-    """Qwen3.5 gated attention; with QSA, contexts past the budget attend to the indexer's selection only: decode
-    rows through virtual block tables (qwen4_exp_qsa_decode, CUDA-graph safe), prompt rows through the torch path."""
+    """Qwen3.5 gated attention; with QSA, contexts past the budget attend to the indexer's selection only, through
+    virtual block tables into the paged decode kernel (qwen4_exp_qsa_decode): a pure-decode step's rows CUDA-graph
+    safe, a multi-row chunk's rows (prompt_selection) in an eager step."""
 
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
                  index_slot: Optional[tuple[tuple[int, int, int], tuple[int, int, int]]],
@@ -141,8 +142,9 @@ class IndexedAttention(GatedAttention):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext,
                 sparse: Sequence[int] = (), select_decode: bool = False) -> torch.Tensor:
-        """sparse: the requests (batch indices) whose context is past the indexer's full-attention length (torch
-        path); select_decode: a pure-decode step whose every row attends to its selection (virtual block tables)."""
+        """sparse: the requests (batch indices) whose context is past the indexer's full-attention length in a step
+        with multi-row chunks (_sparse_rows); select_decode: a pure-decode step whose every row attends to its
+        selection (virtual block tables)."""
         if self.indexer is None:
             return super().forward(positions, x, ctx)
         from voltllm.model.models import qwen4_exp_qsa_decode as qsa
@@ -178,36 +180,37 @@ class IndexedAttention(GatedAttention):
         out = out.reshape(t, self.num_heads, self.head_dim)
         if sparse:
             out = out.clone()
-            self._sparse_rows(out, q_raw, q_idx, positions, keys, ctx, sparse)
+            self._sparse_rows(out, q_raw, k, v, q_idx, positions, pooled, ctx, sparse)
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
-    def _sparse_rows(self, out, q_raw, q_idx, positions, keys, ctx: ForwardContext, sparse: Sequence[int]) -> None:
-        from voltllm.attention.torch_ref import gather_kv
-        from voltllm.model.models.qwen4_exp_qsa import rope_rows
+    def _sparse_rows(self, out, q_raw, k, v, q_idx, positions, pooled, ctx: ForwardContext,
+                     sparse: Sequence[int]) -> None:
+        """The rows of requests past the budget that can leave tokens out: each attends to its own selection through
+        the paged decode kernel (qwen4_exp_qsa_decode.prompt_selection); out holds the plain causal rows before."""
+        from voltllm.model.models import qwen4_exp_qsa_decode as qsa
 
         meta = ctx.meta
         kv = ctx.kv_caches[self.kv_index]
         bs = kv.shape[2]
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         rotations = ctx.extra.get("token_rotations") or {}
+        first = qsa.first_sparse_token(self.indexer)
         for i in sparse:
-            length = lens[i]
-            rotary, pos_i = self.rotary, positions[qsl[i]:qsl[i + 1]]
+            start = lens[i] - (qsl[i + 1] - qsl[i])  # the token index of the request's first row here
+            rotary = self.rotary
             if i in rotations:  # a request with images (M-RoPE positions): by token index, each token's rotation
                 rotary = _TokenRotary(*rotations[i], self.rotary.rotary_dim)
-                pos_i = torch.arange(length - (qsl[i + 1] - qsl[i]), length, device=positions.device)
-            table = meta.block_tables[i]
-            nblocks = -(-length // bs)
-            token_rows = (table[:nblocks].long()[:, None] * bs + torch.arange(bs, device=table.device)).reshape(-1)
-            raw_keys = keys.index_select(0, token_rows[:length])
-            k_all, v_all = gather_kv(kv, table, length)
-            for a in range(qsl[i], qsl[i + 1], QUERY_CHUNK):
-                b = min(a + QUERY_CHUNK, qsl[i + 1])
-                pos = pos_i[a - qsl[i]:b - qsl[i]]
-                mask = self.indexer.selection(q_idx[a:b], pos, raw_keys, rotary)
-                q = rope_rows(self.q_norm(q_raw[a:b]), pos, rotary)
-                out[a:b] = sparse_attention(q, k_all, v_all, mask, self.scale)
+            step = qsa.prompt_rows_per_chunk(self.indexer, lens[i] - 1)
+            for a in range(qsl[i] + max(0, first - start), qsl[i + 1], step):
+                b = min(a + step, qsl[i + 1])
+                tok = torch.arange(start + a - qsl[i], start + b - qsl[i], device=positions.device)
+                pos = tok if i in rotations else positions[a:b]
+                vmeta, page = qsa.prompt_selection(self.indexer, rotary, q_idx[a:b], pos, tok, start + b - 1 - qsl[i],
+                                                   pooled, meta.block_tables[i], bs, meta.slot_mapping[a:b])
+                q = rope_rows(self.q_norm(q_raw[a:b]), pos, rotary).contiguous()
+                out[a:b] = ctx.backend.forward(q, k[a:b], v[a:b], qsa.paged_view(kv, page), vmeta, self.scale,
+                                               kv_written=True)  # (K / V stored by rope_and_attend)
 
 
 class _TokenRotary:
@@ -270,7 +273,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
 
 
 class _Step:
-    """What every layer of one forward shares: the PLE n-gram windows, the requests on QSA's torch path, whether
+    """What every layer of one forward shares: the PLE n-gram windows, the requests on QSA's multi-row path, whether
     QSA's decode rows attend through virtual block tables, and in a speculative verification step the PLE conv's
     checkpoint plan (gdn_verify.WindowCheckpoints; None otherwise)."""
 
@@ -397,8 +400,8 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def eager_step(self, context_lens: Sequence[int], query_lens: Optional[Sequence[int]] = None) -> bool:
         """Whether a step over requests of these context lengths (after the step) and query lengths must run eagerly:
-        a request past QSA's budget with several query rows (the torch path). Decode rows select on the device (CUDA
-        graphs too). Without query_lens every request counts as several rows."""
+        a request past QSA's budget with several query rows (host loops: _sparse_rows). Decode rows select on the
+        device (CUDA graphs too). Without query_lens every request counts as several rows."""
         if not self.qsa:
             return False
         query_lens = query_lens if query_lens is not None else [2] * len(context_lens)
@@ -445,7 +448,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         sparse, select_decode = [], False
         if self.qsa:
             # a CUDA graph (state slots on the device) is captured once for every context length: pure-decode steps
-            # select on the device; eager steps only when a context is past the budget (prompt rows: torch path)
+            # select on the device; eager steps only when a context is past the budget (multi-row chunks: host loops)
             graph = isinstance(ctx.extra.get("state_slots"), torch.Tensor)
             long = [] if graph else [i for i, n in enumerate(meta.seq_lens_cpu) if n >= self._full_context]
             select_decode = meta.is_pure_decode and (graph or bool(long))

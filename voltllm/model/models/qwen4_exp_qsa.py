@@ -16,12 +16,10 @@ the model asks the runner for a few more "attention layers" than it has (IndexKe
 layers' raw keys into those caches' token rows: a cache [2, blocks, block_size, Hkv, D] holds 2 * (Hkv * D //
 d_idx) layers' keys per token. An fp8 KV cache is refused (the raw keys are stored in the model dtype).
 
-Rows of prompt chunks past the budget take the plain torch path here, per request, query rows in chunks: the
-request's raw keys and K / V gathered through its block table, the selection as a token mask, masked attention in
-fp32 (correct, not fast); its host decisions are not replayable, so the runner runs such steps eagerly
-(Qwen4ExpForCausalLM.eager_step). Decode rows select on the device (qwen4_exp_qsa_decode: pooled keys stored per
-block, virtual block tables into the paged decode kernel, CUDA-graph safe); this module's selection +
-sparse_attention stay their reference.
+Every row past the budget selects from pooled keys stored per block and attends through virtual block tables into
+the paged decode kernel (qwen4_exp_qsa_decode: pure-decode steps CUDA-graph safe, multi-row chunks in eager steps,
+Qwen4ExpForCausalLM.eager_step). This module's selection + sparse_attention (a token mask over the request's raw
+keys, masked attention in fp32) are their plain-torch reference, used by the tests.
 """
 from __future__ import annotations
 
@@ -33,9 +31,6 @@ from torch import nn
 
 from voltllm.model.layers.rotary import RotaryEmbedding
 from voltllm.model.models.qwen4_exp_ple import ZeroCentredRMSNorm
-
-QUERY_CHUNK = 256  # query rows scored / attended at once on the sparse path (bounds the [rows, context] masks)
-
 
 class IndexKeyStore:
     """Where each indexed layer's raw keys and pooled block keys live inside the extra KV caches (after the attention

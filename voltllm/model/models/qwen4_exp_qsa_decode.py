@@ -19,6 +19,12 @@ each inside one real page), and a virtual seq_len (selected r each + the tail's 
 RoPE'd at their true positions, so attending to a subset is the paged decode kernel over another key set. A row whose
 context is under budget + r selects every complete block: its virtual table is its whole context in order, the
 same attention as the plain path. The reference stays qwen4_exp_qsa.QSAIndexer.selection + sparse_attention.
+
+Rows of a multi-row chunk (prompt chunks, verification rows, a mixed step's decode rows) past the budget take the same
+route (prompt_selection), in an eager step: each query row becomes one decode row of the paged decode kernel over its
+own virtual block table, its request's pooled keys gathered once per chunk of rows and scored by one product, the
+chunk sized so the [rows, heads, blocks] fp32 products stay under SCORE_BYTES. Rows whose complete blocks all fit the
+budget keep the plain causal output (the same token set).
 """
 from __future__ import annotations
 
@@ -129,6 +135,50 @@ def virtual_tables(scores: torch.Tensor, top_blocks: int, positions: torch.Tenso
     pages = token_slots(block_tables, seqs, first, block_size) // page  # page index in the P-token view
     lens = nsel * ratio + (pos + 1 - complete * ratio)
     return pages.view(rows, -1).to(torch.int32), lens.to(torch.int32), page
+
+
+SCORE_BYTES = 256 << 20  # bound on one chunk's [rows, index heads, blocks] fp32 score products (prompt_selection)
+
+
+def first_sparse_token(indexer: QSAIndexer) -> int:
+    """The first token index whose selection can leave tokens out: it completes top_blocks + 1 blocks."""
+    return (indexer.top_blocks + 1) * indexer.ratio - 1
+
+
+def prompt_rows_per_chunk(indexer: QSAIndexer, last_token: int) -> int:
+    """Query rows scored at once against a request whose last row sits at token index last_token."""
+    blocks = max(1, (last_token + 1) // indexer.ratio)
+    return max(1, min(1024, SCORE_BYTES // (8 * indexer.n_heads * blocks)))
+
+
+def prompt_selection(indexer: QSAIndexer, rotary, q_idx: torch.Tensor, positions: torch.Tensor,
+                     token_index: torch.Tensor, last_token: int, pooled_keys: torch.Tensor, table_row: torch.Tensor,
+                     block_size: int, slot_mapping: torch.Tensor) -> tuple[AttentionMetadata, int]:
+    """n query rows of ONE request (not a CUDA graph: host values allowed) -> (pure-decode metadata attending each row
+    to its selection, one row per sequence, over virtual tables; the view's page size). q_idx [n, n_idx, d]
+    (unnormed), positions [n] rotate them (a rotary table by token index for a request with images), token_index [n]
+    the rows' token indices (ascending; last_token the largest, from the host); table_row the request's block table."""
+    n, r = q_idx.shape[0], indexer.ratio
+    dev = q_idx.device
+    nb = (last_token + 1) // r  # blocks complete at the last row: the widest selection any row can make
+    q_rot = rope_rows(indexer.q_layernorm(q_idx), positions, rotary)
+    j = torch.arange(nb, device=dev)
+    ends = (j + 1) * r - 1
+    keys = pooled_keys[token_slots(table_row[None], torch.zeros(1, dtype=torch.long, device=dev), ends[None],
+                                   block_size).view(-1)]  # [nb, d], each block's key once for all the rows
+    scores = break_ties(torch.relu(torch.einsum("nhd,cd->nhc", q_rot.float(), keys.float())).sum(1)
+                        / math.sqrt(indexer.dim))
+    complete = (token_index.long() + 1) // r
+    scores = scores.masked_fill(j[None, :] >= complete[:, None], float("-inf"))
+    tables, lens, page = virtual_tables(scores, indexer.top_blocks, token_index, table_row[None].expand(n, -1),
+                                        r, block_size)
+    bound = min(indexer.top_blocks, nb) * r + r
+    host = lens.tolist() if not lens.is_cuda else [bound] * n
+    meta = AttentionMetadata(
+        num_tokens=n, query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), seq_lens=lens,
+        block_tables=tables, slot_mapping=slot_mapping, max_query_len=1, max_seq_len=bound,
+        query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=host)
+    return meta, page
 
 
 def selection_meta(meta: AttentionMetadata, tables: torch.Tensor, lens: torch.Tensor,
