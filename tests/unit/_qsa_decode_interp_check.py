@@ -199,6 +199,40 @@ def run_prompt_rows(case: Case, backend, rows: int, chunk: int) -> tuple[float, 
     return worst, " ".join(problems)
 
 
+@torch.no_grad()
+def run_scores_kernel(case: Case) -> tuple[float, str]:
+    """kernels/qsa_scores against block_scores_reference on the case's decode rows (pad rows included), the output
+    poisoned first; two blocks' keys zeroed so their scores tie at exactly 0 (break_ties). -> (max abs error over
+    the finite scores, problems)."""
+    from voltllm.kernels.qsa_scores import qsa_block_scores
+
+    pos = positions(case)
+    meta = case.meta
+    qsa.store_pooled_keys(case.indexer, case.rotary, case.raw, case.pooled, pos, meta.slot_mapping,
+                          meta.block_tables, qsa.row_sequences(meta, pos.shape[0], pos.device), case.page)
+    r = case.indexer.ratio
+    for i in (0, -1):  # blocks 0 and 1 of the longest row: zero keys, zero products, a tie at 0
+        n = max(case.lens)
+        row = case.lens.index(n)
+        for j in (0, 1):
+            end = (j + 1) * r - 1
+            case.pooled[int(case.tables[row, end // case.page]) * case.page + end % case.page] = 0
+    q_rot = qsa.rope_rows(case.indexer.q_layernorm(case.q_idx), pos, case.rotary)
+    want = qsa.block_scores_reference(case.indexer, q_rot, case.pooled, pos, case.tables, case.page)
+    out = torch.full_like(want, float("nan"))
+    got = qsa_block_scores(q_rot, case.pooled, pos, case.tables, r, case.page, out=out)
+    problems = []
+    if not torch.equal(torch.isinf(got), torch.isinf(want)) or not torch.equal(got.isneginf(), want.isneginf()):
+        problems.append("-inf pattern differs")
+    if torch.isnan(got).any():
+        problems.append("unwritten (NaN) entries")
+    if not torch.equal(got.topk(3, dim=-1).indices, want.topk(3, dim=-1).indices):
+        problems.append("top blocks differ")
+    fin = torch.isfinite(want)
+    err = (got[fin] - want[fin]).abs().max().item() / max(want[fin].abs().max().item(), 1e-30)
+    return err, " ".join(problems)
+
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -217,6 +251,9 @@ def _checks():
     yield "ratio_lt_page_f16_lanes", lambda: run_case(
         make_case([5, 50, 131], 4, 8, 24, seed=4, dtype=torch.float16),
         TritonAttentionBackend(use_tensor_cores=False, num_sms=64, fma_lanes=True)), torch.float16
+    yield "scores_kernel_f32", lambda: run_scores_kernel(make_case(mixed, 4, 8, 16, seed=6, pad_rows=2)), f32
+    yield "scores_kernel_f16_r8", lambda: run_scores_kernel(
+        make_case([3, 30, 64, 131], 8, 4, 16, seed=7, dtype=torch.float16, extra_width=5)), torch.float16
     yield "prompt_rows_split", lambda: run_prompt_rows(make_case([131], 4, 8, 16, seed=5),
                                                        TritonAttentionBackend(num_sms=64, max_splits=3), 40, 16), f32
 

@@ -10,8 +10,9 @@ prefix ending at or past that token, so its pooled keys are those every sharer c
 preemption and offloading carry it with K / V. Rows of other positions in the plane hold unused values.
 
 Scores + top-k (block_scores, virtual_tables): for each decode row at position p, every block j < NB (NB: the block
-tables' width in blocks; a graph's tables are --max-model-len wide) is scored from its stored key, blocks past
-n_c = (p + 1) // r masked to -inf, top min(budget // r, NB) taken, the -inf picks dropped, the rest sorted.
+tables' width in blocks; a graph's tables are --max-model-len wide) gets a score, from its stored key for j < n_c =
+(p + 1) // r and -inf past it (on a GPU kernels/qsa_scores reads only those n_c keys), top min(budget // r, NB)
+taken, the -inf picks dropped, the rest sorted.
 
 Attention over the selection: the selected blocks, then the tail block n_c (positions n_c r .. p), as a VIRTUAL
 block table over the KV cache viewed with pages of P = gcd(r, block_size) tokens (each block is r / P such pages,
@@ -98,7 +99,19 @@ def store_pooled_keys(indexer: QSAIndexer, rotary: RotaryEmbedding, raw_keys: to
 def block_scores(indexer: QSAIndexer, q_rot: torch.Tensor, pooled_keys: torch.Tensor, positions: torch.Tensor,
                  block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """q_rot [R, n_idx, d] (normed, RoPE'd) of decode rows at positions [R] (row i: sequence i) -> fp32 scores
-    [R, NB] of every block the tables can hold, -inf for blocks not complete at the row's position."""
+    [R, NB] of every block the tables can hold, -inf for blocks not complete at the row's position. On a GPU the
+    Triton kernel (kernels/qsa_scores: reads only each row's complete blocks), else the torch reference."""
+    dim = q_rot.shape[-1]
+    if q_rot.is_cuda and dim & (dim - 1) == 0:
+        from voltllm.kernels.qsa_scores import qsa_block_scores
+
+        return qsa_block_scores(q_rot.contiguous(), pooled_keys, positions, block_tables, indexer.ratio, block_size)
+    return block_scores_reference(indexer, q_rot, pooled_keys, positions, block_tables, block_size)
+
+
+def block_scores_reference(indexer: QSAIndexer, q_rot: torch.Tensor, pooled_keys: torch.Tensor,
+                           positions: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """block_scores in torch: every block of the tables' width gathered for every row."""
     rows, r = q_rot.shape[0], indexer.ratio
     nb = block_tables.shape[1] * block_size // r
     j = torch.arange(nb, device=q_rot.device)
