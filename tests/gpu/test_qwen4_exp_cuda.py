@@ -136,3 +136,31 @@ def test_block_scores_kernel_matches_reference(dtype):
     for i, n in enumerate(fin.sum(-1).tolist()):  # the top blocks among each row's complete ones
         k = min(64, n)
         assert torch.equal(got[i].topk(k).indices.sort().values, want[i].topk(k).indices.sort().values), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_chunk_scores_kernel_matches_reference(dtype):
+    """kernels/qsa_scores.qsa_chunk_scores (tensor-core tiles; fp32 in IEEE) against the torch form prompt_selection
+    falls back to, on fresh random data: 300 consecutive rows of one 6K-token request, 1,536 blocks (ratio 4), 16
+    index heads of 128, the output poisoned, two blocks' keys zeroed (ties at 0)."""
+    import math
+
+    from voltllm.kernels.qsa_scores import qsa_chunk_scores
+    from voltllm.model.models.qwen4_exp_qsa import break_ties
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    rows, heads, dim, ratio, n = 300, 16, 128, 4, 6144
+    keys = torch.randn(n // ratio, dim, device="cuda", generator=g).to(dtype)
+    keys[:2] = 0
+    q = torch.randn(rows, heads, dim, device="cuda", generator=g).to(dtype)
+    tok = torch.arange(n - rows, n, device="cuda")
+    want = break_ties(torch.relu(torch.einsum("nhd,cd->nhc", q.float(), keys.float())).sum(1) / math.sqrt(dim))
+    want = want.masked_fill(torch.arange(n // ratio, device="cuda")[None, :] >= ((tok + 1) // ratio)[:, None],
+                            float("-inf"))
+    got = qsa_chunk_scores(q, keys, tok, ratio, out=torch.full_like(want, float("nan")))
+    assert not torch.isnan(got).any()
+    assert torch.equal(got.isneginf(), want.isneginf())
+    fin = torch.isfinite(want)
+    assert ((got[fin] - want[fin]).abs().max() / want[fin].abs().max()).item() < 1e-5
+    k = 64
+    assert torch.equal(got.topk(k, dim=-1).indices.sort(-1).values, want.topk(k, dim=-1).indices.sort(-1).values)

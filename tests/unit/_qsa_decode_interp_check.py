@@ -233,6 +233,37 @@ def run_scores_kernel(case: Case) -> tuple[float, str]:
     return err, " ".join(problems)
 
 
+@torch.no_grad()
+def run_chunk_scores(case: Case, rows: int) -> tuple[float, str]:
+    """kernels/qsa_scores.qsa_chunk_scores against the torch form on the last `rows` token rows of the case's one
+    request (its pooled keys gathered as prompt_selection gathers them), poisoned output, two blocks tied at 0."""
+    from voltllm.kernels.qsa_scores import qsa_chunk_scores
+
+    (n,) = case.lens
+    run_selection(case)
+    r, table = case.indexer.ratio, case.tables[0]
+    nb = n // r
+    ends = torch.arange(nb) * r + r - 1
+    keys = case.pooled[qsa.token_slots(table[None], torch.zeros(1, dtype=torch.long), ends[None], case.page).view(-1)]
+    keys[:2] = 0
+    g = torch.Generator().manual_seed(rows)
+    tok = torch.arange(n - rows, n)
+    q_rot = torch.randn(rows, N_IDX, D_IDX, generator=g).to(case.q.dtype)
+    want = qsa.break_ties(torch.relu(torch.einsum("nhd,cd->nhc", q_rot.float(), keys.float())).sum(1)
+                          / math.sqrt(D_IDX))
+    want = want.masked_fill(torch.arange(nb)[None, :] >= ((tok + 1) // r)[:, None], float("-inf"))
+    got = qsa_chunk_scores(q_rot, keys.contiguous(), tok, r, out=torch.full_like(want, float("nan")))
+    problems = []
+    if torch.isnan(got).any():
+        problems.append("unwritten (NaN) entries")
+    if not torch.equal(got.isneginf(), want.isneginf()):
+        problems.append("-inf pattern differs")
+    if not torch.equal(got.topk(4, dim=-1).indices, want.topk(4, dim=-1).indices):
+        problems.append("top blocks differ")
+    fin = torch.isfinite(want)
+    return (got[fin] - want[fin]).abs().max().item() / want[fin].abs().max().item(), " ".join(problems)
+
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -254,6 +285,11 @@ def _checks():
     yield "scores_kernel_f32", lambda: run_scores_kernel(make_case(mixed, 4, 8, 16, seed=6, pad_rows=2)), f32
     yield "scores_kernel_f16_r8", lambda: run_scores_kernel(
         make_case([3, 30, 64, 131], 8, 4, 16, seed=7, dtype=torch.float16, extra_width=5)), torch.float16
+    yield "chunk_scores_f32", lambda: run_chunk_scores(make_case([203], 4, 8, 16, seed=8), 45), f32
+    # (125 blocks, two block tiles; the first row tile's rows have completed < 64 blocks: its second tile exits early)
+    yield "chunk_scores_f32_tiles", lambda: run_chunk_scores(make_case([250], 2, 16, 6, seed=10), 200), f32
+    yield "chunk_scores_f16_r8", lambda: run_chunk_scores(
+        make_case([203], 8, 16, 16, seed=9, dtype=torch.float16), 70), torch.float16
     yield "prompt_rows_split", lambda: run_prompt_rows(make_case([131], 4, 8, 16, seed=5),
                                                        TritonAttentionBackend(num_sms=64, max_splits=3), 40, 16), f32
 

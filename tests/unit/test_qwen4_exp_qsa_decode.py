@@ -82,7 +82,8 @@ def test_pooled_keys_are_needed():
 
 @pytest.mark.parametrize("name", ["ratio_lt_page_nosplit", "ratio_eq_page_split", "ratio_two_pages_fma",
                                   "ratio_lt_page_f16_lanes", "prompt_rows_split",
-                                  "scores_kernel_f32", "scores_kernel_f16_r8"])
+                                  "scores_kernel_f32", "scores_kernel_f16_r8", "chunk_scores_f32",
+                                  "chunk_scores_f32_tiles", "chunk_scores_f16_r8"])
 def test_paged_decode_kernel_over_virtual_tables_interp(interp_results, name):
     assert interp_results.get(name, "missing").startswith("ok"), interp_results.get(name)
 

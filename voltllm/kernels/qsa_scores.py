@@ -93,3 +93,76 @@ def qsa_block_scores(q_rot: torch.Tensor, pooled_keys: torch.Tensor, token_index
                                    pooled_keys.stride(0), tables.stride(0), out.stride(0), ratio, block_size,
                                    math.sqrt(dim), H=heads, D=dim, BLOCK_J=BLOCK_J, num_warps=4)
     return out
+
+
+@triton.jit
+def _qsa_chunk_scores_kernel(Q, KEYS, TOKEN, OUT, n_rows, NB, stride_qr, stride_qh, stride_key, stride_out, ratio,
+                             sqrt_d, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_J: tl.constexpr, IEEE: tl.constexpr):
+    # rows of ONE request (consecutive tokens) x its blocks: the keys are shared, so a program multiplies a tile of
+    # rows by a tile of blocks per index head (tensor cores), relu and head sum in registers
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    row_ok = rows < n_rows
+    complete = (tl.load(TOKEN + rows, mask=row_ok, other=0).to(tl.int64) + 1) // ratio
+    out_ptr = OUT + rows[:, None].to(tl.int64) * stride_out + j[None, :]
+    out_mask = row_ok[:, None] & (j[None, :] < NB)
+    if tl.program_id(1) * BLOCK_J >= tl.max(complete, axis=0):  # no row of the tile has completed these blocks
+        tl.store(out_ptr, tl.full([BLOCK_M, BLOCK_J], float("-inf"), tl.float32), mask=out_mask)
+        return
+    d = tl.arange(0, D)
+    keys = tl.load(KEYS + j[:, None].to(tl.int64) * stride_key + d[None, :], mask=(j < NB)[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
+    q_rows = Q + rows[:, None].to(tl.int64) * stride_qr + d[None, :]
+    for h in range(H):
+        q = tl.load(q_rows + h * stride_qh, mask=row_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(keys))
+        acc += tl.maximum(s, 0.0)
+    score = acc / sqrt_d
+    score = tl.where(score == 0.0, -(j[None, :] + 1).to(tl.float32), score)
+    score = tl.where(j[None, :] < complete[:, None], score, float("-inf"))
+    tl.store(out_ptr, score, mask=out_mask)
+
+
+def _chunk_specs() -> list[CompileSpec]:
+    sig = {"Q": "", "KEYS": "", "TOKEN": "*i64", "OUT": "*fp32", "n_rows": "i32", "NB": "i32", "stride_qr": "i32",
+           "stride_qh": "i32", "stride_key": "i32", "stride_out": "i32", "ratio": "i32", "sqrt_d": "fp32",
+           "H": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_J": "constexpr", "IEEE": "constexpr"}
+    return [CompileSpec({**sig, "Q": dt, "KEYS": dt}, {"H": 16, "D": 128, "BLOCK_M": CHUNK_BLOCK_M,
+                                                       "BLOCK_J": CHUNK_BLOCK_J, "IEEE": dt == "*fp32"},
+                        f"{dt[1:]} h16 d128") for dt in ("*fp16", "*fp32")]
+
+
+CHUNK_BLOCK_M = 32
+CHUNK_BLOCK_J = 64
+
+register_kernel("qsa.chunk_scores", _qsa_chunk_scores_kernel, _chunk_specs())
+
+
+def qsa_chunk_scores(q_rot: torch.Tensor, keys: torch.Tensor, token_index: torch.Tensor, ratio: int,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scores of n rows of ONE request against its nb blocks' pooled keys (gathered: keys [nb, d]): q_rot [n, n_idx,
+    d] (normed, RoPE'd), token_index [n] -> fp32 [n, nb], as qsa_block_scores gives each row (ties at 0 broken toward
+    earlier blocks, -inf for blocks past the row's complete ones). fp32 inputs multiply in IEEE fp32; fp16 / bf16 ones
+    on the tensor cores with fp32 sums."""
+    n, heads, dim = q_rot.shape
+    nb = keys.shape[0]
+    if q_rot.stride(-1) != 1 or keys.stride(-1) != 1 or keys.dtype != q_rot.dtype:
+        raise ValueError("qsa_chunk_scores: q_rot and keys must share a dtype and have contiguous last dimensions")
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"qsa_chunk_scores: the index head dim must be a power of two >= 16, got {dim}")
+    if out is None:
+        out = torch.empty(n, nb, dtype=torch.float32, device=q_rot.device)
+    elif out.shape != (n, nb) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"qsa_chunk_scores: out must be fp32 {(n, nb)} with contiguous rows")
+    if n == 0 or nb == 0:
+        return out
+    grid = (triton.cdiv(n, CHUNK_BLOCK_M), triton.cdiv(nb, CHUNK_BLOCK_J))
+    _qsa_chunk_scores_kernel[grid](q_rot, keys, token_index.to(torch.int64), out, n, nb, q_rot.stride(0),
+                                   q_rot.stride(1), keys.stride(0), out.stride(0), ratio, math.sqrt(dim), H=heads,
+                                   D=dim, BLOCK_M=CHUNK_BLOCK_M, BLOCK_J=CHUNK_BLOCK_J,
+                                   IEEE=q_rot.dtype == torch.float32, num_warps=4)
+    return out

@@ -201,7 +201,7 @@ class IndexedAttention(GatedAttention):
             rotary = self.rotary
             if i in rotations:  # a request with images (M-RoPE positions): by token index, each token's rotation
                 rotary = _TokenRotary(*rotations[i], self.rotary.rotary_dim)
-            step = qsa.prompt_rows_per_chunk(self.indexer, lens[i] - 1)
+            step = qsa.prompt_rows_per_chunk(self.indexer, lens[i] - 1, qsa.fused_chunk_scores(q_idx))
             for a in range(qsl[i] + max(0, first - start), qsl[i + 1], step):
                 b = min(a + step, qsl[i + 1])
                 tok = torch.arange(start + a - qsl[i], start + b - qsl[i], device=positions.device)

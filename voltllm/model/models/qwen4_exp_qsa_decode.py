@@ -23,8 +23,10 @@ same attention as the plain path. The reference stays qwen4_exp_qsa.QSAIndexer.s
 
 Rows of a multi-row chunk (prompt chunks, verification rows, a mixed step's decode rows) past the budget take the same
 route (prompt_selection), in an eager step: each query row becomes one decode row of the paged decode kernel over its
-own virtual block table, its request's pooled keys gathered once per chunk of rows and scored by one product, the
-chunk sized so the [rows, heads, blocks] fp32 products stay under SCORE_BYTES. Rows whose complete blocks all fit the
+own virtual block table, its request's pooled keys gathered once per chunk of rows and scored against all its rows (on
+a GPU kernels/qsa_scores.qsa_chunk_scores: tiles of rows x blocks on the tensor cores, relu and head sum in registers;
+else one torch product), the chunk sized so its scores (and the torch form's [rows, heads, blocks] products) stay
+under SCORE_BYTES. Rows whose complete blocks all fit the
 budget keep the plain causal output (the same token set).
 """
 from __future__ import annotations
@@ -150,7 +152,7 @@ def virtual_tables(scores: torch.Tensor, top_blocks: int, positions: torch.Tenso
     return pages.view(rows, -1).to(torch.int32), lens.to(torch.int32), page
 
 
-SCORE_BYTES = 256 << 20  # bound on one chunk's [rows, index heads, blocks] fp32 score products (prompt_selection)
+SCORE_BYTES = 256 << 20  # bound on one chunk's fp32 scores / torch products (prompt_selection, prompt_rows_per_chunk)
 
 
 def first_sparse_token(indexer: QSAIndexer) -> int:
@@ -158,10 +160,18 @@ def first_sparse_token(indexer: QSAIndexer) -> int:
     return (indexer.top_blocks + 1) * indexer.ratio - 1
 
 
-def prompt_rows_per_chunk(indexer: QSAIndexer, last_token: int) -> int:
-    """Query rows scored at once against a request whose last row sits at token index last_token."""
+def fused_chunk_scores(q: torch.Tensor) -> bool:
+    """Whether a chunk's scores come from kernels/qsa_scores.qsa_chunk_scores (a GPU, a power-of-two head dim)."""
+    dim = q.shape[-1]
+    return q.is_cuda and dim >= 16 and dim & (dim - 1) == 0
+
+
+def prompt_rows_per_chunk(indexer: QSAIndexer, last_token: int, fused: bool = False) -> int:
+    """Query rows scored at once against a request whose last row sits at token index last_token: the fused kernel
+    writes [rows, blocks] fp32 scores, the torch form also holds [rows, heads, blocks] products (twice)."""
     blocks = max(1, (last_token + 1) // indexer.ratio)
-    return max(1, min(1024, SCORE_BYTES // (8 * indexer.n_heads * blocks)))
+    per_row = 4 * blocks * (1 if fused else 2 * indexer.n_heads)
+    return max(1, min(1024, SCORE_BYTES // per_row))
 
 
 def prompt_selection(indexer: QSAIndexer, rotary, q_idx: torch.Tensor, positions: torch.Tensor,
@@ -179,10 +189,15 @@ def prompt_selection(indexer: QSAIndexer, rotary, q_idx: torch.Tensor, positions
     ends = (j + 1) * r - 1
     keys = pooled_keys[token_slots(table_row[None], torch.zeros(1, dtype=torch.long, device=dev), ends[None],
                                    block_size).view(-1)]  # [nb, d], each block's key once for all the rows
-    scores = break_ties(torch.relu(torch.einsum("nhd,cd->nhc", q_rot.float(), keys.float())).sum(1)
-                        / math.sqrt(indexer.dim))
-    complete = (token_index.long() + 1) // r
-    scores = scores.masked_fill(j[None, :] >= complete[:, None], float("-inf"))
+    if fused_chunk_scores(q_rot):
+        from voltllm.kernels.qsa_scores import qsa_chunk_scores
+
+        scores = qsa_chunk_scores(q_rot.contiguous(), keys.contiguous(), token_index, r)
+    else:
+        scores = break_ties(torch.relu(torch.einsum("nhd,cd->nhc", q_rot.float(), keys.float())).sum(1)
+                            / math.sqrt(indexer.dim))
+        complete = (token_index.long() + 1) // r
+        scores = scores.masked_fill(j[None, :] >= complete[:, None], float("-inf"))
     tables, lens, page = virtual_tables(scores, indexer.top_blocks, token_index, table_row[None].expand(n, -1),
                                         r, block_size)
     bound = min(indexer.top_blocks, nb) * r + r
