@@ -109,8 +109,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None, tp=None, send_step=None):
         """tp: this rank's group of ranks (voltllm.distributed.group.TPGroup; None: one device): the tensor-parallel
         group, or with --pipeline-parallel-size every rank of the pipeline (then `pp` is this rank's stage, and
-        `self.tp` its stage's tensor-parallel subgroup, or None without -tp). send_step (rank 0 of a group): hands each step's StepInputs to the other ranks, which run
-        execute_follower."""
+        `self.tp` its stage's tensor-parallel subgroup, or None without -tp). send_step (rank 0 of a group): hands
+        each step's StepInputs to the other ranks, which run execute_follower."""
         self.config = config
         self.device = config.device.device
         self.dtype = config.model.dtype
