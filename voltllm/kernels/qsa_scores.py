@@ -67,6 +67,15 @@ def _specs() -> list[CompileSpec]:
 register_kernel("qsa.block_scores", _qsa_block_scores_kernel, _specs())
 
 
+def _scores_out(out: Optional[torch.Tensor], rows: int, nb: int, device: torch.device, name: str) -> torch.Tensor:
+    """The caller's output (checked) or a new fp32 [rows, nb]."""
+    if out is None:
+        return torch.empty(rows, nb, dtype=torch.float32, device=device)
+    if out.shape != (rows, nb) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out must be fp32 {(rows, nb)} with contiguous rows")
+    return out
+
+
 def qsa_block_scores(q_rot: torch.Tensor, pooled_keys: torch.Tensor, token_index: torch.Tensor,
                      block_tables: torch.Tensor, ratio: int, block_size: int,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -80,10 +89,7 @@ def qsa_block_scores(q_rot: torch.Tensor, pooled_keys: torch.Tensor, token_index
     if dim & (dim - 1):
         raise ValueError(f"qsa_block_scores: the index head dim must be a power of two, got {dim}")
     nb = block_tables.shape[1] * block_size // ratio
-    if out is None:
-        out = torch.empty(rows, nb, dtype=torch.float32, device=q_rot.device)
-    elif out.shape != (rows, nb) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError(f"qsa_block_scores: out must be fp32 {(rows, nb)} with contiguous rows")
+    out = _scores_out(out, rows, nb, q_rot.device, "qsa_block_scores")
     if rows == 0 or nb == 0:
         return out
     tok = token_index[:rows].to(torch.int64)
@@ -154,10 +160,7 @@ def qsa_chunk_scores(q_rot: torch.Tensor, keys: torch.Tensor, token_index: torch
         raise ValueError("qsa_chunk_scores: q_rot and keys must share a dtype and have contiguous last dimensions")
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"qsa_chunk_scores: the index head dim must be a power of two >= 16, got {dim}")
-    if out is None:
-        out = torch.empty(n, nb, dtype=torch.float32, device=q_rot.device)
-    elif out.shape != (n, nb) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError(f"qsa_chunk_scores: out must be fp32 {(n, nb)} with contiguous rows")
+    out = _scores_out(out, n, nb, q_rot.device, "qsa_chunk_scores")
     if n == 0 or nb == 0:
         return out
     grid = (triton.cdiv(n, CHUNK_BLOCK_M), triton.cdiv(nb, CHUNK_BLOCK_J))
