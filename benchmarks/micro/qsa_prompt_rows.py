@@ -95,7 +95,11 @@ def one_context(context: int, rows: int, with_old: bool, backend, dtype) -> str:
     new, t_new, m_new = timed(run_new)
     line = f"context {context:>7} rows {rows}: new {t_new:8.1f} ms, {m_new:6.2f} GiB peak"
     if with_old:
-        old, t_old, m_old = timed(lambda: old_route(indexer, rotary, table, kv, raw, slots, q_idx, q, first, context))
+        def run_old():
+            return old_route(indexer, rotary, table, kv, raw, slots, q_idx, q, first, context)
+
+        run_old()  # (warms torch's kernels too)
+        old, t_old, m_old = timed(run_old)
         err = ((new.float() - old.float()).abs().max() / old.float().abs().max()).item()
         line += f" | torch form {t_old:8.1f} ms, {m_old:6.2f} GiB peak | rel diff {err:.1e}"
     return line
