@@ -166,3 +166,63 @@ def merged_copy(path: str, adapter: str, out: str) -> str:
             sd[f"{module}.weight"] = sd[f"{module}.weight"] + scaling * (b.double() @ a.double()).float()
     save_file(sd, file, metadata={"format": "pt"})
     return out
+
+
+def make_fused_expert_adapter(path: str, model_path: str, rank: int = 4, alpha: float = 8, seed: int = 1,
+                              params: Sequence[str] = ("gate_up_proj", "down_proj"), std: float = 0.2) -> str:
+    """A random adapter in PEFT's target_parameters form over transformers 5's fused 3D experts (every sparse MoE
+    layer): one lora_A [r E, in] / lora_B [out, r E] pair per targeted parameter, named as PEFT nests the wrappers
+    (the module's first parameter, gate_up_proj, under base_layer when both are targeted)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    gen = torch.Generator().manual_seed(seed)
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    dims = {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        if not _sparse(cfg, layer):
+            continue
+        for param in params:
+            nest = ".base_layer" if param == "gate_up_proj" and len(params) == 2 else ""
+            name = f"base_model.model.model.layers.{layer}.mlp.experts{nest}"
+            n_in, n_out = dims[param]
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank * e, n_in, generator=gen) * std
+            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, rank * e, generator=gen) * std
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "target_modules": [],
+              "target_parameters": [f"mlp.experts.{p}" for p in params], "lora_dropout": 0.0, "bias": "none",
+              "use_rslora": False, "use_dora": False, "base_model_name_or_path": model_path}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def merged_fused_model(model_path: str, adapter_path: str) -> Any:
+    """transformers' model (fp32) with a fused-experts adapter merged the way PEFT's ParamWrapper computes its update:
+    delta[e] = scaling * einsum("o r e, e r i -> e o i", B.reshape(out, r, E), A.reshape(E, r, in)), added to the 3D
+    expert tensor ([E, out, in]: transformers' layout, which PEFT treats as not transposed)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with open(os.path.join(adapter_path, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    tensors = load_file(os.path.join(adapter_path, "adapter_model.safetensors"))
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            layer = int(key.split(".layers.")[1].split(".")[0])
+            experts = model.model.layers[layer].mlp.experts
+            param = experts.gate_up_proj if b.shape[0] == experts.gate_up_proj.shape[1] else experts.down_proj
+            n_exp = param.shape[0]
+            delta = torch.einsum("ore,eri->eoi", b.double().reshape(b.shape[0], -1, n_exp),
+                                 a.double().reshape(n_exp, -1, a.shape[-1]))
+            param += (scaling * delta).float()
+    return model

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from lora_adapters import make_adapter, merged_copy
+from lora_adapters import make_adapter, make_fused_expert_adapter, merged_copy, merged_fused_model
 from tiny_models import make_model
 from voltllm import LLM, LoRARequest, SamplingParams
 
@@ -90,6 +90,79 @@ def test_tensor_parallel_ranks_cut_expert_adapters_as_their_experts(setup, exper
         setup.check(two)
     finally:
         two.engine.shutdown()
+
+
+@pytest.mark.parametrize("params", [("gate_up_proj", "down_proj"), ("down_proj",)])
+def test_fused_expert_adapters_match_peft_update_on_the_3d_experts(setup, params):
+    """PEFT's target_parameters form over transformers 5's 3D expert tensors (one pair over all experts per
+    parameter, nested under base_layer): greedy tokens and logprobs equal transformers with PEFT's own update formula
+    applied to the 3D tensors, beside the base model in one batch."""
+    name = "fused-" + "-".join(params)
+    path = make_fused_expert_adapter(f"{setup.root}/{name}", setup.model, params=params)
+    ref = merged_fused_model(setup.model, path)
+    base = setup.reference(None)
+    llm = LLM(setup.model, **ENGINE)
+    req = LoRARequest(name, 7, path)
+    outs = llm.generate(PROMPTS[:4], GREEDY, lora_request=[req, None, req, req], use_tqdm=False)
+    tok = llm.get_tokenizer()
+    changed = 0
+    for prompt, out, model in zip(PROMPTS[:4], outs, (ref, base, ref, ref)):
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            full = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                  min_new_tokens=GREEDY.max_tokens)[0].tolist()
+            logits = model(torch.tensor([full])).logits[0].log_softmax(-1)
+        assert list(out.outputs[0].token_ids) == full[len(ids):], prompt
+        for j, (tid, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            assert lp[tid].logprob == pytest.approx(logits[len(ids) + j - 1, tid].item(), abs=1e-4), (prompt, j)
+        if model is ref:
+            with torch.no_grad():
+                changed += int(base.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                             min_new_tokens=GREEDY.max_tokens)[0].tolist() != full)
+    assert changed >= 2  # the adapter changes the outputs it should
+    llm.engine.check_integrity()
+
+
+def test_fused_expert_adapter_equals_its_per_expert_form(setup, tmp_path):
+    """The fused pairs read as per-expert pairs: expert e's A is rows e r .. e r + r - 1 of lora_A and its B the
+    columns k E + e of lora_B, gate_up's B rows split gate then up; shapes that fit neither parameter, and an
+    expert adapted in both forms, are refused by name."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from voltllm.lora.adapter import LoRAAdapterError, read_adapter
+
+    cfg = AutoConfig.from_pretrained(setup.model)
+    path = make_fused_expert_adapter(str(tmp_path / "fused"), setup.model, rank=2, seed=5)
+    got = read_adapter(LoRARequest("f", 1, path), cfg, 8, torch.float32)
+    fused = load_file(os.path.join(path, "adapter_model.safetensors"))
+    e, i, r = cfg.num_experts, cfg.moe_intermediate_size, 2
+    scaling = 8 / 2
+    gu = next(k for k in fused if k.endswith("experts.base_layer.lora_A.weight"))  # (the first sparse layer's)
+    layer = gu.split(".layers.")[1].split(".")[0]
+    a_gu, b_gu = fused[gu], fused[gu.replace(".lora_A.", ".lora_B.")]
+    for x in (0, 5):
+        a, bt = got.experts[f"layers.{layer}.mlp.experts"][(x, "up")]
+        assert torch.equal(a, a_gu[x * r:(x + 1) * r])
+        want_b = torch.stack([b_gu[i:, k * e + x] for k in range(r)], dim=1)  # [I, r]
+        assert torch.allclose(bt, (want_b * scaling).t())
+    assert set(got.experts[f"layers.{layer}.mlp.experts"]) == {(x, k) for x in range(e)
+                                                              for k in ("gate", "up", "down")}
+
+    bad = dict(fused)
+    bad[f"base_model.model.model.layers.{layer}.mlp.experts.lora_A.weight"] = torch.zeros(r * e, 7)
+    save_file(bad, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(LoRAAdapterError, match="fused experts.*gate_up_proj.*down_proj"):
+        read_adapter(LoRARequest("f", 1, path), cfg, 8, torch.float32)
+    both = dict(fused)
+    both[f"base_model.model.model.layers.{layer}.mlp.experts.3.down_proj.lora_A.weight"] = torch.zeros(r, i)
+    both[f"base_model.model.model.layers.{layer}.mlp.experts.3.down_proj.lora_B.weight"] = torch.zeros(
+        cfg.hidden_size, r)
+    save_file(both, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(LoRAAdapterError, match="expert 3's down_proj is adapted twice"):
+        read_adapter(LoRARequest("f", 1, path), cfg, 8, torch.float32)
 
 
 class _GraphStandIns:

@@ -124,8 +124,8 @@ def test_rank_above_max_lora_rank_and_broken_directories(tmp_path, tiny, hf_conf
 def test_moe_experts_are_read_per_expert_and_bad_expert_modules_refused(tmp_path):
     """qwen3_moe: attention everywhere, the dense layer's MLP and the sparse layers' routed experts (PEFT's per-expert
     names) are read (expert pairs apart: A [r, in], B^T scaled [r, out]); an expert past the layer's, a wrong shape,
-    the router, a shared expert the model lacks, a dense name on a sparse layer and PEFT's fused-experts form are
-    refused naming them."""
+    the router, a shared expert the model lacks, a dense name on a sparse layer and PEFT fused-experts pairs of the
+    wrong shapes are refused naming them."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -154,8 +154,11 @@ def test_moe_experts_are_read_per_expert_and_bad_expert_modules_refused(tmp_path
            "mlp.gate": ("LoRA on the MoE's gate is not built", 64, 8),
            "mlp.shared_expert.gate_proj": ("sparse MoE has no shared_expert.gate_proj", 64, 8),
            "mlp.down_proj": ("layer 0's MLP is a sparse MoE (no dense down_proj", 48, 64),
-           "mlp.experts": ("fused experts tensors (PEFT target_parameters", 64, 48),
-           "mlp.experts.base_layer": ("fused experts tensors (PEFT target_parameters", 64, 48)}
+           # PEFT's target_parameters form with a rank-4 pair: it needs r x E = 32 rows / columns
+           "mlp.experts": ("(fused experts) has lora_A (4, 64) and lora_B (48, 4); this model's 8 experts need "
+                           "lora_A (32, 64) and lora_B (96, 32) for gate_up_proj", 64, 48),
+           "mlp.experts.base_layer": ("(fused experts) has lora_A (4, 64)", 64, 48),
+           "mlp.experts.gate_up_proj": ("not a routed expert's module", 64, 96)}
     for i, (module, (match, n_in, n_out)) in enumerate(bad.items()):
         name = f"base_model.model.model.layers.0.{module}"
         extra = {f"{name}.lora_A.weight": torch.zeros(4, n_in), f"{name}.lora_B.weight": torch.zeros(n_out, 4)}

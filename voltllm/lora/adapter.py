@@ -8,11 +8,13 @@ checkpoint was loaded, A is the module's (the same A for each shard of one modul
 qwen3_next / qwen4_exp) adapt their gated attention (q_proj: [q_h | gate_h] per head, as qkv_proj's shard 0 holds it),
 their Gated DeltaNet projections (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, Qwen3-Next's head-grouped
 in_proj_qkvz / in_proj_ba, out_proj: gdn.in_proj_pieces) and their dense MLPs. A sparse MoE layer's routed experts take
-adapters in PEFT's per-expert form (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`): they are not Linears, so
+adapters in PEFT's per-expert form (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`) or its fused form over
+transformers 5's 3D expert tensors (target_parameters `mlp.experts.gate_up_proj` / `down_proj`, rewritten per expert
+by _per_expert_form): they are not Linears, so
 they are kept apart (`LoRAAdapter.experts`, `expert_shapes`; lora/experts.py applies them); a shared expert's
 projections are Linears like a dense MLP's (`mlp.shared_expert.gate_up_proj` / `down_proj`). What this version does not
 build is refused by name: embedding / LM-head LoRA (lora_embedding_*, modules_to_save, target_modules naming
-embed_tokens / lm_head), PEFT's fused-experts form (target_parameters: `mlp.experts.lora_A` over all experts), the
+embed_tokens / lm_head), the
 router (mlp.gate) and the shared expert's gate, DoRA, LoRA biases, per-module ranks / alphas, ranks above
 --max-lora-rank; on Qwen4-Exp its hyper-connection (attn_hyper_connection / mlp_hyper_connection /
 hyper_connection_mixer), PLE (ple.key_proj / ple.value_proj) and QSA indexer (index_qk_proj) linears.
@@ -239,6 +241,7 @@ def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.d
     scaling = lora_scaling(rank, alpha, bool(cfg.get("use_rslora")))
     tensors = _read_tensors(req.lora_path, where)
     shapes, modules, experts = _layout(hf_config)
+    tensors = _per_expert_form(tensors, rank, experts, where)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, kind = _module_of(key, where, hf_config, modules, experts)
@@ -268,6 +271,65 @@ def read_adapter(req: LoRARequest, hf_config: Any, max_rank: int, dtype: torch.d
         raise LoRAAdapterError(f"{where}: no lora_A / lora_B weights in it")
     adapter.has_experts = bool(adapter.experts)
     return adapter
+
+
+# PEFT's target_parameters on transformers' fused experts: "...layers.{i}.mlp.experts[.base_layer...].lora_A.weight"
+# (a second targeted parameter of the same module nests the first one's wrapper under base_layer)
+_FUSED_EXPERTS_KEY = re.compile(r"(?P<experts>.*layers\.(?P<layer>\d+)\.mlp\.experts)(?P<nest>(?:\.base_layer)*)"
+                                r"\.(?P<kind>lora_A|lora_B)(?:\.[A-Za-z0-9_]+)?\.weight")
+
+
+def _per_expert_form(tensors: dict[str, torch.Tensor], rank: int, experts: dict[str, ExpertShape],
+                     where: str) -> dict[str, torch.Tensor]:
+    """The adapter with PEFT's fused-experts pairs (LoraConfig target_parameters "mlp.experts.gate_up_proj" /
+    "mlp.experts.down_proj" on transformers 5's 3D expert tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    rewritten in the per-expert form ("mlp.experts.{e}.gate_proj" / "up_proj" / "down_proj"), the rest unchanged.
+
+    PEFT's ParamWrapper holds one pair over all E experts: lora_A [r E, in] (expert e's A: rows e r .. e r + r - 1)
+    and lora_B [out, r E] (expert e's B: columns k E + e, k < r), its update W_e + scaling B_e A_e, as for a Linear.
+    gate_up's B rows are gate's then up's (transformers chunks the product in two), so gate and up share expert e's A.
+    Which parameter a pair adapts is read from its shapes ((in, out): (H, 2I) gate_up, (I, H) down), which holds
+    whatever order PEFT nested the wrappers in. Keys of layers without a sparse MoE are left for _module_of to
+    refuse."""
+    fused: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        m = _FUSED_EXPERTS_KEY.fullmatch(key)
+        if m is None or f"layers.{m.group('layer')}.mlp.experts" not in experts:
+            out[key] = t
+            continue
+        fused.setdefault((m.group("experts"), m.group("nest")), {})[m.group("kind")] = (key, t)
+    for (prefix, nest), pair in sorted(fused.items()):
+        module = prefix + nest
+        missing = {"lora_A", "lora_B"} - set(pair)
+        if missing:
+            raise LoRAAdapterError(f"{where}: {module} (fused experts) has no {' / '.join(sorted(missing))} weight")
+        (ka, a), (_, b) = pair["lora_A"], pair["lora_B"]
+        shape = experts["layers." + prefix.rpartition("layers.")[2]]
+        e_count, h, inter = shape.num_experts, shape.hidden, shape.inter
+        forms = {(h, 2 * inter): "gate_up", (inter, h): "down"}
+        kind = forms.get((a.shape[-1], b.shape[0])) if a.dim() == 2 and b.dim() == 2 else None
+        if kind is None or tuple(a.shape) != (rank * e_count, a.shape[-1]) or b.shape[1] != rank * e_count:
+            raise LoRAAdapterError(
+                f"{where}: {module} (fused experts) has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this "
+                f"model's {e_count} experts need lora_A ({rank * e_count}, {h}) and lora_B ({2 * inter}, "
+                f"{rank * e_count}) for gate_up_proj, or lora_A ({rank * e_count}, {inter}) and lora_B ({h}, "
+                f"{rank * e_count}) for down_proj (rank r={rank})")
+        a3 = a.view(e_count, rank, a.shape[-1])
+        b3 = b.view(b.shape[0], rank, e_count)
+        parts = ({"gate": slice(0, inter), "up": slice(inter, 2 * inter)} if kind == "gate_up"
+                 else {"down": slice(None)})
+        for e in range(e_count):
+            for proj, rows in parts.items():
+                name = f"{prefix}.{e}.{proj}_proj"
+                if any(k.startswith(name + ".lora_") for k in tensors):
+                    raise LoRAAdapterError(f"{where}: {ka}: expert {e}'s {proj}_proj is adapted twice (the fused "
+                                           f"form and {name})")
+                if f"{name}.lora_A.weight" in out:
+                    raise LoRAAdapterError(f"{where}: {ka} and another fused pair both adapt {proj}_proj")
+                out[f"{name}.lora_A.weight"] = a3[e]
+                out[f"{name}.lora_B.weight"] = b3[rows, :, e]
+    return out
 
 
 def _add_expert_pair(adapter: LoRAAdapter, module: str, a: torch.Tensor, b: torch.Tensor,
@@ -381,10 +443,10 @@ def _module_of(key: str, where: str, hf_config: Any, modules: dict[str, tuple[Pi
                 raise LoRAAdapterError(f"{where}: {key}: expert {e.group('expert')} is past layer {layer}'s {num} "
                                        "experts")
             return module, m.group("kind")
-        if proj.split(".")[0] == "experts":  # (PEFT's target_parameters on transformers' fused 3D experts)
-            raise LoRAAdapterError(f"{where}: {key}: LoRA on the fused experts tensors (PEFT target_parameters "
-                                   "mlp.experts.gate_up_proj / down_proj) is not built; per-expert adapters "
-                                   "(mlp.experts.{e}.gate_proj / up_proj / down_proj) are")
+        if proj.split(".")[0] == "experts":
+            raise LoRAAdapterError(f"{where}: {key}: not a routed expert's module (built: mlp.experts.{{e}}.gate_proj "
+                                   "/ up_proj / down_proj, and PEFT target_parameters mlp.experts.gate_up_proj / "
+                                   "down_proj)")
         if proj in ("gate_proj", "up_proj", "down_proj"):
             raise LoRAAdapterError(f"{where}: {key}: layer {layer}'s MLP is a sparse MoE (no dense {proj}; its "
                                    f"experts take mlp.experts.{{e}}.{proj})")

@@ -28,7 +28,8 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
     load_inplace: bool = False
-    is_3d_lora_weight: bool = False  # (vLLM's fused-MoE adapters: refused)
+    # vLLM's flag for adapters on fused 3D MoE expert tensors: taken, the reader tells the form from the weights
+    is_3d_lora_weight: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -53,10 +54,6 @@ class RuntimeLoRAs:
         if not name or not req.lora_path:
             raise bad_request("both 'lora_name' and 'lora_path' must be given (non-empty strings)",
                               "lora_path" if name else "lora_name")
-        if req.is_3d_lora_weight:
-            raise bad_request("is_3d_lora_weight: 3D (fused MoE expert) LoRA weights are not built; adapters on "
-                              "MoE experts in PEFT's per-expert form (mlp.experts.{e}.gate_proj / up_proj / down_proj) "
-                              "are", "is_3d_lora_weight")
         if name in state.served_model_names:
             raise bad_request(f"{name!r} is a served model name (--served-model-name); give the adapter another name",
                               "lora_name")
