@@ -210,6 +210,7 @@ class IndexedAttention(GatedAttention):
                                                    pooled, meta.block_tables[i], bs, meta.slot_mapping[a:b])
                 q = rope_rows(self.q_norm(q_raw[a:b]), pos, rotary).contiguous()
                 out[a:b] = ctx.backend.forward(q, k[a:b], v[a:b], qsa.paged_view(kv, page), vmeta, self.scale,
+                                               k_scale=self.k_scale, v_scale=self.v_scale,
                                                kv_written=True)  # (K / V stored by rope_and_attend)
 
 
