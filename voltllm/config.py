@@ -953,7 +953,6 @@ QWEN4_EXP_SPEC_UNBUILT = {
 
 def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: Any, runner: str) -> Optional[str]:
     """What of this launch is not built for Qwen4-Exp (voltllm/model/models/qwen4_exp.py), or None."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     if args.pipeline_parallel_size > 1 and args.enable_lora:  # (each built alone; together not yet run)
         return "LoRA (--enable-lora) under pipeline parallelism (--pipeline-parallel-size)"
     if method is not None and method not in QWEN4_EXP_QUANT_METHODS:
@@ -964,8 +963,6 @@ def _qwen4_exp_unbuilt(args: Any, hf_config: Any, method: Optional[str], spec: A
         return "speculative decoding (--speculative-config) under pipeline parallelism (--pipeline-parallel-size)"
     if runner != "generate":
         return f"--runner {runner}"
-    if getattr(text, "indexer_n_heads", None) is not None and args.kv_cache_dtype.startswith("fp8"):
-        return f"an fp8 KV cache (--kv-cache-dtype {args.kv_cache_dtype}: QSA keeps its index keys in the cache)"
     return None
 
 

@@ -350,8 +350,7 @@ def test_engine_greedy_with_preemption_and_prefix_cache(checkpoints):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("kwargs, what", [(dict(kv_cache_dtype="fp8"), "fp8 KV"),
-                                          (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+@pytest.mark.parametrize("kwargs, what", [(dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
                                            "MTP speculation")])
 def test_unbuilt_features_are_refused(checkpoints, kwargs, what):
     from voltllm import LLM
@@ -359,3 +358,63 @@ def test_unbuilt_features_are_refused(checkpoints, kwargs, what):
 
     with pytest.raises(ConfigError, match=what):
         LLM(checkpoints["qsa"][0], skip_tokenizer_init=True, **kwargs)
+
+
+def test_index_keys_keep_the_model_dtype_in_an_fp8_cache():
+    """An fp8 KV cache (uint8) holds QSA's index keys as their fp16 bytes: half as many per row, so more extra caches;
+    every entry reads back exactly what was written, and writing one entry leaves the others alone."""
+    from voltllm.model.models.qwen4_exp_qsa import IndexKeyStore
+
+    half = IndexKeyStore(6, 6, 2, 32, 16, row_bytes_per_value=2)
+    whole = IndexKeyStore(6, 6, 2, 32, 16)
+    assert (half.per_plane, whole.per_plane) == (2, 4) and (half.num_caches, whole.num_caches) == (3, 2)
+    caches = [torch.zeros(2, 5, 4, 2, 32, dtype=torch.uint8) for _ in range(6 + half.num_caches)]
+    written = {}
+    g = torch.Generator().manual_seed(3)
+    for j in range(6):
+        for (c, plane, off) in half.place(j):
+            rows = IndexKeyStore.view(caches[c], plane, off, 16, torch.float16)
+            assert rows.shape == (20, 16) and rows.dtype == torch.float16
+            vals = torch.randn(20, 16, generator=g).half()
+            rows.copy_(vals)
+            written[(c, plane, off)] = vals
+    for (c, plane, off), vals in written.items():
+        assert torch.equal(IndexKeyStore.view(caches[c], plane, off, 16, torch.float16), vals)
+    assert all(int(caches[i].count_nonzero()) == 0 for i in range(6))  # (the attention layers' own caches)
+    with pytest.raises(ValueError, match="fp8 cache's one-byte elements, 4 per key value"):
+        IndexKeyStore(6, 6, 2, 32, 32, row_bytes_per_value=4)
+
+
+def test_fp8_kv_cache_serves_qsa(checkpoints, monkeypatch):
+    """--kv-cache-dtype fp8_e4m3 on a QSA model (fp16, CPU): contexts past the budget still drop blocks (prompt chunks
+    and decode rows), and the tokens' logprobs stay within fp8's error of the fp16 cache's run."""
+    from voltllm import LLM, SamplingParams
+
+    path, _ = checkpoints["qsa"]
+    prompts = _seqs(9, [37, 26])
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=0)
+    real = qsa_decode.virtual_tables
+    dropped = []
+
+    def counting(scores, top_blocks, positions, block_tables, ratio, block_size):
+        tables, lens, page = real(scores, top_blocks, positions, block_tables, ratio, block_size)
+        dropped.append(int((lens.long() < positions[:scores.shape[0]].long() + 1).sum()))
+        return tables, lens, page
+
+    monkeypatch.setattr(qsa_decode, "virtual_tables", counting)
+    runs = {}
+    for kv in ("auto", "fp8_e4m3"):
+        dropped.clear()
+        llm = LLM(path, skip_tokenizer_init=True, dtype="float16", kv_cache_dtype=kv, block_size=4,
+                  max_num_batched_tokens=16)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert sum(dropped) > 10, kv
+        if kv != "auto":
+            assert llm.engine.runner.kv_caches[0].dtype == torch.uint8
+            assert llm.engine.runner.model.index_store.per_plane == 1  # (2 x 32 bytes a row: one 32-channel key)
+        runs[kv] = [(o.outputs[0].token_ids, [d[t].logprob for t, d in zip(o.outputs[0].token_ids,
+                                                                             o.outputs[0].logprobs)]) for o in outs]
+        llm.engine.check_integrity()
+    for (toks_a, lps_a), (toks_b, lps_b) in zip(runs["auto"], runs["fp8_e4m3"]):
+        assert toks_a[0] == toks_b[0]
+        assert abs(lps_a[0] - lps_b[0]) < 0.1

@@ -148,6 +148,8 @@ class ModelRunner:
         self._follower_events: list[torch.cuda.Event] = []
         self.weight_offload = None  # LayerStreamer: decoder layers kept in CPU memory (worker/weight_offload.py)
         self.model = model if model is not None else self._load_model()
+        if hasattr(self.model, "set_kv_storage_dtype"):  # (Qwen4-Exp: QSA's index keys share the KV cache's rows)
+            self.model.set_kv_storage_dtype(self.kv_dtype)
         # a Qwen3.5 checkpoint's vision tower and its steps' image rows (worker/image_step.py; None: text only)
         from voltllm.worker.image_step import image_step_for
 

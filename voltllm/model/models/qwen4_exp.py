@@ -152,7 +152,7 @@ class IndexedAttention(GatedAttention):
         t = x.shape[0]
         meta = ctx.meta
         q_idx, raw = self.indexer.project(x)
-        keys, pooled = (IndexKeyStore.view(ctx.kv_caches[c], plane, off, self.indexer.dim)
+        keys, pooled = (IndexKeyStore.view(ctx.kv_caches[c], plane, off, self.indexer.dim, raw.dtype)
                         for c, plane, off in self.index_slot)
         bs = ctx.kv_caches[self.kv_index].shape[2]
         _store_rows(keys, raw, meta.slot_mapping[:t])
@@ -332,8 +332,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         # each rank's KV cache rows hold its own KV heads: the raw keys are packed into rows of that width
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
         local_kv = HeadShard.of(cfg.num_attention_heads, cfg.num_key_value_heads, rank, size).num_kv_heads
-        self.index_store = (IndexKeyStore(n_attn, n_attn, local_kv, head_dim, cfg.indexer_head_dim)
-                            if self.qsa else None)
+        self._index_geometry = (n_attn, n_attn, local_kv, head_dim, cfg.indexer_head_dim)
+        self.index_store = IndexKeyStore(*self._index_geometry) if self.qsa else None
         layers, a, g = [], 0, 0
         for i in owned:
             kind = self.layer_types[i]
@@ -365,6 +365,19 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.hc = cfg.hc_count
 
     # -- what the runner needs ---------------------------------------------------------------------
+    def set_kv_storage_dtype(self, storage: torch.dtype) -> None:
+        """The KV cache's storage dtype (the runner's, before it sizes or allocates the caches): an fp8 cache (uint8)
+        holds QSA's index keys as their model-dtype bytes, fewer per row, so more extra caches are needed and each
+        indexed layer's keys move (IndexKeyStore)."""
+        if self.index_store is None:
+            return
+        ratio = max(1, self.dtype.itemsize // storage.itemsize)
+        self.index_store = IndexKeyStore(*self._index_geometry, row_bytes_per_value=ratio)
+        for layer in self.layers:
+            attn = getattr(layer, "self_attn", None)
+            if isinstance(attn, IndexedAttention) and attn.indexer is not None:
+                attn.index_slot = self.index_store.place(attn.kv_index)
+
     @property
     def num_attention_layers(self) -> int:
         """KV caches to allocate: the attention layers' own, then those holding QSA raw keys (IndexKeyStore)."""

@@ -14,7 +14,8 @@ When n_c <= budget // r every token is selected: a context of fewer than budget 
 Raw keys live in the paged KV cache's blocks (so prefix caching, preemption and offloading carry them like K / V):
 the model asks the runner for a few more "attention layers" than it has (IndexKeyStore), and packs the indexed
 layers' raw keys into those caches' token rows: a cache [2, blocks, block_size, Hkv, D] holds 2 * (Hkv * D //
-d_idx) layers' keys per token. An fp8 KV cache is refused (the raw keys are stored in the model dtype).
+d_idx) layers' keys per token. In an fp8 KV cache (uint8 elements) the keys keep the model dtype, their bytes in the
+cache's: a row then holds half (fp16 / bf16) or a quarter (fp32) as many (Qwen4ExpForCausalLM.set_kv_storage_dtype).
 
 Every row past the budget selects from pooled keys stored per block and attends through virtual block tables into
 the paged decode kernel (qwen4_exp_qsa_decode: pure-decode steps CUDA-graph safe, multi-row chunks in eager steps,
@@ -36,11 +37,16 @@ class IndexKeyStore:
     """Where each indexed layer's raw keys and pooled block keys live inside the extra KV caches (after the attention
     layers' own): entries 0..n-1 are the layers' raw keys, n..2n-1 their pooled keys (qwen4_exp_qsa_decode)."""
 
-    def __init__(self, num_attention: int, num_indexed: int, kv_heads: int, head_dim: int, index_dim: int):
-        per_plane = (kv_heads * head_dim) // index_dim
+    def __init__(self, num_attention: int, num_indexed: int, kv_heads: int, head_dim: int, index_dim: int,
+                 row_bytes_per_value: int = 1):
+        """row_bytes_per_value: the index keys' element size over the cache's (an fp8 cache, one byte per element,
+        holds a 2-byte key value in two: half as many keys per row)."""
+        per_plane = (kv_heads * head_dim) // row_bytes_per_value // index_dim
         if per_plane < 1:
-            raise ValueError(f"QSA index keys of {index_dim} channels do not fit a KV cache row of {kv_heads} x "
-                             f"{head_dim}")
+            fp8 = f" (an fp8 cache's one-byte elements, {row_bytes_per_value} per key value)" if \
+                row_bytes_per_value > 1 else ""
+            raise ValueError(f"Qwen4-Exp QSA: index keys of {index_dim} channels do not fit a KV cache row of "
+                             f"{kv_heads} x {head_dim}{fp8}")
         self.per_plane = per_plane
         self.index_dim = index_dim
         self.num_attention = num_attention
@@ -57,13 +63,14 @@ class IndexKeyStore:
         return self._entry(j), self._entry(self.num_indexed + j)
 
     @staticmethod
-    def view(kv_cache: torch.Tensor, plane: int, offset: int, dim: int) -> torch.Tensor:
-        """[blocks * block_size, dim] rows of one layer's raw (or pooled) keys."""
-        if kv_cache.dtype == torch.uint8:
-            raise ValueError("Qwen4-Exp QSA keeps its index keys in the KV cache in the model dtype: an fp8 KV cache "
-                             "(--kv-cache-dtype fp8*) is not supported for this model")
+    def view(kv_cache: torch.Tensor, plane: int, offset: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """[blocks * block_size, dim] rows of one layer's raw (or pooled) keys, in the model dtype: an fp8 cache's
+        bytes (uint8) are read as `dtype` values, so the keys are kept exactly, never encoded."""
         two, nb, bs = kv_cache.shape[:3]
-        return kv_cache.view(two, nb * bs, -1)[plane, :, offset:offset + dim]
+        rows = kv_cache.view(two, nb * bs, -1)
+        if rows.dtype != dtype:
+            rows = rows.view(dtype)
+        return rows[plane, :, offset:offset + dim]
 
 
 def break_ties(scores: torch.Tensor) -> torch.Tensor:
