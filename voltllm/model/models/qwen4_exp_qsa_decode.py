@@ -26,8 +26,7 @@ route (prompt_selection), in an eager step: each query row becomes one decode ro
 own virtual block table, its request's pooled keys gathered once per chunk of rows and scored against all its rows (on
 a GPU kernels/qsa_scores.qsa_chunk_scores: tiles of rows x blocks on the tensor cores, relu and head sum in registers;
 else one torch product), the chunk sized so its scores (and the torch form's [rows, heads, blocks] products) stay
-under SCORE_BYTES. Rows whose complete blocks all fit the
-budget keep the plain causal output (the same token set).
+under SCORE_BYTES. Rows whose complete blocks all fit the budget keep the plain causal output (the same token set).
 """
 from __future__ import annotations
 
