@@ -240,6 +240,9 @@
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
 #            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
+#   s156     (session 56) Qwen4-Exp after session 56 (QSA multi-row route and score kernels, fp8 KV cache with QSA),
+#            the MoE LoRA file, then a smaller Qwen4-Exp shape (64 experts, 20 layers: fits an H100) end to end: a
+#            16K-token prompt past the QSA budget, then decode
 #   s155     (session 55) Qwen4-Exp GPU files (QSA device selection in graphs, PLE graphs reading host memory, images,
 #            LoRA), LoRA on MoE experts, then a short qwen4-exp-shape decode bench (135 GB of fp16 weights: an H200)
 #   s146pp   (session 54; kind nvidia-h200-x2) pipeline parallelism over two GPUs: its GPU file, then the 8B shape at
@@ -1595,6 +1598,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha \
       > "$out/c64.log" 2>&1
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
+    ;;
+  s156)  # (session 56) the QSA multi-row route, the score kernels, fp8 KV with QSA; LoRA on MoE experts (fused form
+          # read on the host, same GPU path); a smaller Qwen4-Exp shape end to end
+    gpu_file test_qwen4_exp_cuda 300
+    gpu_file test_lora_moe_cuda 90
+    bench_via "python3 -m voltllm.cli" --random-weights qwen4-exp-shape \
+      --hf-overrides '{"num_experts": 64, "num_hidden_layers": 20}' --dtype half --scenario decode \
+      --input-len 16384 --output-len 64 --num-warm 1 --max-model-len 17000 \
+      --name qwen4-exp-e64-l20-fp16-decode-16k-$sha > "$out/q4-16k.log" 2>&1
+    grep -E "^pure_decode|^ttft|Error" "$out/q4-16k.log" | cut -c1-200
     ;;
   s155)  # (session 55) Qwen4-Exp on the GPU: QSA decode rows selecting on the device inside graphs (virtual block
           # tables), PLE tables read in place from page-locked host memory in graph replays, images, LoRA

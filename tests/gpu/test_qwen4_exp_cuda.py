@@ -108,6 +108,31 @@ def test_long_context_decode_graphs_match_transformers(tmp_path):
         assert got == want
 
 
+def test_fp8_kv_cache_with_qsa_graphs(tmp_path):
+    """--kv-cache-dtype fp8_e4m3 on a QSA model (fp16, CUDA graphs): the index keys kept as fp16 bytes in the uint8
+    cache, decode rows past the budget selecting inside graph replays and prompt rows past it on the multi-row route;
+    the first tokens equal the fp16 cache's run and their logprobs stay within fp8's error of it."""
+    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **dict(INDEXER, indexer_budget=8))
+    torch.manual_seed(17)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    _randomize(ref, 18)
+    ref.save_pretrained(tmp_path)
+    prompts = _seqs(5, [37, 26, 70])
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=0)
+    runs = {}
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float16", skip_tokenizer_init=True, gpu_memory_utilization=0.2,
+                  kv_cache_dtype=kv, block_size=16, max_num_batched_tokens=32, max_num_seqs=4)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert llm.engine.runner.graphs.replays >= 8
+        runs[kv] = [(o.outputs[0].token_ids, [d[t].logprob for t, d in zip(o.outputs[0].token_ids,
+                                                                             o.outputs[0].logprobs)]) for o in outs]
+        llm.engine.check_integrity()
+        del llm
+    for (toks_a, lps_a), (toks_b, lps_b) in zip(runs["auto"], runs["fp8_e4m3"]):
+        assert toks_a[0] == toks_b[0] and abs(lps_a[0] - lps_b[0]) < 0.1
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_block_scores_kernel_matches_reference(dtype):
     """kernels/qsa_scores against the torch reference on fresh random data at a decode batch's size: 64 rows of
