@@ -22,13 +22,19 @@ KINDS = {"qsa-graphs": dict(INDEXER, indexer_budget=8), "qsa-ple": dict(INDEXER,
 BLOCK_SIZE = {"qsa-graphs-r8-page4": 4}
 
 
+def _checkpoint(path, extra: dict, seed: int):
+    """A tiny random Qwen4-Exp (COMMON + extra) saved at path; transformers' model of it (eval, fp32)."""
+    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **extra)
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    _randomize(ref, seed + 1)
+    ref.save_pretrained(path)
+    return ref
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_fp32_greedy_matches_transformers(tmp_path, kind):
-    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **KINDS[kind])
-    torch.manual_seed(11)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    _randomize(ref, 12)
-    ref.save_pretrained(tmp_path)
+    ref = _checkpoint(tmp_path, KINDS[kind], 11)
     prompts = _seqs(3, [37, 5, 26, 3], eos_at=((0, 12),))
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.2,
               block_size=BLOCK_SIZE.get(kind, 16), max_num_batched_tokens=32, max_num_seqs=8)
@@ -48,11 +54,7 @@ def test_ple_graphs_equal_eager_and_transformers(tmp_path):
     """PLE with CUDA graphs (QSA's budget past every context, so every decode step replays): the n-gram tables are
     page-locked host memory the graphs read in place. Greedy fp32 tokens equal transformers' generate, and the
     logprobs equal --enforce-eager's bit for bit (capture sizes 1..4: no padding rows), async scheduling on."""
-    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **dict(INDEXER, **PLE))
-    torch.manual_seed(13)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    _randomize(ref, 14)
-    ref.save_pretrained(tmp_path)
+    ref = _checkpoint(tmp_path, dict(INDEXER, **PLE), 13)
     prompts = _seqs(4, [37, 5, 26, 3], eos_at=((0, 12), (2, 25)))
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=0)
     runs = {}
@@ -81,11 +83,7 @@ def test_ple_graphs_equal_eager_and_transformers(tmp_path):
 def test_long_context_decode_graphs_match_transformers(tmp_path):
     """A context of a few thousand tokens (budget 64, ratio 4: most blocks dropped), fp32: greedy tokens with decode
     graphs (the device selection replayed) equal an eager engine's and transformers' generate."""
-    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **dict(INDEXER, indexer_budget=64))
-    torch.manual_seed(13)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    _randomize(ref, 14)
-    ref.save_pretrained(tmp_path)
+    ref = _checkpoint(tmp_path, dict(INDEXER, indexer_budget=64), 13)
     prompts = _seqs(5, [3001, 1234, 77])
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     outs = {}
@@ -112,11 +110,7 @@ def test_fp8_kv_cache_with_qsa_graphs(tmp_path):
     """--kv-cache-dtype fp8_e4m3 on a QSA model (fp16, CUDA graphs): the index keys kept as fp16 bytes in the uint8
     cache, decode rows past the budget selecting inside graph replays and prompt rows past it on the multi-row route;
     the first tokens equal the fp16 cache's run and their logprobs stay within fp8's error of it."""
-    cfg = transformers.Qwen4ExpTextConfig(**COMMON, **dict(INDEXER, indexer_budget=8))
-    torch.manual_seed(17)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    _randomize(ref, 18)
-    ref.save_pretrained(tmp_path)
+    _checkpoint(tmp_path, dict(INDEXER, indexer_budget=8), 17)
     prompts = _seqs(5, [37, 26, 70])
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=0)
     runs = {}
