@@ -190,3 +190,32 @@ def run_checks(checks: dict, device: str, only=()) -> int:
         failed += not status.startswith("ok")
         print(f"CHECK {name} {status} ({time.perf_counter() - start:.1f} s)", flush=True)
     return 1 if failed else 0
+
+
+def error_checks_main(checks) -> int:
+    """main() of a check script whose checks return (relative error, problems): checks yields (name, fn, tol); under
+    TRITON_INTERPRET=1 (else exit 2) each claimed check (argv names only those) prints `CHECK name ok|FAIL detail`,
+    ok when the error is under its tolerance and there are no problems; one that raises is a FAIL and the rest go on.
+    The generator is first iterated after the interpreter is patched, so its kernels' imports come after it."""
+    import os
+    import sys
+    import traceback
+
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("run with TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    patch_interpreter_index()
+    torch.set_num_threads(2)
+    failed = 0
+    for name, fn, tol in claimed(checks, lambda c: c[0], set(sys.argv[1:])):
+        try:
+            err, problems = fn()
+            ok = err < tol and not problems
+            detail = f"relerr={err:.3e} tol={tol:.0e} {problems}".strip()
+        except Exception:
+            ok, detail = False, traceback.format_exc().replace("\n", " | ")
+        failed += not ok
+        print(f"CHECK {name} {'ok' if ok else 'FAIL'} {detail}", flush=True)
+    return 1 if failed else 0

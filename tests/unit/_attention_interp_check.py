@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import math
 import sys
-import traceback
 from dataclasses import dataclass
 
 import torch
-from interp_util import patch_interpreter_index as _patch_interpreter_index  # noqa: F401 (re-exported)
 
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.attention.torch_ref import TorchReferenceBackend
@@ -342,26 +340,9 @@ def _checks():
 
 
 def main() -> int:
-    import os
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("run with TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    _patch_interpreter_index()
-    torch.set_num_threads(2)
-    only = set(sys.argv[1:])
-    failed = 0
-    from interp_util import claimed
+    from interp_util import error_checks_main
 
-    for name, fn, dtype in claimed(_checks(), lambda c: c[0], only):
-        try:
-            err, problems = fn()
-            ok = err < TOL[dtype] and not problems
-            detail = f"relerr={err:.3e} tol={TOL[dtype]:.0e} {problems}".strip()
-        except Exception:
-            ok, detail = False, traceback.format_exc().replace("\n", " | ")
-        failed += not ok
-        print(f"CHECK {name} {'ok' if ok else 'FAIL'} {detail}", flush=True)
-    return 1 if failed else 0
+    return error_checks_main((name, fn, TOL[dtype]) for name, fn, dtype in _checks())
 
 
 if __name__ == "__main__":

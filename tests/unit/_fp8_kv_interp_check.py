@@ -9,13 +9,12 @@ and tests/gpu/test_fp8_kv_gpu.py.
 from __future__ import annotations
 
 import sys
-import traceback
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from _attention_interp_check import Case, _patch_interpreter_index, make_case, real_rows, rel_err
+from _attention_interp_check import Case, make_case, real_rows, rel_err
 from voltllm.attention.backend import AttentionMetadata, make_kv_cache
 from voltllm.attention.torch_ref import TorchReferenceBackend
 from voltllm.kernels.fp8_codec import scaled_encode_ref
@@ -469,26 +468,9 @@ def _compat_fp16_cache() -> tuple[float, str]:
 
 
 def main() -> int:
-    import os
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("run with TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    _patch_interpreter_index()
-    torch.set_num_threads(2)
-    only = set(sys.argv[1:])
-    failed = 0
-    from interp_util import claimed
+    from interp_util import error_checks_main
 
-    for name, fn in claimed(_checks(), lambda c: c[0], only):
-        try:
-            err, problems = fn()
-            ok = err < TOL and not problems
-            detail = f"relerr={err:.3e} tol={TOL:.0e} {problems}".strip()
-        except Exception:
-            ok, detail = False, traceback.format_exc().replace("\n", " | ")
-        failed += not ok
-        print(f"CHECK {name} {'ok' if ok else 'FAIL'} {detail}", flush=True)
-    return 1 if failed else 0
+    return error_checks_main((name, fn, TOL) for name, fn in _checks())
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import sys
-import traceback
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -295,26 +294,9 @@ def _checks():
 
 
 def main() -> int:
-    import os
+    from interp_util import error_checks_main
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        print("run with TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    from interp_util import patch_interpreter_index
-
-    patch_interpreter_index()
-    torch.set_num_threads(2)
-    failed = 0
-    for name, fn, dtype in _checks():
-        try:
-            err, problems = fn()
-            ok = err < TOL[dtype] and not problems
-            detail = f"relerr={err:.3e} tol={TOL[dtype]:.0e} {problems}".strip()
-        except Exception:
-            ok, detail = False, traceback.format_exc().replace("\n", " | ")
-        failed += not ok
-        print(f"CHECK {name} {'ok' if ok else 'FAIL'} {detail}", flush=True)
-    return 1 if failed else 0
+    return error_checks_main((name, fn, TOL[dtype]) for name, fn, dtype in _checks())
 
 
 if __name__ == "__main__":
