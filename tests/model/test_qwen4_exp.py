@@ -418,3 +418,30 @@ def test_fp8_kv_cache_serves_qsa(checkpoints, monkeypatch):
     for (toks_a, lps_a), (toks_b, lps_b) in zip(runs["auto"], runs["fp8_e4m3"]):
         assert toks_a[0] == toks_b[0]
         assert abs(lps_a[0] - lps_b[0]) < 0.1
+
+
+def test_fp8_kv_scales_in_the_checkpoint_are_loaded(checkpoints, tmp_path):
+    """An fp8 checkpoint's KV-cache scales (self_attn.k_scale / v_scale, as vLLM and ModelOpt name them) reach the
+    indexed attention layers, as on the other hybrids."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from voltllm import LLM
+
+    src = checkpoints["qsa"][0]
+    path = str(tmp_path / "scaled")
+    shutil.copytree(src, path)
+    (file,) = glob.glob(f"{path}/*.safetensors")
+    weights = load_file(file)
+    layer = next(int(k.split(".layers.")[1].split(".")[0]) for k in weights if ".self_attn.q_proj." in k)
+    prefix = next(k for k in weights if f".layers.{layer}.self_attn.q_proj." in k).split(".self_attn.")[0]
+    weights[f"{prefix}.self_attn.k_scale"] = torch.tensor(0.5)
+    weights[f"{prefix}.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(weights, file, metadata={"format": "pt"})
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float16", kv_cache_dtype="fp8_e4m3", block_size=4,
+              max_num_batched_tokens=16)
+    attn = llm.engine.runner.model.layers[layer].self_attn
+    assert (float(attn.k_scale), float(attn.v_scale)) == (0.5, 0.25)
+    assert attn.checkpoint_kv_scales == {"k_scale", "v_scale"}

@@ -72,6 +72,7 @@ from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
 from voltllm.model.layers.linear import Linear, LinearMethod
 from voltllm.model.layers.moe import SparseMoE
 from voltllm.model.layers.quantized_linear import dense_tensor
+from voltllm.attention.kv_spec import kv_scale_target, load_checkpoint_kv_scale
 from voltllm.model.layers.rotary import RotaryEmbedding
 from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 from voltllm.model.models.qwen3_next import GatedAttention, _rotary_dim, text_config
@@ -615,6 +616,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         return keys
 
     def _load_attention(self, attn: IndexedAttention, p: str, rest: str, tensor, params) -> list[str]:
+        if (kv_scale := kv_scale_target(p + "self_attn." + rest)) is not None:  # fp8 KV cache scales
+            for buf in kv_scale[1]:
+                load_checkpoint_kv_scale(attn, buf, tensor, p + "self_attn." + rest)
+            return []
         sub, _, kind = rest.rpartition(".")
         stacked = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
         if sub in stacked:
@@ -631,8 +636,6 @@ class Qwen4ExpForCausalLM(nn.Module):
             return [p + "self_attn.o_proj#0"]
         if rest.startswith("indexer.") and attn.indexer is None:
             raise ValueError(f"{p}self_attn.{rest}: a QSA indexer weight, but the config sets no indexer_* fields")
-        if rest.endswith(("k_scale", "v_scale")):
-            raise ValueError(f"{p}self_attn.{rest}: FP8 KV-cache scales are not built for Qwen4-Exp")
         self._copy(params, p + "self_attn." + rest, tensor)
         return [p + "self_attn." + rest]
 
