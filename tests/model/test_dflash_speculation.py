@@ -169,7 +169,10 @@ def test_bad_drafters_are_refused(models, tmp_path):
     assert "hidden size" in _config_error(target, _spec(drafter("hidden", hidden=hidden * 2)))
     assert "vocabulary" in _config_error(target, _spec(drafter("vocab", vocab=vocab + 1)))
     assert "made for a target of" in _config_error(target, _spec(drafter("layers", target_layers=layers + 1)))
-    assert "DFlash2" in _config_error(target, _spec(drafter("v2", architectures=["DFlash2DraftModel"])))
+    # (a DFlash2 architecture without its convolution and selector keys; DFlash2 itself: test_dflash2_speculation.py)
+    assert "DFlash2 needs a positive integer conv_kernel_size" in _config_error(
+        target, _spec(drafter("v2", architectures=["DFlash2DraftModel"])))
+    assert "neither" in _config_error(target, _spec(drafter("eagle", architectures=["EagleDraftModel"])))
     assert "sliding-window" in _config_error(target, _spec(drafter(
         "sliding", layer_types=["sliding_attention", "full_attention"], sliding_window=16, use_sliding_window=True)))
     assert "cannot load" in _config_error(target, _spec(str(tmp_path / "missing")))

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from dflash_models import check_block_logits, make_dflash, record_block_logits
+from dflash_models import V2, check_block_drafts, check_block_logits, make_dflash, record_block_logits
 from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
 from spec_oracle import PlainRuns, oracle_table, patch_dflash, run_checked
 from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid, small_moe
@@ -46,15 +46,16 @@ def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind
     assert any(len(lg) == K for _, _, lg, _ in seen)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])  # untied LM head; tied
-def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind):
+# untied LM head; tied; a DFlash2 drafter (its selector over rank 0's whole LM head's logits)
+@pytest.mark.parametrize("kind,v2", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind, v2):
     root = tmp_path_factory.mktemp(f"dflash-tp-{kind}")
     target = make_model(str(root / "target"), kind)
     with open(f"{target}/config.json") as f:
         cfg = json.load(f)
     layers = [0, cfg["num_hidden_layers"] - 1]
     drafter = make_dflash(str(root / "dflash"), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"],
-                          layers, block_size=4)
+                          layers, block_size=4, v2=V2 if v2 else None)
     prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "0123456789 0123456789 0123"]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(block_size=4, max_num_batched_tokens=16)
@@ -71,6 +72,8 @@ def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind):
     assert outs == [o.outputs[0].token_ids for o in LLM(target, **kw).generate(prompts, sp)]
     assert stats["spec_draft_tokens"] > 0
     assert check_block_logits(records, target, drafter, layers) >= 4
+    if v2:
+        assert check_block_drafts(records, target, drafter, layers, V2["selector_top_k"])[0] >= 8
 
 
 def test_dflash_under_tp_on_a_hybrid(tmp_path_factory, monkeypatch):

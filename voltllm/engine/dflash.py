@@ -10,6 +10,12 @@ projections. The drafter has no embedding and no LM head of its own: it uses the
 Its config.json is a Qwen3 config (model_type "qwen3", architectures ["DFlashDraftModel"]) with `dflash_config`
 {"mask_token_id", "target_layer_ids", and in newer checkpoints "block_size"}; older ones keep `block_size` at the
 top level, and one without target_layer_ids spreads its layers over the target's (`default_target_layer_ids`).
+
+DFlash2 (architectures ["DFlash2DraftModel"]) is the same drafter with two additions, each with its own keys in
+`dflash_config` (or at the top level): a grouped dynamic causal convolution over the block's rows before and after
+every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic weight per `conv_group_size` channels), and a
+candidate selector that walks the block's positions choosing among each row's `selector_top_k` best tokens with a
+bigram score of rank `selector_rank` (model/models/dflash2_layers.py).
 """
 from __future__ import annotations
 
@@ -22,6 +28,16 @@ from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
 logger = logging.getLogger("voltllm")
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_V2 = "DFlash2DraftModel"
+
+
+@dataclass(frozen=True)
+class DFlash2Params:
+    """A DFlash2 drafter's additions: its convolutions' taps and channel groups, its selector's rank and width."""
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,7 @@ class DFlashParams:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
+    v2: Optional[DFlash2Params] = None  # a DFlash2 drafter's (None: DFlash)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -62,10 +79,8 @@ def _int(v: Any) -> bool:
 def dflash_params(draft_cfg: Any, target_cfg: Any, k: int) -> DFlashParams:
     """The drafter's DFlash parameters, checked against the target and K (SpeculativeConfigError, one line)."""
     archs = list(getattr(draft_cfg, "architectures", None) or [])
-    if ARCHITECTURE not in archs:
-        extra = (" (DFlash2: its convolutions and candidate selector are not built)" if "DFlash2DraftModel" in archs
-                 else "")
-        raise _err(f"architectures {archs} is not [{ARCHITECTURE!r}]{extra}")
+    if ARCHITECTURE not in archs and ARCHITECTURE_V2 not in archs:
+        raise _err(f"architectures {archs} is neither [{ARCHITECTURE!r}] nor [{ARCHITECTURE_V2!r}]")
     target_text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
     hidden, t_hidden = int(draft_cfg.hidden_size), int(target_text.hidden_size)
     if hidden != t_hidden:
@@ -100,9 +115,25 @@ def dflash_params(draft_cfg: Any, target_cfg: Any, k: int) -> DFlashParams:
     if any(t != "full_attention" for t in getattr(draft_cfg, "layer_types", None) or []):
         raise _err(f"layer types {draft_cfg.layer_types}: sliding-window drafter layers are not built")
     softcap = _value(draft_cfg, "final_logit_softcapping")
+    v2 = _v2_params(draft_cfg, hidden, t_vocab) if ARCHITECTURE_V2 in archs else None
     return DFlashParams(block, mask, tuple(ids), float(_value(draft_cfg, "input_embedding_scale") or 1.0),
                         float(_value(draft_cfg, "output_multiplier") or 1.0),
-                        float(softcap) if softcap else None)
+                        float(softcap) if softcap else None, v2)
+
+
+def _v2_params(draft_cfg: Any, hidden: int, vocab: int) -> DFlash2Params:
+    """A DFlash2 drafter's convolution and selector sizes, each present and in range."""
+    vals = {}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        v = _value(draft_cfg, name)
+        if not _int(v) or v < 1:
+            raise _err(f"DFlash2 needs a positive integer {name} in dflash_config (got {v!r})")
+        vals[name] = v
+    if hidden % vals["conv_group_size"]:
+        raise _err(f"conv_group_size {vals['conv_group_size']} does not divide the hidden size {hidden}")
+    if vals["selector_top_k"] > vocab:
+        raise _err(f"selector_top_k {vals['selector_top_k']} exceeds the vocabulary ({vocab} ids)")
+    return DFlash2Params(**vals)
 
 
 def resolve_dflash(spec: SpeculativeConfig, target_hf_config: Any, download_dir: Optional[str] = None,
@@ -118,6 +149,7 @@ def resolve_dflash(spec: SpeculativeConfig, target_hf_config: Any, download_dir:
     except (ModelLoadError, OSError, ValueError) as e:
         raise _err(f"cannot load {spec.model!r}: {e}") from None
     params = dflash_params(hf_config, target_hf_config, spec.num_speculative_tokens)
-    logger.info("DFlash drafter %s: %d layers, block %d, target layers %s, mask token %d", source.path,
-                hf_config.num_hidden_layers, params.block_size, list(params.target_layer_ids), params.mask_token_id)
+    logger.info("DFlash%s drafter %s: %d layers, block %d, target layers %s, mask token %d%s", "2" if params.v2 else "",
+                source.path, hf_config.num_hidden_layers, params.block_size, list(params.target_layer_ids),
+                params.mask_token_id, f", {params.v2}" if params.v2 else "")
     return spec.with_draft(source.path, hf_config)

@@ -22,10 +22,12 @@ The block (`propose`, before the step's inputs are prepared). For each request t
 (placeholders), k + 1 rows: its known token at `start`, then k mask tokens, at positions start .. start + k (the
 slots the step allocated). Each row is a decode row whose context ends after the block's last position, so every
 row sees the context and the whole block (non-causal); the rows' K / V are written at those slots first (the target
-overwrites them in this step). Row j + 1's logits (the target's LM head) give draft j: argmax for greedy requests, a
-draw from the request's processed distribution q for sampled ones (verified with min(1, p / q): a block's drafts are
-drawn independently, so draft j's q does not depend on the drafts before it, and the rule stays exact). Nothing
-waits for the GPU: the drafts go into the step's input ids and verification on the device (DeviceDrafts).
+overwrites them in this step). Row j + 1's logits (the target's LM head) give draft j: argmax for greedy requests (a
+DFlash2 drafter: its candidate selector's path from the known token instead), a draw from the request's processed
+distribution q for sampled ones (verified with min(1, p / q): a block's drafts are drawn independently, so draft j's
+q does not depend on the drafts before it, and the rule stays exact; a DFlash2 drafter's selector does not take part
+there, its path being no draw from q). Nothing waits for the GPU: the drafts go into the step's input ids and
+verification on the device (DeviceDrafts).
 
 The block's forward replays a CUDA graph of the drafter (DecodeGraphs over the target's input buffers, like a draft
 model's: the block rows are decode rows) when its rows fit the largest graph, else runs eagerly; the context write
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 
 from voltllm.attention.backend import AttentionMetadata, make_kv_cache
-from voltllm.host_to_device import upload
+from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
 from voltllm.sampling.sampler import SamplingRow
@@ -157,18 +159,29 @@ class DFlashRunner(DeviceDrafts):
         else:
             hidden = self.drafter.block_hidden(ids_d, pos_d, ForwardContext(meta=meta, kv_caches=self.kv_caches,
                                                                             backend=self.backend))
-        # draft j of request i: the block row after its known token's + j ([kmax, n]; past its own k: unused)
-        pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(kmax)],
+        # draft j of request i: the block row after its known token's + j ([kmax, n]; past its own k: unused), then
+        # each block's first row (its known token: where a DFlash2 selector's walk starts)
+        pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(kmax)] + [base],
                         dtype=np.int64)
-        logits = self.drafter.compute_logits(hidden[upload(torch.from_numpy(pick.ravel()), dev)])
-        if self.spec.draft_sample_method == "greedy" or all(s.request.sampling_params.greedy for s in rows):
-            self._drafts = logits.argmax(dim=-1).view(kmax, n)
+        pick_d = upload(torch.from_numpy(pick.ravel()), dev)
+        draft_hidden = hidden[pick_d[:kmax * n]]
+        logits = self.drafter.compute_logits(draft_hidden)
+        greedy = [s.request.sampling_params.greedy for s in rows]
+
+        def selected() -> torch.Tensor:  # the deterministic drafts [kmax, n]
+            ids = ids_d if ids_d is not None else r.buffers.input_ids
+            return self.drafter.select(draft_hidden, logits, ids[pick_d[kmax * n:]])
+
+        if self.spec.draft_sample_method == "greedy" or all(greedy):
+            self._drafts = selected()
             return
         tokens, probs = r.sampler.draw_drafts(logits, [
             SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
                         s.request.num_output_tokens + j) if j < k else _PAD_ROW
             for j in range(kmax) for s, k in zip(rows, ks)])
         self._drafts = tokens.view(kmax, n)
+        if self.drafter.selector is not None and any(greedy):  # greedy requests' drafts: the selector's path
+            self._drafts = torch.where(to_device(greedy, torch.bool, dev)[None, :], selected(), self._drafts)
         if probs is not None:
             self._probs = probs.view(kmax, n, -1)
 

@@ -11,6 +11,8 @@ attention over context + block, on the same paged attention kernels as any decod
   `hidden_norm(fc(concat of the chosen layers' outputs))`, through each layer's k / v projections (+ k_norm,
   RoPE) without running the layers (`context_kv`). All layers' k / v weights are stacked once at load, so the
   context of a step is one GEMM for every layer.
+A DFlash2 drafter's layers add convolutions along the block and it picks its greedy drafts with its candidate selector
+(`select`; models/dflash2_layers.py); its context is DFlash's.
 """
 from __future__ import annotations
 
@@ -51,7 +53,17 @@ class DFlashDrafter(nn.Module):
         # Qwen3 layers whatever the config names; no embedding or LM head of its own (a 1-id table stands in until
         # the target's embedding replaces it, and a tied head allocates nothing)
         body_cfg.model_type, body_cfg.vocab_size, body_cfg.tie_word_embeddings = "qwen3", 1, True
-        self.body = LlamaForCausalLM(body_cfg, dtype, max_positions)
+        v2 = params.v2
+        self.selector = None
+        if v2 is None:
+            self.body = LlamaForCausalLM(body_cfg, dtype, max_positions)
+        else:
+            from voltllm.model.models.dflash2_layers import CandidateSelector, DFlash2Body
+
+            body_cfg.conv_kernel_size, body_cfg.conv_group_size = v2.conv_kernel_size, v2.conv_group_size
+            self.body = DFlash2Body(body_cfg, dtype, max_positions)
+            self.selector = CandidateSelector(cfg.hidden_size, int(cfg.vocab_size), v2.selector_rank,
+                                              v2.selector_top_k, dtype)
         self._target = [target]  # (not a submodule: the target's weights are not the drafter's)
         self._vocab = [vocab]
         hidden = cfg.hidden_size
@@ -68,19 +80,26 @@ class DFlashDrafter(nn.Module):
         return self.body.layers
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's tensors (layers.*, norm, fc, hidden_norm; an embedding or LM head it may carry is the
-        target's and is skipped), then the stacked context projections."""
+        """The checkpoint's tensors (layers.*, norm, fc, hidden_norm; DFlash2's convolutions and candidate_selector.*;
+        an embedding or LM head it may carry is the target's and is skipped), then the stacked context
+        projections."""
         own = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm.weight}
+        if self.selector is not None:  # (the codebooks are bare tensors in the checkpoint: no ".weight")
+            own.update({f"candidate_selector.{n}": p for n, p in self.selector.named_parameters()})
+            own.update({n: p for n, p in self.body.named_parameters() if "_conv." in n})
         seen: set[str] = set()
 
         def body_weights():
             for name, tensor in weights:
                 name = name.removeprefix("model.")
+                if name.endswith("_codebook.weight"):  # (a codebook saved as an embedding's weight)
+                    name = name.removesuffix(".weight")
                 if name in own:
                     if own[name].shape != tensor.shape:
                         raise ValueError(f"DFlash drafter weight {name}: shape {tuple(tensor.shape)}, expected "
-                                         f"{tuple(own[name].shape)} ({len(self.params.target_layer_ids)} target "
-                                         "layers x hidden size)")
+                                         f"{tuple(own[name].shape)}" + (
+                                             f" ({len(self.params.target_layer_ids)} target layers x hidden size)"
+                                             if name == "fc.weight" else ""))
                     own[name].data.copy_(tensor)
                     seen.add(name)
                 elif not name.startswith(("embed_tokens.", "lm_head.")):
@@ -140,3 +159,10 @@ class DFlashDrafter(nn.Module):
         if p.final_logit_softcapping:
             logits = torch.tanh(logits / p.final_logit_softcapping) * p.final_logit_softcapping
         return logits
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Deterministic drafts [kmax, n] from the draft rows' final hidden states and logits (draft-major): the
+        candidate selector's path (DFlash2), else each row's argmax."""
+        if self.selector is None:
+            return logits.argmax(dim=-1).view(-1, anchors.shape[0])
+        return self.selector.select(hidden, logits, anchors)

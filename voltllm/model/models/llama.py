@@ -186,6 +186,7 @@ def stacked_target(name: str) -> tuple[str, int]:
 
 class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     supports_prompt_graphs = True  # every layer's host-dependent work is its attention call (worker.prompt_graphs)
+    decoder_layer_cls = DecoderLayer  # (a DFlash2 drafter's layers add convolutions: models/dflash2_layers.py)
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int,
                  linear_method: Optional[LinearMethod] = None, tp=None, headless: bool = False, classifier=None,
@@ -218,7 +219,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         else:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         first, end = (0, cfg.num_hidden_layers) if pp is None else (pp.start, pp.end)
-        self.layers = nn.ModuleList(build_layer(DecoderLayer, cfg, i, dtype, rotary, linear_method, tp, i - first)
+        self.layers = nn.ModuleList(build_layer(self.decoder_layer_cls, cfg, i, dtype, rotary, linear_method, tp,
+                                                i - first)
                                     for i in range(first, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # (a multimodal checkpoint's own flag decides, as in transformers: Qwen3-VL-MoE's text config says True for all)
