@@ -240,6 +240,9 @@
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
 #            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
+#   s157     (session 57) DFlash2 drafters: tests/gpu/test_dflash_cuda.py (DFlash and DFlash2 cases), then session
+#            56's Qwen4-Exp file and the MoE LoRA file (never run after session 56's changes)
+#   s157r    (session 57) benchmarks/micro/dflash_round.py at the 8B shape, K = 7, batch 1 / 16: DFlash then DFlash2
 #   s156     (session 56) Qwen4-Exp after session 56 (QSA multi-row route and score kernels, fp8 KV cache with QSA),
 #            the MoE LoRA file, then a smaller Qwen4-Exp shape (64 experts, 20 layers: fits an H100) end to end: a
 #            16K-token prompt past the QSA budget, then decode
@@ -1598,6 +1601,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha \
       > "$out/c64.log" 2>&1
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
+    ;;
+  s157)  # (session 57) DFlash2 (convolutions in the drafter's graphs, the selector's drafts vs the reference walk)
+    gpu_file test_dflash_cuda 300
+    gpu_file test_qwen4_exp_cuda 240
+    gpu_file test_lora_moe_cuda 90
+    ;;
+  s157r)  # (session 57) a DFlash2 round against a DFlash round at the 8B shape (dummy weights: acceptance 1)
+    for v in "" --v2; do
+      timeout 280 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 7 --batch 1,16 $v \
+        --out "$out/dflash-round${v/--/-}-$sha.json" 2>&1 | grep -E "^batch|DFlash|Error|error" | cut -c1-220
+    done
     ;;
   s156)  # (session 56) the QSA multi-row route, the score kernels, fp8 KV with QSA; LoRA on MoE experts (fused form
           # read on the host, same GPU path); a smaller Qwen4-Exp shape end to end

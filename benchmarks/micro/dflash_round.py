@@ -13,7 +13,9 @@ target shape (DRAFTER_LAYOUTS), else the target's own attention layout and width
   24 / 4 of 256) at hidden 5120, block 16, reading target layers 1, 16, 31, 46, 61; its MLP width is taken to be
   the target's 17408 (--intermediate). The mask token id (151669) and RoPE base are placeholders: no timing
   depends on them.
---heads / --kv-heads / --head-dim / --intermediate / --layer-ids override the layout.
+--heads / --kv-heads / --head-dim / --intermediate / --layer-ids override the layout. --v2 makes it a DFlash2
+drafter (DFLASH2_KEYS: two-tap convolutions over groups of 16 channels around every sublayer, a selector of rank 256
+over each row's 16 best tokens, the sizes other implementations of the public Qwen3.8-27B DFlash2 drafter use).
 
 Engines are sized as benchmarks/micro/hybrid_spec_round.py sizes them: --max-num-seqs = batch x (K + 1). A hybrid's
 state cache holds n + 1 + n x K request states for --max-num-seqs n (K checkpoint rows per slot), so at K = 15 n is
@@ -43,6 +45,7 @@ DRAFTER_LAYOUTS: dict = {
                           "intermediate_size": 17408, "target_layer_ids": [1, 16, 31, 46, 61]},
 }
 TAUS = (2.0, 3.7, 5.0, 6.5)
+DFLASH2_KEYS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
 def _text_config(target_dir: str) -> dict:
@@ -51,10 +54,12 @@ def _text_config(target_dir: str) -> dict:
     return t.get("text_config") or t
 
 
-def write_drafter(target_dir: str, dest: str, layers: int, block: int, layout: dict | None = None) -> str:
+def write_drafter(target_dir: str, dest: str, layers: int, block: int, layout: dict | None = None,
+                  v2: dict | None = None) -> str:
     """A DFlash drafter config (no weights: --load-format dummy) at the target's hidden size and vocabulary; layout
     (num_attention_heads, num_key_value_heads, head_dim, intermediate_size, target_layer_ids; each optional) replaces
-    the target's attention layout and MLP width and the default layers read (default_target_layer_ids, 5 layers)."""
+    the target's attention layout and MLP width and the default layers read (default_target_layer_ids, 5 layers).
+    v2: a DFlash2 drafter with these dflash_config keys."""
     t = _text_config(target_dir)
     from voltllm.engine.dflash import default_target_layer_ids
 
@@ -63,14 +68,15 @@ def write_drafter(target_dir: str, dest: str, layers: int, block: int, layout: d
            "intermediate_size": t["intermediate_size"],
            "target_layer_ids": default_target_layer_ids(t["num_hidden_layers"], 5)}
     lay.update({key: v for key, v in (layout or {}).items() if v is not None})
-    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": t["hidden_size"],
+    cfg = {"architectures": ["DFlash2DraftModel" if v2 else "DFlashDraftModel"], "model_type": "qwen3",
+           "hidden_size": t["hidden_size"],
            "intermediate_size": lay["intermediate_size"], "num_hidden_layers": layers,
            "num_attention_heads": lay["num_attention_heads"], "num_key_value_heads": lay["num_key_value_heads"],
            "head_dim": lay["head_dim"], "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
            "rope_theta": t.get("rope_theta", 1e6), "max_position_embeddings": t.get("max_position_embeddings", 40960),
            "vocab_size": t["vocab_size"], "num_target_layers": t["num_hidden_layers"], "tie_word_embeddings": False,
            "block_size": block, "dflash_config": {"mask_token_id": min(151669, t["vocab_size"] - 1),
-                                                  "target_layer_ids": list(lay["target_layer_ids"])}}
+                                                  "target_layer_ids": list(lay["target_layer_ids"])} | (v2 or {})}
     out = os.path.join(dest, "dflash-drafter")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -175,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--state-gib", type=float, default=40.0,
                     help="a hybrid target's recurrent states (K checkpoint rows per request) at most this many GiB")
+    ap.add_argument("--v2", action="store_true", help="a DFlash2 drafter (DFLASH2_KEYS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     layout = dict(DRAFTER_LAYOUTS.get(args.target, {}))
@@ -186,14 +193,15 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         target = materialize(args.target, tmp)
-        drafter = write_drafter(target, tmp, args.layers, 16, layout)
+        drafter = write_drafter(target, tmp, args.layers, 16, layout, DFLASH2_KEYS if args.v2 else None)
         with open(os.path.join(drafter, "config.json")) as f:
             d = json.load(f)
         result = {"target": args.target, "drafter_layers": args.layers, "dtype": args.dtype, "gpu": gpu,
+                  "dflash2": DFLASH2_KEYS if args.v2 else None,
                   "drafter": {key: d[key] for key in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                       "intermediate_size", "block_size")}
                   | {"target_layer_ids": d["dflash_config"]["target_layer_ids"]}, "rows": []}
-        print(f"{args.target} with a {args.layers}-layer DFlash drafter {result['drafter']}")
+        print(f"{args.target} with a {args.layers}-layer DFlash{'2' if args.v2 else ''} drafter {result['drafter']}")
         measure_rounds(target, drafter, [int(x) for x in args.batch.split(",")], [int(x) for x in args.k.split(",")],
                        args.dtype, args.output_len, args.state_gib, args.out, result)
     return 0

@@ -2,13 +2,14 @@
 whole block), the context K / V written with the backend's store beside decode-graph and prompt-graph steps (the
 target's chosen layers' outputs captured inside its graphs): the drafter's logits equal the float64 reference in
 fp32; greedy outputs equal plain decoding in fp32 (native and --compat sm70); an always-agreeing drafter is always
-accepted; fp16 runs. (A hybrid target with DFlash: tests/gpu/test_hybrid_spec_cuda.py.)"""
+accepted; fp16 runs. The same for a DFlash2 drafter (convolutions inside the drafter's graphs, the selector's
+drafts against the reference walk). (A hybrid target with DFlash: tests/gpu/test_hybrid_spec_cuda.py.)"""
 import json
 import os
 
 import pytest
 
-from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
+from dflash_models import V2, check_block_drafts, check_block_logits, make_dflash, record_block_logits, zero_lm_head
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
 
@@ -29,7 +30,9 @@ def models(tmp_path_factory):
     agree = make_model(str(root / "agree"), "qwen3")
     zero_lm_head(agree)
     return {"target": target, "agree": agree, "layers": [0, layers - 1],
-            "drafter": make_dflash(str(root / "drafter"), hidden, vocab, layers, [0, layers - 1], block_size=8)}
+            "drafter": make_dflash(str(root / "drafter"), hidden, vocab, layers, [0, layers - 1], block_size=8),
+            "drafter2": make_dflash(str(root / "drafter2"), hidden, vocab, layers, [0, layers - 1], block_size=8,
+                                    v2=V2)}
 
 
 def _spec(path, k=5):
@@ -42,12 +45,13 @@ def _tokens(llm, sp, prompts=PROMPTS):
     return out
 
 
+@pytest.mark.parametrize("drafter", ["drafter", "drafter2"])
 @pytest.mark.parametrize("compat", ["none", "sm70"])
-def test_fp32_greedy_equals_plain_decoding(models, compat):
+def test_fp32_greedy_equals_plain_decoding(models, compat, drafter):
     kw = dict(KW, dtype="float32", compat=compat)
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     ref = _tokens(LLM(models["target"], **kw), sp)
-    llm = LLM(models["target"], speculative_config=_spec(models["drafter"]), **kw)
+    llm = LLM(models["target"], speculative_config=_spec(models[drafter]), **kw)
     assert llm.engine.runner.graphs is not None  # the target's graphs capture the hidden-state writes
     drafter_graphs = llm.engine.runner.draft.graphs
     assert _tokens(llm, sp) == ref
@@ -55,11 +59,18 @@ def test_fp32_greedy_equals_plain_decoding(models, compat):
     assert drafter_graphs.replays > 0  # blocks of up to max_num_seqs rows replay the drafter's graphs
 
 
-def test_fp32_block_logits_equal_the_reference(models):
-    llm = LLM(models["target"], speculative_config=_spec(models["drafter"]), dtype="float32", **KW)
-    records = record_block_logits(llm.engine.runner.draft)
+@pytest.mark.parametrize("drafter", ["drafter", "drafter2"])
+def test_fp32_block_logits_equal_the_reference(models, drafter):
+    llm = LLM(models["target"], speculative_config=_spec(models[drafter]), dtype="float32", **KW)
+    dr = llm.engine.runner.draft
+    records = record_block_logits(dr)
     _tokens(llm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), PROMPTS[:4])
-    assert check_block_logits(records, models["target"], models["drafter"], models["layers"], tol=1e-3) >= 8
+    assert check_block_logits(records, models["target"], models[drafter], models["layers"], tol=1e-3) >= 8
+    assert dr.graphs.replays > 0
+    if drafter == "drafter2":  # (fp32 on the device: a near-tie could flip a pick; random data has none)
+        checked, off_argmax = check_block_drafts(records, models["target"], models[drafter], models["layers"],
+                                                 V2["selector_top_k"])
+        assert checked >= 30 and off_argmax > 0
 
 
 def test_agreeing_drafter_is_always_accepted(models):
@@ -72,8 +83,9 @@ def test_agreeing_drafter_is_always_accepted(models):
     assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"] > 0
 
 
-def test_fp16_sampled_and_greedy_run(models):
-    llm = LLM(models["target"], speculative_config=_spec(models["drafter"]), dtype="float16", **KW)
+@pytest.mark.parametrize("drafter", ["drafter", "drafter2"])
+def test_fp16_sampled_and_greedy_run(models, drafter):
+    llm = LLM(models["target"], speculative_config=_spec(models[drafter]), dtype="float16", **KW)
     sp = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=1)
     assert _tokens(llm, sp) == _tokens(llm, sp)
     _tokens(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))

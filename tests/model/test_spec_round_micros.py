@@ -114,7 +114,10 @@ def test_named_shape_drafters_pass_the_engine_checks(micro, tmp_path, shape, hea
     assert (d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"], d["intermediate_size"],
             d["dflash_config"]["target_layer_ids"]) == (heads, kv, dim, inter, ids)
     params = dflash_params(AutoConfig.from_pretrained(drafter), AutoConfig.from_pretrained(target), 15)
-    assert params.block_size == 16 and list(params.target_layer_ids) == ids
+    assert params.block_size == 16 and list(params.target_layer_ids) == ids and params.v2 is None
+    v2 = micro.write_drafter(target, str(tmp_path / "v2"), 5, 16, micro.DRAFTER_LAYOUTS.get(shape), micro.DFLASH2_KEYS)
+    params = dflash_params(AutoConfig.from_pretrained(v2), AutoConfig.from_pretrained(target), 15)
+    assert params.v2 is not None and params.v2.selector_top_k == 16 and params.v2.conv_group_size == 16
 
 
 def test_hybrid_spec_round_runs(micros, hybrid, tmp_path, monkeypatch):
