@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from dflash_models import check_block_logits, make_dflash, record_block_logits, zero_lm_head
+from dflash_models import V2, check_block_logits, make_dflash, record_block_logits, zero_lm_head
 from graph_stand_ins import PaddedDecodeGraphs
 from spec_oracle import PlainRuns, oracle_table, patch_dflash, patch_draft_model, patch_ngram, run_checked
 from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid, small_moe
@@ -263,6 +263,13 @@ def dflash(tmp_path_factory):
                        HYBRID_COMMON["num_hidden_layers"], DFLASH_LAYERS, block_size=5)
 
 
+@pytest.fixture(scope="module")
+def dflash2(tmp_path_factory):
+    """A tiny random DFlash2 drafter (convolutions, candidate selector) for the hybrids' shape."""
+    return make_dflash(str(tmp_path_factory.mktemp("dflash2")), HYBRID_COMMON["hidden_size"], HYBRID_VOCAB,
+                       HYBRID_COMMON["num_hidden_layers"], DFLASH_LAYERS, block_size=5, v2=V2)
+
+
 def _dflash(path, k=3):
     return {"method": "dflash", "model": path, "num_speculative_tokens": k}
 
@@ -274,13 +281,14 @@ def oracle_dflash(monkeypatch):
     return table
 
 
-@pytest.mark.parametrize("form", ["eager", "graphs"])
-def test_dflash_block_logits_equal_the_reference(target, dflash, oracle_dflash, form):
+@pytest.mark.parametrize("form, v2", [("eager", False), ("graphs", False), ("graphs", True)])
+def test_dflash_block_logits_equal_the_reference(target, dflash, dflash2, oracle_dflash, form, v2):
     """Every proposal of a batched greedy run with chunked prefill: the drafter's logits against the float64
     reference fed by transformers' hidden states of the hybrid. The oracle's drafts are partly accepted, so the
     context also comes from verified positions past a verification's first row. graphs: decode and verification
     steps replay the target's decode / walks graphs and the block forwards the drafter's (stand-ins on the CPU), so
-    the context is written from graph rows."""
+    the context is written from graph rows. v2: a DFlash2 drafter."""
+    dflash = dflash2 if v2 else dflash
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(max_num_batched_tokens=7) if form == "eager" else dict(max_num_batched_tokens=16, max_num_seqs=16)
     prompts = PROMPTS[:3]
