@@ -122,17 +122,11 @@ class CandidateSelector(nn.Module):
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The drafts of n blocks: hidden / logits [kmax * n, ...] of the draft rows (draft-major: draft j of block
-        i at j * n + i), anchors [n] the blocks' known tokens. Returns [kmax, n] token ids (fp32 scores)."""
-        n = anchors.shape[0]
-        kmax = logits.shape[0] // n
+        i at j * n + i), anchors [n] the blocks' known tokens. Returns [kmax, n] token ids (fp32 scores; the walk in
+        one Triton launch on a GPU, kernels/dflash2_select.py)."""
+        from voltllm.kernels.dflash2_select import walk, walk_torch
+
         unary, cand = logits.float().topk(self.top_k, dim=-1)  # (descending: a tie keeps the higher logit)
-        proj = self.hidden_projection(hidden).float().view(kmax, n, -1)
-        succ = self.successor_codebook[cand].float().view(kmax, n, self.top_k, -1)
-        unary, cand = unary.view(kmax, n, -1), cand.view(kmax, n, -1)
-        pred, out = anchors.long(), []
-        for j in range(kmax):
-            a = self.predecessor_codebook[pred].float() * proj[j]
-            scores = unary[j] + torch.einsum("nr,nkr->nk", a, succ[j])
-            pred = cand[j].gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
-            out.append(pred)
-        return torch.stack(out)
+        proj = self.hidden_projection(hidden).float()
+        return (walk if logits.is_cuda else walk_torch)(cand, unary, proj, self.predecessor_codebook,
+                                                         self.successor_codebook, anchors)
