@@ -1603,7 +1603,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
     ;;
   s157)  # (session 57) DFlash2 (convolutions in the drafter's graphs, the selector's drafts vs the reference walk)
-    gpu_file test_dflash2_select_cuda 60
+    gpu_file test_dflash2_kernels_cuda 90
     gpu_file test_dflash_cuda 300
     gpu_file test_qwen4_exp_cuda 240
     gpu_file test_lora_moe_cuda 90

@@ -1,6 +1,6 @@
 """The DFlash2 selector walk's Triton kernel (voltllm.kernels.dflash2_select.walk) against walk_torch, on fresh
-random inputs; run under TRITON_INTERPRET=1 by tests/unit/test_dflash2_select.py, or imported by
-tests/gpu/test_dflash2_select_cuda.py with a CUDA device. Prints `CHECK <name> <ok|FAIL> <detail>` per case."""
+random inputs; run under TRITON_INTERPRET=1 by tests/unit/test_dflash2_kernels.py, or imported by
+tests/gpu/test_dflash2_kernels_cuda.py with a CUDA device. Prints `CHECK <name> <ok|FAIL> <detail>` per case."""
 from __future__ import annotations
 
 import sys

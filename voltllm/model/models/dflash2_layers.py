@@ -10,9 +10,9 @@ output's). The context (the target's hidden states) is not convolved, so the dra
 
 The block's rows are decode rows of the paged attention (model/models/dflash.py), one request's rows consecutive
 and in order, so row t's tap o is row t - o when that row belongs to the same block. That is read off the rows
-themselves (`block_taps`): every row of a block has the same context length (the whole block), and its positions
-step by one; rows of two blocks never meet both conditions, and a graph's padding rows (position 0, one token of
-context) never do.
+themselves (`block_taps`; on a GPU inside the convolution's kernel, kernels/dflash2_conv.py): every row of a block
+has the same context length (the whole block), and its positions step by one; rows of two blocks never meet both
+conditions, and a graph's padding rows (position 0, one token of context) never do.
 
 The selector replaces each draft's argmax: among the top `selector_top_k` tokens of every draft row it walks the
 block from the known token, choosing at each position the candidate b with the largest
@@ -21,6 +21,7 @@ codebooks [vocab, rank] and h the row's final hidden state through `hidden_proje
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 from voltllm.model.forward_context import ForwardContext
 from voltllm.model.models.llama import DecoderLayer, LlamaForCausalLM, residual_stream
 
-TAPS_KEY = "dflash2_taps"  # ForwardContext.extra: the block taps of the forward (block_taps)
+ROWS_KEY = "dflash2_rows"  # ForwardContext.extra: the forward's BlockRows
 
 
 def block_taps(positions: torch.Tensor, seq_lens: torch.Tensor, taps: int) -> list[Optional[torch.Tensor]]:
@@ -46,6 +47,21 @@ def block_taps(positions: torch.Tensor, seq_lens: torch.Tensor, taps: int) -> li
     return out
 
 
+@dataclass
+class BlockRows:
+    """What tells the convolutions which rows are a block's: the forward's positions and context lengths (the GPU
+    kernel reads them itself; the torch form turns them into per-tap masks once per forward)."""
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    taps: int
+    _masks: Optional[list] = None
+
+    def masks(self) -> list[Optional[torch.Tensor]]:
+        if self._masks is None:
+            self._masks = block_taps(self.positions, self.seq_lens, self.taps)
+        return self._masks
+
+
 class GroupedDynamicConv(nn.Module):
     def __init__(self, hidden: int, taps: int, group_size: int, dtype: torch.dtype):
         super().__init__()
@@ -53,27 +69,39 @@ class GroupedDynamicConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden, dtype=dtype), requires_grad=False)
         self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False, dtype=dtype)
 
-    def prepare(self, x: torch.Tensor, taps: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, x: torch.Tensor, rows: BlockRows) -> tuple[torch.Tensor, torch.Tensor]:
         """The sublayer's convolved input, and the dynamic weights its output's convolution takes ([rows, taps,
         groups])."""
         dynamic = self.kernel_projection(x).float().view(x.shape[0], 2, self.taps, self.groups)
-        return self._convolve(x, dynamic[:, 0], self.base_kernel[0], taps), dynamic[:, 1]
+        return self._convolve(x, dynamic[:, 0], self.base_kernel[0], rows), dynamic[:, 1]
 
-    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, taps: list) -> torch.Tensor:
-        return self._convolve(x, dynamic, self.base_kernel[1], taps)
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, rows: BlockRows) -> torch.Tensor:
+        return self._convolve(x, dynamic, self.base_kernel[1], rows)
 
-    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, taps: list) -> torch.Tensor:
-        n, hidden = x.shape
-        xf = x.float()
-        out = torch.zeros(n, self.groups, self.group_size, dtype=torch.float32, device=x.device)
-        for o in range(self.taps):
-            if o == 0:
-                shifted = xf
-            else:  # row t - o of the same block, zeros where there is none
-                shifted = torch.cat([xf.new_zeros(min(o, n), hidden), xf[:max(n - o, 0)]]) * taps[o]
-            weight = base[o].float().view(1, self.groups, self.group_size) + dynamic[:, o, :, None]
-            out += weight * shifted.view(n, self.groups, self.group_size)
-        return out.view(n, hidden).to(x.dtype)
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, rows: BlockRows) -> torch.Tensor:
+        if x.is_cuda:  # one launch (kernels/dflash2_conv.py)
+            from voltllm.kernels.dflash2_conv import block_conv
+
+            return block_conv(x, dynamic, base, rows.positions, rows.seq_lens)
+        return conv_torch(x, dynamic, base, rows.masks(), self.group_size)
+
+
+def conv_torch(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, masks: list, group_size: int
+               ) -> torch.Tensor:
+    """The convolution in torch (the CPU path, the GPU kernel's reference): x [T, H], dynamic [T, taps, groups]
+    fp32, base [taps, H], masks from block_taps."""
+    n, hidden = x.shape
+    taps, groups = dynamic.shape[1], hidden // group_size
+    xf = x.float()
+    out = torch.zeros(n, groups, group_size, dtype=torch.float32, device=x.device)
+    for o in range(taps):
+        if o == 0:
+            shifted = xf
+        else:  # row t - o of the same block, zeros where there is none
+            shifted = torch.cat([xf.new_zeros(min(o, n), hidden), xf[:max(n - o, 0)]]) * masks[o]
+        weight = base[o].float().view(1, groups, group_size) + dynamic[:, o, :, None]
+        out += weight * shifted.view(n, groups, group_size)
+    return out.view(n, hidden).to(x.dtype)
 
 
 class DFlash2DecoderLayer(DecoderLayer):
@@ -86,17 +114,17 @@ class DFlash2DecoderLayer(DecoderLayer):
         self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, taps, group, dtype)
 
     def forward(self, positions, x, residual, ctx, fused: bool = False):
-        taps = ctx.extra[TAPS_KEY]
+        rows = ctx.extra[ROWS_KEY]
         if residual is None:
             residual = residual_stream(x)
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x, post = self.attention_conv.prepare(x, taps)
-        x = self.attention_conv.finish(self.self_attn(positions, x, ctx), post, taps)
+        x, post = self.attention_conv.prepare(x, rows)
+        x = self.attention_conv.finish(self.self_attn(positions, x, ctx), post, rows)
         x, residual = self.post_attention_layernorm(x, residual)
-        x, post = self.mlp_conv.prepare(x, taps)
-        return self.mlp_conv.finish(self.mlp(x), post, taps), residual
+        x, post = self.mlp_conv.prepare(x, rows)
+        return self.mlp_conv.finish(self.mlp(x), post, rows), residual
 
 
 class DFlash2Body(LlamaForCausalLM):
@@ -108,7 +136,7 @@ class DFlash2Body(LlamaForCausalLM):
         return False  # (the fused one-row path has no place for the convolutions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        ctx.extra[TAPS_KEY] = block_taps(positions, ctx.meta.seq_lens, self.config.conv_kernel_size)
+        ctx.extra[ROWS_KEY] = BlockRows(positions, ctx.meta.seq_lens, self.config.conv_kernel_size)
         return super().forward(input_ids, positions, ctx)
 
 

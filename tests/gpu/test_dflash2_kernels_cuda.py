@@ -1,0 +1,30 @@
+"""DFlash2's kernels on CUDA against their torch forms: the selector walk (fp32 / fp16 / bf16 codebooks, the public
+drafter's sizes, ties) and the block convolution (blocks side by side, padding rows, fp32 / fp16 / bf16)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from interp_util import load_script
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_walk_kernel_matches_torch_on_cuda():
+    check = load_script(Path(__file__).parents[1] / "unit" / "_dflash2_select_interp_check.py")
+    results = check.run("cuda")
+    assert len(results) >= 13
+    bad = [(name, detail) for name, ok, detail in results if not ok]
+    assert not bad, bad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conv_kernel_matches_torch_on_cuda():
+    check = load_script(Path(__file__).parents[1] / "unit" / "_dflash2_conv_interp_check.py")
+    results = check.run("cuda")
+    assert len(results) >= 27
+    bad = [(name, detail) for name, ok, detail in results if not ok]
+    assert not bad, bad
