@@ -13,18 +13,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_walk_kernel_matches_torch_on_cuda():
-    check = load_script(Path(__file__).parents[1] / "unit" / "_dflash2_select_interp_check.py")
-    results = check.run("cuda")
-    assert len(results) >= 13
-    bad = [(name, detail) for name, ok, detail in results if not ok]
-    assert not bad, bad
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_conv_kernel_matches_torch_on_cuda():
-    check = load_script(Path(__file__).parents[1] / "unit" / "_dflash2_conv_interp_check.py")
-    results = check.run("cuda")
-    assert len(results) >= 27
+@pytest.mark.parametrize("script, least", [("_dflash2_select_interp_check.py", 13),
+                                           ("_dflash2_conv_interp_check.py", 27)])
+def test_kernel_matches_torch_on_cuda(script, least):
+    results = load_script(Path(__file__).parents[1] / "unit" / script).run("cuda")
+    assert len(results) >= least
     bad = [(name, detail) for name, ok, detail in results if not ok]
     assert not bad, bad

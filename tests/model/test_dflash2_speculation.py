@@ -11,24 +11,16 @@ import torch
 
 from dflash_models import V2, check_block_drafts, check_block_logits, make_dflash, record_block_logits
 from graph_stand_ins import PaddedDecodeGraphs
+from spec_oracle import TEXT_PROMPTS as PROMPTS
+from spec_oracle import text_outputs as _run
 from tiny_models import make_model
 from voltllm import LLM, SamplingParams
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
-           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-           "0123456789 0123456789 0123",
-           "Hi"]
 K = 3
 
 
 def _spec(path, k=K):
     return {"method": "dflash", "model": path, "num_speculative_tokens": k}
-
-
-def _run(llm, prompts, sps):
-    outs = llm.generate(prompts, sps)
-    llm.engine.check_integrity()
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
