@@ -39,3 +39,31 @@ class PaddedDecodeGraphs:
             return None
         self.replays += 1
         return PaddedDecodePass(self.draft, bs)
+
+
+class EagerReplay:
+    """A target decode graph's stand-in: its forward run eagerly on the same persistent buffers and context."""
+
+    def __init__(self, graphs, batch_size: int):
+        self.graphs, self.batch_size = graphs, batch_size
+
+    def replay(self):
+        r, bs = self.graphs.runner, self.batch_size
+        ctx = self.graphs.context(bs)
+        ctx.meta.seq_lens_cpu = ctx.meta.seq_lens.tolist()
+        ctx.meta.max_seq_len = max(ctx.meta.seq_lens_cpu)
+        return r.model(r.buffers.input_ids[:bs], r.buffers.positions[:bs], ctx)
+
+
+def stand_in_graphs(llm, max_rows: int) -> None:
+    """The target's decode graphs (decode and verification token rows; a hybrid's verification-walks graphs too) and
+    its MTP-style drafter's (an EAGLE-1 / EAGLE-3 head's: its graph_view) up to max_rows, as CPU stand-ins."""
+    from voltllm.worker.cuda_graphs import DecodeGraphs
+
+    runner = llm.engine.runner
+    runner._ensure_buffers()
+    for walks in (False, True) if runner.state_cache is not None else (False,):
+        graphs = DecodeGraphs(runner, walks=walks)
+        graphs.graphs = {bs: EagerReplay(graphs, bs) for bs in graphs.sizes}
+        setattr(runner, "verify_graphs" if walks else "graphs", graphs)
+    runner.draft.graphs = PaddedDecodeGraphs(runner.draft.graph_view(), max_rows)

@@ -428,6 +428,16 @@ class EngineArgs:
         except SpeculativeConfigError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_eagle1(self, spec: Any, hf_config: Any) -> Any:
+        """An EAGLE-1 head's local path and config, checked against the target (engine/eagle1.py)."""
+        from voltllm.engine.eagle1 import resolve_eagle1
+        from voltllm.engine.speculative import SpeculativeConfigError
+
+        try:
+            return resolve_eagle1(spec, hf_config, self.download_dir, self.hf_token)
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
+
     def _resolve_draft(self, spec: Any, hf_config: Any, tokenizer: str) -> Any:
         """A draft model's local path and config, checked against the target (engine/draft_model.py)."""
         from voltllm.engine.draft_model import resolve_draft
@@ -638,6 +648,8 @@ class EngineArgs:
             _check_mtp(hf_config, source, load_format)
         elif spec is not None and spec.uses_eagle3:
             spec = self._resolve_eagle3(spec, hf_config)
+        elif spec is not None and spec.uses_eagle1:
+            spec = self._resolve_eagle1(spec, hf_config)
         runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
         if getattr(hf_config, "model_type", None) in ("qwen4_exp", "qwen4_exp_text"):
             self._refuse_qwen4_exp_unbuilt(hf_config, method, spec, runner)
@@ -932,7 +944,7 @@ def _resolve_device(device: str) -> torch.device:
 # the methods built for hybrid (Gated DeltaNet) targets: their verification keeps a recurrent state per verified
 # position and keeps the accepted one's (voltllm/worker/hybrid_spec.py). Today that is every method of
 # engine/speculative.py's METHODS; one added there stays refused for hybrids until it is listed here
-HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3", "suffix")
+HYBRID_SPEC_METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle", "eagle3", "suffix")
 
 
 # the quantized checkpoints built for Qwen4-Exp (as for the Qwen3.5-MoE hybrid): kept quantized on a GPU, dequantized
@@ -944,6 +956,8 @@ QWEN4_EXP_QUANT_METHODS = ("awq", "gptq", "fp8", "modelopt_fp4", "compressed-ten
 QWEN4_EXP_SPEC_UNBUILT = {
     "dflash": "DFlash speculation (--speculative-config method dflash: its drafter reads target layers' hidden states, "
               "and Qwen4-Exp's residual is hc_count hyper-connection streams wide; built: ngram, suffix, draft_model)",
+    "eagle": "EAGLE-1 speculation (--speculative-config method eagle: not run on this model; built: ngram, suffix, "
+             "draft_model)",
     "eagle3": "EAGLE-3 speculation (--speculative-config method eagle3: its head reads target layers' hidden states, "
               "and Qwen4-Exp's residual is hc_count hyper-connection streams wide; built: ngram, suffix, draft_model)",
     "mtp": "MTP speculation (--speculative-config method mtp: the checkpoint's mtp.* module is not loaded; built: "

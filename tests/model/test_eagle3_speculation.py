@@ -19,6 +19,7 @@ import random
 import pytest
 
 from eagle3_models import Eagle3Reference, make_eagle3, patch_eagle3
+from graph_stand_ins import stand_in_graphs
 from mtp_models import check_against_reference, record_draft_logits, record_drafts
 from spec_oracle import PlainRuns, oracle_table, run_checked
 from tiny_models import HYBRID_VOCAB, make_model, make_tiny_hybrid
@@ -207,35 +208,6 @@ def test_sampled_requests_repeat_and_greedy_stay_exact(llama):
 
 
 # -- the CUDA-graph forms, on the CPU ---------------------------------------------------------------------------
-class _EagerReplay:
-    """A target decode graph's stand-in: its forward run eagerly on the same persistent buffers and context."""
-
-    def __init__(self, graphs, batch_size: int):
-        self.graphs, self.batch_size = graphs, batch_size
-
-    def replay(self):
-        r, bs = self.graphs.runner, self.batch_size
-        ctx = self.graphs.context(bs)
-        ctx.meta.seq_lens_cpu = ctx.meta.seq_lens.tolist()
-        ctx.meta.max_seq_len = max(ctx.meta.seq_lens_cpu)
-        return r.model(r.buffers.input_ids[:bs], r.buffers.positions[:bs], ctx)
-
-
-def _graph_form(llm, max_rows: int) -> None:
-    """The target's decode graphs (decode and verification token rows; a hybrid's verification-walks graphs too) and
-    the head's, as CPU stand-ins."""
-    from graph_stand_ins import PaddedDecodeGraphs
-    from voltllm.worker.cuda_graphs import DecodeGraphs
-
-    runner = llm.engine.runner
-    runner._ensure_buffers()
-    for walks in (False, True) if runner.state_cache is not None else (False,):
-        graphs = DecodeGraphs(runner, walks=walks)
-        graphs.graphs = {bs: _EagerReplay(graphs, bs) for bs in graphs.sizes}
-        setattr(runner, "verify_graphs" if walks else "graphs", graphs)
-    runner.draft.graphs = PaddedDecodeGraphs(runner.draft.graph_view(), max_rows)
-
-
 @pytest.mark.parametrize("which,max_rows", [("llama", 16), ("llama", 2), ("hybrid", 16)])
 def test_graph_form_equals_eager_and_reference(request, monkeypatch, which, max_rows):
     """Requests of different lengths joining (prompts in chunks of the 16-token budget) and finishing mid-run: with
@@ -251,7 +223,7 @@ def test_graph_form_equals_eager_and_reference(request, monkeypatch, which, max_
             seen = record_draft_logits(mp)
             llm = LLM(target, speculative_config=_spec(head), **{**BASE, **kw})
             if graphs:
-                _graph_form(llm, max_rows)
+                stand_in_graphs(llm, max_rows)
             runs.append((_run(llm, PROMPTS, sps), drafts, dict(counts), seen))
     (eager, eager_drafts, eager_counts, _), (graph, graph_drafts, counts, seen) = runs
     assert graph == eager == _plain(target, PROMPTS, sps, **kw)
@@ -267,8 +239,8 @@ def test_method_keys():
 
     spec = SpeculativeConfig.from_dict(_spec("some/head", draft_sample_method="greedy"))
     assert spec.uses_eagle3 and spec.drafts_on_device and spec.draft_sample_method == "greedy"
-    with pytest.raises(SpeculativeConfigError, match="EAGLE-1 heads"):
-        SpeculativeConfig.from_dict({"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+    eagle1 = SpeculativeConfig.from_dict({"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+    assert eagle1.uses_eagle1 and not eagle1.uses_eagle3 and eagle1.drafts_on_device
     with pytest.raises(SpeculativeConfigError, match="needs \"model\""):
         SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 2})
     with pytest.raises(SpeculativeConfigError, match="unsupported keys for eagle3: parallel_drafting"):

@@ -14,7 +14,7 @@ def test_config():
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 4, 2)
     assert SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 3,
                                         "prompt_lookup_min": 6}).prompt_lookup_max == 6
-    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "EAGLE-1 heads .* are not built"),
+    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "needs \"model\""),
                      ({"method": "medusa", "num_speculative_tokens": 3}, "not built yet"),
                      ({"method": "ngram"}, "num_speculative_tokens"),
                      ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -199,7 +199,8 @@ def test_draft_config():
                      ({"model": "m"}, "num_speculative_tokens"),
                      ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "unsupported keys"),
                      ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "only 1"),
-                     ({"method": "eagle", "model": "m", "num_speculative_tokens": 2}, "EAGLE-1"),
+                     ({"method": "eagle", "model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+                      "unsupported keys for eagle"),
                      ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "unsupported keys for ngram")]:
         with pytest.raises(SpeculativeConfigError, match=msg):
             SpeculativeConfig.from_dict(bad)

@@ -19,13 +19,13 @@ TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen
 # speculative methods under TP: host n-gram and suffix drafts; a draft model, the target's MTP module, a DFlash
 # drafter and an EAGLE-3 head run unsharded beside rank 0's target shard (MTP, DFlash and EAGLE-3 with rank 0's whole
 # copies of the target's embedding and LM head, model/layers/full_vocab.py)
-TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash", "eagle3", "suffix")
+TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash", "eagle", "eagle3", "suffix")
 # speculative methods under PP: the host's drafts, a draft model, the target's MTP module, a DFlash drafter and an
 # EAGLE-3 head, all on rank 0 (stage 0: the MTP reads the final norm's output of the last stage's rows, which come
 # back to rank 0, and stage 0's embedding and LM head; DFlash and EAGLE-3 read several layers' outputs, which each
 # stage adds to rows the hand-over carries back to rank 0: worker/aux_features.py); rank 0 verifies, and on a hybrid
 # every stage keeps the accepted rows of its own layers' states, rank 0's counts broadcast as under TP
-PP_SPEC_METHODS = ("ngram", "suffix", "draft_model", "mtp", "dflash", "eagle3")
+PP_SPEC_METHODS = ("ngram", "suffix", "draft_model", "mtp", "dflash", "eagle", "eagle3")
 
 
 def expert_parallel_error(tp: int, hf_config: Any) -> Optional[str]:

@@ -145,7 +145,7 @@ def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Par
     one line)."""
     archs = list(getattr(draft_cfg, "architectures", None) or [])
     if any(a.startswith("Eagle") and not a.startswith("Eagle3") for a in archs):
-        raise _err(f"architectures {archs} is an EAGLE-1 head; only EAGLE-3 heads are built")
+        raise _err(f"architectures {archs} is an EAGLE-1 head: use method \"eagle\"")
     if not any(a in ARCHITECTURES for a in archs):
         raise _err(f"architectures {archs} is not an EAGLE-3 Llama head (expected one of {', '.join(ARCHITECTURES)})")
     target_text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
@@ -175,11 +175,12 @@ def eagle3_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle3Par
                    "not built")
     if getattr(draft_cfg, "parallel_drafting", False):
         raise _err("parallel drafting heads (mask_hidden) are not built")
-    ids = head_layer_ids(draft_cfg, target_text)
     layer_names = {layer_name(k) for k in names} - {None}
     stripped = {k.removeprefix("model.") for k in names}
     if "fc.weight" not in stripped or "hidden_norm.weight" not in layer_names:
-        raise _err("the checkpoint has no fc.weight or no midlayer.hidden_norm.weight: not an EAGLE-3 head")
+        raise _err("the checkpoint has no fc.weight or no midlayer.hidden_norm.weight: not an EAGLE-3 head" + (
+            " (an EAGLE-1 head's layout: use method \"eagle\")" if "fc.weight" in stripped else ""))
+    ids = head_layer_ids(draft_cfg, target_text)
     has_d2t = "d2t" in stripped
     if draft_vocab != vocab and not has_d2t:
         raise _err(f"its draft vocabulary ({draft_vocab} ids) is smaller than the target's ({vocab}) but the "

@@ -20,7 +20,8 @@ MTP (`"method": "mtp"`) drafts with the target's own multi-token-prediction modu
 mtp.* weights), chained K times, in the same reserved slots (engine/mtp.py, worker/mtp_runner.py).
 
 An EAGLE-3 head (`"method": "eagle3"`) drafts as MTP does, chaining its one decoder layer K times, fed by three of
-the target's layers' hidden states (engine/eagle3.py, worker/eagle3_runner.py).
+the target's layers' hidden states (engine/eagle3.py, worker/eagle3_runner.py); an EAGLE-1 head (`"method": "eagle"`)
+likewise, fed the target's last hidden state (engine/eagle1.py, worker/eagle1_runner.py).
 
 Suffix decoding (`"method": "suffix"`) drafts on the host as the n-gram proposer does, from suffix automata of the
 request's own tokens and of recent requests' outputs, a number of drafts that grows with the match
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle3", "suffix")
+METHODS = ("ngram", "draft_model", "dflash", "mtp", "eagle", "eagle3", "suffix")
 # vLLM's older method names that mean MTP on the targets built here
 # vLLM's older / model-named spellings (Qwen3.5's MTP is the same layer as Qwen3-Next's)
 _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
@@ -50,11 +51,12 @@ _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "pro
          "dflash": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS,
          "mtp": {"method", "num_speculative_tokens"} | _DRAFTER_KEYS,
+         "eagle": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
+         | _DRAFTER_KEYS,
          "eagle3": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS}
 # vLLM's methods refused here with a reason of their own
-_REFUSED = {"eagle": "EAGLE-1 heads (method \"eagle\") are not built: only EAGLE-3 heads (method \"eagle3\", e.g. "
-                     "yuhuili/EAGLE3-* or SpecForge checkpoints) are"}
+_REFUSED: dict[str, str] = {}
 # draft_sample_method: "probabilistic" draws a sampled request's drafts from the drafter's own distribution q and
 # verifies them with min(1, p / q); "greedy" takes the drafter's argmax for every request (verified as one-hot q, so
 # sampled outputs keep the target's distribution either way). vLLM's default is greedy; this engine's is
@@ -118,9 +120,13 @@ class SpeculativeConfig:
         return self.method == "eagle3"
 
     @property
+    def uses_eagle1(self) -> bool:
+        return self.method == "eagle"
+
+    @property
     def drafts_on_device(self) -> bool:
-        """The scheduler reserves placeholder draft slots that the runner fills (draft model, DFlash, MTP, EAGLE-3)."""
-        return self.method in ("draft_model", "dflash", "mtp", "eagle3")
+        """The scheduler reserves placeholder draft slots the runner fills (draft model, DFlash, MTP, EAGLE-1 / 3)."""
+        return self.method in ("draft_model", "dflash", "mtp", "eagle", "eagle3")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -143,7 +149,7 @@ class SpeculativeConfig:
             return cls._suffix(d)
         k = d.get("num_speculative_tokens")
         _check_num_speculative_tokens(k)
-        if method in ("draft_model", "dflash", "eagle3"):
+        if method in ("draft_model", "dflash", "eagle", "eagle3"):
             return replace(cls._draft_model(d, k, method), **_drafter_options(d))
         if method == "mtp":  # its weights are the target's: nothing else to read
             return cls("mtp", k, **_drafter_options(d))

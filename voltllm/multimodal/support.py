@@ -29,9 +29,9 @@ def image_input_refusal(config: Any) -> Optional[str]:
     if mc.runner == "pooling":
         return "image input is built for generation, not for --runner pooling"
     spec = config.speculative
-    if spec is not None and (spec.uses_draft_model or spec.uses_dflash or spec.uses_eagle3):
+    if spec is not None and (spec.uses_draft_model or spec.uses_dflash or spec.uses_eagle3 or spec.uses_eagle1):
         # (their own models rotate 1-D positions: n-gram, suffix and MTP, which shares the target's rotary, work)
-        return "image input is not built with a draft-model, DFlash or EAGLE-3 speculative method (n-gram, suffix " \
+        return "image input is not built with a draft-model, DFlash or EAGLE speculative method (n-gram, suffix " \
                "and MTP work)"
     if config.multimodal.image_limit == 0 and config.multimodal.video_limit == 0:
         return "the server was started with --limit-mm-per-prompt image 0 and video 0 (no image or video input)"

@@ -170,11 +170,13 @@ class ModelRunner:
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
-        # MTP / DFlash / EAGLE-3 borrow the target's embedding and LM head: under TP, rank 0 keeps whole copies for them
+        # MTP / DFlash / EAGLE-1 / EAGLE-3 borrow the target's embedding and LM head: under TP, rank 0 keeps whole
+        # copies for them
         # (every rank joins the gathers, here at the same point of every rank's start-up)
         self.full_vocab = None
         # (under -tp -pp stage 0's ranks alone: the later stages hold no embedding or LM head)
-        if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3) and (
+        if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3
+                                                    or spec.uses_eagle1) and (
                 self.pp is None or self.pp.first):
             from voltllm.model.layers.full_vocab import gather_full_vocab
 
@@ -197,6 +199,10 @@ class ModelRunner:
             from voltllm.worker.eagle3_runner import Eagle3Runner
 
             self.draft = Eagle3Runner(self, spec)
+        elif spec is not None and spec.uses_eagle1:  # an EAGLE-1 head, chained as MTP (voltllm.worker.eagle1_runner)
+            from voltllm.worker.eagle1_runner import Eagle1Runner
+
+            self.draft = Eagle1Runner(self, spec)
         # a later pipeline stage keeps its layers' share of what rank 0's DFlash drafter / EAGLE-3 head reads, and
         # hands it on with its hidden states (worker/aux_features.py)
         from voltllm.worker.aux_features import keep_stage_aux

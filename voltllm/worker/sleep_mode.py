@@ -34,9 +34,10 @@ def sleep_mode_refusal(config: Any) -> Optional[str]:
         return ("not built with weight offloading (--cpu-offload-gb / --offload-group-size): its layers live in CPU "
                 "memory")
     spec = config.speculative
-    if spec is not None and (spec.uses_draft_model or spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3):
-        return ("not built with a drafter's own weights and KV cache (draft model, MTP, DFlash, EAGLE-3); ngram and "
-                "suffix speculation run with it")
+    if spec is not None and (spec.uses_draft_model or spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3
+                             or spec.uses_eagle1):
+        return ("not built with a drafter's own weights and KV cache (draft model, MTP, DFlash, EAGLE-1 / 3); ngram "
+                "and suffix speculation run with it")
     return None
 
 

@@ -1,0 +1,43 @@
+"""EAGLE-1 speculation in the runner: the head (model/models/eagle1.py), its KV cache, its drafts.
+
+An EAGLE-1 head drafts exactly as the target's own MTP module does (worker/mtp_runner.py, whose runner this one is):
+its KV at position i needs the target's last hidden state there (after the final norm, the state MTPRunner's pass
+over the step is given) and the next token x_{i+1}; the pass over every token a step computed runs right after the
+step's sampling and verification, its output at each request's last accepted position gives the next step's first
+draft, and K - 1 chained one-token passes (each fed its previous output and draft) give the rest. Prefix-cache hits,
+preemption and freeing are the target's books; CUDA graphs are MTPRunner's. Only the module differs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from voltllm.worker.device_drafts import draft_weights
+from voltllm.worker.mtp_runner import MTPRunner
+
+logger = logging.getLogger("voltllm")
+
+
+class Eagle1Runner(MTPRunner):
+    """The EAGLE-1 head beside a ModelRunner (called as an MTPRunner is)."""
+
+    def _load(self, runner: Any) -> torch.nn.Module:
+        from voltllm.engine.eagle1 import eagle1_params
+        from voltllm.engine.eagle3 import checkpoint_tensor_names
+        from voltllm.model.models.eagle1 import Eagle1Drafter
+
+        t0 = time.monotonic()
+        spec, mc, dtype = self.spec, runner.config.model, runner.dtype
+        self.params = eagle1_params(spec.draft_hf_config, mc.hf_config, checkpoint_tensor_names(spec.model))
+        with torch.device(runner.device):
+            model = Eagle1Drafter(spec.draft_hf_config, self.params, runner.model, dtype, mc.max_model_len + 1,
+                                  runner.full_vocab)
+        if mc.load_format == "dummy":
+            model.init_dummy(mc.seed + 1)
+        else:
+            model.load_weights(draft_weights(spec, dtype))
+        logger.info("loaded EAGLE-1 head %s in %.1f s", spec.model, time.monotonic() - t0)
+        return model.eval()
