@@ -89,13 +89,14 @@ def test_mtp_on_a_hybrid_matches_plain_and_reference(tmp_path_factory, monkeypat
 AUX_ENGINE = dict(ENGINE, dtype="float32")
 
 
-def _spec_run(path, spec, records_of, pp=1, tp=1):
-    """(greedy outputs, the drafter's accepted / drafted counts, its recorded logits) of one engine."""
+def _spec_run(path, spec, records_of, pp=1, tp=1, aux=True):
+    """(greedy outputs, the drafter's accepted / drafted counts, its recorded logits) of one engine; aux: the drafter
+    reads target layers' outputs (DFlash, EAGLE-3), so the target keeps them."""
     llm = LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, speculative_config=spec, **AUX_ENGINE)
     try:
         runner = llm.engine.runner
         assert (runner.pp is not None) == (pp > 1)
-        assert runner.draft is not None and runner.model.aux_hidden is not None
+        assert runner.draft is not None and (runner.model.aux_hidden is not None) == aux
         records = records_of(runner)
         outs = run_checked(llm, PROMPTS, GREEDY)
         stats = llm.engine.stats().extra
@@ -222,3 +223,29 @@ def test_dflash_matches_one_rank(tmp_path_factory, monkeypatch, kind, tp):
     assert [r["rows"] for r in records] == [r["rows"] for r in one[2]]
     _same_logits([r["logits"] for r in records if r["rows"]], [r["logits"] for r in one[2] if r["rows"]])
     assert check_block_logits(records, target, drafter, layers) >= 3 * len(PROMPTS)
+
+
+def test_eagle1_matches_one_rank(tmp_path_factory, monkeypatch):
+    """An EAGLE-1 head (reads the target's last hidden state, which comes back to rank 0 from the last stage) under
+    -pp 2: oracle drafts beside its own proposals give one rank's tokens, acceptance and draft logits, and the float64
+    reference's."""
+    from eagle1_models import Eagle1Reference, make_eagle1, patch_eagle1
+
+    target = make_model(str(tmp_path_factory.mktemp("pp-e1")), "llama", num_hidden_layers=4)
+    head = make_eagle1(str(tmp_path_factory.mktemp("pp-e1-head")), 64, 400, seed=5)
+    plain = run_checked(LLM(target, **ENGINE), PROMPTS, GREEDY)
+    runs = []
+    for kw in ({}, {"pp": 2}):
+        with monkeypatch.context() as mp:
+            seen = record_draft_logits(mp)
+            patch_eagle1(mp, oracle_table(PROMPTS, plain), 400)
+            outs, counts, _ = _spec_run(target, {"method": "eagle", "model": head, "num_speculative_tokens": K},
+                                        lambda r: None, aux=False, **kw)
+            runs.append((outs, counts, list(seen)))
+    (one, one_counts, one_seen), (outs, counts, seen) = runs
+    assert outs == one == plain
+    assert counts == one_counts and 0 < counts[0] < counts[1]
+    for (_, _, got, _), (_, _, want, _) in zip(seen, one_seen):
+        _same_logits(got, want, atol=1e-4)
+    assert check_against_reference(Eagle1Reference(target, head), seen, oracle_table(PROMPTS, plain), K,
+                                   atol=1e-3) >= 3 * len(PROMPTS)
