@@ -240,8 +240,9 @@
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
 #            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
-#   s157     (session 57) DFlash2 drafters: tests/gpu/test_dflash_cuda.py (DFlash and DFlash2 cases), then session
-#            56's Qwen4-Exp file and the MoE LoRA file (never run after session 56's changes)
+#   s157     (session 57) DFlash2 drafters: its kernels' GPU file, tests/gpu/test_dflash_cuda.py (DFlash and DFlash2
+#            cases), EAGLE-1 heads (test_eagle1_cuda), then session 56's Qwen4-Exp file and the MoE LoRA file (never
+#            run after session 56's changes)
 #   s157r    (session 57) benchmarks/micro/dflash_round.py at the 8B shape, K = 7, batch 1 / 16: DFlash then DFlash2
 #   s156     (session 56) Qwen4-Exp after session 56 (QSA multi-row route and score kernels, fp8 KV cache with QSA),
 #            the MoE LoRA file, then a smaller Qwen4-Exp shape (64 experts, 20 layers: fits an H100) end to end: a
@@ -1605,6 +1606,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s157)  # (session 57) DFlash2 (convolutions in the drafter's graphs, the selector's drafts vs the reference walk)
     gpu_file test_dflash2_kernels_cuda 90
     gpu_file test_dflash_cuda 300
+    gpu_file test_eagle1_cuda 150
     gpu_file test_qwen4_exp_cuda 240
     gpu_file test_lora_moe_cuda 90
     ;;
