@@ -10,6 +10,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ref_math import rms as _rms
+from ref_math import rope as _rope
+
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER = 2, 4, 2, 16, 96
 THETA = 10000.0
 
@@ -89,20 +92,6 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {k: v.double() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
-
-
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, pos):
-    """x [L, H, D] rotated at positions pos [L] (rotate-half layout)."""
-    d = x.shape[-1]
-    inv = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = pos.double()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def _causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_models import save_head
+from mtp_models import ChainedDraftReference
+from ref_math import rms as _rms
+from ref_math import rope as _rope
 
 HEADS, KV_HEADS, HEAD_DIM, INTER = 4, 2, 16, 96
 THETA = 10000.0
@@ -73,21 +76,7 @@ def make_eagle1(path: str, hidden: int, vocab: int, kind: str = "llama", layers:
     return save_head(path, w, cfg)
 
 
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, pos):
-    """x [L, H, D] rotated at positions pos [L] (rotate-half layout)."""
-    d = x.shape[-1]
-    inv = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = pos.double()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-class Eagle1Reference:
+class Eagle1Reference(ChainedDraftReference):
     """The head in float64: transformers' target for the last hidden states, the embedding and the LM head; the rest
     here. read_last False: the reference reads the state entering the target's last layer instead (a mutation the
     tests use to show the check's teeth)."""
@@ -102,10 +91,9 @@ class Eagle1Reference:
         with open(os.path.join(head_path, "config.json")) as f:
             self.cfg = json.load(f)
         self.read_last = read_last
-        self._states: dict = {}
 
     @torch.no_grad()
-    def target_states(self, ids: list[int]) -> torch.Tensor:
+    def target_hidden(self, ids: list[int]) -> torch.Tensor:
         """f_i for every position of ids [len, hidden]."""
         out = self.hf.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
         return out.last_hidden_state[0] if self.read_last else out.hidden_states[-2][0]
@@ -144,21 +132,6 @@ class Eagle1Reference:
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(y) * float(self.cfg.get("logit_scale", 1.0))
 
-    def draft_logits(self, full: list[int], start: int, drafts: list[int]) -> list[torch.Tensor]:
-        """The logits of drafts 1..len(drafts)+1 of a request whose next input is full[start] at position start: the
-        first from y_{start-1} on the true tokens, each next one from a chained row (draft j, the previous y)."""
-        key = tuple(full)
-        if key not in self._states:
-            self._states[key] = self.target_states(list(full))
-        ids, hid = list(full[1:start + 1]), list(self._states[key][:start])
-        y = self.outputs(ids, torch.stack(hid))[-1]
-        result = [self.logits(y)]
-        for d in drafts:
-            ids.append(d)
-            hid.append(y)
-            y = self.outputs(ids, torch.stack(hid))[-1]
-            result.append(self.logits(y))
-        return result
 
 
 def patch_eagle1(monkeypatch, table: dict, vocab: int) -> None:

@@ -18,6 +18,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mtp_models import ChainedDraftReference
+from ref_math import rms as _rms
+from ref_math import rope as _rope
+
 HEADS, KV_HEADS, HEAD_DIM, INTER = 4, 2, 16, 96
 THETA = 10000.0
 
@@ -86,21 +90,7 @@ def save_head(path: str, weights: dict, cfg: dict) -> str:
     return path
 
 
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, pos):
-    """x [L, H, D] rotated at positions pos [L] (rotate-half layout)."""
-    d = x.shape[-1]
-    inv = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = pos.double()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-class Eagle3Reference:
+class Eagle3Reference(ChainedDraftReference):
     """The head in float64: transformers' target for the hidden states (and the embedding / LM head the head lacks);
     the rest here. layer_ids / use_d2t: what the reference assumes (tests mutate them to show the check's teeth)."""
 
@@ -119,10 +109,9 @@ class Eagle3Reference:
         self.vocab = self.hf.config.vocab_size
         n = self.cfg.get("draft_vocab_size") or self.vocab
         self.target_ids = (torch.arange(n) + self.w["d2t"]) if use_d2t and "d2t" in self.w else torch.arange(n)
-        self._fused: dict = {}
 
     @torch.no_grad()
-    def fused_target_states(self, ids: list[int]) -> torch.Tensor:
+    def target_hidden(self, ids: list[int]) -> torch.Tensor:
         """g_i for every position of ids [len, hidden]."""
         hs = self.hf.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
         return torch.cat([hs[j][0] for j in self.layer_ids], -1) @ self.w["fc.weight"].T
@@ -163,21 +152,6 @@ class Eagle3Reference:
         full[self.target_ids] = small
         return full
 
-    def draft_logits(self, full: list[int], start: int, drafts: list[int]) -> list[torch.Tensor]:
-        """The logits of drafts 1..len(drafts)+1 of a request whose next input is full[start] at position start: the
-        first from y_{start-1} on the true tokens, each next one from a chained row (draft j, the previous y)."""
-        key = tuple(full)
-        if key not in self._fused:
-            self._fused[key] = self.fused_target_states(list(full))
-        ids, hid = list(full[1:start + 1]), list(self._fused[key][:start])
-        y = self.outputs(ids, torch.stack(hid))[-1]
-        result = [self.logits(y)]
-        for d in drafts:
-            ids.append(d)
-            hid.append(y)
-            y = self.outputs(ids, torch.stack(hid))[-1]
-            result.append(self.logits(y))
-        return result
 
 
 def patch_eagle3(monkeypatch, table: dict, vocab: int) -> None:

@@ -68,7 +68,34 @@ def _fused_experts(sd: dict) -> dict:
     return out
 
 
-class MTPReference:
+class ChainedDraftReference:
+    """draft_logits of a drafter chained as MTP chains its layer (MTP, EAGLE-1 / EAGLE-3 heads), in float64: a
+    subclass gives target_hidden(ids) (what the drafter reads of the target at each position, [len, hidden]),
+    outputs(next_ids, hidden) (its outputs for rows at positions 0..len-1) and logits(out)."""
+
+    def draft_logits(self, full: list[int], start: int, drafts: list[int]) -> list[torch.Tensor]:
+        """The logits of drafts 1..len(drafts)+1 for a request whose known tokens are full[:start + 1] (its next
+        input full[start] at position start): the first from out_{start-1} on the true tokens, each next one from a
+        chained row (draft j, the previous row's out) at the position after."""
+        # the target is causal: a prefix's hidden states are the first rows of the whole sequence's (float64: equal
+        # to ~1e-15), so one target forward per request serves all of its proposals
+        key = tuple(full)
+        cache = self.__dict__.setdefault("_hidden", {})
+        if key not in cache:
+            cache[key] = self.target_hidden(list(full))
+        h = cache[key][:start]
+        ids, hid = list(full[1:start + 1]), list(h)
+        out = self.outputs(ids, torch.stack(hid))[-1]
+        result = [self.logits(out)]
+        for d in drafts:
+            ids.append(d)
+            hid.append(out)
+            out = self.outputs(ids, torch.stack(hid))[-1]
+            result.append(self.logits(out))
+        return result
+
+
+class MTPReference(ChainedDraftReference):
     """The MTP module in float64: transformers' target for the hidden states, embedding, rotary table and LM head;
     a fresh transformers decoder layer of the target's full-attention kind holding mtp.layers.0; the rest here."""
 
@@ -116,25 +143,6 @@ class MTPReference:
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(out)
 
-    def draft_logits(self, full: list[int], start: int, drafts: list[int]) -> list[torch.Tensor]:
-        """The logits of drafts 1..len(drafts)+1 for a request whose known tokens are full[:start + 1] (its next
-        input full[start] at position start): the first from out_{start-1} on the true tokens, each next one from a
-        chained row (draft j, the previous row's out) at the position after."""
-        # the target is causal: a prefix's hidden states are the first rows of the whole sequence's (float64: equal
-        # to ~1e-15), so one target forward per request serves all of its proposals
-        key = tuple(full)
-        if key not in self._hidden:
-            self._hidden[key] = self.target_hidden(list(full))
-        h = self._hidden[key][:start]
-        ids, hid = list(full[1:start + 1]), list(h)
-        out = self.outputs(ids, torch.stack(hid))[-1]
-        result = [self.logits(out)]
-        for d in drafts:
-            ids.append(d)
-            hid.append(out)
-            out = self.outputs(ids, torch.stack(hid))[-1]
-            result.append(self.logits(out))
-        return result
 
 
 def record_draft_logits(monkeypatch: Any) -> list:

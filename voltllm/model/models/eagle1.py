@@ -19,7 +19,7 @@ from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.rotary import RotaryEmbedding
-from voltllm.model.models.llama import DecoderLayer, residual_stream, stacked_target
+from voltllm.model.models.llama import DecoderLayer, residual_stream
 
 
 class Eagle1Drafter(nn.Module):
@@ -77,37 +77,16 @@ class Eagle1Drafter(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's (name, tensor) pairs: fc, layers.*, HASS's norms (an embedding or LM head it carries is
         the target's and is not read, nor a first-layer input norm the EAGLE code does not apply)."""
+        from voltllm.model.models.head_weights import check_complete, expected_head_keys, load_head_tensor
+
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name.startswith(("embed_tokens.", "lm_head.", "layers.0.input_layernorm.")) or "rotary_emb" in name:
                 continue
-            target, shard = stacked_target(name)
-            module_name, _, kind = target.rpartition(".")
-            module = self.get_submodule(module_name) if module_name else None
-            if isinstance(module, Linear):
-                want = (module.shard_sizes[shard], module.in_features) if kind == "weight" else None
-                if want is not None and tuple(tensor.shape) != want:
-                    raise ValueError(f"EAGLE-1 head weight {name}: shape {tuple(tensor.shape)}, expected {want}")
-                (module.load_weight if kind == "weight" else module.load_bias)(tensor, shard)
-            elif target in params:
-                if params[target].shape != tensor.shape:
-                    raise ValueError(f"EAGLE-1 head weight {name}: shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(params[target].shape)}")
-                params[target].data.copy_(tensor)
-            else:
-                raise ValueError(f"unexpected weight {name!r} in the EAGLE-1 head's checkpoint")
-            loaded.add(f"{target}#{shard}" if kind in ("weight", "bias") and isinstance(module, Linear) else target)
-        want = {f"{n}.weight#{i}" for n, m in self.named_modules() if isinstance(m, Linear)
-                for i in range(len(m.shard_sizes))}
-        want |= {f"{n}.bias#{i}" for n, m in self.named_modules() if isinstance(m, Linear) and m.bias is not None
-                 for i in range(len(m.shard_sizes))}
-        want |= {n for n in params if "norm" in n}
-        missing = sorted(want - loaded)
-        if missing:
-            raise ValueError(f"the EAGLE-1 head's checkpoint is incomplete: no {missing[0].split('#')[0]} (and "
-                             f"{len(missing) - 1} more)")
+            loaded.add(load_head_tensor(self, params, name, tensor, "EAGLE-1 head"))
+        check_complete(loaded, expected_head_keys(self, (n for n in params if "norm" in n)), "EAGLE-1 head")
 
     def init_dummy(self, seed: int) -> None:
         """--load-format dummy: random weights (N(0, 0.02), norms at 1)."""

@@ -22,7 +22,7 @@ from voltllm.model.forward_context import ForwardContext
 from voltllm.model.layers.linear import Linear
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.rotary import RotaryEmbedding
-from voltllm.model.models.llama import MLP, Attention, stacked_target
+from voltllm.model.models.llama import MLP, Attention
 
 
 class Eagle3Layer(nn.Module):
@@ -108,6 +108,8 @@ class Eagle3Drafter(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's (name, tensor) pairs: fc, midlayer.* / layers.0.*, norm, lm_head, embed_tokens, d2t (t2d
         and a speculators checkpoint's verifier_norm / verifier_lm_head are not read)."""
+        from voltllm.model.models.head_weights import check_complete, expected_head_keys, load_head_tensor
+
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -121,31 +123,9 @@ class Eagle3Drafter(nn.Module):
             inner = layer_name(name)
             if inner is not None:
                 name = "layers.0." + inner
-            target, shard = stacked_target(name)
-            module_name, _, kind = target.rpartition(".")
-            module = self.get_submodule(module_name) if module_name else None
-            if isinstance(module, Linear):
-                want = (module.shard_sizes[shard], module.in_features) if kind == "weight" else None
-                if want is not None and tuple(tensor.shape) != want:
-                    raise ValueError(f"EAGLE-3 head weight {name}: shape {tuple(tensor.shape)}, expected {want}")
-                (module.load_weight if kind == "weight" else module.load_bias)(tensor, shard)
-            elif target in params:
-                if params[target].shape != tensor.shape:
-                    raise ValueError(f"EAGLE-3 head weight {name}: shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(params[target].shape)}")
-                params[target].data.copy_(tensor)
-            else:
-                raise ValueError(f"unexpected weight {name!r} in the EAGLE-3 head's checkpoint")
-            loaded.add(f"{target}#{shard}")
-        want = {f"{n}.weight#{i}" for n, m in self.named_modules() if isinstance(m, Linear)
-                for i in range(len(m.shard_sizes))}
-        want |= {f"{n}#0" for n in params if "norm" in n or n == "embed_tokens.weight"}
-        if self.target_ids is not None:
-            want.add("d2t")
-        missing = sorted(want - loaded)
-        if missing:
-            raise ValueError(f"the EAGLE-3 head's checkpoint is incomplete: no {missing[0].split('#')[0]} (and "
-                             f"{len(missing) - 1} more)")
+            loaded.add(load_head_tensor(self, params, name, tensor, "EAGLE-3 head"))
+        want = expected_head_keys(self, (n for n in params if "norm" in n or n == "embed_tokens.weight"))
+        check_complete(loaded | ({"d2t"} if self.target_ids is None else set()), want | {"d2t"}, "EAGLE-3 head")
 
     def _load_d2t(self, d2t: torch.Tensor) -> None:
         """d2t: per draft id, the offset of its target id."""
