@@ -151,6 +151,17 @@ def test_sampled_runs_repeat(llama):
     assert llm.engine.stats().extra["spec_draft_tokens"] > 0
 
 
+def test_dummy_weights_run(llama):
+    """--load-format dummy: random target and head weights (norms at 1): the engine starts, drafts and stays
+    consistent."""
+    target, head = llama
+    llm = LLM(target, load_format="dummy", speculative_config=_spec(head), **BASE)
+    _run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    head_params = llm.engine.runner.draft.model.named_parameters()
+    assert all(float(p.float().std()) > 0 for n, p in head_params if "norm" not in n)
+
+
 def _refusal(target, spec):
     from voltllm.config import EngineArgs
 

@@ -86,3 +86,24 @@ def draft_weights(spec, dtype: torch.dtype):
 
     for name, t in iter_weights(resolve_model(spec.model), spec.draft_hf_config):
         yield name, t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def load_head(runner, spec, make, what: str) -> torch.nn.Module:
+    """A drafter module built by make(runner) on the runner's device, then its checkpoint's weights (spec.model) or,
+    under --load-format dummy, random ones (init_dummy_weights, seeded past the target's); in eval mode."""
+    import logging
+    import time
+
+    from voltllm.worker.runner import init_dummy_weights
+
+    t0 = time.monotonic()
+    mc = runner.config.model
+    with torch.device(runner.device):
+        model = make(runner)
+    if mc.load_format == "dummy":
+        with torch.no_grad():
+            init_dummy_weights(model, mc.seed + 1)
+    else:
+        model.load_weights(draft_weights(spec, runner.dtype))
+    logging.getLogger("voltllm").info("loaded %s %s in %.1f s", what, spec.model, time.monotonic() - t0)
+    return model.eval()

@@ -9,16 +9,12 @@ preemption and freeing are the target's books; CUDA graphs are MTPRunner's. Only
 """
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import torch
 
-from voltllm.worker.device_drafts import draft_weights
+from voltllm.worker.device_drafts import load_head
 from voltllm.worker.mtp_runner import MTPRunner
-
-logger = logging.getLogger("voltllm")
 
 
 class Eagle1Runner(MTPRunner):
@@ -29,15 +25,7 @@ class Eagle1Runner(MTPRunner):
         from voltllm.engine.eagle3 import checkpoint_tensor_names
         from voltllm.model.models.eagle1 import Eagle1Drafter
 
-        t0 = time.monotonic()
-        spec, mc, dtype = self.spec, runner.config.model, runner.dtype
+        spec, mc = self.spec, runner.config.model
         self.params = eagle1_params(spec.draft_hf_config, mc.hf_config, checkpoint_tensor_names(spec.model))
-        with torch.device(runner.device):
-            model = Eagle1Drafter(spec.draft_hf_config, self.params, runner.model, dtype, mc.max_model_len + 1,
-                                  runner.full_vocab)
-        if mc.load_format == "dummy":
-            model.init_dummy(mc.seed + 1)
-        else:
-            model.load_weights(draft_weights(spec, dtype))
-        logger.info("loaded EAGLE-1 head %s in %.1f s", spec.model, time.monotonic() - t0)
-        return model.eval()
+        return load_head(runner, spec, lambda r: Eagle1Drafter(spec.draft_hf_config, self.params, r.model, r.dtype,
+                                                               mc.max_model_len + 1, r.full_vocab), "EAGLE-1 head")

@@ -16,18 +16,14 @@ cover its draft vocabulary, placed at the target's ids (d2t).
 """
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 import torch
 
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.worker.aux_features import aux_capacity
-from voltllm.worker.device_drafts import draft_weights
+from voltllm.worker.device_drafts import load_head
 from voltllm.worker.mtp_runner import MTPRunner
-
-logger = logging.getLogger("voltllm")
 
 
 class Eagle3Runner(MTPRunner):
@@ -43,18 +39,10 @@ class Eagle3Runner(MTPRunner):
         from voltllm.engine.eagle3 import checkpoint_tensor_names, eagle3_params
         from voltllm.model.models.eagle3 import Eagle3Drafter
 
-        t0 = time.monotonic()
-        spec, mc, dtype = self.spec, runner.config.model, runner.dtype
+        spec, mc = self.spec, runner.config.model
         self.params = eagle3_params(spec.draft_hf_config, mc.hf_config, checkpoint_tensor_names(spec.model))
-        with torch.device(runner.device):
-            model = Eagle3Drafter(spec.draft_hf_config, self.params, runner.model, dtype, mc.max_model_len + 1,
-                                  runner.full_vocab)
-        if mc.load_format == "dummy":
-            model.init_dummy(mc.seed + 1)
-        else:
-            model.load_weights(draft_weights(spec, dtype))
-        logger.info("loaded EAGLE-3 head %s in %.1f s", spec.model, time.monotonic() - t0)
-        return model.eval()
+        return load_head(runner, spec, lambda r: Eagle3Drafter(spec.draft_hf_config, self.params, r.model, r.dtype,
+                                                               mc.max_model_len + 1, r.full_vocab), "EAGLE-3 head")
 
     @torch.inference_mode()
     def after_step(self, sched: Any, meta: AttentionMetadata, hidden: torch.Tensor, qsl: list[int],

@@ -87,13 +87,3 @@ class Eagle1Drafter(nn.Module):
                 continue
             loaded.add(load_head_tensor(self, params, name, tensor, "EAGLE-1 head"))
         check_complete(loaded, expected_head_keys(self, (n for n in params if "norm" in n)), "EAGLE-1 head")
-
-    def init_dummy(self, seed: int) -> None:
-        """--load-format dummy: random weights (N(0, 0.02), norms at 1)."""
-        gen = torch.Generator(device=self.fc.weight.device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)

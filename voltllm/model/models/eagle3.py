@@ -139,13 +139,3 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"EAGLE-3 head d2t maps draft ids outside the target's {self.vocab_size} ids, or two to "
                              "one")
         self.target_ids.copy_(ids.to(self.target_ids.device))
-
-    def init_dummy(self, seed: int) -> None:
-        """--load-format dummy: random weights (N(0, 0.02), norms at 1), d2t the identity offsets."""
-        gen = torch.Generator(device=self.fc.weight.device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)
