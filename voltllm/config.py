@@ -536,11 +536,6 @@ class EngineArgs:
                               f"({str(dtype).replace('torch.', '')}); use auto")
         if config.model.runner != "generate":
             raise ConfigError("--enable-lora with --runner pooling: adapters for embedding models are not built")
-        spec = config.speculative
-        if spec is not None and spec.method not in ("ngram", "suffix"):  # (the host-side proposers)
-            raise ConfigError(f"--enable-lora with --speculative-config method {spec.method}: a drafter that runs "
-                              "without the request's adapter is not built with LoRA; use the ngram or suffix method "
-                              "or none")
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, dtype)
 
     def __post_init__(self) -> None:

@@ -220,6 +220,44 @@ def test_ngram_speculation_keeps_each_adapters_tokens(setup):
     assert llm.engine.scheduler.num_draft_tokens > 0
 
 
+def _drafter(setup, root, method):
+    """A device drafter for the llama target: a draft model (the base checkpoint itself), or a tiny random EAGLE-1
+    head or DFlash drafter of its width and vocabulary (an EAGLE-3 head runs as EAGLE-1's, MTPRunner, reading the
+    target's layers as DFlash does; its fc needs three of them, more than this target has)."""
+    import json
+
+    from dflash_models import make_dflash
+    from eagle1_models import make_eagle1
+
+    with open(f"{setup.model}/config.json") as f:
+        cfg = json.load(f)
+    hidden, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    return {"draft_model": lambda: setup.model,
+            "eagle": lambda: make_eagle1(f"{root}/e1", hidden, vocab),
+            "dflash": lambda: make_dflash(f"{root}/df", hidden, vocab, layers, [0, layers - 1])}[method]()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "dflash"])
+def test_device_drafters_keep_each_adapters_tokens(setup, tmp_path, method):
+    """A drafter runs without the request's adapter (a draft model on its own weights; the heads and DFlash on the
+    target's hidden states, which carry the adapter, with their own layers plain): its drafts are only proposals, and
+    the verification with the adapter keeps every request's greedy tokens the merged reference's, in a batch mixing
+    adapters and the base model; seeded sampled requests repeat."""
+    spec = {"method": method, "model": _drafter(setup, str(tmp_path), method), "num_speculative_tokens": 3}
+    llm = setup.llm(speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["0123456789 0123456789 0123", "The quick brown fox jumps over the lazy dog. The quick brown",
+               "def add(a, b):\n    return a + b\n\ndef", "Paris"]
+    _check_greedy(setup, llm, ["a1", None, "a2", "a3"], prompts, params)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    sampled = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, seed=3)
+    lora = [setup.lora("a1"), None]
+    first = llm.generate(prompts[:2], sampled, lora_request=lora, use_tqdm=False)
+    again = llm.generate(prompts[:2], sampled, lora_request=lora, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    llm.engine.check_integrity()
+
+
 def test_bad_adapters_and_requests_are_refused(setup, tmp_path):
     llm = setup.llm()
     with pytest.raises(InvalidRequestError, match="LoRA adapter 'x' .* no such directory"):

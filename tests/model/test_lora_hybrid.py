@@ -32,7 +32,7 @@ def _lora_llm(path, **kw):
 
 def _outputs(llm, prompts, lora=None, params=PARAMS):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs or ()])
             for o in outs]
 
 
@@ -137,3 +137,27 @@ def test_snapshot_hashes_carry_the_adapter():
         extend_block_hashes(want, tokens, 4, None, key)
         assert req.block_hashes == want
     assert len(set(hashes.values())) == 3
+
+
+def test_mtp_drafts_keep_each_adapters_tokens(tmp_path_factory):
+    """The checkpoint's MTP module runs without the request's adapter (its layer plain; the target's hidden states it
+    reads carry the adapter): a batch mixing an adapter and the base model keeps each request's greedy tokens those of
+    a plain engine on the merged checkpoint (which has no MTP: speculation does not change greedy tokens)."""
+    from mtp_models import make_mtp_target
+
+    made = make_mtp_target(tmp_path_factory, "qwen3_5")
+    if made is None:
+        pytest.skip("this transformers has no qwen3_5")
+    base, root = made[0], str(tmp_path_factory.mktemp("lora-mtp"))
+    a1 = make_adapter(f"{root}/a1", base, rank=8, alpha=16, seed=1, targets=HYBRID_TARGETS, std=0.15)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[t % HYBRID_VOCAB for t in p] for p in PROMPTS[:3]]
+    names = ["a1", None, "a1"]
+    llm = _lora_llm(base, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    ours = _outputs(llm, prompts, [LoRARequest("a1", 1, a1) if n else None for n in names], greedy)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    refs = {None: _outputs(_llm(base), prompts, params=greedy),
+            "a1": _outputs(_llm(save_merged(base, a1, f"{root}/m1")), prompts, params=greedy)}
+    for i, n in enumerate(names):
+        assert ours[i][0] == refs[n][i][0]
+    assert refs["a1"][0][0] != refs[None][0][0]

@@ -262,12 +262,13 @@ def test_lora_config_is_typed_and_checked(tiny, tmp_path):
                       (dict(max_loras=0), "--max-loras must be >= 1"),
                       (dict(max_loras=3, max_cpu_loras=2), "--max-cpu-loras 2 must be >= --max-loras 3"),
                       (dict(lora_dtype="float16"), "--lora-dtype float16: adapters run in the model's dtype"),
-                      (dict(speculative_config={"model": tiny, "num_speculative_tokens": 2}),
-                       "--speculative-config method draft_model"),
                       (dict(runner="pooling"), "--enable-lora with --runner pooling")):
         with pytest.raises(ConfigError, match=match):
             _config(tiny, enable_lora=True, **kw)
-    for spec in ({"method": "ngram", "num_speculative_tokens": 2}, {"method": "suffix"}):  # host-side drafts
+    # every method: host-side drafts, and a draft model (device drafters propose without the adapter; the target
+    # verifies with it: tests/model/test_lora_engine.py)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2}, {"method": "suffix"},
+                 {"model": tiny, "num_speculative_tokens": 2}):
         assert _config(tiny, enable_lora=True, lora_dtype="float32", speculative_config=spec).lora is not None
     # tensor parallelism: each rank holds its cut of the adapters (lora/sharding.py)
     tp = _config(tiny, enable_lora=True, tensor_parallel_size=2)
