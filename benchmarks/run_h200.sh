@@ -1607,6 +1607,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dflash2_kernels_cuda 90
     gpu_file test_dflash_cuda 300
     gpu_file test_eagle1_cuda 150
+    gpu_file test_lora_cuda 150 -k device_drafters
     gpu_file test_qwen4_exp_cuda 240
     gpu_file test_lora_moe_cuda 90
     ;;

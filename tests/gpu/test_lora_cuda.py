@@ -60,6 +60,32 @@ def test_fp32_graphs_give_the_merged_models_tokens(setup):
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "dflash"])
+def test_fp32_device_drafters_keep_the_adapters_tokens(setup, tmp_path, method):
+    """A device drafter (the base checkpoint as draft model, a tiny random EAGLE-1 head or DFlash drafter) proposes
+    without the adapters, its graphs beside the target's: every request's greedy tokens stay plain decoding's with its
+    adapter (fp32, graphs on both)."""
+    import json
+
+    from dflash_models import make_dflash
+    from eagle1_models import make_eagle1
+
+    model, paths, loras = setup
+    with open(f"{model}/config.json") as f:
+        cfg = json.load(f)
+    hidden, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    drafter = {"draft_model": lambda: model, "eagle": lambda: make_eagle1(str(tmp_path / "e1"), hidden, vocab),
+               "dflash": lambda: make_dflash(str(tmp_path / "df"), hidden, vocab, layers, [0, layers - 1])}[method]()
+    kw = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    plain = _greedy(LLM(model, **kw), loras)
+    llm = LLM(model, speculative_config={"method": method, "model": drafter, "num_speculative_tokens": 3}, **kw)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.draft.graphs is not None
+    assert _greedy(llm, loras) == plain
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    llm.engine.check_integrity()
+
+
 def test_fp16_graphs_agree_with_eager(setup):
     model, _, loras = setup
     kw = dict(device="cuda", dtype="float16", gpu_memory_utilization=0.3, enable_lora=True, max_loras=2,
