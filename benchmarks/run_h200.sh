@@ -1605,9 +1605,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     ;;
   s157)  # (session 57) DFlash2 (convolutions in the drafter's graphs, the selector's drafts vs the reference walk)
     gpu_file test_dflash2_kernels_cuda 90
-    gpu_file test_dflash_cuda 300
+    gpu_file test_dflash_cuda 240 -k drafter2
     gpu_file test_eagle1_cuda 150
-    gpu_file test_lora_cuda 150 -k device_drafters
+    gpu_file test_lora_cuda 120 -k device_drafters
+    gpu_file test_dflash_cuda 150 -k "not drafter2"
     gpu_file test_qwen4_exp_cuda 240
     gpu_file test_lora_moe_cuda 90
     ;;
