@@ -1,5 +1,7 @@
 """The offline API's Logprob.rank on a tiny model: a sampled or prompt token's rank in the whole vocabulary, also
-outside the top-N asked for, against transformers' full logits of the same sequence."""
+outside the top-N asked for, against transformers' full logits of the same sequence; and the logprobs of tokens a
+speculative verification emits (accepted drafts, the correction, the token after them), greedy and sampled, host and
+device drafts."""
 import pytest
 import torch
 
@@ -71,8 +73,8 @@ def test_prompt_token_ranks_match_full_logits(llm, ref):
 
 
 def test_ranks_beside_speculating_requests(tiny_path, ref):
-    """Under speculative decoding a request with logprobs takes no drafts (speculative.spec_allowed): it is sampled
-    by the plain sampler in the same steps as the verified rows, and its ranks are the same as without speculation."""
+    """Under speculative decoding a request with logprobs speculates too (its logprobs are the verification rows'):
+    its ranks are the same as without speculation."""
     spec = LLM(tiny_path, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                              "prompt_lookup_max": 2, "prompt_lookup_min": 1})
     prompt = "0123456789 0123456789 0123456789 0123"
@@ -85,3 +87,50 @@ def test_ranks_beside_speculating_requests(tiny_path, ref):
     ranks = [pos[tid].rank for tid, pos in zip(c.token_ids, c.logprobs)]
     assert ranks == [_rank(full[n + j - 1], tid) for j, tid in enumerate(c.token_ids)]
     assert max(ranks) > 1
+
+
+def _check_against_full(ref, out, num_logprobs):
+    """Every emitted token's logprob, rank and top-N against transformers' full logits of the sequence."""
+    c, n = out.outputs[0], len(out.prompt_token_ids)
+    assert len(c.logprobs) == len(c.token_ids)
+    full = _full_logprobs(ref, out.prompt_token_ids + c.token_ids)
+    for j, (tid, pos) in enumerate(zip(c.token_ids, c.logprobs)):
+        row = full[n + j - 1]
+        assert list(pos)[0] == tid and pos[tid].rank == _rank(row, tid)
+        assert pos[tid].logprob == pytest.approx(row[tid].item(), abs=1e-4)
+        top = row.topk(num_logprobs)
+        for r, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert pos[t].rank == r and pos[t].logprob == pytest.approx(v, abs=1e-4)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_steps_give_every_emitted_tokens_logprobs(tiny_path, tmp_path, ref, method):
+    """Greedy and seeded sampled requests with logprobs that speculate: each emitted token (accepted drafts, the
+    correction of a rejected one, the token after the drafts) gets its own entry, equal to transformers' full
+    logits; greedy ones equal a plain engine's entries. A draft model that is the target itself (device drafts,
+    greedy ones all accepted: several tokens per step) and n-gram drafts (host-side, rejected here: the correction's
+    entry)."""
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    else:
+        spec = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}
+    prompts = ["0123456789 0123456789 0123456789 0123", "The quick brown fox jumps over the lazy dog. The quick"]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = LLM(tiny_path, block_size=4, speculative_config=spec)
+    outs = llm.generate(prompts, greedy)
+    stats = llm.engine.stats().extra
+    assert stats["spec_draft_tokens"] > 0
+    assert (stats["spec_accepted_tokens"] > 0) if method == "draft_model" else (
+        stats["spec_accepted_tokens"] < stats["spec_draft_tokens"])
+    plain = LLM(tiny_path, block_size=4).generate(prompts, greedy)
+    for out, want in zip(outs, plain):
+        _check_against_full(ref, out, 2)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        for got, exp in zip(out.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert list(got) == list(exp) and all(got[t].rank == exp[t].rank for t in got)
+    sampled = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=5, logprobs=3)
+    before = llm.engine.stats().extra["spec_draft_tokens"]
+    for out in llm.generate(prompts, sampled):
+        _check_against_full(ref, out, 3)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > before
+

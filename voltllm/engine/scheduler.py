@@ -73,8 +73,10 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = field(default_factory=dict)
-    # speculation: the tokens a verified step emits (accepted drafts, then the model's next token)
+    # speculation: the tokens a verified step emits (accepted drafts, then the model's next token), and for requests
+    # that asked for logprobs one entry per emitted token
     verified: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # pooling engines: the embedding of each request whose prompt ended in the step (CPU float32 tensors)
     pooled: dict[str, Any] = field(default_factory=dict)
 
@@ -338,17 +340,19 @@ class Scheduler:
             req.last_token_time = now
             if s.spec_tokens:  # a verified speculative step: several tokens, each checked for a stop
                 new, status = self._append_verified(req, s.spec_tokens, result.verified[rid], max_len)
-                lp = None
+                lps = result.verified_logprobs.get(rid)
+                lps = lps[:len(new)] if lps else None
             else:
                 tokens.append(token)
                 new = [token]
                 lp = logprobs.get(rid) if logprobs else None
+                lps = [lp] if lp is not None else None
                 status = self._check_stop(req, token, len(tokens) - req.num_prompt_tokens, len(tokens) >= max_len)
                 if req.reasoning is not None or req.grammar is not None:  # (most requests have neither)
                     status = self._constraints_accept(req, token, status)
             num_out = len(tokens) - req.num_prompt_tokens
-            out = EngineCoreOutput(rid, new, None, None, [lp] if lp is not None else None, None,
-                                   max(req.num_cached_tokens, 0), req.first_token_time, now, req.scheduled_time)
+            out = EngineCoreOutput(rid, new, None, None, lps, None, max(req.num_cached_tokens, 0),
+                                   req.first_token_time, now, req.scheduled_time)
             if num_out == 1 and req.wants_prompt_logprobs:
                 out.prompt_logprobs = [None] + req.prompt_logprobs[: req.num_prompt_tokens - 1]
             if status is not None:

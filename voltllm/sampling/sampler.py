@@ -357,6 +357,56 @@ class DraftVerdicts:
         return self.tokens.tolist(), self.accepted.tolist()
 
 
+@dataclass
+class SpecLogprobs:
+    """Logprobs of a verification's rows for the requests that asked for them, on the device until to_host. A row
+    emits either its draft (accepted) or the verification's own token there, known only on the host after
+    acceptance, so both candidates' raw logprobs and ranks are taken ([rows, 2]: draft, own token; the row after the
+    drafts: own token twice) with the row's top-k. Raw logprobs (the model's log-softmax), as the sampler's."""
+
+    rows: list[int]  # the verification rows (indices into its logits) taken, in order
+    num_logprobs: list[int]  # per taken row, its request's k
+    cand: torch.Tensor  # [n, 2] token ids
+    cand_lp: torch.Tensor  # [n, 2]
+    cand_rank: torch.Tensor  # [n, 2]
+    top_ids: torch.Tensor  # [n, kmax]
+    top_vals: torch.Tensor
+
+    @classmethod
+    def take(cls, logits: torch.Tensor, rows: list[int], num_logprobs: list[int], drafts: torch.Tensor,
+             own: torch.Tensor) -> "SpecLogprobs":
+        """logits: the verification's; rows: the ones to take; drafts / own: every verification row's draft (-1
+        after the last) and own token (device tensors)."""
+        sel = to_device(rows, torch.long, logits.device)
+        lp = logits[sel].float().log_softmax(dim=-1)
+        own_t = own[sel].long()
+        cand = torch.stack([torch.where(drafts[sel] >= 0, drafts[sel].long(), own_t), own_t], dim=1)
+        cand_lp = lp.gather(1, cand)
+        rank = torch.stack([token_ranks(lp, cand_lp[:, i]) for i in range(2)], dim=1)
+        top_vals, top_ids = lp.topk(max(max(num_logprobs), 1), dim=-1)
+        return cls(rows, num_logprobs, cand, cand_lp, rank, top_ids, top_vals)
+
+    def copy_to_host_async(self) -> None:
+        if self.cand.device.type == "cuda":
+            for name in ("cand", "cand_lp", "cand_rank", "top_ids", "top_vals"):
+                setattr(self, name, pinned_copy(getattr(self, name)))
+
+    def to_host(self) -> dict[int, tuple]:
+        """verification row -> (candidate ids, their logprobs, their ranks, top ids, top logprobs) (lists, top-k
+        cut to the row's request's k)."""
+        cand, lp, rank = self.cand.tolist(), self.cand_lp.tolist(), self.cand_rank.tolist()
+        ti, tv = self.top_ids.tolist(), self.top_vals.tolist()
+        return {r: (cand[j], lp[j], rank[j], ti[j][:k], tv[j][:k])
+                for j, (r, k) in enumerate(zip(self.rows, self.num_logprobs))}
+
+
+def verified_position_logprobs(entry: tuple, token: int) -> PositionLogprobs:
+    """One emitted token's logprobs from its row's SpecLogprobs entry (the token is one of the two candidates)."""
+    cand, lp, rank, top_ids, top_vals = entry
+    i = cand.index(token)
+    return position_logprobs(token, lp[i], rank[i], top_ids, top_vals)
+
+
 def _processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """fp32 logits with each row's logit_bias added (on a copy: the caller's logits stay as they are)."""
     if any(r.params.logit_bias for r in rows):

@@ -19,8 +19,8 @@ from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device, upload
 from voltllm.sampling.bitmask import TokenBitmask
-from voltllm.sampling.sampler import (DraftVerdicts, Sampler, SamplerOutput, SamplingRow, pinned_copy,
-                                      position_logprobs, token_ranks)
+from voltllm.sampling.sampler import (DraftVerdicts, Sampler, SamplerOutput, SamplingRow, SpecLogprobs, pinned_copy,
+                                      position_logprobs, token_ranks, verified_position_logprobs)
 from voltllm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("voltllm")
@@ -80,6 +80,8 @@ class StepHandle:
     # a draft model's drafts per verification row (-1 after each request's last), on their way to the host: its
     # requests' spec_tokens are placeholders (the drafts were made on the device)
     spec_draft_ids: Optional[torch.Tensor] = None
+    # the verification rows' logprobs of the requests that asked for them (sampler.SpecLogprobs)
+    spec_lp: Optional[SpecLogprobs] = None
     # a hybrid target's verifying requests, whose state slots collect() settles (worker/hybrid_spec.py)
     spec_states: list = field(default_factory=list)
     # a pooling engine: the embeddings of the requests whose prompt ended in the step (voltllm/pooling/pooler.py)
@@ -1011,6 +1013,7 @@ class ModelRunner:
             q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
             out = self.sampler.verify_drafts(logits, sampling_rows, drafts if draft_ids is None else draft_ids, q,
                                              drawn)
+        handle.spec_lp = self._verification_logprobs(logits, rows, draft_ids, out.tokens)
         if self.state_cache is not None:  # the recurrent states after each request's last accepted draft
             from voltllm.worker.hybrid_spec import keep_accepted_states
 
@@ -1021,6 +1024,25 @@ class ModelRunner:
         handle.spec_drafts = [(s.request.request_id, s.spec_tokens) for _, s in rows]
         if draft_ids is not None:
             handle.spec_draft_ids = draft_ids if draft_ids.device.type != "cuda" else pinned_copy(draft_ids)
+
+    def _verification_logprobs(self, logits: torch.Tensor, rows: list, draft_ids: Optional[torch.Tensor],
+                               own: torch.Tensor) -> Optional[SpecLogprobs]:
+        """The logprobs of the verification rows of requests that asked for them (SpecLogprobs; copies to the host
+        started), None when none did."""
+        take, ks, at = [], [], 0
+        for _, s in rows:
+            n, k = len(s.spec_tokens) + 1, s.request.sampling_params.logprobs
+            if k is not None:
+                take += range(at, at + n)
+                ks += [k] * n
+            at += n
+        if not take:
+            return None
+        if draft_ids is None:  # the host's drafts (n-gram, suffix): the scheduled tokens themselves
+            draft_ids = to_device([d for _, s in rows for d in (*s.spec_tokens, -1)], torch.long, logits.device)
+        lp = SpecLogprobs.take(logits, take, ks, draft_ids, own)
+        lp.copy_to_host_async()
+        return lp
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its sampled tokens (host side)."""
@@ -1033,6 +1055,7 @@ class ModelRunner:
             tokens, accepted = handle.spec_out.to_host()
             sampled = isinstance(handle.spec_out, DraftVerdicts)
             draft_ids = handle.spec_draft_ids.tolist() if handle.spec_draft_ids is not None else None
+            lps = handle.spec_lp.to_host() if handle.spec_lp is not None else {}
             at = 0
             for rid, drafts in handle.spec_drafts:
                 rows = slice(at, at + len(drafts) + 1)
@@ -1040,6 +1063,9 @@ class ModelRunner:
                     drafts = draft_ids[at:at + len(drafts)]
                 verified = (accept_sampled(drafts, accepted[rows], tokens[rows]) if sampled
                             else accept_drafts(drafts, tokens[rows]))
+                if at in lps:  # (its rows were taken: it asked for logprobs)
+                    out.verified_logprobs[rid] = [verified_position_logprobs(lps[at + j], t)
+                                                  for j, t in enumerate(verified)]
                 at += len(drafts) + 1
                 out.verified[rid] = verified
                 out.sampled[rid] = verified[-1]
