@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError, check_width_and_vocab
 
 logger = logging.getLogger("voltllm")
 
@@ -81,15 +81,8 @@ def dflash_params(draft_cfg: Any, target_cfg: Any, k: int) -> DFlashParams:
     archs = list(getattr(draft_cfg, "architectures", None) or [])
     if ARCHITECTURE not in archs and ARCHITECTURE_V2 not in archs:
         raise _err(f"architectures {archs} is neither [{ARCHITECTURE!r}] nor [{ARCHITECTURE_V2!r}]")
-    target_text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
-    hidden, t_hidden = int(draft_cfg.hidden_size), int(target_text.hidden_size)
-    if hidden != t_hidden:
-        raise _err(f"hidden size {hidden} differs from the target's {t_hidden} (it reads the target's hidden states "
-                   "and embeddings)")
-    t_vocab = int(target_text.vocab_size)
-    d_vocab = getattr(draft_cfg, "vocab_size", None)
-    if d_vocab is not None and int(d_vocab) != t_vocab:
-        raise _err(f"vocabulary of {d_vocab} ids differs from the target's {t_vocab} (it uses the target's LM head)")
+    target_text = check_width_and_vocab(draft_cfg, target_cfg, _err)
+    hidden, t_vocab = int(draft_cfg.hidden_size), int(target_text.vocab_size)
     n_target = int(target_text.num_hidden_layers)
     trained_on = getattr(draft_cfg, "num_target_layers", None)
     if trained_on is not None and int(trained_on) != n_target:

@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError, check_width_and_vocab
 
 logger = logging.getLogger("voltllm")
 
@@ -58,15 +58,7 @@ def eagle1_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle1Par
     kind = getattr(draft_cfg, "model_type", None)
     if kind not in LAYER_TYPES:
         raise _err(f"model_type {kind!r}: heads of {' / '.join(LAYER_TYPES)} layers are built")
-    target_text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
-    hidden, t_hidden = int(draft_cfg.hidden_size), int(target_text.hidden_size)
-    if hidden != t_hidden:
-        raise _err(f"hidden size {hidden} differs from the target's {t_hidden} (it reads the target's hidden states "
-                   "and embeddings)")
-    t_vocab = int(target_text.vocab_size)
-    vocab = getattr(draft_cfg, "vocab_size", None)
-    if vocab is not None and int(vocab) != t_vocab:
-        raise _err(f"vocabulary of {vocab} ids differs from the target's {t_vocab} (it uses the target's LM head)")
+    check_width_and_vocab(draft_cfg, target_cfg, _err)
     n = getattr(draft_cfg, "num_hidden_layers", None)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise _err(f"num_hidden_layers {n!r} must be a positive integer")

@@ -325,3 +325,20 @@ def spec_allowed(req: Any, max_new: Optional[int] = None) -> int:
     k = max(0, min(room, max_new if max_new is not None else room))
     cap = reasoning.max_drafts() if reasoning is not None else None
     return k if cap is None else max(0, min(k, cap))
+
+
+def check_width_and_vocab(draft_cfg: Any, target_cfg: Any, err: Any) -> Any:
+    """A drafter that reads the target's hidden states and uses its embedding and LM head (DFlash, EAGLE-1) must have
+    the target's hidden size and vocabulary (a multimodal target's text model's); err(message) makes the error to
+    raise. Returns the target's text config."""
+    target_text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    hidden, t_hidden = int(draft_cfg.hidden_size), int(target_text.hidden_size)
+    if hidden != t_hidden:
+        raise err(f"hidden size {hidden} differs from the target's {t_hidden} (it reads the target's hidden states "
+                  "and embeddings)")
+    t_vocab = int(target_text.vocab_size)
+    vocab = getattr(draft_cfg, "vocab_size", None)
+    if vocab is not None and int(vocab) != t_vocab:
+        raise err(f"vocabulary of {vocab} ids differs from the target's {t_vocab} (it uses the target's LM head)")
+    return target_text
+
