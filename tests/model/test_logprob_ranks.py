@@ -134,3 +134,34 @@ def test_speculative_steps_give_every_emitted_tokens_logprobs(tiny_path, tmp_pat
         _check_against_full(ref, out, 3)
     assert llm.engine.stats().extra["spec_draft_tokens"] > before
 
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_penalized_requests_speculate_and_keep_plain_tokens(tiny_path, method):
+    """Requests with repetition / frequency / presence penalties speculate: each verification row's distribution
+    counts the request's generated ids and the drafts before the row, so greedy tokens (and logprobs) equal a plain
+    engine's; the draft model (the target itself, no penalties) proposes unpenalized argmaxes, partly rejected, and
+    n-gram drafts repeat what the penalties push away."""
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    else:
+        spec = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}
+    prompts = ["0123456789 0123456789 0123456789 0123", "The quick brown fox jumps over the lazy dog. The quick"]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.4,
+                             presence_penalty=0.6)]
+    llm = LLM(tiny_path, block_size=4, speculative_config=spec)
+    outs = llm.generate(prompts, params)
+    stats = llm.engine.stats().extra
+    assert stats["spec_draft_tokens"] > 0
+    if method == "draft_model":
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    plain = LLM(tiny_path, block_size=4).generate(prompts, params)
+    for out, want in zip(outs, plain):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    for got, exp in zip(outs[0].outputs[0].logprobs, plain[0].outputs[0].logprobs):
+        assert list(got) == list(exp)
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=2, presence_penalty=1.0)
+    first = llm.generate(prompts, sampled)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+    llm.engine.check_integrity()

@@ -71,8 +71,9 @@ def test_spec_allowed():
 
     assert spec_allowed(req(), 5) == 2  # room for 2 drafts and the model's next token; sampled requests too
     assert spec_allowed(req(num_pending=1), 5) == 0
-    assert spec_allowed(req(needs_host_history=True), 5) == 0
-    assert spec_allowed(req(sampling_params=SamplingParams(repetition_penalty=1.2)), 5) == 0
+    # penalties: the verification applies them (Sampler.verify_drafts' prior drafts); bad words: not
+    assert spec_allowed(req(sampling_params=SamplingParams(repetition_penalty=1.2)), 5) == 2
+    assert spec_allowed(req(sampling_params=SamplingParams(bad_words=["x y"])), 5) == 0
     assert spec_allowed(req(sampling_params=SamplingParams(logprobs=2)), 5) == 2  # (the verification's: SpecLogprobs)
     assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=8)), 5) == 0  # its stop bans still apply
     assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=7)), 5) == 2

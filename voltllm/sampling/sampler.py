@@ -60,13 +60,19 @@ def _pad(lists: list[Sequence[int]], device: torch.device, fill: int) -> torch.T
     return out.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else out
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], prior: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+    """Repetition, frequency and presence penalties over each row's generated ids (and prompt, for repetition).
+    prior: a verification's [rows, n] device ids generated before each row beyond its host history (the drafts
+    before it; -1: none), counted as generated."""
     vocab = logits.shape[1]
     dev = logits.device
     rep = to_device([r.params.repetition_penalty for r in rows], logits.dtype, dev)
     freq = to_device([r.params.frequency_penalty for r in rows], logits.dtype, dev)
     pres = to_device([r.params.presence_penalty for r in rows], logits.dtype, dev)
     out_ids = _pad([r.output_token_ids for r in rows], dev, vocab)
+    if prior is not None and prior.numel():
+        out_ids = torch.cat([out_ids, torch.where(prior >= 0, prior, vocab).long()], dim=1)
     counts = torch.zeros(len(rows), vocab + 1, device=dev, dtype=logits.dtype)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
     counts = counts[:, :vocab]
@@ -293,7 +299,7 @@ class Sampler:
 
     def verify_drafts(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: "list[int] | torch.Tensor",
                       draft_probs: Optional[torch.Tensor] = None,
-                      drawn: Optional[list[bool]] = None) -> "DraftVerdicts":
+                      drawn: Optional[list[bool]] = None, prior: Optional[torch.Tensor] = None) -> "DraftVerdicts":
         """Speculative sampling, exact for any temperature / top-k / top-p / min-p / logit_bias: row i scores draft
         drafts[i] (-1: a row after the last draft, sampled as usual) under the model's processed distribution p.
         A deterministic draft d (n-gram, or a draft model's argmax) is accepted with probability p(d); where it is
@@ -301,10 +307,13 @@ class Sampler:
         (drawn[i]; q = draft_probs[i]) is accepted with probability min(1, p(d) / q(d)); where it is not, the token
         comes from max(0, p - q) (renormalized). Either way every emitted token is distributed as p (a
         deterministic draft is the case q = one-hot at d). Greedy rows: p is one-hot at the argmax. `drafts` may be
-        a device tensor (-1 likewise).
-        Penalties, logprobs, allowed_token_ids, bad words and min_tokens bans are not applied
+        a device tensor (-1 likewise). Penalties count each row's host history (SamplingRow.output_token_ids) and
+        `prior` (apply_penalties: the drafts before the row), so row j's p is the one plain decoding would have
+        after accepting them. allowed_token_ids, bad words and min_tokens bans are not applied
         (speculative.spec_allowed keeps such requests out)."""
         dev = logits.device
+        if any(r.params.has_penalties for r in rows):  # (before the bias, as the sampler orders them)
+            logits = apply_penalties(logits.float(), rows, prior)
         logits = _processed_logits(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):

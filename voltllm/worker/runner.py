@@ -1006,13 +1006,16 @@ class ModelRunner:
             sampling_rows, drafts = [], []
             for _, s in rows:
                 r = s.request
+                history = r.sampling_history()  # (penalties: every generated id; no step is in flight here)
                 for j in range(len(s.spec_tokens) + 1):
-                    sampling_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, (), r.generator,
+                    sampling_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, history, r.generator,
                                                      r.num_output_tokens + j))
                     drafts.append(s.spec_tokens[j] if j < len(s.spec_tokens) else -1)
             q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
-            out = self.sampler.verify_drafts(logits, sampling_rows, drafts if draft_ids is None else draft_ids, q,
-                                             drawn)
+            all_drafts = drafts if draft_ids is None else draft_ids
+            prior = (_drafts_before_rows(rows, all_drafts, self.device)
+                     if any(s.request.sampling_params.has_penalties for _, s in rows) else None)
+            out = self.sampler.verify_drafts(logits, sampling_rows, all_drafts, q, drawn, prior)
         handle.spec_lp = self._verification_logprobs(logits, rows, draft_ids, out.tokens)
         if self.state_cache is not None:  # the recurrent states after each request's last accepted draft
             from voltllm.worker.hybrid_spec import keep_accepted_states
@@ -1241,6 +1244,21 @@ class ModelRunner:
         top_v = top_v.tolist() if k > 0 else [[]] * n
         tl = targets.tolist()
         return [position_logprobs(tl[j], chosen[j], ranks[j], top_i[j], top_v[j]) for j in range(n)]
+
+
+def _drafts_before_rows(rows: list, drafts: "list[int] | torch.Tensor", device: torch.device) -> torch.Tensor:
+    """Per verification row, the drafts of its request before it ([rows, K], -1 padded): what penalties count as
+    generated there beyond the host history. drafts: every row's draft (-1 after a request's last), on the host or
+    the device."""
+    idx, at = [], 0
+    kmax = max(len(s.spec_tokens) for _, s in rows)
+    for _, s in rows:
+        k = len(s.spec_tokens)
+        idx += [[at + i if i < j else -1 for i in range(kmax)] for j in range(k + 1)]
+        at += k + 1
+    idx_t = to_device([i for row in idx for i in row], torch.long, device).view(len(idx), max(kmax, 1) if kmax else 0)
+    d = drafts if isinstance(drafts, torch.Tensor) else to_device(drafts, torch.long, device)
+    return torch.where(idx_t >= 0, d[idx_t.clamp_min(0)], -1)
 
 
 def _prompt_logprob_rows(s) -> int:
