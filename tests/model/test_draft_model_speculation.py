@@ -126,12 +126,13 @@ def test_preemption_recomputes_both_caches(models, draft):
 
 
 def test_requests_that_cannot_speculate_keep_the_draft_current(models):
-    """Logprobs, penalties and min_tokens requests decode plainly beside speculating ones; the draft still runs on
-    their tokens (a self-draft accepts everything once min_tokens is reached)."""
+    """Prompt-logprobs and min_tokens requests decode plainly beside speculating ones (a logprobs request
+    speculates); the draft still runs on their tokens (a self-draft accepts everything once min_tokens is reached).
+    (Penalized requests speculate too: tests/model/test_logprob_ranks.py.)"""
     target = models["self"]
     sps = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=12),
-           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1),
            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
     ref = _plain(target, PROMPTS, sps, block_size=4)
     llm = LLM(target, block_size=4, speculative_config=_spec(target))
