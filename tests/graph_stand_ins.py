@@ -41,23 +41,10 @@ class PaddedDecodeGraphs:
         return PaddedDecodePass(self.draft, bs)
 
 
-class EagerReplay:
-    """A target decode graph's stand-in: its forward run eagerly on the same persistent buffers and context."""
-
-    def __init__(self, graphs, batch_size: int):
-        self.graphs, self.batch_size = graphs, batch_size
-
-    def replay(self):
-        r, bs = self.graphs.runner, self.batch_size
-        ctx = self.graphs.context(bs)
-        ctx.meta.seq_lens_cpu = ctx.meta.seq_lens.tolist()
-        ctx.meta.max_seq_len = max(ctx.meta.seq_lens_cpu)
-        return r.model(r.buffers.input_ids[:bs], r.buffers.positions[:bs], ctx)
-
-
 def stand_in_graphs(llm, max_rows: int) -> None:
     """The target's decode graphs (decode and verification token rows; a hybrid's verification-walks graphs too) and
     its MTP-style drafter's (an EAGLE-1 / EAGLE-3 head's: its graph_view) up to max_rows, as CPU stand-ins."""
+    from tp_eager_graphs import EagerReplay
     from voltllm.worker.cuda_graphs import DecodeGraphs
 
     runner = llm.engine.runner
