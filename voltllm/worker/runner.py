@@ -1256,7 +1256,7 @@ def _drafts_before_rows(rows: list, drafts: "list[int] | torch.Tensor", device: 
         k = len(s.spec_tokens)
         idx += [[at + i if i < j else -1 for i in range(kmax)] for j in range(k + 1)]
         at += k + 1
-    idx_t = to_device([i for row in idx for i in row], torch.long, device).view(len(idx), max(kmax, 1) if kmax else 0)
+    idx_t = to_device([i for row in idx for i in row], torch.long, device).view(len(idx), kmax)
     d = drafts if isinstance(drafts, torch.Tensor) else to_device(drafts, torch.long, device)
     return torch.where(idx_t >= 0, d[idx_t.clamp_min(0)], -1)
 
