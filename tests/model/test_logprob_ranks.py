@@ -165,3 +165,29 @@ def test_penalized_requests_speculate_and_keep_plain_tokens(tiny_path, method):
     first = llm.generate(prompts, sampled)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_min_tokens_and_allowed_ids_requests_speculate_and_keep_plain_tokens(tiny_path, method):
+    """min_tokens (its stop token banned before the minimum) and allowed_token_ids requests speculate: the
+    verification applies both to each row (row j counts j more generated tokens), so a draft they exclude is
+    rejected and greedy tokens equal a plain engine's. The stop token is one the model emits early without the ban,
+    and the self-draft proposes it (the drafter applies no ban)."""
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    else:
+        spec = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}
+    prompts = ["0123456789 0123456789 0123456789 0123", "The quick brown fox jumps over the lazy dog. The quick"]
+    plain_llm = LLM(tiny_path, block_size=4)
+    free = plain_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    stops = [o.outputs[0].token_ids[2] for o in free]
+    allowed = sorted(set(free[1].outputs[0].token_ids) | set(range(40, 60)))
+    params = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stops[0]], min_tokens=12),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed)]
+    llm = LLM(tiny_path, block_size=4, speculative_config=spec)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+    plain = plain_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert len(outs[0].outputs[0].token_ids) >= 12 and set(outs[1].outputs[0].token_ids) <= set(allowed)
+    llm.engine.check_integrity()

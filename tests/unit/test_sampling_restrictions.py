@@ -282,10 +282,13 @@ def test_multi_token_bad_words_wait_for_the_step_in_flight():
     assert list(_request(SamplingParams(), output=[4]).sampling_history()) == []
 
 
-@pytest.mark.parametrize("kw", [dict(allowed_token_ids=[1, 2]), dict(bad_words=["x"], _bad_words_token_ids=((5,),))])
-def test_restricted_requests_take_no_drafts(kw):
+def test_bad_words_requests_take_no_drafts_and_allowed_ids_ones_do():
+    """Bad words would need their prefixes run through the drafts; allowed_token_ids is one mask for every
+    verification row (Sampler.verify_drafts applies it)."""
     from voltllm.engine.speculative import spec_allowed
 
+    bad = dict(bad_words=["x"], _bad_words_token_ids=((5,),))
     assert spec_allowed(_request(SamplingParams(max_tokens=50)), 4) == 4
-    assert spec_allowed(_request(SamplingParams(max_tokens=50, **kw)), 4) == 0
-    assert spec_allowed(_request(SamplingParams(max_tokens=50, temperature=0, **kw)), 4) == 0
+    assert spec_allowed(_request(SamplingParams(max_tokens=50, **bad)), 4) == 0
+    assert spec_allowed(_request(SamplingParams(max_tokens=50, temperature=0, **bad)), 4) == 0
+    assert spec_allowed(_request(SamplingParams(max_tokens=50, allowed_token_ids=[1, 2])), 4) == 4

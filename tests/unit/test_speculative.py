@@ -75,8 +75,9 @@ def test_spec_allowed():
     assert spec_allowed(req(sampling_params=SamplingParams(repetition_penalty=1.2)), 5) == 2
     assert spec_allowed(req(sampling_params=SamplingParams(bad_words=["x y"])), 5) == 0
     assert spec_allowed(req(sampling_params=SamplingParams(logprobs=2)), 5) == 2  # (the verification's: SpecLogprobs)
-    assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=8)), 5) == 0  # its stop bans still apply
-    assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=7)), 5) == 2
+    # min_tokens' stop bans and allowed_token_ids: the verification applies them to each row
+    assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=8)), 5) == 2
+    assert spec_allowed(req(sampling_params=SamplingParams(allowed_token_ids=[1, 2])), 5) == 2
 
 
 def test_accept_sampled():

@@ -307,19 +307,18 @@ def accept_sampled(drafts: list[int], accepted: list[bool], tokens: list[int]) -
 
 
 def spec_allowed(req: Any, max_new: Optional[int] = None) -> int:
-    """How many draft tokens a request may take this step: none in flight (penalties count every earlier token, and
-    speculation runs without async scheduling, so the host history is complete; logprobs are the verification's:
-    SpecLogprobs), no prompt logprobs, no structured outputs (but while its grammar waits for the end of the
-    reasoning), allowed_token_ids or bad words (each draft would need its own mask; the verification applies none), min_tokens reached (its stop-token bans are not applied to drafts), a thinking
-    budget that no position of the step can reach (ReasoningState.max_drafts), room left for the drafts and the
-    model's next token. Greedy and sampled requests alike: verification keeps their output distribution exact
+    """How many draft tokens a request may take this step: none while a token is in flight; none with prompt
+    logprobs, structured outputs (but while its grammar waits for the end of the reasoning) or bad words (their
+    prefixes would run through the drafts); a thinking budget that no position of the step can reach
+    (ReasoningState.max_drafts); room left for the drafts and the model's next token. The verification applies the
+    rest to each of its rows: penalties (counting the drafts before the row; speculation runs without async
+    scheduling, so the host history is complete), allowed_token_ids and min_tokens' stop bans, and it gives the
+    logprobs (SpecLogprobs). Greedy and sampled requests alike: verification keeps their output distribution exact
     (Sampler.verify_drafts)."""
     sp = req.sampling_params
     reasoning = getattr(req, "reasoning", None)
     grammar_masks = sp.structured_outputs is not None and (reasoning is None or not reasoning.drafts_must_be_known)
-    if (req.num_pending or sp.bad_words_history > 0 or sp.prompt_logprobs is not None
-            or grammar_masks or sp.allowed_token_ids is not None or sp.bad_words
-            or req.num_output_tokens < sp.min_tokens):
+    if req.num_pending or sp.bad_words_history > 0 or sp.prompt_logprobs is not None or grammar_masks or sp.bad_words:
         return 0
     room = req.max_tokens - req.num_output_tokens - 1
     k = max(0, min(room, max_new if max_new is not None else room))

@@ -182,6 +182,32 @@ def _allow_only_(logits: torch.Tensor, allowed: list[tuple[int, list[int]]]) -> 
     logits[rows] = logits[rows].masked_fill_(~keep, float("-inf"))
 
 
+def _restrictions(rows: list[SamplingRow]) -> tuple[list, list]:
+    """Each row's allowed ids (allowed_token_ids) and banned ids: min_tokens' stop tokens before the minimum, bad
+    words whose prefix was just generated; as (row, ids) lists of the rows that have any."""
+    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    bans = []
+    for i, r in enumerate(rows):
+        sp = r.params
+        banned = []
+        if r.generated < sp.min_tokens:
+            banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
+        if sp._bad_words_token_ids:
+            banned += banned_tokens(sp._bad_words_token_ids, r.output_token_ids)
+        if banned:
+            bans.append((i, banned))
+    return allowed, bans
+
+
+def _restrict_(logits: torch.Tensor, allowed: list, bans: list) -> None:
+    """-inf, in place, outside each row's allowed ids and at its banned ids (_restrictions' lists)."""
+    if allowed:
+        _allow_only_(logits, allowed)
+    if bans:
+        cells = _cells([(i, t) for i, banned in bans for t in banned], logits.device)
+        logits.index_put_(cells, logits.new_full((), float("-inf")))  # a fill, not a copy
+
+
 def _cells(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs -> device index tensors for index_put_. Not a Python-list index: that would be copied
     from pageable memory and sync the stream, so every step would wait for the GPU (no async scheduling)."""
@@ -227,17 +253,7 @@ class Sampler:
         greedy_mask = [r.params.greedy for r in rows]
         penalties = any(r.params.has_penalties for r in rows)
         biased = any(r.params.logit_bias for r in rows)
-        allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids]
-        bans = []  # min_tokens: no stop tokens before the minimum; bad words whose prefix was just generated
-        for i, r in enumerate(rows):
-            sp = r.params
-            banned = []
-            if r.generated < sp.min_tokens:
-                banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
-            if sp._bad_words_token_ids:
-                banned += banned_tokens(sp._bad_words_token_ids, r.output_token_ids)
-            if banned:
-                bans.append((i, banned))
+        allowed, bans = _restrictions(rows)
         # a greedy batch takes the argmax of the model's logits as they are (exact either way: fp16 / bf16 widen
         # to fp32 exactly), with its bans written as -inf in that dtype; anything else works on an fp32 copy.
         # (At 64 rows x 152K vocabulary the fp32 copy and its argmax cost ~50 us per decode step.)
@@ -249,11 +265,7 @@ class Sampler:
             apply_token_bitmask_(logits, token_bitmask)
         dev = logits.device
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in num_lp) else None
-        if allowed:
-            _allow_only_(logits, allowed)
-        if bans:
-            cells = _cells([(i, t) for i, banned in bans for t in banned], dev)
-            logits.index_put_(cells, logits.new_full((), float("-inf")))  # a fill, not a copy
+        _restrict_(logits, allowed, bans)
         if penalties:
             logits = apply_penalties(logits, rows)
         if biased:  # added to the fp32 copy
@@ -309,9 +321,14 @@ class Sampler:
         deterministic draft is the case q = one-hot at d). Greedy rows: p is one-hot at the argmax. `drafts` may be
         a device tensor (-1 likewise). Penalties count each row's host history (SamplingRow.output_token_ids) and
         `prior` (apply_penalties: the drafts before the row), so row j's p is the one plain decoding would have
-        after accepting them. allowed_token_ids, bad words and min_tokens bans are not applied
-        (speculative.spec_allowed keeps such requests out)."""
+        after accepting them. allowed_token_ids and min_tokens' stop bans (row j counts j more generated tokens:
+        SamplingRow.generated) are applied as the sampler applies them, so a draft they exclude is rejected; bad words
+        are not (their prefixes would run through the drafts: speculative.spec_allowed keeps such requests out)."""
         dev = logits.device
+        allowed, bans = _restrictions(rows)
+        if allowed or bans:  # (on a copy: the caller's logits stay as they are)
+            logits = logits.float().clone()
+            _restrict_(logits, allowed, bans)
         if any(r.params.has_penalties for r in rows):  # (before the bias, as the sampler orders them)
             logits = apply_penalties(logits.float(), rows, prior)
         logits = _processed_logits(logits, rows)
