@@ -71,9 +71,10 @@ def test_spec_allowed():
 
     assert spec_allowed(req(), 5) == 2  # room for 2 drafts and the model's next token; sampled requests too
     assert spec_allowed(req(num_pending=1), 5) == 0
-    # penalties: the verification applies them (Sampler.verify_drafts' prior drafts); bad words: not
+    # penalties and bad words: the verification applies them (Sampler.verify_drafts: the drafts before each row)
     assert spec_allowed(req(sampling_params=SamplingParams(repetition_penalty=1.2)), 5) == 2
-    assert spec_allowed(req(sampling_params=SamplingParams(bad_words=["x y"])), 5) == 0
+    assert spec_allowed(req(sampling_params=SamplingParams(bad_words=["x y"])), 5) == 2
+    assert spec_allowed(req(sampling_params=SamplingParams(prompt_logprobs=1)), 5) == 2  # (the prompt steps')
     assert spec_allowed(req(sampling_params=SamplingParams(logprobs=2)), 5) == 2  # (the verification's: SpecLogprobs)
     # min_tokens' stop bans and allowed_token_ids: the verification applies them to each row
     assert spec_allowed(req(sampling_params=SamplingParams(min_tokens=8)), 5) == 2

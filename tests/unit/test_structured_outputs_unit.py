@@ -256,3 +256,42 @@ def test_structural_tag_request_parameters():
         with pytest.raises(OpenAIError, match=words) as e:
             so(**kw)
         assert e.value.status == 400 and e.value.param == param, (kw, e.value.message)
+
+
+def test_draft_masks_follow_the_drafts_and_leave_the_matcher_as_it_was(tmp_path):
+    """A verification's masks (GrammarMasks.verification, draft_masks): row j is what the grammar allows after the
+    drafts before it, as a matcher advanced by hand gives; from a refused draft on the rows allow everything (never
+    emitted); valid_drafts keeps the accepted prefix; the matcher is where it was afterwards."""
+    import xgrammar as xgr
+
+    from tiny_models import make_tokenizer
+    from voltllm.structured.matchers import GrammarMasks, GrammarMatchers, valid_drafts
+
+    tok = make_tokenizer(str(tmp_path))
+    words = (len(tok) + 31) // 32
+    compiled = GrammarMatchers(lambda: tok, len(tok))._build(StructuredOutputsParams(regex="ab(cd|ce)f").key)
+    ids = [tok.encode(c, add_special_tokens=False)[0] for c in "abcdfx"]
+    a, b, c, d, f, x = ids
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_token(a)
+
+    def mask_after(tokens):
+        probe = xgr.GrammarMatcher(compiled)
+        for t in [a, *tokens]:
+            assert probe.accept_token(t)
+        row = torch.zeros(1, words, dtype=torch.int32)
+        probe.fill_next_token_bitmask(row)
+        return row[0]
+
+    class Req:
+        grammar = matcher
+
+    masks = GrammarMasks({}, torch.zeros(0, words, dtype=torch.int32), {"r": Req()})
+    dst, rows = masks.verification([("free", [7, 8]), ("r", [b, c, x, d])])
+    assert dst == list(range(3, 8))  # (the unconstrained request's three rows come first)
+    for j, before in enumerate([[], [b], [b, c]]):
+        assert torch.equal(rows[j], mask_after(before)), j
+    assert (rows[3:] == -1).all()  # after the refused x
+    assert valid_drafts(matcher, [b, c, d, f]) == [b, c, d, f] and valid_drafts(matcher, [b, x, c]) == [b]
+    assert torch.equal(GrammarMasks({}, rows[:0], {"r": Req()}).verification([("r", [])])[1][0], mask_after([]))
+    assert masks.verification([("free", [1])]) is None

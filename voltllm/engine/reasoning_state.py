@@ -91,9 +91,12 @@ class ReasoningState:
 
     def max_drafts(self) -> Optional[int]:
         """Speculation: the most drafts this request may take with no mask needed on any of the step's positions
-        (None: no limit from its reasoning). A draft verified without the mask it needed would break the budget or
-        the grammar."""
-        if self.grammar in (OPEN, ON) or self.forced() is not None:
+        but its grammar's (None: no limit from its reasoning). A draft verified without the mask it needed would
+        break the budget or the grammar. Once the grammar governs (ON) its masks follow the drafts in the
+        verification (GrammarMasks.verification); at OPEN the first token may still open the reasoning instead."""
+        if self.grammar == ON:
+            return None
+        if self.grammar == OPEN or self.forced() is not None:
             return 0
         if self.budget is None or not self.tracking:
             return None

@@ -28,6 +28,7 @@ from voltllm.engine.speculative import DRAFT_PLACEHOLDER, NgramIndex, Speculativ
 from voltllm.engine.suffix_decoding import SuffixProposer
 from voltllm.engine.types import EngineCoreOutput, PositionLogprobs, SchedulerStats
 from voltllm.sampling.repetition import STOP_REASON as REPETITION_STOP_REASON
+from voltllm.structured.matchers import grammar_applies, valid_drafts
 
 
 @dataclass
@@ -275,6 +276,8 @@ class Scheduler:
             if index is None:
                 index = req.ngram_index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
             drafts = index.propose(req.all_token_ids, k)
+        if drafts and grammar_applies(req):  # (known drafts past one the grammar refuses would be verified for nothing)
+            return valid_drafts(req.grammar, drafts)
         return reasoning.cut_drafts(drafts) if reasoning is not None else drafts
 
     def _add(self, out: SchedulerOutput, req: Request, num_new: int, with_pending: Optional[int] = None) -> None:

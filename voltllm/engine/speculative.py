@@ -307,18 +307,16 @@ def accept_sampled(drafts: list[int], accepted: list[bool], tokens: list[int]) -
 
 
 def spec_allowed(req: Any, max_new: Optional[int] = None) -> int:
-    """How many draft tokens a request may take this step: none while a token is in flight; none with prompt
-    logprobs, structured outputs (but while its grammar waits for the end of the reasoning) or bad words (their
-    prefixes would run through the drafts); a thinking budget that no position of the step can reach
-    (ReasoningState.max_drafts); room left for the drafts and the model's next token. The verification applies the
-    rest to each of its rows: penalties (counting the drafts before the row; speculation runs without async
-    scheduling, so the host history is complete), allowed_token_ids and min_tokens' stop bans, and it gives the
-    logprobs (SpecLogprobs). Greedy and sampled requests alike: verification keeps their output distribution exact
-    (Sampler.verify_drafts)."""
-    sp = req.sampling_params
+    """How many draft tokens a request may take this step: none while a token is in flight (prompt logprobs are
+    the prompt steps', before any draft); a thinking budget that no position of the step can reach, or a grammar
+    not yet governing (ReasoningState.max_drafts); room left for the drafts and the model's next token. The
+    verification applies the rest to each of its rows: the grammar's mask after the drafts before the row
+    (GrammarMasks.verification), penalties (counting those drafts; speculation runs without async scheduling, so
+    the host history is complete), bad words (after the history and those drafts), allowed_token_ids and
+    min_tokens' stop bans, and it gives the logprobs (SpecLogprobs). Greedy and sampled requests alike:
+    verification keeps their output distribution exact (Sampler.verify_drafts)."""
     reasoning = getattr(req, "reasoning", None)
-    grammar_masks = sp.structured_outputs is not None and (reasoning is None or not reasoning.drafts_must_be_known)
-    if req.num_pending or sp.bad_words_history > 0 or sp.prompt_logprobs is not None or grammar_masks or sp.bad_words:
+    if req.num_pending:
         return 0
     room = req.max_tokens - req.num_output_tokens - 1
     k = max(0, min(room, max_new if max_new is not None else room))

@@ -34,6 +34,9 @@ class SamplingRow:
     # tokens generated before this sample, counting ones still in flight (async scheduling) that are not
     # in output_token_ids yet; None: len(output_token_ids). min_tokens needs only this count.
     num_generated: Optional[int] = None
+    # a verification row's drafts before it (bad words read them after output_token_ids; penalties count them from
+    # verify_drafts' prior)
+    drafted: Sequence[int] = ()
 
     @property
     def generated(self) -> int:
@@ -193,7 +196,8 @@ def _restrictions(rows: list[SamplingRow]) -> tuple[list, list]:
         if r.generated < sp.min_tokens:
             banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp._eos_token_ids))
         if sp._bad_words_token_ids:
-            banned += banned_tokens(sp._bad_words_token_ids, r.output_token_ids)
+            latest = [*r.output_token_ids, *r.drafted] if r.drafted else r.output_token_ids
+            banned += banned_tokens(sp._bad_words_token_ids, latest)
         if banned:
             bans.append((i, banned))
     return allowed, bans
@@ -322,8 +326,8 @@ class Sampler:
         a device tensor (-1 likewise). Penalties count each row's host history (SamplingRow.output_token_ids) and
         `prior` (apply_penalties: the drafts before the row), so row j's p is the one plain decoding would have
         after accepting them. allowed_token_ids and min_tokens' stop bans (row j counts j more generated tokens:
-        SamplingRow.generated) are applied as the sampler applies them, so a draft they exclude is rejected; bad words
-        are not (their prefixes would run through the drafts: speculative.spec_allowed keeps such requests out)."""
+        SamplingRow.generated) and bad words (after the row's history and the drafts before it: SamplingRow.drafted) are
+        applied as the sampler applies them, so a draft they exclude is rejected."""
         dev = logits.device
         allowed, bans = _restrictions(rows)
         if allowed or bans:  # (on a copy: the caller's logits stay as they are)

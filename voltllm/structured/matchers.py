@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,10 +35,13 @@ COMPILED_CACHE_SIZE = 128  # compiled grammars kept by key (a schema's compiled 
 
 @dataclass
 class GrammarMasks:
-    """One step's allowed-token rows (host int32, xgrammar's bitmask layout) of its constrained sampling requests."""
+    """One step's allowed-token rows (host int32, xgrammar's bitmask layout) of its constrained sampling requests,
+    and the constrained requests that draft in it (speculation): their verification rows' masks follow the drafts,
+    which a drafter on the device makes only as the step runs (`verification`)."""
 
     rows: dict[str, int]  # request id -> row of `bitmask`
     bitmask: torch.Tensor  # [len(rows), words]
+    drafting: dict[str, Request] = field(default_factory=dict)  # request id -> request, its grammar applying
 
     def for_requests(self, request_ids: list[str]) -> Optional[tuple[list[int], torch.Tensor]]:
         """For sampling rows of these requests, in this order: the rows that are constrained and their bitmask rows
@@ -49,6 +52,60 @@ class GrammarMasks:
         dst, src = zip(*picks)
         words = self.bitmask if list(src) == list(range(len(self.rows))) else self.bitmask[list(src)]
         return list(dst), words
+
+    def verification(self, drafts: list[tuple[str, list[int]]]) -> Optional[tuple[list[int], torch.Tensor]]:
+        """A verification's masks: `drafts` lists each drafting request's id and drafts in the verification's
+        order (its rows: one per draft and the one after). Returns the constrained rows and their bitmask rows
+        (host int32), as for_requests; None when none is constrained."""
+        picks, at = [], 0
+        for rid, d in drafts:
+            if rid in self.drafting:
+                picks.append((at, self.drafting[rid].grammar, d))
+            at += len(d) + 1
+        if not picks:
+            return None
+        words = torch.full((sum(len(d) + 1 for _, _, d in picks), self.bitmask.shape[1]), -1, dtype=torch.int32)
+        dst, row = [], 0
+        for at, matcher, d in picks:
+            draft_masks(matcher, d, words, row)
+            dst += range(at, at + len(d) + 1)
+            row += len(d) + 1
+        return dst, words
+
+
+def draft_masks(matcher: Any, drafts: list[int], bitmask: torch.Tensor, first: int) -> None:
+    """Rows first .. first + len(drafts) of `bitmask` (all-allowed on entry): row j, the tokens the grammar allows
+    after drafts[:j]. From a draft the grammar refuses on (or after one that ends it) the rows stay all-allowed: the
+    masked verification rejects that draft, so no later row is emitted. The matcher is left as it was."""
+    taken = 0
+    for j in range(len(drafts) + 1):
+        matcher.fill_next_token_bitmask(bitmask, first + j)
+        if j == len(drafts) or not matcher.accept_token(drafts[j]):
+            break
+        taken += 1
+        if matcher.is_terminated():
+            break
+    if taken:
+        matcher.rollback(taken)
+
+
+def valid_drafts(matcher: Any, drafts: list[int]) -> list[int]:
+    """The longest prefix of known drafts (n-gram, suffix) the grammar accepts: rows past a refused draft would be
+    verified for nothing. The matcher is left as it was."""
+    taken = 0
+    for tok in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(tok):
+            break
+        taken += 1
+    if taken:
+        matcher.rollback(taken)
+    return drafts[:taken]
+
+
+def grammar_applies(req: Request) -> bool:
+    """The request's grammar masks its next position whatever that token is: it has one and no reasoning comes
+    first (none, or it has ended: ReasoningState ON). Such a request may draft (speculative.spec_allowed)."""
+    return req.grammar is not None and (req.reasoning is None or req.reasoning.grammar == ON)
 
 
 class GrammarMatchers:
@@ -254,12 +311,17 @@ class GrammarMatchers:
         (ScheduledRequest list): a grammar's (with the reasoning's first token beside it where the first output
         token may open the reasoning), or a single forced token (a thinking budget's end:
         engine/reasoning_state.py). A request inside its reasoning, and a budget request short
-        of its budget, get none."""
+        of its budget, get none. Constrained requests that draft are listed for their verification instead."""
         rows: list[tuple[Request, Optional[int], Optional[int]]] = []  # (request, forced token, extra token)
+        drafting: dict[str, Request] = {}
         for s in scheduled:
             if not s.samples:
                 continue
             r = s.request
+            if s.spec_tokens:  # (masked in its verification: GrammarMasks.verification)
+                if grammar_applies(r):
+                    drafting[r.request_id] = r
+                continue
             st = r.reasoning
             if st is None:
                 if r.grammar is not None:
@@ -270,7 +332,7 @@ class GrammarMatchers:
                 rows.append((r, forced, None))
             elif r.grammar is not None and st.grammar in (OPEN, ON):
                 rows.append((r, None, st.start[0] if st.grammar == OPEN else None))
-        if not rows:
+        if not rows and not drafting:
             return None
         bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for i, (r, forced, extra) in enumerate(rows):
@@ -281,7 +343,7 @@ class GrammarMatchers:
             r.grammar.fill_next_token_bitmask(bitmask, i)
             if extra is not None:
                 _allow(bitmask, i, extra)
-        return GrammarMasks({r.request_id: i for i, (r, _, _) in enumerate(rows)}, bitmask)
+        return GrammarMasks({r.request_id: i for i, (r, _, _) in enumerate(rows)}, bitmask, drafting)
 
 
 def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:

@@ -18,7 +18,7 @@ from voltllm.engine.speculative import accept_drafts, accept_sampled
 from voltllm.engine.types import PositionLogprobs
 from voltllm.model.forward_context import ForwardContext
 from voltllm.host_to_device import to_device, upload
-from voltllm.sampling.bitmask import TokenBitmask
+from voltllm.sampling.bitmask import TokenBitmask, apply_token_bitmask_
 from voltllm.sampling.sampler import (DraftVerdicts, Sampler, SamplerOutput, SamplingRow, SpecLogprobs, pinned_copy,
                                       position_logprobs, token_ranks, verified_position_logprobs)
 from voltllm.worker.input_buffers import InputBuffers
@@ -850,7 +850,7 @@ class ModelRunner:
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
         if spec_rows:
-            self._verify_drafts(hidden, qsl, spec_rows, handle)
+            self._verify_drafts(hidden, qsl, spec_rows, handle, sched.grammar_masks)
         return LaunchedForward(sched, handle, hidden, meta, qsl, reqs, rows_idx, plp)
 
     @torch.inference_mode()
@@ -995,21 +995,33 @@ class ModelRunner:
             self._follower_events.append(torch.cuda.Event())
             self._follower_events[-1].record()
 
-    def _verify_drafts(self, hidden: torch.Tensor, qsl: list[int], rows: list, handle: StepHandle) -> None:
+    def _verify_drafts(self, hidden: torch.Tensor, qsl: list[int], rows: list, handle: StepHandle,
+                       grammar_masks=None) -> None:
         """Speculative rows: the model's greedy choice after the known token and after each draft (the last
-        1 + drafts positions of each request), taken to the host with the step; collect() accepts from them."""
+        1 + drafts positions of each request), taken to the host with the step; collect() accepts from them.
+        Structured outputs: each constrained row's logits are masked first (logprobs included, as the sampler
+        does), with the grammar's mask after the drafts before the row."""
         logits = self.model.compute_logits(hidden[to_device(_verify_rows(qsl, rows), torch.long, self.device)])
         draft_ids = self.draft.verification_drafts(rows) if self.draft is not None else None
+        known = _known_drafts(rows, draft_ids, grammar_masks)
+        if grammar_masks is not None and known is not None:
+            constrained = grammar_masks.verification(known)
+            if constrained is not None:
+                dst, words = constrained
+                apply_token_bitmask_(logits, TokenBitmask(upload(words, self.device),
+                                                          to_device(dst, torch.long, self.device)))
         if all(s.request.argmax_only for _, s in rows):
             out = self.sampler.sample_argmax(logits)  # the model's choices: collect() compares the drafts
         else:  # speculative sampling: per row, accept / reject its draft and a replacement token
             sampling_rows, drafts = [], []
-            for _, s in rows:
+            for n, (_, s) in enumerate(rows):
                 r = s.request
                 history = r.sampling_history()  # (penalties: every generated id; no step is in flight here)
+                # bad words read the drafts before each row too (penalties count them from `prior`, below)
+                before = known[n][1] if r.sampling_params.bad_words else ()
                 for j in range(len(s.spec_tokens) + 1):
                     sampling_rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, history, r.generator,
-                                                     r.num_output_tokens + j))
+                                                     r.num_output_tokens + j, before[:j]))
                     drafts.append(s.spec_tokens[j] if j < len(s.spec_tokens) else -1)
             q, drawn = self.draft.verification_probs(rows) if self.draft is not None else (None, None)
             all_drafts = drafts if draft_ids is None else draft_ids
@@ -1265,6 +1277,21 @@ def _prompt_logprob_rows(s) -> int:
     """How many of a scheduled chunk's rows predict prompt tokens (their logprobs are asked for): from its start to
     the end of the chunk or the prompt's last token, whichever is first."""
     return min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1) - s.start
+
+
+def _known_drafts(rows: list, draft_ids: Optional[torch.Tensor], grammar_masks) -> Optional[list[tuple[str, list]]]:
+    """Each drafting request's id and drafts on the host, in the verification's order, when a grammar's masks or bad
+    words need them (a drafter's are copied from the device: the step waits for them); else None."""
+    if not ((grammar_masks is not None and grammar_masks.drafting)
+            or any(s.request.sampling_params.bad_words for _, s in rows)):
+        return None
+    host = draft_ids.tolist() if draft_ids is not None else None
+    out, at = [], 0
+    for _, s in rows:
+        n = len(s.spec_tokens)
+        out.append((s.request.request_id, host[at:at + n] if host is not None else list(s.spec_tokens)))
+        at += n + 1
+    return out
 
 
 def _verify_rows(qsl: list[int], rows: list) -> list[int]:
