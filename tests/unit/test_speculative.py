@@ -101,7 +101,8 @@ def test_verified_tokens_keep_the_distribution(params):
     logits = torch.randn(1, 12) * 2
     sp = SamplingParams(**params)
     row = SamplingRow(sp, [], (), None, 0)
-    want = _shaped_probs(logits, [row])[0] if not sp.greedy else torch.nn.functional.one_hot(logits.argmax(-1), 12)[0].float()
+    want = (_shaped_probs(logits, [row])[0] if not sp.greedy
+            else torch.nn.functional.one_hot(logits.argmax(-1), 12)[0].float())
     sampler = Sampler(torch.Generator().manual_seed(1))
     n = 40_000
     for draft in (int(want.argmax()), int(want.argmin())):
