@@ -1612,6 +1612,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_qwen4_exp_cuda 240
     gpu_file test_lora_moe_cuda 90
     ;;
+  s158)  # (session 58) restricted requests speculating (structured outputs masked per verification row, bad words,
+          # penalties, allowed ids, min_tokens, logprobs, prompt logprobs); the plain speculative / structured files
+    gpu_file test_constrained_speculation_cuda 240
+    gpu_file test_structured_outputs_cuda 120
+    gpu_file test_speculative_cuda 120
+    for v in "" --v2; do
+      timeout 150 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 7 --batch 1,16 $v \
+        --out "$out/dflash-round${v/--/-}-$sha.json" 2>&1 | grep -E "^batch|DFlash|Error|error" | cut -c1-220
+    done
+    ;;
   s157r)  # (session 57) a DFlash2 round against a DFlash round at the 8B shape (dummy weights: acceptance 1)
     for v in "" --v2; do
       timeout 280 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 7 --batch 1,16 $v \
