@@ -26,6 +26,31 @@ def test_config():
             SpeculativeConfig.from_dict(bad)
 
 
+def test_dynamic_draft_schedule():
+    """vLLM's num_speculative_tokens_per_batch_size (or speculative_token_schedule): drafts per step by batch size,
+    the range before a gap (or past the last) holding, capped at num_speculative_tokens; checked as vLLM checks it."""
+    base = {"method": "ngram", "num_speculative_tokens": 4}
+    c = SpeculativeConfig.from_dict({**base, "num_speculative_tokens_per_batch_size": [[17, 32, 2], [1, 16, 6],
+                                                                                         [64, 128, 0]]})
+    assert c.draft_schedule == ((1, 16, 6), (17, 32, 2), (64, 128, 0))
+    assert [c.drafts_for_batch(b) for b in (1, 16, 17, 32, 33, 63, 64, 128, 500)] == [4, 4, 2, 2, 2, 2, 0, 0, 0]
+    assert SpeculativeConfig.from_dict(base).drafts_for_batch(300) == 4 and not SpeculativeConfig.from_dict(
+        base).draft_schedule
+    newer = SpeculativeConfig.from_dict({**base, "speculative_token_schedule": [[1, 8, 3], [9, 9, 1]]})
+    assert [newer.drafts_for_batch(b) for b in (8, 9, 10)] == [3, 1, 1]
+    key = "num_speculative_tokens_per_batch_size"
+    for schedule, msg in [([], "non-empty list"), ("1,2,3", "non-empty list"), ([[2, 8, 1]], "start at 1"),
+                          ([[1, 8, 1], [8, 9, 0]], "overlap at 8"), ([[1, 8, -1]], ">= 0"),
+                          ([[1, 0, 1]], "first <= last"), ([[1, 8]], "three integers"), ([[1, 8, 1.5]], "three"),
+                          ([[1, 8, 1, 4096, 2]], "context length")]:
+        with pytest.raises(SpeculativeConfigError, match=msg):
+            SpeculativeConfig.from_dict({**base, key: schedule})
+    with pytest.raises(SpeculativeConfigError, match="not both"):
+        SpeculativeConfig.from_dict({**base, key: [[1, 2, 1]], "speculative_token_schedule": [[1, 2, 1]]})
+    assert SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+                                        key: [[1, 4, 2], [5, 99, 0]]}).drafts_for_batch(5) == 0
+
+
 def _brute(tokens, lo, hi, k):
     """The most recent earlier occurrence of the longest suffix of length hi..lo, by scanning."""
     for n in range(min(hi, len(tokens) - 1), lo - 1, -1):

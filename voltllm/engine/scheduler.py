@@ -90,6 +90,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.spec = spec
+        # the most drafts a request may take this step (dynamic speculative decoding: by the running batch's size)
+        self._step_drafts = spec.num_speculative_tokens if spec is not None else 0
         # suffix decoding: its cache of recent outputs, and each request's automaton (freed when it finishes)
         self.suffix = None if spec is None or not spec.uses_suffix else SuffixProposer(
             spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
@@ -178,6 +180,8 @@ class Scheduler:
 
         i = 0
         kv, running = self.kv, self.running  # (the loop runs once per running request and step)
+        if self.spec is not None and self.spec.draft_schedule:
+            self._step_drafts = self.spec.drafts_for_batch(len(running))
         while i < len(running) and budget > 0:
             req = running[i]
             with_pending = len(req.all_token_ids) + req.num_pending
@@ -262,7 +266,7 @@ class Scheduler:
         """Drafts for a decoding request (none where speculation cannot keep its output exact): n-gram or suffix
         ones, or placeholders for a draft model's, which the runner fills before the step runs (their slots are
         allocated here, with the step's)."""
-        k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
+        k = spec_allowed(req, min(self._step_drafts, max_new))
         reasoning = req.reasoning
         if self.suffix is not None:  # (its automata take every token, also in steps that may not speculate)
             drafts = self.suffix.propose(req, k)

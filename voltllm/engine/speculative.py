@@ -44,6 +44,8 @@ _DRAFTER_KEYS = {"draft_sample_method", "enforce_eager", "kv_cache_dtype", "draf
 # vLLM's keys, per method; draft_tensor_parallel_size is accepted at 1 (the draft runs beside the target)
 _SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
+# vLLM's dynamic speculative decoding: drafts per step by the step's batch size (the older name and the newer one)
+_SCHEDULE_KEYS = ("num_speculative_tokens_per_batch_size", "speculative_token_schedule")
 _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
          "suffix": {"method", "num_speculative_tokens"} | _SUFFIX_KEYS,
          "draft_model": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
@@ -55,6 +57,7 @@ _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "pro
          | _DRAFTER_KEYS,
          "eagle3": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS}
+_KEYS = {method: keys | set(_SCHEDULE_KEYS) for method, keys in _KEYS.items()}
 # vLLM's methods refused here with a reason of their own
 _REFUSED: dict[str, str] = {}
 # draft_sample_method: "probabilistic" draws a sampled request's drafts from the drafter's own distribution q and
@@ -98,6 +101,20 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # dynamic speculative decoding (vLLM's num_speculative_tokens_per_batch_size): (first, last, drafts) batch-size
+    # ranges, sorted; empty: num_speculative_tokens at every batch size (drafts_for_batch)
+    draft_schedule: tuple[tuple[int, int, int], ...] = ()
+
+    def drafts_for_batch(self, batch_size: int) -> int:
+        """The most drafts a request may take in a step of `batch_size` requests: the schedule's K for the range
+        holding it (between ranges, and past the last, the K of the range before), at most num_speculative_tokens;
+        0 turns speculation off for that step."""
+        k = self.num_speculative_tokens
+        for first, _last, drafts in self.draft_schedule:
+            if first > batch_size:
+                break
+            k = min(drafts, self.num_speculative_tokens)
+        return k
 
     @property
     def uses_suffix(self) -> bool:
@@ -130,6 +147,12 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        cfg = cls._parse(d)
+        schedule = _draft_schedule(d)
+        return replace(cfg, draft_schedule=schedule) if schedule else cfg
+
+    @classmethod
+    def _parse(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         method = str(d.get("method") or "").lower()
         method = _ALIASES.get(method, method)
         if not method and d.get("model"):  # vLLM: a model without a method is a draft model
@@ -220,6 +243,49 @@ class SpeculativeConfig:
     def with_draft(self, path: str, hf_config: Any) -> "SpeculativeConfig":
         """This config with the draft resolved: its local path and HF config."""
         return replace(self, model=path, draft_hf_config=hf_config)
+
+
+def _draft_schedule(d: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's dynamic speculative decoding schedule, checked as vLLM checks it: [first, last, K] batch-size ranges
+    (inclusive, positive, first <= last, K >= 0), apart and starting at 1; returned sorted. Its (batch size x
+    context) form, five numbers a range, is refused."""
+    given = [key for key in _SCHEDULE_KEYS if d.get(key) is not None]
+    if not given:
+        return ()
+    if len(given) > 1:
+        raise SpeculativeConfigError(f"--speculative-config: give {given[0]} or {given[1]}, not both (the same "
+                                     "schedule under its older and newer names)")
+    key, raw = given[0], d[given[0]]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise SpeculativeConfigError(f"--speculative-config {key} must be a non-empty list of [first batch size, "
+                                     "last batch size, num_speculative_tokens] ranges, e.g. [[1, 16, 4], [17, 64, 1], "
+                                     "[65, 1024, 0]]")
+    ranges = []
+    for entry in raw:
+        if isinstance(entry, (list, tuple)) and len(entry) == 5:
+            raise SpeculativeConfigError(f"--speculative-config {key}: ranges of batch size and context length "
+                                         f"(five numbers, {list(entry)}) are not built; give [first, last, K] "
+                                         "batch-size ranges")
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+            raise SpeculativeConfigError(f"--speculative-config {key}: each range is three integers [first batch "
+                                         f"size, last batch size, num_speculative_tokens], got {entry!r}")
+        first, last, k = entry
+        if first < 1 or last < first:
+            raise SpeculativeConfigError(f"--speculative-config {key}: batch-size range {first}..{last} must be "
+                                         "positive with first <= last")
+        if k < 0:
+            raise SpeculativeConfigError(f"--speculative-config {key}: num_speculative_tokens {k} in range "
+                                         f"{first}..{last} must be >= 0 (0: no speculation at those batch sizes)")
+        ranges.append((first, last, k))
+    ranges.sort()
+    if ranges[0][0] != 1:
+        raise SpeculativeConfigError(f"--speculative-config {key}: the first batch-size range must start at 1 (so "
+                                     "every batch size has its number of drafts)")
+    for (_, last, _), (first, _, _) in zip(ranges, ranges[1:]):
+        if first <= last:
+            raise SpeculativeConfigError(f"--speculative-config {key}: batch-size ranges overlap at {first}")
+    return tuple(ranges)
 
 
 def _check_num_speculative_tokens(k: Any) -> None:
