@@ -42,7 +42,13 @@ def test_drafts_follow_the_batch_size_schedule(tiny_path, monkeypatch, method):
     cap = {1: 3, 2: 1}
     assert all(k <= cap.get(n, 0) for n, k in seen), seen
     assert {n for n, k in seen if k} == {1, 2} if method == "draft_model" else any(k for _, k in seen)
-    assert llm.engine.stats().extra["spec_draft_tokens"] == sum(k for _, k in seen) > 0
+    extra = llm.engine.stats().extra
+    assert extra["spec_draft_tokens"] == sum(k for _, k in seen) > 0
+    # the per-position counts (/metrics, the periodic log): drafts at position p are those of rounds with > p drafts
+    assert extra["spec_drafted_per_pos"] == [sum(k > p for _, k in seen) for p in range(3)]
+    assert extra["spec_drafts"] == sum(k > 0 for _, k in seen) == extra["spec_drafted_per_pos"][0]
+    assert sum(extra["spec_accepted_per_pos"]) == extra["spec_accepted_tokens"]
+    assert all(a <= d for a, d in zip(extra["spec_accepted_per_pos"], extra["spec_drafted_per_pos"]))
     llm.engine.check_integrity()
 
 

@@ -28,7 +28,8 @@ def _finished(prompt: int, lengths: list[int], metrics: RequestMetrics) -> Reque
 def test_vllm_names_mirror_voltllm_ones():
     stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queries=100,
                            prefix_cache_hits=40, num_preemptions=1,
-                           extra={"spec_draft_tokens": 12, "spec_accepted_tokens": 5})
+                           extra={"spec_draft_tokens": 12, "spec_accepted_tokens": 5, "spec_drafts": 6,
+                                  "spec_accepted_per_pos": [4, 1]})
     m = _metrics(stats)
     m.on_first_token(0.02)
     m.on_tokens(0.005, 3)
@@ -57,6 +58,8 @@ def test_vllm_names_mirror_voltllm_ones():
                                                ("model_name", "smol")))] == 1
     assert got[("vllm:generation_tokens_total", LAB)] == 4
     assert got[("vllm:spec_decode_num_accepted_tokens_total", LAB)] == 5
+    assert got[("vllm:spec_decode_num_drafts_total", LAB)] == 6
+    assert got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", LAB + (("position", "1"),))] == 1
     assert not any(n.startswith("vllm:http_requests") or n.startswith("vllm:num_requests_active") for n in names)
 
 

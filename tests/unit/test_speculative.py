@@ -172,11 +172,20 @@ def test_metrics_export_the_counters():
     from voltllm.engine.types import SchedulerStats
     from voltllm.entrypoints.openai.metrics import ServerMetrics
 
-    stats = SchedulerStats(extra={"spec_draft_tokens": 40, "spec_accepted_tokens": 9})
+    from voltllm.entrypoints.openai.cli_serve import spec_summary
+
+    extra = {"spec_draft_tokens": 40, "spec_accepted_tokens": 9, "spec_drafts": 12,
+             "spec_drafted_per_pos": [12, 12, 10, 6], "spec_accepted_per_pos": [6, 2, 1, 0]}
+    stats = SchedulerStats(extra=extra)
     text = generate_latest(ServerMetrics("m", lambda: stats, lambda: True, lambda: 0,
                                          max_model_len=64).registry).decode()
     assert 'voltllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0' in text
     assert 'voltllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0' in text
+    assert 'voltllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 12.0' in text
+    assert 'voltllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0' in text
+    assert spec_summary(extra) == (", drafts accepted 22.5% (mean acceptance length 1.75, per position 0.50, 0.17, "
+                                   "0.10, 0.00)")
+    assert spec_summary({"spec_draft_tokens": 0}) == ""
     plain = generate_latest(ServerMetrics("m", SchedulerStats, lambda: True, lambda: 0,
                                           max_model_len=64).registry).decode()
     assert "spec_decode" not in plain

@@ -14,6 +14,7 @@ whole unhealthy (the server then stops, as it does when its one engine dies).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import replace
 from typing import Any, AsyncIterator, Optional
@@ -169,6 +170,9 @@ class DataParallelLLM:
             for k, v in s.extra.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "max_lora":
                     extra[k] = extra.get(k, 0) + v
+                elif k.endswith("_per_pos"):  # (speculation's counts by draft position: summed position-wise)
+                    prev = extra.get(k, [])
+                    extra[k] = [a + b for a, b in itertools.zip_longest(prev, v, fillvalue=0)]
                 elif isinstance(v, list):
                     extra[k] = sorted(set(extra.get(k, [])) | set(v))
                 else:

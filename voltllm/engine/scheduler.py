@@ -99,6 +99,10 @@ class Scheduler:
         self.max_loras = max_loras
         self.num_draft_tokens = 0  # speculation: drafts scored, and accepted
         self.num_accepted_tokens = 0
+        self.num_drafts = 0  # verifications of a request's drafts (vLLM's spec_decode_num_drafts)
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.drafted_per_pos = [0] * k  # drafts scored / accepted at each position (0: the first draft)
+        self.accepted_per_pos = [0] * k
         self.waiting = make_waiting_queue(config.policy)
         self._by_priority = config.policy == "priority"  # the running list is kept in priority_key order
         # structured outputs: requests whose grammar is compiling (in the background); they join `waiting` when it
@@ -383,6 +387,11 @@ class Scheduler:
         tokens = req.all_token_ids
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += len(verified) - 1
+        self.num_drafts += 1
+        for pos in range(len(drafts)):
+            self.drafted_per_pos[pos] += 1
+        for pos in range(len(verified) - 1):
+            self.accepted_per_pos[pos] += 1
         status = None
         for i, tok in enumerate(verified):
             tokens.append(tok)
@@ -438,7 +447,9 @@ class Scheduler:
         adapters (running / waiting adapter names, as vLLM's lora_requests_info gauge labels them)."""
         extra: dict = {}
         if self.spec is not None:
-            extra.update(spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens)
+            extra.update(spec_draft_tokens=self.num_draft_tokens, spec_accepted_tokens=self.num_accepted_tokens,
+                         spec_drafts=self.num_drafts, spec_drafted_per_pos=list(self.drafted_per_pos),
+                         spec_accepted_per_pos=list(self.accepted_per_pos))
         if self.kv.cpu is not None:  # --kv-offloading-size: the CPU tier's lookups, as vLLM's KV connector's
             extra.update(external_prefix_cache_queries=self.kv.cpu_queries,
                          external_prefix_cache_hits=self.kv.cpu_hit_tokens)

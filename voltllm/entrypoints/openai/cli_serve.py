@@ -282,6 +282,19 @@ async def _watch_engine(engine: Any, server: Any, holder: dict) -> None:
         server.should_exit = True
 
 
+def spec_summary(extra: dict) -> str:
+    """The periodic log's speculation part, as vLLM's: acceptance since start, the mean acceptance length (tokens a
+    verification emits) and each draft position's acceptance rate; empty before any draft."""
+    drafts = extra.get("spec_draft_tokens", 0)
+    if not drafts:
+        return ""
+    per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(extra.get("spec_accepted_per_pos", ()),
+                                                        extra.get("spec_drafted_per_pos", ())) if d)
+    mean = 1 + extra["spec_accepted_tokens"] / extra["spec_drafts"] if extra.get("spec_drafts") else 1.0
+    return (f", drafts accepted {extra['spec_accepted_tokens'] / drafts * 100:.1f}% (mean acceptance length "
+            f"{mean:.2f}, per position {per_pos})")
+
+
 async def _log_stats(engine: Any, metrics: Any, every: float = 10.0) -> None:
     last_gen, last_prompt, last_t = 0, 0, time.monotonic()
     while True:
@@ -293,8 +306,7 @@ async def _log_stats(engine: Any, metrics: Any, every: float = 10.0) -> None:
             continue
         dt = now - last_t
         rate = s.prefix_cache_hits / s.prefix_cache_queries * 100 if s.prefix_cache_queries else 0.0
-        drafts = s.extra.get("spec_draft_tokens", 0)
-        spec = (f", drafts accepted {s.extra['spec_accepted_tokens'] / drafts * 100:.1f}%" if drafts else "")
+        spec = spec_summary(s.extra)
         cpu_queries = s.extra.get("external_prefix_cache_queries")  # --kv-offloading-size (vLLM logs it so)
         cpu = (f", external prefix-cache hit rate {s.extra['external_prefix_cache_hits'] / cpu_queries * 100:.1f}%"
                if cpu_queries else "")

@@ -56,7 +56,8 @@ VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
     "num_requests_running", "num_requests_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
     "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
     "inter_token_latency_seconds", "e2e_request_latency_seconds", "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens", "time_per_output_token_seconds", "request_time_per_output_token_seconds",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_drafts", "spec_decode_num_accepted_tokens_per_pos",
+    "time_per_output_token_seconds", "request_time_per_output_token_seconds",
     "request_prompt_tokens", "request_generation_tokens", "request_max_num_generation_tokens",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
     "request_inference_time_seconds", "lora_requests_info", "iteration_tokens_total", "request_params_n",
@@ -98,10 +99,10 @@ class _EngineCollector(Collector):
         lab = ["model_name", "engine"]
         families: dict[str, Any] = {}
 
-        def add(kind: Any, name: str, doc: str, index: int, value: float) -> None:
+        def add(kind: Any, name: str, doc: str, index: int, value: float, **more: str) -> None:
             if name not in families:
-                families[name] = kind(name, doc, labels=lab)
-            families[name].add_metric([self.model, str(index)], value)
+                families[name] = kind(name, doc, labels=lab + list(more))
+            families[name].add_metric([self.model, str(index), *more.values()], value)
 
         for i, (s, alive, active) in enumerate(samples):
             add(GaugeMetricFamily, "voltllm:num_requests_running", "Requests in the engine's running batch.", i,
@@ -133,6 +134,11 @@ class _EngineCollector(Collector):
                     "speculative steps.", i, s.extra["spec_draft_tokens"])
                 add(CounterMetricFamily, "voltllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (each "
                     "one a decode step saved).", i, s.extra["spec_accepted_tokens"])
+                add(CounterMetricFamily, "voltllm:spec_decode_num_drafts", "Verifications of a request's drafts "
+                    "(mean acceptance length: 1 + accepted tokens / drafts).", i, s.extra.get("spec_drafts", 0))
+                for pos, n in enumerate(s.extra.get("spec_accepted_per_pos", ())):
+                    add(CounterMetricFamily, "voltllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                        "accepted at each draft position (0: the first draft).", i, n, position=str(pos))
             add(GaugeMetricFamily, "voltllm:engine_alive", "1 while the engine process is up.", i,
                 1.0 if alive else 0.0)
         yield from families.values()
