@@ -23,7 +23,7 @@ def patch_ngram(monkeypatch: Any, table: dict, vocab: int) -> None:
     from voltllm.engine.speculative import spec_allowed
 
     def propose(self, req, max_new):
-        k = spec_allowed(req, min(self.spec.num_speculative_tokens, max_new))
+        k = spec_allowed(req, min(self._step_drafts, max_new))  # (the dynamic schedule's cap too)
         full = table.get(tuple(req.prompt_token_ids))
         if k <= 0 or full is None:
             return []

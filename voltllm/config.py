@@ -775,8 +775,10 @@ class EngineArgs:
             kv_offloading_size=offload_gib, kv_offloading_backend=self.kv_offloading_backend)
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
                                 max_model_len=max_model_len,
-                                # speculation proposes from the host's tokens: a step waits for the one before
-                                async_scheduling=self.async_scheduling and spec is None,
+                                # speculation proposes from the host's tokens: a step waits for the one before;
+                                # with host drafts and a dynamic schedule that turns it off at some batch sizes, the
+                                # steps there overlap (EngineCore._may_draft)
+                                async_scheduling=self.async_scheduling and (spec is None or _async_with(spec)),
                                 policy=self.scheduling_policy,
                                 long_prefill_token_threshold=_long_prefill_threshold(
                                     self.long_prefill_token_threshold, self.max_num_partial_prefills,
@@ -831,6 +833,12 @@ class EngineArgs:
 
             require_acceleration(config)
         return config
+
+
+def _async_with(spec: Any) -> bool:
+    """Speculation that keeps async scheduling for its steps without drafts: drafts made on the host (n-gram,
+    suffix; a drafter on the device runs beside every step) and a dynamic schedule with K = 0 for some batch sizes."""
+    return not spec.drafts_on_device and any(k == 0 for _, _, k in spec.draft_schedule)
 
 
 def _long_prefill_threshold(threshold: Any, partial: Any, long_partial: Any, max_model_len: int) -> int:

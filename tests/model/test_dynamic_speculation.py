@@ -37,6 +37,15 @@ def test_drafts_follow_the_batch_size_schedule(tiny_path, monkeypatch, method):
 
     monkeypatch.setattr(Scheduler, "_propose", propose)
     llm = LLM(tiny_path, block_size=4, speculative_config=spec)
+    engine = llm.engine
+    launches = []  # (a step in flight at the launch, the step has drafts)
+    launch = engine.runner.launch_forward
+
+    def spy(sched):
+        launches.append((engine._inflight is not None, any(s.spec_tokens for s in sched.scheduled)))
+        return launch(sched)
+
+    monkeypatch.setattr(engine.runner, "launch_forward", spy)
     outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
     cap = {1: 3, 2: 1}
@@ -49,6 +58,11 @@ def test_drafts_follow_the_batch_size_schedule(tiny_path, monkeypatch, method):
     assert extra["spec_drafts"] == sum(k > 0 for _, k in seen) == extra["spec_drafted_per_pos"][0]
     assert sum(extra["spec_accepted_per_pos"]) == extra["spec_accepted_tokens"]
     assert all(a <= d for a, d in zip(extra["spec_accepted_per_pos"], extra["spec_drafted_per_pos"]))
+    # host drafts keep async scheduling where the schedule says 0: those steps launch while the previous one runs;
+    # a step that may draft waits for it (its drafts follow every token). A drafter on the device stays synchronous.
+    assert engine.async_scheduling == (method == "ngram")
+    assert not any(inflight and drafted for inflight, drafted in launches)
+    assert any(inflight for inflight, _ in launches) == (method == "ngram")
     llm.engine.check_integrity()
 
 
@@ -59,3 +73,74 @@ def test_a_schedule_of_zeros_never_speculates(tiny_path):
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert llm.engine.stats().extra["spec_draft_tokens"] == 0
     llm.engine.check_integrity()
+
+
+def test_async_steps_between_speculating_ones_equal_sync(tiny_path):
+    """A schedule that speculates only below three running requests, with async scheduling on and off: greedy,
+    seeded sampled, penalized and logprobs requests give the same tokens and logprobs either way."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]}
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2),
+              SamplingParams(temperature=0.7, seed=9, max_tokens=36, ignore_eos=True, logprobs=1)]
+    runs = []
+    for async_scheduling in (True, False):
+        llm = LLM(tiny_path, block_size=4, speculative_config=spec, async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling == async_scheduling
+        outs = llm.generate(PROMPTS, params)
+        runs.append([(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs or []])
+                     for o in outs])
+        assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+        llm.engine.check_integrity()
+    assert runs[0] == runs[1]
+
+
+def test_requests_arriving_after_a_speculative_step(tiny_path, monkeypatch):
+    """Two requests speculate (oracle drafts, most accepted), then two more arrive: the step that admits them has
+    drafts and the next, at four running, none (K = 0, async). The speculative step's tokens are taken on the host
+    before that step is scheduled, so every request's tokens equal plain decoding's."""
+    from spec_oracle import oracle_table, patch_ngram
+    from voltllm.engine.types import EngineCoreRequest
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 2, 3],
+                                                                                                       [3, 64, 0]]}
+    plain = LLM(tiny_path, block_size=4)
+    tok = plain.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    patch_ngram(monkeypatch, oracle_table(prompts, want), len(tok))
+    llm = LLM(tiny_path, block_size=4, speculative_config=spec)
+    core = llm.engine
+    got = {str(i): [] for i in range(4)}
+    launches = []  # per launch: (a step in flight, it has drafts, this step has drafts)
+    launch = core.runner.launch_forward
+
+    def spy(sched):
+        held = core._inflight[0].scheduled if core._inflight is not None else None
+        launches.append((held is not None, held is not None and any(s.spec_tokens for s in held),
+                         any(s.spec_tokens for s in sched.scheduled)))
+        return launch(sched)
+
+    monkeypatch.setattr(core.runner, "launch_forward", spy)
+
+    def step():
+        for out in core.step():
+            got[out.request_id] += out.new_token_ids
+
+    for i in (0, 1):
+        core.add_request(EngineCoreRequest(str(i), prompts[i], sp))
+    for _ in range(6):
+        step()
+    assert core.scheduler.num_accepted_tokens > 0
+    for i in (2, 3):
+        core.add_request(EngineCoreRequest(str(i), prompts[i], sp))
+    while core.has_unfinished_requests():
+        step()
+    assert [got[str(i)] for i in range(4)] == want
+    # K = 0 steps overlapped the one before; never a speculative one (its requests would sit out a step), and a step
+    # with drafts never launched with one in flight
+    assert any(inflight for inflight, _, _ in launches)
+    assert not any(spec_held or (inflight and drafted) for inflight, spec_held, drafted in launches), launches
+    core.check_integrity()

@@ -303,6 +303,14 @@ class EngineCore:
             self.scheduler.drop(r)
             self._request_errors.append((r.request_id, message))
 
+    def _may_draft(self) -> bool:
+        """Whether this step's requests may take drafts (speculation on, and its dynamic schedule gives the running
+        batch's size some). Async scheduling with speculation (host drafts and a schedule with K = 0 somewhere:
+        EngineArgs) finishes the step in flight before scheduling such a step, so the drafts follow every token;
+        at K = 0 steps overlap as without speculation."""
+        spec = self.scheduler.spec
+        return spec is not None and spec.drafts_for_batch(len(self.scheduler.running)) > 0
+
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         sched, handle = self._inflight
         self._inflight = None
@@ -355,8 +363,10 @@ class EngineCore:
             if self.grammar_wait_s > 0 and self.waiting_only_for_grammars():
                 self.grammars.wait(self.grammar_wait_s)
                 self._admit_compiled()
-        sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
+        if self._inflight is not None and self._may_draft():
+            outputs += self._finish_inflight()  # (drafts are proposed from the host's tokens)
+        sched = self.scheduler.schedule()
         if self._inflight is not None and (not sched.empty and self.runner.needs_host_history(sched)):
             outputs += self._finish_inflight()
         handle = None
@@ -381,7 +391,8 @@ class EngineCore:
             outputs += self._finish_inflight()
         if handle is not None:
             self._inflight = (sched, handle)
-            if not self.async_scheduling:
+            # (a speculative step's tokens are verified on the host before the next step is scheduled)
+            if not self.async_scheduling or any(s.spec_tokens for s in sched.scheduled):
                 outputs += self._finish_inflight()
         outputs += self.scheduler.take_abort_notices()
         self._drop_retired_loras()
