@@ -75,6 +75,27 @@ def test_a_schedule_of_zeros_never_speculates(tiny_path):
     llm.engine.check_integrity()
 
 
+def test_get_metrics_reads_as_vllms(tiny_path):
+    """LLM.get_metrics() as vLLM's speculative-decoding example reads it: drafts, draft and accepted tokens, and the
+    per-position Vector, equal to the engine's counts; no speculative metrics without speculation."""
+    from voltllm.engine.metrics_snapshot import Counter, Gauge, Vector
+
+    spec = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3}
+    llm = LLM(tiny_path, block_size=4, speculative_config=spec)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    sched = llm.engine.scheduler
+    got = {m.name: m for m in llm.get_metrics()}
+    assert isinstance(got["vllm:spec_decode_num_drafts"], Counter)
+    assert got["vllm:spec_decode_num_drafts"].value == sched.num_drafts > 0
+    assert got["vllm:spec_decode_num_draft_tokens"].value == sched.num_draft_tokens
+    assert got["voltllm:spec_decode_num_accepted_tokens"].value == sched.num_accepted_tokens > 0  # (a self-draft)
+    per_pos = got["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and per_pos.values == sched.accepted_per_pos and len(per_pos.values) == 3
+    assert isinstance(got["vllm:num_requests_running"], Gauge) and got["vllm:num_requests_running"].value == 0
+    plain = {m.name for m in LLM(tiny_path, block_size=4).get_metrics()}
+    assert "vllm:num_preemptions" in plain and not any("spec_decode" in n for n in plain)
+
+
 def test_async_steps_between_speculating_ones_equal_sync(tiny_path):
     """A schedule that speculates only below three running requests, with async scheduling on and off: greedy,
     seeded sampled, penalized and logprobs requests give the same tokens and logprobs either way."""

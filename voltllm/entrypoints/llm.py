@@ -185,6 +185,14 @@ class LLM:
                              f"models: this LLM runs a {self.config.model.runner} model; create it with "
                              f"runner={runner!r}")
 
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): the engine's counters and gauges now (engine/metrics_snapshot.py: Counter,
+        Gauge and Vector, under voltllm's and vLLM's names), speculative decoding's drafts and per-position
+        acceptance included."""
+        from voltllm.engine.metrics_snapshot import metrics_snapshot
+
+        return metrics_snapshot(self.engine.stats())
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
