@@ -675,13 +675,10 @@ class EngineArgs:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's maximum context "
                               + (f"(its sliding window, {window} tokens: voltllm runs full attention up to it)"
                                  if derived_max == window else f"({derived_max} positions in its config)"))
-        if spec is not None and spec.uses_draft_model and _max_positions(spec.draft_hf_config) < max_model_len:
-            if fit:  # auto: the draft's positions bound the fitted length too
-                max_model_len = _max_positions(spec.draft_hf_config)
-            else:
-                raise ConfigError(f"--speculative-config: the draft model holds "
-                                  f"{_max_positions(spec.draft_hf_config)} positions, fewer than --max-model-len "
-                                  f"{max_model_len}; lower --max-model-len")
+        if spec is not None:  # (a draft model with fewer positions drafts up to them; plain decoding beyond, as vLLM)
+            spec = replace(spec, max_model_len=speculative_max_len(
+                spec.max_model_len, _max_positions(spec.draft_hf_config) if spec.uses_draft_model else None,
+                max_model_len))
         kv_bytes = (None if self.kv_cache_memory_bytes is None
                     else parse_size("--kv-cache-memory-bytes", self.kv_cache_memory_bytes, "bytes"))
         if kv_bytes is not None and kv_bytes < 1:
@@ -833,6 +830,20 @@ class EngineArgs:
 
             require_acceleration(config)
         return config
+
+
+def speculative_max_len(given: Optional[int], draft_positions: Optional[int], target_len: int) -> Optional[int]:
+    """The longest sequence that drafts, as vLLM derives it: --speculative-config max_model_len when given (at most a
+    draft model's positions and --max-model-len), else a draft model's positions where fewer than --max-model-len;
+    None: no limit but --max-model-len's."""
+    if given is not None:
+        if draft_positions is not None and given > draft_positions:
+            raise ConfigError(f"--speculative-config max_model_len {given} exceeds the draft model's "
+                              f"{draft_positions} positions")
+        if given > target_len:
+            raise ConfigError(f"--speculative-config max_model_len {given} exceeds --max-model-len {target_len}")
+        return given
+    return draft_positions if draft_positions is not None and draft_positions < target_len else None
 
 
 def _async_with(spec: Any) -> bool:

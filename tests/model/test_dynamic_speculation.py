@@ -165,3 +165,49 @@ def test_requests_arriving_after_a_speculative_step(tiny_path, monkeypatch):
     assert any(inflight for inflight, _, _ in launches)
     assert not any(spec_held or (inflight and drafted) for inflight, spec_held, drafted in launches), launches
     core.check_integrity()
+
+
+def test_a_draft_model_with_fewer_positions_drafts_up_to_them(tiny_path, tmp_path, monkeypatch):
+    """vLLM's rule for a draft model of fewer positions than --max-model-len: it drafts while a request's tokens
+    and drafts fit in them, plain decoding beyond (no refusal); `max_model_len` in --speculative-config sets that
+    limit for any method. The tokens equal plain decoding's."""
+    short = make_model(str(tmp_path / "short"), "llama", max_position_embeddings=40)  # (the target's weights)
+    spec = {"method": "draft_model", "model": short, "num_speculative_tokens": 3}
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = LLM(tiny_path, block_size=4).generate(PROMPTS[:2], sp)
+    seen = []  # (tokens before the step, drafts taken)
+    orig = Scheduler._propose
+
+    def propose(self, req, max_new):
+        drafts = orig(self, req, max_new)
+        seen.append((len(req.all_token_ids), len(drafts)))
+        return drafts
+
+    monkeypatch.setattr(Scheduler, "_propose", propose)
+    for kw, limit in ((spec, 40), ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                    "max_model_len": 30}, 30)):
+        seen.clear()
+        llm = LLM(tiny_path, block_size=4, speculative_config=kw)
+        assert llm.engine.scheduler.spec.max_model_len == limit
+        outs = llm.generate(PROMPTS[:2], sp)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        assert all(n + k <= limit for n, k in seen if k), seen
+        assert any(k for _, k in seen) and any(n >= limit for n, _ in seen)  # (drafts below it, none beyond)
+        llm.engine.check_integrity()
+
+
+def test_speculative_max_model_len_checks():
+    from voltllm.config import ConfigError, speculative_max_len
+    from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+
+    assert speculative_max_len(None, 40, 256) == 40 and speculative_max_len(None, 512, 256) is None
+    assert speculative_max_len(None, None, 256) is None and speculative_max_len(100, None, 256) == 100
+    with pytest.raises(ConfigError, match="exceeds the draft model's 40 positions"):
+        speculative_max_len(64, 40, 256)
+    with pytest.raises(ConfigError, match="exceeds --max-model-len 256"):
+        speculative_max_len(300, None, 256)
+    for bad in (0, "64", 1.5, True):
+        with pytest.raises(SpeculativeConfigError, match="max_model_len must be a positive integer"):
+            SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "max_model_len": bad})
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 50})
+    assert (c.drafts_room(45), c.drafts_room(60)) == (5, 0)

@@ -270,7 +270,8 @@ class Scheduler:
         """Drafts for a decoding request (none where speculation cannot keep its output exact): n-gram or suffix
         ones, or placeholders for a draft model's, which the runner fills before the step runs (their slots are
         allocated here, with the step's)."""
-        k = spec_allowed(req, min(self._step_drafts, max_new))
+        room = self.spec.drafts_room(len(req.all_token_ids))  # (speculative max_model_len: plain beyond it)
+        k = spec_allowed(req, min(self._step_drafts, max_new, room if room is not None else max_new))
         reasoning = req.reasoning
         if self.suffix is not None:  # (its automata take every token, also in steps that may not speculate)
             drafts = self.suffix.propose(req, k)

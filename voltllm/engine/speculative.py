@@ -57,7 +57,8 @@ _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "pro
          | _DRAFTER_KEYS,
          "eagle3": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS}
-_KEYS = {method: keys | set(_SCHEDULE_KEYS) for method, keys in _KEYS.items()}
+# every method also takes vLLM's max_model_len: the longest sequence that drafts (beyond it, plain decoding)
+_KEYS = {method: keys | set(_SCHEDULE_KEYS) | {"max_model_len"} for method, keys in _KEYS.items()}
 # vLLM's methods refused here with a reason of their own
 _REFUSED: dict[str, str] = {}
 # draft_sample_method: "probabilistic" draws a sampled request's drafts from the drafter's own distribution q and
@@ -104,6 +105,9 @@ class SpeculativeConfig:
     # dynamic speculative decoding (vLLM's num_speculative_tokens_per_batch_size): (first, last, drafts) batch-size
     # ranges, sorted; empty: num_speculative_tokens at every batch size (drafts_for_batch)
     draft_schedule: tuple[tuple[int, int, int], ...] = ()
+    # vLLM's max_model_len: a request drafts only while its tokens and drafts fit in it; as given, then (EngineArgs:
+    # speculative_max_len) at most the target's --max-model-len and a draft model's positions
+    max_model_len: Optional[int] = None
 
     def drafts_for_batch(self, batch_size: int) -> int:
         """The most drafts a request may take in a step of `batch_size` requests: the schedule's K for the range
@@ -145,11 +149,19 @@ class SpeculativeConfig:
         """The scheduler reserves placeholder draft slots the runner fills (draft model, DFlash, MTP, EAGLE-1 / 3)."""
         return self.method in ("draft_model", "dflash", "mtp", "eagle", "eagle3")
 
+    def drafts_room(self, num_tokens: int) -> Optional[int]:
+        """The most drafts a request of num_tokens tokens may take under max_model_len (None: no such limit)."""
+        return None if self.max_model_len is None else max(0, self.max_model_len - num_tokens)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         cfg = cls._parse(d)
         schedule = _draft_schedule(d)
-        return replace(cfg, draft_schedule=schedule) if schedule else cfg
+        limit = d.get("max_model_len")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise SpeculativeConfigError(f"--speculative-config max_model_len must be a positive integer (the "
+                                         f"longest sequence that takes drafts), got {limit!r}")
+        return replace(cfg, draft_schedule=schedule, max_model_len=limit)
 
     @classmethod
     def _parse(cls, d: dict[str, Any]) -> "SpeculativeConfig":
