@@ -18,6 +18,20 @@ def tiny_path(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("tiny")), "llama", max_position_embeddings=256)
 
 
+def _record_proposals(monkeypatch, key) -> list:
+    """Scheduler._propose as usual, recording (key(scheduler, request), drafts taken) for each proposal."""
+    seen = []
+    orig = Scheduler._propose
+
+    def propose(self, req, max_new):
+        drafts = orig(self, req, max_new)
+        seen.append((key(self, req), len(drafts)))
+        return drafts
+
+    monkeypatch.setattr(Scheduler, "_propose", propose)
+    return seen
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_drafts_follow_the_batch_size_schedule(tiny_path, monkeypatch, method):
     """Four requests, two of them short: while three or more run, no drafts (K = 0); with two, at most 1; alone, at
@@ -27,15 +41,7 @@ def test_drafts_follow_the_batch_size_schedule(tiny_path, monkeypatch, method):
     spec["num_speculative_tokens_per_batch_size"] = [[1, 1, 3], [2, 2, 1], [3, 64, 0]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 12, 24, 40)]
     want = LLM(tiny_path, block_size=4).generate(PROMPTS, params)
-    seen = []  # (requests running, drafts a request took)
-    orig = Scheduler._propose
-
-    def propose(self, req, max_new):
-        drafts = orig(self, req, max_new)
-        seen.append((len(self.running), len(drafts)))
-        return drafts
-
-    monkeypatch.setattr(Scheduler, "_propose", propose)
+    seen = _record_proposals(monkeypatch, lambda sched, req: len(sched.running))  # (requests running, drafts)
     llm = LLM(tiny_path, block_size=4, speculative_config=spec)
     engine = llm.engine
     launches = []  # (a step in flight at the launch, the step has drafts)
@@ -175,15 +181,7 @@ def test_a_draft_model_with_fewer_positions_drafts_up_to_them(tiny_path, tmp_pat
     spec = {"method": "draft_model", "model": short, "num_speculative_tokens": 3}
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = LLM(tiny_path, block_size=4).generate(PROMPTS[:2], sp)
-    seen = []  # (tokens before the step, drafts taken)
-    orig = Scheduler._propose
-
-    def propose(self, req, max_new):
-        drafts = orig(self, req, max_new)
-        seen.append((len(req.all_token_ids), len(drafts)))
-        return drafts
-
-    monkeypatch.setattr(Scheduler, "_propose", propose)
+    seen = _record_proposals(monkeypatch, lambda sched, req: len(req.all_token_ids))  # (tokens, drafts)
     for kw, limit in ((spec, 40), ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                     "max_model_len": 30}, 30)):
         seen.clear()
