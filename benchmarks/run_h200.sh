@@ -1626,6 +1626,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # K = 4 (prompt_lookup_min 1: random weights give many rejected drafts, speculation's cost), and n-gram K = 4
           # with num_speculative_tokens_per_batch_size [[1, 8, 4], [9, 1024, 0]] (async at K = 0 steps; and without)
     ng='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1'
+    gpu_file test_dynamic_speculation_cuda 150
     dsd="{$ng, \"num_speculative_tokens_per_batch_size\": [[1, 8, 4], [9, 1024, 0]]}"
     for label in plain ngram dsd dsdsync; do
       case $label in
