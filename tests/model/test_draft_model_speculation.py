@@ -252,9 +252,11 @@ def test_bad_configs_are_refused(models, tmp_path):
         LLM(target, speculative_config={**_spec(target), "draft_tensor_parallel_size": 2})
     with pytest.raises(ConfigError, match="cannot load the draft model"):
         LLM(target, speculative_config=_spec(str(tmp_path / "missing")))
+    # a draft of fewer positions drafts up to them (tests/model/test_dynamic_speculation.py); a speculative
+    # max_model_len past them is refused
     short = make_model(str(tmp_path / "short"), "llama", max_position_embeddings=64)
-    with pytest.raises(ConfigError, match="positions"):
-        LLM(target, max_model_len=128, speculative_config=_spec(short))
+    with pytest.raises(ConfigError, match="exceeds the draft model's 64 positions"):
+        LLM(target, max_model_len=128, speculative_config={**_spec(short), "max_model_len": 100})
 
 
 def test_hybrid_drafts_are_refused(models, tmp_path):
