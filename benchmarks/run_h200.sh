@@ -1622,7 +1622,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         --out "$out/dflash-round${v/--/-}-$sha.json" 2>&1 | grep -E "^batch|DFlash|Error|error" | cut -c1-220
     done
     ;;
-  s158b)  # (session 58) dynamic speculative decoding: qwen3-8b shape at 1 / 64 concurrent, no speculation, n-gram
+  s158b)  # (session 58) dynamic speculative decoding: qwen3-8b shape at 64 concurrent, no speculation, n-gram
           # K = 4 (prompt_lookup_min 1: random weights give many rejected drafts, speculation's cost), and n-gram K = 4
           # with num_speculative_tokens_per_batch_size [[1, 8, 4], [9, 1024, 0]] (async at K = 0 steps; and without)
     ng='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1'
@@ -1635,7 +1635,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         dsd) extra=(--speculative-config "$dsd");;
         dsdsync) extra=(--speculative-config "$dsd" --no-async-scheduling);;
       esac
-      bench_via "timeout 150 python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 1,64 --input-len 128 \
+      bench_via "timeout 150 python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
         --output-len 128 --num-warm 1 --name "dsd-$label-$sha" "${extra[@]}" > "$out/dsd-$label.log" 2>&1
       echo "$label: $(grep -E '^(output_tok_s|concurrent_decode|Error)' "$out/dsd-$label.log" | tr '\n' ' ' | cut -c1-300)"
     done
