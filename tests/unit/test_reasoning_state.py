@@ -116,7 +116,8 @@ def test_may_constrain_keeps_budget_requests_on_the_fast_path_until_near_the_bud
 
 
 def _scheduled(rid, reasoning, grammar=None):
-    return SimpleNamespace(samples=True, request=SimpleNamespace(request_id=rid, reasoning=reasoning, grammar=grammar))
+    return SimpleNamespace(samples=True, spec_tokens=(),
+                           request=SimpleNamespace(request_id=rid, reasoning=reasoning, grammar=grammar))
 
 
 def test_masks_give_a_forced_token_a_one_token_row_and_free_reasoning_none():
@@ -147,7 +148,11 @@ def test_spec_allowed_caps_drafts_by_the_budget():
     req.sampling_params, req.reasoning = grammar, ReasoningState((S,), (E,), None, True, [S])
     assert spec_allowed(req, 8) == 8  # inside the reasoning no mask applies
     req.reasoning = None
+    assert spec_allowed(req, 8) == 8  # the grammar governs: its masks follow the drafts (GrammarMasks.verification)
+    req.reasoning = ReasoningState((S,), (E,), None, True, [1, 2])  # the first token may open the reasoning
     assert spec_allowed(req, 8) == 0
+    req.reasoning.accept(7)  # (not the start: the grammar governs from here)
+    assert spec_allowed(req, 8) == 8
 
 
 def test_sampling_params_take_vllms_values():

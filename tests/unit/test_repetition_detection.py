@@ -137,10 +137,12 @@ def test_stops_and_length_come_first_and_min_tokens_holds_it_back():
 
 def test_a_verified_speculative_run_is_cut_at_the_repeating_token():
     sched = Scheduler.__new__(Scheduler)  # (_append_verified reads only its draft counters)
-    sched.num_draft_tokens = sched.num_accepted_tokens = 0
+    sched.num_draft_tokens = sched.num_accepted_tokens = sched.num_drafts = 0
+    sched.drafted_per_pos, sched.accepted_per_pos = [0] * 4, [0] * 4
     req = _request(SamplingParams(max_tokens=100, repetition_detection=REP))
     _feed(req, [10, 20, 10, 20])
     kept, status = sched._append_verified(req, [10, 20, 10, 20], [10, 20, 10, 20, 10], 1024)
     assert kept == [10, 20] and status is RequestStatus.FINISHED_REPETITION
+    assert (sched.num_drafts, sched.drafted_per_pos, sched.accepted_per_pos) == (1, [1] * 4, [1] * 4)
     assert req.output_token_ids == [10, 20] * 3 and req.stop_reason == "repetition_detected"
 

@@ -282,13 +282,28 @@ def test_multi_token_bad_words_wait_for_the_step_in_flight():
     assert list(_request(SamplingParams(), output=[4]).sampling_history()) == []
 
 
-def test_bad_words_requests_take_no_drafts_and_allowed_ids_ones_do():
-    """Bad words would need their prefixes run through the drafts; allowed_token_ids is one mask for every
-    verification row (Sampler.verify_drafts applies it)."""
+def test_bad_words_and_allowed_ids_requests_take_drafts():
+    """Sampler.verify_drafts applies both to every verification row: bad words after the history and the drafts
+    before the row (SamplingRow.drafted), allowed_token_ids as one mask."""
     from voltllm.engine.speculative import spec_allowed
 
     bad = dict(bad_words=["x"], _bad_words_token_ids=((5,),))
     assert spec_allowed(_request(SamplingParams(max_tokens=50)), 4) == 4
-    assert spec_allowed(_request(SamplingParams(max_tokens=50, **bad)), 4) == 0
-    assert spec_allowed(_request(SamplingParams(max_tokens=50, temperature=0, **bad)), 4) == 0
+    assert spec_allowed(_request(SamplingParams(max_tokens=50, **bad)), 4) == 4
+    assert spec_allowed(_request(SamplingParams(max_tokens=50, temperature=0, **bad)), 4) == 4
     assert spec_allowed(_request(SamplingParams(max_tokens=50, allowed_token_ids=[1, 2])), 4) == 4
+
+
+def test_verification_rows_ban_bad_words_completed_by_the_drafts_before_them():
+    """A verification row bans a bad word's last token where the history and the drafts before the row end with
+    the rest of it (SamplingRow.drafted); the rows before the prefix is complete do not."""
+    sp = SamplingParams(temperature=0, max_tokens=50, bad_words=["x"], _bad_words_token_ids=((3, 7),))
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 5.0  # every row's argmax is the word's last token
+    history = [1, 2]
+    rows = [SamplingRow(sp, [], history, None, 2 + j, drafted) for j, drafted in enumerate([(), (3,), (3, 4)])]
+    out = Sampler(torch.Generator().manual_seed(0)).verify_drafts(logits, rows, [3, 4, -1])
+    tokens, accepted = out.to_host()
+    assert tokens[1] != 7 and tokens[0] == 7 and tokens[2] == 7  # (row 1 follows the drafted 3: 7 banned there)
+    assert accepted[:2] == [False, False]  # (drafts 3 and 4 are not the argmax 7)
+    assert SamplingRow(sp, [], [1, 3], None, 2).generated == 2  # (history alone: no drafts)
