@@ -1636,7 +1636,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         dsdsync) extra=(--speculative-config "$dsd" --no-async-scheduling);;
       esac
       bench_via "timeout 150 python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
-        --output-len 128 --num-warm 1 --name "dsd-$label-$sha" "${extra[@]}" > "$out/dsd-$label.log" 2>&1
+        --output-len 128 --num-warm 1 --max-num-seqs 64 --name "dsd-$label-$sha" "${extra[@]}" > "$out/dsd-$label.log" 2>&1
       echo "$label: $(grep -E '^(output_tok_s|concurrent_decode|Error)' "$out/dsd-$label.log" | tr '\n' ' ' | cut -c1-300)"
     done
     ;;
