@@ -553,3 +553,26 @@ def test_bench_refuses_a_pooling_model(tmp_path, capsys):
     assert main(["bench", "--random-weights", str(model_dir), "--device", "cpu", "--runner", "pooling",
                  "--output-dir", str(tmp_path / "out")]) == 2
     assert "voltllm bench measures generation: a pooling (embedding) model" in capsys.readouterr().err
+
+
+def test_speculative_runs_report_their_acceptance(tmp_path):
+    """With --speculative-config each run records its drafts, draft and accepted tokens (the engine's counters over
+    the run) and reports the mean acceptance length and acceptance rate beside the throughput."""
+    from voltllm.bench.metrics import spec_delta, spec_metrics
+
+    assert spec_metrics({"drafts": 4, "draft_tokens": 12, "accepted_tokens": 6}) == {
+        "spec_acceptance_length": 2.5, "spec_acceptance_rate": 0.5}
+    assert spec_metrics({"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0})["spec_acceptance_length"] is None
+    assert spec_delta(None, {"drafts": 1}) is None
+    res = _tiny_bench(tmp_path, "spec", "--scenario", "concurrency", "--concurrency", "2", "--input-len", "24",
+                      "--output-len", "16", "--num-warm", "1", "--no-limits", "--speculative-config",
+                      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    for run in res["metrics"]["runs"]:
+        spec = run["speculative"]
+        assert spec["draft_tokens"] > 0 and spec["drafts"] > 0 and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+        assert run["metrics"]["spec_acceptance_length"] == 1 + spec["accepted_tokens"] / spec["drafts"]
+    rows = {r["metric"] for r in res["metrics"]["table"]}
+    assert {"spec_acceptance_length", "spec_acceptance_rate"} <= rows
+    plain = _tiny_bench(tmp_path, "plain", "--scenario", "concurrency", "--concurrency", "2", "--input-len", "24",
+                        "--output-len", "4", "--num-warm", "1", "--no-limits")
+    assert all("speculative" not in run for run in plain["metrics"]["runs"])

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from voltllm.bench.metrics import RequestTiming, RunResult
+from voltllm.bench.metrics import RequestTiming, RunResult, spec_counts, spec_delta
 from voltllm.bench.workloads import BenchRequest, RequestSource
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ def run_source_inprocess(runner: InProcessRunner, plan: Plan, run: str, source: 
     runner._batch += 1
     stats0 = eng.stats()
     preempt0, ext0 = stats0.num_preemptions, stats0.extra.get("external_prefix_cache_hits")
+    spec0 = spec_counts(stats0)
     mark = runner.compile_log.mark() if runner.compile_log is not None else 0
     live: dict[str, _Live] = {}
     done: list[RequestTiming] = []
@@ -88,8 +89,10 @@ def run_source_inprocess(runner: InProcessRunner, plan: Plan, run: str, source: 
         raise RuntimeError(f"{source.total - source.handed_out} bench requests were never ready to send")
     ext1 = _external_hits(eng)
     done.sort(key=lambda r: r.index)
+    stats = eng.stats()
     return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, done,
-                     preemptions=eng.stats().num_preemptions - preempt0, side="server",
+                     preemptions=stats.num_preemptions - preempt0, side="server",
+                     spec=spec_delta(spec0, spec_counts(stats)),
                      compiles=runner.compile_log.since(mark) if runner.compile_log is not None else None,
                      workload=plan.spec.describe(),
                      external_cache_hit_tokens=ext1 - ext0 if ext0 is not None and ext1 is not None else None)

@@ -19,7 +19,7 @@ import torch
 
 from voltllm.bench.compiles import CompileLog
 from voltllm.bench.images import BenchImage, ImageTokens, RandomMM
-from voltllm.bench.metrics import RequestTiming, RunResult
+from voltllm.bench.metrics import RequestTiming, RunResult, spec_counts, spec_delta
 from voltllm.bench.workloads import MultiTurn, PrefixRepetition, RequestSource, make_source
 from voltllm.config import ConfigError
 
@@ -314,7 +314,8 @@ class InProcessRunner:
         self.drain()
         self._batch += 1
         prompts, mms, processor_ms = self._prepare(plan, work)
-        preempt0 = eng.stats().num_preemptions
+        stats0 = eng.stats()
+        preempt0, spec0 = stats0.num_preemptions, spec_counts(stats0)
         mark = self.compile_log.mark() if self.compile_log is not None else 0
         tower_mark = self.tower_timer.mark() if self.tower_timer is not None else 0
         t0 = time.monotonic()
@@ -381,8 +382,10 @@ class InProcessRunner:
                 images=len(work.images[i]) if work.images is not None else None,
                 image_tokens=(sum(im.num_tokens for im in mms[i].images) if mms[i] is not None else 0)
                 if work.images is not None else None))
+        stats = eng.stats()
         result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
-                           preemptions=eng.stats().num_preemptions - preempt0, side="server",
+                           preemptions=stats.num_preemptions - preempt0, side="server",
+                           spec=spec_delta(spec0, spec_counts(stats)),
                            range_ratio=plan.range_ratio, request_rate=plan.request_rate,
                            compiles=self.compile_log.since(mark) if self.compile_log is not None else None)
         if work.images is not None:

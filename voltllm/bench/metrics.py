@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 @dataclass
@@ -153,6 +153,9 @@ class RunResult:
     images: Optional[dict] = None
     processor_ms: Optional[list[float]] = None
     tower_ms: Optional[list[float]] = None
+    # speculative decoding over the run (in process; None: no speculation, or not observed): verifications of a
+    # request's drafts, draft tokens and accepted ones (spec_counts / spec_delta)
+    spec: Optional[dict] = None
 
     @property
     def wall_s(self) -> float:
@@ -182,6 +185,8 @@ class RunResult:
         m["prefix_cache_hit_tokens"] = float(sum(r.cached_tokens for r in reqs))
         if self.images is not None:
             m.update(image_metrics(self))
+        if self.spec is not None:
+            m.update(spec_metrics(self.spec))
         return m
 
     def to_json(self) -> dict:
@@ -195,7 +200,36 @@ class RunResult:
             out["cache_hits_source"] = self.cache_hits_source
         if self.images is not None:
             out.update(images=self.images, processor_ms=self.processor_ms, tower_ms=self.tower_ms)
+        if self.spec is not None:
+            out["speculative"] = self.spec
         return out
+
+
+SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def spec_counts(stats: Any) -> Optional[dict]:
+    """An engine's speculation counters now (SchedulerStats.extra), None without speculation."""
+    extra = stats.extra
+    if "spec_draft_tokens" not in extra:
+        return None
+    return {"drafts": extra.get("spec_drafts", 0), "draft_tokens": extra["spec_draft_tokens"],
+            "accepted_tokens": extra["spec_accepted_tokens"]}
+
+
+def spec_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """The counters' growth over a run."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in SPEC_KEYS}
+
+
+def spec_metrics(spec: dict) -> dict[str, Optional[float]]:
+    """The mean acceptance length (tokens a verification emits: 1 + accepted / drafts, vLLM's) and the share of
+    draft tokens accepted; None when the run drafted nothing."""
+    drafts, tokens = spec["drafts"], spec["draft_tokens"]
+    return {"spec_acceptance_length": 1 + spec["accepted_tokens"] / drafts if drafts else None,
+            "spec_acceptance_rate": spec["accepted_tokens"] / tokens if tokens else None}
 
 
 def image_metrics(run: RunResult) -> dict[str, Optional[float]]:
@@ -279,6 +313,8 @@ def scenario_metrics(scenario: str, runs: Sequence[RunResult]) -> tuple[str, ...
     """The table's metrics of one configuration: SCENARIO_METRICS, and multi-turn's TTFT of each turn after its
     median."""
     names = SCENARIO_METRICS[scenario]
+    if any(r.spec is not None for r in runs):  # (speculative decoding: its acceptance too)
+        names = names + ("spec_acceptance_length", "spec_acceptance_rate")
     if scenario != "multi-turn":
         return names
     turns = sorted({r.turn for run in runs for r in run.requests if r.turn is not None})
