@@ -392,7 +392,8 @@ class EngineCore:
         if handle is not None:
             self._inflight = (sched, handle)
             # (a speculative step's tokens are verified on the host before the next step is scheduled)
-            if not self.async_scheduling or any(s.spec_tokens for s in sched.scheduled):
+            if not self.async_scheduling or (self.scheduler.spec is not None
+                                             and any(s.spec_tokens for s in sched.scheduled)):
                 outputs += self._finish_inflight()
         outputs += self.scheduler.take_abort_notices()
         self._drop_retired_loras()
