@@ -140,3 +140,37 @@ def patch_eagle1(monkeypatch, table: dict, vocab: int) -> None:
     from voltllm.worker.eagle1_runner import Eagle1Runner
 
     patch_device_proposals(monkeypatch, Eagle1Runner, table, vocab)
+
+
+def eagle1_to_speculators(head: str, path: str, verifier: str, speculative_tokens: int = 3, **overrides) -> str:
+    """The head at `head` (make_eagle1's layout, one llama layer) saved under path in the speculators format
+    (speculators_model_type "eagle", the `speculators` library's EagleSpeculator): fc as fusion_fc (fusion_bias when
+    it has a bias), layers.0.* as transformer.*, the layer's Llama config nested in transformer_layer_config and a
+    speculators_config naming `verifier`. overrides: top-level config keys."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(head, "config.json")) as f:
+        src = json.load(f)
+    assert src["num_hidden_layers"] == 1 and src["model_type"] == "llama"
+    renames = (("fc.", "fusion_fc."), ("layers.0.", "transformer."))
+    w = {}
+    for k, v in load_file(os.path.join(head, "model.safetensors")).items():
+        if k.startswith("embed_tokens."):  # (the verifier's: the speculators head takes it from the verifier)
+            continue
+        for old, new in renames:
+            if k.startswith(old):
+                k = new + k[len(old):]
+        w[k] = v
+    layer_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "attention_bias",
+                  "hidden_act")
+    cfg = {"architectures": ["EagleSpeculator", "LlamaDecoderLayer"], "speculators_model_type": "eagle",
+           "speculators_version": "0.1.0", "transformer_layer_architecture": "LlamaDecoderLayer",
+           "transformer_layer_config": {"model_type": "llama", **{k: src[k] for k in layer_keys if k in src}},
+           "layernorms": False, "fusion_bias": "fusion_fc.bias" in w,
+           "speculators_config": {"algorithm": "eagle", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy",
+                                                        "speculative_tokens": speculative_tokens}],
+                                  "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
+    cfg.update(overrides)
+    return save_head(path, w, cfg)

@@ -368,9 +368,9 @@ class EngineArgs:
 
     def _resolve_speculators(self, spec: Optional[dict]) -> tuple[Optional[str], Optional[str], Optional[dict]]:
         """The model to serve, its revision and --speculative-config after vLLM's speculators handling
-        (engine/speculators.py): --model naming a speculators EAGLE-3 head serves the verifier its config names, with
-        the head as the drafter (--revision is the head's); a speculators head as --speculative-config's "model"
-        gets method eagle3 and the head's drafts per step unless given."""
+        (engine/speculators.py): --model naming a speculators EAGLE-3 / EAGLE-1 head serves the verifier its config
+        names, with the head as the drafter (--revision is the head's); a speculators head as --speculative-config's
+        "model" gets its method (eagle3, eagle) and the head's drafts per step unless given."""
         from voltllm.engine import speculators
         from voltllm.engine.speculative import SpeculativeConfigError
 
@@ -385,8 +385,8 @@ class EngineArgs:
             ver = speculators.verifier(head)
         except SpeculativeConfigError as e:
             raise ConfigError(str(e)) from None
-        logger.info("--model %s is a speculators EAGLE-3 head: serving its verifier %s with the head as drafter",
-                    self.model, ver)
+        logger.info("--model %s is a speculators %s head: serving its verifier %s with the head as drafter",
+                    self.model, "EAGLE-3" if spec["method"] == "eagle3" else "EAGLE-1", ver)
         return ver, None, spec
 
     def _resolve_tokenizer(self, source: Any, model: Optional[str]) -> str:

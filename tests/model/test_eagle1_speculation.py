@@ -15,8 +15,8 @@ import random
 
 import pytest
 
-from eagle1_models import Eagle1Reference, make_eagle1, patch_eagle1
-from eagle3_models import make_eagle3
+from eagle1_models import Eagle1Reference, eagle1_to_speculators, make_eagle1, patch_eagle1
+from eagle3_models import make_eagle3, to_speculators
 from graph_stand_ins import stand_in_graphs
 from mtp_models import check_against_reference, record_draft_logits, record_drafts
 from spec_oracle import PlainRuns, oracle_table, run_checked
@@ -207,3 +207,39 @@ def test_under_tensor_parallelism(qwen2, monkeypatch):
         llm.engine.shutdown()
     assert outs == _plain(target, PROMPTS[:3], sp)
     assert _check(target, head, seen, PROMPTS[:3], outs) >= 9
+
+
+def test_speculators_format_head_drafts_as_the_eagle_layout(llama, tmp_path, monkeypatch):
+    """The same head in the speculators format (speculators_model_type "eagle": fusion_fc, transformer.*): given as
+    --speculative-config's model with no method (detected, K from its proposal method) it drafts exactly what the EAGLE
+    repo's layout drafts; as --model it serves its verifier with itself attached, as vLLM does."""
+    target, head = llama
+    spec_head = eagle1_to_speculators(head, str(tmp_path / "spec"), verifier=target, speculative_tokens=K)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    runs = []
+    for spec in (_spec(head), {"model": spec_head}):
+        drafts, _ = record_drafts(monkeypatch)
+        llm = LLM(target, speculative_config=spec, **BASE)
+        assert llm.engine.scheduler.spec.method == "eagle" and llm.engine.scheduler.spec.num_speculative_tokens == K
+        runs.append((_run(llm, prompts, sp), drafts[:]))
+        monkeypatch.undo()
+    assert runs[0] == runs[1] and runs[0][1]
+    assert runs[0][0] == _plain(target, prompts, sp)
+    served = LLM(spec_head, **BASE)  # --model HEAD: its verifier, the head as drafter
+    assert served.engine.scheduler.spec.method == "eagle"
+    assert _run(served, prompts, sp) == runs[0][0] and served.engine.stats().extra["spec_draft_tokens"] > 0
+
+
+def test_speculators_format_refusals(llama, tmp_path):
+    target, head = llama
+    hidden, vocab = _shape(target)
+    assert "layernorms" in _refusal(target, {"model": eagle1_to_speculators(head, str(tmp_path / "ln"), target,
+                                                                            layernorms=True)})
+    e1 = eagle1_to_speculators(head, str(tmp_path / "e1"), target)
+    assert "use method \"eagle\"" in _refusal(target, _spec(e1) | {"method": "eagle3"})
+    e3 = to_speculators(make_eagle3(str(tmp_path / "e3"), hidden, vocab, layer_ids=[1, 2]), str(tmp_path / "e3s"),
+                        target)
+    assert "use method \"eagle3\"" in _refusal(target, _spec(e3))
+    assert "LlamaDecoderLayer" in _refusal(target, {"model": eagle1_to_speculators(
+        head, str(tmp_path / "q"), target, transformer_layer_architecture="Qwen2DecoderLayer")})

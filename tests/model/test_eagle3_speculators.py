@@ -128,7 +128,8 @@ def test_as_the_model_an_unloadable_verifier_is_named(target, heads, tmp_path):
 
 
 @pytest.mark.parametrize("what,kw,match", [
-    ("eagle1", dict(speculators_model_type="eagle"), "EAGLE-1 / HASS head"),
+    # (an EAGLE-3 head's tensors labelled as an EAGLE-1 head: each method names the other)
+    ("eagle1", dict(speculators_model_type="eagle"), "use method \"eagle"),
     ("peagle", dict(speculators_model_type="peagle"), "parallel drafting is not built"),
     ("mtp", dict(speculators_model_type="mtp"), "speculators_model_type 'mtp' is not read"),
     ("qwen3", dict(layer=dict(model_type="qwen3")), "model_type 'qwen3'.*Llama layer only"),

@@ -18,7 +18,8 @@ Config: a Llama or Qwen2 config (architectures EagleLlamaForCausalLM, LlamaForCa
 EagleQwen2ForCausalLM; model_type llama / qwen2: the layers' kind, Qwen2's with q / k / v biases) of the target's
 width and vocabulary. Weights: fc.weight [hidden, 2 x hidden] (and fc.bias, which the EAGLE code's fc has), layers.*
 (layer 0 without input_layernorm), embedding_layernorm / hidden_states_layernorm for HASS. A checkpoint with a
-hidden_norm (an EAGLE-3 head) is pointed at method eagle3.
+hidden_norm (an EAGLE-3 head) is pointed at method eagle3. The speculators format's EAGLE-1 heads
+(speculators_model_type "eagle": fusion_fc, transformer.*; engine/speculators.py) are the same head under other names.
 """
 from __future__ import annotations
 
@@ -80,23 +81,35 @@ def eagle1_params(draft_cfg: Any, target_cfg: Any, names: set[str]) -> Eagle1Par
     return Eagle1Params(n, "fc.bias" in stripped, para, float(scale or 1.0))
 
 
+def head_tensor_names(path: str) -> set[str]:
+    """A head checkpoint's tensor names in the EAGLE repo's terms (a speculators-format one's renamed)."""
+    from voltllm.engine.eagle3 import checkpoint_tensor_names
+    from voltllm.engine.speculators import eagle1_name
+
+    return {eagle1_name(n) for n in checkpoint_tensor_names(path)}
+
+
 def resolve_eagle1(spec: SpeculativeConfig, target_hf_config: Any, download_dir: Optional[str] = None,
                    token: Any = None) -> SpeculativeConfig:
     """spec with the head's local path and HF config, after the checks of eagle1_params."""
     from voltllm.engine import speculators
-    from voltllm.engine.eagle3 import checkpoint_tensor_names, resolve_head
+    from voltllm.engine.eagle3 import resolve_head
     from voltllm.model.loader import ModelLoadError, load_hf_config
 
     try:
         source = resolve_head(spec.model, spec.revision, download_dir, token)
         if source.kind == "gguf":
             raise ValueError("a GGUF file is not an EAGLE checkpoint (config.json + weights)")
-        if speculators.read_config(source.path) is not None:
-            raise ValueError("a speculators-format checkpoint: EAGLE-1 heads are read in the EAGLE repo's layout only")
-        hf_config = load_hf_config(source, trust_remote_code=False)  # a Llama / Qwen2 config
-        names = checkpoint_tensor_names(source.path)
+        speculators_cfg = speculators.read_config(source.path)
+        if speculators_cfg is None:
+            hf_config = load_hf_config(source, trust_remote_code=False)  # a Llama / Qwen2 config
+        names = head_tensor_names(source.path)
     except (ModelLoadError, OSError, ValueError) as e:
         raise _err(f"cannot load {spec.model!r}: {e}") from None
+    if speculators_cfg is not None:  # the same head in the speculators format (engine/speculators.py)
+        if (problem := speculators.eagle1_problem(speculators_cfg)) is not None:
+            raise _err(f"{spec.model} is {speculators.article(problem)}")
+        hf_config = speculators.eagle1_draft_config(speculators_cfg)
     params = eagle1_params(hf_config, target_hf_config, names)
     logger.info("EAGLE-1 head %s: %d %s layer(s)%s%s", source.path, params.num_layers, hf_config.model_type,
                 ", fc bias" if params.fc_bias else "", ", HASS norms" if params.para_norm else "")

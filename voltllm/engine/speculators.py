@@ -1,10 +1,11 @@
-"""EAGLE-3 heads in the speculators format (the `speculators` library's checkpoints, e.g. RedHatAI/*-speculator.eagle3),
-read as vLLM reads them and mapped onto the head of engine/eagle3.py.
+"""EAGLE-3 and EAGLE-1 heads in the speculators format (the `speculators` library's checkpoints, e.g.
+RedHatAI/*-speculator.eagle3), read as vLLM reads them and mapped onto the heads of engine/eagle3.py and
+engine/eagle1.py (an EAGLE-1 / HASS head, speculators_model_type "eagle": eagle1_problem, eagle1_name).
 
 A checkpoint is in this format when its config.json has a `speculators_config` (vLLM's test). That config has no
 model_type of its own:
 
-  speculators_model_type   "eagle3" (built); "eagle" (EAGLE-1 / HASS), "peagle" (parallel drafting) and the rest are
+  speculators_model_type   "eagle3" and "eagle" (EAGLE-1 / HASS) built; "peagle" (parallel drafting) and the rest
                            refused by name
   transformer_layer_config the decoder layer's Llama config (hidden_size, heads, head_dim, intermediate_size, rope,
                            rms_norm_eps, vocab_size = the target's vocabulary, num_hidden_layers); a qwen3 layer (with
@@ -35,7 +36,6 @@ from voltllm.engine.speculative import SpeculativeConfigError
 TRAINING_ONLY_TENSORS = ("verifier_norm.weight", "verifier_lm_head.weight")
 
 _REFUSED_TYPES = {
-    "eagle": "an EAGLE-1 / HASS head (speculators_model_type \"eagle\"): only EAGLE-3 heads are built",
     "peagle": "a parallel-drafting EAGLE head (speculators_model_type \"peagle\", P-EAGLE): parallel drafting is "
               "not built",
 }
@@ -76,12 +76,21 @@ def probe(model: Optional[str], revision: Optional[str], download_dir: Optional[
     return read_config(path) if os.path.isdir(path) else None
 
 
-def eagle3_problem(cfg: dict) -> Optional[str]:
-    """Why a speculators config is not an EAGLE-3 head built here (one line), else None."""
-    kind = cfg.get("speculators_model_type")
-    if kind != "eagle3":
-        return _REFUSED_TYPES.get(kind, f"speculators_model_type {kind!r} is not read (only \"eagle3\" heads are "
-                                        "built)")
+# speculators_model_type -> the --speculative-config method that drafts with such a head
+METHODS = {"eagle3": "eagle3", "eagle": "eagle"}
+
+
+def head_method(cfg: dict) -> Optional[str]:
+    """The method of a speculators head (METHODS), None for a kind not built."""
+    return METHODS.get(cfg.get("speculators_model_type"))
+
+
+def head_problem(cfg: dict) -> Optional[str]:
+    """Why a speculators config is not a head built here (one line), else None."""
+    return eagle1_problem(cfg) if head_method(cfg) == "eagle" else eagle3_problem(cfg)
+
+
+def _layer_problem(cfg: dict) -> Optional[str]:
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
         return "the speculators config has no transformer_layer_config object (the head's decoder layer)"
@@ -89,10 +98,73 @@ def eagle3_problem(cfg: dict) -> Optional[str]:
     if model_type != "llama":
         return (f"transformer_layer_config model_type {model_type!r}: the head's decoder layer is built as a Llama "
                 "layer only (no QK-norm)")
+    return None
+
+
+def eagle3_problem(cfg: dict) -> Optional[str]:
+    """Why a speculators config is not an EAGLE-3 head built here (one line), else None."""
+    kind = cfg.get("speculators_model_type")
+    if kind == "eagle":
+        return "an EAGLE-1 / HASS head (speculators_model_type \"eagle\"): use method \"eagle\""
+    if kind != "eagle3":
+        return _REFUSED_TYPES.get(kind, f"speculators_model_type {kind!r} is not read (\"eagle3\" and \"eagle\" "
+                                        "heads are built)")
+    if (problem := _layer_problem(cfg)) is not None:
+        return problem
     for key, what in _UNBUILT_NORMS.items():
         if cfg.get(key):
             return f"{key} ({what}) is not built"
     return None
+
+
+def eagle1_problem(cfg: dict) -> Optional[str]:
+    """Why a speculators config is not an EAGLE-1 / HASS head built here (one line), else None. The format's head:
+    `fusion_fc` over [embedding | the verifier's hidden state] (its bias when `fusion_bias`), one Llama decoder layer
+    `transformer.*` without its input norm, the verifier's LM head; `layernorms` (an embedding norm, the layer's
+    input norm and a norm before the LM head) is refused."""
+    kind = cfg.get("speculators_model_type")
+    if kind == "eagle3":
+        return "an EAGLE-3 head (speculators_model_type \"eagle3\"): use method \"eagle3\""
+    if kind != "eagle":
+        return _REFUSED_TYPES.get(kind, f"speculators_model_type {kind!r} is not an EAGLE-1 head")
+    arch = cfg.get("transformer_layer_architecture", "LlamaDecoderLayer")
+    if arch != "LlamaDecoderLayer":
+        return f"transformer_layer_architecture {arch!r}: the head's layer is built as a LlamaDecoderLayer only"
+    if (problem := _layer_problem(cfg)) is not None:
+        return problem
+    if cfg.get("layernorms"):
+        return ("layernorms (its variant's embedding, layer-input and pre-LM-head norms) is not built: heads without "
+                "them are read")
+    return None
+
+
+# an EAGLE-1 head's tensor names in the speculators format -> the EAGLE repo's (model/models/eagle1.py reads these)
+_EAGLE1_RENAMES = (("fusion_fc.", "fc."), ("transformer.", "layers.0."))
+
+
+def eagle1_name(name: str) -> str:
+    """A tensor name of either EAGLE-1 layout in the EAGLE repo's terms (the speculators format's fusion_fc /
+    transformer are fc / layers.0)."""
+    for old, new in _EAGLE1_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def eagle1_draft_config(cfg: dict) -> Any:
+    """An EAGLE-1 speculators head's HF config in the EAGLE repo's terms (engine/eagle1.py): its layer's Llama config,
+    one layer. cfg: a config eagle1_problem passed."""
+    from transformers import LlamaConfig
+
+    layer = {k: v for k, v in cfg["transformer_layer_config"].items() if k not in ("model_type", "architectures")}
+    try:
+        hf = LlamaConfig(**layer)
+    except (TypeError, ValueError) as e:
+        raise SpeculativeConfigError(f"its transformer_layer_config is not a Llama config transformers reads: "
+                                     f"{e}") from None
+    hf.architectures = ["EagleLlamaForCausalLM"]
+    hf.num_hidden_layers = 1
+    return hf
 
 
 def draft_config(cfg: dict) -> Any:
@@ -145,16 +217,19 @@ def detect(spec: dict, download_dir: Optional[str], token: Any, trust_remote_cod
     detection), and num_speculative_tokens from the head's config when not given. Other configs: unchanged."""
     method = spec.get("method")
     if not isinstance(spec.get("model"), str) or not (
-            method in (None, "") or method == "eagle3" and spec.get("num_speculative_tokens") is None):
-        return spec  # (method eagle3 with its drafts given: resolve_eagle3 reads either layout)
+            method in (None, "") or method in METHODS.values() and spec.get("num_speculative_tokens") is None):
+        return spec  # (method eagle3 / eagle with its drafts given: their resolve reads either layout)
     cfg = probe(spec["model"], spec.get("revision"), download_dir, token, trust_remote_code)  # (a draft model's
     # fetch: resolve_draft's files)
     if cfg is None:
         return spec
-    problem = eagle3_problem(cfg)
+    found = head_method(cfg)
+    if method and found and method != found:
+        return spec  # (the method's resolve names the right one)
+    problem = head_problem(cfg)
     if problem is not None:
-        raise SpeculativeConfigError(f"--speculative-config: {spec['model']} is {_article(problem)}")
-    spec = {**spec, "method": "eagle3"}
+        raise SpeculativeConfigError(f"--speculative-config: {spec['model']} is {article(problem)}")
+    spec = {**spec, "method": found}
     if spec.get("num_speculative_tokens") is None:
         try:
             spec["num_speculative_tokens"] = proposal_tokens(cfg)
@@ -164,12 +239,13 @@ def detect(spec: dict, download_dir: Optional[str], token: Any, trust_remote_cod
 
 
 def speculative_config_for_model(cfg: dict, head: str, revision: Optional[str], user: Optional[dict]) -> dict:
-    """--speculative-config for `--model HEAD` (a speculators checkpoint): method eagle3, the head's drafts per
-    step, then the user's keys over them; "method" and "model" stay the head's (as vLLM locks them)."""
-    problem = eagle3_problem(cfg)
+    """--speculative-config for `--model HEAD` (a speculators checkpoint): its method (eagle3, eagle), the head's
+    drafts per step, then the user's keys over them; "method" and "model" stay the head's (as vLLM locks them)."""
+    problem = head_problem(cfg)
     if problem is not None:
-        raise SpeculativeConfigError(f"--model {head} is {_article(problem)}")
-    spec: dict = {"method": "eagle3"}
+        raise SpeculativeConfigError(f"--model {head} is {article(problem)}")
+    method = head_method(cfg)
+    spec: dict = {"method": method}
     if not (user and user.get("num_speculative_tokens") is not None):
         try:
             spec["num_speculative_tokens"] = proposal_tokens(cfg)
@@ -178,10 +254,10 @@ def speculative_config_for_model(cfg: dict, head: str, revision: Optional[str], 
     if revision is not None:
         spec["revision"] = revision  # (--revision names the head's; the verifier is read at its default)
     spec.update(user or {})
-    spec.update(method="eagle3", model=head)
+    spec.update(method=method, model=head)
     return spec
 
 
-def _article(problem: str) -> str:
+def article(problem: str) -> str:
     """A problem line after "X is ...": the refusals of a head kind read as such, the rest as a speculators head's."""
     return problem if problem.startswith(("an ", "a ")) else f"a speculators head: {problem}"

@@ -21,11 +21,10 @@ class Eagle1Runner(MTPRunner):
     """The EAGLE-1 head beside a ModelRunner (called as an MTPRunner is)."""
 
     def _load(self, runner: Any) -> torch.nn.Module:
-        from voltllm.engine.eagle1 import eagle1_params
-        from voltllm.engine.eagle3 import checkpoint_tensor_names
+        from voltllm.engine.eagle1 import eagle1_params, head_tensor_names
         from voltllm.model.models.eagle1 import Eagle1Drafter
 
         spec, mc = self.spec, runner.config.model
-        self.params = eagle1_params(spec.draft_hf_config, mc.hf_config, checkpoint_tensor_names(spec.model))
+        self.params = eagle1_params(spec.draft_hf_config, mc.hf_config, head_tensor_names(spec.model))
         return load_head(runner, spec, lambda r: Eagle1Drafter(spec.draft_hf_config, self.params, r.model, r.dtype,
                                                                mc.max_model_len + 1, r.full_vocab), "EAGLE-1 head")

@@ -77,13 +77,15 @@ class Eagle1Drafter(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's (name, tensor) pairs: fc, layers.*, HASS's norms (an embedding or LM head it carries is
         the target's and is not read, nor a first-layer input norm the EAGLE code does not apply)."""
+        from voltllm.engine.speculators import TRAINING_ONLY_TENSORS, eagle1_name
         from voltllm.model.models.head_weights import check_complete, expected_head_keys, load_head_tensor
 
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith(("embed_tokens.", "lm_head.", "layers.0.input_layernorm.")) or "rotary_emb" in name:
+            name = eagle1_name(name.removeprefix("model."))  # (the speculators format's names too)
+            if (name.startswith(("embed_tokens.", "lm_head.", "layers.0.input_layernorm.")) or "rotary_emb" in name
+                    or name in TRAINING_ONLY_TENSORS):
                 continue
             loaded.add(load_head_tensor(self, params, name, tensor, "EAGLE-1 head"))
         check_complete(loaded, expected_head_keys(self, (n for n in params if "norm" in n)), "EAGLE-1 head")
