@@ -154,30 +154,28 @@ def eagle1_name(name: str) -> str:
 def eagle1_draft_config(cfg: dict) -> Any:
     """An EAGLE-1 speculators head's HF config in the EAGLE repo's terms (engine/eagle1.py): its layer's Llama config,
     one layer. cfg: a config eagle1_problem passed."""
-    from transformers import LlamaConfig
-
-    layer = {k: v for k, v in cfg["transformer_layer_config"].items() if k not in ("model_type", "architectures")}
-    try:
-        hf = LlamaConfig(**layer)
-    except (TypeError, ValueError) as e:
-        raise SpeculativeConfigError(f"its transformer_layer_config is not a Llama config transformers reads: "
-                                     f"{e}") from None
+    hf = _layer_config(cfg)
     hf.architectures = ["EagleLlamaForCausalLM"]
     hf.num_hidden_layers = 1
     return hf
 
 
-def draft_config(cfg: dict) -> Any:
-    """The head's HF config in the other layouts' terms (engine/eagle3.py): the layer's Llama config plus the
-    EAGLE-3 fields, as vLLM's speculators config adapter builds it. cfg: an eagle3 config eagle3_problem passed."""
+def _layer_config(cfg: dict) -> Any:
+    """The head's decoder layer as a transformers LlamaConfig (transformer_layer_config)."""
     from transformers import LlamaConfig
 
     layer = {k: v for k, v in cfg["transformer_layer_config"].items() if k not in ("model_type", "architectures")}
     try:
-        hf = LlamaConfig(**layer)
+        return LlamaConfig(**layer)
     except (TypeError, ValueError) as e:
         raise SpeculativeConfigError(f"its transformer_layer_config is not a Llama config transformers reads: "
                                      f"{e}") from None
+
+
+def draft_config(cfg: dict) -> Any:
+    """The head's HF config in the other layouts' terms (engine/eagle3.py): the layer's Llama config plus the
+    EAGLE-3 fields, as vLLM's speculators config adapter builds it. cfg: an eagle3 config eagle3_problem passed."""
+    hf = _layer_config(cfg)
     hf.architectures = ["Eagle3LlamaForCausalLM"]
     hf.draft_vocab_size = cfg.get("draft_vocab_size")
     if cfg.get("target_hidden_size") is not None:
