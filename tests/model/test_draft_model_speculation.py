@@ -125,10 +125,11 @@ def test_preemption_recomputes_both_caches(models, draft):
         assert stats.extra["spec_accepted_tokens"] == stats.extra["spec_draft_tokens"]
 
 
-def test_requests_that_cannot_speculate_keep_the_draft_current(models):
-    """Prompt-logprobs and min_tokens requests decode plainly beside speculating ones (a logprobs request
-    speculates); the draft still runs on their tokens (a self-draft accepts everything once min_tokens is reached).
-    (Penalized requests speculate too: tests/model/test_logprob_ranks.py.)"""
+def test_restricted_requests_keep_the_draft_current(models):
+    """Logprobs, min_tokens and prompt-logprobs requests speculate beside plain ones, and the draft runs on every
+    request's tokens: a self-draft's drafts are all accepted (min_tokens bans only a stop token the run never emits
+    here). (Penalized requests: tests/model/test_logprob_ranks.py; the rest:
+    tests/model/test_constrained_speculation.py.)"""
     target = models["self"]
     sps = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=12),
