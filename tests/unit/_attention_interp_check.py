@@ -85,11 +85,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(case: Case, **window) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference output (first num_tokens rows) and cache after the write: TorchReferenceBackend in fp32
-    on the case's device, returned on the CPU."""
+    on the case's device, returned on the CPU. window: a sliding-window layer's `window` / `query_positions`."""
     cache = case.kv_cache.clone()
-    out = TorchReferenceBackend().forward(case.q.float(), case.k, case.v, cache, case.meta, case.scale)
+    out = TorchReferenceBackend().forward(case.q.float(), case.k, case.v, cache, case.meta, case.scale, **window)
     return out[:case.meta.num_tokens].cpu(), cache.cpu()
 
 
@@ -103,11 +103,12 @@ def real_rows(case: Case) -> torch.Tensor:
     return keep
 
 
-def run_backend_case(case: Case, backend) -> tuple[float, str]:
-    """Runs backend.forward on the case; returns (relative error on real rows, problem text or '')."""
-    ref_out, ref_cache = reference(case)
+def run_backend_case(case: Case, backend, **window) -> tuple[float, str]:
+    """Runs backend.forward on the case; returns (relative error on real rows, problem text or ''). window: a
+    sliding-window layer's `window` / `query_positions`."""
+    ref_out, ref_cache = reference(case, **window)
     cache = case.kv_cache.clone()
-    out = backend.forward(case.q, case.k, case.v, cache, case.meta, case.scale)
+    out = backend.forward(case.q, case.k, case.v, cache, case.meta, case.scale, **window)
     problems = []
     if not torch.allclose(cache.cpu().float(), ref_cache.float(), equal_nan=True, rtol=0, atol=0):
         problems.append("cache differs from reference write")
@@ -126,9 +127,10 @@ def run_backend_case(case: Case, backend) -> tuple[float, str]:
 
 
 def run_kernel_case(case: Case, kind: str, **kw) -> tuple[float, str]:
-    """Runs kv_write + one kernel directly (poisoned output); kind: 'decode' or 'prefill'."""
+    """Runs kv_write + one kernel directly (poisoned output); kind: 'decode' or 'prefill'. A `window` (and, for
+    decode, `query_positions`) in kw goes to the reference too."""
     from voltllm.kernels.attention import decode_scratch_numel, kv_write, paged_decode, paged_prefill
-    ref_out, ref_cache = reference(case)
+    ref_out, ref_cache = reference(case, **{k: kw[k] for k in ("window", "query_positions") if k in kw})
     m = case.meta
     cache = case.kv_cache.clone()
     kv_write(case.k, case.v, cache, m.slot_mapping)
@@ -202,6 +204,17 @@ def rope_inputs(case: Case, norm: bool, seed: int):
     return rope, q_rot.to(dev), k_rot.to(dev)
 
 
+def run_rope_window_case(case: Case, seed: int, window: int, **kw) -> tuple[float, str]:
+    """run_rope_decode_case for a sliding-window layer (the window placed by the context's last position)."""
+    rope, q_rot, k_rot = rope_inputs(case, False, seed)
+    m = case.meta
+    ref_out, _ = reference(Case(q_rot, k_rot, case.v, case.kv_cache, m, case.scale), window=window)
+    cache = case.kv_cache.clone()
+    out = decode_poisoned(case.q, cache, m, case.scale, rope=rope, slot_mapping=m.slot_mapping, window=window, **kw)
+    keep = real_rows(case)[:m.num_tokens]
+    return rel_err(out.cpu()[:m.num_tokens][keep], ref_out[keep]), ""
+
+
 def decode_poisoned(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     **kw) -> torch.Tensor:
     """paged_decode into a NaN-filled output with NaN-filled split-KV scratch (kw: its options, num_splits too)."""
@@ -230,6 +243,16 @@ def run_rope_decode_case(case: Case, norm: bool, seed: int, **kw) -> tuple[float
         problems.append("cache differs from reference write")
     keep = real_rows(case)[:m.num_tokens]
     return rel_err(out.cpu()[:m.num_tokens][keep], ref_out[keep]), "; ".join(problems)
+
+
+def positions_before_end(case: Case, behind: list[int]) -> torch.Tensor:
+    """int64 positions of a decode case's rows: sequence i's row `behind[i]` positions before its context's last one
+    (as the DFlash drafter's block rows, which see the rest of their block)."""
+    m = case.meta
+    pos = torch.zeros(case.q.shape[0], dtype=torch.int64)
+    for i, ctx in enumerate(m.seq_lens_cpu):
+        pos[m.query_start_loc_cpu[i]:m.query_start_loc_cpu[i + 1]] = max(ctx - 1 - behind[i % len(behind)], 0)
+    return pos.to(case.q.device)
 
 
 def check_kv_write_strided(seed: int) -> tuple[float, str]:
@@ -336,6 +359,36 @@ def _checks():
     yield "backend_mixed_prefill_padded", lambda: run_backend_case(
         make_case([(40, 9), (21, 1), (16, 16)], 8, 2, 64, 16, f32, seed=12, pad_rows=3),
         TritonAttentionBackend()), f32
+    # sliding-window layers: windows shorter than, equal to and longer than contexts, of one key; prompts whose
+    # rows' windows start in different tiles; decode rows whose positions lie before their context's end (the DFlash
+    # drafter's block rows), split-KV with empty parts, each decode route
+    windowed = [(70, 23), (37, 37), (33, 1), (1, 1), (48, 17), (130, 64)]
+    for w in (1, 20, 48, 200):
+        yield f"prefill_f32_d64_gqa4_window{w}", (lambda w=w: run_kernel_case(
+            make_case(windowed, 8, 2, 64, 16, f32, seed=30 + w), "prefill", config=(16, 16, 4, 1), window=w)), f32
+    wdecode = decode + [(33, 1), (64, 1)]
+    for route, opts in (("dot", {"use_dot": True, "block_n": 16}), ("fma", {"use_dot": False, "block_n": 16}),
+                        ("lanes", {"use_dot": False, "fma_lanes": True, "block_n": 8}),
+                        ("lanes_next_tile", {"use_dot": False, "fma_lanes": True, "block_n": 8, "next_tile": True})):
+        for splits in (1, 5):
+            yield f"decode_f32_d64_gqa4_split{splits}_{route}_window", (lambda route=route, opts=opts, splits=splits: (
+                lambda case: run_kernel_case(case, "decode", num_splits=splits, window=37,
+                                             query_positions=positions_before_end(case, [0, 3, 15, 1]), **opts))(
+                make_case(wdecode, 8, 2, 64, 16, f32, seed=40 + splits))), f32
+    yield "decode_f16_d128_gqa4_split3_dot_window_by_context", lambda: run_kernel_case(
+        make_case([(200, 1), (47, 1), (16, 1), (0, 1)], 8, 2, 128, 16, f16, seed=45), "decode", num_splits=3,
+        use_dot=True, block_n=32, window=40), f16
+    yield "decode_rope_f16_d128_gqa4_split2_fma_window", lambda: run_rope_window_case(
+        make_case([(200, 1), (47, 1), (1, 1)], 8, 2, 128, 16, f16, seed=46), 19, window=30, num_splits=2,
+        use_dot=False, block_n=32), f16
+    for name, backend in (("native", TritonAttentionBackend(num_sms=64, decode_rows_split_context=256)),
+                          ("compat", TritonAttentionBackend(use_tensor_cores=False, num_sms=64))):
+        yield f"backend_{name}_mixed_window", (lambda backend=backend: run_backend_case(
+            make_case([(40, 9), (600, 1), (21, 1), (16, 16), (90, 30)], 8, 2, 64, 16, f32, seed=47, pad_rows=2),
+            backend, window=25)), f32
+        yield f"backend_{name}_decode_window_positions", (lambda backend=backend: (lambda case: run_backend_case(
+            case, backend, window=25, query_positions=positions_before_end(case, [2, 0, 7])))(
+            make_case(wdecode + [(0, 1)], 8, 2, 64, 16, f32, seed=48, pad_rows=2))), f32
 
 
 

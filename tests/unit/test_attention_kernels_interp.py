@@ -41,6 +41,11 @@ CHECKS = [
     "prefill_f32_d64_skips_one_row_sequences",
     "backend_mixed_long_decode_rows_split",
     "backend_mixed_prefill_padded",
+    *[f"prefill_f32_d64_gqa4_window{w}" for w in (1, 20, 48, 200)],
+    *[f"decode_f32_d64_gqa4_split{s}_{r}_window" for r in ("dot", "fma", "lanes", "lanes_next_tile") for s in (1, 5)],
+    "decode_f16_d128_gqa4_split3_dot_window_by_context",
+    "decode_rope_f16_d128_gqa4_split2_fma_window",
+    *[f"backend_{b}_{c}" for b in ("native", "compat") for c in ("mixed_window", "decode_window_positions")],
 ]
 
 

@@ -9,6 +9,12 @@ its flat slot is `block * block_size + offset` (slot_mapping). A slot of -1 mean
 One step's batch is a flat list of tokens: request i owns rows query_start_loc[i]:query_start_loc[i+1]
 and, after this step, has seq_lens[i] tokens of context in its blocks (the new ones included). Its
 query rows are the last (query_len) positions of that context, causally masked.
+
+Sliding-window layers (forward's `window` W > 0): a query row at position p sees only the keys at positions
+p - W + 1 .. p (transformers' sliding_attention). A caller whose rows see past their own position (the DFlash
+drafter's block rows: each is a one-row sequence whose context ends after the block) passes `query_positions`, the
+step's int64 positions, so the window of a one-row sequence starts at query_positions[row] - W + 1 instead of at its
+context's last position; the keys after it up to the context's end stay visible.
 """
 from __future__ import annotations
 
@@ -115,10 +121,19 @@ class AttentionBackend(ABC):
         v_scale: Optional[torch.Tensor] = None,
         kv_written: bool = False,
         rope: Optional[DecodeRope] = None,
+        window: int = 0,
+        query_positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write k/v of this step at meta.slot_mapping (unless kv_written: the model stored them through
         cache_write_for's CacheWrite), then attend q over each request's context. rope (only where
-        fuses_decode_rope said so): q and rope.k are unrotated; the decode kernel rotates them and stores K / V."""
+        fuses_decode_rope said so): q and rope.k are unrotated; the decode kernel rotates them and stores K / V.
+        window / query_positions: a sliding-window layer's window and, for rows that see past their own position,
+        the step's positions (module docstring). Callers pass them only for sliding-window layers."""
+
+
+def window_start(position: int, window: int) -> int:
+    """The first key position a query at `position` sees in a layer of sliding window `window` (0: full)."""
+    return max(0, position - window + 1) if window > 0 else 0
 
 
 def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

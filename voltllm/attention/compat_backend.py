@@ -62,8 +62,17 @@ def _sdpa_context(device: torch.device):
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
 
 
-def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q [Lq, Hq, D] as the last Lq positions of k/v [L, Hkv, D] (L >= Lq).
+def sliding_window_mask(lq: int, lk: int, window: int, device: torch.device) -> torch.Tensor:
+    """bool [Lq, Lk]: query j, at position Lk - Lq + j, sees keys Lk - Lq + j - window + 1 .. Lk - Lq + j."""
+    q_pos = torch.arange(lk - lq, lk, device=device)[:, None]
+    keys = torch.arange(lk, device=device)[None, :]
+    return (keys <= q_pos) & (keys > q_pos - window)
+
+
+def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    window: int = 0) -> torch.Tensor:
+    """Causal attention of q [Lq, Hq, D] as the last Lq positions of k/v [L, Hkv, D] (L >= Lq); window > 0: a
+    sliding-window layer's (an explicit mask).
 
     Returns [G, Hkv, Lq, D] (G = Hq // Hkv): head h*G + g of query row j is [g, h, j]."""
     lq, hq, d = q.shape
@@ -72,6 +81,9 @@ def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     qg = q.view(lq, hkv, g, d).permute(2, 1, 0, 3)  # [G, Hkv, Lq, D], no copy
     kg = k.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, lk, d)  # batch stride 0
     vg = v.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, lk, d)
+    if window > 0:
+        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=sliding_window_mask(lq, lk, window, q.device),
+                                              scale=scale)
     if lq == lk:
         return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
     if lq == 1:  # the last position sees the whole context
@@ -182,7 +194,7 @@ def equal_runs(query_start_loc: list[int], seq_lens: list[int],
 
 
 def sdpa_causal_gqa_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          out: torch.Tensor) -> int:
+                          out: torch.Tensor, window: int = 0) -> int:
     """sdpa_causal_gqa for B requests of equal shape: q / out [B, Lq, Hq, D], k / v [B, L, Hkv, D].
     Writes out; returns the number of SDPA launches (one per query head of a GQA group)."""
     b, lq, hq, d = q.shape
@@ -190,14 +202,17 @@ def sdpa_causal_gqa_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     g = hq // hkv
     kb, vb = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [B, Hkv, L, D]
     mask = None
-    if lq != lk and lq != 1:
+    if window > 0:
+        mask = sliding_window_mask(lq, lk, window, q.device)
+    elif lq != lk and lq != 1:
         from torch.nn.attention.bias import causal_lower_right
 
         mask = causal_lower_right(lq, lk)
     q5, out5 = q.view(b, lq, hkv, g, d), out.view(b, lq, hkv, g, d)
     for j in range(g):
         qj = q5[:, :, :, j].permute(0, 2, 1, 3)  # [B, Hkv, Lq, D], strided (last dim contiguous)
-        o = F.scaled_dot_product_attention(qj, kb, vb, attn_mask=mask, is_causal=lq == lk, scale=scale)
+        o = F.scaled_dot_product_attention(qj, kb, vb, attn_mask=mask, is_causal=lq == lk and mask is None,
+                                           scale=scale)
         out5[:, :, :, j].copy_(o.permute(0, 2, 1, 3))
     return g
 
@@ -245,8 +260,9 @@ class SDPAPrefill:
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 out: torch.Tensor, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                kv_fmt: int) -> None:
-        """Writes out[rows] for every sequence with more than one query row (others are untouched)."""
+                kv_fmt: int, window: int = 0) -> None:
+        """Writes out[rows] for every sequence with more than one query row (others are untouched). window > 0: a
+        sliding-window layer's (the runs form, with an explicit mask)."""
         from voltllm.kernels.kv_fp8 import gather_kv_pages_batch
 
         qsl = meta.query_start_loc_cpu
@@ -264,7 +280,7 @@ class SDPAPrefill:
         # of GPU time per layer for the 8B's heads (the varlen form adds the query pack / unpack copies); any
         # other mix goes varlen (64 mixed prompts: 1.4 ms against 16.8 ms per layer; benchmarks/README.md)
         op = None
-        if join >= 2 and len(runs) > 1:
+        if join >= 2 and len(runs) > 1 and window <= 0:
             op = self.varlen_op if self.varlen_op is not None else (_varlen_op() if q.is_cuda else None)
         if op is not None:
             self._varlen(op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g, lengths)
@@ -278,12 +294,12 @@ class SDPAPrefill:
                     kc, vc = gather_kv_pages_batch(kv_cache, meta.block_tables[p:p + n], ctx, (k_ws, v_ws),
                                                    k_scale, v_scale, kv_fmt)
                     if n == 1:
-                        o = sdpa_causal_gqa(q[s:e], kc[0], vc[0], scale)  # [G, Hkv, Lq, D]
+                        o = sdpa_causal_gqa(q[s:e], kc[0], vc[0], scale, window)  # [G, Hkv, Lq, D]
                         out[s:e].view(e - s, heads, g, dim).permute(2, 1, 0, 3).copy_(o)
                         self.launches += 1
                     else:
                         self.launches += sdpa_causal_gqa_batch(q[s:e].view(n, lq, -1, dim), kc, vc, scale,
-                                                               out[s:e].view(n, lq, -1, dim))
+                                                               out[s:e].view(n, lq, -1, dim), window)
                     self.calls += n
 
     def _varlen(self, op, q, kv_cache, meta, scale, out, k_scale, v_scale, kv_fmt, k_ws, v_ws, g, lengths) -> None:

@@ -33,18 +33,26 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -
     return kv[0], kv[1]
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q [Lq, Hq, D] as the last Lq positions of k/v [Lk, Hkv, D]."""
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+               window_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of q [Lq, Hq, D] as the last Lq positions of k/v [Lk, Hkv, D]. window > 0: row j sees only
+    keys from window_pos[j] - window + 1 on (window_pos: int [Lq], the rows' positions; None: their places in the
+    context), as a sliding-window layer (voltllm.attention.backend)."""
     lq, hq, _ = q.shape
     lk, hkv, _ = k.shape
     group = hq // hkv
     qf = q.transpose(0, 1).float()
     kf = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
     vf = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+    keys = torch.arange(lk, device=q.device)[None, :]
+    q_pos = torch.arange(lk - lq, lk, device=q.device)
     mask = None  # one query row (decode) sees every key: no mask. Same result, and torch's masked CPU path
     if lq > 1:   # is ~1000x slower with several threads (OpenMP sync on tiny work)
-        q_pos = torch.arange(lk - lq, lk, device=q.device)
-        mask = torch.arange(lk, device=q.device)[None, :] <= q_pos[:, None]
+        mask = keys <= q_pos[:, None]
+    if window > 0:
+        first = (q_pos if window_pos is None else window_pos.to(q.device)) - window + 1
+        seen = keys >= first[:, None]
+        mask = seen if mask is None else mask & seen
     out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).to(q.dtype)
 
@@ -61,7 +69,7 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                kv_written: bool = False):
+                kv_written: bool = False, window: int = 0, query_positions: Optional[torch.Tensor] = None):
         fp8 = kv_cache.dtype == torch.uint8
         if fp8:
             if self.fp8_format is None:
@@ -80,13 +88,15 @@ class TorchReferenceBackend(AttentionBackend):
             s, e = qsl[i], qsl[i + 1]
             if e == s:
                 continue
+            win = {} if window <= 0 else {"window": window, "window_pos": None if query_positions is None
+                                          else query_positions[s:e]}
             if fp8:
                 kc, vc = gather_kv_fp8_ref(kv_cache, meta.block_tables[i], ctx, k_scale, v_scale, self.fp8_format,
                                            dtype=torch.float32)
-                out[s:e] = attend_one(q[s:e], kc, vc, scale)
+                out[s:e] = attend_one(q[s:e], kc, vc, scale, **win)
                 continue
             kc, vc = gather_kv(kv_cache, meta.block_tables[i], ctx)
-            out[s:e] = attend_one(q[s:e], kc.to(q.dtype), vc.to(q.dtype), scale)
+            out[s:e] = attend_one(q[s:e], kc.to(q.dtype), vc.to(q.dtype), scale, **win)
         if meta.num_tokens < q.shape[0]:
             out[meta.num_tokens:] = 0
         return out

@@ -235,7 +235,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
-                kv_written: bool = False, rope: Optional[DecodeRope] = None, out: Optional[torch.Tensor] = None):
+                kv_written: bool = False, rope: Optional[DecodeRope] = None, out: Optional[torch.Tensor] = None,
+                window: int = 0, query_positions: Optional[torch.Tensor] = None):
         """The contract's forward; `out` (q's shape and dtype, contiguous): write the result there (prompt graphs'
         static buffer) instead of a new tensor."""
         fmt, k_scale, v_scale = self._cache_format(kv_cache, k_scale, v_scale, q.device)
@@ -256,28 +257,35 @@ class TritonAttentionBackend(AttentionBackend):
         use_dot = self._use_dot(q.device)
         num_sms = self.num_sms or self._device_info(q.device)[1]
         read_fmt = self._kernel_fmt(fmt, q.device)
+        win = (window, query_positions)
         if num_seqs > 0 and meta.is_pure_decode:
-            self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms, rope)
+            self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms, rope, win)
         elif num_seqs > 0 and self._use_sdpa_prefill(q.device):
             if meta.longest_one_row_context >= 0:
                 # decode rows of a mixed batch: the FMA decode kernel writes every sequence's last row;
                 # rows of multi-row sequences are then overwritten by SDPA
-                self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms)
-            self.sdpa_prefill.forward(q, kv_cache, meta, scale, out, k_scale, v_scale, fmt)
+                self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms,
+                                  win=win)
+            self.sdpa_prefill.forward(q, kv_cache, meta, scale, out, k_scale, v_scale, fmt, window=window)
         elif num_seqs > 0:
             cap, _ = self._device_info(q.device)
-            decode_first = meta.longest_one_row_context >= self.decode_rows_split_context
-            if decode_first:  # they get split-KV there; the prefill kernel then skips one-row sequences
-                self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms)
+            # one-row sequences whose rows see past their own position (query_positions) go through the decode
+            # kernel, which reads those positions; so do long-context decode rows (they get split-KV there); the
+            # prefill kernel then skips one-row sequences
+            decode_first = (meta.longest_one_row_context >= self.decode_rows_split_context
+                            or (window > 0 and query_positions is not None and meta.longest_one_row_context >= 0))
+            if decode_first:
+                self._decode_rows(q, kv_cache, meta, scale, out, use_dot, read_fmt, k_scale, v_scale, num_sms,
+                                  win=win)
             paged_prefill(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                           max_query_len=meta.max_query_len, capability=cap, kv_fmt=read_fmt, k_scale=k_scale,
-                          v_scale=v_scale, min_query_len=2 if decode_first else 1)
+                          v_scale=v_scale, min_query_len=2 if decode_first else 1, window=window)
         if meta.num_tokens < t:
             out[meta.num_tokens:].zero_()
         return out
 
     def _decode_rows(self, q, kv_cache, meta: AttentionMetadata, scale, out, use_dot, read_fmt, k_scale, v_scale,
-                     num_sms, rope: Optional[DecodeRope] = None) -> None:
+                     num_sms, rope: Optional[DecodeRope] = None, win: tuple = (0, None)) -> None:
         """Every sequence's last query row through the decode kernel, with split-KV when the grid would not fill the
         GPU: a pure-decode step (with its DecodeRope, if any), or a mixed step's decode rows (its rows of multi-row
         sequences are overwritten by the prefill that follows)."""
@@ -290,4 +298,5 @@ class TritonAttentionBackend(AttentionBackend):
         paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
                      num_splits=splits, part_o=part_o, part_lse=part_lse, use_dot=use_dot,
                      fma_lanes=self.fma_lanes and not use_dot, kv_fmt=read_fmt, k_scale=k_scale, v_scale=v_scale,
-                     rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms)
+                     rope=rope, slot_mapping=meta.slot_mapping, num_sms=num_sms, window=win[0],
+                     query_positions=win[1])

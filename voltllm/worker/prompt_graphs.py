@@ -92,6 +92,7 @@ class AttentionSplice:
     scale: float
     k_scale: Optional[torch.Tensor]
     v_scale: Optional[torch.Tensor]
+    window: int = 0  # a sliding-window layer's window
 
 
 class _PieceRecorder:
@@ -137,16 +138,18 @@ class _SplicingBackend:
         return False  # prompt steps are never pure decode
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-                kv_written: bool = False, rope=None):
+                kv_written: bool = False, rope=None, window: int = 0, query_positions=None):
         if rope is not None:
             raise ValueError("prompt graphs do not take a DecodeRope (pure-decode steps only)")
+        if query_positions is not None:
+            raise ValueError("prompt graphs do not take query positions (rows seeing past their own position)")
         t = q.shape[0]
         if not kv_written:
             self.real.write_kv(k, v, kv_cache, meta, k_scale, v_scale)
         q_static = self.q_buf[:t]
         q_static.copy_(q)
         out = self.out_buf[:t]
-        self.recorder.cut(AttentionSplice(q_static, out, kv_cache, scale, k_scale, v_scale))
+        self.recorder.cut(AttentionSplice(q_static, out, kv_cache, scale, k_scale, v_scale, window))
         return out
 
 
@@ -165,7 +168,7 @@ class PromptGraph:
             if i < len(self.splices):
                 s = self.splices[i]
                 backend.forward(s.q, None, None, s.kv_cache, meta, s.scale, k_scale=s.k_scale, v_scale=s.v_scale,
-                                kv_written=True, out=s.out)
+                                kv_written=True, out=s.out, **({"window": s.window} if s.window else {}))
         return self.hidden
 
 

@@ -156,7 +156,7 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr
 # a mixed step's sequence lengths / query starts may be slices at any offset; they are read one scalar per program,
 # so their alignment class would only compile another variant inside that step (micro/bench_compiles.py). The split
 # count follows the step's longest context in eager steps (the graphs' follows --max-model-len): a divisor only
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["SeqLens", "QueryStartLoc"])
+@triton.jit(do_not_specialize=["num_splits", "window"], do_not_specialize_on_alignment=["SeqLens", "QueryStartLoc"])
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     KNew, VNew, SlotMapping, Pos, Cos, Sin, QW, KW,  # ROPE only: the step's raw K / V rows and what rotates them
@@ -166,11 +166,12 @@ def _paged_decode_kernel(
     stride_bt,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, eps, norm_offset,
     num_splits,
+    window,  # WINDOW only: the layer's sliding window (the row at position p sees keys from p - window + 1 on)
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_N: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, NEXT_TILE: tl.constexpr = False,
-    EARLY_TILE: tl.constexpr = False,
+    EARLY_TILE: tl.constexpr = False, WINDOW: tl.constexpr = False, WIN_POS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -187,9 +188,18 @@ def _paged_decode_kernel(
     has_row = q_end > q_start
     q_row = tl.maximum(q_end - 1, 0).to(tl.int64)
 
-    # this program's slice of the context (BLOCK_N aligned; may be empty)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    # the keys the row sees: [ctx_lo, seq_len); a sliding window starts them at the row's position - window + 1
+    # (WIN_POS: that position is Pos[row], for rows that see past it; else the context's last position)
+    ctx_lo = 0
+    if WINDOW:
+        if WIN_POS:
+            last = tl.load(Pos + q_row).to(tl.int32)
+        else:
+            last = seq_len - 1
+        ctx_lo = tl.minimum(tl.maximum(last - window + 1, 0), seq_len)
+    # this program's slice of the context (BLOCK_N long; may be empty)
+    chunk = tl.cdiv(tl.cdiv(seq_len - ctx_lo, num_splits), BLOCK_N) * BLOCK_N
+    start = ctx_lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     end = tl.where(has_row, end, 0)
     g = tl.arange(0, BLOCK_G)
@@ -417,12 +427,13 @@ def _specs():
                        "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32",
                        "stride_c_head": "i32", "stride_bt": "i32", "stride_kt": "i32", "stride_kh": "i32",
                        "stride_vt": "i32", "stride_vh": "i32", "stride_cos": "i32", "eps": "fp32",
-                       "norm_offset": "fp32", "num_splits": "i32",
+                       "norm_offset": "fp32", "num_splits": "i32", "window": "i32",
                        "GROUP": "constexpr", "BLOCK_G": "constexpr", "HEAD_DIM": "constexpr",
                        "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr",
                        "USE_DOT": "constexpr", "LANES": "constexpr", "SPLIT": "constexpr", "IEEE": "constexpr",
                        "KV_FMT": "constexpr", "PDL": "constexpr", "PREFETCH_N": "constexpr",
-                       "ROPE": "constexpr", "NORM": "constexpr", "NEXT_TILE": "constexpr", "EARLY_TILE": "constexpr"}
+                       "ROPE": "constexpr", "NORM": "constexpr", "NEXT_TILE": "constexpr", "EARLY_TILE": "constexpr",
+                       "WINDOW": "constexpr", "WIN_POS": "constexpr"}
                 block_g = 16 if use_dot else 4
                 for lanes in ((False,) if use_dot else (False, True)):
                     route = 'dot' if use_dot else 'fma-lanes' if lanes else 'fma'
@@ -435,16 +446,20 @@ def _specs():
                     ahead = ()
                     if lanes and d == 128 and kv_fmt <= 0:
                         ahead = ((False, False, True, True),) + (((False, False, False, True),) if kv_fmt == 0 else ())
-                    for rope, norm, half, next_tile in ((False, False, False, False),) + fused + small + ahead:
+                    # a sliding window placed by the rows' positions (the DFlash drafter's layers) at d128, fp16
+                    window = ((False, False, False, False, True),) if d == 128 and kv_fmt < 0 else ()
+                    variants = tuple(v + (False,) for v in ((False, False, False, False),) + fused + small + ahead)
+                    for rope, norm, half, next_tile, win in variants + window:
                         block_n = _default_block_n(d, block_g, use_dot, lanes, many=half)
                         decode.append(CompileSpec(signature=sig, constexprs={
                             "GROUP": 4, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_N": block_n,
                             "PAGE": 16, "USE_DOT": use_dot, "LANES": lanes, "SPLIT": True, "IEEE": False,
                             "KV_FMT": kv_fmt, "PDL": False, "PREFETCH_N": 0, "ROPE": rope, "NORM": norm,
-                            "NEXT_TILE": next_tile, "EARLY_TILE": False},
+                            "NEXT_TILE": next_tile, "EARLY_TILE": False, "WINDOW": win, "WIN_POS": win},
                             label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
                             + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")
-                            + (f" block_n {block_n}" if half else "") + (" next-tile" if next_tile else "")))
+                            + (f" block_n {block_n}" if half else "") + (" next-tile" if next_tile else "")
+                            + (" sliding-window" if win else "")))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
@@ -574,7 +589,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  num_warps: int | None = None, kv_fmt: int = -1, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, num_stages: int | None = None,
                  prefetch_tokens: int | None = None, rope=None, slot_mapping: torch.Tensor | None = None,
-                 num_sms: int = 0, next_tile: bool | None = None, early_tile: bool | None = None) -> torch.Tensor:
+                 num_sms: int = 0, next_tile: bool | None = None, early_tile: bool | None = None,
+                 window: int = 0, query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for each sequence's last query row (query_start_loc[i+1]-1) into `out`.
 
     kv_fmt: -1 for a float cache (same dtype family as q); fp8_codec.FP8_E4M3 / FP8_E5M2 for a uint8 fp8
@@ -595,6 +611,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     prefetch; the route runs where Triton has no cp.async pipelining). None: by LANES_NEXT_TILE's rule.
     early_tile (without rope, not the per-lane route): issue the first tile's loads before the PDL wait when it lies
     below the step's new rows. None: EARLY_FIRST_TILE with PDL on (without PDL it only moves the loads up).
+    window > 0: a sliding-window layer's; each row sees keys from its position - window + 1 to its sequence's end,
+    its position read from query_positions (int64 [T], contiguous: rows that see past their own position) or, without
+    it, the sequence's last position (rope's positions are then those same positions).
     """
     assert not (use_dot and fma_lanes), "fma_lanes is a variant of the FMA route (use_dot=False)"
     assert fma_lanes or not next_tile, "next_tile is an option of the FMA per-lane route (fma_lanes=True)"
@@ -628,6 +647,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         part_o = part_lse = out  # unused
     ieee = q.dtype == torch.float32
     rope_args, rope_strides = _rope_launch_args(rope, slot_mapping, q, num_kv_heads, head_dim)
+    win_pos = window > 0 and query_positions is not None
+    if win_pos and rope is None:
+        if query_positions.dtype != torch.int64 or query_positions.stride(0) != 1:
+            raise ValueError("query_positions must be a contiguous int64 tensor with a position per row")
+        rope_args[3] = query_positions  # (the kernel's Pos; with rope, rope.positions are the rows' positions)
     launch = pdl.launch_options()
     prefetch = (KV_PREFETCH_TOKENS if prefetch_tokens is None else prefetch_tokens) if launch["PDL"] else 0
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -638,13 +662,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         *rope_strides,
-        num_splits,
+        num_splits, int(window),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], USE_DOT=use_dot, LANES=fma_lanes, SPLIT=split, IEEE=ieee, KV_FMT=kv_fmt,
         PREFETCH_N=triton.cdiv(prefetch, block_n) * block_n, ROPE=rope is not None,
         NORM=rope is not None and rope.q_norm is not None, NEXT_TILE=next_tile,
         EARLY_TILE=(EARLY_FIRST_TILE and launch["PDL"] if early_tile is None else early_tile) and rope is None
-        and not fma_lanes,
+        and not fma_lanes, WINDOW=window > 0, WIN_POS=win_pos,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch,
     )
     if split:

@@ -45,7 +45,7 @@ def _attn_tile(q, KV, bt_row, pos, kv_mask_n, d, d_mask, stride_c_kv, stride_c_b
 # Step-varying arguments out of the specialisation (each new class compiled a variant inside the step that met it,
 # micro/bench_compiles.py): the decode-rows bound (1 or 2), the block-table row stride and the per-step tables, which
 # may be slices at any offset; all are read as scalars or gathered, so the specialisation gained nothing
-@triton.jit(do_not_specialize=["min_q_len", "stride_bt"],
+@triton.jit(do_not_specialize=["min_q_len", "stride_bt", "window"],
             do_not_specialize_on_alignment=["BlockTables", "SeqLens", "QueryStartLoc"])
 def _paged_prefill_kernel(
     Q, KV, Out, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
@@ -54,9 +54,10 @@ def _paged_prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     stride_bt,
+    window,  # WINDOW only: the layer's sliding window (row at position p sees keys p - window + 1 .. p)
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    IEEE: tl.constexpr, KV_FMT: tl.constexpr,
+    IEEE: tl.constexpr, KV_FMT: tl.constexpr, WINDOW: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -88,6 +89,10 @@ def _paged_prefill_kernel(
     last_pos = tl.minimum(first_pos + ROWS - 1, seq_len - 1)
     lo = tl.where(active, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
     hi = tl.where(active, last_pos + 1, 0)
+    full_end = lo
+    if WINDOW:  # every tile from the first row's window on is masked (window edge, diagonal)
+        lo = tl.where(active, (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N, 0)
+        full_end = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -96,7 +101,7 @@ def _paged_prefill_kernel(
     bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     head_off = kvh * stride_c_head
 
-    for n0 in range(0, lo, BLOCK_N):
+    for n0 in range(0, full_end, BLOCK_N):
         pos = n0 + n
         s, v = _attn_tile(q, KV, bt_row, pos, pos < hi, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
                           head_off, PAGE, IEEE, KV_FMT)
@@ -117,11 +122,15 @@ def _paged_prefill_kernel(
         s, v = _attn_tile(q, KV, bt_row, pos, n_mask, d, d_mask, stride_c_kv, stride_c_blk, stride_c_slot,
                           head_off, PAGE, IEEE, KV_FMT)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row can only be fully masked in a tile after it has seen key 0, so m_new is finite
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # without a window a row can only be fully masked in a tile after it has seen key 0, so m_new is finite;
+        # with one a row may have seen nothing yet (tiles before its window): its state stays empty
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if WINDOW else m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -186,15 +195,17 @@ def _specs():
                    "qk_scale": "fp32", "min_q_len": "i32",
                    "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
                    "stride_c_kv": "i64", "stride_c_blk": "i32", "stride_c_slot": "i32", "stride_c_head": "i32",
-                   "stride_bt": "i32",
+                   "stride_bt": "i32", "window": "i32",
                    "GROUP": "constexpr", "ROWS": "constexpr", "BLOCK_M": "constexpr", "HEAD_DIM": "constexpr",
                    "BLOCK_D": "constexpr", "BLOCK_N": "constexpr", "PAGE": "constexpr", "IEEE": "constexpr",
-                   "KV_FMT": "constexpr"}
+                   "KV_FMT": "constexpr", "WINDOW": "constexpr"}
             block_m, block_n, _, _ = prefill_config(d, 4, 4096, capability=(7, 0))
-            specs.append(CompileSpec(signature=sig, constexprs={
-                "GROUP": 4, "ROWS": block_m // 4, "BLOCK_M": block_m, "HEAD_DIM": d, "BLOCK_D": d,
-                "BLOCK_N": block_n, "PAGE": 16, "IEEE": False, "KV_FMT": kv_fmt},
-                label=f"fp16 d{d} gqa4" + ("" if kv_fmt < 0 else f" kv-{kv_name}")))
+            for window in (False, True) if d == 128 and kv_fmt < 0 else (False,):  # sliding-window layers: d128
+                specs.append(CompileSpec(signature=sig, constexprs={
+                    "GROUP": 4, "ROWS": block_m // 4, "BLOCK_M": block_m, "HEAD_DIM": d, "BLOCK_D": d,
+                    "BLOCK_N": block_n, "PAGE": 16, "IEEE": False, "KV_FMT": kv_fmt, "WINDOW": window},
+                    label=f"fp16 d{d} gqa4" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
+                    + (" sliding-window" if window else "")))
     return specs
 
 
@@ -206,10 +217,11 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                   config: tuple[int, int, int, int] | None = None,
                   capability: tuple[int, int] | None = None, kv_fmt: int = -1,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  min_query_len: int = 1) -> torch.Tensor:
+                  min_query_len: int = 1, window: int = 0) -> torch.Tensor:
     """Causal attention of every query row of every sequence over its paged context, into `out`.
     min_query_len: sequences with fewer query rows are skipped (their rows of `out` untouched: the backend's
     decode kernel writes a mixed step's long-context decode rows, with split-KV).
+    window > 0: a sliding-window layer's; row j (position L - Lq + j) sees positions L - Lq + j - window + 1 on.
 
     q/out: [T, num_heads, head_dim] (last dim contiguous); max_query_len: host int bound on query lengths
     (sizes the grid; rows past a sequence's own length are masked). kv_fmt / k_scale / v_scale: as in
@@ -233,9 +245,9 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         scale * LOG2E, int(min_query_len),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0),
+        block_tables.stride(0), int(window),
         GROUP=group, ROWS=rows, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, PAGE=kv_cache.shape[2], IEEE=q.dtype == torch.float32, KV_FMT=kv_fmt,
-        num_warps=num_warps, num_stages=num_stages,
+        WINDOW=window > 0, num_warps=num_warps, num_stages=num_stages,
     )
     return out

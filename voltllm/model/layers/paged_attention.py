@@ -19,9 +19,13 @@ from voltllm.model.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, kv_index: int, head_dim: int, rotary: RotaryEmbedding):
+    def __init__(self, kv_index: int, head_dim: int, rotary: RotaryEmbedding, sliding_window: int = 0):
         super().__init__()
         self.kv_index = kv_index
+        # a sliding-window layer's window (0: full attention; voltllm.attention.backend); window_by_position: its rows
+        # may see past their own position (the DFlash drafter's block rows), so the window follows their positions
+        self.sliding_window = int(sliding_window or 0)
+        self.window_by_position = False
         self.head_dim = head_dim
         self.rotary = rotary
         self.scale = head_dim ** -0.5
@@ -36,10 +40,11 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k / v [T, Hkv, D] (QK-norm first when q_norm / k_norm are given) -> attention
         output [T, Hq, D]."""
         cache = ctx.kv_caches[self.kv_index]
+        window = self._window_args(positions)
         rope = self._decode_rope(positions, q, k, v, cache, ctx, q_norm, k_norm)
         if rope is not None:  # the decode kernel applies QK-norm + RoPE and stores K / V itself
             return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale,
-                                       v_scale=self.v_scale, rope=rope)
+                                       v_scale=self.v_scale, rope=rope, **window)
         # centered keys must reach the cache, so with key offsets the backend writes them (after center_keys); an
         # fp8 scale still to be calculated from this forward's K / V must exist before anything is encoded
         write = None if self.k_offset is not None or ctx.calc_kv_scales else ctx.backend.cache_write_for(
@@ -51,7 +56,13 @@ class PagedAttention(nn.Module):
         k = center_keys(self, k, ctx)
         maybe_calc_kv_scales(self, k, v, ctx)
         return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
-                                   kv_written=write is not None)
+                                   kv_written=write is not None, **window)
+
+    def _window_args(self, positions: torch.Tensor) -> dict:
+        """The backend's sliding-window arguments of this layer (none for a full-attention layer)."""
+        if not self.sliding_window:
+            return {}
+        return {"window": self.sliding_window, "query_positions": positions if self.window_by_position else None}
 
     def _decode_rope(self, positions, q, k, v, cache, ctx: ForwardContext, q_norm: Optional[RMSNorm],
                      k_norm: Optional[RMSNorm]) -> Optional[DecodeRope]:
