@@ -118,12 +118,23 @@ def _convolutions(w: dict, prefix: str, x: torch.Tensor):
     return _causal_conv(x, dyn[:, 0], base[0]), lambda y: _causal_conv(y, dyn[:, 1], base[1])
 
 
+def layer_windows(path: str) -> list[int]:
+    """Each drafter layer's sliding window from its config.json, as transformers reads it (0: full attention; none
+    while use_sliding_window is off)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    types = cfg.get("layer_types") or ["full_attention"] * LAYERS
+    return [window if window and t == "sliding_attention" else 0 for t in types]
+
+
 def reference_block(w: dict, features: torch.Tensor, block_ids: list[int], embed: torch.Tensor,
-                    lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    lm_head: torch.Tensor, windows: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's final hidden states and logits for the block's rows 1.. (its drafts), in float64: the context
     is the target features [C, n * hidden] of positions 0..C-1, the block the ids at positions C..C+len-1; every
-    block row attends to the whole context and the whole block (no mask). A DFlash2 drafter's (its checkpoint has
-    the convolutions' tensors) convolves each sublayer's normed input and its output along the block."""
+    block row attends to the whole context and the whole block (no mask), but in a layer with a sliding window W
+    (windows[i] > 0) the row at position p only to positions from p - W + 1 on. A DFlash2 drafter's (its checkpoint
+    has the convolutions' tensors) convolves each sublayer's normed input and its output along the block."""
     c = features.shape[0]
     ctx = _rms(features.double() @ w["fc.weight"].T, w["hidden_norm.weight"])
     h = embed.double()[torch.tensor(block_ids)]
@@ -142,6 +153,8 @@ def reference_block(w: dict, features: torch.Tensor, block_ids: list[int], embed
         k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
         v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
         att = torch.einsum("qhd,khd->hqk", q, k) * HEAD_DIM ** -0.5
+        if windows and windows[i]:
+            att = att.masked_fill(pos_k[None, None, :] <= pos_q[None, :, None] - windows[i], float("-inf"))
         out = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(nb, HEADS * HEAD_DIM)
         h = h + attn_conv(out @ w[p + "self_attn.o_proj.weight"].T)
         x, mlp_conv = _convolutions(w, p + "mlp_conv.", _rms(h, w[p + "post_attention_layernorm.weight"]))
@@ -242,6 +255,7 @@ def _reference_blocks(records: list, target_path: str, drafter_path: str, layer_
     request's block (check_block_logits)."""
     ref_model = _float64_target(target_path)
     w = load_weights(drafter_path)
+    windows = layer_windows(drafter_path)
     embed = ref_model.get_input_embeddings().weight.detach()
     head = ref_model.get_output_embeddings().weight.detach()
     longest = sorted({tuple(ids) for rec in records for ids, _, _ in rec["rows"]}, key=len, reverse=True)
@@ -261,7 +275,8 @@ def _reference_blocks(records: list, target_path: str, drafter_path: str, layer_
         n, kmax = len(rec["rows"]), max(k for _, _, k in rec["rows"])
         assert rec["logits"].shape[0] == n * kmax
         for i, (ids, start, k) in enumerate(rec["rows"]):
-            ref_hidden, ref = reference_block(w, feats(ids, start), [ids[start]] + [mask_token_id] * k, embed, head)
+            ref_hidden, ref = reference_block(w, feats(ids, start), [ids[start]] + [mask_token_id] * k, embed, head,
+                                              windows)
             yield rec, i, (ids, start, k), ref_hidden, ref
 
 

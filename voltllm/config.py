@@ -307,8 +307,8 @@ class EngineArgs:
     mamba_ssm_cache_dtype: str = "auto"  # auto | float32: the SSM state is always float32
     config_format: str = "auto"  # auto | hf: the checkpoint's Hugging Face config.json
     attention_config: Optional[Any] = None  # -ac: {"backend": ...} only (as --attention-backend)
-    # full attention over the whole context is always what runs; with a checkpoint whose config turns a sliding window
-    # on, this caps --max-model-len at the window, as vLLM does
+    # a checkpoint's sliding-window layers attend over the whole context instead, and --max-model-len is capped at the
+    # window, as vLLM does (_resolve_sliding_window)
     disable_sliding_window: bool = False
     # pooling (embedding) models, vLLM's flags: --runner auto | generate | pooling, --convert auto | none | embed, the
     # older --task (generate, embed, ...), and --pooler-config (older name --override-pooler-config)
@@ -585,6 +585,30 @@ class EngineArgs:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_sliding_window(self, hf_config: Any) -> Optional[int]:
+        """A checkpoint whose layers include sliding-window ones (voltllm.model.sliding_window): the llama-family
+        architectures run them (the window's keys only; KV is kept for the whole context); with
+        --disable-sliding-window every layer attends to the whole context and the context is capped at the window,
+        where the two agree (vLLM's cap), as it is for an architecture without windowed layers. Returns the window
+        that caps the context, else None."""
+        from voltllm.model.models.registry import attention_only
+        from voltllm.model.sliding_window import layer_window, model_window, turn_off
+
+        text = getattr(hf_config, "text_config", None) or hf_config
+        window = model_window(text)
+        if window is None:
+            return None
+        if attention_only(hf_config) and not self.disable_sliding_window:
+            logger.info("sliding-window attention (%d tokens) in layers %s", window,
+                        [i for i in range(text.num_hidden_layers) if layer_window(text, i)])
+            return None
+        if not self.disable_sliding_window:
+            logger.warning("this checkpoint turns on sliding-window attention (%d tokens), which voltllm does not "
+                           "build for %s: the context is capped at the window, where full attention gives the same "
+                           "result (as --disable-sliding-window)", window, getattr(hf_config, "model_type", "it"))
+        turn_off(text)
+        return window
+
     def _refuse_qwen4_exp_unbuilt(self, hf_config: Any, method: Optional[str], spec: Any, runner: str) -> None:
         if (what := _qwen4_exp_unbuilt(self, hf_config, method, spec, runner)) is not None:
             raise ConfigError(f"Qwen4-Exp ({hf_config.model_type}): {what} is not built for this model")
@@ -656,15 +680,9 @@ class EngineArgs:
         dtype = _resolve_dtype(self.dtype, hf_config, device, compat, capability)
 
         derived_max = _max_positions(hf_config)
-        # sliding-window attention is not built: a checkpoint that turns it on is served with full attention up to
-        # its window, where the two agree (vLLM's --disable-sliding-window does the same cap)
-        window = _sliding_window(hf_config)
-        if window is not None and window < derived_max:
+        window = self._resolve_sliding_window(hf_config)
+        if window is not None and window < derived_max:  # (full attention capped at the window: the same result)
             derived_max = window
-            if not self.disable_sliding_window:
-                logger.warning("this checkpoint turns on sliding-window attention (%d tokens), which voltllm does not "
-                               "build: the context is capped at the window, where full attention gives the same "
-                               "result (as --disable-sliding-window)", window)
         asked = None if self.max_model_len is None else parse_size("--max-model-len", self.max_model_len, auto=True)
         fit = asked == "auto"
         max_model_len = derived_max if asked is None or fit else asked  # 0 is an error
@@ -1224,14 +1242,6 @@ def parse_size(flag: str, value: Any, unit: str = "tokens", auto: bool = False) 
     return int(amount)
 
 
-def _sliding_window(hf_config: Any) -> Optional[int]:
-    """The attention window a checkpoint's config turns on (transformers sets `sliding_window` only then, e.g. qwen2's
-    use_sliding_window), else None."""
-    text = getattr(hf_config, "text_config", None) or hf_config
-    window = getattr(text, "sliding_window", None)
-    if getattr(text, "use_sliding_window", True) is False or not isinstance(window, int) or window <= 0:
-        return None
-    return window
 
 
 def _rope_scaled(hf_config: Any, max_positions: int) -> int:

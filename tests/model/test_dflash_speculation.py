@@ -78,6 +78,52 @@ def test_block_logits_equal_the_reference(models, graph_rows):
     assert not graph_rows or dr.graphs.replays >= 3
 
 
+@pytest.fixture(scope="module")
+def sliding(models, tmp_path_factory):
+    """A drafter whose first layer attends over a sliding window of 8 positions (Qwen3.6's drafters: 2,048), shorter
+    than the prompts, so each block row's window starts inside its context."""
+    hidden, vocab, layers = _target_shape(models["target"])
+    return make_dflash(str(tmp_path_factory.mktemp("sliding") / "dflash"), hidden, vocab, layers, models["layers"],
+                       block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                       use_sliding_window=True)
+
+
+@pytest.mark.parametrize("graph_rows", [0, 8])
+def test_sliding_window_block_logits_equal_the_reference(models, sliding, graph_rows):
+    """A drafter with a sliding-window layer: each block row at position p sees the context from p - 7 on and the
+    whole block, eagerly and in the graph form; the same drafter read as full attention (its window ignored) does not
+    match the windowed reference, so the window is what was checked."""
+    from dflash_models import layer_windows
+
+    target = models["target"]
+    assert layer_windows(sliding) == [8, 0]
+    llm = LLM(target, block_size=4, max_num_batched_tokens=16, speculative_config=_spec(sliding))
+    dr = _runner(llm)
+    assert [layer.self_attn.sliding_window for layer in dr.drafter.layers] == [8, 0]
+    if graph_rows:
+        dr.graphs = PaddedDecodeGraphs(dr, graph_rows)
+    records = record_block_logits(dr)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    _run(llm, PROMPTS[:3], sp)
+    assert check_block_logits(records, target, sliding, models["layers"]) >= 6
+    assert not graph_rows or dr.graphs.replays >= 3
+    for layer in dr.drafter.layers:
+        layer.self_attn.sliding_window = 0
+    records = record_block_logits(dr)
+    _run(llm, PROMPTS[:1], sp)
+    with pytest.raises(AssertionError, match="relative error"):
+        check_block_logits(records, target, sliding, models["layers"])
+
+
+def test_sliding_window_drafter_keeps_greedy_outputs(models, sliding):
+    target = models["target"]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(block_size=4, max_num_batched_tokens=5, max_num_seqs=4)
+    llm = LLM(target, speculative_config=_spec(sliding), **kw)
+    assert _run(llm, PROMPTS, sp) == _plain(target, PROMPTS, sp, **kw)
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("budget", [64, 5])
 def test_greedy_outputs_equal_plain_decoding(models, budget):
     """Four concurrent requests, the token budget large or small (prompts in chunks of 5; drafts cut by it)."""
@@ -173,8 +219,10 @@ def test_bad_drafters_are_refused(models, tmp_path):
     assert "DFlash2 needs a positive integer conv_kernel_size" in _config_error(
         target, _spec(drafter("v2", architectures=["DFlash2DraftModel"])))
     assert "neither" in _config_error(target, _spec(drafter("eagle", architectures=["EagleDraftModel"])))
-    assert "sliding-window" in _config_error(target, _spec(drafter(
-        "sliding", layer_types=["sliding_attention", "full_attention"], sliding_window=16, use_sliding_window=True)))
+    assert "only full_attention and sliding_attention" in _config_error(target, _spec(drafter(
+        "chunked", layer_types=["chunked_attention", "full_attention"])))
+    assert "shorter than block_size" in _config_error(target, _spec(drafter(
+        "narrow", layer_types=["sliding_attention", "full_attention"], sliding_window=3, use_sliding_window=True)))
     assert "cannot load" in _config_error(target, _spec(str(tmp_path / "missing")))
 
 

@@ -16,6 +16,11 @@ DFlash2 (architectures ["DFlash2DraftModel"]) is the same drafter with two addit
 every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic weight per `conv_group_size` channels), and a
 candidate selector that walks the block's positions choosing among each row's `selector_top_k` best tokens with a
 bigram score of rank `selector_rank` (model/models/dflash2_layers.py).
+
+Sliding-window drafter layers (Qwen3.6's drafters: `layer_types` of "sliding_attention" and "full_attention" with a
+`sliding_window`), as the z-lab reference runs them: a block row at position p sees the context from p - window + 1
+on and the whole block; the window is the config's as transformers reads it (none while `use_sliding_window` is off,
+as in the reference, where such layers then attend to the whole context).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from voltllm.engine.speculative import SpeculativeConfig, SpeculativeConfigError, check_width_and_vocab
+from voltllm.model.sliding_window import layer_window, model_window
 
 logger = logging.getLogger("voltllm")
 
@@ -105,8 +111,12 @@ def dflash_params(draft_cfg: Any, target_cfg: Any, k: int) -> DFlashParams:
                    "after the known token)")
     if getattr(draft_cfg, "is_causal", None):
         raise _err("is_causal is set: only the non-causal block attention is built")
-    if any(t != "full_attention" for t in getattr(draft_cfg, "layer_types", None) or []):
-        raise _err(f"layer types {draft_cfg.layer_types}: sliding-window drafter layers are not built")
+    types = getattr(draft_cfg, "layer_types", None) or []
+    if any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise _err(f"layer types {draft_cfg.layer_types}: only full_attention and sliding_attention layers are built")
+    window = model_window(draft_cfg)
+    if window is not None and window < block:  # (so every row sees the whole block, whatever its side)
+        raise _err(f"sliding_window {window} is shorter than block_size {block}")
     softcap = _value(draft_cfg, "final_logit_softcapping")
     v2 = _v2_params(draft_cfg, hidden, t_vocab) if ARCHITECTURE_V2 in archs else None
     return DFlashParams(block, mask, tuple(ids), float(_value(draft_cfg, "input_embedding_scale") or 1.0),
@@ -142,7 +152,14 @@ def resolve_dflash(spec: SpeculativeConfig, target_hf_config: Any, download_dir:
     except (ModelLoadError, OSError, ValueError) as e:
         raise _err(f"cannot load {spec.model!r}: {e}") from None
     params = dflash_params(hf_config, target_hf_config, spec.num_speculative_tokens)
-    logger.info("DFlash%s drafter %s: %d layers, block %d, target layers %s, mask token %d%s", "2" if params.v2 else "",
-                source.path, hf_config.num_hidden_layers, params.block_size, list(params.target_layer_ids),
-                params.mask_token_id, f", {params.v2}" if params.v2 else "")
+    window = model_window(hf_config)
+    slides = [i for i in range(hf_config.num_hidden_layers) if layer_window(hf_config, i)]
+    logger.info("DFlash%s drafter %s: %d layers, block %d, target layers %s, mask token %d%s%s",
+                "2" if params.v2 else "", source.path, hf_config.num_hidden_layers, params.block_size,
+                list(params.target_layer_ids), params.mask_token_id, f", {params.v2}" if params.v2 else "",
+                f", sliding window {window} in layers {slides}" if window else "")
+    if not window and "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
+        logger.warning("DFlash drafter %s lists sliding_attention layers but its config has no sliding window (off "
+                       "while use_sliding_window is false): they attend to the whole context, as in transformers",
+                       source.path)
     return spec.with_draft(source.path, hf_config)

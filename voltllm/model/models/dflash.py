@@ -64,6 +64,8 @@ class DFlashDrafter(nn.Module):
             self.body = DFlash2Body(body_cfg, dtype, max_positions)
             self.selector = CandidateSelector(cfg.hidden_size, int(cfg.vocab_size), v2.selector_rank,
                                               v2.selector_top_k, dtype)
+        for layer in self.body.layers:  # a block row sees past its own position: a sliding window follows it
+            layer.self_attn.window_by_position = True
         self._target = [target]  # (not a submodule: the target's weights are not the drafter's)
         self._vocab = [vocab]
         hidden = cfg.hidden_size

@@ -33,6 +33,7 @@ from voltllm.model.layers.paged_attention import PagedAttention
 from voltllm.model.layers.rotary import RotaryEmbedding
 from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 from voltllm.model.models.aux_hidden import AuxHiddenCapture
+from voltllm.model.sliding_window import layer_window
 
 
 # (qwen3_vl_text / qwen3_vl_moe_text: Qwen3-VL's text models, a qwen3 / qwen3_moe)
@@ -49,9 +50,10 @@ def text_config(cfg: Any) -> Any:
 
 class Attention(PagedAttention):
     def __init__(self, cfg: Any, kv_index: int, dtype: torch.dtype, rotary: RotaryEmbedding,
-                 linear_method: Optional[LinearMethod] = None, tp=None):
+                 linear_method: Optional[LinearMethod] = None, tp=None, sliding_window: int = 0):
         num_heads = cfg.num_attention_heads
-        super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary)
+        super().__init__(kv_index, getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads, rotary,
+                         sliding_window)
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         # this rank's heads (all of them without TP); num_heads / num_kv_heads are the local counts
         self.heads = HeadShard.of(num_heads, num_kv_heads, tp.rank, tp.size) if tp else HeadShard.of(
@@ -113,7 +115,8 @@ class DecoderLayer(nn.Module):
         layers start at 0; None: idx)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, idx if kv_index is None else kv_index, dtype, rotary, linear_method, tp)
+        self.self_attn = Attention(cfg, idx if kv_index is None else kv_index, dtype, rotary, linear_method, tp,
+                                   layer_window(cfg, idx))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if is_moe_layer(cfg, idx):  # qwen3_moe: routed experts without a shared one (kept quantized with the rest)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
