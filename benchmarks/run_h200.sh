@@ -240,6 +240,8 @@
 #   s144d    (session 52) GPU files of the new quantized kinds (low-bit GGUF, 8-bit GPTQ)
 #   s145     (session 53) image input (Qwen3.5 / Qwen3-VL tiny: fp32 graphs vs transformers, fp16 vs eager, compat),
 #            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
+#   s159     (session 59) sliding-window attention: attention kernels, windowed qwen3 vs transformers, DFlash with
+#            a sliding-window drafter layer (GPU files); 8B batch 1 at 16K windowed vs full; 8B c64
 #   s157     (session 57) DFlash2 drafters: its kernels' GPU file, tests/gpu/test_dflash_cuda.py (DFlash and DFlash2
 #            cases), EAGLE-1 heads (test_eagle1_cuda), then session 56's Qwen4-Exp file and the MoE LoRA file (never
 #            run after session 56's changes)
@@ -1621,6 +1623,25 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       timeout 150 python3 benchmarks/micro/dflash_round.py --target qwen3-8b-shape -k 7 --batch 1,16 $v \
         --out "$out/dflash-round${v/--/-}-$sha.json" 2>&1 | grep -E "^batch|DFlash|Error|error" | cut -c1-220
     done
+    ;;
+  s159)  # (session 59) sliding-window attention: the attention kernels' GPU file (windows, the changed decode kernel,
+          # mixed batches), windowed qwen3 vs transformers (native / compat, graphs), DFlash with a sliding-window
+          # drafter layer; 8B shape batch 1 at 16K context with every layer windowed at 2,048 vs full attention; 8B c64
+    gpu_file test_attention_kernels 300 -k "sliding_window or test_decode or prefill_mixed or long_context"
+    gpu_file test_sliding_window_cuda 200
+    gpu_file test_dflash_cuda 300
+    swa='{"use_sliding_window": true, "sliding_window": 2048, "layer_types": ['"$(printf '"sliding_attention",%.0s' $(seq 35))"'"sliding_attention"]}'
+    for label in full swa; do
+      extra=(); [ $label = swa ] && extra=(--hf-overrides "$swa")
+      bench_via "timeout 200 python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario decode \
+        --input-len 16384 --output-len 128 --num-warm 2 --max-model-len 16640 --name "8b-16k-$label-$sha" \
+        "${extra[@]}" > "$out/swa-$label.log" 2>&1
+      echo "$label: $(grep -E '^(pure_decode|ttft|Error)' "$out/swa-$label.log" | tr '\n' ' ' | cut -c1-300)"
+    done
+    bench_via "timeout 200 python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency \
+      --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name "qwen3-8b-shape-fp16-c64-$sha" \
+      > "$out/c64.log" 2>&1
+    echo "c64: $(grep -E '^(output_tok_s|concurrent_decode|ttft|Error)' "$out/c64.log" | tr '\n' ' ' | cut -c1-300)"
     ;;
   s158b)  # (session 58) dynamic speculative decoding: qwen3-8b shape at 64 concurrent, no speculation, n-gram
           # K = 4 (prompt_lookup_min 1: random weights give many rejected drafts, speculation's cost), and n-gram K = 4

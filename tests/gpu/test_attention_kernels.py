@@ -115,6 +115,29 @@ def test_prefill_mixed(dtype, d):
     _check(case, _backend(decode_rows_split_context=256, use_tensor_cores=False), dtype, "compat decode rows")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("window", [1, 100, 4096])
+def test_sliding_window(dtype, window):
+    """Sliding-window layers at real shapes: a mixed batch (prompts, chunks over prefixes, long-context decode rows
+    through split-KV) on the native and compat routes; decode rows whose positions lie before their context's end (the
+    DFlash drafter's block rows) on every decode route."""
+    seqs = [(1000, 1000), (777, 300), (4129, 57), (300, 1), (9000, 1), (64, 64), (33, 1)]
+    case = H.make_case(seqs, 32, 8, 128, 16, dtype, device=DEV, pad_rows=5,
+                       seed=_seed(f"window {window} {dtype}"))
+    for tag, backend in (("native", _backend(decode_rows_split_context=256)),
+                         ("compat", _backend(use_tensor_cores=False))):
+        _poison_allocator(case)
+        err, problems = H.run_backend_case(case, backend, window=window)
+        assert not problems and err < TOL[dtype], (tag, window, err, problems)
+    case = H.make_case([(1, 1), (17, 1), (300, 1), (4097, 1), (12345, 1), (0, 1)], 32, 8, 128, 16, dtype,
+                       device=DEV, seed=_seed(f"window positions {window} {dtype}"))
+    pos = H.positions_before_end(case, [0, 3, 15, 7])
+    for splits, use_dot, lanes in ((1, True, False), (9, True, False), (4, False, False), (4, False, True)):
+        err, problems = H.run_kernel_case(case, "decode", num_splits=splits, use_dot=use_dot, fma_lanes=lanes,
+                                          window=window, query_positions=pos)
+        assert not problems and err < TOL[dtype], (window, splits, use_dot, lanes, err, problems)
+
+
 def test_prefill_mha_and_small_query_tiles():
     dtype = torch.float16
     case = H.make_case([(513, 200), (70, 70), (19, 3)], 8, 8, 128, 16, dtype, device=DEV,

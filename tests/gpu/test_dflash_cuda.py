@@ -2,7 +2,8 @@
 whole block), the context K / V written with the backend's store beside decode-graph and prompt-graph steps (the
 target's chosen layers' outputs captured inside its graphs): the drafter's logits equal the float64 reference in
 fp32; greedy outputs equal plain decoding in fp32 (native and --compat sm70); an always-agreeing drafter is always
-accepted; fp16 runs. The same for a DFlash2 drafter (convolutions inside the drafter's graphs, the selector's
+accepted; fp16 runs. The same for a drafter with a sliding-window layer (the decode kernel reads each block row's
+position for its window) and for a DFlash2 drafter (convolutions inside the drafter's graphs, the selector's
 drafts against the reference walk). (A hybrid target with DFlash: tests/gpu/test_hybrid_spec_cuda.py.)"""
 import json
 import os
@@ -32,7 +33,12 @@ def models(tmp_path_factory):
     return {"target": target, "agree": agree, "layers": [0, layers - 1],
             "drafter": make_dflash(str(root / "drafter"), hidden, vocab, layers, [0, layers - 1], block_size=8),
             "drafter2": make_dflash(str(root / "drafter2"), hidden, vocab, layers, [0, layers - 1], block_size=8,
-                                    v2=V2)}
+                                    v2=V2),
+            # Qwen3.6's form: a sliding-window layer (window 12: shorter than the prompts, so each block row's window
+            # starts inside its context, at its own position)
+            "drafter_swa": make_dflash(str(root / "drafter_swa"), hidden, vocab, layers, [0, layers - 1],
+                                       block_size=8, layer_types=["sliding_attention", "full_attention"],
+                                       sliding_window=12, use_sliding_window=True)}
 
 
 def _spec(path, k=5):
@@ -45,7 +51,7 @@ def _tokens(llm, sp, prompts=PROMPTS):
     return out
 
 
-@pytest.mark.parametrize("drafter", ["drafter", "drafter2"])
+@pytest.mark.parametrize("drafter", ["drafter", "drafter2", "drafter_swa"])
 @pytest.mark.parametrize("compat", ["none", "sm70"])
 def test_fp32_greedy_equals_plain_decoding(models, compat, drafter):
     kw = dict(KW, dtype="float32", compat=compat)
@@ -59,7 +65,7 @@ def test_fp32_greedy_equals_plain_decoding(models, compat, drafter):
     assert drafter_graphs.replays > 0  # blocks of up to max_num_seqs rows replay the drafter's graphs
 
 
-@pytest.mark.parametrize("drafter", ["drafter", "drafter2"])
+@pytest.mark.parametrize("drafter", ["drafter", "drafter2", "drafter_swa"])
 def test_fp32_block_logits_equal_the_reference(models, drafter):
     llm = LLM(models["target"], speculative_config=_spec(models[drafter]), dtype="float32", **KW)
     dr = llm.engine.runner.draft

@@ -86,22 +86,30 @@ def test_reasoning_config_refusals_exit_2(tiny, capsys):
     assert "voltllm: error: --reasoning-config needs reasoning_start_str" in capsys.readouterr().err
 
 
-def test_the_context_is_capped_at_a_window_the_checkpoint_turns_on(tmp_path, tiny, caplog):
-    """Sliding-window attention is not built: up to the window full attention is the same, so the context stops
-    there, with a warning unless --disable-sliding-window asked for it (before, it ran past it silently)."""
+def test_a_window_the_checkpoint_turns_on_is_served_or_capped(tmp_path, tiny, caplog, monkeypatch):
+    """A llama-family checkpoint's sliding-window layers run windowed, with the whole context (their runs:
+    tests/model/test_sliding_window.py); --disable-sliding-window caps the context at the window instead (full
+    attention agrees up to it), as does an architecture whose layers take no window, with a warning."""
     windowed = make_model(str(tmp_path / "windowed"), "qwen2", use_sliding_window=True, sliding_window=256,
                           max_window_layers=0)
-    with caplog.at_level("WARNING", logger="voltllm"):
-        assert EngineArgs(model=windowed, device="cpu").create_engine_config().model.max_model_len == 256
-    assert "turns on sliding-window attention (256 tokens)" in caplog.text
+    with caplog.at_level("INFO", logger="voltllm"):
+        assert EngineArgs(model=windowed, device="cpu").create_engine_config().model.max_model_len == 1024
+    assert "sliding-window attention (256 tokens) in layers [0, 1, 2]" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="voltllm"):
         capped = EngineArgs(model=windowed, device="cpu", disable_sliding_window=True).create_engine_config()
     assert capped.model.max_model_len == 256 and "sliding-window" not in caplog.text
-    for flag in (True, False):
-        with pytest.raises(ConfigError, match=r"--max-model-len 512 exceeds .*\(its sliding window, 256 tokens"):
-            EngineArgs(model=windowed, device="cpu", disable_sliding_window=flag,
-                       max_model_len=512).create_engine_config()
+    assert capped.model.hf_config.sliding_window is None  # (its layers then attend to the whole context)
+    with pytest.raises(ConfigError, match=r"--max-model-len 512 exceeds .*\(its sliding window, 256 tokens"):
+        EngineArgs(model=windowed, device="cpu", disable_sliding_window=True, max_model_len=512).create_engine_config()
+    import voltllm.model.models.registry as registry
+
+    monkeypatch.setattr(registry, "attention_only", lambda hf_config: False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="voltllm"):
+        assert EngineArgs(model=windowed, device="cpu").create_engine_config().model.max_model_len == 256
+    assert "turns on sliding-window attention (256 tokens), which voltllm does not build for qwen2" in caplog.text
+    monkeypatch.undo()
     # a checkpoint without a window on: nothing to cap
     assert EngineArgs(model=tiny, device="cpu", disable_sliding_window=True
                       ).create_engine_config().model.max_model_len == 1024
