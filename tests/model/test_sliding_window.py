@@ -43,6 +43,10 @@ def test_layers_take_the_window(windowed):
     layers = llm.engine.runner.model.layers
     assert [layer.self_attn.sliding_window for layer in layers] == [0, WINDOW, WINDOW]
     assert llm.config.model.max_model_len == 1024  # served windowed: no cap
+    from voltllm.bench.limits import model_cost
+
+    cost = model_cost(llm.engine.runner.model, llm.config.model.hf_config)  # (the bench's read limit)
+    assert cost.layer_windows == (0, WINDOW, WINDOW) and cost.attended(100) == (100 + 2 * WINDOW) / 3
 
 
 def test_logits_match_transformers(windowed):

@@ -196,6 +196,23 @@ def test_decode_and_prefill_limit_math():
     assert big < L.decode_limit_tok_s(cost, dev, 4096, 640)
 
 
+def test_sliding_window_limit_math():
+    """Sliding-window layers read at most their window of KV per decode row, and a prompt's attention pairs stop
+    growing quadratically past it; full layers as before (half the layers windowed at 512 here)."""
+    args = dict(weight_bytes=16_000_000_000, matmul_params=7_000_000_000, logits_params=600_000_000,
+                kv_bytes_per_token=100_000, state_bytes_per_request=0, attention_layers=4, q_heads=32, head_dim=128)
+    full, windowed = L.ModelCost(**args), L.ModelCost(**args, layer_windows=(0, 512, 0, 512))
+    dev = L.DeviceLimits("cuda", copy_GBps=4000.0, matmul_TFLOPs=800.0, matmul_dtype="float16", copy_bytes=1,
+                         matmul_n=8192)
+    assert windowed.attended(300) == 300 and windowed.attended(2048) == (2048 + 512) / 2
+    step = (16e9 + 2 * 100_000 * (2048 + 512) / 2) / 4000e9
+    assert L.decode_limit_tok_s(windowed, dev, 2, 2048) == pytest.approx(2 / step)
+    assert L.decode_limit_tok_s(windowed, dev, 2, 2048) > L.decode_limit_tok_s(full, dev, 2, 2048)
+    pairs = (8192 ** 2 / 2 + 512 ** 2 / 2 + (8192 - 512) * 512) / 2
+    assert windowed.prefill_flops(8192) == pytest.approx(2 * 7e9 * 8192 + 2 * 600e6 + 4 * 4 * 32 * 128 * pairs)
+    assert windowed.prefill_flops(400) == full.prefill_flops(400)
+
+
 def test_moe_limit_math():
     """Routed experts: a token multiplies by top_k / E of them; a decode step of B rows reads 1 - (1 - top_k / E)^B
     of their bytes (uniform routing), the dense weights always."""

@@ -7,10 +7,12 @@
   2 n^3 FLOPs / time (median of N).
 - decode limit: bytes that must be read per step = every weight once (parameter bytes of the model that
   is actually loaded) + each request's KV over its context (2 * attention layers * kv heads * head dim *
-  element size * context) + each request's recurrent state for hybrid models; limit tok/s = batch /
+  element size * context; a sliding-window layer's at most its window) + each request's recurrent state for hybrid
+  models; limit tok/s = batch /
   (bytes / bandwidth). For batches, the roofline also caps it by FLOPs / matmul rate.
 - prefill limit: FLOPs of one prompt = 2 * matmul params * L (embedding lookups are not matmuls; logits
-  for the last position only) + causal attention 4 * attention layers * q heads * head dim * L^2 / 2;
+  for the last position only) + causal attention 4 * attention layers * q heads * head dim * L^2 / 2 (a
+  sliding-window layer of window W: W^2 / 2 + (L - W) * W past its window);
   limit tok/s = L / (FLOPs / matmul rate).
 - images (--scenario random-mm): an image's vision-tower FLOPs (tower_flops, from the vision config and the patch
   grid the image processor makes of it) are added to the prefill FLOPs of the prompt, whose length counts the
@@ -127,6 +129,7 @@ class ModelCost:
     expert_bytes: int = 0
     expert_params: int = 0
     expert_fraction: float = 0.0
+    layer_windows: tuple = ()  # each attention layer's sliding window (0: the whole context); empty: none has one
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -141,16 +144,30 @@ class ModelCost:
         """Matmul weights one token multiplies by: every dense one, top_k / E of the routed experts."""
         return self.matmul_params - self.expert_params * (1.0 - self.expert_fraction)
 
+    def attended(self, context_len: float) -> float:
+        """Context positions one decode row attends to, averaged over the attention layers (a sliding-window layer
+        reads at most its window)."""
+        if not self.layer_windows:
+            return context_len
+        return sum(min(context_len, w) if w else context_len for w in self.layer_windows) / len(self.layer_windows)
+
     def decode_bytes_per_step(self, batch: int, context_len: float) -> float:
         weights = self.weight_bytes - self.expert_bytes * (1.0 - self.experts_touched(batch))
-        return weights + batch * (self.kv_bytes_per_token * context_len + self.state_bytes_per_request)
+        return weights + batch * (self.kv_bytes_per_token * self.attended(context_len) + self.state_bytes_per_request)
 
     def decode_flops_per_step(self, batch: int, context_len: float) -> float:
-        attn = 4 * self.attention_layers * self.q_heads * self.head_dim * context_len
+        attn = 4 * self.attention_layers * self.q_heads * self.head_dim * self.attended(context_len)
         return batch * (2 * (self.active_matmul_params() + self.logits_params) + attn)
 
     def prefill_flops(self, prompt_len: int) -> float:
-        attn = 4 * self.attention_layers * self.q_heads * self.head_dim * prompt_len ** 2 / 2
+        def pairs(w: int) -> float:  # (query, key) pairs of a causal prompt, within a window of w keys
+            if not w or prompt_len <= w:
+                return prompt_len ** 2 / 2
+            return w ** 2 / 2 + (prompt_len - w) * w
+
+        per_layer = (sum(pairs(w) for w in self.layer_windows) / len(self.layer_windows) if self.layer_windows
+                     else pairs(0))
+        attn = 4 * self.attention_layers * self.q_heads * self.head_dim * per_layer
         return 2 * self.active_matmul_params() * prompt_len + 2 * self.logits_params + attn
 
 
@@ -222,10 +239,13 @@ def model_cost(model: torch.nn.Module, hf_config: Any, kv_dtype: Optional[torch.
 
         state = StateCache.bytes_per_slot(spec)
     expert_bytes, expert_params, fraction = _routed_experts(model, text)
+    windows = tuple(int(getattr(getattr(layer, "self_attn", None), "sliding_window", 0) or 0)
+                    for layer in getattr(model, "layers", None) or ())
     return ModelCost(weight_bytes=weight_bytes, matmul_params=total - embed_n - head_n, logits_params=logits_params,
                      kv_bytes_per_token=2 * layers * kv_heads * head_dim * elem, state_bytes_per_request=state,
                      attention_layers=layers, q_heads=int(text.num_attention_heads), head_dim=head_dim,
-                     expert_bytes=expert_bytes, expert_params=expert_params, expert_fraction=fraction)
+                     expert_bytes=expert_bytes, expert_params=expert_params, expert_fraction=fraction,
+                     layer_windows=windows if any(windows) and len(windows) == layers else ())
 
 
 def meta_model_cost(hf_config: Any, dtype: torch.dtype) -> ModelCost:
