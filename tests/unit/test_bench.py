@@ -593,3 +593,49 @@ def test_speculative_runs_report_their_acceptance(tmp_path):
     plain = _tiny_bench(tmp_path, "plain", "--scenario", "concurrency", "--concurrency", "2", "--input-len", "24",
                         "--output-len", "4", "--num-warm", "1", "--no-limits")
     assert all("speculative" not in run for run in plain["metrics"]["runs"])
+
+
+def test_client_reads_the_acceptance_from_the_servers_counters():
+    """Against a server (--base-url) the run's drafts, draft tokens and accepted tokens are the growth of its /metrics
+    speculation counters (vLLM's names), so the acceptance metrics are reported as in process; a server without them
+    gives none."""
+    httpx = pytest.importorskip("httpx")
+    from voltllm.bench.client import ClientRunner
+    from voltllm.bench.inprocess import make_run_input
+
+    state = {"drafts": 10.0, "tokens": 40.0, "accepted": 25.0, "spec": True}
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/metrics":
+            if not state["spec"]:
+                return httpx.Response(200, text="# no speculation\n")
+            lab = '{engine="0",model_name="m"}'
+            return httpx.Response(200, text=(f"vllm:spec_decode_num_drafts_total{lab} {state['drafts']}\n"
+                                             f"vllm:spec_decode_num_draft_tokens_total{lab} {state['tokens']}\n"
+                                             f"vllm:spec_decode_num_accepted_tokens_total{lab} {state['accepted']}\n"))
+        body = json.loads(request.content)
+        n = body["max_tokens"]
+        state["drafts"] += 2  # each request: two verifications of 4 drafts, 5 of them accepted
+        state["tokens"] += 8
+        state["accepted"] += 5
+        chunks = [{"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+                  for i in range(n)] + [{"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                                  "completion_tokens": n}}]
+        data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+        return httpx.Response(200, content=data, headers={"content-type": "text/event-stream"})
+
+    plan = make_plans("concurrency", [3], 8, 4)[0]
+    runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
+    try:
+        run = runner(plan, "warm1", make_run_input(plan, 50, 0, 1))
+        state["spec"] = False
+        plain = runner(plan, "warm2", make_run_input(plan, 50, 0, 2))
+    finally:
+        runner.close()
+    assert run.spec == {"drafts": 6, "draft_tokens": 24, "accepted_tokens": 15}
+    m = run.metrics()
+    assert m["spec_acceptance_length"] == pytest.approx(1 + 15 / 6)
+    assert m["spec_acceptance_rate"] == pytest.approx(15 / 24)
+    assert plain.spec is None and "spec_acceptance_length" not in plain.metrics()

@@ -43,6 +43,11 @@ class _Streamed:
 # older name second) and the CPU tier's (KV connector's), in prompt tokens since the server started
 HIT_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 EXTERNAL_HIT_COUNTER = "vllm:external_prefix_cache_hits_total"
+# speculative decoding's counters (vLLM's names, a voltllm server's too): the run's verifications of a request's
+# drafts, draft tokens scored and accepted, for the acceptance metrics (bench/metrics.spec_metrics)
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
 
 
 def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -197,32 +202,35 @@ class ClientRunner:
             bodies = [{**self.chat_payload(p, ims, n, self.sampling_seed + i), "bench_images": ims}
                       for i, (p, ims, n) in enumerate(zip(work.prompts, work.images, work.output_lens))]
         offsets = [work.arrival(i) for i in range(len(bodies))]
+        before = self.loop.run_until_complete(self._server_counters())
         t0, reqs, _ = self.loop.run_until_complete(self._batch(bodies, offsets))
+        after = self.loop.run_until_complete(self._server_counters())
         for r, n in zip(reqs, work.output_lens):
             if r.output_tokens != n:
                 raise RuntimeError(f"the server made {r.output_tokens} tokens, not the forced {n} "
                                    "(does it honour ignore_eos and min_tokens?)")
         end = max(r.last_token for r in reqs)
         result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, reqs,
-                           side="client", range_ratio=plan.range_ratio, request_rate=plan.request_rate)
+                           side="client", range_ratio=plan.range_ratio, request_rate=plan.request_rate,
+                           spec=spec_from_server(before, after))
         if work.images is not None:
             result.images = plan.images.describe()
         return result
 
     # -- the prefix-cache scenarios: a RequestSource with C requests in flight -------------------------------------
-    async def _cache_counters(self) -> Optional[dict[str, float]]:
-        """The prefix-cache hit counters of GET /metrics; None when the server has no /metrics."""
+    async def _server_counters(self) -> Optional[dict[str, float]]:
+        """The prefix-cache hit and speculation counters of GET /metrics; None when the server has no /metrics."""
         try:
             r = await self.client.get("/metrics")
             r.raise_for_status()
         except Exception:  # noqa: BLE001 - no counters: the hit rate is then unknown, not an error
             return None
-        return parse_counters(r.text, HIT_COUNTERS + (EXTERNAL_HIT_COUNTER,))
+        return parse_counters(r.text, HIT_COUNTERS + (EXTERNAL_HIT_COUNTER,) + tuple(SPEC_COUNTERS.values()))
 
     async def _run_source(self, plan: Plan, run: str, source: RequestSource) -> RunResult:
         """C workers each send the source's next request as soon as theirs ends (a multi-turn conversation's next
         turn waits for its answer: a worker with none ready waits for another's to end)."""
-        before = await self._cache_counters()
+        before = await self._server_counters()
         ready = asyncio.Condition()
         done: list[tuple[RequestTiming, Optional[int]]] = []
         t0 = time.monotonic()
@@ -263,12 +271,22 @@ class ClientRunner:
                     tasks.create_task(worker())
         except ExceptionGroup as group:  # the first client's error, as the other scenarios raise theirs
             raise group.exceptions[0] from None
-        after = await self._cache_counters()
+        after = await self._server_counters()
         reqs = sorted((t for t, _ in done), key=lambda t: t.index)
         result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0,
-                           max(r.last_token for r in reqs), reqs, side="client", workload=plan.spec.describe())
+                           max(r.last_token for r in reqs), reqs, side="client", workload=plan.spec.describe(),
+                           spec=spec_from_server(before, after))
         _cache_hits_from_server(result, [c for _, c in done], before, after)
         return result
+
+
+def spec_from_server(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """The speculation counters' growth over a run (bench/metrics.spec_delta's form), from /metrics read before and
+    after it; None for a server that does not speculate (or exports no counters). Other clients' requests in the
+    meantime count too, as for the cache counters."""
+    if before is None or after is None or not all(name in after for name in SPEC_COUNTERS.values()):
+        return None
+    return {key: int(after[name] - before.get(name, 0.0)) for key, name in SPEC_COUNTERS.items()}
 
 
 def _cache_hits_from_server(result: RunResult, reported: list[Optional[int]], before: Optional[dict],
