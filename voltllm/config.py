@@ -865,9 +865,10 @@ def speculative_max_len(given: Optional[int], draft_positions: Optional[int], ta
 
 
 def _async_with(spec: Any) -> bool:
-    """Speculation that keeps async scheduling for its steps without drafts: drafts made on the host (n-gram,
-    suffix; a drafter on the device runs beside every step) and a dynamic schedule with K = 0 for some batch sizes."""
-    return not spec.drafts_on_device and any(k == 0 for _, _, k in spec.draft_schedule)
+    """Speculation that keeps async scheduling for its steps without drafts: a dynamic schedule with K = 0 for some
+    batch sizes (any method: host drafts, or a drafter on the device, whose per-step work reads only the device's
+    tokens; EngineCore._may_draft finishes the step in flight before one that may draft)."""
+    return any(k == 0 for _, _, k in spec.draft_schedule)
 
 
 def _long_prefill_threshold(threshold: Any, partial: Any, long_partial: Any, max_model_len: int) -> int:

@@ -64,11 +64,11 @@ def test_drafts_follow_the_batch_size_schedule(tiny_path, monkeypatch, method):
     assert extra["spec_drafts"] == sum(k > 0 for _, k in seen) == extra["spec_drafted_per_pos"][0]
     assert sum(extra["spec_accepted_per_pos"]) == extra["spec_accepted_tokens"]
     assert all(a <= d for a, d in zip(extra["spec_accepted_per_pos"], extra["spec_drafted_per_pos"]))
-    # host drafts keep async scheduling where the schedule says 0: those steps launch while the previous one runs;
-    # a step that may draft waits for it (its drafts follow every token). A drafter on the device stays synchronous.
-    assert engine.async_scheduling == (method == "ngram")
+    # async scheduling stays on where the schedule says 0: those steps launch while the previous one runs; a step
+    # that may draft waits for it (its drafts follow every token)
+    assert engine.async_scheduling
     assert not any(inflight and drafted for inflight, drafted in launches)
-    assert any(inflight for inflight, _ in launches) == (method == "ngram")
+    assert any(inflight for inflight, _ in launches)
     llm.engine.check_integrity()
 
 
@@ -102,25 +102,111 @@ def test_get_metrics_reads_as_vllms(tiny_path):
     assert "vllm:num_preemptions" in plain and not any("spec_decode" in n for n in plain)
 
 
-def test_async_steps_between_speculating_ones_equal_sync(tiny_path):
-    """A schedule that speculates only below three running requests, with async scheduling on and off: greedy,
-    seeded sampled, penalized and logprobs requests give the same tokens and logprobs either way."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
-            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]}
-    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2),
-              SamplingParams(temperature=0.7, seed=9, max_tokens=36, ignore_eos=True, logprobs=1)]
-    runs = []
+@pytest.fixture(scope="module")
+def drafters(tiny_path, tmp_path_factory):
+    """The device drafters' checkpoints for the tiny llama (random: few drafts accepted; EAGLE-3 with a 4-layer
+    target, its head reading three distinct layers) and a tiny hybrid target with MTP weights (None where this
+    transformers lacks qwen3_5)."""
+    import json
+    import os
+
+    from dflash_models import make_dflash
+    from eagle1_models import make_eagle1
+    from eagle3_models import make_eagle3
+    from mtp_models import make_mtp_target
+
+    with open(os.path.join(tiny_path, "config.json")) as f:
+        c = json.load(f)
+    hidden, vocab = c["hidden_size"], c["vocab_size"]
+    root = tmp_path_factory.mktemp("drafters")
+    mtp = make_mtp_target(tmp_path_factory, "qwen3_5")
+    e3_target = make_model(str(root / "e3-target"), "llama", num_hidden_layers=4, max_position_embeddings=256)
+    return {"dflash": make_dflash(str(root / "dflash"), hidden, vocab, c["num_hidden_layers"], [0, 2], block_size=4),
+            "eagle3": (e3_target, make_eagle3(str(root / "eagle3"), hidden, vocab, layer_ids=[1, 2, 3])),
+            "eagle": make_eagle1(str(root / "eagle1"), hidden, vocab),
+            "mtp": mtp[0] if mtp is not None else None}
+
+
+# (the penalized request, whose sampling needs every token on the host, ends first: the three left overlap at K = 0)
+ASYNC_PROMPTS_PARAMS = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.2),
+                        SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
+                        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+                        SamplingParams(temperature=0.7, seed=9, max_tokens=36, ignore_eos=True, logprobs=1)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "dflash", "eagle3", "eagle", "mtp"])
+def test_async_steps_between_speculating_ones_equal_sync(tiny_path, drafters, method, monkeypatch):
+    """A schedule that speculates only below three running requests, with async scheduling on and off, for host
+    drafts and every drafter on the device (whose per-step work runs on the K = 0 steps too: the draft model's KV,
+    DFlash's context, EAGLE's and MTP's hidden states): the greedy requests' tokens equal plain decoding's and their
+    logprobs agree either way; with it on, K = 0 steps launched while the one before ran, and no step with drafts did.
+    (Async learns of a finished request a step later, so the first speculating step may come a step later: a sampled
+    request's draws, exact in distribution either way, may then differ.)"""
+    import torch
+
+    target, prompts = tiny_path, PROMPTS
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_max=2, prompt_lookup_min=1)
+    elif method == "draft_model":
+        spec["model"] = tiny_path
+    elif method == "mtp":
+        target = drafters["mtp"]
+        if target is None:
+            pytest.skip("this transformers lacks qwen3_5")
+        from tiny_models import HYBRID_VOCAB  # (the hybrid has no tokenizer: token ids)
+
+        prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % HYBRID_VOCAB for j in range(9 + 5 * i)]} for i in range(4)]
+    elif method == "eagle3":
+        target, spec["model"] = drafters["eagle3"]
+    else:
+        spec["model"] = drafters[method]
+    spec["num_speculative_tokens_per_batch_size"] = [[1, 2, 3], [3, 64, 0]]
+    params = ASYNC_PROMPTS_PARAMS
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    plain = LLM(target, block_size=4).generate(prompts, params)
+    runs, launches = [], []
     for async_scheduling in (True, False):
-        llm = LLM(tiny_path, block_size=4, speculative_config=spec, async_scheduling=async_scheduling)
-        assert llm.engine.async_scheduling == async_scheduling
-        outs = llm.generate(PROMPTS, params)
-        runs.append([(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs or []])
-                     for o in outs])
-        assert llm.engine.stats().extra["spec_draft_tokens"] > 0
-        llm.engine.check_integrity()
-    assert runs[0] == runs[1]
+        llm = LLM(target, block_size=4, speculative_config=spec, async_scheduling=async_scheduling)
+        engine = llm.engine
+        assert engine.async_scheduling == async_scheduling
+        if async_scheduling:
+            launch = engine.runner.launch_forward
+
+            def spy(sched, engine=engine, launch=launch):
+                launches.append((engine._inflight is not None, any(s.spec_tokens for s in sched.scheduled)))
+                return launch(sched)
+
+            monkeypatch.setattr(engine.runner, "launch_forward", spy)
+        outs = llm.generate(prompts, params)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+        assert [outs[i].outputs[0].token_ids for i in greedy] == [plain[i].outputs[0].token_ids for i in greedy]
+        runs.append(outs)
+        assert engine.stats().extra["spec_draft_tokens"] > 0
+        engine.check_integrity()
+    for i in greedy:
+        for a, b in zip(*(r[i].outputs[0].logprobs or [] for r in runs)):
+            assert a.keys() == b.keys()
+            assert torch.allclose(torch.tensor([a[t].logprob for t in a]), torch.tensor([b[t].logprob for t in a]),
+                                  atol=1e-4)
+    assert any(inflight for inflight, _ in launches) and any(drafted for _, drafted in launches)
+    assert not any(inflight and drafted for inflight, drafted in launches)
+
+
+def test_self_drafting_stays_exact_across_async_steps(tiny_path):
+    """The target as its own draft model, greedy: every draft is accepted only if the draft's KV of the K = 0 steps,
+    which ran overlapped, was written as a synchronous run writes it."""
+    spec = {"method": "draft_model", "model": tiny_path, "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]}
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 10, 28, 40)]
+    llm = LLM(tiny_path, block_size=4, speculative_config=spec)
+    assert llm.engine.async_scheduling
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in LLM(tiny_path, block_size=4).generate(PROMPTS, sp)]
+    extra = llm.engine.stats().extra
+    assert extra["spec_accepted_tokens"] == extra["spec_draft_tokens"] > 0
+    llm.engine.check_integrity()
 
 
 def test_requests_arriving_after_a_speculative_step(tiny_path, monkeypatch):
