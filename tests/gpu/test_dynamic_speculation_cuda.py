@@ -1,6 +1,8 @@
 """Dynamic speculative decoding on the GPU (CUDA graphs): n-gram drafts with a batch-size schedule that turns them
 off at three or more running requests keep async scheduling for those steps; a draft model of fewer positions than
---max-model-len drafts up to them. fp32 greedy tokens equal plain decoding's (native and --compat sm70)."""
+--max-model-len drafts up to them. fp32 greedy tokens equal plain decoding's (native and --compat sm70). Drafters on
+the device keep async scheduling at the K = 0 steps too: a self-drafting target accepts every draft after them, a
+DFlash drafter's greedy tokens equal plain decoding's."""
 import pytest
 
 from tiny_models import make_model
@@ -40,3 +42,31 @@ def test_schedule_with_async_steps_equals_plain_decoding_fp32(path, tmp_path, co
     assert _tokens(llm, params) == want
     stats = llm.engine.stats().extra
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+
+
+@pytest.mark.parametrize("compat", ["none", "sm70"])
+def test_device_drafters_with_async_steps_fp32(path, tmp_path, compat):
+    import json
+    import os
+
+    from dflash_models import make_dflash
+
+    kw = dict(device="cuda", dtype="float32", compat=compat, max_model_len=512, gpu_memory_utilization=0.2)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 40, 64, 96)]
+    want = _tokens(LLM(path, **kw), params)
+    schedule = [[1, 2, 4], [3, 64, 0]]
+    llm = LLM(path, speculative_config={"model": path, "num_speculative_tokens": 4,
+                                        "num_speculative_tokens_per_batch_size": schedule}, **kw)
+    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    assert _tokens(llm, params) == want
+    stats = llm.engine.stats().extra
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0  # (the draft's KV of the K = 0 steps)
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    drafter = make_dflash(str(tmp_path / "dflash"), c["hidden_size"], c["vocab_size"], c["num_hidden_layers"],
+                          [0, c["num_hidden_layers"] - 1], block_size=8)
+    llm = LLM(path, speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": 4,
+                                        "num_speculative_tokens_per_batch_size": schedule}, **kw)
+    assert llm.engine.async_scheduling
+    assert _tokens(llm, params) == want
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0
