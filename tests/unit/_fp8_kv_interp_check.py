@@ -51,12 +51,13 @@ def make_fp8_case(seqs, num_heads, num_kv_heads, head_dim, page, dtype, fmt="e4m
     return Fp8Case(base, fmt, ks.to(device), vs.to(device))
 
 
-def fp8_reference(case: Fp8Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(reference output rows [num_tokens], cache after the write), fp32, on the CPU."""
+def fp8_reference(case: Fp8Case, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference output rows [num_tokens], cache after the write), fp32, on the CPU; window: a sliding-window
+    layer's."""
     b = case.base
     cache = b.kv_cache.clone()
     ref = TorchReferenceBackend(kv_cache_dtype=f"fp8_{case.fmt}")
-    out = ref.forward(b.q.float(), b.k, b.v, cache, b.meta, b.scale, case.k_scale, case.v_scale)
+    out = ref.forward(b.q.float(), b.k, b.v, cache, b.meta, b.scale, case.k_scale, case.v_scale, window=window)
     return out[:b.meta.num_tokens].cpu(), cache.cpu()
 
 
@@ -70,10 +71,10 @@ def _codes_off_by_one(got: torch.Tensor, want: torch.Tensor, max_frac: float) ->
 
 
 def _compare(case: Fp8Case, out: torch.Tensor, cache: Optional[torch.Tensor],
-             code_slack: float = 0.0) -> tuple[float, str]:
+             code_slack: float = 0.0, window: int = 0) -> tuple[float, str]:
     """code_slack > 0: the kernel encodes rows it computed itself (fused RoPE), which may differ from the
     reference rows by an fp32 ulp; up to that fraction of codes may then be one step off (_codes_off_by_one)."""
-    ref_out, ref_cache = fp8_reference(case)
+    ref_out, ref_cache = fp8_reference(case, window)
     m = case.base.meta
     problems = []
     if cache is not None and not torch.equal(cache.cpu(), ref_cache) and not (
@@ -89,7 +90,8 @@ def _compare(case: Fp8Case, out: torch.Tensor, cache: Optional[torch.Tensor],
 
 def run_fp8_case(case: Fp8Case, backend=None, kind: str = "backend", **kw) -> tuple[float, str]:
     """kind 'backend': backend.forward (write + attention); 'decode' / 'prefill': the reference write, then
-    the kernel alone on a NaN-filled output (kw: kernel options)."""
+    the kernel alone on a NaN-filled output (kw: kernel options; `window`: a sliding-window layer's, for the
+    reference too)."""
     from voltllm.kernels.attention import decode_scratch_numel, paged_decode, paged_prefill
     from voltllm.kernels.fp8_codec import fp8_format
     from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
@@ -97,9 +99,10 @@ def run_fp8_case(case: Fp8Case, backend=None, kind: str = "backend", **kw) -> tu
     b = case.base
     m = b.meta
     cache = b.kv_cache.clone()
+    window = kw.get("window", 0)
     if kind == "backend":
-        out = backend.forward(b.q, b.k, b.v, cache, m, b.scale, k_scale=case.k_scale, v_scale=case.v_scale)
-        return _compare(case, out, cache)
+        out = backend.forward(b.q, b.k, b.v, cache, m, b.scale, k_scale=case.k_scale, v_scale=case.v_scale, **kw)
+        return _compare(case, out, cache, window=window)
     cache_cpu = cache.cpu()
     write_kv_fp8_ref(b.k.cpu(), b.v.cpu(), cache_cpu, m.slot_mapping.cpu(), case.k_scale.cpu(), case.v_scale.cpu(),
                      case.fmt)
@@ -117,7 +120,7 @@ def run_fp8_case(case: Fp8Case, backend=None, kind: str = "backend", **kw) -> tu
         paged_prefill(b.q, cache, m.block_tables, m.seq_lens, m.query_start_loc, b.scale, out,
                       max_query_len=m.max_query_len, kv_fmt=fmt, k_scale=case.k_scale, v_scale=case.v_scale, **kw)
     keep = real_rows(b)[:m.num_tokens]
-    ref_out, _ = fp8_reference(case)
+    ref_out, _ = fp8_reference(case, window)
     return rel_err(out.cpu()[:m.num_tokens][keep], ref_out[keep]), ""
 
 
@@ -443,6 +446,19 @@ def _checks():
         make_fp8_case([(80, 32), (32, 32), (49, 2)], 2, 2, 128, 16, f32, fmt="e5m2", seed=13),
         TB(use_tensor_cores=False, kv_cache_dtype="fp8_e5m2"))
     yield "backend_compat_prefill_fp16_cache", lambda: _compat_fp16_cache()
+    # sliding-window layers over fp8 pages: a mixed step on each route, and the kernels alone
+    wmixed = [(40, 9), (600, 1), (21, 1), (16, 16), (90, 30)]
+    yield "backend_native_mixed_e4m3_window", lambda: run_fp8_case(
+        make_fp8_case(wmixed, 8, 2, 64, 16, f32, seed=30, pad_rows=2),
+        TB(use_tensor_cores=True, num_sms=64, kv_cache_dtype="fp8_e4m3", decode_rows_split_context=256), window=25)
+    yield "backend_compat_mixed_e5m2_window", lambda: run_fp8_case(
+        make_fp8_case(wmixed, 8, 2, 64, 16, f32, fmt="e5m2", seed=31, pad_rows=2),
+        TB(use_tensor_cores=False, num_sms=64, kv_cache_dtype="fp8_e5m2"), window=25)
+    yield "prefill_e4m3_f16_window", lambda: run_fp8_case(
+        make_fp8_case(wmixed, 8, 2, 64, 16, f16, seed=32), kind="prefill", config=(16, 16, 4, 1), window=13)
+    yield "decode_e4m3_f32_lanes_split3_window", lambda: run_fp8_case(
+        make_fp8_case(decode + [(600, 1)], 8, 2, 64, 16, f32, seed=33), kind="decode", num_splits=3,
+        use_dot=False, fma_lanes=True, window=40)
     yield "write_e4m3_f16_strided", lambda: check_write_kernel("e4m3", f16)
     yield "write_e5m2_f32_strided", lambda: check_write_kernel("e5m2", f32)
     yield "bridge_e4m3_f16", lambda: check_bridge(0, f16)

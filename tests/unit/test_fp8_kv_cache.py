@@ -33,6 +33,8 @@ INTERP_CHECKS = [
     "compat_workspace_reused", "bridge_batch_e4m3", "bridge_batch_fp16_cache", "compat_equal_runs_e4m3",
     "bridge_varlen_e4m3", "bridge_varlen_fp16_cache", "compat_varlen_e4m3", "gather_fp8_launcher_e5m2",
     "compat_warm_up_mixed_step",
+    "backend_native_mixed_e4m3_window", "backend_compat_mixed_e5m2_window", "prefill_e4m3_f16_window",
+    "decode_e4m3_f32_lanes_split3_window",
 ]
 
 
