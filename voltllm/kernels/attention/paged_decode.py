@@ -156,7 +156,7 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr
 # a mixed step's sequence lengths / query starts may be slices at any offset; they are read one scalar per program,
 # so their alignment class would only compile another variant inside that step (micro/bench_compiles.py). The split
 # count follows the step's longest context in eager steps (the graphs' follows --max-model-len): a divisor only
-@triton.jit(do_not_specialize=["num_splits", "window"], do_not_specialize_on_alignment=["SeqLens", "QueryStartLoc"])
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["SeqLens", "QueryStartLoc"])
 def _paged_decode_kernel(
     Q, KV, Out, PartO, PartLse, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
     KNew, VNew, SlotMapping, Pos, Cos, Sin, QW, KW,  # ROPE only: the step's raw K / V rows and what rotates them
@@ -166,7 +166,8 @@ def _paged_decode_kernel(
     stride_bt,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, eps, norm_offset,
     num_splits,
-    window,  # WINDOW only: the layer's sliding window (the row at position p sees keys from p - window + 1 on)
+    window,  # WINDOW only: the layer's sliding window (the row at position p sees keys from p - window + 1 on; a
+    # constant of the layer, so specialised as Triton does)
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr, PDL: tl.constexpr,

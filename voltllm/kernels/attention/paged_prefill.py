@@ -45,7 +45,7 @@ def _attn_tile(q, KV, bt_row, pos, kv_mask_n, d, d_mask, stride_c_kv, stride_c_b
 # Step-varying arguments out of the specialisation (each new class compiled a variant inside the step that met it,
 # micro/bench_compiles.py): the decode-rows bound (1 or 2), the block-table row stride and the per-step tables, which
 # may be slices at any offset; all are read as scalars or gathered, so the specialisation gained nothing
-@triton.jit(do_not_specialize=["min_q_len", "stride_bt", "window"],
+@triton.jit(do_not_specialize=["min_q_len", "stride_bt"],
             do_not_specialize_on_alignment=["BlockTables", "SeqLens", "QueryStartLoc"])
 def _paged_prefill_kernel(
     Q, KV, Out, BlockTables, SeqLens, QueryStartLoc, KScale, VScale,
