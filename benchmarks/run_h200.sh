@@ -242,6 +242,7 @@
 #            bitsandbytes NF4 / FP4 planes, 8-bit rows as int8 planes (INT8_G64)
 #   s159     (session 59) sliding-window attention: attention kernels, windowed qwen3 vs transformers, DFlash with
 #            a sliding-window drafter layer (GPU files); 8B batch 1 at 16K windowed vs full; 8B c64
+#   s159b    (session 59) device drafters with async K = 0 steps (GPU file); the fp8 KV GPU file
 #   s157     (session 57) DFlash2 drafters: its kernels' GPU file, tests/gpu/test_dflash_cuda.py (DFlash and DFlash2
 #            cases), EAGLE-1 heads (test_eagle1_cuda), then session 56's Qwen4-Exp file and the MoE LoRA file (never
 #            run after session 56's changes)
@@ -1642,6 +1643,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name "qwen3-8b-shape-fp16-c64-$sha" \
       > "$out/c64.log" 2>&1
     echo "c64: $(grep -E '^(output_tok_s|concurrent_decode|ttft|Error)' "$out/c64.log" | tr '\n' ' ' | cut -c1-300)"
+    ;;
+  s159b)  # (session 59) drafters on the device keeping async scheduling at a schedule's K = 0 steps (GPU file), and
+          # the fp8 KV cache file (windows over fp8 pages run through the same kernels)
+    gpu_file test_dynamic_speculation_cuda 240
+    gpu_file test_fp8_kv_gpu 240
     ;;
   s158b)  # (session 58) dynamic speculative decoding: qwen3-8b shape at 64 concurrent, no speculation, n-gram
           # K = 4 (prompt_lookup_min 1: random weights give many rejected drafts, speculation's cost), and n-gram K = 4
