@@ -386,6 +386,8 @@ def _checks():
         yield f"backend_{name}_mixed_window", (lambda backend=backend: run_backend_case(
             make_case([(40, 9), (600, 1), (21, 1), (16, 16), (90, 30)], 8, 2, 64, 16, f32, seed=47, pad_rows=2),
             backend, window=25)), f32
+        yield f"backend_{name}_equal_run_window", (lambda backend=backend: run_backend_case(
+            make_case([(50, 20), (50, 20), (50, 20)], 8, 2, 64, 16, f32, seed=49), backend, window=12)), f32
         yield f"backend_{name}_decode_window_positions", (lambda backend=backend: (lambda case: run_backend_case(
             case, backend, window=25, query_positions=positions_before_end(case, [2, 0, 7])))(
             make_case(wdecode + [(0, 1)], 8, 2, 64, 16, f32, seed=48, pad_rows=2))), f32

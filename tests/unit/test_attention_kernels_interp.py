@@ -45,7 +45,8 @@ CHECKS = [
     *[f"decode_f32_d64_gqa4_split{s}_{r}_window" for r in ("dot", "fma", "lanes", "lanes_next_tile") for s in (1, 5)],
     "decode_f16_d128_gqa4_split3_dot_window_by_context",
     "decode_rope_f16_d128_gqa4_split2_fma_window",
-    *[f"backend_{b}_{c}" for b in ("native", "compat") for c in ("mixed_window", "decode_window_positions")],
+    *[f"backend_{b}_{c}" for b in ("native", "compat")
+      for c in ("mixed_window", "equal_run_window", "decode_window_positions")],
 ]
 
 

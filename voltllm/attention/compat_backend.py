@@ -69,6 +69,12 @@ def sliding_window_mask(lq: int, lk: int, window: int, device: torch.device) -> 
     return (keys <= q_pos) & (keys > q_pos - window)
 
 
+def window_keys(lq: int, lk: int, window: int) -> int:
+    """The first key any of Lq last-position queries over Lk keys sees in a window: keys before it are left out of the
+    attention (and of its mask, [Lq, Lk - first] instead of [Lq, Lk])."""
+    return max(0, lk - lq - window + 1)
+
+
 def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     window: int = 0) -> torch.Tensor:
     """Causal attention of q [Lq, Hq, D] as the last Lq positions of k/v [L, Hkv, D] (L >= Lq); window > 0: a
@@ -82,8 +88,9 @@ def sdpa_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     kg = k.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, lk, d)  # batch stride 0
     vg = v.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, lk, d)
     if window > 0:
-        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=sliding_window_mask(lq, lk, window, q.device),
-                                              scale=scale)
+        lo = window_keys(lq, lk, window)
+        return F.scaled_dot_product_attention(qg, kg[:, :, lo:], vg[:, :, lo:],
+                                              attn_mask=sliding_window_mask(lq, lk - lo, window, q.device), scale=scale)
     if lq == lk:
         return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
     if lq == 1:  # the last position sees the whole context
@@ -203,7 +210,9 @@ def sdpa_causal_gqa_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     kb, vb = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [B, Hkv, L, D]
     mask = None
     if window > 0:
-        mask = sliding_window_mask(lq, lk, window, q.device)
+        lo = window_keys(lq, lk, window)
+        kb, vb = kb[:, :, lo:], vb[:, :, lo:]
+        mask = sliding_window_mask(lq, lk - lo, window, q.device)
     elif lq != lk and lq != 1:
         from torch.nn.attention.bias import causal_lower_right
 
