@@ -44,13 +44,16 @@ def test_a_split_copy_of_the_file_reads_as_the_file(smollm2_gguf, tmp_path):
     from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights
     from voltllm.model.loader.gguf_tokenizer_cache import build_gguf_tokenizer
 
+    # each file's config, tokenizer and weights read one after the other: the loader keeps one file's parsed header
+    # (seconds to parse) until gguf_weights is done with it, so alternating the files would parse each several times
+    text = "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n"
+    config, ids = gguf_config(smollm2_gguf).to_dict(), build_gguf_tokenizer(smollm2_gguf).encode(text)
+    theirs = dict(gguf_weights(smollm2_gguf))
     parts = split_copy(smollm2_gguf, str(tmp_path / "smollm2.gguf"), max_tensors=100)
     assert len(parts) >= 3
     source = resolve_model(parts[-1])
     assert source.path == source.tokenizer_path == parts[0]
-    assert gguf_config(parts[0]).to_dict() == gguf_config(smollm2_gguf).to_dict()
-    text = "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n"
-    assert build_gguf_tokenizer(parts[0]).encode(text) == build_gguf_tokenizer(smollm2_gguf).encode(text)
-    theirs = dict(gguf_weights(smollm2_gguf))
+    assert gguf_config(parts[0]).to_dict() == config
+    assert build_gguf_tokenizer(parts[0]).encode(text) == ids
     ours = dict(gguf_weights(parts[0]))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
