@@ -390,9 +390,33 @@ LOW_BIT_CASES = {
 }
 
 
+_PARSED: dict = {}  # (path, size, mtime) -> a gguf.GGUFReader of a file that tests only read
+
+
+def reuse_parsed_reader(mp: Any, path: str) -> None:
+    """Under the monkeypatch `mp`, gguf.GGUFReader(path) (read-only) hands back one reader of `path` per process:
+    parsing a header that holds a tokenizer (SmolLM2's 49152 tokens) takes seconds, and several tests copy the same
+    tokenizer into the files they write (make_random_gguf.copy_tokenizer). Other files are read as usual."""
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+
+    target = os.path.abspath(path)
+
+    def reader(p: Any, mode: str = "r") -> Any:
+        if mode != "r" or os.path.abspath(p) != target:
+            return GGUFReader(p, mode)
+        st = os.stat(target)
+        key = (target, st.st_size, st.st_mtime_ns)
+        if key not in _PARSED:
+            _PARSED[key] = GGUFReader(target, "r")
+        return _PARSED[key]
+
+    mp.setattr(gguf, "GGUFReader", reader)
+
+
 def write_low_bit_gguf(path: str, case: str, tokenizer_from: str) -> set:
     """A tiny GGUF of LOW_BIT_CASES[case] (the tokenizer, and so the vocabulary, copied from the GGUF file
-    `tokenizer_from`); returns the plane kinds it holds."""
+    `tokenizer_from`, parsed once per process: reuse_parsed_reader); returns the plane kinds it holds."""
     from pathlib import Path
 
     import pytest
@@ -402,6 +426,7 @@ def write_low_bit_gguf(path: str, case: str, tokenizer_from: str) -> set:
     cls, extra, mix, kinds = LOW_BIT_CASES[case]
     script = load_script(Path(__file__).resolve().parents[1] / "benchmarks" / "make_random_gguf.py")
     with pytest.MonkeyPatch.context() as mp:
+        reuse_parsed_reader(mp, tokenizer_from)
         mp.setitem(shapes.SHAPES, "tiny-low-bit", (cls, {**_LOW_BIT_COMMON, **extra}))
         mp.setattr(script, "SHAPES", shapes.SHAPES)
         script.write("tiny-low-bit", mix, tokenizer_from, path)
