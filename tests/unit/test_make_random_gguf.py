@@ -31,13 +31,15 @@ def test_low_bit_mixes():
     assert fitted("Q4_0", 576) == "Q4_0"
 
 
-def test_written_file_loads_and_generates(tmp_path, smollm2_gguf):
+def test_written_file_loads_and_generates(tmp_path, smollm2_gguf, monkeypatch):
     pytest.importorskip("gguf")
+    from gguf_files import reuse_parsed_reader
     from voltllm import LLM, SamplingParams
     from voltllm.model.layers.quantized_linear import GGUFBlocks
     from voltllm.model.loader.gguf_loader import gguf_config, gguf_weights
 
     out = str(tmp_path / "random-smollm2-q8.gguf")
+    reuse_parsed_reader(monkeypatch, smollm2_gguf)  # (SmolLM2's header, with its tokenizer, parsed once per process)
     sizes = _script().write("smollm2-135m-shape", "Q8_0", smollm2_gguf, out)
     assert set(sizes) == {"Q8_0"}
     config = gguf_config(out)
@@ -53,6 +55,7 @@ def test_qwen3moe_shape(tmp_path, smollm2_gguf, monkeypatch):
     """A qwen3moe shape: stacked expert tensors of the mix's kinds (Q4_K_M: gate / up Q4_K, down Q6_K in even
     layers), read back per expert, kept quantized as MoE planes, and generated from on the CPU."""
     pytest.importorskip("gguf")
+    from gguf_files import reuse_parsed_reader
     from voltllm import LLM, SamplingParams
     from voltllm.bench import shapes
     from voltllm.model.layers.quantized_linear import GGUFBlocks
@@ -65,6 +68,7 @@ def test_qwen3moe_shape(tmp_path, smollm2_gguf, monkeypatch):
     script = _script()
     monkeypatch.setattr(script, "SHAPES", shapes.SHAPES)
     out = str(tmp_path / "tiny-moe.gguf")
+    reuse_parsed_reader(monkeypatch, smollm2_gguf)
     script.write("tiny-moe-shape", "Q4_K_M", smollm2_gguf, out)
     config = gguf_config(out)
     assert config.model_type == "qwen3_moe" and (config.num_experts, config.moe_intermediate_size) == (4, 256)
