@@ -198,17 +198,25 @@ def test_kernels_under_interpreter():
     assert not bad, bad
 
 
-def test_start_up_tuners_skip_quantized_layers(smollm2_gguf):
-    """The decode GEMM tuners (CUDA only) pick their candidates from dense fp16 / bf16 layers: a GGUF model kept
-    quantized offers none (its layers have no dense weight), where the tuner used to read `weight.shape`."""
+@pytest.fixture(scope="module")
+def kept_smollm2(smollm2_gguf):
+    """SmolLM2's model with its GGUF layers kept quantized (as planes), built once: the tests below only read it."""
     from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
     from voltllm.model.models.registry import build_model
-    from voltllm.worker.skinny_tuning import _gated_pairs, _unquantized_groups
 
     src = resolve_model(smollm2_gguf)
     cfg = load_hf_config(src)
     model = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
     model.load_weights((n, t.float() if isinstance(t, torch.Tensor) else t) for n, t in iter_weights(src, cfg, True))
+    return model
+
+
+def test_start_up_tuners_skip_quantized_layers(kept_smollm2):
+    """The decode GEMM tuners (CUDA only) pick their candidates from dense fp16 / bf16 layers: a GGUF model kept
+    quantized offers none (its layers have no dense weight), where the tuner used to read `weight.shape`."""
+    from voltllm.worker.skinny_tuning import _gated_pairs, _unquantized_groups
+
+    model = kept_smollm2
     assert _gated_pairs(model) == [] and _unquantized_groups(model) == {}
     assert model.logits_weight is None and not model.fused_decode(torch.zeros(1, dtype=torch.long))
 
@@ -275,15 +283,10 @@ def test_quant_tile_choice():
     assert copies_needed(14 << 20) == 19 and copies_needed(1 << 30) == 1 and copies_needed(4096) == 32
 
 
-def test_quant_tile_groups(smollm2_gguf):
-    from voltllm.model.loader import iter_weights, load_hf_config, resolve_model
-    from voltllm.model.models.registry import build_model
+def test_quant_tile_groups(kept_smollm2):
     from voltllm.worker.quant_tuning import planes_groups
 
-    src = resolve_model(smollm2_gguf)
-    cfg = load_hf_config(src)
-    model = build_model(cfg, torch.float32, 64, QuantizedLinearMethod())
-    model.load_weights((n, t.float() if isinstance(t, torch.Tensor) else t) for n, t in iter_weights(src, cfg, True))
+    model = kept_smollm2
     # qkv, o, gate_up, down (Q4_1) and the tied LM head (the Q8_0 embeddings)
     assert set(planes_groups(model)) == {("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576),
                                          ("Q4_1", 576, 1536), ("Q8_0", 49152, 576)}
