@@ -43,7 +43,8 @@ def test_written_checkpoint_loads_and_generates(tmp_path, smollm2_gguf, gguf_tok
     if bits == 8:  # every layer kept as int8 planes (no zero of 256 among the random fields)
         assert all(isinstance(p := w.to_weight(None, torch.float32), Planes) and p.kind.name == "INT8_G64_ZP"
                    for w in layers[:7])
-    llm = LLM(out, device="cpu", max_model_len=256, dtype="float32")
+    # (4 requests' KV cache: at --max-num-seqs 256 the 30 layers' cache fills the CPU's whole 2 GiB, zeroed each time)
+    llm = LLM(out, device="cpu", max_model_len=256, dtype="float32", max_num_seqs=4)
     assert llm.engine.config.model.quantization == {"nvfp4": "modelopt_fp4"}.get(method, method)
     got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert len(got.token_ids) == 4 and all(0 <= t < 49152 for t in got.token_ids)
