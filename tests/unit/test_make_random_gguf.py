@@ -46,7 +46,8 @@ def test_written_file_loads_and_generates(tmp_path, smollm2_gguf, monkeypatch):
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
     blocks = {n: t for n, t in gguf_weights(out, config, keep_quantized=True) if isinstance(t, GGUFBlocks)}
     assert {t.type_name for t in blocks.values()} == {"Q8_0"} and "model.embed_tokens.weight" in blocks
-    llm = LLM(out, device="cpu", max_model_len=256, dtype="float32")
+    # (4 requests' KV cache: at --max-num-seqs 256 the 30 layers' cache fills the CPU's whole 2 GiB, zeroed)
+    llm = LLM(out, device="cpu", max_model_len=256, dtype="float32", max_num_seqs=4)
     got = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert len(got.token_ids) == 4 and all(0 <= t < 49152 for t in got.token_ids)
 
