@@ -154,6 +154,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "over half the usable memory); "
                         "fp8 / bitsandbytes on an fp16 / bf16 model quantizes it at load")
     g.add_argument("--speculative-config", type=json_object_arg("--speculative-config"), default=None)
+    g.add_argument("--profiler-config", type=json_object_arg("--profiler-config"), default=None,
+                   help='vLLM\'s: \'{"profiler": "torch", "torch_profiler_dir": "/abs/dir"}\' (or "cuda"): POST '
+                        '/start_profile and /stop_profile, LLM.start_profile / stop_profile')
     g.add_argument("--reasoning-config", type=json_object_arg("--reasoning-config"), default=None,
                    help='reasoning delimiters for thinking_token_budget, e.g. \'{"reasoning_start_str": "<think>", '
                    '"reasoning_end_str": "</think>"}\' (default: --reasoning-parser\'s)')
@@ -243,8 +246,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--guided-decoding-backend", default=None, help="vLLM's older flag: auto | xgrammar")
     f.add_argument("--model-impl", default="auto", help="auto | vllm: voltllm's own model implementations")
     f.add_argument("--disable-sliding-window", action=argparse.BooleanOptionalAction, default=False,
-                   help="attention always spans the whole context here; caps --max-model-len at a window the "
-                        "checkpoint turns on")
+                   help="a checkpoint's sliding-window layers attend to the whole context instead; caps "
+                        "--max-model-len at the window")
     f.add_argument("--safetensors-load-strategy", default=None, help="lazy: files are memory-mapped")
     f.add_argument("--max-parallel-loading-workers", type=int, default=None,
                    help="at least --tensor-parallel-size: every rank loads its weights at once")

@@ -33,7 +33,6 @@ _KV_TRANSFER = "disaggregated prefill / KV cache transfer between engines is not
 _TRACING = "OpenTelemetry tracing is not built (Prometheus metrics: GET /metrics)"
 _DBO = "dual-batch overlap (micro-batches overlapping expert-parallel communication) is not built"
 _OWN_KERNELS = "voltllm runs its own Triton kernels (docs/kernels.md); vLLM's kernel and backend choices are not built"
-_PROFILER = "profiling (/start_profile, /stop_profile) is not built; `voltllm bench` measures the engine instead"
 _TOOL_SERVER = "built-in tools run by the server (gpt-oss's browser / python through MCP tool servers) are not built"
 _OBSERVABILITY = "is not built (Prometheus metrics: GET /metrics; docs/cli.md lists the families)"
 
@@ -105,7 +104,6 @@ UNBUILT_FLAGS: dict[str, str] = {
                                   "engine 0's client view of all engines' requests",
     "--enable-per-request-metrics": "per-request timing metrics in responses are not built (the same timings feed "
                                     "GET /metrics)",
-    "--profiler-config": _PROFILER,
     # kernels and engine internals of newer vLLM
     "--kernel-config": _OWN_KERNELS, "--moe-backend": _OWN_KERNELS, "--enable-flashinfer-autotune": _OWN_KERNELS,
     "--prefix-caching-hash-algo": "voltllm hashes prefix-cache blocks with blake2b (128-bit); vLLM's sha256 / "

@@ -206,6 +206,8 @@ class EngineConfig:
     # --enable-sleep-mode: sleep(level) / wake_up(tags) free and restore the weights' and the KV cache's device memory
     # (worker/sleep_mode.py)
     enable_sleep_mode: bool = False
+    # --profiler-config: the engine's profiler between start_profile and stop_profile (profiling.py; None: off)
+    profiler: Optional[Any] = None
 
 
 def _default_multimodal() -> "MultiModalConfig":
@@ -310,6 +312,7 @@ class EngineArgs:
     # a checkpoint's sliding-window layers attend over the whole context instead, and --max-model-len is capped at the
     # window, as vLLM does (_resolve_sliding_window)
     disable_sliding_window: bool = False
+    profiler_config: Optional[Any] = None  # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} (profiling.py)
     # pooling (embedding) models, vLLM's flags: --runner auto | generate | pooling, --convert auto | none | embed, the
     # older --task (generate, embed, ...), and --pooler-config (older name --override-pooler-config)
     runner: str = "auto"
@@ -585,6 +588,17 @@ class EngineArgs:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_profiler(self) -> Any:
+        """--profiler-config as a profiling.ProfilerConfig (None: off)."""
+        if self.profiler_config is None:
+            return None
+        from voltllm.profiling import ProfilerConfig, ProfilerError
+
+        try:
+            return ProfilerConfig.from_dict(parse_json_object("--profiler-config", self.profiler_config))
+        except ProfilerError as e:
+            raise ConfigError(str(e)) from None
+
     def _resolve_sliding_window(self, hf_config: Any) -> Optional[int]:
         """A checkpoint whose layers include sliding-window ones (voltllm.model.sliding_window): the llama-family
         architectures run them (the window's keys only; KV is kept for the whole context); with
@@ -629,6 +643,7 @@ class EngineArgs:
             raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: not a scheduling policy; use fcfs (first "
                               "come, first served) or priority (by each request's priority, then arrival)")
         graphs = self._resolve_cuda_graphs()
+        profiler = self._resolve_profiler()  # (before the model is resolved: a bad value fails at once)
         spec_dict = parse_json_object("--speculative-config", self.speculative_config)
         model_ref, revision, spec_dict = self._resolve_speculators(spec_dict)
         try:
@@ -843,6 +858,8 @@ class EngineArgs:
         reasoning = self._resolve_reasoning(tokenizer)
         if reasoning is not None:
             config = replace(config, reasoning=reasoning)
+        if profiler is not None:
+            config = replace(config, profiler=profiler)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration
 

@@ -1,9 +1,13 @@
 """vLLM's sleep-mode routes (--enable-sleep-mode): POST /sleep?level=N, POST /wake_up[?tags=...], GET /is_sleeping.
 Greedy completions after wake-up are the ones before sleep (levels 1 and 2, whole and tag by tag); a sleep aborts the
 request in flight (503 request_aborted) and leaves no KV block in use; a sleeping server answers requests 503; bad
-levels / tags / modes are 400s; the routes are behind --api-key; without the flag they are 404s."""
+levels / tags / modes are 400s; the routes are behind --api-key; without the flag they are 404s. The same server runs
+vLLM's other development routes, POST /start_profile and /stop_profile (--profiler-config): the engine's trace of the
+requests between them lands in the directory; out-of-turn calls are 400s; without the flag, 404s."""
 from __future__ import annotations
 
+import gzip
+import json
 import threading
 import time
 
@@ -20,9 +24,12 @@ PROMPT = list(range(3, 40))
 @pytest.fixture(scope="module")
 def sleepy_server(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("sleepy")), "qwen3")
+    traces = tmp_path_factory.mktemp("traces")
+    profiler = json.dumps({"profiler": "torch", "torch_profiler_dir": str(traces), "torch_profiler_with_stack": False})
     srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny", "--api-key",
-                      API_KEY, "--enable-sleep-mode", "--disable-log-stats", "--disable-uvicorn-access-log"],
-                     free_port(), env={"OMP_NUM_THREADS": "1"})
+                      API_KEY, "--enable-sleep-mode", "--profiler-config", profiler, "--disable-log-stats",
+                      "--disable-uvicorn-access-log"], free_port(), env={"OMP_NUM_THREADS": "1"})
+    srv.traces = traces
     try:
         srv.wait_healthy(180)
         yield srv
@@ -112,3 +119,27 @@ def test_routes_are_404_without_the_flag(tiny_server):
     for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
         r = httpx.request(method, tiny_server.base + path, timeout=10)
         assert r.status_code == 404 and "--enable-sleep-mode" in r.json()["error"]["message"], r.text
+
+
+def test_profile_routes_write_the_engines_trace(sleepy_server):
+    srv = sleepy_server
+    assert _post(srv, "/stop_profile").status_code == 400  # (not running)
+    assert httpx.post(srv.base + "/start_profile", timeout=10).status_code == 401
+    assert _post(srv, "/start_profile").status_code == 200
+    r = _post(srv, "/start_profile")
+    assert r.status_code == 400 and "already running" in r.json()["error"]["message"], r.text
+    _tokens(srv)
+    assert _post(srv, "/stop_profile").status_code == 200
+    traces = sorted(srv.traces.glob("voltllm-engine0-*.pt.trace.json.gz"))
+    assert len(traces) == 1 and len(list(srv.traces.glob("voltllm-engine0-*-totals.txt"))) == 1
+    with gzip.open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the engine's forward ran in it
+    r = _post(srv, "/stop_profile")
+    assert r.status_code == 400 and "not running" in r.json()["error"]["message"], r.text
+
+
+def test_profile_routes_are_404_without_the_flag(tiny_server):
+    for path in ("/start_profile", "/stop_profile"):
+        r = httpx.post(tiny_server.base + path, timeout=10)
+        assert r.status_code == 404 and "--profiler-config" in r.json()["error"]["message"], r.text

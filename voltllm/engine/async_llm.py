@@ -183,6 +183,7 @@ class AsyncLLM:
         # engine answers a wake_up with every part awake; sleep() / wake_up() calls are answered in order
         self.sleeping = False
         self._sleep_waiters: list[asyncio.Future] = []
+        self._profile_waiters: list[asyncio.Future] = []  # start_profile / stop_profile answers, in order
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -321,6 +322,10 @@ class AsyncLLM:
             self.sleeping = sleeping or (self.sleeping and bool(self._sleep_waiters))
             if fut is not None and not fut.done():
                 fut.set_result(error)
+        elif kind == "profile":
+            fut = self._profile_waiters.pop(0) if self._profile_waiters else None
+            if fut is not None and not fut.done():
+                fut.set_result(msg[1:])
         elif kind == "fatal":
             self._on_dead(f"the engine failed: {msg[1].strip().splitlines()[-1]}")
         else:
@@ -334,10 +339,11 @@ class AsyncLLM:
             if not fut.done():
                 fut.set_exception(EngineDeadError(why))
         self._report_waiters.clear()
-        for fut in self._sleep_waiters:
-            if not fut.done():
-                fut.set_exception(EngineDeadError(why))
-        self._sleep_waiters.clear()
+        for waiters in (self._sleep_waiters, self._profile_waiters):
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(why))
+            waiters.clear()
         for rid, st in list(self._streams.items()):
             st._fail(EngineDeadError(why))
         self._streams.clear()
@@ -613,6 +619,32 @@ class AsyncLLM:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise EngineDeadError(f"the engine did not answer the report request within {timeout:.0f} s") from None
+
+    # -- profiling (--profiler-config) --------------------------------------------------------------
+    async def start_profile(self) -> None:
+        """vLLM's: the engine's profiler runs until stop_profile. ValueError (profiling.ProfilerError): profiling is
+        off, or it already runs."""
+        await self._profile_call("start")
+
+    async def stop_profile(self) -> list[str]:
+        """The trace files of the steps since start_profile (written in the engine process; a long run takes a while
+        to write). ValueError: not running."""
+        return await self._profile_call("stop")
+
+    async def _profile_call(self, what: str) -> list[str]:
+        from voltllm.profiling import ProfilerError
+
+        self._check_alive()
+        if self.config.profiler is None:
+            raise ProfilerError("profiling is off: start the server with --profiler-config "
+                                "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/abs/dir\"}'")
+        fut = asyncio.get_running_loop().create_future()
+        self._profile_waiters.append(fut)
+        self._send(("profile", what))
+        error, files = await asyncio.shield(fut)
+        if error is not None:
+            raise ProfilerError(error)
+        return files
 
     # -- sleep mode (--enable-sleep-mode) ----------------------------------------------------------
     async def sleep(self, level: int = 1) -> None:

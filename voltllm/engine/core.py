@@ -112,6 +112,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         self._inflight: Optional[tuple[SchedulerOutput, StepHandle]] = None
         self.sleep_state = None  # --enable-sleep-mode: worker.sleep_mode.RunnerSleep (a group: distributed.sleep's)
+        from voltllm.profiling import EngineProfiler
+
+        self.profiler = EngineProfiler(config.profiler, config.parallel.data_parallel_rank)  # (--profiler-config)
         if config.enable_sleep_mode:
             from voltllm.worker.sleep_mode import RunnerSleep
 
@@ -120,6 +123,14 @@ class EngineCore:
                 from voltllm.distributed.sleep import GroupSleep
 
                 self.sleep_state = GroupSleep(self.sleep_state, tp)
+
+    def start_profile(self) -> None:
+        """vLLM's: the profiler runs from here until stop_profile (profiling.ProfilerError: off, or running)."""
+        self.profiler.start(self.runner.device)
+
+    def stop_profile(self) -> list[str]:
+        """The steps since start_profile into the trace files it returns (profiling.ProfilerError: not running)."""
+        return self.profiler.stop()
 
     def _engine_tokenizer(self):
         mc = self.config.model
@@ -329,6 +340,12 @@ class EngineCore:
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.shutdown()
+        profiler = getattr(self, "profiler", None)
+        if profiler is not None and profiler.running:  # (what it recorded is written, not lost)
+            try:
+                profiler.stop()
+            except Exception as e:  # noqa: BLE001 -- shutting down anyway
+                logger.warning("the profiler's trace was not written at shutdown: %s", e)
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
 

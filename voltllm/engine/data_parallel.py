@@ -251,6 +251,13 @@ class DataParallelLLM:
         for e in self.engines:
             e.remove_lora(lora_int_id)
 
+    async def start_profile(self) -> None:
+        """Every engine's profiler starts (each writes its own trace, named with its index)."""
+        await asyncio.gather(*(e.start_profile() for e in self.engines))
+
+    async def stop_profile(self) -> list[str]:
+        return [f for files in await asyncio.gather(*(e.stop_profile() for e in self.engines)) for f in files]
+
     async def sleep(self, level: int = 1) -> None:
         """Every engine sleeps (AsyncLLM.sleep)."""
         await asyncio.gather(*(e.sleep(level) for e in self.engines))

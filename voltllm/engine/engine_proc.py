@@ -13,6 +13,7 @@ a connected ipc socket no longer needs its file, and a killed API process then l
   ("remove_lora", lora_int_id)                 ("check", message or None)
   ("sleep", level)                             ("report", report dict or {"error": message})
   ("wake_up", tags or None)                    ("sleep_mode", None or (error kind, message), is_sleeping)
+  ("profile", "start" | "stop")                ("profile", None or message, files written)
   ("shutdown",)                                ("fatal", message)
 remove_lora: an unloaded LoRA adapter, dropped once the requests running with it end (EngineCore.remove_lora).
 sleep / wake_up (--enable-sleep-mode): each answered with one "sleep_mode" message, after the "outputs" of the
@@ -210,6 +211,8 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
                     core.remove_lora(msg[1])
                 elif kind in ("sleep", "wake_up"):
                     _sleep_mode_call(core, out, kind, msg[1])
+                elif kind == "profile":
+                    _profile_call(core, out, msg[1])
                 elif kind == "shutdown":
                     return
                 else:
@@ -223,6 +226,18 @@ def _loop(core: Any, inp: Any, out: Any, parent_pid: int) -> None:
                 out.send(_dumps(("error", [rid], message)))
             if outputs or flush or not core.waiting_only_for_grammars():
                 out.send(_dumps(("outputs", outputs, core.stats())))
+
+
+def _profile_call(core: Any, out: Any, what: str) -> None:
+    """start_profile / stop_profile (--profiler-config): answered with the error (profiling.ProfilerError: off, or out
+    of turn) or None, and the files stop wrote."""
+    from voltllm.profiling import ProfilerError
+
+    try:
+        files = core.start_profile() if what == "start" else core.stop_profile()
+        out.send(_dumps(("profile", None, files or [])))
+    except (ProfilerError, OSError, RuntimeError) as e:
+        out.send(_dumps(("profile", str(e), [])))
 
 
 def _sleep_mode_call(core: Any, out: Any, kind: str, arg: Any) -> None:

@@ -202,6 +202,15 @@ class LLM:
         too (kv_offloading_size), as vLLM's resets its KV connector's only then."""
         return self.engine.reset_prefix_cache(reset_connector)
 
+    # vLLM's profiling (LLM(profiler_config={"profiler": "torch", "torch_profiler_dir": "/abs/dir"}))
+    def start_profile(self) -> None:
+        """The engine's profiler runs from here until stop_profile (profiling.ProfilerError: off, or running)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """The trace files of the work since start_profile (docs/cli.md, --profiler-config)."""
+        return self.engine.stop_profile()
+
     # vLLM's sleep mode (LLM(enable_sleep_mode=True)): free the GPU between uses
     def sleep(self, level: int = 1) -> None:
         """Level 1: the weights go to CPU memory and the KV cache is discarded; level 2: both are discarded (wake_up

@@ -50,7 +50,7 @@ _ROUTES = {"/health", "/ping", "/invocations", "/version", "/load", "/metrics", 
            "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
            "/v1/acceleration", "/v1/sm70/acceleration", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
            "/classify", "/pooling", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/sleep", "/wake_up",
-           "/is_sleeping"}
+           "/is_sleeping", "/start_profile", "/stop_profile"}
 _POOLING_ROUTES_BUILT = ("embedding models serve POST /v1/embeddings, /score, /rerank and /pooling, classifiers "
                          "/score, /rerank, /classify and /pooling, with --runner pooling")
 _TEXT_ONLY = "voltllm serves text models (text in, text out)"
@@ -71,8 +71,10 @@ _SCORING_ROUTES = {"/score": (ScoreRequest, create_score, "scoring"),
 _PREFIXES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 # behind --api-key besides /v1/*: SageMaker's /invocations generates as /v1/* does (vLLM guards it; /ping stays open),
 # and the scoring routes and /pooling outside /v1 run the model as much as /v1/score does
-# (and /sleep, /wake_up: they take the whole engine away from every client)
-_GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling", "/sleep", "/wake_up")
+# (and /sleep, /wake_up: they take the whole engine away from every client; /start_profile, /stop_profile: they slow
+# it down and write files on the server)
+_GUARDED_ROUTES = ("/invocations", "/score", "/rerank", "/v2/rerank", "/classify", "/pooling", "/sleep", "/wake_up",
+                   "/start_profile", "/stop_profile")
 
 
 def route_path(scope: dict) -> str:
@@ -216,6 +218,7 @@ class HttpOptions:
     runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_lora.py)
     tokenizer_info: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
     sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (--enable-sleep-mode; sleep_routes.py)
+    profiling: bool = False  # POST /start_profile, POST /stop_profile (--profiler-config; profile_routes.py)
 
 
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
@@ -301,6 +304,9 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     from voltllm.entrypoints.openai.sleep_routes import add_sleep_routes
 
     add_sleep_routes(app, state, http.sleep_mode)
+    from voltllm.entrypoints.openai.profile_routes import add_profile_routes
+
+    add_profile_routes(app, state, http.profiling)
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:

@@ -346,7 +346,8 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     http = HttpOptions(fastapi_docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers,
                        server_load_tracking=args.enable_server_load_tracking,
                        runtime_lora_updating=args.allow_runtime_lora_updating,
-                       tokenizer_info=args.enable_tokenizer_info_endpoint, sleep_mode=config.enable_sleep_mode)
+                       tokenizer_info=args.enable_tokenizer_info_endpoint, sleep_mode=config.enable_sleep_mode,
+                       profiling=config.profiler is not None)
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors, http=http)
     tls: dict[str, Any] = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
                            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}

@@ -1,0 +1,59 @@
+"""vLLM's offline profiling (LLM(profiler_config=...), start_profile / stop_profile) on a tiny model on the CPU: the
+trace of the work between them, gzipped or not, and the operators' totals; start / stop out of turn and profiling
+off are refused with ProfilerError; the config's checks."""
+import gzip
+import json
+
+import pytest
+
+from tiny_models import make_model
+from voltllm import LLM, SamplingParams
+from voltllm.profiling import ProfilerConfig, ProfilerError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tiny")), "llama")
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_trace_of_the_work_between_start_and_stop(tiny, tmp_path, gz):
+    cfg = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_use_gzip": gz,
+           "torch_profiler_with_stack": False, "torch_profiler_record_shapes": True}
+    llm = LLM(tiny, block_size=4, profiler_config=cfg)
+    with pytest.raises(ProfilerError, match="not running"):
+        llm.stop_profile()
+    llm.start_profile()
+    with pytest.raises(ProfilerError, match="already running"):
+        llm.start_profile()
+    llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    files = llm.stop_profile()
+    trace, totals = files
+    assert trace.endswith(".pt.trace.json.gz" if gz else ".pt.trace.json") and totals.endswith("-totals.txt")
+    with (gzip.open(trace) if gz else open(trace, "rb")) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("aten::") for n in names)
+    assert any(e.get("args", {}).get("Input Dims") for e in events)  # (record_shapes)
+    with open(totals) as f:
+        assert "Self CPU" in f.read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.split("/")[-1] for p in files)
+    llm.start_profile()  # (a second session, ended by the engine's shutdown)
+    llm.engine.shutdown()
+    assert len(list(tmp_path.glob("*.pt.trace.json*"))) == 2
+
+
+def test_profiling_off_and_the_configs_checks(tiny):
+    llm = LLM(tiny, block_size=4)
+    with pytest.raises(ProfilerError, match="profiling is off"):
+        llm.start_profile()
+    assert ProfilerConfig.from_dict({}) is None
+    assert ProfilerConfig.from_dict({"profiler": "cuda"}).profiler == "cuda"
+    for bad, why in (({"profiler": "torch"}, "needs torch_profiler_dir"),
+                     ({"profiler": "torch", "torch_profiler_dir": "x"}, "absolute path"),
+                     ({"profiler": "torch", "torch_profiler_dir": "/x", "torch_profiler_with_stack": "yes"},
+                      "must be true or false"),
+                     ({"torch_profiler_dir": "/x"}, "need \"profiler\": \"torch\""),
+                     ({"profiler": "torch", "torch_profiler_dir": "/x", "max_iterations": 3}, "unknown keys")):
+        with pytest.raises(ProfilerError, match=why):
+            ProfilerConfig.from_dict(bad)
