@@ -243,6 +243,7 @@
 #   s159     (session 59) sliding-window attention: attention kernels, windowed qwen3 vs transformers, DFlash with
 #            a sliding-window drafter layer (GPU files); 8B batch 1 at 16K windowed vs full; 8B c64
 #   s159b    (session 59) device drafters with async K = 0 steps (GPU file); the fp8 KV GPU file
+#   s159c    (session 59) the profiler on the GPU; sliding windows again after the compat prefill's windowed keys
 #   s157     (session 57) DFlash2 drafters: its kernels' GPU file, tests/gpu/test_dflash_cuda.py (DFlash and DFlash2
 #            cases), EAGLE-1 heads (test_eagle1_cuda), then session 56's Qwen4-Exp file and the MoE LoRA file (never
 #            run after session 56's changes)
@@ -1648,6 +1649,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # the fp8 KV cache file (windows over fp8 pages run through the same kernels)
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
+    ;;
+  s159c)  # (session 59) the profiler on the GPU; the compat prefill's windowed keys (attention kernels' window tests)
+    gpu_file test_profiling_cuda 120
+    gpu_file test_attention_kernels 240 -k sliding_window
+    gpu_file test_sliding_window_cuda 200
     ;;
   s158b)  # (session 58) dynamic speculative decoding: qwen3-8b shape at 64 concurrent, no speculation, n-gram
           # K = 4 (prompt_lookup_min 1: random weights give many rejected drafts, speculation's cost), and n-gram K = 4
