@@ -11,23 +11,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from voltllm.entrypoints.openai.errors import OpenAIError, bad_request
+from voltllm.entrypoints.openai.errors import OpenAIError
+from voltllm.entrypoints.openai.sleep_routes import call_engine
 
 _OFF = ("profiling is off: start the server with --profiler-config "
         "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/abs/dir\"}'")
-
-
-async def _call(coro: Any) -> Response:
-    from voltllm.engine.async_llm import EngineDeadError
-    from voltllm.profiling import ProfilerError
-
-    try:
-        await coro
-    except ProfilerError as e:
-        raise bad_request(str(e), None) from None
-    except EngineDeadError as e:
-        raise OpenAIError(f"the engine is not available: {e}", 503) from None
-    return Response(status_code=200)
 
 
 def add_profile_routes(app: Any, state: Any, enabled: bool) -> None:
@@ -42,8 +30,8 @@ def add_profile_routes(app: Any, state: Any, enabled: bool) -> None:
 
     @app.post("/start_profile")
     async def start_profile() -> Response:
-        return await _call(state.engine.start_profile())
+        return await call_engine(state.engine.start_profile(), None)
 
     @app.post("/stop_profile")
     async def stop_profile() -> Response:
-        return await _call(state.engine.stop_profile())
+        return await call_engine(state.engine.stop_profile(), None)

@@ -6,7 +6,7 @@ sleep aborts the requests in flight (their clients get 503 request_aborted), as 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -24,7 +24,9 @@ def _level(request: Request) -> int:
         raise bad_request(f"level must be 1 or 2, got {raw!r}", "level") from None
 
 
-async def _call(coro: Any, param: str) -> Response:
+async def call_engine(coro: Any, param: Optional[str]) -> Response:
+    """200 once the engine's call is done; its ValueError is a 400 naming `param`, RuntimeError a 500, a dead engine
+    a 503 (the sleep-mode and profiling routes)."""
     from voltllm.engine.async_llm import EngineDeadError
 
     try:
@@ -54,12 +56,12 @@ def add_sleep_routes(app: Any, state: Any, enabled: bool) -> None:
         if mode != "abort":
             raise bad_request(f"mode {mode!r}: only 'abort' is built (requests in flight are aborted); vLLM's 'wait' "
                               "and 'keep' are not", "mode")
-        return await _call(state.engine.sleep(_level(request)), "level")
+        return await call_engine(state.engine.sleep(_level(request)), "level")
 
     @app.post("/wake_up")
     async def wake_up(request: Request) -> Response:
         tags = request.query_params.getlist("tags") or None  # (vLLM's: repeated ?tags=..., none for all)
-        return await _call(state.engine.wake_up(tags), "tags")
+        return await call_engine(state.engine.wake_up(tags), "tags")
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict:
