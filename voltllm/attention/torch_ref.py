@@ -44,10 +44,11 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     qf = q.transpose(0, 1).float()
     kf = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
     vf = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-    keys = torch.arange(lk, device=q.device)[None, :]
-    q_pos = torch.arange(lk - lq, lk, device=q.device)
     mask = None  # one query row (decode) sees every key: no mask. Same result, and torch's masked CPU path
-    if lq > 1:   # is ~1000x slower with several threads (OpenMP sync on tiny work)
+    if lq > 1 or window > 0:  # is ~1000x slower with several threads (OpenMP sync on tiny work)
+        keys = torch.arange(lk, device=q.device)[None, :]
+        q_pos = torch.arange(lk - lq, lk, device=q.device)
+    if lq > 1:
         mask = keys <= q_pos[:, None]
     if window > 0:
         first = (q_pos if window_pos is None else window_pos.to(q.device)) - window + 1

@@ -198,7 +198,7 @@ def _paged_decode_kernel(
         else:
             last = seq_len - 1
         ctx_lo = tl.minimum(tl.maximum(last - window + 1, 0), seq_len)
-    # this program's slice of the context (BLOCK_N long; may be empty)
+    # this program's slice of the context (whole BLOCK_N tiles from ctx_lo; may be empty)
     chunk = tl.cdiv(tl.cdiv(seq_len - ctx_lo, num_splits), BLOCK_N) * BLOCK_N
     start = ctx_lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
