@@ -131,10 +131,6 @@ class AttentionBackend(ABC):
         the step's positions (module docstring). Callers pass them only for sliding-window layers."""
 
 
-def window_start(position: int, window: int) -> int:
-    """The first key position a query at `position` sees in a layer of sliding window `window` (0: full)."""
-    return max(0, position - window + 1) if window > 0 else 0
-
 
 def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
