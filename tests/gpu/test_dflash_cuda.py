@@ -79,6 +79,27 @@ def test_fp32_block_logits_equal_the_reference(models, drafter):
         assert checked >= 30 and off_argmax > 0
 
 
+@pytest.mark.parametrize("drafter", ["drafter", "drafter_swa"])
+@pytest.mark.parametrize("compat", ["none", "sm70"])
+def test_fp8_kv_drafter_caches(models, compat, drafter):
+    """--kv-cache-dtype fp8_e4m3 --calculate-kv-scales: the drafter's caches are fp8 with scales from the first
+    step (the Triton store and the decode kernel's fp8 pages, in and out of graphs); greedy outputs equal plain
+    decoding with the same cache in fp32; the block logits stay within the fp8 rounding of the reference."""
+    import torch
+
+    kw = dict(KW, dtype="float32", compat=compat, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = _tokens(LLM(models["target"], **kw), sp)
+    llm = LLM(models["target"], speculative_config=_spec(models[drafter]), **kw)
+    dr = llm.engine.runner.draft
+    assert all(c.dtype == torch.uint8 for c in dr.kv_caches)
+    records = record_block_logits(dr)
+    assert _tokens(llm, sp) == ref
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0 and dr.graphs.replays > 0
+    assert all(layer.self_attn.k_scale.item() != 1.0 for layer in dr.drafter.layers)
+    assert check_block_logits(records[:6], models["target"], models[drafter], models["layers"], tol=0.25) >= 8
+
+
 def test_agreeing_drafter_is_always_accepted(models):
     drafter = models["drafter"]
     llm = LLM(models["agree"], speculative_config=_spec(drafter, 7), dtype="float16", **KW)

@@ -152,6 +152,33 @@ def test_prefix_cache_hits_and_preemption_keep_outputs(models):
     assert tight.engine.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("calculate", [False, True])
+def test_fp8_kv_cache_holds_the_drafter_too(models, calculate):
+    """--kv-cache-dtype fp8_e4m3: the drafter's caches are fp8 as the target's (a block's bytes count them at one
+    byte per element); the block logits move off the reference by the fp8 rounding of the context (not within 1e-4,
+    within 5%); greedy outputs equal plain decoding with the same cache; --calculate-kv-scales sets the drafter's
+    scales from the first step's context."""
+    import torch
+
+    target, drafter_path = models["target"], models["drafter"]
+    kw = dict(block_size=4, max_num_batched_tokens=16, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=calculate)
+    llm = LLM(target, speculative_config=_spec(drafter_path), **kw)
+    dr = _runner(llm)
+    assert dr.kv_caches and all(c.dtype == torch.uint8 for c in dr.kv_caches)
+    per_block = 2 * 4 * dr.drafter.kv_heads * dr.drafter.head_dim * len(dr.drafter.layers)
+    assert dr.kv_block_bytes(4, torch.uint8) == per_block
+    full = LLM(target, speculative_config=_spec(drafter_path), block_size=4, max_num_batched_tokens=16)
+    assert llm.engine.runner.kv_block_bytes() * 4 == full.engine.runner.kv_block_bytes()  # fp32 model: 4 bytes
+    records = record_block_logits(dr)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert _run(llm, PROMPTS[:3], sp) == _plain(target, PROMPTS[:3], sp, **kw)
+    scales = [(a.k_scale.item(), a.v_scale.item()) for a in (layer.self_attn for layer in dr.drafter.layers)]
+    assert all(k != 1.0 and v != 1.0 for k, v in scales) if calculate else scales == [(1.0, 1.0)] * len(scales)
+    with pytest.raises(AssertionError, match="relative error"):
+        check_block_logits(records, target, drafter_path, models["layers"])
+    assert check_block_logits(records, target, drafter_path, models["layers"], tol=0.25) >= 6
+
+
 @pytest.fixture(scope="module")
 def agreeing(tmp_path_factory):
     """A qwen3 target whose LM head is zero (every logit 0: greedy picks id 0, sampling is uniform) and a drafter

@@ -68,21 +68,33 @@ class TorchReferenceBackend(AttentionBackend):
         self.kv_cache_dtype = kv_cache_dtype
         self.fp8_format = FP8_KV_DTYPES.get((kv_cache_dtype or "auto").lower())
 
+    def _is_fp8(self, kv_cache: torch.Tensor) -> bool:
+        if kv_cache.dtype != torch.uint8:
+            return False
+        if self.fp8_format is None:
+            raise ValueError(f"{self.name}: a uint8 (fp8) KV cache needs kv_cache_dtype fp8_e4m3 or fp8_e5m2, "
+                             f"got {self.kv_cache_dtype!r}")
+        return True
+
+    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata, k_scale: Optional[torch.Tensor] = None,
+                 v_scale: Optional[torch.Tensor] = None) -> None:
+        """Store K / V rows at meta.slot_mapping (slot -1: skipped; fp8 caches: encoded with the scales)."""
+        if self._is_fp8(kv_cache):
+            from voltllm.kernels.kv_fp8 import write_kv_fp8_ref
+
+            n = min(k.shape[0], meta.slot_mapping.shape[0])
+            write_kv_fp8_ref(k[:n], v[:n], kv_cache, meta.slot_mapping, k_scale, v_scale, self.fp8_format)
+        else:
+            write_kv(k, v, kv_cache, meta.slot_mapping)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
                 kv_written: bool = False, window: int = 0, query_positions: Optional[torch.Tensor] = None):
-        fp8 = kv_cache.dtype == torch.uint8
+        fp8 = self._is_fp8(kv_cache)
         if fp8:
-            if self.fp8_format is None:
-                raise ValueError(f"{self.name}: a uint8 (fp8) KV cache needs kv_cache_dtype fp8_e4m3 or fp8_e5m2, "
-                                 f"got {self.kv_cache_dtype!r}")
-            from voltllm.kernels.kv_fp8 import gather_kv_fp8_ref, write_kv_fp8_ref
+            from voltllm.kernels.kv_fp8 import gather_kv_fp8_ref
         if not kv_written:
-            if fp8:
-                n = min(k.shape[0], meta.slot_mapping.shape[0])
-                write_kv_fp8_ref(k[:n], v[:n], kv_cache, meta.slot_mapping, k_scale, v_scale, self.fp8_format)
-            else:
-                write_kv(k, v, kv_cache, meta.slot_mapping)
+            self.write_kv(k, v, kv_cache, meta, k_scale, v_scale)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i, ctx in enumerate(meta.seq_lens_cpu):

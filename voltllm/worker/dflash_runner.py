@@ -31,8 +31,11 @@ verification on the device (DeviceDrafts).
 
 The block's forward replays a CUDA graph of the drafter (DecodeGraphs over the target's input buffers, like a draft
 model's: the block rows are decode rows) when its rows fit the largest graph, else runs eagerly; the context write
-and the LM head stay eager (a few launches). Its caches are in the model's dtype whatever --kv-cache-dtype (they are
-a few layers).
+and the LM head stay eager (a few launches). Its caches are in --kv-cache-dtype, as the target's: a 27B drafter's
+five layers of 8 x 128 K / V take more bytes per token than the target's own 16 attention layers (4 x 256) do under
+tensor parallelism, so fp8 halves a large part of a block. With fp8 the layers' scales are the checkpoint's, else
+1.0, or the first real step's context under --calculate-kv-scales; keys are not centred (--calculate-key-offsets
+leaves the drafter alone).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import numpy as np
 import torch
 
 from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+from voltllm.attention.kv_spec import calc_kv_scales, kv_scales_to_calculate
 from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
@@ -81,6 +85,9 @@ class DFlashRunner(DeviceDrafts):
         self.features = runner.model.set_aux_hidden(self.params.target_layer_ids, aux_capacity(sc))
         self._drafts, self._probs, self._prob_rows = None, None, {}
         self.graphs = None  # DecodeGraphs of the drafter's block forward, on the target's input buffers
+        # --calculate-kv-scales (fp8 caches): the first real step's context K / V set the drafter's layers' scales;
+        # else they stay at the checkpoint's or 1.0
+        self.calc_kv_scales_pending = kv_scales_to_calculate(self.drafter.body, runner.config.cache.calculate_kv_scales)
 
     def _load(self, runner: Any, spec: Any):
         from voltllm.model.models.dflash import DFlashDrafter
@@ -99,15 +106,16 @@ class DFlashRunner(DeviceDrafts):
 
     # -- KV cache (the block's rows and the context) -------------------------------------------
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
         return 2 * block_size * self.drafter.kv_heads * self.drafter.head_dim * elem * len(self.drafter.layers)
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.kv_caches = self.profile_caches(num_blocks, block_size, kv_dtype)
 
     def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+        """The drafter's caches in the target's KV storage dtype (uint8 for fp8, as vLLM's drafter layers)."""
         return make_kv_cache(len(self.drafter.layers), num_blocks, block_size, self.drafter.kv_heads,
-                             self.drafter.head_dim, self.dtype, self.runner.device)
+                             self.drafter.head_dim, kv_dtype, self.runner.device)
 
     def capture_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
@@ -129,16 +137,14 @@ class DFlashRunner(DeviceDrafts):
         t = slots.shape[0]
         positions = self.runner.buffers.positions[:t]
         k, v = self.drafter.context_kv(self.features[:t], positions)
-        for i, cache in enumerate(self.kv_caches):
-            self._store(k[:, i].contiguous(), v[:, i].contiguous(), cache, meta)
-
-    def _store(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        if hasattr(self.backend, "write_kv"):  # the GPU backend's store (no host sync on slot -1)
-            self.backend.write_kv(k, v, cache, meta)
-            return
-        from voltllm.attention.torch_ref import write_kv
-
-        write_kv(k, v, cache, meta.slot_mapping)
+        calibrate, self.calc_kv_scales_pending = self.calc_kv_scales_pending, False
+        for i, (cache, layer) in enumerate(zip(self.kv_caches, self.drafter.layers)):
+            attn = layer.self_attn
+            if calibrate:  # the first real step's context sets the fp8 scales (rows past num_tokens: padding)
+                n = meta.num_tokens
+                calc_kv_scales(attn, k[:n, i], v[:n, i])
+            # (fp8 caches: encoded with the layer's scales, which its attention reads the block rows with)
+            self.backend.write_kv(k[:, i].contiguous(), v[:, i].contiguous(), cache, meta, attn.k_scale, attn.v_scale)
 
     @torch.inference_mode()
     def propose(self, sched: Any) -> None:
