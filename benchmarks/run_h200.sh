@@ -1650,6 +1650,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
+  s160)  # (session 60) the DFlash drafter's caches in fp8 (native and --compat sm70), with the rest of the DFlash file
+    gpu_file test_dflash_cuda 500
+    ;;
   s159c)  # (session 59) the profiler on the GPU; the compat prefill's windowed keys (attention kernels' window tests)
     gpu_file test_profiling_cuda 120
     gpu_file test_attention_kernels 240 -k sliding_window
