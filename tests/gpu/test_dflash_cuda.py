@@ -97,7 +97,9 @@ def test_fp8_kv_drafter_caches(models, compat, drafter):
     assert _tokens(llm, sp) == ref
     assert llm.engine.stats().extra["spec_draft_tokens"] > 0 and dr.graphs.replays > 0
     assert all(layer.self_attn.k_scale.item() != 1.0 for layer in dr.drafter.layers)
-    assert check_block_logits(records[:6], models["target"], models[drafter], models["layers"], tol=0.25) >= 8
+    # (the target's fp8 KV moves its features too: measured worst 0.22 native / 0.26 compat, median 0.07 on the H100;
+    # a drafter cache written and read with different scales errs by > 1)
+    assert check_block_logits(records[:6], models["target"], models[drafter], models["layers"], tol=0.4) >= 8
 
 
 def test_agreeing_drafter_is_always_accepted(models):
