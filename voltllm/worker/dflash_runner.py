@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from voltllm.attention.backend import AttentionMetadata, make_kv_cache
+from voltllm.attention.backend import AttentionMetadata
 from voltllm.attention.kv_spec import calc_kv_scales, kv_scales_to_calculate
 from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
@@ -104,19 +104,8 @@ class DFlashRunner(DeviceDrafts):
         logger.info("loaded DFlash drafter %s in %.1f s", spec.model, time.monotonic() - t0)
         return drafter.eval()
 
-    # -- KV cache (the block's rows and the context) -------------------------------------------
-    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=kv_dtype).element_size()
-        return 2 * block_size * self.drafter.kv_heads * self.drafter.head_dim * elem * len(self.drafter.layers)
-
-    def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
-        self.kv_caches = self.profile_caches(num_blocks, block_size, kv_dtype)
-
-    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
-        """The drafter's caches in the target's KV storage dtype (uint8 for fp8, as vLLM's drafter layers)."""
-        return make_kv_cache(len(self.drafter.layers), num_blocks, block_size, self.drafter.kv_heads,
-                             self.drafter.head_dim, kv_dtype, self.runner.device)
-
+    # -- KV cache (the block's rows and the context): DeviceDrafts' over the drafter's layers (self.model), in the
+    # target's KV storage dtype (uint8 for fp8, as vLLM's drafter layers); graphs
     def capture_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
         from voltllm.worker.draft_runner import _GraphView
