@@ -2,15 +2,21 @@
 stop_profile).
 
 "torch": the engine process runs torch.profiler (CPU and, on a GPU, CUDA activities) between start and stop, then
-writes a Chrome trace (`<dir>/voltllm-engine<i>-<pid>-<time>-<n>.pt.trace.json[.gz]`, n counting this process's
-sessions; for Perfetto or chrome://tracing) and, with torch_profiler_dump_cuda_time_total, a table of the operators'
-totals beside it (`...-totals.txt`, sorted by device time on a GPU, by CPU time on the CPU). "cuda": the CUDA
-profiler's start / stop (cudaProfilerStart / Stop), for a capture range under Nsight Systems (`nsys profile
+writes a Chrome trace (`<dir>/voltllm-engine<i>[-rank<r>]-<pid>-<time>-<n>.pt.trace.json[.gz]`, n counting this
+process's sessions; for Perfetto or chrome://tracing) and, with torch_profiler_dump_cuda_time_total, a table of the
+operators' totals beside it (`...-totals.txt`, sorted by device time on a GPU, by CPU time on the CPU). "cuda": the
+CUDA profiler's start / stop (cudaProfilerStart / Stop), for a capture range under Nsight Systems (`nsys profile
 --capture-range=cudaProfilerApi`); nothing is written here.
-Under tensor parallelism the engine process is rank 0: the other ranks' processes are not traced.
+Under tensor / pipeline parallelism every rank's process profiles itself (`...-engine<i>-rank<r>-...` files; rank 0
+lists them all), started and stopped by rank 0 between the same two steps.
+
+delay_iterations / max_iterations (vLLM's): the session begins that many engine steps after start (steps that ran a
+forward), and ends itself after that many steps, writing its files then (stop returns them; without a limit stop
+writes them). ignore_frontend is accepted: the API server process is never traced here.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -18,6 +24,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 logger = logging.getLogger("voltllm")
+
+# this process's sessions, in the file names: two within a second (two engines in one process too) keep apart
+_SESSIONS = itertools.count(1)
 
 
 class ProfilerError(ValueError):
@@ -36,6 +45,9 @@ class ProfilerConfig:
     torch_profiler_dump_cuda_time_total: bool = True
     torch_profiler_record_shapes: bool = False
     torch_profiler_with_memory: bool = False
+    ignore_frontend: bool = False
+    delay_iterations: int = 0
+    max_iterations: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Optional["ProfilerConfig"]:
@@ -53,9 +65,12 @@ class ProfilerConfig:
         for name, value in d.items():
             if name.startswith("torch_profiler_with") or name in ("torch_profiler_use_gzip",
                                                                   "torch_profiler_dump_cuda_time_total",
-                                                                  "torch_profiler_record_shapes"):
+                                                                  "torch_profiler_record_shapes", "ignore_frontend"):
                 if not isinstance(value, bool):
                     raise ProfilerError(f"--profiler-config {name} must be true or false, got {value!r}")
+            if name in ("delay_iterations", "max_iterations") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ProfilerError(f"--profiler-config {name} must be an integer >= 0, got {value!r}")
         cfg = cls(**d)
         if cfg.profiler == "torch":
             if not isinstance(cfg.torch_profiler_dir, str) or not cfg.torch_profiler_dir:
@@ -68,17 +83,26 @@ class ProfilerConfig:
 
 
 class EngineProfiler:
-    """One engine's profiler: start() and stop() alternate; stop() returns the files it wrote."""
+    """One process's profiler: start() and stop() alternate; stop() returns the files its session wrote. A session
+    waits delay_iterations steps (step(), after each engine step that ran a forward) before it begins, and with
+    max_iterations ends itself after that many steps."""
 
-    def __init__(self, config: Optional[ProfilerConfig], engine_index: int = 0):
+    def __init__(self, config: Optional[ProfilerConfig], engine_index: int = 0, rank: Optional[int] = None):
+        """rank: this process's rank in a tensor / pipeline-parallel group (in the file names), None alone."""
         self.config = config
         self.engine_index = engine_index
-        self._session: Any = None
-        self._sessions = 0  # (in the file names: two sessions within a second do not overwrite each other)
+        self.rank = rank
+        self._session: Any = None  # the torch profile, or "cuda", while a session records
+        self._armed = False  # between start() and stop()
+        self._wait = 0  # steps still to skip before the session begins
+        self._left = 0  # steps the session may still record (max_iterations; 0: no limit)
+        self._written: list[str] = []  # a session that ended itself: its files, for stop()
+        self._device: Any = None
 
     @property
     def running(self) -> bool:
-        return self._session is not None
+        """Between start() and stop() (also while waiting for its first step, or after ending itself)."""
+        return self._armed
 
     def start(self, device: Any = None) -> None:
         if self.config is None:
@@ -86,6 +110,39 @@ class EngineProfiler:
                                 "\"torch_profiler_dir\": \"/abs/dir\"}'")
         if self.running:
             raise ProfilerError("the profiler is already running: stop it first")
+        self._device, self._written = device, []
+        self._wait, self._left = self.config.delay_iterations, self.config.max_iterations
+        if self._wait == 0:
+            self._begin()
+        else:
+            logger.info("profiler starts after %d engine steps", self._wait)
+        self._armed = True
+
+    def step(self) -> None:
+        """One engine step (with a forward) ran: the session begins or ends at its step counts."""
+        if not self._armed:
+            return
+        if self._session is None:
+            if self._wait > 0:
+                self._wait -= 1
+                if self._wait == 0:
+                    self._begin()
+            return
+        if self._left > 0:
+            self._left -= 1
+            if self._left == 0:
+                self._written = self._end()
+
+    def stop(self) -> list[str]:
+        if not self.running:
+            raise ProfilerError("the profiler is not running: start it first")
+        self._armed = False
+        if self._session is None:  # still waiting (nothing recorded), or ended itself (its files)
+            written, self._written = self._written, []
+            return written
+        return self._end()
+
+    def _begin(self) -> None:
         if self.config.profiler == "cuda":
             import torch
 
@@ -96,7 +153,7 @@ class EngineProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
-        if device is not None and getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
+        if self._device is not None and getattr(self._device, "type", None) == "cuda" and torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
         c = self.config
         os.makedirs(c.torch_profiler_dir, exist_ok=True)
@@ -107,9 +164,7 @@ class EngineProfiler:
         self._session = session
         logger.info("profiler started (traces to %s)", c.torch_profiler_dir)
 
-    def stop(self) -> list[str]:
-        if not self.running:
-            raise ProfilerError("the profiler is not running: start it first")
+    def _end(self) -> list[str]:
         session, self._session = self._session, None
         if session == "cuda":
             import torch
@@ -118,9 +173,9 @@ class EngineProfiler:
             return []
         session.__exit__(None, None, None)
         c = self.config
-        self._sessions += 1
-        stem = os.path.join(c.torch_profiler_dir, f"voltllm-engine{self.engine_index}-{os.getpid()}-"
-                                                  f"{time.strftime('%Y%m%d-%H%M%S')}-{self._sessions}")
+        who = f"engine{self.engine_index}" + ("" if self.rank is None else f"-rank{self.rank}")
+        stem = os.path.join(c.torch_profiler_dir, f"voltllm-{who}-{os.getpid()}-"
+                                                  f"{time.strftime('%Y%m%d-%H%M%S')}-{next(_SESSIONS)}")
         trace = stem + ".pt.trace.json"
         session.export_chrome_trace(trace)
         written = [trace]

@@ -1,6 +1,7 @@
 """vLLM's offline profiling (LLM(profiler_config=...), start_profile / stop_profile) on a tiny model on the CPU: the
-trace of the work between them, gzipped or not, and the operators' totals; start / stop out of turn and profiling
-off are refused with ProfilerError; the config's checks."""
+trace of the work between them, gzipped or not, and the operators' totals; delay_iterations / max_iterations (the
+session's steps counted in its trace); every rank's trace under tensor parallelism; start / stop out of turn and
+profiling off are refused with ProfilerError; the config's checks."""
 import gzip
 import json
 
@@ -54,6 +55,59 @@ def test_profiling_off_and_the_configs_checks(tiny):
                      ({"profiler": "torch", "torch_profiler_dir": "/x", "torch_profiler_with_stack": "yes"},
                       "must be true or false"),
                      ({"torch_profiler_dir": "/x"}, "need \"profiler\": \"torch\""),
-                     ({"profiler": "torch", "torch_profiler_dir": "/x", "max_iterations": 3}, "unknown keys")):
+                     ({"profiler": "torch", "torch_profiler_dir": "/x", "max_iters": 3}, "unknown keys"),
+                     ({"profiler": "torch", "torch_profiler_dir": "/x", "delay_iterations": -1}, "integer >= 0"),
+                     ({"profiler": "cuda", "max_iterations": 2.0}, "integer >= 0"),
+                     ({"profiler": "cuda", "ignore_frontend": 1}, "must be true or false")):
         with pytest.raises(ProfilerError, match=why):
             ProfilerConfig.from_dict(bad)
+
+
+def _forwards(trace: str) -> int:
+    """The engine steps in a trace: the tiny model's forward embeds its tokens once per step."""
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    return sum(e.get("name") == "aten::embedding" and e.get("ph") == "X" for e in events)
+
+
+def test_delay_and_max_iterations(tiny, tmp_path):
+    """A session waits delay_iterations steps, records max_iterations steps and ends itself (stop returns what it
+    wrote); stopped while still waiting, it writes nothing. Without limits it records every step."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # 8 steps: the prompt's, then 7 decodes
+    cfg = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_with_stack": False,
+           "torch_profiler_dump_cuda_time_total": False}
+    full = LLM(tiny, block_size=4, profiler_config=cfg)
+    full.start_profile()
+    full.generate(["Hello there"], sp)
+    (trace,) = full.stop_profile()
+    assert _forwards(trace) == 8
+    llm = LLM(tiny, block_size=4, profiler_config=dict(cfg, delay_iterations=2, max_iterations=3))
+    llm.start_profile()
+    llm.generate(["Hello there"], sp)
+    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 2  # (written when the third step ended)
+    (trace,) = llm.stop_profile()
+    assert _forwards(trace) == 3
+    llm.start_profile()
+    llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # (one step: within the delay)
+    assert llm.stop_profile() == []
+    with pytest.raises(ProfilerError, match="not running"):
+        llm.stop_profile()
+    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 2
+
+
+def test_every_rank_traces_itself_under_tensor_parallelism(tiny, tmp_path):
+    cfg = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_with_stack": False,
+           "torch_profiler_dump_cuda_time_total": False, "max_iterations": 4}
+    llm = LLM(tiny, block_size=4, tensor_parallel_size=2, profiler_config=cfg)
+    try:
+        llm.start_profile()
+        with pytest.raises(ProfilerError, match="already running"):
+            llm.start_profile()
+        llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        files = llm.stop_profile()
+        assert [f.split("/")[-1].split("-")[2] for f in files] == ["rank0", "rank1"]
+        assert [_forwards(f) for f in files] == [4, 4]  # (the same steps on both ranks)
+        llm.start_profile()  # (a second session: every rank writes it at shutdown)
+    finally:
+        llm.engine.shutdown()
+    assert len(list(tmp_path.glob("*-rank1-*.pt.trace.json.gz"))) == 2

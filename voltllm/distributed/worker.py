@@ -4,10 +4,11 @@ rank 0 sends.
 It mirrors EngineCore's start-up (runner, KV cache, GEMM tuning, CUDA graphs) so that the collectives inside those
 line up with rank 0's, then loops: each ("step", StepInputs) is one forward (ModelRunner.execute_follower). Pipe
 messages from rank 0 (pickled tuples): ("step", StepInputs), ("sleep_mode", method, args) (--enable-sleep-mode:
-this rank's RunnerSleep does what rank 0's does, distributed/sleep.py), ("call", fn, args) (tests: fn(runner,
-*args)), ("fail", text) (tests: raise here), ("shutdown",). To rank 0: ("hello",) before joining the process group,
-("ready", num_blocks), ("sleep_mode", None or the message of a wake-up that failed here and can be retried),
-("called", result), ("error", text) before exiting.
+this rank's RunnerSleep does what rank 0's does, distributed/sleep.py), ("profile", "start" | "stop")
+(--profiler-config: this rank's own profiler), ("call", fn, args) (tests: fn(runner, *args)), ("fail", text) (tests:
+raise here), ("shutdown",). To rank 0: ("hello",) before joining the process group, ("ready", num_blocks),
+("sleep_mode", None or the message of a wake-up that failed here and can be retried), ("profile", None or an error's
+message, files written), ("called", result), ("error", text) before exiting.
 
 It never outlives the engine: Linux's parent-death signal (SIGTERM when its parent exits), and EOF on its pipe.
 """
@@ -46,12 +47,18 @@ def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, lo
             from voltllm.worker.sleep_mode import RunnerSleep
 
             sleep_state = RunnerSleep(runner)
+        from voltllm.profiling import EngineProfiler
+
+        profiler = EngineProfiler(config.profiler, config.parallel.data_parallel_rank, rank)
         while True:
             msg = pickle.loads(conn.recv_bytes())
             if msg[0] == "step":
                 runner.execute_follower(msg[1])
+                profiler.step()
             elif msg[0] == "sleep_mode":
                 conn.send(("sleep_mode", _sleep_mode_call(sleep_state, msg[1], msg[2])))
+            elif msg[0] == "profile":
+                conn.send(("profile", *_profile_call(profiler, msg[1], runner.device)))
             elif msg[0] == "call":
                 conn.send(("called", msg[1](runner, *msg[2])))
             elif msg[0] == "shutdown":
@@ -70,6 +77,18 @@ def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, lo
     finally:
         logging.shutdown()
         os._exit(code)  # skip interpreter teardown (seconds with torch loaded): nothing here needs it
+
+
+def _profile_call(profiler: Any, what: str, device: Any) -> tuple:
+    """Rank 0's start_profile / stop_profile here: (None or the error's message, the files written). A stop with
+    nothing running (after a start that failed on another rank) writes nothing."""
+    try:
+        if what == "start":
+            profiler.start(device)
+            return None, []
+        return None, profiler.stop() if profiler.running else []
+    except (ValueError, OSError, RuntimeError) as e:  # (ProfilerError is a ValueError)
+        return f"{type(e).__name__}: {e}", []
 
 
 def _sleep_mode_call(state: Any, method: str, args: tuple):

@@ -114,7 +114,9 @@ class EngineCore:
         self.sleep_state = None  # --enable-sleep-mode: worker.sleep_mode.RunnerSleep (a group: distributed.sleep's)
         from voltllm.profiling import EngineProfiler
 
-        self.profiler = EngineProfiler(config.profiler, config.parallel.data_parallel_rank)  # (--profiler-config)
+        # (--profiler-config; under TP / PP every rank profiles itself, rank 0 telling the workers when)
+        self.profiler = EngineProfiler(config.profiler, config.parallel.data_parallel_rank,
+                                       0 if tp is not None else None)
         if config.enable_sleep_mode:
             from voltllm.worker.sleep_mode import RunnerSleep
 
@@ -125,12 +127,36 @@ class EngineCore:
                 self.sleep_state = GroupSleep(self.sleep_state, tp)
 
     def start_profile(self) -> None:
-        """vLLM's: the profiler runs from here until stop_profile (profiling.ProfilerError: off, or running)."""
+        """vLLM's: the profiler runs from here until stop_profile (profiling.ProfilerError: off, or running), on
+        every rank of a group."""
+        from voltllm.profiling import ProfilerError
+
         self.profiler.start(self.runner.device)
+        errors, _ = self._profile_workers("start")
+        if errors:  # (a worker could not start: none runs, so start and stop keep alternating everywhere)
+            self.profiler.stop()
+            self._profile_workers("stop")
+            raise ProfilerError(errors[0])
 
     def stop_profile(self) -> list[str]:
-        """The steps since start_profile into the trace files it returns (profiling.ProfilerError: not running)."""
-        return self.profiler.stop()
+        """The steps since start_profile into the trace files it returns, every rank's (profiling.ProfilerError: not
+        running)."""
+        from voltllm.profiling import ProfilerError
+
+        files = self.profiler.stop()
+        errors, theirs = self._profile_workers("stop")
+        if errors:
+            raise ProfilerError("; ".join(errors) + (f" (written: {', '.join(files + theirs)})" if files else ""))
+        return files + theirs
+
+    def _profile_workers(self, what: str) -> tuple[list[str], list[str]]:
+        """("profile", what) to every worker: (their errors, "rank r: ..."; the files they wrote)."""
+        if self.tp_workers is None:
+            return [], []
+        self.tp_workers.send(("profile", what))
+        answers = self.tp_workers.collect("profile")
+        errors = [f"rank {r}: {a[0]}" for r, a in enumerate(answers, 1) if a[0] is not None]
+        return errors, [f for a in answers for f in a[1]]
 
     def _engine_tokenizer(self):
         mc = self.config.model
@@ -341,9 +367,9 @@ class EngineCore:
         if grammars is not None:
             grammars.shutdown()
         profiler = getattr(self, "profiler", None)
-        if profiler is not None and profiler.running:  # (what it recorded is written, not lost)
+        if profiler is not None and profiler.running:  # (what it recorded is written, not lost: every rank's)
             try:
-                profiler.stop()
+                self.stop_profile()
             except Exception as e:  # noqa: BLE001 -- shutting down anyway
                 logger.warning("the profiler's trace was not written at shutdown: %s", e)
         if self.tp_workers is not None:
@@ -414,6 +440,8 @@ class EngineCore:
                 outputs += self._finish_inflight()
         outputs += self.scheduler.take_abort_notices()
         self._drop_retired_loras()
+        if handle is not None:  # (--profiler-config's delay / max iterations count the steps that ran a forward)
+            self.profiler.step()
         return outputs
 
     def stats(self) -> SchedulerStats:
