@@ -63,11 +63,11 @@ def test_profiling_off_and_the_configs_checks(tiny):
             ProfilerConfig.from_dict(bad)
 
 
-def _forwards(trace: str) -> int:
-    """The engine steps in a trace: the tiny model's forward embeds its tokens once per step."""
+def _forwards(trace: str, op: str = "aten::embedding") -> int:
+    """Calls of `op` in a trace; of the embedding, the engine steps (the tiny model embeds its tokens once a step)."""
     with gzip.open(trace) as f:
         events = json.load(f)["traceEvents"]
-    return sum(e.get("name") == "aten::embedding" and e.get("ph") == "X" for e in events)
+    return sum(e.get("name") == op and e.get("ph") == "X" for e in events)
 
 
 def test_delay_and_max_iterations(tiny, tmp_path):
@@ -95,10 +95,11 @@ def test_delay_and_max_iterations(tiny, tmp_path):
     assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 2
 
 
-def test_every_rank_traces_itself_under_tensor_parallelism(tiny, tmp_path):
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_every_rank_traces_itself(tiny, tmp_path, parallel):
     cfg = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_with_stack": False,
            "torch_profiler_dump_cuda_time_total": False, "max_iterations": 4}
-    llm = LLM(tiny, block_size=4, tensor_parallel_size=2, profiler_config=cfg)
+    llm = LLM(tiny, block_size=4, profiler_config=cfg, **{parallel: 2})
     try:
         llm.start_profile()
         with pytest.raises(ProfilerError, match="already running"):
@@ -106,7 +107,9 @@ def test_every_rank_traces_itself_under_tensor_parallelism(tiny, tmp_path):
         llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         files = llm.stop_profile()
         assert [f.split("/")[-1].split("-")[2] for f in files] == ["rank0", "rank1"]
-        assert [_forwards(f) for f in files] == [4, 4]  # (the same steps on both ranks)
+        # (the same steps on both ranks; a second pipeline stage embeds nothing: it starts from hidden states)
+        assert [_forwards(f) for f in files] == ([4, 4] if parallel.startswith("tensor") else [4, 0])
+        assert _forwards(files[1], "aten::linear") > 0
         llm.start_profile()  # (a second session: every rank writes it at shutdown)
     finally:
         llm.engine.shutdown()
