@@ -22,8 +22,11 @@ class PaddedDecodePass:
             num_tokens=bs, query_start_loc=buf.query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
             block_tables=buf.block_tables[:bs], slot_mapping=buf.slot_mapping[:bs], max_query_len=1,
             max_seq_len=max(lens), query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=lens)
-        return d.model(buf.input_ids[:bs], buf.positions[:bs],
-                       ForwardContext(meta=meta, kv_caches=d.kv_caches, backend=d.backend))
+        ctx = ForwardContext(meta=meta, kv_caches=d.kv_caches, backend=d.backend)
+        graph_extra = getattr(d, "graph_extra", None)  # (as DecodeGraphs.context: a DFlash drafter's rings)
+        if graph_extra is not None:
+            ctx.extra.update(graph_extra(meta, bs))
+        return d.model(buf.input_ids[:bs], buf.positions[:bs], ctx)
 
 
 class PaddedDecodeGraphs:

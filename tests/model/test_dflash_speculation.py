@@ -124,6 +124,63 @@ def test_sliding_window_drafter_keeps_greedy_outputs(models, sliding):
     assert llm.engine.stats().extra["spec_draft_tokens"] > 0
 
 
+def test_sliding_window_layers_keep_rings_not_blocks(models, sliding):
+    """The windowed layer's K / V live in per-request rings (window 8 + 3 drafts + 1 -> 3 blocks of 4 each, one ring
+    per --max-num-seqs request) charged apart from the blocks; a block holds only the full layer's. Prefix-cache hits
+    leave the window to be computed again, and with blocks for fewer requests than prompts, requests are preempted
+    and rings reused: greedy outputs and the block logits still match, and no ring is left held."""
+    import torch
+
+    target = models["target"]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, max_num_seqs=3)
+    llm = LLM(target, speculative_config=_spec(sliding), kv_cache_memory_bytes=2 << 20, **kw)
+    dr = _runner(llm)
+    rings = dr.rings
+    assert (rings.blocks, rings.capacity, rings.num_rings) == (3, 12, 3)
+    layer = 2 * 4 * dr.drafter.kv_heads * dr.drafter.head_dim * 4  # (fp32)
+    assert dr.kv_block_bytes(4, torch.float32) == layer  # the full layer's alone
+    assert dr.fixed_kv_bytes(4, torch.float32) == layer * 9
+    assert [tuple(c.shape[:2]) for c in dr.kv_caches] == [(2, 9), (2, llm.engine.runner.num_blocks)]
+    runner = llm.engine.runner
+    # (the fixed size less the rings, in blocks of the target's and the full layer's bytes; at most what 3 requests
+    # of --max-model-len 1024 use)
+    assert runner.num_blocks == min(((2 << 20) - layer * 9) // runner.kv_block_bytes(), 3 * 256 + 1)
+    assert llm.engine.kv.recompute_tail == 8
+    prompts = [PROMPTS[0] + " and again", PROMPTS[0] + " once more", PROMPTS[1], PROMPTS[2]]
+    ref = _plain(target, prompts, sp, **kw)
+    assert _run(llm, prompts, sp) == ref
+    records = record_block_logits(dr)
+    hits = llm.engine.stats().prefix_cache_hits
+    assert _run(llm, prompts, sp) == ref  # (the same prompts again: hits, cut back to leave the window)
+    assert llm.engine.stats().prefix_cache_hits > hits
+    assert check_block_logits(records, target, sliding, models["layers"]) >= 8
+    llm.engine.step()  # (the last finished request's ring goes back with the next step, as its blocks' state does)
+    assert rings.in_use == 0
+    tight = LLM(target, speculative_config=_spec(sliding), num_gpu_blocks_override=24, max_num_batched_tokens=32,
+                **kw)
+    assert _run(tight, PROMPTS, sp) == _plain(target, PROMPTS, sp, **kw)
+    tight.engine.step()
+    assert tight.engine.stats().num_preemptions > 0 and _runner(tight).rings.in_use == 0
+
+
+def test_a_hit_leaves_the_window_to_compute(models, sliding):
+    """recompute_tail: a cached prompt of 40 tokens (10 blocks of 4) hits at most 40 - 8 tokens -> 8 blocks."""
+    target = models["target"]
+    llm = LLM(target, block_size=4, speculative_config=_spec(sliding))
+    ids = list(range(5, 45))
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate({"prompt_token_ids": ids}, sp)
+    before = llm.engine.stats().prefix_cache_hits
+    llm.generate({"prompt_token_ids": ids}, sp)
+    assert llm.engine.stats().prefix_cache_hits - before == 32
+    full = LLM(target, block_size=4, speculative_config=_spec(models["drafter"]))  # (no rings: all but one token)
+    full.generate({"prompt_token_ids": ids}, sp)
+    before = full.engine.stats().prefix_cache_hits
+    full.generate({"prompt_token_ids": ids}, sp)
+    assert full.engine.stats().prefix_cache_hits - before == 36
+
+
 @pytest.mark.parametrize("budget", [64, 5])
 def test_greedy_outputs_equal_plain_decoding(models, budget):
     """Four concurrent requests, the token budget large or small (prompts in chunks of 5; drafts cut by it)."""

@@ -32,6 +32,10 @@ class KVCacheManager:
         # hybrid models: recurrent-state snapshots (voltllm.cache.state_snapshots.StateSnapshots) limit prefix
         # hits to snapshot boundaries and cut prefill chunks at them; None for attention-only models
         self.state_prefix = None
+        # tokens a hit leaves to compute (at least one): a DFlash drafter's sliding-window rings hold only what the
+        # request's own steps computed, so its window before the first block is computed again
+        # (worker/drafter_rings.py)
+        self.recompute_tail = 1
         # the CPU tier (cache/cpu_offload.py): evicted cached blocks are saved to host slots, later prefix hits there
         # are loaded into fresh blocks; the copies of the step being scheduled gather in `transfers`
         self.cpu: Optional[CpuBlockIndex] = None
@@ -60,7 +64,7 @@ class KVCacheManager:
         if not self.enable_caching or req.wants_prompt_logprobs:
             return [], 0
         self._update_hashes(req)
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        max_blocks = max(0, (req.num_tokens - max(1, self.recompute_tail))) // self.block_size
         hits: list[Block] = []
         for h in req.block_hashes[:max_blocks]:
             b = self.pool.get_cached_block(h)

@@ -87,6 +87,9 @@ class EngineCore:
                                  cpu_blocks=offload.num_slots if offload is not None else 0)
         if prefix and snapshots is not None:
             self.kv.state_prefix = snapshots
+        rings = getattr(self.runner.draft, "rings", None)  # (a DFlash drafter with sliding-window layers)
+        if rings is not None:
+            self.kv.recompute_tail = rings.recompute_tail
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative,
                                    max_loras=config.lora.max_loras if config.lora is not None else 0)
         self.runner.tune_decode_gemms()

@@ -120,6 +120,9 @@ class DecodeGraphs:
             max_seq_len=r.config.model.max_model_len,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs)
         ctx = ForwardContext(meta=meta, kv_caches=r.kv_caches, backend=r.backend)
+        graph_extra = getattr(r, "graph_extra", None)  # (a DFlash drafter's view: its rings' metadata)
+        if graph_extra is not None:
+            ctx.extra.update(graph_extra(meta, bs))
         if r.state_cache is not None:
             ctx.extra["state_cache"] = r.state_cache
             ctx.extra["state_slots"] = buf.state_slots[:bs]

@@ -41,13 +41,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.attention.kv_spec import calc_kv_scales, kv_scales_to_calculate
+from voltllm.worker.draft_runner import _GraphView
+from voltllm.worker.drafter_rings import DrafterRings
 from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
 from voltllm.sampling.params import SamplingParams
@@ -88,6 +91,14 @@ class DFlashRunner(DeviceDrafts):
         # --calculate-kv-scales (fp8 caches): the first real step's context K / V set the drafter's layers' scales;
         # else they stay at the checkpoint's or 1.0
         self.calc_kv_scales_pending = kv_scales_to_calculate(self.drafter.body, runner.config.cache.calculate_kv_scales)
+        # sliding-window layers keep each request's last positions in a ring of its own (worker/drafter_rings.py)
+        windows = [layer.self_attn.sliding_window for layer in self.drafter.layers]
+        self.windowed = [w > 0 for w in windows]
+        self.rings = DrafterRings(max(windows), spec.num_speculative_tokens, runner.block_size, sc.max_num_seqs) \
+            if any(self.windowed) else None
+        self._ring_tables: Optional[torch.Tensor] = None  # the drafter graphs' ring block tables and slots
+        self._ring_slots: Optional[torch.Tensor] = None
+        self._window_meta: Optional[AttentionMetadata] = None  # an eager block forward's windowed layers' metadata
 
     def _load(self, runner: Any, spec: Any):
         from voltllm.model.models.dflash import DFlashDrafter
@@ -104,19 +115,68 @@ class DFlashRunner(DeviceDrafts):
         logger.info("loaded DFlash drafter %s in %.1f s", spec.model, time.monotonic() - t0)
         return drafter.eval()
 
-    # -- KV cache (the block's rows and the context): DeviceDrafts' over the drafter's layers (self.model), in the
-    # target's KV storage dtype (uint8 for fp8, as vLLM's drafter layers); graphs
+    # -- KV cache (the block's rows and the context), in the target's KV storage dtype (uint8 for fp8, as vLLM's
+    # drafter layers): full-attention layers in the target's blocks, sliding-window ones in per-request rings
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        per_layer = super().kv_block_bytes(block_size, kv_dtype) // len(self.windowed)
+        return per_layer * self.windowed.count(False)
+
+    def fixed_kv_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        """The rings' bytes (allocated whatever the block count)."""
+        if self.rings is None:
+            return 0
+        per_layer = super().kv_block_bytes(block_size, kv_dtype) // len(self.windowed)
+        return per_layer * self.rings.num_blocks * self.windowed.count(True)
+
+    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+        from voltllm.attention.backend import make_kv_cache
+
+        heads, dim = self.model.kv_heads_and_dim
+        return [make_kv_cache(1, self.rings.num_blocks if windowed else num_blocks, block_size, heads, dim, kv_dtype,
+                              self.runner.device)[0] for windowed in self.windowed]
+
+    @property
+    def block_kv_caches(self) -> list[torch.Tensor]:
+        """The caches addressed by the target's block ids (what moves with a block to the CPU tier)."""
+        return [c for c, windowed in zip(self.kv_caches, self.windowed) if not windowed]
+
     def capture_graphs(self) -> None:
         from voltllm.worker.cuda_graphs import DecodeGraphs
-        from voltllm.worker.draft_runner import _GraphView
 
-        self._graph_view = _GraphView(self, self.runner)  # (DecodeGraphs holds it weakly)
+        self._graph_view = _DFlashGraphView(self, self.runner)  # (DecodeGraphs holds it weakly)
         graphs = DecodeGraphs(self._graph_view)
         graphs.capture()
         self.graphs = graphs
 
     def forget(self, request_ids: list[str]) -> None:
-        """Nothing per request (the context lives in the target's blocks)."""
+        """Finished, aborted or preempted requests give their rings back (the rest of the context lives in the
+        target's blocks)."""
+        if self.rings is not None:
+            for rid in request_ids:
+                self.rings.release(rid)
+
+    def _ring_meta(self, meta: AttentionMetadata, tables: Optional[torch.Tensor], slots: torch.Tensor
+                   ) -> AttentionMetadata:
+        """The windowed layers' metadata: the step's, with the rings' block tables and slots."""
+        return replace(meta, slot_mapping=slots, block_tables=meta.block_tables if tables is None else tables)
+
+    def _ring_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block forward's graphs' ring block tables and slots: persistent, shaped as the input buffers' tables
+        and slots the graphs read beside them."""
+        if self._ring_tables is None:
+            buf = self.runner._ensure_buffers()
+            dev = buf.block_tables.device
+            self._ring_tables = torch.zeros(buf.block_tables.shape, dtype=torch.int32, device=dev)
+            self._ring_slots = torch.full(buf.slot_mapping.shape, -1, dtype=torch.long, device=dev)
+        return self._ring_tables, self._ring_slots
+
+    def graph_extra(self, meta: AttentionMetadata, bs: int) -> dict:
+        """What a graph of the block forward of `bs` rows adds to its context (DecodeGraphs.context): the windowed
+        layers' metadata over the ring buffers."""
+        if self.rings is None:
+            return {}
+        tables, slots = self._ring_buffers()
+        return {"window_meta": self._ring_meta(meta, tables[:bs], slots[:bs])}
 
     # -- per step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -127,13 +187,26 @@ class DFlashRunner(DeviceDrafts):
         positions = self.runner.buffers.positions[:t]
         k, v = self.drafter.context_kv(self.features[:t], positions)
         calibrate, self.calc_kv_scales_pending = self.calc_kv_scales_pending, False
+        ring_meta = self._context_ring_meta(sched, meta, t) if self.rings is not None else None
         for i, (cache, layer) in enumerate(zip(self.kv_caches, self.drafter.layers)):
             attn = layer.self_attn
             if calibrate:  # the first real step's context sets the fp8 scales (rows past num_tokens: padding)
                 n = meta.num_tokens
                 calc_kv_scales(attn, k[:n, i], v[:n, i])
             # (fp8 caches: encoded with the layer's scales, which its attention reads the block rows with)
-            self.backend.write_kv(k[:, i].contiguous(), v[:, i].contiguous(), cache, meta, attn.k_scale, attn.v_scale)
+            self.backend.write_kv(k[:, i].contiguous(), v[:, i].contiguous(), cache,
+                                  ring_meta if self.windowed[i] else meta, attn.k_scale, attn.v_scale)
+
+    def _context_ring_meta(self, sched: Any, meta: AttentionMetadata, t: int) -> AttentionMetadata:
+        """The step's tokens' ring slots: each request's num_new_tokens tokens in scheduled order, at its positions
+        from its start on (as ModelRunner.prepare lays them out, one row per request or per token); padding -1."""
+        slots = np.full(t, -1, dtype=np.int64)
+        a = 0
+        for s in sched.scheduled:
+            n = s.num_new_tokens
+            slots[a:a + n] = self.rings.slots(self.rings.ring(s.request.request_id), np.arange(s.start, s.start + n))
+            a += n
+        return self._ring_meta(meta, None, upload(torch.from_numpy(slots), meta.slot_mapping.device))
 
     @torch.inference_mode()
     def propose(self, sched: Any) -> None:
@@ -152,8 +225,10 @@ class DFlashRunner(DeviceDrafts):
         if graph is not None:
             hidden = graph.replay()[:total]
         else:
-            hidden = self.drafter.block_hidden(ids_d, pos_d, ForwardContext(meta=meta, kv_caches=self.kv_caches,
-                                                                            backend=self.backend))
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            if self._window_meta is not None:
+                ctx.extra["window_meta"] = self._window_meta
+            hidden = self.drafter.block_hidden(ids_d, pos_d, ctx)
         # draft j of request i: the block row after its known token's + j ([kmax, n]; past its own k: unused), then
         # each block's first row (its known token: where a DFlash2 selector's walk starts)
         pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(kmax)] + [base],
@@ -193,6 +268,10 @@ class DFlashRunner(DeviceDrafts):
         longs[2, total:] = -1
         lens = np.ones(padded, dtype=np.int32)
         tables = np.zeros((padded, width), dtype=np.int32)
+        rings = self.rings
+        # the windowed layers' ring slots and block tables (row 4 of longs; a second table)
+        longs = np.concatenate([longs, np.full((1, padded), -1, dtype=np.int64)]) if rings else longs
+        ring_tables = np.zeros((padded, width), dtype=np.int32) if rings else None
         base, at = [], 0
         for s, k in zip(rows, ks):
             base.append(at)
@@ -203,28 +282,54 @@ class DFlashRunner(DeviceDrafts):
             longs[2, at:at + k + 1] = np.asarray(s.block_ids, dtype=np.int64)[p // bs] * bs + p % bs
             lens[at:at + k + 1] = s.start + k + 1  # every row sees the whole block
             tables[at:at + k + 1, :len(s.block_ids)] = s.block_array
+            if rings:
+                ring = rings.ring(s.request.request_id)
+                longs[3, at:at + k + 1] = rings.slots(ring, p)
+                ring_tables[at:at + k + 1] = rings.table(ring, width)
             at += k + 1
         longs_d = upload(torch.from_numpy(longs), dev)
+        self._window_meta = None
         if graph_rows:
             buf = self.runner._ensure_buffers()
             buf.select_compact()  # the layout the drafter's graphs read
-            ints_d = upload(torch.from_numpy(np.concatenate([lens, tables.ravel()])), dev)
+            ints_d = upload(torch.from_numpy(np.concatenate([lens, tables.ravel()] + (
+                [ring_tables.ravel()] if rings else []))), dev)
             buf.input_ids[:padded].copy_(longs_d[0])
             buf.positions[:padded].copy_(longs_d[1])
             buf.slot_mapping[:padded].copy_(longs_d[2])
             buf.seq_lens[:padded].copy_(ints_d[:padded])
-            buf.block_tables[:padded, :width].copy_(ints_d[padded:].view(padded, width))
+            buf.block_tables[:padded, :width].copy_(ints_d[padded:padded * (1 + width)].view(padded, width))
+            if rings:
+                ring_tables_d, ring_slots_d = self._ring_buffers()
+                ring_slots_d[:padded].copy_(longs_d[3])
+                ring_tables_d[:padded, :width].copy_(ints_d[padded * (1 + width):].view(padded, width))
             qsl = buf.query_start_loc
             qsl.copy_(torch.arange(qsl.numel(), dtype=qsl.dtype, device=dev))
             return None, None, None, base
         lens, tables = lens[:total], tables[:total]
-        ints_d = upload(torch.from_numpy(np.concatenate([np.arange(total + 1, dtype=np.int32), lens,
-                                                         tables.ravel()])), dev)
+        ints_d = upload(torch.from_numpy(np.concatenate([np.arange(total + 1, dtype=np.int32), lens, tables.ravel()]
+                                                        + ([ring_tables[:total].ravel()] if rings else []))), dev)
+        end = 2 * total + 1 + total * width
         meta = AttentionMetadata(
             num_tokens=total, query_start_loc=ints_d[:total + 1], seq_lens=ints_d[total + 1:2 * total + 1],
-            block_tables=ints_d[2 * total + 1:].view(total, width), slot_mapping=longs_d[2, :total], max_query_len=1,
-            max_seq_len=int(lens.max()), query_start_loc_cpu=list(range(total + 1)), seq_lens_cpu=lens.tolist())
+            block_tables=ints_d[2 * total + 1:end].view(total, width), slot_mapping=longs_d[2, :total],
+            max_query_len=1, max_seq_len=int(lens.max()), query_start_loc_cpu=list(range(total + 1)),
+            seq_lens_cpu=lens.tolist())
+        if rings:
+            self._window_meta = self._ring_meta(meta, ints_d[end:].view(total, width), longs_d[3, :total])
         return longs_d[0, :total], longs_d[1, :total], meta, base
+
+
+class _DFlashGraphView(_GraphView):
+    """A draft graph view whose windowed layers read the rings' block tables and slots (DFlashRunner's persistent
+    buffers) with the step's other metadata."""
+
+    def __init__(self, dflash: DFlashRunner, runner: Any):
+        super().__init__(dflash, runner)
+        self.dflash = dflash
+
+    def graph_extra(self, meta: AttentionMetadata, bs: int) -> dict:
+        return self.dflash.graph_extra(meta, bs)
 
 
 @torch.no_grad()

@@ -153,7 +153,8 @@ def build_host_store(runner, staging: torch.Tensor) -> HostKVStore:
     tp = config.parallel.tensor_parallel_size
     caches = list(runner.kv_caches)
     if runner.draft is not None:  # a drafter's KV lives in the same blocks: it moves with them
-        caches += [c for c in getattr(runner.draft, "kv_caches", []) if not any(c is t for t in caches)]
+        drafts = getattr(runner.draft, "block_kv_caches", getattr(runner.draft, "kv_caches", []))
+        caches += [c for c in drafts if not any(c is t for t in caches)]  # (not a DFlash drafter's rings)
     _, slot_bytes = slot_layout(caches)
     per_rank = int(size_gib * 2**30 / tp)
     num_snaps, snap_bytes = _host_snapshot_slots(runner, per_rank)

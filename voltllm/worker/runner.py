@@ -405,6 +405,11 @@ class ModelRunner:
     def is_hybrid(self) -> bool:
         return bool(getattr(self.model, "is_hybrid", False))
 
+    def _fixed_draft_kv_bytes(self) -> int:
+        """KV a drafter holds whatever the block count (a DFlash drafter's sliding-window rings)."""
+        fixed = getattr(self.draft, "fixed_kv_bytes", None)
+        return fixed(self.block_size, self.kv_dtype) if fixed is not None else 0
+
     def state_cache_bytes(self) -> int:
         if not self.is_hybrid:
             return 0
@@ -434,7 +439,8 @@ class ModelRunner:
         need = -(-sc.max_model_len // self.block_size)  # one request of --max-model-len
         useful = sc.max_num_seqs * need + 1
         if self.device.type == "cpu":
-            budget = (cc.kv_cache_memory_bytes or cc.cpu_kv_cache_bytes) - self.state_cache_bytes()
+            budget = (cc.kv_cache_memory_bytes or cc.cpu_kv_cache_bytes) - self.state_cache_bytes() \
+                - self._fixed_draft_kv_bytes()
             num = min(useful, max(budget, 0) // per_block)
             if cc.kv_cache_memory_bytes is None and not self.config.model.max_model_len_fit:
                 return max(1, num)
@@ -443,8 +449,8 @@ class ModelRunner:
 
             # (state slots are allocated already: the utilization share has them in use; a fixed size includes them)
             budget = kv_budget_bytes(self, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes,
-                                     self.state_cache_bytes())
-            num = min(useful, budget // per_block)
+                                     self.state_cache_bytes()) - self._fixed_draft_kv_bytes()
+            num = min(useful, max(budget, 0) // per_block)
         if self.config.model.max_model_len_fit and num < 1 or not self.config.model.max_model_len_fit and num < need:
             fixed = cc.kv_cache_memory_bytes
             room = (f"--kv-cache-memory-bytes {fixed / 2**20:.1f} MiB" if fixed is not None else
@@ -716,9 +722,9 @@ class ModelRunner:
                 self.state_cache.free(rid)
 
     def _state_slots(self, sched: SchedulerOutput) -> list[int]:
-        """Hybrid models: free the slots of gone requests, give each scheduled request its slot (batch
-        order) and restore prefix-cache snapshots into the slots of requests that start at a hit."""
-        self.release(sched.released_ids)
+        """Hybrid models: give each scheduled request its slot (batch order; gone requests' slots were freed by
+        launch_forward's release) and restore prefix-cache snapshots into the slots of requests that start at a
+        hit."""
         slots = [self.state_cache.allocate(s.request.request_id) for s in sched.scheduled]
         self._state_restores = []
         if self.state_snapshots is not None:
@@ -746,6 +752,8 @@ class ModelRunner:
         once the step in flight has returned the tokens the masks depend on, while the GPU runs this forward).
         The two halves run back to back, in this order, before any other step is launched."""
         self._apply_pdl()
+        if sched.released_ids:  # finished / preempted requests' state first (their slots and rings are reused now)
+            self.release(sched.released_ids)
         if sched.kv_transfers is not None:  # CPU-tier saves and loads, before anything reads or writes the blocks
             self.kv_offload.apply(sched.kv_transfers)
         if self.draft is not None:  # the draft model's tokens into the draft slots the scheduler reserved

@@ -40,23 +40,33 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k / v [T, Hkv, D] (QK-norm first when q_norm / k_norm are given) -> attention
         output [T, Hq, D]."""
         cache = ctx.kv_caches[self.kv_index]
+        meta = self._meta(ctx)
         window = self._window_args(positions)
-        rope = self._decode_rope(positions, q, k, v, cache, ctx, q_norm, k_norm)
+        rope = self._decode_rope(positions, q, k, v, cache, ctx, meta, q_norm, k_norm)
         if rope is not None:  # the decode kernel applies QK-norm + RoPE and stores K / V itself
-            return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale,
+            return ctx.backend.forward(q, k, v, cache, meta, self.scale, k_scale=self.k_scale,
                                        v_scale=self.v_scale, rope=rope, **window)
         # centered keys must reach the cache, so with key offsets the backend writes them (after center_keys); an
         # fp8 scale still to be calculated from this forward's K / V must exist before anything is encoded
         write = None if self.k_offset is not None or ctx.calc_kv_scales else ctx.backend.cache_write_for(
-            v, cache, ctx.meta, self.k_scale, self.v_scale)
+            v, cache, meta, self.k_scale, self.v_scale)
         if q_norm is not None:
             q, k = self.rotary.norm_and_rotate(positions, q, k, q_norm, k_norm, cache_write=write)
         else:
             q, k = self.rotary(positions, q, k, cache_write=write)
         k = center_keys(self, k, ctx)
         maybe_calc_kv_scales(self, k, v, ctx)
-        return ctx.backend.forward(q, k, v, cache, ctx.meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+        return ctx.backend.forward(q, k, v, cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
                                    kv_written=write is not None, **window)
+
+    def _meta(self, ctx: ForwardContext):
+        """The step's attention metadata for this layer: a sliding-window layer whose cache is addressed apart from the
+        step's blocks (a DFlash drafter's per-request rings, worker/drafter_rings.py) takes ctx.extra["window_meta"]."""
+        if self.sliding_window:
+            meta = ctx.extra.get("window_meta")
+            if meta is not None:
+                return meta
+        return ctx.meta
 
     def _window_args(self, positions: torch.Tensor) -> dict:
         """The backend's sliding-window arguments of this layer (none for a full-attention layer)."""
@@ -64,12 +74,12 @@ class PagedAttention(nn.Module):
             return {}
         return {"window": self.sliding_window, "query_positions": positions if self.window_by_position else None}
 
-    def _decode_rope(self, positions, q, k, v, cache, ctx: ForwardContext, q_norm: Optional[RMSNorm],
+    def _decode_rope(self, positions, q, k, v, cache, ctx: ForwardContext, meta, q_norm: Optional[RMSNorm],
                      k_norm: Optional[RMSNorm]) -> Optional[DecodeRope]:
         """A DecodeRope when the backend fuses this step's norm, RoPE and KV store into its decode kernel
         (not while --calculate-kv-scales still needs the rotated K of a first forward, nor with key offsets)."""
         if (ctx.calc_kv_scales or self.k_offset is not None
-                or not ctx.backend.fuses_decode_rope(q, cache, ctx.meta, self.rotary.rotary_dim)):
+                or not ctx.backend.fuses_decode_rope(q, cache, meta, self.rotary.rotary_dim)):
             return None
         if q_norm is None:
             return DecodeRope(k, v, positions, self.rotary.cos, self.rotary.sin, None, None)
