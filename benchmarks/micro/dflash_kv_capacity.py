@@ -2,13 +2,15 @@
 whose layers are all full attention, against the same drafter with Qwen3.6's layout (four sliding-window layers of
 window 2,048, then one full layer: their K / V in per-request rings, worker/drafter_rings.py), each with the model
 dtype's KV cache and with fp8_e4m3 (the drafter's caches follow --kv-cache-dtype). Random weights (--load-format
-dummy; capacity does not depend on values), eager (no graphs), one engine at a time.
+dummy; capacity does not depend on values), eager (no graphs), each engine in a process of its own (an engine
+dropped in the same process left its weights to the next one's sizing).
 
     PYTHONPATH=$PWD:$PWD/benchmarks/micro python3 benchmarks/micro/dflash_kv_capacity.py [--target qwen3-8b-shape]
 """
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -34,6 +36,21 @@ def _windowed(drafter: str, window: int) -> str:
     return out
 
 
+def _one(args, target: str, drafter: str, kv: str, name: str) -> int:
+    llm = LLM(target, load_format="dummy", skip_tokenizer_init=True, dtype="float16", max_model_len=32768,
+              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.utilization, enforce_eager=True,
+              kv_cache_dtype=kv, speculative_config={"method": "dflash", "model": drafter,
+                                                     "num_speculative_tokens": args.k})
+    r = llm.engine.runner
+    d = r.draft
+    print(json.dumps({"kv_cache_dtype": kv, "drafter": name, "blocks": r.num_blocks,
+                      "tokens": r.num_blocks * r.block_size, "bytes_per_token": r.kv_block_bytes() // r.block_size,
+                      "drafter_bytes_per_token": d.kv_block_bytes(r.block_size, r.kv_dtype) // r.block_size,
+                      "ring_bytes": d.fixed_kv_bytes(r.block_size, r.kv_dtype) if hasattr(d, "fixed_kv_bytes") else 0}),
+          flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen3-8b-shape")
@@ -42,7 +59,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--utilization", type=float, default=0.9)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--one", nargs=4, metavar=("TARGET", "DRAFTER", "KV", "NAME"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one:
+        return _one(args, *args.one)
     root = tempfile.mkdtemp(prefix="dflash-kv-")
     target = materialize(args.target, root)
     full = write_drafter(target, root, 5, 16)
@@ -50,20 +70,15 @@ def main(argv=None) -> int:
     rows = []
     for kv in ("auto", "fp8_e4m3"):
         for name, drafter in drafters.items():
-            llm = LLM(target, load_format="dummy", skip_tokenizer_init=True, dtype="float16", max_model_len=32768,
-                      max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.utilization, enforce_eager=True,
-                      kv_cache_dtype=kv, speculative_config={"method": "dflash", "model": drafter,
-                                                             "num_speculative_tokens": args.k})
-            r = llm.engine.runner
-            d = r.draft
-            row = {"kv_cache_dtype": kv, "drafter": name, "blocks": r.num_blocks, "tokens": r.num_blocks * r.block_size,
-                   "bytes_per_token": r.kv_block_bytes() // r.block_size,
-                   "drafter_bytes_per_token": d.kv_block_bytes(r.block_size, r.kv_dtype) // r.block_size,
-                   "ring_bytes": d.fixed_kv_bytes(r.block_size, r.kv_dtype) if hasattr(d, "fixed_kv_bytes") else 0}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            del llm, r, d
-            torch.cuda.empty_cache()
+            cmd = [sys.executable, __file__, "-k", str(args.k), "--max-num-seqs", str(args.max_num_seqs),
+                   "--utilization", str(args.utilization), "--one", target, drafter, kv, name]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+            if done.returncode != 0 or not lines:
+                print(done.stderr[-2000:], file=sys.stderr)
+                return 1
+            rows.append(json.loads(lines[-1]))
+            print(lines[-1], flush=True)
     print(f"\n{'kv dtype':10} {'drafter':8} {'KV tokens':>10} {'bytes/token':>12} {'rings MiB':>10}")
     for row in rows:
         print(f"{row['kv_cache_dtype']:10} {row['drafter']:8} {row['tokens']:>10} "
