@@ -1654,7 +1654,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # native and --compat sm70), then the KV capacity with a 5-layer drafter, full vs Qwen3.6's sliding layout
     gpu_file test_dflash_cuda 500
     PYTHONPATH=$PWD:$PWD/benchmarks/micro timeout 400 python3 benchmarks/micro/dflash_kv_capacity.py \
-      --out "$out/dflash-kv-capacity-$sha.json" 2>&1 | grep -v -i warn | tail -8
+      --max-num-seqs 64 --out "$out/dflash-kv-capacity-$sha.json" 2>&1 | grep -v -i warn | tail -8
     ;;
   s160)  # (session 60) the DFlash drafter's caches in fp8 (native and --compat sm70), with the rest of the DFlash file
     gpu_file test_dflash_cuda 500

@@ -102,6 +102,22 @@ def test_fp8_kv_drafter_caches(models, compat, drafter):
     assert check_block_logits(records[:6], models["target"], models[drafter], models["layers"], tol=0.4) >= 8
 
 
+@pytest.mark.parametrize("compat", ["none", "sm70"])
+def test_sliding_window_rings(models, compat):
+    """Few requests in a small cache: the windowed layer's K / V in per-request rings (their block tables and slots
+    inside the drafter's graphs); greedy outputs equal plain decoding in fp32, the block logits the reference."""
+    kw = dict(KW, dtype="float32", compat=compat, max_num_seqs=12, kv_cache_memory_bytes=4 << 20)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = _tokens(LLM(models["target"], **kw), sp)
+    llm = LLM(models["target"], speculative_config=_spec(models["drafter_swa"]), **kw)
+    dr = llm.engine.runner.draft
+    assert dr.rings is not None
+    records = record_block_logits(dr)
+    assert _tokens(llm, sp) == ref
+    assert llm.engine.stats().extra["spec_draft_tokens"] > 0 and dr.graphs.replays > 0
+    assert check_block_logits(records[:6], models["target"], models["drafter_swa"], models["layers"], tol=1e-3) >= 8
+
+
 def test_agreeing_drafter_is_always_accepted(models):
     drafter = models["drafter"]
     llm = LLM(models["agree"], speculative_config=_spec(drafter, 7), dtype="float16", **KW)

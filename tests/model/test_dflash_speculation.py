@@ -88,17 +88,24 @@ def sliding(models, tmp_path_factory):
                        use_sliding_window=True)
 
 
+# a cache small enough, for few enough requests, that the windowed layer's K / V go into rings (DrafterRings)
+RINGS = dict(max_num_seqs=3, kv_cache_memory_bytes=2 << 20)
+
+
+@pytest.mark.parametrize("rings", [False, True])
 @pytest.mark.parametrize("graph_rows", [0, 8])
-def test_sliding_window_block_logits_equal_the_reference(models, sliding, graph_rows):
+def test_sliding_window_block_logits_equal_the_reference(models, sliding, graph_rows, rings):
     """A drafter with a sliding-window layer: each block row at position p sees the context from p - 7 on and the
-    whole block, eagerly and in the graph form; the same drafter read as full attention (its window ignored) does not
-    match the windowed reference, so the window is what was checked."""
+    whole block, eagerly and in the graph form, its K / V in the blocks or in rings; the same drafter read as full
+    attention (its window ignored) does not match the windowed reference, so the window is what was checked."""
     from dflash_models import layer_windows
 
     target = models["target"]
     assert layer_windows(sliding) == [8, 0]
-    llm = LLM(target, block_size=4, max_num_batched_tokens=16, speculative_config=_spec(sliding))
+    llm = LLM(target, block_size=4, max_num_batched_tokens=16, speculative_config=_spec(sliding),
+              **(RINGS if rings else {}))
     dr = _runner(llm)
+    assert (dr.rings is not None) == rings
     assert [layer.self_attn.sliding_window for layer in dr.drafter.layers] == [8, 0]
     if graph_rows:
         dr.graphs = PaddedDecodeGraphs(dr, graph_rows)
@@ -107,6 +114,8 @@ def test_sliding_window_block_logits_equal_the_reference(models, sliding, graph_
     _run(llm, PROMPTS[:3], sp)
     assert check_block_logits(records, target, sliding, models["layers"]) >= 6
     assert not graph_rows or dr.graphs.replays >= 3
+    if rings:  # (a ring holds only the window: the drafter cannot be read without it)
+        return
     for layer in dr.drafter.layers:
         layer.self_attn.sliding_window = 0
     records = record_block_logits(dr)
@@ -167,7 +176,8 @@ def test_sliding_window_layers_keep_rings_not_blocks(models, sliding):
 def test_a_hit_leaves_the_window_to_compute(models, sliding):
     """recompute_tail: a cached prompt of 40 tokens (10 blocks of 4) hits at most 40 - 8 tokens -> 8 blocks."""
     target = models["target"]
-    llm = LLM(target, block_size=4, speculative_config=_spec(sliding))
+    llm = LLM(target, block_size=4, speculative_config=_spec(sliding), **RINGS)
+    assert _runner(llm).rings is not None
     ids = list(range(5, 45))
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate({"prompt_token_ids": ids}, sp)
@@ -179,6 +189,23 @@ def test_a_hit_leaves_the_window_to_compute(models, sliding):
     before = full.engine.stats().prefix_cache_hits
     full.generate({"prompt_token_ids": ids}, sp)
     assert full.engine.stats().prefix_cache_hits - before == 36
+
+
+def test_rings_only_where_they_hold_more(models, sliding):
+    """Rings cost --max-num-seqs x C positions whatever the contexts: for 256 requests in 2 MiB the windowed layer's
+    K / V stay in the blocks (more of them: 409 of 5,120 bytes against 2 MiB less 256 rings in blocks of 4,096), a
+    hit needs no recomputed window, and outputs stay plain decoding's; for 3 requests the rings hold more."""
+    target = models["target"]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(block_size=4, kv_cache_memory_bytes=2 << 20)
+    many = LLM(target, max_num_seqs=256, speculative_config=_spec(sliding), **kw)
+    dr, runner = _runner(many), many.engine.runner
+    assert dr.rings is None and many.engine.kv.recompute_tail == 1
+    assert [tuple(c.shape[:2]) for c in dr.kv_caches] == [(2, runner.num_blocks)] * 2
+    assert runner.num_blocks == (2 << 20) // runner.kv_block_bytes() == 409
+    assert _run(many, PROMPTS, sp) == _plain(target, PROMPTS, sp, max_num_seqs=256, **kw)
+    few = LLM(target, max_num_seqs=3, speculative_config=_spec(sliding), **kw)
+    assert _runner(few).rings is not None and few.engine.runner.num_blocks == 509
 
 
 @pytest.mark.parametrize("budget", [64, 5])

@@ -128,6 +128,24 @@ class DFlashRunner(DeviceDrafts):
         per_layer = super().kv_block_bytes(block_size, kv_dtype) // len(self.windowed)
         return per_layer * self.rings.num_blocks * self.windowed.count(True)
 
+    def settle_rings(self, budget: int, target_block_bytes: int, most_blocks: int) -> None:
+        """Keep the rings only where they leave more blocks (at most most_blocks) than the windowed layers' K / V in
+        the blocks would: rings cost --max-num-seqs x C positions whatever the contexts, so many short requests
+        are better served by blocks (and prefix-cache hits then need no recomputed window)."""
+        if self.rings is None:
+            return
+        bs, kv_dtype = self.runner.block_size, self.runner.kv_dtype
+        with_rings = min(most_blocks, max(budget - self.fixed_kv_bytes(bs, kv_dtype), 0)
+                         // (target_block_bytes + self.kv_block_bytes(bs, kv_dtype)))
+        self.windowed, rings = [False] * len(self.windowed), self.rings
+        self.rings = None
+        in_blocks = min(most_blocks, max(budget, 0) // (target_block_bytes + self.kv_block_bytes(bs, kv_dtype)))
+        if with_rings > in_blocks:
+            self.windowed, self.rings = [layer.self_attn.sliding_window > 0 for layer in self.drafter.layers], rings
+        logger.info("DFlash drafter: sliding-window layers' K / V %s (%d blocks; %d the other way)",
+                    f"in {rings.num_rings} rings of {rings.capacity} positions" if self.rings is not None
+                    else "in the blocks", max(with_rings, in_blocks), min(with_rings, in_blocks))
+
     def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
         from voltllm.attention.backend import make_kv_cache
 

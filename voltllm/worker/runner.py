@@ -434,23 +434,25 @@ class ModelRunner:
         cc = self.config.cache
         if cc.num_gpu_blocks_override:
             return cc.num_gpu_blocks_override
-        per_block = self.kv_block_bytes()
         sc = self.config.scheduler
         need = -(-sc.max_model_len // self.block_size)  # one request of --max-model-len
         useful = sc.max_num_seqs * need + 1
         if self.device.type == "cpu":
-            budget = (cc.kv_cache_memory_bytes or cc.cpu_kv_cache_bytes) - self.state_cache_bytes() \
-                - self._fixed_draft_kv_bytes()
-            num = min(useful, max(budget, 0) // per_block)
-            if cc.kv_cache_memory_bytes is None and not self.config.model.max_model_len_fit:
-                return max(1, num)
+            budget = (cc.kv_cache_memory_bytes or cc.cpu_kv_cache_bytes) - self.state_cache_bytes()
         else:
             from voltllm.worker.memory import kv_budget_bytes
 
             # (state slots are allocated already: the utilization share has them in use; a fixed size includes them)
             budget = kv_budget_bytes(self, cc.gpu_memory_utilization, cc.kv_cache_memory_bytes,
-                                     self.state_cache_bytes()) - self._fixed_draft_kv_bytes()
-            num = min(useful, max(budget, 0) // per_block)
+                                     self.state_cache_bytes())
+        settle = getattr(self.draft, "settle_rings", None)  # (a DFlash drafter's sliding-window rings, or blocks)
+        if settle is not None:
+            settle(budget, self.kv_block_bytes() - self.draft.kv_block_bytes(self.block_size, self.kv_dtype), useful)
+        per_block = self.kv_block_bytes()
+        budget -= self._fixed_draft_kv_bytes()
+        num = min(useful, max(budget, 0) // per_block)
+        if self.device.type == "cpu" and cc.kv_cache_memory_bytes is None and not self.config.model.max_model_len_fit:
+            return max(1, num)
         if self.config.model.max_model_len_fit and num < 1 or not self.config.model.max_model_len_fit and num < need:
             fixed = cc.kv_cache_memory_bytes
             room = (f"--kv-cache-memory-bytes {fixed / 2**20:.1f} MiB" if fixed is not None else
