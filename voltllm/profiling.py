@@ -11,8 +11,9 @@ Under tensor / pipeline parallelism every rank's process profiles itself (`...-e
 lists them all), started and stopped by rank 0 between the same two steps.
 
 delay_iterations / max_iterations (vLLM's): the session begins that many engine steps after start (steps that ran a
-forward), and ends itself after that many steps, writing its files then (stop returns them; without a limit stop
-writes them). ignore_frontend is accepted: the API server process is never traced here.
+forward), and ends itself after that many steps, writing its files then (a start may follow at once, as in vLLM; a
+stop before it returns those files); without a limit stop writes them. ignore_frontend is accepted: the API server
+process is never traced here.
 """
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ class EngineProfiler:
 
     @property
     def running(self) -> bool:
-        """Between start() and stop() (also while waiting for its first step, or after ending itself)."""
+        """Between start() and stop() or the session's end at max_iterations (also while waiting for its first
+        step)."""
         return self._armed
 
     def start(self, device: Any = None) -> None:
@@ -130,17 +132,24 @@ class EngineProfiler:
             return
         if self._left > 0:
             self._left -= 1
-            if self._left == 0:
+            if self._left == 0:  # (over, as vLLM's: a start may follow at once; a stop returns these files)
                 self._written = self._end()
+                self._armed = False
 
     def stop(self) -> list[str]:
         if not self.running:
+            if self._written:  # the session ended itself at max_iterations: its files
+                written, self._written = self._written, []
+                return written
             raise ProfilerError("the profiler is not running: start it first")
         self._armed = False
-        if self._session is None:  # still waiting (nothing recorded), or ended itself (its files)
-            written, self._written = self._written, []
-            return written
+        if self._session is None:  # still waiting: nothing recorded
+            return []
         return self._end()
+
+    def collect(self) -> list[str]:
+        """stop() where there is something to stop or return, else nothing (a worker told to stop by rank 0)."""
+        return self.stop() if self.running or self._written else []
 
     def _begin(self) -> None:
         if self.config.profiler == "cuda":

@@ -88,11 +88,18 @@ def test_delay_and_max_iterations(tiny, tmp_path):
     (trace,) = llm.stop_profile()
     assert _forwards(trace) == 3
     llm.start_profile()
+    llm.generate(["Hello there"], sp)
+    llm.start_profile()  # (the last session ended itself: a start may follow at once, as in vLLM)
+    with pytest.raises(ProfilerError, match="already running"):
+        llm.start_profile()
+    llm.stop_profile()
+    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 3
+    llm.start_profile()
     llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # (one step: within the delay)
     assert llm.stop_profile() == []
     with pytest.raises(ProfilerError, match="not running"):
         llm.stop_profile()
-    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 2
+    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 3
 
 
 @pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])

@@ -86,7 +86,7 @@ def _profile_call(profiler: Any, what: str, device: Any) -> tuple:
         if what == "start":
             profiler.start(device)
             return None, []
-        return None, profiler.stop() if profiler.running else []
+        return None, profiler.collect()
     except (ValueError, OSError, RuntimeError) as e:  # (ProfilerError is a ValueError)
         return f"{type(e).__name__}: {e}", []
 
