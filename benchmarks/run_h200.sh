@@ -1651,8 +1651,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_fp8_kv_gpu 240
     ;;
   s160b)  # (session 60) the DFlash GPU file (sliding-window drafter layers in per-request rings, in and out of graphs,
-          # native and --compat sm70), then the KV capacity with a 5-layer drafter, full vs Qwen3.6's sliding layout
+          # native and --compat sm70), the profiler's GPU file, then the KV capacity with a 5-layer drafter, full vs
+          # Qwen3.6's sliding layout
     gpu_file test_dflash_cuda 500
+    gpu_file test_profiling_cuda 120
     PYTHONPATH=$PWD:$PWD/benchmarks/micro timeout 400 python3 benchmarks/micro/dflash_kv_capacity.py \
       --max-num-seqs 64 --out "$out/dflash-kv-capacity-$sha.json" 2>&1 | grep -v -i warn | tail -8
     ;;
