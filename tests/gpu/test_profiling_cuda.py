@@ -26,3 +26,23 @@ def test_trace_holds_the_gpus_kernels(tmp_path):
     with open(totals) as f:
         head = f.read(4000)
     assert "Self CUDA" in head or "Self Device" in head or "Self XPU" in head
+
+
+def test_iteration_limits_with_graph_replays(tmp_path):
+    """delay_iterations 1 / max_iterations 3 over decode steps that replay CUDA graphs: the trace holds at most three
+    steps' graph launches (one per step, with another replayed graph a step may launch two) and the session ends
+    itself, so a start may follow."""
+    path = make_model(str(tmp_path / "m"), "qwen3")
+    llm = LLM(path, device="cuda", dtype="float16", gpu_memory_utilization=0.2,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path / "traces"),
+                               "delay_iterations": 1, "max_iterations": 3, "torch_profiler_with_stack": False})
+    llm.generate(["warm up"], SamplingParams(max_tokens=4))
+    llm.start_profile()
+    llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    trace, _ = llm.stop_profile()
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    launches = sum(e.get("name") == "cudaGraphLaunch" for e in events)
+    assert 3 <= launches <= 6, launches
+    llm.start_profile()
+    llm.stop_profile()
