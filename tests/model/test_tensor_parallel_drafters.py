@@ -46,23 +46,29 @@ def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind
     assert any(len(lg) == K for _, _, lg, _ in seen)
 
 
-# untied LM head; tied; a DFlash2 drafter (its selector over rank 0's whole LM head's logits)
-@pytest.mark.parametrize("kind,v2", [("qwen3", False), ("llama", False), ("qwen3", True)])
-def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind, v2):
+# untied LM head; tied; a DFlash2 drafter (its selector over rank 0's whole LM head's logits); a drafter with a
+# sliding-window layer whose K / V live in rings on rank 0 (few requests in a small cache: DrafterRings)
+@pytest.mark.parametrize("kind,v2,rings", [("qwen3", False, False), ("llama", False, False), ("qwen3", True, False),
+                                           ("qwen3", False, True)])
+def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind, v2, rings):
     root = tmp_path_factory.mktemp(f"dflash-tp-{kind}")
     target = make_model(str(root / "target"), kind)
     with open(f"{target}/config.json") as f:
         cfg = json.load(f)
     layers = [0, cfg["num_hidden_layers"] - 1]
+    window = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                  use_sliding_window=True) if rings else {}
     drafter = make_dflash(str(root / "dflash"), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"],
-                          layers, block_size=4, v2=V2 if v2 else None)
+                          layers, block_size=4, v2=V2 if v2 else None, **window)
     prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "0123456789 0123456789 0123"]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kw = dict(block_size=4, max_num_batched_tokens=16)
+    kw = dict(block_size=4, max_num_batched_tokens=16) | (dict(max_num_seqs=2, kv_cache_memory_bytes=1 << 20)
+                                                           if rings else {})
     llm = LLM(target, tensor_parallel_size=2, speculative_config={"method": "dflash", "model": drafter,
                                                                   "num_speculative_tokens": 3}, **kw)
     try:
         assert llm.engine.runner.full_vocab is not None
+        assert (llm.engine.runner.draft.rings is not None) == rings
         records = record_block_logits(llm.engine.runner.draft)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         llm.engine.check_integrity()
