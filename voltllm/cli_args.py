@@ -245,6 +245,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='\'{"backend": "xgrammar"}\' (auto | xgrammar)')
     f.add_argument("--guided-decoding-backend", default=None, help="vLLM's older flag: auto | xgrammar")
     f.add_argument("--model-impl", default="auto", help="auto | vllm: voltllm's own model implementations")
+    f.add_argument("--enable-mfu-metrics", action=argparse.BooleanOptionalAction, default=False,
+                   help="estimated FLOPs and bytes read / written per GPU: GET /metrics counters and the stats log's "
+                        "TF/s and GB/s")
     f.add_argument("--disable-sliding-window", action=argparse.BooleanOptionalAction, default=False,
                    help="a checkpoint's sliding-window layers attend to the whole context instead; caps "
                         "--max-model-len at the window")

@@ -99,7 +99,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--ec-transfer-config": "encoder-cache transfer between engines (multimodal disaggregation) is not built",
     "--otlp-traces-endpoint": _TRACING, "--collect-detailed-traces": _TRACING,
     "--kv-cache-metrics": f"KV-cache residency metrics {_OBSERVABILITY}",
-    "--enable-mfu-metrics": f"model FLOPs utilization metrics {_OBSERVABILITY}",
     "--aggregate-engine-logging": "one stats log line over the data-parallel engines is not built: each line is "
                                   "engine 0's client view of all engines' requests",
     "--enable-per-request-metrics": "per-request timing metrics in responses are not built (the same timings feed "
@@ -152,7 +151,7 @@ SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-eplb",
                           "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias",
                           "--enable-dbo", "--disable-nccl-for-dp-synchronization", "--enable-mm-embeds",
                           "--disable-chunked-mm-input", "--trust-request-mm-kwargs", "--kv-cache-metrics",
-                          "--enable-mfu-metrics", "--aggregate-engine-logging", "--enable-per-request-metrics",
+                          "--aggregate-engine-logging", "--enable-per-request-metrics",
                           "--enable-flashinfer-autotune", "--disable-hybrid-kv-cache-manager",
                           "--kv-sharing-fast-prefill", "--enable-return-routed-experts", "--use-tqdm-on-load",
                           "--enable-ssl-refresh", "--log-error-stack", "--enable-log-deltas",

@@ -208,6 +208,8 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     # --profiler-config: the engine's profiler between start_profile and stop_profile (profiling.py; None: off)
     profiler: Optional[Any] = None
+    # --enable-mfu-metrics: each step's estimated FLOPs and bytes per GPU into the stats (perf_metrics.py)
+    enable_mfu_metrics: bool = False
 
 
 def _default_multimodal() -> "MultiModalConfig":
@@ -313,6 +315,7 @@ class EngineArgs:
     # window, as vLLM does (_resolve_sliding_window)
     disable_sliding_window: bool = False
     profiler_config: Optional[Any] = None  # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} (profiling.py)
+    enable_mfu_metrics: bool = False  # vLLM's: estimated FLOPs / bytes per GPU in the metrics (perf_metrics.py)
     # pooling (embedding) models, vLLM's flags: --runner auto | generate | pooling, --convert auto | none | embed, the
     # older --task (generate, embed, ...), and --pooler-config (older name --override-pooler-config)
     runner: str = "auto"
@@ -860,6 +863,8 @@ class EngineArgs:
             config = replace(config, reasoning=reasoning)
         if profiler is not None:
             config = replace(config, profiler=profiler)
+        if self.enable_mfu_metrics:
+            config = replace(config, enable_mfu_metrics=True)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration
 

@@ -1,8 +1,8 @@
 """vLLM's newer frontend flags and request fields on a real server (a tiny random llama on the CPU): GET
 /tokenizer_info, --stream-interval and a request's stream_interval, --max-logprobs -1 (the whole vocabulary),
 --exclude-tools-when-tool-choice-none, --disable-access-log-for-endpoints, the speech routes refused by name, the
-Responses API's request_id / service_tier, chat's return_prompt_text and null keys, vLLM's context-length words, and
---uds (a Unix domain socket)."""
+Responses API's request_id / service_tier, chat's return_prompt_text and null keys, vLLM's context-length words,
+--enable-mfu-metrics' counters, and --uds (a Unix domain socket)."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,7 @@ def flags_server(tmp_path_factory):
                       "--disable-log-stats", "--enable-tokenizer-info-endpoint",
                       "--exclude-tools-when-tool-choice-none",
                       "--max-logprobs", "-1", "--stream-interval", "3",
-                      "--disable-access-log-for-endpoints", "/health,/metrics"], free_port(),
+                      "--disable-access-log-for-endpoints", "/health,/metrics", "--enable-mfu-metrics"], free_port(),
                      env={"OMP_NUM_THREADS": "1"})
     srv.model_path = path
     try:
@@ -169,3 +169,25 @@ def test_serves_on_a_unix_domain_socket(tmp_path_factory):
     finally:
         srv.stop()
         assert not wait_gone(srv.descendants, 5)
+
+
+def test_mfu_counters_grow_with_the_work(flags_server):
+    """--enable-mfu-metrics: vLLM's estimated FLOPs / bytes per GPU counters, under both prefixes, grow with a
+    request's work."""
+    def counters():
+        text = httpx.get(flags_server.base + "/metrics", timeout=30).text
+        got = {}
+        for line in text.splitlines():
+            for prefix in ("vllm:", "voltllm:"):
+                for key in ("flops", "read_bytes", "write_bytes"):
+                    if line.startswith(f"{prefix}estimated_{key}_per_gpu_total{{"):
+                        got[prefix + key] = float(line.rsplit(" ", 1)[1])
+        return got
+
+    before = counters()
+    assert len(before) == 6
+    r = _post(flags_server, "/v1/completions", {"prompt": "hello there", "max_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200
+    after = counters()
+    assert all(after[k] > before[k] for k in before)
+    assert after["vllm:flops"] == after["voltllm:flops"]

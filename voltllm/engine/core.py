@@ -117,6 +117,11 @@ class EngineCore:
         self.sleep_state = None  # --enable-sleep-mode: worker.sleep_mode.RunnerSleep (a group: distributed.sleep's)
         from voltllm.profiling import EngineProfiler
 
+        self.perf = None  # --enable-mfu-metrics: each step's estimated FLOPs / bytes per GPU (perf_metrics.py)
+        if config.enable_mfu_metrics:
+            from voltllm.perf_metrics import step_perf_for
+
+            self.perf = step_perf_for(config, self.runner)
         # (--profiler-config; under TP / PP every rank profiles itself, rank 0 telling the workers when)
         self.profiler = EngineProfiler(config.profiler, config.parallel.data_parallel_rank,
                                        0 if tp is not None else None)
@@ -413,6 +418,8 @@ class EngineCore:
         if self._inflight is not None and self._may_draft():
             outputs += self._finish_inflight()  # (drafts are proposed from the host's tokens)
         sched = self.scheduler.schedule()
+        if self.perf is not None and not sched.empty:
+            self.perf.add(sched.scheduled)
         if self._inflight is not None and (not sched.empty and self.runner.needs_host_history(sched)):
             outputs += self._finish_inflight()
         handle = None
@@ -448,7 +455,10 @@ class EngineCore:
         return outputs
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        s = self.scheduler.stats()
+        if self.perf is not None:
+            s.extra.update(self.perf.totals())
+        return s
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

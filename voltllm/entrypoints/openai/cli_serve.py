@@ -297,6 +297,7 @@ def spec_summary(extra: dict) -> str:
 
 async def _log_stats(engine: Any, metrics: Any, every: float = 10.0) -> None:
     last_gen, last_prompt, last_t = 0, 0, time.monotonic()
+    last_perf = (0.0, 0.0)  # --enable-mfu-metrics: FLOPs and bytes per GPU at the last line
     while True:
         await asyncio.sleep(every)
         s = engine.stats
@@ -310,9 +311,16 @@ async def _log_stats(engine: Any, metrics: Any, every: float = 10.0) -> None:
         cpu_queries = s.extra.get("external_prefix_cache_queries")  # --kv-offloading-size (vLLM logs it so)
         cpu = (f", external prefix-cache hit rate {s.extra['external_prefix_cache_hits'] / cpu_queries * 100:.1f}%"
                if cpu_queries else "")
+        mfu = ""
+        if "estimated_flops_per_gpu" in s.extra:  # (vLLM's MFU line: estimated TF/s and GB/s per GPU)
+            perf = (s.extra["estimated_flops_per_gpu"],
+                    s.extra["estimated_read_bytes_per_gpu"] + s.extra["estimated_write_bytes_per_gpu"])
+            mfu = (f", MFU: {(perf[0] - last_perf[0]) / dt / 1e12:.1f} TF/s/GPU "
+                   f"{(perf[1] - last_perf[1]) / dt / 1e9:.1f} GB/s/GPU")
+            last_perf = perf
         logger.info("engine: %d running, %d waiting, KV cache %.1f%% used, prefix-cache hit rate %.1f%%%s, "
-                    "generation %.1f tok/s, prompt %.1f tok/s (finished prompts)%s", s.num_running, s.num_waiting,
-                    s.kv_cache_usage * 100, rate, cpu, (gen - last_gen) / dt, (prompt - last_prompt) / dt, spec)
+                    "generation %.1f tok/s, prompt %.1f tok/s (finished prompts)%s%s", s.num_running, s.num_waiting,
+                    s.kv_cache_usage * 100, rate, cpu, (gen - last_gen) / dt, (prompt - last_prompt) / dt, spec, mfu)
         last_gen, last_prompt, last_t = gen, prompt, now
 
 

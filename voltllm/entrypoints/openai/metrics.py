@@ -62,7 +62,8 @@ VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
     "request_inference_time_seconds", "lora_requests_info", "iteration_tokens_total", "request_params_n",
     "request_params_max_tokens", "cache_config_info", "external_prefix_cache_queries",
-    "external_prefix_cache_hits")}
+    "external_prefix_cache_hits", "estimated_flops_per_gpu", "estimated_read_bytes_per_gpu",
+    "estimated_write_bytes_per_gpu")}
 VLLM_NAMES["voltllm:kv_cache_usage_perc"] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
 
 
@@ -139,6 +140,12 @@ class _EngineCollector(Collector):
                 for pos, n in enumerate(s.extra.get("spec_accepted_per_pos", ())):
                     add(CounterMetricFamily, "voltllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
                         "accepted at each draft position (0: the first draft).", i, n, position=str(pos))
+            if "estimated_flops_per_gpu" in s.extra:  # --enable-mfu-metrics (perf_metrics.py)
+                for key, what in (("estimated_flops_per_gpu", "FLOPs"), ("estimated_read_bytes_per_gpu", "bytes read"),
+                                  ("estimated_write_bytes_per_gpu", "bytes written")):
+                    add(CounterMetricFamily, f"voltllm:{key}", f"Estimated {what} per GPU of the steps run "
+                        "(--enable-mfu-metrics: the loaded model's cost applied to each step's tokens).", i,
+                        s.extra[key])
             add(GaugeMetricFamily, "voltllm:engine_alive", "1 while the engine process is up.", i,
                 1.0 if alive else 0.0)
         yield from families.values()
