@@ -1650,6 +1650,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
+  s160c)  # (session 60) --enable-mfu-metrics' estimate over the 8B shape's 64 x 128 / 128 run, beside the card's
+          # measured matmul rate and copy bandwidth (a decode bench prints them)
+    PYTHONPATH=$PWD timeout 300 python3 benchmarks/micro/mfu_check.py --out "$out/mfu-check-$sha.json" 2>&1 \
+      | grep -v -i warn | tail -2
+    bench --random-weights qwen3-8b-shape --dtype half --scenario decode --input-len 512 --output-len 64 --num-warm 1 \
+      --name "limits-$sha" > "$out/limits.log" 2>&1; grep -E "^limits|copy|matmul" "$out/limits.log" | head -5
+    ;;
   s160b)  # (session 60) the DFlash GPU file (sliding-window drafter layers in per-request rings, in and out of graphs,
           # native and --compat sm70), the profiler's GPU file, then the KV capacity with a 5-layer drafter, full vs
           # Qwen3.6's sliding layout
