@@ -23,11 +23,14 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: input + output + 16")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the concurrency")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     path = materialize(args.shape, tempfile.mkdtemp(prefix="mfu-"))
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="float16", enable_mfu_metrics=True,
-              max_num_seqs=args.concurrency, max_model_len=args.input_len + args.output_len + 16, seed=0)
+              max_num_seqs=args.max_num_seqs or args.concurrency,
+              max_model_len=args.max_model_len or args.input_len + args.output_len + 16, seed=0)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 256, (args.input_len,), generator=gen).tolist()}
                for _ in range(args.concurrency)]
@@ -41,7 +44,8 @@ def main(argv=None) -> int:
     flops = after[FLOPS] - before[FLOPS]
     moved = after[READ] + after[WRITE] - before[READ] - before[WRITE]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    row = {"shape": args.shape, "gpu": gpu, "concurrency": args.concurrency,
+    row = {"shape": args.shape, "gpu": gpu, "concurrency": args.concurrency, "max_model_len": args.max_model_len,
+           "max_num_seqs": args.max_num_seqs,
            "input_len": args.input_len, "output_len": args.output_len, "seconds": dt,
            "output_tok_s": args.concurrency * args.output_len / dt, "estimated_TFLOPs": flops / dt / 1e12,
            "estimated_GBps": moved / dt / 1e9, "estimated_flops": flops, "estimated_bytes": moved}
