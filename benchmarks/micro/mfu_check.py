@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: input + output + 16")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the concurrency")
     ap.add_argument("--seeded", action="store_true", help="a seed per request, as voltllm bench gives them")
+    ap.add_argument("--min-tokens", action="store_true", help="min_tokens = the output length, as voltllm bench asks")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     path = materialize(args.shape, tempfile.mkdtemp(prefix="mfu-"))
@@ -36,8 +37,9 @@ def main(argv=None) -> int:
     prompts = [{"prompt_token_ids": torch.randint(0, 256, (args.input_len,), generator=gen).tolist()}
                for _ in range(args.concurrency)]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    if args.seeded:
-        sp = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, seed=i)
+    if args.seeded or args.min_tokens:
+        sp = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                             seed=i if args.seeded else None, min_tokens=args.output_len if args.min_tokens else 0)
               for i in range(args.concurrency)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up
     before = llm.engine.stats().extra
