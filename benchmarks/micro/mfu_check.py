@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the concurrency")
     ap.add_argument("--seeded", action="store_true", help="a seed per request, as voltllm bench gives them")
     ap.add_argument("--min-tokens", action="store_true", help="min_tokens = the output length, as voltllm bench asks")
+    ap.add_argument("--compile-log", action="store_true", help="the timed run inside voltllm bench's CompileLog")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     path = materialize(args.shape, tempfile.mkdtemp(prefix="mfu-"))
@@ -43,9 +44,14 @@ def main(argv=None) -> int:
               for i in range(args.concurrency)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up
     before = llm.engine.stats().extra
-    t0 = time.perf_counter()
-    llm.generate(prompts, sp, use_tqdm=False)  # (generate returns once every token is on the host)
-    dt = time.perf_counter() - t0
+    import contextlib
+
+    from voltllm.bench.compiles import CompileLog
+
+    with CompileLog() if args.compile_log else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)  # (generate returns once every token is on the host)
+        dt = time.perf_counter() - t0
     after = llm.engine.stats().extra
     flops = after[FLOPS] - before[FLOPS]
     moved = after[READ] + after[WRITE] - before[READ] - before[WRITE]
