@@ -35,19 +35,23 @@ def main(argv=None) -> int:
               max_num_seqs=args.max_num_seqs or args.concurrency,
               max_model_len=args.max_model_len or args.input_len + args.output_len + 16, seed=0)
     gen = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(0, 256, (args.input_len,), generator=gen).tolist()}
-               for _ in range(args.concurrency)]
+
+    def draw() -> list:  # (fresh prompts per run: the same ones again would hit the prefix cache)
+        return [{"prompt_token_ids": torch.randint(0, 256, (args.input_len,), generator=gen).tolist()}
+                for _ in range(args.concurrency)]
+
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     if args.seeded or args.min_tokens:
         sp = [SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                              seed=i if args.seeded else None, min_tokens=args.output_len if args.min_tokens else 0)
               for i in range(args.concurrency)]
-    llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+    llm.generate(draw(), sp, use_tqdm=False)  # warm-up
     before = llm.engine.stats().extra
     import contextlib
 
     from voltllm.bench.compiles import CompileLog
 
+    prompts = draw()
     with CompileLog() if args.compile_log else contextlib.nullcontext():
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)  # (generate returns once every token is on the host)
