@@ -111,6 +111,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-key-offsets", action=argparse.BooleanOptionalAction, default=False,
                    help="fp8 KV cache: store keys minus each layer's per-channel key mean from the first forward "
                         "(attention is unchanged; less fp8 error for keys with a large mean, e.g. a QKV bias)")
+    g.add_argument("--kv-cache-metrics", action=argparse.BooleanOptionalAction, default=False,
+                   help="KV block residency histograms in GET /metrics: lifetime, idle time before eviction, reuse "
+                        "gap (of a sampled share of the blocks)")
+    g.add_argument("--kv-cache-metrics-sample", type=float, default=0.01,
+                   help="the share of blocks --kv-cache-metrics follows, in (0, 1]")
     g.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False,
                    help="allow freeing the GPU between uses: LLM.sleep / wake_up, the server's POST /sleep?level=1|2, "
                         "POST /wake_up and GET /is_sleeping")

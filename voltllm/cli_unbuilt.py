@@ -34,7 +34,6 @@ _TRACING = "OpenTelemetry tracing is not built (Prometheus metrics: GET /metrics
 _DBO = "dual-batch overlap (micro-batches overlapping expert-parallel communication) is not built"
 _OWN_KERNELS = "voltllm runs its own Triton kernels (docs/kernels.md); vLLM's kernel and backend choices are not built"
 _TOOL_SERVER = "built-in tools run by the server (gpt-oss's browser / python through MCP tool servers) are not built"
-_OBSERVABILITY = "is not built (Prometheus metrics: GET /metrics; docs/cli.md lists the families)"
 
 UNBUILT_FLAGS: dict[str, str] = {
     # LoRA (--enable-lora and its settings are built: voltllm/lora/)
@@ -98,7 +97,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--kv-transfer-config": _KV_TRANSFER, "--kv-events-config": "KV cache events are not built",
     "--ec-transfer-config": "encoder-cache transfer between engines (multimodal disaggregation) is not built",
     "--otlp-traces-endpoint": _TRACING, "--collect-detailed-traces": _TRACING,
-    "--kv-cache-metrics": f"KV-cache residency metrics {_OBSERVABILITY}",
     "--aggregate-engine-logging": "one stats log line over the data-parallel engines is not built: each line is "
                                   "engine 0's client view of all engines' requests",
     "--enable-per-request-metrics": "per-request timing metrics in responses are not built (the same timings feed "
@@ -150,7 +148,7 @@ SHORT_ALIASES = {"-asc": "--api-server-count", "-dpn": "--data-parallel-rank"}
 SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-eplb",
                           "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias",
                           "--enable-dbo", "--disable-nccl-for-dp-synchronization", "--enable-mm-embeds",
-                          "--disable-chunked-mm-input", "--trust-request-mm-kwargs", "--kv-cache-metrics",
+                          "--disable-chunked-mm-input", "--trust-request-mm-kwargs",
                           "--aggregate-engine-logging", "--enable-per-request-metrics",
                           "--enable-flashinfer-autotune", "--disable-hybrid-kv-cache-manager",
                           "--kv-sharing-fast-prefill", "--enable-return-routed-experts", "--use-tqdm-on-load",

@@ -109,6 +109,9 @@ class CacheConfig:
     # (vLLM's meaning; None: off); --kv-offloading-backend: "native" (voltllm's own, cache/cpu_offload.py)
     kv_offloading_size: Optional[float] = None
     kv_offloading_backend: str = "native"
+    # --kv-cache-metrics: the residency of a --kv-cache-metrics-sample share of the blocks (cache/residency.py;
+    # 0: off)
+    kv_cache_metrics_sample: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     calculate_key_offsets: bool = False
+    kv_cache_metrics: bool = False  # vLLM's: KV block residency histograms (cache/residency.py)
+    kv_cache_metrics_sample: float = 0.01
     enforce_eager: bool = False
     compilation_config: Optional[Any] = None  # JSON object, dict or vLLM's bare mode number (voltllm.cuda_graph_config)
     optimization_level: Optional[int] = None  # -O N (None: vLLM's default, 2)
@@ -591,6 +596,13 @@ class EngineArgs:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def _kv_metrics_sample(self) -> float:
+        """--kv-cache-metrics' sampling share (0: off); --kv-cache-metrics-sample must be in (0, 1]."""
+        sample = self.kv_cache_metrics_sample
+        if isinstance(sample, bool) or not isinstance(sample, (int, float)) or not 0.0 < sample <= 1.0:
+            raise ConfigError(f"--kv-cache-metrics-sample must be in (0, 1], got {sample!r}")
+        return float(sample) if self.kv_cache_metrics else 0.0
+
     def _resolve_profiler(self) -> Any:
         """--profiler-config as a profiling.ProfilerConfig (None: off)."""
         if self.profiler_config is None:
@@ -805,7 +817,8 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override, mamba_block_size=self.mamba_block_size,
             mamba_cache_mode=self.mamba_cache_mode, kv_cache_memory_bytes=kv_bytes,
-            kv_offloading_size=offload_gib, kv_offloading_backend=self.kv_offloading_backend)
+            kv_offloading_size=offload_gib, kv_offloading_backend=self.kv_offloading_backend,
+            kv_cache_metrics_sample=self._kv_metrics_sample())
         sched = SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=self.max_num_seqs,
                                 max_model_len=max_model_len,
                                 # speculation proposes from the host's tokens: a step waits for the one before;

@@ -2,7 +2,7 @@
 /tokenizer_info, --stream-interval and a request's stream_interval, --max-logprobs -1 (the whole vocabulary),
 --exclude-tools-when-tool-choice-none, --disable-access-log-for-endpoints, the speech routes refused by name, the
 Responses API's request_id / service_tier, chat's return_prompt_text and null keys, vLLM's context-length words,
---enable-mfu-metrics' counters, and --uds (a Unix domain socket)."""
+--enable-mfu-metrics' counters, --kv-cache-metrics' histograms, and --uds (a Unix domain socket)."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,8 @@ def flags_server(tmp_path_factory):
                       "--disable-log-stats", "--enable-tokenizer-info-endpoint",
                       "--exclude-tools-when-tool-choice-none",
                       "--max-logprobs", "-1", "--stream-interval", "3",
-                      "--disable-access-log-for-endpoints", "/health,/metrics", "--enable-mfu-metrics"], free_port(),
+                      "--disable-access-log-for-endpoints", "/health,/metrics", "--enable-mfu-metrics",
+                      "--kv-cache-metrics", "--kv-cache-metrics-sample", "1"], free_port(),
                      env={"OMP_NUM_THREADS": "1"})
     srv.model_path = path
     try:
@@ -191,3 +192,30 @@ def test_mfu_counters_grow_with_the_work(flags_server):
     after = counters()
     assert all(after[k] > before[k] for k in before)
     assert after["vllm:flops"] == after["voltllm:flops"]
+
+
+def test_kv_block_residency_histograms(flags_server):
+    """--kv-cache-metrics --kv-cache-metrics-sample 1: every block's lifetime is observed when its request ends, and
+    the same prompt again observes reuse gaps; under both prefixes."""
+    def counts():
+        text = httpx.get(flags_server.base + "/metrics", timeout=30).text
+        got = {}
+        for line in text.splitlines():
+            for prefix in ("vllm:", "voltllm:"):
+                for key in ("lifetime", "reuse_gap"):
+                    if line.startswith(f"{prefix}kv_block_{key}_seconds_count{{"):
+                        got[prefix + key] = float(line.rsplit(" ", 1)[1])
+        return got
+
+    before = counts()
+    body = {"prompt": "the same words, long enough to fill a few blocks of four tokens", "max_tokens": 2}
+    for _ in range(2):
+        assert _post(flags_server, "/v1/completions", body).status_code == 200
+    deadline = time.monotonic() + 30
+    while True:  # (the last request's blocks go with the engine's next stats)
+        after = counts()
+        if after.get("vllm:reuse_gap", 0) > before.get("vllm:reuse_gap", 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert after["vllm:lifetime"] > before.get("vllm:lifetime", 0) and after["vllm:reuse_gap"] > 0
+    assert after["vllm:lifetime"] == after["voltllm:lifetime"]

@@ -79,6 +79,7 @@ class BlockPool:
         # --kv-offloading-size: told of each cached block about to be reused (its hash still set), so its contents can
         # be saved to the CPU tier first (kv_manager.py)
         self.on_evict: Optional[Callable[[Block], None]] = None
+        self.residency = None  # --kv-cache-metrics: a BlockResidency following sampled blocks (cache/residency.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,8 +97,12 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_queue.popleft()
+            if self.residency is not None:
+                self.residency.evicted(b.block_id, b.block_hash is not None)
             self._evict(b)
             b.ref_cnt = 1
+            if self.residency is not None:
+                self.residency.allocated(b.block_id)
             out.append(b)
         return out
 
@@ -112,6 +117,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on cached blocks (a prefix hit); free ones leave the free queue."""
         for b in blocks:
+            if self.residency is not None:
+                self.residency.hit(b.block_id, b.ref_cnt == 0)
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
@@ -126,6 +133,8 @@ class BlockPool:
                 if b.block_hash is None or not self.enable_caching:
                     b.block_hash = None
                 self.free_queue.append(b)
+                if self.residency is not None:
+                    self.residency.freed(b.block_id)
 
     def cache_block(self, b: Block, block_hash: bytes) -> None:
         if not self.enable_caching or b.block_hash is not None:

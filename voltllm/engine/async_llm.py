@@ -59,6 +59,8 @@ class StatObserver(Protocol):
     def on_request_params(self, n: int, max_tokens: int) -> None: ...
     # (optional) the tokens of each engine step since the last outputs
     def on_iteration_tokens(self, counts: list[int]) -> None: ...
+    # (optional) --kv-cache-metrics' block residency samples since the last outputs
+    def on_kv_block_samples(self, samples: dict) -> None: ...
 
 
 class RequestStream:
@@ -290,6 +292,8 @@ class AsyncLLM:
             self.stats = stats
             if stats.iteration_tokens and hasattr(self.observer, "on_iteration_tokens"):
                 self.observer.on_iteration_tokens(stats.iteration_tokens)
+            if stats.kv_block_samples and hasattr(self.observer, "on_kv_block_samples"):
+                self.observer.on_kv_block_samples(stats.kv_block_samples)
             touched, to_abort = self.frontend.update(outputs)
             if to_abort:
                 self._send(("abort", to_abort))

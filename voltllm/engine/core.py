@@ -87,6 +87,11 @@ class EngineCore:
                                  cpu_blocks=offload.num_slots if offload is not None else 0)
         if prefix and snapshots is not None:
             self.kv.state_prefix = snapshots
+        if config.cache.kv_cache_metrics_sample:  # --kv-cache-metrics
+            from voltllm.cache.residency import BlockResidency
+
+            self.kv.pool.residency = BlockResidency(self.kv.pool.num_blocks, config.cache.kv_cache_metrics_sample,
+                                                    config.model.seed)
         rings = getattr(self.runner.draft, "rings", None)  # (a DFlash drafter with sliding-window layers)
         if rings is not None:
             self.kv.recompute_tail = rings.recompute_tail

@@ -436,7 +436,9 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """The current state, and the token counts of the steps scheduled since the last call (handed over once)."""
         steps, self._step_tokens = self._step_tokens, []
+        residency = self.kv.pool.residency
         return SchedulerStats(iteration_tokens=steps,
+            kv_block_samples=residency.take() if residency is not None else {},
             num_running=len(self.running), num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv.usage(),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,

@@ -69,3 +69,6 @@ class SchedulerStats:
     extra: dict = field(default_factory=dict)
     # the tokens each step scheduled since the previous stats() (vLLM's iteration_tokens_total histogram)
     iteration_tokens: list = field(default_factory=list)
+    # --kv-cache-metrics: sampled blocks' lifetimes, idle times before eviction and reuse gaps (seconds) since the
+    # previous stats() ({"lifetime": [...], "idle_before_evict": [...], "reuse_gap": [...]}; empty: off)
+    kv_block_samples: dict = field(default_factory=dict)

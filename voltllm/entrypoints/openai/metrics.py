@@ -34,6 +34,9 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 # vLLM's per-output-token buckets (time_per_output_token, request_time_per_output_token)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
+# KV block residency (--kv-cache-metrics): milliseconds to an hour
+_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+                      120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 # vLLM's `engine` label: the engine's index among --data-parallel-size engines (0 with one engine)
 ENGINE_INDEX = "0"
 
@@ -63,7 +66,8 @@ VLLM_NAMES = {f"voltllm:{n}": [f"vllm:{n}"] for n in (
     "request_inference_time_seconds", "lora_requests_info", "iteration_tokens_total", "request_params_n",
     "request_params_max_tokens", "cache_config_info", "external_prefix_cache_queries",
     "external_prefix_cache_hits", "estimated_flops_per_gpu", "estimated_read_bytes_per_gpu",
-    "estimated_write_bytes_per_gpu")}
+    "estimated_write_bytes_per_gpu", "kv_block_lifetime_seconds", "kv_block_idle_before_evict_seconds",
+    "kv_block_reuse_gap_seconds")}
 VLLM_NAMES["voltllm:kv_cache_usage_perc"] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
 
 
@@ -222,6 +226,15 @@ class ServerMetrics:
         self.phases = phase
         self.iteration_tokens = Histogram("voltllm:iteration_tokens_total", "Tokens scheduled in each engine step.",
                                           lab, buckets=_ITERATION_BUCKETS, registry=r)
+        # --kv-cache-metrics (cache/residency.py): a sampled share of the KV blocks
+        self.kv_blocks = {key: Histogram(f"voltllm:kv_block_{name}_seconds", doc, lab, buckets=_RESIDENCY_BUCKETS,
+                                         registry=r) for key, name, doc in (
+            ("lifetime", "lifetime", "Sampled KV blocks' time from being taken (allocated, or taken back by a prefix "
+                                     "hit) to the release of their last reference."),
+            ("idle_before_evict", "idle_before_evict", "Sampled KV blocks' time from their release to the eviction "
+                                                       "of their cached content."),
+            ("reuse_gap", "reuse_gap", "Sampled KV blocks' time from their previous access to a prefix-cache hit "
+                                       "on them."))}
         self.params_n = Histogram("voltllm:request_params_n", "The n of each generation request.", lab,
                                   buckets=_N_BUCKETS, registry=r)
         self.params_max_tokens = Histogram("voltllm:request_params_max_tokens", "The max_tokens of each generation "
@@ -275,6 +288,12 @@ class ServerMetrics:
         hist = self.iteration_tokens.labels(self.model, engine)
         for c in counts:
             hist.observe(c)
+
+    def on_kv_block_samples(self, samples: dict, engine: str = ENGINE_INDEX) -> None:
+        for key, values in samples.items():
+            hist = self.kv_blocks[key].labels(self.model, engine)
+            for v in values:
+                hist.observe(v)
 
     def for_engine(self, index: int) -> "_EngineObserver":
         return _EngineObserver(self, str(index))
@@ -333,6 +352,9 @@ class _EngineObserver:
 
     def on_iteration_tokens(self, counts: list[int]) -> None:
         self.metrics.on_iteration_tokens(counts, self.engine)
+
+    def on_kv_block_samples(self, samples: dict) -> None:
+        self.metrics.on_kv_block_samples(samples, self.engine)
 
 
 def engine_metrics(model: str, engine: Any) -> ServerMetrics:
