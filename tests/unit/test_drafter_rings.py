@@ -26,6 +26,10 @@ def test_slots_and_tables_address_the_same_places():
     assert (long[:7] == -1).all() and sorted(long[7:].tolist()) == list(range(2 * c, 3 * c))
     out = np.zeros(25, dtype=np.int32)
     assert r.table(0, 20, out=out) is out and (out[:20] == r.table(0, 20)).all()
+    # a row at position 41 (window 8) reads from position 34 on: block 8; the blocks before stay unfilled
+    assert r.first_block(41) == 8 and r.first_block(3) == 0
+    part = r.table(2, 20, first=8)
+    assert (part[:8] == 0).all() and (part[8:] == r.table(2, 20)[8:]).all()
 
 
 def test_rings_are_assigned_once_and_reused():

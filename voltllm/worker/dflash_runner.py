@@ -303,7 +303,8 @@ class DFlashRunner(DeviceDrafts):
             if rings:
                 ring = rings.ring(s.request.request_id)
                 longs[3, at:at + k + 1] = rings.slots(ring, p)
-                ring_tables[at:at + k + 1] = rings.table(ring, width)
+                # (each row reads from its window's start on: the block's first row reaches back furthest)
+                ring_tables[at:at + k + 1] = rings.table(ring, width, first=rings.first_block(s.start))
             at += k + 1
         longs_d = upload(torch.from_numpy(longs), dev)
         self._window_meta = None

@@ -69,10 +69,15 @@ class DrafterRings:
             out[:positions.size - self.capacity] = -1
         return out.astype(np.int64, copy=False)
 
-    def table(self, ring: int, width: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """A request's block-table row of `width` logical blocks: logical block i -> ring block ring x R + i mod R."""
-        row = ring * self.blocks + np.arange(width, dtype=np.int32) % self.blocks
+    def table(self, ring: int, width: int, out: Optional[np.ndarray] = None, first: int = 0) -> np.ndarray:
+        """A request's block-table row of `width` logical blocks: logical block i -> ring block ring x R + i mod R.
+        first: only blocks first.. are filled (a window reads none before it; out keeps what it has there)."""
+        row = ring * self.blocks + np.arange(first, width, dtype=np.int32) % self.blocks
         if out is not None:
-            out[:width] = row
+            out[first:width] = row
             return out
-        return row
+        return np.concatenate([np.zeros(first, dtype=np.int32), row]) if first else row
+
+    def first_block(self, position: int) -> int:
+        """The first logical block a row at `position` reads (its window's start)."""
+        return max(0, position - self.window + 1) // self.block_size
