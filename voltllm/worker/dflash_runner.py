@@ -117,16 +117,18 @@ class DFlashRunner(DeviceDrafts):
 
     # -- KV cache (the block's rows and the context), in the target's KV storage dtype (uint8 for fp8, as vLLM's
     # drafter layers): full-attention layers in the target's blocks, sliding-window ones in per-request rings
+    def _layer_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        """One drafter layer's K / V bytes per block."""
+        return super().kv_block_bytes(block_size, kv_dtype) // len(self.windowed)
+
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        per_layer = super().kv_block_bytes(block_size, kv_dtype) // len(self.windowed)
-        return per_layer * self.windowed.count(False)
+        return self._layer_block_bytes(block_size, kv_dtype) * self.windowed.count(False)
 
     def fixed_kv_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
         """The rings' bytes (allocated whatever the block count)."""
         if self.rings is None:
             return 0
-        per_layer = super().kv_block_bytes(block_size, kv_dtype) // len(self.windowed)
-        return per_layer * self.rings.num_blocks * self.windowed.count(True)
+        return self._layer_block_bytes(block_size, kv_dtype) * self.rings.num_blocks * self.windowed.count(True)
 
     def settle_rings(self, budget: int, target_block_bytes: int, most_blocks: int) -> None:
         """Keep the rings only where they leave more blocks (at most most_blocks) than the windowed layers' K / V in
@@ -135,16 +137,16 @@ class DFlashRunner(DeviceDrafts):
         if self.rings is None:
             return
         bs, kv_dtype = self.runner.block_size, self.runner.kv_dtype
+        layer = self._layer_block_bytes(bs, kv_dtype)
         with_rings = min(most_blocks, max(budget - self.fixed_kv_bytes(bs, kv_dtype), 0)
                          // (target_block_bytes + self.kv_block_bytes(bs, kv_dtype)))
-        self.windowed, rings = [False] * len(self.windowed), self.rings
-        self.rings = None
-        in_blocks = min(most_blocks, max(budget, 0) // (target_block_bytes + self.kv_block_bytes(bs, kv_dtype)))
-        if with_rings > in_blocks:
-            self.windowed, self.rings = [layer.self_attn.sliding_window > 0 for layer in self.drafter.layers], rings
+        in_blocks = min(most_blocks, max(budget, 0) // (target_block_bytes + layer * len(self.windowed)))
+        kept = with_rings > in_blocks
         logger.info("DFlash drafter: sliding-window layers' K / V %s (%d blocks; %d the other way)",
-                    f"in {rings.num_rings} rings of {rings.capacity} positions" if self.rings is not None
+                    f"in {self.rings.num_rings} rings of {self.rings.capacity} positions" if kept
                     else "in the blocks", max(with_rings, in_blocks), min(with_rings, in_blocks))
+        if not kept:
+            self.windowed, self.rings = [False] * len(self.windowed), None
 
     def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
         from voltllm.attention.backend import make_kv_cache
