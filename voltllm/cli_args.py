@@ -84,6 +84,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-long-partial-prefills", type=int, default=1, help="at most --max-num-partial-prefills")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--prefix-caching-hash-algo", default="blake2b",
+                   help="the prefix-cache block hash: blake2b (voltllm's, 128-bit), or vLLM's sha256, sha256_cbor, "
+                        "xxhash, xxhash_cbor (the last three need the cbor2 / xxhash packages)")
     g.add_argument("--kv-offloading-size", type=float, default=None,
                    help="GiB of host memory (all -tp ranks together) keeping prefix-cache blocks the GPU evicts; a "
                         "later prompt with that prefix copies them back instead of recomputing them")

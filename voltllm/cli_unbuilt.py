@@ -103,8 +103,6 @@ UNBUILT_FLAGS: dict[str, str] = {
                                     "GET /metrics)",
     # kernels and engine internals of newer vLLM
     "--kernel-config": _OWN_KERNELS, "--moe-backend": _OWN_KERNELS, "--enable-flashinfer-autotune": _OWN_KERNELS,
-    "--prefix-caching-hash-algo": "voltllm hashes prefix-cache blocks with blake2b (128-bit); vLLM's sha256 / "
-                                  "sha256_cbor / xxhash choices are not built",
     "--disable-hybrid-kv-cache-manager": "hybrid models' KV cache is always managed per layer kind here (attention "
                                          "pages and recurrent-state slots); one manager for every layer is not built",
     "--override-attention-dtype": "an attention dtype other than the model's is not built",

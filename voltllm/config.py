@@ -94,6 +94,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "blake2b"  # --prefix-caching-hash-algo (cache/prefix.py HASH_ALGOS)
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False  # fp8 caches: k/v scales from the first real forward (attention/kv_spec.py)
     calculate_key_offsets: bool = False  # fp8 caches: keys stored centered on the first forward's mean (kv_spec.py)
@@ -240,6 +241,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     block_size: int = 16
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "blake2b"  # cache/prefix.py HASH_ALGOS
     seed: int = 0
     trust_remote_code: bool = False
     kv_cache_dtype: str = "auto"
@@ -596,6 +598,16 @@ class EngineArgs:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def _prefix_caching_hash_algo(self) -> str:
+        """--prefix-caching-hash-algo, refused when unknown or when its package is missing."""
+        from voltllm.cache.prefix import check_hash_algo
+
+        try:
+            check_hash_algo(self.prefix_caching_hash_algo)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return self.prefix_caching_hash_algo
+
     def _kv_metrics_sample(self) -> float:
         """--kv-cache-metrics' sampling share (0: off); --kv-cache-metrics-sample must be in (0, 1]."""
         sample = self.kv_cache_metrics_sample
@@ -659,6 +671,7 @@ class EngineArgs:
                               "come, first served) or priority (by each request's priority, then arrival)")
         graphs = self._resolve_cuda_graphs()
         profiler = self._resolve_profiler()  # (before the model is resolved: a bad value fails at once)
+        hash_algo = self._prefix_caching_hash_algo()  # (likewise)
         spec_dict = parse_json_object("--speculative-config", self.speculative_config)
         model_ref, revision, spec_dict = self._resolve_speculators(spec_dict)
         try:
@@ -812,6 +825,7 @@ class EngineArgs:
                                              self.mamba_cache_mode, self.data_parallel_size)
         cache = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=prefix_caching,
+            prefix_caching_hash_algo=hash_algo,
             kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
             calculate_key_offsets=calculate_key_offsets,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -7,7 +7,7 @@ import numpy as np
 
 from voltllm.cache.block_pool import Block, BlockPool
 from voltllm.cache.cpu_offload import CpuBlockIndex, KVTransfers
-from voltllm.cache.prefix import extend_request_hashes
+from voltllm.cache.prefix import DEFAULT_HASH_ALGO, extend_request_hashes
 from voltllm.engine.request import Request
 
 _NO_BLOCKS = np.empty(0, dtype=np.int32)  # block_array of a request without blocks
@@ -15,9 +15,12 @@ _NO_BLOCKS.flags.writeable = False
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, cpu_blocks: int = 0):
-        """cpu_blocks: host slots of the CPU tier (--kv-offloading-size; 0: none)."""
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, cpu_blocks: int = 0,
+                 hash_algo: str = DEFAULT_HASH_ALGO):
+        """cpu_blocks: host slots of the CPU tier (--kv-offloading-size; 0: none); hash_algo:
+        --prefix-caching-hash-algo's (a hybrid model's state snapshots take it from here: one chain for both)."""
         self.block_size = block_size
+        self.hash_algo = hash_algo
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
@@ -57,7 +60,7 @@ class KVCacheManager:
 
     def _update_hashes(self, req: Request) -> None:
         if self.enable_caching:
-            extend_request_hashes(req, self.block_size)
+            extend_request_hashes(req, self.block_size, self.hash_algo)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of the request (at least one token is always left to compute)."""

@@ -55,7 +55,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from voltllm.cache.cpu_offload import CpuBlockIndex
-from voltllm.cache.prefix import extend_request_hashes
+from voltllm.cache.prefix import DEFAULT_HASH_ALGO, extend_request_hashes
 from voltllm.model.state_cache import StateCache
 
 logger = logging.getLogger("voltllm")
@@ -81,6 +81,7 @@ class StateSnapshots:
         self.cache = cache
         self.mamba_block_size = mamba_block_size
         self.block_size = block_size
+        self.hash_algo = DEFAULT_HASH_ALGO  # the KV manager's (EngineCore sets it when it attaches this pool)
         dev = cache.ssm[0].device if cache.ssm else "cpu"
         # the pool's storage is a StateCache of its own (its slot bookkeeping is unused; rows are ours)
         self.store = cache.like(num_snapshots, dev)
@@ -121,7 +122,7 @@ class StateSnapshots:
         i = boundary // self.block_size - 1
         if i >= len(req.block_hashes):
             # (the adapter's key too, as the KV manager's: whichever hashes first, the chain is the same)
-            extend_request_hashes(req, self.block_size)
+            extend_request_hashes(req, self.block_size, self.hash_algo)
         return req.block_hashes[i] if i < len(req.block_hashes) else None
 
     # -- scheduler side --------------------------------------------------------------------------

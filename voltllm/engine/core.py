@@ -84,8 +84,10 @@ class EngineCore:
                            else "there is no memory for them")
         offload = self.runner.kv_offload  # --kv-offloading-size: the CPU tier's host slots
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, prefix,
-                                 cpu_blocks=offload.num_slots if offload is not None else 0)
+                                 cpu_blocks=offload.num_slots if offload is not None else 0,
+                                 hash_algo=config.cache.prefix_caching_hash_algo)
         if prefix and snapshots is not None:
+            snapshots.hash_algo = self.kv.hash_algo
             self.kv.state_prefix = snapshots
         if config.cache.kv_cache_metrics_sample:  # --kv-cache-metrics
             from voltllm.cache.residency import BlockResidency
