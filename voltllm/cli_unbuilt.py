@@ -127,7 +127,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--h11-max-incomplete-event-size": "uvicorn's h11 limits are not configurable here (its defaults apply)",
     "--h11-max-header-count": "uvicorn's h11 limits are not configurable here (its defaults apply)",
     "--enable-offline-docs": "vendored offline /docs assets are not built (/docs loads Swagger UI from a CDN)",
-    "--middleware": "extra ASGI middleware from import paths is not built",
     "--grpc": "the gRPC server is not built (HTTP only)",
     "--tokens-only": "the tokens-in / tokens-out server (/inference/v1/generate only) is not built",
     "--fingerprint-mode": "system_fingerprint is always null here (vLLM's older behaviour)",

@@ -30,6 +30,7 @@ from voltllm.entrypoints.openai.responses_background import BackgroundRuns
 from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import create_chat_completion
+from voltllm.entrypoints.openai.extra_middleware import wrap_middleware
 from voltllm.entrypoints.openai.server_middleware import (RequestIdHeaderMiddleware, ServerLoad,
                                                           ServerLoadMiddleware)
 from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
@@ -219,6 +220,7 @@ class HttpOptions:
     tokenizer_info: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
     sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (--enable-sleep-mode; sleep_routes.py)
     profiling: bool = False  # POST /start_profile, POST /stop_profile (--profiler-config; profile_routes.py)
+    middleware: tuple = ()  # --middleware's classes / functions, outermost last (extra_middleware.py)
 
 
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
@@ -489,6 +491,7 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     outer: Any = AuthAndCountMiddleware(inner, api_key, metrics)
     if http.request_id_headers:
         outer = RequestIdHeaderMiddleware(outer)
-    return CORSMiddleware(outer, allow_origins=list(cors.allowed_origins),
-                          allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
-                          allow_headers=list(cors.allowed_headers))
+    outer = CORSMiddleware(outer, allow_origins=list(cors.allowed_origins),
+                           allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers))
+    return wrap_middleware(outer, http.middleware)

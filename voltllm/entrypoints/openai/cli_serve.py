@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from voltllm.cli_args import json_string_list
 from voltllm.cli_config import add_config_args
+from voltllm.entrypoints.openai.extra_middleware import resolve_middleware
 from voltllm.entrypoints.openai.request_flags import (add_request_args, check_request_flags, lora_modules,
                                                       server_state)
 from voltllm.config import ConfigError
@@ -65,6 +66,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
                    help="GET /load reports the requests in flight on the model routes (server_load)")
     s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
+    s.add_argument("--middleware", action="extend", nargs="+", default=[],
+                   help="an extra ASGI middleware class or async HTTP middleware function (request, call_next), as "
+                        "an import path; repeat the flag for several (the last is the outermost)")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM)")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM)")
     s.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates that client certificates are "
@@ -112,6 +116,7 @@ def check_server_flags(args: argparse.Namespace) -> None:
             # and would serve the embedded default model (vLLM refuses this order too)
             raise ConfigError(f"{flag} took {words[-1]!r} as a value and no MODEL was given: put MODEL first "
                               f"(`voltllm serve MODEL {flag} ...`) or pass --model")
+    resolve_middleware(args.middleware)  # (imported again when the app is built: a bad path fails here, at once)
     if args.ssl_keyfile and not args.ssl_certfile:
         raise ConfigError("--ssl-keyfile needs --ssl-certfile")
     for flag, given in (("--ssl-ca-certs", args.ssl_ca_certs), ("--ssl-ciphers", args.ssl_ciphers),
@@ -355,7 +360,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
                        server_load_tracking=args.enable_server_load_tracking,
                        runtime_lora_updating=args.allow_runtime_lora_updating,
                        tokenizer_info=args.enable_tokenizer_info_endpoint, sleep_mode=config.enable_sleep_mode,
-                       profiling=config.profiler is not None)
+                       profiling=config.profiler is not None, middleware=resolve_middleware(args.middleware))
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors, http=http)
     tls: dict[str, Any] = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
                            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
