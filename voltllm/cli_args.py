@@ -188,6 +188,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mmproj", action="store_true", default=False,
                    help="llama.cpp's: no projector fetched from the Hub or looked for beside a GGUF model (text "
                         "only); --mmproj PATH still loads")
+    g.add_argument("--use-tqdm-on-load", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar over the checkpoint's files (GGUF: its tensors) while the weights load")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf",
                                                               "bitsandbytes"],
                    help="dummy: random weights at the model's shapes (benchmarks); safetensors / pt / gguf: as auto, "

@@ -117,7 +117,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--code-revision": "remote code from another revision is not built (--revision fetches the model's)",
     "--ignore-patterns": "filtering the model's files by pattern is not built: the loader reads the weights it needs",
     "--pt-load-map-location": "loading .pt weights onto another device first is not built",
-    "--use-tqdm-on-load": "a progress bar while loading is not built: start-up prints each phase instead",
     # frontend (serve) flags of newer vLLM
     "--tool-server": _TOOL_SERVER,
     "--enable-ssl-refresh": "reloading the TLS certificate when its files change is not built: restart the server",
@@ -148,7 +147,7 @@ SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-eplb",
                           "--disable-chunked-mm-input", "--trust-request-mm-kwargs",
                           "--aggregate-engine-logging", "--enable-per-request-metrics",
                           "--enable-flashinfer-autotune", "--disable-hybrid-kv-cache-manager",
-                          "--kv-sharing-fast-prefill", "--enable-return-routed-experts", "--use-tqdm-on-load",
+                          "--kv-sharing-fast-prefill", "--enable-return-routed-experts",
                           "--enable-ssl-refresh", "--log-error-stack", "--enable-log-deltas",
                           "--enable-offline-docs", "--grpc", "--tokens-only",
                           "--data-parallel-multi-port-external-lb"})

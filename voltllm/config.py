@@ -67,6 +67,7 @@ class ModelConfig:
     # None: none (a text-only model, a Hugging Face directory, or --language-model-only)
     mmproj: Optional[str] = None
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
+    use_tqdm_on_load: bool = True  # --use-tqdm-on-load: a progress bar over the checkpoint's files while loading
     skip_tokenizer_init: bool = False
     # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
     # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py), "bitsandbytes" (NF4 / FP4, kept
@@ -293,6 +294,7 @@ class EngineArgs:
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
     load_format: str = "auto"
+    use_tqdm_on_load: bool = True
     skip_tokenizer_init: bool = False
     require_acceleration: bool = False
     # vLLM flags taken at the value that is voltllm's behaviour, refused at others (voltllm/fixed_flags.py)
@@ -812,7 +814,8 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code, seed=self.seed, generation_config=self.generation_config,
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only, mmproj=mmproj,
-            load_format=load_format, skip_tokenizer_init=self.skip_tokenizer_init,
+            load_format=load_format, use_tqdm_on_load=self.use_tqdm_on_load,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,
             quantized_weights=quantized_weights, max_model_len_fit=fit, runner=runner, pooler=pooler)
         prefix_caching = self.enable_prefix_caching

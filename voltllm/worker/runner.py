@@ -322,7 +322,9 @@ class ModelRunner:
         experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
         return ((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
                 for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized, mc.quantization,
-                                         experts=experts, layers=self.pp.owns if self.pp is not None else None))
+                                         experts=experts, layers=self.pp.owns if self.pp is not None else None,
+                                         # (one bar: the first rank's, under -tp / -pp)
+                                         progress=mc.use_tqdm_on_load and (self.group is None or self.group.rank == 0)))
 
     @torch.no_grad()
     def reload_weights(self) -> None:

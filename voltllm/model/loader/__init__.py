@@ -125,7 +125,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
 def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = False,
                  quantization: Optional[str] = None, only: Optional[Callable[[str], bool]] = None,
-                 experts: Any = None, layers: Optional[Callable[[int], bool]] = None) -> Iterator[tuple[str, Any]]:
+                 experts: Any = None, layers: Optional[Callable[[int], bool]] = None,
+                 progress: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) pairs, on the CPU, in the checkpoint's dtype. A quantized checkpoint's linear
     weights come as quantized_linear.PackedWeight with `keep_quantized` (GGUF blocks of the types kept quantized,
     4-bit AWQ / GPTQ layers, FP8 layers, NVFP4 layers, compressed-tensors int4 / int8 / FP8 layers, bitsandbytes
@@ -135,11 +136,13 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     routed experts under expert parallelism (distributed.experts.ExpertShard): the other ranks' expert tensors are
     never read (safetensors) or never copied out of the file (GGUF). layers: the decoder layers to read, by index (a
     pipeline stage's, distributed/pipeline.py): the others' tensors are never read (names outside the decoder layers,
-    the embeddings, the LM head, a vision tower or an MTP module, always are)."""
+    the embeddings, the LM head, a vision tower or an MTP module, always are). progress: a bar over the files (GGUF:
+    the tensors) read, on stderr (--use-tqdm-on-load)."""
     if source.kind == "gguf":
         from voltllm.model.loader.gguf_loader import gguf_weights
 
-        yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized, experts=experts, layers=layers)
+        yield from gguf_weights(source.path, hf_config, keep_quantized=keep_quantized, experts=experts, layers=layers,
+                                progress=progress)
         return
     from voltllm.model.loader.bnb_checkpoint import bnb_scheme, bnb_weights, quantized_layers
     from voltllm.model.loader.compressed_tensors_checkpoint import ct_scheme, ct_weights
@@ -153,7 +156,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     if layers is not None:
         in_stage = _of_layers(layers)
         only = in_stage if only is None else (lambda name, first=only: first(name) and in_stage(name))
-    stream = safetensors_weights(source.path, only)
+    stream = safetensors_weights(source.path, only, progress)
     if (bnb := bnb_scheme(hf_config, quantization)) is not None:
         yield from bnb_weights(stream, bnb, quantized_layers(source.path) if bnb.bits == 4 and not bnb.at_load
                                else set(), keep_quantized)

@@ -319,12 +319,13 @@ def _expert_tensors(t: Any, layer: int, projs: tuple[str, ...], keep_quantized: 
 
 
 def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
-                 experts: Any = None, layers: Any = None) -> Iterator[tuple[str, Any]]:
+                 experts: Any = None, layers: Any = None, progress: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF parameter name, tensor) for every tensor in the file, in file order: float32 CPU tensors, except with
     `keep_quantized`, where a linear layer's weight (or the embeddings) of a type with a device layout
     (model/layers/gguf_planes.py) comes as its raw blocks (GGUFBlocks) for the layer to keep quantized. A hybrid's
     MTP blocks are skipped. experts: this rank's routed experts under expert parallelism (the others' are skipped).
-    layers: which decoder layers to read, by index (a pipeline stage's; None: all): the others are never dequantized."""
+    layers: which decoder layers to read, by index (a pipeline stage's; None: all): the others are never dequantized.
+    progress: a bar over the file's tensors (--use-tqdm-on-load)."""
     from gguf.quants import dequantize
 
     from voltllm.model.layers.quantized_linear import GGUFBlocks
@@ -336,7 +337,9 @@ def gguf_weights(path: str, hf_config: Any = None, keep_quantized: bool = False,
     text = getattr(hf_config, "text_config", None) or hf_config  # (a multimodal config: its text model's)
     hybrid = gguf_hybrid.HybridTensors(arch, text) if gguf_hybrid.is_hybrid(arch) else None
     n_layers = text.num_hidden_layers
-    for t in reader.tensors:
+    from voltllm.model.loader.load_progress import load_progress
+
+    for t in load_progress(reader.tensors, progress, "Loading GGUF tensors", "tensor"):
         block = _BLOCK_RE.match(t.name)
         if block and hybrid is not None and int(block.group(1)) >= n_layers:  # Qwen3.5's MTP (nextn) blocks
             continue

@@ -8,9 +8,13 @@ from typing import Callable, Iterator, Optional
 import torch
 
 
-def safetensors_weights(path: str, only: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """only: the names to read (the others' data is never touched)."""
+def safetensors_weights(path: str, only: Optional[Callable[[str], bool]] = None,
+                        progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """only: the names to read (the others' data is never touched); progress: a bar over the files
+    (--use-tqdm-on-load)."""
     from safetensors import safe_open
+
+    from voltllm.model.loader.load_progress import load_progress
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -19,11 +23,11 @@ def safetensors_weights(path: str, only: Optional[Callable[[str], bool]] = None)
             from voltllm.model.loader import ModelLoadError
 
             raise ModelLoadError(f"no .safetensors (or pytorch_model.bin) weights in {path}")
-        for b in bins:
+        for b in load_progress(bins, progress, "Loading pt checkpoint shards", "shard"):
             yield from ((n, t) for n, t in torch.load(b, map_location="cpu", weights_only=True).items()
                         if only is None or only(n))
         return
-    for f in files:
+    for f in load_progress(files, progress, "Loading safetensors checkpoint shards", "shard"):
         with safe_open(f, framework="pt", device="cpu") as st:
             for name in st.keys():
                 if only is None or only(name):
