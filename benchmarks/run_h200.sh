@@ -1650,6 +1650,15 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
+  s161)  # (session 61) #4: the 8B at 64 x 128/128 at this session's head (host-side changes only since s144b), then
+          # session 60's mfu_check with fresh prompts per run (its first form reused the warm-up's prompts)
+    bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency \
+      --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha \
+      > "$out/c64.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot|limits)" "$out/c64.log"
+    PYTHONPATH=$PWD timeout 240 python3 benchmarks/micro/mfu_check.py --out "$out/mfu-check-$sha.json" 2>&1 \
+      | grep -v -i warn | tail -2
+    ;;
   s160c)  # (session 60) --enable-mfu-metrics' estimate over the 8B shape's 64 x 128 / 128 run, beside the card's
           # measured matmul rate and copy bandwidth (a decode bench prints them)
     PYTHONPATH=$PWD timeout 300 python3 benchmarks/micro/mfu_check.py --out "$out/mfu-check-$sha.json" 2>&1 \
