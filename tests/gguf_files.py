@@ -692,3 +692,58 @@ def _write_qwen3_vl_mmproj(hf_dir: str, h: dict, mmproj_path: str, outtype: str,
     m.write_kv_data_to_file()
     m.write_tensors_to_file()
     m.close()
+
+
+# --- a tiny qwen2 file of mixed quantized kinds (tensor-parallel and --hf-config-path tests) ---------------------
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "mlp.gate_proj": "ffn_gate",
+               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm"}
+# a mix of kinds (merged qkv / gate_up of mixed kinds), every row-parallel input 64-aligned per rank; the tied
+# embedding kept quantized (Q8_0) and sharded by vocabulary rows over an odd vocabulary (a zero-padded tail)
+_GGUF_TYPES = {"embed_tokens": "Q8_0", "q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q5_0", "o_proj": "Q4_1",
+               "gate_proj": "Q5_1", "up_proj": "Q8_0", "down_proj": "Q8_0"}
+
+
+def write_tiny_qwen2_gguf(path: str) -> str:
+    """A tiny qwen2 GGUF file of mixed quantized kinds (_GGUF_TYPES), its embedding tied; no tokenizer (engines run
+    it with skip_tokenizer_init). Its config: tiny_qwen2_gguf_config()."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_qwen2_gguf_config()
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(cfg).state_dict()
+    w = writer_with_header(path, "qwen2", cfg)
+    for name, t in state.items():
+        if name == "lm_head.weight":
+            continue
+        module, suffix = name.rsplit(".", 1)
+        if module == "model.embed_tokens":
+            gname = "token_embd"
+        elif module == "model.norm":
+            gname = "output_norm"
+        else:
+            _, _, layer, rest = module.split(".", 3)
+            gname = f"blk.{layer}.{_GGUF_NAMES[rest]}"
+        array = t.float().numpy()
+        qtype = _GGUF_TYPES.get(module.rpartition(".")[2]) if suffix == "weight" else None
+        if qtype is not None:
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(f"{gname}.{suffix}", gguf.quants.quantize(array, q), raw_dtype=q)
+        else:
+            w.add_tensor(f"{gname}.{suffix}", array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_qwen2_gguf_config() -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})

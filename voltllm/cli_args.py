@@ -170,6 +170,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    '"reasoning_end_str": "</think>"}\' (default: --reasoning-parser\'s)')
     g.add_argument("--hf-overrides", type=json_object_arg("--hf-overrides"), default=None,
                    help="JSON object of HF config fields to change, e.g. RoPE scaling for long context")
+    g.add_argument("--hf-config-path", default=None,
+                   help="the model's Hugging Face config from this directory, config .json file or Hub repo id (e.g. "
+                        "a GGUF model's original repo) instead of its own; it must describe the same network")
     g.add_argument("--generation-config", default="auto")
     g.add_argument("--override-generation-config", type=json_object_arg("--override-generation-config"),
                    default=None, help='sampling defaults over the generation config, e.g. \'{"temperature": 0.6}\'')

@@ -113,7 +113,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--logits-processor-pattern": "custom logits processor classes are not built",
     "--additional-config": "platform plugins' extra configuration is not built",
     # models and loading, newer flags
-    "--hf-config-path": "a config from another path is not built: the model directory's config.json is read",
     "--code-revision": "remote code from another revision is not built (--revision fetches the model's)",
     "--ignore-patterns": "filtering the model's files by pattern is not built: the loader reads the weights it needs",
     "--pt-load-map-location": "loading .pt weights onto another device first is not built",

@@ -268,6 +268,7 @@ class EngineArgs:
     quantization: Optional[str] = None
     speculative_config: Optional[Any] = None
     hf_overrides: Optional[Any] = None  # JSON object (or dict): fields of the HF config to change (RoPE scaling, ...)
+    hf_config_path: Optional[str] = None  # the HF config from another directory / file / Hub repo (config_path.py)
     generation_config: str = "auto"
     override_generation_config: Optional[Any] = None  # JSON object: sampling defaults over generation_config's
     chat_template: Optional[str] = None
@@ -600,6 +601,21 @@ class EngineArgs:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def _config_from_path(self, own: Any, source: Any, mmproj: Optional[str]) -> Any:
+        """--hf-config-path's config in place of the model's own, once it is found to describe the same network."""
+        from voltllm.model.loader.config_path import ConfigPathError, check_same_network, read_config
+
+        if mmproj is not None:
+            raise ConfigError("--hf-config-path with a GGUF model's vision projector is not built (the projector's "
+                              "vision settings join the GGUF file's config): add --language-model-only or --no-mmproj")
+        try:
+            given = read_config(self.hf_config_path, self.download_dir, self.hf_token, self.trust_remote_code)
+            check_same_network(own, given, self.hf_config_path, source.kind)
+        except ConfigPathError as e:
+            raise ConfigError(str(e)) from None
+        logger.info("the model's config from --hf-config-path %s", self.hf_config_path)
+        return given
+
     def _prefix_caching_hash_algo(self) -> str:
         """--prefix-caching-hash-algo, refused when unknown or when its package is missing."""
         from voltllm.cache.prefix import check_hash_algo
@@ -689,6 +705,8 @@ class EngineArgs:
         tokenizer = self._resolve_tokenizer(source, model_ref)
         hf_config = load_hf_config(source, trust_remote_code=self.trust_remote_code)
         mmproj, hf_config = self._resolve_mmproj(source, hf_config)
+        if self.hf_config_path is not None:
+            hf_config = self._config_from_path(hf_config, source, mmproj)
         overrides = parse_json_object("--hf-overrides", self.hf_overrides)
         if overrides:
             from voltllm.model.loader.hf_overrides import HFOverrideError, apply_hf_overrides

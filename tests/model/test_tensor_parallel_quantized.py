@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from gguf_files import write_tiny_qwen2_gguf
 from parallel_checks import ENGINE, PROMPTS
 from quant_checkpoints import quantize_checkpoint, quantized_hybrid
 from tiny_models import HYBRID_VOCAB, full_prompt_logprobs, make_model
@@ -165,56 +166,10 @@ def test_hybrid_awq_matches_tp1(tmp_path, monkeypatch):
         two.engine.shutdown()
 
 
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "mlp.gate_proj": "ffn_gate",
-               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm"}
-# a mix of kinds (merged qkv / gate_up of mixed kinds), every row-parallel input 64-aligned per rank; the tied
-# embedding kept quantized (Q8_0) and sharded by vocabulary rows over an odd vocabulary (a zero-padded tail)
-_GGUF_TYPES = {"embed_tokens": "Q8_0", "q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q5_0", "o_proj": "Q4_1",
-               "gate_proj": "Q5_1", "up_proj": "Q8_0", "down_proj": "Q8_0"}
-
-
-def _tiny_gguf(path: str) -> str:
-    gguf = pytest.importorskip("gguf")
-    from gguf_files import writer_with_header
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    torch.manual_seed(0)
-    state = AutoModelForCausalLM.from_config(cfg).state_dict()
-    w = writer_with_header(path, "qwen2", cfg)
-    for name, t in state.items():
-        if name == "lm_head.weight":
-            continue
-        module, suffix = name.rsplit(".", 1)
-        if module == "model.embed_tokens":
-            gname = "token_embd"
-        elif module == "model.norm":
-            gname = "output_norm"
-        else:
-            _, _, layer, rest = module.split(".", 3)
-            gname = f"blk.{layer}.{_GGUF_NAMES[rest]}"
-        array = t.float().numpy()
-        qtype = _GGUF_TYPES.get(module.rpartition(".")[2]) if suffix == "weight" else None
-        if qtype is not None:
-            q = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(f"{gname}.{suffix}", gguf.quants.quantize(array, q), raw_dtype=q)
-        else:
-            w.add_tensor(f"{gname}.{suffix}", array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_gguf_tied_quantized_embedding_matches_tp1(tmp_path, monkeypatch):
     """A GGUF file of mixed kinds with its tied embedding kept quantized: each rank holds its vocabulary rows as
     planes (lookups summed over the ranks, the tied head's logits gathered)."""
-    path = _tiny_gguf(str(tmp_path / "tiny-qwen2.gguf"))
+    path = write_tiny_qwen2_gguf(str(tmp_path / "tiny-qwen2.gguf"))
     _kept(monkeypatch)
     rng = random.Random(7)
     prompts = [{"prompt_token_ids": [rng.randrange(97) for _ in range(n)]} for n in (13, 5, 9)]
