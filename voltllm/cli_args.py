@@ -191,6 +191,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mmproj", action="store_true", default=False,
                    help="llama.cpp's: no projector fetched from the Hub or looked for beside a GGUF model (text "
                         "only); --mmproj PATH still loads")
+    g.add_argument("--enable-prompt-embeds", action=argparse.BooleanOptionalAction, default=False,
+                   help="take prompts as embedding rows: /v1/completions' prompt_embeds (base64 of a torch.save()d "
+                        "[tokens, hidden] tensor), offline {\"prompt_embeds\": tensor}")
     g.add_argument("--use-tqdm-on-load", action=argparse.BooleanOptionalAction, default=True,
                    help="a progress bar over the checkpoint's files (GGUF: its tensors) while the weights load")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf",

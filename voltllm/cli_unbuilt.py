@@ -88,7 +88,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     # multimodal
     "--mm-encoder-tp-mode": _MULTIMODAL,
     "--interleave-mm-strings": _MULTIMODAL, "--skip-mm-profiling": _MULTIMODAL,
-    "--enable-prompt-embeds": "prompt embeddings as input are not built (prompts are text or token ids)",
     # disaggregation, observability
     "--mm-processor-cache-type": _MULTIMODAL, "--mm-shm-cache-max-object-size-mb": _MULTIMODAL,
     "--mm-encoder-attn-backend": _MULTIMODAL, "--enable-mm-embeds": _MULTIMODAL, "--video-pruning-rate": _MULTIMODAL,
@@ -141,7 +140,7 @@ SHORT_ALIASES = {"-asc": "--api-server-count", "-dpn": "--data-parallel-rank"}
 # EngineArgs fields): a switch's off form, the settings that
 # only act while their switch is on (which voltllm refuses), and the values that name what voltllm does.
 SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-eplb",
-                          "--enable-prompt-embeds", "--fully-sharded-loras", "--enable-lora-bias",
+                          "--fully-sharded-loras", "--enable-lora-bias",
                           "--enable-dbo", "--disable-nccl-for-dp-synchronization", "--enable-mm-embeds",
                           "--disable-chunked-mm-input", "--trust-request-mm-kwargs",
                           "--aggregate-engine-logging", "--enable-per-request-metrics",

@@ -68,6 +68,7 @@ class ModelConfig:
     mmproj: Optional[str] = None
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     use_tqdm_on_load: bool = True  # --use-tqdm-on-load: a progress bar over the checkpoint's files while loading
+    enable_prompt_embeds: bool = False  # --enable-prompt-embeds: prompts as embedding rows (engine/prompt_embeds.py)
     skip_tokenizer_init: bool = False
     # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
     # int4, int8 or FP8 layers: model/loader/compressed_tensors_checkpoint.py), "bitsandbytes" (NF4 / FP4, kept
@@ -89,6 +90,11 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return getattr(self.hf_config, "model_type", "unknown")
+
+    @property
+    def prompt_embeds_width(self) -> Optional[int]:
+        """The hidden size prompt embeddings must have (None: --enable-prompt-embeds is off)."""
+        return self.hf_config.get_text_config().hidden_size if self.enable_prompt_embeds else None
 
 
 @dataclass(frozen=True)
@@ -296,6 +302,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
     load_format: str = "auto"
     use_tqdm_on_load: bool = True
+    enable_prompt_embeds: bool = False  # vLLM's: prompts as embedding rows (engine/prompt_embeds.py)
     skip_tokenizer_init: bool = False
     require_acceleration: bool = False
     # vLLM flags taken at the value that is voltllm's behaviour, refused at others (voltllm/fixed_flags.py)
@@ -733,6 +740,9 @@ class EngineArgs:
         elif spec is not None and spec.uses_eagle1:
             spec = self._resolve_eagle1(spec, hf_config)
         runner, pooler = self._resolve_runner(hf_config, source.path, spec, tokenizer)
+        if self.enable_prompt_embeds and runner == "pooling":
+            raise ConfigError("--enable-prompt-embeds with --runner pooling: prompt embeddings for pooling models are "
+                              "not built (generation models take them)")
         if getattr(hf_config, "model_type", None) in ("qwen4_exp", "qwen4_exp_text"):
             self._refuse_qwen4_exp_unbuilt(hf_config, method, spec, runner)
         device = _resolve_device(self.device)
@@ -833,6 +843,7 @@ class EngineArgs:
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only, mmproj=mmproj,
             load_format=load_format, use_tqdm_on_load=self.use_tqdm_on_load,
+            enable_prompt_embeds=self.enable_prompt_embeds,
             skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,
             quantized_weights=quantized_weights, max_model_len_fit=fit, runner=runner, pooler=pooler)

@@ -15,6 +15,7 @@ vLLM's four, each over the same three parts. The `_cbor` forms hash a canonical 
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from typing import Any, Optional, Sequence
@@ -80,15 +81,23 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
                         cache_salt: Optional[str] = None, lora_key: Optional[tuple] = None,
                         image_spans: Sequence[tuple[int, int, bytes]] = (), algo: str = DEFAULT_HASH_ALGO) -> None:
     """Append the hashes of newly full blocks of token_ids to hashes (in place). image_spans: (start, end, content
-    hash) of the prompt's images' placeholder tokens; algo: --prefix-caching-hash-algo's."""
+    hash) of the prompt's images' placeholder tokens (or of its embedding rows: engine/prompt_embeds.py), in order,
+    not overlapping; algo: --prefix-caching-hash-algo's."""
     num_full = len(token_ids) // block_size
+    # (a 32K-row embeddings prompt has 2K spans: each block finds its own by bisection, not by a scan of them all)
+    ends = [end for _, end, _ in image_spans] if image_spans and num_full > len(hashes) else None
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i > 0 else None
         extra = first_block_keys(cache_salt, lora_key) if i == 0 else None
         lo, hi = i * block_size, (i + 1) * block_size
-        images = tuple(("image", h) for start, end, h in image_spans if start < hi and end > lo)
+        images: list = []
+        if ends is not None:
+            j = bisect.bisect_right(ends, lo)  # the first span ending past lo
+            while j < len(image_spans) and image_spans[j][0] < hi:
+                images.append(("image", image_spans[j][2]))
+                j += 1
         if images:
-            extra = (extra or ()) + images
+            extra = (extra or ()) + tuple(images)
         hashes.append(hash_block(parent, token_ids[lo:hi], extra, algo))
 
 

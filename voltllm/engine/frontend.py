@@ -23,7 +23,9 @@ PromptType = Union[str, Sequence[int], dict]
 
 
 class InvalidPromptError(ValueError):
-    pass
+    def __init__(self, message: str, param: str = "prompt"):
+        super().__init__(message)
+        self.param = param  # the request field at fault (an HTTP 400's param)
 
 
 def eos_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
@@ -125,10 +127,12 @@ class Frontend:
     """Turns prompts into EngineCoreRequests and EngineCoreOutputs into RequestOutputs."""
 
     def __init__(self, tokenizer: Any, model_path: str, max_model_len: int, pooler: Any = None,
-                 model_name: str = "", reasoning: Any = None):
+                 model_name: str = "", reasoning: Any = None, prompt_embeds_width: Optional[int] = None):
         """pooler: a pooling engine's PoolerConfig (its requests' defaults and checks); model_name: the name its
-        errors give the model; reasoning: the engine's ReasoningConfig (--reasoning-parser / --reasoning-config)."""
+        errors give the model; reasoning: the engine's ReasoningConfig (--reasoning-parser / --reasoning-config);
+        prompt_embeds_width: the hidden size prompt embeddings must have (None: --enable-prompt-embeds is off)."""
         self.tokenizer = tokenizer
+        self.prompt_embeds_width = prompt_embeds_width
         self.reasoning = reasoning
         self.eos_ids = eos_token_ids(tokenizer, model_path)
         self.max_model_len = max_model_len
@@ -140,6 +144,9 @@ class Frontend:
     # -- inputs ---------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
+            if "prompt_embeds" in prompt:
+                raise InvalidPromptError("prompt_embeds are taken by generation requests only (not by pooling, "
+                                         "beam search or tokenization)")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
@@ -158,7 +165,21 @@ class Frontend:
                       lora_request: Any = None, multi_modal: Any = None) -> list[EngineCoreRequest]:
         if request_id in self.states:
             raise InvalidPromptError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
+        embeds, spans = None, ()
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            from voltllm.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds, embeds_spans
+
+            if self.prompt_embeds_width is None:
+                raise InvalidPromptError("prompt_embeds need the engine started with --enable-prompt-embeds",
+                                         "prompt_embeds")
+            embeds = check_prompt_embeds(prompt["prompt_embeds"], self.prompt_embeds_width)
+            if params.prompt_logprobs is not None:
+                raise InvalidPromptError("prompt_logprobs are not computed for prompt_embeds (a prompt of embeddings "
+                                         "has no token ids to score)")
+            spans = embeds_spans(embeds)
+            text, ids = None, [PLACEHOLDER_ID] * embeds.shape[0]
+        else:
+            text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidPromptError("the prompt is empty")
         if multi_modal is not None and multi_modal.rope_positions.shape[-1] != len(ids):
@@ -177,12 +198,15 @@ class Frontend:
                                         else (params.seed + i + 2**63) % 2**64 - 2**63)
             detok = None
             if params.detokenize and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                # (an embeddings prompt's placeholder ids are no text to lead the first token's spacing)
+                detok = IncrementalDetokenizer(self.tokenizer, ids if embeds is None else [],
+                                               params.skip_special_tokens, params.stop,
                                                params.include_stop_str_in_output, params.min_tokens)
             children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             reqs.append(EngineCoreRequest(cid, ids, child_params, arrival_time=now, cache_salt=cache_salt,
-                                          priority=priority, lora_request=lora_request, multi_modal=multi_modal))
+                                          priority=priority, lora_request=lora_request, multi_modal=multi_modal,
+                                          prompt_embeds=embeds, prompt_embeds_spans=spans))
         self.states[request_id] = _RequestState(request_id, text, ids, params, children, RequestMetrics(now))
         for cid in children:
             self.child_to_parent[cid] = request_id

@@ -59,6 +59,11 @@ class Request:
         self.multi_modal = req.multi_modal
         self.image_spans: tuple[tuple[int, int, bytes], ...] = () if req.multi_modal is None else tuple(
             (im.offset, im.end, im.content_hash) for im in req.multi_modal.images)
+        # a prompt given as embedding rows: the runner puts them in place of its placeholder ids' embeddings; their
+        # content hashes key its blocks as images' do (engine/prompt_embeds.py)
+        self.prompt_embeds = req.prompt_embeds
+        if req.prompt_embeds is not None:
+            self.image_spans = req.prompt_embeds_spans
         self.priority = req.priority
         # --scheduling-policy priority: the waiting queue admits the lowest key first, and the running request with
         # the highest key is the one preempted (engine/request_queue.py, Scheduler)

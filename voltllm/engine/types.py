@@ -27,6 +27,10 @@ class EngineCoreRequest:
     # a prompt with images (voltllm.multimodal.inputs.MultiModalPrompt): its placeholders are already expanded in
     # prompt_token_ids
     multi_modal: Optional[Any] = None
+    # --enable-prompt-embeds: the prompt's embedding rows [tokens, hidden] (CPU; prompt_token_ids are placeholders,
+    # one per row) and their content hashes for the prefix cache (engine/prompt_embeds.py)
+    prompt_embeds: Optional[Any] = None
+    prompt_embeds_spans: tuple = ()
 
 
 @dataclass

@@ -96,7 +96,8 @@ class LLM:
         self.config = self.engine.config  # --max-model-len auto: fitted to the KV cache by now
         m = self.config.model
         self.frontend = Frontend(self.tokenizer, m.model, m.max_model_len, pooler=m.pooler,
-                                 model_name=m.served_model_name, reasoning=self.config.reasoning)
+                                 model_name=m.served_model_name, reasoning=self.config.reasoning,
+                                 prompt_embeds_width=m.prompt_embeds_width)
         self._ids = itertools.count()
         from voltllm.multimodal.processor import image_processor_for
 

@@ -22,6 +22,9 @@ from voltllm.sampling.bitmask import TokenBitmask, apply_token_bitmask_
 from voltllm.sampling.sampler import (DraftVerdicts, Sampler, SamplerOutput, SamplingRow, SpecLogprobs, pinned_copy,
                                       position_logprobs, token_ranks, verified_position_logprobs)
 from voltllm.worker.input_buffers import InputBuffers
+from voltllm.worker.prompt_embeds_rows import apply_rows as apply_prompt_rows
+from voltllm.worker.prompt_embeds_rows import gather_rows as gather_prompt_rows
+from voltllm.worker.prompt_embeds_rows import needs_rows as needs_prompt_rows
 
 logger = logging.getLogger("voltllm")
 
@@ -770,7 +773,8 @@ class ModelRunner:
         calibrating = self.calc_kv_scales_pending or self.calc_key_offsets_pending or (
             self.image_step is not None and any(s.request.multi_modal is not None
                                                 and s.start < s.request.num_prompt_tokens for s in sched.scheduled)) \
-            or (self.lora is not None and self.lora.needs_eager(sched.scheduled))
+            or (self.lora is not None and self.lora.needs_eager(sched.scheduled)) \
+            or (self.config.model.enable_prompt_embeds and needs_prompt_rows(sched.scheduled))
         # a model whose step has host-side work no graph replays (Qwen4-Exp's QSA prompt rows past its budget) runs it
         # eagerly
         calibrating = calibrating or (hasattr(self.model, "eager_step") and self.model.eager_step(
@@ -809,6 +813,12 @@ class ModelRunner:
                 images["token_rotations"] = {i: self.image_step.rotations(p) for i, p in p3.items()}
                 image_rows = image_rows or ImageRows(None, None)
                 image_rows.token_positions = p3  # (the other ranks rotate the same: ImageStep.follow)
+        prompt_rows = None  # (--enable-prompt-embeds: the given rows of the step's prompt tokens)
+        if calibrating and self.config.model.enable_prompt_embeds and not token_rows:
+            found = gather_prompt_rows(sched.scheduled, meta.query_start_loc_cpu)
+            if found is not None:
+                prompt_rows = (found[0], upload(found[1], self.device).to(self.dtype))
+                apply_prompt_rows(images, *prompt_rows, self.device)
         handle = StepHandle()
         qsl = meta.query_start_loc_cpu
         if token_rows:  # the requests' token spans (the metadata's rows are single tokens)
@@ -853,11 +863,14 @@ class ModelRunner:
             step.logits_rows = ([rows_idx] if reqs else []) + [(qsl[i], qsl[i] + n) for i, _, n in plp]
             step.kv_transfers = sched.kv_transfers  # (each rank copies its own heads' part, at the same slots)
             step.images = image_rows.for_followers() if image_rows is not None else None
+            step.prompt_embeds_at = prompt_rows[0] if prompt_rows is not None else None
             self.send_step(step)
             # (every rank takes them: a later pipeline stage, which starts from hidden states, drops them)
             self.group.broadcast_(self.buffers.input_ids[:t])
             if image_rows is not None and image_rows.embeds is not None:  # (ImageStep.follow receives them)
                 self.group.broadcast_(image_rows.embeds)
+            if prompt_rows is not None:
+                self.group.broadcast_(prompt_rows[1].contiguous())
         hidden = self._forward(graph, prompt_graph, meta, t, spans, slots, saves, drafts, images)
         if self.draft is not None:  # the draft's KV for the step's tokens, in the same slots
             self.draft.run_step(sched, graph.batch_size if graph is not None else 0, meta)
@@ -976,6 +989,12 @@ class ModelRunner:
         if step.images is not None:  # rank 0's image rows (a broadcast after the ids) and scratch rotary rows
             self.image_step.follow(step.images, images, self.group, self.model.config.hidden_size, self.dtype,
                                    with_embeds=self.pp is None or self.pp.first)
+        if step.prompt_embeds_at is not None:  # rank 0's prompt-embedding rows (a broadcast after any image rows)
+            at = step.prompt_embeds_at
+            given = self.group.broadcast_(torch.empty(len(at), self.model.config.hidden_size, dtype=self.dtype,
+                                                      device=self.device))
+            if self.pp is None or self.pp.first:  # (a later stage starts from hidden states)
+                apply_prompt_rows(images, at, given, self.device)
         meta = self._metadata(buf, step.num_tokens, t, rows, step.max_query_len, step.query_start_loc, step.seq_lens)
         graphs = self.verify_graphs if step.state_walks is not None else self.graphs
         graph = graphs.for_batch(step.num_seqs) if step.graph_rows and graphs is not None else None

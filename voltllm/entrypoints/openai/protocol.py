@@ -141,7 +141,7 @@ class _SamplingFields(NullMeansDefault):
                                                         or self.truncate_prompt_tokens < -1):
             raise bad_request("truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last k tokens) or "
                               f"-1 (the context length), got {self.truncate_prompt_tokens}", "truncate_prompt_tokens")
-        check_unbuilt(self)
+        check_unbuilt(self, ("prompt_embeds",) if isinstance(self, CompletionRequest) else ())
         check_beam_search(self)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
@@ -193,14 +193,19 @@ _UNBUILT = {  # vLLM request field -> (asks for nothing when, what voltllm lacks
                                            "top_logprobs / prompt_logprobs)"),
     "mm_processor_kwargs": (lambda v: not v, _MULTIMODAL),
     "media_io_kwargs": (lambda v: not v, _MULTIMODAL),
-    "prompt_embeds": (lambda v: v is None, "prompt embeddings as input are not built (prompts are text or token ids)"),
+    # (/v1/completions takes them: CompletionRequest leaves this entry out)
+    "prompt_embeds": (lambda v: v is None, "prompt embeddings as input are built for /v1/completions only (with "
+                                           "--enable-prompt-embeds), not for this route"),
 }
 
 
-def check_unbuilt(req: Any) -> None:
+def check_unbuilt(req: Any, taken: tuple = ()) -> None:
     """A 400 naming the first vLLM field that asks for something voltllm does not build (rather than a 200 that
-    silently differs); the values that ask for nothing (null, empty, defaults) pass, as vLLM treats them."""
+    silently differs); the values that ask for nothing (null, empty, defaults) pass, as vLLM treats them. taken: the
+    fields this kind of request does take."""
     for name, (nothing, why) in _UNBUILT.items():
+        if name in taken:
+            continue
         value = getattr(req, name, None)
         if not nothing(value):
             raise bad_request(f"{name}: {why} in voltllm", name, "unsupported_parameter")
@@ -280,7 +285,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: PromptInput
+    prompt: Optional[PromptInput] = None  # (or prompt_embeds: --enable-prompt-embeds; both: the embeddings' first)
     echo: bool = False
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
@@ -295,6 +300,10 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
+        if p is None:
+            if self.prompt_embeds is not None:
+                return []
+            raise bad_request("give prompt (or prompt_embeds)", "prompt")
         if isinstance(p, str):
             return [p]
         if not p:

@@ -121,6 +121,7 @@ def server_state(config: Any, args: argparse.Namespace, names: list[str], engine
         reasoning_delimiters=(config.reasoning.start_str, config.reasoning.end_str) if config.reasoning else None,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_prompt_embeds=config.model.enable_prompt_embeds,
         enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs, runner=config.model.runner,
         classifier=config.model.pooler.classifier if config.model.pooler is not None else None,

@@ -55,6 +55,7 @@ class ServerState:
     tool_call_parser: Optional[str] = None
     enable_auto_tool_choice: bool = False
     enable_prompt_tokens_details: bool = False
+    enable_prompt_embeds: bool = False  # /v1/completions' prompt_embeds (engine/prompt_embeds.py)
     enable_force_include_usage: bool = False
     log_requests: bool = False
     max_log_len: Optional[int] = None  # prompt / output characters (or token ids) in the request log
@@ -358,7 +359,9 @@ def submission_error(e: BaseException) -> BaseException:
     if isinstance(e, InvalidRequestError):
         code = "context_length_exceeded" if "context length" in str(e) else None
         return bad_request(str(e), e.param or "prompt", code)
-    if isinstance(e, (InvalidPromptError, SamplingParamsError)):
+    if isinstance(e, InvalidPromptError):
+        return bad_request(str(e), e.param)
+    if isinstance(e, SamplingParamsError):
         return bad_request(str(e), "prompt")
     if isinstance(e, EngineDeadError):
         return OpenAIError(f"the engine is not available: {e}", 503)

@@ -8,8 +8,11 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import JSONResponse
 
+from voltllm.engine.frontend import InvalidPromptError
 from voltllm.engine.outputs import CompletionOutput, RequestOutput
+from voltllm.engine.prompt_embeds import decode_base64_embeds
 from voltllm.entrypoints.openai.beam_search import submit_beam_searches
+from voltllm.entrypoints.openai.errors import bad_request
 from voltllm.entrypoints.openai.protocol import CompletionRequest
 from voltllm.entrypoints.openai.request_log import shown
 from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
@@ -54,10 +57,40 @@ def _engine_prompt(state: ServerState, req: CompletionRequest, prompt: Any) -> A
     return {"prompt": text, "prompt_token_ids": kept} if text is not None else {"prompt_token_ids": kept}
 
 
+def _embeds_prompts(state: ServerState, req: CompletionRequest) -> list[dict]:
+    """prompt_embeds as engine prompts: each base64 text decoded (only with --enable-prompt-embeds: torch.load is not
+    run on a request's data otherwise), then cut to truncate_prompt_tokens from its truncation_side as token prompts
+    are."""
+    if req.prompt_embeds is None:
+        return []
+    if not state.enable_prompt_embeds:
+        raise bad_request("prompt_embeds need the server started with --enable-prompt-embeds", "prompt_embeds")
+    for field, on in (("echo", req.echo), ("prompt_logprobs", req.prompt_logprobs is not None),
+                      ("use_beam_search", bool(req.use_beam_search))):
+        if on:  # (a prompt of embeddings has no token ids to show, score or extend)
+            raise bad_request(f"{field} is not supported with prompt_embeds", field, "unsupported_parameter")
+    values = req.prompt_embeds if isinstance(req.prompt_embeds, list) else [req.prompt_embeds]
+    if not values:
+        raise bad_request("prompt_embeds must not be an empty list", "prompt_embeds")
+    out = []
+    for value in values:
+        try:
+            embeds = decode_base64_embeds(value)
+        except InvalidPromptError as e:
+            raise bad_request(str(e), "prompt_embeds") from None
+        rows = embeds.shape[-2] if embeds.dim() >= 2 else 0  # (the Frontend refuses other shapes)
+        keep = truncated(list(range(rows)), req.truncate_prompt_tokens, state.max_model_len, req.truncation_side)
+        if 0 < len(keep) < rows:
+            embeds = embeds[..., keep[0]:keep[-1] + 1, :]
+        out.append({"prompt_embeds": embeds})
+    return out
+
+
 async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Any):
     req.check()
     interval = stream_interval(state.stream_interval, req)
     model = state.model_name(req.model)
+    embeds_prompts = _embeds_prompts(state, req)
     prompts = req.prompts()
     req.logprobs = state.check_logprobs(req.logprobs, "logprobs")
     req.prompt_logprobs = state.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -71,8 +104,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     chosen_id = chosen_request_id(raw_request, req.request_id)  # vLLM's: cmpl-<X-Request-Id, else request_id>
     base_id = f"cmpl-{chosen_id}" if chosen_id is not None else new_id("cmpl")
     engine_base = engine_request_id(base_id, chosen_id is not None)
+    engine_prompts = embeds_prompts + [_engine_prompt(state, req, p) for p in prompts]
+    prompts = [f"<prompt_embeds {list(p['prompt_embeds'].shape)}>" for p in embeds_prompts] + prompts  # (the log's)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    engine_prompts = [_engine_prompt(state, req, p) for p in prompts]
     if req.use_beam_search:  # n beams per prompt, answered when each search ends (beam_search.py)
         streams = submit_beam_searches(state, rids, engine_prompts, req, max_tokens, req.logprobs, req.priority,
                                        model=model)
