@@ -149,3 +149,15 @@ def test_two_tensor_parallel_ranks(tmp_path):
             _same(a, b)
     finally:
         two.engine.shutdown()
+
+
+def test_two_pipeline_stages(tmp_path):
+    """The first stage takes the rows; the second receives the broadcast and starts from hidden states."""
+    path = make_model(str(tmp_path / "tiny"), "llama", num_hidden_layers=4)
+    one = _llm(path, block_size=4, max_num_batched_tokens=7)
+    two = _llm(path, block_size=4, max_num_batched_tokens=7, pipeline_parallel_size=2)
+    try:
+        want = one.generate({"prompt_token_ids": IDS}, GREEDY, use_tqdm=False)[0]
+        _same(two.generate({"prompt_embeds": _rows(one, IDS)}, GREEDY, use_tqdm=False)[0], want)
+    finally:
+        two.engine.shutdown()
