@@ -1650,6 +1650,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
+  s161b)  # (session 61) prompt embeddings on the GPU (graphs on; fp32 / fp16, native and --compat sm70), and the
+           # engine GPU file after the session's runner changes (release of the step's rows, load progress)
+    gpu_file test_prompt_embeds_cuda 300
+    gpu_file test_engine_gpu 240
+    ;;
   s161)  # (session 61) #4: the 8B at 64 x 128/128 at this session's head (host-side changes only since s144b), then
           # session 60's mfu_check with fresh prompts per run (its first form reused the warm-up's prompts)
     bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency \
