@@ -131,7 +131,7 @@ def test_snapshot_hashes_carry_the_adapter():
     snaps.block_size = 4
     hashes = {}
     for key in (None, ("a1", 1), ("a2", 2)):
-        req = SimpleNamespace(all_token_ids=tokens, block_hashes=[], cache_salt=None, lora_key=key, image_spans=())
+        req = SimpleNamespace(all_token_ids=tokens, block_hashes=[], cache_salt=None, lora_key=key, content_spans=())
         hashes[key] = snaps._hash_at(req, 8)
         want = []
         extend_block_hashes(want, tokens, 4, None, key)

@@ -51,7 +51,7 @@ def test_every_algorithm_keeps_chains_and_tenants_apart(algo):
     assert a == chain([1, 2, 3, 4, 5, 6, 7, 8, 9])  # deterministic; a partial block is not hashed
     assert a[1] != b[1], "the parent's hash is part of each block's"
     assert chain([1, 2, 3, 4], cache_salt="x") != chain([1, 2, 3, 4]) != chain([1, 2, 3, 4], lora_key=("x", 1))
-    assert chain([1, 2, 3, 4], image_spans=[(0, 2, b"img")]) != chain([1, 2, 3, 4])
+    assert chain([1, 2, 3, 4], content_spans=[(0, 2, b"img")]) != chain([1, 2, 3, 4])
 
 
 def test_the_cbor_and_xxhash_forms_against_their_packages():

@@ -20,7 +20,7 @@ from voltllm.model.state_cache import StateCache
 # ---------------------------------------------------------------------------------------------
 def _req(rid: str, tokens: list[int], salt=None):
     return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), block_hashes=[], cache_salt=salt,
-                           lora_key=None, image_spans=())
+                           lora_key=None, content_spans=())
 
 
 def _sched(req, start: int, n: int):

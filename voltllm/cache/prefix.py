@@ -7,7 +7,8 @@ the chain carries them into every later block. A reloaded adapter (removed, or l
 blocks its old weights computed are never read for it. The adapter's key is tagged (("lora", name, serial)) so that
 no cache salt can stand for it. An image's placeholder tokens are the same ids whatever the image: each block holding
 some of them carries the image's content hash (tagged ("image", hash)), so prompts that differ only in their images
-share no block from the first image on.
+share no block from the first image on. A prompt given as embedding rows (engine/prompt_embeds.py) carries its rows'
+hashes the same way (one per 16 rows): the request's content spans.
 
 The hash function is --prefix-caching-hash-algo's (HASH_ALGOS): voltllm's own blake2b-128 by default, or one of
 vLLM's four, each over the same three parts. The `_cbor` forms hash a canonical CBOR encoding of
@@ -79,29 +80,29 @@ def first_block_keys(cache_salt: Optional[str] = None, lora_key: Optional[tuple]
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
                         cache_salt: Optional[str] = None, lora_key: Optional[tuple] = None,
-                        image_spans: Sequence[tuple[int, int, bytes]] = (), algo: str = DEFAULT_HASH_ALGO) -> None:
-    """Append the hashes of newly full blocks of token_ids to hashes (in place). image_spans: (start, end, content
+                        content_spans: Sequence[tuple[int, int, bytes]] = (), algo: str = DEFAULT_HASH_ALGO) -> None:
+    """Append the hashes of newly full blocks of token_ids to hashes (in place). content_spans: (start, end, content
     hash) of the prompt's images' placeholder tokens (or of its embedding rows: engine/prompt_embeds.py), in order,
     not overlapping; algo: --prefix-caching-hash-algo's."""
     num_full = len(token_ids) // block_size
     # (a 32K-row embeddings prompt has 2K spans: each block finds its own by bisection, not by a scan of them all)
-    ends = [end for _, end, _ in image_spans] if image_spans and num_full > len(hashes) else None
+    ends = [end for _, end, _ in content_spans] if content_spans and num_full > len(hashes) else None
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i > 0 else None
         extra = first_block_keys(cache_salt, lora_key) if i == 0 else None
         lo, hi = i * block_size, (i + 1) * block_size
-        images: list = []
+        contents: list = []
         if ends is not None:
             j = bisect.bisect_right(ends, lo)  # the first span ending past lo
-            while j < len(image_spans) and image_spans[j][0] < hi:
-                images.append(("image", image_spans[j][2]))
+            while j < len(content_spans) and content_spans[j][0] < hi:
+                contents.append(("image", content_spans[j][2]))
                 j += 1
-        if images:
-            extra = (extra or ()) + tuple(images)
+        if contents:
+            extra = (extra or ()) + tuple(contents)
         hashes.append(hash_block(parent, token_ids[lo:hi], extra, algo))
 
 
 def extend_request_hashes(req: Any, block_size: int, algo: str = DEFAULT_HASH_ALGO) -> None:
     """extend_block_hashes for an engine Request: its tokens, salt, adapter key and images."""
     extend_block_hashes(req.block_hashes, req.all_token_ids, block_size, req.cache_salt, req.lora_key,
-                        req.image_spans, algo)
+                        req.content_spans, algo)

@@ -75,13 +75,14 @@ def resolve_mamba_block_size(mamba_block_size: Optional[int], block_size: int) -
 
 
 class StateSnapshots:
+    hash_algo = DEFAULT_HASH_ALGO  # the KV manager's --prefix-caching-hash-algo (EngineCore sets it on attaching)
+
     def __init__(self, cache: StateCache, num_snapshots: int, mamba_block_size: int, block_size: int):
         if mamba_block_size % block_size:
             raise ValueError(f"mamba block size {mamba_block_size} is not a multiple of block size {block_size}")
         self.cache = cache
         self.mamba_block_size = mamba_block_size
         self.block_size = block_size
-        self.hash_algo = DEFAULT_HASH_ALGO  # the KV manager's (EngineCore sets it when it attaches this pool)
         dev = cache.ssm[0].device if cache.ssm else "cpu"
         # the pool's storage is a StateCache of its own (its slot bookkeeping is unused; rows are ours)
         self.store = cache.like(num_snapshots, dev)

@@ -54,16 +54,13 @@ class Request:
         # or with the base model
         self.lora_request = req.lora_request
         self.lora_key: Optional[tuple] = None
-        # a prompt with images: the runner encodes them and gives their tokens M-RoPE positions; their content hashes
-        # key the prefix-cache blocks their tokens fall in
+        # a prompt with images: the runner encodes them and gives their tokens M-RoPE positions; a prompt given as
+        # embedding rows: the runner puts them in place of its placeholder ids' embeddings (engine/prompt_embeds.py).
+        # Either way (start, end, content hash) spans of its tokens key the prefix-cache blocks they fall in
         self.multi_modal = req.multi_modal
-        self.image_spans: tuple[tuple[int, int, bytes], ...] = () if req.multi_modal is None else tuple(
-            (im.offset, im.end, im.content_hash) for im in req.multi_modal.images)
-        # a prompt given as embedding rows: the runner puts them in place of its placeholder ids' embeddings; their
-        # content hashes key its blocks as images' do (engine/prompt_embeds.py)
         self.prompt_embeds = req.prompt_embeds
-        if req.prompt_embeds is not None:
-            self.image_spans = req.prompt_embeds_spans
+        self.content_spans: tuple[tuple[int, int, bytes], ...] = req.prompt_embeds_spans if req.multi_modal is None \
+            else tuple((im.offset, im.end, im.content_hash) for im in req.multi_modal.images)
         self.priority = req.priority
         # --scheduling-policy priority: the waiting queue admits the lowest key first, and the running request with
         # the highest key is the one preempted (engine/request_queue.py, Scheduler)
