@@ -65,6 +65,27 @@ def test_rows_of_the_ids_answer_as_the_ids(embeds_server):
     assert fp16.status_code == 200 and fp16.json()["usage"]["prompt_tokens"] == len(IDS)
 
 
+def test_streamed_and_n_choices(embeds_server):
+    """A streamed answer's text is the non-streamed one's; n = 2 seeded samples from the rows equal those from the
+    ids (each choice its own seed stream); a prompt longer than the context is the usual 400."""
+    import json
+
+    base, table = embeds_server.base, embeds_server.table
+    want = _complete(base, prompt=IDS).json()["choices"][0]["text"]
+    with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+                            "prompt_embeds": _b64(table[IDS])}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+    sampled = {"n": 2, "temperature": 1.0, "seed": 7, "logprobs": None}
+    ids_texts = sorted(c["text"] for c in _complete(base, prompt=IDS, **sampled).json()["choices"])
+    rows_texts = sorted(c["text"] for c in _complete(base, prompt_embeds=_b64(table[IDS]), **sampled).json()["choices"])
+    assert rows_texts == ids_texts
+    long = _complete(base, prompt_embeds=_b64(table[[5] * 9000]))
+    assert long.status_code == 400 and "context length" in long.json()["error"]["message"]
+
+
 def test_a_list_of_embeddings_with_text_prompts(embeds_server):
     """Choices of the embeddings come first, then the prompt's, each as it would alone (vLLM's order)."""
     base, table = embeds_server.base, embeds_server.table
