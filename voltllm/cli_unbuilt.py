@@ -121,8 +121,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--log-error-stack": "stack traces of error responses are not logged (500s are logged with their error)",
     "--enable-log-deltas": "logging streamed output deltas is not built: --enable-log-outputs logs each finished "
                            "choice's text once (--no-enable-log-deltas is what runs)",
-    "--h11-max-incomplete-event-size": "uvicorn's h11 limits are not configurable here (its defaults apply)",
-    "--h11-max-header-count": "uvicorn's h11 limits are not configurable here (its defaults apply)",
     "--enable-offline-docs": "vendored offline /docs assets are not built (/docs loads Swagger UI from a CDN)",
     "--grpc": "the gRPC server is not built (HTTP only)",
     "--tokens-only": "the tokens-in / tokens-out server (/inference/v1/generate only) is not built",

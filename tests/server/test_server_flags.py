@@ -25,7 +25,8 @@ def flag_server(tmp_path_factory):
                       "--disable-log-stats", "--disable-uvicorn-access-log",
                       "--chat-template-content-format", "openai", "--return-tokens-as-token-ids",
                       "--disable-fastapi-docs", "--enable-request-id-headers", "--enable-log-requests",
-                      "--max-log-len", "12", "--enable-log-outputs", "--enable-server-load-tracking"],
+                      "--max-log-len", "12", "--enable-log-outputs", "--enable-server-load-tracking",
+                      "--h11-max-incomplete-event-size", "4096", "--h11-max-header-count", "40"],
                      free_port(), env={"OMP_NUM_THREADS": "1"})
     try:
         srv.wait_healthy(180)
@@ -306,3 +307,32 @@ def test_tokenize_messages_take_add_special_tokens(tmp_path):
     assert http.post("/tokenize", json={**msgs, "add_special_tokens": True}).json()["tokens"][0] == 7
     assert http.post("/tokenize", json={"prompt": "hi"}).json()["tokens"][0] == 7
     assert http.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()["tokens"][0] != 7
+
+
+def test_h11_limits(flag_server):
+    """--h11-max-incomplete-event-size 4096: a request head still incomplete past 4 KiB is refused by the HTTP parser
+    (sent in two writes, so its first part arrives alone), a small one is served; --h11-max-header-count 40: a request
+    with more header fields is a 431 in the OpenAI error shape."""
+    import socket
+    from urllib.parse import urlparse
+
+    base = flag_server.base
+    url = urlparse(base)
+
+    def two_writes(pad: int) -> bytes:
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * pad)
+            time.sleep(0.3)
+            sock.sendall(b"\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        return reply.split(b"\r\n", 1)[0]
+
+    assert b" 200 " in two_writes(1000)
+    status = two_writes(6000)
+    assert b" 200 " not in status and (b" 400 " in status or b" 413 " in status or b" 431 " in status), status
+    many = httpx.get(base + "/v1/models", headers={f"x-h{i}": "1" for i in range(50)}, timeout=30)
+    assert many.status_code == 431
+    assert "header fields, more than this server's 40" in many.json()["error"]["message"]
+    assert httpx.get(base + "/v1/models", headers={f"x-h{i}": "1" for i in range(20)}, timeout=30).status_code == 200

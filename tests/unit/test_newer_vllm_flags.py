@@ -54,7 +54,8 @@ def _serve(capsys, *words: str) -> str:
     ["--disable-access-log-for-endpoints", "/health,/metrics"], ["--no-enable-log-deltas"],
     ["--enable-log-deltas=false"], ["--show-hidden-metrics-for-version", "0.10"], ["--no-enable-flashinfer-autotune"],
     ["--fingerprint-mode", "none"], ["--no-use-tqdm-on-load"], ["--uds", "/tmp/voltllm-test.sock"],
-    ["--prefix-caching-hash-algo", "sha256"],
+    ["--prefix-caching-hash-algo", "sha256"], ["--h11-max-incomplete-event-size", "65536"],
+    ["--h11-max-header-count", "100"],
 ])
 def test_accepted_at_voltllms_behaviour(capsys, words):
     assert MISSING in _serve(capsys, *words)
@@ -84,6 +85,7 @@ def test_accepted_at_voltllms_behaviour(capsys, words):
     (["--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp/x", "delay": 3}'],
      "--profiler-config: unknown keys ['delay']"),
     (["--tool-server", "demo"], "--tool-server: built-in tools run by the server"),
+    (["--h11-max-header-count", "0"], "--h11-max-header-count must be >= 1, got 0"),
     (["--prefix-caching-hash-algo", "md5"], "--prefix-caching-hash-algo must be one of blake2b, sha256, "),
     (["--mm-processor-cache-type", "shm"], "--mm-processor-cache-type: this multimodal setting is not built"),
     (["--enable-flashinfer-autotune"], "--enable-flashinfer-autotune: voltllm runs its own Triton kernels"),

@@ -31,7 +31,7 @@ from voltllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from voltllm.entrypoints.openai.responses_store import ResponseStore
 from voltllm.entrypoints.openai.serving_chat import create_chat_completion
 from voltllm.entrypoints.openai.extra_middleware import wrap_middleware
-from voltllm.entrypoints.openai.server_middleware import (RequestIdHeaderMiddleware, ServerLoad,
+from voltllm.entrypoints.openai.server_middleware import (HeaderCountLimit, RequestIdHeaderMiddleware, ServerLoad,
                                                           ServerLoadMiddleware)
 from voltllm.entrypoints.openai.serving_common import ServerState, render_chat
 from voltllm.entrypoints.openai.serving_completion import create_completion
@@ -221,6 +221,7 @@ class HttpOptions:
     sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (--enable-sleep-mode; sleep_routes.py)
     profiling: bool = False  # POST /start_profile, POST /stop_profile (--profiler-config; profile_routes.py)
     middleware: tuple = ()  # --middleware's classes / functions, outermost last (extra_middleware.py)
+    max_header_count: Optional[int] = None  # --h11-max-header-count: more header fields get a 431 (None: any)
 
 
 def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
@@ -494,4 +495,5 @@ def build_app(state: ServerState, metrics: Optional[ServerMetrics] = None,
     outer = CORSMiddleware(outer, allow_origins=list(cors.allowed_origins),
                            allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
                            allow_headers=list(cors.allowed_headers))
-    return wrap_middleware(outer, http.middleware)
+    outer = wrap_middleware(outer, http.middleware)
+    return outer if http.max_header_count is None else HeaderCountLimit(outer, http.max_header_count)

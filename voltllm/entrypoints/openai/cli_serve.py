@@ -66,6 +66,11 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
     s.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
                    help="GET /load reports the requests in flight on the model routes (server_load)")
     s.add_argument("--root-path", default="", help="ASGI root path, when behind a path-based proxy")
+    s.add_argument("--h11-max-incomplete-event-size", type=int, default=4 * 1024 * 1024,
+                   help="bytes of a request's head (request line and headers) the HTTP parser buffers before it "
+                        "is complete (vLLM's default, 4 MiB); larger heads are refused")
+    s.add_argument("--h11-max-header-count", type=int, default=256,
+                   help="header fields a request may have (vLLM's default); more are answered 431")
     s.add_argument("--middleware", action="extend", nargs="+", default=[],
                    help="an extra ASGI middleware class or async HTTP middleware function (request, call_next), as "
                         "an import path; repeat the flag for several (the last is the outermost)")
@@ -117,6 +122,10 @@ def check_server_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} took {words[-1]!r} as a value and no MODEL was given: put MODEL first "
                               f"(`voltllm serve MODEL {flag} ...`) or pass --model")
     resolve_middleware(args.middleware)  # (imported again when the app is built: a bad path fails here, at once)
+    for flag, value in (("--h11-max-incomplete-event-size", args.h11_max_incomplete_event_size),
+                        ("--h11-max-header-count", args.h11_max_header_count)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     if args.ssl_keyfile and not args.ssl_certfile:
         raise ConfigError("--ssl-keyfile needs --ssl-certfile")
     for flag, given in (("--ssl-ca-certs", args.ssl_ca_certs), ("--ssl-ciphers", args.ssl_ciphers),
@@ -360,7 +369,8 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
                        server_load_tracking=args.enable_server_load_tracking,
                        runtime_lora_updating=args.allow_runtime_lora_updating,
                        tokenizer_info=args.enable_tokenizer_info_endpoint, sleep_mode=config.enable_sleep_mode,
-                       profiling=config.profiler is not None, middleware=resolve_middleware(args.middleware))
+                       profiling=config.profiler is not None, middleware=resolve_middleware(args.middleware),
+                       max_header_count=args.h11_max_header_count)
     app = build_app(state, metrics, api_key=args.api_key, root_path=args.root_path, cors=cors, http=http)
     tls: dict[str, Any] = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
                            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
@@ -371,7 +381,8 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
         logs["log_config"] = log_config(args.log_config_file)  # (uvicorn applies it: dictConfig)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                timeout_graceful_shutdown=3, timeout_keep_alive=5, lifespan="off",
-                               root_path=args.root_path, **tls, **logs)
+                               root_path=args.root_path,
+                               h11_max_incomplete_event_size=args.h11_max_incomplete_event_size, **tls, **logs)
     if args.disable_access_log_for_endpoints:
         from voltllm.entrypoints.openai.access_log import quiet_endpoints
 

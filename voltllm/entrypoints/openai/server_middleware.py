@@ -1,6 +1,7 @@
-"""Optional ASGI layers of the server: X-Request-Id response headers (--enable-request-id-headers) and the in-flight
-request count behind GET /load (--enable-server-load-tracking). Pure ASGI, so streamed bodies pass through as they
-are written and a request counts until its last byte is sent (or its client leaves)."""
+"""Optional ASGI layers of the server: X-Request-Id response headers (--enable-request-id-headers), the in-flight
+request count behind GET /load (--enable-server-load-tracking) and the header count bound (--h11-max-header-count).
+Pure ASGI, so streamed bodies pass through as they are written and a request counts until its last byte is sent (or
+its client leaves)."""
 from __future__ import annotations
 
 import uuid
@@ -62,6 +63,23 @@ class RequestIdHeaderMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class HeaderCountLimit:
+    """--h11-max-header-count (vLLM's, default 256): a request with more header fields is answered 431 before any
+    other layer (extra middleware included) sees it, a bound on header abuse; None: no bound."""
+
+    def __init__(self, app: Any, max_count: int):
+        self.app, self.max_count = app, max_count
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and len(scope.get("headers", ())) > self.max_count:
+            from voltllm.entrypoints.openai.errors import OpenAIError, error_response
+
+            why = f"the request has {len(scope['headers'])} header fields, more than this server's {self.max_count}"
+            await error_response(OpenAIError(why, 431))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class ServerLoad:
