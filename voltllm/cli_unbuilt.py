@@ -119,8 +119,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--tool-server": _TOOL_SERVER,
     "--enable-ssl-refresh": "reloading the TLS certificate when its files change is not built: restart the server",
     "--log-error-stack": "stack traces of error responses are not logged (500s are logged with their error)",
-    "--enable-log-deltas": "logging streamed output deltas is not built: --enable-log-outputs logs each finished "
-                           "choice's text once (--no-enable-log-deltas is what runs)",
     "--enable-offline-docs": "vendored offline /docs assets are not built (/docs loads Swagger UI from a CDN)",
     "--grpc": "the gRPC server is not built (HTTP only)",
     "--tokens-only": "the tokens-in / tokens-out server (/inference/v1/generate only) is not built",
@@ -144,7 +142,7 @@ SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-eplb",
                           "--aggregate-engine-logging", "--enable-per-request-metrics",
                           "--enable-flashinfer-autotune", "--disable-hybrid-kv-cache-manager",
                           "--kv-sharing-fast-prefill", "--enable-return-routed-experts",
-                          "--enable-ssl-refresh", "--log-error-stack", "--enable-log-deltas",
+                          "--enable-ssl-refresh", "--log-error-stack",
                           "--enable-offline-docs", "--grpc", "--tokens-only",
                           "--data-parallel-multi-port-external-lb"})
 WHILE_SWITCHED_ON = frozenset({"--lora-extra-vocab-size", "--max-prompt-adapters",

@@ -234,6 +234,11 @@ def test_request_log_with_prompts_and_outputs(flag_server):
                                                                                      for i, t in enumerate(texts)]
     [out] = _log_lines(flag_server, r"Generated response chatcmpl-log-2-\w+ \(choice 0\): output: (.*), 6 tokens")
     assert ast.literal_eval(out.group(1)) == streamed[:12]
+    # --enable-log-deltas (on by default): the streamed answer's chunks, each cut to 12 characters; none for log-1
+    deltas = [ast.literal_eval(m.group(1)) for m in _log_lines(
+        flag_server, r"Generated response chatcmpl-log-2-\w+ \(choice 0, streaming delta\): output: (.*)$")]
+    assert deltas and streamed.startswith(deltas[0])
+    assert not _log_lines(flag_server, r"Generated response cmpl-log-1-\w+ \(choice \d, streaming delta\)")
 
 
 def test_server_load(flag_server, tmp_path):

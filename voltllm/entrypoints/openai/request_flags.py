@@ -53,6 +53,8 @@ def add_request_args(g: Any) -> None:
                    help="most prompt / output characters (or token ids) in the request log (default: all)")
     g.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
                    help="with --enable-log-requests: also log each finished request's generated text")
+    g.add_argument("--enable-log-deltas", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --enable-log-outputs: also log each streamed chunk's new text as it is sent")
     g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                    help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)")
     g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
@@ -123,7 +125,8 @@ def server_state(config: Any, args: argparse.Namespace, names: list[str], engine
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_prompt_embeds=config.model.enable_prompt_embeds,
         enable_force_include_usage=args.enable_force_include_usage, log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs, runner=config.model.runner,
+        max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs, log_deltas=args.enable_log_deltas,
+        runner=config.model.runner,
         classifier=config.model.pooler.classifier if config.model.pooler is not None else None,
         generation_defaults=generation_defaults(config.model.model, config.model.generation_config,
                                                 config.model.override_generation_config))

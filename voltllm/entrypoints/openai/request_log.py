@@ -1,6 +1,7 @@
 """The request log (--enable-log-requests): one line per request with its sizes and prompt, cut to --max-log-len
 characters (or token ids) as vLLM's; with --enable-log-outputs, one line per finished choice with its generated text
-(cut the same way), written when the engine's final output for the request passes by."""
+(cut the same way), written when the engine's final output for the request passes by, and for a streamed response
+(--enable-log-deltas, on by default as in vLLM) one line per output that adds text to a choice, with that text."""
 from __future__ import annotations
 
 import logging
@@ -25,16 +26,24 @@ def log_outputs(out: RequestOutput, max_len: Optional[int]) -> None:
 
 class OutputLoggingStream:
     """A request's output stream (async_llm.RequestStream) that logs the generated text once the request finishes,
-    streamed or not (--enable-log-outputs)."""
+    streamed or not (--enable-log-outputs); deltas: also each output's new text per choice (a streamed response)."""
 
-    def __init__(self, stream: Any, max_len: Optional[int]):
-        self.stream, self.max_len = stream, max_len
+    def __init__(self, stream: Any, max_len: Optional[int], deltas: bool = False):
+        self.stream, self.max_len, self.deltas = stream, max_len, deltas
+        self.logged: dict[int, int] = {}  # choice index -> characters of its text already logged as deltas
 
     def __aiter__(self) -> "OutputLoggingStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
         out = await self.stream.__anext__()
+        if self.deltas:
+            for c in out.outputs:
+                start = self.logged.get(c.index, 0)
+                if len(c.text) > start:
+                    self.logged[c.index] = len(c.text)
+                    logger.info("Generated response %s (choice %d, streaming delta): output: %s", out.request_id,
+                                c.index, shown(c.text[start:], self.max_len))
         if out.finished:
             log_outputs(out, self.max_len)
         return out

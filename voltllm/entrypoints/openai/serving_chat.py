@@ -149,7 +149,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request
                                         req.priority, model=model)
     else:
         streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model,
-                         interval=interval, multi_modal=multi_modal)
+                         interval=interval, multi_modal=multi_modal, streamed=bool(req.stream))
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, beam search=%s, prompt: %s",
                     engine_id, len(ids), req.n, max_tokens, req.stream, bool(req.use_beam_search),

@@ -60,6 +60,7 @@ class ServerState:
     log_requests: bool = False
     max_log_len: Optional[int] = None  # prompt / output characters (or token ids) in the request log
     log_outputs: bool = False  # log each finished choice's text (with log_requests)
+    log_deltas: bool = True  # and, streamed, each chunk's new text (--enable-log-deltas, with log_outputs)
     chat_template_content_format: str = "auto"  # auto | string | openai (chat_content_format.py)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     stream_interval: int = 1  # --stream-interval: tokens per streamed chunk (stream_interval.py)
@@ -324,26 +325,28 @@ def make_params(build) -> SamplingParams:
 
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
            cache_salt: Optional[str], priority: int = 0, model: Optional[str] = None,
-           interval: int = 1, multi_modal: Any = None) -> list[RequestStream]:
+           interval: int = 1, multi_modal: Any = None, streamed: bool = False) -> list[RequestStream]:
     """Add one engine request per prompt (with the adapter `model` names, if it is a --lora-modules one); on any
     failure abort those already added and raise a 400. interval: a stream's tokens per output (stream_interval.py).
-    multi_modal: a chat prompt's images (multimodal/inputs.py MultiModalPrompt; one prompt)."""
+    multi_modal: a chat prompt's images (multimodal/inputs.py MultiModalPrompt; one prompt). streamed: the response
+    streams (--enable-log-deltas logs its chunks)."""
     lora = state.lora_request(model)
     images = {} if multi_modal is None else {"multi_modal": multi_modal}
     streams = start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt,
                                                       priority, lora_request=lora, **images)
-                                    for rid, prompt in zip(request_ids, prompts)))
+                                    for rid, prompt in zip(request_ids, prompts)), streamed)
     return streams if interval == 1 else [IntervalStream(s, interval) for s in streams]
 
 
-def start_streams(state: ServerState, starts: Iterable[Callable[[], Any]]) -> list[Any]:
+def start_streams(state: ServerState, starts: Iterable[Callable[[], Any]], streamed: bool = False) -> list[Any]:
     """Call each start (it submits to the engine and returns the stream); if one fails, close the streams already
     started (aborting their engine work) and raise the failure as its HTTP error."""
     streams: list[Any] = []
     try:
         for start in starts:
             stream = start()
-            streams.append(OutputLoggingStream(stream, state.max_log_len) if state.log_outputs else stream)
+            streams.append(OutputLoggingStream(stream, state.max_log_len, streamed and state.log_deltas)
+                           if state.log_outputs else stream)
     except BaseException as e:
         for s in streams:
             s.close()

@@ -114,7 +114,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
                                                          defaults=state.generation_defaults))
         streams = submit(state, rids, engine_prompts, params, req.cache_salt, req.priority, model=model,
-                         interval=interval)
+                         interval=interval, streamed=bool(req.stream))
     if state.log_requests:
         logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, beam search=%s, prompt%s: %s",
                     engine_base, len(prompts), n, max_tokens, req.stream, bool(req.use_beam_search),
