@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
 
 from voltllm.entrypoints.openai.beam_search import check_beam_search
 from voltllm.entrypoints.openai.errors import bad_request
@@ -285,12 +285,21 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Optional[PromptInput] = None  # (or prompt_embeds: --enable-prompt-embeds; both: the embeddings' first)
+    # (or prompt_embeds: --enable-prompt-embeds; both: the embeddings' choices first)
+    prompt: Optional[PromptInput] = Field(default=None, validate_default=True)
     echo: bool = False
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
     prompt_logprobs: Optional[int] = None
     add_special_tokens: bool = True  # vLLM's completions default (a BOS where the tokenizer adds one)
+
+    @field_validator("prompt")
+    @classmethod
+    def _given(cls, prompt: Any, info: ValidationInfo) -> Any:
+        # (a body without either is no completion request: SageMaker's /invocations then tries no further)
+        if prompt is None and info.data.get("prompt_embeds") is None:
+            raise ValueError("give prompt (or prompt_embeds)")
+        return prompt
 
     def check(self) -> None:
         self._common_checks()
@@ -300,10 +309,8 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
-        if p is None:
-            if self.prompt_embeds is not None:
-                return []
-            raise bad_request("give prompt (or prompt_embeds)", "prompt")
+        if p is None:  # (prompt_embeds alone: the validator refused neither)
+            return []
         if isinstance(p, str):
             return [p]
         if not p:
