@@ -161,3 +161,18 @@ def test_two_pipeline_stages(tmp_path):
         _same(two.generate({"prompt_embeds": _rows(one, IDS)}, GREEDY, use_tqdm=False)[0], want)
     finally:
         two.engine.shutdown()
+
+
+def test_a_prompt_dicts_cache_salt_keys_its_blocks(tmp_path):
+    """vLLM's prompt dicts (token ids, embeddings) carry an optional cache_salt: the same prompt under another salt
+    shares no block, under the same salt it hits."""
+    llm = _llm(make_model(str(tmp_path / "tiny"), "llama"), block_size=4)
+    rows = _rows(llm, IDS)
+    for prompt in ({"prompt_token_ids": IDS}, {"prompt_embeds": rows}):
+        first = llm.generate({**prompt, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)[0]
+        other = llm.generate({**prompt, "cache_salt": "tenant-b"}, GREEDY, use_tqdm=False)[0]
+        same = llm.generate({**prompt, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)[0]
+        assert (first.num_cached_tokens, other.num_cached_tokens, same.num_cached_tokens) == (0, 0, 20)
+        _same(same, first)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt_token_ids": IDS, "cache_salt": ""}, GREEDY, use_tqdm=False)

@@ -291,8 +291,11 @@ class LLM:
                 images = prompt.get("multi_modal") if isinstance(prompt, dict) else None
                 if images is not None and (why := image_input_refusal(self.config)) is not None:
                     raise ValueError(why)
-                for req in self.frontend.make_requests(rid, prompt, sp, priority=prio, lora_request=lora,
-                                                       multi_modal=images):
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # (vLLM's prompt dicts' key)
+                if salt is not None and (not isinstance(salt, str) or not salt):
+                    raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+                for req in self.frontend.make_requests(rid, prompt, sp, cache_salt=salt, priority=prio,
+                                                       lora_request=lora, multi_modal=images):
                     self.engine.add_request(req)
                 order.append(rid)
         except Exception:
