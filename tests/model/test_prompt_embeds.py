@@ -176,3 +176,23 @@ def test_a_prompt_dicts_cache_salt_keys_its_blocks(tmp_path):
         _same(same, first)
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         llm.generate({"prompt_token_ids": IDS, "cache_salt": ""}, GREEDY, use_tqdm=False)
+
+
+def test_sampling_params_truncate_prompt_tokens(tmp_path):
+    """vLLM's SamplingParams.truncate_prompt_tokens offline: the last k tokens (or rows) answer as that prompt alone;
+    -1 keeps what the context holds; 0 or below -1 are refused; extra_args is carried and changes nothing."""
+    from voltllm.sampling.params import SamplingParamsError
+
+    llm = _llm(make_model(str(tmp_path / "tiny"), "llama"), block_size=4, enable_prefix_caching=False)
+    cut = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, truncate_prompt_tokens=7,
+                         extra_args={"note": "kept"})
+    want = llm.generate({"prompt_token_ids": IDS[-7:]}, GREEDY, use_tqdm=False)[0]
+    for prompt in ({"prompt_token_ids": IDS}, {"prompt_embeds": _rows(llm, IDS)}):
+        got = llm.generate(prompt, cut, use_tqdm=False)[0]
+        assert len(got.prompt_token_ids) == 7
+        _same(got, want)
+    whole = llm.generate({"prompt_token_ids": IDS}, GREEDY.clone(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert len(whole.prompt_token_ids) == len(IDS)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens must be an integer >= 1"):
+            SamplingParams(truncate_prompt_tokens=bad)

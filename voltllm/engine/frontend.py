@@ -167,7 +167,7 @@ class Frontend:
             raise InvalidPromptError(f"request id {request_id!r} is already in use")
         embeds, spans = None, ()
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
-            from voltllm.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds, embeds_spans
+            from voltllm.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds
 
             if self.prompt_embeds_width is None:
                 raise InvalidPromptError("prompt_embeds need the engine started with --enable-prompt-embeds",
@@ -176,12 +176,22 @@ class Frontend:
             if params.prompt_logprobs is not None:
                 raise InvalidPromptError("prompt_logprobs are not computed for prompt_embeds (a prompt of embeddings "
                                          "has no token ids to score)")
-            spans = embeds_spans(embeds)
             text, ids = None, [PLACEHOLDER_ID] * embeds.shape[0]
         else:
             text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidPromptError("the prompt is empty")
+        kept = kept_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)  # (vLLM's offline truncation)
+        if len(kept) < len(ids):
+            if multi_modal is not None:
+                raise InvalidPromptError("truncate_prompt_tokens cannot cut a prompt with images (their tokens and "
+                                         "positions are laid out for the whole prompt)")
+            text, ids = None, kept
+            embeds = embeds[-len(kept):] if embeds is not None else None
+        if embeds is not None:
+            from voltllm.engine.prompt_embeds import embeds_spans
+
+            spans = embeds_spans(embeds)
         if multi_modal is not None and multi_modal.rope_positions.shape[-1] != len(ids):
             raise InvalidPromptError(f"the images' positions cover {multi_modal.rope_positions.shape[-1]} tokens, the "
                                      f"prompt has {len(ids)}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     from voltllm.sampling.repetition import RepetitionDetectionParams
@@ -60,6 +60,12 @@ class SamplingParams:
     # min_pattern_size .. max_pattern_size tokens repeated min_count times; a dict is taken as its fields
     # (sampling/repetition.py)
     repetition_detection: Optional["RepetitionDetectionParams"] = None
+    # vLLM's: keep the prompt's last k tokens (or embedding rows; -1: as many as the context holds; None: all), applied
+    # by the Frontend (the server cuts its prompts itself, with the request's truncation_side)
+    truncate_prompt_tokens: Optional[int] = None
+    # vLLM's: free-form arguments for custom sampling code; no in-tree code reads them (vLLM's neither), so they are
+    # kept as given and change nothing
+    extra_args: Optional[dict[str, Any]] = None
     # Filled by the engine: token ids that end generation (EOS + generation_config's eos ids).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     # Filled by the Frontend (it has the tokenizer): bad_words as token-id sequences; the sampler reads only these
@@ -136,6 +142,12 @@ class SamplingParams:
             if wrong:
                 raise SamplingParamsError(
                     f"allowed_token_ids must be token ids (non-negative integers), got {wrong[0]!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t == 0 or t < -1):
+            bad("truncate_prompt_tokens", "must be an integer >= 1 (keep the prompt's last k tokens) or -1 (the "
+                                          "context length)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            bad("extra_args", "must be a dict")
         budget = self.thinking_token_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             bad("thinking_token_budget", "must be an integer >= 0, or -1 (no cap)")
