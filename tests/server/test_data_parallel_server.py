@@ -55,7 +55,9 @@ def test_serve_dp2_spreads_requests_and_stops_without_orphans(tiny_path):
         text = httpx.get(srv.base + "/metrics", timeout=10).text
         done = _engine_samples(text, "voltllm:request_success_total")
         assert set(done) == {"0", "1"} and sum(done.values()) == len(PROMPTS), done
-        assert min(done.values()) >= 2, done  # the least busy engine takes each: both get a share
+        # the least busy engine takes each, so both get a share; how even depends on timing (under a loaded CI an
+        # engine can hold its first request while the other serves the rest one by one: 7 / 1 was seen)
+        assert min(done.values()) >= 1, done
         assert set(_engine_samples(text, "vllm:kv_cache_usage_perc")) == {"0", "1"}
         assert _engine_samples(text, "voltllm:engine_alive") == {"0": 1.0, "1": 1.0}
         steps = _engine_samples(text, "vllm:iteration_tokens_total_count")
