@@ -167,7 +167,8 @@ class Frontend:
             raise InvalidPromptError(f"request id {request_id!r} is already in use")
         embeds, spans = None, ()
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
-            from voltllm.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds
+            # (imported here: prompt_embeds imports this module's InvalidPromptError)
+            from voltllm.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds, embeds_spans
 
             if self.prompt_embeds_width is None:
                 raise InvalidPromptError("prompt_embeds need the engine started with --enable-prompt-embeds",
@@ -189,8 +190,6 @@ class Frontend:
             text, ids = None, kept
             embeds = embeds[-len(kept):] if embeds is not None else None
         if embeds is not None:
-            from voltllm.engine.prompt_embeds import embeds_spans
-
             spans = embeds_spans(embeds)
         if multi_modal is not None and multi_modal.rope_positions.shape[-1] != len(ids):
             raise InvalidPromptError(f"the images' positions cover {multi_modal.rope_positions.shape[-1]} tokens, the "

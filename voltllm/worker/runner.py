@@ -814,7 +814,7 @@ class ModelRunner:
                 image_rows = image_rows or ImageRows(None, None)
                 image_rows.token_positions = p3  # (the other ranks rotate the same: ImageStep.follow)
         prompt_rows = None  # (--enable-prompt-embeds: the given rows of the step's prompt tokens)
-        if calibrating and self.config.model.enable_prompt_embeds and not token_rows:
+        if calibrating and self.config.model.enable_prompt_embeds:  # (such steps run eagerly: see calibrating)
             found = gather_prompt_rows(sched.scheduled, meta.query_start_loc_cpu)
             if found is not None:
                 prompt_rows = (found[0], upload(found[1], self.device).to(self.dtype))
