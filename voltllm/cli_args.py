@@ -194,6 +194,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prompt-embeds", action=argparse.BooleanOptionalAction, default=False,
                    help="take prompts as embedding rows: /v1/completions' prompt_embeds (base64 of a torch.save()d "
                         "[tokens, hidden] tensor), offline {\"prompt_embeds\": tensor}")
+    g.add_argument("--ignore-patterns", nargs="+", default=None, metavar="PATTERN",
+                   help="glob patterns of the model's files (relative to its directory or repo) not to fetch or read "
+                        "(default: original/*, the consolidated copies some repos carry)")
+    g.add_argument("--pt-load-map-location", default="cpu", metavar="DEVICE",
+                   help="where torch.load puts a pytorch_model*.bin checkpoint's tensors first (cpu, cuda, or a JSON "
+                        "object such as '{\"cuda:1\": \"cuda:0\"}'), for checkpoints that load only there")
     g.add_argument("--use-tqdm-on-load", action=argparse.BooleanOptionalAction, default=True,
                    help="a progress bar over the checkpoint's files (GGUF: its tensors) while the weights load")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors", "pt", "gguf",

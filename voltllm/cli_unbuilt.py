@@ -113,8 +113,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--additional-config": "platform plugins' extra configuration is not built",
     # models and loading, newer flags
     "--code-revision": "remote code from another revision is not built (--revision fetches the model's)",
-    "--ignore-patterns": "filtering the model's files by pattern is not built: the loader reads the weights it needs",
-    "--pt-load-map-location": "loading .pt weights onto another device first is not built",
     # frontend (serve) flags of newer vLLM
     "--tool-server": _TOOL_SERVER,
     "--enable-ssl-refresh": "reloading the TLS certificate when its files change is not built: restart the server",

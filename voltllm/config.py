@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 
 from voltllm.cuda_graph_config import CudaGraphConfig
+from voltllm.model.loader.load_options import DEFAULT_IGNORE_PATTERNS
 
 if TYPE_CHECKING:
     from voltllm.multimodal.config import MultiModalConfig
@@ -68,6 +69,10 @@ class ModelConfig:
     mmproj: Optional[str] = None
     load_format: str = "auto"  # auto | dummy (random weights at the checkpoint's shapes, for benchmarks)
     use_tqdm_on_load: bool = True  # --use-tqdm-on-load: a progress bar over the checkpoint's files while loading
+    # --ignore-patterns / --pt-load-map-location: the checkpoint's files left out, and where torch.load puts a .bin
+    # checkpoint's tensors first (model/loader/load_options.py)
+    ignore_patterns: tuple[str, ...] = DEFAULT_IGNORE_PATTERNS
+    pt_load_map_location: Any = "cpu"
     enable_prompt_embeds: bool = False  # --enable-prompt-embeds: prompts as embedding rows (engine/prompt_embeds.py)
     skip_tokenizer_init: bool = False
     # the quantization method ("gguf", "awq", "gptq", "fp8", "modelopt_fp4" (NVFP4), "compressed-tensors" (NVFP4,
@@ -90,6 +95,13 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return getattr(self.hf_config, "model_type", "unknown")
+
+    def weights_source(self) -> Any:
+        """The model's loader.ModelSource, with its load options (what the workers read the weights from)."""
+        from voltllm.model.loader import resolve_model
+
+        return resolve_model(self.model, ignore_patterns=self.ignore_patterns,
+                             pt_map_location=self.pt_load_map_location)
 
     @property
     def prompt_embeds_width(self) -> Optional[int]:
@@ -302,6 +314,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # fcfs | priority (SCHEDULING_POLICIES)
     load_format: str = "auto"
     use_tqdm_on_load: bool = True
+    ignore_patterns: Any = None  # glob patterns (a list, or one string); None: original/*
+    pt_load_map_location: Any = "cpu"  # a device, or a JSON object / dict of devices (torch.load's map_location)
     enable_prompt_embeds: bool = False  # vLLM's: prompts as embedding rows (engine/prompt_embeds.py)
     skip_tokenizer_init: bool = False
     require_acceleration: bool = False
@@ -633,6 +647,15 @@ class EngineArgs:
             raise ConfigError(str(e)) from None
         return self.prefix_caching_hash_algo
 
+    def _load_options(self) -> tuple[tuple[str, ...], Any]:
+        """(--ignore-patterns, --pt-load-map-location), refused when malformed."""
+        from voltllm.model.loader.load_options import ignore_patterns_of, map_location_of
+
+        try:
+            return ignore_patterns_of(self.ignore_patterns), map_location_of(self.pt_load_map_location)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     def _kv_metrics_sample(self) -> float:
         """--kv-cache-metrics' sampling share (0: off); --kv-cache-metrics-sample must be in (0, 1]."""
         sample = self.kv_cache_metrics_sample
@@ -699,9 +722,11 @@ class EngineArgs:
         hash_algo = self._prefix_caching_hash_algo()  # (likewise)
         spec_dict = parse_json_object("--speculative-config", self.speculative_config)
         model_ref, revision, spec_dict = self._resolve_speculators(spec_dict)
+        ignore_patterns, map_location = self._load_options()  # (likewise)
         try:
             source = resolve_model(model_ref, revision, self.download_dir, self.hf_token, self.trust_remote_code,
-                                   projector=not (self.mmproj or self.no_mmproj or self.language_model_only))
+                                   projector=not (self.mmproj or self.no_mmproj or self.language_model_only),
+                                   ignore_patterns=ignore_patterns, pt_map_location=map_location)
         except ModelLoadError as e:
             if model_ref == self.model:
                 raise
@@ -843,6 +868,7 @@ class EngineArgs:
             override_generation_config=gen_override,
             chat_template=self.chat_template, language_model_only=self.language_model_only, mmproj=mmproj,
             load_format=load_format, use_tqdm_on_load=self.use_tqdm_on_load,
+            ignore_patterns=ignore_patterns, pt_load_map_location=map_location,
             enable_prompt_embeds=self.enable_prompt_embeds,
             skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=method,

@@ -55,7 +55,8 @@ def _serve(capsys, *words: str) -> str:
     ["--enable-log-deltas"], ["--show-hidden-metrics-for-version", "0.10"], ["--no-enable-flashinfer-autotune"],
     ["--fingerprint-mode", "none"], ["--no-use-tqdm-on-load"], ["--uds", "/tmp/voltllm-test.sock"],
     ["--prefix-caching-hash-algo", "sha256"], ["--h11-max-incomplete-event-size", "65536"],
-    ["--h11-max-header-count", "100"],
+    ["--h11-max-header-count", "100"], ["--ignore-patterns", "original/*", "*.pt"],
+    ["--pt-load-map-location", "cuda"], ["--pt-load-map-location", '{"cuda:1": "cuda:0"}'],
 ])
 def test_accepted_at_voltllms_behaviour(capsys, words):
     assert MISSING in _serve(capsys, *words)

@@ -93,7 +93,7 @@ class MTPRunner(DeviceDrafts):
     @staticmethod
     def _load(runner: Any) -> torch.nn.Module:
         """The MTP module of the target checkpoint, dense, in the target's dtype."""
-        from voltllm.model.loader import iter_weights, resolve_model
+        from voltllm.model.loader import iter_weights
         from voltllm.model.models.qwen3_next_mtp import HybridMTP, mtp_name
         from voltllm.worker.runner import init_dummy_weights
 
@@ -104,7 +104,7 @@ class MTPRunner(DeviceDrafts):
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed + 1)
         else:
-            weights = iter_weights(resolve_model(mc.model), mc.hf_config, only=lambda n: mtp_name(n) is not None)
+            weights = iter_weights(mc.weights_source(), mc.hf_config, only=lambda n: mtp_name(n) is not None)
             model.load_weights((mtp_name(n), t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                                 else t) for n, t in weights)
         logger.info("loaded the MTP module of %s in %.1f s", mc.model, time.monotonic() - t0)

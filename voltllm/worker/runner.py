@@ -319,12 +319,12 @@ class ModelRunner:
         under expert parallelism the other ranks' experts are not read, under pipeline parallelism the other stages'
         layers."""
         from voltllm.distributed.experts import expert_shard, model_num_experts
-        from voltllm.model.loader import iter_weights, resolve_model
+        from voltllm.model.loader import iter_weights
 
         mc = self.config.model
         experts = expert_shard(model_num_experts(mc.hf_config), self.tp)
         return ((n, t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-                for n, t in iter_weights(resolve_model(mc.model), mc.hf_config, self.keep_quantized, mc.quantization,
+                for n, t in iter_weights(mc.weights_source(), mc.hf_config, self.keep_quantized, mc.quantization,
                                          experts=experts, layers=self.pp.owns if self.pp is not None else None,
                                          # (one bar: the first rank's, under -tp / -pp)
                                          progress=mc.use_tqdm_on_load and (self.group is None or self.group.rank == 0)))

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
+from voltllm.model.loader.load_options import DEFAULT_IGNORE_PATTERNS
 
 
 class ModelLoadError(ValueError):
@@ -24,6 +25,10 @@ class ModelSource:
     # a text-only model, or none to be had: hub.fetch_projector warned)
     hub_repo: Optional[str] = None
     mmproj: Optional[str] = None
+    # the checkpoint's files left out (--ignore-patterns, load_options.py; default: original/*), and where
+    # torch.load puts a legacy .bin checkpoint's tensors first (--pt-load-map-location)
+    ignore_patterns: tuple[str, ...] = DEFAULT_IGNORE_PATTERNS
+    pt_map_location: Any = "cpu"
 
     @property
     def tokenizer_path(self) -> str:
@@ -31,11 +36,22 @@ class ModelSource:
 
 
 def resolve_model(model: Optional[str], revision: Optional[str] = None, download_dir: Optional[str] = None,
-                  token: Any = None, trust_remote_code: bool = False, projector: bool = False) -> ModelSource:
+                  token: Any = None, trust_remote_code: bool = False, projector: bool = False,
+                  ignore_patterns: tuple[str, ...] = DEFAULT_IGNORE_PATTERNS,
+                  pt_map_location: Any = "cpu") -> ModelSource:
     """Turn a --model value into a source; None means the embedded default model. A name that is no local path
     but a Hugging Face Hub repo id is fetched (or found in the cache) first: loader/hub.py. projector: with an
     owner/name:QUANT vision-language model, fetch its projector file too (the engine's model, unless --mmproj,
-    --no-mmproj or --language-model-only)."""
+    --no-mmproj or --language-model-only). ignore_patterns / pt_map_location: the source's load options (a Hub
+    fetch leaves the ignored files out too)."""
+    source = _resolve(model, revision, download_dir, token, trust_remote_code, projector, ignore_patterns)
+    if source.kind == "hf":
+        source = replace(source, ignore_patterns=tuple(ignore_patterns), pt_map_location=pt_map_location)
+    return source
+
+
+def _resolve(model: Optional[str], revision: Optional[str], download_dir: Optional[str], token: Any,
+             trust_remote_code: bool, projector: bool, ignore_patterns: tuple[str, ...]) -> ModelSource:
     if model is None:
         from voltllm.model.loader.default_model import ensure_default_model
 
@@ -46,7 +62,7 @@ def resolve_model(model: Optional[str], revision: Optional[str] = None, download
         path, mmproj = hub.fetch_gguf(*ref, revision, download_dir, token, projector=projector)
         return ModelSource(path=path, kind="gguf", hub_repo=ref[0], mmproj=mmproj)
     if hub.looks_like_repo_id(model):
-        path = hub.fetch_repo(model, revision, download_dir, token, trust_remote_code)
+        path = hub.fetch_repo(model, revision, download_dir, token, trust_remote_code, ignore=list(ignore_patterns))
         hub.require_weights(path, model)
         return ModelSource(path=path, kind="hf")
     path = os.path.expanduser(model)
@@ -156,7 +172,7 @@ def iter_weights(source: ModelSource, hf_config: Any, keep_quantized: bool = Fal
     if layers is not None:
         in_stage = _of_layers(layers)
         only = in_stage if only is None else (lambda name, first=only: first(name) and in_stage(name))
-    stream = safetensors_weights(source.path, only, progress)
+    stream = safetensors_weights(source.path, only, progress, source.ignore_patterns, source.pt_map_location)
     if (bnb := bnb_scheme(hf_config, quantization)) is not None:
         yield from bnb_weights(stream, bnb, quantized_layers(source.path) if bnb.bits == 4 and not bnb.at_load
                                else set(), keep_quantized)
