@@ -165,6 +165,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profiler-config", type=json_object_arg("--profiler-config"), default=None,
                    help='vLLM\'s: \'{"profiler": "torch", "torch_profiler_dir": "/abs/dir"}\' (or "cuda"): POST '
                         '/start_profile and /stop_profile, LLM.start_profile / stop_profile')
+    g.add_argument("--kv-events-config", type=json_object_arg("--kv-events-config"), default=None,
+                   help='vLLM\'s KV cache events over ZeroMQ, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+                        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/cli.md)')
     g.add_argument("--reasoning-config", type=json_object_arg("--reasoning-config"), default=None,
                    help='reasoning delimiters for thinking_token_budget, e.g. \'{"reasoning_start_str": "<think>", '
                    '"reasoning_end_str": "</think>"}\' (default: --reasoning-parser\'s)')

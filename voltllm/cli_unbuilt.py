@@ -93,7 +93,7 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--mm-encoder-attn-backend": _MULTIMODAL, "--enable-mm-embeds": _MULTIMODAL, "--video-pruning-rate": _MULTIMODAL,
     "--disable-chunked-mm-input": _MULTIMODAL, "--trust-request-mm-kwargs": _MULTIMODAL,
     # disaggregation, observability
-    "--kv-transfer-config": _KV_TRANSFER, "--kv-events-config": "KV cache events are not built",
+    "--kv-transfer-config": _KV_TRANSFER,
     "--ec-transfer-config": "encoder-cache transfer between engines (multimodal disaggregation) is not built",
     "--otlp-traces-endpoint": _TRACING, "--collect-detailed-traces": _TRACING,
     "--aggregate-engine-logging": "one stats log line over the data-parallel engines is not built: each line is "

@@ -233,6 +233,9 @@ class EngineConfig:
     profiler: Optional[Any] = None
     # --enable-mfu-metrics: each step's estimated FLOPs and bytes per GPU into the stats (perf_metrics.py)
     enable_mfu_metrics: bool = False
+    # --kv-events-config: the prefix cache's KV events published over ZeroMQ (kv_events_config.KVEventsConfig; None:
+    # off, nothing collected, no socket)
+    kv_events: Optional[Any] = None
 
 
 def _default_multimodal() -> "MultiModalConfig":
@@ -347,6 +350,8 @@ class EngineArgs:
     disable_sliding_window: bool = False
     profiler_config: Optional[Any] = None  # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} (profiling.py)
     enable_mfu_metrics: bool = False  # vLLM's: estimated FLOPs / bytes per GPU in the metrics (perf_metrics.py)
+    # vLLM's KV cache events over ZeroMQ: a JSON object, dict or kv_events_config.KVEventsConfig
+    kv_events_config: Optional[Any] = None
     # pooling (embedding) models, vLLM's flags: --runner auto | generate | pooling, --convert auto | none | embed, the
     # older --task (generate, embed, ...), and --pooler-config (older name --override-pooler-config)
     runner: str = "auto"
@@ -674,6 +679,14 @@ class EngineArgs:
         except ProfilerError as e:
             raise ConfigError(str(e)) from None
 
+    def _resolve_kv_events(self) -> Any:
+        """--kv-events-config as a kv_events_config.KVEventsConfig (None: no events)."""
+        if self.kv_events_config is None:
+            return None
+        from voltllm.kv_events_config import resolve_kv_events
+
+        return resolve_kv_events(self.kv_events_config, self.data_parallel_size)
+
     def _resolve_sliding_window(self, hf_config: Any) -> Optional[int]:
         """A checkpoint whose layers include sliding-window ones (voltllm.model.sliding_window): the llama-family
         architectures run them (the window's keys only; KV is kept for the whole context); with
@@ -720,6 +733,7 @@ class EngineArgs:
         graphs = self._resolve_cuda_graphs()
         profiler = self._resolve_profiler()  # (before the model is resolved: a bad value fails at once)
         hash_algo = self._prefix_caching_hash_algo()  # (likewise)
+        kv_events = self._resolve_kv_events()  # (likewise)
         spec_dict = parse_json_object("--speculative-config", self.speculative_config)
         model_ref, revision, spec_dict = self._resolve_speculators(spec_dict)
         ignore_patterns, map_location = self._load_options()  # (likewise)
@@ -950,6 +964,8 @@ class EngineArgs:
             config = replace(config, profiler=profiler)
         if self.enable_mfu_metrics:
             config = replace(config, enable_mfu_metrics=True)
+        if kv_events is not None:
+            config = replace(config, kv_events=kv_events)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration
 

@@ -80,6 +80,9 @@ class BlockPool:
         # be saved to the CPU tier first (kv_manager.py)
         self.on_evict: Optional[Callable[[Block], None]] = None
         self.residency = None  # --kv-cache-metrics: a BlockResidency following sampled blocks (cache/residency.py)
+        # --kv-events-config: a KVEventRecorder told of each hash leaving the map and of resets (cache/kv_events.py;
+        # the manager records the stores, which need the request's tokens)
+        self.events = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +115,8 @@ class BlockPool:
                 if self.on_evict is not None:
                     self.on_evict(b)
                 del self.cached[b.block_hash]
+                if self.events is not None:
+                    self.events.removed((b.block_hash,))
             b.block_hash = None
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -136,13 +141,15 @@ class BlockPool:
                 if self.residency is not None:
                     self.residency.freed(b.block_id)
 
-    def cache_block(self, b: Block, block_hash: bytes) -> None:
+    def cache_block(self, b: Block, block_hash: bytes) -> bool:
+        """Put a full block in the hash map; False when it did not enter (already hashed, or a duplicate)."""
         if not self.enable_caching or b.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this one stays private
+            return False  # an identical block is already cached; this one stays private
         b.block_hash = block_hash
         self.cached[block_hash] = b
+        return True
 
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks:
@@ -150,6 +157,8 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_integrity(self, expected_refs: Optional[dict[int, int]] = None) -> None:

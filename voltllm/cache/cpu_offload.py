@@ -37,6 +37,7 @@ class CpuBlockIndex:
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # oldest first
         self._free: deque[int] = deque(range(num_slots))  # in order: consecutive saves get consecutive slots
         self._pinned: set[int] = set()
+        self.events = None  # --kv-events-config: a KVEventRecorder told of hashes entering and leaving (medium CPU)
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -87,13 +88,19 @@ class CpuBlockIndex:
             if victim is None:
                 return None
             slot = self._by_hash.pop(victim)
+            if self.events is not None:
+                self.events.removed((victim,), "CPU")
         self._by_hash[block_hash] = slot
+        if self.events is not None:
+            self.events.stored_elsewhere(block_hash, "CPU")
         return slot
 
     def reset(self) -> None:
         """Forget every block (the memory is left as it is: no slot is read before it is saved into again)."""
         if self._pinned:
             raise RuntimeError("the CPU KV tier cannot be reset while a step's loads are being planned")
+        if self.events is not None and self._by_hash:
+            self.events.removed(list(self._by_hash), "CPU")
         self._by_hash.clear()
         self._free = deque(range(self.num_slots))
 

@@ -202,10 +202,36 @@ class KVCacheManager:
         self._update_hashes(req)
         blocks = self.req_blocks[req.request_id]
         end = min(num_tokens // self.block_size, len(req.block_hashes))
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        if self.pool.events is None:
+            for i in range(start, end):
+                self.pool.cache_block(blocks[i], req.block_hashes[i])
+        else:
+            self._cache_and_record(req, blocks, start, end)
         if end > start:
             self.num_cached_blocks[req.request_id] = end
+
+    def record_events(self, recorder) -> None:
+        """--kv-events-config: tell `recorder` (cache/kv_events.py KVEventRecorder) what the GPU pool and the CPU tier
+        gain and lose from now on."""
+        self.pool.events = recorder
+        if self.cpu is not None:
+            self.cpu.events = recorder
+
+    def _cache_and_record(self, req: Request, blocks: list[Block], start: int, end: int) -> None:
+        """Blocks start..end of the request into the hash map, each run of those that entered it (not hits, not
+        duplicates of a cached block) one BlockStored event with its parent and its tokens."""
+        run = None  # the first block of the run entering the map
+        for i in range(start, end + 1):
+            entered = i < end and self.pool.cache_block(blocks[i], req.block_hashes[i])
+            if entered and run is None:
+                run = i
+            elif not entered and run is not None:
+                bs = self.block_size
+                lora = req.lora_request
+                self.pool.events.stored(req.block_hashes[run:i], req.block_hashes[run - 1] if run else None,
+                                        req.all_token_ids[run * bs:i * bs],
+                                        lora.lora_int_id if lora is not None else None)
+                run = None
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])

@@ -45,6 +45,9 @@ class EngineCore:
         check_torch_runs_on(config)
         self.config = config
         self.tp_workers = None  # rank 0's handle on the other tensor-parallel ranks (voltllm.distributed)
+        # --kv-events-config: the events the block pool records (cache/kv_events.py), published once per step
+        self.kv_events = None
+        self.kv_event_publisher = None
         if config.parallel.world_size > 1:
             if model is not None:
                 raise ValueError("a prebuilt model cannot be sharded for tensor or pipeline parallelism")
@@ -63,6 +66,8 @@ class EngineCore:
     def _start(self, config: EngineConfig, model: Optional[torch.nn.Module]) -> None:
         # the other TP ranks run the same steps that hold collectives, in this order (distributed/worker.py)
         torch.manual_seed(config.parallel.global_seed(config.model.seed))
+        if config.kv_events is not None:  # (its sockets first: a port in use fails before the weights load)
+            self._start_kv_event_publisher(config)
         tp = self.tp_workers
         if tp is not None:
             from dataclasses import replace
@@ -89,6 +94,14 @@ class EngineCore:
         if prefix and snapshots is not None:
             snapshots.hash_algo = self.kv.hash_algo
             self.kv.state_prefix = snapshots
+        if self.kv_event_publisher is not None:
+            from voltllm.cache.kv_events import KVEventRecorder
+
+            if not prefix:
+                logger.warning("KV cache events: prefix caching is off, so no block enters the cache and no event is "
+                               "published")
+            self.kv_events = KVEventRecorder(config.cache.block_size)
+            self.kv.record_events(self.kv_events)
         if config.cache.kv_cache_metrics_sample:  # --kv-cache-metrics
             from voltllm.cache.residency import BlockResidency
 
@@ -140,6 +153,21 @@ class EngineCore:
                 from voltllm.distributed.sleep import GroupSleep
 
                 self.sleep_state = GroupSleep(self.sleep_state, tp)
+
+    def _start_kv_event_publisher(self, config: EngineConfig) -> None:
+        import weakref
+
+        from voltllm.engine.kv_event_publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(config.kv_events, config.parallel.data_parallel_rank)
+        self.kv_event_publisher = publisher
+        # an engine dropped without shutdown() (an offline LLM going out of scope) still closes its sockets
+        weakref.finalize(self, publisher.close)
+
+    def _publish_kv_events(self) -> None:
+        events = self.kv_events.take()
+        if events:
+            self.kv_event_publisher.publish(events)
 
     def start_profile(self) -> None:
         """vLLM's: the profiler runs from here until stop_profile (profiling.ProfilerError: off, or running), on
@@ -273,6 +301,8 @@ class EngineCore:
             self.kv.state_prefix.reset()
         if reset_connector:
             self.kv.reset_cpu_tier()
+        if self.kv_events is not None:  # (outside a step: published now)
+            self._publish_kv_events()
         return True
 
     # vLLM's sleep mode (--enable-sleep-mode; worker/sleep_mode.py)
@@ -389,6 +419,11 @@ class EngineCore:
                 logger.warning("the profiler's trace was not written at shutdown: %s", e)
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is not None:
+            if self.kv_events is not None:
+                self._publish_kv_events()
+            publisher.close()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch one step; return the outputs of the step that completed."""
@@ -457,6 +492,8 @@ class EngineCore:
                 outputs += self._finish_inflight()
         outputs += self.scheduler.take_abort_notices()
         self._drop_retired_loras()
+        if self.kv_events is not None:
+            self._publish_kv_events()
         if handle is not None:  # (--profiler-config's delay / max iterations count the steps that ran a forward)
             self.profiler.step()
         return outputs
