@@ -1650,6 +1650,15 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
+  s162)  # (session 62) #4: the 8B at 64 x 128/128 at this session's head (KV events off: one None test per step
+          # added to the engine loop), on whichever card came; then the engine GPU file after the session's loader and
+          # block-pool changes (--ignore-patterns, KV event hooks)
+    bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --scenario concurrency \
+      --concurrency 64 --input-len 128 --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha \
+      > "$out/c64.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot|limits)" "$out/c64.log"
+    gpu_file test_engine_gpu 240
+    ;;
   s161b)  # (session 61) prompt embeddings on the GPU (graphs on; fp32 / fp16, native and --compat sm70), and the
            # engine GPU file after the session's runner changes (release of the step's rows, load progress)
     gpu_file test_prompt_embeds_cuda 300
