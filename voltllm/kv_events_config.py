@@ -12,11 +12,10 @@ Under data parallelism engine k publishes on its own endpoints: a tcp port + k, 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-from voltllm.config import ConfigError
+from voltllm.config import ConfigError, parse_json_object
 
 KV_EVENTS_PUBLISHERS = ("null", "zmq")
 _FLAG = "--kv-events-config"
@@ -48,13 +47,9 @@ def resolve_kv_events(value: Any, data_parallel_size: int = 1) -> Optional[KVEve
         return None
     if isinstance(value, KVEventsConfig):
         value = dataclasses.asdict(value)
-    elif isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{_FLAG} must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
+    elif not isinstance(value, (str, dict)):
         raise ConfigError(f"{_FLAG} must be a JSON object, got {type(value).__name__}")
+    value = parse_json_object(_FLAG, value)
     known = {f.name for f in fields(KVEventsConfig)}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -9,18 +9,16 @@ import random
 import socket
 import threading
 
-import msgspec
 import pytest
 import zmq
 
+from kv_event_clients import DECODE, replay
 from tiny_models import make_model
 from voltllm import SamplingParams
-from voltllm.cache.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from voltllm.cache.kv_events import AllBlocksCleared, BlockStored
 from voltllm.cache.prefix import extend_block_hashes
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-END = (-1).to_bytes(8, "big", signed=True)
-DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
 _rng = random.Random(0)
 SHARED = [_rng.randrange(3, 200) for _ in range(64)]  # 4 blocks of 16
 PROMPTS = [SHARED + [_rng.randrange(3, 200) for _ in range(36)] for _ in range(2)]
@@ -101,21 +99,6 @@ def _hashes(tokens):
     return hashes
 
 
-def _replay(ctx, endpoint, start=0):
-    client = ctx.socket(zmq.DEALER)
-    client.setsockopt(zmq.LINGER, 0)
-    client.connect(endpoint)
-    client.send_multipart([b"", start.to_bytes(8, "big")])
-    got = []
-    while True:
-        assert client.poll(5000), "no replay answer"
-        _, seq, payload = client.recv_multipart()
-        if seq == END:
-            client.close()
-            return got
-        got.append((seq, payload))
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_subscribers_view_is_the_prefix_cache(tiny, tmp_path, async_scheduling):
     ctx = zmq.Context()
@@ -150,8 +133,8 @@ def test_a_subscribers_view_is_the_prefix_cache(tiny, tmp_path, async_scheduling
         seqs = [int.from_bytes(f[1], "big") for f in sub.frames]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         assert all(DECODE(f[2]).data_parallel_rank == 0 for f in sub.frames)
-        replayed = _replay(ctx, llm.engine.kv_event_publisher.replay_endpoint)
-        assert replayed[-len(sub.frames):] == [(f[1], f[2]) for f in sub.frames]
+        replayed = replay(ctx, llm.engine.kv_event_publisher.replay_endpoint)
+        assert replayed[-len(sub.frames):] == [(int.from_bytes(f[1], "big"), f[2]) for f in sub.frames]
         sub.sub.close()
     finally:
         llm.engine.shutdown()

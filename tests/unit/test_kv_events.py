@@ -7,11 +7,11 @@ import socket
 import sys
 import threading
 
-import msgspec
 import pytest
 import zmq
 
-from voltllm.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventRecorder
+from kv_event_clients import DECODE, replay
+from voltllm.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
 from voltllm.cache.kv_manager import KVCacheManager
 from voltllm.config import ConfigError
 from voltllm.engine.kv_event_publisher import KVEventPublisher
@@ -21,8 +21,6 @@ from voltllm.kv_events_config import KVEventsConfig, endpoint_binds, offset_endp
 from voltllm.lora.request import LoRARequest
 from voltllm.sampling.params import SamplingParams
 
-END = (-1).to_bytes(8, "big", signed=True)
-DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
 
 
 # -- the config ----------------------------------------------------------------------------------------------------
@@ -210,24 +208,7 @@ def _subscribe(ctx, endpoint, publisher, topic=b""):
     return sub
 
 
-def _replay(ctx, endpoint, start):
-    client = ctx.socket(zmq.DEALER)
-    client.setsockopt(zmq.LINGER, 0)
-    client.connect(endpoint)
-    client.send_multipart([b"", start.to_bytes(8, "big")])
-    got = []
-    while True:
-        assert client.poll(5000), "no replay answer"
-        empty, seq, payload = client.recv_multipart()
-        assert empty == b""
-        if seq == END:
-            assert payload == b""
-            client.close()
-            return got
-        got.append((int.from_bytes(seq, "big"), payload))
-
-
-def test_batches_go_out_as_three_frames_and_replay(tmp_path):
+def test_batches_go_out_as_three_frames_andreplay(tmp_path):
     ctx = zmq.Context()
     pub = KVEventPublisher(_config(tmp_path, topic="kv", buffer_steps=4))
     try:
@@ -242,10 +223,10 @@ def test_batches_go_out_as_three_frames_and_replay(tmp_path):
             batch = DECODE(f[2])
             assert batch.events == events and batch.data_parallel_rank == 0 and batch.ts > 0
         # replay: every kept batch from the asked sequence number on (buffer_steps = 4 kept), then the end marker
-        assert _replay(ctx, pub.replay_endpoint, seqs[1]) == [(s, f[2]) for s, f in zip(seqs[1:], frames[1:])]
-        kept = _replay(ctx, pub.replay_endpoint, 0)
+        assert replay(ctx, pub.replay_endpoint, seqs[1]) == [(s, f[2]) for s, f in zip(seqs[1:], frames[1:])]
+        kept = replay(ctx, pub.replay_endpoint, 0)
         assert [s for s, _ in kept] == [seqs[0] - 1] + seqs and kept[-3:] == [(s, f[2]) for s, f in zip(seqs, frames)]
-        assert _replay(ctx, pub.replay_endpoint, seqs[-1] + 1) == []
+        assert replay(ctx, pub.replay_endpoint, seqs[-1] + 1) == []
         sub.close()
     finally:
         pub.close()
