@@ -21,13 +21,17 @@ PLAIN = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
 @pytest.fixture(scope="module")
 def flag_server(tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp("tiny_flags")), "llama")
+    events = tmp_path_factory.mktemp("kv_events")
     srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
+                      "--kv-events-config", f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{events}/pub", '
+                                            f'"replay_endpoint": "ipc://{events}/replay"}}',
                       "--disable-log-stats", "--disable-uvicorn-access-log",
                       "--chat-template-content-format", "openai", "--return-tokens-as-token-ids",
                       "--disable-fastapi-docs", "--enable-request-id-headers", "--enable-log-requests",
                       "--max-log-len", "12", "--enable-log-outputs", "--enable-server-load-tracking",
                       "--h11-max-incomplete-event-size", "4096", "--h11-max-header-count", "40"],
                      free_port(), env={"OMP_NUM_THREADS": "1"})
+    srv.kv_events_replay = f"ipc://{events}/replay"
     try:
         srv.wait_healthy(180)
         yield srv
@@ -341,3 +345,26 @@ def test_h11_limits(flag_server):
     assert many.status_code == 431
     assert "header fields, more than this server's 40" in many.json()["error"]["message"]
     assert httpx.get(base + "/v1/models", headers={f"x-h{i}": "1" for i in range(20)}, timeout=30).status_code == 200
+
+
+def test_kv_events_from_the_server(flag_server):
+    """--kv-events-config on `voltllm serve`: the engine process publishes the blocks a request's prompt filled (its
+    tokens, block by block, parents chained); read back through the replay socket (no slow-joiner race)."""
+    import zmq
+
+    from kv_event_clients import DECODE, replay
+    from voltllm.cache.kv_events import BlockStored
+
+    ids = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41]  # two full blocks of 4 (+ 2 tokens)
+    r = httpx.post(flag_server.base + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    ctx = zmq.Context()
+    try:
+        batches = [DECODE(payload) for _, payload in replay(ctx, flag_server.kv_events_replay)]
+    finally:
+        ctx.term()
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    runs = [e for e in stored if e.token_ids[:8] == ids[:8]]
+    assert runs and runs[0].block_size == 4 and runs[0].medium == "GPU" and len(runs[0].block_hashes) >= 2
+    assert all(b.data_parallel_rank == 0 for b in batches)
