@@ -168,6 +168,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-config", type=json_object_arg("--kv-events-config"), default=None,
                    help='vLLM\'s KV cache events over ZeroMQ, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
                         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/cli.md)')
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="send an OpenTelemetry span per finished request (llm_request) to this OTLP collector: an "
+                        "http(s) URL ending in /v1/traces uses OTLP/HTTP, anything else (HOST:PORT, grpc://HOST:PORT, "
+                        "http(s)://HOST:PORT) OTLP/gRPC (docs/cli.md)")
     g.add_argument("--reasoning-config", type=json_object_arg("--reasoning-config"), default=None,
                    help='reasoning delimiters for thinking_token_budget, e.g. \'{"reasoning_start_str": "<think>", '
                    '"reasoning_end_str": "</think>"}\' (default: --reasoning-parser\'s)')

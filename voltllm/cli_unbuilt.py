@@ -30,7 +30,9 @@ _ALL2ALL = ("all-to-all token exchange (expert parallelism across data-parallel 
 _DATA_PARALLEL = ("data parallelism over several nodes or API servers is not built: --data-parallel-size N runs N "
                   "engines on this machine behind one API server")
 _KV_TRANSFER = "disaggregated prefill / KV cache transfer between engines is not built"
-_TRACING = "OpenTelemetry tracing is not built (Prometheus metrics: GET /metrics)"
+_DETAILED_TRACES = ("per-request model forward / execute times are not measured (a step runs many requests at once, "
+                    "and timing its forward would wait for the device); --otlp-traces-endpoint's llm_request spans "
+                    "carry each request's queue, prefill, decode and inference times")
 _DBO = "dual-batch overlap (micro-batches overlapping expert-parallel communication) is not built"
 _OWN_KERNELS = "voltllm runs its own Triton kernels (docs/kernels.md); vLLM's kernel and backend choices are not built"
 _TOOL_SERVER = "built-in tools run by the server (gpt-oss's browser / python through MCP tool servers) are not built"
@@ -95,7 +97,7 @@ UNBUILT_FLAGS: dict[str, str] = {
     # disaggregation, observability
     "--kv-transfer-config": _KV_TRANSFER,
     "--ec-transfer-config": "encoder-cache transfer between engines (multimodal disaggregation) is not built",
-    "--otlp-traces-endpoint": _TRACING, "--collect-detailed-traces": _TRACING,
+    "--collect-detailed-traces": _DETAILED_TRACES,
     "--aggregate-engine-logging": "one stats log line over the data-parallel engines is not built: each line is "
                                   "engine 0's client view of all engines' requests",
     "--enable-per-request-metrics": "per-request timing metrics in responses are not built (the same timings feed "

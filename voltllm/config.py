@@ -236,6 +236,9 @@ class EngineConfig:
     # --kv-events-config: the prefix cache's KV events published over ZeroMQ (kv_events_config.KVEventsConfig; None:
     # off, nothing collected, no socket)
     kv_events: Optional[Any] = None
+    # --otlp-traces-endpoint: where the API process (or the offline LLM) sends each finished request's span
+    # (tracing_config.OtlpTracesConfig; None: off). The engine process does not read it.
+    otlp_traces: Optional[Any] = None
 
 
 def _default_multimodal() -> "MultiModalConfig":
@@ -352,6 +355,8 @@ class EngineArgs:
     enable_mfu_metrics: bool = False  # vLLM's: estimated FLOPs / bytes per GPU in the metrics (perf_metrics.py)
     # vLLM's KV cache events over ZeroMQ: a JSON object, dict or kv_events_config.KVEventsConfig
     kv_events_config: Optional[Any] = None
+    # vLLM's OpenTelemetry request spans: the OTLP collector's endpoint (tracing_config.py: it picks the exporter)
+    otlp_traces_endpoint: Optional[str] = None
     # pooling (embedding) models, vLLM's flags: --runner auto | generate | pooling, --convert auto | none | embed, the
     # older --task (generate, embed, ...), and --pooler-config (older name --override-pooler-config)
     runner: str = "auto"
@@ -687,6 +692,14 @@ class EngineArgs:
 
         return resolve_kv_events(self.kv_events_config, self.data_parallel_size)
 
+    def _resolve_otlp_traces(self) -> Any:
+        """--otlp-traces-endpoint as a tracing_config.OtlpTracesConfig (None: no tracing)."""
+        if self.otlp_traces_endpoint is None:
+            return None
+        from voltllm.tracing_config import resolve_otlp_traces
+
+        return resolve_otlp_traces(self.otlp_traces_endpoint)
+
     def _resolve_sliding_window(self, hf_config: Any) -> Optional[int]:
         """A checkpoint whose layers include sliding-window ones (voltllm.model.sliding_window): the llama-family
         architectures run them (the window's keys only; KV is kept for the whole context); with
@@ -734,6 +747,7 @@ class EngineArgs:
         profiler = self._resolve_profiler()  # (before the model is resolved: a bad value fails at once)
         hash_algo = self._prefix_caching_hash_algo()  # (likewise)
         kv_events = self._resolve_kv_events()  # (likewise)
+        otlp_traces = self._resolve_otlp_traces()  # (likewise)
         spec_dict = parse_json_object("--speculative-config", self.speculative_config)
         model_ref, revision, spec_dict = self._resolve_speculators(spec_dict)
         ignore_patterns, map_location = self._load_options()  # (likewise)
@@ -966,6 +980,8 @@ class EngineArgs:
             config = replace(config, enable_mfu_metrics=True)
         if kv_events is not None:
             config = replace(config, kv_events=kv_events)
+        if otlp_traces is not None:
+            config = replace(config, otlp_traces=otlp_traces)
         if self.require_acceleration:  # ConfigError naming each expected-but-disabled route
             from voltllm.acceleration import require_acceleration
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from otlp_receiver import OtlpReceiver, attributes, otlp_http_available
 from server_helpers import ServerProc, free_port
 from tiny_models import make_model, make_tokenizer
 
@@ -19,10 +20,25 @@ PLAIN = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
 
 
 @pytest.fixture(scope="module")
-def flag_server(tmp_path_factory):
+def otlp_receiver():
+    """The flag server's OTLP/HTTP collector (None without the OpenTelemetry packages: the server then runs without
+    --otlp-traces-endpoint and the tracing test skips)."""
+    if not otlp_http_available():
+        yield None
+        return
+    receiver = OtlpReceiver().start()
+    try:
+        yield receiver
+    finally:
+        receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def flag_server(tmp_path_factory, otlp_receiver):
     path = make_model(str(tmp_path_factory.mktemp("tiny_flags")), "llama")
     events = tmp_path_factory.mktemp("kv_events")
-    srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny",
+    tracing = ["--otlp-traces-endpoint", otlp_receiver.endpoint] if otlp_receiver is not None else []
+    srv = ServerProc([path, "--device", "cpu", "--block-size", "4", "--served-model-name", "tiny", *tracing,
                       "--kv-events-config", f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{events}/pub", '
                                             f'"replay_endpoint": "ipc://{events}/replay"}}',
                       "--disable-log-stats", "--disable-uvicorn-access-log",
@@ -32,6 +48,7 @@ def flag_server(tmp_path_factory):
                       "--h11-max-incomplete-event-size", "4096", "--h11-max-header-count", "40"],
                      free_port(), env={"OMP_NUM_THREADS": "1"})
     srv.kv_events_replay = f"ipc://{events}/replay"
+    srv.otlp = otlp_receiver
     try:
         srv.wait_healthy(180)
         yield srv
@@ -368,3 +385,47 @@ def test_kv_events_from_the_server(flag_server):
     runs = [e for e in stored if e.token_ids[:8] == ids[:8]]
     assert runs and runs[0].block_size == 4 and runs[0].medium == "GPU" and len(runs[0].block_hashes) >= 2
     assert all(b.data_parallel_rank == 0 for b in batches)
+
+
+def test_otlp_spans_from_the_server(flag_server):
+    """--otlp-traces-endpoint on `voltllm serve`: each finished request's llm_request span reaches the collector
+    (OTLP/HTTP, sent by the batch processor within its 1 s schedule), in the caller's trace when the request carried a
+    traceparent, with the request's parameters and the response's token counts."""
+    receiver = flag_server.otlp
+    if receiver is None:
+        pytest.skip("needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http (the test extra)")
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace_id}-{parent_id}-01", "tracestate": "vendor=one"}
+    before = time.time_ns()
+    chat = httpx.post(flag_server.base + "/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "top_p": 0.9, "n": 2})
+    assert chat.status_code == 200, chat.text
+    plain = httpx.post(flag_server.base + "/v1/completions", headers={"X-Request-Id": "otlp-untraced"}, timeout=60,
+                       json={"model": "tiny", "prompt": "a b c", "max_tokens": 2})
+    assert plain.status_code == 200, plain.text
+    after = time.time_ns()
+
+    ((resource, span),) = receiver.wait_for(lambda s: s.trace_id.hex() == trace_id)
+    assert span.name == "llm_request" and span.kind == span.SPAN_KIND_SERVER
+    assert span.parent_span_id.hex() == parent_id and span.trace_state == "vendor=one"
+    assert attributes(resource)["service.name"] == "voltllm"
+    attrs = attributes(span)
+    usage = chat.json()["usage"]
+    # (the engine's id: the response's, with a suffix as the server chose the id: --enable-request-id-headers)
+    assert attrs["gen_ai.request.id"].startswith(chat.json()["id"]) and attrs["gen_ai.response.model"] == "tiny"
+    assert (attrs["gen_ai.usage.prompt_tokens"], attrs["gen_ai.usage.completion_tokens"]) == (
+        usage["prompt_tokens"], usage["completion_tokens"])
+    assert (attrs["gen_ai.request.n"], attrs["gen_ai.request.max_tokens"], attrs["gen_ai.request.temperature"],
+            attrs["gen_ai.request.top_p"]) == (2, 3, 0.0, 0.9)
+    assert before <= span.start_time_unix_nano <= span.end_time_unix_nano <= after
+    e2e = attrs["gen_ai.latency.e2e"]
+    assert abs(e2e - (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9) < 1e-3
+    for name in ("time_in_queue", "time_to_first_token", "time_in_model_prefill", "time_in_model_decode",
+                 "time_in_model_inference"):
+        assert 0.0 <= attrs[f"gen_ai.latency.{name}"] <= e2e, name
+
+    # a request without trace headers starts a trace of its own
+    ((_, root),) = receiver.wait_for(lambda s: attributes(s)["gen_ai.request.id"].startswith("cmpl-otlp-untraced"))
+    assert root.parent_span_id == b"" and root.trace_id.hex() != trace_id
+    assert attributes(root)["gen_ai.usage.completion_tokens"] == plain.json()["usage"]["completion_tokens"]

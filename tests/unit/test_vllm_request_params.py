@@ -41,7 +41,7 @@ class FakeEngine:
         self.prompts = []
         self.priorities = []
 
-    def add_request(self, rid, prompt, params, cache_salt=None, priority=0, lora_request=None):
+    def add_request(self, rid, prompt, params, cache_salt=None, priority=0, lora_request=None, trace_headers=None):
         self.prompts.append(prompt)
         self.priorities.append(priority)
         return SimpleNamespace(close=lambda: None)

@@ -458,6 +458,9 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
     ea.skip_tokenizer_init = True  # token-id prompts, no text: the bench never needs the tokenizer
     config = ea.create_engine_config()
     require_one_engine(config, "the in-process bench")
+    if config.otlp_traces is not None:  # (its requests go to the engine core directly: none would be traced)
+        raise ConfigError("--otlp-traces-endpoint: the in-process bench sends no request spans; trace a server "
+                          "(voltllm serve --otlp-traces-endpoint ...) and measure it with voltllm bench --base-url")
     if config.model.runner != "generate":
         raise ConfigError("voltllm bench measures generation: a pooling (embedding) model (--runner pooling) "
                           "generates nothing to measure")

@@ -7,7 +7,7 @@ in the engine like any request whose stream closes.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional
 
 from voltllm.engine.beam_search import BeamSearch, BeamSearchParams, answer
 from voltllm.engine.outputs import RequestOutput
@@ -98,7 +98,8 @@ async def _final(stream: "RequestStream") -> RequestOutput:
 async def run_beam_search(engine: "AsyncLLM", request_id: str, prompt_text: Optional[str], prompt_ids: list[int],
                           params: BeamSearchParams, step_logprobs: int, cache_salt: Optional[str],
                           skip_special_tokens: bool, num_logprobs: Optional[int], priority: int = 0,
-                          lora_request: Optional[Any] = None) -> RequestOutput:
+                          lora_request: Optional[Any] = None,
+                          trace_headers: Optional[Mapping[str, str]] = None) -> RequestOutput:
     """Step the search to its end: each live beam one request of one token with `step_logprobs` logprobs (at the
     search's priority, with its adapter: the prefix cache then keys the beams' blocks by it, as any request's); the
     step's requests are closed (aborted where unfinished) however the step ends."""
@@ -112,7 +113,7 @@ async def run_beam_search(engine: "AsyncLLM", request_id: str, prompt_text: Opti
             for i, beam in enumerate(search.live):
                 streams.append(engine.add_request(f"{request_id}-beam{search.steps}-{i}",
                                                   {"prompt_token_ids": beam.tokens}, step_params, cache_salt,
-                                                  priority, lora_request))
+                                                  priority, lora_request, trace_headers=trace_headers))
             finals = [await _final(s) for s in streams]
         finally:
             for s in streams:

@@ -18,7 +18,7 @@ import pickle
 import shutil
 import tempfile
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Mapping, Optional, Protocol
 
 from voltllm.config import EngineConfig
 from voltllm.engine.async_beam_search import BeamSearchStream, run_beam_search
@@ -30,6 +30,7 @@ from voltllm.engine.request_checks import (InvalidRequestError, check_priority, 
 from voltllm.engine.types import EngineCoreRequest, SchedulerStats
 from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.params import SamplingParams
+from voltllm.tracing import TracedRequest, traced_request
 
 logger = logging.getLogger("voltllm")
 
@@ -79,6 +80,7 @@ class RequestStream:
         self._first_token_time: Optional[float] = None
         self._last_token_time: Optional[float] = None
         self._last_output: Optional[RequestOutput] = None
+        self.traced: Optional[TracedRequest] = None  # set while the engine traces (--otlp-traces-endpoint)
 
     def _put(self, build: Callable[[], RequestOutput]) -> None:
         """The request has news: `build()` makes its cumulative output, called only when the consumer reads
@@ -140,6 +142,8 @@ class RequestStream:
             reasons = ([c.finish_reason or "abort" for c in choices] if isinstance(out, RequestOutput)
                        else ["stop" if out.outputs is not None else "abort"])
             obs.on_finished(out, reasons[0] if len(set(reasons)) == 1 else "mixed", now - self.arrival)
+        if out.finished and self.traced is not None and self.engine.tracer is not None:
+            self.engine.tracer.on_finished(out, self.traced)
 
     def close(self) -> None:
         """Stop listening; abort the request in the engine unless it already finished."""
@@ -160,6 +164,9 @@ class AsyncLLM:
         self.engine_index = engine_index
         self.tokenizer = tokenizer
         self.observer = observer
+        # --otlp-traces-endpoint: the tracing.RequestTracer that records each finished request's span (set by the
+        # server, which owns it; None: off)
+        self.tracer: Optional[Any] = None
         self.log_level = log_level
         self.max_model_len = config.model.max_model_len
         hf = config.model.hf_config
@@ -474,11 +481,13 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     cache_salt: Optional[str] = None, priority: int = 0,
-                    lora_request: Optional[Any] = None, multi_modal: Optional[Any] = None) -> RequestStream:
+                    lora_request: Optional[Any] = None, multi_modal: Optional[Any] = None,
+                    trace_headers: Optional[Mapping[str, str]] = None) -> RequestStream:
         """Validate and submit one request; raises ValueError subclasses for bad input (HTTP 400). priority: under
         --scheduling-policy priority, lower is served first (else it must be 0). lora_request: the adapter it runs
         with (voltllm.lora.request.LoRARequest; --enable-lora). multi_modal: the prompt's images
-        (voltllm.multimodal.inputs.MultiModalPrompt; the prompt's ids have their placeholders expanded)."""
+        (voltllm.multimodal.inputs.MultiModalPrompt; the prompt's ids have their placeholders expanded).
+        trace_headers: the HTTP request's W3C trace headers, its span's parent when tracing (tracing.py)."""
         self._check_awake()
         if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -494,18 +503,21 @@ class AsyncLLM:
             self.frontend.forget(request_id)
             raise
         stream = RequestStream(self, request_id)
+        n_prompt = len(reqs[0].prompt_token_ids)
+        if self.tracer is not None:
+            stream.traced = traced_request(params, n_prompt, self.max_model_len, trace_headers)
         self._streams[request_id] = stream
         self._send(("add", reqs))
         if hasattr(self.observer, "on_request_params"):
-            n_prompt = len(reqs[0].prompt_token_ids)
             self.observer.on_request_params(params.n, params.max_tokens if params.max_tokens is not None
                                             else self.max_model_len - n_prompt)
         return stream
 
     def add_pooling_request(self, request_id: str, prompt: PromptType, params: Optional[PoolingParams] = None,
-                            cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
+                            cache_salt: Optional[str] = None, priority: int = 0,
+                            trace_headers: Optional[Mapping[str, str]] = None) -> RequestStream:
         """Validate and submit one embedding request (pooling engines); its stream yields one PoolingRequestOutput.
-        Raises ValueError subclasses for bad input (HTTP 400). priority: as add_request's."""
+        Raises ValueError subclasses for bad input (HTTP 400). priority, trace_headers: as add_request's."""
         self._check_awake()
         if self.serves(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -516,13 +528,16 @@ class AsyncLLM:
             self.frontend.forget(request_id)
             raise
         stream = RequestStream(self, request_id)
+        if self.tracer is not None:
+            stream.traced = TracedRequest(trace_headers)
         self._streams[request_id] = stream
         self._send(("add", [req]))
         return stream
 
     async def encode(self, prompt: PromptType, params: Optional[PoolingParams], request_id: str,
-                     cache_salt: Optional[str] = None, priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
-        stream = self.add_pooling_request(request_id, prompt, params, cache_salt, priority)
+                     cache_salt: Optional[str] = None, priority: int = 0,
+                     trace_headers: Optional[Mapping[str, str]] = None) -> AsyncIterator[PoolingRequestOutput]:
+        stream = self.add_pooling_request(request_id, prompt, params, cache_salt, priority, trace_headers)
         try:
             async for out in stream:
                 yield out
@@ -531,8 +546,10 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        cache_salt: Optional[str] = None, priority: int = 0,
-                       lora_request: Optional[Any] = None) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
+                       lora_request: Optional[Any] = None,
+                       trace_headers: Optional[Mapping[str, str]] = None) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params, cache_salt, priority, lora_request,
+                                  trace_headers=trace_headers)
         try:
             async for out in stream:
                 yield out
@@ -553,11 +570,13 @@ class AsyncLLM:
     def beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
                     cache_salt: Optional[str] = None, *, skip_special_tokens: bool = True,
                     num_logprobs: Optional[int] = None, priority: int = 0,
-                    lora_request: Optional[Any] = None) -> BeamSearchStream:
+                    lora_request: Optional[Any] = None,
+                    trace_headers: Optional[Mapping[str, str]] = None) -> BeamSearchStream:
         """Validate and start a beam search (engine/beam_search.py); its stream gives one output, the best
         params.beam_width beams as choices, when it ends. num_logprobs: each choice's logprobs (the chosen token and
-        that many top ones per token), None for none. priority, lora_request: its steps' (as add_request's). Raises
-        ValueError subclasses for bad input (HTTP 400)."""
+        that many top ones per token), None for none. priority, lora_request, trace_headers: its steps' (as
+        add_request's: each step request is traced, in the caller's trace). Raises ValueError subclasses for bad input
+        (HTTP 400)."""
         self._check_awake()
         check_priority(priority, self.config.scheduler.policy)
         self._check_lora(lora_request)
@@ -571,7 +590,8 @@ class AsyncLLM:
         stream.lora_int_id = lora_request.lora_int_id if lora_request is not None else None
         self._beam_searches[request_id] = stream
         stream.start(functools.partial(run_beam_search, self, request_id, text, ids, params, step_logprobs,
-                                       cache_salt, skip_special_tokens, num_logprobs, priority, lora_request))
+                                       cache_salt, skip_special_tokens, num_logprobs, priority, lora_request,
+                                       trace_headers))
         return stream
 
     def abort(self, request_id: str, reason: Optional[str] = None) -> None:

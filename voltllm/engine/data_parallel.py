@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import replace
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Mapping, Optional
 
 import torch
 
@@ -67,6 +67,7 @@ class DataParallelLLM:
         self.engines = [AsyncLLM(rank_config(config, k), tokenizer, log_level=log_level, engine_index=k)
                         for k in range(n)]
         self._observer: Any = None
+        self._tracer: Any = None
         self.router = PrefixRouter(n)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -120,6 +121,18 @@ class DataParallelLLM:
         self._observer = obs
         for e in self.engines:
             e.observer = obs.for_engine(e.engine_index) if hasattr(obs, "for_engine") else obs
+
+    @property
+    def tracer(self) -> Any:
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Any) -> None:
+        """--otlp-traces-endpoint: one tracing.RequestTracer records every engine's requests (their spans tell no
+        engine apart, as vLLM's)."""
+        self._tracer = tracer
+        for e in self.engines:
+            e.tracer = tracer
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -210,14 +223,16 @@ class DataParallelLLM:
 
     def add_request(self, request_id: str, prompt: Any, params: Any, cache_salt: Optional[str] = None,
                     priority: int = 0, lora_request: Optional[Any] = None,
-                    multi_modal: Optional[Any] = None) -> RequestStream:
+                    multi_modal: Optional[Any] = None, trace_headers: Optional[Mapping[str, str]] = None
+                    ) -> RequestStream:
         engine = self._pick(request_id, prompt, cache_salt, lora_request)
-        return engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request, multi_modal)
+        return engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request, multi_modal,
+                                  trace_headers=trace_headers)
 
     def add_pooling_request(self, request_id: str, prompt: Any, params: Any = None, cache_salt: Optional[str] = None,
-                            priority: int = 0) -> RequestStream:
+                            priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None) -> RequestStream:
         return self._pick(request_id, prompt, cache_salt).add_pooling_request(request_id, prompt, params, cache_salt,
-                                                                              priority)
+                                                                              priority, trace_headers)
 
     def beam_search(self, request_id: str, prompt: Any, params: Any, cache_salt: Optional[str] = None,
                     **kwargs: Any) -> Any:
@@ -226,15 +241,18 @@ class DataParallelLLM:
         return engine.beam_search(request_id, prompt, params, cache_salt, **kwargs)
 
     async def generate(self, prompt: Any, params: Any, request_id: str, cache_salt: Optional[str] = None,
-                       priority: int = 0, lora_request: Optional[Any] = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: Optional[Any] = None,
+                       trace_headers: Optional[Mapping[str, str]] = None) -> AsyncIterator[RequestOutput]:
         engine = self._pick(request_id, prompt, cache_salt, lora_request)
-        async for out in engine.generate(prompt, params, request_id, cache_salt, priority, lora_request):
+        async for out in engine.generate(prompt, params, request_id, cache_salt, priority, lora_request,
+                                         trace_headers):
             yield out
 
     async def encode(self, prompt: Any, params: Any, request_id: str, cache_salt: Optional[str] = None,
-                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+                     priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None
+                     ) -> AsyncIterator[PoolingRequestOutput]:
         async for out in self._pick(request_id, prompt, cache_salt).encode(prompt, params, request_id, cache_salt,
-                                                                            priority):
+                                                                            priority, trace_headers):
             yield out
 
     def abort(self, request_id: str, reason: Optional[str] = None) -> None:

@@ -4,6 +4,7 @@ LLM(model, runner="pooling").embed(prompts) / .encode(prompts) / .score(a, b) (c
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from voltllm.config import ConfigError, EngineArgs
@@ -19,6 +20,7 @@ from voltllm.model.loader import load_tokenizer
 from voltllm.multimodal.support import image_input_refusal
 from voltllm.pooling.params import PoolingParams
 from voltllm.sampling.params import SamplingParams
+from voltllm.tracing import make_request_tracer, traced_request
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Optional[str] = None,
@@ -102,6 +104,11 @@ class LLM:
         from voltllm.multimodal.processor import image_processor_for
 
         self._images = image_processor_for(self.config)  # None: a text-only engine
+        # otlp_traces_endpoint: each finished request's span, sent by a background thread; what is left is sent when
+        # this LLM is dropped or the interpreter exits
+        self._tracer = make_request_tracer(self.config.otlp_traces, m.served_model_name)
+        if self._tracer is not None:
+            weakref.finalize(self, self._tracer.shutdown)
         self._call_processor: tuple[str, Any] = ("", None)  # the latest chat call's mm_processor_kwargs' processor
 
     def _processor_for_call(self, mm_processor_kwargs: Optional[dict]) -> Any:
@@ -448,6 +455,9 @@ class LLM:
                 for st in touched:  # only the finished requests' outputs are returned: only they are built
                     if st.finished:
                         final[st.request_id] = self.frontend.build(st)
+                        if self._tracer is not None:
+                            self._tracer.on_finished(final[st.request_id], traced_request(
+                                st.params, len(st.prompt_ids), self.frontend.max_model_len))
                         if progress is not None:
                             progress.finished(final[st.request_id])
         except BaseException:

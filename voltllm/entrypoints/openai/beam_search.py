@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from voltllm.engine.beam_search import BeamSearchParams, BeamSearchParamsError
 from voltllm.entrypoints.openai.errors import bad_request
@@ -95,10 +95,10 @@ def beam_search_params(req: Any, max_tokens: int, defaults: dict, max_logprobs: 
 
 def submit_beam_searches(state: Any, request_ids: list[str], prompts: list[Any], req: Any,
                          max_tokens: Optional[int], num_logprobs: Optional[int], priority: int = 0,
-                         model: Optional[str] = None) -> list[Any]:
+                         model: Optional[str] = None, trace_headers: Optional[Mapping[str, str]] = None) -> list[Any]:
     """Start one beam search per prompt (a dict with prompt_token_ids), with the adapter `model` names if it is a
     --lora-modules one; max_tokens None: up to the context length. On a failure the searches already started are
-    aborted and a 400 raised, as serving_common.submit does."""
+    aborted and a 400 raised, as serving_common.submit does. trace_headers: its step requests' spans' parent."""
     from voltllm.entrypoints.openai.serving_common import start_streams
 
     lora = state.lora_request(model)
@@ -110,6 +110,6 @@ def submit_beam_searches(state: Any, request_ids: list[str], prompts: list[Any],
         params = beam_search_params(req, most, state.generation_defaults, state.max_logprobs)
         return state.engine.beam_search(rid, prompt, params, req.cache_salt, num_logprobs=num_logprobs,
                                         skip_special_tokens=req.skip_special_tokens, priority=priority,
-                                        lora_request=lora)
+                                        lora_request=lora, trace_headers=trace_headers)
 
     return start_streams(state, (functools.partial(start, rid, prompt) for rid, prompt in zip(request_ids, prompts)))

@@ -271,6 +271,8 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = holder.get("engine")
         if engine is not None:
             engine.shutdown()
+        if holder.get("tracer") is not None:  # (the spans still waiting are sent; os._exit below runs no atexit hook)
+            holder["tracer"].shutdown()
         sock.close()
         if args.uds and os.path.exists(args.uds):
             os.unlink(args.uds)
@@ -345,10 +347,12 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     from voltllm.engine.data_parallel import make_async_engine
     from voltllm.entrypoints.openai.app import CorsSettings, HttpOptions, build_app
     from voltllm.entrypoints.openai.metrics import engine_metrics
+    from voltllm.tracing import make_request_tracer
 
     engine = make_async_engine(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
     holder["engine"] = engine
     metrics = engine_metrics(names[0], engine)
+    engine.tracer = holder["tracer"] = make_request_tracer(config.otlp_traces, names[0])
     dp = config.parallel.data_parallel_size
     _say(("starting the engine process" if dp == 1 else f"starting {dp} data-parallel engine processes")
          + " and loading the weights there; loading the tokenizer here ...")

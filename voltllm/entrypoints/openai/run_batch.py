@@ -151,11 +151,14 @@ async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], ou
     from voltllm.entrypoints.openai.app import build_app
     from voltllm.entrypoints.openai.request_flags import server_state
     from voltllm.entrypoints.openai.metrics import engine_metrics
+    from voltllm.tracing import make_request_tracer
 
     engine = make_async_engine(config, log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
+    tracer = None
     try:
-        await engine.start()
         names = list(args.served_model_names or [config.model.served_model_name])
+        engine.tracer = tracer = make_request_tracer(config.otlp_traces, names[0])
+        await engine.start()
         metrics = engine_metrics(names[0], engine)
         app = build_app(server_state(config, args, names, engine, loras), metrics)
         # requests in flight: enough to keep every engine's batch full
@@ -176,6 +179,8 @@ async def _run(config: Any, args: argparse.Namespace, lines: list[BatchLine], ou
             return await _write_in_order(tasks, out, engine)
     finally:
         engine.shutdown()
+        if tracer is not None:  # (the spans still waiting are sent)
+            tracer.shutdown()
 
 
 async def _write_in_order(tasks: list[asyncio.Future], out: TextIO, engine: Any) -> int:

@@ -20,8 +20,8 @@ from voltllm.entrypoints.openai.request_log import shown
 from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, chat_logprobs, collect_or_gone,
                                                        event_stream, make_params, merge_streams, message_text,
-                                                       new_id, prompt_logprobs_json, render_chat, sse,
-                                                       sse_body, submit, truncated, usage)
+                                                       new_id, prompt_logprobs_json, render_chat,
+                                                       request_trace_headers, sse, sse_body, submit, truncated, usage)
 from voltllm.entrypoints.openai.stream_interval import stream_interval
 from voltllm.entrypoints.openai.tool_choice import ForcedToolChoice, forced_tool_choice
 
@@ -144,12 +144,14 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, raw_request
     if req.echo and last.get("role") == state.response_role:
         plan.echo_prefix = message_text(last)
     prompt = {"prompt": prompt_text, "prompt_token_ids": ids}
+    trace_headers = request_trace_headers(state, raw_request)
     if req.use_beam_search:  # n beams, answered when the search ends (beam_search.py)
         streams = submit_beam_searches(state, [engine_id], [prompt], req, max_tokens, req.num_logprobs,
-                                        req.priority, model=model)
+                                        req.priority, model=model, trace_headers=trace_headers)
     else:
         streams = submit(state, [engine_id], [prompt], params, req.cache_salt, req.priority, model=model,
-                         interval=interval, multi_modal=multi_modal, streamed=bool(req.stream))
+                         interval=interval, multi_modal=multi_modal, streamed=bool(req.stream),
+                         trace_headers=trace_headers)
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, stream=%s, beam search=%s, prompt: %s",
                     engine_id, len(ids), req.n, max_tokens, req.stream, bool(req.use_beam_search),

@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Union
 
 from fastapi.responses import StreamingResponse
 
@@ -24,6 +24,7 @@ from voltllm.entrypoints.openai.request_log import OutputLoggingStream
 from voltllm.entrypoints.openai.stream_interval import IntervalStream
 from voltllm.multimodal.media import MediaSettings
 from voltllm.sampling.params import SamplingParams, SamplingParamsError
+from voltllm.tracing import trace_headers_of
 
 logger = logging.getLogger("voltllm")
 
@@ -323,17 +324,25 @@ def make_params(build) -> SamplingParams:
         raise bad_request(str(e))
 
 
+def request_trace_headers(state: ServerState, raw_request: Any) -> Optional[dict[str, str]]:
+    """The HTTP request's W3C trace headers, the parent of its requests' spans (tracing.py); None without them, or
+    when the server does not trace (then the first request that has them logs a warning)."""
+    return trace_headers_of(getattr(raw_request, "headers", None), getattr(state.engine, "tracer", None) is not None)
+
+
 def submit(state: ServerState, request_ids: list[str], prompts: list[Any], params: SamplingParams,
            cache_salt: Optional[str], priority: int = 0, model: Optional[str] = None,
-           interval: int = 1, multi_modal: Any = None, streamed: bool = False) -> list[RequestStream]:
+           interval: int = 1, multi_modal: Any = None, streamed: bool = False,
+           trace_headers: Optional[Mapping[str, str]] = None) -> list[RequestStream]:
     """Add one engine request per prompt (with the adapter `model` names, if it is a --lora-modules one); on any
     failure abort those already added and raise a 400. interval: a stream's tokens per output (stream_interval.py).
     multi_modal: a chat prompt's images (multimodal/inputs.py MultiModalPrompt; one prompt). streamed: the response
-    streams (--enable-log-deltas logs its chunks)."""
+    streams (--enable-log-deltas logs its chunks). trace_headers: request_trace_headers'."""
     lora = state.lora_request(model)
     images = {} if multi_modal is None else {"multi_modal": multi_modal}
     streams = start_streams(state, (functools.partial(state.engine.add_request, rid, prompt, params, cache_salt,
-                                                      priority, lora_request=lora, **images)
+                                                      priority, lora_request=lora, trace_headers=trace_headers,
+                                                      **images)
                                     for rid, prompt in zip(request_ids, prompts)), streamed)
     return streams if interval == 1 else [IntervalStream(s, interval) for s in streams]
 

@@ -19,8 +19,8 @@ from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engi
 from voltllm.entrypoints.openai.stream_interval import stream_interval
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone,
                                                        completion_logprobs, event_stream, make_params, merge_streams,
-                                                       new_id, prompt_logprobs_json, sse, sse_body, submit,
-                                                       truncated, usage)
+                                                       new_id, prompt_logprobs_json, request_trace_headers, sse,
+                                                       sse_body, submit, truncated, usage)
 
 logger = logging.getLogger("voltllm")
 
@@ -107,14 +107,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     engine_prompts = embeds_prompts + [_engine_prompt(state, req, p) for p in prompts]
     prompts = [f"<prompt_embeds {list(p['prompt_embeds'].shape)}>" for p in embeds_prompts] + prompts  # (the log's)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
+    trace_headers = request_trace_headers(state, raw_request)
     if req.use_beam_search:  # n beams per prompt, answered when each search ends (beam_search.py)
         streams = submit_beam_searches(state, rids, engine_prompts, req, max_tokens, req.logprobs, req.priority,
-                                       model=model)
+                                       model=model, trace_headers=trace_headers)
     else:
         params = make_params(lambda: req.sampling_params(max_tokens, req.logprobs, prompt_logprobs,
                                                          defaults=state.generation_defaults))
         streams = submit(state, rids, engine_prompts, params, req.cache_salt, req.priority, model=model,
-                         interval=interval, streamed=bool(req.stream))
+                         interval=interval, streamed=bool(req.stream), trace_headers=trace_headers)
     if state.log_requests:
         logger.info("request %s: %d prompt(s), n=%d, max_tokens=%d, stream=%s, beam search=%s, prompt%s: %s",
                     engine_base, len(prompts), n, max_tokens, req.stream, bool(req.use_beam_search),

@@ -7,7 +7,7 @@ import base64
 import json
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from voltllm.entrypoints.openai.errors import OpenAIError, bad_request
 from voltllm.entrypoints.openai.request_log import shown
 from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone, new_id,
-                                                       render_chat, truncated, usage)
+                                                       render_chat, request_trace_headers, truncated, usage)
 from voltllm.pooling.params import PoolingParams, PoolingParamsError
 
 logger = logging.getLogger("voltllm")
@@ -64,7 +64,8 @@ async def pool_inputs(state: ServerState, req: Any, params: PoolingParams, raw_r
     base_id = f"{prefix}-{chosen_id}" if chosen_id is not None else new_id(prefix)
     engine_base = engine_request_id(base_id, chosen_id is not None)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = _submit(state, rids, prompts, params, req.cache_salt, req.priority)
+    streams = _submit(state, rids, prompts, params, req.cache_salt, req.priority,
+                      request_trace_headers(state, raw_request))
     if state.log_requests:
         logger.info("request %s: %s of %d input(s): %s", engine_base, what, len(prompts),
                     ", ".join(shown(p, state.max_log_len) for p in prompts))
@@ -101,13 +102,14 @@ def _token_ids(state: ServerState, req: Any) -> list[list[int]]:
 
 
 def _submit(state: ServerState, request_ids: list[str], prompts: list[list[int]], params: PoolingParams,
-            cache_salt: Any, priority: int) -> list[RequestStream]:
-    """One engine request per input; on a failure the ones already added are aborted and a 400 names the field."""
+            cache_salt: Any, priority: int, trace_headers: Optional[Mapping[str, str]] = None) -> list[RequestStream]:
+    """One engine request per input; on a failure the ones already added are aborted and a 400 names the field.
+    trace_headers: serving_common.request_trace_headers'."""
     streams: list[RequestStream] = []
     try:
         for rid, ids in zip(request_ids, prompts):
             streams.append(state.engine.add_pooling_request(rid, {"prompt_token_ids": ids}, params, cache_salt,
-                                                            priority))
+                                                            priority, trace_headers=trace_headers))
     except BaseException as e:
         for s in streams:
             s.close()

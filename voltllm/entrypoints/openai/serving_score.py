@@ -17,7 +17,7 @@ from voltllm.entrypoints.openai.request_log import shown
 from voltllm.entrypoints.openai.scoring_protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from voltllm.entrypoints.openai.server_middleware import chosen_request_id, engine_request_id
 from voltllm.entrypoints.openai.serving_common import (DisconnectWatcher, ServerState, collect_or_gone, new_id,
-                                                       truncated, usage)
+                                                       request_trace_headers, truncated, usage)
 from voltllm.entrypoints.openai.serving_embedding import _param_of, _submit
 from voltllm.pooling.params import PoolingParams, PoolingParamsError
 from voltllm.pooling.scoring import (ScoreInputError, check_token_limit, cosine_scores, cut_texts, pair_token_ids,
@@ -73,7 +73,7 @@ async def _run(state: ServerState, raw_request: Any, req: Any, prefix: str, prom
     base_id = f"{prefix}-{chosen_id}" if chosen_id is not None else new_id(prefix)
     engine_base = engine_request_id(base_id, chosen_id is not None)
     rids = [engine_base if len(prompts) == 1 else f"{engine_base}-{i}" for i in range(len(prompts))]
-    streams = _submit(state, rids, prompts, params, cache_salt, req.priority)
+    streams = _submit(state, rids, prompts, params, cache_salt, req.priority, request_trace_headers(state, raw_request))
     if state.log_requests:
         logger.info("request %s: %s of %d prompt(s): %s", engine_base, what, len(prompts),
                     ", ".join(shown(p, state.max_log_len) for p in prompts))
