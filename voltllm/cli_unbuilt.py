@@ -117,7 +117,6 @@ UNBUILT_FLAGS: dict[str, str] = {
     "--code-revision": "remote code from another revision is not built (--revision fetches the model's)",
     # frontend (serve) flags of newer vLLM
     "--tool-server": _TOOL_SERVER,
-    "--enable-ssl-refresh": "reloading the TLS certificate when its files change is not built: restart the server",
     "--log-error-stack": "stack traces of error responses are not logged (500s are logged with their error)",
     "--enable-offline-docs": "vendored offline /docs assets are not built (/docs loads Swagger UI from a CDN)",
     "--grpc": "the gRPC server is not built (HTTP only)",
@@ -142,7 +141,7 @@ SWITCHES_OFF = frozenset({"--enable-prompt-adapter", "--enable-eplb",
                           "--aggregate-engine-logging", "--enable-per-request-metrics",
                           "--enable-flashinfer-autotune", "--disable-hybrid-kv-cache-manager",
                           "--kv-sharing-fast-prefill", "--enable-return-routed-experts",
-                          "--enable-ssl-refresh", "--log-error-stack",
+                          "--log-error-stack",
                           "--enable-offline-docs", "--grpc", "--tokens-only",
                           "--data-parallel-multi-port-external-lb"})
 WHILE_SWITCHED_ON = frozenset({"--lora-extra-vocab-size", "--max-prompt-adapters",

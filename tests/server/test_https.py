@@ -3,10 +3,11 @@
 without a certificate are refused before any model is loaded."""
 from __future__ import annotations
 
+import os
 import shutil
 import ssl
-import time
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -25,10 +26,20 @@ def cert(tmp_path_factory):
     return str(key), str(crt)
 
 
-def test_serves_https(model_path, cert):
-    key, crt = cert
+def _new_cert(key: str, crt: str, name: str) -> None:
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", crt,
+                    "-days", "1", "-subj", f"/CN={name}"], check=True, capture_output=True)
+
+
+def test_serves_https(model_path, cert, tmp_path):
+    """HTTPS, and --enable-ssl-refresh: certificate files replaced while serving (as a renewal does: the new pair
+    written aside, then moved over the old) are served to the next connections without a restart."""
+    key, crt = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    shutil.copy(cert[0], key)
+    shutil.copy(cert[1], crt)
     srv = ServerProc([model_path, "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
-                      "--disable-log-stats", "--ssl-keyfile", key, "--ssl-certfile", crt], free_port(), https=True)
+                      "--disable-log-stats", "--ssl-keyfile", key, "--ssl-certfile", crt, "--enable-ssl-refresh"],
+                     free_port(), https=True)
     try:
         srv.wait_healthy(300)
         r = httpx.post(srv.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, verify=False, timeout=60)
@@ -36,13 +47,27 @@ def test_serves_https(model_path, cert):
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets no answer
             httpx.get(srv.base.replace("https://", "http://") + "/health", timeout=5)
         assert "serving" in srv.log_text() and f"https://127.0.0.1:{srv.port}" in srv.log_text()
+
+        served = ssl.get_server_certificate(("127.0.0.1", srv.port))
+        assert served.split() == open(crt).read().split()
+        _new_cert(str(tmp_path / "key.new"), str(tmp_path / "cert.new"), "renewed")
+        os.replace(tmp_path / "key.new", key)
+        os.replace(tmp_path / "cert.new", crt)
+        deadline = time.monotonic() + 30
+        while ssl.get_server_certificate(("127.0.0.1", srv.port)).split() != open(crt).read().split():
+            assert time.monotonic() < deadline, "the renewed certificate was not served"
+            time.sleep(0.2)
+        assert "reloaded the TLS certificate" in srv.log_text()
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, verify=False, timeout=60)
+        assert r.status_code == 200
     finally:
         srv.stop()
         assert not wait_gone(srv.descendants, 5)
 
 
 @pytest.mark.parametrize("extra,match", [(["--ssl-certfile", "/nonexistent/cert.pem"], "--ssl-certfile"),
-                                         (["--ssl-keyfile", "/etc/hostname"], "--ssl-keyfile needs --ssl-certfile")])
+                                         (["--ssl-keyfile", "/etc/hostname"], "--ssl-keyfile needs --ssl-certfile"),
+                                         (["--enable-ssl-refresh"], "--enable-ssl-refresh applies to HTTPS")])
 def test_bad_tls_flags_are_refused(extra, match):
     import argparse
 

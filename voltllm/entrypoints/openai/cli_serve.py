@@ -83,6 +83,8 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    "sent, 2 required")
     s.add_argument("--ssl-ciphers", default=None, help="HTTPS cipher suites for TLS 1.2 and below (OpenSSL's list "
                    "format)")
+    s.add_argument("--enable-ssl-refresh", action=argparse.BooleanOptionalAction, default=False,
+                   help="HTTPS: serve the certificate files again when they change (a renewal), without a restart")
     s.add_argument("--uds", default=None, help="serve on this Unix domain socket path instead of --host / --port")
     s.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
                    help='CORS: origins browsers may call from, a JSON list (default ["*"])')
@@ -129,7 +131,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
     if args.ssl_keyfile and not args.ssl_certfile:
         raise ConfigError("--ssl-keyfile needs --ssl-certfile")
     for flag, given in (("--ssl-ca-certs", args.ssl_ca_certs), ("--ssl-ciphers", args.ssl_ciphers),
-                        ("--ssl-cert-reqs", args.ssl_cert_reqs != ssl.CERT_NONE)):
+                        ("--ssl-cert-reqs", args.ssl_cert_reqs != ssl.CERT_NONE),
+                        ("--enable-ssl-refresh", args.enable_ssl_refresh)):
         if given and not args.ssl_certfile:
             raise ConfigError(f"{flag} applies to HTTPS: add --ssl-certfile (and --ssl-keyfile)")
     if args.ssl_cert_reqs != ssl.CERT_NONE and not args.ssl_ca_certs:
@@ -403,6 +406,7 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
     server = _Server(uv_config)
     serve_task = asyncio.ensure_future(server.serve(sockets=[sock]))
     stats_task: Optional[asyncio.Task] = None
+    tls_task: Optional[asyncio.Task] = None
     watch_task = asyncio.ensure_future(_watch_engine(engine, server, holder))
     try:
         while not server.started and not serve_task.done():
@@ -416,11 +420,17 @@ async def _serve(config: Any, args: argparse.Namespace, names: list[str], sock: 
             _say(f"serving {shown} at {where}" + ("; API key required on /v1" if args.api_key else ""))
             if not args.disable_log_stats:
                 stats_task = asyncio.ensure_future(_log_stats(engine, metrics))
+            if args.enable_ssl_refresh:  # (uvicorn built its SSL context when it started)
+                from voltllm.entrypoints.openai.tls_refresh import refresh_tls_on_change
+
+                tls_task = asyncio.ensure_future(refresh_tls_on_change(
+                    uv_config.ssl, args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs))
         await serve_task
     finally:
         watch_task.cancel()
-        if stats_task is not None:
-            stats_task.cancel()
+        for task in (stats_task, tls_task):
+            if task is not None:
+                task.cancel()
         if not serve_task.done():
             server.should_exit = True
             serve_task.cancel()
