@@ -1650,6 +1650,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
+  s162g)  # (session 62; carry .whl with pytest-xdist) the GPU suite on one card, 8 workers handing out single tests,
+          # cut at 560 s: the files given after the commit (default: every file but those run whole this session or the
+          # last: engine_gpu, prompt_embeds_cuda, dflash_cuda, profiling_cuda); which tests ran is in the -v log
+    shift 2
+    if [ $# -eq 0 ]; then
+      set -- $(ls tests/gpu/test_*.py | sed 's|tests/gpu/test_||; s|\.py$||' \
+               | grep -v -x -E "engine_gpu|prompt_embeds_cuda|dflash_cuda|profiling_cuda")
+    fi
+    files=(); for f in "$@"; do files+=("tests/gpu/test_$f.py"); done
+    timeout 560 python3 -m pytest -v -m gpu "${files[@]}" -n 8 --dist load -p no:cacheprovider -rfs \
+      -o addopts="" > "$out/gpu-$sha.txt" 2>&1
+    echo "gpu rc=$? $(tail -1 "$out/gpu-$sha.txt")"
+    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/gpu-$sha.txt" | sort | uniq -c
+    grep -E "^(FAILED|ERROR)" "$out/gpu-$sha.txt" | head -20
+    ;;
   s162)  # (session 62) #4: the 8B at 64 x 128/128 at this session's head (KV events off: one None test per step
           # added to the engine loop), on whichever card came; then the engine GPU file after the session's loader and
           # block-pool changes (--ignore-patterns, KV event hooks)
