@@ -81,6 +81,11 @@ def test_prefix_cache_hits_follow_the_rows(tmp_path):
     half = rows.clone()
     half[16:] = _rows(llm, IDS[:5])
     assert llm.generate({"prompt_embeds": half}, GREEDY, use_tqdm=False)[0].num_cached_tokens == 16
+    # rows differing from row 4 on (inside the first 16 rows): the first block of 4 still hits (spans never cross
+    # a block)
+    quarter = rows.clone()
+    quarter[4:] += 0.5
+    assert llm.generate({"prompt_embeds": quarter}, GREEDY, use_tqdm=False)[0].num_cached_tokens == 4
 
 
 def test_a_hybrid_model(tmp_path):

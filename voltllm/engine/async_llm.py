@@ -249,7 +249,8 @@ class AsyncLLM:
         mc = self.config.model
         self.frontend = Frontend(self.tokenizer, mc.model, self.max_model_len, pooler=mc.pooler,
                                  model_name=mc.served_model_name, reasoning=self.config.reasoning,
-                                 prompt_embeds_width=mc.prompt_embeds_width)
+                                 prompt_embeds_width=mc.prompt_embeds_width,
+                                 block_size=self.config.cache.block_size)
         self._task = asyncio.ensure_future(self._output_loop())
 
     async def _wait_ready(self, timeout: Optional[float]) -> None:

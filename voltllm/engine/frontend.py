@@ -127,12 +127,15 @@ class Frontend:
     """Turns prompts into EngineCoreRequests and EngineCoreOutputs into RequestOutputs."""
 
     def __init__(self, tokenizer: Any, model_path: str, max_model_len: int, pooler: Any = None,
-                 model_name: str = "", reasoning: Any = None, prompt_embeds_width: Optional[int] = None):
+                 model_name: str = "", reasoning: Any = None, prompt_embeds_width: Optional[int] = None,
+                 block_size: int = 16):
         """pooler: a pooling engine's PoolerConfig (its requests' defaults and checks); model_name: the name its
         errors give the model; reasoning: the engine's ReasoningConfig (--reasoning-parser / --reasoning-config);
-        prompt_embeds_width: the hidden size prompt embeddings must have (None: --enable-prompt-embeds is off)."""
+        prompt_embeds_width: the hidden size prompt embeddings must have (None: --enable-prompt-embeds is off);
+        block_size: the KV cache's (prompt embeddings are hashed in spans that never cross its blocks)."""
         self.tokenizer = tokenizer
         self.prompt_embeds_width = prompt_embeds_width
+        self.block_size = block_size
         self.reasoning = reasoning
         self.eos_ids = eos_token_ids(tokenizer, model_path)
         self.max_model_len = max_model_len
@@ -190,7 +193,7 @@ class Frontend:
             text, ids = None, kept
             embeds = embeds[-len(kept):] if embeds is not None else None
         if embeds is not None:
-            spans = embeds_spans(embeds)
+            spans = embeds_spans(embeds, self.block_size)
         if multi_modal is not None and multi_modal.rope_positions.shape[-1] != len(ids):
             raise InvalidPromptError(f"the images' positions cover {multi_modal.rope_positions.shape[-1]} tokens, the "
                                      f"prompt has {len(ids)}")

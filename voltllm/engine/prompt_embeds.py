@@ -5,8 +5,9 @@
 The engine runs such a prompt as placeholder token ids (PLACEHOLDER_ID, one per row: the scheduler, the KV cache and
 the usage count tokens as usual) whose embedding rows the runner replaces with the given ones, as it replaces image
 placeholders with a vision tower's rows (worker/prompt_embeds_rows.py). Its prefix-cache blocks are keyed by the
-rows' content: every SPAN_ROWS rows carry a hash of their bytes into the blocks they fall in (cache/prefix.py's
-content spans), so two prompts share blocks only as far as their embeddings agree.
+rows' content: every span of rows (SPAN_ROWS, or fewer so that no span crosses a KV block) carries a hash of its bytes
+into the block it falls in (cache/prefix.py's content spans), so two prompts share blocks exactly as far as their
+embeddings agree, block by block.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 from typing import Any
 
 import torch
@@ -68,14 +70,16 @@ def check_prompt_embeds(embeds: Any, hidden_size: int) -> torch.Tensor:
     return embeds
 
 
-def embeds_spans(embeds: torch.Tensor) -> tuple[tuple[int, int, bytes], ...]:
-    """(start, end, hash of the rows' bytes) for every SPAN_ROWS rows: the prefix-cache keys of the blocks they
-    fall in (the dtype is hashed too: the same values in another dtype are other embeddings to the model)."""
+def embeds_spans(embeds: torch.Tensor, block_size: int = SPAN_ROWS) -> tuple[tuple[int, int, bytes], ...]:
+    """(start, end, hash of the rows' bytes) for every gcd(SPAN_ROWS, block_size) rows: the prefix-cache keys of the
+    blocks they fall in (the dtype is hashed too: the same values in another dtype are other embeddings to the model).
+    The span length divides the block size, so a block's key depends on its own rows only."""
+    rows = math.gcd(SPAN_ROWS, block_size)
     flat = embeds.contiguous().view(torch.uint8).reshape(embeds.shape[0], -1).numpy()
     tag = str(embeds.dtype).encode()
     spans = []
-    for start in range(0, embeds.shape[0], SPAN_ROWS):
-        end = min(start + SPAN_ROWS, embeds.shape[0])
+    for start in range(0, embeds.shape[0], rows):
+        end = min(start + rows, embeds.shape[0])
         h = hashlib.blake2b(tag, digest_size=16)
         h.update(flat[start:end].tobytes())
         spans.append((start, end, h.digest()))

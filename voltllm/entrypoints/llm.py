@@ -99,7 +99,8 @@ class LLM:
         m = self.config.model
         self.frontend = Frontend(self.tokenizer, m.model, m.max_model_len, pooler=m.pooler,
                                  model_name=m.served_model_name, reasoning=self.config.reasoning,
-                                 prompt_embeds_width=m.prompt_embeds_width)
+                                 prompt_embeds_width=m.prompt_embeds_width,
+                                 block_size=self.config.cache.block_size)
         self._ids = itertools.count()
         from voltllm.multimodal.processor import image_processor_for
 
