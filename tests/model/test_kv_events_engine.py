@@ -151,6 +151,13 @@ def test_the_cpu_tier_is_published_as_medium_cpu(tiny, tmp_path):
             out = sub.run(PROMPTS[i])
         assert out.num_cached_tokens == 96 and sub.view["CPU"]
         assert set(_hashes(PROMPTS[2])) <= sub.view["CPU"]
+        # a plain reset keeps the CPU tier: after AllBlocksCleared its blocks are told again, so a consumer that reads
+        # the clear as every medium forgotten still knows them
+        assert llm.reset_prefix_cache()
+        sub.receive()
+        last = DECODE(sub.frames[-1][2]).events
+        assert isinstance(last[0], AllBlocksCleared) and all(e.medium == "CPU" for e in last[1:])
+        assert {h for e in last[1:] for h in e.block_hashes} == set(llm.engine.kv.cpu.hashes()) == sub.view["CPU"]
         assert llm.reset_prefix_cache(reset_connector=True)
         sub.receive()
         assert not sub.view["CPU"] and not sub.view["GPU"]

@@ -42,6 +42,10 @@ class CpuBlockIndex:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def hashes(self) -> list[bytes]:
+        """The blocks held, oldest first."""
+        return list(self._by_hash)
+
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._by_hash
 

@@ -302,6 +302,13 @@ class EngineCore:
         if reset_connector:
             self.kv.reset_cpu_tier()
         if self.kv_events is not None:  # (outside a step: published now)
+            if self.kv.cpu is not None and not reset_connector:
+                from voltllm.cache.kv_events import MEDIUM_CPU
+
+                # a consumer may read AllBlocksCleared as every medium forgotten: the CPU tier's blocks, kept, are
+                # told again after it
+                for h in self.kv.cpu.hashes():
+                    self.kv_events.stored_elsewhere(h, MEDIUM_CPU)
             self._publish_kv_events()
         return True
 
