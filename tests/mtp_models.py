@@ -170,6 +170,25 @@ def record_draft_logits(monkeypatch: Any) -> list:
     return seen
 
 
+def record_drafts_given(monkeypatch: Any) -> list:
+    """Per drafting request of every proposal, in record_draft_logits' order (patch after it), the drafts it got."""
+    from voltllm.worker.mtp_runner import MTPRunner
+
+    given: list = []
+    inner = MTPRunner.propose
+
+    def propose(self, sched):
+        out = inner(self, sched)
+        rows = [s for s in sched.scheduled if s.spec_tokens]
+        if rows:
+            d = self._drafts.cpu()
+            given.extend(d[:len(s.spec_tokens), i].tolist() for i, s in enumerate(rows))
+        return out
+
+    monkeypatch.setattr(MTPRunner, "propose", propose)
+    return given
+
+
 def record_drafts(monkeypatch: Any) -> tuple[list, dict]:
     """Every proposal's drafts [K, drafting requests] (on the host), and how many chained passes and passes over
     the step took the graph form."""
@@ -199,12 +218,14 @@ def record_drafts(monkeypatch: Any) -> tuple[list, dict]:
     return drafts, counts
 
 
-def check_against_reference(ref: MTPReference, seen: list, fulls: dict, k: int, atol: float = 2e-4) -> int:
-    """Each recorded proposal's logits against the reference (drafts: the recorded argmaxes); returns how many."""
+def check_against_reference(ref: MTPReference, seen: list, fulls: dict, k: int, atol: float = 2e-4,
+                            drawn: list | None = None) -> int:
+    """Each recorded proposal's logits against the reference (drafts: the recorded argmaxes, or with `drawn` the
+    drafts each request was given, record_drafts_given's); returns how many."""
     checked = 0
-    for prompt, start, logits, _ in seen:
+    for i, (prompt, start, logits, _) in enumerate(seen):
         full = fulls[prompt]
-        drafts = [int(lg.argmax()) for lg in logits[:-1]]
+        drafts = [int(lg.argmax()) for lg in logits[:-1]] if drawn is None else drawn[i][:len(logits) - 1]
         want = ref.draft_logits(full, start, drafts)
         assert len(logits) <= k
         for j, (got, exp) in enumerate(zip(logits, want)):

@@ -1,7 +1,9 @@
-"""MTP and DFlash speculation under tensor parallelism (CPU, gloo, -tp 2): the drafter runs unsharded on rank 0, beside
-its target shard, with whole copies of the target's embedding and LM head that every rank's vocabulary rows were
-gathered into at start-up (model/layers/full_vocab.py; untied heads and, with the llama target, a tied one; DFlash
-also beside a qwen3_5 hybrid target, reading a Gated DeltaNet layer's output). The
+"""MTP and DFlash speculation under tensor parallelism (CPU, gloo, -tp 2). The MTP module is split over the ranks as
+the target's layers are, and every rank runs it with the target's vocabulary-parallel embedding and LM head
+(worker/mtp_runner.py: rank 0 sends each proposal's inputs and broadcasts the drafts and the kept rows). A DFlash
+drafter runs unsharded on rank 0, beside its target shard, with whole copies of the target's embedding and LM head
+that every rank's vocabulary rows were gathered into at start-up (model/layers/full_vocab.py; untied heads and, with
+the llama target, a tied one; DFlash also beside a qwen3_5 hybrid target, reading a Gated DeltaNet layer's output). The
 draft logits equal the float64 references of the drafters' math fed by transformers' hidden states of the target
 (tests/mtp_models.py, tests/dflash_models.py), through chunked prompts beside verifications; greedy outputs equal
 plain decoding's on one device."""
@@ -9,9 +11,11 @@ import json
 import random
 
 import pytest
+import torch
 
 from dflash_models import V2, check_block_drafts, check_block_logits, make_dflash, record_block_logits
-from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
+from mtp_models import (MTPReference, check_against_reference, make_mtp_target, record_draft_logits,
+                        record_drafts_given)
 from spec_oracle import PlainRuns, oracle_table, patch_dflash, run_checked
 from tiny_models import HYBRID_COMMON, HYBRID_VOCAB, make_model, make_tiny_hybrid, small_moe
 from voltllm import LLM, SamplingParams
@@ -23,8 +27,9 @@ BASE = dict(block_size=4, max_num_seqs=4, skip_tokenizer_init=True, dtype="float
 K = 3
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])  # dense MLP; sparse MoE (with a shared expert)
-def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind):
+# dense MLP; sparse MoE (with a shared expert), its experts' rows split or whole experts per rank
+@pytest.mark.parametrize("kind,ep", [("qwen3_5", False), ("qwen3_next", False), ("qwen3_next", True)])
+def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind, ep):
     made = make_mtp_target(tmp_path_factory, kind, model=small_moe(kind))
     if made is None:
         pytest.skip(f"this transformers has no {kind}")
@@ -32,11 +37,12 @@ def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seen = record_draft_logits(monkeypatch)  # (rank 0 runs in this process: the MTP is there)
     llm = LLM(path, tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": K},
-              max_num_batched_tokens=6, **BASE)
+              max_num_batched_tokens=6, enable_expert_parallel=ep, **BASE)
     try:
-        assert llm.engine.runner.full_vocab is not None
+        _check_split(llm)
         outs = run_checked(llm, PROMPTS, sp)
         stats = llm.engine.stats().extra
+        _check_same_outs(llm)
     finally:
         llm.engine.shutdown()
     assert outs == PlainRuns(BASE)(path, PROMPTS, sp)
@@ -44,6 +50,63 @@ def test_mtp_under_tp_drafts_equal_reference(tmp_path_factory, monkeypatch, kind
     fulls = {tuple(p): list(p) + list(o) for p, o in zip(PROMPTS, outs)}
     assert check_against_reference(MTPReference(path, mtp), seen, fulls, K) >= 3 * len(PROMPTS)
     assert any(len(lg) == K for _, _, lg, _ in seen)
+
+
+def test_mtp_under_tp_sampled_drafts(tmp_path_factory, monkeypatch):
+    """Seeded sampled requests: rank 0 draws each draft from the module's q and broadcasts it, the other rank feeds it
+    to its next pass. Every pass's logits equal the reference fed the drafts drawn (a rank fed other drafts would
+    add wrong partial sums), both ranks' kept outputs are equal, drafts are accepted, and a second engine gives the
+    same tokens."""
+    made = make_mtp_target(tmp_path_factory, "qwen3_5")
+    if made is None:
+        pytest.skip("this transformers has no qwen3_5")
+    path, mtp = made
+    sps = [SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_tokens=12, ignore_eos=True)
+           for i in range(len(PROMPTS))]
+    runs = []
+    for run in range(2):
+        if run == 0:
+            seen = record_draft_logits(monkeypatch)
+            given = record_drafts_given(monkeypatch)
+        llm = LLM(path, tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+                  max_num_batched_tokens=6, **BASE)
+        try:
+            _check_split(llm)
+            runs.append(run_checked(llm, PROMPTS, sps))
+            stats = llm.engine.stats().extra
+            _check_same_outs(llm)
+        finally:
+            llm.engine.shutdown()
+        assert stats["spec_accepted_tokens"] > 0
+        if run == 0:
+            monkeypatch.undo()
+            fulls = {tuple(p): list(p) + list(o) for p, o in zip(PROMPTS, runs[0])}
+            assert any(len(lg) == K for _, _, lg, _ in seen)
+            assert check_against_reference(MTPReference(path, mtp), seen, fulls, K, drawn=given) >= 3 * len(PROMPTS)
+    assert runs[0] == runs[1]
+
+
+def _check_split(llm):
+    """No whole vocabulary copies on rank 0, and each rank holds half of the module's KV heads."""
+    heads = llm.engine.runner.model.config.num_key_value_heads
+    assert llm.engine.runner.full_vocab is None
+    assert [_mtp_split(llm.engine.runner)] + llm.engine.tp_workers.call_on_workers(_mtp_split) == [
+        (heads // 2, True)] * 2
+
+
+def _check_same_outs(llm):
+    """Every rank's module kept the same outputs (rank 0 broadcast the rows; the module's all-reduces agree)."""
+    kept = llm.engine.tp_workers.call_on_workers(_mtp_outs)
+    assert kept and all(torch.equal(_mtp_outs(llm.engine.runner), o) for o in kept)
+
+
+def _mtp_split(runner):
+    """This rank's MTP module: its KV heads, and whether it runs split (a group, no whole vocabulary copies)."""
+    return runner.draft.model.kv_heads_and_dim[0], runner.draft.group is not None and runner.full_vocab is None
+
+
+def _mtp_outs(runner):
+    return runner.draft.outs.cpu()
 
 
 # untied LM head; tied; a DFlash2 drafter (its selector over rank 0's whole LM head's logits); a drafter with a

@@ -57,6 +57,8 @@ class StepInputs:
     # image input: the step's scratch rotary rows and which tokens take tower rows (worker/image_step.py ImageRows;
     # the rows themselves follow the input ids as a broadcast)
     images: Optional[Any] = None
+    # a split MTP module (worker/mtp_runner.py): the step's request count, the rows of rank 0's after-step broadcast
+    draft_requests: int = 0
     # --enable-prompt-embeds: the step's token indices that take rank 0's prompt-embedding rows (a broadcast after the
     # ids and any image rows; worker/prompt_embeds_rows.py)
     prompt_embeds_at: Optional[np.ndarray] = None

@@ -76,7 +76,8 @@ class EngineCore:
 
             config = replace(config, device=replace(config.device, device=rank_device(config.device.device, 0)))
             self.config = config
-        self.runner = ModelRunner(config, model, tp=tp.group if tp else None, send_step=tp.send_step if tp else None)
+        self.runner = ModelRunner(config, model, tp=tp.group if tp else None, send_step=tp.send_step if tp else None,
+                                  send_message=tp.send if tp else None)
         num_blocks = self.runner.initialize_kv_cache()
         config = self.config = self.runner.config  # --max-model-len auto: its length is known only now
         prefix = config.cache.enable_prefix_caching

@@ -20,6 +20,8 @@ from voltllm.worker.mtp_runner import MTPRunner
 class Eagle1Runner(MTPRunner):
     """The EAGLE-1 head beside a ModelRunner (called as an MTPRunner is)."""
 
+    splits_under_tp = False  # (whole on rank 0 under -tp, with rank 0's whole copies of the vocabulary tables)
+
     def _load(self, runner: Any) -> torch.nn.Module:
         from voltllm.engine.eagle1 import eagle1_params, head_tensor_names
         from voltllm.model.models.eagle1 import Eagle1Drafter

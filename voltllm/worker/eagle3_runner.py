@@ -29,6 +29,8 @@ from voltllm.worker.mtp_runner import MTPRunner
 class Eagle3Runner(MTPRunner):
     """The EAGLE-3 head beside a ModelRunner (called as an MTPRunner is)."""
 
+    splits_under_tp = False  # (whole on rank 0 under -tp, with rank 0's whole copies of the vocabulary tables)
+
     def __init__(self, runner: Any, spec: Any):
         super().__init__(runner, spec)
         sc = runner.config.scheduler

@@ -33,14 +33,23 @@ target's step itself replayed a decode or verification-walks graph (its rows are
 buffers, padding rows writing nowhere): only the next tokens and the hidden states are copied in. Otherwise (more
 rows than the largest graph, a prompt-form step, --enforce-eager, the CPU) the passes run eagerly. The LM heads and
 the draws stay eager (a few launches each).
+
+Tensor parallelism (-tp without -pp): the module is split over the ranks as a target layer is, and every rank runs
+every pass, with the target's vocabulary-parallel embedding and LM head (no whole copies of them on rank 0, and no
+whole [vocab, hidden] head read by one GPU per draft). Rank 0 alone knows the scheduler's rows and samples: before a
+proposal's first collective it sends the other ranks the passes' inputs (`MTPProposal`, a pipe message), and after
+each pass but the last it broadcasts the drafts that feed the next one (greedy or drawn); after a step's sampling it
+broadcasts the pass's next tokens and the (step row, output slot) pairs kept (`after_step`). The other ranks replay
+both (`follow_propose`, `follow_after_step`) in the same order of collectives, so their KV (their heads) and their
+output slots equal rank 0's. Under -pp the module runs whole on rank 0 (the later stages hold no embedding or head).
 """
 from __future__ import annotations
 
 import logging
 import time
 import weakref
-from dataclasses import replace
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -58,15 +67,33 @@ logger = logging.getLogger("voltllm")
 _PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
+@dataclass
+class MTPProposal:
+    """What the other ranks of a split module need for a proposal's passes: each drafting request's outs row,
+    the draft count, the graph batch size of the chained passes (0: eager) and their inputs (_chain_inputs' arrays,
+    None for one draft), and the block tables' width."""
+
+    sources: list[int]
+    kmax: int
+    graph_rows: int
+    chain: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    width: int
+
+
 class MTPRunner(DeviceDrafts):
     """The MTP module beside a ModelRunner, which calls it as it calls a DraftRunner (propose / fill_inputs /
-    run_step / verification_drafts / verification_probs) and, after the step's sampling, after_step."""
+    run_step / verification_drafts / verification_probs) and, after the step's sampling, after_step. Under -tp the
+    other ranks' runners hold one too and call follow_propose / follow_after_step."""
+
+    splits_under_tp = True  # (the heads built on it, EAGLE-1 / 3, run whole on rank 0)
 
     def __init__(self, runner: Any, spec: Any):
         from voltllm.worker.runner import select_attention_backend
 
         self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
         self.spec = spec
+        # the group the module is split over (every rank runs it), or None: whole here
+        self.group = runner.tp if self.splits_under_tp and runner.tp is not None and runner.pp is None else None
         self.model = self._load(runner)
         self.backend = select_attention_backend(runner.config)
         self.kv_caches: list[torch.Tensor] = []
@@ -90,21 +117,22 @@ class MTPRunner(DeviceDrafts):
         self._hidden: Optional[torch.Tensor] = None
         self._step_graph = 0
 
-    @staticmethod
-    def _load(runner: Any) -> torch.nn.Module:
-        """The MTP module of the target checkpoint, dense, in the target's dtype."""
+    def _load(self, runner: Any) -> torch.nn.Module:
+        """The MTP module of the target checkpoint, dense, in the target's dtype (this rank's part when split)."""
+        from voltllm.distributed.experts import expert_shard, model_num_experts
         from voltllm.model.loader import iter_weights
         from voltllm.model.models.qwen3_next_mtp import HybridMTP, mtp_name
         from voltllm.worker.runner import init_dummy_weights
 
         t0 = time.monotonic()
-        mc, dtype = runner.config.model, runner.dtype
+        mc, dtype, tp = runner.config.model, runner.dtype, self.group
         with torch.device(runner.device):
-            model = HybridMTP(runner.model, dtype, runner.full_vocab)
+            model = HybridMTP(runner.model, dtype, runner.full_vocab if tp is None else None, tp=tp)
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed + 1)
-        else:
-            weights = iter_weights(mc.weights_source(), mc.hf_config, only=lambda n: mtp_name(n) is not None)
+        else:  # (under expert parallelism the other ranks' experts are not read)
+            weights = iter_weights(mc.weights_source(), mc.hf_config, only=lambda n: mtp_name(n) is not None,
+                                   experts=expert_shard(model_num_experts(mc.hf_config), tp))
             model.load_weights((mtp_name(n), t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                                 else t) for n, t in weights)
         logger.info("loaded the MTP module of %s in %.1f s", mc.model, time.monotonic() - t0)
@@ -168,29 +196,22 @@ class MTPRunner(DeviceDrafts):
         self._prob_rows = {s.request.request_id: i for i, s in enumerate(rows)}
         if not rows:
             return
-        r, dev = self.runner, self.runner.device
+        r = self.runner
         ks = [len(s.spec_tokens) for s in rows]
         kmax, n = max(ks), len(rows)
-        out = self.outs[to_device([self._source(s) for s in rows], torch.long, dev)]
-        graph = self.graphs.for_batch(n) if self.graphs is not None and kmax > 1 else None
-        if kmax > 1:
-            longs, ints, lens = self._chain_inputs(rows, ks, kmax, graph.batch_size if graph is not None else n)
-            longs_d, ints_d = upload(torch.from_numpy(longs), dev), upload(torch.from_numpy(ints), dev)
-            if graph is not None:
-                self._graph_inputs(ints_d, graph.batch_size, lens.shape[0], max(len(s.block_ids) for s in rows))
-        else:
-            longs_d = ints_d = lens = None
-        drafts = torch.empty(kmax, n, dtype=torch.long, device=dev)
+        graph = self._chain_graph(n, kmax)
+        p = MTPProposal([self._source(s) for s in rows], kmax, graph.batch_size if graph is not None else 0,
+                        self._chain_inputs(rows, ks, kmax, graph.batch_size if graph is not None else n)
+                        if kmax > 1 else None, max(len(s.block_ids) for s in rows))
+        if self.group is not None:  # (before the passes' first collective: the other ranks run them too)
+            r.send_message(("draft", p))
         sampled = self.spec.draft_sample_method == "probabilistic" and not all(
             s.request.sampling_params.greedy for s in rows)
-        for j in range(kmax):
-            if j > 0:
-                out = (self._graph_pass(graph, drafts[j - 1], out, j, longs_d, ints_d) if graph is not None
-                       else self._pass(drafts[j - 1], out, j, longs_d, ints_d, lens))
-            logits = self._logits(out)
+
+        def draw(j: int, logits: torch.Tensor, drafts: torch.Tensor) -> None:
             if not sampled:
                 drafts[j] = logits.argmax(dim=-1)
-                continue
+                return
             tokens, probs = r.sampler.draw_drafts(logits, [
                 SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
                             s.request.num_output_tokens + j) if j < k else _PAD_ROW for s, k in zip(rows, ks)])
@@ -199,7 +220,45 @@ class MTPRunner(DeviceDrafts):
                 if self._probs is None:
                     self._probs = probs.new_zeros(kmax, n, probs.shape[1])
                 self._probs[j] = probs
-        self._drafts = drafts
+
+        self._drafts = self._chain(p, n, draw)
+
+    @torch.inference_mode()
+    def follow_propose(self, p: MTPProposal) -> None:
+        """A rank other than 0 of a split module: rank 0's proposal's passes (their drafts come from rank 0)."""
+        self._chain(p, len(p.sources), None)
+
+    def _chain_graph(self, n: int, kmax: int) -> Any:
+        """The graph the chained passes of n rows replay, or None (eager; a single draft has no pass)."""
+        return self.graphs.for_batch(n) if self.graphs is not None and kmax > 1 else None
+
+    def _chain(self, p: MTPProposal, n: int, draw: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]]
+               ) -> torch.Tensor:
+        """The proposal's drafts [kmax, n]: draft 1 from the LM head of each request's kept output, each later one
+        from a chained pass fed the draft before. draw(j, logits, drafts) sets drafts[j] (rank 0); on the other ranks
+        of a split module it is None and rank 0's broadcast brings them."""
+        dev = self.runner.device
+        out = self.outs[to_device(p.sources, torch.long, dev)]
+        graph = self._chain_graph(n, p.kmax)
+        if (graph.batch_size if graph is not None else 0) != p.graph_rows:
+            raise RuntimeError("tensor-parallel ranks disagree on the MTP module's CUDA graph")
+        longs_d = ints_d = lens = None
+        if p.chain is not None:
+            longs, ints, lens = p.chain
+            longs_d, ints_d = upload(torch.from_numpy(longs), dev), upload(torch.from_numpy(ints), dev)
+            if graph is not None:
+                self._graph_inputs(ints_d, graph.batch_size, lens.shape[0], p.width)
+        drafts = torch.empty(p.kmax, n, dtype=torch.long, device=dev)
+        for j in range(p.kmax):
+            if j > 0:
+                out = (self._graph_pass(graph, drafts[j - 1], out, j, longs_d, ints_d) if graph is not None
+                       else self._pass(drafts[j - 1], out, j, longs_d, ints_d, lens))
+            logits = self._logits(out)  # (split: the LM head's gather is a collective every rank joins)
+            if draw is not None:
+                draw(j, logits, drafts)
+            if self.group is not None and j < p.kmax - 1:  # rank 0's draft j feeds pass j + 1 on every rank
+                self.group.broadcast_(drafts[j])
+        return drafts
 
     def _chain_inputs(self, rows: list, ks: list[int], kmax: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The chained passes' n rows (pass j = 1..kmax-1, one per drafting request, then padding up to a graph's
@@ -305,31 +364,48 @@ class MTPRunner(DeviceDrafts):
             keep_rows.append(last)  # (after a prompt chunk too: the last prompt token may come with drafts)
             keep_slots.append(self._slot(s.request.request_id))
             self.saved[s.request.request_id] = (s.start + s.num_new_tokens - 1,) * 2
-        a, b = len(host_dst), len(samp_dst)
+        a, b, v = len(host_dst), len(samp_dst), len(ver_dst)
         idx = to_device(host_dst + samp_dst + ver_dst + host_val + samp_src + keep_rows + keep_slots, torch.long, dev)
-        vals = [idx[a + b + len(ver_dst):2 * a + b + len(ver_dst)]]
+        vals = [idx[a + b + v:2 * a + b + v]]
         if b:
-            vals.append(handle.sampled_device[idx[2 * a + b + len(ver_dst):2 * a + 2 * b + len(ver_dst)]])
+            vals.append(handle.sampled_device[idx[2 * a + b + v:2 * a + 2 * b + v]])
         if ver:
             vals.append(self._emitted(handle))
-        nxt.index_copy_(0, idx[:a + b + len(ver_dst)], torch.cat(vals))
+        nxt.index_copy_(0, idx[:a + b + v], torch.cat(vals))
+        # the (step row, outs slot) pairs kept: each request's (its last row, or its last accepted one)
+        tail = idx[2 * a + 2 * b + v:]
+        rows, slots = tail[:len(keep_rows)], tail[len(keep_rows):]
+        if ver:
+            acc_rows, acc_slots = self._accepted_rows(ver, qsl, handle, dev)
+            rows, slots = torch.cat([rows, acc_rows]), torch.cat([slots, acc_slots])
+        if self.group is not None:  # the other ranks' pass over the step (follow_after_step: one row per request)
+            self.group.broadcast_(torch.cat([nxt, rows, slots]))
+        out = self._step_pass(nxt, meta, hidden, n)
+        self.outs.index_copy_(0, slots, out[rows])
+
+    @torch.inference_mode()
+    def follow_after_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
+        """A rank other than 0 of a split module: rank 0's after_step of the step just run (its StepInputs: the
+        request count and the graph), from rank 0's broadcast of the next tokens and the rows kept."""
+        n, m = meta.query_start_loc_cpu[-1], step.draft_requests
+        got = self.group.broadcast_(torch.empty(n + 2 * m, dtype=torch.long, device=hidden.device))
+        self._step_graph = step.graph_rows
+        out = self._step_pass(got[:n], meta, hidden, n)
+        self.outs.index_copy_(0, got[n + m:], out[got[n:n + m]])
+
+    def _step_pass(self, nxt: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """The module over the step's n rows, each fed its next token: a replay of the graph of exactly those rows
+        when the target's step replayed one, else eagerly."""
         graph = self._step_graph_for(n)
         self._step_graph = 0
         if graph is not None:  # the step's rows are in the input buffers (decode rows, padding writing nowhere)
             self._ids[:n].copy_(nxt)
             self._hidden[:n].copy_(hidden[:n])
-            out = graph.replay()[:n]
-        else:
-            if meta.slot_mapping.shape[0] != n:
-                meta = replace(meta, slot_mapping=meta.slot_mapping[:n])
-            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-            out = self.model(nxt, buf.positions[:n], ctx, hidden[:n])
-        tail = idx[2 * a + 2 * b + len(ver_dst):]
-        if keep_rows:
-            self.outs.index_copy_(0, tail[len(keep_rows):], out[tail[:len(keep_rows)]])
-        if ver:
-            rows, slots = self._accepted_rows(ver, qsl, handle, dev)
-            self.outs.index_copy_(0, slots, out[rows])
+            return graph.replay()[:n]
+        if meta.slot_mapping.shape[0] != n:
+            meta = replace(meta, slot_mapping=meta.slot_mapping[:n])
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        return self.model(nxt, self.runner.buffers.positions[:n], ctx, hidden[:n])
 
     def _step_graph_for(self, n: int) -> Any:
         """The graph of exactly the step's n rows when the target's step replayed a graph of n rows, else None."""

@@ -111,11 +111,13 @@ class LaunchedForward:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None, tp=None, send_step=None):
+    def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None, tp=None, send_step=None,
+                 send_message=None):
         """tp: this rank's group of ranks (voltllm.distributed.group.TPGroup; None: one device): the tensor-parallel
         group, or with --pipeline-parallel-size every rank of the pipeline (then `pp` is this rank's stage, and
         `self.tp` its stage's tensor-parallel subgroup, or None without -tp). send_step (rank 0 of a group): hands
-        each step's StepInputs to the other ranks, which run execute_follower."""
+        each step's StepInputs to the other ranks, which run execute_follower; send_message: any other message to
+        them (distributed/worker.py lists them)."""
         self.config = config
         self.device = config.device.device
         self.dtype = config.model.dtype
@@ -136,6 +138,7 @@ class ModelRunner:
             # and their routed experts: whole ones per rank (distributed/experts.py), else every expert's rows
             tp.expert_parallel = config.parallel.enable_expert_parallel
         self.send_step = send_step
+        self.send_message = send_message
         if self.device.type == "cuda":  # before any allocation: the KV budget charges this engine what it took since
             from voltllm.platform import make_current
             from voltllm.worker.memory import free_bytes_at_start
@@ -175,18 +178,20 @@ class ModelRunner:
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
-        # MTP / DFlash / EAGLE-1 / EAGLE-3 borrow the target's embedding and LM head: under TP, rank 0 keeps whole
-        # copies for them
+        # MTP / DFlash / EAGLE-1 / EAGLE-3 borrow the target's embedding and LM head. Under TP alone the MTP module is
+        # split too and every rank runs it (worker/mtp_runner.py), with the target's own; the others run whole on
+        # rank 0, which keeps whole copies for them
         # (every rank joins the gathers, here at the same point of every rank's start-up)
         self.full_vocab = None
+        split_mtp = spec is not None and spec.uses_mtp and tp is not None and self.pp is None
         # (under -tp -pp stage 0's ranks alone: the later stages hold no embedding or LM head)
         if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3
                                                     or spec.uses_eagle1) and (
-                self.pp is None or self.pp.first):
+                self.pp is None or self.pp.first) and not split_mtp:
             from voltllm.model.layers.full_vocab import gather_full_vocab
 
             self.full_vocab = gather_full_vocab(self.model, tp)
-        if self.group is not None and self.group.rank > 0:  # drafters run unsharded beside rank 0's shard, on rank 0
+        if self.group is not None and self.group.rank > 0 and not split_mtp:  # the other drafters run on rank 0
             spec = None
         if spec is not None and spec.uses_draft_model:
             from voltllm.worker.draft_runner import DraftRunner
@@ -864,6 +869,7 @@ class ModelRunner:
             step.kv_transfers = sched.kv_transfers  # (each rank copies its own heads' part, at the same slots)
             step.images = image_rows.for_followers() if image_rows is not None else None
             step.prompt_embeds_at = prompt_rows[0] if prompt_rows is not None else None
+            step.draft_requests = n_seqs
             self.send_step(step)
             # (every rank takes them: a later pipeline stage, which starts from hidden states, drops them)
             self.group.broadcast_(self.buffers.input_ids[:t])
@@ -1022,6 +1028,8 @@ class ModelRunner:
         for sel in step.logits_rows if logits_here else ():
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
+        if self.draft is not None:  # a split MTP module's pass over the step (rank 0's after_step, after sampling)
+            self.draft.follow_after_step(step, meta, hidden)
         if self.device.type == "cuda":
             self._follower_events.append(torch.cuda.Event())
             self._follower_events[-1].record()

@@ -9,7 +9,10 @@ its final norm, what its LM head reads):
   out_i = norm(u)                          -> the target's LM head gives the guess for x_{i+2}
 
 Every norm is the zero-centred RMSNorm (x / rms * (1 + w)). The embedding and LM head are the target's (not
-copied; under tensor parallelism rank 0's whole copies of them, model/layers/full_vocab.py). For more than one draft
+copied). Under tensor parallelism the module is split as a target layer is (its attention heads, MLP rows or experts;
+fc and the norms whole on every rank) and every rank runs it, with the target's vocabulary-parallel embedding and LM
+head; under pipeline parallelism it runs whole on rank 0 with rank 0's whole copies of those
+(model/layers/full_vocab.py). For more than one draft
 the module chains itself: out_i stands in for h_{i+1} beside the draft for x_{i+2} at position i + 1
 (worker/mtp_runner.py). Weight names: mtp.fc.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight,
 mtp.norm.weight, mtp.layers.0.<the names of a target decoder layer>.
@@ -53,9 +56,10 @@ class HybridMTP(nn.Module):
     """The MTP module beside its target (a Qwen3NextForCausalLM): its own fc, norms and decoder layer; the target's
     embedding, rotary table and LM head."""
 
-    def __init__(self, target: Qwen3NextForCausalLM, dtype: torch.dtype, vocab: Optional[Any] = None):
-        """vocab: under tensor parallelism, rank 0's whole copies of the target's embedding and LM head
-        (model/layers/full_vocab.py; the target's own are collectives), else None (the target's)."""
+    def __init__(self, target: Qwen3NextForCausalLM, dtype: torch.dtype, vocab: Optional[Any] = None, tp=None):
+        """vocab: rank 0's whole copies of the target's embedding and LM head when it runs the module alone beside a
+        split target (model/layers/full_vocab.py; the target's own are collectives), else None (the target's). tp: the
+        tensor-parallel group the module is split over like the target's layers (every rank runs it), or None."""
         super().__init__()
         cfg = target.config
         h = cfg.hidden_size
@@ -66,7 +70,7 @@ class HybridMTP(nn.Module):
         # one full-attention layer (KV index 0 of the MTP's own caches) with the MLP a target layer 0 would have
         norm_topk = True if target.variant == "qwen3_5_moe" else bool(getattr(cfg, "norm_topk_prob", True))
         self.layers = nn.ModuleList([HybridDecoderLayer(cfg, 0, "full_attention", 0, target._is_moe(cfg, 0), "split",
-                                                        norm_topk, dtype, target.rotary)])
+                                                        norm_topk, dtype, target.rotary, tp=tp)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, offset=1.0)
         self._target = [target]  # (a list: not a submodule, its weights are not this module's)
         self._vocab = [vocab if vocab is not None else target]  # what embeds the tokens and gives the logits
