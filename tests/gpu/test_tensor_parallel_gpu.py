@@ -237,7 +237,8 @@ def test_tp2_speculation_fp32_matches_tp1_with_cuda_graphs(tiny, method):
         assert two.engine.runner.graphs.replays > 0
         assert two.engine.stats().extra["spec_accepted_tokens"] > 0
         if method == "draft_model":
-            assert two.engine.runner.draft.graphs is not None
+            assert two.engine.runner.draft.graphs is not None and two.engine.runner.full_vocab is None
+        assert two.engine.tp_workers.call_on_workers(_split_mtp_with_graphs) == [True]
         two.engine.check_integrity()
     finally:
         two.engine.shutdown()
@@ -276,10 +277,14 @@ def test_tp2_hybrid_speculation_fp32_matches_tp1_with_verify_graphs(tiny_hybrid,
         two.engine.shutdown()
 
 
+def _split_mtp_with_graphs(runner):
+    return runner.draft.group is not None and runner.draft.graphs is not None
+
+
 def test_tp2_mtp_fp32_drafts_equal_reference_with_graphs(tmp_path_factory, monkeypatch):
-    """MTP under TP (NCCL): the module runs on rank 0 with the vocabulary tables gathered from both ranks (NCCL
-    gather) and its own CUDA graphs; its fp32 draft logits equal the float64 reference and greedy tokens plain
-    decoding's on one GPU."""
+    """MTP under TP (NCCL): the module is split over both ranks, each running its passes in its own CUDA graphs
+    (the all-reduces captured) with the target's vocabulary-parallel embedding and LM head; its fp32 draft logits
+    equal the float64 reference and greedy tokens plain decoding's on one GPU."""
     from mtp_models import MTPReference, check_against_reference, make_mtp_target, record_draft_logits
 
     made = make_mtp_target(tmp_path_factory, "qwen3_5")
@@ -296,7 +301,8 @@ def test_tp2_mtp_fp32_drafts_equal_reference_with_graphs(tmp_path_factory, monke
     try:
         got = _hybrid_greedy(two, 24)
         assert got == ref
-        assert two.engine.runner.draft.graphs is not None
+        assert two.engine.runner.draft.graphs is not None and two.engine.runner.full_vocab is None
+        assert two.engine.tp_workers.call_on_workers(_split_mtp_with_graphs) == [True]
         two.engine.check_integrity()
     finally:
         two.engine.shutdown()

@@ -64,7 +64,8 @@ def test_ngram_and_draft_model_speculation_accepted(tmp_path, spec):
 
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 def test_mtp_and_dflash_accepted(method):
-    """They run on rank 0 with whole copies of the target's embedding / head (model/layers/full_vocab.py)."""
+    """MTP is split over the ranks as the target's layers (worker/mtp_runner.py); DFlash runs on rank 0 with whole
+    copies of the target's embedding / head (model/layers/full_vocab.py)."""
     spec = SimpleNamespace(method=method)
     assert tensor_parallel_error(2, _cfg(**QWEN35), torch.device("cpu"), spec, "dequantized") is None
     # the other checks still apply to them
