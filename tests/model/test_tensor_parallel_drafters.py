@@ -1,9 +1,9 @@
-"""MTP and DFlash speculation under tensor parallelism (CPU, gloo, -tp 2). The MTP module is split over the ranks as
-the target's layers are, and every rank runs it with the target's vocabulary-parallel embedding and LM head
-(worker/mtp_runner.py: rank 0 sends each proposal's inputs and broadcasts the drafts and the kept rows). A DFlash
-drafter runs unsharded on rank 0, beside its target shard, with whole copies of the target's embedding and LM head
-that every rank's vocabulary rows were gathered into at start-up (model/layers/full_vocab.py; untied heads and, with
-the llama target, a tied one; DFlash also beside a qwen3_5 hybrid target, reading a Gated DeltaNet layer's output). The
+"""MTP and DFlash speculation under tensor parallelism (CPU, gloo, -tp 2). The MTP module and the DFlash drafter are
+split over the ranks as the target's layers are, and every rank runs them with the target's vocabulary-parallel
+embedding and LM head (worker/mtp_runner.py: rank 0 sends each proposal's inputs and broadcasts the drafts and the
+kept rows; worker/dflash_runner.py: rank 0 sends each block's rows, and each step's context ring slots ride the step);
+untied heads and, with the llama target, a tied one; DFlash also beside a qwen3_5 hybrid target, reading a Gated
+DeltaNet layer's output. The
 draft logits equal the float64 references of the drafters' math fed by transformers' hidden states of the target
 (tests/mtp_models.py, tests/dflash_models.py), through chunked prompts beside verifications; greedy outputs equal
 plain decoding's on one device."""
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from dflash_models import V2, check_block_drafts, check_block_logits, make_dflash, record_block_logits
+from dflash_models import KV_HEADS, V2, check_block_drafts, check_block_logits, make_dflash, record_block_logits
 from mtp_models import (MTPReference, check_against_reference, make_mtp_target, record_draft_logits,
                         record_drafts_given)
 from spec_oracle import PlainRuns, oracle_table, patch_dflash, run_checked
@@ -86,11 +86,12 @@ def test_mtp_under_tp_sampled_drafts(tmp_path_factory, monkeypatch):
     assert runs[0] == runs[1]
 
 
-def _check_split(llm):
-    """No whole vocabulary copies on rank 0, and each rank holds half of the module's KV heads."""
-    heads = llm.engine.runner.model.config.num_key_value_heads
+def _check_split(llm, heads=None):
+    """No whole vocabulary copies on rank 0, and each rank holds half of the drafter's KV heads (the target's KV head
+    count unless given: a DFlash drafter's own config's)."""
+    heads = heads if heads is not None else llm.engine.runner.model.config.num_key_value_heads
     assert llm.engine.runner.full_vocab is None
-    assert [_mtp_split(llm.engine.runner)] + llm.engine.tp_workers.call_on_workers(_mtp_split) == [
+    assert [_drafter_split(llm.engine.runner)] + llm.engine.tp_workers.call_on_workers(_drafter_split) == [
         (heads // 2, True)] * 2
 
 
@@ -100,9 +101,13 @@ def _check_same_outs(llm):
     assert kept and all(torch.equal(_mtp_outs(llm.engine.runner), o) for o in kept)
 
 
-def _mtp_split(runner):
-    """This rank's MTP module: its KV heads, and whether it runs split (a group, no whole vocabulary copies)."""
+def _drafter_split(runner):
+    """This rank's drafter: its KV heads, and whether it runs split (a group, no whole vocabulary copies)."""
     return runner.draft.model.kv_heads_and_dim[0], runner.draft.group is not None and runner.full_vocab is None
+
+
+def _dflash_rings(runner):
+    return runner.draft.rings is not None
 
 
 def _mtp_outs(runner):
@@ -130,8 +135,8 @@ def test_dflash_under_tp_block_logits_equal_reference(tmp_path_factory, kind, v2
     llm = LLM(target, tensor_parallel_size=2, speculative_config={"method": "dflash", "model": drafter,
                                                                   "num_speculative_tokens": 3}, **kw)
     try:
-        assert llm.engine.runner.full_vocab is not None
-        assert (llm.engine.runner.draft.rings is not None) == rings
+        _check_split(llm, KV_HEADS)
+        assert [_dflash_rings(llm.engine.runner)] + llm.engine.tp_workers.call_on_workers(_dflash_rings) == [rings] * 2
         records = record_block_logits(llm.engine.runner.draft)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         llm.engine.check_integrity()
@@ -164,6 +169,7 @@ def test_dflash_under_tp_on_a_hybrid(tmp_path_factory, monkeypatch):
     llm = LLM(target, tensor_parallel_size=2, speculative_config={"method": "dflash", "model": drafter,
                                                                   "num_speculative_tokens": 3}, **kw)
     try:
+        _check_split(llm, KV_HEADS)
         records = record_block_logits(llm.engine.runner.draft)
         outs = run_checked(llm, PROMPTS, sp)
         stats = llm.engine.stats().extra
@@ -172,3 +178,39 @@ def test_dflash_under_tp_on_a_hybrid(tmp_path_factory, monkeypatch):
     assert outs == ref
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     assert check_block_logits(records, target, drafter, layers) >= 2 * len(PROMPTS)
+
+
+def _whole_tensors(runner):
+    """The tensors every rank of a split drafter holds whole (fc; DFlash2's selector), on the host."""
+    d = runner.draft
+    mod = d.drafter if hasattr(d, "drafter") else d.model
+    named = dict(mod.named_parameters())
+    return {n: p.detach().cpu() for n, p in named.items() if n.startswith(("fc.", "selector."))}
+
+
+def test_split_drafters_with_dummy_weights(tmp_path_factory):
+    """--load-format dummy under -tp 2: the tensors each rank holds whole are drawn alike on both ranks (each from its
+    own seed, whatever the split ones' shapes), so the ranks run one drafter; the engine drafts and checks out."""
+    mtp_path, _ = make_mtp_target(tmp_path_factory, "qwen3_5") or (None, None)
+    root = tmp_path_factory.mktemp("dflash-tp-dummy")
+    target = make_model(str(root / "target"), "qwen3")
+    with open(f"{target}/config.json") as f:
+        cfg = json.load(f)
+    drafter = make_dflash(str(root / "dflash"), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"],
+                          [0, cfg["num_hidden_layers"] - 1], block_size=4, v2=V2)
+    cases = [(target, {"method": "dflash", "model": drafter, "num_speculative_tokens": 3})]
+    if mtp_path is not None:
+        cases.append((mtp_path, {"method": "mtp", "num_speculative_tokens": K}))
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for path, spec in cases:
+        llm = LLM(path, tensor_parallel_size=2, load_format="dummy", speculative_config=spec,
+                  max_num_batched_tokens=16, block_size=4, skip_tokenizer_init=True)
+        try:
+            mine = _whole_tensors(llm.engine.runner)
+            theirs = llm.engine.tp_workers.call_on_workers(_whole_tensors)[0]
+            assert mine and mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[n], theirs[n]) for n in mine), spec["method"]
+            run_checked(llm, PROMPTS, sp)
+            assert llm.engine.stats().extra["spec_draft_tokens"] > 0
+        finally:
+            llm.engine.shutdown()

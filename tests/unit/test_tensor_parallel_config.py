@@ -64,8 +64,7 @@ def test_ngram_and_draft_model_speculation_accepted(tmp_path, spec):
 
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 def test_mtp_and_dflash_accepted(method):
-    """MTP is split over the ranks as the target's layers (worker/mtp_runner.py); DFlash runs on rank 0 with whole
-    copies of the target's embedding / head (model/layers/full_vocab.py)."""
+    """They are split over the ranks as the target's layers (worker/mtp_runner.py, dflash_runner.py)."""
     spec = SimpleNamespace(method=method)
     assert tensor_parallel_error(2, _cfg(**QWEN35), torch.device("cpu"), spec, "dequantized") is None
     # the other checks still apply to them

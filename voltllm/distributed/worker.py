@@ -1,13 +1,13 @@
 """A tensor- or pipeline-parallel worker process (rank 1..N-1): builds its model shard or stage and replays the steps
 rank 0 sends.
 
-It mirrors EngineCore's start-up (runner, KV cache, GEMM tuning, CUDA graphs) so that the collectives inside those
-line up with rank 0's, then loops: each ("step", StepInputs) is one forward (ModelRunner.execute_follower). Pipe
-messages from rank 0 (pickled tuples): ("step", StepInputs), ("draft", MTPProposal) (a split MTP module's chained
-passes, worker/mtp_runner.py, sent before the step whose drafts they make), ("sleep_mode", method, args)
+It mirrors EngineCore's start-up (runner, KV cache, GEMM tuning, CUDA graphs) so that the collectives inside those line
+up with rank 0's, then loops: each ("step", StepInputs) is one forward (ModelRunner.execute_follower). Pipe messages
+from rank 0 (pickled tuples): ("step", StepInputs), ("draft", MTPProposal or DFlashBlock) (a split MTP module's chained
+passes or DFlash drafter's block, sent before the step whose drafts they make), ("sleep_mode", method, args)
 (--enable-sleep-mode: this rank's RunnerSleep does what rank 0's does, distributed/sleep.py), ("profile", "start" |
-"stop") (--profiler-config: this rank's own profiler), ("call", fn, args) (tests: fn(runner, *args)), ("fail",
-text) (tests: raise here), ("shutdown",). To rank 0: ("hello",) before joining the process group, ("ready", num_blocks),
+"stop") (--profiler-config: this rank's own profiler), ("call", fn, args) (tests: fn(runner, *args)), ("fail", text)
+(tests: raise here), ("shutdown",). To rank 0: ("hello",) before joining the process group, ("ready", num_blocks),
 ("sleep_mode", None or the message of a wake-up that failed here and can be retried), ("profile", None or an error's
 message, files written), ("called", result), ("error", text) before exiting.
 
@@ -56,7 +56,7 @@ def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, lo
             if msg[0] == "step":
                 runner.execute_follower(msg[1])
                 profiler.step()
-            elif msg[0] == "draft":  # a split MTP module's proposal, before the step it drafts for
+            elif msg[0] == "draft":  # a split drafter's proposal (MTP, DFlash), before the step it drafts for
                 runner.draft.follow_propose(msg[1])
             elif msg[0] == "sleep_mode":
                 conn.send(("sleep_mode", _sleep_mode_call(sleep_state, msg[1], msg[2])))

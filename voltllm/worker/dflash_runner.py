@@ -32,16 +32,25 @@ verification on the device (DeviceDrafts).
 The block's forward replays a CUDA graph of the drafter (DecodeGraphs over the target's input buffers, like a draft
 model's: the block rows are decode rows) when its rows fit the largest graph, else runs eagerly; the context write
 and the LM head stay eager (a few launches). Its caches are in --kv-cache-dtype, as the target's: a 27B drafter's
-five layers of 8 x 128 K / V take more bytes per token than the target's own 16 attention layers (4 x 256) do under
-tensor parallelism, so fp8 halves a large part of a block. With fp8 the layers' scales are the checkpoint's, else
+five layers of 8 x 128 K / V take 20 KiB per token in fp16, more than the target's own 16 attention layers (4 x 256)
+in fp8, so fp8 halves a large part of a block. With fp8 the layers' scales are the checkpoint's, else
 1.0, or the first real step's context under --calculate-kv-scales; keys are not centred (--calculate-key-offsets
 leaves the drafter alone).
+
+Tensor parallelism (-tp without -pp): the drafter's layers are split over the ranks as a Qwen3 target's are (each
+rank's context cache holds its heads), and every rank runs the block with the target's vocabulary-parallel embedding
+and LM head: no whole tables on rank 0, no whole [vocab, hidden] head read by one GPU. Rank 0 alone knows the
+scheduler's rows, the rings and the requests' sampling: before the block's first collective it sends the other ranks
+the block's inputs (`DFlashBlock`, a pipe message; `follow_propose` lays them out and runs the block and its logits
+gather), and each step's context ring slots ride its StepInputs (`follow_step` writes that rank's heads' context).
+The drafts (argmax, DFlash2's selector, draws) are made on rank 0 from the gathered logits and reach the other ranks
+in the step's input ids, as every drafter's do. Under -pp the drafter runs whole on rank 0.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -64,9 +73,26 @@ logger = logging.getLogger("voltllm")
 _PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
+@dataclass
+class DFlashBlock:
+    """A block forward's rows as rank 0 laid them out (_block_arrays), which the other ranks of a split drafter lay out
+    the same way: ids / positions / slots (and the rings' slots) [3 or 4, padded], context lengths [padded], block
+    tables [padded, width] (and the rings'), the real rows, the graph's batch size (0: eager) and the draft rows to
+    take (`pick`: [kmax + 1, n], the last row each block's first)."""
+
+    longs: np.ndarray
+    lens: np.ndarray
+    tables: np.ndarray
+    ring_tables: Optional[np.ndarray]
+    total: int
+    graph_rows: int
+    pick: np.ndarray
+
+
 class DFlashRunner(DeviceDrafts):
     """The DFlash drafter beside a ModelRunner, which calls it as it calls a DraftRunner (propose / fill_inputs /
-    run_step / verification_drafts / verification_probs in each step's execute_async)."""
+    run_step / verification_drafts / verification_probs in each step's execute_async). Under -tp the other ranks'
+    runners hold one too and call follow_propose / follow_step."""
 
     def __init__(self, runner: Any, spec: Any):
         import weakref
@@ -78,6 +104,8 @@ class DFlashRunner(DeviceDrafts):
         self.runner = weakref.proxy(runner)
         mc = runner.config.model
         self.params = dflash_params(spec.draft_hf_config, mc.hf_config, spec.num_speculative_tokens)
+        # the group the drafter is split over (every rank runs it), or None: whole here
+        self.group = runner.tp if runner.tp is not None and runner.pp is None else None
         self.drafter = self._load(runner, spec)
         self.model = self.drafter.body  # what memory profiling and GEMM tuning run
         self.backend = select_attention_backend(runner.config)
@@ -99,6 +127,7 @@ class DFlashRunner(DeviceDrafts):
         self._ring_tables: Optional[torch.Tensor] = None  # the drafter graphs' ring block tables and slots
         self._ring_slots: Optional[torch.Tensor] = None
         self._window_meta: Optional[AttentionMetadata] = None  # an eager block forward's windowed layers' metadata
+        self._step_ring_slots: Optional[np.ndarray] = None  # the step's context ring slots (step_ring_slots)
 
     def _load(self, runner: Any, spec: Any):
         from voltllm.model.models.dflash import DFlashDrafter
@@ -107,7 +136,8 @@ class DFlashRunner(DeviceDrafts):
         mc, dtype = runner.config.model, runner.dtype
         with torch.device(runner.device):
             drafter = DFlashDrafter(spec.draft_hf_config, self.params, runner.model, dtype,
-                                    mc.max_model_len + self.params.block_size, runner.full_vocab)
+                                    mc.max_model_len + self.params.block_size,
+                                    runner.full_vocab if self.group is None else None, tp=self.group)
         if mc.load_format == "dummy":
             _dummy_weights(drafter, mc.seed)
         else:
@@ -142,6 +172,8 @@ class DFlashRunner(DeviceDrafts):
                          // (target_block_bytes + self.kv_block_bytes(bs, kv_dtype)))
         in_blocks = min(most_blocks, max(budget, 0) // (target_block_bytes + layer * len(self.windowed)))
         kept = with_rings > in_blocks
+        if self.group is not None:  # (the ranks' caches must be laid out alike: rings only where every rank gains)
+            kept = self.group.min_int(int(kept)) > 0
         logger.info("DFlash drafter: sliding-window layers' K / V %s (%d blocks; %d the other way)",
                     f"in {self.rings.num_rings} rings of {self.rings.capacity} positions" if kept
                     else "in the blocks", max(with_rings, in_blocks), min(with_rings, in_blocks))
@@ -202,12 +234,37 @@ class DFlashRunner(DeviceDrafts):
     @torch.inference_mode()
     def run_step(self, sched: Any, graph_batch: int, meta: AttentionMetadata) -> None:
         """The context K / V of every token the target's step just computed, at its slots (padding: slot -1)."""
+        ring_slots = None
+        if self.rings is not None:
+            ring_slots = self._step_ring_slots
+            if ring_slots is None:
+                ring_slots = self._context_ring_slots(sched, meta.slot_mapping.shape[0])
+        self._step_ring_slots = None
+        self._write_context(meta, ring_slots)
+
+    def step_ring_slots(self, sched: Any, t: int) -> Optional[np.ndarray]:
+        """Rank 0 of a split drafter, before the step is sent: its t tokens' context ring slots (None without rings),
+        for the other ranks' StepInputs; run_step takes the same."""
+        if self.rings is None:
+            return None
+        self._step_ring_slots = self._context_ring_slots(sched, t)
+        return self._step_ring_slots
+
+    @torch.inference_mode()
+    def follow_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
+        """A rank other than 0 of a split drafter: run_step's context write, this rank's heads (ring slots: rank 0's,
+        in the StepInputs)."""
+        self._write_context(meta, step.draft_ring_slots)
+
+    def _write_context(self, meta: AttentionMetadata, ring_slots: Optional[np.ndarray]) -> None:
         slots = meta.slot_mapping
         t = slots.shape[0]
         positions = self.runner.buffers.positions[:t]
         k, v = self.drafter.context_kv(self.features[:t], positions)
         calibrate, self.calc_kv_scales_pending = self.calc_kv_scales_pending, False
-        ring_meta = self._context_ring_meta(sched, meta, t) if self.rings is not None else None
+        ring_meta = None
+        if ring_slots is not None:
+            ring_meta = self._ring_meta(meta, None, upload(torch.from_numpy(ring_slots), slots.device))
         for i, (cache, layer) in enumerate(zip(self.kv_caches, self.drafter.layers)):
             attn = layer.self_attn
             if calibrate:  # the first real step's context sets the fp8 scales (rows past num_tokens: padding)
@@ -217,7 +274,7 @@ class DFlashRunner(DeviceDrafts):
             self.backend.write_kv(k[:, i].contiguous(), v[:, i].contiguous(), cache,
                                   ring_meta if self.windowed[i] else meta, attn.k_scale, attn.v_scale)
 
-    def _context_ring_meta(self, sched: Any, meta: AttentionMetadata, t: int) -> AttentionMetadata:
+    def _context_ring_slots(self, sched: Any, t: int) -> np.ndarray:
         """The step's tokens' ring slots: each request's num_new_tokens tokens in scheduled order, at its positions
         from its start on (as ModelRunner.prepare lays them out, one row per request or per token); padding -1."""
         slots = np.full(t, -1, dtype=np.int64)
@@ -226,7 +283,7 @@ class DFlashRunner(DeviceDrafts):
             n = s.num_new_tokens
             slots[a:a + n] = self.rings.slots(self.rings.ring(s.request.request_id), np.arange(s.start, s.start + n))
             a += n
-        return self._ring_meta(meta, None, upload(torch.from_numpy(slots), meta.slot_mapping.device))
+        return slots
 
     @torch.inference_mode()
     def propose(self, sched: Any) -> None:
@@ -239,23 +296,11 @@ class DFlashRunner(DeviceDrafts):
         r, dev = self.runner, self.runner.device
         ks = [len(s.spec_tokens) for s in rows]
         kmax, n = max(ks), len(rows)
-        total = sum(ks) + n
-        graph = self.graphs.for_batch(total) if self.graphs is not None else None
-        ids_d, pos_d, meta, base = self._block_inputs(rows, ks, dev, graph.batch_size if graph else 0)
-        if graph is not None:
-            hidden = graph.replay()[:total]
-        else:
-            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
-            if self._window_meta is not None:
-                ctx.extra["window_meta"] = self._window_meta
-            hidden = self.drafter.block_hidden(ids_d, pos_d, ctx)
-        # draft j of request i: the block row after its known token's + j ([kmax, n]; past its own k: unused), then
-        # each block's first row (its known token: where a DFlash2 selector's walk starts)
-        pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(kmax)] + [base],
-                        dtype=np.int64)
-        pick_d = upload(torch.from_numpy(pick.ravel()), dev)
-        draft_hidden = hidden[pick_d[:kmax * n]]
-        logits = self.drafter.compute_logits(draft_hidden)
+        graph = self._block_graph(sum(ks) + n)
+        block = self._block_arrays(rows, ks, graph.batch_size if graph else 0)
+        if self.group is not None:  # (before the block's first collective: the other ranks run it too)
+            r.send_message(("draft", block))
+        ids_d, draft_hidden, logits, pick_d = self._run_block(block)
         greedy = [s.request.sampling_params.greedy for s in rows]
 
         def selected() -> torch.Tensor:  # the deterministic drafts [kmax, n]
@@ -275,10 +320,43 @@ class DFlashRunner(DeviceDrafts):
         if probs is not None:
             self._probs = probs.view(kmax, n, -1)
 
-    def _block_inputs(self, rows: list, ks: list[int], dev: torch.device, graph_rows: int = 0):
-        """The block rows' input ids, positions and attention metadata on the device (one upload of each array),
-        and each request's first row. graph_rows: a graph of that many rows replays them, so the rows (padded:
-        token 0 at position 0, no slot, one token of context) go into the runner's input buffers it reads."""
+    @torch.inference_mode()
+    def follow_propose(self, block: DFlashBlock) -> None:
+        """A rank other than 0 of a split drafter: rank 0's block forward and its logits gather (the drafts are rank
+        0's; they come in the step's input ids)."""
+        self._run_block(block)
+
+    def _block_graph(self, total: int) -> Any:
+        """The graph a block forward of `total` rows replays, or None (eager)."""
+        return self.graphs.for_batch(total) if self.graphs is not None else None
+
+    def _run_block(self, block: DFlashBlock) -> tuple:
+        """The block forward and the logits of its draft rows (a collective under -tp: every rank calls it): the
+        block's input ids on the device (None when a graph read them from the input buffers), the draft rows' hidden
+        states and logits ([kmax * n] rows, draft-major), and `pick` on the device."""
+        dev = self.runner.device
+        total, kn = block.total, block.pick.shape[1] * (block.pick.shape[0] - 1)
+        graph = self._block_graph(total)
+        if (graph.batch_size if graph is not None else 0) != block.graph_rows:
+            raise RuntimeError("tensor-parallel ranks disagree on the DFlash drafter's CUDA graph")
+        ids_d, pos_d, meta = self._block_inputs(block, dev)
+        if graph is not None:
+            hidden = graph.replay()[:total]
+        else:
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            if self._window_meta is not None:
+                ctx.extra["window_meta"] = self._window_meta
+            hidden = self.drafter.block_hidden(ids_d, pos_d, ctx)
+        pick_d = upload(torch.from_numpy(block.pick.ravel()), dev)
+        draft_hidden = hidden[pick_d[:kn]]
+        return ids_d, draft_hidden, self.drafter.compute_logits(draft_hidden), pick_d
+
+    def _block_arrays(self, rows: list, ks: list[int], graph_rows: int) -> DFlashBlock:
+        """The block rows on the host: for each request its known token and k mask tokens at positions start ..
+        start + k (every row seeing the whole block), padded to graph_rows (token 0 at position 0, no slot, one token
+        of context) when a graph replays them; and the draft rows: draft j of request i is the block row after its
+        known token's + j ([kmax, n]; past its own k: unused), then each block's first row (its known token: where a
+        DFlash2 selector's walk starts)."""
         bs = self.runner.block_size
         mask = self.params.mask_token_id
         total = sum(ks) + len(rows)
@@ -308,6 +386,16 @@ class DFlashRunner(DeviceDrafts):
                 # (each row reads from its window's start on: the block's first row reaches back furthest)
                 ring_tables[at:at + k + 1] = rings.table(ring, width, first=rings.first_block(s.start))
             at += k + 1
+        pick = np.array([[base[i] + 1 + min(j, k - 1) for i, k in enumerate(ks)] for j in range(max(ks))] + [base],
+                        dtype=np.int64)
+        return DFlashBlock(longs, lens, tables, ring_tables, total, graph_rows, pick)
+
+    def _block_inputs(self, block: DFlashBlock, dev: torch.device):
+        """The block rows' input ids, positions and attention metadata on the device (one upload of each array).
+        A graph's rows go into the runner's input buffers it reads instead (ids, positions and metadata: None)."""
+        longs, lens, tables, ring_tables = block.longs, block.lens, block.tables, block.ring_tables
+        total, graph_rows, rings = block.total, block.graph_rows, ring_tables is not None
+        padded, width = lens.shape[0], tables.shape[1]
         longs_d = upload(torch.from_numpy(longs), dev)
         self._window_meta = None
         if graph_rows:
@@ -326,7 +414,7 @@ class DFlashRunner(DeviceDrafts):
                 ring_tables_d[:padded, :width].copy_(ints_d[padded * (1 + width):].view(padded, width))
             qsl = buf.query_start_loc
             qsl.copy_(torch.arange(qsl.numel(), dtype=qsl.dtype, device=dev))
-            return None, None, None, base
+            return None, None, None
         lens, tables = lens[:total], tables[:total]
         ints_d = upload(torch.from_numpy(np.concatenate([np.arange(total + 1, dtype=np.int32), lens, tables.ravel()]
                                                         + ([ring_tables[:total].ravel()] if rings else []))), dev)
@@ -338,7 +426,7 @@ class DFlashRunner(DeviceDrafts):
             seq_lens_cpu=lens.tolist())
         if rings:
             self._window_meta = self._ring_meta(meta, ints_d[end:].view(total, width), longs_d[3, :total])
-        return longs_d[0, :total], longs_d[1, :total], meta, base
+        return longs_d[0, :total], longs_d[1, :total], meta
 
 
 class _DFlashGraphView(_GraphView):
@@ -355,13 +443,15 @@ class _DFlashGraphView(_GraphView):
 
 @torch.no_grad()
 def _dummy_weights(drafter: torch.nn.Module, seed: int) -> None:
-    """--load-format dummy: random drafter weights (N(0, 0.02), norms at 1), the target's embedding left alone."""
-    gen = torch.Generator(device=drafter.fc.weight.device).manual_seed(seed + 1)
-    for name, p in drafter.named_parameters():
+    """--load-format dummy: random drafter weights (N(0, 0.02), norms at 1), the target's embedding left alone. Each
+    tensor draws from its own seed, so the tensors every rank of a split drafter holds whole (fc, the selector) are
+    the same on each whatever the shapes of its split ones."""
+    gen = torch.Generator(device=drafter.fc.weight.device)
+    for i, (name, p) in enumerate(drafter.named_parameters()):
         if "embed_tokens" in name:
             continue
         if "norm" in name:
             p.fill_(1.0)
         else:
-            p.normal_(0.0, 0.02, generator=gen)
+            p.normal_(0.0, 0.02, generator=gen.manual_seed(seed + 1 + i))
     drafter.finish_loading()

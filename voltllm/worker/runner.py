@@ -178,20 +178,21 @@ class ModelRunner:
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
-        # MTP / DFlash / EAGLE-1 / EAGLE-3 borrow the target's embedding and LM head. Under TP alone the MTP module is
-        # split too and every rank runs it (worker/mtp_runner.py), with the target's own; the others run whole on
-        # rank 0, which keeps whole copies for them
+        # MTP / DFlash / EAGLE-1 / EAGLE-3 borrow the target's embedding and LM head. Under TP alone the MTP module and
+        # a DFlash drafter are split too and every rank runs them (worker/mtp_runner.py, dflash_runner.py), with the
+        # target's own; the others run whole on rank 0, which keeps whole copies for them
         # (every rank joins the gathers, here at the same point of every rank's start-up)
         self.full_vocab = None
-        split_mtp = spec is not None and spec.uses_mtp and tp is not None and self.pp is None
+        split_drafter = (spec is not None and (spec.uses_mtp or spec.uses_dflash) and tp is not None
+                         and self.pp is None)
         # (under -tp -pp stage 0's ranks alone: the later stages hold no embedding or LM head)
         if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3
                                                     or spec.uses_eagle1) and (
-                self.pp is None or self.pp.first) and not split_mtp:
+                self.pp is None or self.pp.first) and not split_drafter:
             from voltllm.model.layers.full_vocab import gather_full_vocab
 
             self.full_vocab = gather_full_vocab(self.model, tp)
-        if self.group is not None and self.group.rank > 0 and not split_mtp:  # the other drafters run on rank 0
+        if self.group is not None and self.group.rank > 0 and not split_drafter:  # the others run on rank 0
             spec = None
         if spec is not None and spec.uses_draft_model:
             from voltllm.worker.draft_runner import DraftRunner
@@ -870,6 +871,9 @@ class ModelRunner:
             step.images = image_rows.for_followers() if image_rows is not None else None
             step.prompt_embeds_at = prompt_rows[0] if prompt_rows is not None else None
             step.draft_requests = n_seqs
+            step.draft_ring_slots = (self.draft.step_ring_slots(sched, t) if self.draft is not None
+                                     and hasattr(self.draft, "step_ring_slots") and self.draft.group is not None
+                                     else None)
             self.send_step(step)
             # (every rank takes them: a later pipeline stage, which starts from hidden states, drops them)
             self.group.broadcast_(self.buffers.input_ids[:t])
@@ -1028,8 +1032,8 @@ class ModelRunner:
         for sel in step.logits_rows if logits_here else ():
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
-        if self.draft is not None:  # a split MTP module's pass over the step (rank 0's after_step, after sampling)
-            self.draft.follow_after_step(step, meta, hidden)
+        if self.draft is not None:  # a split drafter's part of the step (MTP: rank 0's after_step, after sampling;
+            self.draft.follow_step(step, meta, hidden)  # DFlash: the context K / V of this rank's heads)
         if self.device.type == "cuda":
             self._follower_events.append(torch.cuda.Event())
             self._follower_events[-1].record()

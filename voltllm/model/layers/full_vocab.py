@@ -1,6 +1,6 @@
 """The target's whole vocabulary (embedding table and LM head) on rank 0 of a tensor-parallel group, for the drafters
-that borrow the target's and run whole on rank 0 (DFlash, the EAGLE heads; MTP under -tp -pp: under -tp alone the MTP
-module is split and runs on every rank with the target's own tables, worker/mtp_runner.py).
+that borrow the target's and run whole on rank 0 (the EAGLE heads; MTP and DFlash under -tp -pp: under -tp alone they
+are split and run on every rank with the target's own tables, worker/mtp_runner.py, dflash_runner.py).
 
 Those drafters run unsharded on rank 0, beside its target shard (as a draft model does), but the target's
 vocabulary-parallel embedding and LM head are collectives: every rank must call them. So at start-up every rank hands
@@ -56,7 +56,7 @@ def _dense_shard(model: Any, what: str) -> torch.Tensor:
     holder = model.embed_tokens if what == "embedding" or model.tie else model.lm_head
     weight = getattr(holder, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise ValueError(f"DFlash / EAGLE speculation (and MTP under -pp) with --tensor-parallel-size needs the "
+        raise ValueError(f"EAGLE speculation (and MTP / DFlash under -pp) with --tensor-parallel-size needs the "
                          f"target's {what} held dense "
                          "(rank 0 keeps a whole copy for the drafter); it is kept quantized here: drop --quantization "
                          "to dequantize the checkpoint at load")

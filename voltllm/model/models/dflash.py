@@ -5,8 +5,10 @@ decode rows of their request that all see the whole block (each row's context en
 position, and every row's K / V is stored before attention reads), which is the drafter's non-causal block
 attention over context + block, on the same paged attention kernels as any decode step. What differs:
 - the block's input embeddings are the target's (`embed_tokens` is the target's module, scaled if the checkpoint
-  says so), its logits the target's LM head's (`compute_logits` takes the target); under tensor parallelism rank 0's
-  whole copies of both (model/layers/full_vocab.py);
+  says so), its logits the target's LM head's (`compute_logits` takes the target). Under tensor parallelism the
+  drafter's layers are split over the ranks as a Qwen3 target's are (`tp`: every rank runs the block with the target's
+  vocabulary-parallel tables; worker/dflash_runner.py), or under -pp it runs whole on rank 0 with rank 0's whole
+  copies of both tables (model/layers/full_vocab.py);
 - its context: the K / V at a position the target has computed come from the target's hidden states there,
   `hidden_norm(fc(concat of the chosen layers' outputs))`, through each layer's k / v projections (+ k_norm,
   RoPE) without running the layers (`context_kv`). All layers' k / v weights are stacked once at load, so the
@@ -44,9 +46,11 @@ class _ScaledEmbedding(nn.Module):
 
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: Any, params: DFlashParams, target: nn.Module, dtype: torch.dtype, max_positions: int,
-                 vocab: Optional[Any] = None):
-        """vocab: under tensor parallelism, rank 0's whole copies of the target's embedding and LM head
-        (model/layers/full_vocab.py; the target's own are collectives), else None (the target's)."""
+                 vocab: Optional[Any] = None, tp=None):
+        """vocab: rank 0's whole copies of the target's embedding and LM head when the drafter runs whole beside a
+        split target (model/layers/full_vocab.py; the target's own are collectives), else None (the target's). tp: the
+        group the drafter's layers are split over (every rank runs it; each holds its heads' context K / V), or
+        None."""
         super().__init__()
         self.params = params
         body_cfg = copy.deepcopy(cfg)
@@ -56,12 +60,12 @@ class DFlashDrafter(nn.Module):
         v2 = params.v2
         self.selector = None
         if v2 is None:
-            self.body = LlamaForCausalLM(body_cfg, dtype, max_positions)
+            self.body = LlamaForCausalLM(body_cfg, dtype, max_positions, tp=tp)
         else:
             from voltllm.model.models.dflash2_layers import CandidateSelector, DFlash2Body
 
             body_cfg.conv_kernel_size, body_cfg.conv_group_size = v2.conv_kernel_size, v2.conv_group_size
-            self.body = DFlash2Body(body_cfg, dtype, max_positions)
+            self.body = DFlash2Body(body_cfg, dtype, max_positions, tp=tp)
             self.selector = CandidateSelector(cfg.hidden_size, int(cfg.vocab_size), v2.selector_rank,
                                               v2.selector_top_k, dtype)
         for layer in self.body.layers:  # a block row sees past its own position: a sliding window follows it
