@@ -1650,11 +1650,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
-  s163)  # (session 63; carry .whl with pytest-xdist) the drafters' GPU files after MTPRunner's passes were factored
-          # for tensor parallelism (propose's chain and after_step's pass shared with the other ranks' replay): MTP,
-          # EAGLE-1 / 3 (MTPRunner's subclasses) and the dynamic-speculation file, 4 workers handing out single tests
-    timeout 540 python3 -m pytest -v -m gpu tests/gpu/test_mtp_cuda.py tests/gpu/test_eagle1_cuda.py \
-      tests/gpu/test_eagle3_cuda.py tests/gpu/test_dynamic_speculation_cuda.py -n 4 --dist load -p no:cacheprovider \
+  s163)  # (session 63; carry .whl with pytest-xdist) the drafters' GPU files after MTPRunner's and DFlashRunner's
+          # passes were factored for tensor parallelism (the chain / block and the step's pass shared with the other
+          # ranks' replay): MTP, DFlash, EAGLE-1 / 3 (MTPRunner's subclasses) and the dynamic-speculation file, 6
+          # workers handing out single tests
+    timeout 540 python3 -m pytest -v -m gpu tests/gpu/test_mtp_cuda.py tests/gpu/test_dflash_cuda.py \
+      tests/gpu/test_eagle1_cuda.py tests/gpu/test_eagle3_cuda.py tests/gpu/test_dynamic_speculation_cuda.py -n 6 \
+      --dist load -p no:cacheprovider \
       -rfs -o addopts="" > "$out/drafters-$sha.txt" 2>&1
     echo "drafters rc=$? $(tail -1 "$out/drafters-$sha.txt")"
     grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/drafters-$sha.txt" | sort | uniq -c
