@@ -882,6 +882,7 @@ class EngineArgs:
             quantized_weights = "dequantized"
         if tp_err := tensor_parallel_error(tp, hf_config, device, spec, quantized_weights, method, ep):
             raise ConfigError(tp_err)
+        _check_draft_tensor_parallel(spec, tp, self.pipeline_parallel_size)
         _check_data_parallel(self.data_parallel_size, tp, self.enable_expert_parallel, device)
         from voltllm.distributed.support import pipeline_parallel_error
 
@@ -1075,6 +1076,20 @@ def _resolve_kv_offloading(size_gib: Optional[float], backend: str, prefix_cachi
         raise ConfigError(f"--kv-offloading-size {size_gib:g} GiB{engines}: this host has {available / 2**30:.1f} GiB "
                           "of memory available (MemAvailable in /proc/meminfo); lower --kv-offloading-size")
     return float(size_gib)
+
+
+def _check_draft_tensor_parallel(spec: Any, tp: int, pp: int) -> None:
+    """An MTP module or DFlash drafter runs split as the target is (draft_tensor_parallel_size absent or the target's
+    --tensor-parallel-size) or whole on rank 0 (1); under -pp it runs whole on rank 0 (1 or absent)."""
+    want = getattr(spec, "draft_tensor_parallel_size", None)
+    if want is None or want == 1 or spec.method not in ("mtp", "dflash"):
+        return
+    if pp > 1:
+        raise ConfigError(f"--speculative-config draft_tensor_parallel_size {want}: under --pipeline-parallel-size the "
+                          f"{spec.method} drafter runs whole on rank 0 (1 or leave it out)")
+    if want != tp:
+        raise ConfigError(f"--speculative-config draft_tensor_parallel_size {want}: the {spec.method} drafter is split "
+                          f"as the target is (--tensor-parallel-size {tp}, the default) or runs whole on rank 0 (1)")
 
 
 def _check_data_parallel(dp: int, tp: int, expert_parallel: bool, device: torch.device) -> None:

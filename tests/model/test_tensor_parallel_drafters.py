@@ -214,3 +214,39 @@ def test_split_drafters_with_dummy_weights(tmp_path_factory):
             assert llm.engine.stats().extra["spec_draft_tokens"] > 0
         finally:
             llm.engine.shutdown()
+
+
+def test_draft_tensor_parallel_size_one_keeps_the_drafter_on_rank_0(tmp_path_factory):
+    """vLLM's draft_tensor_parallel_size 1: the DFlash drafter (and MTP module) runs whole on rank 0 beside its shard,
+    with rank 0's whole copies of the vocabulary tables; the workers hold none; greedy outputs are plain decoding's.
+    A size other than 1 or the target's is refused, and so is one above 1 under -pp."""
+    from voltllm.config import ConfigError
+
+    root = tmp_path_factory.mktemp("dflash-tp-one")
+    target = make_model(str(root / "target"), "qwen3")
+    with open(f"{target}/config.json") as f:
+        cfg = json.load(f)
+    drafter = make_dflash(str(root / "dflash"), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"],
+                          [0, cfg["num_hidden_layers"] - 1], block_size=4)
+    spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 3}
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "0123456789 0123456789 0123"]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(block_size=4, max_num_batched_tokens=16)
+    llm = LLM(target, tensor_parallel_size=2, speculative_config={**spec, "draft_tensor_parallel_size": 1}, **kw)
+    try:
+        assert llm.engine.runner.full_vocab is not None and llm.engine.runner.draft.group is None
+        assert llm.engine.tp_workers.call_on_workers(_has_drafter) == [False]
+        records = record_block_logits(llm.engine.runner.draft)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.shutdown()
+    assert outs == [o.outputs[0].token_ids for o in LLM(target, **kw).generate(prompts, sp)]
+    assert check_block_logits(records, target, drafter, [0, cfg["num_hidden_layers"] - 1]) >= 4
+    for bad, where in (({"tensor_parallel_size": 2}, 3), ({"pipeline_parallel_size": 2}, 2)):
+        with pytest.raises(ConfigError, match="draft_tensor_parallel_size"):
+            LLM(target, speculative_config={**spec, "draft_tensor_parallel_size": where}, **bad, **kw)
+
+
+def _has_drafter(runner):
+    return runner.draft is not None

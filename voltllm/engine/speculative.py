@@ -41,7 +41,9 @@ _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 # is accepted (_drafter_options)
 _DRAFTER_KEYS = {"draft_sample_method", "enforce_eager", "kv_cache_dtype", "draft_kv_cache_dtype", "attention_backend",
                  "draft_attention_backend"}
-# vLLM's keys, per method; draft_tensor_parallel_size is accepted at 1 (the draft runs beside the target)
+# vLLM's keys, per method; draft_tensor_parallel_size: 1 for a draft model and the EAGLE heads (they run beside the
+# target on rank 0), 1 or the target's --tensor-parallel-size for MTP and DFlash (whole on rank 0, or split as the
+# target is: the default; EngineArgs checks it against the target's)
 _SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
 # vLLM's dynamic speculative decoding: drafts per step by the step's batch size (the older name and the newer one)
@@ -52,7 +54,7 @@ _KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "pro
          | _DRAFTER_KEYS,
          "dflash": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS,
-         "mtp": {"method", "num_speculative_tokens"} | _DRAFTER_KEYS,
+         "mtp": {"method", "num_speculative_tokens", "draft_tensor_parallel_size"} | _DRAFTER_KEYS,
          "eagle": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
          | _DRAFTER_KEYS,
          "eagle3": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "revision"}
@@ -108,6 +110,15 @@ class SpeculativeConfig:
     # vLLM's max_model_len: a request drafts only while its tokens and drafts fit in it; as given, then (EngineArgs:
     # speculative_max_len) at most the target's --max-model-len and a draft model's positions
     max_model_len: Optional[int] = None
+    # vLLM's draft_tensor_parallel_size as given (None: the target's): 1 keeps an MTP module or DFlash drafter whole on
+    # rank 0 under -tp (drafter_split)
+    draft_tensor_parallel_size: Optional[int] = None
+
+    def drafter_split(self, parallel: Any) -> bool:
+        """Whether the drafter is split over the tensor-parallel ranks like the target (every rank runs it: MTP and
+        DFlash under -tp without -pp, unless draft_tensor_parallel_size is 1), else whole on rank 0."""
+        return (self.method in ("mtp", "dflash") and parallel.tensor_parallel_size > 1
+                and parallel.pipeline_parallel_size == 1 and self.draft_tensor_parallel_size != 1)
 
     def drafts_for_batch(self, batch_size: int) -> int:
         """The most drafts a request may take in a step of `batch_size` requests: the schedule's K for the range
@@ -187,7 +198,7 @@ class SpeculativeConfig:
         if method in ("draft_model", "dflash", "eagle", "eagle3"):
             return replace(cls._draft_model(d, k, method), **_drafter_options(d))
         if method == "mtp":  # its weights are the target's: nothing else to read
-            return cls("mtp", k, **_drafter_options(d))
+            return cls("mtp", k, draft_tensor_parallel_size=_draft_tp(d, method), **_drafter_options(d))
         hi = d.get("prompt_lookup_max", cls.prompt_lookup_max if d.get("prompt_lookup_min") is None
                    else max(cls.prompt_lookup_max, d["prompt_lookup_min"]))
         lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else 1)
@@ -243,18 +254,32 @@ class SpeculativeConfig:
         if not isinstance(model, str) or not model:
             raise SpeculativeConfigError(f"--speculative-config method {method} needs \"model\": the draft "
                                          "model's path or Hugging Face repo id")
-        tp = d.get("draft_tensor_parallel_size", 1)
-        if tp != 1:
-            raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size {tp!r}: the draft model "
-                                         "runs on one device beside the target (only 1 is built)")
+        tp = _draft_tp(d, method)
         revision = d.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise SpeculativeConfigError(f"--speculative-config revision must be a string, got {revision!r}")
-        return cls(method, k, model=model, revision=revision)
+        return cls(method, k, model=model, revision=revision, draft_tensor_parallel_size=tp)
 
     def with_draft(self, path: str, hf_config: Any) -> "SpeculativeConfig":
         """This config with the draft resolved: its local path and HF config."""
         return replace(self, model=path, draft_hf_config=hf_config)
+
+
+def _draft_tp(d: dict[str, Any], method: str) -> Optional[int]:
+    """draft_tensor_parallel_size as given (None: absent). A draft model and the EAGLE heads take 1 only; MTP and
+    DFlash any positive size here (EngineArgs: 1 or the target's)."""
+    tp = d.get("draft_tensor_parallel_size")
+    if tp is None:
+        return None
+    if method in ("mtp", "dflash"):
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size must be a positive "
+                                         f"integer, got {tp!r}")
+        return tp
+    if tp != 1:
+        raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size {tp!r}: the draft model "
+                                     "runs on one device beside the target (only 1 is built)")
+    return tp
 
 
 def _draft_schedule(d: dict[str, Any]) -> tuple[tuple[int, int, int], ...]:

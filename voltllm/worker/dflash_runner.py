@@ -105,7 +105,7 @@ class DFlashRunner(DeviceDrafts):
         mc = runner.config.model
         self.params = dflash_params(spec.draft_hf_config, mc.hf_config, spec.num_speculative_tokens)
         # the group the drafter is split over (every rank runs it), or None: whole here
-        self.group = runner.tp if runner.tp is not None and runner.pp is None else None
+        self.group = runner.tp if spec.drafter_split(runner.config.parallel) else None
         self.drafter = self._load(runner, spec)
         self.model = self.drafter.body  # what memory profiling and GEMM tuning run
         self.backend = select_attention_backend(runner.config)

@@ -93,7 +93,7 @@ class MTPRunner(DeviceDrafts):
         self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
         self.spec = spec
         # the group the module is split over (every rank runs it), or None: whole here
-        self.group = runner.tp if self.splits_under_tp and runner.tp is not None and runner.pp is None else None
+        self.group = runner.tp if self.splits_under_tp and spec.drafter_split(runner.config.parallel) else None
         self.model = self._load(runner)
         self.backend = select_attention_backend(runner.config)
         self.kv_caches: list[torch.Tensor] = []

@@ -183,8 +183,7 @@ class ModelRunner:
         # target's own; the others run whole on rank 0, which keeps whole copies for them
         # (every rank joins the gathers, here at the same point of every rank's start-up)
         self.full_vocab = None
-        split_drafter = (spec is not None and (spec.uses_mtp or spec.uses_dflash) and tp is not None
-                         and self.pp is None)
+        split_drafter = spec is not None and spec.drafter_split(config.parallel)
         # (under -tp -pp stage 0's ranks alone: the later stages hold no embedding or LM head)
         if tp is not None and spec is not None and (spec.uses_mtp or spec.uses_dflash or spec.uses_eagle3
                                                     or spec.uses_eagle1) and (
