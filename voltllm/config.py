@@ -10,6 +10,7 @@ import logging
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -1079,10 +1080,19 @@ def _resolve_kv_offloading(size_gib: Optional[float], backend: str, prefix_cachi
 
 
 def _check_draft_tensor_parallel(spec: Any, tp: int, pp: int) -> None:
-    """An MTP module or DFlash drafter runs split as the target is (draft_tensor_parallel_size absent or the target's
-    --tensor-parallel-size) or whole on rank 0 (1); under -pp it runs whole on rank 0 (1 or absent)."""
+    """An MTP module, DFlash drafter or EAGLE head runs split as the target is (draft_tensor_parallel_size absent or the
+    target's --tensor-parallel-size) or whole on rank 0 (1); under -pp it runs whole on rank 0 (1 or absent)."""
     want = getattr(spec, "draft_tensor_parallel_size", None)
-    if want is None or want == 1 or spec.method not in ("mtp", "dflash"):
+    draft_cfg = getattr(spec, "draft_hf_config", None)
+    if spec is not None and spec.drafter_split(SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)) \
+            and draft_cfg is not None and getattr(draft_cfg, "num_attention_heads", None):
+        from voltllm.distributed.support import layer_split_error
+
+        if err := layer_split_error(tp, draft_cfg):  # (the MTP module's layer is the target's, checked with it)
+            raise ConfigError(f"--speculative-config: the {spec.method} drafter cannot be split over the "
+                              f"--tensor-parallel-size {tp} ranks like the target ({err}); pass "
+                              "\"draft_tensor_parallel_size\": 1 to run it whole on rank 0")
+    if want is None or want == 1:
         return
     if pp > 1:
         raise ConfigError(f"--speculative-config draft_tensor_parallel_size {want}: under --pipeline-parallel-size the "

@@ -192,16 +192,21 @@ def test_bad_heads_are_refused(llama, tmp_path):
         LLM(target, speculative_config=_spec(missing), **BASE)
 
 
+def _split_head(runner):
+    return runner.draft is not None and runner.draft.group is not None
+
+
 def test_under_tensor_parallelism(qwen2, monkeypatch):
-    """-tp 2 (gloo): the head runs whole on rank 0 beside its target shard, reading the target's last hidden states
-    (whole after the all-reduces) and rank 0's whole copies of the target's embedding / LM head; its draft logits
-    equal the reference's, the tokens one device's plain ones."""
+    """-tp 2 (gloo): the head is split over both ranks as the target's layers are, each rank reading the target's last
+    hidden states (whole after the all-reduces) and the target's vocabulary-parallel embedding / LM head (no whole
+    copies on rank 0); its draft logits equal the reference's, the tokens one device's plain ones."""
     target, head = qwen2
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seen = record_draft_logits(monkeypatch)  # (rank 0 runs in this process: the head is there)
     llm = LLM(target, tensor_parallel_size=2, speculative_config=_spec(head), max_num_batched_tokens=6, **BASE)
     try:
-        assert llm.engine.runner.full_vocab is not None
+        assert llm.engine.runner.full_vocab is None and llm.engine.runner.draft.group is not None
+        assert llm.engine.tp_workers.call_on_workers(_split_head) == [True]
         outs = _run(llm, PROMPTS[:3], sp)
     finally:
         llm.engine.shutdown()

@@ -246,7 +246,7 @@ def test_method_keys():
     with pytest.raises(SpeculativeConfigError, match="unsupported keys for eagle3: parallel_drafting"):
         SpeculativeConfig.from_dict({**_spec("x"), "parallel_drafting": True})
     with pytest.raises(SpeculativeConfigError, match="draft_tensor_parallel_size"):
-        SpeculativeConfig.from_dict({**_spec("x"), "draft_tensor_parallel_size": 2})
+        SpeculativeConfig.from_dict({**_spec("x"), "draft_tensor_parallel_size": 0})
 
 
 @pytest.mark.parametrize("what,kw,match", [
@@ -331,10 +331,14 @@ def test_an_unreadable_bin_head_is_a_config_error(llama, tmp_path, kind, match):
     assert checkpoint_tensor_names(str(legacy)) == set(tensors)
 
 
+def _split_head(runner):
+    return runner.draft is not None and runner.draft.group is not None
+
+
 def test_under_tensor_parallelism(llama, tmp_path_factory):
-    """-tp 2 (gloo): the head runs whole on rank 0 beside its target shard, reading the target's layers there (whole
-    after each layer's all-reduce) and rank 0's whole copies of the target's tied embedding / LM head (a head with
-    neither); its draft logits equal the reference's, the tokens one device's plain ones."""
+    """-tp 2 (gloo): the head is split over both ranks as a target layer is, each rank reading the target's layers
+    (whole after each layer's all-reduce) and the target's tied vocabulary-parallel embedding / LM head (a head with
+    neither; no whole copies on rank 0); its draft logits equal the reference's, the tokens one device's plain ones."""
     target, _, ids = llama
     head = make_eagle3(str(tmp_path_factory.mktemp("e3-tp-head")), 64, _vocab(target), own_lm_head=False, seed=2)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -342,7 +346,8 @@ def test_under_tensor_parallelism(llama, tmp_path_factory):
         seen = record_draft_logits(mp)  # (rank 0 runs in this process: the head is there)
         llm = LLM(target, tensor_parallel_size=2, speculative_config=_spec(head), max_num_batched_tokens=6, **BASE)
         try:
-            assert llm.engine.runner.full_vocab is not None
+            assert llm.engine.runner.full_vocab is None and llm.engine.runner.draft.group is not None
+            assert llm.engine.tp_workers.call_on_workers(_split_head) == [True]
             outs = _run(llm, PROMPTS[:3], sp)
         finally:
             llm.engine.shutdown()

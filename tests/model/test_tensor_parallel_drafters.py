@@ -250,3 +250,22 @@ def test_draft_tensor_parallel_size_one_keeps_the_drafter_on_rank_0(tmp_path_fac
 
 def _has_drafter(runner):
     return runner.draft is not None
+
+
+def test_a_drafter_that_cannot_split_like_the_target_is_refused(tmp_path_factory):
+    """A DFlash drafter whose attention heads do not divide over the ranks: refused at configuration with the way out
+    (draft_tensor_parallel_size 1), which then runs it whole on rank 0."""
+    from voltllm.config import ConfigError, EngineArgs
+
+    root = tmp_path_factory.mktemp("dflash-tp-odd")
+    target = make_model(str(root / "target"), "qwen3")
+    with open(f"{target}/config.json") as f:
+        cfg = json.load(f)
+    drafter = make_dflash(str(root / "dflash"), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"],
+                          [0], block_size=4, num_attention_heads=3, num_key_value_heads=1, head_dim=16)
+    spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="3 attention heads do not divide by 2.*draft_tensor_parallel_size"):
+        EngineArgs(model=target, tensor_parallel_size=2, device="cpu", speculative_config=spec).create_engine_config()
+    config = EngineArgs(model=target, tensor_parallel_size=2, device="cpu",
+                        speculative_config={**spec, "draft_tensor_parallel_size": 1}).create_engine_config()
+    assert not config.speculative.drafter_split(config.parallel)

@@ -245,10 +245,11 @@ def test_draft_config():
 
 
 def test_draft_tensor_parallel_size():
-    """1 or the target's size for MTP and DFlash (split like the target unless 1; EngineArgs checks the size), 1 only
-    for a draft model and the EAGLE heads; drafter_split follows -tp / -pp and the key."""
+    """1 or the target's size for MTP, DFlash and the EAGLE heads (split like the target unless 1; EngineArgs checks
+    the size), 1 only for a draft model; drafter_split follows -tp / -pp and the key."""
     par = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
-    for method, extra in (("mtp", {}), ("dflash", {"model": "m"})):
+    for method, extra in (("mtp", {}), ("dflash", {"model": "m"}), ("eagle", {"model": "m"}),
+                          ("eagle3", {"model": "m"})):
         base = {"method": method, "num_speculative_tokens": 2, **extra}
         assert SpeculativeConfig.from_dict(base).draft_tensor_parallel_size is None
         assert SpeculativeConfig.from_dict(base).drafter_split(par)
@@ -261,13 +262,12 @@ def test_draft_tensor_parallel_size():
         for bad in (0, "2", True, 1.5):
             with pytest.raises(SpeculativeConfigError, match="positive integer"):
                 SpeculativeConfig.from_dict({**base, "draft_tensor_parallel_size": bad})
-    for method in ("draft_model", "eagle", "eagle3"):
-        spec = SpeculativeConfig.from_dict({"method": method, "model": "m", "num_speculative_tokens": 2,
-                                            "draft_tensor_parallel_size": 1})
-        assert not spec.drafter_split(par)
-        with pytest.raises(SpeculativeConfigError, match="only 1"):
-            SpeculativeConfig.from_dict({"method": method, "model": "m", "num_speculative_tokens": 2,
-                                         "draft_tensor_parallel_size": 2})
+    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+                                        "draft_tensor_parallel_size": 1})
+    assert not spec.drafter_split(par)
+    with pytest.raises(SpeculativeConfigError, match="only 1"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+                                     "draft_tensor_parallel_size": 2})
 
 
 def test_drafter_keys():

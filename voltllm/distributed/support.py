@@ -67,15 +67,8 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
             return f"{flag}: the model's {nk} Gated DeltaNet key heads do not divide by {tp}"
         if nv % tp:
             return f"{flag}: the model's {nv} Gated DeltaNet value heads do not divide by {tp}"
-    heads = int(text.num_attention_heads)
-    kv = int(getattr(text, "num_key_value_heads", None) or heads)
-    if heads % tp:
-        return f"{flag}: the model's {heads} attention heads do not divide by {tp}"
-    if kv % tp and tp % kv:
-        return f"{flag}: the model's {kv} KV heads neither divide by {tp} nor divide it (needed to shard or replicate)"
-    for name, width in _split_widths(text, expert_parallel).items():
-        if width % tp:
-            return f"{flag}: the model's {name} {width} does not divide by {tp}"
+    if err := layer_split_error(tp, text, expert_parallel):
+        return f"{flag}: {err}"
     if kind in ("qwen4_exp", "qwen4_exp_text") and (err := _qwen4_exp_split_error(tp, text)):
         return f"{flag}: {err}"
     if speculative is not None and speculative.method not in TP_SPEC_METHODS:
@@ -90,6 +83,21 @@ def tensor_parallel_error(tp: int, hf_config: Any, device: torch.device, specula
             return f"{flag}: needs {tp} CUDA devices from cuda:{first}, but {count} are visible"
     elif device.type != "cpu":
         return f"{flag}: tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {device.type}"
+    return None
+
+
+def layer_split_error(tp: int, cfg: Any, expert_parallel: bool = False) -> Optional[str]:
+    """Why decoder layers of config `cfg` cannot be split over `tp` ranks (attention heads, KV heads, MLP widths), None
+    if they can (a target's, or a drafter's split like it)."""
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    if heads % tp:
+        return f"the model's {heads} attention heads do not divide by {tp}"
+    if kv % tp and tp % kv:
+        return f"the model's {kv} KV heads neither divide by {tp} nor divide it (needed to shard or replicate)"
+    for name, width in _split_widths(cfg, expert_parallel).items():
+        if width % tp:
+            return f"the model's {name} {width} does not divide by {tp}"
     return None
 
 

@@ -41,9 +41,10 @@ _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 # is accepted (_drafter_options)
 _DRAFTER_KEYS = {"draft_sample_method", "enforce_eager", "kv_cache_dtype", "draft_kv_cache_dtype", "attention_backend",
                  "draft_attention_backend"}
-# vLLM's keys, per method; draft_tensor_parallel_size: 1 for a draft model and the EAGLE heads (they run beside the
-# target on rank 0), 1 or the target's --tensor-parallel-size for MTP and DFlash (whole on rank 0, or split as the
-# target is: the default; EngineArgs checks it against the target's)
+# vLLM's keys, per method; draft_tensor_parallel_size: 1 for a draft model (it runs beside the target on rank 0), 1 or
+# the target's --tensor-parallel-size for MTP, DFlash and the EAGLE heads (whole on rank 0, or split as the target is:
+# the default; EngineArgs checks it against the target's)
+_SPLIT_DRAFTERS = ("mtp", "dflash", "eagle", "eagle3")  # drafters split over -tp ranks like the target (drafter_split)
 _SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
 # vLLM's dynamic speculative decoding: drafts per step by the step's batch size (the older name and the newer one)
@@ -110,14 +111,14 @@ class SpeculativeConfig:
     # vLLM's max_model_len: a request drafts only while its tokens and drafts fit in it; as given, then (EngineArgs:
     # speculative_max_len) at most the target's --max-model-len and a draft model's positions
     max_model_len: Optional[int] = None
-    # vLLM's draft_tensor_parallel_size as given (None: the target's): 1 keeps an MTP module or DFlash drafter whole on
-    # rank 0 under -tp (drafter_split)
+    # vLLM's draft_tensor_parallel_size as given (None: the target's): 1 keeps an MTP module, DFlash drafter or EAGLE
+    # head whole on rank 0 under -tp (drafter_split)
     draft_tensor_parallel_size: Optional[int] = None
 
     def drafter_split(self, parallel: Any) -> bool:
-        """Whether the drafter is split over the tensor-parallel ranks like the target (every rank runs it: MTP and
-        DFlash under -tp without -pp, unless draft_tensor_parallel_size is 1), else whole on rank 0."""
-        return (self.method in ("mtp", "dflash") and parallel.tensor_parallel_size > 1
+        """Whether the drafter is split over the tensor-parallel ranks like the target (every rank runs it: MTP, DFlash
+        and the EAGLE heads under -tp without -pp, unless draft_tensor_parallel_size is 1), else whole on rank 0."""
+        return (self.method in _SPLIT_DRAFTERS and parallel.tensor_parallel_size > 1
                 and parallel.pipeline_parallel_size == 1 and self.draft_tensor_parallel_size != 1)
 
     def drafts_for_batch(self, batch_size: int) -> int:
@@ -266,12 +267,12 @@ class SpeculativeConfig:
 
 
 def _draft_tp(d: dict[str, Any], method: str) -> Optional[int]:
-    """draft_tensor_parallel_size as given (None: absent). A draft model and the EAGLE heads take 1 only; MTP and
-    DFlash any positive size here (EngineArgs: 1 or the target's)."""
+    """draft_tensor_parallel_size as given (None: absent). A draft model takes 1 only; MTP, DFlash and the EAGLE heads
+    any positive size here (EngineArgs: 1 or the target's)."""
     tp = d.get("draft_tensor_parallel_size")
     if tp is None:
         return None
-    if method in ("mtp", "dflash"):
+    if method in _SPLIT_DRAFTERS:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size must be a positive "
                                          f"integer, got {tp!r}")

@@ -18,9 +18,7 @@ from voltllm.worker.mtp_runner import MTPRunner
 
 
 class Eagle1Runner(MTPRunner):
-    """The EAGLE-1 head beside a ModelRunner (called as an MTPRunner is)."""
-
-    splits_under_tp = False  # (whole on rank 0 under -tp, with rank 0's whole copies of the vocabulary tables)
+    """The EAGLE-1 head beside a ModelRunner (called as an MTPRunner is; under -tp split as the MTP module is)."""
 
     def _load(self, runner: Any) -> torch.nn.Module:
         from voltllm.engine.eagle1 import eagle1_params, head_tensor_names
@@ -29,4 +27,6 @@ class Eagle1Runner(MTPRunner):
         spec, mc = self.spec, runner.config.model
         self.params = eagle1_params(spec.draft_hf_config, mc.hf_config, head_tensor_names(spec.model))
         return load_head(runner, spec, lambda r: Eagle1Drafter(spec.draft_hf_config, self.params, r.model, r.dtype,
-                                                               mc.max_model_len + 1, r.full_vocab), "EAGLE-1 head")
+                                                               mc.max_model_len + 1,
+                                                               r.full_vocab if self.group is None else None,
+                                                               tp=self.group), "EAGLE-1 head")

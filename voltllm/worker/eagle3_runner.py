@@ -27,9 +27,7 @@ from voltllm.worker.mtp_runner import MTPRunner
 
 
 class Eagle3Runner(MTPRunner):
-    """The EAGLE-3 head beside a ModelRunner (called as an MTPRunner is)."""
-
-    splits_under_tp = False  # (whole on rank 0 under -tp, with rank 0's whole copies of the vocabulary tables)
+    """The EAGLE-3 head beside a ModelRunner (called as an MTPRunner is; under -tp split as the MTP module is)."""
 
     def __init__(self, runner: Any, spec: Any):
         super().__init__(runner, spec)
@@ -44,7 +42,9 @@ class Eagle3Runner(MTPRunner):
         spec, mc = self.spec, runner.config.model
         self.params = eagle3_params(spec.draft_hf_config, mc.hf_config, checkpoint_tensor_names(spec.model))
         return load_head(runner, spec, lambda r: Eagle3Drafter(spec.draft_hf_config, self.params, r.model, r.dtype,
-                                                               mc.max_model_len + 1, r.full_vocab), "EAGLE-3 head")
+                                                               mc.max_model_len + 1,
+                                                               r.full_vocab if self.group is None else None,
+                                                               tp=self.group), "EAGLE-3 head")
 
     @torch.inference_mode()
     def after_step(self, sched: Any, meta: AttentionMetadata, hidden: torch.Tensor, qsl: list[int],
@@ -53,3 +53,9 @@ class Eagle3Runner(MTPRunner):
         last hidden states."""
         n = meta.query_start_loc_cpu[-1]
         super().after_step(sched, meta, self.model.fuse(self.features[:n]), qsl, handle)
+
+    @torch.inference_mode()
+    def follow_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
+        """MTPRunner.follow_step, fed the fused target states as rank 0's after_step is."""
+        n = meta.query_start_loc_cpu[-1]
+        super().follow_step(step, meta, self.model.fuse(self.features[:n]))

@@ -85,7 +85,7 @@ class MTPRunner(DeviceDrafts):
     run_step / verification_drafts / verification_probs) and, after the step's sampling, after_step. Under -tp the
     other ranks' runners hold one too and call follow_propose / follow_step."""
 
-    splits_under_tp = True  # (the heads built on it, EAGLE-1 / 3, run whole on rank 0)
+    splits_under_tp = True
 
     def __init__(self, runner: Any, spec: Any):
         from voltllm.worker.runner import select_attention_backend

@@ -178,9 +178,9 @@ class ModelRunner:
         # DraftRunner (voltllm.worker.draft_runner) or DFlashRunner (voltllm.worker.dflash_runner): the drafts' maker
         self.draft = None
         spec = config.speculative
-        # MTP / DFlash / EAGLE-1 / EAGLE-3 borrow the target's embedding and LM head. Under TP alone the MTP module and
-        # a DFlash drafter are split too and every rank runs them (worker/mtp_runner.py, dflash_runner.py), with the
-        # target's own; the others run whole on rank 0, which keeps whole copies for them
+        # MTP / DFlash / EAGLE-1 / EAGLE-3 borrow the target's embedding and LM head. Under TP alone they are split too
+        # and every rank runs them (worker/mtp_runner.py, dflash_runner.py), with the target's own; under -pp, or with
+        # draft_tensor_parallel_size 1, they run whole on rank 0, which keeps whole copies for them
         # (every rank joins the gathers, here at the same point of every rank's start-up)
         self.full_vocab = None
         split_drafter = spec is not None and spec.drafter_split(config.parallel)

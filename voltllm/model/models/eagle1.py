@@ -4,7 +4,9 @@ own paged KV cache.
 
 forward(ids, positions, ctx, hidden) gives the last layer's output (no final norm): what the next chained draft reads
 as its hidden input, and what `compute_logits` hands to the target's LM head. The embedding and LM head are the
-target's (under tensor parallelism rank 0's whole copies of them, model/layers/full_vocab.py).
+target's. Under tensor parallelism the layers are split over the ranks as a target's are (`tp`: every rank runs them
+with the target's vocabulary-parallel tables; fc and the norms whole on each rank), or under -pp the head runs whole on
+rank 0 with rank 0's whole copies of the target's tables (model/layers/full_vocab.py).
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ from voltllm.model.models.llama import DecoderLayer, residual_stream
 
 class Eagle1Drafter(nn.Module):
     def __init__(self, cfg: Any, params: Eagle1Params, target: nn.Module, dtype: torch.dtype, max_positions: int,
-                 vocab: Optional[Any] = None):
-        """vocab: under tensor parallelism, rank 0's whole copies of the target's embedding and LM head, else None
-        (the target's)."""
+                 vocab: Optional[Any] = None, tp=None):
+        """vocab: rank 0's whole copies of the target's embedding and LM head when the head runs whole beside a split
+        target, else None (the target's). tp: the group its layers are split over (every rank runs them), or None."""
         super().__init__()
         cfg = copy.deepcopy(cfg)
         cfg.num_experts = 0  # (dense layers whatever the config says)
@@ -35,7 +37,8 @@ class Eagle1Drafter(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
         self.fc = Linear(2 * h, h, bias=params.fc_bias, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, self.rotary) for i in range(params.num_layers))
+        self.tp = tp
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, self.rotary, tp=tp) for i in range(params.num_layers))
         self.layers[0].input_layernorm = None  # (the EAGLE code's first layer has none)
         if params.para_norm:
             self.embedding_layernorm = RMSNorm(h, cfg.rms_norm_eps)

@@ -5,8 +5,10 @@ forward(ids, positions, ctx, hidden) gives the layer's output *before* the final
 state): what the next chained draft reads as its hidden input, and what `compute_logits` norms and projects. `fc`
 (the three target layers' streams -> one hidden vector) runs outside forward (`fuse`), so the forward, and the CUDA
 graphs of it, read a hidden-size input whether it is the target's fused state or the head's own previous output.
-The embedding and LM head are the checkpoint's when it has them, else the target's (under tensor parallelism rank 0's
-whole copies of them, model/layers/full_vocab.py).
+The embedding and LM head are the checkpoint's when it has them, else the target's. Under tensor parallelism the layer
+is split over the ranks as a target layer is (`tp`: every rank runs it with the target's vocabulary-parallel tables;
+fc, the norms and an own embedding or LM head whole on each rank), or under -pp it runs whole on rank 0 with rank 0's
+whole copies of the target's tables (model/layers/full_vocab.py).
 """
 from __future__ import annotations
 
@@ -26,23 +28,23 @@ from voltllm.model.models.llama import MLP, Attention
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, rotary: RotaryEmbedding):
+    def __init__(self, cfg: Any, dtype: torch.dtype, rotary: RotaryEmbedding, tp=None):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, 0, dtype, rotary)
-        a = self.self_attn  # its qkv reads [embedding | hidden]: 2 x hidden wide
+        self.self_attn = Attention(cfg, 0, dtype, rotary, tp=tp)
+        a = self.self_attn  # its qkv reads [embedding | hidden]: 2 x hidden wide (this rank's heads' rows)
         a.qkv_proj = Linear(2 * h, a.qkv_proj.shard_sizes, bias=a.qkv_proj.bias is not None, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = MLP(h, cfg.intermediate_size, dtype)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype, tp=tp)
 
 
 class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: Any, params: Eagle3Params, target: nn.Module, dtype: torch.dtype, max_positions: int,
-                 vocab: Optional[Any] = None):
-        """vocab: under tensor parallelism, rank 0's whole copies of the target's embedding and LM head, else None
-        (the target's)."""
+                 vocab: Optional[Any] = None, tp=None):
+        """vocab: rank 0's whole copies of the target's embedding and LM head when the head runs whole beside a split
+        target, else None (the target's). tp: the group its layer is split over (every rank runs it), or None."""
         super().__init__()
         cfg = copy.deepcopy(cfg)
         cfg.model_type = "llama"  # (a Llama layer whatever the config names: no QK-norm, as vLLM builds it)
@@ -51,7 +53,8 @@ class Eagle3Drafter(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, head_dim, max(max_positions, 1))
         self.fc = Linear(len(params.layer_ids) * h, h, dtype=dtype)
-        self.layers = nn.ModuleList([Eagle3Layer(cfg, dtype, self.rotary)])
+        self.tp = tp
+        self.layers = nn.ModuleList([Eagle3Layer(cfg, dtype, self.rotary, tp)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.vocab_size = int(getattr(target.config, "vocab_size", None) or cfg.vocab_size)
         self._vocab = [vocab if vocab is not None else target]  # (a list: the target's weights are not the head's)

@@ -8,15 +8,22 @@ import torch
 from torch import nn
 
 from voltllm.model.layers.linear import Linear
-from voltllm.model.models.llama import stacked_target
+from voltllm.model.models.llama import layer_tp_part, stacked_target
 
 
 def load_head_tensor(module: nn.Module, params: dict, name: str, tensor: torch.Tensor, head: str) -> str:
     """Put `tensor` (its checkpoint name in the module's own terms: q / k / v and gate / up are stacked here) into
-    `module`; returns its key for expected_head_keys. ValueError naming `head` on a wrong shape or an unknown name."""
+    `module`; returns its key for expected_head_keys. ValueError naming `head` on a wrong shape or an unknown name.
+    A head split over tensor-parallel ranks (`module.tp`) takes this rank's part of its decoder layers' projections
+    (the whole tensor elsewhere: fc, norms, an own embedding or LM head)."""
     target, shard = stacked_target(name)
     module_name, _, kind = target.rpartition(".")
     sub = module.get_submodule(module_name) if module_name else None
+    tp = getattr(module, "tp", None)
+    if tp is not None and isinstance(sub, Linear) and module_name.startswith("layers.") and kind in ("weight", "bias") \
+            and module_name.rpartition(".")[2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        layer = module.layers[int(module_name.split(".")[1])]
+        tensor = layer_tp_part(layer.self_attn, module.config.intermediate_size, tp, module_name, kind, shard, tensor)
     if isinstance(sub, Linear) and kind in ("weight", "bias"):
         want = (sub.shard_sizes[shard], sub.in_features) if kind == "weight" else (sub.shard_sizes[shard],)
         if tuple(tensor.shape) != want or (kind == "bias" and sub.bias is None):

@@ -108,6 +108,28 @@ def residual_stream(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype == torch.float16 else x
 
 
+
+def layer_tp_part(attn: "Attention", intermediate: int, tp, module_name: str, kind: str, shard: int,
+                  tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a decoder layer's checkpoint projection (qkv / o by `attn`'s heads, gate_up / down by the
+    intermediate rows); a row-parallel projection's bias is added by rank 0 only (the all-reduce sums)."""
+    leaf = module_name.rpartition(".")[2]
+    if leaf in ("qkv_proj", "o_proj"):
+        d, h = attn.head_dim, attn.heads
+        if leaf == "qkv_proj":
+            start, n = (h.q_start, h.num_heads) if shard == 0 else (h.kv_start, h.num_kv_heads)
+            return take_rows(tensor, start * d, n * d)
+        start, n = h.q_start * d, h.num_heads * d
+    elif leaf in ("gate_up_proj", "down_proj"):
+        start, n = intermediate_split(intermediate, tp)
+        if leaf == "gate_up_proj":
+            return take_rows(tensor, start, n)
+    else:
+        raise ValueError(f"{module_name}: no tensor-parallel split is defined for it")
+    if kind == "bias":
+        return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+    return take_cols(tensor, start, n, module_name)
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, dtype: torch.dtype, rotary: RotaryEmbedding,
                  linear_method: Optional[LinearMethod] = None, tp=None, kv_index: Optional[int] = None):
@@ -351,22 +373,8 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         if leaf == "lm_head":
             rows = vocab_rows(self.vocab_size, tp.size)
             return take_rows(tensor, tp.rank * rows, rows)
-        if leaf in ("qkv_proj", "o_proj"):
-            attn = self.layers[0].self_attn
-            d, h = attn.head_dim, attn.heads
-            if leaf == "qkv_proj":
-                start, n = (h.q_start, h.num_heads) if shard == 0 else (h.kv_start, h.num_kv_heads)
-                return take_rows(tensor, start * d, n * d)
-            start, n = h.q_start * d, h.num_heads * d
-        elif leaf in ("gate_up_proj", "down_proj"):
-            start, n = intermediate_split(self.config.intermediate_size, tp)
-            if leaf == "gate_up_proj":
-                return take_rows(tensor, start, n)
-        else:
-            raise ValueError(f"{module_name}: no tensor-parallel split is defined for it")
-        if kind == "bias":
-            return tensor if tp.rank == 0 else torch.zeros_like(tensor)
-        return take_cols(tensor, start, n, module_name)
+        return layer_tp_part(self.layers[0].self_attn, self.config.intermediate_size, tp, module_name, kind, shard,
+                             tensor)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
