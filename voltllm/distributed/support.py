@@ -16,10 +16,9 @@ TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_
 # checkpoint runs as its text model
 TP_HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp",
                    "qwen4_exp_text")
-# speculative methods under TP: host n-gram and suffix drafts; the target's MTP module and a DFlash drafter split over
-# the ranks as its layers are (worker/mtp_runner.py, dflash_runner.py); a draft model and the EAGLE heads run
-# unsharded beside rank 0's target shard (the EAGLE heads with rank 0's whole copies of the target's embedding and LM
-# head, model/layers/full_vocab.py)
+# speculative methods under TP: host n-gram and suffix drafts; the target's MTP module, a DFlash drafter and the EAGLE
+# heads split over the ranks as its layers are (worker/mtp_runner.py, dflash_runner.py); a draft model runs unsharded
+# beside rank 0's target shard
 TP_SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash", "eagle", "eagle3", "suffix")
 # speculative methods under PP: the host's drafts, a draft model, the target's MTP module, a DFlash drafter and an
 # EAGLE-3 head, all on rank 0 (stage 0: the MTP reads the final norm's output of the last stage's rows, which come

@@ -1,6 +1,7 @@
 """The target's whole vocabulary (embedding table and LM head) on rank 0 of a tensor-parallel group, for the drafters
-that borrow the target's and run whole on rank 0 (the EAGLE heads; MTP and DFlash under -tp -pp: under -tp alone they
-are split and run on every rank with the target's own tables, worker/mtp_runner.py, dflash_runner.py).
+that borrow the target's and run whole on rank 0 (MTP, DFlash and the EAGLE heads under -tp -pp or with
+draft_tensor_parallel_size 1: under -tp alone they are split and run on every rank with the target's own tables,
+worker/mtp_runner.py, dflash_runner.py).
 
 Those drafters run unsharded on rank 0, beside its target shard (as a draft model does), but the target's
 vocabulary-parallel embedding and LM head are collectives: every rank must call them. So at start-up every rank hands
@@ -56,10 +57,9 @@ def _dense_shard(model: Any, what: str) -> torch.Tensor:
     holder = model.embed_tokens if what == "embedding" or model.tie else model.lm_head
     weight = getattr(holder, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise ValueError(f"EAGLE speculation (and MTP / DFlash under -pp) with --tensor-parallel-size needs the "
-                         f"target's {what} held dense "
-                         "(rank 0 keeps a whole copy for the drafter); it is kept quantized here: drop --quantization "
-                         "to dequantize the checkpoint at load")
+        raise ValueError(f"an MTP / DFlash / EAGLE drafter whole on rank 0 (-pp, draft_tensor_parallel_size 1) needs "
+                         f"the target's {what} held dense (rank 0 keeps a whole copy for the drafter); it is kept "
+                         "quantized here: drop --quantization to dequantize the checkpoint at load")
     return weight
 
 
