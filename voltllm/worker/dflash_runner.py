@@ -180,12 +180,15 @@ class DFlashRunner(DeviceDrafts):
         if not kept:
             self.windowed, self.rings = [False] * len(self.windowed), None
 
-    def profile_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """Every layer's cache: num_blocks blocks, or a sliding-window layer's rings' blocks. (Memory profiling's
+        forward takes DeviceDrafts.profile_caches instead, num_blocks for every layer: it runs without the rings'
+        metadata, so its windowed layers write at the profile's slots, beyond rings sized for few requests.)"""
         from voltllm.attention.backend import make_kv_cache
 
         heads, dim = self.model.kv_heads_and_dim
-        return [make_kv_cache(1, self.rings.num_blocks if windowed else num_blocks, block_size, heads, dim, kv_dtype,
-                              self.runner.device)[0] for windowed in self.windowed]
+        self.kv_caches = [make_kv_cache(1, self.rings.num_blocks if windowed else num_blocks, block_size, heads, dim,
+                                        kv_dtype, self.runner.device)[0] for windowed in self.windowed]
 
     @property
     def block_kv_caches(self) -> list[torch.Tensor]:
