@@ -44,7 +44,8 @@ scheduler's rows, the rings and the requests' sampling: before the block's first
 the block's inputs (`DFlashBlock`, a pipe message; `follow_propose` lays them out and runs the block and its logits
 gather), and each step's context ring slots ride its StepInputs (`follow_step` writes that rank's heads' context).
 The drafts (argmax, DFlash2's selector, draws) are made on rank 0 from the gathered logits and reach the other ranks
-in the step's input ids, as every drafter's do. Under -pp the drafter runs whole on rank 0.
+in the step's input ids, as every drafter's do. Under -pp, or with draft_tensor_parallel_size 1, the drafter runs whole
+on rank 0 (SpeculativeConfig.drafter_split).
 """
 from __future__ import annotations
 

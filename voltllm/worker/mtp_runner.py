@@ -41,7 +41,8 @@ proposal's first collective it sends the other ranks the passes' inputs (`MTPPro
 each pass but the last it broadcasts the drafts that feed the next one (greedy or drawn); after a step's sampling it
 broadcasts the pass's next tokens and the (step row, output slot) pairs kept (`after_step`). The other ranks replay
 both (`follow_propose`, `follow_step`) in the same order of collectives, so their KV (their heads) and their
-output slots equal rank 0's. Under -pp the module runs whole on rank 0 (the later stages hold no embedding or head).
+output slots equal rank 0's. The EAGLE heads built on this runner split the same way. Under -pp, or with
+draft_tensor_parallel_size 1, the module runs whole on rank 0 (SpeculativeConfig.drafter_split).
 """
 from __future__ import annotations
 
@@ -85,15 +86,13 @@ class MTPRunner(DeviceDrafts):
     run_step / verification_drafts / verification_probs) and, after the step's sampling, after_step. Under -tp the
     other ranks' runners hold one too and call follow_propose / follow_step."""
 
-    splits_under_tp = True
-
     def __init__(self, runner: Any, spec: Any):
         from voltllm.worker.runner import select_attention_backend
 
         self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
         self.spec = spec
         # the group the module is split over (every rank runs it), or None: whole here
-        self.group = runner.tp if self.splits_under_tp and spec.drafter_split(runner.config.parallel) else None
+        self.group = runner.tp if spec.drafter_split(runner.config.parallel) else None
         self.model = self._load(runner)
         self.backend = select_attention_backend(runner.config)
         self.kv_caches: list[torch.Tensor] = []
