@@ -237,8 +237,7 @@ def test_tp2_speculation_fp32_matches_tp1_with_cuda_graphs(tiny, method):
         assert two.engine.runner.graphs.replays > 0
         assert two.engine.stats().extra["spec_accepted_tokens"] > 0
         if method == "draft_model":
-            assert two.engine.runner.draft.graphs is not None and two.engine.runner.full_vocab is None
-        assert two.engine.tp_workers.call_on_workers(_split_mtp_with_graphs) == [True]
+            assert two.engine.runner.draft.graphs is not None
         two.engine.check_integrity()
     finally:
         two.engine.shutdown()
