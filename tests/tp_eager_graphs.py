@@ -1,8 +1,8 @@
 """Decode-graph stand-ins for every tensor-parallel rank on the CPU: ModelRunner.capture_cuda_graphs installs a
 DecodeGraphs whose graphs run the captured forward eagerly on the same persistent buffers and context (as
 tests/unit/test_hybrid_graph_path.py's EagerReplay), so rank 0's and the workers' replay paths (state-slot buffers,
-note_step, snapshot restores and saves around a replay; with speculation, a hybrid's verification walks) run as on
-the GPU. Rank 0 calls install() itself; spawned
+note_step, snapshot restores and saves around a replay; with speculation, a hybrid's verification walks; a split
+drafter's graphs, tests/graph_stand_ins.py's padded passes) run as on the GPU. Rank 0 calls install() itself; spawned
 workers import this module through the sitecustomize that `worker_env` writes (VOLTLLM_TEST_EAGER_GRAPHS set)."""
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import os
 
 SITE = "import os\nif os.environ.get('VOLTLLM_TEST_EAGER_GRAPHS'):\n    import tp_eager_graphs\n    " \
        "tp_eager_graphs.install()\n"
+
+
+DRAFTER_GRAPH_ROWS = 16  # the largest batch a split drafter's stand-in graphs take (past it: its eager form)
 
 
 class EagerReplay:
@@ -35,6 +38,12 @@ def _capture(runner) -> None:
         walks = DecodeGraphs(runner, walks=True)
         walks.graphs = {bs: EagerReplay(walks, bs) for bs in walks.sizes}
         runner.verify_graphs = walks
+    draft = runner.draft
+    if draft is not None and getattr(draft, "group", None) is not None:  # a split drafter's graphs, on every rank
+        from graph_stand_ins import PaddedDecodeGraphs
+
+        view = draft.graph_view() if hasattr(draft, "graph_view") else draft  # (MTP / EAGLE; DFlash: itself)
+        draft.graphs = PaddedDecodeGraphs(view, DRAFTER_GRAPH_ROWS)
 
 
 def install() -> None:

@@ -269,3 +269,61 @@ def test_a_drafter_that_cannot_split_like_the_target_is_refused(tmp_path_factory
     config = EngineArgs(model=target, tensor_parallel_size=2, device="cpu",
                         speculative_config={**spec, "draft_tensor_parallel_size": 1}).create_engine_config()
     assert not config.speculative.drafter_split(config.parallel)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_split_drafters_graph_form_on_every_rank(tmp_path_factory, tmp_path, monkeypatch, method):
+    """The graph form of a split drafter on both ranks (CPU stand-ins of the target's and the drafter's graphs in every
+    process, tests/tp_eager_graphs.py): MTP's chained passes and its pass over the step, DFlash's block (a
+    sliding-window layer in rings: their tables and slots in the drafter's graph buffers) replay from the input
+    buffers each rank fills from rank 0's messages; logits equal the references, tokens plain decoding's."""
+    import sys
+
+    import tp_eager_graphs
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    if method == "mtp":
+        made = make_mtp_target(tmp_path_factory, "qwen3_5")
+        if made is None:
+            pytest.skip("this transformers has no qwen3_5")
+        path, mtp = made
+        spec = {"method": "mtp", "num_speculative_tokens": K}
+        kw = dict(BASE)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    else:
+        root = tmp_path_factory.mktemp("dflash-tp-graphs")
+        path = make_model(str(root / "target"), "qwen3")
+        with open(f"{path}/config.json") as f:
+            cfg = json.load(f)
+        layers = [0, cfg["num_hidden_layers"] - 1]
+        drafter = make_dflash(str(root / "dflash"), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"],
+                              layers, block_size=4, layer_types=["sliding_attention", "full_attention"],
+                              sliding_window=8, use_sliding_window=True)
+        spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 3}
+        kw = dict(block_size=4, max_num_seqs=2, kv_cache_memory_bytes=1 << 20)
+        prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "0123456789 0123456789 0123"]
+    expected = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, sp)]
+    tp_eager_graphs.worker_env(monkeypatch, tmp_path, sys.path)
+    monkeypatch.setattr("voltllm.worker.runner.ModelRunner.capture_cuda_graphs", tp_eager_graphs._capture)
+    seen = record_draft_logits(monkeypatch) if method == "mtp" else None
+    llm = LLM(path, tensor_parallel_size=2, speculative_config=spec, max_num_batched_tokens=16, **kw)
+    try:
+        records = None if method == "mtp" else record_block_logits(llm.engine.runner.draft)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.check_integrity()
+        assert llm.engine.runner.draft.graphs.replays > 0
+        assert llm.engine.tp_workers.call_on_workers(_drafter_replays)[0] > 0
+        if method == "dflash":
+            assert llm.engine.runner.draft.rings is not None
+    finally:
+        llm.engine.shutdown()
+    assert outs == expected
+    if method == "mtp":
+        fulls = {tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + list(o) for p, o in zip(prompts, outs)}
+        assert check_against_reference(MTPReference(path, mtp), seen, fulls, K) >= 3 * len(PROMPTS)
+    else:
+        assert check_block_logits(records, path, drafter, layers) >= 4
+
+
+def _drafter_replays(runner):
+    return runner.draft.graphs.replays
