@@ -39,10 +39,11 @@ def _capture(runner) -> None:
         walks.graphs = {bs: EagerReplay(walks, bs) for bs in walks.sizes}
         runner.verify_graphs = walks
     draft = runner.draft
-    if draft is not None and getattr(draft, "group", None) is not None:  # a split drafter's graphs, on every rank
+    # a split MTP / EAGLE / DFlash drafter's graphs, on every rank (a draft model keeps its eager form here)
+    if getattr(draft, "group", None) is not None and (hasattr(draft, "graph_view") or hasattr(draft, "graph_extra")):
         from graph_stand_ins import PaddedDecodeGraphs
 
-        view = draft.graph_view() if hasattr(draft, "graph_view") else draft  # (MTP / EAGLE; DFlash: itself)
+        view = draft.graph_view() if hasattr(draft, "graph_view") else draft  # (DFlash: itself)
         draft.graphs = PaddedDecodeGraphs(view, DRAFTER_GRAPH_ROWS)
 
 

@@ -1080,14 +1080,20 @@ def _resolve_kv_offloading(size_gib: Optional[float], backend: str, prefix_cachi
 
 
 def _check_draft_tensor_parallel(spec: Any, tp: int, pp: int) -> None:
-    """An MTP module, DFlash drafter or EAGLE head runs split as the target is (draft_tensor_parallel_size absent or the
-    target's --tensor-parallel-size) or whole on rank 0 (1); under -pp it runs whole on rank 0 (1 or absent)."""
+    """A drafter runs split as the target is (draft_tensor_parallel_size the target's --tensor-parallel-size; absent:
+    MTP, DFlash and the EAGLE heads) or whole on rank 0 (1; absent: a draft model); under -pp whole on rank 0 (1 or
+    absent). A drafter split must split like the target: its heads and widths, and a draft model's architecture."""
     want = getattr(spec, "draft_tensor_parallel_size", None)
     draft_cfg = getattr(spec, "draft_hf_config", None)
     if spec is not None and spec.drafter_split(SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)) \
             and draft_cfg is not None and getattr(draft_cfg, "num_attention_heads", None):
-        from voltllm.distributed.support import layer_split_error
+        from voltllm.distributed.support import TP_MODEL_TYPES, layer_split_error
 
+        kind = getattr(draft_cfg, "model_type", None)
+        if spec.method == "draft_model" and kind not in TP_MODEL_TYPES:
+            raise ConfigError(f"--speculative-config draft_tensor_parallel_size {want}: a {kind!r} draft model is not "
+                              f"split under tensor parallelism (built for {' / '.join(TP_MODEL_TYPES)}); pass 1 to "
+                              "run it whole on rank 0")
         if err := layer_split_error(tp, draft_cfg):  # (the MTP module's layer is the target's, checked with it)
             raise ConfigError(f"--speculative-config: the {spec.method} drafter cannot be split over the "
                               f"--tensor-parallel-size {tp} ranks like the target ({err}); pass "
@@ -1099,7 +1105,7 @@ def _check_draft_tensor_parallel(spec: Any, tp: int, pp: int) -> None:
                           f"{spec.method} drafter runs whole on rank 0 (1 or leave it out)")
     if want != tp:
         raise ConfigError(f"--speculative-config draft_tensor_parallel_size {want}: the {spec.method} drafter is split "
-                          f"as the target is (--tensor-parallel-size {tp}, the default) or runs whole on rank 0 (1)")
+                          f"as the target is ({tp}, its --tensor-parallel-size) or runs whole on rank 0 (1)")
 
 
 def _check_data_parallel(dp: int, tp: int, expert_parallel: bool, device: torch.device) -> None:

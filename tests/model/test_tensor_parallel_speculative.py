@@ -1,6 +1,7 @@
 """Speculative decoding under tensor parallelism on the CPU (gloo): tiny fp32 llama-family models with -tp 2 and
 n-gram or draft-model drafts against -tp 1. Rank 0 drafts (host n-grams, or a draft model unsharded beside its
-shard), verifies and samples; rank 1 runs the same verification forward (the same rows, the same logits gathers).
+shard, or split over both ranks with draft_tensor_parallel_size 2: worker/draft_runner.py), verifies and samples;
+rank 1 runs the same verification forward (the same rows, the same logits gathers) and a split draft's passes.
 Greedy tokens equal plain -tp 1 decoding and -tp 1 speculation, through chunked prefill and prefix-cache hits, with
 drafts accepted and rejected; seeded sampled requests equal -tp 1 speculation's."""
 import pytest
@@ -29,10 +30,12 @@ def _tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module", params=["llama-ngram", "qwen3-draft"])
+@pytest.fixture(scope="module", params=["llama-ngram", "qwen3-draft", "llama-splitdraft"])
 def engines(request, tmp_path_factory):
     """(plain tp1, speculative tp1, speculative tp2). qwen3-draft: the target as its own draft model (unsharded on
-    rank 0), whose greedy drafts are all accepted; the n-gram case has rejected drafts too."""
+    rank 0), whose greedy drafts are all accepted; splitdraft: the same split over both ranks
+    (draft_tensor_parallel_size 2, each rank holding its heads of the draft's KV); the n-gram case has rejected drafts
+    too."""
     kind, method = request.param.split("-")
     root = tmp_path_factory.mktemp(request.param)
     path = make_model(str(root / "target"), kind)
@@ -42,9 +45,17 @@ def engines(request, tmp_path_factory):
         spec = {"model": path, "num_speculative_tokens": 3}
     plain = LLM(path, **ENGINE)
     one = LLM(path, speculative_config=spec, **ENGINE)
-    two = LLM(path, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    split = {"draft_tensor_parallel_size": 2} if method == "splitdraft" else {}
+    two = LLM(path, tensor_parallel_size=2, speculative_config={**spec, **split}, **ENGINE)
+    draft = two.engine.runner.draft
+    assert (draft is not None and draft.group is not None) == bool(split)
+    assert two.engine.tp_workers.call_on_workers(_holds_draft) == [bool(split)]
     yield plain, one, two
     two.engine.shutdown()
+
+
+def _holds_draft(runner):
+    return runner.draft is not None
 
 
 def _spec_counts(llm):

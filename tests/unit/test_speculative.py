@@ -236,7 +236,7 @@ def test_draft_config():
     for bad, msg in [({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
                      ({"model": "m"}, "num_speculative_tokens"),
                      ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "unsupported keys"),
-                     ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "only 1"),
+                     ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}, "positive"),
                      ({"method": "eagle", "model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
                       "unsupported keys for eagle"),
                      ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "unsupported keys for ngram")]:
@@ -245,8 +245,8 @@ def test_draft_config():
 
 
 def test_draft_tensor_parallel_size():
-    """1 or the target's size for MTP, DFlash and the EAGLE heads (split like the target unless 1; EngineArgs checks
-    the size), 1 only for a draft model; drafter_split follows -tp / -pp and the key."""
+    """1 or the target's size (EngineArgs checks it): MTP, DFlash and the EAGLE heads split like the target unless 1, a
+    draft model only when given the target's size; drafter_split follows -tp / -pp and the key."""
     par = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
     for method, extra in (("mtp", {}), ("dflash", {"model": "m"}), ("eagle", {"model": "m"}),
                           ("eagle3", {"model": "m"})):
@@ -262,12 +262,12 @@ def test_draft_tensor_parallel_size():
         for bad in (0, "2", True, 1.5):
             with pytest.raises(SpeculativeConfigError, match="positive integer"):
                 SpeculativeConfig.from_dict({**base, "draft_tensor_parallel_size": bad})
-    spec = SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
-                                        "draft_tensor_parallel_size": 1})
-    assert not spec.drafter_split(par)
-    with pytest.raises(SpeculativeConfigError, match="only 1"):
-        SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
-                                     "draft_tensor_parallel_size": 2})
+    draft = {"method": "draft_model", "model": "m", "num_speculative_tokens": 2}
+    assert not SpeculativeConfig.from_dict(draft).drafter_split(par)
+    assert not SpeculativeConfig.from_dict({**draft, "draft_tensor_parallel_size": 1}).drafter_split(par)
+    assert SpeculativeConfig.from_dict({**draft, "draft_tensor_parallel_size": 2}).drafter_split(par)
+    with pytest.raises(SpeculativeConfigError, match="positive integer"):
+        SpeculativeConfig.from_dict({**draft, "draft_tensor_parallel_size": -1})
 
 
 def test_drafter_keys():

@@ -59,6 +59,8 @@ class StepInputs:
     images: Optional[Any] = None
     # a split MTP module (worker/mtp_runner.py): the step's request count, the rows of rank 0's after-step broadcast
     draft_requests: int = 0
+    # a split draft model (worker/draft_runner.py): this step's draft run is left out (every request drafted)
+    draft_skip_run: bool = False
     # a split DFlash drafter with sliding-window layers (worker/dflash_runner.py): the step's tokens' ring slots
     draft_ring_slots: Optional[np.ndarray] = None
     # --enable-prompt-embeds: the step's token indices that take rank 0's prompt-embedding rows (a broadcast after the

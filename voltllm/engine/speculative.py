@@ -41,9 +41,10 @@ _ALIASES = {"[ngram]": "ngram", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 # is accepted (_drafter_options)
 _DRAFTER_KEYS = {"draft_sample_method", "enforce_eager", "kv_cache_dtype", "draft_kv_cache_dtype", "attention_backend",
                  "draft_attention_backend"}
-# vLLM's keys, per method; draft_tensor_parallel_size: 1 for a draft model (it runs beside the target on rank 0), 1 or
-# the target's --tensor-parallel-size for MTP, DFlash and the EAGLE heads (whole on rank 0, or split as the target is:
-# the default; EngineArgs checks it against the target's)
+# vLLM's keys, per method; draft_tensor_parallel_size: 1 or the target's --tensor-parallel-size (EngineArgs checks it
+# against the target's): whole on rank 0, or split as the target is; absent: split for MTP, DFlash and the EAGLE heads
+# (they borrow the target's vocabulary-parallel tables), whole for a draft model (a small draft's per-layer all-reduces
+# cost more than its weights' read on one GPU)
 _SPLIT_DRAFTERS = ("mtp", "dflash", "eagle", "eagle3")  # drafters split over -tp ranks like the target (drafter_split)
 _SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
@@ -117,9 +118,13 @@ class SpeculativeConfig:
 
     def drafter_split(self, parallel: Any) -> bool:
         """Whether the drafter is split over the tensor-parallel ranks like the target (every rank runs it: MTP, DFlash
-        and the EAGLE heads under -tp without -pp, unless draft_tensor_parallel_size is 1), else whole on rank 0."""
-        return (self.method in _SPLIT_DRAFTERS and parallel.tensor_parallel_size > 1
-                and parallel.pipeline_parallel_size == 1 and self.draft_tensor_parallel_size != 1)
+        and the EAGLE heads under -tp without -pp, unless draft_tensor_parallel_size is 1; a draft model when it is
+        the target's), else whole on rank 0."""
+        if parallel.tensor_parallel_size == 1 or parallel.pipeline_parallel_size > 1:
+            return False
+        if self.method == "draft_model":  # (split only when asked: draft_tensor_parallel_size the target's)
+            return (self.draft_tensor_parallel_size or 1) > 1
+        return self.method in _SPLIT_DRAFTERS and self.draft_tensor_parallel_size != 1
 
     def drafts_for_batch(self, batch_size: int) -> int:
         """The most drafts a request may take in a step of `batch_size` requests: the schedule's K for the range
@@ -267,19 +272,11 @@ class SpeculativeConfig:
 
 
 def _draft_tp(d: dict[str, Any], method: str) -> Optional[int]:
-    """draft_tensor_parallel_size as given (None: absent). A draft model takes 1 only; MTP, DFlash and the EAGLE heads
-    any positive size here (EngineArgs: 1 or the target's)."""
+    """draft_tensor_parallel_size as given (None: absent): any positive size here (EngineArgs: 1 or the target's)."""
     tp = d.get("draft_tensor_parallel_size")
-    if tp is None:
-        return None
-    if method in _SPLIT_DRAFTERS:
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size must be a positive "
-                                         f"integer, got {tp!r}")
-        return tp
-    if tp != 1:
-        raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size {tp!r}: the draft model "
-                                     "runs on one device beside the target (only 1 is built)")
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+        raise SpeculativeConfigError(f"--speculative-config draft_tensor_parallel_size must be a positive integer, got "
+                                     f"{tp!r}")
     return tp
 
 

@@ -37,6 +37,14 @@ class DeviceDrafts:
         return make_kv_cache(self.model.num_attention_layers, num_blocks, block_size, heads, dim, kv_dtype,
                              self.runner.device)
 
+    # -- a split drafter's other ranks (ModelRunner.execute_follower): run_step's and after_step's twins, after the
+    # step's forward and after its logits (a drafter with nothing to do there keeps these)
+    def follow_run_step(self, step, meta) -> None:
+        pass
+
+    def follow_after_step(self, step, meta, hidden: torch.Tensor) -> None:
+        pass
+
     def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
         """Copy the drafts into the step's input ids on the device (the step was prepared with placeholders):
         spans = (index of its first draft in the step's tokens, ScheduledRequest) per drafting request."""

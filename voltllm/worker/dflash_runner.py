@@ -42,7 +42,7 @@ rank's context cache holds its heads), and every rank runs the block with the ta
 and LM head: no whole tables on rank 0, no whole [vocab, hidden] head read by one GPU. Rank 0 alone knows the
 scheduler's rows, the rings and the requests' sampling: before the block's first collective it sends the other ranks
 the block's inputs (`DFlashBlock`, a pipe message; `follow_propose` lays them out and runs the block and its logits
-gather), and each step's context ring slots ride its StepInputs (`follow_step` writes that rank's heads' context).
+gather), and each step's context ring slots ride its StepInputs (`follow_run_step` writes that rank's heads' context).
 The drafts (argmax, DFlash2's selector, draws) are made on rank 0 from the gathered logits and reach the other ranks
 in the step's input ids, as every drafter's do. Under -pp, or with draft_tensor_parallel_size 1, the drafter runs whole
 on rank 0 (SpeculativeConfig.drafter_split).
@@ -93,7 +93,7 @@ class DFlashBlock:
 class DFlashRunner(DeviceDrafts):
     """The DFlash drafter beside a ModelRunner, which calls it as it calls a DraftRunner (propose / fill_inputs /
     run_step / verification_drafts / verification_probs in each step's execute_async). Under -tp the other ranks'
-    runners hold one too and call follow_propose / follow_step."""
+    runners hold one too and call follow_propose / follow_run_step."""
 
     def __init__(self, runner: Any, spec: Any):
         import weakref
@@ -255,7 +255,7 @@ class DFlashRunner(DeviceDrafts):
         return self._step_ring_slots
 
     @torch.inference_mode()
-    def follow_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
+    def follow_run_step(self, step: Any, meta: AttentionMetadata) -> None:
         """A rank other than 0 of a split drafter: run_step's context write, this rank's heads (ring slots: rank 0's,
         in the StepInputs)."""
         self._write_context(meta, step.draft_ring_slots)

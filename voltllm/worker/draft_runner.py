@@ -15,14 +15,22 @@ Sampled requests draw their drafts from the draft's distribution q, processed wi
 top-k / top-p / min-p / logit_bias, and the verification (Sampler.verify_drafts) accepts a draft d with probability
 min(1, p(d) / q(d)) and otherwise samples max(0, p - q): the target's distribution p exactly, with more drafts
 accepted than an argmax draft would get (sum of min(p, q) against p(argmax q)).
+
+Tensor parallelism: the draft runs whole on rank 0 beside its target shard (vLLM's draft_tensor_parallel_size 1,
+the default here: a small draft's per-layer all-reduces would cost more than its weights' read), or, with
+draft_tensor_parallel_size the target's -tp, split over the ranks as a target is (its own vocabulary-parallel
+embedding and LM head; every rank runs every pass). Then rank 0 alone plans: before a proposal's first collective it
+sends the other ranks the passes' rows (`DraftPlan`, a pipe message) and after each pass but the last broadcasts the
+drafts that feed the next; whether the step's own draft run is left out rides the step (`StepInputs.draft_skip_run`).
+The other ranks replay both (`follow_propose`, `follow_run_step`) in the same order of collectives.
 """
 from __future__ import annotations
 
 import logging
 import time
 import weakref
-from dataclasses import replace
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -50,15 +58,38 @@ class _GraphView:
         self.state_cache = None
 
 
+@dataclass
+class DraftPlan:
+    """A proposal's passes as rank 0 planned them (_plan), which the other ranks of a split draft replay: every pass's
+    positions, slots and context lengths, pass 0's input ids and its drafting rows (`plan`, one int64 vector), the
+    block tables (pass 0's, then the later passes' when pass 0 had catch-up rows), the row counts (pass 0's, the
+    drafting requests', the catch-up rows'), the passes, the graphs' batch sizes (or the row counts: eager), the
+    tables' width, and the context lengths per pass on the host."""
+
+    plan: np.ndarray
+    tables: np.ndarray
+    n_first: int
+    n: int
+    n_catch: int
+    kmax: int
+    bs0: int
+    bsn: int
+    width: int
+    lens: list[np.ndarray]
+
+
 class DraftRunner(DeviceDrafts):
     """The draft model beside a ModelRunner (which owns it and calls propose / fill_inputs / run_step /
-    verification_drafts / verification_probs in each step's execute_async; the last three: DeviceDrafts)."""
+    verification_drafts / verification_probs in each step's execute_async; the last three: DeviceDrafts). A split
+    draft's other ranks call follow_propose / follow_run_step."""
 
     def __init__(self, runner: Any, spec: Any):
         from voltllm.worker.runner import select_attention_backend
 
         self.runner = weakref.proxy(runner)  # (the runner owns this: no cycle)
         self.spec = spec
+        # the group the draft is split over (every rank runs it), or None: whole here, on rank 0
+        self.group = runner.tp if spec.drafter_split(runner.config.parallel) else None
         self.model = self._load(runner, spec)
         # its own backend: a backend's split-KV scratch may grow for another model's heads, and graphs keep pointers
         self.backend = select_attention_backend(runner.config)
@@ -83,16 +114,16 @@ class DraftRunner(DeviceDrafts):
         if self.calc_key_offsets_pending:
             enable_key_offsets(self.model)
 
-    @staticmethod
-    def _load(runner: Any, spec: Any) -> torch.nn.Module:
-        """The draft, dense, in the target's dtype (a quantized draft checkpoint is dequantized at load)."""
+    def _load(self, runner: Any, spec: Any) -> torch.nn.Module:
+        """The draft, dense, in the target's dtype (a quantized draft checkpoint is dequantized at load; split: this
+        rank's part)."""
         from voltllm.model.models.registry import build_model
         from voltllm.worker.runner import init_dummy_weights
 
         t0 = time.monotonic()
         mc, dtype = runner.config.model, runner.dtype
         with torch.device(runner.device):
-            model = build_model(spec.draft_hf_config, dtype, mc.max_model_len)
+            model = build_model(spec.draft_hf_config, dtype, mc.max_model_len, tp=self.group)
         if mc.load_format == "dummy":
             init_dummy_weights(model, mc.seed)
         else:
@@ -127,6 +158,20 @@ class DraftRunner(DeviceDrafts):
             for s in sched.scheduled:
                 self.lag[s.request.request_id] = s.start + len(s.spec_tokens)
             return
+        self._run_on_step(graph_batch, meta)
+
+    @property
+    def skips_run(self) -> bool:
+        """Whether this step's run_step is left out (propose decided): the other ranks of a split draft follow it."""
+        return self._skip_run
+
+    @torch.inference_mode()
+    def follow_run_step(self, step: Any, meta: AttentionMetadata) -> None:
+        """A rank other than 0 of a split draft: run_step's forward over the step (unless rank 0 left it out)."""
+        if not step.draft_skip_run:
+            self._run_on_step(step.graph_rows, meta)
+
+    def _run_on_step(self, graph_batch: int, meta: AttentionMetadata) -> None:
         graph = self._graph(graph_batch)
         if graph is not None:
             graph.replay()
@@ -170,10 +215,39 @@ class DraftRunner(DeviceDrafts):
     def _passes(self, catch_up: list, rows: list) -> None:
         """propose's passes: catch_up (scheduled request, position) rows and the drafting requests' `rows`."""
         r = self.runner
-        buf = r.buffers
-        dev = r.device
-        n = len(rows)
         ks = [len(s.spec_tokens) for s in rows]
+        plan = self._plan(catch_up, rows, ks)
+        if self.group is not None:  # (before the passes' first collective: the other ranks run them too)
+            r.send_message(("draft", plan))
+        sampled = self.spec.draft_sample_method == "probabilistic" and not all(
+            s.request.sampling_params.greedy for s in rows)
+
+        def draw(j: int, logits: torch.Tensor, out: torch.Tensor) -> None:
+            if not sampled:
+                out[j] = logits.argmax(dim=-1)
+                return
+            tokens, probs = r.sampler.draw_drafts(logits, [
+                SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
+                            s.request.num_output_tokens + j) if j < k else _PAD_ROW for s, k in zip(rows, ks)])
+            out[j] = tokens
+            if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
+                if self._probs is None:
+                    self._probs = probs.new_empty(plan.kmax, plan.n, probs.shape[1])
+                self._probs[j] = probs
+
+        out = self._run_plan(plan, draw)
+        if out is not None:
+            self._drafts = out
+
+    @torch.inference_mode()
+    def follow_propose(self, plan: DraftPlan) -> None:
+        """A rank other than 0 of a split draft: rank 0's proposal passes (their drafts come from rank 0)."""
+        self._run_plan(plan, None)
+
+    def _plan(self, catch_up: list, rows: list, ks: list[int]) -> DraftPlan:
+        """The passes' rows on the host: every pass's positions, slots and context lengths, pass 0's input ids and the
+        rows of its drafting requests, and the block tables (uploaded once, two copies)."""
+        n = len(rows)
         kmax = max(ks, default=1)
         first = catch_up + [(s, s.start) for s in rows]  # pass 0's rows: (scheduled request, position)
         g0 = self._for_batch(len(first))
@@ -181,8 +255,6 @@ class DraftRunner(DeviceDrafts):
         bs0 = g0.batch_size if g0 is not None else len(first)
         bsn = gn.batch_size if gn is not None else n
         width = max(len(s.block_ids) for s, _ in first)
-        # every pass's positions, slots and context lengths, pass 0's input ids and the rows of its drafting
-        # requests, and the block tables: built on the host, uploaded once (two copies)
         p0 = self._pass_arrays(first, bs0, width)
         later = [self._pass_arrays([(s, s.start + j) if j < k else None for s, k in zip(rows, ks)], bsn, width)
                  for j in range(1, kmax)]
@@ -191,44 +263,50 @@ class DraftRunner(DeviceDrafts):
         known = np.arange(len(catch_up), len(first), dtype=np.int64)
         plan = np.concatenate([p0[0].ravel(), ids0, known] + [a[0].ravel() for a in later])
         tables = np.concatenate([p0[1].ravel()] + ([later[0][1].ravel()] if later and catch_up else []))
-        plan_d, tables_d = upload(torch.from_numpy(plan), dev), upload(torch.from_numpy(tables), dev)
+        return DraftPlan(plan, tables, len(first), n, len(catch_up), kmax, bs0, bsn, width,
+                         [p0[0][2]] + [a[0][2] for a in later])
+
+    def _run_plan(self, p: DraftPlan, draw: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]]
+                  ) -> Optional[torch.Tensor]:
+        """The planned passes; the drafts [kmax, n] (None when only catching up). draw(j, logits, out) sets out[j]
+        (rank 0); on the other ranks of a split draft it is None and rank 0's broadcast brings them."""
+        r = self.runner
+        buf = r._ensure_buffers()
+        dev = r.device
+        n, kmax, bs0, bsn, width = p.n, p.kmax, p.bs0, p.bsn, p.width
+        g0 = self._for_batch(p.n_first)
+        gn = self._for_batch(n) if kmax > 1 else None
+        if (g0.batch_size if g0 is not None else p.n_first, gn.batch_size if gn is not None else n) != (bs0, bsn):
+            raise RuntimeError("tensor-parallel ranks disagree on the draft model's CUDA graphs")
+        plan_d, tables_d = upload(torch.from_numpy(p.plan), dev), upload(torch.from_numpy(p.tables), dev)
         buf.select_compact()  # the layout the draft's graphs read
         if self._arange is None:
             self._arange = torch.arange(buf.max_seqs + 1, dtype=torch.int32, device=dev)
         buf.query_start_loc.copy_(self._arange[:buf.query_start_loc.numel()])
         buf.block_tables[:bs0, :width].copy_(tables_d[:bs0 * width].view(bs0, width))
         at = 3 * bs0
-        hidden = self._pass(g0, len(first), bs0, plan_d[:at], plan_d[at:at + bs0], p0[0][2])
+        hidden = self._pass(g0, p.n_first, bs0, plan_d[:at], plan_d[at:at + bs0], p.lens[0])
         at += bs0
         known_d, at = plan_d[at:at + n], at + n
-        if catch_up and later:  # the later passes' rows are the drafting requests alone
+        if p.n_catch and kmax > 1:  # the later passes' rows are the drafting requests alone
             buf.block_tables[:bsn, :width].copy_(tables_d[bs0 * width:].view(bsn, width))
         out = torch.empty(kmax, n, dtype=torch.long, device=dev)
-        sampled = self.spec.draft_sample_method == "probabilistic" and not all(
-            s.request.sampling_params.greedy for s in rows)
         for j in range(kmax):
             if j > 0:
                 ids = out[j - 1]
                 if bsn > n:
                     ids = torch.cat([ids, ids.new_zeros(bsn - n)])
-                hidden = self._pass(gn, n, bsn, plan_d[at:at + 3 * bsn], ids, later[j - 1][0][2])
+                hidden = self._pass(gn, n, bsn, plan_d[at:at + 3 * bsn], ids, p.lens[j])
                 at += 3 * bsn
             if n == 0:
-                return  # catch-up only: nothing drafts this step
-            h = hidden if j > 0 or not catch_up else hidden[known_d]
-            logits = self.model.compute_logits(h)
-            if not sampled:
-                out[j] = logits.argmax(dim=-1)
-                continue
-            tokens, probs = r.sampler.draw_drafts(logits, [
-                SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
-                            s.request.num_output_tokens + j) if j < k else _PAD_ROW for s, k in zip(rows, ks)])
-            out[j] = tokens
-            if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
-                if self._probs is None:
-                    self._probs = probs.new_empty(kmax, n, probs.shape[1])
-                self._probs[j] = probs
-        self._drafts = out
+                return None  # catch-up only: nothing drafts this step
+            h = hidden if j > 0 or not p.n_catch else hidden[known_d]
+            logits = self.model.compute_logits(h)  # (split: the LM head's gather is a collective every rank joins)
+            if draw is not None:
+                draw(j, logits, out)
+            if self.group is not None and j < kmax - 1:  # rank 0's draft j feeds pass j + 1 on every rank
+                self.group.broadcast_(out[j])
+        return out
 
     def _for_batch(self, n: int):
         return self.graphs.for_batch(n) if self.graphs is not None and n else None

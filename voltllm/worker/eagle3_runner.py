@@ -55,7 +55,7 @@ class Eagle3Runner(MTPRunner):
         super().after_step(sched, meta, self.model.fuse(self.features[:n]), qsl, handle)
 
     @torch.inference_mode()
-    def follow_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
-        """MTPRunner.follow_step, fed the fused target states as rank 0's after_step is."""
+    def follow_after_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
+        """MTPRunner.follow_after_step, fed the fused target states as rank 0's after_step is."""
         n = meta.query_start_loc_cpu[-1]
-        super().follow_step(step, meta, self.model.fuse(self.features[:n]))
+        super().follow_after_step(step, meta, self.model.fuse(self.features[:n]))

@@ -40,7 +40,7 @@ whole [vocab, hidden] head read by one GPU per draft). Rank 0 alone knows the sc
 proposal's first collective it sends the other ranks the passes' inputs (`MTPProposal`, a pipe message), and after
 each pass but the last it broadcasts the drafts that feed the next one (greedy or drawn); after a step's sampling it
 broadcasts the pass's next tokens and the (step row, output slot) pairs kept (`after_step`). The other ranks replay
-both (`follow_propose`, `follow_step`) in the same order of collectives, so their KV (their heads) and their
+both (`follow_propose`, `follow_after_step`) in the same order of collectives, so their KV (their heads) and their
 output slots equal rank 0's. The EAGLE heads built on this runner split the same way. Under -pp, or with
 draft_tensor_parallel_size 1, the module runs whole on rank 0 (SpeculativeConfig.drafter_split).
 """
@@ -84,7 +84,7 @@ class MTPProposal:
 class MTPRunner(DeviceDrafts):
     """The MTP module beside a ModelRunner, which calls it as it calls a DraftRunner (propose / fill_inputs /
     run_step / verification_drafts / verification_probs) and, after the step's sampling, after_step. Under -tp the
-    other ranks' runners hold one too and call follow_propose / follow_step."""
+    other ranks' runners hold one too and call follow_propose / follow_after_step."""
 
     def __init__(self, runner: Any, spec: Any):
         from voltllm.worker.runner import select_attention_backend
@@ -377,13 +377,13 @@ class MTPRunner(DeviceDrafts):
         if ver:
             acc_rows, acc_slots = self._accepted_rows(ver, qsl, handle, dev)
             rows, slots = torch.cat([rows, acc_rows]), torch.cat([slots, acc_slots])
-        if self.group is not None:  # the other ranks' pass over the step (follow_step: one row per request)
+        if self.group is not None:  # the other ranks' pass over the step (follow_after_step: one row per request)
             self.group.broadcast_(torch.cat([nxt, rows, slots]))
         out = self._step_pass(nxt, meta, hidden, n)
         self.outs.index_copy_(0, slots, out[rows])
 
     @torch.inference_mode()
-    def follow_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
+    def follow_after_step(self, step: Any, meta: AttentionMetadata, hidden: torch.Tensor) -> None:
         """A rank other than 0 of a split module, after the step's logits: rank 0's after_step of the step just run
         (its StepInputs: the request count and the graph), from rank 0's broadcast of the next tokens and the rows
         kept."""

@@ -870,6 +870,7 @@ class ModelRunner:
             step.images = image_rows.for_followers() if image_rows is not None else None
             step.prompt_embeds_at = prompt_rows[0] if prompt_rows is not None else None
             step.draft_requests = n_seqs
+            step.draft_skip_run = bool(getattr(self.draft, "skips_run", False))
             step.draft_ring_slots = (self.draft.step_ring_slots(sched, t) if self.draft is not None
                                      and hasattr(self.draft, "step_ring_slots") and self.draft.group is not None
                                      else None)
@@ -1019,6 +1020,8 @@ class ModelRunner:
                 self.state_cache.num_tokens[slot] = start
         hidden = self._forward(graph, prompt_graph, meta, t, step.state_spans, slots, step.state_saves,
                                step.state_drafts, images)
+        if self.draft is not None:  # a split drafter's run beside the step (rank 0's run_step, right after it)
+            self.draft.follow_run_step(step, meta)
         # (the logits' gathers are TP collectives; under PP stage 0 alone computes them, from the last stage's rows)
         logits_here = self.pp is None or self.pp.first
         if step.spec_logits_rows:  # the verification's logits, then its accepted states (a broadcast from rank 0)
@@ -1031,8 +1034,8 @@ class ModelRunner:
         for sel in step.logits_rows if logits_here else ():
             self.model.compute_logits(hidden[slice(*sel) if isinstance(sel, tuple)
                                              else to_device(sel, torch.long, self.device)])
-        if self.draft is not None:  # a split drafter's part of the step (MTP: rank 0's after_step, after sampling;
-            self.draft.follow_step(step, meta, hidden)  # DFlash: the context K / V of this rank's heads)
+        if self.draft is not None:  # a split drafter's part after the logits (MTP / EAGLE: rank 0's after_step)
+            self.draft.follow_after_step(step, meta, hidden)
         if self.device.type == "cuda":
             self._follower_events.append(torch.cuda.Event())
             self._follower_events[-1].record()
