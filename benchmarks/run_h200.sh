@@ -1662,6 +1662,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/drafters-$sha.txt" | sort | uniq -c
     grep -E "^(FAILED|ERROR)" "$out/drafters-$sha.txt" | head -20
     ;;
+  s163b)  # (session 63; carry .whl with pytest-xdist) after the draft model's runner was factored for tensor
+           # parallelism too: every drafter / speculation GPU file but the constrained one (it needs xgrammar), 6 workers
+    timeout 540 python3 -m pytest -v -m gpu tests/gpu/test_draft_model_cuda.py tests/gpu/test_speculative_cuda.py \
+      tests/gpu/test_hybrid_spec_cuda.py tests/gpu/test_dynamic_speculation_cuda.py tests/gpu/test_mtp_cuda.py \
+      tests/gpu/test_dflash_cuda.py tests/gpu/test_eagle1_cuda.py tests/gpu/test_eagle3_cuda.py -n 6 --dist load \
+      -p no:cacheprovider -rfs -o addopts="" > "$out/drafters-$sha.txt" 2>&1
+    echo "drafters rc=$? $(tail -1 "$out/drafters-$sha.txt")"
+    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/drafters-$sha.txt" | sort | uniq -c
+    grep -E "^(FAILED|ERROR)" "$out/drafters-$sha.txt" | head -20
+    ;;
   s162g)  # (session 62; carry .whl with pytest-xdist) the GPU suite on one card, 8 workers handing out single tests,
           # cut at 560 s: the files given after the commit (default: every file but those run whole this session or the
           # last: engine_gpu, prompt_embeds_cuda, dflash_cuda, profiling_cuda); which tests ran is in the -v log
