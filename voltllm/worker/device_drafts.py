@@ -7,11 +7,16 @@ from).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from voltllm.host_to_device import to_device
+from voltllm.sampling.params import SamplingParams
+from voltllm.sampling.sampler import SamplingRow
+
+# a request's row in a proposal's passes past its own drafts: greedy (no random draw), its token unused
+PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
 class DeviceDrafts:
@@ -44,6 +49,30 @@ class DeviceDrafts:
 
     def follow_after_step(self, step, meta, hidden: torch.Tensor) -> None:
         pass
+
+    def chain_drawer(self, rows: list, ks: list[int], kmax: int) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+        """draw(j, logits, drafts) for pass j of a chained proposal over the drafting `rows` (ks: their draft counts):
+        the argmax when every request is greedy (or draft_sample_method greedy), else a draw from each request's
+        processed distribution q, kept in `_probs` [kmax, requests, vocab] for the verification (a request past its
+        own drafts: a greedy padding row)."""
+        sampler, n = self.runner.sampler, len(rows)
+        sampled = self.spec.draft_sample_method == "probabilistic" and not all(
+            s.request.sampling_params.greedy for s in rows)
+
+        def draw(j: int, logits: torch.Tensor, drafts: torch.Tensor) -> None:
+            if not sampled:
+                drafts[j] = logits.argmax(dim=-1)
+                return
+            tokens, probs = sampler.draw_drafts(logits, [
+                SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
+                            s.request.num_output_tokens + j) if j < k else PAD_ROW for s, k in zip(rows, ks)])
+            drafts[j] = tokens
+            if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
+                if self._probs is None:
+                    self._probs = probs.new_zeros(kmax, n, probs.shape[1])
+                self._probs[j] = probs
+
+        return draw
 
     def fill_inputs(self, input_ids: torch.Tensor, spans: list) -> None:
         """Copy the drafts into the step's input ids on the device (the step was prepared with placeholders):

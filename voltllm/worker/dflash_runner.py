@@ -63,15 +63,11 @@ from voltllm.worker.draft_runner import _GraphView
 from voltllm.worker.drafter_rings import DrafterRings
 from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
-from voltllm.sampling.params import SamplingParams
 from voltllm.sampling.sampler import SamplingRow
 from voltllm.worker.aux_features import aux_capacity
-from voltllm.worker.device_drafts import DeviceDrafts, draft_weights
+from voltllm.worker.device_drafts import PAD_ROW, DeviceDrafts, draft_weights
 
 logger = logging.getLogger("voltllm")
-
-# a request's row past its own drafts: greedy (no random draw), its token unused
-_PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
 @dataclass
@@ -316,7 +312,7 @@ class DFlashRunner(DeviceDrafts):
             return
         tokens, probs = r.sampler.draw_drafts(logits, [
             SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
-                        s.request.num_output_tokens + j) if j < k else _PAD_ROW
+                        s.request.num_output_tokens + j) if j < k else PAD_ROW
             for j in range(kmax) for s, k in zip(rows, ks)])
         self._drafts = tokens.view(kmax, n)
         if self.drafter.selector is not None and any(greedy):  # greedy requests' drafts: the selector's path

@@ -38,14 +38,9 @@ import torch
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.host_to_device import upload
 from voltllm.model.forward_context import ForwardContext
-from voltllm.sampling.params import SamplingParams
-from voltllm.sampling.sampler import SamplingRow
 from voltllm.worker.device_drafts import DeviceDrafts, draft_weights
 
 logger = logging.getLogger("voltllm")
-
-# a request's row in the proposal steps past its own drafts: greedy (no random draw), its token unused
-_PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
 class _GraphView:
@@ -214,28 +209,11 @@ class DraftRunner(DeviceDrafts):
 
     def _passes(self, catch_up: list, rows: list) -> None:
         """propose's passes: catch_up (scheduled request, position) rows and the drafting requests' `rows`."""
-        r = self.runner
         ks = [len(s.spec_tokens) for s in rows]
         plan = self._plan(catch_up, rows, ks)
         if self.group is not None:  # (before the passes' first collective: the other ranks run them too)
-            r.send_message(("draft", plan))
-        sampled = self.spec.draft_sample_method == "probabilistic" and not all(
-            s.request.sampling_params.greedy for s in rows)
-
-        def draw(j: int, logits: torch.Tensor, out: torch.Tensor) -> None:
-            if not sampled:
-                out[j] = logits.argmax(dim=-1)
-                return
-            tokens, probs = r.sampler.draw_drafts(logits, [
-                SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
-                            s.request.num_output_tokens + j) if j < k else _PAD_ROW for s, k in zip(rows, ks)])
-            out[j] = tokens
-            if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
-                if self._probs is None:
-                    self._probs = probs.new_empty(plan.kmax, plan.n, probs.shape[1])
-                self._probs[j] = probs
-
-        out = self._run_plan(plan, draw)
+            self.runner.send_message(("draft", plan))
+        out = self._run_plan(plan, self.chain_drawer(rows, ks, plan.kmax))
         if out is not None:
             self._drafts = out
 

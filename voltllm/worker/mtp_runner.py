@@ -58,14 +58,9 @@ import torch
 from voltllm.attention.backend import AttentionMetadata
 from voltllm.host_to_device import to_device, upload
 from voltllm.model.forward_context import ForwardContext
-from voltllm.sampling.params import SamplingParams
-from voltllm.sampling.sampler import SamplingRow
 from voltllm.worker.device_drafts import DeviceDrafts
 
 logger = logging.getLogger("voltllm")
-
-# a request's row in the chained passes past its own drafts: greedy (no random draw), its token unused
-_PAD_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), None, 0)
 
 
 @dataclass
@@ -195,7 +190,6 @@ class MTPRunner(DeviceDrafts):
         self._prob_rows = {s.request.request_id: i for i, s in enumerate(rows)}
         if not rows:
             return
-        r = self.runner
         ks = [len(s.spec_tokens) for s in rows]
         kmax, n = max(ks), len(rows)
         graph = self._chain_graph(n, kmax)
@@ -203,24 +197,8 @@ class MTPRunner(DeviceDrafts):
                         self._chain_inputs(rows, ks, kmax, graph.batch_size if graph is not None else n)
                         if kmax > 1 else None, max(len(s.block_ids) for s in rows))
         if self.group is not None:  # (before the passes' first collective: the other ranks run them too)
-            r.send_message(("draft", p))
-        sampled = self.spec.draft_sample_method == "probabilistic" and not all(
-            s.request.sampling_params.greedy for s in rows)
-
-        def draw(j: int, logits: torch.Tensor, drafts: torch.Tensor) -> None:
-            if not sampled:
-                drafts[j] = logits.argmax(dim=-1)
-                return
-            tokens, probs = r.sampler.draw_drafts(logits, [
-                SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, (), s.request.generator,
-                            s.request.num_output_tokens + j) if j < k else _PAD_ROW for s, k in zip(rows, ks)])
-            drafts[j] = tokens
-            if probs is not None:  # (None: every request still drafting here is greedy; none reads pass j's q)
-                if self._probs is None:
-                    self._probs = probs.new_zeros(kmax, n, probs.shape[1])
-                self._probs[j] = probs
-
-        self._drafts = self._chain(p, n, draw)
+            self.runner.send_message(("draft", p))
+        self._drafts = self._chain(p, n, self.chain_drawer(rows, ks, kmax))
 
     @torch.inference_mode()
     def follow_propose(self, p: MTPProposal) -> None:
