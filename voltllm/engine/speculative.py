@@ -112,8 +112,8 @@ class SpeculativeConfig:
     # vLLM's max_model_len: a request drafts only while its tokens and drafts fit in it; as given, then (EngineArgs:
     # speculative_max_len) at most the target's --max-model-len and a draft model's positions
     max_model_len: Optional[int] = None
-    # vLLM's draft_tensor_parallel_size as given (None: the target's): 1 keeps an MTP module, DFlash drafter or EAGLE
-    # head whole on rank 0 under -tp (drafter_split)
+    # vLLM's draft_tensor_parallel_size as given (None: absent): 1 keeps a drafter whole on rank 0 under -tp, the
+    # target's size splits it like the target; absent, drafter_split decides by method
     draft_tensor_parallel_size: Optional[int] = None
 
     def drafter_split(self, parallel: Any) -> bool:
@@ -204,7 +204,7 @@ class SpeculativeConfig:
         if method in ("draft_model", "dflash", "eagle", "eagle3"):
             return replace(cls._draft_model(d, k, method), **_drafter_options(d))
         if method == "mtp":  # its weights are the target's: nothing else to read
-            return cls("mtp", k, draft_tensor_parallel_size=_draft_tp(d, method), **_drafter_options(d))
+            return cls("mtp", k, draft_tensor_parallel_size=_draft_tp(d), **_drafter_options(d))
         hi = d.get("prompt_lookup_max", cls.prompt_lookup_max if d.get("prompt_lookup_min") is None
                    else max(cls.prompt_lookup_max, d["prompt_lookup_min"]))
         lo = d.get("prompt_lookup_min", min(cls.prompt_lookup_min, hi) if isinstance(hi, int) else 1)
@@ -260,7 +260,7 @@ class SpeculativeConfig:
         if not isinstance(model, str) or not model:
             raise SpeculativeConfigError(f"--speculative-config method {method} needs \"model\": the draft "
                                          "model's path or Hugging Face repo id")
-        tp = _draft_tp(d, method)
+        tp = _draft_tp(d)
         revision = d.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise SpeculativeConfigError(f"--speculative-config revision must be a string, got {revision!r}")
@@ -271,7 +271,7 @@ class SpeculativeConfig:
         return replace(self, model=path, draft_hf_config=hf_config)
 
 
-def _draft_tp(d: dict[str, Any], method: str) -> Optional[int]:
+def _draft_tp(d: dict[str, Any]) -> Optional[int]:
     """draft_tensor_parallel_size as given (None: absent): any positive size here (EngineArgs: 1 or the target's)."""
     tp = d.get("draft_tensor_parallel_size")
     if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
