@@ -39,12 +39,19 @@ def _capture(runner) -> None:
         walks.graphs = {bs: EagerReplay(walks, bs) for bs in walks.sizes}
         runner.verify_graphs = walks
     draft = runner.draft
-    # a split MTP / EAGLE / DFlash drafter's graphs, on every rank (a draft model keeps its eager form here)
+    # a split drafter's graphs, on every rank
     if getattr(draft, "group", None) is not None and (hasattr(draft, "graph_view") or hasattr(draft, "graph_extra")):
-        from graph_stand_ins import PaddedDecodeGraphs
+        from graph_stand_ins import PaddedDecodeGraphs  # (MTP / EAGLE: their view; DFlash: itself)
 
-        view = draft.graph_view() if hasattr(draft, "graph_view") else draft  # (DFlash: itself)
+        view = draft.graph_view() if hasattr(draft, "graph_view") else draft
         draft.graphs = PaddedDecodeGraphs(view, DRAFTER_GRAPH_ROWS)
+    elif getattr(draft, "group", None) is not None:  # a draft model: its DecodeGraphs over its view, replayed eagerly
+        from voltllm.worker.draft_runner import _GraphView
+
+        draft._graph_view = _GraphView(draft, runner)  # (DecodeGraphs holds it weakly)
+        graphs = DecodeGraphs(draft._graph_view)
+        graphs.graphs = {bs: EagerReplay(graphs, bs) for bs in graphs.sizes}
+        draft.graphs = graphs
 
 
 def install() -> None:

@@ -116,3 +116,34 @@ def test_verification_as_decode_graph_rows_on_every_rank(monkeypatch, tmp_path):
         assert two.engine.stats().extra["spec_accepted_tokens"] > 0
     finally:
         two.engine.shutdown()
+
+
+def test_split_draft_graph_form_on_every_rank(monkeypatch, tmp_path):
+    """A draft model split over both ranks (draft_tensor_parallel_size 2) in its graph form on each (CPU stand-ins of
+    the target's and the draft's decode graphs in every process, tests/tp_eager_graphs.py): its proposal passes and its
+    run beside decode steps replay from the buffers each rank fills from rank 0's plan; greedy tokens equal plain
+    decoding and the target's own drafts are all accepted."""
+    import sys
+
+    import tp_eager_graphs
+
+    path = make_model(str(tmp_path / "llama"), "llama")
+    engine = {**ENGINE, "max_num_seqs": 16, "max_num_batched_tokens": 64}
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = _tokens(LLM(path, **engine), PROMPTS, greedy)
+    tp_eager_graphs.worker_env(monkeypatch, tmp_path, sys.path)
+    monkeypatch.setattr("voltllm.worker.runner.ModelRunner.capture_cuda_graphs", tp_eager_graphs._capture)
+    spec = {"model": path, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}
+    two = LLM(path, tensor_parallel_size=2, speculative_config=spec, **engine)
+    try:
+        assert _tokens(two, PROMPTS, greedy) == expected
+        drafted, accepted = _spec_counts(two)
+        assert 0 < accepted == drafted
+        assert two.engine.runner.draft.graphs.replays > 0
+        assert two.engine.tp_workers.call_on_workers(_draft_replays)[0] > 0
+    finally:
+        two.engine.shutdown()
+
+
+def _draft_replays(runner):
+    return runner.draft.graphs.replays
