@@ -88,9 +88,9 @@ def test_seeded_sampling_equals_tp1_speculative(engines):
     assert _tokens(two, PROMPTS, SAMPLED) == _tokens(one, PROMPTS, SAMPLED)
 
 
-def test_verification_as_decode_graph_rows_on_every_rank(monkeypatch, tmp_path):
-    """Verification steps where every request decodes run as decode rows replayed by the decode graphs on both ranks
-    (stood in for on the CPU by eager replays on the same buffers, tests/tp_eager_graphs.py)."""
+def _graph_form_setup(monkeypatch, tmp_path):
+    """A tiny llama, engine arguments with room for graph rows, greedy params and plain decoding's tokens; then CPU
+    stand-ins of the decode graphs in this process and every worker (tests/tp_eager_graphs.py)."""
     import sys
 
     import tp_eager_graphs
@@ -101,6 +101,13 @@ def test_verification_as_decode_graph_rows_on_every_rank(monkeypatch, tmp_path):
     expected = _tokens(LLM(path, **engine), PROMPTS, greedy)
     tp_eager_graphs.worker_env(monkeypatch, tmp_path, sys.path)
     monkeypatch.setattr("voltllm.worker.runner.ModelRunner.capture_cuda_graphs", tp_eager_graphs._capture)
+    return path, engine, greedy, expected
+
+
+def test_verification_as_decode_graph_rows_on_every_rank(monkeypatch, tmp_path):
+    """Verification steps where every request decodes run as decode rows replayed by the decode graphs on both ranks
+    (stood in for on the CPU by eager replays on the same buffers, tests/tp_eager_graphs.py)."""
+    path, engine, greedy, expected = _graph_form_setup(monkeypatch, tmp_path)
     two = LLM(path, tensor_parallel_size=2, speculative_config=NGRAM, **engine)
     try:
         replays = []
@@ -123,16 +130,7 @@ def test_split_draft_graph_form_on_every_rank(monkeypatch, tmp_path):
     the target's and the draft's decode graphs in every process, tests/tp_eager_graphs.py): its proposal passes and its
     run beside decode steps replay from the buffers each rank fills from rank 0's plan; greedy tokens equal plain
     decoding and the target's own drafts are all accepted."""
-    import sys
-
-    import tp_eager_graphs
-
-    path = make_model(str(tmp_path / "llama"), "llama")
-    engine = {**ENGINE, "max_num_seqs": 16, "max_num_batched_tokens": 64}
-    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    expected = _tokens(LLM(path, **engine), PROMPTS, greedy)
-    tp_eager_graphs.worker_env(monkeypatch, tmp_path, sys.path)
-    monkeypatch.setattr("voltllm.worker.runner.ModelRunner.capture_cuda_graphs", tp_eager_graphs._capture)
+    path, engine, greedy, expected = _graph_form_setup(monkeypatch, tmp_path)
     spec = {"model": path, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}
     two = LLM(path, tensor_parallel_size=2, speculative_config=spec, **engine)
     try:
