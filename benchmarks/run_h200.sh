@@ -256,6 +256,7 @@
 #   s146pp   (session 54; kind nvidia-h200-x2) pipeline parallelism over two GPUs: its GPU file, then the 8B shape at
 #            -pp 2, batch 1 and 64 concurrent
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
+#   s164     (session 64) a forkserver-started worker on CUDA; constrained speculation, attention and engine files
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
 stage=$1; sha=$2
@@ -1649,6 +1650,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # the fp8 KV cache file (windows over fp8 pages run through the same kernels)
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
+    ;;
+  s164)  # (session 64; carry .whl with pytest-xdist, xgrammar and apache-tvm-ffi) tensor-parallel workers now fork
+          # from a forkserver: a worker started that way uses CUDA, Triton and NCCL; the constrained-speculation file
+          # (s163's wheels lacked xgrammar); the attention and engine files beside them
+    gpu_file test_worker_forkserver_cuda 120
+    timeout 420 python3 -m pytest -v -m gpu tests/gpu/test_constrained_speculation_cuda.py \
+      tests/gpu/test_attention_kernels.py tests/gpu/test_engine_gpu.py -n 4 --dist loadfile -p no:cacheprovider \
+      -rfs -o addopts="" > "$out/s164-$sha.txt" 2>&1
+    echo "files rc=$? $(tail -1 "$out/s164-$sha.txt")"
+    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/s164-$sha.txt" | sort | uniq -c
+    grep -E "^(FAILED|ERROR)" "$out/s164-$sha.txt" | head -20
     ;;
   s163)  # (session 63; carry .whl with pytest-xdist) the drafters' GPU files after MTPRunner's and DFlashRunner's
           # passes were factored for tensor parallelism (the chain / block and the step's pass shared with the other

@@ -107,6 +107,16 @@ def _compat_default(request):
         undo()
 
 
+@pytest.fixture(autouse=True)
+def _worker_forkserver_env():
+    """Stop the forkservers a test started for workers with its own environment (tp_eager_graphs.worker_env; by now
+    monkeypatch has put the usual one back)."""
+    yield
+    import tp_eager_graphs
+
+    tp_eager_graphs.stop_fresh_forkservers()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF, through the same cache users get (fetched once)."""

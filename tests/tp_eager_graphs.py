@@ -2,8 +2,10 @@
 DecodeGraphs whose graphs run the captured forward eagerly on the same persistent buffers and context (as
 tests/unit/test_hybrid_graph_path.py's EagerReplay), so rank 0's and the workers' replay paths (state-slot buffers,
 note_step, snapshot restores and saves around a replay; with speculation, a hybrid's verification walks; a split
-drafter's graphs, tests/graph_stand_ins.py's padded passes) run as on the GPU. Rank 0 calls install() itself; spawned
-workers import this module through the sitecustomize that `worker_env` writes (VOLTLLM_TEST_EAGER_GRAPHS set)."""
+drafter's graphs, tests/graph_stand_ins.py's padded passes) run as on the GPU. Rank 0 calls install() itself; the
+workers import this module through the sitecustomize that `worker_env` writes (VOLTLLM_TEST_EAGER_GRAPHS set), which
+their forkserver (voltllm/distributed/executor.py) runs as it starts: `worker_env` puts a new one in place for the test,
+which starts with that environment, and tests/conftest.py stops it after the test."""
 from __future__ import annotations
 
 import os
@@ -60,8 +62,29 @@ def install() -> None:
     ModelRunner.capture_cuda_graphs = _capture
 
 
+FRESH = []  # forkservers worker_env made (tests/conftest.py stops them after the test)
+
+
+def _fresh_forkserver(monkeypatch) -> None:
+    """Until monkeypatch undoes it, workers start from a new forkserver, which starts with the environment of its first
+    use; the running one (whose children may be the workers of a module's engines) is left alone."""
+    from multiprocessing import forkserver
+
+    fresh = forkserver.ForkServer()
+    FRESH.append(fresh)
+    monkeypatch.setattr(forkserver, "_forkserver", fresh)
+    for name in ("ensure_running", "get_inherited_fds", "connect_to_new_process", "set_forkserver_preload"):
+        monkeypatch.setattr(forkserver, name, getattr(fresh, name))
+
+
+def stop_fresh_forkservers() -> None:
+    while FRESH:
+        FRESH.pop()._stop()  # (CPython's own tests stop a forkserver this way)
+
+
 def worker_env(monkeypatch, tmp_path, sys_path: list) -> None:
-    """Make spawned workers install the stand-ins too (a sitecustomize on their PYTHONPATH)."""
+    """Make the workers install the stand-ins too (a sitecustomize on their PYTHONPATH)."""
     (tmp_path / "sitecustomize.py").write_text(SITE)
     monkeypatch.setenv("VOLTLLM_TEST_EAGER_GRAPHS", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path)] + list(sys_path)))
+    _fresh_forkserver(monkeypatch)

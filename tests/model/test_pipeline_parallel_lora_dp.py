@@ -185,7 +185,7 @@ def test_serve_dp2_pp2_matches_one_rank(tmp_path):
     import openai
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))  # the server tests' ServerProc
-    from server_helpers import ServerProc, descendants_of, free_port, wait_gone
+    from server_helpers import ServerProc, children_of, descendants_of, free_port, wait_gone
 
     model = make_model(str(tmp_path / "llama"), "llama", num_hidden_layers=4)
     lora = make_adapter(str(tmp_path / "ad"), model, rank=8, alpha=16, seed=1, layers=[2, 3])  # the later stage's
@@ -201,8 +201,12 @@ def test_serve_dp2_pp2_matches_one_rank(tmp_path):
     try:
         srv.wait_healthy(180)
         pids = descendants_of(srv.proc.pid)
-        spawned = [p for p in pids if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-        assert len(spawned) == 4, spawned  # 2 engine processes (rank 0 each), each with its later stage's worker
+        cmd = {p: open(f"/proc/{p}/cmdline").read() for p in pids}
+        engines = [p for p in pids if "spawn_main" in cmd[p]]
+        assert len(engines) == 2, cmd  # 2 engine processes (rank 0 each)
+        servers = [k for e in engines for k in children_of(e) if "forkserver" in cmd.get(k, "")]
+        workers = [k for f in servers for k in children_of(f)]
+        assert len(servers) == 2 and len(workers) == 2, cmd  # each with its later stage's worker, from its forkserver
 
         async def together(name: str) -> list[str]:
             c = openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=120)

@@ -379,3 +379,26 @@ def test_ptxas_successes_are_remembered(tmp_path, monkeypatch):
         assert len(calls) == (0 if accepted else 1)
         monkeypatch.undo()
     assert len(list((tmp_path / "accepted").iterdir())) == 1
+
+
+def test_specs_left_out_of_the_gate_are_those_the_compat_route_never_launches():
+    """The gate skips the decode attention's tl.dot specs and the Triton prefill kernel (compat=False): on sm_70 /
+    sm_75, and under --compat on any GPU, the attention backend decodes on FMA and prefills through SDPA."""
+    import torch
+
+    import voltllm.kernels.attention  # noqa: F401  (registers)
+    from voltllm.attention.triton_backend import TritonAttentionBackend
+
+    decode = REGISTRY["attention.paged_decode"]
+    assert decode.compat and {s.compat for s in decode.specs} == {True, False}
+    for s in decode.specs:
+        assert s.compat == (not s.constexprs["USE_DOT"]), s.label
+    assert not REGISTRY["attention.paged_prefill"].compat
+    dev = torch.device("cuda", 0)
+    for cap, forced in (((7, 0), None), ((7, 5), None), ((9, 0), False)):
+        backend = TritonAttentionBackend(use_tensor_cores=forced)
+        backend._dev_info[str(dev)] = (cap, 80)  # (as read from the device)
+        assert not backend._use_dot(dev) and backend._use_sdpa_prefill(dev), cap
+    native = TritonAttentionBackend()
+    native._dev_info[str(dev)] = ((9, 0), 132)
+    assert native._use_dot(dev) and not native._use_sdpa_prefill(dev)

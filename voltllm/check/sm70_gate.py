@@ -423,7 +423,7 @@ def check_entry(entry: KernelEntry, archs: Sequence[int], outcomes: dict[tuple[s
     for i, spec in enumerate(entry.specs):
         label = spec.label or f"spec{i}"
         for arch in archs:
-            if not entry.compat:
+            if not (entry.compat and spec.compat):
                 results.append(GateResult(entry.name, label, arch, "skipped", ["native route only (compat=False)"]))
                 continue
             outcome = outcomes[(entry.name, i, arch)]
@@ -480,7 +480,7 @@ def _compile_all_to_ptx(entries: Sequence[KernelEntry], archs: Sequence[int], jo
                         aligned: bool = False) -> dict[Task, tuple[Outcome, int, frozenset[str], str]]:
     """Per task: (outcome, PTX size, instruction forms, PTX file in `ptx_dir`)."""
     by_name = {e.name: e for e in entries}
-    tasks = [(e.name, i, a) for e in entries if e.compat for i in range(len(e.specs)) for a in archs]
+    tasks = [(e.name, i, a) for e in entries if e.compat for i, s in enumerate(e.specs) if s.compat for a in archs]
     path = {t: os.path.join(ptx_dir, f"{n}.ptx") for n, t in enumerate(tasks)}
     # registered kernels compile in spawned workers by name; others (a kernel defined in a test) in-process
     remote = [t for t in tasks if REGISTRY.get(t[0]) is by_name[t[0]]] if jobs > 1 and len(tasks) > 1 else []

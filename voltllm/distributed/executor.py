@@ -1,5 +1,11 @@
-"""Rank 0's side of tensor parallelism: spawns ranks 1..N-1 (worker.py), joins the group with them, sends each
+"""Rank 0's side of tensor parallelism: starts ranks 1..N-1 (worker.py), joins the group with them, sends each
 step, and turns a worker's failure into one readable error in the engine.
+
+Workers start from a forkserver (`_worker_context`): a clean process that this one starts once, which imports torch,
+the runner and transformers' config classes and never touches a GPU; each worker is a fork of it. A spawned worker
+spent ~2 s importing those for every engine (tests build hundreds of tensor-parallel engines); the forkserver pays that
+once per process. Like spawn, nothing of this process's state reaches a worker but its pickled arguments and the
+environment the forkserver started with.
 
 Failure handling: a worker that raises reports ("error", ...) on its pipe and exits. On the CPU (gloo) rank 0's
 next collective then fails at once (the peer's connection closes); on CUDA a watchdog thread sees the worker exit
@@ -24,7 +30,7 @@ from voltllm.distributed.step import StepInputs
 
 logger = logging.getLogger("voltllm")
 
-START_TIMEOUT_S = 300.0  # a worker's import and spawn (not its model load) must finish within this
+START_TIMEOUT_S = 300.0  # a worker's start (the forkserver's imports included; not its model load) must end within this
 STOP_TIMEOUT_S = 5.0  # a worker's clean exit after "shutdown" before it is terminated
 
 
@@ -39,7 +45,7 @@ class TPWorkers:
         self._stopping = threading.Event()
         self._broken = threading.Event()  # set by the CUDA watchdog when a worker exited
         store = make_store(0, self.size, 0)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _worker_context()
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         log_level = logging.getLogger("voltllm").getEffectiveLevel()
@@ -192,12 +198,25 @@ class TPWorkers:
 
 def _exited_at_start(rank: int, code: Optional[int]) -> TPWorkerError:
     return TPWorkerError(f"tensor-parallel worker {rank} exited during start-up (exit code {code}; its output says "
-                         "why; workers are spawned, so a script that builds the engine at import time needs an "
-                         "`if __name__ == '__main__':` guard)")
+                         "why; a worker imports the main script again, so a script that builds the engine at import "
+                         "time needs an `if __name__ == '__main__':` guard)")
 
 
 def _exited(rank: int, code: Optional[int]) -> TPWorkerError:
     return TPWorkerError(f"tensor-parallel worker {rank} exited (exit code {code}; its output says why)")
+
+
+# what the forkserver imports once, so that the workers it forks start with it loaded: torch, the runner and its
+# kernels, and transformers' config classes (a worker unpickles the model's hf config: ~1.3 s of imports by itself)
+WORKER_PRELOAD = ("voltllm.distributed.worker", "voltllm.worker.runner", "transformers.configuration_utils")
+
+
+def _worker_context() -> Any:
+    """The forkserver context the workers start from (module docstring). The forkserver exits when this process does
+    (EOF on the pipe only this process holds), and the workers with it (their parent-death signal)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(WORKER_PRELOAD))
+    return ctx
 
 
 class _children_allowed:

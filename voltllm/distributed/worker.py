@@ -11,7 +11,8 @@ passes or DFlash drafter's block, sent before the step whose drafts they make), 
 ("sleep_mode", None or the message of a wake-up that failed here and can be retried), ("profile", None or an error's
 message, files written), ("called", result), ("error", text) before exiting.
 
-It never outlives the engine: Linux's parent-death signal (SIGTERM when its parent exits), and EOF on its pipe.
+It never outlives the engine: Linux's parent-death signal (SIGTERM when its parent, the engine's forkserver, exits,
+which it does when the engine does), and EOF on its pipe.
 """
 from __future__ import annotations
 
@@ -26,13 +27,41 @@ from typing import Any
 logger = logging.getLogger("voltllm")
 
 
+def _leave_the_forkserver_to_the_engine() -> None:
+    """CPython gives every child of a forkserver a copy of the pipe that keeps the forkserver running, so it would
+    live as long as any worker does, and the workers (their parent-death signal waits for it to exit) as long as it
+    does. Closing ours leaves the engine as the only holder: when the engine exits, the forkserver does, and we get
+    SIGTERM."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, as another user's process
+        return True
+    return True
+
+
 def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, log_level: int) -> None:
-    """Entry point of rank `rank` (multiprocessing spawn target)."""
+    """Entry point of rank `rank` (the target of a process forked by the executor's forkserver)."""
     from voltllm.engine.engine_proc import _die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops us
+    _leave_the_forkserver_to_the_engine()
     _die_with_parent()
-    if os.getppid() != parent_pid:  # the engine died before prctl took effect
+    if not _alive(parent_pid):  # the engine died before prctl took effect (our parent is its forkserver)
         os._exit(0)
     pp = config.parallel.pipeline_parallel_size
     who = f"tp{rank}" if pp == 1 else f"pp{rank // config.parallel.tensor_parallel_size}" + (

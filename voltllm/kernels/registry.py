@@ -16,6 +16,9 @@ class CompileSpec:
     signature: dict[str, str]  # arg name -> Triton type ("*fp16", "i32", "fp32", "constexpr")
     constexprs: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    # False: a form of a compat kernel that only the native route launches (the gate skips it; kernel tests still
+    # compile it), e.g. the decode attention's tl.dot route, which sm_70 / sm_75 never take
+    compat: bool = True
 
 
 @dataclass

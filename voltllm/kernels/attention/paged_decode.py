@@ -460,7 +460,7 @@ def _specs():
                             label=f"fp16 d{d} gqa4 {route}" + ("" if kv_fmt < 0 else f" kv-{kv_name}")
                             + (" +qk-norm" if norm else "") + (" +rope+kv-store" if rope else "")
                             + (f" block_n {block_n}" if half else "") + (" next-tile" if next_tile else "")
-                            + (" sliding-window" if win else "")))
+                            + (" sliding-window" if win else ""), compat=not use_dot))
         rsig = {"Out": "*fp16", "PartO": "*fp32", "PartLse": "*fp32", "QueryStartLoc": "*i32",
                 "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32",
                 "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr", "PDL": "constexpr"}
@@ -482,6 +482,8 @@ def _default_block_n(block_d: int, block_g: int, use_dot: bool, lanes: bool = Fa
 
 
 _decode_specs, _reduce_specs = _specs()
+# its tl.dot specs are native-route only (compat=False): below sm_80 and under --compat the decode runs on FMA
+# (TritonAttentionBackend._use_dot)
 register_kernel("attention.paged_decode", _paged_decode_kernel, _decode_specs, compat=True)
 register_kernel("attention.paged_decode_reduce", _decode_reduce_kernel, _reduce_specs, compat=True)
 

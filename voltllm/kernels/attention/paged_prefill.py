@@ -209,7 +209,9 @@ def _specs():
     return specs
 
 
-register_kernel("attention.paged_prefill", _paged_prefill_kernel, _specs(), compat=True)
+# not in the sm_70 / sm_75 gate: the compat route (and any GPU below sm_80) prefills through the fp16 bridge + SDPA
+# (attention/compat_backend.py), never this kernel (TritonAttentionBackend._use_sdpa_prefill)
+register_kernel("attention.paged_prefill", _paged_prefill_kernel, _specs(), compat=False)
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
