@@ -16,9 +16,9 @@ def full_report():
     return run_gate((70, 75))
 
 
-# the whole gate compiles ~460 (kernel spec, arch) pairs to PTX and assembles ~180 of them: ~650 CPU-s on a cold Triton
-# cache (docs/sm70.md), ~6 min on CI's 2 cores, near the suite's 600 s per test; the test that first builds the
-# fixture gets the room
+# the whole gate compiles ~520 (kernel spec, arch) pairs to PTX and assembles ~170 of them: ~385 CPU-s on a cold Triton
+# cache (docs/sm70.md), 5-6 min on CI's 2 cores beside the other worker's tests, near the suite's 600 s per test; the
+# test that first builds the fixture gets the room
 @pytest.mark.timeout(2700)
 def test_gate_passes_all_registered_kernels(full_report):
     assert full_report.ok, "\n" + full_report.format_table()
