@@ -59,9 +59,12 @@ def run_worker(config: Any, rank: int, port: int, conn: Any, parent_pid: int, lo
     from voltllm.engine.engine_proc import _die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops us
+    forkserver_pid = os.getppid()
     _leave_the_forkserver_to_the_engine()
     _die_with_parent()
-    if not _alive(parent_pid):  # the engine died before prctl took effect (our parent is its forkserver)
+    # the engine died before prctl took effect: its forkserver, which exits with it, is gone (we were reparented: to
+    # init, or a subreaper), or the engine itself is (a zombie still passes _alive; then the pipe's EOF stops us)
+    if os.getppid() != forkserver_pid or forkserver_pid == 1 or not _alive(parent_pid):
         os._exit(0)
     pp = config.parallel.pipeline_parallel_size
     who = f"tp{rank}" if pp == 1 else f"pp{rank // config.parallel.tensor_parallel_size}" + (
