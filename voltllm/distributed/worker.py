@@ -50,7 +50,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, as another user's process
-        return True
+        pass
     return True
 
 
