@@ -1651,6 +1651,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
     ;;
+  s165)  # (session 65) the decode-batch GEMM from 2 rows (was 16): its GPU checks at 2 / 7 rows and the tuned-model
+          # test, then the 8B at 1 / 2 / 4 / 8 / 16 concurrent x 128/128 with it (A) and with the old floor of 16 rows
+          # (B: a copy of the tree with MIN_ROWS = 16), same call
+    gpu_file test_gemv_cuda 240 -k "batch_gemm_real_shapes or batch_tuned_model"
+    rm -rf /tmp/base && mkdir /tmp/base && cp -r voltllm benchmarks /tmp/base/
+    sed -i 's/^MIN_ROWS, MAX_ROWS = 2, 64$/MIN_ROWS, MAX_ROWS = 16, 64/' /tmp/base/voltllm/kernels/batch_gemm.py
+    grep -n "^MIN_ROWS" voltllm/kernels/batch_gemm.py /tmp/base/voltllm/kernels/batch_gemm.py
+    for v in A B; do
+      d=$PWD; [ $v = B ] && d=/tmp/base
+      (cd "$d" && bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half \
+        --scenario concurrency --concurrency 1,2,4,8,16 --input-len 128 --output-len 128 --num-warm 2 \
+        --name qwen3-8b-shape-fp16-c1-16-rows2-$v-$sha) > "$out/c1-16-$v.log" 2>&1
+      echo "== $v"; grep -E "^(concurrent|output_tok|ttft|tpot|limits)" "$out/c1-16-$v.log"
+    done
+    ;;
   s164)  # (session 64; carry .whl with pytest-xdist, xgrammar and apache-tvm-ffi) tensor-parallel workers now fork
           # from a forkserver: a worker started that way uses CUDA, Triton and NCCL; the constrained-speculation file
           # (s163's wheels lacked xgrammar); the attention and engine files beside them

@@ -1,4 +1,4 @@
-"""Skinny GEMM (voltllm.kernels.gemv, 1-4 rows) and decode-batch GEMM (voltllm.kernels.batch_gemm, 16-64 rows)
+"""Skinny GEMM (voltllm.kernels.gemv, 1-4 rows) and decode-batch GEMM (voltllm.kernels.batch_gemm, 2-64 rows)
 on CUDA at real decode shapes: every tile config, fp16 and bf16, with and without the fused silu(gate) * up
 prologue and bias (all four at two shapes, the models' own variant at the others), against the fp32 torch
 reference on fresh random inputs (outputs poisoned with NaN first); and the start-up tuners' choices compute
@@ -96,7 +96,7 @@ def test_batch_gemm_real_shapes(n, k, dtype):
                                (TMA_CONFIGS[0], *[c for c in TMA_CONFIGS if c[4] > 1][:1])))
     _check_every_config(lambda x, w, b, cfg, silu_mul, out: batch_gemm(x, w, b, config=cfg, silu_mul=silu_mul,
                                                                         out=out),
-                        batch_gemm_ref, configs, (16, 17, 48, 64), n, k, dtype, _variants(n, k))
+                        batch_gemm_ref, configs, (2, 7, 16, 17, 48, 64), n, k, dtype, _variants(n, k))
 
 
 def test_batch_gemm_split_k_in_graph_is_deterministic():
@@ -130,7 +130,7 @@ def test_batch_gemm_split_k_in_graph_is_deterministic():
 
 
 def test_batch_tuned_model_matches_cublas(monkeypatch):
-    """Decode-batch tuning on 8 MiB weights at 16 / 64 rows: the layers give cuBLAS's answer at every row
+    """Decode-batch tuning on 8 MiB weights at 8 / 16 / 64 rows: the layers give cuBLAS's answer at every row
     count, whichever GEMM they chose, and weights under BATCH_MIN_WEIGHT_BYTES are not timed; with the default
     threshold (0) a small weight is timed on the short candidate list and gives cuBLAS's answer too."""
     from voltllm.kernels.batch_gemm import SMALL_WEIGHT_CONFIGS
@@ -145,13 +145,13 @@ def test_batch_tuned_model_matches_cublas(monkeypatch):
         m.weight.data.normal_(0, 0.02)
     monkeypatch.setattr(skinny_tuning, "BATCH_MIN_WEIGHT_BYTES", 4 << 20)
     decisions = tune_batch_gemm(model, [1, 8, 16, 64, 128])
-    assert set(decisions) == {(2048, 2048, 16), (2048, 2048, 64)}
+    assert set(decisions) == {(2048, 2048, 8), (2048, 2048, 16), (2048, 2048, 64)}
     assert not model[4].batch_gemm
     monkeypatch.setattr(skinny_tuning, "BATCH_MIN_WEIGHT_BYTES", 0)
     small = tune_batch_gemm(model[4:], [16, 64])
     assert set(small) == {(960, 576, 16), (960, 576, 64)}
     assert all(c is None or c in SMALL_WEIGHT_CONFIGS for c in small.values())
-    for rows in (16, 64, 33):
+    for rows in (8, 16, 64, 33, 3):
         for m, k in [(m, 2048) for m in list(model)[:4]] + [(model[4], 576)]:
             x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
             ref = torch.nn.functional.linear(x, m.weight).float()

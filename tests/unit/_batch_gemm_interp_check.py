@@ -6,14 +6,14 @@ from interp_util import patch_interpreter_index
 patch_interpreter_index()
 torch.manual_seed(0)
 
-# decode-batch GEMM (tl.dot, 16-64 rows): masked rows (17, 33), an odd N, K not a multiple of BLOCK_K, bias,
+# decode-batch GEMM (tl.dot, 2-64 rows): masked rows (5, 17, 33), an odd N, K not a multiple of BLOCK_K, bias,
 # the silu*mul prologue, split-K; outputs poisoned with NaN first. TMA configs (sixth field True) run the tensor-
 # descriptor kernel where K keeps rows 16-byte aligned (K = 256 / 128 / 160) and the pointer kernel at K = 300.
 from voltllm.kernels.batch_gemm import _tma_aligned, batch_gemm, batch_gemm_ref  # noqa: E402
 
 tma_runs = 0
 
-for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, False), (64, 96, 160, True)):
+for m, n, k, bias in ((5, 48, 256, False), (17, 40, 300, True), (33, 64, 128, False), (64, 96, 160, True)):
     for dtype in (torch.float16,):  # (bf16: GPU only, the interpreter truncates fp32 -> bf16)
         for silu_mul in (False, True):
             x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype)
@@ -34,7 +34,7 @@ for m, n, k, bias in ((16, 48, 256, False), (17, 40, 300, True), (33, 64, 128, F
                     assert not _counters[x.device].any(), cfg
 # gated: w = [gate; up] (2N rows), silu(gate) * up in the epilogue; pointer and TMA tiles, odd N (the last TMA gate
 # tile reads into the up rows), bias of 2N, a K tail under the TMA tile (K = 160: BLOCK_K 128 + 32 read as zero)
-for m, n, k, bias in ((16, 24, 256, True), (17, 20, 300, False), (64, 48, 128, True), (32, 16, 160, False)):
+for m, n, k, bias in ((3, 24, 256, True), (17, 20, 300, False), (64, 48, 128, True), (32, 16, 160, False)):
     x = torch.randn(m, k, dtype=torch.float16)
     w = torch.randn(2 * n, k, dtype=torch.float16) / k ** 0.5
     b = torch.randn(2 * n, dtype=torch.float16) if bias else None
@@ -52,10 +52,12 @@ for bad in (dict(gated=True, config=(32, 64, 4, 1, 2)), dict(gated=True, silu_mu
         raise AssertionError(f"accepted {bad}")
     except ValueError:
         pass
-try:
-    batch_gemm(torch.zeros(16, 8), torch.zeros(4, 8))
-    raise AssertionError("fp32 accepted")
-except ValueError:
-    pass
+for x, what in ((torch.zeros(16, 8), "fp32"), (torch.zeros(1, 16, dtype=torch.float16), "one row (the skinny GEMM's)"),
+                (torch.zeros(65, 16, dtype=torch.float16), "65 rows")):
+    try:
+        batch_gemm(x, torch.zeros(4, x.shape[1], dtype=x.dtype))
+        raise AssertionError(f"{what} accepted")
+    except ValueError:
+        pass
 assert tma_runs == 15, tma_runs  # 3 aligned shapes x 2 variants x 2 TMA configs, 3 aligned gated shapes
 print("ok batch_gemm")

@@ -52,8 +52,8 @@ for p in model.parameters():
     p.data.normal_(0, 0.05)
 T._unquantized_groups, T.graph_replay_ms, T._rotation = _groups, fake_replay_ms, lambda ws: ws
 B.batch_gemm = counted_gemm
-rows = [16, 64]
-decisions = T.tune_batch_gemm(model, [1, 8] + rows)
+rows = [2, 64]
+decisions = T.tune_batch_gemm(model, [1] + rows + [128])
 mlp = model[0]
 gu, down = mlp.gate_up_proj, mlp.down_proj
 small = {c for c in B.SMALL_WEIGHT_CONFIGS if len(c) == 5}  # the CPU has no TMA

@@ -41,7 +41,9 @@ from voltllm.kernels import pdl
 from voltllm.kernels.pdl import pdl_enter, prefetch_rows_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
-MIN_ROWS, MAX_ROWS = 16, 64
+# Rows it takes: below 16 the tl.dot tile is 16 rows tall with the missing ones masked (the weight stream, not
+# the tensor cores, sets the time); one row is the skinny GEMM's (kernels/gemv.py).
+MIN_ROWS, MAX_ROWS = 2, 64
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Pick, per weight shape and decode row count, cuBLAS or a Triton GEMM for decode-sized matmuls, by timing
 both: the skinny GEMM (kernels/gemv.py) at one row, the decode-batch GEMM (kernels/batch_gemm.py) at the
-CUDA-graph batch sizes from 16 to 64 rows.
+CUDA-graph batch sizes from 2 to 64 rows.
 
 Decode at small batch is a weight-streaming problem; which implementation streams faster depends on the
 GPU, the shape and the library version, so the runner measures it once at start (a few ms per shape)
