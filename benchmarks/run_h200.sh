@@ -1665,6 +1665,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         --name qwen3-8b-shape-fp16-c1-16-rows2-$v-$sha) > "$out/c1-16-$v.log" 2>&1
       echo "== $v"; grep -E "^(concurrent|output_tok|ttft|tpot|limits)" "$out/c1-16-$v.log"
     done
+    if (( SECONDS < 430 )); then  # where a 4-row step goes now
+      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 4 --input-len 128 \
+        --output-len 128 --num-warm 1 --profile --profile-steps 20 --name qwen3-8b-shape-fp16-c4-prof-$sha \
+        > "$out/c4-prof.log" 2>&1
+      grep -E -A24 "^profile " "$out/c4-prof.log" | head -26
+    fi
     ;;
   s164)  # (session 64; carry .whl with pytest-xdist, xgrammar and apache-tvm-ffi) tensor-parallel workers now fork
           # from a forkserver: a worker started that way uses CUDA, Triton and NCCL; the constrained-speculation file
