@@ -91,10 +91,13 @@ def _triton_gemm_note(runner: Any) -> str:
     """Where start-up timing (worker/skinny_tuning.py) chose the Triton GEMMs over cuBLAS."""
     if runner is None:
         return ""
-    layers = [m for m in runner.model.modules() if hasattr(m, "skinny")]
-    one = sum(1 for m in layers if m.skinny) + (1 if getattr(runner.model, "logits_skinny", None) else 0)
-    rows = sorted({r for m in layers for r in (getattr(m, "batch_gemm", None) or {})})
-    many = sum(1 for m in layers if getattr(m, "batch_gemm", None))
+    model = runner.model
+    head_w = getattr(model, "logits_weight", None)  # the LM head counts once, through the model's own choices
+    layers = [m for m in model.modules() if hasattr(m, "skinny") and getattr(m, "weight", None) is not head_w]
+    head_batch = getattr(model, "logits_batch", None) or {}
+    one = sum(1 for m in layers if m.skinny) + (1 if getattr(model, "logits_skinny", None) else 0)
+    rows = sorted({r for m in layers for r in (getattr(m, "batch_gemm", None) or {})} | set(head_batch))
+    many = sum(1 for m in layers if getattr(m, "batch_gemm", None)) + (1 if head_batch else 0)
     if not one and not many:
         return ""
     return (f"; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on {one} layers"

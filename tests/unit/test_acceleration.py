@@ -385,3 +385,27 @@ def test_weight_offload_route(tiny_dir, fake_v100):
     r = report["routes"]["weight_offload"]
     n = len(llm.engine.runner.model.layers)
     assert r["layers"] == n and f"{n} layers" in r["reason"] and "weight_offload" in format_report(report)
+
+
+def test_triton_gemm_note_counts_the_lm_head_once():
+    """The self-check's note on start-up GEMM choices: the LM head (its own Linear or the tied embeddings) counts
+    once, by the model's logits_skinny / logits_batch, and its batch rows are listed."""
+    import transformers
+
+    from voltllm.acceleration import _triton_gemm_note
+    from voltllm.model.models.llama import LlamaForCausalLM
+
+    for tie in (False, True):
+        cfg = transformers.Qwen3Config(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=8, intermediate_size=24,
+                                       tie_word_embeddings=tie)
+        model = LlamaForCausalLM(cfg, torch.float32, 64)
+        runner = types.SimpleNamespace(model=model)
+        assert _triton_gemm_note(runner) == ""
+        model.layers[0].self_attn.qkv_proj.skinny = ("s",)
+        if not tie:  # the tuner sets the head's Linear too (it shares the model's group)
+            model.lm_head.skinny, model.lm_head.batch_gemm = ("s",), {8: ("b",)}
+        model.logits_skinny, model.logits_batch = ("s",), {8: ("b",)}
+        model.layers[0].mlp.down_proj.batch_gemm = {2: ("b",)}
+        assert _triton_gemm_note(runner) == ("; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on 2 "
+                                             "layers, decode-batch (rows [2, 8]) on 2 layers"), tie

@@ -129,3 +129,43 @@ def test_gated_mlp_decode_batch(monkeypatch):
         assert L.gated_mlp(gu, down, torch.randn(rows, 4)).shape == (rows, 4)
     assert seen == [(("g16",), (16, 4), False, False),  # 16 rows: plain gate_up; down (cuBLAS) after the SiLU kernel
                     (("g32",), (32, 4), False, True), (("d32",), (32, 8), False, False)]
+
+
+def _tiny_causal_lm(kind: str, tie: bool):
+    import transformers
+
+    from voltllm.model.models.llama import LlamaForCausalLM
+    from voltllm.model.models.qwen3_next import Qwen3NextForCausalLM
+
+    common = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=8, intermediate_size=24, tie_word_embeddings=tie)
+    if kind == "qwen3":
+        return LlamaForCausalLM(transformers.Qwen3Config(**common), torch.float32, 64)
+    cfg = transformers.Qwen3NextConfig(**common, linear_num_key_heads=2, linear_num_value_heads=2,
+                                       linear_key_head_dim=8, linear_value_head_dim=8, num_experts=0,
+                                       layer_types=["full_attention"])
+    return Qwen3NextForCausalLM(cfg, torch.float32, 64)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("tie", [False, True], ids=["own_head", "tied"])
+def test_lm_head_runs_the_tuned_gemm_by_row_count(monkeypatch, kind, tie):
+    """compute_logits takes the LM head's start-up choices (logits_skinny at one row, logits_batch by decode-batch
+    row count; tied heads too), cuBLAS elsewhere: the decode-batch choice used to be timed and then never run."""
+    calls = _recorders(monkeypatch)
+    model = _tiny_causal_lm(kind, tie)
+    w = model.logits_weight
+    assert w is not None and w.shape == (40, 16)
+    assert (w is model.embed_tokens.weight) == tie
+    w.data.normal_()  # (built uninitialised)
+    model.logits_skinny, model.logits_batch = ("s",), {4: ("b4",)}
+    for rows in (1, 3, 4):
+        h = torch.randn(rows, 16)
+        logits = model.compute_logits(h)
+        assert logits.shape == (rows, 40)
+        if rows == 3:  # no tuned choice at 3 rows
+            assert torch.allclose(logits, h @ w.t(), atol=1e-5)
+    assert calls == [("gemv", 1, ("s",), False), ("batch", 4, ("b4",), False)]

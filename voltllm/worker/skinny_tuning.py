@@ -149,6 +149,20 @@ def _unquantized_groups(model: torch.nn.Module) -> dict[tuple[int, int, bool], l
     return groups
 
 
+def _groups_with_logits(model: torch.nn.Module) -> dict[tuple[int, int, bool], list]:
+    """_unquantized_groups plus the model's dense fp16/bf16 LM-head weight (`logits_weight`; tied heads too), whose
+    entry is the model itself: the tuners set its `logits_skinny` / `logits_batch`."""
+    groups = _unquantized_groups(model)
+    logits_w = getattr(model, "logits_weight", None)
+    if logits_w is not None and logits_w.is_cuda and logits_w.dtype in (torch.float16, torch.bfloat16):
+        groups.setdefault((*logits_w.shape, False), []).append(model)
+    return groups
+
+
+def _group_weights(model: torch.nn.Module, mods: list) -> list[torch.Tensor]:
+    return [m.logits_weight if m is model else m.weight for m in mods]
+
+
 def _gated_pairs(model: torch.nn.Module) -> list[tuple[Linear, Linear]]:
     """(gate_up, down) of each unquantized MLP whose gate_up output feeds silu(gate) * up into its down projection."""
     pairs = []
@@ -183,17 +197,14 @@ def tune_skinny_gemm(model: torch.nn.Module, rows: int = 1) -> dict[tuple[int, i
     """Set `skinny` on every unquantized Linear (and the model's logits) where the Triton GEMM wins."""
     from voltllm.kernels.gemv import CONFIGS, gemv
 
-    groups = _unquantized_groups(model)
-    logits_w = getattr(model, "logits_weight", None)
-    if logits_w is not None and logits_w.is_cuda and logits_w.dtype in (torch.float16, torch.bfloat16):
-        groups.setdefault((*logits_w.shape, False), []).append(model)
+    groups = _groups_with_logits(model)
     pairs = _gated_pairs(model) if rows == 1 else []
     gated_shapes = {tuple(gu.weight.shape) for gu, _ in pairs}
     decisions = {}
     timings: dict[tuple, dict] = {}  # per group, for the MLP-level choice below
     lines = []
     for (n, k, silu), mods in groups.items():
-        weights = _rotation([m.logits_weight if m is model else m.weight for m in mods])
+        weights = _rotation(_group_weights(model, mods))
         x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, CONFIGS, gemv, "GEMV")
         if not silu and (n, k) in gated_shapes and n % 2 == 0:  # a gate_up projection: also the gated form
             note = _time_gated(weights, x, CONFIGS, lambda x_, w_, cfg: gemv(x_, w_, config=cfg, gated=True), t_lib,
@@ -264,8 +275,9 @@ BATCH_MIN_WEIGHT_BYTES = 0
 
 @torch.inference_mode()
 def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple[int, int, int], object]:
-    """Set `batch_gemm[rows]` on every unquantized Linear of at least BATCH_MIN_WEIGHT_BYTES where the
-    decode-batch Triton GEMM beats cuBLAS at that row count (rows in [MIN_ROWS, MAX_ROWS])."""
+    """Set `batch_gemm[rows]` on every unquantized Linear of at least BATCH_MIN_WEIGHT_BYTES (and `logits_batch[rows]`
+    on the model for its LM head) where the decode-batch Triton GEMM beats cuBLAS at that row count (rows in
+    [MIN_ROWS, MAX_ROWS])."""
     from voltllm.kernels.batch_gemm import MAX_ROWS, MIN_ROWS, batch_gemm, configs_for
 
     rows_list = [r for r in row_counts if MIN_ROWS <= r <= MAX_ROWS]
@@ -274,11 +286,12 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
     pairs = _gated_pairs(model) if BATCH_GATED else []
     gated_shapes = {tuple(gu.weight.shape) for gu, _ in pairs}
     timings: dict[tuple, dict] = {}  # per (N, K, silu_mul, rows), for the MLP-level choice below
-    for (n, k, silu), mods in _unquantized_groups(model).items():
-        nbytes = n * k * mods[0].weight.element_size()
+    for (n, k, silu), mods in _groups_with_logits(model).items():
+        weights = _group_weights(model, mods)
+        nbytes = n * k * weights[0].element_size()
         if nbytes < BATCH_MIN_WEIGHT_BYTES or not rows_list:
             continue
-        weights = _rotation([m.weight for m in mods])
+        weights = _rotation(weights)
         configs = configs_for(weights[0].device, nbytes)
         for rows in rows_list:
             x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, configs, batch_gemm,
@@ -295,6 +308,11 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             timings[(n, k, silu, rows)] = rec
             decisions[_key(n, k, silu, rows)] = use
             for m in mods:
+                if m is model:  # the LM head (compute_logits passes logits_batch to linear())
+                    model.logits_batch = {r: c for r, c in (model.logits_batch or {}).items() if r != rows}
+                    if use is not None:
+                        model.logits_batch[rows] = use
+                    continue
                 if use is not None:
                     m.batch_gemm[rows] = use
                     m.batch_silu_fused[rows] = fused

@@ -320,7 +320,10 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             self.keep_final_output(x)
         return x
 
-    logits_skinny = None  # a skinny-GEMM config, set by voltllm.worker.skinny_tuning
+    # the LM head's Triton GEMM choices, set by voltllm.worker.skinny_tuning: a skinny-GEMM config for one row,
+    # {rows: decode-batch config} for decode batches
+    logits_skinny = None
+    logits_batch: Optional[dict] = None
 
     @property
     def logits_weight(self) -> Optional[torch.Tensor]:
@@ -338,7 +341,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         if self.logits_weight is None:  # a quantized head (its own, or the embeddings' planes)
             logits = self.embed_tokens.logits(hidden) if self.tie else self.lm_head(hidden)
         else:
-            logits = linear(hidden, self.logits_weight, skinny=self.logits_skinny)
+            logits = linear(hidden, self.logits_weight, skinny=self.logits_skinny, batch=self.logits_batch)
         if self.tp is None:
             return logits
         # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)

@@ -44,7 +44,7 @@ from voltllm.model.models.aux_hidden import AuxHiddenCapture
 from voltllm.model.layer_placement import build_layer
 from voltllm.model.models.llama import MLP, is_moe_layer, residual_stream
 from voltllm.model.layers.gdn import GatedDeltaNet, HybridBatch
-from voltllm.model.layers.linear import Linear, LinearMethod
+from voltllm.model.layers.linear import Linear, LinearMethod, linear
 from voltllm.model.layers.moe import SparseMoE
 from voltllm.model.layers.norm import RMSNorm
 from voltllm.model.layers.paged_attention import PagedAttention
@@ -334,12 +334,23 @@ class Qwen3NextForCausalLM(AuxHiddenCapture, nn.Module):
             self.keep_final_output(x)
         return x
 
+    # the LM head's Triton GEMM choices (as LlamaForCausalLM's), set by voltllm.worker.skinny_tuning
+    logits_skinny = None
+    logits_batch: Optional[dict] = None
+
+    @property
+    def logits_weight(self) -> Optional[torch.Tensor]:
+        """The dense LM-head weight (None when the head is quantized)."""
+        if self.tie:
+            return None if self.embed_tokens is None else self.embed_tokens.weight
+        return self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self.tie and self.lm_head.weight is None:  # a head held by a quantized LinearMethod
+        w = self.logits_weight
+        if w is None:  # a head held by a quantized LinearMethod
             logits = self.lm_head(hidden)
-        else:
-            w = self.embed_tokens.weight if self.tie else self.lm_head.weight
-            logits = torch.nn.functional.linear(hidden, w)  # the model's dtype, as LlamaForCausalLM.compute_logits
+        else:  # the model's dtype, as LlamaForCausalLM.compute_logits
+            logits = linear(hidden, w, skinny=self.logits_skinny, batch=self.logits_batch)
         if self.tp is None:
             return logits
         # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)
