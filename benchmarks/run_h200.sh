@@ -1672,6 +1672,24 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       grep -E -A24 "^profile " "$out/c4-prof.log" | head -26
     fi
     ;;
+  s165b)  # (session 65) after s165: the batch-GEMM checks at 2 / 7 rows on two shapes (s165's whole-file run was cut
+           # by its time limit while compiling), then where an 8-row step goes with the GEMM from 2 rows (A: s165 found
+           # c8 no faster though the tuner timed its GEMMs faster) and with the floor at 16 (B), profiles in one call;
+           # then A at 2 / 4 / 8 / 16 / 64 concurrent (the LM head now runs its tuned decode-batch GEMM)
+    gpu_file test_gemv_cuda 200 -k "batch_tuned_model or (batch_gemm_real_shapes and (1000-333 or 4096-4096))"
+    rm -rf /tmp/base && mkdir /tmp/base && cp -r voltllm benchmarks /tmp/base/
+    sed -i 's/^MIN_ROWS, MAX_ROWS = 2, 64$/MIN_ROWS, MAX_ROWS = 16, 64/' /tmp/base/voltllm/kernels/batch_gemm.py
+    for v in A B; do
+      d=$PWD; [ $v = B ] && d=/tmp/base
+      (cd "$d" && bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half \
+        --scenario concurrency --concurrency 8 --input-len 128 --output-len 128 --num-warm 1 --profile \
+        --profile-steps 20 --name qwen3-8b-shape-fp16-c8-prof-$v-$sha) > "$out/c8-prof-$v.log" 2>&1
+      echo "== $v"; grep -E -A14 "^profile " "$out/c8-prof-$v.log" | cut -c1-150
+    done
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 2,4,8,16,64 \
+      --input-len 128 --output-len 128 --num-warm 1 --name qwen3-8b-shape-fp16-c2-64-$sha > "$out/c2-64.log" 2>&1
+    grep -E "^(concurrent|output_tok|limits)" "$out/c2-64.log"
+    ;;
   s164)  # (session 64; carry .whl with pytest-xdist, xgrammar and apache-tvm-ffi) tensor-parallel workers now fork
           # from a forkserver: a worker started that way uses CUDA, Triton and NCCL; the constrained-speculation file
           # (s163's wheels lacked xgrammar); the attention and engine files beside them
