@@ -101,7 +101,18 @@ def _triton_gemm_note(runner: Any) -> str:
     if not one and not many:
         return ""
     return (f"; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on {one} layers"
-            + (f", decode-batch (rows {rows}) on {many} layers" if many else ""))
+            + (f", decode-batch (rows {_row_ranges(rows)}) on {many} layers" if many else ""))
+
+
+def _row_ranges(rows: list[int]) -> str:
+    """Sorted row counts as ranges: [2, 3, 4, 8] -> '2-4, 8'."""
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def _gdn_prefill_route(runner: Any, config: Any, plat: Platform, cpu_reason: str) -> tuple[str, str]:

@@ -408,4 +408,6 @@ def test_triton_gemm_note_counts_the_lm_head_once():
         model.logits_skinny, model.logits_batch = ("s",), {8: ("b",)}
         model.layers[0].mlp.down_proj.batch_gemm = {2: ("b",)}
         assert _triton_gemm_note(runner) == ("; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on 2 "
-                                             "layers, decode-batch (rows [2, 8]) on 2 layers"), tie
+                                             "layers, decode-batch (rows 2, 8) on 2 layers"), tie
+        model.layers[0].mlp.down_proj.batch_gemm = {2: ("b",), 3: ("b",), 4: ("b",), 33: ("b",)}
+        assert "decode-batch (rows 2-4, 8, 33) on 2 layers" in _triton_gemm_note(runner)

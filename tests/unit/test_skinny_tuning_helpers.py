@@ -144,3 +144,16 @@ def test_time_group_without_the_prologue_times_only_silu_kernel_plus_gemm(monkey
     assert (t_lib, best, t_tri, fused) == (7.0, "split-cfg", 0.005, False) and "SiLU kernel + GEMM" in note
     assert rec["best_split"] == rec["best"] == "split-cfg" and rec["t_split"] == rec["t_tri"] == 0.005
     assert T.BATCH_SILU_PROLOGUE is False
+
+
+def test_timed_sizes_serve_the_row_counts_of_their_row_block():
+    """An eager batch between two timed sizes takes the larger size's choice when both run the same compiled tile
+    (BLOCK_M), as a CUDA graph would pad it; other row counts keep cuBLAS."""
+    from voltllm.worker.skinny_tuning import rows_served
+
+    assert rows_served([2, 4, 8, 16, 32, 48, 64]) == {
+        2: [2], 4: [3, 4], 8: [5, 6, 7, 8], 16: list(range(9, 17)), 32: list(range(17, 33)),
+        48: list(range(33, 49)), 64: list(range(49, 65))}
+    assert rows_served([3, 40]) == {3: [2, 3], 40: list(range(33, 41))}  # 4-32: another row block than 40's
+    assert rows_served([64, 16]) == {16: list(range(2, 17)), 64: list(range(33, 65))}
+    assert rows_served([]) == {}

@@ -25,6 +25,9 @@ EXPECTED = {
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_hoist_kernel"): ([], ["ChunkStart", "ChunkLen"]),
     ("voltllm.kernels.gdn_chunk", "_gdn_chunk_fwd_kernel"): ([], ["Slots", "HasInit", "SeqStart", "SeqChunk"]),
     ("voltllm.kernels.gdn_conv", "_conv_prefill_kernel"): ([], ["Slots", "HasInit", "TileReq", "TileStart", "Qsl"]),
+    # the decode-batch GEMM's row count: a start-up choice timed at 48 rows also serves eager batches of 33-47
+    ("voltllm.kernels.batch_gemm", "_batch_gemm_kernel"): (["M"], []),
+    ("voltllm.kernels.batch_gemm", "_batch_gemm_tma_kernel"): (["M"], []),
 }
 
 

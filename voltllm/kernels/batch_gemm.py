@@ -46,7 +46,10 @@ from voltllm.kernels.registry import CompileSpec, register_kernel
 MIN_ROWS, MAX_ROWS = 2, 64
 
 
-@triton.jit
+# M (the batch's rows) only bounds the row masks; left out of Triton's specialisation so that every row count of one
+# row block (row_block) runs one compiled kernel: an eager batch of 37 rows takes 48 rows' start-up choice without
+# compiling a variant for M % 16 != 0 inside a step (the rule of docs/kernels.md, session 43)
+@triton.jit(do_not_specialize=["M"])
 def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
@@ -132,7 +135,7 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N
             tl.atomic_xchg(COUNTERS + pid, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (as _batch_gemm_kernel)
 def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_wn, stride_ym,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
@@ -276,7 +279,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
                          f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = row_block(m)
     k_tiles = triton.cdiv(k, block_k)
     tiles_per_split = triton.cdiv(k_tiles, min(split, k_tiles))
     split = triton.cdiv(k_tiles, tiles_per_split)  # no empty slices
@@ -309,6 +312,12 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
             x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
             EVEN_K=k % block_k == 0, **meta)
     return out
+
+
+def row_block(m: int) -> int:
+    """The tile's BLOCK_M for m rows: the compiled kernel is the same for every row count of one row block (the
+    rows past m are masked), so a start-up choice timed at one of them serves the others."""
+    return max(16, triton.next_power_of_2(m))
 
 
 def _fitting_stages(device: torch.device, stages: int, block_m: int, block_n: int, block_k: int, itemsize: int,
