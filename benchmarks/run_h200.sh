@@ -257,6 +257,9 @@
 #            -pp 2, batch 1 and 64 concurrent
 #   s142     (session 50) tests/gpu/test_eagle3_cuda.py and test_lora_cuda.py on one GPU
 #   s164     (session 64) a forkserver-started worker on CUDA; constrained speculation, attention and engine files
+#   s165     (session 65) the decode-batch GEMM from 2 rows: GPU checks, 8B 1-16 concurrent A / B, a 4-row profile
+#   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
+#   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
 stage=$1; sha=$2
@@ -1650,6 +1653,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # the fp8 KV cache file (windows over fp8 pages run through the same kernels)
     gpu_file test_dynamic_speculation_cuda 240
     gpu_file test_fp8_kv_gpu 240
+    ;;
+  s166)  # (for session 66) session 65's last change on the GPU: eager decode batches between the timed sizes take the
+          # larger size's decode-batch choice (A) or cuBLAS (B: a copy with the spread left out), 8B at 3 / 6 / 12 / 40
+          # concurrent with --enforce-eager, same call; then the GEMM file's batch tests and the engine file
+    rm -rf /tmp/base && mkdir /tmp/base && cp -r voltllm benchmarks /tmp/base/
+    sed -i 's/^    _serve_rows_between(model, tuned, rows_list)$/    pass/' /tmp/base/voltllm/worker/skinny_tuning.py
+    grep -c "^    _serve_rows_between(model, tuned, rows_list)$" voltllm/worker/skinny_tuning.py \
+      /tmp/base/voltllm/worker/skinny_tuning.py
+    for v in A B; do
+      d=$PWD; [ $v = B ] && d=/tmp/base
+      (cd "$d" && bench_via "python3 -m voltllm.cli" --random-weights qwen3-8b-shape --dtype half --enforce-eager \
+        --scenario concurrency --concurrency 3,6,12,40 --input-len 128 --output-len 128 --num-warm 1 \
+        --name qwen3-8b-shape-fp16-eager-c3-40-$v-$sha) > "$out/eager-$v.log" 2>&1
+      echo "== $v"; grep -E "^(concurrent|output_tok|limits)" "$out/eager-$v.log"
+    done
+    gpu_file test_gemv_cuda 150 -k "batch_tuned_model or (batch_gemm_real_shapes and fp16 and 4096-4096)"
+    gpu_file test_engine_gpu 200
     ;;
   s165)  # (session 65) the decode-batch GEMM from 2 rows (was 16): its GPU checks at 2 / 7 rows and the tuned-model
           # test, then the 8B at 1 / 2 / 4 / 8 / 16 concurrent x 128/128 with it (A) and with the old floor of 16 rows
