@@ -1668,6 +1668,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
         --name qwen3-8b-shape-fp16-eager-c3-40-$v-$sha) > "$out/eager-$v.log" 2>&1
       echo "== $v"; grep -E "^(concurrent|output_tok|limits)" "$out/eager-$v.log"
     done
+    # #4's case with M out of the GEMMs' specialisation (session 65 at a13009b3: output 9,409, TPOT 5.29 ms)
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/c64.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
     gpu_file test_gemv_cuda 150 -k "batch_tuned_model or (batch_gemm_real_shapes and fp16 and 4096-4096)"
     gpu_file test_engine_gpu 200
     ;;
