@@ -157,3 +157,24 @@ def test_timed_sizes_serve_the_row_counts_of_their_row_block():
     assert rows_served([3, 40]) == {3: [2, 3], 40: list(range(33, 41))}  # 4-32: another row block than 40's
     assert rows_served([64, 16]) == {16: list(range(2, 17)), 64: list(range(33, 65))}
     assert rows_served([]) == {}
+
+
+def test_timed_choices_spread_to_the_served_rows_of_linears_and_the_lm_head():
+    """_serve_rows_between copies each timed size's choices (GEMM config, SiLU form, gated form; the model's head)
+    to the rows it serves, and clears a served row whose size chose cuBLAS."""
+    import types
+
+    import torch
+
+    from voltllm.model.layers.linear import Linear
+    from voltllm.worker.skinny_tuning import _serve_rows_between
+
+    layer = Linear(8, 4, dtype=torch.float16)
+    layer.batch_gemm, layer.batch_silu_fused, layer.batch_gated = {4: "c4", 48: "c48", 6: "old", 40: "old"}, \
+        {4: False}, {48: True}
+    model = types.SimpleNamespace(logits_batch={4: "h4"})
+    _serve_rows_between(model, [layer, model], [2, 4, 8, 48])  # 2 and 8 timed cuBLAS faster
+    assert layer.batch_gemm == {3: "c4", 4: "c4", **{r: "c48" for r in range(33, 49)}}  # 6 (8's) cleared
+    assert layer.batch_silu_fused == {3: False, 4: False}
+    assert layer.batch_gated == {r: True for r in range(33, 49)}
+    assert model.logits_batch == {3: "h4", 4: "h4"}

@@ -352,14 +352,13 @@ def _serve_rows_between(model: torch.nn.Module, tuned: list, rows_list: list[int
             else:
                 choices.pop(r, None)
 
-    for size, rows in rows_served(rows_list).items():
-        for m in tuned:
-            if m is model:
-                model.logits_batch = dict(model.logits_batch or {})
-                spread(model.logits_batch, size, rows)
-            else:
-                for choices in (m.batch_gemm, m.batch_silu_fused, m.batch_gated):
-                    spread(choices, size, rows)
+    served = rows_served(rows_list)
+    for m in tuned:
+        if m is model:
+            model.logits_batch = dict(model.logits_batch or {})
+        for choices in (model.logits_batch,) if m is model else (m.batch_gemm, m.batch_silu_fused, m.batch_gated):
+            for size, rows in served.items():
+                spread(choices, size, rows)
 
 
 # Whether the decode-batch tuner also times the down projection with the SiLU*mul in its prologue. Off: at 16-64 rows
