@@ -311,9 +311,10 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             decisions[_key(n, k, silu, rows)] = use
             for m in mods:
                 if m is model:  # the LM head (compute_logits passes logits_batch to linear())
-                    model.logits_batch = {r: c for r, c in (model.logits_batch or {}).items() if r != rows}
+                    head = model.logits_batch = dict(model.logits_batch or {})
+                    head.pop(rows, None)
                     if use is not None:
-                        model.logits_batch[rows] = use
+                        head[rows] = use
                     continue
                 if use is not None:
                     m.batch_gemm[rows] = use
@@ -353,9 +354,7 @@ def _serve_rows_between(model: torch.nn.Module, tuned: list, rows_list: list[int
                 choices.pop(r, None)
 
     served = rows_served(rows_list)
-    for m in tuned:
-        if m is model:
-            model.logits_batch = dict(model.logits_batch or {})
+    for m in tuned:  # (the tuning loop made the model's logits_batch a dict of its own)
         for choices in (model.logits_batch,) if m is model else (m.batch_gemm, m.batch_silu_fused, m.batch_gated):
             for size, rows in served.items():
                 spread(choices, size, rows)
