@@ -16,6 +16,8 @@ from voltllm.bench.metrics import (RequestTiming, RunResult, common_window, conc
                                    itl_p99_ms, output_tok_s, prefill_tok_s, pure_decode_tok_s, speedup, summarize,
                                    table_rows, tpot_ms)
 
+from bench_runs import sse_body
+
 
 # -- metric definitions ---------------------------------------------------------------------------
 def test_pure_decode_excludes_first_token_and_ttft():
@@ -341,10 +343,6 @@ def test_qwen4_exp_shape_and_a_cut_down_random_weight_run(tmp_path):
 
 
 # -- client against a mock streaming server -------------------------------------------------------
-def _sse(objs: list) -> bytes:
-    return b"".join(b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n\n" for o in objs)
-
-
 @pytest.mark.parametrize("continuous", [True, False])
 def test_client_counts_tokens_per_chunk(continuous):
     httpx = pytest.importorskip("httpx")
@@ -367,7 +365,7 @@ def test_client_counts_tokens_per_chunk(continuous):
             chunks.append(c)
         chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
         chunks.append(b"[DONE]")
-        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=sse_body(chunks), headers={"content-type": "text/event-stream"})
 
     runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
     try:

@@ -11,6 +11,8 @@ from voltllm.bench.metrics import RequestTiming, RunResult, cache_scenario_metri
 from voltllm.bench.workloads import ConversationSource, MultiTurn, PrefixRepetition, PrefixRepetitionSource
 from voltllm.config import ConfigError
 
+from bench_runs import run_tiny_bench, sse_body
+
 
 def _drain(source, answer=lambda req: [7] * req.output_len) -> list:
     """Every request of a source, one at a time (each answered before the next is asked for)."""
@@ -145,22 +147,6 @@ def test_cache_metrics_hit_rate_ttft_percentiles_and_turns():
 
 
 # -- end to end, in process, tiny random model on the CPU --------------------------------------------------------------
-def _tiny(tmp_path, name: str, *flags: str) -> dict:
-    from transformers import Qwen3Config
-
-    from voltllm.bench.cli import main
-
-    model_dir = tmp_path / "tiny"
-    if not model_dir.exists():
-        Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=256).save_pretrained(model_dir)
-    out = tmp_path / "results"
-    assert main(["--random-weights", str(model_dir), "--device", "cpu", "--output-dir", str(out), "--name", name,
-                 "--commit", "abc123", "--no-limits", "--num-warm", "1", *flags]) == 0
-    with open(out / f"{name}.json") as f:
-        return json.load(f)
-
-
 PREFIX_FLAGS = ("--scenario", "prefix", "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len",
                 "8", "--prefix-repetition-num-prefixes", "2", "--num-prompts", "6", "--prefix-repetition-output-len",
                 "2", "--concurrency", "1", "--block-size", "16")
@@ -168,7 +154,7 @@ PREFIX_FLAGS = ("--scenario", "prefix", "--prefix-repetition-prefix-len", "32", 
 
 @pytest.mark.parametrize("reuse", [False, True])
 def test_prefix_scenario_hits_each_prefix_after_its_first_request(tmp_path, reuse):
-    res = _tiny(tmp_path, "prefix", *PREFIX_FLAGS, *(["--prefix-repetition-reuse-prefixes"] if reuse else []))
+    res = run_tiny_bench(tmp_path, "prefix", *PREFIX_FLAGS, *(["--prefix-repetition-reuse-prefixes"] if reuse else []))
     assert res["config"]["workload"] == {"prefix_len": 32, "suffix_len": 8, "num_prefixes": 2, "output_len": 2,
                                          "num_prompts": 6, "reuse_prefixes": reuse}
     runs = res["metrics"]["runs"]
@@ -202,7 +188,7 @@ MULTI_TURN_FLAGS = ("--scenario", "multi-turn", "--multi-turn-num-conversations"
 
 
 def test_multi_turn_later_turns_hit_their_history(tmp_path):
-    res = _tiny(tmp_path, "mt", *MULTI_TURN_FLAGS)
+    res = run_tiny_bench(tmp_path, "mt", *MULTI_TURN_FLAGS)
     hits = _conversation_hits(res)
     for (c, turn), (prompt, cached) in hits.items():
         assert prompt == turn * 16 + (turn - 1) * 4
@@ -221,10 +207,10 @@ def test_multi_turn_history_evicted_from_a_tiny_pool_comes_back_from_the_cpu_tie
     """16 GPU blocks of 4 tokens: the other 3 conversations' turns evict a conversation's history before its next
     turn. Without a CPU tier the later turns then (nearly all) miss; with --kv-offloading-size they hit it there."""
     tiny_pool = (*MULTI_TURN_FLAGS, "--num-gpu-blocks-override", "16")
-    without = _tiny(tmp_path, "gpu-only", *tiny_pool)
+    without = run_tiny_bench(tmp_path, "gpu-only", *tiny_pool)
     assert without["metrics"]["multi_turn"]["1"]["prefix_cache_hit_rate"] < 0.05  # (a stray block may survive)
     assert "external_prefix_cache_hit_rate" not in {r["metric"] for r in without["metrics"]["table"]}
-    res = _tiny(tmp_path, "cpu-tier", *tiny_pool, "--kv-offloading-size", "0.001")
+    res = run_tiny_bench(tmp_path, "cpu-tier", *tiny_pool, "--kv-offloading-size", "0.001")
     run = res["metrics"]["runs"][1]["metrics"]
     assert run["external_prefix_cache_hit_tokens"] > 0
     assert run["external_prefix_cache_hit_tokens"] <= run["prefix_cache_hit_tokens"]
@@ -234,14 +220,14 @@ def test_multi_turn_history_evicted_from_a_tiny_pool_comes_back_from_the_cpu_tie
 
 def test_cache_scenario_refusals(tmp_path):
     with pytest.raises(ConfigError, match="--baseline .* and --profile"):
-        _tiny(tmp_path, "x", *PREFIX_FLAGS, "--baseline", "hf")
+        run_tiny_bench(tmp_path, "x", *PREFIX_FLAGS, "--baseline", "hf")
     with pytest.raises(ConfigError, match="--prefix-repetition-prefix-len shape the requests of --scenario prefix, "
                                           "not --scenario decode"):
-        _tiny(tmp_path, "x", "--scenario", "decode", "--prefix-repetition-prefix-len", "8")
+        run_tiny_bench(tmp_path, "x", "--scenario", "decode", "--prefix-repetition-prefix-len", "8")
     with pytest.raises(ConfigError, match="--multi-turn-num-turns shape the requests of --scenario multi-turn"):
-        _tiny(tmp_path, "x", *PREFIX_FLAGS, "--multi-turn-num-turns", "2")
+        run_tiny_bench(tmp_path, "x", *PREFIX_FLAGS, "--multi-turn-num-turns", "2")
     with pytest.raises(ConfigError, match="needs 80 tokens .* more than --max-model-len 64"):
-        _tiny(tmp_path, "x", *MULTI_TURN_FLAGS[:5], "4", *MULTI_TURN_FLAGS[6:])
+        run_tiny_bench(tmp_path, "x", *MULTI_TURN_FLAGS[:5], "4", *MULTI_TURN_FLAGS[6:])
 
 
 # -- against a server (mock transport) --------------------------------------------------------------------------------
@@ -275,13 +261,9 @@ def _mock_server(httpx, usage_cached: bool):
         if usage_cached and len(body["prompt"]) > 10:  # (vLLM leaves a count of 0 out)
             usage["prompt_tokens_details"] = {"cached_tokens": 8}
         chunks += [{"choices": [], "usage": usage}, b"[DONE]"]
-        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=sse_body(chunks), headers={"content-type": "text/event-stream"})
 
     return handler, state
-
-
-def _sse(objs: list) -> bytes:
-    return b"".join(b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n\n" for o in objs)
 
 
 @pytest.mark.parametrize("usage_cached", [False, True])

@@ -69,13 +69,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="shape of the gamma distribution of --request-rate's gaps: 1 = a Poisson process, below 1 "
                         "burstier, above 1 more regular (vLLM's flag)")
-    g.add_argument("--concurrency", type=_int_list, default=None,
+    g.add_argument("--concurrency", "--max-concurrency", type=_int_list, default=None,
                    help="e.g. 1,4,16,64 (the default for --scenario concurrency; random-mm: 1,4,16); prefix / "
-                        "multi-turn: requests in flight (default 16 / 4)")
+                        "multi-turn, and concurrency with --num-prompts: requests in flight (default 16 / 4)")
     p = PrefixRepetition()
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"--scenario prefix: requests per run (vLLM's flag; default {p.num_prompts}, a multiple of "
-                        "--prefix-repetition-num-prefixes)")
+                        "--prefix-repetition-num-prefixes); --scenario concurrency: N requests per run, at most C in "
+                        "flight, each sent when one ends (vLLM's bench serve with --max-concurrency; default: C "
+                        "requests sent together)")
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=None,
                    help=f"--scenario prefix: tokens of each shared prefix (vLLM's flag; default {p.prefix_len})")
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=None,
@@ -290,11 +292,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if images is not None and (args.baseline or args.profile):
         raise ConfigError("--scenario random-mm sends images: --baseline (transformers' generate is given token ids "
                           "only) and --profile (decode steps) run with the other scenarios")
+    streamed = None if spec is not None else args.num_prompts  # (prefix: its request set's count, in spec)
     plans = make_plans(args.scenario, args.concurrency, args.input_len, args.output_len, args.random_range_ratio,
-                       args.request_rate, args.burstiness, spec, images)
-    if args.baseline and (args.random_range_ratio or math.isfinite(args.request_rate)):
+                       args.request_rate, args.burstiness, spec, images, streamed)
+    if args.baseline and (args.random_range_ratio or math.isfinite(args.request_rate) or streamed is not None):
         raise ValueError("--baseline runs transformers generate on one batch of equal lengths sent together: "
-                         "drop --random-range-ratio and --request-rate")
+                         "drop --random-range-ratio, --request-rate and --num-prompts")
     with tempfile.TemporaryDirectory(prefix="voltllm-bench-") as tmp:
         shape = None
         if args.random_weights:
@@ -334,6 +337,8 @@ def _workload_flags(args: argparse.Namespace) -> dict:
     spec = cache_spec(args)
     if spec is not None:
         out["workload"] = spec.describe()
+    elif args.num_prompts is not None:  # (the concurrency scenario's requests per run, at most C in flight)
+        out["num_prompts"] = args.num_prompts
     images = image_spec(args)
     if images is not None:
         out["random_mm"] = images.describe()
@@ -357,7 +362,7 @@ def image_spec(args: argparse.Namespace) -> Optional[RandomMM]:
                      args.random_mm_limit_mm_per_prompt, args.random_mm_bucket_config)
 
 
-_PREFIX_FLAGS = {"num_prompts": "num_prompts", "prefix_repetition_prefix_len": "prefix_len",
+_PREFIX_FLAGS = {"prefix_repetition_prefix_len": "prefix_len",
                  "prefix_repetition_suffix_len": "suffix_len", "prefix_repetition_num_prefixes": "num_prefixes",
                  "prefix_repetition_output_len": "output_len"}
 _MULTI_TURN_FLAGS = {"multi_turn_num_conversations": "num_conversations", "multi_turn_num_turns": "num_turns",
@@ -371,6 +376,11 @@ def cache_spec(args: argparse.Namespace) -> Optional[PrefixRepetition | MultiTur
         return {field: getattr(args, dest) for dest, field in flags.items() if getattr(args, dest) is not None}
 
     prefix, multi = given(_PREFIX_FLAGS), given(_MULTI_TURN_FLAGS)
+    if args.num_prompts is not None and args.scenario == "prefix":  # (the concurrency scenario's: make_plans)
+        prefix["num_prompts"] = args.num_prompts
+    if args.num_prompts is not None and args.scenario == "multi-turn":
+        raise ConfigError("--num-prompts does not apply to --scenario multi-turn: its requests are "
+                          "--multi-turn-num-conversations x --multi-turn-num-turns")
     if args.prefix_repetition_reuse_prefixes:
         prefix["reuse_prefixes"] = True
     for scenario, flags, table in (("prefix", prefix, _PREFIX_FLAGS), ("multi-turn", multi, _MULTI_TURN_FLAGS)):

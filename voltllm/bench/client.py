@@ -274,7 +274,8 @@ class ClientRunner:
         after = await self._server_counters()
         reqs = sorted((t for t, _ in done), key=lambda t: t.index)
         result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0,
-                           max(r.last_token for r in reqs), reqs, side="client", workload=plan.spec.describe(),
+                           max(r.last_token for r in reqs), reqs, side="client", workload=plan.workload(),
+                           range_ratio=plan.range_ratio,
                            spec=spec_from_server(before, after))
         _cache_hits_from_server(result, [c for _, c in done], before, after)
         return result

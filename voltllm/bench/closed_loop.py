@@ -1,4 +1,5 @@
-"""The prefix-cache scenarios in process: a RequestSource's requests (bench/workloads.py) with at most C in flight.
+"""A RequestSource's requests (bench/workloads.py) in process with at most C in flight: the prefix-cache scenarios,
+and the concurrency scenario given --num-prompts.
 
 A request is added when a slot frees (the moment its predecessor's last token returns) and stamped with that time, so
 TTFT counts from it; a multi-turn conversation's next turn is built from the answer's token ids as soon as it ends.
@@ -91,10 +92,10 @@ def run_source_inprocess(runner: InProcessRunner, plan: Plan, run: str, source: 
     done.sort(key=lambda r: r.index)
     stats = eng.stats()
     return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, done,
-                     preemptions=stats.num_preemptions - preempt0, side="server",
+                     preemptions=stats.num_preemptions - preempt0, side="server", range_ratio=plan.range_ratio,
                      spec=spec_delta(spec0, spec_counts(stats)),
                      compiles=runner.compile_log.since(mark) if runner.compile_log is not None else None,
-                     workload=plan.spec.describe(),
+                     workload=plan.workload(),
                      external_cache_hit_tokens=ext1 - ext0 if ext0 is not None and ext1 is not None else None)
 
 

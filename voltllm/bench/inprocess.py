@@ -20,7 +20,7 @@ import torch
 from voltllm.bench.compiles import CompileLog
 from voltllm.bench.images import BenchImage, ImageTokens, RandomMM
 from voltllm.bench.metrics import RequestTiming, RunResult, spec_counts, spec_delta
-from voltllm.bench.workloads import MultiTurn, PrefixRepetition, RequestSource, make_source
+from voltllm.bench.workloads import MultiTurn, PrefixRepetition, RequestSource, make_source, stream_of
 from voltllm.config import ConfigError
 
 logger = logging.getLogger("voltllm.bench")
@@ -56,6 +56,17 @@ class Plan:
     # random-mm: the requests' images, and the model's vision token ids (set once the model is known)
     images: Optional[RandomMM] = None
     image_tokens: Optional[ImageTokens] = None
+    # the concurrency scenario's --num-prompts: N requests per run, at most `concurrency` in flight, each sent when
+    # one ends (vLLM's bench serve with --max-concurrency); None: `concurrency` requests, all sent together
+    num_prompts: Optional[int] = None
+
+    def workload(self) -> Optional[dict]:
+        """The request set's flags for the result file (None: the concurrency scenario's one batch)."""
+        if self.spec is not None:
+            return self.spec.describe()
+        if self.num_prompts is not None:
+            return {"num_prompts": self.num_prompts, "max_concurrency": self.concurrency}
+        return None
 
 
 @dataclass(frozen=True)
@@ -75,11 +86,11 @@ class Workload:
 def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optional[int] = None,
                output_len: Optional[int] = None, range_ratio: float = 0.0, request_rate: float = math.inf,
                burstiness: float = 1.0, spec: Optional[PrefixRepetition | MultiTurn] = None,
-               images: Optional[RandomMM] = None) -> list[Plan]:
+               images: Optional[RandomMM] = None, num_prompts: Optional[int] = None) -> list[Plan]:
     """The configurations to run. range_ratio spreads the lengths of the concurrency scenario's requests and
-    request_rate their arrival over time (the single-request scenarios measure one request, so they refuse both).
-    concurrency None: the scenario's default. The prefix-cache scenarios take their request set from spec, random-mm
-    its images from `images`."""
+    request_rate their arrival over time (the single-request scenarios measure one request, so they refuse both);
+    num_prompts makes its runs N requests with at most C in flight. concurrency None: the scenario's default. The
+    prefix-cache scenarios take their request set from spec, random-mm its images from `images`."""
     if scenario in CACHE_SCENARIO_SPECS:
         return _cache_plans(scenario, concurrency or DEFAULT_CONCURRENCY[scenario], input_len, output_len, range_ratio,
                             request_rate, spec)
@@ -95,6 +106,8 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
         if used and "concurrency" not in names and not is_images:
             raise ValueError(f"{flag} shapes the requests of --scenario concurrency and random-mm; --scenario "
                              f"{scenario} runs one request at a time")
+    if num_prompts is not None:
+        _check_num_prompts(num_prompts, scenario, concurrency, request_rate)
     if is_images:
         images = images if images is not None else RandomMM()
     plans = []
@@ -119,10 +132,22 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
             if c < 1:
                 raise ValueError(f"--concurrency values must be >= 1, got {c}")
             if name == "concurrency":
-                plans.append(Plan(name, c, il, ol, range_ratio, request_rate, burstiness))
+                plans.append(Plan(name, c, il, ol, range_ratio, request_rate, burstiness, num_prompts=num_prompts))
             else:
                 plans.append(Plan(name, c, il, ol))
     return plans
+
+
+def _check_num_prompts(n: int, scenario: str, concurrency: list[int], request_rate: float) -> None:
+    if scenario not in ("concurrency", "all"):
+        raise ValueError(f"--num-prompts sets the requests per run of --scenario concurrency (and prefix), not of "
+                         f"--scenario {scenario}")
+    if n < max(concurrency):
+        raise ValueError(f"--num-prompts {n} is below --concurrency {max(concurrency)}: each run sends N requests "
+                         "with at most C in flight, so N >= C")
+    if math.isfinite(request_rate):
+        raise ValueError("--num-prompts sends each request when one in flight ends; --request-rate spaces one batch "
+                         "over time instead: give one of them")
 
 
 def _cache_plans(scenario: str, concurrency: list[int], input_len: Optional[int], output_len: Optional[int],
@@ -182,12 +207,12 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> Optional
     return out
 
 
-def make_workload(plan: Plan, vocab_size: int, seed: int) -> Workload:
-    """The run's prompts, forced output lengths and send times. Without a range ratio: plan.concurrency prompts
-    of plan.input_len random ids, each forced to plan.output_len. With one: every request's input and output
+def make_workload(plan: Plan, vocab_size: int, seed: int, n: Optional[int] = None) -> Workload:
+    """The run's prompts, forced output lengths and send times. Without a range ratio: n (default plan.concurrency)
+    prompts of plan.input_len random ids, each forced to plan.output_len. With one: every request's input and output
     lengths are drawn uniformly (inclusive) from length_range, then its ids; all from the one seed. The send times
     come from their own stream of the seed, so a rate changes when requests arrive, not what they are."""
-    n = plan.concurrency
+    n = plan.concurrency if n is None else n
     arrivals = arrival_times(n, plan.request_rate, plan.burstiness, seed ^ 0x5EED)
     if plan.images is not None:
         return _image_workload(plan, vocab_size, seed, arrivals)
@@ -225,11 +250,15 @@ RunFn = Callable[[Plan, str, "Workload | RequestSource"], RunResult]
 
 
 def make_run_input(plan: Plan, vocab_size: int, seed: int, run_index: int) -> Workload | RequestSource:
-    """A run's requests: a Workload, or for the prefix-cache scenarios a RequestSource (prefixes fresh per run
-    unless the spec reuses them: then drawn from the configuration's run-0 seed)."""
+    """A run's requests: a Workload, or a RequestSource for the prefix-cache scenarios (prefixes fresh per run
+    unless the spec reuses them: then drawn from the configuration's run-0 seed) and the concurrency scenario's
+    --num-prompts (its N requests drawn as one batch of N would be)."""
     run_seed = prompt_seed(seed, plan, run_index)
     if plan.spec is not None:
         return make_source(plan.spec, vocab_size, run_seed, prompt_seed(seed, plan, 0))
+    if plan.num_prompts is not None:
+        work = make_workload(plan, vocab_size, run_seed, plan.num_prompts)
+        return stream_of(work.prompts, work.output_lens)
     return make_workload(plan, vocab_size, run_seed)
 
 

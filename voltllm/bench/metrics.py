@@ -197,6 +197,7 @@ class RunResult:
                "requests": [r.summary() for r in self.requests]}
         if self.workload is not None:
             out["workload"] = self.workload
+        if self.scenario in CACHE_SCENARIOS:
             out["cache_hits_source"] = self.cache_hits_source
         if self.images is not None:
             out.update(images=self.images, processor_ms=self.processor_ms, tower_ms=self.tower_ms)
@@ -422,8 +423,11 @@ def format_table(rows: Sequence[dict], title: str = "", ratio_header: str = "rat
     for r in rows:
         spread = f" x(1+-{r['range_ratio']:g})" if r.get("range_ratio") else ""
         spread += f" @{r['request_rate']:g}/s" if r.get("request_rate") is not None else ""
-        shape = workload_label(r["scenario"], r["workload"]) if r.get("workload") else \
-            f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}{images_label(r.get('images'))}"
+        if r["scenario"] in CACHE_SCENARIOS:
+            shape = workload_label(r["scenario"], r["workload"])
+        else:
+            spread += f" n={r['workload']['num_prompts']}" if r.get("workload") else ""
+            shape = f"{r['scenario']} {r['input_len']}/{r['output_len']}{spread}{images_label(r.get('images'))}"
         body.append([r["metric"], shape, str(r["concurrency"]),
                      _fmt(r["median"]), " ".join(_fmt(v) for v in r["warm"]), _fmt(r["cold"]), _fmt(r.get("limit")),
                      _fmt(r.get("ratio"))])

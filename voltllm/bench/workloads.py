@@ -1,4 +1,5 @@
-"""Request sets that share prompt prefixes, for the prefix-cache scenarios of `voltllm bench`.
+"""Request sets sent with at most C in flight: the prefix-cache scenarios of `voltllm bench`, and its concurrency
+scenario given --num-prompts.
 
 - PrefixRepetition (`--scenario prefix`): vLLM's prefix_repetition dataset as token ids. P random prefixes of L
   tokens; each prefix serves N / P requests, each the prefix followed by a fresh random suffix of S tokens; the
@@ -9,8 +10,9 @@
   conversation the turns of the T - 1 others run (the reuse distance at which a small GPU pool has evicted the
   history and a CPU tier of the prefix cache still holds it).
 
-Both hand out requests through a RequestSource: the runner (in process or against a server) asks for the next request
-whenever it has a free slot and reports each answer's token ids back, which a conversation's next turn needs.
+Both hand out requests through a RequestSource, and so does the concurrency scenario given --num-prompts
+(stream_of: N random requests, at most C in flight): the runner (in process or against a server) asks for the next
+request whenever it has a free slot and reports each answer's token ids back, which a conversation's next turn needs.
 """
 from __future__ import annotations
 
@@ -135,12 +137,30 @@ def _random_ids(gen: torch.Generator, n: int, length: int, vocab_size: int) -> l
     return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
 
 
-class PrefixRepetitionSource(RequestSource):
+class FixedSource(RequestSource):
+    """Requests fixed up front, handed out in order."""
+
+    def __init__(self, requests: list[BenchRequest]):
+        super().__init__(len(requests))
+        self.requests = requests
+
+    def next(self) -> Optional[BenchRequest]:
+        if self.exhausted:
+            return None
+        self.handed_out += 1
+        return self.requests[self.handed_out - 1]
+
+
+def stream_of(prompts: list[list[int]], output_lens: list[int]) -> FixedSource:
+    """The concurrency scenario's requests with --num-prompts: sent in this order, the next whenever one ends."""
+    return FixedSource([BenchRequest(i, p, n, 0) for i, (p, n) in enumerate(zip(prompts, output_lens))])
+
+
+class PrefixRepetitionSource(FixedSource):
     """The requests of one prefix-repetition run, fixed up front: prefixes from prefix_seed, suffixes and the order
     from seed (reuse_prefixes: the caller passes one prefix_seed for every run of a configuration)."""
 
     def __init__(self, spec: PrefixRepetition, vocab_size: int, seed: int, prefix_seed: Optional[int] = None):
-        super().__init__(spec.num_prompts)
         prefixes = _random_ids(torch.Generator().manual_seed(seed if prefix_seed is None else prefix_seed),
                                spec.num_prefixes, spec.prefix_len, vocab_size)
         suffixes = _random_ids(torch.Generator().manual_seed(seed ^ 0x5FF1C5), spec.num_prompts, spec.suffix_len,
@@ -148,13 +168,7 @@ class PrefixRepetitionSource(RequestSource):
         per = spec.num_prompts // spec.num_prefixes
         pairs = [(g, prefixes[g] + suffixes[g * per + j]) for g in range(spec.num_prefixes) for j in range(per)]
         random.Random(seed).shuffle(pairs)
-        self.requests = [BenchRequest(i, prompt, spec.output_len, g) for i, (g, prompt) in enumerate(pairs)]
-
-    def next(self) -> Optional[BenchRequest]:
-        if self.exhausted:
-            return None
-        self.handed_out += 1
-        return self.requests[self.handed_out - 1]
+        super().__init__([BenchRequest(i, prompt, spec.output_len, g) for i, (g, prompt) in enumerate(pairs)])
 
 
 class ConversationSource(RequestSource):

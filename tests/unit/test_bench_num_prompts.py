@@ -1,0 +1,124 @@
+"""`voltllm bench --scenario concurrency --num-prompts N`: N random requests per run with at most C in flight, the next
+sent when one ends (vLLM's bench serve with --max-concurrency), in process and against a server."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from voltllm.bench.inprocess import make_plans, make_run_input, make_workload
+from voltllm.bench.metrics import RunResult, format_table, table_rows
+from voltllm.bench.workloads import FixedSource
+from voltllm.config import ConfigError
+
+from bench_runs import run_tiny_bench, sse_body
+
+
+def test_plans_and_refusals():
+    plan = make_plans("concurrency", [2, 4], 16, 8, num_prompts=10)
+    assert [(p.concurrency, p.num_prompts) for p in plan] == [(2, 10), (4, 10)]
+    assert plan[1].workload() == {"num_prompts": 10, "max_concurrency": 4}
+    assert make_plans("concurrency", [4], 16, 8)[0].workload() is None  # (one batch, unchanged)
+    every = make_plans("all", [4], num_prompts=8)  # (only the concurrency plan streams)
+    assert [(p.scenario, p.num_prompts) for p in every] == [("decode", None), ("concurrency", 8), ("prefill", None)]
+    with pytest.raises(ValueError, match="not of --scenario decode"):
+        make_plans("decode", None, num_prompts=8)
+    with pytest.raises(ValueError, match="--num-prompts 3 is below --concurrency 4"):
+        make_plans("concurrency", [1, 4], num_prompts=3)
+    with pytest.raises(ValueError, match="give one of them"):
+        make_plans("concurrency", [4], num_prompts=8, request_rate=2.0)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_the_stream_is_the_batch_draw_of_n(ratio):
+    plan = make_plans("concurrency", [3], 20, 6, range_ratio=ratio, num_prompts=7)[0]
+    source = make_run_input(plan, 100, 5, 1)
+    assert isinstance(source, FixedSource) and source.total == 7
+    reqs = []
+    while (r := source.next()) is not None:
+        reqs.append(r)
+    batch = make_workload(plan, 100, _run_seed(plan, 5, 1), 7)
+    assert [r.prompt for r in reqs] == batch.prompts and [r.output_len for r in reqs] == batch.output_lens
+    assert [r.index for r in reqs] == list(range(7)) and source.exhausted
+    assert (len({len(r.prompt) for r in reqs}) > 1) == bool(ratio)
+
+
+def _run_seed(plan, seed, run_index):
+    from voltllm.bench.inprocess import prompt_seed
+
+    return prompt_seed(seed, plan, run_index)
+
+
+def test_table_names_the_stream():
+    from voltllm.bench.metrics import RequestTiming
+
+    reqs = [RequestTiming(8, 3, 0.0, 0.1, 0.3, token_times=[0.1, 0.2, 0.3])]
+    runs = [RunResult("concurrency", 2, run, 8, 3, 0.0, 0.5, reqs, workload={"num_prompts": 5, "max_concurrency": 2})
+            for run in ("cold", "warm1")]
+    rows = table_rows(runs)
+    assert all(r["workload"] == {"num_prompts": 5, "max_concurrency": 2} for r in rows)
+    assert "concurrency 8/3 n=5" in format_table(rows)
+    assert "cache_hits_source" not in runs[0].to_json()  # (the prefix-cache scenarios' key)
+
+
+def test_in_process_keeps_at_most_c_in_flight(tmp_path):
+    res = run_tiny_bench(tmp_path, "stream", "--scenario", "concurrency", "--max-concurrency", "2", "--num-prompts",
+                         "5", "--input-len", "8", "--output-len", "3")
+    runs = res["metrics"]["runs"]
+    assert [r["run"] for r in runs] == ["cold", "warm1"]
+    for run in runs:
+        reqs = sorted(run["requests"], key=lambda r: r["arrival"])
+        assert len(reqs) == 5 and all(r["output_tokens"] == 3 and r["prompt_tokens"] == 8 for r in reqs)
+        assert run["workload"] == {"num_prompts": 5, "max_concurrency": 2} and run["concurrency"] == 2
+        # the first two go together; each later one is sent after one more has ended
+        assert reqs[1]["arrival"] - reqs[0]["arrival"] < 0.05
+        for i in range(2, 5):
+            ended = sum(r["last_token"] <= reqs[i]["arrival"] for r in reqs[:i])
+            assert ended >= i - 1, (i, reqs)
+        assert run["metrics"]["output_tok_s"] > 0 and run["metrics"]["ttft_ms"] > 0
+    table = {r["metric"]: r for r in res["metrics"]["table"]}
+    assert table["output_tok_s"]["workload"]["num_prompts"] == 5
+    assert res["metrics"]["output_tok_s"]["2"] == table["output_tok_s"]["median"]
+    assert res["config"]["num_prompts"] == 5
+
+
+def test_cli_refusals(tmp_path):
+    with pytest.raises(ConfigError, match="--num-prompts does not apply to --scenario multi-turn"):
+        run_tiny_bench(tmp_path, "x", "--scenario", "multi-turn", "--num-prompts", "4")
+    with pytest.raises(ValueError, match="drop --random-range-ratio, --request-rate and --num-prompts"):
+        run_tiny_bench(tmp_path, "x", "--scenario", "concurrency", "--concurrency", "2", "--num-prompts", "4",
+                       "--baseline", "hf")
+    with pytest.raises(ValueError, match="not of --scenario prefill"):
+        run_tiny_bench(tmp_path, "x", "--scenario", "prefill", "--num-prompts", "4")
+
+
+def test_client_sends_n_with_c_workers():
+    httpx = pytest.importorskip("httpx")
+    from voltllm.bench.client import ClientRunner
+
+    prompts = []
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(404)
+        body = json.loads(request.content)
+        prompts.append(body["prompt"])
+        n = body["max_tokens"]
+        chunks = [{"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+                  for i in range(n)]
+        chunks += [{"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}},
+                   b"[DONE]"]
+        return httpx.Response(200, content=sse_body(chunks), headers={"content-type": "text/event-stream"})
+
+    plan = make_plans("concurrency", [2], 6, 2, num_prompts=5)[0]
+    runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
+    try:
+        work = make_run_input(plan, 50, 0, 1)
+        run = runner(plan, "warm1", work)
+    finally:
+        runner.close()
+    assert sorted(map(tuple, prompts)) == sorted(tuple(r.prompt) for r in work.requests)
+    assert len(run.requests) == 5 and run.workload == {"num_prompts": 5, "max_concurrency": 2}
+    assert run.side == "client" and run.metrics()["output_tok_s"] > 0
