@@ -260,6 +260,7 @@
 #   s165     (session 65) the decode-batch GEMM from 2 rows: GPU checks, 8B 1-16 concurrent A / B, a 4-row profile
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
+#   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
 stage=$1; sha=$2
@@ -1674,6 +1675,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
     gpu_file test_gemv_cuda 150 -k "batch_tuned_model or (batch_gemm_real_shapes and fp16 and 4096-4096)"
     gpu_file test_engine_gpu 200
+    ;;
+  s166b)  # (session 66) the concurrency scenario's --num-prompts on the GPU: the 8B at 64 in flight, lengths spread
+          # 64-192 (--random-range-ratio 0.5), one batch of 64 vs 320 requests streamed (the next sent when one ends)
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --random-range-ratio 0.5 --num-warm 2 --name qwen3-8b-shape-fp16-c64-rr05-$sha > "$out/batch.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
+      --input-len 128 --output-len 128 --random-range-ratio 0.5 --num-warm 2 \
+      --name qwen3-8b-shape-fp16-c64-n320-rr05-$sha > "$out/stream.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/stream.log"
     ;;
   s165)  # (session 65) the decode-batch GEMM from 2 rows (was 16): its GPU checks at 2 / 7 rows and the tuned-model
           # test, then the 8B at 1 / 2 / 4 / 8 / 16 concurrent x 128/128 with it (A) and with the old floor of 16 rows
