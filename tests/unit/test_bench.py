@@ -513,8 +513,11 @@ def test_bench_spread_lengths_tiny_model(tmp_path):
 def test_bench_is_a_voltllm_command():
     from voltllm.cli import build_parser
 
+    from voltllm.bench.cli import resolve_scenario
+
     args = build_parser().parse_args(["bench", "--random-weights", "qwen3-8b-shape", "--dtype", "half"])
-    assert args.func.__module__ == "voltllm.bench.cli" and args.scenario == "decode"
+    assert args.func.__module__ == "voltllm.bench.cli" and resolve_scenario(args.scenario, args.dataset_name) == \
+        "decode"
 
 
 def test_report_title_names_the_server_model():

@@ -82,6 +82,22 @@ def test_in_process_keeps_at_most_c_in_flight(tmp_path):
     assert res["config"]["num_prompts"] == 5
 
 
+def test_vllm_bench_serve_spelling(tmp_path):
+    """vLLM's `bench serve --dataset-name random --random-input-len I --random-output-len O --max-concurrency C
+    --num-prompts N --ignore-eos` runs the concurrency scenario as its own flags would."""
+    from voltllm.bench.cli import resolve_scenario
+
+    res = run_tiny_bench(tmp_path, "vllm", "--dataset-name", "random", "--random-input-len", "6", "--random-output-len",
+                         "2", "--max-concurrency", "2", "--num-prompts", "3", "--ignore-eos")
+    run = res["metrics"]["runs"][1]
+    assert run["scenario"] == "concurrency" and run["workload"] == {"num_prompts": 3, "max_concurrency": 2}
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in run["requests"]] == [(6, 2)] * 3
+    assert resolve_scenario("prefix", "prefix_repetition") == "prefix"
+    assert resolve_scenario(None, "random-mm") == "random-mm" and resolve_scenario(None, None) == "decode"
+    with pytest.raises(ConfigError, match="--dataset-name random is --scenario concurrency, not --scenario prefill"):
+        run_tiny_bench(tmp_path, "x", "--dataset-name", "random", "--scenario", "prefill")
+
+
 def test_cli_refusals(tmp_path):
     with pytest.raises(ConfigError, match="--num-prompts does not apply to --scenario multi-turn"):
         run_tiny_bench(tmp_path, "x", "--scenario", "multi-turn", "--num-prompts", "4")

@@ -27,6 +27,10 @@ from voltllm.bench.metrics import CACHE_SCENARIOS, find_row, format_report, head
 
 logger = logging.getLogger("voltllm.bench")
 
+# vLLM bench serve's --dataset-name values that a scenario here matches (random: C requests of random ids, or N with
+# --num-prompts; prefix_repetition: shared prefixes)
+DATASET_SCENARIOS = {"random": "concurrency", "random-mm": IMAGE_SCENARIO, "prefix_repetition": "prefix"}
+
 
 def _int_list(value: str) -> list[int]:
     try:
@@ -47,7 +51,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-weights", default=None, metavar="NAME|DIR",
                    help="random weights at a named shape (qwen3-8b-shape, qwen3-0.6b-shape, qwen3.5-27b-shape) "
                         "or at the shape of a directory's config.json (implies --load-format dummy)")
-    g.add_argument("--scenario", default="decode", choices=list(SCENARIOS) + ["all"] + list(CACHE_SCENARIOS)
+    g.add_argument("--scenario", default=None, choices=list(SCENARIOS) + ["all"] + list(CACHE_SCENARIOS)
                    + [IMAGE_SCENARIO, "kernels"],
                    help="decode: batch 1, 512 in / 256 out; concurrency: C requests together, 128/128; "
                         "prefill: one 8192-token prompt; all: the three; prefix: requests sharing prompt prefixes "
@@ -55,9 +59,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "history (--multi-turn-*), C in flight; random-mm: C requests together, each random text "
                         "and random images (--random-mm-*; a Qwen3.5 / Qwen3-VL model); kernels: the GDN / MoE "
                         "Triton kernels "
-                        "against their torch references at the model's layer shapes (CUDA only, no engine)")
-    g.add_argument("--input-len", type=int, default=None, help="prompt tokens (default: per scenario)")
-    g.add_argument("--output-len", type=int, default=None, help="forced output tokens (default: per scenario)")
+                        "against their torch references at the model's layer shapes (CUDA only, no engine); default "
+                        "decode")
+    g.add_argument("--dataset-name", default=None, choices=sorted(DATASET_SCENARIOS),
+                   help="vLLM bench serve's spelling of the scenario: random = concurrency, random-mm, "
+                        "prefix_repetition = prefix")
+    g.add_argument("--input-len", "--random-input-len", type=int, default=None,
+                   help="prompt tokens (default: per scenario)")
+    g.add_argument("--output-len", "--random-output-len", type=int, default=None,
+                   help="forced output tokens (default: per scenario)")
     g.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
                    help="--scenario concurrency / random-mm: draw each request's input and output length uniformly "
                         "from "
@@ -113,6 +123,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "(vLLM's flag; num_frames must be 1: images only; default {(256, 256, 1): 0.5, "
                         "(720, 1280, 1): 0.5})")
     g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="accepted for vLLM's bench serve: every run here forces its output length anyway")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -270,8 +282,19 @@ def _measure(args: argparse.Namespace, device: Any, dtype: Any) -> Optional[L.De
 
 
 # -- the command ------------------------------------------------------------------------------------
+def resolve_scenario(scenario: Optional[str], dataset_name: Optional[str]) -> str:
+    """--scenario, or the one vLLM's --dataset-name stands for (default decode); the two must agree when both are
+    given."""
+    named = DATASET_SCENARIOS.get(dataset_name) if dataset_name is not None else None
+    if scenario is not None and named is not None and scenario != named:
+        raise ConfigError(f"--dataset-name {dataset_name} is --scenario {named}, not --scenario {scenario}: give one")
+    return scenario or named or "decode"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from voltllm.bench.shapes import materialize
+
+    args.scenario = resolve_scenario(args.scenario, getattr(args, "dataset_name", None))
 
     if args.scenario == "kernels":
         from voltllm.bench.kernel_timings import run_kernels_scenario
