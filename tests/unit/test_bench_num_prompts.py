@@ -75,7 +75,10 @@ def test_in_process_keeps_at_most_c_in_flight(tmp_path):
         for i in range(2, 5):
             ended = sum(r["last_token"] <= reqs[i]["arrival"] for r in reqs[:i])
             assert ended >= i - 1, (i, reqs)
-        assert run["metrics"]["output_tok_s"] > 0 and run["metrics"]["ttft_ms"] > 0
+        m = run["metrics"]
+        assert m["output_tok_s"] == pytest.approx(15 / run["wall_s"])
+        assert m["request_throughput"] == pytest.approx(5 / run["wall_s"])
+        assert m["ttft_p99_ms"] == pytest.approx(max(r["ttft_ms"] for r in reqs)) and m["ttft_p99_ms"] >= m["ttft_ms"]
     table = {r["metric"]: r for r in res["metrics"]["table"]}
     assert table["output_tok_s"]["workload"]["num_prompts"] == 5
     assert res["metrics"]["output_tok_s"]["2"] == table["output_tok_s"]["median"]
