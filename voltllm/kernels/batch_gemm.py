@@ -47,8 +47,8 @@ MIN_ROWS, MAX_ROWS = 2, 64
 
 
 # M (the batch's rows) only bounds the row masks; left out of Triton's specialisation so that every row count of one
-# row block (row_block) runs one compiled kernel: an eager batch of 37 rows takes 48 rows' start-up choice without
-# compiling a variant for M % 16 != 0 inside a step (the rule of docs/kernels.md, session 43)
+# row block (row_block) runs one compiled kernel: a batch whose M % 16 != 0 (the 2 / 4 / 8-row graph sizes, an eager
+# step given a config) compiles no variant of its own inside a step (the rule of docs/kernels.md, session 43)
 @triton.jit(do_not_specialize=["M"])
 def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -316,7 +316,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
 
 def row_block(m: int) -> int:
     """The tile's BLOCK_M for m rows: the compiled kernel is the same for every row count of one row block (the
-    rows past m are masked), so a start-up choice timed at one of them serves the others."""
+    rows past m are masked)."""
     return max(16, triton.next_power_of_2(m))
 
 

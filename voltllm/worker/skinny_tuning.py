@@ -280,9 +280,13 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
     [MIN_ROWS, MAX_ROWS])."""
     from voltllm.kernels.batch_gemm import MAX_ROWS, MIN_ROWS, batch_gemm, configs_for
 
+    # Only the timed row counts get a choice: an eager batch between them (--enforce-eager, a mixed step) keeps cuBLAS.
+    # Giving those rows the next timed size's choice (session 65, bca5a750) measured slower on the H100 (session 66,
+    # 8B --enforce-eager at 3 / 6 / 12 / 40 concurrent, window 84 / 173 / 349 / 1,003 vs 107 / 279 / 572 / 1,729
+    # tok/s): an eager step is host-bound, and a Triton launch (argument binding, TMA descriptors) costs the host more
+    # than cuBLAS's, which the tuner's graph-replayed timings do not see.
     rows_list = sorted({r for r in row_counts if MIN_ROWS <= r <= MAX_ROWS})
     decisions = {}
-    tuned: list = []  # the Linears (and the model, for its head) given choices here
     lines = []
     pairs = _gated_pairs(model) if BATCH_GATED else []
     gated_shapes = {tuple(gu.weight.shape) for gu, _ in pairs}
@@ -294,7 +298,6 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             continue
         weights = _rotation(weights)
         configs = configs_for(weights[0].device, nbytes)
-        tuned += mods
         for rows in rows_list:
             x, t_lib, best, t_tri, fused, note, rec = _time_group(weights, k, silu, rows, configs, batch_gemm,
                                                                   "GEMM", prologue=BATCH_SILU_PROLOGUE)
@@ -323,41 +326,9 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
             lines.append(f"M={rows} " + _line(n, k, x.element_size(), t_lib, best, t_tri, use) + note)
         del weights
     lines += _choose_gated_batch_mlps(pairs, timings, rows_list)
-    _serve_rows_between(model, tuned, rows_list)
     if lines:
         logger.info("decode-batch GEMM choice (cold L2):\n  %s", "\n  ".join(lines))
     return decisions
-
-
-def rows_served(rows_list: list[int]) -> dict[int, list[int]]:
-    """For each timed decode-batch size, the row counts that take its choice: itself and those above the previous
-    timed size that run the same compiled tile (batch_gemm.row_block). A CUDA graph pads a batch to its size anyway;
-    an eager batch of, say, 3 or 37 rows (--enforce-eager, a mixed step) then runs what 4 or 48 rows timed, not
-    cuBLAS. Row counts of another row block (17 with sizes 8 and 48) keep cuBLAS."""
-    from voltllm.kernels.batch_gemm import MIN_ROWS, row_block
-
-    served, prev = {}, MIN_ROWS - 1
-    for size in sorted(rows_list):
-        served[size] = [r for r in range(prev + 1, size + 1) if row_block(r) == row_block(size)]
-        prev = size
-    return served
-
-
-def _serve_rows_between(model: torch.nn.Module, tuned: list, rows_list: list[int]) -> None:
-    """Copy each timed size's choices (`batch_gemm`, `batch_silu_fused`, `batch_gated`; the head's `logits_batch`) to
-    the row counts it serves (rows_served)."""
-    def spread(choices: dict, size: int, rows: list[int]) -> None:
-        for r in rows:
-            if size in choices:
-                choices[r] = choices[size]
-            else:
-                choices.pop(r, None)
-
-    served = rows_served(rows_list)
-    for m in tuned:  # (the tuning loop made the model's logits_batch a dict of its own)
-        for choices in (model.logits_batch,) if m is model else (m.batch_gemm, m.batch_silu_fused, m.batch_gated):
-            for size, rows in served.items():
-                spread(choices, size, rows)
 
 
 # Whether the decode-batch tuner also times the down projection with the SiLU*mul in its prologue. Off: at 16-64 rows
