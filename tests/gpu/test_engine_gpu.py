@@ -81,6 +81,7 @@ def test_compat_route_matches_native(tiny):
         first = next((t for t, (a, b) in enumerate(zip(ref, out)) if a != b), None)
         if first is not None:
             flips.append((first, round(m[first], 4)))
+    print(f"\ncompat vs native, each sequence's first flip (position, native top-2 margin): {flips}")
     assert all(margin < NEAR_TIE for _, margin in flips), flips
     assert len(flips) <= 2, flips  # (most sequences agree whole)
 
