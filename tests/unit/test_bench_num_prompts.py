@@ -78,8 +78,11 @@ def test_in_process_keeps_at_most_c_in_flight(tmp_path):
         m = run["metrics"]
         assert m["output_tok_s"] == pytest.approx(15 / run["wall_s"])
         assert m["request_throughput"] == pytest.approx(5 / run["wall_s"])
-        assert m["ttft_p99_ms"] == pytest.approx(max(r["ttft_ms"] for r in reqs)) and m["ttft_p99_ms"] >= m["ttft_ms"]
     table = {r["metric"]: r for r in res["metrics"]["table"]}
+    assert list(table) == ["output_tok_s", "request_throughput", "ttft_ms", "tpot_ms", "ttft_p99_ms", "tpot_p99_ms",
+                           "itl_p99_ms"]  # (no common decode window: N > C)
+    warm = [r for r in runs if r["run"] == "warm1"][0]["requests"]
+    assert table["ttft_p99_ms"]["median"] == pytest.approx(max(r["ttft_ms"] for r in warm))  # (5 requests: the max)
     assert table["output_tok_s"]["workload"]["num_prompts"] == 5
     assert res["metrics"]["output_tok_s"]["2"] == table["output_tok_s"]["median"]
     assert res["config"]["num_prompts"] == 5
@@ -141,3 +144,36 @@ def test_client_sends_n_with_c_workers():
     assert sorted(map(tuple, prompts)) == sorted(tuple(r.prompt) for r in work.requests)
     assert len(run.requests) == 5 and run.workload == {"num_prompts": 5, "max_concurrency": 2}
     assert run.side == "client" and run.metrics()["output_tok_s"] > 0
+
+
+def test_latency_percentiles_as_vllm_names_them():
+    """--percentile-metrics / --metric-percentiles: the table's rows <metric>_p<q>_ms, nearest rank over the requests
+    (ttft, tpot, e2el) or over every gap between a request's tokens (itl)."""
+    from voltllm.bench.metrics import RequestTiming, percentile_names
+
+    reqs = [RequestTiming(8, 3, 0.0, 0.1 * (i + 1), 0.1 * (i + 1) + 0.02 * (i + 1), token_times=[
+        0.1 * (i + 1), 0.1 * (i + 1) + 0.01 * (i + 1), 0.1 * (i + 1) + 0.02 * (i + 1)]) for i in range(10)]
+    run = RunResult("concurrency", 10, "warm1", 8, 3, 0.0, 1.5, reqs)
+    assert run.metric("ttft_p50_ms") == pytest.approx(500.0) and run.metric("ttft_p99_ms") == pytest.approx(1000.0)
+    assert run.metric("tpot_p90_ms") == pytest.approx(90.0)  # (0.02 * (i + 1) / 2 tokens)
+    assert run.metric("e2el_p100_ms") == pytest.approx(1200.0)
+    assert run.metric("itl_p50_ms") == pytest.approx(50.0) and run.metric("itl_p99_ms") == run.metrics()["itl_p99_ms"]
+    assert run.metric("ttft_p99.9_ms") == pytest.approx(1000.0) and run.metric("nothing_p5_ms") is None
+    assert percentile_names(["ttft", "e2el"], [50.0, 99.9]) == ("ttft_p50_ms", "ttft_p99.9_ms", "e2el_p50_ms",
+                                                                 "e2el_p99.9_ms")
+    rows = table_rows([run], (("e2el",), (50.0, 90.0)))
+    assert [r["metric"] for r in rows] == ["output_tok_s", "request_throughput", "ttft_ms", "tpot_ms", "e2el_p50_ms",
+                                           "e2el_p90_ms"]  # (staggered requests: no common decode window)
+
+
+def test_percentile_flags(tmp_path):
+    res = run_tiny_bench(tmp_path, "pct", "--scenario", "concurrency", "--concurrency", "2", "--input-len", "6",
+                         "--output-len", "3", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99.9")
+    names = [r["metric"] for r in res["metrics"]["table"]]
+    assert [n for n in names if n.endswith("_ms")] == ["ttft_ms", "tpot_ms", "ttft_p50_ms", "ttft_p99.9_ms",
+                                                       "e2el_p50_ms", "e2el_p99.9_ms"]
+    assert res["config"]["percentile_metrics"] == ["ttft", "e2el"] and res["config"]["metric_percentiles"] == [50, 99.9]
+    for bad in (["--percentile-metrics", "ttft,latency"], ["--metric-percentiles", "0"],
+                ["--metric-percentiles", "101"], ["--metric-percentiles", "x"]):
+        with pytest.raises(SystemExit):
+            run_tiny_bench(tmp_path, "x", "--scenario", "concurrency", *bad)

@@ -23,7 +23,8 @@ from voltllm.bench.inprocess import IMAGE_SCENARIO, SCENARIOS, Plan, make_plans,
 from voltllm.bench.images import RandomMM, random_mm
 from voltllm.bench.workloads import MultiTurn, PrefixRepetition
 from voltllm.config import ConfigError
-from voltllm.bench.metrics import CACHE_SCENARIOS, find_row, format_report, headline, rate_json, speedup, table_rows
+from voltllm.bench.metrics import (CACHE_SCENARIOS, DEFAULT_PERCENTILES, LATENCY_METRICS, find_row, format_report,
+                                   headline, rate_json, speedup, table_rows)
 
 logger = logging.getLogger("voltllm.bench")
 
@@ -40,6 +41,25 @@ def _int_list(value: str) -> list[int]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
     return out
+
+
+def _latency_metrics(value: str) -> tuple[str, ...]:
+    names = tuple(_str_list(value))
+    bad = [n for n in names if n not in LATENCY_METRICS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(LATENCY_METRICS)}, got "
+                                         f"{value!r}")
+    return names
+
+
+def _percentiles(value: str) -> tuple[float, ...]:
+    try:
+        qs = tuple(float(v) for v in _str_list(value))
+    except ValueError:
+        qs = ()
+    if not qs or not all(0 < q <= 100 for q in qs):
+        raise argparse.ArgumentTypeError(f"expected comma-separated percentiles in (0, 100], got {value!r}")
+    return qs
 
 
 def _str_list(value: str) -> list[str]:
@@ -123,6 +143,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "(vLLM's flag; num_frames must be 1: images only; default {(256, 256, 1): 0.5, "
                         "(720, 1280, 1): 0.5})")
     g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
+    g.add_argument("--percentile-metrics", type=_latency_metrics, default=None, metavar="ttft,tpot,itl,e2el",
+                   help="--scenario concurrency / random-mm: the latencies whose percentiles the table reports (vLLM's "
+                        "flag; default ttft,tpot,itl; e2el: first request token sent -> last token)")
+    g.add_argument("--metric-percentiles", type=_percentiles, default=None, metavar="Q[,Q...]",
+                   help="the percentiles of --percentile-metrics, in (0, 100] (vLLM's flag; default 99; 50: the "
+                        "median)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="accepted for vLLM's bench serve: every run here forces its output length anyway")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -295,6 +321,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from voltllm.bench.shapes import materialize
 
     args.scenario = resolve_scenario(args.scenario, getattr(args, "dataset_name", None))
+    given = getattr(args, "percentile_metrics", None), getattr(args, "metric_percentiles", None)
+    args.percentiles = (given[0] or DEFAULT_PERCENTILES[0], given[1] or DEFAULT_PERCENTILES[1])
 
     if args.scenario == "kernels":
         from voltllm.bench.kernel_timings import run_kernels_scenario
@@ -357,6 +385,8 @@ def _workload_flags(args: argparse.Namespace) -> dict:
     scenarios' request set."""
     out = {"random_range_ratio": args.random_range_ratio, "request_rate": rate_json(args.request_rate),
            "burstiness": args.burstiness}
+    metrics, qs = getattr(args, "percentiles", DEFAULT_PERCENTILES)
+    out.update(percentile_metrics=list(metrics), metric_percentiles=list(qs))
     spec = cache_spec(args)
     if spec is not None:
         out["workload"] = spec.describe()
@@ -544,7 +574,7 @@ def _run_inprocess(args: argparse.Namespace, plans: list[Plan], shape: Optional[
         runner = InProcessRunner(engine, args.temperature, args.top_p, args.top_k, args.prompt_seed,
                                  compiles if observe else None, processor, timer)
         results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm)
-    rows = table_rows(results)
+    rows = table_rows(results, args.percentiles)
     limit = attach_limits(rows, plans, cost, dev_limits, img_cost)
     limit["model_cost"] = cost.to_json()
     if dev_limits:
@@ -614,7 +644,7 @@ def _run_baseline(args: argparse.Namespace, variant: str, plans: list[Plan], our
     finally:
         model = runner = None
         free_device_memory(device)
-    rows = table_rows(results)
+    rows = table_rows(results, args.percentiles)
     for row in rows:
         mine = find_row(ours, row["metric"], row["scenario"], row["concurrency"])
         row["ratio"] = speedup(mine["median"] if mine else None, row["median"], row["metric"])
@@ -674,7 +704,7 @@ def _run_client(args: argparse.Namespace, plans: list[Plan], shape: Optional[str
         results = run_protocol(plans, runner, vocab, args.prompt_seed, args.num_warm, label="server")
     finally:
         runner.close()
-    rows = table_rows(results)
+    rows = table_rows(results, args.percentiles)
     limit = attach_limits(rows, plans, cost, dev_limits, img_cost)
     if cost is not None:
         limit["model_cost"] = cost.to_json()

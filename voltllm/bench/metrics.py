@@ -14,6 +14,7 @@ Pure functions over timestamps (seconds, one monotonic clock), so they can be ch
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
@@ -177,7 +178,6 @@ class RunResult:
             "request_throughput": output_tok_s(len(reqs), self.wall_s),  # (requests / wall: vLLM's req/s)
             "concurrent_decode_tok_s": concurrent_decode_tok_s([r.token_times for r in reqs]),
             "ttft_ms": statistics.median(r.ttft_s for r in reqs) * 1e3,
-            "ttft_p99_ms": percentile([r.ttft_s * 1e3 for r in reqs], 99),
             "tpot_ms": tpot_ms(reqs),
             "itl_p99_ms": itl_p99_ms([r.token_times for r in reqs]),
         }
@@ -191,6 +191,16 @@ class RunResult:
         if self.spec is not None:
             m.update(spec_metrics(self.spec))
         return m
+
+    def metric(self, name: str) -> Optional[float]:
+        """One metric of metrics(), or a latency percentile named like ttft_p99_ms / e2el_p50_ms (nearest rank)."""
+        m = self.metrics()
+        if name in m:
+            return m[name]
+        hit = _PERCENTILE_NAME.fullmatch(name)
+        if hit is None:
+            return None
+        return percentile(latency_values_ms(self.requests, hit[1]), float(hit[2]))
 
     def to_json(self) -> dict:
         out = {"scenario": self.scenario, "concurrency": self.concurrency, "run": self.run,
@@ -291,8 +301,8 @@ def rate_json(rate: float) -> Optional[float]:
 
 def summarize(runs: Sequence[RunResult], metric: str) -> Optional[dict]:
     """Warm median, every warm value and the cold value of one metric over the runs of one configuration."""
-    warm = [r.metrics().get(metric) for r in runs if r.is_warm]
-    cold = [r.metrics().get(metric) for r in runs if not r.is_warm]
+    warm = [r.metric(metric) for r in runs if r.is_warm]
+    cold = [r.metric(metric) for r in runs if not r.is_warm]
     if not warm or any(v is None for v in warm):
         return None
     return {"median": statistics.median(warm), "warm": warm, "cold": cold[0] if cold else None}
@@ -302,22 +312,49 @@ def summarize(runs: Sequence[RunResult], metric: str) -> Optional[dict]:
 # metrics reported per scenario, in table order
 SCENARIO_METRICS = {
     "decode": ("pure_decode_tok_s", "ttft_ms", "output_tok_s"),
-    "concurrency": ("concurrent_decode_tok_s", "output_tok_s", "request_throughput", "ttft_ms", "ttft_p99_ms", "tpot_ms",
-                    "itl_p99_ms"),
+    "concurrency": ("concurrent_decode_tok_s", "output_tok_s", "request_throughput", "ttft_ms", "tpot_ms"),
     "prefill": ("prefill_tok_s", "ttft_ms"),
     "prefix": ("ttft_ms", "ttft_p90_ms", "output_tok_s", "prefill_tok_s", "prefix_cache_hit_rate",
                "external_prefix_cache_hit_rate"),
     "multi-turn": ("ttft_ms", "output_tok_s", "prefix_cache_hit_rate", "external_prefix_cache_hit_rate"),
-    "random-mm": ("ttft_ms", "output_tok_s", "concurrent_decode_tok_s", "tpot_ms", "itl_p99_ms", "images_per_request",
+    "random-mm": ("ttft_ms", "output_tok_s", "concurrent_decode_tok_s", "tpot_ms", "images_per_request",
                   "image_tokens_per_request", "prompt_tokens_per_request", "vision_tower_ms",
                   "image_processor_ms"),
 }
+# the scenarios whose table also has the latency percentiles of --percentile-metrics / --metric-percentiles
+PERCENTILE_SCENARIOS = ("concurrency", "random-mm")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+DEFAULT_PERCENTILES = (("ttft", "tpot", "itl"), (99.0,))  # vLLM bench serve's defaults
+_PERCENTILE_NAME = re.compile(r"(ttft|tpot|itl|e2el)_p(\d+(?:\.\d+)?)_ms")
 
 
-def scenario_metrics(scenario: str, runs: Sequence[RunResult]) -> tuple[str, ...]:
-    """The table's metrics of one configuration: SCENARIO_METRICS, and multi-turn's TTFT of each turn after its
-    median."""
+def percentile_names(metrics: Sequence[str], percentiles: Sequence[float]) -> tuple[str, ...]:
+    """The table's latency-percentile metrics, e.g. ttft_p99_ms, in the order given (metric by metric)."""
+    return tuple(f"{m}_p{q:g}_ms" for m in metrics for q in percentiles)
+
+
+def latency_values_ms(reqs: Sequence[RequestTiming], metric: str) -> list[float]:
+    """vLLM's per-request latencies: ttft (first token - arrival), tpot (decode time / (tokens - 1), requests with
+    two tokens or more), e2el (last token - arrival); itl: every gap between consecutive tokens of a request."""
+    if metric == "ttft":
+        return [r.ttft_s * 1e3 for r in reqs]
+    if metric == "tpot":
+        return [r.decode_s / (r.output_tokens - 1) * 1e3 for r in reqs if r.output_tokens > 1]
+    if metric == "e2el":
+        return [(r.last_token - r.arrival) * 1e3 for r in reqs]
+    if metric == "itl":
+        return [(b - a) * 1e3 for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
+    raise ValueError(f"unknown latency metric {metric!r} (one of {', '.join(LATENCY_METRICS)})")
+
+
+def scenario_metrics(scenario: str, runs: Sequence[RunResult],
+                     percentiles: tuple[Sequence[str], Sequence[float]] = DEFAULT_PERCENTILES) -> tuple[str, ...]:
+    """The table's metrics of one configuration: SCENARIO_METRICS, the latency percentiles (`percentiles`: (metrics,
+    percentiles)) of the scenarios that send many requests, and multi-turn's TTFT of each turn after its median."""
     names = SCENARIO_METRICS[scenario]
+    if scenario in PERCENTILE_SCENARIOS:
+        at = names.index("tpot_ms") + 1
+        names = names[:at] + percentile_names(*percentiles) + names[at:]
     if any(r.spec is not None for r in runs):  # (speculative decoding: its acceptance too)
         names = names + ("spec_acceptance_length", "spec_acceptance_rate")
     if scenario != "multi-turn":
@@ -326,7 +363,8 @@ def scenario_metrics(scenario: str, runs: Sequence[RunResult]) -> tuple[str, ...
     return names[:1] + tuple(f"ttft_ms_turn{t}" for t in turns) + names[1:]
 
 
-def table_rows(results: Sequence[RunResult]) -> list[dict]:
+def table_rows(results: Sequence[RunResult],
+               percentiles: tuple[Sequence[str], Sequence[float]] = DEFAULT_PERCENTILES) -> list[dict]:
     """One row per (scenario, concurrency, metric): warm median, warm values, cold value."""
     groups: dict[tuple, list[RunResult]] = {}
     for r in results:
@@ -334,7 +372,7 @@ def table_rows(results: Sequence[RunResult]) -> list[dict]:
         groups.setdefault(key, []).append(r)
     rows = []
     for (scenario, c, il, ol, rr, rate), runs in groups.items():
-        for metric in scenario_metrics(scenario, runs):
+        for metric in scenario_metrics(scenario, runs, percentiles):
             s = summarize(runs, metric)
             if s is None:
                 continue
