@@ -176,7 +176,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled per configuration")
     g.add_argument("--profile-trace", action="store_true",
                    help="with --profile, also keep each configuration's profiled decode steps as a chrome trace "
-                        "(<output-dir>/<--name or profile>-<scenario>-c<C>.trace.json.gz; chrome://tracing, ui.perfetto.dev)")
+                        "(<output-dir>/<--name or profile>-<scenario>-c<C>.trace.json.gz; chrome://tracing, "
+                        "ui.perfetto.dev)")
     g.add_argument("--kernel-iters", type=int, default=20,
                    help="--scenario kernels: timed calls per kernel (the median is reported)")
     g.add_argument("--kernel-ref-iters", type=int, default=5, help="--scenario kernels: timed reference calls")
